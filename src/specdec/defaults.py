@@ -1,0 +1,31 @@
+"""Every engine default in one place (sampling defaults live on SamplingConfig itself)."""
+
+# models
+DEFAULT_TARGET = "smollm2-135m"
+DEFAULT_DRAFT = "smollm2-135m-draft"
+
+# γ: the reference guide's dynamic rule (§8)
+GUIDE_GAMMA_START = 6
+GUIDE_GAMMA_MIN = 3
+GUIDE_GAMMA_MAX = 12
+GUIDE_GAMMA_UP = 0.8
+GUIDE_GAMMA_DOWN = 0.4
+
+# γ: the cost-based controller
+COST_GAMMA_MAX = 12
+COST_GAMMA_START = 4
+COST_GAMMA_DECAY = 0.9
+COST_GAMMA_PROBE_EVERY = 8
+COST_GAMMA_PRIOR_ACCEPT = 0.7
+
+#: γ when the user asks for none in particular
+DEFAULT_GAMMA = "auto"
+#: bound on γ accepted from users (CLI and server)
+MAX_GAMMA = 64
+
+# n-gram drafter
+NGRAM_MAX = 3
+NGRAM_MIN = 1
+
+# seeds: the drafter's generator is seeded with seed + DRAFT_SEED_OFFSET
+DRAFT_SEED_OFFSET = 0x5EED

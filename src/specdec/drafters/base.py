@@ -1,0 +1,100 @@
+"""The drafter seam: propose γ tokens, report the distribution they were sampled from."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Protocol
+
+import torch
+from torch import Tensor
+
+from specdec.sampling import (
+    PenaltyState,
+    SamplingConfig,
+    gumbel_sample,
+    penalised_logits,
+    process_logits,
+    sample_categorical,
+)
+from specdec.verify import DraftSampling, Verdict
+
+
+@dataclass(frozen=True)
+class Draft:
+    tokens: Tensor  # [γ'] int64, γ' <= γ (a drafter may propose fewer, even none)
+    probs: Tensor | None  # [γ', V] the q actually sampled from; None => deterministic drafter
+
+
+class DraftSampler:
+    """Turns a drafter's logits into a token exactly as the verification rule requires.
+
+    Built by the decoder for each round; holds the sampling config, a private copy of the
+    penalty state that follows the draft position by position, and the randomness (a generator
+    for ``multinomial``, the Gumbel key for ``gumbel``).  Drafters never branch on the rule.
+    """
+
+    def __init__(
+        self,
+        cfg: SamplingConfig,
+        mode: DraftSampling,
+        *,
+        penalties: PenaltyState | None,
+        generator: torch.Generator | None,
+        noise_seed: int = 0,
+        want_probs: bool = True,
+    ) -> None:
+        self.cfg = cfg
+        self.mode: DraftSampling = "argmax" if cfg.greedy else mode
+        self.penalties = (
+            PenaltyState(penalties.seen.clone(), penalties.counts.clone())
+            if penalties is not None and cfg.has_penalties
+            else None
+        )
+        self.generator = generator
+        self.noise_seed = noise_seed
+        self.want_probs = want_probs
+
+    @property
+    def deterministic(self) -> bool:
+        """True when the drafted tokens need no reported distribution (argmax / gumbel)."""
+        return self.mode != "multinomial" or not self.want_probs
+
+    def __call__(self, logits: Tensor, position: int) -> tuple[int, Tensor | None]:
+        """Sample the draft token at absolute ``position`` from ``logits`` [1, V].
+
+        Returns the token and, in ``multinomial`` mode, the probabilities ``q`` [V] it was
+        sampled from; then records the token so the next position's penalties see it.
+        """
+        probs: Tensor | None = None
+        if self.mode == "argmax":
+            token = int(penalised_logits(logits, self.cfg, self.penalties).argmax())
+        else:
+            q = process_logits(logits, self.cfg, self.penalties)[0]  # [V]
+            if self.mode == "gumbel":
+                token = gumbel_sample(q, self.noise_seed, position)
+            else:
+                token = sample_categorical(q, self.generator)
+                probs = q
+        if self.penalties is not None:
+            self.penalties.append(torch.tensor([token]))
+        return token, probs
+
+
+class Drafter(Protocol):
+    """Proposes draft tokens; keeps (and rolls back) whatever state it needs."""
+
+    def prepare(self, prompt: Tensor) -> None:
+        """Start a new sequence with ``prompt`` [L] (prefill caches, build indexes)."""
+        ...
+
+    def propose(self, context: Tensor, gamma: int, sampler: DraftSampler) -> Draft:
+        """Up to ``gamma`` tokens continuing ``context`` [L] (prompt + generated so far)."""
+        ...
+
+    def commit(self, verdict: Verdict) -> None:
+        """The target kept ``verdict.num_accepted`` tokens of the last draft and appended one."""
+        ...
+
+    def reset(self) -> None:
+        """Forget everything (a new sequence starts)."""
+        ...

@@ -1,0 +1,63 @@
+"""Small-model drafter: a separate causal LM with its own KV cache (Leviathan et al. 2023)."""
+
+from __future__ import annotations
+
+import torch
+from torch import Tensor
+
+from specdec.drafters.base import Draft, DraftSampler
+from specdec.models.base import Cache, LanguageModel
+from specdec.verify import Verdict
+
+
+class ModelDrafter:
+    """Samples γ tokens autoregressively from a draft model and reports ``q`` for each.
+
+    Cache discipline: after ``propose`` the cache holds the context plus the first γ-1 draft
+    tokens (the last one is sampled, never fed); ``commit`` truncates to what the target kept, and
+    the next ``propose`` feeds whatever context tokens the cache lacks (usually the target's
+    recovered or bonus token, plus the last draft token when all γ were accepted).
+    """
+
+    def __init__(self, model: LanguageModel, *, max_length: int | None = None) -> None:
+        self.model = model
+        self.max_length = max_length
+        self.cache: Cache | None = None
+        self._round_start = 0
+        self._fed = 0
+
+    def reset(self) -> None:
+        self.cache = self.model.new_cache(self.max_length)
+
+    def prepare(self, prompt: Tensor) -> None:  # prompt: [L]
+        """Prefill the draft cache with all but the last prompt token (outside the timed rounds)."""
+        self.reset()
+        assert self.cache is not None
+        if prompt.numel() > 1:
+            self.model.forward(prompt[:-1], self.cache, last_only=True)
+
+    def propose(self, context: Tensor, gamma: int, sampler: DraftSampler) -> Draft:  # context: [L]
+        if self.cache is None:
+            self.reset()
+        assert self.cache is not None
+        length = context.numel()
+        self._round_start = length
+        self._fed = 0
+        if gamma <= 0:
+            return Draft(tokens=torch.empty(0, dtype=torch.long), probs=None)
+        logits = self.model.forward(context[self.cache.length :], self.cache, last_only=True)  # [1, V]
+        tokens: list[int] = []
+        rows: list[Tensor] = []
+        for j in range(gamma):
+            token, q = sampler(logits, length + j)
+            tokens.append(token)
+            if q is not None:
+                rows.append(q)
+            if j + 1 < gamma:
+                logits = self.model.forward(torch.tensor([token]), self.cache)
+                self._fed += 1
+        return Draft(tokens=torch.tensor(tokens, dtype=torch.long), probs=torch.stack(rows) if rows else None)
+
+    def commit(self, verdict: Verdict) -> None:
+        if self.cache is not None:
+            self.cache.truncate(self._round_start + min(verdict.num_accepted, self._fed))

@@ -1,0 +1,59 @@
+"""Prompt-lookup / n-gram drafter: copy what followed the last occurrence of the current suffix.
+
+Deterministic (no probabilities): every verification rule treats its ``q`` as one-hot.  Great on
+code and on tasks that quote their input; free to run.  Index updates are incremental, so a round
+costs O(new tokens), not O(context).
+"""
+
+from __future__ import annotations
+
+import torch
+from torch import Tensor
+
+from specdec.drafters.base import Draft, DraftSampler
+from specdec.verify import Verdict
+
+
+class NgramDrafter:
+    def __init__(self, *, max_ngram: int = 3, min_ngram: int = 1) -> None:
+        if not 1 <= min_ngram <= max_ngram:
+            raise ValueError("need 1 <= min_ngram <= max_ngram")
+        self.max_ngram = max_ngram
+        self.min_ngram = min_ngram
+        self.reset()
+
+    def reset(self) -> None:
+        self.tokens: list[int] = []
+        # n -> {n-gram: index right after its most recent occurrence that has a continuation}
+        self.index: dict[int, dict[tuple[int, ...], int]] = {n: {} for n in range(self.min_ngram, self.max_ngram + 1)}
+        self._indexed_until = 0
+
+    def _sync(self, context: Tensor) -> None:
+        length = context.numel()
+        if length < len(self.tokens):
+            self.reset()
+        self.tokens.extend(context[len(self.tokens) :].tolist())
+        # an n-gram ending at k (exclusive) is usable only if token k exists: index k < length
+        for k in range(max(self._indexed_until, 1), length):
+            for n, table in self.index.items():
+                if k >= n:
+                    table[tuple(self.tokens[k - n : k])] = k
+        self._indexed_until = max(self._indexed_until, length)
+
+    def prepare(self, prompt: Tensor) -> None:  # prompt: [L]
+        self.reset()
+        self._sync(prompt)
+
+    def propose(self, context: Tensor, gamma: int, sampler: DraftSampler) -> Draft:  # context: [L]
+        self._sync(context)
+        toks = self.tokens
+        for n in range(self.max_ngram, self.min_ngram - 1, -1):
+            if len(toks) < n or gamma <= 0:
+                continue
+            start = self.index[n].get(tuple(toks[-n:]))
+            if start is not None:
+                return Draft(tokens=torch.tensor(toks[start : start + gamma], dtype=torch.long), probs=None)
+        return Draft(tokens=torch.empty(0, dtype=torch.long), probs=None)
+
+    def commit(self, verdict: Verdict) -> None:
+        pass

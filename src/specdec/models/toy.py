@@ -1,0 +1,81 @@
+"""Exact toy language models: the test oracle.
+
+A :class:`ToyLM` is an order-``k`` Markov model over a tiny vocabulary whose logits come from a
+seeded random table.  Its next-token law is known in closed form for every context, so tests can
+enumerate every output sequence and compare the decoder's empirical output law with the exact
+one.  :meth:`ToyLM.perturbed` makes a correlated "draft" model (acceptance well below 1, well
+above 0), the regime where a wrong verification rule shows.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+from torch import Tensor
+
+
+@dataclass
+class ToyCache:
+    """The toy model's "cache" is simply the token history."""
+
+    tokens: list[int]
+    length: int = 0
+
+    def truncate(self, length: int) -> None:
+        if not 0 <= length <= self.length:
+            raise ValueError(f"cannot truncate a cache of length {self.length} to {length}")
+        del self.tokens[length:]
+        self.length = length
+
+    @property
+    def nbytes(self) -> int:
+        return 8 * len(self.tokens)
+
+
+class ToyLM:
+    """Order-``order`` Markov LM: logits depend on the last ``order`` tokens only."""
+
+    def __init__(self, vocab_size: int = 4, *, order: int = 1, seed: int = 0, scale: float = 1.5,
+                 table: Tensor | None = None, dtype: torch.dtype = torch.float64) -> None:
+        self.vocab_size = vocab_size
+        self.order = order
+        self.max_length = 1 << 20
+        self.dtype = dtype
+        if table is None:
+            gen = torch.Generator().manual_seed(seed)
+            # one row per context (vocab_size + 1 symbols per slot: the extra one is "no token")
+            table = torch.randn((vocab_size + 1) ** order, vocab_size, generator=gen, dtype=dtype) * scale
+        self.table = table  # [(V+1)^order, V]
+        self.calls = 0
+
+    def perturbed(self, strength: float = 0.7, *, seed: int = 1) -> "ToyLM":
+        """A related model: the same table plus seeded noise of the given strength."""
+        gen = torch.Generator().manual_seed(seed)
+        noise = torch.randn(self.table.shape, generator=gen, dtype=self.dtype) * strength
+        return ToyLM(self.vocab_size, order=self.order, table=self.table + noise, dtype=self.dtype)
+
+    def _row(self, history: list[int]) -> int:
+        idx = 0
+        for i in range(self.order):
+            pos = len(history) - self.order + i
+            sym = history[pos] + 1 if pos >= 0 else 0
+            idx = idx * (self.vocab_size + 1) + sym
+        return idx
+
+    def logits_for(self, history: list[int]) -> Tensor:  # -> [V]
+        """Next-token logits after ``history`` (the exact law, for oracles)."""
+        return self.table[self._row(history)]
+
+    def new_cache(self, max_length: int | None = None) -> ToyCache:
+        return ToyCache(tokens=[])
+
+    def forward(self, tokens: Tensor, cache: ToyCache, *, last_only: bool = False) -> Tensor:
+        self.calls += 1
+        rows = []
+        for t in tokens.tolist():
+            cache.tokens.append(int(t))
+            rows.append(self._row(cache.tokens))
+        cache.length = len(cache.tokens)
+        out = self.table[torch.tensor(rows)]  # [n, V]
+        return out[-1:] if last_only else out

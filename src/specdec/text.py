@@ -1,0 +1,77 @@
+"""Text around the token loop: prompts (plain or chat), streaming detokenisation, stop strings."""
+
+from __future__ import annotations
+
+from typing import Any
+
+from specdec.errors import ConfigError
+
+
+def encode_prompt(tokenizer: Any, prompt: str, *, chat: bool, system: str | None = None) -> list[int]:
+    """Token ids of ``prompt``; with ``chat`` the model's chat template wraps it as a user turn."""
+    if not prompt or not prompt.strip():
+        raise ConfigError("the prompt is empty")
+    if chat:
+        if not getattr(tokenizer, "chat_template", None):
+            raise ConfigError("this model has no chat template; drop --chat")
+        messages = ([{"role": "system", "content": system}] if system else []) + [{"role": "user", "content": prompt}]
+        text = tokenizer.apply_chat_template(messages, tokenize=False, add_generation_prompt=True)
+        return list(tokenizer.encode(text, add_special_tokens=False))
+    return list(tokenizer.encode(prompt, add_special_tokens=False))
+
+
+class TextStream:
+    """Incremental detokeniser: feed token ids, get the new text (never a half UTF-8 character)."""
+
+    def __init__(self, tokenizer: Any, *, skip_special_tokens: bool = True) -> None:
+        self.tokenizer = tokenizer
+        self.skip = skip_special_tokens
+        self.tokens: list[int] = []
+        self.text = ""
+
+    def decode(self, tokens: list[int]) -> str:
+        return self.tokenizer.decode(tokens, skip_special_tokens=self.skip)
+
+    def push(self, tokens: list[int]) -> str:
+        self.tokens.extend(tokens)
+        text = self.decode(self.tokens)
+        if text.endswith("\ufffd"):  # an incomplete multi-byte character: wait for more tokens
+            return ""
+        delta = text[len(self.text):] if text.startswith(self.text) else ""
+        self.text = text
+        return delta
+
+
+class StopStrings:
+    """A decoder ``stop`` check: stop once the generated text contains any stop string.
+
+    Returns how many tokens to keep: the shortest prefix whose text contains the stop string, so
+    the stop string is cut from the visible text by :func:`trim_at_stop`.
+    """
+
+    def __init__(self, tokenizer: Any, stops: tuple[str, ...]) -> None:
+        self.tokenizer = tokenizer
+        self.stops = tuple(s for s in stops if s)
+        self._checked_chars = 0
+
+    def __call__(self, tokens: list[int]) -> int | None:
+        if not self.stops:
+            return None
+        text = self.tokenizer.decode(tokens, skip_special_tokens=True)
+        longest = max(len(s) for s in self.stops)
+        window_start = max(0, self._checked_chars - longest)
+        self._checked_chars = len(text)
+        if not any(s in text[window_start:] for s in self.stops):
+            return None
+        # shortest token prefix whose text contains a stop string
+        for keep in range(1, len(tokens) + 1):
+            part = self.tokenizer.decode(tokens[:keep], skip_special_tokens=True)
+            if any(s in part for s in self.stops):
+                return keep
+        return len(tokens)
+
+
+def trim_at_stop(text: str, stops: tuple[str, ...]) -> str:
+    """``text`` up to (not including) the first occurrence of any stop string."""
+    cut = min((text.find(s) for s in stops if s and s in text), default=-1)
+    return text if cut < 0 else text[:cut]

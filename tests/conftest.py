@@ -1,0 +1,34 @@
+"""Shared fixtures.  Statistical helpers live in ``tests/stats.py``."""
+
+from __future__ import annotations
+
+import os
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+
+sys.path.insert(0, str(Path(__file__).parent))
+
+torch.set_num_threads(max(1, min(2, os.cpu_count() or 1)))
+
+
+def pytest_collection_modifyitems(config, items):
+    # an empty run is a failure of the set-up, never a pass
+    if not items:
+        raise pytest.UsageError("no tests collected")
+
+
+@pytest.fixture(scope="session")
+def smollm2():
+    """The real SmolLM2-135M target and its distilled draft (float32, native backend).
+
+    The README's test command prepares them (``specdec setup``); a missing model is an error,
+    not a skip, so CI cannot pass without exercising the real-model tests.
+    """
+    from specdec.models.registry import load
+
+    target = load("smollm2-135m")
+    draft = load("smollm2-135m-draft")
+    return target, draft

@@ -1,0 +1,159 @@
+"""The full decoder's output law on exact toy models, for every rule x sampling option.
+
+Each law test draws N = 12,000 independent generations (seed = sample index) of 3 new tokens
+from a 4-token order-2 toy target (64 possible outputs) and runs a chi-square goodness-of-fit
+test against the exact law computed by enumeration; it fails at p < 1e-4.  The negative controls
+at the bottom run the same test on the guide's lossy rules and must fail, which shows that this
+sample size detects a biased rule.
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from specdec.decoder import SpeculativeDecoder
+from specdec.drafters import ModelDrafter, NgramDrafter
+from specdec.errors import ConfigError, ContextLengthError
+from specdec.gamma import CostGamma, FixedGamma
+from specdec.models.toy import ToyLM
+from specdec.sampling import SamplingConfig
+from specdec.verify import get_rule
+from stats import ALPHA, chi_square_pvalue, exact_law
+
+N_SAMPLES = 12_000
+N_NEW = 3
+PROMPT = [1, 2]
+TARGET = ToyLM(4, order=2, seed=0)
+DRAFT = TARGET.perturbed(1.0, seed=1)
+
+OPTIONS = {
+    "temperature": SamplingConfig(temperature=0.7),
+    "top_k": SamplingConfig(temperature=1.0, top_k=2),
+    "top_p": SamplingConfig(temperature=1.0, top_p=0.75),
+    "min_p": SamplingConfig(temperature=1.0, min_p=0.3),
+    "repetition_penalty": SamplingConfig(temperature=1.0, repetition_penalty=1.6),
+    "freq_presence": SamplingConfig(temperature=1.0, frequency_penalty=0.4, presence_penalty=0.3),
+}
+
+
+def _samples(method: str, cfg: SamplingConfig, *, drafter=None, gamma=None, n: int = N_SAMPLES):
+    dec = SpeculativeDecoder(TARGET, drafter or ModelDrafter(DRAFT), get_rule(method), gamma=gamma or FixedGamma(2))
+    out = []
+    for i in range(n):
+        c = SamplingConfig(**{**cfg.__dict__, "seed": i, "max_new_tokens": N_NEW})
+        out.append(tuple(dec.generate(PROMPT, c).tokens))
+    return out
+
+
+@pytest.mark.parametrize("option", sorted(OPTIONS))
+@pytest.mark.parametrize("method", ["token", "block", "coupled"])
+def test_output_law_matches_target(method, option):
+    cfg = OPTIONS[option]
+    law = exact_law(TARGET, PROMPT, cfg, N_NEW)
+    assert chi_square_pvalue(_samples(method, cfg), law) > ALPHA
+
+
+@pytest.mark.parametrize("method", ["token", "block"])
+def test_output_law_with_ngram_drafter_and_auto_gamma(method):
+    """A deterministic drafter (one-hot q) and a γ that changes between rounds."""
+    cfg = SamplingConfig(temperature=1.0, top_p=0.9, repetition_penalty=1.2)
+    law = exact_law(TARGET, PROMPT, cfg, N_NEW)
+    gamma = CostGamma(start=3)
+    assert chi_square_pvalue(_samples(method, cfg, drafter=NgramDrafter(), gamma=gamma), law) > ALPHA
+
+
+@pytest.mark.parametrize("method", ["lossy_resample_p", "lossy_strict_residual", "lossy_ratio_threshold"])
+def test_negative_control_lossy_rules_are_detected(method):
+    cfg = OPTIONS["temperature"]
+    law = exact_law(TARGET, PROMPT, cfg, N_NEW)
+    assert chi_square_pvalue(_samples(method, cfg), law) < ALPHA
+
+
+# ----------------------------------------------------------------------------- deterministic checks
+
+
+def _plain(cfg: SamplingConfig, method: str = "greedy", prompt=PROMPT, target=TARGET):
+    return SpeculativeDecoder(target, None, get_rule(method)).generate(prompt, cfg).tokens
+
+
+@pytest.mark.parametrize("method", ["greedy", "token", "block", "coupled"])
+@pytest.mark.parametrize("penalty", [1.0, 1.5])
+def test_greedy_equals_plain_greedy(method, penalty):
+    target = ToyLM(6, order=3, seed=7)
+    draft = target.perturbed(0.8, seed=8)
+    cfg = SamplingConfig(temperature=0.0, repetition_penalty=penalty, max_new_tokens=40)
+    for prompt in ([1], [2, 3, 4], [5, 5, 0, 1]):
+        ref = _plain(cfg, prompt=prompt, target=target)
+        for gamma in (1, 3, 7):
+            dec = SpeculativeDecoder(target, ModelDrafter(draft), get_rule(method), gamma=FixedGamma(gamma))
+            assert dec.generate(prompt, cfg).tokens == ref
+
+
+def test_coupled_equals_plain_seeded_sampling():
+    """Drafter-invariance: same seed => same tokens, for any drafter and γ."""
+    target = ToyLM(8, order=2, seed=11)
+    cfg = SamplingConfig(temperature=1.0, top_p=0.95, repetition_penalty=1.2, max_new_tokens=30)
+    drafters = [ModelDrafter(target.perturbed(0.5, seed=1)), ModelDrafter(target.perturbed(3.0, seed=2)), NgramDrafter()]
+    for seed in range(10):
+        c = SamplingConfig(**{**cfg.__dict__, "seed": seed})
+        ref = _plain(c, "coupled", target=target)
+        for drafter in drafters:
+            for gamma in (2, 5):
+                dec = SpeculativeDecoder(target, drafter, get_rule("coupled"), gamma=FixedGamma(gamma))
+                assert dec.generate([3, 1], c).tokens == _plain(c, "coupled", prompt=[3, 1], target=target)
+        assert len(ref) == 30
+
+
+@pytest.mark.parametrize("method", ["token", "block", "coupled"])
+def test_drafting_with_the_target_itself_accepts_everything(method):
+    target = ToyLM(5, order=2, seed=4)
+    dec = SpeculativeDecoder(target, ModelDrafter(target), get_rule(method), gamma=FixedGamma(4))
+    res = dec.generate([0, 1], SamplingConfig(temperature=1.0, top_k=4, seed=1, max_new_tokens=50))
+    assert res.stats.acceptance_rate == 1.0 and res.stats.draft_tokens_proposed > 0
+
+
+def test_same_seed_same_output():
+    dec = SpeculativeDecoder(TARGET, ModelDrafter(DRAFT), get_rule("block"), gamma=FixedGamma(3))
+    cfg = SamplingConfig(temperature=1.0, seed=42, max_new_tokens=40)
+    assert dec.generate(PROMPT, cfg).tokens == dec.generate(PROMPT, cfg).tokens
+
+
+def test_stops_and_stats():
+    target = ToyLM(6, order=2, seed=5)
+    dec = SpeculativeDecoder(target, ModelDrafter(target.perturbed(0.5)), get_rule("block"), gamma=FixedGamma(4), eos_ids=frozenset({5}))
+    seen: list[int] = []
+    res = dec.generate([1, 2], SamplingConfig(temperature=1.0, seed=3, max_new_tokens=200), on_tokens=seen.extend)
+    st = res.stats
+    assert seen == res.tokens
+    assert st.generated_tokens == len(res.tokens) <= 200
+    if st.finish_reason == "eos":
+        assert res.tokens[-1] == 5 and 5 not in res.tokens[:-1]
+    assert sum(r.emitted for r in res.rounds) == len(res.tokens)
+    assert st.draft_tokens_accepted <= st.draft_tokens_proposed
+    assert st.target_calls == len(res.rounds)
+    # max tokens: never more than asked, and γ is capped so nothing is drafted past the end
+    res = dec.generate([1, 2], SamplingConfig(temperature=0.0, max_new_tokens=7))
+    assert len(res.tokens) <= 7 and all(r.gamma <= 7 for r in res.rounds)
+    # a stop check that keeps 2 tokens
+    dec = SpeculativeDecoder(target, ModelDrafter(target.perturbed(0.5)), get_rule("block"), gamma=FixedGamma(4))
+    res = dec.generate([1, 2], SamplingConfig(temperature=0.0, max_new_tokens=50), stop=lambda toks: 2 if len(toks) >= 2 else None)
+    assert len(res.tokens) == 2 and res.stats.finish_reason == "stop"
+
+
+def test_plain_decoding_goes_through_the_same_loop():
+    res = SpeculativeDecoder(TARGET, None, get_rule("block")).generate(PROMPT, SamplingConfig(seed=1, max_new_tokens=10))
+    assert res.stats.target_calls == 10 and res.stats.tokens_per_target_call == 1.0
+    assert res.stats.draft_tokens_proposed == 0
+
+
+def test_bad_input():
+    dec = SpeculativeDecoder(TARGET, ModelDrafter(DRAFT), get_rule("greedy"))
+    with pytest.raises(ConfigError, match="temperature 0"):
+        dec.generate(PROMPT, SamplingConfig(temperature=1.0))
+    with pytest.raises(ConfigError, match="empty"):
+        dec.generate([], SamplingConfig(temperature=0.0))
+    small = ToyLM(4, seed=1)
+    small.max_length = 4
+    with pytest.raises(ContextLengthError):
+        SpeculativeDecoder(small, None, get_rule("greedy")).generate([1, 2, 3, 0, 1], SamplingConfig(temperature=0.0))

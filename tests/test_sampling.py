@@ -1,0 +1,148 @@
+"""Logit processing semantics, the samplers, keyed noise, validation."""
+
+from __future__ import annotations
+
+import math
+from collections import Counter
+
+import pytest
+import torch
+
+from specdec.errors import ConfigError
+from specdec.sampling import (
+    GUIDE_PRESET,
+    PenaltyState,
+    SamplingConfig,
+    _top_p_mask,
+    gumbel_sample,
+    keyed_uniform,
+    penalised_logits,
+    process_logits,
+    sample_categorical,
+)
+from stats import ALPHA, chi_square_pvalue
+
+
+def test_guide_preset():
+    assert (GUIDE_PRESET.temperature, GUIDE_PRESET.top_p, GUIDE_PRESET.repetition_penalty) == (1.0, 0.9, 1.1)
+
+
+@pytest.mark.parametrize(
+    "kwargs,message",
+    [
+        ({"temperature": -0.1}, "temperature"),
+        ({"temperature": math.nan}, "temperature"),
+        ({"top_p": 0.0}, "top-p"),
+        ({"top_p": 1.5}, "top-p"),
+        ({"top_k": 0}, "top-k"),
+        ({"min_p": -0.1}, "min-p"),
+        ({"repetition_penalty": 0.0}, "repetition penalty"),
+        ({"max_new_tokens": 0}, "max new tokens"),
+    ],
+)
+def test_validation(kwargs, message):
+    with pytest.raises(ConfigError, match=message):
+        SamplingConfig(**kwargs)
+
+
+def test_greedy_is_one_hot_of_argmax():
+    logits = torch.tensor([[0.1, 2.0, -1.0], [5.0, 1.0, 0.0]])
+    probs = process_logits(logits, SamplingConfig(temperature=0.0))
+    assert probs.tolist() == [[0.0, 1.0, 0.0], [1.0, 0.0, 0.0]]
+
+
+def test_temperature_top_k_min_p():
+    logits = torch.log(torch.tensor([[0.5, 0.3, 0.15, 0.05]], dtype=torch.float64))
+    t2 = process_logits(logits, SamplingConfig(temperature=2.0))
+    assert torch.allclose(t2, torch.softmax(logits / 2, -1))
+    k2 = process_logits(logits, SamplingConfig(temperature=1.0, top_k=2))
+    assert torch.allclose(k2, torch.tensor([[0.625, 0.375, 0.0, 0.0]], dtype=torch.float64))
+    mp = process_logits(logits, SamplingConfig(temperature=1.0, min_p=0.5))  # keep p >= 0.25
+    assert torch.allclose(mp, torch.tensor([[0.625, 0.375, 0.0, 0.0]], dtype=torch.float64))
+
+
+def _top_p_by_full_sort(probs: torch.Tensor, top_p: float) -> torch.Tensor:
+    v, i = probs.sort(descending=True, stable=True)
+    keep = (v.cumsum(-1) - v) < top_p
+    keep[..., 0] = True
+    return torch.zeros_like(probs, dtype=torch.bool).scatter_(-1, i, keep)
+
+
+@pytest.mark.parametrize("scale", [0.3, 2.0, 6.0])
+@pytest.mark.parametrize("top_p", [0.05, 0.5, 0.9, 0.99])
+def test_top_p_matches_full_sort(scale, top_p):
+    g = torch.Generator().manual_seed(int(scale * 10))
+    probs = torch.softmax(torch.randn(5, 5000, generator=g) * scale, -1)
+    assert torch.equal(_top_p_mask(probs, top_p), _top_p_by_full_sort(probs, top_p))
+
+
+def test_top_p_rows_are_independent_of_the_batch():
+    g = torch.Generator().manual_seed(5)
+    probs = torch.softmax(torch.randn(6, 3000, generator=g) * torch.tensor([[0.2], [1], [3], [0.5], [8], [2]]), -1)
+    batched = process_logits(probs.log(), SamplingConfig(temperature=1.0, top_p=0.8))
+    single = torch.cat([process_logits(probs[i : i + 1].log(), SamplingConfig(temperature=1.0, top_p=0.8)) for i in range(6)])
+    assert torch.equal(batched, single)
+
+
+def test_repetition_penalty_matches_transformers():
+    from transformers import RepetitionPenaltyLogitsProcessor
+
+    g = torch.Generator().manual_seed(0)
+    logits = torch.randn(1, 40, generator=g)
+    prompt = torch.tensor([3, 7, 7, 20])
+    ours = penalised_logits(logits, SamplingConfig(repetition_penalty=1.3), PenaltyState.start(prompt, 40))
+    theirs = RepetitionPenaltyLogitsProcessor(1.3)(prompt.unsqueeze(0), logits.clone())
+    assert torch.allclose(ours, theirs)
+
+
+def test_frequency_and_presence_count_generated_tokens_only():
+    state = PenaltyState.start(torch.tensor([1, 1]), 5)  # prompt tokens do not count
+    state.append(torch.tensor([2, 2, 3]))
+    out = penalised_logits(torch.zeros(1, 5), SamplingConfig(frequency_penalty=0.5, presence_penalty=0.25), state)
+    assert out.tolist() == [[0.0, 0.0, -1.25, -0.75, 0.0]]
+
+
+def test_penalties_see_draft_tokens_position_by_position():
+    """Row i of a verification block equals plain processing after appending draft[:i]."""
+    cfg = SamplingConfig(temperature=0.8, repetition_penalty=1.5, frequency_penalty=0.3, presence_penalty=0.2, top_p=0.9)
+    g = torch.Generator().manual_seed(3)
+    logits = torch.randn(4, 12, generator=g, dtype=torch.float64)
+    prompt = torch.tensor([0, 1])
+    draft = torch.tensor([5, 5, 9])
+    state = PenaltyState.start(prompt, 12)
+    state.append(torch.tensor([2]))  # one token already generated
+    batched = process_logits(logits, cfg, state, draft)
+    for i in range(4):
+        ref_state = PenaltyState(state.seen.clone(), state.counts.clone())
+        if i:
+            ref_state.append(draft[:i])
+        assert torch.allclose(batched[i], process_logits(logits[i : i + 1], cfg, ref_state)[0], atol=1e-12)
+
+
+def test_sample_categorical_law_and_zero_weights():
+    g = torch.Generator().manual_seed(0)
+    weights = torch.tensor([0.0, 2.0, 0.0, 1.0, 1.0, 0.0])
+    n = 20_000
+    draws = [(sample_categorical(weights, g),) for _ in range(n)]
+    assert all(d[0] in (1, 3, 4) for d in draws)
+    law = {(1,): 0.5, (3,): 0.25, (4,): 0.25}
+    assert chi_square_pvalue(draws, law) > ALPHA
+
+
+def test_keyed_uniform_is_a_pure_function():
+    a = keyed_uniform(11, 5, None, 1000)
+    b = keyed_uniform(11, 5, torch.tensor([3, 999, 0]), 1000)
+    assert torch.equal(b, a[[3, 999, 0]])
+    assert not torch.equal(a, keyed_uniform(11, 6, None, 1000))
+    assert not torch.equal(a, keyed_uniform(12, 5, None, 1000))
+    assert 0.0 < float(a.min()) and float(a.max()) < 1.0
+    many = torch.cat([keyed_uniform(1, pos, None, 1000) for pos in range(50)])  # 50k draws
+    assert abs(float(many.mean()) - 0.5) < 0.005 and abs(float(many.var()) - 1 / 12) < 0.002
+
+
+def test_gumbel_sample_law():
+    """Gumbel-max over keyed noise is distributed as p (n = 20,000 positions)."""
+    p = torch.tensor([0.1, 0.0, 0.25, 0.4, 0.25])
+    draws = [(gumbel_sample(p, 3, pos),) for pos in range(20_000)]
+    assert chi_square_pvalue(draws, {(i,): float(v) for i, v in enumerate(p) if v > 0}) > ALPHA
+    assert Counter(draws)[(1,)] == 0

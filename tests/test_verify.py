@@ -1,0 +1,224 @@
+"""Verification rules: the paper's toy example, closed-form laws in float64, the contract."""
+
+from __future__ import annotations
+
+import itertools
+
+import pytest
+import torch
+
+from specdec.errors import ConfigError
+from specdec.models.toy import ToyLM
+from specdec.sampling import gumbel_sample
+from specdec.verify import (
+    RULES,
+    Verdict,
+    block_plan,
+    block_verify,
+    coupled_verify,
+    get_rule,
+    greedy_verify,
+    lossy_resample_p,
+    token_plan,
+    token_verify,
+)
+from stats import ALPHA, chi_square_pvalue
+
+# ----------------------------------------------------------------------------- the paper's example
+# Sun et al. 2024, §2: two tokens, M_b(A) = 1/3, M_s(A) = 2/3, i.i.d. positions, γ = 2.
+P2 = torch.tensor([1 / 3, 2 / 3], dtype=torch.float64)
+Q2 = torch.tensor([2 / 3, 1 / 3], dtype=torch.float64)
+GAMMA2 = 2
+N_TWO_TOKEN = 60_000  # SE of the mean accepted count ~0.0033; tolerance below is 5 SE
+
+
+def _simulate_two_token(rule, n: int, seed: int) -> tuple[float, list[tuple[int, ...]]]:
+    """Mean accepted count, and the completed outputs (X^τ, Y, Z^{γ-τ}) of Lemma 2."""
+    g = torch.Generator().manual_seed(seed)
+    q = Q2.expand(GAMMA2, 2)
+    p = P2.expand(GAMMA2 + 1, 2)
+    drafts = torch.multinomial(Q2, n * GAMMA2, replacement=True, generator=g).view(n, GAMMA2)
+    fill = torch.multinomial(P2, n * GAMMA2, replacement=True, generator=g).view(n, GAMMA2).tolist()
+    total, outputs = 0, []
+    for i in range(n):
+        v = rule(drafts[i], q, p, generator=g)
+        total += v.num_accepted
+        out = v.tokens.tolist()
+        outputs.append(tuple(out + fill[i][: GAMMA2 + 1 - len(out)]))
+    return total / n, outputs
+
+
+def _iid_law(p: torch.Tensor, length: int) -> dict[tuple[int, ...], float]:
+    return {
+        seq: float(torch.prod(torch.tensor([p[t] for t in seq])))
+        for seq in itertools.product(range(p.numel()), repeat=length)
+    }
+
+
+@pytest.mark.parametrize(("rule", "expected"), [(token_verify, 10 / 9), (block_verify, 11 / 9)])
+def test_two_token_example_accepted_and_law(rule, expected):
+    mean, outputs = _simulate_two_token(rule, N_TWO_TOKEN, seed=1)
+    assert abs(mean - expected) < 5 * 0.0033, mean
+    assert chi_square_pvalue(outputs, _iid_law(P2, GAMMA2 + 1)) > ALPHA
+
+
+def test_two_token_example_detects_a_wrong_residual():
+    """Negative control at the same sample size: resampling from p on rejection is biased."""
+    _, outputs = _simulate_two_token(lossy_resample_p, N_TWO_TOKEN, seed=1)
+    assert chi_square_pvalue(outputs, _iid_law(P2, GAMMA2 + 1)) < ALPHA
+
+
+def _expected_accepted(plan_fn, block: bool) -> float:
+    """E[τ] in closed form from a rule's plan, summed over all drafts of the two-token model."""
+    total = 0.0
+    for draft in itertools.product(range(2), repeat=GAMMA2):
+        qx = float(torch.prod(torch.tensor([Q2[t] for t in draft])))
+        plan = plan_fn(torch.tensor(draft), Q2.expand(GAMMA2, 2), P2.expand(GAMMA2 + 1, 2))
+        for tau, prob in enumerate(_tau_law(plan.stop, block)):
+            total += qx * prob * tau
+    return total
+
+
+def _tau_law(stop: torch.Tensor, block: bool) -> list[float]:
+    """P(τ = i), i = 0..γ, for thresholds ``stop`` (a chain for token, a max for block)."""
+    h = stop.tolist()
+    gamma = len(h)
+    law = []
+    for tau in range(gamma + 1):
+        if block:  # τ = max{i : η_i < h_i}
+            prob = (h[tau - 1] if tau > 0 else 1.0)
+            for j in range(tau, gamma):
+                prob *= 1.0 - h[j]
+        else:  # τ = number of leading acceptances
+            prob = 1.0
+            for j in range(tau):
+                prob *= h[j]
+            if tau < gamma:
+                prob *= 1.0 - h[tau]
+        law.append(prob)
+    return law
+
+
+def test_two_token_example_closed_form():
+    assert _expected_accepted(token_plan, block=False) == pytest.approx(10 / 9, abs=1e-12)
+    assert _expected_accepted(block_plan, block=True) == pytest.approx(11 / 9, abs=1e-12)
+
+
+# ----------------------------------------------------------------------------- closed-form law
+
+
+@pytest.mark.parametrize("vocab,gamma", [(3, 2), (3, 3), (4, 2)])
+@pytest.mark.parametrize(("plan_fn", "block"), [(token_plan, False), (block_plan, True)])
+def test_plan_reconstructs_target_law_exactly(plan_fn, block, vocab, gamma):
+    """Lemma 2 of Sun et al. in float64: Σ_drafts q(x) · P(X^τ, Y, Z | x) = p^{γ+1}, to 1e-12."""
+    target = ToyLM(vocab, order=2, seed=3)
+    draft = target.perturbed(1.2, seed=4)
+    prompt = [1, 0]
+    p = lambda hist: torch.softmax(target.logits_for(prompt + list(hist)), -1)  # noqa: E731
+    q = lambda hist: torch.softmax(draft.logits_for(prompt + list(hist)), -1)  # noqa: E731
+
+    def p_seq(seq, prefix=()):
+        prob, hist = 1.0, list(prefix)
+        for t in seq:
+            prob *= float(p(hist)[t])
+            hist.append(t)
+        return prob
+
+    law: dict[tuple[int, ...], float] = {}
+    for x in itertools.product(range(vocab), repeat=gamma):
+        qx = p_seq([], ())  # 1.0
+        for i, t in enumerate(x):
+            qx *= float(q(x[:i])[t])
+        q_rows = torch.stack([q(x[:i]) for i in range(gamma)])
+        p_rows = torch.stack([p(x[:i]) for i in range(gamma + 1)])
+        plan = plan_fn(torch.tensor(x), q_rows, p_rows)
+        for tau, ptau in enumerate(_tau_law(plan.stop, block)):
+            if ptau == 0.0:
+                continue
+            nxt = p_rows[gamma] if tau == gamma else plan.residual[tau] / plan.residual[tau].sum()
+            for y in range(vocab):
+                head = tuple(x[:tau]) + (y,)
+                for z in itertools.product(range(vocab), repeat=gamma - tau):
+                    out = head + z
+                    law[out] = law.get(out, 0.0) + qx * ptau * float(nxt[y]) * p_seq(z, head)
+    for seq in itertools.product(range(vocab), repeat=gamma + 1):
+        assert law.get(seq, 0.0) == pytest.approx(p_seq(seq), abs=1e-12)
+
+
+# ----------------------------------------------------------------------------- the contract
+
+
+@pytest.mark.parametrize("rule", [token_verify, block_verify])
+def test_contract_shapes_and_prefix(rule):
+    g = torch.Generator().manual_seed(0)
+    vocab, gamma = 50, 5
+    q = torch.softmax(torch.randn(gamma, vocab, generator=g), -1)
+    p = torch.softmax(torch.randn(gamma + 1, vocab, generator=g), -1)
+    draft = torch.multinomial(q, 1, generator=g).squeeze(1)
+    for _ in range(50):
+        v = rule(draft, q, p, generator=g)
+        assert isinstance(v, Verdict) and isinstance(v.num_accepted, int)
+        assert v.tokens.dtype == torch.int64 and v.tokens.shape == (v.num_accepted + 1,)
+        assert torch.equal(v.tokens[:-1], draft[: v.num_accepted])
+        assert 0 <= int(v.tokens[-1]) < vocab
+
+
+@pytest.mark.parametrize("rule", [token_verify, block_verify])
+def test_fixed_generator_is_reproducible(rule):
+    q = torch.softmax(torch.randn(4, 30), -1)
+    p = torch.softmax(torch.randn(5, 30), -1)
+    draft = torch.tensor([1, 2, 3, 4])
+    a = [rule(draft, q, p, generator=torch.Generator().manual_seed(s)).tokens.tolist() for s in range(20)]
+    b = [rule(draft, q, p, generator=torch.Generator().manual_seed(s)).tokens.tolist() for s in range(20)]
+    assert a == b
+
+
+@pytest.mark.parametrize("rule", [token_verify, block_verify])
+def test_identical_distributions_accept_everything(rule):
+    g = torch.Generator().manual_seed(1)
+    q = torch.softmax(torch.randn(6, 40, generator=g), -1)
+    p = torch.cat([q, torch.softmax(torch.randn(1, 40, generator=g), -1)])
+    for _ in range(200):
+        draft = torch.multinomial(q, 1, generator=g).squeeze(1)
+        assert rule(draft, q, p, generator=g).num_accepted == 6
+
+
+@pytest.mark.parametrize("rule", [token_verify, block_verify])
+def test_deterministic_drafter_and_empty_draft(rule):
+    p = torch.tensor([[0.0, 1.0, 0.0], [0.0, 0.0, 1.0], [1.0, 0.0, 0.0]])
+    v = rule(torch.tensor([1, 2]), None, p)  # one-hot q, target agrees everywhere
+    assert v.num_accepted == 2 and v.tokens.tolist() == [1, 2, 0]
+    v = rule(torch.tensor([0, 2]), None, p)  # first token impossible under p
+    assert v.num_accepted == 0 and v.tokens.tolist() == [1]
+    v = rule(torch.empty(0, dtype=torch.long), None, p[:1])
+    assert v.num_accepted == 0 and v.tokens.tolist() == [1]
+
+
+def test_greedy_verify():
+    logits = torch.tensor([[0.0, 5.0, 1.0], [3.0, 0.0, 1.0], [0.0, 0.0, 9.0]])
+    assert greedy_verify(torch.tensor([1, 0]), None, logits).tokens.tolist() == [1, 0, 2]
+    assert greedy_verify(torch.tensor([1, 2]), None, logits).tokens.tolist() == [1, 0]
+    assert greedy_verify(torch.tensor([2, 0]), None, logits).tokens.tolist() == [1]
+
+
+def test_coupled_verify_emits_the_targets_own_gumbel_samples():
+    g = torch.Generator().manual_seed(2)
+    p = torch.softmax(torch.randn(4, 20, generator=g) * 2, -1)
+    positions = torch.arange(10, 14)
+    own = [gumbel_sample(p[i], 7, 10 + i) for i in range(4)]
+    # a draft equal to the target's own samples is fully accepted...
+    v = coupled_verify(torch.tensor(own[:3]), None, p, seed=7, positions=positions)
+    assert v.num_accepted == 3 and v.tokens.tolist() == own
+    # ...and any draft yields a prefix of them
+    for first in range(20):
+        v = coupled_verify(torch.tensor([first, own[1], own[2]]), None, p, seed=7, positions=positions)
+        assert v.tokens.tolist() == own[: v.num_accepted + 1]
+
+
+def test_rule_registry():
+    assert {"greedy", "token", "block", "coupled"} <= set(RULES)
+    for name, rule in RULES.items():
+        assert rule.lossless == (not name.startswith("lossy_")), name
+    assert get_rule("lossy-ratio-threshold").name == "lossy_ratio_threshold"
+    with pytest.raises(ConfigError, match="unknown verification method"):
+        get_rule("nope")
