@@ -157,3 +157,13 @@ def test_bad_input():
     small.max_length = 4
     with pytest.raises(ContextLengthError):
         SpeculativeDecoder(small, None, get_rule("greedy")).generate([1, 2, 3, 0, 1], SamplingConfig(temperature=0.0))
+
+
+@pytest.mark.parametrize("method", ["token", "block"])
+def test_output_law_with_draft_only_truncation(method):
+    """Sparse-q: the drafter samples from its own top-2 of q and reports exactly that q."""
+    cfg = SamplingConfig(temperature=1.0)
+    law = exact_law(TARGET, PROMPT, cfg, N_NEW)
+    dec = SpeculativeDecoder(TARGET, ModelDrafter(DRAFT), get_rule(method), gamma=FixedGamma(2), q_top_k=2)
+    samples = [tuple(dec.generate(PROMPT, SamplingConfig(temperature=1.0, seed=i, max_new_tokens=N_NEW)).tokens) for i in range(N_SAMPLES)]
+    assert chi_square_pvalue(samples, law) > ALPHA

@@ -17,11 +17,11 @@ from torch import Tensor
 
 from specdec import defaults
 from specdec.drafters.base import Draft, Drafter, DraftSampler
-from specdec.errors import ConfigError, ContextLengthError
 from specdec.gamma import FixedGamma, GammaController
 from specdec.models.base import LanguageModel
-from specdec.sampling import PenaltyState, SamplingConfig, penalised_logits, process_logits
-from specdec.verify import Rule, Verdict
+from specdec.sampling import PenaltyState, SamplingConfig
+from specdec.session import TargetSession, Verifier, check_rule
+from specdec.verify import Rule
 
 
 @dataclass(frozen=True)
@@ -97,6 +97,7 @@ class SpeculativeDecoder:
         gamma: GammaController | None = None,
         eos_ids: frozenset[int] = frozenset(),
         drafter_name: str = "",
+        q_top_k: int | None = None,
     ) -> None:
         self.target = target
         self.drafter = drafter
@@ -104,6 +105,7 @@ class SpeculativeDecoder:
         self.gamma = gamma or FixedGamma(4)
         self.eos_ids = eos_ids
         self.drafter_name = drafter_name or ("none" if drafter is None else type(drafter).__name__)
+        self.q_top_k = q_top_k  # draft-only truncation of q (sparse-q wire mode)
 
     def generate(
         self,
@@ -112,36 +114,25 @@ class SpeculativeDecoder:
         *,
         stop: StopCheck | None = None,
         on_tokens: Callable[[list[int]], None] | None = None,
+        verifier: Verifier | None = None,
     ) -> GenerationResult:
-        rule = self.rule
-        if rule.greedy_only and not cfg.greedy:
-            raise ConfigError(
-                f"method {rule.name!r} needs temperature 0; at temperature {cfg.temperature} use token, block or coupled"
-            )
-        prompt_t = torch.as_tensor(prompt, dtype=torch.long).reshape(-1)
-        n_prompt = prompt_t.numel()
-        if n_prompt == 0:
-            raise ConfigError("the prompt is empty")
-        if n_prompt >= self.target.max_length:
-            raise ContextLengthError(
-                f"the prompt has {n_prompt} tokens but the model's context is {self.target.max_length}"
-            )
-        max_new = min(cfg.max_new_tokens, self.target.max_length - n_prompt)
-        seed = cfg.seed if cfg.seed is not None else _fresh_seed()
-        gen = torch.Generator().manual_seed(seed)
-        draft_gen = torch.Generator().manual_seed(seed + defaults.DRAFT_SEED_OFFSET)
-        vocab = self.target.vocab_size
-        penalties = PenaltyState.start(prompt_t, vocab) if cfg.has_penalties else None
-        extra: dict[str, object] = {}
+        """Generate up to ``cfg.max_new_tokens`` tokens after ``prompt``.
 
+        ``verifier`` is the target side; by default a local :class:`TargetSession` on
+        ``self.target`` (the edge passes a remote one).
+        """
+        rule = self.rule
+        check_rule(rule, cfg)
+        prompt_t = torch.as_tensor(prompt, dtype=torch.long).reshape(-1)
+        seed = cfg.seed if cfg.seed is not None else _fresh_seed()
         started = time.perf_counter()
-        # context buffer: prompt + generated, with room for the longest round
-        ctx = torch.empty(n_prompt + max_new + 1, dtype=torch.long)
-        ctx[:n_prompt] = prompt_t
-        n_ctx = n_prompt
-        cache = self.target.new_cache(min(self.target.max_length, n_prompt + max_new + defaults.MAX_GAMMA + 1))
-        if n_prompt > 1:
-            self.target.forward(prompt_t[:-1], cache, last_only=True)
+        if verifier is None:
+            verifier = TargetSession(self.target, prompt_t, cfg, rule, seed=seed)
+        n_prompt = prompt_t.numel()
+        max_new = min(cfg.max_new_tokens, verifier.max_length - n_prompt - 1)
+        draft_gen = torch.Generator().manual_seed(seed + defaults.DRAFT_SEED_OFFSET)
+        # the drafter's own view of the penalties (the verifier keeps its own)
+        penalties = PenaltyState.start(prompt_t, self.target.vocab_size) if cfg.has_penalties else None
         drafter = self.drafter
         if drafter is not None:
             drafter.prepare(prompt_t)
@@ -151,11 +142,12 @@ class SpeculativeDecoder:
         rounds: list[RoundStats] = []
         ttft = 0.0
         finish = "length"
+        empty = Draft(tokens=torch.empty(0, dtype=torch.long), probs=None)
         while len(generated) < max_new:
             remaining = max_new - len(generated)
             t0 = time.perf_counter()
             g = min(self.gamma.next_gamma(), remaining - 1, defaults.MAX_GAMMA) if drafter is not None else 0
-            context = ctx[:n_ctx]
+            draft = empty
             if g > 0:
                 sampler = DraftSampler(
                     cfg,
@@ -164,23 +156,12 @@ class SpeculativeDecoder:
                     generator=draft_gen,
                     noise_seed=seed,
                     want_probs=rule.needs_draft_probs,
+                    q_top_k=self.q_top_k,
                 )
-                draft = drafter.propose(context, g, sampler)
-            else:
-                draft = Draft(tokens=torch.empty(0, dtype=torch.long), probs=None)
-            drafted = draft.tokens.numel()
+                draft = drafter.propose(verifier.context, g, sampler)
             t1 = time.perf_counter()
-            base = cache.length
-            logits = self.target.forward(torch.cat([ctx[n_ctx - 1 : n_ctx], draft.tokens]), cache)  # [γ+1, V]
-            t2 = time.perf_counter()
-            if rule.needs_target_probs:
-                scores = process_logits(logits, cfg, penalties, draft.tokens)  # [γ+1, V]
-            else:
-                scores = penalised_logits(logits, cfg, penalties, draft.tokens)
-            if rule.draft_sampling == "gumbel":
-                extra = {"seed": seed, "positions": torch.arange(n_ctx, n_ctx + drafted + 1)}
-            verdict: Verdict = rule.fn(draft.tokens, draft.probs, scores, generator=gen, **extra)
-            cache.truncate(base + 1 + verdict.num_accepted)
+            outcome = verifier.verify(draft)
+            verdict = outcome.verdict
             if drafter is not None and g > 0:
                 drafter.commit(verdict)
             new = verdict.tokens.tolist()[:remaining]
@@ -189,18 +170,18 @@ class SpeculativeDecoder:
                     new = new[: i + 1]
                     finish = "eos"
                     break
-            ctx[n_ctx : n_ctx + len(new)] = torch.tensor(new, dtype=torch.long)
-            n_ctx += len(new)
             if penalties is not None:
                 penalties.append(torch.tensor(new, dtype=torch.long))
             generated.extend(new)
-            t3 = time.perf_counter()
+            t2 = time.perf_counter()
             if not rounds:
-                ttft = t3 - started
+                ttft = t2 - started
+            drafted = draft.tokens.numel()
+            other_s = (t2 - t1) - outcome.target_s
             rounds.append(
-                RoundStats(drafted, verdict.num_accepted, len(new), (t1 - t0) * 1e3, (t2 - t1) * 1e3, (t3 - t2) * 1e3)
+                RoundStats(drafted, verdict.num_accepted, len(new), (t1 - t0) * 1e3, outcome.target_s * 1e3, other_s * 1e3)
             )
-            self.gamma.update(gamma=drafted, accepted=verdict.num_accepted, draft_s=t1 - t0, target_s=t2 - t1, other_s=t3 - t2)
+            self.gamma.update(gamma=drafted, accepted=verdict.num_accepted, draft_s=t1 - t0, target_s=outcome.target_s, other_s=other_s)
             if stop is not None:
                 keep = stop(generated)
                 if keep is not None:
@@ -214,19 +195,19 @@ class SpeculativeDecoder:
             if finish != "length":
                 break
         wall = time.perf_counter() - started
+        kv = getattr(verifier, "kv_peak_bytes", 0)
         return GenerationResult(
             tokens=generated,
-            stats=self._stats(rounds, generated, n_prompt, wall, ttft, prefill_s, cache, finish),
+            stats=self._stats(rounds, generated, n_prompt, wall, ttft, prefill_s, kv, finish),
             rounds=tuple(rounds),
         )
 
-    def _stats(self, rounds, generated, n_prompt, wall, ttft, prefill_s, cache, finish) -> GenerationStats:
+    def _stats(self, rounds, generated, n_prompt, wall, ttft, prefill_s, kv_peak, finish) -> GenerationStats:
         proposed = sum(r.gamma for r in rounds)
         accepted = sum(r.accepted for r in rounds)
         longest = max((r.gamma for r in rounds), default=0)
         drafted_at = [sum(1 for r in rounds if r.gamma >= k) for k in range(1, longest + 1)]
         accepted_at = [sum(1 for r in rounds if r.gamma >= k and r.accepted >= k) for k in range(1, longest + 1)]
-        kv_peak = cache.used_bytes() if hasattr(cache, "used_bytes") else cache.nbytes
         return GenerationStats(
             method=self.rule.name,
             lossless=self.rule.lossless,

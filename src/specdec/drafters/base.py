@@ -42,6 +42,7 @@ class DraftSampler:
         generator: torch.Generator | None,
         noise_seed: int = 0,
         want_probs: bool = True,
+        q_top_k: int | None = None,
     ) -> None:
         self.cfg = cfg
         self.mode: DraftSampling = "argmax" if cfg.greedy else mode
@@ -53,6 +54,9 @@ class DraftSampler:
         self.generator = generator
         self.noise_seed = noise_seed
         self.want_probs = want_probs
+        #: extra, draft-only truncation of q (sparse-q wire mode): the drafter samples from the
+        #: q_top_k most likely tokens of the processed q, renormalised, and reports exactly that
+        self.q_top_k = q_top_k
 
     @property
     def deterministic(self) -> bool:
@@ -70,6 +74,8 @@ class DraftSampler:
             token = int(penalised_logits(logits, self.cfg, self.penalties).argmax())
         else:
             q = process_logits(logits, self.cfg, self.penalties)[0]  # [V]
+            if self.q_top_k is not None and self.mode == "multinomial":
+                q = truncate_top_k(q, self.q_top_k)
             if self.mode == "gumbel":
                 token = gumbel_sample(q, self.noise_seed, position)
             else:
@@ -78,6 +84,16 @@ class DraftSampler:
         if self.penalties is not None:
             self.penalties.append(torch.tensor([token]))
         return token, probs
+
+
+def truncate_top_k(q: Tensor, k: int) -> Tensor:  # q: [V] -> [V] with at most k non-zeros
+    """``q`` restricted to its ``k`` most likely tokens and renormalised."""
+    if k >= q.numel():
+        return q
+    vals, idx = q.topk(k)
+    out = torch.zeros_like(q)
+    out[idx] = vals / vals.sum()
+    return out
 
 
 class Drafter(Protocol):
