@@ -1,0 +1,88 @@
+"""The wire protocol's own validation (no server needed)."""
+
+from __future__ import annotations
+
+import math
+
+import pytest
+from pydantic import ValidationError
+
+from specdec import defaults
+from specdec.remote.protocol import (
+    CreateSessionRequest,
+    SparseRow,
+    VerifyRequest,
+    default_wire,
+    wire_method,
+)
+
+
+def test_valid_bodies_parse():
+    req = VerifyRequest.model_validate({"seq": 3, "draft_tokens": [1, 2], "q": [{"ids": [1, 5], "probs": [0.75, 0.25]}, {"ids": [2], "probs": [1.0]}]})
+    assert isinstance(req.q[0], SparseRow) and req.q[1].probs == [1.0]
+    scalar = VerifyRequest.model_validate({"seq": 0, "draft_tokens": [4], "q": [0.3]})
+    assert scalar.q == [0.3]
+    assert VerifyRequest.model_validate_json('{"seq": 0}').draft_tokens == []
+    create = CreateSessionRequest.model_validate({"prompt_ids": [1, 2], "temperature": 0.7, "seed": 5, "wire": "sparse-q", "method": "token"})
+    assert create.top_p is None and create.generated_ids == []
+
+
+@pytest.mark.parametrize(
+    "body, fragment",
+    [
+        ({"seq": -1, "draft_tokens": [1]}, "greater than or equal to 0"),
+        ({"seq": 0, "draft_tokens": [-2]}, "greater than or equal to 0"),
+        ({"seq": 0, "draft_tokens": [1.5]}, "valid integer"),
+        ({"seq": 0, "draft_tokens": ["1"]}, "valid integer"),
+        ({"seq": 0, "draft_tokens": list(range(defaults.MAX_GAMMA + 1))}, "at most"),
+        ({"seq": 0, "draft_tokens": [1], "q": [math.nan]}, "finite"),
+        ({"seq": 0, "draft_tokens": [1], "q": [-0.1]}, "greater than or equal to 0"),
+        ({"seq": 0, "draft_tokens": [1], "q": [1.5]}, "less than or equal to"),
+        ({"seq": 0, "draft_tokens": [1], "q": [0.0]}, "q = 0"),
+        ({"seq": 0, "draft_tokens": [1, 2], "q": [0.5]}, "1 rows but there are 2"),
+        ({"seq": 0, "draft_tokens": [1], "q": [{"ids": [1, 2], "probs": [0.7, 0.4]}]}, "sums to"),
+        ({"seq": 0, "draft_tokens": [1], "q": [{"ids": [1, 1], "probs": [0.5, 0.5]}]}, "repeats"),
+        ({"seq": 0, "draft_tokens": [1], "q": [{"ids": [1, 2], "probs": [0.5]}]}, "2 ids but 1 probs"),
+        ({"seq": 0, "draft_tokens": [1], "q": [{"ids": [2], "probs": [1.0]}]}, "q = 0"),
+        ({"seq": 0, "draft_tokens": [1], "q": [{"ids": [1], "probs": [math.inf]}]}, "finite"),
+        ({"seq": 0, "draft_tokens": [1], "q": "0.5"}, "must be a list"),
+        ({"seq": 0, "draft_tokens": [1], "extra": 1}, "Extra inputs"),
+    ],
+)
+def test_bad_verify_bodies_are_rejected_with_a_reason(body, fragment):
+    with pytest.raises(ValidationError) as err:
+        VerifyRequest.model_validate(body)
+    assert fragment in str(err.value)
+
+
+@pytest.mark.parametrize(
+    "body, fragment",
+    [
+        ({}, "exactly one of"),
+        ({"prompt": "hi", "prompt_ids": [1]}, "exactly one of"),
+        ({"prompt": "   "}, "empty"),
+        ({"prompt_ids": []}, "at least 1"),
+        ({"prompt_ids": [1], "temperature": -1.0}, "greater than or equal to 0"),
+        ({"prompt_ids": [1], "temperature": math.nan}, "finite"),
+        ({"prompt_ids": [1], "top_p": 0.0}, "greater than 0"),
+        ({"prompt_ids": [1], "wire": "carrier-pigeon"}, "wire"),
+        ({"prompt_ids": [1], "wire": "greedy", "temperature": 1.0}, "temperature 0"),
+        ({"prompt_ids": [1], "wire": "coupled", "method": "block"}, "not available in wire mode"),
+        ({"prompt_ids": [1], "wire": "lossy-scalar", "method": "block"}, "not available in wire mode"),
+        ({"prompt_ids": [1], "seed": -5}, "greater than or equal to 0"),
+    ],
+)
+def test_bad_session_bodies_are_rejected_with_a_reason(body, fragment):
+    with pytest.raises(ValidationError) as err:
+        CreateSessionRequest.model_validate(body)
+    assert fragment in str(err.value)
+
+
+def test_wire_defaults():
+    assert default_wire(0.0) == "greedy" and default_wire(0.8) == "coupled"
+    assert wire_method("sparse-q", None) == "block"
+    assert wire_method("sparse-q", "token") == "token"
+    assert wire_method("lossy-scalar", None) == "lossy_resample_p"
+    assert wire_method("lossy-scalar", "lossy-strict-residual") == "lossy_strict_residual"
+    with pytest.raises(ValueError, match="not available"):
+        wire_method("greedy", "block")
