@@ -1,0 +1,13 @@
+"""HTTP server: the edge-cloud verify API and OpenAI-compatible completions (needs the ``serve`` extra)."""
+
+from specdec.server.settings import ServerSettings
+
+
+def create_app(*args, **kwargs):  # noqa: ANN002, ANN003 - see specdec.server.app.create_app
+    """Build the FastAPI app (imported lazily so ``specdec`` works without the ``serve`` extra)."""
+    from specdec.server.app import create_app as _create_app
+
+    return _create_app(*args, **kwargs)
+
+
+__all__ = ["ServerSettings", "create_app"]

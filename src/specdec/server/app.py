@@ -1,0 +1,271 @@
+"""The HTTP server: the edge-cloud verify API plus OpenAI-compatible completions.
+
+:func:`create_app` takes objects that are already loaded (a :class:`LanguageModel`, optionally a
+tokenizer and a drafter factory), so tests can serve exact toy models and the ``serve`` command can
+serve real ones.  Model work runs in worker threads (plain ``def`` endpoints and executor jobs),
+one forward pass at a time under a process-wide lock, so the event loop stays responsive.
+
+Endpoints (all but ``/health`` and the OpenAPI document need ``Authorization: Bearer <key>`` when
+the server has a key):
+
+* ``GET /health``
+* ``POST /v1/sessions`` -> session id; ``GET`` / ``DELETE /v1/sessions/{id}``
+* ``POST /v1/sessions/{id}/verify`` -> verdict of one round (``seq`` makes it idempotent)
+* ``GET /metrics`` (Prometheus text format)
+* ``GET /v1/models``, ``POST /v1/completions``, ``POST /v1/chat/completions`` (``stream`` via SSE)
+
+Every error is a JSON body ``{"error": {"message", "type", "code"}}`` with a 4xx status for bad
+input; a bad request never changes a session.
+"""
+
+from __future__ import annotations
+
+import hmac
+import json
+import secrets
+import time
+from dataclasses import dataclass, field
+from typing import Any, Awaitable, Callable
+
+from fastapi import Depends, FastAPI, Path, Request
+from fastapi.exceptions import RequestValidationError
+from fastapi.responses import JSONResponse, Response
+from starlette.exceptions import HTTPException as StarletteHTTPException
+
+from specdec import __version__
+from specdec.drafters.base import Drafter
+from specdec.models.base import LanguageModel
+from specdec.remote.protocol import (
+    CreateSessionRequest,
+    CreateSessionResponse,
+    ErrorResponse,
+    Health,
+    SessionInfo,
+    VerifyRequest,
+    VerifyResponse,
+)
+from specdec.server.errors import ApiError
+from specdec.server.metrics import ServerMetrics
+from specdec.server.sessions import SessionStore, create_session, serialized
+from specdec.server.settings import ServerSettings
+
+_ERRORS: dict[int | str, dict[str, Any]] = {
+    code: {"model": ErrorResponse} for code in (400, 401, 404, 409, 413, 422, 429)
+}
+
+
+@dataclass
+class ServerContext:
+    """Everything the endpoints share."""
+
+    model: LanguageModel
+    tokenizer: Any | None
+    settings: ServerSettings
+    eos_ids: frozenset[int]
+    drafter_factory: Callable[[], Drafter | None] | None
+    drafter_name: str
+    metrics: ServerMetrics = field(default_factory=ServerMetrics)
+    store: SessionStore = field(init=False)
+    started: float = field(default_factory=time.time)
+
+    def __post_init__(self) -> None:
+        self.store = SessionStore(self.settings, on_evict=self._evicted)
+
+    def _evicted(self, reason: str) -> None:
+        self.metrics.sessions_evicted.labels(reason).inc()
+
+
+def error_response(status: int, message: str, kind: str, metrics: ServerMetrics | None = None,
+                   headers: dict[str, str] | None = None) -> JSONResponse:
+    if metrics is not None:
+        metrics.http_errors.labels(str(status)).inc()
+    body = {"error": {"message": message, "type": kind, "code": status}}
+    return JSONResponse(body, status_code=status, headers=headers)
+
+
+def _validation_message(exc: RequestValidationError) -> str:
+    errors = exc.errors()
+    parts = []
+    for err in errors[:3]:
+        loc = ".".join(str(x) for x in err.get("loc", ()) if x != "body")
+        if not loc and err.get("type") in ("model_attributes_type", "dict_type", "missing"):
+            return "invalid request: the body must be a JSON object (send Content-Type: application/json)"
+        msg = str(err.get("msg", "invalid value")).removeprefix("Value error, ")
+        parts.append(f"{loc}: {msg}" if loc else msg)
+    more = f" (and {len(errors) - 3} more)" if len(errors) > 3 else ""
+    return "invalid request: " + "; ".join(parts) + more
+
+
+class BodyLimit:
+    """ASGI middleware: refuse request bodies over ``max_bytes`` with a 413 before the app sees them."""
+
+    def __init__(self, app: Callable[..., Awaitable[None]], *, max_bytes: int, metrics: ServerMetrics) -> None:
+        self.app = app
+        self.max_bytes = max_bytes
+        self.metrics = metrics
+
+    async def _reject(self, scope: dict, receive: Callable, send: Callable, size: str) -> None:
+        message = f"request body {size} is over this server's limit of {self.max_bytes} bytes"
+        await error_response(413, message, "request_too_large", self.metrics)(scope, receive, send)
+
+    async def __call__(self, scope: dict, receive: Callable, send: Callable) -> None:
+        if scope["type"] != "http":
+            await self.app(scope, receive, send)
+            return
+        for key, value in scope.get("headers", ()):
+            if key == b"content-length":
+                try:
+                    declared = int(value)
+                except ValueError:
+                    declared = -1
+                if declared > self.max_bytes:
+                    await self._reject(scope, receive, send, f"of {declared} bytes")
+                    return
+        chunks: list[bytes] = []
+        total = 0
+        while True:
+            message = await receive()
+            if message["type"] != "http.request":  # client went away
+                return
+            chunk = message.get("body", b"")
+            total += len(chunk)
+            if total > self.max_bytes:
+                await self._reject(scope, receive, send, "of more")
+                return
+            chunks.append(chunk)
+            if not message.get("more_body", False):
+                break
+        body = b"".join(chunks)
+        replayed = False
+
+        async def replay() -> dict:
+            nonlocal replayed
+            if not replayed:
+                replayed = True
+                return {"type": "http.request", "body": body, "more_body": False}
+            return await receive()
+
+        await self.app(scope, replay, send)
+
+
+def create_app(
+    model: LanguageModel,
+    *,
+    tokenizer: Any | None = None,
+    settings: ServerSettings | None = None,
+    eos_ids: frozenset[int] = frozenset(),
+    drafter_factory: Callable[[], Drafter | None] | None = None,
+    drafter_name: str = "none",
+) -> FastAPI:
+    """The ASGI app serving ``model`` (the target).
+
+    ``tokenizer`` enables text prompts and the OpenAI endpoints; ``drafter_factory`` makes a fresh
+    drafter for each OpenAI request (speculative decoding on the server itself; ``None`` = plain
+    decoding).  Draft models should be wrapped with :func:`specdec.server.sessions.serialized`.
+    """
+    settings = settings or ServerSettings()
+    ctx = ServerContext(
+        model=serialized(model),
+        tokenizer=tokenizer,
+        settings=settings,
+        eos_ids=eos_ids,
+        drafter_factory=drafter_factory,
+        drafter_name=drafter_name,
+    )
+    app = FastAPI(
+        title="specdec",
+        version=__version__,
+        description="Lossless speculative decoding: edge-cloud verify API and OpenAI-compatible completions.",
+    )
+    app.state.ctx = ctx
+    metrics = ctx.metrics
+    store = ctx.store
+
+    @app.exception_handler(ApiError)
+    async def _api_error(request: Request, exc: ApiError) -> JSONResponse:
+        headers = {"WWW-Authenticate": "Bearer"} if exc.status == 401 else None
+        return error_response(exc.status, exc.message, exc.kind, metrics, headers)
+
+    @app.exception_handler(RequestValidationError)
+    async def _invalid(request: Request, exc: RequestValidationError) -> JSONResponse:
+        return error_response(422, _validation_message(exc), "invalid_request_error", metrics)
+
+    @app.exception_handler(StarletteHTTPException)
+    async def _http(request: Request, exc: StarletteHTTPException) -> JSONResponse:
+        detail = exc.detail if isinstance(exc.detail, str) else json.dumps(exc.detail)
+        if exc.status_code == 404 and detail == "Not Found":
+            detail = f"no such endpoint: {request.method} {request.url.path}"
+        return error_response(exc.status_code, detail, "invalid_request_error", metrics)
+
+    @app.exception_handler(Exception)
+    async def _bug(request: Request, exc: Exception) -> JSONResponse:  # pragma: no cover - a bug
+        return error_response(500, f"internal error ({type(exc).__name__}); the session is unchanged", "server_error", metrics)
+
+    def auth(request: Request) -> None:
+        key = settings.api_key
+        if key is None:
+            return
+        header = request.headers.get("authorization", "")
+        scheme, _, token = header.partition(" ")
+        if scheme.lower() != "bearer" or not hmac.compare_digest(token.strip().encode(), key.encode()):
+            raise ApiError(401, "missing or invalid API key: send 'Authorization: Bearer <key>'")
+
+    guarded = [Depends(auth)]
+    session_path = Path(min_length=1, max_length=128, description="the id POST /v1/sessions returned")
+
+    @app.get("/health", response_model=Health)
+    def health() -> Health:
+        return Health(model=settings.model_name, vocab_size=ctx.model.vocab_size, max_context=ctx.model.max_length,
+                      sessions=len(store))
+
+    @app.get("/metrics", dependencies=guarded, response_class=Response, responses={401: {"model": ErrorResponse}})
+    def prometheus() -> Response:
+        store.sweep()
+        metrics.active_sessions.set(len(store))
+        return Response(content=metrics.render(), media_type=metrics.content_type)
+
+    @app.post("/v1/sessions", dependencies=guarded, response_model=CreateSessionResponse, status_code=201, responses=_ERRORS)
+    def create(req: CreateSessionRequest) -> CreateSessionResponse:
+        store.reserve()
+        session, reply = create_session(req, ctx.model, ctx.tokenizer, settings, secrets.token_urlsafe(16))
+        store.add(session)
+        metrics.sessions_created.labels(session.wire).inc()
+        metrics.active_sessions.set(len(store))
+        return reply
+
+    @app.get("/v1/sessions/{session_id}", dependencies=guarded, response_model=SessionInfo, responses=_ERRORS)
+    def info(session_id: str = session_path) -> SessionInfo:
+        return store.get(session_id).info()
+
+    @app.delete("/v1/sessions/{session_id}", dependencies=guarded, responses=_ERRORS)
+    def delete(session_id: str = session_path) -> dict[str, Any]:
+        if not store.remove(session_id):
+            raise ApiError(404, f"unknown session {session_id!r}")
+        metrics.active_sessions.set(len(store))
+        return {"session_id": session_id, "deleted": True}
+
+    @app.post("/v1/sessions/{session_id}/verify", dependencies=guarded, response_model=VerifyResponse, responses=_ERRORS)
+    def verify(req: VerifyRequest, session_id: str = session_path) -> VerifyResponse:
+        store.sweep()
+        session = store.get(session_id)
+        started = time.perf_counter()
+        with session.lock:
+            unverified_before = session.unverified
+            reply = session.verify(req, settings)
+            session.last_used = time.monotonic()
+            unverified = session.unverified - unverified_before
+        if reply.metrics.replayed:
+            metrics.replays.inc()
+        else:
+            metrics.observe_verify(
+                wire=session.wire, lossless=reply.metrics.lossless, gamma=reply.metrics.gamma,
+                accepted=reply.num_accepted, emitted=len(reply.tokens), seconds=time.perf_counter() - started,
+                unverified=unverified,
+            )
+        return reply
+
+    from specdec.server.openai_api import openai_router
+
+    app.include_router(openai_router(ctx), dependencies=guarded)
+    app.add_middleware(BodyLimit, max_bytes=settings.max_body_bytes, metrics=metrics)
+    return app

@@ -1,0 +1,29 @@
+"""The one exception the HTTP layer turns into a 4xx/5xx JSON error body."""
+
+from __future__ import annotations
+
+
+class ApiError(Exception):
+    """An HTTP error with a one-line message that says what is wrong (and what to do)."""
+
+    def __init__(self, status: int, message: str, *, kind: str | None = None) -> None:
+        super().__init__(message)
+        self.status = status
+        self.message = message
+        self.kind = kind or _default_kind(status)
+
+
+def _default_kind(status: int) -> str:
+    if status in (401, 403):
+        return "authentication_error"
+    if status == 404:
+        return "not_found_error"
+    if status == 409:
+        return "conflict_error"
+    if status == 413:
+        return "request_too_large"
+    if status == 429:
+        return "rate_limit_error"
+    if status >= 500:
+        return "server_error"
+    return "invalid_request_error"

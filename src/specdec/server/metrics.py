@@ -1,0 +1,69 @@
+"""Prometheus metrics of one server (a private registry, so several apps can share a process)."""
+
+from __future__ import annotations
+
+from prometheus_client import (
+    CONTENT_TYPE_LATEST,
+    CollectorRegistry,
+    Counter,
+    Gauge,
+    Histogram,
+    disable_created_metrics,
+    generate_latest,
+)
+
+_LATENCY_BUCKETS = (0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0)
+_TOKEN_BUCKETS = (1, 2, 3, 4, 5, 6, 8, 10, 12, 16, 24, 32, 48, 64, 65)
+
+
+class ServerMetrics:
+    """Counters and histograms for the verify API and the OpenAI-compatible endpoints.
+
+    Acceptance is exported both as raw counters (rate() them in PromQL) and as a cumulative
+    gauge per wire mode.  Lossy wire modes and unverified tokens are labelled ``lossless="false"``.
+    """
+
+    content_type = CONTENT_TYPE_LATEST
+
+    def __init__(self) -> None:
+        disable_created_metrics()  # no *_created series: they double the output and nobody reads them
+        r = self.registry = CollectorRegistry(auto_describe=True)
+        self.active_sessions = Gauge("specdec_active_sessions", "Edge sessions held by the server", registry=r)
+        self.sessions_created = Counter("specdec_sessions_created", "Edge sessions created", ["wire"], registry=r)
+        self.sessions_evicted = Counter("specdec_sessions_evicted", "Edge sessions dropped by the server", ["reason"], registry=r)
+        self.verify_calls = Counter("specdec_verify_calls", "Verify rounds (target calls) served", ["wire", "lossless"], registry=r)
+        self.replays = Counter("specdec_verify_replays", "Retried rounds answered from the stored verdict", registry=r)
+        self.drafted = Counter("specdec_draft_tokens_proposed", "Draft tokens received for verification", ["wire"], registry=r)
+        self.accepted = Counter("specdec_draft_tokens_accepted", "Draft tokens accepted", ["wire"], registry=r)
+        self.emitted = Counter("specdec_tokens_emitted", "Tokens committed (accepted + next token)", ["wire"], registry=r)
+        self.unverified = Counter("specdec_unverified_tokens", "Tokens the edge committed without verification (lossy)", registry=r)
+        self.acceptance = Gauge("specdec_acceptance_rate", "Accepted / proposed draft tokens since start", ["wire"], registry=r)
+        self.tokens_per_call = Histogram(
+            "specdec_tokens_per_call", "Tokens committed per target call", ["wire"], buckets=_TOKEN_BUCKETS, registry=r
+        )
+        self.verify_latency = Histogram(
+            "specdec_verify_latency_seconds", "Server time of one verify round", ["wire"], buckets=_LATENCY_BUCKETS, registry=r
+        )
+        self.completions = Counter("specdec_completions", "OpenAI-compatible requests served", ["endpoint", "stream"], registry=r)
+        self.completion_tokens = Counter("specdec_completion_tokens", "Tokens generated for OpenAI-compatible requests", registry=r)
+        self.http_errors = Counter("specdec_http_errors", "Requests answered with an error status", ["status"], registry=r)
+        self._proposed: dict[str, float] = {}
+        self._accepted: dict[str, float] = {}
+
+    def observe_verify(self, *, wire: str, lossless: bool, gamma: int, accepted: int, emitted: int, seconds: float,
+                       unverified: int) -> None:
+        self.verify_calls.labels(wire, str(lossless).lower()).inc()
+        self.drafted.labels(wire).inc(gamma)
+        self.accepted.labels(wire).inc(accepted)
+        self.emitted.labels(wire).inc(emitted)
+        if unverified:
+            self.unverified.inc(unverified)
+        self.tokens_per_call.labels(wire).observe(emitted)
+        self.verify_latency.labels(wire).observe(seconds)
+        self._proposed[wire] = self._proposed.get(wire, 0.0) + gamma
+        self._accepted[wire] = self._accepted.get(wire, 0.0) + accepted
+        if self._proposed[wire]:
+            self.acceptance.labels(wire).set(self._accepted[wire] / self._proposed[wire])
+
+    def render(self) -> bytes:
+        return generate_latest(self.registry)

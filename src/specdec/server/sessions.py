@@ -1,0 +1,400 @@
+"""Server-side edge sessions: one :class:`TargetSession` per edge sequence, plus ``seq`` bookkeeping.
+
+Every request is validated completely before the session is touched, so a bad request leaves it
+exactly as it was.  ``seq`` makes a round idempotent: the verdict of the last round is stored, a
+retry of that ``seq`` returns it again, any other out-of-order ``seq`` is a 409.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import os
+import threading
+import time
+from collections import OrderedDict
+from dataclasses import dataclass, field
+from typing import Any, Callable
+
+import torch
+from torch import Tensor
+
+from specdec.drafters.base import Draft
+from specdec.errors import SpecdecError
+from specdec.models.base import LanguageModel
+from specdec.remote.protocol import (
+    CreateSessionRequest,
+    CreateSessionResponse,
+    SessionInfo,
+    SparseRow,
+    VerifyMetrics,
+    VerifyRequest,
+    VerifyResponse,
+    default_wire,
+    wire_method,
+)
+from specdec.sampling import SamplingConfig
+from specdec.server.errors import ApiError
+from specdec.server.settings import ServerSettings
+from specdec.session import TargetSession
+from specdec.verify import Rule, Verdict, get_rule
+
+#: the forward-pass lock shared by every model a server process holds
+FORWARD_LOCK = threading.Lock()
+
+
+class SerializedModel:
+    """A :class:`LanguageModel` whose forward passes run one at a time under a shared lock.
+
+    Sessions are independent, but the model objects are not meant for concurrent forwards (and
+    on a small CPU box running two at once only thrashes the cores).  Caches stay per session.
+    """
+
+    def __init__(self, model: LanguageModel, lock: threading.Lock = FORWARD_LOCK) -> None:
+        self.inner = model
+        self.lock = lock
+        self.vocab_size = model.vocab_size
+        self.max_length = model.max_length
+
+    def new_cache(self, max_length: int | None = None) -> Any:
+        return self.inner.new_cache(max_length)
+
+    def forward(self, tokens: Tensor, cache: Any, *, last_only: bool = False) -> Tensor:  # tokens: [n]
+        with self.lock:
+            return self.inner.forward(tokens, cache, last_only=last_only)
+
+    def __getattr__(self, name: str) -> Any:  # anything else (dtype, n_params, ...) passes through
+        return getattr(self.inner, name)
+
+
+def serialized(model: LanguageModel, lock: threading.Lock = FORWARD_LOCK) -> LanguageModel:
+    return model if isinstance(model, SerializedModel) else SerializedModel(model, lock)
+
+
+# ----------------------------------------------------------------------------- unverified appends
+
+
+def _commit_all(draft_tokens: Tensor, draft_probs: Tensor | None, target_probs: Tensor, *, generator=None) -> Verdict:
+    """Keep every given token (no verification): the lossy edge's locally committed tokens."""
+    return Verdict(num_accepted=draft_tokens.numel() - 1, tokens=draft_tokens.clone())
+
+
+_APPEND = Rule("lossy_append", _commit_all, False, "argmax", False, needs_target_probs=False)
+
+
+def append_unverified(session: TargetSession, tokens: Tensor) -> None:  # tokens: [k] int64, k >= 1
+    """Append ``tokens`` to ``session`` without verification (one forward pass of k + 1 positions).
+
+    Uses the session's own round machinery with a rule that keeps everything, so the cache,
+    context and penalty state move exactly as if the tokens had been accepted.
+    """
+    rule = session.rule
+    session.rule = _APPEND
+    try:
+        session.verify(Draft(tokens=tokens, probs=None))
+    finally:
+        session.rule = rule
+
+
+# ----------------------------------------------------------------------------- one session
+
+
+def fresh_seed() -> int:
+    return int.from_bytes(os.urandom(7), "little")
+
+
+def _fingerprint(req: VerifyRequest) -> bytes:
+    return hashlib.blake2b(req.model_dump_json(exclude={"seq"}).encode(), digest_size=16).digest()
+
+
+@dataclass
+class EdgeSession:
+    """A sequence the edge is decoding: the target's state plus the round counter."""
+
+    id: str
+    wire: str
+    rule: Rule
+    seed: int
+    target: TargetSession
+    prompt_tokens: int
+    resumed_tokens: int
+    lock: threading.Lock = field(default_factory=threading.Lock)
+    next_seq: int = 0
+    unverified: int = 0
+    last_reply: VerifyResponse | None = None
+    last_fingerprint: bytes = b""
+    last_used: float = field(default_factory=time.monotonic)
+
+    @property
+    def lossless(self) -> bool:
+        return self.rule.lossless and self.unverified == 0
+
+    @property
+    def committed(self) -> int:
+        """Tokens committed after the prompt (those of a resumed sequence included)."""
+        return self.target.context.numel() - self.prompt_tokens
+
+    def info(self) -> SessionInfo:
+        return SessionInfo(
+            session_id=self.id,
+            wire=self.wire,  # type: ignore[arg-type]
+            method=self.rule.name,
+            lossless=self.lossless,
+            next_seq=self.next_seq,
+            prompt_tokens=self.prompt_tokens,
+            committed=self.committed,
+            unverified=self.unverified,
+            max_length=self.target.max_length,
+            idle_s=time.monotonic() - self.last_used,
+        )
+
+    # ------------------------------------------------------------------ verification
+
+    def verify(self, req: VerifyRequest, settings: ServerSettings) -> VerifyResponse:
+        """One round (call with ``self.lock`` held).  Raises :class:`ApiError` before any change."""
+        started = time.perf_counter()
+        if self.last_reply is not None and req.seq == self.next_seq - 1:
+            if _fingerprint(req) != self.last_fingerprint:
+                raise ApiError(
+                    409,
+                    f"seq {req.seq} was already verified with a different draft; the next round is seq {self.next_seq}",
+                )
+            reply = self.last_reply
+            return reply.model_copy(update={"metrics": reply.metrics.model_copy(update={"replayed": True})})
+        if req.seq != self.next_seq:
+            expected = f"seq {self.next_seq}" + (f" (or {self.next_seq - 1} to repeat the last round)" if self.next_seq else "")
+            raise ApiError(409, f"out-of-order seq {req.seq}: this session expects {expected}")
+        draft, forced = self._check(req, settings)
+        if forced is not None:
+            self._guarded(lambda: append_unverified(self.target, forced))
+            self.unverified += forced.numel()
+        outcome = self._guarded(lambda: self.target.verify(draft))
+        verdict = outcome.verdict
+        tokens = verdict.tokens.tolist()
+        reply = VerifyResponse(
+            seq=req.seq,
+            num_accepted=verdict.num_accepted,
+            tokens=tokens,
+            next_token=tokens[-1],
+            metrics=VerifyMetrics(
+                gamma=draft.tokens.numel(),
+                target_ms=outcome.target_s * 1e3,
+                verify_ms=outcome.verify_s * 1e3,
+                server_ms=(time.perf_counter() - started) * 1e3,
+                committed=self.committed,
+                lossless=self.lossless,
+            ),
+        )
+        self.last_reply = reply
+        self.last_fingerprint = _fingerprint(req)
+        self.next_seq += 1
+        return reply
+
+    def _guarded(self, fn: Callable[[], Any]) -> Any:
+        """Run ``fn``; if it raises, put the cache and the rule's generator back as they were."""
+        cache = self.target.cache
+        base = cache.length
+        state = self.target.generator.get_state()
+        try:
+            return fn()
+        except SpecdecError as exc:
+            cache.truncate(base)
+            self.target.generator.set_state(state)
+            raise ApiError(400, str(exc)) from None
+        except Exception:
+            cache.truncate(base)
+            self.target.generator.set_state(state)
+            raise
+
+    def _check(self, req: VerifyRequest, settings: ServerSettings) -> tuple[Draft, Tensor | None]:
+        """Validate ``req`` against this session; build the draft (dense q where the mode needs it)."""
+        vocab = self.target.model.vocab_size
+        gamma = len(req.draft_tokens)
+        if gamma > settings.max_gamma:
+            raise ApiError(400, f"the draft has {gamma} tokens; this server verifies at most {settings.max_gamma} per round")
+        for name, ids in (("draft_tokens", req.draft_tokens), ("unverified_tokens", req.unverified_tokens)):
+            for i, tok in enumerate(ids):
+                if tok >= vocab:
+                    raise ApiError(400, f"{name}[{i}] = {tok} is outside the vocabulary [0, {vocab})")
+        n_forced = len(req.unverified_tokens)
+        room = self.target.max_length - self.target.context.numel()
+        if n_forced + gamma + 1 > room:
+            raise ApiError(
+                400,
+                f"context full: this round needs {n_forced + gamma + 1} more positions but the session has {room} left"
+                f" (its context is {self.target.max_length} tokens)",
+            )
+        tokens = torch.tensor(req.draft_tokens, dtype=torch.long)  # [γ]
+        probs = self._dense_q(req, tokens, vocab)
+        forced = torch.tensor(req.unverified_tokens, dtype=torch.long) if n_forced else None
+        return Draft(tokens=tokens, probs=probs), forced
+
+    def _dense_q(self, req: VerifyRequest, tokens: Tensor, vocab: int) -> Tensor | None:  # -> [γ, V] float64
+        gamma = tokens.numel()
+        q = req.q
+        if self.wire in ("greedy", "coupled"):
+            if q:
+                raise ApiError(400, f"wire mode {self.wire!r} sends token ids only; drop 'q'")
+            return None
+        if gamma == 0:
+            if q:
+                raise ApiError(400, "'q' given for an empty draft")
+            return None
+        if self.wire == "sparse-q":
+            if q is None or not all(isinstance(row, SparseRow) for row in q):
+                raise ApiError(400, "wire mode 'sparse-q' needs 'q': one {ids, probs} row per draft token")
+            rows = [i for i, row in enumerate(q) for _ in row.ids]  # type: ignore[union-attr]
+            ids = [t for row in q for t in row.ids]  # type: ignore[union-attr]
+            if max(ids) >= vocab:
+                bad = max(ids)
+                raise ApiError(400, f"q row id {bad} is outside the vocabulary [0, {vocab})")
+            dense = torch.zeros(gamma, vocab, dtype=torch.float64)
+            dense[rows, ids] = torch.tensor([p for row in q for p in row.probs], dtype=torch.float64)  # type: ignore[union-attr]
+            return dense
+        # lossy-scalar: only q[i, x_i] exists; the lossy rules read nothing else
+        if q is None or not all(isinstance(v, float) for v in q):
+            raise ApiError(400, "wire mode 'lossy-scalar' needs 'q': one probability per draft token")
+        dense = torch.zeros(gamma, vocab, dtype=torch.float64)
+        dense[torch.arange(gamma), tokens] = torch.tensor(q, dtype=torch.float64)
+        return dense
+
+
+# ----------------------------------------------------------------------------- creation
+
+
+def create_session(
+    req: CreateSessionRequest,
+    model: LanguageModel,
+    tokenizer: Any | None,
+    settings: ServerSettings,
+    session_id: str,
+) -> tuple[EdgeSession, CreateSessionResponse]:
+    """Validate ``req``, prefill the target on the prompt, return the new session."""
+    from specdec.text import encode_prompt
+
+    vocab = model.vocab_size
+    if req.prompt_ids is not None:
+        prompt = list(req.prompt_ids)
+    else:
+        if tokenizer is None:
+            raise ApiError(400, "this server has no tokenizer; send 'prompt_ids'")
+        try:
+            prompt = encode_prompt(tokenizer, req.prompt or "", chat=req.chat)
+        except SpecdecError as exc:
+            raise ApiError(400, str(exc)) from None
+        if not prompt:
+            raise ApiError(400, "the prompt encodes to no tokens")
+    generated = list(req.generated_ids)
+    for name, ids in (("prompt_ids", prompt), ("generated_ids", generated)):
+        for i, tok in enumerate(ids):
+            if tok >= vocab:
+                raise ApiError(400, f"{name}[{i}] = {tok} is outside the vocabulary [0, {vocab})")
+    n = len(prompt) + len(generated)
+    if n >= model.max_length:
+        raise ApiError(400, f"the prompt has {n} tokens but the model's context is {model.max_length}")
+    wire = req.wire or default_wire(req.temperature)
+    try:
+        method = wire_method(wire, req.method)
+        if wire == "greedy" and req.temperature != 0.0:
+            raise ValueError("wire mode 'greedy' needs temperature 0")
+        rule = get_rule(method)
+        cfg = SamplingConfig(
+            temperature=req.temperature,
+            top_k=req.top_k,
+            top_p=req.top_p,
+            min_p=req.min_p,
+            repetition_penalty=req.repetition_penalty,
+            frequency_penalty=req.frequency_penalty,
+            presence_penalty=req.presence_penalty,
+        )
+    except (ValueError, SpecdecError) as exc:
+        raise ApiError(400, str(exc)) from None
+    budget = model.max_length - n - 1
+    if req.max_new_tokens is not None:
+        budget = min(budget, req.max_new_tokens)
+    seed = req.seed if req.seed is not None else fresh_seed()
+    try:
+        target = TargetSession(model, prompt + generated, cfg, rule, seed=seed, max_new_tokens=max(budget, 1))
+    except SpecdecError as exc:
+        raise ApiError(400, str(exc)) from None
+    if generated and target.penalties is not None:
+        # a resumed sequence: penalties count these as generated tokens, as the first session did
+        target.penalties.counts.index_add_(
+            0, torch.tensor(generated), torch.ones(len(generated), dtype=target.penalties.counts.dtype)
+        )
+    session = EdgeSession(
+        id=session_id, wire=wire, rule=rule, seed=seed, target=target, prompt_tokens=len(prompt),
+        resumed_tokens=len(generated),
+    )
+    reply = CreateSessionResponse(
+        session_id=session_id,
+        model=settings.model_name,
+        wire=wire,  # type: ignore[arg-type]
+        method=rule.name,
+        lossless=rule.lossless,
+        seed=seed,
+        vocab_size=vocab,
+        max_context=model.max_length,
+        max_length=target.max_length,
+        max_gamma=settings.max_gamma,
+        prompt_ids=prompt,
+        prefill_ms=target.prefill_s * 1e3,
+    )
+    return session, reply
+
+
+# ----------------------------------------------------------------------------- the store
+
+
+class SessionStore:
+    """Sessions by id, least recently used first; bounded in count and idle time."""
+
+    def __init__(self, settings: ServerSettings, *, on_evict: Callable[[str], None] | None = None) -> None:
+        self.settings = settings
+        self._sessions: OrderedDict[str, EdgeSession] = OrderedDict()
+        self._lock = threading.Lock()
+        self._on_evict = on_evict or (lambda reason: None)
+
+    def __len__(self) -> int:
+        return len(self._sessions)
+
+    def sweep(self) -> None:
+        """Drop sessions idle for longer than the TTL (never one that is busy)."""
+        now = time.monotonic()
+        ttl = self.settings.session_ttl_s
+        with self._lock:
+            stale = [k for k, s in self._sessions.items() if now - s.last_used > ttl and not s.lock.locked()]
+            for key in stale:
+                del self._sessions[key]
+                self._on_evict("ttl")
+
+    def reserve(self) -> None:
+        """Make room for one more session (evict the least recently used idle one) or raise 429."""
+        self.sweep()
+        with self._lock:
+            self._make_room()
+
+    def _make_room(self) -> None:
+        while len(self._sessions) >= self.settings.max_sessions:
+            victim = next((k for k, s in self._sessions.items() if not s.lock.locked()), None)
+            if victim is None:
+                raise ApiError(429, f"all {self.settings.max_sessions} sessions are busy; retry later")
+            del self._sessions[victim]
+            self._on_evict("lru")
+
+    def add(self, session: EdgeSession) -> None:
+        with self._lock:
+            self._make_room()
+            self._sessions[session.id] = session
+
+    def get(self, session_id: str) -> EdgeSession:
+        with self._lock:
+            session = self._sessions.get(session_id)
+            if session is None:
+                raise ApiError(404, f"unknown session {session_id!r} (expired, evicted, deleted or the server restarted); create a new one")
+            self._sessions.move_to_end(session_id)
+            session.last_used = time.monotonic()
+            return session
+
+    def remove(self, session_id: str) -> bool:
+        with self._lock:
+            return self._sessions.pop(session_id, None) is not None

@@ -1,0 +1,219 @@
+"""The verify API against a server process: idempotent seq, 409s, bad input -> 4xx, session unchanged."""
+
+from __future__ import annotations
+
+import json
+
+import httpx
+import pytest
+import torch
+
+from specdec.models.toy import ToyLM
+from specdec.sampling import SamplingConfig, process_logits
+
+from .conftest import API_KEY, MAX_GAMMA, MAX_LENGTH, VOCAB
+
+TARGET = ToyLM(VOCAB, order=2, seed=3)  # the server's model
+
+
+def _create(api: httpx.Client, **fields) -> dict:
+    body = {"prompt_ids": [1, 2, 3], "temperature": 1.0, "seed": 11, "wire": "sparse-q", **fields}
+    r = api.post("/v1/sessions", json=body)
+    assert r.status_code == 201, r.text
+    return r.json()
+
+
+def _info(api: httpx.Client, sid: str) -> dict:
+    r = api.get(f"/v1/sessions/{sid}")
+    assert r.status_code == 200, r.text
+    info = r.json()
+    info.pop("idle_s")
+    return info
+
+
+def _uniform_rows(tokens: list[int]) -> list[dict]:
+    """A valid sparse q for each draft token: uniform over the token and its neighbour."""
+    return [{"ids": [t, (t + 1) % VOCAB], "probs": [0.5, 0.5]} for t in tokens]
+
+
+def _round(api: httpx.Client, sid: str, seq: int, tokens: list[int]) -> httpx.Response:
+    return api.post(f"/v1/sessions/{sid}/verify", json={"seq": seq, "draft_tokens": tokens, "q": _uniform_rows(tokens)})
+
+
+def _error(r: httpx.Response, status: int | tuple[int, ...]) -> str:
+    statuses = (status,) if isinstance(status, int) else status
+    assert r.status_code in statuses, (r.status_code, r.text)
+    message = r.json()["error"]["message"]
+    assert isinstance(message, str) and len(message) > 10
+    return message
+
+
+def test_health_is_open_everything_else_needs_the_key(toy_server):
+    assert httpx.get(toy_server.url + "/health").json()["vocab_size"] == VOCAB
+    for headers in ({}, {"Authorization": "Bearer wrong"}, {"Authorization": API_KEY}, {"Authorization": f"Basic {API_KEY}"}):
+        r = httpx.post(toy_server.url + "/v1/sessions", json={"prompt_ids": [1]}, headers=headers)
+        assert "API key" in _error(r, 401)
+        assert r.headers["www-authenticate"] == "Bearer"
+        assert httpx.get(toy_server.url + "/metrics", headers=headers).status_code == 401
+
+
+def test_retry_of_the_last_seq_returns_the_stored_verdict(api):
+    sid = _create(api)["session_id"]
+    first = _round(api, sid, 0, [1, 2, 3])
+    assert first.status_code == 200
+    before = _info(api, sid)
+    for _ in range(3):  # a random rule: only a stored verdict can repeat itself
+        again = _round(api, sid, 0, [1, 2, 3])
+        assert again.status_code == 200
+        a, b = first.json(), again.json()
+        assert b["metrics"].pop("replayed") is True and a["metrics"].pop("replayed") is False
+        assert a == b
+        assert _info(api, sid) == before
+    # the same seq with another draft is a conflict, and changes nothing either
+    assert "different draft" in _error(_round(api, sid, 0, [4, 4]), 409)
+    assert _info(api, sid) == before
+    assert _round(api, sid, 1, [0]).status_code == 200
+    assert _info(api, sid)["next_seq"] == 2
+
+
+def test_out_of_order_seq_is_a_conflict(api):
+    sid = _create(api)["session_id"]
+    assert "expects seq 0" in _error(_round(api, sid, 1, [1]), 409)
+    assert _round(api, sid, 0, [1]).status_code == 200
+    for seq in (2, 7, 1000):
+        assert "expects seq 1 (or 0 to repeat the last round)" in _error(_round(api, sid, seq, [1]), 409)
+    assert _info(api, sid)["next_seq"] == 1
+
+
+def _bad_requests(sid: str) -> list[tuple[str, dict, int | tuple[int, ...], str]]:
+    """(name, httpx request kwargs, status, message fragment); the valid next round is seq 1."""
+    url = f"/v1/sessions/{sid}/verify"
+
+    def body(**kw) -> dict:
+        return {"method": "POST", "url": url, "json": {"seq": 1, "draft_tokens": [1, 2], "q": _uniform_rows([1, 2]), **kw}}
+
+    def raw(text: str, content_type: str = "application/json") -> dict:
+        return {"method": "POST", "url": url, "content": text.encode(), "headers": {"content-type": content_type}}
+
+    rows_nan = '{"seq": 1, "draft_tokens": [1], "q": [{"ids": [1, 2], "probs": [NaN, 0.5]}]}'
+    return [
+        ("no key", {**body(), "headers": {"Authorization": "Bearer nope"}}, 401, "API key"),
+        ("id out of vocab", body(draft_tokens=[1, VOCAB], q=_uniform_rows([1, VOCAB])), 400, "outside the vocabulary"),
+        ("q id out of vocab", body(draft_tokens=[1], q=[{"ids": [1, 99], "probs": [0.5, 0.5]}]), 400, "outside the vocabulary"),
+        ("negative id", body(draft_tokens=[-1], q=[0.5]), 422, "greater than or equal to 0"),
+        ("gamma over the server's bound", body(draft_tokens=[1] * (MAX_GAMMA + 1), q=_uniform_rows([1] * (MAX_GAMMA + 1))), 400, f"at most {MAX_GAMMA}"),
+        ("gamma over the protocol's bound", body(draft_tokens=[1] * 65, q=None), 422, "at most 64"),
+        ("NaN probability", raw(rows_nan), 422, "finite"),
+        ("negative probability", body(draft_tokens=[1], q=[{"ids": [1, 2], "probs": [0.5, -0.5]}]), 422, "greater than or equal to 0"),
+        ("probability over 1", body(draft_tokens=[1], q=[{"ids": [1], "probs": [1.5]}]), 422, "less than or equal to"),
+        ("row sum over 1", body(draft_tokens=[1], q=[{"ids": [1, 2], "probs": [0.6, 0.6]}]), 422, "sums to"),
+        ("draft token with q = 0", body(draft_tokens=[1], q=[{"ids": [2], "probs": [1.0]}]), 422, "q = 0"),
+        ("sparse-q without q", body(q=None), 400, "needs 'q'"),
+        ("scalar q in sparse-q mode", body(q=[0.5, 0.5]), 400, "needs 'q'"),
+        ("q rows mismatch", body(q=_uniform_rows([1])), 422, "rows but there are"),
+        ("unverified id out of vocab", body(unverified_tokens=[VOCAB + 3]), 400, "outside the vocabulary"),
+        ("negative seq", body(seq=-1), 422, "greater than or equal to 0"),
+        ("malformed JSON", raw('{"seq": 1, "draft_tokens": [1,'), 422, "JSON"),
+        ("not JSON", raw("seq=1", "application/x-www-form-urlencoded"), 422, "JSON object"),
+        ("oversized body", raw(json.dumps({"seq": 1, "draft_tokens": [1], "pad": "x" * 70000})), 413, "limit"),
+        ("unknown field", body(extra=1), 422, "Extra inputs"),
+        ("unknown session", {"method": "POST", "url": "/v1/sessions/nope/verify", "json": {"seq": 0}}, 404, "unknown session"),
+    ]
+
+
+def test_every_bad_request_is_a_4xx_with_a_message_and_changes_nothing(api):
+    a = _create(api)["session_id"]
+    twin = _create(api)["session_id"]  # same seed, same rounds, never sees a bad request
+    for sid in (a, twin):
+        assert _round(api, sid, 0, [1, 2, 3]).status_code == 200
+    before = _info(api, a)
+    for name, request, status, fragment in _bad_requests(a):
+        message = _error(api.request(**request), status)
+        assert fragment in message, (name, message)
+        assert _info(api, a) == before, name
+    # the session goes on exactly as its twin: no randomness, cache or context was touched
+    for seq, draft in ((1, [1, 2]), (2, [0, 5, 5]), (3, [2])):
+        ra, rt = _round(api, a, seq, draft), _round(api, twin, seq, draft)
+        assert ra.status_code == rt.status_code == 200
+        assert ra.json()["tokens"] == rt.json()["tokens"]
+
+
+def test_mode_mismatches_and_session_lifecycle(api):
+    greedy = _create(api, temperature=0.0, wire="greedy")["session_id"]
+    r = api.post(f"/v1/sessions/{greedy}/verify", json={"seq": 0, "draft_tokens": [1], "q": [0.5]})
+    assert "ids only" in _error(r, 400)
+    scalar = _create(api, wire="lossy-scalar")
+    assert scalar["method"] == "lossy_resample_p" and scalar["lossless"] is False
+    r = api.post(f"/v1/sessions/{scalar['session_id']}/verify", json={"seq": 0, "draft_tokens": [1], "q": _uniform_rows([1])})
+    assert "one probability per draft token" in _error(r, 400)
+    ok = api.post(f"/v1/sessions/{scalar['session_id']}/verify", json={"seq": 0, "draft_tokens": [1], "q": [0.4]})
+    assert ok.status_code == 200 and ok.json()["metrics"]["lossless"] is False
+    assert api.delete(f"/v1/sessions/{greedy}").status_code == 200
+    assert "unknown session" in _error(api.get(f"/v1/sessions/{greedy}"), 404)
+    assert "unknown session" in _error(api.delete(f"/v1/sessions/{greedy}"), 404)
+    # creation errors
+    assert "no tokenizer" in _error(api.post("/v1/sessions", json={"prompt": "hello"}), 400)
+    assert "outside the vocabulary" in _error(api.post("/v1/sessions", json={"prompt_ids": [VOCAB]}), 400)
+    assert "context" in _error(api.post("/v1/sessions", json={"prompt_ids": [1] * MAX_LENGTH}), 400)
+    assert "temperature 0" in _error(api.post("/v1/sessions", json={"prompt_ids": [1], "wire": "greedy"}), 422)
+    assert "no such endpoint" in _error(api.get("/v1/nothing"), 404)
+
+
+def test_context_full_is_a_400(api):
+    info = _create(api, prompt_ids=[1] * (MAX_LENGTH - 8), temperature=0.0, wire="greedy")
+    sid = info["session_id"]
+    assert info["max_length"] == MAX_LENGTH
+    assert "context full" in _error(api.post(f"/v1/sessions/{sid}/verify", json={"seq": 0, "draft_tokens": [1] * 8}), 400)
+    assert api.post(f"/v1/sessions/{sid}/verify", json={"seq": 0, "draft_tokens": [1] * 6}).status_code == 200
+
+
+def _greedy_next(history: list[int], cfg: SamplingConfig, prompt_len: int) -> int:
+    from specdec.sampling import PenaltyState
+
+    state = PenaltyState.start(torch.tensor(history[:prompt_len]), VOCAB)
+    if len(history) > prompt_len:
+        state.append(torch.tensor(history[prompt_len:]))
+    return int(process_logits(TARGET.logits_for(history).unsqueeze(0), cfg, state)[0].argmax())
+
+
+def test_resume_and_unverified_tokens_keep_the_penalty_state(api):
+    """A session re-created with generated_ids (or fed unverified tokens) continues as the original."""
+    fields = {"temperature": 0.0, "wire": "greedy", "repetition_penalty": 1.3, "frequency_penalty": 0.7}
+    cfg = SamplingConfig(temperature=0.0, repetition_penalty=1.3, frequency_penalty=0.7)
+    prompt = [1, 2, 3]
+    sid = _create(api, **fields)["session_id"]
+    history = list(prompt)
+    for seq in range(4):
+        r = api.post(f"/v1/sessions/{sid}/verify", json={"seq": seq, "draft_tokens": [history[-1]]})
+        history += r.json()["tokens"]
+    generated = history[len(prompt):]
+    resumed = _create(api, **fields, prompt_ids=prompt, generated_ids=generated)["session_id"]
+    assert _info(api, resumed)["committed"] == len(generated)
+    forced = _create(api, **fields)["session_id"]
+    r = api.post(f"/v1/sessions/{forced}/verify", json={"seq": 0, "draft_tokens": [], "unverified_tokens": generated})
+    assert r.status_code == 200 and r.json()["metrics"]["lossless"] is False
+    assert _info(api, forced)["unverified"] == len(generated)
+    expected = _greedy_next(history, cfg, len(prompt))
+    assert r.json()["tokens"] == [expected]
+    r = api.post(f"/v1/sessions/{resumed}/verify", json={"seq": 0, "draft_tokens": []})
+    assert r.json()["tokens"] == [expected]
+    r = api.post(f"/v1/sessions/{sid}/verify", json={"seq": 4, "draft_tokens": []})
+    assert r.json()["tokens"] == [expected]
+
+
+def test_prometheus_metrics(api):
+    sid = _create(api)["session_id"]
+    assert _round(api, sid, 0, [1, 2]).status_code == 200
+    assert _round(api, sid, 5, [1, 2]).status_code == 409
+    r = api.get("/metrics")
+    assert r.status_code == 200 and r.headers["content-type"].startswith("text/plain")
+    text = r.text
+    for name in (
+        "specdec_active_sessions ",
+        'specdec_verify_calls_total{lossless="true",wire="sparse-q"}',
+        'specdec_acceptance_rate{wire="sparse-q"}',
+        'specdec_verify_latency_seconds_bucket{le="0.005",wire="sparse-q"}',
+        'specdec_tokens_per_call_count{wire="sparse-q"}',
+        'specdec_http_errors_total{status="409"}',
+    ):
+        assert name in text, name

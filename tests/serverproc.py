@@ -1,0 +1,87 @@
+"""Run a specdec server as a separate process on a free loopback port (integration tests)."""
+
+from __future__ import annotations
+
+import os
+import signal
+import socket
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import httpx
+
+TESTS = Path(__file__).resolve().parent
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+class ServerProcess:
+    """``argv`` is the command after ``python``; ``{port}`` in it is replaced by the port."""
+
+    def __init__(self, argv: list[str], *, port: int | None = None, ready_timeout: float = 120.0) -> None:
+        self.port = port or free_port()
+        self.argv = [a.replace("{port}", str(self.port)) for a in argv]
+        self.ready_timeout = ready_timeout
+        self.proc: subprocess.Popen | None = None
+
+    @classmethod
+    def toy(cls, *extra: str, **kw) -> "ServerProcess":
+        return cls([str(TESTS / "toy_server.py"), "--port", "{port}", *extra], **kw)
+
+    @classmethod
+    def cli(cls, *extra: str, **kw) -> "ServerProcess":
+        return cls(["-m", "specdec.cli", "serve", "--port", "{port}", *extra], **kw)
+
+    @property
+    def url(self) -> str:
+        return f"http://127.0.0.1:{self.port}"
+
+    def start(self, *, wait: bool = True) -> "ServerProcess":
+        env = dict(os.environ, OMP_NUM_THREADS="1", TOKENIZERS_PARALLELISM="false")
+        self.proc = subprocess.Popen([sys.executable, *self.argv], env=env, stdout=subprocess.DEVNULL,
+                                     stderr=subprocess.PIPE, text=True)
+        if wait:
+            self.wait_ready()
+        return self
+
+    def wait_ready(self) -> None:
+        deadline = time.monotonic() + self.ready_timeout
+        while time.monotonic() < deadline:
+            if self.proc is not None and self.proc.poll() is not None:
+                raise RuntimeError(f"server exited with {self.proc.returncode}: {self.proc.stderr.read()[-2000:]}")
+            try:
+                if httpx.get(self.url + "/health", timeout=1.0).status_code == 200:
+                    return
+            except httpx.HTTPError:
+                pass
+            time.sleep(0.1)
+        raise RuntimeError("server did not become ready")
+
+    def kill(self) -> None:
+        """SIGKILL: the server loses every session, as in a crash."""
+        if self.proc is not None and self.proc.poll() is None:
+            self.proc.send_signal(signal.SIGKILL)
+            self.proc.wait(timeout=10)
+
+    def stop(self) -> None:
+        if self.proc is not None and self.proc.poll() is None:
+            self.proc.terminate()
+            try:
+                self.proc.wait(timeout=10)
+            except subprocess.TimeoutExpired:
+                self.proc.kill()
+                self.proc.wait(timeout=10)
+        if self.proc is not None and self.proc.stderr is not None:
+            self.proc.stderr.close()
+
+    def __enter__(self) -> "ServerProcess":
+        return self.start()
+
+    def __exit__(self, *exc: object) -> None:
+        self.stop()

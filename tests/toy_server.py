@@ -1,0 +1,47 @@
+"""Serve an exact toy target over HTTP (the integration tests start this as a separate process).
+
+    python tests/toy_server.py --port P [--vocab 4 --order 2 --seed 0] [--api-key K] [...]
+
+The tests build the same ``ToyLM(vocab, order=order, seed=seed)`` locally, so local and remote
+runs can be compared token for token and against exact laws.
+"""
+
+from __future__ import annotations
+
+import argparse
+
+import torch
+import uvicorn
+
+from specdec.drafters import ModelDrafter
+from specdec.models.toy import ToyLM
+from specdec.server import ServerSettings, create_app
+
+
+def main() -> None:
+    p = argparse.ArgumentParser()
+    p.add_argument("--port", type=int, required=True)
+    p.add_argument("--vocab", type=int, default=4)
+    p.add_argument("--order", type=int, default=2)
+    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--max-length", type=int, default=512)
+    p.add_argument("--api-key")
+    p.add_argument("--max-sessions", type=int, default=64)
+    p.add_argument("--ttl", type=float, default=900.0)
+    p.add_argument("--max-gamma", type=int, default=64)
+    p.add_argument("--max-body-bytes", type=int, default=1 << 20)
+    args = p.parse_args()
+    torch.set_num_threads(1)
+    target = ToyLM(args.vocab, order=args.order, seed=args.seed)
+    target.max_length = args.max_length
+    draft = target.perturbed(1.0, seed=1)
+    settings = ServerSettings(
+        api_key=args.api_key, model_name="toy", max_sessions=args.max_sessions, session_ttl_s=args.ttl,
+        max_gamma=args.max_gamma, max_body_bytes=args.max_body_bytes,
+    )
+    app = create_app(target, settings=settings, drafter_factory=lambda: ModelDrafter(draft), drafter_name="toy-draft")
+    uvicorn.run(app, host="127.0.0.1", port=args.port, log_level="warning")
+
+
+if __name__ == "__main__":
+    main()
