@@ -1,0 +1,492 @@
+"""The edge's view of the cloud: :class:`RemoteVerifier`, a :class:`specdec.session.Verifier` over HTTP.
+
+The decoding loop is the local one (:class:`specdec.decoder.SpeculativeDecoder`); only the target
+side moves to the server.  Per round the edge sends ``{seq, draft_tokens, q?}`` and applies the
+verdict to its mirror of the committed context.
+
+Failure handling (lossless by default):
+
+* a timeout or connection error is retried with the **same** ``seq`` (the server answers a repeated
+  ``seq`` with the stored verdict, so a lost response costs nothing but time);
+* a session the server no longer knows (404: evicted, expired, server restarted) is re-created
+  with prompt + committed tokens and the round is sent again.  Greedy and coupled verdicts are
+  pure functions of the committed context and the seed, so the output is the uninterrupted run's,
+  token for token; token/block verification restarts the server's generator with a seed derived
+  from the session seed and the committed length (fresh randomness: still exact in distribution).
+
+Lossy options (off by default, counted as unverified tokens in every stat):
+
+* ``lossy_timeout_commit_ms``: the reference guide's fallback (§8): when the cloud has not answered
+  within this many ms, commit the first draft token unverified and re-sync the session later;
+* ``local_commit``: a predicate (see :mod:`specdec.remote.gating`) that lets the edge commit an
+  easy draft block without a cloud call; the tokens travel to the server, unverified, with the
+  next round.
+"""
+
+from __future__ import annotations
+
+import json
+import threading
+import time
+from dataclasses import dataclass, field
+from typing import Any, Callable
+
+import httpx
+import torch
+from torch import Tensor
+
+from specdec.drafters.base import Draft
+from specdec.errors import ConfigError, SpecdecError
+from specdec.remote.protocol import default_wire, wire_method
+from specdec.sampling import SamplingConfig
+from specdec.session import Outcome
+from specdec.verify import Rule, Verdict, get_rule
+
+#: at most this many locally committed tokens wait for the next cloud call
+MAX_PENDING_UNVERIFIED = 256
+_SPLITMIX = 0x9E3779B97F4A7C15
+
+
+class RemoteError(SpecdecError):
+    """The cloud refused a request or could not be reached (one-line message for the CLI)."""
+
+
+@dataclass(frozen=True)
+class RemoteConfig:
+    """Where the cloud is and how to talk to it."""
+
+    url: str
+    api_key: str | None = None
+    wire: str | None = None  # greedy | coupled | sparse-q | lossy-scalar; None: greedy at T=0, else coupled
+    method: str | None = None  # the cloud's rule; None: the wire mode's default
+    timeout_s: float = 60.0  # per request (read) timeout
+    connect_timeout_s: float = 5.0
+    retry_budget_s: float = 60.0  # give up on a round after retrying this long
+    backoff_s: float = 0.05  # first retry delay, doubled per retry ...
+    max_backoff_s: float = 1.0  # ... up to this
+    #: lossy: commit the first draft token when the cloud has not answered after this many ms
+    lossy_timeout_commit_ms: float | None = None
+
+    def __post_init__(self) -> None:
+        if not self.url.startswith(("http://", "https://")):
+            raise ConfigError(f"the remote URL must start with http:// or https://, got {self.url!r}")
+        if self.lossy_timeout_commit_ms is not None and not self.lossy_timeout_commit_ms > 0:
+            raise ConfigError(f"the lossy timeout must be > 0 ms, got {self.lossy_timeout_commit_ms}")
+        for name in ("timeout_s", "connect_timeout_s", "retry_budget_s"):
+            if not getattr(self, name) > 0:
+                raise ConfigError(f"{name} must be > 0, got {getattr(self, name)}")
+
+
+@dataclass
+class RemoteStats:
+    """What the edge measured about the wire (mutable; totals over the session's life)."""
+
+    verify_calls: int = 0  # rounds the cloud answered (replays of a retry count once)
+    session_creates: int = 0  # the first one included
+    session_recreates: int = 0  # sessions the server lost and the edge re-created
+    retries: int = 0
+    bytes_up: int = 0  # JSON bodies sent (retries included)
+    bytes_down: int = 0  # JSON bodies received
+    wire_bytes_up: int = 0  # the same plus HTTP/1.1 request line and headers
+    wire_bytes_down: int = 0  # the same plus status line and headers
+    rtt_s: list[float] = field(default_factory=list)  # per verify round, retries included
+    cloud_target_ms: float = 0.0  # the server's forward passes (the guide's cloud_prefill_ms, summed)
+    cloud_server_ms: float = 0.0  # the server's handling time of the verify calls
+    session_prefill_ms: float = 0.0  # the server's prompt prefill(s)
+    unverified_tokens: int = 0  # lossy: committed without the cloud
+    timeout_commits: int = 0  # lossy: rounds where the guide's timeout fallback fired
+    local_commits: int = 0  # lossy: rounds the gate committed locally
+
+    @property
+    def lossless(self) -> bool:
+        return self.unverified_tokens == 0
+
+    def summary(self) -> dict[str, Any]:
+        rtts = sorted(self.rtt_s)
+
+        def pct(q: float) -> float:
+            return rtts[min(len(rtts) - 1, int(q * len(rtts)))] * 1e3 if rtts else 0.0
+
+        calls = max(self.verify_calls, 1)
+        return {
+            "verify_calls": self.verify_calls,
+            "session_creates": self.session_creates,
+            "session_recreates": self.session_recreates,
+            "retries": self.retries,
+            "bytes_up": self.bytes_up,
+            "bytes_down": self.bytes_down,
+            "wire_bytes_up": self.wire_bytes_up,
+            "wire_bytes_down": self.wire_bytes_down,
+            "rtt_ms": sum(rtts) / len(rtts) * 1e3 if rtts else 0.0,
+            "rtt_ms_p50": pct(0.5),
+            "rtt_ms_p95": pct(0.95),
+            "cloud_prefill_ms": self.cloud_target_ms / calls,
+            "cloud_prefill_ms_total": self.cloud_target_ms,
+            "cloud_server_ms_total": self.cloud_server_ms,
+            "session_prefill_ms": self.session_prefill_ms,
+            "unverified_tokens": self.unverified_tokens,
+            "timeout_commits": self.timeout_commits,
+            "local_commits": self.local_commits,
+        }
+
+
+@dataclass(frozen=True)
+class RemoteTarget:
+    """Stands in for the target on the edge: the decoder only reads its vocabulary and context."""
+
+    vocab_size: int
+    max_length: int
+    name: str = "remote"
+
+    def new_cache(self, max_length: int | None = None) -> Any:
+        raise SpecdecError("the target is remote: pass a RemoteVerifier to generate()")
+
+    def forward(self, tokens: Tensor, cache: Any, *, last_only: bool = False) -> Tensor:
+        raise SpecdecError("the target is remote: pass a RemoteVerifier to generate()")
+
+
+def _head_bytes_request(req: httpx.Request) -> int:
+    line = len(req.method) + 1 + len(req.url.raw_path) + len(" HTTP/1.1\r\n")
+    return line + sum(len(k) + len(v) + 4 for k, v in req.headers.raw) + 2
+
+
+def _head_bytes_response(resp: httpx.Response) -> int:
+    line = len(f"HTTP/1.1 {resp.status_code} {resp.reason_phrase}\r\n")
+    return line + sum(len(k) + len(v) + 4 for k, v in resp.headers.raw) + 2
+
+
+def _error_message(resp: httpx.Response) -> str:
+    try:
+        return str(resp.json()["error"]["message"])
+    except Exception:  # noqa: BLE001 - not our server, or not JSON
+        return resp.text[:200] or resp.reason_phrase
+
+
+def derived_seed(seed: int, committed: int) -> int:
+    """A fresh generator seed for a re-created token/block session (independent of the first one's)."""
+    x = (seed * _SPLITMIX + committed + 1) & ((1 << 64) - 1)
+    x ^= x >> 31
+    return x & ((1 << 63) - 1)
+
+
+class RemoteVerifier:
+    """Implements :class:`specdec.session.Verifier` by calling a specdec server.
+
+    ``sampling.seed`` must be set (the decoder must use the same seed: coupled drafting keys its
+    Gumbel noise on it).  Creating the verifier creates the server session (and its prefill).
+    """
+
+    def __init__(
+        self,
+        cfg: RemoteConfig,
+        prompt: Tensor | list[int],
+        sampling: SamplingConfig,
+        *,
+        max_new_tokens: int | None = None,
+        client: httpx.Client | None = None,
+        local_commit: Callable[[Draft], bool] | None = None,
+    ) -> None:
+        if sampling.seed is None:
+            raise ConfigError("a remote session needs a fixed seed (the edge and the cloud must share it)")
+        self.cfg = cfg
+        self.sampling = sampling
+        self.wire = cfg.wire or default_wire(sampling.temperature)
+        try:
+            self.method = wire_method(self.wire, cfg.method) if self.wire in _WIRES else None
+        except ValueError as exc:
+            raise ConfigError(str(exc)) from None
+        if self.method is None:
+            raise ConfigError(f"unknown wire mode {self.wire!r}; choose from: {', '.join(_WIRES)}")
+        if self.wire == "greedy" and not sampling.greedy:
+            raise ConfigError("wire mode greedy needs temperature 0")
+        self.rule: Rule = get_rule(self.method)
+        self.stats = RemoteStats()
+        self.local_commit = local_commit
+        self._prompt = torch.as_tensor(prompt, dtype=torch.long).reshape(-1).tolist()
+        if not self._prompt:
+            raise ConfigError("the prompt is empty")
+        self._budget = max_new_tokens if max_new_tokens is not None else sampling.max_new_tokens
+        self._base = cfg.url.rstrip("/")
+        headers = {"Content-Type": "application/json", "Accept": "application/json"}
+        if cfg.api_key:
+            headers["Authorization"] = f"Bearer {cfg.api_key}"
+        self._headers = headers
+        self._owns_client = client is None
+        self._http = client or httpx.Client(
+            timeout=httpx.Timeout(cfg.timeout_s, connect=cfg.connect_timeout_s),
+            limits=httpx.Limits(max_keepalive_connections=2, keepalive_expiry=60.0),
+        )
+        self._session: str | None = None
+        self._seq = 0
+        self._pending: list[int] = []  # locally committed tokens the server has not seen yet
+        self._ctx = torch.empty(0, dtype=torch.long)
+        self._n = 0
+        self._create(resume=False)
+
+    # ------------------------------------------------------------------ Verifier
+
+    @property
+    def context(self) -> Tensor:
+        """[L] int64: prompt + every committed token (the edge's mirror of the session)."""
+        return self._ctx[: self._n]
+
+    @property
+    def max_length(self) -> int:
+        return self._max_length
+
+    @property
+    def lossless(self) -> bool:
+        return self.rule.lossless and self.stats.lossless
+
+    def verify(self, draft: Draft) -> Outcome:
+        """One round: send the draft with the next ``seq``, apply the cloud's verdict."""
+        started = time.perf_counter()
+        gamma = draft.tokens.numel()
+        if (
+            self.local_commit is not None
+            and gamma > 0
+            and len(self._pending) + gamma <= MAX_PENDING_UNVERIFIED
+            and self.local_commit(draft)
+        ):
+            self.stats.local_commits += 1
+            return self._commit_unverified(draft.tokens, started, "local_commit")
+        drafted = draft.tokens.tolist()
+        payload: dict[str, Any] = {"draft_tokens": drafted}
+        q = self._q_payload(draft)
+        if q is not None:
+            payload["q"] = q
+        lossy_s = self.cfg.lossy_timeout_commit_ms / 1e3 if self.cfg.lossy_timeout_commit_ms else None
+        deadline = started + lossy_s if lossy_s is not None else None
+        attempts = 0
+        lost = 0
+        while True:
+            try:
+                if self._session is None:
+                    self._create(resume=True, deadline=deadline)
+                body = dict(payload, seq=self._seq)
+                if self._pending:
+                    body["unverified_tokens"] = self._pending
+                timeout = self.cfg.timeout_s if deadline is None else max(1e-3, min(self.cfg.timeout_s, deadline - time.perf_counter()))
+                resp = self._exchange("POST", f"/v1/sessions/{self._session}/verify", body, timeout)
+            except (httpx.TransportError, _DeadlinePassed) as exc:
+                attempts += 1
+                self.stats.retries += 1
+                if deadline is not None and gamma > 0 and time.perf_counter() >= deadline:
+                    self.stats.timeout_commits += 1
+                    self._abandon_session()
+                    return self._commit_unverified(draft.tokens[:1], started, "timeout_commit")
+                self._wait(attempts, started, exc)
+                continue
+            status = resp.status_code
+            if status == 200:
+                return self._apply(resp.json(), drafted, started)
+            if status == 404 and self._session is not None:
+                lost += 1
+                if lost > 3:
+                    raise RemoteError(f"the server keeps losing the session: {_error_message(resp)}")
+                self._session = None  # re-created (with everything committed so far) on the next pass
+                self.stats.session_recreates += 1
+                continue
+            if status in (429, 502, 503, 504):
+                attempts += 1
+                self.stats.retries += 1
+                self._wait(attempts, started, RemoteError(f"HTTP {status}"))
+                continue
+            raise RemoteError(f"the server refused round {self._seq}: HTTP {status}: {_error_message(resp)}")
+
+    def close(self) -> None:
+        """Delete the server session (best effort) and close the connection pool if we own it."""
+        if self._session is not None:
+            try:
+                self._http.request("DELETE", f"{self._base}/v1/sessions/{self._session}", headers=self._headers, timeout=2.0)
+            except httpx.HTTPError:
+                pass
+            self._session = None
+        if self._owns_client:
+            self._http.close()
+
+    def __enter__(self) -> "RemoteVerifier":
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
+
+    # ------------------------------------------------------------------ internals
+
+    def _exchange(self, method: str, path: str, payload: dict[str, Any] | None, timeout: float) -> httpx.Response:
+        """One HTTP exchange, counted in bytes (payload and estimated on-the-wire)."""
+        body = json.dumps(payload, separators=(",", ":")).encode() if payload is not None else b""
+        req = self._http.build_request(method, self._base + path, content=body or None, headers=self._headers,
+                                       timeout=httpx.Timeout(timeout, connect=min(timeout, self.cfg.connect_timeout_s)))
+        self.stats.bytes_up += len(body)
+        self.stats.wire_bytes_up += _head_bytes_request(req) + len(body)
+        resp = self._http.send(req)
+        self.stats.bytes_down += len(resp.content)
+        self.stats.wire_bytes_down += _head_bytes_response(resp) + len(resp.content)
+        return resp
+
+    def _wait(self, attempts: int, started: float, exc: Exception) -> None:
+        waited = time.perf_counter() - started
+        if waited > self.cfg.retry_budget_s:
+            raise RemoteError(
+                f"the server at {self._base} did not answer for {waited:.0f} s ({type(exc).__name__}); giving up"
+            )
+        time.sleep(min(self.cfg.max_backoff_s, self.cfg.backoff_s * 2 ** (attempts - 1)))
+
+    def _create(self, *, resume: bool, deadline: float | None = None) -> None:
+        """Create the session (``resume``: again, with every committed token as ``generated_ids``)."""
+        committed = self.context.tolist()[len(self._prompt):] if resume else []
+        seed = int(self.sampling.seed)  # type: ignore[arg-type]
+        if resume and self.rule.draft_sampling == "multinomial":
+            seed = derived_seed(seed, len(committed))  # the restarted generator must not replay old uniforms
+        s = self.sampling
+        body: dict[str, Any] = {
+            "prompt_ids": self._prompt,
+            "generated_ids": committed,
+            "temperature": s.temperature,
+            "top_k": s.top_k,
+            "top_p": s.top_p,
+            "min_p": s.min_p,
+            "repetition_penalty": s.repetition_penalty,
+            "frequency_penalty": s.frequency_penalty,
+            "presence_penalty": s.presence_penalty,
+            "seed": seed,
+            "wire": self.wire,
+            "method": self.method,
+            "max_new_tokens": max(1, self._budget - len(committed)),
+        }
+        started = time.perf_counter()
+        attempts = 0
+        while True:
+            try:
+                timeout = self.cfg.timeout_s
+                if deadline is not None:
+                    timeout = deadline - time.perf_counter()
+                    if timeout <= 0:
+                        raise _DeadlinePassed()
+                resp = self._exchange("POST", "/v1/sessions", body, timeout)
+            except httpx.TransportError as exc:
+                if deadline is not None:
+                    raise
+                attempts += 1
+                self.stats.retries += 1
+                self._wait(attempts, started, exc)
+                continue
+            if resp.status_code in (200, 201):
+                break
+            if resp.status_code in (429, 502, 503, 504) and deadline is None:
+                attempts += 1
+                self.stats.retries += 1
+                self._wait(attempts, started, RemoteError(f"HTTP {resp.status_code}"))
+                continue
+            raise RemoteError(f"the server refused the session: HTTP {resp.status_code}: {_error_message(resp)}")
+        data = resp.json()
+        if data.get("prompt_ids") != self._prompt:
+            raise RemoteError("the server's session does not hold the prompt the edge sent")
+        self._session = str(data["session_id"])
+        self._seq = 0
+        self._pending = []
+        self.stats.session_creates += 1
+        self.stats.session_prefill_ms += float(data.get("prefill_ms", 0.0))
+        if not resume:
+            self.vocab_size = int(data["vocab_size"])
+            self.max_context = int(data["max_context"])
+            self.server_max_gamma = int(data["max_gamma"])
+            self.seed = int(data["seed"])
+            self.model_name = str(data.get("model", "remote"))
+            self._max_length = int(data["max_length"])
+            self._ctx = torch.empty(self._max_length, dtype=torch.long)
+            self._ctx[: len(self._prompt)] = torch.tensor(self._prompt, dtype=torch.long)
+            self._n = len(self._prompt)
+
+    def _abandon_session(self) -> None:
+        """Forget the current session (its state is unknown after a lossy timeout); delete it in the background."""
+        sid, self._session = self._session, None
+        if sid is None:
+            return
+
+        def delete() -> None:  # its own connection: the edge's client stays single-threaded
+            try:
+                httpx.request("DELETE", f"{self._base}/v1/sessions/{sid}", headers=self._headers, timeout=2.0)
+            except Exception:  # noqa: BLE001 - best effort; the server's TTL collects it anyway
+                pass
+
+        threading.Thread(target=delete, daemon=True).start()
+
+    def _q_payload(self, draft: Draft) -> list[Any] | None:
+        """What the wire mode sends besides the ids: sparse rows of q, or one q(x_i) per token."""
+        gamma = draft.tokens.numel()
+        if self.wire in ("greedy", "coupled") or gamma == 0:
+            return None
+        probs = draft.probs  # [γ, V] or None (a deterministic drafter: q is one-hot)
+        if self.wire == "lossy-scalar":
+            if probs is None:
+                return [1.0] * gamma
+            return probs[torch.arange(gamma), draft.tokens].tolist()
+        if probs is None:
+            return [{"ids": [t], "probs": [1.0]} for t in draft.tokens.tolist()]
+        rows = []
+        for i in range(gamma):
+            ids = probs[i].nonzero().flatten()  # [k]
+            rows.append({"ids": ids.tolist(), "probs": probs[i, ids].tolist()})
+        return rows
+
+    def _append(self, tokens: list[int]) -> None:
+        k = len(tokens)
+        if self._n + k > self._ctx.numel():
+            raise RemoteError("the sequence outgrew the session's context")
+        self._ctx[self._n : self._n + k] = torch.tensor(tokens, dtype=torch.long)
+        self._n += k
+
+    def _apply(self, data: dict[str, Any], drafted: list[int], started: float) -> Outcome:
+        n, tokens = int(data["num_accepted"]), [int(t) for t in data["tokens"]]
+        if (
+            data.get("seq") != self._seq
+            or len(tokens) != n + 1
+            or tokens[:n] != drafted[:n]
+            or not all(0 <= t < self.vocab_size for t in tokens)
+        ):
+            raise RemoteError(f"the server's verdict for round {self._seq} is inconsistent with the draft")
+        self._seq += 1
+        self._pending = []
+        self._append(tokens)
+        committed = data.get("metrics", {}).get("committed")
+        if committed is not None and committed != self._n - len(self._prompt):
+            raise RemoteError(
+                f"the server's session holds {committed} committed tokens but the edge has {self._n - len(self._prompt)}"
+            )
+        rtt = time.perf_counter() - started
+        m = data.get("metrics", {})
+        self.stats.verify_calls += 1
+        self.stats.rtt_s.append(rtt)
+        self.stats.cloud_target_ms += float(m.get("target_ms", 0.0))
+        self.stats.cloud_server_ms += float(m.get("server_ms", 0.0))
+        verdict = Verdict(num_accepted=n, tokens=torch.tensor(tokens, dtype=torch.long))
+        metrics = {
+            "rtt_ms": rtt * 1e3,
+            "cloud_prefill_ms": float(m.get("target_ms", 0.0)),
+            "server_ms": float(m.get("server_ms", 0.0)),
+            "bytes_up": self.stats.bytes_up,
+            "bytes_down": self.stats.bytes_down,
+            "retries": self.stats.retries,
+            "unverified": 0,
+        }
+        return Outcome(verdict=verdict, target_s=rtt, verify_s=float(m.get("verify_ms", 0.0)) / 1e3, metrics=metrics)
+
+    def _commit_unverified(self, tokens: Tensor, started: float, reason: str) -> Outcome:  # tokens: [k]
+        """Lossy: keep ``tokens`` without the cloud (the last one plays the 'next token')."""
+        toks = tokens.tolist()
+        self._append(toks)
+        if self._session is not None:
+            self._pending.extend(toks)  # the server appends them, unverified, with the next round
+        self.stats.unverified_tokens += len(toks)
+        verdict = Verdict(num_accepted=len(toks) - 1, tokens=tokens.clone())
+        elapsed = time.perf_counter() - started
+        return Outcome(verdict=verdict, target_s=elapsed, verify_s=0.0, metrics={"unverified": len(toks), reason: True})
+
+
+class _DeadlinePassed(Exception):
+    """The lossy timeout ran out before a request could be sent."""
+
+
+_WIRES = ("greedy", "coupled", "sparse-q", "lossy-scalar")

@@ -1,0 +1,182 @@
+"""The edge's generate call: draft locally, verify remotely, through the local decoding loop.
+
+:func:`generate_remote` is what ``specdec generate --remote URL`` runs: the local draft model (or
+any drafter) proposes, a :class:`RemoteVerifier` carries each round to the server, the ordinary
+:class:`SpeculativeDecoder` does the rest (γ policy, stops, streaming, stats).  The γ controller
+sees each round's full round trip as the target's cost (``Outcome.target_s``), so ``auto`` γ
+accounts for the network: a longer RTT makes longer drafts pay.
+"""
+
+from __future__ import annotations
+
+import os
+from dataclasses import dataclass, field, replace
+from typing import Any, Callable
+
+import httpx
+
+from specdec import defaults
+from specdec.decoder import GenerationResult, SpeculativeDecoder
+from specdec.drafters.base import Drafter
+from specdec.engine import make_gamma
+from specdec.errors import ConfigError
+from specdec.remote.client import RemoteConfig, RemoteTarget, RemoteVerifier
+from specdec.remote.gating import Gate, GatedDrafter
+from specdec.sampling import SamplingConfig
+from specdec.text import StopStrings, TextStream, trim_at_stop
+
+#: default truncation of q in sparse-q mode (the drafter samples from its top-k and sends exactly that)
+DEFAULT_Q_TOP_K = 16
+
+
+@dataclass(frozen=True)
+class EdgeResult:
+    text: str
+    token_ids: list[int]
+    prompt_ids: list[int]
+    result: GenerationResult = field(repr=False)
+    remote: dict[str, Any]  # wire mode, bytes, RTT, cloud time, retries, lossy counts
+    gate: dict[str, Any] | None
+
+    @property
+    def stats(self):
+        return self.result.stats
+
+    @property
+    def lossless(self) -> bool:
+        return bool(self.remote["lossless"])
+
+    def summary(self) -> dict[str, Any]:
+        """The local generation stats plus the edge-cloud figures (the CLI's JSON ``stats``)."""
+        st = self.result.stats
+        out = st.to_dict()
+        out["lossless"] = self.lossless
+        generated = max(st.generated_tokens, 1)
+        out.update(
+            bytes_up=self.remote["bytes_up"],
+            bytes_down=self.remote["bytes_down"],
+            rtt_ms=self.remote["rtt_ms"],
+            cloud_prefill_ms=self.remote["cloud_prefill_ms"],
+            edge_time_ms=st.draft_s * 1e3,
+            cloud_calls_per_token=self.remote["verify_calls"] / generated,
+        )
+        return out
+
+
+class _TextSink:
+    """Incremental text with stop strings held back (what Engine.generate does for local runs)."""
+
+    def __init__(self, tokenizer: Any | None, stops: tuple[str, ...], on_text: Callable[[str], None] | None) -> None:
+        self.stream = TextStream(tokenizer) if tokenizer is not None else None
+        self.stops = stops
+        self.on_text = on_text
+        self.printed = 0
+
+    def push(self, tokens: list[int]) -> None:
+        if self.stream is None or not self.stream.push(tokens) or self.on_text is None:
+            return
+        text = self.stream.text
+        visible = trim_at_stop(text, self.stops) if self.stops else text
+        hold = max((len(s) - 1 for s in self.stops), default=0)
+        safe = len(visible) if len(visible) < len(text) else max(self.printed, len(visible) - hold)
+        if safe > self.printed:
+            self.on_text(visible[self.printed : safe])
+            self.printed = safe
+
+    def finish(self, tokens: list[int]) -> str:
+        if self.stream is None:
+            return ""
+        text = self.stream.decode(tokens)
+        if self.stops:
+            text = trim_at_stop(text, self.stops)
+        if self.on_text is not None and len(text) > self.printed:
+            self.on_text(text[self.printed :])
+        return text
+
+
+def generate_remote(
+    prompt_ids: list[int],
+    sampling: SamplingConfig,
+    remote: RemoteConfig,
+    *,
+    drafter: Drafter | None,
+    drafter_name: str = "",
+    tokenizer: Any | None = None,
+    gamma: str | int = defaults.DEFAULT_GAMMA,
+    eos_ids: frozenset[int] = frozenset(),
+    q_top_k: int | None = DEFAULT_Q_TOP_K,
+    gate: Gate | None = None,
+    on_text: Callable[[str], None] | None = None,
+    on_tokens: Callable[[list[int]], None] | None = None,
+    client: httpx.Client | None = None,
+) -> EdgeResult:
+    """Generate after ``prompt_ids`` with ``drafter`` here and the target behind ``remote``.
+
+    A missing ``sampling.seed`` is drawn here, so the edge and the cloud share it.
+    ``q_top_k`` applies to the sparse-q wire mode only.
+    """
+    if not prompt_ids:
+        raise ConfigError("the prompt is empty")
+    if q_top_k is not None and q_top_k < 1:
+        raise ConfigError(f"q top-k must be >= 1, got {q_top_k}")
+    if sampling.seed is None:
+        sampling = replace(sampling, seed=int.from_bytes(os.urandom(6), "little"))
+    local_commit = None
+    if gate is not None and gate.cfg.policy != "off":
+        if drafter is not None:
+            drafter = GatedDrafter(drafter, gate)
+        if gate.cfg.policy == "lossy-local-commit":
+            local_commit = gate.local_commit
+    verifier = RemoteVerifier(
+        remote, prompt_ids, sampling, max_new_tokens=sampling.max_new_tokens, client=client, local_commit=local_commit
+    )
+    try:
+        target = RemoteTarget(vocab_size=verifier.vocab_size, max_length=verifier.max_context)
+        decoder = SpeculativeDecoder(
+            target,  # type: ignore[arg-type]  # the decoder reads only vocab_size from it
+            drafter,
+            verifier.rule,
+            gamma=make_gamma(gamma),
+            eos_ids=eos_ids,
+            drafter_name=drafter_name,
+            q_top_k=q_top_k if verifier.wire == "sparse-q" else None,
+        )
+        sink = _TextSink(tokenizer, sampling.stop, on_text)
+        stop = StopStrings(tokenizer, sampling.stop) if sampling.stop and tokenizer is not None else None
+
+        def emit(tokens: list[int]) -> None:
+            sink.push(tokens)
+            if on_tokens is not None:
+                on_tokens(tokens)
+
+        result = decoder.generate(prompt_ids, sampling, stop=stop, on_tokens=emit, verifier=verifier)
+        text = sink.finish(result.tokens)
+    finally:
+        verifier.close()
+    info = verifier.stats.summary()
+    info.update(
+        url=remote.url,
+        model=verifier.model_name,
+        wire=verifier.wire,
+        method=verifier.rule.name,
+        lossless=verifier.lossless,  # exact unless a lossy rule ran or a token went unverified
+        lossy_options=[
+            name
+            for name, on in (
+                ("lossy_timeout_commit", remote.lossy_timeout_commit_ms is not None),
+                ("lossy_local_commit", local_commit is not None),
+            )
+            if on
+        ],
+        seed=sampling.seed,
+        q_top_k=q_top_k if verifier.wire == "sparse-q" else None,
+        lossy_timeout_commit_ms=remote.lossy_timeout_commit_ms,
+    )
+    return EdgeResult(
+        text=text,
+        token_ids=result.tokens,
+        prompt_ids=list(prompt_ids),
+        result=result,
+        remote=info,
+        gate=gate.summary() if gate is not None else None,
+    )

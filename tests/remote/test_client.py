@@ -1,0 +1,245 @@
+"""The edge: RemoteVerifier + the local decoding loop against a toy server process.
+
+Exactness over the wire is checked three ways: token-for-token equality with local decoding
+(greedy; coupled with the same seed; sparse-q with the same seed, which runs the very same
+arithmetic), and a chi-square test of the output law in sparse-q mode with two negative controls.
+"""
+
+from __future__ import annotations
+
+import time
+
+import httpx
+import pytest
+
+from specdec.decoder import SpeculativeDecoder
+from specdec.drafters import ModelDrafter, NgramDrafter
+from specdec.errors import ConfigError
+from specdec.gamma import FixedGamma
+from specdec.models.toy import ToyLM
+from specdec.remote.client import RemoteConfig, RemoteError, RemoteTarget, RemoteVerifier
+from specdec.remote.edge import generate_remote
+from specdec.sampling import SamplingConfig
+from specdec.verify import get_rule
+from stats import ALPHA, chi_square_pvalue, exact_law
+
+from .conftest import API_KEY
+
+TARGET = ToyLM(4, order=2, seed=0)  # the server's model
+DRAFT = TARGET.perturbed(1.0, seed=1)
+
+
+def _cfg(url: str, **kw) -> RemoteConfig:
+    return RemoteConfig(url=url, api_key=API_KEY, **kw)
+
+
+def _remote(url: str, prompt: list[int], cfg: SamplingConfig, *, gamma: int = 3, drafter=None, q_top_k=2,
+            client: httpx.Client | None = None, **remote_kw):
+    return generate_remote(prompt, cfg, _cfg(url, **remote_kw), drafter=drafter or ModelDrafter(DRAFT), gamma=gamma,
+                           q_top_k=q_top_k, client=client)
+
+
+def _local(prompt: list[int], cfg: SamplingConfig, method: str, *, gamma: int = 3, drafter="model", q_top_k=None) -> list[int]:
+    d = ModelDrafter(DRAFT) if drafter == "model" else drafter
+    dec = SpeculativeDecoder(TARGET, d, get_rule(method), gamma=FixedGamma(gamma), q_top_k=q_top_k)
+    return dec.generate(prompt, cfg).tokens
+
+
+def test_remote_greedy_equals_local_greedy(toy_server):
+    with httpx.Client() as client:
+        for penalty in (1.0, 1.5):
+            cfg = SamplingConfig(temperature=0.0, repetition_penalty=penalty, max_new_tokens=30)
+            for prompt in ([1], [2, 3, 0], [3, 3, 1, 0]):
+                plain = _local(prompt, cfg, "greedy", drafter=None)
+                for gamma in (1, 3, 6):
+                    out = _remote(toy_server.url, prompt, cfg, gamma=gamma, client=client)
+                    assert out.token_ids == plain
+                    assert out.remote["wire"] == "greedy" and out.lossless
+    st = out.summary()
+    assert st["generated_tokens"] == 30 and st["tokens_per_target_call"] > 1.0
+    assert st["cloud_calls_per_token"] == pytest.approx(out.remote["verify_calls"] / 30)
+    assert 0 < st["bytes_up"] < out.remote["wire_bytes_up"] and 0 < st["bytes_down"] < out.remote["wire_bytes_down"]
+    assert st["rtt_ms"] > 0 and st["cloud_prefill_ms"] > 0 and st["edge_time_ms"] > 0
+
+
+def test_remote_coupled_equals_local_seeded_sampling(toy_server):
+    """Same seed => the same tokens as the target sampling alone, whatever the drafter and γ."""
+    with httpx.Client() as client:
+        for seed in range(6):
+            cfg = SamplingConfig(temperature=1.0, top_p=0.95, repetition_penalty=1.2, seed=seed, max_new_tokens=30)
+            plain = _local([1, 2], cfg, "coupled", drafter=None)
+            for drafter, gamma in ((ModelDrafter(DRAFT), 2), (ModelDrafter(DRAFT), 5), (NgramDrafter(), 4)):
+                out = _remote(toy_server.url, [1, 2], cfg, gamma=gamma, drafter=drafter, client=client)
+                assert out.remote["wire"] == "coupled" and out.token_ids == plain
+
+
+@pytest.mark.parametrize("method", ["block", "token"])
+def test_remote_sparse_q_equals_local_truncated_drafting(toy_server, method):
+    """Same seed => the same tokens as local speculative decoding with the same top-k truncation."""
+    with httpx.Client() as client:
+        for seed in range(12):
+            cfg = SamplingConfig(temperature=0.9, min_p=0.05, seed=seed, max_new_tokens=20)
+            out = _remote(toy_server.url, [1, 2], cfg, gamma=3, q_top_k=2, wire="sparse-q", method=method, client=client)
+            assert out.remote["method"] == method
+            assert out.token_ids == _local([1, 2], cfg, method, gamma=3, q_top_k=2)
+
+
+# ----------------------------------------------------------------------------- output law over the wire
+
+#: 2,000 independent generations (seed = index) of 3 tokens from the 4-token order-2 toy target
+#: (64 outcomes), chi-square against the exact law, failing at p < ALPHA = 1e-4.  At this size the
+#: two negative controls below are rejected by many orders of magnitude.
+N_LAW = 2000
+LAW_CFG = SamplingConfig(temperature=1.0, max_new_tokens=3)
+
+
+class _MisreportedQ(RemoteVerifier):
+    """A broken edge: samples from its top-2 q but reports both ids as equally likely."""
+
+    def _q_payload(self, draft):
+        rows = super()._q_payload(draft)
+        return [{"ids": r["ids"], "probs": [1.0 / len(r["ids"])] * len(r["ids"])} for r in rows] if rows else rows
+
+
+def _law_samples(url: str, wire: str, *, q_top_k: int | None, verifier_cls=RemoteVerifier) -> list[tuple[int, ...]]:
+    out = []
+    with httpx.Client() as client:
+        for i in range(N_LAW):
+            cfg = SamplingConfig(temperature=1.0, seed=i, max_new_tokens=3)
+            v = verifier_cls(_cfg(url, wire=wire), [1, 2], cfg, client=client)
+            dec = SpeculativeDecoder(RemoteTarget(4, v.max_context), ModelDrafter(DRAFT), v.rule, gamma=FixedGamma(2),
+                                     q_top_k=q_top_k)
+            out.append(tuple(dec.generate([1, 2], cfg, verifier=v).tokens))  # no DELETE: the server's LRU drops it
+    return out
+
+
+def test_sparse_q_output_law_matches_the_target(toy_server):
+    law = exact_law(TARGET, [1, 2], LAW_CFG, 3)
+    assert chi_square_pvalue(_law_samples(toy_server.url, "sparse-q", q_top_k=2), law) > ALPHA
+
+
+def test_negative_controls_the_law_test_catches_a_wrong_q(toy_server):
+    """The guide's scalar-q protocol, and a sparse q that misreports the draft's distribution."""
+    law = exact_law(TARGET, [1, 2], LAW_CFG, 3)
+    assert chi_square_pvalue(_law_samples(toy_server.url, "lossy-scalar", q_top_k=None), law) < ALPHA
+    assert chi_square_pvalue(_law_samples(toy_server.url, "sparse-q", q_top_k=2, verifier_cls=_MisreportedQ), law) < ALPHA
+
+
+# ----------------------------------------------------------------------------- failures
+
+
+class _Flaky(httpx.HTTPTransport):
+    """Loses the response of every ``every``-th verify call (the server did process it)."""
+
+    def __init__(self, every: int) -> None:
+        super().__init__()
+        self.every = every
+        self.calls = 0
+        self.lost = 0
+
+    def handle_request(self, request: httpx.Request) -> httpx.Response:
+        response = super().handle_request(request)
+        if request.url.path.endswith("/verify"):
+            self.calls += 1
+            if self.calls % self.every == 0:
+                response.read()
+                self.lost += 1
+                raise httpx.ReadTimeout("response lost", request=request)
+        return response
+
+
+def test_a_lost_response_is_retried_with_the_same_seq(toy_server):
+    cfg = SamplingConfig(temperature=1.0, seed=5, max_new_tokens=40)
+    transport = _Flaky(every=3)
+    with httpx.Client(transport=transport) as client:
+        out = _remote(toy_server.url, [1, 2], cfg, gamma=3, client=client, wire="sparse-q")
+    assert transport.lost >= 3 and out.remote["retries"] == transport.lost
+    # the server answered each retry from its stored verdict, so the run is the undisturbed one
+    assert out.token_ids == _local([1, 2], cfg, "block", gamma=3, q_top_k=2)
+    assert out.remote["verify_calls"] == out.stats.target_calls and out.lossless
+
+
+def test_server_killed_and_restarted_mid_session(toy_server):
+    from serverproc import ServerProcess
+
+    cfg = SamplingConfig(temperature=1.0, top_k=3, seed=9, max_new_tokens=120)
+    srv = ServerProcess.toy("--api-key", API_KEY, "--vocab", "4", "--order", "2", "--seed", "0").start()
+    restarted = []
+
+    def crash(tokens: list[int]) -> None:
+        seen.extend(tokens)
+        if len(seen) >= 30 and not restarted:
+            srv.kill()
+            srv.start(wait=False)  # the edge's retries wait for it
+            restarted.append(len(seen))
+
+    seen: list[int] = []
+    try:
+        out = generate_remote([1, 2], cfg, _cfg(srv.url), drafter=ModelDrafter(DRAFT), gamma=3, on_tokens=crash)
+    finally:
+        srv.stop()
+    assert restarted and out.remote["session_recreates"] >= 1 and out.remote["retries"] >= 1
+    assert out.token_ids == _local([1, 2], cfg, "coupled", drafter=None)  # = the uninterrupted run
+    assert out.lossless and len(out.token_ids) == 120
+
+
+class _Slow(httpx.HTTPTransport):
+    """The cloud does not answer verify calls number ``slow`` (1-based) before the client's read timeout."""
+
+    def __init__(self, slow: set[int]) -> None:
+        super().__init__()
+        self.slow = slow
+        self.calls = 0
+
+    def handle_request(self, request: httpx.Request) -> httpx.Response:
+        if request.url.path.endswith("/verify"):
+            self.calls += 1
+            if self.calls in self.slow:
+                time.sleep(float(request.extensions["timeout"]["read"]))
+                raise httpx.ReadTimeout("no answer in time", request=request)
+        return super().handle_request(request)
+
+
+def test_lossy_timeout_fallback_commits_the_first_draft_token_and_is_counted(toy_server):
+    cfg = SamplingConfig(temperature=0.0, max_new_tokens=40)
+    with httpx.Client(transport=_Slow({2, 5})) as client:
+        out = _remote(toy_server.url, [1, 2], cfg, gamma=4, client=client, lossy_timeout_commit_ms=60)
+    r = out.remote
+    assert r["timeout_commits"] == 2 and r["unverified_tokens"] == 2
+    assert r["session_creates"] == 3  # the session is re-synced after each fallback
+    assert not out.lossless and out.summary()["lossless"] is False and "lossy_timeout_commit" in r["lossy_options"]
+    assert len(out.token_ids) == 40
+    # without the fallback the same slow calls are simply retried: exact output
+    with httpx.Client(transport=_Slow({2, 5})) as client:
+        out = _remote(toy_server.url, [1, 2], cfg, gamma=4, client=client, timeout_s=0.1)
+    assert out.lossless and out.token_ids == _local([1, 2], cfg, "greedy", drafter=None)
+
+
+def test_lossy_local_commit_travels_to_the_server_and_is_counted(toy_server):
+    from specdec.remote.gating import Gate, GateConfig
+
+    gate = Gate(GateConfig(policy="lossy-local-commit", t_entropy_bits=None, t_margin=None, rules=frozenset(), max_local_rounds=2))
+    cfg = SamplingConfig(temperature=0.0, max_new_tokens=40)
+    out = generate_remote([1, 2], cfg, _cfg(toy_server.url), drafter=ModelDrafter(DRAFT), gamma=3, gate=gate)
+    r = out.remote
+    assert r["local_commits"] > 0 and r["unverified_tokens"] == 3 * r["local_commits"] and not out.lossless
+    assert out.gate["local_commits"] == r["local_commits"] and out.gate["lossless"] is False
+    assert len(out.token_ids) == 40  # every cloud round agreed with the edge's context (checked per round)
+
+
+def test_errors_are_one_line_messages(toy_server):
+    cfg = SamplingConfig(temperature=0.0, seed=1, max_new_tokens=5)
+    with pytest.raises(RemoteError, match="HTTP 401: missing or invalid API key"):
+        RemoteVerifier(RemoteConfig(url=toy_server.url, api_key="wrong"), [1], cfg)
+    with pytest.raises(RemoteError, match="outside the vocabulary"):
+        RemoteVerifier(_cfg(toy_server.url), [9], cfg)
+    with pytest.raises(ConfigError, match="temperature 0"):
+        RemoteVerifier(_cfg(toy_server.url, wire="greedy"), [1], SamplingConfig(temperature=1.0, seed=1))
+    with pytest.raises(ConfigError, match="not available in wire mode"):
+        RemoteVerifier(_cfg(toy_server.url, wire="coupled", method="block"), [1], SamplingConfig(temperature=1.0, seed=1))
+    with pytest.raises(ConfigError, match="http://"):
+        RemoteConfig(url="ftp://x")
+    from serverproc import free_port
+
+    with pytest.raises(RemoteError, match="did not answer"):
+        RemoteVerifier(RemoteConfig(url=f"http://127.0.0.1:{free_port()}", retry_budget_s=0.3), [1], cfg)
