@@ -53,9 +53,10 @@ class ModelDrafter:
             tokens.append(token)
             if q is not None:
                 rows.append(q)
-            if j + 1 < gamma:
-                logits = self.model.forward(torch.tensor([token]), self.cache)
-                self._fed += 1
+            if j + 1 == gamma or getattr(sampler, "stop_requested", False):
+                break  # a gate (specdec.remote.gating) may end the draft at a hard token
+            logits = self.model.forward(torch.tensor([token]), self.cache)
+            self._fed += 1
         return Draft(tokens=torch.tensor(tokens, dtype=torch.long), probs=torch.stack(rows) if rows else None)
 
     def commit(self, verdict: Verdict) -> None:

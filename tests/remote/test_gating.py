@@ -1,0 +1,156 @@
+"""Gating: the signals, the rule triggers, and that shaping drafts keeps decoding exact."""
+
+from __future__ import annotations
+
+import json
+import math
+
+import pytest
+import torch
+
+from specdec.decoder import SpeculativeDecoder
+from specdec.drafters import ModelDrafter
+from specdec.errors import ConfigError
+from specdec.gamma import FixedGamma
+from specdec.models.registry import DATA_DIR
+from specdec.models.toy import ToyLM
+from specdec.remote.gating import (
+    Gate,
+    GateConfig,
+    GatedDrafter,
+    RuleTriggers,
+    calibrate_nll,
+    has_dropout,
+    mc_dropout_variance,
+    token_frequency,
+    uncertainty,
+)
+from specdec.sampling import SamplingConfig
+from specdec.verify import get_rule
+
+TARGET = ToyLM(6, order=2, seed=21)
+DRAFT = TARGET.perturbed(1.0, seed=22)
+
+
+@pytest.fixture(scope="module")
+def tokenizer():
+    from transformers import AutoTokenizer
+
+    return AutoTokenizer.from_pretrained(str(DATA_DIR / "smollm2-135m-draft"))
+
+
+def test_uncertainty_signals():
+    nll, entropy, margin = uncertainty(torch.zeros(4), 2)  # uniform over 4 tokens
+    assert nll == pytest.approx(2.0) and entropy == pytest.approx(2.0) and margin == pytest.approx(0.0)
+    logits = torch.log(torch.tensor([[0.7, 0.2, 0.1]]))
+    nll, entropy, margin = uncertainty(logits, 1)
+    assert nll == pytest.approx(-math.log2(0.2), rel=1e-5)
+    assert entropy == pytest.approx(-(0.7 * math.log2(0.7) + 0.2 * math.log2(0.2) + 0.1 * math.log2(0.1)), rel=1e-5)
+    assert margin == pytest.approx(0.5, rel=1e-5)
+    assert calibrate_nll([1.0, 2.0, 3.0, 4.0, 5.0], 0.8) == pytest.approx(4.2)
+
+
+def _fired(triggers: RuleTriggers, tokenizer, text: str) -> dict[str, tuple[str, ...]]:
+    prefix, out = "", {}
+    for tok in tokenizer.encode(text, add_special_tokens=False):
+        fired = triggers.check(prefix, tok)
+        if fired:
+            out[triggers.text(tok)] = fired
+        prefix += triggers.text(tok)
+    return out
+
+
+def test_rule_triggers(tokenizer):
+    fired = _fired(RuleTriggers(tokenizer), tokenizer, "It costs $25 on March 3 and Alice met Bob in Paris. The end")
+    assert "amount" in fired[" $"] and {"number", "amount"} <= set(fired["2"])
+    assert "date" in fired[" March"] and "number" in fired["3"]
+    assert fired[" Alice"] == ("name",) and fired[" Paris"] == ("name",)
+    assert " The" not in fired and " costs" not in fired and " end" not in fired  # sentence start, plain words
+    assert "amount" in _fired(RuleTriggers(tokenizer), tokenizer, "a fee of 30%")["%"]
+    assert "date" in _fired(RuleTriggers(tokenizer), tokenizer, "due 2024-05-01")["1"]
+    only_numbers = RuleTriggers(tokenizer, rules=frozenset({"number"}))
+    assert set(_fired(only_numbers, tokenizer, "Alice paid $5")) == {"5"}
+
+
+def test_rare_tokens_by_frequency(tokenizer, tmp_path):
+    corpus = tmp_path / "corpus.txt"
+    corpus.write_text("the cat sat on the mat. " * 20)
+    counts = token_frequency(corpus, tokenizer=tokenizer, vocab_size=len(tokenizer))
+    the = tokenizer.encode(" the", add_special_tokens=False)[0]
+    assert counts[the] >= 20
+    triggers = RuleTriggers(None, rules=frozenset({"rare"}), frequency=counts, rare_max_count=0)
+    assert triggers.check("", the) == () and triggers.check("", 12345) == ("rare",)
+    table = tmp_path / "freq.json"
+    table.write_text(json.dumps({"3": 10, "4": 1}))
+    counts = token_frequency(table, tokenizer=None, vocab_size=8)
+    assert counts.tolist() == [0, 0, 0, 10, 1, 0, 0, 0]
+    with pytest.raises(ConfigError, match="not a file"):
+        token_frequency(tmp_path / "missing.json", tokenizer=None, vocab_size=8)
+
+
+def _decode(drafter, cfg: SamplingConfig, method: str, gamma: int = 5) -> tuple[list[int], object]:
+    dec = SpeculativeDecoder(TARGET, drafter, get_rule(method), gamma=FixedGamma(gamma))
+    res = dec.generate([1, 2], cfg)
+    return res.tokens, res.stats
+
+
+@pytest.mark.parametrize("method, temperature", [("greedy", 0.0), ("coupled", 1.0), ("block", 1.0)])
+def test_shaping_stops_drafting_at_a_hard_token_and_stays_exact(method, temperature):
+    cfg = SamplingConfig(temperature=temperature, seed=4, max_new_tokens=60)
+    gate = Gate(GateConfig(policy="shape", t_entropy_bits=1.6, t_margin=0.2))
+    draft = TARGET.perturbed(1.0, seed=22)  # a private copy: count its forward passes
+    gated, gstats = _decode(GatedDrafter(ModelDrafter(draft), gate), cfg, method)
+    gated_calls = draft.calls
+    draft.calls = 0
+    plain, pstats = _decode(ModelDrafter(draft), cfg, method)
+    summary = gate.summary()
+    assert summary["early_stops"] > 0 and summary["hard_tokens"] > 0 and summary["lossless"]
+    assert gstats.mean_gamma < pstats.mean_gamma
+    if method != "block":  # greedy and coupled: the very same tokens as plain decoding
+        assert gated == plain == _decode(None, cfg, method)[0]
+    else:  # block: exact in law (any draft length is), so only the length is comparable here
+        assert len(gated) == len(plain) == 60
+    # the draft model really stops at the hard token: one forward pass per drafted token (plus the
+    # prompt prefill), none spent on positions the gate cut
+    assert gated_calls == 1 + gstats.draft_tokens_proposed
+
+
+def test_local_commit_decision():
+    cfg = GateConfig(policy="lossy-local-commit", t_entropy_bits=None, t_margin=0.3, rules=frozenset(), max_local_rounds=2, r_hard=0.3)
+    gate = Gate(cfg)
+    drafter = GatedDrafter(ModelDrafter(DRAFT), gate)
+    from specdec.drafters.base import DraftSampler
+
+    ctx = torch.tensor([1, 2])
+    drafter.prepare(ctx)
+    decisions = []
+    for _ in range(6):
+        draft = drafter.propose(ctx, 4, DraftSampler(SamplingConfig(temperature=0.0), "argmax", penalties=None, generator=None))
+        decisions.append((gate.last.escalate, gate.local_commit(draft)))
+        drafter.inner.cache.truncate(1)
+    for escalate, local in decisions:
+        assert not (escalate and local)  # a block the gate escalates never stays local
+    assert sum(local for _, local in decisions[:3]) <= 2  # at most max_local_rounds in a row
+    assert GateConfig().lossless and not cfg.lossless
+    with pytest.raises(ConfigError, match="unknown gate rules"):
+        GateConfig(rules=frozenset({"weather"}))
+
+
+def test_mc_dropout_only_where_the_draft_has_dropout():
+    assert not has_dropout(DRAFT)
+    gate = Gate(GateConfig(t_mc_var=0.01), draft_model=DRAFT)
+    assert gate.mc_status == "unavailable"
+    assert Gate(GateConfig(), draft_model=DRAFT).mc_status == "off"
+    from transformers import AutoModelForCausalLM
+
+    from specdec.models.hf import HFCausalLM
+
+    folder = str(DATA_DIR / "smollm2-135m-draft")
+    torch.manual_seed(0)  # dropout masks come from the global RNG inside transformers
+    model = HFCausalLM(AutoModelForCausalLM.from_pretrained(folder, dtype=torch.float32, attention_dropout=0.3))
+    assert has_dropout(model)
+    ctx, toks = torch.tensor([1, 504, 3458, 28]), torch.tensor([411, 253])
+    var = mc_dropout_variance(model, ctx, toks, passes=4)
+    assert var is not None and var.shape == (2,) and bool((var >= 0).all()) and float(var.sum()) > 0
+    assert not model.model.training  # back in eval mode
+    assert Gate(GateConfig(t_mc_var=0.01), draft_model=model).mc_status == "on"
