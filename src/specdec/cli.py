@@ -90,6 +90,9 @@ def build_parser() -> argparse.ArgumentParser:
     gen.add_argument("--json", action="store_true", help="print one JSON object: text, token_ids, stats")
     gen.add_argument("--rounds", action="store_true", help="with --json, include per-round stats")
     _add_sampling(gen)
+    from specdec.remote.command import add_remote_args
+
+    add_remote_args(gen)
 
     models = sub.add_parser("models", help="list the model registry")
     models.add_argument("--json", action="store_true")
@@ -102,7 +105,19 @@ def build_parser() -> argparse.ArgumentParser:
     return parser
 
 
-_EXTRA_COMMANDS: list = []
+def _add_serve(sub) -> None:
+    from specdec.server.command import add_parser
+
+    add_parser(sub)
+
+
+def _cmd_serve(args: argparse.Namespace) -> int:
+    from specdec.server.command import run
+
+    return run(args)
+
+
+_EXTRA_COMMANDS: list = [_add_serve]
 
 
 def _cmd_generate(args: argparse.Namespace) -> int:
@@ -119,6 +134,10 @@ def _cmd_generate(args: argparse.Namespace) -> int:
             raise SpecdecError(f"--method {args.method} needs --temperature 0")
     if not prompt.strip():
         raise SpecdecError("the prompt is empty")
+    if args.remote:  # edge-cloud: draft here, verify on a `specdec serve` server
+        from specdec.remote.command import run_generate
+
+        return run_generate(args, prompt, sampling, gamma)
     quiet = args.json
     log = (lambda msg: None) if quiet else (lambda msg: print(f"[specdec] {msg}", file=sys.stderr, flush=True))
     engine = Engine.build(EngineConfig(target=args.target, draft=args.draft, backend=args.backend, dtype=args.dtype, draft_dtype=args.draft_dtype), progress=log)
@@ -170,7 +189,7 @@ def _cmd_setup(args: argparse.Namespace) -> int:
     return 0
 
 
-COMMANDS = {"generate": _cmd_generate, "models": _cmd_models, "setup": _cmd_setup}
+COMMANDS = {"generate": _cmd_generate, "models": _cmd_models, "setup": _cmd_setup, "serve": _cmd_serve}
 
 
 def main(argv: Sequence[str] | None = None) -> int:

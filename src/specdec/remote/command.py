@@ -1,0 +1,143 @@
+"""``specdec generate --remote URL``: draft here with the local draft model, verify on a server."""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import sys
+from typing import Any
+
+from specdec.errors import ConfigError, SpecdecError
+from specdec.remote.protocol import WIRE_METHODS, WIRE_MODES
+from specdec.sampling import SamplingConfig
+
+API_KEY_ENV = "SPECDEC_API_KEY"
+
+
+def add_remote_args(p: argparse.ArgumentParser) -> None:
+    g = p.add_argument_group("edge-cloud (draft here with --draft, verify on a `specdec serve` server)")
+    g.add_argument("--remote", metavar="URL", help="the server's base URL, e.g. http://127.0.0.1:8000")
+    g.add_argument("--api-key", help=f"bearer token for the server (default: ${API_KEY_ENV})")
+    g.add_argument("--wire", choices=WIRE_MODES, help="what crosses the wire: greedy / coupled (ids only), sparse-q (ids + top-k q), lossy-scalar (the guide's one q per token; LOSSY). Default: greedy at temperature 0, coupled otherwise")
+    g.add_argument("--q-top-k", type=int, default=16, help="sparse-q: the drafter samples from its top-k q and sends exactly that (default 16)")
+    g.add_argument("--tokenizer", help="model name or folder whose tokenizer to use when --draft is not a model (ngram, none)")
+    g.add_argument("--remote-timeout", type=float, default=60.0, help="seconds before a request is retried (same seq; default 60)")
+    g.add_argument("--lossy-timeout-commit-ms", type=float, help="LOSSY: commit the first draft token when the cloud has not answered after this many ms (the guide uses 400)")
+    g.add_argument("--gate", default="off", choices=["off", "shape", "lossy-local-commit"], help="gating: shape = stop drafting at a hard token (exact); lossy-local-commit = keep easy blocks without the cloud (LOSSY). Default off")
+    g.add_argument("--gate-entropy-bits", type=float, default=2.5, help="T_H: a token whose draft entropy exceeds this is hard (default 2.5)")
+    g.add_argument("--gate-margin", type=float, default=0.2, help="T_margin: top-1 minus top-2 below this is hard (default 0.2)")
+    g.add_argument("--gate-nll-bits", type=float, help="T_nll: NLL above this is hard (default off; the guide calibrates it)")
+    g.add_argument("--gate-mc-var", type=float, help="T_var: MC-dropout variance above this is hard (only where the draft has dropout)")
+    g.add_argument("--gate-r-hard", type=float, default=0.3, help="R_hard: a block with a larger hard ratio goes to the cloud (default 0.3)")
+    g.add_argument("--gate-rules", default="number,date,amount,name,rare", help="rule triggers, comma-separated (default all; 'none' for none)")
+    g.add_argument("--gate-freq", help="token frequency table for the 'rare' rule: JSON counts by id, or a text corpus")
+    g.add_argument("--gate-rare-max-count", type=int, default=0, help="a token seen at most this often is rare (default 0)")
+
+
+def wire_for(method: str | None, temperature: float) -> str | None:
+    """The wire mode a --method implies (None: let the default decide)."""
+    if method is None:
+        return None
+    key = method.strip().lower().replace("-", "_")
+    for wire, methods in WIRE_METHODS.items():
+        if key in methods:
+            return wire
+    raise ConfigError(f"method {method!r} cannot run over the wire; choose from: "
+                      + ", ".join(m.replace("_", "-") for ms in WIRE_METHODS.values() for m in ms))
+
+
+def _gate(args: argparse.Namespace, tokenizer: Any, draft_model: Any, vocab_size: int) -> Any:
+    from specdec.remote.gating import Gate, GateConfig, RuleTriggers, token_frequency
+
+    if args.gate == "off":
+        return None
+    rules_text = args.gate_rules.strip().lower()
+    rules = frozenset() if rules_text in ("", "none") else frozenset(r.strip() for r in rules_text.split(",") if r.strip())
+    cfg = GateConfig(
+        policy=args.gate,
+        t_entropy_bits=args.gate_entropy_bits,
+        t_margin=args.gate_margin,
+        t_nll_bits=args.gate_nll_bits,
+        t_mc_var=args.gate_mc_var,
+        r_hard=args.gate_r_hard,
+        rules=rules,
+        rare_max_count=args.gate_rare_max_count,
+    )
+    freq = token_frequency(args.gate_freq, tokenizer=tokenizer, vocab_size=vocab_size) if args.gate_freq else None
+    triggers = RuleTriggers(tokenizer, rules=rules, frequency=freq, rare_max_count=args.gate_rare_max_count)
+    return Gate(cfg, triggers=triggers, draft_model=draft_model)
+
+
+def run_generate(args: argparse.Namespace, prompt: str, sampling: SamplingConfig, gamma: str | int) -> int:
+    """The ``generate --remote`` command body (prompt, sampling and γ already parsed by the CLI)."""
+    from transformers import AutoTokenizer
+
+    from specdec import defaults
+    from specdec.drafters import ModelDrafter, NgramDrafter
+    from specdec.engine import EngineConfig, resolve_draft_dtype
+    from specdec.models.registry import load, resolve
+    from specdec.remote.client import RemoteConfig
+    from specdec.remote.edge import generate_remote
+    from specdec.text import encode_prompt
+
+    key = args.api_key if args.api_key is not None else os.environ.get(API_KEY_ENV) or None
+    wire = args.wire or wire_for(args.method, sampling.temperature)
+    remote = RemoteConfig(
+        url=args.remote,
+        api_key=key,
+        wire=wire,
+        method=args.method,
+        timeout_s=args.remote_timeout,
+        lossy_timeout_commit_ms=args.lossy_timeout_commit_ms,
+    )
+    quiet = args.json
+    log = (lambda msg: None) if quiet else (lambda msg: print(f"[specdec] {msg}", file=sys.stderr, flush=True))
+    kind = args.draft.strip().lower()
+    draft = None
+    if kind in ("ngram", "none"):
+        if not args.tokenizer:
+            raise ConfigError(f"--draft {kind} with --remote needs --tokenizer (a model name or folder with the target's tokenizer)")
+        folder = resolve(args.tokenizer).folder
+        tokenizer = AutoTokenizer.from_pretrained(str(folder) if folder is not None else args.tokenizer)
+        eos = frozenset({tokenizer.eos_token_id} if tokenizer.eos_token_id is not None else set())
+        drafter = NgramDrafter(max_ngram=defaults.NGRAM_MAX, min_ngram=defaults.NGRAM_MIN) if kind == "ngram" else None
+        name = kind
+    elif kind == "self":
+        raise ConfigError("--draft self needs the target here; with --remote pick a draft model, ngram or none")
+    else:
+        log(f"loading draft {args.draft}")
+        cfg = EngineConfig(draft=args.draft, backend=args.backend, dtype=args.dtype, draft_dtype=args.draft_dtype)
+        draft = load(args.draft, backend=args.backend, dtype=resolve_draft_dtype(cfg))
+        tokenizer, eos, drafter, name = draft.tokenizer, draft.eos_ids, ModelDrafter(draft.model), draft.name
+    ids = encode_prompt(tokenizer, prompt, chat=args.chat)
+    vocab = draft.vocab_size if draft is not None else len(tokenizer)
+    gate = _gate(args, tokenizer, draft.model if draft is not None else None, vocab)
+    log(f"verifying on {args.remote} (wire {wire or 'default'})")
+    on_text = None if quiet else (lambda text: (sys.stdout.write(text), sys.stdout.flush()))
+    out = generate_remote(
+        ids, sampling, remote, drafter=drafter, drafter_name=name, tokenizer=tokenizer, gamma=gamma, eos_ids=eos,
+        q_top_k=args.q_top_k, gate=gate, on_text=on_text,
+    )
+    stats = out.summary()
+    if args.json:
+        stats.update(target=out.remote.get("model", "remote"), temperature=sampling.temperature, seed=out.remote["seed"])
+        payload: dict[str, Any] = {"text": out.text, "token_ids": out.token_ids, "stats": stats, "remote": out.remote}
+        if out.gate is not None:
+            payload["gate"] = out.gate
+        if args.rounds:
+            payload["rounds"] = [r.__dict__ for r in out.result.rounds]
+        print(json.dumps(payload))
+    else:
+        sys.stdout.write("\n")
+        lossy = "" if out.lossless else f"  [LOSSY: {out.remote['unverified_tokens']} unverified tokens, rule {stats['method']}]"
+        print(
+            f"[specdec] {stats['generated_tokens']} tokens in {stats['wall_s']:.2f} s = {stats['tokens_per_s']:.1f} tok/s | "
+            f"{stats['tokens_per_target_call']:.2f} tokens/cloud call | acceptance {stats['acceptance_rate']:.2f} | "
+            f"wire {out.remote['wire']} ({stats['bytes_up']} B up, {stats['bytes_down']} B down) | rtt {stats['rtt_ms']:.1f} ms{lossy}",
+            file=sys.stderr,
+        )
+    return 0
+
+
+__all__ = ["add_remote_args", "run_generate", "SpecdecError"]

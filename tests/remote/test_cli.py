@@ -1,0 +1,100 @@
+"""``specdec generate --remote`` against ``specdec serve`` (both the real CLI), compared with local runs.
+
+The served target is the bundled 15.7 M-parameter SmolLM2 draft (fast on a CPU); the edge drafts
+with the same folder.  ``test_real_smollm2_pair`` does the same with the real SmolLM2-135M target.
+"""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+
+from serverproc import ServerProcess
+from specdec.cli import main
+
+MODEL = "smollm2-135m-draft"
+KEY = "cli-test-key"
+PROMPT = "def fibonacci(n):"
+
+
+@pytest.fixture(scope="module")
+def server():
+    with ServerProcess.cli("--target", MODEL, "--draft", "ngram", "--api-key", KEY) as srv:
+        yield srv
+
+
+def _run(capsys, *argv: str) -> tuple[int, dict | None, str]:
+    code = main(list(argv))
+    captured = capsys.readouterr()
+    payload = json.loads(captured.out) if code == 0 and "--json" in argv else None
+    return code, payload, captured.err
+
+
+def test_remote_greedy_and_coupled_equal_local(server, capsys):
+    common = ["-p", PROMPT, "-n", "16", "--gamma", "4", "--json"]
+    code, local, _ = _run(capsys, "generate", "--target", MODEL, "--draft", MODEL, *common)
+    assert code == 0
+    code, remote, err = _run(capsys, "generate", "--remote", server.url, "--api-key", KEY, "--draft", MODEL, *common)
+    assert code == 0, err
+    assert remote["token_ids"] == local["token_ids"] and remote["text"] == local["text"]
+    st = remote["stats"]
+    for key in ("bytes_up", "bytes_down", "rtt_ms", "cloud_prefill_ms", "edge_time_ms", "cloud_calls_per_token"):
+        assert st[key] > 0, key
+    assert st["lossless"] is True and st["method"] == "greedy" and st["target"] == MODEL
+    assert remote["remote"]["wire"] == "greedy" and remote["remote"]["retries"] == 0
+    assert st["cloud_calls_per_token"] == pytest.approx(remote["remote"]["verify_calls"] / st["generated_tokens"])
+    sampled = ["-t", "0.8", "--top-p", "0.95", "--seed", "3"]
+    code, local, _ = _run(capsys, "generate", "--target", MODEL, "--draft", "none", "--method", "coupled", *common, *sampled)
+    code, remote, err = _run(capsys, "generate", "--remote", server.url, "--api-key", KEY, "--draft", MODEL, *common, *sampled)
+    assert code == 0, err
+    assert remote["remote"]["wire"] == "coupled" and remote["token_ids"] == local["token_ids"]
+
+
+def test_sparse_q_gating_and_env_key(server, capsys, monkeypatch):
+    monkeypatch.setenv("SPECDEC_API_KEY", KEY)
+    base = ["generate", "--remote", server.url, "--draft", MODEL, "-p", "It costs $25 on March 3 and", "-n", "10", "--json"]
+    code, out, err = _run(capsys, *base, "--method", "block", "-t", "0.8", "--seed", "1", "--q-top-k", "8")
+    assert code == 0, err
+    assert out["remote"]["wire"] == "sparse-q" and out["remote"]["q_top_k"] == 8 and out["stats"]["lossless"] is True
+    code, out, err = _run(capsys, *base, "--gate", "shape", "-t", "0", "--gamma", "6")
+    assert code == 0, err
+    assert out["gate"]["policy"] == "shape" and out["gate"]["rounds"] == out["stats"]["target_calls"]
+    code, out, err = _run(capsys, *base, "--wire", "lossy-scalar", "-t", "1", "--seed", "2")
+    assert code == 0, err
+    assert out["stats"]["lossless"] is False and out["stats"]["method"] == "lossy_resample_p"
+    # human-readable mode streams the text and says LOSSY in the summary line
+    code = main(base[:-1] + ["--wire", "lossy-scalar", "-t", "1", "--seed", "2"])
+    captured = capsys.readouterr()
+    assert code == 0 and "LOSSY" in captured.err and captured.out.strip()
+
+
+@pytest.mark.parametrize(
+    "extra, message",
+    [
+        (["--wire", "greedy", "-t", "1"], "wire mode greedy needs temperature 0"),
+        (["--draft", "ngram"], "needs --tokenizer"),
+        (["--api-key", "wrong"], "HTTP 401: missing or invalid API key"),
+        (["--method", "coupled", "--wire", "sparse-q", "-t", "1"], "not available in wire mode"),
+    ],
+)
+def test_cli_errors_are_one_line(server, capsys, monkeypatch, extra, message):
+    monkeypatch.delenv("SPECDEC_API_KEY", raising=False)
+    argv = ["generate", "--remote", server.url, "--api-key", KEY, "--draft", MODEL, "-p", PROMPT, "-n", "4"]
+    code = main(argv + extra)
+    err = capsys.readouterr().err.strip().splitlines()
+    assert code == 2 and err[-1].startswith("specdec: error:") and message in err[-1]
+
+
+@pytest.mark.slow
+def test_real_smollm2_pair(capsys):
+    """The real SmolLM2-135M target in the cloud, the distilled draft on the edge: greedy = local."""
+    common = ["-p", "def quicksort(items):", "-n", "12", "--gamma", "4", "--json"]
+    code, local, err = _run(capsys, "generate", "--target", "smollm2-135m", "--draft", MODEL, *common)
+    assert code == 0, err
+    with ServerProcess.cli("--target", "smollm2-135m", "--draft", "ngram") as srv:
+        code, remote, err = _run(capsys, "generate", "--remote", srv.url, "--draft", MODEL, *common)
+    assert code == 0, err
+    assert remote["stats"]["target"] == "smollm2-135m"
+    assert remote["token_ids"] == local["token_ids"]
+    assert remote["stats"]["acceptance_rate"] > 0 and remote["stats"]["lossless"] is True

@@ -1,0 +1,74 @@
+"""Session bounds (count with LRU eviction, idle TTL, all-busy 429) and the serve command's guards.
+
+In-process (the app object directly): these are about the store's bookkeeping, not the wire.
+"""
+
+from __future__ import annotations
+
+import time
+
+import pytest
+from fastapi.testclient import TestClient
+
+from specdec.cli import main
+from specdec.models.toy import ToyLM
+from specdec.server import ServerSettings, create_app
+from specdec.server.command import is_loopback
+
+
+def _client(**settings) -> TestClient:
+    return TestClient(create_app(ToyLM(4, order=1, seed=0), settings=ServerSettings(**settings)))
+
+
+def _new(client: TestClient) -> str:
+    r = client.post("/v1/sessions", json={"prompt_ids": [1], "temperature": 0.0})
+    assert r.status_code == 201, r.text
+    return r.json()["session_id"]
+
+
+def test_least_recently_used_session_is_evicted():
+    client = _client(max_sessions=2)
+    a, b = _new(client), _new(client)
+    assert client.post(f"/v1/sessions/{a}/verify", json={"seq": 0}).status_code == 200  # a is now the most recent
+    c = _new(client)
+    assert client.get(f"/v1/sessions/{b}").status_code == 404
+    assert client.get(f"/v1/sessions/{a}").status_code == 200 and client.get(f"/v1/sessions/{c}").status_code == 200
+    assert 'specdec_sessions_evicted_total{reason="lru"} 1.0' in client.get("/metrics").text
+
+
+def test_idle_sessions_expire():
+    client = _client(session_ttl_s=0.2)
+    sid = _new(client)
+    time.sleep(0.3)
+    r = client.get("/health")
+    assert r.status_code == 200
+    r = client.post(f"/v1/sessions/{sid}/verify", json={"seq": 0})
+    assert r.status_code == 404 and "expired" in r.json()["error"]["message"]
+
+
+def test_all_sessions_busy_is_a_429():
+    client = _client(max_sessions=1)
+    sid = _new(client)
+    store = client.app.state.ctx.store
+    lock = store.get(sid).lock
+    with lock:  # a verify in progress
+        r = client.post("/v1/sessions", json={"prompt_ids": [1], "temperature": 0.0})
+    assert r.status_code == 429 and "busy" in r.json()["error"]["message"]
+    assert client.get(f"/v1/sessions/{sid}").status_code == 200
+
+
+def test_bad_settings_are_refused():
+    with pytest.raises(ValueError, match="max sessions"):
+        ServerSettings(max_sessions=0)
+    with pytest.raises(ValueError, match="max gamma"):
+        ServerSettings(max_gamma=65)
+
+
+def test_serve_refuses_an_open_public_address(capsys, monkeypatch):
+    monkeypatch.delenv("SPECDEC_API_KEY", raising=False)
+    assert main(["serve", "--host", "0.0.0.0", "--port", "1"]) == 2
+    err = capsys.readouterr().err.strip()
+    assert err.startswith("specdec: error: refusing to listen on 0.0.0.0 without an API key") and "\n" not in err
+    assert main(["serve", "--host", "127.0.0.1", "--api-key", " "]) == 2
+    assert "API key is empty" in capsys.readouterr().err
+    assert is_loopback("127.0.0.1") and is_loopback("::1") and is_loopback("localhost") and not is_loopback("10.0.0.1")
