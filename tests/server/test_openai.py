@@ -92,3 +92,39 @@ def test_errors_come_back_as_openai_errors(client, server):
     with openai.OpenAI(base_url=server.url + "/v1", api_key="wrong", max_retries=0) as bad:
         with pytest.raises(openai.AuthenticationError, match="API key"):
             bad.models.list()
+
+
+def test_near_valid_completion_requests_never_get_a_5xx(server):
+    import httpx
+    from hypothesis import HealthCheck, given, settings
+    from hypothesis import strategies as st
+
+    floats = lambda lo, hi: st.floats(lo, hi, allow_nan=False)  # noqa: E731
+    body = st.fixed_dictionaries(
+        {"model": st.just(MODEL), "prompt": st.text(max_size=12) | st.lists(st.integers(0, 49_160), max_size=4)},
+        optional={
+            "max_tokens": st.integers(-1, 5), "temperature": floats(-0.5, 2.5), "top_p": floats(-0.1, 1.1),
+            "top_k": st.integers(0, 60), "min_p": floats(-0.1, 1.1), "repetition_penalty": floats(-0.5, 2.0),
+            "frequency_penalty": floats(-3, 3), "seed": st.integers(-1, 5), "stream": st.booleans(),
+            "stop": st.sampled_from(["\n", ["a", "b"], "", None]),
+            "method": st.sampled_from(["greedy", "token", "block", "coupled", "lossy-resample-p", "nope"]),
+            "gamma": st.sampled_from([1, 3, "auto", "guide", 0, 65, "x"]),
+        },
+    )
+
+    with httpx.Client(base_url=server.url, headers={"Authorization": f"Bearer {KEY}"}, timeout=60) as c:
+
+        @settings(max_examples=25, deadline=None, database=None, derandomize=True, suppress_health_check=list(HealthCheck))
+        @given(body=body)
+        def run(body):
+            r = c.post("/v1/completions", json=body)
+            assert r.status_code < 500, r.text
+            if r.status_code != 200:
+                assert r.json()["error"]["message"]
+            elif body.get("stream"):
+                events = [line for line in r.text.splitlines() if line.startswith("data: ")]
+                assert events[-1] == "data: [DONE]"
+            else:
+                assert r.json()["usage"]["completion_tokens"] <= body.get("max_tokens", 16)
+
+        run()
