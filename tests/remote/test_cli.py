@@ -18,6 +18,17 @@ KEY = "cli-test-key"
 PROMPT = "def fibonacci(n):"
 
 
+@pytest.fixture(autouse=True, scope="module")
+def _one_thread():
+    """The servers run single-threaded; so does this process's local reference (no oversubscription)."""
+    import torch
+
+    before = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(before)
+
+
 @pytest.fixture(scope="module")
 def server():
     with ServerProcess.cli("--target", MODEL, "--draft", "ngram", "--api-key", KEY) as srv:

@@ -243,3 +243,56 @@ def test_errors_are_one_line_messages(toy_server):
 
     with pytest.raises(RemoteError, match="did not answer"):
         RemoteVerifier(RemoteConfig(url=f"http://127.0.0.1:{free_port()}", retry_budget_s=0.3), [1], cfg)
+
+
+def test_concurrent_edges_get_independent_sessions(toy_server):
+    """Several edges at once (threads): each output equals its own local run."""
+    from concurrent.futures import ThreadPoolExecutor
+
+    jobs = [(seed, SamplingConfig(temperature=1.0, seed=seed, max_new_tokens=40)) for seed in range(6)]
+
+    def run(job):
+        seed, cfg = job
+        wire = "coupled" if seed % 2 else "sparse-q"
+        return _remote(toy_server.url, [1, 2], cfg, gamma=3, wire=wire).token_ids
+
+    with ThreadPoolExecutor(max_workers=3) as pool:
+        outs = list(pool.map(run, jobs))
+    for (seed, cfg), out in zip(jobs, outs):
+        ref = _local([1, 2], cfg, "coupled", drafter=None) if seed % 2 else _local([1, 2], cfg, "block", gamma=3, q_top_k=2)
+        assert out == ref
+
+
+class _Latency(httpx.HTTPTransport):
+    """Adds ``delay`` seconds to every verify call (a longer network round trip)."""
+
+    def __init__(self, delay: float) -> None:
+        super().__init__()
+        self.delay = delay
+
+    def handle_request(self, request: httpx.Request) -> httpx.Response:
+        if request.url.path.endswith("/verify"):
+            time.sleep(self.delay)
+        return super().handle_request(request)
+
+
+class _SlowDrafter(ModelDrafter):
+    """A drafter whose every draft token costs 4 ms (an edge device's draft model)."""
+
+    def propose(self, context, gamma, sampler):
+        draft = super().propose(context, gamma, sampler)
+        time.sleep(0.004 * draft.tokens.numel())
+        return draft
+
+
+def test_auto_gamma_accounts_for_the_round_trip(toy_server):
+    """The cost-based γ sees each round's full round trip as the target's cost: a slow network
+    makes longer drafts pay, so ``auto`` drafts more per cloud call."""
+    cfg = SamplingConfig(temperature=0.0, max_new_tokens=60)
+    mean_gamma = {}
+    for delay in (0.0, 0.08):
+        with httpx.Client(transport=_Latency(delay)) as client:
+            out = generate_remote([1, 2], cfg, _cfg(toy_server.url), drafter=_SlowDrafter(DRAFT), gamma="auto", client=client)
+        assert out.token_ids == _local([1, 2], cfg, "greedy", drafter=None)
+        mean_gamma[delay] = out.stats.mean_gamma
+    assert mean_gamma[0.08] > mean_gamma[0.0] + 1.0, mean_gamma

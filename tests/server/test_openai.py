@@ -18,6 +18,17 @@ KEY = "openai-test-key"
 PROMPT = "def add(a, b):"
 
 
+@pytest.fixture(autouse=True, scope="module")
+def _one_thread():
+    """The servers run single-threaded; so does this process's local reference (no oversubscription)."""
+    import torch
+
+    before = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(before)
+
+
 @pytest.fixture(scope="module")
 def server():
     with ServerProcess.cli("--target", MODEL, "--draft", MODEL, "--api-key", KEY, "--gamma", "4") as srv:
@@ -128,3 +139,34 @@ def test_near_valid_completion_requests_never_get_a_5xx(server):
                 assert r.json()["usage"]["completion_tokens"] <= body.get("max_tokens", 16)
 
         run()
+
+
+def test_the_event_loop_stays_responsive_during_a_generation(server, client):
+    """Model work runs in worker threads: /health answers quickly while a completion is running."""
+    import threading
+    import time
+
+    import httpx
+
+    done = threading.Event()
+    produced: list[int] = []
+
+    def generate() -> None:
+        out = client.completions.create(model=MODEL, prompt="Once upon a time", max_tokens=200, temperature=1.0, seed=3,
+                                        extra_body={"gamma": 1})
+        produced.append(out.usage.completion_tokens)
+        done.set()
+
+    worker = threading.Thread(target=generate)
+    worker.start()
+    quick = 0
+    try:
+        while not done.is_set():
+            started = time.perf_counter()
+            assert httpx.get(server.url + "/health", timeout=30).status_code == 200
+            if not done.is_set() and time.perf_counter() - started < 1.0:
+                quick += 1
+            time.sleep(0.05)
+    finally:
+        worker.join()
+    assert produced[0] >= 100 and quick >= 2, (produced, quick)
