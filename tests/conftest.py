@@ -11,7 +11,8 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).parent))
 
-torch.set_num_threads(max(1, min(2, os.cpu_count() or 1)))
+# one thread per xdist worker: OpenMP threads oversubscribing the cores slow everything down badly
+torch.set_num_threads(1 if os.environ.get("PYTEST_XDIST_WORKER") else max(1, min(2, os.cpu_count() or 1)))
 
 
 def pytest_collection_modifyitems(config, items):

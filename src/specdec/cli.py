@@ -73,6 +73,7 @@ def _add_models(p: argparse.ArgumentParser) -> None:
     g.add_argument("--draft", default=defaults.DEFAULT_DRAFT, help="draft model (as --target), 'ngram' (prompt lookup), 'self' (the target itself) or 'none' (plain decoding)")
     g.add_argument("--backend", default="auto", choices=["auto", "native", "hf"], help="native = specdec's fast Llama/Qwen2 path; hf = transformers")
     g.add_argument("--dtype", default="float32", choices=["float32", "bfloat16", "float16"], help="target dtype (default float32)")
+    g.add_argument("--fast-attention", action="store_true", help="score draft blocks with one batched attention call: ~10%% faster verification, but speculative output may differ from plain decoding at exact float ties")
     g.add_argument("--draft-dtype", default="auto", choices=["auto", "float32", "bfloat16", "float16"], help="draft dtype; auto = bfloat16 where the CPU has native bf16 matmuls (never affects exactness)")
 
 
@@ -117,7 +118,19 @@ def _cmd_serve(args: argparse.Namespace) -> int:
     return run(args)
 
 
-_EXTRA_COMMANDS: list = [_add_serve]
+def _add_bench(sub) -> None:  # noqa: ANN001
+    from specdec.bench.cli import add_parser
+
+    add_parser(sub)
+
+
+def _cmd_bench(args: argparse.Namespace) -> int:
+    from specdec.bench.cli import run
+
+    return run(args)
+
+
+_EXTRA_COMMANDS: list = [_add_serve, _add_bench]
 
 
 def _cmd_generate(args: argparse.Namespace) -> int:
@@ -140,7 +153,7 @@ def _cmd_generate(args: argparse.Namespace) -> int:
         return run_generate(args, prompt, sampling, gamma)
     quiet = args.json
     log = (lambda msg: None) if quiet else (lambda msg: print(f"[specdec] {msg}", file=sys.stderr, flush=True))
-    engine = Engine.build(EngineConfig(target=args.target, draft=args.draft, backend=args.backend, dtype=args.dtype, draft_dtype=args.draft_dtype), progress=log)
+    engine = Engine.build(EngineConfig(target=args.target, draft=args.draft, backend=args.backend, dtype=args.dtype, draft_dtype=args.draft_dtype, batch_invariant=not args.fast_attention), progress=log)
     on_text = None if quiet else (lambda text: (sys.stdout.write(text), sys.stdout.flush()))
     out = engine.generate(prompt, sampling, method=args.method, gamma=gamma, chat=args.chat, on_text=on_text)
     st = out.stats
@@ -189,7 +202,7 @@ def _cmd_setup(args: argparse.Namespace) -> int:
     return 0
 
 
-COMMANDS = {"generate": _cmd_generate, "models": _cmd_models, "setup": _cmd_setup, "serve": _cmd_serve}
+COMMANDS = {"generate": _cmd_generate, "models": _cmd_models, "setup": _cmd_setup, "serve": _cmd_serve, "bench": _cmd_bench}
 
 
 def main(argv: Sequence[str] | None = None) -> int:

@@ -88,7 +88,13 @@ def best_gamma(
 
 @dataclass
 class CostGamma:
-    """Cost-based γ from decayed running estimates (decay keeps it adaptive within a prompt)."""
+    """Cost-based γ from decayed running estimates (decay keeps it adaptive within a prompt).
+
+    Acceptance is tracked per draft position as a conditional rate
+    ``c_k = P(accepted >= k | accepted >= k-1, drafted >= k)``, shrunk towards the pooled rate
+    over all positions, so positions never tried yet inherit the observed rate instead of a
+    fixed prior: with high acceptance the controller grows γ, with low acceptance it shrinks it.
+    """
 
     max_gamma: int = defaults.COST_GAMMA_MAX
     start: int = defaults.COST_GAMMA_START
@@ -102,14 +108,13 @@ class CostGamma:
     _draft_s: float | None = None
     _target_s: dict[int, float] = field(default_factory=dict)
     _other_s: float = 0.0
-    _rounds: int = 0
     _since_draft: int = 0
     _gamma: int = -1
     last_rates: list[float] = field(default_factory=list)
 
     def __post_init__(self) -> None:
-        self._hits = [self.prior_accept ** (k + 1) * self.prior_weight for k in range(self.max_gamma)]
-        self._tries = [self.prior_weight] * self.max_gamma
+        self._hits = [0.0] * self.max_gamma
+        self._tries = [0.0] * self.max_gamma
         self._gamma = self.start
 
     @property
@@ -117,19 +122,19 @@ class CostGamma:
         return "auto"
 
     def accept_profile(self) -> list[float]:
-        """Estimated P(accepted >= k), k = 1..max (made non-increasing)."""
-        out, prev = [], 1.0
+        """Estimated P(accepted >= k), k = 1..max."""
+        w = self.prior_weight
+        pooled = (sum(self._hits) + w * self.prior_accept) / (sum(self._tries) + w)
+        out, prob = [], 1.0
         for h, t in zip(self._hits, self._tries):
-            prev = min(prev, h / t if t > 0 else 0.0)
-            out.append(prev)
+            prob *= (h + w * pooled) / (t + w)
+            out.append(prob)
         return out
 
     def _target_cost(self, n: int) -> float:
-        if not self._target_s:
-            return 1.0
         if n in self._target_s:
             return self._target_s[n]
-        # nearest measured size, scaled linearly between the two closest if possible
+        # linear between the two nearest measured sizes, else the nearest one
         sizes = sorted(self._target_s)
         lower = [s for s in sizes if s < n]
         upper = [s for s in sizes if s > n]
@@ -137,16 +142,16 @@ class CostGamma:
             a, b = lower[-1], upper[0]
             ta, tb = self._target_s[a], self._target_s[b]
             return ta + (tb - ta) * (n - a) / (b - a)
-        near = lower[-1] if lower else upper[0]
-        return self._target_s[near]
+        return self._target_s[lower[-1] if lower else upper[0]]
 
     def next_gamma(self) -> int:
         return self._gamma
 
     def update(self, *, gamma: int, accepted: int, draft_s: float, target_s: float, other_s: float) -> None:
         d = self.decay
-        self._rounds += 1
-        for k in range(gamma):
+        for k in range(gamma):  # position k+1 was reached iff accepted >= k
+            if accepted < k:
+                break
             self._tries[k] = self._tries[k] * d + 1.0
             self._hits[k] = self._hits[k] * d + (1.0 if accepted >= k + 1 else 0.0)
         if gamma > 0:
@@ -164,4 +169,6 @@ class CostGamma:
         if choice == 0 and self._since_draft >= self.probe_every:
             self._since_draft = 0
             choice = 2  # a cheap probe keeps the acceptance estimates alive
-        self._gamma = choice
+        # grow one step at a time: positions never tried are extrapolated, not measured
+        tried = max((k + 1 for k in range(self.max_gamma) if self._tries[k] > 0), default=0)
+        self._gamma = min(choice, tried + 1)

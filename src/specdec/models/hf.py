@@ -22,7 +22,8 @@ class HFCache:
         if not 0 <= length <= self.length:
             raise ValueError(f"cannot truncate a cache of length {self.length} to {length}")
         if length < self.length:
-            self.cache.crop(length)
+            # a negative argument means "remove this many" in every transformers version
+            self.cache.crop(length - self.length)
         self.length = length
 
     @property

@@ -18,6 +18,10 @@ from torch import Tensor
 
 #: batch-size hint given to oneDNN when it reorders weights; >= 9 gives batch invariance
 PACK_ROWS = 16
+#: oneDNN splits reductions longer than this differently for different row counts; longer
+#: inputs are cut into chunks of at most this many features and the partial products summed in a
+#: fixed order, which keeps every product batch-invariant (measured: K <= 1024 is, K = 1536 not)
+MAX_INVARIANT_K = 1024
 
 
 def _onednn_available() -> bool:
@@ -38,22 +42,36 @@ _PACKABLE = {torch.float32: _onednn_available, torch.bfloat16: bf16_fast}
 class Linear:
     """``y = x @ W.T + b`` with the weight prepared once for the device it lives on."""
 
-    __slots__ = ("weight", "bias", "packed", "out_features")
+    __slots__ = ("weight", "bias", "packed", "out_features", "_bounds")
+    # packed: one oneDNN weight per input chunk (see MAX_INVARIANT_K), or None for the fallback
 
     def __init__(self, weight: Tensor, bias: Tensor | None = None, *, pack: bool = True) -> None:
         self.weight: Tensor | None = weight.contiguous()  # [out, in]; dropped once packed
         self.bias = bias
         self.out_features = weight.shape[0]
-        self.packed: Tensor | None = None
+        self.packed: list[Tensor] | None = None
         packable = _PACKABLE.get(weight.dtype)
         if pack and weight.device.type == "cpu" and packable is not None and packable():
+            k = weight.shape[1]
+            n_chunks = -(-k // MAX_INVARIANT_K)
+            bounds = [round(i * k / n_chunks) for i in range(n_chunks + 1)]
             try:
-                self.packed = torch.ops.mkldnn._reorder_linear_weight(self.weight, PACK_ROWS)
+                self.packed = [
+                    torch.ops.mkldnn._reorder_linear_weight(self.weight[:, a:b].contiguous(), PACK_ROWS)
+                    for a, b in zip(bounds, bounds[1:])
+                ]
+                self._bounds = bounds
                 self.weight = None
             except RuntimeError:
                 self.packed = None
 
     def __call__(self, x: Tensor) -> Tensor:  # x: [n, in] -> [n, out]
         if self.packed is not None:
-            return torch.ops.mkldnn._linear_pointwise(x, self.packed, self.bias, "none", [None], "")
+            if len(self.packed) == 1:
+                return torch.ops.mkldnn._linear_pointwise(x, self.packed[0], self.bias, "none", [None], "")
+            b = self._bounds
+            y = torch.ops.mkldnn._linear_pointwise(x[:, b[0] : b[1]], self.packed[0], self.bias, "none", [None], "")
+            for i in range(1, len(self.packed)):
+                y = y + torch.ops.mkldnn._linear_pointwise(x[:, b[i] : b[i + 1]], self.packed[i], None, "none", [None], "")
+            return y
         return F.linear(x, self.weight, self.bias)

@@ -314,8 +314,14 @@ def _eos_ids(folder: Path | None, tokenizer: Any, config: dict) -> frozenset[int
     return frozenset(ids)
 
 
-def load(ref: str, *, backend: str = "auto", dtype: torch.dtype = torch.float32) -> LoadedModel:
-    """Resolve ``ref`` and load model + tokenizer with the requested backend (auto = native if it can)."""
+def load(
+    ref: str, *, backend: str = "auto", dtype: torch.dtype = torch.float32, batch_invariant: bool = True
+) -> LoadedModel:
+    """Resolve ``ref`` and load model + tokenizer with the requested backend (auto = native if it can).
+
+    ``batch_invariant`` (native backend): multi-token scoring is bitwise identical to scoring the
+    tokens one at a time, so speculative and plain decoding agree exactly, not just up to ties.
+    """
     from transformers import AutoTokenizer
 
     from specdec.models.hf import HFCausalLM
@@ -336,7 +342,7 @@ def load(ref: str, *, backend: str = "auto", dtype: torch.dtype = torch.float32)
     has_safetensors = any(folder.glob("*.safetensors"))
     use_native = backend == "native" or (backend == "auto" and cfg.get("model_type") in SUPPORTED and has_safetensors)
     if use_native:
-        model = NativeCausalLM.from_folder(folder, dtype=dtype)
+        model = NativeCausalLM.from_folder(folder, dtype=dtype, batch_invariant=batch_invariant)
         kind = "native"
     elif backend in ("auto", "hf"):
         model = HFCausalLM.from_folder(str(folder), dtype=dtype)

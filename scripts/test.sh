@@ -1,0 +1,7 @@
+#!/usr/bin/env bash
+# Set everything up, then run the whole test suite (CPU only; exits non-zero on any failure,
+# and pytest exits 5 if no test was collected).
+set -euo pipefail
+cd "$(dirname "$0")/.."
+scripts/bootstrap.sh test,serve,bench
+exec .venv/bin/python -m pytest -n 2 "$@"

@@ -1,0 +1,1 @@
+"""Benchmark harness: ``specdec bench`` (workloads, timed runs in separate processes, reports)."""

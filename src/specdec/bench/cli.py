@@ -1,0 +1,84 @@
+"""``specdec bench`` argument parsing and the command itself."""
+
+from __future__ import annotations
+
+import argparse
+import shlex
+import sys
+import time
+
+from specdec import defaults
+from specdec.errors import ConfigError
+
+
+def _csv(text: str) -> list[str]:
+    return [x.strip() for x in text.split(",") if x.strip()]
+
+
+def add_parser(sub) -> None:  # noqa: ANN001 - argparse's subparsers action
+    p = sub.add_parser(
+        "bench",
+        help="benchmark plain, speculative and Hugging Face decoding on the same prompts",
+        description="Run every mode (each in its own process) on the same prompts, sampling settings and seeds; "
+        "write results.json, a Markdown summary (README.md) and PNG plots.",
+    )
+    p.add_argument("--target", default=defaults.DEFAULT_TARGET)
+    p.add_argument("--draft", default=defaults.DEFAULT_DRAFT)
+    p.add_argument("--modes", default="cloud_only,edge_only,speculative,hf_plain,hf_assisted", help="comma list of cloud_only, edge_only, speculative, hf_plain, hf_assisted")
+    p.add_argument("--methods", default="default", help="comma list of rules for the speculative mode ('default' = greedy at T=0, block otherwise)")
+    p.add_argument("--gammas", default="auto", help="comma list of γ values (integers, 'auto', 'guide')")
+    p.add_argument("--temperatures", default="0,1", help="comma list (0 = greedy)")
+    p.add_argument("--max-new-tokens", type=int, default=128)
+    p.add_argument("--repeats", type=int, default=1, help="seeds per prompt (seed, seed+1, ...)")
+    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--top-p", type=float)
+    p.add_argument("--repetition-penalty", type=float)
+    p.add_argument("--prompts", help="JSONL prompt file (fields: prompt, id, category, chat); default: the built-in set")
+    p.add_argument("--categories", help="comma list of prompt categories to keep (e.g. code,chat)")
+    p.add_argument("--limit", type=int, help="keep the first N prompts of each category")
+    p.add_argument("--draft-dtype", default="auto", choices=["auto", "float32", "bfloat16"])
+    p.add_argument("--fast-attention", action="store_true", help="target without batch invariance (see specdec generate --help)")
+    p.add_argument("--threads", type=int, help="torch threads per worker (default: torch's choice)")
+    p.add_argument("--out", help="output folder (default benchmarks/run-<date>)")
+    p.add_argument("--no-plots", action="store_true")
+
+
+def run(args: argparse.Namespace, argv: list[str] | None = None) -> int:
+    from specdec.bench import report, runner, workloads
+    from specdec.engine import parse_gamma
+    from specdec.verify import get_rule
+
+    temps = []
+    for t in _csv(args.temperatures):
+        try:
+            temps.append(float(t))
+        except ValueError:
+            raise ConfigError(f"temperatures must be numbers, got {t!r}") from None
+        if temps[-1] < 0:
+            raise ConfigError(f"temperature must be >= 0, got {t}")
+    gammas = [str(parse_gamma(g)) for g in _csv(args.gammas)]
+    methods = _csv(args.methods)
+    for m in methods:
+        if m != "default":
+            get_rule(m)
+    if args.max_new_tokens < 1 or args.repeats < 1:
+        raise ConfigError("--max-new-tokens and --repeats must be >= 1")
+    prompts = workloads.load_jsonl(args.prompts) if args.prompts else list(workloads.BUILTIN)
+    prompts = workloads.select(prompts, categories=_csv(args.categories) if args.categories else None, limit=args.limit)
+    command = "specdec bench " + " ".join(shlex.quote(a) for a in (argv if argv is not None else sys.argv[2:]))
+    cfg = runner.BenchConfig(
+        target=args.target, draft=args.draft, prompts=tuple(prompts), modes=tuple(_csv(args.modes)),
+        methods=tuple(methods), gammas=tuple(gammas), temperatures=tuple(temps),
+        max_new_tokens=args.max_new_tokens, repeats=args.repeats, seed=args.seed, top_p=args.top_p,
+        repetition_penalty=args.repetition_penalty, draft_dtype=args.draft_dtype,
+        batch_invariant=not args.fast_attention, threads=args.threads, command=command,
+    )
+    out = args.out or f"benchmarks/run-{time.strftime('%Y%m%d-%H%M%S')}"
+    result = runner.run(cfg)
+    written = report.write(result, out, make_plots=not args.no_plots)
+    print(f"[specdec] wrote {written['dir']}/README.md, results.json and {len(written['plots'])} plots", file=sys.stderr)
+    for g in written["stats"]:
+        if g.mode == "speculative":
+            print(f"[specdec] {g.method} γ={g.gamma} T={g.temperature:g}: {g.tokens_per_s_median:.1f} tok/s, "
+                  f"×{(g.speedup_vs_cloud or 0):.2f} cloud_only, ×{(g.speedup_vs_hf_assisted or 0):.2f} HF assisted", file=sys.stderr)
+    return 0

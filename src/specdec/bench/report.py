@@ -1,0 +1,402 @@
+"""Aggregate benchmark samples into metrics, theory, a Markdown report and PNG plots.
+
+Every function here is a pure function of the samples (no timing), so the tests can check the
+metric computations on synthetic data.
+"""
+
+from __future__ import annotations
+
+import math
+import statistics
+from collections import defaultdict
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+
+from specdec.bench import theory
+
+ENGINE_MODES = ("cloud_only", "edge_only", "speculative")
+
+
+def _quantile(values: list[float], q: float) -> float:
+    """Linear-interpolation quantile (numpy's default), q in [0, 1]."""
+    if not values:
+        return math.nan
+    xs = sorted(values)
+    pos = (len(xs) - 1) * q
+    lo, hi = math.floor(pos), math.ceil(pos)
+    return xs[lo] + (xs[hi] - xs[lo]) * (pos - lo)
+
+
+def _mean_se(values: list[float]) -> tuple[float, float]:
+    if not values:
+        return math.nan, math.nan
+    m = statistics.fmean(values)
+    se = statistics.stdev(values) / math.sqrt(len(values)) if len(values) > 1 else math.nan
+    return m, se
+
+
+def group_key(s: dict) -> tuple:
+    return (s["mode"], s["method"], s.get("gamma"), float(s["temperature"]))
+
+
+def pair_key(s: dict) -> tuple:
+    return (float(s["temperature"]), s["prompt_id"], s["seed"])
+
+
+@dataclass
+class GroupStats:
+    mode: str
+    method: str
+    gamma: str | None
+    temperature: float
+    n: int
+    lossless: bool
+    tokens_per_s_median: float
+    tokens_per_s_q25: float
+    tokens_per_s_q75: float
+    latency_p50_s: float
+    latency_p95_s: float
+    ttft_median_s: float
+    generated_tokens_mean: float
+    speedup_vs_cloud: float | None = None  # median over prompts of the per-prompt ratio
+    speedup_vs_hf_assisted: float | None = None
+    speedup_vs_hf_plain: float | None = None
+    speedup_by_category: dict[str, float] = field(default_factory=dict)
+    tokens_per_s_by_category: dict[str, float] = field(default_factory=dict)
+    tokens_per_call: float | None = None
+    tokens_per_call_se: float | None = None
+    acceptance: float | None = None
+    acceptance_per_position: list[float] = field(default_factory=list)
+    mean_gamma: float | None = None
+    draft_share: float | None = None
+    target_share: float | None = None
+    verify_share: float | None = None
+    cloud_calls_per_token: float | None = None
+    draft_step_ms: float | None = None
+    verify_ms: float | None = None
+    kv_peak_bytes: int | None = None
+    rss_peak_bytes: int | None = None
+    kv_share_of_rss: float | None = None
+    # theory (speculative groups only)
+    alpha_iid: float | None = None
+    cost_ratio_c: float | None = None
+    predicted_speedup_iid: float | None = None
+    optimal_gamma_iid: int | None = None
+    ideal_speedup: float | None = None
+    efficiency: float | None = None  # measured speed-up / ideal speed-up
+    overhead_share: float | None = None
+
+
+def _ratios(samples: list[dict], reference: dict[tuple, dict]) -> list[tuple[str, float]]:
+    out = []
+    for s in samples:
+        ref = reference.get(pair_key(s))
+        if ref and ref["tokens_per_s"] > 0:
+            out.append((s["category"], s["tokens_per_s"] / ref["tokens_per_s"]))
+    return out
+
+
+def aggregate(samples: list[dict], processes: dict | None = None) -> list[GroupStats]:
+    """One :class:`GroupStats` per (mode, method, γ, temperature)."""
+    processes = processes or {}
+    groups: dict[tuple, list[dict]] = defaultdict(list)
+    for s in samples:
+        groups[group_key(s)].append(s)
+    refs = {
+        mode: {pair_key(s): s for s in samples if s["mode"] == mode}
+        for mode in ("cloud_only", "hf_assisted", "hf_plain")
+    }
+    cloud_step: dict[float, float] = {}  # seconds per target call of plain decoding, by temperature
+    for (mode, _, _, t), rows in groups.items():
+        if mode == "cloud_only":
+            calls = sum(r["target_calls"] for r in rows)
+            cloud_step[t] = sum(r["target_s"] for r in rows) / calls if calls else math.nan
+    out = []
+    for (mode, method, gamma, t), rows in sorted(groups.items(), key=lambda kv: (kv[0][0], kv[0][1], str(kv[0][2]), kv[0][3])):
+        tps = [r["tokens_per_s"] for r in rows]
+        walls = [r["wall_s"] for r in rows]
+        g = GroupStats(
+            mode=mode, method=method, gamma=gamma, temperature=t, n=len(rows),
+            lossless=all(r.get("lossless", True) for r in rows),
+            tokens_per_s_median=statistics.median(tps), tokens_per_s_q25=_quantile(tps, 0.25),
+            tokens_per_s_q75=_quantile(tps, 0.75), latency_p50_s=_quantile(walls, 0.5),
+            latency_p95_s=_quantile(walls, 0.95), ttft_median_s=statistics.median(r["ttft_s"] for r in rows),
+            generated_tokens_mean=statistics.fmean(r["generated_tokens"] for r in rows),
+        )
+        cats = sorted({r["category"] for r in rows})
+        g.tokens_per_s_by_category = {c: statistics.median(r["tokens_per_s"] for r in rows if r["category"] == c) for c in cats}
+        for attr, ref_mode in (("speedup_vs_cloud", "cloud_only"), ("speedup_vs_hf_assisted", "hf_assisted"), ("speedup_vs_hf_plain", "hf_plain")):
+            ratios = _ratios(rows, refs[ref_mode])
+            if ratios:
+                setattr(g, attr, statistics.median(r for _, r in ratios))
+                if attr == "speedup_vs_cloud":
+                    g.speedup_by_category = {c: statistics.median(r for cc, r in ratios if cc == c) for c in cats if any(cc == c for cc, _ in ratios)}
+        g.rss_peak_bytes = (processes.get(mode) or {}).get("rss_peak_bytes") or max((r.get("rss_peak_bytes") or 0) for r in rows) or None
+        if mode in ENGINE_MODES:
+            _engine_metrics(g, rows, cloud_step.get(t))
+        out.append(g)
+    return out
+
+
+def _engine_metrics(g: GroupStats, rows: list[dict], cloud_step_s: float | None) -> None:
+    calls = sum(r["target_calls"] for r in rows)
+    generated = sum(r["generated_tokens"] for r in rows)
+    proposed = sum(r["draft_tokens_proposed"] for r in rows)
+    accepted = sum(r["draft_tokens_accepted"] for r in rows)
+    wall = sum(r["wall_s"] for r in rows)
+    g.tokens_per_call, g.tokens_per_call_se = _mean_se([r["tokens_per_target_call"] for r in rows])
+    g.acceptance = accepted / proposed if proposed else None
+    longest = max((len(r.get("proposed_per_position") or []) for r in rows), default=0)
+    acc_k, prop_k = [0.0] * longest, [0] * longest
+    for r in rows:
+        for k, (rate, n) in enumerate(zip(r.get("acceptance_per_position") or [], r.get("proposed_per_position") or [])):
+            acc_k[k] += rate * n
+            prop_k[k] += n
+    g.acceptance_per_position = [a / p if p else math.nan for a, p in zip(acc_k, prop_k)]
+    g.mean_gamma = proposed / calls if calls else 0.0
+    g.draft_share = sum(r["draft_s"] for r in rows) / wall if wall else None
+    g.target_share = sum(r["target_s"] for r in rows) / wall if wall else None
+    g.verify_share = sum(r["verify_s"] for r in rows) / wall if wall else None
+    g.cloud_calls_per_token = calls / generated if generated else None
+    g.draft_step_ms = 1e3 * sum(r["draft_s"] for r in rows) / proposed if proposed else None
+    g.verify_ms = 1e3 * sum(r["target_s"] for r in rows) / calls if calls else None
+    g.kv_peak_bytes = max(r.get("kv_peak_bytes", 0) for r in rows)
+    if g.rss_peak_bytes:
+        g.kv_share_of_rss = g.kv_peak_bytes / g.rss_peak_bytes
+    if g.mode != "speculative" or not proposed or not cloud_step_s or not g.draft_step_ms:
+        return
+    gamma = g.mean_gamma
+    tpc = generated / calls
+    g.cost_ratio_c = (g.draft_step_ms / 1e3) / cloud_step_s
+    gi = max(1, round(gamma))
+    g.alpha_iid = theory.alpha_from_block_efficiency(tpc, gi)
+    g.predicted_speedup_iid = theory.speedup(g.alpha_iid, gi, g.cost_ratio_c)
+    g.optimal_gamma_iid = theory.optimal_gamma(g.alpha_iid, g.cost_ratio_c)
+    ideal_tps = theory.ideal_tokens_per_s(tpc, gamma, g.draft_step_ms / 1e3, g.verify_ms / 1e3)
+    g.ideal_speedup = ideal_tps * cloud_step_s
+    if g.speedup_vs_cloud:
+        g.efficiency = g.speedup_vs_cloud / g.ideal_speedup
+        g.overhead_share = 1.0 - g.efficiency
+
+
+@dataclass(frozen=True)
+class BlockVsToken:
+    temperature: float
+    gamma: str | None
+    n_pairs: int
+    token_tpc: float
+    token_se: float
+    block_tpc: float
+    block_se: float
+    ratio: float
+    diff: float
+    diff_se: float  # SE of the mean paired difference (same prompt and seed)
+
+
+def block_vs_token(samples: list[dict]) -> list[BlockVsToken]:
+    by = defaultdict(dict)
+    for s in samples:
+        if s["mode"] == "speculative" and s["method"] in ("token", "block"):
+            by[(float(s["temperature"]), s.get("gamma"))].setdefault(s["method"], {})[(s["prompt_id"], s["seed"])] = s
+    out = []
+    for (t, gamma), methods in sorted(by.items(), key=lambda kv: (kv[0][0], str(kv[0][1]))):
+        if "token" not in methods or "block" not in methods:
+            continue
+        keys = sorted(set(methods["token"]) & set(methods["block"]))
+        if not keys:
+            continue
+        tok = [methods["token"][k]["tokens_per_target_call"] for k in keys]
+        blk = [methods["block"][k]["tokens_per_target_call"] for k in keys]
+        tm, ts = _mean_se(tok)
+        bm, bs = _mean_se(blk)
+        dm, ds = _mean_se([b - a for a, b in zip(tok, blk)])
+        out.append(BlockVsToken(t, gamma, len(keys), tm, ts, bm, bs, bm / tm if tm else math.nan, dm, ds))
+    return out
+
+
+# ----------------------------------------------------------------------------- rendering
+
+
+def _fmt(x, nd: int = 2, pct: bool = False) -> str:
+    if x is None or (isinstance(x, float) and math.isnan(x)):
+        return "–"
+    if pct:
+        return f"{100 * x:.0f}%"
+    return f"{x:.{nd}f}"
+
+
+def _mib(x) -> str:
+    return "–" if not x else f"{x / 2**20:.0f}"
+
+
+def _label(g: GroupStats) -> str:
+    if g.mode == "speculative":
+        return f"speculative/{g.method}" + ("" if g.lossless else " (LOSSY)")
+    return g.mode
+
+
+def markdown(result: dict, stats: list[GroupStats], bvt: list[BlockVsToken], plots: list[str]) -> str:
+    cfg = result["config"]
+    lines = [
+        "# specdec bench",
+        "",
+        f"Command: `{cfg.get('command') or 'specdec bench'}`",
+        "",
+        f"Target `{cfg['target']}`, draft `{cfg['draft']}` (draft dtype {cfg['draft_dtype']}), "
+        f"{len(cfg['prompts'])} prompts ({', '.join(sorted({p['category'] for p in cfg['prompts']}))}), "
+        f"{cfg['max_new_tokens']} new tokens, repeats {cfg['repeats']}, seed {cfg['seed']}, "
+        f"top-p {cfg['top_p']}, repetition penalty {cfg['repetition_penalty']}, "
+        f"batch-invariant target {cfg['batch_invariant']}.",
+        "",
+        f"Machine: {result.get('machine', {}).get('cpu', '?')}, {result.get('machine', {}).get('cpu_count', '?')} cores, "
+        f"torch {result.get('machine', {}).get('torch', '?')}.",
+        "",
+        "Speed-ups are medians over prompts of the per-prompt ratio against the same prompt and seed "
+        "in the reference mode. Tokens/s = generated tokens / decoding wall time (prefill included, "
+        "model loading excluded).",
+        "",
+        "## Summary",
+        "",
+        "| mode | γ | T | tok/s median [IQR] | ×cloud_only | ×HF assisted | ×HF plain | tokens/call ± SE | acceptance | mean γ | TTFT ms | p50 / p95 s | draft / target share | cloud calls/token | RSS MiB | KV MiB |",
+        "|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|",
+    ]
+    for g in stats:
+        lines.append(
+            f"| {_label(g)} | {g.gamma or '–'} | {g.temperature:g} | {g.tokens_per_s_median:.1f} [{g.tokens_per_s_q25:.1f}–{g.tokens_per_s_q75:.1f}] "
+            f"| {_fmt(g.speedup_vs_cloud)} | {_fmt(g.speedup_vs_hf_assisted)} | {_fmt(g.speedup_vs_hf_plain)} "
+            f"| {_fmt(g.tokens_per_call)} ± {_fmt(g.tokens_per_call_se, 3)} | {_fmt(g.acceptance)} | {_fmt(g.mean_gamma, 1)} "
+            f"| {1e3 * g.ttft_median_s:.0f} | {g.latency_p50_s:.2f} / {g.latency_p95_s:.2f} "
+            f"| {_fmt(g.draft_share, pct=True)} / {_fmt(g.target_share, pct=True)} | {_fmt(g.cloud_calls_per_token)} "
+            f"| {_mib(g.rss_peak_bytes)} | {_fmt((g.kv_peak_bytes or 0) / 2**20, 1)} |"
+        )
+    cats = sorted({c for g in stats for c in g.tokens_per_s_by_category})
+    lines += ["", "## By prompt category (median tok/s; speed-up over cloud_only)", "",
+              "| mode | γ | T | " + " | ".join(f"{c} tok/s | {c} ×cloud" for c in cats) + " |",
+              "|---|---|---|" + "---|---|" * len(cats)]
+    for g in stats:
+        cells = " | ".join(f"{_fmt(g.tokens_per_s_by_category.get(c), 1)} | {_fmt(g.speedup_by_category.get(c))}" for c in cats)
+        lines.append(f"| {_label(g)} | {g.gamma or '–'} | {g.temperature:g} | {cells} |")
+    spec = [g for g in stats if g.mode == "speculative"]
+    if spec:
+        lines += ["", "## Theory vs measurement", "",
+                  "α (i.i.d. fit to tokens/call), c = draft step / plain target step; predicted = Leviathan et al. "
+                  "E/(γc+1); ideal = this run's tokens/round over (mean γ · draft step + verify time), relative to "
+                  "plain decoding's target step; efficiency = measured / ideal speed-up.", "",
+                  "| method | γ | T | α | c | draft step ms | verify ms | predicted ×(iid) | optimal γ (iid) | ideal × | measured × | efficiency | overhead share |",
+                  "|---|---|---|---|---|---|---|---|---|---|---|---|---|"]
+        for g in spec:
+            lines.append(
+                f"| {g.method} | {g.gamma} | {g.temperature:g} | {_fmt(g.alpha_iid)} | {_fmt(g.cost_ratio_c, 3)} | {_fmt(g.draft_step_ms)} "
+                f"| {_fmt(g.verify_ms)} | {_fmt(g.predicted_speedup_iid)} | {g.optimal_gamma_iid if g.optimal_gamma_iid is not None else '–'} "
+                f"| {_fmt(g.ideal_speedup)} | {_fmt(g.speedup_vs_cloud)} | {_fmt(g.efficiency, pct=True)} | {_fmt(g.overhead_share, pct=True)} |"
+            )
+        lines += ["", "## Acceptance per draft position (P(accepted ≥ k | drafted ≥ k))", "",
+                  "| method | γ | T | " + " | ".join(f"k={k}" for k in range(1, 13)) + " |",
+                  "|---|---|---|" + "---|" * 12]
+        for g in spec:
+            cells = " | ".join(_fmt(a) for a in (g.acceptance_per_position + [math.nan] * 12)[:12])
+            lines.append(f"| {g.method} | {g.gamma} | {g.temperature:g} | {cells} |")
+    if bvt:
+        lines += ["", "## Block vs token verification (tokens per target call, paired by prompt and seed)", "",
+                  "| T | γ | pairs | token ± SE | block ± SE | block / token | mean difference ± SE |",
+                  "|---|---|---|---|---|---|---|"]
+        for b in bvt:
+            lines.append(f"| {b.temperature:g} | {b.gamma} | {b.n_pairs} | {b.token_tpc:.3f} ± {b.token_se:.3f} | {b.block_tpc:.3f} ± {b.block_se:.3f} "
+                         f"| {b.ratio:.3f} | {b.diff:+.3f} ± {b.diff_se:.3f} |")
+    procs = result.get("processes") or {}
+    if procs:
+        lines += ["", "## Processes (one per mode)", "", "| mode | peak RSS MiB | seconds |", "|---|---|---|"]
+        for mode, p in procs.items():
+            lines.append(f"| {mode} | {_mib(p.get('rss_peak_bytes'))} | {p.get('seconds', 0):.0f} |")
+    if plots:
+        lines += ["", "## Plots", ""] + [f"![{Path(p).stem}]({Path(p).name})" for p in plots]
+    return "\n".join(lines) + "\n"
+
+
+def plot(stats: list[GroupStats], bvt: list[BlockVsToken], out_dir: Path) -> list[str]:
+    """PNG plots; returns their paths."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    paths: list[str] = []
+    spec = [g for g in stats if g.mode == "speculative" and g.speedup_vs_cloud is not None]
+    temps = sorted({g.temperature for g in spec})
+    if spec:
+        fig, axes = plt.subplots(1, len(temps), figsize=(5 * len(temps), 4), squeeze=False)
+        for ax, t in zip(axes[0], temps):
+            for method in sorted({g.method for g in spec if g.temperature == t}):
+                rows = [g for g in spec if g.temperature == t and g.method == method]
+                fixed = sorted((int(g.gamma), g.speedup_vs_cloud) for g in rows if str(g.gamma).isdigit())
+                if fixed:
+                    ax.plot([x for x, _ in fixed], [y for _, y in fixed], marker="o", label=method)
+                for g in rows:
+                    if not str(g.gamma).isdigit():
+                        ax.scatter([g.mean_gamma], [g.speedup_vs_cloud], marker="*", s=120, label=f"{method} ({g.gamma}, at mean γ)")
+            ax.axhline(1.0, color="grey", lw=0.8, ls="--")
+            ax.set(title=f"T = {t:g}", xlabel="γ", ylabel="speed-up over cloud_only (median)")
+            ax.legend(fontsize=7)
+        fig.tight_layout()
+        paths.append(_save(fig, out_dir / "speedup_vs_gamma.png"))
+
+        fig, axes = plt.subplots(1, len(temps), figsize=(5 * len(temps), 4), squeeze=False)
+        for ax, t in zip(axes[0], temps):
+            for g in [g for g in spec if g.temperature == t]:
+                ys = g.acceptance_per_position
+                ax.plot(range(1, len(ys) + 1), ys, marker=".", label=f"{g.method} γ={g.gamma}")
+            ax.set(title=f"T = {t:g}", xlabel="draft position k", ylabel="P(accepted ≥ k | drafted ≥ k)", ylim=(0, 1.02))
+            ax.legend(fontsize=7)
+        fig.tight_layout()
+        paths.append(_save(fig, out_dir / "acceptance_per_position.png"))
+
+        fig, ax = plt.subplots(figsize=(5, 4.5))
+        xs = [g.ideal_speedup for g in spec if g.ideal_speedup]
+        ys = [g.speedup_vs_cloud for g in spec if g.ideal_speedup]
+        ax.scatter(xs, ys, label="measured vs engine ideal")
+        pi = [(g.predicted_speedup_iid, g.speedup_vs_cloud) for g in spec if g.predicted_speedup_iid]
+        ax.scatter([a for a, _ in pi], [b for _, b in pi], marker="x", label="measured vs i.i.d. formula")
+        top = max(xs + ys + [a for a, _ in pi] + [1.0]) * 1.1
+        ax.plot([0, top], [0, top], color="grey", ls="--", lw=0.8)
+        ax.plot([0, top], [0, 0.9 * top], color="grey", ls=":", lw=0.8, label="90% of ideal")
+        ax.set(xlabel="predicted speed-up", ylabel="measured speed-up", xlim=(0, top), ylim=(0, top))
+        ax.legend(fontsize=7)
+        fig.tight_layout()
+        paths.append(_save(fig, out_dir / "predicted_vs_measured.png"))
+    if bvt:
+        fig, axes = plt.subplots(1, len({b.temperature for b in bvt}), figsize=(5 * len({b.temperature for b in bvt}), 4), squeeze=False)
+        for ax, t in zip(axes[0], sorted({b.temperature for b in bvt})):
+            rows = [b for b in bvt if b.temperature == t]
+            xs = range(len(rows))
+            ax.bar([x - 0.2 for x in xs], [b.token_tpc for b in rows], 0.4, yerr=[b.token_se for b in rows], label="token")
+            ax.bar([x + 0.2 for x in xs], [b.block_tpc for b in rows], 0.4, yerr=[b.block_se for b in rows], label="block")
+            ax.set_xticks(list(xs), [f"γ={b.gamma}" for b in rows])
+            ax.set(title=f"T = {t:g}", ylabel="tokens per target call")
+            ax.legend()
+        fig.tight_layout()
+        paths.append(_save(fig, out_dir / "token_vs_block.png"))
+    return paths
+
+
+def _save(fig, path: Path) -> str:
+    path.parent.mkdir(parents=True, exist_ok=True)
+    fig.savefig(path, dpi=110)
+    import matplotlib.pyplot as plt
+
+    plt.close(fig)
+    return str(path)
+
+
+def write(result: dict, out_dir: str | Path, *, make_plots: bool = True) -> dict:
+    """Write ``results.json``, ``README.md`` (the summary) and plots into ``out_dir``."""
+    import json
+
+    out = Path(out_dir)
+    out.mkdir(parents=True, exist_ok=True)
+    stats = aggregate(result["samples"], result.get("processes"))
+    bvt = block_vs_token(result["samples"])
+    plots = plot(stats, bvt, out) if make_plots else []
+    result = {**result, "groups": [asdict(g) for g in stats], "block_vs_token": [asdict(b) for b in bvt]}
+    (out / "results.json").write_text(json.dumps(result, indent=1))
+    (out / "README.md").write_text(markdown(result, stats, bvt, plots))
+    return {"stats": stats, "block_vs_token": bvt, "plots": plots, "dir": str(out)}

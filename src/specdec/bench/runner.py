@@ -1,0 +1,131 @@
+"""``specdec bench``: plan the jobs, run each mode in its own process, collect the samples.
+
+Modes, all on the same prompts, sampling settings and seeds:
+
+* ``cloud_only``   — the target alone (plain decoding through specdec's loop, same backend);
+* ``edge_only``    — the draft model alone;
+* ``speculative``  — target + draft with every requested rule × γ;
+* ``hf_plain``     — Hugging Face ``model.generate`` on the same target weights;
+* ``hf_assisted``  — Hugging Face assisted generation (``assistant_model=`` the same draft).
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+import time
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+
+from specdec.bench.workloads import Prompt
+from specdec.errors import SpecdecError
+
+MODES = ("cloud_only", "edge_only", "speculative", "hf_plain", "hf_assisted")
+
+
+@dataclass(frozen=True)
+class BenchConfig:
+    target: str
+    draft: str
+    prompts: tuple[Prompt, ...]
+    modes: tuple[str, ...] = MODES
+    methods: tuple[str, ...] = ("default",)
+    gammas: tuple[str, ...] = ("auto",)
+    temperatures: tuple[float, ...] = (0.0, 1.0)
+    max_new_tokens: int = 128
+    repeats: int = 1
+    seed: int = 0
+    top_p: float | None = None
+    repetition_penalty: float | None = None
+    draft_dtype: str = "auto"
+    batch_invariant: bool = True
+    threads: int | None = None
+    command: str = ""
+    extra: dict = field(default_factory=dict)
+
+
+def _job(cfg: BenchConfig, mode: str) -> dict:
+    return {
+        "mode": mode, "target": cfg.target, "draft": cfg.draft,
+        "prompts": [asdict(p) for p in cfg.prompts], "temperatures": list(cfg.temperatures),
+        "methods": list(cfg.methods), "gammas": [str(g) for g in cfg.gammas],
+        "max_new_tokens": cfg.max_new_tokens, "repeats": cfg.repeats, "seed": cfg.seed,
+        "top_p": cfg.top_p, "repetition_penalty": cfg.repetition_penalty,
+        "draft_dtype": cfg.draft_dtype, "batch_invariant": cfg.batch_invariant, "threads": cfg.threads,
+    }
+
+
+def _count(cfg: BenchConfig, mode: str) -> int:
+    n = len(cfg.prompts) * cfg.repeats * len(cfg.temperatures)
+    if mode == "speculative":
+        methods = [m for m in cfg.methods]
+        per_t = 0
+        for t in cfg.temperatures:
+            per_t += sum(len(cfg.gammas) for m in methods if not (m == "greedy" and t > 0))
+        return len(cfg.prompts) * cfg.repeats * per_t
+    return n
+
+
+def run(cfg: BenchConfig, *, progress: bool = True) -> dict:
+    """Run every mode; returns ``{"config": ..., "samples": [...], "processes": {...}}``."""
+    from tqdm.auto import tqdm
+
+    for mode in cfg.modes:
+        if mode not in MODES:
+            raise SpecdecError(f"unknown bench mode {mode!r}; choose from {', '.join(MODES)}")
+    total = sum(_count(cfg, m) for m in cfg.modes)
+    samples: list[dict] = []
+    processes: dict[str, dict] = {}
+    bar = tqdm(total=total, desc="bench", unit="gen", disable=not progress)
+    env = dict(os.environ, TOKENIZERS_PARALLELISM="false")
+    for mode in cfg.modes:
+        bar.set_postfix_str(mode)
+        started = time.perf_counter()
+        proc = subprocess.Popen(
+            [sys.executable, "-m", "specdec.bench.worker"],
+            stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=env,
+        )
+        assert proc.stdin is not None and proc.stdout is not None
+        proc.stdin.write(json.dumps(_job(cfg, mode)))
+        proc.stdin.close()
+        done = None
+        for line in proc.stdout:
+            row = json.loads(line)
+            if row.get("done"):
+                done = row
+                continue
+            samples.append(row)
+            bar.update(1)
+        err = proc.stderr.read() if proc.stderr else ""
+        if proc.wait() != 0 or done is None:
+            bar.close()
+            tail = "\n".join(err.strip().splitlines()[-5:])
+            raise SpecdecError(f"bench mode {mode} failed:\n{tail}")
+        processes[mode] = {"rss_peak_bytes": done["rss_peak_bytes"], "seconds": time.perf_counter() - started}
+    bar.close()
+    config = asdict(cfg)
+    config["prompts"] = [asdict(p) for p in cfg.prompts]
+    return {"config": config, "samples": samples, "processes": processes, "machine": machine_info()}
+
+
+def machine_info() -> dict:
+    import platform
+
+    import torch
+
+    info = {
+        "python": platform.python_version(), "torch": torch.__version__, "platform": platform.platform(),
+        "cpu_count": os.cpu_count(), "torch_threads": torch.get_num_threads(),
+    }
+    try:
+        for line in Path("/proc/cpuinfo").read_text().splitlines():
+            if line.startswith("model name"):
+                info["cpu"] = line.split(":", 1)[1].strip()
+                break
+    except OSError:
+        pass
+    if torch.cuda.is_available():
+        info["gpu"] = torch.cuda.get_device_name(0)
+    return info

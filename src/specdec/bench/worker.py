@@ -1,0 +1,189 @@
+"""One benchmark mode in its own process (so its peak memory is its own).
+
+Reads a job (JSON) on stdin, loads what the mode needs, warms up, then writes one JSON line per
+generation to stdout and a final ``{"done": ...}`` line with the process's peak RSS.
+Run by :mod:`specdec.bench.runner`; not a user-facing command.
+"""
+
+from __future__ import annotations
+
+import json
+import resource
+import sys
+import time
+from dataclasses import dataclass, field
+
+import torch
+
+from specdec.bench.workloads import Prompt
+from specdec.sampling import SamplingConfig
+
+
+@dataclass(frozen=True)
+class Job:
+    mode: str  # cloud_only | edge_only | speculative | hf_plain | hf_assisted
+    target: str
+    draft: str
+    prompts: list[dict]
+    temperatures: list[float]
+    methods: list[str] = field(default_factory=lambda: ["block"])
+    gammas: list[str] = field(default_factory=lambda: ["auto"])
+    max_new_tokens: int = 128
+    repeats: int = 1
+    seed: int = 0
+    top_p: float | None = None
+    repetition_penalty: float | None = None
+    draft_dtype: str = "auto"
+    batch_invariant: bool = True
+    threads: int | None = None
+
+
+def _peak_rss() -> int:
+    return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024  # Linux reports KiB
+
+
+def _emit(row: dict) -> None:
+    sys.stdout.write(json.dumps(row) + "\n")
+    sys.stdout.flush()
+
+
+def _sampling(job: Job, temperature: float, seed: int) -> SamplingConfig:
+    return SamplingConfig(
+        temperature=temperature,
+        top_p=job.top_p if temperature > 0 else None,
+        repetition_penalty=job.repetition_penalty or 1.0,
+        seed=seed,
+        max_new_tokens=job.max_new_tokens,
+    )
+
+
+def _settings(job: Job):
+    """(temperature, method, gamma) triples this job runs, in a fixed order."""
+    from specdec.engine import default_method
+
+    for t in job.temperatures:
+        if job.mode == "speculative":
+            for m in job.methods:
+                if m == "greedy" and t > 0:
+                    continue
+                method = default_method(SamplingConfig(temperature=t)) if m == "default" else m
+                for g in job.gammas:
+                    yield t, method, g
+        else:
+            yield t, "greedy" if t == 0 else "sample", None
+
+
+def run_engine(job: Job, prompts: list[Prompt]) -> None:
+    from specdec.engine import DTYPES, Engine, EngineConfig, resolve_draft_dtype
+    from specdec.verify import get_rule
+
+    if job.mode == "edge_only":  # the draft model alone, in the dtype it drafts in
+        dtype = resolve_draft_dtype(EngineConfig(draft_dtype=job.draft_dtype))
+        name = {v: k for k, v in DTYPES.items()}[dtype]
+        cfg = EngineConfig(target=job.draft, draft="none", dtype=name, batch_invariant=False)
+    elif job.mode == "cloud_only":
+        cfg = EngineConfig(target=job.target, draft="none", batch_invariant=job.batch_invariant)
+    else:
+        cfg = EngineConfig(target=job.target, draft=job.draft, draft_dtype=job.draft_dtype, batch_invariant=job.batch_invariant)
+    engine = Engine.build(cfg)
+    encoded = {p.id: engine.encode(p.text, chat=p.chat) for p in prompts}
+    for temperature, method, gamma in _settings(job):
+        rule = get_rule("block" if method == "sample" else method)
+        # warm-up (oneDNN kernels, allocator): one short generation, not recorded
+        warm = SamplingConfig(temperature=temperature, seed=0, max_new_tokens=16)
+        engine.decoder(rule, gamma or "auto").generate(encoded[prompts[0].id], warm)
+        for rep in range(job.repeats):
+            for p in prompts:
+                seed = job.seed + rep
+                res = engine.decoder(rule, gamma or "auto").generate(encoded[p.id], _sampling(job, temperature, seed))
+                st = res.stats
+                row = {
+                    "mode": job.mode, "method": method if job.mode == "speculative" else job.mode, "gamma": gamma,
+                    "temperature": temperature, "prompt_id": p.id, "category": p.category, "seed": seed,
+                    **{k: v for k, v in st.to_dict().items() if k not in ("method",)},
+                    "rule": st.method, "rss_peak_bytes": _peak_rss(),
+                }
+                _emit(row)
+
+
+class _FirstTokenTimer:
+    """A transformers streamer that only records when the first generated token arrives."""
+
+    def __init__(self) -> None:
+        self.calls = 0
+        self.first: float | None = None
+
+    def put(self, value) -> None:  # noqa: ANN001 - transformers' streamer protocol
+        self.calls += 1
+        if self.calls == 2 and self.first is None:  # call 1 carries the prompt
+            self.first = time.perf_counter()
+
+    def end(self) -> None:
+        pass
+
+
+def run_hf(job: Job, prompts: list[Prompt]) -> None:
+    """Hugging Face ``generate`` on the same weights, plain or with ``assistant_model=``."""
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    from specdec.models.registry import resolve
+    from specdec.text import encode_prompt
+
+    tfolder = resolve(job.target).folder
+    tokenizer = AutoTokenizer.from_pretrained(str(tfolder))
+    target = AutoModelForCausalLM.from_pretrained(str(tfolder), dtype=torch.float32).eval()
+    assistant = None
+    if job.mode == "hf_assisted":
+        assistant = AutoModelForCausalLM.from_pretrained(str(resolve(job.draft).folder), dtype=torch.float32).eval()
+    eos = [i for i in {target.config.eos_token_id, tokenizer.eos_token_id} if i is not None]
+    encoded = {p.id: encode_prompt(tokenizer, p.text, chat=p.chat) for p in prompts}
+
+    def generate(ids: list[int], temperature: float, seed: int, max_new: int):
+        x = torch.tensor([ids])
+        kwargs = dict(max_new_tokens=max_new, do_sample=temperature > 0, eos_token_id=eos, pad_token_id=eos[0])
+        if temperature > 0:
+            kwargs.update(temperature=temperature, top_k=0, top_p=job.top_p or 1.0)
+        if job.repetition_penalty:
+            kwargs.update(repetition_penalty=job.repetition_penalty)
+        if assistant is not None:
+            kwargs.update(assistant_model=assistant)
+        timer = _FirstTokenTimer()
+        torch.manual_seed(seed)
+        start = time.perf_counter()
+        with torch.inference_mode():
+            out = target.generate(x, attention_mask=torch.ones_like(x), streamer=timer, **kwargs)
+        wall = time.perf_counter() - start
+        return out[0, x.shape[1]:].tolist(), wall, (timer.first - start) if timer.first else wall
+
+    for temperature, _, _ in _settings(job):
+        generate(encoded[prompts[0].id], temperature, 0, 16)  # warm-up
+        for rep in range(job.repeats):
+            for p in prompts:
+                seed = job.seed + rep
+                tokens, wall, ttft = generate(encoded[p.id], temperature, seed, job.max_new_tokens)
+                n = len(tokens)
+                _emit({
+                    "mode": job.mode, "method": job.mode, "gamma": None, "temperature": temperature,
+                    "prompt_id": p.id, "category": p.category, "seed": seed, "generated_tokens": n,
+                    "wall_s": wall, "tokens_per_s": n / wall if wall > 0 else 0.0, "ttft_s": ttft,
+                    "lossless": True, "rss_peak_bytes": _peak_rss(),
+                    "hf_num_assistant_tokens": getattr(assistant.generation_config, "num_assistant_tokens", None) if assistant else None,
+                })
+
+
+def main() -> int:
+    spec = json.loads(sys.stdin.read())
+    job = Job(**spec)
+    if job.threads:
+        torch.set_num_threads(job.threads)
+    prompts = [Prompt(**p) for p in job.prompts]
+    if job.mode.startswith("hf_"):
+        run_hf(job, prompts)
+    else:
+        run_engine(job, prompts)
+    _emit({"done": True, "rss_peak_bytes": _peak_rss()})
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,128 @@
+"""Benchmark workloads: a built-in set of code-completion and chat prompts, or any JSONL file.
+
+The built-in prompts were written for specdec (function headers with docstrings in the style of
+the Python standard library, and everyday instructions); none is copied from a dataset.  Code
+prompts are plain completions; chat prompts go through the target's chat template.
+"""
+
+from __future__ import annotations
+
+import json
+from dataclasses import dataclass
+from pathlib import Path
+
+from specdec.errors import ConfigError
+
+
+@dataclass(frozen=True)
+class Prompt:
+    id: str
+    category: str  # "code" | "chat" | anything a JSONL file says
+    text: str
+    chat: bool
+
+
+_CODE = [
+    ("merge_intervals", '''def merge_intervals(intervals):
+    """Merge overlapping closed intervals.
+
+    >>> merge_intervals([(1, 3), (2, 6), (8, 10)])
+    [(1, 6), (8, 10)]
+    """
+'''),
+    ("parse_query", '''from urllib.parse import unquote
+
+
+def parse_query(query):
+    """Parse a URL query string like 'a=1&b=two' into a dict of lists of strings."""
+'''),
+    ("lru_cache_class", '''class LRUCache:
+    """A least-recently-used cache with a fixed capacity."""
+
+    def __init__(self, capacity):
+'''),
+    ("count_words", '''import collections
+import re
+
+
+def count_words(path, top=10):
+    """Return the `top` most common words in the text file at `path`, lower-cased."""
+'''),
+    ("flatten", '''def flatten(nested):
+    """Yield the items of arbitrarily nested lists and tuples, depth first.
+
+    >>> list(flatten([1, [2, (3, 4)], [[5]]]))
+    [1, 2, 3, 4, 5]
+    """
+'''),
+    ("read_csv_rows", '''import csv
+
+
+def read_rows(path, *, skip_header=True):
+    """Read a CSV file and return its rows as lists of strings."""
+'''),
+    ("binary_search", '''def binary_search(items, target):
+    """Return the index of `target` in the sorted list `items`, or -1 if it is absent."""
+'''),
+    ("retry_decorator", '''import functools
+import time
+
+
+def retry(times=3, delay=0.5, exceptions=(Exception,)):
+    """Decorator: call the function again, up to `times` attempts, when it raises."""
+'''),
+]
+
+_CHAT = [
+    ("explain_tcp", "Explain the difference between TCP and UDP to a new programmer."),
+    ("story_lighthouse", "Write a short story about a lighthouse keeper who finds a message in a bottle."),
+    ("email_meeting", "Write a polite email asking my team to move our weekly meeting to Thursday."),
+    ("tips_sleep", "Give me five practical tips for sleeping better."),
+    ("summarise_photosynthesis", "Summarise how photosynthesis works in a paragraph."),
+    ("recipe_pancakes", "How do I make fluffy pancakes? List the steps."),
+    ("compare_languages", "What are the main strengths of Python compared with C?"),
+    ("plan_trip", "Plan a relaxed two-day trip to a small coastal town."),
+]
+
+BUILTIN: tuple[Prompt, ...] = tuple(
+    [Prompt(f"code/{name}", "code", text, False) for name, text in _CODE]
+    + [Prompt(f"chat/{name}", "chat", text, True) for name, text in _CHAT]
+)
+
+
+def load_jsonl(path: str | Path) -> list[Prompt]:
+    """Prompts from a JSONL file: one object per line with ``prompt`` and optional ``id``,
+    ``category`` (default "custom") and ``chat`` (default false)."""
+    path = Path(path)
+    if not path.is_file():
+        raise ConfigError(f"prompt file {path} does not exist")
+    prompts = []
+    for n, line in enumerate(path.read_text().splitlines(), start=1):
+        if not line.strip():
+            continue
+        try:
+            row = json.loads(line)
+        except json.JSONDecodeError as exc:
+            raise ConfigError(f"{path}:{n}: not valid JSON ({exc.msg})") from None
+        if not isinstance(row, dict) or not isinstance(row.get("prompt"), str) or not row["prompt"].strip():
+            raise ConfigError(f"{path}:{n}: each line needs a non-empty string field 'prompt'")
+        prompts.append(Prompt(str(row.get("id", f"line{n}")), str(row.get("category", "custom")), row["prompt"], bool(row.get("chat", False))))
+    if not prompts:
+        raise ConfigError(f"{path} holds no prompts")
+    return prompts
+
+
+def select(prompts: list[Prompt] | tuple[Prompt, ...], *, categories: list[str] | None = None, limit: int | None = None) -> list[Prompt]:
+    """Filter by category; ``limit`` keeps the first ``limit`` prompts *of each category*."""
+    chosen = [p for p in prompts if not categories or p.category in categories]
+    if limit is not None:
+        kept: dict[str, int] = {}
+        out = []
+        for p in chosen:
+            if kept.get(p.category, 0) < limit:
+                out.append(p)
+                kept[p.category] = kept.get(p.category, 0) + 1
+        chosen = out
+    if not chosen:
+        raise ConfigError("no prompts left after filtering")
+    return chosen

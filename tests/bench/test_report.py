@@ -1,0 +1,90 @@
+"""Metric computation on synthetic samples (no timing involved)."""
+
+import json
+
+import pytest
+
+from specdec.bench import report
+from specdec.bench.workloads import BUILTIN, load_jsonl, select
+from specdec.errors import ConfigError
+
+
+def _engine(mode, method, prompt, tps, *, gamma=None, t=0.0, seed=0, calls=10, gen=20, prop=0, acc=0,
+            per_pos=(), prop_pos=(), draft_s=0.0, target_s=0.5, cat="code"):
+    return {
+        "mode": mode, "method": method, "gamma": gamma, "temperature": t, "prompt_id": prompt, "category": cat,
+        "seed": seed, "tokens_per_s": tps, "wall_s": gen / tps, "ttft_s": 0.05, "generated_tokens": gen,
+        "target_calls": calls, "tokens_per_target_call": gen / calls, "draft_tokens_proposed": prop,
+        "draft_tokens_accepted": acc, "acceptance_per_position": list(per_pos), "proposed_per_position": list(prop_pos),
+        "draft_s": draft_s, "target_s": target_s, "verify_s": 0.01, "kv_peak_bytes": 1000, "lossless": True,
+    }
+
+
+def _samples():
+    rows = []
+    for i, (p, cat) in enumerate([("a", "code"), ("b", "code"), ("c", "chat")]):
+        rows.append(_engine("cloud_only", "cloud_only", p, 50.0, calls=20, gen=20, target_s=0.36, cat=cat))
+        rows.append({**_engine("hf_assisted", "hf_assisted", p, 25.0, cat=cat)})
+        # speculative: 2x, 2x, 1x the cloud rate; 10 rounds, 20 tokens, 40 drafted, 10 accepted
+        rows.append(_engine("speculative", "block", p, [100.0, 100.0, 50.0][i], gamma="4", calls=10, gen=20, prop=40,
+                            acc=10, per_pos=(0.5, 0.3, 0.2, 0.0), prop_pos=(10, 10, 10, 10), draft_s=0.04, target_s=0.2, cat=cat))
+    return rows
+
+
+def test_aggregate_speedups_and_engine_metrics():
+    stats = {(g.mode, g.method): g for g in report.aggregate(_samples(), {"speculative": {"rss_peak_bytes": 4000}})}
+    spec = stats[("speculative", "block")]
+    assert spec.n == 3
+    assert spec.speedup_vs_cloud == pytest.approx(2.0)  # median of 2, 2, 1
+    assert spec.speedup_by_category == {"chat": pytest.approx(1.0), "code": pytest.approx(2.0)}
+    assert spec.speedup_vs_hf_assisted == pytest.approx(4.0)
+    assert spec.tokens_per_call == pytest.approx(2.0) and spec.acceptance == pytest.approx(0.25)
+    assert spec.acceptance_per_position == pytest.approx([0.5, 0.3, 0.2, 0.0])
+    assert spec.mean_gamma == pytest.approx(4.0)
+    assert spec.cloud_calls_per_token == pytest.approx(0.5)
+    assert spec.draft_step_ms == pytest.approx(1.0) and spec.verify_ms == pytest.approx(20.0)
+    assert spec.kv_share_of_rss == pytest.approx(0.25)
+    # theory: plain target step = 0.36 s / 20 calls = 18 ms; c = 1 ms / 18 ms
+    assert spec.cost_ratio_c == pytest.approx(1 / 18)
+    ideal_tps = 2.0 / (4 * 0.001 + 0.020)
+    assert spec.ideal_speedup == pytest.approx(ideal_tps * 0.018)
+    assert spec.efficiency == pytest.approx(2.0 / spec.ideal_speedup)
+
+
+def test_block_vs_token_is_paired():
+    rows = []
+    for p in "abcd":
+        for seed in (0, 1):
+            rows.append(_engine("speculative", "token", p, 10, gamma="8", t=1.0, seed=seed, calls=10, gen=20))
+            rows.append(_engine("speculative", "block", p, 10, gamma="8", t=1.0, seed=seed, calls=10, gen=22 + seed))
+    [b] = report.block_vs_token(rows)
+    assert b.n_pairs == 8 and b.token_tpc == pytest.approx(2.0) and b.block_tpc == pytest.approx(2.25)
+    assert b.ratio == pytest.approx(1.125) and b.diff == pytest.approx(0.25)
+    assert b.diff_se == pytest.approx(0.1 / (8**0.5) * (8 / 7) ** 0.5)
+
+
+def test_write_produces_json_markdown_and_plots(tmp_path):
+    result = {"config": {"target": "t", "draft": "d", "draft_dtype": "auto", "prompts": [{"category": "code"}],
+                         "max_new_tokens": 20, "repeats": 1, "seed": 0, "top_p": None, "repetition_penalty": None,
+                         "batch_invariant": True, "command": "specdec bench --x"},
+              "samples": _samples(), "processes": {}, "machine": {"cpu": "test"}}
+    out = report.write(result, tmp_path)
+    saved = json.loads((tmp_path / "results.json").read_text())
+    assert {"config", "samples", "groups", "block_vs_token"} <= set(saved)
+    md = (tmp_path / "README.md").read_text()
+    assert "specdec bench --x" in md and "speculative/block" in md and "| 2.00 |" in md
+    assert out["plots"] and all((tmp_path / p.split("/")[-1]).is_file() for p in out["plots"])
+
+
+def test_workloads(tmp_path):
+    assert {p.category for p in BUILTIN} == {"code", "chat"} and len(BUILTIN) >= 8
+    assert [p.category for p in select(BUILTIN, limit=2)] == ["code", "code", "chat", "chat"]
+    f = tmp_path / "p.jsonl"
+    f.write_text('{"prompt": "x", "category": "c"}\n\n{"prompt": "y", "chat": true}\n')
+    ps = load_jsonl(f)
+    assert [(p.category, p.chat) for p in ps] == [("c", False), ("custom", True)]
+    f.write_text('{"nope": 1}\n')
+    with pytest.raises(ConfigError, match="prompt"):
+        load_jsonl(f)
+    with pytest.raises(ConfigError, match="does not exist"):
+        load_jsonl(tmp_path / "missing.jsonl")

@@ -1,0 +1,31 @@
+import pytest
+
+from specdec.bench import theory
+
+
+def test_expected_tokens_and_speedup_formulas():
+    # Leviathan et al. eq. 1 at a few points, and its limits
+    assert theory.expected_tokens(0.0, 5) == 1.0
+    assert theory.expected_tokens(1.0, 5) == 6.0
+    assert theory.expected_tokens(0.5, 2) == pytest.approx(1 + 0.5 + 0.25)
+    assert theory.speedup(0.8, 4, 0.05) == pytest.approx((1 - 0.8**5) / 0.2 / 1.2)
+
+
+def test_optimal_gamma():
+    assert theory.optimal_gamma(0.0, 0.1) == 0  # nothing is ever accepted: don't speculate
+    assert theory.optimal_gamma(0.9, 0.0, max_gamma=16) == 16  # free drafting: draft as far as allowed
+    g = theory.optimal_gamma(0.8, 0.05)
+    assert theory.speedup(0.8, g, 0.05) >= max(theory.speedup(0.8, k, 0.05) for k in range(17)) - 1e-12
+
+
+def test_alpha_inverts_expected_tokens():
+    for alpha in (0.1, 0.5, 0.77, 0.95):
+        e = theory.expected_tokens(alpha, 6)
+        assert theory.alpha_from_block_efficiency(e, 6) == pytest.approx(alpha, abs=1e-8)
+
+
+def test_ideal_and_overhead():
+    assert theory.expected_tokens_from_profile([0.8, 0.6, 0.3]) == pytest.approx(2.7)
+    ideal = theory.ideal_tokens_per_s(2.7, 3, 0.001, 0.02)
+    assert ideal == pytest.approx(2.7 / 0.023)
+    assert theory.overhead_share(0.9 * ideal, ideal) == pytest.approx(0.1)

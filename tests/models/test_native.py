@@ -1,0 +1,74 @@
+"""The native Llama/Qwen2 path reproduces transformers and rolls its cache back exactly."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from specdec.models.hf import HFCausalLM
+from specdec.models.native import NativeCausalLM
+from tiny import make_tiny
+
+
+@pytest.fixture(scope="module", params=["llama", "qwen2"])
+def tiny_folder(request, tmp_path_factory):
+    return make_tiny(tmp_path_factory.mktemp(request.param), model_type=request.param)
+
+
+def test_matches_transformers(tiny_folder):
+    from transformers import AutoModelForCausalLM
+
+    ref_model = AutoModelForCausalLM.from_pretrained(tiny_folder, dtype=torch.float32).eval()
+    native = NativeCausalLM.from_folder(tiny_folder)
+    ids = torch.randint(0, 49152, (37,), generator=torch.Generator().manual_seed(0))
+    with torch.no_grad():
+        ref = ref_model(ids.unsqueeze(0)).logits[0]
+    out = native.forward(ids, native.new_cache(64))
+    assert torch.allclose(out, ref, atol=1e-4, rtol=1e-4)
+
+
+def test_incremental_equals_prefill_and_rollback(tiny_folder):
+    model = NativeCausalLM.from_folder(tiny_folder)
+    g = torch.Generator().manual_seed(1)
+    ids = torch.randint(0, 49152, (20,), generator=g)
+    full = model.forward(ids, model.new_cache(64))
+    cache = model.new_cache(64)
+    model.forward(ids[:12], cache)
+    step = torch.cat([model.forward(ids[i : i + 1], cache) for i in range(12, 20)])
+    assert torch.allclose(step, full[12:], atol=1e-4)
+    # write garbage past position 15, roll back, continue: same as never having written it
+    cache.truncate(15)
+    model.forward(torch.randint(0, 49152, (5,), generator=g), cache)
+    cache.truncate(15)
+    again = model.forward(ids[15:20], cache)
+    assert torch.allclose(again, full[15:], atol=1e-4)
+    assert cache.length == 20
+
+
+def test_last_only_and_context_limit(tiny_folder):
+    model = NativeCausalLM.from_folder(tiny_folder)
+    ids = torch.arange(10)
+    assert torch.allclose(model.forward(ids, model.new_cache())[-1:], model.forward(ids, model.new_cache(), last_only=True), atol=1e-5)
+    cache = model.new_cache(8)
+    with pytest.raises(ValueError, match="full"):
+        model.forward(ids, cache)
+
+
+def test_hf_backend_matches_native(tiny_folder):
+    native = NativeCausalLM.from_folder(tiny_folder)
+    hf = HFCausalLM.from_folder(str(tiny_folder))
+    ids = torch.randint(0, 49152, (9,), generator=torch.Generator().manual_seed(2))
+    hc = hf.new_cache()
+    a = torch.cat([hf.forward(ids[:5], hc), hf.forward(ids[5:], hc)])
+    hc.truncate(6)
+    b = hf.forward(ids[6:], hc)
+    n = native.forward(ids, native.new_cache(32))
+    assert torch.allclose(a, n, atol=1e-4) and torch.allclose(b, n[6:], atol=1e-4)
+
+
+def test_bfloat16_path_runs_and_agrees_roughly(tiny_folder):
+    f32 = NativeCausalLM.from_folder(tiny_folder)
+    b16 = NativeCausalLM.from_folder(tiny_folder, dtype=torch.bfloat16)
+    ids = torch.arange(16)
+    a, b = f32.forward(ids, f32.new_cache(32)), b16.forward(ids, b16.new_cache(32))
+    assert b.dtype == torch.float32 and torch.allclose(a, b, atol=0.1)

