@@ -60,7 +60,7 @@ def test_block_vs_token_is_paired():
     [b] = report.block_vs_token(rows)
     assert b.n_pairs == 8 and b.token_tpc == pytest.approx(2.0) and b.block_tpc == pytest.approx(2.25)
     assert b.ratio == pytest.approx(1.125) and b.diff == pytest.approx(0.25)
-    assert b.diff_se == pytest.approx(0.1 / (8**0.5) * (8 / 7) ** 0.5)
+    assert b.diff_se == pytest.approx(0.05 * (8 / 7) ** 0.5 / 8**0.5)
 
 
 def test_write_produces_json_markdown_and_plots(tmp_path):
