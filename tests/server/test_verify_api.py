@@ -5,7 +5,6 @@ from __future__ import annotations
 import json
 
 import httpx
-import pytest
 import torch
 
 from specdec.models.toy import ToyLM

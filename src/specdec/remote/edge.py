@@ -16,7 +16,7 @@ from typing import Any, Callable
 import httpx
 
 from specdec import defaults
-from specdec.decoder import GenerationResult, SpeculativeDecoder
+from specdec.decoder import GenerationResult, GenerationStats, SpeculativeDecoder
 from specdec.drafters.base import Drafter
 from specdec.engine import make_gamma
 from specdec.errors import ConfigError
@@ -39,7 +39,7 @@ class EdgeResult:
     gate: dict[str, Any] | None
 
     @property
-    def stats(self):
+    def stats(self) -> GenerationStats:
         return self.result.stats
 
     @property

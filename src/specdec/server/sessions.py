@@ -73,7 +73,13 @@ def serialized(model: LanguageModel, lock: threading.Lock = FORWARD_LOCK) -> Lan
 # ----------------------------------------------------------------------------- unverified appends
 
 
-def _commit_all(draft_tokens: Tensor, draft_probs: Tensor | None, target_probs: Tensor, *, generator=None) -> Verdict:
+def _commit_all(
+    draft_tokens: Tensor,  # [k] int64
+    draft_probs: Tensor | None,  # unused
+    target_probs: Tensor,  # [k+1, V] unused
+    *,
+    generator: torch.Generator | None = None,
+) -> Verdict:
     """Keep every given token (no verification): the lossy edge's locally committed tokens."""
     return Verdict(num_accepted=draft_tokens.numel() - 1, tokens=draft_tokens.clone())
 
