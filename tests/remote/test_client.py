@@ -87,8 +87,9 @@ def test_remote_sparse_q_equals_local_truncated_drafting(toy_server, method):
 # ----------------------------------------------------------------------------- output law over the wire
 
 #: 2,000 independent generations (seed = index) of 3 tokens from the 4-token order-2 toy target
-#: (64 outcomes), chi-square against the exact law, failing at p < ALPHA = 1e-4.  At this size the
-#: two negative controls below are rejected by many orders of magnitude.
+#: (64 outcomes), each through its own server session, chi-square against the exact law, failing
+#: at p < ALPHA = 1e-4.  Measured at this size: sparse-q p = 0.99; the negative controls
+#: lossy-scalar p = 3e-39 and misreported sparse q p = 2e-74 (all deterministic: seeded).
 N_LAW = 2000
 LAW_CFG = SamplingConfig(temperature=1.0, max_new_tokens=3)
 
