@@ -297,3 +297,22 @@ def test_auto_gamma_accounts_for_the_round_trip(toy_server):
         assert out.token_ids == _local([1, 2], cfg, "greedy", drafter=None)
         mean_gamma[delay] = out.stats.mean_gamma
     assert mean_gamma[0.15] > mean_gamma[0.0] + 0.5, mean_gamma
+
+
+
+def test_outcome_metrics_are_per_round(toy_server):
+    import torch
+
+    from specdec.drafters.base import Draft
+
+    cfg = SamplingConfig(temperature=0.0, seed=1, max_new_tokens=20)
+    with RemoteVerifier(_cfg(toy_server.url), [1, 2], cfg) as v:
+        created_up = v.stats.bytes_up  # the session's creation request
+        rounds = [v.verify(Draft(tokens=torch.tensor([1, 2, 3][:k]), probs=None)) for k in (3, 1, 2)]
+        assert v.context.numel() == 2 + sum(o.verdict.tokens.numel() for o in rounds)
+    for o in rounds:
+        m = o.metrics
+        assert m["bytes_up"] > 0 and m["wire_bytes_up"] > m["bytes_up"] and 0 < m["bytes_down"] < m["wire_bytes_down"]
+        assert m["rtt_ms"] > 0 and m["retries"] == 0 and o.target_s * 1e3 == pytest.approx(m["rtt_ms"])
+    assert sum(o.metrics["bytes_up"] for o in rounds) == v.stats.bytes_up - created_up
+    assert v.stats.verify_calls == 3

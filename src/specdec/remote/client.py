@@ -221,6 +221,7 @@ class RemoteVerifier:
         self._pending: list[int] = []  # locally committed tokens the server has not seen yet
         self._ctx = torch.empty(0, dtype=torch.long)
         self._n = 0
+        self._round_start = (0, 0, 0, 0, 0)
         self._create(resume=False)
 
     # ------------------------------------------------------------------ Verifier
@@ -241,6 +242,8 @@ class RemoteVerifier:
     def verify(self, draft: Draft) -> Outcome:
         """One round: send the draft with the next ``seq``, apply the cloud's verdict."""
         started = time.perf_counter()
+        self._round_start = (self.stats.bytes_up, self.stats.bytes_down, self.stats.wire_bytes_up,
+                             self.stats.wire_bytes_down, self.stats.retries)
         gamma = draft.tokens.numel()
         if (
             self.local_commit is not None
@@ -462,13 +465,16 @@ class RemoteVerifier:
         self.stats.cloud_target_ms += float(m.get("target_ms", 0.0))
         self.stats.cloud_server_ms += float(m.get("server_ms", 0.0))
         verdict = Verdict(num_accepted=n, tokens=torch.tensor(tokens, dtype=torch.long))
-        metrics = {
+        up, down, wire_up, wire_down, retries = self._round_start
+        metrics = {  # this round's figures
             "rtt_ms": rtt * 1e3,
             "cloud_prefill_ms": float(m.get("target_ms", 0.0)),
             "server_ms": float(m.get("server_ms", 0.0)),
-            "bytes_up": self.stats.bytes_up,
-            "bytes_down": self.stats.bytes_down,
-            "retries": self.stats.retries,
+            "bytes_up": self.stats.bytes_up - up,
+            "bytes_down": self.stats.bytes_down - down,
+            "wire_bytes_up": self.stats.wire_bytes_up - wire_up,
+            "wire_bytes_down": self.stats.wire_bytes_down - wire_down,
+            "retries": self.stats.retries - retries,
             "unverified": 0,
         }
         return Outcome(verdict=verdict, target_s=rtt, verify_s=float(m.get("verify_ms", 0.0)) / 1e3, metrics=metrics)
