@@ -31,15 +31,17 @@ class EngineConfig:
     draft: str = defaults.DEFAULT_DRAFT  # registry name | path | "ngram" | "self" | "none"
     backend: str = "auto"  # auto | native | hf
     dtype: str = "float32"  # the target's dtype: exactness is relative to the target as loaded
-    #: the draft's dtype; "auto" = bfloat16 where the CPU has native bf16 matmuls (the draft's
-    #: precision never affects exactness, only acceptance), else the target's dtype
+    #: the draft's dtype (never affects exactness, only acceptance and speed): "auto" = bfloat16
+    #: where the CPU has native bf16 matmuls (measured: a SmolLM2-draft step 1.0 ms vs 2.25 ms in
+    #: float32), else the target's dtype
     draft_dtype: str = "auto"
     #: native target scores a draft block bitwise as it would score the tokens one by one
     #: (greedy / coupled output identical to plain decoding); ~10% slower verification
     batch_invariant: bool = True
 
 
-def resolve_draft_dtype(cfg: EngineConfig) -> torch.dtype:
+def draft_dtype(cfg: EngineConfig) -> torch.dtype:
+    """The draft model's dtype (see :attr:`EngineConfig.draft_dtype`)."""
     if cfg.draft_dtype == "auto":
         from specdec.models.linear import bf16_fast
 
@@ -47,6 +49,11 @@ def resolve_draft_dtype(cfg: EngineConfig) -> torch.dtype:
     if cfg.draft_dtype not in DTYPES:
         raise ConfigError(f"draft dtype must be auto or one of {', '.join(DTYPES)}, got {cfg.draft_dtype!r}")
     return DTYPES[cfg.draft_dtype]
+
+
+def load_draft(cfg: EngineConfig, ref: str | None = None) -> LoadedModel:
+    """The draft model in :func:`draft_dtype` (never batch-invariant: it scores one token at a time)."""
+    return load(ref or cfg.draft, backend=cfg.backend, dtype=draft_dtype(cfg), batch_invariant=False)
 
 
 def default_method(cfg: SamplingConfig) -> str:
@@ -119,7 +126,7 @@ class Engine:
             return cls(target, ModelDrafter(target.model), "self", target)
         if progress:
             progress(f"loading draft {cfg.draft}")
-        draft = load(cfg.draft, backend=cfg.backend, dtype=resolve_draft_dtype(cfg), batch_invariant=False)
+        draft = load_draft(cfg)
         check_compatible(target, draft)
         return cls(target, ModelDrafter(draft.model), draft.name, draft)
 

@@ -74,18 +74,16 @@ def _settings(job: Job):
 
 
 def run_engine(job: Job, prompts: list[Prompt]) -> None:
-    from specdec.engine import DTYPES, Engine, EngineConfig, resolve_draft_dtype
+    from specdec.engine import Engine, EngineConfig, load_draft
     from specdec.verify import get_rule
 
-    if job.mode == "edge_only":  # the draft model alone, in the dtype it drafts in
-        dtype = resolve_draft_dtype(EngineConfig(draft_dtype=job.draft_dtype))
-        name = {v: k for k, v in DTYPES.items()}[dtype]
-        cfg = EngineConfig(target=job.draft, draft="none", dtype=name, batch_invariant=False)
+    if job.mode == "edge_only":  # the draft model alone, in the precision it drafts in
+        draft = load_draft(EngineConfig(draft=job.draft, draft_dtype=job.draft_dtype))
+        engine = Engine(draft, None, "none")
     elif job.mode == "cloud_only":
-        cfg = EngineConfig(target=job.target, draft="none", batch_invariant=job.batch_invariant)
+        engine = Engine.build(EngineConfig(target=job.target, draft="none", batch_invariant=job.batch_invariant))
     else:
-        cfg = EngineConfig(target=job.target, draft=job.draft, draft_dtype=job.draft_dtype, batch_invariant=job.batch_invariant)
-    engine = Engine.build(cfg)
+        engine = Engine.build(EngineConfig(target=job.target, draft=job.draft, draft_dtype=job.draft_dtype, batch_invariant=job.batch_invariant))
     encoded = {p.id: engine.encode(p.text, chat=p.chat) for p in prompts}
     for temperature, method, gamma in _settings(job):
         rule = get_rule("block" if method == "sample" else method)

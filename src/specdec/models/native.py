@@ -113,6 +113,8 @@ class NativeCausalLM:
         self.max_length = cfg.max_length
         self.dtype = dtype
 
+        mode = "invariant" if batch_invariant else "fast"
+
         def w(name: str) -> Tensor:
             return weights[name].to(dtype)
 
@@ -129,16 +131,16 @@ class NativeCausalLM:
             self.layers.append(
                 _Layer(
                     attn_norm=w(p + "input_layernorm.weight"),
-                    qkv=Linear(qkv_w, qkv_b),
-                    out=Linear(w(p + "self_attn.o_proj.weight")),
+                    qkv=Linear(qkv_w, qkv_b, mode=mode),
+                    out=Linear(w(p + "self_attn.o_proj.weight"), mode=mode),
                     mlp_norm=w(p + "post_attention_layernorm.weight"),
-                    gate_up=Linear(torch.cat([w(p + "mlp.gate_proj.weight"), w(p + "mlp.up_proj.weight")])),
-                    down=Linear(w(p + "mlp.down_proj.weight")),
+                    gate_up=Linear(torch.cat([w(p + "mlp.gate_proj.weight"), w(p + "mlp.up_proj.weight")]), mode=mode),
+                    down=Linear(w(p + "mlp.down_proj.weight"), mode=mode),
                 )
             )
         self.norm = w("model.norm.weight")
         head = self.embed if cfg.tie_embeddings or "lm_head.weight" not in weights else w("lm_head.weight")
-        self.lm_head = Linear(head)
+        self.lm_head = Linear(head, mode=mode)
         cos, sin = _rope_tables(cfg, cfg.max_length)
         self._cos, self._sin = cos.to(dtype), sin.to(dtype)
         self._q_size = cfg.n_heads * cfg.head_dim
@@ -148,7 +150,11 @@ class NativeCausalLM:
 
     @classmethod
     def from_folder(
-        cls, folder: str | Path, *, dtype: torch.dtype = torch.float32, batch_invariant: bool = False
+        cls,
+        folder: str | Path,
+        *,
+        dtype: torch.dtype = torch.float32,
+        batch_invariant: bool = False,
     ) -> "NativeCausalLM":
         from safetensors.torch import load_file
 

@@ -315,7 +315,11 @@ def _eos_ids(folder: Path | None, tokenizer: Any, config: dict) -> frozenset[int
 
 
 def load(
-    ref: str, *, backend: str = "auto", dtype: torch.dtype = torch.float32, batch_invariant: bool = True
+    ref: str,
+    *,
+    backend: str = "auto",
+    dtype: torch.dtype = torch.float32,
+    batch_invariant: bool = True,
 ) -> LoadedModel:
     """Resolve ``ref`` and load model + tokenizer with the requested backend (auto = native if it can).
 

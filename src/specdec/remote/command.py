@@ -75,8 +75,8 @@ def run_generate(args: argparse.Namespace, prompt: str, sampling: SamplingConfig
 
     from specdec import defaults
     from specdec.drafters import ModelDrafter, NgramDrafter
-    from specdec.engine import EngineConfig, resolve_draft_dtype
-    from specdec.models.registry import load, resolve
+    from specdec.engine import EngineConfig, load_draft
+    from specdec.models.registry import resolve
     from specdec.remote.client import RemoteConfig
     from specdec.remote.edge import generate_remote
     from specdec.text import encode_prompt
@@ -108,7 +108,7 @@ def run_generate(args: argparse.Namespace, prompt: str, sampling: SamplingConfig
     else:
         log(f"loading draft {args.draft}")
         cfg = EngineConfig(draft=args.draft, backend=args.backend, dtype=args.dtype, draft_dtype=args.draft_dtype)
-        draft = load(args.draft, backend=args.backend, dtype=resolve_draft_dtype(cfg))
+        draft = load_draft(cfg)
         tokenizer, eos, drafter, name = draft.tokenizer, draft.eos_ids, ModelDrafter(draft.model), draft.name
     ids = encode_prompt(tokenizer, prompt, chat=args.chat)
     vocab = draft.vocab_size if draft is not None else len(tokenizer)
