@@ -32,6 +32,8 @@ class RoundStats:
     draft_ms: float
     target_ms: float
     verify_ms: float
+    alpha_mean: float | None = None  # mean min(1, p/q) over the draft (probabilistic rules)
+    cumulative_acceptance: float = 0.0  # accepted / proposed over all rounds so far (A_cum)
 
     @property
     def accept_ratio(self) -> float:
@@ -143,6 +145,7 @@ class SpeculativeDecoder:
         ttft = 0.0
         finish = "length"
         empty = Draft(tokens=torch.empty(0, dtype=torch.long), probs=None)
+        proposed_so_far = accepted_so_far = 0
         while len(generated) < max_new:
             remaining = max_new - len(generated)
             t0 = time.perf_counter()
@@ -178,8 +181,14 @@ class SpeculativeDecoder:
                 ttft = t2 - started
             drafted = draft.tokens.numel()
             other_s = (t2 - t1) - outcome.target_s
+            proposed_so_far += drafted
+            accepted_so_far += verdict.num_accepted
             rounds.append(
-                RoundStats(drafted, verdict.num_accepted, len(new), (t1 - t0) * 1e3, outcome.target_s * 1e3, other_s * 1e3)
+                RoundStats(
+                    drafted, verdict.num_accepted, len(new), (t1 - t0) * 1e3, outcome.target_s * 1e3, other_s * 1e3,
+                    alpha_mean=verdict.alpha_mean,
+                    cumulative_acceptance=accepted_so_far / proposed_so_far if proposed_so_far else 0.0,
+                )
             )
             self.gamma.update(gamma=drafted, accepted=verdict.num_accepted, draft_s=t1 - t0, target_s=outcome.target_s, other_s=other_s)
             if stop is not None:

@@ -35,6 +35,9 @@ class Verdict:
 
     num_accepted: int
     tokens: Tensor  # [num_accepted + 1] int64: accepted prefix + recovered-or-bonus token
+    #: mean over draft positions of alpha_i = min(1, p_i(x_i) / q_i(x_i)) (the guide's alpha_mean);
+    #: None for rules that do not compare probabilities (greedy, coupled)
+    alpha_mean: float | None = None
 
 
 def _as_probs(draft_probs: Tensor | None, draft_tokens: Tensor, vocab: int, dtype: torch.dtype) -> Tensor:
@@ -64,8 +67,9 @@ def _sample_row(weights: Tensor, generator: torch.Generator | None) -> Tensor:  
     return torch.tensor([sample_categorical(weights, generator)], dtype=torch.long)
 
 
-def _finish(draft_tokens: Tensor, n: int, last: Tensor) -> Verdict:
-    return Verdict(num_accepted=n, tokens=torch.cat([draft_tokens[:n], last.reshape(1)]))
+def _finish(draft_tokens: Tensor, n: int, last: Tensor, alpha: Tensor | None = None) -> Verdict:
+    mean = float(alpha.mean()) if alpha is not None and alpha.numel() else None
+    return Verdict(num_accepted=n, tokens=torch.cat([draft_tokens[:n], last.reshape(1)]), alpha_mean=mean)
 
 
 def greedy_verify(
@@ -94,6 +98,7 @@ class Plan:
 
     stop: Tensor  # [γ] float64
     residual: Tensor  # [γ, V]
+    alpha: Tensor  # [γ] float64: min(1, p_i(x_i) / q_i(x_i)), for statistics
 
 
 def token_plan(draft_tokens: Tensor, draft_probs: Tensor | None, target_probs: Tensor) -> Plan:
@@ -102,7 +107,8 @@ def token_plan(draft_tokens: Tensor, draft_probs: Tensor | None, target_probs: T
     q = _as_probs(draft_probs, draft_tokens, target_probs.shape[1], target_probs.dtype)
     rows = torch.arange(gamma)
     ratio = target_probs[rows, draft_tokens].double() / q[rows, draft_tokens].double()
-    return Plan(stop=ratio.clamp(max=1.0), residual=(target_probs[:gamma] - q).clamp_min(0.0))
+    alpha = ratio.clamp(max=1.0)
+    return Plan(stop=alpha, residual=(target_probs[:gamma] - q).clamp_min(0.0), alpha=alpha)
 
 
 def block_plan(draft_tokens: Tensor, draft_probs: Tensor | None, target_probs: Tensor) -> Plan:
@@ -113,7 +119,8 @@ def block_plan(draft_tokens: Tensor, draft_probs: Tensor | None, target_probs: T
     gamma = _check_shapes(draft_tokens, draft_probs, target_probs)
     q = _as_probs(draft_probs, draft_tokens, target_probs.shape[1], target_probs.dtype)
     rows = torch.arange(gamma)
-    ratios = (target_probs[rows, draft_tokens].double() / q[rows, draft_tokens].double()).tolist()
+    ratio = target_probs[rows, draft_tokens].double() / q[rows, draft_tokens].double()
+    ratios = ratio.tolist()
     weights = [1.0]
     for r in ratios:  # the recursion is sequential; γ scalars, one host sync
         weights.append(min(weights[-1] * r, 1.0))
@@ -123,7 +130,7 @@ def block_plan(draft_tokens: Tensor, draft_probs: Tensor | None, target_probs: T
     denom = mass[1:] + (1.0 - w[1:gamma])
     h_mid = torch.where(denom > 0, mass[1:] / denom.clamp_min(1e-300), torch.zeros_like(denom))
     stop = torch.cat([h_mid, w[gamma:]]) if gamma else torch.empty(0, dtype=torch.float64)
-    return Plan(stop=stop, residual=residual)
+    return Plan(stop=stop, residual=residual, alpha=ratio.clamp(max=1.0))
 
 
 def _next_token(plan: Plan, n: int, target_probs: Tensor, generator: torch.Generator | None) -> Tensor:
@@ -152,7 +159,7 @@ def token_verify(
     plan = token_plan(draft_tokens, draft_probs, target_probs)
     u = torch.rand(plan.stop.numel(), generator=generator, dtype=torch.float64)
     n = _leading_true(u < plan.stop)
-    return _finish(draft_tokens, n, _next_token(plan, n, target_probs, generator))
+    return _finish(draft_tokens, n, _next_token(plan, n, target_probs, generator), plan.alpha)
 
 
 def block_verify(
@@ -172,7 +179,7 @@ def block_verify(
     eta = torch.rand(plan.stop.numel(), generator=generator, dtype=torch.float64)
     hits = (eta < plan.stop).nonzero()
     tau = int(hits[-1]) + 1 if hits.numel() else 0
-    return _finish(draft_tokens, tau, _next_token(plan, tau, target_probs, generator))
+    return _finish(draft_tokens, tau, _next_token(plan, tau, target_probs, generator), plan.alpha)
 
 
 def coupled_verify(
@@ -223,9 +230,9 @@ def _lossy_accept_then_p(
     u = torch.rand(gamma, generator=generator, dtype=torch.float64)
     n = _leading_true(accept(p_x, q_x, u))
     if n == gamma:
-        return _finish(draft_tokens, n, _sample_row(target_probs[gamma], generator))
+        return _finish(draft_tokens, n, _sample_row(target_probs[gamma], generator), (p_x / q_x).clamp(max=1.0))
     weights = residual(target_probs[n], int(draft_tokens[n]), q_x[n], target_probs)
-    return _finish(draft_tokens, n, _sample_row(weights, generator))
+    return _finish(draft_tokens, n, _sample_row(weights, generator), (p_x / q_x).clamp(max=1.0))
 
 
 def _resample_from_p(p_row: Tensor, token: int, q_tok: Tensor, _: Tensor) -> Tensor:
