@@ -167,3 +167,23 @@ def test_output_law_with_draft_only_truncation(method):
     dec = SpeculativeDecoder(TARGET, ModelDrafter(DRAFT), get_rule(method), gamma=FixedGamma(2), q_top_k=2)
     samples = [tuple(dec.generate(PROMPT, SamplingConfig(temperature=1.0, seed=i, max_new_tokens=N_NEW)).tokens) for i in range(N_SAMPLES)]
     assert chi_square_pvalue(samples, law) > ALPHA
+
+
+@pytest.mark.parametrize("method", ["token", "block"])
+def test_output_law_with_dynamic_draft_length(method):
+    """Stopping a draft at a low-confidence token (min_confidence) changes nothing in the law."""
+    cfg = SamplingConfig(temperature=1.0, top_k=3)
+    law = exact_law(TARGET, PROMPT, cfg, N_NEW)
+    dec = SpeculativeDecoder(TARGET, ModelDrafter(DRAFT), get_rule(method), gamma=FixedGamma(3), min_confidence=0.5)
+    samples = [tuple(dec.generate(PROMPT, SamplingConfig(temperature=1.0, top_k=3, seed=i, max_new_tokens=N_NEW)).tokens) for i in range(N_SAMPLES)]
+    assert chi_square_pvalue(samples, law) > ALPHA
+    short = dec.generate(PROMPT, SamplingConfig(temperature=1.0, top_k=3, seed=0, max_new_tokens=60)).rounds
+    assert any(0 < r.gamma < 3 for r in short)  # some drafts really were cut
+
+
+def test_greedy_equality_with_dynamic_draft_length():
+    target = ToyLM(6, order=3, seed=7)
+    cfg = SamplingConfig(temperature=0.0, max_new_tokens=40)
+    ref = _plain(cfg, prompt=[1, 2], target=target)
+    dec = SpeculativeDecoder(target, ModelDrafter(target.perturbed(0.8, seed=8)), get_rule("greedy"), gamma=FixedGamma(6), min_confidence=0.6)
+    assert dec.generate([1, 2], cfg).tokens == ref

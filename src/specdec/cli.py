@@ -88,6 +88,7 @@ def build_parser() -> argparse.ArgumentParser:
     _add_models(gen)
     gen.add_argument("--method", "-m", help=f"verification rule: {', '.join(method_names())} (default: greedy at temperature 0, block otherwise)")
     gen.add_argument("--gamma", "-g", default=defaults.DEFAULT_GAMMA, help="draft length: an integer >= 1, 'auto' (cost-based, default) or 'guide' (start 6, range 3-12)")
+    gen.add_argument("--min-confidence", type=float, default=None, help="dynamic draft length: end a draft after a token the drafter gives less than this probability (default 0 = off; lossless)")
     gen.add_argument("--json", action="store_true", help="print one JSON object: text, token_ids, stats")
     gen.add_argument("--rounds", action="store_true", help="with --json, include per-round stats")
     _add_sampling(gen)
@@ -155,7 +156,8 @@ def _cmd_generate(args: argparse.Namespace) -> int:
     log = (lambda msg: None) if quiet else (lambda msg: print(f"[specdec] {msg}", file=sys.stderr, flush=True))
     engine = Engine.build(EngineConfig(target=args.target, draft=args.draft, backend=args.backend, dtype=args.dtype, draft_dtype=args.draft_dtype, batch_invariant=not args.fast_attention), progress=log)
     on_text = None if quiet else (lambda text: (sys.stdout.write(text), sys.stdout.flush()))
-    out = engine.generate(prompt, sampling, method=args.method, gamma=gamma, chat=args.chat, on_text=on_text)
+    out = engine.generate(prompt, sampling, method=args.method, gamma=gamma, chat=args.chat, on_text=on_text,
+                          min_confidence=args.min_confidence)
     st = out.stats
     if args.json:
         payload = {"text": out.text, "token_ids": out.token_ids, "stats": st.to_dict()}

@@ -100,6 +100,7 @@ class SpeculativeDecoder:
         eos_ids: frozenset[int] = frozenset(),
         drafter_name: str = "",
         q_top_k: int | None = None,
+        min_confidence: float = 0.0,
     ) -> None:
         self.target = target
         self.drafter = drafter
@@ -108,6 +109,7 @@ class SpeculativeDecoder:
         self.eos_ids = eos_ids
         self.drafter_name = drafter_name or ("none" if drafter is None else type(drafter).__name__)
         self.q_top_k = q_top_k  # draft-only truncation of q (sparse-q wire mode)
+        self.min_confidence = min_confidence  # dynamic draft length (see DraftSampler)
 
     def generate(
         self,
@@ -160,6 +162,7 @@ class SpeculativeDecoder:
                     noise_seed=seed,
                     want_probs=rule.needs_draft_probs,
                     q_top_k=self.q_top_k,
+                    min_confidence=self.min_confidence,
                 )
                 draft = drafter.propose(verifier.context, g, sampler)
             t1 = time.perf_counter()

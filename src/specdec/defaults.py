@@ -29,3 +29,6 @@ NGRAM_MIN = 1
 
 # seeds: the drafter's generator is seeded with seed + DRAFT_SEED_OFFSET
 DRAFT_SEED_OFFSET = 0x5EED
+
+#: dynamic draft length: stop a draft after a token the drafter gives less than this probability
+MIN_CONFIDENCE = 0.0

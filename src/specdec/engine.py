@@ -130,7 +130,9 @@ class Engine:
         check_compatible(target, draft)
         return cls(target, ModelDrafter(draft.model), draft.name, draft)
 
-    def decoder(self, rule: Rule, gamma: str | int = defaults.DEFAULT_GAMMA) -> SpeculativeDecoder:
+    def decoder(
+        self, rule: Rule, gamma: str | int = defaults.DEFAULT_GAMMA, *, min_confidence: float | None = None
+    ) -> SpeculativeDecoder:
         return SpeculativeDecoder(
             self.target.model,
             self.drafter,
@@ -138,6 +140,7 @@ class Engine:
             gamma=make_gamma(gamma),
             eos_ids=self.target.eos_ids,
             drafter_name=self.drafter_name,
+            min_confidence=defaults.MIN_CONFIDENCE if min_confidence is None else min_confidence,
         )
 
     def encode(self, prompt: str, *, chat: bool) -> list[int]:
@@ -152,6 +155,7 @@ class Engine:
         gamma: str | int = defaults.DEFAULT_GAMMA,
         chat: bool = False,
         on_text: Callable[[str], None] | None = None,
+        min_confidence: float | None = None,
     ) -> TextResult:
         rule = get_rule(method or default_method(sampling))
         ids = self.encode(prompt, chat=chat) if isinstance(prompt, str) else list(prompt)
@@ -173,7 +177,7 @@ class Engine:
                 on_text(visible[printed[0] : safe])
                 printed[0] = safe
 
-        result = self.decoder(rule, gamma).generate(ids, sampling, stop=stop, on_tokens=emit)
+        result = self.decoder(rule, gamma, min_confidence=min_confidence).generate(ids, sampling, stop=stop, on_tokens=emit)
         text = stream.decode(result.tokens)
         if sampling.stop:
             text = trim_at_stop(text, sampling.stop)

@@ -43,6 +43,7 @@ class DraftSampler:
         noise_seed: int = 0,
         want_probs: bool = True,
         q_top_k: int | None = None,
+        min_confidence: float = 0.0,
     ) -> None:
         self.cfg = cfg
         self.mode: DraftSampling = "argmax" if cfg.greedy else mode
@@ -57,6 +58,12 @@ class DraftSampler:
         #: extra, draft-only truncation of q (sparse-q wire mode): the drafter samples from the
         #: q_top_k most likely tokens of the processed q, renormalised, and reports exactly that
         self.q_top_k = q_top_k
+        #: dynamic draft length: stop drafting after a token whose draft probability (the top-1
+        #: of q for argmax drafting, q(x) otherwise) is below this; lossless (the drafter only
+        #: decides how many tokens to propose) and it saves the draft steps and verify positions
+        #: that would most likely be rejected
+        self.min_confidence = min_confidence
+        self.stop_requested = False
 
     @property
     def deterministic(self) -> bool:
@@ -71,7 +78,13 @@ class DraftSampler:
         """
         probs: Tensor | None = None
         if self.mode == "argmax":
-            token = int(penalised_logits(logits, self.cfg, self.penalties).argmax())
+            scores = penalised_logits(logits, self.cfg, self.penalties)
+            if self.min_confidence > 0.0:
+                top, idx = torch.softmax(scores, -1).max(-1)
+                token = int(idx)
+                self.stop_requested = float(top) < self.min_confidence
+            else:
+                token = int(scores.argmax())
         else:
             q = process_logits(logits, self.cfg, self.penalties)[0]  # [V]
             if self.q_top_k is not None and self.mode == "multinomial":
@@ -81,6 +94,8 @@ class DraftSampler:
             else:
                 token = sample_categorical(q, self.generator)
                 probs = q
+            if self.min_confidence > 0.0:
+                self.stop_requested = float(q[token]) < self.min_confidence
         if self.penalties is not None:
             self.penalties.append(torch.tensor([token]))
         return token, probs

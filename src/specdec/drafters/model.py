@@ -54,7 +54,7 @@ class ModelDrafter:
             if q is not None:
                 rows.append(q)
             if j + 1 == gamma or getattr(sampler, "stop_requested", False):
-                break  # a gate (specdec.remote.gating) may end the draft at a hard token
+                break  # low draft confidence, or a gate (specdec.remote.gating) at a hard token
             logits = self.model.forward(torch.tensor([token]), self.cache)
             self._fed += 1
         return Draft(tokens=torch.tensor(tokens, dtype=torch.long), probs=torch.stack(rows) if rows else None)
