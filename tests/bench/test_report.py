@@ -88,3 +88,12 @@ def test_workloads(tmp_path):
         load_jsonl(f)
     with pytest.raises(ConfigError, match="does not exist"):
         load_jsonl(tmp_path / "missing.jsonl")
+
+
+def test_speculative_rows_use_the_paired_plain_run_when_present():
+    rows = _samples() + [_engine("plain_paired", "plain_paired", p, 25.0, calls=20, gen=20, target_s=0.5, cat=c)
+                         for p, c in (("a", "code"), ("b", "code"), ("c", "chat"))]
+    stats = {(g.mode, g.method): g for g in report.aggregate(rows)}
+    assert stats[("speculative", "block")].speedup_vs_cloud == pytest.approx(4.0)  # 100/25, 100/25, 50/25
+    assert stats[("speculative", "block")].cost_ratio_c == pytest.approx(1 / 25)  # plain step 0.5 s / 20
+    assert stats[("hf_assisted", "hf_assisted")].speedup_vs_cloud == pytest.approx(0.5)  # still vs cloud_only

@@ -14,7 +14,7 @@ from pathlib import Path
 
 from specdec.bench import theory
 
-ENGINE_MODES = ("cloud_only", "edge_only", "speculative")
+ENGINE_MODES = ("cloud_only", "plain_paired", "edge_only", "speculative")
 
 
 def _quantile(values: list[float], q: float) -> float:
@@ -104,13 +104,16 @@ def aggregate(samples: list[dict], processes: dict | None = None) -> list[GroupS
         groups[group_key(s)].append(s)
     refs = {
         mode: {pair_key(s): s for s in samples if s["mode"] == mode}
-        for mode in ("cloud_only", "hf_assisted", "hf_plain")
+        for mode in ("cloud_only", "plain_paired", "hf_assisted", "hf_plain")
     }
-    cloud_step: dict[float, float] = {}  # seconds per target call of plain decoding, by temperature
+    # speculative runs are compared with the plain run of the same prompt taken in the same
+    # process seconds before (plain_paired) when the bench recorded one, else with cloud_only
+    plain_ref = {mode: ("plain_paired" if mode == "speculative" and refs["plain_paired"] else "cloud_only") for mode, *_ in groups}
+    cloud_step: dict[tuple[str, float], float] = {}  # seconds per target call of plain decoding
     for (mode, _, _, t), rows in groups.items():
-        if mode == "cloud_only":
+        if mode in ("cloud_only", "plain_paired"):
             calls = sum(r["target_calls"] for r in rows)
-            cloud_step[t] = sum(r["target_s"] for r in rows) / calls if calls else math.nan
+            cloud_step[(mode, t)] = sum(r["target_s"] for r in rows) / calls if calls else math.nan
     out = []
     for (mode, method, gamma, t), rows in sorted(groups.items(), key=lambda kv: (kv[0][0], kv[0][1], str(kv[0][2]), kv[0][3])):
         tps = [r["tokens_per_s"] for r in rows]
@@ -125,7 +128,7 @@ def aggregate(samples: list[dict], processes: dict | None = None) -> list[GroupS
         )
         cats = sorted({r["category"] for r in rows})
         g.tokens_per_s_by_category = {c: statistics.median(r["tokens_per_s"] for r in rows if r["category"] == c) for c in cats}
-        for attr, ref_mode in (("speedup_vs_cloud", "cloud_only"), ("speedup_vs_hf_assisted", "hf_assisted"), ("speedup_vs_hf_plain", "hf_plain")):
+        for attr, ref_mode in (("speedup_vs_cloud", plain_ref[mode]), ("speedup_vs_hf_assisted", "hf_assisted"), ("speedup_vs_hf_plain", "hf_plain")):
             ratios = _ratios(rows, refs[ref_mode])
             if ratios:
                 setattr(g, attr, statistics.median(r for _, r in ratios))
@@ -133,7 +136,7 @@ def aggregate(samples: list[dict], processes: dict | None = None) -> list[GroupS
                     g.speedup_by_category = {c: statistics.median(r for cc, r in ratios if cc == c) for c in cats if any(cc == c for cc, _ in ratios)}
         g.rss_peak_bytes = (processes.get(mode) or {}).get("rss_peak_bytes") or max((r.get("rss_peak_bytes") or 0) for r in rows) or None
         if mode in ENGINE_MODES:
-            _engine_metrics(g, rows, cloud_step.get(t))
+            _engine_metrics(g, rows, cloud_step.get((plain_ref[mode], t)))
         out.append(g)
     return out
 
@@ -252,8 +255,10 @@ def markdown(result: dict, stats: list[GroupStats], bvt: list[BlockVsToken], plo
         f"torch {result.get('machine', {}).get('torch', '?')}.",
         "",
         "Speed-ups are medians over prompts of the per-prompt ratio against the same prompt and seed "
-        "in the reference mode. Tokens/s = generated tokens / decoding wall time (prefill included, "
-        "model loading excluded).",
+        "in the reference mode; for the speculative rows, \"×cloud_only\" uses plain_paired: plain "
+        "decoding of the same prompt in the same process right before (cloud_only runs in its own "
+        "process, minutes apart, and this shared machine drifts by 10-20% over minutes). "
+        "Tokens/s = generated tokens / decoding wall time (prefill included, model loading excluded).",
         "",
         "## Summary",
         "",

@@ -58,12 +58,12 @@ def _job(cfg: BenchConfig, mode: str) -> dict:
 
 
 def _count(cfg: BenchConfig, mode: str) -> int:
+    """Samples a mode's worker emits (the speculative one adds one paired plain run per prompt)."""
     n = len(cfg.prompts) * cfg.repeats * len(cfg.temperatures)
     if mode == "speculative":
-        methods = [m for m in cfg.methods]
         per_t = 0
         for t in cfg.temperatures:
-            per_t += sum(len(cfg.gammas) for m in methods if not (m == "greedy" and t > 0))
+            per_t += 1 + sum(len(cfg.gammas) for m in cfg.methods if not (m == "greedy" and t > 0))
         return len(cfg.prompts) * cfg.repeats * per_t
     return n
 

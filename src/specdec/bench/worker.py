@@ -57,23 +57,35 @@ def _sampling(job: Job, temperature: float, seed: int) -> SamplingConfig:
     )
 
 
-def _settings(job: Job):
-    """(temperature, method, gamma) triples this job runs, in a fixed order."""
+def _settings(job: Job, temperature: float):
+    """(method, gamma) pairs this job runs at ``temperature``, in a fixed order."""
     from specdec.engine import default_method
 
-    for t in job.temperatures:
-        if job.mode == "speculative":
-            for m in job.methods:
-                if m == "greedy" and t > 0:
-                    continue
-                method = default_method(SamplingConfig(temperature=t)) if m == "default" else m
-                for g in job.gammas:
-                    yield t, method, g
-        else:
-            yield t, "greedy" if t == 0 else "sample", None
+    if job.mode != "speculative":
+        yield ("greedy" if temperature == 0 else "sample"), None
+        return
+    for m in job.methods:
+        if m == "greedy" and temperature > 0:
+            continue
+        method = default_method(SamplingConfig(temperature=temperature)) if m == "default" else m
+        for g in job.gammas:
+            yield method, g
+
+
+def _row(job: Job, mode: str, method: str, gamma: str | None, temperature: float, p: Prompt, seed: int, res) -> dict:
+    st = res.stats
+    return {
+        "mode": mode, "method": method, "gamma": gamma, "temperature": temperature, "prompt_id": p.id,
+        "category": p.category, "seed": seed, **{k: v for k, v in st.to_dict().items() if k != "method"},
+        "rule": st.method, "rss_peak_bytes": _peak_rss(),
+    }
 
 
 def run_engine(job: Job, prompts: list[Prompt]) -> None:
+    """Our engine.  In the speculative job every prompt is also decoded plainly, right before its
+    speculative runs and in the same process ("plain_paired"), so that speed-ups compare runs
+    taken seconds apart: on a shared machine the same decoding can drift by 10-20% over minutes.
+    """
     from specdec.engine import Engine, EngineConfig, load_draft
     from specdec.verify import get_rule
 
@@ -84,24 +96,26 @@ def run_engine(job: Job, prompts: list[Prompt]) -> None:
         engine = Engine.build(EngineConfig(target=job.target, draft="none", batch_invariant=job.batch_invariant))
     else:
         engine = Engine.build(EngineConfig(target=job.target, draft=job.draft, draft_dtype=job.draft_dtype, batch_invariant=job.batch_invariant))
+    plain = Engine(engine.target, None, "none")
     encoded = {p.id: engine.encode(p.text, chat=p.chat) for p in prompts}
-    for temperature, method, gamma in _settings(job):
-        rule = get_rule("block" if method == "sample" else method)
-        # warm-up (oneDNN kernels, allocator): one short generation, not recorded
+    for temperature in job.temperatures:
+        settings = list(_settings(job, temperature))
         warm = SamplingConfig(temperature=temperature, seed=0, max_new_tokens=16)
-        engine.decoder(rule, gamma or "auto").generate(encoded[prompts[0].id], warm)
+        for method, gamma in settings:  # warm-up (oneDNN kernels, allocator), not recorded
+            engine.decoder(get_rule("block" if method == "sample" else method), gamma or "auto").generate(encoded[prompts[0].id], warm)
         for rep in range(job.repeats):
+            seed = job.seed + rep
             for p in prompts:
-                seed = job.seed + rep
-                res = engine.decoder(rule, gamma or "auto").generate(encoded[p.id], _sampling(job, temperature, seed))
-                st = res.stats
-                row = {
-                    "mode": job.mode, "method": method if job.mode == "speculative" else job.mode, "gamma": gamma,
-                    "temperature": temperature, "prompt_id": p.id, "category": p.category, "seed": seed,
-                    **{k: v for k, v in st.to_dict().items() if k not in ("method",)},
-                    "rule": st.method, "rss_peak_bytes": _peak_rss(),
-                }
-                _emit(row)
+                cfg = _sampling(job, temperature, seed)
+                if job.mode == "speculative":
+                    rule = get_rule("greedy" if temperature == 0 else "block")
+                    _emit(_row(job, "plain_paired", "plain_paired", None, temperature, p, seed,
+                               plain.decoder(rule).generate(encoded[p.id], cfg)))
+                for method, gamma in settings:
+                    rule = get_rule("block" if method == "sample" else method)
+                    res = engine.decoder(rule, gamma or "auto").generate(encoded[p.id], cfg)
+                    name = method if job.mode == "speculative" else job.mode
+                    _emit(_row(job, job.mode, name, gamma, temperature, p, seed, res))
 
 
 class _FirstTokenTimer:
@@ -153,7 +167,7 @@ def run_hf(job: Job, prompts: list[Prompt]) -> None:
         wall = time.perf_counter() - start
         return out[0, x.shape[1]:].tolist(), wall, (timer.first - start) if timer.first else wall
 
-    for temperature, _, _ in _settings(job):
+    for temperature in job.temperatures:
         generate(encoded[prompts[0].id], temperature, 0, 16)  # warm-up
         for rep in range(job.repeats):
             for p in prompts:
