@@ -71,8 +71,8 @@ async def _pump(reader: asyncio.StreamReader, writer: asyncio.StreamWriter, dela
                     with contextlib.suppress(OSError):
                         writer.write_eof()
                 return
+            count(len(data))  # before the peer can see them (stats may be read from another thread)
             writer.write(data)
-            count(len(data))
             await writer.drain()
 
     reading = asyncio.create_task(read())
@@ -137,6 +137,8 @@ class DelayProxy:
             try:
                 # both directions end normally; a reset on either side ends both
                 await asyncio.wait(pumps, return_when=asyncio.FIRST_EXCEPTION)
+            except asyncio.CancelledError:
+                pass  # the proxy is closing; end this connection quietly
             finally:
                 for t in pumps:
                     t.cancel()
