@@ -24,7 +24,9 @@ def add_parser(sub) -> None:  # noqa: ANN001 - argparse's subparsers action
     )
     p.add_argument("--target", default=defaults.DEFAULT_TARGET)
     p.add_argument("--draft", default=defaults.DEFAULT_DRAFT)
-    p.add_argument("--modes", default="cloud_only,edge_only,speculative,hf_plain,hf_assisted", help="comma list of cloud_only, edge_only, speculative, hf_plain, hf_assisted")
+    p.add_argument("--modes", default="cloud_only,edge_only,speculative,hf_plain,hf_assisted",
+                   help="comma list of cloud_only, edge_only, speculative, hf_plain, hf_assisted (local), and edge_cloud, "
+                   "cloud_streaming, cloud_streaming_spec (cloud server process + edge process over an emulated RTT)")
     p.add_argument("--methods", default="default", help="comma list of rules for the speculative mode ('default' = greedy at T=0, block otherwise)")
     p.add_argument("--gammas", default="auto", help="comma list of γ values (integers, 'auto', 'guide')")
     p.add_argument("--temperatures", default="0,1", help="comma list (0 = greedy)")
@@ -39,6 +41,13 @@ def add_parser(sub) -> None:  # noqa: ANN001 - argparse's subparsers action
     p.add_argument("--draft-dtype", default="auto", choices=["auto", "float32", "bfloat16"])
     p.add_argument("--fast-attention", action="store_true", help="target without batch invariance (see specdec generate --help)")
     p.add_argument("--threads", type=int, help="torch threads per worker (default: torch's choice)")
+    g = p.add_argument_group("edge-cloud modes (edge_cloud, cloud_streaming, cloud_streaming_spec)")
+    g.add_argument("--rtts", default="0,20,50,100", help="comma list of emulated round-trip times in ms (default 0,20,50,100)")
+    g.add_argument("--wires", default="greedy,coupled,sparse-q,lossy-scalar",
+                   help="comma list of wire modes for edge_cloud; each runs where valid (greedy at T=0, the others at T>0)")
+    g.add_argument("--rtt-emulation", default="auto", choices=["auto", "proxy", "netem"],
+                   help="auto = tc netem in network namespaces where scripts/netem.sh finds it, else the asyncio delay proxy")
+    g.add_argument("--q-top-k", type=int, default=16, help="sparse-q: top-k truncation of q (default 16)")
     p.add_argument("--out", help="output folder (default benchmarks/run-<date>)")
     p.add_argument("--no-plots", action="store_true")
 
@@ -63,6 +72,7 @@ def run(args: argparse.Namespace, argv: list[str] | None = None) -> int:
             get_rule(m)
     if args.max_new_tokens < 1 or args.repeats < 1:
         raise ConfigError("--max-new-tokens and --repeats must be >= 1")
+    rtts, wires = _network_args(args, temps)
     prompts = workloads.load_jsonl(args.prompts) if args.prompts else list(workloads.BUILTIN)
     prompts = workloads.select(prompts, categories=_csv(args.categories) if args.categories else None, limit=args.limit)
     command = "specdec bench " + " ".join(shlex.quote(a) for a in (argv if argv is not None else sys.argv[2:]))
@@ -72,6 +82,7 @@ def run(args: argparse.Namespace, argv: list[str] | None = None) -> int:
         max_new_tokens=args.max_new_tokens, repeats=args.repeats, seed=args.seed, top_p=args.top_p,
         repetition_penalty=args.repetition_penalty, draft_dtype=args.draft_dtype,
         batch_invariant=not args.fast_attention, threads=args.threads, command=command,
+        rtts=tuple(rtts), wires=tuple(wires), rtt_emulation=args.rtt_emulation, q_top_k=args.q_top_k,
     )
     out = args.out or f"benchmarks/run-{time.strftime('%Y%m%d-%H%M%S')}"
     result = runner.run(cfg)
@@ -81,4 +92,33 @@ def run(args: argparse.Namespace, argv: list[str] | None = None) -> int:
         if g.mode == "speculative":
             print(f"[specdec] {g.method} γ={g.gamma} T={g.temperature:g}: {g.tokens_per_s_median:.1f} tok/s, "
                   f"×{(g.speedup_vs_cloud or 0):.2f} cloud_only, ×{(g.speedup_vs_hf_assisted or 0):.2f} HF assisted", file=sys.stderr)
+    for n in written["network"]:
+        print(f"[specdec] {n.label} γ={n.gamma or '–'} T={n.temperature:g} RTT {n.rtt_ms:g} ms: {n.tokens_per_s_median:.1f} tok/s, "
+              f"×{(n.speedup_vs_streaming or 0):.2f} cloud_streaming", file=sys.stderr)
     return 0
+
+
+def _network_args(args: argparse.Namespace, temps: list[float]) -> tuple[list[float], list[str]]:
+    """Parsed and checked ``--rtts`` and ``--wires``."""
+    from specdec.bench.network import wire_valid
+    from specdec.remote.protocol import WIRE_MODES
+
+    rtts = []
+    for r in _csv(args.rtts):
+        try:
+            rtts.append(float(r))
+        except ValueError:
+            raise ConfigError(f"--rtts must be numbers of milliseconds, got {r!r}") from None
+        if rtts[-1] < 0:
+            raise ConfigError(f"an RTT must be >= 0 ms, got {r}")
+    wires = _csv(args.wires)
+    for w in wires:
+        if w not in WIRE_MODES:
+            raise ConfigError(f"unknown wire mode {w!r}; choose from {', '.join(WIRE_MODES)}")
+    if not rtts:
+        raise ConfigError("--rtts is empty")
+    if "edge_cloud" in _csv(args.modes) and not any(wire_valid(w, t) for w in wires for t in temps):
+        raise ConfigError("no --wires value is valid at the --temperatures given (greedy needs T=0, the others T>0)")
+    if args.q_top_k < 1:
+        raise ConfigError("--q-top-k must be >= 1")
+    return rtts, wires

@@ -6,7 +6,9 @@ Modes, all on the same prompts, sampling settings and seeds:
 * ``edge_only``    — the draft model alone;
 * ``speculative``  — target + draft with every requested rule × γ;
 * ``hf_plain``     — Hugging Face ``model.generate`` on the same target weights;
-* ``hf_assisted``  — Hugging Face assisted generation (``assistant_model=`` the same draft).
+* ``hf_assisted``  — Hugging Face assisted generation (``assistant_model=`` the same draft);
+* ``edge_cloud``, ``cloud_streaming``, ``cloud_streaming_spec`` — the edge–cloud split over an
+  emulated RTT (see :mod:`specdec.bench.network`).
 """
 
 from __future__ import annotations
@@ -19,10 +21,12 @@ import time
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
+from specdec.bench import network
 from specdec.bench.workloads import Prompt
 from specdec.errors import SpecdecError
 
-MODES = ("cloud_only", "edge_only", "speculative", "hf_plain", "hf_assisted")
+LOCAL_MODES = ("cloud_only", "edge_only", "speculative", "hf_plain", "hf_assisted")
+MODES = LOCAL_MODES + network.NETWORK_MODES
 
 
 @dataclass(frozen=True)
@@ -44,6 +48,11 @@ class BenchConfig:
     threads: int | None = None
     command: str = ""
     extra: dict = field(default_factory=dict)
+    # network modes
+    rtts: tuple[float, ...] = network.DEFAULT_RTTS
+    wires: tuple[str, ...] = network.DEFAULT_WIRES
+    rtt_emulation: str = "auto"  # auto | proxy | netem
+    q_top_k: int = 16
 
 
 def _job(cfg: BenchConfig, mode: str) -> dict:
@@ -54,11 +63,15 @@ def _job(cfg: BenchConfig, mode: str) -> dict:
         "max_new_tokens": cfg.max_new_tokens, "repeats": cfg.repeats, "seed": cfg.seed,
         "top_p": cfg.top_p, "repetition_penalty": cfg.repetition_penalty,
         "draft_dtype": cfg.draft_dtype, "batch_invariant": cfg.batch_invariant, "threads": cfg.threads,
+        **({"wires": list(cfg.wires), "q_top_k": cfg.q_top_k} if mode in network.NETWORK_MODES else {}),
     }
 
 
 def _count(cfg: BenchConfig, mode: str) -> int:
     """Samples a mode's worker emits (the speculative one adds one paired plain run per prompt)."""
+    if mode in network.NETWORK_MODES:
+        return network.count(mode, len(cfg.prompts), cfg.repeats, list(cfg.rtts), list(cfg.temperatures),
+                             list(cfg.wires), list(cfg.gammas))
     n = len(cfg.prompts) * cfg.repeats * len(cfg.temperatures)
     if mode == "speculative":
         per_t = 0
@@ -68,8 +81,32 @@ def _count(cfg: BenchConfig, mode: str) -> int:
     return n
 
 
+def _run_worker(job: dict, env: dict[str, str], prefix: list[str], name: str, on_sample) -> dict:  # noqa: ANN001
+    """One worker process: send ``job``, pass each sample to ``on_sample``, return its final ``done`` row."""
+    proc = subprocess.Popen(
+        [*prefix, sys.executable, "-m", "specdec.bench.worker"],
+        stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=env,
+    )
+    assert proc.stdin is not None and proc.stdout is not None
+    proc.stdin.write(json.dumps(job))
+    proc.stdin.close()
+    done = None
+    for line in proc.stdout:
+        row = json.loads(line)
+        if row.get("done"):
+            done = row
+            continue
+        on_sample(row)
+    err = proc.stderr.read() if proc.stderr else ""
+    if proc.wait() != 0 or done is None:
+        tail = "\n".join(err.strip().splitlines()[-5:])
+        raise SpecdecError(f"bench mode {name} failed:\n{tail}")
+    return done
+
+
 def run(cfg: BenchConfig, *, progress: bool = True) -> dict:
-    """Run every mode; returns ``{"config": ..., "samples": [...], "processes": {...}}``."""
+    """Run every mode; returns ``{"config": ..., "samples": [...], "processes": {...}}``
+    (and ``"network"``: the RTT emulation, proxy byte totals, server peak RSS, when a network mode ran)."""
     from tqdm.auto import tqdm
 
     for mode in cfg.modes:
@@ -79,35 +116,41 @@ def run(cfg: BenchConfig, *, progress: bool = True) -> dict:
     samples: list[dict] = []
     processes: dict[str, dict] = {}
     bar = tqdm(total=total, desc="bench", unit="gen", disable=not progress)
+
+    def on_sample(row: dict) -> None:
+        samples.append(row)
+        bar.update(1)
+
     env = dict(os.environ, TOKENIZERS_PARALLELISM="false")
-    for mode in cfg.modes:
-        bar.set_postfix_str(mode)
-        started = time.perf_counter()
-        proc = subprocess.Popen(
-            [sys.executable, "-m", "specdec.bench.worker"],
-            stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=env,
-        )
-        assert proc.stdin is not None and proc.stdout is not None
-        proc.stdin.write(json.dumps(_job(cfg, mode)))
-        proc.stdin.close()
-        done = None
-        for line in proc.stdout:
-            row = json.loads(line)
-            if row.get("done"):
-                done = row
+    net_modes = [m for m in cfg.modes if m in network.NETWORK_MODES]
+    record = None
+    if net_modes:
+        emulation = network.detect(cfg.rtt_emulation)
+        record = network.NetworkRun(emulation.kind, emulation.detail, list(cfg.rtts))
+    try:
+        for mode in cfg.modes:
+            if mode in network.NETWORK_MODES:
                 continue
-            samples.append(row)
-            bar.update(1)
-        err = proc.stderr.read() if proc.stderr else ""
-        if proc.wait() != 0 or done is None:
-            bar.close()
-            tail = "\n".join(err.strip().splitlines()[-5:])
-            raise SpecdecError(f"bench mode {mode} failed:\n{tail}")
-        processes[mode] = {"rss_peak_bytes": done["rss_peak_bytes"], "seconds": time.perf_counter() - started}
-    bar.close()
+            bar.set_postfix_str(mode)
+            started = time.perf_counter()
+            done = _run_worker(_job(cfg, mode), env, [], mode, on_sample)
+            processes[mode] = {"rss_peak_bytes": done["rss_peak_bytes"], "seconds": time.perf_counter() - started}
+        for group in network.groups(net_modes):
+            bar.set_postfix_str("+".join(group))
+            network.run_group(
+                group, target=cfg.target, draft=cfg.draft, draft_dtype=cfg.draft_dtype, threads=cfg.threads or 1,
+                rtts=list(cfg.rtts), emulation=emulation, job=_job(cfg, group[0]),
+                run_worker=lambda job, wenv, prefix, name: _run_worker(job, wenv, prefix, name, on_sample),
+                record=record, processes=processes,
+            )
+    finally:
+        bar.close()
     config = asdict(cfg)
     config["prompts"] = [asdict(p) for p in cfg.prompts]
-    return {"config": config, "samples": samples, "processes": processes, "machine": machine_info()}
+    result = {"config": config, "samples": samples, "processes": processes, "machine": machine_info()}
+    if record is not None:
+        result["network"] = record.to_dict()
+    return result
 
 
 def machine_info() -> dict:

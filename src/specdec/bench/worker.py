@@ -21,7 +21,7 @@ from specdec.sampling import SamplingConfig
 
 @dataclass(frozen=True)
 class Job:
-    mode: str  # cloud_only | edge_only | speculative | hf_plain | hf_assisted
+    mode: str  # cloud_only | edge_only | speculative | hf_plain | hf_assisted | edge_cloud | cloud_streaming[_spec]
     target: str
     draft: str
     prompts: list[dict]
@@ -36,6 +36,14 @@ class Job:
     draft_dtype: str = "auto"
     batch_invariant: bool = True
     threads: int | None = None
+    # network modes (specdec.bench.network): one RTT per worker
+    net_modes: list[str] = field(default_factory=list)  # run interleaved, prompt by prompt
+    wires: list[str] = field(default_factory=list)
+    q_top_k: int = 16
+    url: str | None = None
+    api_key: str | None = None
+    rtt_ms: float | None = None
+    emulation: str | None = None
 
 
 def _peak_rss() -> int:
@@ -189,7 +197,11 @@ def main() -> int:
     if job.threads:
         torch.set_num_threads(job.threads)
     prompts = [Prompt(**p) for p in job.prompts]
-    if job.mode.startswith("hf_"):
+    if job.url is not None:
+        from specdec.bench.edge_worker import run_network
+
+        run_network(job, prompts, _emit, _sampling, _peak_rss)
+    elif job.mode.startswith("hf_"):
         run_hf(job, prompts)
     else:
         run_engine(job, prompts)
