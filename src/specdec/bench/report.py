@@ -12,7 +12,7 @@ from collections import defaultdict
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
-from specdec.bench import theory
+from specdec.bench import netreport, theory
 
 ENGINE_MODES = ("cloud_only", "plain_paired", "edge_only", "speculative")
 
@@ -97,8 +97,10 @@ def _ratios(samples: list[dict], reference: dict[tuple, dict]) -> list[tuple[str
 
 
 def aggregate(samples: list[dict], processes: dict | None = None) -> list[GroupStats]:
-    """One :class:`GroupStats` per (mode, method, γ, temperature)."""
+    """One :class:`GroupStats` per (mode, method, γ, temperature) of the local modes
+    (the network modes are aggregated by :func:`specdec.bench.netreport.aggregate_network`)."""
     processes = processes or {}
+    samples = [s for s in samples if not netreport.is_network(s)]
     groups: dict[tuple, list[dict]] = defaultdict(list)
     for s in samples:
         groups[group_key(s)].append(s)
@@ -238,7 +240,8 @@ def _label(g: GroupStats) -> str:
     return g.mode
 
 
-def markdown(result: dict, stats: list[GroupStats], bvt: list[BlockVsToken], plots: list[str]) -> str:
+def markdown(result: dict, stats: list[GroupStats], bvt: list[BlockVsToken], plots: list[str],
+             net: list[netreport.NetworkStats] | None = None) -> str:
     cfg = result["config"]
     lines = [
         "# specdec bench",
@@ -259,6 +262,23 @@ def markdown(result: dict, stats: list[GroupStats], bvt: list[BlockVsToken], plo
         "decoding of the same prompt in the same process right before (cloud_only runs in its own "
         "process, minutes apart, and this shared machine drifts by 10-20% over minutes). "
         "Tokens/s = generated tokens / decoding wall time (prefill included, model loading excluded).",
+    ]
+    if stats:
+        lines += _local_tables(stats, bvt)
+    lines += netreport.markdown(net or [], result.get("network"))
+    procs = result.get("processes") or {}
+    if procs:
+        lines += ["", "## Processes (one per mode)", "", "| mode | peak RSS MiB | seconds |", "|---|---|---|"]
+        for mode, p in procs.items():
+            lines.append(f"| {mode} | {_mib(p.get('rss_peak_bytes'))} | {p.get('seconds', 0):.0f} |")
+    if plots:
+        lines += ["", "## Plots", ""] + [f"![{Path(p).stem}]({Path(p).name})" for p in plots]
+    return "\n".join(lines) + "\n"
+
+
+def _local_tables(stats: list[GroupStats], bvt: list[BlockVsToken]) -> list[str]:
+    """Summary, per-category, theory, acceptance and block-vs-token tables of the local modes."""
+    lines = [
         "",
         "## Summary",
         "",
@@ -308,14 +328,7 @@ def markdown(result: dict, stats: list[GroupStats], bvt: list[BlockVsToken], plo
         for b in bvt:
             lines.append(f"| {b.temperature:g} | {b.gamma} | {b.n_pairs} | {b.token_tpc:.3f} ± {b.token_se:.3f} | {b.block_tpc:.3f} ± {b.block_se:.3f} "
                          f"| {b.ratio:.3f} | {b.diff:+.3f} ± {b.diff_se:.3f} |")
-    procs = result.get("processes") or {}
-    if procs:
-        lines += ["", "## Processes (one per mode)", "", "| mode | peak RSS MiB | seconds |", "|---|---|---|"]
-        for mode, p in procs.items():
-            lines.append(f"| {mode} | {_mib(p.get('rss_peak_bytes'))} | {p.get('seconds', 0):.0f} |")
-    if plots:
-        lines += ["", "## Plots", ""] + [f"![{Path(p).stem}]({Path(p).name})" for p in plots]
-    return "\n".join(lines) + "\n"
+    return lines
 
 
 def plot(stats: list[GroupStats], bvt: list[BlockVsToken], out_dir: Path) -> list[str]:
@@ -400,8 +413,12 @@ def write(result: dict, out_dir: str | Path, *, make_plots: bool = True) -> dict
     out.mkdir(parents=True, exist_ok=True)
     stats = aggregate(result["samples"], result.get("processes"))
     bvt = block_vs_token(result["samples"])
-    plots = plot(stats, bvt, out) if make_plots else []
-    result = {**result, "groups": [asdict(g) for g in stats], "block_vs_token": [asdict(b) for b in bvt]}
+    net = netreport.aggregate_network(result["samples"])
+    per_wire = netreport.bytes_by_wire(result["samples"])
+    plots = (plot(stats, bvt, out) + netreport.plot(net, per_wire, out, _save)) if make_plots else []
+    result = {**result, "groups": [asdict(g) for g in stats], "block_vs_token": [asdict(b) for b in bvt],
+              "network_groups": [{**asdict(g), "label": g.label} for g in net],
+              "bytes_per_token_by_wire": [asdict(b) for b in per_wire]}
     (out / "results.json").write_text(json.dumps(result, indent=1))
-    (out / "README.md").write_text(markdown(result, stats, bvt, plots))
-    return {"stats": stats, "block_vs_token": bvt, "plots": plots, "dir": str(out)}
+    (out / "README.md").write_text(markdown(result, stats, bvt, plots, net))
+    return {"stats": stats, "block_vs_token": bvt, "network": net, "plots": plots, "dir": str(out)}
