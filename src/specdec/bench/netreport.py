@@ -207,7 +207,9 @@ def markdown(stats: list[NetworkStats], network: dict | None) -> list[str]:
         "included, TCP/IP headers excluded. RTT measured: median `GET /health` round trip (ping) and, for "
         "`edge_cloud`, the mean verify round minus the server's handling time (net). Cloud calls/token for plain "
         "streaming = 1 by construction (one target forward per token); the speculative server does not report its "
-        "calls over the stream. Same text: at T = 0, generations of a lossless mode whose text equals "
+        "calls over the stream. `edge_cloud` and `cloud_streaming` share one server and run interleaved prompt by "
+        "prompt; `cloud_streaming_spec` needs a server with a drafter and runs afterwards, so its ×streaming "
+        "compares runs minutes apart. Same text: at T = 0, generations of a lossless mode whose text equals "
         "`cloud_streaming`'s for the same prompt.", "",
         "| mode | γ | T | RTT ms | measured ping / net ms | tok/s median [IQR] | ×streaming | TTFT ms | cloud calls/token "
         "| tokens/call | acceptance | B up/token payload (wire) | B down/token payload (wire) | same text |",
