@@ -29,6 +29,7 @@ import socket
 import subprocess
 import sys
 import tempfile
+import time
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any, Callable
@@ -102,8 +103,8 @@ def detect(choice: str = "auto", script: Path | None = None) -> Emulation:
     else:
         try:
             proc = subprocess.run(["bash", str(script), "check"], capture_output=True, text=True, timeout=60)
-            detail = (proc.stdout.strip() or proc.stderr.strip()).splitlines()[-1:] or ["no answer"]
-            detail = detail[0]
+            answer = (proc.stdout.strip() or proc.stderr.strip()).splitlines()
+            detail = answer[-1] if answer else f"netem.sh check exited with {proc.returncode}"
             if proc.returncode == 0:
                 return Emulation("netem", detail, str(script))
         except (OSError, subprocess.TimeoutExpired) as exc:
@@ -276,8 +277,6 @@ def run_group(
     processes: dict[str, dict],
 ) -> None:
     """One server for ``modes``; per RTT a link and one edge worker (``run_worker(job, env, prefix, name)``)."""
-    import time
-
     mode = "+".join(modes)
     server = CloudServer(target, server_draft(modes, draft), threads=threads, emulation=emulation, draft_dtype=draft_dtype)
     if emulation.kind == "netem":
