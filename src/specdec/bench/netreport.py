@@ -270,7 +270,7 @@ def plot(stats: list[NetworkStats], per_wire: list[BytesPerToken], out_dir: Path
     bars = (("payload_up", "payload up"), ("wire_up", "wire up"), ("payload_down", "payload down"), ("wire_down", "wire down"))
     for i, (attr, name) in enumerate(bars):
         ax.bar([x + (i - 1.5) * 0.2 for x in xs], [getattr(b, attr) or 0 for b in per_wire], 0.2, label=name)
-    ax.set_xticks(list(xs), [f"{b.label}\nT={b.temperature:g}" for b in per_wire], fontsize=7)
+    ax.set_xticks(list(xs), [f"{b.label}\nT={b.temperature:g}" for b in per_wire], fontsize=7, rotation=20, ha="right")
     ax.set(ylabel="bytes per generated token", title="bytes per token (all RTTs pooled)")
     ax.legend(fontsize=7)
     fig.tight_layout()
