@@ -33,3 +33,12 @@ def smollm2():
     target = load("smollm2-135m")
     draft = load("smollm2-135m-draft")
     return target, draft
+
+
+@pytest.fixture(scope="module")
+def single_thread():
+    """Tests that start single-threaded servers run their local references single-threaded too."""
+    before = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(before)

@@ -19,7 +19,7 @@ from specdec.errors import ConfigError
 from specdec.gamma import CostGamma, FixedGamma, GammaController, GuideGamma
 from specdec.models.registry import LoadedModel, check_compatible, load
 from specdec.sampling import SamplingConfig
-from specdec.text import StopStrings, TextStream, encode_prompt, trim_at_stop
+from specdec.text import StopStrings, TextSink, encode_prompt
 from specdec.verify import Rule, get_rule
 
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
@@ -161,26 +161,9 @@ class Engine:
         ids = self.encode(prompt, chat=chat) if isinstance(prompt, str) else list(prompt)
         if not ids:
             raise ConfigError("the prompt is empty")
-        stream = TextStream(self.target.tokenizer)
+        sink = TextSink(self.target.tokenizer, sampling.stop, on_text)
         stop = StopStrings(self.target.tokenizer, sampling.stop) if sampling.stop else None
-        printed = [0]
-
-        def emit(tokens: list[int]) -> None:
-            delta = stream.push(tokens)
-            if on_text is None or not delta:
-                return
-            visible = trim_at_stop(stream.text, sampling.stop) if sampling.stop else stream.text
-            # hold back a possible partial stop string at the end of the text
-            hold = max((len(s) - 1 for s in sampling.stop), default=0)
-            safe = len(visible) if len(visible) < len(stream.text) else max(printed[0], len(visible) - hold)
-            if safe > printed[0]:
-                on_text(visible[printed[0] : safe])
-                printed[0] = safe
-
-        result = self.decoder(rule, gamma, min_confidence=min_confidence).generate(ids, sampling, stop=stop, on_tokens=emit)
-        text = stream.decode(result.tokens)
-        if sampling.stop:
-            text = trim_at_stop(text, sampling.stop)
-        if on_text is not None and len(text) > printed[0]:
-            on_text(text[printed[0]:])
+        decoder = self.decoder(rule, gamma, min_confidence=min_confidence)
+        result = decoder.generate(ids, sampling, stop=stop, on_tokens=sink.push)
+        text = sink.finish(result.tokens)
         return TextResult(text=text, token_ids=result.tokens, prompt_ids=ids, result=result)

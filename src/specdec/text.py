@@ -71,6 +71,41 @@ class StopStrings:
         return len(tokens)
 
 
+class TextSink:
+    """Streams generated text to a callback, holding back what could still become a stop string.
+
+    ``push`` takes each round's new tokens; ``finish`` returns the final text (cut at the first
+    stop string) and flushes what was held back.  Used by local and edge generation alike.
+    """
+
+    def __init__(self, tokenizer: Any | None, stops: tuple[str, ...], on_text: Any | None) -> None:
+        self.stream = TextStream(tokenizer) if tokenizer is not None else None
+        self.stops = stops
+        self.on_text = on_text
+        self.printed = 0
+
+    def push(self, tokens: list[int]) -> None:
+        if self.stream is None or not self.stream.push(tokens) or self.on_text is None:
+            return
+        text = self.stream.text
+        visible = trim_at_stop(text, self.stops) if self.stops else text
+        hold = max((len(s) - 1 for s in self.stops), default=0)
+        safe = len(visible) if len(visible) < len(text) else max(self.printed, len(visible) - hold)
+        if safe > self.printed:
+            self.on_text(visible[self.printed : safe])
+            self.printed = safe
+
+    def finish(self, tokens: list[int]) -> str:
+        if self.stream is None:
+            return ""
+        text = self.stream.decode(tokens)
+        if self.stops:
+            text = trim_at_stop(text, self.stops)
+        if self.on_text is not None and len(text) > self.printed:
+            self.on_text(text[self.printed :])
+        return text
+
+
 def trim_at_stop(text: str, stops: tuple[str, ...]) -> str:
     """``text`` up to (not including) the first occurrence of any stop string."""
     cut = min((text.find(s) for s in stops if s and s in text), default=-1)

@@ -18,15 +18,7 @@ KEY = "cli-test-key"
 PROMPT = "def fibonacci(n):"
 
 
-@pytest.fixture(autouse=True, scope="module")
-def _one_thread():
-    """The servers run single-threaded; so does this process's local reference (no oversubscription)."""
-    import torch
-
-    before = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(before)
+pytestmark = pytest.mark.usefixtures("single_thread")
 
 
 @pytest.fixture(scope="module")

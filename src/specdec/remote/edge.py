@@ -23,7 +23,7 @@ from specdec.errors import ConfigError
 from specdec.remote.client import RemoteConfig, RemoteTarget, RemoteVerifier
 from specdec.remote.gating import Gate, GatedDrafter
 from specdec.sampling import SamplingConfig
-from specdec.text import StopStrings, TextStream, trim_at_stop
+from specdec.text import StopStrings, TextSink
 
 #: default truncation of q in sparse-q mode (the drafter samples from its top-k and sends exactly that)
 DEFAULT_Q_TOP_K = 16
@@ -61,37 +61,6 @@ class EdgeResult:
             cloud_calls_per_token=self.remote["verify_calls"] / generated,
         )
         return out
-
-
-class _TextSink:
-    """Incremental text with stop strings held back (what Engine.generate does for local runs)."""
-
-    def __init__(self, tokenizer: Any | None, stops: tuple[str, ...], on_text: Callable[[str], None] | None) -> None:
-        self.stream = TextStream(tokenizer) if tokenizer is not None else None
-        self.stops = stops
-        self.on_text = on_text
-        self.printed = 0
-
-    def push(self, tokens: list[int]) -> None:
-        if self.stream is None or not self.stream.push(tokens) or self.on_text is None:
-            return
-        text = self.stream.text
-        visible = trim_at_stop(text, self.stops) if self.stops else text
-        hold = max((len(s) - 1 for s in self.stops), default=0)
-        safe = len(visible) if len(visible) < len(text) else max(self.printed, len(visible) - hold)
-        if safe > self.printed:
-            self.on_text(visible[self.printed : safe])
-            self.printed = safe
-
-    def finish(self, tokens: list[int]) -> str:
-        if self.stream is None:
-            return ""
-        text = self.stream.decode(tokens)
-        if self.stops:
-            text = trim_at_stop(text, self.stops)
-        if self.on_text is not None and len(text) > self.printed:
-            self.on_text(text[self.printed :])
-        return text
 
 
 def generate_remote(
@@ -141,7 +110,7 @@ def generate_remote(
             drafter_name=drafter_name,
             q_top_k=q_top_k if verifier.wire == "sparse-q" else None,
         )
-        sink = _TextSink(tokenizer, sampling.stop, on_text)
+        sink = TextSink(tokenizer, sampling.stop, on_text)
         stop = StopStrings(tokenizer, sampling.stop) if sampling.stop and tokenizer is not None else None
 
         def emit(tokens: list[int]) -> None:
