@@ -1,7 +1,8 @@
 """The RTT-emulating TCP proxy: added delay, order and integrity, no bandwidth limit, CLI.
 
-Timing assertions are one-sided with a wide upper margin (≥ RTT, < RTT + 200 ms): a loaded
-machine can only make a round trip slower, and 200 ms of slack absorbs scheduling noise.
+The lower bound (a round trip takes at least the configured RTT) is the property under test; the
+upper bound (< RTT + 1.5 s) only catches a proxy that hangs or delays per byte, and is wide so
+that a CI machine loaded by parallel tests cannot fail it.
 """
 
 from __future__ import annotations
@@ -17,7 +18,7 @@ import pytest
 
 from specdec.remote.delay_proxy import DelayProxy, ThreadedProxy, parse_address
 
-SLACK_S = 0.2
+SLACK_S = 1.5
 
 
 async def _echo(reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
@@ -61,8 +62,12 @@ def test_round_trip_takes_the_configured_rtt():
 
 
 def test_pipelined_chunks_keep_order_and_are_not_serialised():
-    """Five sends 20 ms apart all come back about one RTT after they left: latency, not bandwidth."""
-    rtt_s, gap_s, n = 0.1, 0.02, 5
+    """Six sends 20 ms apart all come back about one RTT after they left: latency, not bandwidth.
+
+    A proxy that serialised the chunks (each waiting out a full RTT) would take >= 6 RTT = 3 s,
+    beyond the upper bound even with the wide slack.
+    """
+    rtt_s, gap_s, n = 0.5, 0.02, 6
 
     async def body(proxy: DelayProxy) -> float:
         reader, writer = await asyncio.open_connection("127.0.0.1", proxy.port)
