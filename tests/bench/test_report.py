@@ -97,3 +97,9 @@ def test_speculative_rows_use_the_paired_plain_run_when_present():
     assert stats[("speculative", "block")].speedup_vs_cloud == pytest.approx(4.0)  # 100/25, 100/25, 50/25
     assert stats[("speculative", "block")].cost_ratio_c == pytest.approx(1 / 25)  # plain step 0.5 s / 20
     assert stats[("hf_assisted", "hf_assisted")].speedup_vs_cloud == pytest.approx(0.5)  # still vs cloud_only
+
+
+def test_machine_line_names_the_cpu_features():
+    m = {"cpu": "AMD EPYC", "cpu_count": 2, "torch": "2.13.0+cpu", "cpu_capability": "AVX2", "cpu_bf16": False}
+    assert report.machine_line(m) == "AMD EPYC (AVX2, no native bf16), 2 cores, torch 2.13.0+cpu"
+    assert report.machine_line({"cpu": "X", "cpu_count": 4, "torch": "t"}) == "X, 4 cores, torch t"

@@ -254,8 +254,7 @@ def markdown(result: dict, stats: list[GroupStats], bvt: list[BlockVsToken], plo
         f"top-p {cfg['top_p']}, repetition penalty {cfg['repetition_penalty']}, "
         f"batch-invariant target {cfg['batch_invariant']}.",
         "",
-        f"Machine: {result.get('machine', {}).get('cpu', '?')}, {result.get('machine', {}).get('cpu_count', '?')} cores, "
-        f"torch {result.get('machine', {}).get('torch', '?')}.",
+        f"Machine: {machine_line(result.get('machine', {}))}.",
         "",
         "Speed-ups are medians over prompts of the per-prompt ratio against the same prompt and seed "
         "in the reference mode; for the speculative rows, \"×cloud_only\" uses plain_paired: plain "
@@ -422,3 +421,16 @@ def write(result: dict, out_dir: str | Path, *, make_plots: bool = True) -> dict
     (out / "results.json").write_text(json.dumps(result, indent=1))
     (out / "README.md").write_text(markdown(result, stats, bvt, plots, net))
     return {"stats": stats, "block_vs_token": bvt, "network": net, "plots": plots, "dir": str(out)}
+
+
+def machine_line(machine: dict) -> str:
+    """"AMD EPYC (AVX2, no native bf16), 2 cores, torch 2.13.0+cpu" from ``machine_info()``."""
+    cpu = machine.get("cpu", "?")
+    features = []
+    if machine.get("cpu_capability"):
+        features.append(str(machine["cpu_capability"]))
+    if "cpu_bf16" in machine:
+        features.append("native bf16" if machine["cpu_bf16"] else "no native bf16")
+    if features:
+        cpu += f" ({', '.join(features)})"
+    return f"{cpu}, {machine.get('cpu_count', '?')} cores, torch {machine.get('torch', '?')}"

@@ -161,7 +161,13 @@ def machine_info() -> dict:
     info = {
         "python": platform.python_version(), "torch": torch.__version__, "platform": platform.platform(),
         "cpu_count": os.cpu_count(), "torch_threads": torch.get_num_threads(),
+        # "AVX512" / "AVX2" ...: the same model name covers CPUs whose kernels differ 2-3x in speed
+        "cpu_capability": torch.backends.cpu.get_cpu_capability(),
     }
+    try:
+        info["cpu_bf16"] = bool(torch.ops.mkldnn._is_mkldnn_bf16_supported())
+    except (AttributeError, RuntimeError):
+        pass
     try:
         for line in Path("/proc/cpuinfo").read_text().splitlines():
             if line.startswith("model name"):
