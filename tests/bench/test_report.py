@@ -103,3 +103,26 @@ def test_machine_line_names_the_cpu_features():
     m = {"cpu": "AMD EPYC", "cpu_count": 2, "torch": "2.13.0+cpu", "cpu_capability": "AVX2", "cpu_bf16": False}
     assert report.machine_line(m) == "AMD EPYC (AVX2, no native bf16), 2 cores, torch 2.13.0+cpu"
     assert report.machine_line({"cpu": "X", "cpu_count": 4, "torch": "t"}) == "X, 4 cores, torch t"
+
+
+def test_gamma_labels_sort_numerically_then_policies():
+    from specdec.bench.netreport import gamma_order
+
+    assert sorted(["auto", "12", "4", "guide", "8", "16"], key=gamma_order) == ["4", "8", "12", "16", "auto", "guide"]
+
+
+def test_report_only_rerenders_a_committed_result(tmp_path, capsys):
+    from specdec.cli import main
+
+    result = {"config": {"target": "t", "draft": "d", "draft_dtype": "auto", "prompts": [{"category": "code"}],
+                         "max_new_tokens": 20, "repeats": 1, "seed": 0, "top_p": None, "repetition_penalty": None,
+                         "batch_invariant": True, "command": "specdec bench --x"},
+              "samples": _samples(), "processes": {}, "machine": {"cpu": "test"}}
+    (tmp_path / "results.json").write_text(json.dumps(result))
+    assert main(["bench", "--report-only", "--no-plots", "--out", str(tmp_path)]) == 0
+    assert "speculative/block" in (tmp_path / "README.md").read_text()
+    # a folder without a result: one-line error, exit 2
+    empty = tmp_path / "empty"
+    empty.mkdir()
+    assert main(["bench", "--report-only", "--out", str(empty)]) == 2
+    assert "results.json does not exist" in capsys.readouterr().err

@@ -6,6 +6,7 @@ import argparse
 import shlex
 import sys
 import time
+from pathlib import Path
 
 from specdec import defaults
 from specdec.errors import ConfigError
@@ -50,6 +51,8 @@ def add_parser(sub) -> None:  # noqa: ANN001 - argparse's subparsers action
     g.add_argument("--q-top-k", type=int, default=16, help="sparse-q: top-k truncation of q (default 16)")
     p.add_argument("--out", help="output folder (default benchmarks/run-<date>)")
     p.add_argument("--no-plots", action="store_true")
+    p.add_argument("--report-only", action="store_true",
+                   help="run nothing: re-render README.md and the plots of --out from its results.json")
 
 
 def run(args: argparse.Namespace, argv: list[str] | None = None) -> int:
@@ -57,6 +60,8 @@ def run(args: argparse.Namespace, argv: list[str] | None = None) -> int:
     from specdec.engine import parse_gamma
     from specdec.verify import get_rule
 
+    if args.report_only:
+        return _rerender(args)
     temps = []
     for t in _csv(args.temperatures):
         try:
@@ -95,6 +100,28 @@ def run(args: argparse.Namespace, argv: list[str] | None = None) -> int:
     for n in written["network"]:
         print(f"[specdec] {n.label} γ={n.gamma or '–'} T={n.temperature:g} RTT {n.rtt_ms:g} ms: {n.tokens_per_s_median:.1f} tok/s, "
               f"×{(n.speedup_vs_streaming or 0):.2f} cloud_streaming", file=sys.stderr)
+    return 0
+
+
+def _rerender(args: argparse.Namespace) -> int:
+    """``--report-only``: the summary and plots again from a committed ``results.json``."""
+    import json
+
+    from specdec.bench import report
+
+    if not args.out:
+        raise ConfigError("--report-only needs --out: the folder holding results.json")
+    path = Path(args.out) / "results.json"
+    try:
+        result = json.loads(path.read_text())
+    except FileNotFoundError:
+        raise ConfigError(f"{path} does not exist") from None
+    except (OSError, ValueError) as exc:
+        raise ConfigError(f"cannot read {path}: {exc}") from None
+    if not isinstance(result, dict) or "samples" not in result or "config" not in result:
+        raise ConfigError(f"{path} is not a specdec bench result (no 'config' / 'samples')")
+    written = report.write(result, args.out, make_plots=not args.no_plots)
+    print(f"[specdec] re-rendered {written['dir']}/README.md and {len(written['plots'])} plots", file=sys.stderr)
     return 0
 
 

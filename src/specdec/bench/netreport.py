@@ -20,6 +20,12 @@ from specdec.bench.network import NETWORK_MODES
 BASELINE = "cloud_streaming"
 
 
+def gamma_order(gamma) -> tuple:
+    """Sort key for γ labels: numbers in numeric order, then the policies ('auto', 'guide')."""
+    text = str(gamma)
+    return (0, int(text), "") if text.lstrip("-").isdigit() else (1, 0, text)
+
+
 def is_network(sample: dict) -> bool:
     return sample.get("mode") in NETWORK_MODES
 
@@ -127,7 +133,7 @@ def aggregate_network(samples: list[dict]) -> list[NetworkStats]:
     baseline = {pair_key(s): s for s in rows if s["mode"] == BASELINE}
     order = {m: i for i, m in enumerate(NETWORK_MODES)}
     out = []
-    for key in sorted(groups, key=lambda k: (k[3], order[k[0]], k[1], str(k[2]), k[4])):
+    for key in sorted(groups, key=lambda k: (k[3], order[k[0]], k[1], gamma_order(k[2]), k[4])):
         g = _group(*key, groups[key])
         ratios = [s["tokens_per_s"] / baseline[pair_key(s)]["tokens_per_s"] for s in groups[key]
                   if pair_key(s) in baseline and baseline[pair_key(s)]["tokens_per_s"] > 0]

@@ -117,7 +117,7 @@ def aggregate(samples: list[dict], processes: dict | None = None) -> list[GroupS
             calls = sum(r["target_calls"] for r in rows)
             cloud_step[(mode, t)] = sum(r["target_s"] for r in rows) / calls if calls else math.nan
     out = []
-    for (mode, method, gamma, t), rows in sorted(groups.items(), key=lambda kv: (kv[0][0], kv[0][1], str(kv[0][2]), kv[0][3])):
+    for (mode, method, gamma, t), rows in sorted(groups.items(), key=lambda kv: (kv[0][0], kv[0][1], netreport.gamma_order(kv[0][2]), kv[0][3])):
         tps = [r["tokens_per_s"] for r in rows]
         walls = [r["wall_s"] for r in rows]
         g = GroupStats(
@@ -204,7 +204,7 @@ def block_vs_token(samples: list[dict]) -> list[BlockVsToken]:
         if s["mode"] == "speculative" and s["method"] in ("token", "block"):
             by[(float(s["temperature"]), s.get("gamma"))].setdefault(s["method"], {})[(s["prompt_id"], s["seed"])] = s
     out = []
-    for (t, gamma), methods in sorted(by.items(), key=lambda kv: (kv[0][0], str(kv[0][1]))):
+    for (t, gamma), methods in sorted(by.items(), key=lambda kv: (kv[0][0], netreport.gamma_order(kv[0][1]))):
         if "token" not in methods or "block" not in methods:
             continue
         keys = sorted(set(methods["token"]) & set(methods["block"]))
