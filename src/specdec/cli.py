@@ -74,7 +74,9 @@ def _add_models(p: argparse.ArgumentParser) -> None:
     g.add_argument("--backend", default="auto", choices=["auto", "native", "hf"], help="native = specdec's fast Llama/Qwen2 path; hf = transformers")
     g.add_argument("--dtype", default="float32", choices=["float32", "bfloat16", "float16"], help="target dtype (default float32)")
     g.add_argument("--fast-attention", action="store_true", help="score draft blocks with one batched attention call: ~10%% faster verification, but speculative output may differ from plain decoding at exact float ties")
-    g.add_argument("--draft-dtype", default="auto", choices=["auto", "float32", "bfloat16", "float16"], help="draft dtype; auto = bfloat16 where the CPU has native bf16 matmuls (never affects exactness)")
+    g.add_argument("--draft-dtype", default="auto", choices=["auto", "float32", "bfloat16", "float16", "int8"],
+                   help="draft precision (never affects exactness, only speed and acceptance): auto = bfloat16 where the CPU "
+                        "has native bf16 matmuls, else float32 with an int8 LM head; int8 = float32 layers + int8 LM head")
 
 
 def build_parser() -> argparse.ArgumentParser:

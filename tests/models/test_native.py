@@ -6,6 +6,7 @@ import pytest
 import torch
 
 from specdec.models.hf import HFCausalLM
+from specdec.models.linear import Int8Linear, int8_available
 from specdec.models.native import NativeCausalLM
 from tiny import make_tiny
 
@@ -72,3 +73,16 @@ def test_bfloat16_path_runs_and_agrees_roughly(tiny_folder):
     ids = torch.arange(16)
     a, b = f32.forward(ids, f32.new_cache(32)), b16.forward(ids, b16.new_cache(32))
     assert b.dtype == torch.float32 and torch.allclose(a, b, atol=0.1)
+
+
+@pytest.mark.skipif(not int8_available(), reason="this torch build has no int8 CPU engine")
+def test_int8_head_is_close_and_only_touches_the_head(tiny_folder):
+    f32 = NativeCausalLM.from_folder(tiny_folder)
+    q8 = NativeCausalLM.from_folder(tiny_folder, int8_head=True)
+    assert isinstance(q8.lm_head, Int8Linear) and not isinstance(f32.lm_head, Int8Linear)
+    ids = torch.arange(16)
+    a, b = f32.forward(ids, f32.new_cache(32)), q8.forward(ids, q8.new_cache(32))
+    assert b.shape == a.shape and b.dtype == torch.float32
+    # the hidden states are computed in float32 either way; only the head's product is quantised
+    assert torch.equal(f32.hidden(ids, f32.new_cache(32)), q8.hidden(ids, q8.new_cache(32)))
+    assert (b - a).norm() / a.norm() < 0.05 and not torch.equal(a, b)

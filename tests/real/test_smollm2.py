@@ -74,6 +74,21 @@ def test_greedy_speculative_equals_plain_greedy(pair, gamma):
         assert _generate(target, NgramDrafter(), "greedy", cfg, prompt).tokens == plain
 
 
+def test_int8_head_draft_keeps_greedy_exact(pair):
+    """The draft's precision never changes the output: an int8-head draft gives plain greedy."""
+    from specdec.models.linear import int8_available
+
+    if not int8_available():
+        pytest.skip("this torch build has no int8 CPU engine")
+    target, _, ids = pair
+    draft8 = load("smollm2-135m-draft", batch_invariant=False, int8_head=True)
+    cfg = SamplingConfig(temperature=0.0, max_new_tokens=64)
+    for prompt in ids[:2]:
+        plain = _generate(target, None, "greedy", cfg, prompt).tokens
+        spec = _generate(target, ModelDrafter(draft8.model), "greedy", cfg, prompt)
+        assert spec.tokens == plain and spec.stats.tokens_per_target_call > 1.2
+
+
 @pytest.mark.parametrize("method", ["token", "block", "coupled"])
 def test_drafting_with_the_target_itself_accepts_everything(pair, method):
     target, _, ids = pair

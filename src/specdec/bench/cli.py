@@ -39,7 +39,8 @@ def add_parser(sub) -> None:  # noqa: ANN001 - argparse's subparsers action
     p.add_argument("--prompts", help="JSONL prompt file (fields: prompt, id, category, chat); default: the built-in set")
     p.add_argument("--categories", help="comma list of prompt categories to keep (e.g. code,chat)")
     p.add_argument("--limit", type=int, help="keep the first N prompts of each category")
-    p.add_argument("--draft-dtype", default="auto", choices=["auto", "float32", "bfloat16"])
+    p.add_argument("--draft-dtype", default="auto", choices=["auto", "float32", "bfloat16", "int8"],
+                   help="draft precision (see specdec generate --help)")
     p.add_argument("--fast-attention", action="store_true", help="target without batch invariance (see specdec generate --help)")
     p.add_argument("--threads", type=int, help="torch threads per worker (default: torch's choice; network modes: the server and each edge process get this many, default 1)")
     g = p.add_argument_group("edge-cloud modes (edge_cloud, cloud_streaming, cloud_streaming_spec)")

@@ -12,6 +12,8 @@ Elsewhere (CUDA, no oneDNN, exotic dtypes) it falls back to ``torch.nn.functiona
 
 from __future__ import annotations
 
+import warnings
+
 import torch
 import torch.nn.functional as F
 from torch import Tensor
@@ -87,3 +89,37 @@ class Linear:
                 y = y + torch.ops.mkldnn._linear_pointwise(x[:, b[i] : b[i + 1]], self.packed[i], None, "none", [None], "")
             return y
         return F.linear(x, self.weight, self.bias)
+
+
+def int8_available() -> bool:
+    """True when torch has a CPU engine for dynamically quantised int8 linears (fbgemm / x86)."""
+    try:
+        return bool({"fbgemm", "x86"} & set(torch.backends.quantized.supported_engines)) and hasattr(
+            torch.ops.quantized, "linear_dynamic"
+        )
+    except (AttributeError, RuntimeError):
+        return False
+
+
+class Int8Linear:
+    """``y ≈ x @ W.T + b`` with ``W`` stored as per-output-channel int8 (dynamic quantisation).
+
+    For the *draft* only, where precision never affects exactness: a one-row product with the
+    SmolLM2 draft's 49,152 × 256 LM head reads 12.6 MB instead of 50 MB (measured on a 2-core AVX2
+    EPYC: 0.5 ms against 2.0 ms for packed float32).  Activations are quantised per call.
+    """
+
+    __slots__ = ("packed", "out_features")
+
+    def __init__(self, weight: Tensor, bias: Tensor | None = None) -> None:
+        w = weight.detach().float().contiguous()  # [out, in]
+        scales = (w.abs().amax(dim=1).clamp_min(1e-8) / 127.0).double()
+        zero_points = torch.zeros(w.shape[0], dtype=torch.long)
+        with warnings.catch_warnings():  # torch marks its quantised tensors as deprecated (2.13)
+            warnings.simplefilter("ignore")
+            qw = torch.quantize_per_channel(w, scales, zero_points, axis=0, dtype=torch.qint8)
+        self.packed = torch.ops.quantized.linear_prepack(qw, None if bias is None else bias.float())
+        self.out_features = w.shape[0]
+
+    def __call__(self, x: Tensor) -> Tensor:  # x: [n, in] float32 -> [n, out] float32
+        return torch.ops.quantized.linear_dynamic(x.float(), self.packed, True)

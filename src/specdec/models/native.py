@@ -20,7 +20,7 @@ from torch import Tensor
 
 from specdec.errors import ConfigError
 from specdec.kv_cache import KVCache
-from specdec.models.linear import Linear
+from specdec.models.linear import Int8Linear, Linear
 
 SUPPORTED = ("llama", "qwen2", "mistral")
 
@@ -103,6 +103,7 @@ class NativeCausalLM:
         *,
         dtype: torch.dtype = torch.float32,
         batch_invariant: bool = False,
+        int8_head: bool = False,
     ) -> None:
         self.cfg = cfg
         #: score multi-token inputs one query row at a time with exactly the shapes single-token
@@ -142,7 +143,9 @@ class NativeCausalLM:
             )
         self.norm = w("model.norm.weight")
         head = self.embed if cfg.tie_embeddings or "lm_head.weight" not in weights else w("lm_head.weight")
-        self.lm_head = Linear(head, mode=mode)
+        #: int8_head (drafts only: never for a target, whose logits define the output law): the LM
+        #: head, by far the largest matrix of a small draft, as a dynamically quantised int8 matmul
+        self.lm_head = Int8Linear(head) if int8_head else Linear(head, mode=mode)
         cos, sin = _rope_tables(cfg, cfg.max_length)
         self._cos, self._sin = cos.to(dtype), sin.to(dtype)
         self._q_size = cfg.n_heads * cfg.head_dim
@@ -157,6 +160,7 @@ class NativeCausalLM:
         *,
         dtype: torch.dtype = torch.float32,
         batch_invariant: bool = False,
+        int8_head: bool = False,
     ) -> "NativeCausalLM":
         from safetensors.torch import load_file
 
@@ -165,7 +169,7 @@ class NativeCausalLM:
         weights: dict[str, Tensor] = {}
         for f in sorted(folder.glob("*.safetensors")):
             weights.update(load_file(str(f)))
-        return cls(cfg, weights, dtype=dtype, batch_invariant=batch_invariant)
+        return cls(cfg, weights, dtype=dtype, batch_invariant=batch_invariant, int8_head=int8_head)
 
     # ------------------------------------------------------------------ LanguageModel
 

@@ -320,11 +320,13 @@ def load(
     backend: str = "auto",
     dtype: torch.dtype = torch.float32,
     batch_invariant: bool = True,
+    int8_head: bool = False,
 ) -> LoadedModel:
     """Resolve ``ref`` and load model + tokenizer with the requested backend (auto = native if it can).
 
     ``batch_invariant`` (native backend): multi-token scoring is bitwise identical to scoring the
     tokens one at a time, so speculative and plain decoding agree exactly, not just up to ties.
+    ``int8_head`` (native backend, drafts only): the LM head as an int8 matmul.
     """
     from transformers import AutoTokenizer
 
@@ -346,7 +348,7 @@ def load(
     has_safetensors = any(folder.glob("*.safetensors"))
     use_native = backend == "native" or (backend == "auto" and cfg.get("model_type") in SUPPORTED and has_safetensors)
     if use_native:
-        model = NativeCausalLM.from_folder(folder, dtype=dtype, batch_invariant=batch_invariant)
+        model = NativeCausalLM.from_folder(folder, dtype=dtype, batch_invariant=batch_invariant, int8_head=int8_head)
         kind = "native"
     elif backend in ("auto", "hf"):
         model = HFCausalLM.from_folder(str(folder), dtype=dtype)
