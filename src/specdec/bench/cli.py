@@ -96,8 +96,10 @@ def run(args: argparse.Namespace, argv: list[str] | None = None) -> int:
     print(f"[specdec] wrote {written['dir']}/README.md, results.json and {len(written['plots'])} plots", file=sys.stderr)
     for g in written["stats"]:
         if g.mode == "speculative":
-            print(f"[specdec] {g.method} γ={g.gamma} T={g.temperature:g}: {g.tokens_per_s_median:.1f} tok/s, "
-                  f"×{(g.speedup_vs_cloud or 0):.2f} cloud_only, ×{(g.speedup_vs_hf_assisted or 0):.2f} HF assisted", file=sys.stderr)
+            vs = [f"×{ratio:.2f} {name}" for ratio, name in ((g.speedup_vs_cloud, "cloud_only"), (g.speedup_vs_hf_assisted, "HF assisted"))
+                  if ratio is not None]
+            print(f"[specdec] {g.method} γ={g.gamma} T={g.temperature:g}: {g.tokens_per_s_median:.1f} tok/s"
+                  + "".join(f", {v}" for v in vs), file=sys.stderr)
     for n in written["network"]:
         print(f"[specdec] {n.label} γ={n.gamma or '–'} T={n.temperature:g} RTT {n.rtt_ms:g} ms: {n.tokens_per_s_median:.1f} tok/s, "
               f"×{(n.speedup_vs_streaming or 0):.2f} cloud_streaming", file=sys.stderr)
