@@ -63,14 +63,7 @@ def run(args: argparse.Namespace, argv: list[str] | None = None) -> int:
 
     if args.report_only:
         return _rerender(args)
-    temps = []
-    for t in _csv(args.temperatures):
-        try:
-            temps.append(float(t))
-        except ValueError:
-            raise ConfigError(f"temperatures must be numbers, got {t!r}") from None
-        if temps[-1] < 0:
-            raise ConfigError(f"temperature must be >= 0, got {t}")
+    temps = _non_negative(args.temperatures, "temperatures must be numbers", "temperature must be >= 0")
     gammas = [str(parse_gamma(g)) for g in _csv(args.gammas)]
     methods = _csv(args.methods)
     for m in methods:
@@ -128,19 +121,25 @@ def _rerender(args: argparse.Namespace) -> int:
     return 0
 
 
+def _non_negative(text: str, not_number: str, negative: str) -> list[float]:
+    """A comma list of numbers >= 0, or a ConfigError with the caller's wording."""
+    values = []
+    for item in _csv(text):
+        try:
+            values.append(float(item))
+        except ValueError:
+            raise ConfigError(f"{not_number}, got {item!r}") from None
+        if values[-1] < 0:
+            raise ConfigError(f"{negative}, got {item}")
+    return values
+
+
 def _network_args(args: argparse.Namespace, temps: list[float]) -> tuple[list[float], list[str]]:
     """Parsed and checked ``--rtts`` and ``--wires``."""
     from specdec.bench.network import wire_valid
     from specdec.remote.protocol import WIRE_MODES
 
-    rtts = []
-    for r in _csv(args.rtts):
-        try:
-            rtts.append(float(r))
-        except ValueError:
-            raise ConfigError(f"--rtts must be numbers of milliseconds, got {r!r}") from None
-        if rtts[-1] < 0:
-            raise ConfigError(f"an RTT must be >= 0 ms, got {r}")
+    rtts = _non_negative(args.rtts, "--rtts must be numbers of milliseconds", "an RTT must be >= 0 ms")
     wires = _csv(args.wires)
     for w in wires:
         if w not in WIRE_MODES:
