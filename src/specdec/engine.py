@@ -23,6 +23,8 @@ from specdec.text import StopStrings, TextSink, encode_prompt
 from specdec.verify import Rule, get_rule
 
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
+#: quantised target formats of the native backend (activations and norms stay float32)
+QUANTS = ("int8",)
 
 
 @dataclass(frozen=True)
@@ -41,12 +43,27 @@ class EngineConfig:
     batch_invariant: bool = True
 
 
+def target_dtype(cfg: EngineConfig) -> tuple[torch.dtype, str | None]:
+    """The target's float dtype and quantisation (see :attr:`EngineConfig.dtype`)."""
+    if cfg.dtype in QUANTS:
+        if cfg.backend == "hf":
+            raise ConfigError(f"--dtype {cfg.dtype} needs the native backend (not --backend hf)")
+        from specdec.models.linear import w8a8_available
+
+        if not w8a8_available():
+            raise ConfigError(f"--dtype {cfg.dtype} needs torch's fbgemm int8 engine (x86 CPUs); use float32")
+        return torch.float32, cfg.dtype
+    if cfg.dtype not in DTYPES:
+        raise ConfigError(f"dtype must be one of {', '.join((*DTYPES, *QUANTS))}, got {cfg.dtype!r}")
+    return DTYPES[cfg.dtype], None
+
+
 def draft_dtype(cfg: EngineConfig) -> torch.dtype:
     """The draft model's dtype (see :attr:`EngineConfig.draft_dtype`)."""
     if cfg.draft_dtype == "auto":
         from specdec.models.linear import bf16_fast
 
-        return torch.bfloat16 if cfg.backend != "hf" and bf16_fast() else DTYPES[cfg.dtype]
+        return torch.bfloat16 if cfg.backend != "hf" and bf16_fast() else target_dtype(cfg)[0]
     if cfg.draft_dtype == "int8":
         return torch.float32
     if cfg.draft_dtype not in DTYPES:
@@ -128,12 +145,10 @@ class Engine:
 
     @classmethod
     def build(cls, cfg: EngineConfig, *, progress: Callable[[str], None] | None = None) -> "Engine":
-        if cfg.dtype not in DTYPES:
-            raise ConfigError(f"dtype must be one of {', '.join(DTYPES)}, got {cfg.dtype!r}")
-        dtype = DTYPES[cfg.dtype]
+        dtype, quant = target_dtype(cfg)
         if progress:
-            progress(f"loading target {cfg.target}")
-        target = load(cfg.target, backend=cfg.backend, dtype=dtype, batch_invariant=cfg.batch_invariant)
+            progress(f"loading target {cfg.target}" + (f" ({quant})" if quant else ""))
+        target = load(cfg.target, backend=cfg.backend, dtype=dtype, batch_invariant=cfg.batch_invariant, quant=quant)
         kind = cfg.draft.strip().lower()
         if kind == "none":
             return cls(target, None, "none")

@@ -80,15 +80,24 @@ class Linear:
                 self.packed = None
 
     def __call__(self, x: Tensor) -> Tensor:  # x: [n, in] -> [n, out]
+        return self._product(x, self.bias)
+
+    def scaled(self, x: Tensor, row_scale: Tensor) -> Tensor:  # x: [n, in], row_scale: [n, 1]
+        """``row_scale * (x @ W.T) + b``: a per-row factor applied before the bias (how a folded
+        RMSNorm's 1/rms enters; a pointwise step, so batch invariance is kept)."""
+        y = self._product(x, None)
+        return y.mul_(row_scale) if self.bias is None else torch.addcmul(self.bias, y, row_scale)
+
+    def _product(self, x: Tensor, bias: Tensor | None) -> Tensor:
         if self.packed is not None:
             if len(self.packed) == 1:
-                return torch.ops.mkldnn._linear_pointwise(x, self.packed[0], self.bias, "none", [None], "")
+                return torch.ops.mkldnn._linear_pointwise(x, self.packed[0], bias, "none", [None], "")
             b = self._bounds
-            y = torch.ops.mkldnn._linear_pointwise(x[:, b[0] : b[1]], self.packed[0], self.bias, "none", [None], "")
+            y = torch.ops.mkldnn._linear_pointwise(x[:, b[0] : b[1]], self.packed[0], bias, "none", [None], "")
             for i in range(1, len(self.packed)):
                 y = y + torch.ops.mkldnn._linear_pointwise(x[:, b[i] : b[i + 1]], self.packed[i], None, "none", [None], "")
             return y
-        return F.linear(x, self.weight, self.bias)
+        return F.linear(x, self.weight, bias)
 
 
 def int8_available() -> bool:
@@ -123,3 +132,82 @@ class Int8Linear:
 
     def __call__(self, x: Tensor) -> Tensor:  # x: [n, in] float32 -> [n, out] float32
         return torch.ops.quantized.linear_dynamic(x.float(), self.packed, True)
+
+
+def _has_vnni() -> bool:
+    """True when the CPU has VNNI (u8 x s8 dot products accumulate in int32, never saturating)."""
+    try:
+        flags = open("/proc/cpuinfo").read()
+    except OSError:
+        return False
+    return " avx512_vnni" in flags or " avx_vnni" in flags
+
+
+class W8A8Linear:
+    """``y ≈ x @ W.T + b`` with int8 weights (per output channel) and int8 activations (per row).
+
+    The target-side quantized linear: fbgemm's dynamic int8 matmul with integer accumulation.
+    fbgemm picks one activation scale for the whole input tensor, which would make a row's
+    result depend on the other rows; here every row is first divided by its own max-abs value
+    and two extra input columns, +1 and -1 (with zero weights), pin the tensor's range to
+    exactly [-1, 1].  The quantisation of a row then depends on that row alone, and int32
+    accumulation is exact whatever the kernel's blocking, so row ``i`` of an ``n``-row product is
+    bitwise the same for every ``n`` (batch-invariant by construction, tested for 1..64 rows).
+
+    Activations use 8 bits where the CPU has VNNI and 7 bits elsewhere (fbgemm's
+    ``reduce_range``, which avoids int16 saturation on AVX2).  Not thread-safe: one forward pass
+    at a time per model (the staging buffer is reused).
+    """
+
+    __slots__ = ("packed", "bias", "in_features", "out_features", "_buf", "_views", "_reduce_range")
+
+    def __init__(self, weight: Tensor, bias: Tensor | None = None) -> None:
+        w = weight.detach().float()
+        n, k = w.shape
+        w = torch.cat([w, w.new_zeros(n, 2)], dim=1)  # [out, in + 2]
+        scales = (w.abs().amax(dim=1).clamp_min(1e-12) / 127.0).double()
+        with warnings.catch_warnings():  # torch marks its quantised tensors as deprecated (2.13)
+            warnings.simplefilter("ignore")
+            qw = torch.quantize_per_channel(w, scales, torch.zeros(n, dtype=torch.long), axis=0, dtype=torch.qint8)
+        self.packed = torch.ops.quantized.linear_prepack(qw, None)
+        self.bias = None if bias is None else bias.detach().float().contiguous()
+        self.in_features, self.out_features = k, n
+        self._reduce_range = not _has_vnni()
+        self._buf = self._staging(16)
+        self._views: dict[int, tuple[Tensor, Tensor]] = {}  # n -> (staged [n, in + 2], its [n, in] part)
+
+    def _staging(self, rows: int) -> Tensor:  # [rows, in + 2]: normalised rows, then +1, -1
+        buf = torch.empty(rows, self.in_features + 2)
+        buf[:, -2] = 1.0
+        buf[:, -1] = -1.0
+        return buf
+
+    def _staged(self, n: int) -> tuple[Tensor, Tensor]:
+        views = self._views.get(n)
+        if views is None:
+            if n > self._buf.shape[0]:
+                self._buf = self._staging(max(n, 2 * self._buf.shape[0]))
+                self._views.clear()
+            staged = self._buf[:n]
+            views = self._views[n] = (staged, staged[:, : self.in_features])
+        return views
+
+    def __call__(self, x: Tensor) -> Tensor:  # x: [n, in] float32 -> [n, out] float32
+        return self.scaled(x, None)
+
+    def scaled(self, x: Tensor, row_scale: Tensor | None) -> Tensor:  # x: [n, in], row_scale: [n, 1]
+        """``row_scale * (x @ W.T) + b`` (see :meth:`Linear.scaled`)."""
+        staged, part = self._staged(x.shape[0])
+        s = torch.linalg.vector_norm(x, float("inf"), dim=1, keepdim=True).clamp_min_(1e-30)  # [n, 1]
+        torch.div(x, s, out=part)
+        y = torch.ops.quantized.linear_dynamic(staged, self.packed, self._reduce_range)  # [n, out]
+        if row_scale is not None:
+            s = s * row_scale
+        if self.bias is not None:
+            return torch.addcmul(self.bias, y, s)
+        return y.mul_(s)
+
+
+def w8a8_available() -> bool:
+    """True when torch has fbgemm's dynamic int8 linear (x86 CPUs)."""
+    return int8_available() and "fbgemm" in torch.backends.quantized.supported_engines

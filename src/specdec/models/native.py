@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import json
 import math
+import os
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -20,7 +21,10 @@ from torch import Tensor
 
 from specdec.errors import ConfigError
 from specdec.kv_cache import KVCache
-from specdec.models.linear import Int8Linear, Linear
+from specdec.models.linear import Int8Linear, Linear, W8A8Linear
+from specdec.models.scripted import ScriptedLayers, compiled_layers
+
+AnyLinear = Linear | W8A8Linear
 
 SUPPORTED = ("llama", "qwen2", "mistral")
 
@@ -71,12 +75,14 @@ class NativeConfig:
 
 @dataclass
 class _Layer:
-    attn_norm: Tensor  # [D]
-    qkv: Linear  # D -> (H + 2 Hkv) d
-    out: Linear  # H d -> D
-    mlp_norm: Tensor  # [D]
-    gate_up: Linear  # D -> 2 I
-    down: Linear  # I -> D
+    """One decoder layer, with each RMSNorm's weight folded into the linear layer it feeds
+    (``rms_norm(x) * g @ W.T == (1/rms(x)) * (x @ (W * g).T)``) and the attention scale
+    ``1/sqrt(head_dim)`` folded into the query rows: fewer ops per step, same function."""
+
+    qkv: AnyLinear  # D -> (H + 2 Hkv) d; input norm folded in, q rows pre-scaled
+    out: AnyLinear  # H d -> D
+    gate_up: AnyLinear  # D -> 2 I; post-attention norm folded in
+    down: AnyLinear  # I -> D
 
 
 def _rope_tables(cfg: NativeConfig, length: int) -> tuple[Tensor, Tensor]:
@@ -87,10 +93,25 @@ def _rope_tables(cfg: NativeConfig, length: int) -> tuple[Tensor, Tensor]:
     return emb.cos(), emb.sin()
 
 
+def _attend(q: Tensor, k: Tensor, v: Tensor) -> Tensor:  # q: [H, d]; k, v: [Hkv, T, d] -> [1, H d]
+    """Attention of one (pre-scaled) query position over ``T`` cached positions; query head h
+    reads key/value head ``h // (H / Hkv)`` (grouped-query attention).  Three ops: for one row
+    this is several times cheaper than ``scaled_dot_product_attention``'s fixed cost."""
+    hk = k.shape[0]
+    qg = q.view(hk, -1, q.shape[-1])  # [Hkv, H/Hkv, d]
+    scores = torch.bmm(qg, k.transpose(1, 2))  # [Hkv, H/Hkv, T]
+    if scores.dtype == torch.float32:
+        weights = torch.softmax(scores, dim=-1)
+    else:  # low-precision drafts: softmax in float32, as scaled_dot_product_attention does
+        weights = torch.softmax(scores, dim=-1, dtype=torch.float32).to(v.dtype)
+    return torch.bmm(weights, v).view(1, -1)
+
+
 def _rotate(x: Tensor, cos: Tensor, sin: Tensor) -> Tensor:  # x: [n, h, d]; cos/sin: [n, 1, d]
-    half = x.shape[-1] // 2
-    rotated = torch.cat([-x[..., half:], x[..., :half]], dim=-1)
-    return x * cos + rotated * sin
+    """Rotary embedding in rotate-half layout: ``x cos + rotate_half(x) sin``, with
+    ``rotate_half(x) sin == roll(x, d/2) * sin'`` where ``sin'`` has its first half negated
+    (``sin`` here is that signed table): three ops instead of seven."""
+    return torch.addcmul(x * cos, x.roll(x.shape[-1] // 2, dims=-1), sin)
 
 
 class NativeCausalLM:
@@ -104,8 +125,14 @@ class NativeCausalLM:
         dtype: torch.dtype = torch.float32,
         batch_invariant: bool = False,
         int8_head: bool = False,
+        quant: str | None = None,
     ) -> None:
+        if quant not in (None, "int8"):
+            raise ConfigError(f"unknown quantisation {quant!r}; the native backend offers int8")
         self.cfg = cfg
+        #: "int8": every linear layer and the LM head as W8A8Linear (int8 weights per output
+        #: channel, int8 activations per row, exact int32 accumulation; batch-invariant)
+        self.quant = quant
         #: score multi-token inputs one query row at a time with exactly the shapes single-token
         #: decoding uses, so that row i is bitwise what plain decoding computes (the linear layers
         #: are batch-invariant already); costs 5-10% on a 5-9-token verification pass
@@ -116,6 +143,11 @@ class NativeCausalLM:
 
         mode = "invariant" if batch_invariant else "fast"
 
+        def linear(weight: Tensor, bias: Tensor | None = None) -> Linear | W8A8Linear:
+            if quant == "int8":
+                return W8A8Linear(weight, bias)
+            return Linear(weight, bias, mode=mode)
+
         # tensors are popped as they are packed, so a large model's raw weights are freed layer by
         # layer instead of doubling the peak memory (the dict passed in is consumed)
         def w(name: str) -> Tensor:
@@ -125,31 +157,39 @@ class NativeCausalLM:
             return weights.pop(name).to(dtype) if name in weights else None
 
         self.embed = w("model.embed_tokens.weight")  # [V, D]
+        q_scale = 1.0 / math.sqrt(cfg.head_dim)  # exact (a power of two) for head_dim 64
         self.layers: list[_Layer] = []
         for i in range(cfg.n_layers):
             p = f"model.layers.{i}."
-            qkv_w = torch.cat([w(p + f"self_attn.{x}_proj.weight") for x in "qkv"])
+            attn_g, mlp_g = w(p + "input_layernorm.weight"), w(p + "post_attention_layernorm.weight")  # [D]
+            qkv_w = torch.cat([w(p + "self_attn.q_proj.weight") * q_scale] + [w(p + f"self_attn.{x}_proj.weight") for x in "kv"])
             biases = [b(p + f"self_attn.{x}_proj.bias") for x in "qkv"]
-            qkv_b = torch.cat(biases) if all(x is not None for x in biases) else None
+            qkv_b = torch.cat([biases[0] * q_scale, *biases[1:]]) if all(x is not None for x in biases) else None
+            gate_up_w = torch.cat([w(p + "mlp.gate_proj.weight"), w(p + "mlp.up_proj.weight")])
             self.layers.append(
                 _Layer(
-                    attn_norm=w(p + "input_layernorm.weight"),
-                    qkv=Linear(qkv_w, qkv_b, mode=mode),
-                    out=Linear(w(p + "self_attn.o_proj.weight"), mode=mode),
-                    mlp_norm=w(p + "post_attention_layernorm.weight"),
-                    gate_up=Linear(torch.cat([w(p + "mlp.gate_proj.weight"), w(p + "mlp.up_proj.weight")]), mode=mode),
-                    down=Linear(w(p + "mlp.down_proj.weight"), mode=mode),
+                    qkv=linear(qkv_w * attn_g, qkv_b),
+                    out=linear(w(p + "self_attn.o_proj.weight")),
+                    gate_up=linear(gate_up_w * mlp_g),
+                    down=linear(w(p + "mlp.down_proj.weight")),
                 )
             )
-        self.norm = w("model.norm.weight")
+        final_g = w("model.norm.weight")  # [D]
         head = self.embed if cfg.tie_embeddings or "lm_head.weight" not in weights else w("lm_head.weight")
         #: int8_head (drafts only: never for a target, whose logits define the output law): the LM
         #: head, by far the largest matrix of a small draft, as a dynamically quantised int8 matmul
-        self.lm_head = Int8Linear(head) if int8_head else Linear(head, mode=mode)
+        self.lm_head = Int8Linear(head * final_g) if int8_head else linear(head * final_g)
+        self._eps = torch.tensor([cfg.rms_eps], dtype=dtype)
         cos, sin = _rope_tables(cfg, cfg.max_length)
+        sin[:, : cfg.head_dim // 2] *= -1  # signed for _rotate
         self._cos, self._sin = cos.to(dtype), sin.to(dtype)
         self._q_size = cfg.n_heads * cfg.head_dim
         self._kv_size = cfg.n_kv_heads * cfg.head_dim
+        #: the layer loop compiled with TorchScript (bitwise the same ops; see models/scripted.py),
+        #: used for single positions and per-row (batch-invariant) attention; None = Python loop
+        self.scripted: ScriptedLayers | None = None
+        if os.environ.get("SPECDEC_SCRIPTED", "1") != "0" and compiled_layers() is not None:
+            self.scripted = ScriptedLayers(self.layers)
 
     # ------------------------------------------------------------------ loading
 
@@ -161,6 +201,7 @@ class NativeCausalLM:
         dtype: torch.dtype = torch.float32,
         batch_invariant: bool = False,
         int8_head: bool = False,
+        quant: str | None = None,
     ) -> "NativeCausalLM":
         from safetensors.torch import load_file
 
@@ -169,7 +210,7 @@ class NativeCausalLM:
         weights: dict[str, Tensor] = {}
         for f in sorted(folder.glob("*.safetensors")):
             weights.update(load_file(str(f)))
-        return cls(cfg, weights, dtype=dtype, batch_invariant=batch_invariant, int8_head=int8_head)
+        return cls(cfg, weights, dtype=dtype, batch_invariant=batch_invariant, int8_head=int8_head, quant=quant)
 
     # ------------------------------------------------------------------ LanguageModel
 
@@ -177,9 +218,14 @@ class NativeCausalLM:
         length = min(max_length or self.max_length, self.max_length)
         return KVCache(self.cfg.n_layers, self.cfg.n_kv_heads, self.cfg.head_dim, length, dtype=self.dtype)
 
+    def _inv_rms(self, x: Tensor) -> Tensor:  # x: [n, D] -> [n, 1] = 1 / sqrt(mean(x^2) + eps)
+        norm = torch.linalg.vector_norm(x, dim=-1, keepdim=True)
+        return torch.rsqrt(torch.addcmul(self._eps, norm, norm, value=1.0 / self.cfg.hidden_size))
+
     @torch.inference_mode()
     def hidden(self, tokens: Tensor, cache: KVCache) -> Tensor:  # tokens: [n] -> [n, D]
-        """Final-norm hidden states of the new positions (the input of the LM head)."""
+        """The LM head's input for the new positions: the final hidden states divided by their
+        RMS (the final norm's weight is folded into the head)."""
         cfg = self.cfg
         n = tokens.numel()
         start = cache.reserve(n)
@@ -189,45 +235,38 @@ class NativeCausalLM:
         x = self.embed[tokens]  # [n, D]
         cos = self._cos[start:end].unsqueeze(1)  # [n, 1, d]
         sin = self._sin[start:end].unsqueeze(1)
+        if self.scripted is not None and (n == 1 or self.batch_invariant):
+            return self.scripted(x, cos, sin, cache, start, cfg, self._eps)
         hq, hk, d = cfg.n_heads, cfg.n_kv_heads, cfg.head_dim
         mask = None
-        if n > 1:
+        if n > 1 and not self.batch_invariant:
             # query j (absolute start + j) sees keys 0..start + j
             mask = torch.full((n, end), -math.inf, dtype=x.dtype).triu_(start + 1)  # [n, T]
         qk_size = self._q_size + self._kv_size
         for li, layer in enumerate(self.layers):
-            h = F.rms_norm(x, (cfg.hidden_size,), layer.attn_norm, cfg.rms_eps)
-            qkv = layer.qkv(h)  # [n, (H + 2 Hkv) d]
+            qkv = layer.qkv.scaled(x, self._inv_rms(x))  # [n, (H + 2 Hkv) d]
             qk = _rotate(qkv[:, :qk_size].view(n, hq + hk, d), cos, sin)  # q and k heads in one op
-            cache.k[li, :, start:end] = qk[:, hq:].transpose(0, 1)
-            cache.v[li, :, start:end] = qkv[:, qk_size:].view(n, hk, d).transpose(0, 1)
-            q = qk[:, :hq].transpose(0, 1).unsqueeze(0)  # [1, H, n, d]
-            if n > 1 and self.batch_invariant:
-                attn = torch.cat(
-                    [
-                        F.scaled_dot_product_attention(
-                            q[:, :, j : j + 1],
-                            cache.k[li, :, : start + j + 1].unsqueeze(0),
-                            cache.v[li, :, : start + j + 1].unsqueeze(0),
-                            enable_gqa=hq != hk,
-                        )
-                        for j in range(n)
-                    ],
-                    dim=2,
-                )
+            k_cache, v_cache = cache.k[li], cache.v[li]  # [Hkv, T, d]
+            k_cache[:, start:end] = qk[:, hq:].transpose(0, 1)
+            v_cache[:, start:end] = qkv[:, qk_size:].view(n, hk, d).transpose(0, 1)
+            if n == 1 or self.batch_invariant:
+                # one query row at a time, with exactly the shapes single-token decoding uses
+                rows = [_attend(qk[j, :hq], k_cache[:, : start + j + 1], v_cache[:, : start + j + 1]) for j in range(n)]
+                attn = rows[0] if n == 1 else torch.cat(rows)  # [n, H d]
             else:
+                q = qk[:, :hq].transpose(0, 1).unsqueeze(0)  # [1, H, n, d], pre-scaled
                 attn = F.scaled_dot_product_attention(
                     q,
-                    cache.k[li, :, :end].unsqueeze(0),  # [1, Hkv, T, d]
-                    cache.v[li, :, :end].unsqueeze(0),
+                    k_cache[:, :end].unsqueeze(0),  # [1, Hkv, T, d]
+                    v_cache[:, :end].unsqueeze(0),
                     attn_mask=mask,
                     enable_gqa=hq != hk,
-                )  # [1, H, n, d]
-            x = x + layer.out(attn[0].transpose(0, 1).reshape(n, self._q_size))
-            h = F.rms_norm(x, (cfg.hidden_size,), layer.mlp_norm, cfg.rms_eps)
-            gate, up = layer.gate_up(h).chunk(2, dim=-1)
+                    scale=1.0,
+                )[0].transpose(0, 1).reshape(n, self._q_size)  # [n, H d]
+            x = x + layer.out(attn)
+            gate, up = layer.gate_up.scaled(x, self._inv_rms(x)).chunk(2, dim=-1)
             x = x + layer.down(F.silu(gate) * up)
-        return F.rms_norm(x, (cfg.hidden_size,), self.norm, cfg.rms_eps)
+        return x * self._inv_rms(x)
 
     @torch.inference_mode()
     def forward(self, tokens: Tensor, cache: KVCache, *, last_only: bool = False) -> Tensor:

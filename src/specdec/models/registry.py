@@ -321,6 +321,7 @@ def load(
     dtype: torch.dtype = torch.float32,
     batch_invariant: bool = True,
     int8_head: bool = False,
+    quant: str | None = None,
 ) -> LoadedModel:
     """Resolve ``ref`` and load model + tokenizer with the requested backend (auto = native if it can).
 
@@ -348,8 +349,12 @@ def load(
     has_safetensors = any(folder.glob("*.safetensors"))
     use_native = backend == "native" or (backend == "auto" and cfg.get("model_type") in SUPPORTED and has_safetensors)
     if use_native:
-        model = NativeCausalLM.from_folder(folder, dtype=dtype, batch_invariant=batch_invariant, int8_head=int8_head)
+        model = NativeCausalLM.from_folder(
+            folder, dtype=dtype, batch_invariant=batch_invariant, int8_head=int8_head, quant=quant
+        )
         kind = "native"
+    elif quant is not None:
+        raise SpecdecError(f"{resolved.name}: quantised ({quant}) targets need the native backend")
     elif backend in ("auto", "hf"):
         model = HFCausalLM.from_folder(str(folder), dtype=dtype)
         kind = "hf"
