@@ -159,10 +159,18 @@ class W8A8Linear:
     at a time per model (the staging buffer is reused).
     """
 
-    __slots__ = ("packed", "bias", "in_features", "out_features", "_buf", "_views", "_reduce_range")
+    __slots__ = ("packed", "bias", "inv_smooth", "in_features", "out_features", "_buf", "_views", "_reduce_range")
 
-    def __init__(self, weight: Tensor, bias: Tensor | None = None) -> None:
+    def __init__(self, weight: Tensor, bias: Tensor | None = None, *, smooth: Tensor | None = None) -> None:
+        """``smooth`` [in] (optional): per-input-channel factors moved from the activations into
+        the weights before quantisation (SmoothQuant, Xiao et al. 2023): ``x @ W.T ==
+        (x / smooth) @ (W * smooth).T``, which evens out activation outliers that would otherwise
+        set each row's quantisation step."""
         w = weight.detach().float()
+        self.inv_smooth = None
+        if smooth is not None:
+            w = w * smooth.float()
+            self.inv_smooth = (1.0 / smooth.float()).contiguous()
         n, k = w.shape
         w = torch.cat([w, w.new_zeros(n, 2)], dim=1)  # [out, in + 2]
         scales = (w.abs().amax(dim=1).clamp_min(1e-12) / 127.0).double()
@@ -198,6 +206,8 @@ class W8A8Linear:
     def scaled(self, x: Tensor, row_scale: Tensor | None) -> Tensor:  # x: [n, in], row_scale: [n, 1]
         """``row_scale * (x @ W.T) + b`` (see :meth:`Linear.scaled`)."""
         staged, part = self._staged(x.shape[0])
+        if self.inv_smooth is not None:
+            x = x * self.inv_smooth
         s = torch.linalg.vector_norm(x, float("inf"), dim=1, keepdim=True).clamp_min_(1e-30)  # [n, 1]
         torch.div(x, s, out=part)
         y = torch.ops.quantized.linear_dynamic(staged, self.packed, self._reduce_range)  # [n, out]

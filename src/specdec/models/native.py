@@ -22,6 +22,7 @@ from torch import Tensor
 from specdec.errors import ConfigError
 from specdec.kv_cache import KVCache
 from specdec.models.linear import Int8Linear, Linear, W8A8Linear
+from specdec.models.quantize import RangeRecorder, calibration_ids, smoothing
 from specdec.models.scripted import ScriptedLayers, compiled_layers
 
 AnyLinear = Linear | W8A8Linear
@@ -126,7 +127,10 @@ class NativeCausalLM:
         batch_invariant: bool = False,
         int8_head: bool = False,
         quant: str | None = None,
+        calibration: Tensor | None = None,
     ) -> None:
+        """``quant="int8"``: every linear layer and the LM head as :class:`W8A8Linear`, smoothed
+        with input ranges measured on ``calibration`` token ids [n] (no smoothing without)."""
         if quant not in (None, "int8"):
             raise ConfigError(f"unknown quantisation {quant!r}; the native backend offers int8")
         self.cfg = cfg
@@ -144,8 +148,8 @@ class NativeCausalLM:
         mode = "invariant" if batch_invariant else "fast"
 
         def linear(weight: Tensor, bias: Tensor | None = None) -> Linear | W8A8Linear:
-            if quant == "int8":
-                return W8A8Linear(weight, bias)
+            if quant == "int8":  # float first: calibrated, then quantised (see _quantize)
+                return RangeRecorder(Linear(weight, bias, pack=False))
             return Linear(weight, bias, mode=mode)
 
         # tensors are popped as they are packed, so a large model's raw weights are freed layer by
@@ -179,17 +183,37 @@ class NativeCausalLM:
         #: int8_head (drafts only: never for a target, whose logits define the output law): the LM
         #: head, by far the largest matrix of a small draft, as a dynamically quantised int8 matmul
         self.lm_head = Int8Linear(head * final_g) if int8_head else linear(head * final_g)
+        if quant is not None:
+            self.lm_head = linear(head * final_g)
         self._eps = torch.tensor([cfg.rms_eps], dtype=dtype)
         cos, sin = _rope_tables(cfg, cfg.max_length)
         sin[:, : cfg.head_dim // 2] *= -1  # signed for _rotate
         self._cos, self._sin = cos.to(dtype), sin.to(dtype)
         self._q_size = cfg.n_heads * cfg.head_dim
         self._kv_size = cfg.n_kv_heads * cfg.head_dim
+        if quant == "int8":
+            self._quantize(calibration)
         #: the layer loop compiled with TorchScript (bitwise the same ops; see models/scripted.py),
         #: used for single positions and per-row (batch-invariant) attention; None = Python loop
         self.scripted: ScriptedLayers | None = None
         if os.environ.get("SPECDEC_SCRIPTED", "1") != "0" and compiled_layers() is not None:
             self.scripted = ScriptedLayers(self.layers)
+
+    def _quantize(self, calibration: Tensor | None) -> None:
+        """Replace the float (range-recording) linears by smoothed :class:`W8A8Linear` layers."""
+        if calibration is not None and calibration.numel() > 1:
+            self.scripted = None
+            ids = calibration[: self.max_length]
+            self.forward(ids, self.new_cache(ids.numel()))
+
+        def quantized(rec: RangeRecorder) -> W8A8Linear:
+            weight = rec.inner.weight  # [out, in] float, unpacked
+            return W8A8Linear(weight, rec.bias, smooth=smoothing(rec.absmax, weight))
+
+        for layer in self.layers:
+            for name in ("qkv", "out", "gate_up", "down"):
+                setattr(layer, name, quantized(getattr(layer, name)))
+        self.lm_head = quantized(self.lm_head)
 
     # ------------------------------------------------------------------ loading
 
@@ -210,7 +234,9 @@ class NativeCausalLM:
         weights: dict[str, Tensor] = {}
         for f in sorted(folder.glob("*.safetensors")):
             weights.update(load_file(str(f)))
-        return cls(cfg, weights, dtype=dtype, batch_invariant=batch_invariant, int8_head=int8_head, quant=quant)
+        calibration = calibration_ids(folder) if quant is not None else None
+        return cls(cfg, weights, dtype=dtype, batch_invariant=batch_invariant, int8_head=int8_head, quant=quant,
+                   calibration=calibration)
 
     # ------------------------------------------------------------------ LanguageModel
 

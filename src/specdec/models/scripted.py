@@ -40,6 +40,7 @@ def _linear(
     bounds: Dict[int, List[int]],
     dense: Dict[int, Tensor],
     bias: Dict[int, Tensor],
+    smooth: Dict[int, Tensor],
 ) -> Tensor:  # x: [n, in], row_scale: [n, 1] -> [n, out]; mirrors Linear / W8A8Linear exactly
     kind = kinds[i]
     b: Optional[Tensor] = None
@@ -48,6 +49,8 @@ def _linear(
     if kind == 0:  # W8A8
         n = x.shape[0]
         staged = staging[i][:n]
+        if i in smooth:
+            x = x * smooth[i]
         s = torch.linalg.vector_norm(x, float("inf"), [1], True).clamp_min_(1e-30)
         torch.div(x, s, out=staged[:, : x.shape[1]])
         y = torch.ops.quantized.linear_dynamic(staged, q8[i], reduce_range)
@@ -99,6 +102,7 @@ def _layers(
     bounds: Dict[int, List[int]],
     dense: Dict[int, Tensor],
     bias: Dict[int, Tensor],
+    smooth: Dict[int, Tensor],
 ) -> Tensor:  # the LM head's input [n, D]
     n = x.shape[0]
     end = start + n
@@ -108,7 +112,7 @@ def _layers(
     qk_size = (hq + hk) * d
     for li in range(len(kinds) // 4):
         lin = 4 * li
-        qkv = _linear(lin, x, _inv_rms(x, eps, width), kinds, q8, staging, reduce_range, chunks, bounds, dense, bias)
+        qkv = _linear(lin, x, _inv_rms(x, eps, width), kinds, q8, staging, reduce_range, chunks, bounds, dense, bias, smooth)
         qk = qkv[:, :qk_size].view(n, hq + hk, d)
         qk = torch.addcmul(qk * cos, qk.roll(d // 2, -1), sin)
         k_cache = k_all[li]
@@ -126,10 +130,10 @@ def _layers(
                 weights = torch.softmax(scores, -1, dtype=torch.float32).to(v_cache.dtype)
             rows.append(torch.bmm(weights, v_cache[:, : start + j + 1]).view(1, -1))
         attn = rows[0] if n == 1 else torch.cat(rows)
-        x = x + _linear(lin + 1, attn, None, kinds, q8, staging, reduce_range, chunks, bounds, dense, bias)
-        gate_up = _linear(lin + 2, x, _inv_rms(x, eps, width), kinds, q8, staging, reduce_range, chunks, bounds, dense, bias)
+        x = x + _linear(lin + 1, attn, None, kinds, q8, staging, reduce_range, chunks, bounds, dense, bias, smooth)
+        gate_up = _linear(lin + 2, x, _inv_rms(x, eps, width), kinds, q8, staging, reduce_range, chunks, bounds, dense, bias, smooth)
         gate, up = gate_up.chunk(2, -1)
-        x = x + _linear(lin + 3, F.silu(gate) * up, None, kinds, q8, staging, reduce_range, chunks, bounds, dense, bias)
+        x = x + _linear(lin + 3, F.silu(gate) * up, None, kinds, q8, staging, reduce_range, chunks, bounds, dense, bias, smooth)
     return x * _inv_rms(x, eps, width)
 
 
@@ -164,6 +168,7 @@ class ScriptedLayers:
         self.bounds: dict[int, list[int]] = {}
         self.dense: dict[int, Tensor] = {}
         self.bias: dict[int, Tensor] = {}
+        self.smooth: dict[int, Tensor] = {}  # W8A8 input factors (inverse smoothing)
         self._w8a8: list[W8A8Linear] = []
         self.reduce_range = False
         for layer in layers:
@@ -174,6 +179,8 @@ class ScriptedLayers:
                 if isinstance(lin, W8A8Linear):
                     self.kinds.append(W8A8)
                     self.q8[i] = lin.packed
+                    if lin.inv_smooth is not None:
+                        self.smooth[i] = lin.inv_smooth
                     self._w8a8.append(lin)
                     self.reduce_range = lin._reduce_range
                 elif isinstance(lin, Linear) and lin.packed is not None:
@@ -201,4 +208,5 @@ class ScriptedLayers:
         return self.fn(
             x, cos, sin, cache.k, cache.v, start, cfg.n_heads, cfg.n_kv_heads, cfg.head_dim, eps,
             self.kinds, self.q8, self.staging, self.reduce_range, self.chunks, self.bounds, self.dense, self.bias,
+            self.smooth,
         )
