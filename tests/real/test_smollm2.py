@@ -105,3 +105,34 @@ def test_coupled_equals_plain_seeded_sampling(pair):
         for prompt in ids[:2]:
             plain = _generate(target, None, "coupled", cfg, prompt).tokens
             assert _generate(target, ModelDrafter(draft.model), "coupled", cfg, prompt, FixedGamma(5)).tokens == plain
+
+
+@pytest.fixture(scope="module")
+def int8_target():
+    from specdec.models.linear import w8a8_available
+
+    if not w8a8_available():
+        pytest.skip("this torch build has no fbgemm int8 engine")
+    return load("smollm2-135m", quant="int8")
+
+
+def test_int8_target_exactness(pair, int8_target):
+    """A quantised target is a model of its own; speculation must reproduce *it* exactly:
+    block scoring is bitwise token-by-token scoring, greedy speculative == plain greedy,
+    coupled == plain seeded sampling, with the same int8 target."""
+    _, draft, ids = pair
+    m = int8_target.model
+    x = torch.tensor(ids[1])
+    a, b = m.new_cache(256), m.new_cache(256)
+    m.forward(x[:-9], a)
+    m.forward(x[:-9], b)
+    assert torch.equal(m.forward(x[-9:], b), torch.cat([m.forward(x[i : i + 1], a) for i in range(len(x) - 9, len(x))]))
+    greedy = SamplingConfig(temperature=0.0, max_new_tokens=96)
+    for prompt in ids:
+        plain = _generate(int8_target, None, "greedy", greedy, prompt).tokens
+        spec = _generate(int8_target, ModelDrafter(draft.model), "greedy", greedy, prompt, CostGamma())
+        assert spec.tokens == plain and spec.stats.tokens_per_target_call > 1.2
+    cfg = SamplingConfig(**{**GUIDE_PRESET.__dict__, "seed": 3, "max_new_tokens": 64})
+    for prompt in ids[:2]:
+        plain = _generate(int8_target, None, "coupled", cfg, prompt).tokens
+        assert _generate(int8_target, ModelDrafter(draft.model), "coupled", cfg, prompt, FixedGamma(5)).tokens == plain

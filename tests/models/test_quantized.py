@@ -1,0 +1,132 @@
+"""The int8 target path and the TorchScript layer loop.
+
+* ``W8A8Linear`` is batch-invariant for every row count (its exactness argument: per-row
+  quantisation pinned to a fixed range, exact integer accumulation), and close to float;
+* the TorchScript loop computes bitwise what the Python loop computes, for every linear kind;
+* a whole int8 model scores a block bitwise as it scores the tokens one by one.
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from specdec.models.linear import W8A8Linear, w8a8_available
+from specdec.models.native import NativeCausalLM
+from specdec.models.quantize import calibration_ids, smoothing
+from tiny import make_tiny
+
+needs_w8a8 = pytest.mark.skipif(not w8a8_available(), reason="this torch build has no fbgemm int8 engine")
+
+
+@pytest.fixture(scope="module", params=["llama", "qwen2"])
+def tiny_folder(request, tmp_path_factory):
+    return make_tiny(tmp_path_factory.mktemp(request.param), model_type=request.param)
+
+
+@needs_w8a8
+@pytest.mark.parametrize("with_bias", [False, True])
+@pytest.mark.parametrize("with_smooth", [False, True])
+def test_w8a8_rows_are_batch_invariant_and_close(with_bias, with_smooth):
+    g = torch.Generator().manual_seed(0)
+    w = torch.randn(300, 96, generator=g) * 0.05
+    bias = torch.randn(300, generator=g) if with_bias else None
+    x = torch.randn(64, 96, generator=g)
+    x[:, 7] *= 30  # an outlier channel, as LLM activations have
+    smooth = smoothing(x.abs().amax(0), w) if with_smooth else None
+    lin = W8A8Linear(w, bias, smooth=smooth)
+    rows = torch.cat([lin(x[i : i + 1]) for i in range(64)])
+    for n in (2, 3, 5, 9, 16, 17, 33, 64):
+        assert torch.equal(lin(x[:n]), rows[:n]), n
+    scale = torch.rand(64, 1, generator=g) + 0.5
+    assert torch.equal(lin.scaled(x[:5], scale[:5]), torch.cat([lin.scaled(x[i : i + 1], scale[i : i + 1]) for i in range(5)]))
+    ref = x @ w.T + (0 if bias is None else bias)
+    err = (rows - ref).norm() / ref.norm()
+    assert 0 < err < (0.02 if with_smooth else 0.05)
+
+
+@needs_w8a8
+def test_smoothing_reduces_error_on_outlier_channels():
+    g = torch.Generator().manual_seed(1)
+    w = torch.randn(200, 128, generator=g) * 0.05
+    x = torch.randn(32, 128, generator=g)
+    x[:, :4] *= 50
+    ref = x @ w.T
+    plain = (W8A8Linear(w)(x) - ref).norm() / ref.norm()
+    smooth = (W8A8Linear(w, smooth=smoothing(x.abs().amax(0), w))(x) - ref).norm() / ref.norm()
+    assert smooth < 0.7 * plain
+
+
+KINDS = {
+    "float32-invariant": dict(batch_invariant=True),
+    "float32-fast": dict(batch_invariant=False),
+    "bfloat16-fast": dict(dtype=torch.bfloat16, batch_invariant=False),
+    "int8": dict(batch_invariant=True, quant="int8"),
+}
+
+
+@pytest.mark.parametrize("kind", list(KINDS))
+def test_scripted_loop_is_bitwise_the_python_loop(tiny_folder, kind):
+    if kind == "int8" and not w8a8_available():
+        pytest.skip("no fbgemm")
+    model = NativeCausalLM.from_folder(tiny_folder, **KINDS[kind])
+    if model.scripted is None:
+        pytest.skip("TorchScript is not available in this torch build")
+    ids = torch.randint(0, 1000, (24,), generator=torch.Generator().manual_seed(3))
+
+    def run() -> torch.Tensor:
+        cache = model.new_cache(64)
+        outs = [model.forward(ids[:16], cache)]
+        outs += [model.forward(ids[i : i + 1], cache) for i in range(16, 20)]
+        outs.append(model.forward(ids[20:], cache))  # a 4-token block (per-row attention if invariant)
+        return torch.cat(outs)
+
+    scripted = run()
+    saved, model.scripted = model.scripted, None
+    try:
+        python = run()
+    finally:
+        model.scripted = saved
+    assert torch.equal(scripted, python)
+
+
+@needs_w8a8
+def test_int8_model_block_equals_token_by_token_and_is_close_to_float(tiny_folder):
+    q = NativeCausalLM.from_folder(tiny_folder, quant="int8", batch_invariant=True)
+    f = NativeCausalLM.from_folder(tiny_folder, batch_invariant=True)
+    ids = torch.randint(0, 1000, (30,), generator=torch.Generator().manual_seed(4))
+    a = q.new_cache(64)
+    q.forward(ids[:21], a)
+    block = q.forward(ids[21:], a)
+    b = q.new_cache(64)
+    q.forward(ids[:21], b)
+    assert torch.equal(block, torch.cat([q.forward(ids[i : i + 1], b) for i in range(21, 30)]))
+    ref = f.forward(ids, f.new_cache(64))
+    full = q.forward(ids, q.new_cache(64))
+    assert not torch.equal(full, ref)
+    p, r = torch.softmax(full, -1), torch.softmax(ref, -1)
+    assert (p - r).abs().sum(-1).max() < 0.2  # total variation per position
+
+
+def test_calibration_needs_a_tokenizer(tmp_path):
+    assert calibration_ids(tmp_path) is None
+
+
+def test_unknown_quantisation_is_a_config_error(tiny_folder):
+    from specdec.errors import ConfigError
+
+    with pytest.raises(ConfigError, match="int8"):
+        NativeCausalLM.from_folder(tiny_folder, quant="int3")
+
+
+def test_engine_target_dtype():
+    from specdec.engine import EngineConfig, target_dtype
+    from specdec.errors import ConfigError
+
+    assert target_dtype(EngineConfig(dtype="float32")) == (torch.float32, None)
+    if w8a8_available():
+        assert target_dtype(EngineConfig(dtype="int8")) == (torch.float32, "int8")
+    with pytest.raises(ConfigError, match="native"):
+        target_dtype(EngineConfig(dtype="int8", backend="hf"))
+    with pytest.raises(ConfigError, match="dtype"):
+        target_dtype(EngineConfig(dtype="int3"))
