@@ -41,6 +41,9 @@ def add_parser(sub) -> None:  # noqa: ANN001 - argparse's subparsers action
     p.add_argument("--limit", type=int, help="keep the first N prompts of each category")
     p.add_argument("--draft-dtype", default="auto", choices=["auto", "float32", "bfloat16", "int8"],
                    help="draft precision (see specdec generate --help)")
+    p.add_argument("--dtype", "--target-dtype", dest="dtype", default="float32", choices=["float32", "bfloat16", "int8"],
+                   help="target precision for specdec's rows (default float32; see specdec generate --help)."
+                        " The Hugging Face rows always run the float32 weights")
     p.add_argument("--fast-attention", action="store_true", help="target without batch invariance (see specdec generate --help)")
     p.add_argument("--threads", type=int, help="torch threads per worker (default: torch's choice; network modes: the server and each edge process get this many, default 1)")
     g = p.add_argument_group("edge-cloud modes (edge_cloud, cloud_streaming, cloud_streaming_spec)")
@@ -79,7 +82,7 @@ def run(args: argparse.Namespace, argv: list[str] | None = None) -> int:
         target=args.target, draft=args.draft, prompts=tuple(prompts), modes=tuple(_csv(args.modes)),
         methods=tuple(methods), gammas=tuple(gammas), temperatures=tuple(temps),
         max_new_tokens=args.max_new_tokens, repeats=args.repeats, seed=args.seed, top_p=args.top_p,
-        repetition_penalty=args.repetition_penalty, draft_dtype=args.draft_dtype,
+        repetition_penalty=args.repetition_penalty, draft_dtype=args.draft_dtype, dtype=args.dtype,
         batch_invariant=not args.fast_attention, threads=args.threads, command=command,
         rtts=tuple(rtts), wires=tuple(wires), rtt_emulation=args.rtt_emulation, q_top_k=args.q_top_k,
     )

@@ -248,7 +248,7 @@ def markdown(result: dict, stats: list[GroupStats], bvt: list[BlockVsToken], plo
         "",
         f"Command: `{cfg.get('command') or 'specdec bench'}`",
         "",
-        f"Target `{cfg['target']}`, draft `{cfg['draft']}` (draft dtype {cfg['draft_dtype']}), "
+        f"Target `{cfg['target']}` ({cfg.get('dtype', 'float32')}), draft `{cfg['draft']}` (draft dtype {cfg['draft_dtype']}), "
         f"{len(cfg['prompts'])} prompts ({', '.join(sorted({p['category'] for p in cfg['prompts']}))}), "
         f"{cfg['max_new_tokens']} new tokens, repeats {cfg['repeats']}, seed {cfg['seed']}, "
         f"top-p {cfg['top_p']}, repetition penalty {cfg['repetition_penalty']}, "

@@ -44,6 +44,7 @@ class BenchConfig:
     top_p: float | None = None
     repetition_penalty: float | None = None
     draft_dtype: str = "auto"
+    dtype: str = "float32"  # the target's precision for specdec's rows
     batch_invariant: bool = True
     threads: int | None = None
     command: str = ""
@@ -62,7 +63,7 @@ def _job(cfg: BenchConfig, mode: str) -> dict:
         "methods": list(cfg.methods), "gammas": [str(g) for g in cfg.gammas],
         "max_new_tokens": cfg.max_new_tokens, "repeats": cfg.repeats, "seed": cfg.seed,
         "top_p": cfg.top_p, "repetition_penalty": cfg.repetition_penalty,
-        "draft_dtype": cfg.draft_dtype, "batch_invariant": cfg.batch_invariant, "threads": cfg.threads,
+        "draft_dtype": cfg.draft_dtype, "dtype": cfg.dtype, "batch_invariant": cfg.batch_invariant, "threads": cfg.threads,
         **({"wires": list(cfg.wires), "q_top_k": cfg.q_top_k} if mode in network.NETWORK_MODES else {}),
     }
 

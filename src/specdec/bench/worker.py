@@ -34,6 +34,7 @@ class Job:
     top_p: float | None = None
     repetition_penalty: float | None = None
     draft_dtype: str = "auto"
+    dtype: str = "float32"  # the target's precision (float32 | bfloat16 | int8)
     batch_invariant: bool = True
     threads: int | None = None
     # network modes (specdec.bench.network): one RTT per worker
@@ -101,9 +102,10 @@ def run_engine(job: Job, prompts: list[Prompt]) -> None:
         draft = load_draft(EngineConfig(draft=job.draft, draft_dtype=job.draft_dtype))
         engine = Engine(draft, None, "none")
     elif job.mode == "cloud_only":
-        engine = Engine.build(EngineConfig(target=job.target, draft="none", batch_invariant=job.batch_invariant))
+        engine = Engine.build(EngineConfig(target=job.target, draft="none", dtype=job.dtype, batch_invariant=job.batch_invariant))
     else:
-        engine = Engine.build(EngineConfig(target=job.target, draft=job.draft, draft_dtype=job.draft_dtype, batch_invariant=job.batch_invariant))
+        engine = Engine.build(EngineConfig(target=job.target, draft=job.draft, dtype=job.dtype, draft_dtype=job.draft_dtype,
+                                           batch_invariant=job.batch_invariant))
     plain = Engine(engine.target, None, "none")
     encoded = {p.id: engine.encode(p.text, chat=p.chat) for p in prompts}
     for temperature in job.temperatures:
