@@ -13,7 +13,8 @@ from specdec.errors import ConfigError
 @pytest.mark.parametrize(
     ("bf16", "int8", "expect_dtype", "expect_int8"),
     [
-        (True, True, torch.bfloat16, False),  # native bf16 (AVX512-BF16 / AMX): the whole draft in bf16
+        (True, True, torch.bfloat16, True),  # native bf16 (AVX512-BF16 / AMX): bf16 layers, int8 LM head
+        (True, False, torch.bfloat16, False),  # bf16 without an int8 engine: the whole draft in bf16
         (False, True, torch.float32, True),  # e.g. AVX2: float32 layers, int8 LM head
         (False, False, torch.float32, False),  # neither: plain float32
     ],

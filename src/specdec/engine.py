@@ -32,11 +32,12 @@ class EngineConfig:
     target: str = defaults.DEFAULT_TARGET
     draft: str = defaults.DEFAULT_DRAFT  # registry name | path | "ngram" | "self" | "none"
     backend: str = "auto"  # auto | native | hf
-    dtype: str = "float32"  # the target's dtype: exactness is relative to the target as loaded
+    #: the target's precision: float32 | bfloat16 | float16 | int8 (W8A8Linear layers, native
+    #: backend); exactness is relative to the target as it runs
+    dtype: str = "float32"
     #: the draft's dtype (never affects exactness, only acceptance and speed): "auto" = bfloat16
-    #: where the CPU has native bf16 matmuls (measured: a SmolLM2-draft step 1.0 ms vs 2.25 ms in
-    #: float32), else the target's dtype with an int8 LM head where torch has an int8 engine;
-    #: "int8" = float32 layers + int8 LM head
+    #: where the CPU has native bf16 matmuls, else float32, either with an int8 LM head where
+    #: torch has an int8 engine; "int8" = float32 layers + int8 LM head
     draft_dtype: str = "auto"
     #: native target scores a draft block bitwise as it would score the tokens one by one
     #: (greedy / coupled output identical to plain decoding); ~10% slower verification
@@ -72,16 +73,17 @@ def draft_dtype(cfg: EngineConfig) -> torch.dtype:
 
 
 def draft_int8_head(cfg: EngineConfig) -> bool:
-    """Whether the draft's LM head runs as an int8 matmul: asked for (``int8``), or ``auto`` on a
-    CPU without native bf16 matmuls where torch has an int8 engine (measured on a 2-core AVX2
-    EPYC: the SmolLM2 draft's head 0.5 ms instead of 2.0 ms, a draft step 4.8 -> 3.3 ms)."""
-    from specdec.models.linear import bf16_fast, int8_available
+    """Whether the draft's LM head (80% of a small draft's weights) runs as an int8 matmul:
+    asked for (``int8``), or ``auto`` wherever torch has an int8 engine."""
+    from specdec.models.linear import int8_available
 
     if cfg.backend == "hf" or not int8_available():
         return False
     if cfg.draft_dtype == "int8":
         return True
-    return cfg.draft_dtype == "auto" and cfg.dtype == "float32" and not bf16_fast()
+    # auto: on every CPU with an int8 engine (measured here, AVX-512 + bf16: a bf16 SmolLM2-draft
+    # step 1.57 -> 1.25 ms with the int8 head; AVX2 without bf16: 4.8 -> 3.3 ms)
+    return cfg.draft_dtype == "auto"
 
 
 def load_draft(cfg: EngineConfig, ref: str | None = None) -> LoadedModel:

@@ -98,13 +98,12 @@ def _attend(q: Tensor, k: Tensor, v: Tensor) -> Tensor:  # q: [H, d]; k, v: [Hkv
     """Attention of one (pre-scaled) query position over ``T`` cached positions; query head h
     reads key/value head ``h // (H / Hkv)`` (grouped-query attention).  Three ops: for one row
     this is several times cheaper than ``scaled_dot_product_attention``'s fixed cost."""
-    hk = k.shape[0]
-    qg = q.view(hk, -1, q.shape[-1])  # [Hkv, H/Hkv, d]
-    scores = torch.bmm(qg, k.transpose(1, 2))  # [Hkv, H/Hkv, T]
-    if scores.dtype == torch.float32:
-        weights = torch.softmax(scores, dim=-1)
-    else:  # low-precision drafts: softmax in float32, as scaled_dot_product_attention does
-        weights = torch.softmax(scores, dim=-1, dtype=torch.float32).to(v.dtype)
+    if q.dtype != torch.float32:  # low-precision drafts: CPU bmm is slow in bfloat16
+        return F.scaled_dot_product_attention(
+            q.view(1, -1, 1, q.shape[-1]), k.unsqueeze(0), v.unsqueeze(0), enable_gqa=True, scale=1.0
+        ).view(1, -1)
+    qg = q.view(k.shape[0], -1, q.shape[-1])  # [Hkv, H/Hkv, d]
+    weights = torch.softmax(torch.bmm(qg, k.transpose(1, 2)), dim=-1)  # [Hkv, H/Hkv, T]
     return torch.bmm(weights, v).view(1, -1)
 
 

@@ -122,13 +122,15 @@ def _layers(
         rows: List[Tensor] = []
         for j in range(n):
             keys = k_cache[:, : start + j + 1]
-            qg = qk[j, :hq].view(hk, -1, d)
-            scores = torch.bmm(qg, keys.transpose(1, 2))
-            if scores.dtype == torch.float32:
-                weights = torch.softmax(scores, -1)
+            values = v_cache[:, : start + j + 1]
+            if x.dtype != torch.float32:
+                rows.append(F.scaled_dot_product_attention(
+                    qk[j, :hq].view(1, hq, 1, d), keys.unsqueeze(0), values.unsqueeze(0), enable_gqa=True, scale=1.0
+                ).view(1, -1))
             else:
-                weights = torch.softmax(scores, -1, dtype=torch.float32).to(v_cache.dtype)
-            rows.append(torch.bmm(weights, v_cache[:, : start + j + 1]).view(1, -1))
+                qg = qk[j, :hq].view(hk, -1, d)
+                weights = torch.softmax(torch.bmm(qg, keys.transpose(1, 2)), -1)
+                rows.append(torch.bmm(weights, values).view(1, -1))
         attn = rows[0] if n == 1 else torch.cat(rows)
         x = x + _linear(lin + 1, attn, None, kinds, q8, staging, reduce_range, chunks, bounds, dense, bias, smooth)
         gate_up = _linear(lin + 2, x, _inv_rms(x, eps, width), kinds, q8, staging, reduce_range, chunks, bounds, dense, bias, smooth)
