@@ -72,11 +72,12 @@ def _add_models(p: argparse.ArgumentParser) -> None:
     g.add_argument("--target", default=defaults.DEFAULT_TARGET, help=f"registry name, HF folder, .gguf file or hub id (default {defaults.DEFAULT_TARGET})")
     g.add_argument("--draft", default=defaults.DEFAULT_DRAFT, help="draft model (as --target), 'ngram' (prompt lookup), 'self' (the target itself) or 'none' (plain decoding)")
     g.add_argument("--backend", default="auto", choices=["auto", "native", "hf"], help="native = specdec's fast Llama/Qwen2 path; hf = transformers")
-    g.add_argument("--dtype", "--target-dtype", dest="dtype", default="float32",
-                   choices=["float32", "bfloat16", "float16", "int8"],
-                   help="target precision (default float32); int8 = int8 weights and per-row int8 activations"
-                        " with exact integer accumulation (native backend, x86): ~4x less memory traffic per step;"
-                        " exactness holds relative to the target as it runs")
+    g.add_argument("--dtype", "--target-dtype", dest="dtype", default="auto",
+                   choices=["auto", "float32", "bfloat16", "float16", "int8"],
+                   help="target precision (default auto = int8 where torch has fbgemm, i.e. x86, else float32);"
+                        " int8 = int8 weights and per-row int8 activations with exact integer accumulation"
+                        " (native backend): ~3x faster steps than float32 on SmolLM2, KL to float32 ~0.02;"
+                        " exactness always holds relative to the target as it runs")
     g.add_argument("--fast-attention", action="store_true", help="score draft blocks with one batched attention call: ~10%% faster verification, but speculative output may differ from plain decoding at exact float ties")
     g.add_argument("--draft-dtype", default="auto", choices=["auto", "float32", "bfloat16", "float16", "int8"],
                    help="draft precision (never affects exactness, only speed and acceptance): auto = bfloat16 where the CPU "

@@ -3,6 +3,8 @@
 # models
 DEFAULT_TARGET = "smollm2-135m"
 DEFAULT_DRAFT = "smollm2-135m-draft"
+#: the target's precision: "auto" = int8 (W8A8) where torch has fbgemm, else float32
+TARGET_DTYPE = "auto"
 
 # γ: the reference guide's dynamic rule (§8)
 GUIDE_GAMMA_START = 6

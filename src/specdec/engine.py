@@ -6,7 +6,7 @@ thing everywhere and the decoder itself never switches on strings.
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from typing import Callable
 
 import torch
@@ -32,9 +32,11 @@ class EngineConfig:
     target: str = defaults.DEFAULT_TARGET
     draft: str = defaults.DEFAULT_DRAFT  # registry name | path | "ngram" | "self" | "none"
     backend: str = "auto"  # auto | native | hf
-    #: the target's precision: float32 | bfloat16 | float16 | int8 (W8A8Linear layers, native
-    #: backend); exactness is relative to the target as it runs
-    dtype: str = "float32"
+    #: the target's precision: auto | float32 | bfloat16 | float16 | int8 (W8A8Linear layers,
+    #: native backend); "auto" = int8 where torch has fbgemm (x86), else float32 — measured on
+    #: SmolLM2-135M: a step 3x faster, KL to float32 0.02 nats, top-1 agreement 0.92.
+    #: Exactness is relative to the target as it runs.
+    dtype: str = defaults.TARGET_DTYPE
     #: the draft's dtype (never affects exactness, only acceptance and speed): "auto" = bfloat16
     #: where the CPU has native bf16 matmuls, else float32, either with an int8 LM head where
     #: torch has an int8 engine; "int8" = float32 layers + int8 LM head
@@ -46,6 +48,11 @@ class EngineConfig:
 
 def target_dtype(cfg: EngineConfig) -> tuple[torch.dtype, str | None]:
     """The target's float dtype and quantisation (see :attr:`EngineConfig.dtype`)."""
+    if cfg.dtype == "auto":
+        from specdec.models.linear import w8a8_available
+
+        native = cfg.backend != "hf"
+        return target_dtype(replace(cfg, dtype="int8" if native and w8a8_available() else "float32"))
     if cfg.dtype in QUANTS:
         if cfg.backend == "hf":
             raise ConfigError(f"--dtype {cfg.dtype} needs the native backend (not --backend hf)")
@@ -55,7 +62,7 @@ def target_dtype(cfg: EngineConfig) -> tuple[torch.dtype, str | None]:
             raise ConfigError(f"--dtype {cfg.dtype} needs torch's fbgemm int8 engine (x86 CPUs); use float32")
         return torch.float32, cfg.dtype
     if cfg.dtype not in DTYPES:
-        raise ConfigError(f"dtype must be one of {', '.join((*DTYPES, *QUANTS))}, got {cfg.dtype!r}")
+        raise ConfigError(f"dtype must be auto or one of {', '.join((*DTYPES, *QUANTS))}, got {cfg.dtype!r}")
     return DTYPES[cfg.dtype], None
 
 

@@ -130,8 +130,9 @@ def test_int8_target_exactness(pair, int8_target):
     greedy = SamplingConfig(temperature=0.0, max_new_tokens=96)
     for prompt in ids:
         plain = _generate(int8_target, None, "greedy", greedy, prompt).tokens
-        spec = _generate(int8_target, ModelDrafter(draft.model), "greedy", greedy, prompt, CostGamma())
+        spec = _generate(int8_target, ModelDrafter(draft.model), "greedy", greedy, prompt, FixedGamma(4))
         assert spec.tokens == plain and spec.stats.tokens_per_target_call > 1.2
+        assert _generate(int8_target, ModelDrafter(draft.model), "greedy", greedy, prompt, CostGamma()).tokens == plain
     cfg = SamplingConfig(**{**GUIDE_PRESET.__dict__, "seed": 3, "max_new_tokens": 64})
     for prompt in ids[:2]:
         plain = _generate(int8_target, None, "coupled", cfg, prompt).tokens

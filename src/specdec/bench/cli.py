@@ -41,8 +41,8 @@ def add_parser(sub) -> None:  # noqa: ANN001 - argparse's subparsers action
     p.add_argument("--limit", type=int, help="keep the first N prompts of each category")
     p.add_argument("--draft-dtype", default="auto", choices=["auto", "float32", "bfloat16", "int8"],
                    help="draft precision (see specdec generate --help)")
-    p.add_argument("--dtype", "--target-dtype", dest="dtype", default="float32", choices=["float32", "bfloat16", "int8"],
-                   help="target precision for specdec's rows (default float32; see specdec generate --help)."
+    p.add_argument("--dtype", "--target-dtype", dest="dtype", default="auto", choices=["auto", "float32", "bfloat16", "int8"],
+                   help="target precision for specdec's rows (default auto; see specdec generate --help)."
                         " The Hugging Face rows always run the float32 weights")
     p.add_argument("--fast-attention", action="store_true", help="target without batch invariance (see specdec generate --help)")
     p.add_argument("--threads", type=int, help="torch threads per worker (default: torch's choice; network modes: the server and each edge process get this many, default 1)")

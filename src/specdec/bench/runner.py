@@ -44,7 +44,7 @@ class BenchConfig:
     top_p: float | None = None
     repetition_penalty: float | None = None
     draft_dtype: str = "auto"
-    dtype: str = "float32"  # the target's precision for specdec's rows
+    dtype: str = "auto"  # the target's precision for specdec's rows
     batch_invariant: bool = True
     threads: int | None = None
     command: str = ""

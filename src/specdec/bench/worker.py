@@ -34,7 +34,7 @@ class Job:
     top_p: float | None = None
     repetition_penalty: float | None = None
     draft_dtype: str = "auto"
-    dtype: str = "float32"  # the target's precision (float32 | bfloat16 | int8)
+    dtype: str = "auto"  # the target's precision (float32 | bfloat16 | int8)
     batch_invariant: bool = True
     threads: int | None = None
     # network modes (specdec.bench.network): one RTT per worker
