@@ -222,6 +222,29 @@ def block_vs_token(samples: list[dict]) -> list[BlockVsToken]:
 # ----------------------------------------------------------------------------- rendering
 
 
+def greedy_identity(samples: list[dict]) -> list[tuple[str, int, int]]:
+    """At T = 0, for each row kind: (label, prompts whose generated ids equal the plain run's
+    of the same prompt, prompts compared).  The reference is plain decoding in the same process
+    (plain_paired), else cloud_only.  Rows without a digest (older results) are skipped."""
+    ref: dict[tuple, str] = {}
+    for name in ("cloud_only", "plain_paired"):  # plain_paired wins where both exist
+        for s in samples:
+            if s.get("mode") == name and s.get("temperature") == 0 and s.get("tokens_sha"):
+                ref[(s["prompt_id"], s.get("seed"))] = s["tokens_sha"]
+    counts: dict[str, list[int]] = {}
+    for s in samples:
+        if s.get("temperature") != 0 or not s.get("tokens_sha") or s.get("mode") in ("cloud_only", "plain_paired"):
+            continue
+        key = (s["prompt_id"], s.get("seed"))
+        if key not in ref:
+            continue
+        label = f"{s.get('mode')} {s.get('method')} γ={s.get('gamma') or '–'}"
+        c = counts.setdefault(label, [0, 0])
+        c[0] += s["tokens_sha"] == ref[key]
+        c[1] += 1
+    return [(label, same, n) for label, (same, n) in sorted(counts.items())]
+
+
 def _fmt(x, nd: int = 2, pct: bool = False) -> str:
     if x is None or (isinstance(x, float) and math.isnan(x)):
         return "–"
@@ -264,6 +287,11 @@ def markdown(result: dict, stats: list[GroupStats], bvt: list[BlockVsToken], plo
     ]
     if stats:
         lines += _local_tables(stats, bvt)
+    ident = greedy_identity(result.get("samples", []))
+    if ident:
+        lines += ["", "## Greedy output identical to plain decoding (T = 0, generated ids, same prompt)", "",
+                  "| row | identical | prompts |", "|---|---|---|"]
+        lines += [f"| {label} | {same} | {n} |" for label, same, n in ident]
     lines += netreport.markdown(net or [], result.get("network"))
     procs = result.get("processes") or {}
     if procs:

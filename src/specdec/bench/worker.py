@@ -7,6 +7,7 @@ Run by :mod:`specdec.bench.runner`; not a user-facing command.
 
 from __future__ import annotations
 
+import hashlib
 import json
 import resource
 import sys
@@ -87,6 +88,8 @@ def _row(job: Job, mode: str, method: str, gamma: str | None, temperature: float
         "mode": mode, "method": method, "gamma": gamma, "temperature": temperature, "prompt_id": p.id,
         "category": p.category, "seed": seed, **{k: v for k, v in st.to_dict().items() if k != "method"},
         "rule": st.method, "rss_peak_bytes": _peak_rss(),
+        # a digest of the generated ids: greedy rows are checked against plain decoding
+        "tokens_sha": hashlib.sha1(json.dumps(list(res.tokens)).encode()).hexdigest()[:16],
     }
 
 
