@@ -173,9 +173,11 @@ class NativeCausalLM:
 
     # ------------------------------------------------------------------ LanguageModel
 
-    def new_cache(self, max_length: int | None = None) -> KVCache:
+    def new_cache(self, max_length: int | None = None, *, initial_length: int | None = None) -> KVCache:
+        """A cache for up to ``max_length`` positions; ``initial_length`` allocates fewer and grows on demand."""
         length = min(max_length or self.max_length, self.max_length)
-        return KVCache(self.cfg.n_layers, self.cfg.n_kv_heads, self.cfg.head_dim, length, dtype=self.dtype)
+        return KVCache(self.cfg.n_layers, self.cfg.n_kv_heads, self.cfg.head_dim, length,
+                       initial_length=initial_length, dtype=self.dtype)
 
     @torch.inference_mode()
     def hidden(self, tokens: Tensor, cache: KVCache) -> Tensor:  # tokens: [n] -> [n, D]

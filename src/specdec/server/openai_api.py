@@ -15,7 +15,7 @@ import threading
 import time
 from typing import TYPE_CHECKING, Annotated, Any, AsyncIterator, Callable, Literal
 
-from fastapi import APIRouter
+from fastapi import APIRouter, Request
 from fastapi.responses import StreamingResponse
 from pydantic import BaseModel, ConfigDict, Field
 
@@ -184,11 +184,29 @@ class _Job:
         return out
 
 
-async def _run_blocking(job: _Job) -> TextResult:
+async def _run_blocking(job: _Job, request: Request | None = None) -> TextResult:
+    """Run ``job`` in a worker thread; stop it as soon as the client disconnects (polled every 0.1 s)."""
+    cancelled = threading.Event()
+
+    def on_text(text: str) -> None:
+        if cancelled.is_set():
+            raise _Cancelled
+
+    future = asyncio.get_running_loop().run_in_executor(None, job.run, on_text)
     try:
-        return await asyncio.get_running_loop().run_in_executor(None, job.run)
+        while True:
+            done, _ = await asyncio.wait({future}, timeout=0.1)
+            if done:
+                return future.result()
+            if request is not None and await request.is_disconnected():
+                cancelled.set()
+                raise ApiError(499, "the client closed the connection", kind="client_closed")
     except SpecdecError as exc:
         raise ApiError(400, str(exc)) from None
+    except _Cancelled:
+        raise ApiError(499, "the client closed the connection", kind="client_closed") from None
+    finally:
+        cancelled.set()  # also when this handler is cancelled
 
 
 def _sse(payload: dict[str, Any] | str) -> str:
@@ -273,7 +291,7 @@ def openai_router(ctx: "ServerContext") -> APIRouter:
         }
 
     @router.post("/v1/completions")
-    async def completions(req: CompletionRequest) -> Any:
+    async def completions(req: CompletionRequest, request: Request) -> Any:
         if req.echo:
             raise ApiError(400, "echo is not supported by this server")
         if req.logprobs is not None:
@@ -313,12 +331,12 @@ def openai_router(ctx: "ServerContext") -> APIRouter:
                 tail=lambda out: chunk("", _finish_reason(out.stats.finish_reason)),
                 usage=(lambda out: {**chunk("", None), "choices": [], "usage": _usage(out)}) if include_usage else None,
             )
-        out = await _run_blocking(job)
+        out = await _run_blocking(job, request)
         body = chunk(out.text, _finish_reason(out.stats.finish_reason))
         return {**body, "usage": _usage(out), "specdec": _stats(out)}
 
     @router.post("/v1/chat/completions")
-    async def chat(req: ChatRequest) -> Any:
+    async def chat(req: ChatRequest, request: Request) -> Any:
         if req.logprobs:
             raise ApiError(400, "logprobs are not supported by this server")
         tok = tokenizer()
@@ -354,7 +372,7 @@ def openai_router(ctx: "ServerContext") -> APIRouter:
                 tail=lambda out: chunk({}, _finish_reason(out.stats.finish_reason)),
                 usage=(lambda out: {**chunk({}, None), "choices": [], "usage": _usage(out)}) if include_usage else None,
             )
-        out = await _run_blocking(job)
+        out = await _run_blocking(job, request)
         return {
             "id": cid,
             "object": "chat.completion",
