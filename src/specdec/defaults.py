@@ -57,3 +57,10 @@ SERVER_BODY_TIMEOUT_S = 30.0
 SERVER_RETRY_AFTER_S = 1
 #: connections (and requests in flight) one server process serves at once; more get a 503
 SERVER_MAX_CONNECTIONS = 1024
+#: continuous batching: rows (tokens) per forward pass of all sessions together, the longest
+#: piece of one forward run in a pass (prefill chunk), and forwards waiting at most
+SCHEDULER_MAX_TOKENS = 256
+SCHEDULER_PREFILL_CHUNK = 128
+SCHEDULER_MAX_QUEUE = 1024
+#: OpenAI requests generating at once; more are answered 429 with Retry-After
+SERVER_MAX_ACTIVE_REQUESTS = 64

@@ -239,6 +239,90 @@ class NativeCausalLM:
             h = h[-1:]
         return self.lm_head(h).float()
 
+    @torch.inference_mode()
+    def forward_batch(self, items: list[tuple[Tensor, KVCache, bool]]) -> list[Tensor]:
+        """Logits of several sequences in one pass: ``items`` are ``(tokens [n_i], cache_i, last_only_i)``.
+
+        Continuous batching (Orca, Yu et al. 2022): the rows of all sequences are concatenated for
+        the linear layers (one pass over the weights), attention runs per sequence against its own
+        cache with exactly the shapes :meth:`hidden` uses for that sequence alone.  The packed
+        linear layers are row-wise batch-invariant (see ``models/linear.py``), so each sequence's
+        logits are bitwise what :meth:`forward` returns for it alone.
+        """
+        if not items:
+            return []
+        sizes = [int(t.numel()) for t, _, _ in items]
+        starts: list[int] = []
+        try:
+            for (_, cache, _), n in zip(items, sizes):
+                starts.append(cache.length)
+                cache.reserve(n)
+                if starts[-1] + n > self._cos.shape[0]:
+                    raise ValueError(f"position {starts[-1] + n} is past the model's context of {self._cos.shape[0]}")
+            return self._forward_batch(items, sizes, starts)
+        except BaseException:
+            for (_, cache, _), a in zip(items, starts):
+                cache.length = min(cache.length, a)  # undo this pass's reservations
+            raise
+
+    def _forward_batch(self, items: list[tuple[Tensor, KVCache, bool]], sizes: list[int], starts: list[int]) -> list[Tensor]:
+        cfg = self.cfg
+        total = sum(sizes)
+        tokens = torch.cat([t.reshape(-1) for t, _, _ in items])  # [M]
+        x = self.embed[tokens]  # [M, D]
+        cos = torch.cat([self._cos[a : a + n] for a, n in zip(starts, sizes)]).unsqueeze(1)  # [M, 1, d]
+        sin = torch.cat([self._sin[a : a + n] for a, n in zip(starts, sizes)]).unsqueeze(1)
+        hq, hk, d = cfg.n_heads, cfg.n_kv_heads, cfg.head_dim
+        qk_size = self._q_size + self._kv_size
+        offsets = [0]
+        for n in sizes:
+            offsets.append(offsets[-1] + n)
+        for li, layer in enumerate(self.layers):
+            h = F.rms_norm(x, (cfg.hidden_size,), layer.attn_norm, cfg.rms_eps)
+            qkv = layer.qkv(h)  # [M, (H + 2 Hkv) d]
+            qk = _rotate(qkv[:, :qk_size].view(total, hq + hk, d), cos, sin)  # [M, H + Hkv, d]
+            parts = []
+            for (_, cache, _), start, n, o in zip(items, starts, sizes, offsets):
+                end = start + n
+                cache.k[li, :, start:end] = qk[o : o + n, hq:].transpose(0, 1)
+                cache.v[li, :, start:end] = qkv[o : o + n, qk_size:].view(n, hk, d).transpose(0, 1)
+                parts.append(self._attend(li, qk[o : o + n, :hq].transpose(0, 1).unsqueeze(0), cache, start, n))
+            attn = torch.cat(parts)  # [M, H d]
+            x = x + layer.out(attn)
+            h = F.rms_norm(x, (cfg.hidden_size,), layer.mlp_norm, cfg.rms_eps)
+            gate, up = layer.gate_up(h).chunk(2, dim=-1)
+            x = x + layer.down(F.silu(gate) * up)
+        h = F.rms_norm(x, (cfg.hidden_size,), self.norm, cfg.rms_eps)  # [M, D]
+        rows = [torch.arange(o + n - 1, o + n) if last else torch.arange(o, o + n)
+                for (_, _, last), n, o in zip(items, sizes, offsets)]
+        logits = self.lm_head(h[torch.cat(rows)]).float()  # [R, V]
+        return list(logits.split([r.numel() for r in rows]))
+
+    def _attend(self, li: int, q: Tensor, cache: KVCache, start: int, n: int) -> Tensor:  # q: [1, H, n, d] -> [n, H d]
+        """Attention of one sequence's ``n`` new rows, with the shapes :meth:`hidden` uses alone."""
+        hq, hk = self.cfg.n_heads, self.cfg.n_kv_heads
+        end = start + n
+        if n > 1 and self.batch_invariant:
+            attn = torch.cat(
+                [
+                    F.scaled_dot_product_attention(
+                        q[:, :, j : j + 1],
+                        cache.k[li, :, : start + j + 1].unsqueeze(0),
+                        cache.v[li, :, : start + j + 1].unsqueeze(0),
+                        enable_gqa=hq != hk,
+                    )
+                    for j in range(n)
+                ],
+                dim=2,
+            )
+        else:
+            mask = torch.full((n, end), -math.inf, dtype=q.dtype).triu_(start + 1) if n > 1 else None  # [n, T]
+            attn = F.scaled_dot_product_attention(
+                q, cache.k[li, :, :end].unsqueeze(0), cache.v[li, :, :end].unsqueeze(0), attn_mask=mask,
+                enable_gqa=hq != hk,
+            )  # [1, H, n, d]
+        return attn[0].transpose(0, 1).reshape(n, self._q_size)
+
     @property
     def n_params(self) -> int:
         cfg = self.cfg

@@ -2,8 +2,10 @@
 
 :func:`create_app` takes objects that are already loaded (a :class:`LanguageModel`, optionally a
 tokenizer and a drafter factory), so tests can serve exact toy models and the ``serve`` command can
-serve real ones.  Model work runs in worker threads (plain ``def`` endpoints and executor jobs),
-one forward pass at a time under a process-wide lock, so the event loop stays responsive.
+serve real ones.  Requests run in worker threads (plain ``def`` endpoints and executor jobs), so
+the event loop stays responsive; their forward passes go to one scheduler that runs the pending
+work of all requests as one batch (:mod:`specdec.server.scheduler`), or, with batching off, one
+at a time under a lock.
 
 Endpoints (all but ``/health`` and the OpenAPI document need ``Authorization: Bearer <key>`` when
 the server has keys; the key is checked from the headers before any body is read, and a session
@@ -23,6 +25,8 @@ from __future__ import annotations
 
 import asyncio
 import json
+import threading
+from concurrent.futures import ThreadPoolExecutor
 from contextlib import asynccontextmanager
 import secrets
 import time
@@ -49,7 +53,8 @@ from specdec.remote.protocol import (
 from specdec.server.errors import ApiError
 from specdec.server.metrics import ServerMetrics
 from specdec.server.guard import OWNER, Guard
-from specdec.server.sessions import SessionStore, create_session, growth_bytes, serialized
+from specdec.server.scheduler import BatchedModel, Overloaded, Scheduler, SchedulerMetrics
+from specdec.server.sessions import SerializedModel, SessionStore, create_session, growth_bytes, serialized
 from specdec.server.settings import ServerSettings
 
 _ERRORS: dict[int | str, dict[str, Any]] = {
@@ -71,8 +76,14 @@ class ServerContext:
     store: SessionStore = field(init=False)
     started: float = field(default_factory=time.time)
 
+    #: the draft model behind its own scheduler, when the server batches drafts too (else None)
+    draft_model: Any | None = None
+
     def __post_init__(self) -> None:
         self.store = SessionStore(self.settings, on_evict=self._evicted)
+        #: generation slots of the OpenAI endpoints and the worker threads that run them
+        self.active = threading.BoundedSemaphore(self.settings.max_active_requests)
+        self.executor = ThreadPoolExecutor(self.settings.max_active_requests, thread_name_prefix="specdec-generate")
         probe = self.model.new_cache(1)
         #: KV bytes per position of one session (0 for models without a KV cache we can measure)
         self.kv_per_position = int(getattr(probe, "bytes_per_position", 0))
@@ -162,6 +173,16 @@ class BodyLimit:
         await self.app(scope, replay, send)
 
 
+def serving_model(model: LanguageModel, settings: ServerSettings, metrics: ServerMetrics) -> LanguageModel:
+    """``model`` behind the batching scheduler (or, with ``batching=False``, behind one lock)."""
+    if not settings.batching:
+        return serialized(model, initial_length=settings.kv_initial_length)
+    inner = model.inner if isinstance(model, (SerializedModel, BatchedModel)) else model
+    observe = SchedulerMetrics(metrics.registry).observer("target")
+    scheduler = Scheduler(inner, settings.scheduler_config(), on_pass=observe, name="target")
+    return BatchedModel(inner, scheduler, initial_length=settings.kv_initial_length)
+
+
 def create_app(
     model: LanguageModel,
     *,
@@ -170,6 +191,7 @@ def create_app(
     eos_ids: frozenset[int] = frozenset(),
     drafter_factory: Callable[[], Drafter | None] | None = None,
     drafter_name: str = "none",
+    draft_model: Any | None = None,
 ) -> FastAPI:
     """The ASGI app serving ``model`` (the target).
 
@@ -178,13 +200,16 @@ def create_app(
     decoding).  Draft models should be wrapped with :func:`specdec.server.sessions.serialized`.
     """
     settings = settings or ServerSettings()
+    metrics = ServerMetrics()
     ctx = ServerContext(
-        model=serialized(model, initial_length=settings.kv_initial_length),
+        model=serving_model(model, settings, metrics),
+        metrics=metrics,
         tokenizer=tokenizer,
         settings=settings,
         eos_ids=eos_ids,
         drafter_factory=drafter_factory,
         drafter_name=drafter_name,
+        draft_model=draft_model,
     )
     @asynccontextmanager
     async def lifespan(app: FastAPI) -> AsyncIterator[None]:
@@ -197,6 +222,11 @@ def create_app(
                 await loop.run_in_executor(None, ctx.store.sweep)
                 ctx.metrics.active_sessions.set(len(ctx.store))
 
+        import anyio.to_thread
+
+        # plain endpoints run in worker threads that wait for the scheduler: one per busy session
+        limiter = anyio.to_thread.current_default_thread_limiter()
+        limiter.total_tokens = max(limiter.total_tokens, settings.max_sessions + settings.max_active_requests + 8)
         task = asyncio.create_task(sweeper())
         try:
             yield
@@ -210,12 +240,16 @@ def create_app(
         description="Lossless speculative decoding: edge-cloud verify API and OpenAI-compatible completions.",
     )
     app.state.ctx = ctx
-    metrics = ctx.metrics
     store = ctx.store
 
     @app.exception_handler(ApiError)
     async def _api_error(request: Request, exc: ApiError) -> JSONResponse:
         return error_response(exc.status, exc.message, exc.kind, metrics, exc.headers)
+
+    @app.exception_handler(Overloaded)
+    async def _overloaded(request: Request, exc: Overloaded) -> JSONResponse:
+        err = ApiError(503, f"{exc}; retry later")
+        return error_response(503, err.message, err.kind, metrics, err.headers)
 
     @app.exception_handler(RequestValidationError)
     async def _invalid(request: Request, exc: RequestValidationError) -> JSONResponse:

@@ -60,12 +60,36 @@ def add_parser(sub: Any) -> None:
                    help=f"seconds a client may pause while sending a body (default {defaults.SERVER_BODY_TIMEOUT_S:g})")
     g.add_argument("--max-connections", type=int, default=defaults.SERVER_MAX_CONNECTIONS,
                    help=f"connections served at once; more are answered 503 (default {defaults.SERVER_MAX_CONNECTIONS})")
+    b = p.add_argument_group("batching")
+    b.add_argument("--no-batching", action="store_true",
+                   help="run one request's forward pass at a time under a lock (the serialised server; for comparisons)")
+    b.add_argument("--max-tokens-per-pass", type=int, default=defaults.SCHEDULER_MAX_TOKENS,
+                   help=f"rows (tokens) of all requests in one forward pass (default {defaults.SCHEDULER_MAX_TOKENS})")
+    b.add_argument("--prefill-chunk", type=int, default=defaults.SCHEDULER_PREFILL_CHUNK,
+                   help=f"longest piece of one prompt per pass (default {defaults.SCHEDULER_PREFILL_CHUNK})")
+    b.add_argument("--max-queue", type=int, default=defaults.SCHEDULER_MAX_QUEUE,
+                   help=f"forward passes waiting at most; more are answered 503 (default {defaults.SCHEDULER_MAX_QUEUE})")
+    b.add_argument("--max-active-requests", type=int, default=defaults.SERVER_MAX_ACTIVE_REQUESTS,
+                   help=f"OpenAI completions generating at once; more are answered 429 (default {defaults.SERVER_MAX_ACTIVE_REQUESTS})")
     g.add_argument("--allowed-host", action="append", default=[], metavar="NAME",
                    help="without a key, also answer to this Host name (loopback names always work); repeatable")
     p.add_argument("--log-level", default="warning", choices=["critical", "error", "warning", "info", "debug"], help="uvicorn log level (default warning)")
 
 
-def drafter_factory(engine: Any) -> Callable[[], Any] | None:
+def draft_server_model(engine: Any, *, batching: bool) -> Any | None:
+    """The draft model as the server shares it: behind its own batching scheduler, or a lock."""
+    from specdec.server.scheduler import BatchedModel, Scheduler
+    from specdec.server.sessions import serialized
+
+    if engine.drafter is None or engine.draft_model is None:
+        return None
+    model = engine.draft_model.model
+    if not batching:
+        return serialized(model)
+    return BatchedModel(model, Scheduler(model, name="draft"), initial_length=defaults.SERVER_KV_INITIAL_LENGTH)
+
+
+def drafter_factory(engine: Any, draft_model: Any | None = None) -> Callable[[], Any] | None:
     """A fresh drafter per OpenAI request (drafters keep per-sequence state)."""
     from specdec.drafters import ModelDrafter, NgramDrafter
     from specdec.server.sessions import serialized
@@ -73,7 +97,7 @@ def drafter_factory(engine: Any) -> Callable[[], Any] | None:
     if engine.drafter is None:
         return None
     if engine.draft_model is not None:
-        model = serialized(engine.draft_model.model)
+        model = draft_model if draft_model is not None else serialized(engine.draft_model.model)
         return lambda: ModelDrafter(model)
     return lambda: NgramDrafter(max_ngram=defaults.NGRAM_MAX, min_ngram=defaults.NGRAM_MIN)
 
@@ -117,6 +141,11 @@ def run(args: argparse.Namespace) -> int:
         header_timeout_s=args.header_timeout,
         body_timeout_s=args.body_timeout,
         allowed_hosts=tuple(args.allowed_host),
+        batching=not args.no_batching,
+        max_tokens_per_pass=args.max_tokens_per_pass,
+        prefill_chunk=args.prefill_chunk,
+        max_queue=args.max_queue,
+        max_active_requests=args.max_active_requests,
     )
     if args.max_connections < 1:
         raise ConfigError(f"max connections must be >= 1, got {args.max_connections}")
@@ -130,13 +159,15 @@ def run(args: argparse.Namespace) -> int:
         progress=log,
     )
     settings = ServerSettings(model_name=engine.target.name, **settings_kw)
+    draft = draft_server_model(engine, batching=settings.batching)
     app = create_app(
         engine.target.model,
         tokenizer=engine.target.tokenizer,
         settings=settings,
         eos_ids=engine.target.eos_ids,
-        drafter_factory=drafter_factory(engine),
+        drafter_factory=drafter_factory(engine, draft),
         drafter_name=engine.drafter_name,
+        draft_model=draft,
     )
     n_keys = len(settings.keys)
     auth = (f"bearer key required ({n_keys} keys)" if n_keys > 1 else "bearer key required") if key else "no key (loopback only)"

@@ -25,6 +25,7 @@ from specdec.errors import SpecdecError
 from specdec.models.registry import LoadedModel
 from specdec.sampling import SamplingConfig
 from specdec.server.errors import ApiError
+from specdec.server.scheduler import Cancelled as SchedulerCancelled
 from specdec.verify import get_rule
 
 if TYPE_CHECKING:
@@ -174,14 +175,42 @@ class _Job:
         self.ids = ids
         self.model_name = ctx.settings.model_name
 
-    def run(self, on_text: Callable[[str], None] | None = None) -> TextResult:
+    def run(self, on_text: Callable[[str], None] | None = None, cancelled: threading.Event | None = None) -> TextResult:
+        """Generate (in a worker thread); ``cancelled`` also drops this request's queued forward passes."""
         ctx = self.ctx
-        drafter = ctx.drafter_factory() if ctx.drafter_factory is not None else None
-        target = LoadedModel(ctx.settings.model_name, ctx.model, ctx.tokenizer, None, "server", ctx.eos_ids)
-        engine = Engine(target, drafter, ctx.drafter_name if drafter is not None else "none")
-        out = engine.generate(self.ids, self.sampling, method=self.method, gamma=self.gamma, on_text=on_text)
+        schedulers = [m.scheduler for m in (ctx.model, getattr(ctx, "draft_model", None)) if hasattr(m, "scheduler")]
+        for sched in schedulers:
+            sched.bind_cancel(cancelled)
+        try:
+            drafter = ctx.drafter_factory() if ctx.drafter_factory is not None else None
+            target = LoadedModel(ctx.settings.model_name, ctx.model, ctx.tokenizer, None, "server", ctx.eos_ids)
+            engine = Engine(target, drafter, ctx.drafter_name if drafter is not None else "none")
+            out = engine.generate(self.ids, self.sampling, method=self.method, gamma=self.gamma, on_text=on_text)
+        except SchedulerCancelled:
+            raise _Cancelled from None
+        finally:
+            for sched in schedulers:
+                sched.bind_cancel(None)
         ctx.metrics.completion_tokens.inc(len(out.token_ids))
         return out
+
+
+def _admit(ctx: "ServerContext") -> None:
+    """Take one of the server's generation slots or answer 429 (never an unbounded backlog)."""
+    if not ctx.active.acquire(blocking=False):
+        raise ApiError(429, f"this server is generating {ctx.settings.max_active_requests} completions already; retry later")
+
+
+def _submit(ctx: "ServerContext", fn: Callable[[], Any]) -> "asyncio.Future[Any]":
+    """Run ``fn`` on the generation pool; the slot taken by :func:`_admit` is given back when it ends."""
+
+    def guarded() -> Any:
+        try:
+            return fn()
+        finally:
+            ctx.active.release()
+
+    return asyncio.get_running_loop().run_in_executor(ctx.executor, guarded)
 
 
 async def _run_blocking(job: _Job, request: Request | None = None) -> TextResult:
@@ -192,7 +221,8 @@ async def _run_blocking(job: _Job, request: Request | None = None) -> TextResult
         if cancelled.is_set():
             raise _Cancelled
 
-    future = asyncio.get_running_loop().run_in_executor(None, job.run, on_text)
+    _admit(job.ctx)
+    future = _submit(job.ctx, lambda: job.run(on_text, cancelled))
     try:
         while True:
             done, _ = await asyncio.wait({future}, timeout=0.1)
@@ -236,7 +266,7 @@ def _stream(
 
     def work() -> None:
         try:
-            result = job.run(on_text)
+            result = job.run(on_text, cancelled)
         except _Cancelled:
             return
         except SpecdecError as exc:
@@ -247,8 +277,10 @@ def _stream(
             return
         loop.call_soon_threadsafe(queue.put_nowait, ("done", result))
 
+    _admit(job.ctx)
+
     async def events() -> AsyncIterator[str]:
-        loop.run_in_executor(None, work)
+        _submit(job.ctx, work)
         try:
             for chunk in head():
                 yield _sse(chunk)
