@@ -300,3 +300,14 @@ def test_cancelled_forwards_are_dropped():
     t.join()
     blocker.join()
     assert errors and type(errors[0]).__name__ == "Cancelled"
+
+
+def test_metrics_show_queue_batch_size_and_tokens_per_pass():
+    client = TestClient(create_app(BatchToy(6, order=1, seed=0), settings=ServerSettings()), base_url="http://localhost")
+    sid = client.post("/v1/sessions", json={"prompt_ids": [1, 2, 3], "temperature": 0.0}).json()["session_id"]
+    assert client.post(f"/v1/sessions/{sid}/verify", json={"seq": 0, "draft_tokens": [1, 2]}).status_code == 200
+    text = client.get("/metrics").text
+    assert 'specdec_scheduler_queue_length{model="target"} 0.0' in text
+    assert 'specdec_scheduler_passes_total{model="target"} 2.0' in text  # the prefill and the round
+    assert 'specdec_scheduler_tokens_per_pass_sum{model="target"} 5.0' in text  # 2 prompt rows + 3 scored rows
+    assert 'specdec_scheduler_batch_size_count{model="target"} 2.0' in text

@@ -178,8 +178,9 @@ def serving_model(model: LanguageModel, settings: ServerSettings, metrics: Serve
     if not settings.batching:
         return serialized(model, initial_length=settings.kv_initial_length)
     inner = model.inner if isinstance(model, (SerializedModel, BatchedModel)) else model
-    observe = SchedulerMetrics(metrics.registry).observer("target")
-    scheduler = Scheduler(inner, settings.scheduler_config(), on_pass=observe, name="target")
+    scheduler_metrics = SchedulerMetrics(metrics.registry)
+    scheduler = Scheduler(inner, settings.scheduler_config(), on_pass=scheduler_metrics.observer("target"), name="target")
+    scheduler.metrics = scheduler_metrics
     return BatchedModel(inner, scheduler, initial_length=settings.kv_initial_length)
 
 
@@ -286,6 +287,9 @@ def create_app(
     def prometheus() -> Response:
         store.sweep()
         metrics.active_sessions.set(len(store))
+        scheduler = getattr(ctx.model, "scheduler", None)
+        if scheduler is not None:
+            scheduler.metrics.queue.labels("target").set(len(scheduler))
         return Response(content=metrics.render(), media_type=metrics.content_type)
 
     @app.post("/v1/sessions", dependencies=guarded, response_model=CreateSessionResponse, status_code=201, responses=_ERRORS)

@@ -101,6 +101,7 @@ class Scheduler:
         self._thread: threading.Thread | None = None
         self._local = threading.local()
         self.batched = hasattr(model, "forward_batch")
+        self.metrics: SchedulerMetrics | None = None  # set by the server (Prometheus figures)
 
     # ------------------------------------------------------------------ submitting
 
@@ -125,6 +126,8 @@ class Scheduler:
         item = _Item(tokens=tokens, cache=cache, last_only=last_only, cancelled=self._cancel_event())
         with self._cond:
             if len(self._queue) >= self.config.max_queue:
+                if self.metrics is not None:
+                    self.metrics.rejected.labels(self.name).inc()
                 raise Overloaded(f"the {self.name} model's queue is full ({self.config.max_queue} forward passes waiting)")
             self._queue.append(item)
             self._start()
@@ -253,7 +256,7 @@ class SchedulerMetrics:
                                 buckets=self._TOKEN_BUCKETS, registry=r)
         self.pass_seconds = Histogram("specdec_scheduler_pass_seconds", "Time of one forward pass", ["model"],
                                       buckets=(0.001, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0), registry=r)
-        self.overloaded = Counter("specdec_scheduler_rejected", "Forward passes refused because the queue was full",
+        self.rejected = Counter("specdec_scheduler_rejected", "Forward passes refused because the queue was full",
                                   ["model"], registry=r)
 
     def observer(self, name: str) -> Callable[[PassStats], None]:
