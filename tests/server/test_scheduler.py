@@ -212,12 +212,16 @@ class _Gate(BatchToy):
         super().__init__(*a, **kw)
         self.gate = threading.Event()
 
+        self.log: list[list[tuple[int, int]]] = []  # per call: (first token, rows) of each item
+
     def forward_batch(self, items):
         self.gate.wait()
-        return super().forward_batch(items)
+        self.log.append([(int(t[0]), t.numel()) for t, _, _ in items])
+        return [ToyLM.forward(self, t, c, last_only=last) for t, c, last in items]
 
     def forward(self, tokens, cache, *, last_only=False):
         self.gate.wait()
+        self.log.append([(int(tokens[0]), tokens.numel())])
         return super().forward(tokens, cache, last_only=last_only)
 
 
@@ -225,15 +229,12 @@ def test_long_prefill_does_not_stall_a_short_round():
     """A 600-token prefill is chunked: a one-token round submitted after it finishes in an early pass."""
     model = _Gate(6, order=1, seed=0)
     scheduler, passes = _recording_scheduler(model, max_tokens=64, chunk=32)
-    done: dict[str, int] = {}
 
     def long() -> None:
         scheduler.forward(torch.ones(600, dtype=torch.long), model.new_cache(), last_only=True)
-        done["long"] = len(passes)
 
     def short() -> None:
-        scheduler.forward(torch.ones(1, dtype=torch.long), model.new_cache())
-        done["short"] = len(passes)
+        scheduler.forward(torch.full((1,), 2, dtype=torch.long), model.new_cache())
 
     t1 = threading.Thread(target=long)
     t1.start()
@@ -244,7 +245,10 @@ def test_long_prefill_does_not_stall_a_short_round():
     model.gate.set()
     t1.join()
     t2.join()
-    assert done["short"] <= 2 and done["long"] >= 600 // 32
+    calls = model.log
+    short_pass = next(i for i, call in enumerate(calls) if (2, 1) in call)
+    assert short_pass <= 1  # served in the first or second pass, not after the whole prompt
+    assert len(calls) >= 600 // 32 and sum(n for call in calls for tok, n in call if tok == 1) == 600
     assert max(p.tokens for p in passes) <= 64
 
 
@@ -311,3 +315,28 @@ def test_metrics_show_queue_batch_size_and_tokens_per_pass():
     assert 'specdec_scheduler_passes_total{model="target"} 2.0' in text  # the prefill and the round
     assert 'specdec_scheduler_tokens_per_pass_sum{model="target"} 5.0' in text  # 2 prompt rows + 3 scored rows
     assert 'specdec_scheduler_batch_size_count{model="target"} 2.0' in text
+
+
+class _Letters:
+    def encode(self, text, add_special_tokens=False):
+        return [ord(c) - 97 for c in text]
+
+    def decode(self, ids, skip_special_tokens=True):
+        return "".join(chr(97 + int(i)) for i in ids)
+
+
+def test_generation_slots_are_bounded_429():
+    gate = _Gate(6, order=1, seed=0)
+    app = create_app(gate, tokenizer=_Letters(), settings=ServerSettings(max_active_requests=1))
+    client = TestClient(app, base_url="http://localhost")
+    body = {"prompt": [1, 2], "max_tokens": 3, "temperature": 0}
+    first: list = []
+    t = threading.Thread(target=lambda: first.append(client.post("/v1/completions", json=body)))
+    t.start()
+    time.sleep(0.5)  # the first request holds the only slot (its forward waits at the gate)
+    r = client.post("/v1/completions", json={**body, "stream": True})
+    assert r.status_code == 429 and r.headers["Retry-After"]
+    gate.gate.set()
+    t.join()
+    assert first[0].status_code == 200
+    assert client.post("/v1/completions", json=body).status_code == 200  # the slot was given back

@@ -13,6 +13,7 @@ import asyncio
 import secrets
 import threading
 import time
+import weakref
 from typing import TYPE_CHECKING, Annotated, Any, AsyncIterator, Callable, Literal
 
 from fastapi import APIRouter, Request
@@ -278,8 +279,11 @@ def _stream(
         loop.call_soon_threadsafe(queue.put_nowait, ("done", result))
 
     _admit(job.ctx)
+    started = False
 
     async def events() -> AsyncIterator[str]:
+        nonlocal started
+        started = True
         _submit(job.ctx, work)
         try:
             for chunk in head():
@@ -300,7 +304,14 @@ def _stream(
         finally:
             cancelled.set()
 
-    return StreamingResponse(events(), media_type="text/event-stream", headers={"Cache-Control": "no-cache"})
+    body = events()
+
+    def release_if_never_started() -> None:  # the client left before the body was sent
+        if not started:
+            job.ctx.active.release()
+
+    weakref.finalize(body, release_if_never_started)
+    return StreamingResponse(body, media_type="text/event-stream", headers={"Cache-Control": "no-cache"})
 
 
 # ----------------------------------------------------------------------------- endpoints
