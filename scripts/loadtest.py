@@ -2,6 +2,7 @@
 """Load test of ``specdec serve``: many concurrent edge sessions for a while (not part of CI).
 
     python scripts/loadtest.py --out loadtest-run --sessions 32 --duration 120
+    python scripts/loadtest.py --out serve-load --sessions 32 --openai-streams 16 --duration 120 --compare-serialised
 
 Starts a server (``--draft none``: the verify API needs no drafter) and runs ``--sessions`` edge
 sessions at once, each a thread of this process with its own connection, looping over distinct
@@ -13,9 +14,16 @@ phase a sample of the outputs (``--check``) is compared token for token with a l
 run of the same prompt and seed: a token from another session would show up as a mismatch.  The
 server's resident memory is sampled every ``--rss-interval`` seconds.
 
+``--openai-streams N`` adds N threads streaming ``/v1/completions`` from the same server (served
+with ``--server-draft``; even streams greedy, odd ones seeded ``coupled`` sampling, so both are
+checkable token for token): time to first token and inter-token latency come from the SSE chunks.
+``--compare-serialised`` runs the same load twice, against the batching server and against one
+started with ``--no-batching`` (one forward pass at a time, the server before batching), and
+reports both and the throughput ratio.
+
 Writes ``summary.json``, ``README.md`` (with the exact command), ``rss.csv`` and ``metrics.txt``
-(the server's Prometheus text at the end) under ``--out``.  Exit status 1 when any generation
-failed or any checked output differed.
+(the server's Prometheus text at the end) under ``--out`` (one sub-folder per server with
+``--compare-serialised``).  Exit status 1 when any generation failed or any checked output differed.
 """
 
 from __future__ import annotations
@@ -270,15 +278,114 @@ def _session_loop(i: int, args: argparse.Namespace, ctx: dict[str, Any], deadlin
             k += 1
 
 
-def _check(args: argparse.Namespace, gens: list[Generation], inputs: dict) -> dict[str, Any]:
+@dataclass
+class Stream:
+    """One OpenAI streaming completion."""
+
+    stream: int
+    index: int
+    prompt_id: str
+    temperature: float
+    seed: int
+    started_s: float
+    wall_s: float = 0.0
+    ttft_s: float | None = None
+    gaps_s: list[float] = field(default_factory=list)  # between consecutive text chunks
+    text: str = ""
+    tokens: int = 0
+    error: str | None = None
+
+
+def _stream_loop(j: int, args: argparse.Namespace, ctx: dict[str, Any], deadline: float, t0: float,
+                 out: list[Stream], lock: threading.Lock) -> None:
+    """One OpenAI client: streaming completions until the deadline (even: greedy, odd: seeded coupled)."""
+    import httpx
+
+    k = 0
+    headers = {"Authorization": f"Bearer {ctx['api_key']}"}
+    with httpx.Client(timeout=httpx.Timeout(300.0, connect=10.0), headers=headers) as client:
+        while time.perf_counter() < deadline:
+            pid, text, _ = session_prompt(1000 + j, k, ctx["bases"])
+            temp, seed = (0.0, 0) if j % 2 == 0 else (args.temperature, 7_000_001 * (j + 1) + k)
+            started = time.perf_counter()
+            st = Stream(j, k, pid, temp, seed, started - t0)
+            body = {"prompt": text, "max_tokens": args.max_new_tokens, "temperature": temp, "seed": seed,
+                    "stream": True, "stream_options": {"include_usage": True}}
+            if temp > 0:
+                body["method"] = "coupled"
+            try:
+                last = None
+                with client.stream("POST", ctx["url"] + "/v1/completions", json=body) as r:
+                    if r.status_code != 200:
+                        raise RuntimeError(f"HTTP {r.status_code}: {r.read().decode()[:200]}")
+                    for line in r.iter_lines():
+                        if not line.startswith("data: ") or line == "data: [DONE]":
+                            continue
+                        chunk = json.loads(line[6:])
+                        if "error" in chunk:
+                            raise RuntimeError(chunk["error"]["message"])
+                        if chunk.get("usage"):
+                            st.tokens = chunk["usage"]["completion_tokens"]
+                        piece = "".join(c.get("text", "") for c in chunk.get("choices", []))
+                        if piece:
+                            now = time.perf_counter()
+                            if last is None:
+                                st.ttft_s = now - started
+                            else:
+                                st.gaps_s.append(now - last)
+                            last = now
+                            st.text += piece
+                ctx["stream_inputs"][(j, k)] = text
+            except Exception as exc:  # noqa: BLE001 - counted
+                st.error = f"{type(exc).__name__}: {exc}"
+                if args.verbose:
+                    traceback.print_exc()
+                time.sleep(0.5)
+            st.wall_s = time.perf_counter() - started
+            with lock:
+                out.append(st)
+            k += 1
+
+
+def summarize_streams(streams: list[Stream], duration_s: float) -> dict[str, Any]:
+    ok = [s for s in streams if s.error is None]
+    gaps = [g for s in ok for g in s.gaps_s]
+    tokens = sum(s.tokens for s in ok)
+    return {
+        "completed": len(ok),
+        "failed": len(streams) - len(ok),
+        "tokens": tokens,
+        "tokens_per_s": tokens / duration_s if duration_s > 0 else None,
+        "ttft_p50_s": _quantile([s.ttft_s for s in ok if s.ttft_s is not None], 0.5),
+        "ttft_p95_s": _quantile([s.ttft_s for s in ok if s.ttft_s is not None], 0.95),
+        "inter_token_p50_s": _quantile(gaps, 0.5),
+        "inter_token_p95_s": _quantile(gaps, 0.95),
+        "error_messages": [f"stream {s.stream} #{s.index}: {s.error}" for s in streams if s.error][:MAX_ERROR_MESSAGES],
+    }
+
+
+def _check_streams(args: argparse.Namespace, streams: list[Stream], inputs: dict, engine: Any) -> dict[str, Any]:
+    """Re-generate a sample of the streamed texts with the target alone; compare the text."""
+    from specdec.sampling import SamplingConfig
+
+    chosen = sorted((s for s in streams if s.error is None), key=lambda s: (s.index, s.stream))[: args.check]
+    mismatches = []
+    for s in chosen:
+        cfg = SamplingConfig(temperature=s.temperature, seed=s.seed, max_new_tokens=args.max_new_tokens)
+        ids = list(engine.target.tokenizer.encode(inputs[(s.stream, s.index)], add_special_tokens=False))
+        ref = engine.generate(ids, cfg, method="greedy" if s.temperature == 0 else "coupled")
+        if ref.text != s.text:
+            mismatches.append({"stream": s.stream, "index": s.index, "prompt_id": s.prompt_id})
+    return {"checked": len(chosen), "matched": len(chosen) - len(mismatches), "mismatches": mismatches}
+
+
+def _check(args: argparse.Namespace, gens: list[Generation], inputs: dict, engine: Any) -> dict[str, Any]:
     """Re-generate a sample of the outputs with the target alone, here; compare token for token."""
-    from specdec.engine import Engine, EngineConfig
     from specdec.sampling import SamplingConfig
 
     chosen = pick_for_check(gens, args.check)
     if not chosen:
         return {"checked": 0, "matched": 0, "mismatches": [], "mismatches_count": 0}
-    engine = Engine.build(EngineConfig(target=args.target, draft="none"))
     mismatches = []
     for g in chosen:
         cfg = SamplingConfig(temperature=g.temperature, seed=g.seed, max_new_tokens=args.max_new_tokens)
@@ -306,6 +413,11 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--server-threads", type=int, default=1, help="torch threads of the server (default 1)")
     p.add_argument("--edge-threads", type=int, default=1, help="torch threads of this (edge) process (default 1)")
     p.add_argument("--rss-interval", type=float, default=1.0, help="seconds between server RSS samples (default 1)")
+    p.add_argument("--openai-streams", type=int, default=0, help="concurrent OpenAI streaming completions (default 0)")
+    p.add_argument("--server-draft", default=None,
+                   help="the server's drafter for the OpenAI endpoints (default: --draft, or 'none' with --draft ngram)")
+    p.add_argument("--compare-serialised", action="store_true",
+                   help="run the load against the batching server and against a --no-batching one")
     p.add_argument("--verbose", action="store_true", help="print tracebacks of failed generations")
     args = p.parse_args(argv)
     if args.sessions < 1 or args.duration <= 0 or args.max_new_tokens < 1 or args.check < 0 or args.rss_interval <= 0:
@@ -350,35 +462,37 @@ def _wait_ready(url: str, server: Any, timeout_s: float = 600.0) -> None:
     raise SystemExit(f"the server did not answer /health within {timeout_s:.0f} s")
 
 
-def main(argv: list[str] | None = None) -> int:
-    args = parse_args(argv)
-    command = "python " + shlex.join([sys.argv[0], *(argv if argv is not None else sys.argv[1:])])
-    out = Path(args.out)
-    out.mkdir(parents=True, exist_ok=True)
-    os.environ["OMP_NUM_THREADS"] = str(args.edge_threads)
+def run_phase(args: argparse.Namespace, ctx: dict[str, Any], *, batching: bool) -> dict[str, Any]:
+    """Start a server, run the edge sessions and OpenAI streams against it until the deadline, stop it."""
     import httpx
-    import torch
 
     from specdec.bench.network import CloudServer, Emulation, Link
 
-    torch.set_num_threads(args.edge_threads)
-    ctx = _edge_context(args)
-    server = CloudServer(args.target, "none", threads=args.server_threads, emulation=Emulation("proxy", "load test"))
+    server_draft = args.server_draft or ("none" if args.draft == "ngram" else args.draft)
+    server = CloudServer(args.target, server_draft if args.openai_streams else "none", threads=args.server_threads,
+                         emulation=Emulation("proxy", "load test"))
+    if not batching:
+        server.argv.append("--no-batching")
     server.start()
     link = None
+    gens: list[Generation] = []
+    streams: list[Stream] = []
+    ctx.update(inputs={}, stream_inputs={})
     try:
         _wait_ready(server.url, server)
         link = Link(server, args.rtt_ms).start() if args.rtt_ms > 0 else None
         ctx.update(url=link.url if link else server.url, api_key=server.api_key)
         sampler = RssSampler(server.proc.pid, args.rss_interval)
         sampler.start()
-        gens: list[Generation] = []
         lock = threading.Lock()
         t0 = time.perf_counter()
         deadline = t0 + args.duration
         threads = [threading.Thread(target=_session_loop, args=(i, args, ctx, deadline, t0, gens, lock), daemon=True)
                    for i in range(args.sessions)]
-        print(f"[loadtest] {args.sessions} sessions for {args.duration:g} s against {ctx['url']}", file=sys.stderr, flush=True)
+        threads += [threading.Thread(target=_stream_loop, args=(j, args, ctx, deadline, t0, streams, lock), daemon=True)
+                    for j in range(args.openai_streams)]
+        print(f"[loadtest] {'batching' if batching else 'serialised'} server: {args.sessions} sessions +"
+              f" {args.openai_streams} OpenAI streams for {args.duration:g} s against {ctx['url']}", file=sys.stderr, flush=True)
         for t in threads:
             t.start()
         for t in threads:
@@ -391,25 +505,103 @@ def main(argv: list[str] | None = None) -> int:
         if link is not None:
             link.stop()
         server.stop()
-    print(f"[loadtest] {len(gens)} generations; checking {min(args.check, len(gens))} against the local target", file=sys.stderr, flush=True)
-    check = _check(args, gens, ctx["inputs"])
-    load = summarize(gens, load_wall, args.sessions)
-    summary = {
+    return {"batching": batching, "server_draft": server_draft if args.openai_streams else "none", "load_wall_s": load_wall,
+            "gens": gens, "streams": streams, "rss": sampler.samples, "metrics": metrics,
+            "inputs": dict(ctx["inputs"]), "stream_inputs": dict(ctx["stream_inputs"])}
+
+
+def phase_summary(args: argparse.Namespace, phase: dict[str, Any], engine: Any, command: str) -> dict[str, Any]:
+    gens, streams, wall = phase["gens"], phase["streams"], phase["load_wall_s"]
+    check = _check(args, gens, phase["inputs"], engine)
+    load = summarize(gens, wall, args.sessions)
+    openai = summarize_streams(streams, wall)
+    scheck = _check_streams(args, streams, phase["stream_inputs"], engine) if streams else {"checked": 0, "matched": 0, "mismatches": []}
+    total = load["tokens"] + openai["tokens"]
+    return {
         "command": command,
-        "config": {"target": args.target, "draft": args.draft, "sessions": args.sessions, "duration_s": args.duration,
+        "server": "batching" if phase["batching"] else "serialised (--no-batching)",
+        "config": {"target": args.target, "draft": args.draft, "server_draft": phase["server_draft"], "sessions": args.sessions,
+                   "openai_streams": args.openai_streams, "duration_s": args.duration,
                    "max_new_tokens": args.max_new_tokens, "gamma": args.gamma, "temperature": args.temperature,
                    "rtt_ms": args.rtt_ms, "server_threads": args.server_threads, "edge_threads": args.edge_threads,
                    "rss_interval_s": args.rss_interval, "check": args.check},
-        "load_wall_s": load_wall, "load": load, "server_rss": rss_trend(sampler.samples), "check": check,
-        "passed": load["generations_failed"] == 0 and check["mismatches_count"] == 0 and load["generations_completed"] > 0,
+        "load_wall_s": wall, "load": load, "openai": openai, "openai_check": scheck,
+        "aggregate_tokens_per_s": total / wall if wall > 0 else None,
+        "server_rss": rss_trend(phase["rss"]), "check": check,
+        "passed": (load["generations_failed"] == 0 and openai["failed"] == 0 and check["mismatches_count"] == 0
+                   and not scheck["mismatches"] and load["generations_completed"] + openai["completed"] > 0),
         "generations": [asdict(g) for g in gens],
+        "streams": [asdict(x) for x in streams],
     }
+
+
+def openai_markdown(summary: dict[str, Any]) -> str:
+    o, chk = summary["openai"], summary["openai_check"]
+
+    def f(x: Any, nd: int = 3) -> str:
+        return "–" if x is None else (f"{x:.{nd}f}" if isinstance(x, float) else str(x))
+
+    return "\n".join([
+        "", f"Server: **{summary['server']}**; aggregate {f(summary['aggregate_tokens_per_s'], 1)} tok/s "
+        "(edge sessions + OpenAI streams).", "",
+        "| OpenAI streams | |", "|---|---|",
+        f"| completed / failed | {o['completed']} / {o['failed']} |",
+        f"| tokens | {o['tokens']} ({f(o['tokens_per_s'], 1)} tok/s) |",
+        f"| TTFT p50 / p95 s | {f(o['ttft_p50_s'])} / {f(o['ttft_p95_s'])} |",
+        f"| inter-token p50 / p95 s | {f(o['inter_token_p50_s'])} / {f(o['inter_token_p95_s'])} |",
+        f"| checked against the target alone | {chk['matched']} / {chk['checked']} identical |",
+    ] + ([""] + [f"- {m}" for m in o["error_messages"]] if o["error_messages"] else [])) + "\n"
+
+
+def write_phase(out: Path, summary: dict[str, Any], phase: dict[str, Any]) -> None:
+    out.mkdir(parents=True, exist_ok=True)
     (out / "summary.json").write_text(json.dumps(summary, indent=1))
-    (out / "README.md").write_text(markdown(summary))
-    (out / "rss.csv").write_text("seconds,rss_bytes\n" + "".join(f"{t:.2f},{b}\n" for t, b in sampler.samples))
-    (out / "metrics.txt").write_text(metrics)
-    print(f"[loadtest] {'PASS' if summary['passed'] else 'FAIL'}: wrote {out}/README.md and summary.json", file=sys.stderr)
-    return 0 if summary["passed"] else 1
+    (out / "README.md").write_text(markdown(summary) + openai_markdown(summary))
+    (out / "rss.csv").write_text("seconds,rss_bytes\n" + "".join(f"{t:.2f},{b}\n" for t, b in phase["rss"]))
+    (out / "metrics.txt").write_text(phase["metrics"])
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = parse_args(argv)
+    command = "python " + shlex.join([sys.argv[0], *(argv if argv is not None else sys.argv[1:])])
+    out = Path(args.out)
+    out.mkdir(parents=True, exist_ok=True)
+    os.environ["OMP_NUM_THREADS"] = str(args.edge_threads)
+    import torch
+
+    from specdec.engine import Engine, EngineConfig
+
+    torch.set_num_threads(args.edge_threads)
+    ctx = _edge_context(args)
+    phases = [run_phase(args, ctx, batching=True)]
+    if args.compare_serialised:
+        phases.append(run_phase(args, ctx, batching=False))
+    n = sum(len(p["gens"]) + len(p["streams"]) for p in phases)
+    print(f"[loadtest] {n} generations; checking a sample against the local target", file=sys.stderr, flush=True)
+    engine = Engine.build(EngineConfig(target=args.target, draft="none"))
+    summaries = [phase_summary(args, p, engine, command) for p in phases]
+    if len(phases) == 1:
+        write_phase(out, summaries[0], phases[0])
+    else:
+        for name, summary, phase in zip(("batching", "serialised"), summaries, phases):
+            write_phase(out / name, summary, phase)
+        a, b = (x["aggregate_tokens_per_s"] or 0.0 for x in summaries)
+        ratio = a / b if b else None
+        comparison = {"command": command, "batching_tokens_per_s": a, "serialised_tokens_per_s": b, "ratio": ratio,
+                      "passed": all(x["passed"] for x in summaries)}
+        (out / "summary.json").write_text(json.dumps(comparison, indent=1))
+        (out / "README.md").write_text(
+            f"# Batching vs serialised server\n\nCommand: `{command}`\n\n| server | aggregate tok/s | OpenAI TTFT p50 / p95 s "
+            "| inter-token p50 / p95 s | failed |\n|---|---|---|---|---|\n" + "".join(
+                f"| {x['server']} | {x['aggregate_tokens_per_s'] or 0:.1f} | {x['openai']['ttft_p50_s'] or 0:.3f} / "
+                f"{x['openai']['ttft_p95_s'] or 0:.3f} | {x['openai']['inter_token_p50_s'] or 0:.3f} / "
+                f"{x['openai']['inter_token_p95_s'] or 0:.3f} | {x['load']['generations_failed'] + x['openai']['failed']} |\n"
+                for x in summaries)
+            + (f"\nThroughput ratio (batching / serialised): **{ratio:.2f}×**\n" if ratio else "")
+            + "\nDetails per server: `batching/README.md`, `serialised/README.md`.\n")
+    passed = all(x["passed"] for x in summaries)
+    print(f"[loadtest] {'PASS' if passed else 'FAIL'}: wrote {out}/README.md and summary.json", file=sys.stderr)
+    return 0 if passed else 1
 
 
 if __name__ == "__main__":

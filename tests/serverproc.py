@@ -24,7 +24,9 @@ def free_port() -> int:
 class ServerProcess:
     """``argv`` is the command after ``python``; ``{port}`` in it is replaced by the port."""
 
-    def __init__(self, argv: list[str], *, port: int | None = None, ready_timeout: float = 120.0) -> None:
+    def __init__(self, argv: list[str], *, port: int | None = None, ready_timeout: float = 120.0,
+                 capture_stdout: bool = False) -> None:
+        self.capture_stdout = capture_stdout
         self.port = port or free_port()
         self.argv = [a.replace("{port}", str(self.port)) for a in argv]
         self.ready_timeout = ready_timeout
@@ -44,7 +46,8 @@ class ServerProcess:
 
     def start(self, *, wait: bool = True) -> "ServerProcess":
         env = dict(os.environ, OMP_NUM_THREADS="1", TOKENIZERS_PARALLELISM="false")
-        self.proc = subprocess.Popen([sys.executable, *self.argv], env=env, stdout=subprocess.DEVNULL,
+        self.proc = subprocess.Popen([sys.executable, *self.argv], env=env,
+                                     stdout=subprocess.PIPE if self.capture_stdout else subprocess.DEVNULL,
                                      stderr=subprocess.PIPE, text=True)
         if wait:
             self.wait_ready()
@@ -77,8 +80,9 @@ class ServerProcess:
             except subprocess.TimeoutExpired:
                 self.proc.kill()
                 self.proc.wait(timeout=10)
-        if self.proc is not None and self.proc.stderr is not None:
-            self.proc.stderr.close()
+        for stream in (self.proc.stderr, self.proc.stdout) if self.proc is not None else ():
+            if stream is not None:
+                stream.close()
 
     def __enter__(self) -> "ServerProcess":
         return self.start()

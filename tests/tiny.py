@@ -35,3 +35,28 @@ def make_tiny(folder: Path, *, model_type: str = "llama", seed: int = 0, max_pos
         if src.is_file():
             shutil.copy(src, folder / name)
     return folder
+
+
+def tiny_native(*, vocab: int = 64, max_length: int = 4096, seed: int = 0) -> NativeCausalLM:
+    """A 2-layer native Llama with random weights (real KV cache, no files), batch-invariant like a target."""
+    from specdec.models.native import NativeCausalLM, NativeConfig
+
+    g = torch.Generator().manual_seed(seed)
+    d, inter, heads, kv = 32, 64, 4, 2
+    hd = d // heads
+    cfg = NativeConfig(model_type="llama", vocab_size=vocab, hidden_size=d, n_layers=2, n_heads=heads,
+                       n_kv_heads=kv, head_dim=hd, intermediate_size=inter, rms_eps=1e-6, rope_theta=10000.0,
+                       max_length=max_length, tie_embeddings=True, attention_bias=False)
+
+    def r(*shape: int) -> torch.Tensor:
+        return torch.randn(*shape, generator=g) * 0.2
+
+    w = {"model.embed_tokens.weight": r(vocab, d), "model.norm.weight": torch.ones(d)}
+    for i in range(2):
+        p = f"model.layers.{i}."
+        w |= {p + "self_attn.q_proj.weight": r(heads * hd, d), p + "self_attn.k_proj.weight": r(kv * hd, d),
+              p + "self_attn.v_proj.weight": r(kv * hd, d), p + "self_attn.o_proj.weight": r(d, heads * hd),
+              p + "input_layernorm.weight": torch.ones(d), p + "post_attention_layernorm.weight": torch.ones(d),
+              p + "mlp.gate_proj.weight": r(inter, d), p + "mlp.up_proj.weight": r(inter, d),
+              p + "mlp.down_proj.weight": r(d, inter)}
+    return NativeCausalLM(cfg, w, batch_invariant=True)

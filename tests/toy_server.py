@@ -11,11 +11,11 @@ from __future__ import annotations
 import argparse
 
 import torch
-import uvicorn
 
 from specdec.drafters import ModelDrafter
 from specdec.models.toy import ToyLM
 from specdec.server import ServerSettings, create_app
+from specdec.server.runner import serve
 
 
 def main() -> None:
@@ -30,6 +30,9 @@ def main() -> None:
     p.add_argument("--ttl", type=float, default=900.0)
     p.add_argument("--max-gamma", type=int, default=64)
     p.add_argument("--max-body-bytes", type=int, default=1 << 20)
+    p.add_argument("--header-timeout", type=float, default=10.0)
+    p.add_argument("--body-timeout", type=float, default=30.0)
+    p.add_argument("--log-level", default="warning")
     args = p.parse_args()
     torch.set_num_threads(1)
     target = ToyLM(args.vocab, order=args.order, seed=args.seed)
@@ -37,10 +40,11 @@ def main() -> None:
     draft = target.perturbed(1.0, seed=1)
     settings = ServerSettings(
         api_key=args.api_key, model_name="toy", max_sessions=args.max_sessions, session_ttl_s=args.ttl,
-        max_gamma=args.max_gamma, max_body_bytes=args.max_body_bytes,
+        max_gamma=args.max_gamma, max_body_bytes=args.max_body_bytes, body_timeout_s=args.body_timeout,
+        header_timeout_s=args.header_timeout,
     )
     app = create_app(target, settings=settings, drafter_factory=lambda: ModelDrafter(draft), drafter_name="toy-draft")
-    uvicorn.run(app, host="127.0.0.1", port=args.port, log_level="warning")
+    serve(app, host="127.0.0.1", port=args.port, log_level=args.log_level, header_timeout_s=args.header_timeout)
 
 
 if __name__ == "__main__":

@@ -34,3 +34,35 @@ DRAFT_SEED_OFFSET = 0x5EED
 
 #: dynamic draft length: stop a draft after a token the drafter gives less than this probability
 MIN_CONFIDENCE = 0.0
+
+# numerically safe sampling parameters: logits / temperature and logits * / penalty stay finite
+# in float32 (|logits| of real models are < 1e3; float32 overflows past 3.4e38)
+#: the smallest positive temperature (0 itself means greedy)
+MIN_TEMPERATURE = 1e-3
+#: the largest temperature (past it the distribution is uniform to float32 precision anyway)
+MAX_TEMPERATURE = 1e4
+#: repetition penalty bounds (1 = off)
+MIN_REPETITION_PENALTY = 1e-3
+MAX_REPETITION_PENALTY = 1e3
+
+# server
+#: positions a server-side KV cache allocates first (it grows on demand up to the session's need)
+SERVER_KV_INITIAL_LENGTH = 64
+#: total KV cache bytes all sessions of one server may hold (4 GiB)
+SERVER_MAX_KV_BYTES = 4 << 30
+#: seconds between sweeps of idle sessions
+SERVER_SWEEP_INTERVAL_S = 5.0
+#: seconds a client may take to send its request headers / each part of its body
+SERVER_HEADER_TIMEOUT_S = 10.0
+SERVER_BODY_TIMEOUT_S = 30.0
+#: Retry-After (seconds) on 429 / 503 answers
+SERVER_RETRY_AFTER_S = 1
+#: connections (and requests in flight) one server process serves at once; more get a 503
+SERVER_MAX_CONNECTIONS = 1024
+#: continuous batching: rows (tokens) per forward pass of all sessions together, the longest
+#: piece of one forward run in a pass (prefill chunk), and forwards waiting at most
+SCHEDULER_MAX_TOKENS = 256
+SCHEDULER_PREFILL_CHUNK = 128
+SCHEDULER_MAX_QUEUE = 1024
+#: OpenAI requests generating at once; more are answered 429 with Retry-After
+SERVER_MAX_ACTIVE_REQUESTS = 64

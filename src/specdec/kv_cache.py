@@ -1,8 +1,10 @@
 """Key/value caches with O(1) truncation to an absolute length.
 
 Speculative decoding appends γ+1 positions per round and then rolls back the rejected ones.
-The cache is one preallocated buffer per side; rolling back is moving a length counter, never
-copying or freeing memory.
+The cache is one buffer per side; rolling back is moving a length counter, never copying or
+freeing memory.  A cache may start smaller than its maximum length (``initial_length``) and grow
+on demand in steps, so a server holding many sessions pays for the positions they use, not for
+the whole context window each.
 """
 
 from __future__ import annotations
@@ -11,8 +13,17 @@ import torch
 from torch import Tensor
 
 
+#: a growing cache allocates whole blocks of this many positions
+GROW_STEP = 64
+
+
 class KVCache:
-    """Static per-sequence cache: ``k`` and ``v`` are ``[layers, kv_heads, max_length, head_dim]``."""
+    """Per-sequence cache: ``k`` and ``v`` are ``[layers, kv_heads, capacity, head_dim]``.
+
+    ``capacity`` starts at ``initial_length`` (default: ``max_length``, one static buffer) and
+    grows by at least half of itself (whole :data:`GROW_STEP` blocks) when a reservation needs more,
+    never past ``max_length``.
+    """
 
     def __init__(
         self,
@@ -21,24 +32,63 @@ class KVCache:
         head_dim: int,
         max_length: int,
         *,
+        initial_length: int | None = None,
         dtype: torch.dtype = torch.float32,
         device: torch.device | str = "cpu",
     ) -> None:
-        shape = (n_layers, n_kv_heads, max_length, head_dim)
-        self.k: Tensor = torch.zeros(shape, dtype=dtype, device=device)  # [Lyr, Hkv, T, d]
-        self.v: Tensor = torch.zeros(shape, dtype=dtype, device=device)  # [Lyr, Hkv, T, d]
+        capacity = max_length if initial_length is None else max(1, min(initial_length, max_length))
+        shape = (n_layers, n_kv_heads, capacity, head_dim)
+        self.k: Tensor = torch.zeros(shape, dtype=dtype, device=device)  # [Lyr, Hkv, C, d]
+        self.v: Tensor = torch.zeros(shape, dtype=dtype, device=device)  # [Lyr, Hkv, C, d]
         self.max_length = max_length
         self.length = 0
         self.peak_length = 0
 
+    @property
+    def capacity(self) -> int:
+        """Positions allocated now (<= ``max_length``)."""
+        return self.k.shape[2]
+
+    @property
+    def bytes_per_position(self) -> int:
+        """Bytes one position takes (keys and values of every layer)."""
+        n_layers, n_kv_heads, _, head_dim = self.k.shape
+        return 2 * n_layers * n_kv_heads * head_dim * self.k.element_size()
+
+    def _grown_capacity(self, needed: int) -> int:
+        cap = self.capacity
+        if needed <= cap:
+            return cap
+        target = max(needed, cap + cap // 2)
+        target = -(-target // GROW_STEP) * GROW_STEP
+        return min(target, self.max_length)
+
+    def growth_bytes(self, n: int) -> int:
+        """Bytes a reservation of ``n`` more positions would add to the allocation (0 if none)."""
+        needed = self.length + n
+        if needed > self.max_length:
+            return 0
+        return (self._grown_capacity(needed) - self.capacity) * self.bytes_per_position
+
     def reserve(self, n: int) -> int:
-        """Claim ``n`` new positions; returns the first one.  Raises if the buffer is full."""
+        """Claim ``n`` new positions; returns the first one.  Grows the buffers or raises when full."""
         start = self.length
         if start + n > self.max_length:
             raise ValueError(f"KV cache full: {start} + {n} > {self.max_length} positions")
+        if start + n > self.capacity:
+            self._grow(self._grown_capacity(start + n))
         self.length = start + n
         self.peak_length = max(self.peak_length, self.length)
         return start
+
+    def _grow(self, capacity: int) -> None:
+        """Reallocate to ``capacity`` positions, keeping the ``length`` valid ones (amortised O(1))."""
+        shape = (*self.k.shape[:2], capacity, self.k.shape[3])
+        k = self.k.new_zeros(shape)  # [Lyr, Hkv, C', d]
+        v = self.v.new_zeros(shape)
+        k[:, :, : self.length] = self.k[:, :, : self.length]
+        v[:, :, : self.length] = self.v[:, :, : self.length]
+        self.k, self.v = k, v
 
     def truncate(self, length: int) -> None:
         """Forget every position at or after ``length`` (absolute).  O(1)."""
@@ -58,10 +108,9 @@ class KVCache:
 
     @property
     def nbytes(self) -> int:
-        """Bytes allocated for the buffers."""
+        """Bytes allocated for the buffers now."""
         return self.k.numel() * self.k.element_size() * 2
 
     def used_bytes(self, length: int | None = None) -> int:
         """Bytes that ``length`` positions (default: the peak) occupy."""
-        per_position = self.nbytes // self.max_length
-        return per_position * (self.peak_length if length is None else length)
+        return self.bytes_per_position * (self.peak_length if length is None else length)

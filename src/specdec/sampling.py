@@ -25,6 +25,7 @@ from dataclasses import dataclass, field, replace
 import torch
 from torch import Tensor
 
+from specdec import defaults
 from specdec.errors import ConfigError
 
 
@@ -68,6 +69,12 @@ def validate(cfg: SamplingConfig) -> None:
     """Raise :class:`ConfigError` with a one-line message for any value that cannot be honoured."""
     if not math.isfinite(cfg.temperature) or cfg.temperature < 0:
         raise ConfigError(f"temperature must be >= 0 (0 = greedy), got {cfg.temperature}")
+    if cfg.temperature != 0.0 and not defaults.MIN_TEMPERATURE <= cfg.temperature <= defaults.MAX_TEMPERATURE:
+        # logits / 1e-300 overflow to inf and the softmax turns to NaN: refuse, never sample garbage
+        raise ConfigError(
+            f"temperature must be 0 (greedy) or between {defaults.MIN_TEMPERATURE:g} and {defaults.MAX_TEMPERATURE:g},"
+            f" got {cfg.temperature}"
+        )
     if cfg.top_k is not None and cfg.top_k < 1:
         raise ConfigError(f"top-k must be >= 1, got {cfg.top_k}")
     if cfg.top_p is not None and not (0.0 < cfg.top_p <= 1.0):
@@ -76,6 +83,11 @@ def validate(cfg: SamplingConfig) -> None:
         raise ConfigError(f"min-p must be in [0, 1], got {cfg.min_p}")
     if not math.isfinite(cfg.repetition_penalty) or cfg.repetition_penalty <= 0:
         raise ConfigError(f"repetition penalty must be > 0, got {cfg.repetition_penalty}")
+    if not defaults.MIN_REPETITION_PENALTY <= cfg.repetition_penalty <= defaults.MAX_REPETITION_PENALTY:
+        raise ConfigError(
+            f"repetition penalty must be between {defaults.MIN_REPETITION_PENALTY:g} and"
+            f" {defaults.MAX_REPETITION_PENALTY:g} (1 = off), got {cfg.repetition_penalty}"
+        )
     for name in ("frequency_penalty", "presence_penalty"):
         value = getattr(cfg, name)
         if not math.isfinite(value):

@@ -11,7 +11,7 @@ protocol, so the decoding loop is written once.
 from __future__ import annotations
 
 import time
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from typing import Protocol
 
 import torch
@@ -108,8 +108,12 @@ class TargetSession:
         used = getattr(self.cache, "used_bytes", None)
         return int(used()) if used is not None else int(self.cache.nbytes)
 
-    def verify(self, draft: Draft) -> Outcome:
-        """One round: score ``[last committed] + draft`` (γ+1 positions), keep a prefix, add one token."""
+    def verify(self, draft: Draft, *, max_tokens: int | None = None) -> Outcome:
+        """One round: score ``[last committed] + draft`` (γ+1 positions), keep a prefix, add one token.
+
+        ``max_tokens`` (>= 1) commits at most that many of the verdict's tokens (a length limit: the
+        kept ones are exactly what an unlimited round gives, cut where plain decoding would stop).
+        """
         gamma = draft.tokens.numel()
         if self._n + gamma + 1 > self._ctx.numel():
             raise ContextLengthError(f"the sequence would exceed its context of {self._ctx.numel()} tokens")
@@ -126,6 +130,8 @@ class TargetSession:
         if rule.draft_sampling == "gumbel":
             extra = {"seed": self.seed, "positions": torch.arange(self._n, self._n + gamma + 1)}
         verdict: Verdict = rule.fn(draft.tokens, draft.probs, scores, generator=self.generator, **extra)
+        if max_tokens is not None and verdict.tokens.numel() > max_tokens:
+            verdict = replace(verdict, num_accepted=max_tokens - 1, tokens=verdict.tokens[:max_tokens].clone())
         self.cache.truncate(base + 1 + verdict.num_accepted)
         k = verdict.tokens.numel()
         self._ctx[self._n : self._n + k] = verdict.tokens

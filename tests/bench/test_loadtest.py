@@ -72,3 +72,13 @@ def test_markdown_prints_the_command_and_verdict():
     md = lt.markdown(summary)
     assert "Command: `python scripts/loadtest.py --out x --sessions 1`" in md and "**FAIL**" in md
     assert "| 0 | 0 | p0 | 2 |" in md
+
+
+def test_stream_summary_quantiles_and_failures():
+    ok = lt.Stream(0, 0, "p", 0.0, 0, 0.0, wall_s=1.0, ttft_s=0.2, gaps_s=[0.1, 0.3], text="ab", tokens=5)
+    ok2 = lt.Stream(1, 0, "p", 0.8, 9, 0.0, wall_s=1.0, ttft_s=0.4, gaps_s=[0.2], text="c", tokens=3)
+    bad = lt.Stream(2, 0, "p", 0.0, 0, 0.0, error="RuntimeError: HTTP 503")
+    s = lt.summarize_streams([ok, ok2, bad], 4.0)
+    assert (s["completed"], s["failed"], s["tokens"], s["tokens_per_s"]) == (2, 1, 8, 2.0)
+    assert s["ttft_p50_s"] == 0.4 and s["inter_token_p50_s"] == 0.2 and s["inter_token_p95_s"] == 0.3
+    assert s["error_messages"] == ["stream 2 #0: RuntimeError: HTTP 503"]

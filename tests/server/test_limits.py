@@ -17,7 +17,7 @@ from specdec.server.command import is_loopback
 
 
 def _client(**settings) -> TestClient:
-    return TestClient(create_app(ToyLM(4, order=1, seed=0), settings=ServerSettings(**settings)))
+    return TestClient(create_app(ToyLM(4, order=1, seed=0), settings=ServerSettings(**settings)), base_url="http://localhost")
 
 
 def _new(client: TestClient) -> str:

@@ -23,7 +23,7 @@ pytestmark = pytest.mark.usefixtures("single_thread")
 
 @pytest.fixture(scope="module")
 def server():
-    with ServerProcess.cli("--target", MODEL, "--draft", MODEL, "--api-key", KEY, "--gamma", "4") as srv:
+    with ServerProcess.cli("--target", MODEL, "--draft", MODEL, "--dtype", "float32", "--api-key", KEY, "--gamma", "4") as srv:
         yield srv
 
 
@@ -35,7 +35,7 @@ def client(server):
 
 @pytest.fixture(scope="module")
 def local():
-    return Engine.build(EngineConfig(target=MODEL, draft=MODEL))
+    return Engine.build(EngineConfig(target=MODEL, draft=MODEL, dtype="float32"))
 
 
 def test_models(client):

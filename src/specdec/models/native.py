@@ -239,9 +239,11 @@ class NativeCausalLM:
 
     # ------------------------------------------------------------------ LanguageModel
 
-    def new_cache(self, max_length: int | None = None) -> KVCache:
+    def new_cache(self, max_length: int | None = None, *, initial_length: int | None = None) -> KVCache:
+        """A cache for up to ``max_length`` positions; ``initial_length`` allocates fewer and grows on demand."""
         length = min(max_length or self.max_length, self.max_length)
-        return KVCache(self.cfg.n_layers, self.cfg.n_kv_heads, self.cfg.head_dim, length, dtype=self.dtype)
+        return KVCache(self.cfg.n_layers, self.cfg.n_kv_heads, self.cfg.head_dim, length,
+                       initial_length=initial_length, dtype=self.dtype)
 
     def _inv_rms(self, x: Tensor) -> Tensor:  # x: [n, D] -> [n, 1] = 1 / sqrt(mean(x^2) + eps)
         norm = torch.linalg.vector_norm(x, dim=-1, keepdim=True)
@@ -300,6 +302,78 @@ class NativeCausalLM:
         if last_only:
             h = h[-1:]
         return self.lm_head(h).float()
+
+    @torch.inference_mode()
+    def forward_batch(self, items: list[tuple[Tensor, KVCache, bool]]) -> list[Tensor]:
+        """Logits of several sequences in one pass: ``items`` are ``(tokens [n_i], cache_i, last_only_i)``.
+
+        Continuous batching (Orca, Yu et al. 2022): the rows of all sequences are concatenated for
+        the linear layers (one pass over the weights), attention runs per sequence against its own
+        cache with exactly the shapes :meth:`hidden` uses for that sequence alone.  The packed
+        linear layers are row-wise batch-invariant (see ``models/linear.py``), so each sequence's
+        logits are bitwise what :meth:`forward` returns for it alone.
+        """
+        if not items:
+            return []
+        sizes = [int(t.numel()) for t, _, _ in items]
+        starts: list[int] = []
+        try:
+            for (_, cache, _), n in zip(items, sizes):
+                starts.append(cache.length)
+                cache.reserve(n)
+                if starts[-1] + n > self._cos.shape[0]:
+                    raise ValueError(f"position {starts[-1] + n} is past the model's context of {self._cos.shape[0]}")
+            return self._forward_batch(items, sizes, starts)
+        except BaseException:
+            for (_, cache, _), a in zip(items, starts):
+                cache.length = min(cache.length, a)  # undo this pass's reservations
+            raise
+
+    def _forward_batch(self, items: list[tuple[Tensor, KVCache, bool]], sizes: list[int], starts: list[int]) -> list[Tensor]:
+        cfg = self.cfg
+        total = sum(sizes)
+        tokens = torch.cat([t.reshape(-1) for t, _, _ in items])  # [M]
+        x = self.embed[tokens]  # [M, D]
+        cos = torch.cat([self._cos[a : a + n] for a, n in zip(starts, sizes)]).unsqueeze(1)  # [M, 1, d]
+        sin = torch.cat([self._sin[a : a + n] for a, n in zip(starts, sizes)]).unsqueeze(1)
+        hq, hk, d = cfg.n_heads, cfg.n_kv_heads, cfg.head_dim
+        qk_size = self._q_size + self._kv_size
+        offsets = [0]
+        for n in sizes:
+            offsets.append(offsets[-1] + n)
+        for li, layer in enumerate(self.layers):
+            qkv = layer.qkv.scaled(x, self._inv_rms(x))  # [M, (H + 2 Hkv) d]
+            qk = _rotate(qkv[:, :qk_size].view(total, hq + hk, d), cos, sin)  # [M, H + Hkv, d]
+            parts = []
+            for (_, cache, _), start, n, o in zip(items, starts, sizes, offsets):
+                end = start + n
+                cache.k[li, :, start:end] = qk[o : o + n, hq:].transpose(0, 1)
+                cache.v[li, :, start:end] = qkv[o : o + n, qk_size:].view(n, hk, d).transpose(0, 1)
+                parts.append(self._attend_rows(li, qk[o : o + n, :hq], cache, start))
+            attn = torch.cat(parts)  # [M, H d]
+            x = x + layer.out(attn)
+            gate, up = layer.gate_up.scaled(x, self._inv_rms(x)).chunk(2, dim=-1)
+            x = x + layer.down(F.silu(gate) * up)
+        h = x * self._inv_rms(x)  # [M, D] the LM head's input
+        rows = [torch.arange(o + n - 1, o + n) if last else torch.arange(o, o + n)
+                for (_, _, last), n, o in zip(items, sizes, offsets)]
+        logits = self.lm_head(h[torch.cat(rows)]).float()  # [R, V]
+        return list(logits.split([r.numel() for r in rows]))
+
+    def _attend_rows(self, li: int, q: Tensor, cache: KVCache, start: int) -> Tensor:  # q: [n, H, d] -> [n, H d]
+        """Attention of one sequence's ``n`` new rows, with the shapes :meth:`hidden` uses alone."""
+        n = q.shape[0]
+        k_cache, v_cache = cache.k[li], cache.v[li]  # [Hkv, T, d]
+        if n == 1 or self.batch_invariant:
+            rows = [_attend(q[j], k_cache[:, : start + j + 1], v_cache[:, : start + j + 1]) for j in range(n)]
+            return rows[0] if n == 1 else torch.cat(rows)
+        end = start + n
+        mask = torch.full((n, end), -math.inf, dtype=q.dtype).triu_(start + 1)  # [n, T]
+        attn = F.scaled_dot_product_attention(
+            q.transpose(0, 1).unsqueeze(0), k_cache[:, :end].unsqueeze(0), v_cache[:, :end].unsqueeze(0),
+            attn_mask=mask, enable_gqa=self.cfg.n_heads != self.cfg.n_kv_heads, scale=1.0,
+        )  # [1, H, n, d]
+        return attn[0].transpose(0, 1).reshape(n, self._q_size)
 
     @property
     def n_params(self) -> int:

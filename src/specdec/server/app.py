@@ -2,11 +2,14 @@
 
 :func:`create_app` takes objects that are already loaded (a :class:`LanguageModel`, optionally a
 tokenizer and a drafter factory), so tests can serve exact toy models and the ``serve`` command can
-serve real ones.  Model work runs in worker threads (plain ``def`` endpoints and executor jobs),
-one forward pass at a time under a process-wide lock, so the event loop stays responsive.
+serve real ones.  Requests run in worker threads (plain ``def`` endpoints and executor jobs), so
+the event loop stays responsive; their forward passes go to one scheduler that runs the pending
+work of all requests as one batch (:mod:`specdec.server.scheduler`), or, with batching off, one
+at a time under a lock.
 
 Endpoints (all but ``/health`` and the OpenAPI document need ``Authorization: Bearer <key>`` when
-the server has a key):
+the server has keys; the key is checked from the headers before any body is read, and a session
+belongs to the key that created it; a keyless server answers only to loopback Host/Origin headers):
 
 * ``GET /health``
 * ``POST /v1/sessions`` -> session id; ``GET`` / ``DELETE /v1/sessions/{id}``
@@ -20,12 +23,15 @@ input; a bad request never changes a session.
 
 from __future__ import annotations
 
-import hmac
+import asyncio
 import json
+import threading
+from concurrent.futures import ThreadPoolExecutor
+from contextlib import asynccontextmanager
 import secrets
 import time
 from dataclasses import dataclass, field
-from typing import Any, Awaitable, Callable
+from typing import Any, AsyncIterator, Awaitable, Callable
 
 from fastapi import Depends, FastAPI, Path, Request
 from fastapi.exceptions import RequestValidationError
@@ -46,11 +52,13 @@ from specdec.remote.protocol import (
 )
 from specdec.server.errors import ApiError
 from specdec.server.metrics import ServerMetrics
-from specdec.server.sessions import SessionStore, create_session, serialized
+from specdec.server.guard import OWNER, Guard
+from specdec.server.scheduler import BatchedModel, Overloaded, Scheduler, SchedulerMetrics
+from specdec.server.sessions import SerializedModel, SessionStore, create_session, growth_bytes, serialized
 from specdec.server.settings import ServerSettings
 
 _ERRORS: dict[int | str, dict[str, Any]] = {
-    code: {"model": ErrorResponse} for code in (400, 401, 404, 409, 413, 422, 429)
+    code: {"model": ErrorResponse} for code in (400, 401, 403, 404, 408, 409, 413, 422, 429, 503)
 }
 
 
@@ -68,8 +76,17 @@ class ServerContext:
     store: SessionStore = field(init=False)
     started: float = field(default_factory=time.time)
 
+    #: the draft model behind its own scheduler, when the server batches drafts too (else None)
+    draft_model: Any | None = None
+
     def __post_init__(self) -> None:
         self.store = SessionStore(self.settings, on_evict=self._evicted)
+        #: generation slots of the OpenAI endpoints and the worker threads that run them
+        self.active = threading.BoundedSemaphore(self.settings.max_active_requests)
+        self.executor = ThreadPoolExecutor(self.settings.max_active_requests, thread_name_prefix="specdec-generate")
+        probe = self.model.new_cache(1)
+        #: KV bytes per position of one session (0 for models without a KV cache we can measure)
+        self.kv_per_position = int(getattr(probe, "bytes_per_position", 0))
 
     def _evicted(self, reason: str) -> None:
         self.metrics.sessions_evicted.labels(reason).inc()
@@ -97,12 +114,15 @@ def _validation_message(exc: RequestValidationError) -> str:
 
 
 class BodyLimit:
-    """ASGI middleware: refuse request bodies over ``max_bytes`` with a 413 before the app sees them."""
+    """ASGI middleware: refuse request bodies over ``max_bytes`` with a 413 before the app sees them,
+    and bodies that trickle in (no part within ``timeout_s`` seconds) with a 408."""
 
-    def __init__(self, app: Callable[..., Awaitable[None]], *, max_bytes: int, metrics: ServerMetrics) -> None:
+    def __init__(self, app: Callable[..., Awaitable[None]], *, max_bytes: int, metrics: ServerMetrics,
+                 timeout_s: float = 30.0) -> None:
         self.app = app
         self.max_bytes = max_bytes
         self.metrics = metrics
+        self.timeout_s = timeout_s
 
     async def _reject(self, scope: dict, receive: Callable, send: Callable, size: str) -> None:
         message = f"request body {size} is over this server's limit of {self.max_bytes} bytes"
@@ -124,7 +144,12 @@ class BodyLimit:
         chunks: list[bytes] = []
         total = 0
         while True:
-            message = await receive()
+            try:
+                message = await asyncio.wait_for(receive(), self.timeout_s)
+            except asyncio.TimeoutError:
+                message = f"the request body did not arrive within {self.timeout_s:g} s"
+                await error_response(408, message, "timeout", self.metrics, {"Connection": "close"})(scope, receive, send)
+                return
             if message["type"] != "http.request":  # client went away
                 return
             chunk = message.get("body", b"")
@@ -148,6 +173,17 @@ class BodyLimit:
         await self.app(scope, replay, send)
 
 
+def serving_model(model: LanguageModel, settings: ServerSettings, metrics: ServerMetrics) -> LanguageModel:
+    """``model`` behind the batching scheduler (or, with ``batching=False``, behind one lock)."""
+    if not settings.batching:
+        return serialized(model, initial_length=settings.kv_initial_length)
+    inner = model.inner if isinstance(model, (SerializedModel, BatchedModel)) else model
+    scheduler_metrics = SchedulerMetrics(metrics.registry)
+    scheduler = Scheduler(inner, settings.scheduler_config(), on_pass=scheduler_metrics.observer("target"), name="target")
+    scheduler.metrics = scheduler_metrics
+    return BatchedModel(inner, scheduler, initial_length=settings.kv_initial_length)
+
+
 def create_app(
     model: LanguageModel,
     *,
@@ -156,6 +192,7 @@ def create_app(
     eos_ids: frozenset[int] = frozenset(),
     drafter_factory: Callable[[], Drafter | None] | None = None,
     drafter_name: str = "none",
+    draft_model: Any | None = None,
 ) -> FastAPI:
     """The ASGI app serving ``model`` (the target).
 
@@ -164,27 +201,56 @@ def create_app(
     decoding).  Draft models should be wrapped with :func:`specdec.server.sessions.serialized`.
     """
     settings = settings or ServerSettings()
+    metrics = ServerMetrics()
     ctx = ServerContext(
-        model=serialized(model),
+        model=serving_model(model, settings, metrics),
+        metrics=metrics,
         tokenizer=tokenizer,
         settings=settings,
         eos_ids=eos_ids,
         drafter_factory=drafter_factory,
         drafter_name=drafter_name,
+        draft_model=draft_model,
     )
+    @asynccontextmanager
+    async def lifespan(app: FastAPI) -> AsyncIterator[None]:
+        """Sweep idle sessions on a timer (not only when requests arrive)."""
+
+        async def sweeper() -> None:
+            loop = asyncio.get_running_loop()
+            while True:
+                await asyncio.sleep(settings.sweep_interval_s)
+                await loop.run_in_executor(None, ctx.store.sweep)
+                ctx.metrics.active_sessions.set(len(ctx.store))
+
+        import anyio.to_thread
+
+        # plain endpoints run in worker threads that wait for the scheduler: one per busy session
+        limiter = anyio.to_thread.current_default_thread_limiter()
+        limiter.total_tokens = max(limiter.total_tokens, settings.max_sessions + settings.max_active_requests + 8)
+        task = asyncio.create_task(sweeper())
+        try:
+            yield
+        finally:
+            task.cancel()
+
     app = FastAPI(
+        lifespan=lifespan,
         title="specdec",
         version=__version__,
         description="Lossless speculative decoding: edge-cloud verify API and OpenAI-compatible completions.",
     )
     app.state.ctx = ctx
-    metrics = ctx.metrics
     store = ctx.store
 
     @app.exception_handler(ApiError)
     async def _api_error(request: Request, exc: ApiError) -> JSONResponse:
-        headers = {"WWW-Authenticate": "Bearer"} if exc.status == 401 else None
-        return error_response(exc.status, exc.message, exc.kind, metrics, headers)
+        return error_response(exc.status, exc.message, exc.kind, metrics, exc.headers)
+
+    @app.exception_handler(Overloaded)
+    async def _overloaded(request: Request, exc: Overloaded) -> JSONResponse:
+        err = ApiError(503, f"{exc}; retry later")
+        return error_response(503, err.message, err.kind, metrics, err.headers)
 
     @app.exception_handler(RequestValidationError)
     async def _invalid(request: Request, exc: RequestValidationError) -> JSONResponse:
@@ -201,20 +267,19 @@ def create_app(
     async def _bug(request: Request, exc: Exception) -> JSONResponse:  # pragma: no cover - a bug
         return error_response(500, f"internal error ({type(exc).__name__}); the session is unchanged", "server_error", metrics)
 
-    def auth(request: Request) -> None:
-        key = settings.api_key
-        if key is None:
-            return
-        header = request.headers.get("authorization", "")
-        scheme, _, token = header.partition(" ")
-        if scheme.lower() != "bearer" or not hmac.compare_digest(token.strip().encode(), key.encode()):
+    def owner(request: Request) -> str:
+        """The caller's owner id, set by :class:`Guard` from its key (checked before the body was read)."""
+        found = request.scope.get(OWNER)
+        if found is None:  # pragma: no cover - the Guard middleware always sets it
             raise ApiError(401, "missing or invalid API key: send 'Authorization: Bearer <key>'")
+        return found
 
-    guarded = [Depends(auth)]
+    guarded = [Depends(owner)]
     session_path = Path(min_length=1, max_length=128, description="the id POST /v1/sessions returned")
 
     @app.get("/health", response_model=Health)
     def health() -> Health:
+        store.sweep()
         return Health(model=settings.model_name, vocab_size=ctx.model.vocab_size, max_context=ctx.model.max_length,
                       sessions=len(store))
 
@@ -222,34 +287,40 @@ def create_app(
     def prometheus() -> Response:
         store.sweep()
         metrics.active_sessions.set(len(store))
+        scheduler = getattr(ctx.model, "scheduler", None)
+        if scheduler is not None:
+            scheduler.metrics.queue.labels("target").set(len(scheduler))
         return Response(content=metrics.render(), media_type=metrics.content_type)
 
     @app.post("/v1/sessions", dependencies=guarded, response_model=CreateSessionResponse, status_code=201, responses=_ERRORS)
-    def create(req: CreateSessionRequest) -> CreateSessionResponse:
-        store.reserve()
-        session, reply = create_session(req, ctx.model, ctx.tokenizer, settings, secrets.token_urlsafe(16))
+    def create(req: CreateSessionRequest, who: str = Depends(owner)) -> CreateSessionResponse:
+        n = len(req.prompt_ids or ()) + len(req.generated_ids) or len(req.prompt or "") // 2
+        store.reserve(who, ctx.kv_per_position * (max(n, settings.kv_initial_length) + 64))
+        session, reply = create_session(req, ctx.model, ctx.tokenizer, settings, secrets.token_urlsafe(16), owner=who)
         store.add(session)
         metrics.sessions_created.labels(session.wire).inc()
         metrics.active_sessions.set(len(store))
         return reply
 
     @app.get("/v1/sessions/{session_id}", dependencies=guarded, response_model=SessionInfo, responses=_ERRORS)
-    def info(session_id: str = session_path) -> SessionInfo:
-        return store.get(session_id).info()
+    def info(session_id: str = session_path, who: str = Depends(owner)) -> SessionInfo:
+        return store.get(session_id, who).info()
 
     @app.delete("/v1/sessions/{session_id}", dependencies=guarded, responses=_ERRORS)
-    def delete(session_id: str = session_path) -> dict[str, Any]:
-        if not store.remove(session_id):
+    def delete(session_id: str = session_path, who: str = Depends(owner)) -> dict[str, Any]:
+        if not store.remove(session_id, who):
             raise ApiError(404, f"unknown session {session_id!r}")
         metrics.active_sessions.set(len(store))
         return {"session_id": session_id, "deleted": True}
 
     @app.post("/v1/sessions/{session_id}/verify", dependencies=guarded, response_model=VerifyResponse, responses=_ERRORS)
-    def verify(req: VerifyRequest, session_id: str = session_path) -> VerifyResponse:
+    def verify(req: VerifyRequest, session_id: str = session_path, who: str = Depends(owner)) -> VerifyResponse:
         store.sweep()
-        session = store.get(session_id)
+        session = store.get(session_id, who)
         started = time.perf_counter()
         with session.lock:
+            new_positions = len(req.unverified_tokens) + len(req.draft_tokens) + 2
+            store.ensure_kv(who, growth_bytes(session.target.cache, new_positions), busy=session.id)
             unverified_before = session.unverified
             reply = session.verify(req, settings)
             session.last_used = time.monotonic()
@@ -267,5 +338,7 @@ def create_app(
     from specdec.server.openai_api import openai_router
 
     app.include_router(openai_router(ctx), dependencies=guarded)
-    app.add_middleware(BodyLimit, max_bytes=settings.max_body_bytes, metrics=metrics)
+    app.add_middleware(BodyLimit, max_bytes=settings.max_body_bytes, metrics=metrics, timeout_s=settings.body_timeout_s)
+    app.add_middleware(Guard, keys=settings.keys, allowed_hosts=settings.allowed_hosts,
+                       on_error=lambda status: metrics.http_errors.labels(str(status)).inc())
     return app

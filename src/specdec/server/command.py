@@ -42,6 +42,8 @@ def add_parser(sub: Any) -> None:
     p.add_argument("--host", default="127.0.0.1", help="address to listen on (default 127.0.0.1)")
     p.add_argument("--port", type=int, default=8000, help="port (default 8000)")
     p.add_argument("--api-key", help=f"bearer token clients must send (default: ${API_KEY_ENV})")
+    p.add_argument("--api-key-file", metavar="PATH",
+                   help="file of accepted keys, one per line ('#' comments); each session belongs to the key that made it")
     _add_models(p)
     g = p.add_argument_group("limits")
     g.add_argument("--max-sessions", type=int, default=64, help="edge sessions held at once; the least recently used idle one is evicted past this (default 64)")
@@ -50,10 +52,44 @@ def add_parser(sub: Any) -> None:
     g.add_argument("--max-gamma", type=int, default=defaults.MAX_GAMMA, help=f"longest draft verified in one round (default {defaults.MAX_GAMMA})")
     g.add_argument("--gamma", default=defaults.DEFAULT_GAMMA, help="draft length for the OpenAI endpoints: integer, 'auto' or 'guide' (default auto)")
     g.add_argument("--default-max-tokens", type=int, default=256, help="max_tokens of a chat request that gives none (default 256)")
+    g.add_argument("--max-kv-mib", type=float, default=defaults.SERVER_MAX_KV_BYTES / 2**20,
+                   help=f"KV cache memory all sessions together may hold, MiB (default {defaults.SERVER_MAX_KV_BYTES >> 20})")
+    g.add_argument("--header-timeout", type=float, default=defaults.SERVER_HEADER_TIMEOUT_S,
+                   help=f"seconds a client may take to send its request headers (default {defaults.SERVER_HEADER_TIMEOUT_S:g})")
+    g.add_argument("--body-timeout", type=float, default=defaults.SERVER_BODY_TIMEOUT_S,
+                   help=f"seconds a client may pause while sending a body (default {defaults.SERVER_BODY_TIMEOUT_S:g})")
+    g.add_argument("--max-connections", type=int, default=defaults.SERVER_MAX_CONNECTIONS,
+                   help=f"connections served at once; more are answered 503 (default {defaults.SERVER_MAX_CONNECTIONS})")
+    b = p.add_argument_group("batching")
+    b.add_argument("--no-batching", action="store_true",
+                   help="run one request's forward pass at a time under a lock (the serialised server; for comparisons)")
+    b.add_argument("--max-tokens-per-pass", type=int, default=defaults.SCHEDULER_MAX_TOKENS,
+                   help=f"rows (tokens) of all requests in one forward pass (default {defaults.SCHEDULER_MAX_TOKENS})")
+    b.add_argument("--prefill-chunk", type=int, default=defaults.SCHEDULER_PREFILL_CHUNK,
+                   help=f"longest piece of one prompt per pass (default {defaults.SCHEDULER_PREFILL_CHUNK})")
+    b.add_argument("--max-queue", type=int, default=defaults.SCHEDULER_MAX_QUEUE,
+                   help=f"forward passes waiting at most; more are answered 503 (default {defaults.SCHEDULER_MAX_QUEUE})")
+    b.add_argument("--max-active-requests", type=int, default=defaults.SERVER_MAX_ACTIVE_REQUESTS,
+                   help=f"OpenAI completions generating at once; more are answered 429 (default {defaults.SERVER_MAX_ACTIVE_REQUESTS})")
+    g.add_argument("--allowed-host", action="append", default=[], metavar="NAME",
+                   help="without a key, also answer to this Host name (loopback names always work); repeatable")
     p.add_argument("--log-level", default="warning", choices=["critical", "error", "warning", "info", "debug"], help="uvicorn log level (default warning)")
 
 
-def drafter_factory(engine: Any) -> Callable[[], Any] | None:
+def draft_server_model(engine: Any, *, batching: bool) -> Any | None:
+    """The draft model as the server shares it: behind its own batching scheduler, or a lock."""
+    from specdec.server.scheduler import BatchedModel, Scheduler
+    from specdec.server.sessions import serialized
+
+    if engine.drafter is None or engine.draft_model is None:
+        return None
+    model = engine.draft_model.model
+    if not batching:
+        return serialized(model)
+    return BatchedModel(model, Scheduler(model, name="draft"), initial_length=defaults.SERVER_KV_INITIAL_LENGTH)
+
+
+def drafter_factory(engine: Any, draft_model: Any | None = None) -> Callable[[], Any] | None:
     """A fresh drafter per OpenAI request (drafters keep per-sequence state)."""
     from specdec.drafters import ModelDrafter, NgramDrafter
     from specdec.server.sessions import serialized
@@ -61,7 +97,7 @@ def drafter_factory(engine: Any) -> Callable[[], Any] | None:
     if engine.drafter is None:
         return None
     if engine.draft_model is not None:
-        model = serialized(engine.draft_model.model)
+        model = draft_model if draft_model is not None else serialized(engine.draft_model.model)
         return lambda: ModelDrafter(model)
     return lambda: NgramDrafter(max_ngram=defaults.NGRAM_MAX, min_ngram=defaults.NGRAM_MIN)
 
@@ -70,6 +106,11 @@ def run(args: argparse.Namespace) -> int:
     key = args.api_key if args.api_key is not None else os.environ.get(API_KEY_ENV) or None
     if key is not None and not key.strip():
         raise ConfigError("the API key is empty")
+    from specdec.server.runner import read_key_file
+
+    more_keys = read_key_file(args.api_key_file) if args.api_key_file else ()
+    if key is None and more_keys:
+        key, more_keys = more_keys[0], more_keys[1:]
     if not is_loopback(args.host) and key is None:
         raise ConfigError(
             f"refusing to listen on {args.host} without an API key: pass --api-key or set {API_KEY_ENV}"
@@ -79,11 +120,12 @@ def run(args: argparse.Namespace) -> int:
         raise ConfigError(f"port must be between 0 and 65535, got {args.port}")
     try:
         import fastapi  # noqa: F401
-        import uvicorn
+        import uvicorn  # noqa: F401
     except ImportError as exc:
         raise MissingPackageError(f"serving needs the 'serve' extra ({exc.name} is missing): pip install 'specdec[serve]'") from None
     from specdec.engine import Engine, EngineConfig, parse_gamma
     from specdec.server.app import create_app
+    from specdec.server.runner import serve
     from specdec.server.settings import ServerSettings
 
     settings_kw = dict(
@@ -94,7 +136,19 @@ def run(args: argparse.Namespace) -> int:
         max_gamma=args.max_gamma,
         gamma=parse_gamma(args.gamma),
         default_max_tokens=args.default_max_tokens,
+        api_keys=more_keys,
+        max_kv_bytes=int(args.max_kv_mib * 2**20),
+        header_timeout_s=args.header_timeout,
+        body_timeout_s=args.body_timeout,
+        allowed_hosts=tuple(args.allowed_host),
+        batching=not args.no_batching,
+        max_tokens_per_pass=args.max_tokens_per_pass,
+        prefill_chunk=args.prefill_chunk,
+        max_queue=args.max_queue,
+        max_active_requests=args.max_active_requests,
     )
+    if args.max_connections < 1:
+        raise ConfigError(f"max connections must be >= 1, got {args.max_connections}")
     ServerSettings(**settings_kw)  # check the limits before loading models
 
     def log(msg: str) -> None:
@@ -105,18 +159,22 @@ def run(args: argparse.Namespace) -> int:
         progress=log,
     )
     settings = ServerSettings(model_name=engine.target.name, **settings_kw)
+    draft = draft_server_model(engine, batching=settings.batching)
     app = create_app(
         engine.target.model,
         tokenizer=engine.target.tokenizer,
         settings=settings,
         eos_ids=engine.target.eos_ids,
-        drafter_factory=drafter_factory(engine),
+        drafter_factory=drafter_factory(engine, draft),
         drafter_name=engine.drafter_name,
+        draft_model=draft,
     )
-    auth = "bearer key required" if key else "no key (loopback only)"
+    n_keys = len(settings.keys)
+    auth = (f"bearer key required ({n_keys} keys)" if n_keys > 1 else "bearer key required") if key else "no key (loopback only)"
     log(f"serving {engine.target.name} (draft {engine.drafter_name}) on http://{args.host}:{args.port} ({auth})")
     try:
-        uvicorn.run(app, host=args.host, port=args.port, log_level=args.log_level, timeout_keep_alive=75)
+        serve(app, host=args.host, port=args.port, log_level=args.log_level, header_timeout_s=args.header_timeout,
+              limit_concurrency=args.max_connections)
     except OSError as exc:
         raise SpecdecError(f"cannot listen on {args.host}:{args.port}: {exc.strerror or exc}") from None
     return 0

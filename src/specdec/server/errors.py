@@ -2,15 +2,29 @@
 
 from __future__ import annotations
 
+from specdec import defaults
+
 
 class ApiError(Exception):
     """An HTTP error with a one-line message that says what is wrong (and what to do)."""
 
-    def __init__(self, status: int, message: str, *, kind: str | None = None) -> None:
+    def __init__(self, status: int, message: str, *, kind: str | None = None, retry_after: int | None = None) -> None:
         super().__init__(message)
         self.status = status
         self.message = message
         self.kind = kind or _default_kind(status)
+        if retry_after is None and status in (429, 503):
+            retry_after = defaults.SERVER_RETRY_AFTER_S
+        self.retry_after = retry_after
+
+    @property
+    def headers(self) -> dict[str, str] | None:
+        headers: dict[str, str] = {}
+        if self.status == 401:
+            headers["WWW-Authenticate"] = "Bearer"
+        if self.retry_after is not None:
+            headers["Retry-After"] = str(self.retry_after)
+        return headers or None
 
 
 def _default_kind(status: int) -> str:
@@ -24,6 +38,8 @@ def _default_kind(status: int) -> str:
         return "request_too_large"
     if status == 429:
         return "rate_limit_error"
+    if status == 503:
+        return "overloaded_error"
     if status >= 500:
         return "server_error"
     return "invalid_request_error"

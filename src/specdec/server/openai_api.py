@@ -13,9 +13,10 @@ import asyncio
 import secrets
 import threading
 import time
+import weakref
 from typing import TYPE_CHECKING, Annotated, Any, AsyncIterator, Callable, Literal
 
-from fastapi import APIRouter
+from fastapi import APIRouter, Request
 from fastapi.responses import StreamingResponse
 from pydantic import BaseModel, ConfigDict, Field
 
@@ -25,6 +26,7 @@ from specdec.errors import SpecdecError
 from specdec.models.registry import LoadedModel
 from specdec.sampling import SamplingConfig
 from specdec.server.errors import ApiError
+from specdec.server.scheduler import Cancelled as SchedulerCancelled
 from specdec.verify import get_rule
 
 if TYPE_CHECKING:
@@ -174,21 +176,68 @@ class _Job:
         self.ids = ids
         self.model_name = ctx.settings.model_name
 
-    def run(self, on_text: Callable[[str], None] | None = None) -> TextResult:
+    def run(self, on_text: Callable[[str], None] | None = None, cancelled: threading.Event | None = None) -> TextResult:
+        """Generate (in a worker thread); ``cancelled`` also drops this request's queued forward passes."""
         ctx = self.ctx
-        drafter = ctx.drafter_factory() if ctx.drafter_factory is not None else None
-        target = LoadedModel(ctx.settings.model_name, ctx.model, ctx.tokenizer, None, "server", ctx.eos_ids)
-        engine = Engine(target, drafter, ctx.drafter_name if drafter is not None else "none")
-        out = engine.generate(self.ids, self.sampling, method=self.method, gamma=self.gamma, on_text=on_text)
+        schedulers = [m.scheduler for m in (ctx.model, getattr(ctx, "draft_model", None)) if hasattr(m, "scheduler")]
+        for sched in schedulers:
+            sched.bind_cancel(cancelled)
+        try:
+            drafter = ctx.drafter_factory() if ctx.drafter_factory is not None else None
+            target = LoadedModel(ctx.settings.model_name, ctx.model, ctx.tokenizer, None, "server", ctx.eos_ids)
+            engine = Engine(target, drafter, ctx.drafter_name if drafter is not None else "none")
+            out = engine.generate(self.ids, self.sampling, method=self.method, gamma=self.gamma, on_text=on_text)
+        except SchedulerCancelled:
+            raise _Cancelled from None
+        finally:
+            for sched in schedulers:
+                sched.bind_cancel(None)
         ctx.metrics.completion_tokens.inc(len(out.token_ids))
         return out
 
 
-async def _run_blocking(job: _Job) -> TextResult:
+def _admit(ctx: "ServerContext") -> None:
+    """Take one of the server's generation slots or answer 429 (never an unbounded backlog)."""
+    if not ctx.active.acquire(blocking=False):
+        raise ApiError(429, f"this server is generating {ctx.settings.max_active_requests} completions already; retry later")
+
+
+def _submit(ctx: "ServerContext", fn: Callable[[], Any]) -> "asyncio.Future[Any]":
+    """Run ``fn`` on the generation pool; the slot taken by :func:`_admit` is given back when it ends."""
+
+    def guarded() -> Any:
+        try:
+            return fn()
+        finally:
+            ctx.active.release()
+
+    return asyncio.get_running_loop().run_in_executor(ctx.executor, guarded)
+
+
+async def _run_blocking(job: _Job, request: Request | None = None) -> TextResult:
+    """Run ``job`` in a worker thread; stop it as soon as the client disconnects (polled every 0.1 s)."""
+    cancelled = threading.Event()
+
+    def on_text(text: str) -> None:
+        if cancelled.is_set():
+            raise _Cancelled
+
+    _admit(job.ctx)
+    future = _submit(job.ctx, lambda: job.run(on_text, cancelled))
     try:
-        return await asyncio.get_running_loop().run_in_executor(None, job.run)
+        while True:
+            done, _ = await asyncio.wait({future}, timeout=0.1)
+            if done:
+                return future.result()
+            if request is not None and await request.is_disconnected():
+                cancelled.set()
+                raise ApiError(499, "the client closed the connection", kind="client_closed")
     except SpecdecError as exc:
         raise ApiError(400, str(exc)) from None
+    except _Cancelled:
+        raise ApiError(499, "the client closed the connection", kind="client_closed") from None
+    finally:
+        cancelled.set()  # also when this handler is cancelled
 
 
 def _sse(payload: dict[str, Any] | str) -> str:
@@ -218,7 +267,7 @@ def _stream(
 
     def work() -> None:
         try:
-            result = job.run(on_text)
+            result = job.run(on_text, cancelled)
         except _Cancelled:
             return
         except SpecdecError as exc:
@@ -229,8 +278,13 @@ def _stream(
             return
         loop.call_soon_threadsafe(queue.put_nowait, ("done", result))
 
+    _admit(job.ctx)
+    started = False
+
     async def events() -> AsyncIterator[str]:
-        loop.run_in_executor(None, work)
+        nonlocal started
+        started = True
+        _submit(job.ctx, work)
         try:
             for chunk in head():
                 yield _sse(chunk)
@@ -250,7 +304,14 @@ def _stream(
         finally:
             cancelled.set()
 
-    return StreamingResponse(events(), media_type="text/event-stream", headers={"Cache-Control": "no-cache"})
+    body = events()
+
+    def release_if_never_started() -> None:  # the client left before the body was sent
+        if not started:
+            job.ctx.active.release()
+
+    weakref.finalize(body, release_if_never_started)
+    return StreamingResponse(body, media_type="text/event-stream", headers={"Cache-Control": "no-cache"})
 
 
 # ----------------------------------------------------------------------------- endpoints
@@ -273,7 +334,7 @@ def openai_router(ctx: "ServerContext") -> APIRouter:
         }
 
     @router.post("/v1/completions")
-    async def completions(req: CompletionRequest) -> Any:
+    async def completions(req: CompletionRequest, request: Request) -> Any:
         if req.echo:
             raise ApiError(400, "echo is not supported by this server")
         if req.logprobs is not None:
@@ -313,12 +374,12 @@ def openai_router(ctx: "ServerContext") -> APIRouter:
                 tail=lambda out: chunk("", _finish_reason(out.stats.finish_reason)),
                 usage=(lambda out: {**chunk("", None), "choices": [], "usage": _usage(out)}) if include_usage else None,
             )
-        out = await _run_blocking(job)
+        out = await _run_blocking(job, request)
         body = chunk(out.text, _finish_reason(out.stats.finish_reason))
         return {**body, "usage": _usage(out), "specdec": _stats(out)}
 
     @router.post("/v1/chat/completions")
-    async def chat(req: ChatRequest) -> Any:
+    async def chat(req: ChatRequest, request: Request) -> Any:
         if req.logprobs:
             raise ApiError(400, "logprobs are not supported by this server")
         tok = tokenizer()
@@ -354,7 +415,7 @@ def openai_router(ctx: "ServerContext") -> APIRouter:
                 tail=lambda out: chunk({}, _finish_reason(out.stats.finish_reason)),
                 usage=(lambda out: {**chunk({}, None), "choices": [], "usage": _usage(out)}) if include_usage else None,
             )
-        out = await _run_blocking(job)
+        out = await _run_blocking(job, request)
         return {
             "id": cid,
             "object": "chat.completion",

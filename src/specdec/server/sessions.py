@@ -8,6 +8,7 @@ retry of that ``seq`` returns it again, any other out-of-order ``seq`` is a 409.
 from __future__ import annotations
 
 import hashlib
+import inspect
 import os
 import threading
 import time
@@ -49,13 +50,21 @@ class SerializedModel:
     on a small CPU box running two at once only thrashes the cores).  Caches stay per session.
     """
 
-    def __init__(self, model: LanguageModel, lock: threading.Lock = FORWARD_LOCK) -> None:
+    def __init__(self, model: LanguageModel, lock: threading.Lock = FORWARD_LOCK, *, initial_length: int | None = None) -> None:
         self.inner = model
         self.lock = lock
         self.vocab_size = model.vocab_size
         self.max_length = model.max_length
+        #: caches start this small and grow on demand (models whose ``new_cache`` supports it)
+        self.initial_length = initial_length
+        try:
+            self._grows = "initial_length" in inspect.signature(model.new_cache).parameters
+        except (TypeError, ValueError):
+            self._grows = False
 
     def new_cache(self, max_length: int | None = None) -> Any:
+        if self._grows and self.initial_length is not None:
+            return self.inner.new_cache(max_length, initial_length=self.initial_length)
         return self.inner.new_cache(max_length)
 
     def forward(self, tokens: Tensor, cache: Any, *, last_only: bool = False) -> Tensor:  # tokens: [n]
@@ -66,8 +75,19 @@ class SerializedModel:
         return getattr(self.inner, name)
 
 
-def serialized(model: LanguageModel, lock: threading.Lock = FORWARD_LOCK) -> LanguageModel:
-    return model if isinstance(model, SerializedModel) else SerializedModel(model, lock)
+def serialized(model: LanguageModel, lock: threading.Lock = FORWARD_LOCK, *, initial_length: int | None = None) -> LanguageModel:
+    return model if isinstance(model, SerializedModel) else SerializedModel(model, lock, initial_length=initial_length)
+
+
+def cache_bytes(cache: Any) -> int:
+    """Bytes a session's cache holds now (0 for caches that do not say)."""
+    return int(getattr(cache, "nbytes", 0) or 0)
+
+
+def growth_bytes(cache: Any, n: int) -> int:
+    """Bytes a cache would add to hold ``n`` more positions (0 for caches that do not grow)."""
+    fn = getattr(cache, "growth_bytes", None)
+    return int(fn(n)) if fn is not None else 0
 
 
 # ----------------------------------------------------------------------------- unverified appends
@@ -123,6 +143,10 @@ class EdgeSession:
     target: TargetSession
     prompt_tokens: int
     resumed_tokens: int
+    #: the context length this session may reach (prompt + resumed + its max_new_tokens)
+    limit: int = 0
+    #: who made it (a digest of the API key; "" on a keyless server): only they may use it
+    owner: str = ""
     lock: threading.Lock = field(default_factory=threading.Lock)
     next_seq: int = 0
     unverified: int = 0
@@ -173,7 +197,8 @@ class EdgeSession:
         if forced is not None:
             self._guarded(lambda: append_unverified(self.target, forced))
             self.unverified += forced.numel()
-        outcome = self._guarded(lambda: self.target.verify(draft))
+        left = self.limit - self.target.context.numel()  # >= 1, checked
+        outcome = self._guarded(lambda: self.target.verify(draft, max_tokens=left))
         verdict = outcome.verdict
         tokens = verdict.tokens.tolist()
         reply = VerifyResponse(
@@ -222,6 +247,16 @@ class EdgeSession:
                 if tok >= vocab:
                     raise ApiError(400, f"{name}[{i}] = {tok} is outside the vocabulary [0, {vocab})")
         n_forced = len(req.unverified_tokens)
+        left = self.limit - self.target.context.numel()
+        if n_forced + 1 > left:
+            done = self.target.context.numel() - self.prompt_tokens - self.resumed_tokens
+            raise ApiError(
+                400,
+                f"this session may commit {left} more token(s) (max_new_tokens reached: {done} committed)"
+                if n_forced == 0 or left <= 0 else
+                f"this round carries {n_forced} unverified tokens but the session may commit only {left} more"
+                " (max_new_tokens)",
+            )
         room = self.target.max_length - self.target.context.numel()
         if n_forced + gamma + 1 > room:
             raise ApiError(
@@ -273,6 +308,8 @@ def create_session(
     tokenizer: Any | None,
     settings: ServerSettings,
     session_id: str,
+    *,
+    owner: str = "",
 ) -> tuple[EdgeSession, CreateSessionResponse]:
     """Validate ``req``, prefill the target on the prompt, return the new session."""
     from specdec.text import encode_prompt
@@ -329,7 +366,7 @@ def create_session(
         )
     session = EdgeSession(
         id=session_id, wire=wire, rule=rule, seed=seed, target=target, prompt_tokens=len(prompt),
-        resumed_tokens=len(generated),
+        resumed_tokens=len(generated), limit=n + max(budget, 1), owner=owner,
     )
     reply = CreateSessionResponse(
         session_id=session_id,
@@ -352,7 +389,11 @@ def create_session(
 
 
 class SessionStore:
-    """Sessions by id, least recently used first; bounded in count and idle time."""
+    """Sessions by id, least recently used first; bounded in count, idle time and KV bytes.
+
+    A session belongs to the key that created it: another key can neither see, use, delete nor
+    evict it (it gets the same 404 as for an unknown id).
+    """
 
     def __init__(self, settings: ServerSettings, *, on_evict: Callable[[str], None] | None = None) -> None:
         self.settings = settings
@@ -363,8 +404,13 @@ class SessionStore:
     def __len__(self) -> int:
         return len(self._sessions)
 
-    def sweep(self) -> None:
-        """Drop sessions idle for longer than the TTL (never one that is busy)."""
+    def kv_bytes(self) -> int:
+        """Bytes all sessions' caches hold now."""
+        with self._lock:
+            return sum(cache_bytes(s.target.cache) for s in self._sessions.values())
+
+    def sweep(self) -> int:
+        """Drop sessions idle for longer than the TTL (never one that is busy); returns how many."""
         now = time.monotonic()
         ttl = self.settings.session_ttl_s
         with self._lock:
@@ -372,35 +418,64 @@ class SessionStore:
             for key in stale:
                 del self._sessions[key]
                 self._on_evict("ttl")
+        return len(stale)
 
-    def reserve(self) -> None:
-        """Make room for one more session (evict the least recently used idle one) or raise 429."""
+    def reserve(self, owner: str = "", kv_bytes: int = 0) -> None:
+        """Make room for one more session of ``owner`` needing ``kv_bytes`` or raise 429 / 503.
+
+        Only ``owner``'s own idle sessions are evicted (least recently used first).
+        """
         self.sweep()
         with self._lock:
-            self._make_room()
+            self._make_room(owner, kv_bytes, count=True)
 
-    def _make_room(self) -> None:
-        while len(self._sessions) >= self.settings.max_sessions:
-            victim = next((k for k, s in self._sessions.items() if not s.lock.locked()), None)
+    def ensure_kv(self, owner: str, kv_bytes: int, *, busy: str | None = None) -> None:
+        """Make sure ``kv_bytes`` more fit under the KV cap (evicting ``owner``'s idle sessions) or raise 503."""
+        if kv_bytes <= 0:
+            return
+        with self._lock:
+            self._make_room(owner, kv_bytes, count=False, busy=busy)
+
+    def _make_room(self, owner: str, kv_bytes: int, *, count: bool, busy: str | None = None) -> None:
+        cap = self.settings.max_kv_bytes
+        while True:
+            full = count and len(self._sessions) >= self.settings.max_sessions
+            used = sum(cache_bytes(s.target.cache) for s in self._sessions.values())
+            over = used + kv_bytes > cap
+            if not full and not over:
+                return
+            victim = next(
+                (k for k, s in self._sessions.items() if s.owner == owner and k != busy and not s.lock.locked()), None
+            )
             if victim is None:
-                raise ApiError(429, f"all {self.settings.max_sessions} sessions are busy; retry later")
+                if full:
+                    raise ApiError(429, f"all {self.settings.max_sessions} sessions are in use or busy; retry later")
+                raise ApiError(
+                    503, f"the server's KV cache memory is full ({used} of {cap} bytes in use, {kv_bytes} more needed);"
+                    " retry later or delete idle sessions",
+                )
             del self._sessions[victim]
-            self._on_evict("lru")
+            self._on_evict("lru" if full else "kv_bytes")
 
     def add(self, session: EdgeSession) -> None:
         with self._lock:
-            self._make_room()
+            self._make_room(session.owner, 0, count=True)
             self._sessions[session.id] = session
 
-    def get(self, session_id: str) -> EdgeSession:
+    def get(self, session_id: str, owner: str | None = None) -> EdgeSession:
+        """The session (``owner``: the caller's key digest; ``None`` only for internal use)."""
         with self._lock:
             session = self._sessions.get(session_id)
-            if session is None:
+            if session is None or (owner is not None and session.owner != owner):
                 raise ApiError(404, f"unknown session {session_id!r} (expired, evicted, deleted or the server restarted); create a new one")
             self._sessions.move_to_end(session_id)
             session.last_used = time.monotonic()
             return session
 
-    def remove(self, session_id: str) -> bool:
+    def remove(self, session_id: str, owner: str | None = None) -> bool:
         with self._lock:
-            return self._sessions.pop(session_id, None) is not None
+            session = self._sessions.get(session_id)
+            if session is None or (owner is not None and session.owner != owner):
+                return False
+            del self._sessions[session_id]
+            return True

@@ -3,16 +3,22 @@
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import TYPE_CHECKING
 
 from specdec import defaults
 from specdec.errors import ConfigError
 from specdec.remote.protocol import DEFAULT_MAX_BODY_BYTES
+
+if TYPE_CHECKING:
+    from specdec.server.scheduler import SchedulerConfig
 
 
 @dataclass(frozen=True)
 class ServerSettings:
     #: bearer token every endpoint but /health (and the OpenAPI document) requires; None = open
     api_key: str | None = None
+    #: more accepted keys (a key file); every session belongs to the key that created it
+    api_keys: tuple[str, ...] = ()
     #: the name /v1/models and the OpenAI endpoints answer to
     model_name: str = "target"
     max_sessions: int = 64  # the least recently used idle session is evicted past this
@@ -22,6 +28,29 @@ class ServerSettings:
     #: OpenAI endpoints: max_tokens when a chat request gives none, and the draft length policy
     default_max_tokens: int = 256
     gamma: str | int = defaults.DEFAULT_GAMMA
+    #: all sessions' KV caches together may hold at most this many bytes (503 + Retry-After past it)
+    max_kv_bytes: int = defaults.SERVER_MAX_KV_BYTES
+    #: positions a session's KV cache allocates first; it grows on demand
+    kv_initial_length: int = defaults.SERVER_KV_INITIAL_LENGTH
+    sweep_interval_s: float = defaults.SERVER_SWEEP_INTERVAL_S
+    #: slow clients: time to send the request headers, and to send each part of the body
+    header_timeout_s: float = defaults.SERVER_HEADER_TIMEOUT_S
+    body_timeout_s: float = defaults.SERVER_BODY_TIMEOUT_S
+    #: continuous batching (one forward pass for the pending work of all requests); False = one
+    #: request's forward pass at a time under a lock (the serialised server, for comparisons)
+    batching: bool = True
+    max_tokens_per_pass: int = defaults.SCHEDULER_MAX_TOKENS
+    prefill_chunk: int = defaults.SCHEDULER_PREFILL_CHUNK
+    max_queue: int = defaults.SCHEDULER_MAX_QUEUE
+    #: OpenAI requests generating at once (429 + Retry-After past it)
+    max_active_requests: int = defaults.SERVER_MAX_ACTIVE_REQUESTS
+    #: Host names a keyless server answers to (loopback names are always accepted); DNS-rebinding guard
+    allowed_hosts: tuple[str, ...] = ()
+
+    @property
+    def keys(self) -> tuple[str, ...]:
+        """Every accepted key (empty: the server is open, loopback only)."""
+        return ((self.api_key,) if self.api_key is not None else ()) + tuple(k for k in self.api_keys if k != self.api_key)
 
     def __post_init__(self) -> None:
         if self.max_sessions < 1:
@@ -36,3 +65,23 @@ class ServerSettings:
             raise ConfigError(f"default max tokens must be >= 1, got {self.default_max_tokens}")
         if self.api_key is not None and not self.api_key.strip():
             raise ConfigError("the API key is empty")
+        if any(not k.strip() for k in self.api_keys):
+            raise ConfigError("an API key is empty")
+        self._check_times()
+        if self.max_kv_bytes < 1:
+            raise ConfigError(f"max KV bytes must be >= 1, got {self.max_kv_bytes}")
+        if self.kv_initial_length < 1:
+            raise ConfigError(f"the initial KV length must be >= 1, got {self.kv_initial_length}")
+        if self.max_active_requests < 1:
+            raise ConfigError(f"max active requests must be >= 1, got {self.max_active_requests}")
+        self.scheduler_config()  # checks the batching limits
+
+    def scheduler_config(self) -> "SchedulerConfig":
+        from specdec.server.scheduler import SchedulerConfig
+
+        return SchedulerConfig(max_tokens=self.max_tokens_per_pass, chunk=self.prefill_chunk, max_queue=self.max_queue)
+
+    def _check_times(self) -> None:
+        for name in ("sweep_interval_s", "header_timeout_s", "body_timeout_s"):
+            if not getattr(self, name) > 0:
+                raise ConfigError(f"{name.removesuffix('_s').replace('_', ' ')} must be > 0 seconds, got {getattr(self, name)}")

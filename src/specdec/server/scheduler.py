@@ -1,0 +1,270 @@
+"""Continuous batching: one loop runs the pending forward passes of every request as one ragged batch.
+
+Every piece of model work the server does — an edge session's verification round, a prompt's
+prefill, an OpenAI request's speculative rounds — is a forward pass ``(tokens, cache)`` of one
+sequence.  Requests run in their own worker threads exactly as they would alone (sampling,
+penalties, seeds and verification rules stay per request); only the forward pass is handed to the
+:class:`Scheduler`, whose single loop collects what is pending, cuts it to a token budget and runs
+it through the model in one pass (iteration-level scheduling, Orca: Yu et al., OSDI 2022):
+
+* **ragged batch**: the rows of all sequences go through the linear layers together (one read of
+  the weights for everyone); each sequence attends to its own cache.  With the native backend the
+  logits of each sequence are bitwise what it gets alone (``NativeCausalLM.forward_batch``), so
+  batching never changes an output.  Models without ``forward_batch`` run the items one by one;
+* **token budget and chunked prefill**: at most ``max_tokens`` rows per pass; a forward longer than
+  ``chunk`` rows (a long prompt) is cut into chunks run over several passes, so a 2,048-token
+  prefill shares each pass with everyone's verification rounds instead of stalling them;
+* **first come, first served**: the queue is FIFO; an item partly run keeps its place;
+* **admission**: at most ``max_queue`` forwards wait; past that :meth:`Scheduler.forward` raises
+  :class:`Overloaded` (the HTTP layer answers 503 with Retry-After), never an unbounded backlog;
+* **cancellation**: a forward whose request was cancelled (:meth:`Scheduler.bind_cancel`) is
+  dropped at the next pass boundary.
+"""
+
+from __future__ import annotations
+
+import threading
+import time
+from collections import deque
+from dataclasses import dataclass, field
+from typing import Any, Callable
+
+import torch
+from torch import Tensor
+
+from specdec import defaults
+
+
+class Overloaded(Exception):
+    """The scheduler's queue is full."""
+
+
+class Cancelled(Exception):
+    """The request that submitted this forward pass went away."""
+
+
+@dataclass(frozen=True)
+class SchedulerConfig:
+    #: rows (tokens) per pass, all sequences together
+    max_tokens: int = defaults.SCHEDULER_MAX_TOKENS
+    #: a forward longer than this is run in chunks of this many rows (prefill chunking)
+    chunk: int = defaults.SCHEDULER_PREFILL_CHUNK
+    #: forwards waiting at most; more raise Overloaded
+    max_queue: int = defaults.SCHEDULER_MAX_QUEUE
+
+    def __post_init__(self) -> None:
+        from specdec.errors import ConfigError
+
+        if self.max_tokens < 1 or self.chunk < 1 or self.max_queue < 1:
+            raise ConfigError(f"scheduler limits must be >= 1, got {self}")
+        if self.chunk > self.max_tokens:
+            raise ConfigError(f"the prefill chunk ({self.chunk}) cannot exceed the tokens per pass ({self.max_tokens})")
+
+
+@dataclass(eq=False)
+class _Item:
+    tokens: Tensor  # [n] int64
+    cache: Any
+    last_only: bool
+    cancelled: threading.Event
+    done: threading.Event = field(default_factory=threading.Event)
+    offset: int = 0  # rows already run
+    parts: list[Tensor] = field(default_factory=list)  # logits of the chunks run so far
+    error: BaseException | None = None
+
+    @property
+    def left(self) -> int:
+        return self.tokens.numel() - self.offset
+
+
+@dataclass(frozen=True)
+class PassStats:
+    """What one pass ran (for metrics)."""
+
+    sequences: int
+    tokens: int
+    queued: int
+    seconds: float
+
+
+class Scheduler:
+    """The batching loop in front of one model (a daemon thread started on first use)."""
+
+    def __init__(self, model: Any, config: SchedulerConfig | None = None, *,
+                 on_pass: Callable[[PassStats], None] | None = None, name: str = "target") -> None:
+        self.model = model
+        self.config = config or SchedulerConfig()
+        self.on_pass = on_pass or (lambda stats: None)
+        self.name = name
+        self._queue: deque[_Item] = deque()
+        self._cond = threading.Condition()
+        self._thread: threading.Thread | None = None
+        self._local = threading.local()
+        self.batched = hasattr(model, "forward_batch")
+        self.metrics: SchedulerMetrics | None = None  # set by the server (Prometheus figures)
+
+    # ------------------------------------------------------------------ submitting
+
+    def __len__(self) -> int:
+        """Forwards waiting or running."""
+        return len(self._queue)
+
+    def bind_cancel(self, event: threading.Event | None) -> None:
+        """Make ``event`` the calling thread's cancellation flag (one per request; ``None`` unbinds).
+
+        Forwards this thread submits while the flag is set are dropped and raise :class:`Cancelled`.
+        """
+        self._local.cancelled = event
+
+    def _cancel_event(self) -> threading.Event:
+        event = getattr(self._local, "cancelled", None)
+        return event if event is not None else threading.Event()
+
+    def forward(self, tokens: Tensor, cache: Any, *, last_only: bool = False) -> Tensor:  # tokens: [n] -> [n|1, V]
+        """Run one sequence's forward pass in the next batch; blocks until its logits are ready."""
+        tokens = tokens.reshape(-1)
+        item = _Item(tokens=tokens, cache=cache, last_only=last_only, cancelled=self._cancel_event())
+        with self._cond:
+            if len(self._queue) >= self.config.max_queue:
+                if self.metrics is not None:
+                    self.metrics.rejected.labels(self.name).inc()
+                raise Overloaded(f"the {self.name} model's queue is full ({self.config.max_queue} forward passes waiting)")
+            self._queue.append(item)
+            self._start()
+            self._cond.notify()
+        item.done.wait()
+        if item.error is not None:
+            raise item.error
+        return item.parts[0] if len(item.parts) == 1 else torch.cat(item.parts)
+
+    def _start(self) -> None:
+        if self._thread is None or not self._thread.is_alive():
+            self._thread = threading.Thread(target=self._loop, name=f"specdec-{self.name}-scheduler", daemon=True)
+            self._thread.start()
+
+    # ------------------------------------------------------------------ the loop
+
+    def _take(self) -> tuple[list[tuple[_Item, int]], int]:
+        """Pick the next batch under the token budget (FIFO; long items contribute one chunk)."""
+        budget = self.config.max_tokens
+        batch: list[tuple[_Item, int]] = []
+        for item in list(self._queue):
+            if item.cancelled.is_set():
+                self._queue.remove(item)
+                item.error = Cancelled("the request was cancelled")
+                item.done.set()
+                continue
+            if budget <= 0:
+                break
+            take = min(item.left, self.config.chunk, budget)
+            batch.append((item, take))
+            budget -= take
+        return batch, len(self._queue)
+
+    def _loop(self) -> None:
+        while True:
+            with self._cond:
+                while not self._queue:
+                    self._cond.wait()
+                batch, queued = self._take()
+            if not batch:
+                continue
+            started = time.perf_counter()
+            self._run(batch)
+            self.on_pass(PassStats(sequences=len(batch), tokens=sum(t for _, t in batch), queued=queued,
+                                   seconds=time.perf_counter() - started))
+            with self._cond:
+                for item, _ in batch:
+                    if item.error is not None or item.left == 0:
+                        self._queue.remove(item)
+                        item.done.set()
+
+    def _run(self, batch: list[tuple[_Item, int]]) -> None:
+        work = []
+        for item, take in batch:
+            # every chunk of a last_only forward asks for its last row only (the final one is kept)
+            work.append((item.tokens[item.offset : item.offset + take], item.cache, item.last_only))
+        try:
+            if self.batched and len(work) > 1:
+                outs = self.model.forward_batch(work)
+            else:
+                outs = [self.model.forward(t, c, last_only=last) for t, c, last in work]
+        except Exception:  # noqa: BLE001 - isolate the failing item: rerun them one by one
+            outs = None
+        if outs is None:
+            outs = []
+            for (item, _), (t, c, last) in zip(batch, work):
+                try:
+                    outs.append(self.model.forward(t, c, last_only=last))
+                except Exception as exc:  # noqa: BLE001 - handed to the waiting request
+                    item.error = exc
+                    outs.append(None)
+        for (item, take), out, (_, _, last) in zip(batch, outs, work):
+            if item.error is not None:
+                continue
+            item.offset += take
+            if item.last_only:
+                if item.left == 0:
+                    item.parts = [out]
+            else:
+                item.parts.append(out)
+
+
+class BatchedModel:
+    """A :class:`LanguageModel` whose forward passes go through a :class:`Scheduler`."""
+
+    def __init__(self, model: Any, scheduler: Scheduler, *, initial_length: int | None = None) -> None:
+        import inspect
+
+        self.inner = model
+        self.scheduler = scheduler
+        self.vocab_size = model.vocab_size
+        self.max_length = model.max_length
+        self.initial_length = initial_length
+        try:
+            self._grows = "initial_length" in inspect.signature(model.new_cache).parameters
+        except (TypeError, ValueError):
+            self._grows = False
+
+    def new_cache(self, max_length: int | None = None) -> Any:
+        if self._grows and self.initial_length is not None:
+            return self.inner.new_cache(max_length, initial_length=self.initial_length)
+        return self.inner.new_cache(max_length)
+
+    def forward(self, tokens: Tensor, cache: Any, *, last_only: bool = False) -> Tensor:  # tokens: [n]
+        return self.scheduler.forward(tokens, cache, last_only=last_only)
+
+    def __getattr__(self, name: str) -> Any:  # dtype, n_params, ... pass through
+        return getattr(self.inner, name)
+
+
+class SchedulerMetrics:
+    """Operator figures of the batching loop, registered on the server's Prometheus registry."""
+
+    _SIZE_BUCKETS = (1, 2, 4, 8, 12, 16, 24, 32, 48, 64, 96, 128)
+    _TOKEN_BUCKETS = (1, 4, 8, 16, 32, 64, 96, 128, 192, 256, 384, 512, 1024)
+
+    def __init__(self, registry: Any) -> None:
+        from prometheus_client import Counter, Gauge, Histogram
+
+        r = registry
+        self.queue = Gauge("specdec_scheduler_queue_length", "Forward passes waiting or running", ["model"], registry=r)
+        self.passes = Counter("specdec_scheduler_passes", "Batched forward passes run", ["model"], registry=r)
+        self.batch_size = Histogram("specdec_scheduler_batch_size", "Sequences per forward pass", ["model"],
+                                    buckets=self._SIZE_BUCKETS, registry=r)
+        self.tokens = Histogram("specdec_scheduler_tokens_per_pass", "Rows (tokens) per forward pass", ["model"],
+                                buckets=self._TOKEN_BUCKETS, registry=r)
+        self.pass_seconds = Histogram("specdec_scheduler_pass_seconds", "Time of one forward pass", ["model"],
+                                      buckets=(0.001, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0), registry=r)
+        self.rejected = Counter("specdec_scheduler_rejected", "Forward passes refused because the queue was full",
+                                  ["model"], registry=r)
+
+    def observer(self, name: str) -> Callable[[PassStats], None]:
+        def observe(stats: PassStats) -> None:
+            self.passes.labels(name).inc()
+            self.batch_size.labels(name).observe(stats.sequences)
+            self.tokens.labels(name).observe(stats.tokens)
+            self.pass_seconds.labels(name).observe(stats.seconds)
+            self.queue.labels(name).set(stats.queued)
+
+        return observe

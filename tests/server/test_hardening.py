@@ -1,0 +1,326 @@
+"""Hardening of the server: each test reproduces one finding of an audit (it failed before the fix).
+
+Memory (KV sized to use, grown on demand, total capped), a completion that outlives its client,
+sessions bound to the key that made them, authentication before the body is read, slow clients,
+Host/Origin checks without a key, numerically unsafe sampling parameters, ``max_new_tokens``
+honoured by every round, idle sessions swept on a timer, and an access log without secrets.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import socket
+import threading
+import time
+
+import httpx
+import pytest
+import torch
+from fastapi.testclient import TestClient
+
+from serverproc import ServerProcess
+from tiny import tiny_native
+from specdec.errors import ConfigError
+from specdec.models.toy import ToyLM
+from specdec.sampling import SamplingConfig, process_logits
+from specdec.server import ServerSettings, create_app
+from specdec.server.runner import AccessLogRedactor, read_key_file
+
+
+def _session(client: TestClient, **body) -> str:
+    r = client.post("/v1/sessions", json={"prompt_ids": [1, 2, 3], "temperature": 0.0, **body})
+    assert r.status_code == 201, r.text
+    return r.json()["session_id"]
+
+
+# ----------------------------------------------------------------------------- memory
+
+
+def test_kv_cache_is_sized_to_use_and_grows():
+    model = tiny_native()
+    client = TestClient(create_app(model, settings=ServerSettings()), base_url="http://localhost")
+    sid = _session(client)
+    cache = client.app.state.ctx.store.get(sid).target.cache
+    per_position = cache.bytes_per_position
+    assert cache.nbytes <= 128 * per_position  # not the whole 4,096-token context up front
+    for seq in range(5):  # lossy appends: 61 positions a round
+        r = client.post(f"/v1/sessions/{sid}/verify", json={"seq": seq, "unverified_tokens": [seq + 1] * 60})
+        assert r.status_code == 200, r.text
+    assert cache.length > 300
+    assert cache.length * per_position <= cache.nbytes < 1024 * per_position  # grown on demand, not to the context
+
+
+def test_total_kv_bytes_are_capped():
+    model = tiny_native()
+    per_position = model.new_cache(1).bytes_per_position
+    cap = per_position * 1024  # room for three 200-token sessions
+    app = create_app(model, settings=ServerSettings(max_kv_bytes=cap, api_keys=("key-a", "key-b")))
+    a = TestClient(app, headers={"Authorization": "Bearer key-a"})
+    b = TestClient(app, headers={"Authorization": "Bearer key-b"})
+    body = {"prompt_ids": [i % 60 + 1 for i in range(200)], "temperature": 0.0}
+    assert all(a.post("/v1/sessions", json=body).status_code == 201 for _ in range(5))  # evicts its own
+    store = app.state.ctx.store
+    assert 0 < store.kv_bytes() <= cap
+    r = b.post("/v1/sessions", json=body)
+    assert r.status_code == 503 and r.headers["Retry-After"] and "KV cache" in r.json()["error"]["message"]
+    assert store.kv_bytes() <= cap
+
+
+# ----------------------------------------------------------------------------- sampling parameters
+
+
+@pytest.mark.parametrize("field", ["temperature", "repetition_penalty"])
+def test_numerically_unsafe_values_are_refused(field):
+    with pytest.raises(ConfigError, match=field.replace("_", " ")):
+        SamplingConfig(**{field: 1e-300})
+    with pytest.raises(ConfigError):
+        SamplingConfig(**{field: 1e300})
+    client = TestClient(create_app(ToyLM(6, order=1, seed=0), settings=ServerSettings()), base_url="http://localhost")
+    r = client.post("/v1/sessions", json={"prompt_ids": [1], field: 1e-300})
+    assert r.status_code == 400 and field.replace("_", " ") in r.json()["error"]["message"]
+    r = client.post("/v1/completions", json={"prompt": [1, 2], field: 1e-300, "max_tokens": 2})
+    assert r.status_code == 400, r.text
+
+
+def test_smallest_allowed_values_stay_finite():
+    from specdec import defaults
+
+    logits = torch.randn(3, 50) * 40  # [3, V]
+    cfg = SamplingConfig(temperature=defaults.MIN_TEMPERATURE, repetition_penalty=defaults.MIN_REPETITION_PENALTY)
+    from specdec.sampling import PenaltyState
+
+    probs = process_logits(logits, cfg, PenaltyState.start(torch.arange(25), 50), torch.tensor([1, 2]))
+    assert torch.isfinite(probs).all() and torch.allclose(probs.sum(-1), torch.ones(3, dtype=probs.dtype))
+
+
+# ----------------------------------------------------------------------------- max_new_tokens
+
+
+def test_max_new_tokens_bounds_every_round():
+    model = ToyLM(6, order=1, seed=0)
+    client = TestClient(create_app(model, settings=ServerSettings()), base_url="http://localhost")
+    free = _session(client)
+    greedy: list[int] = []
+    for seq in range(8):
+        greedy += client.post(f"/v1/sessions/{free}/verify", json={"seq": seq}).json()["tokens"]
+    sid = _session(client, max_new_tokens=1)
+    r = client.post(f"/v1/sessions/{sid}/verify", json={"seq": 0, "draft_tokens": greedy[:6]})
+    assert r.status_code == 200 and r.json()["tokens"] == greedy[:1]
+    assert client.get(f"/v1/sessions/{sid}").json()["committed"] == 1
+    r = client.post(f"/v1/sessions/{sid}/verify", json={"seq": 1, "draft_tokens": greedy[1:4]})
+    assert r.status_code == 400 and "max_new_tokens" in r.json()["error"]["message"]
+    sid = _session(client, max_new_tokens=3)
+    r = client.post(f"/v1/sessions/{sid}/verify", json={"seq": 0, "unverified_tokens": [1, 2, 3]})
+    assert r.status_code == 400 and client.get(f"/v1/sessions/{sid}").json()["committed"] == 0
+
+
+# ----------------------------------------------------------------------------- keys and owners
+
+
+def test_sessions_are_bound_to_the_key_that_made_them():
+    app = create_app(ToyLM(6, order=1, seed=0), settings=ServerSettings(api_keys=("key-a", "key-b")))
+    a = TestClient(app, headers={"Authorization": "Bearer key-a"})
+    b = TestClient(app, headers={"Authorization": "Bearer key-b"})
+    sid = _session(a)
+    assert b.get(f"/v1/sessions/{sid}").status_code == 404
+    assert b.post(f"/v1/sessions/{sid}/verify", json={"seq": 0}).status_code == 404
+    assert b.delete(f"/v1/sessions/{sid}").status_code == 404
+    assert a.post(f"/v1/sessions/{sid}/verify", json={"seq": 0}).status_code == 200
+    assert a.get(f"/v1/sessions/{sid}").status_code == 200
+    assert TestClient(app).get(f"/v1/sessions/{sid}").status_code == 401
+
+
+def test_another_key_cannot_evict_a_session():
+    app = create_app(ToyLM(6, order=1, seed=0), settings=ServerSettings(api_keys=("key-a", "key-b"), max_sessions=1))
+    a = TestClient(app, headers={"Authorization": "Bearer key-a"})
+    b = TestClient(app, headers={"Authorization": "Bearer key-b"})
+    sid = _session(a)
+    r = b.post("/v1/sessions", json={"prompt_ids": [1], "temperature": 0.0})
+    assert r.status_code == 429 and "Retry-After" in r.headers
+    assert a.get(f"/v1/sessions/{sid}").status_code == 200
+    _session(a)  # a key may still evict its own idle sessions
+    assert a.get(f"/v1/sessions/{sid}").status_code == 404
+
+
+def test_key_file(tmp_path):
+    f = tmp_path / "keys"
+    f.write_text("# operators\nkey-one\n\n  key-two  \n")
+    assert read_key_file(f) == ("key-one", "key-two")
+    f.write_text("# nothing\n")
+    with pytest.raises(ConfigError, match="no keys"):
+        read_key_file(f)
+
+
+def test_unauthenticated_body_is_never_read():
+    """The key is checked from the headers; a client without one cannot make the server buffer a body."""
+    app = create_app(ToyLM(6, order=1, seed=0), settings=ServerSettings(api_key="secret"))
+    reads = 0
+    sent: list[dict] = []
+
+    async def receive() -> dict:
+        nonlocal reads
+        reads += 1
+        return {"type": "http.request", "body": b"x" * 60_000, "more_body": True}
+
+    async def send(message: dict) -> None:
+        sent.append(message)
+
+    scope = {"type": "http", "method": "POST", "path": "/v1/sessions", "raw_path": b"/v1/sessions", "query_string": b"",
+             "headers": [(b"host", b"x"), (b"content-type", b"application/json")], "client": ("1.2.3.4", 5),
+             "server": ("x", 80), "scheme": "http", "http_version": "1.1", "root_path": "", "asgi": {"version": "3.0"}}
+    asyncio.run(app(scope, receive, send))
+    assert sent[0]["status"] == 401 and reads == 0
+
+
+# ----------------------------------------------------------------------------- Host / Origin without a key
+
+
+def test_keyless_server_checks_host_and_origin():
+    app = create_app(ToyLM(6, order=1, seed=0), settings=ServerSettings())
+    ok = TestClient(app, base_url="http://127.0.0.1:8000")
+    assert ok.get("/v1/models").status_code == 200
+    assert TestClient(app, base_url="http://localhost").get("/v1/models").status_code == 200
+    assert TestClient(app, base_url="http://[::1]:9").get("/v1/models").status_code == 200
+    r = TestClient(app, base_url="http://evil.example:8000").post("/v1/sessions", json={"prompt_ids": [1]})
+    assert r.status_code == 403 and "Host" in r.json()["error"]["message"]
+    r = ok.post("/v1/sessions", json={"prompt_ids": [1]}, headers={"Origin": "https://evil.example"})
+    assert r.status_code == 403 and "Origin" in r.json()["error"]["message"]
+    assert ok.get("/v1/models", headers={"Origin": "http://localhost:3000"}).status_code == 200
+    keyed = TestClient(create_app(ToyLM(6, order=1, seed=0), settings=ServerSettings(api_key="k")),
+                       base_url="http://example.com", headers={"Authorization": "Bearer k"})
+    assert keyed.get("/v1/models").status_code == 200  # a key is the protection there
+
+
+# ----------------------------------------------------------------------------- idle sessions and /health
+
+
+def test_idle_sessions_are_swept_without_requests():
+    app = create_app(ToyLM(6, order=1, seed=0), settings=ServerSettings(session_ttl_s=0.2, sweep_interval_s=0.05))
+    with TestClient(app, base_url="http://localhost") as client:
+        _session(client)
+        store = app.state.ctx.store
+        assert len(store) == 1
+        deadline = time.monotonic() + 5
+        while len(store) and time.monotonic() < deadline:
+            time.sleep(0.05)
+        assert len(store) == 0  # swept by the timer: no request came in
+        assert client.get("/health").json()["sessions"] == 0
+
+
+def test_health_is_not_stale():
+    app = create_app(ToyLM(6, order=1, seed=0), settings=ServerSettings(session_ttl_s=0.2, sweep_interval_s=60))
+    client = TestClient(app, base_url="http://localhost")
+    _session(client)
+    time.sleep(0.3)
+    assert client.get("/health").json()["sessions"] == 0
+
+
+# ----------------------------------------------------------------------------- the access log
+
+
+def test_access_log_redacts_session_ids_and_query_strings():
+    redactor = AccessLogRedactor()
+    record = logging.LogRecord("uvicorn.access", logging.INFO, __file__, 1, '%s - "%s %s HTTP/%s" %d',
+                               ("127.0.0.1:5", "POST", "/v1/sessions/AbC123_-x/verify?api_key=s3cret", "1.1", 200), None)
+    assert redactor.filter(record)
+    line = record.getMessage()
+    assert "AbC123_-x" not in line and "s3cret" not in line and "/v1/sessions/" in line and "/verify" in line
+
+
+# ----------------------------------------------------------------------------- real server processes
+
+
+@pytest.fixture(scope="module")
+def strict_server():
+    srv = ServerProcess.toy("--api-key", "k", "--header-timeout", "1", "--body-timeout", "1", "--log-level", "info",
+                            capture_stdout=True)
+    with srv:
+        yield srv
+
+
+def test_slow_headers_are_cut_off(strict_server):
+    with socket.create_connection(("127.0.0.1", strict_server.port)) as s:
+        s.sendall(b"GET /health HTTP/1.1\r\nHost: 127.0.0.1\r\n")  # never finishes the headers
+        s.settimeout(8)
+        started = time.monotonic()
+        assert s.recv(1024) == b""  # closed by the server
+        assert time.monotonic() - started < 8
+
+
+def test_slow_bodies_are_cut_off(strict_server):
+    with socket.create_connection(("127.0.0.1", strict_server.port)) as s:
+        s.sendall(b"POST /v1/sessions HTTP/1.1\r\nHost: 127.0.0.1\r\nAuthorization: Bearer k\r\n"
+                  b"Content-Type: application/json\r\nContent-Length: 1000\r\n\r\n{\"prompt_ids\"")
+        s.settimeout(8)
+        reply = s.recv(4096)
+        assert reply.startswith(b"HTTP/1.1 408") or reply == b""
+
+
+def test_server_access_log_has_no_secrets(strict_server):
+    h = {"Authorization": "Bearer k"}
+    sid = httpx.post(strict_server.url + "/v1/sessions", json={"prompt_ids": [1], "temperature": 0.0}, headers=h).json()["session_id"]
+    assert httpx.post(f"{strict_server.url}/v1/sessions/{sid}/verify?api_key=topsecret", json={"seq": 0}, headers=h).status_code == 200
+    strict_server.proc.terminate()
+    strict_server.proc.wait(timeout=10)
+    log = strict_server.proc.stderr.read() + strict_server.proc.stdout.read()
+    assert "/verify" in log and sid not in log and "topsecret" not in log
+
+
+# ----------------------------------------------------------------------------- disconnects
+
+
+class _SlowModel:
+    """A toy target whose forward passes take 10 ms and are counted."""
+
+    def __init__(self) -> None:
+        self.inner = ToyLM(6, order=1, seed=0)
+        self.vocab_size, self.max_length = self.inner.vocab_size, self.inner.max_length
+        self.calls = 0
+
+    def new_cache(self, max_length=None):
+        return self.inner.new_cache(max_length)
+
+    def forward(self, tokens, cache, *, last_only=False):
+        self.calls += 1
+        time.sleep(0.01)
+        return self.inner.forward(tokens, cache, last_only=last_only)
+
+
+class _Letters:
+    """A tokenizer for toy vocabularies: token i is the letter chr(97 + i)."""
+
+    def encode(self, text, add_special_tokens=False):
+        return [ord(c) - 97 for c in text]
+
+    def decode(self, ids, skip_special_tokens=True):
+        return "".join(chr(97 + int(i)) for i in ids)
+
+
+def test_completion_stops_when_its_client_goes_away():
+    import uvicorn
+
+    from serverproc import free_port
+
+    model = _SlowModel()
+    model.max_length = 2048
+    app = create_app(model, tokenizer=_Letters(), settings=ServerSettings())
+    port = free_port()
+    server = uvicorn.Server(uvicorn.Config(app, host="127.0.0.1", port=port, log_level="warning"))
+    thread = threading.Thread(target=server.run, daemon=True)
+    thread.start()
+    try:
+        deadline = time.monotonic() + 30
+        while not server.started and time.monotonic() < deadline:
+            time.sleep(0.05)
+        with pytest.raises(httpx.TimeoutException):
+            httpx.post(f"http://127.0.0.1:{port}/v1/completions", timeout=0.5,
+                       json={"prompt": [1, 2], "max_tokens": 1500, "temperature": 0})
+        time.sleep(1.0)
+        first = model.calls
+        time.sleep(0.5)
+        assert model.calls == first, "generation went on after the client disconnected"
+        assert first < 1000
+    finally:
+        server.should_exit = True
+        thread.join(timeout=10)

@@ -1,0 +1,342 @@
+"""Continuous batching: batched forwards are bitwise the solo ones, concurrent requests give the
+solo tokens, the output law is unchanged under batching, and the admission limits hold.
+
+The law tests run many concurrent speculative generations through one scheduler on an exact toy
+target (``BatchToy``: a toy whose ``forward_batch`` really batches the items of a pass), so a
+scheduling bug that mixes up requests, caches or chunks shows up as a wrong law; a deliberately
+broken scheduler (logits of one request handed to another) is the negative control.
+"""
+
+from __future__ import annotations
+
+import threading
+import time
+
+import pytest
+import torch
+from fastapi.testclient import TestClient
+
+from specdec.decoder import SpeculativeDecoder
+from specdec.drafters import ModelDrafter
+from specdec.gamma import FixedGamma
+from specdec.models.toy import ToyLM
+from specdec.sampling import SamplingConfig
+from specdec.server import ServerSettings, create_app
+from specdec.server.scheduler import BatchedModel, Overloaded, PassStats, Scheduler, SchedulerConfig
+from specdec.session import TargetSession
+from specdec.verify import get_rule
+from stats import ALPHA, chi_square_pvalue, exact_law
+from tiny import tiny_native
+
+N_SAMPLES = 3_000
+N_THREADS = 8
+N_NEW = 3
+PROMPT = [1, 2]
+
+
+class BatchToy(ToyLM):
+    """A toy target with ``forward_batch`` (each item against its own cache, in one call)."""
+
+    def forward_batch(self, items):
+        return [self.forward(t, c, last_only=last) for t, c, last in items]
+
+
+class MixedUpToy(BatchToy):
+    """Negative control: a batching bug that hands each sequence the logits of its neighbour."""
+
+    def forward_batch(self, items):
+        outs = super().forward_batch(items)
+        if len(outs) > 1 and all(o.shape == outs[0].shape for o in outs):
+            outs = outs[1:] + outs[:1]
+        return outs
+
+
+def _recording_scheduler(model, **cfg) -> tuple[Scheduler, list[PassStats]]:
+    passes: list[PassStats] = []
+    return Scheduler(model, SchedulerConfig(**cfg), on_pass=passes.append), passes
+
+
+def _concurrent_samples(target_cls, method: str, cfg: SamplingConfig) -> tuple[list[tuple[int, ...]], list[PassStats]]:
+    target = target_cls(4, order=2, seed=0)
+    draft = target.perturbed(1.0, seed=1)
+    scheduler, passes = _recording_scheduler(target)
+    model = BatchedModel(target, scheduler)
+    out: list[list[tuple[int, ...]]] = [[] for _ in range(N_THREADS)]
+
+    def worker(w: int) -> None:
+        dec = SpeculativeDecoder(model, ModelDrafter(draft), get_rule(method), gamma=FixedGamma(2))
+        for i in range(w, N_SAMPLES, N_THREADS):
+            c = SamplingConfig(**{**cfg.__dict__, "seed": i, "max_new_tokens": N_NEW})
+            out[w].append(tuple(dec.generate(PROMPT, c).tokens))
+
+    threads = [threading.Thread(target=worker, args=(w,)) for w in range(N_THREADS)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    return [s for part in out for s in part], passes
+
+
+@pytest.mark.parametrize("method", ["token", "block"])
+def test_batched_output_law_matches_target(method):
+    cfg = SamplingConfig(temperature=1.0, top_p=0.9, repetition_penalty=1.3)
+    law = exact_law(ToyLM(4, order=2, seed=0), PROMPT, cfg, N_NEW)
+    samples, passes = _concurrent_samples(BatchToy, method, cfg)
+    assert max(p.sequences for p in passes) > 1  # batches really formed
+    assert sum(p.sequences for p in passes) / len(passes) > 1.5
+    assert chi_square_pvalue(samples, law) > ALPHA
+
+
+def test_mixed_up_batches_fail_the_law_test():
+    cfg = SamplingConfig(temperature=1.0, top_p=0.9, repetition_penalty=1.3)
+    law = exact_law(ToyLM(4, order=2, seed=0), PROMPT, cfg, N_NEW)
+    samples, _ = _concurrent_samples(MixedUpToy, "token", cfg)
+    assert chi_square_pvalue(samples, law) < ALPHA
+
+
+# ----------------------------------------------------------------------------- bitwise identity
+
+
+def _solo_and_batched(model, prompts, blocks, *, chunk: int = 16):
+    solo = []
+    for p, b in zip(prompts, blocks):
+        c = model.new_cache(1024)
+        model.forward(p, c, last_only=True)
+        solo.append(model.forward(b, c))
+    scheduler, passes = _recording_scheduler(model, max_tokens=4 * chunk, chunk=chunk)
+    batched = BatchedModel(model, scheduler, initial_length=8)
+    results: list[torch.Tensor | None] = [None] * len(prompts)
+    gate = threading.Barrier(len(prompts))
+
+    def run(i: int) -> None:
+        c = batched.new_cache(1024)
+        gate.wait()
+        batched.forward(prompts[i], c, last_only=True)
+        results[i] = batched.forward(blocks[i], c)
+
+    threads = [threading.Thread(target=run, args=(i,)) for i in range(len(prompts))]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    return solo, results, passes
+
+
+def test_batched_logits_are_bitwise_solo_tiny_native():
+    model = tiny_native()
+    g = torch.Generator().manual_seed(0)
+    prompts = [torch.randint(0, 64, (n,), generator=g) for n in (40, 3, 1, 17)]
+    blocks = [torch.randint(0, 64, (k,), generator=g) for k in (5, 1, 3, 40)]
+    solo, batched, passes = _solo_and_batched(model, prompts, blocks)
+    assert all(torch.equal(a, b) for a, b in zip(solo, batched))
+    assert max(p.sequences for p in passes) > 1 and max(p.tokens for p in passes) <= 64  # chunked, batched
+
+
+def test_concurrent_sessions_give_solo_tokens_tiny_native():
+    """Greedy and coupled sessions run together give the tokens each gives alone."""
+    model = tiny_native(vocab=64)
+    draft = tiny_native(vocab=64, seed=1)
+    cases = [(get_rule("greedy"), SamplingConfig(temperature=0.0)), (get_rule("coupled"), SamplingConfig(temperature=0.9))]
+    prompts = [[1, 2, 3], [5] * 30, list(range(1, 50)), [7, 8]]
+
+    def generate(target, rule, cfg, prompt, seed):
+        dec = SpeculativeDecoder(target, ModelDrafter(draft), rule, gamma=FixedGamma(3))
+        return dec.generate(prompt, SamplingConfig(**{**cfg.__dict__, "seed": seed, "max_new_tokens": 24})).tokens
+
+    jobs = [(rule, cfg, p, s) for rule, cfg in cases for s, p in enumerate(prompts)]
+    solo = [generate(model, *job) for job in jobs]
+    scheduler, passes = _recording_scheduler(model, max_tokens=64, chunk=16)
+    batched = BatchedModel(model, scheduler, initial_length=8)
+    out: list[list[int] | None] = [None] * len(jobs)
+
+    def run(i: int) -> None:
+        out[i] = generate(batched, *jobs[i])
+
+    threads = [threading.Thread(target=run, args=(i,)) for i in range(len(jobs))]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    assert out == solo
+    assert max(p.sequences for p in passes) > 1
+
+
+@pytest.mark.slow
+def test_batched_logits_are_bitwise_solo_on_real_weights(smollm2):
+    target, _ = smollm2
+    model = target.model
+    g = torch.Generator().manual_seed(0)
+    prompts = [torch.randint(0, model.vocab_size, (n,), generator=g) for n in (40, 7, 2)]
+    blocks = [torch.randint(0, model.vocab_size, (k,), generator=g) for k in (5, 1, 17)]
+    solo, batched, passes = _solo_and_batched(model, prompts, blocks, chunk=16)
+    assert all(torch.equal(a, b) for a, b in zip(solo, batched))
+    assert max(p.sequences for p in passes) > 1
+
+
+@pytest.mark.slow
+def test_concurrent_requests_give_solo_tokens_on_real_weights(smollm2):
+    target, draft = smollm2
+    scheduler, passes = _recording_scheduler(target.model)
+    batched = BatchedModel(target.model, scheduler, initial_length=64)
+    prompts = [target.tokenizer.encode(p) for p in ("def fib(n):", "The capital of France is")]
+    cases = [("greedy", SamplingConfig(temperature=0.0)), ("coupled", SamplingConfig(temperature=1.0))]
+    jobs = [(m, c, p, s) for m, c in cases for s, p in enumerate(prompts)]
+
+    def generate(model, method, cfg, prompt, seed):
+        dec = SpeculativeDecoder(model, ModelDrafter(draft.model), get_rule(method), gamma=FixedGamma(4),
+                                 eos_ids=target.eos_ids)
+        return dec.generate(prompt, SamplingConfig(**{**cfg.__dict__, "seed": seed, "max_new_tokens": 16})).tokens
+
+    solo = [generate(target.model, *job) for job in jobs]
+    out: list[list[int] | None] = [None] * len(jobs)
+
+    def run(i: int) -> None:
+        out[i] = generate(batched, *jobs[i])
+
+    threads = [threading.Thread(target=run, args=(i,)) for i in range(len(jobs))]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    assert out == solo
+    assert max(p.sequences for p in passes) > 1
+
+
+# ----------------------------------------------------------------------------- fairness and admission
+
+
+class _Gate(BatchToy):
+    """A toy whose passes wait for a gate (to pile up work deterministically)."""
+
+    def __init__(self, *a, **kw) -> None:
+        super().__init__(*a, **kw)
+        self.gate = threading.Event()
+
+        self.log: list[list[tuple[int, int]]] = []  # per call: (first token, rows) of each item
+
+    def forward_batch(self, items):
+        self.gate.wait()
+        self.log.append([(int(t[0]), t.numel()) for t, _, _ in items])
+        return [ToyLM.forward(self, t, c, last_only=last) for t, c, last in items]
+
+    def forward(self, tokens, cache, *, last_only=False):
+        self.gate.wait()
+        self.log.append([(int(tokens[0]), tokens.numel())])
+        return super().forward(tokens, cache, last_only=last_only)
+
+
+def test_long_prefill_does_not_stall_a_short_round():
+    """A 600-token prefill is chunked: a one-token round submitted after it finishes in an early pass."""
+    model = _Gate(6, order=1, seed=0)
+    scheduler, passes = _recording_scheduler(model, max_tokens=64, chunk=32)
+
+    def long() -> None:
+        scheduler.forward(torch.ones(600, dtype=torch.long), model.new_cache(), last_only=True)
+
+    def short() -> None:
+        scheduler.forward(torch.full((1,), 2, dtype=torch.long), model.new_cache())
+
+    t1 = threading.Thread(target=long)
+    t1.start()
+    time.sleep(0.1)
+    t2 = threading.Thread(target=short)
+    t2.start()
+    time.sleep(0.1)
+    model.gate.set()
+    t1.join()
+    t2.join()
+    calls = model.log
+    short_pass = next(i for i, call in enumerate(calls) if (2, 1) in call)
+    assert short_pass <= 1  # served in the first or second pass, not after the whole prompt
+    assert len(calls) >= 600 // 32 and sum(n for call in calls for tok, n in call if tok == 1) == 600
+    assert max(p.tokens for p in passes) <= 64
+
+
+def test_full_queue_is_refused_and_a_503_with_retry_after():
+    model = _Gate(6, order=1, seed=0)
+    scheduler = Scheduler(model, SchedulerConfig(max_queue=1))
+    waiting = threading.Thread(target=lambda: scheduler.forward(torch.ones(1, dtype=torch.long), model.new_cache()))
+    waiting.start()
+    time.sleep(0.1)
+    with pytest.raises(Overloaded):
+        scheduler.forward(torch.ones(1, dtype=torch.long), model.new_cache())
+    model.gate.set()
+    waiting.join()
+
+    gate = _Gate(6, order=1, seed=0)
+    app = create_app(gate, settings=ServerSettings(max_queue=1))
+    client = TestClient(app, base_url="http://localhost")
+    results = []
+    threads = [threading.Thread(target=lambda: results.append(client.post("/v1/sessions", json={"prompt_ids": [1, 2, 3]})))
+               for _ in range(3)]
+    for t in threads:
+        t.start()
+    time.sleep(0.5)
+    gate.gate.set()
+    for t in threads:
+        t.join()
+    codes = sorted(r.status_code for r in results)
+    assert codes[0] == 201 and 503 in codes
+    assert all("Retry-After" in r.headers for r in results if r.status_code == 503)
+
+
+def test_cancelled_forwards_are_dropped():
+    model = _Gate(6, order=1, seed=0)
+    scheduler = Scheduler(model)
+    cancel = threading.Event()
+    errors = []
+
+    def run() -> None:
+        scheduler.bind_cancel(cancel)
+        try:
+            scheduler.forward(torch.ones(3, dtype=torch.long), model.new_cache())
+        except Exception as exc:  # noqa: BLE001
+            errors.append(exc)
+
+    blocker = threading.Thread(target=lambda: scheduler.forward(torch.ones(1, dtype=torch.long), model.new_cache()))
+    blocker.start()
+    time.sleep(0.1)  # the loop is now waiting inside the first pass
+    t = threading.Thread(target=run)
+    t.start()
+    time.sleep(0.1)
+    cancel.set()
+    model.gate.set()
+    t.join()
+    blocker.join()
+    assert errors and type(errors[0]).__name__ == "Cancelled"
+
+
+def test_metrics_show_queue_batch_size_and_tokens_per_pass():
+    client = TestClient(create_app(BatchToy(6, order=1, seed=0), settings=ServerSettings()), base_url="http://localhost")
+    sid = client.post("/v1/sessions", json={"prompt_ids": [1, 2, 3], "temperature": 0.0}).json()["session_id"]
+    assert client.post(f"/v1/sessions/{sid}/verify", json={"seq": 0, "draft_tokens": [1, 2]}).status_code == 200
+    text = client.get("/metrics").text
+    assert 'specdec_scheduler_queue_length{model="target"} 0.0' in text
+    assert 'specdec_scheduler_passes_total{model="target"} 2.0' in text  # the prefill and the round
+    assert 'specdec_scheduler_tokens_per_pass_sum{model="target"} 5.0' in text  # 2 prompt rows + 3 scored rows
+    assert 'specdec_scheduler_batch_size_count{model="target"} 2.0' in text
+
+
+class _Letters:
+    def encode(self, text, add_special_tokens=False):
+        return [ord(c) - 97 for c in text]
+
+    def decode(self, ids, skip_special_tokens=True):
+        return "".join(chr(97 + int(i)) for i in ids)
+
+
+def test_generation_slots_are_bounded_429():
+    gate = _Gate(6, order=1, seed=0)
+    app = create_app(gate, tokenizer=_Letters(), settings=ServerSettings(max_active_requests=1))
+    client = TestClient(app, base_url="http://localhost")
+    body = {"prompt": [1, 2], "max_tokens": 3, "temperature": 0}
+    first: list = []
+    t = threading.Thread(target=lambda: first.append(client.post("/v1/completions", json=body)))
+    t.start()
+    time.sleep(0.5)  # the first request holds the only slot (its forward waits at the gate)
+    r = client.post("/v1/completions", json={**body, "stream": True})
+    assert r.status_code == 429 and r.headers["Retry-After"]
+    gate.gate.set()
+    t.join()
+    assert first[0].status_code == 200
+    assert client.post("/v1/completions", json=body).status_code == 200  # the slot was given back
