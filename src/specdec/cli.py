@@ -45,7 +45,7 @@ def _add_sampling(p: argparse.ArgumentParser) -> None:
     g.add_argument("--repetition-penalty", type=float, help="> 1 discourages tokens already in prompt or output")
     g.add_argument("--frequency-penalty", type=float, help="subtract this x count of the token in the output")
     g.add_argument("--presence-penalty", type=float, help="subtract this once for every token in the output")
-    g.add_argument("--seed", type=int, help="fixed seed => identical output run after run")
+    g.add_argument("--seed", type=int, help="fixed seed => identical output run after run, whatever γ and the drafter (at temperature > 0 the default rule becomes coupled: the tokens of plain seeded sampling)")
     g.add_argument("--max-new-tokens", "-n", type=int, default=128, help="tokens to generate at most (default 128)")
     g.add_argument("--stop", action="append", default=[], help="stop string (repeatable)")
 
@@ -88,7 +88,7 @@ def build_parser() -> argparse.ArgumentParser:
     gen.add_argument("--prompt", "-p", required=True, help="the prompt text ('-' reads stdin)")
     gen.add_argument("--chat", action="store_true", help="wrap the prompt in the model's chat template")
     _add_models(gen)
-    gen.add_argument("--method", "-m", help=f"verification rule: {', '.join(method_names())} (default: greedy at temperature 0, block otherwise)")
+    gen.add_argument("--method", "-m", help=f"verification rule: {', '.join(method_names())} (default: greedy at temperature 0; coupled with --seed; block otherwise)")
     gen.add_argument("--gamma", "-g", default=defaults.DEFAULT_GAMMA, help="draft length: an integer >= 1, 'auto' (cost-based, default) or 'guide' (start 6, range 3-12)")
     gen.add_argument("--min-confidence", type=float, default=None, help="dynamic draft length: end a draft after a token the drafter gives less than this probability (default 0 = off; lossless)")
     gen.add_argument("--json", action="store_true", help="print one JSON object: text, token_ids, stats")

@@ -74,8 +74,16 @@ def load_draft(cfg: EngineConfig, ref: str | None = None) -> LoadedModel:
 
 
 def default_method(cfg: SamplingConfig) -> str:
-    """Greedy at temperature 0, block verification otherwise (optimal among single-draft rules)."""
-    return "greedy" if cfg.greedy else "block"
+    """The rule used when none is named.
+
+    * temperature 0: ``greedy`` (identical tokens to plain greedy decoding);
+    * a seed is given: ``coupled``, so the seed fixes the output whatever γ the (timing-dependent)
+      controller picks and whatever the drafter: its tokens are plain seeded sampling's;
+    * otherwise ``block`` verification (optimal among single-draft rules: Sun et al. 2024).
+    """
+    if cfg.greedy:
+        return "greedy"
+    return "coupled" if cfg.seed is not None else "block"
 
 
 def parse_gamma(value: str | int) -> str | int:
