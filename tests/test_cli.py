@@ -41,8 +41,11 @@ def test_generate_json_schema(capsys, tiny_pair):
     assert STATS_KEYS <= set(payload["stats"])
     st = payload["stats"]
     assert st["generated_tokens"] == len(payload["token_ids"]) <= 12
-    assert st["method"] == "block" and st["lossless"] is True
+    assert st["method"] == "coupled" and st["lossless"] is True  # a seed makes coupled the default
     assert isinstance(payload["text"], str)
+    code, out, err = _run(capsys, "generate", "-p", "def f(x):", "--target", target, "--draft", draft,
+                          "-n", "4", "--json", "-t", "1", "-g", "3")
+    assert json.loads(out)["stats"]["method"] == "block"  # no seed: block verification
 
 
 def test_generate_streams_text_and_summary(capsys, tiny_pair):
@@ -100,6 +103,30 @@ def test_empty_prompt_and_prompt_too_long(capsys, tiny_pair):
     code, _, err = _run(capsys, "generate", "-p", "word " * 200, "--target", target, "--draft", draft)
     errors = [line for line in err.strip().splitlines() if not line.startswith("[specdec]")]
     assert code == 2 and "context" in err and len(errors) == 1
+
+
+def _one_error_line(err: str) -> str:
+    lines = [line for line in err.strip().splitlines() if line and not line.startswith("[specdec]")]
+    assert len(lines) == 1 and lines[0].startswith("specdec: error:") and "Traceback" not in err, err
+    return lines[0]
+
+
+def test_draft_folder_without_tokenizer(capsys, tiny_pair, tmp_path):
+    target, _ = tiny_pair
+    bare = make_tiny(tmp_path / "bare", seed=2, layers=1)
+    for name in ("tokenizer.json", "tokenizer_config.json", "chat_template.jinja"):
+        (bare / name).unlink(missing_ok=True)
+    capsys.readouterr()
+    code, _, err = _run(capsys, "generate", "-p", "hi", "--target", target, "--draft", str(bare))
+    assert code == 2 and "no tokenizer files" in _one_error_line(err)
+
+
+def test_draft_vocabulary_smaller_than_the_targets(capsys, tiny_pair, tmp_path):
+    target, _ = tiny_pair
+    small = make_tiny(tmp_path / "small", seed=2, layers=1, vocab=49000)
+    capsys.readouterr()
+    code, _, err = _run(capsys, "generate", "-p", "hi", "--target", target, "--draft", str(small))
+    assert code == 2 and "smaller than the target's" in _one_error_line(err)
 
 
 def test_missing_package_names_the_pip_command(capsys, monkeypatch):
