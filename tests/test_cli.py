@@ -149,3 +149,48 @@ def test_real_process_exit_code_and_no_traceback():
     assert proc.returncode == 2 and "Traceback" not in proc.stderr and "unknown model" in proc.stderr
     proc = subprocess.run([sys.executable, "-m", "specdec.cli", "--help"], capture_output=True, text=True, timeout=60)
     assert proc.returncode == 0 and "generate" in proc.stdout
+
+
+def test_plain_decoding_summary_says_plain(capsys, tiny_pair):
+    target, _ = tiny_pair
+    code, _, err = _run(capsys, "generate", "-p", "Hello", "--target", target, "--draft", "none", "-n", "4")
+    assert code == 0 and "plain decoding" in err and "acceptance" not in err and "gamma none" not in err
+
+
+def test_system_prompt_and_interactive_chat(capsys, tiny_pair, monkeypatch):
+    import io
+
+    target, draft = tiny_pair
+    base = ["generate", "--target", target, "--draft", draft, "-n", "5", "--json", "-p", "hi"]
+    code, out, _ = _run(capsys, *base, "--chat")
+    code2, out2, _ = _run(capsys, *base, "--chat", "--system", "You are a pirate.")
+    assert code == code2 == 0
+    assert json.loads(out)["stats"]["prompt_tokens"] != json.loads(out2)["stats"]["prompt_tokens"]
+    code, _, err = _run(capsys, *base, "--system", "x")
+    assert code == 2 and "--system needs --chat" in err
+    monkeypatch.setattr("sys.stdin", io.StringIO("and then?\n\n"))
+    code, out, err = _run(capsys, "generate", "--target", target, "--draft", draft, "-n", "5", "-i", "-p", "hi",
+                          "--system", "Be brief.")
+    summaries = [line for line in err.splitlines() if "tokens in" in line]
+    assert code == 0 and len(summaries) == 2  # the -p turn, then one typed turn; the empty line ends the chat
+
+
+def test_models_says_what_is_installed(capsys):
+    code, out, _ = _run(capsys, "models", "--json")
+    status = {row["name"]: row["status"] for row in json.loads(out)}
+    assert status["smollm2-135m-draft"] == "bundled"
+    assert set(status.values()) <= {"bundled", "ready", "installed", "missing"}
+    code, out, _ = _run(capsys, "models")
+    assert "status: installed (bundled with specdec)" in out
+
+
+def test_bench_help_documents_every_flag_and_its_default():
+    from specdec.cli import build_parser
+
+    parser = build_parser()
+    sub = next(a for a in parser._actions if a.__class__.__name__ == "_SubParsersAction")
+    bench = sub.choices["bench"]
+    for action in bench._actions:
+        if not action.option_strings or action.dest == "help":
+            continue
+        assert action.help and "default" in action.help.lower(), action.option_strings

@@ -34,6 +34,7 @@ OPTIONS = {
     "min_p": SamplingConfig(temperature=1.0, min_p=0.3),
     "repetition_penalty": SamplingConfig(temperature=1.0, repetition_penalty=1.6),
     "freq_presence": SamplingConfig(temperature=1.0, frequency_penalty=0.4, presence_penalty=0.3),
+    "logit_bias": SamplingConfig(temperature=1.0, logit_bias=((0, 1.5), (2, -2.0))),
 }
 
 

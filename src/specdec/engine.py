@@ -6,7 +6,8 @@ thing everywhere and the decoder itself never switches on strings.
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field
+import os
+from dataclasses import dataclass, field, replace
 from typing import Callable
 
 import torch
@@ -19,7 +20,8 @@ from specdec.errors import ConfigError
 from specdec.gamma import CostGamma, FixedGamma, GammaController, GuideGamma
 from specdec.models.registry import LoadedModel, check_compatible, load
 from specdec.sampling import SamplingConfig
-from specdec.text import StopStrings, TextSink, encode_prompt
+from specdec.session import TargetSession
+from specdec.text import StopStrings, TextSink, encode_messages, encode_prompt
 from specdec.verify import Rule, get_rule
 
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
@@ -118,6 +120,8 @@ class TextResult:
     token_ids: list[int]
     prompt_ids: list[int]
     result: GenerationResult = field(repr=False)
+    #: per generated token: (log-probability, [(id, log-probability) of the most likely]) or None
+    logprobs: list[tuple[float, list[tuple[int, float]]]] | None = field(default=None, repr=False)
 
     @property
     def stats(self):
@@ -156,20 +160,25 @@ class Engine:
         return cls(target, ModelDrafter(draft.model), draft.name, draft)
 
     def decoder(
-        self, rule: Rule, gamma: str | int = defaults.DEFAULT_GAMMA, *, min_confidence: float | None = None
+        self, rule: Rule, gamma: str | int = defaults.DEFAULT_GAMMA, *, min_confidence: float | None = None,
+        ignore_eos: bool = False,
     ) -> SpeculativeDecoder:
         return SpeculativeDecoder(
             self.target.model,
             self.drafter,
             rule,
             gamma=make_gamma(gamma),
-            eos_ids=self.target.eos_ids,
+            eos_ids=frozenset() if ignore_eos else self.target.eos_ids,
             drafter_name=self.drafter_name,
             min_confidence=defaults.MIN_CONFIDENCE if min_confidence is None else min_confidence,
         )
 
-    def encode(self, prompt: str, *, chat: bool) -> list[int]:
-        return encode_prompt(self.target.tokenizer, prompt, chat=chat)
+    def encode(self, prompt: str, *, chat: bool, system: str | None = None) -> list[int]:
+        return encode_prompt(self.target.tokenizer, prompt, chat=chat, system=system)
+
+    def encode_messages(self, messages: list[dict[str, str]]) -> list[int]:
+        """A whole conversation through the target's chat template, ready for the assistant's turn."""
+        return encode_messages(self.target.tokenizer, messages)
 
     def generate(
         self,
@@ -181,14 +190,25 @@ class Engine:
         chat: bool = False,
         on_text: Callable[[str], None] | None = None,
         min_confidence: float | None = None,
+        logprobs: int | None = None,
+        ignore_eos: bool = False,
     ) -> TextResult:
+        """Decode ``prompt``; ``logprobs`` (k >= 0) records each emitted token's log-probability
+        under the target's processed law and the k most likely alternatives; ``ignore_eos``
+        keeps generating past end-of-sequence tokens."""
         rule = get_rule(method or default_method(sampling))
         ids = self.encode(prompt, chat=chat) if isinstance(prompt, str) else list(prompt)
         if not ids:
             raise ConfigError("the prompt is empty")
         sink = TextSink(self.target.tokenizer, sampling.stop, on_text)
         stop = StopStrings(self.target.tokenizer, sampling.stop) if sampling.stop else None
-        decoder = self.decoder(rule, gamma, min_confidence=min_confidence)
-        result = decoder.generate(ids, sampling, stop=stop, on_tokens=sink.push)
+        decoder = self.decoder(rule, gamma, min_confidence=min_confidence, ignore_eos=ignore_eos)
+        session = None
+        if logprobs is not None:  # the decoder and the session must share the seed
+            if sampling.seed is None:
+                sampling = replace(sampling, seed=int.from_bytes(os.urandom(6), "little"))
+            session = TargetSession(self.target.model, ids, sampling, rule, seed=int(sampling.seed), logprobs=logprobs)
+        result = decoder.generate(ids, sampling, stop=stop, on_tokens=sink.push, verifier=session)
         text = sink.finish(result.tokens)
-        return TextResult(text=text, token_ids=result.tokens, prompt_ids=ids, result=result)
+        lps = session.emitted_logprobs[: len(result.tokens)] if session is not None else None
+        return TextResult(text=text, token_ids=result.tokens, prompt_ids=ids, result=result, logprobs=lps)

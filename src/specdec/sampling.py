@@ -6,6 +6,7 @@ decoder calls :func:`process_logits` for both sides, so there is no second code 
 
 Processing order (fixed, documented, identical for ``p`` and ``q``):
 
+0. logit bias (OpenAI semantics): a per-token constant added to the model's logits;
 1. repetition penalty (Keskar et al. 2019, Hugging Face semantics) over prompt + generated tokens;
 2. frequency / presence penalties (OpenAI semantics) over generated tokens only;
 3. temperature; ``temperature == 0`` means greedy: the result is the one-hot of the arg-max;
@@ -42,6 +43,8 @@ class SamplingConfig:
     seed: int | None = None
     max_new_tokens: int = 128
     stop: tuple[str, ...] = field(default_factory=tuple)
+    #: (token id, bias) pairs added to the logits before anything else (OpenAI ``logit_bias``)
+    logit_bias: tuple[tuple[int, float], ...] = ()
 
     def __post_init__(self) -> None:
         validate(self)
@@ -82,6 +85,9 @@ def validate(cfg: SamplingConfig) -> None:
             raise ConfigError(f"{name.replace('_', ' ')} must be finite, got {value}")
     if cfg.max_new_tokens < 1:
         raise ConfigError(f"max new tokens must be >= 1, got {cfg.max_new_tokens}")
+    for token, bias in cfg.logit_bias:
+        if token < 0 or not math.isfinite(bias):
+            raise ConfigError(f"logit bias needs token ids >= 0 and finite values, got {token}: {bias}")
 
 
 #: The reference guide's defaults (§8): temperature 1.0, top-p 0.9, repetition penalty 1.1.
@@ -141,13 +147,26 @@ def _apply_penalties(
     return logits
 
 
+def _apply_bias(logits: Tensor, bias: tuple[tuple[int, float], ...]) -> Tensor:  # [n, V] -> [n, V]
+    vocab = logits.shape[-1]
+    ids = torch.tensor([t for t, _ in bias], dtype=torch.long)  # [b]
+    if int(ids.max()) >= vocab:
+        raise ConfigError(f"logit bias names token {int(ids.max())}, outside the vocabulary [0, {vocab})")
+    values = torch.tensor([b for _, b in bias], dtype=logits.dtype)  # [b]
+    out = logits.clone()
+    out.index_add_(1, ids, values.unsqueeze(0).expand(logits.shape[0], -1))
+    return out
+
+
 def penalised_logits(
     logits: Tensor,  # [n, V]
     cfg: SamplingConfig,
     state: PenaltyState | None,
     draft: Tensor | None = None,  # [m] int64
 ) -> Tensor:
-    """Step 1-2 of the processing: penalties only (what greedy decoding takes the arg-max of)."""
+    """Steps 0-2 of the processing: logit bias and penalties (what greedy decoding takes the arg-max of)."""
+    if cfg.logit_bias:
+        logits = _apply_bias(logits, cfg.logit_bias)
     if not cfg.has_penalties:
         return logits
     if state is None:
@@ -220,6 +239,31 @@ def process_logits(
         probs = probs * (probs >= threshold)
         probs = probs / probs.sum(-1, keepdim=True)
     return probs
+
+
+def target_logprobs(
+    logits: Tensor,  # [n, V]
+    cfg: SamplingConfig,
+    state: PenaltyState | None = None,
+    draft: Tensor | None = None,  # [m] int64, m >= n - 1
+) -> Tensor:
+    """Log of the processed law each row's token is drawn from.  [n, V] float64
+
+    At temperature 0 that law is one-hot, so the log-softmax of the biased and penalised logits
+    (temperature 1, no truncation) is returned instead.  Truncated tokens get ``-inf``.
+    """
+    if cfg.greedy:
+        return torch.log_softmax(penalised_logits(logits, cfg, state, draft).double(), dim=-1)
+    return process_logits(logits, cfg, state, draft).double().log()
+
+
+def top_logprobs(logp: Tensor, tokens: Tensor, top: int) -> list[tuple[float, list[tuple[int, float]]]]:
+    """Per row of ``logp`` [n, V]: the log-probability of ``tokens`` [n] and the ``top`` best (id, log-probability)."""
+    chosen = logp.gather(1, tokens.view(-1, 1)).squeeze(1).tolist()  # [n]
+    if top <= 0:
+        return [(lp, []) for lp in chosen]
+    vals, idx = logp.topk(min(top, logp.shape[-1]), dim=-1)  # [n, top]
+    return [(lp, list(zip(i, v))) for lp, v, i in zip(chosen, vals.tolist(), idx.tolist())]
 
 
 def sample_categorical(weights: Tensor, generator: torch.Generator | None) -> int:  # weights: [V] >= 0

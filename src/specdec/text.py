@@ -12,12 +12,19 @@ def encode_prompt(tokenizer: Any, prompt: str, *, chat: bool, system: str | None
     if not prompt or not prompt.strip():
         raise ConfigError("the prompt is empty")
     if chat:
-        if not getattr(tokenizer, "chat_template", None):
-            raise ConfigError("this model has no chat template; drop --chat")
         messages = ([{"role": "system", "content": system}] if system else []) + [{"role": "user", "content": prompt}]
-        text = tokenizer.apply_chat_template(messages, tokenize=False, add_generation_prompt=True)
-        return list(tokenizer.encode(text, add_special_tokens=False))
+        return encode_messages(tokenizer, messages)
     return list(tokenizer.encode(prompt, add_special_tokens=False))
+
+
+def encode_messages(tokenizer: Any, messages: list[dict[str, str]]) -> list[int]:
+    """Token ids of a conversation in the model's chat template, ending where the assistant answers."""
+    if not getattr(tokenizer, "chat_template", None):
+        raise ConfigError("this model has no chat template; drop --chat")
+    if not any(m["content"].strip() for m in messages if m["role"] == "user"):
+        raise ConfigError("the prompt is empty")
+    text = tokenizer.apply_chat_template(messages, tokenize=False, add_generation_prompt=True)
+    return list(tokenizer.encode(text, add_special_tokens=False))
 
 
 class TextStream:

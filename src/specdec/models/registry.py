@@ -148,6 +148,24 @@ def sha256_file(path: Path, *, desc: str | None = None) -> str:
     return h.hexdigest()
 
 
+def install_status(spec: ModelSpec) -> str:
+    """What is on this machine for ``spec``: ``bundled``, ``ready`` (converted, loads fast),
+    ``installed`` (package present, converted on first use or by `specdec setup`) or ``missing``."""
+    src = spec.source
+    if isinstance(src, Bundled):
+        return "bundled" if _is_hf_folder(DATA_DIR / src.folder) else "missing"
+    out = cache_root() / "models" / spec.name
+    if _is_hf_folder(out) and (out / "model.safetensors").is_file():
+        return "ready"
+    dists = src.dists() if isinstance(src, ChunkedGGUF) else [src.dist]
+    for dist in dists:
+        try:
+            md.distribution(dist)
+        except md.PackageNotFoundError:
+            return "missing"
+    return "installed"
+
+
 def _locate(dist: str, relpath: str, pip_hint: str, model: str) -> Path:
     try:
         path = Path(str(md.distribution(dist).locate_file(relpath)))

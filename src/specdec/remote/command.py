@@ -111,7 +111,7 @@ def run_generate(args: argparse.Namespace, prompt: str, sampling: SamplingConfig
         cfg = EngineConfig(draft=args.draft, backend=args.backend, dtype=args.dtype, draft_dtype=args.draft_dtype)
         draft = load_draft(cfg)
         tokenizer, eos, drafter, name = draft.tokenizer, draft.eos_ids, ModelDrafter(draft.model), draft.name
-    ids = encode_prompt(tokenizer, prompt, chat=args.chat)
+    ids = encode_prompt(tokenizer, prompt, chat=args.chat, system=args.system)
     vocab = draft.vocab_size if draft is not None else len(tokenizer)
     gate = _gate(args, tokenizer, draft.model if draft is not None else None, vocab)
     log(f"verifying on {args.remote} (wire {wire or 'default'})")

@@ -42,6 +42,7 @@ def add_parser(sub: Any) -> None:
     p.add_argument("--host", default="127.0.0.1", help="address to listen on (default 127.0.0.1)")
     p.add_argument("--port", type=int, default=8000, help="port (default 8000)")
     p.add_argument("--api-key", help=f"bearer token clients must send (default: ${API_KEY_ENV})")
+    p.add_argument("--metrics-need-key", action="store_true", help="require the API key on /metrics too (default: /metrics is open for scrapers)")
     _add_models(p)
     g = p.add_argument_group("limits")
     g.add_argument("--max-sessions", type=int, default=64, help="edge sessions held at once; the least recently used idle one is evicted past this (default 64)")
@@ -94,6 +95,7 @@ def run(args: argparse.Namespace) -> int:
         max_gamma=args.max_gamma,
         gamma=parse_gamma(args.gamma),
         default_max_tokens=args.default_max_tokens,
+        metrics_need_key=args.metrics_need_key,
     )
     ServerSettings(**settings_kw)  # check the limits before loading models
 

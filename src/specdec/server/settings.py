@@ -22,6 +22,8 @@ class ServerSettings:
     #: OpenAI endpoints: max_tokens when a chat request gives none, and the draft length policy
     default_max_tokens: int = 256
     gamma: str | int = defaults.DEFAULT_GAMMA
+    #: /metrics needs the API key too (default: open, so that Prometheus can scrape it)
+    metrics_need_key: bool = False
 
     def __post_init__(self) -> None:
         if self.max_sessions < 1:
