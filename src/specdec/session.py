@@ -100,7 +100,7 @@ class TargetSession:
         self._ctx = torch.empty(capacity, dtype=torch.long)  # prompt + committed tokens
         self._ctx[:n] = prompt_t
         self._n = n
-        self.penalties = PenaltyState.start(prompt_t, model.vocab_size) if cfg.has_penalties else None
+        self.penalties = PenaltyState.start(prompt_t, model.vocab_size) if cfg.needs_state else None
         self.cache = model.new_cache(capacity)
         started = time.perf_counter()
         if n > 1:

@@ -250,3 +250,40 @@ def test_openai_requests_update_the_speculative_counters_and_latency_histograms(
         'specdec_prompt_tokens_total{endpoint="chat"}',
     ):
         assert name in text, name
+
+
+SCHEMA = {
+    "type": "object",
+    "properties": {"color": {"enum": ["red", "green", "blue"]}, "count": {"type": "integer", "minimum": 0, "maximum": 99},
+                   "ok": {"type": "boolean"}},
+    "required": ["color", "count", "ok"],
+    "additionalProperties": False,
+}
+
+
+def _matches(value) -> bool:
+    return (isinstance(value, dict) and set(value) == {"color", "count", "ok"} and value["color"] in ("red", "green", "blue")
+            and type(value["count"]) is int and 0 <= value["count"] <= 99 and type(value["ok"]) is bool)
+
+
+def test_structured_output_parses_and_matches_the_schema_under_speculation(client):
+    import json
+
+    messages = [{"role": "user", "content": "Describe a ball as JSON."}]
+    fmt = {"type": "json_schema", "json_schema": {"name": "ball", "schema": SCHEMA}}
+    out = client.chat.completions.create(model=MODEL, messages=messages, max_tokens=60, temperature=1.0, seed=4, n=4,
+                                         response_format=fmt)
+    assert len(out.choices) == 4
+    for choice in out.choices:
+        assert choice.finish_reason == "stop" and _matches(json.loads(choice.message.content)), choice.message.content
+    stats = out.model_extra["specdec"]
+    assert stats["draft_tokens_proposed"] > 0 and stats["lossless"] is True  # speculation ran, constrained on both sides
+    greedy = client.chat.completions.create(model=MODEL, messages=messages, max_tokens=60, temperature=0,
+                                            response_format={"type": "json_object"})
+    assert isinstance(json.loads(greedy.choices[0].message.content), dict)
+    digits = client.completions.create(model=MODEL, prompt="The year was", max_tokens=8, temperature=1.0, seed=2,
+                                       extra_body={"response_format": {"type": "regex", "regex": " [0-9]{4}"}})
+    text = digits.choices[0].text
+    assert len(text) == 5 and text[0] == " " and text[1:].isdigit()
+    with pytest.raises(openai.BadRequestError, match="invalid"):
+        client.completions.create(model=MODEL, prompt="x", extra_body={"response_format": {"type": "grammar", "grammar": "start: ("}})

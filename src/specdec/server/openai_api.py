@@ -89,12 +89,41 @@ class _Request(BaseModel):
         for name in ("tool_choice", "function_call"):
             if getattr(self, name) not in (None, "none", "auto"):
                 raise ApiError(400, f"{name} is not supported by this server (no tools)")
-        if self.response_format is not None and self.response_format.get("type", "text") != "text":
-            raise ApiError(400, f"response_format {self.response_format.get('type')!r} is not supported by this server")
         names = sorted(extra)
         if self.stream_options is not None:
             names += [f"stream_options.{k}" for k in sorted(self.stream_options.model_extra or {})]
         return names
+
+
+def _grammar(fmt: dict[str, Any] | None) -> str | None:
+    """The llguidance grammar of an OpenAI ``response_format`` (None: free text).
+
+    ``json_object``, ``json_schema`` (``{"json_schema": {"schema": {...}}}``) and two extensions:
+    ``{"type": "regex", "regex": "..."}`` and ``{"type": "grammar", "grammar": "<Lark>"}``.
+    """
+    kind = (fmt or {}).get("type", "text")
+    if kind == "text":
+        return None
+    from specdec.grammar import grammar_for
+
+    try:
+        if kind == "json_object":
+            return grammar_for("json_object", None)
+        if kind == "json_schema":
+            schema = (fmt.get("json_schema") or {}).get("schema")  # type: ignore[union-attr]
+            if not isinstance(schema, dict):
+                raise ApiError(400, "response_format json_schema needs json_schema.schema (an object)")
+            return grammar_for("json_schema", schema)
+        if kind in ("regex", "grammar"):
+            value = fmt.get(kind)  # type: ignore[union-attr]
+            if not isinstance(value, str) or not value:
+                raise ApiError(400, f"response_format {kind} needs a non-empty string field {kind!r}")
+            return grammar_for("regex" if kind == "regex" else "lark", value)
+    except SpecdecError as exc:
+        raise ApiError(400, str(exc)) from None
+    except ValueError as exc:  # the engine's own parse errors
+        raise ApiError(400, f"invalid response_format: {str(exc).splitlines()[0]}") from None
+    raise ApiError(400, f"response_format {kind!r} is not supported: text, json_object, json_schema, regex or grammar")
 
 
 class CompletionRequest(_Request):
@@ -229,6 +258,9 @@ class _Job:
             self.gamma = parse_gamma(req.gamma if req.gamma is not None else ctx.settings.gamma)
         except SpecdecError as exc:
             raise ApiError(400, str(exc)) from None
+        self.grammar = _grammar(req.response_format)
+        if self.grammar is not None:
+            self._constraint()  # a bad grammar is a 400 now, not an error event later
         self.prompts = prompts
         self.n = req.n or 1
         self.logprobs = logprobs
@@ -245,6 +277,16 @@ class _Job:
     def headers(self) -> dict[str, str]:
         return {IGNORED_HEADER: ", ".join(self.ignored)} if self.ignored else {}
 
+    def _constraint(self) -> Any:
+        from specdec.grammar import GrammarConstraint
+
+        if self.ctx.tokenizer is None:
+            raise ApiError(400, "structured output needs the server's tokenizer")
+        try:
+            return GrammarConstraint(self.ctx.tokenizer, self.grammar, self.ctx.model.vocab_size)  # type: ignore[arg-type]
+        except SpecdecError as exc:
+            raise ApiError(400, str(exc)) from None
+
     def prompt_of(self, index: int) -> list[int]:
         return self.prompts[index // self.n]
 
@@ -252,11 +294,13 @@ class _Job:
         """Choice ``index``: prompt ``index // n``; with a seed, sample ``j = index % n`` uses seed + j."""
         ctx = self.ctx
         j = index % self.n
+        from dataclasses import replace
+
         sampling = self.sampling
         if sampling.seed is not None and j:
-            from dataclasses import replace
-
             sampling = replace(sampling, seed=(sampling.seed + j) % (1 << 63))
+        if self.grammar is not None:  # one matcher per choice (each has its own history)
+            sampling = replace(sampling, constraint=self._constraint())
         drafter = ctx.drafter_factory() if ctx.drafter_factory is not None else None
         target = LoadedModel(ctx.settings.model_name, ctx.model, ctx.tokenizer, None, "server", ctx.eos_ids)
         engine = Engine(target, drafter, ctx.drafter_name if drafter is not None else "none")
