@@ -30,6 +30,9 @@ def test_answers_depend_on_the_history_only(tok):
     order = [5, 2, len(doc), 0, 7, 6, 3, len(doc), 1, 4]  # forwards, back (rollback), forwards again
     for k in order:
         assert torch.equal(shared.allowed(doc[:k], V), fresh[k]), k
+        # past the end token (a draft may run on after it): only the end, and no harm to later answers
+        ended = shared.allowed(doc + [tok.eos_token_id] * 3, V)
+        assert ended.nonzero().flatten().tolist() == [tok.eos_token_id]
     assert fresh[0].any() and not fresh[0].all()
     assert fresh[-1].nonzero().flatten().tolist() == [tok.eos_token_id]  # complete: only the end
     with pytest.raises(ConfigError, match="breaks the grammar"):

@@ -67,7 +67,9 @@ class GrammarConstraint:
         if not ok:
             raise ConfigError(f"invalid grammar: {warnings_or_error}")
         self._info = _tokenizer_info(tokenizer, vocab_size)
-        self._matcher = llg.LLMatcher(self._info, grammar)
+        self._eos = getattr(tokenizer, "eos_token_id", None)
+        self._new = lambda: llg.LLMatcher(self._info, grammar)
+        self._matcher = self._new()
         self._fill = llg.torch.fill_next_token_bitmask
         self._bits = llg.torch.allocate_token_bitmask(1, vocab_size)  # [1, ceil(V/32)] int32
         self._shifts = torch.arange(32, dtype=torch.int32)
@@ -82,15 +84,31 @@ class GrammarConstraint:
         if k < len(self._consumed):
             self._matcher.rollback(len(self._consumed) - k)
             del self._consumed[k:]
+        if self._matcher.is_error():
+            self._matcher, self._consumed, k = self._new(), [], 0
         for token in generated[k:]:
             if not self._matcher.consume_token(int(token)):
                 raise ConfigError(f"token {token} breaks the grammar ({self._matcher.get_error()})")
             self._consumed.append(int(token))
 
     def allowed(self, generated: Sequence[int], vocab_size: int) -> Tensor:  # -> [V] bool
+        if self._eos is not None and self._eos in generated:
+            # the sequence has ended (decoding stops at its end token): only the end may follow.
+            # The end token is never fed to the matcher: a stopped matcher does not roll back cleanly
+            mask = torch.zeros(vocab_size, dtype=torch.bool)
+            mask[self._eos] = True
+            return mask
         with self._lock:
             self._sync(generated)
             self._fill(self._matcher, self._bits, 0)
+            if self._matcher.is_error():
+                # a matcher that gave up (e.g. its complexity budget after many rollbacks) would
+                # allow only end-of-sequence: rebuild it from the history, which defines the answer
+                self._matcher, self._consumed = self._new(), []
+                self._sync(generated)
+                self._fill(self._matcher, self._bits, 0)
+                if self._matcher.is_error():
+                    raise ConfigError(f"the grammar engine failed: {self._matcher.get_error().splitlines()[0]}")
             words = self._bits[0].unsqueeze(-1)  # [W, 1]
             mask = ((words >> self._shifts) & 1).bool().reshape(-1)  # [W * 32]
         return mask[:vocab_size]
