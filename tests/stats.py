@@ -26,7 +26,7 @@ def exact_law(target: ToyLM, prompt: list[int], cfg: SamplingConfig, n_new: int)
         if len(seq) == n_new:
             law[tuple(seq)] = law.get(tuple(seq), 0.0) + prob
             return
-        state = PenaltyState.start(torch.tensor(prompt), vocab) if cfg.has_penalties else None
+        state = PenaltyState.start(torch.tensor(prompt), vocab) if cfg.needs_state else None
         if state is not None and seq:
             state.append(torch.tensor(seq))
         logits = target.logits_for(prompt + seq).unsqueeze(0)

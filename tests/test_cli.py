@@ -41,8 +41,11 @@ def test_generate_json_schema(capsys, tiny_pair):
     assert STATS_KEYS <= set(payload["stats"])
     st = payload["stats"]
     assert st["generated_tokens"] == len(payload["token_ids"]) <= 12
-    assert st["method"] == "block" and st["lossless"] is True
+    assert st["method"] == "coupled" and st["lossless"] is True  # a seed makes coupled the default
     assert isinstance(payload["text"], str)
+    code, out, err = _run(capsys, "generate", "-p", "def f(x):", "--target", target, "--draft", draft,
+                          "-n", "4", "--json", "-t", "1", "-g", "3")
+    assert json.loads(out)["stats"]["method"] == "block"  # no seed: block verification
 
 
 def test_generate_streams_text_and_summary(capsys, tiny_pair):
@@ -102,6 +105,30 @@ def test_empty_prompt_and_prompt_too_long(capsys, tiny_pair):
     assert code == 2 and "context" in err and len(errors) == 1
 
 
+def _one_error_line(err: str) -> str:
+    lines = [line for line in err.strip().splitlines() if line and not line.startswith("[specdec]")]
+    assert len(lines) == 1 and lines[0].startswith("specdec: error:") and "Traceback" not in err, err
+    return lines[0]
+
+
+def test_draft_folder_without_tokenizer(capsys, tiny_pair, tmp_path):
+    target, _ = tiny_pair
+    bare = make_tiny(tmp_path / "bare", seed=2, layers=1)
+    for name in ("tokenizer.json", "tokenizer_config.json", "chat_template.jinja"):
+        (bare / name).unlink(missing_ok=True)
+    capsys.readouterr()
+    code, _, err = _run(capsys, "generate", "-p", "hi", "--target", target, "--draft", str(bare))
+    assert code == 2 and "no tokenizer files" in _one_error_line(err)
+
+
+def test_draft_vocabulary_smaller_than_the_targets(capsys, tiny_pair, tmp_path):
+    target, _ = tiny_pair
+    small = make_tiny(tmp_path / "small", seed=2, layers=1, vocab=49000)
+    capsys.readouterr()
+    code, _, err = _run(capsys, "generate", "-p", "hi", "--target", target, "--draft", str(small))
+    assert code == 2 and "smaller than the target's" in _one_error_line(err)
+
+
 def test_missing_package_names_the_pip_command(capsys, monkeypatch):
     spec = registry.ModelSpec("ghost-model", "test", registry.PackagedGGUF("specdec-no-such-dist", "1.0", "x/y.gguf"))
     monkeypatch.setitem(registry.REGISTRY, "ghost-model", spec)
@@ -122,3 +149,48 @@ def test_real_process_exit_code_and_no_traceback():
     assert proc.returncode == 2 and "Traceback" not in proc.stderr and "unknown model" in proc.stderr
     proc = subprocess.run([sys.executable, "-m", "specdec.cli", "--help"], capture_output=True, text=True, timeout=60)
     assert proc.returncode == 0 and "generate" in proc.stdout
+
+
+def test_plain_decoding_summary_says_plain(capsys, tiny_pair):
+    target, _ = tiny_pair
+    code, _, err = _run(capsys, "generate", "-p", "Hello", "--target", target, "--draft", "none", "-n", "4")
+    assert code == 0 and "plain decoding" in err and "acceptance" not in err and "gamma none" not in err
+
+
+def test_system_prompt_and_interactive_chat(capsys, tiny_pair, monkeypatch):
+    import io
+
+    target, draft = tiny_pair
+    base = ["generate", "--target", target, "--draft", draft, "-n", "5", "--json", "-p", "hi"]
+    code, out, _ = _run(capsys, *base, "--chat")
+    code2, out2, _ = _run(capsys, *base, "--chat", "--system", "You are a pirate.")
+    assert code == code2 == 0
+    assert json.loads(out)["stats"]["prompt_tokens"] != json.loads(out2)["stats"]["prompt_tokens"]
+    code, _, err = _run(capsys, *base, "--system", "x")
+    assert code == 2 and "--system needs --chat" in err
+    monkeypatch.setattr("sys.stdin", io.StringIO("and then?\n\n"))
+    code, out, err = _run(capsys, "generate", "--target", target, "--draft", draft, "-n", "5", "-i", "-p", "hi",
+                          "--system", "Be brief.")
+    summaries = [line for line in err.splitlines() if "tokens in" in line]
+    assert code == 0 and len(summaries) == 2  # the -p turn, then one typed turn; the empty line ends the chat
+
+
+def test_models_says_what_is_installed(capsys):
+    code, out, _ = _run(capsys, "models", "--json")
+    status = {row["name"]: row["status"] for row in json.loads(out)}
+    assert status["smollm2-135m-draft"] == "bundled"
+    assert set(status.values()) <= {"bundled", "ready", "installed", "missing"}
+    code, out, _ = _run(capsys, "models")
+    assert "status: installed (bundled with specdec)" in out
+
+
+def test_bench_help_documents_every_flag_and_its_default():
+    from specdec.cli import build_parser
+
+    parser = build_parser()
+    sub = next(a for a in parser._actions if a.__class__.__name__ == "_SubParsersAction")
+    bench = sub.choices["bench"]
+    for action in bench._actions:
+        if not action.option_strings or action.dest == "help":
+            continue
+        assert action.help and "default" in action.help.lower(), action.option_strings

@@ -27,6 +27,15 @@ PROMPT = [1, 2]
 TARGET = ToyLM(4, order=2, seed=0)
 DRAFT = TARGET.perturbed(1.0, seed=1)
 
+class NoRepeat:
+    """A toy grammar: no token twice in a row, and the first generated token is never 0."""
+
+    def allowed(self, generated, vocab_size):
+        mask = torch.ones(vocab_size, dtype=torch.bool)
+        mask[generated[-1] if generated else 0] = False
+        return mask
+
+
 OPTIONS = {
     "temperature": SamplingConfig(temperature=0.7),
     "top_k": SamplingConfig(temperature=1.0, top_k=2),
@@ -34,6 +43,8 @@ OPTIONS = {
     "min_p": SamplingConfig(temperature=1.0, min_p=0.3),
     "repetition_penalty": SamplingConfig(temperature=1.0, repetition_penalty=1.6),
     "freq_presence": SamplingConfig(temperature=1.0, frequency_penalty=0.4, presence_penalty=0.3),
+    "logit_bias": SamplingConfig(temperature=1.0, logit_bias=((0, 1.5), (2, -2.0))),
+    "constraint": SamplingConfig(temperature=1.0, constraint=NoRepeat()),
 }
 
 
@@ -44,6 +55,23 @@ def _samples(method: str, cfg: SamplingConfig, *, drafter=None, gamma=None, n: i
         c = SamplingConfig(**{**cfg.__dict__, "seed": i, "max_new_tokens": N_NEW})
         out.append(tuple(dec.generate(PROMPT, c).tokens))
     return out
+
+
+def test_negative_control_constraint_on_the_draft_only_is_detected():
+    """The constraint applied to q but not to p: the output follows the unconstrained target."""
+    from specdec.session import TargetSession
+
+    cfg = OPTIONS["constraint"]
+    free = SamplingConfig(temperature=1.0)
+    law = exact_law(TARGET, PROMPT, cfg, N_NEW)
+    dec = SpeculativeDecoder(TARGET, ModelDrafter(DRAFT), get_rule("block"), gamma=FixedGamma(2))
+    out = []
+    for i in range(N_SAMPLES // 4):
+        c = SamplingConfig(**{**cfg.__dict__, "seed": i, "max_new_tokens": N_NEW})
+        session = TargetSession(TARGET, PROMPT, SamplingConfig(**{**free.__dict__, "seed": i, "max_new_tokens": N_NEW}),
+                                get_rule("block"), seed=i)
+        out.append(tuple(dec.generate(PROMPT, c, verifier=session).tokens))
+    assert chi_square_pvalue(out, law) < ALPHA
 
 
 @pytest.mark.parametrize("option", sorted(OPTIONS))

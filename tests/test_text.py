@@ -46,3 +46,19 @@ def test_prompts(tok):
     with pytest.raises(ConfigError, match="empty"):
         encode_prompt(tok, "  ", chat=False)
     assert trim_at_stop("abc STOP def", ("STOP", "de")) == "abc "
+
+
+def test_streaming_detokenisation_is_incremental_and_equals_the_full_decode(tok, monkeypatch):
+    from specdec.text import TextStream
+
+    text = "naïve café — 日本語 ✓ <|im_end|> def f(x):\n    return x"
+    ids = tok.encode(text, add_special_tokens=False)
+    stream = TextStream(tok)
+    assert stream._incremental is not None  # the tokenizers library's DecodeStream
+    calls = []
+    monkeypatch.setattr(tok, "decode", lambda *a, **k: calls.append(a) or "")
+    pieces = [stream.push([t]) for t in ids]
+    assert calls == []  # no re-decoding of the whole output per push
+    monkeypatch.undo()
+    assert "".join(pieces) == stream.text == tok.decode(ids, skip_special_tokens=True)
+    assert all("\ufffd" not in p for p in pieces)

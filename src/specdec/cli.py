@@ -45,7 +45,7 @@ def _add_sampling(p: argparse.ArgumentParser) -> None:
     g.add_argument("--repetition-penalty", type=float, help="> 1 discourages tokens already in prompt or output")
     g.add_argument("--frequency-penalty", type=float, help="subtract this x count of the token in the output")
     g.add_argument("--presence-penalty", type=float, help="subtract this once for every token in the output")
-    g.add_argument("--seed", type=int, help="fixed seed => identical output run after run")
+    g.add_argument("--seed", type=int, help="fixed seed => identical output run after run, whatever γ and the drafter (at temperature > 0 the default rule becomes coupled: the tokens of plain seeded sampling)")
     g.add_argument("--max-new-tokens", "-n", type=int, default=128, help="tokens to generate at most (default 128)")
     g.add_argument("--stop", action="append", default=[], help="stop string (repeatable)")
 
@@ -90,10 +90,13 @@ def build_parser() -> argparse.ArgumentParser:
     sub = parser.add_subparsers(dest="command", metavar="COMMAND", parser_class=_Parser)
 
     gen = sub.add_parser("generate", help="generate text with speculative decoding", description="Generate text. Streams to the terminal and prints a one-line summary, or prints one JSON object with --json.")
-    gen.add_argument("--prompt", "-p", required=True, help="the prompt text ('-' reads stdin)")
+    gen.add_argument("--prompt", "-p", help="the prompt text ('-' reads stdin); required unless --interactive")
     gen.add_argument("--chat", action="store_true", help="wrap the prompt in the model's chat template")
+    gen.add_argument("--system", help="system message for --chat / --interactive")
+    gen.add_argument("--interactive", "-i", action="store_true",
+                     help="multi-turn chat in the terminal: each line you type is a user turn, the history is kept (empty line or Ctrl-D ends)")
     _add_models(gen)
-    gen.add_argument("--method", "-m", help=f"verification rule: {', '.join(method_names())} (default: greedy at temperature 0, block otherwise)")
+    gen.add_argument("--method", "-m", help=f"verification rule: {', '.join(method_names())} (default: greedy at temperature 0; coupled with --seed; block otherwise)")
     gen.add_argument("--gamma", "-g", default=defaults.DEFAULT_GAMMA, help="draft length: an integer >= 1, 'auto' (cost-based, default) or 'guide' (start 6, range 3-12)")
     gen.add_argument("--min-confidence", type=float, default=None, help="dynamic draft length: end a draft after a token the drafter gives less than this probability (default 0 = off; lossless)")
     gen.add_argument("--json", action="store_true", help="print one JSON object: text, token_ids, stats")
@@ -144,7 +147,13 @@ _EXTRA_COMMANDS: list = [_add_serve, _add_bench]
 def _cmd_generate(args: argparse.Namespace) -> int:
     from specdec.engine import Engine, EngineConfig, parse_gamma
 
-    prompt = sys.stdin.read() if args.prompt == "-" else args.prompt
+    if args.prompt is None and not args.interactive:
+        raise SpecdecError("generate needs --prompt (or --interactive)")
+    if args.interactive and (args.remote or args.json):
+        raise SpecdecError("--interactive runs locally and prints text; drop --remote / --json")
+    if args.system is not None and not (args.chat or args.interactive):
+        raise SpecdecError("--system needs --chat or --interactive")
+    prompt = sys.stdin.read() if args.prompt == "-" else (args.prompt or "")
     sampling = _sampling_from(args)
     gamma = parse_gamma(args.gamma)
     if args.method:
@@ -153,7 +162,7 @@ def _cmd_generate(args: argparse.Namespace) -> int:
         rule = get_rule(args.method)
         if rule.greedy_only and not sampling.greedy:
             raise SpecdecError(f"--method {args.method} needs --temperature 0")
-    if not prompt.strip():
+    if not prompt.strip() and not args.interactive:
         raise SpecdecError("the prompt is empty")
     if args.remote:  # edge-cloud: draft here, verify on a `specdec serve` server
         from specdec.remote.command import run_generate
@@ -163,7 +172,10 @@ def _cmd_generate(args: argparse.Namespace) -> int:
     log = (lambda msg: None) if quiet else (lambda msg: print(f"[specdec] {msg}", file=sys.stderr, flush=True))
     engine = Engine.build(EngineConfig(target=args.target, draft=args.draft, backend=args.backend, dtype=args.dtype, draft_dtype=args.draft_dtype, batch_invariant=not args.fast_attention), progress=log)
     on_text = None if quiet else (lambda text: (sys.stdout.write(text), sys.stdout.flush()))
-    out = engine.generate(prompt, sampling, method=args.method, gamma=gamma, chat=args.chat, on_text=on_text,
+    if args.interactive:
+        return _chat_loop(engine, args, sampling, gamma, first=prompt.strip() or None, on_text=on_text)
+    ids = engine.encode_messages(_messages(args.system, [prompt])) if args.chat else prompt
+    out = engine.generate(ids, sampling, method=args.method, gamma=gamma, on_text=on_text,
                           min_confidence=args.min_confidence)
     st = out.stats
     if args.json:
@@ -174,30 +186,79 @@ def _cmd_generate(args: argparse.Namespace) -> int:
         print(json.dumps(payload))
     else:
         sys.stdout.write("\n")
-        lossy = "" if st.lossless else "  [LOSSY rule]"
-        print(
-            f"[specdec] {st.generated_tokens} tokens in {st.wall_s:.2f} s = {st.tokens_per_s:.1f} tok/s | "
-            f"{st.tokens_per_target_call:.2f} tokens/target call | acceptance {st.acceptance_rate:.2f} "
-            f"| method {st.method}, draft {st.drafter}, gamma {st.gamma_policy} (mean {st.mean_gamma:.1f}){lossy}",
-            file=sys.stderr,
-        )
+        print(summary_line(st), file=sys.stderr)
+    return 0
+
+
+def summary_line(st) -> str:  # noqa: ANN001 - GenerationStats
+    """The one-line human summary of a local run (plain decoding says so instead of drafting figures)."""
+    head = f"[specdec] {st.generated_tokens} tokens in {st.wall_s:.2f} s = {st.tokens_per_s:.1f} tok/s"
+    if st.drafter == "none":
+        return f"{head} | plain decoding ({st.method} sampling, one target call per token)"
+    lossy = "" if st.lossless else "  [LOSSY rule]"
+    return (
+        f"{head} | {st.tokens_per_target_call:.2f} tokens/target call | acceptance {st.acceptance_rate:.2f} "
+        f"| method {st.method}, draft {st.drafter}, gamma {st.gamma_policy} (mean {st.mean_gamma:.1f}){lossy}"
+    )
+
+
+def _messages(system: str | None, turns: list[str]) -> list[dict[str, str]]:
+    """Chat messages: [system], then user / assistant turns alternating (``turns`` starts with a user turn)."""
+    msgs = [{"role": "system", "content": system}] if system else []
+    return msgs + [{"role": "user" if i % 2 == 0 else "assistant", "content": t} for i, t in enumerate(turns)]
+
+
+def _chat_loop(engine, args: argparse.Namespace, sampling: SamplingConfig, gamma, *, first: str | None,  # noqa: ANN001
+               on_text) -> int:  # noqa: ANN001
+    """Interactive multi-turn chat: the whole conversation is re-encoded with the chat template each turn."""
+    from dataclasses import replace
+
+    turns: list[str] = []
+    pending = first
+    n = 0
+    while True:
+        if pending is None:
+            try:
+                sys.stderr.write("> ")
+                sys.stderr.flush()
+                line = sys.stdin.readline()
+            except KeyboardInterrupt:
+                break
+            if not line or not line.strip():
+                break
+            pending = line.rstrip("\n")
+        turns.append(pending)
+        pending = None
+        # with a seed, turn k uses seed + k: reproducible conversations, not a repeated noise stream
+        turn_sampling = replace(sampling, seed=sampling.seed + n) if sampling.seed is not None else sampling
+        out = engine.generate(engine.encode_messages(_messages(args.system, turns)), turn_sampling, method=args.method,
+                              gamma=gamma, on_text=on_text, min_confidence=args.min_confidence)
+        sys.stdout.write("\n")
+        sys.stdout.flush()
+        print(summary_line(out.stats), file=sys.stderr)
+        turns.append(out.text)
+        n += 1
     return 0
 
 
 def _cmd_models(args: argparse.Namespace) -> int:
-    from specdec.models.registry import REGISTRY
+    from specdec.models.registry import REGISTRY, install_status
 
     rows = [
         {"name": s.name, "description": s.description, "default_draft": s.default_draft,
-         "install": getattr(s.source, "pip", lambda: "bundled")(), "license": s.license}
+         "install": getattr(s.source, "pip", lambda: "bundled")(), "license": s.license, "status": install_status(s)}
         for s in REGISTRY.values()
     ]
     if args.json:
         print(json.dumps(rows, indent=2))
     else:
+        said = {"bundled": "installed (bundled with specdec)", "ready": "installed and prepared",
+                "installed": "installed; prepared on first use (or now: specdec setup NAME)", "missing": "not installed"}
         for r in rows:
             draft = f" (draft: {r['default_draft']})" if r["default_draft"] else ""
-            print(f"{r['name']:<22} {r['description']}{draft}\n{'':<22} install: {r['install']}")
+            print(f"{r['name']:<22} {r['description']}{draft}\n{'':<22} status: {said[r['status']]}")
+            if r["status"] == "missing":
+                print(f"{'':<22} install: {r['install']}")
     return 0
 
 

@@ -136,7 +136,7 @@ class SpeculativeDecoder:
         max_new = min(cfg.max_new_tokens, verifier.max_length - n_prompt - 1)
         draft_gen = torch.Generator().manual_seed(seed + defaults.DRAFT_SEED_OFFSET)
         # the drafter's own view of the penalties (the verifier keeps its own)
-        penalties = PenaltyState.start(prompt_t, self.target.vocab_size) if cfg.has_penalties else None
+        penalties = PenaltyState.start(prompt_t, self.target.vocab_size) if cfg.needs_state else None
         drafter = self.drafter
         if drafter is not None:
             drafter.prepare(prompt_t)

@@ -6,6 +6,7 @@ thing everywhere and the decoder itself never switches on strings.
 
 from __future__ import annotations
 
+import os
 from dataclasses import dataclass, field, replace
 from typing import Callable
 
@@ -19,7 +20,8 @@ from specdec.errors import ConfigError
 from specdec.gamma import CostGamma, FixedGamma, GammaController, GuideGamma
 from specdec.models.registry import LoadedModel, check_compatible, load
 from specdec.sampling import SamplingConfig
-from specdec.text import StopStrings, TextSink, encode_prompt
+from specdec.session import TargetSession
+from specdec.text import StopStrings, TextSink, encode_messages, encode_prompt
 from specdec.verify import Rule, get_rule
 
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
@@ -100,8 +102,16 @@ def load_draft(cfg: EngineConfig, ref: str | None = None) -> LoadedModel:
 
 
 def default_method(cfg: SamplingConfig) -> str:
-    """Greedy at temperature 0, block verification otherwise (optimal among single-draft rules)."""
-    return "greedy" if cfg.greedy else "block"
+    """The rule used when none is named.
+
+    * temperature 0: ``greedy`` (identical tokens to plain greedy decoding);
+    * a seed is given: ``coupled``, so the seed fixes the output whatever γ the (timing-dependent)
+      controller picks and whatever the drafter: its tokens are plain seeded sampling's;
+    * otherwise ``block`` verification (optimal among single-draft rules: Sun et al. 2024).
+    """
+    if cfg.greedy:
+        return "greedy"
+    return "coupled" if cfg.seed is not None else "block"
 
 
 def parse_gamma(value: str | int) -> str | int:
@@ -136,6 +146,8 @@ class TextResult:
     token_ids: list[int]
     prompt_ids: list[int]
     result: GenerationResult = field(repr=False)
+    #: per generated token: (log-probability, [(id, log-probability) of the most likely]) or None
+    logprobs: list[tuple[float, list[tuple[int, float]]]] | None = field(default=None, repr=False)
 
     @property
     def stats(self):
@@ -172,20 +184,25 @@ class Engine:
         return cls(target, ModelDrafter(draft.model), draft.name, draft)
 
     def decoder(
-        self, rule: Rule, gamma: str | int = defaults.DEFAULT_GAMMA, *, min_confidence: float | None = None
+        self, rule: Rule, gamma: str | int = defaults.DEFAULT_GAMMA, *, min_confidence: float | None = None,
+        ignore_eos: bool = False,
     ) -> SpeculativeDecoder:
         return SpeculativeDecoder(
             self.target.model,
             self.drafter,
             rule,
             gamma=make_gamma(gamma),
-            eos_ids=self.target.eos_ids,
+            eos_ids=frozenset() if ignore_eos else self.target.eos_ids,
             drafter_name=self.drafter_name,
             min_confidence=defaults.MIN_CONFIDENCE if min_confidence is None else min_confidence,
         )
 
-    def encode(self, prompt: str, *, chat: bool) -> list[int]:
-        return encode_prompt(self.target.tokenizer, prompt, chat=chat)
+    def encode(self, prompt: str, *, chat: bool, system: str | None = None) -> list[int]:
+        return encode_prompt(self.target.tokenizer, prompt, chat=chat, system=system)
+
+    def encode_messages(self, messages: list[dict[str, str]]) -> list[int]:
+        """A whole conversation through the target's chat template, ready for the assistant's turn."""
+        return encode_messages(self.target.tokenizer, messages)
 
     def generate(
         self,
@@ -197,14 +214,25 @@ class Engine:
         chat: bool = False,
         on_text: Callable[[str], None] | None = None,
         min_confidence: float | None = None,
+        logprobs: int | None = None,
+        ignore_eos: bool = False,
     ) -> TextResult:
+        """Decode ``prompt``; ``logprobs`` (k >= 0) records each emitted token's log-probability
+        under the target's processed law and the k most likely alternatives; ``ignore_eos``
+        keeps generating past end-of-sequence tokens."""
         rule = get_rule(method or default_method(sampling))
         ids = self.encode(prompt, chat=chat) if isinstance(prompt, str) else list(prompt)
         if not ids:
             raise ConfigError("the prompt is empty")
         sink = TextSink(self.target.tokenizer, sampling.stop, on_text)
         stop = StopStrings(self.target.tokenizer, sampling.stop) if sampling.stop else None
-        decoder = self.decoder(rule, gamma, min_confidence=min_confidence)
-        result = decoder.generate(ids, sampling, stop=stop, on_tokens=sink.push)
+        decoder = self.decoder(rule, gamma, min_confidence=min_confidence, ignore_eos=ignore_eos)
+        session = None
+        if logprobs is not None:  # the decoder and the session must share the seed
+            if sampling.seed is None:
+                sampling = replace(sampling, seed=int.from_bytes(os.urandom(6), "little"))
+            session = TargetSession(self.target.model, ids, sampling, rule, seed=int(sampling.seed), logprobs=logprobs)
+        result = decoder.generate(ids, sampling, stop=stop, on_tokens=sink.push, verifier=session)
         text = sink.finish(result.tokens)
-        return TextResult(text=text, token_ids=result.tokens, prompt_ids=ids, result=result)
+        lps = session.emitted_logprobs[: len(result.tokens)] if session is not None else None
+        return TextResult(text=text, token_ids=result.tokens, prompt_ids=ids, result=result, logprobs=lps)

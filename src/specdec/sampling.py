@@ -6,8 +6,11 @@ decoder calls :func:`process_logits` for both sides, so there is no second code 
 
 Processing order (fixed, documented, identical for ``p`` and ``q``):
 
+0. logit bias (OpenAI semantics): a per-token constant added to the model's logits;
 1. repetition penalty (Keskar et al. 2019, Hugging Face semantics) over prompt + generated tokens;
 2. frequency / presence penalties (OpenAI semantics) over generated tokens only;
+2'. a constraint (e.g. a grammar): tokens it forbids after the generated history get -inf, so both
+   the draft proposes and the target samples only what the constraint allows;
 3. temperature; ``temperature == 0`` means greedy: the result is the one-hot of the arg-max;
 4. top-k, then top-p (nucleus), then min-p, each on the distribution left by the previous step.
 
@@ -21,12 +24,25 @@ from __future__ import annotations
 import functools
 import math
 from dataclasses import dataclass, field, replace
+from typing import Protocol, Sequence
 
 import torch
 from torch import Tensor
 
 from specdec import defaults
 from specdec.errors import ConfigError
+
+
+class Constraint(Protocol):
+    """Which tokens may come next: a pure function of the tokens generated so far.
+
+    Being a function of the history (not a mutable state) is what makes rejection safe: a
+    rejected draft needs no rollback, the next call simply asks about the shorter history.
+    Implementations may cache a matcher and sync it to the history they are asked about.
+    """
+
+    def allowed(self, generated: Sequence[int], vocab_size: int) -> Tensor:  # -> [V] bool
+        ...
 
 
 @dataclass(frozen=True)
@@ -43,6 +59,10 @@ class SamplingConfig:
     seed: int | None = None
     max_new_tokens: int = 128
     stop: tuple[str, ...] = field(default_factory=tuple)
+    #: (token id, bias) pairs added to the logits before anything else (OpenAI ``logit_bias``)
+    logit_bias: tuple[tuple[int, float], ...] = ()
+    #: tokens allowed after the generated history (structured output); None = everything
+    constraint: Constraint | None = field(default=None, compare=False, repr=False)
 
     def __post_init__(self) -> None:
         validate(self)
@@ -58,6 +78,11 @@ class SamplingConfig:
             or self.frequency_penalty != 0.0
             or self.presence_penalty != 0.0
         )
+
+    @property
+    def needs_state(self) -> bool:
+        """True when processing needs the generated history (penalties or a constraint)."""
+        return self.has_penalties or self.constraint is not None
 
     @property
     def truncates(self) -> bool:
@@ -94,6 +119,9 @@ def validate(cfg: SamplingConfig) -> None:
             raise ConfigError(f"{name.replace('_', ' ')} must be finite, got {value}")
     if cfg.max_new_tokens < 1:
         raise ConfigError(f"max new tokens must be >= 1, got {cfg.max_new_tokens}")
+    for token, bias in cfg.logit_bias:
+        if token < 0 or not math.isfinite(bias):
+            raise ConfigError(f"logit bias needs token ids >= 0 and finite values, got {token}: {bias}")
 
 
 #: The reference guide's defaults (§8): temperature 1.0, top-p 0.9, repetition penalty 1.1.
@@ -116,6 +144,7 @@ class PenaltyState:
 
     seen: Tensor  # [V] bool
     counts: Tensor  # [V] float32
+    generated: list[int] = field(default_factory=list)  # the generated tokens, in order
 
     @classmethod
     def start(cls, prompt: Tensor, vocab_size: int) -> "PenaltyState":  # prompt: [L] int64
@@ -123,7 +152,11 @@ class PenaltyState:
         seen[prompt] = True
         return cls(seen=seen, counts=torch.zeros(vocab_size, dtype=torch.float32))
 
+    def copy(self) -> "PenaltyState":
+        return PenaltyState(self.seen.clone(), self.counts.clone(), list(self.generated))
+
     def append(self, tokens: Tensor) -> None:  # tokens: [n] int64
+        self.generated.extend(int(t) for t in tokens.reshape(-1).tolist())
         self.seen[tokens] = True
         self.counts.index_add_(0, tokens, torch.ones(tokens.numel(), dtype=self.counts.dtype))
 
@@ -153,19 +186,46 @@ def _apply_penalties(
     return logits
 
 
+def _apply_bias(logits: Tensor, bias: tuple[tuple[int, float], ...]) -> Tensor:  # [n, V] -> [n, V]
+    vocab = logits.shape[-1]
+    ids = torch.tensor([t for t, _ in bias], dtype=torch.long)  # [b]
+    if int(ids.max()) >= vocab:
+        raise ConfigError(f"logit bias names token {int(ids.max())}, outside the vocabulary [0, {vocab})")
+    values = torch.tensor([b for _, b in bias], dtype=logits.dtype)  # [b]
+    out = logits.clone()
+    out.index_add_(1, ids, values.unsqueeze(0).expand(logits.shape[0], -1))
+    return out
+
+
 def penalised_logits(
     logits: Tensor,  # [n, V]
     cfg: SamplingConfig,
     state: PenaltyState | None,
     draft: Tensor | None = None,  # [m] int64
 ) -> Tensor:
-    """Step 1-2 of the processing: penalties only (what greedy decoding takes the arg-max of)."""
-    if not cfg.has_penalties:
+    """Steps 0-2 of the processing: logit bias and penalties (what greedy decoding takes the arg-max of)."""
+    if cfg.logit_bias:
+        logits = _apply_bias(logits, cfg.logit_bias)
+    if not cfg.needs_state:
         return logits
     if state is None:
-        raise ValueError("penalties need a PenaltyState")
-    empty = torch.empty(0, dtype=torch.long)
-    return _apply_penalties(logits, cfg, state, draft if draft is not None else empty)
+        raise ValueError("penalties and constraints need a PenaltyState")
+    draft = draft if draft is not None else torch.empty(0, dtype=torch.long)
+    if cfg.has_penalties:
+        logits = _apply_penalties(logits, cfg, state, draft)
+    if cfg.constraint is not None:
+        logits = _apply_constraint(logits, cfg.constraint, state.generated, draft)
+    return logits
+
+
+def _apply_constraint(logits: Tensor, constraint: Constraint, generated: list[int], draft: Tensor) -> Tensor:
+    """Row i: tokens the constraint forbids after ``generated + draft[:i]`` get -inf.  [n, V]"""
+    n, vocab = logits.shape
+    drafted = draft.tolist()
+    allowed = torch.stack([constraint.allowed(generated + drafted[:i], vocab) for i in range(n)])  # [n, V]
+    if not bool(allowed.any(-1).all()):
+        raise ConfigError("the constraint allows no token here (is end-of-sequence allowed when it is complete?)")
+    return logits.masked_fill(~allowed, -math.inf)
 
 
 #: candidate counts tried by the top-p search before a full sort
@@ -232,6 +292,31 @@ def process_logits(
         probs = probs * (probs >= threshold)
         probs = probs / probs.sum(-1, keepdim=True)
     return probs
+
+
+def target_logprobs(
+    logits: Tensor,  # [n, V]
+    cfg: SamplingConfig,
+    state: PenaltyState | None = None,
+    draft: Tensor | None = None,  # [m] int64, m >= n - 1
+) -> Tensor:
+    """Log of the processed law each row's token is drawn from.  [n, V] float64
+
+    At temperature 0 that law is one-hot, so the log-softmax of the biased and penalised logits
+    (temperature 1, no truncation) is returned instead.  Truncated tokens get ``-inf``.
+    """
+    if cfg.greedy:
+        return torch.log_softmax(penalised_logits(logits, cfg, state, draft).double(), dim=-1)
+    return process_logits(logits, cfg, state, draft).double().log()
+
+
+def top_logprobs(logp: Tensor, tokens: Tensor, top: int) -> list[tuple[float, list[tuple[int, float]]]]:
+    """Per row of ``logp`` [n, V]: the log-probability of ``tokens`` [n] and the ``top`` best (id, log-probability)."""
+    chosen = logp.gather(1, tokens.view(-1, 1)).squeeze(1).tolist()  # [n]
+    if top <= 0:
+        return [(lp, []) for lp in chosen]
+    vals, idx = logp.topk(min(top, logp.shape[-1]), dim=-1)  # [n, top]
+    return [(lp, list(zip(i, v))) for lp, v, i in zip(chosen, vals.tolist(), idx.tolist())]
 
 
 def sample_categorical(weights: Tensor, generator: torch.Generator | None) -> int:  # weights: [V] >= 0

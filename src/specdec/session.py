@@ -21,7 +21,14 @@ from specdec import defaults
 from specdec.drafters.base import Draft
 from specdec.errors import ConfigError, ContextLengthError
 from specdec.models.base import LanguageModel
-from specdec.sampling import PenaltyState, SamplingConfig, penalised_logits, process_logits
+from specdec.sampling import (
+    PenaltyState,
+    SamplingConfig,
+    penalised_logits,
+    process_logits,
+    target_logprobs,
+    top_logprobs,
+)
 from specdec.verify import Rule, Verdict
 
 
@@ -70,6 +77,7 @@ class TargetSession:
         *,
         seed: int,
         max_new_tokens: int | None = None,
+        logprobs: int | None = None,
     ) -> None:
         check_rule(rule, cfg)
         prompt_t = torch.as_tensor(prompt, dtype=torch.long).reshape(-1)
@@ -82,13 +90,17 @@ class TargetSession:
         self.cfg = cfg
         self.rule = rule
         self.seed = seed
+        #: when set, every emitted token's log-probability under the target's processed law and the
+        #: ``logprobs`` most likely alternatives are recorded in :attr:`emitted_logprobs`
+        self.logprobs = logprobs
+        self.emitted_logprobs: list[tuple[float, list[tuple[int, float]]]] = []
         self.generator = torch.Generator().manual_seed(seed)
         budget = max_new_tokens if max_new_tokens is not None else cfg.max_new_tokens
         capacity = min(model.max_length, n + budget + defaults.MAX_GAMMA + 1)
         self._ctx = torch.empty(capacity, dtype=torch.long)  # prompt + committed tokens
         self._ctx[:n] = prompt_t
         self._n = n
-        self.penalties = PenaltyState.start(prompt_t, model.vocab_size) if cfg.has_penalties else None
+        self.penalties = PenaltyState.start(prompt_t, model.vocab_size) if cfg.needs_state else None
         self.cache = model.new_cache(capacity)
         started = time.perf_counter()
         if n > 1:
@@ -134,6 +146,9 @@ class TargetSession:
             verdict = replace(verdict, num_accepted=max_tokens - 1, tokens=verdict.tokens[:max_tokens].clone())
         self.cache.truncate(base + 1 + verdict.num_accepted)
         k = verdict.tokens.numel()
+        if self.logprobs is not None:  # the target's law at each emitted position, never the draft's
+            logp = target_logprobs(logits[:k], cfg, self.penalties, draft.tokens)  # [k, V]
+            self.emitted_logprobs.extend(top_logprobs(logp, verdict.tokens, self.logprobs))
         self._ctx[self._n : self._n + k] = verdict.tokens
         self._n += k
         if self.penalties is not None:

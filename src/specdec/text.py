@@ -12,28 +12,53 @@ def encode_prompt(tokenizer: Any, prompt: str, *, chat: bool, system: str | None
     if not prompt or not prompt.strip():
         raise ConfigError("the prompt is empty")
     if chat:
-        if not getattr(tokenizer, "chat_template", None):
-            raise ConfigError("this model has no chat template; drop --chat")
         messages = ([{"role": "system", "content": system}] if system else []) + [{"role": "user", "content": prompt}]
-        text = tokenizer.apply_chat_template(messages, tokenize=False, add_generation_prompt=True)
-        return list(tokenizer.encode(text, add_special_tokens=False))
+        return encode_messages(tokenizer, messages)
     return list(tokenizer.encode(prompt, add_special_tokens=False))
 
 
+def encode_messages(tokenizer: Any, messages: list[dict[str, str]]) -> list[int]:
+    """Token ids of a conversation in the model's chat template, ending where the assistant answers."""
+    if not getattr(tokenizer, "chat_template", None):
+        raise ConfigError("this model has no chat template; drop --chat")
+    if not any(m["content"].strip() for m in messages if m["role"] == "user"):
+        raise ConfigError("the prompt is empty")
+    text = tokenizer.apply_chat_template(messages, tokenize=False, add_generation_prompt=True)
+    return list(tokenizer.encode(text, add_special_tokens=False))
+
+
 class TextStream:
-    """Incremental detokeniser: feed token ids, get the new text (never a half UTF-8 character)."""
+    """Incremental detokeniser: feed token ids, get the new text (never a half UTF-8 character).
+
+    With a fast tokenizer this is the ``tokenizers`` library's own ``DecodeStream`` (constant work
+    per token); otherwise the whole output is decoded again at each push and diffed.
+    """
 
     def __init__(self, tokenizer: Any, *, skip_special_tokens: bool = True) -> None:
         self.tokenizer = tokenizer
         self.skip = skip_special_tokens
         self.tokens: list[int] = []
         self.text = ""
+        self._backend = getattr(tokenizer, "_tokenizer", None)
+        self._incremental = None
+        # clean-up of tokenization spaces rewrites text across token boundaries: full decode only
+        if self._backend is not None and not getattr(tokenizer, "clean_up_tokenization_spaces", False):
+            try:
+                from tokenizers.decoders import DecodeStream
+            except ImportError:  # tokenizers < 0.21
+                DecodeStream = None  # noqa: N806
+            if DecodeStream is not None:
+                self._incremental = DecodeStream(skip_special_tokens=skip_special_tokens)
 
     def decode(self, tokens: list[int]) -> str:
         return self.tokenizer.decode(tokens, skip_special_tokens=self.skip)
 
     def push(self, tokens: list[int]) -> str:
         self.tokens.extend(tokens)
+        if self._incremental is not None:
+            delta = "".join(piece for t in tokens if (piece := self._incremental.step(self._backend, int(t))))
+            self.text += delta
+            return delta
         text = self.decode(self.tokens)
         if text.endswith("\ufffd"):  # an incomplete multi-byte character: wait for more tokens
             return ""

@@ -23,7 +23,7 @@ def _engine(mode, method, prompt, tps, *, gamma=None, t=0.0, seed=0, calls=10, g
 def _samples():
     rows = []
     for i, (p, cat) in enumerate([("a", "code"), ("b", "code"), ("c", "chat")]):
-        rows.append(_engine("cloud_only", "cloud_only", p, 50.0, calls=20, gen=20, target_s=0.36, cat=cat))
+        rows.append(_engine("plain", "plain", p, 50.0, calls=20, gen=20, target_s=0.36, cat=cat))
         rows.append({**_engine("hf_assisted", "hf_assisted", p, 25.0, cat=cat)})
         # speculative: 2x, 2x, 1x the cloud rate; 10 rounds, 20 tokens, 40 drafted, 10 accepted
         rows.append(_engine("speculative", "block", p, [100.0, 100.0, 50.0][i], gamma="4", calls=10, gen=20, prop=40,
@@ -74,6 +74,16 @@ def test_write_produces_json_markdown_and_plots(tmp_path):
     md = (tmp_path / "README.md").read_text()
     assert "specdec bench --x" in md and "speculative/block" in md and "| 2.00 |" in md
     assert out["plots"] and all((tmp_path / p.split("/")[-1]).is_file() for p in out["plots"])
+    assert "cloud_only" not in md and "×plain" in md
+
+
+def test_old_results_with_cloud_only_rows_still_aggregate():
+    old = [{**s, "mode": "cloud_only", "method": "cloud_only"} if s["mode"] == "plain" else s for s in _samples()]
+    new = {(g.mode, g.method): g.speedup_vs_cloud for g in report.aggregate(_samples())}
+    assert {(g.mode, g.method): g.speedup_vs_cloud for g in report.aggregate(old)} == new
+    assert report.upgrade(old) != old and all(s["mode"] != "cloud_only" for s in report.upgrade(old))
+    spec = {(g.mode, g.method): g for g in report.aggregate(old)}[("speculative", "block")]
+    assert spec.speedup_vs_cloud == pytest.approx(2.0)
 
 
 def test_workloads(tmp_path):

@@ -11,6 +11,7 @@ import time
 
 import httpx
 import pytest
+import torch
 
 from specdec.decoder import SpeculativeDecoder
 from specdec.drafters import ModelDrafter, NgramDrafter
@@ -242,8 +243,54 @@ def test_errors_are_one_line_messages(toy_server):
         RemoteConfig(url="ftp://x")
     from serverproc import free_port
 
-    with pytest.raises(RemoteError, match="did not answer"):
+    with pytest.raises(RemoteError, match="cannot connect to .* is `specdec serve` running there"):
         RemoteVerifier(RemoteConfig(url=f"http://127.0.0.1:{free_port()}", retry_budget_s=0.3), [1], cfg)
+
+
+def test_a_refused_first_connection_fails_without_retrying(monkeypatch):
+    from serverproc import free_port
+
+    sleeps: list[float] = []
+    monkeypatch.setattr(time, "sleep", sleeps.append)
+    cfg = SamplingConfig(temperature=0.0, seed=1, max_new_tokens=5)
+    with pytest.raises(RemoteError, match="cannot connect"):
+        RemoteVerifier(RemoteConfig(url=f"http://127.0.0.1:{free_port()}", timeout_s=5, retry_budget_s=5), [1], cfg)
+    assert sleeps == []
+
+
+class _Silent(httpx.HTTPTransport):
+    """Verify calls never answer: each one "takes" its whole read timeout on a fake clock."""
+
+    def __init__(self, clock: list[float]) -> None:
+        super().__init__()
+        self.clock = clock
+        self.attempts = 0
+
+    def handle_request(self, request: httpx.Request) -> httpx.Response:
+        if request.url.path.endswith("/verify"):
+            self.attempts += 1
+            self.clock[0] += float(request.extensions["timeout"]["read"])
+            raise httpx.ReadTimeout("no answer", request=request)
+        return super().handle_request(request)
+
+
+def test_the_timeout_bounds_the_whole_retry_window(toy_server, monkeypatch):
+    clock = [0.0]
+
+    def sleep(seconds: float) -> None:
+        clock[0] += seconds
+
+    cfg = SamplingConfig(temperature=0.0, seed=1, max_new_tokens=20)
+    transport = _Silent(clock)
+    with httpx.Client(transport=transport) as client:
+        verifier = RemoteVerifier(_cfg(toy_server.url, timeout_s=5, retry_budget_s=5), [1, 2], cfg, client=client)
+        monkeypatch.setattr(time, "perf_counter", lambda: clock[0])
+        monkeypatch.setattr(time, "sleep", sleep)
+        from specdec.drafters.base import Draft
+
+        with pytest.raises(RemoteError, match="did not answer within 5 s"):
+            verifier.verify(Draft(tokens=torch.tensor([1, 2]), probs=None))
+    assert clock[0] <= 5.0 and transport.attempts >= 1
 
 
 def test_concurrent_edges_get_independent_sessions(toy_server):

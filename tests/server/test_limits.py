@@ -72,3 +72,19 @@ def test_serve_refuses_an_open_public_address(capsys, monkeypatch):
     assert main(["serve", "--host", "127.0.0.1", "--api-key", " "]) == 2
     assert "API key is empty" in capsys.readouterr().err
     assert is_loopback("127.0.0.1") and is_loopback("::1") and is_loopback("localhost") and not is_loopback("10.0.0.1")
+
+
+def test_metrics_are_open_unless_the_operator_asks_for_the_key():
+    assert _client(api_key="k").get("/metrics").status_code == 200
+    guarded = _client(api_key="k", metrics_need_key=True)
+    assert guarded.get("/metrics").status_code == 401
+    assert guarded.get("/metrics", headers={"Authorization": "Bearer k"}).status_code == 200
+
+
+def test_per_position_counters_of_the_verify_api():
+    client = _client()
+    sid = _new(client)
+    assert client.post(f"/v1/sessions/{sid}/verify", json={"seq": 0, "draft_tokens": [1, 2, 3]}).status_code == 200
+    text = client.get("/metrics").text
+    for k in (1, 2, 3):
+        assert f'specdec_draft_position_proposed_total{{position="{k}",wire="greedy"}} 1.0' in text

@@ -81,20 +81,89 @@ def test_sampling_options_stop_and_seed(client):
 
 
 def test_errors_come_back_as_openai_errors(client, server):
-    with pytest.raises(openai.BadRequestError, match="n > 1"):
-        client.completions.create(model=MODEL, prompt=PROMPT, n=2)
-    with pytest.raises(openai.BadRequestError, match="logprobs"):
-        client.completions.create(model=MODEL, prompt=PROMPT, logprobs=2)
+    with pytest.raises(openai.BadRequestError, match="best_of"):
+        client.completions.create(model=MODEL, prompt=PROMPT, n=1, best_of=3)
+    with pytest.raises(openai.BadRequestError, match="echo together with logprobs"):
+        client.completions.create(model=MODEL, prompt=PROMPT, logprobs=2, echo=True)
     with pytest.raises(openai.BadRequestError, match="context"):
         client.completions.create(model=MODEL, prompt=PROMPT, max_tokens=100_000)
     with pytest.raises(openai.NotFoundError, match="not served here"):
         client.completions.create(model="gpt-4", prompt=PROMPT)
-    with pytest.raises(openai.UnprocessableEntityError, match="tools"):
+    with pytest.raises(openai.BadRequestError, match="tools is not supported"):
         client.chat.completions.create(model=MODEL, messages=[{"role": "user", "content": "hi"}],
                                        tools=[{"type": "function", "function": {"name": "f"}}])
+    with pytest.raises(openai.BadRequestError, match="logit_bias token"):
+        client.completions.create(model=MODEL, prompt=PROMPT, logit_bias={"99999999": 5})
+    with pytest.raises(openai.UnprocessableEntityError, match="temperature"):
+        client.completions.create(model=MODEL, prompt=PROMPT, temperature=2.5)  # OpenAI's bound is 2
     with openai.OpenAI(base_url=server.url + "/v1", api_key="wrong", max_retries=0) as bad:
         with pytest.raises(openai.AuthenticationError, match="API key"):
             bad.models.list()
+
+
+def test_unknown_fields_are_accepted_ignored_and_named(client):
+    raw = client.chat.completions.with_raw_response.create(
+        model=MODEL, messages=[{"role": "user", "content": "hi"}], max_tokens=4, temperature=0,
+        store=False, parallel_tool_calls=False, user="someone", metadata={"k": "v"}, extra_body={"frobnicate": 1},
+    )
+    ignored = {f.strip() for f in raw.headers["x-specdec-ignored-fields"].split(",")}
+    assert {"store", "parallel_tool_calls", "user", "metadata", "frobnicate"} <= ignored
+    assert raw.parse().choices[0].message.content is not None
+
+
+def test_a_seed_repeats_itself_with_gamma_auto_and_equals_plain_sampling(client, local):
+    kw = dict(model=MODEL, prompt="Once upon a time", max_tokens=24, temperature=0.8, top_p=0.9, seed=1,
+              extra_body={"gamma": "auto"})
+    texts = {client.completions.create(**kw).choices[0].text for _ in range(3)}
+    plain = Engine(local.target, None, "none").generate(
+        "Once upon a time", SamplingConfig(temperature=0.8, top_p=0.9, seed=1, max_new_tokens=24))
+    assert texts == {plain.text}
+
+
+def test_logprobs_are_the_targets_processed_law(client, local):
+    cfg = SamplingConfig(temperature=0.7, top_k=40, seed=5, max_new_tokens=12)
+    ref = local.generate(PROMPT, cfg, gamma=4, logprobs=3)
+    out = client.completions.create(model=MODEL, prompt=PROMPT, max_tokens=12, temperature=0.7, seed=5, logprobs=3,
+                                    extra_body={"top_k": 40})
+    lp = out.choices[0].logprobs
+    assert out.choices[0].text == ref.text and len(lp.token_logprobs) == len(ref.token_ids)
+    assert lp.token_logprobs == pytest.approx([max(v, -9999.0) for v, _ in ref.logprobs], abs=1e-9)
+    assert all(len(top) == 3 for top in lp.top_logprobs)
+    chat = client.chat.completions.create(model=MODEL, messages=[{"role": "user", "content": "Say hi."}], max_tokens=6,
+                                          temperature=0, logprobs=True, top_logprobs=2)
+    content = chat.choices[0].logprobs.content
+    assert "".join(c.token for c in content) == chat.choices[0].message.content
+    assert all(len(c.top_logprobs) == 2 and c.logprob == pytest.approx(c.top_logprobs[0].logprob) for c in content)  # greedy
+
+
+def test_n_list_prompts_echo_logit_bias_ignore_eos(client):
+    kw = dict(model=MODEL, prompt=PROMPT, max_tokens=10, temperature=1.0, seed=11)
+    many = client.completions.create(**kw, n=2)
+    assert [c.index for c in many.choices] == [0, 1]
+    assert many.choices[0].text == client.completions.create(**kw).choices[0].text
+    assert many.choices[1].text == client.completions.create(**{**kw, "seed": 12}).choices[0].text
+    assert many.usage.completion_tokens == 20 or many.choices[0].finish_reason == "stop"
+    greedy = dict(model=MODEL, max_tokens=6, temperature=0)
+    both = client.completions.create(prompt=[PROMPT, "import os"], **greedy)
+    assert [c.text for c in both.choices] == [client.completions.create(prompt=p, **greedy).choices[0].text
+                                              for p in (PROMPT, "import os")]
+    echoed = client.completions.create(prompt=PROMPT, echo=True, **greedy)
+    assert echoed.choices[0].text == PROMPT + both.choices[0].text
+    forced = client.completions.create(prompt=PROMPT, logit_bias={"42": 100}, logprobs=0, **greedy)
+    assert len(forced.choices[0].logprobs.tokens) == 6 and len(set(forced.choices[0].logprobs.tokens)) == 1
+    eos = "2"  # SmolLM2's <|im_end|>
+    stopped = client.completions.create(prompt=PROMPT, logit_bias={eos: 100}, **greedy)
+    assert stopped.choices[0].finish_reason == "stop" and stopped.usage.completion_tokens == 1
+    kept = client.completions.create(prompt=PROMPT, logit_bias={eos: 100}, extra_body={"ignore_eos": True}, **greedy)
+    assert kept.choices[0].finish_reason == "length" and kept.usage.completion_tokens == 6
+
+
+def test_streams_carry_n_choices_and_the_stats_on_the_last_chunk(client):
+    chunks = list(client.chat.completions.create(model=MODEL, messages=[{"role": "user", "content": "hi"}], max_tokens=5,
+                                                 temperature=1.0, seed=3, n=2, stream=True))
+    assert {c.choices[0].index for c in chunks if c.choices} == {0, 1}
+    stats = chunks[-1].model_extra["specdec"]
+    assert stats["method"] == "coupled" and stats["target_calls"] >= 1 and stats["lossless"] is True
 
 
 def test_near_valid_completion_requests_never_get_a_5xx(server):
@@ -162,3 +231,61 @@ def test_the_event_loop_stays_responsive_during_a_generation(server, client):
     finally:
         worker.join()
     assert produced[0] >= 100 and quick >= 2, (produced, quick)
+
+
+def test_openai_requests_update_the_speculative_counters_and_latency_histograms(client, server):
+    import httpx
+
+    client.chat.completions.create(model=MODEL, messages=[{"role": "user", "content": "hi"}], max_tokens=8, temperature=0)
+    text = httpx.get(server.url + "/metrics", timeout=30).text  # no key needed to scrape
+    for name in (
+        'specdec_verify_calls_total{lossless="true",wire="openai"}',
+        'specdec_draft_tokens_proposed_total{wire="openai"}',
+        'specdec_draft_tokens_accepted_total{wire="openai"}',
+        'specdec_draft_position_proposed_total{position="1",wire="openai"}',
+        'specdec_draft_position_accepted_total{position="1",wire="openai"}',
+        'specdec_time_to_first_token_seconds_count{endpoint="chat"}',
+        'specdec_inter_token_seconds_count{endpoint="chat"}',
+        'specdec_request_seconds_count{endpoint="chat"}',
+        'specdec_prompt_tokens_total{endpoint="chat"}',
+    ):
+        assert name in text, name
+
+
+SCHEMA = {
+    "type": "object",
+    "properties": {"color": {"enum": ["red", "green", "blue"]}, "count": {"type": "integer", "minimum": 0, "maximum": 99},
+                   "ok": {"type": "boolean"}},
+    "required": ["color", "count", "ok"],
+    "additionalProperties": False,
+}
+
+
+def _matches(value) -> bool:
+    return (isinstance(value, dict) and set(value) == {"color", "count", "ok"} and value["color"] in ("red", "green", "blue")
+            and type(value["count"]) is int and 0 <= value["count"] <= 99 and type(value["ok"]) is bool)
+
+
+def test_structured_output_parses_and_matches_the_schema_under_speculation(client):
+    import json
+
+    messages = [{"role": "user", "content": "Describe a ball as JSON."}]
+    fmt = {"type": "json_schema", "json_schema": {"name": "ball", "schema": SCHEMA}}
+    out = client.chat.completions.create(model=MODEL, messages=messages, max_tokens=60, temperature=1.0, seed=4, n=4,
+                                         response_format=fmt)
+    assert len(out.choices) == 4
+    for choice in out.choices:
+        assert choice.finish_reason == "stop" and _matches(json.loads(choice.message.content)), choice.message.content
+    stats = out.model_extra["specdec"]
+    assert stats["draft_tokens_proposed"] > 0 and stats["lossless"] is True  # speculation ran, constrained on both sides
+    anyobj = client.chat.completions.create(model=MODEL, messages=messages, max_tokens=60, temperature=0,
+                                            response_format={"type": "json_object"}).choices[0]
+    if anyobj.finish_reason == "stop":  # a free-form object may also run out of tokens (this model: 100.000...)
+        assert isinstance(json.loads(anyobj.message.content), dict)
+    assert anyobj.message.content.startswith("{")
+    digits = client.completions.create(model=MODEL, prompt="The year was", max_tokens=8, temperature=1.0, seed=2,
+                                       extra_body={"response_format": {"type": "regex", "regex": " [0-9]{4}"}})
+    text = digits.choices[0].text
+    assert len(text) == 5 and text[0] == " " and text[1:].isdigit()
+    with pytest.raises(openai.BadRequestError, match="invalid"):
+        client.completions.create(model=MODEL, prompt="x", extra_body={"response_format": {"type": "grammar", "grammar": "start: ("}})

@@ -23,40 +23,41 @@ def add_parser(sub) -> None:  # noqa: ANN001 - argparse's subparsers action
         description="Run every mode (each in its own process) on the same prompts, sampling settings and seeds; "
         "write results.json, a Markdown summary (README.md) and PNG plots.",
     )
-    p.add_argument("--target", default=defaults.DEFAULT_TARGET)
-    p.add_argument("--draft", default=defaults.DEFAULT_DRAFT)
-    p.add_argument("--modes", default="cloud_only,edge_only,speculative,hf_plain,hf_assisted",
-                   help="comma list of cloud_only, edge_only, speculative, hf_plain, hf_assisted (local), and edge_cloud, "
-                   "cloud_streaming, cloud_streaming_spec (cloud server process + edge process over an emulated RTT)")
-    p.add_argument("--methods", default="default", help="comma list of rules for the speculative mode ('default' = greedy at T=0, block otherwise)")
-    p.add_argument("--gammas", default="auto", help="comma list of γ values (integers, 'auto', 'guide')")
-    p.add_argument("--temperatures", default="0,1", help="comma list (0 = greedy)")
-    p.add_argument("--max-new-tokens", type=int, default=128)
-    p.add_argument("--repeats", type=int, default=1, help="seeds per prompt (seed, seed+1, ...)")
-    p.add_argument("--seed", type=int, default=0)
-    p.add_argument("--top-p", type=float)
-    p.add_argument("--repetition-penalty", type=float)
+    p.add_argument("--target", default=defaults.DEFAULT_TARGET, help=f"target model (default {defaults.DEFAULT_TARGET})")
+    p.add_argument("--draft", default=defaults.DEFAULT_DRAFT, help=f"draft model, 'ngram' or 'self' (default {defaults.DEFAULT_DRAFT})")
+    p.add_argument("--modes", default="plain,edge_only,speculative,hf_plain,hf_assisted",
+                   help="comma list of plain (the target alone; 'cloud_only' is accepted too), edge_only (the draft alone), speculative, "
+                   "hf_plain, hf_assisted (local), and edge_cloud, cloud_streaming, cloud_streaming_spec (cloud server process "
+                   "+ edge process over an emulated RTT) (default plain,edge_only,speculative,hf_plain,hf_assisted)")
+    p.add_argument("--methods", default="default", help="comma list of rules for the speculative mode ('default' = greedy at T=0, block otherwise; default: default)")
+    p.add_argument("--gammas", default="auto", help="comma list of γ values (integers, 'auto', 'guide'; default auto)")
+    p.add_argument("--temperatures", default="0,1", help="comma list (0 = greedy; default 0,1)")
+    p.add_argument("--max-new-tokens", type=int, default=128, help="tokens generated per prompt (default 128)")
+    p.add_argument("--repeats", type=int, default=1, help="seeds per prompt (seed, seed+1, ...; default 1)")
+    p.add_argument("--seed", type=int, default=0, help="first seed (default 0)")
+    p.add_argument("--top-p", type=float, help="nucleus sampling at T > 0 (default off)")
+    p.add_argument("--repetition-penalty", type=float, help="repetition penalty (default off = 1.0)")
     p.add_argument("--prompts", help="JSONL prompt file (fields: prompt, id, category, chat); default: the built-in set")
-    p.add_argument("--categories", help="comma list of prompt categories to keep (e.g. code,chat)")
-    p.add_argument("--limit", type=int, help="keep the first N prompts of each category")
+    p.add_argument("--categories", help="comma list of prompt categories to keep (e.g. code,chat; default all)")
+    p.add_argument("--limit", type=int, help="keep the first N prompts of each category (default all)")
     p.add_argument("--draft-dtype", default="auto", choices=["auto", "float32", "bfloat16", "int8"],
-                   help="draft precision (see specdec generate --help)")
+                   help="draft precision (see specdec generate --help; default auto)")
     p.add_argument("--dtype", "--target-dtype", dest="dtype", default="auto", choices=["auto", "float32", "bfloat16", "int8"],
                    help="target precision for specdec's rows (default auto; see specdec generate --help)."
                         " The Hugging Face rows always run the float32 weights")
-    p.add_argument("--fast-attention", action="store_true", help="target without batch invariance (see specdec generate --help)")
+    p.add_argument("--fast-attention", action="store_true", help="target without batch invariance (see specdec generate --help; default off)")
     p.add_argument("--threads", type=int, help="torch threads per worker (default: torch's choice; network modes: the server and each edge process get this many, default 1)")
     g = p.add_argument_group("edge-cloud modes (edge_cloud, cloud_streaming, cloud_streaming_spec)")
     g.add_argument("--rtts", default="0,20,50,100", help="comma list of emulated round-trip times in ms (default 0,20,50,100)")
     g.add_argument("--wires", default="greedy,coupled,sparse-q,lossy-scalar",
-                   help="comma list of wire modes for edge_cloud; each runs where valid (greedy at T=0, the others at T>0)")
+                   help="comma list of wire modes for edge_cloud; each runs where valid (greedy at T=0, the others at T>0; default all four)")
     g.add_argument("--rtt-emulation", default="auto", choices=["auto", "proxy", "netem"],
-                   help="auto = tc netem in network namespaces where scripts/netem.sh finds it, else the asyncio delay proxy")
+                   help="auto = tc netem in network namespaces where scripts/netem.sh finds it, else the asyncio delay proxy (default auto)")
     g.add_argument("--q-top-k", type=int, default=16, help="sparse-q: top-k truncation of q (default 16)")
     p.add_argument("--out", help="output folder (default benchmarks/run-<date>)")
-    p.add_argument("--no-plots", action="store_true")
+    p.add_argument("--no-plots", action="store_true", help="skip the PNG plots (default: draw them)")
     p.add_argument("--report-only", action="store_true",
-                   help="run nothing: re-render README.md and the plots of --out from its results.json")
+                   help="run nothing: re-render README.md and the plots of --out from its results.json (default off)")
 
 
 def run(args: argparse.Namespace, argv: list[str] | None = None) -> int:
@@ -79,7 +80,7 @@ def run(args: argparse.Namespace, argv: list[str] | None = None) -> int:
     prompts = workloads.select(prompts, categories=_csv(args.categories) if args.categories else None, limit=args.limit)
     command = "specdec bench " + " ".join(shlex.quote(a) for a in (argv if argv is not None else sys.argv[2:]))
     cfg = runner.BenchConfig(
-        target=args.target, draft=args.draft, prompts=tuple(prompts), modes=tuple(_csv(args.modes)),
+        target=args.target, draft=args.draft, prompts=tuple(prompts), modes=tuple("plain" if m == "cloud_only" else m for m in _csv(args.modes)),
         methods=tuple(methods), gammas=tuple(gammas), temperatures=tuple(temps),
         max_new_tokens=args.max_new_tokens, repeats=args.repeats, seed=args.seed, top_p=args.top_p,
         repetition_penalty=args.repetition_penalty, draft_dtype=args.draft_dtype, dtype=args.dtype,
@@ -92,7 +93,7 @@ def run(args: argparse.Namespace, argv: list[str] | None = None) -> int:
     print(f"[specdec] wrote {written['dir']}/README.md, results.json and {len(written['plots'])} plots", file=sys.stderr)
     for g in written["stats"]:
         if g.mode == "speculative":
-            vs = [f"×{ratio:.2f} {name}" for ratio, name in ((g.speedup_vs_cloud, "cloud_only"), (g.speedup_vs_hf_assisted, "HF assisted"))
+            vs = [f"×{ratio:.2f} {name}" for ratio, name in ((g.speedup_vs_cloud, "plain"), (g.speedup_vs_hf_assisted, "HF assisted"))
                   if ratio is not None]
             print(f"[specdec] {g.method} γ={g.gamma} T={g.temperature:g}: {g.tokens_per_s_median:.1f} tok/s"
                   + "".join(f", {v}" for v in vs), file=sys.stderr)

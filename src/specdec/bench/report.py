@@ -14,7 +14,7 @@ from pathlib import Path
 
 from specdec.bench import netreport, theory
 
-ENGINE_MODES = ("cloud_only", "plain_paired", "edge_only", "speculative")
+ENGINE_MODES = ("plain", "plain_paired", "edge_only", "speculative")
 
 
 def _quantile(values: list[float], q: float) -> float:
@@ -96,24 +96,38 @@ def _ratios(samples: list[dict], reference: dict[tuple, dict]) -> list[tuple[str
     return out
 
 
+#: mode names of older results.json files -> today's
+_OLD_MODES = {"cloud_only": "plain"}
+
+
+def upgrade(samples: list[dict]) -> list[dict]:
+    """Samples with old mode names renamed (results written before plain decoding was called "plain")."""
+    out = []
+    for s in samples:
+        if s.get("mode") in _OLD_MODES:
+            s = {**s, "mode": _OLD_MODES[s["mode"]], "method": _OLD_MODES.get(s.get("method"), s.get("method"))}
+        out.append(s)
+    return out
+
+
 def aggregate(samples: list[dict], processes: dict | None = None) -> list[GroupStats]:
     """One :class:`GroupStats` per (mode, method, γ, temperature) of the local modes
     (the network modes are aggregated by :func:`specdec.bench.netreport.aggregate_network`)."""
     processes = processes or {}
-    samples = [s for s in samples if not netreport.is_network(s)]
+    samples = [s for s in upgrade(samples) if not netreport.is_network(s)]
     groups: dict[tuple, list[dict]] = defaultdict(list)
     for s in samples:
         groups[group_key(s)].append(s)
     refs = {
         mode: {pair_key(s): s for s in samples if s["mode"] == mode}
-        for mode in ("cloud_only", "plain_paired", "hf_assisted", "hf_plain")
+        for mode in ("plain", "plain_paired", "hf_assisted", "hf_plain")
     }
     # speculative runs are compared with the plain run of the same prompt taken in the same
-    # process seconds before (plain_paired) when the bench recorded one, else with cloud_only
-    plain_ref = {mode: ("plain_paired" if mode == "speculative" and refs["plain_paired"] else "cloud_only") for mode, *_ in groups}
+    # process seconds before (plain_paired) when the bench recorded one, else with plain
+    plain_ref = {mode: ("plain_paired" if mode == "speculative" and refs["plain_paired"] else "plain") for mode, *_ in groups}
     cloud_step: dict[tuple[str, float], float] = {}  # seconds per target call of plain decoding
     for (mode, _, _, t), rows in groups.items():
-        if mode in ("cloud_only", "plain_paired"):
+        if mode in ("plain", "plain_paired"):
             calls = sum(r["target_calls"] for r in rows)
             cloud_step[(mode, t)] = sum(r["target_s"] for r in rows) / calls if calls else math.nan
     out = []
@@ -280,8 +294,8 @@ def markdown(result: dict, stats: list[GroupStats], bvt: list[BlockVsToken], plo
         f"Machine: {machine_line(result.get('machine', {}))}.",
         "",
         "Speed-ups are medians over prompts of the per-prompt ratio against the same prompt and seed "
-        "in the reference mode; for the speculative rows, \"×cloud_only\" uses plain_paired: plain "
-        "decoding of the same prompt in the same process right before (cloud_only runs in its own "
+        "in the reference mode; for the speculative rows, \"×plain\" uses plain_paired: plain "
+        "decoding of the same prompt in the same process right before (plain runs in its own "
         "process, minutes apart, and this shared machine drifts by 10-20% over minutes). "
         "Tokens/s = generated tokens / decoding wall time (prefill included, model loading excluded).",
     ]
@@ -309,7 +323,7 @@ def _local_tables(stats: list[GroupStats], bvt: list[BlockVsToken]) -> list[str]
         "",
         "## Summary",
         "",
-        "| mode | γ | T | tok/s median [IQR] | ×cloud_only | ×HF assisted | ×HF plain | tokens/call ± SE | acceptance | mean γ | TTFT ms | p50 / p95 s | draft / target share | cloud calls/token | RSS MiB | KV MiB |",
+        "| mode | γ | T | tok/s median [IQR] | ×plain | ×HF assisted | ×HF plain | tokens/call ± SE | acceptance | mean γ | TTFT ms | p50 / p95 s | draft / target share | cloud calls/token | RSS MiB | KV MiB |",
         "|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|",
     ]
     for g in stats:
@@ -322,7 +336,7 @@ def _local_tables(stats: list[GroupStats], bvt: list[BlockVsToken]) -> list[str]
             f"| {_mib(g.rss_peak_bytes)} | {_fmt((g.kv_peak_bytes or 0) / 2**20, 1)} |"
         )
     cats = sorted({c for g in stats for c in g.tokens_per_s_by_category})
-    lines += ["", "## By prompt category (median tok/s; speed-up over cloud_only)", "",
+    lines += ["", "## By prompt category (median tok/s; speed-up over plain)", "",
               "| mode | γ | T | " + " | ".join(f"{c} tok/s | {c} ×cloud" for c in cats) + " |",
               "|---|---|---|" + "---|---|" * len(cats)]
     for g in stats:
@@ -380,7 +394,7 @@ def plot(stats: list[GroupStats], bvt: list[BlockVsToken], out_dir: Path) -> lis
                     if not str(g.gamma).isdigit():
                         ax.scatter([g.mean_gamma], [g.speedup_vs_cloud], marker="*", s=120, label=f"{method} ({g.gamma}, at mean γ)")
             ax.axhline(1.0, color="grey", lw=0.8, ls="--")
-            ax.set(title=f"T = {t:g}", xlabel="γ", ylabel="speed-up over cloud_only (median)")
+            ax.set(title=f"T = {t:g}", xlabel="γ", ylabel="speed-up over plain (median)")
             ax.legend(fontsize=7)
         fig.tight_layout()
         paths.append(_save(fig, out_dir / "speedup_vs_gamma.png"))
@@ -438,6 +452,7 @@ def write(result: dict, out_dir: str | Path, *, make_plots: bool = True) -> dict
 
     out = Path(out_dir)
     out.mkdir(parents=True, exist_ok=True)
+    result = {**result, "samples": upgrade(result["samples"])}
     stats = aggregate(result["samples"], result.get("processes"))
     bvt = block_vs_token(result["samples"])
     net = netreport.aggregate_network(result["samples"])

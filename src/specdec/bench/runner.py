@@ -2,7 +2,7 @@
 
 Modes, all on the same prompts, sampling settings and seeds:
 
-* ``cloud_only``   — the target alone (plain decoding through specdec's loop, same backend);
+* ``plain``   — the target alone (plain decoding through specdec's loop, same backend);
 * ``edge_only``    — the draft model alone;
 * ``speculative``  — target + draft with every requested rule × γ;
 * ``hf_plain``     — Hugging Face ``model.generate`` on the same target weights;
@@ -25,7 +25,7 @@ from specdec.bench import network
 from specdec.bench.workloads import Prompt
 from specdec.errors import SpecdecError
 
-LOCAL_MODES = ("cloud_only", "edge_only", "speculative", "hf_plain", "hf_assisted")
+LOCAL_MODES = ("plain", "edge_only", "speculative", "hf_plain", "hf_assisted")
 MODES = LOCAL_MODES + network.NETWORK_MODES
 
 

@@ -22,7 +22,7 @@ from specdec.sampling import SamplingConfig
 
 @dataclass(frozen=True)
 class Job:
-    mode: str  # cloud_only | edge_only | speculative | hf_plain | hf_assisted | edge_cloud | cloud_streaming[_spec]
+    mode: str  # plain | edge_only | speculative | hf_plain | hf_assisted | edge_cloud | cloud_streaming[_spec]
     target: str
     draft: str
     prompts: list[dict]
@@ -104,7 +104,7 @@ def run_engine(job: Job, prompts: list[Prompt]) -> None:
     if job.mode == "edge_only":  # the draft model alone, in the precision it drafts in
         draft = load_draft(EngineConfig(draft=job.draft, draft_dtype=job.draft_dtype))
         engine = Engine(draft, None, "none")
-    elif job.mode == "cloud_only":
+    elif job.mode == "plain":
         engine = Engine.build(EngineConfig(target=job.target, draft="none", dtype=job.dtype, batch_invariant=job.batch_invariant))
     else:
         engine = Engine.build(EngineConfig(target=job.target, draft=job.draft, dtype=job.dtype, draft_dtype=job.draft_dtype,

@@ -48,8 +48,8 @@ class DraftSampler:
         self.cfg = cfg
         self.mode: DraftSampling = "argmax" if cfg.greedy else mode
         self.penalties = (
-            PenaltyState(penalties.seen.clone(), penalties.counts.clone())
-            if penalties is not None and cfg.has_penalties
+            penalties.copy()
+            if penalties is not None and cfg.needs_state
             else None
         )
         self.generator = generator

@@ -148,6 +148,24 @@ def sha256_file(path: Path, *, desc: str | None = None) -> str:
     return h.hexdigest()
 
 
+def install_status(spec: ModelSpec) -> str:
+    """What is on this machine for ``spec``: ``bundled``, ``ready`` (converted, loads fast),
+    ``installed`` (package present, converted on first use or by `specdec setup`) or ``missing``."""
+    src = spec.source
+    if isinstance(src, Bundled):
+        return "bundled" if _is_hf_folder(DATA_DIR / src.folder) else "missing"
+    out = cache_root() / "models" / spec.name
+    if _is_hf_folder(out) and (out / "model.safetensors").is_file():
+        return "ready"
+    dists = src.dists() if isinstance(src, ChunkedGGUF) else [src.dist]
+    for dist in dists:
+        try:
+            md.distribution(dist)
+        except md.PackageNotFoundError:
+            return "missing"
+    return "installed"
+
+
 def _locate(dist: str, relpath: str, pip_hint: str, model: str) -> Path:
     try:
         path = Path(str(md.distribution(dist).locate_file(relpath)))
@@ -345,7 +363,7 @@ def load(
         return LoadedModel(resolved.name, model, tokenizer, None, "hf", _eos_ids(None, tokenizer, cfg))
     folder = resolved.folder
     cfg = json.loads((folder / "config.json").read_text())
-    tokenizer = AutoTokenizer.from_pretrained(str(folder))
+    tokenizer = _load_tokenizer(folder)
     has_safetensors = any(folder.glob("*.safetensors"))
     use_native = backend == "native" or (backend == "auto" and cfg.get("model_type") in SUPPORTED and has_safetensors)
     if use_native:
@@ -363,6 +381,23 @@ def load(
     return LoadedModel(resolved.name, model, tokenizer, folder, kind, _eos_ids(folder, tokenizer, cfg))
 
 
+_TOKENIZER_FILES = ("tokenizer.json", "tokenizer.model", "vocab.json", "tokenizer_config.json")
+
+
+def _load_tokenizer(folder: Path) -> Any:
+    """The folder's tokenizer, or a one-line error naming the files a tokenizer needs."""
+    from transformers import AutoTokenizer
+
+    if not any((folder / name).is_file() for name in _TOKENIZER_FILES):
+        raise ModelNotFoundError(
+            f"{folder} has no tokenizer files ({', '.join(_TOKENIZER_FILES)}); copy the model's tokenizer there"
+        )
+    try:
+        return AutoTokenizer.from_pretrained(str(folder))
+    except Exception as exc:  # noqa: BLE001 - an unreadable tokenizer is the user's folder, not a bug
+        raise ModelNotFoundError(f"could not load the tokenizer in {folder} ({type(exc).__name__}: {exc})".splitlines()[0]) from None
+
+
 def check_compatible(target: LoadedModel, draft: LoadedModel) -> None:
     """Target and draft must share the tokenizer: same vocabulary, same ids."""
     tv, dv = target.tokenizer.get_vocab(), draft.tokenizer.get_vocab()
@@ -371,5 +406,9 @@ def check_compatible(target: LoadedModel, draft: LoadedModel) -> None:
             f"draft {draft.name!r} and target {target.name!r} use different tokenizers;"
             " speculative decoding needs the same vocabulary"
         )
-    if draft.vocab_size > target.vocab_size:
-        raise SpecdecError(f"draft vocabulary ({draft.vocab_size}) is larger than the target's ({target.vocab_size})")
+    if draft.vocab_size != target.vocab_size:
+        which = "larger" if draft.vocab_size > target.vocab_size else "smaller"
+        raise SpecdecError(
+            f"draft vocabulary ({draft.vocab_size}) is {which} than the target's ({target.vocab_size});"
+            " speculative decoding needs draft and target to score the same token ids"
+        )

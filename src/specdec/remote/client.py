@@ -61,7 +61,9 @@ class RemoteConfig:
     method: str | None = None  # the cloud's rule; None: the wire mode's default
     timeout_s: float = 60.0  # per request (read) timeout
     connect_timeout_s: float = 5.0
-    retry_budget_s: float = 60.0  # give up on a round after retrying this long
+    #: a round (or the session's creation), retries and back-off included, never takes longer
+    #: than this; every attempt's timeout is cut to what is left of it
+    retry_budget_s: float = 60.0
     backoff_s: float = 0.05  # first retry delay, doubled per retry ...
     max_backoff_s: float = 1.0  # ... up to this
     #: lossy: commit the first draft token when the cloud has not answered after this many ms
@@ -269,7 +271,9 @@ class RemoteVerifier:
                 body = dict(payload, seq=self._seq)
                 if self._pending:
                     body["unverified_tokens"] = self._pending
-                timeout = self.cfg.timeout_s if deadline is None else max(1e-3, min(self.cfg.timeout_s, deadline - time.perf_counter()))
+                timeout = self._attempt_timeout(started)
+                if deadline is not None:
+                    timeout = max(1e-3, min(timeout, deadline - time.perf_counter()))
                 resp = self._exchange("POST", f"/v1/sessions/{self._session}/verify", body, timeout)
             except (httpx.TransportError, _DeadlinePassed) as exc:
                 attempts += 1
@@ -328,13 +332,23 @@ class RemoteVerifier:
         self.stats.wire_bytes_down += _head_bytes_response(resp) + len(resp.content)
         return resp
 
+    def _attempt_timeout(self, started: float) -> float:
+        """One attempt's timeout: the per-request timeout, cut to what is left of the retry window."""
+        left = self.cfg.retry_budget_s - (time.perf_counter() - started)
+        if left <= 0:
+            raise RemoteError(f"the server at {self._base} did not answer within {self.cfg.retry_budget_s:g} s; giving up")
+        return min(self.cfg.timeout_s, left)
+
     def _wait(self, attempts: int, started: float, exc: Exception) -> None:
+        """Back off before the next attempt, or give up if that would leave the retry window."""
+        delay = min(self.cfg.max_backoff_s, self.cfg.backoff_s * 2 ** (attempts - 1))
         waited = time.perf_counter() - started
-        if waited > self.cfg.retry_budget_s:
+        if waited + delay >= self.cfg.retry_budget_s:
             raise RemoteError(
-                f"the server at {self._base} did not answer for {waited:.0f} s ({type(exc).__name__}); giving up"
+                f"the server at {self._base} did not answer within {self.cfg.retry_budget_s:g} s"
+                f" ({type(exc).__name__}); giving up"
             )
-        time.sleep(min(self.cfg.max_backoff_s, self.cfg.backoff_s * 2 ** (attempts - 1)))
+        time.sleep(delay)
 
     def _create(self, *, resume: bool, deadline: float | None = None) -> None:
         """Create the session (``resume``: again, with every committed token as ``generated_ids``)."""
@@ -362,15 +376,21 @@ class RemoteVerifier:
         attempts = 0
         while True:
             try:
-                timeout = self.cfg.timeout_s
                 if deadline is not None:
                     timeout = deadline - time.perf_counter()
                     if timeout <= 0:
                         raise _DeadlinePassed()
+                else:
+                    timeout = self._attempt_timeout(started)
                 resp = self._exchange("POST", "/v1/sessions", body, timeout)
             except httpx.TransportError as exc:
                 if deadline is not None:
                     raise
+                if not resume and isinstance(exc, httpx.ConnectError):
+                    # nothing listens there (refused, unknown host): waiting will not help
+                    raise RemoteError(
+                        f"cannot connect to {self._base} ({exc}); is `specdec serve` running there?"
+                    ) from None
                 attempts += 1
                 self.stats.retries += 1
                 self._wait(attempts, started, exc)

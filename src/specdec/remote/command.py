@@ -22,7 +22,7 @@ def add_remote_args(p: argparse.ArgumentParser) -> None:
     g.add_argument("--wire", choices=WIRE_MODES, help="what crosses the wire: greedy / coupled (ids only), sparse-q (ids + top-k q), lossy-scalar (the guide's one q per token; LOSSY). Default: greedy at temperature 0, coupled otherwise")
     g.add_argument("--q-top-k", type=int, default=16, help="sparse-q: the drafter samples from its top-k q and sends exactly that (default 16)")
     g.add_argument("--tokenizer", help="model name or folder whose tokenizer to use when --draft is not a model (ngram, none)")
-    g.add_argument("--remote-timeout", type=float, default=60.0, help="seconds before a request is retried (same seq; default 60)")
+    g.add_argument("--remote-timeout", type=float, default=60.0, help="seconds a round may take, retries included (a lost answer is retried with the same seq); a refused first connection fails at once (default 60)")
     g.add_argument("--lossy-timeout-commit-ms", type=float, help="LOSSY: commit the first draft token when the cloud has not answered after this many ms (the guide uses 400)")
     g.add_argument("--gate", default="off", choices=["off", "shape", "lossy-local-commit"], help="gating: shape = stop drafting at a hard token (exact); lossy-local-commit = keep easy blocks without the cloud (LOSSY). Default off")
     g.add_argument("--gate-entropy-bits", type=float, default=2.5, help="T_H: a token whose draft entropy exceeds this is hard (default 2.5)")
@@ -89,6 +89,7 @@ def run_generate(args: argparse.Namespace, prompt: str, sampling: SamplingConfig
         wire=wire,
         method=args.method,
         timeout_s=args.remote_timeout,
+        retry_budget_s=args.remote_timeout,
         lossy_timeout_commit_ms=args.lossy_timeout_commit_ms,
     )
     quiet = args.json
@@ -110,7 +111,7 @@ def run_generate(args: argparse.Namespace, prompt: str, sampling: SamplingConfig
         cfg = EngineConfig(draft=args.draft, backend=args.backend, dtype=args.dtype, draft_dtype=args.draft_dtype)
         draft = load_draft(cfg)
         tokenizer, eos, drafter, name = draft.tokenizer, draft.eos_ids, ModelDrafter(draft.model), draft.name
-    ids = encode_prompt(tokenizer, prompt, chat=args.chat)
+    ids = encode_prompt(tokenizer, prompt, chat=args.chat, system=args.system)
     vocab = draft.vocab_size if draft is not None else len(tokenizer)
     gate = _gate(args, tokenizer, draft.model if draft is not None else None, vocab)
     log(f"verifying on {args.remote} (wire {wire or 'default'})")

@@ -283,7 +283,7 @@ def create_app(
         return Health(model=settings.model_name, vocab_size=ctx.model.vocab_size, max_context=ctx.model.max_length,
                       sessions=len(store))
 
-    @app.get("/metrics", dependencies=guarded, response_class=Response, responses={401: {"model": ErrorResponse}})
+    @app.get("/metrics", dependencies=guarded if settings.metrics_need_key else [], response_class=Response, responses={401: {"model": ErrorResponse}})
     def prometheus() -> Response:
         store.sweep()
         metrics.active_sessions.set(len(store))

@@ -44,6 +44,7 @@ def add_parser(sub: Any) -> None:
     p.add_argument("--api-key", help=f"bearer token clients must send (default: ${API_KEY_ENV})")
     p.add_argument("--api-key-file", metavar="PATH",
                    help="file of accepted keys, one per line ('#' comments); each session belongs to the key that made it")
+    p.add_argument("--metrics-need-key", action="store_true", help="require the API key on /metrics too (default: /metrics is open for scrapers)")
     _add_models(p)
     g = p.add_argument_group("limits")
     g.add_argument("--max-sessions", type=int, default=64, help="edge sessions held at once; the least recently used idle one is evicted past this (default 64)")
@@ -146,6 +147,7 @@ def run(args: argparse.Namespace) -> int:
         prefill_chunk=args.prefill_chunk,
         max_queue=args.max_queue,
         max_active_requests=args.max_active_requests,
+        metrics_need_key=args.metrics_need_key,
     )
     if args.max_connections < 1:
         raise ConfigError(f"max connections must be >= 1, got {args.max_connections}")

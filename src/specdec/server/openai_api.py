@@ -1,15 +1,18 @@
 """OpenAI-compatible ``/v1/models``, ``/v1/completions`` and ``/v1/chat/completions``.
 
 Served by speculative decoding on the server itself (:class:`specdec.engine.Engine` with a local
-drafter from the app's drafter factory).  Parameters the engine cannot honour (``n > 1``,
-``logprobs``, ``echo``, ``logit_bias``, tools, ...) are refused with a 400/422 that names them,
-never silently dropped.  Extensions: ``top_k``, ``min_p``, ``repetition_penalty``, ``method``
-(verification rule) and ``gamma``; responses carry a ``specdec`` object with the run's stats.
+drafter from the app's drafter factory).  Fields this server does not know are accepted and
+ignored, as vLLM does: they are named in the ``X-Specdec-Ignored-Fields`` response header and in
+the server log.  Fields whose *semantics* it cannot honour (tools, audio, ``suffix``, ...) are
+refused with a 400 that names them, never silently dropped.  Extensions: ``top_k``, ``min_p``,
+``repetition_penalty``, ``ignore_eos``, ``method`` (verification rule) and ``gamma``; responses
+carry a ``specdec`` object with the run's speculative stats (the last stream chunk too).
 """
 
 from __future__ import annotations
 
 import asyncio
+import logging
 import secrets
 import threading
 import time
@@ -17,7 +20,7 @@ import weakref
 from typing import TYPE_CHECKING, Annotated, Any, AsyncIterator, Callable, Literal
 
 from fastapi import APIRouter, Request
-from fastapi.responses import StreamingResponse
+from fastapi.responses import JSONResponse, StreamingResponse
 from pydantic import BaseModel, ConfigDict, Field
 
 from specdec import defaults
@@ -25,6 +28,7 @@ from specdec.engine import Engine, TextResult, default_method, parse_gamma
 from specdec.errors import SpecdecError
 from specdec.models.registry import LoadedModel
 from specdec.sampling import SamplingConfig
+from specdec.text import TextStream
 from specdec.server.errors import ApiError
 from specdec.server.scheduler import Cancelled as SchedulerCancelled
 from specdec.verify import get_rule
@@ -35,33 +39,93 @@ if TYPE_CHECKING:
 Finite = Annotated[float, Field(allow_inf_nan=False)]
 
 
+log = logging.getLogger("specdec.server")
+
+#: response header naming the request fields that were accepted and ignored
+IGNORED_HEADER = "X-Specdec-Ignored-Fields"
+#: fields clients send whose meaning this server cannot honour: a 400 when they ask for something
+_REFUSED = ("tools", "functions", "audio", "prediction", "web_search_options")
+#: fields that are accepted and have no effect here (listed in the ignored-fields header)
+_NO_EFFECT = ("user", "store", "metadata", "service_tier", "parallel_tool_calls", "reasoning_effort", "modalities")
+
+
 class StreamOptions(BaseModel):
-    model_config = ConfigDict(extra="forbid")
+    model_config = ConfigDict(extra="allow")
     include_usage: bool = False
 
 
 class _Request(BaseModel):
-    model_config = ConfigDict(extra="forbid")
+    model_config = ConfigDict(extra="allow")
 
     model: Annotated[str, Field(max_length=256)] | None = None
     max_tokens: Annotated[int, Field(ge=1, le=1 << 20)] | None = None
-    temperature: Annotated[float, Field(ge=0.0, le=100.0, allow_inf_nan=False)] | None = None
+    # OpenAI bounds: temperature [0, 2], penalties [-2, 2], logit bias [-100, 100]
+    temperature: Annotated[float, Field(ge=0.0, le=2.0, allow_inf_nan=False)] | None = None
     top_p: Annotated[float, Field(gt=0.0, le=1.0, allow_inf_nan=False)] | None = None
-    n: Annotated[int, Field(ge=1, le=128)] | None = None
+    n: Annotated[int, Field(ge=1, le=16)] | None = None
     stream: bool = False
     stream_options: StreamOptions | None = None
     stop: Annotated[str, Field(max_length=256)] | Annotated[list[Annotated[str, Field(max_length=256)]], Field(max_length=16)] | None = None
     presence_penalty: Annotated[float, Field(ge=-2.0, le=2.0, allow_inf_nan=False)] | None = None
     frequency_penalty: Annotated[float, Field(ge=-2.0, le=2.0, allow_inf_nan=False)] | None = None
-    logit_bias: dict[str, Finite] | None = None
-    user: Annotated[str, Field(max_length=256)] | None = None
+    logit_bias: Annotated[dict[str, Annotated[float, Field(ge=-100.0, le=100.0, allow_inf_nan=False)]], Field(max_length=1024)] | None = None
     seed: Annotated[int, Field(ge=0, le=(1 << 63) - 1)] | None = None
-    # specdec extensions (the openai client sends them through extra_body)
+    tool_choice: Any = None
+    function_call: Any = None
+    response_format: dict[str, Any] | None = None
+    # specdec / vLLM extensions (the openai client sends them through extra_body)
     top_k: Annotated[int, Field(ge=1, le=1 << 24)] | None = None
     min_p: Annotated[float, Field(ge=0.0, le=1.0, allow_inf_nan=False)] | None = None
     repetition_penalty: Annotated[float, Field(gt=0.0, le=100.0, allow_inf_nan=False)] | None = None
+    ignore_eos: bool = False
     method: Annotated[str, Field(max_length=64)] | None = None
     gamma: Annotated[int, Field(ge=1, le=defaults.MAX_GAMMA)] | Literal["auto", "guide"] | None = None
+
+    def ignored_fields(self) -> list[str]:
+        """Names of the fields accepted without effect (unknown ones and known no-ops)."""
+        extra = dict(self.model_extra or {})
+        for name in _REFUSED:
+            value = extra.pop(name, None)
+            if value not in (None, [], {}, False):
+                raise ApiError(400, f"{name} is not supported by this server")
+        for name in ("tool_choice", "function_call"):
+            if getattr(self, name) not in (None, "none", "auto"):
+                raise ApiError(400, f"{name} is not supported by this server (no tools)")
+        names = sorted(extra)
+        if self.stream_options is not None:
+            names += [f"stream_options.{k}" for k in sorted(self.stream_options.model_extra or {})]
+        return names
+
+
+def _grammar(fmt: dict[str, Any] | None) -> str | None:
+    """The llguidance grammar of an OpenAI ``response_format`` (None: free text).
+
+    ``json_object``, ``json_schema`` (``{"json_schema": {"schema": {...}}}``) and two extensions:
+    ``{"type": "regex", "regex": "..."}`` and ``{"type": "grammar", "grammar": "<Lark>"}``.
+    """
+    kind = (fmt or {}).get("type", "text")
+    if kind == "text":
+        return None
+    from specdec.grammar import grammar_for
+
+    try:
+        if kind == "json_object":
+            return grammar_for("json_object", None)
+        if kind == "json_schema":
+            schema = (fmt.get("json_schema") or {}).get("schema")  # type: ignore[union-attr]
+            if not isinstance(schema, dict):
+                raise ApiError(400, "response_format json_schema needs json_schema.schema (an object)")
+            return grammar_for("json_schema", schema)
+        if kind in ("regex", "grammar"):
+            value = fmt.get(kind)  # type: ignore[union-attr]
+            if not isinstance(value, str) or not value:
+                raise ApiError(400, f"response_format {kind} needs a non-empty string field {kind!r}")
+            return grammar_for("regex" if kind == "regex" else "lark", value)
+    except SpecdecError as exc:
+        raise ApiError(400, str(exc)) from None
+    except ValueError as exc:  # the engine's own parse errors
+        raise ApiError(400, f"invalid response_format: {str(exc).splitlines()[0]}") from None
+    raise ApiError(400, f"response_format {kind!r} is not supported: text, json_object, json_schema, regex or grammar")
 
 
 class CompletionRequest(_Request):
@@ -73,18 +137,18 @@ class CompletionRequest(_Request):
     )
     echo: bool = False
     logprobs: Annotated[int, Field(ge=0, le=20)] | None = None
-    best_of: Annotated[int, Field(ge=1, le=128)] | None = None
+    best_of: Annotated[int, Field(ge=1, le=16)] | None = None
     suffix: Annotated[str, Field(max_length=1 << 16)] | None = None
 
 
 class TextPart(BaseModel):
-    model_config = ConfigDict(extra="forbid")
+    model_config = ConfigDict(extra="allow")
     type: Literal["text"]
     text: Annotated[str, Field(max_length=1 << 22)]
 
 
 class ChatMessage(BaseModel):
-    model_config = ConfigDict(extra="forbid")
+    model_config = ConfigDict(extra="allow")  # e.g. ``refusal: null`` echoed back by clients
     role: Literal["system", "developer", "user", "assistant"]
     content: Annotated[str, Field(max_length=1 << 22)] | Annotated[list[TextPart], Field(max_length=256)]
     name: Annotated[str, Field(max_length=256)] | None = None
@@ -108,48 +172,70 @@ def _finish_reason(reason: str) -> str:
     return "length" if reason == "length" else "stop"
 
 
-def _usage(out: TextResult) -> dict[str, int]:
-    prompt, completion = len(out.prompt_ids), len(out.token_ids)
-    return {"prompt_tokens": prompt, "completion_tokens": completion, "total_tokens": prompt + completion}
+def _usage(outs: list[TextResult], prompt_tokens: int) -> dict[str, int]:
+    completion = sum(len(o.token_ids) for o in outs)
+    return {"prompt_tokens": prompt_tokens, "completion_tokens": completion, "total_tokens": prompt_tokens + completion}
 
 
-def _stats(out: TextResult) -> dict[str, Any]:
-    st = out.stats
+def _stats(outs: list[TextResult]) -> dict[str, Any]:
+    """The request's speculative stats (summed over its choices)."""
+    st = [o.stats for o in outs]
+    calls = sum(s.target_calls for s in st)
+    tokens = sum(s.generated_tokens for s in st)
+    proposed = sum(s.draft_tokens_proposed for s in st)
+    accepted = sum(s.draft_tokens_accepted for s in st)
     return {
-        "method": st.method,
-        "lossless": st.lossless,
-        "drafter": st.drafter,
-        "target_calls": st.target_calls,
-        "tokens_per_target_call": st.tokens_per_target_call,
-        "acceptance_rate": st.acceptance_rate,
-        "wall_s": st.wall_s,
+        "method": st[0].method,
+        "lossless": all(s.lossless for s in st),
+        "drafter": st[0].drafter,
+        "gamma_policy": st[0].gamma_policy,
+        "target_calls": calls,
+        "draft_tokens_proposed": proposed,
+        "draft_tokens_accepted": accepted,
+        "tokens_per_target_call": tokens / calls if calls else 0.0,
+        "acceptance_rate": accepted / proposed if proposed else 0.0,
+        "wall_s": sum(s.wall_s for s in st),
     }
 
 
-class _Job:
-    """One generation request, validated and ready to run in a worker thread."""
+def _logit_bias(req: _Request, vocab: int) -> tuple[tuple[int, float], ...]:
+    out = []
+    for key, value in (req.logit_bias or {}).items():
+        try:
+            token = int(key)
+        except ValueError:
+            raise ApiError(400, f"logit_bias keys must be token ids, got {key!r}") from None
+        if not 0 <= token < vocab:
+            raise ApiError(400, f"logit_bias token {token} is outside the vocabulary [0, {vocab})")
+        out.append((token, float(value)))
+    return tuple(sorted(out))
 
-    def __init__(self, ctx: "ServerContext", req: _Request, ids: list[int], max_tokens: int | None) -> None:
+
+class _Job:
+    """One request, validated: ``len(prompts) * n`` choices, run one after the other in a worker thread."""
+
+    def __init__(self, ctx: "ServerContext", req: _Request, prompts: list[list[int]], max_tokens: int | None,
+                 *, logprobs: int | None = None, endpoint: str = "completions") -> None:
         self.ctx = ctx
+        self.endpoint = endpoint
         model = ctx.model
         if req.model is not None and req.model != ctx.settings.model_name:
             raise ApiError(404, f"model {req.model!r} is not served here; this server serves {ctx.settings.model_name!r}")
-        if (req.n or 1) != 1:
-            raise ApiError(400, "n > 1 is not supported; send one request per completion")
-        if req.logit_bias:
-            raise ApiError(400, "logit_bias is not supported by this server")
-        for i, tok in enumerate(ids):
-            if tok >= model.vocab_size:
-                raise ApiError(400, f"prompt token {i} = {tok} is outside the vocabulary [0, {model.vocab_size})")
-        room = model.max_length - len(ids) - 1
+        self.ignored = req.ignored_fields()
+        for ids in prompts:
+            for i, tok in enumerate(ids):
+                if tok >= model.vocab_size:
+                    raise ApiError(400, f"prompt token {i} = {tok} is outside the vocabulary [0, {model.vocab_size})")
+        longest = max(len(ids) for ids in prompts)
+        room = model.max_length - longest - 1
         if room < 1:
-            raise ApiError(400, f"the prompt has {len(ids)} tokens but the model's context is {model.max_length}")
+            raise ApiError(400, f"the prompt has {longest} tokens but the model's context is {model.max_length}")
         if max_tokens is None:
             max_tokens = min(ctx.settings.default_max_tokens, room)
         if max_tokens > room:
             raise ApiError(
                 400,
-                f"the model's context is {model.max_length} tokens; the prompt has {len(ids)} and max_tokens asks for"
+                f"the model's context is {model.max_length} tokens; the prompt has {longest} and max_tokens asks for"
                 f" {max_tokens} more (at most {room})",
             )
         stops = (req.stop,) if isinstance(req.stop, str) else tuple(req.stop or ())
@@ -165,6 +251,7 @@ class _Job:
                 seed=req.seed,
                 max_new_tokens=max_tokens,
                 stop=tuple(s for s in stops if s),
+                logit_bias=_logit_bias(req, model.vocab_size),
             )
             self.method = req.method or default_method(self.sampling)
             rule = get_rule(self.method)
@@ -173,12 +260,52 @@ class _Job:
             self.gamma = parse_gamma(req.gamma if req.gamma is not None else ctx.settings.gamma)
         except SpecdecError as exc:
             raise ApiError(400, str(exc)) from None
-        self.ids = ids
+        self.grammar = _grammar(req.response_format)
+        if self.grammar is not None:
+            self._constraint()  # a bad grammar is a 400 now, not an error event later
+        self.prompts = prompts
+        self.n = req.n or 1
+        self.logprobs = logprobs
+        self.ignore_eos = req.ignore_eos
         self.model_name = ctx.settings.model_name
+        if self.ignored:
+            log.warning("ignored request fields: %s", ", ".join(self.ignored))
 
-    def run(self, on_text: Callable[[str], None] | None = None, cancelled: threading.Event | None = None) -> TextResult:
-        """Generate (in a worker thread); ``cancelled`` also drops this request's queued forward passes."""
+    @property
+    def choices(self) -> int:
+        return len(self.prompts) * self.n
+
+    @property
+    def headers(self) -> dict[str, str]:
+        return {IGNORED_HEADER: ", ".join(self.ignored)} if self.ignored else {}
+
+    def _constraint(self) -> Any:
+        from specdec.grammar import GrammarConstraint
+
+        if self.ctx.tokenizer is None:
+            raise ApiError(400, "structured output needs the server's tokenizer")
+        try:
+            return GrammarConstraint(self.ctx.tokenizer, self.grammar, self.ctx.model.vocab_size)  # type: ignore[arg-type]
+        except SpecdecError as exc:
+            raise ApiError(400, str(exc)) from None
+
+    def prompt_of(self, index: int) -> list[int]:
+        return self.prompts[index // self.n]
+
+    def run(
+        self, index: int = 0, on_text: Callable[[str], None] | None = None, cancelled: threading.Event | None = None
+    ) -> TextResult:
+        """Choice ``index`` (in a worker thread): prompt ``index // n``; with a seed, sample
+        ``j = index % n`` uses seed + j.  ``cancelled`` also drops this request's queued forward passes."""
         ctx = self.ctx
+        j = index % self.n
+        from dataclasses import replace
+
+        sampling = self.sampling
+        if sampling.seed is not None and j:
+            sampling = replace(sampling, seed=(sampling.seed + j) % (1 << 63))
+        if self.grammar is not None:  # one matcher per choice (each has its own history)
+            sampling = replace(sampling, constraint=self._constraint())
         schedulers = [m.scheduler for m in (ctx.model, getattr(ctx, "draft_model", None)) if hasattr(m, "scheduler")]
         for sched in schedulers:
             sched.bind_cancel(cancelled)
@@ -186,15 +313,16 @@ class _Job:
             drafter = ctx.drafter_factory() if ctx.drafter_factory is not None else None
             target = LoadedModel(ctx.settings.model_name, ctx.model, ctx.tokenizer, None, "server", ctx.eos_ids)
             engine = Engine(target, drafter, ctx.drafter_name if drafter is not None else "none")
-            out = engine.generate(self.ids, self.sampling, method=self.method, gamma=self.gamma, on_text=on_text)
+            out = engine.generate(self.prompt_of(index), sampling, method=self.method, gamma=self.gamma, on_text=on_text,
+                                  logprobs=self.logprobs, ignore_eos=self.ignore_eos)
         except SchedulerCancelled:
             raise _Cancelled from None
         finally:
             for sched in schedulers:
                 sched.bind_cancel(None)
         ctx.metrics.completion_tokens.inc(len(out.token_ids))
+        ctx.metrics.observe_generation(self.endpoint, out.stats)
         return out
-
 
 def _admit(ctx: "ServerContext") -> None:
     """Take one of the server's generation slots or answer 429 (never an unbounded backlog)."""
@@ -214,8 +342,9 @@ def _submit(ctx: "ServerContext", fn: Callable[[], Any]) -> "asyncio.Future[Any]
     return asyncio.get_running_loop().run_in_executor(ctx.executor, guarded)
 
 
-async def _run_blocking(job: _Job, request: Request | None = None) -> TextResult:
-    """Run ``job`` in a worker thread; stop it as soon as the client disconnects (polled every 0.1 s)."""
+async def _run_blocking(job: _Job, request: Request | None = None) -> list[TextResult]:
+    """Run every choice of ``job`` in a worker thread; stop as soon as the client disconnects
+    (polled every 0.1 s)."""
     cancelled = threading.Event()
 
     def on_text(text: str) -> None:
@@ -223,7 +352,7 @@ async def _run_blocking(job: _Job, request: Request | None = None) -> TextResult
             raise _Cancelled
 
     _admit(job.ctx)
-    future = _submit(job.ctx, lambda: job.run(on_text, cancelled))
+    future = _submit(job.ctx, lambda: [job.run(i, on_text, cancelled) for i in range(job.choices)])
     try:
         while True:
             done, _ = await asyncio.wait({future}, timeout=0.1)
@@ -250,33 +379,36 @@ def _sse(payload: dict[str, Any] | str) -> str:
 def _stream(
     job: _Job,
     *,
-    head: Callable[[], list[dict[str, Any]]],
-    delta: Callable[[str], dict[str, Any]],
-    tail: Callable[[TextResult], dict[str, Any]],
-    usage: Callable[[TextResult], dict[str, Any]] | None,
+    head: Callable[[int], list[dict[str, Any]]],
+    delta: Callable[[int, str], dict[str, Any]],
+    tail: Callable[[int, TextResult], dict[str, Any]],
+    usage: Callable[[list[TextResult]], dict[str, Any]] | None,
 ) -> StreamingResponse:
-    """Server-sent events: ``head`` chunks, one ``delta`` chunk per text piece, ``tail``, [usage], [DONE]."""
+    """Server-sent events, choice after choice: ``head`` chunks, one ``delta`` chunk per text piece,
+    ``tail``; then [usage] and [DONE].  The request's speculative stats ride on the last chunk."""
     loop = asyncio.get_running_loop()
     queue: asyncio.Queue[tuple[str, Any]] = asyncio.Queue()
     cancelled = threading.Event()
 
-    def on_text(text: str) -> None:
-        if cancelled.is_set():
-            raise _Cancelled
-        loop.call_soon_threadsafe(queue.put_nowait, ("text", text))
-
     def work() -> None:
-        try:
-            result = job.run(on_text, cancelled)
-        except _Cancelled:
-            return
-        except SpecdecError as exc:
-            loop.call_soon_threadsafe(queue.put_nowait, ("error", str(exc)))
-            return
-        except Exception as exc:  # noqa: BLE001 - reported to the client as an error event
-            loop.call_soon_threadsafe(queue.put_nowait, ("error", f"internal error ({type(exc).__name__})"))
-            return
-        loop.call_soon_threadsafe(queue.put_nowait, ("done", result))
+        for index in range(job.choices):
+            def on_text(text: str, index: int = index) -> None:
+                if cancelled.is_set():
+                    raise _Cancelled
+                loop.call_soon_threadsafe(queue.put_nowait, ("text", (index, text)))
+
+            try:
+                result = job.run(index, on_text, cancelled)
+            except _Cancelled:
+                return
+            except SpecdecError as exc:
+                loop.call_soon_threadsafe(queue.put_nowait, ("error", str(exc)))
+                return
+            except Exception as exc:  # noqa: BLE001 - reported to the client as an error event
+                loop.call_soon_threadsafe(queue.put_nowait, ("error", f"internal error ({type(exc).__name__})"))
+                return
+            loop.call_soon_threadsafe(queue.put_nowait, ("done", (index, result)))
+        loop.call_soon_threadsafe(queue.put_nowait, ("end", None))
 
     _admit(job.ctx)
     started = False
@@ -285,17 +417,32 @@ def _stream(
         nonlocal started
         started = True
         _submit(job.ctx, work)
+        results: list[TextResult] = []
+        last: dict[str, Any] | None = None  # the last choice's final chunk, held back to carry the stats
         try:
-            for chunk in head():
+            for chunk in head(0):
                 yield _sse(chunk)
             while True:
                 kind, value = await queue.get()
                 if kind == "text":
-                    yield _sse(delta(value))
+                    index, text = value
+                    if text:
+                        yield _sse(delta(index, text))
                 elif kind == "done":
-                    yield _sse(tail(value))
-                    if usage is not None:
-                        yield _sse(usage(value))
+                    index, result = value
+                    results.append(result)
+                    if index + 1 < job.choices:
+                        yield _sse(tail(index, result))
+                        for chunk in head(index + 1):
+                            yield _sse(chunk)
+                    else:
+                        last = tail(index, result)
+                elif kind == "end":
+                    if usage is not None and last is not None:
+                        yield _sse(last)
+                        last = usage(results)
+                    if last is not None:
+                        yield _sse({**last, "specdec": _stats(results)})
                     break
                 else:
                     yield _sse({"error": {"message": value, "type": "invalid_request_error", "code": 400}})
@@ -311,7 +458,44 @@ def _stream(
             job.ctx.active.release()
 
     weakref.finalize(body, release_if_never_started)
-    return StreamingResponse(body, media_type="text/event-stream", headers={"Cache-Control": "no-cache"})
+    return StreamingResponse(body, media_type="text/event-stream", headers={"Cache-Control": "no-cache", **job.headers})
+
+
+def _piece(tok: Any, token: int) -> str:
+    return tok.decode([token])
+
+
+def _chat_logprobs(tok: Any, out: TextResult) -> dict[str, Any] | None:
+    """OpenAI chat ``logprobs``: the target's processed law at each emitted position."""
+    if out.logprobs is None:
+        return None
+
+    def entry(token: int, lp: float) -> dict[str, Any]:
+        text = _piece(tok, token)
+        return {"token": text, "logprob": max(lp, -9999.0), "bytes": list(text.encode("utf-8"))}
+
+    return {"content": [
+        {**entry(token, lp), "top_logprobs": [entry(i, v) for i, v in top]}
+        for token, (lp, top) in zip(out.token_ids, out.logprobs)
+    ], "refusal": None}
+
+
+def _completion_logprobs(tok: Any, out: TextResult, offset: int) -> dict[str, Any] | None:
+    """Legacy completions ``logprobs``: tokens, token_logprobs, top_logprobs, text_offset."""
+    if out.logprobs is None:
+        return None
+    tokens, offsets = [], []
+    for token in out.token_ids:
+        offsets.append(offset)
+        piece = _piece(tok, token)
+        tokens.append(piece)
+        offset += len(piece)
+    return {
+        "tokens": tokens,
+        "token_logprobs": [max(lp, -9999.0) for lp, _ in out.logprobs],
+        "top_logprobs": [{_piece(tok, i): max(v, -9999.0) for i, v in top} for _, top in out.logprobs],
+        "text_offset": offsets,
+    }
 
 
 # ----------------------------------------------------------------------------- endpoints
@@ -335,53 +519,68 @@ def openai_router(ctx: "ServerContext") -> APIRouter:
 
     @router.post("/v1/completions")
     async def completions(req: CompletionRequest, request: Request) -> Any:
-        if req.echo:
-            raise ApiError(400, "echo is not supported by this server")
-        if req.logprobs is not None:
-            raise ApiError(400, "logprobs are not supported by this server")
-        if (req.best_of or 1) != 1:
-            raise ApiError(400, "best_of > 1 is not supported by this server")
+        if req.echo and req.logprobs is not None:
+            raise ApiError(400, "echo together with logprobs (prompt log-probabilities) is not supported by this server")
+        if req.best_of is not None and req.best_of != (req.n or 1):
+            raise ApiError(400, "best_of other than n is not supported by this server (no ranking of samples)")
         if req.suffix:
             raise ApiError(400, "suffix is not supported by this server")
-        prompt = req.prompt
-        if isinstance(prompt, list) and prompt and isinstance(prompt[0], (str, list)):
-            if len(prompt) != 1:
-                raise ApiError(400, "one prompt per request (a list of prompts is not supported)")
-            prompt = prompt[0]
-        if isinstance(prompt, str):
-            if not prompt:
+        raw = req.prompt
+        many = isinstance(raw, list) and bool(raw) and isinstance(raw[0], (str, list))
+        items: list[Any] = list(raw) if many else [raw]  # type: ignore[arg-type]
+        prompts: list[list[int]] = []
+        texts: list[str] = []
+        for item in items:
+            if isinstance(item, str):
+                if not item:
+                    raise ApiError(400, "the prompt is empty")
+                ids = list(tokenizer().encode(item, add_special_tokens=False))
+            else:
+                ids = list(item)
+            if not ids:
                 raise ApiError(400, "the prompt is empty")
-            ids = list(tokenizer().encode(prompt, add_special_tokens=False))
-        else:
-            ids = list(prompt)  # type: ignore[arg-type]
-        if not ids:
-            raise ApiError(400, "the prompt is empty")
-        job = _Job(ctx, req, ids, req.max_tokens if req.max_tokens is not None else 16)
-        tokenizer()  # the text of the answer needs it
+            prompts.append(ids)
+            texts.append(item if isinstance(item, str) else "")
+        job = _Job(ctx, req, prompts, req.max_tokens if req.max_tokens is not None else 16, logprobs=req.logprobs)
+        tok = tokenizer()  # the text of the answer needs it
+        if req.echo:
+            texts = [t or tok.decode(ids) for t, ids in zip(texts, prompts)]
         cid, created = f"cmpl-{secrets.token_hex(12)}", int(time.time())
         metrics.completions.labels("completions", str(req.stream).lower()).inc()
+        prompt_tokens = sum(len(ids) for ids in prompts)
 
-        def chunk(text: str, finish: str | None) -> dict[str, Any]:
+        def echoed(index: int) -> str:
+            return texts[index // job.n] if req.echo else ""
+
+        def chunk(index: int, text: str, finish: str | None, logprobs: Any = None) -> dict[str, Any]:
             return {"id": cid, "object": "text_completion", "created": created, "model": job.model_name,
-                    "choices": [{"index": 0, "text": text, "logprobs": None, "finish_reason": finish}]}
+                    "choices": [{"index": index, "text": text, "logprobs": logprobs, "finish_reason": finish}]}
 
         if req.stream:
             include_usage = req.stream_options is not None and req.stream_options.include_usage
             return _stream(
                 job,
-                head=lambda: [],
-                delta=lambda text: chunk(text, None),
-                tail=lambda out: chunk("", _finish_reason(out.stats.finish_reason)),
-                usage=(lambda out: {**chunk("", None), "choices": [], "usage": _usage(out)}) if include_usage else None,
+                head=lambda index: [chunk(index, echoed(index), None)] if req.echo else [],
+                delta=lambda index, text: chunk(index, text, None),
+                tail=lambda index, out: chunk(index, "", _finish_reason(out.stats.finish_reason),
+                                              _completion_logprobs(tok, out, len(echoed(index)))),
+                usage=(lambda outs: {**chunk(0, "", None), "choices": [], "usage": _usage(outs, prompt_tokens)})
+                if include_usage else None,
             )
-        out = await _run_blocking(job, request)
-        body = chunk(out.text, _finish_reason(out.stats.finish_reason))
-        return {**body, "usage": _usage(out), "specdec": _stats(out)}
+        outs = await _run_blocking(job, request)
+        choices = [
+            {"index": i, "text": echoed(i) + out.text, "logprobs": _completion_logprobs(tok, out, len(echoed(i))),
+             "finish_reason": _finish_reason(out.stats.finish_reason)}
+            for i, out in enumerate(outs)
+        ]
+        body = {"id": cid, "object": "text_completion", "created": created, "model": job.model_name,
+                "choices": choices, "usage": _usage(outs, prompt_tokens), "specdec": _stats(outs)}
+        return JSONResponse(body, headers=job.headers)
 
     @router.post("/v1/chat/completions")
     async def chat(req: ChatRequest, request: Request) -> Any:
-        if req.logprobs:
-            raise ApiError(400, "logprobs are not supported by this server")
+        if req.top_logprobs is not None and not req.logprobs:
+            raise ApiError(400, "top_logprobs needs logprobs: true")
         tok = tokenizer()
         if not getattr(tok, "chat_template", None):
             raise ApiError(400, "this model has no chat template; use /v1/completions")
@@ -398,35 +597,36 @@ def openai_router(ctx: "ServerContext") -> APIRouter:
         if not ids:
             raise ApiError(400, "the conversation encodes to no tokens")
         max_tokens = req.max_completion_tokens if req.max_completion_tokens is not None else req.max_tokens
-        job = _Job(ctx, req, ids, max_tokens)
+        job = _Job(ctx, req, [ids], max_tokens, logprobs=(req.top_logprobs or 0) if req.logprobs else None, endpoint="chat")
         cid, created = f"chatcmpl-{secrets.token_hex(12)}", int(time.time())
         metrics.completions.labels("chat", str(req.stream).lower()).inc()
 
-        def chunk(delta: dict[str, Any], finish: str | None) -> dict[str, Any]:
+        def chunk(index: int, delta: dict[str, Any], finish: str | None, logprobs: Any = None) -> dict[str, Any]:
             return {"id": cid, "object": "chat.completion.chunk", "created": created, "model": job.model_name,
-                    "choices": [{"index": 0, "delta": delta, "logprobs": None, "finish_reason": finish}]}
+                    "choices": [{"index": index, "delta": delta, "logprobs": logprobs, "finish_reason": finish}]}
 
         if req.stream:
             include_usage = req.stream_options is not None and req.stream_options.include_usage
             return _stream(
                 job,
-                head=lambda: [chunk({"role": "assistant", "content": ""}, None)],
-                delta=lambda text: chunk({"content": text}, None),
-                tail=lambda out: chunk({}, _finish_reason(out.stats.finish_reason)),
-                usage=(lambda out: {**chunk({}, None), "choices": [], "usage": _usage(out)}) if include_usage else None,
+                head=lambda index: [chunk(index, {"role": "assistant", "content": ""}, None)],
+                delta=lambda index, text: chunk(index, {"content": text}, None),
+                tail=lambda index, out: chunk(index, {}, _finish_reason(out.stats.finish_reason), _chat_logprobs(tok, out)),
+                usage=(lambda outs: {**chunk(0, {}, None), "choices": [], "usage": _usage(outs, len(ids))})
+                if include_usage else None,
             )
-        out = await _run_blocking(job, request)
-        return {
+        outs = await _run_blocking(job, request)
+        body = {
             "id": cid,
             "object": "chat.completion",
             "created": created,
             "model": job.model_name,
-            "choices": [{"index": 0, "message": {"role": "assistant", "content": out.text}, "logprobs": None,
-                         "finish_reason": _finish_reason(out.stats.finish_reason)}],
-            "usage": _usage(out),
-            "specdec": _stats(out),
+            "choices": [{"index": i, "message": {"role": "assistant", "content": out.text},
+                         "logprobs": _chat_logprobs(tok, out), "finish_reason": _finish_reason(out.stats.finish_reason)}
+                        for i, out in enumerate(outs)],
+            "usage": _usage(outs, len(ids)),
+            "specdec": _stats(outs),
         }
+        return JSONResponse(body, headers=job.headers)
 
     return router
-
-

@@ -28,6 +28,8 @@ class ServerSettings:
     #: OpenAI endpoints: max_tokens when a chat request gives none, and the draft length policy
     default_max_tokens: int = 256
     gamma: str | int = defaults.DEFAULT_GAMMA
+    #: /metrics needs the API key too (default: open, so that Prometheus can scrape it)
+    metrics_need_key: bool = False
     #: all sessions' KV caches together may hold at most this many bytes (503 + Retry-After past it)
     max_kv_bytes: int = defaults.SERVER_MAX_KV_BYTES
     #: positions a session's KV cache allocates first; it grows on demand

@@ -1,0 +1,124 @@
+"""Structured output: a grammar as a :class:`specdec.sampling.Constraint` (llguidance engine).
+
+The grammar mask is part of the processing applied to *both* the draft's q and the target's p
+(:func:`specdec.sampling.penalised_logits`), so the drafter proposes only tokens the grammar
+allows and the target's law is the constrained law: speculation stays lossless.  The constraint
+is asked about a token history, not advanced in place; the matcher is synced to each history by
+rolling back to the common prefix and consuming the rest, so a rejected draft needs no special
+handling (the next question is about the shorter, committed history).
+
+llguidance was chosen by measured per-token mask cost on SmolLM2's 49,152-token vocabulary (see
+NOTES.md) and because it has no dependencies beyond its wheel; install it with
+``pip install 'specdec[structured]'``.
+"""
+
+from __future__ import annotations
+
+import json
+import threading
+from typing import Any, Sequence
+
+import torch
+from torch import Tensor
+
+from specdec.errors import ConfigError, MissingPackageError
+
+
+def _llguidance() -> Any:
+    try:
+        import llguidance
+        import llguidance.hf  # noqa: F401
+        import llguidance.torch  # noqa: F401
+    except ImportError:
+        raise MissingPackageError("structured output needs llguidance: pip install 'specdec[structured]'") from None
+    return llguidance
+
+
+def _tokenizer_info(tokenizer: Any, vocab_size: int) -> Any:
+    """llguidance's view of ``tokenizer`` (built once per tokenizer and vocabulary size: seconds)."""
+    cache = tokenizer.__dict__.setdefault("_specdec_llg", {})
+    if vocab_size not in cache:
+        cache[vocab_size] = _llguidance().hf.from_tokenizer(tokenizer, n_vocab=vocab_size)
+    return cache[vocab_size]
+
+
+def grammar_for(kind: str, spec: Any) -> str:
+    """An llguidance grammar: ``json_object``, ``json_schema`` (a schema dict), ``regex`` or ``lark``."""
+    llg = _llguidance()
+    # compact separators unless the schema says otherwise (small models spiral into whitespace)
+    compact = {"whitespace_flexible": False}
+    if kind == "json_object":
+        return llg.LLMatcher.grammar_from_json_schema({"type": "object"}, defaults=compact)
+    if kind == "json_schema":
+        return llg.LLMatcher.grammar_from_json_schema(spec if isinstance(spec, str) else json.dumps(spec), defaults=compact)
+    if kind == "regex":
+        return llg.LLMatcher.grammar_from_regex(spec)
+    if kind == "lark":
+        return llg.LLMatcher.grammar_from_lark(spec)
+    raise ConfigError(f"unknown grammar kind {kind!r}: json_object, json_schema, regex or lark")
+
+
+class GrammarConstraint:
+    """Tokens a grammar allows after a generated history (a :class:`specdec.sampling.Constraint`)."""
+
+    def __init__(self, tokenizer: Any, grammar: str, vocab_size: int) -> None:
+        llg = _llguidance()
+        ok, warnings_or_error = _validate(llg, grammar)
+        if not ok:
+            raise ConfigError(f"invalid grammar: {warnings_or_error}")
+        self._info = _tokenizer_info(tokenizer, vocab_size)
+        self._eos = getattr(tokenizer, "eos_token_id", None)
+        self._new = lambda: llg.LLMatcher(self._info, grammar)
+        self._matcher = self._new()
+        self._fill = llg.torch.fill_next_token_bitmask
+        self._bits = llg.torch.allocate_token_bitmask(1, vocab_size)  # [1, ceil(V/32)] int32
+        self._shifts = torch.arange(32, dtype=torch.int32)
+        self._consumed: list[int] = []
+        self._lock = threading.Lock()
+
+    def _sync(self, generated: Sequence[int]) -> None:
+        k = 0
+        limit = min(len(self._consumed), len(generated))
+        while k < limit and self._consumed[k] == generated[k]:
+            k += 1
+        if k < len(self._consumed):
+            self._matcher.rollback(len(self._consumed) - k)
+            del self._consumed[k:]
+        if self._matcher.is_error():
+            self._matcher, self._consumed, k = self._new(), [], 0
+        for token in generated[k:]:
+            if not self._matcher.consume_token(int(token)):
+                raise ConfigError(f"token {token} breaks the grammar ({self._matcher.get_error()})")
+            self._consumed.append(int(token))
+
+    def allowed(self, generated: Sequence[int], vocab_size: int) -> Tensor:  # -> [V] bool
+        if self._eos is not None and self._eos in generated:
+            # the sequence has ended (decoding stops at its end token): only the end may follow.
+            # The end token is never fed to the matcher: a stopped matcher does not roll back cleanly
+            mask = torch.zeros(vocab_size, dtype=torch.bool)
+            mask[self._eos] = True
+            return mask
+        with self._lock:
+            self._sync(generated)
+            self._fill(self._matcher, self._bits, 0)
+            if self._matcher.is_error():
+                # a matcher that gave up (e.g. its complexity budget after many rollbacks) would
+                # allow only end-of-sequence: rebuild it from the history, which defines the answer
+                self._matcher, self._consumed = self._new(), []
+                self._sync(generated)
+                self._fill(self._matcher, self._bits, 0)
+                if self._matcher.is_error():
+                    raise ConfigError(f"the grammar engine failed: {self._matcher.get_error().splitlines()[0]}")
+            words = self._bits[0].unsqueeze(-1)  # [W, 1]
+            mask = ((words >> self._shifts) & 1).bool().reshape(-1)  # [W * 32]
+        return mask[:vocab_size]
+
+
+def _validate(llg: Any, grammar: str) -> tuple[bool, str]:
+    try:
+        result = llg.LLMatcher.validate_grammar(grammar)
+    except Exception as exc:  # noqa: BLE001 - the engine's own message is the useful part
+        return False, str(exc).splitlines()[0]
+    if isinstance(result, str):
+        return (not result), (result.strip().splitlines() or [""])[0]
+    return True, ""

@@ -1,0 +1,69 @@
+"""Reported log-probabilities are the target's processed law at each emitted position.
+
+They must not depend on the drafter or γ (the draft's q is never reported), and must equal the
+log of :func:`process_logits` applied to the target's logits for the emitted history (at
+temperature 0: the log-softmax of the biased, penalised logits).
+"""
+
+from __future__ import annotations
+
+import math
+
+import pytest
+import torch
+
+from specdec.decoder import SpeculativeDecoder
+from specdec.drafters import ModelDrafter
+from specdec.gamma import FixedGamma
+from specdec.models.toy import ToyLM
+from specdec.sampling import PenaltyState, SamplingConfig, process_logits
+from specdec.session import TargetSession
+from specdec.verify import get_rule
+
+TARGET = ToyLM(8, order=2, seed=4)
+DRAFT = TARGET.perturbed(1.0, seed=9)
+PROMPT = [1, 2, 3]
+
+
+def _run(cfg: SamplingConfig, method: str, drafter, gamma: int, top: int):
+    session = TargetSession(TARGET, PROMPT, cfg, get_rule(method), seed=int(cfg.seed), logprobs=top)
+    dec = SpeculativeDecoder(TARGET, drafter, get_rule(method), gamma=FixedGamma(gamma))
+    res = dec.generate(PROMPT, cfg, verifier=session)
+    return res.tokens, session.emitted_logprobs[: len(res.tokens)]
+
+
+def _oracle(cfg: SamplingConfig, tokens: list[int]) -> list[torch.Tensor]:
+    out = []
+    for i in range(len(tokens)):
+        history = PROMPT + tokens[:i]
+        state = PenaltyState.start(torch.tensor(PROMPT), TARGET.vocab_size) if cfg.has_penalties else None
+        if state is not None and i:
+            state.append(torch.tensor(tokens[:i]))
+        logits = TARGET.logits_for(history).unsqueeze(0)
+        if cfg.greedy:
+            from specdec.sampling import penalised_logits
+
+            out.append(torch.log_softmax(penalised_logits(logits, cfg, state).double(), -1)[0])
+        else:
+            out.append(process_logits(logits, cfg, state)[0].double().log())
+    return out
+
+
+@pytest.mark.parametrize("cfg,method", [
+    (SamplingConfig(temperature=0.8, top_k=5, repetition_penalty=1.3, logit_bias=((3, 1.0),), seed=2, max_new_tokens=20), "coupled"),
+    (SamplingConfig(temperature=1.0, top_p=0.8, seed=3, max_new_tokens=20), "block"),
+    (SamplingConfig(temperature=0.0, presence_penalty=0.5, max_new_tokens=20, seed=0), "greedy"),
+])
+def test_logprobs_are_the_targets_and_independent_of_the_draft(cfg, method):
+    tokens, lps = _run(cfg, method, ModelDrafter(DRAFT), 3, top=3)
+    oracle = _oracle(cfg, tokens)
+    assert len(lps) == len(tokens) == 20
+    for tok, (lp, top), law in zip(tokens, lps, oracle):
+        assert lp == pytest.approx(float(law[tok]), abs=1e-9) and math.isfinite(lp)
+        best = law.topk(3)
+        assert [i for i, _ in top] == best.indices.tolist()
+        assert [v for _, v in top] == pytest.approx(best.values.tolist(), abs=1e-9)
+    if method != "block":  # coupled / greedy: same tokens without a drafter, so the same numbers
+        plain_tokens, plain_lps = _run(cfg, method, None, 1, top=3)
+        assert plain_tokens == tokens
+        assert [lp for lp, _ in plain_lps] == pytest.approx([lp for lp, _ in lps], abs=1e-12)
