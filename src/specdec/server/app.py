@@ -340,5 +340,6 @@ def create_app(
     app.include_router(openai_router(ctx), dependencies=guarded)
     app.add_middleware(BodyLimit, max_bytes=settings.max_body_bytes, metrics=metrics, timeout_s=settings.body_timeout_s)
     app.add_middleware(Guard, keys=settings.keys, allowed_hosts=settings.allowed_hosts,
-                       on_error=lambda status: metrics.http_errors.labels(str(status)).inc())
+                       on_error=lambda status: metrics.http_errors.labels(str(status)).inc(),
+                       open_metrics=not settings.metrics_need_key)
     return app

@@ -50,8 +50,10 @@ class Guard:
     """Authenticate (or check Host/Origin when keyless) from the headers, then call the app."""
 
     def __init__(self, app: Callable[..., Awaitable[None]], *, keys: tuple[str, ...], allowed_hosts: tuple[str, ...] = (),
-                 on_error: Callable[[int], None] | None = None) -> None:
+                 on_error: Callable[[int], None] | None = None, open_metrics: bool = True) -> None:
         self.app = app
+        #: /metrics readable without a key (Prometheus scrapers), unless the operator asks otherwise
+        self.public = PUBLIC_PATHS | ({"/metrics"} if open_metrics else set())
         self.keys = [(k.encode(), owner_of(k)) for k in keys]
         self.allowed_hosts = frozenset(h.lower() for h in allowed_hosts)
         self.on_error = on_error or (lambda status: None)
@@ -90,7 +92,7 @@ class Guard:
                                   " Origins", "permission_error")
                 return
             scope[OWNER] = ""
-        elif path not in PUBLIC_PATHS:
+        elif path not in self.public:
             owner = self._owner(headers)
             if owner is None:
                 self.on_error(401)
