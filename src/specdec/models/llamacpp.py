@@ -34,7 +34,7 @@ class LlamaCppConfig:
     n_threads: int | None = None  # None: torch's thread count
     n_batch: int = 512
     n_ubatch: int = 512
-    flash_attn: bool = False
+    flash_attn: bool = True  # measured: without it, block scoring is not batch-invariant
 
 
 class LlamaCppCache:
