@@ -18,7 +18,10 @@ processing included, model loading excluded), ``tokens_per_s = generated / wall_
 ``eval`` of the target, the prompt's included (it yields the first token), so plain decoding has
 exactly one token per call, as in specdec.  Seeded sampling (T > 0) uses llama.cpp's own sampler
 chain (top-k off, top-p, min-p off, temperature, a ``dist`` sampler seeded per generation);
-greedy is llama.cpp's ``greedy`` sampler.  Greedy rows record a hash of the tokens so the report
+greedy is llama.cpp's ``greedy`` sampler.  Flash attention is on (llama.cpp's own default,
+``auto``, turns it on for the CPU; the binding's default is off), which also makes llama.cpp's
+block scoring batch-invariant on our GGUF (see NOTES.md), so its speculative and plain greedy
+outputs agree.  Greedy rows record a hash of the tokens so the report
 can say whether speculative and plain llama.cpp decoding produced the same text.
 """
 
@@ -148,7 +151,7 @@ class LlamaCppRunner:
 
     @classmethod
     def load(cls, target_gguf: Path, variants: list[str], *, draft: str, eos_ids: frozenset[int], threads: int,
-             draft_max: int = DRAFT_MAX, p_min: float = DRAFT_P_MIN, flash_attn: bool = False) -> "LlamaCppRunner":
+             draft_max: int = DRAFT_MAX, p_min: float = DRAFT_P_MIN, flash_attn: bool = True) -> "LlamaCppRunner":
         llama_cpp = require()
         from llama_cpp.llama_speculative import LlamaPromptLookupDecoding
 
