@@ -142,10 +142,10 @@ def test_greedy_identity_counts_rows_equal_to_plain():
     from specdec.bench.report import greedy_identity
 
     rows = [
-        {"mode": "plain_paired", "temperature": 0, "prompt_id": "a", "seed": 0, "tokens_sha": "x"},
-        {"mode": "plain_paired", "temperature": 0, "prompt_id": "b", "seed": 0, "tokens_sha": "y"},
-        {"mode": "speculative", "method": "greedy", "gamma": "auto", "temperature": 0, "prompt_id": "a", "seed": 0, "tokens_sha": "x"},
-        {"mode": "speculative", "method": "greedy", "gamma": "auto", "temperature": 0, "prompt_id": "b", "seed": 0, "tokens_sha": "z"},
-        {"mode": "speculative", "method": "block", "gamma": "auto", "temperature": 1, "prompt_id": "a", "seed": 0, "tokens_sha": "q"},
+        {"mode": "plain_paired", "temperature": 0, "prompt_id": "a", "seed": 0, "tokens_sha1": "x"},
+        {"mode": "plain_paired", "temperature": 0, "prompt_id": "b", "seed": 0, "tokens_sha1": "y"},
+        {"mode": "speculative", "method": "greedy", "gamma": "auto", "temperature": 0, "prompt_id": "a", "seed": 0, "tokens_sha1": "x"},
+        {"mode": "speculative", "method": "greedy", "gamma": "auto", "temperature": 0, "prompt_id": "b", "seed": 0, "tokens_sha1": "z"},
+        {"mode": "speculative", "method": "block", "gamma": "auto", "temperature": 1, "prompt_id": "a", "seed": 0, "tokens_sha1": "q"},
     ]
     assert greedy_identity(rows) == [("speculative greedy γ=auto", 1, 2)]

@@ -27,7 +27,7 @@ def add_parser(sub) -> None:  # noqa: ANN001 - argparse's subparsers action
     p.add_argument("--draft", default=defaults.DEFAULT_DRAFT, help=f"draft model, 'ngram' or 'self' (default {defaults.DEFAULT_DRAFT})")
     p.add_argument("--modes", default="plain,edge_only,speculative,hf_plain,hf_assisted",
                    help="comma list of plain (the target alone; 'cloud_only' is accepted too), edge_only (the draft alone), speculative, "
-                   "hf_plain, hf_assisted (local), and edge_cloud, cloud_streaming, cloud_streaming_spec (cloud server process "
+                   "hf_plain, hf_assisted, llamacpp (llama.cpp on the target's GGUF; needs the llamacpp extra) (local), and edge_cloud, cloud_streaming, cloud_streaming_spec (cloud server process "
                    "+ edge process over an emulated RTT) (default plain,edge_only,speculative,hf_plain,hf_assisted)")
     p.add_argument("--methods", default="default", help="comma list of rules for the speculative mode ('default' = greedy at T=0, block otherwise; default: default)")
     p.add_argument("--gammas", default="auto", help="comma list of γ values (integers, 'auto', 'guide'; default auto)")
@@ -47,6 +47,14 @@ def add_parser(sub) -> None:  # noqa: ANN001 - argparse's subparsers action
                         " The Hugging Face rows always run the float32 weights")
     p.add_argument("--fast-attention", action="store_true", help="target without batch invariance (see specdec generate --help; default off)")
     p.add_argument("--threads", type=int, help="torch threads per worker (default: torch's choice; network modes: the server and each edge process get this many, default 1)")
+    g = p.add_argument_group("llama.cpp mode (llamacpp; needs the llamacpp extra)")
+    g.add_argument("--llamacpp", default="plain,spec",
+                   help="comma list of llama.cpp rows on the target's GGUF: plain, spec (the binding's speculative loop with the "
+                   "draft converted to GGUF), lookup (its prompt-lookup drafter); they run inside the speculative worker, "
+                   "prompt by prompt, when that mode runs too (default plain,spec)")
+    g.add_argument("--llamacpp-draft-max", type=int, default=16, help="spec: most tokens drafted per round (default 16, llama.cpp's)")
+    g.add_argument("--llamacpp-p-min", type=float, default=0.75,
+                   help="spec: stop drafting after a token the draft gives less than this probability (default 0.75, llama.cpp's)")
     g = p.add_argument_group("edge-cloud modes (edge_cloud, cloud_streaming, cloud_streaming_spec)")
     g.add_argument("--rtts", default="0,20,50,100", help="comma list of emulated round-trip times in ms (default 0,20,50,100)")
     g.add_argument("--wires", default="greedy,coupled,sparse-q,lossy-scalar",
@@ -76,6 +84,7 @@ def run(args: argparse.Namespace, argv: list[str] | None = None) -> int:
     if args.max_new_tokens < 1 or args.repeats < 1:
         raise ConfigError("--max-new-tokens and --repeats must be >= 1")
     rtts, wires = _network_args(args, temps)
+    llamacpp = _llamacpp_args(args)
     prompts = workloads.load_jsonl(args.prompts) if args.prompts else list(workloads.BUILTIN)
     prompts = workloads.select(prompts, categories=_csv(args.categories) if args.categories else None, limit=args.limit)
     command = "specdec bench " + " ".join(shlex.quote(a) for a in (argv if argv is not None else sys.argv[2:]))
@@ -86,6 +95,7 @@ def run(args: argparse.Namespace, argv: list[str] | None = None) -> int:
         repetition_penalty=args.repetition_penalty, draft_dtype=args.draft_dtype, dtype=args.dtype,
         batch_invariant=not args.fast_attention, threads=args.threads, command=command,
         rtts=tuple(rtts), wires=tuple(wires), rtt_emulation=args.rtt_emulation, q_top_k=args.q_top_k,
+        llamacpp=tuple(llamacpp), llamacpp_draft_max=args.llamacpp_draft_max, llamacpp_p_min=args.llamacpp_p_min,
     )
     out = args.out or f"benchmarks/run-{time.strftime('%Y%m%d-%H%M%S')}"
     result = runner.run(cfg)
@@ -136,6 +146,25 @@ def _non_negative(text: str, not_number: str, negative: str) -> list[float]:
         if values[-1] < 0:
             raise ConfigError(f"{negative}, got {item}")
     return values
+
+
+def _llamacpp_args(args: argparse.Namespace) -> list[str]:
+    """Checked ``--llamacpp`` variants (and the extra installed, when the mode is requested)."""
+    from specdec.bench.llamacpp import VARIANTS, require
+
+    variants = _csv(args.llamacpp)
+    for v in variants:
+        if v not in VARIANTS:
+            raise ConfigError(f"unknown llama.cpp row {v!r}; choose from {', '.join(VARIANTS)}")
+    if args.llamacpp_draft_max < 1:
+        raise ConfigError("--llamacpp-draft-max must be >= 1")
+    if not 0 <= args.llamacpp_p_min < 1:
+        raise ConfigError(f"--llamacpp-p-min must be in [0, 1), got {args.llamacpp_p_min}")
+    if "llamacpp" in _csv(args.modes):
+        if not variants:
+            raise ConfigError("--llamacpp is empty")
+        require()
+    return variants
 
 
 def _network_args(args: argparse.Namespace, temps: list[float]) -> tuple[list[float], list[str]]:

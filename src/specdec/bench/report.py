@@ -15,6 +15,7 @@ from pathlib import Path
 from specdec.bench import netreport, theory
 
 ENGINE_MODES = ("plain", "plain_paired", "edge_only", "speculative")
+LLAMACPP_PLAIN = "llamacpp_plain"
 
 
 def _quantile(values: list[float], q: float) -> float:
@@ -61,6 +62,9 @@ class GroupStats:
     speedup_vs_cloud: float | None = None  # median over prompts of the per-prompt ratio
     speedup_vs_hf_assisted: float | None = None
     speedup_vs_hf_plain: float | None = None
+    speedup_vs_llamacpp: float | None = None  # against llama.cpp plain decoding of the same GGUF
+    decode_tokens_per_s_median: float | None = None  # generated / (wall - prompt forward pass)
+    same_tokens_as_llamacpp: tuple[int, int] | None = None  # (equal, compared) greedy outputs vs llama.cpp plain
     speedup_by_category: dict[str, float] = field(default_factory=dict)
     tokens_per_s_by_category: dict[str, float] = field(default_factory=dict)
     tokens_per_call: float | None = None
@@ -120,7 +124,7 @@ def aggregate(samples: list[dict], processes: dict | None = None) -> list[GroupS
         groups[group_key(s)].append(s)
     refs = {
         mode: {pair_key(s): s for s in samples if s["mode"] == mode}
-        for mode in ("plain", "plain_paired", "hf_assisted", "hf_plain")
+        for mode in ("plain", "plain_paired", "hf_assisted", "hf_plain", LLAMACPP_PLAIN)
     }
     # speculative runs are compared with the plain run of the same prompt taken in the same
     # process seconds before (plain_paired) when the bench recorded one, else with plain
@@ -144,7 +148,11 @@ def aggregate(samples: list[dict], processes: dict | None = None) -> list[GroupS
         )
         cats = sorted({r["category"] for r in rows})
         g.tokens_per_s_by_category = {c: statistics.median(r["tokens_per_s"] for r in rows if r["category"] == c) for c in cats}
-        for attr, ref_mode in (("speedup_vs_cloud", plain_ref[mode]), ("speedup_vs_hf_assisted", "hf_assisted"), ("speedup_vs_hf_plain", "hf_plain")):
+        decode = [_decode_tps(r) for r in rows]
+        if all(d is not None for d in decode):
+            g.decode_tokens_per_s_median = statistics.median(decode)
+        for attr, ref_mode in (("speedup_vs_cloud", plain_ref[mode]), ("speedup_vs_hf_assisted", "hf_assisted"),
+                               ("speedup_vs_hf_plain", "hf_plain"), ("speedup_vs_llamacpp", LLAMACPP_PLAIN)):
             ratios = _ratios(rows, refs[ref_mode])
             if ratios:
                 setattr(g, attr, statistics.median(r for _, r in ratios))
@@ -153,8 +161,35 @@ def aggregate(samples: list[dict], processes: dict | None = None) -> list[GroupS
         g.rss_peak_bytes = (processes.get(mode) or {}).get("rss_peak_bytes") or max((r.get("rss_peak_bytes") or 0) for r in rows) or None
         if mode in ENGINE_MODES:
             _engine_metrics(g, rows, cloud_step.get((plain_ref[mode], t)))
+        elif mode.startswith("llamacpp_"):
+            _llamacpp_metrics(g, rows)
+        _same_tokens(g, rows, refs[LLAMACPP_PLAIN])
         out.append(g)
     return out
+
+
+def _decode_tps(row: dict) -> float | None:
+    """Tokens/s with the prompt's forward pass left out (``prefill_s``; None if not recorded)."""
+    prefill = row.get("prefill_s")
+    if prefill is None or row["wall_s"] <= prefill:
+        return None
+    return row["generated_tokens"] / (row["wall_s"] - prefill)
+
+
+def _llamacpp_metrics(g: GroupStats, rows: list[dict]) -> None:
+    g.tokens_per_call, g.tokens_per_call_se = _mean_se([r["tokens_per_target_call"] for r in rows])
+    proposed = sum(r.get("draft_tokens_proposed", 0) for r in rows)
+    if proposed:
+        g.acceptance = sum(r["draft_tokens_accepted"] for r in rows) / proposed
+        g.mean_gamma = proposed / max(1, sum(r.get("draft_calls", 0) for r in rows))
+
+
+def _same_tokens(g: GroupStats, rows: list[dict], plain: dict[tuple, dict]) -> None:
+    """Greedy rows: on how many prompts the tokens equal llama.cpp plain decoding's."""
+    pairs = [(r, plain.get(pair_key(r))) for r in rows if float(r["temperature"]) == 0 and r.get("tokens_sha1")]
+    pairs = [(r, ref) for r, ref in pairs if ref is not None and ref.get("tokens_sha1")]
+    if pairs and g.mode != LLAMACPP_PLAIN:
+        g.same_tokens_as_llamacpp = (sum(r["tokens_sha1"] == ref["tokens_sha1"] for r, ref in pairs), len(pairs))
 
 
 def _engine_metrics(g: GroupStats, rows: list[dict], cloud_step_s: float | None) -> None:
@@ -239,22 +274,22 @@ def block_vs_token(samples: list[dict]) -> list[BlockVsToken]:
 def greedy_identity(samples: list[dict]) -> list[tuple[str, int, int]]:
     """At T = 0, for each row kind: (label, prompts whose generated ids equal the plain run's
     of the same prompt, prompts compared).  The reference is plain decoding in the same process
-    (plain_paired), else cloud_only.  Rows without a digest (older results) are skipped."""
+    (plain_paired), else plain.  Rows without a digest (older results) are skipped."""
     ref: dict[tuple, str] = {}
-    for name in ("cloud_only", "plain_paired"):  # plain_paired wins where both exist
+    for name in ("plain", "plain_paired"):  # plain_paired wins where both exist
         for s in samples:
-            if s.get("mode") == name and s.get("temperature") == 0 and s.get("tokens_sha"):
-                ref[(s["prompt_id"], s.get("seed"))] = s["tokens_sha"]
+            if s.get("mode") == name and s.get("temperature") == 0 and s.get("tokens_sha1"):
+                ref[(s["prompt_id"], s.get("seed"))] = s["tokens_sha1"]
     counts: dict[str, list[int]] = {}
     for s in samples:
-        if s.get("temperature") != 0 or not s.get("tokens_sha") or s.get("mode") in ("cloud_only", "plain_paired"):
+        if s.get("temperature") != 0 or not s.get("tokens_sha1") or s.get("mode") in ("plain", "plain_paired"):
             continue
         key = (s["prompt_id"], s.get("seed"))
         if key not in ref:
             continue
         label = f"{s.get('mode')} {s.get('method')} γ={s.get('gamma') or '–'}"
         c = counts.setdefault(label, [0, 0])
-        c[0] += s["tokens_sha"] == ref[key]
+        c[0] += s["tokens_sha1"] == ref[key]
         c[1] += 1
     return [(label, same, n) for label, (same, n) in sorted(counts.items())]
 
@@ -301,6 +336,7 @@ def markdown(result: dict, stats: list[GroupStats], bvt: list[BlockVsToken], plo
     ]
     if stats:
         lines += _local_tables(stats, bvt)
+        lines += _llamacpp_table(stats)
     ident = greedy_identity(result.get("samples", []))
     if ident:
         lines += ["", "## Greedy output identical to plain decoding (T = 0, generated ids, same prompt)", "",
@@ -369,6 +405,28 @@ def _local_tables(stats: list[GroupStats], bvt: list[BlockVsToken]) -> list[str]
         for b in bvt:
             lines.append(f"| {b.temperature:g} | {b.gamma} | {b.n_pairs} | {b.token_tpc:.3f} ± {b.token_se:.3f} | {b.block_tpc:.3f} ± {b.block_se:.3f} "
                          f"| {b.ratio:.3f} | {b.diff:+.3f} ± {b.diff_se:.3f} |")
+    return lines
+
+
+def _llamacpp_table(stats: list[GroupStats]) -> list[str]:
+    """Every local row next to llama.cpp plain decoding of the same GGUF (when it ran)."""
+    if not any(g.mode == LLAMACPP_PLAIN for g in stats):
+        return []
+    lines = ["", "## Against llama.cpp on the same GGUF", "",
+             "×llama.cpp = median over prompts of the per-prompt tok/s ratio to llama.cpp plain decoding (same prompt, "
+             "seed and temperature; when the speculative mode ran, llama.cpp ran in its process right before specdec on "
+             "each prompt). Decode tok/s leaves out the prompt's forward pass. Greedy output = llama.cpp plain: prompts "
+             "whose greedy tokens equal llama.cpp plain decoding's.", "",
+             "| mode | γ | T | tok/s median | decode tok/s | ×llama.cpp plain | tokens/call ± SE | acceptance | greedy output = llama.cpp plain |",
+             "|---|---|---|---|---|---|---|---|---|"]
+    for g in sorted(stats, key=lambda g: (g.temperature, not g.mode.startswith("llamacpp_"), g.mode)):
+        if g.mode in ("hf_plain", "hf_assisted", "edge_only"):
+            continue
+        same = f"{g.same_tokens_as_llamacpp[0]}/{g.same_tokens_as_llamacpp[1]}" if g.same_tokens_as_llamacpp else "–"
+        lines.append(
+            f"| {_label(g)} | {g.gamma or '–'} | {g.temperature:g} | {g.tokens_per_s_median:.1f} | {_fmt(g.decode_tokens_per_s_median, 1)} "
+            f"| {_fmt(g.speedup_vs_llamacpp)} | {_fmt(g.tokens_per_call)} ± {_fmt(g.tokens_per_call_se, 3)} | {_fmt(g.acceptance)} | {same} |"
+        )
     return lines
 
 

@@ -7,6 +7,9 @@ Modes, all on the same prompts, sampling settings and seeds:
 * ``speculative``  — target + draft with every requested rule × γ;
 * ``hf_plain``     — Hugging Face ``model.generate`` on the same target weights;
 * ``hf_assisted``  — Hugging Face assisted generation (``assistant_model=`` the same draft);
+* ``llamacpp``     — llama.cpp on the GGUF file the target comes from (``llama-cpp-python``),
+  plain and speculative (:mod:`specdec.bench.llamacpp`); when ``speculative`` runs too, these
+  rows run inside its worker, prompt by prompt next to specdec's, so their ratios are paired;
 * ``edge_cloud``, ``cloud_streaming``, ``cloud_streaming_spec`` — the edge–cloud split over an
   emulated RTT (see :mod:`specdec.bench.network`).
 """
@@ -25,7 +28,7 @@ from specdec.bench import network
 from specdec.bench.workloads import Prompt
 from specdec.errors import SpecdecError
 
-LOCAL_MODES = ("plain", "edge_only", "speculative", "hf_plain", "hf_assisted")
+LOCAL_MODES = ("plain", "edge_only", "speculative", "hf_plain", "hf_assisted", "llamacpp")
 MODES = LOCAL_MODES + network.NETWORK_MODES
 
 
@@ -54,9 +57,23 @@ class BenchConfig:
     wires: tuple[str, ...] = network.DEFAULT_WIRES
     rtt_emulation: str = "auto"  # auto | proxy | netem
     q_top_k: int = 16
+    # llama.cpp rows (mode "llamacpp")
+    llamacpp: tuple[str, ...] = ("plain", "spec")
+    llamacpp_draft_max: int = 16
+    llamacpp_p_min: float = 0.75
+
+
+def _llamacpp_host(cfg: BenchConfig) -> str | None:
+    """The worker that runs the llama.cpp rows: the speculative one when both are requested
+    (interleaved prompt by prompt), else a ``llamacpp`` process of its own."""
+    if "llamacpp" not in cfg.modes or not cfg.llamacpp:
+        return None
+    return "speculative" if "speculative" in cfg.modes else "llamacpp"
 
 
 def _job(cfg: BenchConfig, mode: str) -> dict:
+    llama = {"llamacpp": list(cfg.llamacpp), "llamacpp_draft_max": cfg.llamacpp_draft_max,
+             "llamacpp_p_min": cfg.llamacpp_p_min} if _llamacpp_host(cfg) == mode else {}
     return {
         "mode": mode, "target": cfg.target, "draft": cfg.draft,
         "prompts": [asdict(p) for p in cfg.prompts], "temperatures": list(cfg.temperatures),
@@ -65,6 +82,7 @@ def _job(cfg: BenchConfig, mode: str) -> dict:
         "top_p": cfg.top_p, "repetition_penalty": cfg.repetition_penalty,
         "draft_dtype": cfg.draft_dtype, "dtype": cfg.dtype, "batch_invariant": cfg.batch_invariant, "threads": cfg.threads,
         **({"wires": list(cfg.wires), "q_top_k": cfg.q_top_k} if mode in network.NETWORK_MODES else {}),
+        **llama,
     }
 
 
@@ -74,11 +92,14 @@ def _count(cfg: BenchConfig, mode: str) -> int:
         return network.count(mode, len(cfg.prompts), cfg.repeats, list(cfg.rtts), list(cfg.temperatures),
                              list(cfg.wires), list(cfg.gammas))
     n = len(cfg.prompts) * cfg.repeats * len(cfg.temperatures)
+    hosted = n * len(cfg.llamacpp) if _llamacpp_host(cfg) == mode else 0
+    if mode == "llamacpp":
+        return hosted
     if mode == "speculative":
         per_t = 0
         for t in cfg.temperatures:
             per_t += 1 + sum(len(cfg.gammas) for m in cfg.methods if not (m == "greedy" and t > 0))
-        return len(cfg.prompts) * cfg.repeats * per_t
+        return len(cfg.prompts) * cfg.repeats * per_t + hosted
     return n
 
 
@@ -130,7 +151,7 @@ def run(cfg: BenchConfig, *, progress: bool = True) -> dict:
         record = network.NetworkRun(emulation.kind, emulation.detail, list(cfg.rtts))
     try:
         for mode in cfg.modes:
-            if mode in network.NETWORK_MODES:
+            if mode in network.NETWORK_MODES or (mode == "llamacpp" and _llamacpp_host(cfg) != "llamacpp"):
                 continue
             bar.set_postfix_str(mode)
             started = time.perf_counter()

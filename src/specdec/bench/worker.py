@@ -7,7 +7,6 @@ Run by :mod:`specdec.bench.runner`; not a user-facing command.
 
 from __future__ import annotations
 
-import hashlib
 import json
 import resource
 import sys
@@ -22,7 +21,7 @@ from specdec.sampling import SamplingConfig
 
 @dataclass(frozen=True)
 class Job:
-    mode: str  # plain | edge_only | speculative | hf_plain | hf_assisted | edge_cloud | cloud_streaming[_spec]
+    mode: str  # plain | edge_only | speculative | hf_plain | hf_assisted | llamacpp | edge_cloud | cloud_streaming[_spec]
     target: str
     draft: str
     prompts: list[dict]
@@ -46,6 +45,17 @@ class Job:
     api_key: str | None = None
     rtt_ms: float | None = None
     emulation: str | None = None
+    # llama.cpp rows (specdec.bench.llamacpp): variants run prompt by prompt in this worker
+    llamacpp: list[str] = field(default_factory=list)
+    llamacpp_draft_max: int = 16
+    llamacpp_p_min: float = 0.75
+
+
+def tokens_sha1(tokens: list[int]) -> str:
+    """A short fingerprint of a generation's token ids (equal outputs <=> equal fingerprints, in practice)."""
+    import hashlib
+
+    return hashlib.sha1(",".join(map(str, tokens)).encode()).hexdigest()[:16]
 
 
 def _peak_rss() -> int:
@@ -87,9 +97,7 @@ def _row(job: Job, mode: str, method: str, gamma: str | None, temperature: float
     return {
         "mode": mode, "method": method, "gamma": gamma, "temperature": temperature, "prompt_id": p.id,
         "category": p.category, "seed": seed, **{k: v for k, v in st.to_dict().items() if k != "method"},
-        "rule": st.method, "rss_peak_bytes": _peak_rss(),
-        # a digest of the generated ids: greedy rows are checked against plain decoding
-        "tokens_sha": hashlib.sha1(json.dumps(list(res.tokens)).encode()).hexdigest()[:16],
+        "rule": st.method, "rss_peak_bytes": _peak_rss(), "tokens_sha1": tokens_sha1(res.tokens),
     }
 
 
@@ -111,15 +119,20 @@ def run_engine(job: Job, prompts: list[Prompt]) -> None:
                                            batch_invariant=job.batch_invariant))
     plain = Engine(engine.target, None, "none")
     encoded = {p.id: engine.encode(p.text, chat=p.chat) for p in prompts}
+    llama = _llamacpp_runner(job, engine.target.eos_ids) if job.llamacpp else None
     for temperature in job.temperatures:
         settings = list(_settings(job, temperature))
         warm = SamplingConfig(temperature=temperature, seed=0, max_new_tokens=16)
         for method, gamma in settings:  # warm-up (oneDNN kernels, allocator), not recorded
             engine.decoder(get_rule("block" if method == "sample" else method), gamma or "auto").generate(encoded[prompts[0].id], warm)
+        if llama is not None:
+            _llamacpp_warmup(job, llama, encoded[prompts[0].id], temperature)
         for rep in range(job.repeats):
             seed = job.seed + rep
             for p in prompts:
                 cfg = _sampling(job, temperature, seed)
+                if llama is not None:  # llama.cpp on the same prompt, seconds before specdec's runs
+                    _llamacpp_rows(job, llama, p, encoded[p.id], temperature, seed)
                 if job.mode == "speculative":
                     rule = get_rule("greedy" if temperature == 0 else "block")
                     _emit(_row(job, "plain_paired", "plain_paired", None, temperature, p, seed,
@@ -196,6 +209,57 @@ def run_hf(job: Job, prompts: list[Prompt]) -> None:
                 })
 
 
+def _llamacpp_runner(job: Job, eos_ids: frozenset[int]):
+    """llama.cpp on the GGUF file the target is made from, with the variants of ``job.llamacpp``."""
+    from specdec.bench.llamacpp import LlamaCppRunner
+    from specdec.models.registry import gguf_file
+
+    return LlamaCppRunner.load(gguf_file(job.target), list(job.llamacpp), draft=job.draft, eos_ids=eos_ids,
+                               threads=job.threads or torch.get_num_threads(), draft_max=job.llamacpp_draft_max,
+                               p_min=job.llamacpp_p_min)
+
+
+def _llamacpp_warmup(job: Job, llama, ids: list[int], temperature: float) -> None:  # noqa: ANN001
+    for v in job.llamacpp:
+        llama.generate(v, ids, temperature=temperature, seed=0, max_new=16, top_p=job.top_p)
+
+
+def _llamacpp_rows(job: Job, llama, p: Prompt, ids: list[int], temperature: float, seed: int) -> None:  # noqa: ANN001
+    from specdec.bench.llamacpp import run_rows
+
+    def make_row(variant: str, stats: dict) -> dict:
+        mode = f"llamacpp_{variant}"
+        return {"mode": mode, "method": mode, "gamma": None, "temperature": temperature, "prompt_id": p.id,
+                "category": p.category, "seed": seed, **stats, "rss_peak_bytes": _peak_rss(),
+                **({"draft_max": job.llamacpp_draft_max, "draft_p_min": job.llamacpp_p_min} if variant == "spec" else {})}
+
+    for row in run_rows(llama, list(job.llamacpp), ids, temperature=temperature, seed=seed, max_new=job.max_new_tokens,
+                        top_p=job.top_p if temperature > 0 else None, repetition_penalty=job.repetition_penalty,
+                        make_row=make_row):
+        _emit(row)
+
+
+def run_llamacpp(job: Job, prompts: list[Prompt]) -> None:
+    """llama.cpp alone (the ``llamacpp`` mode when no speculative worker hosts its rows)."""
+    import json as _json
+
+    from transformers import AutoTokenizer
+
+    from specdec.models.registry import _eos_ids, resolve
+    from specdec.text import encode_prompt
+
+    folder = resolve(job.target).folder
+    tokenizer = AutoTokenizer.from_pretrained(str(folder))
+    eos = _eos_ids(folder, tokenizer, _json.loads((folder / "config.json").read_text()))
+    llama = _llamacpp_runner(job, eos)
+    encoded = {p.id: encode_prompt(tokenizer, p.text, chat=p.chat) for p in prompts}
+    for temperature in job.temperatures:
+        _llamacpp_warmup(job, llama, encoded[prompts[0].id], temperature)
+        for rep in range(job.repeats):
+            for p in prompts:
+                _llamacpp_rows(job, llama, p, encoded[p.id], temperature, job.seed + rep)
+
+
 def main() -> int:
     spec = json.loads(sys.stdin.read())
     job = Job(**spec)
@@ -208,6 +272,8 @@ def main() -> int:
         run_network(job, prompts, _emit, _sampling, _peak_rss)
     elif job.mode.startswith("hf_"):
         run_hf(job, prompts)
+    elif job.mode == "llamacpp":
+        run_llamacpp(job, prompts)
     else:
         run_engine(job, prompts)
     _emit({"done": True, "rss_peak_bytes": _peak_rss()})

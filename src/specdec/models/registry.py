@@ -297,6 +297,23 @@ def _prepare_registry(spec: ModelSpec, *, convert: bool) -> Path:
     return out
 
 
+def gguf_file(ref: str) -> Path:
+    """The GGUF file ``ref`` is made from, as shipped (for runtimes that read GGUF themselves,
+    e.g. llama.cpp): a registry name backed by a GGUF package, or a local ``.gguf`` path."""
+    spec = REGISTRY.get(ref.strip().lower())
+    if spec is not None:
+        src = spec.source
+        if isinstance(src, Bundled):
+            raise ModelNotFoundError(f"{spec.name!r} ships as a Hugging Face folder, not as a GGUF file")
+        gguf = _locate(src.dist, src.relpath, src.pip(), spec.name) if isinstance(src, PackagedGGUF) else _assemble(spec, src, cache_root() / "gguf")
+        _check_sha(spec, gguf)
+        return gguf
+    path = Path(ref).expanduser()
+    if path.is_file() and path.suffix.lower() == ".gguf":
+        return path.resolve()
+    raise ModelNotFoundError(f"{ref!r} is neither a GGUF-backed registry name nor a .gguf file")
+
+
 # ----------------------------------------------------------------------------- loading
 
 

@@ -1,0 +1,161 @@
+"""The llama.cpp rows of ``specdec bench``: planning, metrics and report on synthetic samples, and
+the GGUF export's tensor layout (none of this needs llama.cpp itself)."""
+
+import numpy as np
+import pytest
+import torch
+
+from specdec.bench import report, runner
+from specdec.bench.gguf_export import gguf_name, rope_halves_to_pairs
+from specdec.bench.workloads import BUILTIN
+from specdec.errors import SpecdecError
+
+
+def _row(mode, prompt, tps, *, t=0.0, gen=128, calls=128, sha="x", prefill=0.05, **extra):
+    return {"mode": mode, "method": mode, "gamma": None, "temperature": t, "prompt_id": prompt, "category": "code",
+            "seed": 0, "tokens_per_s": tps, "wall_s": gen / tps, "ttft_s": prefill, "prefill_s": prefill,
+            "generated_tokens": gen, "target_calls": calls, "tokens_per_target_call": gen / calls,
+            "lossless": True, "tokens_sha1": sha, **extra}
+
+
+def _engine_fields(calls, gen, prop=0, acc=0):
+    return {"draft_tokens_proposed": prop, "draft_tokens_accepted": acc, "acceptance_per_position": [],
+            "proposed_per_position": [], "draft_s": 0.0, "target_s": 1.0, "verify_s": 0.0, "kv_peak_bytes": 0}
+
+
+def _samples():
+    rows = []
+    for i, p in enumerate("abc"):
+        rows.append(_row("llamacpp_plain", p, 100.0, sha=f"p{p}"))
+        # the speculative llama.cpp row: 64 calls for 128 tokens, 200 drafted of which 64 kept
+        rows.append(_row("llamacpp_spec", p, [150.0, 50.0, 100.0][i], calls=64, sha=f"p{p}" if p != "c" else "other",
+                         draft_tokens_proposed=200, draft_tokens_accepted=64, draft_calls=63))
+        rows.append(_row("plain_paired", p, 80.0, sha=f"p{p}" if p == "a" else "q", **_engine_fields(128, 128)))
+        rows.append({**_row("speculative", p, [160.0, 240.0, 80.0][i], calls=50, sha="s", **_engine_fields(50, 128, 100, 78)),
+                     "method": "greedy", "gamma": "auto"})
+    return rows
+
+
+def test_rows_are_compared_with_llamacpp_plain_prompt_by_prompt():
+    stats = {g.mode: g for g in report.aggregate(_samples())}
+    assert stats["speculative"].speedup_vs_llamacpp == pytest.approx(1.6)  # median of 1.6, 2.4, 0.8
+    assert stats["plain_paired"].speedup_vs_llamacpp == pytest.approx(0.8)
+    assert stats["llamacpp_spec"].speedup_vs_llamacpp == pytest.approx(1.0)  # median of 1.5, 0.5, 1.0
+    assert stats["llamacpp_plain"].speedup_vs_llamacpp == pytest.approx(1.0)
+
+
+def test_llamacpp_metrics_and_greedy_agreement():
+    stats = {g.mode: g for g in report.aggregate(_samples())}
+    spec = stats["llamacpp_spec"]
+    assert spec.tokens_per_call == pytest.approx(2.0) and spec.tokens_per_call_se == pytest.approx(0.0)
+    assert spec.acceptance == pytest.approx(64 / 200) and spec.mean_gamma == pytest.approx(200 / 63)
+    assert spec.same_tokens_as_llamacpp == (2, 3)
+    assert stats["plain_paired"].same_tokens_as_llamacpp == (1, 3)
+    assert stats["llamacpp_plain"].same_tokens_as_llamacpp is None  # not compared with itself
+    assert stats["llamacpp_plain"].tokens_per_call == pytest.approx(1.0)
+    # decode tok/s leaves the prompt's forward pass out: 128 / (1.28 - 0.05)
+    assert stats["llamacpp_plain"].decode_tokens_per_s_median == pytest.approx(128 / (1.28 - 0.05))
+
+
+def test_greedy_agreement_is_only_counted_at_temperature_zero():
+    rows = [_row("llamacpp_plain", "a", 100.0, t=1.0, sha="1"), _row("llamacpp_spec", "a", 100.0, t=1.0, sha="1")]
+    spec = [g for g in report.aggregate(rows) if g.mode == "llamacpp_spec"][0]
+    assert spec.same_tokens_as_llamacpp is None
+
+
+def test_markdown_has_the_llamacpp_section_only_when_llamacpp_ran(tmp_path):
+    cfg = {"command": "specdec bench", "target": "t", "draft": "d", "draft_dtype": "auto", "prompts": [{"category": "code"}],
+           "max_new_tokens": 128, "repeats": 1, "seed": 0, "top_p": None, "repetition_penalty": None, "batch_invariant": True}
+    out = report.write({"config": cfg, "samples": _samples()}, tmp_path, make_plots=False)
+    text = (tmp_path / "README.md").read_text()
+    assert "## Against llama.cpp on the same GGUF" in text
+    section = text.split("## Against llama.cpp on the same GGUF")[1]
+    line = next(x for x in section.splitlines() if x.startswith("| llamacpp_spec "))
+    assert "| 1.00 |" in line and "2/3" in line
+    without = [s for s in _samples() if not s["mode"].startswith("llamacpp")]
+    report.write({"config": cfg, "samples": without}, tmp_path / "b", make_plots=False)
+    assert "llama.cpp" not in (tmp_path / "b" / "README.md").read_text()
+    assert out["stats"]
+
+
+def _cfg(modes, variants=("plain", "spec")):
+    return runner.BenchConfig(target="smollm2-135m", draft="smollm2-135m-draft", prompts=BUILTIN[:3], modes=modes,
+                              temperatures=(0.0, 1.0), llamacpp=variants)
+
+
+def test_llamacpp_rows_run_inside_the_speculative_worker_when_it_runs():
+    cfg = _cfg(("plain", "speculative", "llamacpp"))
+    assert runner._llamacpp_host(cfg) == "speculative"
+    assert runner._job(cfg, "speculative")["llamacpp"] == ["plain", "spec"]
+    assert "llamacpp" not in runner._job(cfg, "plain")
+    # 3 prompts x 2 temperatures: speculative (1 paired plain + 1 setting) plus 2 llama.cpp rows each
+    assert runner._count(cfg, "speculative") == 3 * 2 * (2 + 2)
+    assert runner._count(cfg, "llamacpp") == 0
+
+
+def test_llamacpp_runs_in_its_own_worker_without_the_speculative_mode():
+    cfg = _cfg(("plain", "llamacpp"), ("plain", "spec", "lookup"))
+    assert runner._llamacpp_host(cfg) == "llamacpp"
+    assert runner._job(cfg, "llamacpp")["llamacpp"] == ["plain", "spec", "lookup"]
+    assert runner._count(cfg, "llamacpp") == 3 * 2 * 3
+    assert runner._llamacpp_host(_cfg(("plain", "speculative"))) is None
+
+
+def test_bench_cli_rejects_bad_llamacpp_options(capsys):
+    from specdec.cli import main
+
+    for argv in (["--llamacpp", "plain,medusa"], ["--llamacpp-draft-max", "0"], ["--llamacpp-p-min", "1.5"]):
+        assert main(["bench", "--modes", "plain", *argv]) == 2
+        err = capsys.readouterr().err
+        assert err.startswith("specdec: error:") and "Traceback" not in err
+
+
+# ----------------------------------------------------------------------------- GGUF export
+
+
+def _rotate_half_rope(x: torch.Tensor, pos: int, theta: float) -> torch.Tensor:
+    """Hugging Face Llama rotary embedding of one head vector ``[d]`` (feature i pairs with i + d/2)."""
+    d = x.numel()
+    inv = theta ** (-torch.arange(0, d, 2, dtype=torch.float64) / d)  # [d/2]
+    ang = torch.cat([pos * inv, pos * inv])
+    rot = torch.cat([-x[d // 2:], x[: d // 2]])
+    return x * torch.cos(ang) + rot * torch.sin(ang)
+
+
+def _interleaved_rope(x: torch.Tensor, pos: int, theta: float) -> torch.Tensor:
+    """GGUF ``llama`` rotary embedding (features 2j and 2j + 1 rotate together)."""
+    d = x.numel()
+    inv = theta ** (-torch.arange(0, d, 2, dtype=torch.float64) / d)
+    c, s = torch.cos(pos * inv), torch.sin(pos * inv)
+    a, b = x[0::2], x[1::2]
+    out = torch.empty_like(x)
+    out[0::2], out[1::2] = a * c - b * s, a * s + b * c
+    return out
+
+
+def test_rope_reordering_makes_interleaved_rope_match_hf_attention_scores():
+    g = torch.Generator().manual_seed(0)
+    heads, d, dim = 3, 8, 12
+    wq = torch.randn(heads * d, dim, generator=g, dtype=torch.float64)
+    wk = torch.randn(heads * d, dim, generator=g, dtype=torch.float64)
+    x1, x2 = torch.randn(dim, generator=g, dtype=torch.float64), torch.randn(dim, generator=g, dtype=torch.float64)
+    pq = torch.from_numpy(rope_halves_to_pairs(wq.numpy(), heads))
+    pk = torch.from_numpy(rope_halves_to_pairs(wk.numpy(), heads))
+    for h in range(heads):
+        sl = slice(h * d, (h + 1) * d)
+        hf = _rotate_half_rope(wq[sl] @ x1, 5, 1e4) @ _rotate_half_rope(wk[sl] @ x2, 2, 1e4)
+        gg = _interleaved_rope(pq[sl] @ x1, 5, 1e4) @ _interleaved_rope(pk[sl] @ x2, 2, 1e4)
+        assert gg.item() == pytest.approx(hf.item(), rel=1e-12)
+        # negative control: without the reordering the scores differ
+        wrong = _interleaved_rope(wq[sl] @ x1, 5, 1e4) @ _interleaved_rope(wk[sl] @ x2, 2, 1e4)
+        assert abs(wrong.item() - hf.item()) > 1e-3
+
+
+def test_gguf_names_and_bad_inputs():
+    assert gguf_name("model.layers.3.self_attn.q_proj.weight") == "blk.3.attn_q.weight"
+    assert gguf_name("model.layers.0.mlp.down_proj.weight") == "blk.0.ffn_down.weight"
+    assert gguf_name("model.embed_tokens.weight") == "token_embd.weight"
+    with pytest.raises(SpecdecError):
+        gguf_name("model.layers.0.self_attn.q_norm.weight")
+    with pytest.raises(SpecdecError):
+        rope_halves_to_pairs(np.zeros((10, 4)), 4)
