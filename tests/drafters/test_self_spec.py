@@ -187,3 +187,17 @@ def test_names_and_bad_input(tmp_path):
     path.write_text('{"n_layers": 30}')
     with pytest.raises(ConfigError, match="30 layers"):
         build(f"self-skip:{path}", TARGET, "tiny")
+
+
+def test_server_spawns_a_fresh_serialised_view_per_request():
+    from types import SimpleNamespace
+
+    from specdec.server.command import drafter_factory
+    from specdec.server.sessions import SerializedModel
+
+    for name in ("layerskip:2", "swift"):
+        drafter, _ = build(name, INVARIANT, "tiny")
+        make = drafter_factory(SimpleNamespace(drafter=drafter, draft_model=None))
+        a, b = make(), make()
+        assert a is not b and type(a) is type(drafter)
+        assert isinstance(a.model, SerializedModel) and a.view.target is INVARIANT

@@ -21,7 +21,7 @@ from __future__ import annotations
 import json
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any
+from typing import Any, Callable
 
 import torch
 from torch import Tensor
@@ -212,6 +212,13 @@ class SelfSpecDrafter(ModelDrafter):
         shared = SharedLayers(self.view.target, self.view.plan.exit_after, self.cache)  # type: ignore[arg-type]
         return Draft(tokens=draft.tokens, probs=draft.probs, reuse=shared)
 
+    def spawn(self, wrap: Callable[[Any], Any] = lambda m: m) -> "SelfSpecDrafter":
+        """A fresh drafter of the same kind (per-request state), its view wrapped by ``wrap``
+        (the server serialises forward passes); a wrapped view's drafts are verified plainly."""
+        fresh = SelfSpecDrafter(self.view, share=self.share)
+        fresh.model = wrap(self.view)
+        return fresh
+
     def extra_bytes(self) -> int:
         """Memory beyond the target: the draft cache only (no weights)."""
         return int(self.cache.nbytes) if self.cache is not None else 0
@@ -233,6 +240,7 @@ class SwiftDrafter(SelfSpecDrafter):
                  seed: int = 0) -> None:
         super().__init__(LayerView(target, plan))
         self.every, self.window, self.tries = every, window, tries
+        self._wrap: Callable[[Any], Any] = lambda m: m
         self._rng = torch.Generator().manual_seed(seed)
         self._rounds = 0
         cfg = target.cfg
@@ -259,6 +267,12 @@ class SwiftDrafter(SelfSpecDrafter):
             best = max(best, tokens / (g * c + 1.0 + 0.12 * g))
         return best
 
+    def spawn(self, wrap: Callable[[Any], Any] = lambda m: m) -> "SwiftDrafter":
+        fresh = SwiftDrafter(self.view.target, self.view.plan, every=self.every, window=self.window, tries=self.tries)
+        fresh._wrap = wrap
+        fresh.model = wrap(fresh.view)
+        return fresh
+
     def _neighbour(self, plan: LayerPlan) -> LayerPlan:
         n = plan.n_layers
         i = int(torch.randint(2 * n, (1,), generator=self._rng))
@@ -280,7 +294,7 @@ class SwiftDrafter(SelfSpecDrafter):
                     best, best_plan = s, trial
             if best_plan != plan:
                 self.view = LayerView(self.view.target, best_plan)
-                self.model = self.view
+                self.model = self._wrap(self.view)
                 self.reset()
                 self._rounds = 1
                 self.switches += 1

@@ -63,6 +63,9 @@ def drafter_factory(engine: Any) -> Callable[[], Any] | None:
     if engine.draft_model is not None:
         model = serialized(engine.draft_model.model)
         return lambda: ModelDrafter(model)
+    spawn = getattr(engine.drafter, "spawn", None)  # a self-speculative view of the target
+    if spawn is not None:
+        return lambda: spawn(serialized)
     return lambda: NgramDrafter(max_ngram=defaults.NGRAM_MAX, min_ngram=defaults.NGRAM_MIN)
 
 

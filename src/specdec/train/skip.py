@@ -131,7 +131,8 @@ def measure_costs(target: Any, *, repeats: int = 30, context: int = 64) -> CostM
     """Time one decoding step with every sub-layer, with no attention and with no MLP (median of
     ``repeats``), and a 5-position verification pass, all at a ``context``-token position."""
     n = target.cfg.n_layers
-    prefix = torch.arange(context) % 1000 + 100
+    context = max(1, min(context, target.max_length // 2))
+    prefix = (torch.arange(context) % 1000 + 100) % target.vocab_size
 
     def step_time(plan: LayerPlan | None, width: int = 1) -> float:
         model = target if plan is None else LayerView(target, plan)
