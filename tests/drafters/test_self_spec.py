@@ -110,6 +110,10 @@ def test_view_shares_weights_and_caches_only_its_layers():
     view = LayerView(TARGET, LayerPlan.skipping(3, {0}, set()))
     assert view.target is TARGET  # a view, not a copy
     assert view.new_cache(32).k.shape[0] == 2  # attention runs in layers 1 and 2 only
+    drafter = SelfSpecDrafter(LayerView(INVARIANT, LayerPlan.early_exit(3, 2), keep_hidden=True), share=True)
+    drafter.prepare(torch.tensor(PROMPT))
+    per_position = 2 * 2 * 1 * 8 * 4 + 16 * 4 + 8  # 2 layers of K and V (1 head of 8 floats), residual, token id
+    assert drafter.extra_bytes() == per_position * (len(PROMPT) - 1)
     skipped = LayerView(TARGET, LayerPlan.skipping(3, {0, 1}, {0}))
     assert [s[0] for s in skipped.plan.steps] == [1, 2]  # layer 0 runs nothing
 

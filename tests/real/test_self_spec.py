@@ -7,6 +7,8 @@ bitwise equal to the plain verification pass.
 
 from __future__ import annotations
 
+import json
+
 import pytest
 import torch
 
@@ -31,10 +33,14 @@ def target_ids(smollm2):
     return target, [encode_prompt(target.tokenizer, p, chat=c) for p, c in PROMPTS]
 
 
-@pytest.mark.parametrize("name", ["layerskip:24", "self-skip", "swift"])
-def test_greedy_self_speculative_equals_plain_greedy(target_ids, name):
+@pytest.mark.parametrize("name", ["layerskip:24", "self-skip:FILE", "self-skip", "swift"])
+def test_greedy_self_speculative_equals_plain_greedy(target_ids, name, tmp_path):
     target, ids = target_ids
-    cfg = SamplingConfig(temperature=0.0, max_new_tokens=64)
+    if name == "self-skip:FILE":  # a hand-written skip set, whatever set ships
+        path = tmp_path / "skip.json"
+        path.write_text(json.dumps({"n_layers": 30, "skip_attn": list(range(18, 28)), "skip_mlp": [24, 26]}))
+        name = f"self-skip:{path}"
+    cfg = SamplingConfig(temperature=0.0, max_new_tokens=40)
     for prompt in ids:
         plain = SpeculativeDecoder(target.model, None, get_rule("greedy")).generate(prompt, cfg).tokens
         drafter, _ = self_spec.build(name, target.model, target.name)

@@ -220,8 +220,9 @@ class SelfSpecDrafter(ModelDrafter):
         return fresh
 
     def extra_bytes(self) -> int:
-        """Memory beyond the target: the draft cache only (no weights)."""
-        return int(self.cache.nbytes) if self.cache is not None else 0
+        """Memory beyond the target: no weights, only the draft cache's positions used so far
+        (its buffer is allocated lazily by the OS: untouched pages cost nothing)."""
+        return int(self.cache.used_bytes()) if self.cache is not None else 0
 
 
 class SwiftDrafter(SelfSpecDrafter):
