@@ -79,11 +79,6 @@ class LayerPlan:
         """The layers whose attention runs, in order: the draft cache holds exactly these."""
         return tuple(li for li, a, _ in self.steps if a)
 
-    def fraction(self, attn_cost: float = 1.0, mlp_cost: float = 1.0) -> float:
-        """Share of the target's layer compute this plan runs (per-sub-layer costs as given)."""
-        run = sum(attn_cost * a + mlp_cost * m for _, a, m in self.steps)
-        return run / (self.n_layers * (attn_cost + mlp_cost))
-
     def to_json(self) -> dict[str, Any]:
         return {"n_layers": self.n_layers, "exit_after": self.exit_after,
                 "skip_attn": sorted(self.skip_attn), "skip_mlp": sorted(self.skip_mlp)}
