@@ -70,7 +70,10 @@ def _sampling_from(args: argparse.Namespace) -> SamplingConfig:
 def _add_models(p: argparse.ArgumentParser) -> None:
     g = p.add_argument_group("models")
     g.add_argument("--target", default=defaults.DEFAULT_TARGET, help=f"registry name, HF folder, .gguf file or hub id (default {defaults.DEFAULT_TARGET})")
-    g.add_argument("--draft", default=defaults.DEFAULT_DRAFT, help="draft model (as --target), 'ngram' (prompt lookup), 'self' (the target itself) or 'none' (plain decoding)")
+    g.add_argument("--draft", default=defaults.DEFAULT_DRAFT, help="draft model (as --target), 'ngram' (prompt lookup), 'self' (the target itself), 'none' (plain decoding), "
+                   "or a self-speculative view of the target (no second model): 'layerskip:K' (its first K layers, cache shared "
+                   "with verification), 'self-skip' (a searched set of skipped sub-layers; 'self-skip:FILE' from `specdec train skip`), "
+                   "'swift' (skip set adapted while generating)")
     g.add_argument("--backend", default="auto", choices=["auto", "native", "hf"], help="native = specdec's fast Llama/Qwen2 path; hf = transformers")
     g.add_argument("--dtype", "--target-dtype", dest="dtype", default="auto",
                    choices=["auto", "float32", "bfloat16", "float16", "int8"],
@@ -141,7 +144,19 @@ def _cmd_bench(args: argparse.Namespace) -> int:
     return run(args)
 
 
-_EXTRA_COMMANDS: list = [_add_serve, _add_bench]
+def _add_train(sub) -> None:  # noqa: ANN001
+    from specdec.train.command import add_parser
+
+    add_parser(sub)
+
+
+def _cmd_train(args: argparse.Namespace) -> int:
+    from specdec.train.command import run
+
+    return run(args)
+
+
+_EXTRA_COMMANDS: list = [_add_serve, _add_bench, _add_train]
 
 
 def _cmd_generate(args: argparse.Namespace) -> int:
@@ -249,6 +264,9 @@ def _cmd_models(args: argparse.Namespace) -> int:
          "install": getattr(s.source, "pip", lambda: "bundled")(), "license": s.license, "status": install_status(s)}
         for s in REGISTRY.values()
     ]
+    from specdec.drafters.self_spec import describe_families
+
+    rows += describe_families()
     if args.json:
         print(json.dumps(rows, indent=2))
     else:
@@ -272,7 +290,7 @@ def _cmd_setup(args: argparse.Namespace) -> int:
     return 0
 
 
-COMMANDS = {"generate": _cmd_generate, "models": _cmd_models, "setup": _cmd_setup, "serve": _cmd_serve, "bench": _cmd_bench}
+COMMANDS = {"generate": _cmd_generate, "models": _cmd_models, "setup": _cmd_setup, "serve": _cmd_serve, "bench": _cmd_bench, "train": _cmd_train}
 
 
 def main(argv: Sequence[str] | None = None) -> int:

@@ -15,6 +15,7 @@ import torch
 from specdec import defaults
 from specdec.decoder import GenerationResult, SpeculativeDecoder
 from specdec.drafters import ModelDrafter, NgramDrafter
+from specdec.drafters import self_spec
 from specdec.drafters.base import Drafter
 from specdec.errors import ConfigError
 from specdec.gamma import CostGamma, FixedGamma, GammaController, GuideGamma
@@ -32,7 +33,7 @@ QUANTS = ("int8",)
 @dataclass(frozen=True)
 class EngineConfig:
     target: str = defaults.DEFAULT_TARGET
-    draft: str = defaults.DEFAULT_DRAFT  # registry name | path | "ngram" | "self" | "none"
+    draft: str = defaults.DEFAULT_DRAFT  # registry name | path | "ngram" | "self" | "none" | self-speculative (layerskip:K, self-skip[:PATH], swift[:PATH])
     backend: str = "auto"  # auto | native | hf
     #: the target's precision: auto | float32 | bfloat16 | float16 | int8 (W8A8Linear layers,
     #: native backend); "auto" = int8 where torch has fbgemm (x86), else float32 — measured on
@@ -177,6 +178,9 @@ class Engine:
             return cls(target, NgramDrafter(max_ngram=defaults.NGRAM_MAX, min_ngram=defaults.NGRAM_MIN), "ngram")
         if kind == "self":
             return cls(target, ModelDrafter(target.model), "self", target)
+        if self_spec.parse_name(kind) is not None:  # a view of the target: no second model is loaded
+            drafter, label = self_spec.build(cfg.draft, target.model, target.name)
+            return cls(target, drafter, label)
         if progress:
             progress(f"loading draft {cfg.draft}")
         draft = load_draft(cfg)

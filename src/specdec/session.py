@@ -131,7 +131,10 @@ class TargetSession:
             raise ContextLengthError(f"the sequence would exceed its context of {self._ctx.numel()} tokens")
         t0 = time.perf_counter()
         base = self.cache.length
-        logits = self.model.forward(torch.cat([self._ctx[self._n - 1 : self._n], draft.tokens]), self.cache)  # [γ+1, V]
+        feed = torch.cat([self._ctx[self._n - 1 : self._n], draft.tokens])  # [γ+1]
+        logits = draft.reuse.forward(self.model, feed, self.cache) if draft.reuse is not None else None
+        if logits is None:
+            logits = self.model.forward(feed, self.cache)  # [γ+1, V]
         t1 = time.perf_counter()
         cfg, rule = self.cfg, self.rule
         if rule.needs_target_probs:

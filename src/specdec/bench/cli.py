@@ -24,7 +24,7 @@ def add_parser(sub) -> None:  # noqa: ANN001 - argparse's subparsers action
         "write results.json, a Markdown summary (README.md) and PNG plots.",
     )
     p.add_argument("--target", default=defaults.DEFAULT_TARGET, help=f"target model (default {defaults.DEFAULT_TARGET})")
-    p.add_argument("--draft", default=defaults.DEFAULT_DRAFT, help=f"draft model, 'ngram' or 'self' (default {defaults.DEFAULT_DRAFT})")
+    p.add_argument("--draft", default=defaults.DEFAULT_DRAFT, help=f"draft model, 'ngram', 'self', or a self-speculative view of the target: layerskip:K, self-skip, swift (modes plain,speculative) (default {defaults.DEFAULT_DRAFT})")
     p.add_argument("--modes", default="plain,edge_only,speculative,hf_plain,hf_assisted",
                    help="comma list of plain (the target alone; 'cloud_only' is accepted too), edge_only (the draft alone), speculative, "
                    "hf_plain, hf_assisted, llamacpp (llama.cpp on the target's GGUF; needs the llamacpp extra) (local), and edge_cloud, cloud_streaming, cloud_streaming_spec (cloud server process "
@@ -85,6 +85,13 @@ def run(args: argparse.Namespace, argv: list[str] | None = None) -> int:
         raise ConfigError("--max-new-tokens and --repeats must be >= 1")
     rtts, wires = _network_args(args, temps)
     llamacpp = _llamacpp_args(args)
+    from specdec.drafters.self_spec import parse_name
+
+    if parse_name(args.draft) is not None:  # a view of the target: there is no draft model to run alone
+        bad = [m for m in _csv(args.modes) if m in ("edge_only", "hf_assisted", "edge_cloud")]
+        if bad:
+            raise ConfigError(f"--draft {args.draft} is a self-speculative view of the target: modes {', '.join(bad)} "
+                              "need a separate draft model (use --modes plain,speculative)")
     prompts = workloads.load_jsonl(args.prompts) if args.prompts else list(workloads.BUILTIN)
     prompts = workloads.select(prompts, categories=_csv(args.categories) if args.categories else None, limit=args.limit)
     command = "specdec bench " + " ".join(shlex.quote(a) for a in (argv if argv is not None else sys.argv[2:]))

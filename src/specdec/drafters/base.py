@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Protocol
+from typing import Any, Protocol
 
 import torch
 from torch import Tensor
@@ -23,6 +23,10 @@ from specdec.verify import DraftSampling, Verdict
 class Draft:
     tokens: Tensor  # [γ'] int64, γ' <= γ (a drafter may propose fewer, even none)
     probs: Tensor | None  # [γ', V] the q actually sampled from; None => deterministic drafter
+    #: optional work the drafter already did for the verification pass (self-speculative cache
+    #: sharing): ``reuse.forward(model, tokens, cache)`` returns the pass's logits, or None to
+    #: run the plain pass; verifiers that cannot use it ignore it
+    reuse: Any = None
 
 
 class DraftSampler:

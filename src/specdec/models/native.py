@@ -14,6 +14,7 @@ import math
 import os
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Sequence
 
 import torch
 import torch.nn.functional as F
@@ -382,3 +383,76 @@ class NativeCausalLM:
         per_layer += cfg.n_heads * cfg.head_dim * cfg.hidden_size + 3 * cfg.hidden_size * cfg.intermediate_size
         head = 0 if cfg.tie_embeddings else cfg.vocab_size * cfg.hidden_size
         return cfg.n_layers * per_layer + cfg.vocab_size * cfg.hidden_size + head
+
+    # ------------------------------------------------------------------ partial passes
+    # Self-speculative drafters (specdec.drafters.self_spec) run a subset of the layers on their
+    # own cache: early exit (the first k layers), skipped attention / MLP sub-layers, or the upper
+    # layers from given hidden states (cache sharing).  The sub-layers are the same operations as
+    # in ``hidden``, so a row computed here is bitwise what ``hidden`` computes for it.
+
+    def embed_tokens(self, tokens: Tensor) -> Tensor:  # tokens: [n] -> [n, D]
+        return self.embed[tokens]
+
+    def head(self, x: Tensor) -> Tensor:  # x: [n, D] residual stream -> [n, V] float32 logits
+        """Final norm + LM head of a residual stream (an early exit uses it after any layer)."""
+        return self.lm_head(x * self._inv_rms(x)).float()
+
+    @torch.inference_mode()
+    def run_layers(
+        self,
+        x: Tensor,  # [n, D] residual stream entering the first step
+        cache: KVCache,
+        steps: Sequence[tuple[int, bool, bool]],
+        *,
+        start: int,
+        slots: Sequence[int] | None = None,
+    ) -> Tensor:  # -> [n, D] residual stream after the last step
+        """Run ``steps`` = ``(layer, attention on, MLP on)`` for positions ``start .. start + n``.
+
+        The positions must be reserved in ``cache`` already (``cache.reserve``).  ``slots[i]`` is
+        the cache layer step ``i`` writes its keys/values to (default: its layer index), so a
+        draft can keep a cache holding only the layers it runs.  A skipped attention sub-layer
+        writes nothing.
+        """
+        cfg = self.cfg
+        n = x.shape[0]
+        end = start + n
+        if end > self._cos.shape[0]:
+            raise ValueError(f"position {end} is past the model's context of {self._cos.shape[0]}")
+        cos = self._cos[start:end].unsqueeze(1)  # [n, 1, d]
+        sin = self._sin[start:end].unsqueeze(1)
+        mask = torch.full((n, end), -math.inf, dtype=x.dtype).triu_(start + 1) if n > 1 else None  # [n, T]
+        for i, (li, attn_on, mlp_on) in enumerate(steps):
+            layer = self.layers[li]
+            if attn_on:
+                slot = li if slots is None else slots[i]
+                x = x + self._attention(layer, x, cache, slot, start=start, cos=cos, sin=sin, mask=mask)
+            if mlp_on:
+                gate, up = layer.gate_up.scaled(x, self._inv_rms(x)).chunk(2, dim=-1)
+                x = x + layer.down(F.silu(gate) * up)
+        return x
+
+    def _attention(
+        self, layer: _Layer, x: Tensor, cache: KVCache, slot: int, *, start: int, cos: Tensor, sin: Tensor,
+        mask: Tensor | None,
+    ) -> Tensor:  # x: [n, D] -> [n, D] attention output (before the residual add)
+        """One attention sub-layer, the same operations as in :meth:`hidden`."""
+        cfg = self.cfg
+        n = x.shape[0]
+        end = start + n
+        hq, hk, d = cfg.n_heads, cfg.n_kv_heads, cfg.head_dim
+        qk_size = self._q_size + self._kv_size
+        qkv = layer.qkv.scaled(x, self._inv_rms(x))  # [n, (H + 2 Hkv) d]
+        qk = _rotate(qkv[:, :qk_size].view(n, hq + hk, d), cos, sin)
+        k_cache, v_cache = cache.k[slot], cache.v[slot]  # [Hkv, T, d]
+        k_cache[:, start:end] = qk[:, hq:].transpose(0, 1)
+        v_cache[:, start:end] = qkv[:, qk_size:].view(n, hk, d).transpose(0, 1)
+        if n == 1 or self.batch_invariant:  # exactly the rows hidden() computes
+            rows = [_attend(qk[j, :hq], k_cache[:, : start + j + 1], v_cache[:, : start + j + 1]) for j in range(n)]
+            attn = rows[0] if n == 1 else torch.cat(rows)  # [n, H d]
+        else:
+            attn = F.scaled_dot_product_attention(
+                qk[:, :hq].transpose(0, 1).unsqueeze(0), k_cache[:, :end].unsqueeze(0), v_cache[:, :end].unsqueeze(0),
+                attn_mask=mask, enable_gqa=hq != hk, scale=1.0,
+            )[0].transpose(0, 1).reshape(n, self._q_size)  # [n, H d]
+        return layer.out(attn)

@@ -100,6 +100,9 @@ def drafter_factory(engine: Any, draft_model: Any | None = None) -> Callable[[],
     if engine.draft_model is not None:
         model = draft_model if draft_model is not None else serialized(engine.draft_model.model)
         return lambda: ModelDrafter(model)
+    spawn = getattr(engine.drafter, "spawn", None)  # a self-speculative view of the target
+    if spawn is not None:
+        return lambda: spawn(serialized)
     return lambda: NgramDrafter(max_ngram=defaults.NGRAM_MAX, min_ngram=defaults.NGRAM_MIN)
 
 

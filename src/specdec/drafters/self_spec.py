@@ -1,0 +1,390 @@
+"""Self-speculative drafters: the target drafts for itself with part of its computation skipped.
+
+* **Early exit** (``layerskip:K``; Elhoushi et al. 2024, *LayerSkip*): the target's first ``K``
+  layers, then its final norm and LM head.  The draft's keys/values for layers < K are exactly
+  what the target computes for the same tokens (the native target is batch-invariant), so the
+  verification pass reuses them and runs only layers >= K for the drafted positions, starting
+  from the draft's layer-K hidden states (*cache sharing*, see :class:`SharedLayers`).
+* **Layer skipping** (``self-skip``; Zhang et al. 2024, *Draft & Verify*): every layer, with a
+  set of attention and MLP sub-layers skipped; the set is searched offline on calibration
+  prompts (``specdec train skip``) and shipped per target as a small JSON file.  ``swift`` (Xia
+  et al. 2024, *SWIFT*) adapts the set on the fly from the tokens the target has committed.
+
+Every drafter here is a *view* of the target: it holds a reference to the target's weights, never
+a copy.  Its only memory is its own KV cache (the layers it runs) — see :func:`extra_bytes`.  It
+is an ordinary chain drafter (:class:`~specdec.drafters.model.ModelDrafter` over a
+:class:`LayerView`), so every verification rule and sampling option applies unchanged.
+"""
+
+from __future__ import annotations
+
+import json
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any, Callable
+
+import torch
+from torch import Tensor
+
+from specdec.drafters.base import Draft, DraftSampler
+from specdec.drafters.model import ModelDrafter
+from specdec.errors import ConfigError
+from specdec.kv_cache import KVCache
+
+#: package data: searched skip sets, one JSON file per target (``<target name>.json``)
+SKIP_SETS_DIR = Path(__file__).resolve().parent.parent / "data" / "self_skip"
+
+
+@dataclass(frozen=True)
+class LayerPlan:
+    """Which of the target's sub-layers a self-speculative draft runs.
+
+    ``exit_after`` = K runs layers ``0 .. K-1`` (early exit); ``skip_attn`` / ``skip_mlp`` name
+    sub-layers (by layer index) that are skipped inside that range (their residual branch is
+    dropped: ``x + 0``).
+    """
+
+    n_layers: int
+    exit_after: int
+    skip_attn: frozenset[int] = frozenset()
+    skip_mlp: frozenset[int] = frozenset()
+
+    def __post_init__(self) -> None:
+        if not 1 <= self.exit_after <= self.n_layers:
+            raise ConfigError(f"early exit must be after 1 to {self.n_layers} layers, got {self.exit_after}")
+        bad = [i for i in (*self.skip_attn, *self.skip_mlp) if not 0 <= i < self.n_layers]
+        if bad:
+            raise ConfigError(f"skipped layer indices must be in 0..{self.n_layers - 1}, got {sorted(bad)}")
+
+    @classmethod
+    def early_exit(cls, n_layers: int, k: int) -> "LayerPlan":
+        return cls(n_layers, k)
+
+    @classmethod
+    def skipping(cls, n_layers: int, attn: "frozenset[int] | set[int]", mlp: "frozenset[int] | set[int]") -> "LayerPlan":
+        return cls(n_layers, n_layers, frozenset(attn), frozenset(mlp))
+
+    @property
+    def steps(self) -> tuple[tuple[int, bool, bool], ...]:
+        """``(layer, attention on, MLP on)`` for every layer that runs at least one sub-layer."""
+        out = []
+        for li in range(self.exit_after):
+            a, m = li not in self.skip_attn, li not in self.skip_mlp
+            if a or m:
+                out.append((li, a, m))
+        return tuple(out)
+
+    @property
+    def attention_layers(self) -> tuple[int, ...]:
+        """The layers whose attention runs, in order: the draft cache holds exactly these."""
+        return tuple(li for li, a, _ in self.steps if a)
+
+    def to_json(self) -> dict[str, Any]:
+        return {"n_layers": self.n_layers, "exit_after": self.exit_after,
+                "skip_attn": sorted(self.skip_attn), "skip_mlp": sorted(self.skip_mlp)}
+
+    @classmethod
+    def from_json(cls, obj: dict[str, Any]) -> "LayerPlan":
+        try:
+            n = int(obj["n_layers"])
+            return cls(n, int(obj.get("exit_after", n)), frozenset(int(i) for i in obj.get("skip_attn", ())),
+                       frozenset(int(i) for i in obj.get("skip_mlp", ())))
+        except (KeyError, TypeError, ValueError) as exc:
+            raise ConfigError(f"not a layer plan ({type(exc).__name__}: {exc})") from None
+
+
+class ViewCache(KVCache):
+    """A draft cache for a :class:`LayerView`: keys/values of the layers the view runs, plus
+    (for cache sharing) the residual stream leaving the view's last layer and the token at
+    every position."""
+
+    def __init__(self, n_layers: int, n_kv_heads: int, head_dim: int, max_length: int, *, dtype: torch.dtype,
+                 hidden_size: int = 0) -> None:
+        super().__init__(max(n_layers, 1), n_kv_heads, head_dim, max_length, dtype=dtype)
+        self.resid: Tensor | None = torch.zeros(max_length, hidden_size, dtype=dtype) if hidden_size else None  # [T, D]
+        self.tokens = torch.full((max_length,), -1, dtype=torch.long)  # [T]
+
+    @property
+    def nbytes(self) -> int:
+        extra = self.resid.numel() * self.resid.element_size() if self.resid is not None else 0
+        return super().nbytes + extra + self.tokens.numel() * 8
+
+    @property
+    def bytes_per_position(self) -> int:
+        """Keys/values of every layer, plus the residual row and the token id kept per position."""
+        resid = self.resid.shape[1] * self.resid.element_size() if self.resid is not None else 0
+        return super().bytes_per_position + resid + 8
+
+
+class LayerView:
+    """The target seen through a :class:`LayerPlan`: a :class:`~specdec.models.base.LanguageModel`
+    that shares the target's weights (no copy) and keeps its own, smaller cache."""
+
+    def __init__(self, target: Any, plan: LayerPlan, *, keep_hidden: bool = False) -> None:
+        if not hasattr(target, "run_layers"):
+            raise ConfigError(
+                "self-speculative drafters need the native backend (a Llama / Qwen2 target loaded with --backend native or auto)"
+            )
+        if plan.n_layers != target.cfg.n_layers:
+            raise ConfigError(f"the layer plan is for {plan.n_layers} layers, the target has {target.cfg.n_layers}")
+        self.target = target
+        self.plan = plan
+        self.vocab_size = target.vocab_size
+        self.max_length = target.max_length
+        self.keep_hidden = keep_hidden
+        self._steps = plan.steps
+        slot = {li: i for i, li in enumerate(plan.attention_layers)}
+        self._slots = [slot.get(li, 0) for li, _, _ in self._steps]
+
+    def new_cache(self, max_length: int | None = None) -> ViewCache:
+        cfg = self.target.cfg
+        length = min(max_length or self.max_length, self.max_length)
+        return ViewCache(len(self.plan.attention_layers), cfg.n_kv_heads, cfg.head_dim, length, dtype=self.target.dtype,
+                         hidden_size=cfg.hidden_size if self.keep_hidden else 0)
+
+    def forward(self, tokens: Tensor, cache: ViewCache, *, last_only: bool = False) -> Tensor:  # [n] -> [n|1, V]
+        with torch.inference_mode():
+            n = tokens.numel()
+            start = cache.reserve(n)
+            cache.tokens[start : start + n] = tokens
+            x = self.target.run_layers(self.target.embed_tokens(tokens), cache, self._steps, start=start, slots=self._slots)
+            if cache.resid is not None:
+                cache.resid[start : start + n] = x
+            return self.target.head(x[-1:] if last_only else x)
+
+
+@dataclass(frozen=True)
+class SharedLayers:
+    """Cache sharing for early exit: lets the verification pass reuse what the draft computed.
+
+    The draft ran layers ``< k`` for ``[pending] + draft[:-1]`` with the target's own operations,
+    one row at a time; the target is batch-invariant, so those keys/values and the residual
+    stream entering layer ``k`` are bitwise what its verification pass would compute for the
+    same rows.  :meth:`forward` copies them into the target's cache, runs layers ``< k`` only for
+    the rows the draft did not feed (the last draft token), and layers ``>= k`` for all rows.
+    Verified bitwise against the plain pass on the real weights (``tests/real``).
+    """
+
+    target: Any  # the NativeCausalLM the draft is a view of
+    k: int
+    cache: ViewCache = field(repr=False)
+
+    def forward(self, model: Any, tokens: Tensor, cache: KVCache) -> Tensor | None:  # tokens: [n] -> [n, V] | None
+        """Logits of the verification pass, or None when nothing can be reused (then the caller
+        runs its plain pass)."""
+        if model is not self.target or self.cache.resid is None:
+            return None
+        n = tokens.numel()
+        base = cache.length
+        m = min(n, self.cache.length - base)
+        if m <= 0 or not torch.equal(self.cache.tokens[base : base + m], tokens[:m]):
+            return None
+        k, target = self.k, self.target
+        with torch.inference_mode():
+            cache.reserve(n)
+            cache.k[:k, :, base : base + m] = self.cache.k[:k, :, base : base + m]
+            cache.v[:k, :, base : base + m] = self.cache.v[:k, :, base : base + m]
+            x = self.cache.resid[base : base + m]  # [m, D]
+            if m < n:
+                lower = tuple((li, True, True) for li in range(k))
+                rest = target.run_layers(target.embed_tokens(tokens[m:]), cache, lower, start=base + m)  # [n-m, D]
+                x = torch.cat([x, rest])
+            upper = tuple((li, True, True) for li in range(k, target.cfg.n_layers))
+            return target.head(target.run_layers(x, cache, upper, start=base))
+
+
+class SelfSpecDrafter(ModelDrafter):
+    """A :class:`ModelDrafter` over a :class:`LayerView` of the target; with ``share`` (early exit
+    only) its drafts carry :class:`SharedLayers` for the verification pass."""
+
+    def __init__(self, view: LayerView, *, share: bool = False, max_length: int | None = None) -> None:
+        super().__init__(view, max_length=max_length)
+        if share and (view.plan.skip_attn or view.plan.skip_mlp):
+            raise ConfigError("cache sharing needs a pure early-exit plan (no skipped sub-layers)")
+        self.view = view
+        #: sharing is bitwise only when the target scores a block row by row as it scores one
+        #: token (batch-invariant); a --fast-attention target verifies the plain way
+        self.share = share and bool(getattr(view.target, "batch_invariant", False))
+
+    def propose(self, context: Tensor, gamma: int, sampler: DraftSampler) -> Draft:  # context: [L]
+        draft = super().propose(context, gamma, sampler)
+        if not self.share or self.cache is None or draft.tokens.numel() == 0:
+            return draft
+        shared = SharedLayers(self.view.target, self.view.plan.exit_after, self.cache)  # type: ignore[arg-type]
+        return Draft(tokens=draft.tokens, probs=draft.probs, reuse=shared)
+
+    def spawn(self, wrap: Callable[[Any], Any] = lambda m: m) -> "SelfSpecDrafter":
+        """A fresh drafter of the same kind (per-request state), its view wrapped by ``wrap``
+        (the server serialises forward passes); a wrapped view's drafts are verified plainly."""
+        fresh = SelfSpecDrafter(self.view, share=self.share)
+        fresh.model = wrap(self.view)
+        return fresh
+
+    def extra_bytes(self) -> int:
+        """Memory beyond the target: no weights, only the draft cache's positions used so far
+        (its buffer is allocated lazily by the OS: untouched pages cost nothing)."""
+        return int(self.cache.used_bytes()) if self.cache is not None else 0
+
+
+class SwiftDrafter(SelfSpecDrafter):
+    """Layer skipping adapted on the fly (Xia et al. 2024, *SWIFT*), with no offline step.
+
+    Every ``every`` rounds it scores the current skip set and ``tries`` random neighbours (one
+    sub-layer added or removed; seeded, so runs are reproducible) on the last ``window``
+    committed tokens: teacher-forced agreement of the draft's arg-max with the committed token
+    (exactly the greedy acceptance), turned into an expected speed-up with a cost model from
+    the sub-layers' parameter counts.  It moves to the best; the draft cache is then rebuilt
+    (the next ``propose`` re-feeds the context).  Which tokens it drafts never affects the
+    output law, only the speed.
+    """
+
+    def __init__(self, target: Any, plan: LayerPlan, *, every: int = 12, window: int = 48, tries: int = 3,
+                 seed: int = 0) -> None:
+        super().__init__(LayerView(target, plan))
+        self.every, self.window, self.tries = every, window, tries
+        self._wrap: Callable[[Any], Any] = lambda m: m
+        self._rng = torch.Generator().manual_seed(seed)
+        self._rounds = 0
+        cfg = target.cfg
+        attn = (2 * cfg.n_heads + 2 * cfg.n_kv_heads) * cfg.head_dim * cfg.hidden_size
+        mlp = 3 * cfg.hidden_size * cfg.intermediate_size
+        head = cfg.vocab_size * cfg.hidden_size
+        total = cfg.n_layers * (attn + mlp) + head
+        self._cost = (attn / total, mlp / total, head / total)
+        self.switches = 0
+
+    def reset(self) -> None:
+        super().reset()
+        self._rounds = 0
+
+    def _speedup(self, plan: LayerPlan, context: Tensor) -> float:
+        view = LayerView(self.view.target, plan)
+        logits = view.forward(context, view.new_cache(context.numel()))[:-1]  # [w, V]
+        alpha = float((logits.argmax(-1) == context[1:]).float().mean())
+        a, m, fixed = self._cost
+        c = fixed + sum(a * at + m * ml for _, at, ml in plan.steps)
+        best = 1.0
+        for g in range(1, 9):
+            tokens = g + 1.0 if alpha >= 1.0 else (1.0 - alpha ** (g + 1)) / (1.0 - alpha)
+            best = max(best, tokens / (g * c + 1.0 + 0.12 * g))
+        return best
+
+    def spawn(self, wrap: Callable[[Any], Any] = lambda m: m) -> "SwiftDrafter":
+        fresh = SwiftDrafter(self.view.target, self.view.plan, every=self.every, window=self.window, tries=self.tries)
+        fresh._wrap = wrap
+        fresh.model = wrap(fresh.view)
+        return fresh
+
+    def _neighbour(self, plan: LayerPlan) -> LayerPlan:
+        n = plan.n_layers
+        i = int(torch.randint(2 * n, (1,), generator=self._rng))
+        attn, mlp = set(plan.skip_attn), set(plan.skip_mlp)
+        group = attn if i < n else mlp
+        group.symmetric_difference_update({i % n})
+        return LayerPlan.skipping(n, attn, mlp)
+
+    def propose(self, context: Tensor, gamma: int, sampler: DraftSampler) -> Draft:  # context: [L]
+        self._rounds += 1
+        if self._rounds % self.every == 0 and context.numel() > self.window:
+            recent = context[-self.window :]
+            plan = self.view.plan
+            best, best_plan = self._speedup(plan, recent), plan
+            for _ in range(self.tries):
+                trial = self._neighbour(plan)
+                s = self._speedup(trial, recent)
+                if s > best:
+                    best, best_plan = s, trial
+            if best_plan != plan:
+                self.view = LayerView(self.view.target, best_plan)
+                self.model = self._wrap(self.view)
+                self.reset()
+                self._rounds = 1
+                self.switches += 1
+        return super().propose(context, gamma, sampler)
+
+
+# ----------------------------------------------------------------------------- names
+
+
+def parse_name(name: str) -> tuple[str, str] | None:
+    """``layerskip:K`` / ``self-skip`` / ``self-skip:PATH`` / ``swift`` -> (family, argument), else None."""
+    text = name.strip()
+    family, _, arg = text.partition(":")
+    family = family.lower()
+    if family in ("layerskip", "self-skip", "swift"):
+        return family, arg.strip()
+    return None
+
+
+def load_plan(path: str | Path) -> LayerPlan:
+    p = Path(path).expanduser()
+    try:
+        obj = json.loads(p.read_text())
+    except FileNotFoundError:
+        raise ConfigError(f"skip-set file {str(p)!r} does not exist") from None
+    except (OSError, ValueError) as exc:
+        raise ConfigError(f"cannot read skip-set file {str(p)!r}: {exc}") from None
+    if not isinstance(obj, dict):
+        raise ConfigError(f"{str(p)!r} is not a skip-set file (expected a JSON object)")
+    return LayerPlan.from_json(obj.get("plan", obj))
+
+
+def shipped_plan(target_name: str) -> LayerPlan | None:
+    path = SKIP_SETS_DIR / f"{target_name}.json"
+    return load_plan(path) if path.is_file() else None
+
+
+def shipped_targets() -> list[str]:
+    return sorted(p.stem for p in SKIP_SETS_DIR.glob("*.json")) if SKIP_SETS_DIR.is_dir() else []
+
+
+def build(name: str, target: Any, target_name: str) -> tuple[SelfSpecDrafter, str]:
+    """The drafter a self-speculative ``name`` means for ``target`` (a NativeCausalLM), and its display name."""
+    parsed = parse_name(name)
+    if parsed is None:
+        raise ConfigError(f"{name!r} is not a self-speculative drafter name")
+    family, arg = parsed
+    n_layers = getattr(getattr(target, "cfg", None), "n_layers", None)
+    if n_layers is None:
+        LayerView(target, LayerPlan(1, 1))  # raises the backend error
+    if family == "layerskip":
+        try:
+            k = int(arg)
+        except ValueError:
+            raise ConfigError(f"layerskip needs a layer count, e.g. layerskip:12 (got {name!r})") from None
+        if not 1 <= k < n_layers:
+            raise ConfigError(f"layerskip:K needs 1 <= K < {n_layers} (the target's layers), got {k}")
+        view = LayerView(target, LayerPlan.early_exit(n_layers, k), keep_hidden=True)
+        return SelfSpecDrafter(view, share=True), f"layerskip:{k}"
+    if arg:
+        plan = load_plan(arg)
+        label = f"{family}:{Path(arg).name}"
+    else:
+        plan = shipped_plan(target_name)
+        if plan is None:
+            if family == "self-skip":
+                raise ConfigError(
+                    f"no searched skip set ships for {target_name!r} (shipped: {', '.join(shipped_targets()) or 'none'}); "
+                    f"run `specdec train skip --target {target_name} --out skip.json` and use --draft self-skip:skip.json"
+                )
+            plan = LayerPlan.skipping(n_layers, set(), set())
+        label = family
+    if family == "swift":
+        return SwiftDrafter(target, plan), label
+    return SelfSpecDrafter(LayerView(target, plan)), label
+
+
+def describe_families() -> list[dict[str, Any]]:
+    """``specdec models`` rows for the self-speculative drafters (``--draft NAME``)."""
+    shipped = ", ".join(shipped_targets()) or "none"
+    none = "none: a view of the target (native backend), no weights of its own"
+    return [
+        {"name": "layerskip:K", "description": "early exit: the target's first K layers + its final norm and LM head; the "
+         "verification pass reuses the draft's keys/values of layers < K. Extra memory: a K-layer KV cache",
+         "default_draft": None, "install": none, "license": ""},
+        {"name": "self-skip", "description": "Draft & Verify: the target with a searched set of attention / MLP sub-layers "
+         f"skipped (shipped for: {shipped}; self-skip:FILE from `specdec train skip`). Extra memory: a KV cache of the "
+         "layers whose attention runs", "default_draft": None, "install": none, "license": ""},
+        {"name": "swift", "description": "SWIFT: a skip set adapted while generating (starts from the shipped set, or "
+         "swift:FILE). Extra memory: as self-skip", "default_draft": None, "install": none, "license": ""},
+    ]

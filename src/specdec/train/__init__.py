@@ -1,0 +1,1 @@
+"""Training and search for drafters (``specdec train ...``): one module per method."""

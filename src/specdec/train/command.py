@@ -1,0 +1,102 @@
+"""``specdec train``: ``skip`` (search a layer-skipping draft for a target)."""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+from pathlib import Path
+
+from specdec import defaults
+from specdec.errors import ConfigError
+
+
+def add_parser(sub) -> None:  # noqa: ANN001 - argparse's subparsers action
+    p = sub.add_parser("train", help="train or search a drafter (skip: a layer-skipping self-speculative draft)")
+    tsub = p.add_subparsers(dest="train_command", metavar="METHOD", required=True)
+    s = tsub.add_parser(
+        "skip",
+        help="search which attention / MLP sub-layers a self-speculative draft skips",
+        description="Greedy search of a skip set on calibration prompts (not the benchmark's), maximising the expected "
+        "speed-up from teacher-forced acceptance (T=0 and T=1) and measured per-sub-layer cost. Writes a JSON file "
+        "for --draft self-skip:FILE; the search state is checkpointed next to it and resumed.",
+    )
+    s.add_argument("--target", default=defaults.DEFAULT_TARGET)
+    s.add_argument("--out", required=True, help="output JSON file")
+    s.add_argument("--prompts", type=int, default=4, help="calibration prompts to use (of the built-in 8, or of --prompt-file)")
+    s.add_argument("--prompt-file", help="JSONL calibration prompts (fields: prompt, chat)")
+    s.add_argument("--new-tokens", type=int, default=32, help="target continuation length per calibration prompt")
+    s.add_argument("--max-steps", type=int, help="stop the inclusion phase after this many candidates (quick runs)")
+    s.add_argument("--patience", type=int, default=8, help="stop adding after this many candidates in a row that do not pay")
+
+
+def run(args: argparse.Namespace) -> int:
+    if args.train_command == "skip":
+        return _skip(args)
+    raise ConfigError(f"unknown train method {args.train_command!r}")
+
+
+def _load_prompts(args: argparse.Namespace) -> list[tuple[str, bool]]:
+    from specdec.train.skip import CALIBRATION
+
+    if not args.prompt_file:
+        return list(CALIBRATION[: args.prompts])
+    rows = []
+    try:
+        for line in Path(args.prompt_file).read_text().splitlines():
+            if line.strip():
+                obj = json.loads(line)
+                rows.append((str(obj["prompt"]), bool(obj.get("chat", False))))
+    except (OSError, ValueError, KeyError, TypeError) as exc:
+        raise ConfigError(f"cannot read calibration prompts from {args.prompt_file!r}: {exc}") from None
+    if not rows:
+        raise ConfigError(f"{args.prompt_file!r} has no prompts")
+    return rows[: args.prompts]
+
+
+def _skip(args: argparse.Namespace) -> int:
+    from tqdm.auto import tqdm
+
+    from specdec.models.registry import load
+    from specdec.text import encode_prompt
+    from specdec.train import skip
+
+    if args.prompts < 1 or args.new_tokens < 1:
+        raise ConfigError("--prompts and --new-tokens must be >= 1")
+    out = Path(args.out)
+    state_path = out.with_name(out.name + ".state.json")
+    prompts = _load_prompts(args)
+    target = load(args.target)
+    if not hasattr(target.model, "run_layers"):
+        raise ConfigError("the skip search needs the native backend (a Llama / Qwen2 target)")
+    state: dict = json.loads(state_path.read_text()) if state_path.is_file() else {}
+    if state and state.get("target") != target.name:
+        state = {}
+    state["target"] = target.name
+    ids = [encode_prompt(target.tokenizer, text, chat=chat) for text, chat in prompts]
+    print(f"[specdec] calibration: {len(ids)} prompts x {args.new_tokens} target tokens", file=sys.stderr)
+    data = skip.build_calibration(target.model, ids, new_tokens=args.new_tokens)
+    if "cost" in state:
+        cost = skip.CostModel(**state["cost"])
+    else:
+        cost = skip.measure_costs(target.model)
+        state["cost"] = cost.to_json()
+    print(f"[specdec] cost per target step: attention {cost.attn:.4f}, MLP {cost.mlp:.4f}, fixed {cost.fixed:.3f}; "
+          f"verify(γ) = 1 + {cost.verify_slope:.3f} γ", file=sys.stderr)
+    n = target.model.cfg.n_layers
+    bar = tqdm(total=2 * n + 2 * n, desc="skip search", unit="eval", leave=False)
+
+    def progress(what: str, best: skip.SearchResult) -> None:
+        bar.update(1)
+        bar.set_postfix_str(f"{what}: best ×{best.objective:.3f} (α0 {best.alpha0:.2f}, c {best.draft_cost:.2f})")
+        state_path.write_text(json.dumps(state))
+
+    result = skip.greedy_search(target.model, data, cost, max_steps=args.max_steps, patience=args.patience, progress=progress, state=state)
+    bar.close()
+    skip.write_result(result, out, target=target.name, prompts=len(ids), new_tokens=args.new_tokens)
+    plan = result.plan
+    print(f"[specdec] {out}: skip {len(plan.skip_attn)} attention + {len(plan.skip_mlp)} MLP sub-layers of {n} layers; "
+          f"α0 {result.alpha0:.3f}, α1 {result.alpha1:.3f}, draft cost {result.draft_cost:.2f} step, expected "
+          f"×{result.speedup0:.2f} (T=0, γ {result.gamma0}), ×{result.speedup1:.2f} (T=1, γ {result.gamma1}); "
+          f"{result.evaluations} evaluations", file=sys.stderr)
+    return 0

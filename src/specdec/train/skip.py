@@ -1,0 +1,262 @@
+"""Offline search of a layer-skipping draft (Zhang et al. 2024, *Draft & Verify*, §3.2).
+
+Draft & Verify picks which attention / MLP sub-layers the draft skips by Bayesian optimisation on
+calibration prompts.  This is a simpler, cheaper search with the same objective:
+
+1. **Calibration data**: each calibration prompt plus the target's own greedy continuation.
+2. **Acceptance, timing-free**: a candidate plan is scored by one teacher-forced pass of the
+   draft over those sequences.  At temperature 0 a chain draft's token at a position is accepted
+   exactly when the draft's arg-max equals the target's there (given the previous tokens were
+   accepted, the draft sees the true context), so the agreement rate is the per-position
+   acceptance α₀.  At temperature 1 the probability that token verification accepts a draft
+   token is ``Σ_v min(p(v), q(v))``; its mean is α₁.
+3. **Cost, measured once**: the time of one decoding step through the whole target, and the
+   share of it spent in attention and MLP sub-layers (the layers of these models are identical),
+   give the draft's cost ratio ``c(plan)``; verifying γ+1 positions costs ``v(γ)`` steps.
+4. **Objective**: the expected speed-up of Leviathan et al. 2023 (Thm 3.8 with a measured
+   verification cost), ``max_γ (1 − α^{γ+1}) / ((1 − α)(γ c + v(γ)))``, averaged over T = 0 and
+   T = 1.
+5. **Greedy search**: every sub-layer is scored alone (how much skipping it costs in
+   acceptance), then sub-layers are added in that order, keeping each one that raises the
+   objective, until ``patience`` candidates in a row do not; a final pass tries removing each
+   kept one.
+
+Everything but the one-off cost measurement is deterministic, so a search is reproducible.
+"""
+
+from __future__ import annotations
+
+import json
+import time
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any, Callable, Sequence
+
+import torch
+from torch import Tensor
+
+from specdec.drafters.self_spec import LayerPlan, LayerView
+
+#: calibration prompts (deliberately not the benchmark's prompts): code and chat, alternating
+CALIBRATION: tuple[tuple[str, bool], ...] = (
+    ('def fibonacci(n):\n    """Return the n-th Fibonacci number, iteratively."""\n', False),
+    ("What is the difference between a list and a tuple in Python?", True),
+    ("import json\n\n\ndef load_config(path, defaults=None):\n    \"\"\"Read a JSON config file and merge it over `defaults`.\"\"\"\n", False),
+    ("Write a haiku about autumn rain.", True),
+    ("class Stack:\n    \"\"\"A last-in first-out stack backed by a list.\"\"\"\n\n    def __init__(self):\n", False),
+    ("Describe three ways to reduce food waste at home.", True),
+    ("def is_palindrome(text):\n    \"\"\"True if `text` reads the same backwards, ignoring case and spaces.\"\"\"\n", False),
+    ("Why is the sky blue? Answer briefly.", True),
+)
+
+#: verification costs, in target decoding steps, for γ = 1..MAX (a straight line through the
+#: measured v(4); recomputed when the search measures)
+MAX_GAMMA = 8
+
+
+@dataclass(frozen=True)
+class CostModel:
+    """Per-step costs relative to one target decoding step (fractions, not seconds)."""
+
+    attn: float  # one attention sub-layer
+    mlp: float  # one MLP sub-layer
+    fixed: float  # embedding + final norm + LM head + per-step overhead
+    verify_slope: float = 0.12  # v(γ) = 1 + slope · γ
+
+    def draft_cost(self, plan: LayerPlan) -> float:
+        steps = plan.steps
+        return self.fixed + sum(self.attn * a + self.mlp * m for _, a, m in steps)
+
+    def verify_cost(self, gamma: int) -> float:
+        return 1.0 + self.verify_slope * gamma
+
+    def to_json(self) -> dict[str, float]:
+        return {"attn": self.attn, "mlp": self.mlp, "fixed": self.fixed, "verify_slope": self.verify_slope}
+
+
+def expected_speedup(alpha: float, c: float, cost: CostModel) -> tuple[float, int]:
+    """``max_γ E[tokens per round] / (γ c + v(γ))`` and its γ (i.i.d. acceptance α)."""
+    best, best_g = 1.0, 0
+    for g in range(1, MAX_GAMMA + 1):
+        tokens = float(g + 1) if alpha >= 1.0 else (1.0 - alpha ** (g + 1)) / (1.0 - alpha)
+        s = tokens / (g * c + cost.verify_cost(g))
+        if s > best:
+            best, best_g = s, g
+    return best, best_g
+
+
+@dataclass(frozen=True)
+class Calibration:
+    """Teacher-forcing data: sequences and the target's outputs at their continuation positions."""
+
+    sequences: tuple[Tensor, ...]  # each [L] int64 (prompt + target continuation)
+    starts: tuple[int, ...]  # first scored position (the last prompt token) per sequence
+    target_argmax: tuple[Tensor, ...]  # each [L - start] int64
+    target_probs: tuple[Tensor, ...]  # each [L - start, V] float32 at temperature 1
+
+
+def build_calibration(target: Any, prompts: Sequence[Sequence[int]], *, new_tokens: int) -> Calibration:
+    """Greedy-continue each prompt with the target and record its outputs along the way."""
+    from specdec.decoder import SpeculativeDecoder
+    from specdec.sampling import SamplingConfig
+    from specdec.verify import get_rule
+
+    plain = SpeculativeDecoder(target, None, get_rule("greedy"))
+    seqs, starts, amax, probs = [], [], [], []
+    for ids in prompts:
+        out = plain.generate(list(ids), SamplingConfig(temperature=0.0, max_new_tokens=new_tokens)).tokens
+        seq = torch.tensor(list(ids) + out, dtype=torch.long)  # [L]
+        logits = target.forward(seq, target.new_cache(seq.numel()))[len(ids) - 1 : -1]  # [n, V]
+        seqs.append(seq)
+        starts.append(len(ids) - 1)
+        amax.append(logits.argmax(-1))
+        probs.append(torch.softmax(logits, -1))
+    return Calibration(tuple(seqs), tuple(starts), tuple(amax), tuple(probs))
+
+
+def acceptance(target: Any, plan: LayerPlan, data: Calibration) -> tuple[float, float]:
+    """(α₀, α₁) of the draft ``plan`` on ``data`` (see the module docstring)."""
+    view = LayerView(target, plan)
+    agree = overlap = 0.0
+    count = 0
+    for seq, start, amax, p in zip(data.sequences, data.starts, data.target_argmax, data.target_probs):
+        logits = view.forward(seq, view.new_cache(seq.numel()))[start:-1]  # [n, V]
+        agree += float((logits.argmax(-1) == amax).sum())
+        overlap += float(torch.minimum(torch.softmax(logits, -1), p).sum())
+        count += amax.numel()
+    return agree / count, overlap / count
+
+
+def measure_costs(target: Any, *, repeats: int = 30, context: int = 64) -> CostModel:
+    """Time one decoding step with every sub-layer, with no attention and with no MLP (median of
+    ``repeats``), and a 5-position verification pass, all at a ``context``-token position."""
+    n = target.cfg.n_layers
+    context = max(1, min(context, target.max_length // 2))
+    prefix = (torch.arange(context) % 1000 + 100) % target.vocab_size
+
+    def step_time(plan: LayerPlan | None, width: int = 1) -> float:
+        model = target if plan is None else LayerView(target, plan)
+        cache = model.new_cache(context + 16)
+        model.forward(prefix, cache)
+        times = []
+        for _ in range(repeats):
+            t0 = time.perf_counter()
+            model.forward(prefix[:width], cache)
+            times.append(time.perf_counter() - t0)
+            cache.truncate(context)
+        return sorted(times)[len(times) // 2]
+
+    full = step_time(None)
+    every = frozenset(range(n))
+    no_attn = step_time(LayerPlan.skipping(n, every, set()))
+    no_mlp = step_time(LayerPlan.skipping(n, set(), every))
+    v4 = step_time(None, width=5)
+    attn = max(full - no_attn, 0.0) / full / n
+    mlp = max(full - no_mlp, 0.0) / full / n
+    fixed = max(1.0 - n * (attn + mlp), 0.02)
+    return CostModel(attn=attn, mlp=mlp, fixed=fixed, verify_slope=max((v4 / full - 1.0) / 4, 0.0))
+
+
+@dataclass(frozen=True)
+class SearchResult:
+    plan: LayerPlan
+    alpha0: float
+    alpha1: float
+    draft_cost: float
+    speedup0: float
+    speedup1: float
+    gamma0: int
+    gamma1: int
+    evaluations: int
+    cost: CostModel
+
+    @property
+    def objective(self) -> float:
+        return 0.5 * (self.speedup0 + self.speedup1)
+
+    def to_json(self) -> dict[str, Any]:
+        return {
+            "plan": self.plan.to_json(),
+            "expected": {"alpha_t0": round(self.alpha0, 4), "alpha_t1": round(self.alpha1, 4),
+                         "draft_cost": round(self.draft_cost, 4), "speedup_t0": round(self.speedup0, 3),
+                         "speedup_t1": round(self.speedup1, 3), "gamma_t0": self.gamma0, "gamma_t1": self.gamma1},
+            "cost_model": {k: round(v, 5) for k, v in self.cost.to_json().items()},
+            "evaluations": self.evaluations,
+        }
+
+
+def score(target: Any, plan: LayerPlan, data: Calibration, cost: CostModel, evaluations: int = 0) -> SearchResult:
+    a0, a1 = acceptance(target, plan, data)
+    c = cost.draft_cost(plan)
+    s0, g0 = expected_speedup(a0, c, cost)
+    s1, g1 = expected_speedup(a1, c, cost)
+    return SearchResult(plan, a0, a1, c, s0, s1, g0, g1, evaluations, cost)
+
+
+def greedy_search(
+    target: Any,
+    data: Calibration,
+    cost: CostModel,
+    *,
+    max_steps: int | None = None,
+    patience: int = 8,
+    progress: Callable[[str, SearchResult], None] | None = None,
+    state: dict | None = None,
+) -> SearchResult:
+    """Importance-ordered greedy inclusion, then one removal pass (see the module docstring).
+
+    ``state`` (a dict, e.g. loaded from a checkpoint) holds the per-sub-layer scores already
+    computed and is updated in place, so an interrupted search resumes where it stopped.
+    """
+    n = target.cfg.n_layers
+    state = state if state is not None else {}
+    singles: dict[str, float] = state.setdefault("singles", {})
+    evaluations = 0
+    base = score(target, LayerPlan.skipping(n, set(), set()), data, cost)
+    candidates = [("attn", i) for i in range(n)] + [("mlp", i) for i in range(n)]
+    for kind, i in candidates:  # 1. each sub-layer alone
+        key = f"{kind}{i}"
+        if key not in singles:
+            plan = LayerPlan.skipping(n, {i} if kind == "attn" else set(), {i} if kind == "mlp" else set())
+            a0, a1 = acceptance(target, plan, data)
+            singles[key] = 0.5 * (a0 + a1)
+            evaluations += 1
+            if progress:
+                progress(f"alone {key}", score(target, plan, data, cost, evaluations))
+    order = sorted(candidates, key=lambda c: (-singles[f"{c[0]}{c[1]}"], c[0], c[1]))
+    best = base
+    attn: set[int] = set()
+    mlp: set[int] = set()
+    misses = 0
+    for step, (kind, i) in enumerate(order):  # 2. add in that order while it pays
+        if (max_steps is not None and step >= max_steps) or misses >= patience:
+            break
+        trial_attn, trial_mlp = set(attn), set(mlp)
+        (trial_attn if kind == "attn" else trial_mlp).add(i)
+        res = score(target, LayerPlan.skipping(n, trial_attn, trial_mlp), data, cost, evaluations)
+        evaluations += 1
+        if res.objective > best.objective:
+            best, attn, mlp, misses = res, trial_attn, trial_mlp, 0
+        else:
+            misses += 1
+        if progress:
+            progress(f"add {kind}{i}", best)
+    for kind, i in [("attn", i) for i in sorted(attn)] + [("mlp", i) for i in sorted(mlp)]:  # 3. removal pass
+        if max_steps is not None:
+            break
+        trial_attn, trial_mlp = set(attn), set(mlp)
+        (trial_attn if kind == "attn" else trial_mlp).discard(i)
+        res = score(target, LayerPlan.skipping(n, trial_attn, trial_mlp), data, cost, evaluations)
+        evaluations += 1
+        if res.objective > best.objective:
+            best, attn, mlp = res, trial_attn, trial_mlp
+        if progress:
+            progress(f"drop {kind}{i}", best)
+    return SearchResult(best.plan, best.alpha0, best.alpha1, best.draft_cost, best.speedup0, best.speedup1,
+                        best.gamma0, best.gamma1, evaluations, cost)
+
+
+def write_result(result: SearchResult, path: str | Path, *, target: str, prompts: int, new_tokens: int) -> None:
+    obj = {"target": target, "method": "greedy skip-set search (Draft & Verify objective)",
+           "calibration": {"prompts": prompts, "new_tokens": new_tokens}, **result.to_json()}
+    Path(path).write_text(json.dumps(obj, indent=1) + "\n")

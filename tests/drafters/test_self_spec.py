@@ -1,0 +1,207 @@
+"""Self-speculative drafters (views of the target) on a tiny random native model.
+
+The law tests draw N = 6,000 independent generations (seed = sample index) of 3 new tokens from a
+5-token, 3-layer random Llama (125 possible outputs), drafted by the target itself (token
+verification: one attention and one MLP sub-layer skipped; block verification: early exit after
+one layer), and run a chi-square goodness-of-fit test against the exact law (the target's own
+next-token distributions, enumerated); they fail at p < 1e-4.  The negative control runs the same
+test with the guide's lossy rule on the same drafter and must fail.  Cache sharing is checked
+bitwise (it changes no logit, so it cannot change the law) on a batch-invariant copy.
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from specdec.decoder import SpeculativeDecoder
+from specdec.drafters.base import DraftSampler
+from specdec.drafters.self_spec import LayerPlan, LayerView, SelfSpecDrafter, SwiftDrafter, build, load_plan, parse_name
+from specdec.errors import ConfigError
+from specdec.gamma import FixedGamma
+from specdec.models.native import NativeCausalLM, NativeConfig
+from specdec.models.toy import ToyLM
+from specdec.sampling import SamplingConfig
+from specdec.session import TargetSession
+from specdec.verify import get_rule
+from stats import ALPHA, chi_square_pvalue, exact_law
+
+N_SAMPLES = 6_000
+N_NEW = 3
+PROMPT = [1, 3, 0]
+
+
+def tiny_native(*, vocab: int = 5, layers: int = 4, seed: int = 0, batch_invariant: bool = True) -> NativeCausalLM:
+    """A random 4-layer Llama with a 5-token vocabulary, logits spread enough to matter."""
+    cfg = NativeConfig(model_type="llama", vocab_size=vocab, hidden_size=16, n_layers=layers, n_heads=2, n_kv_heads=1,
+                       head_dim=8, intermediate_size=32, rms_eps=1e-6, rope_theta=10000.0, max_length=64,
+                       tie_embeddings=False, attention_bias=False)
+    g = torch.Generator().manual_seed(seed)
+
+    def r(*shape: int, scale: float = 0.4) -> torch.Tensor:
+        return torch.randn(*shape, generator=g) * scale
+
+    w = {"model.embed_tokens.weight": r(vocab, 16, scale=1.0), "model.norm.weight": torch.ones(16),
+         "lm_head.weight": r(vocab, 16, scale=0.8)}
+    for i in range(layers):
+        p = f"model.layers.{i}."
+        w |= {p + "self_attn.q_proj.weight": r(16, 16), p + "self_attn.k_proj.weight": r(8, 16),
+              p + "self_attn.v_proj.weight": r(8, 16), p + "self_attn.o_proj.weight": r(16, 16),
+              p + "input_layernorm.weight": torch.ones(16), p + "post_attention_layernorm.weight": torch.ones(16),
+              p + "mlp.gate_proj.weight": r(32, 16), p + "mlp.up_proj.weight": r(32, 16), p + "mlp.down_proj.weight": r(16, 32)}
+    return NativeCausalLM(cfg, w, batch_invariant=batch_invariant)
+
+
+class Oracle:
+    """``exact_law``'s view of a native model: next-token logits after any history."""
+
+    def __init__(self, model: NativeCausalLM) -> None:
+        self.model = model
+        self.vocab_size = model.vocab_size
+
+    def logits_for(self, history: list[int]) -> torch.Tensor:  # -> [V]
+        return self.model.forward(torch.tensor(history), self.model.new_cache(32))[-1].double()
+
+
+TARGET = tiny_native(layers=3, batch_invariant=False)  # the fast path: law tests draw many samples
+INVARIANT = tiny_native(layers=3)  # for the bitwise cache-sharing checks
+SKIP = LayerPlan.skipping(3, {1}, {2})
+
+
+def _samples(method: str, cfg: SamplingConfig, drafter, n: int = N_SAMPLES) -> list[tuple[int, ...]]:
+    dec = SpeculativeDecoder(TARGET, drafter, get_rule(method), gamma=FixedGamma(2))
+    return [tuple(dec.generate(PROMPT, SamplingConfig(**{**cfg.__dict__, "seed": i, "max_new_tokens": N_NEW})).tokens)
+            for i in range(n)]
+
+
+def test_output_law_with_layer_skipping_drafter_token_verification():
+    cfg = SamplingConfig(temperature=1.0, top_k=4)
+    law = exact_law(Oracle(TARGET), PROMPT, cfg, N_NEW)
+    drafter = SelfSpecDrafter(LayerView(TARGET, SKIP))
+    assert chi_square_pvalue(_samples("token", cfg, drafter), law) > ALPHA
+
+
+def test_output_law_with_early_exit_drafter_block_verification():
+    cfg = SamplingConfig(temperature=0.8)
+    law = exact_law(Oracle(TARGET), PROMPT, cfg, N_NEW)
+    drafter = SelfSpecDrafter(LayerView(TARGET, LayerPlan.early_exit(3, 1), keep_hidden=True), share=True)
+    assert not drafter.share  # a fast-path target never shares (not bitwise)
+    assert chi_square_pvalue(_samples("block", cfg, drafter), law) > ALPHA
+
+
+def test_negative_control_lossy_rule_with_the_same_drafter_fails():
+    cfg = SamplingConfig(temperature=1.0, top_k=4)
+    law = exact_law(Oracle(TARGET), PROMPT, cfg, N_NEW)
+    drafter = SelfSpecDrafter(LayerView(TARGET, SKIP))
+    assert chi_square_pvalue(_samples("lossy_resample_p", cfg, drafter), law) < ALPHA
+
+
+# ----------------------------------------------------------------------------- deterministic checks
+
+
+@pytest.mark.parametrize("model", [TARGET, INVARIANT])
+def test_full_plan_is_bitwise_the_target(model):
+    x = torch.tensor([1, 4, 2, 0, 3, 3, 1])
+    view = LayerView(model, LayerPlan.early_exit(3, 3))
+    assert torch.equal(view.forward(x, view.new_cache()), model.forward(x, model.new_cache()))
+
+
+def test_view_shares_weights_and_caches_only_its_layers():
+    view = LayerView(TARGET, LayerPlan.skipping(3, {0}, set()))
+    assert view.target is TARGET  # a view, not a copy
+    assert view.new_cache(32).k.shape[0] == 2  # attention runs in layers 1 and 2 only
+    drafter = SelfSpecDrafter(LayerView(INVARIANT, LayerPlan.early_exit(3, 2), keep_hidden=True), share=True)
+    drafter.prepare(torch.tensor(PROMPT))
+    per_position = 2 * 2 * 1 * 8 * 4 + 16 * 4 + 8  # 2 layers of K and V (1 head of 8 floats), residual, token id
+    assert drafter.extra_bytes() == per_position * (len(PROMPT) - 1)
+    skipped = LayerView(TARGET, LayerPlan.skipping(3, {0, 1}, {0}))
+    assert [s[0] for s in skipped.plan.steps] == [1, 2]  # layer 0 runs nothing
+
+
+@pytest.mark.parametrize("cfg", [SamplingConfig(temperature=0.0), SamplingConfig(temperature=1.0)])
+def test_cache_sharing_gives_bitwise_the_plain_verification_pass(cfg):
+    drafter = SelfSpecDrafter(LayerView(INVARIANT, LayerPlan.early_exit(3, 2), keep_hidden=True), share=True)
+    shared = TargetSession(INVARIANT, PROMPT, cfg, get_rule("greedy" if cfg.greedy else "token"), seed=0)
+    plain = TargetSession(INVARIANT, PROMPT, cfg, get_rule("greedy" if cfg.greedy else "token"), seed=0)
+    drafter.prepare(torch.tensor(PROMPT))
+    gen = torch.Generator().manual_seed(0)
+    for _ in range(6):
+        sampler = DraftSampler(cfg, "multinomial", penalties=None, generator=gen)
+        draft = drafter.propose(shared.context, 3, sampler)
+        assert draft.reuse is not None
+        feed = torch.cat([shared.context[-1:], draft.tokens])
+        base = shared.cache.length
+        a = draft.reuse.forward(INVARIANT, feed, shared.cache)
+        b = INVARIANT.forward(feed, plain.cache)
+        assert torch.equal(a, b)
+        assert torch.equal(shared.cache.k[:, :, : base + feed.numel()], plain.cache.k[:, :, : base + feed.numel()])
+        # keep both sessions on the same committed prefix (accept one draft token, then a bonus)
+        v = get_rule("greedy").fn(draft.tokens, None, b)
+        for s in (shared, plain):
+            s.cache.truncate(base + 1 + v.num_accepted)
+            s._ctx[s._n : s._n + v.tokens.numel()] = v.tokens
+            s._n += v.tokens.numel()
+        drafter.commit(v)
+
+
+def test_greedy_equals_plain_for_every_family():
+    cfg = SamplingConfig(temperature=0.0, max_new_tokens=20)
+    plain = SpeculativeDecoder(TARGET, None, get_rule("greedy")).generate(PROMPT, cfg).tokens
+    plain_inv = SpeculativeDecoder(INVARIANT, None, get_rule("greedy")).generate(PROMPT, cfg).tokens
+    for model, drafter, ref in (
+        (TARGET, SelfSpecDrafter(LayerView(TARGET, SKIP)), plain),
+        (INVARIANT, SelfSpecDrafter(LayerView(INVARIANT, LayerPlan.early_exit(3, 2), keep_hidden=True), share=True), plain_inv),
+    ):
+        out = SpeculativeDecoder(model, drafter, get_rule("greedy"), gamma=FixedGamma(3)).generate(PROMPT, cfg)
+        assert out.tokens == ref
+
+
+def test_swift_adapts_its_skip_set_and_stays_exact():
+    cfg = SamplingConfig(temperature=0.0, max_new_tokens=40)
+    plain = SpeculativeDecoder(TARGET, None, get_rule("greedy")).generate(PROMPT, cfg).tokens
+    drafter = SwiftDrafter(TARGET, LayerPlan.skipping(3, {0, 1, 2}, {0, 1, 2}), every=2, window=6, tries=4)
+    out = SpeculativeDecoder(TARGET, drafter, get_rule("greedy"), gamma=FixedGamma(2)).generate(PROMPT, cfg)
+    assert out.tokens == plain
+    assert drafter.switches >= 1  # a draft that skips everything is a poor one: it moved
+
+
+def test_names_and_bad_input(tmp_path):
+    assert parse_name("layerskip:12") == ("layerskip", "12")
+    assert parse_name("Self-Skip") == ("self-skip", "")
+    assert parse_name("smollm2-135m-draft") is None
+    d, label = build("layerskip:2", INVARIANT, "tiny")
+    assert label == "layerskip:2" and d.share
+    for bad in ("layerskip:0", "layerskip:3", "layerskip:x"):
+        with pytest.raises(ConfigError):
+            build(bad, TARGET, "tiny")
+    with pytest.raises(ConfigError, match="no searched skip set"):
+        build("self-skip", TARGET, "tiny")
+    with pytest.raises(ConfigError, match="native backend"):
+        build("layerskip:2", ToyLM(4), "toy")
+    path = tmp_path / "s.json"
+    path.write_text('{"plan": {"n_layers": 3, "skip_attn": [1], "skip_mlp": [2]}}')
+    assert load_plan(path) == LayerPlan.skipping(3, {1}, {2})
+    d, label = build(f"self-skip:{path}", TARGET, "tiny")
+    assert d.view.plan.skip_attn == {1} and label == "self-skip:s.json"
+    with pytest.raises(ConfigError):
+        load_plan(tmp_path / "missing.json")
+    path.write_text('{"n_layers": 3, "skip_attn": [7]}')
+    with pytest.raises(ConfigError, match="0..2"):
+        load_plan(path)
+    path.write_text('{"n_layers": 30}')
+    with pytest.raises(ConfigError, match="30 layers"):
+        build(f"self-skip:{path}", TARGET, "tiny")
+
+
+def test_server_spawns_a_fresh_serialised_view_per_request():
+    from types import SimpleNamespace
+
+    from specdec.server.command import drafter_factory
+    from specdec.server.sessions import SerializedModel
+
+    for name in ("layerskip:2", "swift"):
+        drafter, _ = build(name, INVARIANT, "tiny")
+        make = drafter_factory(SimpleNamespace(drafter=drafter, draft_model=None))
+        a, b = make(), make()
+        assert a is not b and type(a) is type(drafter)
+        assert isinstance(a.model, SerializedModel) and a.view.target is INVARIANT

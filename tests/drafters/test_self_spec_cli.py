@@ -1,0 +1,71 @@
+"""Self-speculative drafter names through the CLI (tiny random Llama with SmolLM2's tokenizer)."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+
+from specdec.cli import main
+from tiny import make_tiny
+
+
+@pytest.fixture(scope="module")
+def tiny_target(tmp_path_factory):
+    return str(make_tiny(tmp_path_factory.mktemp("target"), seed=0, max_positions=64, layers=3))
+
+
+def _run(capsys, *argv):
+    code = main(list(argv))
+    out, err = capsys.readouterr()
+    return code, out, err
+
+
+def _one_error_line(err: str) -> str:
+    lines = [line for line in err.strip().splitlines() if line and not line.startswith("[specdec]")]
+    assert len(lines) == 1 and lines[0].startswith("specdec: error:") and "Traceback" not in err, err
+    return lines[0]
+
+
+def test_generate_search_and_use_a_skip_set(capsys, tiny_target, tmp_path):
+    outs = {}
+    for draft in ("none", "layerskip:2"):
+        code, out, err = _run(capsys, "generate", "-p", "abc abc", "--target", tiny_target, "--draft", draft, "-n", "12", "--json")
+        assert code == 0, err
+        outs[draft] = json.loads(out)
+    assert outs["layerskip:2"]["token_ids"] == outs["none"]["token_ids"]
+    assert outs["layerskip:2"]["stats"]["drafter"] == "layerskip:2"
+    skip_file = tmp_path / "skip.json"
+    code, _, err = _run(capsys, "train", "skip", "--target", tiny_target, "--out", str(skip_file), "--prompts", "2",
+                        "--new-tokens", "4", "--max-steps", "2")
+    assert code == 0, err
+    saved = json.loads(skip_file.read_text())
+    assert saved["plan"]["n_layers"] == 3 and {"alpha_t0", "speedup_t0"} <= set(saved["expected"])
+    code, out, err = _run(capsys, "generate", "-p", "abc abc", "--target", tiny_target, "--draft", f"self-skip:{skip_file}",
+                          "-n", "12", "--json")
+    assert code == 0, err
+    assert json.loads(out)["token_ids"] == outs["none"]["token_ids"]
+
+
+@pytest.mark.parametrize(
+    "draft,needle",
+    [("layerskip:3", "1 <= K < 3"), ("layerskip:x", "layer count"), ("self-skip", "no searched skip set"),
+     ("self-skip:/nonexistent/skip.json", "does not exist")],
+)
+def test_bad_self_spec_names(capsys, tiny_target, draft, needle):
+    code, _, err = _run(capsys, "generate", "-p", "hi", "--target", tiny_target, "--draft", draft, "-n", "4")
+    assert code == 2 and needle in _one_error_line(err)
+
+
+def test_hf_backend_refuses_clearly(capsys, tiny_target):
+    code, _, err = _run(capsys, "generate", "-p", "hi", "--target", tiny_target, "--backend", "hf", "--draft", "layerskip:1")
+    errors = [line for line in err.splitlines() if "specdec: error:" in line]  # after transformers' progress bar
+    assert code == 2 and len(errors) == 1 and "native backend" in errors[0] and "Traceback" not in err
+
+
+def test_models_lists_the_families_and_bench_refuses_draft_model_modes(capsys):
+    code, out, _ = _run(capsys, "models", "--json")
+    names = {row["name"] for row in json.loads(out)}
+    assert {"layerskip:K", "self-skip", "swift"} <= names
+    code, _, err = _run(capsys, "bench", "--draft", "layerskip:8", "--modes", "plain,edge_only")
+    assert code == 2 and "edge_only" in _one_error_line(err)

@@ -1,0 +1,47 @@
+"""The skip-set search (``specdec train skip``) on a tiny random native model."""
+
+from __future__ import annotations
+
+import pytest
+
+from specdec.drafters.self_spec import LayerPlan
+from specdec.train.skip import CostModel, acceptance, build_calibration, expected_speedup, greedy_search, score
+from drafters.test_self_spec import tiny_native
+
+MODEL = tiny_native(layers=3, batch_invariant=False)
+COST = CostModel(attn=0.1, mlp=0.15, fixed=0.25, verify_slope=0.1)
+
+
+@pytest.fixture(scope="module")
+def data():
+    return build_calibration(MODEL, [[1, 2, 3], [0, 4], [3, 3, 1, 2]], new_tokens=8)
+
+
+def test_expected_speedup_closed_form():
+    assert expected_speedup(0.0, 0.3, COST) == (1.0, 0)  # nothing is ever accepted: do not draft
+    s, g = expected_speedup(1.0, 0.0, COST)  # free, perfect draft: the longest γ
+    assert g == 8 and s == pytest.approx(9 / (1 + 0.1 * 8))
+    s, g = expected_speedup(0.8, 0.2, COST)
+    assert s == pytest.approx(max((1 - 0.8 ** (k + 1)) / 0.2 / (0.2 * k + 1 + 0.1 * k) for k in range(1, 9)))
+    assert COST.draft_cost(LayerPlan.skipping(3, set(), set())) == pytest.approx(0.25 + 3 * 0.25)
+    assert COST.draft_cost(LayerPlan.skipping(3, {0, 1}, {2})) == pytest.approx(0.25 + 0.1 + 2 * 0.15)
+
+
+def test_the_full_model_agrees_with_itself(data):
+    a0, a1 = acceptance(MODEL, LayerPlan.skipping(3, set(), set()), data)
+    assert a0 == 1.0 and a1 == pytest.approx(1.0, abs=1e-5)
+    b0, b1 = acceptance(MODEL, LayerPlan.skipping(3, {0, 1, 2}, {0, 1, 2}), data)
+    assert b0 < 1.0 and b1 < 0.999
+
+
+def test_search_improves_on_nothing_skipped_and_resumes(data):
+    state: dict = {}
+    seen = []
+    res = greedy_search(MODEL, data, COST, state=state, progress=lambda what, best: seen.append(what))
+    base = score(MODEL, LayerPlan.skipping(3, set(), set()), data, COST)
+    assert res.objective >= base.objective
+    assert len(state["singles"]) == 6 and seen[:6] == [f"alone {k}{i}" for k in ("attn", "mlp") for i in range(3)]
+    again = greedy_search(MODEL, data, COST, state=state)  # resumed: the single scores are not recomputed
+    assert again.plan == res.plan and again.evaluations < res.evaluations
+    short = greedy_search(MODEL, data, COST, max_steps=1)
+    assert short.evaluations == 6 + 1
