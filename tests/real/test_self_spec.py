@@ -16,7 +16,7 @@ from specdec.decoder import SpeculativeDecoder
 from specdec.drafters import self_spec
 from specdec.drafters.base import DraftSampler
 from specdec.errors import ConfigError
-from specdec.gamma import CostGamma, FixedGamma
+from specdec.gamma import FixedGamma
 from specdec.sampling import SamplingConfig
 from specdec.session import TargetSession
 from specdec.text import encode_prompt
