@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Protocol
+from typing import Literal, Protocol
 
 import torch
 from torch import Tensor
@@ -19,10 +19,33 @@ from specdec.sampling import (
 from specdec.verify import DraftSampling, Verdict
 
 
+SiblingMode = Literal["iid", "without_replacement"]
+
+
 @dataclass(frozen=True)
 class Draft:
+    """A chain (``parents is None``) or a token tree of N nodes in topological order.
+
+    Tree: ``parents[i] == -1`` makes node i a child of the last committed token, otherwise
+    ``parents[i] < i``; ``probs[i]`` is the q node i was drawn from (its parent context's
+    distribution; siblings share it), and ``siblings`` says how sibling candidates were drawn
+    from that q (independently, or each without the earlier siblings, renormalised).
+    """
+
     tokens: Tensor  # [γ'] int64, γ' <= γ (a drafter may propose fewer, even none)
     probs: Tensor | None  # [γ', V] the q actually sampled from; None => deterministic drafter
+    parents: Tensor | None = None  # [γ'] int64 tree parents; None => a chain
+    siblings: SiblingMode = "iid"
+
+    @property
+    def is_tree(self) -> bool:
+        return self.parents is not None
+
+    def chain_parents(self) -> Tensor:  # -> [γ'] int64
+        """The parents of this draft seen as a tree (a chain: -1, 0, 1, ...)."""
+        if self.parents is not None:
+            return self.parents
+        return torch.arange(-1, self.tokens.numel() - 1, dtype=torch.long)
 
 
 class DraftSampler:

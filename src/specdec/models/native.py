@@ -21,6 +21,7 @@ from torch import Tensor
 from specdec.errors import ConfigError
 from specdec.kv_cache import KVCache
 from specdec.models.linear import Int8Linear, Linear
+from specdec.tree import ancestor_mask, depths, paths
 
 SUPPORTED = ("llama", "qwen2", "mistral")
 
@@ -91,6 +92,50 @@ def _rotate(x: Tensor, cos: Tensor, sin: Tensor) -> Tensor:  # x: [n, h, d]; cos
     half = x.shape[-1] // 2
     rotated = torch.cat([-x[..., half:], x[..., :half]], dim=-1)
     return x * cos + rotated * sin
+
+
+@dataclass(frozen=True)
+class _TreeLayout:
+    """Where a token tree's nodes sit and what each one sees (tree attention, SpecInfer §4.2)."""
+
+    start: int
+    positions: Tensor  # [n] int64 absolute positions: start + depth
+    paths: tuple[Tensor, ...]  # per node: its root-to-node indices (ancestors, then itself)
+    mask: Tensor  # [n, end] additive: 0 for the cached prefix and the node's ancestors-or-self
+
+    @classmethod
+    def build(cls, parents: Tensor, start: int, end: int, dtype: torch.dtype) -> "_TreeLayout":
+        n = end - start
+        anc = ancestor_mask(parents)  # [n, n]
+        mask = torch.zeros((n, end), dtype=dtype)
+        mask[:, start:] = torch.zeros((n, n), dtype=dtype).masked_fill_(~anc, -math.inf)
+        return cls(start, start + depths(parents), tuple(torch.tensor(p) for p in paths(parents)), mask)
+
+    def attend_invariant(self, q: Tensor, cache: KVCache, li: int, gqa: bool) -> Tensor:  # q: [1, H, n, d] -> [1, H, n, d]
+        """One query row per node against ``cache[:start] + its path``, laid out contiguously in
+        the cache exactly as token-by-token decoding of that path would have it (same shapes,
+        same strides), so each row is bitwise the sequential result.  The nodes' own keys are
+        restored in node order afterwards; copying is O(depth) per node.
+        """
+        s = self.start
+        k_new = cache.k[li, :, s : s + len(self.paths)].clone()  # [Hkv, n, d]
+        v_new = cache.v[li, :, s : s + len(self.paths)].clone()
+        rows = []
+        for j, p in enumerate(self.paths):
+            m = p.numel()
+            cache.k[li, :, s : s + m] = k_new[:, p]
+            cache.v[li, :, s : s + m] = v_new[:, p]
+            rows.append(
+                F.scaled_dot_product_attention(
+                    q[:, :, j : j + 1],
+                    cache.k[li, :, : s + m].unsqueeze(0),
+                    cache.v[li, :, : s + m].unsqueeze(0),
+                    enable_gqa=gqa,
+                )
+            )
+        cache.k[li, :, s : s + len(self.paths)] = k_new
+        cache.v[li, :, s : s + len(self.paths)] = v_new
+        return torch.cat(rows, dim=2)
 
 
 class NativeCausalLM:
@@ -178,8 +223,12 @@ class NativeCausalLM:
         return KVCache(self.cfg.n_layers, self.cfg.n_kv_heads, self.cfg.head_dim, length, dtype=self.dtype)
 
     @torch.inference_mode()
-    def hidden(self, tokens: Tensor, cache: KVCache) -> Tensor:  # tokens: [n] -> [n, D]
-        """Final-norm hidden states of the new positions (the input of the LM head)."""
+    def hidden(self, tokens: Tensor, cache: KVCache, *, parents: Tensor | None = None) -> Tensor:  # tokens: [n] -> [n, D]
+        """Final-norm hidden states of the new positions (the input of the LM head).
+
+        ``parents`` [n] (a token tree, see :mod:`specdec.tree`): node j sits at position
+        ``start + depth(j)`` and attends to the cache and its own ancestors only.
+        """
         cfg = self.cfg
         n = tokens.numel()
         start = cache.reserve(n)
@@ -187,11 +236,18 @@ class NativeCausalLM:
         if end > self._cos.shape[0]:
             raise ValueError(f"position {end} is past the model's context of {self._cos.shape[0]}")
         x = self.embed[tokens]  # [n, D]
-        cos = self._cos[start:end].unsqueeze(1)  # [n, 1, d]
-        sin = self._sin[start:end].unsqueeze(1)
         hq, hk, d = cfg.n_heads, cfg.n_kv_heads, cfg.head_dim
+        tree = _TreeLayout.build(parents, start, end, x.dtype) if parents is not None else None
+        if tree is not None:
+            cos = self._cos[tree.positions].unsqueeze(1)  # [n, 1, d]
+            sin = self._sin[tree.positions].unsqueeze(1)
+        else:
+            cos = self._cos[start:end].unsqueeze(1)  # [n, 1, d]
+            sin = self._sin[start:end].unsqueeze(1)
         mask = None
-        if n > 1:
+        if tree is not None:
+            mask = tree.mask
+        elif n > 1:
             # query j (absolute start + j) sees keys 0..start + j
             mask = torch.full((n, end), -math.inf, dtype=x.dtype).triu_(start + 1)  # [n, T]
         qk_size = self._q_size + self._kv_size
@@ -202,7 +258,9 @@ class NativeCausalLM:
             cache.k[li, :, start:end] = qk[:, hq:].transpose(0, 1)
             cache.v[li, :, start:end] = qkv[:, qk_size:].view(n, hk, d).transpose(0, 1)
             q = qk[:, :hq].transpose(0, 1).unsqueeze(0)  # [1, H, n, d]
-            if n > 1 and self.batch_invariant:
+            if tree is not None and self.batch_invariant:
+                attn = tree.attend_invariant(q, cache, li, hq != hk)
+            elif n > 1 and self.batch_invariant:
                 attn = torch.cat(
                     [
                         F.scaled_dot_product_attention(
@@ -236,6 +294,17 @@ class NativeCausalLM:
         if last_only:
             h = h[-1:]
         return self.lm_head(h).float()
+
+    @torch.inference_mode()
+    def forward_tree(self, tokens: Tensor, parents: Tensor, cache: KVCache) -> Tensor:
+        """Logits ``[n, V]`` of a token tree scored in one pass (tree attention).
+
+        ``tokens`` [n] int64, ``parents`` [n] int64 (``-1``: child of the cached prefix, else an
+        earlier index).  Keys land at cache slots ``start + j`` in node order; keep one path
+        afterwards with ``cache.compact``.  Batch-invariant models give each node's logits
+        bitwise equal to scoring its path token by token.
+        """
+        return self.lm_head(self.hidden(tokens, cache, parents=parents)).float()
 
     @property
     def n_params(self) -> int:
