@@ -22,6 +22,13 @@ COST_GAMMA_PRIOR_ACCEPT = 0.7
 DEFAULT_GAMMA = "auto"
 #: bound on γ accepted from users (CLI and server)
 MAX_GAMMA = 64
+# token trees: most nodes one verification pass may score
+MAX_TREE_NODES = 64
+TREE_SHAPE = "dynamic"
+TREE_WIDTH = 4
+TREE_DEPTH = 6
+TREE_BRANCHING = (4, 2, 2, 1, 1, 1)
+TREE_NODES = 16
 
 # n-gram drafter
 NGRAM_MAX = 3

@@ -12,9 +12,11 @@ from specdec.sampling import (
     PenaltyState,
     SamplingConfig,
     gumbel_sample,
+    penalise_with_extra,
     penalised_logits,
     process_logits,
     sample_categorical,
+    with_overrides,
 )
 from specdec.verify import DraftSampling, Verdict
 
@@ -122,6 +124,22 @@ class DraftSampler:
         if self.penalties is not None:
             self.penalties.append(torch.tensor([token]))
         return token, probs
+
+
+    def tree_rows(self, logits: Tensor) -> Tensor:  # [m, V] -> [m, V]
+        """Distributions a tree builder ranks or samples candidates from, one per expanded node.
+
+        Argmax mode: penalised logits; otherwise the processed q.  Penalties see the committed
+        context only (not each node's path): q is a drafting choice, any q is lossless as long
+        as it is the one the tokens were drawn from and the one reported.
+        """
+        cfg = self.cfg
+        if cfg.has_penalties and self.penalties is not None:
+            logits = penalise_with_extra(logits, cfg, self.penalties, torch.zeros(logits.shape, dtype=torch.float32))
+            cfg = with_overrides(cfg, repetition_penalty=1.0, frequency_penalty=0.0, presence_penalty=0.0)
+        if self.mode == "argmax":
+            return logits
+        return process_logits(logits, cfg)
 
 
 def truncate_top_k(q: Tensor, k: int) -> Tensor:  # q: [V] -> [V] with at most k non-zeros

@@ -98,18 +98,24 @@ def _rotate(x: Tensor, cos: Tensor, sin: Tensor) -> Tensor:  # x: [n, h, d]; cos
 class _TreeLayout:
     """Where a token tree's nodes sit and what each one sees (tree attention, SpecInfer §4.2)."""
 
-    start: int
+    start: int  # first cache slot of the tree region
     positions: Tensor  # [n] int64 absolute positions: start + depth
     paths: tuple[Tensor, ...]  # per node: its root-to-node indices (ancestors, then itself)
     mask: Tensor  # [n, end] additive: 0 for the cached prefix and the node's ancestors-or-self
 
     @classmethod
-    def build(cls, parents: Tensor, start: int, end: int, dtype: torch.dtype) -> "_TreeLayout":
-        n = end - start
-        anc = ancestor_mask(parents)  # [n, n]
+    def build(cls, parents: Tensor, start: int, end: int, dtype: torch.dtype, prefix: int | None = None) -> "_TreeLayout":
+        """``parents`` covers the tree region ``[prefix, end)`` (default: just the new nodes);
+        the last ``end - start`` entries are the nodes being scored now."""
+        s = start if prefix is None else prefix
+        n, m = end - start, end - s
+        if parents.numel() != m:
+            raise ValueError(f"expected {m} tree parents for the region [{s}, {end}); got {parents.numel()}")
+        anc = ancestor_mask(parents)[m - n :]  # [n, m]
         mask = torch.zeros((n, end), dtype=dtype)
-        mask[:, start:] = torch.zeros((n, n), dtype=dtype).masked_fill_(~anc, -math.inf)
-        return cls(start, start + depths(parents), tuple(torch.tensor(p) for p in paths(parents)), mask)
+        mask[:, s:] = torch.zeros((n, m), dtype=dtype).masked_fill_(~anc, -math.inf)
+        node_paths = tuple(torch.tensor(p) for p in paths(parents)[m - n :])
+        return cls(s, s + depths(parents)[m - n :], node_paths, mask)
 
     def attend_invariant(self, q: Tensor, cache: KVCache, li: int, gqa: bool) -> Tensor:  # q: [1, H, n, d] -> [1, H, n, d]
         """One query row per node against ``cache[:start] + its path``, laid out contiguously in
@@ -117,9 +123,9 @@ class _TreeLayout:
         same strides), so each row is bitwise the sequential result.  The nodes' own keys are
         restored in node order afterwards; copying is O(depth) per node.
         """
-        s = self.start
-        k_new = cache.k[li, :, s : s + len(self.paths)].clone()  # [Hkv, n, d]
-        v_new = cache.v[li, :, s : s + len(self.paths)].clone()
+        s, m = self.start, self.mask.shape[1] - self.start
+        k_new = cache.k[li, :, s : s + m].clone()  # [Hkv, m, d] the whole tree region
+        v_new = cache.v[li, :, s : s + m].clone()
         rows = []
         for j, p in enumerate(self.paths):
             m = p.numel()
@@ -133,8 +139,8 @@ class _TreeLayout:
                     enable_gqa=gqa,
                 )
             )
-        cache.k[li, :, s : s + len(self.paths)] = k_new
-        cache.v[li, :, s : s + len(self.paths)] = v_new
+        cache.k[li, :, s : s + m] = k_new
+        cache.v[li, :, s : s + m] = v_new
         return torch.cat(rows, dim=2)
 
 
@@ -223,7 +229,9 @@ class NativeCausalLM:
         return KVCache(self.cfg.n_layers, self.cfg.n_kv_heads, self.cfg.head_dim, length, dtype=self.dtype)
 
     @torch.inference_mode()
-    def hidden(self, tokens: Tensor, cache: KVCache, *, parents: Tensor | None = None) -> Tensor:  # tokens: [n] -> [n, D]
+    def hidden(
+        self, tokens: Tensor, cache: KVCache, *, parents: Tensor | None = None, prefix: int | None = None
+    ) -> Tensor:  # tokens: [n] -> [n, D]
         """Final-norm hidden states of the new positions (the input of the LM head).
 
         ``parents`` [n] (a token tree, see :mod:`specdec.tree`): node j sits at position
@@ -237,7 +245,7 @@ class NativeCausalLM:
             raise ValueError(f"position {end} is past the model's context of {self._cos.shape[0]}")
         x = self.embed[tokens]  # [n, D]
         hq, hk, d = cfg.n_heads, cfg.n_kv_heads, cfg.head_dim
-        tree = _TreeLayout.build(parents, start, end, x.dtype) if parents is not None else None
+        tree = _TreeLayout.build(parents, start, end, x.dtype, prefix) if parents is not None else None
         if tree is not None:
             cos = self._cos[tree.positions].unsqueeze(1)  # [n, 1, d]
             sin = self._sin[tree.positions].unsqueeze(1)
@@ -296,15 +304,17 @@ class NativeCausalLM:
         return self.lm_head(h).float()
 
     @torch.inference_mode()
-    def forward_tree(self, tokens: Tensor, parents: Tensor, cache: KVCache) -> Tensor:
+    def forward_tree(self, tokens: Tensor, parents: Tensor, cache: KVCache, *, prefix: int | None = None) -> Tensor:
         """Logits ``[n, V]`` of a token tree scored in one pass (tree attention).
 
         ``tokens`` [n] int64, ``parents`` [n] int64 (``-1``: child of the cached prefix, else an
         earlier index).  Keys land at cache slots ``start + j`` in node order; keep one path
         afterwards with ``cache.compact``.  Batch-invariant models give each node's logits
-        bitwise equal to scoring its path token by token.
+        bitwise equal to scoring its path token by token.  A tree grown over several calls (a
+        drafter expanding its frontier) passes ``prefix``, the first slot of the tree region,
+        and ``parents`` for the whole region ``[prefix, cache.length + n)``.
         """
-        return self.lm_head(self.hidden(tokens, cache, parents=parents)).float()
+        return self.lm_head(self.hidden(tokens, cache, parents=parents, prefix=prefix)).float()
 
     @property
     def n_params(self) -> int:

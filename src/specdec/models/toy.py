@@ -88,13 +88,15 @@ class ToyLM:
         out = self.table[torch.tensor(rows)]  # [n, V]
         return out[-1:] if last_only else out
 
-    def forward_tree(self, tokens: Tensor, parents: Tensor, cache: ToyCache) -> Tensor:  # -> [n, V]
-        """Each node scored after the cached tokens plus its own path (tree attention's law)."""
+    def forward_tree(self, tokens: Tensor, parents: Tensor, cache: ToyCache, *, prefix: int | None = None) -> Tensor:  # -> [n, V]
+        """Each node scored after the cached prefix plus its own path (tree attention's law);
+        ``prefix`` and ``parents`` as in :meth:`NativeCausalLM.forward_tree`."""
         self.calls += 1
-        prefix = list(cache.tokens)
-        toks, rows = tokens.tolist(), []
-        for p in paths(parents):
-            rows.append(self._row(prefix + [toks[i] for i in p]))
-        cache.tokens.extend(toks)
+        s = cache.length if prefix is None else prefix
+        before = cache.tokens[:s]
+        toks, rows = cache.tokens[s:] + tokens.tolist(), []
+        for p in paths(parents)[len(toks) - tokens.numel() :]:
+            rows.append(self._row(before + [toks[i] for i in p]))
+        cache.tokens.extend(tokens.tolist())
         cache.length = len(cache.tokens)
         return self.table[torch.tensor(rows, dtype=torch.long)]
