@@ -90,6 +90,7 @@ def build_parser() -> argparse.ArgumentParser:
     _add_models(gen)
     gen.add_argument("--method", "-m", help=f"verification rule: {', '.join(method_names())} (default: greedy at temperature 0, block otherwise)")
     gen.add_argument("--gamma", "-g", default=defaults.DEFAULT_GAMMA, help="draft length: an integer >= 1, 'auto' (cost-based, default) or 'guide' (start 6, range 3-12)")
+    gen.add_argument("--tree", default=defaults.DEFAULT_TREE, help="token trees: 'chain' (default: one candidate per position), 'auto' (node budget chosen per round from measured cost and acceptance; falls back to a chain or to no drafting) or a node count N")
     gen.add_argument("--min-confidence", type=float, default=None, help="dynamic draft length: end a draft after a token the drafter gives less than this probability (default 0 = off; lossless)")
     gen.add_argument("--json", action="store_true", help="print one JSON object: text, token_ids, stats")
     gen.add_argument("--rounds", action="store_true", help="with --json, include per-round stats")
@@ -137,11 +138,12 @@ _EXTRA_COMMANDS: list = [_add_serve, _add_bench]
 
 
 def _cmd_generate(args: argparse.Namespace) -> int:
-    from specdec.engine import Engine, EngineConfig, parse_gamma
+    from specdec.engine import Engine, EngineConfig, parse_gamma, parse_tree
 
     prompt = sys.stdin.read() if args.prompt == "-" else args.prompt
     sampling = _sampling_from(args)
     gamma = parse_gamma(args.gamma)
+    tree = parse_tree(args.tree)
     if args.method:
         from specdec.verify import get_rule
 
@@ -151,6 +153,8 @@ def _cmd_generate(args: argparse.Namespace) -> int:
     if not prompt.strip():
         raise SpecdecError("the prompt is empty")
     if args.remote:  # edge-cloud: draft here, verify on a `specdec serve` server
+        if tree != "chain":
+            raise SpecdecError("--tree with --remote is not supported yet; use --tree chain")
         from specdec.remote.command import run_generate
 
         return run_generate(args, prompt, sampling, gamma)
@@ -159,7 +163,7 @@ def _cmd_generate(args: argparse.Namespace) -> int:
     engine = Engine.build(EngineConfig(target=args.target, draft=args.draft, backend=args.backend, dtype=args.dtype, draft_dtype=args.draft_dtype, batch_invariant=not args.fast_attention), progress=log)
     on_text = None if quiet else (lambda text: (sys.stdout.write(text), sys.stdout.flush()))
     out = engine.generate(prompt, sampling, method=args.method, gamma=gamma, chat=args.chat, on_text=on_text,
-                          min_confidence=args.min_confidence)
+                          min_confidence=args.min_confidence, tree=tree)
     st = out.stats
     if args.json:
         payload = {"text": out.text, "token_ids": out.token_ids, "stats": st.to_dict()}
@@ -173,7 +177,8 @@ def _cmd_generate(args: argparse.Namespace) -> int:
         print(
             f"[specdec] {st.generated_tokens} tokens in {st.wall_s:.2f} s = {st.tokens_per_s:.1f} tok/s | "
             f"{st.tokens_per_target_call:.2f} tokens/target call | acceptance {st.acceptance_rate:.2f} "
-            f"| method {st.method}, draft {st.drafter}, gamma {st.gamma_policy} (mean {st.mean_gamma:.1f}){lossy}",
+            f"| method {st.method}, draft {st.drafter}, gamma {st.gamma_policy} (mean {st.mean_gamma:.1f}){lossy}"
+            + (f" | {st.tree_rounds} tree rounds, accepted-length histogram {st.accepted_histogram}" if st.tree_rounds else ""),
             file=sys.stderr,
         )
     return 0

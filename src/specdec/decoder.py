@@ -160,7 +160,8 @@ class SpeculativeDecoder:
         while len(generated) < max_new:
             remaining = max_new - len(generated)
             t0 = time.perf_counter()
-            limit = defaults.MAX_TREE_NODES if self.tree is not None else min(remaining - 1, defaults.MAX_GAMMA)
+            tree = self.tree if self.tree is not None and getattr(self.gamma, "tree_round", True) else None
+            limit = defaults.MAX_TREE_NODES if tree is not None else min(remaining - 1, defaults.MAX_GAMMA)
             g = min(self.gamma.next_gamma(), limit) if drafter is not None and remaining > 1 else 0
             draft = empty
             if g > 0:
@@ -174,8 +175,8 @@ class SpeculativeDecoder:
                     q_top_k=self.q_top_k,
                     min_confidence=self.min_confidence,
                 )
-                if self.tree is not None:
-                    draft = drafter.propose_tree(verifier.context, g, sampler, self.tree, max_depth=remaining - 1)  # type: ignore[attr-defined]
+                if tree is not None:
+                    draft = drafter.propose_tree(verifier.context, g, sampler, tree, max_depth=remaining - 1)  # type: ignore[attr-defined]
                 else:
                     draft = drafter.propose(verifier.context, g, sampler)
             t1 = time.perf_counter()

@@ -16,7 +16,8 @@ from specdec.decoder import GenerationResult, SpeculativeDecoder
 from specdec.drafters import ModelDrafter, NgramDrafter
 from specdec.drafters.base import Drafter
 from specdec.errors import ConfigError
-from specdec.gamma import CostGamma, FixedGamma, GammaController, GuideGamma
+from specdec.drafters.tree_builder import TreeSpec
+from specdec.gamma import CostGamma, FixedGamma, GammaController, GuideGamma, TreeBudget
 from specdec.models.registry import LoadedModel, check_compatible, load
 from specdec.sampling import SamplingConfig
 from specdec.text import StopStrings, TextSink, encode_prompt
@@ -104,6 +105,30 @@ def make_gamma(spec: str | int, *, extra_target_s: float = 0.0) -> GammaControll
     return FixedGamma(int(spec))
 
 
+def parse_tree(value: str | int) -> str | int:
+    """``chain`` (no trees), ``auto`` (node budget from the cost controller) or a node count N."""
+    text = str(value).strip().lower()
+    if text in ("chain", "auto"):
+        return text
+    try:
+        n = int(text)
+    except ValueError:
+        raise ConfigError(f"tree must be 'chain', 'auto' or a node count, got {value!r}") from None
+    if not 1 <= n <= defaults.MAX_TREE_NODES:
+        raise ConfigError(f"tree node count must be between 1 and {defaults.MAX_TREE_NODES}, got {n}")
+    return n
+
+
+def make_tree(tree: str | int, gamma: GammaController) -> tuple[TreeSpec | None, GammaController]:
+    """The tree spec and the controller for a ``--tree`` value (``chain`` keeps ``gamma``)."""
+    tree = parse_tree(tree)
+    if tree == "chain":
+        return None, gamma
+    if tree == "auto":
+        return TreeSpec(), TreeBudget()
+    return TreeSpec(), FixedGamma(int(tree))
+
+
 @dataclass
 class TextResult:
     text: str
@@ -148,13 +173,20 @@ class Engine:
         return cls(target, ModelDrafter(draft.model), draft.name, draft)
 
     def decoder(
-        self, rule: Rule, gamma: str | int = defaults.DEFAULT_GAMMA, *, min_confidence: float | None = None
+        self,
+        rule: Rule,
+        gamma: str | int = defaults.DEFAULT_GAMMA,
+        *,
+        min_confidence: float | None = None,
+        tree: str | int = defaults.DEFAULT_TREE,
     ) -> SpeculativeDecoder:
+        spec, controller = make_tree(tree, make_gamma(gamma))
         return SpeculativeDecoder(
             self.target.model,
             self.drafter,
             rule,
-            gamma=make_gamma(gamma),
+            gamma=controller,
+            tree=spec,
             eos_ids=self.target.eos_ids,
             drafter_name=self.drafter_name,
             min_confidence=defaults.MIN_CONFIDENCE if min_confidence is None else min_confidence,
@@ -173,6 +205,7 @@ class Engine:
         chat: bool = False,
         on_text: Callable[[str], None] | None = None,
         min_confidence: float | None = None,
+        tree: str | int = defaults.DEFAULT_TREE,
     ) -> TextResult:
         rule = get_rule(method or default_method(sampling))
         ids = self.encode(prompt, chat=chat) if isinstance(prompt, str) else list(prompt)
@@ -180,7 +213,7 @@ class Engine:
             raise ConfigError("the prompt is empty")
         sink = TextSink(self.target.tokenizer, sampling.stop, on_text)
         stop = StopStrings(self.target.tokenizer, sampling.stop) if sampling.stop else None
-        decoder = self.decoder(rule, gamma, min_confidence=min_confidence)
+        decoder = self.decoder(rule, gamma, min_confidence=min_confidence, tree=tree)
         result = decoder.generate(ids, sampling, stop=stop, on_tokens=sink.push)
         text = sink.finish(result.tokens)
         return TextResult(text=text, token_ids=result.tokens, prompt_ids=ids, result=result)

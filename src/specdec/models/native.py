@@ -128,14 +128,14 @@ class _TreeLayout:
         v_new = cache.v[li, :, s : s + m].clone()
         rows = []
         for j, p in enumerate(self.paths):
-            m = p.numel()
-            cache.k[li, :, s : s + m] = k_new[:, p]
-            cache.v[li, :, s : s + m] = v_new[:, p]
+            depth = p.numel()
+            cache.k[li, :, s : s + depth] = k_new[:, p]
+            cache.v[li, :, s : s + depth] = v_new[:, p]
             rows.append(
                 F.scaled_dot_product_attention(
                     q[:, :, j : j + 1],
-                    cache.k[li, :, : s + m].unsqueeze(0),
-                    cache.v[li, :, : s + m].unsqueeze(0),
+                    cache.k[li, :, : s + depth].unsqueeze(0),
+                    cache.v[li, :, : s + depth].unsqueeze(0),
                     enable_gqa=gqa,
                 )
             )
