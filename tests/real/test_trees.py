@@ -61,3 +61,33 @@ def test_fast_tree_attention_matches_within_float_tolerance(smollm2):
     m.forward(ids[:-1], cache)
     exact = m.forward_tree(toks, PARENTS, cache)
     assert torch.allclose(fast, exact, atol=1e-3, rtol=1e-4)
+
+
+def test_greedy_tree_decoding_equals_plain_greedy(smollm2):
+    """Trees grown by the draft model (dynamic and static) and by the n-gram index give plain
+    greedy output token for token, and the dynamic tree beats the chain in tokens per call."""
+    from specdec.decoder import SpeculativeDecoder
+    from specdec.drafters import ModelDrafter, NgramDrafter
+    from specdec.drafters.tree_builder import TreeSpec
+    from specdec.gamma import FixedGamma, TreeBudget
+    from specdec.sampling import SamplingConfig
+    from specdec.verify import get_rule
+
+    target, draft = smollm2
+    cfg = SamplingConfig(temperature=0.0, max_new_tokens=48)
+    prompts = [("import os\n\ndef list_python_files(root):\n", False), (PROMPT, True)]
+
+    def run(drafter, gamma, tree, ids):
+        dec = SpeculativeDecoder(target.model, drafter, get_rule("greedy"), gamma=gamma, tree=tree, eos_ids=target.eos_ids)
+        return dec.generate(ids, cfg)
+
+    for text, chat in prompts:
+        ids = encode_prompt(target.tokenizer, text, chat=chat)
+        plain = run(None, None, None, ids).tokens
+        chain = run(ModelDrafter(draft.model), FixedGamma(4), None, ids)
+        tree = run(ModelDrafter(draft.model), FixedGamma(16), TreeSpec(), ids)
+        assert chain.tokens == plain and tree.tokens == plain
+        assert tree.stats.tree_rounds > 0
+        assert tree.stats.tokens_per_target_call > chain.stats.tokens_per_target_call
+        assert run(ModelDrafter(draft.model), TreeBudget(), TreeSpec(shape="static"), ids).tokens == plain
+        assert run(NgramDrafter(), FixedGamma(12), TreeSpec(), ids).tokens == plain
