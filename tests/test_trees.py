@@ -189,3 +189,19 @@ def test_tree_drafts_need_tree_attention():
     sess = TargetSession(target, [1, 2], SamplingConfig(temperature=0.0), get_rule("greedy"), seed=0)
     with pytest.raises(ConfigError, match="tree attention"):
         sess.verify(Draft(tokens=torch.tensor([1, 2]), probs=None, parents=torch.tensor([-1, -1])))
+
+
+def test_model_drafter_keeps_its_cache_on_the_accepted_path():
+    """After every tree round the draft cache holds exactly a prefix of the committed context."""
+
+    class Checked(ModelDrafter):
+        def propose_tree(self, context, *args, **kwargs):
+            if self.cache is not None:
+                assert self.cache.tokens == context[: self.cache.length].tolist()
+            return super().propose_tree(context, *args, **kwargs)
+
+    target = ToyLM(6, order=3, seed=7)
+    for temperature, method in ((0.0, "greedy"), (1.0, "token")):
+        dec = SpeculativeDecoder(target, Checked(target.perturbed(0.8, seed=8)), get_rule(method), gamma=FixedGamma(10), tree=TreeSpec())
+        res = dec.generate([1, 2, 3], SamplingConfig(temperature=temperature, seed=3, max_new_tokens=60))
+        assert res.stats.tokens_per_target_call > 2.0
