@@ -213,22 +213,25 @@ def max_gap(a: Law, b: Law) -> float:
 
 # ----------------------------------------------------------------------------- closed-form output law
 
-SHAPES = {
+SHAPES = {  # name: (parents, vocabulary, toy seed)
     # root -> {0, 1}; 0 -> {2, 3}; 1 -> {4}
-    "2x(2,1)": ([-1, -1, 0, 0, 1], 4),
+    "2x(2,1)": ([-1, -1, 0, 0, 1], 4, 3),
     # root -> {0, 1, 2}; 0 -> {3}; 3 -> {4}: depth 3, three root siblings
-    "3+chain": ([-1, -1, -1, 0, 3], 3),
+    "3+chain": ([-1, -1, -1, 0, 3], 3, 4),
     # root -> {0, 1}; 0 -> {2}; 1 -> {3, 4}; 2 -> {5}
-    "deep": ([-1, -1, 0, 1, 1, 2], 3),
+    "deep": ([-1, -1, 0, 1, 1, 2], 3, 4),
 }
+# (With V = 3 the seed matters: where p > q on a single token, the residual after any rejection
+# is a point mass and even a rule fed the wrong sibling law is exact; seed 4 has two such tokens
+# at the root, and test_sibling_law_mismatch_breaks_every_shape checks that it discriminates.)
 
 
 @pytest.mark.parametrize("siblings", ["iid", "without_replacement"])
 @pytest.mark.parametrize("rule", ["token", "traversal"])
 @pytest.mark.parametrize("shape", sorted(SHAPES))
 def test_tree_rule_reconstructs_target_law_exactly(rule, siblings, shape):
-    parents, vocab = SHAPES[shape]
-    toy = Toy(vocab)
+    parents, vocab, seed = SHAPES[shape]
+    toy = Toy(vocab, seed=seed)
     depth = max(vt.depths(parents)) + 1
     law = output_law(toy, parents, rule, siblings, siblings, depth + 1)
     assert sum(law.values()) == pytest.approx(1.0, abs=1e-12)
@@ -317,6 +320,10 @@ def _traversal_unconditional_weight(weight: float, p: torch.Tensor, q: torch.Ten
     return mass, (r / mass if mass > 0 else p)
 
 
+def _traversal_token_level_weight(weight: float, p: torch.Tensor, q: torch.Tensor, token: int) -> float:
+    return vt._accept_prob(float(p[token]), float(q[token]))  # slip: the parent's weight is dropped
+
+
 NEGATIVE = {
     # iid rule on siblings drawn without replacement
     "token-iid-on-wor": dict(rule="token", draft="without_replacement", claimed="iid", patch=None),
@@ -328,6 +335,10 @@ NEGATIVE = {
     # traversal: the parent's new weight is |r| instead of |r| / (|r| + 1 - w)
     "traversal-unconditional": dict(
         rule="traversal", draft="iid", claimed="iid", patch=("traversal_residual", _traversal_unconditional_weight)
+    ),
+    # traversal: token-level weights min(1, p/q) instead of sequence-level min(1, w p/q)
+    "traversal-token-level": dict(
+        rule="traversal", draft="iid", claimed="iid", patch=("traversal_child_weight", _traversal_token_level_weight)
     ),
 }
 
@@ -342,10 +353,23 @@ def _apply(monkeypatch, patch) -> None:
 def test_negative_controls_break_the_closed_form_law(name, monkeypatch):
     case = NEGATIVE[name]
     _apply(monkeypatch, case["patch"])
-    parents, vocab = SHAPES["2x(2,1)"]
-    toy = Toy(vocab)
+    parents, vocab, seed = SHAPES["2x(2,1)"]
+    toy = Toy(vocab, seed=seed)
     law = output_law(toy, parents, case["rule"], case["draft"], case["claimed"], 3)
     assert max_gap(law, toy.target_law(3)) > 1e-3
+
+
+@pytest.mark.parametrize("rule", ["token", "traversal"])
+@pytest.mark.parametrize("shape", ["3+chain", "deep"])
+def test_sibling_law_mismatch_breaks_every_shape(rule, shape):
+    """The other shapes of the exact test discriminate too: a rule told the wrong sibling law
+    (i.i.d. vs without replacement, both ways) misses the target law."""
+    parents, vocab, seed = SHAPES[shape]
+    toy = Toy(vocab, seed=seed)
+    length = max(vt.depths(parents)) + 2
+    for draft, claimed in (("without_replacement", "iid"), ("iid", "without_replacement")):
+        law = output_law(toy, parents, rule, draft, claimed, length)
+        assert max_gap(law, toy.target_law(length)) > 1e-3
 
 
 # ----------------------------------------------------------------------------- χ² tests of the samplers
@@ -474,43 +498,58 @@ def test_tree_greedy_on_chains_equals_greedy_verify_and_follows_the_argmax_path(
         assert v.tokens.tolist() == w.tokens.tolist() and v.num_accepted == w.num_accepted
 
 
-def _own_samples_check(rule_fn, own_fn, rng: random.Random, vocab: int = 3) -> None:
+def _own_samples_check(make, rng: random.Random, vocab: int = 4) -> None:
     """On random trees (rows from a toy model), the emitted tokens are the plain decoder's own
-    samples, and the path is as long as the longest root path spelling them."""
-    toy = Toy(vocab)
-    for _ in range(150):
+    samples, and the path is as long as the longest root path spelling them.  ``make(trial)``
+    gives the rule and the plain decoder's pick ``own(row, offset)`` for that trial."""
+    toy = Toy(vocab, strength=0.0)
+    for trial in range(150):
+        rule_fn, own_fn = make(trial)
         tokens, parents = _random_tree(rng, rng.randrange(0, 9), vocab)
         _, p = _rows(toy, tokens, parents)
         plain: list[int] = []
         for _ in range(10):
             plain.append(own_fn(toy.p(tuple(plain)), len(plain)))
+        # half the trees spell a prefix of the plain path on some branch
+        if tokens and rng.random() < 0.5:
+            node = rng.randrange(len(tokens))
+            depth = vt.depths(parents)[node]
+            while node >= 0:
+                tokens[node] = plain[depth]
+                node, depth = parents[node], depth - 1
+            _, p = _rows(toy, tokens, parents)
         v = rule_fn(_t(tokens), _t(parents), None, p)
         assert v.tokens.tolist() == plain[: len(v.tokens)]
         spelled = set(_paths(tokens, parents))
         longest = max(m for m in range(len(plain)) if m == 0 or tuple(plain[:m]) in spelled)
         assert v.num_accepted == longest
-        assert [tokens[i] for i in v.path] == plain[: longest]
+        assert [tokens[i] for i in v.path] == plain[:longest]
         assert all(parents[b] == a for a, b in zip((-1, *v.path), v.path))
 
 
 def test_tree_greedy_emits_the_plain_greedy_tokens():
-    _own_samples_check(tree_greedy, lambda row, pos: int(row.argmax()), random.Random(1))
+    greedy = (tree_greedy, lambda row, offset: int(row.argmax()))
+    _own_samples_check(lambda trial: greedy, random.Random(1))
 
 
 # ----------------------------------------------------------------------------- coupled
 
 
-@pytest.mark.parametrize("seed", [0, 7, 123456789])
-def test_tree_coupled_emits_plain_seeded_samples_whatever_the_tree(seed):
-    base = 40
-    rule = lambda tok, par, dp, p: tree_coupled(tok, par, dp, p, seed=seed, base_position=base)  # noqa: E731
-    _own_samples_check(rule, lambda row, pos: gumbel_sample(row, seed, base + pos), random.Random(seed))
+def test_tree_coupled_emits_plain_seeded_samples_whatever_the_tree():
+    rng = random.Random(7)
+
+    def make(trial: int):
+        seed, base = rng.randrange(1 << 62), rng.randrange(100_000)
+        rule = lambda tok, par, dp, p: tree_coupled(tok, par, dp, p, seed=seed, base_position=base)  # noqa: E731
+        return rule, lambda row, offset: gumbel_sample(row, seed, base + offset)
+
+    _own_samples_check(make, rng)
 
 
 def test_tree_coupled_on_chains_equals_coupled_verify():
     g = torch.Generator().manual_seed(3)
     rng = random.Random(3)
-    for trial in range(200):
+    for trial in range(100):
         gamma = rng.randrange(0, 5)
         p = torch.softmax(torch.randn(gamma + 1, 4, generator=g) * 2, -1)
         own = [gumbel_sample(p[i], trial, 100 + i) for i in range(gamma)]
