@@ -27,13 +27,14 @@ from specdec.verify_tree import (
     CHAIN_TO_TREE,
     TREE_RULES,
     TreeVerdict,
+    NodeTarget,
     children_lists,
     children_proposals,
     get_tree_rule,
-    node_plan,
-    target_row,
+    rrs_accept_prob,
+    rrs_reject,
     traversal_child_weight,
-    traversal_residual,
+    traversal_reject,
     tree_coupled,
     tree_greedy,
     tree_token,
@@ -141,19 +142,20 @@ def draw_tree(toy: Toy, parents: list[int], siblings: str, g: torch.Generator) -
 def token_law(tokens, parents, draft_probs, target_probs, siblings="iid") -> Law:
     """Exact law of :func:`tree_token`'s emitted tokens for one drafted tree (float64)."""
     kids = children_lists(list(parents))
-    vocab = target_probs.shape[1]
     law: Law = {}
 
     def walk(node: int, prefix: tuple[int, ...], reach: float) -> None:
-        p = target_row(target_probs, node)
+        target = NodeTarget(target_probs[node + 1])
         children = kids[node + 1]
-        plan = node_plan(p, children_proposals(draft_probs, list(tokens), children, vocab, siblings),
-                         [tokens[c] for c in children])
-        for c, a in zip(children, plan.accept):
+        for c, q in zip(children, children_proposals(draft_probs, list(tokens), children, siblings)):
+            a = rrs_accept_prob(target, q, tokens[c])
             walk(c, prefix + (tokens[c],), reach * a)
             reach *= 1.0 - a
-        row = plan.residual if children else p
-        for y in range(vocab):
+            if reach == 0.0:
+                return
+            rrs_reject(target, q, tokens[c])
+        row = target.dense()
+        for y in range(row.numel()):
             law[prefix + (y,)] = law.get(prefix + (y,), 0.0) + reach * float(row[y])
 
     walk(-1, (), 1.0)
@@ -163,22 +165,22 @@ def token_law(tokens, parents, draft_probs, target_probs, siblings="iid") -> Law
 def traversal_law(tokens, parents, draft_probs, target_probs, siblings="iid") -> Law:
     """Exact law of :func:`tree_traversal`'s emitted tokens for one drafted tree (float64)."""
     kids = children_lists(list(parents))
-    vocab = target_probs.shape[1]
 
-    def visit(node: int, weight: float) -> tuple[Law, float]:  # (accepted law below node, P(delete node))
-        p = target_row(target_probs, node)
+    def visit(node: int, weight: float) -> tuple[Law, float]:  # (law of what is kept below node, P(delete))
+        target = NodeTarget(target_probs[node + 1])
         children = kids[node + 1]
         law: Law = {}
         reach = 1.0
-        for c, q in zip(children, children_proposals(draft_probs, list(tokens), children, vocab, siblings)):
-            sub, rejected = visit(c, traversal_child_weight(weight, p, q, tokens[c]))
+        for c, q in zip(children, children_proposals(draft_probs, list(tokens), children, siblings)):
+            sub, deleted = visit(c, traversal_child_weight(weight, target, q, tokens[c]))
             for s, pr in sub.items():
                 law[(tokens[c],) + s] = law.get((tokens[c],) + s, 0.0) + reach * pr
-            reach *= rejected
-            weight, p = traversal_residual(weight, p, q)
+            reach *= deleted
+            weight = traversal_reject(weight, target, q, tokens[c])
         keep = 1.0 if node < 0 else weight
-        for y in range(vocab):
-            law[(y,)] = law.get((y,), 0.0) + reach * keep * float(p[y])
+        row = target.dense()
+        for y in range(row.numel()):
+            law[(y,)] = law.get((y,), 0.0) + reach * keep * float(row[y])
         return law, reach * (1.0 - keep)
 
     return visit(-1, 1.0)[0]
@@ -320,8 +322,8 @@ def _traversal_unconditional_weight(weight: float, p: torch.Tensor, q: torch.Ten
     return mass, (r / mass if mass > 0 else p)
 
 
-def _traversal_token_level_weight(weight: float, p: torch.Tensor, q: torch.Tensor, token: int) -> float:
-    return vt._accept_prob(float(p[token]), float(q[token]))  # slip: the parent's weight is dropped
+def _traversal_token_level_weight(weight: float, target, q: torch.Tensor, token: int) -> float:
+    return rrs_accept_prob(target, q, token)  # slip: the parent's weight is dropped
 
 
 NEGATIVE = {

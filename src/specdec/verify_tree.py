@@ -177,7 +177,7 @@ def tree_coupled(
     return _follow(tokens, parents, target_probs, lambda row, depth: gumbel_sample(row, seed, base_position + depth))
 
 
-# ----------------------------------------------------------------------------- recursive rejection sampling
+# ----------------------------------------------------------------------------- one node's target
 
 
 def _accept_prob(p_tok: float, q_tok: float) -> float:
@@ -199,10 +199,61 @@ def _normalised(row: Tensor, fallback: Tensor) -> Tensor:  # [V] float64 -> [V] 
     return fallback  # unreachable in exact arithmetic (see the callers)
 
 
-def target_row(target_probs: Tensor, node: int) -> Tensor:  # -> [V] float64, sums to 1
-    """The target distribution after ``node`` (``-1``: the root) in float64."""
-    row = target_probs[node + 1].double()
-    return _normalised(row.clamp_min(0.0), row)
+class NodeTarget:
+    """The target's distribution at one node while the node's children are tried (float64).
+
+    It starts as the node's target row.  Rejecting a point-mass candidate x leaves
+    ``norm(max(0, p − δ_x))``, i.e. p without x, renormalised: that is kept as a set of removed
+    tokens, O(1) per candidate with no pass over the vocabulary.  Rejecting a candidate drawn
+    from a distribution q replaces the row by a dense residual (:meth:`set_dense`).  Nothing is
+    computed until asked for, so a leaf that is never reached or never rejected costs nothing.
+    """
+
+    def __init__(self, row: Tensor) -> None:  # row: [V] probabilities, any float dtype
+        self._row = row
+        self._total: float | None = None  # row's mass, float64
+        self._removed: dict[int, float] = {}  # removed token -> its mass in row
+        self._kept_off = 0.0  # total mass of the removed tokens
+        self._dense: Tensor | None = None  # [V] float64, sums to 1, once materialised
+
+    def prob(self, token: int) -> float:
+        """The current (normalised) probability of ``token``."""
+        if self._dense is not None:
+            return float(self._dense[token])
+        if token in self._removed:
+            return 0.0
+        if self._total is None:
+            self._total = float(self._row.sum(dtype=torch.float64))
+        kept = self._total - self._kept_off
+        return float(self._row[token]) / kept if kept > 0.0 else 0.0
+
+    def remove(self, token: int) -> None:
+        """Condition on "not ``token``" (the residual after rejecting a point mass on it)."""
+        if self._dense is not None:
+            dense = self._dense.clone()
+            dense[token] = 0.0
+            self._dense = _normalised(dense, self._dense)
+        elif token not in self._removed:
+            self._removed[token] = float(self._row[token])
+            self._kept_off += self._removed[token]
+
+    def dense(self) -> Tensor:  # -> [V] float64, sums to 1
+        if self._dense is None:
+            row = self._row.double()
+            if self._removed:
+                row = row.clone()
+                row[list(self._removed)] = 0.0
+            self._dense = _normalised(row, self._row.double())
+        return self._dense
+
+    def set_dense(self, row: Tensor) -> None:  # row: [V] float64, sums to 1
+        self._dense = row
+
+    def sample_weights(self) -> Tensor:  # -> [V] unnormalised weights of the current distribution
+        """What to sample the emitted token from (the raw row when nothing was removed)."""
+        if self._dense is None and not self._removed:
+            return self._row
+        return self.dense()
 
 
 def sibling_proposal(
@@ -217,20 +268,28 @@ def sibling_proposal(
     tokens removed and renormalised.  (Deterministic candidates are point masses on their own
     token whatever the mode: they are not drawn from anything.)
     """
-    q = q_row.double().clamp_min(0.0)
+    q = q_row.double()
     if siblings == "without_replacement" and earlier:
         q = q.clone()
         q[earlier] = 0.0
     return _normalised(q, q)
 
 
-def _proposal(draft_probs: Tensor | None, node: int, token: int, vocab: int, earlier: list[int],
-              siblings: SiblingMode) -> Tensor:  # -> [V] float64
+def _proposal(draft_probs: Tensor | None, node: int, earlier: list[int], siblings: SiblingMode) -> Tensor | None:
+    """:func:`sibling_proposal` of ``node``; ``None`` (a point mass on its token) for candidates."""
     if draft_probs is None:
-        q = torch.zeros(vocab, dtype=torch.float64)
-        q[token] = 1.0
-        return q
+        return None
     return sibling_proposal(draft_probs[node], earlier, siblings=siblings)
+
+
+def children_proposals(
+    draft_probs: Tensor | None, tokens: list[int], children: list[int], siblings: SiblingMode
+) -> list[Tensor | None]:
+    """:func:`sibling_proposal` for each child of one node, in index order (for exact laws)."""
+    return [_proposal(draft_probs, c, [tokens[s] for s in children[:j]], siblings) for j, c in enumerate(children)]
+
+
+# ----------------------------------------------------------------------------- recursive rejection sampling
 
 
 def rejection_residual(p: Tensor, q: Tensor) -> Tensor:  # [V], [V] float64 -> [V] float64
@@ -242,46 +301,18 @@ def rejection_residual(p: Tensor, q: Tensor) -> Tensor:  # [V], [V] float64 -> [
     return _normalised((p - q).clamp_min(0.0), p)
 
 
-# ----------------------------------------------------------------------------- recursive rejection sampling
+def rrs_accept_prob(target: NodeTarget, q: Tensor | None, token: int) -> float:
+    """Acceptance probability of a child: ``min(1, p(x) / q(x))`` at the current target, where q
+    is the law x was drawn from given its earlier siblings (a point mass: ``p(x)``)."""
+    return _accept_prob(target.prob(token), 1.0 if q is None else float(q[token]))
 
 
-@dataclass(frozen=True)
-class NodePlan:
-    """The deterministic half of multi-draft rejection sampling at one node.
-
-    ``accept[j]`` is the probability of accepting child j *given that children 0..j-1 were
-    rejected* (it may stop early: after a child accepted with probability 1 nothing else is
-    reached); ``residual`` [V] float64 (sums to 1) is the distribution of the recovered token
-    when every child is rejected.
-    """
-
-    accept: tuple[float, ...]
-    residual: Tensor  # [V] float64
-
-
-def node_plan(
-    p: Tensor,  # [V] float64 target distribution at the node, sums to 1
-    proposals: list[Tensor],  # k x [V] float64: what child j was drawn from given children < j
-    child_tokens: list[int],
-) -> NodePlan:
-    """Recursive rejection sampling over the children of one node (Jeon et al. 2024, Alg. 1;
-    SpecInfer's multi-step speculative sampling for i.i.d. siblings).
-
-    Child j is accepted with probability ``min(1, p_j(x_j) / q_j(x_j))`` where ``q_j`` is the law
-    x_j was drawn from given the earlier siblings (:func:`sibling_proposal`) and ``p_j`` the
-    current target; on rejection ``p_{j+1} = norm(max(0, p_j - q_j))``.  Each step is one
-    ordinary rejection-sampling step whose "sample from the residual" is delegated to the next
-    child, so the emitted token follows ``p`` whatever the proposals are, as long as ``q_j`` is
-    the true conditional law of x_j.
-    """
-    accept: list[float] = []
-    for q, tok in zip(proposals, child_tokens):
-        a = _accept_prob(float(p[tok]), float(q[tok]))
-        accept.append(a)
-        if a >= 1.0:  # later siblings are never reached; the residual is irrelevant
-            break
-        p = rejection_residual(p, q)
-    return NodePlan(accept=tuple(accept), residual=p)
+def rrs_reject(target: NodeTarget, q: Tensor | None, token: int) -> None:
+    """Update the target after that child was rejected: ``p ← norm(max(0, p − q))``."""
+    if q is None:
+        target.remove(token)
+    else:
+        target.set_dense(rejection_residual(target.dense(), q))
 
 
 def _check_siblings(siblings: str) -> None:
@@ -291,18 +322,6 @@ def _check_siblings(siblings: str) -> None:
 
 def _uniform(generator: torch.Generator | None) -> float:
     return float(torch.rand(1, generator=generator, dtype=torch.float64))
-
-
-def children_proposals(
-    draft_probs: Tensor | None, tokens: list[int], children: list[int], vocab: int, siblings: SiblingMode
-) -> list[Tensor]:
-    """:func:`sibling_proposal` for each child of one node, in index order."""
-    out: list[Tensor] = []
-    earlier: list[int] = []
-    for c in children:
-        out.append(_proposal(draft_probs, c, tokens[c], vocab, earlier, siblings))
-        earlier.append(tokens[c])
-    return out
 
 
 def tree_token(
@@ -315,35 +334,42 @@ def tree_token(
     siblings: SiblingMode = "iid",
 ) -> TreeVerdict:
     """Multi-draft recursive rejection sampling over a tree (SpecInfer's multi-step speculative
-    sampling; Jeon et al. 2024, "Recursive Speculative Decoding").
+    sampling; Jeon et al. 2024, "Recursive Speculative Decoding", with the without-replacement
+    correction).
 
-    From the root: try the children in index order with :func:`node_plan`'s acceptance
-    probabilities; descend into the first accepted child; if all are rejected emit a token from
-    the final residual and stop; at an accepted leaf emit the bonus from its target row.  On a
-    chain this is token verification (Leviathan et al. 2023).  Deterministic candidates are
-    point-mass proposals: accept x with probability p(x), else remove x from p and renormalise.
+    From the root: try the children in index order; child j is accepted with probability
+    ``min(1, p_j(x_j) / q_j(x_j))`` (:func:`rrs_accept_prob`), where ``q_j`` is the law x_j was
+    drawn from given the earlier siblings (:func:`sibling_proposal`) and ``p_j`` the current
+    target; on rejection ``p_{j+1} = norm(max(0, p_j − q_j))`` (:func:`rrs_reject`).  The walk
+    descends into the first accepted child; if all are rejected it emits a token from the last
+    residual and stops; at an accepted leaf it emits the bonus from the leaf's target row.
+
+    Each step is one ordinary rejection-sampling step whose "draw from the residual" is handed
+    to the next sibling, so the emitted token follows p whatever the proposals, provided q_j is
+    the true conditional law of x_j.  On a chain this is token verification (Leviathan et al.
+    2023).  Deterministic candidates are point masses: accept x with probability p(x), else
+    drop x from p and renormalise.
     """
     _check_siblings(siblings)
     check_tree(tokens, parents, draft_probs, target_probs)
     toks = tokens.tolist()
     kids = children_lists(parents.tolist())
-    vocab = target_probs.shape[1]
     alpha = _alpha_mean(tokens, parents, draft_probs, target_probs)
     path: list[int] = []
     node = -1
-    while True:  # the steps of node_plan, drawn as they go (later siblings only when reached)
-        p = target_row(target_probs, node)
+    while True:
+        target = NodeTarget(target_probs[node + 1])
         nxt = None
         earlier: list[int] = []
         for c in kids[node + 1]:
-            q = _proposal(draft_probs, c, toks[c], vocab, earlier, siblings)
-            if _uniform(generator) < _accept_prob(float(p[toks[c]]), float(q[toks[c]])):
+            q = _proposal(draft_probs, c, earlier, siblings)
+            if _uniform(generator) < rrs_accept_prob(target, q, toks[c]):
                 nxt = c
                 break
+            rrs_reject(target, q, toks[c])
             earlier.append(toks[c])
-            p = rejection_residual(p, q)
         if nxt is None:  # every child rejected (or a leaf): the residual (or the bonus row)
-            return _verdict(path, toks, sample_categorical(p, generator), alpha)
+            return _verdict(path, toks, sample_categorical(target.sample_weights(), generator), alpha)
         path.append(nxt)
         node = nxt
 
@@ -351,25 +377,40 @@ def tree_token(
 # ----------------------------------------------------------------------------- traversal verification
 
 
-def traversal_child_weight(weight: float, p: Tensor, q: Tensor, token: int) -> float:
-    """A child's sequence-level acceptance weight: ``min(1, w · p(x) / q(x))`` (0 if p(x) = 0)."""
-    return _accept_prob(weight * float(p[token]), float(q[token]))
+def traversal_child_weight(weight: float, target: NodeTarget, q: Tensor | None, token: int) -> float:
+    """A child's sequence-level weight: ``min(1, w · p(x) / q(x))`` at its parent's current
+    weight w and target p (0 if p(x) = 0; a point mass has q(x) = 1)."""
+    return _accept_prob(weight * target.prob(token), 1.0 if q is None else float(q[token]))
 
 
 def traversal_residual(weight: float, p: Tensor, q: Tensor) -> tuple[float, Tensor]:
-    """A node's (weight, target) after the subtree of a child drawn from q was rejected.
+    """A node's (weight, target) after the subtree of a child drawn from q was deleted.
 
     ``r = max(0, w·p − q)``; the new weight is ``|r| / (|r| + 1 − w)`` and the new target
-    ``r / |r|`` (Sun et al. 2024's ``h`` and block residual on a chain).  The rejection had
-    probability ``1 − Σ min(q, w·p) = |r| + 1 − w``, of which ``r`` is the target mass that
-    still has to be produced, hence both formulas.  (0/0, which needs w = 1 and p = q where a
-    rejection is impossible, is taken as 0, as :func:`specdec.verify.block_plan` does.)
+    ``r / |r|`` (Sun et al. 2024's ``h`` and block residual on a chain).  The deletion had
+    probability ``1 − Σ min(q, w·p) = |r| + 1 − w``, of which ``r`` is the target mass still to
+    be produced, hence both formulas.  (0/0, which needs w = 1 and p = q where a deletion is
+    impossible, is taken as 0, as :func:`specdec.verify.block_plan` does.)
     """
     r = (weight * p - q).clamp_min(0.0)
     mass = float(r.sum())
     denom = mass + (1.0 - weight)
     new_weight = min(1.0, mass / denom) if denom > 0.0 and mass > 0.0 else 0.0
     return new_weight, (r / mass if mass > 0.0 else p)
+
+
+def traversal_reject(weight: float, target: NodeTarget, q: Tensor | None, token: int) -> float:
+    """Delete a child: update the node's target in place and return its new weight
+    (:func:`traversal_residual`; for a point mass on x with current probability c, the residual
+    is p without x and the weight ``w (1 − c) / (1 − w c)``, no pass over the vocabulary)."""
+    if q is None:
+        c = target.prob(token)
+        target.remove(token)
+        mass, denom = weight * (1.0 - c), 1.0 - weight * c
+        return min(1.0, mass / denom) if denom > 0.0 and mass > 0.0 else 0.0
+    new_weight, row = traversal_residual(weight, target.dense(), q)
+    target.set_dense(row)
+    return new_weight
 
 
 def tree_traversal(
@@ -381,44 +422,43 @@ def tree_traversal(
     generator: torch.Generator | None = None,
     siblings: SiblingMode = "iid",
 ) -> TreeVerdict:
-    """Traversal Verification (Weng et al. 2025), derived here for i.i.d., without-replacement and
-    deterministic siblings; on a chain it is block verification (Sun et al. 2024).
+    """Traversal Verification (Weng et al. 2025), for i.i.d., without-replacement and
+    deterministic siblings; on a chain it is block verification (Sun et al. 2024, Alg. 2).
 
-    Every node carries a sequence-level weight ``w``: the root has 1, a child drawn from ``q``
-    at a node with weight ``w`` and target ``p`` gets ``min(1, w·p(x)/q(x))``.  The tree is
-    traversed in post-order (leaves first, children in index order).  A node whose children are
-    all gone is accepted with probability ``w`` — the path from the root to it is kept and the
-    next token drawn from its current target — or else deleted; deleting a child updates its
-    parent's ``(w, p)`` by :func:`traversal_residual` (and, without replacement, the next
-    sibling's proposal excludes the deleted token), which sets the weights of the siblings not
-    yet visited.  The root is never deleted (its weight stays 1).
+    Every node carries a sequence-level weight w: the root has 1, a child x drawn from q at a
+    node with weight w and current target p gets ``min(1, w·p(x)/q(x))``.  The tree is
+    traversed in post-order (children in index order, each child's subtree before the next
+    child).  A node whose children are all deleted is kept with probability w — the path from
+    the root to it is accepted and the next token drawn from its current target — or else
+    deleted; deleting a child updates its parent's (w, p) (:func:`traversal_reject`), which sets
+    the weights of the siblings not yet visited.  The root is never deleted.
 
-    Losslessness, by induction over the tree: a node with weight w, whatever its subtree, is
-    accepted with total probability w, and given acceptance emits a continuation distributed as
-    the target's (the first child takes min(q, w·p) of that mass, the residual r = max(0, w·p − q)
-    is left to the later siblings and the node itself, with weight |r| / P(rejection)).
+    Losslessness, by induction over the tree: a node of weight w, whatever its subtree, is kept
+    (it or a descendant accepted) with total probability w, and then emits a continuation
+    distributed as the target's.  Its first child takes ``min(q, w·p)`` of that mass; the
+    remainder ``r = max(0, w·p − q)`` is left to the later siblings and the node itself, which
+    are reached with probability ``|r| + 1 − w`` and so run with weight ``|r| / (|r| + 1 − w)``
+    on target ``r / |r|``.
     """
     _check_siblings(siblings)
     check_tree(tokens, parents, draft_probs, target_probs)
     toks = tokens.tolist()
     kids = children_lists(parents.tolist())
-    vocab = target_probs.shape[1]
 
     def visit(node: int, weight: float) -> tuple[list[int], int] | None:
-        p = target_row(target_probs, node)
+        target = NodeTarget(target_probs[node + 1])
         earlier: list[int] = []
         for c in kids[node + 1]:
-            tok = toks[c]
-            q = _proposal(draft_probs, c, tok, vocab, earlier, siblings)
-            child_weight = traversal_child_weight(weight, p, q, tok)
-            if child_weight > 0.0:  # a weight-0 subtree is rejected with certainty: skip it
+            q = _proposal(draft_probs, c, earlier, siblings)
+            child_weight = traversal_child_weight(weight, target, q, toks[c])
+            if child_weight > 0.0:  # a weight-0 subtree is deleted with certainty: skip it
                 found = visit(c, child_weight)
                 if found is not None:
                     return [c, *found[0]], found[1]
-            earlier.append(tok)
-            weight, p = traversal_residual(weight, p, q)
+            weight = traversal_reject(weight, target, q, toks[c])
+            earlier.append(toks[c])
         if node < 0 or _uniform(generator) < weight:
-            return [], sample_categorical(p, generator)
+            return [], sample_categorical(target.sample_weights(), generator)
         return None
 
     found = visit(-1, 1.0)
