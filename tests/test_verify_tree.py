@@ -326,6 +326,16 @@ def _traversal_token_level_weight(weight: float, target, q: torch.Tensor, token:
     return rrs_accept_prob(target, q, token)  # slip: the parent's weight is dropped
 
 
+def _traversal_over_one_minus_q(weight: float, target, q, token: int) -> float:
+    """Another reading of the parent update: divide |r| by 1 − q(x) instead of by the deletion
+    probability |r| + 1 − w.  Not block verification on a chain, and lossy."""
+    p = target.dense()
+    r = (weight * p - q).clamp_min(0.0)
+    mass, q_x = float(r.sum()), float(q[token])
+    target.set_dense(r / mass if mass > 0 else p)
+    return min(1.0, mass / (1.0 - q_x)) if q_x < 1.0 and mass > 0 else 0.0
+
+
 NEGATIVE = {
     # iid rule on siblings drawn without replacement
     "token-iid-on-wor": dict(rule="token", draft="without_replacement", claimed="iid", patch=None),
@@ -337,6 +347,10 @@ NEGATIVE = {
     # traversal: the parent's new weight is |r| instead of |r| / (|r| + 1 - w)
     "traversal-unconditional": dict(
         rule="traversal", draft="iid", claimed="iid", patch=("traversal_residual", _traversal_unconditional_weight)
+    ),
+    "traversal-over-1-minus-q": dict(
+        rule="traversal", draft="without_replacement", claimed="without_replacement",
+        patch=("traversal_reject", _traversal_over_one_minus_q),
     ),
     # traversal: token-level weights min(1, p/q) instead of sequence-level min(1, w p/q)
     "traversal-token-level": dict(
@@ -623,6 +637,24 @@ def test_impossible_tokens_are_never_emitted():
         for s in range(200):
             v = fn(_t([0, 0, 2]), _t([-1, -1, 1]), q, p, generator=torch.Generator().manual_seed(s), siblings="iid")
             assert v.path == () and int(v.tokens[0]) in (1, 2)
+
+
+def test_numerical_edge_cases():
+    """A drafted token the draft row gives 0 (q(x) = 0 < p(x)), a one-hot target, a float32
+    target whose rows do not sum exactly to 1: valid verdicts, never an impossible token."""
+    p = torch.tensor([[0.0, 0.0, 1.0], [0.3, 0.3, 0.4], [0.2, 0.0, 0.8], [0.0, 1.0, 0.0]])
+    q = torch.tensor([[0.5, 0.5, 0.0], [0.5, 0.5, 0.0], [1.0, 0.0, 0.0]])
+    for fn in (tree_token, tree_traversal):
+        for siblings in ("iid", "without_replacement"):
+            for s in range(50):
+                g = torch.Generator().manual_seed(s)
+                v = fn(_t([2, 0, 1]), _t([-1, -1, 1]), q, p, generator=g, siblings=siblings)
+                assert v.path == (0,) and int(v.tokens[-1]) in (0, 1, 2)  # q(2) = 0 < p(2) = 1: kept
+                v = fn(_t([0, 2, 1]), _t([-1, -1, 0]), None, p, generator=g)
+                assert v.path == (1,) and int(v.tokens[-1]) != 1  # only token 2 possible at the root
+        rows = torch.softmax(torch.randn(4, 7, generator=torch.Generator().manual_seed(0)) * 3, -1) * 1.0001
+        v = fn(_t([1, 2, 3]), _t([-1, 0, 0]), rows[:3], rows)
+        assert v.tokens.shape == (v.num_accepted + 1,)
 
 
 def test_malformed_trees_are_rejected():

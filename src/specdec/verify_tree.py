@@ -17,9 +17,12 @@ Every rule returns a :class:`TreeVerdict`: the accepted root path followed by ex
 recovered-or-bonus token.  Randomness comes in as a ``torch.Generator`` (or, for coupled
 verification, as the Gumbel key); no rule touches a global RNG.
 
-Rules: :func:`tree_greedy`; :func:`tree_token` (multi-draft recursive rejection sampling:
-SpecInfer's multi-step speculative sampling, Miao et al. 2024; Jeon et al. 2024, "Recursive
-Speculative Decoding"); :func:`tree_coupled` (seeded Gumbel-max coupling).
+Rules (all lossless): :func:`tree_greedy`; :func:`tree_token` (multi-draft recursive rejection
+sampling: SpecInfer's multi-step speculative sampling, Miao et al. 2024; Jeon et al. 2024,
+"Recursive Speculative Decoding"); :func:`tree_traversal` (Traversal Verification, Weng et al.
+2025; block verification on a chain); :func:`tree_coupled` (seeded Gumbel-max coupling).
+Siblings drawn from q may be i.i.d. or drawn without replacement (say which: a rule told the
+wrong one is biased); deterministic candidates (``draft_probs`` None) are exact under every rule.
 """
 
 from __future__ import annotations
@@ -167,7 +170,7 @@ def tree_coupled(
 
     At each step the target draws its own keyed sample ``argmax_v log p(v) + G(seed, t, v)`` at
     the absolute position ``t = base_position + depth``; if a child carries that token the walk
-    descends into it (the first such child), otherwise the token is emitted and the round ends.
+    descends into it, otherwise the token is emitted and the round ends (see :func:`_follow`).
     The emitted tokens are, by construction, what plain seeded sampling would emit: the rule is
     invariant to the drafter and to the tree's shape (so it is lossless for any drafter; a
     drafter that draws children by keyed Gumbel top-k at the same positions maximises the
