@@ -17,9 +17,12 @@ Every rule returns a :class:`TreeVerdict`: the accepted root path followed by ex
 recovered-or-bonus token.  Randomness comes in as a ``torch.Generator`` (or, for coupled
 verification, as the Gumbel key); no rule touches a global RNG.
 
-Rules: :func:`tree_greedy`; :func:`tree_token` (multi-draft recursive rejection sampling:
-SpecInfer's multi-step speculative sampling, Miao et al. 2024; Jeon et al. 2024, "Recursive
-Speculative Decoding"); :func:`tree_coupled` (seeded Gumbel-max coupling).
+Rules (all lossless): :func:`tree_greedy`; :func:`tree_token` (multi-draft recursive rejection
+sampling: SpecInfer's multi-step speculative sampling, Miao et al. 2024; Jeon et al. 2024,
+"Recursive Speculative Decoding"); :func:`tree_traversal` (Traversal Verification, Weng et al.
+2025; block verification on a chain); :func:`tree_coupled` (seeded Gumbel-max coupling).
+Siblings drawn from q may be i.i.d. or drawn without replacement (say which: a rule told the
+wrong one is biased); deterministic candidates (``draft_probs`` None) are exact under every rule.
 """
 
 from __future__ import annotations
@@ -91,14 +94,13 @@ def depths(parents: list[int]) -> list[int]:
 
 
 def _alpha_mean(tokens: Tensor, parents: Tensor, draft_probs: Tensor | None, target_probs: Tensor) -> float | None:
-    n = tokens.numel()
-    if n == 0:
+    if tokens.numel() == 0:
         return None
-    rows = torch.arange(n)
     p_x = target_probs[parents + 1, tokens].double()  # [N]
-    q_x = draft_probs[rows, tokens].double() if draft_probs is not None else torch.ones(n, dtype=torch.float64)
-    ratio = torch.where(q_x > 0, p_x / q_x.clamp_min(1e-300), (p_x > 0).double())
-    return float(ratio.clamp(max=1.0).mean())
+    if draft_probs is None:
+        return float(p_x.clamp(max=1.0).mean())
+    q_x = draft_probs.gather(1, tokens.unsqueeze(1)).squeeze(1).double()  # [N]
+    return float(torch.where(p_x > 0, (p_x / q_x).clamp(max=1.0), 0.0).mean())
 
 
 def _verdict(path: list[int], tokens: list[int], last: int, alpha: float | None = None) -> TreeVerdict:
@@ -106,22 +108,28 @@ def _verdict(path: list[int], tokens: list[int], last: int, alpha: float | None 
     return TreeVerdict(path=tuple(path), tokens=torch.tensor(emitted, dtype=torch.int64), alpha_mean=alpha)
 
 
-def _follow(
-    tokens: Tensor, parents: Tensor, target_probs: Tensor, pick: "_Pick"
-) -> TreeVerdict:
-    """Walk from the root: at each node the target picks a token; descend into the first child
-    carrying it, else emit it and stop.  (Greedy and coupled verification.)"""
+def _follow(tokens: Tensor, parents: Tensor, target_probs: Tensor, pick: "_Pick") -> TreeVerdict:
+    """Walk from the root: at each step the target picks a token; go on while some child carries
+    it, else emit it and stop.  (Greedy and coupled verification.)
+
+    Sibling duplicates are followed together (they share a context, so the target picks the same
+    token after each; the first one's row is used) and the path ends in the first of the deepest
+    nodes reached, so a duplicate never shortens the accepted path.
+    """
     toks = tokens.tolist()
-    kids = children_lists(parents.tolist())
-    path: list[int] = []
-    node, depth = -1, 0
+    par = parents.tolist()
+    kids = children_lists(par)
+    frontier, depth, end = [-1], 0, -1
     while True:
-        own = pick(target_probs[node + 1], depth)
-        nxt = next((c for c in kids[node + 1] if toks[c] == own), None)
-        if nxt is None:
-            return _verdict(path, toks, own)
-        path.append(nxt)
-        node, depth = nxt, depth + 1
+        own = pick(target_probs[frontier[0] + 1], depth)
+        frontier = [c for node in frontier for c in kids[node + 1] if toks[c] == own]
+        if not frontier:
+            path: list[int] = []
+            while end >= 0:
+                path.append(end)
+                end = par[end]
+            return _verdict(path[::-1], toks, own)
+        end, depth = frontier[0], depth + 1
 
 
 class _Pick(Protocol):
@@ -162,32 +170,24 @@ def tree_coupled(
 
     At each step the target draws its own keyed sample ``argmax_v log p(v) + G(seed, t, v)`` at
     the absolute position ``t = base_position + depth``; if a child carries that token the walk
-    descends into it (the first such child), otherwise the token is emitted and the round ends.
+    descends into it, otherwise the token is emitted and the round ends (see :func:`_follow`).
     The emitted tokens are, by construction, what plain seeded sampling would emit: the rule is
-    invariant to the drafter and to the tree's shape.
+    invariant to the drafter and to the tree's shape (so it is lossless for any drafter; a
+    drafter that draws children by keyed Gumbel top-k at the same positions maximises the
+    chance that the target's sample is among them).
     """
     check_tree(tokens, parents, None, target_probs)
     return _follow(tokens, parents, target_probs, lambda row, depth: gumbel_sample(row, seed, base_position + depth))
 
 
-# ----------------------------------------------------------------------------- recursive rejection sampling
-
-
-@dataclass(frozen=True)
-class NodePlan:
-    """The deterministic half of multi-draft rejection sampling at one node.
-
-    ``accept[j]`` is the probability of accepting child j *given that children 0..j-1 were
-    rejected*; ``residual`` [V] float64 (sums to 1) is the distribution of the recovered token
-    when every child is rejected.
-    """
-
-    accept: tuple[float, ...]
-    residual: Tensor  # [V] float64
+# ----------------------------------------------------------------------------- one node's target
 
 
 def _accept_prob(p_tok: float, q_tok: float) -> float:
-    """min(1, p/q), with 0 when p = 0 (never accept a token the target cannot emit)."""
+    """min(1, p/q), and 0 when p = 0: a token the target cannot emit is never accepted.
+
+    q = 0 < p cannot happen for a token that was actually drawn from q; it is taken as 1.
+    """
     if p_tok <= 0.0:
         return 0.0
     if q_tok <= 0.0 or p_tok >= q_tok:
@@ -199,54 +199,132 @@ def _normalised(row: Tensor, fallback: Tensor) -> Tensor:  # [V] float64 -> [V] 
     mass = float(row.sum())
     if mass > 0.0:
         return row / mass
-    return fallback  # unreachable in exact arithmetic (a rejection has probability |residual|)
+    return fallback  # unreachable in exact arithmetic (see the callers)
 
 
-def node_plan(
-    p_row: Tensor,  # [V] target distribution at the node
-    child_tokens: list[int],
-    child_q: Tensor | None,  # [k, V] draft rows the children were drawn from; None => point masses
-    *,
-    siblings: SiblingMode = "iid",
-) -> NodePlan:
-    """Recursive rejection sampling over the children of one node (Jeon et al. 2024, Alg. 1).
+class NodeTarget:
+    """The target's distribution at one node while the node's children are tried (float64).
 
-    Child j is accepted with probability ``min(1, p_j(x_j) / q_j(x_j))`` where ``q_j`` is the
-    distribution x_j was drawn from *given the earlier siblings* and ``p_j`` the current residual
-    target; on rejection ``p_{j+1} = norm(max(0, p_j - q_j))``.  ``q_j`` is:
-
-    * ``"iid"``: the child's own row (siblings independent);
-    * ``"without_replacement"``: the child's row with the earlier siblings' tokens removed and
-      renormalised (the base row is what is stored);
-    * deterministic candidates (``child_q is None``): the point mass on x_j, so the acceptance
-      probability is ``p_j(x_j)`` and the residual removes x_j from ``p_j``.
+    It starts as the node's target row.  Rejecting a point-mass candidate x leaves
+    ``norm(max(0, p − δ_x))``, i.e. p without x, renormalised: that is kept as a set of removed
+    tokens, O(1) per candidate with no pass over the vocabulary.  Rejecting a candidate drawn
+    from a distribution q replaces the row by a dense residual (:meth:`set_dense`).  Nothing is
+    computed until asked for, so a leaf that is never reached or never rejected costs nothing.
     """
-    p = _normalised(p_row.double().clamp_min(0.0), p_row.double())
-    base = p
-    accept: list[float] = []
-    removed: list[int] = []
-    for j, tok in enumerate(child_tokens):
-        if child_q is None:
-            q = torch.zeros_like(p)
-            q[tok] = 1.0
-        else:
-            q = child_q[j].double().clamp_min(0.0)
-            if siblings == "without_replacement" and removed:
-                q = q.clone()
-                q[removed] = 0.0
-            q = _normalised(q, q)
-        a = _accept_prob(float(p[tok]), float(q[tok]))
-        accept.append(a)
-        removed.append(tok)
-        if a >= 1.0:  # later siblings are never reached; the residual is irrelevant
-            break
-        p = _normalised((p - q).clamp_min(0.0), base)
-    return NodePlan(accept=tuple(accept), residual=p)
+
+    def __init__(self, row: Tensor) -> None:  # row: [V] probabilities, any float dtype
+        self._row = row
+        self._total: float | None = None  # row's mass, float64
+        self._removed: dict[int, float] = {}  # removed token -> its mass in row
+        self._kept_off = 0.0  # total mass of the removed tokens
+        self._dense: Tensor | None = None  # [V] float64, sums to 1, once materialised
+
+    def prob(self, token: int) -> float:
+        """The current (normalised) probability of ``token``."""
+        if self._dense is not None:
+            return float(self._dense[token])
+        if token in self._removed:
+            return 0.0
+        if self._total is None:
+            self._total = float(self._row.sum(dtype=torch.float64))
+        kept = self._total - self._kept_off
+        return float(self._row[token]) / kept if kept > 0.0 else 0.0
+
+    def remove(self, token: int) -> None:
+        """Condition on "not ``token``" (the residual after rejecting a point mass on it)."""
+        if self._dense is not None:
+            dense = self._dense.clone()
+            dense[token] = 0.0
+            self._dense = _normalised(dense, self._dense)
+        elif token not in self._removed:
+            self._removed[token] = float(self._row[token])
+            self._kept_off += self._removed[token]
+
+    def dense(self) -> Tensor:  # -> [V] float64, sums to 1
+        if self._dense is None:
+            row = self._row.double()
+            if self._removed:
+                row = row.clone()
+                row[list(self._removed)] = 0.0
+            self._dense = _normalised(row, self._row.double())
+        return self._dense
+
+    def set_dense(self, row: Tensor) -> None:  # row: [V] float64, sums to 1
+        self._dense = row
+
+    def sample_weights(self) -> Tensor:  # -> [V] unnormalised weights of the current distribution
+        """What to sample the emitted token from (the raw row when nothing was removed)."""
+        if self._dense is None and not self._removed:
+            return self._row
+        return self.dense()
+
+
+def sibling_proposal(
+    q_row: Tensor,  # [V] the base row child j was drawn from
+    earlier: list[int],  # tokens of the earlier siblings, in index order
+    *,
+    siblings: SiblingMode,
+) -> Tensor:  # [V] float64, sums to 1
+    """The distribution child j was actually drawn from, *given its earlier siblings*.
+
+    ``"iid"``: the row itself; ``"without_replacement"``: the row with the earlier siblings'
+    tokens removed and renormalised.  (Deterministic candidates are point masses on their own
+    token whatever the mode: they are not drawn from anything.)
+    """
+    q = q_row.double()
+    if siblings == "without_replacement" and earlier:
+        q = q.clone()
+        q[earlier] = 0.0
+    return _normalised(q, q)
+
+
+def _proposal(draft_probs: Tensor | None, node: int, earlier: list[int], siblings: SiblingMode) -> Tensor | None:
+    """:func:`sibling_proposal` of ``node``; ``None`` (a point mass on its token) for candidates."""
+    if draft_probs is None:
+        return None
+    return sibling_proposal(draft_probs[node], earlier, siblings=siblings)
+
+
+def children_proposals(
+    draft_probs: Tensor | None, tokens: list[int], children: list[int], siblings: SiblingMode
+) -> list[Tensor | None]:
+    """:func:`sibling_proposal` for each child of one node, in index order (for exact laws)."""
+    return [_proposal(draft_probs, c, [tokens[s] for s in children[:j]], siblings) for j, c in enumerate(children)]
+
+
+# ----------------------------------------------------------------------------- recursive rejection sampling
+
+
+def rejection_residual(p: Tensor, q: Tensor) -> Tensor:  # [V], [V] float64 -> [V] float64
+    """The target left after rejecting a candidate drawn from q: norm(max(0, p - q)).
+
+    Its mass is TV(p, q), the probability of the rejection; at mass 0 (p = q, where rejection is
+    impossible in exact arithmetic) ``p`` is returned unchanged.
+    """
+    return _normalised((p - q).clamp_min(0.0), p)
+
+
+def rrs_accept_prob(target: NodeTarget, q: Tensor | None, token: int) -> float:
+    """Acceptance probability of a child: ``min(1, p(x) / q(x))`` at the current target, where q
+    is the law x was drawn from given its earlier siblings (a point mass: ``p(x)``)."""
+    return _accept_prob(target.prob(token), 1.0 if q is None else float(q[token]))
+
+
+def rrs_reject(target: NodeTarget, q: Tensor | None, token: int) -> None:
+    """Update the target after that child was rejected: ``p ← norm(max(0, p − q))``."""
+    if q is None:
+        target.remove(token)
+    else:
+        target.set_dense(rejection_residual(target.dense(), q))
 
 
 def _check_siblings(siblings: str) -> None:
     if siblings not in SIBLING_MODES:
         raise ValueError(f"siblings must be one of {SIBLING_MODES}; got {siblings!r}")
+
+
+def _uniform(generator: torch.Generator | None) -> float:
+    return float(torch.rand(1, generator=generator, dtype=torch.float64))
 
 
 def tree_token(
@@ -259,34 +337,42 @@ def tree_token(
     siblings: SiblingMode = "iid",
 ) -> TreeVerdict:
     """Multi-draft recursive rejection sampling over a tree (SpecInfer's multi-step speculative
-    sampling; Jeon et al. 2024, "Recursive Speculative Decoding").
+    sampling; Jeon et al. 2024, "Recursive Speculative Decoding", with the without-replacement
+    correction).
 
-    From the root: try the children in index order with :func:`node_plan`'s acceptance
-    probabilities; descend into the first accepted child; if all are rejected emit a token from
-    the final residual and stop; at an accepted leaf emit the bonus from its target row.  On a
-    chain this is token verification (Leviathan et al. 2023).
+    From the root: try the children in index order; child j is accepted with probability
+    ``min(1, p_j(x_j) / q_j(x_j))`` (:func:`rrs_accept_prob`), where ``q_j`` is the law x_j was
+    drawn from given the earlier siblings (:func:`sibling_proposal`) and ``p_j`` the current
+    target; on rejection ``p_{j+1} = norm(max(0, p_j − q_j))`` (:func:`rrs_reject`).  The walk
+    descends into the first accepted child; if all are rejected it emits a token from the last
+    residual and stops; at an accepted leaf it emits the bonus from the leaf's target row.
+
+    Each step is one ordinary rejection-sampling step whose "draw from the residual" is handed
+    to the next sibling, so the emitted token follows p whatever the proposals, provided q_j is
+    the true conditional law of x_j.  On a chain this is token verification (Leviathan et al.
+    2023).  Deterministic candidates are point masses: accept x with probability p(x), else
+    drop x from p and renormalise.
     """
     _check_siblings(siblings)
     check_tree(tokens, parents, draft_probs, target_probs)
     toks = tokens.tolist()
     kids = children_lists(parents.tolist())
+    alpha = _alpha_mean(tokens, parents, draft_probs, target_probs)
     path: list[int] = []
     node = -1
     while True:
-        row = target_probs[node + 1]
-        children = kids[node + 1]
-        if not children:
-            return _verdict(path, toks, sample_categorical(row, generator), _alpha_mean(tokens, parents, draft_probs, target_probs))
-        child_q = draft_probs[children] if draft_probs is not None else None
-        plan = node_plan(row, [toks[c] for c in children], child_q, siblings=siblings)
+        target = NodeTarget(target_probs[node + 1])
         nxt = None
-        for c, a in zip(children, plan.accept):
-            if float(torch.rand(1, generator=generator, dtype=torch.float64)) < a:
+        earlier: list[int] = []
+        for c in kids[node + 1]:
+            q = _proposal(draft_probs, c, earlier, siblings)
+            if _uniform(generator) < rrs_accept_prob(target, q, toks[c]):
                 nxt = c
                 break
-        if nxt is None:
-            last = sample_categorical(plan.residual, generator)
-            return _verdict(path, toks, last, _alpha_mean(tokens, parents, draft_probs, target_probs))
+            rrs_reject(target, q, toks[c])
+            earlier.append(toks[c])
+        if nxt is None:  # every child rejected (or a leaf): the residual (or the bonus row)
+            return _verdict(path, toks, sample_categorical(target.sample_weights(), generator), alpha)
         path.append(nxt)
         node = nxt
 
@@ -294,17 +380,93 @@ def tree_token(
 # ----------------------------------------------------------------------------- traversal verification
 
 
+def traversal_child_weight(weight: float, target: NodeTarget, q: Tensor | None, token: int) -> float:
+    """A child's sequence-level weight: ``min(1, w · p(x) / q(x))`` at its parent's current
+    weight w and target p (0 if p(x) = 0; a point mass has q(x) = 1)."""
+    return _accept_prob(weight * target.prob(token), 1.0 if q is None else float(q[token]))
+
+
+def traversal_residual(weight: float, p: Tensor, q: Tensor) -> tuple[float, Tensor]:
+    """A node's (weight, target) after the subtree of a child drawn from q was deleted.
+
+    ``r = max(0, w·p − q)``; the new weight is ``|r| / (|r| + 1 − w)`` and the new target
+    ``r / |r|`` (Sun et al. 2024's ``h`` and block residual on a chain).  The deletion had
+    probability ``1 − Σ min(q, w·p) = |r| + 1 − w``, of which ``r`` is the target mass still to
+    be produced, hence both formulas.  (0/0, which needs w = 1 and p = q where a deletion is
+    impossible, is taken as 0, as :func:`specdec.verify.block_plan` does.)
+    """
+    r = (weight * p - q).clamp_min(0.0)
+    mass = float(r.sum())
+    denom = mass + (1.0 - weight)
+    new_weight = min(1.0, mass / denom) if denom > 0.0 and mass > 0.0 else 0.0
+    return new_weight, (r / mass if mass > 0.0 else p)
+
+
+def traversal_reject(weight: float, target: NodeTarget, q: Tensor | None, token: int) -> float:
+    """Delete a child: update the node's target in place and return its new weight
+    (:func:`traversal_residual`; for a point mass on x with current probability c, the residual
+    is p without x and the weight ``w (1 − c) / (1 − w c)``, no pass over the vocabulary)."""
+    if q is None:
+        c = target.prob(token)
+        target.remove(token)
+        mass, denom = weight * (1.0 - c), 1.0 - weight * c
+        return min(1.0, mass / denom) if denom > 0.0 and mass > 0.0 else 0.0
+    new_weight, row = traversal_residual(weight, target.dense(), q)
+    target.set_dense(row)
+    return new_weight
+
+
 def tree_traversal(
     tokens: Tensor,  # [N] int64
     parents: Tensor,  # [N] int64
-    draft_probs: Tensor | None,  # [N, V]
+    draft_probs: Tensor | None,  # [N, V]; None => deterministic candidates
     target_probs: Tensor,  # [N+1, V]
     *,
     generator: torch.Generator | None = None,
     siblings: SiblingMode = "iid",
 ) -> TreeVerdict:
-    """Traversal Verification (Weng et al. 2025): not implemented yet."""
-    raise NotImplementedError("tree_traversal is not implemented yet")
+    """Traversal Verification (Weng et al. 2025), for i.i.d., without-replacement and
+    deterministic siblings; on a chain it is block verification (Sun et al. 2024, Alg. 2).
+
+    Every node carries a sequence-level weight w: the root has 1, a child x drawn from q at a
+    node with weight w and current target p gets ``min(1, w·p(x)/q(x))``.  The tree is
+    traversed in post-order (children in index order, each child's subtree before the next
+    child).  A node whose children are all deleted is kept with probability w — the path from
+    the root to it is accepted and the next token drawn from its current target — or else
+    deleted; deleting a child updates its parent's (w, p) (:func:`traversal_reject`), which sets
+    the weights of the siblings not yet visited.  The root is never deleted.
+
+    Losslessness, by induction over the tree: a node of weight w, whatever its subtree, is kept
+    (it or a descendant accepted) with total probability w, and then emits a continuation
+    distributed as the target's.  Its first child takes ``min(q, w·p)`` of that mass; the
+    remainder ``r = max(0, w·p − q)`` is left to the later siblings and the node itself, which
+    are reached with probability ``|r| + 1 − w`` and so run with weight ``|r| / (|r| + 1 − w)``
+    on target ``r / |r|``.
+    """
+    _check_siblings(siblings)
+    check_tree(tokens, parents, draft_probs, target_probs)
+    toks = tokens.tolist()
+    kids = children_lists(parents.tolist())
+
+    def visit(node: int, weight: float) -> tuple[list[int], int] | None:
+        target = NodeTarget(target_probs[node + 1])
+        earlier: list[int] = []
+        for c in kids[node + 1]:
+            q = _proposal(draft_probs, c, earlier, siblings)
+            child_weight = traversal_child_weight(weight, target, q, toks[c])
+            if child_weight > 0.0:  # a weight-0 subtree is deleted with certainty: skip it
+                found = visit(c, child_weight)
+                if found is not None:
+                    return [c, *found[0]], found[1]
+            weight = traversal_reject(weight, target, q, toks[c])
+            earlier.append(toks[c])
+        if node < 0 or _uniform(generator) < weight:
+            return [], sample_categorical(target.sample_weights(), generator)
+        return None
+
+    found = visit(-1, 1.0)
+    assert found is not None  # the root is never deleted
+    return _verdict(found[0], toks, found[1], _alpha_mean(tokens, parents, draft_probs, target_probs))
 
 
 # ----------------------------------------------------------------------------- registry
@@ -341,6 +503,7 @@ TREE_RULES: dict[str, TreeRule] = {
     for r in (
         TreeRule("tree_greedy", tree_greedy, True, "argmax", False, needs_target_probs=False, greedy_only=True),
         TreeRule("tree_token", tree_token, True, "multinomial", True),
+        TreeRule("tree_traversal", tree_traversal, True, "multinomial", True),
         TreeRule("tree_coupled", tree_coupled, True, "gumbel", False),
     )
 }
@@ -349,7 +512,7 @@ TREE_RULES: dict[str, TreeRule] = {
 CHAIN_TO_TREE: dict[str, str] = {
     "greedy": "tree_greedy",
     "token": "tree_token",
-    "block": "tree_token",  # until tree_traversal lands
+    "block": "tree_traversal",
     "coupled": "tree_coupled",
 }
 
