@@ -30,7 +30,7 @@ N_NEW = 3
 PROMPT = [1, 2]
 TARGET = ToyLM(4, order=2, seed=0)
 DRAFT = TARGET.perturbed(1.0, seed=1)
-SAMPLED = TreeSpec(shape="static", branching=(2, 2, 1), width=2, sample=True)
+SAMPLED = TreeSpec(sample_branching=(2, 2, 1), sample_width=2)  # siblings drawn from q at T > 0
 
 OPTIONS = {
     "temperature": SamplingConfig(temperature=0.7),
@@ -58,8 +58,9 @@ def _samples(method: str, cfg: SamplingConfig, spec: TreeSpec, *, drafter=None, 
         ("token", "temperature", SAMPLED),  # siblings drawn without replacement, q reported
         ("token", "repetition_penalty", SAMPLED),
         ("token", "top_p", replace(SAMPLED, siblings="iid")),  # siblings drawn independently
-        ("token", "freq_presence", TreeSpec(shape="dynamic", width=2)),  # deterministic top-k, probs None
-        ("block", "top_k", SAMPLED),
+        ("token", "freq_presence", TreeSpec(shape="dynamic", width=2, sample=False)),  # top-k candidates, no q
+        ("block", "top_k", SAMPLED),  # traversal verification
+        ("block", "temperature", TreeSpec(shape="static", sample=False)),
         ("coupled", "temperature", TreeSpec(shape="dynamic", width=2)),
     ],
 )

@@ -29,6 +29,8 @@ TREE_WIDTH = 4
 TREE_DEPTH = 6
 TREE_BRANCHING = (4, 2, 2, 1, 1, 1)
 TREE_NODES = 16
+TREE_SAMPLE_BRANCHING = (3, 2, 1, 1, 1, 1, 1, 1)  # sampled trees (T > 0): static, siblings drawn from q
+TREE_SAMPLE_WIDTH = 2
 TREE_BUDGETS = (4, 8, 16, 32)  # node budgets the tree controller chooses from
 DEFAULT_TREE = "chain"  # chain | auto | N
 

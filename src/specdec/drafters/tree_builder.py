@@ -6,10 +6,12 @@
   cumulative draft probability, ``width`` children each, then re-rank every node by cumulative
   probability and keep the best N (prefix-closed because a child never beats its parent).
 
-Candidates: deterministic top-k of the draft distribution (greedy, and at T > 0 with
-``probs=None``: any rule treats them as point masses), the keyed Gumbel sample first for coupled
-verification, or, with ``sample=True`` at T > 0, siblings drawn from q (independently or
-without replacement) with q reported.  A sampled tree is never pruned after drawing: which
+Candidates: deterministic top-k of the draft distribution (greedy; at T > 0 with ``sample``
+off, reported without q, which every rule treats as point masses), the keyed Gumbel sample first
+for coupled verification, or (the default at T > 0 under a rule that reads q) a static tree whose
+siblings are drawn from q, independently or without replacement, with q reported: a drawn
+sibling is accepted with probability min(1, p/q) instead of p(x), which at T = 1 makes sampled
+trees clearly better than top-k candidates.  A sampled tree is never pruned after drawing: which
 nodes are expanded and how many children each gets is fixed before their children are drawn,
 so every node's children are honest draws from its q.
 """
@@ -38,16 +40,26 @@ class TreeSpec:
     width: int = defaults.TREE_WIDTH  # nodes expanded per level (dynamic: also children per node)
     depth: int = defaults.TREE_DEPTH  # most levels
     branching: tuple[int, ...] = defaults.TREE_BRANCHING  # static: children per node at each depth
-    sample: bool = False  # T > 0 multinomial: draw siblings from q (probs reported)
+    #: at T > 0 under a rule that reads q: draw siblings from q and report it (a static tree of
+    #: ``sample_branching`` children per expanded node, ``sample_width`` nodes expanded per
+    #: level); False keeps deterministic top-k candidates (no q) at every temperature
+    sample: bool = True
+    sample_branching: tuple[int, ...] = defaults.TREE_SAMPLE_BRANCHING
+    sample_width: int = defaults.TREE_SAMPLE_WIDTH
     siblings: SiblingMode = "without_replacement"
 
     def __post_init__(self) -> None:
         if self.shape not in ("static", "dynamic"):
             raise ConfigError(f"tree shape must be static or dynamic, not {self.shape!r}")
-        if self.width < 1 or self.depth < 1 or not self.branching or min(self.branching) < 1:
-            raise ConfigError("tree width, depth and branching must be positive")
+        if self.width < 1 or self.depth < 1 or self.sample_width < 1:
+            raise ConfigError("tree width and depth must be positive")
+        for shape in (self.branching, self.sample_branching):
+            if not shape or min(shape) < 1:
+                raise ConfigError("tree branching factors must be positive")
 
-    def children(self, depth: int) -> int:
+    def children(self, depth: int, sampled: bool = False) -> int:
+        if sampled:
+            return self.sample_branching[depth]
         if self.shape == "dynamic":
             return self.width
         return self.branching[min(depth, len(self.branching) - 1)]
@@ -59,7 +71,7 @@ class Expand(Protocol):
         ...
 
 
-def _candidates(row: Tensor, k: int, sampler: DraftSampler, spec: TreeSpec, position: int) -> list[tuple[int, float]]:
+def _candidates(row: Tensor, k: int, sampler: DraftSampler, spec: TreeSpec, position: int, sampled: bool) -> list[tuple[int, float]]:
     """Up to ``k`` child tokens of one node and their log draft probabilities."""
     if sampler.mode == "argmax":
         logq = torch.log_softmax(row.double(), -1)
@@ -67,7 +79,7 @@ def _candidates(row: Tensor, k: int, sampler: DraftSampler, spec: TreeSpec, posi
         return [(int(t), float(v)) for t, v in zip(idx, vals)]
     q = row.double()
     logq = q.log()
-    if sampler.mode == "gumbel" or not spec.sample or sampler.deterministic:
+    if not sampled:
         first = [gumbel_sample(row, sampler.noise_seed, position)] if sampler.mode == "gumbel" else []
         idx = [int(t) for t in q.topk(min(k + 1, q.numel())).indices if q[t] > 0]
         toks = (first + [t for t in idx if t not in first])[:k]
@@ -106,24 +118,26 @@ def build_tree(
     sampled = spec.sample and sampler.mode == "multinomial" and not sampler.deterministic
     prune = spec.shape == "dynamic" and not sampled
     cap = budget if not prune else budget * spec.width + spec.width
+    width = spec.sample_width if sampled else spec.width
+    depth = min(len(spec.sample_branching) if sampled else spec.depth, max_depth)
     level: list[int] = [-1]
     dists = sampler.tree_rows(root_logits)  # [1, V]
-    for d in range(min(spec.depth, max_depth)):
+    for d in range(depth):
         new: list[int] = []
         for parent, row in zip(level, dists):
             room = cap - len(toks)
             if room <= 0:
                 break
-            for tok, lq in _candidates(row, min(spec.children(d), room), sampler, spec, position + d):
+            for tok, lq in _candidates(row, min(spec.children(d, sampled), room), sampler, spec, position + d, sampled):
                 toks.append(tok)
                 pars.append(parent)
                 score.append((score[parent] if parent >= 0 else 0.0) + lq)
                 if sampled:
                     rows.append(row)
                 new.append(len(toks) - 1)
-        if not new or d + 1 >= min(spec.depth, max_depth) or len(toks) >= cap:
+        if not new or d + 1 >= depth or len(toks) >= cap:
             break
-        level = sorted(new, key=lambda i: (-score[i], i))[: spec.width]
+        level = sorted(new, key=lambda i: (-score[i], i))[:width]
         level.sort()
         dists = sampler.tree_rows(expand(level, toks, pars))  # [len(level), V]
     keep = list(range(len(toks)))
