@@ -343,7 +343,9 @@ NEGATIVE = {
     # without-replacement rule on i.i.d. siblings
     "token-wor-on-iid": dict(rule="token", draft="iid", claimed="without_replacement", patch=None),
     # residual not updated after a rejected sibling
-    "token-no-residual": dict(rule="token", draft="iid", claimed="iid", patch=("rejection_residual", _no_residual_update)),
+    "token-no-residual": dict(
+        rule="token", draft="iid", claimed="iid", patch=("rejection_residual", _no_residual_update)
+    ),
     # traversal: the parent's new weight is |r| instead of |r| / (|r| + 1 - w)
     "traversal-unconditional": dict(
         rule="traversal", draft="iid", claimed="iid", patch=("traversal_residual", _traversal_unconditional_weight)

@@ -65,7 +65,9 @@ def check_tree(tokens: Tensor, parents: Tensor, draft_probs: Tensor | None, targ
     """Validate shapes and topology; return N.  Raises ``ValueError`` on a malformed tree."""
     n = tokens.numel()
     if tokens.dim() != 1 or parents.dim() != 1 or parents.numel() != n:
-        raise ValueError(f"expected tokens [N] and parents [N]; got {tuple(tokens.shape)} and {tuple(parents.shape)}")
+        raise ValueError(
+            f"expected tokens [N] and parents [N]; got {tuple(tokens.shape)} and {tuple(parents.shape)}"
+        )
     if target_probs.dim() != 2 or target_probs.shape[0] != n + 1:
         raise ValueError(f"expected target_probs [N+1, V] with N={n}; got {tuple(target_probs.shape)}")
     if draft_probs is not None and tuple(draft_probs.shape) != (n, target_probs.shape[1]):
@@ -93,7 +95,9 @@ def depths(parents: list[int]) -> list[int]:
     return out
 
 
-def _alpha_mean(tokens: Tensor, parents: Tensor, draft_probs: Tensor | None, target_probs: Tensor) -> float | None:
+def _alpha_mean(
+    tokens: Tensor, parents: Tensor, draft_probs: Tensor | None, target_probs: Tensor
+) -> float | None:
     if tokens.numel() == 0:
         return None
     p_x = target_probs[parents + 1, tokens].double()  # [N]
@@ -278,7 +282,9 @@ def sibling_proposal(
     return _normalised(q, q)
 
 
-def _proposal(draft_probs: Tensor | None, node: int, earlier: list[int], siblings: SiblingMode) -> Tensor | None:
+def _proposal(
+    draft_probs: Tensor | None, node: int, earlier: list[int], siblings: SiblingMode
+) -> Tensor | None:  # [V] float64 or None
     """:func:`sibling_proposal` of ``node``; ``None`` (a point mass on its token) for candidates."""
     if draft_probs is None:
         return None
@@ -289,7 +295,8 @@ def children_proposals(
     draft_probs: Tensor | None, tokens: list[int], children: list[int], siblings: SiblingMode
 ) -> list[Tensor | None]:
     """:func:`sibling_proposal` for each child of one node, in index order (for exact laws)."""
-    return [_proposal(draft_probs, c, [tokens[s] for s in children[:j]], siblings) for j, c in enumerate(children)]
+    earlier = [tokens[c] for c in children]
+    return [_proposal(draft_probs, c, earlier[:j], siblings) for j, c in enumerate(children)]
 
 
 # ----------------------------------------------------------------------------- recursive rejection sampling
