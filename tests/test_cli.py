@@ -181,7 +181,7 @@ def test_models_says_what_is_installed(capsys):
     assert status["smollm2-135m-draft"] == "bundled"
     assert set(status.values()) <= {"bundled", "ready", "installed", "missing"}
     code, out, _ = _run(capsys, "models")
-    assert "status: installed (bundled with specdec)" in out
+    assert "status: available (part of specdec)" in out
 
 
 def test_bench_help_documents_every_flag_and_its_default():

@@ -101,6 +101,7 @@ def build_parser() -> argparse.ArgumentParser:
     _add_models(gen)
     gen.add_argument("--method", "-m", help=f"verification rule: {', '.join(method_names())} (default: greedy at temperature 0; coupled with --seed; block otherwise)")
     gen.add_argument("--gamma", "-g", default=defaults.DEFAULT_GAMMA, help="draft length: an integer >= 1, 'auto' (cost-based, default) or 'guide' (start 6, range 3-12)")
+    gen.add_argument("--tree", default=defaults.DEFAULT_TREE, help="token trees: 'chain' (default: one candidate per position), 'auto' (node budget chosen per round from measured cost and acceptance; falls back to a chain or to no drafting) or a node count N")
     gen.add_argument("--min-confidence", type=float, default=None, help="dynamic draft length: end a draft after a token the drafter gives less than this probability (default 0 = off; lossless)")
     gen.add_argument("--json", action="store_true", help="print one JSON object: text, token_ids, stats")
     gen.add_argument("--rounds", action="store_true", help="with --json, include per-round stats")
@@ -160,7 +161,7 @@ _EXTRA_COMMANDS: list = [_add_serve, _add_bench, _add_train]
 
 
 def _cmd_generate(args: argparse.Namespace) -> int:
-    from specdec.engine import Engine, EngineConfig, parse_gamma
+    from specdec.engine import Engine, EngineConfig, parse_gamma, parse_tree
 
     if args.prompt is None and not args.interactive:
         raise SpecdecError("generate needs --prompt (or --interactive)")
@@ -171,6 +172,7 @@ def _cmd_generate(args: argparse.Namespace) -> int:
     prompt = sys.stdin.read() if args.prompt == "-" else (args.prompt or "")
     sampling = _sampling_from(args)
     gamma = parse_gamma(args.gamma)
+    tree = parse_tree(args.tree)
     if args.method:
         from specdec.verify import get_rule
 
@@ -180,6 +182,8 @@ def _cmd_generate(args: argparse.Namespace) -> int:
     if not prompt.strip() and not args.interactive:
         raise SpecdecError("the prompt is empty")
     if args.remote:  # edge-cloud: draft here, verify on a `specdec serve` server
+        if tree != "chain":
+            raise SpecdecError("--tree with --remote is not supported yet; use --tree chain")
         from specdec.remote.command import run_generate
 
         return run_generate(args, prompt, sampling, gamma)
@@ -188,10 +192,10 @@ def _cmd_generate(args: argparse.Namespace) -> int:
     engine = Engine.build(EngineConfig(target=args.target, draft=args.draft, backend=args.backend, dtype=args.dtype, draft_dtype=args.draft_dtype, batch_invariant=not args.fast_attention), progress=log)
     on_text = None if quiet else (lambda text: (sys.stdout.write(text), sys.stdout.flush()))
     if args.interactive:
-        return _chat_loop(engine, args, sampling, gamma, first=prompt.strip() or None, on_text=on_text)
+        return _chat_loop(engine, args, sampling, gamma, first=prompt.strip() or None, on_text=on_text, tree=tree)
     ids = engine.encode_messages(_messages(args.system, [prompt])) if args.chat else prompt
     out = engine.generate(ids, sampling, method=args.method, gamma=gamma, on_text=on_text,
-                          min_confidence=args.min_confidence)
+                          min_confidence=args.min_confidence, tree=tree)
     st = out.stats
     if args.json:
         payload = {"text": out.text, "token_ids": out.token_ids, "stats": st.to_dict()}
@@ -214,6 +218,7 @@ def summary_line(st) -> str:  # noqa: ANN001 - GenerationStats
     return (
         f"{head} | {st.tokens_per_target_call:.2f} tokens/target call | acceptance {st.acceptance_rate:.2f} "
         f"| method {st.method}, draft {st.drafter}, gamma {st.gamma_policy} (mean {st.mean_gamma:.1f}){lossy}"
+        + (f" | {st.tree_rounds} tree rounds, accepted-length histogram {st.accepted_histogram}" if st.tree_rounds else "")
     )
 
 
@@ -224,7 +229,7 @@ def _messages(system: str | None, turns: list[str]) -> list[dict[str, str]]:
 
 
 def _chat_loop(engine, args: argparse.Namespace, sampling: SamplingConfig, gamma, *, first: str | None,  # noqa: ANN001
-               on_text) -> int:  # noqa: ANN001
+               on_text, tree: str | int = "chain") -> int:  # noqa: ANN001
     """Interactive multi-turn chat: the whole conversation is re-encoded with the chat template each turn."""
     from dataclasses import replace
 
@@ -247,7 +252,7 @@ def _chat_loop(engine, args: argparse.Namespace, sampling: SamplingConfig, gamma
         # with a seed, turn k uses seed + k: reproducible conversations, not a repeated noise stream
         turn_sampling = replace(sampling, seed=sampling.seed + n) if sampling.seed is not None else sampling
         out = engine.generate(engine.encode_messages(_messages(args.system, turns)), turn_sampling, method=args.method,
-                              gamma=gamma, on_text=on_text, min_confidence=args.min_confidence)
+                              gamma=gamma, on_text=on_text, min_confidence=args.min_confidence, tree=tree)
         sys.stdout.write("\n")
         sys.stdout.flush()
         print(summary_line(out.stats), file=sys.stderr)
@@ -270,7 +275,7 @@ def _cmd_models(args: argparse.Namespace) -> int:
     if args.json:
         print(json.dumps(rows, indent=2))
     else:
-        said = {"bundled": "installed (bundled with specdec)", "ready": "installed and prepared",
+        said = {"bundled": "available (part of specdec)", "ready": "installed and prepared",
                 "installed": "installed; prepared on first use (or now: specdec setup NAME)", "missing": "not installed"}
         for r in rows:
             draft = f" (draft: {r['default_draft']})" if r["default_draft"] else ""

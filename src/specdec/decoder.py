@@ -17,6 +17,7 @@ from torch import Tensor
 
 from specdec import defaults
 from specdec.drafters.base import Draft, Drafter, DraftSampler
+from specdec.drafters.tree_builder import TreeSpec
 from specdec.gamma import FixedGamma, GammaController
 from specdec.models.base import LanguageModel
 from specdec.sampling import PenaltyState, SamplingConfig
@@ -34,6 +35,7 @@ class RoundStats:
     verify_ms: float
     alpha_mean: float | None = None  # mean min(1, p/q) over the draft (probabilistic rules)
     cumulative_acceptance: float = 0.0  # accepted / proposed over all rounds so far (A_cum)
+    tree: bool = False  # the draft was a token tree (gamma = its node count)
 
     @property
     def accept_ratio(self) -> float:
@@ -65,6 +67,9 @@ class GenerationStats:
     verify_s: float
     kv_peak_bytes: int
     finish_reason: str
+    #: rounds by accepted draft length: accepted_histogram[k] = rounds that kept k draft tokens
+    accepted_histogram: list[int] = field(default_factory=list)
+    tree_rounds: int = 0  # rounds whose draft was a token tree
 
     def to_dict(self) -> dict:
         return asdict(self)
@@ -101,6 +106,7 @@ class SpeculativeDecoder:
         drafter_name: str = "",
         q_top_k: int | None = None,
         min_confidence: float = 0.0,
+        tree: TreeSpec | None = None,
     ) -> None:
         self.target = target
         self.drafter = drafter
@@ -110,6 +116,9 @@ class SpeculativeDecoder:
         self.drafter_name = drafter_name or ("none" if drafter is None else type(drafter).__name__)
         self.q_top_k = q_top_k  # draft-only truncation of q (sparse-q wire mode)
         self.min_confidence = min_confidence  # dynamic draft length (see DraftSampler)
+        #: token trees: how the drafter grows them (the γ controller's number is then the node
+        #: budget); drafters without tree support keep drafting chains
+        self.tree = tree if tree is not None and getattr(drafter, "supports_trees", False) else None
 
     def generate(
         self,
@@ -151,7 +160,9 @@ class SpeculativeDecoder:
         while len(generated) < max_new:
             remaining = max_new - len(generated)
             t0 = time.perf_counter()
-            g = min(self.gamma.next_gamma(), remaining - 1, defaults.MAX_GAMMA) if drafter is not None else 0
+            tree = self.tree if self.tree is not None and getattr(self.gamma, "tree_round", True) else None
+            limit = defaults.MAX_TREE_NODES if tree is not None else min(remaining - 1, defaults.MAX_GAMMA)
+            g = min(self.gamma.next_gamma(), limit) if drafter is not None and remaining > 1 else 0
             draft = empty
             if g > 0:
                 sampler = DraftSampler(
@@ -164,7 +175,10 @@ class SpeculativeDecoder:
                     q_top_k=self.q_top_k,
                     min_confidence=self.min_confidence,
                 )
-                draft = drafter.propose(verifier.context, g, sampler)
+                if tree is not None:
+                    draft = drafter.propose_tree(verifier.context, g, sampler, tree, max_depth=remaining - 1)  # type: ignore[attr-defined]
+                else:
+                    draft = drafter.propose(verifier.context, g, sampler)
             t1 = time.perf_counter()
             outcome = verifier.verify(draft)
             verdict = outcome.verdict
@@ -191,6 +205,7 @@ class SpeculativeDecoder:
                     drafted, verdict.num_accepted, len(new), (t1 - t0) * 1e3, outcome.target_s * 1e3, other_s * 1e3,
                     alpha_mean=verdict.alpha_mean,
                     cumulative_acceptance=accepted_so_far / proposed_so_far if proposed_so_far else 0.0,
+                    tree=draft.parents is not None,
                 )
             )
             self.gamma.update(gamma=drafted, accepted=verdict.num_accepted, draft_s=t1 - t0, target_s=outcome.target_s, other_s=other_s)
@@ -244,4 +259,6 @@ class SpeculativeDecoder:
             verify_s=sum(r.verify_ms for r in rounds) / 1e3,
             kv_peak_bytes=int(kv_peak),
             finish_reason=finish,
+            accepted_histogram=[sum(1 for r in rounds if r.accepted == k) for k in range(max((r.accepted for r in rounds), default=-1) + 1)],
+            tree_rounds=sum(1 for r in rounds if r.tree),
         )

@@ -24,6 +24,17 @@ COST_GAMMA_PRIOR_ACCEPT = 0.7
 DEFAULT_GAMMA = "auto"
 #: bound on γ accepted from users (CLI and server)
 MAX_GAMMA = 64
+# token trees: most nodes one verification pass may score
+MAX_TREE_NODES = 64
+TREE_SHAPE = "dynamic"
+TREE_WIDTH = 4
+TREE_DEPTH = 6
+TREE_BRANCHING = (4, 2, 2, 1, 1, 1)
+TREE_NODES = 16
+TREE_SAMPLE_BRANCHING = (3, 2, 1, 1, 1, 1, 1, 1)  # sampled trees (T > 0): static, siblings drawn from q
+TREE_SAMPLE_WIDTH = 2
+TREE_BUDGETS = (4, 8, 16, 32)  # node budgets the tree controller chooses from
+DEFAULT_TREE = "chain"  # chain | auto | N
 
 # n-gram drafter
 NGRAM_MAX = 3

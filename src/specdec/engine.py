@@ -18,7 +18,8 @@ from specdec.drafters import ModelDrafter, NgramDrafter
 from specdec.drafters import self_spec
 from specdec.drafters.base import Drafter
 from specdec.errors import ConfigError
-from specdec.gamma import CostGamma, FixedGamma, GammaController, GuideGamma
+from specdec.drafters.tree_builder import TreeSpec
+from specdec.gamma import CostGamma, FixedGamma, GammaController, GuideGamma, TreeBudget
 from specdec.models.registry import LoadedModel, check_compatible, load
 from specdec.sampling import SamplingConfig
 from specdec.session import TargetSession
@@ -141,6 +142,30 @@ def make_gamma(spec: str | int, *, extra_target_s: float = 0.0) -> GammaControll
     return FixedGamma(int(spec))
 
 
+def parse_tree(value: str | int) -> str | int:
+    """``chain`` (no trees), ``auto`` (node budget from the cost controller) or a node count N."""
+    text = str(value).strip().lower()
+    if text in ("chain", "auto"):
+        return text
+    try:
+        n = int(text)
+    except ValueError:
+        raise ConfigError(f"tree must be 'chain', 'auto' or a node count, got {value!r}") from None
+    if not 1 <= n <= defaults.MAX_TREE_NODES:
+        raise ConfigError(f"tree node count must be between 1 and {defaults.MAX_TREE_NODES}, got {n}")
+    return n
+
+
+def make_tree(tree: str | int, gamma: GammaController) -> tuple[TreeSpec | None, GammaController]:
+    """The tree spec and the controller for a ``--tree`` value (``chain`` keeps ``gamma``)."""
+    tree = parse_tree(tree)
+    if tree == "chain":
+        return None, gamma
+    if tree == "auto":
+        return TreeSpec(), TreeBudget()
+    return TreeSpec(), FixedGamma(int(tree))
+
+
 @dataclass
 class TextResult:
     text: str
@@ -188,14 +213,21 @@ class Engine:
         return cls(target, ModelDrafter(draft.model), draft.name, draft)
 
     def decoder(
-        self, rule: Rule, gamma: str | int = defaults.DEFAULT_GAMMA, *, min_confidence: float | None = None,
+        self,
+        rule: Rule,
+        gamma: str | int = defaults.DEFAULT_GAMMA,
+        *,
+        min_confidence: float | None = None,
         ignore_eos: bool = False,
+        tree: str | int = defaults.DEFAULT_TREE,
     ) -> SpeculativeDecoder:
+        spec, controller = make_tree(tree, make_gamma(gamma))
         return SpeculativeDecoder(
             self.target.model,
             self.drafter,
             rule,
-            gamma=make_gamma(gamma),
+            gamma=controller,
+            tree=spec,
             eos_ids=frozenset() if ignore_eos else self.target.eos_ids,
             drafter_name=self.drafter_name,
             min_confidence=defaults.MIN_CONFIDENCE if min_confidence is None else min_confidence,
@@ -220,6 +252,7 @@ class Engine:
         min_confidence: float | None = None,
         logprobs: int | None = None,
         ignore_eos: bool = False,
+        tree: str | int = defaults.DEFAULT_TREE,
     ) -> TextResult:
         """Decode ``prompt``; ``logprobs`` (k >= 0) records each emitted token's log-probability
         under the target's processed law and the k most likely alternatives; ``ignore_eos``
@@ -230,7 +263,7 @@ class Engine:
             raise ConfigError("the prompt is empty")
         sink = TextSink(self.target.tokenizer, sampling.stop, on_text)
         stop = StopStrings(self.target.tokenizer, sampling.stop) if sampling.stop else None
-        decoder = self.decoder(rule, gamma, min_confidence=min_confidence, ignore_eos=ignore_eos)
+        decoder = self.decoder(rule, gamma, min_confidence=min_confidence, ignore_eos=ignore_eos, tree=tree)
         session = None
         if logprobs is not None:  # the decoder and the session must share the seed
             if sampling.seed is None:

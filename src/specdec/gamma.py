@@ -172,3 +172,70 @@ class CostGamma:
         # grow one step at a time: positions never tried are extrapolated, not measured
         tried = max((k + 1 for k in range(self.max_gamma) if self._tries[k] > 0), default=0)
         self._gamma = min(choice, tried + 1)
+
+
+@dataclass
+class TreeBudget:
+    """Node budget per round for token trees, falling back to a chain (or to no drafting).
+
+    Each choice ("arm") is a tree of ``sizes[i]`` nodes, or a chain whose γ the cost controller
+    :class:`CostGamma` picks (γ = 0 there is plain decoding).  The rate of every arm, tokens per
+    second of a whole round, is a decayed ratio of measured tokens (accepted + 1) to measured
+    seconds (draft + verification + overhead): it carries the verification cost curve (a tree
+    of N nodes costs a target pass over N + 1 positions) and the acceptance the tree achieved.
+    After trying every arm once (largest tree first) the controller plays the best arm and,
+    every ``probe_every`` rounds, re-measures the arm adjacent to it so a change shows.
+    """
+
+    sizes: tuple[int, ...] = defaults.TREE_BUDGETS
+    decay: float = defaults.COST_GAMMA_DECAY
+    probe_every: int = defaults.COST_GAMMA_PROBE_EVERY
+    chain: CostGamma = field(default_factory=CostGamma)
+    _tokens: dict[int, float] = field(default_factory=dict)  # arm -> decayed tokens (arm 0 = chain)
+    _seconds: dict[int, float] = field(default_factory=dict)
+    _arm: int = -1
+    _rounds: int = 0
+
+    def __post_init__(self) -> None:
+        if not self.sizes or min(self.sizes) < 1:
+            raise ValueError("tree budgets must be positive")
+        self._arm = max(self.sizes)
+
+    @property
+    def name(self) -> str:
+        return "tree-auto"
+
+    @property
+    def arms(self) -> list[int]:
+        return [0, *sorted(self.sizes)]
+
+    @property
+    def tree_round(self) -> bool:
+        """Whether the next round drafts a tree (else a chain of ``next_gamma()`` tokens)."""
+        return self._arm > 0
+
+    def next_gamma(self) -> int:
+        return self._arm if self._arm > 0 else self.chain.next_gamma()
+
+    def rate(self, arm: int) -> float | None:
+        s = self._seconds.get(arm)
+        return self._tokens[arm] / s if s else None
+
+    def update(self, *, gamma: int, accepted: int, draft_s: float, target_s: float, other_s: float) -> None:
+        arm = self._arm
+        if arm == 0:
+            self.chain.update(gamma=gamma, accepted=accepted, draft_s=draft_s, target_s=target_s, other_s=other_s)
+        d = self.decay
+        self._tokens[arm] = self._tokens.get(arm, 0.0) * d + accepted + 1
+        self._seconds[arm] = self._seconds.get(arm, 0.0) * d + draft_s + target_s + other_s
+        self._rounds += 1
+        untried = [a for a in sorted(self.arms, reverse=True) if a not in self._seconds]
+        if untried:
+            self._arm = untried[0]
+            return
+        best = max(self.arms, key=lambda a: self.rate(a) or 0.0)
+        if self._rounds % self.probe_every == 0:
+            i = self.arms.index(best)
+            near = [self.arms[j] for j in (i - 1, i + 1) if 0 <= j < len(self.arms)]
+            best = near[(self._rounds // self.probe_every) % len(near)]
+        self._arm = best

@@ -173,6 +173,16 @@ def _apply_penalties(
     if n > 1:
         extra[torch.arange(1, n), draft[: n - 1]] = 1.0
         extra = extra.cumsum(0)
+    return penalise_with_extra(logits, cfg, state, extra)
+
+
+def penalise_with_extra(
+    logits: Tensor,  # [n, V]
+    cfg: SamplingConfig,
+    state: PenaltyState,
+    extra: Tensor,  # [n, V] float32: row i's occurrences of each token beyond ``state``
+) -> Tensor:
+    """Penalties where row i has seen ``state`` plus ``extra[i]`` (token trees: each node's path)."""
     logits = logits.clone()
     if cfg.repetition_penalty != 1.0:
         seen = state.seen.unsqueeze(0) | (extra > 0)  # [n, V]

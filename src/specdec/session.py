@@ -24,12 +24,16 @@ from specdec.models.base import LanguageModel
 from specdec.sampling import (
     PenaltyState,
     SamplingConfig,
+    penalise_with_extra,
     penalised_logits,
     process_logits,
     target_logprobs,
     top_logprobs,
+    with_overrides,
 )
+from specdec.tree import check_parents, depths, paths, with_root
 from specdec.verify import Rule, Verdict
+from specdec.verify_tree import TreeRule, get_tree_rule
 
 
 @dataclass(frozen=True)
@@ -101,7 +105,9 @@ class TargetSession:
         self._ctx[:n] = prompt_t
         self._n = n
         self.penalties = PenaltyState.start(prompt_t, model.vocab_size) if cfg.needs_state else None
-        self.cache = model.new_cache(capacity)
+        # room for a token tree's extra branches beyond the context's own capacity
+        self.cache = model.new_cache(min(model.max_length, capacity + defaults.MAX_TREE_NODES))
+        self._tree_rule: TreeRule | None = None
         started = time.perf_counter()
         if n > 1:
             model.forward(prompt_t[:-1], self.cache, last_only=True)
@@ -125,7 +131,10 @@ class TargetSession:
 
         ``max_tokens`` (>= 1) commits at most that many of the verdict's tokens (a length limit: the
         kept ones are exactly what an unlimited round gives, cut where plain decoding would stop).
+        A draft with ``parents`` is a token tree (see :meth:`_verify_tree`).
         """
+        if draft.parents is not None:
+            return self._verify_tree(draft, max_tokens=max_tokens)
         gamma = draft.tokens.numel()
         if self._n + gamma + 1 > self._ctx.numel():
             raise ContextLengthError(f"the sequence would exceed its context of {self._ctx.numel()} tokens")
@@ -158,5 +167,82 @@ class TargetSession:
             self.penalties.append(verdict.tokens)
         return Outcome(verdict=verdict, target_s=t1 - t0, verify_s=time.perf_counter() - t1)
 
+    def _verify_tree(self, draft: Draft, *, max_tokens: int | None = None) -> Outcome:
+        """One tree round: score ``[last committed] + nodes`` with tree attention, keep one path.
+
+        Each node's target row is processed with the node's own path as penalty context; the
+        tree rule is the chain rule's tree counterpart (:func:`specdec.verify_tree.get_tree_rule`).
+        """
+        tokens, parents = draft.tokens, draft.parents
+        assert parents is not None
+        n = tokens.numel()
+        check_parents(parents, n)
+        forward_tree = getattr(self.model, "forward_tree", None)
+        if forward_tree is None:
+            raise ConfigError("token trees need a backend with tree attention (the native backend, not hf)")
+        if self.cfg.constraint is not None or self.logprobs is not None:
+            raise ConfigError("token trees do not support structured output or logprobs yet; use --tree chain")
+        if self._tree_rule is None:
+            self._tree_rule = get_tree_rule(self.rule.name)
+        rule = self._tree_rule
+        depth = int(depths(parents).max()) + 1 if n else 0
+        base = self.cache.length
+        if self._n + depth + 1 > self._ctx.numel() or base + n + 1 > getattr(self.cache, "max_length", base + n + 1):
+            raise ContextLengthError(f"the sequence would exceed its context of {self._ctx.numel()} tokens")
+        t0 = time.perf_counter()
+        logits = forward_tree(torch.cat([self._ctx[self._n - 1 : self._n], tokens]), with_root(parents), self.cache)  # [N+1, V]
+        t1 = time.perf_counter()
+        scores = tree_scores(logits, self.cfg, self.penalties, tokens, parents, probs=rule.needs_target_probs)
+        extra: dict[str, object] = {}
+        if rule.draft_sampling == "gumbel":
+            extra = {"seed": self.seed, "base_position": self._n}
+        elif rule.needs_draft_probs:
+            extra = {"siblings": draft.siblings}
+        tv = rule.fn(tokens, parents, draft.probs, scores, generator=self.generator, **extra)
+        if max_tokens is not None and tv.tokens.numel() > max_tokens:  # a length limit, as for chains
+            tv = replace(tv, path=tuple(tv.path[: max_tokens - 1]), tokens=tv.tokens[:max_tokens].clone())
+        keep = torch.tensor([0, *(1 + i for i in tv.path)], dtype=torch.long)  # [k+1] rows of the pass
+        if bool((keep == torch.arange(keep.numel())).all()):
+            self.cache.truncate(base + keep.numel())  # the path is a prefix of the node order
+        else:
+            self.cache.compact(base + keep, base)  # O(path) copy
+        verdict = Verdict(num_accepted=len(tv.path), tokens=tv.tokens, alpha_mean=tv.alpha_mean, path=tuple(tv.path))
+        k = verdict.tokens.numel()
+        self._ctx[self._n : self._n + k] = verdict.tokens
+        self._n += k
+        if self.penalties is not None:
+            self.penalties.append(verdict.tokens)
+        return Outcome(verdict=verdict, target_s=t1 - t0, verify_s=time.perf_counter() - t1, metrics={"tree_nodes": n})
+
     def close(self) -> None:
         pass
+
+
+def tree_scores(
+    logits: Tensor,  # [N+1, V]: row 0 at the root, row i+1 after node i
+    cfg: SamplingConfig,
+    penalties: PenaltyState | None,
+    tokens: Tensor,  # [N] int64
+    parents: Tensor,  # [N] int64
+    *,
+    probs: bool,
+) -> Tensor:  # [N+1, V]
+    """Target rows of a tree, each processed as if its node's path had been generated.
+
+    On a chain this is exactly what the chain path computes (row i sees draft[:i]); ``probs``
+    False gives penalised logits (all greedy needs), True the sampled-from probabilities.
+    """
+    if cfg.logit_bias:  # step 0 comes before the penalties, as in penalised_logits
+        logits = penalised_logits(logits, with_overrides(cfg, repetition_penalty=1.0, frequency_penalty=0.0,
+                                                          presence_penalty=0.0, constraint=None), None)
+        cfg = with_overrides(cfg, logit_bias=())
+    if cfg.has_penalties:
+        assert penalties is not None
+        extra = torch.zeros(logits.shape, dtype=torch.float32)  # [N+1, V] path token counts
+        toks = tokens.tolist()
+        for i, p in enumerate(paths(parents)):
+            for j in p:
+                extra[i + 1, toks[j]] += 1.0
+        logits = penalise_with_extra(logits, cfg, penalties, extra)
+        cfg = with_overrides(cfg, repetition_penalty=1.0, frequency_penalty=0.0, presence_penalty=0.0)
+    return process_logits(logits, cfg) if probs else logits

@@ -38,6 +38,8 @@ class Verdict:
     #: mean over draft positions of alpha_i = min(1, p_i(x_i) / q_i(x_i)) (the guide's alpha_mean);
     #: None for rules that do not compare probabilities (greedy, coupled)
     alpha_mean: float | None = None
+    #: token trees: the accepted node indices (root level first); None for a chain
+    path: tuple[int, ...] | None = None
 
 
 def _as_probs(draft_probs: Tensor | None, draft_tokens: Tensor, vocab: int, dtype: torch.dtype) -> Tensor:

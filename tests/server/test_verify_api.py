@@ -216,3 +216,26 @@ def test_prometheus_metrics(api):
         'specdec_http_errors_total{status="409"}',
     ):
         assert name in text, name
+
+
+def test_tree_rounds_over_the_wire(api):
+    """A greedy tree round: the server walks the tree, returns the accepted path, and its session
+    continues exactly as plain greedy decoding; bad parents are a 422 and change nothing."""
+    sid = _create(api, temperature=0.0, wire="greedy")["session_id"]
+    hist = [1, 2, 3]
+    best = [int(TARGET.logits_for(hist).argmax())]
+    best.append(int(TARGET.logits_for(hist + best).argmax()))
+    wrong = (best[0] + 1) % VOCAB
+    # two root candidates (a wrong one first), the right one has the right child
+    body = {"seq": 0, "draft_tokens": [wrong, best[0], best[1]], "parents": [-1, -1, 1]}
+    for bad in ([-1, 2, 0], [-1, -1]):
+        _error(api.post(f"/v1/sessions/{sid}/verify", json={**body, "parents": bad}), 422)
+    r = api.post(f"/v1/sessions/{sid}/verify", json=body)
+    assert r.status_code == 200, r.text
+    out = r.json()
+    assert out["path"] == [1, 2] and out["tokens"][:2] == best and out["num_accepted"] == 2
+    third = int(TARGET.logits_for(hist + best).argmax())
+    assert out["tokens"][2] == third
+    # a chain round afterwards still lines up with plain greedy
+    r = api.post(f"/v1/sessions/{sid}/verify", json={"seq": 1, "draft_tokens": []})
+    assert r.json()["tokens"] == [int(TARGET.logits_for(hist + best + [third]).argmax())] and r.json()["path"] is None

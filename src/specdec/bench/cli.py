@@ -31,6 +31,7 @@ def add_parser(sub) -> None:  # noqa: ANN001 - argparse's subparsers action
                    "+ edge process over an emulated RTT) (default plain,edge_only,speculative,hf_plain,hf_assisted)")
     p.add_argument("--methods", default="default", help="comma list of rules for the speculative mode ('default' = greedy at T=0, block otherwise; default: default)")
     p.add_argument("--gammas", default="auto", help="comma list of γ values (integers, 'auto', 'guide'; default auto)")
+    p.add_argument("--trees", default="", help="comma list of token-tree settings ('auto' or a node count) run after the chain γ values of the speculative mode, prompt by prompt in the same process (paired); rows are labelled tree-<setting> (default: none)")
     p.add_argument("--temperatures", default="0,1", help="comma list (0 = greedy; default 0,1)")
     p.add_argument("--max-new-tokens", type=int, default=128, help="tokens generated per prompt (default 128)")
     p.add_argument("--repeats", type=int, default=1, help="seeds per prompt (seed, seed+1, ...; default 1)")
@@ -70,13 +71,14 @@ def add_parser(sub) -> None:  # noqa: ANN001 - argparse's subparsers action
 
 def run(args: argparse.Namespace, argv: list[str] | None = None) -> int:
     from specdec.bench import report, runner, workloads
-    from specdec.engine import parse_gamma
+    from specdec.engine import parse_gamma, parse_tree
     from specdec.verify import get_rule
 
     if args.report_only:
         return _rerender(args)
     temps = _non_negative(args.temperatures, "temperatures must be numbers", "temperature must be >= 0")
     gammas = [str(parse_gamma(g)) for g in _csv(args.gammas)]
+    gammas += [f"tree-{parse_tree(t)}" for t in _csv(args.trees) if str(parse_tree(t)) != "chain"]
     methods = _csv(args.methods)
     for m in methods:
         if m != "default":

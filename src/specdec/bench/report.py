@@ -89,6 +89,8 @@ class GroupStats:
     ideal_speedup: float | None = None
     efficiency: float | None = None  # measured speed-up / ideal speed-up
     overhead_share: float | None = None
+    #: rounds by accepted draft tokens, summed over the group's runs (chain vs token trees)
+    accepted_histogram: list[int] = field(default_factory=list)
 
 
 def _ratios(samples: list[dict], reference: dict[tuple, dict]) -> list[tuple[str, float]]:
@@ -208,6 +210,12 @@ def _engine_metrics(g: GroupStats, rows: list[dict], cloud_step_s: float | None)
             prop_k[k] += n
     g.acceptance_per_position = [a / p if p else math.nan for a, p in zip(acc_k, prop_k)]
     g.mean_gamma = proposed / calls if calls else 0.0
+    hist: list[int] = []
+    for r in rows:
+        for k, count in enumerate(r.get("accepted_histogram") or []):
+            hist += [0] * (k + 1 - len(hist))
+            hist[k] += count
+    g.accepted_histogram = hist
     g.draft_share = sum(r["draft_s"] for r in rows) / wall if wall else None
     g.target_share = sum(r["target_s"] for r in rows) / wall if wall else None
     g.verify_share = sum(r["verify_s"] for r in rows) / wall if wall else None
@@ -398,6 +406,16 @@ def _local_tables(stats: list[GroupStats], bvt: list[BlockVsToken]) -> list[str]
         for g in spec:
             cells = " | ".join(_fmt(a) for a in (g.acceptance_per_position + [math.nan] * 12)[:12])
             lines.append(f"| {g.method} | {g.gamma} | {g.temperature:g} | {cells} |")
+    hists = [g for g in spec if g.accepted_histogram]
+    if hists:
+        width = min(max(len(g.accepted_histogram) for g in hists), 16)
+        lines += ["", "## Accepted draft tokens per round (share of rounds; tree-* rows draft token trees)", "",
+                  "| method | γ | T | tokens/call | " + " | ".join(str(k) for k in range(width)) + " |",
+                  "|---|---|---|---|" + "---|" * width]
+        for g in hists:
+            total = sum(g.accepted_histogram) or 1
+            shares = [c / total for c in g.accepted_histogram[:width]] + [0.0] * (width - len(g.accepted_histogram[:width]))
+            lines.append(f"| {g.method} | {g.gamma} | {g.temperature:g} | {_fmt(g.tokens_per_call)} | " + " | ".join(f"{x:.2f}" for x in shares) + " |")
     if bvt:
         lines += ["", "## Block vs token verification (tokens per target call, paired by prompt and seed)", "",
                   "| T | γ | pairs | token ± SE | block ± SE | block / token | mean difference ± SE |",

@@ -92,6 +92,14 @@ def _settings(job: Job, temperature: float):
             yield method, g
 
 
+def _decoder(engine, rule, gamma: str | None):  # noqa: ANN001 - Engine, Rule
+    """``tree-auto`` / ``tree-N`` settings draft token trees; anything else is a chain γ."""
+    text = gamma or "auto"
+    if text.startswith("tree-"):
+        return engine.decoder(rule, "auto", tree=text[len("tree-") :])
+    return engine.decoder(rule, text)
+
+
 def _row(job: Job, mode: str, method: str, gamma: str | None, temperature: float, p: Prompt, seed: int, res) -> dict:
     st = res.stats
     return {
@@ -124,7 +132,7 @@ def run_engine(job: Job, prompts: list[Prompt]) -> None:
         settings = list(_settings(job, temperature))
         warm = SamplingConfig(temperature=temperature, seed=0, max_new_tokens=16)
         for method, gamma in settings:  # warm-up (oneDNN kernels, allocator), not recorded
-            engine.decoder(get_rule("block" if method == "sample" else method), gamma or "auto").generate(encoded[prompts[0].id], warm)
+            _decoder(engine, get_rule("block" if method == "sample" else method), gamma).generate(encoded[prompts[0].id], warm)
         if llama is not None:
             _llamacpp_warmup(job, llama, encoded[prompts[0].id], temperature)
         for rep in range(job.repeats):
@@ -139,7 +147,7 @@ def run_engine(job: Job, prompts: list[Prompt]) -> None:
                                plain.decoder(rule).generate(encoded[p.id], cfg)))
                 for method, gamma in settings:
                     rule = get_rule("block" if method == "sample" else method)
-                    res = engine.decoder(rule, gamma or "auto").generate(encoded[p.id], cfg)
+                    res = _decoder(engine, rule, gamma).generate(encoded[p.id], cfg)
                     name = method if job.mode == "speculative" else job.mode
                     _emit(_row(job, job.mode, name, gamma, temperature, p, seed, res))
 

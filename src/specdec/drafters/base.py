@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Any, Protocol
+from typing import Any, Literal, Protocol
 
 import torch
 from torch import Tensor
@@ -12,21 +12,46 @@ from specdec.sampling import (
     PenaltyState,
     SamplingConfig,
     gumbel_sample,
+    penalise_with_extra,
     penalised_logits,
     process_logits,
     sample_categorical,
+    with_overrides,
 )
 from specdec.verify import DraftSampling, Verdict
 
 
+SiblingMode = Literal["iid", "without_replacement"]
+
+
 @dataclass(frozen=True)
 class Draft:
+    """A chain (``parents is None``) or a token tree of N nodes in topological order.
+
+    Tree: ``parents[i] == -1`` makes node i a child of the last committed token, otherwise
+    ``parents[i] < i``; ``probs[i]`` is the q node i was drawn from (its parent context's
+    distribution; siblings share it), and ``siblings`` says how sibling candidates were drawn
+    from that q (independently, or each without the earlier siblings, renormalised).
+    """
+
     tokens: Tensor  # [γ'] int64, γ' <= γ (a drafter may propose fewer, even none)
     probs: Tensor | None  # [γ', V] the q actually sampled from; None => deterministic drafter
     #: optional work the drafter already did for the verification pass (self-speculative cache
     #: sharing): ``reuse.forward(model, tokens, cache)`` returns the pass's logits, or None to
     #: run the plain pass; verifiers that cannot use it ignore it
     reuse: Any = None
+    parents: Tensor | None = None  # [γ'] int64 tree parents; None => a chain
+    siblings: SiblingMode = "iid"
+
+    @property
+    def is_tree(self) -> bool:
+        return self.parents is not None
+
+    def chain_parents(self) -> Tensor:  # -> [γ'] int64
+        """The parents of this draft seen as a tree (a chain: -1, 0, 1, ...)."""
+        if self.parents is not None:
+            return self.parents
+        return torch.arange(-1, self.tokens.numel() - 1, dtype=torch.long)
 
 
 class DraftSampler:
@@ -103,6 +128,22 @@ class DraftSampler:
         if self.penalties is not None:
             self.penalties.append(torch.tensor([token]))
         return token, probs
+
+
+    def tree_rows(self, logits: Tensor) -> Tensor:  # [m, V] -> [m, V]
+        """Distributions a tree builder ranks or samples candidates from, one per expanded node.
+
+        Argmax mode: penalised logits; otherwise the processed q.  Penalties see the committed
+        context only (not each node's path): q is a drafting choice, any q is lossless as long
+        as it is the one the tokens were drawn from and the one reported.
+        """
+        cfg = self.cfg
+        if cfg.has_penalties and self.penalties is not None:
+            logits = penalise_with_extra(logits, cfg, self.penalties, torch.zeros(logits.shape, dtype=torch.float32))
+            cfg = with_overrides(cfg, repetition_penalty=1.0, frequency_penalty=0.0, presence_penalty=0.0)
+        if self.mode == "argmax":
+            return logits
+        return process_logits(logits, cfg)
 
 
 def truncate_top_k(q: Tensor, k: int) -> Tensor:  # q: [V] -> [V] with at most k non-zeros

@@ -6,6 +6,7 @@ import torch
 from torch import Tensor
 
 from specdec.drafters.base import Draft, DraftSampler
+from specdec.drafters.tree_builder import TreeSpec, build_tree
 from specdec.models.base import Cache, LanguageModel
 from specdec.verify import Verdict
 
@@ -25,6 +26,11 @@ class ModelDrafter:
         self.cache: Cache | None = None
         self._round_start = 0
         self._fed = 0
+        self._slots: dict[int, int] | None = None  # tree rounds: node index -> region slot
+
+    @property
+    def supports_trees(self) -> bool:
+        return hasattr(self.model, "forward_tree")
 
     def reset(self) -> None:
         self.cache = self.model.new_cache(self.max_length)
@@ -43,6 +49,7 @@ class ModelDrafter:
         length = context.numel()
         self._round_start = length
         self._fed = 0
+        self._slots = None
         if gamma <= 0:
             return Draft(tokens=torch.empty(0, dtype=torch.long), probs=None)
         logits = self.model.forward(context[self.cache.length :], self.cache, last_only=True)  # [1, V]
@@ -59,6 +66,40 @@ class ModelDrafter:
             self._fed += 1
         return Draft(tokens=torch.tensor(tokens, dtype=torch.long), probs=torch.stack(rows) if rows else None)
 
+    def propose_tree(self, context: Tensor, budget: int, sampler: DraftSampler, spec: TreeSpec, *, max_depth: int) -> Draft:
+        """A token tree of at most ``budget`` nodes; each level's expanded nodes go through the
+        draft model in one pass with tree attention (``forward_tree`` over the tree region)."""
+        if self.cache is None:
+            self.reset()
+        assert self.cache is not None
+        length = context.numel()
+        self._round_start = length
+        self._fed = 0
+        logits = self.model.forward(context[self.cache.length :], self.cache, last_only=True)  # [1, V]
+        slots: dict[int, int] = {}
+        region: list[int] = []  # parents of the fed nodes, in region-slot terms
+
+        def expand(nodes: list[int], tokens: list[int], parents: list[int]) -> Tensor:
+            for v in nodes:
+                region.append(slots[parents[v]] if parents[v] >= 0 else -1)
+                slots[v] = len(slots)
+            new = torch.tensor([tokens[v] for v in nodes], dtype=torch.long)
+            return self.model.forward_tree(new, torch.tensor(region, dtype=torch.long), self.cache, prefix=length)
+
+        draft, grown = build_tree(logits, expand, spec, sampler, position=length, budget=budget, max_depth=max_depth)
+        self._slots = {new: slots[old] for new, old in enumerate(grown) if old in slots}
+        return draft
+
     def commit(self, verdict: Verdict) -> None:
-        if self.cache is not None:
-            self.cache.truncate(self._round_start + min(verdict.num_accepted, self._fed))
+        if self.cache is None:
+            return
+        if self._slots is not None:  # a tree round: keep the fed prefix of the accepted path
+            keep = []
+            for v in verdict.path or ():
+                if v not in self._slots:
+                    break
+                keep.append(self._round_start + self._slots[v])
+            self.cache.compact(torch.tensor(keep, dtype=torch.long), self._round_start)
+            self._slots = None
+            return
+        self.cache.truncate(self._round_start + min(verdict.num_accepted, self._fed))

@@ -11,6 +11,7 @@ import torch
 from torch import Tensor
 
 from specdec.drafters.base import Draft, DraftSampler
+from specdec.drafters.tree_builder import TreeSpec
 from specdec.verify import Verdict
 
 
@@ -27,6 +28,8 @@ class NgramDrafter:
         # n -> {n-gram: index right after its most recent occurrence that has a continuation}
         self.index: dict[int, dict[tuple[int, ...], int]] = {n: {} for n in range(self.min_ngram, self.max_ngram + 1)}
         self._indexed_until = 0
+        # token trees: n -> {n-gram: every index right after an occurrence, most recent last}
+        self.occurrences: dict[int, dict[tuple[int, ...], list[int]]] = {n: {} for n in self.index}
 
     def _sync(self, context: Tensor) -> None:
         length = context.numel()
@@ -37,7 +40,9 @@ class NgramDrafter:
         for k in range(max(self._indexed_until, 1), length):
             for n, table in self.index.items():
                 if k >= n:
-                    table[tuple(self.tokens[k - n : k])] = k
+                    gram = tuple(self.tokens[k - n : k])
+                    table[gram] = k
+                    self.occurrences[n].setdefault(gram, []).append(k)
         self._indexed_until = max(self._indexed_until, length)
 
     def prepare(self, prompt: Tensor) -> None:  # prompt: [L]
@@ -54,6 +59,42 @@ class NgramDrafter:
             if start is not None:
                 return Draft(tokens=torch.tensor(toks[start : start + gamma], dtype=torch.long), probs=None)
         return Draft(tokens=torch.empty(0, dtype=torch.long), probs=None)
+
+    supports_trees = True
+
+    def propose_tree(self, context: Tensor, budget: int, sampler: DraftSampler, spec: TreeSpec, *, max_depth: int) -> Draft:
+        """Several continuations merged into a trie: every earlier occurrence of the longest
+        matching suffix (most recent first), then of shorter suffixes, until ``budget`` nodes."""
+        self._sync(context)
+        toks = self.tokens
+        depth = min(max_depth, spec.depth * 2)
+        out_tokens: list[int] = []
+        out_parents: list[int] = []
+        children: dict[tuple[int, int], int] = {}  # (parent node, token) -> node
+        for n in range(self.max_ngram, self.min_ngram - 1, -1):
+            if len(toks) < n:
+                continue
+            for start in reversed(self.occurrences[n].get(tuple(toks[-n:]), [])):
+                parent = -1
+                for tok in toks[start : start + depth]:
+                    node = children.get((parent, tok))
+                    if node is None:
+                        if len(out_tokens) >= budget:
+                            break
+                        node = len(out_tokens)
+                        children[(parent, tok)] = node
+                        out_tokens.append(tok)
+                        out_parents.append(parent)
+                    parent = node
+                if len(out_tokens) >= budget:
+                    break
+            if len(out_tokens) >= budget:
+                break
+        return Draft(
+            tokens=torch.tensor(out_tokens, dtype=torch.long),
+            probs=None,
+            parents=torch.tensor(out_parents, dtype=torch.long),
+        )
 
     def commit(self, verdict: Verdict) -> None:
         pass

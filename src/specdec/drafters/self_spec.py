@@ -381,10 +381,10 @@ def describe_families() -> list[dict[str, Any]]:
     return [
         {"name": "layerskip:K", "description": "early exit: the target's first K layers + its final norm and LM head; the "
          "verification pass reuses the draft's keys/values of layers < K. Extra memory: a K-layer KV cache",
-         "default_draft": None, "install": none, "license": ""},
+         "default_draft": None, "install": none, "license": "", "status": "bundled"},
         {"name": "self-skip", "description": "Draft & Verify: the target with a searched set of attention / MLP sub-layers "
          f"skipped (shipped for: {shipped}; self-skip:FILE from `specdec train skip`). Extra memory: a KV cache of the "
-         "layers whose attention runs", "default_draft": None, "install": none, "license": ""},
+         "layers whose attention runs", "default_draft": None, "install": none, "license": "", "status": "bundled"},
         {"name": "swift", "description": "SWIFT: a skip set adapted while generating (starts from the shipped set, or "
-         "swift:FILE). Extra memory: as self-skip", "default_draft": None, "install": none, "license": ""},
+         "swift:FILE). Extra memory: as self-skip", "default_draft": None, "install": none, "license": "", "status": "bundled"},
     ]

@@ -26,6 +26,8 @@ from specdec.models.linear import Int8Linear, Linear, W8A8Linear
 from specdec.models.quantize import RangeRecorder, calibration_ids, smoothing
 from specdec.models.scripted import ScriptedLayers, compiled_layers
 
+from specdec.tree import ancestor_mask, depths, paths
+
 AnyLinear = Linear | W8A8Linear
 
 SUPPORTED = ("llama", "qwen2", "mistral")
@@ -113,6 +115,50 @@ def _rotate(x: Tensor, cos: Tensor, sin: Tensor) -> Tensor:  # x: [n, h, d]; cos
     ``rotate_half(x) sin == roll(x, d/2) * sin'`` where ``sin'`` has its first half negated
     (``sin`` here is that signed table): three ops instead of seven."""
     return torch.addcmul(x * cos, x.roll(x.shape[-1] // 2, dims=-1), sin)
+
+
+@dataclass(frozen=True)
+class _TreeLayout:
+    """Where a token tree's nodes sit and what each one sees (tree attention, SpecInfer §4.2)."""
+
+    start: int  # first cache slot of the tree region
+    positions: Tensor  # [n] int64 absolute positions: start + depth
+    paths: tuple[Tensor, ...]  # per node: its root-to-node indices (ancestors, then itself)
+    mask: Tensor  # [n, end] additive: 0 for the cached prefix and the node's ancestors-or-self
+
+    @classmethod
+    def build(cls, parents: Tensor, start: int, end: int, dtype: torch.dtype, prefix: int | None = None) -> "_TreeLayout":
+        """``parents`` covers the tree region ``[prefix, end)`` (default: just the new nodes);
+        the last ``end - start`` entries are the nodes being scored now."""
+        s = start if prefix is None else prefix
+        n, m = end - start, end - s
+        if parents.numel() != m:
+            raise ValueError(f"expected {m} tree parents for the region [{s}, {end}); got {parents.numel()}")
+        anc = ancestor_mask(parents)[m - n :]  # [n, m]
+        mask = torch.zeros((n, end), dtype=dtype)
+        mask[:, s:] = torch.zeros((n, m), dtype=dtype).masked_fill_(~anc, -math.inf)
+        node_paths = tuple(torch.tensor(p) for p in paths(parents)[m - n :])
+        return cls(s, s + depths(parents)[m - n :], node_paths, mask)
+
+    def attend_invariant(self, q: Tensor, cache: KVCache, li: int) -> Tensor:  # q: [n, H, d] -> [n, H d]
+        """One query row per node against ``cache[:start] + its path``, laid out contiguously in
+        the cache exactly as token-by-token decoding of that path would have it (same shapes,
+        same strides, the same one-row kernel), so each row is bitwise the sequential result.
+        The nodes' own keys are restored in node order afterwards; copying is O(depth) per node.
+        """
+        s, m = self.start, self.mask.shape[1] - self.start
+        k_cache, v_cache = cache.k[li], cache.v[li]  # [Hkv, T, d]
+        k_new = k_cache[:, s : s + m].clone()  # [Hkv, m, d] the whole tree region
+        v_new = v_cache[:, s : s + m].clone()
+        rows = []
+        for j, p in enumerate(self.paths):
+            depth = p.numel()
+            k_cache[:, s : s + depth] = k_new[:, p]
+            v_cache[:, s : s + depth] = v_new[:, p]
+            rows.append(_attend(q[j], k_cache[:, : s + depth], v_cache[:, : s + depth]))
+        k_cache[:, s : s + m] = k_new
+        v_cache[:, s : s + m] = v_new
+        return torch.cat(rows)
 
 
 class NativeCausalLM:
@@ -251,9 +297,15 @@ class NativeCausalLM:
         return torch.rsqrt(torch.addcmul(self._eps, norm, norm, value=1.0 / self.cfg.hidden_size))
 
     @torch.inference_mode()
-    def hidden(self, tokens: Tensor, cache: KVCache) -> Tensor:  # tokens: [n] -> [n, D]
+    def hidden(
+        self, tokens: Tensor, cache: KVCache, *, parents: Tensor | None = None, prefix: int | None = None
+    ) -> Tensor:  # tokens: [n] -> [n, D]
         """The LM head's input for the new positions: the final hidden states divided by their
-        RMS (the final norm's weight is folded into the head)."""
+        RMS (the final norm's weight is folded into the head).
+
+        ``parents`` [n] (a token tree, see :mod:`specdec.tree`): node j sits at position
+        ``start + depth(j)`` and attends to the cache and its own ancestors only.
+        """
         cfg = self.cfg
         n = tokens.numel()
         start = cache.reserve(n)
@@ -261,13 +313,20 @@ class NativeCausalLM:
         if end > self._cos.shape[0]:
             raise ValueError(f"position {end} is past the model's context of {self._cos.shape[0]}")
         x = self.embed[tokens]  # [n, D]
-        cos = self._cos[start:end].unsqueeze(1)  # [n, 1, d]
-        sin = self._sin[start:end].unsqueeze(1)
-        if self.scripted is not None and (n == 1 or self.batch_invariant):
-            return self.scripted(x, cos, sin, cache, start, cfg, self._eps)
+        tree = _TreeLayout.build(parents, start, end, x.dtype, prefix) if parents is not None else None
+        if tree is not None:
+            cos = self._cos[tree.positions].unsqueeze(1)  # [n, 1, d]
+            sin = self._sin[tree.positions].unsqueeze(1)
+        else:
+            cos = self._cos[start:end].unsqueeze(1)  # [n, 1, d]
+            sin = self._sin[start:end].unsqueeze(1)
+            if self.scripted is not None and (n == 1 or self.batch_invariant):
+                return self.scripted(x, cos, sin, cache, start, cfg, self._eps)
         hq, hk, d = cfg.n_heads, cfg.n_kv_heads, cfg.head_dim
         mask = None
-        if n > 1 and not self.batch_invariant:
+        if tree is not None:
+            mask = tree.mask
+        elif n > 1 and not self.batch_invariant:
             # query j (absolute start + j) sees keys 0..start + j
             mask = torch.full((n, end), -math.inf, dtype=x.dtype).triu_(start + 1)  # [n, T]
         qk_size = self._q_size + self._kv_size
@@ -277,7 +336,9 @@ class NativeCausalLM:
             k_cache, v_cache = cache.k[li], cache.v[li]  # [Hkv, T, d]
             k_cache[:, start:end] = qk[:, hq:].transpose(0, 1)
             v_cache[:, start:end] = qkv[:, qk_size:].view(n, hk, d).transpose(0, 1)
-            if n == 1 or self.batch_invariant:
+            if tree is not None and self.batch_invariant:
+                attn = tree.attend_invariant(qk[:, :hq], cache, li)  # [n, H d]
+            elif tree is None and (n == 1 or self.batch_invariant):
                 # one query row at a time, with exactly the shapes single-token decoding uses
                 rows = [_attend(qk[j, :hq], k_cache[:, : start + j + 1], v_cache[:, : start + j + 1]) for j in range(n)]
                 attn = rows[0] if n == 1 else torch.cat(rows)  # [n, H d]
@@ -375,6 +436,19 @@ class NativeCausalLM:
             attn_mask=mask, enable_gqa=self.cfg.n_heads != self.cfg.n_kv_heads, scale=1.0,
         )  # [1, H, n, d]
         return attn[0].transpose(0, 1).reshape(n, self._q_size)
+
+    @torch.inference_mode()
+    def forward_tree(self, tokens: Tensor, parents: Tensor, cache: KVCache, *, prefix: int | None = None) -> Tensor:
+        """Logits ``[n, V]`` of a token tree scored in one pass (tree attention).
+
+        ``tokens`` [n] int64, ``parents`` [n] int64 (``-1``: child of the cached prefix, else an
+        earlier index).  Keys land at cache slots ``start + j`` in node order; keep one path
+        afterwards with ``cache.compact``.  Batch-invariant models give each node's logits
+        bitwise equal to scoring its path token by token.  A tree grown over several calls (a
+        drafter expanding its frontier) passes ``prefix``, the first slot of the tree region,
+        and ``parents`` for the whole region ``[prefix, cache.length + n)``.
+        """
+        return self.lm_head(self.hidden(tokens, cache, parents=parents, prefix=prefix)).float()
 
     @property
     def n_params(self) -> int:

@@ -14,6 +14,8 @@ from dataclasses import dataclass
 import torch
 from torch import Tensor
 
+from specdec.tree import paths
+
 
 @dataclass
 class ToyCache:
@@ -27,6 +29,12 @@ class ToyCache:
             raise ValueError(f"cannot truncate a cache of length {self.length} to {length}")
         del self.tokens[length:]
         self.length = length
+
+    def compact(self, keep: Tensor, start: int) -> None:  # keep: [m] int64 ascending, >= start
+        """Keep positions ``keep`` at ``start, start+1, ...`` (one path of a token tree)."""
+        kept = [self.tokens[k] for k in keep.tolist()]
+        self.tokens[start:] = kept
+        self.length = len(self.tokens)
 
     @property
     def nbytes(self) -> int:
@@ -79,3 +87,16 @@ class ToyLM:
         cache.length = len(cache.tokens)
         out = self.table[torch.tensor(rows)]  # [n, V]
         return out[-1:] if last_only else out
+
+    def forward_tree(self, tokens: Tensor, parents: Tensor, cache: ToyCache, *, prefix: int | None = None) -> Tensor:  # -> [n, V]
+        """Each node scored after the cached prefix plus its own path (tree attention's law);
+        ``prefix`` and ``parents`` as in :meth:`NativeCausalLM.forward_tree`."""
+        self.calls += 1
+        s = cache.length if prefix is None else prefix
+        before = cache.tokens[:s]
+        toks, rows = cache.tokens[s:] + tokens.tolist(), []
+        for p in paths(parents)[len(toks) - tokens.numel() :]:
+            rows.append(self._row(before + [toks[i] for i in p]))
+        cache.tokens.extend(tokens.tolist())
+        cache.length = len(cache.tokens)
+        return self.table[torch.tensor(rows, dtype=torch.long)]

@@ -188,6 +188,11 @@ class VerifyRequest(_Body):
     draft_tokens: Annotated[list[TokenId], Field(max_length=defaults.MAX_GAMMA)] = []
     q: QRows | None = None
     unverified_tokens: Annotated[list[TokenId], Field(max_length=defaults.MAX_GAMMA * 8)] = []
+    #: a token tree: one parent per draft token (-1: child of the last committed token, else the
+    #: index of an earlier draft token); absent for a chain.  ``q`` rows are then per node (the
+    #: distribution the node was drawn from) and ``siblings`` says how siblings were drawn.
+    parents: Annotated[list[Annotated[int, Field(strict=True, ge=-1)]], Field(max_length=defaults.MAX_TREE_NODES)] | None = None
+    siblings: Literal["iid", "without_replacement"] = "iid"
 
     @field_validator("q", mode="before")
     @classmethod
@@ -198,6 +203,11 @@ class VerifyRequest(_Body):
 
     @model_validator(mode="after")
     def _lengths(self) -> "VerifyRequest":
+        if self.parents is not None:
+            if len(self.parents) != len(self.draft_tokens):
+                raise ValueError(f"{len(self.parents)} parents for {len(self.draft_tokens)} draft tokens")
+            if any(p >= i for i, p in enumerate(self.parents)):
+                raise ValueError("each parent must be -1 or the index of an earlier draft token")
         if self.q is None:
             return self
         if len(self.q) != len(self.draft_tokens):
@@ -228,6 +238,7 @@ class VerifyResponse(_Body):
     tokens: list[int]  # accepted prefix + next token
     next_token: int
     metrics: VerifyMetrics
+    path: list[int] | None = None  # token trees: the accepted draft indices, root level first
 
 
 class SessionInfo(_Body):

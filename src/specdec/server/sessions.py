@@ -20,7 +20,7 @@ import torch
 from torch import Tensor
 
 from specdec.drafters.base import Draft
-from specdec.errors import SpecdecError
+from specdec.errors import ConfigError, SpecdecError
 from specdec.models.base import LanguageModel
 from specdec.remote.protocol import (
     CreateSessionRequest,
@@ -37,6 +37,7 @@ from specdec.sampling import SamplingConfig
 from specdec.server.errors import ApiError
 from specdec.server.settings import ServerSettings
 from specdec.session import TargetSession
+from specdec.tree import depths
 from specdec.verify import Rule, Verdict, get_rule
 
 #: the forward-pass lock shared by every model a server process holds
@@ -70,6 +71,13 @@ class SerializedModel:
     def forward(self, tokens: Tensor, cache: Any, *, last_only: bool = False) -> Tensor:  # tokens: [n]
         with self.lock:
             return self.inner.forward(tokens, cache, last_only=last_only)
+
+    def forward_tree(self, tokens: Tensor, parents: Tensor, cache: Any, *, prefix: int | None = None) -> Tensor:
+        fn = getattr(self.inner, "forward_tree", None)
+        if fn is None:
+            raise ConfigError("token trees need a backend with tree attention (the native backend, not hf)")
+        with self.lock:
+            return fn(tokens, parents, cache, prefix=prefix)
 
     def __getattr__(self, name: str) -> Any:  # anything else (dtype, n_params, ...) passes through
         return getattr(self.inner, name)
@@ -206,6 +214,7 @@ class EdgeSession:
             num_accepted=verdict.num_accepted,
             tokens=tokens,
             next_token=tokens[-1],
+            path=list(verdict.path) if verdict.path is not None else None,
             metrics=VerifyMetrics(
                 gamma=draft.tokens.numel(),
                 target_ms=outcome.target_s * 1e3,
@@ -258,16 +267,18 @@ class EdgeSession:
                 " (max_new_tokens)",
             )
         room = self.target.max_length - self.target.context.numel()
-        if n_forced + gamma + 1 > room:
+        parents = torch.tensor(req.parents, dtype=torch.long) if req.parents is not None else None
+        length = gamma if parents is None or gamma == 0 else int(depths(parents).max()) + 1  # a tree's deepest path
+        if n_forced + length + 1 > room:
             raise ApiError(
                 400,
-                f"context full: this round needs {n_forced + gamma + 1} more positions but the session has {room} left"
+                f"context full: this round needs {n_forced + length + 1} more positions but the session has {room} left"
                 f" (its context is {self.target.max_length} tokens)",
             )
         tokens = torch.tensor(req.draft_tokens, dtype=torch.long)  # [γ]
         probs = self._dense_q(req, tokens, vocab)
         forced = torch.tensor(req.unverified_tokens, dtype=torch.long) if n_forced else None
-        return Draft(tokens=tokens, probs=probs), forced
+        return Draft(tokens=tokens, probs=probs, parents=parents, siblings=req.siblings), forced
 
     def _dense_q(self, req: VerifyRequest, tokens: Tensor, vocab: int) -> Tensor | None:  # -> [γ, V] float64
         gamma = tokens.numel()

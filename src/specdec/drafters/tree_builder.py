@@ -1,0 +1,157 @@
+"""Token-tree builders for any drafter that can score a frontier of nodes.
+
+* static: a fixed shape, ``branching[d]`` children per expanded node at depth d, the ``width``
+  best nodes of each level expanded (a sparse Medusa-style tree, Cai et al. 2024);
+* dynamic: EAGLE-2 (Li et al. 2024): at each depth expand the ``width`` nodes with the highest
+  cumulative draft probability, ``width`` children each, then re-rank every node by cumulative
+  probability and keep the best N (prefix-closed because a child never beats its parent).
+
+Candidates: deterministic top-k of the draft distribution (greedy; at T > 0 with ``sample``
+off, reported without q, which every rule treats as point masses), the keyed Gumbel sample first
+for coupled verification, or (the default at T > 0 under a rule that reads q) a static tree whose
+siblings are drawn from q, independently or without replacement, with q reported: a drawn
+sibling is accepted with probability min(1, p/q) instead of p(x), which at T = 1 makes sampled
+trees clearly better than top-k candidates.  A sampled tree is never pruned after drawing: which
+nodes are expanded and how many children each gets is fixed before their children are drawn,
+so every node's children are honest draws from its q.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Literal, Protocol
+
+import torch
+from torch import Tensor
+
+from specdec import defaults
+from specdec.drafters.base import Draft, DraftSampler, SiblingMode
+from specdec.errors import ConfigError
+from specdec.sampling import gumbel_sample, sample_categorical
+
+TreeShape = Literal["static", "dynamic"]
+
+
+@dataclass(frozen=True)
+class TreeSpec:
+    """How a drafter grows its tree (the node budget N comes from the budget controller)."""
+
+    shape: TreeShape = defaults.TREE_SHAPE
+    width: int = defaults.TREE_WIDTH  # nodes expanded per level (dynamic: also children per node)
+    depth: int = defaults.TREE_DEPTH  # most levels
+    branching: tuple[int, ...] = defaults.TREE_BRANCHING  # static: children per node at each depth
+    #: at T > 0 under a rule that reads q: draw siblings from q and report it (a static tree of
+    #: ``sample_branching`` children per expanded node, ``sample_width`` nodes expanded per
+    #: level); False keeps deterministic top-k candidates (no q) at every temperature
+    sample: bool = True
+    sample_branching: tuple[int, ...] = defaults.TREE_SAMPLE_BRANCHING
+    sample_width: int = defaults.TREE_SAMPLE_WIDTH
+    siblings: SiblingMode = "without_replacement"
+
+    def __post_init__(self) -> None:
+        if self.shape not in ("static", "dynamic"):
+            raise ConfigError(f"tree shape must be static or dynamic, not {self.shape!r}")
+        if self.width < 1 or self.depth < 1 or self.sample_width < 1:
+            raise ConfigError("tree width and depth must be positive")
+        for shape in (self.branching, self.sample_branching):
+            if not shape or min(shape) < 1:
+                raise ConfigError("tree branching factors must be positive")
+
+    def children(self, depth: int, sampled: bool = False) -> int:
+        if sampled:
+            return self.sample_branching[depth]
+        if self.shape == "dynamic":
+            return self.width
+        return self.branching[min(depth, len(self.branching) - 1)]
+
+
+class Expand(Protocol):
+    def __call__(self, nodes: list[int], tokens: list[int], parents: list[int]) -> Tensor:
+        """Logits ``[len(nodes), V]`` of the children of ``nodes`` (indices into the tree so far)."""
+        ...
+
+
+def _candidates(row: Tensor, k: int, sampler: DraftSampler, spec: TreeSpec, position: int, sampled: bool) -> list[tuple[int, float]]:
+    """Up to ``k`` child tokens of one node and their log draft probabilities."""
+    if sampler.mode == "argmax":
+        logq = torch.log_softmax(row.double(), -1)
+        vals, idx = logq.topk(min(k, row.numel()))
+        return [(int(t), float(v)) for t, v in zip(idx, vals)]
+    q = row.double()
+    logq = q.log()
+    if not sampled:
+        first = [gumbel_sample(row, sampler.noise_seed, position)] if sampler.mode == "gumbel" else []
+        idx = [int(t) for t in q.topk(min(k + 1, q.numel())).indices if q[t] > 0]
+        toks = (first + [t for t in idx if t not in first])[:k]
+        return [(t, float(logq[t])) for t in toks]
+    out: list[tuple[int, float]] = []
+    w = row.clone()
+    for _ in range(k):
+        if float(w.sum()) <= 0:
+            break
+        t = sample_categorical(w, sampler.generator)
+        out.append((t, float(logq[t])))
+        if spec.siblings == "without_replacement":
+            w[t] = 0.0
+    return out
+
+
+def build_tree(
+    root_logits: Tensor,  # [1, V] draft logits after the context
+    expand: Expand,
+    spec: TreeSpec,
+    sampler: DraftSampler,
+    *,
+    position: int,  # absolute position of the root-level nodes
+    budget: int,  # most nodes
+    max_depth: int,
+) -> tuple[Draft, list[int]]:
+    """Grow a token tree level by level (see the module docstring).
+
+    Returns the draft and, for each of its nodes, its index while growing (the ``expand``
+    callback saw those indices; pruning renumbers).
+    """
+    toks: list[int] = []
+    pars: list[int] = []
+    score: list[float] = []
+    rows: list[Tensor] = []
+    sampled = spec.sample and sampler.mode == "multinomial" and not sampler.deterministic
+    prune = spec.shape == "dynamic" and not sampled
+    cap = budget if not prune else budget * spec.width + spec.width
+    width = spec.sample_width if sampled else spec.width
+    depth = min(len(spec.sample_branching) if sampled else spec.depth, max_depth)
+    level: list[int] = [-1]
+    dists = sampler.tree_rows(root_logits)  # [1, V]
+    for d in range(depth):
+        new: list[int] = []
+        for parent, row in zip(level, dists):
+            room = cap - len(toks)
+            if room <= 0:
+                break
+            for tok, lq in _candidates(row, min(spec.children(d, sampled), room), sampler, spec, position + d, sampled):
+                toks.append(tok)
+                pars.append(parent)
+                score.append((score[parent] if parent >= 0 else 0.0) + lq)
+                if sampled:
+                    rows.append(row)
+                new.append(len(toks) - 1)
+        if not new or d + 1 >= depth or len(toks) >= cap:
+            break
+        level = sorted(new, key=lambda i: (-score[i], i))[:width]
+        level.sort()
+        dists = sampler.tree_rows(expand(level, toks, pars))  # [len(level), V]
+    keep = list(range(len(toks)))
+    if prune and len(toks) > budget:
+        keep = sorted(sorted(range(len(toks)), key=lambda i: (-score[i], i))[:budget])
+        remap = {old: new for new, old in enumerate(keep)}
+        toks = [toks[i] for i in keep]
+        pars = [remap[pars[i]] if pars[i] >= 0 else -1 for i in keep]
+    probs = torch.stack(rows).to(root_logits.dtype) if sampled and rows else None
+    draft = Draft(
+        tokens=torch.tensor(toks, dtype=torch.long),
+        probs=probs,
+        parents=torch.tensor(pars, dtype=torch.long),
+        siblings=spec.siblings,
+    )
+    return draft, keep
+

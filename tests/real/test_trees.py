@@ -1,0 +1,93 @@
+"""Token trees on the real SmolLM2-135M weights: tree attention is bitwise sequential decoding."""
+
+from __future__ import annotations
+
+import torch
+
+from specdec.text import encode_prompt
+from specdec.tree import paths
+
+PROMPT = "Explain what a hash table is in two sentences."
+#: pending token + 9 nodes: three root candidates, branches of depth up to 4
+PARENTS = torch.tensor([-1, 0, 0, 0, 1, 1, 2, 4, 7, 5])
+
+
+def _tree_tokens(ids: list[int]) -> torch.Tensor:
+    gen = torch.Generator().manual_seed(0)
+    return torch.randint(0, 49152, (PARENTS.numel(),), generator=gen)
+
+
+def test_tree_scoring_is_bitwise_sequential(smollm2):
+    target, _ = smollm2
+    m = target.model
+    ids = torch.tensor(encode_prompt(target.tokenizer, PROMPT, chat=True))
+    toks = _tree_tokens(ids.tolist())
+    toks[0] = ids[-1]
+    cache = m.new_cache(256)
+    m.forward(ids[:-1], cache)
+    start = cache.length
+    tree = m.forward_tree(toks, PARENTS, cache)  # [n, V]
+    assert cache.length == start + toks.numel()
+    ref = m.new_cache(256)
+    m.forward(ids[:-1], ref)
+    for j, p in enumerate(paths(PARENTS)):
+        ref.truncate(start)
+        seq = torch.cat([m.forward(toks[i : i + 1], ref) for i in p])  # path token by token
+        assert torch.equal(tree[j], seq[-1]), f"node {j}"
+    # keep one path: the cache then continues exactly like sequential decoding of that path
+    keep = torch.tensor(paths(PARENTS)[8]) + start
+    cache.compact(keep, start)
+    nxt = torch.tensor([5])
+    ref.truncate(start)
+    m.forward(toks[keep - start], ref)
+    assert torch.equal(m.forward(nxt, cache), m.forward(nxt, ref))
+
+
+def test_fast_tree_attention_matches_within_float_tolerance(smollm2):
+    """Without batch invariance (one masked attention call) the logits agree to float error."""
+    target, _ = smollm2
+    m = target.model
+    ids = torch.tensor(encode_prompt(target.tokenizer, PROMPT, chat=True))
+    toks = _tree_tokens(ids.tolist())
+    toks[0] = ids[-1]
+    m.batch_invariant = False
+    try:
+        cache = m.new_cache(256)
+        m.forward(ids[:-1], cache)
+        fast = m.forward_tree(toks, PARENTS, cache)
+    finally:
+        m.batch_invariant = True
+    cache = m.new_cache(256)
+    m.forward(ids[:-1], cache)
+    exact = m.forward_tree(toks, PARENTS, cache)
+    assert torch.allclose(fast, exact, atol=1e-3, rtol=1e-4)
+
+
+def test_greedy_tree_decoding_equals_plain_greedy(smollm2):
+    """Trees grown by the draft model (dynamic and static) and by the n-gram index give plain
+    greedy output token for token, and the dynamic tree beats the chain in tokens per call."""
+    from specdec.decoder import SpeculativeDecoder
+    from specdec.drafters import ModelDrafter, NgramDrafter
+    from specdec.drafters.tree_builder import TreeSpec
+    from specdec.gamma import FixedGamma, TreeBudget
+    from specdec.sampling import SamplingConfig
+    from specdec.verify import get_rule
+
+    target, draft = smollm2
+    cfg = SamplingConfig(temperature=0.0, max_new_tokens=48)
+    prompts = [("import os\n\ndef list_python_files(root):\n", False), (PROMPT, True)]
+
+    def run(drafter, gamma, tree, ids):
+        dec = SpeculativeDecoder(target.model, drafter, get_rule("greedy"), gamma=gamma, tree=tree, eos_ids=target.eos_ids)
+        return dec.generate(ids, cfg)
+
+    for text, chat in prompts:
+        ids = encode_prompt(target.tokenizer, text, chat=chat)
+        plain = run(None, None, None, ids).tokens
+        chain = run(ModelDrafter(draft.model), FixedGamma(4), None, ids)
+        tree = run(ModelDrafter(draft.model), FixedGamma(16), TreeSpec(), ids)
+        assert chain.tokens == plain and tree.tokens == plain
+        assert tree.stats.tree_rounds > 0
+        assert tree.stats.tokens_per_target_call > chain.stats.tokens_per_target_call
+        assert run(ModelDrafter(draft.model), TreeBudget(), TreeSpec(shape="static"), ids).tokens == plain
+        assert run(NgramDrafter(), FixedGamma(12), TreeSpec(), ids).tokens == plain

@@ -1,0 +1,210 @@
+"""Token trees through the whole decoder, on exact toy models.
+
+Law tests: N = 6,000 independent generations (seed = sample index) of 3 new tokens from the
+4-token order-2 toy target of ``test_decoder.py`` (64 possible outputs), drafted as trees by a
+perturbed toy draft, chi-square goodness of fit against the exact law, failing at p < 1e-4.
+The negative control draws siblings without replacement but declares them independent (the
+rule then uses the wrong residuals) and must fail the same test at the same N.
+"""
+
+from __future__ import annotations
+
+from dataclasses import replace
+
+import pytest
+import torch
+
+from specdec.decoder import SpeculativeDecoder
+from specdec.drafters import ModelDrafter, NgramDrafter
+from specdec.drafters.tree_builder import TreeSpec
+from specdec.errors import ConfigError
+from specdec.gamma import FixedGamma, TreeBudget
+from specdec.models.toy import ToyCache, ToyLM
+from specdec.sampling import SamplingConfig
+from specdec.tree import ancestor_mask, check_parents, depths, is_chain, path, paths, with_root
+from specdec.verify import get_rule
+from stats import ALPHA, chi_square_pvalue, exact_law
+
+N_SAMPLES = 6_000
+N_NEW = 3
+PROMPT = [1, 2]
+TARGET = ToyLM(4, order=2, seed=0)
+DRAFT = TARGET.perturbed(1.0, seed=1)
+SAMPLED = TreeSpec(sample_branching=(2, 2, 1), sample_width=2)  # siblings drawn from q at T > 0
+
+OPTIONS = {
+    "temperature": SamplingConfig(temperature=0.7),
+    "top_k": SamplingConfig(temperature=1.0, top_k=2),
+    "top_p": SamplingConfig(temperature=1.0, top_p=0.75),
+    "repetition_penalty": SamplingConfig(temperature=1.0, repetition_penalty=1.6),
+    "freq_presence": SamplingConfig(temperature=1.0, frequency_penalty=0.4, presence_penalty=0.3),
+}
+
+
+def _samples(method: str, cfg: SamplingConfig, spec: TreeSpec, *, drafter=None, gamma=None, n: int = N_SAMPLES):
+    dec = SpeculativeDecoder(TARGET, drafter or ModelDrafter(DRAFT), get_rule(method), gamma=gamma or FixedGamma(6), tree=spec)
+    out = []
+    tree_rounds = 0
+    for i in range(n):
+        c = SamplingConfig(**{**cfg.__dict__, "seed": i, "max_new_tokens": N_NEW})
+        res = dec.generate(PROMPT, c)
+        out.append(tuple(res.tokens))
+        tree_rounds += res.stats.tree_rounds
+    assert tree_rounds > 0  # trees were really verified (an auto budget may skip them in some runs)
+    return out
+
+
+@pytest.mark.parametrize(
+    ("method", "option", "spec"),
+    [
+        ("token", "temperature", SAMPLED),  # siblings drawn without replacement, q reported
+        ("token", "repetition_penalty", SAMPLED),
+        ("token", "top_p", replace(SAMPLED, siblings="iid")),  # siblings drawn independently
+        ("token", "freq_presence", TreeSpec(shape="dynamic", width=2, sample=False)),  # top-k candidates, no q
+        ("block", "top_k", SAMPLED),  # traversal verification
+        ("block", "temperature", TreeSpec(shape="static", sample=False)),
+        ("coupled", "temperature", TreeSpec(shape="dynamic", width=2)),
+    ],
+)
+def test_tree_output_law_matches_target(method, option, spec):
+    cfg = OPTIONS[option]
+    assert chi_square_pvalue(_samples(method, cfg, spec), exact_law(TARGET, PROMPT, cfg, N_NEW)) > ALPHA
+
+
+def test_tree_output_law_with_ngram_trees_and_auto_budget():
+    cfg = SamplingConfig(temperature=1.0, top_p=0.9, repetition_penalty=1.2)
+    law = exact_law(TARGET, PROMPT, cfg, N_NEW)
+    samples = _samples("token", cfg, TreeSpec(), drafter=NgramDrafter(min_ngram=1), gamma=TreeBudget(sizes=(2, 5)))
+    assert chi_square_pvalue(samples, law) > ALPHA
+
+
+class _MislabelledSiblings(ModelDrafter):
+    """Draws siblings without replacement but tells the verifier they are independent."""
+
+    def propose_tree(self, *args, **kwargs):
+        return replace(super().propose_tree(*args, **kwargs), siblings="iid")
+
+
+def test_negative_control_mislabelled_sibling_mode_is_detected():
+    cfg = OPTIONS["temperature"]
+    samples = _samples("token", cfg, SAMPLED, drafter=_MislabelledSiblings(DRAFT))
+    assert chi_square_pvalue(samples, exact_law(TARGET, PROMPT, cfg, N_NEW)) < ALPHA
+
+
+# ----------------------------------------------------------------------------- deterministic checks
+
+
+def _plain(cfg: SamplingConfig, method: str, prompt, target):
+    return SpeculativeDecoder(target, None, get_rule(method)).generate(prompt, cfg).tokens
+
+
+@pytest.mark.parametrize("method", ["greedy", "token", "block", "coupled"])
+@pytest.mark.parametrize("shape", ["static", "dynamic"])
+def test_greedy_tree_decoding_equals_plain_greedy(method, shape):
+    target = ToyLM(6, order=3, seed=7)
+    draft = target.perturbed(0.8, seed=8)
+    for penalty in (1.0, 1.5):
+        cfg = SamplingConfig(temperature=0.0, repetition_penalty=penalty, max_new_tokens=30)
+        for prompt in ([1], [2, 3, 4]):
+            ref = _plain(cfg, "greedy", prompt, target)
+            for n in (1, 5, 12):
+                dec = SpeculativeDecoder(target, ModelDrafter(draft), get_rule(method), gamma=FixedGamma(n), tree=TreeSpec(shape=shape))
+                res = dec.generate(prompt, cfg)
+                assert res.tokens == ref
+                assert res.stats.tree_rounds >= res.stats.target_calls - 1  # the last round may have room for no draft
+
+
+def test_ngram_trees_keep_greedy_exact_and_beat_its_chain():
+    target = ToyLM(6, order=3, seed=7)
+    cfg = SamplingConfig(temperature=0.0, max_new_tokens=60)
+    prompt = [1, 2, 3, 1, 2, 4, 1, 2, 5, 0]
+    ref = _plain(cfg, "greedy", prompt, target)
+    tree = SpeculativeDecoder(target, NgramDrafter(), get_rule("greedy"), gamma=FixedGamma(16), tree=TreeSpec()).generate(prompt, cfg)
+    chain = SpeculativeDecoder(target, NgramDrafter(), get_rule("greedy"), gamma=FixedGamma(16)).generate(prompt, cfg)
+    assert tree.tokens == chain.tokens == ref
+    assert tree.stats.tokens_per_target_call > chain.stats.tokens_per_target_call
+
+
+def test_coupled_tree_equals_plain_seeded_sampling():
+    target = ToyLM(8, order=2, seed=11)
+    cfg = SamplingConfig(temperature=1.0, top_p=0.95, repetition_penalty=1.2, max_new_tokens=30)
+    for seed in range(6):
+        c = SamplingConfig(**{**cfg.__dict__, "seed": seed})
+        ref = _plain(c, "coupled", [3, 1], target)
+        for strength, spec in ((0.5, TreeSpec()), (3.0, TreeSpec(shape="static"))):
+            dec = SpeculativeDecoder(target, ModelDrafter(target.perturbed(strength, seed=1)), get_rule("coupled"), gamma=FixedGamma(10), tree=spec)
+            assert dec.generate([3, 1], c).tokens == ref
+
+
+def test_tree_budget_controller_plays_every_arm_then_the_best():
+    ctl = TreeBudget(sizes=(4, 16), probe_every=1000)
+    seen = []
+    for _ in range(3):  # arms in order: largest tree, smaller tree, chain
+        seen.append((ctl.tree_round, ctl.next_gamma()))
+        tokens = {16: 2, 4: 4}.get(ctl.next_gamma(), 1) if ctl.tree_round else 1
+        ctl.update(gamma=ctl.next_gamma(), accepted=tokens - 1, draft_s=0.01, target_s=0.02, other_s=0.0)
+    assert seen[0] == (True, 16) and seen[1] == (True, 4) and not seen[2][0]
+    assert ctl.tree_round and ctl.next_gamma() == 4  # 4 tokens per 30 ms beats the rest
+    for _ in range(5):  # the chain turns out better: the controller switches
+        ctl._tokens[0], ctl._seconds[0] = 100.0, 0.1
+        ctl.update(gamma=4, accepted=0, draft_s=0.01, target_s=0.02, other_s=0.0)
+    assert not ctl.tree_round
+
+
+def test_tree_helpers():
+    parents = torch.tensor([-1, -1, 0, 0, 2, 1])
+    check_parents(parents, 6)
+    assert depths(parents).tolist() == [0, 0, 1, 1, 2, 1]
+    assert path(parents, 4) == [0, 2, 4] and paths(parents)[5] == [1, 5]
+    assert ancestor_mask(parents)[4].tolist() == [True, False, True, False, True, False]
+    assert with_root(parents).tolist() == [-1, 0, 0, 1, 1, 3, 2]
+    assert is_chain(torch.tensor([-1, 0, 1])) and not is_chain(parents)
+    for bad in ([-1, 1], [-2, 0], [0]):
+        with pytest.raises(ConfigError):
+            check_parents(torch.tensor(bad), len(bad))
+
+
+def test_toy_tree_scoring_equals_path_scoring_and_compaction():
+    m = ToyLM(5, order=3, seed=3)
+    cache = m.new_cache()
+    m.forward(torch.tensor([1, 2]), cache)
+    toks, parents = torch.tensor([3, 4, 0, 1]), torch.tensor([-1, 0, 0, 2])
+    out = m.forward_tree(toks, parents, cache)
+    for j, p in enumerate(paths(parents)):
+        assert torch.equal(out[j], m.logits_for([1, 2] + [int(toks[i]) for i in p]))
+    # grown over two calls: the second call's nodes see only their own ancestors
+    cache2 = m.new_cache()
+    m.forward(torch.tensor([1, 2]), cache2)
+    m.forward_tree(toks[:2], parents[:2], cache2)
+    assert torch.equal(m.forward_tree(toks[2:], parents, cache2, prefix=2), out[2:])
+    cache.compact(torch.tensor([2, 4, 5]), 2)
+    assert isinstance(cache, ToyCache) and cache.tokens == [1, 2, 3, 0, 1]
+
+
+def test_tree_drafts_need_tree_attention():
+    class NoTrees(ToyLM):
+        forward_tree = None  # type: ignore[assignment]
+
+    target = NoTrees(4, order=2, seed=0)
+    from specdec.drafters.base import Draft
+    from specdec.session import TargetSession
+
+    sess = TargetSession(target, [1, 2], SamplingConfig(temperature=0.0), get_rule("greedy"), seed=0)
+    with pytest.raises(ConfigError, match="tree attention"):
+        sess.verify(Draft(tokens=torch.tensor([1, 2]), probs=None, parents=torch.tensor([-1, -1])))
+
+
+def test_model_drafter_keeps_its_cache_on_the_accepted_path():
+    """After every tree round the draft cache holds exactly a prefix of the committed context."""
+
+    class Checked(ModelDrafter):
+        def propose_tree(self, context, *args, **kwargs):
+            if self.cache is not None:
+                assert self.cache.tokens == context[: self.cache.length].tolist()
+            return super().propose_tree(context, *args, **kwargs)
+
+    target = ToyLM(6, order=3, seed=7)
+    for temperature, method in ((0.0, "greedy"), (1.0, "token")):
+        dec = SpeculativeDecoder(target, Checked(target.perturbed(0.8, seed=8)), get_rule(method), gamma=FixedGamma(10), tree=TreeSpec())
+        res = dec.generate([1, 2, 3], SamplingConfig(temperature=temperature, seed=3, max_new_tokens=60))
+        assert res.stats.tokens_per_target_call > 2.0
