@@ -3,7 +3,7 @@
 Each law test draws N = 12,000 independent generations (seed = sample index) of 3 new tokens
 from a 4-token order-2 toy target (64 possible outputs) and runs a chi-square goodness-of-fit
 test against the exact law computed by enumeration; it fails at p < 1e-4.  The negative controls
-at the bottom run the same test on the guide's lossy rules and must fail, which shows that this
+at the bottom run the same test on the lossy shortcut rules and must fail, which shows that this
 sample size detects a biased rule.
 """
 

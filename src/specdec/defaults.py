@@ -6,7 +6,7 @@ DEFAULT_DRAFT = "smollm2-135m-draft"
 #: the target's precision: "auto" = int8 (W8A8) where torch has fbgemm, else float32
 TARGET_DTYPE = "auto"
 
-# γ: the reference guide's dynamic rule (§8)
+# γ: a simple dynamic rule (start 6, range 3-12, ±1 on the accepted/γ ratio)
 GUIDE_GAMMA_START = 6
 GUIDE_GAMMA_MIN = 3
 GUIDE_GAMMA_MAX = 12

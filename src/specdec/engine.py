@@ -117,7 +117,7 @@ def default_method(cfg: SamplingConfig) -> str:
 
 
 def parse_gamma(value: str | int) -> str | int:
-    """``auto`` (cost-based), ``guide`` (the reference guide's rule) or an integer >= 1."""
+    """``auto`` (cost-based), ``guide`` (the simple dynamic rule of :class:`GuideGamma`) or an integer >= 1."""
     if isinstance(value, int):
         g = value
     else:

@@ -1,7 +1,7 @@
 """γ controllers: how many tokens to draft next round.
 
 * :class:`FixedGamma` — always the same γ.
-* :class:`GuideGamma` — the reference guide's rule (§6.1, §8): start 6, range [3, 12], +1 when
+* :class:`GuideGamma` — a simple dynamic rule: start 6, range [3, 12], +1 when
   accepted/γ >= 0.8, -1 when <= 0.4.
 * :class:`CostGamma` — picks the γ that maximises expected tokens per second from measured
   per-position acceptance and measured draft / target / overhead costs (Leviathan et al. 2023,

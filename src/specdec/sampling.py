@@ -1,6 +1,6 @@
 """Sampling configuration and the one function that turns logits into the distribution sampled from.
 
-Exactness rule 2 (DESIGN.md §4): the draft distribution ``q`` and the target distribution ``p``
+Exactness rule: the draft distribution ``q`` and the target distribution ``p``
 go through *the same* processing.  Everything here is a pure function of its arguments, and the
 decoder calls :func:`process_logits` for both sides, so there is no second code path to drift.
 
@@ -124,7 +124,7 @@ def validate(cfg: SamplingConfig) -> None:
             raise ConfigError(f"logit bias needs token ids >= 0 and finite values, got {token}: {bias}")
 
 
-#: The reference guide's defaults (§8): temperature 1.0, top-p 0.9, repetition penalty 1.1.
+#: A common preset: temperature 1.0, top-p 0.9, repetition penalty 1.1.
 GUIDE_PRESET = SamplingConfig(temperature=1.0, top_p=0.9, repetition_penalty=1.1)
 PRESETS: dict[str, SamplingConfig] = {"guide": GUIDE_PRESET, "greedy": SamplingConfig(temperature=0.0)}
 

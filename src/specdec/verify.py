@@ -13,7 +13,7 @@ verification, as explicit Gumbel noise); no rule touches a global RNG.
 Lossless rules: :func:`greedy_verify`, :func:`token_verify` (Leviathan et al. 2023, Alg. 1;
 Chen et al. 2023), :func:`block_verify` (Sun et al. 2024, "Block Verification Accelerates
 Speculative Decoding", Alg. 2) and :func:`coupled_verify` (seeded Gumbel-max coupling).
-The reference guide's engineering shortcuts are kept as ``lossy_*`` rules.
+Common engineering shortcuts are kept as ``lossy_*`` rules.
 """
 
 from __future__ import annotations
@@ -35,7 +35,7 @@ class Verdict:
 
     num_accepted: int
     tokens: Tensor  # [num_accepted + 1] int64: accepted prefix + recovered-or-bonus token
-    #: mean over draft positions of alpha_i = min(1, p_i(x_i) / q_i(x_i)) (the guide's alpha_mean);
+    #: mean over draft positions of alpha_i = min(1, p_i(x_i) / q_i(x_i)) (alpha_mean);
     #: None for rules that do not compare probabilities (greedy, coupled)
     alpha_mean: float | None = None
     #: token trees: the accepted node indices (root level first); None for a chain
@@ -156,7 +156,7 @@ def token_verify(
 
     Accept ``x_i`` with probability ``min(1, p_i(x_i) / q_i(x_i))`` until the first rejection at
     ``j``; then sample from the residual ``norm(max(0, p_j - q_j))`` over the whole vocabulary
-    (not the guide's ``p - 1[v=y_j] q_j``).  If all γ are accepted, the bonus comes from ``p_γ``.
+    (not the often-quoted ``p - 1[v=y_j] q_j``).  If all γ are accepted, the bonus comes from ``p_γ``.
     """
     plan = token_plan(draft_tokens, draft_probs, target_probs)
     u = torch.rand(plan.stop.numel(), generator=generator, dtype=torch.float64)
@@ -242,21 +242,21 @@ def _resample_from_p(p_row: Tensor, token: int, q_tok: Tensor, _: Tensor) -> Ten
 
 
 def _guide_residual(p_row: Tensor, token: int, q_tok: Tensor, _: Tensor) -> Tensor:
-    """The guide's 'strict' residual p(v) - 1[v = y_j] q_j.  It is NOT the correct residual."""
+    """The often-quoted 'strict' residual p(v) - 1[v = y_j] q_j.  It is NOT the correct residual."""
     weights = p_row.clone()
     weights[token] = (weights[token] - q_tok.to(weights.dtype)).clamp_min(0.0)
     return weights if bool(weights.sum() > 0) else p_row
 
 
 def lossy_resample_p(draft_tokens, draft_probs, target_probs, *, generator=None) -> Verdict:
-    """Guide §3.1 'engineering shortcut': accept w.p. min(1, p/q), on rejection sample from p."""
+    """A common 'engineering shortcut': accept w.p. min(1, p/q), on rejection sample from p."""
     return _lossy_accept_then_p(
         draft_tokens, draft_probs, target_probs, lambda p, q, u: u * q < p, _resample_from_p, generator
     )
 
 
 def lossy_strict_residual(draft_tokens, draft_probs, target_probs, *, generator=None) -> Verdict:
-    """Guide §3.1 'strict unbiased' as written: its residual p - 1[v=y_j] q_j is biased."""
+    """The often-quoted 'strict unbiased' rule: its residual p - 1[v=y_j] q_j is biased."""
     return _lossy_accept_then_p(
         draft_tokens, draft_probs, target_probs, lambda p, q, u: u * q < p, _guide_residual, generator
     )
@@ -265,7 +265,7 @@ def lossy_strict_residual(draft_tokens, draft_probs, target_probs, *, generator=
 def lossy_ratio_threshold(
     draft_tokens, draft_probs, target_probs, *, generator=None, threshold: float = 1.0
 ) -> Verdict:
-    """Guide §6.2 cloud pseudo-code: accept deterministically while p/q >= threshold."""
+    """A common cloud-side shortcut: accept deterministically while p/q >= threshold."""
     return _lossy_accept_then_p(
         draft_tokens,
         draft_probs,
@@ -279,7 +279,7 @@ def lossy_ratio_threshold(
 def lossy_p_threshold(
     draft_tokens, draft_probs, target_probs, *, generator=None, threshold: float = 0.3
 ) -> Verdict:
-    """Guide §6.2 comment variant: accept deterministically while p >= T_pass."""
+    """A variant of it: accept deterministically while p >= T_pass."""
     return _lossy_accept_then_p(
         draft_tokens, draft_probs, target_probs, lambda p, q, u: p >= threshold, _resample_from_p, generator
     )

@@ -5,7 +5,7 @@ The law tests draw N = 6,000 independent generations (seed = sample index) of 3 
 verification: one attention and one MLP sub-layer skipped; block verification: early exit after
 one layer), and run a chi-square goodness-of-fit test against the exact law (the target's own
 next-token distributions, enumerated); they fail at p < 1e-4.  The negative control runs the same
-test with the guide's lossy rule on the same drafter and must fail.  Cache sharing is checked
+test with a lossy rule on the same drafter and must fail.  Cache sharing is checked
 bitwise (it changes no logit, so it cannot change the law) on a batch-invariant copy.
 """
 

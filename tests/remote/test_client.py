@@ -121,7 +121,7 @@ def test_sparse_q_output_law_matches_the_target(toy_server):
 
 
 def test_negative_controls_the_law_test_catches_a_wrong_q(toy_server):
-    """The guide's scalar-q protocol, and a sparse q that misreports the draft's distribution."""
+    """The scalar-q protocol, and a sparse q that misreports the draft's distribution."""
     law = exact_law(TARGET, [1, 2], LAW_CFG, 3)
     assert chi_square_pvalue(_law_samples(toy_server.url, "lossy-scalar", q_top_k=None), law) < ALPHA
     assert chi_square_pvalue(_law_samples(toy_server.url, "sparse-q", q_top_k=2, verifier_cls=_MisreportedQ), law) < ALPHA

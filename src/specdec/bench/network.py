@@ -1,6 +1,6 @@
 """The network side of ``specdec bench``: a cloud server process and an emulated RTT to it.
 
-Modes (DESIGN.md §6, docs/edge-cloud.md):
+Modes (see docs/edge-cloud.md):
 
 * ``edge_cloud``           — ``specdec serve`` holds the target; a separate edge process drafts
   with the draft model and verifies over HTTP, for every RTT × wire mode valid at each temperature;

@@ -5,7 +5,7 @@ matmul (1-16 rows) close to memory bandwidth, about twice as fast as the default
 row and three to four times as fast for 9 rows (measured on this project's 2-core CI machine).
 Packed for 16 rows, its results are also *batch-invariant*: row ``i`` of an ``n``-row product is
 bitwise the same whatever ``n`` is, which is what lets greedy speculative decoding reproduce
-plain greedy decoding exactly (DESIGN.md §4 rule 1).
+plain greedy decoding exactly.
 
 Elsewhere (CUDA, no oneDNN, exotic dtypes) it falls back to ``torch.nn.functional.linear``.
 """

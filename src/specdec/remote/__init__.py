@@ -1,1 +1,1 @@
-"""The edge side of the edge-cloud split (DESIGN.md §6): wire protocol, remote verifier, gating."""
+"""The edge side of the edge-cloud split: wire protocol, remote verifier, gating."""

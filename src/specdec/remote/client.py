@@ -16,7 +16,7 @@ Failure handling (lossless by default):
 
 Lossy options (off by default, counted as unverified tokens in every stat):
 
-* ``lossy_timeout_commit_ms``: the reference guide's fallback (§8): when the cloud has not answered
+* ``lossy_timeout_commit_ms``: a common fallback: when the cloud has not answered
   within this many ms, commit the first draft token unverified and re-sync the session later;
 * ``local_commit``: a predicate (see :mod:`specdec.remote.gating`) that lets the edge commit an
   easy draft block without a cloud call; the tokens travel to the server, unverified, with the
@@ -92,11 +92,11 @@ class RemoteStats:
     wire_bytes_up: int = 0  # the same plus HTTP/1.1 request line and headers
     wire_bytes_down: int = 0  # the same plus status line and headers
     rtt_s: list[float] = field(default_factory=list)  # per verify round, retries included
-    cloud_target_ms: float = 0.0  # the server's forward passes (the guide's cloud_prefill_ms, summed)
+    cloud_target_ms: float = 0.0  # the server's forward passes (summed)
     cloud_server_ms: float = 0.0  # the server's handling time of the verify calls
     session_prefill_ms: float = 0.0  # the server's prompt prefill(s)
     unverified_tokens: int = 0  # lossy: committed without the cloud
-    timeout_commits: int = 0  # lossy: rounds where the guide's timeout fallback fired
+    timeout_commits: int = 0  # lossy: rounds where the timeout fallback fired
     local_commits: int = 0  # lossy: rounds the gate committed locally
 
     @property

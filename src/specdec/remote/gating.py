@@ -1,4 +1,4 @@
-"""Gating: how much to draft before calling the cloud (reference guide §4, defaults from §8).
+"""Gating: how much to draft before calling the cloud.
 
 Per draft token the gate reads the drafter's own predictive distribution (its softmax at
 temperature 1, before any sampling processing, so the numbers mean the same at every temperature):
@@ -48,12 +48,12 @@ _LN2 = math.log(2.0)
 
 @dataclass(frozen=True)
 class GateConfig:
-    """Thresholds (guide §8: T_H ~ 2.5 bits, T_margin = 0.2, R_hard = 0.3; T_nll: calibrate)."""
+    """Thresholds (defaults: T_H ~ 2.5 bits, T_margin = 0.2, R_hard = 0.3; T_nll: calibrate)."""
 
     policy: GatePolicy = "shape"
     t_entropy_bits: float | None = 2.5
     t_margin: float | None = 0.2
-    t_nll_bits: float | None = None  # the guide: the 80th percentile on validation data (see calibrate_nll)
+    t_nll_bits: float | None = None  # the 80th percentile on validation data (see calibrate_nll)
     t_mc_var: float | None = None  # set to use MC dropout (only where the draft has dropout)
     r_hard: float = 0.3
     rules: frozenset[str] = frozenset(RULE_NAMES)
@@ -111,7 +111,7 @@ def is_hard(cfg: GateConfig, nll: float, entropy: float, margin: float, mc_var: 
 
 
 def calibrate_nll(nll_bits: Sequence[float], quantile: float = 0.8) -> float:
-    """The guide's T_nll: a quantile (default the 80th percentile) of NLLs on validation data."""
+    """T_nll: a quantile (default the 80th percentile) of NLLs on validation data."""
     if not nll_bits:
         raise ConfigError("calibration needs at least one NLL value")
     return float(torch.quantile(torch.tensor(list(nll_bits), dtype=torch.float64), quantile))
@@ -260,7 +260,7 @@ class BlockReport:
     signals: tuple[TokenSignals, ...]
     hard_ratio: float
     triggered: tuple[str, ...]
-    escalate: bool  # the guide's 'send to the cloud' decision
+    escalate: bool  # the 'send to the cloud' decision
     stopped_early: bool
 
 

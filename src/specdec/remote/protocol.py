@@ -1,4 +1,4 @@
-"""The edge-cloud wire protocol (DESIGN.md §6): request and response bodies, shared by both ends.
+"""The edge-cloud wire protocol: request and response bodies, shared by both ends.
 
 One session per sequence.  The edge creates it once (prompt, sampling config, seed, wire mode),
 then sends one :class:`VerifyRequest` per round and gets one :class:`VerifyResponse` back.
@@ -16,7 +16,7 @@ Wire modes (what crosses the wire besides the draft token ids):
     (id, prob) pairs of that ``q`` per position; the cloud densifies them into ``q`` [γ, V] and
     runs token or block verification (default block) — exact in distribution.
 ``lossy-scalar``
-    the reference guide's protocol: one scalar ``q_i = q(x_i)`` per draft token; the cloud runs a
+    a common simpler protocol: one scalar ``q_i = q(x_i)`` per draft token; the cloud runs a
     ``lossy_*`` rule (default ``lossy_resample_p``).  Not exact; every stat says so.
 
 Everything the server can check without the session (types, ranges, lengths, finiteness, row sums)
@@ -224,7 +224,7 @@ class VerifyRequest(_Body):
 
 class VerifyMetrics(_Body):
     gamma: int
-    target_ms: float  # the cloud's forward pass over [pending] + draft (the guide's cloud_prefill_ms)
+    target_ms: float  # the cloud's forward pass over [pending] + draft
     verify_ms: float  # processing + rule + bookkeeping
     server_ms: float  # request handling on the server, forward pass included
     committed: int  # tokens committed after the prompt so far

@@ -33,6 +33,7 @@ import torch
 from torch import Tensor
 
 from specdec import defaults
+from specdec.server.served import ServedModel
 
 
 class Overloaded(Exception):
@@ -210,32 +211,15 @@ class Scheduler:
                 item.parts.append(out)
 
 
-class BatchedModel:
+class BatchedModel(ServedModel):
     """A :class:`LanguageModel` whose forward passes go through a :class:`Scheduler`."""
 
     def __init__(self, model: Any, scheduler: Scheduler, *, initial_length: int | None = None) -> None:
-        import inspect
-
-        self.inner = model
+        super().__init__(model, initial_length=initial_length)
         self.scheduler = scheduler
-        self.vocab_size = model.vocab_size
-        self.max_length = model.max_length
-        self.initial_length = initial_length
-        try:
-            self._grows = "initial_length" in inspect.signature(model.new_cache).parameters
-        except (TypeError, ValueError):
-            self._grows = False
-
-    def new_cache(self, max_length: int | None = None) -> Any:
-        if self._grows and self.initial_length is not None:
-            return self.inner.new_cache(max_length, initial_length=self.initial_length)
-        return self.inner.new_cache(max_length)
 
     def forward(self, tokens: Tensor, cache: Any, *, last_only: bool = False) -> Tensor:  # tokens: [n]
         return self.scheduler.forward(tokens, cache, last_only=last_only)
-
-    def __getattr__(self, name: str) -> Any:  # dtype, n_params, ... pass through
-        return getattr(self.inner, name)
 
 
 class SchedulerMetrics:

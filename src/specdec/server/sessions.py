@@ -8,7 +8,6 @@ retry of that ``seq`` returns it again, any other out-of-order ``seq`` is a 409.
 from __future__ import annotations
 
 import hashlib
-import inspect
 import os
 import threading
 import time
@@ -35,6 +34,7 @@ from specdec.remote.protocol import (
 )
 from specdec.sampling import SamplingConfig
 from specdec.server.errors import ApiError
+from specdec.server.served import ServedModel
 from specdec.server.settings import ServerSettings
 from specdec.session import TargetSession
 from specdec.tree import depths
@@ -44,7 +44,7 @@ from specdec.verify import Rule, Verdict, get_rule
 FORWARD_LOCK = threading.Lock()
 
 
-class SerializedModel:
+class SerializedModel(ServedModel):
     """A :class:`LanguageModel` whose forward passes run one at a time under a shared lock.
 
     Sessions are independent, but the model objects are not meant for concurrent forwards (and
@@ -52,21 +52,8 @@ class SerializedModel:
     """
 
     def __init__(self, model: LanguageModel, lock: threading.Lock = FORWARD_LOCK, *, initial_length: int | None = None) -> None:
-        self.inner = model
+        super().__init__(model, initial_length=initial_length)
         self.lock = lock
-        self.vocab_size = model.vocab_size
-        self.max_length = model.max_length
-        #: caches start this small and grow on demand (models whose ``new_cache`` supports it)
-        self.initial_length = initial_length
-        try:
-            self._grows = "initial_length" in inspect.signature(model.new_cache).parameters
-        except (TypeError, ValueError):
-            self._grows = False
-
-    def new_cache(self, max_length: int | None = None) -> Any:
-        if self._grows and self.initial_length is not None:
-            return self.inner.new_cache(max_length, initial_length=self.initial_length)
-        return self.inner.new_cache(max_length)
 
     def forward(self, tokens: Tensor, cache: Any, *, last_only: bool = False) -> Tensor:  # tokens: [n]
         with self.lock:
@@ -78,9 +65,6 @@ class SerializedModel:
             raise ConfigError("token trees need a backend with tree attention (the native backend, not hf)")
         with self.lock:
             return fn(tokens, parents, cache, prefix=prefix)
-
-    def __getattr__(self, name: str) -> Any:  # anything else (dtype, n_params, ...) passes through
-        return getattr(self.inner, name)
 
 
 def serialized(model: LanguageModel, lock: threading.Lock = FORWARD_LOCK, *, initial_length: int | None = None) -> LanguageModel:
