@@ -298,10 +298,16 @@ class NativeCausalLM:
 
     @torch.inference_mode()
     def hidden(
-        self, tokens: Tensor, cache: KVCache, *, parents: Tensor | None = None, prefix: int | None = None
+        self, tokens: Tensor, cache: KVCache, *, parents: Tensor | None = None, prefix: int | None = None,
+        taps: dict[int, Tensor] | None = None,
     ) -> Tensor:  # tokens: [n] -> [n, D]
         """The LM head's input for the new positions: the final hidden states divided by their
         RMS (the final norm's weight is folded into the head).
+
+        ``taps`` (target-aware drafters: EAGLE, Medusa, MTP): a dict whose keys are layer counts
+        k in 0..L; each value is set to the residual stream after the first k layers ([n, D];
+        k = 0 is the embedding, Hugging Face's ``hidden_states[k]``).  The Python loop runs then,
+        bitwise the same as the compiled one.
 
         ``parents`` [n] (a token tree, see :mod:`specdec.tree`): node j sits at position
         ``start + depth(j)`` and attends to the cache and its own ancestors only.
@@ -320,8 +326,10 @@ class NativeCausalLM:
         else:
             cos = self._cos[start:end].unsqueeze(1)  # [n, 1, d]
             sin = self._sin[start:end].unsqueeze(1)
-            if self.scripted is not None and (n == 1 or self.batch_invariant):
+            if self.scripted is not None and (n == 1 or self.batch_invariant) and not taps:
                 return self.scripted(x, cos, sin, cache, start, cfg, self._eps)
+        if taps is not None and 0 in taps:
+            taps[0] = x
         hq, hk, d = cfg.n_heads, cfg.n_kv_heads, cfg.head_dim
         mask = None
         if tree is not None:
@@ -355,6 +363,8 @@ class NativeCausalLM:
             x = x + layer.out(attn)
             gate, up = layer.gate_up.scaled(x, self._inv_rms(x)).chunk(2, dim=-1)
             x = x + layer.down(F.silu(gate) * up)
+            if taps is not None and li + 1 in taps:
+                taps[li + 1] = x
         return x * self._inv_rms(x)
 
     @torch.inference_mode()

@@ -1,4 +1,4 @@
-"""``specdec train``: ``skip`` (search a layer-skipping draft for a target)."""
+"""``specdec train``: ``data`` (target-sampled sequences + features) and ``skip`` (search a layer-skipping draft)."""
 
 from __future__ import annotations
 
@@ -30,7 +30,29 @@ def add_parser(sub) -> None:  # noqa: ANN001 - argparse's subparsers action
     s.add_argument("--patience", type=int, default=8, help="stop adding after this many candidates in a row that do not pay")
 
 
+    d = tsub.add_parser(
+        "data",
+        help="sample training sequences from the target, with its features (for EAGLE / Medusa / MTP / distillation)",
+        description="Chat instructions (generated from templates, none of the benchmark's) and standard-library code "
+        "headers, answered by the target at the given temperatures with batched generation; each sequence is then "
+        "scored once more to store the target's features (the tapped residual streams and the final hidden state, "
+        "float16). Written in shards; rerunning the same command resumes where it stopped.",
+    )
+    d.add_argument("--target", default=defaults.DEFAULT_TARGET)
+    d.add_argument("--out", required=True, help="output folder (shards + config.json)")
+    d.add_argument("--sequences", type=int, default=2000, help="sequences to generate")
+    d.add_argument("--chat-share", type=float, default=0.7, help="share of chat prompts (the rest: code)")
+    d.add_argument("--temperatures", default="0,1", help="comma list, cycled over the sequences")
+    d.add_argument("--batch", type=int, default=32, help="sequences decoded together")
+    d.add_argument("--max-new-chat", type=int, default=192)
+    d.add_argument("--max-new-code", type=int, default=128)
+    d.add_argument("--taps", default="2,15,27", help="residual-stream layers to store (layer counts)")
+    d.add_argument("--seed", type=int, default=0)
+
+
 def run(args: argparse.Namespace) -> int:
+    if args.train_command == "data":
+        return _data(args)
     if args.train_command == "skip":
         return _skip(args)
     raise ConfigError(f"unknown train method {args.train_command!r}")
@@ -99,4 +121,46 @@ def _skip(args: argparse.Namespace) -> int:
           f"α0 {result.alpha0:.3f}, α1 {result.alpha1:.3f}, draft cost {result.draft_cost:.2f} step, expected "
           f"×{result.speedup0:.2f} (T=0, γ {result.gamma0}), ×{result.speedup1:.2f} (T=1, γ {result.gamma1}); "
           f"{result.evaluations} evaluations", file=sys.stderr)
+    return 0
+
+
+def _int_list(text: str, what: str) -> tuple[int, ...]:
+    try:
+        values = tuple(int(x) for x in text.split(",") if x.strip())
+    except ValueError:
+        raise ConfigError(f"{what} must be a comma list of integers, got {text!r}") from None
+    if not values or min(values) < 0:
+        raise ConfigError(f"{what} must be a non-empty comma list of non-negative integers, got {text!r}")
+    return values
+
+
+def _data(args: argparse.Namespace) -> int:
+    from tqdm.auto import tqdm
+
+    from specdec.models.registry import load
+    from specdec.train.data import DataConfig, generate
+
+    try:
+        temps = tuple(float(x) for x in args.temperatures.split(",") if x.strip())
+    except ValueError:
+        raise ConfigError(f"--temperatures must be a comma list of numbers, got {args.temperatures!r}") from None
+    if not temps or min(temps) < 0:
+        raise ConfigError("--temperatures needs at least one value >= 0")
+    if args.sequences < 1 or args.batch < 1 or not 0.0 <= args.chat_share <= 1.0:
+        raise ConfigError("--sequences and --batch must be >= 1 and --chat-share in [0, 1]")
+    cfg = DataConfig(target=args.target, sequences=args.sequences, chat_share=args.chat_share, temperatures=temps,
+                     max_new_chat=args.max_new_chat, max_new_code=args.max_new_code, batch=args.batch,
+                     taps=_int_list(args.taps, "--taps"), seed=args.seed)
+    from specdec.engine import EngineConfig, target_dtype
+
+    dtype, quant = target_dtype(EngineConfig(target=args.target))
+    target = load(args.target, dtype=dtype, quant=quant, batch_invariant=False)
+    if not hasattr(target.model, "forward_batch"):
+        raise ConfigError("training data needs the native backend (a Llama / Qwen2 target)")
+    if max(cfg.taps) > target.model.cfg.n_layers:
+        raise ConfigError(f"--taps must be <= the target's {target.model.cfg.n_layers} layers")
+    bar = tqdm(total=cfg.sequences, desc="sequences", unit="seq")
+    n = generate(cfg, target.model, target.tokenizer, target.eos_ids, Path(args.out), progress=bar.update)
+    bar.close()
+    print(f"[specdec] {args.out}: {n} sequences (target {target.name}, {quant or dtype})", file=sys.stderr)
     return 0

@@ -1,0 +1,118 @@
+"""Training prompts for target-aware drafters: generated chat instructions and standard-library code.
+
+Nothing here comes from a dataset.  Chat instructions are built from task templates and topics
+written for specdec (none of the benchmark's prompts or topics, checked in the tests); code
+prompts are the header and docstring of functions of the running Python's standard library, the
+same shape as the benchmark's code prompts (a function to complete), minus the benchmark's names.
+"""
+
+from __future__ import annotations
+
+import ast
+import random
+import sysconfig
+from pathlib import Path
+
+from specdec.bench.workloads import BUILTIN
+
+_TASKS = (
+    "Explain {t} to a curious teenager.",
+    "Write a short paragraph about {t}.",
+    "What are three common misconceptions about {t}?",
+    "Give me a simple step-by-step guide to {t}.",
+    "Write a friendly note inviting a neighbour to talk about {t}.",
+    "List five interesting facts about {t}.",
+    "Describe {t} in two sentences.",
+    "What should a beginner know before starting with {t}?",
+    "Write a haiku about {t}.",
+    "Compare {t} with something from everyday life.",
+    "Why do people care about {t}? Answer briefly.",
+    "Write a short dialogue between two friends discussing {t}.",
+    "Give me a checklist for {t}.",
+    "Summarise the history of {t} in a few lines.",
+    "What are the pros and cons of {t}?",
+    "Write a short poem about {t}.",
+    "Suggest a weekend project related to {t}.",
+    "How would you teach {t} to a ten-year-old?",
+    "Write a product description for a book about {t}.",
+    "What questions should I ask an expert on {t}?",
+    "Write a motivational message for someone learning about {t}.",
+    "Describe a typical day of a person who works with {t}.",
+    "Give three tips for getting better at {t}.",
+    "Write a short story that involves {t}.",
+    "What is the most important idea behind {t}?",
+    "Explain {t} using an analogy.",
+    "Write a tweet announcing a workshop on {t}.",
+    "What mistakes do people often make with {t}?",
+    "Write a short blog introduction about {t}.",
+    "Give me a quiz with three questions about {t}.",
+    "How has {t} changed over the last fifty years?",
+    "Write an encouraging reply to a friend who is nervous about {t}.",
+)
+
+_TOPICS = (
+    "gardening", "bird watching", "the water cycle", "volcanoes", "learning a new language",
+    "budgeting", "public libraries", "bicycles", "chess", "composting", "the moon", "bread baking",
+    "recycling", "rainforests", "electric cars", "jazz music", "the human heart", "museums",
+    "hiking", "knitting", "honey bees", "solar panels", "the Roman Empire", "origami",
+    "coffee", "tea ceremonies", "board games", "painting with watercolours", "running a marathon",
+    "camping", "photography", "yoga", "saving money", "writing a diary", "the ocean tides",
+    "earthquakes", "penguins", "dinosaurs", "trains", "airports", "volunteering", "podcasts",
+    "spreadsheets", "job interviews", "public speaking", "time management", "cooking rice",
+    "houseplants", "the solar system", "climate", "weather forecasts", "maps", "bridges",
+    "castles", "islands", "deserts", "mountains", "rivers", "forests", "cats", "dogs",
+    "horses", "the immune system", "vitamins", "drinking water", "meditation", "friendship",
+    "moving to a new city", "starting a small business", "writing a resume", "video games",
+    "the printing press", "electricity", "magnets", "rainbows", "clouds", "snow", "glaciers",
+    "wind turbines", "the internet", "databases", "version control", "open source software",
+    "spreadsheets at work", "learning to swim", "playing the guitar", "singing in a choir",
+    "theatre", "films", "cartoons", "comic books", "poetry", "libraries in schools",
+    "online shopping", "farmers markets", "street food", "soup", "salads", "bicycle repair",
+    "car maintenance", "first aid", "fire safety", "emergency kits", "childhood games",
+    "grandparents", "family traditions", "holidays", "birthdays", "weddings", "recycling paper",
+    "fashion", "sewing", "pottery", "woodworking", "robots", "artificial intelligence",
+    "calculators", "clocks", "the calendar", "mathematics", "prime numbers", "geometry",
+    "statistics", "probability", "chemistry experiments", "microscopes", "telescopes",
+)
+
+_BENCH_WORDS = ("tcp", "udp", "lighthouse", "photosynthesis", "pancake", "sleep", "coastal", "meeting")
+
+
+def chat_prompts(n: int, *, seed: int = 0) -> list[str]:
+    """``n`` distinct chat instructions (task template × topic), shuffled with ``seed``."""
+    pairs = [task.format(t=topic) for task in _TASKS for topic in _TOPICS]
+    bench = {p.text for p in BUILTIN}
+    pairs = [p for p in pairs if p not in bench and not any(w in p.lower() for w in _BENCH_WORDS)]
+    random.Random(seed).shuffle(pairs)
+    return pairs[:n]
+
+
+def code_prompts(n: int, *, seed: int = 0, root: Path | None = None) -> list[str]:
+    """``n`` completion prompts: a standard-library function's header + docstring, body removed."""
+    root = root or Path(sysconfig.get_paths()["stdlib"])
+    bench_names = {p.id.split("/", 1)[1] for p in BUILTIN if p.category == "code"}
+    files = sorted(p for p in root.glob("*.py"))
+    rng = random.Random(seed)
+    rng.shuffle(files)
+    out: list[str] = []
+    for path in files:
+        try:
+            source = path.read_text(encoding="utf-8")
+            tree = ast.parse(source)
+        except (OSError, SyntaxError, UnicodeDecodeError, ValueError):
+            continue
+        lines = source.splitlines()
+        for node in ast.walk(tree):
+            if not isinstance(node, ast.FunctionDef) or node.name in bench_names or node.col_offset:
+                continue
+            doc = node.body[0] if node.body else None
+            if not (isinstance(doc, ast.Expr) and isinstance(getattr(doc, "value", None), ast.Constant)
+                    and isinstance(doc.value.value, str)) or doc.end_lineno is None:
+                continue
+            text = "\n".join(lines[node.lineno - 1 - len(node.decorator_list): doc.end_lineno]) + "\n"
+            if 40 <= len(text) <= 1200:
+                out.append(text)
+        if len(out) >= 4 * n:
+            break
+    rng.shuffle(out)
+    return out[:n]
