@@ -50,7 +50,32 @@ def add_parser(sub) -> None:  # noqa: ANN001 - argparse's subparsers action
     d.add_argument("--seed", type=int, default=0)
 
 
+    for kind, what in (("eagle", "EAGLE-1 or EAGLE-3 head (--variant)"), ("medusa", "Medusa-1 heads"), ("mtp", "MTP modules (DeepSeek-V3 style)")):
+        h = tsub.add_parser(
+            kind,
+            help=f"train {what} on `specdec train data` output",
+            description=f"Train {what} for the target on the sequences and features written by `specdec train data`: "
+            "labels are the target's own next-token law (self-distillation) over a draft vocabulary of the most frequent "
+            "reply tokens; every 20th sequence is held out for the report (teacher-forced acceptance per draft step). "
+            "Checkpoints in --out; rerunning the same command resumes.",
+        )
+        h.add_argument("--data", required=True, help="folder written by `specdec train data`")
+        h.add_argument("--out", required=True, help="output folder: head (config.json + model.safetensors), ckpt.pt, report")
+        h.add_argument("--target", default=defaults.DEFAULT_TARGET)
+        if kind == "eagle":
+            h.add_argument("--variant", choices=("eagle3", "eagle1"), default="eagle3")
+        h.add_argument("--steps", type=int, default=2000, help="optimiser steps in all (across resumed runs)")
+        h.add_argument("--batch-tokens", type=int, default=2048, help="padded tokens per batch")
+        h.add_argument("--lr", type=float, default=5e-4)
+        h.add_argument("--draft-vocab", type=int, default=8192, help="draft vocabulary size (most frequent reply tokens)")
+        h.add_argument("--depth", type=int, default=3, help="EAGLE: training-time-test steps; Medusa: heads; MTP: modules")
+        h.add_argument("--max-minutes", type=float, help="stop this run after about this long (resume later)")
+        h.add_argument("--eval-every", type=int, default=500)
+
+
 def run(args: argparse.Namespace) -> int:
+    if args.train_command in ("eagle", "medusa", "mtp"):
+        return _head(args)
     if args.train_command == "data":
         return _data(args)
     if args.train_command == "skip":
@@ -163,4 +188,41 @@ def _data(args: argparse.Namespace) -> int:
     n = generate(cfg, target.model, target.tokenizer, target.eos_ids, Path(args.out), progress=bar.update)
     bar.close()
     print(f"[specdec] {args.out}: {n} sequences (target {target.name}, {quant or dtype})", file=sys.stderr)
+    return 0
+
+
+def _head(args: argparse.Namespace) -> int:
+    from tqdm.auto import tqdm
+
+    from specdec.models.registry import _eos_ids, _load_tokenizer, resolve
+    from specdec.train.heads import TargetHead, TrainConfig, train
+
+    kind = args.variant if args.train_command == "eagle" else args.train_command
+    if args.steps < 1 or args.batch_tokens < 16 or args.depth < 1 or args.draft_vocab < 2 or args.lr <= 0:
+        raise ConfigError("--steps, --depth >= 1, --batch-tokens >= 16, --draft-vocab >= 2 and --lr > 0 are required")
+    data = Path(args.data)
+    if not (data / "config.json").is_file() or not any(data.glob("shard-*.pt")):
+        raise ConfigError(f"{args.data!r} holds no training data; run `specdec train data --out {args.data}` first")
+    resolved = resolve(args.target)
+    if resolved.folder is None:
+        raise ConfigError("training a head needs a local target (a registry name or a folder)")
+    cfg_json = json.loads((resolved.folder / "config.json").read_text())
+    eos = _eos_ids(resolved.folder, _load_tokenizer(resolved.folder), cfg_json)
+    target = TargetHead.from_folder(resolved.folder, resolved.name, eos)
+    cfg = TrainConfig(kind=kind, steps=args.steps, batch_tokens=args.batch_tokens, lr=args.lr, draft_vocab=args.draft_vocab,
+                      depth=args.depth, eval_every=args.eval_every)
+    bar = tqdm(total=cfg.steps, desc=f"train {kind}", unit="step")
+
+    def progress(step: int, loss: float, parts: list[float]) -> None:
+        bar.n = step
+        bar.set_postfix_str(f"loss {loss:.3f} ce " + "/".join(f"{p:.2f}" for p in parts))
+        bar.refresh()
+
+    report = train(cfg, data, Path(args.out), target, max_minutes=args.max_minutes, progress=progress)
+    bar.close()
+    steps = report["held_out"]["steps"]
+    summary = ", ".join(f"step {s['step']}: accept {s['accept_t1']:.3f} top-1 {s['top1']:.3f}" for s in steps)
+    state = "done" if report["finished"] else "paused (rerun to resume)"
+    print(f"[specdec] {args.out}: {kind} {state} at step {report['steps']}, {report['train_seconds']:.0f} s; held-out {summary}",
+          file=sys.stderr)
     return 0
