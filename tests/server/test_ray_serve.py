@@ -6,6 +6,7 @@ test runs last because it leaves the deployment with one fresh replica.  Skipped
 
 from __future__ import annotations
 
+import json
 import os
 import threading
 from collections import Counter
@@ -40,6 +41,78 @@ SRC = TESTS.parent / "src"
 #: pure function of prompt and seed (so "identical to an undisturbed run" is checkable token for token)
 JOBS = [([1 + i % 3, i % 4], SamplingConfig(temperature=0.0 if i % 2 == 0 else 1.0, top_k=3, seed=100 + i, max_new_tokens=60))
         for i in range(6)]
+
+
+# ----------------------------------------------------------------------------- the gateway alone (no Ray instance)
+
+
+class _FakeHandle:
+    """Stands in for the verifier's deployment handle: call k of ``outcomes`` fails with a lost
+    replica (``"dead"``) or answers ``("whole", 200, [], body)``."""
+
+    def __init__(self, outcomes: list[str]) -> None:
+        self.outcomes = outcomes
+        self.calls: list[str | None] = []
+        self.request = self
+
+    def options(self, **_: object) -> "_FakeHandle":
+        return self
+
+    def remote(self, req: dict, replica: str | None = None):
+        self.calls.append(replica)
+        outcome = self.outcomes[len(self.calls) - 1]
+
+        async def gen():
+            if outcome == "dead":
+                from ray.exceptions import ActorDiedError
+
+                raise ActorDiedError()
+            yield ("whole", 200, [("content-type", "application/json")], b'{"ok": true}')
+
+        return gen()
+
+
+def _gateway_call(outcomes: list[str], path: str, retries: int = 2):
+    import asyncio
+
+    from starlette.requests import Request
+
+    scope = {"type": "http", "method": "POST", "path": path, "query_string": b"", "headers": [(b"host", b"127.0.0.1")],
+             "client": ("127.0.0.1", 5), "server": ("127.0.0.1", 80), "scheme": "http", "root_path": ""}
+
+    async def receive():
+        return {"type": "http.request", "body": b"{}", "more_body": False}
+
+    handle = _FakeHandle(outcomes)
+    gateway = scaleout.Gateway(handle, retries=retries)
+    resp = asyncio.run(gateway(Request(scope, receive)))
+    return resp, handle.calls
+
+
+def test_session_paths_name_their_replica():
+    assert scaleout.session_replica("/v1/sessions/abc12345.XyZ/verify") == "abc12345"
+    assert scaleout.session_replica("/v1/sessions/abc12345.XyZ") == "abc12345"
+    assert scaleout.session_replica("/v1/sessions/plainid/verify") is None  # a single-process server's id
+    assert scaleout.session_replica("/v1/sessions") is None
+    assert scaleout.session_replica("/v1/completions") is None
+
+
+def test_gateway_runs_a_request_again_when_its_replica_died_before_answering():
+    resp, calls = _gateway_call(["dead", "dead", "ok"], "/v1/completions")
+    assert resp.status_code == 200 and resp.headers[scaleout.RETRIES_HEADER] == "2"
+    assert calls == [None, None, None]  # not pinned: the router may pick any live replica
+    resp, calls = _gateway_call(["ok"], "/v1/sessions")
+    assert resp.status_code == 200 and scaleout.RETRIES_HEADER not in resp.headers and calls == [None]
+
+
+def test_gateway_answers_404_for_a_session_whose_replica_died_and_503_when_none_answers():
+    resp, calls = _gateway_call(["dead", "ok"], "/v1/sessions/abc12345.XyZ/verify")
+    assert resp.status_code == 404 and calls == ["abc12345"]  # the edge re-creates it; never run elsewhere
+    resp, calls = _gateway_call(["dead"] * 3, "/v1/completions", retries=2)
+    assert resp.status_code == 503 and resp.headers["retry-after"] == "1" and len(calls) == 3
+
+
+# ----------------------------------------------------------------------------- 2 replicas on a local Ray instance
 
 
 @pytest.fixture(scope="module")
@@ -118,6 +191,14 @@ def test_requests_are_balanced_over_both_replicas_and_sessions_stay_on_theirs(cl
         for i, r in enumerate(answers[:4]):
             again = _completion(api, i)
             assert again.json()["choices"][0]["text"] == r.json()["choices"][0]["text"]
+        # a stream comes through chunk by chunk, with the same text as the non-streaming answer
+        body = {"prompt": [0, 1], "max_tokens": 20, "temperature": 0.0, "stream": True}
+        with api.stream("POST", "/v1/completions", json=body) as stream:
+            assert stream.status_code == 200 and stream.headers["content-type"].startswith("text/event-stream")
+            events = [line[6:] for line in stream.iter_lines() if line.startswith("data: ")]
+        assert events[-1] == "[DONE]" and len(events) > 2
+        text = "".join(json.loads(e)["choices"][0]["text"] for e in events[:-1])
+        assert text == answers[0].json()["choices"][0]["text"]
         # auth is the replica's own: no key, no session
         assert httpx.post(cluster + "/v1/sessions", json={"prompt_ids": [1]}).status_code == 401
 
@@ -163,7 +244,7 @@ def test_a_killed_replica_loses_no_request_and_changes_no_output(cluster):
         except BaseException as exc:  # noqa: BLE001 - reported below
             errors.append(exc)
 
-    issued = answered = 0
+    issued = answered = rerun = 0
     openai_texts: list[tuple[int, str]] = []
     threads = [threading.Thread(target=session, args=(i,)) for i in range(len(JOBS))]
     for t in threads:
@@ -175,6 +256,7 @@ def test_a_killed_replica_loses_no_request_and_changes_no_output(cluster):
             r = _completion(api, i)
             if r.status_code == 200:
                 answered += 1
+                rerun += int(r.headers.get(scaleout.RETRIES_HEADER, 0))
                 openai_texts.append((i, r.json()["choices"][0]["text"]))
     for t in threads:
         t.join()

@@ -206,7 +206,7 @@ def run_ray(args: argparse.Namespace, settings_kw: dict[str, Any]) -> int:
     where = args.ray_address or "a local Ray instance"
     _log(f"serving {args.target} on {args.replicas} Ray Serve replicas ({where}) at http://{args.host}:{args.port} ({auth})")
     scaleout.start(scaleout.EngineApp(args, settings_kw), replicas=args.replicas, host=args.host, port=args.port,
-                   address=args.ray_address, replica_cpus=args.replica_cpus, blocking=True)
+                   address=args.ray_address, replica_cpus=args.replica_cpus, blocking=True, log=_log)
     return 0
 
 

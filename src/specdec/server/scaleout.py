@@ -33,6 +33,8 @@ from specdec.errors import MissingPackageError
 
 #: response header naming the replica that answered (load-balancing and affinity are visible)
 REPLICA_HEADER = "x-specdec-replica"
+#: response header: times the gateway ran the request again because its replica died (absent: 0)
+RETRIES_HEADER = "x-specdec-gateway-retries"
 #: separates the replica id from the random part of a session id
 SEPARATOR = "."
 APP_NAME = "specdec"
@@ -248,18 +250,20 @@ class Gateway:
                     raise
                 if replica is not None:
                     return JSONResponse(
-                        {"error": {"message": f"unknown session: its replica is gone; create a new one",
+                        {"error": {"message": "unknown session: the replica holding it is gone; create a new one",
                                    "type": "invalid_request_error", "code": 404}}, status_code=404)
                 if attempt == self.retries:
                     return JSONResponse({"error": {"message": "no verifier replica answered; retry later",
                                                    "type": "server_error", "code": 503}},
-                                        status_code=503, headers={"Retry-After": "1"})
+                                        status_code=503, headers={"Retry-After": str(defaults.SERVER_RETRY_AFTER_S)})
                 await asyncio.sleep(0.2 * (attempt + 1))  # nothing was answered: run it again elsewhere
+        extra = [(RETRIES_HEADER, str(attempt))] if attempt else []
         if first[0] == "whole":
             _, status, headers, content = first
-            return Response(content, status_code=status, headers=_plain(headers))
+            return Response(content, status_code=status, headers=_plain(headers + extra))
 
         _, status, headers = first
+        headers = headers + extra
 
         async def chunks() -> AsyncIterator[bytes]:
             async for item in gen:
@@ -310,8 +314,11 @@ def kill_replica(replica_id: str, app_name: str = APP_NAME) -> None:
 
 def start(build: Callable[[str], Any], *, replicas: int, host: str, port: int, address: str | None = None,
           num_cpus: float | None = None, replica_cpus: float = 1.0, blocking: bool = False,
-          runtime_env: dict[str, Any] | None = None) -> str:
-    """Connect to (``address``) or start a Ray instance, run the application; returns its URL."""
+          runtime_env: dict[str, Any] | None = None, log: Callable[[str], None] | None = None) -> str:
+    """Connect to (``address``) or start a Ray instance, run the application; returns its URL.
+
+    ``log`` is told the Ray cluster's address (what ``ray.init(address=...)`` of an operator's
+    script, or a second node's ``ray start --address``, needs)."""
     import ray
     from ray import serve
 
@@ -322,6 +329,8 @@ def start(build: Callable[[str], Any], *, replicas: int, host: str, port: int, a
         if runtime_env is not None:
             kw["runtime_env"] = runtime_env
         ray.init(address=address, **kw)
+    if log is not None:
+        log(f"Ray cluster at {ray.get_runtime_context().gcs_address}")
     serve.start(http_options={"host": host, "port": port})
     serve.run(application(build, replicas=replicas, replica_cpus=replica_cpus), name=APP_NAME, route_prefix="/",
               blocking=blocking)
