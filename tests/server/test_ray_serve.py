@@ -112,6 +112,31 @@ def test_gateway_answers_404_for_a_session_whose_replica_died_and_503_when_none_
     assert resp.status_code == 503 and resp.headers["retry-after"] == "1" and len(calls) == 3
 
 
+def test_serve_config_file_entry_point_builds_the_replicas_from_serve_options():
+    from specdec.errors import ConfigError
+
+    app = scaleout.app_builder({"replicas": 3, "api-key": "k", "target": "smollm2-135m", "replica_cpus": 0.5})
+    verifier = app._bound_deployment.init_args[0]._bound_deployment  # Gateway(Verifier(...))
+    assert verifier.name == "Verifier" and verifier.num_replicas == 3 and verifier.ray_actor_options["num_cpus"] == 0.5
+    build = verifier.init_args[0]
+    assert build.args.target == "smollm2-135m" and build.settings_kw["api_key"] == "k"
+    with pytest.raises(ConfigError, match="without an API key"):
+        scaleout.app_builder({"host": "0.0.0.0"})  # the same checks as the command line
+
+
+def test_serve_ray_refuses_bad_replica_options():
+    import subprocess
+    import sys
+
+    from specdec.errors import ConfigError
+
+    with pytest.raises(ConfigError, match="replica CPUs must be > 0"):
+        scaleout.app_builder({"replica-cpus": 0})
+    proc = subprocess.run([sys.executable, "-m", "specdec.cli", "serve", "--ray", "--replicas", "0"], capture_output=True, text=True,
+                          timeout=120, env=dict(os.environ, PYTHONPATH=os.pathsep.join([str(SRC), os.environ.get("PYTHONPATH", "")])))
+    assert proc.returncode == 2 and "specdec: error: replicas must be >= 1" in proc.stderr and "Traceback" not in proc.stderr
+
+
 # ----------------------------------------------------------------------------- 2 replicas on a local Ray instance
 
 
