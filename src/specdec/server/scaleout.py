@@ -66,16 +66,19 @@ class AsgiHost:
 
     def __init__(self, app: Any) -> None:
         self.app = app
-        self._started = False
+        self._ready: asyncio.Future | None = None  # set once the lifespan start-up has run
         self._stop: asyncio.Event | None = None
+        self._task: asyncio.Task | None = None
 
     async def start(self) -> None:
-        """Run the app's lifespan start-up (timers such as the idle-session sweep)."""
-        if self._started:
+        """Run the app's lifespan start-up (timers such as the idle-session sweep) once; every
+        caller waits until it is done."""
+        if self._ready is not None:
+            await self._ready
             return
-        self._started = True
         ready: asyncio.Future = asyncio.get_running_loop().create_future()
-        self._stop = asyncio.Event()
+        self._ready = ready
+        stop = self._stop = asyncio.Event()
         sent = False
 
         async def receive() -> dict:
@@ -83,7 +86,7 @@ class AsgiHost:
             if not sent:
                 sent = True
                 return {"type": "lifespan.startup"}
-            await self._stop.wait()  # type: ignore[union-attr]
+            await stop.wait()
             return {"type": "lifespan.shutdown"}
 
         async def send(message: dict) -> None:
