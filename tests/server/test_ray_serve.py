@@ -97,6 +97,16 @@ def test_session_paths_name_their_replica():
     assert scaleout.session_replica("/v1/completions") is None
 
 
+def test_session_id_prefix_is_checked():
+    from specdec.errors import ConfigError
+    from specdec.server import ServerSettings
+
+    assert ServerSettings(session_id_prefix="abc12345.").session_id_prefix == "abc12345."
+    for bad in ("a/b.", "x" * 65, "a b"):
+        with pytest.raises(ConfigError, match="session id prefix"):
+            ServerSettings(session_id_prefix=bad)
+
+
 def test_gateway_runs_a_request_again_when_its_replica_died_before_answering():
     resp, calls = _gateway_call(["dead", "dead", "ok"], "/v1/completions")
     assert resp.status_code == 200 and resp.headers[scaleout.RETRIES_HEADER] == "2"
