@@ -21,6 +21,13 @@ checkable token for token): time to first token and inter-token latency come fro
 started with ``--no-batching`` (one forward pass at a time, the server before batching), and
 reports both and the throughput ratio.
 
+``--ray --replicas N`` serves the same load from ``specdec serve --ray`` (N verifier replicas on a
+local Ray Serve instance behind one gateway), and ``--kill-replica-after S`` kills one replica's
+process S seconds into the load: the edge sessions that lived on it are re-created on another
+replica by the client (counted as re-created sessions), a stream cut by the kill is issued again
+by this script (counted as a restarted stream), and the run passes only when no generation failed
+and the checked outputs are still identical to the target alone.
+
 Writes ``summary.json``, ``README.md`` (with the exact command), ``rss.csv`` and ``metrics.txt``
 (the server's Prometheus text at the end) under ``--out`` (one sub-folder per server with
 ``--compare-serialised``).  Exit status 1 when any generation failed or any checked output differed.
@@ -32,6 +39,7 @@ import argparse
 import json
 import os
 import shlex
+import signal
 import statistics
 import sys
 import threading
@@ -149,9 +157,11 @@ def summarize(gens: list[Generation], duration_s: float, sessions: int) -> dict[
 
 
 def pick_for_check(gens: list[Generation], n: int) -> list[Generation]:
-    """Up to ``n`` completed generations, spread over the sessions (each one's first, then second, ...)."""
+    """Up to ``n`` completed generations, spread over the sessions (each one's first, then second, ...),
+    plus every one whose session was re-created (lost with its server or replica)."""
     ok = sorted((g for g in gens if g.error is None), key=lambda g: (g.index, g.session))
-    return ok[:n]
+    disturbed = [g for g in ok if g.session_recreates]  # a lost session re-created mid-generation: always checked
+    return disturbed + [g for g in ok if not g.session_recreates][: max(0, n - len(disturbed))]
 
 
 def first_difference(a: list[int], b: list[int]) -> int | None:
@@ -294,6 +304,7 @@ class Stream:
     text: str = ""
     tokens: int = 0
     error: str | None = None
+    restarts: int = 0  # --ray: issued again after its replica died mid-stream
 
 
 def _stream_loop(j: int, args: argparse.Namespace, ctx: dict[str, Any], deadline: float, t0: float,
@@ -314,27 +325,7 @@ def _stream_loop(j: int, args: argparse.Namespace, ctx: dict[str, Any], deadline
             if temp > 0:
                 body["method"] = "coupled"
             try:
-                last = None
-                with client.stream("POST", ctx["url"] + "/v1/completions", json=body) as r:
-                    if r.status_code != 200:
-                        raise RuntimeError(f"HTTP {r.status_code}: {r.read().decode()[:200]}")
-                    for line in r.iter_lines():
-                        if not line.startswith("data: ") or line == "data: [DONE]":
-                            continue
-                        chunk = json.loads(line[6:])
-                        if "error" in chunk:
-                            raise RuntimeError(chunk["error"]["message"])
-                        if chunk.get("usage"):
-                            st.tokens = chunk["usage"]["completion_tokens"]
-                        piece = "".join(c.get("text", "") for c in chunk.get("choices", []))
-                        if piece:
-                            now = time.perf_counter()
-                            if last is None:
-                                st.ttft_s = now - started
-                            else:
-                                st.gaps_s.append(now - last)
-                            last = now
-                            st.text += piece
+                _stream_once(client, ctx, body, st, started, args)
                 ctx["stream_inputs"][(j, k)] = text
             except Exception as exc:  # noqa: BLE001 - counted
                 st.error = f"{type(exc).__name__}: {exc}"
@@ -345,6 +336,58 @@ def _stream_loop(j: int, args: argparse.Namespace, ctx: dict[str, Any], deadline
             with lock:
                 out.append(st)
             k += 1
+
+
+#: transport errors of a stream whose replica died mid-answer (--ray: the stream is issued again)
+_CUT = ("RemoteProtocolError", "ReadError", "IncompleteStream")
+
+
+def _stream_once(client: Any, ctx: dict[str, Any], body: dict[str, Any], st: Stream, started: float,
+                 args: argparse.Namespace) -> None:
+    """One streaming completion into ``st``; with --ray a stream cut by a dying replica starts over."""
+    while True:
+        try:
+            st.text, st.gaps_s, st.ttft_s, st.tokens = "", [], None, 0
+            _stream_read(client, ctx, body, st, started)
+            return
+        except Exception as exc:  # noqa: BLE001 - re-raised unless it is a cut stream under --ray
+            if not (args.ray and type(exc).__name__ in _CUT and st.restarts < 2):
+                raise
+            st.restarts += 1
+
+
+def _stream_read(client: Any, ctx: dict[str, Any], body: dict[str, Any], st: Stream, started: float) -> None:
+    """Read one stream into ``st`` (raises on an error event or a stream cut before ``[DONE]``)."""
+    last = None
+    done = False
+    with client.stream("POST", ctx["url"] + "/v1/completions", json=body) as r:
+        if r.status_code != 200:
+            raise RuntimeError(f"HTTP {r.status_code}: {r.read().decode()[:200]}")
+        for line in r.iter_lines():
+            if line == "data: [DONE]":
+                done = True
+            if not line.startswith("data: ") or line == "data: [DONE]":
+                continue
+            chunk = json.loads(line[6:])
+            if "error" in chunk:
+                raise RuntimeError(chunk["error"]["message"])
+            if chunk.get("usage"):
+                st.tokens = chunk["usage"]["completion_tokens"]
+            piece = "".join(c.get("text", "") for c in chunk.get("choices", []))
+            if piece:
+                now = time.perf_counter()
+                if last is None:
+                    st.ttft_s = now - started
+                else:
+                    st.gaps_s.append(now - last)
+                last = now
+                st.text += piece
+    if not done:
+        raise IncompleteStream("the stream ended without [DONE]")
+
+
+class IncompleteStream(Exception):
+    """A stream that ended before its ``[DONE]`` event."""
 
 
 def summarize_streams(streams: list[Stream], duration_s: float) -> dict[str, Any]:
@@ -368,7 +411,9 @@ def _check_streams(args: argparse.Namespace, streams: list[Stream], inputs: dict
     """Re-generate a sample of the streamed texts with the target alone; compare the text."""
     from specdec.sampling import SamplingConfig
 
-    chosen = sorted((s for s in streams if s.error is None), key=lambda s: (s.index, s.stream))[: args.check]
+    ok = sorted((s for s in streams if s.error is None), key=lambda s: (s.index, s.stream))
+    restarted = [s for s in ok if s.restarts]  # issued again after a replica died: always checked
+    chosen = restarted + [s for s in ok if not s.restarts][: max(0, args.check - len(restarted))]
     mismatches = []
     for s in chosen:
         cfg = SamplingConfig(temperature=s.temperature, seed=s.seed, max_new_tokens=args.max_new_tokens)
@@ -418,8 +463,17 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
                    help="the server's drafter for the OpenAI endpoints (default: --draft, or 'none' with --draft ngram)")
     p.add_argument("--compare-serialised", action="store_true",
                    help="run the load against the batching server and against a --no-batching one")
+    p.add_argument("--ray", action="store_true", help="serve with `specdec serve --ray` (verifier replicas on Ray Serve)")
+    p.add_argument("--replicas", type=int, default=2, help="verifier replicas with --ray (default 2)")
+    p.add_argument("--replica-cpus", type=float, default=1.0, help="CPUs Ray reserves per replica with --ray (default 1)")
+    p.add_argument("--kill-replica-after", type=float, default=None, metavar="S",
+                   help="--ray: kill one replica's process S seconds into the load (default: none)")
     p.add_argument("--verbose", action="store_true", help="print tracebacks of failed generations")
     args = p.parse_args(argv)
+    if args.kill_replica_after is not None and not (args.ray and 0 < args.kill_replica_after < args.duration):
+        p.error("--kill-replica-after needs --ray and a time within --duration")
+    if args.ray and args.compare_serialised:
+        p.error("--ray and --compare-serialised do not go together")
     if args.sessions < 1 or args.duration <= 0 or args.max_new_tokens < 1 or args.check < 0 or args.rss_interval <= 0:
         p.error("--sessions, --duration, --max-new-tokens and --rss-interval must be positive, --check >= 0")
     args.gamma = int(args.gamma) if args.gamma.isdigit() else args.gamma
@@ -473,7 +527,10 @@ def run_phase(args: argparse.Namespace, ctx: dict[str, Any], *, batching: bool) 
                          emulation=Emulation("proxy", "load test"))
     if not batching:
         server.argv.append("--no-batching")
+    if args.ray:
+        server.argv += ["--ray", "--replicas", str(args.replicas), "--replica-cpus", str(args.replica_cpus)]
     server.start()
+    killer: ReplicaKiller | None = None
     link = None
     gens: list[Generation] = []
     streams: list[Stream] = []
@@ -493,10 +550,15 @@ def run_phase(args: argparse.Namespace, ctx: dict[str, Any], *, batching: bool) 
                     for j in range(args.openai_streams)]
         print(f"[loadtest] {'batching' if batching else 'serialised'} server: {args.sessions} sessions +"
               f" {args.openai_streams} OpenAI streams for {args.duration:g} s against {ctx['url']}", file=sys.stderr, flush=True)
+        if args.kill_replica_after is not None:
+            killer = ReplicaKiller(server, t0 + args.kill_replica_after, t0, deadline - 1.0)
+            killer.start()
         for t in threads:
             t.start()
         for t in threads:
             t.join()
+        if killer is not None:
+            killer.join()
         load_wall = time.perf_counter() - t0
         sampler.stop_event.set()
         sampler.join()
@@ -507,7 +569,56 @@ def run_phase(args: argparse.Namespace, ctx: dict[str, Any], *, batching: bool) 
         server.stop()
     return {"batching": batching, "server_draft": server_draft if args.openai_streams else "none", "load_wall_s": load_wall,
             "gens": gens, "streams": streams, "rss": sampler.samples, "metrics": metrics,
-            "inputs": dict(ctx["inputs"]), "stream_inputs": dict(ctx["stream_inputs"])}
+            "inputs": dict(ctx["inputs"]), "stream_inputs": dict(ctx["stream_inputs"]),
+            "kill": killer.report if killer is not None else None}
+
+
+class ReplicaKiller(threading.Thread):
+    """--ray: at ``when`` (perf_counter), SIGKILL one verifier replica process of the server (a crash).
+
+    The replicas are Ray worker processes below the server process, titled
+    ``ray::ServeReplica:<app>:Verifier``; only descendants of the server we started are considered."""
+
+    TITLE = "ray::ServeReplica:specdec:Verifier"
+
+    def __init__(self, server: Any, when: float, t0: float, end: float) -> None:
+        super().__init__(daemon=True, name="replica-killer")
+        self.server, self.when, self.t0, self.end = server, when, t0, end
+        self.report: dict[str, Any] = {}
+
+    def replicas(self) -> list[int]:
+        children: dict[int, list[int]] = {}
+        titles: dict[int, str] = {}
+        for entry in Path("/proc").iterdir():
+            if not entry.name.isdigit():
+                continue
+            try:
+                ppid = int((entry / "stat").read_text().rsplit(")", 1)[1].split()[1])
+                titles[int(entry.name)] = (entry / "cmdline").read_bytes().split(b"\0")[0].decode(errors="replace")
+            except (OSError, ValueError, IndexError):
+                continue
+            children.setdefault(ppid, []).append(int(entry.name))
+        found, todo = [], [self.server.proc.pid]
+        while todo:
+            for child in children.get(todo.pop(), []):
+                todo.append(child)
+                if titles.get(child, "").startswith(self.TITLE):
+                    found.append(child)
+        return sorted(found)
+
+    def run(self) -> None:
+        try:
+            time.sleep(max(0.0, self.when - time.perf_counter()))
+            before = self.replicas()
+            if not before:
+                raise RuntimeError("no verifier replica process found below the server")
+            os.kill(before[0], signal.SIGKILL)
+            self.report = {"victim_pid": before[0], "at_s": time.perf_counter() - self.t0, "replicas_before": len(before)}
+            print(f"[loadtest] killed replica process {before[0]} at {self.report['at_s']:.1f} s", file=sys.stderr, flush=True)
+            time.sleep(max(0.0, self.end - time.perf_counter()))
+            self.report["replicas_at_end"] = len(self.replicas())
+        except Exception as exc:  # noqa: BLE001 - reported in the summary (and the run fails)
+            self.report = {"error": f"{type(exc).__name__}: {exc}"}
 
 
 def phase_summary(args: argparse.Namespace, phase: dict[str, Any], engine: Any, command: str) -> dict[str, Any]:
@@ -528,8 +639,12 @@ def phase_summary(args: argparse.Namespace, phase: dict[str, Any], engine: Any, 
         "load_wall_s": wall, "load": load, "openai": openai, "openai_check": scheck,
         "aggregate_tokens_per_s": total / wall if wall > 0 else None,
         "server_rss": rss_trend(phase["rss"]), "check": check,
+        "ray": ({"replicas": args.replicas, "replica_cpus": args.replica_cpus, "kill": phase["kill"],
+                 "session_recreates": load["session_recreates"],
+                 "stream_restarts": sum(x.restarts for x in streams)} if args.ray else None),
         "passed": (load["generations_failed"] == 0 and openai["failed"] == 0 and check["mismatches_count"] == 0
-                   and not scheck["mismatches"] and load["generations_completed"] + openai["completed"] > 0),
+                   and not scheck["mismatches"] and load["generations_completed"] + openai["completed"] > 0
+                   and (phase["kill"] is None or "victim_pid" in phase["kill"])),
         "generations": [asdict(g) for g in gens],
         "streams": [asdict(x) for x in streams],
     }
@@ -553,10 +668,28 @@ def openai_markdown(summary: dict[str, Any]) -> str:
     ] + ([""] + [f"- {m}" for m in o["error_messages"]] if o["error_messages"] else [])) + "\n"
 
 
+def ray_markdown(summary: dict[str, Any]) -> str:
+    r = summary.get("ray")
+    if not r:
+        return ""
+    kill = r["kill"] or {}
+    what = (f"the process of one of {kill['replicas_before']} replicas (pid {kill['victim_pid']}) killed at {kill['at_s']:.1f} s"
+            f" ({kill.get('replicas_at_end', '?')} replica processes running at the end)" if "victim_pid" in kill
+            else f"kill failed: {kill['error']}" if "error" in kill else "no replica killed")
+    return "\n".join([
+        "", f"Ray Serve: {r['replicas']} verifier replicas ({r['replica_cpus']:g} CPU each) behind one gateway; {what}.",
+        "", "| after the kill | |", "|---|---|",
+        f"| edge sessions re-created on another replica | {r['session_recreates']} |",
+        f"| OpenAI streams issued again (cut by the kill) | {r['stream_restarts']} |",
+        f"| generations lost (failed) | {summary['load']['generations_failed'] + summary['openai']['failed']} |",
+        "", "Server RSS above is the gateway-side driver process only (the replicas are Ray worker processes).",
+    ]) + "\n"
+
+
 def write_phase(out: Path, summary: dict[str, Any], phase: dict[str, Any]) -> None:
     out.mkdir(parents=True, exist_ok=True)
     (out / "summary.json").write_text(json.dumps(summary, indent=1))
-    (out / "README.md").write_text(markdown(summary) + openai_markdown(summary))
+    (out / "README.md").write_text(markdown(summary) + openai_markdown(summary) + ray_markdown(summary))
     (out / "rss.csv").write_text("seconds,rss_bytes\n" + "".join(f"{t:.2f},{b}\n" for t, b in phase["rss"]))
     (out / "metrics.txt").write_text(phase["metrics"])
 

@@ -9,6 +9,8 @@ runs can be compared token for token and against exact laws.
 from __future__ import annotations
 
 import argparse
+from dataclasses import dataclass
+from typing import Any
 
 import torch
 
@@ -16,6 +18,39 @@ from specdec.drafters import ModelDrafter
 from specdec.models.toy import ToyLM
 from specdec.server import ServerSettings, create_app
 from specdec.server.runner import serve
+
+
+class LetterTokenizer:
+    """Token i <-> the letter 'a' + i: enough of a tokenizer for the OpenAI endpoints on a toy model."""
+
+    def encode(self, text: str, add_special_tokens: bool = False) -> list[int]:
+        return [ord(c) - ord("a") for c in text]
+
+    def decode(self, ids: Any, **_: Any) -> str:
+        return "".join(chr(ord("a") + int(i)) for i in ids)
+
+
+@dataclass(frozen=True)
+class ToyApp:
+    """Builds the toy serving app (picklable: the Ray Serve tests hand it to every replica)."""
+
+    vocab: int = 4
+    order: int = 2
+    seed: int = 0
+    max_length: int = 512
+    api_key: str | None = None
+    max_gamma: int = 64
+    max_sessions: int = 64
+
+    def __call__(self, session_id_prefix: str = "") -> Any:
+        torch.set_num_threads(1)
+        target = ToyLM(self.vocab, order=self.order, seed=self.seed)
+        target.max_length = self.max_length
+        draft = target.perturbed(1.0, seed=1)
+        settings = ServerSettings(api_key=self.api_key, model_name="toy", max_sessions=self.max_sessions,
+                                  max_gamma=self.max_gamma, session_id_prefix=session_id_prefix)
+        return create_app(target, tokenizer=LetterTokenizer(), settings=settings, drafter_factory=lambda: ModelDrafter(draft),
+                          drafter_name="toy-draft")
 
 
 def main() -> None:

@@ -77,3 +77,12 @@ SCHEDULER_PREFILL_CHUNK = 128
 SCHEDULER_MAX_QUEUE = 1024
 #: OpenAI requests generating at once; more are answered 429 with Retry-After
 SERVER_MAX_ACTIVE_REQUESTS = 64
+
+# scale-out on Ray Serve
+#: verifier replicas of `specdec serve --ray` and the CPUs Ray reserves for each
+RAY_REPLICAS = 2
+RAY_REPLICA_CPUS = 1.0
+#: requests one replica takes at once (its own admission limits answer 429/503 past theirs)
+RAY_MAX_ONGOING_REQUESTS = 256
+#: times the gateway runs a request again on another replica when its replica died before answering
+RAY_GATEWAY_RETRIES = 4

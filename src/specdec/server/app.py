@@ -296,7 +296,7 @@ def create_app(
     def create(req: CreateSessionRequest, who: str = Depends(owner)) -> CreateSessionResponse:
         n = len(req.prompt_ids or ()) + len(req.generated_ids) or len(req.prompt or "") // 2
         store.reserve(who, ctx.kv_per_position * (max(n, settings.kv_initial_length) + 64))
-        session, reply = create_session(req, ctx.model, ctx.tokenizer, settings, secrets.token_urlsafe(16), owner=who)
+        session, reply = create_session(req, ctx.model, ctx.tokenizer, settings, settings.session_id_prefix + secrets.token_urlsafe(16), owner=who)
         store.add(session)
         metrics.sessions_created.labels(session.wire).inc()
         metrics.active_sessions.set(len(store))

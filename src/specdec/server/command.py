@@ -74,6 +74,14 @@ def add_parser(sub: Any) -> None:
                    help=f"OpenAI completions generating at once; more are answered 429 (default {defaults.SERVER_MAX_ACTIVE_REQUESTS})")
     g.add_argument("--allowed-host", action="append", default=[], metavar="NAME",
                    help="without a key, also answer to this Host name (loopback names always work); repeatable")
+    r = p.add_argument_group("scale-out (Ray Serve; needs the 'ray' extra)")
+    r.add_argument("--ray", action="store_true",
+                   help="run --replicas verifier replicas on Ray Serve behind one HTTP gateway; edge sessions stay on their replica")
+    r.add_argument("--replicas", type=int, default=defaults.RAY_REPLICAS, help=f"verifier replicas with --ray (default {defaults.RAY_REPLICAS})")
+    r.add_argument("--replica-cpus", type=float, default=defaults.RAY_REPLICA_CPUS,
+                   help=f"CPUs Ray reserves for each replica (default {defaults.RAY_REPLICA_CPUS:g})")
+    r.add_argument("--ray-address", default=None,
+                   help="an existing Ray cluster to join ('auto', or HOST:PORT); default: start a local Ray instance")
     p.add_argument("--log-level", default="warning", choices=["critical", "error", "warning", "info", "debug"], help="uvicorn log level (default warning)")
 
 
@@ -106,7 +114,8 @@ def drafter_factory(engine: Any, draft_model: Any | None = None) -> Callable[[],
     return lambda: NgramDrafter(max_ngram=defaults.NGRAM_MAX, min_ngram=defaults.NGRAM_MIN)
 
 
-def run(args: argparse.Namespace) -> int:
+def settings_from_args(args: argparse.Namespace) -> dict[str, Any]:
+    """Check the ``serve`` options and turn them into :class:`ServerSettings` keywords (no models loaded)."""
     key = args.api_key if args.api_key is not None else os.environ.get(API_KEY_ENV) or None
     if key is not None and not key.strip():
         raise ConfigError("the API key is empty")
@@ -127,12 +136,10 @@ def run(args: argparse.Namespace) -> int:
         import uvicorn  # noqa: F401
     except ImportError as exc:
         raise MissingPackageError(f"serving needs the 'serve' extra ({exc.name} is missing): pip install 'specdec[serve]'") from None
-    from specdec.engine import Engine, EngineConfig, parse_gamma
-    from specdec.server.app import create_app
-    from specdec.server.runner import serve
+    from specdec.engine import parse_gamma
     from specdec.server.settings import ServerSettings
 
-    settings_kw = dict(
+    settings_kw: dict[str, Any] = dict(
         api_key=key,
         max_sessions=args.max_sessions,
         session_ttl_s=args.session_ttl,
@@ -154,18 +161,31 @@ def run(args: argparse.Namespace) -> int:
     )
     if args.max_connections < 1:
         raise ConfigError(f"max connections must be >= 1, got {args.max_connections}")
+    if getattr(args, "replicas", 1) < 1:
+        raise ConfigError(f"replicas must be >= 1, got {args.replicas}")
+    if not getattr(args, "replica_cpus", 1.0) > 0:
+        raise ConfigError(f"replica CPUs must be > 0, got {args.replica_cpus}")
     ServerSettings(**settings_kw)  # check the limits before loading models
+    return settings_kw
 
-    def log(msg: str) -> None:
-        print(f"[specdec] {msg}", file=sys.stderr, flush=True)
+
+def _log(msg: str) -> None:
+    print(f"[specdec] {msg}", file=sys.stderr, flush=True)
+
+
+def build_app(args: argparse.Namespace, settings_kw: dict[str, Any]) -> Any:
+    """Load the models named by ``args`` and build the serving app (one process, or one Ray replica)."""
+    from specdec.engine import Engine, EngineConfig
+    from specdec.server.app import create_app
+    from specdec.server.settings import ServerSettings
 
     engine = Engine.build(
         EngineConfig(target=args.target, draft=args.draft, backend=args.backend, dtype=args.dtype, draft_dtype=args.draft_dtype),
-        progress=log,
+        progress=_log,
     )
     settings = ServerSettings(model_name=engine.target.name, **settings_kw)
     draft = draft_server_model(engine, batching=settings.batching)
-    app = create_app(
+    return create_app(
         engine.target.model,
         tokenizer=engine.target.tokenizer,
         settings=settings,
@@ -174,9 +194,34 @@ def run(args: argparse.Namespace) -> int:
         drafter_name=engine.drafter_name,
         draft_model=draft,
     )
+
+
+def run_ray(args: argparse.Namespace, settings_kw: dict[str, Any]) -> int:
+    """``serve --ray``: ``--replicas`` verifier replicas on Ray Serve behind one HTTP gateway."""
+    from specdec.server import scaleout
+
+    scaleout.require_ray()
+    n_keys = len(settings_kw["api_keys"]) + (settings_kw["api_key"] is not None)
+    auth = "bearer key required" if n_keys else "no key (loopback only)"
+    where = args.ray_address or "a local Ray instance"
+    _log(f"serving {args.target} on {args.replicas} Ray Serve replicas ({where}) at http://{args.host}:{args.port} ({auth})")
+    scaleout.start(scaleout.EngineApp(args, settings_kw), replicas=args.replicas, host=args.host, port=args.port,
+                   address=args.ray_address, replica_cpus=args.replica_cpus, blocking=True, log=_log)
+    return 0
+
+
+def run(args: argparse.Namespace) -> int:
+    settings_kw = settings_from_args(args)
+    if getattr(args, "ray", False):
+        return run_ray(args, settings_kw)
+    from specdec.server.runner import serve
+
+    key = settings_kw["api_key"]
+    app = build_app(args, settings_kw)
+    settings = app.state.ctx.settings
     n_keys = len(settings.keys)
     auth = (f"bearer key required ({n_keys} keys)" if n_keys > 1 else "bearer key required") if key else "no key (loopback only)"
-    log(f"serving {engine.target.name} (draft {engine.drafter_name}) on http://{args.host}:{args.port} ({auth})")
+    _log(f"serving {settings.model_name} (draft {app.state.ctx.drafter_name}) on http://{args.host}:{args.port} ({auth})")
     try:
         serve(app, host=args.host, port=args.port, log_level=args.log_level, header_timeout_s=args.header_timeout,
               limit_concurrency=args.max_connections)

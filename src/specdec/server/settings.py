@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import re
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
@@ -48,6 +49,9 @@ class ServerSettings:
     max_active_requests: int = defaults.SERVER_MAX_ACTIVE_REQUESTS
     #: Host names a keyless server answers to (loopback names are always accepted); DNS-rebinding guard
     allowed_hosts: tuple[str, ...] = ()
+    #: put before every session id this server creates (a Ray Serve replica puts its own id there,
+    #: so that a session's requests can be routed to the replica holding its KV cache)
+    session_id_prefix: str = ""
 
     @property
     def keys(self) -> tuple[str, ...]:
@@ -70,6 +74,8 @@ class ServerSettings:
         if any(not k.strip() for k in self.api_keys):
             raise ConfigError("an API key is empty")
         self._check_times()
+        if not re.fullmatch(r"[A-Za-z0-9_.-]{0,64}", self.session_id_prefix):
+            raise ConfigError(f"a session id prefix may hold only letters, digits, '_', '-' and '.', got {self.session_id_prefix!r}")
         if self.max_kv_bytes < 1:
             raise ConfigError(f"max KV bytes must be >= 1, got {self.max_kv_bytes}")
         if self.kv_initial_length < 1:
