@@ -187,7 +187,8 @@ def step_outputs(model: nn.Module, batch: Batch, embed: Tensor) -> list[tuple[Te
     f = batch.feats[:, :, -1]  # [B, T, D]
     if isinstance(model, Medusa):
         logits = model(f)  # [K, B, T, Vd]
-        return [(logits[k], k + 1, reply_mask(batch, k + 1, t), None) for k in range(cfg.depth)]
+        return [(logits[k][:, : t - k - 1], k + 1, reply_mask(batch, k + 1, t - k - 1), None)
+                for k in range(cfg.depth) if t - k - 1 > 0]
     assert isinstance(model, MTP)
     h = f
     for k in range(cfg.depth):
