@@ -185,6 +185,12 @@ class Eagle(nn.Module):
         self.norm = RMSNorm(d, cfg.rms_eps)
         self.lm_head = nn.Linear(d, cfg.draft_vocab, bias=False)  # EAGLE-1: frozen target rows
         self.register_buffer("d2t", torch.arange(cfg.draft_vocab), persistent=True)
+        with torch.no_grad():  # start as "the target's feature passes through": fc picks the
+            # last (highest) input, the residual branches start at zero; training moves from there
+            self.fc.weight.zero_()
+            self.fc.weight[:, -d:] = torch.eye(d)
+            self.layer.attn.o.weight.zero_()
+            self.layer.mlp.down.weight.zero_()
 
     def fuse(self, feats: Tensor) -> Tensor:  # [B, T, k, D] stored feature rows -> g [B, T, D]
         cfg = self.cfg

@@ -369,7 +369,46 @@ def train(
     save_head(model, out)
     report["history"] = history
     (out / "report.json").write_text(json.dumps(report, indent=1))
+    (out / "README.md").write_text(model_card(report))
     return report
+
+
+def model_card(report: dict) -> str:
+    """A short model card: what the head is, the data, the training cost, held-out acceptance."""
+    data = report["data"]
+    cfg = report["config"]
+    lines = [
+        f"# {report['target']} {report['kind']} draft head",
+        "",
+        f"Trained with `specdec train` against the target `{report['target']}` as it runs by default (its features and "
+        "its next-token law; the int8 target where torch has fbgemm).",
+        "",
+        f"- Parameters: {report['params_total'] / 1e6:.2f} M ({report['params_trained'] / 1e6:.2f} M trained; the rest is "
+        f"the target's LM head rows for a {report['draft_vocab']}-token draft vocabulary), plus the target's own embeddings "
+        "at run time.",
+        f"- Data: {report['train_sequences']} target-sampled sequences for training ({report['train_tokens']} tokens, "
+        f"{report['reply_tokens']} of them reply tokens), {report['held_out_sequences']} held out; share of chat prompts "
+        f"{data.get('chat_share')}, temperatures {data.get('temperatures')}, feature taps {data.get('taps')}.",
+        f"- Training: {report['steps']} steps of about {cfg['batch_tokens']} padded tokens, lr {cfg['lr']}, depth "
+        f"{cfg['depth']}, {report['epochs']} full epochs; {report['train_seconds'] / 60:.1f} min of training on this "
+        "machine's CPU (data generation not included).",
+        "",
+        "Held-out, teacher-forced, per draft step (E[min(p, q)] = token verification's acceptance at T = 1; top-1 = "
+        "agreement with the target's argmax, T = 0):",
+        "",
+        "| draft step | E[min(p, q)] | top-1 | target mass in the draft vocabulary | positions |",
+        "|---|---|---|---|---|",
+    ]
+    for st in report["held_out"]["steps"]:
+        lines.append(f"| {st['step']} | {st['accept_t1']:.3f} | {st['top1']:.3f} | {st['vocab_mass']:.3f} | {st['positions']} |")
+    ho = report["held_out"]
+    lines += [
+        "",
+        f"Chain estimate from these rates (independent steps): {ho['chain_tokens_per_call_t0_estimate']:.2f} tokens per "
+        f"target call at T = 0, {ho['chain_tokens_per_call_t1_estimate']:.2f} at T = 1.",
+        "",
+    ]
+    return "\n".join(lines)
 
 
 def replace_kind(cfg: TrainConfig, kind: str) -> TrainConfig:
