@@ -21,7 +21,7 @@ from specdec.errors import ConfigError
 from specdec.gamma import FixedGamma, TreeBudget
 from specdec.models.toy import ToyCache, ToyLM
 from specdec.sampling import SamplingConfig
-from specdec.tree import ancestor_mask, check_parents, depths, is_chain, path, paths, with_root
+from specdec.tree import ancestor_mask, attention_schedule, check_parents, depths, is_chain, path, paths, with_root
 from specdec.verify import get_rule
 from stats import ALPHA, chi_square_pvalue, exact_law
 
@@ -208,3 +208,32 @@ def test_model_drafter_keeps_its_cache_on_the_accepted_path():
         dec = SpeculativeDecoder(target, Checked(target.perturbed(0.8, seed=8)), get_rule(method), gamma=FixedGamma(10), tree=TreeSpec())
         res = dec.generate([1, 2, 3], SamplingConfig(temperature=temperature, seed=3, max_new_tokens=60))
         assert res.stats.tokens_per_target_call > 2.0
+
+
+@pytest.mark.parametrize("parents, n", [
+    ([-1, -1, -1, 0, 1, 0, 3, 4, 6], 9),  # a whole tree, node order not depth-first
+    ([-1, 0, 1, 2], 4),  # a chain: nothing to move
+    ([-1, -1, 0, 1, 0, 2, 3, 4], 5),  # a tree grown over two calls: the last 5 nodes are scored
+])
+def test_attention_schedule_lays_out_each_path_with_few_writes(parents, n):
+    """Replaying the schedule's writes on the region (slot k starts with node k) leaves each
+    visited node's root path in slots 0..depth; every scored node is visited once, depth-first;
+    a whole tree needs at most one write per node (its own key), a chain none."""
+    par = torch.tensor(parents)
+    m = par.numel()
+    steps = attention_schedule(par, n)
+    assert sorted(j for j, _, _ in steps) == list(range(n))
+    slots = list(range(m))
+    visited = []
+    for j, length, writes in steps:
+        for k, v in writes:
+            slots[k] = v
+        node = m - n + j
+        assert slots[:length] == paths(par)[node]
+        visited.append(paths(par)[node])
+    assert visited == sorted(visited)  # lexicographic order of paths = depth-first pre-order
+    total = sum(len(w) for _, _, w in steps)
+    if n == m:
+        assert all(len(w) <= 1 for _, _, w in steps)
+    if is_chain(par):
+        assert total == 0
