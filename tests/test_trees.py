@@ -74,7 +74,7 @@ def test_tree_output_law_matches_target(method, option, spec):
 def test_tree_output_law_with_ngram_trees_and_auto_budget():
     cfg = SamplingConfig(temperature=1.0, top_p=0.9, repetition_penalty=1.2)
     law = exact_law(TARGET, PROMPT, cfg, N_NEW)
-    samples = _samples("token", cfg, TreeSpec(), drafter=NgramDrafter(min_ngram=1), gamma=TreeBudget(sizes=(2, 5)))
+    samples = _samples("token", cfg, TreeSpec(), drafter=NgramDrafter(min_ngram=1), gamma=TreeBudget(sizes=(2, 5), warmup=1, probe_every=2, max_probe_every=2))  # a probe every other round
     assert chi_square_pvalue(samples, law) > ALPHA
 
 
@@ -134,21 +134,6 @@ def test_coupled_tree_equals_plain_seeded_sampling():
         for strength, spec in ((0.5, TreeSpec()), (3.0, TreeSpec(shape="static"))):
             dec = SpeculativeDecoder(target, ModelDrafter(target.perturbed(strength, seed=1)), get_rule("coupled"), gamma=FixedGamma(10), tree=spec)
             assert dec.generate([3, 1], c).tokens == ref
-
-
-def test_tree_budget_controller_plays_every_arm_then_the_best():
-    ctl = TreeBudget(sizes=(4, 16), probe_every=1000)
-    seen = []
-    for _ in range(3):  # arms in order: largest tree, smaller tree, chain
-        seen.append((ctl.tree_round, ctl.next_gamma()))
-        tokens = {16: 2, 4: 4}.get(ctl.next_gamma(), 1) if ctl.tree_round else 1
-        ctl.update(gamma=ctl.next_gamma(), accepted=tokens - 1, draft_s=0.01, target_s=0.02, other_s=0.0)
-    assert seen[0] == (True, 16) and seen[1] == (True, 4) and not seen[2][0]
-    assert ctl.tree_round and ctl.next_gamma() == 4  # 4 tokens per 30 ms beats the rest
-    for _ in range(5):  # the chain turns out better: the controller switches
-        ctl._tokens[0], ctl._seconds[0] = 100.0, 0.1
-        ctl.update(gamma=4, accepted=0, draft_s=0.01, target_s=0.02, other_s=0.0)
-    assert not ctl.tree_round
 
 
 def test_tree_helpers():
