@@ -113,11 +113,14 @@ def build_tree(
     position: int,  # absolute position of the root-level nodes
     budget: int,  # most nodes
     max_depth: int,
+    early_stop: bool = True,
 ) -> tuple[Draft, list[int]]:
     """Grow a token tree level by level (see the module docstring).
 
     Returns the draft and, for each of its nodes, its index while growing (the ``expand``
-    callback saw those indices; pruning renumbers).
+    callback saw those indices; pruning renumbers).  ``early_stop`` (dynamic trees): stop
+    growing once no node of the next expansion can enter the best ``budget`` (the same tree,
+    fewer draft passes).
     """
     toks: list[int] = []
     pars: list[int] = []
@@ -152,6 +155,9 @@ def build_tree(
         if not new or d + 1 >= depth or len(toks) >= cap:
             break
         level = sorted(new, key=lambda i: (-score[i], i))[:width]
+        if early_stop and prune and len(toks) >= budget and max(score[i] for i in level) <= sorted(score, reverse=True)[budget - 1]:
+            break  # no descendant can enter the best N (a child never outscores its parent; ties
+            # go to the earlier node): the pruned tree is the same, one draft pass cheaper
         level.sort()
         dists = sampler.tree_rows(expand(level, toks, pars))  # [len(level), V]
     keep = list(range(len(toks)))
