@@ -143,6 +143,24 @@ def test_tree_budget_margin_keeps_the_chain_on_near_ties():
 def test_tree_budget_rejects_bad_settings():
     from specdec.gamma import TreeBudget
 
-    for bad in (dict(sizes=()), dict(margin=0.9), dict(probe_every=0), dict(probe_every=8, max_probe_every=4)):
+    for bad in (dict(sizes=()), dict(margin=0.9), dict(probe_every=0), dict(probe_every=8, max_probe_every=4), dict(outlier=1.0)):
         with pytest.raises(ValueError):
             TreeBudget(**bad)
+
+
+def test_tree_budget_is_not_thrown_off_by_one_preempted_round():
+    """One chain round slowed 4x (another process took the core) must not hand the game to a
+    tree that is slower than the chain."""
+    from specdec.gamma import TreeBudget
+
+    ctl = TreeBudget()
+    played = []
+    for r in range(120):
+        arm = ctl.next_gamma() if ctl.tree_round else 0
+        n, s = NO_PAY[arm]
+        if r == 40:
+            assert arm == 0
+            s *= 4
+        played.append(arm)
+        ctl.update(gamma=ctl.next_gamma(), accepted=n - 1, draft_s=0.3 * s, target_s=0.7 * s, other_s=0.0)
+    assert played[41:].count(0) >= 0.95 * 79

@@ -38,6 +38,7 @@ TREE_CHAIN_WARMUP = 4  # chain rounds the tree controller measures before it pro
 TREE_MARGIN = 1.05  # a tree is played only while its measured rate beats the chain's by this factor
 TREE_PROBE_EVERY = 8  # rounds between probes of an arm next to the best one (tree controller) ...
 TREE_PROBE_MAX = 64  # ... doubling after each probe that loses, up to this many
+TREE_OUTLIER = 2.5  # tree controller: a round counts at most this many times its arm's mean seconds
 DEFAULT_TREE = "chain"  # chain | auto | N
 
 # n-gram drafter

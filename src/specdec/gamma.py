@@ -200,9 +200,13 @@ class TreeBudget:
     max_probe_every: int = defaults.TREE_PROBE_MAX
     margin: float = defaults.TREE_MARGIN
     warmup: int = defaults.TREE_CHAIN_WARMUP
+    #: a round's seconds count at most this many times the arm's mean round (decayed), so one
+    #: round slowed down by another process does not sink the arm's rate for many rounds
+    outlier: float = defaults.TREE_OUTLIER
     chain: CostGamma = field(default_factory=CostGamma)
     _tokens: dict[int, float] = field(default_factory=dict)  # arm -> decayed tokens (arm 0 = chain)
     _seconds: dict[int, float] = field(default_factory=dict)
+    _weight: dict[int, float] = field(default_factory=dict)  # arm -> decayed number of rounds
     _played: dict[int, int] = field(default_factory=dict)  # arm -> rounds played
     _arm: int = 0
     _best: int = 0
@@ -214,8 +218,8 @@ class TreeBudget:
     def __post_init__(self) -> None:
         if not self.sizes or min(self.sizes) < 1:
             raise ValueError("tree budgets must be positive")
-        if self.margin < 1.0 or self.probe_every < 1 or self.max_probe_every < self.probe_every:
-            raise ValueError("tree controller: margin >= 1 and 1 <= probe_every <= max_probe_every")
+        if self.margin < 1.0 or self.probe_every < 1 or self.max_probe_every < self.probe_every or self.outlier <= 1.0:
+            raise ValueError("tree controller: margin >= 1, outlier > 1 and 1 <= probe_every <= max_probe_every")
         self._interval = self.probe_every
 
     @property
@@ -257,8 +261,12 @@ class TreeBudget:
         if arm == 0:
             self.chain.update(gamma=gamma, accepted=accepted, draft_s=draft_s, target_s=target_s, other_s=other_s)
         d = self.decay
+        seconds = draft_s + target_s + other_s
+        if self._played.get(arm, 0) >= 2:  # a preempted round must not sink an arm for many rounds
+            seconds = min(seconds, self.outlier * self._seconds[arm] / self._weight[arm])
         self._tokens[arm] = self._tokens.get(arm, 0.0) * d + accepted + 1
-        self._seconds[arm] = self._seconds.get(arm, 0.0) * d + draft_s + target_s + other_s
+        self._seconds[arm] = self._seconds.get(arm, 0.0) * d + seconds
+        self._weight[arm] = self._weight.get(arm, 0.0) * d + 1.0
         self._played[arm] = self._played.get(arm, 0) + 1
         best = self.best_arm()
         if self._probing:  # the probed arm has one more measurement: did it win?
