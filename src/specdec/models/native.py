@@ -122,25 +122,33 @@ class _TreeLayout:
     """Where a token tree's nodes sit and what each one sees (tree attention, SpecInfer §4.2)."""
 
     start: int  # first cache slot of the tree region
+    end: int  # one past the last node's slot
     positions: Tensor  # [n] int64 absolute positions: start + depth
     #: exact attention's visiting order (see :func:`specdec.tree.attention_schedule`):
     #: per step (node j among the scored ones, its path length, (slot, node) writes)
     schedule: tuple[tuple[int, int, tuple[tuple[int, int], ...]], ...]
-    mask: Tensor  # [n, end] additive: 0 for the cached prefix and the node's ancestors-or-self
+    mask: Tensor | None  # [n, end] additive: 0 for the cached prefix and the node's ancestors-or-self
 
     @classmethod
-    def build(cls, parents: Tensor, start: int, end: int, dtype: torch.dtype, prefix: int | None = None) -> "_TreeLayout":
+    def build(
+        cls, parents: Tensor, start: int, end: int, dtype: torch.dtype, prefix: int | None = None, *, exact: bool = True
+    ) -> "_TreeLayout":
         """``parents`` covers the tree region ``[prefix, end)`` (default: just the new nodes);
-        the last ``end - start`` entries are the nodes being scored now."""
+        the last ``end - start`` entries are the nodes being scored now.  ``exact``: the schedule
+        of per-node attention (batch-invariant models), else the mask of one masked call."""
         s = start if prefix is None else prefix
         n, m = end - start, end - s
         if parents.numel() != m:
             raise ValueError(f"expected {m} tree parents for the region [{s}, {end}); got {parents.numel()}")
-        anc = ancestor_mask(parents)[m - n :]  # [n, m]
-        mask = torch.zeros((n, end), dtype=dtype)
-        mask[:, s:] = torch.zeros((n, m), dtype=dtype).masked_fill_(~anc, -math.inf)
-        schedule = tuple((j, length, tuple(w)) for j, length, w in attention_schedule(parents, n))
-        return cls(s, s + depths(parents)[m - n :], schedule, mask)
+        mask = None
+        schedule: tuple[tuple[int, int, tuple[tuple[int, int], ...]], ...] = ()
+        if exact:
+            schedule = tuple((j, length, tuple(w)) for j, length, w in attention_schedule(parents, n))
+        else:
+            anc = ancestor_mask(parents)[m - n :]  # [n, m]
+            mask = torch.zeros((n, end), dtype=dtype)
+            mask[:, s:] = torch.zeros((n, m), dtype=dtype).masked_fill_(~anc, -math.inf)
+        return cls(s, end, s + depths(parents)[m - n :], schedule, mask)
 
     def scripted_steps(self) -> tuple[list[list[int]], Tensor]:
         """The schedule flattened for the TorchScript loop: per step ``[j, attended length,
@@ -159,7 +167,7 @@ class _TreeLayout:
         Nodes are visited depth-first, so each usually writes one key/value pair (its own); the
         region is restored in node order afterwards.
         """
-        s, m = self.start, self.mask.shape[1] - self.start
+        s, m = self.start, self.end - self.start
         k_cache, v_cache = cache.k[li], cache.v[li]  # [Hkv, T, d]
         k_new = k_cache[:, s : s + m].clone()  # [Hkv, m, d] the whole tree region
         v_new = v_cache[:, s : s + m].clone()
@@ -331,7 +339,9 @@ class NativeCausalLM:
         # index_select, not embed[tokens]: advanced indexing's parallel kernel was measured at
         # 0.3-4.5 ms for 17 rows while the other core was busy (it waits for it), 3 us this way
         x = self.embed.index_select(0, tokens.reshape(-1))  # [n, D]
-        tree = _TreeLayout.build(parents, start, end, x.dtype, prefix) if parents is not None else None
+        tree = None
+        if parents is not None:
+            tree = _TreeLayout.build(parents, start, end, x.dtype, prefix, exact=self.batch_invariant)
         if tree is not None:
             cos = self._cos[tree.positions].unsqueeze(1)  # [n, 1, d]
             sin = self._sin[tree.positions].unsqueeze(1)
