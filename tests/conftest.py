@@ -35,6 +35,18 @@ def smollm2():
     return target, draft
 
 
+@pytest.fixture(scope="session")
+def int8_target():
+    """The real SmolLM2-135M target quantised to int8 (what ``--dtype auto`` loads on x86),
+    batch-invariant; loaded once per session (calibration takes a while on two cores)."""
+    from specdec.models.linear import w8a8_available
+    from specdec.models.registry import load
+
+    if not w8a8_available():
+        pytest.skip("this torch build has no fbgemm int8 engine")
+    return load("smollm2-135m", quant="int8")
+
+
 @pytest.fixture(scope="module")
 def single_thread():
     """Tests that start single-threaded servers run their local references single-threaded too."""

@@ -69,3 +69,98 @@ def test_parse_gamma():
         with pytest.raises(ConfigError):
             parse_gamma(bad)
     assert isinstance(make_gamma(3), FixedGamma) and isinstance(make_gamma("auto"), CostGamma)
+
+
+# ---------------------------------------------------------------- tree budget controller
+# A simulated decoder with fixed, fake per-round costs (no wall clock): each arm (0 = chain,
+# else a tree of that many nodes) emits ``tokens`` per round in ``seconds``.
+
+
+def _simulate(ctl, arms: dict[int, tuple[float, float]], rounds: int, *, switch_at: int | None = None,
+              after: dict[int, tuple[float, float]] | None = None) -> tuple[list[int], float, float]:
+    """Play ``rounds`` rounds; returns the arm of each round, total tokens and total seconds."""
+    from specdec.gamma import TreeBudget
+
+    assert isinstance(ctl, TreeBudget)
+    played, tokens, seconds = [], 0.0, 0.0
+    for r in range(rounds):
+        table = after if switch_at is not None and r >= switch_at and after is not None else arms
+        arm = ctl.next_gamma() if ctl.tree_round else 0
+        n, s = table[arm]
+        played.append(arm)
+        tokens += n
+        seconds += s
+        ctl.update(gamma=ctl.next_gamma(), accepted=int(n) - 1, draft_s=0.3 * s, target_s=0.7 * s, other_s=0.0)
+    return played, tokens, seconds
+
+
+#: chain 2 tokens / 20 ms (100 tok/s); trees with more tokens per round but slower
+NO_PAY = {0: (2, 0.020), 4: (2, 0.024), 8: (3, 0.040), 16: (3, 0.060), 32: (4, 0.110)}
+#: trees pay, 8 nodes best: 4 -> 120 tok/s, 8 -> 150, 16 -> 133, 32 -> 91
+PAY = {0: (2, 0.020), 4: (3, 0.025), 8: (3, 0.020), 16: (4, 0.030), 32: (5, 0.055)}
+
+
+def test_tree_budget_falls_back_to_the_chain_when_trees_do_not_pay():
+    from specdec.gamma import TreeBudget
+
+    played, tokens, seconds = _simulate(TreeBudget(), NO_PAY, 300)
+    assert played[:8] == [0] * 8  # the chain is measured first
+    trees = [a for a in played if a]
+    assert set(trees) == {4}  # no larger tree is probed while the smallest one loses to the chain
+    assert len(trees) <= 6  # probes back off geometrically: rounds 8, 24, 56, 120, 184, 248
+    assert tokens / seconds >= 0.97 * 100  # within 3% of the chain's own rate
+
+
+def test_tree_budget_grows_trees_while_they_beat_the_chain():
+    from specdec.gamma import TreeBudget
+
+    played, tokens, seconds = _simulate(TreeBudget(), PAY, 300)
+    first = {a: played.index(a) for a in set(played)}
+    assert first[4] < first[8] < first[16]  # a larger tree only after the smaller one won
+    assert played[100:].count(8) >= 0.85 * 200  # then mostly the best tree
+    assert tokens / seconds >= 0.9 * 150
+    assert tokens / seconds > 1.3 * 100  # well above the chain
+
+
+def test_tree_budget_returns_to_the_chain_when_trees_stop_paying():
+    from specdec.gamma import TreeBudget
+
+    played, _, _ = _simulate(TreeBudget(), PAY, 300, switch_at=100, after=NO_PAY)
+    assert played[99] == 8
+    assert played[110:].count(0) >= 0.95 * 190  # back on the chain within a few rounds
+
+
+def test_tree_budget_margin_keeps_the_chain_on_near_ties():
+    from specdec.gamma import TreeBudget
+
+    near_tie = {0: (2, 0.020), 4: (2, 0.0196), 8: (2, 0.030), 16: (2, 0.04), 32: (2, 0.05)}  # tree 4: +2%
+    played, _, _ = _simulate(TreeBudget(), near_tie, 200)
+    assert played.count(0) >= 0.95 * 200
+    played, _, _ = _simulate(TreeBudget(margin=1.0), near_tie, 200)
+    assert played.count(4) >= 0.8 * 200  # without the margin the 2% better tree is played
+
+
+def test_tree_budget_rejects_bad_settings():
+    from specdec.gamma import TreeBudget
+
+    for bad in (dict(sizes=()), dict(margin=0.9), dict(probe_every=0), dict(probe_every=8, max_probe_every=4), dict(outlier=1.0)):
+        with pytest.raises(ValueError):
+            TreeBudget(**bad)
+
+
+def test_tree_budget_is_not_thrown_off_by_one_preempted_round():
+    """One chain round slowed 4x (another process took the core) must not hand the game to a
+    tree that is slower than the chain."""
+    from specdec.gamma import TreeBudget
+
+    ctl = TreeBudget()
+    played = []
+    for r in range(120):
+        arm = ctl.next_gamma() if ctl.tree_round else 0
+        n, s = NO_PAY[arm]
+        if r == 40:
+            assert arm == 0
+            s *= 4
+        played.append(arm)
+        ctl.update(gamma=ctl.next_gamma(), accepted=n - 1, draft_s=0.3 * s, target_s=0.7 * s, other_s=0.0)
+    assert played[41:].count(0) >= 0.95 * 79

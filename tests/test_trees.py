@@ -21,7 +21,7 @@ from specdec.errors import ConfigError
 from specdec.gamma import FixedGamma, TreeBudget
 from specdec.models.toy import ToyCache, ToyLM
 from specdec.sampling import SamplingConfig
-from specdec.tree import ancestor_mask, check_parents, depths, is_chain, path, paths, with_root
+from specdec.tree import ancestor_mask, attention_schedule, check_parents, depths, is_chain, path, paths, with_root
 from specdec.verify import get_rule
 from stats import ALPHA, chi_square_pvalue, exact_law
 
@@ -74,7 +74,7 @@ def test_tree_output_law_matches_target(method, option, spec):
 def test_tree_output_law_with_ngram_trees_and_auto_budget():
     cfg = SamplingConfig(temperature=1.0, top_p=0.9, repetition_penalty=1.2)
     law = exact_law(TARGET, PROMPT, cfg, N_NEW)
-    samples = _samples("token", cfg, TreeSpec(), drafter=NgramDrafter(min_ngram=1), gamma=TreeBudget(sizes=(2, 5)))
+    samples = _samples("token", cfg, TreeSpec(), drafter=NgramDrafter(min_ngram=1), gamma=TreeBudget(sizes=(2, 5), warmup=1, probe_every=2, max_probe_every=2))  # a probe every other round
     assert chi_square_pvalue(samples, law) > ALPHA
 
 
@@ -136,21 +136,6 @@ def test_coupled_tree_equals_plain_seeded_sampling():
             assert dec.generate([3, 1], c).tokens == ref
 
 
-def test_tree_budget_controller_plays_every_arm_then_the_best():
-    ctl = TreeBudget(sizes=(4, 16), probe_every=1000)
-    seen = []
-    for _ in range(3):  # arms in order: largest tree, smaller tree, chain
-        seen.append((ctl.tree_round, ctl.next_gamma()))
-        tokens = {16: 2, 4: 4}.get(ctl.next_gamma(), 1) if ctl.tree_round else 1
-        ctl.update(gamma=ctl.next_gamma(), accepted=tokens - 1, draft_s=0.01, target_s=0.02, other_s=0.0)
-    assert seen[0] == (True, 16) and seen[1] == (True, 4) and not seen[2][0]
-    assert ctl.tree_round and ctl.next_gamma() == 4  # 4 tokens per 30 ms beats the rest
-    for _ in range(5):  # the chain turns out better: the controller switches
-        ctl._tokens[0], ctl._seconds[0] = 100.0, 0.1
-        ctl.update(gamma=4, accepted=0, draft_s=0.01, target_s=0.02, other_s=0.0)
-    assert not ctl.tree_round
-
-
 def test_tree_helpers():
     parents = torch.tensor([-1, -1, 0, 0, 2, 1])
     check_parents(parents, 6)
@@ -208,3 +193,32 @@ def test_model_drafter_keeps_its_cache_on_the_accepted_path():
         dec = SpeculativeDecoder(target, Checked(target.perturbed(0.8, seed=8)), get_rule(method), gamma=FixedGamma(10), tree=TreeSpec())
         res = dec.generate([1, 2, 3], SamplingConfig(temperature=temperature, seed=3, max_new_tokens=60))
         assert res.stats.tokens_per_target_call > 2.0
+
+
+@pytest.mark.parametrize("parents, n", [
+    ([-1, -1, -1, 0, 1, 0, 3, 4, 6], 9),  # a whole tree, node order not depth-first
+    ([-1, 0, 1, 2], 4),  # a chain: nothing to move
+    ([-1, -1, 0, 1, 0, 2, 3, 4], 5),  # a tree grown over two calls: the last 5 nodes are scored
+])
+def test_attention_schedule_lays_out_each_path_with_few_writes(parents, n):
+    """Replaying the schedule's writes on the region (slot k starts with node k) leaves each
+    visited node's root path in slots 0..depth; every scored node is visited once, depth-first;
+    a whole tree needs at most one write per node (its own key), a chain none."""
+    par = torch.tensor(parents)
+    m = par.numel()
+    steps = attention_schedule(par, n)
+    assert sorted(j for j, _, _ in steps) == list(range(n))
+    slots = list(range(m))
+    visited = []
+    for j, length, writes in steps:
+        for k, v in writes:
+            slots[k] = v
+        node = m - n + j
+        assert slots[:length] == paths(par)[node]
+        visited.append(paths(par)[node])
+    assert visited == sorted(visited)  # lexicographic order of paths = depth-first pre-order
+    total = sum(len(w) for _, _, w in steps)
+    if n == m:
+        assert all(len(w) <= 1 for _, _, w in steps)
+    if is_chain(par):
+        assert total == 0

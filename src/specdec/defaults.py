@@ -34,6 +34,11 @@ TREE_NODES = 16
 TREE_SAMPLE_BRANCHING = (3, 2, 1, 1, 1, 1, 1, 1)  # sampled trees (T > 0): static, siblings drawn from q
 TREE_SAMPLE_WIDTH = 2
 TREE_BUDGETS = (4, 8, 16, 32)  # node budgets the tree controller chooses from
+TREE_CHAIN_WARMUP = 4  # chain rounds the tree controller measures before it probes a tree
+TREE_MARGIN = 1.05  # a tree is played only while its measured rate beats the chain's by this factor
+TREE_PROBE_EVERY = 8  # rounds between probes of an arm next to the best one (tree controller) ...
+TREE_PROBE_MAX = 64  # ... doubling after each probe that loses, up to this many
+TREE_OUTLIER = 2.5  # tree controller: a round counts at most this many times its arm's mean seconds
 DEFAULT_TREE = "chain"  # chain | auto | N
 
 # n-gram drafter

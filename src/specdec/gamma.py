@@ -178,28 +178,49 @@ class CostGamma:
 class TreeBudget:
     """Node budget per round for token trees, falling back to a chain (or to no drafting).
 
-    Each choice ("arm") is a tree of ``sizes[i]`` nodes, or a chain whose γ the cost controller
-    :class:`CostGamma` picks (γ = 0 there is plain decoding).  The rate of every arm, tokens per
-    second of a whole round, is a decayed ratio of measured tokens (accepted + 1) to measured
-    seconds (draft + verification + overhead): it carries the verification cost curve (a tree
-    of N nodes costs a target pass over N + 1 positions) and the acceptance the tree achieved.
-    After trying every arm once (largest tree first) the controller plays the best arm and,
-    every ``probe_every`` rounds, re-measures the arm adjacent to it so a change shows.
+    Each choice ("arm") is a tree of ``sizes[i]`` nodes, or the chain (arm 0), whose γ the cost
+    controller :class:`CostGamma` picks (γ = 0 there is plain decoding).  The rate of every arm,
+    tokens per second of a whole round, is a decayed ratio of measured tokens (accepted + 1) to
+    measured seconds (draft + verification + overhead): it carries the verification cost curve
+    (a tree of N nodes costs a target pass over N + 1 positions) and the acceptance the tree
+    achieved.  Only the draft's shape changes with the arm, so every choice is lossless.
+
+    The chain is the reference: it is played first (``warmup`` rounds), and a tree is played
+    only while its rate beats the chain's by ``margin``.  Every ``interval`` rounds the
+    controller probes one arm next to the best one (the smallest tree when the chain is best;
+    the chain, the next larger and the next smaller tree in turn when a tree is best), so a
+    larger tree is tried only after the smaller one has beaten the chain.  A probe that does not
+    win doubles the interval (up to ``max_probe_every``), a winning one resets it: where trees do
+    not pay, the probes' cost shrinks geometrically.
     """
 
     sizes: tuple[int, ...] = defaults.TREE_BUDGETS
     decay: float = defaults.COST_GAMMA_DECAY
-    probe_every: int = defaults.COST_GAMMA_PROBE_EVERY
+    probe_every: int = defaults.TREE_PROBE_EVERY
+    max_probe_every: int = defaults.TREE_PROBE_MAX
+    margin: float = defaults.TREE_MARGIN
+    warmup: int = defaults.TREE_CHAIN_WARMUP
+    #: a round's seconds count at most this many times the arm's mean round (decayed), so one
+    #: round slowed down by another process does not sink the arm's rate for many rounds
+    outlier: float = defaults.TREE_OUTLIER
     chain: CostGamma = field(default_factory=CostGamma)
     _tokens: dict[int, float] = field(default_factory=dict)  # arm -> decayed tokens (arm 0 = chain)
     _seconds: dict[int, float] = field(default_factory=dict)
-    _arm: int = -1
-    _rounds: int = 0
+    _weight: dict[int, float] = field(default_factory=dict)  # arm -> decayed number of rounds
+    _played: dict[int, int] = field(default_factory=dict)  # arm -> rounds played
+    _arm: int = 0
+    _best: int = 0
+    _probing: bool = False
+    _interval: int = 0
+    _since_probe: int = 0
+    _probes: int = 0
 
     def __post_init__(self) -> None:
         if not self.sizes or min(self.sizes) < 1:
             raise ValueError("tree budgets must be positive")
-        self._arm = max(self.sizes)
+        if self.margin < 1.0 or self.probe_every < 1 or self.max_probe_every < self.probe_every or self.outlier <= 1.0:
+            raise ValueError("tree controller: margin >= 1, outlier > 1 and 1 <= probe_every <= max_probe_every")
+        self._interval = self.probe_every
 
     @property
     def name(self) -> str:
@@ -207,7 +228,7 @@ class TreeBudget:
 
     @property
     def arms(self) -> list[int]:
-        return [0, *sorted(self.sizes)]
+        return [0, *sorted(set(self.sizes))]
 
     @property
     def tree_round(self) -> bool:
@@ -221,21 +242,43 @@ class TreeBudget:
         s = self._seconds.get(arm)
         return self._tokens[arm] / s if s else None
 
+    def best_arm(self) -> int:
+        """The chain unless a measured tree beats its rate by ``margin``; then the fastest tree."""
+        chain = self.rate(0) or 0.0
+        trees = [(r, a) for a in self.arms[1:] if (r := self.rate(a)) is not None and r > self.margin * chain]
+        return max(trees)[1] if trees else 0
+
+    def _probe_target(self) -> int:
+        arms, best = self.arms, self._best
+        if best == 0:
+            return arms[1]
+        i = arms.index(best)
+        near = [0] + [arms[j] for j in (i + 1, i - 1) if 0 < j < len(arms)]
+        return near[self._probes % len(near)]
+
     def update(self, *, gamma: int, accepted: int, draft_s: float, target_s: float, other_s: float) -> None:
         arm = self._arm
         if arm == 0:
             self.chain.update(gamma=gamma, accepted=accepted, draft_s=draft_s, target_s=target_s, other_s=other_s)
         d = self.decay
+        seconds = draft_s + target_s + other_s
+        if self._played.get(arm, 0) >= 2:  # a preempted round must not sink an arm for many rounds
+            seconds = min(seconds, self.outlier * self._seconds[arm] / self._weight[arm])
         self._tokens[arm] = self._tokens.get(arm, 0.0) * d + accepted + 1
-        self._seconds[arm] = self._seconds.get(arm, 0.0) * d + draft_s + target_s + other_s
-        self._rounds += 1
-        untried = [a for a in sorted(self.arms, reverse=True) if a not in self._seconds]
-        if untried:
-            self._arm = untried[0]
-            return
-        best = max(self.arms, key=lambda a: self.rate(a) or 0.0)
-        if self._rounds % self.probe_every == 0:
-            i = self.arms.index(best)
-            near = [self.arms[j] for j in (i - 1, i + 1) if 0 <= j < len(self.arms)]
-            best = near[(self._rounds // self.probe_every) % len(near)]
-        self._arm = best
+        self._seconds[arm] = self._seconds.get(arm, 0.0) * d + seconds
+        self._weight[arm] = self._weight.get(arm, 0.0) * d + 1.0
+        self._played[arm] = self._played.get(arm, 0) + 1
+        best = self.best_arm()
+        if self._probing:  # the probed arm has one more measurement: did it win?
+            self._probing = False
+            self._probes += 1
+            won = best == arm and arm != self._best
+            self._interval = self.probe_every if won else min(2 * self._interval, self.max_probe_every)
+        self._best = best
+        self._since_probe += 1
+        if self._played.get(0, 0) >= self.warmup and self._since_probe >= self._interval:
+            self._since_probe = 0
+            self._probing = True
+            self._arm = self._probe_target()
+        else:
+            self._arm = best

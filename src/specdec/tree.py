@@ -62,3 +62,31 @@ def is_chain(parents: Tensor) -> bool:
 def with_root(parents: Tensor) -> Tensor:  # [N] -> [N+1]
     """The tree of ``[pending] + nodes``: the pending token is node 0 and the old roots hang below it."""
     return torch.cat([torch.tensor([-1], dtype=torch.long), torch.where(parents < 0, 0, parents + 1)])
+
+
+def attention_schedule(parents: Tensor, n: int) -> list[tuple[int, int, list[tuple[int, int]]]]:
+    """How exact tree attention visits the last ``n`` nodes of a tree region of ``m`` nodes.
+
+    Each node's query attends to ``cache[:start + len(path)]`` with its root path laid out in
+    the region's first slots, exactly as token-by-token decoding of that path would have it.
+    The region starts in node order (slot k holds node k).  Nodes are visited depth-first
+    (lexicographic order of their paths), so a node shares its ancestors' slots with the node
+    visited before it and usually needs one key/value write (its own), not ``depth`` of them.
+
+    Returns one step per node in visiting order: ``(j, length, writes)`` with ``j`` the node's
+    index among the ``n`` scored nodes, ``length`` its path length (the attention covers
+    ``start + length`` positions) and ``writes`` the ``(slot, node)`` pairs (region offsets) to
+    copy from the saved region before attending.  Pure function of ``parents``.
+    """
+    m = parents.numel()
+    all_paths = paths(parents)
+    order = sorted(range(m - n, m), key=lambda i: all_paths[i])
+    occupant = list(range(m))
+    steps: list[tuple[int, int, list[tuple[int, int]]]] = []
+    for i in order:
+        p = all_paths[i]
+        writes = [(k, v) for k, v in enumerate(p) if occupant[k] != v]
+        for k, v in writes:
+            occupant[k] = v
+        steps.append((i - (m - n), len(p), writes))
+    return steps

@@ -130,3 +130,54 @@ def test_engine_target_dtype():
         target_dtype(EngineConfig(dtype="int8", backend="hf"))
     with pytest.raises(ConfigError, match="dtype"):
         target_dtype(EngineConfig(dtype="int3"))
+
+
+#: a tree of 9 nodes (three root candidates, branches up to depth 4), node order not depth-first
+TREE_PARENTS = torch.tensor([-1, -1, -1, 0, 1, 0, 3, 4, 6])
+
+
+@pytest.mark.parametrize("kind", list(KINDS))
+def test_scripted_tree_pass_is_bitwise_the_python_tree_pass(tiny_folder, kind):
+    """Tree attention from TorchScript (exact per-node attention, or the fast mode's one masked
+    call) gives bitwise the Python loop's logits, for a whole tree and for a tree grown over two
+    calls (``prefix``); with batch invariance each node's row is its path scored token by token."""
+    from specdec.tree import paths
+
+    if kind == "int8" and not w8a8_available():
+        pytest.skip("no fbgemm")
+    model = NativeCausalLM.from_folder(tiny_folder, **KINDS[kind])
+    if model.scripted is None:
+        pytest.skip("TorchScript is not available in this torch build")
+    g = torch.Generator().manual_seed(5)
+    ids = torch.randint(0, 1000, (12,), generator=g)
+    toks = torch.randint(0, 1000, (TREE_PARENTS.numel(),), generator=g)
+
+    def run() -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        cache = model.new_cache(64)
+        model.forward(ids, cache)
+        whole = model.forward_tree(toks, TREE_PARENTS, cache)
+        keys = cache.k[:, :, : cache.length].clone()
+        grown = model.new_cache(64)
+        model.forward(ids, grown)
+        first = model.forward_tree(toks[:4], TREE_PARENTS[:4], grown)
+        rest = model.forward_tree(toks[4:], TREE_PARENTS, grown, prefix=ids.numel())
+        return whole, torch.cat([first, rest]), keys
+
+    scripted = run()
+    saved, model.scripted = model.scripted, None
+    try:
+        python = run()
+    finally:
+        model.scripted = saved
+    for a, b in zip(scripted, python):
+        assert torch.equal(a, b)
+    if not model.batch_invariant:
+        return
+    assert torch.equal(scripted[0], scripted[1])
+    assert torch.equal(scripted[2][:, :, ids.numel() :], python[2][:, :, ids.numel() :])  # node order restored
+    ref = model.new_cache(64)
+    model.forward(ids, ref)
+    for j, p in enumerate(paths(TREE_PARENTS)):
+        ref.truncate(ids.numel())
+        seq = torch.cat([model.forward(toks[i : i + 1], ref) for i in p])
+        assert torch.equal(scripted[0][j], seq[-1]), f"node {j}"

@@ -107,15 +107,6 @@ def test_coupled_equals_plain_seeded_sampling(pair):
             assert _generate(target, ModelDrafter(draft.model), "coupled", cfg, prompt, FixedGamma(5)).tokens == plain
 
 
-@pytest.fixture(scope="module")
-def int8_target():
-    from specdec.models.linear import w8a8_available
-
-    if not w8a8_available():
-        pytest.skip("this torch build has no fbgemm int8 engine")
-    return load("smollm2-135m", quant="int8")
-
-
 def test_int8_target_exactness(pair, int8_target):
     """A quantised target is a model of its own; speculation must reproduce *it* exactly:
     block scoring is bitwise token-by-token scoring, greedy speculative == plain greedy,

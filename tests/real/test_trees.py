@@ -91,3 +91,37 @@ def test_greedy_tree_decoding_equals_plain_greedy(smollm2):
         assert tree.stats.tokens_per_target_call > chain.stats.tokens_per_target_call
         assert run(ModelDrafter(draft.model), TreeBudget(), TreeSpec(shape="static"), ids).tokens == plain
         assert run(NgramDrafter(), FixedGamma(12), TreeSpec(), ids).tokens == plain
+
+
+def test_scripted_tree_pass_is_bitwise_python_and_path_by_path(int8_target):
+    """The TorchScript tree pass (depth-first, keys laid out in place) gives bitwise the Python
+    tree pass's logits and each node's path scored token by token, and leaves the tree's keys
+    in node order in the cache.  (The float32 target's scripted tree pass is checked against
+    path-by-path scoring by ``test_tree_scoring_is_bitwise_sequential``.)"""
+    target = int8_target
+    m = target.model
+    assert m.scripted is not None and m.batch_invariant
+    ids = torch.tensor(encode_prompt(target.tokenizer, PROMPT, chat=True))
+    toks = _tree_tokens(ids.tolist())
+    toks[0] = ids[-1]
+
+    def tree_pass() -> tuple[torch.Tensor, torch.Tensor]:
+        cache = m.new_cache(256)
+        m.forward(ids[:-1], cache)
+        out = m.forward_tree(toks, PARENTS, cache)
+        return out, cache.k[:, :, : cache.length].clone()
+
+    scripted, keys = tree_pass()
+    saved, m.scripted = m.scripted, None
+    try:
+        python, python_keys = tree_pass()
+    finally:
+        m.scripted = saved
+    assert torch.equal(scripted, python) and torch.equal(keys, python_keys)
+    ref = m.new_cache(256)
+    m.forward(ids[:-1], ref)
+    start = ref.length
+    for j, p in enumerate(paths(PARENTS)):
+        ref.truncate(start)
+        seq = torch.cat([m.forward(toks[i : i + 1], ref) for i in p])
+        assert torch.equal(scripted[j], seq[-1]), f"node {j}"

@@ -208,7 +208,9 @@ class W8A8Linear:
         staged, part = self._staged(x.shape[0])
         if self.inv_smooth is not None:
             x = x * self.inv_smooth
-        s = torch.linalg.vector_norm(x, float("inf"), dim=1, keepdim=True).clamp_min_(1e-30)  # [n, 1]
+        # max |x| per row; abs + amax is the same value as vector_norm(x, inf) (a max is exact in
+        # any order) and 5-12x cheaper for multi-row inputs on this CPU (29 vs 4.6 us at 17 x 576)
+        s = x.abs().amax(dim=1, keepdim=True).clamp_min_(1e-30)  # [n, 1]
         torch.div(x, s, out=part)
         y = torch.ops.quantized.linear_dynamic(staged, self.packed, self._reduce_range)  # [n, out]
         if row_scale is not None:

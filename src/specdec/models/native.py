@@ -26,7 +26,7 @@ from specdec.models.linear import Int8Linear, Linear, W8A8Linear
 from specdec.models.quantize import RangeRecorder, calibration_ids, smoothing
 from specdec.models.scripted import ScriptedLayers, compiled_layers
 
-from specdec.tree import ancestor_mask, depths, paths
+from specdec.tree import ancestor_mask, attention_schedule, depths
 
 AnyLinear = Linear | W8A8Linear
 
@@ -122,42 +122,66 @@ class _TreeLayout:
     """Where a token tree's nodes sit and what each one sees (tree attention, SpecInfer §4.2)."""
 
     start: int  # first cache slot of the tree region
+    end: int  # one past the last node's slot
     positions: Tensor  # [n] int64 absolute positions: start + depth
-    paths: tuple[Tensor, ...]  # per node: its root-to-node indices (ancestors, then itself)
-    mask: Tensor  # [n, end] additive: 0 for the cached prefix and the node's ancestors-or-self
+    #: exact attention's visiting order (see :func:`specdec.tree.attention_schedule`):
+    #: per step (node j among the scored ones, its path length, (slot, node) writes)
+    schedule: tuple[tuple[int, int, tuple[tuple[int, int], ...]], ...]
+    mask: Tensor | None  # [n, end] additive: 0 for the cached prefix and the node's ancestors-or-self
 
     @classmethod
-    def build(cls, parents: Tensor, start: int, end: int, dtype: torch.dtype, prefix: int | None = None) -> "_TreeLayout":
+    def build(
+        cls, parents: Tensor, start: int, end: int, dtype: torch.dtype, prefix: int | None = None, *, exact: bool = True
+    ) -> "_TreeLayout":
         """``parents`` covers the tree region ``[prefix, end)`` (default: just the new nodes);
-        the last ``end - start`` entries are the nodes being scored now."""
+        the last ``end - start`` entries are the nodes being scored now.  ``exact``: the schedule
+        of per-node attention (batch-invariant models), else the mask of one masked call."""
         s = start if prefix is None else prefix
         n, m = end - start, end - s
         if parents.numel() != m:
             raise ValueError(f"expected {m} tree parents for the region [{s}, {end}); got {parents.numel()}")
-        anc = ancestor_mask(parents)[m - n :]  # [n, m]
-        mask = torch.zeros((n, end), dtype=dtype)
-        mask[:, s:] = torch.zeros((n, m), dtype=dtype).masked_fill_(~anc, -math.inf)
-        node_paths = tuple(torch.tensor(p) for p in paths(parents)[m - n :])
-        return cls(s, s + depths(parents)[m - n :], node_paths, mask)
+        mask = None
+        schedule: tuple[tuple[int, int, tuple[tuple[int, int], ...]], ...] = ()
+        if exact:
+            schedule = tuple((j, length, tuple(w)) for j, length, w in attention_schedule(parents, n))
+        else:
+            anc = ancestor_mask(parents)[m - n :]  # [n, m]
+            mask = torch.zeros((n, end), dtype=dtype)
+            mask[:, s:] = torch.zeros((n, m), dtype=dtype).masked_fill_(~anc, -math.inf)
+        return cls(s, end, s + depths(parents)[m - n :], schedule, mask)
+
+    def scripted_steps(self) -> tuple[list[list[int]], Tensor]:
+        """The schedule flattened for the TorchScript loop: per step ``[j, attended length,
+        slot, node, slot, node, ...]`` (absolute slots, region node offsets), and the [n]
+        permutation putting the visited rows back in node order."""
+        s = self.start
+        steps = [[j, s + length, *(x for k, v in writes for x in (s + k, v))] for j, length, writes in self.schedule]
+        perm = torch.empty(len(steps), dtype=torch.long)
+        perm[torch.tensor([j for j, _, _ in self.schedule], dtype=torch.long)] = torch.arange(len(steps))
+        return steps, perm
 
     def attend_invariant(self, q: Tensor, cache: KVCache, li: int) -> Tensor:  # q: [n, H, d] -> [n, H d]
         """One query row per node against ``cache[:start] + its path``, laid out contiguously in
         the cache exactly as token-by-token decoding of that path would have it (same shapes,
         same strides, the same one-row kernel), so each row is bitwise the sequential result.
-        The nodes' own keys are restored in node order afterwards; copying is O(depth) per node.
+        Nodes are visited depth-first, so each usually writes one key/value pair (its own); the
+        region is restored in node order afterwards.
         """
-        s, m = self.start, self.mask.shape[1] - self.start
+        s, m = self.start, self.end - self.start
         k_cache, v_cache = cache.k[li], cache.v[li]  # [Hkv, T, d]
         k_new = k_cache[:, s : s + m].clone()  # [Hkv, m, d] the whole tree region
         v_new = v_cache[:, s : s + m].clone()
-        rows = []
-        for j, p in enumerate(self.paths):
-            depth = p.numel()
-            k_cache[:, s : s + depth] = k_new[:, p]
-            v_cache[:, s : s + depth] = v_new[:, p]
-            rows.append(_attend(q[j], k_cache[:, : s + depth], v_cache[:, : s + depth]))
-        k_cache[:, s : s + m] = k_new
-        v_cache[:, s : s + m] = v_new
+        rows: list[Tensor] = [q] * len(self.schedule)
+        moved = False
+        for j, length, writes in self.schedule:
+            for slot, node in writes:
+                k_cache[:, s + slot] = k_new[:, node]
+                v_cache[:, s + slot] = v_new[:, node]
+                moved = True
+            rows[j] = _attend(q[j], k_cache[:, : s + length], v_cache[:, : s + length])
+        if moved:
+            k_cache[:, s : s + m] = k_new
+            v_cache[:, s : s + m] = v_new
         return torch.cat(rows)
 
 
@@ -318,18 +342,18 @@ class NativeCausalLM:
         end = start + n
         if end > self._cos.shape[0]:
             raise ValueError(f"position {end} is past the model's context of {self._cos.shape[0]}")
-        x = self.embed[tokens]  # [n, D]
-        tree = _TreeLayout.build(parents, start, end, x.dtype, prefix) if parents is not None else None
+        # index_select, not embed[tokens]: advanced indexing's parallel kernel was measured at
+        # 0.3-4.5 ms for 17 rows while the other core was busy (it waits for it), 3 us this way
+        x = self.embed.index_select(0, tokens.reshape(-1))  # [n, D]
+        tree = None
+        if parents is not None:
+            tree = _TreeLayout.build(parents, start, end, x.dtype, prefix, exact=self.batch_invariant)
         if tree is not None:
             cos = self._cos[tree.positions].unsqueeze(1)  # [n, 1, d]
             sin = self._sin[tree.positions].unsqueeze(1)
         else:
             cos = self._cos[start:end].unsqueeze(1)  # [n, 1, d]
             sin = self._sin[start:end].unsqueeze(1)
-            if self.scripted is not None and (n == 1 or self.batch_invariant) and not taps:
-                return self.scripted(x, cos, sin, cache, start, cfg, self._eps)
-        if taps is not None and 0 in taps:
-            taps[0] = x
         hq, hk, d = cfg.n_heads, cfg.n_kv_heads, cfg.head_dim
         mask = None
         if tree is not None:
@@ -337,6 +361,12 @@ class NativeCausalLM:
         elif n > 1 and not self.batch_invariant:
             # query j (absolute start + j) sees keys 0..start + j
             mask = torch.full((n, end), -math.inf, dtype=x.dtype).triu_(start + 1)  # [n, T]
+        if taps is not None and 0 in taps:
+            taps[0] = x
+        if self.scripted is not None and not taps:  # the same ops from TorchScript (bitwise this loop's result)
+            if self.batch_invariant:
+                return self.scripted(x, cos, sin, cache, start, cfg, self._eps, tree=tree)
+            return self.scripted(x, cos, sin, cache, start, cfg, self._eps, mask=mask)
         qk_size = self._q_size + self._kv_size
         for li, layer in enumerate(self.layers):
             qkv = layer.qkv.scaled(x, self._inv_rms(x))  # [n, (H + 2 Hkv) d]
@@ -405,7 +435,7 @@ class NativeCausalLM:
         cfg = self.cfg
         total = sum(sizes)
         tokens = torch.cat([t.reshape(-1) for t, _, _ in items])  # [M]
-        x = self.embed[tokens]  # [M, D]
+        x = self.embed.index_select(0, tokens)  # [M, D]
         cos = torch.cat([self._cos[a : a + n] for a, n in zip(starts, sizes)]).unsqueeze(1)  # [M, 1, d]
         sin = torch.cat([self._sin[a : a + n] for a, n in zip(starts, sizes)]).unsqueeze(1)
         hq, hk, d = cfg.n_heads, cfg.n_kv_heads, cfg.head_dim
@@ -475,7 +505,7 @@ class NativeCausalLM:
     # in ``hidden``, so a row computed here is bitwise what ``hidden`` computes for it.
 
     def embed_tokens(self, tokens: Tensor) -> Tensor:  # tokens: [n] -> [n, D]
-        return self.embed[tokens]
+        return self.embed.index_select(0, tokens.reshape(-1)).view(*tokens.shape, -1)
 
     def head(self, x: Tensor) -> Tensor:  # x: [n, D] residual stream -> [n, V] float32 logits
         """Final norm + LM head of a residual stream (an early exit uses it after any layer)."""

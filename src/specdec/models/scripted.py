@@ -9,9 +9,11 @@ in the same order — from TorchScript's interpreter, which cuts that overhead b
 Because the ops and shapes are identical, the results are bitwise identical to the Python loop
 (tested), so batch invariance and every exactness guarantee carry over.
 
-Scope: single positions and the batch-invariant per-row attention (a target's verification
-pass, any decode step).  The causal-mask path used for a fast-mode multi-token prefill, and
-anything the Python loop gains later (trees, layer subsets), stay in Python.
+Scope: every pass of :meth:`NativeCausalLM.hidden`: single positions, the batch-invariant
+per-row attention (a target's verification pass), exact tree attention (each node over the
+prefix and its own path, laid out in place; see :func:`specdec.tree.attention_schedule`) and the
+fast mode's one masked attention call (a prefill, a draft's tree pass).  Layer subsets
+(self-speculative drafts) stay in Python.
 """
 
 from __future__ import annotations
@@ -51,7 +53,7 @@ def _linear(
         staged = staging[i][:n]
         if i in smooth:
             x = x * smooth[i]
-        s = torch.linalg.vector_norm(x, float("inf"), [1], True).clamp_min_(1e-30)
+        s = x.abs().amax(1, True).clamp_min_(1e-30)
         torch.div(x, s, out=staged[:, : x.shape[1]])
         y = torch.ops.quantized.linear_dynamic(staged, q8[i], reduce_range)
         if row_scale is not None:
@@ -83,6 +85,17 @@ def _inv_rms(x: Tensor, eps: Tensor, width: int) -> Tensor:  # [n, D] -> [n, 1]
     return torch.rsqrt(torch.addcmul(eps, norm, norm, value=1.0 / width))
 
 
+def _attend_row(q: Tensor, keys: Tensor, values: Tensor, hq: int, hk: int, d: int) -> Tensor:  # q: [H, d] -> [1, H d]
+    """One query position over ``keys``/``values`` [Hkv, T, d]: native._attend, op for op."""
+    if q.dtype != torch.float32:
+        return F.scaled_dot_product_attention(
+            q.view(1, hq, 1, d), keys.unsqueeze(0), values.unsqueeze(0), enable_gqa=True, scale=1.0
+        ).view(1, -1)
+    qg = q.view(hk, -1, d)
+    weights = torch.softmax(torch.bmm(qg, keys.transpose(1, 2)), -1)
+    return torch.bmm(weights, values).view(1, -1)
+
+
 def _layers(
     x: Tensor,  # [n, D]
     cos: Tensor,  # [n, 1, d]
@@ -103,6 +116,10 @@ def _layers(
     dense: Dict[int, Tensor],
     bias: Dict[int, Tensor],
     smooth: Dict[int, Tensor],
+    mask: Optional[Tensor],  # [n, end] additive: one masked attention call per layer (fast mode)
+    tree_start: int,  # first slot of a token tree's region (exact tree attention), else -1
+    tree_steps: List[List[int]],  # per visited node: [row, attended length, slot, node, ...]
+    tree_perm: Optional[Tensor],  # [n] visited rows -> node order
 ) -> Tensor:  # the LM head's input [n, D]
     n = x.shape[0]
     end = start + n
@@ -119,19 +136,33 @@ def _layers(
         v_cache = v_all[li]
         k_cache[:, start:end] = qk[:, hq:].transpose(0, 1)
         v_cache[:, start:end] = qkv[:, qk_size:].view(n, hk, d).transpose(0, 1)
-        rows: List[Tensor] = []
-        for j in range(n):
-            keys = k_cache[:, : start + j + 1]
-            values = v_cache[:, : start + j + 1]
-            if x.dtype != torch.float32:
-                rows.append(F.scaled_dot_product_attention(
-                    qk[j, :hq].view(1, hq, 1, d), keys.unsqueeze(0), values.unsqueeze(0), enable_gqa=True, scale=1.0
-                ).view(1, -1))
-            else:
-                qg = qk[j, :hq].view(hk, -1, d)
-                weights = torch.softmax(torch.bmm(qg, keys.transpose(1, 2)), -1)
-                rows.append(torch.bmm(weights, values).view(1, -1))
-        attn = rows[0] if n == 1 else torch.cat(rows)
+        if mask is not None:  # fast mode: one masked call (prefill, a draft's tree)
+            attn = F.scaled_dot_product_attention(
+                qk[:, :hq].transpose(0, 1).unsqueeze(0), k_cache[:, :end].unsqueeze(0), v_cache[:, :end].unsqueeze(0),
+                attn_mask=mask, enable_gqa=hq != hk, scale=1.0,
+            )[0].transpose(0, 1).reshape(n, q_size)
+        elif tree_start >= 0:  # exact tree attention: each node sees cache[:start] + its path, in place
+            k_new = k_cache[:, tree_start:end].clone()
+            v_new = v_cache[:, tree_start:end].clone()
+            rows: List[Tensor] = []
+            moved = False
+            for step in tree_steps:
+                for c in range((len(step) - 2) // 2):
+                    k_cache[:, step[2 + 2 * c]] = k_new[:, step[3 + 2 * c]]
+                    v_cache[:, step[2 + 2 * c]] = v_new[:, step[3 + 2 * c]]
+                    moved = True
+                rows.append(_attend_row(qk[step[0], :hq], k_cache[:, : step[1]], v_cache[:, : step[1]], hq, hk, d))
+            if moved:
+                k_cache[:, tree_start:end] = k_new
+                v_cache[:, tree_start:end] = v_new
+            attn = rows[0] if n == 1 else torch.cat(rows)
+            if tree_perm is not None:
+                attn = attn.index_select(0, tree_perm)
+        else:
+            rows: List[Tensor] = []
+            for j in range(n):
+                rows.append(_attend_row(qk[j, :hq], k_cache[:, : start + j + 1], v_cache[:, : start + j + 1], hq, hk, d))
+            attn = rows[0] if n == 1 else torch.cat(rows)
         x = x + _linear(lin + 1, attn, None, kinds, q8, staging, reduce_range, chunks, bounds, dense, bias, smooth)
         gate_up = _linear(lin + 2, x, _inv_rms(x, eps, width), kinds, q8, staging, reduce_range, chunks, bounds, dense, bias, smooth)
         gate, up = gate_up.chunk(2, -1)
@@ -205,10 +236,19 @@ class ScriptedLayers:
         self.staging = {i: lin._buf for i, lin in zip((i for i, k in enumerate(self.kinds) if k == W8A8), self._w8a8)}
         self._rows = min(lin._buf.shape[0] for lin in self._w8a8) if self._w8a8 else 1 << 30
 
-    def __call__(self, x: Tensor, cos: Tensor, sin: Tensor, cache, start: int, cfg, eps: Tensor) -> Tensor:
+    def __call__(
+        self, x: Tensor, cos: Tensor, sin: Tensor, cache, start: int, cfg, eps: Tensor, *,
+        mask: Tensor | None = None, tree=None,
+    ) -> Tensor:
+        """``mask``: fast-mode attention (one masked call per layer); ``tree``: a
+        ``native._TreeLayout`` for exact per-node tree attention; neither: per-row attention."""
         self._ensure(x.shape[0])
+        tree_start, steps, perm = -1, [], None
+        if tree is not None:
+            steps, perm = tree.scripted_steps()
+            tree_start = tree.start
         return self.fn(
             x, cos, sin, cache.k, cache.v, start, cfg.n_heads, cfg.n_kv_heads, cfg.head_dim, eps,
             self.kinds, self.q8, self.staging, self.reduce_range, self.chunks, self.bounds, self.dense, self.bias,
-            self.smooth,
+            self.smooth, mask, tree_start, steps, perm,
         )
