@@ -1,0 +1,76 @@
+"""Training data: prompts stay clear of the benchmark, batched generation equals one-at-a-time decoding,
+stored features are the target's, and a stopped run resumes."""
+
+from __future__ import annotations
+
+import ast
+from pathlib import Path
+
+import pytest
+import torch
+
+from specdec.bench.workloads import BUILTIN
+from specdec.train.data import DataConfig, generate, load_shards, plan
+from specdec.train.prompts import chat_prompts, code_prompts
+from tests.tiny import make_tiny
+
+
+def test_chat_prompts_are_distinct_deterministic_and_not_the_benchmarks() -> None:
+    a = chat_prompts(500, seed=3)
+    assert len(set(a)) == 500 and a == chat_prompts(500, seed=3) and a != chat_prompts(500, seed=4)
+    bench = [p.text.lower() for p in BUILTIN]
+    for p in chat_prompts(5000):
+        assert p.lower() not in bench
+        assert not any(w in p.lower() for w in ("tcp", "photosynthesis", "pancake", "lighthouse"))
+
+
+def test_code_prompts_are_stdlib_function_headers_not_the_benchmarks() -> None:
+    bench_names = {p.id.split("/", 1)[1] for p in BUILTIN if p.category == "code"}
+    prompts = code_prompts(40)
+    assert len(prompts) == 40
+    for text in prompts:
+        fn = ast.parse(text + "    pass\n").body[-1]
+        assert isinstance(fn, ast.FunctionDef) and fn.name not in bench_names
+        assert ast.get_docstring(fn)
+
+
+@pytest.fixture(scope="module")
+def tiny_target(tmp_path_factory: pytest.TempPathFactory):
+    from specdec.models.registry import load
+
+    folder = make_tiny(tmp_path_factory.mktemp("tiny"), layers=2, hidden=32, max_positions=512)
+    return load(str(folder), batch_invariant=False)
+
+
+def test_generation_features_and_resume(tiny_target, tmp_path: Path) -> None:
+    lm = tiny_target
+    cfg = DataConfig(sequences=5, batch=3, shard_size=2, max_new_chat=6, max_new_code=6, taps=(1,), temperatures=(0.0, 1.0))
+    out = tmp_path / "data"
+    assert generate(cfg, lm.model, lm.tokenizer, frozenset(), out) == 5
+    shards = sorted(out.glob("shard-*.pt"))
+    assert [p.name for p in shards] == ["shard-00000.pt", "shard-00001.pt", "shard-00002.pt"]
+    data = load_shards(out)
+    todo = plan(cfg, lm.tokenizer)
+    model = lm.model
+    for i, (ids, n0, temp) in enumerate(zip(data.tokens, data.prompt_len, data.temperature)):
+        prompt, _, want_temp, _ = todo[i]
+        assert ids[:n0].tolist() == prompt and temp == want_temp and ids.numel() == n0 + 6
+        if temp == 0.0:  # greedy: the batched run equals plain one-token-at-a-time decoding
+            cache = model.new_cache(64)
+            logits = model.forward(torch.tensor(prompt), cache, last_only=True)
+            seq = list(prompt)
+            for _ in range(6):
+                seq.append(int(logits[0].argmax()))
+                logits = model.forward(torch.tensor(seq[-1:]), cache)
+            assert ids.tolist() == seq
+        taps: dict[int, torch.Tensor] = {1: torch.empty(0)}
+        final = model.hidden(ids.long(), model.new_cache(64), taps=taps)
+        feats = data.feats[i]  # [n, 2, D] float16
+        torch.testing.assert_close(feats[:, -1].float(), final, atol=2e-3, rtol=2e-3)
+        torch.testing.assert_close(feats[:, 0].float(), taps[1], atol=2e-3, rtol=2e-3)
+    # resume: the last shard is lost, a rerun rebuilds only it
+    first = shards[0].read_bytes()
+    shards[-1].unlink()
+    assert generate(cfg, lm.model, lm.tokenizer, frozenset(), out) == 5
+    assert shards[-1].is_file() and shards[0].read_bytes() == first
+    assert len(load_shards(out).tokens) == 5
