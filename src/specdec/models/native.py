@@ -306,8 +306,8 @@ class NativeCausalLM:
 
         ``taps`` (target-aware drafters: EAGLE, Medusa, MTP): a dict whose keys are layer counts
         k in 0..L; each value is set to the residual stream after the first k layers ([n, D];
-        k = 0 is the embedding, Hugging Face's ``hidden_states[k]``).  The Python loop runs then,
-        bitwise the same as the compiled one.
+        k = 0 is the embedding, Hugging Face's ``hidden_states[k]``).  The compiled layer loop
+        records them too (bitwise the Python loop's values).
 
         ``parents`` [n] (a token tree, see :mod:`specdec.tree`): node j sits at position
         ``start + depth(j)`` and attends to the cache and its own ancestors only.
@@ -326,8 +326,8 @@ class NativeCausalLM:
         else:
             cos = self._cos[start:end].unsqueeze(1)  # [n, 1, d]
             sin = self._sin[start:end].unsqueeze(1)
-            if self.scripted is not None and (n == 1 or self.batch_invariant) and not taps:
-                return self.scripted(x, cos, sin, cache, start, cfg, self._eps)
+            if self.scripted is not None and (n == 1 or self.batch_invariant):
+                return self.scripted(x, cos, sin, cache, start, cfg, self._eps, taps)
         if taps is not None and 0 in taps:
             taps[0] = x
         hq, hk, d = cfg.n_heads, cfg.n_kv_heads, cfg.head_dim
@@ -374,6 +374,20 @@ class NativeCausalLM:
         if last_only:
             h = h[-1:]
         return self.lm_head(h).float()
+
+    @torch.inference_mode()
+    def forward_features(
+        self, tokens: Tensor, cache: KVCache, taps: Sequence[int], *, last_only: bool = False,
+        parents: Tensor | None = None, prefix: int | None = None,
+    ) -> tuple[Tensor, Tensor]:  # tokens: [n] -> (logits [n|1, V], features [n, len(taps) + 1, D])
+        """:meth:`forward` (or, with ``parents``, :meth:`forward_tree`) plus the features a
+        target-aware drafter reads: per position, the residual stream after each of ``taps``
+        layers, then the final hidden state (the LM head's input), stacked as ``specdec train
+        data`` stores them.  The logits are bitwise those of the plain pass."""
+        found: dict[int, Tensor] = {k: x for k, x in ((k, torch.empty(0)) for k in taps)}
+        h = self.hidden(tokens, cache, parents=parents, prefix=prefix, taps=found)  # [n, D]
+        feats = torch.stack([found[k] for k in taps] + [h], dim=1)  # [n, R, D]
+        return self.lm_head(h[-1:] if last_only else h).float(), feats
 
     @torch.inference_mode()
     def forward_batch(self, items: list[tuple[Tensor, KVCache, bool]]) -> list[Tensor]:

@@ -17,7 +17,7 @@ anything the Python loop gains later (trees, layer subsets), stay in Python.
 from __future__ import annotations
 
 import warnings
-from typing import Dict, List, Optional
+from typing import Dict, List, Optional, Tuple
 
 import torch
 import torch.nn.functional as F
@@ -103,13 +103,17 @@ def _layers(
     dense: Dict[int, Tensor],
     bias: Dict[int, Tensor],
     smooth: Dict[int, Tensor],
-) -> Tensor:  # the LM head's input [n, D]
+    taps: List[int],
+) -> Tuple[Tensor, List[Tensor]]:  # (the LM head's input [n, D], residual stream [n, D] per tap)
     n = x.shape[0]
     end = start + n
     hq, hk, d = n_heads, n_kv_heads, head_dim
     width = x.shape[1]
     q_size = hq * d
     qk_size = (hq + hk) * d
+    tapped: List[Tensor] = []
+    if 0 in taps:
+        tapped.append(x)
     for li in range(len(kinds) // 4):
         lin = 4 * li
         qkv = _linear(lin, x, _inv_rms(x, eps, width), kinds, q8, staging, reduce_range, chunks, bounds, dense, bias, smooth)
@@ -136,7 +140,9 @@ def _layers(
         gate_up = _linear(lin + 2, x, _inv_rms(x, eps, width), kinds, q8, staging, reduce_range, chunks, bounds, dense, bias, smooth)
         gate, up = gate_up.chunk(2, -1)
         x = x + _linear(lin + 3, F.silu(gate) * up, None, kinds, q8, staging, reduce_range, chunks, bounds, dense, bias, smooth)
-    return x * _inv_rms(x, eps, width)
+        if li + 1 in taps:
+            tapped.append(x)
+    return x * _inv_rms(x, eps, width), tapped
 
 
 _compiled = None
@@ -205,10 +211,18 @@ class ScriptedLayers:
         self.staging = {i: lin._buf for i, lin in zip((i for i, k in enumerate(self.kinds) if k == W8A8), self._w8a8)}
         self._rows = min(lin._buf.shape[0] for lin in self._w8a8) if self._w8a8 else 1 << 30
 
-    def __call__(self, x: Tensor, cos: Tensor, sin: Tensor, cache, start: int, cfg, eps: Tensor) -> Tensor:
+    def __call__(self, x: Tensor, cos: Tensor, sin: Tensor, cache, start: int, cfg, eps: Tensor,
+                 taps: dict[int, Tensor] | None = None) -> Tensor:
+        """The LM head's input [n, D]; ``taps`` (layer count -> filled with the residual stream
+        after that many layers, [n, D]) as in :meth:`NativeCausalLM.hidden`."""
         self._ensure(x.shape[0])
-        return self.fn(
+        wanted = sorted(taps) if taps else []
+        out, tapped = self.fn(
             x, cos, sin, cache.k, cache.v, start, cfg.n_heads, cfg.n_kv_heads, cfg.head_dim, eps,
             self.kinds, self.q8, self.staging, self.reduce_range, self.chunks, self.bounds, self.dense, self.bias,
-            self.smooth,
+            self.smooth, [k for k in wanted if 0 <= k <= len(self.kinds) // 4],
         )
+        if taps:
+            for k, t in zip([k for k in wanted if 0 <= k <= len(self.kinds) // 4], tapped):
+                taps[k] = t
+        return out
