@@ -410,8 +410,9 @@ def resolve_head(ref: str) -> Path | None:
     return path if is_head_folder(path) else None
 
 
-def load_any(folder: Path) -> Any:
-    """A head module from ``folder``: our format, or an EAGLE-3 checkpoint in the shared format."""
+def load_any(folder: Path, *, target_layers: int | None = None) -> Any:
+    """A head module from ``folder``: our format, or an EAGLE-3 checkpoint in the shared format
+    (whose default taps depend on the target's layer count)."""
     raw = json.loads((folder / "config.json").read_text())
     if raw.get("kind") in KINDS:
         from specdec.heads.modules import load_head
@@ -419,7 +420,7 @@ def load_any(folder: Path) -> Any:
         return load_head(folder)
     from specdec.heads.formats import load_eagle3
 
-    return load_eagle3(folder)
+    return load_eagle3(folder, target_layers=target_layers)
 
 
 def build(ref: Path, target: Any, *, label: str | None = None) -> tuple[HeadDrafter, str]:
@@ -427,12 +428,16 @@ def build(ref: Path, target: Any, *, label: str | None = None) -> tuple[HeadDraf
     embed = target_embeddings(target)
     if getattr(target, "forward_features", None) is None:
         raise ConfigError("target-aware drafters need a target that exposes its hidden states (the native backend)")
+    n_layers = getattr(getattr(target, "cfg", None), "n_layers", None)
     try:
-        head = load_any(ref)
+        head = load_any(ref, target_layers=n_layers)
     except (OSError, ValueError, KeyError, RuntimeError, TypeError) as exc:
         raise ConfigError(f"cannot load the draft head in {ref}: {type(exc).__name__}: {exc}".splitlines()[0]) from None
     name = label or ref.name
-    return drafter_for(head, embed, name=name), name
+    drafter = drafter_for(head, embed, name=name)
+    if n_layers is not None and any(not 0 <= k <= n_layers for k in drafter.feature_taps):
+        raise ConfigError(f"the head reads the target's layers {list(drafter.feature_taps)}, the target has {n_layers}")
+    return drafter, name
 
 
 def describe_heads() -> list[dict[str, Any]]:
