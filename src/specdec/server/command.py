@@ -155,6 +155,13 @@ def run(args: argparse.Namespace) -> int:
     if args.max_connections < 1:
         raise ConfigError(f"max connections must be >= 1, got {args.max_connections}")
     ServerSettings(**settings_kw)  # check the limits before loading models
+    from specdec.drafters.heads import resolve_head
+
+    if not args.no_batching and resolve_head(args.draft) is not None:
+        raise ConfigError(
+            f"draft {args.draft!r} reads the target's hidden states, which the batching scheduler does not hand out;"
+            " serve it with --no-batching"
+        )
 
     def log(msg: str) -> None:
         print(f"[specdec] {msg}", file=sys.stderr, flush=True)
