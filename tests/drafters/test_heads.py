@@ -213,8 +213,9 @@ TARGET = ToyLM(4, order=2, seed=0)
 SAMPLED = TreeSpec(sample_branching=(2, 2, 1), sample_width=2)
 
 
-def _toy_drafter(kind: str):
-    head = random_head(kind, hidden=TARGET.hidden_size, vocab=4, draft_vocab=3, taps=(1,), seed=3, scale=0.6)
+def _toy_drafter(kind: str, scale: float | None = None):
+    head = random_head(kind, hidden=TARGET.hidden_size, vocab=4, draft_vocab=3, taps=(1,), seed=3,
+                       scale=scale or (0.2 if kind == "eagle1" else 0.6))  # EAGLE-1 logits are unnormalised
     return drafter_for(head, TARGET.embed)
 
 
@@ -230,8 +231,8 @@ def _samples(drafter, method: str, cfg: SamplingConfig, spec=None, n: int = N_SA
 @pytest.mark.parametrize(
     ("kind", "method", "cfg", "spec"),
     [
-        ("eagle3", "token", SamplingConfig(temperature=1.0, top_p=0.8, repetition_penalty=1.5), None),
-        ("eagle1", "token", SamplingConfig(temperature=0.8), SAMPLED),
+        ("eagle1", "token", SamplingConfig(temperature=1.0, top_p=0.8, repetition_penalty=1.5), None),
+        ("eagle3", "token", SamplingConfig(temperature=0.8), SAMPLED),
         ("medusa", "block", SamplingConfig(temperature=1.0, frequency_penalty=0.4, presence_penalty=0.3), None),
         ("mtp", "block", SamplingConfig(temperature=1.0, top_k=3), None),
     ],
