@@ -63,3 +63,31 @@ def test_features_reach_the_drafter_as_a_teacher_forced_pass(setup):
     final = m.hidden(seq[:-1], m.new_cache(256), taps=taps)
     want = torch.stack([taps[2], taps[15], taps[27], final], dim=1)
     assert torch.equal(torch.cat(chunks), want)
+
+
+@pytest.fixture(scope="module")
+def int8_target():
+    from specdec.models.linear import w8a8_available
+    from specdec.models.registry import load
+
+    if not w8a8_available():
+        pytest.skip("this torch build has no fbgemm int8 engine")
+    return load("smollm2-135m", quant="int8", batch_invariant=True)
+
+
+def test_int8_target_heads_greedy_equals_plain_and_features_are_bitwise(int8_target):
+    """The default target: int8, TorchScript layer loop (the taps are recorded inside it)."""
+    m = int8_target.model
+    ids = encode_prompt(int8_target.tokenizer, PROMPT, chat=True)
+    cfg = SamplingConfig(temperature=0.0, max_new_tokens=16)
+    plain = SpeculativeDecoder(m, None, get_rule("greedy")).generate(ids, cfg).tokens
+    drafter = drafter_for(_head("eagle3", int8_target), m.embed)
+    chunks = []
+    add = drafter.add_features
+    drafter.add_features = lambda f: (chunks.append(f), add(f))
+    out = SpeculativeDecoder(m, drafter, get_rule("greedy"), gamma=FixedGamma(3)).generate(ids, cfg)
+    assert out.tokens == plain
+    seq = torch.tensor(ids + out.tokens)
+    taps = {k: torch.empty(0) for k in (2, 15, 27)}
+    final = m.hidden(seq[:-1], m.new_cache(256), taps=taps)
+    assert torch.equal(torch.cat(chunks), torch.stack([taps[2], taps[15], taps[27], final], dim=1))
