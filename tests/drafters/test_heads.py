@@ -259,7 +259,7 @@ def test_negative_control_wrong_scatter_is_detected():
     good = _toy_drafter("eagle3")
     bad = _WrongScatter(good.head, TARGET.embed)
     cfg = SamplingConfig(temperature=1.0)
-    assert chi_square_pvalue(_samples(bad, "token", cfg), exact_law(TARGET, PROMPT, cfg, N_NEW)) < ALPHA
+    assert chi_square_pvalue(_samples(bad, "token", cfg, n=1_000), exact_law(TARGET, PROMPT, cfg, N_NEW)) < ALPHA
 
 
 def test_coupled_equals_plain_seeded_sampling(native):
