@@ -52,3 +52,26 @@ def test_heads_are_listed_and_refused_where_features_cannot_go(capsys, folders):
     assert code == 2 and "--no-batching" in err
     code, _, err = _run(capsys, "generate", "-p", "x", "--target", target, "--draft", head, "--backend", "hf", "-n", "2")
     assert code == 2 and "hidden states" in err
+
+
+def test_serialised_server_runs_a_head(folders):
+    """`specdec serve --no-batching --draft HEAD`: OpenAI completions with the head = plain greedy."""
+    import httpx
+
+    from serverproc import ServerProcess
+    from specdec.engine import Engine, EngineConfig
+    from specdec.sampling import SamplingConfig
+
+    target, head = folders
+    key = "k-heads"
+    ref = Engine.build(EngineConfig(target=target, draft="none", dtype="float32")).generate(
+        "def f(x):", SamplingConfig(temperature=0.0, max_new_tokens=12))
+    with ServerProcess.cli("--target", target, "--draft", head, "--no-batching", "--dtype", "float32", "--api-key", key,
+                           "--gamma", "3") as srv:
+        with httpx.Client(base_url=srv.url, headers={"Authorization": f"Bearer {key}"}, timeout=60) as client:
+            model = client.get("/v1/models").json()["data"][0]["id"]
+            r = client.post("/v1/completions", json={"model": model, "prompt": "def f(x):", "max_tokens": 12, "temperature": 0})
+    assert r.status_code == 200, r.text
+    body = r.json()
+    assert body["choices"][0]["text"] == ref.text
+    assert body["specdec"]["draft_tokens_proposed"] > 0
