@@ -290,3 +290,26 @@ def test_q_is_zero_outside_the_draft_vocabulary():
     assert probs.shape[1] == 4 and float(probs[:, outside].abs().sum()) == 0.0
     assert torch.allclose(probs.sum(-1), torch.ones(probs.shape[0], dtype=probs.dtype))
     assert process_logits is not None
+
+
+class _Only:
+    """A constraint allowing the given tokens only."""
+
+    def __init__(self, tokens: list[int]) -> None:
+        self.tokens = tokens
+
+    def allowed(self, generated, vocab_size):
+        mask = torch.zeros(vocab_size, dtype=torch.bool)
+        mask[self.tokens] = True
+        return mask
+
+
+@pytest.mark.parametrize("method", ["token", "block", "coupled"])
+def test_a_constraint_outside_the_draft_vocabulary_stops_the_draft(method):
+    drafter = _toy_drafter("eagle1")
+    outside = [t for t in range(4) if t not in set(drafter.d2t.tolist())]
+    cfg = SamplingConfig(temperature=1.0, seed=5, max_new_tokens=6, constraint=_Only(outside))
+    out = SpeculativeDecoder(TARGET, drafter, get_rule(method), gamma=FixedGamma(3)).generate(PROMPT, cfg)
+    assert out.tokens == outside * 6
+    if method != "coupled":  # q is undefined (no allowed token in the draft vocabulary): no draft at all
+        assert out.stats.draft_tokens_proposed == 0

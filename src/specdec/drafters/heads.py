@@ -94,6 +94,14 @@ class HeadDrafter:
     def _rows(self, logits: Tensor) -> Tensor:  # [m, Vd] -> [m, V]
         return full_vocab(logits, self.d2t, self.vocab)
 
+    def _draw(self, sampler: DraftSampler, row: Tensor, position: int) -> tuple[int, Tensor | None] | None:
+        """The sampler's token and q for ``row`` [1, V], or None when q is undefined: a constraint
+        (structured output) that allows no token of the draft vocabulary here — drafting stops."""
+        token, q = sampler(row, position)
+        if q is not None and not bool(torch.isfinite(q).all()):
+            return None
+        return token, q
+
     def spawn(self, wrap: Callable[[Any], Any] = lambda m: m) -> "HeadDrafter":
         """A fresh drafter of the same kind (per-request state) sharing the head and embeddings."""
         return type(self)(self.head, self.embed, name=self.name)
@@ -149,7 +157,10 @@ class EagleDrafter(HeadDrafter):
         rows: list[Tensor] = []
         with torch.inference_mode():
             for j in range(gamma):
-                token, q = sampler(self._rows(self.head.logits(o[None])), length + j)
+                drawn = self._draw(sampler, self._rows(self.head.logits(o[None])), length + j)
+                if drawn is None:
+                    break
+                token, q = drawn
                 tokens.append(token)
                 if q is not None:
                     rows.append(q)
@@ -231,7 +242,10 @@ class MedusaDrafter(HeadDrafter):
         tokens: list[int] = []
         rows: list[Tensor] = []
         for j in range(min(gamma, logits.shape[0])):
-            token, q = sampler(logits[j : j + 1], length + j)
+            drawn = self._draw(sampler, logits[j : j + 1], length + j)
+            if drawn is None:
+                break
+            token, q = drawn
             tokens.append(token)
             if q is not None:
                 rows.append(q)
@@ -328,7 +342,10 @@ class MTPDrafter(HeadDrafter):
                     h_prev = torch.cat([self.outputs[k - 1][lo : lo + 1], prev])  # [k, D] rows P-k .. P-1
                     out = self._module(k, h_prev, self._emb(tokens[:k]), lo)  # [k, D]
                     prev = out
-                token, q = sampler(self._rows(self.head.logits(out[-1:])), length + k)
+                drawn = self._draw(sampler, self._rows(self.head.logits(out[-1:])), length + k)
+                if drawn is None:
+                    break
+                token, q = drawn
                 tokens.append(token)
                 if q is not None:
                     rows.append(q)
