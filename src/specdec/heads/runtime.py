@@ -25,6 +25,15 @@ class LayerCache:
         self.k = torch.zeros(cfg.n_kv_heads, capacity, cfg.head_dim)
         self.v = torch.zeros(cfg.n_kv_heads, capacity, cfg.head_dim)
         self.length = 0
+        self._cos, self._sin = rope_tables(torch.arange(capacity), cfg.head_dim, cfg.rope_theta)  # [T, d]
+
+    def rope(self, positions: Tensor) -> tuple[Tensor, Tensor]:  # [n] -> cos, sin [n, d]
+        """Rotary tables at ``positions`` (elementwise the same values as ``rope_tables``)."""
+        top = int(positions.max()) + 1
+        if top > self._cos.shape[0]:
+            self._cos, self._sin = rope_tables(torch.arange(max(top, 2 * self._cos.shape[0])), self.cfg.head_dim,
+                                               self.cfg.rope_theta)
+        return self._cos[positions], self._sin[positions]
 
     def reserve(self, n: int) -> int:
         """Room for ``n`` more rows; returns the first new slot."""
@@ -60,7 +69,7 @@ def run_layer(
 ) -> Tensor:  # -> [n, D] the layer's output
     """Append the new rows' keys/values to ``cache`` and run the layer for them."""
     n = attn_in.shape[0]
-    cos, sin = rope_tables(positions, cfg.head_dim, cfg.rope_theta)  # [n, d]
+    cos, sin = cache.rope(positions)  # [n, d]
     q, k, v = layer.attn.project(attn_in[None], cos, sin)  # [1, H, n, d], [1, Hkv, n, d] x2
     start = cache.reserve(n)
     end = start + n
