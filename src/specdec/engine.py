@@ -193,6 +193,9 @@ class Engine:
     @classmethod
     def build(cls, cfg: EngineConfig, *, progress: Callable[[str], None] | None = None) -> "Engine":
         dtype, quant = target_dtype(cfg)
+        from specdec.drafters import heads
+
+        head = heads.resolve_head(cfg.draft)  # a missing shipped head fails before the target loads
         if progress:
             progress(f"loading target {cfg.target}" + (f" ({quant})" if quant else ""))
         target = load(cfg.target, backend=cfg.backend, dtype=dtype, batch_invariant=cfg.batch_invariant, quant=quant)
@@ -206,9 +209,6 @@ class Engine:
         if self_spec.parse_name(kind) is not None:  # a view of the target: no second model is loaded
             drafter, label = self_spec.build(cfg.draft, target.model, target.name)
             return cls(target, drafter, label)
-        from specdec.drafters import heads
-
-        head = heads.resolve_head(cfg.draft)
         if head is not None:  # a target-aware head (EAGLE, Medusa, MTP): reads the target's features
             if progress:
                 progress(f"loading draft head {cfg.draft}")
