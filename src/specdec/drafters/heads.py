@@ -440,8 +440,23 @@ def load_any(folder: Path, *, target_layers: int | None = None) -> Any:
     return load_eagle3(folder, target_layers=target_layers)
 
 
-def build(ref: Path, target: Any, *, label: str | None = None) -> tuple[HeadDrafter, str]:
-    """The drafter for the head in folder ``ref`` on ``target`` (a native model), and its name."""
+class Int8Head(torch.nn.Module):
+    """A head's draft LM head as a dynamically quantised int8 matmul (draft-side precision only:
+    never affects exactness); the largest matrix a head step reads, a quarter of the bytes."""
+
+    def __init__(self, weight: Tensor) -> None:
+        super().__init__()
+        from specdec.models.linear import Int8Linear
+
+        self.lin = Int8Linear(weight)
+
+    def forward(self, x: Tensor) -> Tensor:  # [..., D] -> [..., Vd]
+        return self.lin(x.reshape(-1, x.shape[-1])).reshape(*x.shape[:-1], -1)
+
+
+def build(ref: Path, target: Any, *, label: str | None = None, int8_head: bool = False) -> tuple[HeadDrafter, str]:
+    """The drafter for the head in folder ``ref`` on ``target`` (a native model), and its name;
+    ``int8_head`` runs the head's LM head as an int8 matmul (where torch has an int8 engine)."""
     embed = target_embeddings(target)
     if getattr(target, "forward_features", None) is None:
         raise ConfigError("target-aware drafters need a target that exposes its hidden states (the native backend)")
@@ -450,6 +465,10 @@ def build(ref: Path, target: Any, *, label: str | None = None) -> tuple[HeadDraf
         head = load_any(ref, target_layers=n_layers)
     except (OSError, ValueError, KeyError, RuntimeError, TypeError) as exc:
         raise ConfigError(f"cannot load the draft head in {ref}: {type(exc).__name__}: {exc}".splitlines()[0]) from None
+    from specdec.models.linear import int8_available
+
+    if int8_head and int8_available():
+        head.lm_head = Int8Head(head.lm_head.weight)
     name = label or ref.name
     drafter = drafter_for(head, embed, name=name)
     if n_layers is not None and any(not 0 <= k <= n_layers for k in drafter.feature_taps):
