@@ -121,11 +121,13 @@ def test_heads_load_as_draft_folders_and_decode(tmp_path):
     native = tiny_native()
     _shared_checkpoint(tmp_path / "shared", layout="speculators")
     save_head(random_head("medusa", hidden=D, vocab=V, draft_vocab=VD), tmp_path / "medusa", dtype=torch.float32)
+    save_head(random_head("mtp", hidden=D, vocab=V, draft_vocab=VD), tmp_path / "mtp", dtype=torch.float32)
     plain = SpeculativeDecoder(native, None, get_rule("greedy")).generate([1, 2, 3], SamplingConfig(temperature=0.0, max_new_tokens=12))
-    for name in ("shared", "medusa"):
+    fast = dict(int8_head=True, dtype=torch.bfloat16)  # what the engine uses on CPUs with int8 / bf16 engines
+    for name, opts in (("shared", {}), ("medusa", {}), ("shared", fast), ("medusa", fast), ("mtp", fast)):
         ref = resolve_head(str(tmp_path / name))
         assert ref is not None
-        drafter, label = build(ref, native)
+        drafter, label = build(ref, native, **opts)
         assert label == name
         out = SpeculativeDecoder(native, drafter, get_rule("greedy"), gamma=FixedGamma(3)).generate(
             [1, 2, 3], SamplingConfig(temperature=0.0, max_new_tokens=12))

@@ -454,9 +454,36 @@ class Int8Head(torch.nn.Module):
         return self.lin(x.reshape(-1, x.shape[-1])).reshape(*x.shape[:-1], -1)
 
 
-def build(ref: Path, target: Any, *, label: str | None = None, int8_head: bool = False) -> tuple[HeadDrafter, str]:
+class PackedLinear(torch.nn.Module):
+    """A head's linear layer with its weight packed once in ``dtype`` (oneDNN; bfloat16 where the
+    CPU has native bf16 matmuls): draft-side precision only.  Inputs and outputs stay float32."""
+
+    def __init__(self, layer: torch.nn.Linear, dtype: torch.dtype) -> None:
+        super().__init__()
+        from specdec.models.linear import Linear
+
+        bias = layer.bias.detach().to(dtype) if layer.bias is not None else None
+        self.lin = Linear(layer.weight.detach().to(dtype), bias, mode="fast")
+        self.dtype = dtype
+
+    def forward(self, x: Tensor) -> Tensor:  # [..., in] -> [..., out]
+        y = self.lin(x.reshape(-1, x.shape[-1]).to(self.dtype))
+        return y.float().reshape(*x.shape[:-1], -1)
+
+
+def _pack(module: torch.nn.Module, dtype: torch.dtype) -> None:
+    for name, child in module.named_children():
+        if isinstance(child, torch.nn.Linear) and name != "lm_head":
+            setattr(module, name, PackedLinear(child, dtype))
+        else:
+            _pack(child, dtype)
+
+
+def build(ref: Path, target: Any, *, label: str | None = None, int8_head: bool = False,
+          dtype: torch.dtype = torch.float32) -> tuple[HeadDrafter, str]:
     """The drafter for the head in folder ``ref`` on ``target`` (a native model), and its name;
-    ``int8_head`` runs the head's LM head as an int8 matmul (where torch has an int8 engine)."""
+    ``int8_head`` runs the head's LM head as an int8 matmul (where torch has an int8 engine),
+    ``dtype`` bfloat16 its other linear layers in bfloat16 (where the CPU has native bf16)."""
     embed = target_embeddings(target)
     if getattr(target, "forward_features", None) is None:
         raise ConfigError("target-aware drafters need a target that exposes its hidden states (the native backend)")
@@ -469,6 +496,11 @@ def build(ref: Path, target: Any, *, label: str | None = None, int8_head: bool =
 
     if int8_head and int8_available():
         head.lm_head = Int8Head(head.lm_head.weight)
+    if dtype == torch.bfloat16:
+        from specdec.models.linear import bf16_fast
+
+        if bf16_fast():
+            _pack(head, dtype)
     name = label or ref.name
     drafter = drafter_for(head, embed, name=name)
     if n_layers is not None and any(not 0 <= k <= n_layers for k in drafter.feature_taps):
