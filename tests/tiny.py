@@ -60,3 +60,24 @@ def tiny_native(*, vocab: int = 64, max_length: int = 4096, seed: int = 0) -> Na
               p + "mlp.gate_proj.weight": r(inter, d), p + "mlp.up_proj.weight": r(inter, d),
               p + "mlp.down_proj.weight": r(d, inter)}
     return NativeCausalLM(cfg, w, batch_invariant=True)
+
+
+def random_head(kind: str, *, hidden: int, vocab: int, draft_vocab: int, taps: tuple[int, ...] = (1,), heads: int = 2,
+                kv_heads: int = 1, head_dim: int = 8, inter: int = 32, depth: int = 3, seed: int = 0, scale: float = 0.3):
+    """A randomly initialised draft head of ``kind`` (EAGLE-3 reads every tap, the others the final
+    hidden state) with a random sorted draft vocabulary of ``draft_vocab`` target ids."""
+    from specdec.heads.modules import HeadConfig, build
+
+    torch.manual_seed(seed)
+    inputs = tuple(range(len(taps))) + (len(taps),) if kind == "eagle3" else (len(taps),)
+    cfg = HeadConfig(kind=kind, hidden_size=hidden, n_heads=heads, n_kv_heads=kv_heads, head_dim=head_dim,
+                     intermediate_size=inter, target_vocab=vocab, draft_vocab=draft_vocab, taps=taps, inputs=inputs,
+                     depth=depth)
+    head = build(cfg)
+    g = torch.Generator().manual_seed(seed)
+    with torch.no_grad():
+        head.d2t.copy_(torch.randperm(vocab, generator=g)[:draft_vocab].sort().values)
+        for p in head.parameters():
+            if p.dim() > 1:
+                p.copy_(torch.randn(p.shape, generator=g) * scale)
+    return head.eval()

@@ -272,6 +272,9 @@ def _cmd_models(args: argparse.Namespace) -> int:
     from specdec.drafters.self_spec import describe_families
 
     rows += describe_families()
+    from specdec.drafters.heads import describe_heads
+
+    rows += describe_heads()
     if args.json:
         print(json.dumps(rows, indent=2))
     else:

@@ -16,7 +16,8 @@ import torch
 from torch import Tensor
 
 from specdec import defaults
-from specdec.drafters.base import Draft, Drafter, DraftSampler
+from specdec.drafters.base import Draft, Drafter, DraftSampler, feature_taps
+from specdec.errors import ConfigError
 from specdec.drafters.tree_builder import TreeSpec
 from specdec.gamma import FixedGamma, GammaController
 from specdec.models.base import LanguageModel
@@ -139,8 +140,14 @@ class SpeculativeDecoder:
         prompt_t = torch.as_tensor(prompt, dtype=torch.long).reshape(-1)
         seed = cfg.seed if cfg.seed is not None else _fresh_seed()
         started = time.perf_counter()
+        taps = feature_taps(self.drafter)
         if verifier is None:
-            verifier = TargetSession(self.target, prompt_t, cfg, rule, seed=seed)
+            verifier = TargetSession(self.target, prompt_t, cfg, rule, seed=seed, feature_taps=taps)
+        elif taps is not None and getattr(verifier, "feature_taps", None) != taps:
+            raise ConfigError(
+                f"drafter {self.drafter_name!r} reads the target's hidden states, which this verifier does not provide"
+                " (a remote target sends none over the wire): run it locally, or draft with a model or ngram"
+            )
         n_prompt = prompt_t.numel()
         max_new = min(cfg.max_new_tokens, verifier.max_length - n_prompt - 1)
         draft_gen = torch.Generator().manual_seed(seed + defaults.DRAFT_SEED_OFFSET)
@@ -149,6 +156,8 @@ class SpeculativeDecoder:
         drafter = self.drafter
         if drafter is not None:
             drafter.prepare(prompt_t)
+            if taps is not None:
+                drafter.add_features(verifier.prompt_features)  # type: ignore[attr-defined]
         prefill_s = time.perf_counter() - started
 
         generated: list[int] = []
@@ -184,6 +193,8 @@ class SpeculativeDecoder:
             verdict = outcome.verdict
             if drafter is not None and g > 0:
                 drafter.commit(verdict)
+            if taps is not None:  # every round, drafted or not: the features of what was committed
+                drafter.add_features(outcome.features)  # type: ignore[union-attr]
             new = verdict.tokens.tolist()[:remaining]
             for i, tok in enumerate(new):
                 if tok in self.eos_ids:

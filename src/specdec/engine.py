@@ -16,7 +16,7 @@ from specdec import defaults
 from specdec.decoder import GenerationResult, SpeculativeDecoder
 from specdec.drafters import ModelDrafter, NgramDrafter
 from specdec.drafters import self_spec
-from specdec.drafters.base import Drafter
+from specdec.drafters.base import Drafter, feature_taps
 from specdec.errors import ConfigError
 from specdec.drafters.tree_builder import TreeSpec
 from specdec.gamma import CostGamma, FixedGamma, GammaController, GuideGamma, TreeBudget
@@ -193,6 +193,9 @@ class Engine:
     @classmethod
     def build(cls, cfg: EngineConfig, *, progress: Callable[[str], None] | None = None) -> "Engine":
         dtype, quant = target_dtype(cfg)
+        from specdec.drafters import heads
+
+        head = heads.resolve_head(cfg.draft)  # a missing shipped head fails before the target loads
         if progress:
             progress(f"loading target {cfg.target}" + (f" ({quant})" if quant else ""))
         target = load(cfg.target, backend=cfg.backend, dtype=dtype, batch_invariant=cfg.batch_invariant, quant=quant)
@@ -206,6 +209,13 @@ class Engine:
         if self_spec.parse_name(kind) is not None:  # a view of the target: no second model is loaded
             drafter, label = self_spec.build(cfg.draft, target.model, target.name)
             return cls(target, drafter, label)
+        if head is not None:  # a target-aware head (EAGLE, Medusa, MTP): reads the target's features
+            if progress:
+                progress(f"loading draft head {cfg.draft}")
+            label = cfg.draft.strip().lower() if cfg.draft.strip().lower() in heads.HEADS else None
+            drafter, name = heads.build(head, target.model, label=label, int8_head=draft_int8_head(cfg),
+                                        dtype=draft_dtype(cfg))
+            return cls(target, drafter, name)
         if progress:
             progress(f"loading draft {cfg.draft}")
         draft = load_draft(cfg)
@@ -268,7 +278,8 @@ class Engine:
         if logprobs is not None:  # the decoder and the session must share the seed
             if sampling.seed is None:
                 sampling = replace(sampling, seed=int.from_bytes(os.urandom(6), "little"))
-            session = TargetSession(self.target.model, ids, sampling, rule, seed=int(sampling.seed), logprobs=logprobs)
+            session = TargetSession(self.target.model, ids, sampling, rule, seed=int(sampling.seed), logprobs=logprobs,
+                                    feature_taps=feature_taps(self.drafter))
         result = decoder.generate(ids, sampling, stop=stop, on_tokens=sink.push, verifier=session)
         text = sink.finish(result.tokens)
         lps = session.emitted_logprobs[: len(result.tokens)] if session is not None else None

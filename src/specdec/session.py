@@ -44,6 +44,9 @@ class Outcome:
     target_s: float  # the target forward pass (for a remote target: the whole round trip)
     verify_s: float  # processing + rule + bookkeeping
     metrics: dict = field(default_factory=dict)  # extra figures (bytes, rtt, ...) from remote verifiers
+    #: the target's features at the positions this round fed and kept (``[pending] + accepted``),
+    #: ``[k, len(taps) + 1, D]`` rows (taps..., final hidden state); None unless requested
+    features: Tensor | None = None
 
 
 class Verifier(Protocol):
@@ -60,6 +63,20 @@ class Verifier(Protocol):
     def verify(self, draft: Draft) -> Outcome: ...
 
     def close(self) -> None: ...
+
+
+def check_features(model: LanguageModel, taps: tuple[int, ...] | None) -> None:
+    """Raise a clear error when ``model`` cannot hand out the features ``taps`` asks for."""
+    if taps is None:
+        return
+    if getattr(model, "forward_features", None) is None:
+        raise ConfigError(
+            "this drafter reads the target's hidden states, which this target backend does not expose"
+            " (use the native backend: a Llama / Qwen2 target with --backend native or auto)"
+        )
+    n_layers = getattr(getattr(model, "cfg", None), "n_layers", None)
+    if n_layers is not None and any(not 0 <= k <= n_layers for k in taps):
+        raise ConfigError(f"the drafter reads layers {list(taps)} but the target has {n_layers} layers")
 
 
 def check_rule(rule: Rule, cfg: SamplingConfig) -> None:
@@ -82,8 +99,14 @@ class TargetSession:
         seed: int,
         max_new_tokens: int | None = None,
         logprobs: int | None = None,
+        feature_taps: tuple[int, ...] | None = None,
     ) -> None:
+        """``feature_taps`` (target-aware drafters): record the target's features — the residual
+        stream after each of these layer counts, then the final hidden state — at every position
+        the target commits: :attr:`prompt_features` after the prefill, :attr:`Outcome.features`
+        after each round.  Logits and tokens are unchanged (the features are a side output)."""
         check_rule(rule, cfg)
+        check_features(model, feature_taps)
         prompt_t = torch.as_tensor(prompt, dtype=torch.long).reshape(-1)
         n = prompt_t.numel()
         if n == 0:
@@ -108,8 +131,17 @@ class TargetSession:
         # room for a token tree's extra branches beyond the context's own capacity
         self.cache = model.new_cache(min(model.max_length, capacity + defaults.MAX_TREE_NODES))
         self._tree_rule: TreeRule | None = None
+        self.feature_taps = tuple(feature_taps) if feature_taps is not None else None
+        #: [L-1, len(taps) + 1, D] the prompt's features (every prompt position but the last), or None
+        self.prompt_features: Tensor | None = None
         started = time.perf_counter()
-        if n > 1:
+        if self.feature_taps is not None:
+            if n > 1:
+                _, self.prompt_features = model.forward_features(prompt_t[:-1], self.cache, self.feature_taps, last_only=True)
+            else:
+                width = int(getattr(getattr(model, "cfg", None), "hidden_size", 0) or getattr(model, "hidden_size", 0))
+                self.prompt_features = torch.zeros(0, len(self.feature_taps) + 1, width)
+        elif n > 1:
             model.forward(prompt_t[:-1], self.cache, last_only=True)
         self.prefill_s = time.perf_counter() - started
 
@@ -141,9 +173,13 @@ class TargetSession:
         t0 = time.perf_counter()
         base = self.cache.length
         feed = torch.cat([self._ctx[self._n - 1 : self._n], draft.tokens])  # [γ+1]
-        logits = draft.reuse.forward(self.model, feed, self.cache) if draft.reuse is not None else None
-        if logits is None:
-            logits = self.model.forward(feed, self.cache)  # [γ+1, V]
+        feats: Tensor | None = None
+        if self.feature_taps is not None:
+            logits, feats = self.model.forward_features(feed, self.cache, self.feature_taps)  # [γ+1, V], [γ+1, R, D]
+        else:
+            logits = draft.reuse.forward(self.model, feed, self.cache) if draft.reuse is not None else None
+            if logits is None:
+                logits = self.model.forward(feed, self.cache)  # [γ+1, V]
         t1 = time.perf_counter()
         cfg, rule = self.cfg, self.rule
         if rule.needs_target_probs:
@@ -165,7 +201,8 @@ class TargetSession:
         self._n += k
         if self.penalties is not None:
             self.penalties.append(verdict.tokens)
-        return Outcome(verdict=verdict, target_s=t1 - t0, verify_s=time.perf_counter() - t1)
+        kept = feats[: 1 + verdict.num_accepted] if feats is not None else None
+        return Outcome(verdict=verdict, target_s=t1 - t0, verify_s=time.perf_counter() - t1, features=kept)
 
     def _verify_tree(self, draft: Draft, *, max_tokens: int | None = None) -> Outcome:
         """One tree round: score ``[last committed] + nodes`` with tree attention, keep one path.
@@ -190,7 +227,12 @@ class TargetSession:
         if self._n + depth + 1 > self._ctx.numel() or base + n + 1 > getattr(self.cache, "max_length", base + n + 1):
             raise ContextLengthError(f"the sequence would exceed its context of {self._ctx.numel()} tokens")
         t0 = time.perf_counter()
-        logits = forward_tree(torch.cat([self._ctx[self._n - 1 : self._n], tokens]), with_root(parents), self.cache)  # [N+1, V]
+        feed = torch.cat([self._ctx[self._n - 1 : self._n], tokens])  # [N+1]
+        feats: Tensor | None = None
+        if self.feature_taps is not None:
+            logits, feats = self.model.forward_features(feed, self.cache, self.feature_taps, parents=with_root(parents))
+        else:
+            logits = forward_tree(feed, with_root(parents), self.cache)  # [N+1, V]
         t1 = time.perf_counter()
         scores = tree_scores(logits, self.cfg, self.penalties, tokens, parents, probs=rule.needs_target_probs)
         extra: dict[str, object] = {}
@@ -212,7 +254,8 @@ class TargetSession:
         self._n += k
         if self.penalties is not None:
             self.penalties.append(verdict.tokens)
-        return Outcome(verdict=verdict, target_s=t1 - t0, verify_s=time.perf_counter() - t1, metrics={"tree_nodes": n})
+        return Outcome(verdict=verdict, target_s=t1 - t0, verify_s=time.perf_counter() - t1, metrics={"tree_nodes": n},
+                       features=feats[keep] if feats is not None else None)
 
     def close(self) -> None:
         pass

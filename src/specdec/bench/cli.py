@@ -87,6 +87,7 @@ def run(args: argparse.Namespace, argv: list[str] | None = None) -> int:
         raise ConfigError("--max-new-tokens and --repeats must be >= 1")
     rtts, wires = _network_args(args, temps)
     llamacpp = _llamacpp_args(args)
+    from specdec.drafters.heads import resolve_head
     from specdec.drafters.self_spec import parse_name
 
     if parse_name(args.draft) is not None:  # a view of the target: there is no draft model to run alone
@@ -94,6 +95,11 @@ def run(args: argparse.Namespace, argv: list[str] | None = None) -> int:
         if bad:
             raise ConfigError(f"--draft {args.draft} is a self-speculative view of the target: modes {', '.join(bad)} "
                               "need a separate draft model (use --modes plain,speculative)")
+    elif resolve_head(args.draft) is not None:  # a head reads the target's hidden states: it never runs alone
+        bad = [m for m in _csv(args.modes) if m not in ("plain", "cloud_only", "speculative")]
+        if bad:
+            raise ConfigError(f"--draft {args.draft} is a draft head (it reads the target's hidden states): modes "
+                              f"{', '.join(bad)} need a separate draft model (use --modes plain,speculative)")
     prompts = workloads.load_jsonl(args.prompts) if args.prompts else list(workloads.BUILTIN)
     prompts = workloads.select(prompts, categories=_csv(args.categories) if args.categories else None, limit=args.limit)
     command = "specdec bench " + " ".join(shlex.quote(a) for a in (argv if argv is not None else sys.argv[2:]))

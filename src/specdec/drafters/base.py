@@ -174,3 +174,32 @@ class Drafter(Protocol):
     def reset(self) -> None:
         """Forget everything (a new sequence starts)."""
         ...
+
+
+class FeatureDrafter(Drafter, Protocol):
+    """A target-aware drafter (EAGLE, Medusa, MTP): it reads the target's hidden states.
+
+    It declares ``feature_taps`` (layer counts k: the residual stream after the target's first k
+    layers) and receives, through :meth:`add_features`, the target's features at every committed
+    position in order — rows ``(taps..., final hidden state)``, the layout ``specdec train data``
+    stores.  The verifier computes them in the passes it runs anyway (the prompt's prefill and
+    each verification pass), so drafters that do not declare taps pay nothing.
+    """
+
+    feature_taps: tuple[int, ...]
+
+    def add_features(self, features: Tensor) -> None:
+        """``features`` [k, len(feature_taps) + 1, D]: the next k committed positions' features.
+
+        Called after :meth:`prepare` with the prompt's positions but its last (whose feature the
+        first verification pass computes), then after every round (after :meth:`commit`) with
+        the positions that round fed and kept: the pending token and the accepted draft tokens.
+        The newest committed token never has a feature yet.
+        """
+        ...
+
+
+def feature_taps(drafter: object) -> tuple[int, ...] | None:
+    """The taps a drafter asks for, or None for drafters that read no target features."""
+    taps = getattr(drafter, "feature_taps", None)
+    return tuple(taps) if taps is not None else None

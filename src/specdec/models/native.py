@@ -330,8 +330,8 @@ class NativeCausalLM:
 
         ``taps`` (target-aware drafters: EAGLE, Medusa, MTP): a dict whose keys are layer counts
         k in 0..L; each value is set to the residual stream after the first k layers ([n, D];
-        k = 0 is the embedding, Hugging Face's ``hidden_states[k]``).  The Python loop runs then,
-        bitwise the same as the compiled one.
+        k = 0 is the embedding, Hugging Face's ``hidden_states[k]``).  The compiled layer loop
+        records them too (bitwise the Python loop's values).
 
         ``parents`` [n] (a token tree, see :mod:`specdec.tree`): node j sits at position
         ``start + depth(j)`` and attends to the cache and its own ancestors only.
@@ -363,10 +363,10 @@ class NativeCausalLM:
             mask = torch.full((n, end), -math.inf, dtype=x.dtype).triu_(start + 1)  # [n, T]
         if taps is not None and 0 in taps:
             taps[0] = x
-        if self.scripted is not None and not taps:  # the same ops from TorchScript (bitwise this loop's result)
+        if self.scripted is not None:  # the same ops from TorchScript (bitwise this loop's result)
             if self.batch_invariant:
-                return self.scripted(x, cos, sin, cache, start, cfg, self._eps, tree=tree)
-            return self.scripted(x, cos, sin, cache, start, cfg, self._eps, mask=mask)
+                return self.scripted(x, cos, sin, cache, start, cfg, self._eps, tree=tree, taps=taps)
+            return self.scripted(x, cos, sin, cache, start, cfg, self._eps, mask=mask, taps=taps)
         qk_size = self._q_size + self._kv_size
         for li, layer in enumerate(self.layers):
             qkv = layer.qkv.scaled(x, self._inv_rms(x))  # [n, (H + 2 Hkv) d]
@@ -404,6 +404,20 @@ class NativeCausalLM:
         if last_only:
             h = h[-1:]
         return self.lm_head(h).float()
+
+    @torch.inference_mode()
+    def forward_features(
+        self, tokens: Tensor, cache: KVCache, taps: Sequence[int], *, last_only: bool = False,
+        parents: Tensor | None = None, prefix: int | None = None,
+    ) -> tuple[Tensor, Tensor]:  # tokens: [n] -> (logits [n|1, V], features [n, len(taps) + 1, D])
+        """:meth:`forward` (or, with ``parents``, :meth:`forward_tree`) plus the features a
+        target-aware drafter reads: per position, the residual stream after each of ``taps``
+        layers, then the final hidden state (the LM head's input), stacked as ``specdec train
+        data`` stores them.  The logits are bitwise those of the plain pass."""
+        found: dict[int, Tensor] = {k: x for k, x in ((k, torch.empty(0)) for k in taps)}
+        h = self.hidden(tokens, cache, parents=parents, prefix=prefix, taps=found)  # [n, D]
+        feats = torch.stack([found[k] for k in taps] + [h], dim=1)  # [n, R, D]
+        return self.lm_head(h[-1:] if last_only else h).float(), feats
 
     @torch.inference_mode()
     def forward_batch(self, items: list[tuple[Tensor, KVCache, bool]]) -> list[Tensor]:

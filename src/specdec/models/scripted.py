@@ -19,7 +19,7 @@ fast mode's one masked attention call (a prefill, a draft's tree pass).  Layer s
 from __future__ import annotations
 
 import warnings
-from typing import Dict, List, Optional
+from typing import Dict, List, Optional, Tuple
 
 import torch
 import torch.nn.functional as F
@@ -120,8 +120,12 @@ def _layers(
     tree_start: int,  # first slot of a token tree's region (exact tree attention), else -1
     tree_steps: List[List[int]],  # per visited node: [row, attended length, slot, node, ...]
     tree_perm: Optional[Tensor],  # [n] visited rows -> node order
-) -> Tensor:  # the LM head's input [n, D]
+    taps: List[int],  # layer counts whose residual stream is returned (target-aware drafters)
+) -> Tuple[Tensor, List[Tensor]]:  # (the LM head's input [n, D], residual stream [n, D] per tap)
     n = x.shape[0]
+    tapped: List[Tensor] = []
+    if 0 in taps:
+        tapped.append(x)
     end = start + n
     hq, hk, d = n_heads, n_kv_heads, head_dim
     width = x.shape[1]
@@ -167,7 +171,9 @@ def _layers(
         gate_up = _linear(lin + 2, x, _inv_rms(x, eps, width), kinds, q8, staging, reduce_range, chunks, bounds, dense, bias, smooth)
         gate, up = gate_up.chunk(2, -1)
         x = x + _linear(lin + 3, F.silu(gate) * up, None, kinds, q8, staging, reduce_range, chunks, bounds, dense, bias, smooth)
-    return x * _inv_rms(x, eps, width)
+        if li + 1 in taps:
+            tapped.append(x)
+    return x * _inv_rms(x, eps, width), tapped
 
 
 _compiled = None
@@ -238,17 +244,24 @@ class ScriptedLayers:
 
     def __call__(
         self, x: Tensor, cos: Tensor, sin: Tensor, cache, start: int, cfg, eps: Tensor, *,
-        mask: Tensor | None = None, tree=None,
+        mask: Tensor | None = None, tree=None, taps: dict[int, Tensor] | None = None,
     ) -> Tensor:
         """``mask``: fast-mode attention (one masked call per layer); ``tree``: a
-        ``native._TreeLayout`` for exact per-node tree attention; neither: per-row attention."""
+        ``native._TreeLayout`` for exact per-node tree attention; neither: per-row attention.
+        ``taps`` (layer count -> filled with the residual stream after that many layers, [n, D])
+        as in :meth:`NativeCausalLM.hidden`."""
         self._ensure(x.shape[0])
         tree_start, steps, perm = -1, [], None
         if tree is not None:
             steps, perm = tree.scripted_steps()
             tree_start = tree.start
-        return self.fn(
+        wanted = [k for k in sorted(taps) if 0 <= k <= len(self.kinds) // 4] if taps else []
+        out, tapped = self.fn(
             x, cos, sin, cache.k, cache.v, start, cfg.n_heads, cfg.n_kv_heads, cfg.head_dim, eps,
             self.kinds, self.q8, self.staging, self.reduce_range, self.chunks, self.bounds, self.dense, self.bias,
-            self.smooth, mask, tree_start, steps, perm,
+            self.smooth, mask, tree_start, steps, perm, wanted,
         )
+        if taps:
+            for k, t in zip(wanted, tapped):
+                taps[k] = t
+        return out

@@ -56,6 +56,11 @@ class ToyLM:
             table = torch.randn((vocab_size + 1) ** order, vocab_size, generator=gen, dtype=dtype) * scale
         self.table = table  # [(V+1)^order, V]
         self.calls = 0
+        #: width of the toy "hidden states" (:meth:`forward_features`) and token embeddings
+        self.hidden_size = 16
+        self._feature_tables: dict[int, Tensor] = {}
+        self._embed: Tensor | None = None
+        self._rows: list[int] = []  # Markov-state rows of the last forward's positions
 
     def perturbed(self, strength: float = 0.7, *, seed: int = 1) -> "ToyLM":
         """A related model: the same table plus seeded noise of the given strength."""
@@ -85,6 +90,7 @@ class ToyLM:
             cache.tokens.append(int(t))
             rows.append(self._row(cache.tokens))
         cache.length = len(cache.tokens)
+        self._rows = rows
         out = self.table[torch.tensor(rows)]  # [n, V]
         return out[-1:] if last_only else out
 
@@ -99,4 +105,34 @@ class ToyLM:
             rows.append(self._row(before + [toks[i] for i in p]))
         cache.tokens.extend(tokens.tolist())
         cache.length = len(cache.tokens)
+        self._rows = rows
         return self.table[torch.tensor(rows, dtype=torch.long)]
+
+    # ------------------------------------------------------------------ toy features
+    # Target-aware drafters read "hidden states"; here a feature is a seeded random vector per
+    # Markov state (so it is a function of the context, as a real hidden state is), one per
+    # requested tap plus the "final" row, and the embeddings are a seeded random table.
+
+    @property
+    def embed(self) -> Tensor:  # [V, D] float32
+        if self._embed is None:
+            gen = torch.Generator().manual_seed(4242)
+            self._embed = torch.randn(self.vocab_size, self.hidden_size, generator=gen)
+        return self._embed
+
+    def _features(self, rows: list[int], width: int) -> Tensor:  # -> [n, width, D] float32
+        table = self._feature_tables.get(width)
+        if table is None:
+            gen = torch.Generator().manual_seed(777 + width)
+            table = torch.randn(self.table.shape[0], width, self.hidden_size, generator=gen)
+            self._feature_tables[width] = table
+        return table[torch.tensor(rows, dtype=torch.long)]
+
+    def forward_features(self, tokens: Tensor, cache: ToyCache, taps: tuple[int, ...], *, last_only: bool = False,
+                         parents: Tensor | None = None, prefix: int | None = None) -> tuple[Tensor, Tensor]:
+        """Logits as :meth:`forward` / :meth:`forward_tree` and toy features ``[n, len(taps)+1, D]``."""
+        if parents is not None:
+            logits = self.forward_tree(tokens, parents, cache, prefix=prefix)
+        else:
+            logits = self.forward(tokens, cache, last_only=last_only)
+        return logits, self._features(self._rows, len(taps) + 1)

@@ -106,6 +106,11 @@ def run_generate(args: argparse.Namespace, prompt: str, sampling: SamplingConfig
         name = kind
     elif kind == "self":
         raise ConfigError("--draft self needs the target here; with --remote pick a draft model, ngram or none")
+    elif _is_head(args.draft):
+        raise ConfigError(
+            f"--draft {args.draft} reads the target's hidden states, which a remote target does not send;"
+            " with --remote pick a draft model, ngram or none"
+        )
     else:
         log(f"loading draft {args.draft}")
         cfg = EngineConfig(draft=args.draft, backend=args.backend, dtype=args.dtype, draft_dtype=args.draft_dtype)
@@ -142,3 +147,15 @@ def run_generate(args: argparse.Namespace, prompt: str, sampling: SamplingConfig
 
 
 __all__ = ["add_remote_args", "run_generate", "SpecdecError"]
+
+
+def _is_head(ref: str) -> bool:
+    """A draft head (EAGLE / Medusa / MTP): a registry name or a head folder."""
+    from specdec.drafters.heads import HEADS, resolve_head
+
+    if ref.strip().lower() in HEADS:
+        return True
+    try:
+        return resolve_head(ref) is not None
+    except ConfigError:
+        return True

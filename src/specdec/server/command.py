@@ -166,6 +166,13 @@ def settings_from_args(args: argparse.Namespace) -> dict[str, Any]:
     if not getattr(args, "replica_cpus", 1.0) > 0:
         raise ConfigError(f"replica CPUs must be > 0, got {args.replica_cpus}")
     ServerSettings(**settings_kw)  # check the limits before loading models
+    from specdec.drafters.heads import resolve_head
+
+    if not args.no_batching and resolve_head(args.draft) is not None:
+        raise ConfigError(
+            f"draft {args.draft!r} reads the target's hidden states, which the batching scheduler does not hand out;"
+            " serve it with --no-batching"
+        )
     return settings_kw
 
 

@@ -33,6 +33,7 @@ import torch
 from torch import Tensor
 
 from specdec import defaults
+from specdec.errors import ConfigError
 from specdec.server.served import ServedModel
 
 
@@ -220,6 +221,10 @@ class BatchedModel(ServedModel):
 
     def forward(self, tokens: Tensor, cache: Any, *, last_only: bool = False) -> Tensor:  # tokens: [n]
         return self.scheduler.forward(tokens, cache, last_only=last_only)
+
+    def forward_features(self, *args: Any, **kw: Any) -> Any:
+        """Batched passes return logits only: target-aware drafters need the serialised server."""
+        raise ConfigError("this drafter reads the target's hidden states; serve it with --no-batching")
 
 
 class SchedulerMetrics:

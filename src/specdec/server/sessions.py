@@ -67,6 +67,14 @@ class SerializedModel(ServedModel):
             return fn(tokens, parents, cache, prefix=prefix)
 
 
+    def forward_features(self, tokens: Tensor, cache: Any, taps: Any, **kw: Any) -> tuple[Tensor, Tensor]:
+        fn = getattr(self.inner, "forward_features", None)
+        if fn is None:
+            raise ConfigError("this drafter reads the target's hidden states, which this target backend does not expose")
+        with self.lock:
+            return fn(tokens, cache, taps, **kw)
+
+
 def serialized(model: LanguageModel, lock: threading.Lock = FORWARD_LOCK, *, initial_length: int | None = None) -> LanguageModel:
     return model if isinstance(model, SerializedModel) else SerializedModel(model, lock, initial_length=initial_length)
 

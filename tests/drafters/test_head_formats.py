@@ -1,0 +1,164 @@
+"""Draft heads on disk: our format, and EAGLE-3 in the formats vLLM (speculators) and SGLang
+(EAGLE / SpecForge) users share, loaded into the same drafter; registry names; clear errors."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+import torch
+
+from specdec.drafters.heads import HEADS, build, drafter_for, is_head_folder, resolve_head
+from specdec.errors import ConfigError
+from specdec.heads.formats import SharedEagle3, load_eagle3, save_eagle3
+from specdec.heads.modules import save_head
+from tiny import random_head, tiny_native
+
+D, HEADS_N, KV, HD, INTER, V, VD = 32, 4, 2, 8, 48, 64, 20
+
+
+def _shared_checkpoint(folder, *, layout: str, seed: int = 0, bias: bool = False):
+    """A tiny randomly initialised EAGLE-3 checkpoint written by hand in a shared format."""
+    from safetensors.torch import save_file
+
+    g = torch.Generator().manual_seed(seed)
+    r = lambda *s: torch.randn(*s, generator=g) * 0.2  # noqa: E731
+    pre = "layers.0." if layout == "speculators" else "midlayer."
+    w = {"fc.weight": r(D, 3 * D), "norm.weight": 1 + r(D), "lm_head.weight": r(VD, D),
+         pre + "input_layernorm.weight": 1 + r(D), pre + "hidden_norm.weight": 1 + r(D),
+         pre + "post_attention_layernorm.weight": 1 + r(D),
+         pre + "self_attn.q_proj.weight": r(HEADS_N * HD, 2 * D), pre + "self_attn.k_proj.weight": r(KV * HD, 2 * D),
+         pre + "self_attn.v_proj.weight": r(KV * HD, 2 * D), pre + "self_attn.o_proj.weight": r(D, HEADS_N * HD),
+         pre + "mlp.gate_proj.weight": r(INTER, D), pre + "mlp.up_proj.weight": r(INTER, D), pre + "mlp.down_proj.weight": r(D, INTER)}
+    if bias:
+        w["fc.bias"] = r(D)
+    ids = torch.randperm(V, generator=g)[:VD].sort().values
+    w["d2t"] = ids - torch.arange(VD)  # offsets
+    t2d = torch.zeros(V, dtype=torch.bool)
+    t2d[ids] = True
+    w["t2d"] = t2d
+    layer = {"model_type": "llama", "hidden_size": D, "num_attention_heads": HEADS_N, "num_key_value_heads": KV,
+             "intermediate_size": INTER, "rms_norm_eps": 1e-6, "rope_theta": 10000.0, "vocab_size": V}
+    if layout == "speculators":
+        cfg = {"architectures": ["Eagle3Speculator"], "speculators_model_type": "eagle3", "transformer_layer_config": layer,
+               "draft_vocab_size": VD, "norm_before_residual": False, "eagle_aux_hidden_state_layer_ids": [0, 1, 2]}
+    else:
+        cfg = layer | {"architectures": ["LlamaForCausalLMEagle3"], "draft_vocab_size": VD}
+    folder.mkdir(parents=True, exist_ok=True)
+    (folder / "config.json").write_text(json.dumps(cfg))
+    save_file(w, str(folder / "model.safetensors"))
+    return w, ids
+
+
+def _reference_logits(w, layout, feats, emb):
+    """The shared format's EAGLE-3 step written out from its tensors: fc over raw taps, the layer
+    on [rms(e) * g_in; rms(h) * g_h], residual h, final norm, draft head (one row, no cache)."""
+    pre = "layers.0." if layout == "speculators" else "midlayer."
+    rms = lambda x, g: x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + 1e-6) * g  # noqa: E731
+    h = feats.flatten() @ w["fc.weight"].T + w.get("fc.bias", 0)
+    x = torch.cat([rms(emb, w[pre + "input_layernorm.weight"]), rms(h, w[pre + "hidden_norm.weight"])])
+    v = x @ w[pre + "self_attn.v_proj.weight"].T  # one position: attention returns v (per kv head)
+    attn = v.view(KV, HD).repeat_interleave(HEADS_N // KV, 0).flatten() @ w[pre + "self_attn.o_proj.weight"].T
+    y = h + attn
+    z = rms(y, w[pre + "post_attention_layernorm.weight"])
+    y = y + (torch.nn.functional.silu(z @ w[pre + "mlp.gate_proj.weight"].T) * (z @ w[pre + "mlp.up_proj.weight"].T)) @ w[pre + "mlp.down_proj.weight"].T
+    return rms(y, w["norm.weight"]) @ w["lm_head.weight"].T
+
+
+@pytest.mark.parametrize(("layout", "bias"), [("speculators", False), ("eagle", False), ("speculators", True)])
+def test_shared_eagle3_checkpoints_load_and_compute_their_function(tmp_path, layout, bias):
+    w, ids = _shared_checkpoint(tmp_path / "h", layout=layout, bias=bias)
+    assert is_head_folder(tmp_path / "h")
+    head = load_eagle3(tmp_path / "h", target_layers=30)
+    assert isinstance(head, SharedEagle3) and torch.equal(head.d2t, ids)  # offsets -> target ids
+    # the config's tap list, else vLLM's default for a 30-layer target
+    assert head.cfg.taps == ((0, 1, 2) if layout == "speculators" else (2, 15, 27))
+    feats = torch.randn(3, D, generator=torch.Generator().manual_seed(1))
+    emb = torch.randn(D, generator=torch.Generator().manual_seed(2))
+    with torch.no_grad():
+        g = head.fuse(feats[None, None])
+        a, r = head.layer_input(g, emb[None, None])
+        from specdec.heads.modules import rope_tables
+
+        cos, sin = rope_tables(torch.tensor([0]), HD, 10000.0)
+        q, k, v = head.layer.attn.project(a, cos, sin)
+        o = head.layer.finish(r, head.layer.attn.attend(q, k, v, None))
+        got = head.logits(o)[0, 0]
+    torch.testing.assert_close(got, _reference_logits(w, layout, feats, emb), rtol=1e-4, atol=1e-4)
+
+
+def test_our_eagle3_round_trips_through_the_shared_format(tmp_path):
+    head = random_head("eagle3", hidden=D, vocab=V, draft_vocab=VD, taps=(0, 1, 2), heads=HEADS_N, kv_heads=KV,
+                       head_dim=HD, inter=INTER)
+    from specdec.heads.modules import HeadConfig, build
+
+    cfg = HeadConfig(**{**head.cfg.__dict__, "inputs": (0, 1, 2)})  # EAGLE-3 proper: the three taps only
+    ours = build(cfg)
+    ours.load_state_dict({k: v for k, v in head.state_dict().items() if k != "fc.weight"} | {"fc.weight": torch.randn(D, 3 * D)})
+    for layout in ("speculators", "eagle"):
+        save_eagle3(ours, tmp_path / layout, layout=layout, dtype=torch.float32)
+        raw = json.loads((tmp_path / layout / "config.json").read_text())
+        assert raw["specdec_fuse"] == "rms" and raw["draft_vocab_size"] == VD
+        back = load_eagle3(tmp_path / layout)
+        assert type(back).__name__ == "Eagle" and back.cfg.taps == (0, 1, 2)
+        for (k1, v1), (k2, v2) in zip(sorted(ours.state_dict().items()), sorted(back.state_dict().items())):
+            assert k1 == k2 and torch.equal(v1, v2), k1
+    # a shared head saved again keeps its own fusion (no rms flag)
+    _shared_checkpoint(tmp_path / "theirs", layout="speculators")
+    shared = load_eagle3(tmp_path / "theirs")
+    save_eagle3(shared, tmp_path / "again", dtype=torch.float32)
+    assert "specdec_fuse" not in json.loads((tmp_path / "again" / "config.json").read_text())
+    again = load_eagle3(tmp_path / "again")
+    assert all(torch.equal(a, b) for a, b in zip(shared.state_dict().values(), again.state_dict().values()))
+
+
+def test_heads_load_as_draft_folders_and_decode(tmp_path):
+    from specdec.decoder import SpeculativeDecoder
+    from specdec.gamma import FixedGamma
+    from specdec.sampling import SamplingConfig
+    from specdec.verify import get_rule
+
+    native = tiny_native()
+    _shared_checkpoint(tmp_path / "shared", layout="speculators")
+    save_head(random_head("medusa", hidden=D, vocab=V, draft_vocab=VD), tmp_path / "medusa", dtype=torch.float32)
+    save_head(random_head("mtp", hidden=D, vocab=V, draft_vocab=VD), tmp_path / "mtp", dtype=torch.float32)
+    plain = SpeculativeDecoder(native, None, get_rule("greedy")).generate([1, 2, 3], SamplingConfig(temperature=0.0, max_new_tokens=12))
+    fast = dict(int8_head=True, dtype=torch.bfloat16)  # what the engine uses on CPUs with int8 / bf16 engines
+    for name, opts in (("shared", {}), ("medusa", {}), ("shared", fast), ("medusa", fast), ("mtp", fast)):
+        ref = resolve_head(str(tmp_path / name))
+        assert ref is not None
+        drafter, label = build(ref, native, **opts)
+        assert label == name
+        out = SpeculativeDecoder(native, drafter, get_rule("greedy"), gamma=FixedGamma(3)).generate(
+            [1, 2, 3], SamplingConfig(temperature=0.0, max_new_tokens=12))
+        assert out.tokens == plain.tokens and out.stats.draft_tokens_proposed > 0
+    assert resolve_head(str(tmp_path)) is None  # not a head folder: other loaders take it
+
+
+def test_registry_names_and_errors(tmp_path, monkeypatch):
+    import specdec.drafters.heads as heads
+
+    monkeypatch.setattr(heads, "heads_dir", lambda: tmp_path)
+    for name in HEADS:
+        with pytest.raises(ConfigError, match="not available"):
+            resolve_head(name)
+    save_head(random_head("mtp", hidden=D, vocab=V, draft_vocab=VD), tmp_path / "smollm2-135m-mtp", dtype=torch.float32)
+    assert resolve_head("smollm2-135m-mtp") == tmp_path / "smollm2-135m-mtp"
+    assert {r["name"]: r["status"] for r in heads.describe_heads()}["smollm2-135m-mtp"] == "bundled"
+    wrong = random_head("eagle1", hidden=16, vocab=V, draft_vocab=VD)
+    with pytest.raises(ConfigError, match="width"):
+        drafter_for(wrong, tiny_native().embed)
+    from specdec.models.toy import ToyLM
+
+    with pytest.raises(ConfigError, match="hidden states"):
+        from specdec.session import TargetSession
+        from specdec.sampling import SamplingConfig
+        from specdec.verify import get_rule
+
+        class NoFeatures:
+            vocab_size, max_length = 4, 100
+
+            def new_cache(self, n=None):
+                return ToyLM(4).new_cache()
+
+        TargetSession(NoFeatures(), [1, 2], SamplingConfig(temperature=0.0), get_rule("greedy"), seed=0, feature_taps=())

@@ -1,0 +1,77 @@
+"""Draft heads through the command line: --draft FOLDER on a tiny native target (greedy = plain),
+the registry names in `specdec models`, and one-line errors where features cannot reach the head."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+import torch
+
+from specdec.cli import main
+from specdec.heads.modules import save_head
+from tiny import make_tiny, random_head
+
+
+@pytest.fixture(scope="module")
+def folders(tmp_path_factory):
+    target = make_tiny(tmp_path_factory.mktemp("target"), seed=0, max_positions=64)
+    head = tmp_path_factory.mktemp("head")
+    save_head(random_head("eagle3", hidden=32, vocab=49152, draft_vocab=256, taps=(1, 2), heads=4, kv_heads=2,
+                          head_dim=8, inter=64), head, dtype=torch.float32)
+    return str(target), str(head)
+
+
+def _run(capsys, *argv):
+    code = main(list(argv))
+    out, err = capsys.readouterr()
+    return code, out, err
+
+
+def test_generate_with_a_head_folder_equals_plain_greedy(capsys, folders):
+    target, head = folders
+    common = ["generate", "-p", "def f(x):", "--target", target, "-n", "10", "--json", "-t", "0"]
+    code, out, err = _run(capsys, *common, "--draft", "none")
+    assert code == 0, err
+    plain = json.loads(out)["token_ids"]
+    for extra in ([], ["--tree", "8"]):
+        code, out, err = _run(capsys, *common, "--draft", head, "-g", "3", *extra)
+        assert code == 0, err
+        payload = json.loads(out)
+        assert payload["token_ids"] == plain and payload["stats"]["draft_tokens_proposed"] > 0
+
+
+def test_heads_are_listed_and_refused_where_features_cannot_go(capsys, folders):
+    target, head = folders
+    code, out, _ = _run(capsys, "models", "--json")
+    names = {r["name"] for r in json.loads(out)}
+    assert {"smollm2-135m-eagle3", "smollm2-135m-eagle1", "smollm2-135m-medusa", "smollm2-135m-mtp"} <= names
+    code, _, err = _run(capsys, "generate", "-p", "x", "--remote", "http://127.0.0.1:9", "--draft", head)
+    assert code == 2 and "does not send" in err and "Traceback" not in err
+    code, _, err = _run(capsys, "serve", "--target", target, "--draft", head, "--port", "0")
+    assert code == 2 and "--no-batching" in err
+    code, _, err = _run(capsys, "generate", "-p", "x", "--target", target, "--draft", head, "--backend", "hf", "-n", "2")
+    assert code == 2 and "hidden states" in err
+
+
+def test_serialised_server_runs_a_head(folders):
+    """`specdec serve --no-batching --draft HEAD`: OpenAI completions with the head = plain greedy."""
+    import httpx
+
+    from serverproc import ServerProcess
+    from specdec.engine import Engine, EngineConfig
+    from specdec.sampling import SamplingConfig
+
+    target, head = folders
+    key = "k-heads"
+    ref = Engine.build(EngineConfig(target=target, draft="none", dtype="float32")).generate(
+        "def f(x):", SamplingConfig(temperature=0.0, max_new_tokens=12))
+    with ServerProcess.cli("--target", target, "--draft", head, "--no-batching", "--dtype", "float32", "--api-key", key,
+                           "--gamma", "3") as srv:
+        with httpx.Client(base_url=srv.url, headers={"Authorization": f"Bearer {key}"}, timeout=60) as client:
+            model = client.get("/v1/models").json()["data"][0]["id"]
+            r = client.post("/v1/completions", json={"model": model, "prompt": "def f(x):", "max_tokens": 12, "temperature": 0})
+    assert r.status_code == 200, r.text
+    body = r.json()
+    assert body["choices"][0]["text"] == ref.text
+    assert body["specdec"]["draft_tokens_proposed"] > 0

@@ -1,0 +1,93 @@
+"""Target-aware drafters on the real SmolLM2-135M weights, with randomly initialised heads of the
+real shapes (EAGLE-3 on taps 2 / 15 / 27, a 2,048-token draft vocabulary): greedy speculative
+output equals plain greedy output token for token, chains and trees, and the features handed to
+the drafter are bitwise a teacher-forced pass over the committed sequence."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from specdec.decoder import SpeculativeDecoder
+from specdec.drafters.heads import drafter_for
+from specdec.drafters.tree_builder import TreeSpec
+from specdec.gamma import FixedGamma
+from specdec.sampling import SamplingConfig
+from specdec.text import encode_prompt
+from specdec.verify import get_rule
+from tiny import random_head
+
+pytestmark = pytest.mark.slow
+
+PROMPT = "Explain what a hash table is in two sentences."
+N_NEW = 20
+
+
+def _head(kind: str, target):
+    cfg = target.model.cfg
+    return random_head(kind, hidden=cfg.hidden_size, vocab=cfg.vocab_size, draft_vocab=2048, taps=(2, 15, 27),
+                       heads=cfg.n_heads, kv_heads=cfg.n_kv_heads, head_dim=cfg.head_dim, inter=256, depth=3,
+                       scale=0.02)
+
+
+@pytest.fixture(scope="module")
+def setup(smollm2):
+    target, _ = smollm2
+    ids = encode_prompt(target.tokenizer, PROMPT, chat=True)
+    cfg = SamplingConfig(temperature=0.0, max_new_tokens=N_NEW)
+    plain = SpeculativeDecoder(target.model, None, get_rule("greedy")).generate(ids, cfg).tokens
+    return target, ids, cfg, plain
+
+
+@pytest.mark.parametrize("kind", ["eagle1", "eagle3", "medusa", "mtp"])
+def test_greedy_with_heads_equals_plain_greedy(setup, kind):
+    target, ids, cfg, plain = setup
+    drafter = drafter_for(_head(kind, target), target.model.embed)
+    for tree in ([None, TreeSpec()] if kind != "mtp" else [None]):
+        dec = SpeculativeDecoder(target.model, drafter, get_rule("greedy"), gamma=FixedGamma(6 if tree else 3), tree=tree)
+        out = dec.generate(ids, cfg)
+        assert out.tokens == plain, (kind, tree)
+        assert out.stats.draft_tokens_proposed > 0 and (out.stats.tree_rounds > 0) == (tree is not None)
+
+
+def test_features_reach_the_drafter_as_a_teacher_forced_pass(setup):
+    target, ids, cfg, plain = setup
+    m = target.model
+    drafter = drafter_for(_head("eagle3", target), m.embed)
+    chunks = []
+    add = drafter.add_features
+    drafter.add_features = lambda f: (chunks.append(f), add(f))
+    out = SpeculativeDecoder(m, drafter, get_rule("greedy"), gamma=FixedGamma(6), tree=TreeSpec()).generate(ids, cfg)
+    seq = torch.tensor(ids + out.tokens)
+    taps = {k: torch.empty(0) for k in (2, 15, 27)}
+    final = m.hidden(seq[:-1], m.new_cache(256), taps=taps)
+    want = torch.stack([taps[2], taps[15], taps[27], final], dim=1)
+    assert torch.equal(torch.cat(chunks), want)
+
+
+@pytest.fixture(scope="module")
+def int8_target():
+    from specdec.models.linear import w8a8_available
+    from specdec.models.registry import load
+
+    if not w8a8_available():
+        pytest.skip("this torch build has no fbgemm int8 engine")
+    return load("smollm2-135m", quant="int8", batch_invariant=True)
+
+
+def test_int8_target_heads_greedy_equals_plain_and_features_are_bitwise(int8_target):
+    """The default target: int8, TorchScript layer loop (the taps are recorded inside it)."""
+    m = int8_target.model
+    ids = encode_prompt(int8_target.tokenizer, PROMPT, chat=True)
+    cfg = SamplingConfig(temperature=0.0, max_new_tokens=16)
+    plain = SpeculativeDecoder(m, None, get_rule("greedy")).generate(ids, cfg).tokens
+    drafter = drafter_for(_head("eagle3", int8_target), m.embed)
+    chunks = []
+    add = drafter.add_features
+    drafter.add_features = lambda f: (chunks.append(f), add(f))
+    out = SpeculativeDecoder(m, drafter, get_rule("greedy"), gamma=FixedGamma(3)).generate(ids, cfg)
+    assert out.tokens == plain
+    seq = torch.tensor(ids + out.tokens)
+    taps = {k: torch.empty(0) for k in (2, 15, 27)}
+    final = m.hidden(seq[:-1], m.new_cache(256), taps=taps)
+    assert torch.equal(torch.cat(chunks), torch.stack([taps[2], taps[15], taps[27], final], dim=1))
