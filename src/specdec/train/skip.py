@@ -73,6 +73,16 @@ class CostModel:
     def to_json(self) -> dict[str, float]:
         return {"attn": self.attn, "mlp": self.mlp, "fixed": self.fixed, "verify_slope": self.verify_slope}
 
+    @classmethod
+    def from_params(cls, cfg: Any, *, verify_slope: float = 0.12) -> "CostModel":
+        """Timing-free costs: each part's share of the weights a decoding step reads (decoding a
+        small model on a CPU is memory-bound), for a machine too busy to time (``--cost params``)."""
+        attn = (2 * cfg.n_heads + 2 * cfg.n_kv_heads) * cfg.head_dim * cfg.hidden_size
+        mlp = 3 * cfg.hidden_size * cfg.intermediate_size
+        head = cfg.vocab_size * cfg.hidden_size
+        total = cfg.n_layers * (attn + mlp) + head
+        return cls(attn=attn / total, mlp=mlp / total, fixed=head / total, verify_slope=verify_slope)
+
 
 def expected_speedup(alpha: float, c: float, cost: CostModel) -> tuple[float, int]:
     """``max_γ E[tokens per round] / (γ c + v(γ))`` and its γ (i.i.d. acceptance α)."""
@@ -218,11 +228,11 @@ def greedy_search(
         key = f"{kind}{i}"
         if key not in singles:
             plan = LayerPlan.skipping(n, {i} if kind == "attn" else set(), {i} if kind == "mlp" else set())
-            a0, a1 = acceptance(target, plan, data)
-            singles[key] = 0.5 * (a0 + a1)
+            res = score(target, plan, data, cost, evaluations + 1)
+            singles[key] = 0.5 * (res.alpha0 + res.alpha1)
             evaluations += 1
             if progress:
-                progress(f"alone {key}", score(target, plan, data, cost, evaluations))
+                progress(f"alone {key}", res)
     order = sorted(candidates, key=lambda c: (-singles[f"{c[0]}{c[1]}"], c[0], c[1]))
     best = base
     attn: set[int] = set()
