@@ -29,6 +29,9 @@ def add_parser(sub) -> None:  # noqa: ANN001 - argparse's subparsers action
     s.add_argument("--new-tokens", type=int, default=32, help="target continuation length per calibration prompt")
     s.add_argument("--max-steps", type=int, help="stop the inclusion phase after this many candidates (quick runs)")
     s.add_argument("--patience", type=int, default=8, help="stop adding after this many candidates in a row that do not pay")
+    s.add_argument("--rank", choices=("alone", "influence"), default="alone",
+                   help="order to try sub-layers in: by the acceptance each costs skipped alone (one evaluation "
+                   "each), or by block influence 1 - cos(in, out) from one pass (much cheaper)")
     s.add_argument("--cost", choices=("measure", "params"), default="measure",
                    help="sub-layer costs: timed on this machine, or each part's share of the weights (timing-free, "
                    "for a busy machine)")
@@ -113,16 +116,18 @@ def _skip(args: argparse.Namespace) -> int:
     print(f"[specdec] cost per target step: attention {cost.attn:.4f}, MLP {cost.mlp:.4f}, fixed {cost.fixed:.3f}; "
           f"verify(γ) = 1 + {cost.verify_slope:.3f} γ", file=sys.stderr)
     n = target.model.cfg.n_layers
-    bar = tqdm(total=2 * n + 2 * n, desc="skip search", unit="eval", leave=False)
+    bar = tqdm(total=(2 * n if args.rank == "alone" else 0) + 2 * n, desc="skip search", unit="eval", leave=False)
 
     def progress(what: str, best: skip.SearchResult) -> None:
         bar.update(1)
         bar.set_postfix_str(f"{what}: best ×{best.objective:.3f} (α0 {best.alpha0:.2f}, c {best.draft_cost:.2f})")
         state_path.write_text(json.dumps(state))
 
-    result = skip.greedy_search(target.model, data, cost, max_steps=args.max_steps, patience=args.patience, progress=progress, state=state)
+    result = skip.greedy_search(target.model, data, cost, max_steps=args.max_steps, patience=args.patience, progress=progress, state=state,
+                                rank=args.rank)
     bar.close()
-    skip.write_result(result, out, target=target.name, prompts=len(ids), new_tokens=args.new_tokens)
+    skip.write_result(result, out, target=target.name, prompts=len(ids), new_tokens=args.new_tokens, rank=args.rank,
+                      cost_source=args.cost, command="specdec " + " ".join(sys.argv[1:]))
     plan = result.plan
     print(f"[specdec] {out}: skip {len(plan.skip_attn)} attention + {len(plan.skip_mlp)} MLP sub-layers of {n} layers; "
           f"α0 {result.alpha0:.3f}, α1 {result.alpha1:.3f}, draft cost {result.draft_cost:.2f} step, expected "

@@ -17,7 +17,8 @@ calibration prompts.  This is a simpler, cheaper search with the same objective:
    verification cost), ``max_γ (1 − α^{γ+1}) / ((1 − α)(γ c + v(γ)))``, averaged over T = 0 and
    T = 1.
 5. **Greedy search**: every sub-layer is scored alone (how much skipping it costs in
-   acceptance), then sub-layers are added in that order, keeping each one that raises the
+   acceptance) — or, much cheaper, ranked by its block influence in one pass (Men et al. 2024,
+   *ShortGPT*) — then sub-layers are added in that order, keeping each one that raises the
    objective, until ``patience`` candidates in a row do not; a final pass tries removing each
    kept one.
 
@@ -203,6 +204,27 @@ def score(target: Any, plan: LayerPlan, data: Calibration, cost: CostModel, eval
     return SearchResult(plan, a0, a1, c, s0, s1, g0, g1, evaluations, cost)
 
 
+def influence(target: Any, data: Calibration) -> dict[str, float]:
+    """Each sub-layer's *block influence* (Men et al. 2024, *ShortGPT*, §3.1), in one full pass:
+    the mean over positions of ``1 − cos(x_in, x_out)`` between the residual stream entering and
+    leaving it.  A cheap stand-in for scoring every sub-layer alone (``rank="influence"``)."""
+    n = target.cfg.n_layers
+    sums = {f"{kind}{i}": 0.0 for kind in ("attn", "mlp") for i in range(n)}
+    count = 0
+    with torch.inference_mode():
+        for seq in data.sequences:
+            cache = target.new_cache(seq.numel())
+            cache.reserve(seq.numel())
+            x = target.embed_tokens(seq)  # [L, D]
+            for i in range(n):
+                for kind, step in (("attn", (i, True, False)), ("mlp", (i, False, True))):
+                    y = target.run_layers(x, cache, (step,), start=0)
+                    sums[f"{kind}{i}"] += float((1.0 - torch.cosine_similarity(x, y, dim=-1)).sum())
+                    x = y
+            count += seq.numel()
+    return {k: v / count for k, v in sums.items()}
+
+
 def greedy_search(
     target: Any,
     data: Calibration,
@@ -212,28 +234,39 @@ def greedy_search(
     patience: int = 8,
     progress: Callable[[str, SearchResult], None] | None = None,
     state: dict | None = None,
+    rank: str = "alone",
 ) -> SearchResult:
     """Importance-ordered greedy inclusion, then one removal pass (see the module docstring).
 
+    ``rank="alone"`` orders sub-layers by the acceptance each costs when skipped alone (one
+    evaluation each); ``rank="influence"`` by their block influence (:func:`influence`, one pass).
     ``state`` (a dict, e.g. loaded from a checkpoint) holds the per-sub-layer scores already
     computed and is updated in place, so an interrupted search resumes where it stopped.
     """
     n = target.cfg.n_layers
     state = state if state is not None else {}
-    singles: dict[str, float] = state.setdefault("singles", {})
     evaluations = 0
     base = score(target, LayerPlan.skipping(n, set(), set()), data, cost)
     candidates = [("attn", i) for i in range(n)] + [("mlp", i) for i in range(n)]
-    for kind, i in candidates:  # 1. each sub-layer alone
-        key = f"{kind}{i}"
-        if key not in singles:
-            plan = LayerPlan.skipping(n, {i} if kind == "attn" else set(), {i} if kind == "mlp" else set())
-            res = score(target, plan, data, cost, evaluations + 1)
-            singles[key] = 0.5 * (res.alpha0 + res.alpha1)
-            evaluations += 1
-            if progress:
-                progress(f"alone {key}", res)
-    order = sorted(candidates, key=lambda c: (-singles[f"{c[0]}{c[1]}"], c[0], c[1]))
+    if rank == "influence":
+        if "influence" not in state:
+            state["influence"] = influence(target, data)
+        importance = state["influence"]
+        order = sorted(candidates, key=lambda c: (importance[f"{c[0]}{c[1]}"], c[0], c[1]))
+    elif rank == "alone":
+        singles: dict[str, float] = state.setdefault("singles", {})
+        for kind, i in candidates:  # 1. each sub-layer alone
+            key = f"{kind}{i}"
+            if key not in singles:
+                plan = LayerPlan.skipping(n, {i} if kind == "attn" else set(), {i} if kind == "mlp" else set())
+                res = score(target, plan, data, cost, evaluations + 1)
+                singles[key] = 0.5 * (res.alpha0 + res.alpha1)
+                evaluations += 1
+                if progress:
+                    progress(f"alone {key}", res)
+        order = sorted(candidates, key=lambda c: (-singles[f"{c[0]}{c[1]}"], c[0], c[1]))
+    else:
+        raise ValueError(f"rank must be 'alone' or 'influence', got {rank!r}")
     best = base
     attn: set[int] = set()
     mlp: set[int] = set()
@@ -266,7 +299,9 @@ def greedy_search(
                         best.gamma0, best.gamma1, evaluations, cost)
 
 
-def write_result(result: SearchResult, path: str | Path, *, target: str, prompts: int, new_tokens: int) -> None:
+def write_result(result: SearchResult, path: str | Path, *, target: str, prompts: int, new_tokens: int,
+                 rank: str = "alone", cost_source: str = "measure", command: str | None = None) -> None:
     obj = {"target": target, "method": "greedy skip-set search (Draft & Verify objective)",
-           "calibration": {"prompts": prompts, "new_tokens": new_tokens}, **result.to_json()}
+           "calibration": {"prompts": prompts, "new_tokens": new_tokens}, "rank": rank, "cost_source": cost_source,
+           **({"command": command} if command else {}), **result.to_json()}
     Path(path).write_text(json.dumps(obj, indent=1) + "\n")
