@@ -21,6 +21,8 @@ def test_expected_speedup_closed_form():
     assert expected_speedup(0.0, 0.3, COST) == (1.0, 0)  # nothing is ever accepted: do not draft
     s, g = expected_speedup(1.0, 0.0, COST)  # free, perfect draft: the longest γ
     assert g == 8 and s == pytest.approx(9 / (1 + 0.1 * 8))
+    s, g = expected_speedup(0.0, 0.3, COST, floor=False)  # unfloored: the best losing γ, for the search to climb on
+    assert g == 1 and s == pytest.approx(1 / (0.3 + 1.1))
     s, g = expected_speedup(0.8, 0.2, COST)
     assert s == pytest.approx(max((1 - 0.8 ** (k + 1)) / 0.2 / (0.2 * k + 1 + 0.1 * k) for k in range(1, 9)))
     assert COST.draft_cost(LayerPlan.skipping(3, set(), set())) == pytest.approx(0.25 + 3 * 0.25)

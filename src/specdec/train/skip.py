@@ -28,6 +28,7 @@ Everything but the one-off cost measurement is deterministic, so a search is rep
 from __future__ import annotations
 
 import json
+import math
 import time
 from dataclasses import dataclass
 from pathlib import Path
@@ -85,9 +86,13 @@ class CostModel:
         return cls(attn=attn / total, mlp=mlp / total, fixed=head / total, verify_slope=verify_slope)
 
 
-def expected_speedup(alpha: float, c: float, cost: CostModel) -> tuple[float, int]:
-    """``max_γ E[tokens per round] / (γ c + v(γ))`` and its γ (i.i.d. acceptance α)."""
-    best, best_g = 1.0, 0
+def expected_speedup(alpha: float, c: float, cost: CostModel, *, floor: bool = True) -> tuple[float, int]:
+    """``max_γ E[tokens per round] / (γ c + v(γ))`` and its γ (i.i.d. acceptance α).
+
+    ``floor``: γ = 0 (no drafting, ×1) is a choice too.  Without it the best γ >= 1 is returned
+    even when it loses (< 1): the search climbs on that, since from a nearly full draft (cost
+    close to a target step) every small change would otherwise score the same ×1."""
+    best, best_g = (1.0, 0) if floor else (-math.inf, 1)
     for g in range(1, MAX_GAMMA + 1):
         tokens = float(g + 1) if alpha >= 1.0 else (1.0 - alpha ** (g + 1)) / (1.0 - alpha)
         s = tokens / (g * c + cost.verify_cost(g))
@@ -199,8 +204,8 @@ class SearchResult:
 def score(target: Any, plan: LayerPlan, data: Calibration, cost: CostModel, evaluations: int = 0) -> SearchResult:
     a0, a1 = acceptance(target, plan, data)
     c = cost.draft_cost(plan)
-    s0, g0 = expected_speedup(a0, c, cost)
-    s1, g1 = expected_speedup(a1, c, cost)
+    s0, g0 = expected_speedup(a0, c, cost, floor=False)
+    s1, g1 = expected_speedup(a1, c, cost, floor=False)
     return SearchResult(plan, a0, a1, c, s0, s1, g0, g1, evaluations, cost)
 
 
