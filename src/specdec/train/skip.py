@@ -18,9 +18,10 @@ calibration prompts.  This is a simpler, cheaper search with the same objective:
    T = 1.
 5. **Greedy search**: every sub-layer is scored alone (how much skipping it costs in
    acceptance) — or, much cheaper, ranked by its block influence in one pass (Men et al. 2024,
-   *ShortGPT*) — then sub-layers are added in that order, keeping each one that raises the
-   objective, until ``patience`` candidates in a row do not; a final pass tries removing each
-   kept one.
+   *ShortGPT*) — then skipped in that order, one more at a time (a growing prefix: the
+   objective often dips before it rises, since each skip alone saves little), keeping the best
+   prefix and stopping ``patience`` additions after it; a final pass tries un-skipping each
+   sub-layer of the best one.
 
 Everything but the one-off cost measurement is deterministic, so a search is reproducible.
 """
@@ -273,22 +274,22 @@ def greedy_search(
     else:
         raise ValueError(f"rank must be 'alone' or 'influence', got {rank!r}")
     best = base
-    attn: set[int] = set()
-    mlp: set[int] = set()
+    grow_attn: set[int] = set()
+    grow_mlp: set[int] = set()
     misses = 0
-    for step, (kind, i) in enumerate(order):  # 2. add in that order while it pays
+    for step, (kind, i) in enumerate(order):  # 2. a growing prefix of that order; keep the best one
         if (max_steps is not None and step >= max_steps) or misses >= patience:
             break
-        trial_attn, trial_mlp = set(attn), set(mlp)
-        (trial_attn if kind == "attn" else trial_mlp).add(i)
-        res = score(target, LayerPlan.skipping(n, trial_attn, trial_mlp), data, cost, evaluations)
+        (grow_attn if kind == "attn" else grow_mlp).add(i)
+        res = score(target, LayerPlan.skipping(n, grow_attn, grow_mlp), data, cost, evaluations)
         evaluations += 1
         if res.objective > best.objective:
-            best, attn, mlp, misses = res, trial_attn, trial_mlp, 0
+            best, misses = res, 0
         else:
             misses += 1
         if progress:
             progress(f"add {kind}{i}", best)
+    attn, mlp = set(best.plan.skip_attn), set(best.plan.skip_mlp)
     for kind, i in [("attn", i) for i in sorted(attn)] + [("mlp", i) for i in sorted(mlp)]:  # 3. removal pass
         if max_steps is not None:
             break
