@@ -245,7 +245,8 @@ def greedy_search(
     """Importance-ordered greedy inclusion, then one removal pass (see the module docstring).
 
     ``rank="alone"`` orders sub-layers by the acceptance each costs when skipped alone (one
-    evaluation each); ``rank="influence"`` by their block influence (:func:`influence`, one pass).
+    evaluation each); ``rank="influence"`` by their block influence (:func:`influence`, one pass)
+    per unit of draft cost that skipping them saves.
     ``state`` (a dict, e.g. loaded from a checkpoint) holds the per-sub-layer scores already
     computed and is updated in place, so an interrupted search resumes where it stopped.
     """
@@ -258,7 +259,8 @@ def greedy_search(
         if "influence" not in state:
             state["influence"] = influence(target, data)
         importance = state["influence"]
-        order = sorted(candidates, key=lambda c: (importance[f"{c[0]}{c[1]}"], c[0], c[1]))
+        share = {"attn": max(cost.attn, 1e-9), "mlp": max(cost.mlp, 1e-9)}  # influence per unit of cost saved
+        order = sorted(candidates, key=lambda c: (importance[f"{c[0]}{c[1]}"] / share[c[0]], c[0], c[1]))
     elif rank == "alone":
         singles: dict[str, float] = state.setdefault("singles", {})
         for kind, i in candidates:  # 1. each sub-layer alone
