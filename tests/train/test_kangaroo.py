@@ -50,6 +50,8 @@ def test_untrained_adapter_is_early_exit_bitwise():
 
 def test_drafting_computes_what_training_trained():
     adapter = _trained()
+    with torch.no_grad():  # a large attention contribution, so that any train/draft mismatch shows
+        adapter.out.copy_(torch.randn(adapter.out.shape, generator=torch.Generator().manual_seed(0)))
     f = _data()[2]
     view = KangarooView(MODEL, adapter)
     cache = view.new_cache(32)
@@ -58,6 +60,8 @@ def test_drafting_computes_what_training_trained():
     with torch.no_grad():
         trained = kt.draft_log_probs(adapter, adapter(f.hidden.unsqueeze(0))[0], kt.head_weight(MODEL))
     assert torch.allclose(torch.log_softmax(drafted, -1), trained, atol=1e-4)
+    early = LayerView(MODEL, LayerPlan.early_exit(4, 2))
+    assert not torch.allclose(drafted, early.forward(f.tokens, early.new_cache(32)), atol=1e-2)  # the adapter matters
 
 
 def test_training_lowers_the_loss_and_resumes_to_the_same_weights():
@@ -150,3 +154,27 @@ def test_early_stopping_shortens_drafts_and_cache_sharing_is_bitwise():
     assert with_sharing is not None and torch.equal(with_sharing, INVARIANT.forward(feed, plain.cache))
     end = shared.cache.length
     assert torch.equal(shared.cache.k[:, :, :end], plain.cache.k[:, :, :end])
+
+
+def test_spawn_for_the_server_keeps_kangaroo():
+    """The server builds one drafter per request with ``spawn(wrap)``: same adapter and threshold,
+    the wrapped view drafts, and the output is still plain greedy."""
+    drafter = KangarooDrafter(KangarooView(INVARIANT, _trained(INVARIANT)), stop_below=0.3)
+    calls = []
+
+    class Wrapped:
+        def __init__(self, view):
+            self.view = view
+
+        def __getattr__(self, name):
+            return getattr(self.view, name)
+
+        def forward(self, *a, **k):
+            calls.append(1)
+            return self.view.forward(*a, **k)
+
+    fresh = drafter.spawn(Wrapped)
+    assert isinstance(fresh, KangarooDrafter) and fresh.stop_below == 0.3 and fresh.view is drafter.view
+    run = SamplingConfig(temperature=0.0, max_new_tokens=10)
+    out = SpeculativeDecoder(INVARIANT, fresh, get_rule("greedy"), gamma=FixedGamma(3)).generate([1, 2, 3], run)
+    assert calls and out.tokens == SpeculativeDecoder(INVARIANT, None, get_rule("greedy")).generate([1, 2, 3], run).tokens
