@@ -73,7 +73,8 @@ def _add_models(p: argparse.ArgumentParser) -> None:
     g.add_argument("--draft", default=defaults.DEFAULT_DRAFT, help="draft model (as --target), 'ngram' (prompt lookup), 'self' (the target itself), 'none' (plain decoding), "
                    "or a self-speculative view of the target (no second model): 'layerskip:K' (its first K layers, cache shared "
                    "with verification), 'self-skip' (a searched set of skipped sub-layers; 'self-skip:FILE' from `specdec train skip`), "
-                   "'swift' (skip set adapted while generating)")
+                   "'swift' (skip set adapted while generating), 'kangaroo' (first layers + a trained adapter, drafting "
+                   "stopped when unsure; 'kangaroo:FILE' from `specdec train kangaroo`)")
     g.add_argument("--backend", default="auto", choices=["auto", "native", "hf"], help="native = specdec's fast Llama/Qwen2 path; hf = transformers")
     g.add_argument("--dtype", "--target-dtype", dest="dtype", default="auto",
                    choices=["auto", "float32", "bfloat16", "float16", "int8"],

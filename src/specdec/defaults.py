@@ -50,6 +50,8 @@ DRAFT_SEED_OFFSET = 0x5EED
 
 #: dynamic draft length: stop a draft after a token the drafter gives less than this probability
 MIN_CONFIDENCE = 0.0
+#: Kangaroo's early stopping of the draft: its own confidence threshold (the paper's η)
+KANGAROO_STOP_BELOW = 0.6
 
 # numerically safe sampling parameters: logits / temperature and logits * / penalty stay finite
 # in float32 (|logits| of real models are < 1e3; float32 overflows past 3.4e38)

@@ -34,7 +34,7 @@ QUANTS = ("int8",)
 @dataclass(frozen=True)
 class EngineConfig:
     target: str = defaults.DEFAULT_TARGET
-    draft: str = defaults.DEFAULT_DRAFT  # registry name | path | "ngram" | "self" | "none" | self-speculative (layerskip:K, self-skip[:PATH], swift[:PATH])
+    draft: str = defaults.DEFAULT_DRAFT  # registry name | path | "ngram" | "self" | "none" | self-speculative (layerskip:K, self-skip[:PATH], swift[:PATH], kangaroo[:PATH])
     backend: str = "auto"  # auto | native | hf
     #: the target's precision: auto | float32 | bfloat16 | float16 | int8 (W8A8Linear layers,
     #: native backend); "auto" = int8 where torch has fbgemm (x86), else float32 — measured on

@@ -50,7 +50,8 @@ def test_generate_search_and_use_a_skip_set(capsys, tiny_target, tmp_path):
 @pytest.mark.parametrize(
     "draft,needle",
     [("layerskip:3", "1 <= K < 3"), ("layerskip:x", "layer count"), ("self-skip", "no searched skip set"),
-     ("self-skip:/nonexistent/skip.json", "does not exist")],
+     ("self-skip:/nonexistent/skip.json", "does not exist"), ("kangaroo", "no kangaroo adapter"),
+     ("kangaroo:/nonexistent/k.safetensors", "does not exist")],
 )
 def test_bad_self_spec_names(capsys, tiny_target, draft, needle):
     code, _, err = _run(capsys, "generate", "-p", "hi", "--target", tiny_target, "--draft", draft, "-n", "4")
@@ -66,6 +67,27 @@ def test_hf_backend_refuses_clearly(capsys, tiny_target):
 def test_models_lists_the_families_and_bench_refuses_draft_model_modes(capsys):
     code, out, _ = _run(capsys, "models", "--json")
     names = {row["name"] for row in json.loads(out)}
-    assert {"layerskip:K", "self-skip", "swift"} <= names
+    assert {"layerskip:K", "self-skip", "swift", "kangaroo"} <= names
     code, _, err = _run(capsys, "bench", "--draft", "layerskip:8", "--modes", "plain,edge_only")
     assert code == 2 and "edge_only" in _one_error_line(err)
+
+
+def test_train_kangaroo_resumes_and_its_adapter_drafts(capsys, tiny_target, tmp_path):
+    out_file = tmp_path / "k.safetensors"
+    args = ("train", "kangaroo", "--target", tiny_target, "--out", str(out_file), "--layers", "1", "--prompts", "3",
+            "--new-tokens", "4", "--steps", "3", "--batch", "2", "--positions", "8", "--top-k", "4")
+    code, _, err = _run(capsys, *args)
+    assert code == 0, err
+    card = json.loads((tmp_path / "k.json").read_text())
+    assert card["steps"] == 3 and {"kangaroo", "layerskip:1"} <= set(card["held_out"])
+    code, _, err = _run(capsys, *args)  # everything is on disk: data reused, training resumed at its end
+    assert code == 0 and "from " in err and "resuming from step 3" in err, err
+    outs = {}
+    for draft in ("none", f"kangaroo:{out_file}"):
+        code, out, err = _run(capsys, "generate", "-p", "abc abc", "--target", tiny_target, "--draft", draft, "-n", "12",
+                              "--json", "-g", "3")
+        assert code == 0, err
+        outs[draft] = json.loads(out)
+    assert outs[f"kangaroo:{out_file}"]["token_ids"] == outs["none"]["token_ids"]
+    code, _, err = _run(capsys, "train", "kangaroo", "--target", tiny_target, "--out", str(out_file), "--layers", "3")
+    assert code == 2 and "1 <= layers < 3" in _one_error_line(err)

@@ -34,7 +34,7 @@ def target_ids(smollm2):
     return target, [encode_prompt(target.tokenizer, p, chat=c) for p, c in PROMPTS]
 
 
-@pytest.mark.parametrize("name", ["layerskip:24", "self-skip:FILE", "self-skip", "swift"])
+@pytest.mark.parametrize("name", ["layerskip:24", "self-skip:FILE", "self-skip", "swift", "kangaroo"])
 def test_greedy_self_speculative_equals_plain_greedy(target_ids, name, tmp_path):
     target, ids = target_ids
     if name == "self-skip:FILE":  # a hand-written skip set, whatever set ships
@@ -89,3 +89,21 @@ def test_block_verification_with_early_exit_runs(target_ids):
     drafter, _ = self_spec.build("layerskip:24", target.model, target.name)
     out = SpeculativeDecoder(target.model, drafter, get_rule("block"), gamma=FixedGamma(3)).generate(ids[1], cfg)
     assert len(out.tokens) == 32 and out.stats.draft_tokens_proposed > 0
+
+
+def test_kangaroo_shares_the_shallow_layers_bitwise(target_ids):
+    """The shipped adapter: its drafts' shallow keys/values and residuals give the plain verification pass."""
+    target, ids = target_ids
+    m = target.model
+    cfg = SamplingConfig(temperature=0.0)
+    drafter, _ = self_spec.build("kangaroo", m, target.name)
+    shared = TargetSession(m, ids[1], cfg, get_rule("greedy"), seed=0)
+    plain = TargetSession(m, ids[1], cfg, get_rule("greedy"), seed=0)
+    drafter.prepare(torch.tensor(ids[1]))
+    draft = drafter.propose(shared.context, 5, DraftSampler(cfg, "argmax", penalties=None, generator=None))
+    feed = torch.cat([shared.context[-1:], draft.tokens])
+    with_sharing = draft.reuse.forward(m, feed, shared.cache)
+    assert with_sharing is not None and torch.equal(with_sharing, m.forward(feed, plain.cache))
+    end = shared.cache.length
+    assert torch.equal(shared.cache.k[:, :, :end], plain.cache.k[:, :, :end])
+    assert torch.equal(shared.cache.v[:, :, :end], plain.cache.v[:, :, :end])

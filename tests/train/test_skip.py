@@ -21,6 +21,8 @@ def test_expected_speedup_closed_form():
     assert expected_speedup(0.0, 0.3, COST) == (1.0, 0)  # nothing is ever accepted: do not draft
     s, g = expected_speedup(1.0, 0.0, COST)  # free, perfect draft: the longest γ
     assert g == 8 and s == pytest.approx(9 / (1 + 0.1 * 8))
+    s, g = expected_speedup(0.0, 0.3, COST, floor=False)  # unfloored: the best losing γ, for the search to climb on
+    assert g == 1 and s == pytest.approx(1 / (0.3 + 1.1))
     s, g = expected_speedup(0.8, 0.2, COST)
     assert s == pytest.approx(max((1 - 0.8 ** (k + 1)) / 0.2 / (0.2 * k + 1 + 0.1 * k) for k in range(1, 9)))
     assert COST.draft_cost(LayerPlan.skipping(3, set(), set())) == pytest.approx(0.25 + 3 * 0.25)
@@ -45,3 +47,24 @@ def test_search_improves_on_nothing_skipped_and_resumes(data):
     assert again.plan == res.plan and again.evaluations < res.evaluations
     short = greedy_search(MODEL, data, COST, max_steps=1)
     assert short.evaluations == 6 + 1
+
+
+def test_influence_ranking_scores_every_sub_layer_in_one_pass(data):
+    from specdec.train.skip import influence
+
+    inf = influence(MODEL, data)
+    assert set(inf) == {f"{k}{i}" for k in ("attn", "mlp") for i in range(3)}
+    assert all(0.0 <= v <= 2.0 for v in inf.values()) and len(set(inf.values())) == 6
+    state: dict = {}
+    res = greedy_search(MODEL, data, COST, state=state, rank="influence")
+    assert "singles" not in state and state["influence"] == inf
+    assert res.objective >= score(MODEL, LayerPlan.skipping(3, set(), set()), data, COST).objective
+    with pytest.raises(ValueError, match="rank"):
+        greedy_search(MODEL, data, COST, rank="random")
+
+
+def test_parameter_count_costs_add_up():
+    cost = CostModel.from_params(MODEL.cfg)
+    n = MODEL.cfg.n_layers
+    assert cost.fixed + n * (cost.attn + cost.mlp) == pytest.approx(1.0)
+    assert cost.mlp == pytest.approx(3 * 16 * 32 / (n * (48 * 16 + 3 * 16 * 32) + 5 * 16))

@@ -307,11 +307,11 @@ class SwiftDrafter(SelfSpecDrafter):
 
 
 def parse_name(name: str) -> tuple[str, str] | None:
-    """``layerskip:K`` / ``self-skip`` / ``self-skip:PATH`` / ``swift`` -> (family, argument), else None."""
+    """``layerskip:K`` / ``self-skip[:PATH]`` / ``swift[:PATH]`` / ``kangaroo[:PATH]`` -> (family, argument), else None."""
     text = name.strip()
     family, _, arg = text.partition(":")
     family = family.lower()
-    if family in ("layerskip", "self-skip", "swift"):
+    if family in ("layerskip", "self-skip", "swift", "kangaroo"):
         return family, arg.strip()
     return None
 
@@ -347,6 +347,11 @@ def build(name: str, target: Any, target_name: str) -> tuple[SelfSpecDrafter, st
     n_layers = getattr(getattr(target, "cfg", None), "n_layers", None)
     if n_layers is None:
         LayerView(target, LayerPlan(1, 1))  # raises the backend error
+    if family == "kangaroo":
+        from specdec import defaults
+        from specdec.drafters import kangaroo
+
+        return kangaroo.build(arg, target, target_name, stop_below=defaults.KANGAROO_STOP_BELOW)
     if family == "layerskip":
         try:
             k = int(arg)
@@ -376,7 +381,10 @@ def build(name: str, target: Any, target_name: str) -> tuple[SelfSpecDrafter, st
 
 def describe_families() -> list[dict[str, Any]]:
     """``specdec models`` rows for the self-speculative drafters (``--draft NAME``)."""
+    from specdec.drafters import kangaroo
+
     shipped = ", ".join(shipped_targets()) or "none"
+    kangaroo_shipped = ", ".join(kangaroo.shipped_targets()) or "none"
     none = "none: a view of the target (native backend), no weights of its own"
     return [
         {"name": "layerskip:K", "description": "early exit: the target's first K layers + its final norm and LM head; the "
@@ -387,4 +395,9 @@ def describe_families() -> list[dict[str, Any]]:
          "layers whose attention runs", "default_draft": None, "install": none, "license": "", "status": "bundled"},
         {"name": "swift", "description": "SWIFT: a skip set adapted while generating (starts from the shipped set, or "
          "swift:FILE). Extra memory: as self-skip", "default_draft": None, "install": none, "license": "", "status": "bundled"},
+        {"name": "kangaroo", "description": "Kangaroo: the target's first K layers + a small trained adapter (one "
+         "attention block) + its LM head, drafting stopped when its confidence drops; the verification pass reuses the "
+         f"K layers' keys/values (adapter shipped for: {kangaroo_shipped}; kangaroo:FILE from `specdec train kangaroo`). "
+         "Extra memory: the adapter's weights and a (K+1)-layer KV cache", "default_draft": None,
+         "install": "none: a view of the target (native backend) plus an adapter file", "license": "", "status": "bundled"},
     ]

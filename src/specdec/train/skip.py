@@ -17,9 +17,11 @@ calibration prompts.  This is a simpler, cheaper search with the same objective:
    verification cost), ``max_γ (1 − α^{γ+1}) / ((1 − α)(γ c + v(γ)))``, averaged over T = 0 and
    T = 1.
 5. **Greedy search**: every sub-layer is scored alone (how much skipping it costs in
-   acceptance), then sub-layers are added in that order, keeping each one that raises the
-   objective, until ``patience`` candidates in a row do not; a final pass tries removing each
-   kept one.
+   acceptance) — or, much cheaper, ranked by its block influence in one pass (Men et al. 2024,
+   *ShortGPT*) — then skipped in that order, one more at a time (a growing prefix: the
+   objective often dips before it rises, since each skip alone saves little), keeping the best
+   prefix and stopping ``patience`` additions after it; a final pass tries un-skipping each
+   sub-layer of the best one.
 
 Everything but the one-off cost measurement is deterministic, so a search is reproducible.
 """
@@ -27,6 +29,7 @@ Everything but the one-off cost measurement is deterministic, so a search is rep
 from __future__ import annotations
 
 import json
+import math
 import time
 from dataclasses import dataclass
 from pathlib import Path
@@ -73,10 +76,24 @@ class CostModel:
     def to_json(self) -> dict[str, float]:
         return {"attn": self.attn, "mlp": self.mlp, "fixed": self.fixed, "verify_slope": self.verify_slope}
 
+    @classmethod
+    def from_params(cls, cfg: Any, *, verify_slope: float = 0.12) -> "CostModel":
+        """Timing-free costs: each part's share of the weights a decoding step reads (decoding a
+        small model on a CPU is memory-bound), for a machine too busy to time (``--cost params``)."""
+        attn = (2 * cfg.n_heads + 2 * cfg.n_kv_heads) * cfg.head_dim * cfg.hidden_size
+        mlp = 3 * cfg.hidden_size * cfg.intermediate_size
+        head = cfg.vocab_size * cfg.hidden_size
+        total = cfg.n_layers * (attn + mlp) + head
+        return cls(attn=attn / total, mlp=mlp / total, fixed=head / total, verify_slope=verify_slope)
 
-def expected_speedup(alpha: float, c: float, cost: CostModel) -> tuple[float, int]:
-    """``max_γ E[tokens per round] / (γ c + v(γ))`` and its γ (i.i.d. acceptance α)."""
-    best, best_g = 1.0, 0
+
+def expected_speedup(alpha: float, c: float, cost: CostModel, *, floor: bool = True) -> tuple[float, int]:
+    """``max_γ E[tokens per round] / (γ c + v(γ))`` and its γ (i.i.d. acceptance α).
+
+    ``floor``: γ = 0 (no drafting, ×1) is a choice too.  Without it the best γ >= 1 is returned
+    even when it loses (< 1): the search climbs on that, since from a nearly full draft (cost
+    close to a target step) every small change would otherwise score the same ×1."""
+    best, best_g = (1.0, 0) if floor else (-math.inf, 1)
     for g in range(1, MAX_GAMMA + 1):
         tokens = float(g + 1) if alpha >= 1.0 else (1.0 - alpha ** (g + 1)) / (1.0 - alpha)
         s = tokens / (g * c + cost.verify_cost(g))
@@ -188,9 +205,30 @@ class SearchResult:
 def score(target: Any, plan: LayerPlan, data: Calibration, cost: CostModel, evaluations: int = 0) -> SearchResult:
     a0, a1 = acceptance(target, plan, data)
     c = cost.draft_cost(plan)
-    s0, g0 = expected_speedup(a0, c, cost)
-    s1, g1 = expected_speedup(a1, c, cost)
+    s0, g0 = expected_speedup(a0, c, cost, floor=False)
+    s1, g1 = expected_speedup(a1, c, cost, floor=False)
     return SearchResult(plan, a0, a1, c, s0, s1, g0, g1, evaluations, cost)
+
+
+def influence(target: Any, data: Calibration) -> dict[str, float]:
+    """Each sub-layer's *block influence* (Men et al. 2024, *ShortGPT*, §3.1), in one full pass:
+    the mean over positions of ``1 − cos(x_in, x_out)`` between the residual stream entering and
+    leaving it.  A cheap stand-in for scoring every sub-layer alone (``rank="influence"``)."""
+    n = target.cfg.n_layers
+    sums = {f"{kind}{i}": 0.0 for kind in ("attn", "mlp") for i in range(n)}
+    count = 0
+    with torch.inference_mode():
+        for seq in data.sequences:
+            cache = target.new_cache(seq.numel())
+            cache.reserve(seq.numel())
+            x = target.embed_tokens(seq)  # [L, D]
+            for i in range(n):
+                for kind, step in (("attn", (i, True, False)), ("mlp", (i, False, True))):
+                    y = target.run_layers(x, cache, (step,), start=0)
+                    sums[f"{kind}{i}"] += float((1.0 - torch.cosine_similarity(x, y, dim=-1)).sum())
+                    x = y
+            count += seq.numel()
+    return {k: v / count for k, v in sums.items()}
 
 
 def greedy_search(
@@ -202,45 +240,58 @@ def greedy_search(
     patience: int = 8,
     progress: Callable[[str, SearchResult], None] | None = None,
     state: dict | None = None,
+    rank: str = "alone",
 ) -> SearchResult:
     """Importance-ordered greedy inclusion, then one removal pass (see the module docstring).
 
+    ``rank="alone"`` orders sub-layers by the acceptance each costs when skipped alone (one
+    evaluation each); ``rank="influence"`` by their block influence (:func:`influence`, one pass)
+    per unit of draft cost that skipping them saves.
     ``state`` (a dict, e.g. loaded from a checkpoint) holds the per-sub-layer scores already
     computed and is updated in place, so an interrupted search resumes where it stopped.
     """
     n = target.cfg.n_layers
     state = state if state is not None else {}
-    singles: dict[str, float] = state.setdefault("singles", {})
     evaluations = 0
     base = score(target, LayerPlan.skipping(n, set(), set()), data, cost)
     candidates = [("attn", i) for i in range(n)] + [("mlp", i) for i in range(n)]
-    for kind, i in candidates:  # 1. each sub-layer alone
-        key = f"{kind}{i}"
-        if key not in singles:
-            plan = LayerPlan.skipping(n, {i} if kind == "attn" else set(), {i} if kind == "mlp" else set())
-            a0, a1 = acceptance(target, plan, data)
-            singles[key] = 0.5 * (a0 + a1)
-            evaluations += 1
-            if progress:
-                progress(f"alone {key}", score(target, plan, data, cost, evaluations))
-    order = sorted(candidates, key=lambda c: (-singles[f"{c[0]}{c[1]}"], c[0], c[1]))
+    if rank == "influence":
+        if "influence" not in state:
+            state["influence"] = influence(target, data)
+        importance = state["influence"]
+        share = {"attn": max(cost.attn, 1e-9), "mlp": max(cost.mlp, 1e-9)}  # influence per unit of cost saved
+        order = sorted(candidates, key=lambda c: (importance[f"{c[0]}{c[1]}"] / share[c[0]], c[0], c[1]))
+    elif rank == "alone":
+        singles: dict[str, float] = state.setdefault("singles", {})
+        for kind, i in candidates:  # 1. each sub-layer alone
+            key = f"{kind}{i}"
+            if key not in singles:
+                plan = LayerPlan.skipping(n, {i} if kind == "attn" else set(), {i} if kind == "mlp" else set())
+                res = score(target, plan, data, cost, evaluations + 1)
+                singles[key] = 0.5 * (res.alpha0 + res.alpha1)
+                evaluations += 1
+                if progress:
+                    progress(f"alone {key}", res)
+        order = sorted(candidates, key=lambda c: (-singles[f"{c[0]}{c[1]}"], c[0], c[1]))
+    else:
+        raise ValueError(f"rank must be 'alone' or 'influence', got {rank!r}")
     best = base
-    attn: set[int] = set()
-    mlp: set[int] = set()
+    grow_attn: set[int] = set()
+    grow_mlp: set[int] = set()
     misses = 0
-    for step, (kind, i) in enumerate(order):  # 2. add in that order while it pays
+    for step, (kind, i) in enumerate(order):  # 2. a growing prefix of that order; keep the best one
         if (max_steps is not None and step >= max_steps) or misses >= patience:
             break
-        trial_attn, trial_mlp = set(attn), set(mlp)
-        (trial_attn if kind == "attn" else trial_mlp).add(i)
-        res = score(target, LayerPlan.skipping(n, trial_attn, trial_mlp), data, cost, evaluations)
+        (grow_attn if kind == "attn" else grow_mlp).add(i)
+        res = score(target, LayerPlan.skipping(n, grow_attn, grow_mlp), data, cost, evaluations)
         evaluations += 1
         if res.objective > best.objective:
-            best, attn, mlp, misses = res, trial_attn, trial_mlp, 0
+            best, misses = res, 0
         else:
             misses += 1
         if progress:
             progress(f"add {kind}{i}", best)
+    attn, mlp = set(best.plan.skip_attn), set(best.plan.skip_mlp)
     for kind, i in [("attn", i) for i in sorted(attn)] + [("mlp", i) for i in sorted(mlp)]:  # 3. removal pass
         if max_steps is not None:
             break
@@ -256,7 +307,9 @@ def greedy_search(
                         best.gamma0, best.gamma1, evaluations, cost)
 
 
-def write_result(result: SearchResult, path: str | Path, *, target: str, prompts: int, new_tokens: int) -> None:
+def write_result(result: SearchResult, path: str | Path, *, target: str, prompts: int, new_tokens: int,
+                 rank: str = "alone", cost_source: str = "measure", command: str | None = None) -> None:
     obj = {"target": target, "method": "greedy skip-set search (Draft & Verify objective)",
-           "calibration": {"prompts": prompts, "new_tokens": new_tokens}, **result.to_json()}
+           "calibration": {"prompts": prompts, "new_tokens": new_tokens}, "rank": rank, "cost_source": cost_source,
+           **({"command": command} if command else {}), **result.to_json()}
     Path(path).write_text(json.dumps(obj, indent=1) + "\n")

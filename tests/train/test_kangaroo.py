@@ -1,0 +1,180 @@
+"""Kangaroo: the adapter, its drafter and its trainer on a tiny random native model.
+
+The drafter proposes tokens only; verification is the unchanged rules (their law tests are
+drafter-independent), so these check what is new: an untrained adapter is exactly early exit,
+drafting and training compute the same function, greedy speculative output equals plain greedy
+output under every rule and sampling option, cache sharing stays bitwise, and training lowers the
+loss and resumes from a checkpoint to the very same weights.
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from specdec.decoder import SpeculativeDecoder
+from specdec.drafters import self_spec
+from specdec.drafters.base import DraftSampler
+from specdec.drafters.kangaroo import Adapter, AdapterConfig, KangarooDrafter, KangarooView, load_adapter, save_adapter
+from specdec.drafters.self_spec import LayerPlan, LayerView
+from specdec.errors import ConfigError
+from specdec.gamma import FixedGamma
+from specdec.sampling import SamplingConfig
+from specdec.session import TargetSession
+from specdec.train import kangaroo as kt
+from specdec.verify import get_rule
+from drafters.test_self_spec import tiny_native
+
+MODEL = tiny_native(vocab=11, layers=4, batch_invariant=False)
+INVARIANT = tiny_native(vocab=11, layers=4)
+PROMPTS = [[1, 2, 3], [0, 4], [3, 3, 1, 2], [5, 6], [7, 1, 9], [10, 2, 2, 4]]
+
+
+def _trained(model=MODEL, steps: int = 6) -> Adapter:
+    adapter = kt.new_adapter(model, 2, seed=1)
+    kt.train(adapter, _data(model), kt.head_weight(model), kt.TrainConfig(steps=steps, batch=3, positions=16, warmup=1))
+    return adapter
+
+
+def _data(model=MODEL) -> list[kt.Features]:
+    seqs = kt.continue_batched(model, PROMPTS, new_tokens=10, temperatures=(0.0, 1.0), batch=4)
+    return [kt.features(model, s, len(p) - 1, 2, top_k=5) for p, s in zip(PROMPTS, seqs)]
+
+
+def test_untrained_adapter_is_early_exit_bitwise():
+    view = KangarooView(INVARIANT, kt.new_adapter(INVARIANT, 2))
+    plain = LayerView(INVARIANT, LayerPlan.early_exit(4, 2))
+    seq = torch.tensor([1, 2, 3, 4, 0, 9, 8])
+    assert torch.equal(view.forward(seq, view.new_cache(16)), plain.forward(seq, plain.new_cache(16)))
+
+
+def test_drafting_computes_what_training_trained():
+    adapter = _trained()
+    with torch.no_grad():  # a large attention contribution, so that any train/draft mismatch shows
+        adapter.out.copy_(torch.randn(adapter.out.shape, generator=torch.Generator().manual_seed(0)))
+    f = _data()[2]
+    view = KangarooView(MODEL, adapter)
+    cache = view.new_cache(32)
+    rows = [view.forward(f.tokens[:3], cache)] + [view.forward(f.tokens[i : i + 1], cache) for i in range(3, f.tokens.numel())]
+    drafted = torch.cat(rows)  # [L, V] incremental, as a draft runs
+    with torch.no_grad():
+        trained = kt.draft_log_probs(adapter, adapter(f.hidden.unsqueeze(0))[0], kt.head_weight(MODEL))
+    assert torch.allclose(torch.log_softmax(drafted, -1), trained, atol=1e-4)
+    early = LayerView(MODEL, LayerPlan.early_exit(4, 2))
+    assert not torch.allclose(drafted, early.forward(f.tokens, early.new_cache(32)), atol=1e-2)  # the adapter matters
+
+
+def test_training_lowers_the_loss_and_resumes_to_the_same_weights():
+    data, w = _data(), kt.head_weight(MODEL)
+    cfg = kt.TrainConfig(steps=8, batch=3, positions=16, warmup=1, lr=1e-2)
+    straight = kt.new_adapter(MODEL, 2, seed=1)
+    losses = kt.train(straight, data, w, cfg)
+    assert sum(losses[-3:]) < sum(losses[:3])
+    saved = {}
+
+    def stop_at_4(step, loss, state):
+        if step == 4:
+            saved.update(torch.utils._pytree.tree_map(lambda x: x.clone() if torch.is_tensor(x) else x, state))
+            raise KeyboardInterrupt
+
+    interrupted = kt.new_adapter(MODEL, 2, seed=1)
+    with pytest.raises(KeyboardInterrupt):
+        kt.train(interrupted, data, w, cfg, on_step=stop_at_4)
+    resumed = kt.new_adapter(MODEL, 2, seed=7)  # other initial weights: the checkpoint must replace them
+    again = kt.train(resumed, data, w, cfg, state=saved)
+    assert again == losses
+    for a, b in zip(straight.parameters(), resumed.parameters()):
+        assert torch.equal(a, b)
+
+
+def test_report_and_file_round_trip(tmp_path):
+    adapter = _trained()
+    rep = kt.report(MODEL, adapter, _data()[:2])
+    assert set(rep) == {"held_out_positions", "kangaroo", "layerskip:2"} and rep["held_out_positions"] == 20
+    assert 0.0 <= rep["kangaroo"]["alpha_t1"] <= 1.0
+    path = tmp_path / "a.safetensors"
+    save_adapter(adapter, path, card={"steps": 6})
+    back, card = load_adapter(path)
+    assert card == {"steps": 6} and back.cfg == adapter.cfg
+    for a, b in zip(adapter.parameters(), back.parameters()):
+        assert torch.equal(a.detach().half().float(), b)
+    drafter, label = self_spec.build(f"kangaroo:{path}", MODEL, "tiny")
+    assert isinstance(drafter, KangarooDrafter) and label == "kangaroo:a.safetensors"
+    assert drafter.extra_bytes() == back.nbytes  # nothing drafted yet: only the weights
+    with pytest.raises(ConfigError, match="specdec train kangaroo"):
+        self_spec.build("kangaroo", MODEL, "tiny")
+    with pytest.raises(ConfigError, match="does not exist"):
+        self_spec.build(f"kangaroo:{tmp_path / 'none.safetensors'}", MODEL, "tiny")
+    (tmp_path / "bad.safetensors").write_text("x")
+    with pytest.raises(ConfigError, match="cannot read"):
+        self_spec.build(f"kangaroo:{tmp_path / 'bad.safetensors'}", MODEL, "tiny")
+    with pytest.raises(ConfigError, match="another shape"):
+        KangarooView(tiny_native(vocab=11, layers=3), back)
+
+
+SAMPLING = [
+    ("greedy", SamplingConfig(temperature=0.0)),
+    ("token", SamplingConfig(temperature=1.0, top_k=5, top_p=0.9)),
+    ("block", SamplingConfig(temperature=0.7, min_p=0.05, repetition_penalty=1.3)),
+    ("token", SamplingConfig(temperature=1.2, frequency_penalty=0.5, presence_penalty=0.3)),
+    ("coupled", SamplingConfig(temperature=1.0)),
+]
+
+
+@pytest.mark.parametrize("method,cfg", SAMPLING, ids=[f"{m}-{i}" for i, (m, _) in enumerate(SAMPLING)])
+def test_every_rule_and_sampling_option_runs_with_kangaroo(method, cfg):
+    """Greedy: output equal to plain greedy; sampled: a full, reproducible generation that drafted."""
+    drafter = KangarooDrafter(KangarooView(INVARIANT, _trained(INVARIANT)), stop_below=0.0)
+    run = dict(cfg.__dict__, seed=5, max_new_tokens=14)
+    dec = SpeculativeDecoder(INVARIANT, drafter, get_rule(method), gamma=FixedGamma(3))
+    out = dec.generate([1, 2, 3], SamplingConfig(**run))
+    assert len(out.tokens) == 14 and out.stats.draft_tokens_proposed > 0
+    assert dec.generate([1, 2, 3], SamplingConfig(**run)).tokens == out.tokens
+    if cfg.greedy:
+        plain = SpeculativeDecoder(INVARIANT, None, get_rule("greedy")).generate([1, 2, 3], SamplingConfig(**run)).tokens
+        assert out.tokens == plain
+
+
+def test_early_stopping_shortens_drafts_and_cache_sharing_is_bitwise():
+    adapter = _trained(INVARIANT)
+    cfg = SamplingConfig(temperature=0.0)
+    sampler = lambda: DraftSampler(cfg, "argmax", penalties=None, generator=None)  # noqa: E731
+    eager = KangarooDrafter(KangarooView(INVARIANT, adapter), stop_below=0.0)
+    eager.prepare(torch.tensor([1, 2, 3]))
+    assert eager.propose(torch.tensor([1, 2, 3]), 6, sampler()).tokens.numel() == 6
+    cautious = KangarooDrafter(KangarooView(INVARIANT, adapter), stop_below=0.999)
+    cautious.prepare(torch.tensor([1, 2, 3]))
+    assert cautious.propose(torch.tensor([1, 2, 3]), 6, sampler()).tokens.numel() < 6
+    shared = TargetSession(INVARIANT, [1, 2, 3], cfg, get_rule("greedy"), seed=0)
+    plain = TargetSession(INVARIANT, [1, 2, 3], cfg, get_rule("greedy"), seed=0)
+    eager.prepare(shared.context)
+    draft = eager.propose(shared.context, 4, sampler())
+    feed = torch.cat([shared.context[-1:], draft.tokens])
+    with_sharing = draft.reuse.forward(INVARIANT, feed, shared.cache)
+    assert with_sharing is not None and torch.equal(with_sharing, INVARIANT.forward(feed, plain.cache))
+    end = shared.cache.length
+    assert torch.equal(shared.cache.k[:, :, :end], plain.cache.k[:, :, :end])
+
+
+def test_spawn_for_the_server_keeps_kangaroo():
+    """The server builds one drafter per request with ``spawn(wrap)``: same adapter and threshold,
+    the wrapped view drafts, and the output is still plain greedy."""
+    drafter = KangarooDrafter(KangarooView(INVARIANT, _trained(INVARIANT)), stop_below=0.3)
+    calls = []
+
+    class Wrapped:
+        def __init__(self, view):
+            self.view = view
+
+        def __getattr__(self, name):
+            return getattr(self.view, name)
+
+        def forward(self, *a, **k):
+            calls.append(1)
+            return self.view.forward(*a, **k)
+
+    fresh = drafter.spawn(Wrapped)
+    assert isinstance(fresh, KangarooDrafter) and fresh.stop_below == 0.3 and fresh.view is drafter.view
+    run = SamplingConfig(temperature=0.0, max_new_tokens=10)
+    out = SpeculativeDecoder(INVARIANT, fresh, get_rule("greedy"), gamma=FixedGamma(3)).generate([1, 2, 3], run)
+    assert calls and out.tokens == SpeculativeDecoder(INVARIANT, None, get_rule("greedy")).generate([1, 2, 3], run).tokens
