@@ -383,9 +383,9 @@ def model_card(report: dict) -> str:
         f"Trained with `specdec train` against the target `{report['target']}` as it runs by default (its features and "
         "its next-token law; the int8 target where torch has fbgemm).",
         "",
-        f"- Parameters: {report['params_total'] / 1e6:.2f} M ({report['params_trained'] / 1e6:.2f} M trained; the rest is "
-        f"the target's LM head rows for a {report['draft_vocab']}-token draft vocabulary), plus the target's own embeddings "
-        "at run time.",
+        f"- Parameters: {report['params_total'] / 1e6:.2f} M ({report['params_trained'] / 1e6:.2f} M trained"
+        + ("" if report["params_trained"] == report["params_total"] else "; the rest is the target's LM head rows")
+        + f"), a {report['draft_vocab']}-token draft vocabulary, plus the target's own embeddings at run time.",
         f"- Data: {report['train_sequences']} target-sampled sequences for training ({report['train_tokens']} tokens, "
         f"{report['reply_tokens']} of them reply tokens), {report['held_out_sequences']} held out; share of chat prompts "
         f"{data.get('chat_share')}, temperatures {data.get('temperatures')}, feature taps {data.get('taps')}.",
