@@ -44,6 +44,28 @@ from specdec.verify import Verdict
 _EMPTY = Draft(tokens=torch.empty(0, dtype=torch.long), probs=None)
 
 
+class _Chain:
+    """A chain draft being collected: each drawn token and the q it came from."""
+
+    def __init__(self) -> None:
+        self.tokens: list[int] = []
+        self.rows: list[Tensor] = []
+
+    def add(self, drawn: tuple[int, Tensor | None] | None, sampler: DraftSampler) -> bool:
+        """Record ``drawn`` (None: nothing could be drawn); False when the draft should stop."""
+        if drawn is None:
+            return False
+        token, q = drawn
+        self.tokens.append(token)
+        if q is not None:
+            self.rows.append(q)
+        return not sampler.stop_requested
+
+    def draft(self) -> Draft:
+        rows = self.rows
+        return Draft(tokens=torch.tensor(self.tokens, dtype=torch.long), probs=torch.stack(rows) if rows else None)
+
+
 class HeadDrafter:
     """What every head drafter shares: the feature stream, the embeddings, the vocabulary map."""
 
@@ -153,21 +175,14 @@ class EagleDrafter(HeadDrafter):
         length = context.numel()
         o = self._o
         assert o is not None
-        tokens: list[int] = []
-        rows: list[Tensor] = []
+        chain = _Chain()
         with torch.inference_mode():
             for j in range(gamma):
-                drawn = self._draw(sampler, self._rows(self.head.logits(o[None])), length + j)
-                if drawn is None:
+                if not chain.add(self._draw(sampler, self._rows(self.head.logits(o[None])), length + j), sampler) \
+                        or j + 1 == gamma:
                     break
-                token, q = drawn
-                tokens.append(token)
-                if q is not None:
-                    rows.append(q)
-                if j + 1 == gamma or sampler.stop_requested:
-                    break
-                o = self._step(o[None], self._emb([token]), torch.tensor([self._committed + j]))[0]
-        return Draft(tokens=torch.tensor(tokens, dtype=torch.long), probs=torch.stack(rows) if rows else None)
+                o = self._step(o[None], self._emb(chain.tokens[-1:]), torch.tensor([self._committed + j]))[0]
+        return chain.draft()
 
     def propose_tree(self, context: Tensor, budget: int, sampler: DraftSampler, spec: TreeSpec, *, max_depth: int) -> Draft:
         """EAGLE-2: the tree builder expands the most probable nodes; each level's nodes go
@@ -239,19 +254,11 @@ class MedusaDrafter(HeadDrafter):
         if logits is None:
             return _EMPTY
         length = context.numel()
-        tokens: list[int] = []
-        rows: list[Tensor] = []
+        chain = _Chain()
         for j in range(min(gamma, logits.shape[0])):
-            drawn = self._draw(sampler, logits[j : j + 1], length + j)
-            if drawn is None:
+            if not chain.add(self._draw(sampler, logits[j : j + 1], length + j), sampler):
                 break
-            token, q = drawn
-            tokens.append(token)
-            if q is not None:
-                rows.append(q)
-            if sampler.stop_requested:
-                break
-        return Draft(tokens=torch.tensor(tokens, dtype=torch.long), probs=torch.stack(rows) if rows else None)
+        return chain.draft()
 
     def propose_tree(self, context: Tensor, budget: int, sampler: DraftSampler, spec: TreeSpec, *, max_depth: int) -> Draft:
         """A static sparse tree (Medusa's): the children of a depth-d node are depth d+1's head's
@@ -326,8 +333,7 @@ class MTPDrafter(HeadDrafter):
         if p == 0:
             return _EMPTY
         length = context.numel()
-        tokens: list[int] = []
-        rows: list[Tensor] = []
+        chain = _Chain()
         width = self.cfg.hidden_size
         prev = torch.zeros(0, width)  # module k-1's rows run this round (rows P-k+1 .. P-1)
         with torch.inference_mode():
@@ -340,18 +346,11 @@ class MTPDrafter(HeadDrafter):
                     prev = torch.zeros(0, width)
                 else:
                     h_prev = torch.cat([self.outputs[k - 1][lo : lo + 1], prev])  # [k, D] rows P-k .. P-1
-                    out = self._module(k, h_prev, self._emb(tokens[:k]), lo)  # [k, D]
+                    out = self._module(k, h_prev, self._emb(chain.tokens[:k]), lo)  # [k, D]
                     prev = out
-                drawn = self._draw(sampler, self._rows(self.head.logits(out[-1:])), length + k)
-                if drawn is None:
+                if not chain.add(self._draw(sampler, self._rows(self.head.logits(out[-1:])), length + k), sampler):
                     break
-                token, q = drawn
-                tokens.append(token)
-                if q is not None:
-                    rows.append(q)
-                if sampler.stop_requested:
-                    break
-        return Draft(tokens=torch.tensor(tokens, dtype=torch.long), probs=torch.stack(rows) if rows else None)
+        return chain.draft()
 
     def commit(self, verdict: Verdict) -> None:
         for k in range(self.depth):
