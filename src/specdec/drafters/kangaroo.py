@@ -197,12 +197,7 @@ class KangarooView(LayerView):
 
     def forward(self, tokens: Tensor, cache: ViewCache, *, last_only: bool = False) -> Tensor:  # [n] -> [n|1, V]
         with torch.inference_mode():
-            n = tokens.numel()
-            start = cache.reserve(n)
-            cache.tokens[start : start + n] = tokens
-            x = self.target.run_layers(self.target.embed_tokens(tokens), cache, self._steps, start=start, slots=self._slots)
-            if cache.resid is not None:
-                cache.resid[start : start + n] = x
+            x, start = self._layers(tokens, cache)
             k = self.plan.exit_after
             y = self.adapter.step(x, cache.k[k], cache.v[k], start)  # [n, D]
             return self.target.head(y[-1:] if last_only else y)

@@ -142,14 +142,19 @@ class LayerView:
         return ViewCache(len(self.plan.attention_layers), cfg.n_kv_heads, cfg.head_dim, length, dtype=self.target.dtype,
                          hidden_size=cfg.hidden_size if self.keep_hidden else 0)
 
+    def _layers(self, tokens: Tensor, cache: ViewCache) -> tuple[Tensor, int]:  # [n] -> ([n, D], start)
+        """Run the plan's layers for ``tokens`` on ``cache`` (recording tokens and residuals)."""
+        n = tokens.numel()
+        start = cache.reserve(n)
+        cache.tokens[start : start + n] = tokens
+        x = self.target.run_layers(self.target.embed_tokens(tokens), cache, self._steps, start=start, slots=self._slots)
+        if cache.resid is not None:
+            cache.resid[start : start + n] = x
+        return x, start
+
     def forward(self, tokens: Tensor, cache: ViewCache, *, last_only: bool = False) -> Tensor:  # [n] -> [n|1, V]
         with torch.inference_mode():
-            n = tokens.numel()
-            start = cache.reserve(n)
-            cache.tokens[start : start + n] = tokens
-            x = self.target.run_layers(self.target.embed_tokens(tokens), cache, self._steps, start=start, slots=self._slots)
-            if cache.resid is not None:
-                cache.resid[start : start + n] = x
+            x, _ = self._layers(tokens, cache)
             return self.target.head(x[-1:] if last_only else x)
 
 
