@@ -54,6 +54,27 @@ class Draft:
         return torch.arange(-1, self.tokens.numel() - 1, dtype=torch.long)
 
 
+class DraftChain:
+    """A chain draft being collected by a drafter: each drawn token and the q it came from."""
+
+    def __init__(self) -> None:
+        self.tokens: list[int] = []
+        self.rows: list[Tensor] = []
+
+    def add(self, drawn: tuple[int, Tensor | None] | None, sampler: DraftSampler) -> bool:
+        """Record ``drawn`` (None: nothing could be drawn); False when the draft should stop."""
+        if drawn is None:
+            return False
+        token, q = drawn
+        self.tokens.append(token)
+        if q is not None:
+            self.rows.append(q)
+        return not getattr(sampler, "stop_requested", False)
+
+    def draft(self) -> Draft:
+        rows = self.rows
+        return Draft(tokens=torch.tensor(self.tokens, dtype=torch.long), probs=torch.stack(rows) if rows else None)
+
 class DraftSampler:
     """Turns a drafter's logits into a token exactly as the verification rule requires.
 

@@ -34,7 +34,7 @@ from typing import Any, Callable
 import torch
 from torch import Tensor
 
-from specdec.drafters.base import Draft, DraftSampler
+from specdec.drafters.base import Draft, DraftChain, DraftSampler
 from specdec.drafters.tree_builder import TreeSpec, build_tree
 from specdec.errors import ConfigError
 from specdec.heads.modules import KINDS, MTP, Eagle, HeadConfig, Medusa
@@ -42,28 +42,6 @@ from specdec.heads.runtime import LayerCache, full_vocab, input_rows, run_layer,
 from specdec.verify import Verdict
 
 _EMPTY = Draft(tokens=torch.empty(0, dtype=torch.long), probs=None)
-
-
-class _Chain:
-    """A chain draft being collected: each drawn token and the q it came from."""
-
-    def __init__(self) -> None:
-        self.tokens: list[int] = []
-        self.rows: list[Tensor] = []
-
-    def add(self, drawn: tuple[int, Tensor | None] | None, sampler: DraftSampler) -> bool:
-        """Record ``drawn`` (None: nothing could be drawn); False when the draft should stop."""
-        if drawn is None:
-            return False
-        token, q = drawn
-        self.tokens.append(token)
-        if q is not None:
-            self.rows.append(q)
-        return not sampler.stop_requested
-
-    def draft(self) -> Draft:
-        rows = self.rows
-        return Draft(tokens=torch.tensor(self.tokens, dtype=torch.long), probs=torch.stack(rows) if rows else None)
 
 
 class HeadDrafter:
@@ -175,7 +153,7 @@ class EagleDrafter(HeadDrafter):
         length = context.numel()
         o = self._o
         assert o is not None
-        chain = _Chain()
+        chain = DraftChain()
         with torch.inference_mode():
             for j in range(gamma):
                 if not chain.add(self._draw(sampler, self._rows(self.head.logits(o[None])), length + j), sampler) \
@@ -254,7 +232,7 @@ class MedusaDrafter(HeadDrafter):
         if logits is None:
             return _EMPTY
         length = context.numel()
-        chain = _Chain()
+        chain = DraftChain()
         for j in range(min(gamma, logits.shape[0])):
             if not chain.add(self._draw(sampler, logits[j : j + 1], length + j), sampler):
                 break
@@ -333,7 +311,7 @@ class MTPDrafter(HeadDrafter):
         if p == 0:
             return _EMPTY
         length = context.numel()
-        chain = _Chain()
+        chain = DraftChain()
         width = self.cfg.hidden_size
         prev = torch.zeros(0, width)  # module k-1's rows run this round (rows P-k+1 .. P-1)
         with torch.inference_mode():

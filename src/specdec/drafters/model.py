@@ -5,7 +5,7 @@ from __future__ import annotations
 import torch
 from torch import Tensor
 
-from specdec.drafters.base import Draft, DraftSampler
+from specdec.drafters.base import Draft, DraftChain, DraftSampler
 from specdec.drafters.tree_builder import TreeSpec, build_tree
 from specdec.models.base import Cache, LanguageModel
 from specdec.verify import Verdict
@@ -53,18 +53,14 @@ class ModelDrafter:
         if gamma <= 0:
             return Draft(tokens=torch.empty(0, dtype=torch.long), probs=None)
         logits = self.model.forward(context[self.cache.length :], self.cache, last_only=True)  # [1, V]
-        tokens: list[int] = []
-        rows: list[Tensor] = []
+        chain = DraftChain()
         for j in range(gamma):
-            token, q = sampler(logits, length + j)
-            tokens.append(token)
-            if q is not None:
-                rows.append(q)
-            if j + 1 == gamma or getattr(sampler, "stop_requested", False):
-                break  # low draft confidence, or a gate (specdec.remote.gating) at a hard token
-            logits = self.model.forward(torch.tensor([token]), self.cache)
+            # stops at low draft confidence, or at a gate (specdec.remote.gating) at a hard token
+            if not chain.add(sampler(logits, length + j), sampler) or j + 1 == gamma:
+                break
+            logits = self.model.forward(torch.tensor(chain.tokens[-1:]), self.cache)
             self._fed += 1
-        return Draft(tokens=torch.tensor(tokens, dtype=torch.long), probs=torch.stack(rows) if rows else None)
+        return chain.draft()
 
     def propose_tree(self, context: Tensor, budget: int, sampler: DraftSampler, spec: TreeSpec, *, max_depth: int) -> Draft:
         """A token tree of at most ``budget`` nodes; each level's expanded nodes go through the
