@@ -14,6 +14,7 @@ from __future__ import annotations
 import pytest
 import torch
 
+from specdec import defaults
 from specdec.decoder import SpeculativeDecoder
 from specdec.drafters.base import DraftSampler
 from specdec.drafters.self_spec import LayerPlan, LayerView, SelfSpecDrafter, SwiftDrafter, build, load_plan, parse_name
@@ -104,6 +105,27 @@ def test_full_plan_is_bitwise_the_target(model):
     x = torch.tensor([1, 4, 2, 0, 3, 3, 1])
     view = LayerView(model, LayerPlan.early_exit(3, 3))
     assert torch.equal(view.forward(x, view.new_cache()), model.forward(x, model.new_cache()))
+
+
+def test_a_short_view_cache_grows_and_keeps_keys_residuals_and_tokens(monkeypatch):
+    """A drafter's cache starts short and grows (allocating a model's whole context per prompt
+    cost up to a second): feeding in pieces through growth equals one full-size cache bitwise."""
+    view = LayerView(INVARIANT, LayerPlan.early_exit(3, 2), keep_hidden=True)
+    x = torch.tensor([1, 4, 2, 0, 3, 3, 1, 2, 4, 0])
+    full = view.new_cache(64)
+    short = view.new_cache(64, initial_length=4)
+    assert short.capacity == 4 and full.capacity == 64
+    want = view.forward(x, full)
+    got = torch.cat([view.forward(x[:3], short), view.forward(x[3:4], short), view.forward(x[4:], short)])
+    assert short.capacity > 4  # grew with 4 positions filled
+    assert torch.equal(got, want)
+    n = x.numel()
+    assert torch.equal(short.tokens[:n], full.tokens[:n]) and torch.equal(short.resid[:n], full.resid[:n])
+    assert torch.equal(short.k[:, :, :n], full.k[:, :, :n])
+    monkeypatch.setattr(defaults, "DRAFT_KV_INITIAL_LENGTH", 4)
+    drafter = SelfSpecDrafter(view)
+    drafter.prepare(x)
+    assert drafter.cache.capacity == n + 4 < view.max_length  # sized to the prompt, not the whole context
 
 
 def test_view_shares_weights_and_caches_only_its_layers():

@@ -189,11 +189,11 @@ class KangarooView(LayerView):
         super().__init__(target, LayerPlan.early_exit(cfg.n_layers, cfg.exit_after), keep_hidden=True)
         self.adapter = adapter.to(target.dtype)
 
-    def new_cache(self, max_length: int | None = None) -> ViewCache:
+    def new_cache(self, max_length: int | None = None, *, initial_length: int | None = None) -> ViewCache:
         cfg = self.target.cfg
         length = min(max_length or self.max_length, self.max_length)
         return ViewCache(self.plan.exit_after + 1, cfg.n_kv_heads, cfg.head_dim, length, dtype=self.target.dtype,
-                         hidden_size=cfg.hidden_size)
+                         hidden_size=cfg.hidden_size, initial_length=initial_length)
 
     def forward(self, tokens: Tensor, cache: ViewCache, *, last_only: bool = False) -> Tensor:  # [n] -> [n|1, V]
         with torch.inference_mode():

@@ -2,8 +2,12 @@
 
 from __future__ import annotations
 
+import inspect
+
 import torch
 from torch import Tensor
+
+from specdec import defaults
 
 from specdec.drafters.base import Draft, DraftChain, DraftSampler
 from specdec.drafters.tree_builder import TreeSpec, build_tree
@@ -32,12 +36,17 @@ class ModelDrafter:
     def supports_trees(self) -> bool:
         return hasattr(self.model, "forward_tree")
 
-    def reset(self) -> None:
-        self.cache = self.model.new_cache(self.max_length)
+    def reset(self, expected: int = 0) -> None:
+        """A fresh cache; one that can grow starts ``expected`` + a margin positions long."""
+        if "initial_length" in inspect.signature(self.model.new_cache).parameters:
+            initial = expected + defaults.DRAFT_KV_INITIAL_LENGTH
+            self.cache = self.model.new_cache(self.max_length, initial_length=initial)  # type: ignore[call-arg]
+        else:
+            self.cache = self.model.new_cache(self.max_length)
 
     def prepare(self, prompt: Tensor) -> None:  # prompt: [L]
         """Prefill the draft cache with all but the last prompt token (outside the timed rounds)."""
-        self.reset()
+        self.reset(prompt.numel())
         assert self.cache is not None
         if prompt.numel() > 1:
             self.model.forward(prompt[:-1], self.cache, last_only=True)

@@ -96,13 +96,25 @@ class LayerPlan:
 class ViewCache(KVCache):
     """A draft cache for a :class:`LayerView`: keys/values of the layers the view runs, plus
     (for cache sharing) the residual stream leaving the view's last layer and the token at
-    every position."""
+    every position.  Like :class:`KVCache` it may start short (``initial_length``) and grow."""
 
     def __init__(self, n_layers: int, n_kv_heads: int, head_dim: int, max_length: int, *, dtype: torch.dtype,
-                 hidden_size: int = 0) -> None:
-        super().__init__(max(n_layers, 1), n_kv_heads, head_dim, max_length, dtype=dtype)
-        self.resid: Tensor | None = torch.zeros(max_length, hidden_size, dtype=dtype) if hidden_size else None  # [T, D]
-        self.tokens = torch.full((max_length,), -1, dtype=torch.long)  # [T]
+                 hidden_size: int = 0, initial_length: int | None = None) -> None:
+        super().__init__(max(n_layers, 1), n_kv_heads, head_dim, max_length, dtype=dtype, initial_length=initial_length)
+        cap = self.capacity
+        self.resid: Tensor | None = torch.zeros(cap, hidden_size, dtype=dtype) if hidden_size else None  # [C, D]
+        self.tokens = torch.full((cap,), -1, dtype=torch.long)  # [C]
+
+    def _grow(self, capacity: int) -> None:
+        super()._grow(capacity)
+        n = self.length
+        tokens = torch.full((capacity,), -1, dtype=torch.long)  # [C']
+        tokens[:n] = self.tokens[:n]
+        self.tokens = tokens
+        if self.resid is not None:
+            resid = self.resid.new_zeros(capacity, self.resid.shape[1])  # [C', D]
+            resid[:n] = self.resid[:n]
+            self.resid = resid
 
     @property
     def nbytes(self) -> int:
@@ -136,11 +148,11 @@ class LayerView:
         slot = {li: i for i, li in enumerate(plan.attention_layers)}
         self._slots = [slot.get(li, 0) for li, _, _ in self._steps]
 
-    def new_cache(self, max_length: int | None = None) -> ViewCache:
+    def new_cache(self, max_length: int | None = None, *, initial_length: int | None = None) -> ViewCache:
         cfg = self.target.cfg
         length = min(max_length or self.max_length, self.max_length)
         return ViewCache(len(self.plan.attention_layers), cfg.n_kv_heads, cfg.head_dim, length, dtype=self.target.dtype,
-                         hidden_size=cfg.hidden_size if self.keep_hidden else 0)
+                         hidden_size=cfg.hidden_size if self.keep_hidden else 0, initial_length=initial_length)
 
     def _layers(self, tokens: Tensor, cache: ViewCache) -> tuple[Tensor, int]:  # [n] -> ([n, D], start)
         """Run the plan's layers for ``tokens`` on ``cache`` (recording tokens and residuals)."""
@@ -258,8 +270,8 @@ class SwiftDrafter(SelfSpecDrafter):
         self._cost = (attn / total, mlp / total, head / total)
         self.switches = 0
 
-    def reset(self) -> None:
-        super().reset()
+    def reset(self, expected: int = 0) -> None:
+        super().reset(expected)
         self._rounds = 0
 
     def _speedup(self, plan: LayerPlan, context: Tensor) -> float:
