@@ -63,6 +63,28 @@ def test_cost_gamma_probes_after_backing_off():
     assert 0 in seen and 2 in seen
 
 
+def test_cost_gamma_probes_thin_out_while_drafting_loses_and_recover_when_it_pays():
+    """A draft step as dear as a target step never pays: the probes' interval doubles (4, 8, 16,
+    32, then 64 rounds), so 400 rounds hold at most 10 probes (a fixed interval of 4 gives ~80);
+    once drafting pays again, the next probes bring the draft-cost estimate down and it drafts again."""
+    ctrl = CostGamma(probe_every=4, max_probe_every=64)
+    probes = []
+    for i in range(400):
+        g = ctrl.next_gamma()
+        if g > 0 and i > 0:
+            probes.append(i)
+        ctrl.update(gamma=g, accepted=g, draft_s=g * 0.03, target_s=0.02, other_s=0.0)
+    assert 3 <= len(probes) <= 10, probes
+    gaps = [b - a for a, b in zip(probes, probes[1:])]
+    assert gaps == sorted(gaps) and gaps[-1] == 64, gaps
+    drafted = 0
+    for _ in range(300):  # the draft became cheap: a few probes later drafting resumes
+        g = ctrl.next_gamma()
+        drafted += g > 0
+        ctrl.update(gamma=g, accepted=g, draft_s=g * 0.0005, target_s=0.02, other_s=0.0)
+    assert drafted >= 10 and ctrl.next_gamma() >= 2
+
+
 def test_parse_gamma():
     assert parse_gamma("auto") == "auto" and parse_gamma("guide") == "guide" and parse_gamma("5") == 5
     for bad in ("0", "-1", "x", "1000"):

@@ -18,6 +18,8 @@ COST_GAMMA_MAX = 12
 COST_GAMMA_START = 4
 COST_GAMMA_DECAY = 0.9
 COST_GAMMA_PROBE_EVERY = 8
+#: a probe after which drafting still does not pay doubles the interval, up to this many rounds
+COST_GAMMA_PROBE_MAX = 128
 COST_GAMMA_PRIOR_ACCEPT = 0.7
 
 #: γ when the user asks for none in particular

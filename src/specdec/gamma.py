@@ -7,7 +7,7 @@
   per-position acceptance and measured draft / target / overhead costs (Leviathan et al. 2023,
   §3.3-3.4, generalised to a non-i.i.d. acceptance profile).  γ = 0 (no drafting) is a choice,
   so it backs off to plain decoding when drafting does not pay, and probes now and then to notice
-  when it pays again.
+  when it pays again; a probe that does not win doubles the interval to the next one.
 """
 
 from __future__ import annotations
@@ -100,6 +100,7 @@ class CostGamma:
     start: int = defaults.COST_GAMMA_START
     decay: float = defaults.COST_GAMMA_DECAY
     probe_every: int = defaults.COST_GAMMA_PROBE_EVERY
+    max_probe_every: int = defaults.COST_GAMMA_PROBE_MAX
     prior_accept: float = defaults.COST_GAMMA_PRIOR_ACCEPT
     prior_weight: float = 2.0
     extra_target_s: float = 0.0  # e.g. a network round trip, known before measuring
@@ -109,6 +110,8 @@ class CostGamma:
     _target_s: dict[int, float] = field(default_factory=dict)
     _other_s: float = 0.0
     _since_draft: int = 0
+    _interval: int = 0  # rounds between probes now (probe_every, doubled by each probe that loses)
+    _probing: bool = False
     _gamma: int = -1
     last_rates: list[float] = field(default_factory=list)
 
@@ -116,6 +119,7 @@ class CostGamma:
         self._hits = [0.0] * self.max_gamma
         self._tries = [0.0] * self.max_gamma
         self._gamma = self.start
+        self._interval = self.probe_every
 
     @property
     def name(self) -> str:
@@ -165,10 +169,16 @@ class CostGamma:
             return
         costs = [self._target_cost(k + 1) for k in range(self.max_gamma + 1)]
         choice, self.last_rates = best_gamma(self.accept_profile(), self._draft_s, costs, self._other_s)
+        if self._probing:  # the round just measured was a probe: did drafting win it back?
+            self._interval = self.probe_every if choice > 0 else min(2 * self._interval, self.max_probe_every)
+            self._probing = False
         self._since_draft = self._since_draft + 1 if choice == 0 else 0
-        if choice == 0 and self._since_draft >= self.probe_every:
+        if choice == 0 and self._since_draft >= self._interval:
+            # a cheap probe keeps the acceptance and draft-cost estimates alive; where drafting
+            # keeps losing (a draft step as dear as a target step), probes thin out geometrically
             self._since_draft = 0
-            choice = 2  # a cheap probe keeps the acceptance estimates alive
+            self._probing = True
+            choice = 2
         # grow one step at a time: positions never tried are extrapolated, not measured
         tried = max((k + 1 for k in range(self.max_gamma) if self._tries[k] > 0), default=0)
         self._gamma = min(choice, tried + 1)
