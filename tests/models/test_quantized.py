@@ -90,6 +90,40 @@ def test_scripted_loop_is_bitwise_the_python_loop(tiny_folder, kind):
     assert torch.equal(scripted, python)
 
 
+@pytest.mark.parametrize("kind", list(KINDS))
+def test_scripted_layer_subsets_are_bitwise_the_python_loop(tiny_folder, kind):
+    """``run_layers`` (a self-speculative draft's early exit / skipped sub-layers, each step
+    writing its keys/values to its own cache slot) from TorchScript equals the Python loop."""
+    model = NativeCausalLM.from_folder(tiny_folder, **KINDS[kind]) if kind != "int8" or w8a8_available() else None
+    if model is None or model.scripted is None:
+        pytest.skip("no fbgemm / TorchScript in this torch build")
+    assert model.cfg.n_layers == 2
+    plans = (  # (steps, cache slot per step): every on/off combination once
+        ([(0, True, False), (1, False, True)], [0, 0]),
+        ([(0, False, True), (1, True, True)], [0, 0]),
+        ([(0, True, True)], [0]),  # an early exit
+    )
+    ids = torch.randint(0, 1000, (20,), generator=torch.Generator().manual_seed(5))
+
+    def run() -> torch.Tensor:
+        outs = []
+        for steps, slots in plans:
+            cache = model.new_cache(64)
+            for a, b in ((0, 12), (12, 13), (13, 14), (14, 20)):  # a prefill, single steps, a block
+                start = cache.reserve(b - a)
+                outs.append(model.run_layers(model.embed_tokens(ids[a:b]), cache, steps, start=start, slots=slots).flatten())
+            outs += [cache.k[0, :, :20].flatten(), cache.v[0, :, :20].flatten()]
+        return torch.cat(outs)
+
+    scripted = run()
+    saved, model.scripted = model.scripted, None
+    try:
+        python = run()
+    finally:
+        model.scripted = saved
+    assert torch.equal(scripted, python)
+
+
 @needs_w8a8
 def test_int8_model_block_equals_token_by_token_and_is_close_to_float(tiny_folder):
     q = NativeCausalLM.from_folder(tiny_folder, quant="int8", batch_invariant=True)

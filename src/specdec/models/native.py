@@ -550,6 +550,10 @@ class NativeCausalLM:
         cos = self._cos[start:end].unsqueeze(1)  # [n, 1, d]
         sin = self._sin[start:end].unsqueeze(1)
         mask = torch.full((n, end), -math.inf, dtype=x.dtype).triu_(start + 1) if n > 1 else None  # [n, T]
+        if self.scripted is not None and steps:  # the same ops from TorchScript (bitwise this loop)
+            plan = [[li, int(a), int(m), li if slots is None else slots[i]] for i, (li, a, m) in enumerate(steps)]
+            fast = mask if not self.batch_invariant else None
+            return self.scripted(x, cos, sin, cache, start, cfg, self._eps, mask=fast, plan=plan)
         for i, (li, attn_on, mlp_on) in enumerate(steps):
             layer = self.layers[li]
             if attn_on:

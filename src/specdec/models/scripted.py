@@ -12,8 +12,9 @@ Because the ops and shapes are identical, the results are bitwise identical to t
 Scope: every pass of :meth:`NativeCausalLM.hidden`: single positions, the batch-invariant
 per-row attention (a target's verification pass), exact tree attention (each node over the
 prefix and its own path, laid out in place; see :func:`specdec.tree.attention_schedule`) and the
-fast mode's one masked attention call (a prefill, a draft's tree pass).  Layer subsets
-(self-speculative drafts) stay in Python.
+fast mode's one masked attention call (a prefill, a draft's tree pass), and layer subsets
+(:meth:`NativeCausalLM.run_layers`: a self-speculative draft's early exit or skipped
+sub-layers) through a plan of ``[layer, attention on, MLP on, cache slot]`` steps.
 """
 
 from __future__ import annotations
@@ -121,6 +122,8 @@ def _layers(
     tree_steps: List[List[int]],  # per visited node: [row, attended length, slot, node, ...]
     tree_perm: Optional[Tensor],  # [n] visited rows -> node order
     taps: List[int],  # layer counts whose residual stream is returned (target-aware drafters)
+    plan: List[List[int]],  # [layer, attention on, MLP on, cache slot] per step; [] = every layer
+    final_norm: bool,  # scale by the final RMS (the LM head's input), else the raw residual stream
 ) -> Tuple[Tensor, List[Tensor]]:  # (the LM head's input [n, D], residual stream [n, D] per tap)
     n = x.shape[0]
     tapped: List[Tensor] = []
@@ -131,13 +134,24 @@ def _layers(
     width = x.shape[1]
     q_size = hq * d
     qk_size = (hq + hk) * d
-    for li in range(len(kinds) // 4):
+    if len(plan) == 0:
+        plan = [[li, 1, 1, li] for li in range(len(kinds) // 4)]
+    for step_ in plan:
+        li = step_[0]
         lin = 4 * li
+        if step_[1] == 0:  # attention skipped: nothing written to the cache
+            if step_[2] != 0:
+                gate_up = _linear(lin + 2, x, _inv_rms(x, eps, width), kinds, q8, staging, reduce_range, chunks, bounds, dense, bias, smooth)
+                gate, up = gate_up.chunk(2, -1)
+                x = x + _linear(lin + 3, F.silu(gate) * up, None, kinds, q8, staging, reduce_range, chunks, bounds, dense, bias, smooth)
+            if li + 1 in taps:
+                tapped.append(x)
+            continue
         qkv = _linear(lin, x, _inv_rms(x, eps, width), kinds, q8, staging, reduce_range, chunks, bounds, dense, bias, smooth)
         qk = qkv[:, :qk_size].view(n, hq + hk, d)
         qk = torch.addcmul(qk * cos, qk.roll(d // 2, -1), sin)
-        k_cache = k_all[li]
-        v_cache = v_all[li]
+        k_cache = k_all[step_[3]]
+        v_cache = v_all[step_[3]]
         k_cache[:, start:end] = qk[:, hq:].transpose(0, 1)
         v_cache[:, start:end] = qkv[:, qk_size:].view(n, hk, d).transpose(0, 1)
         if mask is not None:  # fast mode: one masked call (prefill, a draft's tree)
@@ -168,12 +182,15 @@ def _layers(
                 rows.append(_attend_row(qk[j, :hq], k_cache[:, : start + j + 1], v_cache[:, : start + j + 1], hq, hk, d))
             attn = rows[0] if n == 1 else torch.cat(rows)
         x = x + _linear(lin + 1, attn, None, kinds, q8, staging, reduce_range, chunks, bounds, dense, bias, smooth)
-        gate_up = _linear(lin + 2, x, _inv_rms(x, eps, width), kinds, q8, staging, reduce_range, chunks, bounds, dense, bias, smooth)
-        gate, up = gate_up.chunk(2, -1)
-        x = x + _linear(lin + 3, F.silu(gate) * up, None, kinds, q8, staging, reduce_range, chunks, bounds, dense, bias, smooth)
+        if step_[2] != 0:
+            gate_up = _linear(lin + 2, x, _inv_rms(x, eps, width), kinds, q8, staging, reduce_range, chunks, bounds, dense, bias, smooth)
+            gate, up = gate_up.chunk(2, -1)
+            x = x + _linear(lin + 3, F.silu(gate) * up, None, kinds, q8, staging, reduce_range, chunks, bounds, dense, bias, smooth)
         if li + 1 in taps:
             tapped.append(x)
-    return x * _inv_rms(x, eps, width), tapped
+    if final_norm:
+        return x * _inv_rms(x, eps, width), tapped
+    return x, tapped
 
 
 _compiled = None
@@ -245,11 +262,14 @@ class ScriptedLayers:
     def __call__(
         self, x: Tensor, cos: Tensor, sin: Tensor, cache, start: int, cfg, eps: Tensor, *,
         mask: Tensor | None = None, tree=None, taps: dict[int, Tensor] | None = None,
+        plan: list[list[int]] | None = None,
     ) -> Tensor:
         """``mask``: fast-mode attention (one masked call per layer); ``tree``: a
         ``native._TreeLayout`` for exact per-node tree attention; neither: per-row attention.
         ``taps`` (layer count -> filled with the residual stream after that many layers, [n, D])
-        as in :meth:`NativeCausalLM.hidden`."""
+        as in :meth:`NativeCausalLM.hidden`.  ``plan``: run only these ``[layer, attention on,
+        MLP on, cache slot]`` steps and return the raw residual stream (no final norm), as
+        :meth:`NativeCausalLM.run_layers` does."""
         self._ensure(x.shape[0])
         tree_start, steps, perm = -1, [], None
         if tree is not None:
@@ -259,7 +279,7 @@ class ScriptedLayers:
         out, tapped = self.fn(
             x, cos, sin, cache.k, cache.v, start, cfg.n_heads, cfg.n_kv_heads, cfg.head_dim, eps,
             self.kinds, self.q8, self.staging, self.reduce_range, self.chunks, self.bounds, self.dense, self.bias,
-            self.smooth, mask, tree_start, steps, perm, wanted,
+            self.smooth, mask, tree_start, steps, perm, wanted, plan or [], plan is None,
         )
         if taps:
             for k, t in zip(wanted, tapped):
