@@ -81,3 +81,37 @@ def random_head(kind: str, *, hidden: int, vocab: int, draft_vocab: int, taps: t
             if p.dim() > 1:
                 p.copy_(torch.randn(p.shape, generator=g) * scale)
     return head.eval()
+
+
+def tiny_vocab_llama(*, vocab: int = 5, layers: int = 4, seed: int = 0, batch_invariant: bool = True) -> NativeCausalLM:
+    """A random 4-layer Llama with a 5-token vocabulary, logits spread enough to matter (law tests)."""
+    from specdec.models.native import NativeCausalLM, NativeConfig
+
+    cfg = NativeConfig(model_type="llama", vocab_size=vocab, hidden_size=16, n_layers=layers, n_heads=2, n_kv_heads=1,
+                       head_dim=8, intermediate_size=32, rms_eps=1e-6, rope_theta=10000.0, max_length=64,
+                       tie_embeddings=False, attention_bias=False)
+    g = torch.Generator().manual_seed(seed)
+
+    def r(*shape: int, scale: float = 0.4) -> torch.Tensor:
+        return torch.randn(*shape, generator=g) * scale
+
+    w = {"model.embed_tokens.weight": r(vocab, 16, scale=1.0), "model.norm.weight": torch.ones(16),
+         "lm_head.weight": r(vocab, 16, scale=0.8)}
+    for i in range(layers):
+        p = f"model.layers.{i}."
+        w |= {p + "self_attn.q_proj.weight": r(16, 16), p + "self_attn.k_proj.weight": r(8, 16),
+              p + "self_attn.v_proj.weight": r(8, 16), p + "self_attn.o_proj.weight": r(16, 16),
+              p + "input_layernorm.weight": torch.ones(16), p + "post_attention_layernorm.weight": torch.ones(16),
+              p + "mlp.gate_proj.weight": r(32, 16), p + "mlp.up_proj.weight": r(32, 16), p + "mlp.down_proj.weight": r(16, 32)}
+    return NativeCausalLM(cfg, w, batch_invariant=batch_invariant)
+
+
+class NativeOracle:
+    """``exact_law``'s view of a native model: next-token logits after any history."""
+
+    def __init__(self, model: NativeCausalLM) -> None:
+        self.model = model
+        self.vocab_size = model.vocab_size
+
+    def logits_for(self, history: list[int]) -> torch.Tensor:  # -> [V]
+        return self.model.forward(torch.tensor(history), self.model.new_cache(32))[-1].double()

@@ -191,6 +191,8 @@ class SpeculativeDecoder:
             t1 = time.perf_counter()
             outcome = verifier.verify(draft)
             verdict = outcome.verdict
+            if drafter is not None and outcome.node_argmax is not None:  # before commit: the tree's layout
+                drafter.observe(outcome.node_argmax)  # type: ignore[attr-defined]
             if drafter is not None and g > 0:
                 drafter.commit(verdict)
             if taps is not None:  # every round, drafted or not: the features of what was committed

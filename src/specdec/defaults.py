@@ -44,6 +44,12 @@ TREE_OUTLIER = 2.5  # tree controller: a round counts at most this many times it
 DEFAULT_TREE = "chain"  # chain | auto | N
 
 # n-gram drafter
+# Lookahead decoding: window of W guesses x (N - 1) rows, N-grams, pool candidates per round
+LOOKAHEAD_WINDOW = 5
+LOOKAHEAD_NGRAM = 3
+LOOKAHEAD_CANDIDATES = 3
+LOOKAHEAD_POOL = 4096  # first tokens kept in the n-gram pool (least recently refreshed dropped)
+LOOKAHEAD_PER_KEY = 8  # continuations kept per first token (most recent)
 NGRAM_MAX = 3
 NGRAM_MIN = 1
 

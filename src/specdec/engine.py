@@ -16,6 +16,7 @@ from specdec import defaults
 from specdec.decoder import GenerationResult, SpeculativeDecoder
 from specdec.drafters import ModelDrafter, NgramDrafter
 from specdec.drafters import self_spec
+from specdec.drafters.lookahead import LookaheadDrafter
 from specdec.drafters.base import Drafter, feature_taps
 from specdec.errors import ConfigError
 from specdec.drafters.tree_builder import TreeSpec
@@ -204,6 +205,8 @@ class Engine:
             return cls(target, None, "none")
         if kind == "ngram":
             return cls(target, NgramDrafter(max_ngram=defaults.NGRAM_MAX, min_ngram=defaults.NGRAM_MIN), "ngram")
+        if kind == "lookahead":
+            return cls(target, LookaheadDrafter(), "lookahead")
         if kind == "self":
             return cls(target, ModelDrafter(target.model), "self", target)
         if self_spec.parse_name(kind) is not None:  # a view of the target: no second model is loaded

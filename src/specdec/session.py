@@ -47,6 +47,9 @@ class Outcome:
     #: the target's features at the positions this round fed and kept (``[pending] + accepted``),
     #: ``[k, len(taps) + 1, D]`` rows (taps..., final hidden state); None unless requested
     features: Tensor | None = None
+    #: [N+1] int64: the target's arg-max (raw logits) at the root and after each node of the pass,
+    #: when the draft asked for it (``Draft.wants_argmax``); None otherwise
+    node_argmax: Tensor | None = None
 
 
 class Verifier(Protocol):
@@ -202,7 +205,8 @@ class TargetSession:
         if self.penalties is not None:
             self.penalties.append(verdict.tokens)
         kept = feats[: 1 + verdict.num_accepted] if feats is not None else None
-        return Outcome(verdict=verdict, target_s=t1 - t0, verify_s=time.perf_counter() - t1, features=kept)
+        return Outcome(verdict=verdict, target_s=t1 - t0, verify_s=time.perf_counter() - t1, features=kept,
+                       node_argmax=logits.argmax(-1) if draft.wants_argmax else None)
 
     def _verify_tree(self, draft: Draft, *, max_tokens: int | None = None) -> Outcome:
         """One tree round: score ``[last committed] + nodes`` with tree attention, keep one path.
@@ -255,7 +259,8 @@ class TargetSession:
         if self.penalties is not None:
             self.penalties.append(verdict.tokens)
         return Outcome(verdict=verdict, target_s=t1 - t0, verify_s=time.perf_counter() - t1, metrics={"tree_nodes": n},
-                       features=feats[keep] if feats is not None else None)
+                       features=feats[keep] if feats is not None else None,
+                       node_argmax=logits.argmax(-1) if draft.wants_argmax else None)
 
     def close(self) -> None:
         pass

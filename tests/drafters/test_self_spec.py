@@ -26,42 +26,11 @@ from specdec.sampling import SamplingConfig
 from specdec.session import TargetSession
 from specdec.verify import get_rule
 from stats import ALPHA, chi_square_pvalue, exact_law
+from tiny import NativeOracle as Oracle, tiny_vocab_llama as tiny_native
 
 N_SAMPLES = 6_000
 N_NEW = 3
 PROMPT = [1, 3, 0]
-
-
-def tiny_native(*, vocab: int = 5, layers: int = 4, seed: int = 0, batch_invariant: bool = True) -> NativeCausalLM:
-    """A random 4-layer Llama with a 5-token vocabulary, logits spread enough to matter."""
-    cfg = NativeConfig(model_type="llama", vocab_size=vocab, hidden_size=16, n_layers=layers, n_heads=2, n_kv_heads=1,
-                       head_dim=8, intermediate_size=32, rms_eps=1e-6, rope_theta=10000.0, max_length=64,
-                       tie_embeddings=False, attention_bias=False)
-    g = torch.Generator().manual_seed(seed)
-
-    def r(*shape: int, scale: float = 0.4) -> torch.Tensor:
-        return torch.randn(*shape, generator=g) * scale
-
-    w = {"model.embed_tokens.weight": r(vocab, 16, scale=1.0), "model.norm.weight": torch.ones(16),
-         "lm_head.weight": r(vocab, 16, scale=0.8)}
-    for i in range(layers):
-        p = f"model.layers.{i}."
-        w |= {p + "self_attn.q_proj.weight": r(16, 16), p + "self_attn.k_proj.weight": r(8, 16),
-              p + "self_attn.v_proj.weight": r(8, 16), p + "self_attn.o_proj.weight": r(16, 16),
-              p + "input_layernorm.weight": torch.ones(16), p + "post_attention_layernorm.weight": torch.ones(16),
-              p + "mlp.gate_proj.weight": r(32, 16), p + "mlp.up_proj.weight": r(32, 16), p + "mlp.down_proj.weight": r(16, 32)}
-    return NativeCausalLM(cfg, w, batch_invariant=batch_invariant)
-
-
-class Oracle:
-    """``exact_law``'s view of a native model: next-token logits after any history."""
-
-    def __init__(self, model: NativeCausalLM) -> None:
-        self.model = model
-        self.vocab_size = model.vocab_size
-
-    def logits_for(self, history: list[int]) -> torch.Tensor:  # -> [V]
-        return self.model.forward(torch.tensor(history), self.model.new_cache(32))[-1].double()
 
 
 TARGET = tiny_native(layers=3, batch_invariant=False)  # the fast path: law tests draw many samples

@@ -42,6 +42,9 @@ class Draft:
     reuse: Any = None
     parents: Tensor | None = None  # [γ'] int64 tree parents; None => a chain
     siblings: SiblingMode = "iid"
+    #: ask the verifier for the target's arg-max at the root and after every node
+    #: (``Outcome.node_argmax``): Lookahead decoding's Jacobi step reads it
+    wants_argmax: bool = False
 
     @property
     def is_tree(self) -> bool:

@@ -1,0 +1,158 @@
+"""Lookahead decoding: the window as a tree, the Jacobi step, the pool, and exactness.
+
+The law tests draw N = 2,000 independent generations (seed = sample index) of 2 new tokens from
+a 5-token, 3-layer random Llama (25 possible outputs), drafted by Lookahead as 10-node trees
+(a 2 x 3 window + pool candidates), verified by the token-level tree rule (recursive rejection
+sampling) and by Traversal Verification, and run a chi-square goodness-of-fit test against the
+exact law (enumerated); they fail at p < 1e-4.  The negative control runs the same test with the
+tree rule accepting each candidate with twice its probability (min(1, 2 p(x) / q(x)), a plausible
+slip) and must fail.
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+import specdec.verify_tree as vt
+from specdec.decoder import SpeculativeDecoder
+from specdec.drafters.base import DraftSampler
+from specdec.drafters.lookahead import LookaheadDrafter
+from specdec.drafters.tree_builder import TreeSpec
+from specdec.gamma import FixedGamma
+from specdec.sampling import SamplingConfig
+from specdec.session import TargetSession
+from specdec.tree import paths
+from specdec.verify import Verdict, get_rule
+from stats import ALPHA, chi_square_pvalue, exact_law
+
+from tiny import NativeOracle as Oracle, tiny_vocab_llama as tiny_native
+
+N_SAMPLES = 2_000
+N_NEW = 2
+PROMPT = [1, 3, 0, 1, 3]
+TARGET = tiny_native(layers=3, batch_invariant=False)
+INVARIANT = tiny_native(layers=3)
+SPEC = TreeSpec()
+
+
+def _sampler() -> DraftSampler:
+    return DraftSampler(SamplingConfig(temperature=0.0), "argmax", penalties=None, generator=None)
+
+
+def _drafter(**kw) -> LookaheadDrafter:
+    d = LookaheadDrafter(**{"window": 3, "ngram": 3, "candidates": 2, **kw})
+    d.prepare(torch.tensor(PROMPT))
+    return d
+
+
+# ----------------------------------------------------------------------------- structure
+
+
+def test_window_is_a_tree_whose_ancestors_are_the_lookahead_diagonals():
+    d = _drafter(candidates=0)
+    draft = d.propose_tree(torch.tensor(PROMPT), 16, _sampler(), SPEC, max_depth=8)
+    nodes = d._window_nodes  # [[row 0 nodes], [row 1 nodes]]
+    assert [len(r) for r in nodes] == [3, 3] and draft.tokens.numel() == 6 and draft.wants_argmax
+    par = draft.parents.tolist()
+    assert all(p < i for i, p in enumerate(par))  # topological
+    anc = paths(draft.parents)  # node -> its path from the root (node included)
+    for i, node in enumerate(nodes[0]):
+        assert anc[node] == nodes[0][: i + 1]  # row 0: a chain off the root
+        assert draft.tokens[node] == d.levels[0][i]
+    # row 1, column i: the diagonal (row 0, column i - 1), then row 0's prefix
+    assert anc[nodes[1][0]] == [nodes[1][0]]
+    assert anc[nodes[1][2]] == [nodes[0][0], nodes[0][1], nodes[1][2]]
+
+
+def test_pool_candidates_form_a_trie_and_the_budget_holds():
+    d = _drafter()
+    d.pool.clear()
+    for gram in ((3, 4, 4), (3, 4, 2), (3, 2, 2)):
+        d._add(gram)
+    for budget in (4, 9, 12):
+        draft = d.propose_tree(torch.tensor(PROMPT), budget, _sampler(), SPEC, max_depth=8)
+        assert draft.tokens.numel() <= budget
+    draft = d.propose_tree(torch.tensor(PROMPT), 12, _sampler(), SPEC, max_depth=8)  # last token: 3
+    window = {n for row in d._window_nodes for n in row}
+    cand = [(int(t), int(p)) for i, (t, p) in enumerate(zip(draft.tokens, draft.parents)) if i not in window]
+    # 2 most recent continuations of 3: (4, 2) and (2, 2); distinct roots, no duplicate edges
+    assert sorted(t for t, p in cand if p == -1) == [2, 4] and len(cand) == 4
+
+
+def test_jacobi_step_pool_and_slide():
+    d = _drafter(candidates=0)
+    d.levels = [[1, 2, 3], [4, 0, 1]]
+    draft = d.propose_tree(torch.tensor(PROMPT), 16, _sampler(), SPEC, max_depth=8)
+    r0, r1 = d._window_nodes
+    out = torch.zeros(draft.tokens.numel() + 1, dtype=torch.long)
+    out[0] = 2  # the target's next token at the root
+    for i, node in enumerate(r1):
+        out[node + 1] = 10 + i  # what the target predicts after row 1's nodes (fake ids)
+    d.pool.clear()
+    d.observe(out)
+    # the new newest row: root prediction, then the prediction after row 1's column i - 1
+    assert d.levels == [[4, 0, 1], [2, 10, 11]]
+    # n-grams: column i's diagonal (row 0, i - 1), (row 1, i), then the prediction after it
+    assert d.pool[1] == [(0, 11)] and d.pool[2] == [(1, 12)]
+    d.commit(Verdict(num_accepted=1, tokens=torch.tensor([2, 10])))  # 2 tokens committed
+    assert [row[:1] for row in d.levels] == [[1], [11]] and all(len(row) == 3 for row in d.levels)
+
+
+def test_pool_is_bounded():
+    d = LookaheadDrafter(window=2, ngram=2, candidates=1, pool_size=3)
+    d.prepare(torch.arange(10))
+    assert len(d.pool) == 3 and list(d.pool) == [6, 7, 8]
+    for _ in range(20):
+        d._add((6, 1))
+        d._add((6, 2))
+    assert d.pool[6] == [(7,), (1,), (2,)]  # no duplicates, most recent last
+
+
+def test_node_argmax_is_the_teacher_forced_argmax_of_each_path():
+    cfg = SamplingConfig(temperature=0.0)
+    d = _drafter()
+    session = TargetSession(INVARIANT, PROMPT, cfg, get_rule("greedy"), seed=0)
+    draft = d.propose_tree(session.context, 9, _sampler(), SPEC, max_depth=8)
+    out = session.verify(draft).node_argmax
+    assert out is not None and out.numel() == draft.tokens.numel() + 1
+    ctx = PROMPT
+    assert out[0] == INVARIANT.forward(torch.tensor(ctx), INVARIANT.new_cache(32))[-1].argmax()
+    for i, path in enumerate(paths(draft.parents)):
+        seq = torch.tensor(ctx + [int(draft.tokens[j]) for j in path])
+        assert out[i + 1] == INVARIANT.forward(seq, INVARIANT.new_cache(32))[-1].argmax()
+
+
+# ----------------------------------------------------------------------------- exactness
+
+
+@pytest.mark.parametrize("budget", [4, 10, 16])
+def test_greedy_lookahead_equals_plain_greedy(budget):
+    cfg = SamplingConfig(temperature=0.0, max_new_tokens=40)
+    plain = SpeculativeDecoder(INVARIANT, None, get_rule("greedy")).generate(PROMPT, cfg)
+    dec = SpeculativeDecoder(INVARIANT, LookaheadDrafter(window=3, ngram=3, candidates=2), get_rule("greedy"),
+                             gamma=FixedGamma(budget), tree=SPEC)
+    out = dec.generate(PROMPT, cfg)
+    assert out.tokens == plain.tokens
+    assert out.stats.tokens_per_target_call > 1.0  # a 5-token model repeats itself: the pool pays
+
+
+def _samples(method: str, cfg: SamplingConfig) -> list[tuple[int, ...]]:
+    dec = SpeculativeDecoder(TARGET, LookaheadDrafter(window=3, ngram=3, candidates=2), get_rule(method),
+                             gamma=FixedGamma(10), tree=SPEC)
+    return [tuple(dec.generate(PROMPT, SamplingConfig(**{**cfg.__dict__, "seed": i, "max_new_tokens": N_NEW})).tokens)
+            for i in range(N_SAMPLES)]
+
+
+@pytest.mark.parametrize("method", ["token", "block"])
+def test_output_law_at_t1(method):
+    cfg = SamplingConfig(temperature=1.0)
+    law = exact_law(Oracle(TARGET), PROMPT, cfg, N_NEW)
+    assert chi_square_pvalue(_samples(method, cfg), law) > ALPHA
+
+
+def test_negative_control_over_accepting_rule_fails(monkeypatch):
+    monkeypatch.setattr(vt, "_accept_prob", lambda p, q: min(1.0, 2.0 * p / q) if q > 0 else 0.0)
+    cfg = SamplingConfig(temperature=1.0)
+    law = exact_law(Oracle(TARGET), PROMPT, cfg, N_NEW)
+    assert chi_square_pvalue(_samples("token", cfg), law) < ALPHA
