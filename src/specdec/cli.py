@@ -183,11 +183,9 @@ def _cmd_generate(args: argparse.Namespace) -> int:
     if not prompt.strip() and not args.interactive:
         raise SpecdecError("the prompt is empty")
     if args.remote:  # edge-cloud: draft here, verify on a `specdec serve` server
-        if tree != "chain":
-            raise SpecdecError("--tree with --remote is not supported yet; use --tree chain")
         from specdec.remote.command import run_generate
 
-        return run_generate(args, prompt, sampling, gamma)
+        return run_generate(args, prompt, sampling, gamma, tree)
     quiet = args.json
     log = (lambda msg: None) if quiet else (lambda msg: print(f"[specdec] {msg}", file=sys.stderr, flush=True))
     engine = Engine.build(EngineConfig(target=args.target, draft=args.draft, backend=args.backend, dtype=args.dtype, draft_dtype=args.draft_dtype, batch_invariant=not args.fast_attention), progress=log)

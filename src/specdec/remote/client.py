@@ -247,8 +247,12 @@ class RemoteVerifier:
         self._round_start = (self.stats.bytes_up, self.stats.bytes_down, self.stats.wire_bytes_up,
                              self.stats.wire_bytes_down, self.stats.retries)
         gamma = draft.tokens.numel()
+        tree = draft.parents is not None
+        if tree and self.wire == "lossy-scalar":
+            raise ConfigError("token trees need a wire mode that sends whole rows of q (sparse-q) or none; not lossy-scalar")
         if (
             self.local_commit is not None
+            and not tree  # the gate judges a chain's tokens in order; a tree always goes to the cloud
             and gamma > 0
             and len(self._pending) + gamma <= MAX_PENDING_UNVERIFIED
             and self.local_commit(draft)
@@ -257,6 +261,12 @@ class RemoteVerifier:
             return self._commit_unverified(draft.tokens, started, "local_commit")
         drafted = draft.tokens.tolist()
         payload: dict[str, Any] = {"draft_tokens": drafted}
+        parents: list[int] | None = None
+        if tree:  # ids + one parent index per node (+ how siblings were drawn, for sampled trees)
+            parents = draft.parents.tolist()  # type: ignore[union-attr]
+            payload["parents"] = parents
+            if draft.probs is not None:
+                payload["siblings"] = draft.siblings
         q = self._q_payload(draft)
         if q is not None:
             payload["q"] = q
@@ -286,7 +296,7 @@ class RemoteVerifier:
                 continue
             status = resp.status_code
             if status == 200:
-                return self._apply(resp.json(), drafted, started)
+                return self._apply(resp.json(), drafted, started, parents)
             if status == 404 and self._session is not None:
                 lost += 1
                 if lost > 3:
@@ -461,12 +471,23 @@ class RemoteVerifier:
         self._ctx[self._n : self._n + k] = torch.tensor(tokens, dtype=torch.long)
         self._n += k
 
-    def _apply(self, data: dict[str, Any], drafted: list[int], started: float) -> Outcome:
+    def _apply(self, data: dict[str, Any], drafted: list[int], started: float, parents: list[int] | None = None) -> Outcome:
         n, tokens = int(data["num_accepted"]), [int(t) for t in data["tokens"]]
+        path: tuple[int, ...] | None = None
+        if parents is not None:  # a tree: the accepted nodes must form a root path of the draft
+            raw = data.get("path")
+            path = tuple(int(i) for i in raw) if isinstance(raw, list) else None
+            ok = path is not None and len(path) == n and all(0 <= i < len(drafted) for i in path) and all(
+                parents[i] == (path[j - 1] if j else -1) for j, i in enumerate(path)
+            )
+            expected = [drafted[i] for i in path] if ok and path is not None else None
+        else:
+            expected = drafted[:n]
         if (
             data.get("seq") != self._seq
             or len(tokens) != n + 1
-            or tokens[:n] != drafted[:n]
+            or expected is None
+            or tokens[:n] != expected
             or not all(0 <= t < self.vocab_size for t in tokens)
         ):
             raise RemoteError(f"the server's verdict for round {self._seq} is inconsistent with the draft")
@@ -484,7 +505,7 @@ class RemoteVerifier:
         self.stats.rtt_s.append(rtt)
         self.stats.cloud_target_ms += float(m.get("target_ms", 0.0))
         self.stats.cloud_server_ms += float(m.get("server_ms", 0.0))
-        verdict = Verdict(num_accepted=n, tokens=torch.tensor(tokens, dtype=torch.long))
+        verdict = Verdict(num_accepted=n, tokens=torch.tensor(tokens, dtype=torch.long), path=path)
         up, down, wire_up, wire_down, retries = self._round_start
         metrics = {  # this round's figures
             "rtt_ms": rtt * 1e3,

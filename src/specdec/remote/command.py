@@ -69,7 +69,8 @@ def _gate(args: argparse.Namespace, tokenizer: Any, draft_model: Any, vocab_size
     return Gate(cfg, triggers=triggers, draft_model=draft_model)
 
 
-def run_generate(args: argparse.Namespace, prompt: str, sampling: SamplingConfig, gamma: str | int) -> int:
+def run_generate(args: argparse.Namespace, prompt: str, sampling: SamplingConfig, gamma: str | int,
+                 tree: str | int = "chain") -> int:
     """The ``generate --remote`` command body (prompt, sampling and γ already parsed by the CLI)."""
     from transformers import AutoTokenizer
 
@@ -122,7 +123,7 @@ def run_generate(args: argparse.Namespace, prompt: str, sampling: SamplingConfig
     log(f"verifying on {args.remote} (wire {wire or 'default'})")
     on_text = None if quiet else (lambda text: (sys.stdout.write(text), sys.stdout.flush()))
     out = generate_remote(
-        ids, sampling, remote, drafter=drafter, drafter_name=name, tokenizer=tokenizer, gamma=gamma, eos_ids=eos,
+        ids, sampling, remote, drafter=drafter, drafter_name=name, tokenizer=tokenizer, gamma=gamma, tree=tree, eos_ids=eos,
         q_top_k=args.q_top_k, gate=gate, on_text=on_text,
     )
     stats = out.summary()

@@ -18,7 +18,7 @@ import httpx
 from specdec import defaults
 from specdec.decoder import GenerationResult, GenerationStats, SpeculativeDecoder
 from specdec.drafters.base import Drafter
-from specdec.engine import make_gamma
+from specdec.engine import make_gamma, make_tree
 from specdec.errors import ConfigError
 from specdec.remote.client import RemoteConfig, RemoteTarget, RemoteVerifier
 from specdec.remote.gating import Gate, GatedDrafter
@@ -72,6 +72,7 @@ def generate_remote(
     drafter_name: str = "",
     tokenizer: Any | None = None,
     gamma: str | int = defaults.DEFAULT_GAMMA,
+    tree: str | int = defaults.DEFAULT_TREE,
     eos_ids: frozenset[int] = frozenset(),
     q_top_k: int | None = DEFAULT_Q_TOP_K,
     gate: Gate | None = None,
@@ -82,7 +83,10 @@ def generate_remote(
     """Generate after ``prompt_ids`` with ``drafter`` here and the target behind ``remote``.
 
     A missing ``sampling.seed`` is drawn here, so the edge and the cloud share it.
-    ``q_top_k`` applies to the sparse-q wire mode only.
+    ``q_top_k`` applies to the sparse-q wire mode only.  ``tree`` (``chain``, ``auto`` or a node
+    count) sends token trees: ids + parent indices (+ sparse q rows where the rule reads q); under
+    ``auto`` the tree controller's measured seconds per round include the round trip, so it
+    weighs a bigger tree against the network as well as against the cloud's pass.
     """
     if not prompt_ids:
         raise ConfigError("the prompt is empty")
@@ -91,6 +95,9 @@ def generate_remote(
     if sampling.seed is None:
         sampling = replace(sampling, seed=int.from_bytes(os.urandom(6), "little"))
     local_commit = None
+    spec, controller = make_tree(tree, make_gamma(gamma))
+    if spec is not None and gate is not None and gate.cfg.policy != "off":
+        raise ConfigError("the edge gate judges chain drafts token by token; use --tree chain with --gate")
     if gate is not None and gate.cfg.policy != "off":
         if drafter is not None:
             drafter = GatedDrafter(drafter, gate)
@@ -105,10 +112,11 @@ def generate_remote(
             target,  # type: ignore[arg-type]  # the decoder reads only vocab_size from it
             drafter,
             verifier.rule,
-            gamma=make_gamma(gamma),
+            gamma=controller,
             eos_ids=eos_ids,
             drafter_name=drafter_name,
             q_top_k=q_top_k if verifier.wire == "sparse-q" else None,
+            tree=spec,
         )
         sink = TextSink(tokenizer, sampling.stop, on_text)
         stop = StopStrings(tokenizer, sampling.stop) if sampling.stop and tokenizer is not None else None
