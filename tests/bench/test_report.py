@@ -113,6 +113,16 @@ def test_machine_line_names_the_cpu_features():
     m = {"cpu": "AMD EPYC", "cpu_count": 2, "torch": "2.13.0+cpu", "cpu_capability": "AVX2", "cpu_bf16": False}
     assert report.machine_line(m) == "AMD EPYC (AVX2, no native bf16), 2 cores, torch 2.13.0+cpu"
     assert report.machine_line({"cpu": "X", "cpu_count": 4, "torch": "t"}) == "X, 4 cores, torch t"
+    m = {"cpu": "Xeon", "cpu_count": 2, "torch": "t", "cpu_capability": "AVX512", "cpu_amx_int8": True, "int8_kernel": "onednn"}
+    assert report.machine_line(m) == "Xeon (AVX512, AMX int8, int8 kernel onednn), 2 cores, torch t"
+
+
+def test_bench_command_names_the_environment_that_changes_what_runs():
+    from specdec.bench.cli import command_line
+
+    assert command_line(["--modes", "plain"], {}) == "specdec bench --modes plain"
+    env = {"SPECDEC_INT8_KERNEL": "onednn", "HOME": "/x"}
+    assert command_line(["--out", "a b"], env) == "SPECDEC_INT8_KERNEL=onednn specdec bench --out 'a b'"
 
 
 def test_gamma_labels_sort_numerically_then_policies():
@@ -149,3 +159,18 @@ def test_greedy_identity_counts_rows_equal_to_plain():
         {"mode": "speculative", "method": "block", "gamma": "auto", "temperature": 1, "prompt_id": "a", "seed": 0, "tokens_sha1": "q"},
     ]
     assert greedy_identity(rows) == [("speculative greedy γ=auto", 1, 2)]
+
+
+def test_a_worker_killed_by_a_signal_is_named_in_the_error():
+    """A crash in native code (llama.cpp's AMX kernel segfaulted on a Sapphire Rapids machine)
+    prints no traceback: the error must still say what happened."""
+    import os
+
+    from specdec.bench.runner import _run_worker
+    from specdec.errors import SpecdecError
+
+    crash = ["sh", "-c", "kill -SEGV $$", "sh"]  # the worker's own command line becomes sh's arguments
+    with pytest.raises(SpecdecError, match="killed by SIGSEGV.*llama.cpp"):
+        _run_worker({"mode": "llamacpp"}, dict(os.environ), crash, "llamacpp", lambda row: None)
+    with pytest.raises(SpecdecError, match=r"killed by SIGSEGV \(a crash in native code\)"):
+        _run_worker({"mode": "plain"}, dict(os.environ), crash, "plain", lambda row: None)

@@ -11,12 +11,18 @@ from __future__ import annotations
 import pytest
 import torch
 
-from specdec.models.linear import W8A8Linear, w8a8_available
+from specdec.models.linear import W8A8Linear, W8A8OneDNNLinear, onednn_int8_available, w8a8_available
 from specdec.models.native import NativeCausalLM
 from specdec.models.quantize import calibration_ids, smoothing
 from tiny import make_tiny
 
 needs_w8a8 = pytest.mark.skipif(not w8a8_available(), reason="this torch build has no fbgemm int8 engine")
+needs_onednn = pytest.mark.skipif(not onednn_int8_available(), reason="this torch build has no oneDNN int8 linear")
+#: the int8 linear layers, one per kernel
+INT8_LINEARS = [
+    pytest.param(W8A8Linear, marks=needs_w8a8, id="fbgemm"),
+    pytest.param(W8A8OneDNNLinear, marks=needs_onednn, id="onednn"),
+]
 
 
 @pytest.fixture(scope="module", params=["llama", "qwen2"])
@@ -24,17 +30,17 @@ def tiny_folder(request, tmp_path_factory):
     return make_tiny(tmp_path_factory.mktemp(request.param), model_type=request.param)
 
 
-@needs_w8a8
+@pytest.mark.parametrize("linear", INT8_LINEARS)
 @pytest.mark.parametrize("with_bias", [False, True])
 @pytest.mark.parametrize("with_smooth", [False, True])
-def test_w8a8_rows_are_batch_invariant_and_close(with_bias, with_smooth):
+def test_w8a8_rows_are_batch_invariant_and_close(linear, with_bias, with_smooth):
     g = torch.Generator().manual_seed(0)
     w = torch.randn(300, 96, generator=g) * 0.05
     bias = torch.randn(300, generator=g) if with_bias else None
     x = torch.randn(64, 96, generator=g)
     x[:, 7] *= 30  # an outlier channel, as LLM activations have
     smooth = smoothing(x.abs().amax(0), w) if with_smooth else None
-    lin = W8A8Linear(w, bias, smooth=smooth)
+    lin = linear(w, bias, smooth=smooth)
     rows = torch.cat([lin(x[i : i + 1]) for i in range(64)])
     for n in (2, 3, 5, 9, 16, 17, 33, 64):
         assert torch.equal(lin(x[:n]), rows[:n]), n
@@ -45,15 +51,15 @@ def test_w8a8_rows_are_batch_invariant_and_close(with_bias, with_smooth):
     assert 0 < err < (0.02 if with_smooth else 0.05)
 
 
-@needs_w8a8
-def test_smoothing_reduces_error_on_outlier_channels():
+@pytest.mark.parametrize("linear", INT8_LINEARS)
+def test_smoothing_reduces_error_on_outlier_channels(linear):
     g = torch.Generator().manual_seed(1)
     w = torch.randn(200, 128, generator=g) * 0.05
     x = torch.randn(32, 128, generator=g)
     x[:, :4] *= 50
     ref = x @ w.T
-    plain = (W8A8Linear(w)(x) - ref).norm() / ref.norm()
-    smooth = (W8A8Linear(w, smooth=smoothing(x.abs().amax(0), w))(x) - ref).norm() / ref.norm()
+    plain = (linear(w)(x) - ref).norm() / ref.norm()
+    smooth = (linear(w, smooth=smoothing(x.abs().amax(0), w))(x) - ref).norm() / ref.norm()
     assert smooth < 0.7 * plain
 
 
@@ -61,14 +67,23 @@ KINDS = {
     "float32-invariant": dict(batch_invariant=True),
     "float32-fast": dict(batch_invariant=False),
     "bfloat16-fast": dict(dtype=torch.bfloat16, batch_invariant=False),
-    "int8": dict(batch_invariant=True, quant="int8"),
+    "int8": dict(batch_invariant=True, quant="int8", int8_kernel="fbgemm"),
+    "int8-onednn": dict(batch_invariant=True, quant="int8", int8_kernel="onednn"),
 }
+
+
+def _available(kind: str) -> bool:
+    if kind == "int8":
+        return w8a8_available()
+    if kind == "int8-onednn":
+        return onednn_int8_available()
+    return True
 
 
 @pytest.mark.parametrize("kind", list(KINDS))
 def test_scripted_loop_is_bitwise_the_python_loop(tiny_folder, kind):
-    if kind == "int8" and not w8a8_available():
-        pytest.skip("no fbgemm")
+    if not _available(kind):
+        pytest.skip("no int8 kernel of this kind in this torch build")
     model = NativeCausalLM.from_folder(tiny_folder, **KINDS[kind])
     if model.scripted is None:
         pytest.skip("TorchScript is not available in this torch build")
@@ -94,7 +109,7 @@ def test_scripted_loop_is_bitwise_the_python_loop(tiny_folder, kind):
 def test_scripted_layer_subsets_are_bitwise_the_python_loop(tiny_folder, kind):
     """``run_layers`` (a self-speculative draft's early exit / skipped sub-layers, each step
     writing its keys/values to its own cache slot) from TorchScript equals the Python loop."""
-    model = NativeCausalLM.from_folder(tiny_folder, **KINDS[kind]) if kind != "int8" or w8a8_available() else None
+    model = NativeCausalLM.from_folder(tiny_folder, **KINDS[kind]) if _available(kind) else None
     if model is None or model.scripted is None:
         pytest.skip("no fbgemm / TorchScript in this torch build")
     assert model.cfg.n_layers == 2
@@ -124,9 +139,10 @@ def test_scripted_layer_subsets_are_bitwise_the_python_loop(tiny_folder, kind):
     assert torch.equal(scripted, python)
 
 
-@needs_w8a8
-def test_int8_model_block_equals_token_by_token_and_is_close_to_float(tiny_folder):
-    q = NativeCausalLM.from_folder(tiny_folder, quant="int8", batch_invariant=True)
+@pytest.mark.parametrize("kernel", [pytest.param("fbgemm", marks=needs_w8a8), pytest.param("onednn", marks=needs_onednn)])
+def test_int8_model_block_equals_token_by_token_and_is_close_to_float(tiny_folder, kernel):
+    q = NativeCausalLM.from_folder(tiny_folder, quant="int8", batch_invariant=True, int8_kernel=kernel)
+    assert q.int8_kernel == kernel
     f = NativeCausalLM.from_folder(tiny_folder, batch_invariant=True)
     ids = torch.randint(0, 1000, (30,), generator=torch.Generator().manual_seed(4))
     a = q.new_cache(64)
@@ -177,8 +193,8 @@ def test_scripted_tree_pass_is_bitwise_the_python_tree_pass(tiny_folder, kind):
     calls (``prefix``); with batch invariance each node's row is its path scored token by token."""
     from specdec.tree import paths
 
-    if kind == "int8" and not w8a8_available():
-        pytest.skip("no fbgemm")
+    if not _available(kind):
+        pytest.skip("no int8 kernel of this kind in this torch build")
     model = NativeCausalLM.from_folder(tiny_folder, **KINDS[kind])
     if model.scripted is None:
         pytest.skip("TorchScript is not available in this torch build")

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import argparse
+import os
 import shlex
 import sys
 import time
@@ -14,6 +15,16 @@ from specdec.errors import ConfigError
 
 def _csv(text: str) -> list[str]:
     return [x.strip() for x in text.split(",") if x.strip()]
+
+
+#: environment variables that change what a bench runs (the workers inherit them)
+COMMAND_ENV = ("SPECDEC_INT8_KERNEL", "SPECDEC_SCRIPTED")
+
+
+def command_line(argv: list[str], environ) -> str:  # noqa: ANN001 - a mapping such as os.environ
+    """The command as a user would retype it, with the settings of :data:`COMMAND_ENV` in front."""
+    env = [f"{var}={shlex.quote(environ[var])}" for var in COMMAND_ENV if environ.get(var)]
+    return " ".join([*env, "specdec bench", *(shlex.quote(a) for a in argv)])
 
 
 def add_parser(sub) -> None:  # noqa: ANN001 - argparse's subparsers action
@@ -102,7 +113,8 @@ def run(args: argparse.Namespace, argv: list[str] | None = None) -> int:
                               f"{', '.join(bad)} need a separate draft model (use --modes plain,speculative)")
     prompts = workloads.load_jsonl(args.prompts) if args.prompts else list(workloads.BUILTIN)
     prompts = workloads.select(prompts, categories=_csv(args.categories) if args.categories else None, limit=args.limit)
-    command = "specdec bench " + " ".join(shlex.quote(a) for a in (argv if argv is not None else sys.argv[2:]))
+    command = command_line(argv if argv is not None else sys.argv[2:], os.environ)
+
     cfg = runner.BenchConfig(
         target=args.target, draft=args.draft, prompts=tuple(prompts), modes=tuple("plain" if m == "cloud_only" else m for m in _csv(args.modes)),
         methods=tuple(methods), gammas=tuple(gammas), temperatures=tuple(temps),

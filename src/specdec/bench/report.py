@@ -550,6 +550,10 @@ def machine_line(machine: dict) -> str:
         features.append(str(machine["cpu_capability"]))
     if "cpu_bf16" in machine:
         features.append("native bf16" if machine["cpu_bf16"] else "no native bf16")
+    if machine.get("cpu_amx_int8"):
+        features.append("AMX int8")
+    if machine.get("int8_kernel"):
+        features.append(f"int8 kernel {machine['int8_kernel']}")
     if features:
         cpu += f" ({', '.join(features)})"
     return f"{cpu}, {machine.get('cpu_count', '?')} cores, torch {machine.get('torch', '?')}"

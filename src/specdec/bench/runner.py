@@ -110,8 +110,11 @@ def _run_worker(job: dict, env: dict[str, str], prefix: list[str], name: str, on
         stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=env,
     )
     assert proc.stdin is not None and proc.stdout is not None
-    proc.stdin.write(json.dumps(job))
-    proc.stdin.close()
+    try:
+        proc.stdin.write(json.dumps(job))
+        proc.stdin.close()
+    except BrokenPipeError:  # the worker died before reading its job: reported below
+        pass
     done = None
     for line in proc.stdout:
         row = json.loads(line)
@@ -120,8 +123,18 @@ def _run_worker(job: dict, env: dict[str, str], prefix: list[str], name: str, on
             continue
         on_sample(row)
     err = proc.stderr.read() if proc.stderr else ""
-    if proc.wait() != 0 or done is None:
+    rc = proc.wait()
+    if rc != 0 or done is None:
         tail = "\n".join(err.strip().splitlines()[-5:])
+        if rc < 0:  # killed by a signal: a crash in native code prints no Python traceback
+            import signal
+
+            try:
+                sig = signal.Signals(-rc).name
+            except ValueError:
+                sig = f"signal {-rc}"
+            tail = (tail + "\n" if tail else "") + f"the worker process was killed by {sig} (a crash in native code"
+            tail += ", e.g. llama.cpp's AMX kernel: see NOTES.md)" if "llamacpp" in json.dumps(job) else ")"
         raise SpecdecError(f"bench mode {name} failed:\n{tail}")
     return done
 
@@ -189,6 +202,13 @@ def machine_info() -> dict:
     try:
         info["cpu_bf16"] = bool(torch.ops.mkldnn._is_mkldnn_bf16_supported())
     except (AttributeError, RuntimeError):
+        pass
+    from specdec.models.linear import _has_amx_int8, int8_kernel
+
+    info["cpu_amx_int8"] = _has_amx_int8()
+    try:  # which kernel an int8 target runs on in this environment (SPECDEC_INT8_KERNEL included)
+        info["int8_kernel"] = int8_kernel()
+    except SpecdecError:
         pass
     try:
         for line in Path("/proc/cpuinfo").read_text().splitlines():

@@ -223,3 +223,95 @@ class W8A8Linear:
 def w8a8_available() -> bool:
     """True when torch has fbgemm's dynamic int8 linear (x86 CPUs)."""
     return int8_available() and "fbgemm" in torch.backends.quantized.supported_engines
+
+
+def onednn_int8_available() -> bool:
+    """True when torch has oneDNN's static int8 linear (``onednn::qlinear_pointwise``)."""
+    try:
+        return torch.backends.mkldnn.is_available() and hasattr(torch.ops.onednn, "qlinear_pointwise")
+    except (AttributeError, RuntimeError):
+        return False
+
+
+def _has_amx_int8() -> bool:
+    try:
+        flags = open("/proc/cpuinfo").read()
+    except OSError:
+        return False
+    return " amx_int8" in flags
+
+
+#: which int8 kernel the int8 target uses.  "auto" = fbgemm: measured end to end on a 2-core
+#: Sapphire Rapids (AMX int8), oneDNN's matmuls alone cost about the same for 1 and 9 rows, but
+#: its fixed cost per call and the extra quantisation ops made whole steps slower (plain decoding
+#: 70 vs 93 tok/s, a 3-token verification pass 15 vs 12 ms; benchmarks/spr-int8-*-vs-llamacpp)
+INT8_KERNELS = ("auto", "fbgemm", "onednn")
+
+
+def int8_kernel(choice: str = "auto") -> str:
+    """Resolve an int8 kernel choice; ``SPECDEC_INT8_KERNEL`` (fbgemm | onednn) overrides ``auto``."""
+    import os
+
+    from specdec.errors import ConfigError
+
+    if choice == "auto":
+        choice = os.environ.get("SPECDEC_INT8_KERNEL", "auto")
+    if choice not in INT8_KERNELS:
+        raise ConfigError(f"unknown int8 kernel {choice!r}; choose one of {', '.join(INT8_KERNELS)}")
+    if choice == "auto":
+        return "fbgemm" if w8a8_available() or not onednn_int8_available() else "onednn"
+    if choice == "onednn" and not onednn_int8_available():
+        raise ConfigError("the onednn int8 kernel needs a torch build with oneDNN's qlinear (x86)")
+    return choice
+
+
+class W8A8OneDNNLinear:
+    """``y ≈ x @ W.T + b`` with int8 weights (per output channel) and int8 activations (per row),
+    on oneDNN's int8 matmul.
+
+    Where the CPU has AMX int8 tiles, oneDNN's matmul cost hardly grows with the row count
+    (measured on a 2-core Sapphire Rapids: the 121 matrices of SmolLM2-135M take ~10 ms for 1
+    row and for 9 rows, against 7.7 and 14 ms with fbgemm), but whole model steps were slower
+    than with fbgemm there (see :data:`INT8_KERNELS`), so it is opt-in.  Exactness argument, as for :class:`W8A8Linear`: each row is quantised with its own
+    scale (``round(x / (max|x| / 127))``, symmetric, no zero point), the kernel accumulates
+    ``int8 × int8`` products in int32 (exact in any blocking), and its epilogue multiplies each
+    element by its column's weight scale with unit input and output scales, so row ``i`` of an
+    ``n``-row product is bitwise the same for every ``n`` (tested for 1..64 rows).
+    """
+
+    __slots__ = ("packed", "w_scale", "w_zero", "bias", "inv_smooth", "in_features", "out_features")
+
+    def __init__(self, weight: Tensor, bias: Tensor | None = None, *, smooth: Tensor | None = None) -> None:
+        w = weight.detach().float()
+        self.inv_smooth = None
+        if smooth is not None:
+            w = w * smooth.float()
+            self.inv_smooth = (1.0 / smooth.float()).contiguous()
+        n, k = w.shape
+        scale = w.abs().amax(dim=1).clamp_min(1e-12) / 127.0  # [out]
+        q = torch.round(w / scale[:, None]).clamp_(-127, 127).to(torch.int8)
+        # the 1/127 of the activations' step is folded into the weights' scales
+        self.w_scale = (scale / 127.0).contiguous()
+        self.w_zero = torch.zeros(n, dtype=torch.int)
+        # a 16-row hint: packed for one row, oneDNN's LM-head product took 11x longer (measured)
+        self.packed = torch.ops.onednn.qlinear_prepack(q, [16, k])
+        self.bias = None if bias is None else bias.detach().float().contiguous()
+        self.in_features, self.out_features = k, n
+
+    def __call__(self, x: Tensor) -> Tensor:  # x: [n, in] float32 -> [n, out] float32
+        return self.scaled(x, None)
+
+    def scaled(self, x: Tensor, row_scale: Tensor | None) -> Tensor:  # x: [n, in], row_scale: [n, 1]
+        """``row_scale * (x @ W.T) + b`` (see :meth:`Linear.scaled`)."""
+        if self.inv_smooth is not None:
+            x = x * self.inv_smooth
+        s = x.abs().amax(dim=1, keepdim=True).clamp_min_(1e-30)  # [n, 1]
+        xq = torch.round(x / (s / 127.0)).to(torch.int8)  # [n, in], |xq| <= 127
+        y = torch.ops.onednn.qlinear_pointwise(
+            xq, 1.0, 0, self.packed, self.w_scale, self.w_zero, None, 1.0, 0, torch.float32, "none", [], ""
+        )  # [n, out] = int32 accumulator * column scale
+        if row_scale is not None:
+            s = s * row_scale
+        if self.bias is not None:
+            return torch.addcmul(self.bias, y, s)
+        return y.mul_(s)

@@ -22,13 +22,14 @@ from torch import Tensor
 
 from specdec.errors import ConfigError
 from specdec.kv_cache import KVCache
-from specdec.models.linear import Int8Linear, Linear, W8A8Linear
+from specdec.models.linear import Int8Linear, Linear, W8A8Linear, W8A8OneDNNLinear
+from specdec.models.linear import int8_kernel as resolve_int8_kernel
 from specdec.models.quantize import RangeRecorder, calibration_ids, smoothing
 from specdec.models.scripted import ScriptedLayers, compiled_layers
 
 from specdec.tree import ancestor_mask, attention_schedule, depths
 
-AnyLinear = Linear | W8A8Linear
+AnyLinear = Linear | W8A8Linear | W8A8OneDNNLinear
 
 SUPPORTED = ("llama", "qwen2", "mistral")
 
@@ -198,9 +199,11 @@ class NativeCausalLM:
         int8_head: bool = False,
         quant: str | None = None,
         calibration: Tensor | None = None,
+        int8_kernel: str = "auto",
     ) -> None:
         """``quant="int8"``: every linear layer and the LM head as :class:`W8A8Linear`, smoothed
-        with input ranges measured on ``calibration`` token ids [n] (no smoothing without)."""
+        with input ranges measured on ``calibration`` token ids [n] (no smoothing without);
+        ``int8_kernel``: fbgemm | onednn | auto (see :func:`specdec.models.linear.int8_kernel`)."""
         if quant not in (None, "int8"):
             raise ConfigError(f"unknown quantisation {quant!r}; the native backend offers int8")
         self.cfg = cfg
@@ -261,6 +264,8 @@ class NativeCausalLM:
         self._cos, self._sin = cos.to(dtype), sin.to(dtype)
         self._q_size = cfg.n_heads * cfg.head_dim
         self._kv_size = cfg.n_kv_heads * cfg.head_dim
+        #: the int8 kernel the linear layers run on ("fbgemm" | "onednn"), None when not quantised
+        self.int8_kernel = resolve_int8_kernel(int8_kernel) if quant == "int8" else None
         if quant == "int8":
             self._quantize(calibration)
         #: the layer loop compiled with TorchScript (bitwise the same ops; see models/scripted.py),
@@ -276,9 +281,11 @@ class NativeCausalLM:
             ids = calibration[: self.max_length]
             self.forward(ids, self.new_cache(ids.numel()))
 
-        def quantized(rec: RangeRecorder) -> W8A8Linear:
+        kind = W8A8OneDNNLinear if self.int8_kernel == "onednn" else W8A8Linear
+
+        def quantized(rec: RangeRecorder) -> W8A8Linear | W8A8OneDNNLinear:
             weight = rec.inner.weight  # [out, in] float, unpacked
-            return W8A8Linear(weight, rec.bias, smooth=smoothing(rec.absmax, weight))
+            return kind(weight, rec.bias, smooth=smoothing(rec.absmax, weight))
 
         for layer in self.layers:
             for name in ("qkv", "out", "gate_up", "down"):
@@ -296,6 +303,7 @@ class NativeCausalLM:
         batch_invariant: bool = False,
         int8_head: bool = False,
         quant: str | None = None,
+        int8_kernel: str = "auto",
     ) -> "NativeCausalLM":
         from safetensors.torch import load_file
 
@@ -306,7 +314,7 @@ class NativeCausalLM:
             weights.update(load_file(str(f)))
         calibration = calibration_ids(folder) if quant is not None else None
         return cls(cfg, weights, dtype=dtype, batch_invariant=batch_invariant, int8_head=int8_head, quant=quant,
-                   calibration=calibration)
+                   calibration=calibration, int8_kernel=int8_kernel)
 
     # ------------------------------------------------------------------ LanguageModel
 

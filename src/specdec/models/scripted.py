@@ -29,6 +29,7 @@ from torch import Tensor
 W8A8 = 0
 PACKED = 1
 DENSE = 2
+ONEDNN_INT8 = 3  # chunks[i] = [packed int8 weight, column scales, zero points]
 
 
 def _linear(
@@ -44,7 +45,7 @@ def _linear(
     dense: Dict[int, Tensor],
     bias: Dict[int, Tensor],
     smooth: Dict[int, Tensor],
-) -> Tensor:  # x: [n, in], row_scale: [n, 1] -> [n, out]; mirrors Linear / W8A8Linear exactly
+) -> Tensor:  # x: [n, in], row_scale: [n, 1] -> [n, out]; mirrors Linear / W8A8Linear / W8A8OneDNNLinear exactly
     kind = kinds[i]
     b: Optional[Tensor] = None
     if i in bias:
@@ -57,6 +58,18 @@ def _linear(
         s = x.abs().amax(1, True).clamp_min_(1e-30)
         torch.div(x, s, out=staged[:, : x.shape[1]])
         y = torch.ops.quantized.linear_dynamic(staged, q8[i], reduce_range)
+        if row_scale is not None:
+            s = s * row_scale
+        if b is not None:
+            return torch.addcmul(b, y, s)
+        return y.mul_(s)
+    if kind == 3:  # ONEDNN_INT8
+        w = chunks[i]
+        if i in smooth:
+            x = x * smooth[i]
+        s = x.abs().amax(1, True).clamp_min_(1e-30)
+        xq = torch.round(x / (s / 127.0)).to(torch.int8)
+        y = torch.ops.onednn.qlinear_pointwise(xq, 1.0, 0, w[0], w[1], w[2], None, 1.0, 0, torch.float32, "none", [], "")
         if row_scale is not None:
             s = s * row_scale
         if b is not None:
@@ -214,7 +227,7 @@ class ScriptedLayers:
     """The layer weights of a :class:`NativeCausalLM` laid out for :func:`_layers`."""
 
     def __init__(self, layers: list) -> None:
-        from specdec.models.linear import Linear, W8A8Linear
+        from specdec.models.linear import Linear, W8A8Linear, W8A8OneDNNLinear
 
         self.fn = compiled_layers()
         self.kinds: list[int] = []
@@ -239,6 +252,11 @@ class ScriptedLayers:
                         self.smooth[i] = lin.inv_smooth
                     self._w8a8.append(lin)
                     self.reduce_range = lin._reduce_range
+                elif isinstance(lin, W8A8OneDNNLinear):
+                    self.kinds.append(ONEDNN_INT8)
+                    self.chunks[i] = [lin.packed, lin.w_scale, lin.w_zero]
+                    if lin.inv_smooth is not None:
+                        self.smooth[i] = lin.inv_smooth
                 elif isinstance(lin, Linear) and lin.packed is not None:
                     self.kinds.append(PACKED)
                     self.chunks[i] = list(lin.packed)
