@@ -143,6 +143,15 @@ def _has_vnni() -> bool:
     return " avx512_vnni" in flags or " avx_vnni" in flags
 
 
+def _smoothed(weight: Tensor, smooth: Tensor | None) -> tuple[Tensor, Tensor | None]:
+    """``(W * smooth, 1 / smooth)``: the float weight [out, in] with SmoothQuant's per-input-channel
+    factors moved in, and the factors the activations are multiplied by (None without smoothing)."""
+    w = weight.detach().float()
+    if smooth is None:
+        return w, None
+    return w * smooth.float(), (1.0 / smooth.float()).contiguous()
+
+
 class W8A8Linear:
     """``y ≈ x @ W.T + b`` with int8 weights (per output channel) and int8 activations (per row).
 
@@ -166,11 +175,7 @@ class W8A8Linear:
         the weights before quantisation (SmoothQuant, Xiao et al. 2023): ``x @ W.T ==
         (x / smooth) @ (W * smooth).T``, which evens out activation outliers that would otherwise
         set each row's quantisation step."""
-        w = weight.detach().float()
-        self.inv_smooth = None
-        if smooth is not None:
-            w = w * smooth.float()
-            self.inv_smooth = (1.0 / smooth.float()).contiguous()
+        w, self.inv_smooth = _smoothed(weight, smooth)
         n, k = w.shape
         w = torch.cat([w, w.new_zeros(n, 2)], dim=1)  # [out, in + 2]
         scales = (w.abs().amax(dim=1).clamp_min(1e-12) / 127.0).double()
@@ -282,11 +287,7 @@ class W8A8OneDNNLinear:
     __slots__ = ("packed", "w_scale", "w_zero", "bias", "inv_smooth", "in_features", "out_features")
 
     def __init__(self, weight: Tensor, bias: Tensor | None = None, *, smooth: Tensor | None = None) -> None:
-        w = weight.detach().float()
-        self.inv_smooth = None
-        if smooth is not None:
-            w = w * smooth.float()
-            self.inv_smooth = (1.0 / smooth.float()).contiguous()
+        w, self.inv_smooth = _smoothed(weight, smooth)
         n, k = w.shape
         scale = w.abs().amax(dim=1).clamp_min(1e-12) / 127.0  # [out]
         q = torch.round(w / scale[:, None]).clamp_(-127, 127).to(torch.int8)
