@@ -203,9 +203,9 @@ def machine_info() -> dict:
         info["cpu_bf16"] = bool(torch.ops.mkldnn._is_mkldnn_bf16_supported())
     except (AttributeError, RuntimeError):
         pass
-    from specdec.models.linear import _has_amx_int8, int8_kernel
+    from specdec.models.linear import cpu_has, int8_kernel
 
-    info["cpu_amx_int8"] = _has_amx_int8()
+    info["cpu_amx_int8"] = cpu_has("amx_int8")
     try:  # which kernel an int8 target runs on in this environment (SPECDEC_INT8_KERNEL included)
         info["int8_kernel"] = int8_kernel()
     except SpecdecError:

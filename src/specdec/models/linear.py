@@ -134,13 +134,18 @@ class Int8Linear:
         return torch.ops.quantized.linear_dynamic(x.float(), self.packed, True)
 
 
-def _has_vnni() -> bool:
-    """True when the CPU has VNNI (u8 x s8 dot products accumulate in int32, never saturating)."""
+def cpu_has(*flags: str) -> bool:
+    """True when /proc/cpuinfo lists any of ``flags`` (False where there is no such file)."""
     try:
-        flags = open("/proc/cpuinfo").read()
+        text = open("/proc/cpuinfo").read()
     except OSError:
         return False
-    return " avx512_vnni" in flags or " avx_vnni" in flags
+    return any(f" {flag}" in text for flag in flags)
+
+
+def _has_vnni() -> bool:
+    """True when the CPU has VNNI (u8 x s8 dot products accumulate in int32, never saturating)."""
+    return cpu_has("avx512_vnni", "avx_vnni")
 
 
 def _smoothed(weight: Tensor, smooth: Tensor | None) -> tuple[Tensor, Tensor | None]:
@@ -236,14 +241,6 @@ def onednn_int8_available() -> bool:
         return torch.backends.mkldnn.is_available() and hasattr(torch.ops.onednn, "qlinear_pointwise")
     except (AttributeError, RuntimeError):
         return False
-
-
-def _has_amx_int8() -> bool:
-    try:
-        flags = open("/proc/cpuinfo").read()
-    except OSError:
-        return False
-    return " amx_int8" in flags
 
 
 #: which int8 kernel the int8 target uses.  "auto" = fbgemm: measured end to end on a 2-core

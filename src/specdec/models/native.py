@@ -22,8 +22,7 @@ from torch import Tensor
 
 from specdec.errors import ConfigError
 from specdec.kv_cache import KVCache
-from specdec.models.linear import Int8Linear, Linear, W8A8Linear, W8A8OneDNNLinear
-from specdec.models.linear import int8_kernel as resolve_int8_kernel
+from specdec.models.linear import Int8Linear, Linear, W8A8Linear, W8A8OneDNNLinear, int8_kernel as resolve_int8_kernel
 from specdec.models.quantize import RangeRecorder, calibration_ids, smoothing
 from specdec.models.scripted import ScriptedLayers, compiled_layers
 
