@@ -74,8 +74,32 @@ def add_parser(sub) -> None:  # noqa: ANN001 - argparse's subparsers action
     d.add_argument("--max-new-chat", type=int, default=192)
     d.add_argument("--max-new-code", type=int, default=128)
     d.add_argument("--taps", default="2,15,27", help="residual-stream layers to store (layer counts)")
+    d.add_argument("--no-features", action="store_true",
+                   help="store tokens only (enough for `specdec train distill`; heads need the features)")
     d.add_argument("--seed", type=int, default=0)
 
+
+    t = tsub.add_parser(
+        "distill",
+        help="re-distil the small draft model towards the target's own law (DistillSpec) on `specdec train data` output",
+        description="Labels every sequence written by `specdec train data` (tokens only is enough: --no-features) with "
+        "the target's top-k next-token probabilities at its reply positions, then trains the draft (the shipped one by "
+        "default) to match them: forward KL or total variation distance. Every 20th sequence is held out; the report and "
+        "model card give held-out acceptance before and after. Writes a model folder (--out/draft) that --draft loads; "
+        "labels and training state are checkpointed in --out and a rerun resumes.",
+    )
+    t.add_argument("--data", required=True, help="folder written by `specdec train data`")
+    t.add_argument("--out", required=True, help="output folder: draft/ (the model), labels.pt, ckpt.pt, report.json")
+    t.add_argument("--target", default=defaults.DEFAULT_TARGET)
+    t.add_argument("--draft", default=defaults.DEFAULT_DRAFT, help="the draft to start from (a registry name or folder)")
+    t.add_argument("--steps", type=int, default=600, help="optimiser steps in all (across resumed runs)")
+    t.add_argument("--batch", type=int, default=8, help="sequences per step")
+    t.add_argument("--positions", type=int, default=512, help="reply positions per step the loss is computed on")
+    t.add_argument("--lr", type=float, default=1e-4)
+    t.add_argument("--loss", choices=("kl", "tvd"), default="kl", help="forward KL or total variation (1 - acceptance)")
+    t.add_argument("--top-k", type=int, default=32, help="target probabilities kept per position")
+    t.add_argument("--max-minutes", type=float, help="stop this run after about this long (rerun to resume)")
+    t.add_argument("--seed", type=int, default=0)
 
     for kind, what in (("eagle", "EAGLE-1 or EAGLE-3 head (--variant)"), ("medusa", "Medusa-1 heads"), ("mtp", "MTP modules (DeepSeek-V3 style)")):
         h = tsub.add_parser(
@@ -109,6 +133,8 @@ def run(args: argparse.Namespace) -> int:
         return _skip(args)
     if args.train_command == "kangaroo":
         return _kangaroo(args)
+    if args.train_command == "distill":
+        return _distill(args)
     raise ConfigError(f"unknown train method {args.train_command!r}")
 
 
@@ -210,7 +236,7 @@ def _data(args: argparse.Namespace) -> int:
         raise ConfigError("--sequences and --batch must be >= 1 and --chat-share in [0, 1]")
     cfg = DataConfig(target=args.target, sequences=args.sequences, chat_share=args.chat_share, temperatures=temps,
                      max_new_chat=args.max_new_chat, max_new_code=args.max_new_code, batch=args.batch,
-                     taps=_int_list(args.taps, "--taps"), seed=args.seed)
+                     taps=_int_list(args.taps, "--taps"), seed=args.seed, features=not args.no_features)
     from specdec.engine import EngineConfig, target_dtype
 
     dtype, quant = target_dtype(EngineConfig(target=args.target))
@@ -238,6 +264,8 @@ def _head(args: argparse.Namespace) -> int:
     data = Path(args.data)
     if not (data / "config.json").is_file() or not any(data.glob("shard-*.pt")):
         raise ConfigError(f"{args.data!r} holds no training data; run `specdec train data --out {args.data}` first")
+    if not json.loads((data / "config.json").read_text()).get("features", True):
+        raise ConfigError(f"{args.data!r} holds tokens only (--no-features); heads need `specdec train data` with features")
     resolved = resolve(args.target)
     if resolved.folder is None:
         raise ConfigError("training a head needs a local target (a registry name or a folder)")
@@ -347,4 +375,116 @@ def _kangaroo(args: argparse.Namespace) -> int:
     print(f"[specdec] {out}: loss {card['final_loss']:.3f}; held-out acceptance kangaroo α0 {rep['kangaroo']['alpha_t0']:.3f} "
           f"α1 {rep['kangaroo']['alpha_t1']:.3f} vs layerskip:{k} α0 {ls['alpha_t0']:.3f} α1 {ls['alpha_t1']:.3f} "
           f"({rep['held_out_positions']} positions)", file=sys.stderr)
+    return 0
+
+
+def _distill_command(args: argparse.Namespace) -> str:
+    """The command that reproduces this run (every option spelled out, whoever called it)."""
+    import shlex
+
+    opts = ("data", "out", "target", "draft", "steps", "batch", "positions", "lr", "loss", "top_k", "seed")
+    return "specdec train distill " + " ".join(f"--{o.replace('_', '-')} {shlex.quote(str(getattr(args, o)))}" for o in opts)
+
+
+def _distill(args: argparse.Namespace) -> int:
+    import platform
+    import time
+
+    import torch
+    from tqdm.auto import tqdm
+    from transformers import AutoModelForCausalLM
+
+    from specdec.engine import EngineConfig, target_dtype
+    from specdec.models.registry import check_compatible, load, resolve
+    from specdec.train import distill as ds
+    from specdec.train.data import load_shards
+
+    if min(args.steps, args.batch, args.positions, args.top_k) < 1 or args.lr <= 0:
+        raise ConfigError("--steps, --batch, --positions, --top-k and --lr must be positive")
+    data_dir, out = Path(args.data), Path(args.out)
+    if not (data_dir / "config.json").is_file() or not any(data_dir.glob("shard-*.pt")):
+        raise ConfigError(f"{args.data!r} holds no training data; run `specdec train data --no-features --out {args.data}` first")
+    data_cfg = json.loads((data_dir / "config.json").read_text())
+    source = resolve(args.draft).folder
+    if source is None:
+        raise ConfigError("distillation needs a local draft (a registry name or a folder)")
+    t0 = time.perf_counter()
+    out.mkdir(parents=True, exist_ok=True)
+    cfg = ds.DistillConfig(steps=args.steps, batch=args.batch, positions=args.positions, lr=args.lr, top_k=args.top_k,
+                           loss=args.loss, seed=args.seed)
+    shards = load_shards(data_dir)
+    key = {"data": data_cfg, "sequences": len(shards.tokens), "target": args.target, "top_k": cfg.top_k}
+    labels_path = out / "labels.pt"
+    saved = torch.load(labels_path, weights_only=False) if labels_path.is_file() else None
+    if saved is not None and saved.get("key") == key:
+        labels = saved["labels"]
+    else:
+        dtype, quant = target_dtype(EngineConfig(target=args.target))
+        target = load(args.target, dtype=dtype, quant=quant, batch_invariant=False)
+        check_compatible(target, load(str(source), batch_invariant=False))
+        bar = tqdm(total=len(shards.tokens), desc="target labels", unit="seq")
+        labels = []
+        for toks, plen, kind in zip(shards.tokens, shards.prompt_len, shards.kind):
+            labels.append(ds.label(target.model, toks, plen, kind, top_k=cfg.top_k))
+            bar.update(1)
+        bar.close()
+        del target
+        torch.save({"key": key, "labels": labels}, labels_path)
+    train_ix, held_ix = ds.split(len(labels), cfg.held_out_every)
+    train_data, held = [labels[i] for i in train_ix], [labels[i] for i in held_ix]
+    if not train_data or not held:
+        raise ConfigError(f"{args.data!r} has {len(labels)} sequences; distillation needs at least {cfg.held_out_every}")
+    positions = sum(x.top_p.shape[0] for x in train_data)
+    print(f"[specdec] {len(train_data)} training sequences ({positions} reply positions), {len(held)} held out",
+          file=sys.stderr)
+    student = AutoModelForCausalLM.from_pretrained(str(source), dtype=torch.float32)
+    ckpt_path = out / "ckpt.pt"
+    state, before = None, None
+    ck = torch.load(ckpt_path, weights_only=False) if ckpt_path.is_file() else None
+    if ck is not None and ck.get("key") == key and ck.get("cfg") == ds.config_dict(cfg) and ck.get("source") == str(source):
+        student.load_state_dict(ck["student"])
+        state, before = ck["state"], ck["before"]
+        print(f"[specdec] resuming from step {state['step']} ({ckpt_path})", file=sys.stderr)
+    if before is None:
+        before = ds.held_out_acceptance(student, held)
+    bar = tqdm(total=cfg.steps, initial=state["step"] if state else 0, desc=f"distill ({cfg.loss})", unit="step")
+
+    def save(st: dict) -> None:
+        tmp = ckpt_path.with_suffix(".tmp")
+        torch.save({"key": key, "cfg": ds.config_dict(cfg), "source": str(source), "student": student.state_dict(),
+                    "state": st, "before": before}, tmp)
+        tmp.replace(ckpt_path)
+
+    def on_step(step: int, loss: float, st: dict) -> None:
+        bar.update(1)
+        bar.set_postfix_str(f"loss {loss:.4f}")
+        if step % 25 == 0 or step == cfg.steps:
+            save(st)
+
+    max_s = args.max_minutes * 60 if args.max_minutes else None
+    losses = ds.train(student, train_data, cfg, state=state, on_step=on_step, max_seconds=max_s)
+    bar.close()
+    ck = torch.load(ckpt_path, weights_only=False) if ckpt_path.is_file() else None
+    done = ck is not None and ck["state"]["step"] >= cfg.steps
+    step = ck["state"]["step"] if ck is not None else 0
+    report_path = out / "report.json"
+    prior = json.loads(report_path.read_text()) if report_path.is_file() else {}
+    train_s = prior.get("train_seconds", 0.0) + (time.perf_counter() - t0)
+    report = {"finished": done, "steps": step, "train_seconds": round(train_s, 1), "held_out_before": before,
+              "last_losses": [round(x, 4) for x in losses[-20:]]}
+    if done:
+        after = ds.held_out_acceptance(student, held)
+        report["held_out_after"] = after
+        card = {"target": args.target, "source": args.draft, "config": ds.config_dict(cfg), "data": data_cfg,
+                "train_sequences": len(train_data), "train_positions": positions, "held_out_sequences": len(held),
+                "steps": step, "train_seconds": round(train_s, 1), "machine": platform.processor() or platform.machine(),
+                "command": _distill_command(args), "held_out_before": before, "held_out_after": after}
+        ds.save_draft(student, Path(source), out / "draft", card)
+    report_path.write_text(json.dumps(report, indent=1) + "\n")
+    if done:
+        b, a = before["all"], report["held_out_after"]["all"]
+        print(f"[specdec] {out / 'draft'}: held-out greedy agreement {b['greedy']:.3f} -> {a['greedy']:.3f}, "
+              f"T=1 acceptance (lower bound) {b['t1_lower']:.3f} -> {a['t1_lower']:.3f}", file=sys.stderr)
+    else:
+        print(f"[specdec] paused at step {step} of {cfg.steps} (rerun the same command to resume)", file=sys.stderr)
     return 0

@@ -40,6 +40,9 @@ class DataConfig:
     #: residual-stream taps (layer counts; 0 = embeddings): EAGLE-3's low / middle / high layers
     taps: tuple[int, ...] = (2, 15, 27)
     seed: int = 0
+    #: store the features (False: tokens only, enough for distilling a small draft model; a
+    #: position's features take ~4.6 kB for SmolLM2, its token 4 bytes)
+    features: bool = True
 
 
 @dataclass
@@ -62,7 +65,7 @@ class Shard:
     prompt_len: list[int] = field(default_factory=list)
     temperature: list[float] = field(default_factory=list)
     kind: list[str] = field(default_factory=list)
-    feats: list[Tensor] = field(default_factory=list)  # [n_i, len(taps) + 1, D] float16
+    feats: list[Tensor] = field(default_factory=list)  # [n_i, len(taps) + 1, D] float16 (empty: tokens only)
 
     def save(self, path: Path) -> None:
         tmp = path.with_suffix(".tmp")
@@ -155,7 +158,8 @@ def generate(
             shard.prompt_len.append(s.prompt_len)
             shard.temperature.append(s.temperature)
             shard.kind.append(s.kind)
-            shard.feats.append(features(model, ids, cfg.taps))
+            if cfg.features:
+                shard.feats.append(features(model, ids, cfg.taps))
         shard.save(out / f"shard-{next_shard:05d}.pt")
         next_shard += 1
 

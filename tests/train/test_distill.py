@@ -1,0 +1,145 @@
+"""``specdec train distill``: labels are the target's law, training moves the draft towards it on
+held-out sequences, a stopped run resumes bitwise, and the command writes a draft --draft loads.
+
+Tiny random models (2 layers, width 32) with SmolLM2's tokenizer; the "target" and the draft
+differ only in their random initialisation, so the untrained draft agrees with the target at
+chance level and anything above it is learned.
+"""
+
+from __future__ import annotations
+
+import copy
+import json
+from pathlib import Path
+
+import pytest
+import torch
+from transformers import AutoModelForCausalLM
+
+from specdec.train import distill as ds
+from specdec.train.data import DataConfig, generate, load_shards
+from tests.tiny import make_tiny
+
+
+def _peaked(folder: Path) -> Path:
+    """Give the tiny target an untied LM head that favours 64 tokens: a random 2-layer model's tied
+    head mostly predicts the token it just read, with a nearly flat law over 49,152 tokens —
+    nothing a few training steps could learn or a held-out sequence could show."""
+    model = AutoModelForCausalLM.from_pretrained(str(folder), dtype=torch.float32)
+    model.config.tie_word_embeddings = False
+    g = torch.Generator().manual_seed(7)
+    vocab, width = model.get_input_embeddings().weight.shape
+    head = torch.nn.Linear(width, vocab, bias=False)
+    head.weight.data = torch.zeros(vocab, width)
+    favoured = torch.randperm(vocab, generator=g)[:64]
+    head.weight.data[favoured] = torch.randn(64, width, generator=g) * 0.8
+    model.lm_head = head
+    model.save_pretrained(folder)
+    return folder
+
+
+@pytest.fixture(scope="module")
+def setup(tmp_path_factory: pytest.TempPathFactory):
+    from specdec.models.registry import load
+
+    root = tmp_path_factory.mktemp("distill")
+    target_dir = _peaked(make_tiny(root / "target", seed=0, max_positions=512))
+    draft_dir = make_tiny(root / "draft", seed=1, max_positions=512)
+    target = load(str(target_dir), batch_invariant=False)
+    cfg = DataConfig(sequences=40, batch=20, shard_size=20, max_new_chat=24, max_new_code=24,
+                     temperatures=(1.0,), features=False)
+    generate(cfg, target.model, target.tokenizer, frozenset(), root / "data")
+    shards = load_shards(root / "data")
+    assert shards.feats == []  # tokens only
+    labels = [ds.label(target.model, t, n, k, top_k=16) for t, n, k in zip(shards.tokens, shards.prompt_len, shards.kind)]
+    return root, target, draft_dir, labels
+
+
+def test_labels_are_the_targets_law_at_reply_positions(setup) -> None:
+    root, target, _, labels = setup
+    x = labels[0]
+    assert x.start == load_shards(root / "data").prompt_len[0] - 1  # the first row predicts the first reply token
+    logits = target.model.forward(x.tokens, target.model.new_cache(x.tokens.numel()))  # [L, V]
+    p = torch.softmax(logits.float(), -1)
+    assert x.top_p.shape == (x.tokens.numel() - 1 - x.start, 16)
+    for r in range(x.top_p.shape[0]):
+        vals, idx = p[x.start + r].topk(16)
+        assert torch.equal(idx, x.top_i[r]) and torch.allclose(vals, x.top_p[r])
+
+
+@pytest.mark.parametrize("loss", ["kl", "tvd"])
+def test_training_raises_held_out_acceptance(setup, loss: str) -> None:
+    """N = 2 held-out sequences x 24 reply positions; the untrained draft is a different random
+    model, so its acceptance is near chance; a broken objective (sign flipped: broken once, both
+    losses failed) leaves it there."""
+    _, _, draft_dir, labels = setup
+    train_ix, held_ix = ds.split(len(labels), 20)
+    assert len(held_ix) == 2 and len(train_ix) == 38
+    student = AutoModelForCausalLM.from_pretrained(str(draft_dir), dtype=torch.float32)
+    held = [labels[i] for i in held_ix]
+    before = ds.held_out_acceptance(student, held)["all"]
+    cfg = ds.DistillConfig(steps=80, batch=8, positions=128, lr=2e-2, warmup=5, top_k=16, loss=loss)
+    losses = ds.train(student, [labels[i] for i in train_ix], cfg)
+    after = ds.held_out_acceptance(student, held)["all"]
+    assert after["positions"] == before["positions"] == 48
+    assert sum(losses[-10:]) < 0.9 * sum(losses[:10])
+    assert after["t1_lower"] > before["t1_lower"] + 0.05, (before, after)
+    assert after["greedy"] > before["greedy"], (before, after)
+
+
+def test_a_stopped_run_resumes_bitwise(setup) -> None:
+    _, _, draft_dir, labels = setup
+    cfg = ds.DistillConfig(steps=6, batch=4, positions=32, lr=1e-3, warmup=2, top_k=16)
+
+    def fresh():
+        return AutoModelForCausalLM.from_pretrained(str(draft_dir), dtype=torch.float32)
+
+    straight = fresh()
+    ds.train(straight, labels, cfg)
+    saved: dict = {}
+    first = fresh()
+    ds.train(first, labels, cfg,
+             on_step=lambda step, loss, st: saved.update({step: copy.deepcopy((st, first.state_dict()))}))
+    state, weights = saved[3]
+    second = fresh()
+    second.load_state_dict(weights)
+    ds.train(second, labels, cfg, state=state)
+    for (name, a), b in zip(straight.state_dict().items(), second.state_dict().values()):
+        assert torch.equal(a, b), name
+
+
+def test_command_writes_a_draft_that_loads_and_resumes(setup, capsys) -> None:
+    from specdec import cli
+    from specdec.models.registry import load
+
+    root, _, draft_dir, _ = setup
+    out = root / "run"
+    argv = ["train", "distill", "--data", str(root / "data"), "--out", str(out), "--target", str(root / "target"),
+            "--draft", str(draft_dir), "--steps", "4", "--batch", "4", "--positions", "32", "--top-k", "8"]
+    assert cli.main(argv) == 0
+    report = json.loads((out / "report.json").read_text())
+    assert report["finished"] and report["steps"] == 4
+    assert set(report["held_out_after"]) >= {"all"} and "held_out_before" in report
+    card = (out / "draft" / "README.md").read_text()
+    assert "Held-out teacher-forced acceptance" in card and "--steps 4" in card
+    drafted = load(str(out / "draft"), batch_invariant=False)
+    assert drafted.tokenizer.encode("hello") == load(str(draft_dir), batch_invariant=False).tokenizer.encode("hello")
+    assert cli.main(argv) == 0  # a finished run: resumes at its last step, trains nothing
+    assert "resuming from step 4" in capsys.readouterr().err
+
+
+def test_command_without_data_is_a_clear_error(tmp_path: Path, capsys) -> None:
+    from specdec import cli
+
+    rc = cli.main(["train", "distill", "--data", str(tmp_path), "--out", str(tmp_path / "o")])
+    err = capsys.readouterr().err
+    assert rc != 0 and "holds no training data" in err and "Traceback" not in err
+
+
+def test_heads_refuse_tokens_only_data(setup, capsys) -> None:
+    from specdec import cli
+
+    root = setup[0]
+    rc = cli.main(["train", "medusa", "--data", str(root / "data"), "--out", str(root / "medusa"), "--target", str(root / "target")])
+    err = capsys.readouterr().err
+    assert rc != 0 and "tokens only" in err and "Traceback" not in err
