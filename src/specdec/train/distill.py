@@ -24,7 +24,6 @@ checkpoints its state and resumes where it stopped.
 from __future__ import annotations
 
 import json
-import math
 import shutil
 import time
 from dataclasses import asdict, dataclass
@@ -33,6 +32,8 @@ from typing import Any, Callable, Sequence
 
 import torch
 from torch import Tensor
+
+from specdec.train.kangaroo import lr_at  # warm-up then cosine: the same schedule as the Kangaroo adapter's
 
 LOSSES = ("kl", "tvd")
 
@@ -109,15 +110,14 @@ def loss_of(logq: Tensor, p: Tensor, idx: Tensor, kind: str) -> Tensor:  # logq:
     raise ValueError(f"unknown loss {kind!r}; choose one of {', '.join(LOSSES)}")
 
 
-def _rows(items: Sequence[Labels], positions: int, gen: torch.Generator) -> Tensor:  # -> [P, 2]
-    rows = torch.cat([torch.stack([torch.full((x.top_p.shape[0],), b), torch.arange(x.top_p.shape[0])], 1)
+def _all_rows(items: Sequence[Labels]) -> Tensor:  # -> [P, 2]: (sequence in items, reply row) for every row
+    return torch.cat([torch.stack([torch.full((x.top_p.shape[0],), b), torch.arange(x.top_p.shape[0])], 1)
                       for b, x in enumerate(items)])
+
+
+def _rows(items: Sequence[Labels], positions: int, gen: torch.Generator) -> Tensor:  # -> [P, 2], a random sample
+    rows = _all_rows(items)
     return rows[torch.randperm(rows.shape[0], generator=gen)[:positions]]
-
-
-def lr_at(step: int, cfg: DistillConfig) -> float:
-    warm = min(1.0, (step + 1) / max(cfg.warmup, 1))
-    return cfg.lr * warm * 0.5 * (1.0 + math.cos(math.pi * step / max(cfg.steps, 1)))
 
 
 def train(
@@ -180,8 +180,7 @@ def held_out_acceptance(student: Any, data: Sequence[Labels], *, batch: int = 8)
     sums: dict[str, list[float]] = {}
     for a in range(0, len(data), batch):
         items = list(data[a : a + batch])
-        rows = torch.cat([torch.stack([torch.full((x.top_p.shape[0],), b), torch.arange(x.top_p.shape[0])], 1)
-                          for b, x in enumerate(items)])
+        rows = _all_rows(items)
         logq = draft_log_probs(student, items, rows)  # [P, V]
         for (b, r), lq in zip(rows.tolist(), logq):
             x = items[b]
