@@ -14,8 +14,9 @@ def test_reserve_truncate_bounds():
         c.truncate(7)
     with pytest.raises(ValueError):
         c.reserve(6)
-    assert c.nbytes == 2 * 2 * 1 * 10 * 4 * 4
-    assert c.used_bytes() == c.nbytes * 6 // 10
+    assert c.capacity == 64  # whole blocks of 64 positions, of which max_length = 10 are usable
+    assert c.nbytes == 2 * 2 * 1 * 64 * 4 * 4
+    assert c.used_bytes() == 2 * 2 * 1 * 6 * 4 * 4
 
 
 def test_truncate_is_o1_no_copy():

@@ -83,12 +83,13 @@ def random_head(kind: str, *, hidden: int, vocab: int, draft_vocab: int, taps: t
     return head.eval()
 
 
-def tiny_vocab_llama(*, vocab: int = 5, layers: int = 4, seed: int = 0, batch_invariant: bool = True) -> NativeCausalLM:
+def tiny_vocab_llama(*, vocab: int = 5, layers: int = 4, seed: int = 0, batch_invariant: bool = True,
+                     max_length: int = 64) -> NativeCausalLM:
     """A random 4-layer Llama with a 5-token vocabulary, logits spread enough to matter (law tests)."""
     from specdec.models.native import NativeCausalLM, NativeConfig
 
     cfg = NativeConfig(model_type="llama", vocab_size=vocab, hidden_size=16, n_layers=layers, n_heads=2, n_kv_heads=1,
-                       head_dim=8, intermediate_size=32, rms_eps=1e-6, rope_theta=10000.0, max_length=64,
+                       head_dim=8, intermediate_size=32, rms_eps=1e-6, rope_theta=10000.0, max_length=max_length,
                        tie_embeddings=False, attention_bias=False)
     g = torch.Generator().manual_seed(seed)
 

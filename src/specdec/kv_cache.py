@@ -13,16 +13,24 @@ import torch
 from torch import Tensor
 
 
-#: a growing cache allocates whole blocks of this many positions
+#: buffers are allocated in whole blocks of this many positions.  It is also the key-block width of
+#: the native model's exact attention (``models/native.py``), which reads every query's keys up to
+#: the end of its block: allocating whole blocks keeps that read inside the buffer.
 GROW_STEP = 64
+
+
+def _blocks(n: int) -> int:
+    """``n`` rounded up to whole :data:`GROW_STEP` blocks."""
+    return -(-n // GROW_STEP) * GROW_STEP
 
 
 class KVCache:
     """Per-sequence cache: ``k`` and ``v`` are ``[layers, kv_heads, capacity, head_dim]``.
 
     ``capacity`` starts at ``initial_length`` (default: ``max_length``, one static buffer) and
-    grows by at least half of itself (whole :data:`GROW_STEP` blocks) when a reservation needs more,
-    never past ``max_length``.
+    grows by at least half of itself when a reservation needs more, never past ``max_length``.
+    Allocations are whole :data:`GROW_STEP` blocks, so ``capacity`` may exceed ``max_length`` by
+    less than a block (those positions are never reserved; they stay zero).
     """
 
     def __init__(
@@ -36,7 +44,7 @@ class KVCache:
         dtype: torch.dtype = torch.float32,
         device: torch.device | str = "cpu",
     ) -> None:
-        capacity = max_length if initial_length is None else max(1, min(initial_length, max_length))
+        capacity = _blocks(max_length if initial_length is None else max(1, min(initial_length, max_length)))
         shape = (n_layers, n_kv_heads, capacity, head_dim)
         self.k: Tensor = torch.zeros(shape, dtype=dtype, device=device)  # [Lyr, Hkv, C, d]
         self.v: Tensor = torch.zeros(shape, dtype=dtype, device=device)  # [Lyr, Hkv, C, d]
@@ -46,7 +54,7 @@ class KVCache:
 
     @property
     def capacity(self) -> int:
-        """Positions allocated now (<= ``max_length``)."""
+        """Positions allocated now (whole blocks; < ``max_length`` + :data:`GROW_STEP`)."""
         return self.k.shape[2]
 
     @property
@@ -59,9 +67,7 @@ class KVCache:
         cap = self.capacity
         if needed <= cap:
             return cap
-        target = max(needed, cap + cap // 2)
-        target = -(-target // GROW_STEP) * GROW_STEP
-        return min(target, self.max_length)
+        return min(_blocks(max(needed, cap + cap // 2)), _blocks(self.max_length))
 
     def growth_bytes(self, n: int) -> int:
         """Bytes a reservation of ``n`` more positions would add to the allocation (0 if none)."""

@@ -24,7 +24,8 @@ from specdec.errors import ConfigError
 from specdec.kv_cache import KVCache
 from specdec.models.linear import Int8Linear, Linear, W8A8Linear, W8A8OneDNNLinear, int8_kernel as resolve_int8_kernel
 from specdec.models.quantize import RangeRecorder, calibration_ids, smoothing
-from specdec.models.scripted import ScriptedLayers, compiled_layers
+from specdec.models.scripted import ATTENTION_BLOCK, ScriptedLayers, compiled_layers
+from specdec.models.scripted import BLOCK_MASK as _BLOCK_MASK
 
 from specdec.tree import ancestor_mask, attention_schedule, depths
 
@@ -98,16 +99,58 @@ def _rope_tables(cfg: NativeConfig, length: int) -> tuple[Tensor, Tensor]:
 
 
 def _attend(q: Tensor, k: Tensor, v: Tensor) -> Tensor:  # q: [H, d]; k, v: [Hkv, T, d] -> [1, H d]
-    """Attention of one (pre-scaled) query position over ``T`` cached positions; query head h
-    reads key/value head ``h // (H / Hkv)`` (grouped-query attention).  Three ops: for one row
-    this is several times cheaper than ``scaled_dot_product_attention``'s fixed cost."""
-    if q.dtype != torch.float32:  # low-precision drafts: CPU bmm is slow in bfloat16
-        return F.scaled_dot_product_attention(
-            q.view(1, -1, 1, q.shape[-1]), k.unsqueeze(0), v.unsqueeze(0), enable_gqa=True, scale=1.0
-        ).view(1, -1)
-    qg = q.view(k.shape[0], -1, q.shape[-1])  # [Hkv, H/Hkv, d]
-    weights = torch.softmax(torch.bmm(qg, k.transpose(1, 2)), dim=-1)  # [Hkv, H/Hkv, T]
-    return torch.bmm(weights, v).view(1, -1)
+    """Attention of one (pre-scaled) query position over ``T`` cached positions with
+    ``scaled_dot_product_attention`` (low-precision drafts: CPU bmm is slow in bfloat16)."""
+    return F.scaled_dot_product_attention(
+        q.view(1, -1, 1, q.shape[-1]), k.unsqueeze(0), v.unsqueeze(0), enable_gqa=True, scale=1.0
+    ).view(1, -1)
+
+
+def _attend_rows(q: Tensor, k: Tensor, v: Tensor, start: int) -> Tensor:  # q: [n, H, d]; k, v: [Hkv, C, d] -> [n, H d]
+    """Exact (batch-invariant) attention of ``n`` consecutive query positions ``start .. start+n-1``
+    over a cache buffer; query ``p`` sees keys ``0 .. p`` (``q`` pre-scaled).
+
+    The canonical computation of one query, whatever else runs with it: with ``B`` =
+    :data:`ATTENTION_BLOCK` and ``P`` = ``p + 1`` rounded up to whole blocks, the scores against keys
+    ``[0, P)`` (one matrix product per key/value head over its ``G = H / Hkv`` query heads), the
+    keys past ``p`` masked with −inf inside the last block, a softmax over the ``P`` columns and
+    the product with values ``[0, P)``.  Every reduction therefore has a length fixed by the query's
+    own position.  Queries sharing a block run as one product of ``m·G`` rows instead of ``G``:
+    CPU gemm computes each output element with the same reduction whatever the number of rows
+    (checked bitwise for G ≥ 2 by ``tests/models/test_attention.py``; for G = 1 the single row is a
+    matrix-vector product with its own order, so each query runs alone there).  A verification pass
+    of a few rows thus costs one or two products per layer instead of one per row, and each row is
+    bitwise what decoding that position alone computes.  Low-precision caches take ``_attend`` per row.
+    """
+    n, hq, d = q.shape
+    hk = k.shape[0]
+    if q.dtype != torch.float32:
+        return torch.cat([_attend(q[j], k[:, : start + j + 1], v[:, : start + j + 1]) for j in range(n)])
+    g = hq // hk
+    block = ATTENTION_BLOCK
+    outs: list[Tensor] = []
+    j = 0
+    while j < n:
+        length = start + j + 1  # keys seen by row j
+        padded = -(-length // block) * block
+        if padded > k.shape[1]:
+            raise ValueError(f"the cache holds {k.shape[1]} positions; exact attention reads {padded} (allocate whole blocks)")
+        m = 1 if g == 1 else min(n - j, padded - length + 1)  # rows ending in the same block
+        r0 = length - 1 - (padded - block)  # the first row's mask row
+        if m == 1:
+            scores = torch.bmm(q[j].view(hk, g, d), k[:, :padded].transpose(1, 2))  # [Hkv, G, P]
+            if r0 < block - 1:
+                scores.narrow(2, padded - block, block).add_(_BLOCK_MASK[r0])
+            outs.append(torch.bmm(torch.softmax(scores, -1), v[:, :padded]).view(1, hq * d))
+        else:
+            qg = q[j : j + m].view(m, hk, g, d).transpose(0, 1).reshape(hk, m * g, d)  # [Hkv, m G, d]
+            scores = torch.bmm(qg, k[:, :padded].transpose(1, 2))  # [Hkv, m G, P]
+            tail = _BLOCK_MASK[r0 : r0 + m].view(1, m, 1, block)
+            scores.view(hk, m, g, padded).narrow(3, padded - block, block).add_(tail)
+            out = torch.bmm(torch.softmax(scores, -1), v[:, :padded])  # [Hkv, m G, d]
+            outs.append(out.view(hk, m, g, d).transpose(0, 1).reshape(m, hq * d))
+        j += m
+    return outs[0] if len(outs) == 1 else torch.cat(outs)
 
 
 def _rotate(x: Tensor, cos: Tensor, sin: Tensor) -> Tensor:  # x: [n, h, d]; cos/sin: [n, 1, d]
@@ -178,7 +221,7 @@ class _TreeLayout:
                 k_cache[:, s + slot] = k_new[:, node]
                 v_cache[:, s + slot] = v_new[:, node]
                 moved = True
-            rows[j] = _attend(q[j], k_cache[:, : s + length], v_cache[:, : s + length])
+            rows[j] = _attend_rows(q[j : j + 1], k_cache, v_cache, s + length - 1)
         if moved:
             k_cache[:, s : s + m] = k_new
             v_cache[:, s : s + m] = v_new
@@ -384,9 +427,8 @@ class NativeCausalLM:
             if tree is not None and self.batch_invariant:
                 attn = tree.attend_invariant(qk[:, :hq], cache, li)  # [n, H d]
             elif tree is None and (n == 1 or self.batch_invariant):
-                # one query row at a time, with exactly the shapes single-token decoding uses
-                rows = [_attend(qk[j, :hq], k_cache[:, : start + j + 1], v_cache[:, : start + j + 1]) for j in range(n)]
-                attn = rows[0] if n == 1 else torch.cat(rows)  # [n, H d]
+                # each row bitwise what single-token decoding computes for it
+                attn = _attend_rows(qk[:, :hq], k_cache, v_cache, start)  # [n, H d]
             else:
                 q = qk[:, :hq].transpose(0, 1).unsqueeze(0)  # [1, H, n, d], pre-scaled
                 attn = F.scaled_dot_product_attention(
@@ -488,8 +530,7 @@ class NativeCausalLM:
         n = q.shape[0]
         k_cache, v_cache = cache.k[li], cache.v[li]  # [Hkv, T, d]
         if n == 1 or self.batch_invariant:
-            rows = [_attend(q[j], k_cache[:, : start + j + 1], v_cache[:, : start + j + 1]) for j in range(n)]
-            return rows[0] if n == 1 else torch.cat(rows)
+            return _attend_rows(q, k_cache, v_cache, start)
         end = start + n
         mask = torch.full((n, end), -math.inf, dtype=q.dtype).triu_(start + 1)  # [n, T]
         attn = F.scaled_dot_product_attention(
@@ -587,8 +628,7 @@ class NativeCausalLM:
         k_cache[:, start:end] = qk[:, hq:].transpose(0, 1)
         v_cache[:, start:end] = qkv[:, qk_size:].view(n, hk, d).transpose(0, 1)
         if n == 1 or self.batch_invariant:  # exactly the rows hidden() computes
-            rows = [_attend(qk[j, :hq], k_cache[:, : start + j + 1], v_cache[:, : start + j + 1]) for j in range(n)]
-            attn = rows[0] if n == 1 else torch.cat(rows)  # [n, H d]
+            attn = _attend_rows(qk[:, :hq], k_cache, v_cache, start)  # [n, H d]
         else:
             attn = F.scaled_dot_product_attention(
                 qk[:, :hq].transpose(0, 1).unsqueeze(0), k_cache[:, :end].unsqueeze(0), v_cache[:, :end].unsqueeze(0),

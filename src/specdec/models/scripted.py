@@ -26,6 +26,14 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor
 
+from specdec.kv_cache import GROW_STEP
+
+#: exact attention reads keys in whole blocks of this many positions (the cache's allocation step,
+#: so a block never reaches past the buffer); see ``native._attend_rows``
+ATTENTION_BLOCK = GROW_STEP
+#: row r: 0 up to column r, -inf after it (the masked tail of a query's last key block)
+BLOCK_MASK = torch.full((ATTENTION_BLOCK, ATTENTION_BLOCK), float("-inf")).triu_(1)  # [B, B]
+
 W8A8 = 0
 PACKED = 1
 DENSE = 2
@@ -99,15 +107,45 @@ def _inv_rms(x: Tensor, eps: Tensor, width: int) -> Tensor:  # [n, D] -> [n, 1]
     return torch.rsqrt(torch.addcmul(eps, norm, norm, value=1.0 / width))
 
 
-def _attend_row(q: Tensor, keys: Tensor, values: Tensor, hq: int, hk: int, d: int) -> Tensor:  # q: [H, d] -> [1, H d]
-    """One query position over ``keys``/``values`` [Hkv, T, d]: native._attend, op for op."""
+def _attend_rows(q: Tensor, k: Tensor, v: Tensor, start: int, block_mask: Tensor) -> Tensor:  # q: [n, H, d] -> [n, H d]
+    """Exact attention of consecutive query positions ``start ..``: native._attend_rows, op for op."""
+    n, hq, d = q.shape[0], q.shape[1], q.shape[2]
+    hk = k.shape[0]
     if q.dtype != torch.float32:
-        return F.scaled_dot_product_attention(
-            q.view(1, hq, 1, d), keys.unsqueeze(0), values.unsqueeze(0), enable_gqa=True, scale=1.0
-        ).view(1, -1)
-    qg = q.view(hk, -1, d)
-    weights = torch.softmax(torch.bmm(qg, keys.transpose(1, 2)), -1)
-    return torch.bmm(weights, values).view(1, -1)
+        rows: List[Tensor] = []
+        for j in range(n):
+            rows.append(F.scaled_dot_product_attention(
+                q[j].view(1, hq, 1, d), k[:, : start + j + 1].unsqueeze(0), v[:, : start + j + 1].unsqueeze(0),
+                enable_gqa=True, scale=1.0,
+            ).view(1, -1))
+        return torch.cat(rows)
+    g = hq // hk
+    block = block_mask.shape[0]
+    outs: List[Tensor] = []
+    j = 0
+    while j < n:
+        length = start + j + 1
+        padded = (length + block - 1) // block * block
+        if padded > k.shape[1]:
+            raise ValueError("the cache does not hold whole attention blocks")
+        m = 1 if g == 1 else min(n - j, padded - length + 1)
+        r0 = length - 1 - (padded - block)
+        if m == 1:
+            scores = torch.bmm(q[j].view(hk, g, d), k[:, :padded].transpose(1, 2))
+            if r0 < block - 1:
+                scores.narrow(2, padded - block, block).add_(block_mask[r0])
+            outs.append(torch.bmm(torch.softmax(scores, -1), v[:, :padded]).view(1, hq * d))
+        else:
+            qg = q[j : j + m].view(m, hk, g, d).transpose(0, 1).reshape(hk, m * g, d)
+            scores = torch.bmm(qg, k[:, :padded].transpose(1, 2))
+            tail = block_mask[r0 : r0 + m].view(1, m, 1, block)
+            scores.view(hk, m, g, padded).narrow(3, padded - block, block).add_(tail)
+            out = torch.bmm(torch.softmax(scores, -1), v[:, :padded])
+            outs.append(out.view(hk, m, g, d).transpose(0, 1).reshape(m, hq * d))
+        j += m
+    if len(outs) == 1:
+        return outs[0]
+    return torch.cat(outs)
 
 
 def _layers(
@@ -137,6 +175,7 @@ def _layers(
     taps: List[int],  # layer counts whose residual stream is returned (target-aware drafters)
     plan: List[List[int]],  # [layer, attention on, MLP on, cache slot] per step; [] = every layer
     final_norm: bool,  # scale by the final RMS (the LM head's input), else the raw residual stream
+    block_mask: Tensor,  # [B, B] exact attention's last-block mask (native._BLOCK_MASK)
 ) -> Tuple[Tensor, List[Tensor]]:  # (the LM head's input [n, D], residual stream [n, D] per tap)
     n = x.shape[0]
     tapped: List[Tensor] = []
@@ -182,7 +221,7 @@ def _layers(
                     k_cache[:, step[2 + 2 * c]] = k_new[:, step[3 + 2 * c]]
                     v_cache[:, step[2 + 2 * c]] = v_new[:, step[3 + 2 * c]]
                     moved = True
-                rows.append(_attend_row(qk[step[0], :hq], k_cache[:, : step[1]], v_cache[:, : step[1]], hq, hk, d))
+                rows.append(_attend_rows(qk[step[0] : step[0] + 1, :hq], k_cache, v_cache, step[1] - 1, block_mask))
             if moved:
                 k_cache[:, tree_start:end] = k_new
                 v_cache[:, tree_start:end] = v_new
@@ -190,10 +229,7 @@ def _layers(
             if tree_perm is not None:
                 attn = attn.index_select(0, tree_perm)
         else:
-            rows: List[Tensor] = []
-            for j in range(n):
-                rows.append(_attend_row(qk[j, :hq], k_cache[:, : start + j + 1], v_cache[:, : start + j + 1], hq, hk, d))
-            attn = rows[0] if n == 1 else torch.cat(rows)
+            attn = _attend_rows(qk[:, :hq], k_cache, v_cache, start, block_mask)
         x = x + _linear(lin + 1, attn, None, kinds, q8, staging, reduce_range, chunks, bounds, dense, bias, smooth)
         if step_[2] != 0:
             gate_up = _linear(lin + 2, x, _inv_rms(x, eps, width), kinds, q8, staging, reduce_range, chunks, bounds, dense, bias, smooth)
@@ -297,7 +333,7 @@ class ScriptedLayers:
         out, tapped = self.fn(
             x, cos, sin, cache.k, cache.v, start, cfg.n_heads, cfg.n_kv_heads, cfg.head_dim, eps,
             self.kinds, self.q8, self.staging, self.reduce_range, self.chunks, self.bounds, self.dense, self.bias,
-            self.smooth, mask, tree_start, steps, perm, wanted, plan or [], plan is None,
+            self.smooth, mask, tree_start, steps, perm, wanted, plan or [], plan is None, BLOCK_MASK,
         )
         if taps:
             for k, t in zip(wanted, tapped):
