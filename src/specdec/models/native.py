@@ -153,6 +153,11 @@ def _attend_rows(q: Tensor, k: Tensor, v: Tensor, start: int) -> Tensor:  # q: [
     return outs[0] if len(outs) == 1 else torch.cat(outs)
 
 
+def _rows(x: Tensor, rows: list[int]) -> Tensor:  # x: [n, ...] -> [len(rows), ...]
+    """``x[rows]`` (a slice for one row; index_select, not advanced indexing: see ``hidden``)."""
+    return x[rows[0] : rows[0] + 1] if len(rows) == 1 else x.index_select(0, torch.tensor(rows, dtype=torch.long))
+
+
 def _rotate(x: Tensor, cos: Tensor, sin: Tensor) -> Tensor:  # x: [n, h, d]; cos/sin: [n, 1, d]
     """Rotary embedding in rotate-half layout: ``x cos + rotate_half(x) sin``, with
     ``rotate_half(x) sin == roll(x, d/2) * sin'`` where ``sin'`` has its first half negated
@@ -171,6 +176,7 @@ class _TreeLayout:
     #: per step (node j among the scored ones, its path length, (slot, node) writes)
     schedule: tuple[tuple[int, int, tuple[tuple[int, int], ...]], ...]
     mask: Tensor | None  # [n, end] additive: 0 for the cached prefix and the node's ancestors-or-self
+    visit_perm: Tensor | None  # [n] exact mode: node j's row among the rows in visiting order
 
     @classmethod
     def build(
@@ -183,15 +189,17 @@ class _TreeLayout:
         n, m = end - start, end - s
         if parents.numel() != m:
             raise ValueError(f"expected {m} tree parents for the region [{s}, {end}); got {parents.numel()}")
-        mask = None
+        mask = perm = None
         schedule: tuple[tuple[int, int, tuple[tuple[int, int], ...]], ...] = ()
         if exact:
             schedule = tuple((j, length, tuple(w)) for j, length, w in attention_schedule(parents, n))
+            perm = torch.empty(n, dtype=torch.long)
+            perm[torch.tensor([j for j, _, _ in schedule], dtype=torch.long)] = torch.arange(n)
         else:
             anc = ancestor_mask(parents)[m - n :]  # [n, m]
             mask = torch.zeros((n, end), dtype=dtype)
             mask[:, s:] = torch.zeros((n, m), dtype=dtype).masked_fill_(~anc, -math.inf)
-        return cls(s, end, s + depths(parents)[m - n :], schedule, mask)
+        return cls(s, end, s + depths(parents)[m - n :], schedule, mask, perm)
 
     def scripted_steps(self) -> tuple[list[list[int]], Tensor]:
         """The schedule flattened for the TorchScript loop: per step ``[j, attended length,
@@ -199,33 +207,44 @@ class _TreeLayout:
         permutation putting the visited rows back in node order."""
         s = self.start
         steps = [[j, s + length, *(x for k, v in writes for x in (s + k, v))] for j, length, writes in self.schedule]
-        perm = torch.empty(len(steps), dtype=torch.long)
-        perm[torch.tensor([j for j, _, _ in self.schedule], dtype=torch.long)] = torch.arange(len(steps))
-        return steps, perm
+        return steps, self.visit_perm
 
     def attend_invariant(self, q: Tensor, cache: KVCache, li: int) -> Tensor:  # q: [n, H, d] -> [n, H d]
         """One query row per node against ``cache[:start] + its path``, laid out contiguously in
-        the cache exactly as token-by-token decoding of that path would have it (same shapes,
-        same strides, the same one-row kernel), so each row is bitwise the sequential result.
-        Nodes are visited depth-first, so each usually writes one key/value pair (its own); the
-        region is restored in node order afterwards.
+        the cache exactly as token-by-token decoding of that path would have it, so each row is
+        bitwise the sequential result (:func:`_attend_rows` gives a row the same bits alone or
+        with others).  Nodes are visited depth-first, so each usually writes one key/value pair
+        (its own); a run of visits that each extend the previous path by one node (a chain down
+        the tree) is scored as consecutive positions in one call.  The region is restored in
+        node order afterwards.
         """
         s, m = self.start, self.end - self.start
         k_cache, v_cache = cache.k[li], cache.v[li]  # [Hkv, T, d]
         k_new = k_cache[:, s : s + m].clone()  # [Hkv, m, d] the whole tree region
         v_new = v_cache[:, s : s + m].clone()
-        rows: list[Tensor] = [q] * len(self.schedule)
+        outs: list[Tensor] = []
+        run: list[int] = []  # visited rows whose paths extend one another by one node each
+        first = 0  # the run's first path length
         moved = False
         for j, length, writes in self.schedule:
+            extends = bool(run) and length == first + len(run) and all(slot == length - 1 for slot, _ in writes)
+            if run and not extends:  # score the run before this visit rewrites what it saw
+                outs.append(_attend_rows(_rows(q, run), k_cache, v_cache, s + first - 1))
+                run = []
+            if not run:
+                first = length
             for slot, node in writes:
                 k_cache[:, s + slot] = k_new[:, node]
                 v_cache[:, s + slot] = v_new[:, node]
                 moved = True
-            rows[j] = _attend_rows(q[j : j + 1], k_cache, v_cache, s + length - 1)
+            run.append(j)
+        outs.append(_attend_rows(_rows(q, run), k_cache, v_cache, s + first - 1))
         if moved:
             k_cache[:, s : s + m] = k_new
             v_cache[:, s : s + m] = v_new
-        return torch.cat(rows)
+        rows = outs[0] if len(outs) == 1 else torch.cat(outs)  # [n, H d] in visiting order
+        return rows.index_select(0, self.visit_perm)
+
 
 
 class NativeCausalLM:

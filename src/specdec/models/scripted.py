@@ -107,6 +107,13 @@ def _inv_rms(x: Tensor, eps: Tensor, width: int) -> Tensor:  # [n, D] -> [n, 1]
     return torch.rsqrt(torch.addcmul(eps, norm, norm, value=1.0 / width))
 
 
+def _rows(x: Tensor, rows: List[int]) -> Tensor:
+    """native._rows: ``x[rows]`` as a slice (one row) or index_select."""
+    if len(rows) == 1:
+        return x[rows[0] : rows[0] + 1]
+    return x.index_select(0, torch.tensor(rows, dtype=torch.long))
+
+
 def _attend_rows(q: Tensor, k: Tensor, v: Tensor, start: int, block_mask: Tensor) -> Tensor:  # q: [n, H, d] -> [n, H d]
     """Exact attention of consecutive query positions ``start ..``: native._attend_rows, op for op."""
     n, hq, d = q.shape[0], q.shape[1], q.shape[2]
@@ -214,18 +221,31 @@ def _layers(
         elif tree_start >= 0:  # exact tree attention: each node sees cache[:start] + its path, in place
             k_new = k_cache[:, tree_start:end].clone()
             v_new = v_cache[:, tree_start:end].clone()
-            rows: List[Tensor] = []
+            outs: List[Tensor] = []
+            run: List[int] = []  # visited rows whose paths extend one another (native: attend_invariant)
+            first = 0
             moved = False
+            q_all = qk[:, :hq]
             for step in tree_steps:
+                extends = len(run) > 0 and step[1] == first + len(run)
+                for c in range((len(step) - 2) // 2):
+                    if step[2 + 2 * c] != step[1] - 1:
+                        extends = False
+                if len(run) > 0 and not extends:
+                    outs.append(_attend_rows(_rows(q_all, run), k_cache, v_cache, first - 1, block_mask))
+                    run = []
+                if len(run) == 0:
+                    first = step[1]
                 for c in range((len(step) - 2) // 2):
                     k_cache[:, step[2 + 2 * c]] = k_new[:, step[3 + 2 * c]]
                     v_cache[:, step[2 + 2 * c]] = v_new[:, step[3 + 2 * c]]
                     moved = True
-                rows.append(_attend_rows(qk[step[0] : step[0] + 1, :hq], k_cache, v_cache, step[1] - 1, block_mask))
+                run.append(step[0])
+            outs.append(_attend_rows(_rows(q_all, run), k_cache, v_cache, first - 1, block_mask))
             if moved:
                 k_cache[:, tree_start:end] = k_new
                 v_cache[:, tree_start:end] = v_new
-            attn = rows[0] if n == 1 else torch.cat(rows)
+            attn = outs[0] if len(outs) == 1 else torch.cat(outs)
             if tree_perm is not None:
                 attn = attn.index_select(0, tree_perm)
         else:
