@@ -317,6 +317,20 @@ def test_metrics_show_queue_batch_size_and_tokens_per_pass():
     assert 'specdec_scheduler_batch_size_count{model="target"} 2.0' in text
 
 
+def test_metrics_count_the_draft_models_passes_too():
+    """OpenAI requests draft on the server: the draft model's batched passes are labelled model="draft"."""
+    draft = BatchedModel(ToyLM(6, order=1, seed=1), Scheduler(ToyLM(6, order=1, seed=1), name="draft"))
+    app = create_app(BatchToy(6, order=1, seed=0), tokenizer=_Letters(), settings=ServerSettings(),
+                     drafter_factory=lambda: ModelDrafter(draft), drafter_name="toy", draft_model=draft)
+    client = TestClient(app, base_url="http://localhost")
+    r = client.post("/v1/completions", json={"model": "target", "prompt": "abc", "max_tokens": 6, "temperature": 0})
+    assert r.status_code == 200, r.text
+    text = client.get("/metrics").text
+    passes = [line for line in text.splitlines() if line.startswith('specdec_scheduler_passes_total{model="draft"}')]
+    assert passes and float(passes[0].split()[-1]) >= 1
+    assert 'specdec_scheduler_passes_total{model="target"}' in text
+
+
 class _Letters:
     def encode(self, text, add_special_tokens=False):
         return [ord(c) - 97 for c in text]

@@ -202,8 +202,12 @@ def create_app(
     """
     settings = settings or ServerSettings()
     metrics = ServerMetrics()
+    served = serving_model(model, settings, metrics)
+    if isinstance(served, BatchedModel) and isinstance(draft_model, BatchedModel):  # the draft's passes too
+        draft_model.scheduler.metrics = served.scheduler.metrics
+        draft_model.scheduler.on_pass = served.scheduler.metrics.observer(draft_model.scheduler.name)
     ctx = ServerContext(
-        model=serving_model(model, settings, metrics),
+        model=served,
         metrics=metrics,
         tokenizer=tokenizer,
         settings=settings,
