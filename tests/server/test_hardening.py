@@ -208,6 +208,30 @@ def test_idle_sessions_are_swept_without_requests():
         assert client.get("/health").json()["sessions"] == 0
 
 
+def test_each_sweep_hands_free_heap_memory_back(monkeypatch):
+    """Sessions come and go, each freeing KV buffers of a few MiB: the timer's sweep then trims the
+    C heap (glibc malloc_trim), which held a loaded server's RSS flat (see server/memory.py)."""
+    from specdec.server import memory
+
+    calls = []
+    monkeypatch.setattr(memory, "release_free_memory", lambda: calls.append(1) or True)
+    app = create_app(ToyLM(6, order=1, seed=0), settings=ServerSettings(sweep_interval_s=0.05))
+    with TestClient(app, base_url="http://localhost"):
+        deadline = time.monotonic() + 5
+        while len(calls) < 2 and time.monotonic() < deadline:
+            time.sleep(0.05)
+    assert len(calls) >= 2
+
+
+def test_release_free_memory_runs_where_glibc_is():
+    import platform
+
+    from specdec.server.memory import release_free_memory
+
+    expected = platform.system() == "Linux" and platform.libc_ver()[0] == "glibc"
+    assert release_free_memory() is expected
+
+
 def test_health_is_not_stale():
     app = create_app(ToyLM(6, order=1, seed=0), settings=ServerSettings(session_ttl_s=0.2, sweep_interval_s=60))
     client = TestClient(app, base_url="http://localhost")

@@ -53,6 +53,7 @@ from specdec.remote.protocol import (
 from specdec.server.errors import ApiError
 from specdec.server.metrics import ServerMetrics
 from specdec.server.guard import OWNER, Guard
+from specdec.server import memory
 from specdec.server.scheduler import BatchedModel, Overloaded, Scheduler, SchedulerMetrics
 from specdec.server.sessions import SerializedModel, SessionStore, create_session, growth_bytes, serialized
 from specdec.server.settings import ServerSettings
@@ -218,7 +219,8 @@ def create_app(
     )
     @asynccontextmanager
     async def lifespan(app: FastAPI) -> AsyncIterator[None]:
-        """Sweep idle sessions on a timer (not only when requests arrive)."""
+        """Sweep idle sessions on a timer (not only when requests arrive), then hand the heap's
+        free pages back to the OS (see :mod:`specdec.server.memory`)."""
 
         async def sweeper() -> None:
             loop = asyncio.get_running_loop()
@@ -226,6 +228,7 @@ def create_app(
                 await asyncio.sleep(settings.sweep_interval_s)
                 await loop.run_in_executor(None, ctx.store.sweep)
                 ctx.metrics.active_sessions.set(len(ctx.store))
+                await loop.run_in_executor(None, memory.release_free_memory)
 
         import anyio.to_thread
 
