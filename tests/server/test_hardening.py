@@ -21,6 +21,7 @@ from fastapi.testclient import TestClient
 
 from serverproc import ServerProcess
 from tiny import tiny_native
+from toy_server import LetterTokenizer
 from specdec.errors import ConfigError
 from specdec.models.toy import ToyLM
 from specdec.sampling import SamplingConfig, process_logits
@@ -65,6 +66,29 @@ def test_total_kv_bytes_are_capped():
     r = b.post("/v1/sessions", json=body)
     assert r.status_code == 503 and r.headers["Retry-After"] and "KV cache" in r.json()["error"]["message"]
     assert store.kv_bytes() <= cap
+
+
+def test_openai_requests_count_under_the_kv_cap():
+    """A completion holds the KV bytes its caches can grow to (prompt + max_tokens + a round's
+    rows) while it runs: past the cap it is refused with 503 before any work, beside sessions
+    that already hold memory, and the hold is given back when it ends."""
+    model = tiny_native()
+    per_position = model.new_cache(1).bytes_per_position
+    cap = per_position * 1024
+    app = create_app(model, tokenizer=LetterTokenizer(), settings=ServerSettings(max_kv_bytes=cap))
+    client = TestClient(app, base_url="http://localhost")
+    store = app.state.ctx.store
+    ok = client.post("/v1/completions", json={"prompt": [1, 2, 3], "max_tokens": 8, "temperature": 0})
+    assert ok.status_code == 200, ok.text
+    assert store.claimed_bytes == 0  # given back
+    too_big = client.post("/v1/completions", json={"prompt": [1, 2, 3], "max_tokens": 2000, "temperature": 0})
+    assert too_big.status_code == 503 and too_big.headers["Retry-After"] and "KV cache" in too_big.json()["error"]["message"]
+    assert store.claimed_bytes == 0 and app.state.ctx.active._value == app.state.ctx.settings.max_active_requests
+    store.claim("", cap - 100 * per_position)  # a running completion holding most of the memory
+    body = {"prompt_ids": [i % 60 + 1 for i in range(200)], "temperature": 0.0}
+    assert client.post("/v1/sessions", json=body).status_code == 503  # sessions see the hold too
+    store.release(cap - 100 * per_position)
+    assert client.post("/v1/sessions", json=body).status_code == 201
 
 
 # ----------------------------------------------------------------------------- sampling parameters

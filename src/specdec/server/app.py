@@ -88,6 +88,9 @@ class ServerContext:
         probe = self.model.new_cache(1)
         #: KV bytes per position of one session (0 for models without a KV cache we can measure)
         self.kv_per_position = int(getattr(probe, "bytes_per_position", 0))
+        #: the same for the draft model an OpenAI request drafts with on the server (0: none)
+        draft_probe = self.draft_model.new_cache(1) if self.draft_model is not None else None
+        self.draft_kv_per_position = int(getattr(draft_probe, "bytes_per_position", 0))
 
     def _evicted(self, reason: str) -> None:
         self.metrics.sessions_evicted.labels(reason).inc()

@@ -54,7 +54,7 @@ def add_parser(sub: Any) -> None:
     g.add_argument("--gamma", default=defaults.DEFAULT_GAMMA, help="draft length for the OpenAI endpoints: integer, 'auto' or 'guide' (default auto)")
     g.add_argument("--default-max-tokens", type=int, default=256, help="max_tokens of a chat request that gives none (default 256)")
     g.add_argument("--max-kv-mib", type=float, default=defaults.SERVER_MAX_KV_BYTES / 2**20,
-                   help=f"KV cache memory all sessions together may hold, MiB (default {defaults.SERVER_MAX_KV_BYTES >> 20})")
+                   help=f"KV cache memory all sessions and OpenAI requests together may hold, MiB (default {defaults.SERVER_MAX_KV_BYTES >> 20})")
     g.add_argument("--header-timeout", type=float, default=defaults.SERVER_HEADER_TIMEOUT_S,
                    help=f"seconds a client may take to send its request headers (default {defaults.SERVER_HEADER_TIMEOUT_S:g})")
     g.add_argument("--body-timeout", type=float, default=defaults.SERVER_BODY_TIMEOUT_S,

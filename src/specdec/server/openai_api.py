@@ -215,9 +215,10 @@ class _Job:
     """One request, validated: ``len(prompts) * n`` choices, run one after the other in a worker thread."""
 
     def __init__(self, ctx: "ServerContext", req: _Request, prompts: list[list[int]], max_tokens: int | None,
-                 *, logprobs: int | None = None, endpoint: str = "completions") -> None:
+                 *, logprobs: int | None = None, endpoint: str = "completions", owner: str = "") -> None:
         self.ctx = ctx
         self.endpoint = endpoint
+        self.owner = owner  # the caller's key digest (whose idle sessions may make room for this job)
         model = ctx.model
         if req.model is not None and req.model != ctx.settings.model_name:
             raise ApiError(404, f"model {req.model!r} is not served here; this server serves {ctx.settings.model_name!r}")
@@ -238,6 +239,10 @@ class _Job:
                 f"the model's context is {model.max_length} tokens; the prompt has {longest} and max_tokens asks for"
                 f" {max_tokens} more (at most {room})",
             )
+        # the most KV memory one choice can hold (choices run one after the other): the target's
+        # cache as TargetSession sizes it, and the server-side draft's, per position
+        positions = min(model.max_length, longest + max_tokens + defaults.MAX_GAMMA + 1 + defaults.MAX_TREE_NODES)
+        self.kv_bytes = positions * (ctx.kv_per_position + ctx.draft_kv_per_position)
         stops = (req.stop,) if isinstance(req.stop, str) else tuple(req.stop or ())
         try:
             self.sampling = SamplingConfig(
@@ -324,22 +329,35 @@ class _Job:
         ctx.metrics.observe_generation(self.endpoint, out.stats)
         return out
 
-def _admit(ctx: "ServerContext") -> None:
-    """Take one of the server's generation slots or answer 429 (never an unbounded backlog)."""
+def _admit(job: _Job) -> None:
+    """Take one of the server's generation slots (or answer 429) and hold the KV bytes the job can
+    use under the server's KV cap, next to the sessions' (or answer 503): never an unbounded backlog."""
+    ctx = job.ctx
     if not ctx.active.acquire(blocking=False):
         raise ApiError(429, f"this server is generating {ctx.settings.max_active_requests} completions already; retry later")
+    try:
+        ctx.store.claim(job.owner, job.kv_bytes)
+    except BaseException:
+        ctx.active.release()
+        raise
 
 
-def _submit(ctx: "ServerContext", fn: Callable[[], Any]) -> "asyncio.Future[Any]":
-    """Run ``fn`` on the generation pool; the slot taken by :func:`_admit` is given back when it ends."""
+def _release(job: _Job) -> None:
+    """Give back what :func:`_admit` took."""
+    job.ctx.store.release(job.kv_bytes)
+    job.ctx.active.release()
+
+
+def _submit(job: _Job, fn: Callable[[], Any]) -> "asyncio.Future[Any]":
+    """Run ``fn`` on the generation pool; what :func:`_admit` took is given back when it ends."""
 
     def guarded() -> Any:
         try:
             return fn()
         finally:
-            ctx.active.release()
+            _release(job)
 
-    return asyncio.get_running_loop().run_in_executor(ctx.executor, guarded)
+    return asyncio.get_running_loop().run_in_executor(job.ctx.executor, guarded)
 
 
 async def _run_blocking(job: _Job, request: Request | None = None) -> list[TextResult]:
@@ -351,8 +369,8 @@ async def _run_blocking(job: _Job, request: Request | None = None) -> list[TextR
         if cancelled.is_set():
             raise _Cancelled
 
-    _admit(job.ctx)
-    future = _submit(job.ctx, lambda: [job.run(i, on_text, cancelled) for i in range(job.choices)])
+    _admit(job)
+    future = _submit(job, lambda: [job.run(i, on_text, cancelled) for i in range(job.choices)])
     try:
         while True:
             done, _ = await asyncio.wait({future}, timeout=0.1)
@@ -410,13 +428,13 @@ def _stream(
             loop.call_soon_threadsafe(queue.put_nowait, ("done", (index, result)))
         loop.call_soon_threadsafe(queue.put_nowait, ("end", None))
 
-    _admit(job.ctx)
+    _admit(job)
     started = False
 
     async def events() -> AsyncIterator[str]:
         nonlocal started
         started = True
-        _submit(job.ctx, work)
+        _submit(job, work)
         results: list[TextResult] = []
         last: dict[str, Any] | None = None  # the last choice's final chunk, held back to carry the stats
         try:
@@ -455,7 +473,7 @@ def _stream(
 
     def release_if_never_started() -> None:  # the client left before the body was sent
         if not started:
-            job.ctx.active.release()
+            _release(job)
 
     weakref.finalize(body, release_if_never_started)
     return StreamingResponse(body, media_type="text/event-stream", headers={"Cache-Control": "no-cache", **job.headers})
@@ -501,6 +519,13 @@ def _completion_logprobs(tok: Any, out: TextResult, offset: int) -> dict[str, An
 # ----------------------------------------------------------------------------- endpoints
 
 
+def _owner(request: Request) -> str:
+    """The caller's key digest, set by the server's key guard ('' without keys)."""
+    from specdec.server.guard import OWNER
+
+    return str(request.scope.get(OWNER) or "")
+
+
 def openai_router(ctx: "ServerContext") -> APIRouter:
     router = APIRouter()
     metrics = ctx.metrics
@@ -541,7 +566,8 @@ def openai_router(ctx: "ServerContext") -> APIRouter:
                 raise ApiError(400, "the prompt is empty")
             prompts.append(ids)
             texts.append(item if isinstance(item, str) else "")
-        job = _Job(ctx, req, prompts, req.max_tokens if req.max_tokens is not None else 16, logprobs=req.logprobs)
+        job = _Job(ctx, req, prompts, req.max_tokens if req.max_tokens is not None else 16, logprobs=req.logprobs,
+                   owner=_owner(request))
         tok = tokenizer()  # the text of the answer needs it
         if req.echo:
             texts = [t or tok.decode(ids) for t, ids in zip(texts, prompts)]
@@ -597,7 +623,8 @@ def openai_router(ctx: "ServerContext") -> APIRouter:
         if not ids:
             raise ApiError(400, "the conversation encodes to no tokens")
         max_tokens = req.max_completion_tokens if req.max_completion_tokens is not None else req.max_tokens
-        job = _Job(ctx, req, [ids], max_tokens, logprobs=(req.top_logprobs or 0) if req.logprobs else None, endpoint="chat")
+        job = _Job(ctx, req, [ids], max_tokens, logprobs=(req.top_logprobs or 0) if req.logprobs else None, endpoint="chat",
+                   owner=_owner(request))
         cid, created = f"chatcmpl-{secrets.token_hex(12)}", int(time.time())
         metrics.completions.labels("chat", str(req.stream).lower()).inc()
 

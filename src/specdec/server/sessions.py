@@ -403,6 +403,8 @@ class SessionStore:
         self._sessions: OrderedDict[str, EdgeSession] = OrderedDict()
         self._lock = threading.Lock()
         self._on_evict = on_evict or (lambda reason: None)
+        #: KV bytes held for requests that are not sessions (OpenAI completions), see :meth:`claim`
+        self._claimed = 0
 
     def __len__(self) -> int:
         return len(self._sessions)
@@ -439,11 +441,30 @@ class SessionStore:
         with self._lock:
             self._make_room(owner, kv_bytes, count=False, busy=busy)
 
+    def claim(self, owner: str, kv_bytes: int) -> None:
+        """Hold ``kv_bytes`` under the KV cap for a request that is not a session (an OpenAI
+        completion: the most its caches can grow to), evicting ``owner``'s idle sessions if
+        needed, or raise 503.  Give them back with :meth:`release`."""
+        if kv_bytes <= 0:
+            return
+        self.sweep()
+        with self._lock:
+            self._make_room(owner, kv_bytes, count=False)
+            self._claimed += kv_bytes
+
+    def release(self, kv_bytes: int) -> None:
+        with self._lock:
+            self._claimed -= max(kv_bytes, 0)
+
+    @property
+    def claimed_bytes(self) -> int:
+        return self._claimed
+
     def _make_room(self, owner: str, kv_bytes: int, *, count: bool, busy: str | None = None) -> None:
         cap = self.settings.max_kv_bytes
         while True:
             full = count and len(self._sessions) >= self.settings.max_sessions
-            used = sum(cache_bytes(s.target.cache) for s in self._sessions.values())
+            used = self._claimed + sum(cache_bytes(s.target.cache) for s in self._sessions.values())
             over = used + kv_bytes > cap
             if not full and not over:
                 return
