@@ -82,6 +82,11 @@ DRAFT_KV_INITIAL_LENGTH = 256
 SERVER_MAX_KV_BYTES = 4 << 30
 #: seconds between sweeps of idle sessions
 SERVER_SWEEP_INTERVAL_S = 5.0
+#: the batching server's draft cap (server/draft_cap.py): look-back window, and the passes and
+#: rounds (per wire mode) it needs before capping anything
+DRAFT_CAP_WINDOW_S = 20.0
+DRAFT_CAP_MIN_PASSES = 16
+DRAFT_CAP_MIN_ROUNDS = 32
 #: seconds a client may take to send its request headers / each part of its body
 SERVER_HEADER_TIMEOUT_S = 10.0
 SERVER_BODY_TIMEOUT_S = 30.0

@@ -230,6 +230,9 @@ class VerifyMetrics(_Body):
     committed: int  # tokens committed after the prompt so far
     lossless: bool
     replayed: bool = False  # True when this is the stored verdict of a retried seq
+    #: a busy batching server verified only the first ``gamma`` of this many draft tokens (lossless:
+    #: the answer is that of the shorter draft); None = the whole draft was verified
+    capped_from: int | None = None
 
 
 class VerifyResponse(_Body):

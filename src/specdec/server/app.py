@@ -54,7 +54,8 @@ from specdec.server.errors import ApiError
 from specdec.server.metrics import ServerMetrics
 from specdec.server.guard import OWNER, Guard
 from specdec.server import memory
-from specdec.server.scheduler import BatchedModel, Overloaded, Scheduler, SchedulerMetrics
+from specdec.server.draft_cap import DraftCap
+from specdec.server.scheduler import BatchedModel, Overloaded, PassStats, Scheduler, SchedulerMetrics
 from specdec.server.sessions import SerializedModel, SessionStore, create_session, growth_bytes, serialized
 from specdec.server.settings import ServerSettings
 
@@ -79,6 +80,8 @@ class ServerContext:
 
     #: the draft model behind its own scheduler, when the server batches drafts too (else None)
     draft_model: Any | None = None
+    #: how many edge draft tokens a busy batched pass verifies (None: all; the serialised server)
+    draft_cap: DraftCap | None = None
 
     def __post_init__(self) -> None:
         self.store = SessionStore(self.settings, on_evict=self._evicted)
@@ -207,9 +210,20 @@ def create_app(
     settings = settings or ServerSettings()
     metrics = ServerMetrics()
     served = serving_model(model, settings, metrics)
-    if isinstance(served, BatchedModel) and isinstance(draft_model, BatchedModel):  # the draft's passes too
-        draft_model.scheduler.metrics = served.scheduler.metrics
-        draft_model.scheduler.on_pass = served.scheduler.metrics.observer(draft_model.scheduler.name)
+    draft_cap = None
+    if isinstance(served, BatchedModel):
+        if isinstance(draft_model, BatchedModel):  # the draft's passes too
+            draft_model.scheduler.metrics = served.scheduler.metrics
+            draft_model.scheduler.on_pass = served.scheduler.metrics.observer(draft_model.scheduler.name)
+        if settings.draft_cap:
+            draft_cap = DraftCap()
+            observe = served.scheduler.on_pass
+
+            def on_pass(stats: PassStats) -> None:
+                observe(stats)
+                draft_cap.observe_pass(stats.tokens, stats.seconds)
+
+            served.scheduler.on_pass = on_pass
     ctx = ServerContext(
         model=served,
         metrics=metrics,
@@ -219,6 +233,7 @@ def create_app(
         drafter_factory=drafter_factory,
         drafter_name=drafter_name,
         draft_model=draft_model,
+        draft_cap=draft_cap,
     )
     @asynccontextmanager
     async def lifespan(app: FastAPI) -> AsyncIterator[None]:
@@ -332,7 +347,8 @@ def create_app(
             new_positions = len(req.unverified_tokens) + len(req.draft_tokens) + 2
             store.ensure_kv(who, growth_bytes(session.target.cache, new_positions), busy=session.id)
             unverified_before = session.unverified
-            reply = session.verify(req, settings)
+            cap = ctx.draft_cap.cap(session.wire) if ctx.draft_cap is not None and req.parents is None else None
+            reply = session.verify(req, settings, draft_cap=cap)
             session.last_used = time.monotonic()
             unverified = session.unverified - unverified_before
         if reply.metrics.replayed:
@@ -343,6 +359,10 @@ def create_app(
                 accepted=reply.num_accepted, emitted=len(reply.tokens), seconds=time.perf_counter() - started,
                 unverified=unverified,
             )
+            if ctx.draft_cap is not None:
+                ctx.draft_cap.observe_tokens(len(reply.tokens))
+                if reply.path is None:
+                    ctx.draft_cap.observe_round(session.wire, reply.metrics.gamma, reply.num_accepted)
         return reply
 
     from specdec.server.openai_api import openai_router

@@ -64,6 +64,9 @@ def add_parser(sub: Any) -> None:
     b = p.add_argument_group("batching")
     b.add_argument("--no-batching", action="store_true",
                    help="run one request's forward pass at a time under a lock (the serialised server; for comparisons)")
+    b.add_argument("--no-draft-cap", action="store_true",
+                   help="verify every edge draft token even when the batch is busy (default: only the positions whose"
+                        " measured acceptance is worth a row of the pass; lossless either way)")
     b.add_argument("--max-tokens-per-pass", type=int, default=defaults.SCHEDULER_MAX_TOKENS,
                    help=f"rows (tokens) of all requests in one forward pass (default {defaults.SCHEDULER_MAX_TOKENS})")
     b.add_argument("--prefill-chunk", type=int, default=defaults.SCHEDULER_PREFILL_CHUNK,
@@ -153,6 +156,7 @@ def settings_from_args(args: argparse.Namespace) -> dict[str, Any]:
         body_timeout_s=args.body_timeout,
         allowed_hosts=tuple(args.allowed_host),
         batching=not args.no_batching,
+        draft_cap=not args.no_draft_cap,
         max_tokens_per_pass=args.max_tokens_per_pass,
         prefill_chunk=args.prefill_chunk,
         max_queue=args.max_queue,

@@ -326,6 +326,8 @@ class _Job:
             for sched in schedulers:
                 sched.bind_cancel(None)
         ctx.metrics.completion_tokens.inc(len(out.token_ids))
+        if getattr(ctx, "draft_cap", None) is not None:
+            ctx.draft_cap.observe_tokens(len(out.token_ids))
         ctx.metrics.observe_generation(self.endpoint, out.stats)
         return out
 

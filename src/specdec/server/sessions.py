@@ -7,6 +7,8 @@ retry of that ``seq`` returns it again, any other out-of-order ``seq`` is a 409.
 
 from __future__ import annotations
 
+import dataclasses
+
 import hashlib
 import os
 import threading
@@ -179,8 +181,12 @@ class EdgeSession:
 
     # ------------------------------------------------------------------ verification
 
-    def verify(self, req: VerifyRequest, settings: ServerSettings) -> VerifyResponse:
-        """One round (call with ``self.lock`` held).  Raises :class:`ApiError` before any change."""
+    def verify(self, req: VerifyRequest, settings: ServerSettings, *, draft_cap: int | None = None) -> VerifyResponse:
+        """One round (call with ``self.lock`` held).  Raises :class:`ApiError` before any change.
+
+        ``draft_cap``: verify at most this many leading tokens of a chain draft (a busy batching
+        server's choice, see :mod:`specdec.server.draft_cap`): the answer is exactly that of the
+        shorter draft, so every rule stays lossless."""
         started = time.perf_counter()
         if self.last_reply is not None and req.seq == self.next_seq - 1:
             if _fingerprint(req) != self.last_fingerprint:
@@ -194,6 +200,11 @@ class EdgeSession:
             expected = f"seq {self.next_seq}" + (f" (or {self.next_seq - 1} to repeat the last round)" if self.next_seq else "")
             raise ApiError(409, f"out-of-order seq {req.seq}: this session expects {expected}")
         draft, forced = self._check(req, settings)
+        capped_from = None
+        if draft_cap is not None and draft.parents is None and draft.tokens.numel() > draft_cap:
+            capped_from = draft.tokens.numel()
+            draft = dataclasses.replace(draft, tokens=draft.tokens[:draft_cap],
+                                        probs=None if draft.probs is None else draft.probs[:draft_cap])
         if forced is not None:
             self._guarded(lambda: append_unverified(self.target, forced))
             self.unverified += forced.numel()
@@ -214,6 +225,7 @@ class EdgeSession:
                 server_ms=(time.perf_counter() - started) * 1e3,
                 committed=self.committed,
                 lossless=self.lossless,
+                capped_from=capped_from,
             ),
         )
         self.last_reply = reply

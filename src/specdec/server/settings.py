@@ -42,6 +42,8 @@ class ServerSettings:
     #: continuous batching (one forward pass for the pending work of all requests); False = one
     #: request's forward pass at a time under a lock (the serialised server, for comparisons)
     batching: bool = True
+    #: with batching: verify only the draft positions worth a row of the busy pass (server/draft_cap.py)
+    draft_cap: bool = True
     max_tokens_per_pass: int = defaults.SCHEDULER_MAX_TOKENS
     prefill_chunk: int = defaults.SCHEDULER_PREFILL_CHUNK
     max_queue: int = defaults.SCHEDULER_MAX_QUEUE

@@ -1,0 +1,136 @@
+"""How many draft tokens of an edge round are worth a row of a busy batched pass.
+
+An edge session chooses its own γ, and under batching its round latency hardly depends on it
+(its rows are a few among a hundred), so every client drafts long.  But once a batched pass is
+compute-bound each row costs the same for everyone: with ``E`` tokens emitted from ``R`` rows in
+a pass of time ``T = a + b R``, one more row whose token is accepted with probability ``p``
+raises the server's tokens per second exactly when
+
+    p > b E / T = m ρ,    ρ = E / R (tokens per row),  m = b / (T / R) (marginal / average row cost).
+
+This is the rule vLLM applies coarsely when it switches speculation off past a batch size; here
+it is applied per draft position.  The server knows everything in it: ``a`` and ``b`` from a
+least-squares fit of its recent passes, ``ρ`` from the tokens it emitted and the rows it ran in
+the same time window, and ``p_k`` = P(accepted ≥ k) per draft position from the rounds it
+verified (per wire mode).  The cap is the number of leading positions with ``p_k > m ρ``.
+
+Truncating a draft is lossless for every rule: verifying the first ``k`` tokens of a draft is
+verifying a ``k``-token draft, which the client could have sent itself (the choice of ``k``
+depends only on the past).  The client commits what the answer holds, as after any rejection.
+"""
+
+from __future__ import annotations
+
+import threading
+import time
+from collections import deque
+from dataclasses import dataclass
+
+from specdec import defaults
+
+
+@dataclass(frozen=True)
+class CapConfig:
+    #: seconds of passes and emitted tokens the estimates look back over
+    window_s: float = defaults.DRAFT_CAP_WINDOW_S
+    #: passes needed in the window before any cap is given
+    min_passes: int = defaults.DRAFT_CAP_MIN_PASSES
+    #: rounds per wire mode needed before its acceptance is trusted
+    min_rounds: int = defaults.DRAFT_CAP_MIN_ROUNDS
+    #: longest draft position tracked (longer drafts are capped here once a cap is active)
+    max_positions: int = defaults.MAX_GAMMA
+
+
+def cap_from(p_accept: list[float], threshold: float) -> int:
+    """Number of leading positions whose acceptance probability exceeds ``threshold`` (pure)."""
+    k = 0
+    while k < len(p_accept) and p_accept[k] > threshold:
+        k += 1
+    return k
+
+
+def row_costs(rows: list[int], seconds: list[float]) -> tuple[float, float] | None:
+    """Least-squares ``(a, b)`` of ``seconds ≈ a + b · rows`` (pure); None if the rows never vary."""
+    n = len(rows)
+    if n < 2:
+        return None
+    mr = sum(rows) / n
+    ms = sum(seconds) / n
+    var = sum((r - mr) ** 2 for r in rows)
+    if var <= 0:
+        return None
+    b = sum((r - mr) * (s - ms) for r, s in zip(rows, seconds)) / var
+    return ms - b * mr, b
+
+
+class DraftCap:
+    """The server's running estimates and the cap they give (thread-safe)."""
+
+    def __init__(self, config: CapConfig | None = None, clock=time.monotonic) -> None:
+        self.config = config or CapConfig()
+        self._clock = clock
+        self._lock = threading.Lock()
+        self._passes: deque[tuple[float, int, float]] = deque()  # (time, rows, seconds)
+        self._emitted: deque[tuple[float, int]] = deque()  # (time, tokens)
+        self._rounds: dict[str, int] = {}
+        self._proposed: dict[str, list[float]] = {}
+        self._accepted: dict[str, list[float]] = {}
+
+    def _trim(self, now: float) -> None:
+        horizon = now - self.config.window_s
+        while self._passes and self._passes[0][0] < horizon:
+            self._passes.popleft()
+        while self._emitted and self._emitted[0][0] < horizon:
+            self._emitted.popleft()
+
+    def observe_pass(self, rows: int, seconds: float) -> None:
+        with self._lock:
+            now = self._clock()
+            self._passes.append((now, rows, seconds))
+            self._trim(now)
+
+    def observe_tokens(self, tokens: int) -> None:
+        """Tokens emitted by anything the target's passes served (edge rounds, OpenAI requests)."""
+        with self._lock:
+            self._emitted.append((self._clock(), tokens))
+
+    def observe_round(self, wire: str, gamma: int, accepted: int) -> None:
+        """One verified chain round: ``gamma`` drafted, the first ``accepted`` of them kept."""
+        n = self.config.max_positions
+        with self._lock:
+            prop = self._proposed.setdefault(wire, [0.0] * n)
+            acc = self._accepted.setdefault(wire, [0.0] * n)
+            decay = 1.0 - 1.0 / 512  # forget slowly: acceptance drifts with the prompts in flight
+            for k in range(n):
+                prop[k] *= decay
+                acc[k] *= decay
+            for k in range(min(gamma, n)):
+                prop[k] += 1.0
+                acc[k] += 1.0 if k < accepted else 0.0
+            self._rounds[wire] = self._rounds.get(wire, 0) + 1
+
+    def estimate(self, wire: str) -> tuple[float, list[float]] | None:
+        """``(threshold m·ρ, [p_1, p_2, ...])`` for ``wire``, or None while there is too little to go on."""
+        with self._lock:
+            self._trim(self._clock())
+            if len(self._passes) < self.config.min_passes or self._rounds.get(wire, 0) < self.config.min_rounds:
+                return None
+            fit = row_costs([r for _, r, _ in self._passes], [s for _, _, s in self._passes])
+            rows = sum(r for _, r, _ in self._passes)
+            seconds = sum(s for _, _, s in self._passes)
+            tokens = sum(t for _, t in self._emitted)
+            prop, acc = self._proposed[wire], self._accepted[wire]
+            p = [a / q if q > 1e-12 else 0.0 for a, q in zip(acc, prop)]  # decay keeps the ratio
+        if fit is None or rows == 0 or seconds <= 0 or tokens == 0:
+            return None
+        _, b = fit
+        m = min(max(b * rows / seconds, 0.0), 1.0)  # b / (average seconds per row)
+        return m * tokens / rows, p
+
+    def cap(self, wire: str) -> int | None:
+        """Draft tokens worth verifying for a round of ``wire`` now (None: no cap)."""
+        est = self.estimate(wire)
+        if est is None:
+            return None
+        threshold, p = est
+        return cap_from(p, threshold)

@@ -1,0 +1,144 @@
+"""The batching server's draft cap: the rule (pure), its estimates, and that a capped round is lossless."""
+
+from __future__ import annotations
+
+import random
+
+import pytest
+from fastapi.testclient import TestClient
+
+from specdec.models.toy import ToyLM
+from specdec.remote.protocol import VerifyRequest
+from specdec.server import ServerSettings, create_app
+from specdec.server.draft_cap import CapConfig, DraftCap, cap_from, row_costs
+
+VOCAB = 8
+
+
+def test_cap_counts_leading_positions_above_the_threshold():
+    assert cap_from([0.5, 0.3, 0.1, 0.4], 0.25) == 2  # stops at the first position below
+    assert cap_from([0.5, 0.3], 0.6) == 0
+    assert cap_from([0.9, 0.8], 0.0) == 2
+
+
+def test_row_costs_fit_a_line_and_refuse_a_constant_batch():
+    rows = [5, 20, 60, 140, 90]
+    a, b = row_costs(rows, [0.012 + 0.0017 * r for r in rows])
+    assert a == pytest.approx(0.012) and b == pytest.approx(0.0017)
+    assert row_costs([8, 8, 8], [0.1, 0.2, 0.15]) is None
+
+
+class _Clock:
+    def __init__(self) -> None:
+        self.t = 0.0
+
+    def __call__(self) -> float:
+        return self.t
+
+
+def _loaded(tokens_per_row: float, p: list[float]) -> DraftCap:
+    """A cap fed 32 compute-bound passes (a = 12 ms, b = 1.7 ms per row) and 64 rounds per wire."""
+    clock = _Clock()
+    cap = DraftCap(CapConfig(window_s=100.0, min_passes=16, min_rounds=32, max_positions=6), clock=clock)
+    rng = random.Random(0)
+    for i in range(32):
+        clock.t += 0.3
+        rows = rng.randint(60, 160)
+        cap.observe_pass(rows, 0.012 + 0.0017 * rows)
+        cap.observe_tokens(round(rows * tokens_per_row))
+    for i in range(400):  # rounds of γ = 4 whose acceptance per position follows p
+        accepted = 0
+        while accepted < 4 and rng.random() < p[accepted] / (p[accepted - 1] if accepted else 1.0):
+            accepted += 1
+        cap.observe_round("greedy", 4, accepted)
+    return cap
+
+
+def test_the_cap_follows_acceptance_and_load():
+    """threshold = m ρ with m ≈ 0.85-0.95 here: acceptance 0.46 / 0.27 / 0.16 / 0.11 per position
+    (the load test's greedy edges) gives cap 2 at 0.25 tokens per row, 4 at 0.05, 0 at 0.6."""
+    p = [0.46, 0.27, 0.16, 0.11]
+    assert _loaded(0.25, p).cap("greedy") == 2
+    assert _loaded(0.05, p).cap("greedy") == 4
+    assert _loaded(0.6, p).cap("greedy") == 0
+    assert _loaded(0.25, p).cap("coupled") is None  # no rounds of that wire yet
+
+
+def test_no_cap_before_enough_passes():
+    cap = DraftCap(CapConfig(min_passes=16, min_rounds=1))
+    cap.observe_round("greedy", 4, 0)
+    cap.observe_tokens(10)
+    for rows in (10, 20, 30):
+        cap.observe_pass(rows, 0.01 * rows)
+    assert cap.cap("greedy") is None
+
+
+def _app(**settings):
+    return create_app(ToyLM(VOCAB, order=2, seed=3), settings=ServerSettings(**settings))
+
+
+def _pair(client: TestClient, app, wire: str, temperature: float):
+    body = {"prompt_ids": [1, 2, 3], "temperature": temperature, "seed": 7, "wire": wire}
+    ids = [client.post("/v1/sessions", json=body).json()["session_id"] for _ in range(2)]
+    return [app.state.ctx.store.get(i) for i in ids]
+
+
+def _q(tokens: list[int], rng: random.Random) -> list[dict]:
+    rows = []
+    for t in tokens:
+        other = (t + 1 + rng.randrange(VOCAB - 1)) % VOCAB
+        w = rng.uniform(0.2, 0.9)
+        rows.append({"ids": [t, other], "probs": [w, 1 - w]})
+    return rows
+
+
+@pytest.mark.parametrize("wire,temperature", [("greedy", 0.0), ("coupled", 1.0), ("sparse-q", 1.0)])
+def test_a_capped_round_is_the_round_of_the_shorter_draft(wire, temperature):
+    """30 rounds of random 5-token drafts: a session capped to k (random per round) answers
+    exactly what a twin session answers to the first k tokens sent as the draft (same tokens,
+    same acceptance; generators in step), for greedy, coupled and block verification."""
+    app = _app()
+    client = TestClient(app, base_url="http://localhost")
+    capped, direct = _pair(client, app, wire, temperature)
+    settings = app.state.ctx.settings
+    rng = random.Random(wire)
+    truncated = 0
+    for seq in range(30):
+        tokens = [rng.randrange(VOCAB) for _ in range(5)]
+        k = rng.randrange(0, 6)
+        q = _q(tokens, rng) if wire == "sparse-q" else None
+        with capped.lock:
+            a = capped.verify(VerifyRequest(seq=seq, draft_tokens=tokens, q=q), settings, draft_cap=k)
+        with direct.lock:
+            b = direct.verify(VerifyRequest(seq=seq, draft_tokens=tokens[:k], q=None if q is None else q[:k]), settings)
+        assert (a.tokens, a.num_accepted, a.metrics.gamma) == (b.tokens, b.num_accepted, b.metrics.gamma)
+        assert a.metrics.capped_from == (5 if k < 5 else None)
+        truncated += k < 5
+    assert truncated > 10
+    assert capped.target.context.tolist() == direct.target.context.tolist()
+
+
+def test_the_verify_endpoint_applies_the_cap():
+    app = _app()
+    client = TestClient(app, base_url="http://localhost")
+    sid = client.post("/v1/sessions", json={"prompt_ids": [1, 2], "temperature": 0.0}).json()["session_id"]
+
+    class Fixed:
+        def cap(self, wire: str) -> int:
+            return 1
+
+        def observe_tokens(self, n: int) -> None:
+            pass
+
+        def observe_round(self, *args) -> None:
+            pass
+
+    assert app.state.ctx.draft_cap is not None  # on by default with batching
+    app.state.ctx.draft_cap = Fixed()
+    r = client.post(f"/v1/sessions/{sid}/verify", json={"seq": 0, "draft_tokens": [1, 2, 3, 4]}).json()
+    assert r["metrics"]["gamma"] == 1 and r["metrics"]["capped_from"] == 4
+
+
+def test_no_cap_on_the_serialised_server_or_when_switched_off():
+    assert _app(batching=False).state.ctx.draft_cap is None
+    assert _app(draft_cap=False).state.ctx.draft_cap is None
