@@ -36,10 +36,10 @@ class _Clock:
         return self.t
 
 
-def _loaded(tokens_per_row: float, p: list[float]) -> DraftCap:
-    """A cap fed 32 compute-bound passes (a = 12 ms, b = 1.7 ms per row) and 64 rounds per wire."""
+def _loaded(tokens_per_row: float, p: list[float], costs=None) -> DraftCap:
+    """A cap fed 32 compute-bound passes (a = 12 ms, b = 1.7 ms per row) and 400 rounds of γ = 4."""
     clock = _Clock()
-    cap = DraftCap(CapConfig(window_s=100.0, min_passes=16, min_rounds=32, max_positions=6), clock=clock)
+    cap = DraftCap(CapConfig(window_s=100.0, min_passes=16, min_rounds=32, max_positions=6), clock=clock, costs=costs)
     rng = random.Random(0)
     for i in range(32):
         clock.t += 0.3
@@ -62,6 +62,19 @@ def test_the_cap_follows_acceptance_and_load():
     assert _loaded(0.05, p).cap("greedy") == 4
     assert _loaded(0.6, p).cap("greedy") == 0
     assert _loaded(0.25, p).cap("coupled") is None  # no rounds of that wire yet
+    # costs measured at start-up replace the live fit: a pass that is mostly fixed cost (a = 1 s)
+    # makes rows nearly free, so nothing is capped
+    assert _loaded(0.25, p, costs=(0.012, 0.0017)).cap("greedy") == 2
+    assert _loaded(0.25, p, costs=(1.0, 0.0017)).cap("greedy") == 4
+
+
+def test_calibration_times_the_model_alone():
+    from specdec.server.draft_cap import calibrate
+    from tiny import tiny_native
+
+    a, b = calibrate(tiny_native(), rows=24, sequences=6, reps=1)
+    assert a >= 0 and b >= 0 and a + b > 0
+    assert calibrate(ToyLM(VOCAB, order=1, seed=0)) is None  # no batched forward: the live fit is used
 
 
 def test_no_cap_before_enough_passes():

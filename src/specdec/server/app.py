@@ -54,7 +54,7 @@ from specdec.server.errors import ApiError
 from specdec.server.metrics import ServerMetrics
 from specdec.server.guard import OWNER, Guard
 from specdec.server import memory
-from specdec.server.draft_cap import DraftCap
+from specdec.server.draft_cap import DraftCap, calibrate
 from specdec.server.scheduler import BatchedModel, Overloaded, PassStats, Scheduler, SchedulerMetrics
 from specdec.server.sessions import SerializedModel, SessionStore, create_session, growth_bytes, serialized
 from specdec.server.settings import ServerSettings
@@ -216,7 +216,7 @@ def create_app(
             draft_model.scheduler.metrics = served.scheduler.metrics
             draft_model.scheduler.on_pass = served.scheduler.metrics.observer(draft_model.scheduler.name)
         if settings.draft_cap:
-            draft_cap = DraftCap()
+            draft_cap = DraftCap(costs=calibrate(served.inner))  # before the scheduler runs anything
             observe = served.scheduler.on_pass
 
             def on_pass(stats: PassStats) -> None:

@@ -9,10 +9,13 @@ raises the server's tokens per second exactly when
     p > b E / T = m ρ,    ρ = E / R (tokens per row),  m = b / (T / R) (marginal / average row cost).
 
 This is the rule vLLM applies coarsely when it switches speculation off past a batch size; here
-it is applied per draft position.  The server knows everything in it: ``a`` and ``b`` from a
-least-squares fit of its recent passes, ``ρ`` from the tokens it emitted and the rows it ran in
-the same time window, and ``p_k`` = P(accepted ≥ k) per draft position from the rounds it
-verified (per wire mode).  The cap is the number of leading positions with ``p_k > m ρ``.
+it is applied per draft position.  The server knows everything in it: ``a`` and ``b`` from timing
+the model alone at start-up (:func:`calibrate`; a least-squares fit of the live passes instead when
+that is not available — measured, the live fit under load is poor: the server's other threads
+steal time from passes at random, which flattens the slope), the rows per pass ``R`` and ``ρ``
+from the passes it ran and the tokens it emitted in a recent time window, and ``p_k`` = P(accepted
+≥ k) per draft position from the rounds it verified (per wire mode).  The cap is the number of
+leading positions with ``p_k > m ρ``.
 
 Truncating a draft is lossless for every rule: verifying the first ``k`` tokens of a draft is
 verifying a ``k``-token draft, which the client could have sent itself (the choice of ``k``
@@ -25,6 +28,7 @@ import threading
 import time
 from collections import deque
 from dataclasses import dataclass
+from typing import Any
 
 from specdec import defaults
 
@@ -63,11 +67,52 @@ def row_costs(rows: list[int], seconds: list[float]) -> tuple[float, float] | No
     return ms - b * mr, b
 
 
+def calibrate(model: Any, *, rows: int = 96, sequences: int = 12, context: int = 64, reps: int = 3) -> tuple[float, float] | None:
+    """``(a, b)`` seconds of one pass ``≈ a + b · rows`` for ``model`` alone: one 1-row sequence vs
+    ``sequences`` sequences of ``rows / sequences`` rows each, after a ``context``-token prefill,
+    medians of ``reps`` (throwaway caches; call before the model serves anyone).  None for models
+    without a batched forward."""
+    import statistics
+
+    import torch
+
+    if not hasattr(model, "forward_batch"):
+        return None
+    gen = torch.Generator().manual_seed(0)
+
+    def caches(n: int) -> list[Any]:
+        out = []
+        for _ in range(n):
+            cache = model.new_cache(context + rows + 64)
+            model.forward(torch.randint(0, model.vocab_size, (context,), generator=gen), cache, last_only=True)
+            out.append(cache)
+        return out
+
+    def timed(cs: list[Any], per: int) -> float:
+        items = [(torch.randint(0, model.vocab_size, (per,), generator=gen), c, False) for c in cs]
+        times = []
+        for _ in range(reps):
+            for c in cs:
+                c.truncate(context)
+            t = time.perf_counter()
+            model.forward_batch(items)
+            times.append(time.perf_counter() - t)
+        return statistics.median(times)
+
+    per = max(rows // sequences, 1)
+    small, big = timed(caches(1), 1), timed(caches(sequences), per)
+    b = max((big - small) / (per * sequences - 1), 0.0)
+    return max(small - b, 0.0), b
+
+
 class DraftCap:
     """The server's running estimates and the cap they give (thread-safe)."""
 
-    def __init__(self, config: CapConfig | None = None, clock=time.monotonic) -> None:
+    def __init__(self, config: CapConfig | None = None, clock=time.monotonic,
+                 costs: tuple[float, float] | None = None) -> None:
+        """``costs``: ``(a, b)`` from :func:`calibrate` (else fitted on the live passes)."""
         self.config = config or CapConfig()
+        self._costs = costs
         self._clock = clock
         self._lock = threading.Lock()
         self._passes: deque[tuple[float, int, float]] = deque()  # (time, rows, seconds)
@@ -115,16 +160,18 @@ class DraftCap:
             self._trim(self._clock())
             if len(self._passes) < self.config.min_passes or self._rounds.get(wire, 0) < self.config.min_rounds:
                 return None
-            fit = row_costs([r for _, r, _ in self._passes], [s for _, _, s in self._passes])
+            fit = self._costs or row_costs([r for _, r, _ in self._passes], [s for _, _, s in self._passes])
             rows = sum(r for _, r, _ in self._passes)
+            len_passes = len(self._passes)
             seconds = sum(s for _, _, s in self._passes)
             tokens = sum(t for _, t in self._emitted)
             prop, acc = self._proposed[wire], self._accepted[wire]
             p = [a / q if q > 1e-12 else 0.0 for a, q in zip(acc, prop)]  # decay keeps the ratio
         if fit is None or rows == 0 or seconds <= 0 or tokens == 0:
             return None
-        _, b = fit
-        m = min(max(b * rows / seconds, 0.0), 1.0)  # b / (average seconds per row)
+        a, b = fit
+        mean_rows = rows / len_passes
+        m = min(max(b * mean_rows / (a + b * mean_rows), 0.0), 1.0)  # b / (seconds per row of an average pass)
         return m * tokens / rows, p
 
     def cap(self, wire: str) -> int | None:
