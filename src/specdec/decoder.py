@@ -171,6 +171,9 @@ class SpeculativeDecoder:
             t0 = time.perf_counter()
             tree = self.tree if self.tree is not None and getattr(self.gamma, "tree_round", True) else None
             limit = defaults.MAX_TREE_NODES if tree is not None else min(remaining - 1, defaults.MAX_GAMMA)
+            advised = getattr(verifier, "gamma_limit", None)  # a busy remote verifier's draft cap
+            if advised is not None and tree is None:
+                limit = min(limit, advised)
             g = min(self.gamma.next_gamma(), limit) if drafter is not None and remaining > 1 else 0
             draft = empty
             if g > 0:

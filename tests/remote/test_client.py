@@ -363,3 +363,33 @@ def test_outcome_metrics_are_per_round(toy_server):
         assert m["rtt_ms"] > 0 and m["retries"] == 0 and o.target_s * 1e3 == pytest.approx(m["rtt_ms"])
     assert sum(o.metrics["bytes_up"] for o in rounds) == v.stats.bytes_up - created_up
     assert v.stats.verify_calls == 3
+
+
+def test_the_edge_follows_a_busy_servers_draft_cap():
+    """A batching server that verifies only 1 token of each draft (its draft cap) answers with
+    capped_from; the edge then drafts 2 (one more, to notice when the cap lifts) instead of its
+    γ = 5, and the output is still plain greedy decoding's."""
+    from fastapi.testclient import TestClient
+
+    from specdec.server import ServerSettings, create_app
+
+    class FixedCap:
+        def cap(self, wire: str) -> int:
+            return 1
+
+        def observe_tokens(self, n: int) -> None:
+            pass
+
+        def observe_round(self, *args) -> None:
+            pass
+
+    app = create_app(TARGET, settings=ServerSettings())
+    app.state.ctx.draft_cap = FixedCap()
+    cfg = SamplingConfig(temperature=0.0, max_new_tokens=30)
+    with TestClient(app, base_url="http://localhost") as client:
+        out = generate_remote([2, 3, 0], cfg, RemoteConfig(url="http://localhost"), drafter=ModelDrafter(DRAFT), gamma=5,
+                              client=client)
+    assert out.token_ids == _local([2, 3, 0], cfg, "greedy", drafter=None)
+    drafted = out.stats.proposed_per_position  # rounds that drafted >= k tokens
+    assert out.stats.target_calls > 5 and drafted[1] == out.stats.target_calls - 1  # all but the last round: 2
+    assert drafted[2] == 1  # only the first round drafted the full 5 (before the server said anything)

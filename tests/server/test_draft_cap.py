@@ -109,7 +109,8 @@ def _q(tokens: list[int], rng: random.Random) -> list[dict]:
 def test_a_capped_round_is_the_round_of_the_shorter_draft(wire, temperature):
     """30 rounds of random 5-token drafts: a session capped to k (random per round) answers
     exactly what a twin session answers to the first k tokens sent as the draft (same tokens,
-    same acceptance; generators in step), for greedy, coupled and block verification."""
+    same acceptance; generators in step), for greedy, coupled and block verification (the server
+    caps only the first two, but truncation itself is the shorter draft's round for all)."""
     app = _app()
     client = TestClient(app, base_url="http://localhost")
     capped, direct = _pair(client, app, wire, temperature)
@@ -150,6 +151,12 @@ def test_the_verify_endpoint_applies_the_cap():
     app.state.ctx.draft_cap = Fixed()
     r = client.post(f"/v1/sessions/{sid}/verify", json={"seq": 0, "draft_tokens": [1, 2, 3, 4]}).json()
     assert r["metrics"]["gamma"] == 1 and r["metrics"]["capped_from"] == 4
+    # block verification: a seed's sample depends on γ, so such rounds are never capped
+    sid = client.post("/v1/sessions", json={"prompt_ids": [1, 2], "temperature": 1.0, "seed": 3,
+                                             "wire": "sparse-q"}).json()["session_id"]
+    q = [{"ids": [t], "probs": [1.0]} for t in (1, 2, 3, 4)]
+    r = client.post(f"/v1/sessions/{sid}/verify", json={"seq": 0, "draft_tokens": [1, 2, 3, 4], "q": q}).json()
+    assert r["metrics"]["gamma"] == 4 and r["metrics"]["capped_from"] is None
 
 
 def test_no_cap_on_the_serialised_server_or_when_switched_off():

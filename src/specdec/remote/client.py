@@ -224,6 +224,10 @@ class RemoteVerifier:
         self._ctx = torch.empty(0, dtype=torch.long)
         self._n = 0
         self._round_start = (0, 0, 0, 0, 0)
+        #: most draft tokens worth sending next round: a busy batching server verified only
+        #: ``metrics.gamma`` tokens of the last draft (``capped_from``), so send one more than that
+        #: (to notice when the cap lifts) instead of drafting tokens it will not look at; None = no cap
+        self.gamma_limit: int | None = None
         self._create(resume=False)
 
     # ------------------------------------------------------------------ Verifier
@@ -501,6 +505,8 @@ class RemoteVerifier:
             )
         rtt = time.perf_counter() - started
         m = data.get("metrics", {})
+        if parents is None:
+            self.gamma_limit = int(m.get("gamma", 0)) + 1 if m.get("capped_from") is not None else None
         self.stats.verify_calls += 1
         self.stats.rtt_s.append(rtt)
         self.stats.cloud_target_ms += float(m.get("target_ms", 0.0))

@@ -54,7 +54,7 @@ from specdec.server.errors import ApiError
 from specdec.server.metrics import ServerMetrics
 from specdec.server.guard import OWNER, Guard
 from specdec.server import memory
-from specdec.server.draft_cap import DraftCap, calibrate
+from specdec.server.draft_cap import CAPPED_WIRES, DraftCap, calibrate
 from specdec.server.scheduler import BatchedModel, Overloaded, PassStats, Scheduler, SchedulerMetrics
 from specdec.server.sessions import SerializedModel, SessionStore, create_session, growth_bytes, serialized
 from specdec.server.settings import ServerSettings
@@ -347,7 +347,9 @@ def create_app(
             new_positions = len(req.unverified_tokens) + len(req.draft_tokens) + 2
             store.ensure_kv(who, growth_bytes(session.target.cache, new_positions), busy=session.id)
             unverified_before = session.unverified
-            cap = ctx.draft_cap.cap(session.wire) if ctx.draft_cap is not None and req.parents is None else None
+            cap = None
+            if ctx.draft_cap is not None and req.parents is None and session.wire in CAPPED_WIRES:
+                cap = ctx.draft_cap.cap(session.wire)
             reply = session.verify(req, settings, draft_cap=cap)
             session.last_used = time.monotonic()
             unverified = session.unverified - unverified_before

@@ -20,6 +20,10 @@ leading positions with ``p_k > m ρ``.
 Truncating a draft is lossless for every rule: verifying the first ``k`` tokens of a draft is
 verifying a ``k``-token draft, which the client could have sent itself (the choice of ``k``
 depends only on the past).  The client commits what the answer holds, as after any rejection.
+It is applied only to the wire modes whose output does not depend on γ at all
+(:data:`CAPPED_WIRES`: greedy, and coupled sampling, a function of the seed): with token or block
+verification the *law* is unchanged but the sample a seed draws depends on how rounds consume the
+randomness, and a user who fixed γ and a seed expects the same text back whatever the server's load.
 """
 
 from __future__ import annotations
@@ -31,6 +35,10 @@ from dataclasses import dataclass
 from typing import Any
 
 from specdec import defaults
+
+
+#: wire modes whose outputs are the same tokens whatever γ (so the cap never changes a result)
+CAPPED_WIRES = ("greedy", "coupled")
 
 
 @dataclass(frozen=True)
@@ -71,12 +79,14 @@ def calibrate(model: Any, *, rows: int = 96, sequences: int = 12, context: int =
     """``(a, b)`` seconds of one pass ``≈ a + b · rows`` for ``model`` alone: one 1-row sequence vs
     ``sequences`` sequences of ``rows / sequences`` rows each, after a ``context``-token prefill,
     medians of ``reps`` (throwaway caches; call before the model serves anyone).  None for models
-    without a batched forward."""
+    other than the native backend's (their passes may not be ours to time)."""
     import statistics
 
     import torch
 
-    if not hasattr(model, "forward_batch"):
+    from specdec.models.native import NativeCausalLM
+
+    if not isinstance(model, NativeCausalLM):
         return None
     gen = torch.Generator().manual_seed(0)
 
