@@ -20,6 +20,22 @@ from specdec.server import ServerSettings, create_app
 from specdec.server.runner import serve
 
 
+class FixedCap:
+    """A draft cap that always answers ``k`` (stands in for a busy batching server's estimate)."""
+
+    def __init__(self, k: int = 1) -> None:
+        self.k = k
+
+    def cap(self, wire: str) -> int:
+        return self.k
+
+    def observe_tokens(self, n: int) -> None:
+        pass
+
+    def observe_round(self, *args: Any) -> None:
+        pass
+
+
 class LetterTokenizer:
     """Token i <-> the letter 'a' + i: enough of a tokenizer for the OpenAI endpoints on a toy model."""
 

@@ -372,19 +372,10 @@ def test_the_edge_follows_a_busy_servers_draft_cap():
     from fastapi.testclient import TestClient
 
     from specdec.server import ServerSettings, create_app
-
-    class FixedCap:
-        def cap(self, wire: str) -> int:
-            return 1
-
-        def observe_tokens(self, n: int) -> None:
-            pass
-
-        def observe_round(self, *args) -> None:
-            pass
+    from toy_server import FixedCap
 
     app = create_app(TARGET, settings=ServerSettings())
-    app.state.ctx.draft_cap = FixedCap()
+    app.state.ctx.draft_cap = FixedCap(1)
     cfg = SamplingConfig(temperature=0.0, max_new_tokens=30)
     with TestClient(app, base_url="http://localhost") as client:
         out = generate_remote([2, 3, 0], cfg, RemoteConfig(url="http://localhost"), drafter=ModelDrafter(DRAFT), gamma=5,

@@ -11,6 +11,7 @@ from specdec.models.toy import ToyLM
 from specdec.remote.protocol import VerifyRequest
 from specdec.server import ServerSettings, create_app
 from specdec.server.draft_cap import CapConfig, DraftCap, cap_from, row_costs
+from toy_server import FixedCap
 
 VOCAB = 8
 
@@ -136,19 +137,8 @@ def test_the_verify_endpoint_applies_the_cap():
     app = _app()
     client = TestClient(app, base_url="http://localhost")
     sid = client.post("/v1/sessions", json={"prompt_ids": [1, 2], "temperature": 0.0}).json()["session_id"]
-
-    class Fixed:
-        def cap(self, wire: str) -> int:
-            return 1
-
-        def observe_tokens(self, n: int) -> None:
-            pass
-
-        def observe_round(self, *args) -> None:
-            pass
-
     assert app.state.ctx.draft_cap is not None  # on by default with batching
-    app.state.ctx.draft_cap = Fixed()
+    app.state.ctx.draft_cap = FixedCap(1)
     r = client.post(f"/v1/sessions/{sid}/verify", json={"seq": 0, "draft_tokens": [1, 2, 3, 4]}).json()
     assert r["metrics"]["gamma"] == 1 and r["metrics"]["capped_from"] == 4
     # block verification: a seed's sample depends on γ, so such rounds are never capped
