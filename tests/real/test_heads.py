@@ -91,3 +91,29 @@ def test_int8_target_heads_greedy_equals_plain_and_features_are_bitwise(int8_tar
     taps = {k: torch.empty(0) for k in (2, 15, 27)}
     final = m.hidden(seq[:-1], m.new_cache(256), taps=taps)
     assert torch.equal(torch.cat(chunks), torch.stack([taps[2], taps[15], taps[27], final], dim=1))
+
+
+@pytest.mark.parametrize("name", sorted(__import__("specdec.drafters.heads", fromlist=["HEADS"]).HEADS))
+def test_registry_heads_greedy_equals_plain_or_say_not_shipped(setup, name):
+    """Every head the package names: a shipped one (trained weights in the package) drafts on the
+    real target with greedy output equal to plain greedy output, chain and tree; one that is not
+    shipped is a one-line error, never a silent fallback."""
+    from specdec.drafters.heads import build, resolve_head
+    from specdec.errors import ConfigError
+
+    target, ids, cfg, plain = setup
+    try:
+        folder = resolve_head(name)
+    except ConfigError as exc:
+        assert "not available" in str(exc)
+        return
+    drafter, label = build(folder, target.model, label=name)
+    assert label == name
+    trees = [None] if drafter.head.cfg.kind == "mtp" else [None, TreeSpec()]
+    proposed = 0
+    for tree in trees:
+        out = SpeculativeDecoder(target.model, drafter, get_rule("greedy"), gamma=FixedGamma(6 if tree else 4),
+                                 tree=tree).generate(ids, cfg)
+        assert out.tokens == plain, (name, tree)
+        proposed += out.stats.draft_tokens_accepted
+    assert proposed > 0  # a trained head agrees with the target somewhere in 2 x 20 tokens

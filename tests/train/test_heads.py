@@ -105,7 +105,7 @@ def _toy_data(folder: Path, *, sequences: int = 40, seed: int = 0) -> tuple[Targ
         shard.tokens.append(t.to(torch.int32))
         shard.prompt_len.append(3)
         shard.temperature.append(1.0)
-        shard.kind.append("chat")
+        shard.kind.append("chat" if (i // 20) % 2 else "code")  # held out (i % 20 == 0): one of each
         shard.feats.append(torch.stack([f * 0.5, f * 2, -f, f], dim=1).half())
     folder.mkdir(parents=True, exist_ok=True)
     shard.save(folder / "shard-00000.pt")
@@ -141,7 +141,16 @@ def test_training_improves_held_out_acceptance(tmp_path: Path, kind: str) -> Non
             for blk in fresh.blocks:
                 torch.nn.init.normal_(blk.weight, std=0.3)
     held = [i for i in range(len(shards.tokens)) if i % 20 == 0]
-    trained = evaluate(head, shards, held, target, head.d2t, 128)["steps"][0]["accept_t1"]
+    rep = evaluate(head, shards, held, target, head.d2t, 128)
+    trained = rep["steps"][0]["accept_t1"]
+    # the per-kind figures partition the overall ones
+    kinds = rep["by_kind"]
+    assert sorted(kinds) == ["chat", "code"]
+    for k, overall in enumerate(rep["steps"]):
+        parts = [steps[k] for steps in kinds.values()]
+        assert sum(p["positions"] for p in parts) == overall["positions"]
+        weighted = sum(p["top1"] * p["positions"] for p in parts) / overall["positions"]
+        assert abs(weighted - overall["top1"]) < 1e-9
     baseline = evaluate(fresh, shards, held, target, head.d2t, 128)["steps"][0]["accept_t1"]
     # (Medusa's head 1 guesses two tokens ahead from the current token's feature alone: low in absolute terms)
     assert trained > 2 * baseline and trained > baseline + 0.02, (trained, baseline)

@@ -226,31 +226,37 @@ def loss_fn(model: nn.Module, batch: Batch, embed: Tensor, w_draft: Tensor, cfg:
 
 @torch.no_grad()
 def evaluate(model: nn.Module, data: Shard, index: list[int], target: TargetHead, d2t: Tensor, batch_tokens: int) -> dict:
-    """Held-out, teacher-forced, per draft step: E[min(p, q)] (T = 1 acceptance) and top-1 agreement (T = 0)."""
+    """Held-out, teacher-forced, per draft step: E[min(p, q)] (T = 1 acceptance) and top-1 agreement
+    (T = 0), over all held-out sequences and per prompt kind (``by_kind``: chat, code)."""
     model.eval()
-    sums: dict[int, list[float]] = {}
-    for group in batches(data, index, batch_tokens, random.Random(0)):
-        batch = collate(data, group)
-        f = batch.feats[:, :, -1]  # [B, T, D]
-        for k, (logits, off, mask, _) in enumerate(step_outputs(model, batch, target.embed)):
-            n = logits.shape[1]
-            rows = mask.nonzero(as_tuple=True)
-            q = torch.softmax(logits[rows], -1)  # [N, Vd]
-            p = torch.softmax(f[:, off : off + n][rows] @ target.head.T, -1)  # [N, V] the target's full law
-            accept = torch.minimum(p[:, d2t], q).sum(-1)
-            agree = (d2t[q.argmax(-1)] == p.argmax(-1)).float()
-            covered = p[:, d2t].sum(-1)
-            s = sums.setdefault(k, [0.0, 0.0, 0.0, 0.0])
-            s[0] += float(accept.sum())
-            s[1] += float(agree.sum())
-            s[2] += float(covered.sum())
-            s[3] += float(rows[0].numel())
+    sums: dict[str, dict[int, list[float]]] = {}  # kind -> step -> [accept, agree, covered, n]
+    kinds = sorted({data.kind[i] for i in index})
+    for kind in kinds:
+        subset = [i for i in index if data.kind[i] == kind]
+        for group in batches(data, subset, batch_tokens, random.Random(0)):
+            batch = collate(data, group)
+            f = batch.feats[:, :, -1]  # [B, T, D]
+            for k, (logits, off, mask, _) in enumerate(step_outputs(model, batch, target.embed)):
+                n = logits.shape[1]
+                rows = mask.nonzero(as_tuple=True)
+                q = torch.softmax(logits[rows], -1)  # [N, Vd]
+                p = torch.softmax(f[:, off : off + n][rows] @ target.head.T, -1)  # [N, V] the target's full law
+                s = sums.setdefault(kind, {}).setdefault(k, [0.0, 0.0, 0.0, 0.0])
+                s[0] += float(torch.minimum(p[:, d2t], q).sum())
+                s[1] += float((d2t[q.argmax(-1)] == p.argmax(-1)).float().sum())
+                s[2] += float(p[:, d2t].sum())
+                s[3] += float(rows[0].numel())
     model.train()
-    steps = []
-    for k in sorted(sums):
-        a, g, c, n = sums[k]
-        steps.append({"step": k + 1, "accept_t1": a / max(n, 1), "top1": g / max(n, 1), "vocab_mass": c / max(n, 1), "positions": int(n)})
-    return {"steps": steps}
+
+    def rates(per_step: dict[int, list[float]]) -> list[dict]:
+        return [{"step": k + 1, "accept_t1": a / max(n, 1), "top1": g / max(n, 1), "vocab_mass": c / max(n, 1),
+                 "positions": int(n)} for k, (a, g, c, n) in sorted(per_step.items())]
+
+    total: dict[int, list[float]] = {}
+    for per_step in sums.values():
+        for k, vals in per_step.items():
+            total[k] = [x + y for x, y in zip(total.get(k, [0.0] * 4), vals)]
+    return {"steps": rates(total), "by_kind": {kind: rates(sums[kind]) for kind in sums}}
 
 
 def expected_tokens_per_call(rates: list[float]) -> float:
@@ -402,6 +408,15 @@ def model_card(report: dict) -> str:
     for st in report["held_out"]["steps"]:
         lines.append(f"| {st['step']} | {st['accept_t1']:.3f} | {st['top1']:.3f} | {st['vocab_mass']:.3f} | {st['positions']} |")
     ho = report["held_out"]
+    by_kind = ho.get("by_kind", {})
+    if by_kind:
+        depth = max(len(steps) for steps in by_kind.values())
+        lines += ["", "By prompt kind (E[min(p, q)] / top-1 per draft step):", "",
+                  "| prompts | positions | " + " | ".join(f"step {k + 1}" for k in range(depth)) + " |",
+                  "|---|---|" + "---|" * depth]
+        for kind, steps in by_kind.items():
+            cells = [f"{st['accept_t1']:.3f} / {st['top1']:.3f}" for st in steps] + ["–"] * (depth - len(steps))
+            lines.append(f"| {kind} | {steps[0]['positions'] if steps else 0} | " + " | ".join(cells) + " |")
     lines += [
         "",
         f"Chain estimate from these rates (independent steps): {ho['chain_tokens_per_call_t0_estimate']:.2f} tokens per "
