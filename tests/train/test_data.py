@@ -74,3 +74,30 @@ def test_generation_features_and_resume(tiny_target, tmp_path: Path) -> None:
     assert generate(cfg, lm.model, lm.tokenizer, frozenset(), out) == 5
     assert shards[-1].is_file() and shards[0].read_bytes() == first
     assert len(load_shards(out).tokens) == 5
+
+
+def test_prompt_file_replaces_the_templates(tiny_target, tmp_path: Path) -> None:
+    """--prompt-file: every planned sequence answers a prompt of the file (cycled past its length),
+    with the chat template where the line says chat and the kind from its category."""
+    import json
+
+    from specdec.text import encode_prompt
+
+    lines = [{"prompt": "Write a haiku about rain.", "chat": True},
+             {"prompt": "def add(a, b):\n", "chat": False, "category": "code"},
+             {"prompt": "Summarise the plot of a novel.", "chat": True, "category": "assistant"}]
+    path = tmp_path / "prompts.jsonl"
+    path.write_text("\n".join(json.dumps(x) for x in lines) + "\n")
+    tok = tiny_target.tokenizer
+    cfg = DataConfig(sequences=7, prompt_file=str(path), max_new_chat=9, max_new_code=5)
+    items = plan(cfg, tok)
+    assert len(items) == 7
+    want = {tuple(encode_prompt(tok, x["prompt"], chat=x["chat"])): x for x in lines}
+    seen = set()
+    for ids, kind, temp, max_new in items:
+        row = want[tuple(ids)]  # KeyError: a prompt that is not in the file
+        seen.add(row["prompt"])
+        assert kind == row.get("category", "chat" if row["chat"] else "code")
+        assert max_new == (9 if row["chat"] else 5)
+    assert len(seen) == 3  # 7 sequences over 3 prompts: all of them used
+    assert plan(cfg, tok) == items  # deterministic in the seed

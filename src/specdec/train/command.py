@@ -76,6 +76,9 @@ def add_parser(sub) -> None:  # noqa: ANN001 - argparse's subparsers action
     d.add_argument("--taps", default="2,15,27", help="residual-stream layers to store (layer counts)")
     d.add_argument("--no-features", action="store_true",
                    help="store tokens only (enough for `specdec train distill`; heads need the features)")
+    d.add_argument("--prompt-file", help="JSONL prompts to answer instead of the built-in templates (fields: prompt, "
+                   "chat, optional category); a head learns the prompts it is trained on, so use ones like those it "
+                   "will serve (--chat-share is then ignored)")
     d.add_argument("--seed", type=int, default=0)
 
 
@@ -236,7 +239,12 @@ def _data(args: argparse.Namespace) -> int:
         raise ConfigError("--sequences and --batch must be >= 1 and --chat-share in [0, 1]")
     cfg = DataConfig(target=args.target, sequences=args.sequences, chat_share=args.chat_share, temperatures=temps,
                      max_new_chat=args.max_new_chat, max_new_code=args.max_new_code, batch=args.batch,
-                     taps=_int_list(args.taps, "--taps"), seed=args.seed, features=not args.no_features)
+                     taps=_int_list(args.taps, "--taps"), seed=args.seed, features=not args.no_features,
+                     prompt_file=args.prompt_file)
+    if cfg.prompt_file is not None:
+        from specdec.bench.workloads import load_jsonl
+
+        load_jsonl(cfg.prompt_file)  # a bad file is a one-line error before the model loads
     from specdec.engine import EngineConfig, target_dtype
 
     dtype, quant = target_dtype(EngineConfig(target=args.target))

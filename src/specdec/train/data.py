@@ -43,6 +43,10 @@ class DataConfig:
     #: store the features (False: tokens only, enough for distilling a small draft model; a
     #: position's features take ~4.6 kB for SmolLM2, its token 4 bytes)
     features: bool = True
+    #: JSONL prompts (``prompt``, ``chat``, optional ``category``) used instead of the built-in
+    #: templates: the head learns the prompt distribution it is trained on, so train on prompts
+    #: like the ones it will serve
+    prompt_file: str | None = None
 
 
 @dataclass
@@ -86,12 +90,24 @@ def plan(cfg: DataConfig, tokenizer: Any) -> list[tuple[list[int], str, float, i
     """Every sequence's (prompt ids, kind, temperature, max new tokens), deterministic in ``seed``."""
     from specdec.train.prompts import chat_prompts, code_prompts
 
-    n_chat = round(cfg.sequences * cfg.chat_share)
-    chats = chat_prompts(n_chat, seed=cfg.seed)
-    codes = code_prompts(cfg.sequences - len(chats), seed=cfg.seed)
-    items = [(encode_prompt(tokenizer, c, chat=True), "chat", cfg.max_new_chat) for c in chats]
-    items += [(encode_prompt(tokenizer, c, chat=False), "code", cfg.max_new_code) for c in codes]
-    random.Random(cfg.seed + 1).shuffle(items)
+    if cfg.prompt_file is not None:  # the user's prompts, each used once (cycled when more sequences are asked)
+        from specdec.bench.workloads import load_jsonl
+
+        rows = load_jsonl(cfg.prompt_file)
+        random.Random(cfg.seed).shuffle(rows)
+        items = []
+        for i in range(cfg.sequences):
+            row = rows[i % len(rows)]
+            kind = row.category if row.category != "custom" else ("chat" if row.chat else "code")
+            items.append((encode_prompt(tokenizer, row.text, chat=row.chat), kind,
+                          cfg.max_new_chat if row.chat else cfg.max_new_code))
+    else:
+        n_chat = round(cfg.sequences * cfg.chat_share)
+        chats = chat_prompts(n_chat, seed=cfg.seed)
+        codes = code_prompts(cfg.sequences - len(chats), seed=cfg.seed)
+        items = [(encode_prompt(tokenizer, c, chat=True), "chat", cfg.max_new_chat) for c in chats]
+        items += [(encode_prompt(tokenizer, c, chat=False), "code", cfg.max_new_code) for c in codes]
+        random.Random(cfg.seed + 1).shuffle(items)
     temps = cfg.temperatures
     return [(ids, kind, temps[i % len(temps)], max_new) for i, (ids, kind, max_new) in enumerate(items)]
 
