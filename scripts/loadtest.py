@@ -182,7 +182,8 @@ def markdown(summary: dict[str, Any]) -> str:
         f"Command: `{summary['command']}`", "",
         f"Result: **{'PASS' if summary['passed'] else 'FAIL'}** — {s['generations_failed']} failed generations, "
         f"{chk['mismatches_count']} of {chk['checked']} checked outputs differ from the local reference.", "",
-        f"Target `{c['target']}` served by `specdec serve --draft none` ({c['server_threads']} torch thread(s)); "
+        f"Target `{c['target']}` ({c.get('precision') or 'precision not reported'}) served by `specdec serve --draft "
+        f"{summary.get('server_draft', 'none')}` ({c['server_threads']} torch thread(s)); "
         f"{c['sessions']} concurrent edge sessions in one process (draft `{c['draft']}`, {c['edge_threads']} torch "
         f"thread(s)) for {c['duration_s']:g} s, {c['max_new_tokens']} new tokens per generation, even sessions "
         f"greedy, odd sessions coupled sampling at T = {c['temperature']:g}; emulated RTT {c['rtt_ms']:g} ms.", "",
@@ -461,6 +462,11 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--openai-streams", type=int, default=0, help="concurrent OpenAI streaming completions (default 0)")
     p.add_argument("--server-draft", default=None,
                    help="the server's drafter for the OpenAI endpoints (default: --draft, or 'none' with --draft ngram)")
+    p.add_argument("--int8-kernel", default="auto", choices=["auto", "fbgemm", "onednn"],
+                   help="the (batching) server's int8 kernel (`specdec serve --int8-kernel`; default auto)")
+    p.add_argument("--serialised-int8-kernel", default="auto", choices=["auto", "fbgemm", "onednn"],
+                   help="the --no-batching server's int8 kernel with --compare-serialised (default auto)")
+    p.add_argument("--no-prefix-cache", action="store_true", help="serve with `--prefix-cache-mib 0` (prefix caching off)")
     p.add_argument("--compare-serialised", action="store_true",
                    help="run the load against the batching server and against a --no-batching one")
     p.add_argument("--ray", action="store_true", help="serve with `specdec serve --ray` (verifier replicas on Ray Serve)")
@@ -500,7 +506,15 @@ def _edge_context(args: argparse.Namespace) -> dict[str, Any]:
     return {"tokenizer": tokenizer, "draft_model": draft_model, "eos_ids": eos, "bases": bases, "inputs": {}}
 
 
-def _wait_ready(url: str, server: Any, timeout_s: float = 600.0) -> None:
+def int8_kernel_of(precision: str | None) -> str:
+    """The int8 kernel named in a server's /health precision ("int8 (onednn)" -> "onednn"), else auto."""
+    if precision and precision.startswith("int8 (") and precision.endswith(")"):
+        return precision[len("int8 ("):-1]
+    return "auto"
+
+
+def _wait_ready(url: str, server: Any, timeout_s: float = 600.0) -> dict[str, Any]:
+    """Wait for the server's /health; returns its answer."""
     import httpx
 
     deadline = time.monotonic() + timeout_s
@@ -508,8 +522,9 @@ def _wait_ready(url: str, server: Any, timeout_s: float = 600.0) -> None:
         if server.failure():
             raise SystemExit(server.failure())
         try:
-            if httpx.get(url + "/health", timeout=2.0).status_code == 200:
-                return
+            r = httpx.get(url + "/health", timeout=2.0)
+            if r.status_code == 200:
+                return r.json()
         except httpx.HTTPError:
             pass
         time.sleep(0.25)
@@ -527,6 +542,10 @@ def run_phase(args: argparse.Namespace, ctx: dict[str, Any], *, batching: bool) 
                          emulation=Emulation("proxy", "load test"))
     if not batching:
         server.argv.append("--no-batching")
+    kernel = args.int8_kernel if batching else args.serialised_int8_kernel
+    server.argv += ["--int8-kernel", kernel]
+    if args.no_prefix_cache:
+        server.argv += ["--prefix-cache-mib", "0"]
     if args.ray:
         server.argv += ["--ray", "--replicas", str(args.replicas), "--replica-cpus", str(args.replica_cpus)]
     server.start()
@@ -536,7 +555,7 @@ def run_phase(args: argparse.Namespace, ctx: dict[str, Any], *, batching: bool) 
     streams: list[Stream] = []
     ctx.update(inputs={}, stream_inputs={})
     try:
-        _wait_ready(server.url, server)
+        health = _wait_ready(server.url, server)
         link = Link(server, args.rtt_ms).start() if args.rtt_ms > 0 else None
         ctx.update(url=link.url if link else server.url, api_key=server.api_key)
         sampler = RssSampler(server.proc.pid, args.rss_interval)
@@ -568,6 +587,7 @@ def run_phase(args: argparse.Namespace, ctx: dict[str, Any], *, batching: bool) 
             link.stop()
         server.stop()
     return {"batching": batching, "server_draft": server_draft if args.openai_streams else "none", "load_wall_s": load_wall,
+            "precision": health.get("precision"),
             "gens": gens, "streams": streams, "rss": sampler.samples, "metrics": metrics,
             "inputs": dict(ctx["inputs"]), "stream_inputs": dict(ctx["stream_inputs"]),
             "kill": killer.report if killer is not None else None}
@@ -631,11 +651,12 @@ def phase_summary(args: argparse.Namespace, phase: dict[str, Any], engine: Any, 
     return {
         "command": command,
         "server": "batching" if phase["batching"] else "serialised (--no-batching)",
+        "server_draft": phase["server_draft"],
         "config": {"target": args.target, "draft": args.draft, "server_draft": phase["server_draft"], "sessions": args.sessions,
                    "openai_streams": args.openai_streams, "duration_s": args.duration,
                    "max_new_tokens": args.max_new_tokens, "gamma": args.gamma, "temperature": args.temperature,
                    "rtt_ms": args.rtt_ms, "server_threads": args.server_threads, "edge_threads": args.edge_threads,
-                   "rss_interval_s": args.rss_interval, "check": args.check},
+                   "rss_interval_s": args.rss_interval, "check": args.check, "precision": phase.get("precision")},
         "load_wall_s": wall, "load": load, "openai": openai, "openai_check": scheck,
         "aggregate_tokens_per_s": total / wall if wall > 0 else None,
         "server_rss": rss_trend(phase["rss"]), "check": check,
@@ -711,8 +732,13 @@ def main(argv: list[str] | None = None) -> int:
         phases.append(run_phase(args, ctx, batching=False))
     n = sum(len(p["gens"]) + len(p["streams"]) for p in phases)
     print(f"[loadtest] {n} generations; checking a sample against the local target", file=sys.stderr, flush=True)
-    engine = Engine.build(EngineConfig(target=args.target, draft="none"))
-    summaries = [phase_summary(args, p, engine, command) for p in phases]
+    engines: dict[str, Any] = {}  # the reference target, loaded as each server ran it (its int8 kernel)
+    summaries = []
+    for p in phases:
+        kernel = int8_kernel_of(p["precision"])
+        if kernel not in engines:
+            engines[kernel] = Engine.build(EngineConfig(target=args.target, draft="none", int8_kernel=kernel))
+        summaries.append(phase_summary(args, p, engines[kernel], command))
     if len(phases) == 1:
         write_phase(out, summaries[0], phases[0])
     else:

@@ -49,6 +49,8 @@ class EngineConfig:
     #: native target scores a draft block bitwise as it would score the tokens one by one
     #: (greedy / coupled output identical to plain decoding); ~10% slower verification
     batch_invariant: bool = True
+    #: the int8 target's matmul kernel: auto | fbgemm | onednn (see :func:`specdec.models.linear.int8_kernel`)
+    int8_kernel: str = "auto"
 
 
 def target_dtype(cfg: EngineConfig) -> tuple[torch.dtype, str | None]:
@@ -199,7 +201,8 @@ class Engine:
         head = heads.resolve_head(cfg.draft)  # a missing shipped head fails before the target loads
         if progress:
             progress(f"loading target {cfg.target}" + (f" ({quant})" if quant else ""))
-        target = load(cfg.target, backend=cfg.backend, dtype=dtype, batch_invariant=cfg.batch_invariant, quant=quant)
+        target = load(cfg.target, backend=cfg.backend, dtype=dtype, batch_invariant=cfg.batch_invariant, quant=quant,
+                      int8_kernel=cfg.int8_kernel)
         kind = cfg.draft.strip().lower()
         if kind == "none":
             return cls(target, None, "none")

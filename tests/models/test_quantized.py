@@ -231,3 +231,42 @@ def test_scripted_tree_pass_is_bitwise_the_python_tree_pass(tiny_folder, kind):
         ref.truncate(ids.numel())
         seq = torch.cat([model.forward(toks[i : i + 1], ref) for i in p])
         assert torch.equal(scripted[0][j], seq[-1]), f"node {j}"
+
+
+@pytest.mark.parametrize("kernel", [pytest.param("fbgemm", marks=needs_w8a8), pytest.param("onednn", marks=needs_onednn)])
+def test_a_server_reports_its_targets_precision_and_kernel(tiny_folder, kernel):
+    """/health says how the served target computes, so an edge can load the same target locally."""
+    from fastapi.testclient import TestClient
+
+    from specdec.server import ServerSettings, create_app
+
+    q = NativeCausalLM.from_folder(tiny_folder, quant="int8", batch_invariant=True, int8_kernel=kernel)
+    f = NativeCausalLM.from_folder(tiny_folder, batch_invariant=True)
+    for model, expected in ((q, f"int8 ({kernel})"), (f, "float32")):
+        client = TestClient(create_app(model, settings=ServerSettings()), base_url="http://localhost")
+        assert client.get("/health").json()["precision"] == expected
+
+
+def test_serve_passes_its_int8_kernel_to_the_engine(monkeypatch):
+    """`specdec serve --int8-kernel K` loads the target with kernel K (the engine is stubbed out)."""
+    import argparse
+
+    from specdec.cli import build_parser
+    from specdec.engine import Engine
+    from specdec.server import command
+
+    seen = {}
+
+    class Stop(Exception):
+        pass
+
+    def fake_build(cfg, **kw):
+        seen["kernel"] = cfg.int8_kernel
+        raise Stop
+
+    monkeypatch.setattr(Engine, "build", staticmethod(fake_build))
+    args = build_parser().parse_args(["serve", "--int8-kernel", "onednn", "--draft", "none"])
+    assert isinstance(args, argparse.Namespace)
+    with pytest.raises(Stop):
+        command.build_app(args, command.settings_from_args(args))
+    assert seen["kernel"] == "onednn"

@@ -357,12 +357,14 @@ def load(
     batch_invariant: bool = True,
     int8_head: bool = False,
     quant: str | None = None,
+    int8_kernel: str = "auto",
 ) -> LoadedModel:
     """Resolve ``ref`` and load model + tokenizer with the requested backend (auto = native if it can).
 
     ``batch_invariant`` (native backend): multi-token scoring is bitwise identical to scoring the
     tokens one at a time, so speculative and plain decoding agree exactly, not just up to ties.
     ``int8_head`` (native backend, drafts only): the LM head as an int8 matmul.
+    ``int8_kernel`` (``quant="int8"``): fbgemm | onednn | auto (see :func:`specdec.models.linear.int8_kernel`).
     """
     from transformers import AutoTokenizer
 
@@ -385,7 +387,7 @@ def load(
     use_native = backend == "native" or (backend == "auto" and cfg.get("model_type") in SUPPORTED and has_safetensors)
     if use_native:
         model = NativeCausalLM.from_folder(
-            folder, dtype=dtype, batch_invariant=batch_invariant, int8_head=int8_head, quant=quant
+            folder, dtype=dtype, batch_invariant=batch_invariant, int8_head=int8_head, quant=quant, int8_kernel=int8_kernel
         )
         kind = "native"
     elif quant is not None:

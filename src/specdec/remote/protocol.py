@@ -275,3 +275,6 @@ class Health(_Body):
     vocab_size: int
     max_context: int
     sessions: int
+    #: the target's numerics as it runs, e.g. "int8 (onednn)" or "float32": an edge that checks
+    #: outputs against a local copy of the target must load it the same way
+    precision: str | None = None
