@@ -74,6 +74,9 @@ MAX_REPETITION_PENALTY = 1e3
 # server
 #: positions a server-side KV cache allocates first (it grows on demand up to the session's need)
 SERVER_KV_INITIAL_LENGTH = 64
+#: keys/values of recent prompts a server keeps for later prompts that start the same way
+#: (prefix caching; SmolLM2-135M float32: 90 KiB per position, so 256 MiB hold ~2,900 positions)
+SERVER_PREFIX_CACHE_BYTES = 256 << 20
 #: a drafter's KV cache starts this many positions past the prompt and grows on demand: allocating
 #: the model's whole context up front (32,768 positions for Qwen2.5-Coder) took 0.5-1.3 s per
 #: sequence, every prompt, before the first token

@@ -55,8 +55,9 @@ from specdec.server.metrics import ServerMetrics
 from specdec.server.guard import OWNER, Guard
 from specdec.server import memory
 from specdec.server.draft_cap import CAPPED_WIRES, DraftCap, calibrate
+from specdec.server.prefix_cache import PrefixCache, supports_prefix_cache
 from specdec.server.scheduler import BatchedModel, Overloaded, PassStats, Scheduler, SchedulerMetrics
-from specdec.server.sessions import SerializedModel, SessionStore, create_session, growth_bytes, serialized
+from specdec.server.sessions import FORWARD_LOCK, SerializedModel, SessionStore, create_session, growth_bytes, serialized
 from specdec.server.settings import ServerSettings
 
 _ERRORS: dict[int | str, dict[str, Any]] = {
@@ -181,14 +182,28 @@ class BodyLimit:
 
 
 def serving_model(model: LanguageModel, settings: ServerSettings, metrics: ServerMetrics) -> LanguageModel:
-    """``model`` behind the batching scheduler (or, with ``batching=False``, behind one lock)."""
-    if not settings.batching:
-        return serialized(model, initial_length=settings.kv_initial_length)
+    """``model`` behind the batching scheduler (or, with ``batching=False``, behind one lock), with
+    a prefix cache in front of its prefills where that is exact."""
     inner = model.inner if isinstance(model, (SerializedModel, BatchedModel)) else model
+    prefix = None
+    if settings.prefix_cache_bytes > 0 and supports_prefix_cache(inner):
+        prefix = PrefixCache(settings.prefix_cache_bytes, on_reuse=metrics.prefix_reused.inc)
+    if not settings.batching:
+        lock = model.lock if isinstance(model, SerializedModel) else FORWARD_LOCK
+        return SerializedModel(inner, lock, initial_length=settings.kv_initial_length, prefix_cache=prefix)
     scheduler_metrics = SchedulerMetrics(metrics.registry)
     scheduler = Scheduler(inner, settings.scheduler_config(), on_pass=scheduler_metrics.observer("target"), name="target")
     scheduler.metrics = scheduler_metrics
-    return BatchedModel(inner, scheduler, initial_length=settings.kv_initial_length)
+    return BatchedModel(inner, scheduler, initial_length=settings.kv_initial_length, prefix_cache=prefix)
+
+
+def precision(model: Any) -> str | None:
+    """How the served target computes: "int8 (KERNEL)" for an int8 native target, else its dtype."""
+    quant, kernel = getattr(model, "quant", None), getattr(model, "int8_kernel", None)
+    if quant:
+        return f"{quant} ({kernel})" if kernel else str(quant)
+    dtype = getattr(model, "dtype", None)
+    return str(dtype).removeprefix("torch.") if dtype is not None else None
 
 
 def create_app(
@@ -306,12 +321,15 @@ def create_app(
     def health() -> Health:
         store.sweep()
         return Health(model=settings.model_name, vocab_size=ctx.model.vocab_size, max_context=ctx.model.max_length,
-                      sessions=len(store))
+                      sessions=len(store), precision=precision(ctx.model))
 
     @app.get("/metrics", dependencies=guarded if settings.metrics_need_key else [], response_class=Response, responses={401: {"model": ErrorResponse}})
     def prometheus() -> Response:
         store.sweep()
         metrics.active_sessions.set(len(store))
+        prefix = getattr(ctx.model, "prefix_cache", None)
+        if prefix is not None:
+            metrics.prefix_bytes.set(prefix.bytes)
         scheduler = getattr(ctx.model, "scheduler", None)
         if scheduler is not None:
             scheduler.metrics.queue.labels("target").set(len(scheduler))

@@ -58,6 +58,9 @@ class ServerMetrics:
         self.completions = Counter("specdec_completions", "OpenAI-compatible requests served", ["endpoint", "stream"], registry=r)
         self.completion_tokens = Counter("specdec_completion_tokens", "Tokens generated for OpenAI-compatible requests", registry=r)
         self.prompt_tokens = Counter("specdec_prompt_tokens", "Prompt tokens of OpenAI-compatible requests", ["endpoint"], registry=r)
+        self.prefix_reused = Counter("specdec_prefix_cache_reused_tokens",
+                                     "Prompt tokens whose keys/values were copied from the prefix cache, not computed", registry=r)
+        self.prefix_bytes = Gauge("specdec_prefix_cache_bytes", "Bytes of prompt keys/values held by the prefix cache", registry=r)
         self.position_proposed = Counter(
             "specdec_draft_position_proposed", "Rounds that drafted a token at this position (1-based; the last pools the rest)",
             ["wire", "position"], registry=r)

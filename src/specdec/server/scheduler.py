@@ -215,11 +215,12 @@ class Scheduler:
 class BatchedModel(ServedModel):
     """A :class:`LanguageModel` whose forward passes go through a :class:`Scheduler`."""
 
-    def __init__(self, model: Any, scheduler: Scheduler, *, initial_length: int | None = None) -> None:
-        super().__init__(model, initial_length=initial_length)
+    def __init__(self, model: Any, scheduler: Scheduler, *, initial_length: int | None = None,
+                 prefix_cache: Any | None = None) -> None:
+        super().__init__(model, initial_length=initial_length, prefix_cache=prefix_cache)
         self.scheduler = scheduler
 
-    def forward(self, tokens: Tensor, cache: Any, *, last_only: bool = False) -> Tensor:  # tokens: [n]
+    def _forward(self, tokens: Tensor, cache: Any, *, last_only: bool = False) -> Tensor:  # tokens: [n]
         return self.scheduler.forward(tokens, cache, last_only=last_only)
 
     def forward_features(self, *args: Any, **kw: Any) -> Any:

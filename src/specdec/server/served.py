@@ -8,10 +8,17 @@ from typing import Any
 
 class ServedModel:
     """A :class:`~specdec.models.base.LanguageModel` wrapped for serving; subclasses decide how a
-    forward pass runs (under a lock, or through the batching scheduler).  Caches start at
-    ``initial_length`` positions and grow on demand, for models whose ``new_cache`` supports it."""
+    forward pass runs (``_forward``: under a lock, or through the batching scheduler).  Caches
+    start at ``initial_length`` positions and grow on demand, for models whose ``new_cache``
+    supports it.  With a ``prefix_cache`` (batch-invariant models only, see
+    :mod:`specdec.server.prefix_cache`), prefills reuse the keys/values of earlier prompts."""
 
-    def __init__(self, model: Any, *, initial_length: int | None = None) -> None:
+    def __init__(self, model: Any, *, initial_length: int | None = None, prefix_cache: Any | None = None) -> None:
+        from specdec.server.prefix_cache import supports_prefix_cache
+
+        if prefix_cache is not None and not supports_prefix_cache(model):
+            raise ValueError("prefix caching needs a batch-invariant model (its cached rows must not depend on the pass)")
+        self.prefix_cache = prefix_cache
         self.inner = model
         self.vocab_size = model.vocab_size
         self.max_length = model.max_length
@@ -25,6 +32,14 @@ class ServedModel:
         if self._grows and self.initial_length is not None:
             return self.inner.new_cache(max_length, initial_length=self.initial_length)
         return self.inner.new_cache(max_length)
+
+    def forward(self, tokens: Any, cache: Any, *, last_only: bool = False) -> Any:  # tokens: [n] -> [n|1, V]
+        from specdec.server.prefix_cache import prefill
+
+        return prefill(self._forward, self.prefix_cache, tokens, cache, last_only)
+
+    def _forward(self, tokens: Any, cache: Any, *, last_only: bool = False) -> Any:
+        raise NotImplementedError
 
     def __getattr__(self, name: str) -> Any:  # anything else (dtype, n_params, ...) passes through
         return getattr(self.inner, name)

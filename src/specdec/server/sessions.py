@@ -53,11 +53,12 @@ class SerializedModel(ServedModel):
     on a small CPU box running two at once only thrashes the cores).  Caches stay per session.
     """
 
-    def __init__(self, model: LanguageModel, lock: threading.Lock = FORWARD_LOCK, *, initial_length: int | None = None) -> None:
-        super().__init__(model, initial_length=initial_length)
+    def __init__(self, model: LanguageModel, lock: threading.Lock = FORWARD_LOCK, *, initial_length: int | None = None,
+                 prefix_cache: Any | None = None) -> None:
+        super().__init__(model, initial_length=initial_length, prefix_cache=prefix_cache)
         self.lock = lock
 
-    def forward(self, tokens: Tensor, cache: Any, *, last_only: bool = False) -> Tensor:  # tokens: [n]
+    def _forward(self, tokens: Tensor, cache: Any, *, last_only: bool = False) -> Tensor:  # tokens: [n]
         with self.lock:
             return self.inner.forward(tokens, cache, last_only=last_only)
 
@@ -77,8 +78,11 @@ class SerializedModel(ServedModel):
             return fn(tokens, cache, taps, **kw)
 
 
-def serialized(model: LanguageModel, lock: threading.Lock = FORWARD_LOCK, *, initial_length: int | None = None) -> LanguageModel:
-    return model if isinstance(model, SerializedModel) else SerializedModel(model, lock, initial_length=initial_length)
+def serialized(model: LanguageModel, lock: threading.Lock = FORWARD_LOCK, *, initial_length: int | None = None,
+               prefix_cache: Any | None = None) -> LanguageModel:
+    if isinstance(model, SerializedModel):
+        return model
+    return SerializedModel(model, lock, initial_length=initial_length, prefix_cache=prefix_cache)
 
 
 def cache_bytes(cache: Any) -> int:

@@ -35,6 +35,9 @@ class ServerSettings:
     max_kv_bytes: int = defaults.SERVER_MAX_KV_BYTES
     #: positions a session's KV cache allocates first; it grows on demand
     kv_initial_length: int = defaults.SERVER_KV_INITIAL_LENGTH
+    #: bytes of prompt keys/values kept for reuse by later prompts with the same beginning (0: off;
+    #: exact, so only for batch-invariant targets: server/prefix_cache.py)
+    prefix_cache_bytes: int = defaults.SERVER_PREFIX_CACHE_BYTES
     sweep_interval_s: float = defaults.SERVER_SWEEP_INTERVAL_S
     #: slow clients: time to send the request headers, and to send each part of the body
     header_timeout_s: float = defaults.SERVER_HEADER_TIMEOUT_S
@@ -80,6 +83,8 @@ class ServerSettings:
             raise ConfigError(f"a session id prefix may hold only letters, digits, '_', '-' and '.', got {self.session_id_prefix!r}")
         if self.max_kv_bytes < 1:
             raise ConfigError(f"max KV bytes must be >= 1, got {self.max_kv_bytes}")
+        if self.prefix_cache_bytes < 0:
+            raise ConfigError(f"the prefix cache size must be >= 0 bytes, got {self.prefix_cache_bytes}")
         if self.kv_initial_length < 1:
             raise ConfigError(f"the initial KV length must be >= 1, got {self.kv_initial_length}")
         if self.max_active_requests < 1:

@@ -1,0 +1,169 @@
+"""Prefix caching: the keys and values of recent prompts, copied into a new sequence's cache
+instead of being computed again when its prompt starts the same way.
+
+Chat prompts share their template and system message, a multi-turn chat re-sends its whole
+history each turn, and many clients send the same instruction: a server prefills the same tokens
+over and over.  Here every prefill of an empty cache stores the prompt's keys/values (bounded by
+bytes, least recently used dropped first), and a later prefill copies the longest stored prefix
+of its own prompt and runs only the rest.
+
+**Exact, not approximate**, and only offered where that holds: the native target is
+batch-invariant (``NativeCausalLM(batch_invariant=True)``), so the key/value rows of position
+``i`` depend on tokens ``0..i`` alone, not on how many rows the pass that computed them held or
+which other sequences shared it.  Copied rows are therefore bitwise the rows a fresh prefill
+would write, and every later logit is unchanged (tested on a toy model and on the real weights,
+against prefilling the whole prompt).  At least the prompt's last token always runs, so the
+caller still gets its logits.  Models that are not batch-invariant (the drafts, the Hugging Face
+backend, ``--fast-attention``) get no prefix cache.
+"""
+
+from __future__ import annotations
+
+import threading
+from collections import OrderedDict
+from dataclasses import dataclass
+from typing import Any, Callable
+
+from torch import Tensor
+
+#: prompts shorter than this are not stored (and the index is keyed by their first tokens)
+MIN_TOKENS = 16
+
+
+@dataclass(eq=False)
+class _Entry:
+    tokens: Tensor  # [n] int64
+    k: Tensor  # [Lyr, Hkv, n, d]
+    v: Tensor  # [Lyr, Hkv, n, d]
+
+    @property
+    def nbytes(self) -> int:
+        return (self.k.numel() + self.v.numel()) * self.k.element_size()
+
+
+def common_prefix(a: Tensor, b: Tensor) -> int:  # a: [n], b: [m] int64
+    """Length of the longest common prefix of two token sequences."""
+    m = min(a.numel(), b.numel())
+    if m == 0:
+        return 0
+    diff = (a[:m] != b[:m]).nonzero()
+    return m if diff.numel() == 0 else int(diff[0, 0])
+
+
+def supports_prefix_cache(model: Any) -> bool:
+    """True for models whose cached key/value rows do not depend on the pass that wrote them."""
+    return bool(getattr(model, "batch_invariant", False)) and hasattr(model, "new_cache")
+
+
+class PrefixCache:
+    """Keys/values of stored prompts, at most ``max_bytes`` of them (thread-safe)."""
+
+    def __init__(self, max_bytes: int, *, min_tokens: int = MIN_TOKENS, on_reuse: Callable[[int], Any] | None = None) -> None:
+        if max_bytes < 0 or min_tokens < 1:
+            raise ValueError(f"bad prefix cache limits: {max_bytes} bytes, {min_tokens} tokens")
+        self.max_bytes = max_bytes
+        self.min_tokens = min_tokens
+        self._entries: OrderedDict[int, _Entry] = OrderedDict()  # id -> entry, least recently used first
+        self._index: dict[tuple[int, ...], set[int]] = {}  # first min_tokens tokens -> entry ids
+        self._lock = threading.Lock()
+        self._next_id = 0
+        self.bytes = 0
+        #: prompt tokens whose keys/values were copied instead of computed, and prefills that used the cache
+        self.reused_tokens = 0
+        self.hits = 0
+        self.lookups = 0
+        self._on_reuse = on_reuse
+
+    def __len__(self) -> int:
+        return len(self._entries)
+
+    def _key(self, tokens: Tensor) -> tuple[int, ...]:
+        return tuple(tokens[: self.min_tokens].tolist())
+
+    def _best(self, tokens: Tensor) -> tuple[int | None, int]:
+        """(entry id, common prefix length) of the stored prompt sharing the most leading tokens."""
+        best, best_n = None, 0
+        for eid in self._index.get(self._key(tokens), ()):
+            n = common_prefix(self._entries[eid].tokens, tokens)
+            if n > best_n:
+                best, best_n = eid, n
+        return best, best_n
+
+    def restore(self, tokens: Tensor, cache: Any) -> int:  # tokens: [n] int64; cache empty
+        """Copy the longest stored prefix of ``tokens`` (never all of them) into the empty ``cache``;
+        returns how many positions it now holds."""
+        if tokens.numel() <= self.min_tokens:
+            return 0
+        with self._lock:
+            self.lookups += 1
+            eid, n = self._best(tokens)
+            n = min(n, tokens.numel() - 1)  # the last token runs: the caller wants its logits
+            if eid is None or n < self.min_tokens:
+                return 0
+            entry = self._entries[eid]
+            self._entries.move_to_end(eid)
+            k, v = entry.k[:, :, :n], entry.v[:, :, :n]
+            self.hits += 1
+            self.reused_tokens += n
+        if self._on_reuse is not None:
+            self._on_reuse(n)
+        start = cache.reserve(n)  # grows the buffers if needed; start == 0
+        cache.k[:, :, start : start + n] = k
+        cache.v[:, :, start : start + n] = v
+        return n
+
+    def store(self, tokens: Tensor, cache: Any) -> None:  # tokens: [n] int64, the cache's first n positions
+        """Remember the keys/values of ``tokens`` (the cache's first ``n`` positions) unless a stored
+        prompt already covers them; a stored prompt they extend is replaced."""
+        n = tokens.numel()
+        per_position = 2 * cache.k[:, :, :1].numel() * cache.k.element_size()
+        if n < self.min_tokens or n * per_position > self.max_bytes:
+            return
+        with self._lock:
+            eid, common = self._best(tokens)
+            if eid is not None and common == n:  # already stored (as itself or inside a longer prompt)
+                self._entries.move_to_end(eid)
+                return
+            if eid is not None and common == self._entries[eid].tokens.numel():  # we extend it
+                self._drop(eid)
+        entry = _Entry(tokens.clone(), cache.k[:, :, :n].clone(), cache.v[:, :, :n].clone())  # outside the lock
+        with self._lock:
+            if self._best(tokens)[1] == n:  # another thread stored the same prompt meanwhile
+                return
+            eid = self._next_id
+            self._next_id += 1
+            self._entries[eid] = entry
+            self._index.setdefault(self._key(tokens), set()).add(eid)
+            self.bytes += entry.nbytes
+            while self.bytes > self.max_bytes and self._entries:
+                self._drop(next(iter(self._entries)))
+
+    def _drop(self, eid: int) -> None:  # under the lock
+        entry = self._entries.pop(eid)
+        key = self._key(entry.tokens)
+        ids = self._index.get(key)
+        if ids is not None:
+            ids.discard(eid)
+            if not ids:
+                del self._index[key]
+        self.bytes -= entry.nbytes
+
+
+def prefill(run: Any, prefix_cache: PrefixCache | None, tokens: Tensor, cache: Any, last_only: bool) -> Tensor:
+    """``run(tokens, cache, last_only=...)`` for a forward pass, with the prefix cache in front of
+    prefills: an empty cache and ``last_only`` (the only logits a prefill wants) reuse the longest
+    stored prefix, run the rest, and store the prompt for later ones."""
+    if prefix_cache is None or not last_only or cache.length != 0 or tokens.numel() < prefix_cache.min_tokens:
+        return run(tokens, cache, last_only=last_only)
+    tokens = tokens.reshape(-1)
+    reused = prefix_cache.restore(tokens, cache)
+    try:
+        logits = run(tokens[reused:], cache, last_only=True)
+    except BaseException:
+        cache.truncate(0)
+        raise
+    prefix_cache.store(tokens, cache)
+    return logits
+
+
+__all__ = ["MIN_TOKENS", "PrefixCache", "common_prefix", "prefill", "supports_prefix_cache"]

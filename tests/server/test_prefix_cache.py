@@ -1,0 +1,164 @@
+"""Prefix caching: a prefill that copies a stored prompt's keys/values is bitwise a fresh prefill.
+
+The reference for every check is the same model prefilling the whole prompt itself; equality is
+``torch.equal`` on logits and on the cache buffers, not a tolerance.
+"""
+
+from __future__ import annotations
+
+import threading
+
+import pytest
+import torch
+from fastapi.testclient import TestClient
+
+from specdec.models.toy import ToyLM
+from specdec.server import ServerSettings, create_app
+from specdec.server.prefix_cache import PrefixCache, common_prefix, supports_prefix_cache
+from specdec.server.scheduler import BatchedModel, Scheduler
+from specdec.server.sessions import SerializedModel
+from tiny import tiny_native
+
+VOCAB = 64
+
+
+def _prompt(seed: int, n: int) -> torch.Tensor:  # [n] int64
+    return torch.randint(1, VOCAB, (n,), generator=torch.Generator().manual_seed(seed))
+
+
+def _fresh(model, tokens: torch.Tensor, steps: list[int]):
+    """(prefill logits, decode logits, cache) of the model alone, no prefix cache."""
+    cache = model.new_cache(512)
+    first = model.forward(tokens, cache, last_only=True)
+    after = [model.forward(torch.tensor([t]), cache) for t in steps]
+    return first, after, cache
+
+
+def _same_cache(a, b) -> bool:
+    n = a.length
+    return n == b.length and torch.equal(a.k[:, :, :n], b.k[:, :, :n]) and torch.equal(a.v[:, :, :n], b.v[:, :, :n])
+
+
+def _prompts() -> dict[str, torch.Tensor]:
+    a = _prompt(1, 40)
+    return {
+        "a": a,
+        "a again": a.clone(),  # all but its last token reused
+        "shares 25": torch.cat([a[:25], _prompt(2, 30)]),  # a common system message, then its own text
+        "extends a": torch.cat([a, _prompt(3, 20)]),  # the next turn of a chat
+        "unrelated": _prompt(4, 33),
+    }
+
+
+@pytest.mark.parametrize("wrapper", ["serialized", "batched"])
+def test_prefills_from_the_prefix_cache_are_bitwise_fresh_prefills(wrapper):
+    model = tiny_native(vocab=VOCAB)
+    pc = PrefixCache(64 << 20)
+    served = (SerializedModel(model, threading.Lock(), prefix_cache=pc) if wrapper == "serialized"
+              else BatchedModel(model, Scheduler(model), prefix_cache=pc))
+    expected_reuse = {"a": 0, "a again": 39, "shares 25": 25, "extends a": 40, "unrelated": 0}
+    for name, tokens in _prompts().items():
+        before = pc.reused_tokens
+        cache = served.new_cache(512)
+        first = served.forward(tokens, cache, last_only=True)
+        steps = [5, 9, 17]
+        after = [served.forward(torch.tensor([t]), cache) for t in steps]
+        ref_first, ref_after, ref_cache = _fresh(model, tokens, steps)
+        assert pc.reused_tokens - before == expected_reuse[name], name
+        assert torch.equal(first, ref_first), name
+        assert all(torch.equal(x, y) for x, y in zip(after, ref_after)), name
+        assert _same_cache(cache, ref_cache), name
+
+
+def test_concurrent_prefills_through_the_scheduler_stay_exact():
+    """Eight threads prefill overlapping prompts at once, twice (stores and reuses interleave)."""
+    model = tiny_native(vocab=VOCAB)
+    pc = PrefixCache(64 << 20)
+    served = BatchedModel(model, Scheduler(model), prefix_cache=pc)
+    base = _prompt(7, 30)
+    prompts = [torch.cat([base[: 16 + 2 * i], _prompt(10 + i, 10 + i)]) for i in range(8)] * 2
+    results: dict[int, torch.Tensor] = {}
+
+    def run(i: int) -> None:
+        cache = served.new_cache(512)
+        results[i] = served.forward(prompts[i], cache, last_only=True)
+        results[i] = torch.cat([results[i], served.forward(torch.tensor([3]), cache)])
+
+    for wave in (range(8), range(8, 16)):  # the second wave finds what the first one stored
+        threads = [threading.Thread(target=run, args=(i,)) for i in wave]
+        for t in threads:
+            t.start()
+        for t in threads:
+            t.join()
+    for i, tokens in enumerate(prompts):
+        first, after, _ = _fresh(model, tokens, [3])
+        assert torch.equal(results[i], torch.cat([first, after[0]])), i
+    assert pc.hits >= 8  # the second wave found the first one's prompts
+
+
+def test_store_replaces_extended_prompts_and_keeps_to_its_byte_budget():
+    model = tiny_native(vocab=VOCAB)
+    per_position = model.new_cache(1).bytes_per_position
+    pc = PrefixCache(100 * per_position)
+    served = SerializedModel(model, threading.Lock(), prefix_cache=pc)
+    a = _prompt(1, 40)
+    served.forward(a, served.new_cache(512), last_only=True)
+    assert len(pc) == 1 and pc.bytes == 40 * per_position
+    served.forward(torch.cat([a, _prompt(2, 10)]), served.new_cache(512), last_only=True)  # extends a: replaces it
+    assert len(pc) == 1 and pc.bytes == 50 * per_position
+    served.forward(a, served.new_cache(512), last_only=True)  # inside the stored one: nothing new
+    assert len(pc) == 1
+    served.forward(_prompt(3, 45), served.new_cache(512), last_only=True)
+    served.forward(_prompt(4, 45), served.new_cache(512), last_only=True)  # 140 > 100 positions: oldest dropped
+    assert pc.bytes <= 100 * per_position and len(pc) == 2
+    assert common_prefix(_prompt(3, 45), _prompt(3, 45)) == 45
+    served.forward(_prompt(5, 200), served.new_cache(512), last_only=True)  # larger than the whole budget: not stored
+    assert pc.bytes <= 100 * per_position
+
+
+def test_short_prompts_and_full_forwards_bypass_the_cache():
+    model = tiny_native(vocab=VOCAB)
+    pc = PrefixCache(64 << 20)
+    served = SerializedModel(model, threading.Lock(), prefix_cache=pc)
+    served.forward(_prompt(1, 8), served.new_cache(512), last_only=True)  # shorter than MIN_TOKENS
+    out = served.forward(_prompt(1, 40), served.new_cache(512))  # every row's logits wanted: runs all of it
+    assert out.shape[0] == 40 and len(pc) == 0 and pc.lookups == 0
+
+
+def test_only_batch_invariant_models_get_a_prefix_cache():
+    fast = tiny_native(vocab=VOCAB)
+    fast.batch_invariant = False
+    assert supports_prefix_cache(tiny_native(vocab=VOCAB)) and not supports_prefix_cache(fast)
+    assert not supports_prefix_cache(ToyLM(6, order=1, seed=0))
+    with pytest.raises(ValueError, match="batch-invariant"):
+        SerializedModel(fast, threading.Lock(), prefix_cache=PrefixCache(1 << 20))
+    app = create_app(fast, settings=ServerSettings())
+    assert app.state.ctx.model.prefix_cache is None
+
+
+@pytest.mark.parametrize("batching", [True, False])
+def test_sessions_on_a_server_give_the_same_verdicts_with_and_without_the_prefix_cache(batching):
+    prompt = [int(t) for t in _prompt(9, 48)]
+    verdicts = {}
+    for size in (64 << 20, 0):
+        app = create_app(tiny_native(vocab=VOCAB), settings=ServerSettings(batching=batching, prefix_cache_bytes=size))
+        client = TestClient(app, base_url="http://localhost")
+        got = []
+        for turn in range(3):  # the same prompt three times, then a longer one sharing it
+            ids = prompt if turn < 2 else prompt + [7, 8, 9]
+            r = client.post("/v1/sessions", json={"prompt_ids": ids, "temperature": 0.0})
+            assert r.status_code == 201, r.text
+            sid = r.json()["session_id"]
+            for seq in range(3):
+                v = client.post(f"/v1/sessions/{sid}/verify", json={"seq": seq, "draft_tokens": [1, 2, 3]})
+                assert v.status_code == 200, v.text
+                got.append(v.json()["tokens"])
+        metrics = client.get("/metrics").text
+        reused = [line for line in metrics.splitlines() if line.startswith("specdec_prefix_cache_reused_tokens_total")]
+        verdicts[size] = got
+        if size:
+            # the prefill runs prompt[:-1] (47 tokens): the second session reuses 46 of them, the third all 47
+            assert reused and float(reused[0].split()[-1]) == 46 + 47
+        else:
+            assert app.state.ctx.model.prefix_cache is None
+    assert verdicts[64 << 20] == verdicts[0]
