@@ -25,15 +25,18 @@ class FixedCap:
 
     def __init__(self, k: int = 1) -> None:
         self.k = k
+        self.asked: list[tuple[str, bool]] = []  # (wire, server_drafted) of every cap() call
+        self.rounds: list[tuple[Any, ...]] = []
 
-    def cap(self, wire: str) -> int:
+    def cap(self, wire: str, *, server_drafted: bool = False) -> int:
+        self.asked.append((wire, server_drafted))
         return self.k
 
     def observe_tokens(self, n: int) -> None:
         pass
 
     def observe_round(self, *args: Any) -> None:
-        pass
+        self.rounds.append(args)
 
 
 class LetterTokenizer:

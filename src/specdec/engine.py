@@ -136,7 +136,10 @@ def parse_gamma(value: str | int) -> str | int:
     return g
 
 
-def make_gamma(spec: str | int, *, extra_target_s: float = 0.0) -> GammaController:
+def make_gamma(spec: str | int | GammaController, *, extra_target_s: float = 0.0) -> GammaController:
+    """The controller for a γ spec (a controller passed in is used as it is)."""
+    if not isinstance(spec, (str, int)):
+        return spec
     spec = parse_gamma(spec)
     if spec == "auto":
         return CostGamma(extra_target_s=extra_target_s)
@@ -231,7 +234,7 @@ class Engine:
     def decoder(
         self,
         rule: Rule,
-        gamma: str | int = defaults.DEFAULT_GAMMA,
+        gamma: str | int | GammaController = defaults.DEFAULT_GAMMA,
         *,
         min_confidence: float | None = None,
         ignore_eos: bool = False,
@@ -262,7 +265,7 @@ class Engine:
         sampling: SamplingConfig,
         *,
         method: str | None = None,
-        gamma: str | int = defaults.DEFAULT_GAMMA,
+        gamma: str | int | GammaController = defaults.DEFAULT_GAMMA,
         chat: bool = False,
         on_text: Callable[[str], None] | None = None,
         min_confidence: float | None = None,

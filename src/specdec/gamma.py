@@ -13,7 +13,7 @@
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from typing import Protocol
+from typing import Callable, Protocol
 
 from specdec import defaults
 
@@ -65,6 +65,32 @@ class GuideGamma:
             self.gamma = min(self.gamma + 1, self.high)
         elif ratio <= self.down:
             self.gamma = max(self.gamma - 1, self.low)
+
+
+@dataclass
+class CappedGamma:
+    """Another controller's γ, never above a ceiling set from outside (``cap()``; None = no ceiling),
+    with every round also reported to ``observe(gamma, accepted)``.  A batching server uses it for
+    its own drafting: past a load where a drafted token costs more than it brings, it drafts less
+    (see :mod:`specdec.server.draft_cap`)."""
+
+    inner: GammaController
+    cap: Callable[[], int | None]
+    observe: Callable[[int, int], None] | None = None
+
+    @property
+    def name(self) -> str:
+        return self.inner.name
+
+    def next_gamma(self) -> int:
+        g = self.inner.next_gamma()
+        c = self.cap()
+        return g if c is None else max(0, min(g, c))
+
+    def update(self, *, gamma: int, accepted: int, draft_s: float, target_s: float, other_s: float) -> None:
+        self.inner.update(gamma=gamma, accepted=accepted, draft_s=draft_s, target_s=target_s, other_s=other_s)
+        if self.observe is not None:
+            self.observe(gamma, accepted)
 
 
 def expected_tokens(accept_at_least: list[float], gamma: int) -> float:

@@ -152,3 +152,83 @@ def test_the_verify_endpoint_applies_the_cap():
 def test_no_cap_on_the_serialised_server_or_when_switched_off():
     assert _app(batching=False).state.ctx.draft_cap is None
     assert _app(draft_cap=False).state.ctx.draft_cap is None
+
+
+def _steady(draft_row_s: float | None) -> DraftCap:
+    """32 target passes of 100 rows in 0.2 s (costs a = 20 ms, b = 1.8 ms: m = 0.9), 25 tokens each,
+    32 draft passes of 10 rows at ``draft_row_s`` per row, 400 greedy and openai rounds of γ = 3
+    with P(accepted >= k) = 0.8 / 0.5 / 0.3."""
+    clock = _Clock()
+    cap = DraftCap(CapConfig(window_s=1000.0, min_passes=16, min_rounds=32, max_positions=6), clock=clock,
+                   costs=(0.020, 0.0018))
+    for _ in range(32):
+        clock.t += 0.3
+        cap.observe_pass(100, 0.2)
+        cap.observe_tokens(25)
+        if draft_row_s is not None:
+            cap.observe_draft_pass(10, 10 * draft_row_s)
+    for i in range(400):
+        accepted = (3 if i % 10 < 3 else 2 if i % 10 < 5 else 1 if i % 10 < 8 else 0)  # P(>=k) = .8 / .5 / .3
+        for wire in ("greedy", "openai"):
+            cap.observe_round(wire, 3, accepted)
+    return cap
+
+
+def test_the_servers_own_drafting_counts_its_draft_cost():
+    """Edge drafts cost the server a target row: threshold m ρ = 0.9 × 0.25 = 0.225, so all three
+    positions pay.  Drafts the server makes itself cost a draft row too: with 5 ms per draft row,
+    (0.9 × 0.2/100 + 0.005) × 800 tokens / (6.4 + 1.6) s = 0.68, so only the first does."""
+    cap = _steady(0.005)
+    edge, p = cap.estimate("greedy")
+    assert edge == pytest.approx(0.225) and p[:3] == pytest.approx([0.8, 0.5, 0.3], abs=0.01)
+    own, _ = cap.estimate("openai", server_drafted=True)
+    assert own == pytest.approx((0.9 * 0.002 + 0.005) * 800 / 8.0)
+    assert cap.cap("greedy") == 3 and cap.cap("openai", server_drafted=True) == 1
+    assert _steady(0.05).cap("openai", server_drafted=True) == 0  # drafting dearer than it brings: none
+    assert _steady(None).cap("openai", server_drafted=True) is None  # no draft pass seen: no basis for a cap
+
+
+def test_capped_gamma_takes_the_ceiling_and_reports_rounds():
+    from specdec.gamma import CappedGamma, FixedGamma
+
+    ceiling = [None]
+    seen = []
+    g = CappedGamma(FixedGamma(4), cap=lambda: ceiling[0], observe=lambda gamma, acc: seen.append((gamma, acc)))
+    assert g.next_gamma() == 4 and g.name == "fixed(4)"
+    ceiling[0] = 2
+    assert g.next_gamma() == 2
+    ceiling[0] = 0
+    assert g.next_gamma() == 0
+    g.update(gamma=2, accepted=1, draft_s=0.0, target_s=0.0, other_s=0.0)
+    assert seen == [(2, 1)]
+
+
+@pytest.mark.parametrize("k", [0, 1])
+def test_openai_requests_draft_no_more_than_the_cap_and_give_the_same_text(k):
+    """A greedy completion on a batching server whose cap says k drafts at most k tokens a round,
+    reports its rounds to the cap, and returns the text an uncapped server returns."""
+    from specdec.drafters import ModelDrafter
+    from toy_server import LetterTokenizer
+
+    texts = {}
+    for capped in (True, False):
+        target = ToyLM(VOCAB, order=2, seed=3)
+        draft = target.perturbed(0.3, seed=1)
+        app = create_app(target, tokenizer=LetterTokenizer(), settings=ServerSettings(),
+                         drafter_factory=lambda: ModelDrafter(draft), drafter_name="toy")
+        fixed = FixedCap(k) if capped else None
+        app.state.ctx.draft_cap = fixed
+        client = TestClient(app, base_url="http://localhost")
+        r = client.post("/v1/completions", json={"prompt": "abcab", "max_tokens": 24, "temperature": 0, "gamma": 4})
+        assert r.status_code == 200, r.text
+        texts[capped] = r.json()["choices"][0]["text"]
+        metrics = client.get("/metrics").text
+        proposed = sum(float(line.split()[-1]) for line in metrics.splitlines()
+                       if line.startswith('specdec_draft_tokens_proposed_total{wire="openai"}'))
+        if capped:
+            assert fixed.asked and set(fixed.asked) == {("openai", True)}
+            assert all(gamma <= k for _, gamma, _ in fixed.rounds) and len(fixed.rounds) >= 24 // (k + 1) // 2
+            assert proposed <= k * len(fixed.rounds)
+        else:
+            assert proposed > 0
+    assert texts[True] == texts[False]

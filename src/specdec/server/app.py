@@ -239,6 +239,14 @@ def create_app(
                 draft_cap.observe_pass(stats.tokens, stats.seconds)
 
             served.scheduler.on_pass = on_pass
+            if isinstance(draft_model, BatchedModel):  # the server's own drafting costs rows too
+                observe_draft = draft_model.scheduler.on_pass
+
+                def on_draft_pass(stats: PassStats) -> None:
+                    observe_draft(stats)
+                    draft_cap.observe_draft_pass(stats.tokens, stats.seconds)
+
+                draft_model.scheduler.on_pass = on_draft_pass
     ctx = ServerContext(
         model=served,
         metrics=metrics,

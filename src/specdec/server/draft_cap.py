@@ -20,6 +20,16 @@ leading positions with ``p_k > m ρ``.
 Truncating a draft is lossless for every rule: verifying the first ``k`` tokens of a draft is
 verifying a ``k``-token draft, which the client could have sent itself (the choice of ``k``
 depends only on the past).  The client commits what the answer holds, as after any rejection.
+**The server's own drafting** (OpenAI requests) costs the server a draft row per drafted token
+as well, so there one more position pays when
+
+    p > (m T / R + T_d / R_d) E / (T + T_d),
+
+with ``T_d`` the seconds of the draft model's passes and ``R_d`` their rows in the same window
+(the edge rule above is the case ``T_d = 0``).  Under heavy load this turns the server's own
+speculation down, to none at all when even the first position does not pay — what vLLM's
+switch-off by batch size does, but measured rather than set.
+
 It is applied only to the wire modes whose output does not depend on γ at all
 (:data:`CAPPED_WIRES`: greedy, and coupled sampling, a function of the seed): with token or block
 verification the *law* is unchanged but the sample a seed draws depends on how rounds consume the
@@ -126,6 +136,8 @@ class DraftCap:
         self._clock = clock
         self._lock = threading.Lock()
         self._passes: deque[tuple[float, int, float]] = deque()  # (time, rows, seconds)
+        self._draft_passes: deque[tuple[float, int, float]] = deque()  # the server's draft model: (time, rows, seconds)
+        self._draft_row_s: float | None = None  # seconds per draft row, kept when the window holds none
         self._emitted: deque[tuple[float, int]] = deque()  # (time, tokens)
         self._rounds: dict[str, int] = {}
         self._proposed: dict[str, list[float]] = {}
@@ -137,11 +149,20 @@ class DraftCap:
             self._passes.popleft()
         while self._emitted and self._emitted[0][0] < horizon:
             self._emitted.popleft()
+        while self._draft_passes and self._draft_passes[0][0] < horizon:
+            self._draft_passes.popleft()
 
     def observe_pass(self, rows: int, seconds: float) -> None:
         with self._lock:
             now = self._clock()
             self._passes.append((now, rows, seconds))
+            self._trim(now)
+
+    def observe_draft_pass(self, rows: int, seconds: float) -> None:
+        """One pass of the server's own draft model (drafting for OpenAI requests)."""
+        with self._lock:
+            now = self._clock()
+            self._draft_passes.append((now, rows, seconds))
             self._trim(now)
 
     def observe_tokens(self, tokens: int) -> None:
@@ -164,8 +185,11 @@ class DraftCap:
                 acc[k] += 1.0 if k < accepted else 0.0
             self._rounds[wire] = self._rounds.get(wire, 0) + 1
 
-    def estimate(self, wire: str) -> tuple[float, list[float]] | None:
-        """``(threshold m·ρ, [p_1, p_2, ...])`` for ``wire``, or None while there is too little to go on."""
+    def estimate(self, wire: str, *, server_drafted: bool = False) -> tuple[float, list[float]] | None:
+        """``(threshold, [p_1, p_2, ...])`` for ``wire``, or None while there is too little to go on.
+
+        The threshold is ``m·ρ`` for drafts that arrive drafted (edges), and ``(m T/R + T_d/R_d)
+        E/(T + T_d)`` for drafts the server drafts itself (``server_drafted``)."""
         with self._lock:
             self._trim(self._clock())
             if len(self._passes) < self.config.min_passes or self._rounds.get(wire, 0) < self.config.min_rounds:
@@ -175,6 +199,11 @@ class DraftCap:
             len_passes = len(self._passes)
             seconds = sum(s for _, _, s in self._passes)
             tokens = sum(t for _, t in self._emitted)
+            draft_rows = sum(r for _, r, _ in self._draft_passes)
+            draft_s = sum(s for _, _, s in self._draft_passes)
+            if draft_rows:
+                self._draft_row_s = draft_s / draft_rows
+            draft_row_s = self._draft_row_s
             prop, acc = self._proposed[wire], self._accepted[wire]
             p = [a / q if q > 1e-12 else 0.0 for a, q in zip(acc, prop)]  # decay keeps the ratio
         if fit is None or rows == 0 or seconds <= 0 or tokens == 0:
@@ -182,11 +211,15 @@ class DraftCap:
         a, b = fit
         mean_rows = rows / len_passes
         m = min(max(b * mean_rows / (a + b * mean_rows), 0.0), 1.0)  # b / (seconds per row of an average pass)
-        return m * tokens / rows, p
+        if not server_drafted:
+            return m * tokens / rows, p
+        if draft_row_s is None:
+            return None
+        return (m * seconds / rows + draft_row_s) * tokens / (seconds + draft_s), p
 
-    def cap(self, wire: str) -> int | None:
-        """Draft tokens worth verifying for a round of ``wire`` now (None: no cap)."""
-        est = self.estimate(wire)
+    def cap(self, wire: str, *, server_drafted: bool = False) -> int | None:
+        """Draft tokens worth verifying (or, ``server_drafted``, drafting) for a round of ``wire`` now (None: no cap)."""
+        est = self.estimate(wire, server_drafted=server_drafted)
         if est is None:
             return None
         threshold, p = est

@@ -24,14 +24,19 @@ from fastapi.responses import JSONResponse, StreamingResponse
 from pydantic import BaseModel, ConfigDict, Field
 
 from specdec import defaults
-from specdec.engine import Engine, TextResult, default_method, parse_gamma
+from specdec.engine import Engine, TextResult, default_method, make_gamma, parse_gamma
+from specdec.gamma import CappedGamma
 from specdec.errors import SpecdecError
 from specdec.models.registry import LoadedModel
 from specdec.sampling import SamplingConfig
 from specdec.text import TextStream
+from specdec.server.draft_cap import CAPPED_WIRES
 from specdec.server.errors import ApiError
 from specdec.server.scheduler import Cancelled as SchedulerCancelled
 from specdec.verify import get_rule
+
+#: the wire label of the OpenAI endpoints' rounds (metrics, draft cap)
+OPENAI_WIRE = "openai"
 
 if TYPE_CHECKING:
     from specdec.server.app import ServerContext
@@ -294,6 +299,16 @@ class _Job:
         except SpecdecError as exc:
             raise ApiError(400, str(exc)) from None
 
+    def _gamma(self) -> Any:
+        """The request's γ policy; on a batching server, for the rules whose output does not depend
+        on γ (greedy, coupled), capped to what the server's load makes worth drafting
+        (:mod:`specdec.server.draft_cap`), each round reported back to the cap's estimates."""
+        cap = getattr(self.ctx, "draft_cap", None)
+        if cap is None or self.method not in CAPPED_WIRES:
+            return self.gamma
+        return CappedGamma(make_gamma(self.gamma), cap=lambda: cap.cap(OPENAI_WIRE, server_drafted=True),
+                           observe=lambda gamma, accepted: cap.observe_round(OPENAI_WIRE, gamma, accepted))
+
     def prompt_of(self, index: int) -> list[int]:
         return self.prompts[index // self.n]
 
@@ -318,7 +333,7 @@ class _Job:
             drafter = ctx.drafter_factory() if ctx.drafter_factory is not None else None
             target = LoadedModel(ctx.settings.model_name, ctx.model, ctx.tokenizer, None, "server", ctx.eos_ids)
             engine = Engine(target, drafter, ctx.drafter_name if drafter is not None else "none")
-            out = engine.generate(self.prompt_of(index), sampling, method=self.method, gamma=self.gamma, on_text=on_text,
+            out = engine.generate(self.prompt_of(index), sampling, method=self.method, gamma=self._gamma(), on_text=on_text,
                                   logprobs=self.logprobs, ignore_eos=self.ignore_eos)
         except SchedulerCancelled:
             raise _Cancelled from None
