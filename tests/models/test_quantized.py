@@ -106,6 +106,44 @@ def test_scripted_loop_is_bitwise_the_python_loop(tiny_folder, kind):
 
 
 @pytest.mark.parametrize("kind", list(KINDS))
+def test_scripted_batched_pass_is_bitwise_the_python_one_and_the_solo_passes(tiny_folder, kind):
+    """``forward_batch`` (a batching server's ragged pass: 1-, 4- and 17-row sequences at different
+    cache lengths) from TorchScript equals its Python loop — logits and caches — and, for
+    batch-invariant targets, each sequence's solo pass."""
+    if not _available(kind):
+        pytest.skip("no int8 kernel of this kind in this torch build")
+    model = NativeCausalLM.from_folder(tiny_folder, **KINDS[kind])
+    if model.scripted is None:
+        pytest.skip("TorchScript is not available in this torch build")
+    g = torch.Generator().manual_seed(6)
+    prompts = [torch.randint(0, 1000, (n,), generator=g) for n in (5, 63, 30)]
+    blocks = [torch.randint(0, 1000, (n,), generator=g) for n in (1, 4, 17)]
+
+    def run(batched: bool) -> tuple[list[torch.Tensor], list]:
+        caches = [model.new_cache(128) for _ in prompts]
+        for p, c in zip(prompts, caches):
+            model.forward(p, c)
+        if batched:
+            outs = model.forward_batch([(b, c, i == 0) for i, (b, c) in enumerate(zip(blocks, caches))])
+        else:
+            outs = [model.forward(b, c, last_only=i == 0) for i, (b, c) in enumerate(zip(blocks, caches))]
+        return outs, caches
+
+    scripted, s_caches = run(True)
+    saved, model.scripted = model.scripted, None
+    try:
+        python, p_caches = run(True)
+    finally:
+        model.scripted = saved
+    assert all(torch.equal(a, b) for a, b in zip(scripted, python))
+    for a, b in zip(s_caches, p_caches):
+        assert torch.equal(a.k[:, :, : a.length], b.k[:, :, : b.length]) and torch.equal(a.v[:, :, : a.length], b.v[:, :, : b.length])
+    if model.batch_invariant:
+        solo, _ = run(False)
+        assert all(torch.equal(a, b) for a, b in zip(scripted, solo))
+
+
+@pytest.mark.parametrize("kind", list(KINDS))
 def test_scripted_layer_subsets_are_bitwise_the_python_loop(tiny_folder, kind):
     """``run_layers`` (a self-speculative draft's early exit / skipped sub-layers, each step
     writing its keys/values to its own cache slot) from TorchScript equals the Python loop."""

@@ -515,16 +515,31 @@ class NativeCausalLM:
 
     def _forward_batch(self, items: list[tuple[Tensor, KVCache, bool]], sizes: list[int], starts: list[int]) -> list[Tensor]:
         cfg = self.cfg
-        total = sum(sizes)
         tokens = torch.cat([t.reshape(-1) for t, _, _ in items])  # [M]
         x = self.embed.index_select(0, tokens)  # [M, D]
         cos = torch.cat([self._cos[a : a + n] for a, n in zip(starts, sizes)]).unsqueeze(1)  # [M, 1, d]
         sin = torch.cat([self._sin[a : a + n] for a, n in zip(starts, sizes)]).unsqueeze(1)
-        hq, hk, d = cfg.n_heads, cfg.n_kv_heads, cfg.head_dim
-        qk_size = self._q_size + self._kv_size
         offsets = [0]
         for n in sizes:
             offsets.append(offsets[-1] + n)
+        h = None
+        if self.scripted is not None:  # the same ops from TorchScript (bitwise the loop below)
+            h = self.scripted.batch(x, cos, sin, [c for _, c, _ in items], starts, sizes, cfg, self._eps,
+                                    exact=self.batch_invariant)
+        if h is None:
+            h = self._layers_batch_eager(x, cos, sin, items, sizes, starts, offsets)
+        rows = [torch.arange(o + n - 1, o + n) if last else torch.arange(o, o + n)
+                for (_, _, last), n, o in zip(items, sizes, offsets)]
+        logits = self.lm_head(h[torch.cat(rows)]).float()  # [R, V]
+        return list(logits.split([r.numel() for r in rows]))
+
+    def _layers_batch_eager(self, x: Tensor, cos: Tensor, sin: Tensor, items: list[tuple[Tensor, KVCache, bool]],
+                            sizes: list[int], starts: list[int], offsets: list[int]) -> Tensor:  # [M, D] -> [M, D]
+        """The batched pass's layer loop in Python (the reference the scripted loop mirrors)."""
+        cfg = self.cfg
+        total = x.shape[0]
+        hq, hk, d = cfg.n_heads, cfg.n_kv_heads, cfg.head_dim
+        qk_size = self._q_size + self._kv_size
         for li, layer in enumerate(self.layers):
             qkv = layer.qkv.scaled(x, self._inv_rms(x))  # [M, (H + 2 Hkv) d]
             qk = _rotate(qkv[:, :qk_size].view(total, hq + hk, d), cos, sin)  # [M, H + Hkv, d]
@@ -538,11 +553,7 @@ class NativeCausalLM:
             x = x + layer.out(attn)
             gate, up = layer.gate_up.scaled(x, self._inv_rms(x)).chunk(2, dim=-1)
             x = x + layer.down(F.silu(gate) * up)
-        h = x * self._inv_rms(x)  # [M, D] the LM head's input
-        rows = [torch.arange(o + n - 1, o + n) if last else torch.arange(o, o + n)
-                for (_, _, last), n, o in zip(items, sizes, offsets)]
-        logits = self.lm_head(h[torch.cat(rows)]).float()  # [R, V]
-        return list(logits.split([r.numel() for r in rows]))
+        return x * self._inv_rms(x)  # [M, D] the LM head's input
 
     def _attend_rows(self, li: int, q: Tensor, cache: KVCache, start: int) -> Tensor:  # q: [n, H, d] -> [n, H d]
         """Attention of one sequence's ``n`` new rows, with the shapes :meth:`hidden` uses alone."""

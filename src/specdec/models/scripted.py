@@ -9,7 +9,9 @@ in the same order — from TorchScript's interpreter, which cuts that overhead b
 Because the ops and shapes are identical, the results are bitwise identical to the Python loop
 (tested), so batch invariance and every exactness guarantee carry over.
 
-Scope: every pass of :meth:`NativeCausalLM.hidden`: single positions, the batch-invariant
+Scope: every pass of :meth:`NativeCausalLM.hidden` and of ``forward_batch`` (a batching
+server's ragged pass: run without Python, it also leaves the interpreter lock to the server's
+request threads while it computes): single positions, the batch-invariant
 per-row attention (a target's verification pass), exact tree attention (each node over the
 prefix and its own path, laid out in place; see :func:`specdec.tree.attention_schedule`) and the
 fast mode's one masked attention call (a prefill, a draft's tree pass), and layer subsets
@@ -262,6 +264,86 @@ def _layers(
     return x, tapped
 
 
+def _layers_batch(
+    x: Tensor,  # [M, D] the rows of every sequence, concatenated
+    cos: Tensor,  # [M, 1, d]
+    sin: Tensor,  # [M, 1, d], signed (see native._rotate)
+    k_caches: List[Tensor],  # per sequence [Lyr, Hkv, T_i, d]
+    v_caches: List[Tensor],
+    starts: List[int],  # per sequence: the cache position of its first row
+    sizes: List[int],  # per sequence: its rows
+    n_heads: int,
+    n_kv_heads: int,
+    head_dim: int,
+    eps: Tensor,
+    kinds: List[int],
+    q8: Dict[int, torch.classes.quantized.LinearPackedParamsBase],
+    staging: Dict[int, Tensor],
+    reduce_range: bool,
+    chunks: Dict[int, List[Tensor]],
+    bounds: Dict[int, List[int]],
+    dense: Dict[int, Tensor],
+    bias: Dict[int, Tensor],
+    smooth: Dict[int, Tensor],
+    exact: bool,  # batch-invariant per-row attention for every sequence (else one masked call for multi-row ones)
+    block_mask: Tensor,  # [B, B] exact attention's last-block mask
+) -> Tensor:  # the LM head's input [M, D]
+    """NativeCausalLM._forward_batch's layer loop, op for op: the linear layers over all rows at
+    once, attention per sequence against its own cache with the shapes a solo pass uses."""
+    total = x.shape[0]
+    hq, hk, d = n_heads, n_kv_heads, head_dim
+    width = x.shape[1]
+    q_size = hq * d
+    qk_size = (hq + hk) * d
+    for li in range(len(kinds) // 4):
+        lin = 4 * li
+        qkv = _linear(lin, x, _inv_rms(x, eps, width), kinds, q8, staging, reduce_range, chunks, bounds, dense, bias, smooth)
+        qk = qkv[:, :qk_size].view(total, hq + hk, d)
+        qk = torch.addcmul(qk * cos, qk.roll(d // 2, -1), sin)
+        parts: List[Tensor] = []
+        o = 0
+        for s in range(len(sizes)):
+            n = sizes[s]
+            start = starts[s]
+            end = start + n
+            k_cache = k_caches[s][li]
+            v_cache = v_caches[s][li]
+            k_cache[:, start:end] = qk[o : o + n, hq:].transpose(0, 1)
+            v_cache[:, start:end] = qkv[o : o + n, qk_size:].view(n, hk, d).transpose(0, 1)
+            q = qk[o : o + n, :hq]
+            if exact or n == 1:
+                parts.append(_attend_rows(q, k_cache, v_cache, start, block_mask))
+            else:
+                mask = torch.full((n, end), float("-inf"), dtype=q.dtype).triu_(start + 1)
+                parts.append(F.scaled_dot_product_attention(
+                    q.transpose(0, 1).unsqueeze(0), k_cache[:, :end].unsqueeze(0), v_cache[:, :end].unsqueeze(0),
+                    attn_mask=mask, enable_gqa=hq != hk, scale=1.0,
+                )[0].transpose(0, 1).reshape(n, q_size))
+            o += n
+        attn = torch.cat(parts)
+        x = x + _linear(lin + 1, attn, None, kinds, q8, staging, reduce_range, chunks, bounds, dense, bias, smooth)
+        gate_up = _linear(lin + 2, x, _inv_rms(x, eps, width), kinds, q8, staging, reduce_range, chunks, bounds, dense, bias, smooth)
+        gate, up = gate_up.chunk(2, -1)
+        x = x + _linear(lin + 3, F.silu(gate) * up, None, kinds, q8, staging, reduce_range, chunks, bounds, dense, bias, smooth)
+    return x * _inv_rms(x, eps, width)
+
+
+_compiled_batch = None
+
+
+def compiled_batch_layers():
+    """The TorchScript-compiled batched layer loop (once per process), or None."""
+    global _compiled_batch
+    if _compiled_batch is None:
+        try:
+            with warnings.catch_warnings():
+                warnings.simplefilter("ignore")
+                _compiled_batch = torch.jit.script(_layers_batch)
+        except Exception:  # noqa: BLE001 - any failure means: use the Python loop
+            _compiled_batch = False
+    return _compiled_batch or None
+
+
 _compiled = None
 
 
@@ -359,3 +441,16 @@ class ScriptedLayers:
             for k, t in zip(wanted, tapped):
                 taps[k] = t
         return out
+
+    def batch(self, x: Tensor, cos: Tensor, sin: Tensor, caches: list, starts: list[int], sizes: list[int], cfg,
+              eps: Tensor, *, exact: bool) -> Tensor | None:  # x: [M, D] -> [M, D]
+        """:meth:`NativeCausalLM.forward_batch`'s layers (None where the batched loop did not compile)."""
+        fn = compiled_batch_layers()
+        if fn is None:
+            return None
+        self._ensure(x.shape[0])
+        return fn(
+            x, cos, sin, [c.k for c in caches], [c.v for c in caches], starts, sizes, cfg.n_heads, cfg.n_kv_heads,
+            cfg.head_dim, eps, self.kinds, self.q8, self.staging, self.reduce_range, self.chunks, self.bounds,
+            self.dense, self.bias, self.smooth, exact, BLOCK_MASK,
+        )
