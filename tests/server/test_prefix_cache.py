@@ -56,7 +56,8 @@ def test_prefills_from_the_prefix_cache_are_bitwise_fresh_prefills(wrapper):
     pc = PrefixCache(64 << 20)
     served = (SerializedModel(model, threading.Lock(), prefix_cache=pc) if wrapper == "serialized"
               else BatchedModel(model, Scheduler(model), prefix_cache=pc))
-    expected_reuse = {"a": 0, "a again": 39, "shares 25": 25, "extends a": 40, "unrelated": 0}
+    # a prompt's blocks seen before are stored: "a" is seen, "a again" stores its two whole 16-token blocks
+    expected_reuse = {"a": 0, "a again": 0, "shares 25": 25, "extends a": 32, "unrelated": 0}
     for name, tokens in _prompts().items():
         before = pc.reused_tokens
         cache = served.new_cache(512)
@@ -96,24 +97,32 @@ def test_concurrent_prefills_through_the_scheduler_stay_exact():
     assert pc.hits >= 8  # the second wave found the first one's prompts
 
 
-def test_store_replaces_extended_prompts_and_keeps_to_its_byte_budget():
+def test_only_prefixes_seen_before_are_stored_and_the_byte_budget_holds():
     model = tiny_native(vocab=VOCAB)
     per_position = model.new_cache(1).bytes_per_position
     pc = PrefixCache(100 * per_position)
     served = SerializedModel(model, threading.Lock(), prefix_cache=pc)
-    a = _prompt(1, 40)
-    served.forward(a, served.new_cache(512), last_only=True)
-    assert len(pc) == 1 and pc.bytes == 40 * per_position
-    served.forward(torch.cat([a, _prompt(2, 10)]), served.new_cache(512), last_only=True)  # extends a: replaces it
-    assert len(pc) == 1 and pc.bytes == 50 * per_position
-    served.forward(a, served.new_cache(512), last_only=True)  # inside the stored one: nothing new
-    assert len(pc) == 1
-    served.forward(_prompt(3, 45), served.new_cache(512), last_only=True)
-    served.forward(_prompt(4, 45), served.new_cache(512), last_only=True)  # 140 > 100 positions: oldest dropped
+
+    def twice(tokens: torch.Tensor) -> None:
+        for _ in range(2):
+            served.forward(tokens, served.new_cache(512), last_only=True)
+
+    ax = torch.cat([_prompt(1, 40), _prompt(2, 10)])
+    served.forward(ax, served.new_cache(512), last_only=True)
+    assert len(pc) == 0  # seen once: nothing stored (distinct prompts do not churn the cache)
+    served.forward(ax, served.new_cache(512), last_only=True)
+    assert len(pc) == 1 and pc.bytes == 48 * per_position  # seen twice: its three whole blocks
+    twice(ax[:40])  # inside the stored prompt: reused, nothing new
+    assert len(pc) == 1 and pc.reused_tokens == 39 + 39
+    twice(torch.cat([ax, _prompt(3, 20)]))  # extends it: replaces it once its fourth block is seen twice
+    assert len(pc) == 1 and pc.bytes == 64 * per_position
+    twice(_prompt(4, 45))
+    assert len(pc) == 2 and pc.bytes == 96 * per_position
+    twice(_prompt(5, 45))  # 128 > 100 positions: the least recently used entry goes
+    assert len(pc) == 2 and pc.bytes == 64 * per_position
+    twice(_prompt(6, 200))  # larger than the whole budget: not stored
     assert pc.bytes <= 100 * per_position and len(pc) == 2
-    assert common_prefix(_prompt(3, 45), _prompt(3, 45)) == 45
-    served.forward(_prompt(5, 200), served.new_cache(512), last_only=True)  # larger than the whole budget: not stored
-    assert pc.bytes <= 100 * per_position
+    assert common_prefix(_prompt(3, 45), _prompt(3, 45)) == 45 and common_prefix(ax, ax[:7]) == 7
 
 
 def test_short_prompts_and_full_forwards_bypass_the_cache():
@@ -157,8 +166,9 @@ def test_sessions_on_a_server_give_the_same_verdicts_with_and_without_the_prefix
         reused = [line for line in metrics.splitlines() if line.startswith("specdec_prefix_cache_reused_tokens_total")]
         verdicts[size] = got
         if size:
-            # the prefill runs prompt[:-1] (47 tokens): the second session reuses 46 of them, the third all 47
-            assert reused and float(reused[0].split()[-1]) == 46 + 47
+            # the prefill runs prompt[:-1] (47 tokens); the second session stores its two whole
+            # 16-token blocks, which the third one reuses
+            assert reused and float(reused[0].split()[-1]) == 32
         else:
             assert app.state.ctx.model.prefix_cache is None
     assert verdicts[64 << 20] == verdicts[0]
