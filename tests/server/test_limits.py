@@ -72,6 +72,11 @@ def test_serve_refuses_an_open_public_address(capsys, monkeypatch):
     assert main(["serve", "--host", "127.0.0.1", "--api-key", " "]) == 2
     assert "API key is empty" in capsys.readouterr().err
     assert is_loopback("127.0.0.1") and is_loopback("::1") and is_loopback("localhost") and not is_loopback("10.0.0.1")
+    assert main(["serve", "--prefix-cache-mib", "-1"]) == 2
+    err = capsys.readouterr().err.strip()
+    assert err == "specdec: error: --prefix-cache-mib must be >= 0 (0 turns prefix caching off), got -1"
+    with pytest.raises(ValueError, match="prefix cache"):
+        ServerSettings(prefix_cache_bytes=-1)
 
 
 def test_metrics_are_open_unless_the_operator_asks_for_the_key():

@@ -56,9 +56,9 @@ def add_parser(sub: Any) -> None:
     g.add_argument("--max-kv-mib", type=float, default=defaults.SERVER_MAX_KV_BYTES / 2**20,
                    help=f"KV cache memory all sessions and OpenAI requests together may hold, MiB (default {defaults.SERVER_MAX_KV_BYTES >> 20})")
     g.add_argument("--prefix-cache-mib", type=float, default=defaults.SERVER_PREFIX_CACHE_BYTES / 2**20,
-                   help="keys/values of recent prompts kept so that a later prompt starting the same way (chat template,"
-                        " system message, earlier turns) copies them instead of computing them again; exact, so only for"
-                        f" batch-invariant targets; 0 turns it off (default {defaults.SERVER_PREFIX_CACHE_BYTES >> 20})")
+                   help="memory for the keys/values of prompt beginnings seen more than once (chat template, system"
+                        " message, earlier turns), which later prompts copy instead of computing again; exact, so only"
+                        f" for batch-invariant targets; 0 turns it off (default {defaults.SERVER_PREFIX_CACHE_BYTES >> 20})")
     g.add_argument("--header-timeout", type=float, default=defaults.SERVER_HEADER_TIMEOUT_S,
                    help=f"seconds a client may take to send its request headers (default {defaults.SERVER_HEADER_TIMEOUT_S:g})")
     g.add_argument("--body-timeout", type=float, default=defaults.SERVER_BODY_TIMEOUT_S,
@@ -174,6 +174,8 @@ def settings_from_args(args: argparse.Namespace) -> dict[str, Any]:
         max_active_requests=args.max_active_requests,
         metrics_need_key=args.metrics_need_key,
     )
+    if args.prefix_cache_mib < 0:
+        raise ConfigError(f"--prefix-cache-mib must be >= 0 (0 turns prefix caching off), got {args.prefix_cache_mib:g}")
     if args.max_connections < 1:
         raise ConfigError(f"max connections must be >= 1, got {args.max_connections}")
     if getattr(args, "replicas", 1) < 1:
