@@ -166,12 +166,13 @@ class PrefixCache:
             if eid is not None and common == n:  # already stored (as itself or inside a longer prompt)
                 self._entries.move_to_end(eid)
                 return
-            if eid is not None and common == self._entries[eid].tokens.numel():  # we extend it
-                self._drop(eid)
+            extended = eid if eid is not None and common == self._entries[eid].tokens.numel() else None
         entry = _Entry(tokens.clone(), cache.k[:, :, :n].clone(), cache.v[:, :, :n].clone())  # outside the lock
         with self._lock:
             if self._best(tokens)[1] == n:  # another thread stored the same prompt meanwhile
                 return
+            if extended is not None and extended in self._entries:  # replaced only now: no window without it
+                self._drop(extended)
             eid = self._next_id
             self._next_id += 1
             self._entries[eid] = entry
