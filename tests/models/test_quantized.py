@@ -72,6 +72,15 @@ KINDS = {
 }
 
 
+def _python_loop(model, run):
+    """``run()`` with the model's TorchScript loop switched off: the Python reference."""
+    saved, model.scripted = model.scripted, None
+    try:
+        return run()
+    finally:
+        model.scripted = saved
+
+
 def _available(kind: str) -> bool:
     if kind == "int8":
         return w8a8_available()
@@ -97,11 +106,7 @@ def test_scripted_loop_is_bitwise_the_python_loop(tiny_folder, kind):
         return torch.cat(outs)
 
     scripted = run()
-    saved, model.scripted = model.scripted, None
-    try:
-        python = run()
-    finally:
-        model.scripted = saved
+    python = _python_loop(model, run)
     assert torch.equal(scripted, python)
 
 
@@ -130,11 +135,7 @@ def test_scripted_batched_pass_is_bitwise_the_python_one_and_the_solo_passes(tin
         return outs, caches
 
     scripted, s_caches = run(True)
-    saved, model.scripted = model.scripted, None
-    try:
-        python, p_caches = run(True)
-    finally:
-        model.scripted = saved
+    python, p_caches = _python_loop(model, lambda: run(True))
     assert all(torch.equal(a, b) for a, b in zip(scripted, python))
     for a, b in zip(s_caches, p_caches):
         assert torch.equal(a.k[:, :, : a.length], b.k[:, :, : b.length]) and torch.equal(a.v[:, :, : a.length], b.v[:, :, : b.length])
@@ -169,11 +170,7 @@ def test_scripted_layer_subsets_are_bitwise_the_python_loop(tiny_folder, kind):
         return torch.cat(outs)
 
     scripted = run()
-    saved, model.scripted = model.scripted, None
-    try:
-        python = run()
-    finally:
-        model.scripted = saved
+    python = _python_loop(model, run)
     assert torch.equal(scripted, python)
 
 
@@ -252,11 +249,7 @@ def test_scripted_tree_pass_is_bitwise_the_python_tree_pass(tiny_folder, kind):
         return whole, torch.cat([first, rest]), keys
 
     scripted = run()
-    saved, model.scripted = model.scripted, None
-    try:
-        python = run()
-    finally:
-        model.scripted = saved
+    python = _python_loop(model, run)
     for a, b in zip(scripted, python):
         assert torch.equal(a, b)
     if not model.batch_invariant:
