@@ -81,6 +81,16 @@ def _python_loop(model, run):
         model.scripted = saved
 
 
+def _scripted_model(folder, kind: str) -> NativeCausalLM:
+    """The tiny model of ``kind`` with its TorchScript loop (the test is skipped where either is missing)."""
+    if not _available(kind):
+        pytest.skip("no int8 kernel of this kind in this torch build")
+    model = NativeCausalLM.from_folder(folder, **KINDS[kind])
+    if model.scripted is None:
+        pytest.skip("TorchScript is not available in this torch build")
+    return model
+
+
 def _available(kind: str) -> bool:
     if kind == "int8":
         return w8a8_available()
@@ -91,11 +101,7 @@ def _available(kind: str) -> bool:
 
 @pytest.mark.parametrize("kind", list(KINDS))
 def test_scripted_loop_is_bitwise_the_python_loop(tiny_folder, kind):
-    if not _available(kind):
-        pytest.skip("no int8 kernel of this kind in this torch build")
-    model = NativeCausalLM.from_folder(tiny_folder, **KINDS[kind])
-    if model.scripted is None:
-        pytest.skip("TorchScript is not available in this torch build")
+    model = _scripted_model(tiny_folder, kind)
     ids = torch.randint(0, 1000, (24,), generator=torch.Generator().manual_seed(3))
 
     def run() -> torch.Tensor:
@@ -115,11 +121,7 @@ def test_scripted_batched_pass_is_bitwise_the_python_one_and_the_solo_passes(tin
     """``forward_batch`` (a batching server's ragged pass: 1-, 4- and 17-row sequences at different
     cache lengths) from TorchScript equals its Python loop — logits and caches — and, for
     batch-invariant targets, each sequence's solo pass."""
-    if not _available(kind):
-        pytest.skip("no int8 kernel of this kind in this torch build")
-    model = NativeCausalLM.from_folder(tiny_folder, **KINDS[kind])
-    if model.scripted is None:
-        pytest.skip("TorchScript is not available in this torch build")
+    model = _scripted_model(tiny_folder, kind)
     g = torch.Generator().manual_seed(6)
     prompts = [torch.randint(0, 1000, (n,), generator=g) for n in (5, 63, 30)]
     blocks = [torch.randint(0, 1000, (n,), generator=g) for n in (1, 4, 17)]
@@ -228,11 +230,7 @@ def test_scripted_tree_pass_is_bitwise_the_python_tree_pass(tiny_folder, kind):
     calls (``prefix``); with batch invariance each node's row is its path scored token by token."""
     from specdec.tree import paths
 
-    if not _available(kind):
-        pytest.skip("no int8 kernel of this kind in this torch build")
-    model = NativeCausalLM.from_folder(tiny_folder, **KINDS[kind])
-    if model.scripted is None:
-        pytest.skip("TorchScript is not available in this torch build")
+    model = _scripted_model(tiny_folder, kind)
     g = torch.Generator().manual_seed(5)
     ids = torch.randint(0, 1000, (12,), generator=g)
     toks = torch.randint(0, 1000, (TREE_PARENTS.numel(),), generator=g)
