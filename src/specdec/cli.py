@@ -82,6 +82,11 @@ def _add_models(p: argparse.ArgumentParser) -> None:
                         " int8 = int8 weights and per-row int8 activations with exact integer accumulation"
                         " (native backend): ~3x faster steps than float32 on SmolLM2, KL to float32 ~0.02;"
                         " exactness always holds relative to the target as it runs")
+    g.add_argument("--int8-kernel", default="auto", choices=["auto", "fbgemm", "onednn"],
+                   help="matmul kernel of an int8 target (default auto = fbgemm). On a CPU with AMX int8 tiles, onednn"
+                        " makes large passes (a busy batching server's) cheaper and single-sequence steps dearer; the two"
+                        " round activations differently, so they are two slightly different quantised targets, each exact"
+                        " relative to itself (a server's /health names the one it runs)")
     g.add_argument("--fast-attention", action="store_true", help="score draft blocks with one batched attention call: ~10%% faster verification, but speculative output may differ from plain decoding at exact float ties")
     g.add_argument("--draft-dtype", default="auto", choices=["auto", "float32", "bfloat16", "float16", "int8"],
                    help="draft precision (never affects exactness, only speed and acceptance): auto = bfloat16 where the CPU "
@@ -188,7 +193,8 @@ def _cmd_generate(args: argparse.Namespace) -> int:
         return run_generate(args, prompt, sampling, gamma, tree)
     quiet = args.json
     log = (lambda msg: None) if quiet else (lambda msg: print(f"[specdec] {msg}", file=sys.stderr, flush=True))
-    engine = Engine.build(EngineConfig(target=args.target, draft=args.draft, backend=args.backend, dtype=args.dtype, draft_dtype=args.draft_dtype, batch_invariant=not args.fast_attention), progress=log)
+    engine = Engine.build(EngineConfig(target=args.target, draft=args.draft, backend=args.backend, dtype=args.dtype, draft_dtype=args.draft_dtype, batch_invariant=not args.fast_attention,
+                                       int8_kernel=args.int8_kernel), progress=log)
     on_text = None if quiet else (lambda text: (sys.stdout.write(text), sys.stdout.flush()))
     if args.interactive:
         return _chat_loop(engine, args, sampling, gamma, first=prompt.strip() or None, on_text=on_text, tree=tree)

@@ -276,8 +276,8 @@ def test_a_server_reports_its_targets_precision_and_kernel(tiny_folder, kernel):
         assert client.get("/health").json()["precision"] == expected
 
 
-def test_serve_passes_its_int8_kernel_to_the_engine(monkeypatch):
-    """`specdec serve --int8-kernel K` loads the target with kernel K (the engine is stubbed out)."""
+def test_serve_and_generate_pass_the_int8_kernel_to_the_engine(monkeypatch):
+    """`specdec serve|generate --int8-kernel K` load the target with kernel K (the engine is stubbed out)."""
     import argparse
 
     from specdec.cli import build_parser
@@ -298,4 +298,9 @@ def test_serve_passes_its_int8_kernel_to_the_engine(monkeypatch):
     assert isinstance(args, argparse.Namespace)
     with pytest.raises(Stop):
         command.build_app(args, command.settings_from_args(args))
-    assert seen["kernel"] == "onednn"
+    assert seen.pop("kernel") == "onednn"
+    from specdec.cli import main
+
+    with pytest.raises(Stop):  # `specdec generate` loads the same target when asked (e.g. to check a server's output)
+        main(["generate", "-p", "hi", "--int8-kernel", "onednn", "--draft", "none"])
+    assert seen.pop("kernel") == "onednn"

@@ -71,12 +71,6 @@ def add_parser(sub: Any) -> None:
     b.add_argument("--no-draft-cap", action="store_true",
                    help="verify every edge draft token even when the batch is busy (default: only the positions whose"
                         " measured acceptance is worth a row of the pass; lossless either way)")
-    b.add_argument("--int8-kernel", default="auto", choices=["auto", "fbgemm", "onednn"],
-                   help="matmul kernel of an int8 target (default auto = fbgemm, as local decoding uses, so the served"
-                        " target is bitwise the local one). On a CPU with AMX int8 tiles, onednn makes the big passes of a"
-                        " busy batching server cheaper (a 133-row pass 172 vs 247 ms on a 2-core Sapphire Rapids) but"
-                        " single-sequence steps dearer; the two kernels round differently, so outputs are exact relative"
-                        " to the target as it runs (see /health's 'precision')")
     b.add_argument("--max-tokens-per-pass", type=int, default=defaults.SCHEDULER_MAX_TOKENS,
                    help=f"rows (tokens) of all requests in one forward pass (default {defaults.SCHEDULER_MAX_TOKENS})")
     b.add_argument("--prefill-chunk", type=int, default=defaults.SCHEDULER_PREFILL_CHUNK,
