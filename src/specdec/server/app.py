@@ -57,7 +57,7 @@ from specdec.server import memory
 from specdec.server.draft_cap import CAPPED_WIRES, DraftCap, calibrate
 from specdec.server.prefix_cache import PrefixCache, supports_prefix_cache
 from specdec.server.scheduler import BatchedModel, Overloaded, PassStats, Scheduler, SchedulerMetrics
-from specdec.server.sessions import FORWARD_LOCK, SerializedModel, SessionStore, create_session, growth_bytes, serialized
+from specdec.server.sessions import FORWARD_LOCK, SerializedModel, SessionStore, create_session, growth_bytes
 from specdec.server.settings import ServerSettings
 
 _ERRORS: dict[int | str, dict[str, Any]] = {
