@@ -156,7 +156,7 @@ class PrefixCache:
         extends is replaced."""
         if tokens.numel() < self.min_tokens:
             return
-        per_position = 2 * cache.k[:, :, :1].numel() * cache.k.element_size()
+        per_position = cache.bytes_per_position
         with self._lock:
             n = self._shared_with_seen(tokens)
             if n < self.min_tokens or n * per_position > self.max_bytes:

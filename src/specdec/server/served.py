@@ -5,6 +5,8 @@ from __future__ import annotations
 import inspect
 from typing import Any
 
+from specdec.server.prefix_cache import prefill, supports_prefix_cache
+
 
 class ServedModel:
     """A :class:`~specdec.models.base.LanguageModel` wrapped for serving; subclasses decide how a
@@ -14,8 +16,6 @@ class ServedModel:
     :mod:`specdec.server.prefix_cache`), prefills reuse the keys/values of earlier prompts."""
 
     def __init__(self, model: Any, *, initial_length: int | None = None, prefix_cache: Any | None = None) -> None:
-        from specdec.server.prefix_cache import supports_prefix_cache
-
         if prefix_cache is not None and not supports_prefix_cache(model):
             raise ValueError("prefix caching needs a batch-invariant model (its cached rows must not depend on the pass)")
         self.prefix_cache = prefix_cache
@@ -34,8 +34,6 @@ class ServedModel:
         return self.inner.new_cache(max_length)
 
     def forward(self, tokens: Any, cache: Any, *, last_only: bool = False) -> Any:  # tokens: [n] -> [n|1, V]
-        from specdec.server.prefix_cache import prefill
-
         return prefill(self._forward, self.prefix_cache, tokens, cache, last_only)
 
     def _forward(self, tokens: Any, cache: Any, *, last_only: bool = False) -> Any:
