@@ -58,11 +58,13 @@ def test_generate_streams_text_and_summary(capsys, tiny_pair):
 def test_greedy_default_and_plain_match(capsys, tiny_pair):
     target, draft = tiny_pair
     outs = []
-    for d in (draft, "none", "ngram"):
+    for d in (draft, "none", "ngram", draft + "+lookup"):
         code, out, _ = _run(capsys, "generate", "-p", "abc abc abc", "--target", target, "--draft", d, "-n", "16", "--json")
         assert code == 0
         outs.append(json.loads(out)["token_ids"])
-    assert outs[0] == outs[1] == outs[2]
+        if d.endswith("+lookup"):
+            assert json.loads(out)["stats"]["drafter"].endswith("+lookup")
+    assert outs[0] == outs[1] == outs[2] == outs[3]
 
 
 @pytest.mark.parametrize(
@@ -77,11 +79,15 @@ def test_greedy_default_and_plain_match(capsys, tiny_pair):
         (["-m", "nope"], "unknown verification method"),
         (["-m", "greedy", "-t", "1"], "temperature 0"),
         (["-t", "abc"], "invalid float"),
+        (["--draft", "ngram+lookup"], "is not one"),
+        (["--draft", "+lookup"], "needs a draft model"),
     ],
 )
 def test_bad_input_one_line_exit_2(capsys, tiny_pair, args, needle):
     target, draft = tiny_pair
     argv = ["generate", "-p", "hi", "--target", target, "--draft", draft, *args]
+    if "--draft" in args:
+        argv = ["generate", "-p", "hi", "--target", target, *args]
     if "--target" in args:
         argv = ["generate", "-p", "hi", *args]
     code, out, err = _run(capsys, *argv) if "-t" not in args or args[args.index("-t") + 1] != "abc" else (None, "", "")

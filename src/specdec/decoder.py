@@ -186,6 +186,7 @@ class SpeculativeDecoder:
                     want_probs=rule.needs_draft_probs,
                     q_top_k=self.q_top_k,
                     min_confidence=self.min_confidence,
+                    room=limit,
                 )
                 if tree is not None:
                     draft = drafter.propose_tree(verifier.context, g, sampler, tree, max_depth=remaining - 1)  # type: ignore[attr-defined]
@@ -224,7 +225,8 @@ class SpeculativeDecoder:
                     tree=draft.parents is not None,
                 )
             )
-            self.gamma.update(gamma=drafted, accepted=verdict.num_accepted, draft_s=t1 - t0, target_s=outcome.target_s, other_s=other_s)
+            if not draft.free:  # a free (lookup) round says nothing about the draft model
+                self.gamma.update(gamma=drafted, accepted=verdict.num_accepted, draft_s=t1 - t0, target_s=outcome.target_s, other_s=other_s)
             if stop is not None:
                 keep = stop(generated)
                 if keep is not None:

@@ -43,15 +43,20 @@ TREE_PROBE_MAX = 64  # ... doubling after each probe that loses, up to this many
 TREE_OUTLIER = 2.5  # tree controller: a round counts at most this many times its arm's mean seconds
 DEFAULT_TREE = "chain"  # chain | auto | N
 
-# n-gram drafter
+# n-gram drafter (prompt lookup)
+NGRAM_MAX = 3
+NGRAM_MIN = 1
+# hybrid drafter (DRAFT+lookup): a lookup round needs a suffix of at least HYBRID_NGRAM_MIN tokens
+# seen before, and proposes up to max(γ, HYBRID_LOOKUP_TOKENS) tokens (it costs no model step)
+HYBRID_NGRAM_MIN = 2
+HYBRID_NGRAM_MAX = 4
+HYBRID_LOOKUP_TOKENS = 4
 # Lookahead decoding: window of W guesses x (N - 1) rows, N-grams, pool candidates per round
 LOOKAHEAD_WINDOW = 5
 LOOKAHEAD_NGRAM = 3
 LOOKAHEAD_CANDIDATES = 3
 LOOKAHEAD_POOL = 4096  # first tokens kept in the n-gram pool (least recently refreshed dropped)
 LOOKAHEAD_PER_KEY = 8  # continuations kept per first token (most recent)
-NGRAM_MAX = 3
-NGRAM_MIN = 1
 
 # seeds: the drafter's generator is seeded with seed + DRAFT_SEED_OFFSET
 DRAFT_SEED_OFFSET = 0x5EED

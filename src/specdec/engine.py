@@ -16,6 +16,7 @@ from specdec import defaults
 from specdec.decoder import GenerationResult, SpeculativeDecoder
 from specdec.drafters import ModelDrafter, NgramDrafter
 from specdec.drafters import self_spec
+from specdec.drafters.hybrid import LookupThenModel
 from specdec.drafters.lookahead import LookaheadDrafter
 from specdec.drafters.base import Drafter, feature_taps
 from specdec.errors import ConfigError
@@ -162,6 +163,20 @@ def parse_tree(value: str | int) -> str | int:
     return n
 
 
+LOOKUP_SUFFIX = "+lookup"
+
+
+def split_lookup(draft: str) -> tuple[str, bool]:
+    """``NAME+lookup`` -> (NAME, True): prompt lookup first, the draft model NAME otherwise."""
+    text = draft.strip()
+    if text.lower().endswith(LOOKUP_SUFFIX):
+        base = text[: -len(LOOKUP_SUFFIX)].strip()
+        if not base:
+            raise ConfigError(f"'{LOOKUP_SUFFIX}' needs a draft model before it, e.g. smollm2-135m-draft{LOOKUP_SUFFIX}")
+        return base, True
+    return text, False
+
+
 def make_tree(tree: str | int, gamma: GammaController) -> tuple[TreeSpec | None, GammaController]:
     """The tree spec and the controller for a ``--tree`` value (``chain`` keeps ``gamma``)."""
     tree = parse_tree(tree)
@@ -201,12 +216,17 @@ class Engine:
         dtype, quant = target_dtype(cfg)
         from specdec.drafters import heads
 
-        head = heads.resolve_head(cfg.draft)  # a missing shipped head fails before the target loads
+        base, lookup = split_lookup(cfg.draft)
+        kind = base.lower()
+        head = heads.resolve_head(base)  # a missing shipped head fails before the target loads
+        if lookup and (kind in ("none", "ngram", "lookahead", "self") or head is not None
+                       or self_spec.parse_name(kind) is not None):
+            raise ConfigError(f"'{LOOKUP_SUFFIX}' adds prompt lookup to a separate draft model; {base!r} is not one"
+                              f" (use e.g. {defaults.DEFAULT_DRAFT}{LOOKUP_SUFFIX})")
         if progress:
             progress(f"loading target {cfg.target}" + (f" ({quant})" if quant else ""))
         target = load(cfg.target, backend=cfg.backend, dtype=dtype, batch_invariant=cfg.batch_invariant, quant=quant,
                       int8_kernel=cfg.int8_kernel)
-        kind = cfg.draft.strip().lower()
         if kind == "none":
             return cls(target, None, "none")
         if kind == "ngram":
@@ -226,9 +246,11 @@ class Engine:
                                         dtype=draft_dtype(cfg))
             return cls(target, drafter, name)
         if progress:
-            progress(f"loading draft {cfg.draft}")
-        draft = load_draft(cfg)
+            progress(f"loading draft {base}")
+        draft = load_draft(cfg, base)
         check_compatible(target, draft)
+        if lookup:
+            return cls(target, LookupThenModel(ModelDrafter(draft.model)), f"{draft.name}+lookup", draft)
         return cls(target, ModelDrafter(draft.model), draft.name, draft)
 
     def decoder(

@@ -45,6 +45,9 @@ class Draft:
     #: ask the verifier for the target's arg-max at the root and after every node
     #: (``Outcome.node_argmax``): Lookahead decoding's Jacobi step reads it
     wants_argmax: bool = False
+    #: drafted without a model step (a prompt-lookup round of a hybrid drafter): the γ
+    #: controller does not learn draft cost or acceptance from this round
+    free: bool = False
 
     @property
     def is_tree(self) -> bool:
@@ -97,6 +100,7 @@ class DraftSampler:
         want_probs: bool = True,
         q_top_k: int | None = None,
         min_confidence: float = 0.0,
+        room: int | None = None,
     ) -> None:
         self.cfg = cfg
         self.mode: DraftSampling = "argmax" if cfg.greedy else mode
@@ -117,6 +121,9 @@ class DraftSampler:
         #: that would most likely be rejected
         self.min_confidence = min_confidence
         self.stop_requested = False
+        #: the most draft tokens this round can use (tokens left to generate, the γ cap); a
+        #: drafter whose drafts cost nothing may propose up to this many, more than γ
+        self.room = room
 
     @property
     def deterministic(self) -> bool:

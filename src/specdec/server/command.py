@@ -108,12 +108,15 @@ def draft_server_model(engine: Any, *, batching: bool) -> Any | None:
 def drafter_factory(engine: Any, draft_model: Any | None = None) -> Callable[[], Any] | None:
     """A fresh drafter per OpenAI request (drafters keep per-sequence state)."""
     from specdec.drafters import ModelDrafter, NgramDrafter
+    from specdec.drafters.hybrid import LookupThenModel
     from specdec.server.sessions import serialized
 
     if engine.drafter is None:
         return None
     if engine.draft_model is not None:
         model = draft_model if draft_model is not None else serialized(engine.draft_model.model)
+        if isinstance(engine.drafter, LookupThenModel):  # DRAFT+lookup
+            return lambda: LookupThenModel(ModelDrafter(model))
         return lambda: ModelDrafter(model)
     spawn = getattr(engine.drafter, "spawn", None)  # a self-speculative view of the target
     if spawn is not None:

@@ -1,0 +1,170 @@
+"""Prompt lookup first, the draft model otherwise (``DRAFT+lookup``): structure and exactness.
+
+The law tests draw N = 2,000 independent generations (seed = sample index) of 3 new tokens from a
+5-token, 3-layer random Llama (125 possible outputs), drafted by the hybrid over a second random
+Llama (lookup rounds wherever a 2-token suffix repeats, model rounds otherwise; both occur, and
+the test checks that they do), verified by the token-level and the block rule, and run a
+chi-square goodness-of-fit test against the exact law (enumerated); they fail at p < 1e-4.  The
+negative control runs the same test with a plausible slip — lookup drafts reported with a
+uniform q instead of as the point masses they are — and must fail.
+"""
+
+from __future__ import annotations
+
+from dataclasses import replace
+
+import pytest
+import torch
+
+from specdec.decoder import SpeculativeDecoder
+from specdec.drafters.base import Draft, DraftSampler
+from specdec.drafters.hybrid import LookupThenModel
+from specdec.drafters.model import ModelDrafter
+from specdec.drafters.tree_builder import TreeSpec
+from specdec.gamma import CostGamma, FixedGamma
+from specdec.sampling import SamplingConfig
+from specdec.verify import Verdict, get_rule
+from stats import ALPHA, chi_square_pvalue, exact_law
+
+from tiny import NativeOracle as Oracle, tiny_vocab_llama
+
+N_SAMPLES = 2_000
+N_NEW = 3
+PROMPT = [1, 3, 0, 2, 4, 1, 3]  # ends with "1 3", seen before: the first round is a lookup round
+TARGET = tiny_vocab_llama(layers=3, batch_invariant=False)
+INVARIANT = tiny_vocab_llama(layers=3)
+DRAFT = tiny_vocab_llama(layers=2, seed=7, batch_invariant=False)
+
+
+def _sampler(T: float = 0.0, room: int | None = None) -> DraftSampler:
+    return DraftSampler(SamplingConfig(temperature=T), "argmax" if T == 0 else "multinomial", penalties=None,
+                        generator=torch.Generator().manual_seed(0), room=room)
+
+
+def _hybrid(**kw) -> LookupThenModel:
+    return LookupThenModel(ModelDrafter(DRAFT), **{"min_ngram": 2, "max_ngram": 4, "lookup_tokens": 4, **kw})
+
+
+# ----------------------------------------------------------------------------- structure
+
+
+def test_lookup_round_where_the_suffix_repeats_model_round_elsewhere():
+    h = _hybrid()
+    ctx = torch.tensor([4, 1, 3, 0, 2, 2, 4, 1, 3])  # "1 3" occurred before, followed by 0 2 2 4
+    h.prepare(ctx)
+    d = h.propose(ctx, 1, _sampler(room=10))
+    assert d.tokens.tolist() == [0, 2, 2, 4] and d.probs is None and d.free  # longer than γ = 1: it is free
+    assert h.propose(ctx, 1, _sampler(room=2)).tokens.tolist() == [0, 2]  # never past the round's room
+    ctx = torch.tensor([4, 1, 3, 0, 2])  # no 2-token suffix seen before: the model drafts
+    h.prepare(ctx)
+    d = h.propose(ctx, 3, _sampler(1.0, room=10))
+    assert d.tokens.numel() == 3 and d.probs is not None and not d.free
+    assert h.rounds == {"lookup": 0, "model": 1}
+
+
+def test_model_cache_catches_up_after_lookup_rounds():
+    h = _hybrid()
+    ctx = torch.tensor([4, 1, 3, 0, 2, 2, 4, 1, 3])
+    h.prepare(ctx)
+    d = h.propose(ctx, 2, _sampler(room=8))
+    assert d.free
+    h.commit(Verdict(2, torch.tensor([0, 2, 1])))  # a lookup round: the model's cache is untouched
+    assert h.model.cache.length == ctx.numel() - 1
+    longer = torch.cat([ctx, torch.tensor([0, 2, 1])])  # "2 1" never occurred: a model round
+    d = h.propose(longer, 2, _sampler())
+    assert not d.free and d.tokens.numel() == 2
+    # the draft's cache now holds the whole context (fed in one pass) + the first draft token, and
+    # its next-token logits equal a fresh draft's that saw the same tokens one by one
+    assert h.model.cache.length == longer.numel() + 1
+    fresh = ModelDrafter(DRAFT)
+    fresh.prepare(longer)
+    assert fresh.propose(longer, 2, _sampler()).tokens.tolist() == d.tokens.tolist()
+
+
+def test_free_rounds_do_not_teach_the_gamma_controller():
+    class Spy(FixedGamma):
+        def __init__(self) -> None:
+            super().__init__(2)
+            self.updates: list[int] = []
+
+        def update(self, *, gamma, accepted, draft_s, target_s, other_s) -> None:
+            self.updates.append(gamma)
+
+    spy = Spy()
+    h = _hybrid()
+    cfg = SamplingConfig(temperature=0.0, max_new_tokens=40)
+    SpeculativeDecoder(INVARIANT, h, get_rule("greedy"), gamma=spy).generate(PROMPT, cfg)
+    assert h.rounds["lookup"] > 0 and h.rounds["model"] > 0
+    # only the model's rounds are reported (plus undrafted rounds: the last token, γ = 0)
+    assert len([g for g in spy.updates if g > 0]) == h.rounds["model"]
+
+
+# ----------------------------------------------------------------------------- exactness
+
+
+@pytest.mark.parametrize("tree", [None, TreeSpec()])
+def test_greedy_hybrid_equals_plain_greedy(tree):
+    cfg = SamplingConfig(temperature=0.0, max_new_tokens=48)
+    plain = SpeculativeDecoder(INVARIANT, None, get_rule("greedy")).generate(PROMPT, cfg)
+    h = _hybrid()
+    gamma = FixedGamma(6) if tree is not None else CostGamma()
+    out = SpeculativeDecoder(INVARIANT, h, get_rule("greedy"), gamma=gamma, tree=tree).generate(PROMPT, cfg)
+    assert out.tokens == plain.tokens
+    assert h.rounds["lookup"] > 0 and h.rounds["model"] > 0
+
+
+def _samples(method: str, cfg: SamplingConfig, drafter: LookupThenModel) -> list[tuple[int, ...]]:
+    dec = SpeculativeDecoder(TARGET, drafter, get_rule(method), gamma=FixedGamma(2))
+    out = []
+    for i in range(N_SAMPLES):
+        out.append(tuple(dec.generate(PROMPT, replace(cfg, seed=i, max_new_tokens=N_NEW)).tokens))
+    return out
+
+
+class _Counting(LookupThenModel):
+    """Counts rounds over every generation (``prepare`` resets the per-sequence counts)."""
+
+    def __init__(self, **kw) -> None:
+        super().__init__(ModelDrafter(DRAFT), min_ngram=2, max_ngram=4, lookup_tokens=3, **kw)
+        self.total = {"lookup": 0, "model": 0}
+
+    def propose(self, context, gamma, sampler):
+        d = super().propose(context, gamma, sampler)
+        if d.tokens.numel():
+            self.total["lookup" if d.free else "model"] += 1
+        return d
+
+
+@pytest.mark.parametrize("method", ["token", "block"])
+def test_output_law_at_t1(method):
+    cfg = SamplingConfig(temperature=1.0)
+    law = exact_law(Oracle(TARGET), PROMPT, cfg, N_NEW)
+    drafter = _Counting()
+    assert chi_square_pvalue(_samples(method, cfg, drafter), law) > ALPHA
+    assert drafter.total["lookup"] > 500 and drafter.total["model"] > 500  # both sources were exercised
+
+
+def test_negative_control_lookup_reported_with_a_wrong_q_fails(monkeypatch):
+    def slip(self, context, tokens, sampler) -> Draft | None:
+        found = self.lookup.propose(context, tokens, sampler)
+        if found.tokens.numel() == 0:
+            return None
+        self._model_round = False
+        uniform = torch.full((found.tokens.numel(), 5), 0.2)
+        return replace(found, probs=uniform, free=True)  # claims the tokens were drawn uniformly
+
+    monkeypatch.setattr(LookupThenModel, "_lookup", slip)
+    cfg = SamplingConfig(temperature=1.0)
+    law = exact_law(Oracle(TARGET), PROMPT, cfg, N_NEW)
+    assert chi_square_pvalue(_samples("token", cfg, _Counting()), law) < ALPHA
+
+
+def test_the_server_gives_each_request_its_own_hybrid():
+    from types import SimpleNamespace
+
+    from specdec.server.command import drafter_factory
+
+    engine = SimpleNamespace(drafter=_hybrid(), draft_model=SimpleNamespace(model=DRAFT))
+    make = drafter_factory(engine, draft_model=DRAFT)
+    a, b = make(), make()
+    assert isinstance(a, LookupThenModel) and a is not b and a.model is not b.model and a.model.model is DRAFT
