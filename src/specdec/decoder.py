@@ -225,8 +225,13 @@ class SpeculativeDecoder:
                     tree=draft.parents is not None,
                 )
             )
-            if not draft.free:  # a free (lookup) round says nothing about the draft model
-                self.gamma.update(gamma=drafted, accepted=verdict.num_accepted, draft_s=t1 - t0, target_s=outcome.target_s, other_s=other_s)
+            measured = dict(gamma=drafted, accepted=verdict.num_accepted, draft_s=t1 - t0, target_s=outcome.target_s, other_s=other_s)
+            if draft.free:  # a lookup round says nothing about the draft model; the drafter learns from it
+                drafter.update_free(**measured)  # type: ignore[union-attr]
+            else:
+                self.gamma.update(**measured)
+                if drafter is not None and hasattr(drafter, "observe_pass"):  # a hybrid's lookup controller
+                    drafter.observe_pass(drafted + 1, outcome.target_s)
             if stop is not None:
                 keep = stop(generated)
                 if keep is not None:

@@ -47,10 +47,11 @@ DEFAULT_TREE = "chain"  # chain | auto | N
 NGRAM_MAX = 3
 NGRAM_MIN = 1
 # hybrid drafter (DRAFT+lookup): a lookup round needs a suffix of at least HYBRID_NGRAM_MIN tokens
-# seen before, and proposes up to max(γ, HYBRID_LOOKUP_TOKENS) tokens (it costs no model step)
+# seen before; its length comes from a cost controller of its own (no draft cost), START..MAX
 HYBRID_NGRAM_MIN = 2
 HYBRID_NGRAM_MAX = 4
-HYBRID_LOOKUP_TOKENS = 4
+HYBRID_LOOKUP_START = 4
+HYBRID_LOOKUP_MAX = 12
 # Lookahead decoding: window of W guesses x (N - 1) rows, N-grams, pool candidates per round
 LOOKAHEAD_WINDOW = 5
 LOOKAHEAD_NGRAM = 3

@@ -177,6 +177,11 @@ class CostGamma:
     def next_gamma(self) -> int:
         return self._gamma
 
+    def observe_cost(self, n: int, target_s: float) -> None:
+        """A verification pass over ``n`` positions took ``target_s`` (whatever drafted it)."""
+        t = target_s + self.extra_target_s
+        self._target_s[n] = t if n not in self._target_s else 0.7 * self._target_s[n] + 0.3 * t
+
     def update(self, *, gamma: int, accepted: int, draft_s: float, target_s: float, other_s: float) -> None:
         d = self.decay
         for k in range(gamma):  # position k+1 was reached iff accepted >= k
@@ -187,9 +192,7 @@ class CostGamma:
         if gamma > 0:
             step = draft_s / gamma
             self._draft_s = step if self._draft_s is None else 0.7 * self._draft_s + 0.3 * step
-        n = gamma + 1
-        t = target_s + self.extra_target_s
-        self._target_s[n] = t if n not in self._target_s else 0.7 * self._target_s[n] + 0.3 * t
+        self.observe_cost(gamma + 1, target_s)
         self._other_s = 0.7 * self._other_s + 0.3 * other_s
         if self._draft_s is None:  # nothing measured about drafting yet: keep the start value
             return

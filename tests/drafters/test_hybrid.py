@@ -90,11 +90,17 @@ def test_free_rounds_do_not_teach_the_gamma_controller():
         def update(self, *, gamma, accepted, draft_s, target_s, other_s) -> None:
             self.updates.append(gamma)
 
+    class SpiedHybrid(LookupThenModel):
+        def _new_length(self):
+            self.spy = Spy()
+            return self.spy
+
     spy = Spy()
-    h = _hybrid()
+    h = SpiedHybrid(ModelDrafter(DRAFT), min_ngram=2, max_ngram=4)
     cfg = SamplingConfig(temperature=0.0, max_new_tokens=40)
     SpeculativeDecoder(INVARIANT, h, get_rule("greedy"), gamma=spy).generate(PROMPT, cfg)
     assert h.rounds["lookup"] > 0 and h.rounds["model"] > 0
+    assert len(h.spy.updates) == h.rounds["lookup"]  # the lookup rounds went to the drafter's own controller
     # only the model's rounds are reported (plus undrafted rounds: the last token, γ = 0)
     assert len([g for g in spy.updates if g > 0]) == h.rounds["model"]
 
@@ -168,3 +174,20 @@ def test_the_server_gives_each_request_its_own_hybrid():
     make = drafter_factory(engine, draft_model=DRAFT)
     a, b = make(), make()
     assert isinstance(a, LookupThenModel) and a is not b and a.model is not b.model and a.model.model is DRAFT
+
+
+def test_lookup_length_follows_the_lookup_rounds_acceptance():
+    def run(accepted_share: float) -> int:
+        h = _hybrid(lookup_tokens=None)
+        ctx = torch.tensor([4, 1, 3, 0, 2, 2, 4, 1, 0, 3, 3, 1, 1, 0, 2, 4, 1, 3])
+        h.prepare(ctx)
+        for rows in (1, 2, 3):  # model rounds' passes: the cost curve below the lookup lengths
+            h.observe_pass(rows, 0.010 + 0.001 * (rows - 1))
+        for _ in range(40):
+            n = h.propose(ctx, 1, _sampler(room=12)).tokens.numel()
+            # a pass over n + 1 positions costs 10 ms + 1 ms per extra position
+            h.update_free(gamma=n, accepted=int(n * accepted_share), draft_s=0.0, target_s=0.010 + 0.001 * n, other_s=0.0)
+        return h.propose(ctx, 1, _sampler(room=12)).tokens.numel()
+
+    assert run(1.0) >= 8  # every lookup token accepted: long drafts
+    assert run(0.0) == 1  # none accepted: one token (cheap, and it keeps the estimate alive)

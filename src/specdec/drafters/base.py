@@ -45,8 +45,8 @@ class Draft:
     #: ask the verifier for the target's arg-max at the root and after every node
     #: (``Outcome.node_argmax``): Lookahead decoding's Jacobi step reads it
     wants_argmax: bool = False
-    #: drafted without a model step (a prompt-lookup round of a hybrid drafter): the γ
-    #: controller does not learn draft cost or acceptance from this round
+    #: drafted without a model step (a prompt-lookup round of a hybrid drafter): the decoder's
+    #: γ controller does not learn from this round; the drafter's ``update_free`` does
     free: bool = False
 
     @property

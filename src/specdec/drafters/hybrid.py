@@ -7,9 +7,13 @@ repeats identifiers, signatures and whole lines, so lookup rounds are frequent a
 chat falls back to the model almost every round.
 
 Lossless like every drafter: a lookup draft is deterministic (q one-hot), which every
-verification rule handles; which source a round uses depends only on the context.  The
-lookup rounds are marked ``Draft.free``: the γ controller learns the model's acceptance and
-draft cost from the model's rounds only.
+verification rule handles; which source a round uses depends only on the context and on
+timings, never on the target's randomness.  The lookup rounds are marked ``Draft.free``: the
+decoder's γ controller learns the model's acceptance and draft cost from the model's rounds
+only, and hands the lookup rounds' outcomes to :meth:`LookupThenModel.update_free`, where a
+cost-based controller of its own picks the lookup draft's length (a draft step costs nothing
+there, so the length is set by the verification pass's cost per position against the lookup
+rounds' acceptance: long where the text repeats verbatim, one token where lookups mislead).
 
 The draft model's cache simply falls behind during lookup rounds; its next round feeds the
 tokens it lacks in one pass (``ModelDrafter.propose`` always does).
@@ -26,6 +30,7 @@ from specdec.drafters.base import Draft, DraftSampler
 from specdec.drafters.model import ModelDrafter
 from specdec.drafters.ngram import NgramDrafter
 from specdec.drafters.tree_builder import TreeSpec
+from specdec.gamma import CostGamma, FixedGamma, GammaController
 from specdec.verify import Verdict
 
 
@@ -38,13 +43,15 @@ class LookupThenModel:
         *,
         min_ngram: int = defaults.HYBRID_NGRAM_MIN,
         max_ngram: int = defaults.HYBRID_NGRAM_MAX,
-        lookup_tokens: int = defaults.HYBRID_LOOKUP_TOKENS,
+        lookup_tokens: int | None = None,
     ) -> None:
-        if lookup_tokens < 1:
+        """``lookup_tokens`` fixes the lookup draft's length; None = chosen by cost, per sequence."""
+        if lookup_tokens is not None and lookup_tokens < 1:
             raise ValueError("lookup_tokens must be at least 1")
         self.model = model
         self.lookup = NgramDrafter(max_ngram=max_ngram, min_ngram=min_ngram)
         self.lookup_tokens = lookup_tokens
+        self.length = self._new_length()
         self._model_round = False
         #: rounds proposed by each source since the last ``reset`` / ``prepare``
         self.rounds = {"lookup": 0, "model": 0}
@@ -53,17 +60,34 @@ class LookupThenModel:
     def supports_trees(self) -> bool:
         return self.model.supports_trees
 
+    def _new_length(self) -> GammaController:
+        if self.lookup_tokens is not None:
+            return FixedGamma(self.lookup_tokens)
+        return CostGamma(max_gamma=defaults.HYBRID_LOOKUP_MAX, start=defaults.HYBRID_LOOKUP_START)
+
     def reset(self) -> None:
         self.model.reset()
         self.lookup.reset()
         self._model_round = False
         self.rounds = {"lookup": 0, "model": 0}
+        self.length = self._new_length()
 
     def prepare(self, prompt: Tensor) -> None:  # prompt: [L]
         self.model.prepare(prompt)
         self.lookup.prepare(prompt)
         self._model_round = False
         self.rounds = {"lookup": 0, "model": 0}
+        self.length = self._new_length()
+
+    def observe_pass(self, rows: int, target_s: float) -> None:
+        """A model round's verification pass: the cost curve is the target's, whoever drafted."""
+        observe = getattr(self.length, "observe_cost", None)
+        if observe is not None:
+            observe(rows, target_s)
+
+    def update_free(self, *, gamma: int, accepted: int, draft_s: float, target_s: float, other_s: float) -> None:
+        """A lookup round's outcome (called by the decoder instead of its γ controller's update)."""
+        self.length.update(gamma=gamma, accepted=accepted, draft_s=draft_s, target_s=target_s, other_s=other_s)
 
     def _lookup(self, context: Tensor, tokens: int, sampler: DraftSampler) -> Draft | None:
         found = self.lookup.propose(context, tokens, sampler)
@@ -73,14 +97,13 @@ class LookupThenModel:
         self._model_round = False
         return replace(found, free=True)
 
-    def _lookup_length(self, gamma: int, sampler: DraftSampler) -> int:
-        """A lookup draft costs no model step, so it may be longer than the model's γ (up to
-        ``lookup_tokens``), never longer than the round's room."""
-        room = sampler.room if sampler.room is not None else gamma
-        return max(1, min(max(gamma, self.lookup_tokens), room))
+    def _lookup_length(self, room: int) -> int:
+        """The lookup controller's length, at least one token (one more verified position is
+        cheap, and it keeps the controller's acceptance estimate alive), at most ``room``."""
+        return max(1, min(self.length.next_gamma(), room))
 
     def propose(self, context: Tensor, gamma: int, sampler: DraftSampler) -> Draft:  # context: [L]
-        found = self._lookup(context, self._lookup_length(gamma, sampler), sampler)
+        found = self._lookup(context, self._lookup_length(sampler.room if sampler.room is not None else gamma), sampler)
         if found is not None:
             return found
         self.rounds["model"] += 1
@@ -88,7 +111,7 @@ class LookupThenModel:
         return self.model.propose(context, gamma, sampler)
 
     def propose_tree(self, context: Tensor, budget: int, sampler: DraftSampler, spec: TreeSpec, *, max_depth: int) -> Draft:
-        found = self._lookup(context, max(1, min(self.lookup_tokens, max_depth)), sampler)
+        found = self._lookup(context, self._lookup_length(max_depth), sampler)
         if found is not None:
             return found
         self.rounds["model"] += 1
