@@ -16,7 +16,7 @@ from specdec import defaults
 from specdec.decoder import GenerationResult, SpeculativeDecoder
 from specdec.drafters import ModelDrafter, NgramDrafter
 from specdec.drafters import self_spec
-from specdec.drafters.hybrid import LookupThenModel
+from specdec.drafters.hybrid import LOOKUP_SUFFIX, LookupThenModel, split_lookup
 from specdec.drafters.lookahead import LookaheadDrafter
 from specdec.drafters.base import Drafter, feature_taps
 from specdec.errors import ConfigError
@@ -103,7 +103,7 @@ def draft_int8_head(cfg: EngineConfig) -> bool:
 
 def load_draft(cfg: EngineConfig, ref: str | None = None) -> LoadedModel:
     """The draft model in :func:`draft_dtype` (never batch-invariant: it scores one token at a time)."""
-    return load(ref or cfg.draft, backend=cfg.backend, dtype=draft_dtype(cfg), batch_invariant=False,
+    return load(split_lookup(ref or cfg.draft)[0], backend=cfg.backend, dtype=draft_dtype(cfg), batch_invariant=False,
                 int8_head=draft_int8_head(cfg))
 
 
@@ -161,20 +161,6 @@ def parse_tree(value: str | int) -> str | int:
     if not 1 <= n <= defaults.MAX_TREE_NODES:
         raise ConfigError(f"tree node count must be between 1 and {defaults.MAX_TREE_NODES}, got {n}")
     return n
-
-
-LOOKUP_SUFFIX = "+lookup"
-
-
-def split_lookup(draft: str) -> tuple[str, bool]:
-    """``NAME+lookup`` -> (NAME, True): prompt lookup first, the draft model NAME otherwise."""
-    text = draft.strip()
-    if text.lower().endswith(LOOKUP_SUFFIX):
-        base = text[: -len(LOOKUP_SUFFIX)].strip()
-        if not base:
-            raise ConfigError(f"'{LOOKUP_SUFFIX}' needs a draft model before it, e.g. smollm2-135m-draft{LOOKUP_SUFFIX}")
-        return base, True
-    return text, False
 
 
 def make_tree(tree: str | int, gamma: GammaController) -> tuple[TreeSpec | None, GammaController]:

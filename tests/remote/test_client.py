@@ -15,6 +15,7 @@ import torch
 
 from specdec.decoder import SpeculativeDecoder
 from specdec.drafters import ModelDrafter, NgramDrafter
+from specdec.drafters.hybrid import LookupThenModel
 from specdec.errors import ConfigError
 from specdec.gamma import FixedGamma
 from specdec.models.toy import ToyLM
@@ -56,6 +57,9 @@ def test_remote_greedy_equals_local_greedy(toy_server):
                     out = _remote(toy_server.url, prompt, cfg, gamma=gamma, client=client)
                     assert out.token_ids == plain
                     assert out.remote["wire"] == "greedy" and out.lossless
+                hybrid = LookupThenModel(ModelDrafter(DRAFT))  # DRAFT+lookup on the edge
+                assert _remote(toy_server.url, prompt, cfg, gamma=3, drafter=hybrid, client=client).token_ids == plain
+                assert hybrid.rounds["lookup"] > 0
     st = out.summary()
     assert st["generated_tokens"] == 30 and st["tokens_per_target_call"] > 1.0
     assert st["cloud_calls_per_token"] == pytest.approx(out.remote["verify_calls"] / 30)
@@ -69,7 +73,8 @@ def test_remote_coupled_equals_local_seeded_sampling(toy_server):
         for seed in range(6):
             cfg = SamplingConfig(temperature=1.0, top_p=0.95, repetition_penalty=1.2, seed=seed, max_new_tokens=30)
             plain = _local([1, 2], cfg, "coupled", drafter=None)
-            for drafter, gamma in ((ModelDrafter(DRAFT), 2), (ModelDrafter(DRAFT), 5), (NgramDrafter(), 4)):
+            for drafter, gamma in ((ModelDrafter(DRAFT), 2), (ModelDrafter(DRAFT), 5), (NgramDrafter(), 4),
+                                   (LookupThenModel(ModelDrafter(DRAFT)), 2)):
                 out = _remote(toy_server.url, [1, 2], cfg, gamma=gamma, drafter=drafter, client=client)
                 assert out.remote["wire"] == "coupled" and out.token_ids == plain
 

@@ -146,12 +146,15 @@ def _gamma(g: str | None) -> int | str | None:
 def _edge_runner(job: Any, client: httpx.Client) -> tuple[Callable[[str], list[int]], Callable[..., dict]]:
     """(encode, generate) for edge_cloud: the draft model here, the target behind ``job.url``."""
     from specdec.drafters import ModelDrafter
+    from specdec.drafters.hybrid import LOOKUP_SUFFIX, LookupThenModel, split_lookup
     from specdec.engine import EngineConfig, load_draft
     from specdec.remote.client import RemoteConfig
     from specdec.remote.edge import generate_remote
     from specdec.text import encode_prompt
 
     draft = load_draft(EngineConfig(draft=job.draft, draft_dtype=job.draft_dtype))
+    lookup = split_lookup(job.draft)[1]
+    name = draft.name + (LOOKUP_SUFFIX if lookup else "")
 
     def encode(text: str, chat: bool) -> list[int]:
         return encode_prompt(draft.tokenizer, text, chat=chat)
@@ -167,7 +170,8 @@ def _edge_runner(job: Any, client: httpx.Client) -> tuple[Callable[[str], list[i
 
         remote = RemoteConfig(url=job.url, api_key=job.api_key, wire=wire)
         start = time.perf_counter()
-        out = generate_remote(ids, sampling, remote, drafter=ModelDrafter(draft.model), drafter_name=draft.name,
+        drafter = LookupThenModel(ModelDrafter(draft.model)) if lookup else ModelDrafter(draft.model)
+        out = generate_remote(ids, sampling, remote, drafter=drafter, drafter_name=name,
                               gamma=_gamma(gamma) or "auto", eos_ids=draft.eos_ids, q_top_k=job.q_top_k,
                               tokenizer=draft.tokenizer, on_tokens=on_tokens, client=client)
         end = time.perf_counter()
@@ -199,7 +203,9 @@ def _stream_runner(job: Any, client: httpx.Client, plain: bool) -> tuple[Callabl
     from specdec.models.registry import resolve
     from specdec.text import encode_prompt
 
-    tokenizer = AutoTokenizer.from_pretrained(str(resolve(job.draft).folder))
+    from specdec.drafters.hybrid import split_lookup
+
+    tokenizer = AutoTokenizer.from_pretrained(str(resolve(split_lookup(job.draft)[0]).folder))
     headers = {"Authorization": f"Bearer {job.api_key}", "Accept": "text/event-stream"}
 
     def encode(text: str, chat: bool) -> list[int]:

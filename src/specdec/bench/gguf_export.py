@@ -124,7 +124,9 @@ def draft_gguf(draft: str, target_gguf: Path, *, dtype: str = "float16") -> Path
     cached under ``$SPECDEC_CACHE/gguf``; its tokenizer is taken from ``target_gguf``."""
     from specdec.models.registry import cache_root, resolve
 
-    folder = resolve(draft).folder
+    from specdec.drafters.hybrid import split_lookup
+
+    folder = resolve(split_lookup(draft)[0]).folder  # NAME+lookup: llama.cpp gets the model NAME
     if folder is None:
         raise SpecdecError(f"the draft {draft!r} has no local folder to convert")
     weights = folder / "model.safetensors"

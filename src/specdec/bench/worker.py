@@ -180,7 +180,9 @@ def run_hf(job: Job, prompts: list[Prompt]) -> None:
     target = AutoModelForCausalLM.from_pretrained(str(tfolder), dtype=torch.float32).eval()
     assistant = None
     if job.mode == "hf_assisted":
-        assistant = AutoModelForCausalLM.from_pretrained(str(resolve(job.draft).folder), dtype=torch.float32).eval()
+        from specdec.drafters.hybrid import split_lookup
+
+        assistant = AutoModelForCausalLM.from_pretrained(str(resolve(split_lookup(job.draft)[0]).folder), dtype=torch.float32).eval()
     eos = [i for i in {target.config.eos_token_id, tokenizer.eos_token_id} if i is not None]
     encoded = {p.id: encode_prompt(tokenizer, p.text, chat=p.chat) for p in prompts}
 

@@ -31,7 +31,22 @@ from specdec.drafters.model import ModelDrafter
 from specdec.drafters.ngram import NgramDrafter
 from specdec.drafters.tree_builder import TreeSpec
 from specdec.gamma import CostGamma, FixedGamma, GammaController
+from specdec.errors import ConfigError
 from specdec.verify import Verdict
+
+#: ``--draft NAME+lookup`` spells the hybrid of prompt lookup and the draft model NAME
+LOOKUP_SUFFIX = "+lookup"
+
+
+def split_lookup(draft: str) -> tuple[str, bool]:
+    """``NAME+lookup`` -> (NAME, True): prompt lookup first, the draft model NAME otherwise."""
+    text = draft.strip()
+    if text.lower().endswith(LOOKUP_SUFFIX):
+        base = text[: -len(LOOKUP_SUFFIX)].strip()
+        if not base:
+            raise ConfigError(f"'{LOOKUP_SUFFIX}' needs a draft model before it, e.g. smollm2-135m-draft{LOOKUP_SUFFIX}")
+        return base, True
+    return text, False
 
 
 class LookupThenModel:

@@ -76,6 +76,7 @@ def run_generate(args: argparse.Namespace, prompt: str, sampling: SamplingConfig
 
     from specdec import defaults
     from specdec.drafters import ModelDrafter, NgramDrafter
+    from specdec.drafters.hybrid import LOOKUP_SUFFIX, LookupThenModel, split_lookup
     from specdec.engine import EngineConfig, load_draft
     from specdec.models.registry import resolve
     from specdec.remote.client import RemoteConfig
@@ -113,10 +114,15 @@ def run_generate(args: argparse.Namespace, prompt: str, sampling: SamplingConfig
             " with --remote pick a draft model, ngram or none"
         )
     else:
+        base, lookup = split_lookup(args.draft)
+        if lookup and args.gate != "off":
+            raise ConfigError(f"the edge gate judges the draft model's tokens one by one; use --draft {base} with --gate")
         log(f"loading draft {args.draft}")
         cfg = EngineConfig(draft=args.draft, backend=args.backend, dtype=args.dtype, draft_dtype=args.draft_dtype)
         draft = load_draft(cfg)
         tokenizer, eos, drafter, name = draft.tokenizer, draft.eos_ids, ModelDrafter(draft.model), draft.name
+        if lookup:  # NAME+lookup: prompt lookup first, the draft model otherwise
+            drafter, name = LookupThenModel(drafter), name + LOOKUP_SUFFIX
     ids = encode_prompt(tokenizer, prompt, chat=args.chat, system=args.system)
     vocab = draft.vocab_size if draft is not None else len(tokenizer)
     gate = _gate(args, tokenizer, draft.model if draft is not None else None, vocab)
