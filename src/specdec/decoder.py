@@ -166,6 +166,7 @@ class SpeculativeDecoder:
         finish = "length"
         empty = Draft(tokens=torch.empty(0, dtype=torch.long), probs=None)
         proposed_so_far = accepted_so_far = 0
+        free_drafts = hasattr(drafter, "update_free")
         while len(generated) < max_new:
             remaining = max_new - len(generated)
             t0 = time.perf_counter()
@@ -175,8 +176,11 @@ class SpeculativeDecoder:
             if advised is not None and tree is None:
                 limit = min(limit, advised)
             g = min(self.gamma.next_gamma(), limit) if drafter is not None and remaining > 1 else 0
+            # a drafter with free drafts (prompt lookup) is asked even when γ is 0: a free draft
+            # may pay where the model's drafts do not
+            asked = g > 0 or (free_drafts and remaining > 1 and limit > 0)
             draft = empty
-            if g > 0:
+            if asked:
                 sampler = DraftSampler(
                     cfg,
                     rule.draft_sampling,
@@ -188,7 +192,7 @@ class SpeculativeDecoder:
                     min_confidence=self.min_confidence,
                     room=limit,
                 )
-                if tree is not None:
+                if tree is not None and g > 0:
                     draft = drafter.propose_tree(verifier.context, g, sampler, tree, max_depth=remaining - 1)  # type: ignore[attr-defined]
                 else:
                     draft = drafter.propose(verifier.context, g, sampler)
@@ -197,7 +201,7 @@ class SpeculativeDecoder:
             verdict = outcome.verdict
             if drafter is not None and outcome.node_argmax is not None:  # before commit: the tree's layout
                 drafter.observe(outcome.node_argmax)  # type: ignore[attr-defined]
-            if drafter is not None and g > 0:
+            if drafter is not None and asked:
                 drafter.commit(verdict)
             if taps is not None:  # every round, drafted or not: the features of what was committed
                 drafter.add_features(outcome.features)  # type: ignore[union-attr]

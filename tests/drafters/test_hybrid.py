@@ -119,6 +119,16 @@ def test_greedy_hybrid_equals_plain_greedy(tree):
     assert h.rounds["lookup"] > 0 and h.rounds["model"] > 0
 
 
+def test_lookup_rounds_go_on_when_the_model_drafts_nothing():
+    cfg = SamplingConfig(temperature=0.0, max_new_tokens=48)
+    plain = SpeculativeDecoder(INVARIANT, None, get_rule("greedy")).generate(PROMPT, cfg)
+    h = _hybrid(lookup_tokens=None)
+    out = SpeculativeDecoder(INVARIANT, h, get_rule("greedy"), gamma=FixedGamma(0)).generate(PROMPT, cfg)
+    assert out.tokens == plain.tokens
+    assert h.rounds["lookup"] > 0 and h.rounds["model"] == 0  # γ = 0: free drafts only
+    assert out.stats.tokens_per_target_call > 1.0
+
+
 def _samples(method: str, cfg: SamplingConfig, drafter: LookupThenModel) -> list[tuple[int, ...]]:
     dec = SpeculativeDecoder(TARGET, drafter, get_rule(method), gamma=FixedGamma(2))
     out = []

@@ -15,7 +15,9 @@ cost-based controller of its own picks the lookup draft's length (a draft step c
 there, so the length is set by the verification pass's cost per position against the lookup
 rounds' acceptance: long where the text repeats verbatim, one token where lookups mislead).
 
-The draft model's cache simply falls behind during lookup rounds; its next round feeds the
+Lookup rounds happen even when the decoder's γ controller has stopped the model's drafting
+(γ = 0: the model's drafts do not pay on this text); the decoder asks any drafter with
+``update_free`` every round.  The draft model's cache simply falls behind during lookup rounds; its next round feeds the
 tokens it lacks in one pass (``ModelDrafter.propose`` always does).
 """
 
@@ -23,6 +25,7 @@ from __future__ import annotations
 
 from dataclasses import replace
 
+import torch
 from torch import Tensor
 
 from specdec import defaults
@@ -121,6 +124,9 @@ class LookupThenModel:
         found = self._lookup(context, self._lookup_length(sampler.room if sampler.room is not None else gamma), sampler)
         if found is not None:
             return found
+        self._model_round = False
+        if gamma <= 0:  # the γ controller says the model's drafts do not pay now; lookup found nothing
+            return Draft(tokens=torch.empty(0, dtype=torch.long), probs=None)
         self.rounds["model"] += 1
         self._model_round = True
         return self.model.propose(context, gamma, sampler)
