@@ -70,7 +70,7 @@ def _sampling_from(args: argparse.Namespace) -> SamplingConfig:
 def _add_models(p: argparse.ArgumentParser) -> None:
     g = p.add_argument_group("models")
     g.add_argument("--target", default=defaults.DEFAULT_TARGET, help=f"registry name, HF folder, .gguf file or hub id (default {defaults.DEFAULT_TARGET})")
-    g.add_argument("--draft", default=defaults.DEFAULT_DRAFT, help="draft model (as --target); 'NAME+lookup' = prompt lookup first (a free draft wherever the text repeats itself, as code does), the draft model NAME otherwise; 'ngram' (prompt lookup alone), 'lookahead' (Lookahead decoding: Jacobi window + n-gram pool, best with --tree N), 'self' (the target itself), 'none' (plain decoding), "
+    g.add_argument("--draft", default=defaults.DEFAULT_DRAFT, help=f"draft model (as --target); 'NAME+lookup' = prompt lookup first (a free draft wherever the text repeats itself, as code does), the draft model NAME otherwise; 'ngram' (prompt lookup alone), 'lookahead' (Lookahead decoding: Jacobi window + n-gram pool, best with --tree N), 'self' (the target itself), 'none' (plain decoding) (default {defaults.DEFAULT_DRAFT}), "
                    "or a self-speculative view of the target (no second model): 'layerskip:K' (its first K layers, cache shared "
                    "with verification), 'self-skip' (a searched set of skipped sub-layers; 'self-skip:FILE' from `specdec train skip`), "
                    "'swift' (skip set adapted while generating), 'kangaroo' (first layers + a trained adapter, drafting "
@@ -120,7 +120,7 @@ def build_parser() -> argparse.ArgumentParser:
     models.add_argument("--json", action="store_true")
 
     setup = sub.add_parser("setup", help="prepare (assemble, check, convert) registry models for fast loading")
-    setup.add_argument("names", nargs="*", default=[defaults.DEFAULT_TARGET, defaults.DEFAULT_DRAFT], help="registry names (default: the SmolLM2 pair)")
+    setup.add_argument("names", nargs="*", default=[defaults.DEFAULT_TARGET, defaults.DEFAULT_DRAFT_MODEL], help="registry names (default: the SmolLM2 pair)")
 
     for extra in _EXTRA_COMMANDS:
         extra(sub)

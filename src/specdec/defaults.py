@@ -2,7 +2,10 @@
 
 # models
 DEFAULT_TARGET = "smollm2-135m"
-DEFAULT_DRAFT = "smollm2-135m-draft"
+DEFAULT_DRAFT_MODEL = "smollm2-135m-draft"
+#: prompt lookup first, the draft model where nothing repeats (measured: greedy ×1.09 -> ×1.22 over
+#: plain on the 16 built-in prompts, code ×1.31 -> ×1.40; T = 1 unchanged within noise)
+DEFAULT_DRAFT = DEFAULT_DRAFT_MODEL + "+lookup"
 #: the target's precision: "auto" = int8 (W8A8) where torch has fbgemm, else float32
 TARGET_DTYPE = "auto"
 

@@ -208,7 +208,7 @@ class Engine:
         if lookup and (kind in ("none", "ngram", "lookahead", "self") or head is not None
                        or self_spec.parse_name(kind) is not None):
             raise ConfigError(f"'{LOOKUP_SUFFIX}' adds prompt lookup to a separate draft model; {base!r} is not one"
-                              f" (use e.g. {defaults.DEFAULT_DRAFT}{LOOKUP_SUFFIX})")
+                              f" (use e.g. {defaults.DEFAULT_DRAFT_MODEL}{LOOKUP_SUFFIX})")
         if progress:
             progress(f"loading target {cfg.target}" + (f" ({quant})" if quant else ""))
         target = load(cfg.target, backend=cfg.backend, dtype=dtype, batch_invariant=cfg.batch_invariant, quant=quant,

@@ -94,7 +94,7 @@ def add_parser(sub) -> None:  # noqa: ANN001 - argparse's subparsers action
     t.add_argument("--data", required=True, help="folder written by `specdec train data`")
     t.add_argument("--out", required=True, help="output folder: draft/ (the model), labels.pt, ckpt.pt, report.json")
     t.add_argument("--target", default=defaults.DEFAULT_TARGET)
-    t.add_argument("--draft", default=defaults.DEFAULT_DRAFT, help="the draft to start from (a registry name or folder)")
+    t.add_argument("--draft", default=defaults.DEFAULT_DRAFT_MODEL, help="the draft to start from (a registry name or folder)")
     t.add_argument("--steps", type=int, default=600, help="optimiser steps in all (across resumed runs)")
     t.add_argument("--batch", type=int, default=8, help="sequences per step")
     t.add_argument("--positions", type=int, default=512, help="reply positions per step the loss is computed on")
