@@ -58,13 +58,13 @@ def test_generate_streams_text_and_summary(capsys, tiny_pair):
 def test_greedy_default_and_plain_match(capsys, tiny_pair):
     target, draft = tiny_pair
     outs = []
-    for d in (draft, "none", "ngram", draft + "+lookup"):
+    for d in (draft, "none", "ngram", draft + "+lookup", "self+lookup", "layerskip:1+lookup"):
         code, out, _ = _run(capsys, "generate", "-p", "abc abc abc", "--target", target, "--draft", d, "-n", "16", "--json")
         assert code == 0
         outs.append(json.loads(out)["token_ids"])
         if d.endswith("+lookup"):
             assert json.loads(out)["stats"]["drafter"].endswith("+lookup")
-    assert outs[0] == outs[1] == outs[2] == outs[3]
+    assert all(o == outs[0] for o in outs)
 
 
 @pytest.mark.parametrize(
@@ -80,6 +80,7 @@ def test_greedy_default_and_plain_match(capsys, tiny_pair):
         (["-m", "greedy", "-t", "1"], "temperature 0"),
         (["-t", "abc"], "invalid float"),
         (["--draft", "ngram+lookup"], "is not one"),
+        (["--draft", "lookahead+lookup"], "is not one"),
         (["--draft", "+lookup"], "needs a draft model"),
     ],
 )

@@ -205,10 +205,10 @@ class Engine:
         base, lookup = split_lookup(cfg.draft)
         kind = base.lower()
         head = heads.resolve_head(base)  # a missing shipped head fails before the target loads
-        if lookup and (kind in ("none", "ngram", "lookahead", "self") or head is not None
-                       or self_spec.parse_name(kind) is not None):
-            raise ConfigError(f"'{LOOKUP_SUFFIX}' adds prompt lookup to a separate draft model; {base!r} is not one"
-                              f" (use e.g. {defaults.DEFAULT_DRAFT_MODEL}{LOOKUP_SUFFIX})")
+        if lookup and (kind in ("none", "ngram", "lookahead") or head is not None):
+            raise ConfigError(f"'{LOOKUP_SUFFIX}' adds prompt lookup to a drafting model (a draft model, 'self' or a"
+                              f" self-speculative view); {base!r} is not one (use e.g. {defaults.DEFAULT_DRAFT_MODEL}{LOOKUP_SUFFIX})")
+        wrap = (lambda d, name: (LookupThenModel(d), name + LOOKUP_SUFFIX)) if lookup else (lambda d, name: (d, name))
         if progress:
             progress(f"loading target {cfg.target}" + (f" ({quant})" if quant else ""))
         target = load(cfg.target, backend=cfg.backend, dtype=dtype, batch_invariant=cfg.batch_invariant, quant=quant,
@@ -220,10 +220,9 @@ class Engine:
         if kind == "lookahead":
             return cls(target, LookaheadDrafter(), "lookahead")
         if kind == "self":
-            return cls(target, ModelDrafter(target.model), "self", target)
+            return cls(target, *wrap(ModelDrafter(target.model), "self"), target)
         if self_spec.parse_name(kind) is not None:  # a view of the target: no second model is loaded
-            drafter, label = self_spec.build(cfg.draft, target.model, target.name)
-            return cls(target, drafter, label)
+            return cls(target, *wrap(*self_spec.build(base, target.model, target.name)))
         if head is not None:  # a target-aware head (EAGLE, Medusa, MTP): reads the target's features
             if progress:
                 progress(f"loading draft head {cfg.draft}")
@@ -235,9 +234,7 @@ class Engine:
             progress(f"loading draft {base}")
         draft = load_draft(cfg, base)
         check_compatible(target, draft)
-        if lookup:
-            return cls(target, LookupThenModel(ModelDrafter(draft.model)), f"{draft.name}+lookup", draft)
-        return cls(target, ModelDrafter(draft.model), draft.name, draft)
+        return cls(target, *wrap(ModelDrafter(draft.model), draft.name), draft)
 
     def decoder(
         self,

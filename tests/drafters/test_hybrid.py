@@ -12,6 +12,7 @@ uniform q instead of as the point masses they are — and must fail.
 from __future__ import annotations
 
 from dataclasses import replace
+from types import SimpleNamespace
 
 import pytest
 import torch
@@ -201,3 +202,18 @@ def test_lookup_length_follows_the_lookup_rounds_acceptance():
 
     assert run(1.0) >= 8  # every lookup token accepted: long drafts
     assert run(0.0) == 1  # none accepted: one token (cheap, and it keeps the estimate alive)
+
+
+def test_a_hybrid_around_a_self_speculative_view_spawns_per_request():
+    from specdec.drafters.self_spec import LayerPlan, LayerView, SelfSpecDrafter
+    from specdec.server.command import drafter_factory
+
+    view = SelfSpecDrafter(LayerView(INVARIANT, LayerPlan.early_exit(3, 1), keep_hidden=True), share=True)
+    h = LookupThenModel(view, min_ngram=2, max_ngram=4)
+    make = drafter_factory(SimpleNamespace(drafter=h, draft_model=None, drafter_name="layerskip:1+lookup"))
+    a, b = make(), make()
+    assert isinstance(a, LookupThenModel) and isinstance(a.model, SelfSpecDrafter) and a.model is not b.model
+    cfg = SamplingConfig(temperature=0.0, max_new_tokens=40)
+    plain = SpeculativeDecoder(INVARIANT, None, get_rule("greedy")).generate(PROMPT, cfg)
+    out = SpeculativeDecoder(INVARIANT, h, get_rule("greedy"), gamma=FixedGamma(3)).generate(PROMPT, cfg)
+    assert out.tokens == plain.tokens and h.rounds["lookup"] > 0 and h.rounds["model"] > 0

@@ -101,12 +101,15 @@ def run(args: argparse.Namespace, argv: list[str] | None = None) -> int:
     from specdec.drafters.heads import resolve_head
     from specdec.drafters.self_spec import parse_name
 
-    if parse_name(args.draft) is not None:  # a view of the target: there is no draft model to run alone
+    from specdec.drafters.hybrid import split_lookup
+
+    base = split_lookup(args.draft)[0]  # NAME+lookup: what matters here is NAME
+    if parse_name(base) is not None:  # a view of the target: there is no draft model to run alone
         bad = [m for m in _csv(args.modes) if m in ("edge_only", "hf_assisted", "edge_cloud")]
         if bad:
             raise ConfigError(f"--draft {args.draft} is a self-speculative view of the target: modes {', '.join(bad)} "
                               "need a separate draft model (use --modes plain,speculative)")
-    elif resolve_head(args.draft) is not None:  # a head reads the target's hidden states: it never runs alone
+    elif resolve_head(base) is not None:  # a head reads the target's hidden states: it never runs alone
         bad = [m for m in _csv(args.modes) if m not in ("plain", "cloud_only", "speculative")]
         if bad:
             raise ConfigError(f"--draft {args.draft} is a draft head (it reads the target's hidden states): modes "

@@ -24,6 +24,7 @@ tokens it lacks in one pass (``ModelDrafter.propose`` always does).
 from __future__ import annotations
 
 from dataclasses import replace
+from typing import Any, Callable
 
 import torch
 from torch import Tensor
@@ -53,7 +54,8 @@ def split_lookup(draft: str) -> tuple[str, bool]:
 
 
 class LookupThenModel:
-    """A :class:`NgramDrafter` over the context, falling back to a :class:`ModelDrafter`."""
+    """A :class:`NgramDrafter` over the context, falling back to a :class:`ModelDrafter` (a draft
+    model, the target itself, or a self-speculative view of it)."""
 
     def __init__(
         self,
@@ -73,6 +75,12 @@ class LookupThenModel:
         self._model_round = False
         #: rounds proposed by each source since the last ``reset`` / ``prepare``
         self.rounds = {"lookup": 0, "model": 0}
+
+    def spawn(self, wrap: Callable[[Any], Any] = lambda m: m) -> "LookupThenModel":
+        """A fresh hybrid for another sequence (the server: one per request) around a fresh
+        drafter of the same kind; only for drafters that can spawn (self-speculative views)."""
+        return LookupThenModel(self.model.spawn(wrap), min_ngram=self.lookup.min_ngram, max_ngram=self.lookup.max_ngram,
+                               lookup_tokens=self.lookup_tokens)
 
     @property
     def supports_trees(self) -> bool:

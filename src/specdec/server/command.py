@@ -118,7 +118,9 @@ def drafter_factory(engine: Any, draft_model: Any | None = None) -> Callable[[],
         if isinstance(engine.drafter, LookupThenModel):  # DRAFT+lookup
             return lambda: LookupThenModel(ModelDrafter(model))
         return lambda: ModelDrafter(model)
-    spawn = getattr(engine.drafter, "spawn", None)  # a self-speculative view of the target
+    if isinstance(engine.drafter, LookupThenModel) and not hasattr(engine.drafter.model, "spawn"):
+        raise ConfigError(f"the server cannot share the drafter {engine.drafter_name!r} between requests")
+    spawn = getattr(engine.drafter, "spawn", None)  # a self-speculative view of the target (+lookup)
     if spawn is not None:
         return lambda: spawn(serialized)
     return lambda: NgramDrafter(max_ngram=defaults.NGRAM_MAX, min_ngram=defaults.NGRAM_MIN)
