@@ -41,6 +41,9 @@ def test_remote_greedy_and_coupled_equal_local(server, capsys):
     code, remote, err = _run(capsys, "generate", "--remote", server.url, "--api-key", KEY, "--draft", MODEL, *common)
     assert code == 0, err
     assert remote["token_ids"] == local["token_ids"] and remote["text"] == local["text"]
+    code, hybrid, err = _run(capsys, "generate", "--remote", server.url, "--api-key", KEY, "--draft", MODEL + "+lookup", *common)
+    assert code == 0, err
+    assert hybrid["token_ids"] == local["token_ids"] and hybrid["stats"]["drafter"] == MODEL + "+lookup"
     st = remote["stats"]
     for key in ("bytes_up", "bytes_down", "rtt_ms", "cloud_prefill_ms", "edge_time_ms", "cloud_calls_per_token"):
         assert st[key] > 0, key
@@ -63,6 +66,11 @@ def test_sparse_q_gating_and_env_key(server, capsys, monkeypatch):
     code, out, err = _run(capsys, *base, "--gate", "shape", "-t", "0", "--gamma", "6")
     assert code == 0, err
     assert out["gate"]["policy"] == "shape" and out["gate"]["rounds"] == out["stats"]["target_calls"]
+    # the default drafter (MODEL+lookup) drafts with the model alone under a gate, and says so
+    default = [a for a in base if a not in ("--draft", MODEL, "--json")]
+    code = main([*default, "--gate", "shape", "-t", "0", "--gamma", "6"])
+    err = capsys.readouterr().err
+    assert code == 0 and f"drafting with {MODEL} alone" in err and f"loading draft {MODEL}\n" in err, err
     code, out, err = _run(capsys, *base, "--wire", "lossy-scalar", "-t", "1", "--seed", "2")
     assert code == 0, err
     assert out["stats"]["lossless"] is False and out["stats"]["method"] == "lossy_resample_p"

@@ -115,9 +115,10 @@ def run_generate(args: argparse.Namespace, prompt: str, sampling: SamplingConfig
         )
     else:
         base, lookup = split_lookup(args.draft)
-        if lookup and args.gate != "off":
-            raise ConfigError(f"the edge gate judges the draft model's tokens one by one; use --draft {base} with --gate")
-        log(f"loading draft {args.draft}")
+        if lookup and args.gate != "off":  # the default drafter has lookup in front: drop it, and say so
+            log(f"the edge gate judges the draft model's tokens one by one: drafting with {base} alone")
+            lookup = False
+        log(f"loading draft {base}" + (" (prompt lookup first)" if lookup else ""))
         cfg = EngineConfig(draft=args.draft, backend=args.backend, dtype=args.dtype, draft_dtype=args.draft_dtype)
         draft = load_draft(cfg)
         tokenizer, eos, drafter, name = draft.tokenizer, draft.eos_ids, ModelDrafter(draft.model), draft.name
