@@ -17,8 +17,9 @@ rounds' acceptance: long where the text repeats verbatim, one token where lookup
 
 Lookup rounds happen even when the decoder's γ controller has stopped the model's drafting
 (γ = 0: the model's drafts do not pay on this text); the decoder asks any drafter with
-``update_free`` every round.  The draft model's cache simply falls behind during lookup rounds; its next round feeds the
-tokens it lacks in one pass (``ModelDrafter.propose`` always does).
+``update_free`` every round.  The draft model's cache simply falls behind during lookup rounds;
+its next round feeds the tokens it lacks in one pass (``ModelDrafter.propose`` always does).
+In tree rounds a lookup draft is still a chain; the model's rounds build trees as before.
 """
 
 from __future__ import annotations
@@ -34,8 +35,8 @@ from specdec.drafters.base import Draft, DraftSampler
 from specdec.drafters.model import ModelDrafter
 from specdec.drafters.ngram import NgramDrafter
 from specdec.drafters.tree_builder import TreeSpec
-from specdec.gamma import CostGamma, FixedGamma, GammaController
 from specdec.errors import ConfigError
+from specdec.gamma import CostGamma, FixedGamma, GammaController
 from specdec.verify import Verdict
 
 #: ``--draft NAME+lookup`` spells the hybrid of prompt lookup and the draft model NAME
@@ -71,10 +72,11 @@ class LookupThenModel:
         self.model = model
         self.lookup = NgramDrafter(max_ngram=max_ngram, min_ngram=min_ngram)
         self.lookup_tokens = lookup_tokens
-        self.length = self._new_length()
+        self.length: GammaController  # the lookup draft's length controller (per sequence)
         self._model_round = False
         #: rounds proposed by each source since the last ``reset`` / ``prepare``
-        self.rounds = {"lookup": 0, "model": 0}
+        self.rounds: dict[str, int]
+        self._fresh()
 
     def spawn(self, wrap: Callable[[Any], Any] = lambda m: m) -> "LookupThenModel":
         """A fresh hybrid for another sequence (the server: one per request) around a fresh
@@ -91,19 +93,20 @@ class LookupThenModel:
             return FixedGamma(self.lookup_tokens)
         return CostGamma(max_gamma=defaults.HYBRID_LOOKUP_MAX, start=defaults.HYBRID_LOOKUP_START)
 
-    def reset(self) -> None:
-        self.model.reset()
-        self.lookup.reset()
+    def _fresh(self) -> None:  # per-sequence state
         self._model_round = False
         self.rounds = {"lookup": 0, "model": 0}
         self.length = self._new_length()
 
+    def reset(self) -> None:
+        self.model.reset()
+        self.lookup.reset()
+        self._fresh()
+
     def prepare(self, prompt: Tensor) -> None:  # prompt: [L]
         self.model.prepare(prompt)
         self.lookup.prepare(prompt)
-        self._model_round = False
-        self.rounds = {"lookup": 0, "model": 0}
-        self.length = self._new_length()
+        self._fresh()
 
     def observe_pass(self, rows: int, target_s: float) -> None:
         """A model round's verification pass: the cost curve is the target's, whoever drafted."""
