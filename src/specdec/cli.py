@@ -224,6 +224,8 @@ def summary_line(st) -> str:  # noqa: ANN001 - GenerationStats
         f"{head} | {st.tokens_per_target_call:.2f} tokens/target call | acceptance {st.acceptance_rate:.2f} "
         f"| method {st.method}, draft {st.drafter}, gamma {st.gamma_policy} (mean {st.mean_gamma:.1f}){lossy}"
         + (f" | {st.tree_rounds} tree rounds, accepted-length histogram {st.accepted_histogram}" if st.tree_rounds else "")
+        + (f" | {st.free_rounds} of {st.target_calls} rounds by prompt lookup ({st.free_tokens_accepted} tokens accepted)"
+           if st.free_rounds else "")
     )
 
 

@@ -37,6 +37,7 @@ class RoundStats:
     alpha_mean: float | None = None  # mean min(1, p/q) over the draft (probabilistic rules)
     cumulative_acceptance: float = 0.0  # accepted / proposed over all rounds so far (A_cum)
     tree: bool = False  # the draft was a token tree (gamma = its node count)
+    free: bool = False  # the draft cost no model step (a hybrid drafter's prompt-lookup round)
 
     @property
     def accept_ratio(self) -> float:
@@ -71,6 +72,9 @@ class GenerationStats:
     #: rounds by accepted draft length: accepted_histogram[k] = rounds that kept k draft tokens
     accepted_histogram: list[int] = field(default_factory=list)
     tree_rounds: int = 0  # rounds whose draft was a token tree
+    #: rounds drafted without a model step (prompt lookup in front of a model) and what they kept
+    free_rounds: int = 0
+    free_tokens_accepted: int = 0
 
     def to_dict(self) -> dict:
         return asdict(self)
@@ -227,6 +231,7 @@ class SpeculativeDecoder:
                     alpha_mean=verdict.alpha_mean,
                     cumulative_acceptance=accepted_so_far / proposed_so_far if proposed_so_far else 0.0,
                     tree=draft.parents is not None,
+                    free=draft.free,
                 )
             )
             measured = dict(gamma=drafted, accepted=verdict.num_accepted, draft_s=t1 - t0, target_s=outcome.target_s, other_s=other_s)
@@ -288,4 +293,6 @@ class SpeculativeDecoder:
             finish_reason=finish,
             accepted_histogram=[sum(1 for r in rounds if r.accepted == k) for k in range(max((r.accepted for r in rounds), default=-1) + 1)],
             tree_rounds=sum(1 for r in rounds if r.tree),
+            free_rounds=sum(1 for r in rounds if r.free),
+            free_tokens_accepted=sum(r.accepted for r in rounds if r.free),
         )

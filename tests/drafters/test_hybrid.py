@@ -118,6 +118,9 @@ def test_greedy_hybrid_equals_plain_greedy(tree):
     out = SpeculativeDecoder(INVARIANT, h, get_rule("greedy"), gamma=gamma, tree=tree).generate(PROMPT, cfg)
     assert out.tokens == plain.tokens
     assert h.rounds["lookup"] > 0 and h.rounds["model"] > 0
+    st = out.stats  # the stats count the lookup rounds and what they kept
+    assert st.free_rounds == h.rounds["lookup"] == sum(r.free for r in out.rounds)
+    assert st.free_tokens_accepted == sum(r.accepted for r in out.rounds if r.free) <= st.draft_tokens_accepted
 
 
 def test_lookup_rounds_go_on_when_the_model_drafts_nothing():
