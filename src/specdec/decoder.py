@@ -170,7 +170,8 @@ class SpeculativeDecoder:
         finish = "length"
         empty = Draft(tokens=torch.empty(0, dtype=torch.long), probs=None)
         proposed_so_far = accepted_so_far = 0
-        free_drafts = hasattr(drafter, "update_free")
+        free_drafts = hasattr(drafter, "update_free")  # a hybrid: prompt lookup in front of a model
+        observe_pass = getattr(drafter, "observe_pass", None)  # ... whose lookup controller learns pass costs
         while len(generated) < max_new:
             remaining = max_new - len(generated)
             t0 = time.perf_counter()
@@ -239,8 +240,8 @@ class SpeculativeDecoder:
                 drafter.update_free(**measured)  # type: ignore[union-attr]
             else:
                 self.gamma.update(**measured)
-                if drafter is not None and hasattr(drafter, "observe_pass"):  # a hybrid's lookup controller
-                    drafter.observe_pass(drafted + 1, outcome.target_s)
+                if observe_pass is not None:
+                    observe_pass(drafted + 1, outcome.target_s)
             if stop is not None:
                 keep = stop(generated)
                 if keep is not None:

@@ -22,7 +22,7 @@ sub-layers) through a plan of ``[layer, attention on, MLP on, cache slot]`` step
 from __future__ import annotations
 
 import warnings
-from typing import Dict, List, Optional, Tuple
+from typing import Dict, List, NamedTuple, Optional, Tuple
 
 import torch
 import torch.nn.functional as F
@@ -42,39 +42,46 @@ DENSE = 2
 ONEDNN_INT8 = 3  # chunks[i] = [packed int8 weight, column scales, zero points]
 
 
+class Weights(NamedTuple):
+    """Every linear layer's weights, by index (4 per layer: qkv, out, gate_up, down), for each kind."""
+
+    kinds: List[int]
+    q8: Dict[int, torch.classes.quantized.LinearPackedParamsBase]
+    staging: Dict[int, Tensor]
+    reduce_range: bool
+    chunks: Dict[int, List[Tensor]]
+    bounds: Dict[int, List[int]]
+    dense: Dict[int, Tensor]
+    bias: Dict[int, Tensor]
+    smooth: Dict[int, Tensor]
+
+
 def _linear(
     i: int,
     x: Tensor,
     row_scale: Optional[Tensor],
-    kinds: List[int],
-    q8: Dict[int, torch.classes.quantized.LinearPackedParamsBase],
-    staging: Dict[int, Tensor],
-    reduce_range: bool,
-    chunks: Dict[int, List[Tensor]],
-    bounds: Dict[int, List[int]],
-    dense: Dict[int, Tensor],
-    bias: Dict[int, Tensor],
-    smooth: Dict[int, Tensor],
+    wt: Weights,
 ) -> Tensor:  # x: [n, in], row_scale: [n, 1] -> [n, out]; mirrors Linear / W8A8Linear / W8A8OneDNNLinear exactly
-    kind = kinds[i]
+    kind = wt.kinds[i]
+    smooth = wt.smooth
     b: Optional[Tensor] = None
-    if i in bias:
-        b = bias[i]
+    if i in wt.bias:
+        b = wt.bias[i]
     if kind == 0:  # W8A8
         n = x.shape[0]
-        staged = staging[i][:n]
+        staged = wt.staging[i][:n]
         if i in smooth:
             x = x * smooth[i]
         s = x.abs().amax(1, True).clamp_min_(1e-30)
         torch.div(x, s, out=staged[:, : x.shape[1]])
-        y = torch.ops.quantized.linear_dynamic(staged, q8[i], reduce_range)
+        y = torch.ops.quantized.linear_dynamic(staged, wt.q8[i], wt.reduce_range)
         if row_scale is not None:
             s = s * row_scale
         if b is not None:
             return torch.addcmul(b, y, s)
         return y.mul_(s)
     if kind == 3:  # ONEDNN_INT8
-        w = chunks[i]
+        w = wt.chunks[i]
         if i in smooth:
             x = x * smooth[i]
         s = x.abs().amax(1, True).clamp_min_(1e-30)
@@ -87,21 +94,28 @@ def _linear(
         return y.mul_(s)
     inner_bias = b if row_scale is None else None
     if kind == 1:  # PACKED
-        ws = chunks[i]
+        ws = wt.chunks[i]
         if len(ws) == 1:
             y = torch.ops.mkldnn._linear_pointwise(x, ws[0], inner_bias, "none", [], "")
         else:
-            bd = bounds[i]
+            bd = wt.bounds[i]
             y = torch.ops.mkldnn._linear_pointwise(x[:, bd[0] : bd[1]], ws[0], inner_bias, "none", [], "")
             for c in range(1, len(ws)):
                 y = y + torch.ops.mkldnn._linear_pointwise(x[:, bd[c] : bd[c + 1]], ws[c], None, "none", [], "")
     else:
-        y = F.linear(x, dense[i], inner_bias)
+        y = F.linear(x, wt.dense[i], inner_bias)
     if row_scale is None:
         return y
     if b is not None:
         return torch.addcmul(b, y, row_scale)
     return y.mul_(row_scale)
+
+
+def _mlp(lin: int, x: Tensor, eps: Tensor, width: int, w: Weights) -> Tensor:  # [n, D] -> [n, D]
+    """The MLP sub-layer with its residual (linear layers ``lin + 2``: gate_up, ``lin + 3``: down)."""
+    gate_up = _linear(lin + 2, x, _inv_rms(x, eps, width), w)
+    gate, up = gate_up.chunk(2, -1)
+    return x + _linear(lin + 3, F.silu(gate) * up, None, w)
 
 
 def _inv_rms(x: Tensor, eps: Tensor, width: int) -> Tensor:  # [n, D] -> [n, 1]
@@ -168,15 +182,7 @@ def _layers(
     n_kv_heads: int,
     head_dim: int,
     eps: Tensor,
-    kinds: List[int],
-    q8: Dict[int, torch.classes.quantized.LinearPackedParamsBase],
-    staging: Dict[int, Tensor],
-    reduce_range: bool,
-    chunks: Dict[int, List[Tensor]],
-    bounds: Dict[int, List[int]],
-    dense: Dict[int, Tensor],
-    bias: Dict[int, Tensor],
-    smooth: Dict[int, Tensor],
+    w: Weights,
     mask: Optional[Tensor],  # [n, end] additive: one masked attention call per layer (fast mode)
     tree_start: int,  # first slot of a token tree's region (exact tree attention), else -1
     tree_steps: List[List[int]],  # per visited node: [row, attended length, slot, node, ...]
@@ -196,19 +202,17 @@ def _layers(
     q_size = hq * d
     qk_size = (hq + hk) * d
     if len(plan) == 0:
-        plan = [[li, 1, 1, li] for li in range(len(kinds) // 4)]
+        plan = [[li, 1, 1, li] for li in range(len(w.kinds) // 4)]
     for step_ in plan:
         li = step_[0]
         lin = 4 * li
         if step_[1] == 0:  # attention skipped: nothing written to the cache
             if step_[2] != 0:
-                gate_up = _linear(lin + 2, x, _inv_rms(x, eps, width), kinds, q8, staging, reduce_range, chunks, bounds, dense, bias, smooth)
-                gate, up = gate_up.chunk(2, -1)
-                x = x + _linear(lin + 3, F.silu(gate) * up, None, kinds, q8, staging, reduce_range, chunks, bounds, dense, bias, smooth)
+                x = _mlp(lin, x, eps, width, w)
             if li + 1 in taps:
                 tapped.append(x)
             continue
-        qkv = _linear(lin, x, _inv_rms(x, eps, width), kinds, q8, staging, reduce_range, chunks, bounds, dense, bias, smooth)
+        qkv = _linear(lin, x, _inv_rms(x, eps, width), w)
         qk = qkv[:, :qk_size].view(n, hq + hk, d)
         qk = torch.addcmul(qk * cos, qk.roll(d // 2, -1), sin)
         k_cache = k_all[step_[3]]
@@ -252,11 +256,9 @@ def _layers(
                 attn = attn.index_select(0, tree_perm)
         else:
             attn = _attend_rows(qk[:, :hq], k_cache, v_cache, start, block_mask)
-        x = x + _linear(lin + 1, attn, None, kinds, q8, staging, reduce_range, chunks, bounds, dense, bias, smooth)
+        x = x + _linear(lin + 1, attn, None, w)
         if step_[2] != 0:
-            gate_up = _linear(lin + 2, x, _inv_rms(x, eps, width), kinds, q8, staging, reduce_range, chunks, bounds, dense, bias, smooth)
-            gate, up = gate_up.chunk(2, -1)
-            x = x + _linear(lin + 3, F.silu(gate) * up, None, kinds, q8, staging, reduce_range, chunks, bounds, dense, bias, smooth)
+            x = _mlp(lin, x, eps, width, w)
         if li + 1 in taps:
             tapped.append(x)
     if final_norm:
@@ -276,15 +278,7 @@ def _layers_batch(
     n_kv_heads: int,
     head_dim: int,
     eps: Tensor,
-    kinds: List[int],
-    q8: Dict[int, torch.classes.quantized.LinearPackedParamsBase],
-    staging: Dict[int, Tensor],
-    reduce_range: bool,
-    chunks: Dict[int, List[Tensor]],
-    bounds: Dict[int, List[int]],
-    dense: Dict[int, Tensor],
-    bias: Dict[int, Tensor],
-    smooth: Dict[int, Tensor],
+    w: Weights,
     exact: bool,  # batch-invariant per-row attention for every sequence (else one masked call for multi-row ones)
     block_mask: Tensor,  # [B, B] exact attention's last-block mask
 ) -> Tensor:  # the LM head's input [M, D]
@@ -295,9 +289,9 @@ def _layers_batch(
     width = x.shape[1]
     q_size = hq * d
     qk_size = (hq + hk) * d
-    for li in range(len(kinds) // 4):
+    for li in range(len(w.kinds) // 4):
         lin = 4 * li
-        qkv = _linear(lin, x, _inv_rms(x, eps, width), kinds, q8, staging, reduce_range, chunks, bounds, dense, bias, smooth)
+        qkv = _linear(lin, x, _inv_rms(x, eps, width), w)
         qk = qkv[:, :qk_size].view(total, hq + hk, d)
         qk = torch.addcmul(qk * cos, qk.roll(d // 2, -1), sin)
         parts: List[Tensor] = []
@@ -321,10 +315,8 @@ def _layers_batch(
                 )[0].transpose(0, 1).reshape(n, q_size))
             o += n
         attn = torch.cat(parts)
-        x = x + _linear(lin + 1, attn, None, kinds, q8, staging, reduce_range, chunks, bounds, dense, bias, smooth)
-        gate_up = _linear(lin + 2, x, _inv_rms(x, eps, width), kinds, q8, staging, reduce_range, chunks, bounds, dense, bias, smooth)
-        gate, up = gate_up.chunk(2, -1)
-        x = x + _linear(lin + 3, F.silu(gate) * up, None, kinds, q8, staging, reduce_range, chunks, bounds, dense, bias, smooth)
+        x = x + _linear(lin + 1, attn, None, w)
+        x = _mlp(lin, x, eps, width, w)
     return x * _inv_rms(x, eps, width)
 
 
@@ -415,6 +407,11 @@ class ScriptedLayers:
         self.staging = {i: lin._buf for i, lin in zip((i for i, k in enumerate(self.kinds) if k == W8A8), self._w8a8)}
         self._rows = min(lin._buf.shape[0] for lin in self._w8a8) if self._w8a8 else 1 << 30
 
+    def weights(self) -> Weights:
+        """The tables as the scripted loops take them (the staging buffers may have grown)."""
+        return Weights(self.kinds, self.q8, self.staging, self.reduce_range, self.chunks, self.bounds, self.dense,  # type: ignore[arg-type]
+                       self.bias, self.smooth)
+
     def __call__(
         self, x: Tensor, cos: Tensor, sin: Tensor, cache, start: int, cfg, eps: Tensor, *,
         mask: Tensor | None = None, tree=None, taps: dict[int, Tensor] | None = None,
@@ -434,8 +431,7 @@ class ScriptedLayers:
         wanted = [k for k in sorted(taps) if 0 <= k <= len(self.kinds) // 4] if taps else []
         out, tapped = self.fn(
             x, cos, sin, cache.k, cache.v, start, cfg.n_heads, cfg.n_kv_heads, cfg.head_dim, eps,
-            self.kinds, self.q8, self.staging, self.reduce_range, self.chunks, self.bounds, self.dense, self.bias,
-            self.smooth, mask, tree_start, steps, perm, wanted, plan or [], plan is None, BLOCK_MASK,
+            self.weights(), mask, tree_start, steps, perm, wanted, plan or [], plan is None, BLOCK_MASK,
         )
         if taps:
             for k, t in zip(wanted, tapped):
@@ -451,6 +447,5 @@ class ScriptedLayers:
         self._ensure(x.shape[0])
         return fn(
             x, cos, sin, [c.k for c in caches], [c.v for c in caches], starts, sizes, cfg.n_heads, cfg.n_kv_heads,
-            cfg.head_dim, eps, self.kinds, self.q8, self.staging, self.reduce_range, self.chunks, self.bounds,
-            self.dense, self.bias, self.smooth, exact, BLOCK_MASK,
+            cfg.head_dim, eps, self.weights(), exact, BLOCK_MASK,
         )
