@@ -82,11 +82,13 @@ def _add_models(p: argparse.ArgumentParser) -> None:
                         " int8 = int8 weights and per-row int8 activations with exact integer accumulation"
                         " (native backend): ~3x faster steps than float32 on SmolLM2, KL to float32 ~0.02;"
                         " exactness always holds relative to the target as it runs")
-    g.add_argument("--int8-kernel", default="auto", choices=["auto", "fbgemm", "onednn"],
-                   help="matmul kernel of an int8 target (default auto = fbgemm). On a CPU with AMX int8 tiles, onednn"
-                        " makes large passes (a busy batching server's) cheaper and single-sequence steps dearer; the two"
-                        " round activations differently, so they are two slightly different quantised targets, each exact"
-                        " relative to itself (a server's /health names the one it runs)")
+    g.add_argument("--int8-kernel", default="auto", choices=["auto", "fbgemm", "onednn", "mixed"],
+                   help="matmul kernel of an int8 target (default auto = mixed on a CPU with AMX int8 tiles, else"
+                        " fbgemm). fbgemm is fastest for one row but its cost grows with the rows of a pass; with AMX,"
+                        " onednn's hardly grows but each call costs more; mixed runs fbgemm below 4 rows and onednn from"
+                        " 4 rows with bitwise the same results. onednn rounds activations differently from the other"
+                        " two, so it is a slightly different quantised target, exact relative to itself (a server's"
+                        " /health names the kernel it runs)")
     g.add_argument("--fast-attention", action="store_true", help="score draft blocks with one batched attention call: ~10%% faster verification, but speculative output may differ from plain decoding at exact float ties")
     g.add_argument("--draft-dtype", default="auto", choices=["auto", "float32", "bfloat16", "float16", "int8"],
                    help="draft precision (never affects exactness, only speed and acceptance): auto = bfloat16 where the CPU "

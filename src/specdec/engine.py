@@ -50,7 +50,7 @@ class EngineConfig:
     #: native target scores a draft block bitwise as it would score the tokens one by one
     #: (greedy / coupled output identical to plain decoding); ~10% slower verification
     batch_invariant: bool = True
-    #: the int8 target's matmul kernel: auto | fbgemm | onednn (see :func:`specdec.models.linear.int8_kernel`)
+    #: the int8 target's matmul kernel: auto | fbgemm | onednn | mixed (see :func:`specdec.models.linear.int8_kernel`)
     int8_kernel: str = "auto"
 
 

@@ -11,18 +11,81 @@ from __future__ import annotations
 import pytest
 import torch
 
-from specdec.models.linear import W8A8Linear, W8A8OneDNNLinear, onednn_int8_available, w8a8_available
+import specdec.models.linear as linear_mod
+from specdec.models.linear import W8A8Linear, W8A8OneDNNLinear, mixed_available, onednn_int8_available, w8a8_available
 from specdec.models.native import NativeCausalLM
 from specdec.models.quantize import calibration_ids, smoothing
 from tiny import make_tiny
 
 needs_w8a8 = pytest.mark.skipif(not w8a8_available(), reason="this torch build has no fbgemm int8 engine")
 needs_onednn = pytest.mark.skipif(not onednn_int8_available(), reason="this torch build has no oneDNN int8 linear")
+needs_mixed = pytest.mark.skipif(not mixed_available(), reason="the mixed int8 kernel needs fbgemm, oneDNN int8 and VNNI")
+
+
+def _mixed_linear(weight, bias=None, *, smooth=None) -> W8A8Linear:
+    """fbgemm for one row, oneDNN from two rows (the real thresholds are far above a test matrix's)."""
+    lin = W8A8Linear(weight, bias, smooth=smooth, wide=True)
+    lin.wide_rows = 2
+    return lin
+
+
 #: the int8 linear layers, one per kernel
 INT8_LINEARS = [
     pytest.param(W8A8Linear, marks=needs_w8a8, id="fbgemm"),
     pytest.param(W8A8OneDNNLinear, marks=needs_onednn, id="onednn"),
+    pytest.param(_mixed_linear, marks=needs_mixed, id="mixed"),
 ]
+
+
+@pytest.fixture(autouse=True)
+def _mixed_from_two_rows(monkeypatch):
+    """Tiny models' matrices are far below the size at which the mixed kernel switches to oneDNN:
+    make every matrix switch at two rows, so that a model's one-row and multi-row passes run on
+    different kernels and every bitwise test below compares the two."""
+    monkeypatch.setattr(linear_mod, "WIDE_WEIGHTS", 0)
+    monkeypatch.setattr(linear_mod, "WIDE_MIN_ROWS", 2)
+
+
+@needs_mixed
+@pytest.mark.parametrize("with_bias", [False, True])
+@pytest.mark.parametrize("with_smooth", [False, True])
+def test_mixed_kernel_is_bitwise_fbgemm_for_every_row_count(with_bias, with_smooth):
+    """The oneDNN side of the mixed kernel computes bitwise what fbgemm computes, row for row
+    (same int8 weights, same activation quantisation, same float epilogue): 1-64 rows of inputs
+    with outlier channels and very different row magnitudes."""
+    g = torch.Generator().manual_seed(7)
+    w = torch.randn(384, 160, generator=g) * 0.05
+    w[3] *= 20  # one output channel with a much larger scale
+    bias = torch.randn(384, generator=g) if with_bias else None
+    x = torch.randn(64, 160, generator=g) * (torch.rand(64, 1, generator=g) * 10 + 0.01)
+    x[:, 11] *= 40
+    smooth = smoothing(x.abs().amax(0), w) if with_smooth else None
+    fb = W8A8Linear(w, bias, smooth=smooth)
+    mixed = _mixed_linear(w, bias, smooth=smooth)
+    for n in (1, 2, 3, 5, 8, 16, 17, 33, 64):
+        want = fb(x[:n])
+        assert torch.equal(mixed(x[:n]), want), n
+        assert torch.equal(mixed.scaled(x[:n], x[:n, :1].abs() + 0.5), fb.scaled(x[:n], x[:n, :1].abs() + 0.5)), n
+
+
+@needs_mixed
+def test_mixed_kernel_thresholds_and_choice(monkeypatch):
+    from specdec.errors import ConfigError
+    from specdec.models.linear import int8_kernel, wide_rows
+
+    monkeypatch.setattr(linear_mod, "WIDE_WEIGHTS", 7_000_000)
+    monkeypatch.setattr(linear_mod, "WIDE_MIN_ROWS", 3)
+    assert wide_rows(49152, 576) == 3 and wide_rows(17920, 1536) == 3  # large matrices: from the minimum
+    assert wide_rows(3072, 576) == 5 and wide_rows(576, 576) == 23  # small ones: later, or never in a verify pass
+    monkeypatch.delenv("SPECDEC_INT8_KERNEL", raising=False)
+    monkeypatch.setattr(linear_mod, "cpu_has", lambda *flags: True)
+    assert int8_kernel("auto") == "mixed"  # AMX: flat multi-row cost on oneDNN, fbgemm for one row
+    monkeypatch.setattr(linear_mod, "cpu_has", lambda *flags: "amx_int8" not in flags)  # VNNI, no AMX
+    assert int8_kernel("auto") == "fbgemm"
+    assert int8_kernel("mixed") == "mixed"
+    monkeypatch.setattr(linear_mod, "mixed_available", lambda: False)
+    with pytest.raises(ConfigError, match="mixed"):
+        int8_kernel("mixed")
 
 
 @pytest.fixture(scope="module", params=["llama", "qwen2"])
@@ -69,6 +132,7 @@ KINDS = {
     "bfloat16-fast": dict(dtype=torch.bfloat16, batch_invariant=False),
     "int8": dict(batch_invariant=True, quant="int8", int8_kernel="fbgemm"),
     "int8-onednn": dict(batch_invariant=True, quant="int8", int8_kernel="onednn"),
+    "int8-mixed": dict(batch_invariant=True, quant="int8", int8_kernel="mixed"),
 }
 
 
@@ -96,6 +160,8 @@ def _available(kind: str) -> bool:
         return w8a8_available()
     if kind == "int8-onednn":
         return onednn_int8_available()
+    if kind == "int8-mixed":
+        return mixed_available()
     return True
 
 
@@ -176,7 +242,8 @@ def test_scripted_layer_subsets_are_bitwise_the_python_loop(tiny_folder, kind):
     assert torch.equal(scripted, python)
 
 
-@pytest.mark.parametrize("kernel", [pytest.param("fbgemm", marks=needs_w8a8), pytest.param("onednn", marks=needs_onednn)])
+@pytest.mark.parametrize("kernel", [pytest.param("fbgemm", marks=needs_w8a8), pytest.param("onednn", marks=needs_onednn),
+                                    pytest.param("mixed", marks=needs_mixed)])
 def test_int8_model_block_equals_token_by_token_and_is_close_to_float(tiny_folder, kernel):
     q = NativeCausalLM.from_folder(tiny_folder, quant="int8", batch_invariant=True, int8_kernel=kernel)
     assert q.int8_kernel == kernel
@@ -193,6 +260,10 @@ def test_int8_model_block_equals_token_by_token_and_is_close_to_float(tiny_folde
     assert not torch.equal(full, ref)
     p, r = torch.softmax(full, -1), torch.softmax(ref, -1)
     assert (p - r).abs().sum(-1).max() < 0.2  # total variation per position
+    if kernel == "mixed":  # the same quantised target as fbgemm's, bit for bit, whichever kernel ran a pass
+        fb = NativeCausalLM.from_folder(tiny_folder, quant="int8", batch_invariant=True, int8_kernel="fbgemm")
+        assert torch.equal(full, fb.forward(ids, fb.new_cache(64)))
+        assert any(lin.wide is not None for lin in (q.lm_head, q.layers[0].qkv))
 
 
 def test_calibration_needs_a_tokenizer(tmp_path):

@@ -173,13 +173,17 @@ class W8A8Linear:
     at a time per model (the staging buffer is reused).
     """
 
-    __slots__ = ("packed", "bias", "inv_smooth", "in_features", "out_features", "_buf", "_views", "_reduce_range")
+    __slots__ = ("packed", "bias", "inv_smooth", "in_features", "out_features", "_buf", "_views", "_reduce_range",
+                 "wide", "wide_rows")
 
-    def __init__(self, weight: Tensor, bias: Tensor | None = None, *, smooth: Tensor | None = None) -> None:
+    def __init__(self, weight: Tensor, bias: Tensor | None = None, *, smooth: Tensor | None = None,
+                 wide: bool = False) -> None:
         """``smooth`` [in] (optional): per-input-channel factors moved from the activations into
         the weights before quantisation (SmoothQuant, Xiao et al. 2023): ``x @ W.T ==
         (x / smooth) @ (W * smooth).T``, which evens out activation outliers that would otherwise
-        set each row's quantisation step."""
+        set each row's quantisation step.  ``wide``: also pack the same int8 weights for oneDNN,
+        which then runs products of :func:`wide_rows` rows or more with bitwise the same result
+        (see :func:`wide_packing`; needs VNNI and oneDNN's int8 linear)."""
         w, self.inv_smooth = _smoothed(weight, smooth)
         n, k = w.shape
         w = torch.cat([w, w.new_zeros(n, 2)], dim=1)  # [out, in + 2]
@@ -193,6 +197,14 @@ class W8A8Linear:
         self._reduce_range = not _has_vnni()
         self._buf = self._staging(16)
         self._views: dict[int, tuple[Tensor, Tensor]] = {}  # n -> (staged [n, in + 2], its [n, in] part)
+        #: [oneDNN-packed int8 weight, column scales, zero points] for products of wide_rows rows or more
+        self.wide: list[Tensor] | None = None
+        self.wide_rows = wide_rows(n, k)
+        if wide:
+            if self._reduce_range:
+                raise ValueError("the wide int8 kernel needs VNNI (8-bit activations)")
+            self.wide = wide_packing(qw.int_repr()[:, :k], scales)
+        del qw
 
     def _staging(self, rows: int) -> Tensor:  # [rows, in + 2]: normalised rows, then +1, -1
         buf = torch.empty(rows, self.in_features + 2)
@@ -215,19 +227,68 @@ class W8A8Linear:
 
     def scaled(self, x: Tensor, row_scale: Tensor | None) -> Tensor:  # x: [n, in], row_scale: [n, 1]
         """``row_scale * (x @ W.T) + b`` (see :meth:`Linear.scaled`)."""
-        staged, part = self._staged(x.shape[0])
         if self.inv_smooth is not None:
             x = x * self.inv_smooth
         # max |x| per row; abs + amax is the same value as vector_norm(x, inf) (a max is exact in
         # any order) and 5-12x cheaper for multi-row inputs on this CPU (29 vs 4.6 us at 17 x 576)
         s = x.abs().amax(dim=1, keepdim=True).clamp_min_(1e-30)  # [n, 1]
-        torch.div(x, s, out=part)
-        y = torch.ops.quantized.linear_dynamic(staged, self.packed, self._reduce_range)  # [n, out]
+        if self.wide is not None and x.shape[0] >= self.wide_rows:
+            y = wide_product(x / s, self.wide)  # [n, out], bitwise what fbgemm gives
+        else:
+            staged, part = self._staged(x.shape[0])
+            torch.div(x, s, out=part)
+            y = torch.ops.quantized.linear_dynamic(staged, self.packed, self._reduce_range)  # [n, out]
         if row_scale is not None:
             s = s * row_scale
         if self.bias is not None:
             return torch.addcmul(self.bias, y, s)
         return y.mul_(s)
+
+
+#: where the mixed int8 kernel switches from fbgemm to oneDNN, per matrix: fbgemm's cost grows by
+#: ~3 us per row per million weights, oneDNN's (AMX) hardly grows up to 16 rows but each call
+#: costs ~20 us more.  Measured on a 2-core Sapphire Rapids, weights streamed from memory, us per
+#: call for 1 / 4 / 9 rows, fbgemm vs oneDNN: 576 x 960 34/55, 38/56, 49/59; 576 x 3072
+#: 100/125, 131/125, 179/132; 1536 x 576 50/72, 61/70, 82/79; 576 x 49152 1264/1361,
+#: 1702/1405, 2140/1466; 1536 x 17920 1182/1201, 1524/1219, 1911/1282.  So a matrix of m million
+#: weights switches at 1 + WIDE_WEIGHTS / m rows (rounded up), and never below WIDE_MIN_ROWS:
+#: whole Qwen2.5-Coder-1.5B passes of 2 rows were slower with its largest matrices on oneDNN.
+WIDE_WEIGHTS = 7_000_000
+WIDE_MIN_ROWS = 3
+
+
+def wide_rows(out_features: int, in_features: int) -> int:
+    """The row count from which the mixed kernel runs a matrix of this shape on oneDNN."""
+    return max(WIDE_MIN_ROWS, 1 + -(-WIDE_WEIGHTS // (out_features * in_features)))
+
+
+#: the activation step fbgemm's dynamic linear picks for an input whose range is exactly [-1, 1]
+#: with 8-bit activations ((1 - (-1)) / 255, zero point 128): what :class:`W8A8Linear` feeds it
+_FBGEMM_STEP = 2.0 / 255.0
+_FBGEMM_ZERO = 128
+
+
+def wide_packing(q: Tensor, scales: Tensor) -> list[Tensor]:
+    """The int8 weight ``q`` [out, in] (per-channel ``scales`` [out], as packed for fbgemm) packed
+    for oneDNN so that :func:`wide_product` computes bitwise what fbgemm's dynamic linear does.
+
+    Both kernels accumulate the same integers exactly in int32 (the activations are quantised by
+    the same routine, fbgemm's, with the same step and zero point); fbgemm then multiplies each
+    accumulator by ``float32(act_step * w_scale[j])``, which is the column scale given to oneDNN
+    here with unit input and output scales.  Tested bitwise for 1..64 rows and on whole models."""
+    step = torch.tensor(_FBGEMM_STEP, dtype=torch.float32)
+    col = (step * scales.float()).contiguous()  # [out] float32 products, as fbgemm forms them
+    # a 16-row hint: packed for one row, oneDNN's LM-head product took 11x longer (measured)
+    packed = torch.ops.onednn.qlinear_prepack(q.contiguous(), [16, q.shape[1]])
+    return [packed, col, torch.zeros(q.shape[0], dtype=torch.int)]
+
+
+def wide_product(x: Tensor, wide: list[Tensor]) -> Tensor:  # x: [n, in] rows in [-1, 1] -> [n, out]
+    """fbgemm's dynamic int8 product of rows normalised to [-1, 1], on oneDNN (see :func:`wide_packing`)."""
+    q = torch.quantize_per_tensor(x, _FBGEMM_STEP, _FBGEMM_ZERO, torch.quint8).int_repr()  # [n, in] uint8
+    return torch.ops.onednn.qlinear_pointwise(
+        q, 1.0, _FBGEMM_ZERO, wide[0], wide[1], wide[2], None, 1.0, 0, torch.float32, "none", [], ""
+    )
 
 
 def w8a8_available() -> bool:
@@ -243,15 +304,22 @@ def onednn_int8_available() -> bool:
         return False
 
 
-#: which int8 kernel the int8 target uses.  "auto" = fbgemm: measured end to end on a 2-core
-#: Sapphire Rapids (AMX int8), oneDNN's matmuls alone cost about the same for 1 and 9 rows, but
-#: its fixed cost per call and the extra quantisation ops made whole steps slower (plain decoding
-#: 70 vs 93 tok/s, a 3-token verification pass 15 vs 12 ms; benchmarks/spr-int8-*-vs-llamacpp)
-INT8_KERNELS = ("auto", "fbgemm", "onednn")
+#: which int8 kernel the int8 target uses.  fbgemm is the fastest for a few rows but its cost grows
+#: with the row count; oneDNN's, on CPUs with AMX int8 tiles, hardly does, but it costs more per
+#: call (measured on a 2-core Sapphire Rapids: plain decoding 70 vs 93 tok/s with oneDNN alone;
+#: benchmarks/spr-int8-*-vs-llamacpp).  "mixed" runs each matrix on fbgemm below wide_rows() rows
+#: and on oneDNN from there with bitwise the same results (W8A8Linear ``wide``); "auto" = mixed where the CPU has AMX
+#: int8, fbgemm elsewhere with fbgemm, oneDNN where only oneDNN is there
+INT8_KERNELS = ("auto", "fbgemm", "onednn", "mixed")
+
+
+def mixed_available() -> bool:
+    """True when the mixed kernel can run here: fbgemm with 8-bit activations (VNNI) and oneDNN's int8 linear."""
+    return w8a8_available() and _has_vnni() and onednn_int8_available()
 
 
 def int8_kernel(choice: str = "auto") -> str:
-    """Resolve an int8 kernel choice; ``SPECDEC_INT8_KERNEL`` (fbgemm | onednn) overrides ``auto``."""
+    """Resolve an int8 kernel choice; ``SPECDEC_INT8_KERNEL`` (fbgemm | onednn | mixed) overrides ``auto``."""
     import os
 
     from specdec.errors import ConfigError
@@ -261,9 +329,13 @@ def int8_kernel(choice: str = "auto") -> str:
     if choice not in INT8_KERNELS:
         raise ConfigError(f"unknown int8 kernel {choice!r}; choose one of {', '.join(INT8_KERNELS)}")
     if choice == "auto":
+        if mixed_available() and cpu_has("amx_int8"):
+            return "mixed"
         return "fbgemm" if w8a8_available() or not onednn_int8_available() else "onednn"
     if choice == "onednn" and not onednn_int8_available():
         raise ConfigError("the onednn int8 kernel needs a torch build with oneDNN's qlinear (x86)")
+    if choice == "mixed" and not mixed_available():
+        raise ConfigError("the mixed int8 kernel needs fbgemm and oneDNN's int8 linear and a CPU with VNNI")
     return choice
 
 

@@ -264,7 +264,7 @@ class NativeCausalLM:
     ) -> None:
         """``quant="int8"``: every linear layer and the LM head as :class:`W8A8Linear`, smoothed
         with input ranges measured on ``calibration`` token ids [n] (no smoothing without);
-        ``int8_kernel``: fbgemm | onednn | auto (see :func:`specdec.models.linear.int8_kernel`)."""
+        ``int8_kernel``: fbgemm | onednn | mixed | auto (see :func:`specdec.models.linear.int8_kernel`)."""
         if quant not in (None, "int8"):
             raise ConfigError(f"unknown quantisation {quant!r}; the native backend offers int8")
         self.cfg = cfg
@@ -342,11 +342,11 @@ class NativeCausalLM:
             ids = calibration[: self.max_length]
             self.forward(ids, self.new_cache(ids.numel()))
 
-        kind = W8A8OneDNNLinear if self.int8_kernel == "onednn" else W8A8Linear
-
         def quantized(rec: RangeRecorder) -> W8A8Linear | W8A8OneDNNLinear:
             weight = rec.inner.weight  # [out, in] float, unpacked
-            return kind(weight, rec.bias, smooth=smoothing(rec.absmax, weight))
+            if self.int8_kernel == "onednn":
+                return W8A8OneDNNLinear(weight, rec.bias, smooth=smoothing(rec.absmax, weight))
+            return W8A8Linear(weight, rec.bias, smooth=smoothing(rec.absmax, weight), wide=self.int8_kernel == "mixed")
 
         for layer in self.layers:
             for name in ("qkv", "out", "gate_up", "down"):

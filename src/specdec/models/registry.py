@@ -364,7 +364,7 @@ def load(
     ``batch_invariant`` (native backend): multi-token scoring is bitwise identical to scoring the
     tokens one at a time, so speculative and plain decoding agree exactly, not just up to ties.
     ``int8_head`` (native backend, drafts only): the LM head as an int8 matmul.
-    ``int8_kernel`` (``quant="int8"``): fbgemm | onednn | auto (see :func:`specdec.models.linear.int8_kernel`).
+    ``int8_kernel`` (``quant="int8"``): fbgemm | onednn | mixed | auto (see :func:`specdec.models.linear.int8_kernel`).
     """
     from transformers import AutoTokenizer
 

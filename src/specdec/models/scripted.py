@@ -54,6 +54,8 @@ class Weights(NamedTuple):
     dense: Dict[int, Tensor]
     bias: Dict[int, Tensor]
     smooth: Dict[int, Tensor]
+    wide: Dict[int, List[Tensor]]  # W8A8 layers also packed for oneDNN (linear.wide_packing) ...
+    wide_rows: Dict[int, int]  # ... which runs their products of this many rows or more
 
 
 def _linear(
@@ -69,12 +71,18 @@ def _linear(
         b = wt.bias[i]
     if kind == 0:  # W8A8
         n = x.shape[0]
-        staged = wt.staging[i][:n]
         if i in smooth:
             x = x * smooth[i]
         s = x.abs().amax(1, True).clamp_min_(1e-30)
-        torch.div(x, s, out=staged[:, : x.shape[1]])
-        y = torch.ops.quantized.linear_dynamic(staged, wt.q8[i], wt.reduce_range)
+        if i in wt.wide and n >= wt.wide_rows[i]:  # linear.wide_product: bitwise what fbgemm gives
+            ww = wt.wide[i]
+            xq = torch.quantize_per_tensor(x / s, 2.0 / 255.0, 128, torch.quint8).int_repr()
+            y = torch.ops.onednn.qlinear_pointwise(xq, 1.0, 128, ww[0], ww[1], ww[2], None, 1.0, 0, torch.float32,
+                                                   "none", [], "")
+        else:
+            staged = wt.staging[i][:n]
+            torch.div(x, s, out=staged[:, : x.shape[1]])
+            y = torch.ops.quantized.linear_dynamic(staged, wt.q8[i], wt.reduce_range)
         if row_scale is not None:
             s = s * row_scale
         if b is not None:
@@ -368,6 +376,8 @@ class ScriptedLayers:
         self.dense: dict[int, Tensor] = {}
         self.bias: dict[int, Tensor] = {}
         self.smooth: dict[int, Tensor] = {}  # W8A8 input factors (inverse smoothing)
+        self.wide: dict[int, list[Tensor]] = {}  # W8A8 layers' oneDNN packing (linear.wide_packing)
+        self.wide_rows: dict[int, int] = {}
         self._w8a8: list[W8A8Linear] = []
         self.reduce_range = False
         for layer in layers:
@@ -382,6 +392,9 @@ class ScriptedLayers:
                         self.smooth[i] = lin.inv_smooth
                     self._w8a8.append(lin)
                     self.reduce_range = lin._reduce_range
+                    if lin.wide is not None:
+                        self.wide[i] = lin.wide
+                        self.wide_rows[i] = lin.wide_rows
                 elif isinstance(lin, W8A8OneDNNLinear):
                     self.kinds.append(ONEDNN_INT8)
                     self.chunks[i] = [lin.packed, lin.w_scale, lin.w_zero]
@@ -410,7 +423,7 @@ class ScriptedLayers:
     def weights(self) -> Weights:
         """The tables as the scripted loops take them (the staging buffers may have grown)."""
         return Weights(self.kinds, self.q8, self.staging, self.reduce_range, self.chunks, self.bounds, self.dense,  # type: ignore[arg-type]
-                       self.bias, self.smooth)
+                       self.bias, self.smooth, self.wide, self.wide_rows)
 
     def __call__(
         self, x: Tensor, cos: Tensor, sin: Tensor, cache, start: int, cfg, eps: Tensor, *,
