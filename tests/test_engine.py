@@ -34,3 +34,37 @@ def test_explicit_draft_precision(monkeypatch):
     assert not draft_int8_head(EngineConfig(draft_dtype="int8", backend="hf"))  # native backend only
     with pytest.raises(ConfigError, match="draft dtype"):
         draft_dtype(EngineConfig(draft_dtype="int4"))
+
+
+@pytest.mark.parametrize(("fbgemm", "backend", "asked", "expect"), [
+    (True, "auto", "auto", "int8"),  # x86: the draft runs every layer as the int8 target does
+    (False, "auto", "auto", None),  # no fbgemm: the bf16 / float32 rule above
+    (True, "hf", "auto", None),  # the HF backend has no int8 layers
+    (True, "auto", "bfloat16", None),
+    (True, "auto", "int8", None),  # int8 = float32 layers + int8 LM head only
+    (True, "auto", "w8a8", "int8"),
+])
+def test_w8a8_draft_where_torch_has_fbgemm(monkeypatch, fbgemm, backend, asked, expect):
+    from specdec.engine import draft_quant
+
+    monkeypatch.setattr(linear, "w8a8_available", lambda: fbgemm)
+    assert draft_quant(EngineConfig(draft_dtype=asked, backend=backend)) == expect
+
+
+def test_w8a8_draft_asked_for_where_it_cannot_run_is_a_config_error(monkeypatch):
+    from specdec.engine import draft_quant
+
+    monkeypatch.setattr(linear, "w8a8_available", lambda: False)
+    with pytest.raises(ConfigError, match="w8a8"):
+        draft_quant(EngineConfig(draft_dtype="w8a8"))
+
+
+@pytest.mark.skipif(not linear.w8a8_available(), reason="this torch build has no fbgemm int8 engine")
+def test_a_w8a8_draft_model_loads_with_int8_layers(tmp_path):
+    from specdec.engine import load_draft
+    from tiny import make_tiny
+
+    folder = make_tiny(tmp_path)
+    draft = load_draft(EngineConfig(draft=str(folder), draft_dtype="w8a8")).model
+    assert draft.quant == "int8" and draft.int8_kernel == "fbgemm" and not draft.batch_invariant
+    assert isinstance(draft.layers[0].qkv, linear.W8A8Linear) and draft.layers[0].qkv.wide is None

@@ -52,7 +52,7 @@ def add_parser(sub) -> None:  # noqa: ANN001 - argparse's subparsers action
     p.add_argument("--prompts", help="JSONL prompt file (fields: prompt, id, category, chat); default: the built-in set")
     p.add_argument("--categories", help="comma list of prompt categories to keep (e.g. code,chat; default all)")
     p.add_argument("--limit", type=int, help="keep the first N prompts of each category (default all)")
-    p.add_argument("--draft-dtype", default="auto", choices=["auto", "float32", "bfloat16", "int8"],
+    p.add_argument("--draft-dtype", default="auto", choices=["auto", "float32", "bfloat16", "int8", "w8a8"],
                    help="draft precision (see specdec generate --help; default auto)")
     p.add_argument("--dtype", "--target-dtype", dest="dtype", default="auto", choices=["auto", "float32", "bfloat16", "int8"],
                    help="target precision for specdec's rows (default auto; see specdec generate --help)."
