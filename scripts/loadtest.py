@@ -462,9 +462,9 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--openai-streams", type=int, default=0, help="concurrent OpenAI streaming completions (default 0)")
     p.add_argument("--server-draft", default=None,
                    help="the server's drafter for the OpenAI endpoints (default: --draft, or 'none' with --draft ngram)")
-    p.add_argument("--int8-kernel", default="auto", choices=["auto", "fbgemm", "onednn"],
+    p.add_argument("--int8-kernel", default="auto", choices=["auto", "fbgemm", "onednn", "mixed"],
                    help="the (batching) server's int8 kernel (`specdec serve --int8-kernel`; default auto)")
-    p.add_argument("--serialised-int8-kernel", default="auto", choices=["auto", "fbgemm", "onednn"],
+    p.add_argument("--serialised-int8-kernel", default="auto", choices=["auto", "fbgemm", "onednn", "mixed"],
                    help="the --no-batching server's int8 kernel with --compare-serialised (default auto)")
     p.add_argument("--no-prefix-cache", action="store_true", help="serve with `--prefix-cache-mib 0` (prefix caching off)")
     p.add_argument("--compare-serialised", action="store_true",
