@@ -68,3 +68,16 @@ def test_a_w8a8_draft_model_loads_with_int8_layers(tmp_path):
     draft = load_draft(EngineConfig(draft=str(folder), draft_dtype="w8a8")).model
     assert draft.quant == "int8" and draft.int8_kernel == "fbgemm" and not draft.batch_invariant
     assert isinstance(draft.layers[0].qkv, linear.W8A8Linear) and draft.layers[0].qkv.wide is None
+
+
+def test_draft_precision_in_words(monkeypatch):
+    from specdec.engine import draft_precision
+
+    monkeypatch.setattr(linear, "w8a8_available", lambda: True)
+    monkeypatch.setattr(linear, "int8_available", lambda: True)
+    assert draft_precision(EngineConfig()) == "w8a8"
+    assert draft_precision(EngineConfig(draft_dtype="int8")) == "float32 + int8 head"
+    assert draft_precision(EngineConfig(draft_dtype="bfloat16")) == "bfloat16"
+    monkeypatch.setattr(linear, "w8a8_available", lambda: False)
+    monkeypatch.setattr(linear, "bf16_fast", lambda: True)
+    assert draft_precision(EngineConfig()) == "bfloat16 + int8 head"

@@ -121,6 +121,14 @@ def draft_int8_head(cfg: EngineConfig) -> bool:
     return cfg.draft_dtype == "auto"
 
 
+def draft_precision(cfg: EngineConfig) -> str:
+    """What ``cfg.draft_dtype`` resolves to for a draft model on this machine, in words (reports)."""
+    if draft_quant(cfg):
+        return "w8a8"
+    name = str(draft_dtype(cfg)).removeprefix("torch.")
+    return name + (" + int8 head" if draft_int8_head(cfg) else "")
+
+
 def load_draft(cfg: EngineConfig, ref: str | None = None) -> LoadedModel:
     """The draft model in :func:`draft_dtype` (never batch-invariant: it scores one token at a time)."""
     quant = draft_quant(cfg)  # a draft needs no batch invariance: one-row passes on fbgemm

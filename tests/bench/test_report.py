@@ -75,6 +75,16 @@ def test_write_produces_json_markdown_and_plots(tmp_path):
     assert "specdec bench --x" in md and "speculative/block" in md and "| 2.00 |" in md
     assert out["plots"] and all((tmp_path / p.split("/")[-1]).is_file() for p in out["plots"])
     assert "cloud_only" not in md and "×plain" in md
+    assert "(draft dtype auto)" in md  # an older run that did not record what auto resolved to
+
+
+def test_report_says_what_the_draft_dtype_resolved_to(tmp_path):
+    cfg = {"target": "t", "draft": "d", "draft_dtype": "auto", "draft_precision": "w8a8", "prompts": [{"category": "code"}],
+           "max_new_tokens": 20, "repeats": 1, "seed": 0, "top_p": None, "repetition_penalty": None, "batch_invariant": True}
+    report.write({"config": cfg, "samples": _samples(), "processes": {}, "machine": {"cpu": "test"}}, tmp_path)
+    assert "(draft dtype auto = w8a8)" in (tmp_path / "README.md").read_text()
+    report.write({"config": {**cfg, "draft_dtype": "w8a8"}, "samples": _samples(), "processes": {}, "machine": {"cpu": "test"}}, tmp_path)
+    assert "(draft dtype w8a8)" in (tmp_path / "README.md").read_text()
 
 
 def test_old_results_with_cloud_only_rows_still_aggregate():

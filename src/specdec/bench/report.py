@@ -328,7 +328,7 @@ def markdown(result: dict, stats: list[GroupStats], bvt: list[BlockVsToken], plo
         "",
         f"Command: `{cfg.get('command') or 'specdec bench'}`",
         "",
-        f"Target `{cfg['target']}` ({cfg.get('dtype', 'float32')}), draft `{cfg['draft']}` (draft dtype {cfg['draft_dtype']}), "
+        f"Target `{cfg['target']}` ({cfg.get('dtype', 'float32')}), draft `{cfg['draft']}` (draft dtype {_draft_dtype(cfg)}), "
         f"{len(cfg['prompts'])} prompts ({', '.join(sorted({p['category'] for p in cfg['prompts']}))}), "
         f"{cfg['max_new_tokens']} new tokens, repeats {cfg['repeats']}, seed {cfg['seed']}, "
         f"top-p {cfg['top_p']}, repetition penalty {cfg['repetition_penalty']}, "
@@ -540,6 +540,12 @@ def write(result: dict, out_dir: str | Path, *, make_plots: bool = True) -> dict
     (out / "results.json").write_text(json.dumps(result, indent=1))
     (out / "README.md").write_text(markdown(result, stats, bvt, plots, net))
     return {"stats": stats, "block_vs_token": bvt, "network": net, "plots": plots, "dir": str(out)}
+
+
+def _draft_dtype(cfg: dict) -> str:
+    """``auto = w8a8``: the draft dtype asked for, and what it resolved to where the run recorded it."""
+    resolved = cfg.get("draft_precision")
+    return cfg["draft_dtype"] if not resolved or resolved == cfg["draft_dtype"] else f"{cfg['draft_dtype']} = {resolved}"
 
 
 def machine_line(machine: dict) -> str:

@@ -80,10 +80,22 @@ def _job(cfg: BenchConfig, mode: str) -> dict:
         "methods": list(cfg.methods), "gammas": [str(g) for g in cfg.gammas],
         "max_new_tokens": cfg.max_new_tokens, "repeats": cfg.repeats, "seed": cfg.seed,
         "top_p": cfg.top_p, "repetition_penalty": cfg.repetition_penalty,
-        "draft_dtype": cfg.draft_dtype, "dtype": cfg.dtype, "batch_invariant": cfg.batch_invariant, "threads": cfg.threads,
+        "draft_dtype": cfg.draft_dtype, "draft_precision": _draft_precision(cfg.draft_dtype),
+        "dtype": cfg.dtype, "batch_invariant": cfg.batch_invariant, "threads": cfg.threads,
         **({"wires": list(cfg.wires), "q_top_k": cfg.q_top_k} if mode in network.NETWORK_MODES else {}),
         **llama,
     }
+
+
+def _draft_precision(draft_dtype: str) -> str | None:
+    """What the draft dtype resolves to here (None where it cannot run: the workers then say why)."""
+    from specdec.engine import EngineConfig, draft_precision
+    from specdec.errors import ConfigError
+
+    try:
+        return draft_precision(EngineConfig(draft_dtype=draft_dtype))
+    except ConfigError:
+        return None
 
 
 def _count(cfg: BenchConfig, mode: str) -> int:
