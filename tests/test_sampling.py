@@ -146,3 +146,21 @@ def test_gumbel_sample_law():
     draws = [(gumbel_sample(p, 3, pos),) for pos in range(20_000)]
     assert chi_square_pvalue(draws, {(i,): float(v) for i, v in enumerate(p) if v > 0}) > ALPHA
     assert Counter(draws)[(1,)] == 0
+
+
+def test_argmax_last_is_argmax_ties_and_nan_included():
+    """The fast arg-max every greedy path uses returns exactly what ``argmax(-1)`` returns: the first
+    maximal index, on random rows, on rows full of ties (small integer values) and with NaN."""
+    from specdec.sampling import argmax_last
+
+    g = torch.Generator().manual_seed(0)
+    for t in range(400):
+        n = 1 + t % 5
+        x = torch.randint(-3, 3, (n, 4099), generator=g).float() if t % 2 else torch.randn(n, 4099, generator=g)
+        if t % 7 == 0:
+            x[:, 100] = x.max()
+            x[:, 4000] = x.max()
+        assert torch.equal(argmax_last(x), x.argmax(-1))
+        assert torch.equal(argmax_last(x[0]), x[0].argmax(-1))
+    x = torch.tensor([[1.0, float("nan"), 3.0, float("nan")], [2.0, 5.0, 5.0, -1.0]])
+    assert argmax_last(x).tolist() == x.argmax(-1).tolist() == [1, 1]

@@ -24,6 +24,7 @@ from specdec.models.base import LanguageModel
 from specdec.sampling import (
     PenaltyState,
     SamplingConfig,
+    argmax_last,
     penalise_with_extra,
     penalised_logits,
     process_logits,
@@ -206,7 +207,7 @@ class TargetSession:
             self.penalties.append(verdict.tokens)
         kept = feats[: 1 + verdict.num_accepted] if feats is not None else None
         return Outcome(verdict=verdict, target_s=t1 - t0, verify_s=time.perf_counter() - t1, features=kept,
-                       node_argmax=logits.argmax(-1) if draft.wants_argmax else None)
+                       node_argmax=argmax_last(logits) if draft.wants_argmax else None)
 
     def _verify_tree(self, draft: Draft, *, max_tokens: int | None = None) -> Outcome:
         """One tree round: score ``[last committed] + nodes`` with tree attention, keep one path.
@@ -260,7 +261,7 @@ class TargetSession:
             self.penalties.append(verdict.tokens)
         return Outcome(verdict=verdict, target_s=t1 - t0, verify_s=time.perf_counter() - t1, metrics={"tree_nodes": n},
                        features=feats[keep] if feats is not None else None,
-                       node_argmax=logits.argmax(-1) if draft.wants_argmax else None)
+                       node_argmax=argmax_last(logits) if draft.wants_argmax else None)
 
     def close(self) -> None:
         pass

@@ -26,7 +26,7 @@ import torch
 from torch import Tensor
 
 from specdec.errors import ConfigError
-from specdec.sampling import gumbel_sample, sample_categorical
+from specdec.sampling import argmax_last, gumbel_sample, sample_categorical
 
 
 @dataclass(frozen=True)
@@ -83,7 +83,7 @@ def greedy_verify(
 ) -> Verdict:
     """Accept draft tokens while they equal the target's arg-max; emit the target's arg-max next."""
     _check_shapes(draft_tokens, None, target_probs)
-    best = target_probs.argmax(-1)  # [γ+1]
+    best = argmax_last(target_probs)  # [γ+1]
     n = _leading_true(best[:-1] == draft_tokens)
     return Verdict(num_accepted=n, tokens=best[: n + 1].clone())
 

@@ -35,7 +35,7 @@ import torch
 from torch import Tensor
 
 from specdec.errors import ConfigError
-from specdec.sampling import gumbel_sample, sample_categorical
+from specdec.sampling import argmax_last, gumbel_sample, sample_categorical
 from specdec.verify import DraftSampling
 
 #: how siblings that share a draft row were drawn from it
@@ -154,7 +154,7 @@ def tree_greedy(
     """The longest root path whose tokens equal the target's arg-max at every step, plus the
     target's arg-max after it.  (Ties: the first maximal id, as ``argmax`` and the chain rule.)"""
     check_tree(tokens, parents, None, target_probs)
-    return _follow(tokens, parents, target_probs, lambda row, depth: int(row.argmax()))
+    return _follow(tokens, parents, target_probs, lambda row, depth: int(argmax_last(row)))
 
 
 # ----------------------------------------------------------------------------- coupled

@@ -11,6 +11,7 @@ from torch import Tensor
 from specdec.sampling import (
     PenaltyState,
     SamplingConfig,
+    argmax_last,
     gumbel_sample,
     penalise_with_extra,
     penalised_logits,
@@ -144,7 +145,7 @@ class DraftSampler:
                 token = int(idx)
                 self.stop_requested = float(top) < self.min_confidence
             else:
-                token = int(scores.argmax())
+                token = int(argmax_last(scores))
         else:
             q = process_logits(logits, self.cfg, self.penalties)[0]  # [V]
             if self.q_top_k is not None and self.mode == "multinomial":
