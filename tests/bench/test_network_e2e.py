@@ -70,4 +70,7 @@ def test_bench_report_of_a_real_run(result, tmp_path):
     assert ("edge_cloud", "greedy", 30.0) in groups and ("cloud_streaming", "cloud_streaming", 0.0) in groups
     greedy = [g for g in out["network"] if g.method == "greedy"]
     assert all(g.same_text == g.compared == 1 and g.speedup_vs_streaming for g in greedy)
-    assert "RTT emulation: **proxy**" in (tmp_path / "README.md").read_text()
+    md = (tmp_path / "README.md").read_text()
+    assert "RTT emulation: **proxy**" in md
+    precision = result["config"]["draft_precision"]  # recorded by the run, said by the report
+    assert precision and (precision == "auto" or f"(draft dtype auto = {precision})" in md)

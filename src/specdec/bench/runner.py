@@ -80,8 +80,7 @@ def _job(cfg: BenchConfig, mode: str) -> dict:
         "methods": list(cfg.methods), "gammas": [str(g) for g in cfg.gammas],
         "max_new_tokens": cfg.max_new_tokens, "repeats": cfg.repeats, "seed": cfg.seed,
         "top_p": cfg.top_p, "repetition_penalty": cfg.repetition_penalty,
-        "draft_dtype": cfg.draft_dtype, "draft_precision": _draft_precision(cfg.draft_dtype),
-        "dtype": cfg.dtype, "batch_invariant": cfg.batch_invariant, "threads": cfg.threads,
+        "draft_dtype": cfg.draft_dtype, "dtype": cfg.dtype, "batch_invariant": cfg.batch_invariant, "threads": cfg.threads,
         **({"wires": list(cfg.wires), "q_top_k": cfg.q_top_k} if mode in network.NETWORK_MODES else {}),
         **llama,
     }
@@ -194,6 +193,7 @@ def run(cfg: BenchConfig, *, progress: bool = True) -> dict:
         bar.close()
     config = asdict(cfg)
     config["prompts"] = [asdict(p) for p in cfg.prompts]
+    config["draft_precision"] = _draft_precision(cfg.draft_dtype)  # what the draft dtype resolved to here
     result = {"config": config, "samples": samples, "processes": processes, "machine": machine_info()}
     if record is not None:
         result["network"] = record.to_dict()
