@@ -83,10 +83,10 @@ def _add_models(p: argparse.ArgumentParser) -> None:
                         " (native backend): ~3x faster steps than float32 on SmolLM2, KL to float32 ~0.02;"
                         " exactness always holds relative to the target as it runs")
     g.add_argument("--int8-kernel", default="auto", choices=["auto", "fbgemm", "onednn", "mixed"],
-                   help="matmul kernel of an int8 target (default auto = mixed on a CPU with AMX int8 tiles, else"
-                        " fbgemm). fbgemm is fastest for one row but its cost grows with the rows of a pass; with AMX,"
-                        " onednn's hardly grows but each call costs more; mixed runs fbgemm below 4 rows and onednn from"
-                        " 4 rows with bitwise the same results. onednn rounds activations differently from the other"
+                   help="matmul kernel of an int8 target (default auto = mixed on a CPU with AMX int8 tiles for models"
+                        " with large matrices such as Qwen2.5-Coder-1.5B, else fbgemm). fbgemm is fastest for one row but its cost grows with the rows of a pass; with AMX,"
+                        " onednn's hardly grows but each call costs more; mixed runs each matrix on fbgemm in small passes"
+                        " and on onednn from a row count that depends on its size, with bitwise the same results. onednn rounds activations differently from the other"
                         " two, so it is a slightly different quantised target, exact relative to itself (a server's"
                         " /health names the kernel it runs)")
     g.add_argument("--fast-attention", action="store_true", help="score draft blocks with one batched attention call: ~10%% faster verification, but speculative output may differ from plain decoding at exact float ties")

@@ -375,3 +375,25 @@ def test_serve_and_generate_pass_the_int8_kernel_to_the_engine(monkeypatch):
     with pytest.raises(Stop):  # `specdec generate` loads the same target when asked (e.g. to check a server's output)
         main(["generate", "-p", "hi", "--int8-kernel", "onednn", "--draft", "none"])
     assert seen.pop("kernel") == "onednn"
+
+
+@needs_mixed
+def test_auto_takes_the_mixed_kernel_only_for_models_whose_matrices_switch_early(tiny_folder, monkeypatch):
+    """`auto` on an AMX CPU: mixed when the layer matrices' weight-weighted median switch row is at
+    most WIDE_AUTO_ROWS (Qwen2.5-Coder-1.5B-sized layers), fbgemm for small ones (SmolLM2's);
+    asking for mixed by name always gives mixed."""
+    from specdec.models.linear import mixed_pays
+
+    monkeypatch.setattr(linear_mod, "WIDE_WEIGHTS", 7_000_000)
+    monkeypatch.setattr(linear_mod, "WIDE_MIN_ROWS", 3)
+    assert not mixed_pays([(960, 576), (576, 576), (3072, 576), (576, 1536)] * 30)  # SmolLM2-135M
+    assert mixed_pays([(2048, 1536), (1536, 1536), (17920, 1536), (1536, 8960)] * 28)  # Qwen2.5-Coder-1.5B
+    assert not mixed_pays([])
+    monkeypatch.setattr(linear_mod, "cpu_has", lambda *flags: True)
+    monkeypatch.delenv("SPECDEC_INT8_KERNEL", raising=False)
+    tiny = NativeCausalLM.from_folder(tiny_folder, quant="int8", batch_invariant=True)  # tiny matrices
+    assert tiny.int8_kernel == "fbgemm" and tiny.layers[0].qkv.wide is None
+    named = NativeCausalLM.from_folder(tiny_folder, quant="int8", batch_invariant=True, int8_kernel="mixed")
+    assert named.int8_kernel == "mixed" and named.layers[0].qkv.wide is not None
+    monkeypatch.setattr(linear_mod, "WIDE_WEIGHTS", 0)  # every matrix switches at the minimum: it pays
+    assert NativeCausalLM.from_folder(tiny_folder, quant="int8", batch_invariant=True).int8_kernel == "mixed"

@@ -262,6 +262,27 @@ def wide_rows(out_features: int, in_features: int) -> int:
     return max(WIDE_MIN_ROWS, 1 + -(-WIDE_WEIGHTS // (out_features * in_features)))
 
 
+#: ``auto`` takes the mixed kernel only for models where it pays within a verification pass: the
+#: weight-weighted median of the layer matrices' switch rows must be at most this.  Measured:
+#: Qwen2.5-Coder-1.5B (median 3) runs a 5-row pass 20 % faster on mixed; SmolLM2-135M (median 5:
+#: its matrices are small) runs the same passes as fast on either (benchmarks/int8-kernel-curves)
+#: and decoded 2-3 % slower on mixed in a paired run of the 16 built-in prompts, so it stays on fbgemm.
+WIDE_AUTO_ROWS = 4
+
+
+def mixed_pays(shapes: list[tuple[int, int]]) -> bool:
+    """Whether ``auto`` should run layer matrices of these ``(out, in)`` shapes on the mixed kernel."""
+    if not shapes:
+        return False
+    rows = sorted((wide_rows(n, k), n * k) for n, k in shapes)
+    half, seen = sum(w for _, w in rows) / 2, 0
+    for r, w in rows:
+        seen += w
+        if seen >= half:
+            return r <= WIDE_AUTO_ROWS
+    return False
+
+
 #: the activation step fbgemm's dynamic linear picks for an input whose range is exactly [-1, 1]
 #: with 8-bit activations ((1 - (-1)) / 255, zero point 128): what :class:`W8A8Linear` feeds it
 _FBGEMM_STEP = 2.0 / 255.0
@@ -309,7 +330,8 @@ def onednn_int8_available() -> bool:
 #: call (measured on a 2-core Sapphire Rapids: plain decoding 70 vs 93 tok/s with oneDNN alone;
 #: benchmarks/spr-int8-*-vs-llamacpp).  "mixed" runs each matrix on fbgemm below wide_rows() rows
 #: and on oneDNN from there with bitwise the same results (W8A8Linear ``wide``); "auto" = mixed where the CPU has AMX
-#: int8, fbgemm elsewhere with fbgemm, oneDNN where only oneDNN is there
+#: int8 (and the model's matrices are large enough for it to pay: see WIDE_AUTO_ROWS), fbgemm
+#: elsewhere with fbgemm, oneDNN where only oneDNN is there
 INT8_KERNELS = ("auto", "fbgemm", "onednn", "mixed")
 
 
