@@ -325,7 +325,7 @@ class NativeCausalLM:
         self._cos, self._sin = cos.to(dtype), sin.to(dtype)
         self._q_size = cfg.n_heads * cfg.head_dim
         self._kv_size = cfg.n_kv_heads * cfg.head_dim
-        #: the int8 kernel the linear layers run on ("fbgemm" | "onednn"), None when not quantised
+        #: the int8 kernel the linear layers run on ("fbgemm" | "onednn" | "mixed"), None when not quantised
         self.int8_kernel = resolve_int8_kernel(int8_kernel) if quant == "int8" else None
         if self.int8_kernel == "mixed" and int8_kernel == "auto" and os.environ.get("SPECDEC_INT8_KERNEL", "auto") == "auto":
             shapes = [tuple(getattr(layer, name).inner.weight.shape) for layer in self.layers
