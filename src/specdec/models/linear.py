@@ -305,11 +305,13 @@ def wide_packing(q: Tensor, scales: Tensor) -> list[Tensor]:
 
 
 def wide_product(x: Tensor, wide: list[Tensor]) -> Tensor:  # x: [n, in] rows in [-1, 1] -> [n, out]
-    """fbgemm's dynamic int8 product of rows normalised to [-1, 1], on oneDNN (see :func:`wide_packing`)."""
-    q = torch.quantize_per_tensor(x, _FBGEMM_STEP, _FBGEMM_ZERO, torch.quint8).int_repr()  # [n, in] uint8
-    return torch.ops.onednn.qlinear_pointwise(
-        q, 1.0, _FBGEMM_ZERO, wide[0], wide[1], wide[2], None, 1.0, 0, torch.float32, "none", [], ""
-    )
+    """fbgemm's dynamic int8 product of rows normalised to [-1, 1], on oneDNN (see :func:`wide_packing`).
+
+    Also compiled into the TorchScript layer loop, which cannot read module globals: the literals
+    are ``_FBGEMM_STEP`` and ``_FBGEMM_ZERO``."""
+    q = torch.quantize_per_tensor(x, 2.0 / 255.0, 128, torch.quint8).int_repr()  # [n, in] uint8
+    return torch.ops.onednn.qlinear_pointwise(q, 1.0, 128, wide[0], wide[1], wide[2], None, 1.0, 0, torch.float32,
+                                              "none", [], "")
 
 
 def w8a8_available() -> bool:
@@ -340,8 +342,10 @@ def mixed_available() -> bool:
     return w8a8_available() and _has_vnni() and onednn_int8_available()
 
 
-def int8_kernel(choice: str = "auto") -> str:
-    """Resolve an int8 kernel choice; ``SPECDEC_INT8_KERNEL`` (fbgemm | onednn | mixed) overrides ``auto``."""
+def int8_kernel(choice: str = "auto", shapes: list[tuple[int, int]] | None = None) -> str:
+    """Resolve an int8 kernel choice; ``SPECDEC_INT8_KERNEL`` (fbgemm | onednn | mixed) overrides ``auto``.
+    ``shapes``: the model's layer matrices ``(out, in)``, if known; ``auto`` then takes the mixed
+    kernel only where :func:`mixed_pays`."""
     import os
 
     from specdec.errors import ConfigError
@@ -351,7 +355,7 @@ def int8_kernel(choice: str = "auto") -> str:
     if choice not in INT8_KERNELS:
         raise ConfigError(f"unknown int8 kernel {choice!r}; choose one of {', '.join(INT8_KERNELS)}")
     if choice == "auto":
-        if mixed_available() and cpu_has("amx_int8"):
+        if mixed_available() and cpu_has("amx_int8") and (shapes is None or mixed_pays(shapes)):
             return "mixed"
         return "fbgemm" if w8a8_available() or not onednn_int8_available() else "onednn"
     if choice == "onednn" and not onednn_int8_available():

@@ -22,7 +22,7 @@ from torch import Tensor
 
 from specdec.errors import ConfigError
 from specdec.kv_cache import KVCache
-from specdec.models.linear import Int8Linear, Linear, W8A8Linear, W8A8OneDNNLinear, int8_kernel as resolve_int8_kernel, mixed_pays
+from specdec.models.linear import Int8Linear, Linear, W8A8Linear, W8A8OneDNNLinear, int8_kernel as resolve_int8_kernel
 from specdec.models.quantize import RangeRecorder, calibration_ids, smoothing
 from specdec.models.scripted import ATTENTION_BLOCK, ScriptedLayers, compiled_layers
 from specdec.models.scripted import BLOCK_MASK as _BLOCK_MASK
@@ -326,12 +326,11 @@ class NativeCausalLM:
         self._q_size = cfg.n_heads * cfg.head_dim
         self._kv_size = cfg.n_kv_heads * cfg.head_dim
         #: the int8 kernel the linear layers run on ("fbgemm" | "onednn" | "mixed"), None when not quantised
-        self.int8_kernel = resolve_int8_kernel(int8_kernel) if quant == "int8" else None
-        if self.int8_kernel == "mixed" and int8_kernel == "auto" and os.environ.get("SPECDEC_INT8_KERNEL", "auto") == "auto":
+        self.int8_kernel = None
+        if quant == "int8":  # auto weighs the layer shapes (small matrices: fbgemm, linear.WIDE_AUTO_ROWS)
             shapes = [tuple(getattr(layer, name).inner.weight.shape) for layer in self.layers
                       for name in ("qkv", "out", "gate_up", "down")]
-            if not mixed_pays(shapes):  # small matrices: fbgemm is as fast in every pass (linear.WIDE_AUTO_ROWS)
-                self.int8_kernel = "fbgemm"
+            self.int8_kernel = resolve_int8_kernel(int8_kernel, shapes)
         if quant == "int8":
             self._quantize(calibration)
         #: the layer loop compiled with TorchScript (bitwise the same ops; see models/scripted.py),

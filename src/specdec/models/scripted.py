@@ -29,6 +29,7 @@ import torch.nn.functional as F
 from torch import Tensor
 
 from specdec.kv_cache import GROW_STEP
+from specdec.models.linear import wide_product
 
 #: exact attention reads keys in whole blocks of this many positions (the cache's allocation step,
 #: so a block never reaches past the buffer); see ``native._attend_rows``
@@ -74,11 +75,8 @@ def _linear(
         if i in smooth:
             x = x * smooth[i]
         s = x.abs().amax(1, True).clamp_min_(1e-30)
-        if i in wt.wide and n >= wt.wide_rows[i]:  # linear.wide_product: bitwise what fbgemm gives
-            ww = wt.wide[i]
-            xq = torch.quantize_per_tensor(x / s, 2.0 / 255.0, 128, torch.quint8).int_repr()
-            y = torch.ops.onednn.qlinear_pointwise(xq, 1.0, 128, ww[0], ww[1], ww[2], None, 1.0, 0, torch.float32,
-                                                   "none", [], "")
+        if i in wt.wide and n >= wt.wide_rows[i]:
+            y = wide_product(x / s, wt.wide[i])  # bitwise what fbgemm gives
         else:
             staged = wt.staging[i][:n]
             torch.div(x, s, out=staged[:, : x.shape[1]])
