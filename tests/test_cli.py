@@ -202,3 +202,13 @@ def test_bench_help_documents_every_flag_and_its_default():
         if not action.option_strings or action.dest == "help":
             continue
         assert action.help and "default" in action.help.lower(), action.option_strings
+
+
+@pytest.mark.parametrize("draft, modes, says", [
+    ("ngram,ngram", "plain,speculative", "twice"),
+    (" , ", "plain,speculative", "empty"),
+    ("smollm2-135m-draft,ngram", "speculative,edge_only", "several drafters"),
+])
+def test_bench_refuses_bad_drafter_lists(capsys, draft, modes, says):
+    code, out, err = _run(capsys, "bench", "--draft", draft, "--modes", modes, "--out", "unused")
+    assert code == 2 and says in err and "Traceback" not in err and out == ""

@@ -202,6 +202,20 @@ def make_tree(tree: str | int, gamma: GammaController) -> tuple[TreeSpec | None,
     return TreeSpec(), FixedGamma(int(tree))
 
 
+def _check_draft_name(draft: str) -> tuple[str, bool]:
+    """(base name, prompt lookup in front?) of a ``--draft`` value; a missing shipped head or a
+    ``+lookup`` on a drafter that is not a model fails here, before anything loads."""
+    from specdec.drafters import heads
+
+    base, lookup = split_lookup(draft)
+    kind = base.lower()
+    head = heads.resolve_head(base)
+    if lookup and (kind in ("none", "ngram", "lookahead") or head is not None):
+        raise ConfigError(f"'{LOOKUP_SUFFIX}' adds prompt lookup to a drafting model (a draft model, 'self' or a"
+                          f" self-speculative view); {base!r} is not one (use e.g. {defaults.DEFAULT_DRAFT_MODEL}{LOOKUP_SUFFIX})")
+    return base, lookup
+
+
 @dataclass
 class TextResult:
     text: str
@@ -228,20 +242,24 @@ class Engine:
 
     @classmethod
     def build(cls, cfg: EngineConfig, *, progress: Callable[[str], None] | None = None) -> "Engine":
+        _check_draft_name(cfg.draft)  # a bad draft name fails before the target loads
         dtype, quant = target_dtype(cfg)
-        from specdec.drafters import heads
-
-        base, lookup = split_lookup(cfg.draft)
-        kind = base.lower()
-        head = heads.resolve_head(base)  # a missing shipped head fails before the target loads
-        if lookup and (kind in ("none", "ngram", "lookahead") or head is not None):
-            raise ConfigError(f"'{LOOKUP_SUFFIX}' adds prompt lookup to a drafting model (a draft model, 'self' or a"
-                              f" self-speculative view); {base!r} is not one (use e.g. {defaults.DEFAULT_DRAFT_MODEL}{LOOKUP_SUFFIX})")
-        wrap = (lambda d, name: (LookupThenModel(d), name + LOOKUP_SUFFIX)) if lookup else (lambda d, name: (d, name))
         if progress:
             progress(f"loading target {cfg.target}" + (f" ({quant})" if quant else ""))
         target = load(cfg.target, backend=cfg.backend, dtype=dtype, batch_invariant=cfg.batch_invariant, quant=quant,
                       int8_kernel=cfg.int8_kernel)
+        return cls.attach(target, cfg, progress=progress)
+
+    @classmethod
+    def attach(cls, target: LoadedModel, cfg: EngineConfig, *, progress: Callable[[str], None] | None = None) -> "Engine":
+        """An engine for ``cfg.draft`` over an already loaded ``target`` (which ``cfg`` describes):
+        several drafters can share one target this way (``specdec bench --draft A,B``)."""
+        from specdec.drafters import heads
+
+        base, lookup = _check_draft_name(cfg.draft)
+        kind = base.lower()
+        head = heads.resolve_head(base)
+        wrap = (lambda d, name: (LookupThenModel(d), name + LOOKUP_SUFFIX)) if lookup else (lambda d, name: (d, name))
         if kind == "none":
             return cls(target, None, "none")
         if kind == "ngram":

@@ -25,3 +25,20 @@ def test_local_bench_modes_run_their_workers_and_report(tmp_path):
     report.write(result, tmp_path, make_plots=False)
     md = (tmp_path / "README.md").read_text()
     assert "speculative/greedy" in md and "plain_paired" in md
+
+
+def test_several_drafters_share_one_target_and_one_paired_plain_run(tmp_path):
+    """`--draft A,B`: each drafter decodes the prompt right after the one plain_paired run, rows say
+    which drafter made them, and the report keeps them apart."""
+    cfg = runner.BenchConfig(target=MODEL, draft=f"{MODEL},ngram", prompts=(BUILTIN[0],), modes=("speculative",),
+                             temperatures=(0.0,), max_new_tokens=8, threads=1)
+    result = runner.run(cfg, progress=False)
+    spec = [s for s in result["samples"] if s["mode"] == "speculative"]
+    paired = [s for s in result["samples"] if s["mode"] == "plain_paired"]
+    assert len(paired) == 1 and [s["draft"] for s in spec] == [MODEL, "ngram"]
+    assert [s["drafter"] for s in spec] == [MODEL, "ngram"]  # the engine that ran is the one the row names
+    assert all(s["tokens_sha1"] == paired[0]["tokens_sha1"] for s in spec)  # greedy = plain for both
+    stats = report.write(result, tmp_path, make_plots=False)["stats"]
+    assert sorted(g.draft for g in stats if g.mode == "speculative") == sorted([MODEL, "ngram"])
+    md = (tmp_path / "README.md").read_text()
+    assert f"speculative/greedy · {MODEL}" in md and "speculative/greedy · ngram" in md

@@ -35,7 +35,7 @@ def add_parser(sub) -> None:  # noqa: ANN001 - argparse's subparsers action
         "write results.json, a Markdown summary (README.md) and PNG plots.",
     )
     p.add_argument("--target", default=defaults.DEFAULT_TARGET, help=f"target model (default {defaults.DEFAULT_TARGET})")
-    p.add_argument("--draft", default=defaults.DEFAULT_DRAFT, help=f"draft model, 'NAME+lookup' (prompt lookup, the draft model NAME where nothing repeats), 'ngram', 'lookahead', 'self', or a self-speculative view of the target: layerskip:K, self-skip, swift, kangaroo (modes plain,speculative) (default {defaults.DEFAULT_DRAFT})")
+    p.add_argument("--draft", default=defaults.DEFAULT_DRAFT, help=f"draft model, 'NAME+lookup' (prompt lookup, the draft model NAME where nothing repeats), 'ngram', 'lookahead', 'self', a draft head (EAGLE / Medusa / MTP folder or name), or a self-speculative view of the target: layerskip:K, self-skip, swift, kangaroo (modes plain,speculative); a comma list compares several drafters in one run: each decodes every prompt right after the same paired plain run (modes plain,speculative) (default {defaults.DEFAULT_DRAFT})")
     p.add_argument("--modes", default="plain,edge_only,speculative,hf_plain,hf_assisted",
                    help="comma list of plain (the target alone; 'cloud_only' is accepted too), edge_only (the draft alone), speculative, "
                    "hf_plain, hf_assisted, llamacpp (llama.cpp on the target's GGUF; needs the llamacpp extra) (local), and edge_cloud, cloud_streaming, cloud_streaming_spec (cloud server process "
@@ -103,17 +103,30 @@ def run(args: argparse.Namespace, argv: list[str] | None = None) -> int:
 
     from specdec.drafters.hybrid import split_lookup
 
-    base = split_lookup(args.draft)[0]  # NAME+lookup: what matters here is NAME
-    if parse_name(base) is not None:  # a view of the target: there is no draft model to run alone
-        bad = [m for m in _csv(args.modes) if m in ("edge_only", "hf_assisted", "edge_cloud")]
-        if bad:
-            raise ConfigError(f"--draft {args.draft} is a self-speculative view of the target: modes {', '.join(bad)} "
-                              "need a separate draft model (use --modes plain,speculative)")
-    elif resolve_head(base) is not None:  # a head reads the target's hidden states: it never runs alone
+    from specdec.bench.runner import split_drafts
+
+    drafts = split_drafts(args.draft)
+    if not drafts:
+        raise ConfigError("--draft is empty")
+    if len(drafts) != len(set(drafts)):
+        raise ConfigError(f"--draft lists a drafter twice: {args.draft}")
+    if len(drafts) > 1:  # several drafters side by side: only the speculative mode compares them
         bad = [m for m in _csv(args.modes) if m not in ("plain", "cloud_only", "speculative")]
         if bad:
-            raise ConfigError(f"--draft {args.draft} is a draft head (it reads the target's hidden states): modes "
-                              f"{', '.join(bad)} need a separate draft model (use --modes plain,speculative)")
+            raise ConfigError(f"--draft with several drafters ({args.draft}) runs with --modes plain,speculative only; "
+                              f"{', '.join(bad)} need one draft")
+    for draft in drafts:
+        base = split_lookup(draft)[0]  # NAME+lookup: what matters here is NAME
+        if parse_name(base) is not None:  # a view of the target: there is no draft model to run alone
+            bad = [m for m in _csv(args.modes) if m in ("edge_only", "hf_assisted", "edge_cloud")]
+            if bad:
+                raise ConfigError(f"--draft {draft} is a self-speculative view of the target: modes {', '.join(bad)} "
+                                  "need a separate draft model (use --modes plain,speculative)")
+        elif resolve_head(base) is not None:  # a head reads the target's hidden states: it never runs alone
+            bad = [m for m in _csv(args.modes) if m not in ("plain", "cloud_only", "speculative")]
+            if bad:
+                raise ConfigError(f"--draft {draft} is a draft head (it reads the target's hidden states): modes "
+                                  f"{', '.join(bad)} need a separate draft model (use --modes plain,speculative)")
     prompts = workloads.load_jsonl(args.prompts) if args.prompts else list(workloads.BUILTIN)
     prompts = workloads.select(prompts, categories=_csv(args.categories) if args.categories else None, limit=args.limit)
     command = command_line(argv if argv is not None else sys.argv[2:], os.environ)
@@ -135,7 +148,7 @@ def run(args: argparse.Namespace, argv: list[str] | None = None) -> int:
         if g.mode == "speculative":
             vs = [f"×{ratio:.2f} {name}" for ratio, name in ((g.speedup_vs_cloud, "plain"), (g.speedup_vs_hf_assisted, "HF assisted"))
                   if ratio is not None]
-            print(f"[specdec] {g.method} γ={g.gamma} T={g.temperature:g}: {g.tokens_per_s_median:.1f} tok/s"
+            print(f"[specdec] {g.what} γ={g.gamma} T={g.temperature:g}: {g.tokens_per_s_median:.1f} tok/s"
                   + "".join(f", {v}" for v in vs), file=sys.stderr)
     for n in written["network"]:
         print(f"[specdec] {n.label} γ={n.gamma or '–'} T={n.temperature:g} RTT {n.rtt_ms:g} ms: {n.tokens_per_s_median:.1f} tok/s, "

@@ -37,7 +37,8 @@ def _mean_se(values: list[float]) -> tuple[float, float]:
 
 
 def group_key(s: dict) -> tuple:
-    return (s["mode"], s["method"], s.get("gamma"), float(s["temperature"]))
+    """(mode, method, γ, T, drafter); the drafter is None unless the run compared several."""
+    return (s["mode"], s["method"], s.get("gamma"), float(s["temperature"]), s.get("draft"))
 
 
 def pair_key(s: dict) -> tuple:
@@ -91,6 +92,13 @@ class GroupStats:
     overhead_share: float | None = None
     #: rounds by accepted draft tokens, summed over the group's runs (chain vs token trees)
     accepted_histogram: list[int] = field(default_factory=list)
+    #: the drafter, when one run compared several (``specdec bench --draft A,B``)
+    draft: str | None = None
+
+    @property
+    def what(self) -> str:
+        """The method, and the drafter when the run compared several."""
+        return self.method + (f" · {self.draft}" if self.draft else "")
 
 
 def _ratios(samples: list[dict], reference: dict[tuple, dict]) -> list[tuple[str, float]]:
@@ -132,16 +140,19 @@ def aggregate(samples: list[dict], processes: dict | None = None) -> list[GroupS
     # process seconds before (plain_paired) when the bench recorded one, else with plain
     plain_ref = {mode: ("plain_paired" if mode == "speculative" and refs["plain_paired"] else "plain") for mode, *_ in groups}
     cloud_step: dict[tuple[str, float], float] = {}  # seconds per target call of plain decoding
-    for (mode, _, _, t), rows in groups.items():
+    for (mode, _, _, t, _), rows in groups.items():
         if mode in ("plain", "plain_paired"):
             calls = sum(r["target_calls"] for r in rows)
             cloud_step[(mode, t)] = sum(r["target_s"] for r in rows) / calls if calls else math.nan
     out = []
-    for (mode, method, gamma, t), rows in sorted(groups.items(), key=lambda kv: (kv[0][0], kv[0][1], netreport.gamma_order(kv[0][2]), kv[0][3])):
+    order = {}  # drafters in the order the run listed them
+    for s in samples:
+        order.setdefault(s.get("draft"), len(order))
+    for (mode, method, gamma, t, draft), rows in sorted(groups.items(), key=lambda kv: (kv[0][0], order[kv[0][4]], kv[0][1], netreport.gamma_order(kv[0][2]), kv[0][3])):
         tps = [r["tokens_per_s"] for r in rows]
         walls = [r["wall_s"] for r in rows]
         g = GroupStats(
-            mode=mode, method=method, gamma=gamma, temperature=t, n=len(rows),
+            mode=mode, method=method, gamma=gamma, temperature=t, n=len(rows), draft=draft,
             lossless=all(r.get("lossless", True) for r in rows),
             tokens_per_s_median=statistics.median(tps), tokens_per_s_q25=_quantile(tps, 0.25),
             tokens_per_s_q75=_quantile(tps, 0.75), latency_p50_s=_quantile(walls, 0.5),
@@ -258,7 +269,7 @@ class BlockVsToken:
 def block_vs_token(samples: list[dict]) -> list[BlockVsToken]:
     by = defaultdict(dict)
     for s in samples:
-        if s["mode"] == "speculative" and s["method"] in ("token", "block"):
+        if s["mode"] == "speculative" and s["method"] in ("token", "block") and s.get("draft") is None:
             by[(float(s["temperature"]), s.get("gamma"))].setdefault(s["method"], {})[(s["prompt_id"], s["seed"])] = s
     out = []
     for (t, gamma), methods in sorted(by.items(), key=lambda kv: (kv[0][0], netreport.gamma_order(kv[0][1]))):
@@ -295,7 +306,7 @@ def greedy_identity(samples: list[dict]) -> list[tuple[str, int, int]]:
         key = (s["prompt_id"], s.get("seed"))
         if key not in ref:
             continue
-        label = f"{s.get('mode')} {s.get('method')} γ={s.get('gamma') or '–'}"
+        label = f"{s.get('mode')} {s.get('method')}" + (f" · {s['draft']}" if s.get("draft") else "") + f" γ={s.get('gamma') or '–'}"
         c = counts.setdefault(label, [0, 0])
         c[0] += s["tokens_sha1"] == ref[key]
         c[1] += 1
@@ -316,7 +327,7 @@ def _mib(x) -> str:
 
 def _label(g: GroupStats) -> str:
     if g.mode == "speculative":
-        return f"speculative/{g.method}" + ("" if g.lossless else " (LOSSY)")
+        return f"speculative/{g.what}" + ("" if g.lossless else " (LOSSY)")
     return g.mode
 
 
@@ -396,7 +407,7 @@ def _local_tables(stats: list[GroupStats], bvt: list[BlockVsToken]) -> list[str]
                   "|---|---|---|---|---|---|---|---|---|---|---|---|---|"]
         for g in spec:
             lines.append(
-                f"| {g.method} | {g.gamma} | {g.temperature:g} | {_fmt(g.alpha_iid)} | {_fmt(g.cost_ratio_c, 3)} | {_fmt(g.draft_step_ms)} "
+                f"| {g.what} | {g.gamma} | {g.temperature:g} | {_fmt(g.alpha_iid)} | {_fmt(g.cost_ratio_c, 3)} | {_fmt(g.draft_step_ms)} "
                 f"| {_fmt(g.verify_ms)} | {_fmt(g.predicted_speedup_iid)} | {g.optimal_gamma_iid if g.optimal_gamma_iid is not None else '–'} "
                 f"| {_fmt(g.ideal_speedup)} | {_fmt(g.speedup_vs_cloud)} | {_fmt(g.efficiency, pct=True)} | {_fmt(g.overhead_share, pct=True)} |"
             )
@@ -405,7 +416,7 @@ def _local_tables(stats: list[GroupStats], bvt: list[BlockVsToken]) -> list[str]
                   "|---|---|---|" + "---|" * 12]
         for g in spec:
             cells = " | ".join(_fmt(a) for a in (g.acceptance_per_position + [math.nan] * 12)[:12])
-            lines.append(f"| {g.method} | {g.gamma} | {g.temperature:g} | {cells} |")
+            lines.append(f"| {g.what} | {g.gamma} | {g.temperature:g} | {cells} |")
     hists = [g for g in spec if g.accepted_histogram]
     if hists:
         width = min(max(len(g.accepted_histogram) for g in hists), 16)
@@ -415,7 +426,7 @@ def _local_tables(stats: list[GroupStats], bvt: list[BlockVsToken]) -> list[str]
         for g in hists:
             total = sum(g.accepted_histogram) or 1
             shares = [c / total for c in g.accepted_histogram[:width]] + [0.0] * (width - len(g.accepted_histogram[:width]))
-            lines.append(f"| {g.method} | {g.gamma} | {g.temperature:g} | {_fmt(g.tokens_per_call)} | " + " | ".join(f"{x:.2f}" for x in shares) + " |")
+            lines.append(f"| {g.what} | {g.gamma} | {g.temperature:g} | {_fmt(g.tokens_per_call)} | " + " | ".join(f"{x:.2f}" for x in shares) + " |")
     if bvt:
         lines += ["", "## Block vs token verification (tokens per target call, paired by prompt and seed)", "",
                   "| T | γ | pairs | token ± SE | block ± SE | block / token | mean difference ± SE |",
@@ -461,8 +472,8 @@ def plot(stats: list[GroupStats], bvt: list[BlockVsToken], out_dir: Path) -> lis
     if spec:
         fig, axes = plt.subplots(1, len(temps), figsize=(5 * len(temps), 4), squeeze=False)
         for ax, t in zip(axes[0], temps):
-            for method in sorted({g.method for g in spec if g.temperature == t}):
-                rows = [g for g in spec if g.temperature == t and g.method == method]
+            for method in sorted({g.what for g in spec if g.temperature == t}):
+                rows = [g for g in spec if g.temperature == t and g.what == method]
                 fixed = sorted((int(g.gamma), g.speedup_vs_cloud) for g in rows if str(g.gamma).isdigit())
                 if fixed:
                     ax.plot([x for x, _ in fixed], [y for _, y in fixed], marker="o", label=method)
@@ -479,7 +490,7 @@ def plot(stats: list[GroupStats], bvt: list[BlockVsToken], out_dir: Path) -> lis
         for ax, t in zip(axes[0], temps):
             for g in [g for g in spec if g.temperature == t]:
                 ys = g.acceptance_per_position
-                ax.plot(range(1, len(ys) + 1), ys, marker=".", label=f"{g.method} γ={g.gamma}")
+                ax.plot(range(1, len(ys) + 1), ys, marker=".", label=f"{g.what} γ={g.gamma}")
             ax.set(title=f"T = {t:g}", xlabel="draft position k", ylabel="P(accepted ≥ k | drafted ≥ k)", ylim=(0, 1.02))
             ax.legend(fontsize=7)
         fig.tight_layout()

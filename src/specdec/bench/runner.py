@@ -97,6 +97,11 @@ def _draft_precision(draft_dtype: str) -> str | None:
         return None
 
 
+def split_drafts(draft: str) -> list[str]:
+    """The drafters of a ``--draft A,B,...`` value (one name is a list of one)."""
+    return [d.strip() for d in draft.split(",") if d.strip()]
+
+
 def _count(cfg: BenchConfig, mode: str) -> int:
     """Samples a mode's worker emits (the speculative one adds one paired plain run per prompt)."""
     if mode in network.NETWORK_MODES:
@@ -109,7 +114,7 @@ def _count(cfg: BenchConfig, mode: str) -> int:
     if mode == "speculative":
         per_t = 0
         for t in cfg.temperatures:
-            per_t += 1 + sum(len(cfg.gammas) for m in cfg.methods if not (m == "greedy" and t > 0))
+            per_t += 1 + len(split_drafts(cfg.draft)) * sum(len(cfg.gammas) for m in cfg.methods if not (m == "greedy" and t > 0))
         return len(cfg.prompts) * cfg.repeats * per_t + hosted
     return n
 

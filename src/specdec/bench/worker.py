@@ -15,6 +15,7 @@ from dataclasses import dataclass, field
 
 import torch
 
+from specdec.bench.runner import split_drafts
 from specdec.bench.workloads import Prompt
 from specdec.sampling import SamplingConfig
 
@@ -23,7 +24,7 @@ from specdec.sampling import SamplingConfig
 class Job:
     mode: str  # plain | edge_only | speculative | hf_plain | hf_assisted | llamacpp | edge_cloud | cloud_streaming[_spec]
     target: str
-    draft: str
+    draft: str  # a name, or a comma list: the speculative mode then runs every drafter
     prompts: list[dict]
     temperatures: list[float]
     methods: list[str] = field(default_factory=lambda: ["block"])
@@ -123,16 +124,25 @@ def run_engine(job: Job, prompts: list[Prompt]) -> None:
     elif job.mode == "plain":
         engine = Engine.build(EngineConfig(target=job.target, draft="none", dtype=job.dtype, batch_invariant=job.batch_invariant))
     else:
-        engine = Engine.build(EngineConfig(target=job.target, draft=job.draft, dtype=job.dtype, draft_dtype=job.draft_dtype,
-                                           batch_invariant=job.batch_invariant))
+        drafts = split_drafts(job.draft)
+        cfgs = [EngineConfig(target=job.target, draft=d, dtype=job.dtype, draft_dtype=job.draft_dtype,
+                             batch_invariant=job.batch_invariant) for d in drafts]
+        engine = Engine.build(cfgs[0])
+        # several drafters share the one loaded target; each is decoded on every prompt right after
+        # the same plain_paired run, so their speed-ups are paired with the same reference
+        engines = [engine] + [Engine.attach(engine.target, c) for c in cfgs[1:]]
+    if job.mode != "speculative":
+        engines = [engine]
+    tag = len(engines) > 1  # rows say which drafter made them only when there is a choice
     plain = Engine(engine.target, None, "none")
     encoded = {p.id: engine.encode(p.text, chat=p.chat) for p in prompts}
     llama = _llamacpp_runner(job, engine.target.eos_ids) if job.llamacpp else None
     for temperature in job.temperatures:
         settings = list(_settings(job, temperature))
         warm = SamplingConfig(temperature=temperature, seed=0, max_new_tokens=16)
-        for method, gamma in settings:  # warm-up (oneDNN kernels, allocator), not recorded
-            _decoder(engine, get_rule("block" if method == "sample" else method), gamma).generate(encoded[prompts[0].id], warm)
+        for eng in engines:
+            for method, gamma in settings:  # warm-up (oneDNN kernels, allocator), not recorded
+                _decoder(eng, get_rule("block" if method == "sample" else method), gamma).generate(encoded[prompts[0].id], warm)
         if llama is not None:
             _llamacpp_warmup(job, llama, encoded[prompts[0].id], temperature)
         for rep in range(job.repeats):
@@ -145,11 +155,13 @@ def run_engine(job: Job, prompts: list[Prompt]) -> None:
                     rule = get_rule("greedy" if temperature == 0 else "block")
                     _emit(_row(job, "plain_paired", "plain_paired", None, temperature, p, seed,
                                plain.decoder(rule).generate(encoded[p.id], cfg)))
-                for method, gamma in settings:
-                    rule = get_rule("block" if method == "sample" else method)
-                    res = _decoder(engine, rule, gamma).generate(encoded[p.id], cfg)
-                    name = method if job.mode == "speculative" else job.mode
-                    _emit(_row(job, job.mode, name, gamma, temperature, p, seed, res))
+                for eng, draft in zip(engines, split_drafts(job.draft)):
+                    for method, gamma in settings:
+                        rule = get_rule("block" if method == "sample" else method)
+                        res = _decoder(eng, rule, gamma).generate(encoded[p.id], cfg)
+                        name = method if job.mode == "speculative" else job.mode
+                        row = _row(job, job.mode, name, gamma, temperature, p, seed, res)
+                        _emit({**row, "draft": draft} if tag else row)
 
 
 class _FirstTokenTimer:
