@@ -38,7 +38,16 @@ def test_several_drafters_share_one_target_and_one_paired_plain_run(tmp_path):
     assert len(paired) == 1 and [s["draft"] for s in spec] == [MODEL, "ngram"]
     assert [s["drafter"] for s in spec] == [MODEL, "ngram"]  # the engine that ran is the one the row names
     assert all(s["tokens_sha1"] == paired[0]["tokens_sha1"] for s in spec)  # greedy = plain for both
-    stats = report.write(result, tmp_path, make_plots=False)["stats"]
+    written = report.write(result, tmp_path, make_plots=True)
+    stats = written["stats"]
+    assert any(p.endswith("drafters.png") for p in written["plots"]) and (tmp_path / "drafters.png").stat().st_size > 0
     assert sorted(g.draft for g in stats if g.mode == "speculative") == sorted([MODEL, "ngram"])
     md = (tmp_path / "README.md").read_text()
     assert f"speculative/greedy · {MODEL}" in md and "speculative/greedy · ngram" in md
+    table = report.drafters_by_category(result["samples"])
+    assert [(r.draft, r.category) for r in table] == [(MODEL, "code"), ("ngram", "code")]
+    own = next(r for r in table if r.draft == MODEL)
+    row = spec[0]
+    assert own.tokens_per_call == row["generated_tokens"] / row["target_calls"]
+    assert own.speedup == row["tokens_per_s"] / paired[0]["tokens_per_s"]
+    assert "## Drafters side by side" in md

@@ -205,6 +205,60 @@ def _same_tokens(g: GroupStats, rows: list[dict], plain: dict[tuple, dict]) -> N
         g.same_tokens_as_llamacpp = (sum(r["tokens_sha1"] == ref["tokens_sha1"] for r, ref in pairs), len(pairs))
 
 
+def _acceptance_per_position(rows: list[dict]) -> list[float]:
+    """P(accepted ≥ k | drafted ≥ k) over ``rows``, each row weighted by what it drafted at k."""
+    longest = max((len(r.get("proposed_per_position") or []) for r in rows), default=0)
+    acc_k, prop_k = [0.0] * longest, [0] * longest
+    for r in rows:
+        for k, (rate, n) in enumerate(zip(r.get("acceptance_per_position") or [], r.get("proposed_per_position") or [])):
+            acc_k[k] += rate * n
+            prop_k[k] += n
+    return [a / p if p else math.nan for a, p in zip(acc_k, prop_k)]
+
+
+@dataclass(frozen=True)
+class DrafterCategory:
+    """One drafter's speculative rows at one temperature on one prompt category."""
+
+    draft: str
+    method: str
+    gamma: str | None
+    temperature: float
+    category: str
+    n: int
+    tokens_per_call: float
+    acceptance_per_position: list[float]
+    draft_step_ms: float | None
+    tokens_per_s_median: float
+    speedup: float | None  # median per-prompt ratio to the paired plain run
+
+
+def drafters_by_category(samples: list[dict]) -> list[DrafterCategory]:
+    """The drafter × T × category table of a run that compared several drafters (``--draft A,B``)."""
+    samples = upgrade(samples)
+    ref = {pair_key(s): s for s in samples if s["mode"] == "plain_paired"}
+    groups: dict[tuple, list[dict]] = defaultdict(list)
+    order: dict[str, int] = {}
+    for s in samples:
+        if s["mode"] == "speculative" and s.get("draft"):
+            order.setdefault(s["draft"], len(order))
+            groups[(s["draft"], s["method"], s.get("gamma"), float(s["temperature"]), s["category"])].append(s)
+    out = []
+    for (draft, method, gamma, t, cat), rows in sorted(groups.items(), key=lambda kv: (kv[0][3], order[kv[0][0]], kv[0][1], netreport.gamma_order(kv[0][2]), kv[0][4])):
+        calls = sum(r["target_calls"] for r in rows)
+        proposed = sum(r["draft_tokens_proposed"] for r in rows)
+        ratios = [r for _, r in _ratios(rows, ref)]
+        out.append(DrafterCategory(
+            draft=draft, method=method, gamma=gamma, temperature=t, category=cat, n=len(rows),
+            tokens_per_call=sum(r["generated_tokens"] for r in rows) / calls if calls else math.nan,
+            acceptance_per_position=_acceptance_per_position(rows),
+            draft_step_ms=1e3 * sum(r["draft_s"] for r in rows) / proposed if proposed else None,
+            tokens_per_s_median=statistics.median(r["tokens_per_s"] for r in rows),
+            speedup=statistics.median(ratios) if ratios else None,
+        ))
+    return out
+
+
 def _engine_metrics(g: GroupStats, rows: list[dict], cloud_step_s: float | None) -> None:
     calls = sum(r["target_calls"] for r in rows)
     generated = sum(r["generated_tokens"] for r in rows)
@@ -213,13 +267,7 @@ def _engine_metrics(g: GroupStats, rows: list[dict], cloud_step_s: float | None)
     wall = sum(r["wall_s"] for r in rows)
     g.tokens_per_call, g.tokens_per_call_se = _mean_se([r["tokens_per_target_call"] for r in rows])
     g.acceptance = accepted / proposed if proposed else None
-    longest = max((len(r.get("proposed_per_position") or []) for r in rows), default=0)
-    acc_k, prop_k = [0.0] * longest, [0] * longest
-    for r in rows:
-        for k, (rate, n) in enumerate(zip(r.get("acceptance_per_position") or [], r.get("proposed_per_position") or [])):
-            acc_k[k] += rate * n
-            prop_k[k] += n
-    g.acceptance_per_position = [a / p if p else math.nan for a, p in zip(acc_k, prop_k)]
+    g.acceptance_per_position = _acceptance_per_position(rows)
     g.mean_gamma = proposed / calls if calls else 0.0
     hist: list[int] = []
     for r in rows:
@@ -355,6 +403,7 @@ def markdown(result: dict, stats: list[GroupStats], bvt: list[BlockVsToken], plo
     ]
     if stats:
         lines += _local_tables(stats, bvt)
+        lines += _drafter_table(drafters_by_category(result.get("samples", [])))
         lines += _llamacpp_table(stats)
     ident = greedy_identity(result.get("samples", []))
     if ident:
@@ -434,6 +483,22 @@ def _local_tables(stats: list[GroupStats], bvt: list[BlockVsToken]) -> list[str]
         for b in bvt:
             lines.append(f"| {b.temperature:g} | {b.gamma} | {b.n_pairs} | {b.token_tpc:.3f} ± {b.token_se:.3f} | {b.block_tpc:.3f} ± {b.block_se:.3f} "
                          f"| {b.ratio:.3f} | {b.diff:+.3f} ± {b.diff_se:.3f} |")
+    return lines
+
+
+def _drafter_table(rows: list[DrafterCategory]) -> list[str]:
+    """Every drafter of the run × T × prompt category, side by side (runs with ``--draft A,B``)."""
+    if not rows:
+        return []
+    lines = ["", "## Drafters side by side, by prompt category", "",
+             "Tokens/call = generated tokens / target calls; acceptance k = P(accepted ≥ k | drafted ≥ k); draft step = "
+             "draft time / drafted tokens (a tree counts every node); ×plain = median per-prompt ratio to the paired plain run.", "",
+             "| drafter | method | γ | T | category | prompts | tokens/call | acceptance k=1 / 2 / 3 | draft step ms | tok/s | ×plain |",
+             "|---|---|---|---|---|---|---|---|---|---|---|"]
+    for r in rows:
+        acc = " / ".join(_fmt(a) for a in (r.acceptance_per_position + [math.nan] * 3)[:3])
+        lines.append(f"| {r.draft} | {r.method} | {r.gamma or '–'} | {r.temperature:g} | {r.category} | {r.n} | {_fmt(r.tokens_per_call)} "
+                     f"| {acc} | {_fmt(r.draft_step_ms)} | {r.tokens_per_s_median:.1f} | {_fmt(r.speedup)} |")
     return lines
 
 
@@ -524,6 +589,37 @@ def plot(stats: list[GroupStats], bvt: list[BlockVsToken], out_dir: Path) -> lis
     return paths
 
 
+def plot_drafters(rows: list[DrafterCategory], out_dir: Path) -> list[str]:
+    """Tokens per call and speed-up over plain per drafter, one panel per T, a bar per category."""
+    if not rows:
+        return []
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    temps = sorted({r.temperature for r in rows})
+    cats = sorted({r.category for r in rows})
+    fig, axes = plt.subplots(2, len(temps), figsize=(6 * len(temps), 7), squeeze=False)
+    for col, t in enumerate(temps):
+        here = [r for r in rows if r.temperature == t]
+        names = list(dict.fromkeys(f"{r.draft}\n{r.method} {r.gamma or ''}".strip() for r in here))
+        width = 0.8 / len(cats)
+        for i, cat in enumerate(cats):
+            by = {f"{r.draft}\n{r.method} {r.gamma or ''}".strip(): r for r in here if r.category == cat}
+            xs = [j + (i - (len(cats) - 1) / 2) * width for j in range(len(names))]
+            axes[0][col].bar(xs, [by[n].tokens_per_call if n in by else 0 for n in names], width, label=cat)
+            axes[1][col].bar(xs, [(by[n].speedup or 0) if n in by else 0 for n in names], width, label=cat)
+        for row, ylabel in ((0, "tokens per target call"), (1, "speed-up over paired plain")):
+            ax = axes[row][col]
+            ax.set_xticks(range(len(names)), names, fontsize=7, rotation=30, ha="right")
+            ax.set(title=f"T = {t:g}", ylabel=ylabel)
+            ax.legend(fontsize=7)
+        axes[1][col].axhline(1.0, color="grey", lw=0.8, ls="--")
+    fig.tight_layout()
+    return [_save(fig, out_dir / "drafters.png")]
+
+
 def _save(fig, path: Path) -> str:
     path.parent.mkdir(parents=True, exist_ok=True)
     fig.savefig(path, dpi=110)
@@ -544,7 +640,8 @@ def write(result: dict, out_dir: str | Path, *, make_plots: bool = True) -> dict
     bvt = block_vs_token(result["samples"])
     net = netreport.aggregate_network(result["samples"])
     per_wire = netreport.bytes_by_wire(result["samples"])
-    plots = (plot(stats, bvt, out) + netreport.plot(net, per_wire, out, _save)) if make_plots else []
+    plots = (plot(stats, bvt, out) + plot_drafters(drafters_by_category(result["samples"]), out)
+             + netreport.plot(net, per_wire, out, _save)) if make_plots else []
     result = {**result, "groups": [asdict(g) for g in stats], "block_vs_token": [asdict(b) for b in bvt],
               "network_groups": [{**asdict(g), "label": g.label} for g in net],
               "bytes_per_token_by_wire": [asdict(b) for b in per_wire]}
