@@ -1,0 +1,95 @@
+#!/usr/bin/env python
+"""Confidence-gated drafts, paired: plain decoding and speculative decoding at several
+``--min-confidence`` values, every variant on every prompt in one process, interleaved.
+
+    python scripts/confidence_ab.py --values 0,0.3,0.5,0.7 --temperatures 0 --out benchmarks/NAME
+
+Not a test and not part of CI.  For each prompt and temperature the order is: plain, then each
+value (rotated per prompt so that no value always runs first); each speculative run's speed-up is
+over the plain run of the same prompt taken seconds before.  Writes ``results.json`` and
+``README.md`` (medians over prompts, by category; tokens per call; greedy output = plain).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import shlex
+import statistics
+import sys
+from pathlib import Path
+
+import torch
+from tqdm import tqdm
+
+from specdec import defaults
+from specdec.bench.runner import machine_info
+from specdec.bench.report import machine_line
+from specdec.bench.workloads import BUILTIN, select
+from specdec.engine import Engine, EngineConfig
+from specdec.sampling import SamplingConfig
+from specdec.verify import get_rule
+
+
+def main() -> int:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--target", default=defaults.DEFAULT_TARGET)
+    ap.add_argument("--draft", default=defaults.DEFAULT_DRAFT)
+    ap.add_argument("--values", default="0,0.5", help="comma list of --min-confidence values")
+    ap.add_argument("--temperatures", default="0,1")
+    ap.add_argument("--max-new-tokens", type=int, default=128)
+    ap.add_argument("--limit", type=int, help="first N built-in prompts of each category")
+    ap.add_argument("--threads", type=int, default=2)
+    ap.add_argument("--out", required=True)
+    args = ap.parse_args()
+    torch.set_num_threads(args.threads)
+    values = [float(v) for v in args.values.split(",")]
+    temps = [float(t) for t in args.temperatures.split(",")]
+    prompts = select(list(BUILTIN), limit=args.limit)
+    engine = Engine.build(EngineConfig(target=args.target, draft=args.draft))
+    plain = Engine(engine.target, None, "none")
+    rows = []
+    for t in temps:
+        rule = get_rule("greedy" if t == 0 else "block")
+        warm = SamplingConfig(temperature=t, seed=0, max_new_tokens=16)
+        enc0 = engine.encode(prompts[0].text, chat=prompts[0].chat)
+        for v in values:
+            engine.decoder(rule, min_confidence=v).generate(enc0, warm)
+        for i, p in enumerate(tqdm(prompts, desc=f"T={t:g}")):
+            ids = engine.encode(p.text, chat=p.chat)
+            cfg = SamplingConfig(temperature=t, seed=0, max_new_tokens=args.max_new_tokens)
+            ref = plain.decoder(rule).generate(ids, cfg)
+            rows.append({"prompt": p.id, "category": p.category, "T": t, "variant": "plain",
+                         "tok_s": ref.stats.tokens_per_s, "tokens_per_call": 1.0, "tokens": ref.tokens})
+            for v in values[i % len(values):] + values[: i % len(values)]:
+                res = engine.decoder(rule, min_confidence=v).generate(ids, cfg)
+                rows.append({"prompt": p.id, "category": p.category, "T": t, "variant": v,
+                             "tok_s": res.stats.tokens_per_s, "tokens_per_call": res.stats.tokens_per_target_call,
+                             "mean_gamma": res.stats.mean_gamma, "tokens": res.tokens,
+                             "speedup": res.stats.tokens_per_s / ref.stats.tokens_per_s})
+    out = Path(args.out)
+    out.mkdir(parents=True, exist_ok=True)
+    command = "python scripts/confidence_ab.py " + " ".join(shlex.quote(a) for a in sys.argv[1:])
+    (out / "results.json").write_text(json.dumps({"command": command, "machine": machine_info(), "rows": rows}, indent=1))
+    lines = [f"# Confidence-gated drafts, paired ({args.target} + {args.draft})", "", f"Command: `{command}`", "",
+             f"Machine: {machine_line(machine_info())}.", "",
+             f"{len(prompts)} prompts, {args.max_new_tokens} tokens, γ auto; every value on every prompt right after the "
+             "prompt's plain run, in one process. ×plain = median over prompts of the per-prompt ratio.", "",
+             "| T | --min-confidence | ×plain (all) | chat | code | tokens/call | mean γ | greedy = plain |",
+             "|---|---|---|---|---|---|---|---|"]
+    for t in temps:
+        plain_tokens = {r["prompt"]: r["tokens"] for r in rows if r["T"] == t and r["variant"] == "plain"}
+        for v in values:
+            rs = [r for r in rows if r["T"] == t and r["variant"] == v]
+            by = {c: statistics.median(r["speedup"] for r in rs if r["category"] == c) for c in sorted({r["category"] for r in rs})}
+            same = sum(r["tokens"] == plain_tokens[r["prompt"]] for r in rs) if t == 0 else None
+            lines.append(f"| {t:g} | {v:g} | {statistics.median(r['speedup'] for r in rs):.3f} | {by.get('chat', float('nan')):.3f} "
+                         f"| {by.get('code', float('nan')):.3f} | {statistics.mean(r['tokens_per_call'] for r in rs):.2f} "
+                         f"| {statistics.mean(r['mean_gamma'] for r in rs):.2f} | {'–' if same is None else f'{same}/{len(rs)}'} |")
+    (out / "README.md").write_text("\n".join(lines) + "\n")
+    print("\n".join(lines))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
