@@ -81,3 +81,20 @@ def test_draft_precision_in_words(monkeypatch):
     monkeypatch.setattr(linear, "w8a8_available", lambda: False)
     monkeypatch.setattr(linear, "bf16_fast", lambda: True)
     assert draft_precision(EngineConfig()) == "bfloat16 + int8 head"
+
+
+def test_attach_puts_several_drafters_on_one_loaded_target(tmp_path):
+    from specdec.engine import Engine
+    from specdec.sampling import SamplingConfig
+    from tiny import make_tiny
+
+    target = str(make_tiny(tmp_path / "t", seed=0))
+    draft = str(make_tiny(tmp_path / "d", seed=1, layers=1))
+    first = Engine.build(EngineConfig(target=target, draft=draft, dtype="float32", draft_dtype="float32"))
+    second = Engine.attach(first.target, EngineConfig(target=target, draft="ngram", dtype="float32"))
+    assert second.target is first.target and second.drafter_name == "ngram" and first.drafter is not second.drafter
+    cfg = SamplingConfig(temperature=0.0, max_new_tokens=12)
+    plain = Engine(first.target, None, "none").generate([1, 2, 3, 4], cfg).token_ids
+    assert first.generate([1, 2, 3, 4], cfg).token_ids == plain == second.generate([1, 2, 3, 4], cfg).token_ids
+    with pytest.raises(ConfigError, match="lookup"):  # the same name checks as build(), before anything loads
+        Engine.attach(first.target, EngineConfig(target=target, draft="ngram+lookup"))
