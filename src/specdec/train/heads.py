@@ -350,10 +350,11 @@ def train(
         step += 1
         tokens_seen += int(batch.length.sum())
         seconds += time.perf_counter() - t0
+        value = float(loss.detach())
         if step % 10 == 0 or step == 1:
-            history.append({"step": step, "loss": float(loss), "ce": parts, "epoch": epoch})
+            history.append({"step": step, "loss": value, "ce": parts, "epoch": epoch})
         if progress is not None:
-            progress(step, float(loss), parts)
+            progress(step, value, parts)
         if step % cfg.ckpt_every == 0:
             save_ckpt()
         if step % cfg.eval_every == 0:
