@@ -165,7 +165,7 @@ def train(
         step += 1
         losses.append(float(loss.detach()))
         if on_step is not None:
-            on_step(step, float(loss), {"step": step, "optim": opt.state_dict(), "gen": gen.get_state()})
+            on_step(step, float(loss.detach()), {"step": step, "optim": opt.state_dict(), "gen": gen.get_state()})
     student.eval()
     return losses
 
