@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import os
 from dataclasses import dataclass, field, replace
+from pathlib import Path
 from typing import Callable
 
 import torch
@@ -202,9 +203,9 @@ def make_tree(tree: str | int, gamma: GammaController) -> tuple[TreeSpec | None,
     return TreeSpec(), FixedGamma(int(tree))
 
 
-def _check_draft_name(draft: str) -> tuple[str, bool]:
-    """(base name, prompt lookup in front?) of a ``--draft`` value; a missing shipped head or a
-    ``+lookup`` on a drafter that is not a model fails here, before anything loads."""
+def _check_draft_name(draft: str) -> tuple[str, bool, Path | None]:
+    """(base name, prompt lookup in front?, head folder or None) of a ``--draft`` value; a missing
+    shipped head or a ``+lookup`` on a drafter that is not a model fails here, before anything loads."""
     from specdec.drafters import heads
 
     base, lookup = split_lookup(draft)
@@ -213,7 +214,7 @@ def _check_draft_name(draft: str) -> tuple[str, bool]:
     if lookup and (kind in ("none", "ngram", "lookahead") or head is not None):
         raise ConfigError(f"'{LOOKUP_SUFFIX}' adds prompt lookup to a drafting model (a draft model, 'self' or a"
                           f" self-speculative view); {base!r} is not one (use e.g. {defaults.DEFAULT_DRAFT_MODEL}{LOOKUP_SUFFIX})")
-    return base, lookup
+    return base, lookup, head
 
 
 @dataclass
@@ -256,9 +257,8 @@ class Engine:
         several drafters can share one target this way (``specdec bench --draft A,B``)."""
         from specdec.drafters import heads
 
-        base, lookup = _check_draft_name(cfg.draft)
+        base, lookup, head = _check_draft_name(cfg.draft)
         kind = base.lower()
-        head = heads.resolve_head(base)
         wrap = (lambda d, name: (LookupThenModel(d), name + LOOKUP_SUFFIX)) if lookup else (lambda d, name: (d, name))
         if kind == "none":
             return cls(target, None, "none")

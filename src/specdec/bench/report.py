@@ -101,6 +101,14 @@ class GroupStats:
         return self.method + (f" · {self.draft}" if self.draft else "")
 
 
+def _draft_order(samples: list[dict]) -> dict[str | None, int]:
+    """Drafters in the order the run listed them (None: a run of one drafter)."""
+    order: dict[str | None, int] = {}
+    for s in samples:
+        order.setdefault(s.get("draft"), len(order))
+    return order
+
+
 def _ratios(samples: list[dict], reference: dict[tuple, dict]) -> list[tuple[str, float]]:
     out = []
     for s in samples:
@@ -145,9 +153,7 @@ def aggregate(samples: list[dict], processes: dict | None = None) -> list[GroupS
             calls = sum(r["target_calls"] for r in rows)
             cloud_step[(mode, t)] = sum(r["target_s"] for r in rows) / calls if calls else math.nan
     out = []
-    order = {}  # drafters in the order the run listed them
-    for s in samples:
-        order.setdefault(s.get("draft"), len(order))
+    order = _draft_order(samples)
     for (mode, method, gamma, t, draft), rows in sorted(groups.items(), key=lambda kv: (kv[0][0], order[kv[0][4]], kv[0][1], netreport.gamma_order(kv[0][2]), kv[0][3])):
         tps = [r["tokens_per_s"] for r in rows]
         walls = [r["wall_s"] for r in rows]
@@ -238,10 +244,9 @@ def drafters_by_category(samples: list[dict]) -> list[DrafterCategory]:
     samples = upgrade(samples)
     ref = {pair_key(s): s for s in samples if s["mode"] == "plain_paired"}
     groups: dict[tuple, list[dict]] = defaultdict(list)
-    order: dict[str, int] = {}
+    order = _draft_order(samples)
     for s in samples:
         if s["mode"] == "speculative" and s.get("draft"):
-            order.setdefault(s["draft"], len(order))
             groups[(s["draft"], s["method"], s.get("gamma"), float(s["temperature"]), s["category"])].append(s)
     out = []
     for (draft, method, gamma, t, cat), rows in sorted(groups.items(), key=lambda kv: (kv[0][3], order[kv[0][0]], kv[0][1], netreport.gamma_order(kv[0][2]), kv[0][4])):
@@ -589,6 +594,10 @@ def plot(stats: list[GroupStats], bvt: list[BlockVsToken], out_dir: Path) -> lis
     return paths
 
 
+def _bar_label(r: DrafterCategory) -> str:
+    return f"{r.draft}\n{r.method} {r.gamma or ''}".strip()
+
+
 def plot_drafters(rows: list[DrafterCategory], out_dir: Path) -> list[str]:
     """Tokens per call and speed-up over plain per drafter, one panel per T, a bar per category."""
     if not rows:
@@ -603,10 +612,10 @@ def plot_drafters(rows: list[DrafterCategory], out_dir: Path) -> list[str]:
     fig, axes = plt.subplots(2, len(temps), figsize=(6 * len(temps), 7), squeeze=False)
     for col, t in enumerate(temps):
         here = [r for r in rows if r.temperature == t]
-        names = list(dict.fromkeys(f"{r.draft}\n{r.method} {r.gamma or ''}".strip() for r in here))
+        names = list(dict.fromkeys(_bar_label(r) for r in here))
         width = 0.8 / len(cats)
         for i, cat in enumerate(cats):
-            by = {f"{r.draft}\n{r.method} {r.gamma or ''}".strip(): r for r in here if r.category == cat}
+            by = {_bar_label(r): r for r in here if r.category == cat}
             xs = [j + (i - (len(cats) - 1) / 2) * width for j in range(len(names))]
             axes[0][col].bar(xs, [by[n].tokens_per_call if n in by else 0 for n in names], width, label=cat)
             axes[1][col].bar(xs, [(by[n].speedup or 0) if n in by else 0 for n in names], width, label=cat)

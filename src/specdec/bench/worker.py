@@ -118,13 +118,13 @@ def run_engine(job: Job, prompts: list[Prompt]) -> None:
     from specdec.engine import Engine, EngineConfig, load_draft
     from specdec.verify import get_rule
 
+    drafts = split_drafts(job.draft)
     if job.mode == "edge_only":  # the draft model alone, in the precision it drafts in
         draft = load_draft(EngineConfig(draft=job.draft, draft_dtype=job.draft_dtype))
         engine = Engine(draft, None, "none")
     elif job.mode == "plain":
         engine = Engine.build(EngineConfig(target=job.target, draft="none", dtype=job.dtype, batch_invariant=job.batch_invariant))
     else:
-        drafts = split_drafts(job.draft)
         cfgs = [EngineConfig(target=job.target, draft=d, dtype=job.dtype, draft_dtype=job.draft_dtype,
                              batch_invariant=job.batch_invariant) for d in drafts]
         engine = Engine.build(cfgs[0])
@@ -155,7 +155,7 @@ def run_engine(job: Job, prompts: list[Prompt]) -> None:
                     rule = get_rule("greedy" if temperature == 0 else "block")
                     _emit(_row(job, "plain_paired", "plain_paired", None, temperature, p, seed,
                                plain.decoder(rule).generate(encoded[p.id], cfg)))
-                for eng, draft in zip(engines, split_drafts(job.draft)):
+                for eng, draft in zip(engines, drafts):
                     for method, gamma in settings:
                         rule = get_rule("block" if method == "sample" else method)
                         res = _decoder(eng, rule, gamma).generate(encoded[p.id], cfg)
