@@ -174,7 +174,7 @@ class W8A8Linear:
     """
 
     __slots__ = ("packed", "bias", "inv_smooth", "in_features", "out_features", "_buf", "_views", "_reduce_range",
-                 "wide", "wide_rows")
+                 "wide", "wide_rows", "vnni")
 
     def __init__(self, weight: Tensor, bias: Tensor | None = None, *, smooth: Tensor | None = None,
                  wide: bool = False) -> None:
@@ -204,6 +204,9 @@ class W8A8Linear:
             if self._reduce_range:
                 raise ValueError("the wide int8 kernel needs VNNI (8-bit activations)")
             self.wide = wide_packing(qw.int_repr()[:, :k], scales)
+        #: [packed int8 weight, zero-point compensation, column scales] for the few-row kernel
+        #: (kernels.q8_linear: bitwise fbgemm, products of up to VNNI_ROWS rows), None where it is absent
+        self.vnni = vnni_packing(qw.int_repr()[:, :k], scales) if not self._reduce_range and vnni_available() else None
         del qw
 
     def _staging(self, rows: int) -> Tensor:  # [rows, in + 2]: normalised rows, then +1, -1
@@ -234,6 +237,8 @@ class W8A8Linear:
         s = x.abs().amax(dim=1, keepdim=True).clamp_min_(1e-30)  # [n, 1]
         if self.wide is not None and x.shape[0] >= self.wide_rows:
             y = wide_product(x / s, self.wide)  # [n, out], bitwise what fbgemm gives
+        elif self.vnni is not None and x.shape[0] <= VNNI_ROWS:
+            y = torch.ops.specdec.q8_linear(x, s, *self.vnni)  # [n, out], bitwise what fbgemm gives
         else:
             staged, part = self._staged(x.shape[0])
             torch.div(x, s, out=part)
@@ -312,6 +317,33 @@ def wide_product(x: Tensor, wide: list[Tensor]) -> Tensor:  # x: [n, in] rows in
     q = torch.quantize_per_tensor(x, 2.0 / 255.0, 128, torch.quint8).int_repr()  # [n, in] uint8
     return torch.ops.onednn.qlinear_pointwise(q, 1.0, 128, wide[0], wide[1], wide[2], None, 1.0, 0, torch.float32,
                                               "none", [], "")
+
+
+#: the largest product the few-row VNNI kernel runs.  Per matrix (2-core Sapphire Rapids, weights
+#: hot, us per call for 1 / 3 / 5 rows, fbgemm vs the kernel): 576 x 960 24/12, 28/16, 28/23;
+#: 576 x 3072 32/16, 42/31, 53/46; 1536 x 576 26/16, 28/23, 31/35; 576 x 49152 746/756, 889/908,
+#: 896/1007.  Whole SmolLM2-135M passes (weights streamed, interleaved in one process, median ms
+#: for 1 / 2 / 3 / 4 / 5 / 9 / 17 rows): fbgemm only 14.9 / 17.0 / 17.9 / 19.4 / 21.3 / 24.9 / 32.8,
+#: the kernel up to 16 rows 13.7 / 15.2 / 15.9 / 17.9 / 19.4 / 22.5 / 33.0
+VNNI_ROWS = 16
+
+
+def vnni_available() -> bool:
+    """True when the few-row VNNI kernel (``torch.ops.specdec.q8_linear``) runs here."""
+    from specdec.models import kernels
+
+    return kernels.q8_available()
+
+
+def vnni_packing(q: Tensor, scales: Tensor) -> list[Tensor]:
+    """The int8 weight ``q`` [out, in] (per-channel ``scales`` [out], as packed for fbgemm) laid out
+    for ``torch.ops.specdec.q8_linear``: [packed weight, ``128 * sum_k q_jk`` (fbgemm's zero-point
+    term, int32), ``float32(act_step * w_scale[j])`` (its epilogue's column factor, formed as for
+    :func:`wide_packing`)]."""
+    step = torch.tensor(_FBGEMM_STEP, dtype=torch.float32)
+    col = (step * scales.float()).contiguous()
+    comp = (_FBGEMM_ZERO * q.to(torch.int32).sum(1)).to(torch.int32).contiguous()
+    return [torch.ops.specdec.q8_pack(q.contiguous()), comp, col]
 
 
 def w8a8_available() -> bool:

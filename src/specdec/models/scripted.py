@@ -29,7 +29,8 @@ import torch.nn.functional as F
 from torch import Tensor
 
 from specdec.kv_cache import GROW_STEP
-from specdec.models.linear import wide_product
+from specdec.models import kernels
+from specdec.models.linear import VNNI_ROWS, wide_product
 
 #: exact attention reads keys in whole blocks of this many positions (the cache's allocation step,
 #: so a block never reaches past the buffer); see ``native._attend_rows``
@@ -57,6 +58,8 @@ class Weights(NamedTuple):
     smooth: Dict[int, Tensor]
     wide: Dict[int, List[Tensor]]  # W8A8 layers also packed for oneDNN (linear.wide_packing) ...
     wide_rows: Dict[int, int]  # ... which runs their products of this many rows or more
+    vnni: Dict[int, List[Tensor]]  # W8A8 layers packed for the few-row kernel (linear.vnni_packing) ...
+    vnni_rows: int  # ... which runs their products of at most this many rows
 
 
 def _linear(
@@ -77,6 +80,9 @@ def _linear(
         s = x.abs().amax(1, True).clamp_min_(1e-30)
         if i in wt.wide and n >= wt.wide_rows[i]:
             y = wide_product(x / s, wt.wide[i])  # bitwise what fbgemm gives
+        elif i in wt.vnni and n <= wt.vnni_rows:
+            v = wt.vnni[i]
+            y = torch.ops.specdec.q8_linear(x, s, v[0], v[1], v[2])  # bitwise what fbgemm gives
         else:
             staged = wt.staging[i][:n]
             torch.div(x, s, out=staged[:, : x.shape[1]])
@@ -333,6 +339,7 @@ def compiled_batch_layers():
     """The TorchScript-compiled batched layer loop (once per process), or None."""
     global _compiled_batch
     if _compiled_batch is None:
+        kernels.load()  # the ops the loop names exist before it is compiled
         try:
             with warnings.catch_warnings():
                 warnings.simplefilter("ignore")
@@ -350,6 +357,7 @@ def compiled_layers():
     is unavailable."""
     global _compiled
     if _compiled is None:
+        kernels.load()  # the ops the loop names exist before it is compiled
         try:
             with warnings.catch_warnings():  # TorchScript is in maintenance mode; it still runs
                 warnings.simplefilter("ignore")
@@ -376,6 +384,7 @@ class ScriptedLayers:
         self.smooth: dict[int, Tensor] = {}  # W8A8 input factors (inverse smoothing)
         self.wide: dict[int, list[Tensor]] = {}  # W8A8 layers' oneDNN packing (linear.wide_packing)
         self.wide_rows: dict[int, int] = {}
+        self.vnni: dict[int, list[Tensor]] = {}  # W8A8 layers' few-row kernel packing (linear.vnni_packing)
         self._w8a8: list[W8A8Linear] = []
         self.reduce_range = False
         for layer in layers:
@@ -393,6 +402,8 @@ class ScriptedLayers:
                     if lin.wide is not None:
                         self.wide[i] = lin.wide
                         self.wide_rows[i] = lin.wide_rows
+                    if lin.vnni is not None:
+                        self.vnni[i] = lin.vnni
                 elif isinstance(lin, W8A8OneDNNLinear):
                     self.kinds.append(ONEDNN_INT8)
                     self.chunks[i] = [lin.packed, lin.w_scale, lin.w_zero]
@@ -421,7 +432,7 @@ class ScriptedLayers:
     def weights(self) -> Weights:
         """The tables as the scripted loops take them (the staging buffers may have grown)."""
         return Weights(self.kinds, self.q8, self.staging, self.reduce_range, self.chunks, self.bounds, self.dense,  # type: ignore[arg-type]
-                       self.bias, self.smooth, self.wide, self.wide_rows)
+                       self.bias, self.smooth, self.wide, self.wide_rows, self.vnni, VNNI_ROWS)
 
     def __call__(
         self, x: Tensor, cos: Tensor, sin: Tensor, cache, start: int, cfg, eps: Tensor, *,

@@ -1,0 +1,150 @@
+// fbgemm's dynamic int8 product for a few rows, with the weights streamed once for all of them.
+//
+// W8A8Linear feeds fbgemm rows already divided by their own max-abs value (plus two pinned
+// columns), so fbgemm quantises every element with step 2/255 and zero point 128, accumulates
+// sum_k (q_k - 128) w_jk exactly in int32 and multiplies by float32(step * w_scale_j).  This
+// kernel computes exactly that — the same quantisation routine (ATen's quantize_per_tensor),
+// the same exact integer sums (VNNI u8 x s8 dot products, int32 without saturation), the same
+// single float multiply — so its output is bitwise fbgemm's for any row count (tested), and the
+// two can be mixed freely, as the oneDNN path is.  What differs is the cost curve: fbgemm's
+// grows ~0.8 ms per extra row over SmolLM2's layers on two cores; here up to 4 rows share one
+// pass over the int8 weights, which is what a decoding step is bound by.
+//
+//   torch.ops.specdec.q8_pack(w int8 [N, K]) -> int8 [ceil(N/64), ceil(K/4), 64, 4]: groups of 64
+//       columns, each read front to back once per pass
+//   torch.ops.specdec.q8_linear(x f32 [n, K], s f32 [n, 1], packed, comp int32 [N], col f32 [N])
+//       -> f32 [n, N]:  q = quantize(x / s), y_j = float(sum_k q_k w_jk - comp_j) * col_j
+//   torch.ops.specdec.q8_supported() -> bool (the CPU and the build have 512-bit VNNI)
+
+#include <ATen/ATen.h>
+#include <ATen/Parallel.h>
+#include <torch/library.h>
+
+#include <cstdint>
+#include <cstring>
+
+#if defined(__AVX512VNNI__) && defined(__AVX512F__) && defined(__AVX512BW__)
+#include <immintrin.h>
+#define SPECDEC_Q8 1
+#else
+#define SPECDEC_Q8 0
+#endif
+
+namespace {
+
+constexpr double kStep = 2.0 / 255.0;  // fbgemm's step for rows pinned to [-1, 1]
+constexpr int64_t kZero = 128;
+constexpr int kRowsMax = 4;  // rows per register block (4 rows x 4 accumulators of 16 columns)
+constexpr int kGroup = 64;  // columns per packed group
+
+at::Tensor q8_pack(const at::Tensor& w) {
+  TORCH_CHECK(w.dim() == 2 && w.scalar_type() == at::kChar, "q8_pack: an int8 [N, K] weight");
+  const at::Tensor wc = w.contiguous();
+  const int64_t n = wc.size(0), k = wc.size(1), ng = (n + kGroup - 1) / kGroup, k4 = (k + 3) / 4;
+  at::Tensor out = at::zeros({ng, k4, kGroup, 4}, wc.options());
+  const int8_t* src = wc.data_ptr<int8_t>();
+  int8_t* dst = out.data_ptr<int8_t>();
+  for (int64_t j = 0; j < n; ++j)
+    for (int64_t c = 0; c < k; ++c) dst[(((j / kGroup) * k4 + c / 4) * kGroup + j % kGroup) * 4 + c % 4] = src[j * k + c];
+  return out;
+}
+
+bool q8_supported() { return SPECDEC_Q8 != 0; }
+
+#if SPECDEC_Q8
+// R rows x one group of 64 columns: 4 x R independent int32 accumulators of 16 columns (integer
+// sums: exact whatever the grouping); the group's weights are read front to back.
+template <int R>
+void group_rows(const uint8_t* xq, int64_t x_stride, const int8_t* wg, int64_t k4, const int32_t* comp,
+                const float* col, float* out, int64_t out_stride, int64_t valid) {
+  __m512i acc[R][4];
+  for (int r = 0; r < R; ++r)
+    for (int u = 0; u < 4; ++u) acc[r][u] = _mm512_setzero_si512();
+  for (int64_t c = 0; c < k4; ++c) {
+    const int8_t* wc = wg + c * (kGroup * 4);
+    const __m512i w0 = _mm512_loadu_si512(wc), w1 = _mm512_loadu_si512(wc + 64), w2 = _mm512_loadu_si512(wc + 128),
+                  w3 = _mm512_loadu_si512(wc + 192);
+    for (int r = 0; r < R; ++r) {
+      int32_t four;
+      std::memcpy(&four, xq + r * x_stride + c * 4, sizeof(four));
+      const __m512i a = _mm512_set1_epi32(four);
+      acc[r][0] = _mm512_dpbusd_epi32(acc[r][0], a, w0);
+      acc[r][1] = _mm512_dpbusd_epi32(acc[r][1], a, w1);
+      acc[r][2] = _mm512_dpbusd_epi32(acc[r][2], a, w2);
+      acc[r][3] = _mm512_dpbusd_epi32(acc[r][3], a, w3);
+    }
+  }
+  for (int u = 0; u < 4; ++u) {
+    const int64_t v = valid - 16 * u;
+    if (v <= 0) break;
+    const __mmask16 mask = v >= 16 ? static_cast<__mmask16>(0xFFFF) : static_cast<__mmask16>((1u << v) - 1u);
+    const __m512i cz = _mm512_maskz_loadu_epi32(mask, comp + 16 * u);
+    const __m512 cs = _mm512_maskz_loadu_ps(mask, col + 16 * u);
+    for (int r = 0; r < R; ++r) {
+      const __m512 y = _mm512_mul_ps(_mm512_cvtepi32_ps(_mm512_sub_epi32(acc[r][u], cz)), cs);
+      _mm512_mask_storeu_ps(out + r * out_stride + 16 * u, mask, y);
+    }
+  }
+}
+
+using GroupFn = void (*)(const uint8_t*, int64_t, const int8_t*, int64_t, const int32_t*, const float*, float*, int64_t,
+                         int64_t);
+constexpr GroupFn kGroups[kRowsMax + 1] = {nullptr, group_rows<1>, group_rows<2>, group_rows<3>, group_rows<4>};
+#endif
+
+at::Tensor q8_linear(const at::Tensor& x, const at::Tensor& s, const at::Tensor& packed, const at::Tensor& comp,
+                     const at::Tensor& col) {
+#if SPECDEC_Q8
+  TORCH_CHECK(x.dim() == 2 && x.scalar_type() == at::kFloat, "q8_linear: x must be float32 [n, K]");
+  TORCH_CHECK(packed.dim() == 4 && packed.size(2) == kGroup && packed.size(3) == 4 && packed.scalar_type() == at::kChar,
+              "q8_linear: weights packed by q8_pack");
+  const int64_t n = x.size(0), k = x.size(1), ng = packed.size(0), k4 = packed.size(1), nout = comp.size(0);
+  TORCH_CHECK((k + 3) / 4 == k4 && (nout + kGroup - 1) / kGroup == ng && col.numel() == nout, "q8_linear: shapes do not match");
+  TORCH_CHECK(comp.scalar_type() == at::kInt && col.scalar_type() == at::kFloat, "q8_linear: comp int32, col float32");
+  // the row normalisation and quantisation fbgemm's path uses: x / s (IEEE division per element),
+  // then ATen's quantize_per_tensor with fbgemm's step and zero point
+  const at::Tensor xn = at::div(x, s);
+  const at::Tensor q = at::quantize_per_tensor(xn, kStep, kZero, at::kQUInt8).int_repr();  // [n, K] uint8
+  at::Tensor xq = q;
+  if (k % 4 != 0) {  // pad to whole groups of four (the padded weights are zero)
+    xq = at::zeros({n, k4 * 4}, q.options());
+    xq.narrow(1, 0, k).copy_(q);
+  }
+  xq = xq.contiguous();
+  at::Tensor out = at::empty({n, nout}, x.options());
+  const uint8_t* xp = xq.data_ptr<uint8_t>();
+  const int8_t* wp = packed.data_ptr<int8_t>();
+  const int32_t* cp = comp.data_ptr<int32_t>();
+  const float* sp = col.data_ptr<float>();
+  float* op = out.data_ptr<float>();
+  const int64_t xs = xq.size(1);
+  // groups of 64 output columns, split between threads; a column's sum is computed by one thread
+  // (and integer sums are exact in any order anyway)
+  const int64_t grain = ng * k4 * kGroup * 4 < (1 << 16) ? ng : (ng + 1) / 2;
+  at::parallel_for(0, ng, grain, [&](int64_t lo, int64_t hi) {
+    for (int64_t g = lo; g < hi; ++g)
+      for (int64_t r0 = 0; r0 < n; r0 += kRowsMax) {
+        const int64_t rows = n - r0 < kRowsMax ? n - r0 : kRowsMax;
+        kGroups[rows](xp + r0 * xs, xs, wp + g * k4 * kGroup * 4, k4, cp + g * kGroup, sp + g * kGroup,
+                      op + r0 * nout + g * kGroup, nout, nout - g * kGroup);
+      }
+  });
+  return out;
+#else
+  TORCH_CHECK(false, "q8_linear: this build has no 512-bit VNNI");
+  return x;
+#endif
+}
+
+}  // namespace
+
+TORCH_LIBRARY(specdec, m) {
+  m.def("q8_pack(Tensor w) -> Tensor");
+  m.def("q8_linear(Tensor x, Tensor s, Tensor packed, Tensor comp, Tensor col) -> Tensor");
+  m.def("q8_supported() -> bool", &q8_supported);
+}
+
+TORCH_LIBRARY_IMPL(specdec, CPU, m) {
+  m.impl("q8_pack", &q8_pack);
+  m.impl("q8_linear", &q8_linear);
+}

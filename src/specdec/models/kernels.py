@@ -1,0 +1,123 @@
+"""C++ kernels compiled on first use for the CPU they run on (``csrc/``).
+
+One kernel so far, ``torch.ops.specdec.q8_linear`` (``csrc/q8.cpp``): fbgemm's dynamic int8
+product, bitwise, for the few rows a decoding step or a verification pass has, with the int8
+weights streamed once for up to four rows (VNNI dot products).  :class:`~specdec.models.linear.
+W8A8Linear` takes it for small row counts where the CPU has 512-bit VNNI; since its output is
+bitwise fbgemm's, which kernel runs a product never changes a result.
+
+The sources are compiled with the system's C++ compiler (``$CXX``, ``c++``, ``g++`` or
+``clang++``) against the installed torch, once per source / torch / CPU combination, into
+``$SPECDEC_CACHE`` (default ``~/.cache/specdec``); later processes load the cached library in
+well under a second.  Without a compiler (or with ``SPECDEC_KERNELS=0``) the ops are declared but
+not implemented, and every product stays on fbgemm / oneDNN: slower, the same bits.
+"""
+
+from __future__ import annotations
+
+import fcntl
+import hashlib
+import os
+import platform
+import shutil
+import subprocess
+import sys
+import sysconfig
+from pathlib import Path
+
+import torch
+
+_SOURCES = (Path(__file__).parent / "csrc" / "q8.cpp",)
+_FLAGS = ("-O3", "-std=c++20", "-shared", "-fPIC", "-fopenmp", "-ffp-contract=off", "-fno-fast-math", "-DNDEBUG")
+#: the ops' schemas, declared in Python when the library cannot be built, so TorchScript code that
+#: names them still compiles (it never calls them then)
+_SCHEMAS = (
+    "q8_pack(Tensor w) -> Tensor",
+    "q8_linear(Tensor x, Tensor s, Tensor packed, Tensor comp, Tensor col) -> Tensor",
+    "q8_supported() -> bool",
+)
+_state: dict[str, object] = {}
+
+
+def _cpu_key() -> str:
+    try:
+        for line in Path("/proc/cpuinfo").read_text().splitlines():
+            if line.startswith("flags"):
+                return line
+    except OSError:
+        pass
+    return platform.processor() or platform.machine()
+
+
+def _compiler() -> str | None:
+    for name in (os.environ.get("CXX"), "c++", "g++", "clang++"):
+        found = shutil.which(name) if name else None
+        if found:
+            return found
+    return None
+
+
+def _build(cxx: str) -> Path:
+    from torch.utils import cpp_extension
+
+    src = b"\0".join(p.read_bytes() for p in _SOURCES)
+    key = hashlib.sha256(b"\0".join([src, torch.__version__.encode(), cxx.encode(), _cpu_key().encode(),
+                                     " ".join(_FLAGS).encode()])).hexdigest()[:16]
+    cache = Path(os.environ.get("SPECDEC_CACHE") or Path.home() / ".cache" / "specdec") / "kernels"
+    cache.mkdir(parents=True, exist_ok=True)
+    lib = cache / f"specdec-{key}.so"
+    if lib.is_file():
+        return lib
+    with open(cache / f"specdec-{key}.lock", "w") as lock:
+        fcntl.flock(lock, fcntl.LOCK_EX)  # one compile when several processes start at once
+        if lib.is_file():
+            return lib
+        tmp = lib.with_suffix(f".{os.getpid()}.tmp")
+        march = "-march=native" if platform.machine() in ("x86_64", "AMD64") else "-mcpu=native"
+        cmd = [cxx, *_FLAGS, march, *(f"-I{p}" for p in cpp_extension.include_paths()),
+               f"-I{sysconfig.get_paths()['include']}", *map(str, _SOURCES), "-o", str(tmp),
+               *(f"-L{p}" for p in cpp_extension.library_paths()), "-lc10", "-ltorch_cpu", "-ltorch"]
+        print("[specdec] compiling the int8 kernel for this CPU (once, ~20 s) ...", file=sys.stderr)
+        subprocess.run(cmd, check=True, capture_output=True, text=True)
+        tmp.replace(lib)
+    return lib
+
+
+def _declare() -> None:
+    lib = torch.library.Library("specdec", "DEF")  # noqa: TOR901 - schemas only, no implementation
+    for schema in _SCHEMAS:
+        lib.define(schema)
+    _state["stub"] = lib  # keep the registration alive
+
+
+def load() -> bool:
+    """Load (compiling on the first call on this machine) the kernels; declare their schemas only
+    where that fails.  Returns whether they are implemented.  Once per process."""
+    if "loaded" in _state:
+        return bool(_state["loaded"])
+    ok = False
+    if os.environ.get("SPECDEC_KERNELS", "1") != "0":
+        cxx = _compiler()
+        if cxx is None:
+            print("[specdec] warning: no C++ compiler found; int8 products stay on fbgemm (slower for a few rows)",
+                  file=sys.stderr)
+        else:
+            try:
+                torch.ops.load_library(str(_build(cxx)))
+                ok = True
+            except (OSError, RuntimeError, subprocess.CalledProcessError) as e:
+                detail = (getattr(e, "stderr", "") or str(e)).strip().splitlines()
+                print(f"[specdec] warning: the int8 kernel did not build ({detail[-1][:200] if detail else e}); "
+                      "int8 products stay on fbgemm (slower for a few rows)", file=sys.stderr)
+    if not ok:
+        _declare()
+    _state["loaded"] = ok
+    return ok
+
+
+def q8_available() -> bool:
+    """Whether ``torch.ops.specdec.q8_linear`` runs here (the library loaded and the CPU and build
+    have 512-bit VNNI)."""
+    if "q8" not in _state:
+        _state["q8"] = load() and bool(torch.ops.specdec.q8_supported())
+    return bool(_state["q8"])

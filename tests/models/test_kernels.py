@@ -1,0 +1,111 @@
+"""The compiled few-row int8 kernel (``torch.ops.specdec.q8_linear``, ``models/csrc/q8.cpp``).
+
+Its promise is fbgemm's output, bit for bit, for every row count: then which kernel runs a
+product (fbgemm, oneDNN, this one) never changes a result, and a machine without a compiler runs
+the same quantised target, only slower.  Checked here on matrices whose shapes exercise every
+edge of the packing (columns not a multiple of the 64-column groups, inputs not a multiple of
+the 4-byte dot products), rows of very different magnitudes with outlier channels, bias, smoothing
+and a per-row scale; and across processes, with the kernel switched off.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+
+import specdec.models.linear as linear_mod
+from specdec.models import kernels
+from specdec.models.linear import W8A8Linear, w8a8_available
+from specdec.models.quantize import smoothing
+from tiny import make_tiny
+
+needs_vnni = pytest.mark.skipif(not (w8a8_available() and kernels.q8_available()),
+                                reason="the few-row int8 kernel needs a C++ compiler, fbgemm and 512-bit VNNI")
+
+
+def _pair(w, bias=None, smooth=None) -> tuple[W8A8Linear, W8A8Linear]:
+    """(the layer with the kernel, the same layer on fbgemm alone)."""
+    lin = W8A8Linear(w, bias, smooth=smooth)
+    ref = W8A8Linear(w, bias, smooth=smooth)
+    ref.vnni = None
+    return lin, ref
+
+
+@needs_vnni
+@pytest.mark.parametrize("shape", [(384, 160), (77, 37), (64, 4), (1000, 1536), (130, 9)])
+@pytest.mark.parametrize("extras", ["plain", "bias+smooth"])
+def test_kernel_is_bitwise_fbgemm_for_every_row_count(shape, extras):
+    out_f, in_f = shape
+    g = torch.Generator().manual_seed(out_f + in_f)
+    w = torch.randn(out_f, in_f, generator=g) * 0.05
+    w[min(3, out_f - 1)] *= 20  # one output channel with a much larger scale
+    x = torch.randn(40, in_f, generator=g) * (torch.rand(40, 1, generator=g) * 10 + 0.01)
+    x[:, in_f // 2] *= 40  # an outlier channel
+    x[5] = 0.0  # an all-zero row (its scale is clamped)
+    bias = smooth = None
+    if extras != "plain":
+        bias = torch.randn(out_f, generator=g)
+        smooth = smoothing(x.abs().amax(0), w)
+    lin, ref = _pair(w, bias, smooth)
+    assert lin.vnni is not None and ref.vnni is None
+    scale = torch.rand(40, 1, generator=g) + 0.5
+    for n in (1, 2, 3, 4, 5, 8, 9, 16):
+        assert n <= linear_mod.VNNI_ROWS
+        assert torch.equal(lin(x[:n]), ref(x[:n])), n
+        assert torch.equal(lin.scaled(x[:n], scale[:n]), ref.scaled(x[:n], scale[:n])), n
+    # rows past the kernel's limit run on fbgemm: a row's bits do not depend on which ran it
+    rows = torch.cat([lin(x[i : i + 1]) for i in range(40)])
+    assert torch.equal(lin(x), rows)
+
+
+@needs_vnni
+def test_kernel_refuses_mismatched_inputs():
+    w = torch.randn(70, 33)
+    lin = W8A8Linear(w)
+    packed, comp, col = lin.vnni
+    x = torch.randn(2, 32)  # one input feature short
+    with pytest.raises(RuntimeError, match="shapes do not match"):
+        torch.ops.specdec.q8_linear(x, x.abs().amax(1, True), packed, comp, col)
+    with pytest.raises(RuntimeError, match="int8"):
+        torch.ops.specdec.q8_pack(w)
+
+
+_CHILD = r"""
+import json, sys, torch
+from specdec.models import kernels
+from specdec.models.native import NativeCausalLM
+model = NativeCausalLM.from_folder(sys.argv[1], quant="int8", batch_invariant=True, int8_kernel="fbgemm")
+ids = torch.randint(0, 1000, (12,), generator=torch.Generator().manual_seed(1))
+cache = model.new_cache(32)
+logits = torch.cat([model.forward(ids[:6], cache)] + [model.forward(ids[i : i + 1], cache) for i in range(6, 12)])
+print(json.dumps({"q8": kernels.q8_available(), "logits": logits.flatten()[::97].tolist(), "sum": float(logits.double().sum())}))
+"""
+
+
+def _child(folder: Path, **env: str) -> tuple[dict, str]:
+    proc = subprocess.run([sys.executable, "-c", _CHILD, str(folder)], capture_output=True, text=True, timeout=300,
+                          env={**os.environ, **env})
+    assert proc.returncode == 0, proc.stderr[-2000:]
+    return json.loads(proc.stdout.strip().splitlines()[-1]), proc.stderr
+
+
+@pytest.mark.skipif(not w8a8_available(), reason="this torch build has no fbgemm int8 engine")
+def test_the_same_quantised_target_with_and_without_the_kernel(tmp_path):
+    """A process with the kernel switched off (``SPECDEC_KERNELS=0``) and one whose compiler fails
+    both decode, and give bitwise the logits of a process with the kernel (where it runs here)."""
+    folder = make_tiny(tmp_path / "tiny")
+    off, _ = _child(folder, SPECDEC_KERNELS="0")
+    assert off["q8"] is False
+    broken, err = _child(folder, CXX="false", SPECDEC_CACHE=str(tmp_path / "cache"))
+    assert broken["q8"] is False and "did not build" in err
+    assert broken["logits"] == off["logits"] and broken["sum"] == off["sum"]
+    if kernels.q8_available():
+        on, _ = _child(folder)
+        assert on["q8"] is True
+        assert on["logits"] == off["logits"] and on["sum"] == off["sum"]
