@@ -33,7 +33,7 @@ _FLAGS = ("-O3", "-std=c++20", "-shared", "-fPIC", "-fopenmp", "-ffp-contract=of
 #: names them still compiles (it never calls them then)
 _SCHEMAS = (
     "q8_pack(Tensor w) -> Tensor",
-    "q8_linear(Tensor x, Tensor s, Tensor packed, Tensor comp, Tensor col) -> Tensor",
+    "q8_linear(Tensor x, Tensor? smooth, Tensor packed, Tensor comp, Tensor col) -> (Tensor, Tensor)",
     "q8_supported() -> bool",
 )
 _state: dict[str, object] = {}

@@ -75,18 +75,22 @@ def _linear(
         b = wt.bias[i]
     if kind == 0:  # W8A8
         n = x.shape[0]
+        sm: Optional[Tensor] = None
         if i in smooth:
-            x = x * smooth[i]
-        s = x.abs().amax(1, True).clamp_min_(1e-30)
-        if i in wt.wide and n >= wt.wide_rows[i]:
-            y = wide_product(x / s, wt.wide[i])  # bitwise what fbgemm gives
-        elif i in wt.vnni and n <= wt.vnni_rows:
+            sm = smooth[i]
+        if i in wt.vnni and n <= wt.vnni_rows and not (i in wt.wide and n >= wt.wide_rows[i]):
             v = wt.vnni[i]
-            y = torch.ops.specdec.q8_linear(x, s, v[0], v[1], v[2])  # bitwise what fbgemm gives
+            y, s = torch.ops.specdec.q8_linear(x, sm, v[0], v[1], v[2])  # bitwise what fbgemm gives
         else:
-            staged = wt.staging[i][:n]
-            torch.div(x, s, out=staged[:, : x.shape[1]])
-            y = torch.ops.quantized.linear_dynamic(staged, wt.q8[i], wt.reduce_range)
+            if sm is not None:
+                x = x * sm
+            s = x.abs().amax(1, True).clamp_min_(1e-30)
+            if i in wt.wide and n >= wt.wide_rows[i]:
+                y = wide_product(x / s, wt.wide[i])  # bitwise what fbgemm gives
+            else:
+                staged = wt.staging[i][:n]
+                torch.div(x, s, out=staged[:, : x.shape[1]])
+                y = torch.ops.quantized.linear_dynamic(staged, wt.q8[i], wt.reduce_range)
         if row_scale is not None:
             s = s * row_scale
         if b is not None:

@@ -12,8 +12,11 @@
 //
 //   torch.ops.specdec.q8_pack(w int8 [N, K]) -> int8 [ceil(N/64), ceil(K/4), 64, 4]: groups of 64
 //       columns, each read front to back once per pass
-//   torch.ops.specdec.q8_linear(x f32 [n, K], s f32 [n, 1], packed, comp int32 [N], col f32 [N])
-//       -> f32 [n, N]:  q = quantize(x / s), y_j = float(sum_k q_k w_jk - comp_j) * col_j
+//   torch.ops.specdec.q8_linear(x f32 [n, K], smooth f32 [K] or None, packed, comp int32 [N], col f32 [N])
+//       -> (y f32 [n, N], s f32 [n, 1]):  x' = x * smooth, s = max(max_k |x'_k|, 1e-30) per row,
+//       q = quantize(x' / s), y_j = float(sum_k q_k w_jk - comp_j) * col_j
+//   (the row preparation W8A8Linear does with ATen ops — a product, abs, max, clamp, division,
+//   each one IEEE operation per element or an exact max — done here in one call)
 //   torch.ops.specdec.q8_supported() -> bool (the CPU and the build have 512-bit VNNI)
 
 #include <ATen/ATen.h>
@@ -92,19 +95,46 @@ using GroupFn = void (*)(const uint8_t*, int64_t, const int8_t*, int64_t, const 
 constexpr GroupFn kGroups[kRowsMax + 1] = {nullptr, group_rows<1>, group_rows<2>, group_rows<3>, group_rows<4>};
 #endif
 
-at::Tensor q8_linear(const at::Tensor& x, const at::Tensor& s, const at::Tensor& packed, const at::Tensor& comp,
-                     const at::Tensor& col) {
+std::tuple<at::Tensor, at::Tensor> q8_linear(const at::Tensor& x_in, const c10::optional<at::Tensor>& smooth,
+                                             const at::Tensor& packed, const at::Tensor& comp, const at::Tensor& col) {
 #if SPECDEC_Q8
-  TORCH_CHECK(x.dim() == 2 && x.scalar_type() == at::kFloat, "q8_linear: x must be float32 [n, K]");
+  TORCH_CHECK(x_in.dim() == 2 && x_in.scalar_type() == at::kFloat, "q8_linear: x must be float32 [n, K]");
   TORCH_CHECK(packed.dim() == 4 && packed.size(2) == kGroup && packed.size(3) == 4 && packed.scalar_type() == at::kChar,
               "q8_linear: weights packed by q8_pack");
+  const at::Tensor x = x_in.contiguous();
   const int64_t n = x.size(0), k = x.size(1), ng = packed.size(0), k4 = packed.size(1), nout = comp.size(0);
-  TORCH_CHECK((k + 3) / 4 == k4 && (nout + kGroup - 1) / kGroup == ng && col.numel() == nout, "q8_linear: shapes do not match");
+  TORCH_CHECK((k + 3) / 4 == k4 && (nout + kGroup - 1) / kGroup == ng && col.numel() == nout,
+              "q8_linear: shapes do not match");
   TORCH_CHECK(comp.scalar_type() == at::kInt && col.scalar_type() == at::kFloat, "q8_linear: comp int32, col float32");
-  // the row normalisation and quantisation fbgemm's path uses: x / s (IEEE division per element),
-  // then ATen's quantize_per_tensor with fbgemm's step and zero point
-  const at::Tensor xn = at::div(x, s);
-  const at::Tensor q = at::quantize_per_tensor(xn, kStep, kZero, at::kQUInt8).int_repr();  // [n, K] uint8
+  const bool smoothed = smooth.has_value() && smooth->defined();
+  at::Tensor sm;
+  if (smoothed) {
+    sm = smooth->contiguous();
+    TORCH_CHECK(sm.scalar_type() == at::kFloat && sm.numel() == k, "q8_linear: smooth must be float32 [K]");
+  }
+  // the row preparation: x * smooth, the row's max |.| clamped at 1e-30, the division
+  at::Tensor xn = at::empty({n, k}, x.options());
+  at::Tensor s = at::empty({n, 1}, x.options());
+  {
+    const float* xp = x.data_ptr<float>();
+    const float* smp = smoothed ? sm.data_ptr<float>() : nullptr;
+    float* np = xn.data_ptr<float>();
+    float* sp = s.data_ptr<float>();
+    for (int64_t r = 0; r < n; ++r) {
+      float* row = np + r * k;
+      float m = 0.0f;
+      for (int64_t c = 0; c < k; ++c) {
+        const float v = smoothed ? xp[r * k + c] * smp[c] : xp[r * k + c];
+        row[c] = v;
+        const float a = v < 0.0f ? -v : v;
+        m = a > m ? a : m;
+      }
+      m = m > 1e-30f ? m : 1e-30f;
+      sp[r] = m;
+      for (int64_t c = 0; c < k; ++c) row[c] = row[c] / m;
+    }
+  }
+  const at::Tensor q = at::quantize_per_tensor(xn, kStep, kZero, at::kQUInt8).int_repr();  // [n, K] uint8, fbgemm's routine
   at::Tensor xq = q;
   if (k % 4 != 0) {  // pad to whole groups of four (the padded weights are zero)
     xq = at::zeros({n, k4 * 4}, q.options());
@@ -129,10 +159,10 @@ at::Tensor q8_linear(const at::Tensor& x, const at::Tensor& s, const at::Tensor&
                       op + r0 * nout + g * kGroup, nout, nout - g * kGroup);
       }
   });
-  return out;
+  return {out, s};
 #else
   TORCH_CHECK(false, "q8_linear: this build has no 512-bit VNNI");
-  return x;
+  return {x_in, x_in};
 #endif
 }
 
@@ -140,7 +170,7 @@ at::Tensor q8_linear(const at::Tensor& x, const at::Tensor& s, const at::Tensor&
 
 TORCH_LIBRARY(specdec, m) {
   m.def("q8_pack(Tensor w) -> Tensor");
-  m.def("q8_linear(Tensor x, Tensor s, Tensor packed, Tensor comp, Tensor col) -> Tensor");
+  m.def("q8_linear(Tensor x, Tensor? smooth, Tensor packed, Tensor comp, Tensor col) -> (Tensor, Tensor)");
   m.def("q8_supported() -> bool", &q8_supported);
 }
 
