@@ -1,4 +1,10 @@
-"""Exact attention (``native._attend_rows``): rows computed together are bitwise rows computed alone."""
+"""Exact attention: rows computed together are bitwise rows computed alone.
+
+Two implementations, each tested for that property: the blocked ATen computation
+(``native._attend_rows_aten``) and the compiled kernel (``torch.ops.specdec.attend``), which a
+process uses instead wherever it builds.  The kernel also reads a tree node's path in place:
+bitwise the row that decoding the path token by token computes.
+"""
 
 from __future__ import annotations
 
@@ -8,7 +14,17 @@ import pytest
 import torch
 
 from specdec.kv_cache import GROW_STEP, KVCache
-from specdec.models.native import ATTENTION_BLOCK, _attend_rows
+from specdec.models import kernels
+from specdec.models.native import ATTENTION_BLOCK, _attend_rows_aten
+
+needs_kernel = pytest.mark.skipif(not kernels.load(), reason="the attention kernel needs a C++ compiler")
+
+
+def _kernel(q, k, v, start):
+    return torch.ops.specdec.attend(q, k, v, start, None)
+
+
+IMPLS = [pytest.param(_attend_rows_aten, id="aten"), pytest.param(_kernel, id="kernel", marks=needs_kernel)]
 
 
 def _case(rng: random.Random, hq: int, hk: int, d: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, int]:
@@ -21,27 +37,29 @@ def _case(rng: random.Random, hq: int, hk: int, d: int) -> tuple[torch.Tensor, t
     return q, k, v, start
 
 
-@pytest.mark.parametrize("hq,hk,d", [(9, 3, 64), (12, 2, 128), (4, 2, 16), (8, 8, 32)])
-def test_rows_together_equal_rows_alone(hq: int, hk: int, d: int) -> None:
+@pytest.mark.parametrize("attend", IMPLS)
+@pytest.mark.parametrize("hq,hk,d", [(9, 3, 64), (12, 2, 128), (4, 2, 16), (8, 8, 32), (6, 2, 24), (4, 1, 256)])
+def test_rows_together_equal_rows_alone(attend, hq: int, hk: int, d: int) -> None:
     """40 random (start, n) per head layout: every row of one call is bitwise the row computed by
     itself at its own position — what single-token decoding computes for that position."""
     rng = random.Random(hq * 1000 + d)
     torch.manual_seed(hq + d)
     for _ in range(40):
         q, k, v, start = _case(rng, hq, hk, d)
-        together = _attend_rows(q, k, v, start)  # [n, H d]
-        alone = torch.cat([_attend_rows(q[j : j + 1], k, v, start + j) for j in range(q.shape[0])])
+        together = attend(q, k, v, start)  # [n, H d]
+        alone = torch.cat([attend(q[j : j + 1], k, v, start + j) for j in range(q.shape[0])])
         assert torch.equal(together, alone), (start, q.shape[0])
 
 
-def test_values_are_causal_attention() -> None:
-    """The masked block tail changes nothing but the bits: each row is softmax(q k^T) v over
-    its own keys 0..p (float64 reference, 30 random cases)."""
+@pytest.mark.parametrize("attend", IMPLS)
+def test_values_are_causal_attention(attend) -> None:
+    """Each row is softmax(q k^T) v over its own keys 0..p (float64 reference, 30 random cases;
+    both implementations to float32 accuracy)."""
     rng = random.Random(7)
     torch.manual_seed(7)
     for _ in range(30):
         q, k, v, start = _case(rng, 9, 3, 64)
-        out = _attend_rows(q, k, v, start).view(q.shape[0], 9, 64)
+        out = attend(q, k, v, start).view(q.shape[0], 9, 64)
         for j in range(q.shape[0]):
             keys = k[:, : start + j + 1].double().repeat_interleave(3, 0)  # [H, T, d]
             vals = v[:, : start + j + 1].double().repeat_interleave(3, 0)
@@ -50,10 +68,61 @@ def test_values_are_causal_attention() -> None:
             torch.testing.assert_close(out[j].double(), ref, rtol=1e-5, atol=1e-5)
 
 
+@needs_kernel
+def test_kernel_reads_a_tree_nodes_path_in_place() -> None:
+    """A node over the prefix [0, P) plus its path's slots scattered in the tree region is bitwise
+    the row at position P + depth of a cache holding that path right after the prefix (how
+    decoding the path token by token lays it out); paths of every length in one call."""
+    torch.manual_seed(3)
+    hq, hk, d, prefix = 9, 3, 64, 70
+    region = torch.randn(hk, 12, d), torch.randn(hk, 12, d)
+    k = torch.cat([torch.randn(hk, prefix, d), region[0], torch.zeros(hk, 20, d)], 1)
+    v = torch.cat([torch.randn(hk, prefix, d), region[1], torch.zeros(hk, 20, d)], 1)
+    paths = [[0], [0, 3], [1, 4, 7], [0, 3, 5, 9, 11], [2]]  # region node indices, root first
+    q = torch.randn(len(paths), hq, d) * 0.125
+    table = torch.full((len(paths), 5), -1, dtype=torch.long)
+    for r, p in enumerate(paths):
+        table[r, : len(p)] = torch.tensor(p) + prefix
+    got = torch.ops.specdec.attend(q, k, v, prefix, table)
+    for r, p in enumerate(paths):
+        ks = torch.cat([k[:, :prefix], region[0][:, p], torch.zeros(hk, 8, d)], 1)
+        vs = torch.cat([v[:, :prefix], region[1][:, p], torch.zeros(hk, 8, d)], 1)
+        want = torch.ops.specdec.attend(q[r : r + 1], ks, vs, prefix + len(p) - 1, None)
+        assert torch.equal(got[r : r + 1], want), p
+
+
+@needs_kernel
+def test_kernel_bits_do_not_depend_on_threads() -> None:
+    torch.manual_seed(5)
+    q, k, v = torch.randn(40, 12, 128) * 0.1, torch.randn(2, 900, 128), torch.randn(2, 900, 128)
+    before = torch.get_num_threads()
+    try:
+        torch.set_num_threads(1)
+        one = torch.ops.specdec.attend(q, k, v, 800, None)
+        torch.set_num_threads(2)
+        two = torch.ops.specdec.attend(q, k, v, 800, None)
+    finally:
+        torch.set_num_threads(before)
+    assert torch.equal(one, two)
+
+
+@needs_kernel
+def test_kernel_refuses_bad_inputs() -> None:
+    q, k = torch.randn(3, 4, 8), torch.randn(2, 40, 8)
+    with pytest.raises(RuntimeError, match="rows beyond the cache"):
+        torch.ops.specdec.attend(q, k, k, 38, None)
+    with pytest.raises(RuntimeError, match="path slot beyond"):
+        torch.ops.specdec.attend(q, k, k, 10, torch.tensor([[11], [40], [-1]]))
+    with pytest.raises(RuntimeError, match="float32"):
+        torch.ops.specdec.attend(q.double(), k.double(), k.double(), 10, None)
+    with pytest.raises(RuntimeError, match="head layout"):
+        torch.ops.specdec.attend(torch.randn(1, 3, 8), k, k, 10, None)
+
+
 def test_unblocked_product_is_not_exact() -> None:
-    """Why the blocks: one product over exactly the keys each call needs ([0, end) for a group,
-    [0, p] alone) differs in the last bits from row to row (the reduction over keys is blocked by
-    length) — the negative control showing the bitwise check above can fail."""
+    """Why the ATen computation uses blocks: one product over exactly the keys each call needs
+    ([0, end) for a group, [0, p] alone) differs in the last bits from row to row (the reduction
+    over keys is blocked by length) — the negative control showing the bitwise check above can fail."""
     torch.manual_seed(0)
     k, v = torch.randn(3, 800, 64), torch.randn(3, 800, 64)
     differs = 0
@@ -86,4 +155,4 @@ def test_a_short_buffer_is_refused() -> None:
     q = torch.randn(1, 4, 8)
     k = torch.randn(2, 40, 8)
     with pytest.raises(ValueError, match="whole blocks"):
-        _attend_rows(q, k, k, 10)
+        _attend_rows_aten(q, k, k, 10)

@@ -1,16 +1,22 @@
 """C++ kernels compiled on first use for the CPU they run on (``csrc/``).
 
-One kernel so far, ``torch.ops.specdec.q8_linear`` (``csrc/q8.cpp``): fbgemm's dynamic int8
-product, bitwise, for the few rows a decoding step or a verification pass has, with the int8
-weights streamed once for up to four rows (VNNI dot products).  :class:`~specdec.models.linear.
-W8A8Linear` takes it for small row counts where the CPU has 512-bit VNNI; since its output is
-bitwise fbgemm's, which kernel runs a product never changes a result.
+* ``torch.ops.specdec.q8_linear`` (``csrc/q8.cpp``): fbgemm's dynamic int8 product, bitwise, for
+  the few rows a decoding step or a verification pass has, with the int8 weights streamed once for
+  up to four rows (VNNI dot products).  :class:`~specdec.models.linear.W8A8Linear` takes it for
+  small row counts where the CPU has 512-bit VNNI; since its output is bitwise fbgemm's, which
+  kernel runs a product never changes a result.
+* ``torch.ops.specdec.attend`` (``csrc/attention.cpp``): the batch-invariant target's exact
+  attention — each query row over its own keys with a reduction order fixed by those keys, the
+  same bits alone, in a verification pass of any size or as a tree node (over its path, read in
+  place: no cache shuffling).  It replaces the blocked ATen computation (``native._attend_rows``),
+  whose bits differ: a process uses one or the other for every pass (``attention_kernel()``).
 
 The sources are compiled with the system's C++ compiler (``$CXX``, ``c++``, ``g++`` or
 ``clang++``) against the installed torch, once per source / torch / CPU combination, into
 ``$SPECDEC_CACHE`` (default ``~/.cache/specdec``); later processes load the cached library in
 well under a second.  Without a compiler (or with ``SPECDEC_KERNELS=0``) the ops are declared but
-not implemented, and every product stays on fbgemm / oneDNN: slower, the same bits.
+not implemented: products stay on fbgemm / oneDNN (the same bits) and attention on ATen ops (its
+own bits, consistently); both slower.
 """
 
 from __future__ import annotations
@@ -27,7 +33,7 @@ from pathlib import Path
 
 import torch
 
-_SOURCES = (Path(__file__).parent / "csrc" / "q8.cpp",)
+_SOURCES = tuple(Path(__file__).parent / "csrc" / name for name in ("q8.cpp", "attention.cpp"))
 _FLAGS = ("-O3", "-std=c++20", "-shared", "-fPIC", "-fopenmp", "-ffp-contract=off", "-fno-fast-math", "-DNDEBUG")
 #: the ops' schemas, declared in Python when the library cannot be built, so TorchScript code that
 #: names them still compiles (it never calls them then)
@@ -35,6 +41,7 @@ _SCHEMAS = (
     "q8_pack(Tensor w) -> Tensor",
     "q8_linear(Tensor x, Tensor? smooth, Tensor packed, Tensor comp, Tensor col) -> (Tensor, Tensor)",
     "q8_supported() -> bool",
+    "attend(Tensor q, Tensor k, Tensor v, int start, Tensor? paths=None) -> Tensor",
 )
 _state: dict[str, object] = {}
 
@@ -77,7 +84,7 @@ def _build(cxx: str) -> Path:
         cmd = [cxx, *_FLAGS, march, *(f"-I{p}" for p in cpp_extension.include_paths()),
                f"-I{sysconfig.get_paths()['include']}", *map(str, _SOURCES), "-o", str(tmp),
                *(f"-L{p}" for p in cpp_extension.library_paths()), "-lc10", "-ltorch_cpu", "-ltorch"]
-        print("[specdec] compiling the int8 kernel for this CPU (once, ~20 s) ...", file=sys.stderr)
+        print("[specdec] compiling the int8 and attention kernels for this CPU (once, ~30 s) ...", file=sys.stderr)
         subprocess.run(cmd, check=True, capture_output=True, text=True)
         tmp.replace(lib)
     return lib
@@ -99,7 +106,7 @@ def load() -> bool:
     if os.environ.get("SPECDEC_KERNELS", "1") != "0":
         cxx = _compiler()
         if cxx is None:
-            print("[specdec] warning: no C++ compiler found; int8 products stay on fbgemm (slower for a few rows)",
+            print("[specdec] warning: no C++ compiler found; int8 products and attention stay on ATen ops (slower)",
                   file=sys.stderr)
         else:
             try:
@@ -107,8 +114,8 @@ def load() -> bool:
                 ok = True
             except (OSError, RuntimeError, subprocess.CalledProcessError) as e:
                 detail = (getattr(e, "stderr", "") or str(e)).strip().splitlines()
-                print(f"[specdec] warning: the int8 kernel did not build ({detail[-1][:200] if detail else e}); "
-                      "int8 products stay on fbgemm (slower for a few rows)", file=sys.stderr)
+                print(f"[specdec] warning: the kernels did not build ({detail[-1][:200] if detail else e}); "
+                      "int8 products and attention stay on ATen ops (slower)", file=sys.stderr)
     if not ok:
         _declare()
     _state["loaded"] = ok
@@ -121,3 +128,12 @@ def q8_available() -> bool:
     if "q8" not in _state:
         _state["q8"] = load() and bool(torch.ops.specdec.q8_supported())
     return bool(_state["q8"])
+
+
+def attention_kernel() -> bool:
+    """Whether exact attention runs on ``torch.ops.specdec.attend`` in this process (the library
+    loaded; ``SPECDEC_ATTENTION=0`` keeps the ATen computation).  Fixed for the process's lifetime:
+    every pass of a batch-invariant model must compute attention the same way."""
+    if "attend" not in _state:
+        _state["attend"] = load() and os.environ.get("SPECDEC_ATTENTION", "1") != "0"
+    return bool(_state["attend"])

@@ -22,6 +22,7 @@ from torch import Tensor
 
 from specdec.errors import ConfigError
 from specdec.kv_cache import KVCache
+from specdec.models import kernels
 from specdec.models.linear import Int8Linear, Linear, W8A8Linear, W8A8OneDNNLinear, int8_kernel as resolve_int8_kernel
 from specdec.models.quantize import RangeRecorder, calibration_ids, smoothing
 from specdec.models.scripted import ATTENTION_BLOCK, ScriptedLayers, compiled_layers
@@ -108,6 +109,17 @@ def _attend(q: Tensor, k: Tensor, v: Tensor) -> Tensor:  # q: [H, d]; k, v: [Hkv
 
 def _attend_rows(q: Tensor, k: Tensor, v: Tensor, start: int) -> Tensor:  # q: [n, H, d]; k, v: [Hkv, C, d] -> [n, H d]
     """Exact (batch-invariant) attention of ``n`` consecutive query positions ``start .. start+n-1``
+    over a cache buffer (query ``p`` sees keys ``0 .. p``; ``q`` pre-scaled): the compiled kernel
+    for float32 rows where this process uses it (:func:`kernels.attention_kernel`: each row's
+    reductions ordered by its own keys, so the same bits alone or with others, at a third of the
+    cost), else :func:`_attend_rows_aten`.  A process never mixes the two (their bits differ)."""
+    if q.dtype == torch.float32 and kernels.attention_kernel():
+        return torch.ops.specdec.attend(q, k, v, start, None)
+    return _attend_rows_aten(q, k, v, start)
+
+
+def _attend_rows_aten(q: Tensor, k: Tensor, v: Tensor, start: int) -> Tensor:  # q: [n, H, d]; k, v: [Hkv, C, d] -> [n, H d]
+    """Exact (batch-invariant) attention of ``n`` consecutive query positions ``start .. start+n-1``
     over a cache buffer; query ``p`` sees keys ``0 .. p`` (``q`` pre-scaled).
 
     The canonical computation of one query, whatever else runs with it: with ``B`` =
@@ -115,12 +127,11 @@ def _attend_rows(q: Tensor, k: Tensor, v: Tensor, start: int) -> Tensor:  # q: [
     ``[0, P)`` (one matrix product per key/value head over its ``G = H / Hkv`` query heads), the
     keys past ``p`` masked with −inf inside the last block, a softmax over the ``P`` columns and
     the product with values ``[0, P)``.  Every reduction therefore has a length fixed by the query's
-    own position.  Queries sharing a block run as one product of ``m·G`` rows instead of ``G``:
-    CPU gemm computes each output element with the same reduction whatever the number of rows
-    (checked bitwise for G ≥ 2 by ``tests/models/test_attention.py``; for G = 1 the single row is a
-    matrix-vector product with its own order, so each query runs alone there).  A verification pass
-    of a few rows thus costs one or two products per layer instead of one per row, and each row is
-    bitwise what decoding that position alone computes.  Low-precision caches take ``_attend`` per row.
+    own position, and each query runs alone with the shapes single-token decoding uses.  (Queries
+    sharing a block used to run as one product of ``m·G`` rows; that is bitwise the solo rows only
+    for some head layouts — measured on a Sapphire Rapids: not for G = 2 at d = 64 or G = 2-5 at
+    d = 128 — so it was dropped: the compiled kernel is the fast path.)  Low-precision caches take
+    ``_attend`` per row.
     """
     n, hq, d = q.shape
     hk = k.shape[0]
@@ -129,27 +140,16 @@ def _attend_rows(q: Tensor, k: Tensor, v: Tensor, start: int) -> Tensor:  # q: [
     g = hq // hk
     block = ATTENTION_BLOCK
     outs: list[Tensor] = []
-    j = 0
-    while j < n:
+    for j in range(n):
         length = start + j + 1  # keys seen by row j
         padded = -(-length // block) * block
         if padded > k.shape[1]:
             raise ValueError(f"the cache holds {k.shape[1]} positions; exact attention reads {padded} (allocate whole blocks)")
-        m = 1 if g == 1 else min(n - j, padded - length + 1)  # rows ending in the same block
-        r0 = length - 1 - (padded - block)  # the first row's mask row
-        if m == 1:
-            scores = torch.bmm(q[j].view(hk, g, d), k[:, :padded].transpose(1, 2))  # [Hkv, G, P]
-            if r0 < block - 1:
-                scores.narrow(2, padded - block, block).add_(_BLOCK_MASK[r0])
-            outs.append(torch.bmm(torch.softmax(scores, -1), v[:, :padded]).view(1, hq * d))
-        else:
-            qg = q[j : j + m].view(m, hk, g, d).transpose(0, 1).reshape(hk, m * g, d)  # [Hkv, m G, d]
-            scores = torch.bmm(qg, k[:, :padded].transpose(1, 2))  # [Hkv, m G, P]
-            tail = _BLOCK_MASK[r0 : r0 + m].view(1, m, 1, block)
-            scores.view(hk, m, g, padded).narrow(3, padded - block, block).add_(tail)
-            out = torch.bmm(torch.softmax(scores, -1), v[:, :padded])  # [Hkv, m G, d]
-            outs.append(out.view(hk, m, g, d).transpose(0, 1).reshape(m, hq * d))
-        j += m
+        r0 = length - 1 - (padded - block)  # the row's mask row
+        scores = torch.bmm(q[j].view(hk, g, d), k[:, :padded].transpose(1, 2))  # [Hkv, G, P]
+        if r0 < block - 1:
+            scores.narrow(2, padded - block, block).add_(_BLOCK_MASK[r0])
+        outs.append(torch.bmm(torch.softmax(scores, -1), v[:, :padded]).view(1, hq * d))
     return outs[0] if len(outs) == 1 else torch.cat(outs)
 
 
@@ -177,6 +177,9 @@ class _TreeLayout:
     schedule: tuple[tuple[int, int, tuple[tuple[int, int], ...]], ...]
     mask: Tensor | None  # [n, end] additive: 0 for the cached prefix and the node's ancestors-or-self
     visit_perm: Tensor | None  # [n] exact mode: node j's row among the rows in visiting order
+    #: exact mode with the attention kernel: node j's ancestors-or-self as absolute cache slots in
+    #: path order, -1 padded [n, max depth + 1] (it reads them in place after the prefix [0, start))
+    paths: Tensor | None = None
 
     @classmethod
     def build(
@@ -189,9 +192,15 @@ class _TreeLayout:
         n, m = end - start, end - s
         if parents.numel() != m:
             raise ValueError(f"expected {m} tree parents for the region [{s}, {end}); got {parents.numel()}")
-        mask = perm = None
+        mask = perm = paths = None
         schedule: tuple[tuple[int, int, tuple[tuple[int, int], ...]], ...] = ()
-        if exact:
+        if exact and dtype == torch.float32 and kernels.attention_kernel():
+            anc = ancestor_mask(parents)[m - n :]  # [n, m]: region nodes on each scored node's path
+            width = int(anc.sum(1).max())
+            slots = torch.where(anc, torch.arange(s, end, dtype=torch.long), torch.full((n, m), 1 << 62, dtype=torch.long))
+            paths = slots.sort(1).values[:, :width]  # ascending slot = path order (parents precede children)
+            paths[paths >= 1 << 62] = -1
+        elif exact:
             schedule = tuple((j, length, tuple(w)) for j, length, w in attention_schedule(parents, n))
             perm = torch.empty(n, dtype=torch.long)
             perm[torch.tensor([j for j, _, _ in schedule], dtype=torch.long)] = torch.arange(n)
@@ -199,7 +208,7 @@ class _TreeLayout:
             anc = ancestor_mask(parents)[m - n :]  # [n, m]
             mask = torch.zeros((n, end), dtype=dtype)
             mask[:, s:] = torch.zeros((n, m), dtype=dtype).masked_fill_(~anc, -math.inf)
-        return cls(s, end, s + depths(parents)[m - n :], schedule, mask, perm)
+        return cls(s, end, s + depths(parents)[m - n :], schedule, mask, perm, paths)
 
     def scripted_steps(self) -> tuple[list[list[int]], Tensor]:
         """The schedule flattened for the TorchScript loop: per step ``[j, attended length,
@@ -220,6 +229,8 @@ class _TreeLayout:
         """
         s, m = self.start, self.end - self.start
         k_cache, v_cache = cache.k[li], cache.v[li]  # [Hkv, T, d]
+        if self.paths is not None:  # the kernel reads each node's path in place
+            return torch.ops.specdec.attend(q, k_cache, v_cache, s, self.paths)
         k_new = k_cache[:, s : s + m].clone()  # [Hkv, m, d] the whole tree region
         v_new = v_cache[:, s : s + m].clone()
         outs: list[Tensor] = []

@@ -30,7 +30,8 @@ from torch import Tensor
 
 from specdec.kv_cache import GROW_STEP
 from specdec.models import kernels
-from specdec.models.linear import VNNI_ROWS, wide_product
+from specdec.models import linear as linear_mod
+from specdec.models.linear import wide_product
 
 #: exact attention reads keys in whole blocks of this many positions (the cache's allocation step,
 #: so a block never reaches past the buffer); see ``native._attend_rows``
@@ -60,6 +61,7 @@ class Weights(NamedTuple):
     wide_rows: Dict[int, int]  # ... which runs their products of this many rows or more
     vnni: Dict[int, List[Tensor]]  # W8A8 layers packed for the few-row kernel (linear.vnni_packing) ...
     vnni_rows: int  # ... which runs their products of at most this many rows
+    attend: bool  # exact attention on the compiled kernel (kernels.attention_kernel), else ATen ops
 
 
 def _linear(
@@ -147,7 +149,7 @@ def _rows(x: Tensor, rows: List[int]) -> Tensor:
 
 
 def _attend_rows(q: Tensor, k: Tensor, v: Tensor, start: int, block_mask: Tensor) -> Tensor:  # q: [n, H, d] -> [n, H d]
-    """Exact attention of consecutive query positions ``start ..``: native._attend_rows, op for op."""
+    """Exact attention of consecutive query positions ``start ..``: native._attend_rows_aten, op for op."""
     n, hq, d = q.shape[0], q.shape[1], q.shape[2]
     hk = k.shape[0]
     if q.dtype != torch.float32:
@@ -161,30 +163,26 @@ def _attend_rows(q: Tensor, k: Tensor, v: Tensor, start: int, block_mask: Tensor
     g = hq // hk
     block = block_mask.shape[0]
     outs: List[Tensor] = []
-    j = 0
-    while j < n:
+    for j in range(n):
         length = start + j + 1
         padded = (length + block - 1) // block * block
         if padded > k.shape[1]:
             raise ValueError("the cache does not hold whole attention blocks")
-        m = 1 if g == 1 else min(n - j, padded - length + 1)
         r0 = length - 1 - (padded - block)
-        if m == 1:
-            scores = torch.bmm(q[j].view(hk, g, d), k[:, :padded].transpose(1, 2))
-            if r0 < block - 1:
-                scores.narrow(2, padded - block, block).add_(block_mask[r0])
-            outs.append(torch.bmm(torch.softmax(scores, -1), v[:, :padded]).view(1, hq * d))
-        else:
-            qg = q[j : j + m].view(m, hk, g, d).transpose(0, 1).reshape(hk, m * g, d)
-            scores = torch.bmm(qg, k[:, :padded].transpose(1, 2))
-            tail = block_mask[r0 : r0 + m].view(1, m, 1, block)
-            scores.view(hk, m, g, padded).narrow(3, padded - block, block).add_(tail)
-            out = torch.bmm(torch.softmax(scores, -1), v[:, :padded])
-            outs.append(out.view(hk, m, g, d).transpose(0, 1).reshape(m, hq * d))
-        j += m
+        scores = torch.bmm(q[j].view(hk, g, d), k[:, :padded].transpose(1, 2))
+        if r0 < block - 1:
+            scores.narrow(2, padded - block, block).add_(block_mask[r0])
+        outs.append(torch.bmm(torch.softmax(scores, -1), v[:, :padded]).view(1, hq * d))
     if len(outs) == 1:
         return outs[0]
     return torch.cat(outs)
+
+
+def _attend_exact(q: Tensor, k: Tensor, v: Tensor, start: int, block_mask: Tensor, kernel: bool) -> Tensor:
+    """native._attend_rows: the compiled kernel for float32 rows where the process uses it."""
+    if kernel and q.dtype == torch.float32:
+        return torch.ops.specdec.attend(q, k, v, start, None)
+    return _attend_rows(q, k, v, start, block_mask)
 
 
 def _layers(
@@ -203,6 +201,7 @@ def _layers(
     tree_start: int,  # first slot of a token tree's region (exact tree attention), else -1
     tree_steps: List[List[int]],  # per visited node: [row, attended length, slot, node, ...]
     tree_perm: Optional[Tensor],  # [n] visited rows -> node order
+    tree_paths: Optional[Tensor],  # [n, E] with the attention kernel: each node's path slots (native._TreeLayout.paths)
     taps: List[int],  # layer counts whose residual stream is returned (target-aware drafters)
     plan: List[List[int]],  # [layer, attention on, MLP on, cache slot] per step; [] = every layer
     final_norm: bool,  # scale by the final RMS (the LM head's input), else the raw residual stream
@@ -240,6 +239,8 @@ def _layers(
                 qk[:, :hq].transpose(0, 1).unsqueeze(0), k_cache[:, :end].unsqueeze(0), v_cache[:, :end].unsqueeze(0),
                 attn_mask=mask, enable_gqa=hq != hk, scale=1.0,
             )[0].transpose(0, 1).reshape(n, q_size)
+        elif tree_start >= 0 and tree_paths is not None:  # the kernel reads each node's path in place
+            attn = torch.ops.specdec.attend(qk[:, :hq], k_cache, v_cache, tree_start, tree_paths)
         elif tree_start >= 0:  # exact tree attention: each node sees cache[:start] + its path, in place
             k_new = k_cache[:, tree_start:end].clone()
             v_new = v_cache[:, tree_start:end].clone()
@@ -271,7 +272,7 @@ def _layers(
             if tree_perm is not None:
                 attn = attn.index_select(0, tree_perm)
         else:
-            attn = _attend_rows(qk[:, :hq], k_cache, v_cache, start, block_mask)
+            attn = _attend_exact(qk[:, :hq], k_cache, v_cache, start, block_mask, w.attend)
         x = x + _linear(lin + 1, attn, None, w)
         if step_[2] != 0:
             x = _mlp(lin, x, eps, width, w)
@@ -322,7 +323,7 @@ def _layers_batch(
             v_cache[:, start:end] = qkv[o : o + n, qk_size:].view(n, hk, d).transpose(0, 1)
             q = qk[o : o + n, :hq]
             if exact or n == 1:
-                parts.append(_attend_rows(q, k_cache, v_cache, start, block_mask))
+                parts.append(_attend_exact(q, k_cache, v_cache, start, block_mask, w.attend))
             else:
                 mask = torch.full((n, end), float("-inf"), dtype=q.dtype).triu_(start + 1)
                 parts.append(F.scaled_dot_product_attention(
@@ -436,7 +437,8 @@ class ScriptedLayers:
     def weights(self) -> Weights:
         """The tables as the scripted loops take them (the staging buffers may have grown)."""
         return Weights(self.kinds, self.q8, self.staging, self.reduce_range, self.chunks, self.bounds, self.dense,  # type: ignore[arg-type]
-                       self.bias, self.smooth, self.wide, self.wide_rows, self.vnni, VNNI_ROWS)
+                       self.bias, self.smooth, self.wide, self.wide_rows, self.vnni, linear_mod.VNNI_ROWS,
+                       kernels.attention_kernel())
 
     def __call__(
         self, x: Tensor, cos: Tensor, sin: Tensor, cache, start: int, cfg, eps: Tensor, *,
@@ -450,14 +452,15 @@ class ScriptedLayers:
         MLP on, cache slot]`` steps and return the raw residual stream (no final norm), as
         :meth:`NativeCausalLM.run_layers` does."""
         self._ensure(x.shape[0])
-        tree_start, steps, perm = -1, [], None
+        tree_start, steps, perm, paths = -1, [], None, None
         if tree is not None:
-            steps, perm = tree.scripted_steps()
-            tree_start = tree.start
+            tree_start, paths = tree.start, tree.paths
+            if paths is None:
+                steps, perm = tree.scripted_steps()
         wanted = [k for k in sorted(taps) if 0 <= k <= len(self.kinds) // 4] if taps else []
         out, tapped = self.fn(
             x, cos, sin, cache.k, cache.v, start, cfg.n_heads, cfg.n_kv_heads, cfg.head_dim, eps,
-            self.weights(), mask, tree_start, steps, perm, wanted, plan or [], plan is None, BLOCK_MASK,
+            self.weights(), mask, tree_start, steps, perm, paths, wanted, plan or [], plan is None, BLOCK_MASK,
         )
         if taps:
             for k, t in zip(wanted, tapped):

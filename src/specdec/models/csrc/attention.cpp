@@ -1,0 +1,312 @@
+// Exact attention for the batch-invariant target: one fixed computation per query row.
+//
+//   torch.ops.specdec.attend(q, k, v, start, paths) -> [n, Hq * d]
+//
+//   q      [n, Hq, d] float32, pre-scaled query rows (Hq a multiple of Hkv: grouped-query heads)
+//   k, v   [Hkv, T, d] float32 cache buffers (their last dimension contiguous)
+//   start  without paths: row r sees keys [0, start + r] — what token-by-token decoding had cached
+//          when it scored that position;
+//          with paths: every row sees the prefix [0, start), then the cache slots paths[r, :] in
+//          order up to the first -1 (a tree node: its ancestors, then itself) [n, E] int64
+//
+// A row's bits depend only on its query and the keys and values it sees, never on the other rows,
+// the number of threads or how the compiler vectorised a loop:
+//
+//   * a score q . k_j: feature c into lane c mod 16 (one multiply, one add per feature), then
+//     the 16 lanes summed as ((l + l+8) + (l+4 ...)) — the fixed tree of `lane_sum`, which the
+//     AVX-512 path computes for 16 keys at once with shuffles and the portable path one key at a time;
+//   * the softmax: the max (exact in any order), exp(s_j - max) by a fixed polynomial, the sum
+//     with key j in lane j mod 16 and the same tree; the output is sum_j e_j v_j, key by key in
+//     key order, times 1 / sum.
+//
+// Compiled with -ffp-contract=off and without -ffast-math: the compiler may neither fuse a
+// multiply-add nor reorder a sum.  Work is split across threads by (row, KV head) only.
+
+#include <ATen/ATen.h>
+#include <ATen/Parallel.h>
+#include <torch/library.h>
+
+#include <cstdint>
+#include <cstring>
+#include <vector>
+
+#if defined(__AVX512F__)
+#include <immintrin.h>
+#endif
+
+namespace {
+
+constexpr int kLanes = 16;
+// 16 floats as one value (GCC / clang vector extension): element-wise IEEE arithmetic, so lane l
+// of a vector expression is bitwise the scalar expression on lane l's inputs.
+typedef float v16 __attribute__((vector_size(64)));
+typedef int32_t i16 __attribute__((vector_size(64)));
+
+inline v16 load(const float* p) {
+  v16 x;
+  std::memcpy(&x, p, sizeof(x));
+  return x;
+}
+
+inline void store(float* p, v16 x) { std::memcpy(p, &x, sizeof(x)); }
+
+// exp(x) for x <= 0 (x = s - max), flushed to 0 below -87: Cody-Waite reduction by ln 2 and a
+// degree-6 polynomial (the classic single-precision coefficients).  The scalar version runs the
+// same operations as the vector one, so a key's weight does not depend on which one ran.
+constexpr float kLog2e = 1.44269504088896341f, kC1 = 0.693359375f, kC2 = -2.12194440e-4f;
+constexpr float kP0 = 1.9875691500e-4f, kP1 = 1.3981999507e-3f, kP2 = 8.3334519073e-3f, kP3 = 4.1665795894e-2f,
+                kP4 = 1.6666665459e-1f, kP5 = 5.0000001201e-1f;
+
+inline float exp_neg(float x0) {
+  const float x = x0 < -87.0f ? -87.0f : x0;
+  const int32_t ni = static_cast<int32_t>(x * kLog2e - 0.5f);  // truncation = rounding to nearest for x <= 0
+  const float n = static_cast<float>(ni);
+  float r = x - n * kC1;
+  r = r - n * kC2;
+  float p = kP0;
+  p = p * r + kP1;
+  p = p * r + kP2;
+  p = p * r + kP3;
+  p = p * r + kP4;
+  p = p * r + kP5;
+  p = p * (r * r) + r + 1.0f;
+  const int32_t bits = (ni + 127) << 23;
+  float scale;
+  std::memcpy(&scale, &bits, sizeof(float));
+  return x0 < -87.0f ? 0.0f : p * scale;
+}
+
+inline v16 exp_neg(v16 x0) {
+  const v16 lo = v16{} - 87.0f;
+  const v16 x = x0 < lo ? lo : x0;
+  const i16 ni = __builtin_convertvector(x * kLog2e - 0.5f, i16);
+  const v16 n = __builtin_convertvector(ni, v16);
+  v16 r = x - n * kC1;
+  r = r - n * kC2;
+  v16 p = v16{} + kP0;
+  p = p * r + kP1;
+  p = p * r + kP2;
+  p = p * r + kP3;
+  p = p * r + kP4;
+  p = p * r + kP5;
+  p = p * (r * r) + r + 1.0f;
+  const i16 bits = (ni + 127) << 23;
+  v16 scale;
+  std::memcpy(&scale, &bits, sizeof(scale));
+  return x0 < lo ? v16{} : p * scale;
+}
+
+// The 16 lanes summed in the fixed tree: h8[l] = a[l] + a[l+8], h4[l] = h8[l] + h8[l+4],
+// h2[l] = h4[l] + h4[l+2], then h2[0] + h2[1].
+inline float lane_sum(v16 a) {
+  float f[kLanes];
+  store(f, a);
+  float h8[8], h4[4];
+  for (int l = 0; l < 8; ++l) h8[l] = f[l] + f[l + 8];
+  for (int l = 0; l < 4; ++l) h4[l] = h8[l] + h8[l + 4];
+  return (h4[0] + h4[2]) + (h4[1] + h4[3]);
+}
+
+// q . k with feature c in lane c mod 16 (the tail's missing features add exact zeros), not yet summed.
+template <int NV>
+inline v16 dot_lanes(const float* q, const float* k, int64_t d) {
+  v16 acc{};
+  if constexpr (NV > 0) {
+    for (int c = 0; c < NV; ++c) acc = acc + load(q + 16 * c) * load(k + 16 * c);
+  } else {
+    int64_t c = 0;
+    for (; c + kLanes <= d; c += kLanes) acc = acc + load(q + c) * load(k + c);
+    if (c < d) {
+      float qt[kLanes] = {0}, kt[kLanes] = {0};
+      std::memcpy(qt, q + c, sizeof(float) * (d - c));
+      std::memcpy(kt, k + c, sizeof(float) * (d - c));
+      acc = acc + load(qt) * load(kt);
+    }
+  }
+  return acc;
+}
+
+#if defined(__AVX512F__)
+// lane_sum of 16 vectors at once: out[i] = lane_sum(a[i]), bitwise (the same additions, paired
+// by shuffles instead of one vector at a time).
+inline __m512 lane_sums16(const __m512* a) {
+  __m512 h8[8], h4[4], h2[2];
+  for (int i = 0; i < 8; ++i) {  // [a.lo8 + a.hi8 | b.lo8 + b.hi8]
+    const __m512 x = a[2 * i], y = a[2 * i + 1];
+    h8[i] = _mm512_add_ps(_mm512_shuffle_f32x4(x, y, 0x44), _mm512_shuffle_f32x4(x, y, 0xEE));
+  }
+  for (int i = 0; i < 4; ++i) {  // 4 keys x [h8[0..3] + h8[4..7]]
+    const __m512 x = h8[2 * i], y = h8[2 * i + 1];
+    h4[i] = _mm512_add_ps(_mm512_shuffle_f32x4(x, y, 0x88), _mm512_shuffle_f32x4(x, y, 0xDD));
+  }
+  for (int i = 0; i < 2; ++i) {  // per 128-bit block, two keys x [h4[0] + h4[2], h4[1] + h4[3]]
+    const __m512 x = h4[2 * i], y = h4[2 * i + 1];
+    h2[i] = _mm512_add_ps(_mm512_shuffle_ps(x, y, 0x44), _mm512_shuffle_ps(x, y, 0xEE));
+  }
+  const __m512 h1 = _mm512_add_ps(_mm512_shuffle_ps(h2[0], h2[1], 0x88), _mm512_shuffle_ps(h2[0], h2[1], 0xDD));
+  // lane 4m + p of h1 holds key 4p + m (block m of each step holds keys m, 4 + m, ...): transpose back
+  const __m512i order = _mm512_setr_epi32(0, 4, 8, 12, 1, 5, 9, 13, 2, 6, 10, 14, 3, 7, 11, 15);
+  return _mm512_permutexvar_ps(order, h1);
+}
+#endif
+
+// One (row, KV head): its G query heads over the row's keys.  buf: [G, n_keys] scores -> weights.
+template <int NV>
+void attend_group(const float* q, int64_t g, int64_t d, const float* k, const float* v, int64_t key_stride,
+                  int64_t prefix, const int64_t* extra, int64_t n_extra, float* out, std::vector<float>& buf) {
+  const int64_t n_keys = prefix + n_extra;
+  buf.resize(static_cast<size_t>(g * n_keys));
+  float* s = buf.data();
+  auto key = [&](int64_t j) { return (j < prefix ? j : extra[j - prefix]) * key_stride; };
+  for (int64_t h = 0; h < g; ++h) {
+    const float* qh = q + h * d;
+    float* sh = s + h * n_keys;
+    int64_t j = 0;
+#if defined(__AVX512F__)
+    for (; j + kLanes <= n_keys; j += kLanes) {
+      __m512 acc[kLanes];
+      for (int i = 0; i < kLanes; ++i) {
+        const v16 a = dot_lanes<NV>(qh, k + key(j + i), d);
+        std::memcpy(&acc[i], &a, sizeof(a));
+      }
+      _mm512_storeu_ps(sh + j, lane_sums16(acc));
+    }
+#endif
+    for (; j < n_keys; ++j) sh[j] = lane_sum(dot_lanes<NV>(qh, k + key(j), d));
+  }
+  float inv[64];
+  std::vector<float> inv_big;
+  float* invp = inv;
+  if (g > 64) {
+    inv_big.resize(static_cast<size_t>(g));
+    invp = inv_big.data();
+  }
+  for (int64_t h = 0; h < g; ++h) {
+    float* sh = s + h * n_keys;
+    v16 mv = v16{} + sh[0];
+    int64_t j = 0;
+    for (; j + kLanes <= n_keys; j += kLanes) {
+      const v16 x = load(sh + j);
+      mv = x > mv ? x : mv;
+    }
+    float m = sh[0];
+    for (int l = 0; l < kLanes; ++l) m = mv[l] > m ? mv[l] : m;
+    for (; j < n_keys; ++j) m = sh[j] > m ? sh[j] : m;
+    v16 lanes{};  // key j in lane j mod 16
+    j = 0;
+    for (; j + kLanes <= n_keys; j += kLanes) {
+      const v16 e = exp_neg(load(sh + j) - m);
+      store(sh + j, e);
+      lanes = lanes + e;
+    }
+    float tail[kLanes] = {0};
+    for (int64_t l = 0; j + l < n_keys; ++l) tail[l] = sh[j + l] = exp_neg(sh[j + l] - m);
+    lanes = lanes + load(tail);
+    invp[h] = 1.0f / lane_sum(lanes);
+  }
+  for (int64_t h = 0; h < g; ++h) {  // out = sum_j e_j v_j, key by key, then / sum
+    const float* sh = s + h * n_keys;
+    float* oh = out + h * d;
+    if constexpr (NV > 0) {
+      v16 acc[NV];
+      for (int c = 0; c < NV; ++c) acc[c] = v16{};
+      for (int64_t j = 0; j < n_keys; ++j) {
+        const float* vj = v + key(j);
+        const float w = sh[j];
+        for (int c = 0; c < NV; ++c) acc[c] = acc[c] + w * load(vj + 16 * c);
+      }
+      for (int c = 0; c < NV; ++c) store(oh + 16 * c, acc[c] * invp[h]);
+    } else {
+      for (int64_t c = 0; c < d; ++c) oh[c] = 0.0f;
+      for (int64_t j = 0; j < n_keys; ++j) {
+        const float* vj = v + key(j);
+        const float w = sh[j];
+        for (int64_t c = 0; c < d; ++c) oh[c] = oh[c] + w * vj[c];
+      }
+      for (int64_t c = 0; c < d; ++c) oh[c] = oh[c] * invp[h];
+    }
+  }
+}
+
+using GroupFn = void (*)(const float*, int64_t, int64_t, const float*, const float*, int64_t, int64_t, const int64_t*,
+                         int64_t, float*, std::vector<float>&);
+
+GroupFn group_fn(int64_t d) {
+  switch (d) {
+    case 64: return attend_group<4>;
+    case 128: return attend_group<8>;
+    case 256: return attend_group<16>;
+    default: return attend_group<0>;
+  }
+}
+
+at::Tensor attend(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v, int64_t start,
+                  const c10::optional<at::Tensor>& paths) {
+  TORCH_CHECK(q.dim() == 3 && k.dim() == 3 && v.dim() == 3, "attend: q [n, Hq, d], k and v [Hkv, T, d]");
+  TORCH_CHECK(q.scalar_type() == at::kFloat && k.scalar_type() == at::kFloat && v.scalar_type() == at::kFloat,
+              "attend: float32 only");
+  TORCH_CHECK(k.sizes() == v.sizes() && k.strides() == v.strides(), "attend: k and v must have one layout");
+  TORCH_CHECK(k.stride(2) == 1, "attend: the cache's last dimension must be contiguous");
+  const at::Tensor qc = q.contiguous();
+  const int64_t n = qc.size(0), hq = qc.size(1), d = qc.size(2), hk = k.size(0), t = k.size(1);
+  TORCH_CHECK(k.size(2) == d && hk > 0 && hq % hk == 0, "attend: head layout mismatch");
+  const int64_t g = hq / hk;
+  const bool tree = paths.has_value() && paths->defined();
+  at::Tensor pc;
+  int64_t e = 0;
+  if (tree) {
+    pc = paths->to(at::kLong).contiguous();
+    TORCH_CHECK(pc.dim() == 2 && pc.size(0) == n, "attend: paths must be [n, E]");
+    e = pc.size(1);
+    TORCH_CHECK(start >= 0 && start <= t, "attend: prefix beyond the cache");
+    const int64_t* pp = pc.data_ptr<int64_t>();
+    for (int64_t r = 0; r < n; ++r) {
+      int64_t len = 0;
+      while (len < e && pp[r * e + len] >= 0) {
+        TORCH_CHECK(pp[r * e + len] < t, "attend: a path slot beyond the cache");
+        ++len;
+      }
+      TORCH_CHECK(start + len > 0, "attend: a row with no keys");
+    }
+  } else {
+    TORCH_CHECK(start >= 0 && start + n <= t, "attend: rows beyond the cache");
+  }
+  at::Tensor out = at::empty({n, hq * d}, qc.options());
+  const float* qp = qc.data_ptr<float>();
+  const float* kp = k.data_ptr<float>();
+  const float* vp = v.data_ptr<float>();
+  float* op = out.data_ptr<float>();
+  const int64_t* pp = tree ? pc.data_ptr<int64_t>() : nullptr;
+  const int64_t ks = k.stride(1), hs = k.stride(0);
+  const GroupFn fn = group_fn(d);
+  // a (row, KV head) is one thread's; small passes stay on the calling thread
+  const int64_t tasks = n * hk;
+  const int64_t work = tasks * (start + n) * g * d;
+  const int64_t grain = work < (1 << 19) ? tasks : 1;
+  at::parallel_for(0, tasks, grain, [&](int64_t lo, int64_t hi) {
+    std::vector<float> buf;
+    for (int64_t task = lo; task < hi; ++task) {
+      const int64_t r = task / hk, h = task % hk;
+      int64_t prefix = start + r + 1, n_extra = 0;
+      const int64_t* extra = nullptr;
+      if (tree) {
+        prefix = start;
+        extra = pp + r * e;
+        while (n_extra < e && extra[n_extra] >= 0) ++n_extra;
+      }
+      fn(qp + (r * hq + h * g) * d, g, d, kp + h * hs, vp + h * hs, ks, prefix, extra, n_extra,
+         op + (r * hq + h * g) * d, buf);
+    }
+  });
+  return out;
+}
+
+}  // namespace
+
+TORCH_LIBRARY_FRAGMENT(specdec, m) {
+  m.def("attend(Tensor q, Tensor k, Tensor v, int start, Tensor? paths=None) -> Tensor");
+}
+
+TORCH_LIBRARY_IMPL(specdec, CPU, m) {
+  m.impl("attend", &attend);
+}
