@@ -137,3 +137,10 @@ def attention_kernel() -> bool:
     if "attend" not in _state:
         _state["attend"] = load() and os.environ.get("SPECDEC_ATTENTION", "1") != "0"
     return bool(_state["attend"])
+
+
+def set_attention_kernel(on: bool) -> None:
+    """For paired measurements only (``scripts/kernel_ab.py``): use the attention kernel (where
+    it loaded) or ATen ops for the passes that follow.  Only between sequences: the two round
+    differently, so every key and value in one cache must come from the same one."""
+    _state["attend"] = bool(on) and load()

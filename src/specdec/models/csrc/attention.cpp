@@ -20,7 +20,7 @@
 //     key order, times 1 / sum.
 //
 // Compiled with -ffp-contract=off and without -ffast-math: the compiler may neither fuse a
-// multiply-add nor reorder a sum.  Work is split across threads by (row, KV head) only.
+// multiply-add nor reorder a sum.  Work is split across threads by (KV head, chunk of rows) only.
 
 #include <ATen/ATen.h>
 #include <ATen/Parallel.h>
@@ -150,95 +150,136 @@ inline __m512 lane_sums16(const __m512* a) {
 }
 #endif
 
-// One (row, KV head): its G query heads over the row's keys.  buf: [G, n_keys] scores -> weights.
+// Rows r0 .. r0 + R - 1 of one KV head: row r's keys are its prefix [0, pre[r]) then the slots
+// extra[r][0 .. n_extra[r]).  The rows share every read of a prefix key or value (a verification
+// pass's rows see nearly the same keys), but each row's arithmetic is exactly what it would be
+// alone: its scores, softmax and key-ordered value sums involve only its own keys.
+struct Rows {
+  const float* q;       // row r0's first query head of this KV head; rows q_stride apart
+  int64_t q_stride;     // floats between consecutive rows' query heads
+  float* out;           // same layout as q
+  const int64_t* pre;   // [R] prefix lengths
+  const int64_t* const* extra;  // [R] slot lists (may be null when n_extra[r] == 0)
+  const int64_t* n_extra;       // [R]
+  int64_t count;        // R
+};
+
 template <int NV>
-void attend_group(const float* q, int64_t g, int64_t d, const float* k, const float* v, int64_t key_stride,
-                  int64_t prefix, const int64_t* extra, int64_t n_extra, float* out, std::vector<float>& buf) {
-  const int64_t n_keys = prefix + n_extra;
-  buf.resize(static_cast<size_t>(g * n_keys));
-  float* s = buf.data();
-  auto key = [&](int64_t j) { return (j < prefix ? j : extra[j - prefix]) * key_stride; };
-  for (int64_t h = 0; h < g; ++h) {
-    const float* qh = q + h * d;
-    float* sh = s + h * n_keys;
-    int64_t j = 0;
+void attend_rows(const Rows& rows, int64_t g, int64_t d, const float* k, const float* v, int64_t key_stride,
+                 std::vector<float>& buf) {
+  const int64_t R = rows.count;
+  int64_t max_pre = 0, total = 0;
+  std::vector<int64_t> off(static_cast<size_t>(R + 1));
+  for (int64_t r = 0; r < R; ++r) {
+    max_pre = rows.pre[r] > max_pre ? rows.pre[r] : max_pre;
+    off[r] = total;
+    total += g * (rows.pre[r] + rows.n_extra[r]);
+  }
+  off[R] = total;
+  buf.resize(static_cast<size_t>(total + R * g + R * g * d));
+  float* s = buf.data();            // row r, head h: s + off[r] + h * n_keys(r)
+  float* inv = s + total;           // [R, G]
+  float* acc = inv + R * g;         // [R, G, d]
+  auto n_keys = [&](int64_t r) { return rows.pre[r] + rows.n_extra[r]; };
+  // scores: prefix keys in blocks of 16 shared by the rows that see the whole block
+  int64_t j = 0;
 #if defined(__AVX512F__)
-    for (; j + kLanes <= n_keys; j += kLanes) {
-      __m512 acc[kLanes];
-      for (int i = 0; i < kLanes; ++i) {
-        const v16 a = dot_lanes<NV>(qh, k + key(j + i), d);
-        std::memcpy(&acc[i], &a, sizeof(a));
+  for (; j + kLanes <= max_pre; j += kLanes) {
+    for (int64_t r = 0; r < R; ++r) {
+      if (j + kLanes > rows.pre[r]) continue;
+      const float* qr = rows.q + r * rows.q_stride;
+      for (int64_t h = 0; h < g; ++h) {
+        __m512 part[kLanes];
+        for (int i = 0; i < kLanes; ++i) {
+          const v16 a = dot_lanes<NV>(qr + h * d, k + (j + i) * key_stride, d);
+          std::memcpy(&part[i], &a, sizeof(a));
+        }
+        _mm512_storeu_ps(s + off[r] + h * n_keys(r) + j, lane_sums16(part));
       }
-      _mm512_storeu_ps(sh + j, lane_sums16(acc));
     }
+  }
 #endif
-    for (; j < n_keys; ++j) sh[j] = lane_sum(dot_lanes<NV>(qh, k + key(j), d));
-  }
-  float inv[64];
-  std::vector<float> inv_big;
-  float* invp = inv;
-  if (g > 64) {
-    inv_big.resize(static_cast<size_t>(g));
-    invp = inv_big.data();
-  }
-  for (int64_t h = 0; h < g; ++h) {
-    float* sh = s + h * n_keys;
-    v16 mv = v16{} + sh[0];
-    int64_t j = 0;
-    for (; j + kLanes <= n_keys; j += kLanes) {
-      const v16 x = load(sh + j);
-      mv = x > mv ? x : mv;
+  for (int64_t r = 0; r < R; ++r) {  // what no shared block covered, one key at a time (the same bits)
+    const float* qr = rows.q + r * rows.q_stride;
+#if defined(__AVX512F__)
+    const int64_t done = rows.pre[r] / kLanes * kLanes < j ? rows.pre[r] / kLanes * kLanes : j;  // its shared blocks
+#else
+    const int64_t done = 0;
+#endif
+    for (int64_t jj = done; jj < n_keys(r); ++jj) {
+      const int64_t slot = jj < rows.pre[r] ? jj : rows.extra[r][jj - rows.pre[r]];
+      for (int64_t h = 0; h < g; ++h)
+        s[off[r] + h * n_keys(r) + jj] = lane_sum(dot_lanes<NV>(qr + h * d, k + slot * key_stride, d));
     }
-    float m = sh[0];
-    for (int l = 0; l < kLanes; ++l) m = mv[l] > m ? mv[l] : m;
-    for (; j < n_keys; ++j) m = sh[j] > m ? sh[j] : m;
-    v16 lanes{};  // key j in lane j mod 16
-    j = 0;
-    for (; j + kLanes <= n_keys; j += kLanes) {
-      const v16 e = exp_neg(load(sh + j) - m);
-      store(sh + j, e);
-      lanes = lanes + e;
-    }
-    float tail[kLanes] = {0};
-    for (int64_t l = 0; j + l < n_keys; ++l) tail[l] = sh[j + l] = exp_neg(sh[j + l] - m);
-    lanes = lanes + load(tail);
-    invp[h] = 1.0f / lane_sum(lanes);
   }
-  for (int64_t h = 0; h < g; ++h) {  // out = sum_j e_j v_j, key by key, then / sum
-    const float* sh = s + h * n_keys;
-    float* oh = out + h * d;
+  // softmax per row and head
+  for (int64_t r = 0; r < R; ++r) {
+    const int64_t nk = n_keys(r);
+    for (int64_t h = 0; h < g; ++h) {
+      float* sh = s + off[r] + h * nk;
+      v16 mv = v16{} + sh[0];
+      int64_t i = 0;
+      for (; i + kLanes <= nk; i += kLanes) {
+        const v16 x = load(sh + i);
+        mv = x > mv ? x : mv;
+      }
+      float m = sh[0];
+      for (int l = 0; l < kLanes; ++l) m = mv[l] > m ? mv[l] : m;
+      for (; i < nk; ++i) m = sh[i] > m ? sh[i] : m;
+      v16 lanes{};  // key i in lane i mod 16
+      i = 0;
+      for (; i + kLanes <= nk; i += kLanes) {
+        const v16 e = exp_neg(load(sh + i) - m);
+        store(sh + i, e);
+        lanes = lanes + e;
+      }
+      float tail[kLanes] = {0};
+      for (int64_t l = 0; i + l < nk; ++l) tail[l] = sh[i + l] = exp_neg(sh[i + l] - m);
+      lanes = lanes + load(tail);
+      inv[r * g + h] = 1.0f / lane_sum(lanes);
+    }
+  }
+  // out = sum_j e_j v_j in each row's key order: the shared prefix values first, then its extras
+  for (int64_t c = 0; c < R * g * d; ++c) acc[c] = 0.0f;
+  auto axpy = [&](float* o, float w, const float* vj) {
     if constexpr (NV > 0) {
-      v16 acc[NV];
-      for (int c = 0; c < NV; ++c) acc[c] = v16{};
-      for (int64_t j = 0; j < n_keys; ++j) {
-        const float* vj = v + key(j);
-        const float w = sh[j];
-        for (int c = 0; c < NV; ++c) acc[c] = acc[c] + w * load(vj + 16 * c);
-      }
-      for (int c = 0; c < NV; ++c) store(oh + 16 * c, acc[c] * invp[h]);
+      for (int c = 0; c < NV; ++c) store(o + 16 * c, load(o + 16 * c) + w * load(vj + 16 * c));
     } else {
-      for (int64_t c = 0; c < d; ++c) oh[c] = 0.0f;
-      for (int64_t j = 0; j < n_keys; ++j) {
-        const float* vj = v + key(j);
-        const float w = sh[j];
-        for (int64_t c = 0; c < d; ++c) oh[c] = oh[c] + w * vj[c];
-      }
-      for (int64_t c = 0; c < d; ++c) oh[c] = oh[c] * invp[h];
+      for (int64_t c = 0; c < d; ++c) o[c] = o[c] + w * vj[c];
+    }
+  };
+  for (int64_t jj = 0; jj < max_pre; ++jj) {
+    const float* vj = v + jj * key_stride;
+    for (int64_t r = 0; r < R; ++r) {
+      if (jj >= rows.pre[r]) continue;
+      for (int64_t h = 0; h < g; ++h) axpy(acc + (r * g + h) * d, s[off[r] + h * n_keys(r) + jj], vj);
     }
   }
+  for (int64_t r = 0; r < R; ++r)
+    for (int64_t e = 0; e < rows.n_extra[r]; ++e) {
+      const float* vj = v + rows.extra[r][e] * key_stride;
+      for (int64_t h = 0; h < g; ++h) axpy(acc + (r * g + h) * d, s[off[r] + h * n_keys(r) + rows.pre[r] + e], vj);
+    }
+  for (int64_t r = 0; r < R; ++r)
+    for (int64_t h = 0; h < g; ++h) {
+      const float* a = acc + (r * g + h) * d;
+      float* o = rows.out + r * rows.q_stride + h * d;
+      for (int64_t c = 0; c < d; ++c) o[c] = a[c] * inv[r * g + h];
+    }
 }
 
-using GroupFn = void (*)(const float*, int64_t, int64_t, const float*, const float*, int64_t, int64_t, const int64_t*,
-                         int64_t, float*, std::vector<float>&);
+using RowsFn = void (*)(const Rows&, int64_t, int64_t, const float*, const float*, int64_t, std::vector<float>&);
 
-GroupFn group_fn(int64_t d) {
+RowsFn rows_fn(int64_t d) {
   switch (d) {
-    case 64: return attend_group<4>;
-    case 128: return attend_group<8>;
-    case 256: return attend_group<16>;
-    default: return attend_group<0>;
+    case 64: return attend_rows<4>;
+    case 128: return attend_rows<8>;
+    case 256: return attend_rows<16>;
+    default: return attend_rows<0>;
   }
 }
+
+constexpr int64_t kRowChunk = 8;  // rows sharing key/value reads in one task
 
 at::Tensor attend(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v, int64_t start,
                   const c10::optional<at::Tensor>& paths) {
@@ -278,24 +319,34 @@ at::Tensor attend(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v,
   float* op = out.data_ptr<float>();
   const int64_t* pp = tree ? pc.data_ptr<int64_t>() : nullptr;
   const int64_t ks = k.stride(1), hs = k.stride(0);
-  const GroupFn fn = group_fn(d);
-  // a (row, KV head) is one thread's; small passes stay on the calling thread
-  const int64_t tasks = n * hk;
-  const int64_t work = tasks * (start + n) * g * d;
+  const RowsFn fn = rows_fn(d);
+  // tasks: (KV head, chunk of up to kRowChunk rows); a row is one task's, so no thread split
+  // changes its arithmetic.  Small passes stay on the calling thread.
+  const int64_t chunks = (n + kRowChunk - 1) / kRowChunk, tasks = hk * chunks;
+  const int64_t work = n * hk * (start + n) * g * d;
   const int64_t grain = work < (1 << 19) ? tasks : 1;
   at::parallel_for(0, tasks, grain, [&](int64_t lo, int64_t hi) {
     std::vector<float> buf;
+    int64_t pre[kRowChunk], n_extra[kRowChunk];
+    const int64_t* extra[kRowChunk];
     for (int64_t task = lo; task < hi; ++task) {
-      const int64_t r = task / hk, h = task % hk;
-      int64_t prefix = start + r + 1, n_extra = 0;
-      const int64_t* extra = nullptr;
-      if (tree) {
-        prefix = start;
-        extra = pp + r * e;
-        while (n_extra < e && extra[n_extra] >= 0) ++n_extra;
+      const int64_t h = task / chunks, r0 = (task % chunks) * kRowChunk;
+      const int64_t count = n - r0 < kRowChunk ? n - r0 : kRowChunk;
+      for (int64_t i = 0; i < count; ++i) {
+        const int64_t r = r0 + i;
+        if (tree) {
+          pre[i] = start;
+          extra[i] = pp + r * e;
+          n_extra[i] = 0;
+          while (n_extra[i] < e && extra[i][n_extra[i]] >= 0) ++n_extra[i];
+        } else {
+          pre[i] = start + r + 1;
+          extra[i] = nullptr;
+          n_extra[i] = 0;
+        }
       }
-      fn(qp + (r * hq + h * g) * d, g, d, kp + h * hs, vp + h * hs, ks, prefix, extra, n_extra,
-         op + (r * hq + h * g) * d, buf);
+      const Rows rows{qp + (r0 * hq + h * g) * d, hq * d, op + (r0 * hq + h * g) * d, pre, extra, n_extra, count};
+      fn(rows, g, d, kp + h * hs, vp + h * hs, ks, buf);
     }
   });
   return out;

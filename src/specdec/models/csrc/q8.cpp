@@ -39,6 +39,7 @@ constexpr double kStep = 2.0 / 255.0;  // fbgemm's step for rows pinned to [-1, 
 constexpr int64_t kZero = 128;
 constexpr int kRowsMax = 4;  // rows per register block (4 rows x 4 accumulators of 16 columns)
 constexpr int kGroup = 64;  // columns per packed group
+constexpr int kPrefetch = 8;  // steps (of 256 bytes) a group's weights are prefetched ahead
 
 at::Tensor q8_pack(const at::Tensor& w) {
   TORCH_CHECK(w.dim() == 2 && w.scalar_type() == at::kChar, "q8_pack: an int8 [N, K] weight");
@@ -65,6 +66,13 @@ void group_rows(const uint8_t* xq, int64_t x_stride, const int8_t* wg, int64_t k
     for (int u = 0; u < 4; ++u) acc[r][u] = _mm512_setzero_si512();
   for (int64_t c = 0; c < k4; ++c) {
     const int8_t* wc = wg + c * (kGroup * 4);
+    // the weights stream from memory once per pass: ask for them a few steps ahead, so the
+    // loads overlap the dot products when several rows make each step longer
+    const int8_t* ahead = wc + kPrefetch * (kGroup * 4);
+    _mm_prefetch(reinterpret_cast<const char*>(ahead), _MM_HINT_T0);
+    _mm_prefetch(reinterpret_cast<const char*>(ahead + 64), _MM_HINT_T0);
+    _mm_prefetch(reinterpret_cast<const char*>(ahead + 128), _MM_HINT_T0);
+    _mm_prefetch(reinterpret_cast<const char*>(ahead + 192), _MM_HINT_T0);
     const __m512i w0 = _mm512_loadu_si512(wc), w1 = _mm512_loadu_si512(wc + 64), w2 = _mm512_loadu_si512(wc + 128),
                   w3 = _mm512_loadu_si512(wc + 192);
     for (int r = 0; r < R; ++r) {

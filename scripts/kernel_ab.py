@@ -1,0 +1,126 @@
+#!/usr/bin/env python
+"""The compiled kernels, paired: plain and speculative decoding with ATen attention + fbgemm,
+with the few-row int8 kernel, and with the int8 and attention kernels, every variant on every
+prompt in one process, interleaved.
+
+    python scripts/kernel_ab.py --temperatures 0,1 --out benchmarks/NAME
+
+Not a test and not part of CI.  For each prompt and temperature every variant runs plain then
+speculative decoding (variants rotated per prompt so that none always runs first); speed-ups are
+over the ``aten`` variant's plain run of the same prompt.  The int8 kernel is bitwise fbgemm, so
+``aten`` and ``int8`` produce the same tokens; the attention kernel has its own rounding, so
+``int8+attention`` is a (very slightly) different target whose greedy speculative output is
+checked against its own plain output.  Writes ``results.json`` and ``README.md``.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import shlex
+import statistics
+import sys
+from pathlib import Path
+
+import torch
+from tqdm import tqdm
+
+from specdec import defaults
+from specdec.bench.report import machine_line
+from specdec.bench.runner import machine_info
+from specdec.bench.workloads import BUILTIN, select
+from specdec.engine import Engine, EngineConfig
+from specdec.models import kernels
+from specdec.models import linear as linear_mod
+from specdec.sampling import SamplingConfig
+from specdec.verify import get_rule
+
+#: variant -> (largest product on the int8 kernel, attention kernel on)
+VARIANTS = {"aten": (0, False), "int8": (linear_mod.VNNI_ROWS, False), "int8+attention": (linear_mod.VNNI_ROWS, True)}
+
+
+def use(variant: str) -> None:
+    rows, attention = VARIANTS[variant]
+    linear_mod.VNNI_ROWS = rows
+    kernels.set_attention_kernel(attention)
+
+
+def main() -> int:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--target", default=defaults.DEFAULT_TARGET)
+    ap.add_argument("--draft", default=defaults.DEFAULT_DRAFT)
+    ap.add_argument("--temperatures", default="0,1")
+    ap.add_argument("--max-new-tokens", type=int, default=128)
+    ap.add_argument("--limit", type=int, help="first N built-in prompts of each category")
+    ap.add_argument("--threads", type=int, default=2)
+    ap.add_argument("--out", required=True)
+    args = ap.parse_args()
+    if not (kernels.q8_available() and kernels.attention_kernel()):
+        print("kernel_ab: the kernels do not run here (no compiler, no 512-bit VNNI, or switched off)", file=sys.stderr)
+        return 2
+    torch.set_num_threads(args.threads)
+    temps = [float(t) for t in args.temperatures.split(",")]
+    prompts = select(list(BUILTIN), limit=args.limit)
+    engine = Engine.build(EngineConfig(target=args.target, draft=args.draft))
+    plain = Engine(engine.target, None, "none")
+    names = list(VARIANTS)
+    rows = []
+    for t in temps:
+        rule = get_rule("greedy" if t == 0 else "block")
+        warm = SamplingConfig(temperature=t, seed=0, max_new_tokens=16)
+        enc0 = engine.encode(prompts[0].text, chat=prompts[0].chat)
+        for name in names:
+            use(name)
+            plain.decoder(rule).generate(enc0, warm)
+            engine.decoder(rule).generate(enc0, warm)
+        for i, p in enumerate(tqdm(prompts, desc=f"T={t:g}")):
+            ids = engine.encode(p.text, chat=p.chat)
+            cfg = SamplingConfig(temperature=t, seed=0, max_new_tokens=args.max_new_tokens)
+            for name in names[i % len(names):] + names[: i % len(names)]:
+                use(name)
+                for mode, eng in (("plain", plain), ("speculative", engine)):
+                    res = eng.decoder(rule).generate(ids, cfg)
+                    rows.append({"prompt": p.id, "category": p.category, "T": t, "variant": name, "mode": mode,
+                                 "tok_s": res.stats.tokens_per_s, "tokens_per_call": res.stats.tokens_per_target_call,
+                                 "tokens": res.tokens})
+    use("int8+attention")
+    out = Path(args.out)
+    out.mkdir(parents=True, exist_ok=True)
+    command = "python scripts/kernel_ab.py " + " ".join(shlex.quote(a) for a in sys.argv[1:])
+    (out / "results.json").write_text(json.dumps({"command": command, "machine": machine_info(), "rows": rows}, indent=1))
+
+    def get(t: float, name: str, mode: str, pid: str) -> dict:
+        return next(r for r in rows if r["T"] == t and r["variant"] == name and r["mode"] == mode and r["prompt"] == pid)
+
+    lines = [f"# The compiled kernels, paired ({args.target} + {args.draft})", "", f"Command: `{command}`", "",
+             f"Machine: {machine_line(machine_info())}.", "",
+             f"{len(prompts)} prompts, {args.max_new_tokens} tokens, γ auto; every variant (plain, then speculative) on "
+             "every prompt in one process, the variants' order rotated per prompt. ×aten plain = median over prompts of "
+             "the per-prompt tok/s ratio to the `aten` variant's plain run (ATen attention, fbgemm).", "",
+             "| T | variant | mode | tok/s (median) | ×aten plain (all) | chat | code | tokens/call | greedy = own plain |",
+             "|---|---|---|---|---|---|---|---|---|"]
+    for t in temps:
+        ids = sorted({r["prompt"] for r in rows if r["T"] == t})
+        cats = {r["prompt"]: r["category"] for r in rows}
+        for name in names:
+            for mode in ("plain", "speculative"):
+                rs = [get(t, name, mode, pid) for pid in ids]
+                ratio = {pid: get(t, name, mode, pid)["tok_s"] / get(t, "aten", "plain", pid)["tok_s"] for pid in ids}
+                by = {c: statistics.median(v for pid, v in ratio.items() if cats[pid] == c) for c in sorted(set(cats.values()))}
+                same = "–"
+                if t == 0 and mode == "speculative":
+                    same = f"{sum(get(t, name, 'speculative', pid)['tokens'] == get(t, name, 'plain', pid)['tokens'] for pid in ids)}/{len(ids)}"
+                lines.append(f"| {t:g} | {name} | {mode} | {statistics.median(r['tok_s'] for r in rs):.1f} "
+                             f"| {statistics.median(ratio.values()):.3f} | {by.get('chat', float('nan')):.3f} "
+                             f"| {by.get('code', float('nan')):.3f} | {statistics.mean(r['tokens_per_call'] for r in rs):.2f} | {same} |")
+    same_bits = sum(get(t, "aten", m, pid)["tokens"] == get(t, "int8", m, pid)["tokens"]
+                    for t in temps for m in ("plain", "speculative") for pid in {r["prompt"] for r in rows})
+    lines += ["", f"`aten` and `int8` generated the same tokens in {same_bits} of {len(temps) * 2 * len(prompts)} runs "
+              "(the int8 kernel is bitwise fbgemm)."]
+    (out / "README.md").write_text("\n".join(lines) + "\n")
+    print("\n".join(lines))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
