@@ -51,49 +51,40 @@ inline v16 load(const float* p) {
 inline void store(float* p, v16 x) { std::memcpy(p, &x, sizeof(x)); }
 
 // exp(x) for x <= 0 (x = s - max), flushed to 0 below -87: Cody-Waite reduction by ln 2 and a
-// degree-6 polynomial (the classic single-precision coefficients).  The scalar version runs the
-// same operations as the vector one, so a key's weight does not depend on which one ran.
+// degree-6 polynomial (the classic single-precision coefficients).  One template for a float and
+// for 16 lanes: the same operations, so a key's weight does not depend on which one computed it.
 constexpr float kLog2e = 1.44269504088896341f, kC1 = 0.693359375f, kC2 = -2.12194440e-4f;
 constexpr float kP0 = 1.9875691500e-4f, kP1 = 1.3981999507e-3f, kP2 = 8.3334519073e-3f, kP3 = 4.1665795894e-2f,
                 kP4 = 1.6666665459e-1f, kP5 = 5.0000001201e-1f;
 
-inline float exp_neg(float x0) {
-  const float x = x0 < -87.0f ? -87.0f : x0;
-  const int32_t ni = static_cast<int32_t>(x * kLog2e - 0.5f);  // truncation = rounding to nearest for x <= 0
-  const float n = static_cast<float>(ni);
-  float r = x - n * kC1;
-  r = r - n * kC2;
-  float p = kP0;
-  p = p * r + kP1;
-  p = p * r + kP2;
-  p = p * r + kP3;
-  p = p * r + kP4;
-  p = p * r + kP5;
-  p = p * (r * r) + r + 1.0f;
-  const int32_t bits = (ni + 127) << 23;
-  float scale;
-  std::memcpy(&scale, &bits, sizeof(float));
-  return x0 < -87.0f ? 0.0f : p * scale;
+inline int32_t to_int(float x) { return static_cast<int32_t>(x); }  // truncation
+inline i16 to_int(v16 x) { return __builtin_convertvector(x, i16); }
+inline float to_float(int32_t n) { return static_cast<float>(n); }
+inline v16 to_float(i16 n) { return __builtin_convertvector(n, v16); }
+template <class F, class I>
+inline F bits_as(I bits) {
+  F f;
+  std::memcpy(&f, &bits, sizeof(f));
+  return f;
 }
 
-inline v16 exp_neg(v16 x0) {
-  const v16 lo = v16{} - 87.0f;
-  const v16 x = x0 < lo ? lo : x0;
-  const i16 ni = __builtin_convertvector(x * kLog2e - 0.5f, i16);
-  const v16 n = __builtin_convertvector(ni, v16);
-  v16 r = x - n * kC1;
+template <class F>
+inline F exp_neg(F x0) {
+  const F lo = F{} - 87.0f;
+  const F x = x0 < lo ? lo : x0;
+  const auto ni = to_int(x * kLog2e - 0.5f);  // truncation = rounding to nearest for x <= 0
+  const F n = to_float(ni);
+  F r = x - n * kC1;
   r = r - n * kC2;
-  v16 p = v16{} + kP0;
+  F p = F{} + kP0;
   p = p * r + kP1;
   p = p * r + kP2;
   p = p * r + kP3;
   p = p * r + kP4;
   p = p * r + kP5;
   p = p * (r * r) + r + 1.0f;
-  const i16 bits = (ni + 127) << 23;
-  v16 scale;
-  std::memcpy(&scale, &bits, sizeof(scale));
-  return x0 < lo ? v16{} : p * scale;
+  const F scale = bits_as<F>((ni + 127) << 23);
+  return x0 < lo ? F{} : p * scale;
 }
 
 // The 16 lanes summed in the fixed tree: h8[l] = a[l] + a[l+8], h4[l] = h8[l] + h8[l+4],
