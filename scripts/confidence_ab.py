@@ -12,42 +12,28 @@ over the plain run of the same prompt taken seconds before.  Writes ``results.js
 
 from __future__ import annotations
 
-import argparse
 import json
 import shlex
 import statistics
 import sys
 from pathlib import Path
 
-import torch
 from tqdm import tqdm
 
-from specdec import defaults
+import paired
+
 from specdec.bench.runner import machine_info
 from specdec.bench.report import machine_line
-from specdec.bench.workloads import BUILTIN, select
-from specdec.engine import Engine, EngineConfig
 from specdec.sampling import SamplingConfig
 from specdec.verify import get_rule
 
 
 def main() -> int:
-    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("--target", default=defaults.DEFAULT_TARGET)
-    ap.add_argument("--draft", default=defaults.DEFAULT_DRAFT)
+    ap = paired.parser(__doc__)
     ap.add_argument("--values", default="0,0.5", help="comma list of --min-confidence values")
-    ap.add_argument("--temperatures", default="0,1")
-    ap.add_argument("--max-new-tokens", type=int, default=128)
-    ap.add_argument("--limit", type=int, help="first N built-in prompts of each category")
-    ap.add_argument("--threads", type=int, default=2)
-    ap.add_argument("--out", required=True)
     args = ap.parse_args()
-    torch.set_num_threads(args.threads)
     values = [float(v) for v in args.values.split(",")]
-    temps = [float(t) for t in args.temperatures.split(",")]
-    prompts = select(list(BUILTIN), limit=args.limit)
-    engine = Engine.build(EngineConfig(target=args.target, draft=args.draft))
-    plain = Engine(engine.target, None, "none")
+    temps, prompts, engine, plain = paired.setup(args)
     rows = []
     for t in temps:
         rule = get_rule("greedy" if t == 0 else "block")

@@ -26,10 +26,10 @@ from pathlib import Path
 import torch
 from tqdm import tqdm
 
-from specdec import defaults
+import paired
+
 from specdec.bench.report import machine_line
 from specdec.bench.runner import machine_info
-from specdec.bench.workloads import BUILTIN, select
 from specdec.engine import Engine, EngineConfig
 from specdec.models import kernels
 from specdec.models import linear as linear_mod
@@ -90,27 +90,17 @@ def passes(args: argparse.Namespace, context: int = 120, repeats: int = 12) -> i
 
 
 def main() -> int:
-    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("--target", default=defaults.DEFAULT_TARGET)
-    ap.add_argument("--draft", default=defaults.DEFAULT_DRAFT)
-    ap.add_argument("--temperatures", default="0,1")
-    ap.add_argument("--max-new-tokens", type=int, default=128)
-    ap.add_argument("--limit", type=int, help="first N built-in prompts of each category")
-    ap.add_argument("--threads", type=int, default=2)
-    ap.add_argument("--out", required=True)
+    ap = paired.parser(__doc__)
     ap.add_argument("--passes", action="store_true",
                     help="only time target passes of 1-17 rows after a 120-token context (passes.json, passes.md)")
     args = ap.parse_args()
     if not (kernels.q8_available() and kernels.attention_kernel()):
         print("kernel_ab: the kernels do not run here (no compiler, no 512-bit VNNI, or switched off)", file=sys.stderr)
         return 2
-    torch.set_num_threads(args.threads)
     if args.passes:
+        torch.set_num_threads(args.threads)
         return passes(args)
-    temps = [float(t) for t in args.temperatures.split(",")]
-    prompts = select(list(BUILTIN), limit=args.limit)
-    engine = Engine.build(EngineConfig(target=args.target, draft=args.draft))
-    plain = Engine(engine.target, None, "none")
+    temps, prompts, engine, plain = paired.setup(args)
     names = list(VARIANTS)
     rows = []
     for t in temps:
