@@ -47,6 +47,18 @@ def int8_target():
     return load("smollm2-135m", quant="int8")
 
 
+@pytest.fixture(scope="session")
+def q4_target():
+    """The real SmolLM2-135M target with its GGUF's 4-bit blocks as shipped (``--dtype q4``),
+    batch-invariant; loaded once per session."""
+    from specdec.models.linear import w8a8_available
+    from specdec.models.registry import load
+
+    if not w8a8_available():
+        pytest.skip("the 4-bit target's LM head needs torch's fbgemm int8 engine")
+    return load("smollm2-135m", quant="q4")
+
+
 @pytest.fixture(scope="module")
 def single_thread():
     """Tests that start single-threaded servers run their local references single-threaded too."""

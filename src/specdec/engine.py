@@ -31,7 +31,7 @@ from specdec.verify import Rule, get_rule
 
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 #: quantised target formats of the native backend (activations and norms stay float32)
-QUANTS = ("int8",)
+QUANTS = ("int8", "q4")
 
 
 @dataclass(frozen=True)
@@ -41,8 +41,9 @@ class EngineConfig:
     backend: str = "auto"  # auto | native | hf
     #: the target's precision: auto | float32 | bfloat16 | float16 | int8 (W8A8Linear layers,
     #: native backend); "auto" = int8 where torch has fbgemm (x86), else float32 — measured on
-    #: SmolLM2-135M: a step 3x faster, KL to float32 0.02 nats, top-1 agreement 0.92.
-    #: Exactness is relative to the target as it runs.
+    #: SmolLM2-135M: a step 3x faster, KL to float32 0.02 nats, top-1 agreement 0.92;
+    #: q4 = 4-bit layer matrices (a GGUF's Q4_0 / Q4_1 blocks as shipped; Q4Linear) with the LM
+    #: head as int8's.  Exactness is relative to the target as it runs.
     dtype: str = defaults.TARGET_DTYPE
     #: the draft's dtype (never affects exactness, only acceptance and speed): "auto" = w8a8 where
     #: torch has fbgemm (x86), else bfloat16 where the CPU has native bf16 matmuls, else float32,

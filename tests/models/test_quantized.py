@@ -133,6 +133,7 @@ KINDS = {
     "int8": dict(batch_invariant=True, quant="int8", int8_kernel="fbgemm"),
     "int8-onednn": dict(batch_invariant=True, quant="int8", int8_kernel="onednn"),
     "int8-mixed": dict(batch_invariant=True, quant="int8", int8_kernel="mixed"),
+    "q4": dict(batch_invariant=True, quant="q4", int8_kernel="fbgemm"),
 }
 
 
@@ -162,6 +163,8 @@ def _available(kind: str) -> bool:
         return onednn_int8_available()
     if kind == "int8-mixed":
         return mixed_available()
+    if kind == "q4":  # its LM head is the int8 target's
+        return w8a8_available()
     return True
 
 

@@ -107,11 +107,13 @@ def test_coupled_equals_plain_seeded_sampling(pair):
             assert _generate(target, ModelDrafter(draft.model), "coupled", cfg, prompt, FixedGamma(5)).tokens == plain
 
 
-def test_int8_target_exactness(pair, int8_target):
+@pytest.mark.parametrize("quant", ["int8", "q4"])
+def test_quantized_target_exactness(pair, quant, request):
     """A quantised target is a model of its own; speculation must reproduce *it* exactly:
     block scoring is bitwise token-by-token scoring, greedy speculative == plain greedy,
-    coupled == plain seeded sampling, with the same int8 target."""
+    coupled == plain seeded sampling, with the same int8 / 4-bit target."""
     _, draft, ids = pair
+    int8_target = request.getfixturevalue(f"{quant}_target")
     m = int8_target.model
     x = torch.tensor(ids[1])
     a, b = m.new_cache(256), m.new_cache(256)

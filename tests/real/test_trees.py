@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import pytest
 import torch
 
 from specdec.text import encode_prompt
@@ -93,12 +94,14 @@ def test_greedy_tree_decoding_equals_plain_greedy(smollm2):
         assert run(NgramDrafter(), FixedGamma(12), TreeSpec(), ids).tokens == plain
 
 
-def test_scripted_tree_pass_is_bitwise_python_and_path_by_path(int8_target):
+@pytest.mark.parametrize("quant", ["int8", "q4"])
+def test_scripted_tree_pass_is_bitwise_python_and_path_by_path(quant, request):
     """The TorchScript tree pass (depth-first, keys laid out in place) gives bitwise the Python
     tree pass's logits and each node's path scored token by token, and leaves the tree's keys
-    in node order in the cache.  (The float32 target's scripted tree pass is checked against
-    path-by-path scoring by ``test_tree_scoring_is_bitwise_sequential``.)"""
-    target = int8_target
+    in node order in the cache, on the int8 and the 4-bit target.  (The float32 target's
+    scripted tree pass is checked against path-by-path scoring by
+    ``test_tree_scoring_is_bitwise_sequential``.)"""
+    target = request.getfixturevalue(f"{quant}_target")
     m = target.model
     assert m.scripted is not None and m.batch_invariant
     ids = torch.tensor(encode_prompt(target.tokenizer, PROMPT, chat=True))

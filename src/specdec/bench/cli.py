@@ -54,7 +54,7 @@ def add_parser(sub) -> None:  # noqa: ANN001 - argparse's subparsers action
     p.add_argument("--limit", type=int, help="keep the first N prompts of each category (default all)")
     p.add_argument("--draft-dtype", default="auto", choices=["auto", "float32", "bfloat16", "int8", "w8a8"],
                    help="draft precision (see specdec generate --help; default auto)")
-    p.add_argument("--dtype", "--target-dtype", dest="dtype", default="auto", choices=["auto", "float32", "bfloat16", "int8"],
+    p.add_argument("--dtype", "--target-dtype", dest="dtype", default="auto", choices=["auto", "float32", "bfloat16", "int8", "q4"],
                    help="target precision for specdec's rows (default auto; see specdec generate --help)."
                         " The Hugging Face rows always run the float32 weights")
     p.add_argument("--fast-attention", action="store_true", help="target without batch invariance (see specdec generate --help; default off)")

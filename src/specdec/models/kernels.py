@@ -5,6 +5,10 @@
   up to four rows (VNNI dot products).  :class:`~specdec.models.linear.W8A8Linear` takes it for
   small row counts where the CPU has 512-bit VNNI; since its output is bitwise fbgemm's, which
   kernel runs a product never changes a result.
+* ``torch.ops.specdec.q4_linear`` (``csrc/q4.cpp``): GGUF's Q4_1 weights as shipped times
+  activations quantised to 8 bits per block of 32 (:class:`~specdec.models.linear.Q4Linear`);
+  every row's result depends on that row alone.  Without the library the same bits come from
+  ATen ops (:func:`~specdec.models.linear.q4_reference`), much more slowly.
 * ``torch.ops.specdec.attend`` (``csrc/attention.cpp``): the batch-invariant target's exact
   attention — each query row over its own keys with a reduction order fixed by those keys, the
   same bits alone, in a verification pass of any size or as a tree node (over its path, read in
@@ -33,7 +37,7 @@ from pathlib import Path
 
 import torch
 
-_SOURCES = tuple(Path(__file__).parent / "csrc" / name for name in ("q8.cpp", "attention.cpp"))
+_SOURCES = tuple(Path(__file__).parent / "csrc" / name for name in ("q8.cpp", "q4.cpp", "attention.cpp"))
 _FLAGS = ("-O3", "-std=c++20", "-shared", "-fPIC", "-fopenmp", "-ffp-contract=off", "-fno-fast-math", "-DNDEBUG")
 #: the ops' schemas, declared in Python when the library cannot be built, so TorchScript code that
 #: names them still compiles (it never calls them then)
@@ -42,6 +46,9 @@ _SCHEMAS = (
     "q8_linear(Tensor x, Tensor? smooth, Tensor packed, Tensor comp, Tensor col) -> (Tensor, Tensor)",
     "q8_supported() -> bool",
     "attend(Tensor q, Tensor k, Tensor v, int start, Tensor? paths=None) -> Tensor",
+    "q4_pack(Tensor qs, Tensor d, Tensor m) -> Tensor",
+    "q4_linear(Tensor x, Tensor gain, Tensor packed, int n_out, Tensor col) -> Tensor",
+    "q4_vnni() -> bool",
 )
 _state: dict[str, object] = {}
 
@@ -84,7 +91,7 @@ def _build(cxx: str) -> Path:
         cmd = [cxx, *_FLAGS, march, *(f"-I{p}" for p in cpp_extension.include_paths()),
                f"-I{sysconfig.get_paths()['include']}", *map(str, _SOURCES), "-o", str(tmp),
                *(f"-L{p}" for p in cpp_extension.library_paths()), "-lc10", "-ltorch_cpu", "-ltorch"]
-        print("[specdec] compiling the int8 and attention kernels for this CPU (once, ~30 s) ...", file=sys.stderr)
+        print("[specdec] compiling the int8, 4-bit and attention kernels for this CPU (once, ~30 s) ...", file=sys.stderr)
         subprocess.run(cmd, check=True, capture_output=True, text=True)
         tmp.replace(lib)
     return lib
@@ -128,6 +135,12 @@ def q8_available() -> bool:
     if "q8" not in _state:
         _state["q8"] = load() and bool(torch.ops.specdec.q8_supported())
     return bool(_state["q8"])
+
+
+def q4_available() -> bool:
+    """Whether ``torch.ops.specdec.q4_linear`` runs here (the library loaded; AVX-512 VNNI or
+    portable C++, the same bits either way)."""
+    return load()
 
 
 def attention_kernel() -> bool:

@@ -13,6 +13,7 @@ Elsewhere (CUDA, no oneDNN, exotic dtypes) it falls back to ``torch.nn.functiona
 from __future__ import annotations
 
 import warnings
+from typing import NamedTuple
 
 import torch
 import torch.nn.functional as F
@@ -445,3 +446,142 @@ class W8A8OneDNNLinear:
         if self.bias is not None:
             return torch.addcmul(self.bias, y, s)
         return y.mul_(s)
+
+
+# ----------------------------------------------------------------------------- 4-bit weights
+
+#: inputs per 4-bit block (GGUF's Q4_0 / Q4_1 block size)
+Q4_BLOCK = 32
+
+
+class Q4Blocks(NamedTuple):
+    """A weight [N, K] in GGUF's Q4_1 layout: per output column and block of 32 inputs, 4-bit
+    codes ``w``, a scale ``d`` and a minimum ``m``; the weight is ``d * w + m`` (float32)."""
+
+    qs: Tensor  # uint8 [N, K/32, 16]: byte i of a block holds inputs i (low nibble) and i + 16 (high)
+    d: Tensor  # float16 [N, K/32]
+    m: Tensor  # float16 [N, K/32]
+
+    @property
+    def shape(self) -> tuple[int, int]:
+        return self.qs.shape[0], self.qs.shape[1] * Q4_BLOCK
+
+    def codes(self) -> Tensor:  # uint8 [N, K/32, 32], input order
+        return torch.cat([self.qs & 0x0F, self.qs >> 4], dim=-1)
+
+    def dequantize(self) -> Tensor:  # float32 [N, K]
+        w = self.d.float()[..., None] * self.codes().float() + self.m.float()[..., None]
+        return w.reshape(self.qs.shape[0], -1)
+
+    def take(self, rows: Tensor) -> "Q4Blocks":
+        """The output columns ``rows`` [r] (a selection or permutation)."""
+        return Q4Blocks(self.qs[rows], self.d[rows], self.m[rows])
+
+    @staticmethod
+    def cat(parts: list["Q4Blocks"]) -> "Q4Blocks":
+        """Stacked along the outputs (q, k and v into one qkv weight)."""
+        return Q4Blocks(*(torch.cat([getattr(p, f) for p in parts]) for f in ("qs", "d", "m")))
+
+
+def quantize_q4_1(weight: Tensor) -> Q4Blocks:
+    """A float weight [N, K] as Q4_1 blocks (K padded with zero inputs to a multiple of 32): per
+    block, ``m = min``, ``d = (max - min) / 15`` (both rounded to float16 first) and
+    ``w = round((x - m) / d)`` clamped to 0..15 — llama.cpp's rule, used for weights that do not
+    come as 4-bit blocks (a float model, or another GGUF block type)."""
+    w = weight.detach().float()
+    n, k = w.shape
+    pad = -k % Q4_BLOCK
+    if pad:
+        w = F.pad(w, (0, pad))
+    b = w.view(n, -1, Q4_BLOCK)  # [N, nb, 32]
+    lo, hi = b.amin(-1), b.amax(-1)
+    d = ((hi - lo) / 15.0).half()
+    m = lo.half()
+    df = d.float()[..., None]
+    q = torch.where(df != 0, torch.round((b - m.float()[..., None]) / df), torch.zeros_like(b)).clamp_(0, 15)
+    q = q.to(torch.uint8)
+    return Q4Blocks((q[..., :16] | (q[..., 16:] << 4)).contiguous(), d, m)
+
+
+def q4_reference(x: Tensor, gain: Tensor, codes: Tensor, d: Tensor, m: Tensor, col: Tensor) -> Tensor:
+    """``torch.ops.specdec.q4_linear`` with ATen ops, bitwise (and how the target runs where the
+    kernel library did not build).  x: [n, K]; gain [K] or empty; codes float32 [nb, 32, N] (the
+    4-bit codes, input order); d, m float32 [nb, N]; col [N] or empty -> [n, N].
+
+    Every float step is the kernel's, element for element: the block steps ``e = max|x| / 127``,
+    the codes ``round(x / e)``, ``e * sum(codes)``; the integer dot products come from a float32
+    matmul whose every partial sum is an integer below 2**24 (|code products| <= 1,905, 32 per
+    block), hence exact in any order; then the blocks in input order."""
+    n, k = x.shape[0], x.shape[1]
+    nb = codes.shape[0]
+    if gain.numel() > 0:
+        x = x * gain
+    if nb * 32 > k:
+        x = F.pad(x, [0, nb * 32 - k])
+    xb = x.reshape(n, nb, 32)
+    e = xb.abs().amax(-1) / 127.0  # [n, nb]
+    ee = e.unsqueeze(-1)
+    q = torch.where(ee != 0, torch.round(xb / ee), torch.zeros_like(xb)).clamp_(-127.0, 127.0)  # [n, nb, 32]
+    s = e * q.sum(-1)  # [n, nb]
+    acc = torch.bmm(q.transpose(0, 1), codes)  # [nb, n, N], exact integers
+    y = torch.zeros(n, codes.shape[2], dtype=x.dtype)
+    for b in range(nb):
+        t = d[b] * e[:, b : b + 1]  # [n, N]
+        y = y + t * acc[b]
+        y = y + m[b] * s[:, b : b + 1]
+    if col.numel() > 0:
+        y = y * col
+    return y
+
+
+def q4_kernel_available() -> bool:
+    """True when ``torch.ops.specdec.q4_linear`` runs here (the kernel library loaded)."""
+    from specdec.models import kernels
+
+    return kernels.q4_available()
+
+
+class Q4Linear:
+    """``y ≈ x @ W.T + b`` with ``W`` as Q4_1 blocks (4-bit codes, a float16 scale and minimum per
+    32 inputs; GGUF's weights as shipped) and activations quantised to 8 bits per block of 32.
+
+    Every output row depends on that row alone — the activation blocks are quantised per row, the
+    integer sums are exact and the float steps fixed (see ``csrc/q4.cpp``) — so row ``i`` of an
+    ``n``-row product is bitwise the same for every ``n``, on the kernel and on the ATen reference
+    alike.  ``gain`` [K]: an input factor applied before quantisation (an RMSNorm's weight, which
+    cannot be folded into 4-bit blocks as it is into float weights); ``col`` [N]: an output
+    factor (the attention's 1 / sqrt(d) on the query columns)."""
+
+    __slots__ = ("packed", "ref", "gain", "col", "bias", "in_features", "out_features")
+
+    def __init__(self, blocks: Q4Blocks, bias: Tensor | None = None, *, gain: Tensor | None = None,
+                 col: Tensor | None = None, in_features: int | None = None) -> None:
+        n, k = blocks.shape
+        self.out_features = n
+        self.in_features = k if in_features is None else in_features
+        self.gain = torch.empty(0) if gain is None else gain.detach().float().contiguous()
+        self.col = torch.empty(0) if col is None else col.detach().float().contiguous()
+        self.bias = None if bias is None else bias.detach().float().contiguous()
+        #: the kernel's packing, or None (then ref: [codes [nb, 32, N], d [nb, N], m [nb, N]] float32)
+        self.packed: Tensor | None = None
+        self.ref: list[Tensor] | None = None
+        if q4_kernel_available():
+            self.packed = torch.ops.specdec.q4_pack(blocks.qs, blocks.d, blocks.m)
+        else:
+            self.ref = [blocks.codes().permute(1, 2, 0).float().contiguous(), blocks.d.float().T.contiguous(),
+                        blocks.m.float().T.contiguous()]
+
+    def product(self, x: Tensor) -> Tensor:  # x: [n, in] float32 -> [n, out]
+        if self.packed is not None:
+            return torch.ops.specdec.q4_linear(x, self.gain, self.packed, self.out_features, self.col)
+        return q4_reference(x, self.gain, *self.ref, self.col)
+
+    def __call__(self, x: Tensor) -> Tensor:
+        return self.scaled(x, None)
+
+    def scaled(self, x: Tensor, row_scale: Tensor | None) -> Tensor:  # x: [n, in], row_scale: [n, 1]
+        """``row_scale * (x @ W.T) + b`` (see :meth:`Linear.scaled`)."""
+        y = self.product(x)
+        if row_scale is None:
+            return y if self.bias is None else y + self.bias
+        return y.mul_(row_scale) if self.bias is None else torch.addcmul(self.bias, y, row_scale)

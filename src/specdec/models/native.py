@@ -23,14 +23,23 @@ from torch import Tensor
 from specdec.errors import ConfigError
 from specdec.kv_cache import KVCache
 from specdec.models import kernels
-from specdec.models.linear import Int8Linear, Linear, W8A8Linear, W8A8OneDNNLinear, int8_kernel as resolve_int8_kernel
+from specdec.models.linear import (
+    Int8Linear,
+    Linear,
+    Q4Blocks,
+    Q4Linear,
+    W8A8Linear,
+    W8A8OneDNNLinear,
+    int8_kernel as resolve_int8_kernel,
+    quantize_q4_1,
+)
 from specdec.models.quantize import RangeRecorder, calibration_ids, smoothing
 from specdec.models.scripted import ATTENTION_BLOCK, ScriptedLayers, compiled_layers
 from specdec.models.scripted import BLOCK_MASK as _BLOCK_MASK
 
 from specdec.tree import ancestor_mask, attention_schedule, depths
 
-AnyLinear = Linear | W8A8Linear | W8A8OneDNNLinear
+AnyLinear = Linear | W8A8Linear | W8A8OneDNNLinear | Q4Linear
 
 SUPPORTED = ("llama", "qwen2", "mistral")
 
@@ -258,6 +267,13 @@ class _TreeLayout:
 
 
 
+def _out_in(lin) -> tuple[int, int]:
+    """A linear layer's (outputs, inputs), calibrating or quantised."""
+    if isinstance(lin, RangeRecorder):
+        return tuple(lin.inner.weight.shape)
+    return lin.out_features, lin.in_features
+
+
 class NativeCausalLM:
     """A Llama-family causal LM implementing :class:`specdec.models.base.LanguageModel`."""
 
@@ -272,12 +288,16 @@ class NativeCausalLM:
         quant: str | None = None,
         calibration: Tensor | None = None,
         int8_kernel: str = "auto",
+        q4_blocks: dict[str, Q4Blocks] | None = None,
     ) -> None:
         """``quant="int8"``: every linear layer and the LM head as :class:`W8A8Linear`, smoothed
         with input ranges measured on ``calibration`` token ids [n] (no smoothing without);
-        ``int8_kernel``: fbgemm | onednn | mixed | auto (see :func:`specdec.models.linear.int8_kernel`)."""
-        if quant not in (None, "int8"):
-            raise ConfigError(f"unknown quantisation {quant!r}; the native backend offers int8")
+        ``int8_kernel``: fbgemm | onednn | mixed | auto (see :func:`specdec.models.linear.int8_kernel`).
+        ``quant="q4"``: every layer matrix as :class:`Q4Linear` — the 4-bit blocks in ``q4_blocks``
+        (by weight name: a GGUF's as shipped) where given, else quantised from the float weight —
+        and the LM head as the int8 target's."""
+        if quant not in (None, "int8", "q4"):
+            raise ConfigError(f"unknown quantisation {quant!r}; the native backend offers int8 and q4")
         self.cfg = cfg
         #: "int8": every linear layer and the LM head as W8A8Linear (int8 weights per output
         #: channel, int8 activations per row, exact int32 accumulation; batch-invariant)
@@ -293,9 +313,22 @@ class NativeCausalLM:
         mode = "invariant" if batch_invariant else "fast"
 
         def linear(weight: Tensor, bias: Tensor | None = None) -> Linear | W8A8Linear:
-            if quant == "int8":  # float first: calibrated, then quantised (see _quantize)
+            if quant is not None:  # float first: calibrated, then quantised (see _quantize)
                 return RangeRecorder(Linear(weight, bias, pack=False))
             return Linear(weight, bias, mode=mode)
+
+        blocks = q4_blocks or {}
+
+        def q4(names: list[str], bias: Tensor | None = None, gain: Tensor | None = None,
+               col: Tensor | None = None) -> Q4Linear:
+            """The matrices ``names`` stacked along the outputs, as 4-bit blocks: the given ones
+            as they are, the others quantised from float32 (norm gain and query scale stay out
+            of the blocks: ``gain`` scales the input, ``col`` the output)."""
+            parts = [blocks.pop(n) if n in blocks else quantize_q4_1(weights[n].float()) for n in names]
+            k = weights[names[0]].shape[1]
+            for n in names:
+                weights.pop(n)
+            return Q4Linear(Q4Blocks.cat(parts), bias, gain=gain, col=col, in_features=k)
 
         # tensors are popped as they are packed, so a large model's raw weights are freed layer by
         # layer instead of doubling the peak memory (the dict passed in is consumed)
@@ -311,9 +344,20 @@ class NativeCausalLM:
         for i in range(cfg.n_layers):
             p = f"model.layers.{i}."
             attn_g, mlp_g = w(p + "input_layernorm.weight"), w(p + "post_attention_layernorm.weight")  # [D]
-            qkv_w = torch.cat([w(p + "self_attn.q_proj.weight") * q_scale] + [w(p + f"self_attn.{x}_proj.weight") for x in "kv"])
             biases = [b(p + f"self_attn.{x}_proj.bias") for x in "qkv"]
             qkv_b = torch.cat([biases[0] * q_scale, *biases[1:]]) if all(x is not None for x in biases) else None
+            if quant == "q4":
+                q_col = torch.cat([torch.full((cfg.n_heads * cfg.head_dim,), q_scale), torch.ones(2 * cfg.n_kv_heads * cfg.head_dim)])
+                self.layers.append(
+                    _Layer(
+                        qkv=q4([p + f"self_attn.{x}_proj.weight" for x in "qkv"], qkv_b, attn_g, q_col),
+                        out=q4([p + "self_attn.o_proj.weight"]),
+                        gate_up=q4([p + "mlp.gate_proj.weight", p + "mlp.up_proj.weight"], None, mlp_g),
+                        down=q4([p + "mlp.down_proj.weight"]),
+                    )
+                )
+                continue
+            qkv_w = torch.cat([w(p + "self_attn.q_proj.weight") * q_scale] + [w(p + f"self_attn.{x}_proj.weight") for x in "kv"])
             gate_up_w = torch.cat([w(p + "mlp.gate_proj.weight"), w(p + "mlp.up_proj.weight")])
             self.layers.append(
                 _Layer(
@@ -338,11 +382,9 @@ class NativeCausalLM:
         self._kv_size = cfg.n_kv_heads * cfg.head_dim
         #: the int8 kernel the linear layers run on ("fbgemm" | "onednn" | "mixed"), None when not quantised
         self.int8_kernel = None
-        if quant == "int8":  # auto weighs the layer shapes (small matrices: fbgemm, linear.WIDE_AUTO_ROWS)
-            shapes = [tuple(getattr(layer, name).inner.weight.shape) for layer in self.layers
-                      for name in ("qkv", "out", "gate_up", "down")]
+        if quant is not None:  # auto weighs the layer shapes (small matrices: fbgemm, linear.WIDE_AUTO_ROWS)
+            shapes = [_out_in(getattr(layer, name)) for layer in self.layers for name in ("qkv", "out", "gate_up", "down")]
             self.int8_kernel = resolve_int8_kernel(int8_kernel, shapes)
-        if quant == "int8":
             self._quantize(calibration)
         #: the layer loop compiled with TorchScript (bitwise the same ops; see models/scripted.py),
         #: used for single positions and per-row (batch-invariant) attention; None = Python loop
@@ -365,7 +407,8 @@ class NativeCausalLM:
 
         for layer in self.layers:
             for name in ("qkv", "out", "gate_up", "down"):
-                setattr(layer, name, quantized(getattr(layer, name)))
+                if isinstance(getattr(layer, name), RangeRecorder):
+                    setattr(layer, name, quantized(getattr(layer, name)))
         self.lm_head = quantized(self.lm_head)
 
     # ------------------------------------------------------------------ loading
@@ -380,7 +423,10 @@ class NativeCausalLM:
         int8_head: bool = False,
         quant: str | None = None,
         int8_kernel: str = "auto",
+        gguf: str | Path | None = None,
     ) -> "NativeCausalLM":
+        """``gguf`` (``quant="q4"``): the GGUF file the folder was converted from, whose 4-bit
+        layer matrices are then used as shipped (see :mod:`specdec.models.gguf_blocks`)."""
         from safetensors.torch import load_file
 
         folder = Path(folder)
@@ -389,8 +435,13 @@ class NativeCausalLM:
         for f in sorted(folder.glob("*.safetensors")):
             weights.update(load_file(str(f)))
         calibration = calibration_ids(folder) if quant is not None else None
+        blocks = None
+        if quant == "q4" and gguf is not None:
+            from specdec.models.gguf_blocks import read_q4_blocks
+
+            blocks = read_q4_blocks(gguf, cfg.n_heads, cfg.n_kv_heads)
         return cls(cfg, weights, dtype=dtype, batch_invariant=batch_invariant, int8_head=int8_head, quant=quant,
-                   calibration=calibration, int8_kernel=int8_kernel)
+                   calibration=calibration, int8_kernel=int8_kernel, q4_blocks=blocks)
 
     # ------------------------------------------------------------------ LanguageModel
 

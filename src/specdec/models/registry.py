@@ -365,6 +365,7 @@ def load(
     tokens one at a time, so speculative and plain decoding agree exactly, not just up to ties.
     ``int8_head`` (native backend, drafts only): the LM head as an int8 matmul.
     ``int8_kernel`` (``quant="int8"``): fbgemm | onednn | mixed | auto (see :func:`specdec.models.linear.int8_kernel`).
+    ``quant="q4"``: 4-bit layer matrices, a GGUF's own blocks where the model comes as one.
     """
     from transformers import AutoTokenizer
 
@@ -387,7 +388,8 @@ def load(
     use_native = backend == "native" or (backend == "auto" and cfg.get("model_type") in SUPPORTED and has_safetensors)
     if use_native:
         model = NativeCausalLM.from_folder(
-            folder, dtype=dtype, batch_invariant=batch_invariant, int8_head=int8_head, quant=quant, int8_kernel=int8_kernel
+            folder, dtype=dtype, batch_invariant=batch_invariant, int8_head=int8_head, quant=quant, int8_kernel=int8_kernel,
+            gguf=_source_gguf(ref, resolved) if quant == "q4" else None,
         )
         kind = "native"
     elif quant is not None:
@@ -398,6 +400,14 @@ def load(
     else:
         raise SpecdecError(f"unknown backend {backend!r}; choose auto, native or hf")
     return LoadedModel(resolved.name, model, tokenizer, folder, kind, _eos_ids(folder, tokenizer, cfg))
+
+
+def _source_gguf(ref: str, resolved: ResolvedModel) -> Path | None:
+    """The GGUF file a model was converted from (its 4-bit blocks are used as shipped), or None."""
+    src = resolved.spec.source if resolved.spec is not None else None
+    if isinstance(src, (PackagedGGUF, ChunkedGGUF)) or Path(ref.strip()).expanduser().suffix.lower() == ".gguf":
+        return gguf_file(ref)
+    return None
 
 
 _TOKENIZER_FILES = ("tokenizer.json", "tokenizer.model", "vocab.json", "tokenizer_config.json")

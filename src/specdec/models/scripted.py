@@ -31,7 +31,7 @@ from torch import Tensor
 from specdec.kv_cache import GROW_STEP
 from specdec.models import kernels
 from specdec.models import linear as linear_mod
-from specdec.models.linear import wide_product
+from specdec.models.linear import q4_reference, wide_product
 
 #: exact attention reads keys in whole blocks of this many positions (the cache's allocation step,
 #: so a block never reaches past the buffer); see ``native._attend_rows``
@@ -43,6 +43,7 @@ W8A8 = 0
 PACKED = 1
 DENSE = 2
 ONEDNN_INT8 = 3  # chunks[i] = [packed int8 weight, column scales, zero points]
+Q4 = 4  # q4[i] = [gain, col, packed] on the kernel, [gain, col, codes, d, m] on the ATen reference
 
 
 class Weights(NamedTuple):
@@ -62,6 +63,8 @@ class Weights(NamedTuple):
     vnni: Dict[int, List[Tensor]]  # W8A8 layers packed for the few-row kernel (linear.vnni_packing) ...
     vnni_rows: int  # ... which runs their products of at most this many rows
     attend: bool  # exact attention on the compiled kernel (kernels.attention_kernel), else ATen ops
+    q4: Dict[int, List[Tensor]]  # Q4Linear layers (see Q4) ...
+    q4_out: Dict[int, int]  # ... and their output features
 
 
 def _linear(
@@ -69,12 +72,25 @@ def _linear(
     x: Tensor,
     row_scale: Optional[Tensor],
     wt: Weights,
-) -> Tensor:  # x: [n, in], row_scale: [n, 1] -> [n, out]; mirrors Linear / W8A8Linear / W8A8OneDNNLinear exactly
+) -> Tensor:  # x: [n, in], row_scale: [n, 1] -> [n, out]; mirrors Linear / W8A8Linear / W8A8OneDNNLinear / Q4Linear exactly
     kind = wt.kinds[i]
     smooth = wt.smooth
     b: Optional[Tensor] = None
     if i in wt.bias:
         b = wt.bias[i]
+    if kind == 4:  # Q4
+        q = wt.q4[i]
+        if len(q) == 3:
+            y = torch.ops.specdec.q4_linear(x, q[0], q[2], wt.q4_out[i], q[1])
+        else:
+            y = q4_reference(x, q[0], q[2], q[3], q[4], q[1])
+        if row_scale is None:
+            if b is not None:
+                return y + b
+            return y
+        if b is not None:
+            return torch.addcmul(b, y, row_scale)
+        return y.mul_(row_scale)
     if kind == 0:  # W8A8
         n = x.shape[0]
         sm: Optional[Tensor] = None
@@ -376,7 +392,7 @@ class ScriptedLayers:
     """The layer weights of a :class:`NativeCausalLM` laid out for :func:`_layers`."""
 
     def __init__(self, layers: list) -> None:
-        from specdec.models.linear import Linear, W8A8Linear, W8A8OneDNNLinear
+        from specdec.models.linear import Linear, Q4Linear, W8A8Linear, W8A8OneDNNLinear
 
         self.fn = compiled_layers()
         self.kinds: list[int] = []
@@ -390,6 +406,8 @@ class ScriptedLayers:
         self.wide: dict[int, list[Tensor]] = {}  # W8A8 layers' oneDNN packing (linear.wide_packing)
         self.wide_rows: dict[int, int] = {}
         self.vnni: dict[int, list[Tensor]] = {}  # W8A8 layers' few-row kernel packing (linear.vnni_packing)
+        self.q4: dict[int, list[Tensor]] = {}  # Q4Linear layers (see Q4)
+        self.q4_out: dict[int, int] = {}
         self._w8a8: list[W8A8Linear] = []
         self.reduce_range = False
         for layer in layers:
@@ -409,6 +427,10 @@ class ScriptedLayers:
                         self.wide_rows[i] = lin.wide_rows
                     if lin.vnni is not None:
                         self.vnni[i] = lin.vnni
+                elif isinstance(lin, Q4Linear):
+                    self.kinds.append(Q4)
+                    self.q4[i] = [lin.gain, lin.col, lin.packed] if lin.packed is not None else [lin.gain, lin.col, *lin.ref]
+                    self.q4_out[i] = lin.out_features
                 elif isinstance(lin, W8A8OneDNNLinear):
                     self.kinds.append(ONEDNN_INT8)
                     self.chunks[i] = [lin.packed, lin.w_scale, lin.w_zero]
@@ -438,7 +460,7 @@ class ScriptedLayers:
         """The tables as the scripted loops take them (the staging buffers may have grown)."""
         return Weights(self.kinds, self.q8, self.staging, self.reduce_range, self.chunks, self.bounds, self.dense,  # type: ignore[arg-type]
                        self.bias, self.smooth, self.wide, self.wide_rows, self.vnni, linear_mod.VNNI_ROWS,
-                       kernels.attention_kernel())
+                       kernels.attention_kernel(), self.q4, self.q4_out)
 
     def __call__(
         self, x: Tensor, cos: Tensor, sin: Tensor, cache, start: int, cfg, eps: Tensor, *,

@@ -1,0 +1,248 @@
+// GGUF's Q4_1 weights as shipped, times activations quantised to 8 bits per block of 32 inputs:
+// a 4-bit product whose every output row depends on that row alone (batch-invariant by
+// construction), with the packed weights streamed once for up to four rows.
+//
+// A Q4_1 block holds 32 consecutive inputs of one output column j: 4-bit codes w_i (0..15), a
+// scale d and a minimum m (float16), weight_i = d * w_i + m.  (Q4_0 is the case m = -8 d.)  Each
+// activation row is cut into the same blocks; a block's step is e = max|x_i| / 127 and its codes
+// a_i = round(x_i / e) (half to even, 0 where e = 0).  Block b then contributes
+//
+//   t   = d * e                                   (one float32 multiply)
+//   y  += t * float(sum_i w_i a_i)                (an exact int32 sum, one multiply, one add)
+//   y  += m * (e * float(sum_i a_i))              (one multiply, one add)
+//
+// blocks in input order, each an IEEE operation on float32 — the same for every row count,
+// thread count and instruction set (the integer sums are exact in any grouping; the float steps
+// are element-wise and compiled with -ffp-contract=off), and what specdec's ATen reference
+// (linear.q4_reference) computes op for op.  Then y *= col_j where a column factor is given.
+//
+//   torch.ops.specdec.q4_pack(qs uint8 [N, K/32, 16], d float16 [N, K/32], m float16 [N, K/32])
+//       -> uint8 [ceil(N/32), K/32, 640]: per group of 32 columns and block, the codes of 16
+//       columns x 4 byte-columns twice (512 bytes: lane j, byte p of row L holds the block's byte
+//       4L + p, i.e. inputs 4L + p and 4L + p + 16 in its low and high nibble), then d and m of
+//       the 32 columns as float16 (64 + 64 bytes): one contiguous stream per group
+//   torch.ops.specdec.q4_linear(x float32 [n, K], gain float32 [K] (empty: none), packed,
+//       n_out, col float32 [N] (empty: none)) -> y float32 [n, N], x multiplied by gain first
+//   torch.ops.specdec.q4_vnni() -> bool: this build runs the AVX-512 VNNI path (else portable C++)
+
+#include <ATen/ATen.h>
+#include <ATen/Parallel.h>
+#include <torch/library.h>
+
+#include <cmath>
+#include <cstdint>
+#include <cstring>
+
+#if defined(__AVX512VNNI__) && defined(__AVX512F__) && defined(__AVX512BW__)
+#include <immintrin.h>
+#define SPECDEC_Q4_VNNI 1
+#else
+#define SPECDEC_Q4_VNNI 0
+#endif
+
+namespace {
+
+constexpr int kBlock = 32;      // inputs per quantisation block (GGUF's QK4_1)
+constexpr int kCols = 32;       // columns per packed group
+constexpr int kCodes = 512;     // code bytes per group and block
+constexpr int kStride = 640;    // bytes per group and block: codes, 32 d, 32 m (float16)
+constexpr int kRowsMax = 4;     // rows per register block
+constexpr int kPrefetch = 4;    // blocks a group's stream is prefetched ahead
+
+at::Tensor q4_pack(const at::Tensor& qs, const at::Tensor& d, const at::Tensor& m) {
+  TORCH_CHECK(qs.dim() == 3 && qs.size(2) == 16 && qs.scalar_type() == at::kByte,
+              "q4_pack: codes must be uint8 [N, K/32, 16]");
+  TORCH_CHECK(d.scalar_type() == at::kHalf && m.scalar_type() == at::kHalf && d.dim() == 2 &&
+                  d.sizes() == m.sizes() && d.size(0) == qs.size(0) && d.size(1) == qs.size(1),
+              "q4_pack: d and m must be float16 [N, K/32]");
+  const at::Tensor q = qs.contiguous(), dc = d.contiguous(), mc = m.contiguous();
+  const int64_t n = q.size(0), nb = q.size(1), ng = (n + kCols - 1) / kCols;
+  at::Tensor out = at::zeros({ng, nb, kStride}, q.options());
+  const uint8_t* src = q.data_ptr<uint8_t>();
+  const uint16_t* dp = reinterpret_cast<const uint16_t*>(dc.data_ptr<at::Half>());
+  const uint16_t* mp = reinterpret_cast<const uint16_t*>(mc.data_ptr<at::Half>());
+  uint8_t* dst = out.data_ptr<uint8_t>();
+  for (int64_t j = 0; j < n; ++j) {
+    const int64_t g = j / kCols, c = j % kCols, u = c / 16, lane = c % 16;
+    for (int64_t b = 0; b < nb; ++b) {
+      uint8_t* blk = dst + (g * nb + b) * kStride;
+      for (int byte = 0; byte < 16; ++byte) blk[u * 256 + (byte / 4) * 64 + lane * 4 + byte % 4] = src[(j * nb + b) * 16 + byte];
+      std::memcpy(blk + kCodes + 2 * c, dp + j * nb + b, 2);
+      std::memcpy(blk + kCodes + 64 + 2 * c, mp + j * nb + b, 2);
+    }
+  }
+  return out;
+}
+
+bool q4_vnni() { return SPECDEC_Q4_VNNI != 0; }
+
+// The activation side of every block: codes (int8 [n, nb * 32]), e (float [n, nb]) and
+// e * float(sum of codes) (float [n, nb]).  Scalar code: a few thousand values per call.
+void quantize_rows(const float* x, const float* gain, int64_t n, int64_t k, int64_t nb, int8_t* codes, float* step,
+                   float* sums) {
+  for (int64_t r = 0; r < n; ++r)
+    for (int64_t b = 0; b < nb; ++b) {
+      float v[kBlock];
+      float amax = 0.0f;
+      for (int i = 0; i < kBlock; ++i) {
+        const int64_t c = b * kBlock + i;
+        float xv = 0.0f;
+        if (c < k) xv = gain != nullptr ? x[r * k + c] * gain[c] : x[r * k + c];
+        v[i] = xv;
+        const float a = xv < 0.0f ? -xv : xv;
+        amax = a > amax ? a : amax;
+      }
+      const float e = amax / 127.0f;
+      int32_t total = 0;
+      int8_t* q = codes + (r * nb + b) * kBlock;
+      for (int i = 0; i < kBlock; ++i) {
+        float qv = e != 0.0f ? std::nearbyint(v[i] / e) : 0.0f;  // round half to even
+        qv = qv > 127.0f ? 127.0f : (qv < -127.0f ? -127.0f : qv);
+        q[i] = static_cast<int8_t>(qv);
+        total += q[i];
+      }
+      step[r * nb + b] = e;
+      sums[r * nb + b] = e * static_cast<float>(total);
+    }
+}
+
+inline float half_to_float(const uint8_t* p) {
+  uint16_t h;
+  std::memcpy(&h, p, 2);
+  return static_cast<float>(c10::Half(h, c10::Half::from_bits()));
+}
+
+// One group of 32 columns for R rows, portable C++: exact integer sums, then the float steps.
+template <int R>
+void group_portable(const int8_t* codes, const float* step, const float* sums, int64_t nb, const uint8_t* wg,
+                    float* out, int64_t out_stride, int64_t valid) {
+  float y[R][kCols] = {};
+  for (int64_t b = 0; b < nb; ++b) {
+    const uint8_t* blk = wg + b * kStride;
+    for (int r = 0; r < R; ++r) {
+      const int8_t* a = codes + (r * nb + b) * kBlock;
+      const float e = step[r * nb + b], s = sums[r * nb + b];
+      for (int c = 0; c < kCols; ++c) {
+        const int u = c / 16, lane = c % 16;
+        int32_t acc = 0;
+        for (int byte = 0; byte < 16; ++byte) {
+          const uint8_t w = blk[u * 256 + (byte / 4) * 64 + lane * 4 + byte % 4];
+          acc += static_cast<int32_t>(w & 0x0F) * a[byte] + static_cast<int32_t>(w >> 4) * a[byte + 16];
+        }
+        const float t = half_to_float(blk + kCodes + 2 * c) * e;
+        y[r][c] = y[r][c] + t * static_cast<float>(acc);
+        y[r][c] = y[r][c] + half_to_float(blk + kCodes + 64 + 2 * c) * s;
+      }
+    }
+  }
+  for (int r = 0; r < R; ++r)
+    for (int c = 0; c < kCols && c < valid; ++c) out[r * out_stride + c] = y[r][c];
+}
+
+#if SPECDEC_Q4_VNNI
+// One group of 32 columns for R rows: per block, 2 x R int32 accumulators of 16 columns
+// (VNNI u8 x s8 dot products of four inputs, exact), then the float steps on 16 lanes.
+template <int R>
+void group_vnni(const int8_t* codes, const float* step, const float* sums, int64_t nb, const uint8_t* wg, float* out,
+                int64_t out_stride, int64_t valid) {
+  __m512 y[R][2];
+  for (int r = 0; r < R; ++r) y[r][0] = y[r][1] = _mm512_setzero_ps();
+  const __m512i low = _mm512_set1_epi8(0x0F);
+  for (int64_t b = 0; b < nb; ++b) {
+    const uint8_t* blk = wg + b * kStride;
+    const uint8_t* ahead = blk + kPrefetch * kStride;
+    for (int line = 0; line < kStride; line += 64) _mm_prefetch(reinterpret_cast<const char*>(ahead + line), _MM_HINT_T0);
+    __m512i acc[R][2];
+    for (int r = 0; r < R; ++r) acc[r][0] = acc[r][1] = _mm512_setzero_si512();
+    for (int l = 0; l < 4; ++l) {
+      for (int u = 0; u < 2; ++u) {
+        const __m512i v = _mm512_loadu_si512(blk + u * 256 + l * 64);
+        const __m512i lo = _mm512_and_si512(v, low);
+        const __m512i hi = _mm512_and_si512(_mm512_srli_epi16(v, 4), low);
+        for (int r = 0; r < R; ++r) {
+          const int8_t* a = codes + (r * nb + b) * kBlock + 4 * l;
+          int32_t a_lo, a_hi;
+          std::memcpy(&a_lo, a, 4);
+          std::memcpy(&a_hi, a + 16, 4);
+          acc[r][u] = _mm512_dpbusd_epi32(acc[r][u], lo, _mm512_set1_epi32(a_lo));
+          acc[r][u] = _mm512_dpbusd_epi32(acc[r][u], hi, _mm512_set1_epi32(a_hi));
+        }
+      }
+    }
+    for (int u = 0; u < 2; ++u) {
+      const __m512 dw = _mm512_cvtph_ps(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(blk + kCodes + 32 * u)));
+      const __m512 mw = _mm512_cvtph_ps(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(blk + kCodes + 64 + 32 * u)));
+      for (int r = 0; r < R; ++r) {
+        const __m512 t = _mm512_mul_ps(dw, _mm512_set1_ps(step[r * nb + b]));
+        y[r][u] = _mm512_add_ps(y[r][u], _mm512_mul_ps(t, _mm512_cvtepi32_ps(acc[r][u])));
+        y[r][u] = _mm512_add_ps(y[r][u], _mm512_mul_ps(mw, _mm512_set1_ps(sums[r * nb + b])));
+      }
+    }
+  }
+  for (int u = 0; u < 2; ++u) {
+    const int64_t v = valid - 16 * u;
+    if (v <= 0) break;
+    const __mmask16 mask = v >= 16 ? static_cast<__mmask16>(0xFFFF) : static_cast<__mmask16>((1u << v) - 1u);
+    for (int r = 0; r < R; ++r) _mm512_mask_storeu_ps(out + r * out_stride + 16 * u, mask, y[r][u]);
+  }
+}
+#endif
+
+using GroupFn = void (*)(const int8_t*, const float*, const float*, int64_t, const uint8_t*, float*, int64_t, int64_t);
+#if SPECDEC_Q4_VNNI
+constexpr GroupFn kGroups[kRowsMax + 1] = {nullptr, group_vnni<1>, group_vnni<2>, group_vnni<3>, group_vnni<4>};
+#else
+constexpr GroupFn kGroups[kRowsMax + 1] = {nullptr, group_portable<1>, group_portable<2>, group_portable<3>,
+                                           group_portable<4>};
+#endif
+
+at::Tensor q4_linear(const at::Tensor& x_in, const at::Tensor& gain, const at::Tensor& packed, int64_t n_out,
+                     const at::Tensor& col) {
+  TORCH_CHECK(x_in.dim() == 2 && x_in.scalar_type() == at::kFloat, "q4_linear: x must be float32 [n, K]");
+  TORCH_CHECK(packed.dim() == 3 && packed.size(2) == kStride && packed.scalar_type() == at::kByte,
+              "q4_linear: weights packed by q4_pack");
+  const at::Tensor x = x_in.contiguous();
+  const int64_t n = x.size(0), k = x.size(1), ng = packed.size(0), nb = packed.size(1);
+  TORCH_CHECK((k + kBlock - 1) / kBlock == nb && (n_out + kCols - 1) / kCols == ng, "q4_linear: shapes do not match");
+  TORCH_CHECK(gain.numel() == 0 || (gain.scalar_type() == at::kFloat && gain.numel() == k),
+              "q4_linear: gain must be float32 [K] or empty");
+  TORCH_CHECK(col.numel() == 0 || (col.scalar_type() == at::kFloat && col.numel() == n_out),
+              "q4_linear: col must be float32 [N] or empty");
+  const at::Tensor g = gain.contiguous(), cf = col.contiguous();
+  at::Tensor codes = at::empty({n, nb * kBlock}, x.options().dtype(at::kChar));
+  at::Tensor step = at::empty({n, nb}, x.options());
+  at::Tensor sums = at::empty({n, nb}, x.options());
+  quantize_rows(x.data_ptr<float>(), g.numel() ? g.data_ptr<float>() : nullptr, n, k, nb, codes.data_ptr<int8_t>(),
+                step.data_ptr<float>(), sums.data_ptr<float>());
+  at::Tensor out = at::empty({n, n_out}, x.options());
+  const int8_t* cp = codes.data_ptr<int8_t>();
+  const float* sp = step.data_ptr<float>();
+  const float* up = sums.data_ptr<float>();
+  const uint8_t* wp = packed.data_ptr<uint8_t>();
+  float* op = out.data_ptr<float>();
+  // groups of 32 output columns, split between threads; a column is computed by one thread
+  const int64_t grain = ng * nb * kStride < (1 << 16) ? ng : (ng + 1) / 2;
+  at::parallel_for(0, ng, grain, [&](int64_t lo, int64_t hi) {
+    for (int64_t gi = lo; gi < hi; ++gi)
+      for (int64_t r0 = 0; r0 < n; r0 += kRowsMax) {
+        const int64_t rows = n - r0 < kRowsMax ? n - r0 : kRowsMax;
+        kGroups[rows](cp + r0 * nb * kBlock, sp + r0 * nb, up + r0 * nb, nb, wp + gi * nb * kStride,
+                      op + r0 * n_out + gi * kCols, n_out, n_out - gi * kCols);
+      }
+  });
+  if (cf.numel()) out.mul_(cf);
+  return out;
+}
+
+}  // namespace
+
+TORCH_LIBRARY_FRAGMENT(specdec, m) {
+  m.def("q4_pack(Tensor qs, Tensor d, Tensor m) -> Tensor");
+  m.def("q4_linear(Tensor x, Tensor gain, Tensor packed, int n_out, Tensor col) -> Tensor");
+  m.def("q4_vnni() -> bool", &q4_vnni);
+}
+
+TORCH_LIBRARY_IMPL(specdec, CPU, m) {
+  m.impl("q4_pack", &q4_pack);
+  m.impl("q4_linear", &q4_linear);
+}

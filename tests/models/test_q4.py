@@ -1,0 +1,245 @@
+"""The 4-bit target path: GGUF's Q4_0 / Q4_1 blocks as shipped, ``Q4Linear``, the compiled
+``q4_linear`` kernel and its ATen reference.
+
+The promise: every output row depends on its own input row alone (batch invariance, so a
+verification pass scores a block bitwise as decoding scores its tokens one by one), and the
+kernel computes bitwise what the ATen reference computes (so a machine without a compiler runs
+the same 4-bit target, only slower).  Checked on shapes that exercise every edge of the packing
+(outputs not a multiple of the 32-column groups, inputs not a multiple of the 32-input blocks),
+rows of very different magnitudes, all-zero rows, gain and column factors; on a GGUF written here
+with both block types and a Llama query / key permutation; and on whole tiny models (the
+TorchScript loop, trees, batched passes: ``test_quantized.py`` runs every kind, ``q4`` included).
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import numpy as np
+import pytest
+import torch
+
+from specdec.models import kernels
+from specdec.models.linear import Q4Blocks, Q4Linear, q4_reference, quantize_q4_1
+from specdec.models.native import NativeCausalLM
+from tiny import make_tiny
+
+needs_q4 = pytest.mark.skipif(not kernels.q4_available(), reason="the 4-bit kernel needs a C++ compiler")
+
+
+def _ref_args(b: Q4Blocks) -> list[torch.Tensor]:
+    return [b.codes().permute(1, 2, 0).float().contiguous(), b.d.float().T.contiguous(), b.m.float().T.contiguous()]
+
+
+def _inputs(n: int, k: int, seed: int) -> torch.Tensor:
+    g = torch.Generator().manual_seed(seed)
+    x = torch.randn(n, k, generator=g) * (torch.rand(n, 1, generator=g) * 20 + 1e-3)  # very different row scales
+    x[:, 5 % k] *= 40  # an outlier channel
+    if n > 3:
+        x[3] = 0.0  # a row whose every block step is 0
+    return x
+
+
+def test_quantize_q4_1_round_trips_within_half_a_step():
+    g = torch.Generator().manual_seed(0)
+    w = torch.randn(70, 96, generator=g) * 0.05
+    w[0, :32] = 0.25  # a constant block: d = 0, every code 0, the value exactly m
+    b = quantize_q4_1(w)
+    assert b.qs.shape == (70, 3, 16) and b.qs.dtype == torch.uint8 and b.d.dtype == torch.float16
+    assert b.codes().max() <= 15
+    back = b.dequantize()
+    step = b.d.float().repeat_interleave(32, dim=1)
+    # float16 rounding of m and d adds a little to the half step
+    assert ((back - w).abs() <= step * 0.5 + 1e-3).all()
+    assert torch.equal(back[0, :32], torch.full((32,), float(torch.tensor(0.25).half())))
+    padded = quantize_q4_1(w[:, :90])  # 90 inputs: the last block padded with zeros
+    assert padded.shape == (70, 96)
+    assert torch.equal(padded.dequantize()[:, :64], back[:, :64])
+
+
+@needs_q4
+@pytest.mark.parametrize("shape", [(576, 576), (100, 96), (33, 64), (7, 40), (96, 1536)])
+@pytest.mark.parametrize("extras", ["none", "gain+col"])
+def test_kernel_is_bitwise_the_reference_and_batch_invariant(shape, extras):
+    n_out, k = shape
+    g = torch.Generator().manual_seed(n_out + k)
+    b = quantize_q4_1(torch.randn(n_out, k, generator=g) * 0.05)
+    gain = torch.rand(k, generator=g) + 0.5 if extras != "none" else None
+    col = torch.rand(n_out, generator=g) + 0.1 if extras != "none" else None
+    lin = Q4Linear(b, gain=gain, col=col, in_features=k)
+    assert lin.packed is not None
+    x = _inputs(17, k, seed=k)
+    solo = torch.cat([lin.product(x[i : i + 1]) for i in range(17)])
+    for n in (1, 2, 3, 4, 5, 8, 9, 16, 17):
+        got = lin.product(x[:n])
+        assert torch.equal(got, q4_reference(x[:n], lin.gain, *_ref_args(b), lin.col)), n
+        assert torch.equal(got, solo[:n]), n
+    assert torch.equal(solo[3], torch.zeros(n_out))  # a zero row gives zeros
+    # and close to the float product with the dequantised weights
+    w = b.dequantize()[:, :k]
+    want = (x * (1 if gain is None else gain)) @ w.T * (1 if col is None else col)
+    assert ((solo - want).norm() / want.norm()) < 0.02
+
+
+@needs_q4
+def test_kernel_bits_do_not_depend_on_the_thread_count():
+    b = quantize_q4_1(torch.randn(3072, 576, generator=torch.Generator().manual_seed(2)) * 0.05)
+    lin = Q4Linear(b)
+    x = _inputs(5, 576, seed=9)
+    threads = torch.get_num_threads()
+    try:
+        torch.set_num_threads(1)
+        one = lin.product(x)
+        torch.set_num_threads(max(2, threads))
+        many = lin.product(x)
+    finally:
+        torch.set_num_threads(threads)
+    assert torch.equal(one, many)
+
+
+def test_reference_without_the_kernel_is_the_layer_s_product(monkeypatch):
+    """Where the library did not build, ``Q4Linear`` keeps the reference's operands and runs it."""
+    monkeypatch.setattr(kernels, "q4_available", lambda: False)
+    b = quantize_q4_1(torch.randn(40, 64, generator=torch.Generator().manual_seed(3)) * 0.05)
+    bias = torch.randn(40)
+    lin = Q4Linear(b, bias)
+    assert lin.packed is None
+    x = _inputs(6, 64, seed=1)
+    scale = torch.rand(6, 1) + 0.5
+    want = q4_reference(x, torch.empty(0), *_ref_args(b), torch.empty(0))
+    assert torch.equal(lin(x), want + bias)
+    assert torch.equal(lin.scaled(x, scale), torch.addcmul(bias, want, scale))
+
+
+@needs_q4
+def test_kernel_refuses_mismatched_inputs():
+    b = quantize_q4_1(torch.randn(40, 64) * 0.05)
+    packed = torch.ops.specdec.q4_pack(b.qs, b.d, b.m)
+    with pytest.raises(RuntimeError, match="shapes do not match"):
+        torch.ops.specdec.q4_linear(torch.randn(2, 96), torch.empty(0), packed, 40, torch.empty(0))
+    with pytest.raises(RuntimeError, match="gain"):
+        torch.ops.specdec.q4_linear(torch.randn(2, 64), torch.ones(3), packed, 40, torch.empty(0))
+    with pytest.raises(RuntimeError, match="float16"):
+        torch.ops.specdec.q4_pack(b.qs, b.d.float(), b.m)
+
+
+# ----------------------------------------------------------------------------- GGUF blocks
+
+
+def _write_gguf(path: Path, tensors: dict[str, tuple[np.ndarray, str]], arch: str = "llama") -> None:
+    import gguf
+
+    writer = gguf.GGUFWriter(str(path), arch)
+    for name, (w, kind) in tensors.items():
+        qtype = getattr(gguf.GGMLQuantizationType, kind)
+        data = gguf.quants.quantize(w, qtype) if kind != "F32" else w
+        writer.add_tensor(name, data, raw_dtype=qtype if kind != "F32" else None)
+    writer.write_header_to_file()
+    writer.write_kv_data_to_file()
+    writer.write_tensors_to_file()
+    writer.close()
+
+
+def _hf_unpermute(w: np.ndarray, n_head: int) -> np.ndarray:
+    """How transformers undoes llama.cpp's query / key row permutation (written out here)."""
+    dim = w.shape[0] // n_head // 2
+    return w.reshape(n_head, dim, 2, *w.shape[1:]).swapaxes(2, 1).reshape(w.shape)
+
+
+@pytest.mark.parametrize("arch", ["llama", "qwen2"])
+def test_gguf_blocks_are_read_as_shipped_with_llama_rows_unpermuted(tmp_path, arch):
+    import gguf
+
+    from specdec.models.gguf_blocks import read_q4_blocks
+
+    rng = np.random.default_rng(0)
+    q = (rng.standard_normal((64, 96)) * 0.05).astype(np.float32)  # 4 heads of 16
+    k = (rng.standard_normal((32, 96)) * 0.05).astype(np.float32)  # 2 KV heads of 16
+    down = (rng.standard_normal((96, 64)) * 0.05).astype(np.float32)
+    path = tmp_path / "m.gguf"
+    _write_gguf(path, {"blk.0.attn_q.weight": (q, "Q4_1"), "blk.0.attn_k.weight": (k, "Q4_0"),
+                       "blk.0.ffn_down.weight": (down, "F32"), "blk.0.attn_norm.weight": (np.ones(96, np.float32), "F32")},
+                arch=arch)
+    blocks = read_q4_blocks(path, n_heads=4, n_kv_heads=2)
+    assert set(blocks) == {"model.layers.0.self_attn.q_proj.weight", "model.layers.0.self_attn.k_proj.weight"}
+    for name, w, kind, heads in (("q_proj", q, "Q4_1", 4), ("k_proj", k, "Q4_0", 2)):
+        shipped = gguf.quants.dequantize(gguf.quants.quantize(w, getattr(gguf.GGMLQuantizationType, kind)),
+                                         getattr(gguf.GGMLQuantizationType, kind))
+        want = _hf_unpermute(shipped, heads) if arch == "llama" else shipped
+        got = blocks[f"model.layers.0.self_attn.{name}.weight"].dequantize().numpy()
+        assert np.array_equal(got, want), name
+
+
+# ----------------------------------------------------------------------------- whole models
+
+
+@pytest.fixture(scope="module", params=["llama", "qwen2"])  # qwen2: biases on q, k, v
+def tiny_folder(request, tmp_path_factory):
+    return make_tiny(tmp_path_factory.mktemp(request.param), model_type=request.param)
+
+
+def test_q4_model_block_equals_token_by_token_and_is_close_to_float(tiny_folder):
+    q = NativeCausalLM.from_folder(tiny_folder, quant="q4", batch_invariant=True)
+    assert isinstance(q.layers[0].qkv, Q4Linear) and q.int8_kernel is not None  # the LM head stays int8
+    f = NativeCausalLM.from_folder(tiny_folder, batch_invariant=True)
+    ids = torch.randint(0, 1000, (30,), generator=torch.Generator().manual_seed(4))
+    a = q.new_cache(64)
+    q.forward(ids[:21], a)
+    block = q.forward(ids[21:], a)
+    b = q.new_cache(64)
+    q.forward(ids[:21], b)
+    assert torch.equal(block, torch.cat([q.forward(ids[i : i + 1], b) for i in range(21, 30)]))
+    ref = f.forward(ids, f.new_cache(64))
+    full = q.forward(ids, q.new_cache(64))
+    assert not torch.equal(full, ref)
+    p, r = torch.softmax(full, -1), torch.softmax(ref, -1)
+    assert (p - r).abs().sum(-1).max() < 0.3  # total variation per position
+
+
+_CHILD = r"""
+import json, sys, torch
+from specdec.models import kernels
+from specdec.models.native import NativeCausalLM
+model = NativeCausalLM.from_folder(sys.argv[1], quant="q4", batch_invariant=True, int8_kernel="fbgemm")
+ids = torch.randint(0, 1000, (12,), generator=torch.Generator().manual_seed(1))
+cache = model.new_cache(32)
+logits = torch.cat([model.forward(ids[:6], cache)] + [model.forward(ids[i : i + 1], cache) for i in range(6, 12)])
+print(json.dumps({"q4": kernels.q4_available(), "logits": logits.flatten()[::97].tolist(), "sum": float(logits.double().sum())}))
+"""
+
+
+@needs_q4
+def test_the_same_4bit_target_with_and_without_the_kernel(tmp_path):
+    """A process without the kernel library (``SPECDEC_KERNELS=0``: the ATen reference, ATen
+    attention) decodes with bitwise the logits of one with the 4-bit kernel and ATen attention."""
+    from specdec.models.linear import w8a8_available
+
+    if not w8a8_available():
+        pytest.skip("the 4-bit target's LM head needs fbgemm")
+    folder = make_tiny(tmp_path / "tiny")
+
+    def child(**env: str) -> dict:
+        proc = subprocess.run([sys.executable, "-c", _CHILD, str(folder)], capture_output=True, text=True, timeout=300,
+                              env={**os.environ, "SPECDEC_KERNELS": "1", "SPECDEC_ATTENTION": "1", **env})
+        assert proc.returncode == 0, proc.stderr[-2000:]
+        return json.loads(proc.stdout.strip().splitlines()[-1])
+
+    off = child(SPECDEC_KERNELS="0")
+    on = child(SPECDEC_ATTENTION="0")
+    assert off["q4"] is False and on["q4"] is True
+    assert on["logits"] == off["logits"] and on["sum"] == off["sum"]
+
+
+def test_engine_and_cli_accept_q4():
+    from specdec.engine import EngineConfig, target_dtype
+    from specdec.errors import ConfigError
+    from specdec.models.linear import w8a8_available
+
+    if w8a8_available():
+        assert target_dtype(EngineConfig(dtype="q4")) == (torch.float32, "q4")
+    with pytest.raises(ConfigError, match="native"):
+        target_dtype(EngineConfig(dtype="q4", backend="hf"))
