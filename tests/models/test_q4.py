@@ -174,6 +174,29 @@ def test_gguf_blocks_are_read_as_shipped_with_llama_rows_unpermuted(tmp_path, ar
         assert np.array_equal(got, want), name
 
 
+def test_auto_runs_q4_for_a_gguf_whose_layers_ship_as_4bit_blocks(tmp_path, monkeypatch):
+    """``--dtype auto`` takes the 4-bit target for a GGUF whose layer matrices are mostly Q4_0 /
+    Q4_1 (by weight count), int8 for other files and for anything that is not a GGUF."""
+    from specdec import engine
+    from specdec.models.gguf_blocks import ships_q4
+    from specdec.models.linear import w8a8_available
+
+    rng = np.random.default_rng(1)
+    big, small = rng.standard_normal((64, 96)).astype(np.float32), rng.standard_normal((32, 64)).astype(np.float32)
+    mostly_q4 = tmp_path / "q4.gguf"
+    _write_gguf(mostly_q4, {"blk.0.ffn_up.weight": (big, "Q4_1"), "blk.0.attn_v.weight": (small, "F32"),
+                            "token_embd.weight": (rng.standard_normal((256, 64)).astype(np.float32), "F32")})
+    mostly_f32 = tmp_path / "f32.gguf"
+    _write_gguf(mostly_f32, {"blk.0.ffn_up.weight": (big, "F32"), "blk.0.attn_v.weight": (small, "Q4_0")})
+    (tmp_path / "junk.gguf").write_bytes(b"GGUF\x03\x00")  # truncated
+    assert ships_q4(str(mostly_q4)) and not ships_q4(str(mostly_f32))
+    assert not ships_q4(str(tmp_path / "junk.gguf")) and not ships_q4(str(tmp_path)) and not ships_q4("no-such-model")
+    if w8a8_available():
+        assert engine.target_dtype(engine.EngineConfig(target=str(mostly_q4))) == (torch.float32, "q4")
+        assert engine.target_dtype(engine.EngineConfig(target=str(mostly_f32))) == (torch.float32, "int8")
+        assert engine.target_dtype(engine.EngineConfig(target=str(mostly_q4), dtype="int8"))[1] == "int8"
+
+
 # ----------------------------------------------------------------------------- whole models
 
 

@@ -392,7 +392,7 @@ def markdown(result: dict, stats: list[GroupStats], bvt: list[BlockVsToken], plo
         "",
         f"Command: `{cfg.get('command') or 'specdec bench'}`",
         "",
-        f"Target `{cfg['target']}` ({cfg.get('dtype', 'float32')}), draft `{cfg['draft']}` (draft dtype {_draft_dtype(cfg)}), "
+        f"Target `{cfg['target']}` ({_target_dtype(cfg)}), draft `{cfg['draft']}` (draft dtype {_draft_dtype(cfg)}), "
         f"{len(cfg['prompts'])} prompts ({', '.join(sorted({p['category'] for p in cfg['prompts']}))}), "
         f"{cfg['max_new_tokens']} new tokens, repeats {cfg['repeats']}, seed {cfg['seed']}, "
         f"top-p {cfg['top_p']}, repetition penalty {cfg['repetition_penalty']}, "
@@ -657,6 +657,12 @@ def write(result: dict, out_dir: str | Path, *, make_plots: bool = True) -> dict
     (out / "results.json").write_text(json.dumps(result, indent=1))
     (out / "README.md").write_text(markdown(result, stats, bvt, plots, net))
     return {"stats": stats, "block_vs_token": bvt, "network": net, "plots": plots, "dir": str(out)}
+
+
+def _target_dtype(cfg: dict) -> str:
+    """``auto = q4``: the target dtype asked for, and what it resolved to where the run recorded it."""
+    asked, resolved = cfg.get("dtype", "float32"), cfg.get("target_precision")
+    return asked if not resolved or resolved == asked else f"{asked} = {resolved}"
 
 
 def _draft_dtype(cfg: dict) -> str:

@@ -86,6 +86,18 @@ def _job(cfg: BenchConfig, mode: str) -> dict:
     }
 
 
+def _target_precision(target: str, dtype: str) -> str | None:
+    """What the target's dtype resolves to on this machine (``auto`` = q4 | int8 | float32)."""
+    from specdec.engine import EngineConfig, target_dtype
+    from specdec.errors import SpecdecError
+
+    try:
+        torch_dtype, quant = target_dtype(EngineConfig(target=target, dtype=dtype))
+    except SpecdecError:
+        return None
+    return quant or str(torch_dtype).removeprefix("torch.")
+
+
 def _draft_precision(draft_dtype: str) -> str | None:
     """What the draft dtype resolves to here (None where it cannot run: the workers then say why)."""
     from specdec.engine import EngineConfig, draft_precision
@@ -199,6 +211,7 @@ def run(cfg: BenchConfig, *, progress: bool = True) -> dict:
     config = asdict(cfg)
     config["prompts"] = [asdict(p) for p in cfg.prompts]
     config["draft_precision"] = _draft_precision(cfg.draft_dtype)  # what the draft dtype resolved to here
+    config["target_precision"] = _target_precision(cfg.target, cfg.dtype)  # ... and the target's
     result = {"config": config, "samples": samples, "processes": processes, "machine": machine_info()}
     if record is not None:
         result["network"] = record.to_dict()
