@@ -37,7 +37,7 @@ from pathlib import Path
 
 import torch
 
-_SOURCES = tuple(Path(__file__).parent / "csrc" / name for name in ("q8.cpp", "q4.cpp", "attention.cpp"))
+_SOURCES = tuple(Path(__file__).parent / "csrc" / name for name in ("q8.cpp", "q4.cpp", "f32.cpp", "attention.cpp"))
 _FLAGS = ("-O3", "-std=c++20", "-shared", "-fPIC", "-fopenmp", "-ffp-contract=off", "-fno-fast-math", "-DNDEBUG")
 #: the ops' schemas, declared in Python when the library cannot be built, so TorchScript code that
 #: names them still compiles (it never calls them then)
@@ -49,6 +49,8 @@ _SCHEMAS = (
     "q4_pack(Tensor qs, Tensor d, Tensor m) -> Tensor",
     "q4_linear(Tensor x, Tensor gain, Tensor packed, int n_out, Tensor col) -> Tensor",
     "q4_vnni() -> bool",
+    "f32_pack(Tensor w) -> Tensor",
+    "f32_linear(Tensor x, Tensor packed, int n_out) -> Tensor",
 )
 _state: dict[str, object] = {}
 
@@ -91,7 +93,7 @@ def _build(cxx: str) -> Path:
         cmd = [cxx, *_FLAGS, march, *(f"-I{p}" for p in cpp_extension.include_paths()),
                f"-I{sysconfig.get_paths()['include']}", *map(str, _SOURCES), "-o", str(tmp),
                *(f"-L{p}" for p in cpp_extension.library_paths()), "-lc10", "-ltorch_cpu", "-ltorch"]
-        print("[specdec] compiling the int8, 4-bit and attention kernels for this CPU (once, ~30 s) ...", file=sys.stderr)
+        print("[specdec] compiling the float32, int8, 4-bit and attention kernels for this CPU (once, ~30 s) ...", file=sys.stderr)
         subprocess.run(cmd, check=True, capture_output=True, text=True)
         tmp.replace(lib)
     return lib

@@ -56,17 +56,25 @@ class Linear:
     draft model) and packs the large ones (the LM head).
     """
 
-    __slots__ = ("weight", "bias", "packed", "out_features", "_bounds")
+    __slots__ = ("weight", "bias", "packed", "out_features", "_bounds", "f32")
     # packed: one oneDNN weight per input chunk (see MAX_INVARIANT_K), or None for the fallback
+    # f32: the weight packed for torch.ops.specdec.f32_linear (float32, "invariant"), or None
 
     def __init__(self, weight: Tensor, bias: Tensor | None = None, *, pack: bool = True, mode: str = "invariant") -> None:
         self.weight: Tensor | None = weight.contiguous()  # [out, in]; dropped once packed
         self.bias = bias
         self.out_features = weight.shape[0]
         self.packed: list[Tensor] | None = None
+        self.f32: Tensor | None = None
         packable = _PACKABLE.get(weight.dtype)
         small = mode == "fast" and weight.numel() < DENSE_BELOW and weight.dtype == torch.float32
-        if pack and not small and weight.device.type == "cpu" and packable is not None and packable():
+        if (pack and mode == "invariant" and weight.dtype == torch.float32 and weight.device.type == "cpu"
+                and f32_kernel_available()):
+            # the compiled product: sums in a fixed order per row, weights streamed once for up
+            # to four rows; ~25 % faster than oneDNN for the few rows of a decoding step
+            self.f32 = torch.ops.specdec.f32_pack(self.weight)
+            self.weight = None
+        elif pack and not small and weight.device.type == "cpu" and packable is not None and packable():
             k = weight.shape[1]
             n_chunks = -(-k // MAX_INVARIANT_K)
             bounds = [round(i * k / n_chunks) for i in range(n_chunks + 1)]
@@ -90,6 +98,9 @@ class Linear:
         return y.mul_(row_scale) if self.bias is None else torch.addcmul(self.bias, y, row_scale)
 
     def _product(self, x: Tensor, bias: Tensor | None) -> Tensor:
+        if self.f32 is not None:
+            y = torch.ops.specdec.f32_linear(x, self.f32, self.out_features)
+            return y if bias is None else y + bias
         if self.packed is not None:
             if len(self.packed) == 1:
                 return torch.ops.mkldnn._linear_pointwise(x, self.packed[0], bias, "none", [None], "")
@@ -99,6 +110,18 @@ class Linear:
                 y = y + torch.ops.mkldnn._linear_pointwise(x[:, b[i] : b[i + 1]], self.packed[i], None, "none", [None], "")
             return y
         return F.linear(x, self.weight, bias)
+
+
+def f32_kernel_available() -> bool:
+    """True when ``torch.ops.specdec.f32_linear`` runs here (the kernel library loaded and
+    ``SPECDEC_F32_KERNEL`` is not 0).  A batch-invariant float32 target takes it for every
+    product, whatever the row count: its bits differ from oneDNN's, so one process never mixes
+    the two."""
+    import os
+
+    from specdec.models import kernels
+
+    return os.environ.get("SPECDEC_F32_KERNEL", "1") != "0" and kernels.load()
 
 
 def int8_available() -> bool:

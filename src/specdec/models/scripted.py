@@ -44,6 +44,7 @@ PACKED = 1
 DENSE = 2
 ONEDNN_INT8 = 3  # chunks[i] = [packed int8 weight, column scales, zero points]
 Q4 = 4  # q4[i] = [gain, col, packed] on the kernel, [gain, col, codes, d, m] on the ATen reference
+F32 = 5  # dense[i] = the weight packed for specdec::f32_linear
 
 
 class Weights(NamedTuple):
@@ -64,7 +65,7 @@ class Weights(NamedTuple):
     vnni_rows: int  # ... which runs their products of at most this many rows
     attend: bool  # exact attention on the compiled kernel (kernels.attention_kernel), else ATen ops
     q4: Dict[int, List[Tensor]]  # Q4Linear layers (see Q4) ...
-    q4_out: Dict[int, int]  # ... and their output features
+    n_out: Dict[int, int]  # output features of the Q4 and F32 layers
 
 
 def _linear(
@@ -81,7 +82,7 @@ def _linear(
     if kind == 4:  # Q4
         q = wt.q4[i]
         if len(q) == 3:
-            y = torch.ops.specdec.q4_linear(x, q[0], q[2], wt.q4_out[i], q[1])
+            y = torch.ops.specdec.q4_linear(x, q[0], q[2], wt.n_out[i], q[1])
         else:
             y = q4_reference(x, q[0], q[2], q[3], q[4], q[1])
         if row_scale is None:
@@ -127,7 +128,11 @@ def _linear(
             return torch.addcmul(b, y, s)
         return y.mul_(s)
     inner_bias = b if row_scale is None else None
-    if kind == 1:  # PACKED
+    if kind == 5:  # F32
+        y = torch.ops.specdec.f32_linear(x, wt.dense[i], wt.n_out[i])
+        if inner_bias is not None:
+            y = y + inner_bias
+    elif kind == 1:  # PACKED
         ws = wt.chunks[i]
         if len(ws) == 1:
             y = torch.ops.mkldnn._linear_pointwise(x, ws[0], inner_bias, "none", [], "")
@@ -407,7 +412,7 @@ class ScriptedLayers:
         self.wide_rows: dict[int, int] = {}
         self.vnni: dict[int, list[Tensor]] = {}  # W8A8 layers' few-row kernel packing (linear.vnni_packing)
         self.q4: dict[int, list[Tensor]] = {}  # Q4Linear layers (see Q4)
-        self.q4_out: dict[int, int] = {}
+        self.n_out: dict[int, int] = {}  # Q4 and F32 layers' output features
         self._w8a8: list[W8A8Linear] = []
         self.reduce_range = False
         for layer in layers:
@@ -430,12 +435,16 @@ class ScriptedLayers:
                 elif isinstance(lin, Q4Linear):
                     self.kinds.append(Q4)
                     self.q4[i] = [lin.gain, lin.col, lin.packed] if lin.packed is not None else [lin.gain, lin.col, *lin.ref]
-                    self.q4_out[i] = lin.out_features
+                    self.n_out[i] = lin.out_features
                 elif isinstance(lin, W8A8OneDNNLinear):
                     self.kinds.append(ONEDNN_INT8)
                     self.chunks[i] = [lin.packed, lin.w_scale, lin.w_zero]
                     if lin.inv_smooth is not None:
                         self.smooth[i] = lin.inv_smooth
+                elif isinstance(lin, Linear) and lin.f32 is not None:
+                    self.kinds.append(F32)
+                    self.dense[i] = lin.f32
+                    self.n_out[i] = lin.out_features
                 elif isinstance(lin, Linear) and lin.packed is not None:
                     self.kinds.append(PACKED)
                     self.chunks[i] = list(lin.packed)
@@ -460,7 +469,7 @@ class ScriptedLayers:
         """The tables as the scripted loops take them (the staging buffers may have grown)."""
         return Weights(self.kinds, self.q8, self.staging, self.reduce_range, self.chunks, self.bounds, self.dense,  # type: ignore[arg-type]
                        self.bias, self.smooth, self.wide, self.wide_rows, self.vnni, linear_mod.VNNI_ROWS,
-                       kernels.attention_kernel(), self.q4, self.q4_out)
+                       kernels.attention_kernel(), self.q4, self.n_out)
 
     def __call__(
         self, x: Tensor, cos: Tensor, sin: Tensor, cache, start: int, cfg, eps: Tensor, *,

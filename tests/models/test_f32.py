@@ -1,0 +1,76 @@
+"""The float32 target's compiled product (``torch.ops.specdec.f32_linear``, ``models/csrc/f32.cpp``).
+
+Its promise is batch invariance by construction: each row's sums run front to back, one multiply
+and one add per term, so row ``i`` of an ``n``-row product is bitwise the row alone, for every
+``n``, thread count and column split.  Checked on shapes that exercise the packing's edges
+(outputs not a multiple of the 64-column groups), rows of very different magnitudes and bias /
+row scales through ``Linear``; whole models are covered by the float32-invariant kind of
+``test_quantized.py`` (TorchScript loop, batched passes, trees) and the real-weights tests.
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from specdec.models import linear as linear_mod
+from specdec.models.linear import Linear, f32_kernel_available
+
+needs_f32 = pytest.mark.skipif(not f32_kernel_available(), reason="the float32 kernel needs a C++ compiler")
+
+
+@needs_f32
+@pytest.mark.parametrize("shape", [(576, 576), (100, 96), (33, 7), (3072, 576), (64, 1536)])
+def test_rows_are_bitwise_alone_and_close_to_float64(shape):
+    n_out, k = shape
+    g = torch.Generator().manual_seed(n_out + k)
+    w = torch.randn(n_out, k, generator=g) * 0.05
+    x = torch.randn(17, k, generator=g) * (torch.rand(17, 1, generator=g) * 50 + 1e-3)
+    packed = torch.ops.specdec.f32_pack(w)
+    solo = torch.cat([torch.ops.specdec.f32_linear(x[i : i + 1], packed, n_out) for i in range(17)])
+    for n in (2, 3, 4, 5, 8, 9, 16, 17):
+        assert torch.equal(torch.ops.specdec.f32_linear(x[:n], packed, n_out), solo[:n]), n
+    want = (x.double() @ w.double().T).float()
+    assert torch.allclose(solo, want, rtol=1e-4, atol=1e-4 * float(want.abs().max()))
+
+
+@needs_f32
+def test_bits_do_not_depend_on_the_thread_count():
+    w = torch.randn(3072, 576, generator=torch.Generator().manual_seed(2)) * 0.05
+    x = torch.randn(5, 576, generator=torch.Generator().manual_seed(3))
+    packed = torch.ops.specdec.f32_pack(w)
+    threads = torch.get_num_threads()
+    try:
+        torch.set_num_threads(1)
+        one = torch.ops.specdec.f32_linear(x, packed, 3072)
+        torch.set_num_threads(max(2, threads))
+        many = torch.ops.specdec.f32_linear(x, packed, 3072)
+    finally:
+        torch.set_num_threads(threads)
+    assert torch.equal(one, many)
+
+
+@needs_f32
+def test_linear_takes_the_kernel_in_invariant_mode_only(monkeypatch):
+    g = torch.Generator().manual_seed(4)
+    w, bias = torch.randn(200, 96, generator=g), torch.randn(200, generator=g)
+    x, scale = torch.randn(6, 96, generator=g), torch.rand(6, 1, generator=g) + 0.5
+    lin = Linear(w, bias)
+    assert lin.f32 is not None and lin.weight is None
+    y = torch.ops.specdec.f32_linear(x, lin.f32, 200)
+    assert torch.equal(lin(x), y + bias)
+    assert torch.equal(lin.scaled(x, scale), torch.addcmul(bias, y, scale))
+    assert torch.equal(lin(x[:4]), torch.cat([lin(x[i : i + 1]) for i in range(4)]))
+    assert Linear(w, bias, mode="fast").f32 is None  # drafts keep oneDNN / MKL
+    assert Linear(w.bfloat16(), mode="invariant").f32 is None
+    monkeypatch.setenv("SPECDEC_F32_KERNEL", "0")
+    assert Linear(w, bias).f32 is None and linear_mod.f32_kernel_available() is False
+
+
+@needs_f32
+def test_kernel_refuses_mismatched_inputs():
+    packed = torch.ops.specdec.f32_pack(torch.randn(40, 64))
+    with pytest.raises(RuntimeError, match="shapes do not match"):
+        torch.ops.specdec.f32_linear(torch.randn(2, 63), packed, 40)
+    with pytest.raises(RuntimeError, match="float32"):
+        torch.ops.specdec.f32_pack(torch.randn(4, 4).double())
