@@ -219,3 +219,22 @@ def test_engine_keeps_one_gamma_memory_per_rule():
     a, b = eng.decoder(get_rule("greedy"), "auto"), eng.decoder(get_rule("greedy"), "auto")
     c = eng.decoder(get_rule("block"), "auto")
     assert a.gamma.memory is b.gamma.memory and a.gamma.memory is not c.gamma.memory
+
+
+def test_cost_gamma_extrapolates_the_pass_costs_it_has_not_measured():
+    """Before any γ = 0 round the one-row cost is extrapolated from the measured sizes (not read
+    as the two-row cost, which made one drafted token look free); beyond the largest size it
+    grows along the last slope; it never falls below half the cheapest measured pass."""
+    ctrl = CostGamma()
+    ctrl.observe_cost(2, 7.0)
+    ctrl.observe_cost(4, 9.0)
+    assert ctrl._target_cost(1) == pytest.approx(6.0)
+    assert ctrl._target_cost(3) == pytest.approx(8.0)
+    assert ctrl._target_cost(6) == pytest.approx(11.0)
+    steep = CostGamma()
+    steep.observe_cost(2, 2.0)
+    steep.observe_cost(3, 10.0)
+    assert steep._target_cost(1) == pytest.approx(1.0)  # the floor, not -6
+    one = CostGamma()
+    one.observe_cost(3, 5.0)
+    assert one._target_cost(1) == one._target_cost(8) == 5.0

@@ -196,15 +196,23 @@ class CostGamma:
     def _target_cost(self, n: int) -> float:
         if n in self._target_s:
             return self._target_s[n]
-        # linear between the two nearest measured sizes, else the nearest one
+        # linear between the two nearest measured sizes; outside them, along the line through
+        # the two nearest (a pass never costs less than half the cheapest one measured, and
+        # never less than a smaller one): before any γ = 0 round the one-row cost must not
+        # read as the two-row cost, or drafting one token looks cheaper than it is
         sizes = sorted(self._target_s)
         lower = [s for s in sizes if s < n]
         upper = [s for s in sizes if s > n]
         if lower and upper:
             a, b = lower[-1], upper[0]
-            ta, tb = self._target_s[a], self._target_s[b]
-            return ta + (tb - ta) * (n - a) / (b - a)
-        return self._target_s[lower[-1] if lower else upper[0]]
+        elif len(sizes) >= 2:
+            a, b = (sizes[0], sizes[1]) if upper else (sizes[-2], sizes[-1])
+        else:
+            return self._target_s[sizes[0]]
+        ta, tb = self._target_s[a], self._target_s[b]
+        t = ta + (tb - ta) * (n - a) / (b - a)
+        floor = self._target_s[lower[-1]] if lower else 0.5 * min(self._target_s.values())
+        return max(t, floor)
 
     def next_gamma(self) -> int:
         return self._gamma
