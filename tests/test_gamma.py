@@ -186,41 +186,6 @@ def test_tree_budget_is_not_thrown_off_by_one_preempted_round():
         played.append(arm)
         ctl.update(gamma=ctl.next_gamma(), accepted=n - 1, draft_s=0.3 * s, target_s=0.7 * s, other_s=0.0)
     assert played[41:].count(0) >= 0.95 * 79
-
-
-def test_cost_gamma_memory_carries_costs_and_acceptance_to_the_next_sequence():
-    """A sequence started from an earlier one's memory starts where that one ended (no drafting
-    when drafting does not pay) instead of at γ = 4; the memory keeps learning; a cold start and
-    a fresh memory still start at the default."""
-    from specdec.gamma import CARRY, GammaMemory
-
-    memory = GammaMemory()
-    first = CostGamma(memory=memory)
-    assert first.next_gamma() == 4
-    _run(first, accept_rate=0.05, draft_s=0.8, target_s=1.0, rounds=40)
-    assert memory.gamma == first.next_gamma() == 0 and memory.draft_s is not None
-    second = CostGamma(memory=memory)
-    assert second.next_gamma() == 0
-    assert second._tries == [t * CARRY for t in memory.tries] and second._draft_s == memory.draft_s
-    assert CostGamma().next_gamma() == 4 and CostGamma(memory=GammaMemory()).next_gamma() == 4
-    # where drafting pays, the next sequence starts at the γ the last one reached
-    good = GammaMemory()
-    _run(CostGamma(memory=good), accept_rate=0.95, draft_s=0.02, target_s=1.0)
-    assert CostGamma(memory=good).next_gamma() == good.gamma >= 6
-
-
-def test_engine_keeps_one_gamma_memory_per_rule():
-    from types import SimpleNamespace
-
-    from specdec.engine import Engine
-    from specdec.verify import get_rule
-
-    eng = Engine(SimpleNamespace(model=None, eos_ids=frozenset()), None, "none")  # type: ignore[arg-type]
-    a, b = eng.decoder(get_rule("greedy"), "auto"), eng.decoder(get_rule("greedy"), "auto")
-    c = eng.decoder(get_rule("block"), "auto")
-    assert a.gamma.memory is b.gamma.memory and a.gamma.memory is not c.gamma.memory
-
-
 def test_cost_gamma_extrapolates_the_pass_costs_it_has_not_measured():
     """Before any γ = 0 round the one-row cost is extrapolated from the measured sizes (not read
     as the two-row cost, which made one drafted token look free); beyond the largest size it

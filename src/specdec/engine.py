@@ -22,7 +22,7 @@ from specdec.drafters.lookahead import LookaheadDrafter
 from specdec.drafters.base import Drafter, feature_taps
 from specdec.errors import ConfigError
 from specdec.drafters.tree_builder import TreeSpec
-from specdec.gamma import CostGamma, FixedGamma, GammaController, GammaMemory, GuideGamma, TreeBudget
+from specdec.gamma import CostGamma, FixedGamma, GammaController, GuideGamma, TreeBudget
 from specdec.models.registry import LoadedModel, check_compatible, load
 from specdec.sampling import SamplingConfig
 from specdec.session import TargetSession
@@ -174,15 +174,13 @@ def parse_gamma(value: str | int) -> str | int:
     return g
 
 
-def make_gamma(spec: str | int | GammaController, *, extra_target_s: float = 0.0,
-               memory: GammaMemory | None = None) -> GammaController:
-    """The controller for a γ spec (a controller passed in is used as it is); ``memory``: what
-    earlier sequences' cost controllers learned (``auto`` only)."""
+def make_gamma(spec: str | int | GammaController, *, extra_target_s: float = 0.0) -> GammaController:
+    """The controller for a γ spec (a controller passed in is used as it is)."""
     if not isinstance(spec, (str, int)):
         return spec
     spec = parse_gamma(spec)
     if spec == "auto":
-        return CostGamma(extra_target_s=extra_target_s, memory=memory)
+        return CostGamma(extra_target_s=extra_target_s)
     if spec == "guide":
         return GuideGamma()
     return FixedGamma(int(spec))
@@ -249,8 +247,6 @@ class Engine:
         self.drafter = drafter
         self.drafter_name = drafter_name
         self.draft_model = draft_model
-        #: per verification rule: what γ auto learned from the sequences so far (gamma.GammaMemory)
-        self._gamma_memory: dict[str, GammaMemory] = {}
 
     @classmethod
     def build(cls, cfg: EngineConfig, *, progress: Callable[[str], None] | None = None) -> "Engine":
@@ -303,9 +299,7 @@ class Engine:
         ignore_eos: bool = False,
         tree: str | int = defaults.DEFAULT_TREE,
     ) -> SpeculativeDecoder:
-        # γ auto starts from what this engine's earlier sequences with the same rule learned
-        memory = self._gamma_memory.setdefault(rule.name, GammaMemory())
-        spec, controller = make_tree(tree, make_gamma(gamma, memory=memory))
+        spec, controller = make_tree(tree, make_gamma(gamma))
         return SpeculativeDecoder(
             self.target.model,
             self.drafter,

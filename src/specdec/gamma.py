@@ -113,29 +113,6 @@ def best_gamma(
 
 
 @dataclass
-class GammaMemory:
-    """What cost-based controllers learned, carried from one sequence to the next.
-
-    An :class:`~specdec.engine.Engine` keeps one per verification rule: the draft step's and the
-    verification passes' costs are properties of the machine and the models, and acceptance of
-    the drafter on this kind of request, so a new sequence need not rediscover them — above all
-    not by starting at γ = 4 where drafting does not pay (measured: the start and the first
-    rounds cost a sequence of 128 tokens several percent).  Acceptance is carried at a reduced
-    weight (:data:`CARRY`), a prior the new sequence's own rounds soon outweigh."""
-
-    hits: list[float] = field(default_factory=list)
-    tries: list[float] = field(default_factory=list)
-    draft_s: float | None = None
-    target_s: dict[int, float] = field(default_factory=dict)
-    other_s: float = 0.0
-    gamma: int | None = None  # the last γ chosen
-
-
-#: the weight a new sequence gives the acceptance counts it inherits from a GammaMemory
-CARRY = 0.5
-
-
-@dataclass
 class CostGamma:
     """Cost-based γ from decayed running estimates (decay keeps it adaptive within a prompt).
 
@@ -153,8 +130,6 @@ class CostGamma:
     prior_accept: float = defaults.COST_GAMMA_PRIOR_ACCEPT
     prior_weight: float = 2.0
     extra_target_s: float = 0.0  # e.g. a network round trip, known before measuring
-    #: shared with the sequences before and after this one (see GammaMemory); None = start cold
-    memory: GammaMemory | None = None
     _hits: list[float] = field(default_factory=list)
     _tries: list[float] = field(default_factory=list)
     _draft_s: float | None = None
@@ -171,13 +146,6 @@ class CostGamma:
         self._tries = [0.0] * self.max_gamma
         self._gamma = self.start
         self._interval = self.probe_every
-        m = self.memory
-        if m is not None and m.draft_s is not None and len(m.hits) == self.max_gamma:
-            self._hits = [h * CARRY for h in m.hits]
-            self._tries = [t * CARRY for t in m.tries]
-            self._draft_s, self._target_s, self._other_s = m.draft_s, dict(m.target_s), m.other_s
-            if m.gamma is not None:
-                self._gamma = m.gamma
 
     @property
     def name(self) -> str:
@@ -251,10 +219,6 @@ class CostGamma:
         # grow one step at a time: positions never tried are extrapolated, not measured
         tried = max((k + 1 for k in range(self.max_gamma) if self._tries[k] > 0), default=0)
         self._gamma = min(choice, tried + 1)
-        if self.memory is not None:
-            m = self.memory
-            m.hits, m.tries, m.draft_s = list(self._hits), list(self._tries), self._draft_s
-            m.target_s, m.other_s, m.gamma = dict(self._target_s), self._other_s, self._gamma
 
 
 @dataclass
