@@ -9,6 +9,10 @@
   activations quantised to 8 bits per block of 32 (:class:`~specdec.models.linear.Q4Linear`);
   every row's result depends on that row alone.  Without the library the same bits come from
   ATen ops (:func:`~specdec.models.linear.q4_reference`), much more slowly.
+* ``torch.ops.specdec.f32_linear`` (``csrc/f32.cpp``): the batch-invariant float32 target's
+  product, each row summed in a fixed order; it replaces oneDNN for such targets
+  (:class:`~specdec.models.linear.Linear`), whose bits differ: a process uses one or the other
+  for every product (``SPECDEC_F32_KERNEL=0`` keeps oneDNN).
 * ``torch.ops.specdec.attend`` (``csrc/attention.cpp``): the batch-invariant target's exact
   attention — each query row over its own keys with a reduction order fixed by those keys, the
   same bits alone, in a verification pass of any size or as a tree node (over its path, read in
