@@ -54,7 +54,7 @@ def passes(args: argparse.Namespace, context: int = 120, repeats: int = 12) -> i
     variants interleaved within every repetition (a drifting machine slows them alike)."""
     import time
 
-    target = Engine.build(EngineConfig(target=args.target, draft="none")).target.model
+    target = Engine.build(EngineConfig(target=args.target, draft="none", dtype=args.dtype)).target.model
     ids = torch.randint(0, 1000, (context,), generator=torch.Generator().manual_seed(0))
     times: dict[str, dict[int, list[float]]] = {name: {r: [] for r in PASS_ROWS} for name in VARIANTS}
     for _ in tqdm(range(repeats), desc="passes"):
@@ -93,6 +93,7 @@ def main() -> int:
     ap = paired.parser(__doc__)
     ap.add_argument("--passes", action="store_true",
                     help="only time target passes of 1-17 rows after a 120-token context (passes.json, passes.md)")
+    ap.set_defaults(dtype="int8")  # the variants differ in the int8 product; q4 layers run none of them
     args = ap.parse_args()
     if not (kernels.q8_available() and kernels.attention_kernel()):
         print("kernel_ab: the kernels do not run here (no compiler, no 512-bit VNNI, or switched off)", file=sys.stderr)

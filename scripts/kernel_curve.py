@@ -40,7 +40,9 @@ def main(argv: list[str] | None = None) -> int:
     args = ap.parse_args(argv)
     torch.set_num_threads(args.threads)
     kernels = [k.strip() for k in args.kernels.split(",") if k.strip()]
-    models = {k: Engine.build(EngineConfig(target=args.target, draft="none", int8_kernel=k)).target.model for k in kernels}
+    # int8 targets: the default SmolLM2 target is q4, whose layers none of these kernels run
+    models = {k: Engine.build(EngineConfig(target=args.target, draft="none", dtype="int8", int8_kernel=k)).target.model
+              for k in kernels}
     vocab = next(iter(models.values())).vocab_size
     g = torch.Generator().manual_seed(0)
     context = torch.randint(0, vocab, (200,), generator=g)

@@ -506,11 +506,13 @@ def _edge_context(args: argparse.Namespace) -> dict[str, Any]:
     return {"tokenizer": tokenizer, "draft_model": draft_model, "eos_ids": eos, "bases": bases, "inputs": {}}
 
 
-def int8_kernel_of(precision: str | None) -> str:
-    """The int8 kernel named in a server's /health precision ("int8 (onednn)" -> "onednn"), else auto."""
-    if precision and precision.startswith("int8 (") and precision.endswith(")"):
-        return precision[len("int8 ("):-1]
-    return "auto"
+def target_of(precision: str | None) -> tuple[str, str]:
+    """(dtype, int8 kernel) of a server's /health precision: "int8 (onednn)" -> ("int8", "onednn"),
+    "q4 (fbgemm)" -> ("q4", "fbgemm"), "float32" -> ("float32", "auto"); ("auto", "auto") if unknown."""
+    if not precision:
+        return "auto", "auto"
+    dtype, _, rest = precision.partition(" (")
+    return dtype, rest[:-1] if rest.endswith(")") else "auto"
 
 
 def _wait_ready(url: str, server: Any, timeout_s: float = 600.0) -> dict[str, Any]:
@@ -732,13 +734,14 @@ def main(argv: list[str] | None = None) -> int:
         phases.append(run_phase(args, ctx, batching=False))
     n = sum(len(p["gens"]) + len(p["streams"]) for p in phases)
     print(f"[loadtest] {n} generations; checking a sample against the local target", file=sys.stderr, flush=True)
-    engines: dict[str, Any] = {}  # the reference target, loaded as each server ran it (its int8 kernel)
+    engines: dict[tuple[str, str], Any] = {}  # the reference target, loaded as each server ran it
     summaries = []
     for p in phases:
-        kernel = int8_kernel_of(p["precision"])
-        if kernel not in engines:
-            engines[kernel] = Engine.build(EngineConfig(target=args.target, draft="none", int8_kernel=kernel))
-        summaries.append(phase_summary(args, p, engines[kernel], command))
+        dtype, kernel = target_of(p["precision"])
+        if (dtype, kernel) not in engines:
+            engines[dtype, kernel] = Engine.build(EngineConfig(target=args.target, draft="none", dtype=dtype,
+                                                                int8_kernel=kernel))
+        summaries.append(phase_summary(args, p, engines[dtype, kernel], command))
     if len(phases) == 1:
         write_phase(out, summaries[0], phases[0])
     else:

@@ -19,6 +19,7 @@ def parser(description: str) -> argparse.ArgumentParser:
     ap.add_argument("--temperatures", default="0,1")
     ap.add_argument("--max-new-tokens", type=int, default=128)
     ap.add_argument("--limit", type=int, help="first N built-in prompts of each category")
+    ap.add_argument("--dtype", default="auto", help="the target's precision (as specdec generate --dtype)")
     ap.add_argument("--threads", type=int, default=2)
     ap.add_argument("--out", required=True)
     return ap
@@ -29,5 +30,5 @@ def setup(args: argparse.Namespace) -> tuple[list[float], list, Engine, Engine]:
     torch.set_num_threads(args.threads)
     temps = [float(t) for t in args.temperatures.split(",")]
     prompts = select(list(BUILTIN), limit=args.limit)
-    engine = Engine.build(EngineConfig(target=args.target, draft=args.draft))
+    engine = Engine.build(EngineConfig(target=args.target, draft=args.draft, dtype=args.dtype))
     return temps, prompts, engine, Engine(engine.target, None, "none")

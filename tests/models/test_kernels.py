@@ -10,10 +10,6 @@ and a per-row scale; and across processes, with the kernel switched off.
 
 from __future__ import annotations
 
-import json
-import os
-import subprocess
-import sys
 from pathlib import Path
 
 import pytest
@@ -23,6 +19,7 @@ import specdec.models.linear as linear_mod
 from specdec.models import kernels
 from specdec.models.linear import W8A8Linear, w8a8_available
 from specdec.models.quantize import smoothing
+from kernel_child import decode_in_child
 from tiny import make_tiny
 
 needs_vnni = pytest.mark.skipif(not (w8a8_available() and kernels.q8_available()),
@@ -76,23 +73,8 @@ def test_kernel_refuses_mismatched_inputs():
         torch.ops.specdec.q8_pack(w)
 
 
-_CHILD = r"""
-import json, sys, torch
-from specdec.models import kernels
-from specdec.models.native import NativeCausalLM
-model = NativeCausalLM.from_folder(sys.argv[1], quant="int8", batch_invariant=True, int8_kernel="fbgemm")
-ids = torch.randint(0, 1000, (12,), generator=torch.Generator().manual_seed(1))
-cache = model.new_cache(32)
-logits = torch.cat([model.forward(ids[:6], cache)] + [model.forward(ids[i : i + 1], cache) for i in range(6, 12)])
-print(json.dumps({"q8": kernels.q8_available(), "logits": logits.flatten()[::97].tolist(), "sum": float(logits.double().sum())}))
-"""
-
-
 def _child(folder: Path, **env: str) -> tuple[dict, str]:
-    proc = subprocess.run([sys.executable, "-c", _CHILD, str(folder)], capture_output=True, text=True, timeout=300,
-                          env={**os.environ, "SPECDEC_KERNELS": "1", "SPECDEC_ATTENTION": "1", **env})
-    assert proc.returncode == 0, proc.stderr[-2000:]
-    return json.loads(proc.stdout.strip().splitlines()[-1]), proc.stderr
+    return decode_in_child(folder, "int8", **env)
 
 
 @pytest.mark.skipif(not w8a8_available(), reason="this torch build has no fbgemm int8 engine")

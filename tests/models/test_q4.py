@@ -14,10 +14,6 @@ kind, ``q4`` included).
 
 from __future__ import annotations
 
-import json
-import os
-import subprocess
-import sys
 from pathlib import Path
 
 import numpy as np
@@ -26,6 +22,7 @@ import torch
 
 from specdec.models import kernels
 from specdec.models.linear import Q4Blocks, Q4Linear, q4_reference, quantize_q4_1
+from kernel_child import decode_in_child
 from tiny import make_tiny
 
 needs_q4 = pytest.mark.skipif(not kernels.q4_available(), reason="the 4-bit kernel needs a C++ compiler")
@@ -200,18 +197,6 @@ def test_auto_runs_q4_for_a_gguf_whose_layers_ship_as_4bit_blocks(tmp_path, monk
 # ----------------------------------------------------------------------------- whole models
 
 
-_CHILD = r"""
-import json, sys, torch
-from specdec.models import kernels
-from specdec.models.native import NativeCausalLM
-model = NativeCausalLM.from_folder(sys.argv[1], quant="q4", batch_invariant=True, int8_kernel="fbgemm")
-ids = torch.randint(0, 1000, (12,), generator=torch.Generator().manual_seed(1))
-cache = model.new_cache(32)
-logits = torch.cat([model.forward(ids[:6], cache)] + [model.forward(ids[i : i + 1], cache) for i in range(6, 12)])
-print(json.dumps({"q4": kernels.q4_available(), "logits": logits.flatten()[::97].tolist(), "sum": float(logits.double().sum())}))
-"""
-
-
 @needs_q4
 def test_the_same_4bit_target_with_and_without_the_kernel(tmp_path):
     """A process without the kernel library (``SPECDEC_KERNELS=0``: the ATen reference, ATen
@@ -222,14 +207,8 @@ def test_the_same_4bit_target_with_and_without_the_kernel(tmp_path):
         pytest.skip("the 4-bit target's LM head needs fbgemm")
     folder = make_tiny(tmp_path / "tiny")
 
-    def child(**env: str) -> dict:
-        proc = subprocess.run([sys.executable, "-c", _CHILD, str(folder)], capture_output=True, text=True, timeout=300,
-                              env={**os.environ, "SPECDEC_KERNELS": "1", "SPECDEC_ATTENTION": "1", **env})
-        assert proc.returncode == 0, proc.stderr[-2000:]
-        return json.loads(proc.stdout.strip().splitlines()[-1])
-
-    off = child(SPECDEC_KERNELS="0")
-    on = child(SPECDEC_ATTENTION="0")
+    off, _ = decode_in_child(folder, "q4", SPECDEC_KERNELS="0")
+    on, _ = decode_in_child(folder, "q4", SPECDEC_ATTENTION="0")
     assert off["q4"] is False and on["q4"] is True
     assert on["logits"] == off["logits"] and on["sum"] == off["sum"]
 
