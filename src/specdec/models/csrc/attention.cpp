@@ -12,20 +12,25 @@
 // A row's bits depend only on its query and the keys and values it sees, never on the other rows,
 // the number of threads or how the compiler vectorised a loop:
 //
-//   * a score q . k_j: feature c into lane c mod 16 (one multiply, one add per feature), then
-//     the 16 lanes summed as ((l + l+8) + (l+4 ...)) — the fixed tree of `lane_sum`, which the
-//     AVX-512 path computes for 16 keys at once with shuffles and the portable path one key at a time;
+//   * a score q . k_j: feature c into lane c mod 16 (one fused multiply-add per feature, in
+//     feature order), then the 16 lanes summed as ((l + l+8) + (l+4 ...)) — the fixed tree of
+//     `lane_sum`, which the AVX-512 path computes for 16 keys at once with shuffles and the
+//     portable path one key at a time;
 //   * the softmax: the max (exact in any order), exp(s_j - max) by a fixed polynomial, the sum
-//     with key j in lane j mod 16 and the same tree; the output is sum_j e_j v_j, key by key in
-//     key order, times 1 / sum.
+//     with key j in lane j mod 16 and the same tree; the output is sum_j e_j v_j, one fused
+//     multiply-add per key and feature in key order, times 1 / sum.  A verification pass's rows
+//     share the reads of the keys and values they all see; their sums stay in registers.
 //
-// Compiled with -ffp-contract=off and without -ffast-math: the compiler may neither fuse a
-// multiply-add nor reorder a sum.  Work is split across threads by (KV head, chunk of rows) only.
+// Fused multiply-adds are explicit (`fma16`: the AVX-512 instruction, or std::fma lane by lane
+// in the portable build: a * b + c rounded once either way).  Everything else is compiled with
+// -ffp-contract=off and without -ffast-math: the compiler may neither fuse a multiply-add nor
+// reorder a sum.  Work is split across threads by (KV head, chunk of rows) only.
 
 #include <ATen/ATen.h>
 #include <ATen/Parallel.h>
 #include <torch/library.h>
 
+#include <cmath>
 #include <cstdint>
 #include <cstring>
 #include <vector>
@@ -68,6 +73,21 @@ inline F bits_as(I bits) {
   return f;
 }
 
+// a * b + c rounded once, lane by lane: the same bits from the AVX-512 instruction and from
+// std::fma (the portable path), so the vector and scalar code of a row agree.
+inline v16 fma16(v16 a, v16 b, v16 c) {
+#if defined(__AVX512F__)
+  return (v16)_mm512_fmadd_ps((__m512)a, (__m512)b, (__m512)c);
+#else
+  v16 r;
+  for (int l = 0; l < kLanes; ++l) r[l] = std::fma(a[l], b[l], c[l]);
+  return r;
+#endif
+}
+
+inline float fma_(float a, float b, float c) { return std::fma(a, b, c); }
+inline v16 fma_(v16 a, v16 b, v16 c) { return fma16(a, b, c); }
+
 template <class F>
 inline F exp_neg(F x0) {
   const F lo = F{} - 87.0f;
@@ -77,11 +97,11 @@ inline F exp_neg(F x0) {
   F r = x - n * kC1;
   r = r - n * kC2;
   F p = F{} + kP0;
-  p = p * r + kP1;
-  p = p * r + kP2;
-  p = p * r + kP3;
-  p = p * r + kP4;
-  p = p * r + kP5;
+  p = fma_(p, r, F{} + kP1);
+  p = fma_(p, r, F{} + kP2);
+  p = fma_(p, r, F{} + kP3);
+  p = fma_(p, r, F{} + kP4);
+  p = fma_(p, r, F{} + kP5);
   p = p * (r * r) + r + 1.0f;
   const F scale = bits_as<F>((ni + 127) << 23);
   return x0 < lo ? F{} : p * scale;
@@ -103,15 +123,15 @@ template <int NV>
 inline v16 dot_lanes(const float* q, const float* k, int64_t d) {
   v16 acc{};
   if constexpr (NV > 0) {
-    for (int c = 0; c < NV; ++c) acc = acc + load(q + 16 * c) * load(k + 16 * c);
+    for (int c = 0; c < NV; ++c) acc = fma16(load(q + 16 * c), load(k + 16 * c), acc);
   } else {
     int64_t c = 0;
-    for (; c + kLanes <= d; c += kLanes) acc = acc + load(q + c) * load(k + c);
+    for (; c + kLanes <= d; c += kLanes) acc = fma16(load(q + c), load(k + c), acc);
     if (c < d) {
       float qt[kLanes] = {0}, kt[kLanes] = {0};
       std::memcpy(qt, q + c, sizeof(float) * (d - c));
       std::memcpy(kt, k + c, sizeof(float) * (d - c));
-      acc = acc + load(qt) * load(kt);
+      acc = fma16(load(qt), load(kt), acc);
     }
   }
   return acc;
@@ -155,6 +175,39 @@ struct Rows {
   int64_t count;        // R
 };
 
+// sum_j w[t][j] v_j for NP (row, head) pairs over the same keys 0 .. n-1, one fused
+// multiply-add per key and feature in key order; the sums stay in registers, v_j is read once.
+template <int NV, int NP>
+inline void pv_tile(const float* const* w, const float* v, int64_t key_stride, int64_t n, v16 (*acc)[NV]) {
+  v16 a[NP][NV];
+#pragma GCC unroll 16
+  for (int t = 0; t < NP; ++t)
+#pragma GCC unroll 16
+    for (int c = 0; c < NV; ++c) a[t][c] = v16{};
+  for (int64_t jj = 0; jj < n; ++jj) {
+    const float* vj = v + jj * key_stride;
+    v16 x[NV];
+#pragma GCC unroll 16
+    for (int c = 0; c < NV; ++c) x[c] = load(vj + 16 * c);
+#pragma GCC unroll 16
+    for (int t = 0; t < NP; ++t) {
+      const v16 wt = v16{} + w[t][jj];
+#pragma GCC unroll 16
+      for (int c = 0; c < NV; ++c) a[t][c] = fma16(wt, x[c], a[t][c]);
+    }
+  }
+  for (int t = 0; t < NP; ++t)
+    for (int c = 0; c < NV; ++c) acc[t][c] = a[t][c];
+}
+
+template <int NV, int NP>
+void pv_dispatch(int np, const float* const* w, const float* v, int64_t key_stride, int64_t n, v16 (*acc)[NV]) {
+  if constexpr (NP > 1) {
+    if (np < NP) return pv_dispatch<NV, NP - 1>(np, w, v, key_stride, n, acc);
+  }
+  pv_tile<NV, NP>(w, v, key_stride, n, acc);
+}
+
 template <int NV>
 void attend_rows(const Rows& rows, int64_t g, int64_t d, const float* k, const float* v, int64_t key_stride,
                  std::vector<float>& buf) {
@@ -167,10 +220,9 @@ void attend_rows(const Rows& rows, int64_t g, int64_t d, const float* k, const f
     total += g * (rows.pre[r] + rows.n_extra[r]);
   }
   off[R] = total;
-  buf.resize(static_cast<size_t>(total + R * g + R * g * d));
+  buf.resize(static_cast<size_t>(total + R * g));
   float* s = buf.data();            // row r, head h: s + off[r] + h * n_keys(r)
   float* inv = s + total;           // [R, G]
-  float* acc = inv + R * g;         // [R, G, d]
   auto n_keys = [&](int64_t r) { return rows.pre[r] + rows.n_extra[r]; };
   // scores: prefix keys in blocks of 16 shared by the rows that see the whole block
   int64_t j = 0;
@@ -230,33 +282,56 @@ void attend_rows(const Rows& rows, int64_t g, int64_t d, const float* k, const f
       inv[r * g + h] = 1.0f / lane_sum(lanes);
     }
   }
-  // out = sum_j e_j v_j in each row's key order: the shared prefix values first, then its extras
-  for (int64_t c = 0; c < R * g * d; ++c) acc[c] = 0.0f;
-  auto axpy = [&](float* o, float w, const float* vj) {
-    if constexpr (NV > 0) {
-      for (int c = 0; c < NV; ++c) store(o + 16 * c, load(o + 16 * c) + w * load(vj + 16 * c));
-    } else {
-      for (int64_t c = 0; c < d; ++c) o[c] = o[c] + w * vj[c];
-    }
+  // out = sum_j e_j v_j in each row's key order (the shared prefix values first, then its
+  // extras), one fused multiply-add per key and feature, then times 1 / sum
+  const int64_t pairs = R * g;
+  auto weight = [&](int64_t p, int64_t jj) { return s[off[p / g] + (p % g) * n_keys(p / g) + jj]; };
+  auto slot = [&](int64_t p, int64_t jj) { const int64_t r = p / g; return jj < rows.pre[r] ? jj : rows.extra[r][jj - rows.pre[r]]; };
+  auto finish = [&](int64_t p, const float* a) {
+    const int64_t r = p / g, h = p % g;
+    float* o = rows.out + r * rows.q_stride + h * d;
+    for (int64_t c = 0; c < d; ++c) o[c] = a[c] * inv[r * g + h];
   };
-  for (int64_t jj = 0; jj < max_pre; ++jj) {
-    const float* vj = v + jj * key_stride;
-    for (int64_t r = 0; r < R; ++r) {
-      if (jj >= rows.pre[r]) continue;
-      for (int64_t h = 0; h < g; ++h) axpy(acc + (r * g + h) * d, s[off[r] + h * n_keys(r) + jj], vj);
+  if constexpr (NV > 0) {
+    constexpr int kTile = NV >= 24 ? 1 : 24 / NV;  // (row, head) pairs whose sums stay in registers
+    for (int64_t p0 = 0; p0 < pairs; p0 += kTile) {
+      const int np = pairs - p0 < kTile ? static_cast<int>(pairs - p0) : kTile;
+      int64_t common = rows.pre[p0 / g];
+      for (int t = 1; t < np; ++t) common = rows.pre[(p0 + t) / g] < common ? rows.pre[(p0 + t) / g] : common;
+      const float* wrow[kTile];  // each pair's key weights
+      for (int t = 0; t < kTile; ++t) {
+        const int64_t p = p0 + (t < np ? t : 0);
+        wrow[t] = s + off[p / g] + (p % g) * n_keys(p / g);
+      }
+      v16 acc[kTile][NV];
+      pv_dispatch<NV, kTile>(np, wrow, v, key_stride, common, acc);
+      for (int t = 0; t < kTile; ++t) {
+        if (t >= np) break;
+        const int64_t p = p0 + t;
+        v16 sum[NV];
+        for (int c = 0; c < NV; ++c) sum[c] = acc[t][c];
+        for (int64_t jj = common; jj < n_keys(p / g); ++jj) {  // the rest of this pair's keys, in order
+          const float* vj = v + slot(p, jj) * key_stride;
+          const v16 w = v16{} + weight(p, jj);
+          for (int c = 0; c < NV; ++c) sum[c] = fma16(w, load(vj + 16 * c), sum[c]);
+        }
+        float a[16 * NV];
+        for (int c = 0; c < NV; ++c) store(a + 16 * c, sum[c]);
+        finish(p, a);
+      }
+    }
+  } else {
+    std::vector<float> a(static_cast<size_t>(d));
+    for (int64_t p = 0; p < pairs; ++p) {
+      for (int64_t c = 0; c < d; ++c) a[c] = 0.0f;
+      for (int64_t jj = 0; jj < n_keys(p / g); ++jj) {
+        const float* vj = v + slot(p, jj) * key_stride;
+        const float w = weight(p, jj);
+        for (int64_t c = 0; c < d; ++c) a[c] = std::fma(w, vj[c], a[c]);
+      }
+      finish(p, a.data());
     }
   }
-  for (int64_t r = 0; r < R; ++r)
-    for (int64_t e = 0; e < rows.n_extra[r]; ++e) {
-      const float* vj = v + rows.extra[r][e] * key_stride;
-      for (int64_t h = 0; h < g; ++h) axpy(acc + (r * g + h) * d, s[off[r] + h * n_keys(r) + rows.pre[r] + e], vj);
-    }
-  for (int64_t r = 0; r < R; ++r)
-    for (int64_t h = 0; h < g; ++h) {
-      const float* a = acc + (r * g + h) * d;
-      float* o = rows.out + r * rows.q_stride + h * d;
-      for (int64_t c = 0; c < d; ++c) o[c] = a[c] * inv[r * g + h];
-    }
 }
 
 using RowsFn = void (*)(const Rows&, int64_t, int64_t, const float*, const float*, int64_t, std::vector<float>&);
