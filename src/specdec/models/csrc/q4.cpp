@@ -1,6 +1,6 @@
 // GGUF's Q4_1 weights as shipped, times activations quantised to 8 bits per block of 32 inputs:
 // a 4-bit product whose every output row depends on that row alone (batch-invariant by
-// construction), with the packed weights streamed once for up to four rows.
+// construction), with the packed weights streamed once for up to six rows.
 //
 // A Q4_1 block holds 32 consecutive inputs of one output column j: 4-bit codes w_i (0..15), a
 // scale d and a minimum m (float16), weight_i = d * w_i + m.  (Q4_0 is the case m = -8 d.)  Each
@@ -46,7 +46,7 @@ constexpr int kBlock = 32;      // inputs per quantisation block (GGUF's QK4_1)
 constexpr int kCols = 32;       // columns per packed group
 constexpr int kCodes = 512;     // code bytes per group and block
 constexpr int kStride = 640;    // bytes per group and block: codes, 32 d, 32 m (float16)
-constexpr int kRowsMax = 4;     // rows per register block
+constexpr int kRowsMax = 6;     // rows per register block (4 R + 3 of the 32 vector registers)
 constexpr int kPrefetch = 4;    // blocks a group's stream is prefetched ahead
 
 at::Tensor q4_pack(const at::Tensor& qs, const at::Tensor& d, const at::Tensor& m) {
@@ -229,10 +229,11 @@ void group_vnni(const int8_t* codes, const float* step, const float* sums, int64
 
 using GroupFn = void (*)(const int8_t*, const float*, const float*, int64_t, const uint8_t*, float*, int64_t, int64_t);
 #if SPECDEC_Q4_VNNI
-constexpr GroupFn kGroups[kRowsMax + 1] = {nullptr, group_vnni<1>, group_vnni<2>, group_vnni<3>, group_vnni<4>};
+constexpr GroupFn kGroups[kRowsMax + 1] = {nullptr, group_vnni<1>, group_vnni<2>, group_vnni<3>, group_vnni<4>,
+                                           group_vnni<5>, group_vnni<6>};
 #else
 constexpr GroupFn kGroups[kRowsMax + 1] = {nullptr, group_portable<1>, group_portable<2>, group_portable<3>,
-                                           group_portable<4>};
+                                           group_portable<4>, group_portable<5>, group_portable<6>};
 #endif
 
 at::Tensor q4_linear(const at::Tensor& x_in, const at::Tensor& gain, const at::Tensor& packed, int64_t n_out,
