@@ -317,11 +317,18 @@ def main(argv: list[str] | None = None) -> int:
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
     print("[profile] loading models", file=sys.stderr)
-    engine = Engine.build(EngineConfig())
+    # the draft model alone (the default drafter puts prompt lookup in front of it, whose free
+    # rounds would blur the model's per-position acceptance and cost)
+    from specdec.drafters.hybrid import split_lookup
+
+    cfg = EngineConfig(draft=split_lookup(EngineConfig().draft)[0])
+    engine = Engine.build(cfg)
     print("[profile] cost curves", file=sys.stderr)
+    from specdec.engine import target_dtype
     from specdec.models.registry import load
 
-    fast = load(EngineConfig().target, batch_invariant=False).model if engine.target.backend == "native" else None
+    dtype, quant = target_dtype(cfg)  # the same weights as the target, without batch invariance
+    fast = load(cfg.target, dtype=dtype, quant=quant, batch_invariant=False).model if engine.target.backend == "native" else None
     curves = cost_curves(engine, args.reps, fast)
     del fast
     runs = []
