@@ -26,6 +26,19 @@ def test_auto_draft_precision_follows_the_cpu(monkeypatch, bf16, int8, expect_dt
     assert draft_dtype(cfg) == expect_dtype and draft_int8_head(cfg) is expect_int8
 
 
+def test_auto_draft_dtype_follows_the_targets_float_dtype_without_resolving_it(monkeypatch):
+    """Without fast bf16 the draft takes the target's float dtype: float32 for dtype auto (q4, int8
+    and float32 all compute in float32) — decided without reading the target's GGUF header."""
+    from specdec.models import gguf_blocks
+
+    monkeypatch.setattr(linear, "bf16_fast", lambda: False)
+    monkeypatch.setattr(gguf_blocks, "ships_q4", lambda ref: pytest.fail("resolved the target's dtype"))
+    assert draft_dtype(EngineConfig()) == torch.float32
+    monkeypatch.undo()
+    monkeypatch.setattr(linear, "bf16_fast", lambda: False)
+    assert draft_dtype(EngineConfig(dtype="bfloat16")) == torch.bfloat16
+
+
 def test_explicit_draft_precision(monkeypatch):
     monkeypatch.setattr(linear, "int8_available", lambda: True)
     assert draft_dtype(EngineConfig(draft_dtype="int8")) == torch.float32

@@ -89,7 +89,11 @@ def draft_dtype(cfg: EngineConfig) -> torch.dtype:
     if cfg.draft_dtype == "auto":
         from specdec.models.linear import bf16_fast
 
-        return torch.bfloat16 if cfg.backend != "hf" and bf16_fast() else target_dtype(cfg)[0]
+        if cfg.backend != "hf" and bf16_fast():
+            return torch.bfloat16
+        # the target's float dtype: float32 whatever "auto" resolves to (q4, int8 or float32), so
+        # no need to resolve it (that reads the target GGUF's header)
+        return torch.float32 if cfg.dtype == "auto" else target_dtype(cfg)[0]
     if cfg.draft_dtype in ("int8", "w8a8"):
         return torch.float32
     if cfg.draft_dtype not in DTYPES:
