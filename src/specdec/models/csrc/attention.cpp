@@ -285,7 +285,7 @@ void attend_rows(const Rows& rows, int64_t g, int64_t d, const float* k, const f
   // out = sum_j e_j v_j in each row's key order (the shared prefix values first, then its
   // extras), one fused multiply-add per key and feature, then times 1 / sum
   const int64_t pairs = R * g;
-  auto weight = [&](int64_t p, int64_t jj) { return s[off[p / g] + (p % g) * n_keys(p / g) + jj]; };
+  auto weights = [&](int64_t p) { return s + off[p / g] + (p % g) * n_keys(p / g); };  // pair p's e_j, key order
   auto slot = [&](int64_t p, int64_t jj) { const int64_t r = p / g; return jj < rows.pre[r] ? jj : rows.extra[r][jj - rows.pre[r]]; };
   auto finish = [&](int64_t p, const float* a) {
     const int64_t r = p / g, h = p % g;
@@ -301,18 +301,19 @@ void attend_rows(const Rows& rows, int64_t g, int64_t d, const float* k, const f
       const float* wrow[kTile];  // each pair's key weights
       for (int t = 0; t < kTile; ++t) {
         const int64_t p = p0 + (t < np ? t : 0);
-        wrow[t] = s + off[p / g] + (p % g) * n_keys(p / g);
+        wrow[t] = weights(p);
       }
       v16 acc[kTile][NV];
       pv_dispatch<NV, kTile>(np, wrow, v, key_stride, common, acc);
       for (int t = 0; t < kTile; ++t) {
         if (t >= np) break;
         const int64_t p = p0 + t;
+        const float* wp = wrow[t];
         v16 sum[NV];
         for (int c = 0; c < NV; ++c) sum[c] = acc[t][c];
         for (int64_t jj = common; jj < n_keys(p / g); ++jj) {  // the rest of this pair's keys, in order
           const float* vj = v + slot(p, jj) * key_stride;
-          const v16 w = v16{} + weight(p, jj);
+          const v16 w = v16{} + wp[jj];
           for (int c = 0; c < NV; ++c) sum[c] = fma16(w, load(vj + 16 * c), sum[c]);
         }
         float a[16 * NV];
@@ -324,9 +325,10 @@ void attend_rows(const Rows& rows, int64_t g, int64_t d, const float* k, const f
     std::vector<float> a(static_cast<size_t>(d));
     for (int64_t p = 0; p < pairs; ++p) {
       for (int64_t c = 0; c < d; ++c) a[c] = 0.0f;
+      const float* wp = weights(p);
       for (int64_t jj = 0; jj < n_keys(p / g); ++jj) {
         const float* vj = v + slot(p, jj) * key_stride;
-        const float w = weight(p, jj);
+        const float w = wp[jj];
         for (int64_t c = 0; c < d; ++c) a[c] = std::fma(w, vj[c], a[c]);
       }
       finish(p, a.data());
