@@ -34,8 +34,6 @@ def test_auto_draft_dtype_follows_the_targets_float_dtype_without_resolving_it(m
     monkeypatch.setattr(linear, "bf16_fast", lambda: False)
     monkeypatch.setattr(gguf_blocks, "ships_q4", lambda ref: pytest.fail("resolved the target's dtype"))
     assert draft_dtype(EngineConfig()) == torch.float32
-    monkeypatch.undo()
-    monkeypatch.setattr(linear, "bf16_fast", lambda: False)
     assert draft_dtype(EngineConfig(dtype="bfloat16")) == torch.bfloat16
 
 
