@@ -5,6 +5,7 @@ prompt in one process, interleaved.
 
     python scripts/kernel_ab.py --temperatures 0,1 --out benchmarks/NAME
     python scripts/kernel_ab.py --passes --out benchmarks/NAME     # the cost of an n-row pass
+    python scripts/kernel_ab.py --fused --out benchmarks/NAME      # the 4-bit target's fused layer loop
 
 Not a test and not part of CI.  For each prompt and temperature every variant runs plain then
 speculative decoding (variants rotated per prompt so that none always runs first); speed-ups are
@@ -38,12 +39,30 @@ from specdec.verify import get_rule
 
 #: variant -> (largest product on the int8 kernel, attention kernel on)
 VARIANTS = {"aten": (0, False), "int8": (linear_mod.VNNI_ROWS, False), "int8+attention": (linear_mod.VNNI_ROWS, True)}
+#: --fused: the 4-bit target's layer loop from TorchScript, or as one compiled call (bitwise the same)
+FUSED_VARIANTS = {"scripted": False, "fused": True}
+_fused: dict = {}  # the q4 target's ScriptedLayers and its fused weights (--fused)
 
 
 def use(variant: str) -> None:
+    if variant in FUSED_VARIANTS:
+        _fused["layers"].fused = _fused["weights"] if FUSED_VARIANTS[variant] else None
+        return
     rows, attention = VARIANTS[variant]
     linear_mod.VNNI_ROWS = rows
     kernels.set_attention_kernel(attention)
+
+
+def last_variant() -> str:
+    return list(FUSED_VARIANTS if _fused else VARIANTS)[-1]
+
+
+def hold_fused(target) -> None:
+    """--fused: remember the q4 target's fused weights, so :func:`use` can switch them off and on."""
+    layers = target.scripted
+    if layers is None or layers.fused is None:
+        raise SystemExit("kernel_ab --fused: the target does not run the fused 4-bit loop here (--dtype q4, kernels built)")
+    _fused.update(layers=layers, weights=layers.fused)
 
 
 PASS_ROWS = (1, 2, 3, 4, 5, 9, 17)
@@ -55,10 +74,13 @@ def passes(args: argparse.Namespace, context: int = 120, repeats: int = 12) -> i
     import time
 
     target = Engine.build(EngineConfig(target=args.target, draft="none", dtype=args.dtype)).target.model
+    if args.fused:
+        hold_fused(target)
+    variants = list(FUSED_VARIANTS if args.fused else VARIANTS)
     ids = torch.randint(0, 1000, (context,), generator=torch.Generator().manual_seed(0))
-    times: dict[str, dict[int, list[float]]] = {name: {r: [] for r in PASS_ROWS} for name in VARIANTS}
+    times: dict[str, dict[int, list[float]]] = {name: {r: [] for r in PASS_ROWS} for name in variants}
     for _ in tqdm(range(repeats), desc="passes"):
-        for name in VARIANTS:
+        for name in variants:
             use(name)
             cache = target.new_cache(context + 64)
             target.forward(ids, cache)
@@ -70,7 +92,7 @@ def passes(args: argparse.Namespace, context: int = 120, repeats: int = 12) -> i
                 target.forward(x, cache)
                 times[name][r].append((time.perf_counter() - t0) * 1e3)
                 cache.truncate(context)
-    use("int8+attention")
+    use(last_variant())
     med = {name: {r: statistics.median(v) for r, v in rows.items()} for name, rows in times.items()}
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
@@ -82,7 +104,7 @@ def passes(args: argparse.Namespace, context: int = 120, repeats: int = 12) -> i
              f"Median ms of {repeats} passes per row count (each timed right after an untimed pass of the same "
              "size), the variants interleaved in one process.", "",
              "| variant | " + " | ".join(f"{r} rows" for r in PASS_ROWS) + " |", "|---|" + "---|" * len(PASS_ROWS)]
-    for name in VARIANTS:
+    for name in variants:
         lines.append(f"| {name} | " + " | ".join(f"{med[name][r]:.2f}" for r in PASS_ROWS) + " |")
     (out / "passes.md").write_text("\n".join(lines) + "\n")
     print("\n".join(lines))
@@ -93,8 +115,13 @@ def main() -> int:
     ap = paired.parser(__doc__)
     ap.add_argument("--passes", action="store_true",
                     help="only time target passes of 1-17 rows after a 120-token context (passes.json, passes.md)")
+    ap.add_argument("--fused", action="store_true",
+                    help="compare the 4-bit target's layer loop from TorchScript ('scripted') with the fused compiled "
+                    "loop ('fused'); implies --dtype q4")
     ap.set_defaults(dtype="int8")  # the variants differ in the int8 product; q4 layers run none of them
     args = ap.parse_args()
+    if args.fused:
+        args.dtype = "q4"
     if not (kernels.q8_available() and kernels.attention_kernel()):
         print("kernel_ab: the kernels do not run here (no compiler, no 512-bit VNNI, or switched off)", file=sys.stderr)
         return 2
@@ -102,7 +129,10 @@ def main() -> int:
         torch.set_num_threads(args.threads)
         return passes(args)
     temps, prompts, engine, plain = paired.setup(args)
-    names = list(VARIANTS)
+    if args.fused:
+        hold_fused(engine.target.model)
+    names = list(FUSED_VARIANTS if args.fused else VARIANTS)
+    base = names[0]
     rows = []
     for t in temps:
         rule = get_rule("greedy" if t == 0 else "block")
@@ -122,7 +152,7 @@ def main() -> int:
                     rows.append({"prompt": p.id, "category": p.category, "T": t, "variant": name, "mode": mode,
                                  "tok_s": res.stats.tokens_per_s, "tokens_per_call": res.stats.tokens_per_target_call,
                                  "tokens": res.tokens})
-    use("int8+attention")
+    use(last_variant())
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
     command = "python scripts/kernel_ab.py " + " ".join(shlex.quote(a) for a in sys.argv[1:])
@@ -134,9 +164,9 @@ def main() -> int:
     lines = [f"# The compiled kernels, paired ({args.target} + {args.draft})", "", f"Command: `{command}`", "",
              f"Machine: {machine_line(machine_info())}.", "",
              f"{len(prompts)} prompts, {args.max_new_tokens} tokens, γ auto; every variant (plain, then speculative) on "
-             "every prompt in one process, the variants' order rotated per prompt. ×aten plain = median over prompts of "
-             "the per-prompt tok/s ratio to the `aten` variant's plain run (ATen attention, fbgemm).", "",
-             "| T | variant | mode | tok/s (median) | ×aten plain (all) | chat | code | tokens/call | greedy = own plain |",
+             "every prompt in one process, the variants' order rotated per prompt. "
+             f"×{base} plain = median over prompts of the per-prompt tok/s ratio to the `{base}` variant's plain run.", "",
+             f"| T | variant | mode | tok/s (median) | ×{base} plain (all) | chat | code | tokens/call | greedy = own plain |",
              "|---|---|---|---|---|---|---|---|---|"]
     for t in temps:
         ids = sorted({r["prompt"] for r in rows if r["T"] == t})
@@ -144,7 +174,7 @@ def main() -> int:
         for name in names:
             for mode in ("plain", "speculative"):
                 rs = [get(t, name, mode, pid) for pid in ids]
-                ratio = {pid: get(t, name, mode, pid)["tok_s"] / get(t, "aten", "plain", pid)["tok_s"] for pid in ids}
+                ratio = {pid: get(t, name, mode, pid)["tok_s"] / get(t, base, "plain", pid)["tok_s"] for pid in ids}
                 by = {c: statistics.median(v for pid, v in ratio.items() if cats[pid] == c) for c in sorted(set(cats.values()))}
                 same = "–"
                 if t == 0 and mode == "speculative":
@@ -154,9 +184,10 @@ def main() -> int:
                              f"| {by.get('code', float('nan')):.3f} | {statistics.mean(r['tokens_per_call'] for r in rs):.2f} | {same} |")
     pids = sorted({r["prompt"] for r in rows})
     runs = [(t, m) for t in temps for m in ("plain", "speculative") if m == "plain" or t == 0]
-    same_bits = sum(get(t, "aten", m, pid)["tokens"] == get(t, "int8", m, pid)["tokens"] for t, m in runs for pid in pids)
-    lines += ["", f"`aten` and `int8` generated the same tokens in {same_bits} of {len(runs) * len(pids)} plain and greedy "
-              "runs (the int8 kernel is bitwise fbgemm). Speculative runs at T > 0 are not compared: γ auto follows "
+    same_bits = sum(get(t, base, m, pid)["tokens"] == get(t, names[1], m, pid)["tokens"] for t, m in runs for pid in pids)
+    why = "the fused loop is bitwise the TorchScript one" if args.fused else "the int8 kernel is bitwise fbgemm"
+    lines += ["", f"`{base}` and `{names[1]}` generated the same tokens in {same_bits} of {len(runs) * len(pids)} plain "
+              f"and greedy runs ({why}). Speculative runs at T > 0 are not compared: γ auto follows "
               "measured timings, and a different draft length consumes the seeded random stream differently (the "
               "output law is the same, the sampled tokens differ)."]
     (out / "README.md").write_text("\n".join(lines) + "\n")

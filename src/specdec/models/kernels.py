@@ -13,6 +13,9 @@
   product, each row summed in a fixed order; it replaces oneDNN for such targets
   (:class:`~specdec.models.linear.Linear`), whose bits differ: a process uses one or the other
   for every product (``SPECDEC_F32_KERNEL=0`` keeps oneDNN).
+* ``torch.ops.specdec.q4_layers`` (``csrc/layers.cpp``): the 4-bit target's whole layer loop for a
+  decoding step or a chain verification pass in one call — bitwise the TorchScript loop
+  (:mod:`specdec.models.scripted`), without its ~25 interpreted ATen calls per layer.
 * ``torch.ops.specdec.attend`` (``csrc/attention.cpp``): the batch-invariant target's exact
   attention — each query row over its own keys with a reduction order fixed by those keys, the
   same bits alone, in a verification pass of any size or as a tree node (over its path, read in
@@ -41,7 +44,8 @@ from pathlib import Path
 
 import torch
 
-_SOURCES = tuple(Path(__file__).parent / "csrc" / name for name in ("q8.cpp", "q4.cpp", "f32.cpp", "attention.cpp"))
+_SOURCES = tuple(Path(__file__).parent / "csrc" / name for name in ("q8.cpp", "q4.cpp", "f32.cpp", "attention.cpp", "layers.cpp"))
+_HEADERS = (Path(__file__).parent / "csrc" / "specdec.h",)
 _FLAGS = ("-O3", "-std=c++20", "-shared", "-fPIC", "-fopenmp", "-ffp-contract=off", "-fno-fast-math", "-DNDEBUG")
 #: the ops' schemas, declared in Python when the library cannot be built, so TorchScript code that
 #: names them still compiles (it never calls them then)
@@ -55,6 +59,9 @@ _SCHEMAS = (
     "q4_vnni() -> bool",
     "f32_pack(Tensor w) -> Tensor",
     "f32_linear(Tensor x, Tensor packed, int n_out) -> Tensor",
+    "q4_layers(Tensor x, Tensor cos, Tensor sin, Tensor k_all, Tensor v_all, int start, int n_heads, int n_kv_heads, "
+    "int head_dim, Tensor eps, Tensor[] gain, Tensor[] col, Tensor[] packed, int[] n_out, Tensor[] bias, int[] plan, "
+    "bool final_norm) -> Tensor",
 )
 _state: dict[str, object] = {}
 
@@ -80,7 +87,7 @@ def _compiler() -> str | None:
 def _build(cxx: str) -> Path:
     from torch.utils import cpp_extension
 
-    src = b"\0".join(p.read_bytes() for p in _SOURCES)
+    src = b"\0".join(p.read_bytes() for p in (*_SOURCES, *_HEADERS))
     key = hashlib.sha256(b"\0".join([src, torch.__version__.encode(), cxx.encode(), _cpu_key().encode(),
                                      " ".join(_FLAGS).encode()])).hexdigest()[:16]
     cache = Path(os.environ.get("SPECDEC_CACHE") or Path.home() / ".cache" / "specdec") / "kernels"

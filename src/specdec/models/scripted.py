@@ -456,6 +456,16 @@ class ScriptedLayers:
                     raise TypeError(f"no scripted path for {type(lin).__name__}")
         self._rows = 0
         self._ensure(16)
+        #: every layer matrix a Q4 product on the compiled kernel: decoding steps and chain
+        #: verification passes run the whole loop as one compiled call (csrc/layers.cpp, bitwise
+        #: this loop); None where any layer is of another kind or the kernels did not load
+        self.fused: tuple[list[Tensor], list[Tensor], list[Tensor], list[int], list[Tensor]] | None = None
+        if self.kinds and all(k == Q4 and len(self.q4[i]) == 3 for i, k in enumerate(self.kinds)) and kernels.load():
+            empty = torch.empty(0)
+            n = len(self.kinds)
+            self.fused = ([self.q4[i][0] for i in range(n)], [self.q4[i][1] for i in range(n)],
+                          [self.q4[i][2] for i in range(n)], [self.n_out[i] for i in range(n)],
+                          [self.bias.get(i, empty) for i in range(n)])
 
     def _ensure(self, rows: int) -> None:
         if rows <= self._rows:
@@ -482,6 +492,12 @@ class ScriptedLayers:
         as in :meth:`NativeCausalLM.hidden`.  ``plan``: run only these ``[layer, attention on,
         MLP on, cache slot]`` steps and return the raw residual stream (no final norm), as
         :meth:`NativeCausalLM.run_layers` does."""
+        if (self.fused is not None and mask is None and tree is None and not taps and x.dtype == torch.float32
+                and kernels.attention_kernel()):
+            gain, col, packed, n_out, bias = self.fused
+            flat = [v for step in plan for v in step] if plan else []
+            return torch.ops.specdec.q4_layers(x, cos, sin, cache.k, cache.v, start, cfg.n_heads, cfg.n_kv_heads,
+                                               cfg.head_dim, eps, gain, col, packed, n_out, bias, flat, plan is None)
         self._ensure(x.shape[0])
         tree_start, steps, perm, paths = -1, [], None, None
         if tree is not None:

@@ -30,6 +30,8 @@
 #include <ATen/Parallel.h>
 #include <torch/library.h>
 
+#include "specdec.h"
+
 #include <cmath>
 #include <cstdint>
 #include <cstring>
@@ -421,6 +423,10 @@ at::Tensor attend(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v,
 }
 
 }  // namespace
+
+at::Tensor specdec::attend_rows(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v, int64_t start) {
+  return attend(q, k, v, start, c10::nullopt);
+}
 
 TORCH_LIBRARY_FRAGMENT(specdec, m) {
   m.def("attend(Tensor q, Tensor k, Tensor v, int start, Tensor? paths=None) -> Tensor");

@@ -29,6 +29,8 @@
 #include <ATen/Parallel.h>
 #include <torch/library.h>
 
+#include "specdec.h"
+
 #include <cmath>
 #include <cstdint>
 #include <cstring>
@@ -280,6 +282,11 @@ at::Tensor q4_linear(const at::Tensor& x_in, const at::Tensor& gain, const at::T
 }
 
 }  // namespace
+
+at::Tensor specdec::q4_product(const at::Tensor& x, const at::Tensor& gain, const at::Tensor& packed, int64_t n_out,
+                               const at::Tensor& col) {
+  return q4_linear(x, gain, packed, n_out, col);
+}
 
 TORCH_LIBRARY_FRAGMENT(specdec, m) {
   m.def("q4_pack(Tensor qs, Tensor d, Tensor m) -> Tensor");

@@ -1,0 +1,185 @@
+// The 4-bit target's layer loop in one call: models/scripted.py's `_layers` for the passes a
+// decoding step and a chain verification pass run (every layer matrix a Q4 product on the
+// compiled kernel, exact attention on the compiled kernel, consecutive positions, no tree, no
+// mask, no taps), without the ~25 interpreted ATen calls per layer that the TorchScript loop
+// makes (on SmolLM2's 30 small layers those calls cost ~2 ms of a ~7 ms step).
+//
+// Bitwise what the TorchScript loop computes, op for op (tested against it in
+// tests/models/test_fused_layers.py for 1-17 rows, with and without biases and skipped
+// sub-layers).  Each step below names the ATen op it stands for and the arithmetic that op does:
+//
+//   inverse RMS   rsqrt(addcmul(eps, norm, norm, value=1/D)), norm = linalg_vector_norm(x)
+//                 -> the norm from ATen (its reduction order is ATen's), then
+//                    1 / sqrt(fma(float(1/D) * norm, norm, eps))  (addcmul is one fused multiply-add
+//                    of value * t1 and t2; rsqrt is a correctly rounded 1 / sqrt)
+//   row scaling   y.mul_(s) -> y * s;  addcmul(bias, y, s) -> fma(y, s, bias);  y + bias
+//   rotary        addcmul(qk * cos, qk.roll(d/2, -1), sin) -> fma(rolled, sin, qk * cos)
+//   SiLU          F.silu(gate) -> ATen's silu (its exp is ATen's), then * up
+//   residuals     x + y
+//
+// Every step is per row, so a row's result depends on that row alone (batch invariance).
+// Compiled with -ffp-contract=off: the compiler fuses nothing the comment does not name.
+//
+//   torch.ops.specdec.q4_layers(x [n, D], cos [n, 1, d], sin [n, 1, d] (signed), k_all, v_all
+//       [L, Hkv, T, d], start, n_heads, n_kv_heads, head_dim, eps [1], gain[], col[], packed[],
+//       n_out[], bias[] (4 per layer: qkv, out, gate_up, down; empty tensor = none), plan[]
+//       (flattened [layer, attention on, MLP on, cache slot] steps; empty = every layer),
+//       final_norm) -> [n, D]: the residual stream after the steps, times its inverse RMS when
+//       final_norm (the LM head's input)
+
+#include <ATen/ATen.h>
+#include <torch/library.h>
+
+#include <cmath>
+#include <cstdint>
+#include <vector>
+
+#include "specdec.h"
+
+namespace {
+
+struct Net {
+  const std::vector<at::Tensor>& gain;
+  const std::vector<at::Tensor>& col;
+  const std::vector<at::Tensor>& packed;
+  const std::vector<int64_t>& n_out;
+  const std::vector<at::Tensor>& bias;
+};
+
+// [n, 1]: 1 / RMS of each row of x [n, D], as scripted._inv_rms computes it
+at::Tensor inv_rms(const at::Tensor& x, float eps, float value) {
+  at::Tensor norm = at::linalg_vector_norm(x, 2.0, at::IntArrayRef{-1}, true);  // [n, 1]
+  float* p = norm.data_ptr<float>();
+  for (int64_t r = 0; r < norm.numel(); ++r) p[r] = 1.0f / std::sqrt(std::fma(value * p[r], p[r], eps));
+  return norm;
+}
+
+// [n, out] = linear layer i of x [n, in]; rows scaled by rs [n] when given (scripted._linear, Q4)
+at::Tensor linear(const Net& w, int64_t i, const at::Tensor& x, const float* rs) {
+  at::Tensor y = specdec::q4_product(x, w.gain[i], w.packed[i], w.n_out[i], w.col[i]);  // contiguous
+  const at::Tensor& b = w.bias[i];
+  const bool has_bias = b.numel() > 0;
+  if (!rs && !has_bias) return y;
+  const int64_t n = y.size(0), m = y.size(1);
+  float* yp = y.data_ptr<float>();
+  const float* bp = has_bias ? b.data_ptr<float>() : nullptr;
+  for (int64_t r = 0; r < n; ++r) {
+    float* row = yp + r * m;
+    if (rs && has_bias) {
+      for (int64_t j = 0; j < m; ++j) row[j] = std::fma(row[j], rs[r], bp[j]);
+    } else if (rs) {
+      for (int64_t j = 0; j < m; ++j) row[j] = row[j] * rs[r];
+    } else {
+      for (int64_t j = 0; j < m; ++j) row[j] = row[j] + bp[j];
+    }
+  }
+  return y;
+}
+
+void add_into(at::Tensor& x, const at::Tensor& y) {  // x += y, both contiguous [n, D]
+  float* xp = x.data_ptr<float>();
+  const float* yp = y.data_ptr<float>();
+  for (int64_t i = 0; i < x.numel(); ++i) xp[i] = xp[i] + yp[i];
+}
+
+at::Tensor q4_layers(const at::Tensor& x_in, const at::Tensor& cos_in, const at::Tensor& sin_in, const at::Tensor& k_all,
+                     const at::Tensor& v_all, int64_t start, int64_t hq, int64_t hk, int64_t d, const at::Tensor& eps_t,
+                     std::vector<at::Tensor> gain, std::vector<at::Tensor> col, std::vector<at::Tensor> packed,
+                     std::vector<int64_t> n_out, std::vector<at::Tensor> bias, std::vector<int64_t> plan,
+                     bool final_norm) {
+  TORCH_CHECK(x_in.dim() == 2 && x_in.scalar_type() == at::kFloat, "q4_layers: x must be float32 [n, D]");
+  const int64_t n_lin = static_cast<int64_t>(packed.size());
+  TORCH_CHECK(n_lin % 4 == 0 && gain.size() == packed.size() && col.size() == packed.size() &&
+                  n_out.size() == packed.size() && bias.size() == packed.size(),
+              "q4_layers: four weights per layer in every list");
+  TORCH_CHECK(plan.size() % 4 == 0, "q4_layers: plan steps are [layer, attention, mlp, slot]");
+  TORCH_CHECK(k_all.dim() == 4 && k_all.sizes() == v_all.sizes() && k_all.stride(3) == 1 && v_all.stride(3) == 1,
+              "q4_layers: caches must be [L, Hkv, T, d] with contiguous features");
+  TORCH_CHECK(d % 2 == 0 && k_all.size(1) == hk && k_all.size(3) == d, "q4_layers: head layout mismatch");
+  const int64_t n = x_in.size(0), width = x_in.size(1), end = start + n;
+  TORCH_CHECK(start >= 0 && end <= k_all.size(2), "q4_layers: rows beyond the cache");
+  const at::Tensor cos = cos_in.contiguous(), sin = sin_in.contiguous();
+  TORCH_CHECK(cos.numel() == n * d && sin.numel() == n * d, "q4_layers: cos / sin must be [n, 1, d]");
+  const float eps = eps_t.item<float>();
+  const float value = static_cast<float>(1.0 / static_cast<double>(width));  // addcmul's value, as a float
+  if (plan.empty())
+    for (int64_t li = 0; li < n_lin / 4; ++li) plan.insert(plan.end(), {li, 1, 1, li});
+  for (size_t s = 0; s < plan.size(); s += 4)
+    TORCH_CHECK(plan[s] >= 0 && plan[s] < n_lin / 4 && plan[s + 3] >= 0 && plan[s + 3] < k_all.size(0),
+                "q4_layers: a plan step beyond the layers or the cache");
+  const Net w{gain, col, packed, n_out, bias};
+  const int64_t qk_heads = hq + hk, half = d / 2;
+  const float* cp = cos.data_ptr<float>();
+  const float* sp = sin.data_ptr<float>();
+  at::Tensor x = x_in.contiguous().clone();  // [n, D], the residual stream (the caller's x untouched)
+  at::Tensor qk = at::empty({n, qk_heads, d}, x.options());  // rotated q and k heads
+  float* kb = k_all.data_ptr<float>();
+  float* vb = v_all.data_ptr<float>();
+  const int64_t kl = k_all.stride(0), kh = k_all.stride(1), kt = k_all.stride(2);
+  const int64_t vl = v_all.stride(0), vh = v_all.stride(1), vt = v_all.stride(2);
+  for (size_t s = 0; s < plan.size(); s += 4) {
+    const int64_t li = plan[s], slot = plan[s + 3], lin = 4 * li;
+    if (plan[s + 1]) {
+      const at::Tensor rs = inv_rms(x, eps, value);
+      const at::Tensor qkv = linear(w, lin, x, rs.data_ptr<float>());  // [n, (Hq + 2 Hkv) d]
+      const int64_t qkv_w = qkv.size(1);
+      const float* src = qkv.data_ptr<float>();
+      float* dst = qk.data_ptr<float>();
+      for (int64_t r = 0; r < n; ++r) {
+        const float* c = cp + r * d;
+        const float* sn = sp + r * d;
+        for (int64_t h = 0; h < qk_heads; ++h) {
+          const float* a = src + r * qkv_w + h * d;
+          float* o = dst + (r * qk_heads + h) * d;
+          for (int64_t j = 0; j < d; ++j) {
+            const float rolled = a[j < half ? j + half : j - half];
+            o[j] = std::fma(rolled, sn[j], a[j] * c[j]);
+          }
+        }
+        for (int64_t h = 0; h < hk; ++h) {  // this row's keys and values into the cache
+          float* kd = kb + slot * kl + h * kh + (start + r) * kt;
+          float* vd = vb + slot * vl + h * vh + (start + r) * vt;
+          const float* ks = dst + (r * qk_heads + hq + h) * d;
+          const float* vs = src + r * qkv_w + (qk_heads + h) * d;
+          for (int64_t j = 0; j < d; ++j) {
+            kd[j] = ks[j];
+            vd[j] = vs[j];
+          }
+        }
+      }
+      const at::Tensor attn = specdec::attend_rows(qk.narrow(1, 0, hq), k_all.select(0, slot), v_all.select(0, slot),
+                                                   start);  // [n, Hq d]
+      add_into(x, linear(w, lin + 1, attn, nullptr));
+    }
+    if (plan[s + 2]) {
+      const at::Tensor rs = inv_rms(x, eps, value);
+      const at::Tensor gate_up = linear(w, lin + 2, x, rs.data_ptr<float>());  // [n, 2 I]
+      const int64_t inter = gate_up.size(1) / 2;
+      at::Tensor h = at::silu(gate_up.narrow(1, 0, inter));  // [n, I], ATen's silu on the same view
+      float* hp = h.data_ptr<float>();
+      const float* gp = gate_up.data_ptr<float>();
+      for (int64_t r = 0; r < n; ++r)
+        for (int64_t j = 0; j < inter; ++j) hp[r * inter + j] = hp[r * inter + j] * gp[r * 2 * inter + inter + j];
+      add_into(x, linear(w, lin + 3, h, nullptr));
+    }
+  }
+  if (!final_norm) return x;
+  const at::Tensor rs = inv_rms(x, eps, value);
+  const float* rp = rs.data_ptr<float>();
+  float* xp = x.data_ptr<float>();
+  for (int64_t r = 0; r < n; ++r)
+    for (int64_t j = 0; j < width; ++j) xp[r * width + j] = xp[r * width + j] * rp[r];
+  return x;
+}
+
+}  // namespace
+
+TORCH_LIBRARY_FRAGMENT(specdec, m) {
+  m.def("q4_layers(Tensor x, Tensor cos, Tensor sin, Tensor k_all, Tensor v_all, int start, int n_heads, "
+        "int n_kv_heads, int head_dim, Tensor eps, Tensor[] gain, Tensor[] col, Tensor[] packed, int[] n_out, "
+        "Tensor[] bias, int[] plan, bool final_norm) -> Tensor");
+}
+
+TORCH_LIBRARY_IMPL(specdec, CPU, m) {
+  m.impl("q4_layers", &q4_layers);
+}

@@ -1,0 +1,15 @@
+// Entry points the kernels share inside the one library they are built into (see kernels.py).
+#pragma once
+
+#include <ATen/ATen.h>
+
+namespace specdec {
+
+// csrc/q4.cpp: torch.ops.specdec.q4_linear, called directly (no dispatcher round trip)
+at::Tensor q4_product(const at::Tensor& x, const at::Tensor& gain, const at::Tensor& packed, int64_t n_out,
+                      const at::Tensor& col);
+
+// csrc/attention.cpp: torch.ops.specdec.attend for consecutive rows (no tree)
+at::Tensor attend_rows(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v, int64_t start);
+
+}  // namespace specdec

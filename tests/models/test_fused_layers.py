@@ -1,0 +1,114 @@
+"""The 4-bit target's fused layer loop (``torch.ops.specdec.q4_layers``, ``csrc/layers.cpp``).
+
+Decoding steps and chain verification passes of a 4-bit target run the whole layer loop in one
+compiled call; trees, batched (server) passes and masked prefills stay on the TorchScript loop.
+The two must agree bit for bit — otherwise a tree round and a chain round, or a served sequence
+and a local one, would score the same tokens differently — so every test here compares the fused
+call with the TorchScript loop on the same weights and cache: logits and every key and value
+written, for 1-17 rows after a prompt, for Llama and Qwen2 (biased query/key/value) layouts, and
+for the layer subsets self-speculative drafts run (skipped sub-layers, their own cache slots).
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from specdec.models import kernels
+from specdec.models.linear import w8a8_available
+from specdec.models.native import NativeCausalLM
+from tiny import make_tiny
+
+pytestmark = pytest.mark.skipif(not (kernels.q4_available() and w8a8_available()),
+                                reason="the 4-bit target needs the kernel library and fbgemm (its LM head)")
+
+
+@pytest.fixture(scope="module", params=[("llama", 32), ("qwen2", 32), ("llama", 128)], ids=["llama-d8", "qwen2-d8", "llama-d32"])
+def q4_model(request, tmp_path_factory):
+    arch, hidden = request.param
+    folder = make_tiny(tmp_path_factory.mktemp(f"{arch}{hidden}"), model_type=arch, hidden=hidden, layers=3)
+    model = NativeCausalLM.from_folder(folder, batch_invariant=True, quant="q4", int8_kernel="fbgemm")
+    if model.scripted is None or model.scripted.fused is None:
+        pytest.skip("TorchScript or the fused loop is not available here")
+    return model
+
+
+def _unfused(model, run):
+    """``run()`` with the fused call switched off: the TorchScript loop (the reference)."""
+    saved, model.scripted.fused = model.scripted.fused, None
+    try:
+        return run()
+    finally:
+        model.scripted.fused = saved
+
+
+def test_fused_loop_runs_only_for_4bit_layers(tmp_path):
+    folder = make_tiny(tmp_path / "m", layers=1)
+    assert NativeCausalLM.from_folder(folder, batch_invariant=True, quant="int8", int8_kernel="fbgemm").scripted.fused is None
+    assert NativeCausalLM.from_folder(folder, batch_invariant=True).scripted.fused is None
+
+
+def test_fused_passes_are_bitwise_the_scripted_loop(q4_model):
+    model = q4_model
+    g = torch.Generator().manual_seed(1)
+    prompt = torch.randint(0, 1000, (40,), generator=g)
+    for n in (1, 2, 3, 4, 5, 6, 7, 9, 17):
+        block = torch.randint(0, 1000, (n,), generator=g)
+
+        def run(block=block) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+            cache = model.new_cache(128)
+            model.forward(prompt, cache)  # a prefill (TorchScript either way: several rows, per-row attention)
+            step = model.forward(prompt[:1], cache)  # a decoding step
+            logits = torch.cat([step, model.forward(block, cache)])  # a verification pass of n rows
+            return logits, cache.k[:, :, : cache.length].clone(), cache.v[:, :, : cache.length].clone()
+
+        fused, scripted = run(), _unfused(model, run)
+        for a, b in zip(fused, scripted):
+            assert torch.equal(a, b), n
+
+
+def test_fused_layer_subsets_are_bitwise_the_scripted_loop(q4_model):
+    """``run_layers`` with a plan (self-speculative drafts): skipped attention / MLP sub-layers and
+    cache slots other than the layer index, raw residual stream out (no final norm)."""
+    model = q4_model
+    g = torch.Generator().manual_seed(2)
+    x = torch.randn(5, model.cfg.hidden_size, generator=g)
+    plans = [
+        [(0, True, True), (1, False, True), (2, True, False)],  # the second layer's attention skipped, the last's MLP
+        [(2, True, True), (0, True, True)],  # any order, cache slots 0 and 1
+    ]
+    for steps in plans:
+        slots = list(range(len(steps)))
+
+        def run(steps=steps, slots=slots) -> tuple[torch.Tensor, torch.Tensor]:
+            cache = model.new_cache(32)
+            cache.reserve(3)
+            first = model.run_layers(x[:3], cache, steps, start=0, slots=slots)
+            cache.reserve(2)
+            second = model.run_layers(x[3:], cache, steps, start=3, slots=slots)
+            return torch.cat([first, second]), cache.k[:, :, :5].clone()
+
+        fused, scripted = run(), _unfused(model, run)
+        assert torch.equal(fused[0], scripted[0]) and torch.equal(fused[1], scripted[1])
+
+
+def test_fused_rows_do_not_depend_on_each_other(q4_model):
+    """Batch invariance of the fused call itself: a 9-row pass equals nine one-row passes."""
+    model = q4_model
+    ids = torch.randint(0, 1000, (30,), generator=torch.Generator().manual_seed(3))
+    together = model.new_cache(64)
+    model.forward(ids[:21], together)
+    block = model.forward(ids[21:], together)
+    alone = model.new_cache(64)
+    model.forward(ids[:21], alone)
+    rows = torch.cat([model.forward(ids[i : i + 1], alone) for i in range(21, 30)])
+    assert torch.equal(block, rows)
+    assert torch.equal(together.k[:, :, :30], alone.k[:, :, :30])
+
+
+def test_fused_call_refuses_a_cache_too_short():
+    with pytest.raises(RuntimeError, match="beyond the cache"):
+        k = torch.zeros(1, 1, 4, 8)
+        torch.ops.specdec.q4_layers(torch.zeros(2, 8), torch.zeros(2, 1, 8), torch.zeros(2, 1, 8), k, k.clone(), 3, 1, 1,
+                                    8, torch.tensor([1e-5]), [torch.empty(0)] * 4, [torch.empty(0)] * 4,
+                                    [torch.empty(0, dtype=torch.uint8)] * 4, [8] * 4, [torch.empty(0)] * 4, [], True)
