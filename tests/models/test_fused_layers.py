@@ -1,12 +1,13 @@
-"""The 4-bit target's fused layer loop (``torch.ops.specdec.q4_layers``, ``csrc/layers.cpp``).
+"""The quantised targets' fused layer loop (``torch.ops.specdec.fused_layers``, ``csrc/layers.cpp``).
 
-Decoding steps and chain verification passes of a 4-bit target run the whole layer loop in one
-compiled call; trees, batched (server) passes and masked prefills stay on the TorchScript loop.
+Decoding steps and chain verification passes of a 4-bit or int8 (W8A8, few-row kernel) model run
+the whole layer loop in one compiled call; trees, batched (server) passes and masked prefills stay on the TorchScript loop.
 The two must agree bit for bit — otherwise a tree round and a chain round, or a served sequence
 and a local one, would score the same tokens differently — so every test here compares the fused
 call with the TorchScript loop on the same weights and cache: logits and every key and value
-written, for 1-17 rows after a prompt, for Llama and Qwen2 (biased query/key/value) layouts, and
-for the layer subsets self-speculative drafts run (skipped sub-layers, their own cache slots).
+written, for 1-17 rows after a prompt, for Llama and Qwen2 (biased query/key/value) layouts, 4-bit and
+int8 layers (with and without SmoothQuant factors), and for the layer subsets self-speculative
+drafts run (skipped sub-layers, their own cache slots).
 """
 
 from __future__ import annotations
@@ -20,14 +21,19 @@ from specdec.models.native import NativeCausalLM
 from tiny import make_tiny
 
 pytestmark = pytest.mark.skipif(not (kernels.q4_available() and w8a8_available()),
-                                reason="the 4-bit target needs the kernel library and fbgemm (its LM head)")
+                                reason="the quantised targets need the kernel library and fbgemm")
+
+MODELS = [("llama", 32, "q4"), ("qwen2", 32, "q4"), ("llama", 128, "q4"), ("llama", 32, "int8"), ("qwen2", 128, "int8")]
 
 
-@pytest.fixture(scope="module", params=[("llama", 32), ("qwen2", 32), ("llama", 128)], ids=["llama-d8", "qwen2-d8", "llama-d32"])
+@pytest.fixture(scope="module", params=MODELS, ids=[f"{a}-d{h // 4}-{q}" for a, h, q in MODELS])
 def q4_model(request, tmp_path_factory):
-    arch, hidden = request.param
+    arch, hidden, quant = request.param
+    if quant == "int8" and not kernels.q8_available():
+        pytest.skip("the int8 few-row kernel needs 512-bit VNNI")
     folder = make_tiny(tmp_path_factory.mktemp(f"{arch}{hidden}"), model_type=arch, hidden=hidden, layers=3)
-    model = NativeCausalLM.from_folder(folder, batch_invariant=True, quant="q4", int8_kernel="fbgemm")
+    # int8: the calibration pass gives SmoothQuant factors (the layers' smooth inputs)
+    model = NativeCausalLM.from_folder(folder, batch_invariant=True, quant=quant, int8_kernel="fbgemm")
     if model.scripted is None or model.scripted.fused is None:
         pytest.skip("TorchScript or the fused loop is not available here")
     return model
@@ -42,10 +48,12 @@ def _unfused(model, run):
         model.scripted.fused = saved
 
 
-def test_fused_loop_runs_only_for_4bit_layers(tmp_path):
+def test_fused_loop_runs_only_for_quantised_layers_on_the_kernels(tmp_path):
     folder = make_tiny(tmp_path / "m", layers=1)
-    assert NativeCausalLM.from_folder(folder, batch_invariant=True, quant="int8", int8_kernel="fbgemm").scripted.fused is None
-    assert NativeCausalLM.from_folder(folder, batch_invariant=True).scripted.fused is None
+    assert NativeCausalLM.from_folder(folder, batch_invariant=True, quant="q4", int8_kernel="fbgemm").scripted.fused
+    int8 = NativeCausalLM.from_folder(folder, batch_invariant=True, quant="int8", int8_kernel="fbgemm").scripted
+    assert (int8.fused is not None) == kernels.q8_available()
+    assert NativeCausalLM.from_folder(folder, batch_invariant=True).scripted.fused is None  # float32
 
 
 def test_fused_passes_are_bitwise_the_scripted_loop(q4_model):
@@ -109,6 +117,5 @@ def test_fused_rows_do_not_depend_on_each_other(q4_model):
 def test_fused_call_refuses_a_cache_too_short():
     with pytest.raises(RuntimeError, match="beyond the cache"):
         k = torch.zeros(1, 1, 4, 8)
-        torch.ops.specdec.q4_layers(torch.zeros(2, 8), torch.zeros(2, 1, 8), torch.zeros(2, 1, 8), k, k.clone(), 3, 1, 1,
-                                    8, torch.tensor([1e-5]), [torch.empty(0)] * 4, [torch.empty(0)] * 4,
-                                    [torch.empty(0, dtype=torch.uint8)] * 4, [8] * 4, [torch.empty(0)] * 4, [], True)
+        torch.ops.specdec.fused_layers(torch.zeros(2, 8), torch.zeros(2, 1, 8), torch.zeros(2, 1, 8), k, k.clone(), 3, 1,
+                                       1, 8, torch.tensor([1e-5]), [4] * 4, [torch.empty(0)] * 20, [8] * 4, [], True)

@@ -456,16 +456,35 @@ class ScriptedLayers:
                     raise TypeError(f"no scripted path for {type(lin).__name__}")
         self._rows = 0
         self._ensure(16)
-        #: every layer matrix a Q4 product on the compiled kernel: decoding steps and chain
-        #: verification passes run the whole loop as one compiled call (csrc/layers.cpp, bitwise
-        #: this loop); None where any layer is of another kind or the kernels did not load
-        self.fused: tuple[list[Tensor], list[Tensor], list[Tensor], list[int], list[Tensor]] | None = None
-        if self.kinds and all(k == Q4 and len(self.q4[i]) == 3 for i, k in enumerate(self.kinds)) and kernels.load():
+        #: every layer matrix a 4-bit product or a W8A8 few-row product on the compiled kernels:
+        #: decoding steps and chain verification passes run the whole loop as one compiled call
+        #: (csrc/layers.cpp, bitwise this loop); None where a layer is of another kind or the
+        #: kernels did not load
+        self.fused: tuple[list[int], list[Tensor], list[int]] | None = None
+        #: the most rows the fused call takes: W8A8 layers only on the few-row kernel's range
+        self.fused_rows: int = 1 << 30
+        self._q8_fused = False
+        fusable = all((k == Q4 and len(self.q4[i]) == 3) or (k == W8A8 and i in self.vnni) for i, k in enumerate(self.kinds))
+        if self.kinds and fusable and kernels.load():
             empty = torch.empty(0)
-            n = len(self.kinds)
-            self.fused = ([self.q4[i][0] for i in range(n)], [self.q4[i][1] for i in range(n)],
-                          [self.q4[i][2] for i in range(n)], [self.n_out[i] for i in range(n)],
-                          [self.bias.get(i, empty) for i in range(n)])
+            weights: list[Tensor] = []
+            for i, k in enumerate(self.kinds):
+                bias = self.bias.get(i, empty).float().contiguous()
+                if k == Q4:
+                    gain, col, packed = self.q4[i]
+                    weights += [gain, col, packed, empty, bias]
+                else:
+                    packed, comp, col = self.vnni[i]
+                    weights += [self.smooth.get(i, empty), col, packed, comp, bias]
+                    if i in self.wide:
+                        self.fused_rows = min(self.fused_rows, self.wide_rows[i] - 1)
+            self.fused = ([4 if k == Q4 else 0 for k in self.kinds], weights, [self.n_out.get(i, 0) for i in range(len(self.kinds))])
+            self._q8_fused = W8A8 in self.kinds
+
+    def _fused_limit(self) -> int:
+        """Rows the fused call takes now: W8A8 layers run their few-row kernel up to
+        ``linear.VNNI_ROWS`` (read per call, as ``_linear`` does) and below their oneDNN switch."""
+        return min(self.fused_rows, linear_mod.VNNI_ROWS) if self._q8_fused else self.fused_rows
 
     def _ensure(self, rows: int) -> None:
         if rows <= self._rows:
@@ -493,11 +512,11 @@ class ScriptedLayers:
         MLP on, cache slot]`` steps and return the raw residual stream (no final norm), as
         :meth:`NativeCausalLM.run_layers` does."""
         if (self.fused is not None and mask is None and tree is None and not taps and x.dtype == torch.float32
-                and kernels.attention_kernel()):
-            gain, col, packed, n_out, bias = self.fused
+                and kernels.attention_kernel() and x.shape[0] <= self._fused_limit()):
+            kinds, weights, n_out = self.fused
             flat = [v for step in plan for v in step] if plan else []
-            return torch.ops.specdec.q4_layers(x, cos, sin, cache.k, cache.v, start, cfg.n_heads, cfg.n_kv_heads,
-                                               cfg.head_dim, eps, gain, col, packed, n_out, bias, flat, plan is None)
+            return torch.ops.specdec.fused_layers(x, cos, sin, cache.k, cache.v, start, cfg.n_heads, cfg.n_kv_heads,
+                                                  cfg.head_dim, eps, kinds, weights, n_out, flat, plan is None)
         self._ensure(x.shape[0])
         tree_start, steps, perm, paths = -1, [], None, None
         if tree is not None:

@@ -1,8 +1,9 @@
-// The 4-bit target's layer loop in one call: models/scripted.py's `_layers` for the passes a
-// decoding step and a chain verification pass run (every layer matrix a Q4 product on the
-// compiled kernel, exact attention on the compiled kernel, consecutive positions, no tree, no
-// mask, no taps), without the ~25 interpreted ATen calls per layer that the TorchScript loop
-// makes (on SmolLM2's 30 small layers those calls cost ~2 ms of a ~7 ms step).
+// A quantised target's layer loop in one call: models/scripted.py's `_layers` for the passes a
+// decoding step and a chain verification pass run (every layer matrix a 4-bit product or a W8A8
+// few-row product on the compiled kernels, exact attention on the compiled kernel, consecutive
+// positions, no tree, no mask, no taps), without the ~25 interpreted ATen calls per layer that
+// the TorchScript loop makes (on SmolLM2's 30 small layers those calls cost ~1.5-2 ms of a ~7 ms
+// step; the small draft's 4 layers are almost nothing else).
 //
 // Bitwise what the TorchScript loop computes, op for op (tested against it in
 // tests/models/test_fused_layers.py for 1-17 rows, with and without biases and skipped
@@ -12,7 +13,8 @@
 //                 -> the norm from ATen (its reduction order is ATen's), then
 //                    1 / sqrt(fma(float(1/D) * norm, norm, eps))  (addcmul is one fused multiply-add
 //                    of value * t1 and t2; rsqrt is a correctly rounded 1 / sqrt)
-//   row scaling   y.mul_(s) -> y * s;  addcmul(bias, y, s) -> fma(y, s, bias);  y + bias
+//   4-bit product y = q4_linear(x); y.mul_(s) -> y * s;  addcmul(bias, y, s) -> fma(y, s, bias);  y + bias
+//   W8A8 product  (y, t) = q8_linear(x); t * s where rows are scaled; then y * t or fma(y, t, bias)
 //   rotary        addcmul(qk * cos, qk.roll(d/2, -1), sin) -> fma(rolled, sin, qk * cos)
 //   SiLU          F.silu(gate) -> ATen's silu (its exp is ATen's), then * up
 //   residuals     x + y
@@ -20,12 +22,15 @@
 // Every step is per row, so a row's result depends on that row alone (batch invariance).
 // Compiled with -ffp-contract=off: the compiler fuses nothing the comment does not name.
 //
-//   torch.ops.specdec.q4_layers(x [n, D], cos [n, 1, d], sin [n, 1, d] (signed), k_all, v_all
-//       [L, Hkv, T, d], start, n_heads, n_kv_heads, head_dim, eps [1], gain[], col[], packed[],
-//       n_out[], bias[] (4 per layer: qkv, out, gate_up, down; empty tensor = none), plan[]
-//       (flattened [layer, attention on, MLP on, cache slot] steps; empty = every layer),
+//   torch.ops.specdec.fused_layers(x [n, D], cos [n, 1, d], sin [n, 1, d] (signed), k_all, v_all
+//       [L, Hkv, T, d], start, n_heads, n_kv_heads, head_dim, eps [1], kinds[], weights[], n_out[],
+//       plan[] (flattened [layer, attention on, MLP on, cache slot] steps; empty = every layer),
 //       final_norm) -> [n, D]: the residual stream after the steps, times its inverse RMS when
-//       final_norm (the LM head's input)
+//       final_norm (the LM head's input).  Four linear layers per layer (qkv, out, gate_up, down),
+//       each of kind 4 (4-bit: weights gain, col, packed, -, bias) or 0 (W8A8 few-row: smooth,
+//       col, packed, comp, bias), five tensors per layer in `weights` (an empty tensor: none);
+//       n_out: the 4-bit layers' output features.  W8A8 layers only for at most 16 rows (the
+//       few-row kernel's range, as in scripted._linear).
 
 #include <ATen/ATen.h>
 #include <torch/library.h>
@@ -38,12 +43,12 @@
 
 namespace {
 
+constexpr int64_t kQ8 = 0, kQ4 = 4;  // scripted.W8A8 / scripted.Q4
+
 struct Net {
-  const std::vector<at::Tensor>& gain;
-  const std::vector<at::Tensor>& col;
-  const std::vector<at::Tensor>& packed;
+  const std::vector<int64_t>& kinds;
+  const std::vector<at::Tensor>& w;  // five per linear layer (see the header)
   const std::vector<int64_t>& n_out;
-  const std::vector<at::Tensor>& bias;
 };
 
 // [n, 1]: 1 / RMS of each row of x [n, D], as scripted._inv_rms computes it
@@ -54,15 +59,33 @@ at::Tensor inv_rms(const at::Tensor& x, float eps, float value) {
   return norm;
 }
 
-// [n, out] = linear layer i of x [n, in]; rows scaled by rs [n] when given (scripted._linear, Q4)
-at::Tensor linear(const Net& w, int64_t i, const at::Tensor& x, const float* rs) {
-  at::Tensor y = specdec::q4_product(x, w.gain[i], w.packed[i], w.n_out[i], w.col[i]);  // contiguous
-  const at::Tensor& b = w.bias[i];
+// [n, out] = linear layer i of x [n, in]; rows scaled by rs [n] when given (scripted._linear)
+at::Tensor linear(const Net& net, int64_t i, const at::Tensor& x, const float* rs) {
+  const at::Tensor* t = net.w.data() + 5 * i;
+  const at::Tensor& b = t[4];
   const bool has_bias = b.numel() > 0;
+  const float* bp = has_bias ? b.data_ptr<float>() : nullptr;
+  if (net.kinds[i] == kQ8) {  // y * (t * s), or fma(y, t * s, bias): the row factor t from the product
+    const c10::optional<at::Tensor> smooth = t[0].numel() > 0 ? c10::optional<at::Tensor>(t[0]) : c10::nullopt;
+    auto [y, f] = specdec::q8_product(x, smooth, t[2], t[3], t[1]);  // [n, out], [n, 1]
+    const int64_t n = y.size(0), m = y.size(1);
+    float* yp = y.data_ptr<float>();
+    const float* fp = f.data_ptr<float>();
+    for (int64_t r = 0; r < n; ++r) {
+      const float s = rs ? fp[r] * rs[r] : fp[r];
+      float* row = yp + r * m;
+      if (has_bias) {
+        for (int64_t j = 0; j < m; ++j) row[j] = std::fma(row[j], s, bp[j]);
+      } else {
+        for (int64_t j = 0; j < m; ++j) row[j] = row[j] * s;
+      }
+    }
+    return y;
+  }
+  at::Tensor y = specdec::q4_product(x, t[0], t[2], net.n_out[i], t[1]);  // contiguous
   if (!rs && !has_bias) return y;
   const int64_t n = y.size(0), m = y.size(1);
   float* yp = y.data_ptr<float>();
-  const float* bp = has_bias ? b.data_ptr<float>() : nullptr;
   for (int64_t r = 0; r < n; ++r) {
     float* row = yp + r * m;
     if (rs && has_bias) {
@@ -82,32 +105,37 @@ void add_into(at::Tensor& x, const at::Tensor& y) {  // x += y, both contiguous 
   for (int64_t i = 0; i < x.numel(); ++i) xp[i] = xp[i] + yp[i];
 }
 
-at::Tensor q4_layers(const at::Tensor& x_in, const at::Tensor& cos_in, const at::Tensor& sin_in, const at::Tensor& k_all,
-                     const at::Tensor& v_all, int64_t start, int64_t hq, int64_t hk, int64_t d, const at::Tensor& eps_t,
-                     std::vector<at::Tensor> gain, std::vector<at::Tensor> col, std::vector<at::Tensor> packed,
-                     std::vector<int64_t> n_out, std::vector<at::Tensor> bias, std::vector<int64_t> plan,
-                     bool final_norm) {
-  TORCH_CHECK(x_in.dim() == 2 && x_in.scalar_type() == at::kFloat, "q4_layers: x must be float32 [n, D]");
-  const int64_t n_lin = static_cast<int64_t>(packed.size());
-  TORCH_CHECK(n_lin % 4 == 0 && gain.size() == packed.size() && col.size() == packed.size() &&
-                  n_out.size() == packed.size() && bias.size() == packed.size(),
-              "q4_layers: four weights per layer in every list");
-  TORCH_CHECK(plan.size() % 4 == 0, "q4_layers: plan steps are [layer, attention, mlp, slot]");
+at::Tensor fused_layers(const at::Tensor& x_in, const at::Tensor& cos_in, const at::Tensor& sin_in,
+                        const at::Tensor& k_all, const at::Tensor& v_all, int64_t start, int64_t hq, int64_t hk,
+                        int64_t d, const at::Tensor& eps_t, std::vector<int64_t> kinds, std::vector<at::Tensor> weights,
+                        std::vector<int64_t> n_out, std::vector<int64_t> plan, bool final_norm) {
+  TORCH_CHECK(x_in.dim() == 2 && x_in.scalar_type() == at::kFloat, "fused_layers: x must be float32 [n, D]");
+  const int64_t n_lin = static_cast<int64_t>(kinds.size());
+  TORCH_CHECK(n_lin % 4 == 0 && weights.size() == 5 * kinds.size() && n_out.size() == kinds.size(),
+              "fused_layers: four linear layers per layer, five tensors and an output size each");
+  for (int64_t i = 0; i < n_lin; ++i) {
+    TORCH_CHECK(kinds[i] == kQ4 || kinds[i] == kQ8, "fused_layers: a linear layer of an unknown kind");
+    for (int64_t j : {1, 4})
+      TORCH_CHECK(weights[5 * i + j].numel() == 0 || (weights[5 * i + j].scalar_type() == at::kFloat &&
+                                                      weights[5 * i + j].is_contiguous()),
+                  "fused_layers: column factors and biases must be contiguous float32");
+  }
+  TORCH_CHECK(plan.size() % 4 == 0, "fused_layers: plan steps are [layer, attention, mlp, slot]");
   TORCH_CHECK(k_all.dim() == 4 && k_all.sizes() == v_all.sizes() && k_all.stride(3) == 1 && v_all.stride(3) == 1,
-              "q4_layers: caches must be [L, Hkv, T, d] with contiguous features");
-  TORCH_CHECK(d % 2 == 0 && k_all.size(1) == hk && k_all.size(3) == d, "q4_layers: head layout mismatch");
+              "fused_layers: caches must be [L, Hkv, T, d] with contiguous features");
+  TORCH_CHECK(d % 2 == 0 && k_all.size(1) == hk && k_all.size(3) == d, "fused_layers: head layout mismatch");
   const int64_t n = x_in.size(0), width = x_in.size(1), end = start + n;
-  TORCH_CHECK(start >= 0 && end <= k_all.size(2), "q4_layers: rows beyond the cache");
+  TORCH_CHECK(start >= 0 && end <= k_all.size(2), "fused_layers: rows beyond the cache");
   const at::Tensor cos = cos_in.contiguous(), sin = sin_in.contiguous();
-  TORCH_CHECK(cos.numel() == n * d && sin.numel() == n * d, "q4_layers: cos / sin must be [n, 1, d]");
+  TORCH_CHECK(cos.numel() == n * d && sin.numel() == n * d, "fused_layers: cos / sin must be [n, 1, d]");
   const float eps = eps_t.item<float>();
   const float value = static_cast<float>(1.0 / static_cast<double>(width));  // addcmul's value, as a float
   if (plan.empty())
     for (int64_t li = 0; li < n_lin / 4; ++li) plan.insert(plan.end(), {li, 1, 1, li});
   for (size_t s = 0; s < plan.size(); s += 4)
     TORCH_CHECK(plan[s] >= 0 && plan[s] < n_lin / 4 && plan[s + 3] >= 0 && plan[s + 3] < k_all.size(0),
-                "q4_layers: a plan step beyond the layers or the cache");
-  const Net w{gain, col, packed, n_out, bias};
+                "fused_layers: a plan step beyond the layers or the cache");
+  const Net w{kinds, weights, n_out};
   const int64_t qk_heads = hq + hk, half = d / 2;
   const float* cp = cos.data_ptr<float>();
   const float* sp = sin.data_ptr<float>();
@@ -175,11 +203,11 @@ at::Tensor q4_layers(const at::Tensor& x_in, const at::Tensor& cos_in, const at:
 }  // namespace
 
 TORCH_LIBRARY_FRAGMENT(specdec, m) {
-  m.def("q4_layers(Tensor x, Tensor cos, Tensor sin, Tensor k_all, Tensor v_all, int start, int n_heads, "
-        "int n_kv_heads, int head_dim, Tensor eps, Tensor[] gain, Tensor[] col, Tensor[] packed, int[] n_out, "
-        "Tensor[] bias, int[] plan, bool final_norm) -> Tensor");
+  m.def("fused_layers(Tensor x, Tensor cos, Tensor sin, Tensor k_all, Tensor v_all, int start, int n_heads, "
+        "int n_kv_heads, int head_dim, Tensor eps, int[] kinds, Tensor[] weights, int[] n_out, int[] plan, "
+        "bool final_norm) -> Tensor");
 }
 
 TORCH_LIBRARY_IMPL(specdec, CPU, m) {
-  m.impl("q4_layers", &q4_layers);
+  m.impl("fused_layers", &fused_layers);
 }

@@ -23,6 +23,8 @@
 #include <ATen/Parallel.h>
 #include <torch/library.h>
 
+#include "specdec.h"
+
 #include <cstdint>
 #include <cstring>
 
@@ -175,6 +177,12 @@ std::tuple<at::Tensor, at::Tensor> q8_linear(const at::Tensor& x_in, const c10::
 }
 
 }  // namespace
+
+std::tuple<at::Tensor, at::Tensor> specdec::q8_product(const at::Tensor& x, const c10::optional<at::Tensor>& smooth,
+                                                       const at::Tensor& packed, const at::Tensor& comp,
+                                                       const at::Tensor& col) {
+  return q8_linear(x, smooth, packed, comp, col);
+}
 
 TORCH_LIBRARY(specdec, m) {
   m.def("q8_pack(Tensor w) -> Tensor");
