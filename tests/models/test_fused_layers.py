@@ -1,13 +1,14 @@
 """The quantised targets' fused layer loop (``torch.ops.specdec.fused_layers``, ``csrc/layers.cpp``).
 
-Decoding steps and chain verification passes of a 4-bit or int8 (W8A8, few-row kernel) model run
-the whole layer loop in one compiled call; trees, batched (server) passes and masked prefills stay on the TorchScript loop.
-The two must agree bit for bit — otherwise a tree round and a chain round, or a served sequence
-and a local one, would score the same tokens differently — so every test here compares the fused
-call with the TorchScript loop on the same weights and cache: logits and every key and value
-written, for 1-17 rows after a prompt, for Llama and Qwen2 (biased query/key/value) layouts, 4-bit and
-int8 layers (with and without SmoothQuant factors), and for the layer subsets self-speculative
-drafts run (skipped sub-layers, their own cache slots).
+Decoding steps and chain and tree verification passes of a 4-bit or int8 (W8A8, few-row kernel)
+model run the whole layer loop in one compiled call; batched (server) passes and masked prefills
+stay on the TorchScript loop.  The two must agree bit for bit — otherwise a served sequence and a
+local one, or the kernels' fallback paths, would score the same tokens differently — so every
+test here compares the fused call with the TorchScript loop on the same weights and cache:
+logits and every key and value written, for 1-17 rows after a prompt and for token trees, for
+Llama and Qwen2 (biased query/key/value) layouts, 4-bit and int8 layers (with SmoothQuant
+factors), and for the layer subsets self-speculative drafts run (skipped sub-layers, their own
+cache slots).
 """
 
 from __future__ import annotations
@@ -73,6 +74,30 @@ def test_fused_passes_are_bitwise_the_scripted_loop(q4_model):
         fused, scripted = run(), _unfused(model, run)
         for a, b in zip(fused, scripted):
             assert torch.equal(a, b), n
+
+
+def test_fused_tree_passes_are_bitwise_the_scripted_loop(q4_model):
+    """A tree verification pass (nodes over their paths, read in place by the attention kernel),
+    also one scored in two parts (``prefix``: a tree region already in the cache)."""
+    model = q4_model
+    g = torch.Generator().manual_seed(4)
+    prompt = torch.randint(0, 1000, (30,), generator=g)
+    parents = torch.tensor([-1, 0, 0, 1, 1, 2, -1, 6, 3])  # two roots, depths up to 3
+    nodes = torch.randint(0, 1000, (parents.numel(),), generator=g)
+
+    def run() -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        cache = model.new_cache(64)
+        model.forward(prompt, cache)
+        base = cache.length
+        whole = model.forward_tree(nodes, parents, cache)
+        cache.truncate(base)
+        first = model.forward_tree(nodes[:4], parents[:4], cache)
+        rest = model.forward_tree(nodes[4:], parents, cache, prefix=base)
+        return torch.cat([whole, first, rest]), cache.k[:, :, : cache.length].clone(), cache.v[:, :, : cache.length].clone()
+
+    fused, scripted = run(), _unfused(model, run)
+    for a, b in zip(fused, scripted):
+        assert torch.equal(a, b)
 
 
 def test_fused_layer_subsets_are_bitwise_the_scripted_loop(q4_model):

@@ -13,9 +13,10 @@
   product, each row summed in a fixed order; it replaces oneDNN for such targets
   (:class:`~specdec.models.linear.Linear`), whose bits differ: a process uses one or the other
   for every product (``SPECDEC_F32_KERNEL=0`` keeps oneDNN).
-* ``torch.ops.specdec.q4_layers`` (``csrc/layers.cpp``): the 4-bit target's whole layer loop for a
-  decoding step or a chain verification pass in one call — bitwise the TorchScript loop
-  (:mod:`specdec.models.scripted`), without its ~25 interpreted ATen calls per layer.
+* ``torch.ops.specdec.fused_layers`` (``csrc/layers.cpp``): a quantised model's whole layer loop
+  (4-bit layers, W8A8 layers on the few-row kernel) for a decoding step or a chain or tree
+  verification pass in one call — bitwise the TorchScript loop (:mod:`specdec.models.scripted`),
+  without its ~25 interpreted ATen calls per layer.
 * ``torch.ops.specdec.attend`` (``csrc/attention.cpp``): the batch-invariant target's exact
   attention — each query row over its own keys with a reduction order fixed by those keys, the
   same bits alone, in a verification pass of any size or as a tree node (over its path, read in
@@ -59,9 +60,9 @@ _SCHEMAS = (
     "q4_vnni() -> bool",
     "f32_pack(Tensor w) -> Tensor",
     "f32_linear(Tensor x, Tensor packed, int n_out) -> Tensor",
-    "q4_layers(Tensor x, Tensor cos, Tensor sin, Tensor k_all, Tensor v_all, int start, int n_heads, int n_kv_heads, "
-    "int head_dim, Tensor eps, Tensor[] gain, Tensor[] col, Tensor[] packed, int[] n_out, Tensor[] bias, int[] plan, "
-    "bool final_norm) -> Tensor",
+    "fused_layers(Tensor x, Tensor cos, Tensor sin, Tensor k_all, Tensor v_all, int start, int n_heads, "
+    "int n_kv_heads, int head_dim, Tensor eps, int[] kinds, Tensor[] weights, int[] n_out, int[] plan, "
+    "bool final_norm, int tree_start=-1, Tensor? paths=None) -> Tensor",
 )
 _state: dict[str, object] = {}
 

@@ -457,7 +457,7 @@ class ScriptedLayers:
         self._rows = 0
         self._ensure(16)
         #: every layer matrix a 4-bit product or a W8A8 few-row product on the compiled kernels:
-        #: decoding steps and chain verification passes run the whole loop as one compiled call
+        #: decoding steps and chain and tree verification passes run the whole loop as one compiled call
         #: (csrc/layers.cpp, bitwise this loop); None where a layer is of another kind or the
         #: kernels did not load
         self.fused: tuple[list[int], list[Tensor], list[int]] | None = None
@@ -511,12 +511,13 @@ class ScriptedLayers:
         as in :meth:`NativeCausalLM.hidden`.  ``plan``: run only these ``[layer, attention on,
         MLP on, cache slot]`` steps and return the raw residual stream (no final norm), as
         :meth:`NativeCausalLM.run_layers` does."""
-        if (self.fused is not None and mask is None and tree is None and not taps and x.dtype == torch.float32
-                and kernels.attention_kernel() and x.shape[0] <= self._fused_limit()):
+        if (self.fused is not None and mask is None and (tree is None or tree.paths is not None) and not taps
+                and x.dtype == torch.float32 and kernels.attention_kernel() and x.shape[0] <= self._fused_limit()):
             kinds, weights, n_out = self.fused
             flat = [v for step in plan for v in step] if plan else []
-            return torch.ops.specdec.fused_layers(x, cos, sin, cache.k, cache.v, start, cfg.n_heads, cfg.n_kv_heads,
-                                                  cfg.head_dim, eps, kinds, weights, n_out, flat, plan is None)
+            return torch.ops.specdec.fused_layers(
+                x, cos, sin, cache.k, cache.v, start, cfg.n_heads, cfg.n_kv_heads, cfg.head_dim, eps, kinds, weights,
+                n_out, flat, plan is None, -1 if tree is None else tree.start, None if tree is None else tree.paths)
         self._ensure(x.shape[0])
         tree_start, steps, perm, paths = -1, [], None, None
         if tree is not None:

@@ -424,8 +424,9 @@ at::Tensor attend(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v,
 
 }  // namespace
 
-at::Tensor specdec::attend_rows(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v, int64_t start) {
-  return attend(q, k, v, start, c10::nullopt);
+at::Tensor specdec::attend_op(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v, int64_t start,
+                              const c10::optional<at::Tensor>& paths) {
+  return attend(q, k, v, start, paths);
 }
 
 TORCH_LIBRARY_FRAGMENT(specdec, m) {

@@ -1,7 +1,8 @@
 // A quantised target's layer loop in one call: models/scripted.py's `_layers` for the passes a
-// decoding step and a chain verification pass run (every layer matrix a 4-bit product or a W8A8
-// few-row product on the compiled kernels, exact attention on the compiled kernel, consecutive
-// positions, no tree, no mask, no taps), without the ~25 interpreted ATen calls per layer that
+// decoding step, a chain verification pass and a tree verification pass run (every layer matrix
+// a 4-bit product or a W8A8 few-row product on the compiled kernels, exact attention on the
+// compiled kernel — consecutive rows, or tree nodes over their paths read in place — no mask,
+// no taps), without the ~25 interpreted ATen calls per layer that
 // the TorchScript loop makes (on SmolLM2's 30 small layers those calls cost ~1.5-2 ms of a ~7 ms
 // step; the small draft's 4 layers are almost nothing else).
 //
@@ -25,8 +26,10 @@
 //   torch.ops.specdec.fused_layers(x [n, D], cos [n, 1, d], sin [n, 1, d] (signed), k_all, v_all
 //       [L, Hkv, T, d], start, n_heads, n_kv_heads, head_dim, eps [1], kinds[], weights[], n_out[],
 //       plan[] (flattened [layer, attention on, MLP on, cache slot] steps; empty = every layer),
-//       final_norm) -> [n, D]: the residual stream after the steps, times its inverse RMS when
-//       final_norm (the LM head's input).  Four linear layers per layer (qkv, out, gate_up, down),
+//       final_norm, tree_start, paths) -> [n, D]: the residual stream after the steps, times its
+//       inverse RMS when final_norm (the LM head's input).  paths [n, E] (a token tree: each node's
+//       ancestors-or-self as cache slots, -1 padded) with tree_start (the prefix every node sees)
+//       as torch.ops.specdec.attend takes them; the nodes' keys and values go to start .. start + n.  Four linear layers per layer (qkv, out, gate_up, down),
 //       each of kind 4 (4-bit: weights gain, col, packed, -, bias) or 0 (W8A8 few-row: smooth,
 //       col, packed, comp, bias), five tensors per layer in `weights` (an empty tensor: none);
 //       n_out: the 4-bit layers' output features.  W8A8 layers only for at most 16 rows (the
@@ -108,7 +111,8 @@ void add_into(at::Tensor& x, const at::Tensor& y) {  // x += y, both contiguous 
 at::Tensor fused_layers(const at::Tensor& x_in, const at::Tensor& cos_in, const at::Tensor& sin_in,
                         const at::Tensor& k_all, const at::Tensor& v_all, int64_t start, int64_t hq, int64_t hk,
                         int64_t d, const at::Tensor& eps_t, std::vector<int64_t> kinds, std::vector<at::Tensor> weights,
-                        std::vector<int64_t> n_out, std::vector<int64_t> plan, bool final_norm) {
+                        std::vector<int64_t> n_out, std::vector<int64_t> plan, bool final_norm, int64_t tree_start,
+                        const c10::optional<at::Tensor>& paths) {
   TORCH_CHECK(x_in.dim() == 2 && x_in.scalar_type() == at::kFloat, "fused_layers: x must be float32 [n, D]");
   const int64_t n_lin = static_cast<int64_t>(kinds.size());
   TORCH_CHECK(n_lin % 4 == 0 && weights.size() == 5 * kinds.size() && n_out.size() == kinds.size(),
@@ -136,6 +140,7 @@ at::Tensor fused_layers(const at::Tensor& x_in, const at::Tensor& cos_in, const 
     TORCH_CHECK(plan[s] >= 0 && plan[s] < n_lin / 4 && plan[s + 3] >= 0 && plan[s + 3] < k_all.size(0),
                 "fused_layers: a plan step beyond the layers or the cache");
   const Net w{kinds, weights, n_out};
+  const bool tree = paths.has_value() && paths->defined();  // nodes at per-node positions (cos / sin), see attend
   const int64_t qk_heads = hq + hk, half = d / 2;
   const float* cp = cos.data_ptr<float>();
   const float* sp = sin.data_ptr<float>();
@@ -175,8 +180,10 @@ at::Tensor fused_layers(const at::Tensor& x_in, const at::Tensor& cos_in, const 
           }
         }
       }
-      const at::Tensor attn = specdec::attend_rows(qk.narrow(1, 0, hq), k_all.select(0, slot), v_all.select(0, slot),
-                                                   start);  // [n, Hq d]
+      const at::Tensor attn = tree ? specdec::attend_op(qk.narrow(1, 0, hq), k_all.select(0, slot), v_all.select(0, slot),
+                                                        tree_start, paths)  // [n, Hq d]: each node over its path
+                                   : specdec::attend_op(qk.narrow(1, 0, hq), k_all.select(0, slot), v_all.select(0, slot),
+                                                        start, c10::nullopt);  // [n, Hq d]
       add_into(x, linear(w, lin + 1, attn, nullptr));
     }
     if (plan[s + 2]) {
@@ -205,7 +212,7 @@ at::Tensor fused_layers(const at::Tensor& x_in, const at::Tensor& cos_in, const 
 TORCH_LIBRARY_FRAGMENT(specdec, m) {
   m.def("fused_layers(Tensor x, Tensor cos, Tensor sin, Tensor k_all, Tensor v_all, int start, int n_heads, "
         "int n_kv_heads, int head_dim, Tensor eps, int[] kinds, Tensor[] weights, int[] n_out, int[] plan, "
-        "bool final_norm) -> Tensor");
+        "bool final_norm, int tree_start=-1, Tensor? paths=None) -> Tensor");
 }
 
 TORCH_LIBRARY_IMPL(specdec, CPU, m) {

@@ -15,7 +15,8 @@ at::Tensor q4_product(const at::Tensor& x, const at::Tensor& gain, const at::Ten
 std::tuple<at::Tensor, at::Tensor> q8_product(const at::Tensor& x, const c10::optional<at::Tensor>& smooth,
                                               const at::Tensor& packed, const at::Tensor& comp, const at::Tensor& col);
 
-// csrc/attention.cpp: torch.ops.specdec.attend for consecutive rows (no tree)
-at::Tensor attend_rows(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v, int64_t start);
+// csrc/attention.cpp: torch.ops.specdec.attend (consecutive rows, or tree nodes over their paths)
+at::Tensor attend_op(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v, int64_t start,
+                     const c10::optional<at::Tensor>& paths);
 
 }  // namespace specdec
