@@ -77,8 +77,24 @@ def test_a_w8a8_draft_model_loads_with_int8_layers(tmp_path):
 
     folder = make_tiny(tmp_path)
     draft = load_draft(EngineConfig(draft=str(folder), draft_dtype="w8a8")).model
-    assert draft.quant == "int8" and draft.int8_kernel == "fbgemm" and not draft.batch_invariant
+    assert draft.quant == "int8" and draft.int8_kernel == "fbgemm"
     assert isinstance(draft.layers[0].qkv, linear.W8A8Linear) and draft.layers[0].qkv.wide is None
+    # exact per-row attention where the kernels run, so multi-row passes take the fused loop
+    from specdec.models import kernels
+
+    assert draft.batch_invariant == kernels.attention_kernel()
+    if kernels.q8_available():
+        assert draft.scripted is None or draft.scripted.fused is not None
+
+
+def test_only_a_quantised_draft_on_the_kernels_is_batch_invariant(monkeypatch):
+    from specdec.engine import draft_batch_invariant
+    from specdec.models import kernels
+
+    monkeypatch.setattr(kernels, "attention_kernel", lambda: True)
+    assert draft_batch_invariant("int8") and not draft_batch_invariant(None)
+    monkeypatch.setattr(kernels, "attention_kernel", lambda: False)
+    assert not draft_batch_invariant("int8")
 
 
 def test_draft_precision_in_words(monkeypatch):

@@ -8,7 +8,8 @@ test here compares the fused call with the TorchScript loop on the same weights 
 logits and every key and value written, for 1-17 rows after a prompt and for token trees, for
 Llama and Qwen2 (biased query/key/value) layouts, 4-bit and int8 layers (with SmoothQuant
 factors), and for the layer subsets self-speculative drafts run (skipped sub-layers, their own
-cache slots).
+cache slots).  Batch invariance of the fused call itself (a block = its tokens one by one) is
+``test_quantized.py``'s block test, which now runs on it for 4-bit and int8 models.
 """
 
 from __future__ import annotations
@@ -123,20 +124,6 @@ def test_fused_layer_subsets_are_bitwise_the_scripted_loop(q4_model):
 
         fused, scripted = run(), _unfused(model, run)
         assert torch.equal(fused[0], scripted[0]) and torch.equal(fused[1], scripted[1])
-
-
-def test_fused_rows_do_not_depend_on_each_other(q4_model):
-    """Batch invariance of the fused call itself: a 9-row pass equals nine one-row passes."""
-    model = q4_model
-    ids = torch.randint(0, 1000, (30,), generator=torch.Generator().manual_seed(3))
-    together = model.new_cache(64)
-    model.forward(ids[:21], together)
-    block = model.forward(ids[21:], together)
-    alone = model.new_cache(64)
-    model.forward(ids[:21], alone)
-    rows = torch.cat([model.forward(ids[i : i + 1], alone) for i in range(21, 30)])
-    assert torch.equal(block, rows)
-    assert torch.equal(together.k[:, :, :30], alone.k[:, :, :30])
 
 
 def test_fused_call_refuses_a_cache_too_short():
