@@ -1,11 +1,12 @@
 """The quantised targets' fused layer loop (``torch.ops.specdec.fused_layers``, ``csrc/layers.cpp``).
 
-Decoding steps and chain and tree verification passes of a 4-bit or int8 (W8A8, few-row kernel)
-model run the whole layer loop in one compiled call; batched (server) passes and masked prefills
-stay on the TorchScript loop.  The two must agree bit for bit — otherwise a served sequence and a
-local one, or the kernels' fallback paths, would score the same tokens differently — so every
-test here compares the fused call with the TorchScript loop on the same weights and cache:
-logits and every key and value written, for 1-17 rows after a prompt and for token trees, for
+Decoding steps, chain and tree verification passes and a batching server's passes of a 4-bit or
+int8 (W8A8, few-row kernel) model run the whole layer loop in one compiled call; masked prefills
+and passes beyond the int8 kernel's rows stay on the TorchScript loop.  The two must agree bit for
+bit — otherwise a pass on one and a pass on the other would score the same tokens differently —
+so every test here compares the fused call with the TorchScript loop on the same weights and
+cache: logits and every key and value written, for 1-17 rows after a prompt, token trees and
+batched passes of several sequences, for
 Llama and Qwen2 (biased query/key/value) layouts, 4-bit and int8 layers (with SmoothQuant
 factors), and for the layer subsets self-speculative drafts run (skipped sub-layers, their own
 cache slots).  Batch invariance of the fused call itself (a block = its tokens one by one) is
@@ -95,6 +96,26 @@ def test_fused_tree_passes_are_bitwise_the_scripted_loop(q4_model):
         first = model.forward_tree(nodes[:4], parents[:4], cache)
         rest = model.forward_tree(nodes[4:], parents, cache, prefix=base)
         return torch.cat([whole, first, rest]), cache.k[:, :, : cache.length].clone(), cache.v[:, :, : cache.length].clone()
+
+    fused, scripted = run(), _unfused(model, run)
+    for a, b in zip(fused, scripted):
+        assert torch.equal(a, b)
+
+
+def test_fused_batched_passes_are_bitwise_the_scripted_loop(q4_model):
+    """A batching server's pass (``forward_batch``): sequences of 1, 4 and 9 rows at different cache
+    lengths, the linear layers over all their rows, attention per sequence."""
+    model = q4_model
+    g = torch.Generator().manual_seed(5)
+    prompts = [torch.randint(0, 1000, (n,), generator=g) for n in (5, 33, 17)]
+    blocks = [torch.randint(0, 1000, (n,), generator=g) for n in (1, 4, 9)]
+
+    def run() -> list[torch.Tensor]:
+        caches = [model.new_cache(64) for _ in prompts]
+        for p, c in zip(prompts, caches):
+            model.forward(p, c)
+        out = model.forward_batch([(b, c, False) for b, c in zip(blocks, caches)])
+        return out + [c.k[:, :, : c.length].clone() for c in caches] + [c.v[:, :, : c.length].clone() for c in caches]
 
     fused, scripted = run(), _unfused(model, run)
     for a, b in zip(fused, scripted):

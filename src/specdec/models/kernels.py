@@ -14,8 +14,8 @@
   (:class:`~specdec.models.linear.Linear`), whose bits differ: a process uses one or the other
   for every product (``SPECDEC_F32_KERNEL=0`` keeps oneDNN).
 * ``torch.ops.specdec.fused_layers`` (``csrc/layers.cpp``): a quantised model's whole layer loop
-  (4-bit layers, W8A8 layers on the few-row kernel) for a decoding step or a chain or tree
-  verification pass in one call — bitwise the TorchScript loop (:mod:`specdec.models.scripted`),
+  (4-bit layers, W8A8 layers on the few-row kernel) for a decoding step, a chain or tree
+  verification pass or a batching server's pass (``fused_layers_batch``) in one call — bitwise the TorchScript loop (:mod:`specdec.models.scripted`),
   without its ~25 interpreted ATen calls per layer.
 * ``torch.ops.specdec.attend`` (``csrc/attention.cpp``): the batch-invariant target's exact
   attention — each query row over its own keys with a reduction order fixed by those keys, the
@@ -63,6 +63,9 @@ _SCHEMAS = (
     "fused_layers(Tensor x, Tensor cos, Tensor sin, Tensor k_all, Tensor v_all, int start, int n_heads, "
     "int n_kv_heads, int head_dim, Tensor eps, int[] kinds, Tensor[] weights, int[] n_out, int[] plan, "
     "bool final_norm, int tree_start=-1, Tensor? paths=None) -> Tensor",
+    "fused_layers_batch(Tensor x, Tensor cos, Tensor sin, Tensor[] k_caches, Tensor[] v_caches, int[] starts, "
+    "int[] sizes, int n_heads, int n_kv_heads, int head_dim, Tensor eps, int[] kinds, Tensor[] weights, "
+    "int[] n_out) -> Tensor",
 )
 _state: dict[str, object] = {}
 

@@ -457,7 +457,8 @@ class ScriptedLayers:
         self._rows = 0
         self._ensure(16)
         #: every layer matrix a 4-bit product or a W8A8 few-row product on the compiled kernels:
-        #: decoding steps and chain and tree verification passes run the whole loop as one compiled call
+        #: decoding steps, chain and tree verification passes and (exact) batched passes run the
+        #: whole loop as one compiled call
         #: (csrc/layers.cpp, bitwise this loop); None where a layer is of another kind or the
         #: kernels did not load
         self.fused: tuple[list[int], list[Tensor], list[int]] | None = None
@@ -537,6 +538,12 @@ class ScriptedLayers:
     def batch(self, x: Tensor, cos: Tensor, sin: Tensor, caches: list, starts: list[int], sizes: list[int], cfg,
               eps: Tensor, *, exact: bool) -> Tensor | None:  # x: [M, D] -> [M, D]
         """:meth:`NativeCausalLM.forward_batch`'s layers (None where the batched loop did not compile)."""
+        if (self.fused is not None and exact and x.dtype == torch.float32 and kernels.attention_kernel()
+                and x.shape[0] <= self._fused_limit()):  # the same ops in one compiled call (csrc/layers.cpp)
+            kinds, weights, n_out = self.fused
+            return torch.ops.specdec.fused_layers_batch(
+                x, cos, sin, [c.k for c in caches], [c.v for c in caches], starts, sizes, cfg.n_heads, cfg.n_kv_heads,
+                cfg.head_dim, eps, kinds, weights, n_out)
         fn = compiled_batch_layers()
         if fn is None:
             return None

@@ -29,7 +29,12 @@
 //       final_norm, tree_start, paths) -> [n, D]: the residual stream after the steps, times its
 //       inverse RMS when final_norm (the LM head's input).  paths [n, E] (a token tree: each node's
 //       ancestors-or-self as cache slots, -1 padded) with tree_start (the prefix every node sees)
-//       as torch.ops.specdec.attend takes them; the nodes' keys and values go to start .. start + n.  Four linear layers per layer (qkv, out, gate_up, down),
+//       as torch.ops.specdec.attend takes them; the nodes' keys and values go to start .. start + n.
+//   torch.ops.specdec.fused_layers_batch(x [M, D], cos, sin [M, 1, d], k_caches[], v_caches[], starts[],
+//       sizes[], n_heads, n_kv_heads, head_dim, eps, kinds[], weights[], n_out[]) -> [M, D]: a
+//       batching server's pass (scripted._layers_batch with exact attention): the rows of several
+//       sequences concatenated, the linear layers over all of them, each sequence's attention
+//       against its own cache from its own start; every layer, then the final norm.  Four linear layers per layer (qkv, out, gate_up, down),
 //       each of kind 4 (4-bit: weights gain, col, packed, -, bias) or 0 (W8A8 few-row: smooth,
 //       col, packed, comp, bias), five tensors per layer in `weights` (an empty tensor: none);
 //       n_out: the 4-bit layers' output features.  W8A8 layers only for at most 16 rows (the
@@ -39,6 +44,7 @@
 #include <torch/library.h>
 
 #include <cmath>
+#include <algorithm>
 #include <cstdint>
 #include <vector>
 
@@ -108,12 +114,15 @@ void add_into(at::Tensor& x, const at::Tensor& y) {  // x += y, both contiguous 
   for (int64_t i = 0; i < x.numel(); ++i) xp[i] = xp[i] + yp[i];
 }
 
-at::Tensor fused_layers(const at::Tensor& x_in, const at::Tensor& cos_in, const at::Tensor& sin_in,
-                        const at::Tensor& k_all, const at::Tensor& v_all, int64_t start, int64_t hq, int64_t hk,
-                        int64_t d, const at::Tensor& eps_t, std::vector<int64_t> kinds, std::vector<at::Tensor> weights,
-                        std::vector<int64_t> n_out, std::vector<int64_t> plan, bool final_norm, int64_t tree_start,
-                        const c10::optional<at::Tensor>& paths) {
-  TORCH_CHECK(x_in.dim() == 2 && x_in.scalar_type() == at::kFloat, "fused_layers: x must be float32 [n, D]");
+// One sequence's rows in a pass: rows row .. row + n of x, at cache positions start .. start + n of
+// its own cache (k, v: [L, Hkv, T, d]).
+struct Segment {
+  int64_t row, n, start;
+  at::Tensor k, v;
+};
+
+void check_weights(const std::vector<int64_t>& kinds, const std::vector<at::Tensor>& weights,
+                   const std::vector<int64_t>& n_out) {
   const int64_t n_lin = static_cast<int64_t>(kinds.size());
   TORCH_CHECK(n_lin % 4 == 0 && weights.size() == 5 * kinds.size() && n_out.size() == kinds.size(),
               "fused_layers: four linear layers per layer, five tensors and an output size each");
@@ -124,41 +133,58 @@ at::Tensor fused_layers(const at::Tensor& x_in, const at::Tensor& cos_in, const 
                                                       weights[5 * i + j].is_contiguous()),
                   "fused_layers: column factors and biases must be contiguous float32");
   }
+}
+
+// The layer loop over the segments' rows x [M, D] (see the header); tree (paths) for one segment only.
+at::Tensor run(const at::Tensor& x_in, const at::Tensor& cos_in, const at::Tensor& sin_in, const std::vector<Segment>& segs,
+               int64_t hq, int64_t hk, int64_t d, const at::Tensor& eps_t, const Net& w, std::vector<int64_t> plan,
+               bool final_norm, int64_t tree_start, const c10::optional<at::Tensor>& paths) {
+  TORCH_CHECK(x_in.dim() == 2 && x_in.scalar_type() == at::kFloat, "fused_layers: x must be float32 [n, D]");
+  const int64_t m = x_in.size(0), width = x_in.size(1), n_lin = static_cast<int64_t>(w.kinds.size());
   TORCH_CHECK(plan.size() % 4 == 0, "fused_layers: plan steps are [layer, attention, mlp, slot]");
-  TORCH_CHECK(k_all.dim() == 4 && k_all.sizes() == v_all.sizes() && k_all.stride(3) == 1 && v_all.stride(3) == 1,
-              "fused_layers: caches must be [L, Hkv, T, d] with contiguous features");
-  TORCH_CHECK(d % 2 == 0 && k_all.size(1) == hk && k_all.size(3) == d, "fused_layers: head layout mismatch");
-  const int64_t n = x_in.size(0), width = x_in.size(1), end = start + n;
-  TORCH_CHECK(start >= 0 && end <= k_all.size(2), "fused_layers: rows beyond the cache");
+  TORCH_CHECK(d % 2 == 0, "fused_layers: the head size must be even");
+  std::vector<int64_t> owner(m, -1);  // row -> its segment
+  int64_t slots = -1;
+  for (size_t g = 0; g < segs.size(); ++g) {
+    const Segment& sg = segs[g];
+    TORCH_CHECK(sg.k.dim() == 4 && sg.k.sizes() == sg.v.sizes() && sg.k.stride(3) == 1 && sg.v.stride(3) == 1 &&
+                    sg.k.scalar_type() == at::kFloat && sg.v.scalar_type() == at::kFloat,
+                "fused_layers: caches must be float32 [L, Hkv, T, d] with contiguous features");
+    TORCH_CHECK(sg.k.size(1) == hk && sg.k.size(3) == d, "fused_layers: head layout mismatch");
+    TORCH_CHECK(sg.start >= 0 && sg.start + sg.n <= sg.k.size(2), "fused_layers: rows beyond the cache");
+    TORCH_CHECK(sg.row >= 0 && sg.n >= 0 && sg.row + sg.n <= m, "fused_layers: segment rows beyond x");
+    for (int64_t r = sg.row; r < sg.row + sg.n; ++r) {
+      TORCH_CHECK(owner[r] < 0, "fused_layers: overlapping segments");
+      owner[r] = static_cast<int64_t>(g);
+    }
+    slots = slots < 0 ? sg.k.size(0) : std::min(slots, sg.k.size(0));
+  }
+  for (int64_t r = 0; r < m; ++r) TORCH_CHECK(owner[r] >= 0, "fused_layers: a row outside every segment");
+  const bool tree = paths.has_value() && paths->defined();  // nodes at per-node positions (cos / sin), see attend
+  TORCH_CHECK(!tree || segs.size() == 1, "fused_layers: a tree pass is one sequence");
   const at::Tensor cos = cos_in.contiguous(), sin = sin_in.contiguous();
-  TORCH_CHECK(cos.numel() == n * d && sin.numel() == n * d, "fused_layers: cos / sin must be [n, 1, d]");
+  TORCH_CHECK(cos.numel() == m * d && sin.numel() == m * d, "fused_layers: cos / sin must be [n, 1, d]");
   const float eps = eps_t.item<float>();
   const float value = static_cast<float>(1.0 / static_cast<double>(width));  // addcmul's value, as a float
   if (plan.empty())
     for (int64_t li = 0; li < n_lin / 4; ++li) plan.insert(plan.end(), {li, 1, 1, li});
   for (size_t s = 0; s < plan.size(); s += 4)
-    TORCH_CHECK(plan[s] >= 0 && plan[s] < n_lin / 4 && plan[s + 3] >= 0 && plan[s + 3] < k_all.size(0),
+    TORCH_CHECK(plan[s] >= 0 && plan[s] < n_lin / 4 && plan[s + 3] >= 0 && plan[s + 3] < slots,
                 "fused_layers: a plan step beyond the layers or the cache");
-  const Net w{kinds, weights, n_out};
-  const bool tree = paths.has_value() && paths->defined();  // nodes at per-node positions (cos / sin), see attend
   const int64_t qk_heads = hq + hk, half = d / 2;
   const float* cp = cos.data_ptr<float>();
   const float* sp = sin.data_ptr<float>();
-  at::Tensor x = x_in.contiguous().clone();  // [n, D], the residual stream (the caller's x untouched)
-  at::Tensor qk = at::empty({n, qk_heads, d}, x.options());  // rotated q and k heads
-  float* kb = k_all.data_ptr<float>();
-  float* vb = v_all.data_ptr<float>();
-  const int64_t kl = k_all.stride(0), kh = k_all.stride(1), kt = k_all.stride(2);
-  const int64_t vl = v_all.stride(0), vh = v_all.stride(1), vt = v_all.stride(2);
+  at::Tensor x = x_in.contiguous().clone();  // [M, D], the residual stream (the caller's x untouched)
+  at::Tensor qk = at::empty({m, qk_heads, d}, x.options());  // rotated q and k heads
   for (size_t s = 0; s < plan.size(); s += 4) {
     const int64_t li = plan[s], slot = plan[s + 3], lin = 4 * li;
     if (plan[s + 1]) {
       const at::Tensor rs = inv_rms(x, eps, value);
-      const at::Tensor qkv = linear(w, lin, x, rs.data_ptr<float>());  // [n, (Hq + 2 Hkv) d]
+      const at::Tensor qkv = linear(w, lin, x, rs.data_ptr<float>());  // [M, (Hq + 2 Hkv) d]
       const int64_t qkv_w = qkv.size(1);
       const float* src = qkv.data_ptr<float>();
       float* dst = qk.data_ptr<float>();
-      for (int64_t r = 0; r < n; ++r) {
+      for (int64_t r = 0; r < m; ++r) {
         const float* c = cp + r * d;
         const float* sn = sp + r * d;
         for (int64_t h = 0; h < qk_heads; ++h) {
@@ -169,9 +195,13 @@ at::Tensor fused_layers(const at::Tensor& x_in, const at::Tensor& cos_in, const 
             o[j] = std::fma(rolled, sn[j], a[j] * c[j]);
           }
         }
-        for (int64_t h = 0; h < hk; ++h) {  // this row's keys and values into the cache
-          float* kd = kb + slot * kl + h * kh + (start + r) * kt;
-          float* vd = vb + slot * vl + h * vh + (start + r) * vt;
+        const Segment& sg = segs[owner[r]];
+        const int64_t pos = sg.start + (r - sg.row);
+        float* kb = sg.k.data_ptr<float>() + slot * sg.k.stride(0) + pos * sg.k.stride(2);
+        float* vb = sg.v.data_ptr<float>() + slot * sg.v.stride(0) + pos * sg.v.stride(2);
+        for (int64_t h = 0; h < hk; ++h) {  // this row's keys and values into its cache
+          float* kd = kb + h * sg.k.stride(1);
+          float* vd = vb + h * sg.v.stride(1);
           const float* ks = dst + (r * qk_heads + hq + h) * d;
           const float* vs = src + r * qkv_w + (qk_heads + h) * d;
           for (int64_t j = 0; j < d; ++j) {
@@ -180,20 +210,30 @@ at::Tensor fused_layers(const at::Tensor& x_in, const at::Tensor& cos_in, const 
           }
         }
       }
-      const at::Tensor attn = tree ? specdec::attend_op(qk.narrow(1, 0, hq), k_all.select(0, slot), v_all.select(0, slot),
-                                                        tree_start, paths)  // [n, Hq d]: each node over its path
-                                   : specdec::attend_op(qk.narrow(1, 0, hq), k_all.select(0, slot), v_all.select(0, slot),
-                                                        start, c10::nullopt);  // [n, Hq d]
+      at::Tensor attn;  // [M, Hq d]
+      if (segs.size() == 1) {
+        const Segment& sg = segs[0];
+        attn = specdec::attend_op(qk.narrow(1, 0, hq), sg.k.select(0, slot), sg.v.select(0, slot),
+                                  tree ? tree_start : sg.start, tree ? paths : c10::optional<at::Tensor>());
+      } else {  // each sequence against its own cache, as its solo pass (torch.cat of the parts)
+        attn = at::empty({m, hq * d}, x.options());
+        for (const Segment& sg : segs) {
+          if (sg.n == 0) continue;
+          attn.narrow(0, sg.row, sg.n).copy_(specdec::attend_op(qk.narrow(0, sg.row, sg.n).narrow(1, 0, hq),
+                                                               sg.k.select(0, slot), sg.v.select(0, slot), sg.start,
+                                                               c10::nullopt));
+        }
+      }
       add_into(x, linear(w, lin + 1, attn, nullptr));
     }
     if (plan[s + 2]) {
       const at::Tensor rs = inv_rms(x, eps, value);
-      const at::Tensor gate_up = linear(w, lin + 2, x, rs.data_ptr<float>());  // [n, 2 I]
+      const at::Tensor gate_up = linear(w, lin + 2, x, rs.data_ptr<float>());  // [M, 2 I]
       const int64_t inter = gate_up.size(1) / 2;
-      at::Tensor h = at::silu(gate_up.narrow(1, 0, inter));  // [n, I], ATen's silu on the same view
+      at::Tensor h = at::silu(gate_up.narrow(1, 0, inter));  // [M, I], ATen's silu on the same view
       float* hp = h.data_ptr<float>();
       const float* gp = gate_up.data_ptr<float>();
-      for (int64_t r = 0; r < n; ++r)
+      for (int64_t r = 0; r < m; ++r)
         for (int64_t j = 0; j < inter; ++j) hp[r * inter + j] = hp[r * inter + j] * gp[r * 2 * inter + inter + j];
       add_into(x, linear(w, lin + 3, h, nullptr));
     }
@@ -202,9 +242,39 @@ at::Tensor fused_layers(const at::Tensor& x_in, const at::Tensor& cos_in, const 
   const at::Tensor rs = inv_rms(x, eps, value);
   const float* rp = rs.data_ptr<float>();
   float* xp = x.data_ptr<float>();
-  for (int64_t r = 0; r < n; ++r)
+  for (int64_t r = 0; r < m; ++r)
     for (int64_t j = 0; j < width; ++j) xp[r * width + j] = xp[r * width + j] * rp[r];
   return x;
+}
+
+at::Tensor fused_layers(const at::Tensor& x, const at::Tensor& cos, const at::Tensor& sin, const at::Tensor& k_all,
+                        const at::Tensor& v_all, int64_t start, int64_t hq, int64_t hk, int64_t d, const at::Tensor& eps,
+                        std::vector<int64_t> kinds, std::vector<at::Tensor> weights, std::vector<int64_t> n_out,
+                        std::vector<int64_t> plan, bool final_norm, int64_t tree_start,
+                        const c10::optional<at::Tensor>& paths) {
+  check_weights(kinds, weights, n_out);
+  const Net w{kinds, weights, n_out};
+  return run(x, cos, sin, {Segment{0, x.size(0), start, k_all, v_all}}, hq, hk, d, eps, w, std::move(plan), final_norm,
+             tree_start, paths);
+}
+
+at::Tensor fused_layers_batch(const at::Tensor& x, const at::Tensor& cos, const at::Tensor& sin,
+                              std::vector<at::Tensor> k_caches, std::vector<at::Tensor> v_caches,
+                              std::vector<int64_t> starts, std::vector<int64_t> sizes, int64_t hq, int64_t hk, int64_t d,
+                              const at::Tensor& eps, std::vector<int64_t> kinds, std::vector<at::Tensor> weights,
+                              std::vector<int64_t> n_out) {
+  check_weights(kinds, weights, n_out);
+  TORCH_CHECK(k_caches.size() == sizes.size() && v_caches.size() == sizes.size() && starts.size() == sizes.size(),
+              "fused_layers_batch: one cache, start and size per sequence");
+  std::vector<Segment> segs;
+  int64_t row = 0;
+  for (size_t i = 0; i < sizes.size(); ++i) {
+    segs.push_back(Segment{row, sizes[i], starts[i], k_caches[i], v_caches[i]});
+    row += sizes[i];
+  }
+  TORCH_CHECK(row == x.size(0), "fused_layers_batch: the sizes must add up to x's rows");
+  const Net w{kinds, weights, n_out};
+  return run(x, cos, sin, segs, hq, hk, d, eps, w, {}, true, -1, c10::nullopt);
 }
 
 }  // namespace
@@ -213,8 +283,12 @@ TORCH_LIBRARY_FRAGMENT(specdec, m) {
   m.def("fused_layers(Tensor x, Tensor cos, Tensor sin, Tensor k_all, Tensor v_all, int start, int n_heads, "
         "int n_kv_heads, int head_dim, Tensor eps, int[] kinds, Tensor[] weights, int[] n_out, int[] plan, "
         "bool final_norm, int tree_start=-1, Tensor? paths=None) -> Tensor");
+  m.def("fused_layers_batch(Tensor x, Tensor cos, Tensor sin, Tensor[] k_caches, Tensor[] v_caches, int[] starts, "
+        "int[] sizes, int n_heads, int n_kv_heads, int head_dim, Tensor eps, int[] kinds, Tensor[] weights, "
+        "int[] n_out) -> Tensor");
 }
 
 TORCH_LIBRARY_IMPL(specdec, CPU, m) {
   m.impl("fused_layers", &fused_layers);
+  m.impl("fused_layers_batch", &fused_layers_batch);
 }
