@@ -34,17 +34,18 @@
 //       sizes[], n_heads, n_kv_heads, head_dim, eps, kinds[], weights[], n_out[]) -> [M, D]: a
 //       batching server's pass (scripted._layers_batch with exact attention): the rows of several
 //       sequences concatenated, the linear layers over all of them, each sequence's attention
-//       against its own cache from its own start; every layer, then the final norm.  Four linear layers per layer (qkv, out, gate_up, down),
-//       each of kind 4 (4-bit: weights gain, col, packed, -, bias) or 0 (W8A8 few-row: smooth,
-//       col, packed, comp, bias), five tensors per layer in `weights` (an empty tensor: none);
-//       n_out: the 4-bit layers' output features.  W8A8 layers only for at most 16 rows (the
-//       few-row kernel's range, as in scripted._linear).
+//       against its own cache from its own start; every layer, then the final norm.
+//   Both: four linear layers per layer (qkv, out, gate_up, down), each of kind 4 (4-bit: gain,
+//       col, packed, -, bias) or 0 (W8A8 few-row: smooth, col, packed, comp, bias), five tensors
+//       per linear layer in `weights` (an empty tensor: none); n_out: the 4-bit layers' output
+//       features.  W8A8 layers only for at most 16 rows (the few-row kernel's range, as in
+//       scripted._linear).
 
 #include <ATen/ATen.h>
 #include <torch/library.h>
 
-#include <cmath>
 #include <algorithm>
+#include <cmath>
 #include <cstdint>
 #include <vector>
 
