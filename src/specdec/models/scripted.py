@@ -482,10 +482,13 @@ class ScriptedLayers:
             self.fused = ([4 if k == Q4 else 0 for k in self.kinds], weights, [self.n_out.get(i, 0) for i in range(len(self.kinds))])
             self._q8_fused = W8A8 in self.kinds
 
-    def _fused_limit(self) -> int:
-        """Rows the fused call takes now: W8A8 layers run their few-row kernel up to
-        ``linear.VNNI_ROWS`` (read per call, as ``_linear`` does) and below their oneDNN switch."""
-        return min(self.fused_rows, linear_mod.VNNI_ROWS) if self._q8_fused else self.fused_rows
+    def _fuses(self, x: Tensor) -> bool:
+        """Whether the fused call can take these rows now: float32, exact attention on the kernel,
+        and W8A8 layers within their few-row kernel's range (``linear.VNNI_ROWS``, read per call as
+        ``_linear`` does) and below their oneDNN switch."""
+        if self.fused is None or x.dtype != torch.float32 or not kernels.attention_kernel():
+            return False
+        return x.shape[0] <= (min(self.fused_rows, linear_mod.VNNI_ROWS) if self._q8_fused else self.fused_rows)
 
     def _ensure(self, rows: int) -> None:
         if rows <= self._rows:
@@ -512,8 +515,7 @@ class ScriptedLayers:
         as in :meth:`NativeCausalLM.hidden`.  ``plan``: run only these ``[layer, attention on,
         MLP on, cache slot]`` steps and return the raw residual stream (no final norm), as
         :meth:`NativeCausalLM.run_layers` does."""
-        if (self.fused is not None and mask is None and (tree is None or tree.paths is not None) and not taps
-                and x.dtype == torch.float32 and kernels.attention_kernel() and x.shape[0] <= self._fused_limit()):
+        if mask is None and (tree is None or tree.paths is not None) and not taps and self._fuses(x):
             kinds, weights, n_out = self.fused
             flat = [v for step in plan for v in step] if plan else []
             return torch.ops.specdec.fused_layers(
@@ -538,8 +540,7 @@ class ScriptedLayers:
     def batch(self, x: Tensor, cos: Tensor, sin: Tensor, caches: list, starts: list[int], sizes: list[int], cfg,
               eps: Tensor, *, exact: bool) -> Tensor | None:  # x: [M, D] -> [M, D]
         """:meth:`NativeCausalLM.forward_batch`'s layers (None where the batched loop did not compile)."""
-        if (self.fused is not None and exact and x.dtype == torch.float32 and kernels.attention_kernel()
-                and x.shape[0] <= self._fused_limit()):  # the same ops in one compiled call (csrc/layers.cpp)
+        if exact and self._fuses(x):  # the same ops in one compiled call (csrc/layers.cpp)
             kinds, weights, n_out = self.fused
             return torch.ops.specdec.fused_layers_batch(
                 x, cos, sin, [c.k for c in caches], [c.v for c in caches], starts, sizes, cfg.n_heads, cfg.n_kv_heads,
