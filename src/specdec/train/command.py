@@ -104,6 +104,40 @@ def add_parser(sub) -> None:  # noqa: ANN001 - argparse's subparsers action
     t.add_argument("--max-minutes", type=float, help="stop this run after about this long (rerun to resume)")
     t.add_argument("--seed", type=int, default=0)
 
+    o = tsub.add_parser(
+        "online",
+        help="distil the small draft with the target running live beside it (generation + full-vocabulary KL; "
+        "meant for a GPU, runs anywhere)",
+        description="Has the target answer the built-in training prompts (chat instructions and code headers, none of "
+        "the benchmark's) at several temperatures, many sequences at once, then trains the draft to match the target's "
+        "whole next-token law (forward KL) at every reply position, the target scoring each batch as it goes. Budgets can "
+        "be sequences and steps or seconds (a timed run records the counts it used, so they can be replayed). Every 20th "
+        "sequence is held out: the report gives arg-max agreement and T=1 acceptance before and after. Writes --out/draft "
+        "(a folder --draft loads) with a model card; data and training state are saved in --out and a rerun resumes. "
+        "--bundle writes the inputs for a machine that has torch alone (run there with `python -m specdec.train.online`).",
+    )
+    o.add_argument("--out", required=True, help="output folder: draft/ (the model), data.pt, ckpt.pt, report.json")
+    o.add_argument("--target", default=defaults.DEFAULT_TARGET, help="a Llama GGUF target with 4-bit layers")
+    o.add_argument("--draft", default=defaults.DEFAULT_DRAFT_MODEL, help="the draft to start from (a registry name or folder)")
+    o.add_argument("--device", default="auto", help="cpu, cuda or auto (cuda when present)")
+    o.add_argument("--chat-prompts", type=int, default=23126, help="built-in chat instructions to answer (at most 23,126)")
+    o.add_argument("--code-prompts", type=int, default=1022, help="built-in code headers to continue (at most 1,022)")
+    o.add_argument("--temperatures", default="0,1,0.7", help="comma list: every prompt is answered once at each")
+    o.add_argument("--code-repeats", type=int, default=4, help="samples of each code prompt at each temperature > 0")
+    o.add_argument("--sequences", type=int, default=0, help="sequences to generate (0: as many as --gen-seconds allows)")
+    o.add_argument("--gen-seconds", type=float, default=120.0)
+    o.add_argument("--gen-batch", type=int, default=512, help="sequences decoded together")
+    o.add_argument("--max-new-chat", type=int, default=192)
+    o.add_argument("--max-new-code", type=int, default=128)
+    o.add_argument("--steps", type=int, default=0, help="optimiser steps (0: as many as --train-seconds allows)")
+    o.add_argument("--train-seconds", type=float, default=240.0)
+    o.add_argument("--batch-tokens", type=int, default=16384, help="padded tokens per step")
+    o.add_argument("--lr", type=float, default=2e-4)
+    o.add_argument("--add-layers", default="0", help="comma list, one draft trained per entry (side by side, on the "
+                   "same batches): identity-initialised layers appended to the source draft first (0: as it is)")
+    o.add_argument("--bundle", help="write the inputs to this folder instead of training (for a torch-only machine)")
+    o.add_argument("--seed", type=int, default=0)
+
     for kind, what in (("eagle", "EAGLE-1 or EAGLE-3 head (--variant)"), ("medusa", "Medusa-1 heads"), ("mtp", "MTP modules (DeepSeek-V3 style)")):
         h = tsub.add_parser(
             kind,
@@ -138,6 +172,8 @@ def run(args: argparse.Namespace) -> int:
         return _kangaroo(args)
     if args.train_command == "distill":
         return _distill(args)
+    if args.train_command == "online":
+        return _online(args)
     raise ConfigError(f"unknown train method {args.train_command!r}")
 
 
@@ -495,4 +531,71 @@ def _distill(args: argparse.Namespace) -> int:
               f"T=1 acceptance (lower bound) {b['t1_lower']:.3f} -> {a['t1_lower']:.3f}", file=sys.stderr)
     else:
         print(f"[specdec] paused at step {step} of {cfg.steps} (rerun the same command to resume)", file=sys.stderr)
+    return 0
+
+
+def _online(args: argparse.Namespace) -> int:
+    import torch
+
+    from specdec.models.gguf_blocks import ships_q4
+    from specdec.models.registry import check_compatible, gguf_file, load, resolve
+    from specdec.train import online
+
+    try:
+        temps = tuple(float(x) for x in args.temperatures.split(",") if x.strip())
+    except ValueError:
+        raise ConfigError(f"--temperatures must be a comma list of numbers, got {args.temperatures!r}") from None
+    if not temps or min(temps) < 0:
+        raise ConfigError("--temperatures needs at least one value >= 0")
+    try:
+        add = tuple(int(x) for x in args.add_layers.split(",") if x.strip())
+    except ValueError:
+        raise ConfigError(f"--add-layers must be a comma list of integers, got {args.add_layers!r}") from None
+    if not add or min(add) < 0 or len(set(add)) != len(add):
+        raise ConfigError("--add-layers needs distinct values >= 0")
+    if min(args.chat_prompts, args.code_prompts, args.sequences, args.steps, args.code_repeats) < 0 \
+            or min(args.gen_batch, args.batch_tokens) < 1 or args.lr <= 0:
+        raise ConfigError("counts must be >= 0, --gen-batch, --batch-tokens and --lr positive")
+    if args.sequences == 0 and args.gen_seconds <= 0 or args.steps == 0 and args.train_seconds <= 0:
+        raise ConfigError("give --sequences or a positive --gen-seconds, and --steps or a positive --train-seconds")
+    device = args.device if args.device != "auto" else ("cuda" if torch.cuda.is_available() else "cpu")
+    if device.startswith("cuda") and not torch.cuda.is_available():
+        raise ConfigError("--device cuda: this torch sees no GPU")
+    if not ships_q4(args.target):
+        raise ConfigError(f"{args.target!r}: online distillation reads a Llama GGUF target with 4-bit layers")
+    source = resolve(args.draft).folder
+    if source is None or not (source / "model.safetensors").is_file():
+        raise ConfigError("online distillation needs a local draft folder (config.json + model.safetensors)")
+    target = load(args.target, batch_invariant=False)
+    check_compatible(target, load(str(source), batch_invariant=False))
+    cfg_json = json.loads((target.folder / "config.json").read_text())
+    if cfg_json.get("model_type") != "llama":
+        raise ConfigError(f"{args.target!r} is a {cfg_json.get('model_type')} model; online distillation reads Llama targets")
+    gguf = gguf_file(args.target)
+    prompts = online.tokenised_prompts(target.tokenizer, args.chat_prompts, args.code_prompts, target.eos_ids, args.seed)
+    if args.bundle:
+        online.write_bundle(Path(args.bundle), gguf=gguf, target_config=cfg_json, draft=source, prompts=prompts)
+        print(f"[specdec] {args.bundle}: bundle written (the GGUF travels separately: {gguf.name})", file=sys.stderr)
+        return 0
+    prompts["target_sha256"] = online.sha256(gguf)
+    cfg = online.OnlineConfig(
+        sequences=args.sequences, gen_seconds=args.gen_seconds, gen_batch=args.gen_batch, temperatures=temps,
+        max_new_chat=args.max_new_chat, max_new_code=args.max_new_code,
+        code_repeats=args.code_repeats, steps=args.steps, train_seconds=args.train_seconds,
+        batch_tokens=args.batch_tokens, lr=args.lr, add_layers=add, seed=args.seed)
+    out = Path(args.out)
+
+    def log(msg: str) -> None:
+        print(f"[specdec] {msg}", file=sys.stderr, flush=True)
+
+    import shlex
+
+    command = "specdec train online " + shlex.join(sys.argv[3:] if sys.argv[1:3] == ["train", "online"] else [])
+    report = online.run(gguf, cfg_json, source, prompts, cfg, out, torch.device(device), log, command=command)
+    b = report["held_out_before"]["all"]
+    for name, st in report["students"].items():
+        online.finish_folder(out / name, source, online.model_card(report, name, args.target, args.draft))
+        a = st["held_out_after"]["all"]
+        log(f"{out / name}: held-out greedy agreement {b['greedy']:.3f} -> {a['greedy']:.3f}, "
+            f"T=1 acceptance {b['t1']:.3f} -> {a['t1']:.3f}")
     return 0

@@ -1,0 +1,716 @@
+"""``specdec train online``: distil the small draft with the target running live beside it.
+
+``specdec train distill`` is sized for two CPU cores: sequences generated once, the target's
+top-32 probabilities cached, 512 positions a step.  When an accelerator is at hand the target
+is cheap enough to run *inside* the training loop, which removes every one of those cuts:
+
+1. **generate**: the target answers many prompts at once (chat instructions and code headers,
+   none of the benchmark's; several temperatures) with a batched KV cache, for a fixed number
+   of sequences or a time budget;
+2. **distil**: every step scores a batch of those sequences with the target (teacher-forced)
+   and the draft, and minimises the forward KL between the target's full next-token law and the
+   draft's at every reply position (the quantity whose complement bounds T = 1 acceptance, and
+   whose arg-max agreement is T = 0 acceptance);
+3. **report**: held-out sequences (every 20th) scored before and after, per prompt kind:
+   arg-max agreement and ``sum min(p, q)`` over the whole vocabulary (T = 1 acceptance).
+
+The target is read from its GGUF file here (4-bit and 8-bit blocks dequantised), and both models
+run through one small functional Llama (:func:`hidden`), so this module needs nothing but torch:
+it runs on a bare GPU machine from a bundle (:func:`write_bundle`: the GGUF, the draft folder
+and the tokenised prompts), and on a CPU through the CLI (slowly: it is the same computation).
+The draft can be deepened first (``add_layers``): new layers start as exact identities (their
+output projections zero), so training starts from the shipped draft's behaviour.
+
+Everything resumes: the generated sequences are saved once (``data.pt``), the student and
+optimiser every ``ckpt_every`` steps (``ckpt.pt``); a time-bounded run (``train_seconds``)
+picks its step count from the first steps' speed and records it, so a rerun with ``steps`` set
+reproduces the schedule.
+"""
+
+from __future__ import annotations
+
+import argparse
+import hashlib
+import json
+import math
+import random
+import time
+from dataclasses import asdict, dataclass, replace
+from pathlib import Path
+from typing import Callable
+
+import torch
+import torch.nn.functional as F
+from torch import Tensor
+
+
+@dataclass(frozen=True)
+class OnlineConfig:
+    sequences: int = 0  # sequences to generate (0: as many as gen_seconds allows)
+    gen_seconds: float = 120.0  # generation budget when sequences == 0
+    gen_batch: int = 512  # sequences decoded together
+    max_new_chat: int = 192
+    max_new_code: int = 128
+    temperatures: tuple[float, ...] = (0.0, 1.0, 0.7)  # every prompt once at each
+    code_repeats: int = 4  # code prompts are few (~1k): each is sampled this many times at each T > 0
+    steps: int = 0  # optimiser steps (0: as many as train_seconds allows, measured after warm-up)
+    train_seconds: float = 240.0
+    batch_tokens: int = 16384  # padded tokens per step
+    lr: float = 2e-4
+    warmup: int = 30
+    weight_decay: float = 0.0
+    add_layers: tuple[int, ...] = (0,)  # one student per entry: identity-initialised layers appended to the draft
+    bf16: bool | None = None  # target in bfloat16, draft under bfloat16 autocast (None: on a GPU)
+    held_out_every: int = 20
+    ckpt_every: int = 200
+    seed: int = 0
+
+
+# ----------------------------------------------------------------------------- the functional Llama
+
+
+@dataclass(frozen=True)
+class Shape:
+    layers: int
+    hidden: int
+    heads: int
+    kv_heads: int
+    head_dim: int
+    eps: float
+    theta: float
+    vocab: int
+
+    @classmethod
+    def from_hf(cls, c: dict) -> "Shape":
+        rope = c.get("rope_parameters") or {}
+        heads = int(c["num_attention_heads"])
+        return cls(int(c["num_hidden_layers"]), int(c["hidden_size"]), heads, int(c.get("num_key_value_heads") or heads),
+                   int(c.get("head_dim") or c["hidden_size"] // heads), float(c.get("rms_norm_eps", 1e-5)),
+                   float(rope.get("rope_theta") or c.get("rope_theta") or 10000.0), int(c["vocab_size"]))
+
+
+def _rms(x: Tensor, w: Tensor, eps: float) -> Tensor:
+    xf = x.float()
+    return (xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + eps)).to(x.dtype) * w
+
+
+def _rope(x: Tensor, cos: Tensor, sin: Tensor) -> Tensor:  # x: [B, H, T, hd]; cos, sin: [B, 1, T, hd]
+    h = x.shape[-1] // 2
+    return x * cos + torch.cat([-x[..., h:], x[..., :h]], -1) * sin
+
+
+def rope_tables(pos: Tensor, shape: Shape, dtype: torch.dtype) -> tuple[Tensor, Tensor]:  # pos [B, T] -> [B, 1, T, hd] x2
+    inv = 1.0 / shape.theta ** (torch.arange(0, shape.head_dim, 2, device=pos.device, dtype=torch.float32) / shape.head_dim)
+    f = pos.float()[..., None] * inv  # [B, T, hd/2]
+    emb = torch.cat([f, f], -1)[:, None]
+    return emb.cos().to(dtype), emb.sin().to(dtype)
+
+
+def hidden(shape: Shape, w: dict[str, Tensor], ids: Tensor, pos: Tensor, mask: Tensor | None,
+           cache: dict[str, Tensor] | None = None, at: int = 0) -> Tensor:
+    """The final-normed hidden states [B, T, D] of ``ids`` [B, T] at positions ``pos`` [B, T].
+
+    ``mask`` [B, 1, T, S] (True: attend) over the cache slots ``0 .. at + T``; None means plain
+    causal attention over these T tokens alone (training).  With ``cache`` ({"k", "v"}: [L, B,
+    Hkv, S_max, hd]) the tokens' keys and values are written at slots ``at .. at + T``."""
+    x = w["model.embed_tokens.weight"][ids]
+    b, t, _ = x.shape
+    cos, sin = rope_tables(pos, shape, x.dtype)
+    rep = shape.heads // shape.kv_heads
+    for i in range(shape.layers):
+        p = f"model.layers.{i}."
+        h = _rms(x, w[p + "input_layernorm.weight"], shape.eps)
+        q = (h @ w[p + "self_attn.q_proj.weight"].T).view(b, t, shape.heads, shape.head_dim).transpose(1, 2)
+        k = (h @ w[p + "self_attn.k_proj.weight"].T).view(b, t, shape.kv_heads, shape.head_dim).transpose(1, 2)
+        v = (h @ w[p + "self_attn.v_proj.weight"].T).view(b, t, shape.kv_heads, shape.head_dim).transpose(1, 2)
+        q, k = _rope(q, cos, sin), _rope(k, cos, sin)
+        if cache is not None:
+            cache["k"][i, :, :, at : at + t] = k
+            cache["v"][i, :, :, at : at + t] = v
+            k, v = cache["k"][i, :, :, : at + t], cache["v"][i, :, :, : at + t]
+        if t == 1 and mask is not None:  # decoding: a KV head's query heads as rows, no copy of the cache
+            o = F.scaled_dot_product_attention(q.reshape(b, shape.kv_heads, rep, shape.head_dim), k, v,
+                                               attn_mask=mask.expand(b, 1, rep, mask.shape[-1]))
+            o = o.reshape(b, shape.heads, 1, shape.head_dim)
+        else:
+            if rep > 1:
+                k, v = k.repeat_interleave(rep, 1), v.repeat_interleave(rep, 1)
+            if mask is None:
+                o = F.scaled_dot_product_attention(q, k, v, is_causal=True)
+            else:
+                o = F.scaled_dot_product_attention(q, k, v, attn_mask=mask)
+        x = x + o.transpose(1, 2).reshape(b, t, -1) @ w[p + "self_attn.o_proj.weight"].T
+        h = _rms(x, w[p + "post_attention_layernorm.weight"], shape.eps)
+        x = x + (F.silu(h @ w[p + "mlp.gate_proj.weight"].T) * (h @ w[p + "mlp.up_proj.weight"].T)) @ w[p + "mlp.down_proj.weight"].T
+    return _rms(x, w["model.norm.weight"], shape.eps)
+
+
+def head(w: dict[str, Tensor]) -> Tensor:  # [V, D]
+    return w.get("lm_head.weight", w["model.embed_tokens.weight"])
+
+
+def grow(shape: Shape, w: dict[str, Tensor], add: int) -> tuple[Shape, dict[str, Tensor]]:
+    """``add`` layers appended, each a copy of the last with its output projections zeroed: the
+    model computes exactly what it did (each new layer adds zero to the residual stream)."""
+    out = dict(w)
+    last = f"model.layers.{shape.layers - 1}."
+    for j in range(shape.layers, shape.layers + add):
+        for name, t in w.items():
+            if name.startswith(last):
+                new = f"model.layers.{j}." + name[len(last):]
+                zero = name.endswith(("o_proj.weight", "down_proj.weight"))
+                out[new] = torch.zeros_like(t) if zero else t.clone()
+    return replace(shape, layers=shape.layers + add), out
+
+
+# ----------------------------------------------------------------------------- loading
+
+
+def read_gguf_llama(path: str | Path, shape: Shape) -> dict[str, Tensor]:
+    """Every weight of a Llama GGUF whose layer matrices are Q4_0 / Q4_1, dequantised to float32
+    under Hugging Face names (the embedding may be Q8_0 or F32 / F16; norms F32)."""
+    import numpy as np
+
+    from specdec.models.gguf_blocks import _read_header, read_q4_blocks
+
+    w = {name: b.dequantize() for name, b in read_q4_blocks(path, shape.heads, shape.kv_heads).items()}
+    header = _read_header(path)
+    data = np.memmap(path, dtype=np.uint8, mode="r")
+    rename = {"token_embd.weight": "model.embed_tokens.weight", "output_norm.weight": "model.norm.weight",
+              "output.weight": "lm_head.weight"}
+    for name, dims, kind, offset in header.tensors:
+        parts = name.split(".")
+        if name in rename:
+            hf = rename[name]
+        elif len(parts) == 4 and parts[2] in ("attn_norm", "ffn_norm"):
+            hf = f"model.layers.{parts[1]}." + ("input_layernorm" if parts[2] == "attn_norm" else "post_attention_layernorm") + ".weight"
+        else:
+            continue
+        n = math.prod(dims)
+        start = header.data_start + offset
+        if kind == 0:  # F32
+            t = torch.from_numpy(np.array(data[start : start + 4 * n]).view(np.float32))
+        elif kind == 1:  # F16
+            t = torch.from_numpy(np.array(data[start : start + 2 * n]).view(np.float16)).float()
+        elif kind == 8:  # Q8_0: per block of 32, a float16 scale and 32 int8 codes
+            raw = torch.from_numpy(np.array(data[start : start + n // 32 * 34])).view(-1, 34)
+            d = raw[:, :2].contiguous().view(torch.float16).float()  # [nb, 1]
+            t = (d * raw[:, 2:].contiguous().view(torch.int8).float()).reshape(-1)
+        else:
+            raise ValueError(f"{name}: GGUF block type {kind} is not read here")
+        w[hf] = t.reshape(list(reversed(dims))) if len(dims) > 1 else t
+    missing = [k for k in _names(shape) if k not in w]
+    if missing:
+        raise ValueError(f"{path}: missing {missing[:3]}")
+    return w
+
+
+def _names(shape: Shape) -> list[str]:
+    per = ["input_layernorm", "post_attention_layernorm", "self_attn.q_proj", "self_attn.k_proj", "self_attn.v_proj",
+           "self_attn.o_proj", "mlp.gate_proj", "mlp.up_proj", "mlp.down_proj"]
+    return ["model.embed_tokens.weight", "model.norm.weight"] + [f"model.layers.{i}.{n}.weight"
+                                                                 for i in range(shape.layers) for n in per]
+
+
+def load_folder(folder: Path) -> tuple[Shape, dict[str, Tensor], dict]:
+    """A Hugging Face Llama folder (config.json + safetensors) as float32 weights."""
+    from safetensors.torch import load_file
+
+    cfg = json.loads((folder / "config.json").read_text())
+    w: dict[str, Tensor] = {}
+    for f in sorted(folder.glob("*.safetensors")):
+        w.update({k: v.float() for k, v in load_file(str(f)).items()})
+    if cfg.get("tie_word_embeddings", True):
+        w.pop("lm_head.weight", None)
+    return Shape.from_hf(cfg), w, cfg
+
+
+# ----------------------------------------------------------------------------- generation
+
+
+def _sample(logits: Tensor, temps: Tensor, gen: torch.Generator) -> Tensor:  # [B, V], [B] -> [B]
+    greedy = logits.argmax(-1)
+    safe = torch.where(temps > 0, temps, torch.ones_like(temps))
+    probs = torch.softmax(logits.float() / safe[:, None], -1)
+    sampled = torch.multinomial(probs, 1, generator=gen)[:, 0]
+    return torch.where(temps > 0, sampled, greedy)
+
+
+@torch.inference_mode()
+def generate(shape: Shape, w: dict[str, Tensor], prompts: list[list[int]], temps: list[float], max_new: int,
+             eos: tuple[int, ...], gen: torch.Generator) -> list[list[int]]:
+    """Each prompt's continuation (up to and including its first end-of-sequence token, at most
+    ``max_new`` tokens), all decoded together: prompts left-padded, one KV cache [L, B, Hkv, S, hd]."""
+    dev, dtype = w["model.norm.weight"].device, w["model.norm.weight"].dtype
+    b, p = len(prompts), max(len(x) for x in prompts)
+    pad = torch.tensor([p - len(x) for x in prompts], device=dev)  # [B]
+    ids = torch.zeros(b, p, dtype=torch.long, device=dev)
+    for r, x in enumerate(prompts):
+        ids[r, p - len(x):] = torch.tensor(x, device=dev)
+    s_max = p + max_new
+    slots = torch.arange(s_max, device=dev)
+    valid = slots[None, :] >= pad[:, None]  # [B, S]: left pads are never attended to
+    cache = {n: torch.zeros(shape.layers, b, shape.kv_heads, s_max, shape.head_dim, device=dev, dtype=dtype) for n in "kv"}
+    pos = (slots[None, :p] - pad[:, None]).clamp_min(0)
+    causal = torch.ones(p, p, dtype=torch.bool, device=dev).tril()
+    mask = (causal[None] & valid[:, None, :p]) | torch.eye(p, dtype=torch.bool, device=dev)[None]  # pads see themselves
+    h = hidden(shape, w, ids, pos, mask[:, None], cache, 0)[:, -1]  # [B, D]
+    out = torch.zeros(b, max_new, dtype=torch.long, device=dev)
+    done = torch.zeros(b, dtype=torch.bool, device=dev)
+    eos_t = torch.tensor(eos, device=dev)
+    t = torch.tensor(temps, device=dev, dtype=torch.float32)
+    n = 0
+    for step in range(max_new):
+        tok = _sample(h @ head(w).T, t, gen)
+        out[:, step] = torch.where(done, eos_t[0], tok)
+        done |= torch.isin(tok, eos_t)
+        n = step + 1
+        if step + 1 == max_new or (step % 8 == 7 and bool(done.all())):
+            break
+        s = p + step
+        h = hidden(shape, w, tok[:, None], (s - pad)[:, None], valid[:, None, None, : s + 1], cache, s)[:, -1]
+    rows = out[:, :n].tolist()
+    result = []
+    eos_set = set(eos)
+    for r in rows:
+        cut = next((i + 1 for i, x in enumerate(r) if x in eos_set), len(r))
+        result.append(r[:cut])
+    return result
+
+
+# ----------------------------------------------------------------------------- data
+
+
+@dataclass
+class Sequence:
+    tokens: list[int]
+    prompt_len: int
+    kind: str
+    temperature: float
+
+
+def plan(prompts: dict, cfg: OnlineConfig) -> list[tuple[list[int], str, float]]:
+    """Every (prompt, kind, temperature), shuffled by ``seed`` so that a time-cut run keeps the
+    mixture: each prompt once per temperature, code prompts ``code_repeats`` times at T > 0."""
+    rng = random.Random(cfg.seed)
+    items = [(x, kind, temp) for kind in ("chat", "code") for x in prompts[kind] for temp in cfg.temperatures
+             for _ in range(cfg.code_repeats if kind == "code" and temp > 0 else 1)]
+    rng.shuffle(items)
+    return items
+
+
+def generate_all(shape: Shape, w: dict[str, Tensor], prompts: dict, cfg: OnlineConfig,
+                 log: Callable[[str], None]) -> list[Sequence]:
+    todo = plan(prompts, cfg)
+    if cfg.sequences:
+        todo = todo[: cfg.sequences]
+    gen = torch.Generator(device=w["model.norm.weight"].device).manual_seed(cfg.seed)
+    eos = tuple(prompts["eos"])
+    out: list[Sequence] = []
+    t0 = time.perf_counter()
+    tokens = 0
+    for a in range(0, len(todo), cfg.gen_batch):
+        if not cfg.sequences and time.perf_counter() - t0 > cfg.gen_seconds:
+            break
+        chunk = todo[a : a + cfg.gen_batch]
+        for kind in ("chat", "code"):
+            part = sorted((x for x in chunk if x[1] == kind), key=lambda x: len(x[0]))
+            if not part:
+                continue
+            max_new = cfg.max_new_chat if kind == "chat" else cfg.max_new_code
+            for x, reply in zip(part, _generate_fitting(shape, w, part, max_new, eos, gen, log)):
+                out.append(Sequence(list(x[0]) + reply, len(x[0]), kind, x[2]))
+                tokens += len(reply)
+        dt = time.perf_counter() - t0
+        log(f"generate: {len(out)} sequences, {tokens} reply tokens, {dt:.0f} s ({tokens / max(dt, 1e-9):.0f} tok/s)")
+    return out
+
+
+def _generate_fitting(shape: Shape, w: dict[str, Tensor], part: list, max_new: int, eos: tuple[int, ...],
+                      gen: torch.Generator, log: Callable[[str], None]) -> list[list[int]]:
+    """:func:`generate` over ``part`` [(ids, kind, T)], in halves when a batch runs out of GPU memory."""
+    try:
+        return generate(shape, w, [x[0] for x in part], [x[2] for x in part], max_new, eos, gen)
+    except RuntimeError as e:
+        if not _oom(e) or len(part) < 2:
+            raise
+    torch.cuda.empty_cache()
+    log(f"generate: out of memory at {len(part)} sequences, in halves")
+    h = len(part) // 2
+    return (_generate_fitting(shape, w, part[:h], max_new, eos, gen, log)
+            + _generate_fitting(shape, w, part[h:], max_new, eos, gen, log))
+
+
+def split(n: int, every: int) -> tuple[list[int], list[int]]:
+    held = [i for i in range(n) if i % every == every - 1]
+    return [i for i in range(n) if i % every != every - 1], held
+
+
+def batches(data: list[Sequence], index: list[int], batch_tokens: int, rng: random.Random) -> list[list[int]]:
+    """Groups of similar length, about ``batch_tokens`` padded tokens each, in random order."""
+    order = sorted(index, key=lambda i: (len(data[i].tokens), rng.random()))
+    groups, cur, longest = [], [], 0
+    for i in order:
+        n = len(data[i].tokens)
+        if cur and max(longest, n) * (len(cur) + 1) > batch_tokens:
+            groups.append(cur)
+            cur, longest = [], 0
+        cur.append(i)
+        longest = max(longest, n)
+    if cur:
+        groups.append(cur)
+    rng.shuffle(groups)
+    return groups
+
+
+def collate(data: list[Sequence], group: list[int], device: torch.device) -> tuple[Tensor, Tensor]:
+    """Right-padded ids [B, T] and the reply-position mask [B, T] (position t predicts token t + 1,
+    a reply token)."""
+    t = max(len(data[i].tokens) for i in group)
+    ids = torch.zeros(len(group), t, dtype=torch.long)
+    rows = torch.zeros(len(group), t, dtype=torch.bool)
+    for r, i in enumerate(group):
+        s = data[i]
+        ids[r, : len(s.tokens)] = torch.tensor(s.tokens)
+        rows[r, max(s.prompt_len - 1, 0) : len(s.tokens) - 1] = True
+    return ids.to(device), rows.to(device)
+
+
+# ----------------------------------------------------------------------------- distillation
+
+
+@dataclass
+class Student:
+    """One draft being trained: its shape, float32 weights (trained in place) and optimiser."""
+
+    name: str
+    shape: Shape
+    w: dict[str, Tensor]
+    opt: torch.optim.Optimizer | None = None
+    losses: list[float] | None = None
+
+
+def _target_law(shape_t: Shape, wt: dict[str, Tensor], ids: Tensor, rows: Tensor) -> Tensor:  # -> [N, V] log p
+    pos = torch.arange(ids.shape[1], device=ids.device)[None].expand_as(ids)
+    with torch.no_grad():
+        ht = hidden(shape_t, wt, ids, pos, None)[rows]
+        return torch.log_softmax((ht @ head(wt).T).float(), -1)
+
+
+def _draft_law(s: Student, ids: Tensor, rows: Tensor, bf16: bool) -> Tensor:  # -> [N, V] log q
+    pos = torch.arange(ids.shape[1], device=ids.device)[None].expand_as(ids)
+    with torch.autocast(ids.device.type, dtype=torch.bfloat16, enabled=bf16):
+        hs = hidden(s.shape, s.w, ids, pos, None)[rows]
+        return torch.log_softmax((hs @ head(s.w).T).float(), -1)
+
+
+def kl(logp: Tensor, logq: Tensor) -> Tensor:  # forward KL(p || q), mean over rows
+    return (logp.exp() * (logp - logq)).sum(-1).mean()
+
+
+def lr_at(step: int, total: int, cfg: OnlineConfig) -> float:
+    if step < cfg.warmup:
+        return cfg.lr * (step + 1) / cfg.warmup
+    frac = (step - cfg.warmup) / max(total - cfg.warmup, 1)
+    return cfg.lr * 0.5 * (1 + math.cos(math.pi * min(frac, 1.0)))
+
+
+@torch.no_grad()
+def held_out(shape_t: Shape, wt: dict[str, Tensor], students: list[Student], data: list[Sequence], index: list[int],
+             batch_tokens: int, bf16: bool) -> dict[str, dict[str, dict[str, float]]]:
+    """Per student, per kind (and ``all``): arg-max agreement (T = 0 acceptance) and mean
+    ``sum min(p, q)`` (T = 1 acceptance), teacher-forced at every reply position held out."""
+    sums: dict[str, dict[str, list[float]]] = {s.name: {} for s in students}
+    dev = wt["model.norm.weight"].device
+    for kind in sorted({data[i].kind for i in index}):
+        for group in batches(data, [i for i in index if data[i].kind == kind], batch_tokens, random.Random(0)):
+            ids, rows = collate(data, group, dev)
+            logp = _target_law(shape_t, wt, ids, rows)
+            n = float(rows.sum())
+            for s in students:
+                logq = _draft_law(s, ids, rows, bf16)
+                agree = float((logp.argmax(-1) == logq.argmax(-1)).float().sum())
+                accept = float(torch.minimum(logp.exp(), logq.exp()).sum())
+                for key in (kind, "all"):
+                    acc = sums[s.name].setdefault(key, [0.0, 0.0, 0.0])
+                    acc[0] += agree
+                    acc[1] += accept
+                    acc[2] += n
+    return {name: {k: {"greedy": round(a / n, 4), "t1": round(c / n, 4), "positions": int(n)}
+                   for k, (a, c, n) in per.items()} for name, per in sums.items()}
+
+
+def _oom(e: BaseException) -> bool:
+    return isinstance(e, torch.cuda.OutOfMemoryError) or "out of memory" in str(e)
+
+
+def train(shape_t: Shape, wt: dict[str, Tensor], students: list[Student], data: list[Sequence], index: list[int],
+          cfg: OnlineConfig, ckpt: Path | None, log: Callable[[str], None], bf16: bool) -> dict:
+    """Train every student (weights modified in place) on the same batches, the target scoring each
+    batch once; returns {"steps", "seconds", "tokens", "batch_tokens"} (losses in ``Student.losses``).
+    Resumes from ``ckpt`` when it exists.  A step that runs out of GPU memory halves the batch."""
+    dev = wt["model.norm.weight"].device
+    for s in students:
+        s.opt = torch.optim.AdamW([t.requires_grad_(True) for t in s.w.values()], lr=cfg.lr,
+                                  weight_decay=cfg.weight_decay, betas=(0.9, 0.95))
+        s.losses = []
+    step, total, epoch, tokens, batch_tokens = 0, cfg.steps, 0, 0, cfg.batch_tokens
+    if ckpt is not None and ckpt.exists():
+        st = torch.load(ckpt, weights_only=False, map_location=dev)
+        for s in students:
+            with torch.no_grad():
+                for k, t in s.w.items():
+                    t.copy_(st["students"][s.name]["weights"][k])
+            s.opt.load_state_dict(st["students"][s.name]["optim"])
+            s.losses = st["students"][s.name]["losses"]
+        step, total, epoch, tokens, batch_tokens = st["step"], st["total"], st["epoch"], st["tokens"], st["batch_tokens"]
+        log(f"resumed at step {step} of {total}")
+    order: list[list[int]] = []
+    t0 = time.perf_counter()
+    warm_t = 0.0
+    while total == 0 or step < total:
+        if not order:
+            order = batches(data, index, batch_tokens, random.Random(cfg.seed * 7919 + epoch))
+            epoch += 1
+        group = order.pop()
+        try:
+            ids, rows = collate(data, group, dev)
+            logp = _target_law(shape_t, wt, ids, rows)
+            for s in students:
+                for g in s.opt.param_groups:
+                    g["lr"] = lr_at(step, total or 10**9, cfg)
+                loss = kl(logp, _draft_law(s, ids, rows, bf16))
+                s.opt.zero_grad(set_to_none=True)
+                loss.backward()
+                torch.nn.utils.clip_grad_norm_(list(s.w.values()), 1.0)
+                s.opt.step()
+                s.losses.append(round(float(loss.detach()), 5))
+        except RuntimeError as e:  # torch.cuda.OutOfMemoryError is one
+            if not _oom(e) or batch_tokens < 1024:
+                raise
+            del e
+            for s in students:
+                s.opt.zero_grad(set_to_none=True)
+            torch.cuda.empty_cache()
+            batch_tokens //= 2
+            order = []
+            log(f"train: out of memory, batch halved to {batch_tokens} tokens")
+            continue
+        step += 1
+        tokens += int(rows.sum())
+        if total == 0 and step == 10:
+            warm_t = time.perf_counter()
+        if total == 0 and step == 30:  # the step count that fits the budget, from steps 10..30's speed
+            per = (time.perf_counter() - warm_t) / 20
+            total = max(step + 1, int((cfg.train_seconds - (time.perf_counter() - t0)) / per) + step)
+            log(f"train: {per * 1000:.0f} ms a step -> {total} steps")
+        if step % 100 == 0 or step == total:
+            losses = " ".join(f"{s.name} {sum(s.losses[-100:]) / len(s.losses[-100:]):.4f}" for s in students)
+            log(f"train: step {step}/{total or '?'} loss {losses} ({time.perf_counter() - t0:.0f} s, {tokens} positions)")
+        if ckpt is not None and (step % cfg.ckpt_every == 0 or step == total):
+            tmp = ckpt.with_suffix(".tmp")
+            torch.save({"students": {s.name: {"weights": {k: t.detach() for k, t in s.w.items()},
+                                              "optim": s.opt.state_dict(), "losses": s.losses} for s in students},
+                        "step": step, "total": total, "epoch": epoch, "tokens": tokens, "batch_tokens": batch_tokens}, tmp)
+            tmp.replace(ckpt)
+    for s in students:
+        for t in s.w.values():
+            t.requires_grad_(False)
+        s.opt = None
+    return {"steps": step, "seconds": round(time.perf_counter() - t0, 1), "tokens": tokens, "batch_tokens": batch_tokens}
+
+
+# ----------------------------------------------------------------------------- bundle and run
+
+
+def tokenised_prompts(tokenizer, n_chat: int, n_code: int, eos: frozenset[int], seed: int = 0) -> dict:
+    """The built-in training prompts (none of the benchmark's), tokenised: {"chat", "code": [[ids]], "eos"}."""
+    from specdec.text import encode_prompt
+    from specdec.train.prompts import chat_prompts, code_prompts
+
+    return {"chat": [encode_prompt(tokenizer, x, chat=True) for x in chat_prompts(n_chat, seed=seed)],
+            "code": [encode_prompt(tokenizer, x, chat=False) for x in code_prompts(n_code, seed=seed)],
+            "eos": sorted(eos)}
+
+
+def write_bundle(out: Path, *, gguf: Path, target_config: dict, draft: Path, prompts: dict) -> None:
+    """What :func:`run` needs on a machine with torch alone: the target's GGUF (by path), its
+    config, the draft folder's config + weights, and the tokenised prompts (+ end-of-sequence ids)."""
+    import shutil
+
+    out.mkdir(parents=True, exist_ok=True)
+    (out / "target_config.json").write_text(json.dumps(target_config))
+    (out / "draft").mkdir(exist_ok=True)
+    for f in ("config.json", "model.safetensors"):
+        shutil.copy(draft / f, out / "draft" / f)
+    torch.save(prompts, out / "prompts.pt")
+    (out / "target.sha256").write_text(sha256(gguf) + "\n")
+
+
+def sha256(path: Path) -> str:
+    h = hashlib.sha256()
+    with open(path, "rb") as f:
+        for chunk in iter(lambda: f.read(1 << 20), b""):
+            h.update(chunk)
+    return h.hexdigest()
+
+
+def run(gguf: Path, target_config: dict, draft: Path, prompts: dict, cfg: OnlineConfig, out: Path,
+        device: torch.device, log: Callable[[str], None] = print, command: str = "") -> dict:
+    """Generate (or load ``out/data.pt``), distil every student (resuming ``out/ckpt.pt``), save each
+    as a model folder ``out/<name>/`` (config.json + float16 model.safetensors; ``draft`` when there
+    is one student, else ``draft-<layers>l``) and ``out/report.json``; returns the report."""
+    from safetensors.torch import save_file
+
+    t_start = time.perf_counter()
+    out.mkdir(parents=True, exist_ok=True)
+    torch.manual_seed(cfg.seed)
+    bf16 = device.type == "cuda" if cfg.bf16 is None else cfg.bf16
+    if device.type == "cuda":
+        torch.backends.cuda.matmul.allow_tf32 = True
+    shape_t = Shape.from_hf(target_config)
+    wt = {k: v.to(device=device, dtype=torch.bfloat16 if bf16 else torch.float32)
+          for k, v in read_gguf_llama(gguf, shape_t).items()}
+    shape_s, ws, draft_cfg = load_folder(draft)
+    ws = {k: v.to(device) for k, v in ws.items()}
+    log(f"loaded target ({shape_t.layers} layers) and draft ({shape_s.layers} layers) in {time.perf_counter() - t_start:.0f} s")
+
+    data_path = out / "data.pt"
+    t_gen = time.perf_counter()
+    if data_path.exists():
+        data = [Sequence(**x) for x in torch.load(data_path, weights_only=False)]
+        gen_seconds = None
+        log(f"loaded {len(data)} sequences from {data_path}")
+    else:
+        data = generate_all(shape_t, wt, prompts, cfg, log)
+        tmp = data_path.with_suffix(".tmp")
+        torch.save([asdict(x) for x in data], tmp)
+        tmp.replace(data_path)
+        gen_seconds = round(time.perf_counter() - t_gen, 1)
+    train_idx, held_idx = split(len(data), cfg.held_out_every)
+    if not train_idx or not held_idx:
+        raise ValueError(f"{len(data)} sequences: distillation needs at least {cfg.held_out_every}")
+    before = held_out(shape_t, wt, [Student("source", shape_s, ws)], data, held_idx, cfg.batch_tokens, bf16)["source"]
+    log(f"held-out, the source draft: {before}")
+    students = []
+    for add in cfg.add_layers:
+        sh, w = grow(shape_s, ws, add) if add else (shape_s, ws)
+        name = "draft" if len(cfg.add_layers) == 1 else f"draft-{sh.layers}l"
+        students.append(Student(name, sh, {k: v.clone() for k, v in w.items()}))
+    stats = train(shape_t, wt, students, data, train_idx, cfg, out / "ckpt.pt", log, bf16)
+    after = held_out(shape_t, wt, students, data, held_idx, cfg.batch_tokens, bf16)
+    for s in students:
+        log(f"held-out, {s.name}: {after[s.name]}")
+        (out / s.name).mkdir(exist_ok=True)
+        save_file({k: v.detach().to("cpu", torch.float16).contiguous() for k, v in s.w.items()},
+                  str(out / s.name / "model.safetensors"))
+        (out / s.name / "config.json").write_text(json.dumps(dict(draft_cfg, num_hidden_layers=s.shape.layers), indent=1) + "\n")
+    reply = [len(x.tokens) - x.prompt_len for x in data]
+    report = {
+        "command": command,
+        "config": asdict(cfg),
+        "device": torch.cuda.get_device_name(device) if device.type == "cuda" else "cpu",
+        "target_sha256": prompts.get("target_sha256"),
+        "sequences": len(data), "train_sequences": len(train_idx), "held_out_sequences": len(held_idx),
+        "reply_tokens": sum(reply), "train_reply_tokens": sum(reply[i] for i in train_idx),
+        "by_kind": {k: sum(1 for x in data if x.kind == k) for k in ("chat", "code")},
+        "generate_seconds": gen_seconds, "train": stats,
+        "held_out_before": before,
+        "students": {s.name: {"layers": s.shape.layers, "added_layers": s.shape.layers - shape_s.layers,
+                              "held_out_after": after[s.name], "loss_first": s.losses[:10], "loss_last": s.losses[-10:]}
+                     for s in students},
+        "total_seconds": round(time.perf_counter() - t_start, 1),
+    }
+    (out / "report.json").write_text(json.dumps(report, indent=1) + "\n")
+    (out / "losses.json").write_text(json.dumps({s.name: s.losses for s in students}) + "\n")
+    return report
+
+
+def main(argv: list[str] | None = None) -> int:
+    """Run from a bundle (``write_bundle``) on a machine with torch alone: ``python -m
+    specdec.train.online --bundle DIR --gguf FILE --out DIR [config flags]``."""
+    ap = argparse.ArgumentParser(prog="python -m specdec.train.online")
+    ap.add_argument("--bundle", required=True)
+    ap.add_argument("--gguf", required=True)
+    ap.add_argument("--out", required=True)
+    ap.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
+    special = ("temperatures", "add_layers", "bf16")
+    for f in OnlineConfig.__dataclass_fields__.values():
+        if f.name not in special:
+            ap.add_argument("--" + f.name.replace("_", "-"), type=type(f.default), default=f.default)
+    ap.add_argument("--temperatures", default="0,1,0.7")
+    ap.add_argument("--add-layers", default="0", help="comma list: one student per entry")
+    a = ap.parse_args(argv)
+    cfg = OnlineConfig(**{k: getattr(a, k) for k in OnlineConfig.__dataclass_fields__ if k not in special},
+                       temperatures=tuple(float(x) for x in a.temperatures.split(",")),
+                       add_layers=tuple(int(x) for x in a.add_layers.split(",")))
+    bundle = Path(a.bundle)
+    want = (bundle / "target.sha256").read_text().strip()
+    got = sha256(Path(a.gguf))
+    if got != want:
+        raise SystemExit(f"{a.gguf}: sha256 {got} is not the bundle's {want}")
+    prompts = torch.load(bundle / "prompts.pt", weights_only=False)
+    prompts["target_sha256"] = got
+
+    def log(msg: str) -> None:
+        print(msg, flush=True)
+
+    import shlex
+    import sys
+
+    run(Path(a.gguf), json.loads((bundle / "target_config.json").read_text()), bundle / "draft", prompts, cfg,
+        Path(a.out), torch.device(a.device), log, command="python -m specdec.train.online " + shlex.join(sys.argv[1:]))
+    return 0
+
+
+def model_card(report: dict, name: str, target: str, source: str) -> str:
+    """The Markdown card of the student ``name`` written by :func:`run`."""
+    c, tr, st = report["config"], report["train"], report["students"][name]
+
+    def rows(label: str, acc: dict) -> list[str]:
+        return [f"| {label} | {k} | {v['greedy']:.3f} | {v['t1']:.3f} | {v['positions']} |" for k, v in sorted(acc.items())]
+
+    gen = f"{report['generate_seconds']:.0f} s" if report.get("generate_seconds") else "an earlier run"
+    others = [n for n in report["students"] if n != name]
+    return "\n".join([
+        f"# Draft for {target}, distilled online",
+        "",
+        f"Started from `{source}`"
+        + (f", deepened to {st['layers']} layers ({st['added_layers']} appended, identity-initialised)"
+           if st["added_layers"] else "")
+        + "; trained on the target's whole next-token law (forward KL) at every reply position of sequences the "
+        "target generated, the target scoring each batch as training went"
+        + (f" (trained side by side with {', '.join(others)} on the same batches)" if others else "") + ".",
+        "",
+        f"* Data: {report['sequences']} target sequences ({report['by_kind']['chat']} chat, {report['by_kind']['code']} "
+        f"code; temperatures {', '.join(str(t) for t in c['temperatures'])}), {report['reply_tokens']} reply tokens, "
+        f"generated in {gen}; {report['held_out_sequences']} sequences held out (every {c['held_out_every']}th).",
+        f"* Training: {tr['steps']} steps of ~{tr['batch_tokens']} padded tokens ({tr['tokens']} reply positions), lr "
+        f"{c['lr']}, AdamW + cosine, {tr['seconds']:.0f} s on {report['device']}; the whole run {report['total_seconds']:.0f} s.",
+        f"* Target file sha256: `{report.get('target_sha256')}`.",
+        f"* Command: `{report.get('command') or '(not recorded)'}`",
+        "",
+        "Held-out, teacher-forced (greedy: arg-max agreement, the T = 0 acceptance of one token; t1: sum min(p, q), "
+        "its T = 1 acceptance):",
+        "",
+        "| draft | kind | greedy | t1 | positions |",
+        "|---|---|---|---|---|",
+        *rows(f"before (`{source}`)", report["held_out_before"]),
+        *rows("after", st["held_out_after"]),
+        "",
+    ])
+
+
+def finish_folder(folder: Path, source: Path, card: str) -> None:
+    """Make a student's folder a model folder ``--draft`` loads: the source draft's tokenizer and
+    chat template beside the weights, and the model card."""
+    import shutil
+
+    for f in source.iterdir():
+        if f.is_file() and (f.name.startswith("tokenizer") or f.name in ("chat_template.jinja", "generation_config.json")):
+            shutil.copy(f, folder / f.name)
+    (folder / "README.md").write_text(card)
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
