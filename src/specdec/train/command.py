@@ -135,6 +135,7 @@ def add_parser(sub) -> None:  # noqa: ANN001 - argparse's subparsers action
     o.add_argument("--lr", type=float, default=2e-4)
     o.add_argument("--add-layers", default="0", help="comma list, one draft trained per entry (side by side, on the "
                    "same batches): identity-initialised layers appended to the source draft first (0: as it is)")
+    o.add_argument("--max-minutes", type=float, help="pause training after about this long (rerun to resume)")
     o.add_argument("--bundle", help="write the inputs to this folder instead of training (for a torch-only machine)")
     o.add_argument("--seed", type=int, default=0)
 
@@ -534,6 +535,17 @@ def _distill(args: argparse.Namespace) -> int:
     return 0
 
 
+def _online_command(args: argparse.Namespace) -> str:
+    """The command that reproduces this run: every option spelled out, the counts a timed run
+    reached are in its report (pass them as --sequences / --steps to replay it)."""
+    import shlex
+
+    opts = ("out", "target", "draft", "device", "chat_prompts", "code_prompts", "temperatures", "code_repeats",
+            "sequences", "gen_seconds", "gen_batch", "max_new_chat", "max_new_code", "steps", "train_seconds",
+            "batch_tokens", "lr", "add_layers", "seed")
+    return "specdec train online " + " ".join(f"--{o.replace('_', '-')} {shlex.quote(str(getattr(args, o)))}" for o in opts)
+
+
 def _online(args: argparse.Namespace) -> int:
     import torch
 
@@ -588,10 +600,17 @@ def _online(args: argparse.Namespace) -> int:
     def log(msg: str) -> None:
         print(f"[specdec] {msg}", file=sys.stderr, flush=True)
 
-    import shlex
+    command = _online_command(args)
+    pause = None
+    if args.max_minutes:
+        import time
 
-    command = "specdec train online " + shlex.join(sys.argv[3:] if sys.argv[1:3] == ["train", "online"] else [])
-    report = online.run(gguf, cfg_json, source, prompts, cfg, out, torch.device(device), log, command=command)
+        deadline = time.monotonic() + 60 * args.max_minutes
+        pause = lambda step: time.monotonic() > deadline  # noqa: E731
+    report = online.run(gguf, cfg_json, source, prompts, cfg, out, torch.device(device), log, command=command, pause=pause)
+    if not report["finished"]:
+        log(f"paused at step {report['train']['steps']} (rerun the same command to resume)")
+        return 0
     b = report["held_out_before"]["all"]
     for name, st in report["students"].items():
         online.finish_folder(out / name, source, online.model_card(report, name, args.target, args.draft))

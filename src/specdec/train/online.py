@@ -445,10 +445,13 @@ def _oom(e: BaseException) -> bool:
 
 
 def train(shape_t: Shape, wt: dict[str, Tensor], students: list[Student], data: list[Sequence], index: list[int],
-          cfg: OnlineConfig, ckpt: Path | None, log: Callable[[str], None], bf16: bool) -> dict:
+          cfg: OnlineConfig, ckpt: Path | None, log: Callable[[str], None], bf16: bool,
+          pause: Callable[[int], bool] | None = None) -> dict:
     """Train every student (weights modified in place) on the same batches, the target scoring each
-    batch once; returns {"steps", "seconds", "tokens", "batch_tokens"} (losses in ``Student.losses``).
-    Resumes from ``ckpt`` when it exists.  A step that runs out of GPU memory halves the batch."""
+    batch once; returns {"finished", "steps", "seconds", "tokens", "batch_tokens"} (losses in
+    ``Student.losses``).  Resumes from ``ckpt`` when it exists; ``pause(step)`` true after a step
+    checkpoints and stops there (a rerun continues bitwise).  A step that runs out of GPU memory
+    halves the batch."""
     dev = wt["model.norm.weight"].device
     for s in students:
         s.opt = torch.optim.AdamW([t.requires_grad_(True) for t in s.w.values()], lr=cfg.lr,
@@ -464,8 +467,10 @@ def train(shape_t: Shape, wt: dict[str, Tensor], students: list[Student], data: 
             s.opt.load_state_dict(st["students"][s.name]["optim"])
             s.losses = st["students"][s.name]["losses"]
         step, total, epoch, tokens, batch_tokens = st["step"], st["total"], st["epoch"], st["tokens"], st["batch_tokens"]
+        order: list[list[int]] = st["order"]
         log(f"resumed at step {step} of {total}")
-    order: list[list[int]] = []
+    else:
+        order = []
     t0 = time.perf_counter()
     warm_t = 0.0
     while total == 0 or step < total:
@@ -507,17 +512,23 @@ def train(shape_t: Shape, wt: dict[str, Tensor], students: list[Student], data: 
         if step % 100 == 0 or step == total:
             losses = " ".join(f"{s.name} {sum(s.losses[-100:]) / len(s.losses[-100:]):.4f}" for s in students)
             log(f"train: step {step}/{total or '?'} loss {losses} ({time.perf_counter() - t0:.0f} s, {tokens} positions)")
-        if ckpt is not None and (step % cfg.ckpt_every == 0 or step == total):
+        paused = pause is not None and step != total and pause(step)
+        if ckpt is not None and (step % cfg.ckpt_every == 0 or step == total or paused):
             tmp = ckpt.with_suffix(".tmp")
             torch.save({"students": {s.name: {"weights": {k: t.detach() for k, t in s.w.items()},
                                               "optim": s.opt.state_dict(), "losses": s.losses} for s in students},
-                        "step": step, "total": total, "epoch": epoch, "tokens": tokens, "batch_tokens": batch_tokens}, tmp)
+                        "step": step, "total": total, "epoch": epoch, "tokens": tokens, "batch_tokens": batch_tokens,
+                        "order": order}, tmp)
             tmp.replace(ckpt)
+        if paused:
+            log(f"train: paused at step {step} of {total}")
+            break
     for s in students:
         for t in s.w.values():
             t.requires_grad_(False)
         s.opt = None
-    return {"steps": step, "seconds": round(time.perf_counter() - t0, 1), "tokens": tokens, "batch_tokens": batch_tokens}
+    return {"finished": step == total, "steps": step, "seconds": round(time.perf_counter() - t0, 1), "tokens": tokens,
+            "batch_tokens": batch_tokens}
 
 
 # ----------------------------------------------------------------------------- bundle and run
@@ -556,10 +567,12 @@ def sha256(path: Path) -> str:
 
 
 def run(gguf: Path, target_config: dict, draft: Path, prompts: dict, cfg: OnlineConfig, out: Path,
-        device: torch.device, log: Callable[[str], None] = print, command: str = "") -> dict:
+        device: torch.device, log: Callable[[str], None] = print, command: str = "",
+        pause: Callable[[int], bool] | None = None) -> dict:
     """Generate (or load ``out/data.pt``), distil every student (resuming ``out/ckpt.pt``), save each
     as a model folder ``out/<name>/`` (config.json + float16 model.safetensors; ``draft`` when there
-    is one student, else ``draft-<layers>l``) and ``out/report.json``; returns the report."""
+    is one student, else ``draft-<layers>l``) and ``out/report.json``; returns the report.  When
+    ``pause`` stops training early the report says ``"finished": false`` and no model is written."""
     from safetensors.torch import save_file
 
     t_start = time.perf_counter()
@@ -597,16 +610,21 @@ def run(gguf: Path, target_config: dict, draft: Path, prompts: dict, cfg: Online
         sh, w = grow(shape_s, ws, add) if add else (shape_s, ws)
         name = "draft" if len(cfg.add_layers) == 1 else f"draft-{sh.layers}l"
         students.append(Student(name, sh, {k: v.clone() for k, v in w.items()}))
-    stats = train(shape_t, wt, students, data, train_idx, cfg, out / "ckpt.pt", log, bf16)
+    stats = train(shape_t, wt, students, data, train_idx, cfg, out / "ckpt.pt", log, bf16, pause)
+    if not stats["finished"]:
+        report = {"finished": False, "command": command, "config": asdict(cfg), "train": stats}
+        (out / "report.json").write_text(json.dumps(report, indent=1) + "\n")
+        return report
     after = held_out(shape_t, wt, students, data, held_idx, cfg.batch_tokens, bf16)
     for s in students:
         log(f"held-out, {s.name}: {after[s.name]}")
         (out / s.name).mkdir(exist_ok=True)
         save_file({k: v.detach().to("cpu", torch.float16).contiguous() for k, v in s.w.items()},
-                  str(out / s.name / "model.safetensors"))
+                  str(out / s.name / "model.safetensors"), metadata={"format": "pt"})
         (out / s.name / "config.json").write_text(json.dumps(dict(draft_cfg, num_hidden_layers=s.shape.layers), indent=1) + "\n")
     reply = [len(x.tokens) - x.prompt_len for x in data]
     report = {
+        "finished": True,
         "command": command,
         "config": asdict(cfg),
         "device": torch.cuda.get_device_name(device) if device.type == "cuda" else "cpu",
