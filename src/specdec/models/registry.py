@@ -97,9 +97,11 @@ REGISTRY: dict[str, ModelSpec] = {
         ),
         ModelSpec(
             "smollm2-135m-draft",
-            "15.7 M-parameter Llama distilled from SmolLM2-135M (shipped with specdec)",
+            "15.7 M-parameter Llama distilled from SmolLM2-135M, then online on its chat and code replies "
+            "(shipped with specdec; model card in its folder)",
             Bundled("smollm2-135m-draft"),
-            sha256="a7d366ec876439432f1ebb972f2af3cdcf53d0f05b34af51e4be6506c2482c08",
+            # the first version (before online distillation) was a7d366ec876439432f1ebb972f2af3cdcf53d0f05b34af51e4be6506c2482c08
+            sha256="0636d80f7d16bf9fcb531f08f7de3dad17e0c4bf10f07291f30487cc22db702e",
             license="Apache-2.0",
         ),
         ModelSpec(
