@@ -84,9 +84,24 @@ def data(tiny):
     prompts = {"chat": _prompts(45, 3), "code": _prompts(15, 4), "eos": [2]}
     cfg = on.OnlineConfig(sequences=60, gen_batch=32, max_new_chat=24, max_new_code=24, temperatures=(1.0,),
                           code_repeats=1)
-    seqs = on.generate_all(shape, w, prompts, cfg, lambda msg: None)
-    assert len(seqs) == 60 and {s.kind for s in seqs} == {"chat", "code"}
+    seqs, finished = on.generate_all(shape, w, prompts, cfg, lambda msg: None)
+    assert finished and len(seqs) == 60 and {s.kind for s in seqs} == {"chat", "code"}
     return seqs
+
+
+def test_paused_generation_resumes_to_the_same_sequences(tiny, data, tmp_path: Path) -> None:
+    """Stopped after the first batch of 32 and rerun: the 60 sequences of an uninterrupted run
+    (sampled at T = 1, so the sampler's state has to be carried over too)."""
+    _, target, _ = tiny
+    shape, w, _ = on.load_folder(target)
+    prompts = {"chat": _prompts(45, 3), "code": _prompts(15, 4), "eos": [2]}
+    cfg = on.OnlineConfig(sequences=60, gen_batch=32, max_new_chat=24, max_new_code=24, temperatures=(1.0,),
+                          code_repeats=1)
+    partial = tmp_path / "data.partial.pt"
+    first, finished = on.generate_all(shape, w, prompts, cfg, lambda msg: None, partial, lambda: True)
+    assert not finished and len(first) == 32 and partial.exists()
+    resumed, finished = on.generate_all(shape, w, prompts, cfg, lambda msg: None, partial)
+    assert finished and [x.tokens for x in resumed] == [x.tokens for x in data]
 
 
 def _student(folder: Path, name: str = "s") -> on.Student:

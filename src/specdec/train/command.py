@@ -609,7 +609,8 @@ def _online(args: argparse.Namespace) -> int:
         pause = lambda step: time.monotonic() > deadline  # noqa: E731
     report = online.run(gguf, cfg_json, source, prompts, cfg, out, torch.device(device), log, command=command, pause=pause)
     if not report["finished"]:
-        log(f"paused at step {report['train']['steps']} (rerun the same command to resume)")
+        where = f"step {report['train']['steps']}" if "train" in report else f"{report['generated']} sequences generated"
+        log(f"paused at {where} (rerun the same command to resume)")
         return 0
     b = report["held_out_before"]["all"]
     for name, st in report["students"].items():

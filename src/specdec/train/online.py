@@ -299,17 +299,27 @@ def plan(prompts: dict, cfg: OnlineConfig) -> list[tuple[list[int], str, float]]
     return items
 
 
-def generate_all(shape: Shape, w: dict[str, Tensor], prompts: dict, cfg: OnlineConfig,
-                 log: Callable[[str], None]) -> list[Sequence]:
+def generate_all(shape: Shape, w: dict[str, Tensor], prompts: dict, cfg: OnlineConfig, log: Callable[[str], None],
+                 partial: Path | None = None, pause: Callable[[], bool] | None = None) -> tuple[list[Sequence], bool]:
+    """Answer the planned prompts ``gen_batch`` at a time; returns (sequences, finished).  With
+    ``partial`` the sequences so far, the sampler's state and the time spent are saved after every
+    batch and a rerun continues from them (the same sequences as an uninterrupted run);
+    ``pause()`` true after a batch stops there."""
     todo = plan(prompts, cfg)
     if cfg.sequences:
         todo = todo[: cfg.sequences]
     gen = torch.Generator(device=w["model.norm.weight"].device).manual_seed(cfg.seed)
     eos = tuple(prompts["eos"])
     out: list[Sequence] = []
-    t0 = time.perf_counter()
-    tokens = 0
-    for a in range(0, len(todo), cfg.gen_batch):
+    spent, tokens = 0.0, 0
+    if partial is not None and partial.exists():
+        st = torch.load(partial, weights_only=False)
+        out, spent = [Sequence(**x) for x in st["sequences"]], st["seconds"]
+        gen.set_state(st["gen"])
+        tokens = sum(len(x.tokens) - x.prompt_len for x in out)
+        log(f"generate: resuming after {len(out)} sequences")
+    t0 = time.perf_counter() - spent
+    for a in range(len(out), len(todo), cfg.gen_batch):
         if not cfg.sequences and time.perf_counter() - t0 > cfg.gen_seconds:
             break
         chunk = todo[a : a + cfg.gen_batch]
@@ -323,7 +333,14 @@ def generate_all(shape: Shape, w: dict[str, Tensor], prompts: dict, cfg: OnlineC
                 tokens += len(reply)
         dt = time.perf_counter() - t0
         log(f"generate: {len(out)} sequences, {tokens} reply tokens, {dt:.0f} s ({tokens / max(dt, 1e-9):.0f} tok/s)")
-    return out
+        if partial is not None:
+            tmp = partial.with_suffix(".tmp")
+            torch.save({"sequences": [asdict(x) for x in out], "seconds": dt, "gen": gen.get_state()}, tmp)
+            tmp.replace(partial)
+        if pause is not None and len(out) < len(todo) and pause():
+            log(f"generate: paused after {len(out)} sequences")
+            return out, False
+    return out, True
 
 
 def _generate_fitting(shape: Shape, w: dict[str, Tensor], part: list, max_new: int, eos: tuple[int, ...],
@@ -595,10 +612,16 @@ def run(gguf: Path, target_config: dict, draft: Path, prompts: dict, cfg: Online
         gen_seconds = None
         log(f"loaded {len(data)} sequences from {data_path}")
     else:
-        data = generate_all(shape_t, wt, prompts, cfg, log)
+        data, finished = generate_all(shape_t, wt, prompts, cfg, log, out / "data.partial.pt",
+                                      (lambda: pause(0)) if pause is not None else None)
+        if not finished:
+            report = {"finished": False, "command": command, "config": asdict(cfg), "generated": len(data)}
+            (out / "report.json").write_text(json.dumps(report, indent=1) + "\n")
+            return report
         tmp = data_path.with_suffix(".tmp")
         torch.save([asdict(x) for x in data], tmp)
         tmp.replace(data_path)
+        (out / "data.partial.pt").unlink(missing_ok=True)
         gen_seconds = round(time.perf_counter() - t_gen, 1)
     train_idx, held_idx = split(len(data), cfg.held_out_every)
     if not train_idx or not held_idx:
