@@ -260,18 +260,23 @@ def _int_list(text: str, what: str) -> tuple[int, ...]:
     return values
 
 
+def _temperatures(text: str) -> tuple[float, ...]:
+    try:
+        temps = tuple(float(x) for x in text.split(",") if x.strip())
+    except ValueError:
+        raise ConfigError(f"--temperatures must be a comma list of numbers, got {text!r}") from None
+    if not temps or min(temps) < 0:
+        raise ConfigError("--temperatures needs at least one value >= 0")
+    return temps
+
+
 def _data(args: argparse.Namespace) -> int:
     from tqdm.auto import tqdm
 
     from specdec.models.registry import load
     from specdec.train.data import DataConfig, generate
 
-    try:
-        temps = tuple(float(x) for x in args.temperatures.split(",") if x.strip())
-    except ValueError:
-        raise ConfigError(f"--temperatures must be a comma list of numbers, got {args.temperatures!r}") from None
-    if not temps or min(temps) < 0:
-        raise ConfigError("--temperatures needs at least one value >= 0")
+    temps = _temperatures(args.temperatures)
     if args.sequences < 1 or args.batch < 1 or not 0.0 <= args.chat_share <= 1.0:
         raise ConfigError("--sequences and --batch must be >= 1 and --chat-share in [0, 1]")
     cfg = DataConfig(target=args.target, sequences=args.sequences, chat_share=args.chat_share, temperatures=temps,
@@ -553,18 +558,10 @@ def _online(args: argparse.Namespace) -> int:
     from specdec.models.registry import check_compatible, gguf_file, load, resolve
     from specdec.train import online
 
-    try:
-        temps = tuple(float(x) for x in args.temperatures.split(",") if x.strip())
-    except ValueError:
-        raise ConfigError(f"--temperatures must be a comma list of numbers, got {args.temperatures!r}") from None
-    if not temps or min(temps) < 0:
-        raise ConfigError("--temperatures needs at least one value >= 0")
-    try:
-        add = tuple(int(x) for x in args.add_layers.split(",") if x.strip())
-    except ValueError:
-        raise ConfigError(f"--add-layers must be a comma list of integers, got {args.add_layers!r}") from None
-    if not add or min(add) < 0 or len(set(add)) != len(add):
-        raise ConfigError("--add-layers needs distinct values >= 0")
+    temps = _temperatures(args.temperatures)
+    add = _int_list(args.add_layers, "--add-layers")
+    if len(set(add)) != len(add):
+        raise ConfigError("--add-layers needs distinct values (one draft is trained per value)")
     if min(args.chat_prompts, args.code_prompts, args.sequences, args.steps, args.code_repeats) < 0 \
             or min(args.gen_batch, args.batch_tokens) < 1 or args.lr <= 0:
         raise ConfigError("counts must be >= 0, --gen-batch, --batch-tokens and --lr positive")

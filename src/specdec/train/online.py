@@ -15,16 +15,18 @@ is cheap enough to run *inside* the training loop, which removes every one of th
    arg-max agreement and ``sum min(p, q)`` over the whole vocabulary (T = 1 acceptance).
 
 The target is read from its GGUF file here (4-bit and 8-bit blocks dequantised), and both models
-run through one small functional Llama (:func:`hidden`), so this module needs nothing but torch:
-it runs on a bare GPU machine from a bundle (:func:`write_bundle`: the GGUF, the draft folder
-and the tokenised prompts), and on a CPU through the CLI (slowly: it is the same computation).
+run through one small functional Llama (:func:`hidden`), so this module needs nothing but torch
+and safetensors: it runs on a bare GPU machine from a bundle (:func:`write_bundle`: the draft
+folder, the tokenised prompts, the target's config and sha256) and the GGUF file, and on a CPU
+through the CLI (slowly: it is the same computation).
 The draft can be deepened first (``add_layers``): new layers start as exact identities (their
 output projections zero), so training starts from the shipped draft's behaviour.
 
-Everything resumes: the generated sequences are saved once (``data.pt``), the student and
-optimiser every ``ckpt_every`` steps (``ckpt.pt``); a time-bounded run (``train_seconds``)
-picks its step count from the first steps' speed and records it, so a rerun with ``steps`` set
-reproduces the schedule.
+Everything resumes to the result of an uninterrupted run: generation saves its sequences and
+sampler state after every batch (``data.partial.pt``, then ``data.pt``), training the students
+and optimisers every ``ckpt_every`` steps and when paused (``ckpt.pt``).  A time-bounded run
+(``gen_seconds``, ``train_seconds``) records the counts it reached, so a rerun with
+``sequences`` and ``steps`` set replays it.
 """
 
 from __future__ import annotations
