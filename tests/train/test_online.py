@@ -171,7 +171,8 @@ def test_command_errors_are_one_line(capsys) -> None:
 
     for argv, words in ((["--add-layers", "1,x"], "--add-layers"), (["--add-layers", "1,1"], "distinct"),
                         (["--device", "cuda"], "no GPU"), (["--temperatures", "-1"], "temperatures"),
-                        (["--steps", "0", "--train-seconds", "0"], "--train-seconds")):
+                        (["--steps", "0", "--train-seconds", "0"], "--train-seconds"),
+                        (["--chat-prompts", "0", "--code-prompts", "0"], "nothing to answer")):
         if argv[:2] == ["--device", "cuda"] and torch.cuda.is_available():
             continue
         assert cli.main(["train", "online", "--out", "unused", *argv]) != 0

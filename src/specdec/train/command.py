@@ -565,6 +565,8 @@ def _online(args: argparse.Namespace) -> int:
     if min(args.chat_prompts, args.code_prompts, args.sequences, args.steps, args.code_repeats) < 0 \
             or min(args.gen_batch, args.batch_tokens) < 1 or args.lr <= 0:
         raise ConfigError("counts must be >= 0, --gen-batch, --batch-tokens and --lr positive")
+    if args.chat_prompts + args.code_prompts == 0:
+        raise ConfigError("nothing to answer: --chat-prompts and --code-prompts are both 0")
     if args.sequences == 0 and args.gen_seconds <= 0 or args.steps == 0 and args.train_seconds <= 0:
         raise ConfigError("give --sequences or a positive --gen-seconds, and --steps or a positive --train-seconds")
     device = args.device if args.device != "auto" else ("cuda" if torch.cuda.is_available() else "cpu")
@@ -604,7 +606,11 @@ def _online(args: argparse.Namespace) -> int:
 
         deadline = time.monotonic() + 60 * args.max_minutes
         pause = lambda step: time.monotonic() > deadline  # noqa: E731
-    report = online.run(gguf, cfg_json, source, prompts, cfg, out, torch.device(device), log, command=command, pause=pause)
+    try:
+        report = online.run(gguf, cfg_json, source, prompts, cfg, out, torch.device(device), log, command=command,
+                            pause=pause)
+    except ValueError as e:  # too few sequences for a held-out set, an unreadable target file
+        raise ConfigError(str(e)) from None
     if not report["finished"]:
         where = f"step {report['train']['steps']}" if "train" in report else f"{report['generated']} sequences generated"
         log(f"paused at {where} (rerun the same command to resume)")
