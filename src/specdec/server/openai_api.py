@@ -501,9 +501,12 @@ def _piece(tok: Any, token: int) -> str:
 
 
 def _chat_logprobs(tok: Any, out: TextResult) -> dict[str, Any] | None:
-    """OpenAI chat ``logprobs``: the target's processed law at each emitted position."""
+    """OpenAI chat ``logprobs``: the target's processed law at each emitted position whose token
+    is part of the message; special tokens (the end of the turn) are left out, as the message's
+    text leaves them out, so the entries' tokens join to the content."""
     if out.logprobs is None:
         return None
+    special = set(getattr(tok, "all_special_ids", None) or ())
 
     def entry(token: int, lp: float) -> dict[str, Any]:
         text = _piece(tok, token)
@@ -511,7 +514,7 @@ def _chat_logprobs(tok: Any, out: TextResult) -> dict[str, Any] | None:
 
     return {"content": [
         {**entry(token, lp), "top_logprobs": [entry(i, v) for i, v in top]}
-        for token, (lp, top) in zip(out.token_ids, out.logprobs)
+        for token, (lp, top) in zip(out.token_ids, out.logprobs) if token not in special
     ], "refusal": None}
 
 
