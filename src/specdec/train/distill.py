@@ -33,6 +33,7 @@ from typing import Any, Callable, Sequence
 import torch
 from torch import Tensor
 
+from specdec.train.common import split  # noqa: F401 - part of this module's interface (ds.split)
 from specdec.train.kangaroo import lr_at  # warm-up then cosine: the same schedule as the Kangaroo adapter's
 
 LOSSES = ("kl", "tvd")
@@ -72,12 +73,6 @@ def label(target: Any, tokens: Tensor, prompt_len: int, kind: str, *, top_k: int
     p = torch.softmax(logits[start:-1].float(), -1)  # [L - 1 - start, V]: the law of tokens start+1 ..
     vals, idx = p.topk(top_k, dim=-1)
     return Labels(tokens.clone(), start, vals.clone(), idx.clone(), kind)
-
-
-def split(n: int, every: int) -> tuple[list[int], list[int]]:
-    """(training indices, held-out indices): every ``every``-th sequence is held out."""
-    held = [i for i in range(n) if i % every == every - 1]
-    return [i for i in range(n) if i % every != every - 1], held
 
 
 def _batch(items: Sequence[Labels]) -> tuple[Tensor, Tensor]:  # -> tokens [B, T] (right-padded), mask [B, T]

@@ -19,7 +19,6 @@ Training resumes from ``ckpt.pt`` in the output folder (model, optimiser, step, 
 from __future__ import annotations
 
 import json
-import math
 import random
 import time
 from dataclasses import asdict, dataclass, replace
@@ -31,6 +30,7 @@ import torch.nn.functional as F
 from torch import Tensor, nn
 
 from specdec.heads.modules import MTP, Eagle, HeadConfig, Medusa, build, frozen_head_rows, rope_tables, save_head, ttt_mask
+from specdec.train.common import length_batches, warmup_cosine
 from specdec.train.data import Shard, load_shards
 
 
@@ -109,19 +109,7 @@ class Batch:
 
 def batches(data: Shard, index: list[int], batch_tokens: int, rng: random.Random) -> list[list[int]]:
     """Groups of sequence indices of similar length, about ``batch_tokens`` padded tokens each."""
-    order = sorted(index, key=lambda i: (data.tokens[i].numel(), rng.random()))
-    groups: list[list[int]] = []
-    cur: list[int] = []
-    for i in order:
-        longest = max([data.tokens[j].numel() for j in cur] + [data.tokens[i].numel()])
-        if cur and longest * (len(cur) + 1) > batch_tokens:
-            groups.append(cur)
-            cur = []
-        cur.append(i)
-    if cur:
-        groups.append(cur)
-    rng.shuffle(groups)
-    return groups
+    return length_batches([t.numel() for t in data.tokens], index, batch_tokens, rng)
 
 
 def collate(data: Shard, group: list[int]) -> Batch:
@@ -316,9 +304,7 @@ def train(
     model.train()
 
     def schedule(s: int) -> float:
-        if s < cfg.warmup:
-            return (s + 1) / cfg.warmup
-        return 0.5 * (1 + math.cos(math.pi * min(1.0, (s - cfg.warmup) / max(1, cfg.steps - cfg.warmup))))
+        return warmup_cosine(s, cfg.steps, cfg.warmup)
 
     def save_ckpt() -> None:
         tmp = ckpt_path.with_suffix(".tmp")

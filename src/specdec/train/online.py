@@ -45,6 +45,8 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor
 
+from specdec.train.common import length_batches, split, warmup_cosine
+
 
 @dataclass(frozen=True)
 class OnlineConfig:
@@ -360,26 +362,9 @@ def _generate_fitting(shape: Shape, w: dict[str, Tensor], part: list, max_new: i
             + _generate_fitting(shape, w, part[h:], max_new, eos, gen, log))
 
 
-def split(n: int, every: int) -> tuple[list[int], list[int]]:
-    held = [i for i in range(n) if i % every == every - 1]
-    return [i for i in range(n) if i % every != every - 1], held
-
-
 def batches(data: list[Sequence], index: list[int], batch_tokens: int, rng: random.Random) -> list[list[int]]:
     """Groups of similar length, about ``batch_tokens`` padded tokens each, in random order."""
-    order = sorted(index, key=lambda i: (len(data[i].tokens), rng.random()))
-    groups, cur, longest = [], [], 0
-    for i in order:
-        n = len(data[i].tokens)
-        if cur and max(longest, n) * (len(cur) + 1) > batch_tokens:
-            groups.append(cur)
-            cur, longest = [], 0
-        cur.append(i)
-        longest = max(longest, n)
-    if cur:
-        groups.append(cur)
-    rng.shuffle(groups)
-    return groups
+    return length_batches([len(x.tokens) for x in data], index, batch_tokens, rng)
 
 
 def collate(data: list[Sequence], group: list[int], device: torch.device) -> tuple[Tensor, Tensor]:
@@ -425,13 +410,6 @@ def _draft_law(s: Student, ids: Tensor, rows: Tensor, bf16: bool) -> Tensor:  # 
 
 def kl(logp: Tensor, logq: Tensor) -> Tensor:  # forward KL(p || q), mean over rows
     return (logp.exp() * (logp - logq)).sum(-1).mean()
-
-
-def lr_at(step: int, total: int, cfg: OnlineConfig) -> float:
-    if step < cfg.warmup:
-        return cfg.lr * (step + 1) / cfg.warmup
-    frac = (step - cfg.warmup) / max(total - cfg.warmup, 1)
-    return cfg.lr * 0.5 * (1 + math.cos(math.pi * min(frac, 1.0)))
 
 
 @torch.no_grad()
@@ -502,7 +480,7 @@ def train(shape_t: Shape, wt: dict[str, Tensor], students: list[Student], data: 
             logp = _target_law(shape_t, wt, ids, rows)
             for s in students:
                 for g in s.opt.param_groups:
-                    g["lr"] = lr_at(step, total or 10**9, cfg)
+                    g["lr"] = cfg.lr * warmup_cosine(step, total or 10**9, cfg.warmup)
                 loss = kl(logp, _draft_law(s, ids, rows, bf16))
                 s.opt.zero_grad(set_to_none=True)
                 loss.backward()
