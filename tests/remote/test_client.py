@@ -330,11 +330,13 @@ class _Latency(httpx.HTTPTransport):
 
 
 class _SlowDrafter(ModelDrafter):
-    """A drafter whose every draft token costs 4 ms (an edge device's draft model)."""
+    """A drafter whose every draft token costs 20 ms (a slow edge device's draft model): dear enough
+    that without a round trip drafting hardly pays even when the machine is loaded (at 4 ms a
+    loaded full test run made the toy target slow enough for γ auto to draft ~3.5 with no delay)."""
 
     def propose(self, context, gamma, sampler):
         draft = super().propose(context, gamma, sampler)
-        time.sleep(0.004 * draft.tokens.numel())
+        time.sleep(0.02 * draft.tokens.numel())
         return draft
 
 
