@@ -90,7 +90,7 @@ class RMSNorm(nn.Module):
 
 
 def rope_tables(positions: Tensor, head_dim: int, theta: float) -> tuple[Tensor, Tensor]:  # -> [T, d] each
-    inv = 1.0 / theta ** (torch.arange(0, head_dim, 2, dtype=torch.float32) / head_dim)  # [d/2]
+    inv = 1.0 / theta ** (torch.arange(0, head_dim, 2, dtype=torch.float32, device=positions.device) / head_dim)  # [d/2]
     ang = positions.float()[:, None] * inv[None, :]  # [T, d/2]
     ang = torch.cat([ang, ang], dim=-1)
     return ang.cos(), ang.sin()

@@ -114,6 +114,8 @@ def add_parser(sub) -> None:  # noqa: ANN001 - argparse's subparsers action
         "be sequences and steps or seconds (a timed run records the counts it used, so they can be replayed). Every 20th "
         "sequence is held out: the report gives arg-max agreement and T=1 acceptance before and after. Writes --out/draft "
         "(a folder --draft loads) with a model card; data and training state are saved in --out and a rerun resumes. "
+        "--heads eagle3 (or eagle1, medusa, mtp) also trains draft heads from scratch on the same target passes, reading "
+        "the target's features; each is written to --out/<kind> (a folder --draft loads). "
         "--bundle writes the inputs for a machine that has torch alone (run there with `python -m specdec.train.online`).",
     )
     o.add_argument("--out", required=True, help="output folder: draft/ (the model), data.pt, ckpt.pt, report.json")
@@ -135,6 +137,11 @@ def add_parser(sub) -> None:  # noqa: ANN001 - argparse's subparsers action
     o.add_argument("--lr", type=float, default=2e-4)
     o.add_argument("--add-layers", default="0", help="comma list, one draft trained per entry (side by side, on the "
                    "same batches): identity-initialised layers appended to the source draft first (0: as it is)")
+    o.add_argument("--heads", default="", help="comma list of draft heads trained from scratch beside the draft, on the "
+                   "same target passes (eagle3, eagle1, medusa, mtp); each is written to --out/<kind>")
+    o.add_argument("--head-vocab", type=int, default=8192, help="the heads' draft vocabulary: most frequent reply tokens")
+    o.add_argument("--head-depth", type=int, default=3, help="EAGLE's training-time-test steps, Medusa's heads, MTP's modules")
+    o.add_argument("--head-lr", type=float, default=5e-4)
     o.add_argument("--max-minutes", type=float, help="pause training after about this long (rerun to resume)")
     o.add_argument("--bundle", help="write the inputs to this folder instead of training (for a torch-only machine)")
     o.add_argument("--seed", type=int, default=0)
@@ -547,7 +554,7 @@ def _online_command(args: argparse.Namespace) -> str:
 
     opts = ("out", "target", "draft", "device", "chat_prompts", "code_prompts", "temperatures", "code_repeats",
             "sequences", "gen_seconds", "gen_batch", "max_new_chat", "max_new_code", "steps", "train_seconds",
-            "batch_tokens", "lr", "add_layers", "seed")
+            "batch_tokens", "lr", "add_layers", "heads", "head_vocab", "head_depth", "head_lr", "seed")
     return "specdec train online " + " ".join(f"--{o.replace('_', '-')} {shlex.quote(str(getattr(args, o)))}" for o in opts)
 
 
@@ -558,8 +565,15 @@ def _online(args: argparse.Namespace) -> int:
     from specdec.models.registry import check_compatible, gguf_file, load, resolve
     from specdec.train import online
 
+    from specdec.heads.modules import KINDS
+
     temps = _temperatures(args.temperatures)
     add = _int_list(args.add_layers, "--add-layers")
+    heads = tuple(x.strip() for x in args.heads.split(",") if x.strip())
+    if any(k not in KINDS for k in heads) or len(set(heads)) != len(heads):
+        raise ConfigError(f"--heads {args.heads!r}: distinct kinds among {', '.join(KINDS)}")
+    if min(args.head_vocab, args.head_depth) < 1 or args.head_lr <= 0:
+        raise ConfigError("--head-vocab, --head-depth and --head-lr must be positive")
     if len(set(add)) != len(add):
         raise ConfigError("--add-layers needs distinct values (one draft is trained per value)")
     if min(args.chat_prompts, args.code_prompts, args.sequences, args.steps, args.code_repeats) < 0 \
@@ -584,6 +598,7 @@ def _online(args: argparse.Namespace) -> int:
         raise ConfigError(f"{args.target!r} is a {cfg_json.get('model_type')} model; online distillation reads Llama targets")
     gguf = gguf_file(args.target)
     prompts = online.tokenised_prompts(target.tokenizer, args.chat_prompts, args.code_prompts, target.eos_ids, args.seed)
+    prompts["target_name"] = args.target
     if args.bundle:
         online.write_bundle(Path(args.bundle), gguf=gguf, target_config=cfg_json, draft=source, prompts=prompts)
         print(f"[specdec] {args.bundle}: bundle written (the GGUF travels separately: {gguf.name})", file=sys.stderr)
@@ -593,7 +608,8 @@ def _online(args: argparse.Namespace) -> int:
         sequences=args.sequences, gen_seconds=args.gen_seconds, gen_batch=args.gen_batch, temperatures=temps,
         max_new_chat=args.max_new_chat, max_new_code=args.max_new_code,
         code_repeats=args.code_repeats, steps=args.steps, train_seconds=args.train_seconds,
-        batch_tokens=args.batch_tokens, lr=args.lr, add_layers=add, seed=args.seed)
+        batch_tokens=args.batch_tokens, lr=args.lr, add_layers=add, heads=heads, head_vocab=args.head_vocab,
+        head_depth=args.head_depth, head_lr=args.head_lr, seed=args.seed)
     out = Path(args.out)
 
     def log(msg: str) -> None:
@@ -621,4 +637,7 @@ def _online(args: argparse.Namespace) -> int:
         a = st["held_out_after"]["all"]
         log(f"{out / name}: held-out greedy agreement {b['greedy']:.3f} -> {a['greedy']:.3f}, "
             f"T=1 acceptance {b['t1']:.3f} -> {a['t1']:.3f}")
+    for name, h in report["heads"].items():
+        (out / name / "README.md").write_text(online.head_card(report, name))
+        log(f"{out / name}: held-out top-1 per draft step " + " / ".join(f"{x['top1']:.3f}" for x in h["held_out"]["steps"]))
     return 0

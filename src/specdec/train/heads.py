@@ -23,7 +23,7 @@ import random
 import time
 from dataclasses import asdict, dataclass, replace
 from pathlib import Path
-from typing import Any, Callable
+from typing import Any, Callable, Iterable
 
 import torch
 import torch.nn.functional as F
@@ -77,13 +77,23 @@ class TargetHead:
         return cls(embed, head * w["model.norm.weight"].float(), tuple(sorted(eos_ids)), name, cfg)
 
 
-def draft_vocabulary(data: Shard, size: int, vocab: int, always: tuple[int, ...]) -> Tensor:  # -> [Vd] sorted target ids
+def reply_counts(sequences: Iterable[tuple[Tensor, int]], vocab: int) -> Tensor:  # -> [V] int64
+    """How often each token occurs in the replies of (ids [n], prompt length) pairs."""
     counts = torch.zeros(vocab, dtype=torch.long)
-    for ids, n0 in zip(data.tokens, data.prompt_len):
-        counts += torch.bincount(ids[n0:].long(), minlength=vocab)
+    for ids, n0 in sequences:
+        counts += torch.bincount(ids[n0:].long().cpu(), minlength=vocab)
+    return counts
+
+
+def top_tokens(counts: Tensor, size: int, always: tuple[int, ...]) -> Tensor:  # [V] -> [Vd] sorted target ids
+    """The ``size`` most frequent tokens, ``always`` among them (end-of-sequence ids)."""
+    counts = counts.clone()
     counts[list(always)] = counts.max() + 1
-    size = min(size, vocab)
-    return counts.topk(size).indices.sort().values
+    return counts.topk(min(size, counts.numel())).indices.sort().values
+
+
+def draft_vocabulary(data: Shard, size: int, vocab: int, always: tuple[int, ...]) -> Tensor:  # -> [Vd] sorted target ids
+    return top_tokens(reply_counts(zip(data.tokens, data.prompt_len), vocab), size, always)
 
 
 def head_config(kind: str, target: TargetHead, d2t: Tensor, data_taps: tuple[int, ...], cfg: TrainConfig) -> HeadConfig:
@@ -133,7 +143,7 @@ def target_logp(batch: Batch, w_draft: Tensor) -> Tensor:  # -> [B, T, Vd] log p
 def reply_mask(batch: Batch, offset: int, count: int, first: int = 0) -> Tensor:  # -> [B, count] bool
     """Rows t in [0, count) whose label is the target's law at position t + offset, predicting token
     t + offset + 1: valid when that position exists, the token is a reply token, and t >= first."""
-    t = torch.arange(count)[None, :]
+    t = torch.arange(count, device=batch.length.device)[None, :]
     pos = t + offset
     return (pos < batch.length[:, None]) & (pos + 1 >= batch.prompt_len[:, None]) & (t >= first)
 
@@ -154,11 +164,12 @@ def step_outputs(model: nn.Module, batch: Batch, embed: Tensor) -> list[tuple[Te
     """
     cfg: HeadConfig = model.cfg  # type: ignore[assignment]
     b, t = batch.tokens.shape
+    dev = batch.tokens.device
     emb = embed[batch.tokens]  # [B, T, D]
     out: list[tuple[Tensor, int, Tensor, Tensor | None]] = []
     if isinstance(model, Eagle):
         tp = t - 1
-        cos, sin = rope_tables(torch.arange(tp), cfg.head_dim, cfg.rope_theta)
+        cos, sin = rope_tables(torch.arange(tp, device=dev), cfg.head_dim, cfg.rope_theta)
         g = model.fuse(batch.feats)[:, :tp]  # [B, T', D]
         emb_next = emb[:, 1:]
         keys: list[Tensor] = []
@@ -168,7 +179,7 @@ def step_outputs(model: nn.Module, batch: Batch, embed: Tensor) -> list[tuple[Te
             q, k, v = model.layer.attn.project(attn_in, cos, sin)
             keys.append(k)
             values.append(v)
-            o = model.layer.finish(resid, model.layer.attn.attend(q, torch.cat(keys, 2), torch.cat(values, 2), ttt_mask(tp, s)))
+            o = model.layer.finish(resid, model.layer.attn.attend(q, torch.cat(keys, 2), torch.cat(values, 2), ttt_mask(tp, s, dev)))
             out.append((model.logits(o), 1, reply_mask(batch, 1, tp, first=s), o))
             g = torch.cat([torch.zeros_like(o[:, :1]), o[:, :-1]], dim=1)  # step s+1 at t reads o^s at t-1
         return out
@@ -183,18 +194,18 @@ def step_outputs(model: nn.Module, batch: Batch, embed: Tensor) -> list[tuple[Te
         n = t - k - 1
         if n <= 0:
             break
-        cos, sin = rope_tables(torch.arange(n), cfg.head_dim, cfg.rope_theta)
+        cos, sin = rope_tables(torch.arange(n, device=dev), cfg.head_dim, cfg.rope_theta)
         attn_in, resid = model.module_input(k, h[:, :n], emb[:, k + 1 : k + 1 + n])
         layer = model.layers[k]
         q, kk, v = layer.attn.project(attn_in, cos, sin)
-        h = layer.finish(resid, layer.attn.attend(q, kk, v, ttt_mask(n, 0)))
+        h = layer.finish(resid, layer.attn.attend(q, kk, v, ttt_mask(n, 0, dev)))
         out.append((model.logits(h), k + 1, reply_mask(batch, k + 1, n), None))
     return out
 
 
 def loss_fn(model: nn.Module, batch: Batch, embed: Tensor, w_draft: Tensor, cfg: TrainConfig) -> tuple[Tensor, list[float]]:
     logp = target_logp(batch, w_draft)  # [B, T, Vd]
-    total = torch.zeros(())
+    total = torch.zeros((), device=batch.tokens.device)
     parts: list[float] = []
     for k, (logits, off, mask, o) in enumerate(step_outputs(model, batch, embed)):
         n = logits.shape[1]
@@ -222,19 +233,31 @@ def evaluate(model: nn.Module, data: Shard, index: list[int], target: TargetHead
     for kind in kinds:
         subset = [i for i in index if data.kind[i] == kind]
         for group in batches(data, subset, batch_tokens, random.Random(0)):
-            batch = collate(data, group)
-            f = batch.feats[:, :, -1]  # [B, T, D]
-            for k, (logits, off, mask, _) in enumerate(step_outputs(model, batch, target.embed)):
-                n = logits.shape[1]
-                rows = mask.nonzero(as_tuple=True)
-                q = torch.softmax(logits[rows], -1)  # [N, Vd]
-                p = torch.softmax(f[:, off : off + n][rows] @ target.head.T, -1)  # [N, V] the target's full law
-                s = sums.setdefault(kind, {}).setdefault(k, [0.0, 0.0, 0.0, 0.0])
-                s[0] += float(torch.minimum(p[:, d2t], q).sum())
-                s[1] += float((d2t[q.argmax(-1)] == p.argmax(-1)).float().sum())
-                s[2] += float(p[:, d2t].sum())
-                s[3] += float(rows[0].numel())
+            score(model, collate(data, group), target.embed, target.head, d2t, sums.setdefault(kind, {}))
     model.train()
+    return rate_table(sums)
+
+
+@torch.no_grad()
+def score(model: nn.Module, batch: Batch, embed: Tensor, head: Tensor, d2t: Tensor, sums: dict[int, list[float]]) -> None:
+    """Add one batch's teacher-forced counts per draft step k to ``sums[k]`` = [sum min(p, q), top-1
+    agreements, draft-vocabulary mass of p, positions]; ``head`` [V, D] is the target's whole LM head
+    (final norm folded in), so p is the target's full law."""
+    f = batch.feats[:, :, -1].float()  # [B, T, D]
+    for k, (logits, off, mask, _) in enumerate(step_outputs(model, batch, embed)):
+        n = logits.shape[1]
+        rows = mask.nonzero(as_tuple=True)
+        q = torch.softmax(logits[rows].float(), -1)  # [N, Vd]
+        p = torch.softmax(f[:, off : off + n][rows] @ head.T, -1)  # [N, V]
+        s = sums.setdefault(k, [0.0, 0.0, 0.0, 0.0])
+        s[0] += float(torch.minimum(p[:, d2t], q).sum())
+        s[1] += float((d2t[q.argmax(-1)] == p.argmax(-1)).float().sum())
+        s[2] += float(p[:, d2t].sum())
+        s[3] += float(rows[0].numel())
+
+
+def rate_table(sums: dict[str, dict[int, list[float]]]) -> dict:
+    """Per-kind counts of :func:`score` as rates: {"steps": [...all kinds...], "by_kind": {kind: [...]}}."""
 
     def rates(per_step: dict[int, list[float]]) -> list[dict]:
         return [{"step": k + 1, "accept_t1": a / max(n, 1), "top1": g / max(n, 1), "vocab_mass": c / max(n, 1),

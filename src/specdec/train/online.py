@@ -20,7 +20,11 @@ and safetensors: it runs on a bare GPU machine from a bundle (:func:`write_bundl
 folder, the tokenised prompts, the target's config and sha256) and the GGUF file, and on a CPU
 through the CLI (slowly: it is the same computation).
 The draft can be deepened first (``add_layers``): new layers start as exact identities (their
-output projections zero), so training starts from the shipped draft's behaviour.
+output projections zero), so training starts from the shipped draft's behaviour.  Draft heads
+(``heads``: EAGLE-3, EAGLE-1, Medusa, MTP, :mod:`specdec.heads.modules`) can train beside it on
+the same target passes: the pass also records the target's feature taps, and each head is fitted
+with ``specdec train eagle``'s loss (:func:`specdec.train.heads.loss_fn`, training-time test
+included) over a draft vocabulary of the most frequent reply tokens.
 
 Everything resumes to the result of an uninterrupted run: generation saves its sequences and
 sampler state after every batch (``data.partial.pt``, then ``data.pt``), training the students
@@ -65,6 +69,11 @@ class OnlineConfig:
     weight_decay: float = 0.0
     add_layers: tuple[int, ...] = (0,)  # one student per entry: identity-initialised layers appended to the draft
     bf16: bool | None = None  # target in bfloat16, draft under bfloat16 autocast (None: on a GPU)
+    #: draft heads trained beside the students on the same target passes (eagle3, eagle1, medusa, mtp)
+    heads: tuple[str, ...] = ()
+    head_vocab: int = 8192  # each head's draft vocabulary: the most frequent reply tokens of the training data
+    head_depth: int = 3  # EAGLE's training-time-test steps, Medusa's heads, MTP's modules
+    head_lr: float = 5e-4
     held_out_every: int = 20
     ckpt_every: int = 200
     seed: int = 0
@@ -111,13 +120,17 @@ def rope_tables(pos: Tensor, shape: Shape, dtype: torch.dtype) -> tuple[Tensor, 
 
 
 def hidden(shape: Shape, w: dict[str, Tensor], ids: Tensor, pos: Tensor, mask: Tensor | None,
-           cache: dict[str, Tensor] | None = None, at: int = 0) -> Tensor:
+           cache: dict[str, Tensor] | None = None, at: int = 0, taps: dict[int, Tensor] | None = None) -> Tensor:
     """The final-normed hidden states [B, T, D] of ``ids`` [B, T] at positions ``pos`` [B, T].
 
     ``mask`` [B, 1, T, S] (True: attend) over the cache slots ``0 .. at + T``; None means plain
     causal attention over these T tokens alone (training).  With ``cache`` ({"k", "v"}: [L, B,
-    Hkv, S_max, hd]) the tokens' keys and values are written at slots ``at .. at + T``."""
+    Hkv, S_max, hd]) the tokens' keys and values are written at slots ``at .. at + T``.  ``taps``:
+    a dict whose keys are layer counts k in 0..L; each is set to the residual stream after the
+    first k layers [B, T, D] (what the native target's ``hidden(taps=...)`` gives a draft head)."""
     x = w["model.embed_tokens.weight"][ids]
+    if taps is not None and 0 in taps:
+        taps[0] = x
     b, t, _ = x.shape
     cos, sin = rope_tables(pos, shape, x.dtype)
     rep = shape.heads // shape.kv_heads
@@ -146,6 +159,8 @@ def hidden(shape: Shape, w: dict[str, Tensor], ids: Tensor, pos: Tensor, mask: T
         x = x + o.transpose(1, 2).reshape(b, t, -1) @ w[p + "self_attn.o_proj.weight"].T
         h = _rms(x, w[p + "post_attention_layernorm.weight"], shape.eps)
         x = x + (F.silu(h @ w[p + "mlp.gate_proj.weight"].T) * (h @ w[p + "mlp.up_proj.weight"].T)) @ w[p + "mlp.down_proj.weight"].T
+        if taps is not None and i + 1 in taps:
+            taps[i + 1] = x
     return _rms(x, w["model.norm.weight"], shape.eps)
 
 
@@ -394,11 +409,58 @@ class Student:
     losses: list[float] | None = None
 
 
-def _target_law(shape_t: Shape, wt: dict[str, Tensor], ids: Tensor, rows: Tensor) -> Tensor:  # -> [N, V] log p
+@dataclass
+class HeadStudent:
+    """A draft head (EAGLE / Medusa / MTP, :mod:`specdec.heads.modules`) trained on the target's
+    features from the same passes that label the students."""
+
+    name: str
+    model: torch.nn.Module
+    opt: torch.optim.Optimizer | None = None
+    losses: list[float] | None = None
+
+
+@dataclass
+class Heads:
+    """The head students and what they share: the target's taps, embeddings and LM head."""
+
+    students: list[HeadStudent]
+    taps: tuple[int, ...]  # layer counts read by the heads (the final hidden state comes after them)
+    embed: Tensor  # [V, D] float32, the target's token embeddings
+    head: Tensor  # [V, D] float32, the target's LM head with the final norm's weight folded in
+
+    def w_draft(self, h: HeadStudent) -> Tensor:  # [Vd, D] the rows of the head's draft vocabulary
+        return self.head[h.model.d2t]
+
+
+def default_taps(layers: int) -> tuple[int, ...]:
+    """EAGLE-3's low / middle / high feature taps (layer counts), as ``specdec train data`` stores them."""
+    return tuple(sorted({min(2, layers), layers // 2, max(layers - 3, 0)}))
+
+
+def _target_pass(shape_t: Shape, wt: dict[str, Tensor], ids: Tensor, rows: Tensor,
+                 taps: tuple[int, ...] | None = None) -> tuple[Tensor, Tensor | None]:
+    """The target's log-law at the reply rows [N, V] and, with ``taps``, the features a head reads
+    [B, T, len(taps) + 1, D] float32: the tapped residual streams, then the final hidden state
+    divided by its RMS (the layout of ``specdec train data``'s shards)."""
     pos = torch.arange(ids.shape[1], device=ids.device)[None].expand_as(ids)
+    found = None if taps is None else dict.fromkeys((*taps, shape_t.layers), ids)
     with torch.no_grad():
-        ht = hidden(shape_t, wt, ids, pos, None)[rows]
-        return torch.log_softmax((ht @ head(wt).T).float(), -1)
+        ht = hidden(shape_t, wt, ids, pos, None, taps=found)[rows]
+        logp = torch.log_softmax((ht @ head(wt).T).float(), -1)
+        if found is None:
+            return logp, None
+        x = found[shape_t.layers].float()
+        final = x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + shape_t.eps)
+        return logp, torch.stack([found[k].float() for k in taps] + [final], dim=2)
+
+
+def _head_batch(data: list[Sequence], group: list[int], ids: Tensor, feats: Tensor):
+    from specdec.train.heads import Batch
+
+    dev = ids.device
+    return Batch(ids, feats, torch.tensor([len(data[i].tokens) for i in group], device=dev),
+                 torch.tensor([data[i].prompt_len for i in group], device=dev))
 
 
 def _draft_law(s: Student, ids: Tensor, rows: Tensor, bf16: bool) -> Tensor:  # -> [N, V] log q
@@ -422,7 +484,7 @@ def held_out(shape_t: Shape, wt: dict[str, Tensor], students: list[Student], dat
     for kind in sorted({data[i].kind for i in index}):
         for group in batches(data, [i for i in index if data[i].kind == kind], batch_tokens, random.Random(0)):
             ids, rows = collate(data, group, dev)
-            logp = _target_law(shape_t, wt, ids, rows)
+            logp, _ = _target_pass(shape_t, wt, ids, rows)
             n = float(rows.sum())
             for s in students:
                 logq = _draft_law(s, ids, rows, bf16)
@@ -437,16 +499,34 @@ def held_out(shape_t: Shape, wt: dict[str, Tensor], students: list[Student], dat
                    for k, (a, c, n) in per.items()} for name, per in sums.items()}
 
 
+@torch.no_grad()
+def held_out_heads(shape_t: Shape, wt: dict[str, Tensor], heads: Heads, data: list[Sequence], index: list[int],
+                   batch_tokens: int) -> dict[str, dict]:
+    """Per head: teacher-forced E[min(p, q)] and top-1 agreement per draft step against the target's
+    whole law, over all held-out sequences and per prompt kind (``specdec train eagle``'s report)."""
+    from specdec.train.heads import rate_table, score
+
+    sums: dict[str, dict[str, dict[int, list[float]]]] = {h.name: {} for h in heads.students}
+    dev = wt["model.norm.weight"].device
+    for kind in sorted({data[i].kind for i in index}):
+        for group in batches(data, [i for i in index if data[i].kind == kind], batch_tokens, random.Random(0)):
+            ids, rows = collate(data, group, dev)
+            batch = _head_batch(data, group, ids, _target_pass(shape_t, wt, ids, rows, heads.taps)[1])
+            for h in heads.students:
+                score(h.model, batch, heads.embed, heads.head, h.model.d2t, sums[h.name].setdefault(kind, {}))
+    return {name: rate_table(per) for name, per in sums.items()}
+
+
 def _oom(e: BaseException) -> bool:
     return isinstance(e, torch.cuda.OutOfMemoryError) or "out of memory" in str(e)
 
 
 def train(shape_t: Shape, wt: dict[str, Tensor], students: list[Student], data: list[Sequence], index: list[int],
           cfg: OnlineConfig, ckpt: Path | None, log: Callable[[str], None], bf16: bool,
-          pause: Callable[[int], bool] | None = None) -> dict:
-    """Train every student (weights modified in place) on the same batches, the target scoring each
-    batch once; returns {"finished", "steps", "seconds", "tokens", "batch_tokens"} (losses in
-    ``Student.losses``).  Resumes from ``ckpt`` when it exists; ``pause(step)`` true after a step
+          pause: Callable[[int], bool] | None = None, heads: Heads | None = None) -> dict:
+    """Train every student (weights modified in place) and every head on the same batches, the
+    target scoring each batch once; returns {"finished", "steps", "seconds", "tokens",
+    "batch_tokens"} (losses in ``Student.losses`` / ``HeadStudent.losses``).  Resumes from ``ckpt`` when it exists; ``pause(step)`` true after a step
     checkpoints and stops there (a rerun continues bitwise).  A step that runs out of GPU memory
     halves the batch."""
     dev = wt["model.norm.weight"].device
@@ -454,6 +534,13 @@ def train(shape_t: Shape, wt: dict[str, Tensor], students: list[Student], data: 
         s.opt = torch.optim.AdamW([t.requires_grad_(True) for t in s.w.values()], lr=cfg.lr,
                                   weight_decay=cfg.weight_decay, betas=(0.9, 0.95))
         s.losses = []
+    from specdec.train.heads import TrainConfig, loss_fn
+
+    hs = heads.students if heads is not None else []
+    for h in hs:
+        h.opt = torch.optim.AdamW([p for p in h.model.parameters() if p.requires_grad], lr=cfg.head_lr,
+                                  weight_decay=cfg.weight_decay, betas=(0.9, 0.95))
+        h.losses = []
     step, total, epoch, tokens, batch_tokens = 0, cfg.steps, 0, 0, cfg.batch_tokens
     if ckpt is not None and ckpt.exists():
         st = torch.load(ckpt, weights_only=False, map_location=dev)
@@ -463,6 +550,10 @@ def train(shape_t: Shape, wt: dict[str, Tensor], students: list[Student], data: 
                     t.copy_(st["students"][s.name]["weights"][k])
             s.opt.load_state_dict(st["students"][s.name]["optim"])
             s.losses = st["students"][s.name]["losses"]
+        for h in hs:
+            h.model.load_state_dict(st["heads"][h.name]["model"])
+            h.opt.load_state_dict(st["heads"][h.name]["optim"])
+            h.losses = st["heads"][h.name]["losses"]
         step, total, epoch, tokens, batch_tokens = st["step"], st["total"], st["epoch"], st["tokens"], st["batch_tokens"]
         order: list[list[int]] = st["order"]
         log(f"resumed at step {step} of {total}")
@@ -477,21 +568,34 @@ def train(shape_t: Shape, wt: dict[str, Tensor], students: list[Student], data: 
         group = order.pop()
         try:
             ids, rows = collate(data, group, dev)
-            logp = _target_law(shape_t, wt, ids, rows)
+            logp, feats = _target_pass(shape_t, wt, ids, rows, heads.taps if heads is not None else None)
+            lr_factor = warmup_cosine(step, total or 10**9, cfg.warmup)
             for s in students:
                 for g in s.opt.param_groups:
-                    g["lr"] = cfg.lr * warmup_cosine(step, total or 10**9, cfg.warmup)
+                    g["lr"] = cfg.lr * lr_factor
                 loss = kl(logp, _draft_law(s, ids, rows, bf16))
                 s.opt.zero_grad(set_to_none=True)
                 loss.backward()
                 torch.nn.utils.clip_grad_norm_(list(s.w.values()), 1.0)
                 s.opt.step()
                 s.losses.append(round(float(loss.detach()), 5))
+            if hs:
+                batch = _head_batch(data, group, ids, feats)
+            for h in hs:
+                for g in h.opt.param_groups:
+                    g["lr"] = cfg.head_lr * lr_factor
+                loss, _ = loss_fn(h.model, batch, heads.embed, heads.w_draft(h),
+                                  TrainConfig(kind=h.model.cfg.kind, depth=cfg.head_depth))
+                h.opt.zero_grad(set_to_none=True)
+                loss.backward()
+                torch.nn.utils.clip_grad_norm_([p for p in h.model.parameters() if p.requires_grad], 1.0)
+                h.opt.step()
+                h.losses.append(round(float(loss.detach()), 5))
         except RuntimeError as e:  # torch.cuda.OutOfMemoryError is one
             if not _oom(e) or batch_tokens < 1024:
                 raise
             del e
-            for s in students:
+            for s in [*students, *hs]:
                 s.opt.zero_grad(set_to_none=True)
             torch.cuda.empty_cache()
             batch_tokens //= 2
@@ -507,13 +611,15 @@ def train(shape_t: Shape, wt: dict[str, Tensor], students: list[Student], data: 
             total = max(step + 1, int((cfg.train_seconds - (time.perf_counter() - t0)) / per) + step)
             log(f"train: {per * 1000:.0f} ms a step -> {total} steps")
         if step % 100 == 0 or step == total:
-            losses = " ".join(f"{s.name} {sum(s.losses[-100:]) / len(s.losses[-100:]):.4f}" for s in students)
+            losses = " ".join(f"{s.name} {sum(s.losses[-100:]) / len(s.losses[-100:]):.4f}" for s in [*students, *hs])
             log(f"train: step {step}/{total or '?'} loss {losses} ({time.perf_counter() - t0:.0f} s, {tokens} positions)")
         paused = pause is not None and step != total and pause(step)
         if ckpt is not None and (step % cfg.ckpt_every == 0 or step == total or paused):
             tmp = ckpt.with_suffix(".tmp")
             torch.save({"students": {s.name: {"weights": {k: t.detach() for k, t in s.w.items()},
                                               "optim": s.opt.state_dict(), "losses": s.losses} for s in students},
+                        "heads": {h.name: {"model": h.model.state_dict(), "optim": h.opt.state_dict(), "losses": h.losses}
+                                  for h in hs},
                         "step": step, "total": total, "epoch": epoch, "tokens": tokens, "batch_tokens": batch_tokens,
                         "order": order}, tmp)
             tmp.replace(ckpt)
@@ -524,6 +630,8 @@ def train(shape_t: Shape, wt: dict[str, Tensor], students: list[Student], data: 
         for t in s.w.values():
             t.requires_grad_(False)
         s.opt = None
+    for h in hs:
+        h.opt = None
     return {"finished": step == total, "steps": step, "seconds": round(time.perf_counter() - t0, 1), "tokens": tokens,
             "batch_tokens": batch_tokens}
 
@@ -613,7 +721,8 @@ def run(gguf: Path, target_config: dict, draft: Path, prompts: dict, cfg: Online
         sh, w = grow(shape_s, ws, add) if add else (shape_s, ws)
         name = "draft" if len(cfg.add_layers) == 1 else f"draft-{sh.layers}l"
         students.append(Student(name, sh, {k: v.clone() for k, v in w.items()}))
-    stats = train(shape_t, wt, students, data, train_idx, cfg, out / "ckpt.pt", log, bf16, pause)
+    heads = _make_heads(shape_t, wt, data, train_idx, prompts, cfg, out) if cfg.heads else None
+    stats = train(shape_t, wt, students, data, train_idx, cfg, out / "ckpt.pt", log, bf16, pause, heads)
     if not stats["finished"]:
         report = {"finished": False, "command": command, "config": asdict(cfg), "train": stats}
         (out / "report.json").write_text(json.dumps(report, indent=1) + "\n")
@@ -625,6 +734,23 @@ def run(gguf: Path, target_config: dict, draft: Path, prompts: dict, cfg: Online
         save_file({k: v.detach().to("cpu", torch.float16).contiguous() for k, v in s.w.items()},
                   str(out / s.name / "model.safetensors"), metadata={"format": "pt"})
         (out / s.name / "config.json").write_text(json.dumps(dict(draft_cfg, num_hidden_layers=s.shape.layers), indent=1) + "\n")
+    head_reports = {}
+    if heads is not None:
+        from specdec.heads.modules import save_head
+        from specdec.train.heads import expected_tokens_per_call
+
+        scored = held_out_heads(shape_t, wt, heads, data, held_idx, cfg.batch_tokens)
+        for h in heads.students:
+            ho = scored[h.name]
+            ho["chain_tokens_per_call_t0_estimate"] = expected_tokens_per_call([x["top1"] for x in ho["steps"]])
+            ho["chain_tokens_per_call_t1_estimate"] = expected_tokens_per_call([x["accept_t1"] for x in ho["steps"]])
+            log(f"held-out, {h.name}: top-1 per step {[round(x['top1'], 3) for x in ho['steps']]}")
+            save_head(h.model.cpu(), out / h.name)
+            head_reports[h.name] = {"kind": h.model.cfg.kind, "taps": list(heads.taps),
+                                    "draft_vocab": int(h.model.d2t.numel()),
+                                    "params": sum(p.numel() for p in h.model.parameters()),
+                                    "params_trained": sum(p.numel() for p in h.model.parameters() if p.requires_grad),
+                                    "held_out": ho, "loss_first": h.losses[:10], "loss_last": h.losses[-10:]}
     reply = [len(x.tokens) - x.prompt_len for x in data]
     report = {
         "finished": True,
@@ -640,11 +766,43 @@ def run(gguf: Path, target_config: dict, draft: Path, prompts: dict, cfg: Online
         "students": {s.name: {"layers": s.shape.layers, "added_layers": s.shape.layers - shape_s.layers,
                               "held_out_after": after[s.name], "loss_first": s.losses[:10], "loss_last": s.losses[-10:]}
                      for s in students},
+        "heads": head_reports,
         "total_seconds": round(time.perf_counter() - t_start, 1),
     }
     (out / "report.json").write_text(json.dumps(report, indent=1) + "\n")
-    (out / "losses.json").write_text(json.dumps({s.name: s.losses for s in students}) + "\n")
+    losses = {s.name: s.losses for s in [*students, *(heads.students if heads is not None else [])]}
+    (out / "losses.json").write_text(json.dumps(losses) + "\n")
     return report
+
+
+def _make_heads(shape_t: Shape, wt: dict[str, Tensor], data: list[Sequence], train_idx: list[int], prompts: dict,
+                cfg: OnlineConfig, out: Path) -> Heads:
+    """One fresh head per ``cfg.heads`` entry, over the ``head_vocab`` most frequent reply tokens of
+    the training sequences (their counts are saved as ``out/token_counts.pt``)."""
+    from specdec.heads.modules import HeadConfig, build, frozen_head_rows
+    from specdec.train.heads import reply_counts, top_tokens
+
+    counts = reply_counts(((torch.tensor(data[i].tokens), data[i].prompt_len) for i in train_idx), shape_t.vocab)
+    torch.save(counts, out / "token_counts.pt")
+    d2t = top_tokens(counts, cfg.head_vocab, tuple(prompts["eos"]))
+    dev = wt["model.norm.weight"].device
+    taps = default_taps(shape_t.layers)
+    full = (head(wt).float() * wt["model.norm.weight"].float())  # [V, D]
+    students = []
+    for kind in cfg.heads:
+        hc = HeadConfig(kind=kind, hidden_size=shape_t.hidden, n_heads=shape_t.heads, n_kv_heads=shape_t.kv_heads,
+                        head_dim=shape_t.head_dim, intermediate_size=wt["model.layers.0.mlp.gate_proj.weight"].shape[0],
+                        target_vocab=shape_t.vocab, draft_vocab=int(d2t.numel()), rms_eps=shape_t.eps,
+                        rope_theta=shape_t.theta, inputs=tuple(range(len(taps))) if kind == "eagle3" else (len(taps),),
+                        taps=taps, depth=cfg.head_depth, target=prompts.get("target_name", ""))
+        torch.manual_seed(cfg.seed)
+        model = build(hc).to(dev)
+        with torch.no_grad():
+            model.d2t.copy_(d2t)
+            model.lm_head.weight.copy_(full[d2t.to(dev)])
+        model.lm_head.weight.requires_grad_(not frozen_head_rows(kind))
+        students.append(HeadStudent(kind, model))
+    return Heads(students, taps, wt["model.embed_tokens.weight"].float(), full)
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -655,16 +813,18 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--gguf", required=True)
     ap.add_argument("--out", required=True)
     ap.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
-    special = ("temperatures", "add_layers", "bf16")
+    special = ("temperatures", "add_layers", "bf16", "heads")
     for f in OnlineConfig.__dataclass_fields__.values():
         if f.name not in special:
             ap.add_argument("--" + f.name.replace("_", "-"), type=type(f.default), default=f.default)
     ap.add_argument("--temperatures", default="0,1,0.7")
     ap.add_argument("--add-layers", default="0", help="comma list: one student per entry")
+    ap.add_argument("--heads", default="", help="comma list of head kinds trained beside the students (eagle3, ...)")
     a = ap.parse_args(argv)
     cfg = OnlineConfig(**{k: getattr(a, k) for k in OnlineConfig.__dataclass_fields__ if k not in special},
                        temperatures=tuple(float(x) for x in a.temperatures.split(",")),
-                       add_layers=tuple(int(x) for x in a.add_layers.split(",")))
+                       add_layers=tuple(int(x) for x in a.add_layers.split(",")),
+                       heads=tuple(x for x in a.heads.split(",") if x))
     bundle = Path(a.bundle)
     want = (bundle / "target.sha256").read_text().strip()
     got = sha256(Path(a.gguf))
@@ -679,9 +839,48 @@ def main(argv: list[str] | None = None) -> int:
     import shlex
     import sys
 
-    run(Path(a.gguf), json.loads((bundle / "target_config.json").read_text()), bundle / "draft", prompts, cfg,
-        Path(a.out), torch.device(a.device), log, command="python -m specdec.train.online " + shlex.join(sys.argv[1:]))
+    out = Path(a.out)
+    report = run(Path(a.gguf), json.loads((bundle / "target_config.json").read_text()), bundle / "draft", prompts, cfg,
+                 out, torch.device(a.device), log, command="python -m specdec.train.online " + shlex.join(sys.argv[1:]))
+    for name in report.get("heads", {}):
+        (out / name / "README.md").write_text(head_card(report, name))
     return 0
+
+
+def head_card(report: dict, name: str) -> str:
+    """The Markdown card of the head ``name`` written by :func:`run`."""
+    c, tr, h = report["config"], report["train"], report["heads"][name]
+    ho = h["held_out"]
+    lines = [
+        f"# {h['kind']} draft head, trained online against the target",
+        "",
+        f"Trained from scratch on the target's features (taps after layers {', '.join(map(str, h['taps']))} and the "
+        "final hidden state) and its next-token law over the head's draft vocabulary, at every reply position of "
+        "sequences the target generated, the target scoring each batch as training went.",
+        "",
+        f"* Parameters: {h['params'] / 1e6:.2f} M ({h['params_trained'] / 1e6:.2f} M trained), a {h['draft_vocab']}-token "
+        "draft vocabulary (the most frequent reply tokens of the training data), plus the target's embeddings at run time.",
+        f"* Data: {report['sequences']} target sequences ({report['by_kind']['chat']} chat, {report['by_kind']['code']} "
+        f"code; temperatures {', '.join(str(t) for t in c['temperatures'])}), {report['reply_tokens']} reply tokens; "
+        f"{report['held_out_sequences']} sequences held out (every {c['held_out_every']}th).",
+        f"* Training: {tr['steps']} steps of ~{tr['batch_tokens']} padded tokens, lr {c['head_lr']}, depth "
+        f"{c['head_depth']}, AdamW + cosine, {tr['seconds']:.0f} s on {report['device']} (shared with the other "
+        "students trained on the same batches).",
+        f"* Target file sha256: `{report.get('target_sha256')}`.",
+        f"* Command: `{report.get('command') or '(not recorded)'}`",
+        "",
+        "Held-out, teacher-forced, per draft step (E[min(p, q)]: token verification's acceptance at T = 1; top-1: "
+        "agreement with the target's arg-max, T = 0):",
+        "",
+        "| prompts | step | E[min(p, q)] | top-1 | target mass in the draft vocabulary | positions |",
+        "|---|---|---|---|---|---|",
+    ]
+    for kind, steps in [("all", ho["steps"]), *sorted(ho["by_kind"].items())]:
+        lines += [f"| {kind} | {st['step']} | {st['accept_t1']:.3f} | {st['top1']:.3f} | {st['vocab_mass']:.3f} | "
+                  f"{st['positions']} |" for st in steps]
+    lines += ["", f"Chain estimate from these rates (independent steps): {ho['chain_tokens_per_call_t0_estimate']:.2f} "
+              f"tokens per target call at T = 0, {ho['chain_tokens_per_call_t1_estimate']:.2f} at T = 1.", ""]
+    return "\n".join(lines)
 
 
 def model_card(report: dict, name: str, target: str, source: str) -> str:
