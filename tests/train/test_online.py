@@ -218,6 +218,23 @@ def test_a_paused_run_with_a_head_resumes_bitwise(tiny, data, tmp_path: Path) ->
         assert torch.equal(t, b.model.state_dict()[name]), name
 
 
+def test_heads_continue_from_an_earlier_run(tiny, data, tmp_path: Path) -> None:
+    """``init_heads``: a head starts from the weights an earlier run saved (same data, same draft
+    vocabulary); another draft vocabulary is refused."""
+    from specdec.heads.modules import save_head
+
+    _, target, _ = tiny
+    index = list(range(40))
+    shape_t, wt, cfg, first = _heads(target, data, index, ("eagle3",), tmp_path / "a", steps=3)
+    on.train(shape_t, wt, [], data, index, cfg, None, lambda msg: None, False, heads=first)
+    save_head(first.students[0].model, tmp_path / "a" / "eagle3", dtype=torch.float32)
+    _, _, _, again = _heads(target, data, index, ("eagle3",), tmp_path / "b", init_heads=str(tmp_path / "a"))
+    for name, t in first.students[0].model.state_dict().items():
+        assert torch.equal(t, again.students[0].model.state_dict()[name]), name
+    with pytest.raises(ValueError, match="draft vocabulary"):
+        _heads(target, data, index, ("eagle3",), tmp_path / "c", init_heads=str(tmp_path / "a"), head_vocab=256)
+
+
 def test_the_gguf_reader_gives_the_converted_weights() -> None:
     """The real SmolLM2 GGUF (4-bit layers, 8-bit embedding) read here equals the float32 weights
     ``transformers`` converts it to (query / key rows un-permuted)."""
@@ -242,7 +259,9 @@ def test_command_errors_are_one_line(capsys) -> None:
                         (["--device", "cuda"], "no GPU"), (["--temperatures", "-1"], "temperatures"),
                         (["--steps", "0", "--train-seconds", "0"], "--train-seconds"),
                         (["--chat-prompts", "0", "--code-prompts", "0"], "nothing to answer"),
-                        (["--heads", "eagle9"], "--heads"), (["--head-vocab", "0"], "--head-vocab")):
+                        (["--heads", "eagle9"], "--heads"), (["--head-vocab", "0"], "--head-vocab"),
+                        (["--add-layers", "none"], "give --heads"),
+                        (["--heads", "eagle3", "--init-heads", "nowhere"], "--init-heads")):
         if argv[:2] == ["--device", "cuda"] and torch.cuda.is_available():
             continue
         assert cli.main(["train", "online", "--out", "unused", *argv]) != 0

@@ -136,12 +136,15 @@ def add_parser(sub) -> None:  # noqa: ANN001 - argparse's subparsers action
     o.add_argument("--batch-tokens", type=int, default=16384, help="padded tokens per step")
     o.add_argument("--lr", type=float, default=2e-4)
     o.add_argument("--add-layers", default="0", help="comma list, one draft trained per entry (side by side, on the "
-                   "same batches): identity-initialised layers appended to the source draft first (0: as it is)")
+                   "same batches): identity-initialised layers appended to the source draft first (0: as it is; "
+                   "none: no draft, heads only)")
     o.add_argument("--heads", default="", help="comma list of draft heads trained from scratch beside the draft, on the "
                    "same target passes (eagle3, eagle1, medusa, mtp); each is written to --out/<kind>")
     o.add_argument("--head-vocab", type=int, default=8192, help="the heads' draft vocabulary: most frequent reply tokens")
     o.add_argument("--head-depth", type=int, default=3, help="EAGLE's training-time-test steps, Medusa's heads, MTP's modules")
     o.add_argument("--head-lr", type=float, default=5e-4)
+    o.add_argument("--init-heads", default="", help="an earlier run's --out: the heads continue from its <kind>/ folders "
+                   "(copy its data.pt into --out to train on the same sequences)")
     o.add_argument("--max-minutes", type=float, help="pause training after about this long (rerun to resume)")
     o.add_argument("--bundle", help="write the inputs to this folder instead of training (for a torch-only machine)")
     o.add_argument("--seed", type=int, default=0)
@@ -554,7 +557,7 @@ def _online_command(args: argparse.Namespace) -> str:
 
     opts = ("out", "target", "draft", "device", "chat_prompts", "code_prompts", "temperatures", "code_repeats",
             "sequences", "gen_seconds", "gen_batch", "max_new_chat", "max_new_code", "steps", "train_seconds",
-            "batch_tokens", "lr", "add_layers", "heads", "head_vocab", "head_depth", "head_lr", "seed")
+            "batch_tokens", "lr", "add_layers", "heads", "head_vocab", "head_depth", "head_lr", "init_heads", "seed")
     return "specdec train online " + " ".join(f"--{o.replace('_', '-')} {shlex.quote(str(getattr(args, o)))}" for o in opts)
 
 
@@ -568,12 +571,16 @@ def _online(args: argparse.Namespace) -> int:
     from specdec.heads.modules import KINDS
 
     temps = _temperatures(args.temperatures)
-    add = _int_list(args.add_layers, "--add-layers")
+    add = () if args.add_layers.strip() == "none" else _int_list(args.add_layers, "--add-layers")
     heads = tuple(x.strip() for x in args.heads.split(",") if x.strip())
     if any(k not in KINDS for k in heads) or len(set(heads)) != len(heads):
         raise ConfigError(f"--heads {args.heads!r}: distinct kinds among {', '.join(KINDS)}")
     if min(args.head_vocab, args.head_depth) < 1 or args.head_lr <= 0:
         raise ConfigError("--head-vocab, --head-depth and --head-lr must be positive")
+    if not add and not heads:
+        raise ConfigError("--add-layers none trains no draft: give --heads")
+    if args.init_heads and not all((Path(args.init_heads) / k / "model.safetensors").is_file() for k in heads):
+        raise ConfigError(f"--init-heads {args.init_heads}: needs a <kind>/model.safetensors for each of --heads")
     if len(set(add)) != len(add):
         raise ConfigError("--add-layers needs distinct values (one draft is trained per value)")
     if min(args.chat_prompts, args.code_prompts, args.sequences, args.steps, args.code_repeats) < 0 \
@@ -609,7 +616,7 @@ def _online(args: argparse.Namespace) -> int:
         max_new_chat=args.max_new_chat, max_new_code=args.max_new_code,
         code_repeats=args.code_repeats, steps=args.steps, train_seconds=args.train_seconds,
         batch_tokens=args.batch_tokens, lr=args.lr, add_layers=add, heads=heads, head_vocab=args.head_vocab,
-        head_depth=args.head_depth, head_lr=args.head_lr, seed=args.seed)
+        head_depth=args.head_depth, head_lr=args.head_lr, init_heads=args.init_heads, seed=args.seed)
     out = Path(args.out)
 
     def log(msg: str) -> None:

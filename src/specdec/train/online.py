@@ -67,13 +67,14 @@ class OnlineConfig:
     lr: float = 2e-4
     warmup: int = 30
     weight_decay: float = 0.0
-    add_layers: tuple[int, ...] = (0,)  # one student per entry: identity-initialised layers appended to the draft
+    add_layers: tuple[int, ...] = (0,)  # one student per entry: identity-initialised layers appended to the draft (none: heads only)
     bf16: bool | None = None  # target in bfloat16, draft under bfloat16 autocast (None: on a GPU)
     #: draft heads trained beside the students on the same target passes (eagle3, eagle1, medusa, mtp)
     heads: tuple[str, ...] = ()
     head_vocab: int = 8192  # each head's draft vocabulary: the most frequent reply tokens of the training data
     head_depth: int = 3  # EAGLE's training-time-test steps, Medusa's heads, MTP's modules
     head_lr: float = 5e-4
+    init_heads: str = ""  # a folder with <kind>/ head folders (an earlier run's --out): heads continue from them
     held_out_every: int = 20
     ckpt_every: int = 200
     seed: int = 0
@@ -800,6 +801,13 @@ def _make_heads(shape_t: Shape, wt: dict[str, Tensor], data: list[Sequence], tra
         with torch.no_grad():
             model.d2t.copy_(d2t)
             model.lm_head.weight.copy_(full[d2t.to(dev)])
+        if cfg.init_heads:
+            from safetensors.torch import load_file
+
+            state = load_file(str(Path(cfg.init_heads) / kind / "model.safetensors"))
+            if not torch.equal(state["d2t"], d2t):
+                raise ValueError(f"{cfg.init_heads}/{kind}: its draft vocabulary is not this data's (other data or --head-vocab)")
+            model.load_state_dict({k: v.float() if v.is_floating_point() else v for k, v in state.items()})
         model.lm_head.weight.requires_grad_(not frozen_head_rows(kind))
         students.append(HeadStudent(kind, model))
     return Heads(students, taps, wt["model.embed_tokens.weight"].float(), full)
@@ -818,12 +826,12 @@ def main(argv: list[str] | None = None) -> int:
         if f.name not in special:
             ap.add_argument("--" + f.name.replace("_", "-"), type=type(f.default), default=f.default)
     ap.add_argument("--temperatures", default="0,1,0.7")
-    ap.add_argument("--add-layers", default="0", help="comma list: one student per entry")
+    ap.add_argument("--add-layers", default="0", help="comma list: one student per entry (none: train heads only)")
     ap.add_argument("--heads", default="", help="comma list of head kinds trained beside the students (eagle3, ...)")
     a = ap.parse_args(argv)
     cfg = OnlineConfig(**{k: getattr(a, k) for k in OnlineConfig.__dataclass_fields__ if k not in special},
                        temperatures=tuple(float(x) for x in a.temperatures.split(",")),
-                       add_layers=tuple(int(x) for x in a.add_layers.split(",")),
+                       add_layers=() if a.add_layers == "none" else tuple(int(x) for x in a.add_layers.split(",")),
                        heads=tuple(x for x in a.heads.split(",") if x))
     bundle = Path(a.bundle)
     want = (bundle / "target.sha256").read_text().strip()
