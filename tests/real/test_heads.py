@@ -117,3 +117,30 @@ def test_registry_heads_greedy_equals_plain_or_say_not_shipped(setup, name):
         assert out.tokens == plain, (name, tree)
         proposed += out.stats.draft_tokens_accepted
     assert proposed > 0  # a trained head agrees with the target somewhere in 2 x 20 tokens
+
+
+def test_q4_fused_loop_records_the_taps_bitwise(q4_target):
+    """The 4-bit target's compiled layer loop (``csrc/layers.cpp``) serves a feature drafter's pass
+    too, one call per stretch between taps: every tap (embeddings included) and the final state
+    are bitwise what the TorchScript loop records, over two chunks of one cache."""
+    m = q4_target.model
+    if m.scripted is None or m.scripted.fused is None:
+        pytest.skip("no compiled layer loop in this build")
+    toks = torch.tensor([1, 504, 3300, 288, 3400, 30, 17, 28, 101, 55, 999, 12])
+    assert m.scripted._fuses(m.embed[toks[:6]].float())  # the rows below take the compiled loop
+
+    def features():
+        cache, out = m.new_cache(64), []
+        for a, b in ((0, 6), (6, 12)):
+            taps = {k: torch.empty(0) for k in (0, 2, 15, 27)}
+            h = m.hidden(toks[a:b], cache, taps=taps)
+            out.append(torch.stack([taps[0], taps[2], taps[15], taps[27], h], dim=1))
+        return torch.cat(out)
+
+    fused = features()
+    m.scripted._fuses = lambda x: False  # the TorchScript loop
+    try:
+        scripted = features()
+    finally:
+        del m.scripted._fuses
+    assert torch.equal(fused, scripted)

@@ -515,12 +515,29 @@ class ScriptedLayers:
         as in :meth:`NativeCausalLM.hidden`.  ``plan``: run only these ``[layer, attention on,
         MLP on, cache slot]`` steps and return the raw residual stream (no final norm), as
         :meth:`NativeCausalLM.run_layers` does."""
-        if mask is None and (tree is None or tree.paths is not None) and not taps and self._fuses(x):
+        n_layers = len(self.kinds) // 4
+        if mask is None and (tree is None or tree.paths is not None) and self._fuses(x) \
+                and (not taps or plan is None and all(0 <= k < n_layers for k in taps)):
             kinds, weights, n_out = self.fused
-            flat = [v for step in plan for v in step] if plan else []
-            return torch.ops.specdec.fused_layers(
-                x, cos, sin, cache.k, cache.v, start, cfg.n_heads, cfg.n_kv_heads, cfg.head_dim, eps, kinds, weights,
-                n_out, flat, plan is None, -1 if tree is None else tree.start, None if tree is None else tree.paths)
+            tree_start, paths = (-1, None) if tree is None else (tree.start, tree.paths)
+
+            def fused(x: Tensor, flat: list[int], final: bool) -> Tensor:
+                return torch.ops.specdec.fused_layers(
+                    x, cos, sin, cache.k, cache.v, start, cfg.n_heads, cfg.n_kv_heads, cfg.head_dim, eps, kinds,
+                    weights, n_out, flat, final, tree_start, paths)
+
+            if not taps:
+                return fused(x, [v for step in plan for v in step] if plan else [], plan is None)
+            # a feature drafter's pass: one call per stretch between taps (each layer computes what
+            # it does in one call, and the call returns a new tensor), the taps being the stretch ends
+            if 0 in taps:
+                taps[0] = x
+            bounds = sorted({0, n_layers, *taps})
+            for a, b in zip(bounds, bounds[1:]):
+                x = fused(x, [v for li in range(a, b) for v in (li, 1, 1, li)], b == n_layers)
+                if b in taps:
+                    taps[b] = x
+            return x
         self._ensure(x.shape[0])
         tree_start, steps, perm, paths = -1, [], None, None
         if tree is not None:
