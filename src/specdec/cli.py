@@ -99,6 +99,10 @@ def _add_models(p: argparse.ArgumentParser) -> None:
                         " fbgemm (x86), else bfloat16 where the CPU has native bf16 matmuls, else float32 with an int8 LM head;"
                         " w8a8 = every layer as the int8 target's matmul (int8 weights and activations); int8 = float32"
                         " layers + int8 LM head")
+    g.add_argument("--draft-vocab", default="auto", choices=["auto", "full"],
+                   help="the draft model's vocabulary (never affects exactness, only speed and acceptance): auto = the"
+                        " reduced one its folder ships (draft_vocab.json: its LM head over the most frequent tokens of the"
+                        " target's replies, a third of the cost of the full head), else all; full = all tokens")
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -201,7 +205,7 @@ def _cmd_generate(args: argparse.Namespace) -> int:
         return run_generate(args, prompt, sampling, gamma, tree)
     quiet = args.json
     log = (lambda msg: None) if quiet else (lambda msg: print(f"[specdec] {msg}", file=sys.stderr, flush=True))
-    engine = Engine.build(EngineConfig(target=args.target, draft=args.draft, backend=args.backend, dtype=args.dtype, draft_dtype=args.draft_dtype, batch_invariant=not args.fast_attention,
+    engine = Engine.build(EngineConfig(target=args.target, draft=args.draft, backend=args.backend, dtype=args.dtype, draft_dtype=args.draft_dtype, draft_vocab=args.draft_vocab, batch_invariant=not args.fast_attention,
                                        int8_kernel=args.int8_kernel), progress=log)
     on_text = None if quiet else (lambda text: (sys.stdout.write(text), sys.stdout.flush()))
     if args.interactive:

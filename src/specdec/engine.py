@@ -6,6 +6,7 @@ thing everywhere and the decoder itself never switches on strings.
 
 from __future__ import annotations
 
+import json
 import os
 from dataclasses import dataclass, field, replace
 from pathlib import Path
@@ -20,7 +21,7 @@ from specdec.drafters import self_spec
 from specdec.drafters.hybrid import LOOKUP_SUFFIX, LookupThenModel, split_lookup
 from specdec.drafters.lookahead import LookaheadDrafter
 from specdec.drafters.base import Drafter, feature_taps
-from specdec.errors import ConfigError
+from specdec.errors import ConfigError, SpecdecError
 from specdec.drafters.tree_builder import TreeSpec
 from specdec.gamma import CostGamma, FixedGamma, GammaController, GuideGamma, TreeBudget
 from specdec.models.registry import LoadedModel, check_compatible, load
@@ -53,6 +54,10 @@ class EngineConfig:
     #: LM head; "w8a8" = every linear layer as the int8 target's (see :func:`draft_quant`); a
     #: target-aware head's own layers follow the non-w8a8 rule
     draft_dtype: str = "auto"
+    #: the draft model's vocabulary (never affects exactness, only acceptance and speed): "auto" =
+    #: the draft folder's reduced vocabulary (``draft_vocab.json``: its LM head over the most
+    #: frequent tokens of the target's replies, -inf elsewhere) where it ships one; "full" = all
+    draft_vocab: str = "auto"
     #: native target scores a draft block bitwise as it would score the tokens one by one
     #: (greedy / coupled output identical to plain decoding); ~10% slower verification
     batch_invariant: bool = True
@@ -153,12 +158,39 @@ def draft_batch_invariant(quant: str | None) -> bool:
     return quant is not None and kernels.attention_kernel()
 
 
+def draft_vocabulary(cfg: EngineConfig, ref: str) -> torch.Tensor | None:
+    """The token ids the draft's LM head keeps (``draft_vocab.json`` in its folder, with
+    ``draft_vocab="auto"`` and the native backend), or None for the whole vocabulary."""
+    if cfg.draft_vocab not in ("auto", "full"):
+        raise ConfigError(f"draft vocabulary must be auto or full, got {cfg.draft_vocab!r}")
+    if cfg.draft_vocab == "full" or cfg.backend == "hf":
+        return None
+    from specdec.models.registry import resolve
+
+    try:
+        folder = resolve(ref).folder
+    except SpecdecError:
+        return None  # load() reports what is wrong with the reference
+    path = folder / "draft_vocab.json" if folder is not None else None
+    if path is None or not path.is_file():
+        return None
+    try:
+        ids = torch.tensor(json.loads(path.read_text())["ids"], dtype=torch.long)
+    except (ValueError, KeyError, TypeError) as exc:
+        raise ConfigError(f"{path}: not a draft vocabulary ({type(exc).__name__}: {exc})".splitlines()[0]) from None
+    if ids.ndim != 1 or ids.numel() == 0 or not bool((ids[1:] > ids[:-1]).all()) or int(ids[0]) < 0:
+        raise ConfigError(f"{path}: the ids must be a non-empty, sorted list of distinct token ids")
+    return ids
+
+
 def load_draft(cfg: EngineConfig, ref: str | None = None) -> LoadedModel:
-    """The draft model in :func:`draft_dtype` (batch-invariant only where that is faster: :func:`draft_batch_invariant`)."""
+    """The draft model in :func:`draft_dtype` (batch-invariant only where that is faster:
+    :func:`draft_batch_invariant`), over its reduced vocabulary where it has one (:func:`draft_vocabulary`)."""
     quant = draft_quant(cfg)
-    return load(split_lookup(ref or cfg.draft)[0], backend=cfg.backend, dtype=torch.float32 if quant else draft_dtype(cfg),
+    name = split_lookup(ref or cfg.draft)[0]
+    return load(name, backend=cfg.backend, dtype=torch.float32 if quant else draft_dtype(cfg),
                 batch_invariant=draft_batch_invariant(quant), int8_head=draft_int8_head(cfg), quant=quant,
-                int8_kernel="fbgemm" if quant else "auto")
+                int8_kernel="fbgemm" if quant else "auto", vocab_subset=draft_vocabulary(cfg, name))
 
 
 def default_method(cfg: SamplingConfig) -> str:

@@ -40,3 +40,88 @@ def test_gumbel_mode_reports_no_probs():
     sampler = DraftSampler(SamplingConfig(temperature=1.0), "gumbel", penalties=None, generator=None, noise_seed=3)
     draft = d.propose(ctx, 3, sampler)
     assert draft.probs is None and draft.tokens.numel() == 3
+
+
+# ----------------------------------------------------------------------------- a reduced draft vocabulary
+
+
+import json  # noqa: E402
+from pathlib import Path  # noqa: E402
+
+import pytest  # noqa: E402
+
+from specdec.decoder import SpeculativeDecoder  # noqa: E402
+from specdec.gamma import FixedGamma  # noqa: E402
+from specdec.models.native import NativeCausalLM  # noqa: E402
+from specdec.verify import get_rule  # noqa: E402
+
+
+@pytest.fixture(scope="module")
+def tiny_pair(tmp_path_factory):
+    """A tiny random Llama as the target and the same weights as a draft over 2,000 of its
+    49,152 tokens (the target's own greedy choices are mostly among them: it is its own draft)."""
+    from tiny import make_tiny
+
+    folder = make_tiny(tmp_path_factory.mktemp("subset") / "m", seed=4)
+    target = NativeCausalLM.from_folder(folder, batch_invariant=True)
+    prompt = [1, 504, 3300, 288, 3400]
+    cache = target.new_cache(64)
+    greedy = SpeculativeDecoder(target, None, get_rule("greedy")).generate(prompt, SamplingConfig(temperature=0.0, max_new_tokens=24)).tokens
+    ids = torch.tensor(sorted(set(greedy) | set(range(2000))))
+    draft = NativeCausalLM.from_folder(folder, vocab_subset=ids)
+    del cache
+    return folder, target, draft, ids, prompt, greedy
+
+
+def test_a_reduced_vocabulary_draft_scores_its_tokens_only(tiny_pair):
+    _, target, draft, ids, prompt, _ = tiny_pair
+    full = target.forward(torch.tensor(prompt), target.new_cache(64))  # [n, V]
+    sub = draft.forward(torch.tensor(prompt), draft.new_cache(64))
+    outside = torch.ones(full.shape[1], dtype=torch.bool)
+    outside[ids] = False
+    assert bool(torch.isneginf(sub[:, outside]).all()) and bool(torch.isfinite(sub[:, ids]).all())
+    assert torch.allclose(sub[:, ids], full[:, ids], atol=1e-5, rtol=1e-5)
+
+
+@pytest.mark.parametrize("method", ["greedy", "token", "block"])
+def test_a_reduced_vocabulary_draft_keeps_the_output_exact(tiny_pair, method):
+    """Greedy: the output is plain greedy decoding's, with drafts accepted; sampled: every token
+    is one the target allows (a constraint allowing only tokens outside the draft's vocabulary
+    leaves q undefined, and the draft must then stop, not hand NaN to the rule)."""
+    from tests.drafters.test_heads import _Only
+
+    _, target, draft, ids, prompt, greedy = tiny_pair
+    d = ModelDrafter(draft)
+    if method == "greedy":
+        out = SpeculativeDecoder(target, d, get_rule("greedy"), gamma=FixedGamma(3)).generate(
+            prompt, SamplingConfig(temperature=0.0, max_new_tokens=24))
+        assert out.tokens == greedy and out.stats.draft_tokens_accepted > 0
+        return
+    allowed = [40000, 40001, 40002]  # none of them in the draft's vocabulary
+    assert not set(allowed) & set(ids.tolist())
+    cfg = SamplingConfig(temperature=1.0, seed=None, max_new_tokens=8, constraint=_Only(allowed))
+    out = SpeculativeDecoder(target, d, get_rule(method), gamma=FixedGamma(3)).generate(prompt, cfg)
+    assert len(out.tokens) == 8 and set(out.tokens) <= set(allowed)
+    assert out.stats.draft_tokens_proposed == 0
+
+
+def test_the_engine_reads_a_draft_folder_s_vocabulary(tiny_pair, tmp_path: Path):
+    from specdec.engine import EngineConfig, draft_vocabulary
+    from specdec.errors import ConfigError
+
+    folder, *_ = tiny_pair
+    assert draft_vocabulary(EngineConfig(), str(folder)) is None  # no file: the whole vocabulary
+    (folder / "draft_vocab.json").write_text(json.dumps({"ids": [0, 2, 7]}))
+    try:
+        assert draft_vocabulary(EngineConfig(), str(folder)).tolist() == [0, 2, 7]
+        assert draft_vocabulary(EngineConfig(draft_vocab="full"), str(folder)) is None
+        with pytest.raises(ConfigError, match="auto or full"):
+            draft_vocabulary(EngineConfig(draft_vocab="half"), str(folder))
+        (folder / "draft_vocab.json").write_text(json.dumps({"ids": [7, 2]}))
+        with pytest.raises(ConfigError, match="sorted"):
+            draft_vocabulary(EngineConfig(), str(folder))
+        (folder / "draft_vocab.json").write_text("{")
+        with pytest.raises(ConfigError, match="not a draft vocabulary"):
+            draft_vocabulary(EngineConfig(), str(folder))
+    finally:
+        (folder / "draft_vocab.json").unlink()

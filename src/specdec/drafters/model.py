@@ -64,8 +64,11 @@ class ModelDrafter:
         logits = self.model.forward(context[self.cache.length :], self.cache, last_only=True)  # [1, V]
         chain = DraftChain()
         for j in range(gamma):
+            drawn = sampler(logits, length + j)
+            if drawn[1] is not None and not bool(torch.isfinite(drawn[1]).all()):
+                break  # q undefined: a constraint allows no token of a reduced draft vocabulary here
             # stops at low draft confidence, or at a gate (specdec.remote.gating) at a hard token
-            if not chain.add(sampler(logits, length + j), sampler) or j + 1 == gamma:
+            if not chain.add(drawn, sampler) or j + 1 == gamma:
                 break
             logits = self.model.forward(torch.tensor(chain.tokens[-1:]), self.cache)
             self._fed += 1

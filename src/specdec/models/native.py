@@ -285,6 +285,7 @@ class NativeCausalLM:
         dtype: torch.dtype = torch.float32,
         batch_invariant: bool = False,
         int8_head: bool = False,
+        vocab_subset: Tensor | None = None,
         quant: str | None = None,
         calibration: Tensor | None = None,
         int8_kernel: str = "auto",
@@ -371,9 +372,14 @@ class NativeCausalLM:
         head = self.embed if cfg.tie_embeddings or "lm_head.weight" not in weights else w("lm_head.weight")
         #: int8_head (drafts only: never for a target, whose logits define the output law): the LM
         #: head, by far the largest matrix of a small draft, as a dynamically quantised int8 matmul
-        self.lm_head = Int8Linear(head * final_g) if int8_head else linear(head * final_g)
+        #: vocab_subset (drafts only, like int8_head): the LM head's rows for these target ids alone
+        #: (a draft vocabulary of the most frequent tokens, sorted); every other logit is -inf, so
+        #: the draft never proposes those tokens — a proposal rule, never the output law
+        self._subset = None if vocab_subset is None else vocab_subset.long()
+        rows = head if self._subset is None else head[self._subset]
+        self.lm_head = Int8Linear(rows * final_g) if int8_head else linear(rows * final_g)
         if quant is not None:
-            self.lm_head = linear(head * final_g)
+            self.lm_head = linear(rows * final_g)
         self._eps = torch.tensor([cfg.rms_eps], dtype=dtype)
         cos, sin = _rope_tables(cfg, cfg.max_length)
         sin[:, : cfg.head_dim // 2] *= -1  # signed for _rotate
@@ -424,6 +430,7 @@ class NativeCausalLM:
         quant: str | None = None,
         int8_kernel: str = "auto",
         gguf: str | Path | None = None,
+        vocab_subset: Tensor | None = None,
     ) -> "NativeCausalLM":
         """``gguf`` (``quant="q4"``): the GGUF file the folder was converted from, whose 4-bit
         layer matrices are then used as shipped (see :mod:`specdec.models.gguf_blocks`)."""
@@ -441,7 +448,7 @@ class NativeCausalLM:
 
             blocks = read_q4_blocks(gguf, cfg.n_heads, cfg.n_kv_heads)
         return cls(cfg, weights, dtype=dtype, batch_invariant=batch_invariant, int8_head=int8_head, quant=quant,
-                   calibration=calibration, int8_kernel=int8_kernel, q4_blocks=blocks)
+                   calibration=calibration, int8_kernel=int8_kernel, q4_blocks=blocks, vocab_subset=vocab_subset)
 
     # ------------------------------------------------------------------ LanguageModel
 
@@ -454,6 +461,13 @@ class NativeCausalLM:
     def _inv_rms(self, x: Tensor) -> Tensor:  # x: [n, D] -> [n, 1] = 1 / sqrt(mean(x^2) + eps)
         norm = torch.linalg.vector_norm(x, dim=-1, keepdim=True)
         return torch.rsqrt(torch.addcmul(self._eps, norm, norm, value=1.0 / self.cfg.hidden_size))
+
+    def _logits(self, h: Tensor) -> Tensor:  # [n, D] LM head inputs -> [n, V] float32
+        out = self.lm_head(h).float()
+        if self._subset is None:
+            return out
+        full = out.new_full((out.shape[0], self.vocab_size), -math.inf)
+        return full.index_copy_(1, self._subset, out)
 
     @torch.inference_mode()
     def hidden(
@@ -537,7 +551,7 @@ class NativeCausalLM:
         h = self.hidden(tokens, cache)
         if last_only:
             h = h[-1:]
-        return self.lm_head(h).float()
+        return self._logits(h)
 
     @torch.inference_mode()
     def forward_features(
@@ -551,7 +565,7 @@ class NativeCausalLM:
         found: dict[int, Tensor] = {k: x for k, x in ((k, torch.empty(0)) for k in taps)}
         h = self.hidden(tokens, cache, parents=parents, prefix=prefix, taps=found)  # [n, D]
         feats = torch.stack([found[k] for k in taps] + [h], dim=1)  # [n, R, D]
-        return self.lm_head(h[-1:] if last_only else h).float(), feats
+        return self._logits(h[-1:] if last_only else h), feats
 
     @torch.inference_mode()
     def forward_batch(self, items: list[tuple[Tensor, KVCache, bool]]) -> list[Tensor]:
@@ -596,7 +610,7 @@ class NativeCausalLM:
             h = self._layers_batch_eager(x, cos, sin, items, sizes, starts, offsets)
         rows = [torch.arange(o + n - 1, o + n) if last else torch.arange(o, o + n)
                 for (_, _, last), n, o in zip(items, sizes, offsets)]
-        logits = self.lm_head(h[torch.cat(rows)]).float()  # [R, V]
+        logits = self._logits(h[torch.cat(rows)])  # [R, V]
         return list(logits.split([r.numel() for r in rows]))
 
     def _layers_batch_eager(self, x: Tensor, cos: Tensor, sin: Tensor, items: list[tuple[Tensor, KVCache, bool]],
@@ -646,7 +660,7 @@ class NativeCausalLM:
         drafter expanding its frontier) passes ``prefix``, the first slot of the tree region,
         and ``parents`` for the whole region ``[prefix, cache.length + n)``.
         """
-        return self.lm_head(self.hidden(tokens, cache, parents=parents, prefix=prefix)).float()
+        return self._logits(self.hidden(tokens, cache, parents=parents, prefix=prefix))
 
     @property
     def n_params(self) -> int:
@@ -667,7 +681,7 @@ class NativeCausalLM:
 
     def head(self, x: Tensor) -> Tensor:  # x: [n, D] residual stream -> [n, V] float32 logits
         """Final norm + LM head of a residual stream (an early exit uses it after any layer)."""
-        return self.lm_head(x * self._inv_rms(x)).float()
+        return self._logits(x * self._inv_rms(x))
 
     @torch.inference_mode()
     def run_layers(

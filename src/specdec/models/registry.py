@@ -360,12 +360,15 @@ def load(
     int8_head: bool = False,
     quant: str | None = None,
     int8_kernel: str = "auto",
+    vocab_subset: torch.Tensor | None = None,
 ) -> LoadedModel:
     """Resolve ``ref`` and load model + tokenizer with the requested backend (auto = native if it can).
 
     ``batch_invariant`` (native backend): multi-token scoring is bitwise identical to scoring the
     tokens one at a time, so speculative and plain decoding agree exactly, not just up to ties.
     ``int8_head`` (native backend, drafts only): the LM head as an int8 matmul.
+    ``vocab_subset`` (native backend, drafts only): the LM head over these token ids alone, every
+    other logit -inf (see :func:`specdec.engine.draft_vocabulary`).
     ``int8_kernel`` (``quant="int8"``): fbgemm | onednn | mixed | auto (see :func:`specdec.models.linear.int8_kernel`).
     ``quant="q4"``: 4-bit layer matrices, a GGUF's own blocks where the model comes as one.
     """
@@ -391,7 +394,7 @@ def load(
     if use_native:
         model = NativeCausalLM.from_folder(
             folder, dtype=dtype, batch_invariant=batch_invariant, int8_head=int8_head, quant=quant, int8_kernel=int8_kernel,
-            gguf=_source_gguf(ref, resolved) if quant == "q4" else None,
+            gguf=_source_gguf(ref, resolved) if quant == "q4" else None, vocab_subset=vocab_subset,
         )
         kind = "native"
     elif quant is not None:

@@ -119,7 +119,8 @@ def run_generate(args: argparse.Namespace, prompt: str, sampling: SamplingConfig
             log(f"the edge gate judges the draft model's tokens one by one: drafting with {base} alone")
             lookup = False
         log(f"loading draft {base}" + (" (prompt lookup first)" if lookup else ""))
-        cfg = EngineConfig(draft=args.draft, backend=args.backend, dtype=args.dtype, draft_dtype=args.draft_dtype)
+        cfg = EngineConfig(draft=args.draft, backend=args.backend, dtype=args.dtype, draft_dtype=args.draft_dtype,
+                           draft_vocab=getattr(args, "draft_vocab", "auto"))
         draft = load_draft(cfg)
         tokenizer, eos, drafter, name = draft.tokenizer, draft.eos_ids, ModelDrafter(draft.model), draft.name
         if lookup:  # NAME+lookup: prompt lookup first, the draft model otherwise

@@ -204,7 +204,7 @@ def build_app(args: argparse.Namespace, settings_kw: dict[str, Any]) -> Any:
 
     engine = Engine.build(
         EngineConfig(target=args.target, draft=args.draft, backend=args.backend, dtype=args.dtype,
-                     draft_dtype=args.draft_dtype, int8_kernel=getattr(args, "int8_kernel", "auto")),
+                     draft_dtype=args.draft_dtype, draft_vocab=getattr(args, "draft_vocab", "auto"), int8_kernel=getattr(args, "int8_kernel", "auto")),
         progress=_log,
     )
     settings = ServerSettings(model_name=engine.target.name, **settings_kw)
