@@ -120,6 +120,8 @@ def test_the_engine_reads_a_draft_folder_s_vocabulary(tiny_pair, tmp_path: Path)
         (folder / "draft_vocab.json").write_text(json.dumps({"ids": [7, 2]}))
         with pytest.raises(ConfigError, match="sorted"):
             draft_vocabulary(EngineConfig(), str(folder))
+        with pytest.raises(ConfigError, match="must lie in"):
+            NativeCausalLM.from_folder(folder, vocab_subset=torch.tensor([3, 49152]))
         (folder / "draft_vocab.json").write_text("{")
         with pytest.raises(ConfigError, match="not a draft vocabulary"):
             draft_vocabulary(EngineConfig(), str(folder))

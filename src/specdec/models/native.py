@@ -376,6 +376,8 @@ class NativeCausalLM:
         #: (a draft vocabulary of the most frequent tokens, sorted); every other logit is -inf, so
         #: the draft never proposes those tokens — a proposal rule, never the output law
         self._subset = None if vocab_subset is None else vocab_subset.long()
+        if self._subset is not None and not 0 <= int(self._subset.min()) <= int(self._subset.max()) < cfg.vocab_size:
+            raise ConfigError(f"a draft vocabulary's ids must lie in 0..{cfg.vocab_size - 1}")
         rows = head if self._subset is None else head[self._subset]
         self.lm_head = Int8Linear(rows * final_g) if int8_head else linear(rows * final_g)
         if quant is not None:
