@@ -83,24 +83,40 @@ def test_a_reduced_vocabulary_draft_scores_its_tokens_only(tiny_pair):
     assert torch.allclose(sub[:, ids], full[:, ids], atol=1e-5, rtol=1e-5)
 
 
-@pytest.mark.parametrize("method", ["greedy", "token", "block"])
-def test_a_reduced_vocabulary_draft_keeps_the_output_exact(tiny_pair, method):
-    """Greedy: the output is plain greedy decoding's, with drafts accepted; sampled: every token
-    is one the target allows (a constraint allowing only tokens outside the draft's vocabulary
-    leaves q undefined, and the draft must then stop, not hand NaN to the rule)."""
-    from tests.drafters.test_heads import _Only
+class _Strict:
+    """A constraint allowing the given tokens only, which fails if a token it forbids is ever fed
+    to it (as a grammar matcher does: a draft must never propose such a token)."""
 
-    _, target, draft, ids, prompt, greedy = tiny_pair
-    d = ModelDrafter(draft)
-    if method == "greedy":
-        out = SpeculativeDecoder(target, d, get_rule("greedy"), gamma=FixedGamma(3)).generate(
-            prompt, SamplingConfig(temperature=0.0, max_new_tokens=24))
-        assert out.tokens == greedy and out.stats.draft_tokens_accepted > 0
-        return
+    def __init__(self, tokens: list[int]) -> None:
+        self.tokens = tokens
+
+    def allowed(self, generated, vocab_size):
+        bad = [t for t in generated if t not in self.tokens]
+        assert not bad, f"the constraint was fed forbidden tokens {bad}"
+        mask = torch.zeros(vocab_size, dtype=torch.bool)
+        mask[self.tokens] = True
+        return mask
+
+
+def test_a_reduced_vocabulary_draft_keeps_greedy_output_exact(tiny_pair):
+    _, target, draft, _, prompt, greedy = tiny_pair
+    out = SpeculativeDecoder(target, ModelDrafter(draft), get_rule("greedy"), gamma=FixedGamma(3)).generate(
+        prompt, SamplingConfig(temperature=0.0, max_new_tokens=24))
+    assert out.tokens == greedy and out.stats.draft_tokens_accepted > 0
+
+
+@pytest.mark.parametrize("method,temperature,seed", [("greedy", 0.0, None), ("token", 1.0, None), ("block", 1.0, None),
+                                                      ("coupled", 1.0, 4)])
+def test_a_constraint_outside_a_reduced_vocabulary_stops_the_draft(tiny_pair, method, temperature, seed):
+    """A constraint allowing only tokens outside the draft's vocabulary leaves nothing the draft
+    may propose (every score -inf): the draft stops — in every sampling mode, argmax and Gumbel
+    included — instead of handing NaN to the rule or a forbidden token to the constraint (a real
+    grammar rejects it; found by the OpenAI server's structured-output test)."""
+    _, target, draft, ids, prompt, _ = tiny_pair
     allowed = [40000, 40001, 40002]  # none of them in the draft's vocabulary
     assert not set(allowed) & set(ids.tolist())
-    cfg = SamplingConfig(temperature=1.0, seed=None, max_new_tokens=8, constraint=_Only(allowed))
-    out = SpeculativeDecoder(target, d, get_rule(method), gamma=FixedGamma(3)).generate(prompt, cfg)
+    cfg = SamplingConfig(temperature=temperature, seed=seed, max_new_tokens=8, constraint=_Strict(allowed))
+    out = SpeculativeDecoder(target, ModelDrafter(draft), get_rule(method), gamma=FixedGamma(3)).generate(prompt, cfg)
     assert len(out.tokens) == 8 and set(out.tokens) <= set(allowed)
     assert out.stats.draft_tokens_proposed == 0
 

@@ -122,6 +122,10 @@ class DraftSampler:
         #: that would most likely be rejected
         self.min_confidence = min_confidence
         self.stop_requested = False
+        #: set by a call that found no token the constraint allows among those the drafter can
+        #: propose (a reduced draft vocabulary under structured output): the drafter must stop
+        #: there — nothing was drawn and the penalty / constraint state did not move
+        self.undefined = False
         #: the most draft tokens this round can use (tokens left to generate, the γ cap); a
         #: drafter whose drafts cost nothing may propose up to this many, more than γ
         self.room = room
@@ -138,8 +142,12 @@ class DraftSampler:
         sampled from; then records the token so the next position's penalties see it.
         """
         probs: Tensor | None = None
+        self.undefined = False
         if self.mode == "argmax":
             scores = penalised_logits(logits, self.cfg, self.penalties)
+            if self.cfg.constraint is not None and not bool(torch.isfinite(scores).any()):
+                self.undefined = True
+                return 0, None
             if self.min_confidence > 0.0:
                 top, idx = torch.softmax(scores, -1).max(-1)
                 token = int(idx)
@@ -148,6 +156,9 @@ class DraftSampler:
                 token = int(argmax_last(scores))
         else:
             q = process_logits(logits, self.cfg, self.penalties)[0]  # [V]
+            if self.cfg.constraint is not None and not bool(torch.isfinite(q).all()):
+                self.undefined = True
+                return 0, None
             if self.q_top_k is not None and self.mode == "multinomial":
                 q = truncate_top_k(q, self.q_top_k)
             if self.mode == "gumbel":

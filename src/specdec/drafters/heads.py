@@ -98,7 +98,7 @@ class HeadDrafter:
         """The sampler's token and q for ``row`` [1, V], or None when q is undefined: a constraint
         (structured output) that allows no token of the draft vocabulary here — drafting stops."""
         token, q = sampler(row, position)
-        if q is not None and not bool(torch.isfinite(q).all()):
+        if getattr(sampler, "undefined", False) or q is not None and not bool(torch.isfinite(q).all()):
             return None
         return token, q
 

@@ -65,8 +65,8 @@ class ModelDrafter:
         chain = DraftChain()
         for j in range(gamma):
             drawn = sampler(logits, length + j)
-            if drawn[1] is not None and not bool(torch.isfinite(drawn[1]).all()):
-                break  # q undefined: a constraint allows no token of a reduced draft vocabulary here
+            if getattr(sampler, "undefined", False):
+                break  # a constraint allows no token of a reduced draft vocabulary here
             # stops at low draft confidence, or at a gate (specdec.remote.gating) at a hard token
             if not chain.add(drawn, sampler) or j + 1 == gamma:
                 break
