@@ -95,10 +95,11 @@ class HeadDrafter:
         return full_vocab(logits, self.d2t, self.vocab)
 
     def _draw(self, sampler: DraftSampler, row: Tensor, position: int) -> tuple[int, Tensor | None] | None:
-        """The sampler's token and q for ``row`` [1, V], or None when q is undefined: a constraint
-        (structured output) that allows no token of the draft vocabulary here — drafting stops."""
+        """The sampler's token and q for ``row`` [1, V], or None when nothing may be drawn: a
+        constraint (structured output) that allows no token of the draft vocabulary here (the
+        sampler's ``undefined``) — drafting stops."""
         token, q = sampler(row, position)
-        if getattr(sampler, "undefined", False) or q is not None and not bool(torch.isfinite(q).all()):
+        if getattr(sampler, "undefined", False):
             return None
         return token, q
 

@@ -440,15 +440,16 @@ def default_taps(layers: int) -> tuple[int, ...]:
 
 
 def _target_pass(shape_t: Shape, wt: dict[str, Tensor], ids: Tensor, rows: Tensor,
-                 taps: tuple[int, ...] | None = None) -> tuple[Tensor, Tensor | None]:
-    """The target's log-law at the reply rows [N, V] and, with ``taps``, the features a head reads
-    [B, T, len(taps) + 1, D] float32: the tapped residual streams, then the final hidden state
-    divided by its RMS (the layout of ``specdec train data``'s shards)."""
+                 taps: tuple[int, ...] | None = None, law: bool = True) -> tuple[Tensor | None, Tensor | None]:
+    """The target's log-law at the reply rows [N, V] (None without ``law``: no draft student needs
+    it) and, with ``taps``, the features a head reads [B, T, len(taps) + 1, D] float32: the tapped
+    residual streams, then the final hidden state divided by its RMS (the layout of ``specdec
+    train data``'s shards)."""
     pos = torch.arange(ids.shape[1], device=ids.device)[None].expand_as(ids)
     found = None if taps is None else dict.fromkeys((*taps, shape_t.layers), ids)
     with torch.no_grad():
-        ht = hidden(shape_t, wt, ids, pos, None, taps=found)[rows]
-        logp = torch.log_softmax((ht @ head(wt).T).float(), -1)
+        ht = hidden(shape_t, wt, ids, pos, None, taps=found)
+        logp = torch.log_softmax((ht[rows] @ head(wt).T).float(), -1) if law else None
         if found is None:
             return logp, None
         x = found[shape_t.layers].float()
@@ -512,7 +513,7 @@ def held_out_heads(shape_t: Shape, wt: dict[str, Tensor], heads: Heads, data: li
     for kind in sorted({data[i].kind for i in index}):
         for group in batches(data, [i for i in index if data[i].kind == kind], batch_tokens, random.Random(0)):
             ids, rows = collate(data, group, dev)
-            batch = _head_batch(data, group, ids, _target_pass(shape_t, wt, ids, rows, heads.taps)[1])
+            batch = _head_batch(data, group, ids, _target_pass(shape_t, wt, ids, rows, heads.taps, law=False)[1])
             for h in heads.students:
                 score(h.model, batch, heads.embed, heads.head, h.model.d2t, sums[h.name].setdefault(kind, {}))
     return {name: rate_table(per) for name, per in sums.items()}
@@ -527,8 +528,8 @@ def train(shape_t: Shape, wt: dict[str, Tensor], students: list[Student], data: 
           pause: Callable[[int], bool] | None = None, heads: Heads | None = None) -> dict:
     """Train every student (weights modified in place) and every head on the same batches, the
     target scoring each batch once; returns {"finished", "steps", "seconds", "tokens",
-    "batch_tokens"} (losses in ``Student.losses`` / ``HeadStudent.losses``).  Resumes from ``ckpt`` when it exists; ``pause(step)`` true after a step
-    checkpoints and stops there (a rerun continues bitwise).  A step that runs out of GPU memory
+    "batch_tokens"} (losses in ``Student.losses`` / ``HeadStudent.losses``).  Resumes from
+    ``ckpt`` when it exists; ``pause(step)`` true after a step checkpoints and stops there (a rerun continues bitwise).  A step that runs out of GPU memory
     halves the batch."""
     dev = wt["model.norm.weight"].device
     for s in students:
@@ -538,6 +539,7 @@ def train(shape_t: Shape, wt: dict[str, Tensor], students: list[Student], data: 
     from specdec.train.heads import TrainConfig, loss_fn
 
     hs = heads.students if heads is not None else []
+    head_cfgs = {h.name: TrainConfig(kind=h.model.cfg.kind, depth=cfg.head_depth) for h in hs}  # the loss's weights
     for h in hs:
         h.opt = torch.optim.AdamW([p for p in h.model.parameters() if p.requires_grad], lr=cfg.head_lr,
                                   weight_decay=cfg.weight_decay, betas=(0.9, 0.95))
@@ -569,7 +571,8 @@ def train(shape_t: Shape, wt: dict[str, Tensor], students: list[Student], data: 
         group = order.pop()
         try:
             ids, rows = collate(data, group, dev)
-            logp, feats = _target_pass(shape_t, wt, ids, rows, heads.taps if heads is not None else None)
+            logp, feats = _target_pass(shape_t, wt, ids, rows, heads.taps if heads is not None else None,
+                                       law=bool(students))
             lr_factor = warmup_cosine(step, total or 10**9, cfg.warmup)
             for s in students:
                 for g in s.opt.param_groups:
@@ -585,8 +588,7 @@ def train(shape_t: Shape, wt: dict[str, Tensor], students: list[Student], data: 
             for h in hs:
                 for g in h.opt.param_groups:
                     g["lr"] = cfg.head_lr * lr_factor
-                loss, _ = loss_fn(h.model, batch, heads.embed, heads.w_draft(h),
-                                  TrainConfig(kind=h.model.cfg.kind, depth=cfg.head_depth))
+                loss, _ = loss_fn(h.model, batch, heads.embed, heads.w_draft(h), head_cfgs[h.name])
                 h.opt.zero_grad(set_to_none=True)
                 loss.backward()
                 torch.nn.utils.clip_grad_norm_([p for p in h.model.parameters() if p.requires_grad], 1.0)
