@@ -219,8 +219,9 @@ def test_a_paused_run_with_a_head_resumes_bitwise(tiny, data, tmp_path: Path) ->
 
 
 def test_heads_continue_from_an_earlier_run(tiny, data, tmp_path: Path) -> None:
-    """``init_heads``: a head starts from the weights an earlier run saved (same data, same draft
-    vocabulary); another draft vocabulary is refused."""
+    """``init_heads``: a head starts from the weights an earlier run saved and keeps their draft
+    vocabulary when it continues on other data (whose token counts would pick another); a
+    ``head_vocab`` of another size is refused."""
     from specdec.heads.modules import save_head
 
     _, target, _ = tiny
@@ -228,11 +229,14 @@ def test_heads_continue_from_an_earlier_run(tiny, data, tmp_path: Path) -> None:
     shape_t, wt, cfg, first = _heads(target, data, index, ("eagle3",), tmp_path / "a", steps=3)
     on.train(shape_t, wt, [], data, index, cfg, None, lambda msg: None, False, heads=first)
     save_head(first.students[0].model, tmp_path / "a" / "eagle3", dtype=torch.float32)
-    _, _, _, again = _heads(target, data, index, ("eagle3",), tmp_path / "b", init_heads=str(tmp_path / "a"))
+    other = list(range(40, len(data)))
+    _, _, _, fresh = _heads(target, data, other, ("eagle3",), tmp_path / "b")
+    assert not torch.equal(fresh.students[0].model.d2t, first.students[0].model.d2t)  # the new data picks others
+    _, _, _, again = _heads(target, data, other, ("eagle3",), tmp_path / "c", init_heads=str(tmp_path / "a"))
     for name, t in first.students[0].model.state_dict().items():
         assert torch.equal(t, again.students[0].model.state_dict()[name]), name
-    with pytest.raises(ValueError, match="draft vocabulary"):
-        _heads(target, data, index, ("eagle3",), tmp_path / "c", init_heads=str(tmp_path / "a"), head_vocab=256)
+    with pytest.raises(ValueError, match="--head-vocab 256"):
+        _heads(target, data, index, ("eagle3",), tmp_path / "d", init_heads=str(tmp_path / "a"), head_vocab=256)
 
 
 def test_the_gguf_reader_gives_the_converted_weights() -> None:

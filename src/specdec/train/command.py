@@ -144,7 +144,7 @@ def add_parser(sub) -> None:  # noqa: ANN001 - argparse's subparsers action
     o.add_argument("--head-depth", type=int, default=3, help="EAGLE's training-time-test steps, Medusa's heads, MTP's modules")
     o.add_argument("--head-lr", type=float, default=5e-4)
     o.add_argument("--init-heads", default="", help="an earlier run's --out: the heads continue from its <kind>/ folders "
-                   "(copy its data.pt into --out to train on the same sequences)")
+                   "and keep their draft vocabulary (copy its data.pt into --out to train on the same sequences)")
     o.add_argument("--max-minutes", type=float, help="pause training after about this long (rerun to resume)")
     o.add_argument("--bundle", help="write the inputs to this folder instead of training (for a torch-only machine)")
     o.add_argument("--seed", type=int, default=0)

@@ -74,7 +74,7 @@ class OnlineConfig:
     head_vocab: int = 8192  # each head's draft vocabulary: the most frequent reply tokens of the training data
     head_depth: int = 3  # EAGLE's training-time-test steps, Medusa's heads, MTP's modules
     head_lr: float = 5e-4
-    init_heads: str = ""  # a folder with <kind>/ head folders (an earlier run's --out): heads continue from them
+    init_heads: str = ""  # a folder with <kind>/ head folders (an earlier run's --out): heads continue from them, their draft vocabulary kept
     held_out_every: int = 20
     ckpt_every: int = 200
     seed: int = 0
@@ -788,6 +788,15 @@ def _make_heads(shape_t: Shape, wt: dict[str, Tensor], data: list[Sequence], tra
     counts = reply_counts(((torch.tensor(data[i].tokens), data[i].prompt_len) for i in train_idx), shape_t.vocab)
     torch.save(counts, out / "token_counts.pt")
     d2t = top_tokens(counts, cfg.head_vocab, tuple(prompts["eos"]))
+    init: dict[str, dict[str, Tensor]] = {}
+    if cfg.init_heads:  # a continued head keeps its draft vocabulary, whatever the new data's counts
+        from safetensors.torch import load_file
+
+        for kind in cfg.heads:
+            state = init[kind] = load_file(str(Path(cfg.init_heads) / kind / "model.safetensors"))
+            if state["d2t"].numel() != cfg.head_vocab:
+                raise ValueError(f"{cfg.init_heads}/{kind}: its draft vocabulary has {state['d2t'].numel()} tokens,"
+                                 f" not --head-vocab {cfg.head_vocab}")
     dev = wt["model.norm.weight"].device
     taps = default_taps(shape_t.layers)
     full = (head(wt).float() * wt["model.norm.weight"].float())  # [V, D]
@@ -803,13 +812,8 @@ def _make_heads(shape_t: Shape, wt: dict[str, Tensor], data: list[Sequence], tra
         with torch.no_grad():
             model.d2t.copy_(d2t)
             model.lm_head.weight.copy_(full[d2t.to(dev)])
-        if cfg.init_heads:
-            from safetensors.torch import load_file
-
-            state = load_file(str(Path(cfg.init_heads) / kind / "model.safetensors"))
-            if not torch.equal(state["d2t"], d2t):
-                raise ValueError(f"{cfg.init_heads}/{kind}: its draft vocabulary is not this data's (other data or --head-vocab)")
-            model.load_state_dict({k: v.float() if v.is_floating_point() else v for k, v in state.items()})
+        if kind in init:
+            model.load_state_dict({k: v.float() if v.is_floating_point() else v for k, v in init[kind].items()})
         model.lm_head.weight.requires_grad_(not frozen_head_rows(kind))
         students.append(HeadStudent(kind, model))
     return Heads(students, taps, wt["model.embed_tokens.weight"].float(), full)
