@@ -331,7 +331,7 @@ class Engine:
                 progress(f"loading draft head {cfg.draft}")
             label = cfg.draft.strip().lower() if cfg.draft.strip().lower() in heads.HEADS else None
             drafter, name = heads.build(head, target.model, label=label, int8_head=draft_int8_head(cfg),
-                                        dtype=draft_dtype(cfg))
+                                        dtype=draft_dtype(cfg), quant=draft_quant(cfg))
             return cls(target, drafter, name)
         if progress:
             progress(f"loading draft {base}")

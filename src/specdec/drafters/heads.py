@@ -449,17 +449,56 @@ class PackedLinear(torch.nn.Module):
         return y.float().reshape(*x.shape[:-1], -1)
 
 
-def _pack(module: torch.nn.Module, dtype: torch.dtype) -> None:
+class W8A8Head(torch.nn.Module):
+    """A head's linear layer on the draft model's int8 product (int8 weights per output channel,
+    each activation row quantised on its own; one compiled call for a few rows on VNNI CPUs):
+    draft-side precision only.  Inputs and outputs float32."""
+
+    def __init__(self, *layers: torch.nn.Linear) -> None:
+        """One layer, or several reading the same input, stacked into one product: each output
+        column's int8 weights, scale and the row's quantisation are the same as alone, so the
+        stacked result is bitwise the layers' results side by side (tested)."""
+        super().__init__()
+        from specdec.models.linear import W8A8Linear
+
+        weight = torch.cat([layer.weight.detach() for layer in layers])  # [sum(out), in]
+        biases = [layer.bias for layer in layers]
+        bias = None if all(b is None for b in biases) else torch.cat(
+            [b.detach() if b is not None else torch.zeros(layer.out_features) for b, layer in zip(biases, layers)])
+        self.lin = W8A8Linear(weight, bias)
+
+    def forward(self, x: Tensor) -> Tensor:  # [..., in] -> [..., out]
+        return self.lin(x.reshape(-1, x.shape[-1]).float()).reshape(*x.shape[:-1], -1)
+
+
+def _stack_w8a8(head: torch.nn.Module) -> None:
+    """Every linear layer of ``head`` on :class:`W8A8Head`; a decoder layer's q / k / v
+    projections, and its MLP's gate / up, each as one product (one call instead of three / two)."""
+    from specdec.heads.modules import MLP, Attention
+
+    for module in head.modules():
+        if isinstance(module, Attention):
+            module.qkv = W8A8Head(module.q, module.k, module.v)
+            del module.q, module.k, module.v  # unused from here on: fail loudly if anything reads them
+        elif isinstance(module, MLP):
+            module.gate_up = W8A8Head(module.gate, module.up)
+            del module.gate, module.up
+    _pack(head, W8A8Head, lm_head=True)
+
+
+def _pack(module: torch.nn.Module, make: Callable[[torch.nn.Linear], torch.nn.Module], *, lm_head: bool = False) -> None:
     for name, child in module.named_children():
-        if isinstance(child, torch.nn.Linear) and name != "lm_head":
-            setattr(module, name, PackedLinear(child, dtype))
+        if isinstance(child, torch.nn.Linear) and (lm_head or name != "lm_head"):
+            setattr(module, name, make(child))
         else:
-            _pack(child, dtype)
+            _pack(child, make, lm_head=lm_head)
 
 
 def build(ref: Path, target: Any, *, label: str | None = None, int8_head: bool = False,
-          dtype: torch.dtype = torch.float32) -> tuple[HeadDrafter, str]:
+          dtype: torch.dtype = torch.float32, quant: str | None = None) -> tuple[HeadDrafter, str]:
     """The drafter for the head in folder ``ref`` on ``target`` (a native model), and its name;
+    ``quant="int8"`` runs every linear layer of the head (its LM head too) on the w8a8 product,
+    as ``--draft-dtype w8a8`` (and ``auto`` on x86) does for a draft model; otherwise
     ``int8_head`` runs the head's LM head as an int8 matmul (where torch has an int8 engine),
     ``dtype`` bfloat16 its other linear layers in bfloat16 (where the CPU has native bf16)."""
     embed = target_embeddings(target)
@@ -470,15 +509,15 @@ def build(ref: Path, target: Any, *, label: str | None = None, int8_head: bool =
         head = load_any(ref, target_layers=n_layers)
     except (OSError, ValueError, KeyError, RuntimeError, TypeError) as exc:
         raise ConfigError(f"cannot load the draft head in {ref}: {type(exc).__name__}: {exc}".splitlines()[0]) from None
-    from specdec.models.linear import int8_available
+    from specdec.models.linear import bf16_fast, int8_available
 
-    if int8_head and int8_available():
-        head.lm_head = Int8Head(head.lm_head.weight)
-    if dtype == torch.bfloat16:
-        from specdec.models.linear import bf16_fast
-
-        if bf16_fast():
-            _pack(head, dtype)
+    if quant == "int8":
+        _stack_w8a8(head)
+    else:
+        if int8_head and int8_available():
+            head.lm_head = Int8Head(head.lm_head.weight)
+        if dtype == torch.bfloat16 and bf16_fast():
+            _pack(head, lambda layer: PackedLinear(layer, dtype))
     name = label or ref.name
     drafter = drafter_for(head, embed, name=name)
     if n_layers is not None and any(not 0 <= k <= n_layers for k in drafter.feature_taps):

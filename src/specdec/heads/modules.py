@@ -113,14 +113,21 @@ class Attention(nn.Module):
         self.k = nn.Linear(in_size, hk * d, bias=False)
         self.v = nn.Linear(in_size, hk * d, bias=False)
         self.o = nn.Linear(h * d, cfg.hidden_size, bias=False)
+        #: inference only: one module computing [q | k | v] at once (see drafters.heads), or None
+        self.qkv: nn.Module | None = None
 
     def project(self, x: Tensor, cos: Tensor, sin: Tensor) -> tuple[Tensor, Tensor, Tensor]:
         """``x`` [B, T, in] -> q [B, H, T, d], k, v [B, Hkv, T, d] (rope applied)."""
         cfg = self.cfg
         b, t, _ = x.shape
-        q = self.q(x).view(b, t, cfg.n_heads, cfg.head_dim).transpose(1, 2)
-        k = self.k(x).view(b, t, cfg.n_kv_heads, cfg.head_dim).transpose(1, 2)
-        v = self.v(x).view(b, t, cfg.n_kv_heads, cfg.head_dim).transpose(1, 2)
+        if self.qkv is not None:
+            hd, kd = cfg.n_heads * cfg.head_dim, cfg.n_kv_heads * cfg.head_dim
+            q, k, v = self.qkv(x).split((hd, kd, kd), dim=-1)  # [B, T, hd], [B, T, kd] x2
+        else:
+            q, k, v = self.q(x), self.k(x), self.v(x)
+        q = q.view(b, t, cfg.n_heads, cfg.head_dim).transpose(1, 2)
+        k = k.view(b, t, cfg.n_kv_heads, cfg.head_dim).transpose(1, 2)
+        v = v.view(b, t, cfg.n_kv_heads, cfg.head_dim).transpose(1, 2)
         return _rotate(q, cos, sin), _rotate(k, cos, sin), v
 
     def attend(self, q: Tensor, k: Tensor, v: Tensor, mask: Tensor | None) -> Tensor:
@@ -136,8 +143,13 @@ class MLP(nn.Module):
         self.gate = nn.Linear(cfg.hidden_size, cfg.intermediate_size, bias=False)
         self.up = nn.Linear(cfg.hidden_size, cfg.intermediate_size, bias=False)
         self.down = nn.Linear(cfg.intermediate_size, cfg.hidden_size, bias=False)
+        #: inference only: one module computing [gate | up] at once (see drafters.heads), or None
+        self.gate_up: nn.Module | None = None
 
     def forward(self, x: Tensor) -> Tensor:
+        if self.gate_up is not None:
+            gate, up = self.gate_up(x).chunk(2, dim=-1)
+            return self.down(F.silu(gate) * up)
         return self.down(F.silu(self.gate(x)) * self.up(x))
 
 
