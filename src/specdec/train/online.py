@@ -822,10 +822,13 @@ def _make_heads(shape_t: Shape, wt: dict[str, Tensor], data: list[Sequence], tra
 def main(argv: list[str] | None = None) -> int:
     """Run from a bundle (``write_bundle``) on a machine with torch alone: ``python -m
     specdec.train.online --bundle DIR --gguf FILE --out DIR [config flags]``."""
-    ap = argparse.ArgumentParser(prog="python -m specdec.train.online")
-    ap.add_argument("--bundle", required=True)
-    ap.add_argument("--gguf", required=True)
-    ap.add_argument("--out", required=True)
+    ap = argparse.ArgumentParser(
+        prog="python -m specdec.train.online",
+        description="`specdec train online` on a machine with torch alone (a GPU machine, say), from a bundle that "
+        "command wrote with --bundle. The other options mean what they mean there (see `specdec train online --help`).")
+    ap.add_argument("--bundle", required=True, help="the folder `specdec train online --bundle` wrote")
+    ap.add_argument("--gguf", required=True, help="the target's GGUF file (checked against the bundle's sha256)")
+    ap.add_argument("--out", required=True, help="output folder: a rerun with the same folder resumes")
     ap.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
     special = ("temperatures", "add_layers", "bf16", "heads")
     for f in OnlineConfig.__dataclass_fields__.values():
