@@ -51,3 +51,19 @@ def test_several_drafters_share_one_target_and_one_paired_plain_run(tmp_path):
     assert own.tokens_per_call == row["generated_tokens"] / row["target_calls"]
     assert own.speedup == row["tokens_per_s"] / paired[0]["tokens_per_s"]
     assert "## Drafters side by side" in md
+
+
+def test_draft_vocab_full_reaches_the_worker_and_the_report(tmp_path):
+    """``--draft-vocab full``: the speculative rows say the draft could propose every token (the
+    shipped draft's reduced vocabulary otherwise), the config and the report's header say so."""
+    base = dict(target=MODEL, draft=MODEL, prompts=(BUILTIN[0],), modes=("speculative",), temperatures=(0.0,),
+                max_new_tokens=4, threads=1)
+    sizes = {}
+    for vocab in ("auto", "full"):
+        result = runner.run(runner.BenchConfig(**base, draft_vocab=vocab), progress=False)
+        spec = [s for s in result["samples"] if s["mode"] == "speculative"]
+        sizes[vocab] = {s["draft_vocab_size"] for s in spec}
+        assert result["config"]["draft_vocab"] == vocab
+        report.write(result, tmp_path / vocab, make_plots=False)
+        assert ("full vocabulary" in (tmp_path / vocab / "README.md").read_text()) == (vocab == "full")
+    assert sizes == {"auto": {16384}, "full": {49152}}

@@ -54,6 +54,9 @@ def add_parser(sub) -> None:  # noqa: ANN001 - argparse's subparsers action
     p.add_argument("--limit", type=int, help="keep the first N prompts of each category (default all)")
     p.add_argument("--draft-dtype", default="auto", choices=["auto", "float32", "bfloat16", "int8", "w8a8"],
                    help="draft precision (see specdec generate --help; default auto)")
+    p.add_argument("--draft-vocab", default="auto", choices=["auto", "full"],
+                   help="the draft model's vocabulary: auto = the reduced one its folder ships, else all; full = all"
+                        " tokens (see specdec generate --help; default auto)")
     p.add_argument("--dtype", "--target-dtype", dest="dtype", default="auto", choices=["auto", "float32", "bfloat16", "int8", "q4"],
                    help="target precision for specdec's rows (default auto; see specdec generate --help)."
                         " The Hugging Face rows always run the float32 weights")
@@ -135,7 +138,7 @@ def run(args: argparse.Namespace, argv: list[str] | None = None) -> int:
         target=args.target, draft=args.draft, prompts=tuple(prompts), modes=tuple("plain" if m == "cloud_only" else m for m in _csv(args.modes)),
         methods=tuple(methods), gammas=tuple(gammas), temperatures=tuple(temps),
         max_new_tokens=args.max_new_tokens, repeats=args.repeats, seed=args.seed, top_p=args.top_p,
-        repetition_penalty=args.repetition_penalty, draft_dtype=args.draft_dtype, dtype=args.dtype,
+        repetition_penalty=args.repetition_penalty, draft_dtype=args.draft_dtype, draft_vocab=args.draft_vocab, dtype=args.dtype,
         batch_invariant=not args.fast_attention, threads=args.threads, command=command,
         rtts=tuple(rtts), wires=tuple(wires), rtt_emulation=args.rtt_emulation, q_top_k=args.q_top_k,
         llamacpp=tuple(llamacpp), llamacpp_draft_max=args.llamacpp_draft_max, llamacpp_p_min=args.llamacpp_p_min,

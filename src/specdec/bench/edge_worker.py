@@ -152,7 +152,7 @@ def _edge_runner(job: Any, client: httpx.Client) -> tuple[Callable[[str], list[i
     from specdec.remote.edge import generate_remote
     from specdec.text import encode_prompt
 
-    draft = load_draft(EngineConfig(draft=job.draft, draft_dtype=job.draft_dtype))
+    draft = load_draft(EngineConfig(draft=job.draft, draft_dtype=job.draft_dtype, draft_vocab=job.draft_vocab))
     lookup = split_lookup(job.draft)[1]
     name = draft.name + (LOOKUP_SUFFIX if lookup else "")
 

@@ -392,7 +392,7 @@ def markdown(result: dict, stats: list[GroupStats], bvt: list[BlockVsToken], plo
         "",
         f"Command: `{cfg.get('command') or 'specdec bench'}`",
         "",
-        f"Target `{cfg['target']}` ({_target_dtype(cfg)}), draft `{cfg['draft']}` (draft dtype {_draft_dtype(cfg)}), "
+        f"Target `{cfg['target']}` ({_target_dtype(cfg)}), draft `{cfg['draft']}` (draft dtype {_draft_dtype(cfg)}{_draft_vocab(cfg)}), "
         f"{len(cfg['prompts'])} prompts ({', '.join(sorted({p['category'] for p in cfg['prompts']}))}), "
         f"{cfg['max_new_tokens']} new tokens, repeats {cfg['repeats']}, seed {cfg['seed']}, "
         f"top-p {cfg['top_p']}, repetition penalty {cfg['repetition_penalty']}, "
@@ -663,6 +663,11 @@ def _target_dtype(cfg: dict) -> str:
     """``auto = q4``: the target dtype asked for, and what it resolved to where the run recorded it."""
     asked, resolved = cfg.get("dtype", "float32"), cfg.get("target_precision")
     return asked if not resolved or resolved == asked else f"{asked} = {resolved}"
+
+
+def _draft_vocab(cfg: dict) -> str:
+    """", full vocabulary" where the run asked the draft model for every token (``--draft-vocab full``)."""
+    return ", full vocabulary" if cfg.get("draft_vocab") == "full" else ""
 
 
 def _draft_dtype(cfg: dict) -> str:

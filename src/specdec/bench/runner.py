@@ -47,6 +47,7 @@ class BenchConfig:
     top_p: float | None = None
     repetition_penalty: float | None = None
     draft_dtype: str = "auto"
+    draft_vocab: str = "auto"  # auto | full (the draft model's vocabulary; see EngineConfig.draft_vocab)
     dtype: str = "auto"  # the target's precision for specdec's rows
     batch_invariant: bool = True
     threads: int | None = None
@@ -80,7 +81,7 @@ def _job(cfg: BenchConfig, mode: str) -> dict:
         "methods": list(cfg.methods), "gammas": [str(g) for g in cfg.gammas],
         "max_new_tokens": cfg.max_new_tokens, "repeats": cfg.repeats, "seed": cfg.seed,
         "top_p": cfg.top_p, "repetition_penalty": cfg.repetition_penalty,
-        "draft_dtype": cfg.draft_dtype, "dtype": cfg.dtype, "batch_invariant": cfg.batch_invariant, "threads": cfg.threads,
+        "draft_dtype": cfg.draft_dtype, "draft_vocab": cfg.draft_vocab, "dtype": cfg.dtype, "batch_invariant": cfg.batch_invariant, "threads": cfg.threads,
         **({"wires": list(cfg.wires), "q_top_k": cfg.q_top_k} if mode in network.NETWORK_MODES else {}),
         **llama,
     }
@@ -201,7 +202,8 @@ def run(cfg: BenchConfig, *, progress: bool = True) -> dict:
         for group in network.groups(net_modes):
             bar.set_postfix_str("+".join(group))
             network.run_group(
-                group, target=cfg.target, draft=cfg.draft, draft_dtype=cfg.draft_dtype, threads=cfg.threads or 1,
+                group, target=cfg.target, draft=cfg.draft, draft_dtype=cfg.draft_dtype, draft_vocab=cfg.draft_vocab,
+                threads=cfg.threads or 1,
                 rtts=list(cfg.rtts), emulation=emulation, job=_job(cfg, group[0]),
                 run_worker=lambda job, wenv, prefix, name: _run_worker(job, wenv, prefix, name, on_sample),
                 record=record, processes=processes,

@@ -35,6 +35,7 @@ class Job:
     top_p: float | None = None
     repetition_penalty: float | None = None
     draft_dtype: str = "auto"
+    draft_vocab: str = "auto"
     dtype: str = "auto"  # the target's precision (float32 | bfloat16 | int8)
     batch_invariant: bool = True
     threads: int | None = None
@@ -120,12 +121,12 @@ def run_engine(job: Job, prompts: list[Prompt]) -> None:
 
     drafts = split_drafts(job.draft)
     if job.mode == "edge_only":  # the draft model alone, in the precision it drafts in
-        draft = load_draft(EngineConfig(draft=job.draft, draft_dtype=job.draft_dtype))
+        draft = load_draft(EngineConfig(draft=job.draft, draft_dtype=job.draft_dtype, draft_vocab=job.draft_vocab))
         engine = Engine(draft, None, "none")
     elif job.mode == "plain":
         engine = Engine.build(EngineConfig(target=job.target, draft="none", dtype=job.dtype, batch_invariant=job.batch_invariant))
     else:
-        cfgs = [EngineConfig(target=job.target, draft=d, dtype=job.dtype, draft_dtype=job.draft_dtype,
+        cfgs = [EngineConfig(target=job.target, draft=d, dtype=job.dtype, draft_dtype=job.draft_dtype, draft_vocab=job.draft_vocab,
                              batch_invariant=job.batch_invariant) for d in drafts]
         engine = Engine.build(cfgs[0])
         # several drafters share the one loaded target; each is decoded on every prompt right after
@@ -161,6 +162,8 @@ def run_engine(job: Job, prompts: list[Prompt]) -> None:
                         res = _decoder(eng, rule, gamma).generate(encoded[p.id], cfg)
                         name = method if job.mode == "speculative" else job.mode
                         row = _row(job, job.mode, name, gamma, temperature, p, seed, res)
+                        if eng.draft_model is not None:  # a draft model: the tokens it could propose
+                            row["draft_vocab_size"] = getattr(eng.draft_model.model, "proposal_vocab", None)
                         _emit({**row, "draft": draft} if tag else row)
 
 

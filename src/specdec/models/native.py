@@ -464,6 +464,11 @@ class NativeCausalLM:
         norm = torch.linalg.vector_norm(x, dim=-1, keepdim=True)
         return torch.rsqrt(torch.addcmul(self._eps, norm, norm, value=1.0 / self.cfg.hidden_size))
 
+    @property
+    def proposal_vocab(self) -> int:
+        """How many tokens this model can give a finite logit: its draft vocabulary's size, else all."""
+        return self.vocab_size if self._subset is None else int(self._subset.numel())
+
     def _logits(self, h: Tensor) -> Tensor:  # [n, D] LM head inputs -> [n, V] float32
         out = self.lm_head(h).float()
         if self._subset is None:
