@@ -159,6 +159,10 @@ class SpeculativeDecoder:
         penalties = PenaltyState.start(prompt_t, self.target.vocab_size) if cfg.needs_state else None
         drafter = self.drafter
         if drafter is not None:
+            bind = getattr(drafter, "bind_target", None)  # early exit reads the target's cache (self_spec)
+            if bind is not None:
+                cache = verifier.cache if isinstance(verifier, TargetSession) else None
+                bind(self.target, cache)
             drafter.prepare(prompt_t)
             if taps is not None:
                 drafter.add_features(verifier.prompt_features)  # type: ignore[attr-defined]

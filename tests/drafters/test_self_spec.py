@@ -147,6 +147,45 @@ def test_greedy_equals_plain_for_every_family():
         assert out.tokens == ref
 
 
+class _CountingView(LayerView):
+    rows = 0
+
+    def forward(self, tokens, cache, *, last_only=False):
+        type(self).rows += tokens.numel()
+        return super().forward(tokens, cache, last_only=last_only)
+
+
+def test_early_exit_takes_committed_keys_from_the_targets_cache():
+    """Bound to the target's cache (the decoder does it for a local target), an early-exit view
+    runs its layers only for the rows it drafts from — never over the prompt or over tokens
+    committed in rounds without drafting — and copies the committed keys/values of layers < K;
+    those are bitwise what the view computes itself over the same tokens, so the drafts are the
+    ones the unbound view proposes and greedy output is plain greedy output."""
+    cfg = SamplingConfig(temperature=0.0, max_new_tokens=24)
+    prompt = [1, 3, 0, 2, 4, 1, 1, 3, 2, 0, 4, 2]
+    plain = SpeculativeDecoder(INVARIANT, None, get_rule("greedy")).generate(prompt, cfg)
+    drafter = SelfSpecDrafter(_CountingView(INVARIANT, LayerPlan.early_exit(3, 2), keep_hidden=True), share=True)
+    gammas = iter([0, 0, 3, 0, 0, 0, 2] + [1] * 40)  # rounds without drafting between drafting ones
+
+    class Script(FixedGamma):
+        def next_gamma(self):
+            return next(gammas)
+
+    _CountingView.rows = 0
+    out = SpeculativeDecoder(INVARIANT, drafter, get_rule("greedy"), gamma=Script(0)).generate(prompt, cfg)
+    assert out.tokens == plain.tokens and out.stats.draft_tokens_proposed > 0
+    drafted = [r for r in out.rounds if r.gamma > 0]
+    # one forward of the last context token per drafting round, plus the γ - 1 drafted tokens fed
+    assert _CountingView.rows == sum(r.gamma for r in drafted)
+    cache = drafter.cache
+    n = cache.length
+    committed = torch.tensor(prompt + out.tokens)[:n]
+    own = drafter.view.new_cache(64)
+    drafter.view._layers(committed, own)
+    assert torch.equal(cache.k[:, :, :n], own.k[:, :, :n]) and torch.equal(cache.v[:, :, :n], own.v[:, :, :n])
+    assert torch.equal(cache.tokens[:n], committed)
+
+
 def test_swift_adapts_its_skip_set_and_stays_exact():
     cfg = SamplingConfig(temperature=0.0, max_new_tokens=40)
     plain = SpeculativeDecoder(TARGET, None, get_rule("greedy")).generate(PROMPT, cfg).tokens

@@ -103,6 +103,12 @@ class LookupThenModel:
         self.lookup.reset()
         self._fresh()
 
+    def bind_target(self, model: Any, cache: Any) -> None:
+        """Passed on to the model drafter where it can use the target's cache (see the decoder)."""
+        bind = getattr(self.model, "bind_target", None)
+        if bind is not None:
+            bind(model, cache)
+
     def prepare(self, prompt: Tensor) -> None:  # prompt: [L]
         self.model.prepare(prompt)
         self.lookup.prepare(prompt)

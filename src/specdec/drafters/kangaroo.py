@@ -214,6 +214,12 @@ class KangarooDrafter(SelfSpecDrafter):
             raise ConfigError(f"the kangaroo stopping threshold must be in [0, 1), got {stop_below}")
         self.stop_below = stop_below
 
+    def bind_target(self, model: Any, cache: Any) -> None:
+        """Not used: the adapter's keys/values at committed positions are computed from the
+        residual stream after layer K, which the target's cache does not hold, so the view keeps
+        its own cache and catches up as before."""
+        self._target_cache = None
+
     def propose(self, context: Tensor, gamma: int, sampler: DraftSampler) -> Draft:  # context: [L]
         sampler.min_confidence = max(sampler.min_confidence, self.stop_below)
         return super().propose(context, gamma, sampler)

@@ -4,7 +4,9 @@
   layers, then its final norm and LM head.  The draft's keys/values for layers < K are exactly
   what the target computes for the same tokens (the native target is batch-invariant), so the
   verification pass reuses them and runs only layers >= K for the drafted positions, starting
-  from the draft's layer-K hidden states (*cache sharing*, see :class:`SharedLayers`).
+  from the draft's layer-K hidden states (*cache sharing*, see :class:`SharedLayers`); the other
+  way round, the draft copies the target's keys/values of layers < K for committed tokens from
+  the target's cache instead of running its layers over them (:meth:`SelfSpecDrafter.bind_target`).
 * **Layer skipping** (``self-skip``; Zhang et al. 2024, *Draft & Verify*): every layer, with a
   set of attention and MLP sub-layers skipped; the set is searched offline on calibration
   prompts (``specdec train skip``) and shipped per target as a small JSON file.  ``swift`` (Xia
@@ -222,8 +224,41 @@ class SelfSpecDrafter(ModelDrafter):
         #: sharing is bitwise only when the target scores a block row by row as it scores one
         #: token (batch-invariant); a --fast-attention target verifies the plain way
         self.share = share and bool(getattr(view.target, "batch_invariant", False))
+        self._target_cache: KVCache | None = None
+
+    def bind_target(self, model: Any, cache: KVCache) -> None:
+        """The target's own cache for the coming sequence (the decoder calls this before
+        :meth:`prepare`, for a local target).  Early exit only: the keys/values of layers < K at
+        committed positions are the target's own — the same layers on the same inputs, and the
+        batch-invariant target computes a row alike in any pass — so the view copies them from
+        there instead of running its layers over the prompt and over every token committed while
+        it was not drafting (the catch-up a probe after plain rounds used to pay for)."""
+        self._target_cache = cache if self.share and model is self.view.target else None
+
+    def prepare(self, prompt: Tensor) -> None:  # prompt: [L]
+        if self._target_cache is None:
+            super().prepare(prompt)
+        else:  # the prompt's keys/values are copied from the target's cache when drafting starts
+            self.reset(prompt.numel())
+
+    def _copy_committed(self, context: Tensor) -> None:  # context: [L]
+        """Bring the view's cache up to the target's for committed positions (layers < K); the
+        last context token is left to the view's own forward, whose logits drafting needs."""
+        source, cache = self._target_cache, self.cache
+        if source is None or cache is None:
+            return
+        have, upto = cache.length, min(source.length, context.numel() - 1)
+        if upto <= have:
+            return
+        k = self.view.plan.exit_after
+        cache.reserve(upto - have)
+        cache.k[:, :, have:upto] = source.k[:k, :, have:upto]  # [K, Hkv, n, d]
+        cache.v[:, :, have:upto] = source.v[:k, :, have:upto]
+        cache.tokens[have:upto] = context[have:upto]
 
     def propose(self, context: Tensor, gamma: int, sampler: DraftSampler) -> Draft:  # context: [L]
+        if gamma > 0:
+            self._copy_committed(context)
         draft = super().propose(context, gamma, sampler)
         if not self.share or self.cache is None or draft.tokens.numel() == 0:
             return draft
@@ -234,7 +269,7 @@ class SelfSpecDrafter(ModelDrafter):
         """A fresh drafter of the same kind (per-request state), its view wrapped by ``wrap``
         (the server serialises forward passes); a wrapped view's drafts are verified plainly."""
         fresh = SelfSpecDrafter(self.view, share=self.share)
-        fresh.model = wrap(self.view)
+        fresh.model = wrap(self.view)  # a wrapped (serialised) view is never bound to a cache
         return fresh
 
     def extra_bytes(self) -> int:
@@ -405,7 +440,8 @@ def describe_families() -> list[dict[str, Any]]:
     none = "none: a view of the target (native backend), no weights of its own"
     return [
         {"name": "layerskip:K", "description": "early exit: the target's first K layers + its final norm and LM head; the "
-         "verification pass reuses the draft's keys/values of layers < K. Extra memory: a K-layer KV cache",
+         "verification pass reuses the draft's keys/values of layers < K, and the draft copies the target's for "
+         "committed tokens instead of recomputing them. Extra memory: a K-layer KV cache",
          "default_draft": None, "install": none, "license": "", "status": "bundled"},
         {"name": "self-skip", "description": "Draft & Verify: the target with a searched set of attention / MLP sub-layers "
          f"skipped (shipped for: {shipped}; self-skip:FILE from `specdec train skip`). Extra memory: a KV cache of the "
