@@ -294,7 +294,12 @@ def test_command_writes_a_draft_that_loads_and_a_rerun_resumes(tmp_path: Path, c
     assert "Held-out" in (out / "draft-5l" / "README.md").read_text()
     head = load_any(out / "eagle3", target_layers=30)
     assert head.cfg.taps == (2, 15, 27) and head.cfg.draft_vocab == 1024 and head.cfg.target == "smollm2-135m"
-    assert "top-1" in (out / "eagle3" / "README.md").read_text() and report["heads"]["eagle3"]["held_out"]["steps"]
+    card = (out / "eagle3" / "README.md").read_text()
+    assert "top-1" in card and "Trained from scratch" in card and report["heads"]["eagle3"]["held_out"]["steps"]
+    continued = dict(report, config=dict(report["config"], init_heads="earlier"))
+    card = on.head_card(continued, "eagle3")  # a continued head's card says where it came from
+    assert "Continued from the head in `earlier/eagle3`" in card and "kept from that head" in card
+    assert "from scratch" not in card
     capsys.readouterr()
     assert cli.main(argv) == 0
     assert "loaded 20 sequences" in capsys.readouterr().err

@@ -226,7 +226,7 @@ class SelfSpecDrafter(ModelDrafter):
         self.share = share and bool(getattr(view.target, "batch_invariant", False))
         self._target_cache: KVCache | None = None
 
-    def bind_target(self, model: Any, cache: KVCache) -> None:
+    def bind_target(self, model: Any, cache: KVCache | None) -> None:
         """The target's own cache for the coming sequence (the decoder calls this before
         :meth:`prepare`, for a local target).  Early exit only: the keys/values of layers < K at
         committed positions are the target's own — the same layers on the same inputs, and the

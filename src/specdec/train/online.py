@@ -868,21 +868,25 @@ def head_card(report: dict, name: str) -> str:
     """The Markdown card of the head ``name`` written by :func:`run`."""
     c, tr, h = report["config"], report["train"], report["heads"][name]
     ho = h["held_out"]
+    init = c.get("init_heads")
+    start = f"Continued from the head in `{init}/{name}` (its weights and draft vocabulary)" if init else "Trained from scratch"
+    vocab = "kept from that head" if init else "the most frequent reply tokens of the training data"
     lines = [
         f"# {h['kind']} draft head, trained online against the target",
         "",
-        f"Trained from scratch on the target's features (taps after layers {', '.join(map(str, h['taps']))} and the "
+        f"{start} on the target's features (taps after layers {', '.join(map(str, h['taps']))} and the "
         "final hidden state) and its next-token law over the head's draft vocabulary, at every reply position of "
         "sequences the target generated, the target scoring each batch as training went.",
         "",
         f"* Parameters: {h['params'] / 1e6:.2f} M ({h['params_trained'] / 1e6:.2f} M trained), a {h['draft_vocab']}-token "
-        "draft vocabulary (the most frequent reply tokens of the training data), plus the target's embeddings at run time.",
+        f"draft vocabulary ({vocab}), plus the target's embeddings at run time.",
         f"* Data: {report['sequences']} target sequences ({report['by_kind']['chat']} chat, {report['by_kind']['code']} "
         f"code; temperatures {', '.join(str(t) for t in c['temperatures'])}), {report['reply_tokens']} reply tokens; "
         f"{report['held_out_sequences']} sequences held out (every {c['held_out_every']}th).",
         f"* Training: {tr['steps']} steps of ~{tr['batch_tokens']} padded tokens, lr {c['head_lr']}, depth "
-        f"{c['head_depth']}, AdamW + cosine, {tr['seconds']:.0f} s on {report['device']} (shared with the other "
-        "students trained on the same batches).",
+        f"{c['head_depth']}, AdamW + cosine, {tr['seconds']:.0f} s on {report['device']}"
+        + (" (shared with the other students trained on the same batches)." if report.get("students") or
+           len(report["heads"]) > 1 else "."),
         f"* Target file sha256: `{report.get('target_sha256')}`.",
         f"* Command: `{report.get('command') or '(not recorded)'}`",
         "",
