@@ -38,7 +38,8 @@ from specdec.drafters.base import Draft, DraftChain, DraftSampler
 from specdec.drafters.tree_builder import TreeSpec, build_tree
 from specdec.errors import ConfigError
 from specdec.heads.modules import KINDS, MTP, Eagle, HeadConfig, Medusa
-from specdec.heads.runtime import LayerCache, full_vocab, input_rows, run_layer, stored_layout
+from specdec.heads.runtime import LayerCache, input_rows, run_layer, stored_layout
+from specdec.models.base import full_vocab
 from specdec.verify import Verdict
 
 _EMPTY = Draft(tokens=torch.empty(0, dtype=torch.long), probs=None)

@@ -1,6 +1,6 @@
 """Inference helpers for the draft heads of :mod:`specdec.heads.modules`: a growable KV cache for
 one head decoder layer, one layer step over new rows (chain or tree attention), the feature row
-layout, and draft-vocabulary logits scattered to the target's vocabulary.
+layout (draft-vocabulary logits reach the target's vocabulary through ``models.base.full_vocab``).
 
 The maths is the modules' own (``project`` / ``attend`` / ``finish`` of their layers, the same
 rotary tables); only the bookkeeping of incremental decoding lives here.  Row ``t`` of a head
@@ -8,8 +8,6 @@ layer sits at rotary position ``t``, as in training.
 """
 
 from __future__ import annotations
-
-import math
 
 import torch
 from torch import Tensor
@@ -112,10 +110,3 @@ def stored_layout(cfg: HeadConfig, feats: Tensor, source: list[int]) -> Tensor: 
     return out
 
 
-def full_vocab(logits: Tensor, d2t: Tensor, vocab: int, dtype: torch.dtype = torch.float32) -> Tensor:  # [m, Vd] -> [m, V]
-    """Draft-vocabulary logits as rows over the target's vocabulary, ``-inf`` elsewhere: the draft
-    gives zero probability to tokens outside its vocabulary (lossless: the rules only need the
-    q the token was drawn from, which this is)."""
-    out = torch.full((logits.shape[0], vocab), -math.inf, dtype=dtype)
-    out[:, d2t] = logits.to(dtype)
-    return out

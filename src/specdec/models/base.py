@@ -2,8 +2,10 @@
 
 from __future__ import annotations
 
+import math
 from typing import Protocol, runtime_checkable
 
+import torch
 from torch import Tensor
 
 
@@ -34,3 +36,12 @@ class LanguageModel(Protocol):
     def new_cache(self, max_length: int | None = None) -> Cache: ...
 
     def forward(self, tokens: Tensor, cache: Cache, *, last_only: bool = False) -> Tensor: ...
+
+
+def full_vocab(logits: Tensor, ids: Tensor, vocab: int) -> Tensor:  # [m, Vd] -> [m, V] float32
+    """Logits over a draft vocabulary (target ids ``ids``, sorted) as rows over the target's whole
+    vocabulary, ``-inf`` elsewhere: the draft gives zero probability to every other token (lossless:
+    the rules only need the q the token was drawn from, which this is).  A draft model over a reduced
+    vocabulary and every draft head use it."""
+    out = torch.full((logits.shape[0], vocab), -math.inf)
+    return out.index_copy_(1, ids, logits.float())

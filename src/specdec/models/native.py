@@ -22,6 +22,7 @@ from torch import Tensor
 
 from specdec.errors import ConfigError
 from specdec.kv_cache import KVCache
+from specdec.models.base import full_vocab
 from specdec.models import kernels
 from specdec.models.linear import (
     Int8Linear,
@@ -471,10 +472,7 @@ class NativeCausalLM:
 
     def _logits(self, h: Tensor) -> Tensor:  # [n, D] LM head inputs -> [n, V] float32
         out = self.lm_head(h).float()
-        if self._subset is None:
-            return out
-        full = out.new_full((out.shape[0], self.vocab_size), -math.inf)
-        return full.index_copy_(1, self._subset, out)
+        return out if self._subset is None else full_vocab(out, self._subset, self.vocab_size)
 
     @torch.inference_mode()
     def hidden(

@@ -809,11 +809,12 @@ def _make_heads(shape_t: Shape, wt: dict[str, Tensor], data: list[Sequence], tra
                         taps=taps, depth=cfg.head_depth, target=prompts.get("target_name", ""))
         torch.manual_seed(cfg.seed)
         model = build(hc).to(dev)
-        with torch.no_grad():
-            model.d2t.copy_(d2t)
-            model.lm_head.weight.copy_(full[d2t.to(dev)])
-        if kind in init:
+        if kind in init:  # its weights and draft vocabulary
             model.load_state_dict({k: v.float() if v.is_floating_point() else v for k, v in init[kind].items()})
+        else:
+            with torch.no_grad():
+                model.d2t.copy_(d2t)
+                model.lm_head.weight.copy_(full[d2t.to(dev)])
         model.lm_head.weight.requires_grad_(not frozen_head_rows(kind))
         students.append(HeadStudent(kind, model))
     return Heads(students, taps, wt["model.embed_tokens.weight"].float(), full)
