@@ -1,3 +1,4 @@
+from specdec import defaults
 from specdec.engine import make_gamma, parse_gamma
 from specdec.errors import ConfigError
 from specdec.gamma import CostGamma, FixedGamma, GuideGamma, best_gamma, expected_tokens
@@ -47,7 +48,7 @@ def _run(ctrl: CostGamma, accept_rate: float, draft_s: float, target_s: float, r
 
 
 def test_cost_gamma_backs_off_and_grows():
-    assert _run(CostGamma(), accept_rate=0.0, draft_s=0.002, target_s=0.02) in (0, 2)  # 2 = periodic probe
+    assert _run(CostGamma(), accept_rate=0.0, draft_s=0.002, target_s=0.02) in (0, defaults.COST_GAMMA_PROBE)  # a probe
     assert _run(CostGamma(), accept_rate=0.95, draft_s=0.0005, target_s=0.02) >= 8
     slow_draft = _run(CostGamma(), accept_rate=0.6, draft_s=0.015, target_s=0.02)
     assert slow_draft <= 2
@@ -60,7 +61,32 @@ def test_cost_gamma_probes_after_backing_off():
         g = ctrl.next_gamma()
         seen.add(g)
         ctrl.update(gamma=g, accepted=0, draft_s=g * 0.01, target_s=0.02, other_s=0.0)
-    assert 0 in seen and 2 in seen
+    assert 0 in seen and defaults.COST_GAMMA_PROBE in seen
+
+
+def test_cost_gamma_starts_with_one_token_and_at_most_doubles():
+    """The first round drafts one token; while every drafted token is accepted and drafting is
+    cheap γ goes 1, 2, 4, 8, 12 (the ceiling), never more than twice the longest draft tried."""
+    ctrl = CostGamma()
+    seen = []
+    for _ in range(6):
+        g = ctrl.next_gamma()
+        seen.append(g)
+        ctrl.update(gamma=g, accepted=g, draft_s=g * 0.0005, target_s=0.02, other_s=0.0)
+    assert seen == [1, 2, 4, 8, 12, 12], seen
+
+
+def test_cost_gamma_loses_little_to_a_drafter_that_never_pays():
+    """A drafter whose tokens are never accepted and cost 0.8 of a target step (early exit on a
+    model not trained for it): over 64 rounds the controller drafts at most 4 tokens in all (the
+    first round and the probes at rounds 8, 24, 56 -- one token each)."""
+    ctrl = CostGamma()
+    drafted = 0
+    for _ in range(64):
+        g = ctrl.next_gamma()
+        drafted += g
+        ctrl.update(gamma=g, accepted=0, draft_s=g * 0.016, target_s=0.02 + 0.002 * g, other_s=0.0)
+    assert 1 <= drafted <= 4, drafted
 
 
 def test_cost_gamma_probes_thin_out_while_drafting_loses_and_recover_when_it_pays():
@@ -83,6 +109,30 @@ def test_cost_gamma_probes_thin_out_while_drafting_loses_and_recover_when_it_pay
         drafted += g > 0
         ctrl.update(gamma=g, accepted=g, draft_s=g * 0.0005, target_s=0.02, other_s=0.0)
     assert drafted >= 10 and ctrl.next_gamma() >= 2
+
+
+def test_cost_gamma_stops_probing_a_drafter_dearer_than_a_plain_round():
+    """A drafted token that costs 1.2 plain rounds cannot pay even if always accepted: after the
+    first probe (round 8) the next waits the longest interval (128 rounds), so 200 rounds draft
+    3 times (rounds 0, 8, 136) -- doubling alone would probe at 8, 24, 56, 120 and 184.  One slow
+    first round of a cheap drafter (a cold start) does not do that: from the probe on (round 8)
+    it drafts every round."""
+    ctrl = CostGamma()
+    drafted = []
+    for i in range(200):
+        g = ctrl.next_gamma()
+        if g:
+            drafted.append(i)
+        ctrl.update(gamma=g, accepted=g, draft_s=g * 0.024, target_s=0.02 + 0.001 * g, other_s=0.0)
+    assert drafted == [0, 8, 136], drafted
+    cold = CostGamma()
+    rounds = []
+    for i in range(40):
+        g = cold.next_gamma()
+        rounds.append(g)
+        step = 0.5 if i == 0 else 0.001  # the first call 25 plain rounds long, then 1/20 of one
+        cold.update(gamma=g, accepted=g, draft_s=g * step, target_s=0.02 + 0.001 * g, other_s=0.0)
+    assert rounds[1:8] == [0] * 7 and all(g > 0 for g in rounds[8:]), rounds
 
 
 def test_parse_gamma():

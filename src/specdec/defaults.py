@@ -18,9 +18,14 @@ GUIDE_GAMMA_DOWN = 0.4
 
 # γ: the cost-based controller
 COST_GAMMA_MAX = 12
-COST_GAMMA_START = 4
+#: the first round drafts one token: the cheapest measurement of what a drafted token costs and
+#: how often the first one is accepted (a drafter that does not pay loses one short round, not a
+#: long one); γ then at most doubles per round while the estimates say a longer draft pays
+COST_GAMMA_START = 1
 COST_GAMMA_DECAY = 0.9
 COST_GAMMA_PROBE_EVERY = 8
+#: γ of a probe round (backed off to plain decoding, the controller drafts this many tokens now and then)
+COST_GAMMA_PROBE = 1
 #: a probe after which drafting still does not pay doubles the interval, up to this many rounds
 COST_GAMMA_PROBE_MAX = 128
 COST_GAMMA_PRIOR_ACCEPT = 0.7

@@ -7,7 +7,8 @@
   per-position acceptance and measured draft / target / overhead costs (Leviathan et al. 2023,
   §3.3-3.4, generalised to a non-i.i.d. acceptance profile).  γ = 0 (no drafting) is a choice,
   so it backs off to plain decoding when drafting does not pay, and probes now and then to notice
-  when it pays again; a probe that does not win doubles the interval to the next one.
+  when it pays again; a probe that does not win doubles the interval to the next one, and one
+  that shows a drafted token costing a whole plain round sets it to the longest.
 """
 
 from __future__ import annotations
@@ -126,6 +127,7 @@ class CostGamma:
     start: int = defaults.COST_GAMMA_START
     decay: float = defaults.COST_GAMMA_DECAY
     probe_every: int = defaults.COST_GAMMA_PROBE_EVERY
+    probe_gamma: int = defaults.COST_GAMMA_PROBE
     max_probe_every: int = defaults.COST_GAMMA_PROBE_MAX
     prior_accept: float = defaults.COST_GAMMA_PRIOR_ACCEPT
     prior_weight: float = 2.0
@@ -185,6 +187,15 @@ class CostGamma:
     def next_gamma(self) -> int:
         return self._gamma
 
+    def hopeless(self, step_s: float) -> bool:
+        """Whether drafting cannot pay whatever the acceptance: a drafted token costs at least a
+        plain round (one-row pass + overhead), both in the running estimate and in ``step_s``, the
+        round just measured (so one slow first call does not decide it).  Then even a draft that
+        is always accepted gives γ + 1 tokens for at least γ + 1 plain rounds' time, since a
+        pass over more rows never costs less than a pass over one."""
+        plain = self._target_cost(1) + self._other_s
+        return self._draft_s is not None and min(step_s, self._draft_s) >= plain
+
     def observe_cost(self, n: int, target_s: float) -> None:
         """A verification pass over ``n`` positions took ``target_s`` (whatever drafted it)."""
         t = target_s + self.extra_target_s
@@ -197,9 +208,13 @@ class CostGamma:
                 break
             self._tries[k] = self._tries[k] * d + 1.0
             self._hits[k] = self._hits[k] * d + (1.0 if accepted >= k + 1 else 0.0)
+        step = None
         if gamma > 0:
             step = draft_s / gamma
-            self._draft_s = step if self._draft_s is None else 0.7 * self._draft_s + 0.3 * step
+            # a cheaper step is taken at once (a first call or a preempted round only ever reads
+            # slower than the drafter is), a dearer one is smoothed in
+            old = self._draft_s
+            self._draft_s = step if old is None or step < old else 0.7 * old + 0.3 * step
         self.observe_cost(gamma + 1, target_s)
         self._other_s = 0.7 * self._other_s + 0.3 * other_s
         if self._draft_s is None:  # nothing measured about drafting yet: keep the start value
@@ -207,7 +222,12 @@ class CostGamma:
         costs = [self._target_cost(k + 1) for k in range(self.max_gamma + 1)]
         choice, self.last_rates = best_gamma(self.accept_profile(), self._draft_s, costs, self._other_s)
         if self._probing:  # the round just measured was a probe: did drafting win it back?
-            self._interval = self.probe_every if choice > 0 else min(2 * self._interval, self.max_probe_every)
+            if choice > 0:
+                self._interval = self.probe_every
+            elif step is not None and self.hopeless(step):
+                self._interval = self.max_probe_every
+            else:
+                self._interval = min(2 * self._interval, self.max_probe_every)
             self._probing = False
         self._since_draft = self._since_draft + 1 if choice == 0 else 0
         if choice == 0 and self._since_draft >= self._interval:
@@ -215,10 +235,10 @@ class CostGamma:
             # keeps losing (a draft step as dear as a target step), probes thin out geometrically
             self._since_draft = 0
             self._probing = True
-            choice = 2
-        # grow one step at a time: positions never tried are extrapolated, not measured
+            choice = self.probe_gamma
+        # grow at most twofold per round: positions never tried are extrapolated, not measured
         tried = max((k + 1 for k in range(self.max_gamma) if self._tries[k] > 0), default=0)
-        self._gamma = min(choice, tried + 1)
+        self._gamma = min(choice, max(2 * tried, 1))
 
 
 @dataclass
