@@ -135,6 +135,20 @@ def test_cost_gamma_stops_probing_a_drafter_dearer_than_a_plain_round():
     assert rounds[1:8] == [0] * 7 and all(g > 0 for g in rounds[8:]), rounds
 
 
+def test_cost_gamma_started_idle_probes_only_after_the_longest_interval():
+    """start_idle (a drafter known to cost a target step per token): no drafting until the first
+    probe, max_probe_every rounds later."""
+    ctrl = CostGamma(max_probe_every=32)
+    ctrl.start_idle()
+    drafted = []
+    for i in range(40):
+        g = ctrl.next_gamma()
+        if g:
+            drafted.append(i)
+        ctrl.update(gamma=g, accepted=g, draft_s=g * 0.03, target_s=0.02, other_s=0.0)
+    assert drafted == [32], drafted
+
+
 def test_parse_gamma():
     assert parse_gamma("auto") == "auto" and parse_gamma("guide") == "guide" and parse_gamma("5") == 5
     for bad in ("0", "-1", "x", "1000"):

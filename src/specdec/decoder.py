@@ -164,6 +164,9 @@ class SpeculativeDecoder:
                 cache = verifier.cache if isinstance(verifier, TargetSession) else None
                 bind(self.target, cache)
             drafter.prepare(prompt_t)
+            start_idle = getattr(self.gamma, "start_idle", None)
+            if getattr(drafter, "whole_target", False) and start_idle is not None:
+                start_idle()  # a drafted token costs a target step: back off before the first round
             if taps is not None:
                 drafter.add_features(verifier.prompt_features)  # type: ignore[attr-defined]
         prefill_s = time.perf_counter() - started

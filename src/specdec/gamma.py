@@ -187,6 +187,14 @@ class CostGamma:
     def next_gamma(self) -> int:
         return self._gamma
 
+    def start_idle(self) -> None:
+        """Begin backed off, with the longest probe interval: for a drafter known before any
+        measurement to cost a whole target step per drafted token (a self-speculative view that
+        runs every layer of the target), which :meth:`hopeless` would only learn by drafting."""
+        self._gamma = 0
+        self._interval = self.max_probe_every
+        self._since_draft = 0
+
     def hopeless(self, step_s: float) -> bool:
         """Whether drafting cannot pay whatever the acceptance: a drafted token costs at least a
         plain round (one-row pass + overhead), both in the running estimate and in ``step_s``, the
@@ -218,6 +226,11 @@ class CostGamma:
         self.observe_cost(gamma + 1, target_s)
         self._other_s = 0.7 * self._other_s + 0.3 * other_s
         if self._draft_s is None:  # nothing measured about drafting yet: keep the start value
+            if self._gamma == 0:  # started idle (:meth:`start_idle`): the first probe is due
+                self._since_draft += 1
+                if self._since_draft >= self._interval:
+                    self._since_draft = 0
+                    self._gamma = self.probe_gamma
             return
         costs = [self._target_cost(k + 1) for k in range(self.max_gamma + 1)]
         choice, self.last_rates = best_gamma(self.accept_profile(), self._draft_s, costs, self._other_s)

@@ -186,6 +186,23 @@ def test_early_exit_takes_committed_keys_from_the_targets_cache():
     assert torch.equal(cache.tokens[:n], committed)
 
 
+def test_a_view_of_the_whole_target_is_not_drafted_from_under_gamma_auto():
+    """A skip set that came out empty makes the view the target itself: a drafted token costs a
+    target step, so γ auto starts backed off (its first probe is 128 rounds away) and the view
+    never prefills; 40 tokens are plain decoding.  A fixed γ still drafts, exactly."""
+    from specdec.gamma import CostGamma
+
+    cfg = SamplingConfig(temperature=0.0, max_new_tokens=40)
+    plain = SpeculativeDecoder(TARGET, None, get_rule("greedy")).generate(PROMPT, cfg).tokens
+    whole = SelfSpecDrafter(_CountingView(TARGET, LayerPlan.skipping(3, set(), set())))
+    assert whole.whole_target and not SelfSpecDrafter(LayerView(TARGET, SKIP)).whole_target
+    _CountingView.rows = 0
+    out = SpeculativeDecoder(TARGET, whole, get_rule("greedy"), gamma=CostGamma()).generate(PROMPT, cfg)
+    assert out.tokens == plain and out.stats.draft_tokens_proposed == 0 and _CountingView.rows == 0
+    fixed = SpeculativeDecoder(TARGET, whole, get_rule("greedy"), gamma=FixedGamma(2)).generate(PROMPT, cfg)
+    assert fixed.tokens == plain and fixed.stats.draft_tokens_proposed > 0
+
+
 def test_swift_adapts_its_skip_set_and_stays_exact():
     cfg = SamplingConfig(temperature=0.0, max_new_tokens=40)
     plain = SpeculativeDecoder(TARGET, None, get_rule("greedy")).generate(PROMPT, cfg).tokens

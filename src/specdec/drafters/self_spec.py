@@ -235,10 +235,19 @@ class SelfSpecDrafter(ModelDrafter):
         it was not drafting (the catch-up a probe after plain rounds used to pay for)."""
         self._target_cache = cache if self.share and model is self.view.target else None
 
+    @property
+    def whole_target(self) -> bool:
+        """Whether the view runs every sub-layer of the target (a searched skip set that came out
+        empty): then a drafted token costs a whole target step and drafting cannot pay, which the
+        decoder tells the γ controller before the first round (:meth:`CostGamma.start_idle`)."""
+        plan = self.view.plan
+        return plan.exit_after == plan.n_layers and not plan.skip_attn and not plan.skip_mlp
+
     def prepare(self, prompt: Tensor) -> None:  # prompt: [L]
-        if self._target_cache is None:
+        if self._target_cache is None and not self.whole_target:
             super().prepare(prompt)
-        else:  # the prompt's keys/values are copied from the target's cache when drafting starts
+        else:  # copied from the target's cache when drafting starts (early exit), or fed by the
+            # first round that drafts at all (a whole-target view rarely does: no prefill up front)
             self.reset(prompt.numel())
 
     def _copy_committed(self, context: Tensor) -> None:  # context: [L]
