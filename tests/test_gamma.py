@@ -147,6 +147,20 @@ def test_cost_gamma_started_idle_probes_only_after_the_longest_interval():
             drafted.append(i)
         ctrl.update(gamma=g, accepted=g, draft_s=g * 0.03, target_s=0.02, other_s=0.0)
     assert drafted == [32], drafted
+    cheap = CostGamma(max_probe_every=32)  # a probe that shows drafting paying ends the idle start
+    cheap.start_idle()
+    gammas = []
+    for _ in range(40):
+        g = cheap.next_gamma()
+        gammas.append(g)
+        cheap.update(gamma=g, accepted=g, draft_s=g * 0.001, target_s=0.02, other_s=0.0)
+    assert gammas[:32] == [0] * 32 and all(g > 0 for g in gammas[32:]), gammas
+    for _ in range(40):  # ... and the probe interval is the short one again once drafting stops paying
+        g = cheap.next_gamma()
+        gammas.append(g)
+        cheap.update(gamma=g, accepted=0, draft_s=g * 0.01, target_s=0.02, other_s=0.0)
+    last = max(i for i, g in enumerate(gammas[:48]) if g > 0)
+    assert any(g > 0 for g in gammas[48:60]), (last, gammas)
 
 
 def test_parse_gamma():

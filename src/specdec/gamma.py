@@ -230,6 +230,7 @@ class CostGamma:
                 self._since_draft += 1
                 if self._since_draft >= self._interval:
                     self._since_draft = 0
+                    self._probing = True
                     self._gamma = self.probe_gamma
             return
         costs = [self._target_cost(k + 1) for k in range(self.max_gamma + 1)]
