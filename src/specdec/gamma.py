@@ -187,6 +187,16 @@ class CostGamma:
     def next_gamma(self) -> int:
         return self._gamma
 
+    def _probe_due(self) -> bool:
+        """Count one more round without drafting; True when it completes the interval, and the
+        next round is then a probe."""
+        self._since_draft += 1
+        if self._since_draft < self._interval:
+            return False
+        self._since_draft = 0
+        self._probing = True
+        return True
+
     def start_idle(self) -> None:
         """Begin backed off, with the longest probe interval: for a drafter known before any
         measurement to cost a whole target step per drafted token (a self-speculative view that
@@ -226,12 +236,8 @@ class CostGamma:
         self.observe_cost(gamma + 1, target_s)
         self._other_s = 0.7 * self._other_s + 0.3 * other_s
         if self._draft_s is None:  # nothing measured about drafting yet: keep the start value
-            if self._gamma == 0:  # started idle (:meth:`start_idle`): the first probe is due
-                self._since_draft += 1
-                if self._since_draft >= self._interval:
-                    self._since_draft = 0
-                    self._probing = True
-                    self._gamma = self.probe_gamma
+            if self._gamma == 0 and self._probe_due():  # started idle (:meth:`start_idle`)
+                self._gamma = self.probe_gamma
             return
         costs = [self._target_cost(k + 1) for k in range(self.max_gamma + 1)]
         choice, self.last_rates = best_gamma(self.accept_profile(), self._draft_s, costs, self._other_s)
@@ -243,12 +249,11 @@ class CostGamma:
             else:
                 self._interval = min(2 * self._interval, self.max_probe_every)
             self._probing = False
-        self._since_draft = self._since_draft + 1 if choice == 0 else 0
-        if choice == 0 and self._since_draft >= self._interval:
+        if choice > 0:
+            self._since_draft = 0
+        elif self._probe_due():
             # a cheap probe keeps the acceptance and draft-cost estimates alive; where drafting
             # keeps losing (a draft step as dear as a target step), probes thin out geometrically
-            self._since_draft = 0
-            self._probing = True
             choice = self.probe_gamma
         # grow at most twofold per round: positions never tried are extrapolated, not measured
         tried = max((k + 1 for k in range(self.max_gamma) if self._tries[k] > 0), default=0)
