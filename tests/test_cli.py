@@ -83,6 +83,8 @@ def test_greedy_default_and_plain_match(capsys, tiny_pair):
         (["--draft", "ngram+lookup"], "is not one"),
         (["--draft", "lookahead+lookup"], "is not one"),
         (["--draft", "+lookup"], "needs a draft model"),
+        (["--tree", "4", "--tree-min-prob", "1"], "minimum node probability"),
+        (["--tree", "4", "--tree-min-prob", "-0.1"], "minimum node probability"),
     ],
 )
 def test_bad_input_one_line_exit_2(capsys, tiny_pair, args, needle):

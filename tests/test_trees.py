@@ -64,6 +64,9 @@ def _samples(method: str, cfg: SamplingConfig, spec: TreeSpec, *, drafter=None, 
         ("block", "top_k", SAMPLED),  # traversal verification
         ("block", "temperature", TreeSpec(shape="static", sample=False)),
         ("coupled", "temperature", TreeSpec(shape="dynamic", width=2)),
+        # deterministic trees with a probability floor (nodes left out, some rounds draft nothing)
+        ("token", "repetition_penalty", TreeSpec(shape="dynamic", width=2, sample=False, min_prob=0.3)),
+        ("coupled", "top_p", TreeSpec(shape="static", min_prob=0.3)),
     ],
 )
 def test_tree_output_law_matches_target(method, option, spec):
@@ -107,11 +110,14 @@ def test_greedy_tree_decoding_equals_plain_greedy(method, shape):
         cfg = SamplingConfig(temperature=0.0, repetition_penalty=penalty, max_new_tokens=30)
         for prompt in ([1], [2, 3, 4]):
             ref = _plain(cfg, "greedy", prompt, target)
-            for n in (1, 5, 12):
-                dec = SpeculativeDecoder(target, ModelDrafter(draft), get_rule(method), gamma=FixedGamma(n), tree=TreeSpec(shape=shape))
+            for n, floor in ((1, 0.0), (5, 0.0), (12, 0.0), (12, 0.3), (12, 0.9)):
+                spec = TreeSpec(shape=shape, min_prob=floor)
+                dec = SpeculativeDecoder(target, ModelDrafter(draft), get_rule(method), gamma=FixedGamma(n), tree=spec)
                 res = dec.generate(prompt, cfg)
                 assert res.tokens == ref
                 assert res.stats.tree_rounds >= res.stats.target_calls - 1  # the last round may have room for no draft
+                if floor == 0.9:  # few nodes reach it: many rounds verify an empty tree
+                    assert res.stats.draft_tokens_proposed < res.stats.target_calls
 
 
 def test_ngram_trees_keep_greedy_exact_and_beat_its_chain():

@@ -120,6 +120,10 @@ def build_parser() -> argparse.ArgumentParser:
     gen.add_argument("--method", "-m", help=f"verification rule: {', '.join(method_names())} (default: greedy at temperature 0; coupled with --seed; block otherwise)")
     gen.add_argument("--gamma", "-g", default=defaults.DEFAULT_GAMMA, help="draft length: an integer >= 1, 'auto' (cost-based, default) or 'guide' (start 6, range 3-12)")
     gen.add_argument("--tree", default=defaults.DEFAULT_TREE, help="token trees: 'chain' (default: one candidate per position), 'auto' (node budget chosen per round from measured cost and acceptance; falls back to a chain or to no drafting) or a node count N")
+    gen.add_argument("--tree-min-prob", type=float, default=None, metavar="P",
+                     help=f"greedy and coupled trees: leave out nodes whose cumulative draft probability is below P, so a "
+                          f"round verifies only the candidates likely to pay for their row (default {defaults.TREE_MIN_PROB:g}; "
+                          "0 keeps the best N whatever their probability; sampled trees at T > 0 ignore it; lossless)")
     gen.add_argument("--min-confidence", type=float, default=None, help="dynamic draft length: end a draft after a token the drafter gives less than this probability (default 0 = off; lossless)")
     gen.add_argument("--json", action="store_true", help="print one JSON object: text, token_ids, stats")
     gen.add_argument("--rounds", action="store_true", help="with --json, include per-round stats")
@@ -180,6 +184,7 @@ _EXTRA_COMMANDS: list = [_add_serve, _add_bench, _add_train]
 
 def _cmd_generate(args: argparse.Namespace) -> int:
     from specdec.engine import Engine, EngineConfig, parse_gamma, parse_tree
+    from specdec.drafters.tree_builder import TreeSpec
 
     if args.prompt is None and not args.interactive:
         raise SpecdecError("generate needs --prompt (or --interactive)")
@@ -191,6 +196,8 @@ def _cmd_generate(args: argparse.Namespace) -> int:
     sampling = _sampling_from(args)
     gamma = parse_gamma(args.gamma)
     tree = parse_tree(args.tree)
+    if args.tree_min_prob is not None:
+        TreeSpec(min_prob=args.tree_min_prob)  # a bad value fails here, before any model loads
     if args.method:
         from specdec.verify import get_rule
 
@@ -212,7 +219,7 @@ def _cmd_generate(args: argparse.Namespace) -> int:
         return _chat_loop(engine, args, sampling, gamma, first=prompt.strip() or None, on_text=on_text, tree=tree)
     ids = engine.encode_messages(_messages(args.system, [prompt])) if args.chat else prompt
     out = engine.generate(ids, sampling, method=args.method, gamma=gamma, on_text=on_text,
-                          min_confidence=args.min_confidence, tree=tree)
+                          min_confidence=args.min_confidence, tree=tree, tree_min_prob=args.tree_min_prob)
     st = out.stats
     if args.json:
         payload = {"text": out.text, "token_ids": out.token_ids, "stats": st.to_dict()}
@@ -271,7 +278,8 @@ def _chat_loop(engine, args: argparse.Namespace, sampling: SamplingConfig, gamma
         # with a seed, turn k uses seed + k: reproducible conversations, not a repeated noise stream
         turn_sampling = replace(sampling, seed=sampling.seed + n) if sampling.seed is not None else sampling
         out = engine.generate(engine.encode_messages(_messages(args.system, turns)), turn_sampling, method=args.method,
-                              gamma=gamma, on_text=on_text, min_confidence=args.min_confidence, tree=tree)
+                              gamma=gamma, on_text=on_text, min_confidence=args.min_confidence, tree=tree,
+                              tree_min_prob=args.tree_min_prob)
         sys.stdout.write("\n")
         sys.stdout.flush()
         print(summary_line(out.stats), file=sys.stderr)

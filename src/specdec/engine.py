@@ -249,14 +249,16 @@ def parse_tree(value: str | int) -> str | int:
     return n
 
 
-def make_tree(tree: str | int, gamma: GammaController) -> tuple[TreeSpec | None, GammaController]:
-    """The tree spec and the controller for a ``--tree`` value (``chain`` keeps ``gamma``)."""
+def make_tree(tree: str | int, gamma: GammaController, *, min_prob: float | None = None) -> tuple[TreeSpec | None, GammaController]:
+    """The tree spec and the controller for a ``--tree`` value (``chain`` keeps ``gamma``);
+    ``min_prob``: the deterministic trees' probability floor (None = the default)."""
     tree = parse_tree(tree)
     if tree == "chain":
         return None, gamma
+    spec = TreeSpec() if min_prob is None else TreeSpec(min_prob=min_prob)
     if tree == "auto":
-        return TreeSpec(), TreeBudget()
-    return TreeSpec(), FixedGamma(int(tree))
+        return spec, TreeBudget()
+    return spec, FixedGamma(int(tree))
 
 
 def _check_draft_name(draft: str) -> tuple[str, bool, Path | None]:
@@ -347,8 +349,9 @@ class Engine:
         min_confidence: float | None = None,
         ignore_eos: bool = False,
         tree: str | int = defaults.DEFAULT_TREE,
+        tree_min_prob: float | None = None,
     ) -> SpeculativeDecoder:
-        spec, controller = make_tree(tree, make_gamma(gamma))
+        spec, controller = make_tree(tree, make_gamma(gamma), min_prob=tree_min_prob)
         return SpeculativeDecoder(
             self.target.model,
             self.drafter,
@@ -380,6 +383,7 @@ class Engine:
         logprobs: int | None = None,
         ignore_eos: bool = False,
         tree: str | int = defaults.DEFAULT_TREE,
+        tree_min_prob: float | None = None,
     ) -> TextResult:
         """Decode ``prompt``; ``logprobs`` (k >= 0) records each emitted token's log-probability
         under the target's processed law and the k most likely alternatives; ``ignore_eos``
@@ -390,7 +394,8 @@ class Engine:
             raise ConfigError("the prompt is empty")
         sink = TextSink(self.target.tokenizer, sampling.stop, on_text)
         stop = StopStrings(self.target.tokenizer, sampling.stop) if sampling.stop else None
-        decoder = self.decoder(rule, gamma, min_confidence=min_confidence, ignore_eos=ignore_eos, tree=tree)
+        decoder = self.decoder(rule, gamma, min_confidence=min_confidence, ignore_eos=ignore_eos, tree=tree,
+                               tree_min_prob=tree_min_prob)
         session = None
         if logprobs is not None:  # the decoder and the session must share the seed
             if sampling.seed is None:

@@ -67,3 +67,22 @@ def test_draft_vocab_full_reaches_the_worker_and_the_report(tmp_path):
         report.write(result, tmp_path / vocab, make_plots=False)
         assert ("full vocabulary" in (tmp_path / vocab / "README.md").read_text()) == (vocab == "full")
     assert sizes == {"auto": {16384}, "full": {49152}}
+
+
+def test_the_tree_floor_reaches_the_worker_and_the_report(tmp_path):
+    """``--tree-min-prob``: a tree round proposes only nodes at or above the floor (the draft is its
+    own target here, so a high floor still leaves the confident nodes), greedy = plain either way,
+    and the report's header names the floor."""
+    base = dict(target=MODEL, draft=MODEL, prompts=(BUILTIN[0],), modes=("speculative",), temperatures=(0.0,),
+                gammas=("tree-4",), max_new_tokens=16, threads=1)
+    proposed = {}
+    for floor in (0.0, 0.9):
+        result = runner.run(runner.BenchConfig(**base, tree_min_prob=floor), progress=False)
+        spec = [s for s in result["samples"] if s["mode"] == "speculative"]
+        paired = [s for s in result["samples"] if s["mode"] == "plain_paired"]
+        assert spec and all(s["tokens_sha1"] == paired[0]["tokens_sha1"] for s in spec)
+        proposed[floor] = sum(s["draft_tokens_proposed"] for s in spec)
+        assert result["config"]["tree_min_prob"] == floor
+        report.write(result, tmp_path / str(floor), make_plots=False)
+        assert f"tree probability floor {floor:g}" in (tmp_path / str(floor) / "README.md").read_text()
+    assert 0 < proposed[0.9] < proposed[0.0]

@@ -105,6 +105,67 @@ def test_a_reduced_vocabulary_draft_keeps_greedy_output_exact(tiny_pair):
     assert out.tokens == greedy and out.stats.draft_tokens_accepted > 0
 
 
+def _forced_full(monkeypatch):
+    """Make every sampler scatter reduced-vocabulary rows into the whole vocabulary."""
+    monkeypatch.setattr(DraftSampler, "compact", property(lambda self: False))
+
+
+@pytest.mark.parametrize("tree", [False, True])
+def test_compact_draft_rows_propose_what_scattered_rows_propose(tiny_pair, monkeypatch, tree):
+    """Greedy drafting over a reduced vocabulary reads the LM head's rows as they are (no scatter
+    into 49,152 columns): the same chain / tree as the scattered rows, and the draft model was
+    really asked for compact rows."""
+    from specdec.drafters.tree_builder import TreeSpec
+
+    _, _, draft, ids, prompt, _ = tiny_pair
+    asked: list[bool] = []
+    for name in ("forward", "forward_tree"):
+        orig = getattr(NativeCausalLM, name)
+
+        def spy(self, *a, _orig=orig, **kw):
+            asked.append(kw.get("compact", False))
+            return _orig(self, *a, **kw)
+
+        monkeypatch.setattr(NativeCausalLM, name, spy)
+
+    def propose() -> tuple[list[int], list[int] | None]:
+        d = ModelDrafter(draft)
+        ctx = torch.tensor(prompt)
+        d.prepare(ctx)
+        sampler = DraftSampler(SamplingConfig(temperature=0.0), "argmax", penalties=None, generator=None)
+        out = d.propose_tree(ctx, 8, sampler, TreeSpec(min_prob=0.0), max_depth=4) if tree else d.propose(ctx, 5, sampler)
+        return out.tokens.tolist(), None if out.parents is None else out.parents.tolist()
+
+    compact = propose()
+    assert asked and all(asked[1:])  # the prefill of prepare() is the only full-row call
+    asked.clear()
+    with monkeypatch.context() as m:
+        _forced_full(m)
+        scattered = propose()
+    assert not any(asked)
+    assert compact == scattered and len(compact[0]) >= 5
+    assert set(compact[0]) <= set(ids.tolist())
+
+
+def test_compact_rows_only_where_no_other_token_counts():
+    """Sampling, penalties, a logit bias and a constraint all read (or change) logits outside the
+    draft's vocabulary: those rounds keep whole rows, and a compact row is refused there."""
+    def sampler(**kw):
+        mode = "multinomial" if kw.get("temperature", 0.0) > 0 else "argmax"
+        return DraftSampler(SamplingConfig(**kw), mode, penalties=PenaltyState.start(torch.tensor([1]), 8),
+                            generator=torch.Generator().manual_seed(0))
+
+    assert sampler(temperature=0.0).compact
+    for kw in ({"temperature": 1.0}, {"temperature": 0.0, "repetition_penalty": 1.2},
+               {"temperature": 0.0, "logit_bias": ((3, 5.0),)}, {"temperature": 0.0, "constraint": _Strict([1, 2])}):
+        s = sampler(**kw)
+        assert not s.compact, kw
+        with pytest.raises(ValueError, match="compact"):
+            s(torch.zeros(1, 4), 0, torch.tensor([0, 2, 5, 7]))
+    s = sampler(temperature=0.0)
+    assert s(torch.tensor([[0.0, 3.0, 1.0, 3.0]]), 0, torch.tensor([0, 2, 5, 7]))[0] == 2  # first maximum, as argmax
+
+
 @pytest.mark.parametrize("method,temperature,seed", [("greedy", 0.0, None), ("token", 1.0, None), ("block", 1.0, None),
                                                       ("coupled", 1.0, 4)])
 def test_a_constraint_outside_a_reduced_vocabulary_stops_the_draft(tiny_pair, method, temperature, seed):

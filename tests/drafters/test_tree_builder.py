@@ -1,23 +1,32 @@
-"""The tree builder's early stop: the same pruned tree with fewer draft passes."""
+"""The tree builder: early stop (the same pruned tree with fewer draft passes), the probability
+floor of deterministic trees, and compact rows over a reduced draft vocabulary."""
 
 from __future__ import annotations
+
+import math
+from dataclasses import replace
 
 import pytest
 import torch
 
 from specdec.drafters.base import DraftSampler
 from specdec.drafters.tree_builder import TreeSpec, build_tree
+from specdec.errors import ConfigError
 from specdec.sampling import SamplingConfig
 
 V = 40
 
 
+def _logits(sharpness: float):
+    def logits_for(path: tuple[int, ...]) -> torch.Tensor:  # [V]
+        g = torch.Generator().manual_seed(hash(path) % (2**31))
+        return torch.randn(V, generator=g) * sharpness
+    return logits_for
+
+
 def _expander(sharpness: float, calls: list[int]):
     """Draft logits that are a fixed function of each node's root path (seeded by it)."""
-
-    def logits_for(path: tuple[int, ...]) -> torch.Tensor:
-        g = torch.Generator().manual_seed(hash(path) % (2**31))
-        return torch.randn(V, generator=g) * sharpness  # [V]
+    logits_for = _logits(sharpness)
 
     def expand(nodes: list[int], tokens: list[int], parents: list[int]) -> torch.Tensor:
         calls.append(len(nodes))
@@ -35,9 +44,10 @@ def _expander(sharpness: float, calls: list[int]):
 
 @pytest.mark.parametrize("budget", [4, 16, 32])
 @pytest.mark.parametrize("sharpness", [0.5, 4.0])
-def test_early_stop_gives_the_same_dynamic_tree_with_fewer_passes(budget, sharpness):
+@pytest.mark.parametrize("floor", [0.0, 0.001])
+def test_early_stop_gives_the_same_dynamic_tree_with_fewer_passes(budget, sharpness, floor):
     sampler = DraftSampler(SamplingConfig(temperature=0.0), "argmax", penalties=None, generator=None)
-    spec = TreeSpec(shape="dynamic", width=3, depth=6)
+    spec = TreeSpec(shape="dynamic", width=3, depth=6, min_prob=floor)
     stopped = 0
     for trial in range(4):
         runs = []
@@ -51,5 +61,82 @@ def test_early_stop_gives_the_same_dynamic_tree_with_fewer_passes(budget, sharpn
         assert torch.equal(a.tokens, b.tokens) and torch.equal(a.parents, b.parents)
         assert na <= nb
         stopped += na < nb
-    if sharpness < 1 and budget <= 16:
+    if sharpness < 1 and budget <= 16 and floor == 0:
         assert stopped > 0  # flat drafts: deeper levels cannot enter the best N, passes are saved
+        # (with a floor, flat drafts' deeper levels fall below it before the tree is full)
+
+
+def _paths(draft) -> set[tuple[int, ...]]:
+    toks, pars = draft.tokens.tolist(), draft.parents.tolist()
+    out = set()
+    for v in range(len(toks)):
+        path, u = [], v
+        while u >= 0:
+            path.append(toks[u])
+            u = pars[u]
+        out.add(tuple(path[::-1]))
+    return out
+
+
+def _log_prob(path: tuple[int, ...], logits_for) -> float:
+    return sum(float(torch.log_softmax(logits_for(path[:i]), -1)[t]) for i, t in enumerate(path))
+
+
+@pytest.mark.parametrize("min_prob", [0.02, 0.1, 0.3])
+@pytest.mark.parametrize("shape", ["dynamic", "static"])
+def test_min_prob_leaves_out_exactly_the_unlikely_nodes(min_prob, shape):
+    """With room for every node, a tree with a floor is the tree without one minus the nodes whose
+    cumulative draft probability is below the floor (prefix-closed: a child is never likelier than
+    its parent), and nothing else; 3 draft functions of different sharpness each."""
+    sampler = DraftSampler(SamplingConfig(temperature=0.0), "argmax", penalties=None, generator=None)
+    for sharpness in (0.7, 2.0, 5.0):
+        expand, root = _expander(sharpness, [])
+        base = TreeSpec(shape=shape, width=3, depth=3, branching=(3, 2, 2), min_prob=0.0)
+        full, _ = build_tree(root.unsqueeze(0), expand, base, sampler, position=0, budget=1000, max_depth=3)
+        cut, _ = build_tree(root.unsqueeze(0), expand, replace(base, min_prob=min_prob), sampler, position=0,
+                            budget=1000, max_depth=3)
+        want = {p for p in _paths(full) if _log_prob(p, _logits(sharpness)) >= math.log(min_prob)}
+        assert _paths(cut) == want
+        assert len(want) < len(_paths(full))  # the floor removed something
+
+
+def test_min_prob_above_every_root_candidate_gives_an_empty_tree_and_sampled_trees_ignore_it():
+    expand, root = _expander(0.5, [])  # flat: no root candidate reaches 0.9
+    greedy = DraftSampler(SamplingConfig(temperature=0.0), "argmax", penalties=None, generator=None)
+    draft, _ = build_tree(root.unsqueeze(0), expand, TreeSpec(min_prob=0.9), greedy, position=0, budget=8, max_depth=6)
+    assert draft.tokens.numel() == 0 and draft.parents.numel() == 0
+    sampler = DraftSampler(SamplingConfig(temperature=1.0), "multinomial", penalties=None,
+                           generator=torch.Generator().manual_seed(0))
+    q = torch.softmax(root, -1).unsqueeze(0)  # sampled trees rank and draw from q
+    drawn, _ = build_tree(q, lambda n, t, p: torch.softmax(expand(n, t, p), -1), TreeSpec(min_prob=0.9), sampler,
+                          position=0, budget=8, max_depth=6)
+    assert drawn.tokens.numel() > 0  # every node of a sampled tree is fixed before it is drawn
+    with pytest.raises(ConfigError):
+        TreeSpec(min_prob=1.0)
+
+
+@pytest.mark.parametrize("shape", ["dynamic", "static"])
+def test_compact_rows_over_a_reduced_vocabulary_give_the_same_tree(shape):
+    """Rows over a reduced draft vocabulary (with its target ids) rank the same candidates as the
+    same rows scattered into the whole vocabulary with -inf elsewhere."""
+    ids = torch.tensor(sorted(torch.randperm(V, generator=torch.Generator().manual_seed(5))[:25].tolist()))
+    sampler = DraftSampler(SamplingConfig(temperature=0.0), "argmax", penalties=None, generator=None)
+    spec = TreeSpec(shape=shape, width=3, depth=4, min_prob=0.01)
+    for sharpness in (0.5, 3.0):
+        expand, root = _expander(sharpness, [])
+
+        def compact(n, t, p):
+            return expand(n, t, p)[:, ids]  # [m, Vd]
+
+        def scattered(n, t, p):
+            out = torch.full((len(n), V), -math.inf)
+            out[:, ids] = compact(n, t, p)
+            return out
+
+        full_root = torch.full((1, V), -math.inf)
+        full_root[0, ids] = root[ids]
+        a, _ = build_tree(root[ids].unsqueeze(0), compact, spec, sampler, position=0, budget=12, max_depth=4, ids=ids)
+        b, _ = build_tree(full_root, scattered, spec, sampler, position=0, budget=12, max_depth=4)
+        assert a.tokens.numel() > 3
+        assert torch.equal(a.tokens, b.tokens) and torch.equal(a.parents, b.parents)
+        assert set(a.tokens.tolist()) <= set(ids.tolist())

@@ -86,10 +86,12 @@ def test_greedy_tree_decoding_equals_plain_greedy(smollm2):
         ids = encode_prompt(target.tokenizer, text, chat=chat)
         plain = run(None, None, None, ids).tokens
         chain = run(ModelDrafter(draft.model), FixedGamma(4), None, ids)
-        tree = run(ModelDrafter(draft.model), FixedGamma(16), TreeSpec(), ids)
-        assert chain.tokens == plain and tree.tokens == plain
+        tree = run(ModelDrafter(draft.model), FixedGamma(16), TreeSpec(min_prob=0.0), ids)  # the best 16, always
+        floor = run(ModelDrafter(draft.model), FixedGamma(16), TreeSpec(), ids)  # only nodes above the default floor
+        assert chain.tokens == plain and tree.tokens == plain and floor.tokens == plain
         assert tree.stats.tree_rounds > 0
         assert tree.stats.tokens_per_target_call > chain.stats.tokens_per_target_call
+        assert floor.stats.draft_tokens_proposed < tree.stats.draft_tokens_proposed
         assert run(ModelDrafter(draft.model), TreeBudget(), TreeSpec(shape="static"), ids).tokens == plain
         assert run(NgramDrafter(), FixedGamma(12), TreeSpec(), ids).tokens == plain
 

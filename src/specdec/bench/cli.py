@@ -43,6 +43,9 @@ def add_parser(sub) -> None:  # noqa: ANN001 - argparse's subparsers action
     p.add_argument("--methods", default="default", help="comma list of rules for the speculative mode ('default' = greedy at T=0, block otherwise; default: default)")
     p.add_argument("--gammas", default="auto", help="comma list of γ values (integers, 'auto', 'guide'; default auto)")
     p.add_argument("--trees", default="", help="comma list of token-tree settings ('auto' or a node count) run after the chain γ values of the speculative mode, prompt by prompt in the same process (paired); rows are labelled tree-<setting> (default: none)")
+    p.add_argument("--tree-min-prob", type=float, default=None, metavar="P",
+                   help=f"greedy and coupled trees: leave out nodes whose cumulative draft probability is below P (see "
+                        f"specdec generate --help; default {defaults.TREE_MIN_PROB:g})")
     p.add_argument("--temperatures", default="0,1", help="comma list (0 = greedy; default 0,1)")
     p.add_argument("--max-new-tokens", type=int, default=128, help="tokens generated per prompt (default 128)")
     p.add_argument("--repeats", type=int, default=1, help="seeds per prompt (seed, seed+1, ...; default 1)")
@@ -93,6 +96,10 @@ def run(args: argparse.Namespace, argv: list[str] | None = None) -> int:
     temps = _non_negative(args.temperatures, "temperatures must be numbers", "temperature must be >= 0")
     gammas = [str(parse_gamma(g)) for g in _csv(args.gammas)]
     gammas += [f"tree-{parse_tree(t)}" for t in _csv(args.trees) if str(parse_tree(t)) != "chain"]
+    if args.tree_min_prob is not None:
+        from specdec.drafters.tree_builder import TreeSpec
+
+        TreeSpec(min_prob=args.tree_min_prob)  # a bad value fails here, before any worker starts
     methods = _csv(args.methods)
     for m in methods:
         if m != "default":
@@ -139,6 +146,7 @@ def run(args: argparse.Namespace, argv: list[str] | None = None) -> int:
         methods=tuple(methods), gammas=tuple(gammas), temperatures=tuple(temps),
         max_new_tokens=args.max_new_tokens, repeats=args.repeats, seed=args.seed, top_p=args.top_p,
         repetition_penalty=args.repetition_penalty, draft_dtype=args.draft_dtype, draft_vocab=args.draft_vocab, dtype=args.dtype,
+        tree_min_prob=defaults.TREE_MIN_PROB if args.tree_min_prob is None else args.tree_min_prob,
         batch_invariant=not args.fast_attention, threads=args.threads, command=command,
         rtts=tuple(rtts), wires=tuple(wires), rtt_emulation=args.rtt_emulation, q_top_k=args.q_top_k,
         llamacpp=tuple(llamacpp), llamacpp_draft_max=args.llamacpp_draft_max, llamacpp_p_min=args.llamacpp_p_min,

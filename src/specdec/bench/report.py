@@ -396,7 +396,7 @@ def markdown(result: dict, stats: list[GroupStats], bvt: list[BlockVsToken], plo
         f"{len(cfg['prompts'])} prompts ({', '.join(sorted({p['category'] for p in cfg['prompts']}))}), "
         f"{cfg['max_new_tokens']} new tokens, repeats {cfg['repeats']}, seed {cfg['seed']}, "
         f"top-p {cfg['top_p']}, repetition penalty {cfg['repetition_penalty']}, "
-        f"batch-invariant target {cfg['batch_invariant']}.",
+        f"batch-invariant target {cfg['batch_invariant']}{_tree_floor(cfg)}.",
         "",
         f"Machine: {machine_line(result.get('machine', {}))}.",
         "",
@@ -663,6 +663,13 @@ def _target_dtype(cfg: dict) -> str:
     """``auto = q4``: the target dtype asked for, and what it resolved to where the run recorded it."""
     asked, resolved = cfg.get("dtype", "float32"), cfg.get("target_precision")
     return asked if not resolved or resolved == asked else f"{asked} = {resolved}"
+
+
+def _tree_floor(cfg: dict) -> str:
+    """", tree floor P" where the run drafted token trees (greedy / coupled trees leave out nodes below it)."""
+    if not any(str(g).startswith("tree-") for g in cfg.get("gammas", ())) or cfg.get("tree_min_prob") is None:
+        return ""
+    return f", tree probability floor {cfg['tree_min_prob']:g}"
 
 
 def _draft_vocab(cfg: dict) -> str:

@@ -24,6 +24,7 @@ import time
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
+from specdec import defaults
 from specdec.bench import network
 from specdec.bench.workloads import Prompt
 from specdec.errors import SpecdecError
@@ -49,6 +50,7 @@ class BenchConfig:
     draft_dtype: str = "auto"
     draft_vocab: str = "auto"  # auto | full (the draft model's vocabulary; see EngineConfig.draft_vocab)
     dtype: str = "auto"  # the target's precision for specdec's rows
+    tree_min_prob: float = defaults.TREE_MIN_PROB  # the probability floor of greedy / coupled trees
     batch_invariant: bool = True
     threads: int | None = None
     command: str = ""
@@ -81,7 +83,7 @@ def _job(cfg: BenchConfig, mode: str) -> dict:
         "methods": list(cfg.methods), "gammas": [str(g) for g in cfg.gammas],
         "max_new_tokens": cfg.max_new_tokens, "repeats": cfg.repeats, "seed": cfg.seed,
         "top_p": cfg.top_p, "repetition_penalty": cfg.repetition_penalty,
-        "draft_dtype": cfg.draft_dtype, "draft_vocab": cfg.draft_vocab, "dtype": cfg.dtype, "batch_invariant": cfg.batch_invariant, "threads": cfg.threads,
+        "draft_dtype": cfg.draft_dtype, "draft_vocab": cfg.draft_vocab, "dtype": cfg.dtype, "tree_min_prob": cfg.tree_min_prob, "batch_invariant": cfg.batch_invariant, "threads": cfg.threads,
         **({"wires": list(cfg.wires), "q_top_k": cfg.q_top_k} if mode in network.NETWORK_MODES else {}),
         **llama,
     }

@@ -37,6 +37,7 @@ class Job:
     draft_dtype: str = "auto"
     draft_vocab: str = "auto"
     dtype: str = "auto"  # the target's precision (float32 | bfloat16 | int8)
+    tree_min_prob: float | None = None  # None = the default floor
     batch_invariant: bool = True
     threads: int | None = None
     # network modes (specdec.bench.network): one RTT per worker
@@ -94,11 +95,11 @@ def _settings(job: Job, temperature: float):
             yield method, g
 
 
-def _decoder(engine, rule, gamma: str | None):  # noqa: ANN001 - Engine, Rule
+def _decoder(engine, rule, gamma: str | None, tree_min_prob: float | None = None):  # noqa: ANN001 - Engine, Rule
     """``tree-auto`` / ``tree-N`` settings draft token trees; anything else is a chain γ."""
     text = gamma or "auto"
     if text.startswith("tree-"):
-        return engine.decoder(rule, "auto", tree=text[len("tree-") :])
+        return engine.decoder(rule, "auto", tree=text[len("tree-") :], tree_min_prob=tree_min_prob)
     return engine.decoder(rule, text)
 
 
@@ -143,7 +144,7 @@ def run_engine(job: Job, prompts: list[Prompt]) -> None:
         warm = SamplingConfig(temperature=temperature, seed=0, max_new_tokens=16)
         for eng in engines:
             for method, gamma in settings:  # warm-up (oneDNN kernels, allocator), not recorded
-                _decoder(eng, get_rule("block" if method == "sample" else method), gamma).generate(encoded[prompts[0].id], warm)
+                _decoder(eng, get_rule("block" if method == "sample" else method), gamma, job.tree_min_prob).generate(encoded[prompts[0].id], warm)
         if llama is not None:
             _llamacpp_warmup(job, llama, encoded[prompts[0].id], temperature)
         for rep in range(job.repeats):
@@ -159,7 +160,7 @@ def run_engine(job: Job, prompts: list[Prompt]) -> None:
                 for eng, draft in zip(engines, drafts):
                     for method, gamma in settings:
                         rule = get_rule("block" if method == "sample" else method)
-                        res = _decoder(eng, rule, gamma).generate(encoded[p.id], cfg)
+                        res = _decoder(eng, rule, gamma, job.tree_min_prob).generate(encoded[p.id], cfg)
                         name = method if job.mode == "speculative" else job.mode
                         row = _row(job, job.mode, name, gamma, temperature, p, seed, res)
                         if eng.draft_model is not None:  # a draft model: the tokens it could propose

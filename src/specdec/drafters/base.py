@@ -135,14 +135,33 @@ class DraftSampler:
         """True when the drafted tokens need no reported distribution (argmax / gumbel)."""
         return self.mode != "multinomial" or not self.want_probs
 
-    def __call__(self, logits: Tensor, position: int) -> tuple[int, Tensor | None]:
+    @property
+    def compact(self) -> bool:
+        """Whether rows over a reduced draft vocabulary may be used as they are ([m, Vd] with its
+        target ids beside them) instead of scattered into the whole vocabulary: arg-max drafting
+        with nothing that reads or changes other tokens' logits (no bias, penalty or constraint).
+        The same token is chosen either way (``-inf`` elsewhere never wins); it saves the scatter
+        and the reductions over the full vocabulary."""
+        return self.mode == "argmax" and not self.cfg.needs_state and not self.cfg.logit_bias
+
+    def __call__(self, logits: Tensor, position: int, ids: Tensor | None = None) -> tuple[int, Tensor | None]:
         """Sample the draft token at absolute ``position`` from ``logits`` [1, V].
 
         Returns the token and, in ``multinomial`` mode, the probabilities ``q`` [V] it was
         sampled from; then records the token so the next position's penalties see it.
+        ``ids`` [Vd] (only when :attr:`compact`): ``logits`` are ``[1, Vd]`` over these target ids.
         """
         probs: Tensor | None = None
         self.undefined = False
+        if ids is not None:
+            if not self.compact:
+                raise ValueError("compact draft rows need arg-max drafting with no bias, penalty or constraint")
+            if self.min_confidence > 0.0:
+                top, idx = torch.softmax(logits, -1).max(-1)
+                self.stop_requested = float(top) < self.min_confidence
+            else:
+                idx = argmax_last(logits)
+            return int(ids[int(idx)]), None
         if self.mode == "argmax":
             scores = penalised_logits(logits, self.cfg, self.penalties)
             if self.cfg.constraint is not None and not bool(torch.isfinite(scores).any()):

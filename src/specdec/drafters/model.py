@@ -51,6 +51,12 @@ class ModelDrafter:
         if prompt.numel() > 1:
             self.model.forward(prompt[:-1], self.cache, last_only=True)
 
+    def _compact_ids(self, sampler: DraftSampler) -> Tensor | None:
+        """The draft vocabulary's target ids when this round can draft on its rows as they are
+        (a reduced vocabulary and :attr:`DraftSampler.compact`), else None."""
+        ids = getattr(self.model, "vocab_ids", None)
+        return ids if ids is not None and sampler.compact else None
+
     def propose(self, context: Tensor, gamma: int, sampler: DraftSampler) -> Draft:  # context: [L]
         if self.cache is None:
             self.reset()
@@ -61,16 +67,18 @@ class ModelDrafter:
         self._slots = None
         if gamma <= 0:
             return Draft(tokens=torch.empty(0, dtype=torch.long), probs=None)
-        logits = self.model.forward(context[self.cache.length :], self.cache, last_only=True)  # [1, V]
+        ids = self._compact_ids(sampler)
+        kw = {} if ids is None else {"compact": True}  # rows over the draft vocabulary: [1, Vd]
+        logits = self.model.forward(context[self.cache.length :], self.cache, last_only=True, **kw)  # [1, V]
         chain = DraftChain()
         for j in range(gamma):
-            drawn = sampler(logits, length + j)
+            drawn = sampler(logits, length + j) if ids is None else sampler(logits, length + j, ids)
             if getattr(sampler, "undefined", False):
                 break  # a constraint allows no token of a reduced draft vocabulary here
             # stops at low draft confidence, or at a gate (specdec.remote.gating) at a hard token
             if not chain.add(drawn, sampler) or j + 1 == gamma:
                 break
-            logits = self.model.forward(torch.tensor(chain.tokens[-1:]), self.cache)
+            logits = self.model.forward(torch.tensor(chain.tokens[-1:]), self.cache, **kw)
             self._fed += 1
         return chain.draft()
 
@@ -83,7 +91,9 @@ class ModelDrafter:
         length = context.numel()
         self._round_start = length
         self._fed = 0
-        logits = self.model.forward(context[self.cache.length :], self.cache, last_only=True)  # [1, V]
+        ids = self._compact_ids(sampler)
+        kw = {} if ids is None else {"compact": True}  # rows over the draft vocabulary: [m, Vd]
+        logits = self.model.forward(context[self.cache.length :], self.cache, last_only=True, **kw)  # [1, V]
         slots: dict[int, int] = {}
         region: list[int] = []  # parents of the fed nodes, in region-slot terms
 
@@ -92,9 +102,9 @@ class ModelDrafter:
                 region.append(slots[parents[v]] if parents[v] >= 0 else -1)
                 slots[v] = len(slots)
             new = torch.tensor([tokens[v] for v in nodes], dtype=torch.long)
-            return self.model.forward_tree(new, torch.tensor(region, dtype=torch.long), self.cache, prefix=length)
+            return self.model.forward_tree(new, torch.tensor(region, dtype=torch.long), self.cache, prefix=length, **kw)
 
-        draft, grown = build_tree(logits, expand, spec, sampler, position=length, budget=budget, max_depth=max_depth)
+        draft, grown = build_tree(logits, expand, spec, sampler, position=length, budget=budget, max_depth=max_depth, ids=ids)
         self._slots = {new: slots[old] for new, old in enumerate(grown) if old in slots}
         return draft
 

@@ -18,6 +18,7 @@ so every node's children are honest draws from its q.
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass
 from typing import Literal, Protocol
 
@@ -47,10 +48,15 @@ class TreeSpec:
     sample_branching: tuple[int, ...] = defaults.TREE_SAMPLE_BRANCHING
     sample_width: int = defaults.TREE_SAMPLE_WIDTH
     siblings: SiblingMode = "without_replacement"
+    #: deterministic trees: leave out every node whose cumulative draft probability is below this
+    #: (0 = keep the best N whatever their probability)
+    min_prob: float = defaults.TREE_MIN_PROB
 
     def __post_init__(self) -> None:
         if self.shape not in ("static", "dynamic"):
             raise ConfigError(f"tree shape must be static or dynamic, not {self.shape!r}")
+        if not 0.0 <= self.min_prob < 1.0:
+            raise ConfigError(f"a tree's minimum node probability must be in [0, 1), not {self.min_prob}")
         if self.width < 1 or self.depth < 1 or self.sample_width < 1:
             raise ConfigError("tree width and depth must be positive")
         for shape in (self.branching, self.sample_branching):
@@ -71,12 +77,15 @@ class Expand(Protocol):
         ...
 
 
-def _top_candidates(rows: Tensor, k: int) -> list[list[tuple[int, float]]]:  # rows: [m, V]
+def _top_candidates(rows: Tensor, k: int, ids: Tensor | None = None) -> list[list[tuple[int, float]]]:  # rows: [m, V]
     """The ``k`` most likely tokens of every row and their log draft probabilities, for a whole
     level at once (greedy drafting): one top-k and one log-sum-exp over ``[m, V]`` instead of a
     float64 log-softmax per row (measured 0.28 vs 1.26 ms for a level of four 49,152-wide rows).
-    Log-probabilities only rank the nodes: any ranking is lossless."""
+    Log-probabilities only rank the nodes: any ranking is lossless.  ``ids`` [Vd]: the rows are
+    over a reduced draft vocabulary with these target ids (the same candidates, ~3x cheaper)."""
     vals, idx = rows.float().topk(min(k, rows.shape[-1]), dim=-1)  # [m, k]
+    if ids is not None:
+        idx = ids[idx]
     logq = vals.double() - torch.logsumexp(rows.float(), dim=-1, keepdim=True).double()  # [m, k]
     return [list(zip(i.tolist(), lq.tolist())) for i, lq in zip(idx, logq)]
 
@@ -114,14 +123,18 @@ def build_tree(
     budget: int,  # most nodes
     max_depth: int,
     early_stop: bool = True,
+    ids: Tensor | None = None,  # [Vd]: the logits are compact rows over these target ids (argmax mode)
 ) -> tuple[Draft, list[int]]:
     """Grow a token tree level by level (see the module docstring).
 
     Returns the draft and, for each of its nodes, its index while growing (the ``expand``
     callback saw those indices; pruning renumbers).  ``early_stop`` (dynamic trees): stop
     growing once no node of the next expansion can enter the best ``budget`` (the same tree,
-    fewer draft passes).
+    fewer draft passes).  Deterministic trees leave out nodes whose cumulative draft probability
+    is below ``spec.min_prob``; such a tree may be empty.
     """
+    if ids is not None and sampler.mode != "argmax":
+        raise ValueError("compact draft rows are for arg-max drafting only")
     toks: list[int] = []
     pars: list[int] = []
     score: list[float] = []
@@ -131,12 +144,13 @@ def build_tree(
     cap = budget if not prune else budget * spec.width + spec.width
     width = spec.sample_width if sampled else spec.width
     depth = min(len(spec.sample_branching) if sampled else spec.depth, max_depth)
+    floor = math.log(spec.min_prob) if spec.min_prob > 0 and not sampled else -math.inf
     level: list[int] = [-1]
     dists = sampler.tree_rows(root_logits)  # [1, V]
     for d in range(depth):
         new: list[int] = []
         kids = spec.children(d, sampled)
-        tops = _top_candidates(dists, kids) if sampler.mode == "argmax" else None
+        tops = _top_candidates(dists, kids, ids) if sampler.mode == "argmax" else None
         for i, (parent, row) in enumerate(zip(level, dists)):
             room = cap - len(toks)
             if room <= 0:
@@ -146,6 +160,8 @@ def build_tree(
             else:
                 cands = _candidates(row, min(kids, room), sampler, spec, position + d, sampled)
             for tok, lq in cands:
+                if (score[parent] if parent >= 0 else 0.0) + lq < floor:
+                    continue
                 toks.append(tok)
                 pars.append(parent)
                 score.append((score[parent] if parent >= 0 else 0.0) + lq)

@@ -470,9 +470,16 @@ class NativeCausalLM:
         """How many tokens this model can give a finite logit: its draft vocabulary's size, else all."""
         return self.vocab_size if self._subset is None else int(self._subset.numel())
 
-    def _logits(self, h: Tensor) -> Tensor:  # [n, D] LM head inputs -> [n, V] float32
+    def _logits(self, h: Tensor, compact: bool = False) -> Tensor:  # [n, D] LM head inputs -> [n, V] float32
+        """``compact``: a reduced draft vocabulary's rows as they are ([n, Vd], columns in the order
+        of :attr:`vocab_ids`) instead of scattered into the target's vocabulary."""
         out = self.lm_head(h).float()
-        return out if self._subset is None else full_vocab(out, self._subset, self.vocab_size)
+        return out if self._subset is None or compact else full_vocab(out, self._subset, self.vocab_size)
+
+    @property
+    def vocab_ids(self) -> Tensor | None:
+        """Target token ids of the LM head's rows (sorted) for a reduced draft vocabulary, else None."""
+        return self._subset
 
     @torch.inference_mode()
     def hidden(
@@ -551,12 +558,13 @@ class NativeCausalLM:
         return x * self._inv_rms(x)
 
     @torch.inference_mode()
-    def forward(self, tokens: Tensor, cache: KVCache, *, last_only: bool = False) -> Tensor:
-        """Logits ``[n, V]`` (or ``[1, V]`` with ``last_only``) for ``tokens`` [n] int64."""
+    def forward(self, tokens: Tensor, cache: KVCache, *, last_only: bool = False, compact: bool = False) -> Tensor:
+        """Logits ``[n, V]`` (or ``[1, V]`` with ``last_only``) for ``tokens`` [n] int64;
+        ``compact``: see :meth:`_logits`."""
         h = self.hidden(tokens, cache)
         if last_only:
             h = h[-1:]
-        return self._logits(h)
+        return self._logits(h, compact)
 
     @torch.inference_mode()
     def forward_features(
@@ -655,7 +663,9 @@ class NativeCausalLM:
         return attn[0].transpose(0, 1).reshape(n, self._q_size)
 
     @torch.inference_mode()
-    def forward_tree(self, tokens: Tensor, parents: Tensor, cache: KVCache, *, prefix: int | None = None) -> Tensor:
+    def forward_tree(
+        self, tokens: Tensor, parents: Tensor, cache: KVCache, *, prefix: int | None = None, compact: bool = False,
+    ) -> Tensor:
         """Logits ``[n, V]`` of a token tree scored in one pass (tree attention).
 
         ``tokens`` [n] int64, ``parents`` [n] int64 (``-1``: child of the cached prefix, else an
@@ -663,9 +673,10 @@ class NativeCausalLM:
         afterwards with ``cache.compact``.  Batch-invariant models give each node's logits
         bitwise equal to scoring its path token by token.  A tree grown over several calls (a
         drafter expanding its frontier) passes ``prefix``, the first slot of the tree region,
-        and ``parents`` for the whole region ``[prefix, cache.length + n)``.
+        and ``parents`` for the whole region ``[prefix, cache.length + n)``.  ``compact``: see
+        :meth:`_logits`.
         """
-        return self._logits(self.hidden(tokens, cache, parents=parents, prefix=prefix))
+        return self._logits(self.hidden(tokens, cache, parents=parents, prefix=prefix), compact)
 
     @property
     def n_params(self) -> int:

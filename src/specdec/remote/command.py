@@ -131,8 +131,8 @@ def run_generate(args: argparse.Namespace, prompt: str, sampling: SamplingConfig
     log(f"verifying on {args.remote} (wire {wire or 'default'})")
     on_text = None if quiet else (lambda text: (sys.stdout.write(text), sys.stdout.flush()))
     out = generate_remote(
-        ids, sampling, remote, drafter=drafter, drafter_name=name, tokenizer=tokenizer, gamma=gamma, tree=tree, eos_ids=eos,
-        q_top_k=args.q_top_k, gate=gate, on_text=on_text,
+        ids, sampling, remote, drafter=drafter, drafter_name=name, tokenizer=tokenizer, gamma=gamma, tree=tree,
+        tree_min_prob=args.tree_min_prob, eos_ids=eos, q_top_k=args.q_top_k, gate=gate, on_text=on_text,
     )
     stats = out.summary()
     if args.json:

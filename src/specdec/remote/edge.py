@@ -73,6 +73,7 @@ def generate_remote(
     tokenizer: Any | None = None,
     gamma: str | int = defaults.DEFAULT_GAMMA,
     tree: str | int = defaults.DEFAULT_TREE,
+    tree_min_prob: float | None = None,
     eos_ids: frozenset[int] = frozenset(),
     q_top_k: int | None = DEFAULT_Q_TOP_K,
     gate: Gate | None = None,
@@ -95,7 +96,7 @@ def generate_remote(
     if sampling.seed is None:
         sampling = replace(sampling, seed=int.from_bytes(os.urandom(6), "little"))
     local_commit = None
-    spec, controller = make_tree(tree, make_gamma(gamma))
+    spec, controller = make_tree(tree, make_gamma(gamma), min_prob=tree_min_prob)
     if spec is not None and gate is not None and gate.cfg.policy != "off":
         raise ConfigError("the edge gate judges chain drafts token by token; use --tree chain with --gate")
     if gate is not None and gate.cfg.policy != "off":

@@ -385,6 +385,9 @@ class _GateSampler:
         self.signals: list[TokenSignals] = []
         self.stop_requested = False
 
+    #: the signals read the row at the drawn token's id: whole-vocabulary rows only
+    compact = False
+
     def __call__(self, logits: Tensor, position: int) -> tuple[int, Tensor | None]:  # logits: [1, V]
         token, q = self.inner(logits, position)
         cfg = self.gate.cfg

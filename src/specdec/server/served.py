@@ -15,6 +15,9 @@ class ServedModel:
     supports it.  With a ``prefix_cache`` (batch-invariant models only, see
     :mod:`specdec.server.prefix_cache`), prefills reuse the keys/values of earlier prompts."""
 
+    #: passes return whole-vocabulary rows only (no compact draft rows through the wrappers)
+    vocab_ids = None
+
     def __init__(self, model: Any, *, initial_length: int | None = None, prefix_cache: Any | None = None) -> None:
         if prefix_cache is not None and not supports_prefix_cache(model):
             raise ValueError("prefix caching needs a batch-invariant model (its cached rows must not depend on the pass)")

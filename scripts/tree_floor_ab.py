@@ -1,0 +1,119 @@
+#!/usr/bin/env python
+"""Greedy drafting, paired: the probability floor of deterministic trees and compact draft rows.
+
+    python scripts/tree_floor_ab.py --arms plain,chain:full,chain,8:full@0,8 --repeats 2 --out benchmarks/NAME
+
+Not a test and not part of CI.  An arm is ``chain``, ``auto`` (tree auto) or a node count N,
+then optionally ``@P`` (the tree's minimum cumulative draft probability; the default floor
+otherwise) and ``:full`` (the draft's rows scattered into the whole vocabulary before ranking
+and arg-max, as before compact rows existed); ``plain`` is plain decoding.  Greedy only: at T > 0
+sampled trees ignore the floor and drafting reads whole rows anyway.
+
+For each prompt and repeat every arm runs once, in an order rotated per prompt and reversed on
+odd repeats; each run's speed-up is over the plain run of the same prompt and repeat.  Writes
+``results.json`` and ``README.md`` (geometric means of the per-run ratios, by category; tokens
+per call; greedy output = plain).
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import re
+import shlex
+import statistics
+import sys
+from dataclasses import replace
+from pathlib import Path
+
+from tqdm import tqdm
+
+import paired
+
+from specdec import defaults
+from specdec.bench.report import machine_line
+from specdec.bench.runner import machine_info
+from specdec.drafters.base import DraftSampler
+from specdec.sampling import SamplingConfig
+from specdec.verify import get_rule
+
+
+class _Arm:
+    def __init__(self, name: str, engine, plain) -> None:  # noqa: ANN001
+        m = re.fullmatch(r"(plain|chain|auto|\d+)(:full)?(?:@([0-9.]+))?", name)
+        if m is None:
+            raise SystemExit(f"not an arm: {name!r} (plain, chain, auto or N, then :full and / or @P)")
+        self.name, self.kind, self.full = name, m.group(1), m.group(2) is not None
+        self.floor = defaults.TREE_MIN_PROB if m.group(3) is None else float(m.group(3))
+        self.engine, self.plain = engine, plain
+
+    def generate(self, ids: list[int], cfg: SamplingConfig):  # noqa: ANN201
+        rule = get_rule("greedy")
+        if self.kind == "plain":
+            return self.plain.decoder(rule).generate(ids, cfg)
+        dec = self.engine.decoder(rule, tree=self.kind if self.kind in ("chain", "auto") else int(self.kind))
+        if dec.tree is not None:
+            dec.tree = replace(dec.tree, min_prob=self.floor)
+        compact = DraftSampler.compact
+        if self.full:
+            DraftSampler.compact = property(lambda s: False)  # type: ignore[method-assign, assignment]
+        try:
+            return dec.generate(ids, cfg)
+        finally:
+            DraftSampler.compact = compact  # type: ignore[method-assign]
+
+
+def main() -> int:
+    ap = paired.parser(__doc__)
+    ap.add_argument("--arms", default="plain,chain:full,chain,8:full@0,8")
+    ap.add_argument("--repeats", type=int, default=2)
+    args = ap.parse_args()
+    args.temperatures = "0"
+    _, prompts, engine, plain = paired.setup(args)
+    arms = [_Arm(a, engine, plain) for a in args.arms.split(",")]
+    if arms[0].kind != "plain":
+        raise SystemExit("the first arm must be plain (the reference of every ratio)")
+    warm = SamplingConfig(temperature=0.0, max_new_tokens=16)
+    enc0 = engine.encode(prompts[0].text, chat=prompts[0].chat)
+    for a in arms:
+        a.generate(enc0, warm)
+    rows = []
+    cfg = SamplingConfig(temperature=0.0, max_new_tokens=args.max_new_tokens)
+    for rep in range(args.repeats):
+        for i, p in enumerate(tqdm(prompts, desc=f"repeat {rep + 1}/{args.repeats}")):
+            ids = engine.encode(p.text, chat=p.chat)
+            order = arms[i % len(arms):] + arms[: i % len(arms)]
+            res = {a.name: a.generate(ids, cfg) for a in (order if rep % 2 == 0 else order[::-1])}
+            ref = res[arms[0].name]
+            for a in arms:
+                r = res[a.name]
+                rows.append({"prompt": p.id, "category": p.category, "repeat": rep, "arm": a.name,
+                             "tok_s": r.stats.tokens_per_s, "tokens_per_call": r.stats.tokens_per_target_call,
+                             "speedup": r.stats.tokens_per_s / ref.stats.tokens_per_s, "same": r.tokens == ref.tokens})
+    out = Path(args.out)
+    out.mkdir(parents=True, exist_ok=True)
+    command = "python scripts/tree_floor_ab.py " + " ".join(shlex.quote(a) for a in sys.argv[1:])
+    (out / "results.json").write_text(json.dumps({"command": command, "machine": machine_info(),
+                                                  "default_floor": defaults.TREE_MIN_PROB, "rows": rows}, indent=1))
+
+    def gmean(xs: list[float]) -> float:
+        return math.exp(statistics.mean(math.log(x) for x in xs)) if xs else float("nan")
+
+    lines = [f"# Greedy drafting, paired: tree probability floor and compact draft rows ({args.target} + {args.draft})", "",
+             f"Command: `{command}`", "", f"Machine: {machine_line(machine_info())}.", "",
+             f"{len(prompts)} prompts × {args.repeats} repeats, {args.max_new_tokens} tokens, T = 0, every arm on every "
+             f"prompt right after or before the prompt's plain run, in one process. ×plain = geometric mean of the "
+             f"per-run ratios. Default floor: {defaults.TREE_MIN_PROB:g}.", "",
+             "| arm | ×plain (all) | chat | code | tokens/call | greedy = plain |", "|---|---|---|---|---|---|"]
+    for a in arms[1:]:
+        rs = [r for r in rows if r["arm"] == a.name]
+        by = {c: gmean([r["speedup"] for r in rs if r["category"] == c]) for c in ("chat", "code")}
+        lines.append(f"| {a.name} | {gmean([r['speedup'] for r in rs]):.3f} | {by['chat']:.3f} | {by['code']:.3f} "
+                     f"| {statistics.mean(r['tokens_per_call'] for r in rs):.2f} | {sum(r['same'] for r in rs)}/{len(rs)} |")
+    (out / "README.md").write_text("\n".join(lines) + "\n")
+    print("\n".join(lines))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
