@@ -44,6 +44,7 @@ TREE_NODES = 16
 TREE_SAMPLE_BRANCHING = (3, 2, 1, 1, 1, 1, 1, 1)  # sampled trees (T > 0): static, siblings drawn from q
 TREE_SAMPLE_WIDTH = 2
 TREE_MIN_PROB = 0.15  # deterministic trees: nodes below this cumulative draft probability are left out
+TREE_EXPAND_CHILD = 0.3  # ... and a node is expanded only if a child of this probability would reach it
 TREE_BUDGETS = (4, 8, 16, 32)  # node budgets the tree controller chooses from
 TREE_CHAIN_WARMUP = 4  # chain rounds the tree controller measures before it probes a tree
 TREE_MARGIN = 1.05  # a tree is played only while its measured rate beats the chain's by this factor

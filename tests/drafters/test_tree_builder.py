@@ -83,21 +83,30 @@ def _log_prob(path: tuple[int, ...], logits_for) -> float:
 
 
 @pytest.mark.parametrize("min_prob", [0.02, 0.1, 0.3])
+@pytest.mark.parametrize("expand_child", [1.0, 0.3])
 @pytest.mark.parametrize("shape", ["dynamic", "static"])
-def test_min_prob_leaves_out_exactly_the_unlikely_nodes(min_prob, shape):
-    """With room for every node, a tree with a floor is the tree without one minus the nodes whose
-    cumulative draft probability is below the floor (prefix-closed: a child is never likelier than
-    its parent), and nothing else; 3 draft functions of different sharpness each."""
+def test_min_prob_leaves_out_exactly_the_unlikely_nodes(min_prob, expand_child, shape):
+    """With room for every node, a tree with a floor is the tree without one minus (a) the nodes
+    whose cumulative draft probability is below the floor and (b) the descendants of nodes below
+    ``floor / expand_child`` (never expanded), and nothing else; 3 draft sharpnesses each.  The
+    shapes keep every level's nodes (static: a wide expansion; dynamic: two levels of width 3)."""
     sampler = DraftSampler(SamplingConfig(temperature=0.0), "argmax", penalties=None, generator=None)
+    if shape == "static":
+        base = TreeSpec(shape=shape, width=100, depth=3, branching=(3, 2, 2), min_prob=0.0)
+    else:
+        base = TreeSpec(shape=shape, width=3, depth=2, min_prob=0.0)
+    removed = 0
     for sharpness in (0.7, 2.0, 5.0):
         expand, root = _expander(sharpness, [])
-        base = TreeSpec(shape=shape, width=3, depth=3, branching=(3, 2, 2), min_prob=0.0)
         full, _ = build_tree(root.unsqueeze(0), expand, base, sampler, position=0, budget=1000, max_depth=3)
-        cut, _ = build_tree(root.unsqueeze(0), expand, replace(base, min_prob=min_prob), sampler, position=0,
-                            budget=1000, max_depth=3)
-        want = {p for p in _paths(full) if _log_prob(p, _logits(sharpness)) >= math.log(min_prob)}
+        cut, _ = build_tree(root.unsqueeze(0), expand, replace(base, min_prob=min_prob, expand_child=expand_child),
+                            sampler, position=0, budget=1000, max_depth=3)
+        logq = {p: _log_prob(p, _logits(sharpness)) for p in _paths(full)}
+        want = {p for p in logq if logq[p] >= math.log(min_prob)
+                and all(logq[p[:i]] >= math.log(min_prob / expand_child) for i in range(1, len(p)))}
         assert _paths(cut) == want
-        assert len(want) < len(_paths(full))  # the floor removed something
+        removed += len(logq) - len(want)
+    assert removed > 0  # the floor removed something
 
 
 def test_min_prob_above_every_root_candidate_gives_an_empty_tree_and_sampled_trees_ignore_it():

@@ -51,12 +51,17 @@ class TreeSpec:
     #: deterministic trees: leave out every node whose cumulative draft probability is below this
     #: (0 = keep the best N whatever their probability)
     min_prob: float = defaults.TREE_MIN_PROB
+    #: with a floor: a node gets children (costs a draft pass) only if a child of this draft
+    #: probability would still reach the floor; 1 expands every node that made it into the tree
+    expand_child: float = defaults.TREE_EXPAND_CHILD
 
     def __post_init__(self) -> None:
         if self.shape not in ("static", "dynamic"):
             raise ConfigError(f"tree shape must be static or dynamic, not {self.shape!r}")
         if not 0.0 <= self.min_prob < 1.0:
             raise ConfigError(f"a tree's minimum node probability must be in [0, 1), not {self.min_prob}")
+        if not 0.0 < self.expand_child <= 1.0:
+            raise ConfigError(f"a tree's expansion probability must be in (0, 1], not {self.expand_child}")
         if self.width < 1 or self.depth < 1 or self.sample_width < 1:
             raise ConfigError("tree width and depth must be positive")
         for shape in (self.branching, self.sample_branching):
@@ -131,7 +136,8 @@ def build_tree(
     callback saw those indices; pruning renumbers).  ``early_stop`` (dynamic trees): stop
     growing once no node of the next expansion can enter the best ``budget`` (the same tree,
     fewer draft passes).  Deterministic trees leave out nodes whose cumulative draft probability
-    is below ``spec.min_prob``; such a tree may be empty.
+    is below ``spec.min_prob`` (such a tree may be empty) and expand only nodes at or above
+    ``spec.min_prob / spec.expand_child``.
     """
     if ids is not None and sampler.mode != "argmax":
         raise ValueError("compact draft rows are for arg-max drafting only")
@@ -171,6 +177,10 @@ def build_tree(
         if not new or d + 1 >= depth or len(toks) >= cap:
             break
         level = sorted(new, key=lambda i: (-score[i], i))[:width]
+        if floor > -math.inf:  # expand only nodes whose likely children can reach the floor
+            level = [i for i in level if score[i] + math.log(spec.expand_child) >= floor]
+            if not level:
+                break
         if early_stop and prune and len(toks) >= budget and max(score[i] for i in level) <= sorted(score, reverse=True)[budget - 1]:
             break  # no descendant can enter the best N (a child never outscores its parent; ties
             # go to the earlier node): the pruned tree is the same, one draft pass cheaper
