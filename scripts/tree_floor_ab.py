@@ -18,7 +18,6 @@ per call; greedy output = plain).
 from __future__ import annotations
 
 import json
-import math
 import re
 import shlex
 import statistics
@@ -97,7 +96,7 @@ def main() -> int:
                                                   "default_floor": defaults.TREE_MIN_PROB, "rows": rows}, indent=1))
 
     def gmean(xs: list[float]) -> float:
-        return math.exp(statistics.mean(math.log(x) for x in xs)) if xs else float("nan")
+        return statistics.geometric_mean(xs) if xs else float("nan")
 
     lines = [f"# Greedy drafting, paired: tree probability floor and compact draft rows ({args.target} + {args.draft})", "",
              f"Command: `{command}`", "", f"Machine: {machine_line(machine_info())}.", "",

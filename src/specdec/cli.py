@@ -183,8 +183,7 @@ _EXTRA_COMMANDS: list = [_add_serve, _add_bench, _add_train]
 
 
 def _cmd_generate(args: argparse.Namespace) -> int:
-    from specdec.engine import Engine, EngineConfig, parse_gamma, parse_tree
-    from specdec.drafters.tree_builder import TreeSpec
+    from specdec.engine import Engine, EngineConfig, parse_gamma, parse_tree, parse_tree_min_prob
 
     if args.prompt is None and not args.interactive:
         raise SpecdecError("generate needs --prompt (or --interactive)")
@@ -196,8 +195,7 @@ def _cmd_generate(args: argparse.Namespace) -> int:
     sampling = _sampling_from(args)
     gamma = parse_gamma(args.gamma)
     tree = parse_tree(args.tree)
-    if args.tree_min_prob is not None:
-        TreeSpec(min_prob=args.tree_min_prob)  # a bad value fails here, before any model loads
+    parse_tree_min_prob(args.tree_min_prob)  # a bad value fails here, before any model loads
     if args.method:
         from specdec.verify import get_rule
 

@@ -249,6 +249,13 @@ def parse_tree(value: str | int) -> str | int:
     return n
 
 
+def parse_tree_min_prob(value: float | None) -> float | None:
+    """A ``--tree-min-prob`` value checked (None = the default floor): in [0, 1)."""
+    if value is not None:
+        TreeSpec(min_prob=value)  # raises ConfigError with the range
+    return value
+
+
 def make_tree(tree: str | int, gamma: GammaController, *, min_prob: float | None = None) -> tuple[TreeSpec | None, GammaController]:
     """The tree spec and the controller for a ``--tree`` value (``chain`` keeps ``gamma``);
     ``min_prob``: the deterministic trees' probability floor (None = the default)."""

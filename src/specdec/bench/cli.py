@@ -88,7 +88,7 @@ def add_parser(sub) -> None:  # noqa: ANN001 - argparse's subparsers action
 
 def run(args: argparse.Namespace, argv: list[str] | None = None) -> int:
     from specdec.bench import report, runner, workloads
-    from specdec.engine import parse_gamma, parse_tree
+    from specdec.engine import parse_gamma, parse_tree, parse_tree_min_prob
     from specdec.verify import get_rule
 
     if args.report_only:
@@ -96,10 +96,7 @@ def run(args: argparse.Namespace, argv: list[str] | None = None) -> int:
     temps = _non_negative(args.temperatures, "temperatures must be numbers", "temperature must be >= 0")
     gammas = [str(parse_gamma(g)) for g in _csv(args.gammas)]
     gammas += [f"tree-{parse_tree(t)}" for t in _csv(args.trees) if str(parse_tree(t)) != "chain"]
-    if args.tree_min_prob is not None:
-        from specdec.drafters.tree_builder import TreeSpec
-
-        TreeSpec(min_prob=args.tree_min_prob)  # a bad value fails here, before any worker starts
+    parse_tree_min_prob(args.tree_min_prob)  # a bad value fails here, before any worker starts
     methods = _csv(args.methods)
     for m in methods:
         if m != "default":

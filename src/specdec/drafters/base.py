@@ -153,17 +153,11 @@ class DraftSampler:
         """
         probs: Tensor | None = None
         self.undefined = False
-        if ids is not None:
-            if not self.compact:
-                raise ValueError("compact draft rows need arg-max drafting with no bias, penalty or constraint")
-            if self.min_confidence > 0.0:
-                top, idx = torch.softmax(logits, -1).max(-1)
-                self.stop_requested = float(top) < self.min_confidence
-            else:
-                idx = argmax_last(logits)
-            return int(ids[int(idx)]), None
+        if ids is not None and not self.compact:
+            raise ValueError("compact draft rows need arg-max drafting with no bias, penalty or constraint")
         if self.mode == "argmax":
-            scores = penalised_logits(logits, self.cfg, self.penalties)
+            # compact rows have nothing to penalise (no bias, penalty or constraint: see compact)
+            scores = logits if ids is not None else penalised_logits(logits, self.cfg, self.penalties)
             if self.cfg.constraint is not None and not bool(torch.isfinite(scores).any()):
                 self.undefined = True
                 return 0, None
@@ -173,6 +167,8 @@ class DraftSampler:
                 self.stop_requested = float(top) < self.min_confidence
             else:
                 token = int(argmax_last(scores))
+            if ids is not None:
+                token = int(ids[token])  # a column of the draft vocabulary -> its target id
         else:
             q = process_logits(logits, self.cfg, self.penalties)[0]  # [V]
             if self.cfg.constraint is not None and not bool(torch.isfinite(q).all()):

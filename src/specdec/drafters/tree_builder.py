@@ -151,6 +151,7 @@ def build_tree(
     width = spec.sample_width if sampled else spec.width
     depth = min(len(spec.sample_branching) if sampled else spec.depth, max_depth)
     floor = math.log(spec.min_prob) if spec.min_prob > 0 and not sampled else -math.inf
+    expand_floor = floor - math.log(spec.expand_child)  # a node below it gets no children
     level: list[int] = [-1]
     dists = sampler.tree_rows(root_logits)  # [1, V]
     for d in range(depth):
@@ -166,11 +167,12 @@ def build_tree(
             else:
                 cands = _candidates(row, min(kids, room), sampler, spec, position + d, sampled)
             for tok, lq in cands:
-                if (score[parent] if parent >= 0 else 0.0) + lq < floor:
+                s = (score[parent] if parent >= 0 else 0.0) + lq
+                if s < floor:
                     continue
                 toks.append(tok)
                 pars.append(parent)
-                score.append((score[parent] if parent >= 0 else 0.0) + lq)
+                score.append(s)
                 if sampled:
                     rows.append(row)
                 new.append(len(toks) - 1)
@@ -178,7 +180,7 @@ def build_tree(
             break
         level = sorted(new, key=lambda i: (-score[i], i))[:width]
         if floor > -math.inf:  # expand only nodes whose likely children can reach the floor
-            level = [i for i in level if score[i] + math.log(spec.expand_child) >= floor]
+            level = [i for i in level if score[i] >= expand_floor]
             if not level:
                 break
         if early_stop and prune and len(toks) >= budget and max(score[i] for i in level) <= sorted(score, reverse=True)[budget - 1]:
