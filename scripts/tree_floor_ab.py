@@ -1,18 +1,20 @@
 #!/usr/bin/env python
-"""Greedy drafting, paired: the probability floor of deterministic trees and compact draft rows.
+"""Drafting, paired in one process: the probability floor of deterministic trees and compact draft rows.
 
     python scripts/tree_floor_ab.py --arms plain,chain:full,chain,8:full@0,8 --repeats 2 --out benchmarks/NAME
 
 Not a test and not part of CI.  An arm is ``chain``, ``auto`` (tree auto) or a node count N,
 then optionally ``@P`` (the tree's minimum cumulative draft probability; the default floor
 otherwise) and ``:full`` (the draft's rows scattered into the whole vocabulary before ranking
-and arg-max, as before compact rows existed); ``plain`` is plain decoding.  Greedy only: at T > 0
-sampled trees ignore the floor and drafting reads whole rows anyway.
+and arg-max or drawing, as before compact rows existed); ``plain`` is plain decoding.  One
+temperature per run (``--temperatures``, default 0): greedy verification at T = 0, block
+verification above it, with one seed per prompt and repeat shared by every arm (sampled trees
+at T > 0 ignore the floor).
 
 For each prompt and repeat every arm runs once, in an order rotated per prompt and reversed on
 odd repeats; each run's speed-up is over the plain run of the same prompt and repeat.  Writes
 ``results.json`` and ``README.md`` (geometric means of the per-run ratios, by category; tokens
-per call; greedy output = plain).
+per call; at T = 0 whether the output equals plain greedy output).
 """
 
 from __future__ import annotations
@@ -47,7 +49,7 @@ class _Arm:
         self.engine, self.plain = engine, plain
 
     def generate(self, ids: list[int], cfg: SamplingConfig):  # noqa: ANN201
-        rule = get_rule("greedy")
+        rule = get_rule("greedy" if cfg.greedy else "block")
         if self.kind == "plain":
             return self.plain.decoder(rule).generate(ids, cfg)
         dec = self.engine.decoder(rule, tree=self.kind if self.kind in ("chain", "auto") else int(self.kind))
@@ -66,9 +68,12 @@ def main() -> int:
     ap = paired.parser(__doc__)
     ap.add_argument("--arms", default="plain,chain:full,chain,8:full@0,8")
     ap.add_argument("--repeats", type=int, default=2)
+    ap.set_defaults(temperatures="0")
     args = ap.parse_args()
-    args.temperatures = "0"
-    _, prompts, engine, plain = paired.setup(args)
+    temps, prompts, engine, plain = paired.setup(args)
+    if len(temps) != 1:
+        raise SystemExit("one temperature per run (--temperatures 0 or, e.g., --temperatures 1)")
+    temp = temps[0]
     arms = [_Arm(a, engine, plain) for a in args.arms.split(",")]
     if arms[0].kind != "plain":
         raise SystemExit("the first arm must be plain (the reference of every ratio)")
@@ -77,9 +82,10 @@ def main() -> int:
     for a in arms:
         a.generate(enc0, warm)
     rows = []
-    cfg = SamplingConfig(temperature=0.0, max_new_tokens=args.max_new_tokens)
     for rep in range(args.repeats):
         for i, p in enumerate(tqdm(prompts, desc=f"repeat {rep + 1}/{args.repeats}")):
+            # T > 0: every arm of a prompt and repeat draws with the same seed
+            cfg = SamplingConfig(temperature=temp, max_new_tokens=args.max_new_tokens, seed=None if temp == 0 else 1000 * rep + i)
             ids = engine.encode(p.text, chat=p.chat)
             order = arms[i % len(arms):] + arms[: i % len(arms)]
             res = {a.name: a.generate(ids, cfg) for a in (order if rep % 2 == 0 else order[::-1])}
@@ -92,23 +98,26 @@ def main() -> int:
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
     command = "python scripts/tree_floor_ab.py " + " ".join(shlex.quote(a) for a in sys.argv[1:])
-    (out / "results.json").write_text(json.dumps({"command": command, "machine": machine_info(),
+    (out / "results.json").write_text(json.dumps({"command": command, "machine": machine_info(), "temperature": temp,
                                                   "default_floor": defaults.TREE_MIN_PROB, "rows": rows}, indent=1))
 
     def gmean(xs: list[float]) -> float:
         return statistics.geometric_mean(xs) if xs else float("nan")
 
-    lines = [f"# Greedy drafting, paired: tree probability floor and compact draft rows ({args.target} + {args.draft})", "",
+    rule = "greedy" if temp == 0 else "block"
+    lines = [f"# Drafting paired at T = {temp:g} ({rule}): tree probability floor and compact draft rows "
+             f"({args.target} + {args.draft})", "",
              f"Command: `{command}`", "", f"Machine: {machine_line(machine_info())}.", "",
-             f"{len(prompts)} prompts × {args.repeats} repeats, {args.max_new_tokens} tokens, T = 0, every arm on every "
+             f"{len(prompts)} prompts × {args.repeats} repeats, {args.max_new_tokens} tokens, T = {temp:g}, every arm on every "
              f"prompt right after or before the prompt's plain run, in one process. ×plain = geometric mean of the "
              f"per-run ratios. Default floor: {defaults.TREE_MIN_PROB:g}.", "",
              "| arm | ×plain (all) | chat | code | tokens/call | greedy = plain |", "|---|---|---|---|---|---|"]
+    same = (lambda rs: f"{sum(r['same'] for r in rs)}/{len(rs)}") if temp == 0 else (lambda rs: "n/a (T > 0)")
     for a in arms[1:]:
         rs = [r for r in rows if r["arm"] == a.name]
         by = {c: gmean([r["speedup"] for r in rs if r["category"] == c]) for c in ("chat", "code")}
         lines.append(f"| {a.name} | {gmean([r['speedup'] for r in rs]):.3f} | {by['chat']:.3f} | {by['code']:.3f} "
-                     f"| {statistics.mean(r['tokens_per_call'] for r in rs):.2f} | {sum(r['same'] for r in rs)}/{len(rs)} |")
+                     f"| {statistics.mean(r['tokens_per_call'] for r in rs):.2f} | {same(rs)} |")
     (out / "README.md").write_text("\n".join(lines) + "\n")
     print("\n".join(lines))
     return 0

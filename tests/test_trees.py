@@ -41,7 +41,8 @@ OPTIONS = {
 }
 
 
-def _samples(method: str, cfg: SamplingConfig, spec: TreeSpec, *, drafter=None, gamma=None, n: int = N_SAMPLES):
+def _samples(method: str, cfg: SamplingConfig, spec: TreeSpec | None, *, drafter=None, gamma=None, n: int = N_SAMPLES):
+    """``spec`` None: chain drafts (no tree round expected)."""
     dec = SpeculativeDecoder(TARGET, drafter or ModelDrafter(DRAFT), get_rule(method), gamma=gamma or FixedGamma(6), tree=spec)
     out = []
     tree_rounds = 0
@@ -50,7 +51,7 @@ def _samples(method: str, cfg: SamplingConfig, spec: TreeSpec, *, drafter=None, 
         res = dec.generate(PROMPT, c)
         out.append(tuple(res.tokens))
         tree_rounds += res.stats.tree_rounds
-    assert tree_rounds > 0  # trees were really verified (an auto budget may skip them in some runs)
+    assert (tree_rounds > 0) == (spec is not None)  # trees were really verified (an auto budget may skip some)
     return out
 
 
@@ -92,6 +93,55 @@ def test_negative_control_mislabelled_sibling_mode_is_detected():
     cfg = OPTIONS["temperature"]
     samples = _samples("token", cfg, SAMPLED, drafter=_MislabelledSiblings(DRAFT))
     assert chi_square_pvalue(samples, exact_law(TARGET, PROMPT, cfg, N_NEW)) < ALPHA
+
+
+class _ReducedDraft:
+    """A toy draft over some of the target's tokens, giving compact rows (``[n, Vd]`` over
+    ``vocab_ids``) when asked, as a native draft model with a reduced vocabulary does."""
+
+    def __init__(self, model: ToyLM, ids: list[int]) -> None:
+        self.model = model
+        self.vocab_ids = torch.tensor(ids)
+        self.vocab_size = model.vocab_size
+        self.compact_rows = 0
+
+    def new_cache(self, max_length: int | None = None) -> ToyCache:
+        return self.model.new_cache(max_length)
+
+    def _rows(self, logits: torch.Tensor, compact: bool) -> torch.Tensor:  # [n, V] -> [n, Vd] or [n, V]
+        if compact:
+            self.compact_rows += logits.shape[0]
+            return logits[:, self.vocab_ids]
+        out = torch.full_like(logits, float("-inf"))
+        out[:, self.vocab_ids] = logits[:, self.vocab_ids]
+        return out
+
+    def forward(self, tokens, cache, *, last_only: bool = False, compact: bool = False):
+        return self._rows(self.model.forward(tokens, cache, last_only=last_only), compact)
+
+    def forward_tree(self, tokens, parents, cache, *, prefix=None, compact: bool = False):
+        return self._rows(self.model.forward_tree(tokens, parents, cache, prefix=prefix), compact)
+
+
+@pytest.mark.parametrize(
+    ("method", "option", "spec"),
+    [
+        ("block", "temperature", None),  # a chain
+        ("token", "top_p", SAMPLED),  # siblings without replacement
+        ("block", "top_k", replace(SAMPLED, siblings="iid")),  # traversal verification
+    ],
+)
+def test_drafts_drawn_from_compact_rows_keep_the_output_law(method, option, spec):
+    """A draft over 3 of the 4 tokens draws from its compact rows at T > 0 and reports q over the
+    whole vocabulary (zero for the token it cannot propose, which the target still produces
+    through the residual): the output law is the target's (N = 6,000, as above)."""
+    cfg = OPTIONS[option]
+    draft = _ReducedDraft(DRAFT, [0, 1, 3])
+    samples = _samples(method, cfg, spec, drafter=ModelDrafter(draft), gamma=FixedGamma(2 if spec is None else 6))
+    assert draft.compact_rows > N_SAMPLES  # the rows were really drawn from as they are
+    law = exact_law(TARGET, PROMPT, cfg, N_NEW)
+    assert any(2 in s for s in law) and any(2 in s for s in samples)
+    assert chi_square_pvalue(samples, law) > ALPHA
 
 
 # ----------------------------------------------------------------------------- deterministic checks

@@ -147,23 +147,95 @@ def test_compact_draft_rows_propose_what_scattered_rows_propose(tiny_pair, monke
     assert set(compact[0]) <= set(ids.tolist())
 
 
-def test_compact_rows_only_where_no_other_token_counts():
-    """Sampling, penalties, a logit bias and a constraint all read (or change) logits outside the
-    draft's vocabulary: those rounds keep whole rows, and a compact row is refused there."""
-    def sampler(**kw):
-        mode = "multinomial" if kw.get("temperature", 0.0) > 0 else "argmax"
-        return DraftSampler(SamplingConfig(**kw), mode, penalties=PenaltyState.start(torch.tensor([1]), 8),
-                            generator=torch.Generator().manual_seed(0))
+@pytest.mark.parametrize("tree", [False, True])
+def test_drafting_from_q_reads_compact_rows_and_reports_q_over_the_whole_vocabulary(tiny_pair, monkeypatch, tree):
+    """At T = 1 the reduced-vocabulary draft is asked for compact rows too; each drafted token
+    comes with a q over the whole vocabulary that is zero outside the draft's ids, sums to one
+    and gives the token a positive probability (the output law itself: ``tests/test_trees.py``)."""
+    from specdec.drafters.tree_builder import TreeSpec
 
-    assert sampler(temperature=0.0).compact
-    for kw in ({"temperature": 1.0}, {"temperature": 0.0, "repetition_penalty": 1.2},
-               {"temperature": 0.0, "logit_bias": ((3, 5.0),)}, {"temperature": 0.0, "constraint": _Strict([1, 2])}):
-        s = sampler(**kw)
-        assert not s.compact, kw
+    _, _, draft, ids, prompt, _ = tiny_pair
+    asked: list[bool] = []
+    for name in ("forward", "forward_tree"):
+        orig = getattr(NativeCausalLM, name)
+
+        def spy(self, *a, _orig=orig, **kw):
+            asked.append(kw.get("compact", False))
+            return _orig(self, *a, **kw)
+
+        monkeypatch.setattr(NativeCausalLM, name, spy)
+    d = ModelDrafter(draft)
+    ctx = torch.tensor(prompt)
+    d.prepare(ctx)
+    asked.clear()
+    sampler = DraftSampler(SamplingConfig(temperature=1.0), "multinomial", penalties=None,
+                           generator=torch.Generator().manual_seed(0))
+    out = d.propose_tree(ctx, 8, sampler, TreeSpec(), max_depth=4) if tree else d.propose(ctx, 5, sampler)
+    assert asked and all(asked)
+    n = out.tokens.numel()
+    assert n >= (5 if not tree else 4) and out.probs is not None and out.probs.shape == (n, draft.vocab_size)
+    outside = torch.ones(draft.vocab_size, dtype=torch.bool)
+    outside[ids] = False
+    assert bool((out.probs[:, outside] == 0).all())
+    assert torch.allclose(out.probs.sum(-1), torch.ones(n), atol=1e-5)
+    assert bool((out.probs[torch.arange(n), out.tokens] > 0).all())
+
+
+def test_compact_rows_only_where_no_other_token_counts():
+    """Penalties, a logit bias and a constraint read (or change) logits outside the draft's
+    vocabulary, keyed Gumbel noise is indexed by target id and a sparse wire q truncates the whole
+    row: those rounds keep whole rows, and a compact row is refused there."""
+    def sampler(mode=None, **kw):
+        mode = mode or ("multinomial" if kw.get("temperature", 0.0) > 0 else "argmax")
+        extra = {k: kw.pop(k) for k in ("q_top_k", "want_probs") if k in kw}
+        return DraftSampler(SamplingConfig(**kw), mode, penalties=PenaltyState.start(torch.tensor([1]), 8),
+                            generator=torch.Generator().manual_seed(0), **extra)
+
+    assert sampler(temperature=0.0).compact and sampler(temperature=1.0).compact
+    assert sampler(temperature=0.7, top_p=0.9, top_k=3, min_p=0.05).compact  # truncation sees only zeros outside
+    for mode, kw in ((None, {"temperature": 0.0, "repetition_penalty": 1.2}),
+                     (None, {"temperature": 1.0, "presence_penalty": 0.5}),
+                     (None, {"temperature": 0.0, "logit_bias": ((3, 5.0),)}),
+                     (None, {"temperature": 1.0, "logit_bias": ((3, 5.0),)}),
+                     (None, {"temperature": 0.0, "constraint": _Strict([1, 2])}),
+                     ("gumbel", {"temperature": 1.0}),
+                     (None, {"temperature": 1.0, "q_top_k": 2}),
+                     (None, {"temperature": 1.0, "want_probs": False})):
+        s = sampler(mode, **kw)
+        assert not s.compact, (mode, kw)
         with pytest.raises(ValueError, match="compact"):
-            s(torch.zeros(1, 4), 0, torch.tensor([0, 2, 5, 7]))
+            s(torch.zeros(1, 4), 0, torch.tensor([0, 2, 5, 7]), 8)
     s = sampler(temperature=0.0)
     assert s(torch.tensor([[0.0, 3.0, 1.0, 3.0]]), 0, torch.tensor([0, 2, 5, 7]))[0] == 2  # first maximum, as argmax
+
+
+def test_a_draw_from_a_compact_row_reports_its_q_over_the_whole_vocabulary():
+    """At T > 0 a compact row is drawn from as it is: the token is the drawn column's target id,
+    the reported q is exactly the processed compact row scattered into the whole vocabulary (zero
+    elsewhere), and the draws follow it (N = 20,000 draws, chi-square at p < 1e-4; the drawn
+    column reported as the token fails it)."""
+    from specdec.sampling import process_logits
+    from stats import ALPHA
+
+    ids = torch.tensor([0, 2, 5, 7])
+    row = torch.tensor([[0.3, 1.5, -0.4, 0.9]])
+    cfg = SamplingConfig(temperature=0.8, top_p=0.95)
+    s = DraftSampler(cfg, "multinomial", penalties=None, generator=torch.Generator().manual_seed(3))
+    want = torch.zeros(8)
+    want[ids] = process_logits(row, cfg)[0]
+    counts = torch.zeros(8)
+    for _ in range(20_000):
+        token, q = s(row, 0, ids, 8)
+        assert torch.equal(q, want)
+        counts[token] += 1
+    assert counts[want == 0].sum() == 0
+    expected = want * counts.sum()
+    cells = want > 0
+    stat = float(((counts[cells] - expected[cells]) ** 2 / expected[cells]).sum())
+    from scipy.stats import chi2
+    assert chi2.sf(stat, int(cells.sum()) - 1) > ALPHA
+    with pytest.raises(ValueError, match="vocabulary's size"):
+        s(row, 0, ids)
 
 
 @pytest.mark.parametrize("method,temperature,seed", [("greedy", 0.0, None), ("token", 1.0, None), ("block", 1.0, None),

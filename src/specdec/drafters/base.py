@@ -8,6 +8,7 @@ from typing import Any, Literal, Protocol
 import torch
 from torch import Tensor
 
+from specdec.models.base import full_probs
 from specdec.sampling import (
     PenaltyState,
     SamplingConfig,
@@ -138,23 +139,31 @@ class DraftSampler:
     @property
     def compact(self) -> bool:
         """Whether rows over a reduced draft vocabulary may be used as they are ([m, Vd] with its
-        target ids beside them) instead of scattered into the whole vocabulary: arg-max drafting
-        with nothing that reads or changes other tokens' logits (no bias, penalty or constraint).
-        The same token is chosen either way (``-inf`` elsewhere never wins); it saves the scatter
-        and the reductions over the full vocabulary."""
-        return self.mode == "argmax" and not self.cfg.needs_state and not self.cfg.logit_bias
+        target ids beside them) instead of scattered into the whole vocabulary: nothing may read
+        or change other tokens' logits (no bias, penalty or constraint), and the draft is chosen
+        by arg-max or drawn from q (not by keyed Gumbel noise, which is indexed by target id, nor
+        truncated to a sparse q for the wire).  Arg-max picks the same token either way (``-inf``
+        elsewhere never wins); a draw from the compact q is a draw from the scattered q (zero
+        elsewhere; the same law, rounded in a shorter sum), which is reported over the whole
+        vocabulary.  It saves the scatter and the reductions over the full vocabulary."""
+        if self.cfg.needs_state or self.cfg.logit_bias:
+            return False
+        return self.mode == "argmax" or (self.mode == "multinomial" and self.want_probs and self.q_top_k is None)
 
-    def __call__(self, logits: Tensor, position: int, ids: Tensor | None = None) -> tuple[int, Tensor | None]:
+    def __call__(
+        self, logits: Tensor, position: int, ids: Tensor | None = None, vocab: int | None = None
+    ) -> tuple[int, Tensor | None]:
         """Sample the draft token at absolute ``position`` from ``logits`` [1, V].
 
         Returns the token and, in ``multinomial`` mode, the probabilities ``q`` [V] it was
         sampled from; then records the token so the next position's penalties see it.
-        ``ids`` [Vd] (only when :attr:`compact`): ``logits`` are ``[1, Vd]`` over these target ids.
+        ``ids`` [Vd] (only when :attr:`compact`): ``logits`` are ``[1, Vd]`` over these target ids,
+        and ``vocab`` is the whole vocabulary's size (the reported q is scattered into it).
         """
         probs: Tensor | None = None
         self.undefined = False
         if ids is not None and not self.compact:
-            raise ValueError("compact draft rows need arg-max drafting with no bias, penalty or constraint")
+            raise ValueError("compact draft rows need arg-max drafting or q reported, with no bias, penalty or constraint")
         if self.mode == "argmax":
             # compact rows have nothing to penalise (no bias, penalty or constraint: see compact)
             scores = logits if ids is not None else penalised_logits(logits, self.cfg, self.penalties)
@@ -169,6 +178,15 @@ class DraftSampler:
                 token = int(argmax_last(scores))
             if ids is not None:
                 token = int(ids[token])  # a column of the draft vocabulary -> its target id
+        elif ids is not None:  # multinomial over the draft vocabulary's columns
+            if vocab is None:
+                raise ValueError("compact draft rows drawn from q need the whole vocabulary's size")
+            q = process_logits(logits, self.cfg)  # [1, Vd]
+            col = sample_categorical(q[0], self.generator)
+            if self.min_confidence > 0.0:
+                self.stop_requested = float(q[0, col]) < self.min_confidence
+            token = int(ids[col])
+            probs = full_probs(q, ids, vocab)[0]  # [V]
         else:
             q = process_logits(logits, self.cfg, self.penalties)[0]  # [V]
             if self.cfg.constraint is not None and not bool(torch.isfinite(q).all()):
@@ -186,7 +204,6 @@ class DraftSampler:
         if self.penalties is not None:
             self.penalties.append(torch.tensor([token]))
         return token, probs
-
 
     def tree_rows(self, logits: Tensor) -> Tensor:  # [m, V] -> [m, V]
         """Distributions a tree builder ranks or samples candidates from, one per expanded node.

@@ -72,7 +72,7 @@ class ModelDrafter:
         logits = self.model.forward(context[self.cache.length :], self.cache, last_only=True, **kw)  # [1, V]
         chain = DraftChain()
         for j in range(gamma):
-            drawn = sampler(logits, length + j) if ids is None else sampler(logits, length + j, ids)
+            drawn = sampler(logits, length + j) if ids is None else sampler(logits, length + j, ids, self.model.vocab_size)
             if getattr(sampler, "undefined", False):
                 break  # a constraint allows no token of a reduced draft vocabulary here
             # stops at low draft confidence, or at a gate (specdec.remote.gating) at a hard token
@@ -104,7 +104,10 @@ class ModelDrafter:
             new = torch.tensor([tokens[v] for v in nodes], dtype=torch.long)
             return self.model.forward_tree(new, torch.tensor(region, dtype=torch.long), self.cache, prefix=length, **kw)
 
-        draft, grown = build_tree(logits, expand, spec, sampler, position=length, budget=budget, max_depth=max_depth, ids=ids)
+        draft, grown = build_tree(
+            logits, expand, spec, sampler, position=length, budget=budget, max_depth=max_depth, ids=ids,
+            vocab=self.model.vocab_size if ids is not None else None,
+        )
         self._slots = {new: slots[old] for new, old in enumerate(grown) if old in slots}
         return draft
 

@@ -28,6 +28,7 @@ from torch import Tensor
 from specdec import defaults
 from specdec.drafters.base import Draft, DraftSampler, SiblingMode
 from specdec.errors import ConfigError
+from specdec.models.base import full_probs
 from specdec.sampling import gumbel_sample, sample_categorical
 
 TreeShape = Literal["static", "dynamic"]
@@ -95,26 +96,30 @@ def _top_candidates(rows: Tensor, k: int, ids: Tensor | None = None) -> list[lis
     return [list(zip(i.tolist(), lq.tolist())) for i, lq in zip(idx, logq)]
 
 
-def _candidates(row: Tensor, k: int, sampler: DraftSampler, spec: TreeSpec, position: int, sampled: bool) -> list[tuple[int, float]]:
-    """Up to ``k`` child tokens of one node and their log draft probabilities."""
+def _candidates(
+    row: Tensor, k: int, sampler: DraftSampler, spec: TreeSpec, position: int, sampled: bool, ids: Tensor | None = None
+) -> list[tuple[int, float]]:
+    """Up to ``k`` child tokens of one node and their log draft probabilities.  ``ids`` [Vd]: the
+    row is over a reduced draft vocabulary with these target ids (drawn columns are mapped)."""
     if sampler.mode == "argmax":
-        return _top_candidates(row.unsqueeze(0), k)[0]
+        return _top_candidates(row.unsqueeze(0), k, ids)[0]
     q = row.double()
     logq = q.log()
+    tid = (lambda c: c) if ids is None else (lambda c: int(ids[c]))  # column -> target id
     if not sampled:
         first = [gumbel_sample(row, sampler.noise_seed, position)] if sampler.mode == "gumbel" else []
         idx = [int(t) for t in q.topk(min(k + 1, q.numel())).indices if q[t] > 0]
-        toks = (first + [t for t in idx if t not in first])[:k]
-        return [(t, float(logq[t])) for t in toks]
+        cols = (first + [t for t in idx if t not in first])[:k]
+        return [(tid(c), float(logq[c])) for c in cols]
     out: list[tuple[int, float]] = []
     w = row.clone()
     for _ in range(k):
         if float(w.sum()) <= 0:
             break
-        t = sample_categorical(w, sampler.generator)
-        out.append((t, float(logq[t])))
+        c = sample_categorical(w, sampler.generator)
+        out.append((tid(c), float(logq[c])))
         if spec.siblings == "without_replacement":
-            w[t] = 0.0
+            w[c] = 0.0
     return out
 
 
@@ -128,7 +133,8 @@ def build_tree(
     budget: int,  # most nodes
     max_depth: int,
     early_stop: bool = True,
-    ids: Tensor | None = None,  # [Vd]: the logits are compact rows over these target ids (argmax mode)
+    ids: Tensor | None = None,  # [Vd]: the logits are compact rows over these target ids
+    vocab: int | None = None,  # the whole vocabulary's size (compact rows drawn from q: q is reported over it)
 ) -> tuple[Draft, list[int]]:
     """Grow a token tree level by level (see the module docstring).
 
@@ -139,8 +145,8 @@ def build_tree(
     is below ``spec.min_prob`` (such a tree may be empty) and expand only nodes at or above
     ``spec.min_prob / spec.expand_child``.
     """
-    if ids is not None and sampler.mode != "argmax":
-        raise ValueError("compact draft rows are for arg-max drafting only")
+    if ids is not None and not sampler.compact:
+        raise ValueError("compact draft rows need arg-max drafting or q reported, with no bias, penalty or constraint")
     toks: list[int] = []
     pars: list[int] = []
     score: list[float] = []
@@ -165,7 +171,7 @@ def build_tree(
             if tops is not None:
                 cands = tops[i][: min(kids, room)]
             else:
-                cands = _candidates(row, min(kids, room), sampler, spec, position + d, sampled)
+                cands = _candidates(row, min(kids, room), sampler, spec, position + d, sampled, ids)
             for tok, lq in cands:
                 s = (score[parent] if parent >= 0 else 0.0) + lq
                 if s < floor:
@@ -194,7 +200,11 @@ def build_tree(
         remap = {old: new for new, old in enumerate(keep)}
         toks = [toks[i] for i in keep]
         pars = [remap[pars[i]] if pars[i] >= 0 else -1 for i in keep]
-    probs = torch.stack(rows).to(root_logits.dtype) if sampled and rows else None
+    probs = torch.stack(rows).to(root_logits.dtype) if sampled and rows else None  # [n, V] or [n, Vd]
+    if probs is not None and ids is not None:
+        if vocab is None:
+            raise ValueError("compact draft rows drawn from q need the whole vocabulary's size")
+        probs = full_probs(probs, ids, vocab)  # [n, V]
     draft = Draft(
         tokens=torch.tensor(toks, dtype=torch.long),
         probs=probs,

@@ -45,3 +45,10 @@ def full_vocab(logits: Tensor, ids: Tensor, vocab: int) -> Tensor:  # [m, Vd] ->
     vocabulary and every draft head use it."""
     out = torch.full((logits.shape[0], vocab), -math.inf)
     return out.index_copy_(1, ids, logits.float())
+
+
+def full_probs(probs: Tensor, ids: Tensor, vocab: int) -> Tensor:  # [m, Vd] -> [m, V]
+    """Probabilities over a draft vocabulary (target ids ``ids``) as rows over the target's whole
+    vocabulary, zero elsewhere: the q a token drawn from the compact row was drawn from."""
+    out = torch.zeros((probs.shape[0], vocab), dtype=probs.dtype)
+    return out.index_copy_(1, ids, probs)
