@@ -86,3 +86,42 @@ def test_int8_head_is_close_and_only_touches_the_head(tiny_folder):
     # the hidden states are computed in float32 either way; only the head's product is quantised
     assert torch.equal(f32.hidden(ids, f32.new_cache(32)), q8.hidden(ids, q8.new_cache(32)))
     assert (b - a).norm() / a.norm() < 0.05 and not torch.equal(a, b)
+
+
+@pytest.mark.parametrize("quant", [None, "q4"])
+def test_a_chain_shaped_tree_is_scored_by_the_chain_pass(tiny_folder, monkeypatch, quant):
+    """A tree region that is a chain (a floored tree that kept no sibling) puts node j at the
+    chain's position and lets it see what a chain row sees, so ``forward_tree`` runs the chain pass
+    (no tree layout, the fused loop where there is one): the same logits and cache bits as
+    ``forward``, scored whole or in two parts (``prefix``).  A region with a branch still builds
+    its layout."""
+    from specdec.models import kernels, native
+
+    if quant == "q4" and not kernels.q4_available():
+        pytest.skip("the 4-bit target needs the kernel library")
+    model = NativeCausalLM.from_folder(tiny_folder, batch_invariant=True, quant=quant)
+    built: list[int] = []
+    build = native._TreeLayout.build.__func__
+    monkeypatch.setattr(native._TreeLayout, "build", classmethod(lambda cls, p, *a, **kw: built.append(p.numel()) or build(cls, p, *a, **kw)))
+    g = torch.Generator().manual_seed(6)
+    prompt, nodes = torch.randint(0, 49152, (20,), generator=g), torch.randint(0, 49152, (5,), generator=g)
+    chain = torch.arange(-1, 4)
+
+    def run(score) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:  # noqa: ANN001
+        cache = model.new_cache(64)
+        model.forward(prompt, cache)
+        out = score(cache, cache.length)
+        return out, cache.k[:, :, : cache.length].clone(), cache.v[:, :, : cache.length].clone()
+
+    ref = run(lambda c, base: model.forward(nodes, c))
+    whole = run(lambda c, base: model.forward_tree(nodes, chain, c))
+    parts = run(lambda c, base: torch.cat([model.forward_tree(nodes[:2], chain[:2], c),
+                                           model.forward_tree(nodes[2:], chain, c, prefix=base)]))
+    for a, b, c in zip(ref, whole, parts):
+        assert torch.equal(a, b) and torch.equal(a, c)
+    assert built == []
+    branched = torch.tensor([-1, 0, 0, 1, 3])  # the last two nodes extend a path, the region branches
+    run(lambda c, base: model.forward_tree(nodes, branched, c))
+    run(lambda c, base: torch.cat([model.forward_tree(nodes[:3], branched[:3], c),
+                                   model.forward_tree(nodes[3:], branched, c, prefix=base)]))
+    assert built == [5, 3, 5]

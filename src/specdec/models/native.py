@@ -38,7 +38,7 @@ from specdec.models.quantize import RangeRecorder, calibration_ids, smoothing
 from specdec.models.scripted import ATTENTION_BLOCK, ScriptedLayers, compiled_layers
 from specdec.models.scripted import BLOCK_MASK as _BLOCK_MASK
 
-from specdec.tree import ancestor_mask, attention_schedule, depths
+from specdec.tree import ancestor_mask, attention_schedule, depths, is_chain
 
 AnyLinear = Linear | W8A8Linear | W8A8OneDNNLinear | Q4Linear
 
@@ -507,6 +507,11 @@ class NativeCausalLM:
         # 0.3-4.5 ms for 17 rows while the other core was busy (it waits for it), 3 us this way
         x = self.embed.index_select(0, tokens.reshape(-1))  # [n, D]
         tree = None
+        if parents is not None and is_chain(parents) and (prefix is None or end - prefix == parents.numel()):
+            # a chain-shaped tree region (a floored tree that kept no sibling): node j sits in slot
+            # region start + j at that position and sees what a chain row sees, so the chain pass
+            # (the fused loop) computes it; exact models give both the token-by-token bits
+            parents = None
         if parents is not None:
             tree = _TreeLayout.build(parents, start, end, x.dtype, prefix, exact=self.batch_invariant)
         if tree is not None:
