@@ -192,6 +192,43 @@ def test_coupled_tree_equals_plain_seeded_sampling():
             assert dec.generate([3, 1], c).tokens == ref
 
 
+def _random_parents(m: int, gen: torch.Generator) -> torch.Tensor:
+    return torch.tensor([int(torch.randint(-1, i, (1,), generator=gen)) for i in range(m)], dtype=torch.long)
+
+
+def test_tree_layout_is_what_the_ancestor_relation_says():
+    """The layout a tree pass builds from ``parents`` (positions, the attention kernel's per-node
+    slot paths, the masked call's additive mask) against a brute force over the ancestor relation
+    (walking parents), on 200 random trees and regions scored whole or in part (``prefix``)."""
+    import math
+
+    from specdec.models.native import _TreeLayout
+
+    gen = torch.Generator().manual_seed(7)
+    for _ in range(200):
+        m = int(torch.randint(1, 20, (1,), generator=gen))
+        n = int(torch.randint(1, m + 1, (1,), generator=gen))
+        parents, s = _random_parents(m, gen), int(torch.randint(0, 30, (1,), generator=gen))
+        par = parents.tolist()
+
+        def walk(i: int) -> list[int]:  # region nodes from the root down to i
+            return walk(par[i]) + [i] if i >= 0 else []
+
+        want = [walk(i) for i in range(m - n, m)]
+        assert ancestor_mask(parents).tolist() == [[j in walk(i) for j in range(m)] for i in range(m)]
+        assert depths(parents).tolist() == [len(walk(i)) - 1 for i in range(m)]
+        end, start = s + m, s + m - n
+        for exact in (True, False):
+            lay = _TreeLayout.build(parents, start, end, torch.float32, s if n < m else None, exact=exact)
+            assert lay.positions.tolist() == [s + len(w) - 1 for w in want]
+            if lay.paths is not None:
+                width = max(len(w) for w in want)
+                assert lay.paths.tolist() == [[s + k for k in w] + [-1] * (width - len(w)) for w in want]
+            if lay.mask is not None:
+                ref = [[0.0 if c < s or (c - s) in w else -math.inf for c in range(end)] for w in want]
+                assert lay.mask.tolist() == ref
+
+
 def test_tree_helpers():
     parents = torch.tensor([-1, -1, 0, 0, 2, 1])
     check_parents(parents, 6)

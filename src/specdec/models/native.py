@@ -38,7 +38,8 @@ from specdec.models.quantize import RangeRecorder, calibration_ids, smoothing
 from specdec.models.scripted import ATTENTION_BLOCK, ScriptedLayers, compiled_layers
 from specdec.models.scripted import BLOCK_MASK as _BLOCK_MASK
 
-from specdec.tree import ancestor_mask, attention_schedule, depths, is_chain
+from specdec.tree import attention_schedule, is_chain
+from specdec.tree import paths as tree_paths
 
 AnyLinear = Linear | W8A8Linear | W8A8OneDNNLinear | Q4Linear
 
@@ -204,21 +205,20 @@ class _TreeLayout:
             raise ValueError(f"expected {m} tree parents for the region [{s}, {end}); got {parents.numel()}")
         mask = perm = paths = None
         schedule: tuple[tuple[int, int, tuple[tuple[int, int], ...]], ...] = ()
+        scored = tree_paths(parents)[m - n :]  # each scored node's region path, root first
         if exact and dtype == torch.float32 and kernels.attention_kernel():
-            anc = ancestor_mask(parents)[m - n :]  # [n, m]: region nodes on each scored node's path
-            width = int(anc.sum(1).max())
-            slots = torch.where(anc, torch.arange(s, end, dtype=torch.long), torch.full((n, m), 1 << 62, dtype=torch.long))
-            paths = slots.sort(1).values[:, :width]  # ascending slot = path order (parents precede children)
-            paths[paths >= 1 << 62] = -1
+            width = max(len(p) for p in scored)  # path order = ascending slot (parents precede children)
+            paths = torch.tensor([[s + k for k in p] + [-1] * (width - len(p)) for p in scored], dtype=torch.long)
         elif exact:
             schedule = tuple((j, length, tuple(w)) for j, length, w in attention_schedule(parents, n))
             perm = torch.empty(n, dtype=torch.long)
             perm[torch.tensor([j for j, _, _ in schedule], dtype=torch.long)] = torch.arange(n)
-        else:
-            anc = ancestor_mask(parents)[m - n :]  # [n, m]
+        else:  # 0 for the cached prefix and each node's path, -inf for the rest of the region
             mask = torch.zeros((n, end), dtype=dtype)
-            mask[:, s:] = torch.zeros((n, m), dtype=dtype).masked_fill_(~anc, -math.inf)
-        return cls(s, end, s + depths(parents)[m - n :], schedule, mask, perm, paths)
+            mask[:, s:] = -math.inf
+            mask[[j for j, p in enumerate(scored) for _ in p], [s + k for p in scored for k in p]] = 0.0
+        positions = torch.tensor([s + len(p) - 1 for p in scored], dtype=torch.long)  # start + depth
+        return cls(s, end, positions, schedule, mask, perm, paths)
 
     def scripted_steps(self) -> tuple[list[list[int]], Tensor]:
         """The schedule flattened for the TorchScript loop: per step ``[j, attended length,
