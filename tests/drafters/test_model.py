@@ -110,14 +110,8 @@ def _forced_full(monkeypatch):
     monkeypatch.setattr(DraftSampler, "compact", property(lambda self: False))
 
 
-@pytest.mark.parametrize("tree", [False, True])
-def test_compact_draft_rows_propose_what_scattered_rows_propose(tiny_pair, monkeypatch, tree):
-    """Greedy drafting over a reduced vocabulary reads the LM head's rows as they are (no scatter
-    into 49,152 columns): the same chain / tree as the scattered rows, and the draft model was
-    really asked for compact rows."""
-    from specdec.drafters.tree_builder import TreeSpec
-
-    _, _, draft, ids, prompt, _ = tiny_pair
+def _spy_compact(monkeypatch) -> list[bool]:
+    """Record, for every draft-model pass from now on, whether it was asked for compact rows."""
     asked: list[bool] = []
     for name in ("forward", "forward_tree"):
         orig = getattr(NativeCausalLM, name)
@@ -127,6 +121,18 @@ def test_compact_draft_rows_propose_what_scattered_rows_propose(tiny_pair, monke
             return _orig(self, *a, **kw)
 
         monkeypatch.setattr(NativeCausalLM, name, spy)
+    return asked
+
+
+@pytest.mark.parametrize("tree", [False, True])
+def test_compact_draft_rows_propose_what_scattered_rows_propose(tiny_pair, monkeypatch, tree):
+    """Greedy drafting over a reduced vocabulary reads the LM head's rows as they are (no scatter
+    into 49,152 columns): the same chain / tree as the scattered rows, and the draft model was
+    really asked for compact rows."""
+    from specdec.drafters.tree_builder import TreeSpec
+
+    _, _, draft, ids, prompt, _ = tiny_pair
+    asked = _spy_compact(monkeypatch)
 
     def propose() -> tuple[list[int], list[int] | None]:
         d = ModelDrafter(draft)
@@ -155,15 +161,7 @@ def test_drafting_from_q_reads_compact_rows_and_reports_q_over_the_whole_vocabul
     from specdec.drafters.tree_builder import TreeSpec
 
     _, _, draft, ids, prompt, _ = tiny_pair
-    asked: list[bool] = []
-    for name in ("forward", "forward_tree"):
-        orig = getattr(NativeCausalLM, name)
-
-        def spy(self, *a, _orig=orig, **kw):
-            asked.append(kw.get("compact", False))
-            return _orig(self, *a, **kw)
-
-        monkeypatch.setattr(NativeCausalLM, name, spy)
+    asked = _spy_compact(monkeypatch)
     d = ModelDrafter(draft)
     ctx = torch.tensor(prompt)
     d.prepare(ctx)
