@@ -358,3 +358,87 @@ def test_generation_slots_are_bounded_429():
     t.join()
     assert first[0].status_code == 200
     assert client.post("/v1/completions", json=body).status_code == 200  # the slot was given back
+
+
+class _OnePassAtATime(BatchToy):
+    """Counts passes of this one model object that overlap in time (its layers would share
+    staging buffers): every forward, batched forward and tree pass takes a few milliseconds."""
+
+    def __init__(self, *a, **kw) -> None:
+        super().__init__(*a, **kw)
+        self.active, self.overlaps, self.passes = 0, 0, {"forward": 0, "batch": 0, "tree": 0}
+        self._count = threading.Lock()
+
+    def _pass(self, kind: str, fn):
+        with self._count:
+            self.active += 1
+            self.overlaps += self.active > 1
+            self.passes[kind] += 1
+        try:
+            time.sleep(0.002)
+            return fn()
+        finally:
+            with self._count:
+                self.active -= 1
+
+    def forward(self, tokens, cache, *, last_only=False):
+        return self._pass("forward", lambda: ToyLM.forward(self, tokens, cache, last_only=last_only))
+
+    def forward_batch(self, items):
+        return self._pass("batch", lambda: [ToyLM.forward(self, t, c, last_only=last) for t, c, last in items])
+
+    def forward_tree(self, tokens, parents, cache, *, prefix=None):
+        return self._pass("tree", lambda: ToyLM.forward_tree(self, tokens, parents, cache, prefix=prefix))
+
+
+def _hammer(jobs: list, rounds: int = 25) -> None:
+    """Run every job ``rounds`` times, all jobs in parallel threads."""
+    def loop(job) -> None:
+        for _ in range(rounds):
+            job()
+
+    threads = [threading.Thread(target=loop, args=(job,)) for job in jobs]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+
+
+def test_tree_passes_never_overlap_the_batching_loop():
+    """An edge's tree round reaches the batching server's target as ``forward_tree``; it runs
+    between the scheduler's batches, never during one (it used to go straight to the model)."""
+    model = _OnePassAtATime(4, order=2, seed=0)
+    served = BatchedModel(model, Scheduler(model))
+
+    def chain() -> None:
+        cache = served.new_cache(64)
+        served.forward(torch.tensor([1, 2, 3]), cache)
+
+    def tree() -> None:
+        cache = served.new_cache(64)
+        served.forward(torch.tensor([1, 2]), cache)
+        served.forward_tree(torch.tensor([0, 1, 2]), torch.tensor([-1, -1, 0]), cache)
+
+    _hammer([chain, chain, chain, tree])
+    assert model.passes["tree"] == 25 and model.passes["batch"] > 0
+    assert model.overlaps == 0
+
+
+def test_serialised_views_of_the_target_never_overlap_its_batches():
+    """Self-speculative views run the target's own weights outside its scheduler, behind the
+    server's forward lock; the batching server's target scheduler holds that lock too."""
+    from specdec.server.app import serving_model
+    from specdec.server.metrics import ServerMetrics
+    from specdec.server.sessions import serialized
+
+    model = _OnePassAtATime(4, order=2, seed=0)
+    served = serving_model(model, ServerSettings(), ServerMetrics())
+    assert isinstance(served, BatchedModel)
+    view = serialized(model)
+
+    def job(m) -> None:
+        m.forward(torch.tensor([1, 2, 3]), m.new_cache(64))
+
+    _hammer([lambda: job(served), lambda: job(served), lambda: job(view), lambda: job(view)])
+    assert model.passes["forward"] + model.passes["batch"] >= 50 + 1  # the view's 50 and the scheduler's
+    assert model.overlaps == 0

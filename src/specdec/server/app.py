@@ -188,11 +188,14 @@ def serving_model(model: LanguageModel, settings: ServerSettings, metrics: Serve
     prefix = None
     if settings.prefix_cache_bytes > 0 and supports_prefix_cache(inner):
         prefix = PrefixCache(settings.prefix_cache_bytes, on_reuse=metrics.prefix_reused.inc)
+    lock = model.lock if isinstance(model, SerializedModel) else FORWARD_LOCK
     if not settings.batching:
-        lock = model.lock if isinstance(model, SerializedModel) else FORWARD_LOCK
         return SerializedModel(inner, lock, initial_length=settings.kv_initial_length, prefix_cache=prefix)
     scheduler_metrics = SchedulerMetrics(metrics.registry)
-    scheduler = Scheduler(inner, settings.scheduler_config(), on_pass=scheduler_metrics.observer("target"), name="target")
+    # the forward lock: wrappers that run the target's weights outside the scheduler (the serialised
+    # self-speculative views) then never overlap its batches
+    scheduler = Scheduler(inner, settings.scheduler_config(), on_pass=scheduler_metrics.observer("target"), name="target",
+                          lock=lock)
     scheduler.metrics = scheduler_metrics
     return BatchedModel(inner, scheduler, initial_length=settings.kv_initial_length, prefix_cache=prefix)
 

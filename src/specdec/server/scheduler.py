@@ -93,8 +93,13 @@ class Scheduler:
     """The batching loop in front of one model (a daemon thread started on first use)."""
 
     def __init__(self, model: Any, config: SchedulerConfig | None = None, *,
-                 on_pass: Callable[[PassStats], None] | None = None, name: str = "target") -> None:
+                 on_pass: Callable[[PassStats], None] | None = None, name: str = "target",
+                 lock: Any | None = None) -> None:
         self.model = model
+        #: held during every pass of this model: the batching loop's and :meth:`alone`'s (a model
+        #: object runs one forward at a time: its layers reuse staging buffers).  ``lock``: share
+        #: one with other users of the same model object (the server's forward lock)
+        self.pass_lock = lock if lock is not None else threading.Lock()
         self.config = config or SchedulerConfig()
         self.on_pass = on_pass or (lambda stats: None)
         self.name = name
@@ -139,6 +144,12 @@ class Scheduler:
             raise item.error
         return item.parts[0] if len(item.parts) == 1 else torch.cat(item.parts)
 
+    def alone(self, fn: Callable[..., Any], *args: Any, **kw: Any) -> Any:
+        """``fn(*args, **kw)`` (a pass of this model the batching loop does not run, e.g. a token
+        tree's) between two of the loop's passes, never during one."""
+        with self.pass_lock:
+            return fn(*args, **kw)
+
     def _start(self) -> None:
         if self._thread is None or not self._thread.is_alive():
             self._thread = threading.Thread(target=self._loop, name=f"specdec-{self.name}-scheduler", daemon=True)
@@ -172,7 +183,8 @@ class Scheduler:
             if not batch:
                 continue
             started = time.perf_counter()
-            self._run(batch)
+            with self.pass_lock:
+                self._run(batch)
             self.on_pass(PassStats(sequences=len(batch), tokens=sum(t for _, t in batch), queued=queued,
                                    seconds=time.perf_counter() - started))
             with self._cond:
@@ -222,6 +234,13 @@ class BatchedModel(ServedModel):
 
     def _forward(self, tokens: Tensor, cache: Any, *, last_only: bool = False) -> Tensor:  # tokens: [n]
         return self.scheduler.forward(tokens, cache, last_only=last_only)
+
+    def forward_tree(self, tokens: Tensor, parents: Tensor, cache: Any, *, prefix: int | None = None) -> Tensor:
+        """A token tree's pass (an edge's tree round), run alone between the scheduler's batches."""
+        fn = getattr(self.inner, "forward_tree", None)
+        if fn is None:
+            raise ConfigError("token trees need a backend with tree attention (the native backend, not hf)")
+        return self.scheduler.alone(fn, tokens, parents, cache, prefix=prefix)
 
     def forward_features(self, *args: Any, **kw: Any) -> Any:
         """Batched passes return logits only: target-aware drafters need the serialised server."""
