@@ -182,11 +182,11 @@ class Scheduler:
                 batch, queued = self._take()
             if not batch:
                 continue
-            started = time.perf_counter()
-            with self.pass_lock:
+            with self.pass_lock:  # the pass's own time, not a wait for the lock
+                started = time.perf_counter()
                 self._run(batch)
-            self.on_pass(PassStats(sequences=len(batch), tokens=sum(t for _, t in batch), queued=queued,
-                                   seconds=time.perf_counter() - started))
+                seconds = time.perf_counter() - started
+            self.on_pass(PassStats(sequences=len(batch), tokens=sum(t for _, t in batch), queued=queued, seconds=seconds))
             with self._cond:
                 for item, _ in batch:
                     if item.error is not None or item.left == 0:
