@@ -12,18 +12,13 @@ over the plain run of the same prompt taken seconds before.  Writes ``results.js
 
 from __future__ import annotations
 
-import json
-import shlex
 import statistics
 import sys
-from pathlib import Path
 
 from tqdm import tqdm
 
 import paired
 
-from specdec.bench.runner import machine_info
-from specdec.bench.report import machine_line
 from specdec.sampling import SamplingConfig
 from specdec.verify import get_rule
 
@@ -53,13 +48,7 @@ def main() -> int:
                              "tok_s": res.stats.tokens_per_s, "tokens_per_call": res.stats.tokens_per_target_call,
                              "mean_gamma": res.stats.mean_gamma, "tokens": res.tokens,
                              "speedup": res.stats.tokens_per_s / ref.stats.tokens_per_s})
-    out = Path(args.out)
-    out.mkdir(parents=True, exist_ok=True)
-    command = "python scripts/confidence_ab.py " + " ".join(shlex.quote(a) for a in sys.argv[1:])
-    (out / "results.json").write_text(json.dumps({"command": command, "machine": machine_info(), "rows": rows}, indent=1))
-    lines = [f"# Confidence-gated drafts, paired ({args.target} + {args.draft})", "", f"Command: `{command}`", "",
-             f"Machine: {machine_line(machine_info())}.", "",
-             f"{len(prompts)} prompts, {args.max_new_tokens} tokens, γ auto; every value on every prompt right after the "
+    lines = [f"{len(prompts)} prompts, {args.max_new_tokens} tokens, γ auto; every value on every prompt right after the "
              "prompt's plain run, in one process. ×plain = median over prompts of the per-prompt ratio.", "",
              "| T | --min-confidence | ×plain (all) | chat | code | tokens/call | mean γ | greedy = plain |",
              "|---|---|---|---|---|---|---|---|"]
@@ -72,8 +61,7 @@ def main() -> int:
             lines.append(f"| {t:g} | {v:g} | {statistics.median(r['speedup'] for r in rs):.3f} | {by.get('chat', float('nan')):.3f} "
                          f"| {by.get('code', float('nan')):.3f} | {statistics.mean(r['tokens_per_call'] for r in rs):.2f} "
                          f"| {statistics.mean(r['mean_gamma'] for r in rs):.2f} | {'–' if same is None else f'{same}/{len(rs)}'} |")
-    (out / "README.md").write_text("\n".join(lines) + "\n")
-    print("\n".join(lines))
+    paired.write_report(args.out, f"Confidence-gated drafts, paired ({args.target} + {args.draft})", {"rows": rows}, lines)
     return 0
 
 

@@ -14,10 +14,7 @@ tree could still rescue at the root.  Writes ``ranks.json`` and ``README.md``.
 
 from __future__ import annotations
 
-import json
-import shlex
 import sys
-from pathlib import Path
 
 import torch
 from tqdm import tqdm
@@ -25,8 +22,6 @@ from tqdm import tqdm
 import paired
 
 from specdec import defaults
-from specdec.bench.report import machine_line
-from specdec.bench.runner import machine_info
 from specdec.sampling import SamplingConfig
 from specdec.verify import get_rule
 
@@ -70,14 +65,7 @@ def main() -> int:
         s["q2_right_sum"] += float(top2.values[miss & second_right, 1].sum())
         s["in_tree"] += int((miss & in_tree).sum())
         s["in_tree_right"] += int((miss & in_tree & second_right).sum())
-    out_dir = Path(args.out)
-    out_dir.mkdir(parents=True, exist_ok=True)
-    command = "python scripts/draft_ranks.py " + " ".join(shlex.quote(a) for a in sys.argv[1:])
-    (out_dir / "ranks.json").write_text(json.dumps({"command": command, "machine": machine_info(), "floor": args.floor,
-                                                    "stats": stats}, indent=1))
-    lines = [f"# Where the target's token sits in the draft's ranking ({args.target} + {args.draft})", "",
-             f"Command: `{command}`", "", f"Machine: {machine_line(machine_info())}.", "",
-             f"{len(prompts)} prompts continued greedily by the target for {args.new_tokens} tokens, every position "
+    lines = [f"{len(prompts)} prompts continued greedily by the target for {args.new_tokens} tokens, every position "
              f"scored teacher-forced by the draft. Shares of positions; *2nd right* is among first-choice misses; "
              f"*reaches floor* = the second choice's draft probability ≥ {args.floor:g} (it would enter a floored tree "
              f"at the root).", "",
@@ -88,8 +76,8 @@ def main() -> int:
         lines.append(f"| {cat} | {int(n)} | {s['r1'] / n:.2f} | {s['r2'] / n:.2f} | {s['r34'] / n:.2f} | {s['rest'] / n:.2f} "
                      f"| {s['r2'] / miss:.2f} | {s['q2_sum'] / miss:.2f} | {s['in_tree'] / miss:.2f} "
                      f"| {s['in_tree_right'] / max(s['in_tree'], 1.0):.2f} |")
-    (out_dir / "README.md").write_text("\n".join(lines) + "\n")
-    print("\n".join(lines))
+    paired.write_report(args.out, f"Where the target's token sits in the draft's ranking ({args.target} + {args.draft})",
+                        {"floor": args.floor, "stats": stats}, lines, data_name="ranks.json")
     return 0
 
 

@@ -1,9 +1,14 @@
-"""What the paired A/B scripts (``confidence_ab.py``, ``kernel_ab.py``) share: their common
-options and the set-up (the prompts, the engine and a plain engine on the same loaded target)."""
+"""What the paired A/B and profile scripts share: their common
+options, the set-up (the prompts, the engine and a plain engine on the same loaded target) and
+the report they write (the data, and a README quoting the command and the machine)."""
 
 from __future__ import annotations
 
 import argparse
+import json
+import shlex
+import sys
+from pathlib import Path
 
 import torch
 
@@ -32,3 +37,24 @@ def setup(args: argparse.Namespace) -> tuple[list[float], list, Engine, Engine]:
     prompts = select(list(BUILTIN), limit=args.limit)
     engine = Engine.build(EngineConfig(target=args.target, draft=args.draft, dtype=args.dtype))
     return temps, prompts, engine, Engine(engine.target, None, "none")
+
+
+def command() -> str:
+    """The command line that ran this script, as a report quotes it."""
+    return f"python scripts/{Path(sys.argv[0]).name} " + " ".join(shlex.quote(a) for a in sys.argv[1:])
+
+
+def write_report(out: str | Path, title: str, data: dict, body: list[str], *, data_name: str = "results.json",
+                 indent: int | None = 1) -> None:
+    """Write ``data_name`` (the command, the machine, then ``data``) and ``README.md`` (the title,
+    the command, the machine line, then ``body``) under ``out``, and print the README."""
+    from specdec.bench.report import machine_line
+    from specdec.bench.runner import machine_info
+
+    out = Path(out)
+    out.mkdir(parents=True, exist_ok=True)
+    cmd, machine = command(), machine_info()
+    (out / data_name).write_text(json.dumps({"command": cmd, "machine": machine, **data}, indent=indent))
+    lines = [f"# {title}", "", f"Command: `{cmd}`", "", f"Machine: {machine_line(machine)}.", "", *body]
+    (out / "README.md").write_text("\n".join(lines) + "\n")
+    print("\n".join(lines))

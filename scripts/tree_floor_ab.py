@@ -19,21 +19,16 @@ per call; at T = 0 whether the output equals plain greedy output).
 
 from __future__ import annotations
 
-import json
 import re
-import shlex
 import statistics
 import sys
 from dataclasses import replace
-from pathlib import Path
 
 from tqdm import tqdm
 
 import paired
 
 from specdec import defaults
-from specdec.bench.report import machine_line
-from specdec.bench.runner import machine_info
 from specdec.drafters.base import DraftSampler
 from specdec.sampling import SamplingConfig
 from specdec.verify import get_rule
@@ -95,20 +90,11 @@ def main() -> int:
                 rows.append({"prompt": p.id, "category": p.category, "repeat": rep, "arm": a.name,
                              "tok_s": r.stats.tokens_per_s, "tokens_per_call": r.stats.tokens_per_target_call,
                              "speedup": r.stats.tokens_per_s / ref.stats.tokens_per_s, "same": r.tokens == ref.tokens})
-    out = Path(args.out)
-    out.mkdir(parents=True, exist_ok=True)
-    command = "python scripts/tree_floor_ab.py " + " ".join(shlex.quote(a) for a in sys.argv[1:])
-    (out / "results.json").write_text(json.dumps({"command": command, "machine": machine_info(), "temperature": temp,
-                                                  "default_floor": defaults.TREE_MIN_PROB, "rows": rows}, indent=1))
-
     def gmean(xs: list[float]) -> float:
         return statistics.geometric_mean(xs) if xs else float("nan")
 
     rule = "greedy" if temp == 0 else "block"
-    lines = [f"# Drafting paired at T = {temp:g} ({rule}): tree probability floor and compact draft rows "
-             f"({args.target} + {args.draft})", "",
-             f"Command: `{command}`", "", f"Machine: {machine_line(machine_info())}.", "",
-             f"{len(prompts)} prompts × {args.repeats} repeats, {args.max_new_tokens} tokens, T = {temp:g}, every arm on every "
+    lines = [f"{len(prompts)} prompts × {args.repeats} repeats, {args.max_new_tokens} tokens, T = {temp:g}, every arm on every "
              f"prompt right after or before the prompt's plain run, in one process. ×plain = geometric mean of the "
              f"per-run ratios. Default floor: {defaults.TREE_MIN_PROB:g}.", "",
              "| arm | ×plain (all) | chat | code | tokens/call | greedy = plain |", "|---|---|---|---|---|---|"]
@@ -118,8 +104,9 @@ def main() -> int:
         by = {c: gmean([r["speedup"] for r in rs if r["category"] == c]) for c in ("chat", "code")}
         lines.append(f"| {a.name} | {gmean([r['speedup'] for r in rs]):.3f} | {by['chat']:.3f} | {by['code']:.3f} "
                      f"| {statistics.mean(r['tokens_per_call'] for r in rs):.2f} | {same(rs)} |")
-    (out / "README.md").write_text("\n".join(lines) + "\n")
-    print("\n".join(lines))
+    paired.write_report(args.out, f"Drafting paired at T = {temp:g} ({rule}): tree probability floor and compact draft rows "
+                        f"({args.target} + {args.draft})",
+                        {"temperature": temp, "default_floor": defaults.TREE_MIN_PROB, "rows": rows}, lines)
     return 0
 
 

@@ -15,17 +15,12 @@ Writes ``results.json`` and ``README.md``.
 
 from __future__ import annotations
 
-import json
-import shlex
 import sys
-from pathlib import Path
 
 from tqdm import tqdm
 
 import paired
 
-from specdec.bench.report import machine_line
-from specdec.bench.runner import machine_info
 from specdec.sampling import SamplingConfig
 from specdec.verify import get_rule
 
@@ -73,14 +68,7 @@ def main() -> int:
                 res = engine.decoder(rule, tree=trees[a]).generate(ids, cfg)
                 runs.append({"T": temp, "prompt": p.id, "category": p.category, "arm": a, "tokens": len(res.tokens),
                              "seconds": len(res.tokens) / res.stats.tokens_per_s, **_sums(res.rounds)})
-    out = Path(args.out)
-    out.mkdir(parents=True, exist_ok=True)
-    command = "python scripts/tree_rounds.py " + " ".join(shlex.quote(a) for a in sys.argv[1:])
-    (out / "results.json").write_text(json.dumps({"command": command, "machine": machine_info(), "runs": runs}))
-
-    lines = [f"# Where a round's time goes: chain vs trees ({args.target} + {args.draft})", "",
-             f"Command: `{command}`", "", f"Machine: {machine_line(machine_info())}.", "",
-             f"{len(prompts)} prompts, {args.max_new_tokens} tokens, greedy verification at T = 0 and block above it; "
+    lines = [f"{len(prompts)} prompts, {args.max_new_tokens} tokens, greedy verification at T = 0 and block above it; "
              "every arm on every prompt in one process. Means per round over all rounds of all prompts. "
              "*Needed* = tokens a round of this cost must emit to match the chain's ms per token; "
              "tok/s = tokens over decoding time, all prompts together.", "",
@@ -106,8 +94,8 @@ def main() -> int:
                          f"| {round_ms / mean['emitted']:.2f} | {round_ms / chain_ms_per_token:.2f} | {rate:.1f} "
                          f"| {rate / plain_rate:.2f} |")
         lines.append(f"| {temp:g} | plain | – | – | – | 1 | – | – | – | – | {1000 / plain_rate:.2f} | – | {plain_rate:.1f} | 1.00 |")
-    (out / "README.md").write_text("\n".join(lines) + "\n")
-    print("\n".join(lines))
+    paired.write_report(args.out, f"Where a round's time goes: chain vs trees ({args.target} + {args.draft})",
+                        {"runs": runs}, lines, indent=None)
     return 0
 
 
