@@ -235,12 +235,9 @@ class BatchedModel(ServedModel):
     def _forward(self, tokens: Tensor, cache: Any, *, last_only: bool = False) -> Tensor:  # tokens: [n]
         return self.scheduler.forward(tokens, cache, last_only=last_only)
 
-    def forward_tree(self, tokens: Tensor, parents: Tensor, cache: Any, *, prefix: int | None = None) -> Tensor:
-        """A token tree's pass (an edge's tree round), run alone between the scheduler's batches."""
-        fn = getattr(self.inner, "forward_tree", None)
-        if fn is None:
-            raise ConfigError("token trees need a backend with tree attention (the native backend, not hf)")
-        return self.scheduler.alone(fn, tokens, parents, cache, prefix=prefix)
+    def _alone(self, fn: Callable[..., Any], *args: Any, **kw: Any) -> Any:
+        """Between the scheduler's batches (a token tree's pass: an edge's tree round)."""
+        return self.scheduler.alone(fn, *args, **kw)
 
     def forward_features(self, *args: Any, **kw: Any) -> Any:
         """Batched passes return logits only: target-aware drafters need the serialised server."""

@@ -5,6 +5,7 @@ from __future__ import annotations
 import inspect
 from typing import Any
 
+from specdec.errors import ConfigError
 from specdec.server.prefix_cache import prefill, supports_prefix_cache
 
 
@@ -41,6 +42,17 @@ class ServedModel:
 
     def _forward(self, tokens: Any, cache: Any, *, last_only: bool = False) -> Any:
         raise NotImplementedError
+
+    def _alone(self, fn: Any, *args: Any, **kw: Any) -> Any:
+        """``fn(*args, **kw)``, a pass of the wrapped model that ``_forward`` does not run, with no
+        other pass of that model running (a model object runs one forward at a time)."""
+        raise NotImplementedError
+
+    def forward_tree(self, tokens: Any, parents: Any, cache: Any, *, prefix: int | None = None) -> Any:  # -> [n, V]
+        fn = getattr(self.inner, "forward_tree", None)
+        if fn is None:
+            raise ConfigError("token trees need a backend with tree attention (the native backend, not hf)")
+        return self._alone(fn, tokens, parents, cache, prefix=prefix)
 
     def __getattr__(self, name: str) -> Any:  # anything else (dtype, n_params, ...) passes through
         return getattr(self.inner, name)

@@ -62,20 +62,15 @@ class SerializedModel(ServedModel):
         with self.lock:
             return self.inner.forward(tokens, cache, last_only=last_only)
 
-    def forward_tree(self, tokens: Tensor, parents: Tensor, cache: Any, *, prefix: int | None = None) -> Tensor:
-        fn = getattr(self.inner, "forward_tree", None)
-        if fn is None:
-            raise ConfigError("token trees need a backend with tree attention (the native backend, not hf)")
+    def _alone(self, fn: Any, *args: Any, **kw: Any) -> Any:
         with self.lock:
-            return fn(tokens, parents, cache, prefix=prefix)
-
+            return fn(*args, **kw)
 
     def forward_features(self, tokens: Tensor, cache: Any, taps: Any, **kw: Any) -> tuple[Tensor, Tensor]:
         fn = getattr(self.inner, "forward_features", None)
         if fn is None:
             raise ConfigError("this drafter reads the target's hidden states, which this target backend does not expose")
-        with self.lock:
-            return fn(tokens, cache, taps, **kw)
+        return self._alone(fn, tokens, cache, taps, **kw)
 
 
 def serialized(model: LanguageModel, lock: threading.Lock = FORWARD_LOCK, *, initial_length: int | None = None,
