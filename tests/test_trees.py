@@ -30,7 +30,8 @@ N_NEW = 3
 PROMPT = [1, 2]
 TARGET = ToyLM(4, order=2, seed=0)
 DRAFT = TARGET.perturbed(1.0, seed=1)
-SAMPLED = TreeSpec(sample_branching=(2, 2, 1), sample_width=2)  # siblings drawn from q at T > 0
+# siblings drawn from q at T > 0, the whole shape (no sibling stop, every level's best nodes expanded)
+SAMPLED = TreeSpec(sample_branching=(2, 2, 1), sample_width=2, sibling_stop=0.0, sample_expand=0.0)
 
 OPTIONS = {
     "temperature": SamplingConfig(temperature=0.7),
@@ -63,6 +64,10 @@ def _samples(method: str, cfg: SamplingConfig, spec: TreeSpec | None, *, drafter
         ("token", "top_p", replace(SAMPLED, siblings="iid")),  # siblings drawn independently
         ("token", "freq_presence", TreeSpec(shape="dynamic", width=2, sample=False)),  # top-k candidates, no q
         ("block", "top_k", SAMPLED),  # traversal verification
+        # sampled trees whose sibling count stops once the drawn siblings cover enough of q (and
+        # whose unlikely nodes get no children)
+        ("token", "temperature", replace(SAMPLED, sibling_stop=0.5)),
+        ("block", "top_p", replace(SAMPLED, sibling_stop=0.5, siblings="iid", sample_expand=0.3)),
         ("block", "temperature", TreeSpec(shape="static", sample=False)),
         ("coupled", "temperature", TreeSpec(shape="dynamic", width=2)),
         # deterministic trees with a probability floor (nodes left out, some rounds draft nothing)

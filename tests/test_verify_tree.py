@@ -390,6 +390,90 @@ def test_sibling_law_mismatch_breaks_every_shape(rule, shape):
         assert max_gap(law, toy.target_law(length)) > 1e-3
 
 
+def enumerate_stopped_drafts(toy: Toy, parents: list[int], siblings: str, stop: float, expand: float = 0.0, *,
+                             post_hoc: bool = False):
+    """Every tree a drafter with a sibling stop can draw from the largest shape ``parents``, with
+    its probability, as (tokens, parents) of the nodes drawn.  A node's first child is always
+    drawn; a later one only while the draft probability its drawn siblings leave uncovered is at
+    least ``stop`` (what ``TreeSpec.sibling_stop`` does); a node has children only if the product
+    of q along its path is at least ``expand`` (``TreeSpec.sample_expand``).  ``post_hoc``: the
+    lossy variant that draws every sibling and then drops those whose own q is below ``stop``."""
+    kids = children_lists(parents)
+    n = len(parents)
+    cum: dict[int, float] = {}  # node -> product of q along its path
+
+    def rec(i: int, tokens: list[int | None], prob: float):
+        if prob == 0.0:
+            return
+        if i == n:
+            keep = [k for k in range(n) if tokens[k] is not None]
+            index = {old: new for new, old in enumerate(keep)}
+            yield tuple(tokens[k] for k in keep), tuple(index.get(parents[k], -1) for k in keep), prob
+            return
+        j = parents[i]
+        earlier = [s for s in kids[j + 1] if s < i]
+        if (j >= 0 and (tokens[j] is None or cum[j] < expand)) or any(tokens[s] is None for s in earlier):
+            yield from rec(i + 1, tokens + [None], prob)  # no parent, a parent not expanded, or a missing earlier sibling
+            return
+        present = [k for k in range(i) if tokens[k] is not None]
+        ctx = _paths([tokens[k] for k in present], [present.index(parents[k]) if parents[k] >= 0 else -1 for k in present])
+        ctx = ctx[present.index(j)] if j >= 0 else ()
+        q = toy.q(ctx)
+        if not post_hoc and earlier and 1.0 - sum(float(q[t]) for t in {tokens[s] for s in earlier}) < stop:
+            yield from rec(i + 1, tokens + [None], prob)  # the drawn siblings cover enough: stop
+            return
+        w = q.clone()
+        if siblings == "without_replacement":
+            for s in earlier:
+                w[tokens[s]] = 0.0
+            w = w / w.sum()
+        for tok in range(toy.vocab):
+            dropped = post_hoc and earlier and float(q[tok]) < stop
+            cum[i] = (cum[j] if j >= 0 else 1.0) * float(q[tok])
+            yield from rec(i + 1, tokens + [None if dropped else tok], prob * float(w[tok]))
+
+    yield from rec(0, [], 1.0)
+
+
+def stopped_output_law(toy: Toy, parents: list[int], rule: str, siblings: str, stop: float, length: int, **kw) -> tuple[Law, int]:
+    """The output law over every stopped tree, and how many different shapes occurred."""
+    out: Law = {}
+    shapes = set()
+    for tokens, pars, prob in enumerate_stopped_drafts(toy, parents, siblings, stop, **kw):
+        shapes.add(pars)
+        q, p = _rows(toy, list(tokens), list(pars))
+        complete(toy, LAWS[rule](list(tokens), list(pars), q, p, siblings), length, out, prob)
+    return out, len(shapes)
+
+
+@pytest.mark.parametrize(("stop", "expand"), [(0.6, 0.0), (0.0, 0.3), (0.6, 0.3)])
+@pytest.mark.parametrize("siblings", ["iid", "without_replacement"])
+@pytest.mark.parametrize("rule", ["token", "traversal"])
+@pytest.mark.parametrize("shape", sorted(SHAPES))
+def test_sibling_stop_and_expansion_floor_keep_the_target_law_exactly(rule, siblings, shape, stop, expand):
+    """A sampled tree whose sibling count is decided from the siblings already drawn (a stopping
+    time of the drafter's own draws), and whose nodes get children only when their path is
+    likely enough under q, is still verified exactly: each child is an honest draw given
+    everything drawn before it, which is all either rule's proof uses."""
+    parents, vocab, seed = SHAPES[shape]
+    toy = Toy(vocab, seed=seed)
+    length = max(vt.depths(parents)) + 2
+    law, shapes = stopped_output_law(toy, parents, rule, siblings, stop, length, expand=expand)
+    assert shapes > 2  # the stop / floor cut some trees and not others
+    assert sum(law.values()) == pytest.approx(1.0, abs=1e-12)
+    assert max_gap(law, toy.target_law(length)) < 1e-12
+
+
+@pytest.mark.parametrize("rule", ["token", "traversal"])
+def test_dropping_drawn_siblings_by_probability_breaks_the_law(rule):
+    """Negative control: pruning siblings after drawing them (by their own probability) is not a
+    stopping rule, and the same closed-form test catches it."""
+    parents, vocab, seed = SHAPES["2x(2,1)"]
+    toy = Toy(vocab, seed=seed)
+    law, _ = stopped_output_law(toy, parents, rule, "without_replacement", 0.3, 3, post_hoc=True)
+    assert max_gap(law, toy.target_law(3)) > 1e-3
+
+
 # ----------------------------------------------------------------------------- χ² tests of the samplers
 
 N_CHI2 = 12_000  # rounds per test; a wrong rule's law differs by >= 0.005 in some cell (see below)

@@ -168,7 +168,8 @@ def test_drafting_from_q_reads_compact_rows_and_reports_q_over_the_whole_vocabul
     asked.clear()
     sampler = DraftSampler(SamplingConfig(temperature=1.0), "multinomial", penalties=None,
                            generator=torch.Generator().manual_seed(0))
-    out = d.propose_tree(ctx, 8, sampler, TreeSpec(), max_depth=4) if tree else d.propose(ctx, 5, sampler)
+    full = TreeSpec(sibling_stop=0.0, sample_expand=0.0)  # the whole sampled shape
+    out = d.propose_tree(ctx, 8, sampler, full, max_depth=4) if tree else d.propose(ctx, 5, sampler)
     assert asked and all(asked)
     n = out.tokens.numel()
     assert n >= (5 if not tree else 4) and out.probs is not None and out.probs.shape == (n, draft.vocab_size)

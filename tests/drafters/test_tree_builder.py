@@ -149,3 +149,55 @@ def test_compact_rows_over_a_reduced_vocabulary_give_the_same_tree(shape):
         assert a.tokens.numel() > 3
         assert torch.equal(a.tokens, b.tokens) and torch.equal(a.parents, b.parents)
         assert set(a.tokens.tolist()) <= set(ids.tolist())
+
+
+@pytest.mark.parametrize("siblings", ["iid", "without_replacement"])
+def test_sibling_stop_draws_another_child_only_while_enough_of_q_is_uncovered(siblings):
+    """Checked draw by draw (400 trees): a node's children are a prefix of what the full count
+    would draw, cut exactly where the drawn children's distinct tokens first cover all but
+    ``sibling_stop`` of q; the stop fires in some trees and not in others."""
+    q = torch.tensor([[0.6, 0.25, 0.1, 0.05] + [0.0] * (V - 4)])
+    logits = q.log()  # the sampler draws from softmax(logits) = q
+    spec = TreeSpec(sample_branching=(3,), sample_width=1, siblings=siblings, sibling_stop=0.45)
+    sampler = DraftSampler(SamplingConfig(temperature=1.0), "multinomial", penalties=None,
+                           generator=torch.Generator().manual_seed(7))
+    counts = set()
+    for _ in range(400):
+        draft, _ = build_tree(logits, lambda n, t, p: logits.expand(len(n), V), spec, sampler, position=0, budget=8, max_depth=1)
+        toks = draft.tokens.tolist()
+        assert draft.parents.tolist() == [-1] * len(toks)
+        want = 1  # another child exactly while the ones drawn leave >= 0.45 of q uncovered
+        while want < 3 and 1.0 - sum(float(q[0, t]) for t in set(toks[:want])) >= 0.45:
+            want += 1
+        assert len(toks) == want, toks
+        counts.add(len(toks))
+    assert counts == {1, 2, 3}
+    with pytest.raises(ConfigError):
+        TreeSpec(sibling_stop=1.0)
+
+
+def test_sample_expand_gives_children_only_to_likely_nodes():
+    """Sampled trees (60 drawn, budget 16): every node with children has a path probability under
+    q of at least ``sample_expand``, some nodes below it were left childless, and a tree drawn
+    with the same seed but no floor is never smaller."""
+    expand, root = _expander(1.5, [])
+    sampler = lambda seed: DraftSampler(SamplingConfig(temperature=1.0), "multinomial", penalties=None,  # noqa: E731
+                                        generator=torch.Generator().manual_seed(seed))
+    spec = TreeSpec(sample_branching=(3, 2, 2, 1), sample_width=3, sample_expand=0.02)
+    cut = 0
+    for seed in range(60):
+        draft, _ = build_tree(root.unsqueeze(0), expand, spec, sampler(seed), position=0, budget=16, max_depth=4)
+        toks, pars = draft.tokens.tolist(), draft.parents.tolist()
+        logq = (draft.probs[torch.arange(len(toks)), draft.tokens]).log().tolist()
+        cum = []
+        for i, j in enumerate(pars):
+            cum.append((cum[j] if j >= 0 else 0.0) + logq[i])
+        for j in set(pars) - {-1}:
+            assert cum[j] >= math.log(0.02) - 1e-9
+        cut += sum(1 for i in range(len(toks)) if cum[i] < math.log(0.02) and i not in pars)
+        free, _ = build_tree(root.unsqueeze(0), expand, replace(spec, sample_expand=0.0), sampler(seed), position=0,
+                             budget=16, max_depth=4)
+        assert free.tokens.numel() >= draft.tokens.numel()
+    assert cut > 0
+    with pytest.raises(ConfigError):
+        TreeSpec(sample_expand=1.0)

@@ -12,8 +12,9 @@ for coupled verification, or (the default at T > 0 under a rule that reads q) a 
 siblings are drawn from q, independently or without replacement, with q reported: a drawn
 sibling is accepted with probability min(1, p/q) instead of p(x), which at T = 1 makes sampled
 trees clearly better than top-k candidates.  A sampled tree is never pruned after drawing: which
-nodes are expanded and how many children each gets is fixed before their children are drawn,
-so every node's children are honest draws from its q.
+nodes are expanded is fixed before their children are drawn (``sample_expand``: by cumulative draft
+probability), and whether a node draws one more child is decided from the children it drew so
+far (``sibling_stop``), so every child is an honest draw from its q given the earlier ones.
 """
 
 from __future__ import annotations
@@ -49,6 +50,15 @@ class TreeSpec:
     sample_branching: tuple[int, ...] = defaults.TREE_SAMPLE_BRANCHING
     sample_width: int = defaults.TREE_SAMPLE_WIDTH
     siblings: SiblingMode = "without_replacement"
+    #: sampled trees: a node draws another child only while the draft probability its children
+    #: drawn so far leave uncovered is at least this (0 = always the full ``sample_branching``);
+    #: decided from the drawn siblings alone, before the next is drawn, so every child is still an
+    #: honest draw given the earlier ones
+    sibling_stop: float = defaults.TREE_SIBLING_STOP
+    #: sampled trees: a node gets children only if its cumulative draft probability is at least
+    #: this (0 = expand the ``sample_width`` best nodes of every level); decided before its
+    #: children are drawn
+    sample_expand: float = defaults.TREE_SAMPLE_EXPAND
     #: deterministic trees: leave out every node whose cumulative draft probability is below this
     #: (0 = keep the best N whatever their probability)
     min_prob: float = defaults.TREE_MIN_PROB
@@ -61,6 +71,10 @@ class TreeSpec:
             raise ConfigError(f"tree shape must be static or dynamic, not {self.shape!r}")
         if not 0.0 <= self.min_prob < 1.0:
             raise ConfigError(f"a tree's minimum node probability must be in [0, 1), not {self.min_prob}")
+        if not 0.0 <= self.sibling_stop < 1.0:
+            raise ConfigError(f"a sampled tree's sibling stop must be in [0, 1), not {self.sibling_stop}")
+        if not 0.0 <= self.sample_expand < 1.0:
+            raise ConfigError(f"a sampled tree's expansion probability must be in [0, 1), not {self.sample_expand}")
         if not 0.0 < self.expand_child <= 1.0:
             raise ConfigError(f"a tree's expansion probability must be in (0, 1], not {self.expand_child}")
         if self.width < 1 or self.depth < 1 or self.sample_width < 1:
@@ -113,11 +127,17 @@ def _candidates(
         return [(tid(c), float(logq[c])) for c in cols]
     out: list[tuple[int, float]] = []
     w = row.clone()
+    left = float(q.sum())  # draft probability not covered by the children drawn so far
+    stop = spec.sibling_stop * left
+    drawn: set[int] = set()
     for _ in range(k):
-        if float(w.sum()) <= 0:
+        if float(w.sum()) <= 0 or (out and left < stop):  # the drawn siblings alone decide
             break
         c = sample_categorical(w, sampler.generator)
         out.append((tid(c), float(logq[c])))
+        if c not in drawn:
+            drawn.add(c)
+            left -= float(q[c])
         if spec.siblings == "without_replacement":
             w[c] = 0.0
     return out
@@ -158,6 +178,8 @@ def build_tree(
     depth = min(len(spec.sample_branching) if sampled else spec.depth, max_depth)
     floor = math.log(spec.min_prob) if spec.min_prob > 0 and not sampled else -math.inf
     expand_floor = floor - math.log(spec.expand_child)  # a node below it gets no children
+    if sampled and spec.sample_expand > 0:
+        expand_floor = math.log(spec.sample_expand)
     level: list[int] = [-1]
     dists = sampler.tree_rows(root_logits)  # [1, V]
     for d in range(depth):
@@ -185,7 +207,7 @@ def build_tree(
         if not new or d + 1 >= depth or len(toks) >= cap:
             break
         level = sorted(new, key=lambda i: (-score[i], i))[:width]
-        if floor > -math.inf:  # expand only nodes whose likely children can reach the floor
+        if expand_floor > -math.inf:  # expand only nodes likely enough (deterministic: whose likely children reach the floor)
             level = [i for i in level if score[i] >= expand_floor]
             if not level:
                 break
