@@ -1,12 +1,15 @@
 #!/usr/bin/env python
-"""Drafting, paired in one process: the probability floor of deterministic trees and compact draft rows.
+"""Drafting, paired in one process: tree floors, sampled trees' sibling stop and compact draft rows.
 
     python scripts/tree_floor_ab.py --arms plain,chain:full,chain,8:full@0,8 --repeats 2 --out benchmarks/NAME
 
 Not a test and not part of CI.  An arm is ``chain``, ``auto`` (tree auto) or a node count N,
-then optionally ``@P`` (the tree's minimum cumulative draft probability; the default floor
-otherwise) and ``:full`` (the draft's rows scattered into the whole vocabulary before ranking
-and arg-max or drawing, as before compact rows existed); ``plain`` is plain decoding.  One
+then optionally ``:full`` (the draft's rows scattered into the whole vocabulary before ranking
+and arg-max or drawing, as before compact rows existed), ``@P`` (the tree's minimum cumulative
+draft probability; the default floor otherwise) and ``~S`` (sampled trees at T > 0: no further
+sibling once the drawn ones leave less than S of q uncovered) and ``^E`` (sampled trees expand
+only nodes of cumulative draft probability at least E; the defaults otherwise);
+``plain`` is plain decoding.  One
 temperature per run (``--temperatures``, default 0): greedy verification at T = 0, block
 verification above it, with one seed per prompt and repeat shared by every arm (sampled trees
 at T > 0 ignore the floor).
@@ -36,11 +39,13 @@ from specdec.verify import get_rule
 
 class _Arm:
     def __init__(self, name: str, engine, plain) -> None:  # noqa: ANN001
-        m = re.fullmatch(r"(plain|chain|auto|\d+)(:full)?(?:@([0-9.]+))?", name)
+        m = re.fullmatch(r"(plain|chain|auto|\d+)(:full)?(?:@([0-9.]+))?(?:~([0-9.]+))?(?:\^([0-9.]+))?", name)
         if m is None:
-            raise SystemExit(f"not an arm: {name!r} (plain, chain, auto or N, then :full and / or @P)")
+            raise SystemExit(f"not an arm: {name!r} (plain, chain, auto or N, then :full, @P, ~S and / or ^E)")
         self.name, self.kind, self.full = name, m.group(1), m.group(2) is not None
         self.floor = defaults.TREE_MIN_PROB if m.group(3) is None else float(m.group(3))
+        self.stop = defaults.TREE_SIBLING_STOP if m.group(4) is None else float(m.group(4))
+        self.expand = defaults.TREE_SAMPLE_EXPAND if m.group(5) is None else float(m.group(5))
         self.engine, self.plain = engine, plain
 
     def generate(self, ids: list[int], cfg: SamplingConfig):  # noqa: ANN201
@@ -49,7 +54,7 @@ class _Arm:
             return self.plain.decoder(rule).generate(ids, cfg)
         dec = self.engine.decoder(rule, tree=self.kind if self.kind in ("chain", "auto") else int(self.kind))
         if dec.tree is not None:
-            dec.tree = replace(dec.tree, min_prob=self.floor)
+            dec.tree = replace(dec.tree, min_prob=self.floor, sibling_stop=self.stop, sample_expand=self.expand)
         compact = DraftSampler.compact
         if self.full:
             DraftSampler.compact = property(lambda s: False)  # type: ignore[method-assign, assignment]
@@ -96,7 +101,8 @@ def main() -> int:
     rule = "greedy" if temp == 0 else "block"
     lines = [f"{len(prompts)} prompts × {args.repeats} repeats, {args.max_new_tokens} tokens, T = {temp:g}, every arm on every "
              f"prompt right after or before the prompt's plain run, in one process. ×plain = geometric mean of the "
-             f"per-run ratios. Default floor: {defaults.TREE_MIN_PROB:g}.", "",
+             f"per-run ratios. Default floor: {defaults.TREE_MIN_PROB:g}; default sibling stop: "
+             f"{defaults.TREE_SIBLING_STOP:g}.", "",
              "| arm | ×plain (all) | chat | code | tokens/call | greedy = plain |", "|---|---|---|---|---|---|"]
     same = (lambda rs: f"{sum(r['same'] for r in rs)}/{len(rs)}") if temp == 0 else (lambda rs: "n/a (T > 0)")
     for a in arms[1:]:
@@ -104,9 +110,10 @@ def main() -> int:
         by = {c: gmean([r["speedup"] for r in rs if r["category"] == c]) for c in ("chat", "code")}
         lines.append(f"| {a.name} | {gmean([r['speedup'] for r in rs]):.3f} | {by['chat']:.3f} | {by['code']:.3f} "
                      f"| {statistics.mean(r['tokens_per_call'] for r in rs):.2f} | {same(rs)} |")
-    paired.write_report(args.out, f"Drafting paired at T = {temp:g} ({rule}): tree probability floor and compact draft rows "
+    paired.write_report(args.out, f"Drafting paired at T = {temp:g} ({rule}): tree floor, sibling stop and compact draft rows "
                         f"({args.target} + {args.draft})",
-                        {"temperature": temp, "default_floor": defaults.TREE_MIN_PROB, "rows": rows}, lines)
+                        {"temperature": temp, "default_floor": defaults.TREE_MIN_PROB,
+                         "default_sibling_stop": defaults.TREE_SIBLING_STOP, "rows": rows}, lines)
     return 0
 
 

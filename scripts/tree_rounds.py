@@ -4,8 +4,11 @@
     python scripts/tree_rounds.py --arms chain,4,8,auto --temperatures 0,1 --out benchmarks/NAME
 
 Not a test and not part of CI.  For every temperature, prompt and arm (``chain`` = chain γ auto,
-``N`` = a tree of at most N nodes, ``auto`` = tree auto; greedy verification at T = 0, block
-above it, one seed per prompt shared by every arm, arm order rotated per prompt) the decoder's own
+``N`` = a tree of at most N nodes, ``auto`` = tree auto, either optionally followed by ``~S``
+(sampled trees stop drawing siblings once the drawn ones leave less than S of q uncovered) and
+``^E`` (sampled trees expand only nodes of cumulative draft probability at least E); greedy
+verification at T = 0, block above it, one seed per prompt shared by every arm, arm order
+rotated per prompt) the decoder's own
 round records are collected: nodes drafted, tokens emitted, draft time, the target pass and the
 rule with its bookkeeping.  Plain decoding of the same prompt gives the cost of one token without
 speculation.  The report sets each arm's round against the chain's: how many tokens a round of
@@ -15,12 +18,15 @@ Writes ``results.json`` and ``README.md``.
 
 from __future__ import annotations
 
+import re
 import sys
+from dataclasses import replace
 
 from tqdm import tqdm
 
 import paired
 
+from specdec import defaults
 from specdec.sampling import SamplingConfig
 from specdec.verify import get_rule
 
@@ -34,12 +40,21 @@ def _sums(rounds) -> dict[str, float]:  # noqa: ANN001 - RoundStats of one run -
     return out
 
 
-def _arm_tree(arm: str) -> str | int:
-    if arm in ("chain", "auto"):
-        return arm
-    if not arm.isdigit() or int(arm) < 1:
-        raise SystemExit(f"not an arm: {arm!r} (chain, auto or a node count N)")
-    return int(arm)
+def _arm_tree(arm: str) -> tuple[str | int, float, float]:
+    """An arm -> (tree, sibling stop, sampled expansion floor)."""
+    m = re.fullmatch(r"(chain|auto|\d+)(?:~([0-9.]+))?(?:\^([0-9.]+))?", arm)
+    if m is None or m.group(1) == "0":
+        raise SystemExit(f"not an arm: {arm!r} (chain, auto or a node count N, then optionally ~S and ^E)")
+    stop = defaults.TREE_SIBLING_STOP if m.group(2) is None else float(m.group(2))
+    expand = defaults.TREE_SAMPLE_EXPAND if m.group(3) is None else float(m.group(3))
+    return (m.group(1) if not m.group(1).isdigit() else int(m.group(1))), stop, expand
+
+
+def _decoder(engine, rule, arm: tuple[str | int, float, float]):  # noqa: ANN001, ANN202 - Engine, Rule -> decoder
+    dec = engine.decoder(rule, tree=arm[0])
+    if dec.tree is not None:
+        dec.tree = replace(dec.tree, sibling_stop=arm[1], sample_expand=arm[2])
+    return dec
 
 
 def main() -> int:
@@ -54,7 +69,7 @@ def main() -> int:
     warm = SamplingConfig(temperature=0.0, max_new_tokens=16)
     enc0 = engine.encode(prompts[0].text, chat=prompts[0].chat)
     for a in arms:
-        engine.decoder(get_rule("greedy"), tree=trees[a]).generate(enc0, warm)
+        _decoder(engine, get_rule("greedy"), trees[a]).generate(enc0, warm)
     runs = []
     for temp in temps:
         rule = get_rule("greedy" if temp == 0 else "block")
@@ -65,7 +80,7 @@ def main() -> int:
             runs.append({"T": temp, "prompt": p.id, "category": p.category, "arm": "plain",
                          "tokens": len(res.tokens), "seconds": len(res.tokens) / res.stats.tokens_per_s})
             for a in arms[i % len(arms):] + arms[: i % len(arms)]:
-                res = engine.decoder(rule, tree=trees[a]).generate(ids, cfg)
+                res = _decoder(engine, rule, trees[a]).generate(ids, cfg)
                 runs.append({"T": temp, "prompt": p.id, "category": p.category, "arm": a, "tokens": len(res.tokens),
                              "seconds": len(res.tokens) / res.stats.tokens_per_s, **_sums(res.rounds)})
     lines = [f"{len(prompts)} prompts, {args.max_new_tokens} tokens, greedy verification at T = 0 and block above it; "
