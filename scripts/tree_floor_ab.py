@@ -101,8 +101,8 @@ def main() -> int:
     rule = "greedy" if temp == 0 else "block"
     lines = [f"{len(prompts)} prompts × {args.repeats} repeats, {args.max_new_tokens} tokens, T = {temp:g}, every arm on every "
              f"prompt right after or before the prompt's plain run, in one process. ×plain = geometric mean of the "
-             f"per-run ratios. Default floor: {defaults.TREE_MIN_PROB:g}; default sibling stop: "
-             f"{defaults.TREE_SIBLING_STOP:g}.", "",
+             f"per-run ratios. Default floor: {defaults.TREE_MIN_PROB:g}; sampled trees' default sibling stop "
+             f"{defaults.TREE_SIBLING_STOP:g} and expansion floor {defaults.TREE_SAMPLE_EXPAND:g}.", "",
              "| arm | ×plain (all) | chat | code | tokens/call | greedy = plain |", "|---|---|---|---|---|---|"]
     same = (lambda rs: f"{sum(r['same'] for r in rs)}/{len(rs)}") if temp == 0 else (lambda rs: "n/a (T > 0)")
     for a in arms[1:]:
@@ -113,7 +113,8 @@ def main() -> int:
     paired.write_report(args.out, f"Drafting paired at T = {temp:g} ({rule}): tree floor, sibling stop and compact draft rows "
                         f"({args.target} + {args.draft})",
                         {"temperature": temp, "default_floor": defaults.TREE_MIN_PROB,
-                         "default_sibling_stop": defaults.TREE_SIBLING_STOP, "rows": rows}, lines)
+                         "default_sibling_stop": defaults.TREE_SIBLING_STOP,
+                         "default_sample_expand": defaults.TREE_SAMPLE_EXPAND, "rows": rows}, lines)
     return 0
 
 
