@@ -6,10 +6,9 @@
 Not a test and not part of CI.  An arm is ``chain``, ``auto`` (tree auto) or a node count N,
 then optionally ``:full`` (the draft's rows scattered into the whole vocabulary before ranking
 and arg-max or drawing, as before compact rows existed), ``@P`` (the tree's minimum cumulative
-draft probability; the default floor otherwise) and ``~S`` (sampled trees at T > 0: no further
-sibling once the drawn ones leave less than S of q uncovered) and ``^E`` (sampled trees expand
-only nodes of cumulative draft probability at least E; the defaults otherwise);
-``plain`` is plain decoding.  One
+draft probability), ``~S`` (sampled trees at T > 0: no further sibling once the drawn ones leave
+less than S of q uncovered) and ``^E`` (sampled trees expand only nodes of cumulative draft
+probability at least E), each the default where left out; ``plain`` is plain decoding.  One
 temperature per run (``--temperatures``, default 0): greedy verification at T = 0, block
 verification above it, with one seed per prompt and repeat shared by every arm (sampled trees
 at T > 0 ignore the floor).

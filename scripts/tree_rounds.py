@@ -8,9 +8,8 @@ Not a test and not part of CI.  For every temperature, prompt and arm (``chain``
 (sampled trees stop drawing siblings once the drawn ones leave less than S of q uncovered) and
 ``^E`` (sampled trees expand only nodes of cumulative draft probability at least E); greedy
 verification at T = 0, block above it, one seed per prompt shared by every arm, arm order
-rotated per prompt) the decoder's own
-round records are collected: nodes drafted, tokens emitted, draft time, the target pass and the
-rule with its bookkeeping.  Plain decoding of the same prompt gives the cost of one token without
+rotated per prompt) the decoder's own round records are collected: nodes drafted, tokens
+emitted, draft time, the target pass and the rule with its bookkeeping.  Plain decoding of the same prompt gives the cost of one token without
 speculation.  The report sets each arm's round against the chain's: how many tokens a round of
 that cost would have to emit to match the chain's milliseconds per token, against what it emits.
 Writes ``results.json`` and ``README.md``.
