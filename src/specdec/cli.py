@@ -123,7 +123,10 @@ def build_parser() -> argparse.ArgumentParser:
     gen.add_argument("--tree-min-prob", type=float, default=None, metavar="P",
                      help=f"greedy and coupled trees: leave out nodes whose cumulative draft probability is below P, so a "
                           f"round verifies only the candidates likely to pay for their row (default {defaults.TREE_MIN_PROB:g}; "
-                          "0 keeps the best N whatever their probability; sampled trees at T > 0 ignore it; lossless)")
+                          "0 keeps the best N whatever their probability; lossless). Sampled trees at T > 0 ignore it: "
+                          f"there a node draws another sibling only while the ones drawn leave at least {defaults.TREE_SIBLING_STOP:g} "
+                          f"of the draft's distribution uncovered, and gets children only if its path's draft probability "
+                          f"is at least {defaults.TREE_SAMPLE_EXPAND:g}")
     gen.add_argument("--min-confidence", type=float, default=None, help="dynamic draft length: end a draft after a token the drafter gives less than this probability (default 0 = off; lossless)")
     gen.add_argument("--json", action="store_true", help="print one JSON object: text, token_ids, stats")
     gen.add_argument("--rounds", action="store_true", help="with --json, include per-round stats")

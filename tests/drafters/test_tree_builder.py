@@ -1,5 +1,6 @@
 """The tree builder: early stop (the same pruned tree with fewer draft passes), the probability
-floor of deterministic trees, and compact rows over a reduced draft vocabulary."""
+floor of deterministic trees, compact rows over a reduced draft vocabulary, and the sampled
+trees' sibling stop and expansion floor."""
 
 from __future__ import annotations
 
