@@ -275,3 +275,98 @@ def test_the_engine_reads_a_draft_folder_s_vocabulary(tiny_pair, tmp_path: Path)
             draft_vocabulary(EngineConfig(), str(folder))
     finally:
         (folder / "draft_vocab.json").unlink()
+
+
+def test_a_batched_pass_gives_each_item_compact_or_whole_rows_as_asked(tiny_pair):
+    """``forward_batch(items, compact)``: each item's logits are bitwise what ``forward`` gives it
+    alone, over the draft vocabulary where asked and scattered into the whole one elsewhere
+    (a batch-invariant draft: its rows do not depend on the pass)."""
+    folder, _, _, ids, prompt, _ = tiny_pair
+    draft = NativeCausalLM.from_folder(folder, vocab_subset=ids, batch_invariant=True)
+    blocks = [torch.tensor(prompt), torch.tensor(prompt[:3]), torch.tensor(prompt[1:])]
+    want = [True, False, True]
+    alone = [draft.forward(b, draft.new_cache(64), last_only=i == 1, compact=c) for i, (b, c) in enumerate(zip(blocks, want))]
+    caches = [draft.new_cache(64) for _ in blocks]
+    batched = draft.forward_batch([(b, c, i == 1) for i, (b, c) in enumerate(zip(blocks, caches))], want)
+    for a, b, c in zip(alone, batched, want):
+        assert b.shape[-1] == (ids.numel() if c else draft.vocab_size)
+        assert torch.equal(a, b)
+    whole = draft.forward_batch([(b, draft.new_cache(64), i == 1) for i, b in enumerate(blocks)])
+    assert all(w.shape[-1] == draft.vocab_size for w in whole)
+
+
+@pytest.mark.parametrize("temperature", [0.0, 1.0])
+@pytest.mark.parametrize("wrapper", ["serialized", "batched"])
+def test_the_servers_model_wrappers_pass_compact_rows_through(tiny_pair, monkeypatch, wrapper, temperature):
+    """A draft model served behind the server's lock or its batching scheduler drafts on compact
+    rows like the bare model: the same chains and trees, q over the whole vocabulary, and the
+    model was asked for compact rows."""
+    import threading
+
+    from specdec.drafters.tree_builder import TreeSpec
+    from specdec.server.scheduler import BatchedModel, Scheduler
+    from specdec.server.sessions import SerializedModel
+
+    _, _, draft, ids, prompt, _ = tiny_pair
+    served = (SerializedModel(draft, threading.Lock()) if wrapper == "serialized"
+              else BatchedModel(draft, Scheduler(draft, name="draft")))
+    assert torch.equal(served.vocab_ids, ids)
+    asked = _spy_compact(monkeypatch)
+
+    def propose(model, tree: bool):
+        d = ModelDrafter(model)
+        ctx = torch.tensor(prompt)
+        d.prepare(ctx)
+        mode = "argmax" if temperature == 0 else "multinomial"
+        sampler = DraftSampler(SamplingConfig(temperature=temperature), mode, penalties=None,
+                               generator=torch.Generator().manual_seed(5))
+        spec = TreeSpec(min_prob=0.0, sibling_stop=0.0, sample_expand=0.0)
+        out = d.propose_tree(ctx, 8, sampler, spec, max_depth=4) if tree else d.propose(ctx, 5, sampler)
+        return out
+
+    for tree in (False, True):
+        bare = propose(draft, tree)
+        asked.clear()
+        wrapped = propose(served, tree)
+        assert asked and all(asked[1:])  # the prefill of prepare() is the only full-row call
+        assert torch.equal(bare.tokens, wrapped.tokens) and bare.tokens.numel() >= 4
+        assert (bare.parents is None) == (wrapped.parents is None)
+        if bare.parents is not None:
+            assert torch.equal(bare.parents, wrapped.parents)
+        if temperature > 0:
+            assert wrapped.probs.shape[-1] == draft.vocab_size and torch.equal(bare.probs, wrapped.probs)
+
+
+def test_the_batching_scheduler_runs_compact_and_whole_row_items_in_one_pass(tiny_pair, monkeypatch):
+    """Two forwards queued together (the loop started once both wait) run as one batched pass;
+    each gets its rows as asked, bitwise what it gets alone."""
+    import threading
+
+    from specdec.server.scheduler import Scheduler
+
+    folder, _, _, ids, prompt, _ = tiny_pair
+    draft = NativeCausalLM.from_folder(folder, vocab_subset=ids, batch_invariant=True)
+    calls: list[list[bool] | None] = []
+    orig = NativeCausalLM.forward_batch
+    monkeypatch.setattr(NativeCausalLM, "forward_batch", lambda self, items, compact=None: calls.append(compact) or orig(self, items, compact))
+    sched = Scheduler(draft, name="draft")
+    blocks = [torch.tensor(prompt), torch.tensor(prompt[1:])]
+    want = [True, False]
+    out: list[torch.Tensor | None] = [None, None]
+
+    def run(i: int) -> None:
+        out[i] = sched.forward(blocks[i], draft.new_cache(64), compact=want[i])
+
+    start = sched._start
+    sched._start = lambda: None  # the loop starts only once both forwards wait
+    threads = [threading.Thread(target=run, args=(i,)) for i in range(2)]
+    for t in threads:
+        t.start()
+    while len(sched) < 2:
+        threading.Event().wait(0.01)
+    start()
+    for t in threads:
+        t.join(timeout=30)
+    assert calls == [want]  # one batched pass with both items
+    for i in range(2):
+        assert torch.equal(out[i], draft.forward(blocks[i], draft.new_cache(64), compact=want[i]))

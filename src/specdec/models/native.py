@@ -586,8 +586,9 @@ class NativeCausalLM:
         return self._logits(h[-1:] if last_only else h), feats
 
     @torch.inference_mode()
-    def forward_batch(self, items: list[tuple[Tensor, KVCache, bool]]) -> list[Tensor]:
-        """Logits of several sequences in one pass: ``items`` are ``(tokens [n_i], cache_i, last_only_i)``.
+    def forward_batch(self, items: list[tuple[Tensor, KVCache, bool]], compact: list[bool] | None = None) -> list[Tensor]:
+        """Logits of several sequences in one pass: ``items`` are ``(tokens [n_i], cache_i, last_only_i)``;
+        ``compact[i]``: item i's rows over a reduced draft vocabulary as they are (see :meth:`_logits`).
 
         Continuous batching (Orca, Yu et al. 2022): the rows of all sequences are concatenated for
         the linear layers (one pass over the weights), attention runs per sequence against its own
@@ -605,13 +606,14 @@ class NativeCausalLM:
                 cache.reserve(n)
                 if starts[-1] + n > self._cos.shape[0]:
                     raise ValueError(f"position {starts[-1] + n} is past the model's context of {self._cos.shape[0]}")
-            return self._forward_batch(items, sizes, starts)
+            return self._forward_batch(items, sizes, starts, compact)
         except BaseException:
             for (_, cache, _), a in zip(items, starts):
                 cache.length = min(cache.length, a)  # undo this pass's reservations
             raise
 
-    def _forward_batch(self, items: list[tuple[Tensor, KVCache, bool]], sizes: list[int], starts: list[int]) -> list[Tensor]:
+    def _forward_batch(self, items: list[tuple[Tensor, KVCache, bool]], sizes: list[int], starts: list[int],
+                       compact: list[bool] | None = None) -> list[Tensor]:
         cfg = self.cfg
         tokens = torch.cat([t.reshape(-1) for t, _, _ in items])  # [M]
         x = self.embed.index_select(0, tokens)  # [M, D]
@@ -628,8 +630,11 @@ class NativeCausalLM:
             h = self._layers_batch_eager(x, cos, sin, items, sizes, starts, offsets)
         rows = [torch.arange(o + n - 1, o + n) if last else torch.arange(o, o + n)
                 for (_, _, last), n, o in zip(items, sizes, offsets)]
-        logits = self._logits(h[torch.cat(rows)])  # [R, V]
-        return list(logits.split([r.numel() for r in rows]))
+        counts = [r.numel() for r in rows]
+        if self._subset is None or not compact or not any(compact):
+            return list(self._logits(h[torch.cat(rows)]).split(counts))  # [R, V]
+        parts = self._logits(h[torch.cat(rows)], compact=True).split(counts)  # [R, Vd], then scattered where asked
+        return [p if c else full_vocab(p, self._subset, self.vocab_size) for p, c in zip(parts, compact)]
 
     def _layers_batch_eager(self, x: Tensor, cos: Tensor, sin: Tensor, items: list[tuple[Tensor, KVCache, bool]],
                             sizes: list[int], starts: list[int], offsets: list[int]) -> Tensor:  # [M, D] -> [M, D]

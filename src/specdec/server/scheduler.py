@@ -69,6 +69,7 @@ class _Item:
     cache: Any
     last_only: bool
     cancelled: threading.Event
+    compact: bool = False  # rows over a reduced draft vocabulary as they are
     done: threading.Event = field(default_factory=threading.Event)
     offset: int = 0  # rows already run
     parts: list[Tensor] = field(default_factory=list)  # logits of the chunks run so far
@@ -127,10 +128,11 @@ class Scheduler:
         event = getattr(self._local, "cancelled", None)
         return event if event is not None else threading.Event()
 
-    def forward(self, tokens: Tensor, cache: Any, *, last_only: bool = False) -> Tensor:  # tokens: [n] -> [n|1, V]
-        """Run one sequence's forward pass in the next batch; blocks until its logits are ready."""
+    def forward(self, tokens: Tensor, cache: Any, *, last_only: bool = False, compact: bool = False) -> Tensor:
+        """Run one sequence's forward pass in the next batch; blocks until its logits are ready
+        (tokens: [n] -> [n|1, V], or [n|1, Vd] with ``compact``: a reduced draft vocabulary's rows)."""
         tokens = tokens.reshape(-1)
-        item = _Item(tokens=tokens, cache=cache, last_only=last_only, cancelled=self._cancel_event())
+        item = _Item(tokens=tokens, cache=cache, last_only=last_only, cancelled=self._cancel_event(), compact=compact)
         with self._cond:
             if len(self._queue) >= self.config.max_queue:
                 if self.metrics is not None:
@@ -198,18 +200,20 @@ class Scheduler:
         for item, take in batch:
             # every chunk of a last_only forward asks for its last row only (the final one is kept)
             work.append((item.tokens[item.offset : item.offset + take], item.cache, item.last_only))
+        compact = [item.compact for item, _ in batch]
+        kw = [{"compact": True} if c else {} for c in compact]  # models that never get compact need not know it
         try:
             if self.batched and len(work) > 1:
-                outs = self.model.forward_batch(work)
+                outs = self.model.forward_batch(work, compact) if any(compact) else self.model.forward_batch(work)
             else:
-                outs = [self.model.forward(t, c, last_only=last) for t, c, last in work]
+                outs = [self.model.forward(t, c, last_only=last, **k) for (t, c, last), k in zip(work, kw)]
         except Exception:  # noqa: BLE001 - isolate the failing item: rerun them one by one
             outs = None
         if outs is None:
             outs = []
-            for (item, _), (t, c, last) in zip(batch, work):
+            for (item, _), (t, c, last), k in zip(batch, work, kw):
                 try:
-                    outs.append(self.model.forward(t, c, last_only=last))
+                    outs.append(self.model.forward(t, c, last_only=last, **k))
                 except Exception as exc:  # noqa: BLE001 - handed to the waiting request
                     item.error = exc
                     outs.append(None)
@@ -232,8 +236,8 @@ class BatchedModel(ServedModel):
         super().__init__(model, initial_length=initial_length, prefix_cache=prefix_cache)
         self.scheduler = scheduler
 
-    def _forward(self, tokens: Tensor, cache: Any, *, last_only: bool = False) -> Tensor:  # tokens: [n]
-        return self.scheduler.forward(tokens, cache, last_only=last_only)
+    def _forward(self, tokens: Tensor, cache: Any, *, last_only: bool = False, compact: bool = False) -> Tensor:  # tokens: [n]
+        return self.scheduler.forward(tokens, cache, last_only=last_only, compact=compact)
 
     def _alone(self, fn: Callable[..., Any], *args: Any, **kw: Any) -> Any:
         """Between the scheduler's batches (a token tree's pass: an edge's tree round)."""

@@ -16,9 +16,6 @@ class ServedModel:
     supports it.  With a ``prefix_cache`` (batch-invariant models only, see
     :mod:`specdec.server.prefix_cache`), prefills reuse the keys/values of earlier prompts."""
 
-    #: passes return whole-vocabulary rows only (no compact draft rows through the wrappers)
-    vocab_ids = None
-
     def __init__(self, model: Any, *, initial_length: int | None = None, prefix_cache: Any | None = None) -> None:
         if prefix_cache is not None and not supports_prefix_cache(model):
             raise ValueError("prefix caching needs a batch-invariant model (its cached rows must not depend on the pass)")
@@ -37,10 +34,18 @@ class ServedModel:
             return self.inner.new_cache(max_length, initial_length=self.initial_length)
         return self.inner.new_cache(max_length)
 
-    def forward(self, tokens: Any, cache: Any, *, last_only: bool = False) -> Any:  # tokens: [n] -> [n|1, V]
-        return prefill(self._forward, self.prefix_cache, tokens, cache, last_only)
+    @property
+    def vocab_ids(self) -> Any:
+        """The wrapped draft model's reduced vocabulary (its target ids), or None: passes give its
+        rows as they are when asked (``compact=True``), whole-vocabulary rows otherwise."""
+        return getattr(self.inner, "vocab_ids", None)
 
-    def _forward(self, tokens: Any, cache: Any, *, last_only: bool = False) -> Any:
+    def forward(self, tokens: Any, cache: Any, *, last_only: bool = False, compact: bool = False) -> Any:
+        """tokens: [n] -> [n|1, V] ([n|1, Vd] with ``compact``, for a model with :attr:`vocab_ids`)."""
+        run = self._forward if not compact else (lambda t, c, last_only: self._forward(t, c, last_only=last_only, compact=True))
+        return prefill(run, self.prefix_cache, tokens, cache, last_only)
+
+    def _forward(self, tokens: Any, cache: Any, *, last_only: bool = False, compact: bool = False) -> Any:
         raise NotImplementedError
 
     def _alone(self, fn: Any, *args: Any, **kw: Any) -> Any:
@@ -48,11 +53,12 @@ class ServedModel:
         other pass of that model running (a model object runs one forward at a time)."""
         raise NotImplementedError
 
-    def forward_tree(self, tokens: Any, parents: Any, cache: Any, *, prefix: int | None = None) -> Any:  # -> [n, V]
+    def forward_tree(self, tokens: Any, parents: Any, cache: Any, *, prefix: int | None = None,
+                     compact: bool = False) -> Any:  # -> [n, V] ([n, Vd] with compact)
         fn = getattr(self.inner, "forward_tree", None)
         if fn is None:
             raise ConfigError("token trees need a backend with tree attention (the native backend, not hf)")
-        return self._alone(fn, tokens, parents, cache, prefix=prefix)
+        return self._alone(fn, tokens, parents, cache, prefix=prefix, **({"compact": True} if compact else {}))
 
     def __getattr__(self, name: str) -> Any:  # anything else (dtype, n_params, ...) passes through
         return getattr(self.inner, name)

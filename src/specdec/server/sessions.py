@@ -58,9 +58,9 @@ class SerializedModel(ServedModel):
         super().__init__(model, initial_length=initial_length, prefix_cache=prefix_cache)
         self.lock = lock
 
-    def _forward(self, tokens: Tensor, cache: Any, *, last_only: bool = False) -> Tensor:  # tokens: [n]
+    def _forward(self, tokens: Tensor, cache: Any, *, last_only: bool = False, compact: bool = False) -> Tensor:  # tokens: [n]
         with self.lock:
-            return self.inner.forward(tokens, cache, last_only=last_only)
+            return self.inner.forward(tokens, cache, last_only=last_only, **({"compact": True} if compact else {}))
 
     def _alone(self, fn: Any, *args: Any, **kw: Any) -> Any:
         with self.lock:
