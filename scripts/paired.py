@@ -39,6 +39,14 @@ def setup(args: argparse.Namespace) -> tuple[list[float], list, Engine, Engine]:
     return temps, prompts, engine, Engine(engine.target, None, "none")
 
 
+def native_model(obj):  # noqa: ANN001, ANN201 - a drafter, a loaded model or the model itself
+    """The :class:`~specdec.models.native.NativeCausalLM` behind a drafter or a loaded model
+    (``.model`` followed down to the object with ``forward_batch``)."""
+    while not hasattr(obj, "forward_batch"):
+        obj = obj.model
+    return obj
+
+
 def command() -> str:
     """The command line that ran this script, as a report quotes it."""
     return f"python scripts/{Path(sys.argv[0]).name} " + " ".join(shlex.quote(a) for a in sys.argv[1:])

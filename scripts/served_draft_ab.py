@@ -33,12 +33,6 @@ from specdec.server.scheduler import BatchedModel, Scheduler
 from specdec.server.sessions import SerializedModel
 
 
-def _draft_model(drafter):  # noqa: ANN001, ANN202 - the engine's drafter -> its draft model
-    while not hasattr(drafter, "forward_batch"):
-        drafter = drafter.model
-    return drafter
-
-
 def main() -> int:
     ap = paired.parser(__doc__)
     ap.add_argument("--gamma", type=int, default=4)
@@ -48,7 +42,7 @@ def main() -> int:
                          "team next to the main thread's disturbs the other arms' timings, so measure it in its own run)")
     args = ap.parse_args()
     temps, prompts, engine, _ = paired.setup(args)
-    model = _draft_model(engine.drafter)
+    model = paired.native_model(engine.drafter)
     if model.vocab_ids is None:
         raise SystemExit("this draft model has no reduced vocabulary: there are no compact rows to compare")
     make = {"bare": lambda: model, "lock": lambda: SerializedModel(model, threading.Lock()),

@@ -39,12 +39,7 @@ def main() -> int:
     ap.set_defaults(temperatures="0")
     args = ap.parse_args()
     _, prompts, engine, _ = paired.setup(args)
-    draft = engine.drafter
-    while not hasattr(draft, "forward_batch"):
-        draft = draft.model
-    target = engine.target
-    while not hasattr(target, "forward_batch"):
-        target = target.model
+    draft, target = paired.native_model(engine.drafter), paired.native_model(engine.target)
     served = (BatchedModel(target, Scheduler(target, name="target")), BatchedModel(draft, Scheduler(draft, name="draft")))
     cfg = SamplingConfig(temperature=0.0, max_new_tokens=args.max_new_tokens)
     encoded = [engine.encode(p.text, chat=p.chat) for p in prompts]

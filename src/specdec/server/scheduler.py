@@ -34,7 +34,7 @@ from torch import Tensor
 
 from specdec import defaults
 from specdec.errors import ConfigError
-from specdec.server.served import ServedModel
+from specdec.server.served import ServedModel, compact_kw
 
 
 class Overloaded(Exception):
@@ -201,7 +201,7 @@ class Scheduler:
             # every chunk of a last_only forward asks for its last row only (the final one is kept)
             work.append((item.tokens[item.offset : item.offset + take], item.cache, item.last_only))
         compact = [item.compact for item, _ in batch]
-        kw = [{"compact": True} if c else {} for c in compact]  # models that never get compact need not know it
+        kw = [compact_kw(c) for c in compact]
         try:
             if self.batched and len(work) > 1:
                 outs = self.model.forward_batch(work, compact) if any(compact) else self.model.forward_batch(work)

@@ -3,10 +3,17 @@
 from __future__ import annotations
 
 import inspect
+from functools import partial
 from typing import Any
 
 from specdec.errors import ConfigError
 from specdec.server.prefix_cache import prefill, supports_prefix_cache
+
+
+def compact_kw(compact: bool) -> dict[str, bool]:
+    """Keyword arguments asking a model pass for compact draft rows: none unless asked, so models
+    without a reduced vocabulary (which never are asked) need not take the argument."""
+    return {"compact": True} if compact else {}
 
 
 class ServedModel:
@@ -42,8 +49,7 @@ class ServedModel:
 
     def forward(self, tokens: Any, cache: Any, *, last_only: bool = False, compact: bool = False) -> Any:
         """tokens: [n] -> [n|1, V] ([n|1, Vd] with ``compact``, for a model with :attr:`vocab_ids`)."""
-        run = self._forward if not compact else (lambda t, c, last_only: self._forward(t, c, last_only=last_only, compact=True))
-        return prefill(run, self.prefix_cache, tokens, cache, last_only)
+        return prefill(partial(self._forward, compact=compact), self.prefix_cache, tokens, cache, last_only)
 
     def _forward(self, tokens: Any, cache: Any, *, last_only: bool = False, compact: bool = False) -> Any:
         raise NotImplementedError
@@ -58,7 +64,7 @@ class ServedModel:
         fn = getattr(self.inner, "forward_tree", None)
         if fn is None:
             raise ConfigError("token trees need a backend with tree attention (the native backend, not hf)")
-        return self._alone(fn, tokens, parents, cache, prefix=prefix, **({"compact": True} if compact else {}))
+        return self._alone(fn, tokens, parents, cache, prefix=prefix, **compact_kw(compact))
 
     def __getattr__(self, name: str) -> Any:  # anything else (dtype, n_params, ...) passes through
         return getattr(self.inner, name)

@@ -36,7 +36,7 @@ from specdec.remote.protocol import (
 )
 from specdec.sampling import SamplingConfig
 from specdec.server.errors import ApiError
-from specdec.server.served import ServedModel
+from specdec.server.served import ServedModel, compact_kw
 from specdec.server.settings import ServerSettings
 from specdec.session import TargetSession
 from specdec.tree import depths
@@ -60,7 +60,7 @@ class SerializedModel(ServedModel):
 
     def _forward(self, tokens: Tensor, cache: Any, *, last_only: bool = False, compact: bool = False) -> Tensor:  # tokens: [n]
         with self.lock:
-            return self.inner.forward(tokens, cache, last_only=last_only, **({"compact": True} if compact else {}))
+            return self.inner.forward(tokens, cache, last_only=last_only, **compact_kw(compact))
 
     def _alone(self, fn: Any, *args: Any, **kw: Any) -> Any:
         with self.lock:
