@@ -58,6 +58,7 @@ _SCHEMAS = (
     "q4_pack(Tensor qs, Tensor d, Tensor m) -> Tensor",
     "q4_linear(Tensor x, Tensor gain, Tensor packed, int n_out, Tensor col) -> Tensor",
     "q4_vnni() -> bool",
+    "q4_isa() -> str",
     "f32_pack(Tensor w) -> Tensor",
     "f32_linear(Tensor x, Tensor packed, int n_out) -> Tensor",
     "fused_layers(Tensor x, Tensor cos, Tensor sin, Tensor k_all, Tensor v_all, int start, int n_heads, "
@@ -88,12 +89,22 @@ def _compiler() -> str | None:
     return None
 
 
+def _march() -> str:
+    """The target-CPU flag: this CPU (``-march=native``), or ``-march=$SPECDEC_MARCH`` (e.g.
+    ``x86-64-v3`` for AVX2, ``x86-64`` for the portable C++ paths: how the tests check that every
+    build gives the same bits)."""
+    if os.environ.get("SPECDEC_MARCH"):
+        return f"-march={os.environ['SPECDEC_MARCH']}"
+    return "-march=native" if platform.machine() in ("x86_64", "AMD64") else "-mcpu=native"
+
+
 def _build(cxx: str) -> Path:
     from torch.utils import cpp_extension
 
     src = b"\0".join(p.read_bytes() for p in (*_SOURCES, *_HEADERS))
+    march = _march()
     key = hashlib.sha256(b"\0".join([src, torch.__version__.encode(), cxx.encode(), _cpu_key().encode(),
-                                     " ".join(_FLAGS).encode()])).hexdigest()[:16]
+                                     " ".join((*_FLAGS, march)).encode()])).hexdigest()[:16]
     cache = Path(os.environ.get("SPECDEC_CACHE") or Path.home() / ".cache" / "specdec") / "kernels"
     cache.mkdir(parents=True, exist_ok=True)
     lib = cache / f"specdec-{key}.so"
@@ -104,7 +115,6 @@ def _build(cxx: str) -> Path:
         if lib.is_file():
             return lib
         tmp = lib.with_suffix(f".{os.getpid()}.tmp")
-        march = "-march=native" if platform.machine() in ("x86_64", "AMD64") else "-mcpu=native"
         cmd = [cxx, *_FLAGS, march, *(f"-I{p}" for p in cpp_extension.include_paths()),
                f"-I{sysconfig.get_paths()['include']}", *map(str, _SOURCES), "-o", str(tmp),
                *(f"-L{p}" for p in cpp_extension.library_paths()), "-lc10", "-ltorch_cpu", "-ltorch"]
@@ -158,6 +168,14 @@ def q4_available() -> bool:
     """Whether ``torch.ops.specdec.q4_linear`` runs here (the library loaded; AVX-512 VNNI or
     portable C++, the same bits either way)."""
     return load()
+
+
+def q4_fast() -> bool:
+    """Whether the 4-bit kernel runs vectorised here (AVX-512 VNNI or AVX2; its portable C++ path
+    gives the same bits several times more slowly)."""
+    if "q4_fast" not in _state:
+        _state["q4_fast"] = load() and str(torch.ops.specdec.q4_isa()) != "portable"
+    return bool(_state["q4_fast"])
 
 
 def attention_kernel() -> bool:

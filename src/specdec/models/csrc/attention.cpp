@@ -21,8 +21,8 @@
 //     multiply-add per key and feature in key order, times 1 / sum.  A verification pass's rows
 //     share the reads of the keys and values they all see; their sums stay in registers.
 //
-// Fused multiply-adds are explicit (`fma16`: the AVX-512 instruction, or std::fma lane by lane
-// in the portable build: a * b + c rounded once either way).  Everything else is compiled with
+// Fused multiply-adds are explicit (`fma16`: the AVX-512 instruction, two AVX2 ones on halves, or
+// std::fma lane by lane in the portable build: a * b + c rounded once in every case).  Everything else is compiled with
 // -ffp-contract=off and without -ffast-math: the compiler may neither fuse a multiply-add nor
 // reorder a sum.  Work is split across threads by (KV head, chunk of rows) only.
 
@@ -37,13 +37,20 @@
 #include <cstring>
 #include <vector>
 
-#if defined(__AVX512F__)
+#if defined(__AVX512F__) || (defined(__AVX__) && defined(__FMA__))
 #include <immintrin.h>
 #endif
 
 namespace {
 
 constexpr int kLanes = 16;
+// 16-lane sums a value-weighting tile keeps in registers: 24 of the 32 AVX-512 registers; with
+// 16 AVX2 registers of 8 lanes, 4 (8 registers), so that nothing spills
+#if defined(__AVX512F__)
+constexpr int kSumRegs = 24;
+#else
+constexpr int kSumRegs = 4;
+#endif
 // 16 floats as one value (GCC / clang vector extension): element-wise IEEE arithmetic, so lane l
 // of a vector expression is bitwise the scalar expression on lane l's inputs.
 typedef float v16 __attribute__((vector_size(64)));
@@ -80,6 +87,16 @@ inline F bits_as(I bits) {
 inline v16 fma16(v16 a, v16 b, v16 c) {
 #if defined(__AVX512F__)
   return (v16)_mm512_fmadd_ps((__m512)a, (__m512)b, (__m512)c);
+#elif defined(__AVX__) && defined(__FMA__)
+  __m256 x[2], y[2], z[2];
+  std::memcpy(x, &a, sizeof(x));
+  std::memcpy(y, &b, sizeof(y));
+  std::memcpy(z, &c, sizeof(z));
+  z[0] = _mm256_fmadd_ps(x[0], y[0], z[0]);
+  z[1] = _mm256_fmadd_ps(x[1], y[1], z[1]);
+  v16 r;
+  std::memcpy(&r, z, sizeof(r));
+  return r;
 #else
   v16 r;
   for (int l = 0; l < kLanes; ++l) r[l] = std::fma(a[l], b[l], c[l]);
@@ -112,12 +129,21 @@ inline F exp_neg(F x0) {
 // The 16 lanes summed in the fixed tree: h8[l] = a[l] + a[l+8], h4[l] = h8[l] + h8[l+4],
 // h2[l] = h4[l] + h4[l+2], then h2[0] + h2[1].
 inline float lane_sum(v16 a) {
+#if !defined(__AVX512F__) && defined(__AVX__)
+  __m256 half[2];  // the same additions on vectors: lanes l and l + 8, then l and l + 4, ...
+  std::memcpy(half, &a, sizeof(half));
+  const __m256 h8 = _mm256_add_ps(half[0], half[1]);
+  const __m128 h4 = _mm_add_ps(_mm256_castps256_ps128(h8), _mm256_extractf128_ps(h8, 1));
+  const __m128 h2 = _mm_add_ps(h4, _mm_movehl_ps(h4, h4));  // [h4[0] + h4[2], h4[1] + h4[3], ...]
+  return _mm_cvtss_f32(_mm_add_ss(h2, _mm_shuffle_ps(h2, h2, 1)));
+#else
   float f[kLanes];
   store(f, a);
   float h8[8], h4[4];
   for (int l = 0; l < 8; ++l) h8[l] = f[l] + f[l + 8];
   for (int l = 0; l < 4; ++l) h4[l] = h8[l] + h8[l + 4];
   return (h4[0] + h4[2]) + (h4[1] + h4[3]);
+#endif
 }
 
 // q . k with feature c in lane c mod 16 (the tail's missing features add exact zeros), not yet summed.
@@ -138,6 +164,38 @@ inline v16 dot_lanes(const float* q, const float* k, int64_t d) {
   }
   return acc;
 }
+
+// lane_sum(dot_lanes<NV>(q, k, d)): one key's score.
+#if !defined(__AVX512F__) && defined(__AVX__) && defined(__FMA__)
+// On AVX2 the 16 lanes are two 8-lane registers: the same fused multiply-adds, lane by lane, and
+// the same tree of additions, without the round trips through memory that GCC's lowering of
+// 16-lane vectors costs here.
+template <int NV>
+inline float dot_sum(const float* q, const float* k, int64_t d) {
+  __m256 lo = _mm256_setzero_ps(), hi = _mm256_setzero_ps();
+  int64_t c = 0;
+  for (; c + kLanes <= (NV > 0 ? 16 * NV : d); c += kLanes) {
+    lo = _mm256_fmadd_ps(_mm256_loadu_ps(q + c), _mm256_loadu_ps(k + c), lo);
+    hi = _mm256_fmadd_ps(_mm256_loadu_ps(q + c + 8), _mm256_loadu_ps(k + c + 8), hi);
+  }
+  if (NV == 0 && c < d) {  // the tail: zeros for the missing features, as dot_lanes pads
+    alignas(32) float qt[kLanes] = {0}, kt[kLanes] = {0};
+    std::memcpy(qt, q + c, sizeof(float) * (d - c));
+    std::memcpy(kt, k + c, sizeof(float) * (d - c));
+    lo = _mm256_fmadd_ps(_mm256_load_ps(qt), _mm256_load_ps(kt), lo);
+    hi = _mm256_fmadd_ps(_mm256_load_ps(qt + 8), _mm256_load_ps(kt + 8), hi);
+  }
+  const __m256 h8 = _mm256_add_ps(lo, hi);
+  const __m128 h4 = _mm_add_ps(_mm256_castps256_ps128(h8), _mm256_extractf128_ps(h8, 1));
+  const __m128 h2 = _mm_add_ps(h4, _mm_movehl_ps(h4, h4));
+  return _mm_cvtss_f32(_mm_add_ss(h2, _mm_shuffle_ps(h2, h2, 1)));
+}
+#else
+template <int NV>
+inline float dot_sum(const float* q, const float* k, int64_t d) {
+  return lane_sum(dot_lanes<NV>(q, k, d));
+}
+#endif
 
 #if defined(__AVX512F__)
 // lane_sum of 16 vectors at once: out[i] = lane_sum(a[i]), bitwise (the same additions, paired
@@ -202,12 +260,36 @@ inline void pv_tile(const float* const* w, const float* v, int64_t key_stride, i
     for (int c = 0; c < NV; ++c) acc[t][c] = a[t][c];
 }
 
+#if !defined(__AVX512F__) && defined(__AVX__) && defined(__FMA__)
+// pv_tile in 8-lane registers (AVX2): the same fused multiply-add per key, lane and pair.
+template <int NV, int NP>
+inline void pv_tile_avx2(const float* const* w, const float* v, int64_t key_stride, int64_t n, v16 (*acc)[NV]) {
+  __m256 a[NP][2 * NV];
+  for (int t = 0; t < NP; ++t)
+    for (int c = 0; c < 2 * NV; ++c) a[t][c] = _mm256_setzero_ps();
+  for (int64_t jj = 0; jj < n; ++jj) {
+    const float* vj = v + jj * key_stride;
+    __m256 x[2 * NV];
+    for (int c = 0; c < 2 * NV; ++c) x[c] = _mm256_loadu_ps(vj + 8 * c);
+    for (int t = 0; t < NP; ++t) {
+      const __m256 wt = _mm256_set1_ps(w[t][jj]);
+      for (int c = 0; c < 2 * NV; ++c) a[t][c] = _mm256_fmadd_ps(wt, x[c], a[t][c]);
+    }
+  }
+  for (int t = 0; t < NP; ++t) std::memcpy(acc[t], a[t], sizeof(a[t]));
+}
+#endif
+
 template <int NV, int NP>
 void pv_dispatch(int np, const float* const* w, const float* v, int64_t key_stride, int64_t n, v16 (*acc)[NV]) {
   if constexpr (NP > 1) {
     if (np < NP) return pv_dispatch<NV, NP - 1>(np, w, v, key_stride, n, acc);
   }
+#if !defined(__AVX512F__) && defined(__AVX__) && defined(__FMA__)
+  pv_tile_avx2<NV, NP>(w, v, key_stride, n, acc);
+#else
   pv_tile<NV, NP>(w, v, key_stride, n, acc);
+#endif
 }
 
 template <int NV>
@@ -254,7 +336,7 @@ void attend_rows(const Rows& rows, int64_t g, int64_t d, const float* k, const f
     for (int64_t jj = done; jj < n_keys(r); ++jj) {
       const int64_t slot = jj < rows.pre[r] ? jj : rows.extra[r][jj - rows.pre[r]];
       for (int64_t h = 0; h < g; ++h)
-        s[off[r] + h * n_keys(r) + jj] = lane_sum(dot_lanes<NV>(qr + h * d, k + slot * key_stride, d));
+        s[off[r] + h * n_keys(r) + jj] = dot_sum<NV>(qr + h * d, k + slot * key_stride, d);
     }
   }
   // softmax per row and head
@@ -295,7 +377,7 @@ void attend_rows(const Rows& rows, int64_t g, int64_t d, const float* k, const f
     for (int64_t c = 0; c < d; ++c) o[c] = a[c] * inv[r * g + h];
   };
   if constexpr (NV > 0) {
-    constexpr int kTile = NV >= 24 ? 1 : 24 / NV;  // (row, head) pairs whose sums stay in registers
+    constexpr int kTile = NV >= kSumRegs ? 1 : kSumRegs / NV;  // (row, head) pairs whose sums stay in registers
     for (int64_t p0 = 0; p0 < pairs; p0 += kTile) {
       const int np = pairs - p0 < kTile ? static_cast<int>(pairs - p0) : kTile;
       int64_t common = rows.pre[p0 / g];

@@ -23,7 +23,9 @@
 //       the 32 columns as float16 (64 + 64 bytes): one contiguous stream per group
 //   torch.ops.specdec.q4_linear(x float32 [n, K], gain float32 [K] (empty: none), packed,
 //       n_out, col float32 [N] (empty: none)) -> y float32 [n, N], x multiplied by gain first
-//   torch.ops.specdec.q4_vnni() -> bool: this build runs the AVX-512 VNNI path (else portable C++)
+//   torch.ops.specdec.q4_vnni() -> bool: this build runs the AVX-512 VNNI path
+//   torch.ops.specdec.q4_isa() -> str: the path this build runs: "avx512-vnni", "avx2" (u8 x s8
+//       pair products summed in int16, exact: see group_avx2) or "portable" (plain C++, slow)
 
 #include <ATen/ATen.h>
 #include <ATen/Parallel.h>
@@ -34,12 +36,19 @@
 #include <cmath>
 #include <cstdint>
 #include <cstring>
+#include <string>
 
 #if defined(__AVX512VNNI__) && defined(__AVX512F__) && defined(__AVX512BW__)
 #include <immintrin.h>
 #define SPECDEC_Q4_VNNI 1
+#define SPECDEC_Q4_AVX2 0
+#elif defined(__AVX2__) && defined(__F16C__)
+#include <immintrin.h>
+#define SPECDEC_Q4_VNNI 0
+#define SPECDEC_Q4_AVX2 1
 #else
 #define SPECDEC_Q4_VNNI 0
+#define SPECDEC_Q4_AVX2 0
 #endif
 
 namespace {
@@ -77,6 +86,8 @@ at::Tensor q4_pack(const at::Tensor& qs, const at::Tensor& d, const at::Tensor& 
 }
 
 bool q4_vnni() { return SPECDEC_Q4_VNNI != 0; }
+
+std::string q4_isa() { return SPECDEC_Q4_VNNI ? "avx512-vnni" : (SPECDEC_Q4_AVX2 ? "avx2" : "portable"); }
 
 // The activation side of every block: codes (int8 [n, nb * 32]), e (float [n, nb]) and
 // e * float(sum of codes) (float [n, nb]).  Scalar code: a few thousand values per call.
@@ -143,6 +154,60 @@ void quantize_rows_avx512(const float* x, const float* gain, int64_t n, int64_t 
       }
       step[r * nb + b] = e;
       sums[r * nb + b] = e * static_cast<float>(total);
+    }
+}
+#endif
+
+#if SPECDEC_Q4_AVX2
+// quantize_rows on 8 lanes (AVX2): the same IEEE operations element by element as the scalar
+// code, hence the same codes, steps and sums.
+void quantize_rows_avx2(const float* x, const float* gain, int64_t n, int64_t k, int64_t nb, int8_t* codes,
+                        float* step, float* sums) {
+  const __m256 absmask = _mm256_castsi256_ps(_mm256_set1_epi32(0x7FFFFFFF));
+  const __m256 hi = _mm256_set1_ps(127.0f), lo = _mm256_set1_ps(-127.0f);
+  for (int64_t r = 0; r < n; ++r)
+    for (int64_t b = 0; b < nb; ++b) {
+      const int64_t c0 = b * kBlock;
+      __m256 v[4];
+      if (c0 + kBlock <= k) {
+        for (int h = 0; h < 4; ++h) {
+          __m256 xv = _mm256_loadu_ps(x + r * k + c0 + 8 * h);
+          if (gain != nullptr) xv = _mm256_mul_ps(xv, _mm256_loadu_ps(gain + c0 + 8 * h));
+          v[h] = xv;
+        }
+      } else {  // a padded last block: the missing inputs are zeros
+        alignas(32) float t[kBlock];
+        for (int i = 0; i < kBlock; ++i) {
+          const int64_t c = c0 + i;
+          t[i] = c < k ? (gain != nullptr ? x[r * k + c] * gain[c] : x[r * k + c]) : 0.0f;
+        }
+        for (int h = 0; h < 4; ++h) v[h] = _mm256_load_ps(t + 8 * h);
+      }
+      __m256 mx = _mm256_max_ps(_mm256_max_ps(_mm256_and_ps(v[0], absmask), _mm256_and_ps(v[1], absmask)),
+                                _mm256_max_ps(_mm256_and_ps(v[2], absmask), _mm256_and_ps(v[3], absmask)));
+      __m128 m4 = _mm_max_ps(_mm256_castps256_ps128(mx), _mm256_extractf128_ps(mx, 1));
+      m4 = _mm_max_ps(m4, _mm_movehl_ps(m4, m4));
+      m4 = _mm_max_ss(m4, _mm_shuffle_ps(m4, m4, 1));
+      const float e = _mm_cvtss_f32(m4) / 127.0f;  // the max is exact in any order
+      int8_t* q = codes + (r * nb + b) * kBlock;
+      __m256i total = _mm256_setzero_si256();
+      for (int h = 0; h < 4; ++h) {
+        __m256i qi = _mm256_setzero_si256();
+        if (e != 0.0f) {
+          __m256 qv = _mm256_round_ps(_mm256_div_ps(v[h], _mm256_set1_ps(e)), _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
+          qv = _mm256_min_ps(_mm256_max_ps(qv, lo), hi);
+          qi = _mm256_cvttps_epi32(qv);
+        }
+        total = _mm256_add_epi32(total, qi);
+        const __m128i p16 = _mm_packs_epi32(_mm256_castsi256_si128(qi), _mm256_extracti128_si256(qi, 1));
+        const __m128i p8 = _mm_packs_epi16(p16, p16);
+        _mm_storel_epi64(reinterpret_cast<__m128i*>(q + 8 * h), p8);
+      }
+      __m128i t4 = _mm_add_epi32(_mm256_castsi256_si128(total), _mm256_extracti128_si256(total, 1));
+      t4 = _mm_add_epi32(t4, _mm_shuffle_epi32(t4, 0x4E));
+      t4 = _mm_add_epi32(t4, _mm_shuffle_epi32(t4, 0xB1));
+      step[r * nb + b] = e;
+      sums[r * nb + b] = e * static_cast<float>(_mm_cvtsi128_si32(t4));
     }
 }
 #endif
@@ -229,10 +294,94 @@ void group_vnni(const int8_t* codes, const float* step, const float* sums, int64
 }
 #endif
 
+#if SPECDEC_Q4_AVX2
+// Columns 16u .. 16u + 15 of one group for R rows (AVX2): per block and 8 columns, the products
+// of four inputs summed in int16 lanes (u8 x s8 pairs, then 16 products per lane: at most
+// 16 x 15 x 127 = 30,480, so nothing saturates and the sums are exact), widened to int32, then the
+// float steps on 8 lanes.
+template <int R>
+void half_group_avx2(const int8_t* codes, const float* step, const float* sums, int64_t nb, const uint8_t* wg,
+                     int u, float* out, int64_t out_stride, int64_t valid) {
+  __m256 y[R][2];
+  for (int r = 0; r < R; ++r) y[r][0] = y[r][1] = _mm256_setzero_ps();
+  const __m256i low = _mm256_set1_epi8(0x0F);
+  const __m256i ones = _mm256_set1_epi16(1);
+  for (int64_t b = 0; b < nb; ++b) {
+    const uint8_t* blk = wg + b * kStride;
+    if (u == 0) {
+      const uint8_t* ahead = blk + kPrefetch * kStride;
+      for (int line = 0; line < kStride; line += 64) _mm_prefetch(reinterpret_cast<const char*>(ahead + line), _MM_HINT_T0);
+    }
+    for (int h = 0; h < 2; ++h) {
+      __m256i acc[R];
+      for (int r = 0; r < R; ++r) acc[r] = _mm256_setzero_si256();
+      for (int l = 0; l < 4; ++l) {
+        const __m256i v = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(blk + u * 256 + l * 64 + 32 * h));
+        const __m256i lo = _mm256_and_si256(v, low);
+        const __m256i hi = _mm256_and_si256(_mm256_srli_epi16(v, 4), low);
+        for (int r = 0; r < R; ++r) {
+          const int8_t* a = codes + (r * nb + b) * kBlock + 4 * l;
+          int32_t a_lo, a_hi;
+          std::memcpy(&a_lo, a, 4);
+          std::memcpy(&a_hi, a + 16, 4);
+          acc[r] = _mm256_add_epi16(acc[r], _mm256_maddubs_epi16(lo, _mm256_set1_epi32(a_lo)));
+          acc[r] = _mm256_add_epi16(acc[r], _mm256_maddubs_epi16(hi, _mm256_set1_epi32(a_hi)));
+        }
+      }
+      const int c = 16 * u + 8 * h;
+      const __m256 dw = _mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(blk + kCodes + 2 * c)));
+      const __m256 mw = _mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(blk + kCodes + 64 + 2 * c)));
+      for (int r = 0; r < R; ++r) {
+        const __m256 t = _mm256_mul_ps(dw, _mm256_set1_ps(step[r * nb + b]));
+        const __m256 f = _mm256_cvtepi32_ps(_mm256_madd_epi16(acc[r], ones));
+        y[r][h] = _mm256_add_ps(y[r][h], _mm256_mul_ps(t, f));
+        y[r][h] = _mm256_add_ps(y[r][h], _mm256_mul_ps(mw, _mm256_set1_ps(sums[r * nb + b])));
+      }
+    }
+  }
+  for (int h = 0; h < 2; ++h) {
+    const int64_t v = valid - 16 * u - 8 * h;
+    if (v <= 0) break;
+    for (int r = 0; r < R; ++r) {
+      float* o = out + r * out_stride + 16 * u + 8 * h;
+      if (v >= 8) {
+        _mm256_storeu_ps(o, y[r][h]);
+      } else {
+        alignas(32) float t[8];
+        _mm256_store_ps(t, y[r][h]);
+        for (int64_t i = 0; i < v; ++i) o[i] = t[i];
+      }
+    }
+  }
+}
+
+// One group of 32 columns for R rows: its two halves of 16 columns, rows three at a time (the
+// float sums of a half and three rows' integer sums fit the 16 vector registers).
+template <int R>
+void group_avx2(const int8_t* codes, const float* step, const float* sums, int64_t nb, const uint8_t* wg, float* out,
+                int64_t out_stride, int64_t valid) {
+  for (int u = 0; u < 2 && 16 * u < valid; ++u) {
+    int r0 = 0;
+    for (; r0 + 3 <= R; r0 += 3)
+      half_group_avx2<3>(codes + r0 * nb * kBlock, step + r0 * nb, sums + r0 * nb, nb, wg, u, out + r0 * out_stride,
+                         out_stride, valid);
+    if (R - r0 == 2)
+      half_group_avx2<2>(codes + r0 * nb * kBlock, step + r0 * nb, sums + r0 * nb, nb, wg, u, out + r0 * out_stride,
+                         out_stride, valid);
+    else if (R - r0 == 1)
+      half_group_avx2<1>(codes + r0 * nb * kBlock, step + r0 * nb, sums + r0 * nb, nb, wg, u, out + r0 * out_stride,
+                         out_stride, valid);
+  }
+}
+#endif
+
 using GroupFn = void (*)(const int8_t*, const float*, const float*, int64_t, const uint8_t*, float*, int64_t, int64_t);
 #if SPECDEC_Q4_VNNI
 constexpr GroupFn kGroups[kRowsMax + 1] = {nullptr, group_vnni<1>, group_vnni<2>, group_vnni<3>, group_vnni<4>,
                                            group_vnni<5>, group_vnni<6>};
+#elif SPECDEC_Q4_AVX2
+constexpr GroupFn kGroups[kRowsMax + 1] = {nullptr, group_avx2<1>, group_avx2<2>, group_avx2<3>, group_avx2<4>,
+                                           group_avx2<5>, group_avx2<6>};
 #else
 constexpr GroupFn kGroups[kRowsMax + 1] = {nullptr, group_portable<1>, group_portable<2>, group_portable<3>,
                                            group_portable<4>, group_portable<5>, group_portable<6>};
@@ -257,6 +406,9 @@ at::Tensor q4_linear(const at::Tensor& x_in, const at::Tensor& gain, const at::T
 #if SPECDEC_Q4_VNNI
   quantize_rows_avx512(x.data_ptr<float>(), g.numel() ? g.data_ptr<float>() : nullptr, n, k, nb,
                        codes.data_ptr<int8_t>(), step.data_ptr<float>(), sums.data_ptr<float>());
+#elif SPECDEC_Q4_AVX2
+  quantize_rows_avx2(x.data_ptr<float>(), g.numel() ? g.data_ptr<float>() : nullptr, n, k, nb,
+                     codes.data_ptr<int8_t>(), step.data_ptr<float>(), sums.data_ptr<float>());
 #else
   quantize_rows(x.data_ptr<float>(), g.numel() ? g.data_ptr<float>() : nullptr, n, k, nb, codes.data_ptr<int8_t>(),
                 step.data_ptr<float>(), sums.data_ptr<float>());
@@ -292,6 +444,7 @@ TORCH_LIBRARY_FRAGMENT(specdec, m) {
   m.def("q4_pack(Tensor qs, Tensor d, Tensor m) -> Tensor");
   m.def("q4_linear(Tensor x, Tensor gain, Tensor packed, int n_out, Tensor col) -> Tensor");
   m.def("q4_vnni() -> bool", &q4_vnni);
+  m.def("q4_isa() -> str", &q4_isa);
 }
 
 TORCH_LIBRARY_IMPL(specdec, CPU, m) {

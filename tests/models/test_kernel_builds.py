@@ -1,0 +1,122 @@
+"""Every build of the compiled kernels gives the same bits.
+
+The 4-bit product and exact attention have an AVX-512 path, an AVX2 path and a portable C++ path;
+which one a process runs depends on the CPU it was compiled for.  Their results must not: a
+row's bits are fixed by the row (see the sources' headers), so a model decodes the same tokens on
+every machine.  Here the kernels are compiled again for ``x86-64-v3`` (the AVX2 paths, which an
+AVX-512 machine would otherwise never run) and for baseline ``x86-64`` (the portable paths), in
+child processes (``SPECDEC_MARCH``), and every case is compared bit for bit with this process's
+build: 4-bit products of 1-8 rows with padded blocks, partial column groups, a gain and column
+factors; attention of head sizes 64 (the vector paths), 48 and 40 (the generic path with a
+tail), one row and a verification pass, a tree's paths.
+"""
+
+from __future__ import annotations
+
+import os
+import platform
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+
+from specdec.models import kernels
+
+pytestmark = pytest.mark.skipif(
+    platform.machine() not in ("x86_64", "AMD64") or not kernels.load(),
+    reason="the kernels' x86 builds need an x86-64 CPU and a C++ compiler",
+)
+
+# the cases, computed in this process and in each child (the same seeded inputs)
+_CASES = r"""
+import torch
+
+def cases():
+    ops = torch.ops.specdec
+    g = torch.Generator().manual_seed(7)
+    out = {}
+    for n_out, k in ((64, 96), (50, 70), (200, 576)):
+        nb = -(-k // 32)
+        qs = torch.randint(0, 256, (n_out, nb, 16), dtype=torch.uint8, generator=g)
+        d = (torch.rand(n_out, nb, generator=g) * 0.02).half()
+        m = (-torch.rand(n_out, nb, generator=g) * 0.02).half()
+        packed = ops.q4_pack(qs, d, m)
+        gain, col = torch.rand(k, generator=g) + 0.5, torch.rand(n_out, generator=g) + 0.5
+        for rows in (1, 3, 8):
+            x = torch.randn(rows, k, generator=g) * 3
+            x[0, :5] = 0.0  # a block with zeros
+            out[f"q4 {n_out}x{k} rows {rows}"] = ops.q4_linear(x, torch.empty(0), packed, n_out, torch.empty(0))
+            out[f"q4 {n_out}x{k} rows {rows} gain col"] = ops.q4_linear(x, gain, packed, n_out, col)
+    for d in (64, 48, 40):
+        k = torch.randn(3, 96, d, generator=g)
+        v = torch.randn(3, 96, d, generator=g)
+        for rows, start in ((1, 0), (1, 70), (5, 41)):
+            q = torch.randn(rows, 9, d, generator=g) * d ** -0.5
+            out[f"attend d {d} rows {rows} start {start}"] = ops.attend(q, k, v, start, None)
+        paths = torch.tensor([[60, -1, -1], [60, 61, -1], [60, 62, -1], [60, 61, 63]])
+        q = torch.randn(4, 9, d, generator=g) * d ** -0.5
+        out[f"attend d {d} tree"] = ops.attend(q, k, v, 60, paths)
+    return out
+"""
+
+_CHILD = _CASES + r"""
+import sys
+from specdec.models import kernels
+assert kernels.load(), "the kernels did not build"
+torch.save({"isa": str(torch.ops.specdec.q4_isa()), "cases": cases()}, sys.argv[1])
+"""
+
+
+def _cpu_flags() -> set[str]:
+    try:
+        for line in Path("/proc/cpuinfo").read_text().splitlines():
+            if line.startswith("flags"):
+                return set(line.split(":", 1)[1].split())
+    except OSError:
+        pass
+    return set()
+
+
+def _here() -> dict[str, torch.Tensor]:
+    scope: dict = {}
+    exec(_CASES, scope)  # noqa: S102 - the same source the children run
+    return scope["cases"]()
+
+
+@pytest.fixture(scope="module")
+def builds(tmp_path_factory: pytest.TempPathFactory) -> dict[str, dict]:
+    """{march: the child's results}, both children compiled and run at once."""
+    flags = _cpu_flags()
+    marches = ["x86-64"] + (["x86-64-v3"] if {"avx2", "fma", "f16c"} <= flags else [])
+    out = tmp_path_factory.mktemp("builds")
+    procs = {m: subprocess.Popen([sys.executable, "-c", _CHILD, str(out / f"{m}.pt")], stdout=subprocess.PIPE,
+                                 stderr=subprocess.PIPE, text=True, env={**os.environ, "SPECDEC_MARCH": m})
+             for m in marches}
+    results = {}
+    for m, proc in procs.items():
+        _, err = proc.communicate(timeout=900)
+        assert proc.returncode == 0, f"the {m} build failed: {err[-2000:]}"
+        results[m] = torch.load(out / f"{m}.pt")
+    return results
+
+
+def _compare(here: dict[str, torch.Tensor], there: dict[str, torch.Tensor]) -> list[str]:
+    assert here.keys() == there.keys()
+    return [f"{name}: max |diff| {float((here[name] - there[name]).abs().max()):.3g}"
+            for name in here if not torch.equal(here[name], there[name])]
+
+
+def test_the_portable_build_gives_this_builds_bits(builds: dict[str, dict]) -> None:
+    child = builds["x86-64"]
+    assert child["isa"] == "portable"
+    assert _compare(_here(), child["cases"]) == []
+
+
+def test_the_avx2_build_gives_this_builds_bits(builds: dict[str, dict]) -> None:
+    if "x86-64-v3" not in builds:
+        pytest.skip("this CPU has no AVX2 + FMA + F16C")
+    child = builds["x86-64-v3"]
+    assert child["isa"] == "avx2"
+    assert _compare(_here(), child["cases"]) == []
