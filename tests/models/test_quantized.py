@@ -12,13 +12,15 @@ import pytest
 import torch
 
 import specdec.models.linear as linear_mod
-from specdec.models.linear import W8A8Linear, W8A8OneDNNLinear, mixed_available, onednn_int8_available, w8a8_available
+from specdec.models.linear import (W8A8Linear, W8A8OneDNNLinear, _has_vnni, mixed_available, onednn_int8_available,
+                                   w8a8_available)
 from specdec.models.native import NativeCausalLM
 from specdec.models.quantize import calibration_ids, smoothing
 from tiny import make_tiny
 
 needs_w8a8 = pytest.mark.skipif(not w8a8_available(), reason="this torch build has no fbgemm int8 engine")
-needs_onednn = pytest.mark.skipif(not onednn_int8_available(), reason="this torch build has no oneDNN int8 linear")
+needs_onednn = pytest.mark.skipif(not (onednn_int8_available() and _has_vnni()),
+                                  reason="oneDNN's int8 linear needs this torch build's qlinear and a CPU with VNNI")
 needs_mixed = pytest.mark.skipif(not mixed_available(), reason="the mixed int8 kernel needs fbgemm, oneDNN int8 and VNNI")
 
 
@@ -66,6 +68,19 @@ def test_mixed_kernel_is_bitwise_fbgemm_for_every_row_count(with_bias, with_smoo
         want = fb(x[:n])
         assert torch.equal(mixed(x[:n]), want), n
         assert torch.equal(mixed.scaled(x[:n], x[:n, :1].abs() + 0.5), fb.scaled(x[:n], x[:n, :1].abs() + 0.5)), n
+
+
+def test_onednn_is_refused_without_vnni(monkeypatch):
+    """Without VNNI oneDNN's u8 x s8 pair sums saturate: the kernel is refused, fbgemm stays."""
+    from specdec.errors import ConfigError
+    from specdec.models.linear import int8_kernel
+
+    monkeypatch.setattr(linear_mod, "onednn_int8_available", lambda: True)
+    monkeypatch.setattr(linear_mod, "cpu_has", lambda *flags: False)
+    with pytest.raises(ConfigError, match="VNNI"):
+        int8_kernel("onednn")
+    monkeypatch.setattr(linear_mod, "cpu_has", lambda *flags: "avx512_vnni" in flags)
+    assert int8_kernel("onednn") == "onednn"
 
 
 @needs_mixed
@@ -160,7 +175,7 @@ def _available(kind: str) -> bool:
     if kind == "int8":
         return w8a8_available()
     if kind == "int8-onednn":
-        return onednn_int8_available()
+        return onednn_int8_available() and _has_vnni()
     if kind == "int8-mixed":
         return mixed_available()
     if kind == "q4":  # its LM head is the int8 target's

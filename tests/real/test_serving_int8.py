@@ -9,7 +9,7 @@ import threading
 import pytest
 import torch
 
-from specdec.models.linear import mixed_available, onednn_int8_available, w8a8_available
+from specdec.models.linear import _has_vnni, mixed_available, onednn_int8_available, w8a8_available
 from specdec.models.registry import load
 from specdec.server.prefix_cache import PrefixCache
 from specdec.server.scheduler import BatchedModel, Scheduler, SchedulerConfig
@@ -17,7 +17,8 @@ from specdec.text import encode_prompt
 
 KERNELS = [
     pytest.param("fbgemm", marks=pytest.mark.skipif(not w8a8_available(), reason="no fbgemm int8 engine")),
-    pytest.param("onednn", marks=pytest.mark.skipif(not onednn_int8_available(), reason="no oneDNN int8 linear")),
+    pytest.param("onednn", marks=pytest.mark.skipif(not (onednn_int8_available() and _has_vnni()),
+                                                      reason="no oneDNN int8 linear, or no VNNI")),
     pytest.param("mixed", marks=pytest.mark.skipif(not mixed_available(), reason="no mixed int8 kernel here")),
 ]
 SYSTEM = "You are a careful assistant. Answer briefly and exactly."

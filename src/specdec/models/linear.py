@@ -418,6 +418,10 @@ def int8_kernel(choice: str = "auto", shapes: list[tuple[int, int]] | None = Non
         return "fbgemm" if w8a8_available() or not onednn_int8_available() else "onednn"
     if choice == "onednn" and not onednn_int8_available():
         raise ConfigError("the onednn int8 kernel needs a torch build with oneDNN's qlinear (x86)")
+    if choice == "onednn" and not _has_vnni():
+        # without VNNI, oneDNN sums u8 x s8 products in pairs that saturate at int16 (measured on
+        # an AVX2 Zen 3: 2-6x fbgemm's error, and smoothing made it worse); fbgemm avoids that
+        raise ConfigError("the onednn int8 kernel needs a CPU with VNNI (without it its products saturate); use fbgemm")
     if choice == "mixed" and not mixed_available():
         raise ConfigError("the mixed int8 kernel needs fbgemm and oneDNN's int8 linear and a CPU with VNNI")
     return choice
