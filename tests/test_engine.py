@@ -47,19 +47,39 @@ def test_explicit_draft_precision(monkeypatch):
         draft_dtype(EngineConfig(draft_dtype="int4"))
 
 
-@pytest.mark.parametrize(("fbgemm", "backend", "asked", "expect"), [
-    (True, "auto", "auto", "int8"),  # x86: the draft runs every layer as the int8 target does
-    (False, "auto", "auto", None),  # no fbgemm: the bf16 / float32 rule above
-    (True, "hf", "auto", None),  # the HF backend has no int8 layers
-    (True, "auto", "bfloat16", None),
-    (True, "auto", "int8", None),  # int8 = float32 layers + int8 LM head only
-    (True, "auto", "w8a8", "int8"),
+@pytest.mark.parametrize(("fbgemm", "q8", "q4", "backend", "asked", "expect"), [
+    (True, True, True, "auto", "auto", "int8"),  # AVX-512 VNNI: every layer as the int8 target does
+    (True, False, True, "auto", "auto", "q4"),  # AVX2: the 4-bit kernel runs a layer loop in one call
+    (True, False, False, "auto", "auto", "int8"),  # no vectorised 4-bit kernel (e.g. no compiler)
+    (False, True, True, "auto", "auto", None),  # no fbgemm: the bf16 / float32 rule above
+    (True, True, True, "hf", "auto", None),  # the HF backend has no int8 layers
+    (True, False, True, "auto", "bfloat16", None),
+    (True, False, True, "auto", "int8", None),  # int8 = float32 layers + int8 LM head only
+    (True, False, True, "auto", "w8a8", "int8"),
+    (True, True, True, "auto", "q4", "q4"),
+    (True, True, False, "auto", "q4", "q4"),  # asked for: also where only the slow path runs
 ])
-def test_w8a8_draft_where_torch_has_fbgemm(monkeypatch, fbgemm, backend, asked, expect):
-    from specdec.engine import draft_quant
+def test_quantised_draft_where_torch_has_fbgemm(monkeypatch, fbgemm, q8, q4, backend, asked, expect):
+    from specdec.engine import draft_quant, head_quant
+    from specdec.models import kernels
 
     monkeypatch.setattr(linear, "w8a8_available", lambda: fbgemm)
-    assert draft_quant(EngineConfig(draft_dtype=asked, backend=backend)) == expect
+    monkeypatch.setattr(kernels, "q8_available", lambda: q8)
+    monkeypatch.setattr(kernels, "q4_fast", lambda: q4)
+    cfg = EngineConfig(draft_dtype=asked, backend=backend)
+    assert draft_quant(cfg) == expect
+    assert head_quant(cfg) == ("int8" if expect else None)  # heads have no 4-bit path
+
+
+@pytest.mark.parametrize(("ships", "fast", "expect"), [(True, True, "q4"), (True, False, "int8"), (False, True, "int8")])
+def test_auto_target_is_q4_only_where_its_kernel_is_fast(monkeypatch, ships, fast, expect):
+    from specdec.engine import target_dtype
+    from specdec.models import gguf_blocks, kernels
+
+    monkeypatch.setattr(linear, "w8a8_available", lambda: True)
+    monkeypatch.setattr(gguf_blocks, "ships_q4", lambda ref: ships)
+    monkeypatch.setattr(kernels, "q4_fast", lambda: fast)
+    assert target_dtype(EngineConfig()) == (torch.float32, expect)
 
 
 def test_w8a8_draft_asked_for_where_it_cannot_run_is_a_config_error(monkeypatch):
@@ -71,7 +91,7 @@ def test_w8a8_draft_asked_for_where_it_cannot_run_is_a_config_error(monkeypatch)
 
 
 @pytest.mark.skipif(not linear.w8a8_available(), reason="this torch build has no fbgemm int8 engine")
-def test_a_w8a8_draft_model_loads_with_int8_layers(tmp_path):
+def test_w8a8_and_q4_draft_models_load_with_their_layers(tmp_path):
     from specdec.engine import load_draft
     from tiny import make_tiny
 
@@ -85,6 +105,8 @@ def test_a_w8a8_draft_model_loads_with_int8_layers(tmp_path):
     assert draft.batch_invariant == kernels.attention_kernel()
     if kernels.q8_available():
         assert draft.scripted is None or draft.scripted.fused is not None
+    q4 = load_draft(EngineConfig(draft=str(folder), draft_dtype="q4")).model
+    assert q4.quant == "q4" and all(isinstance(layer.qkv, linear.Q4Linear) for layer in q4.layers)
 
 
 def test_only_a_quantised_draft_on_the_kernels_is_batch_invariant(monkeypatch):
@@ -100,9 +122,16 @@ def test_only_a_quantised_draft_on_the_kernels_is_batch_invariant(monkeypatch):
 def test_draft_precision_in_words(monkeypatch):
     from specdec.engine import draft_precision
 
+    from specdec.models import kernels
+
     monkeypatch.setattr(linear, "w8a8_available", lambda: True)
     monkeypatch.setattr(linear, "int8_available", lambda: True)
+    monkeypatch.setattr(kernels, "q8_available", lambda: True)
     assert draft_precision(EngineConfig()) == "w8a8"
+    monkeypatch.setattr(kernels, "q8_available", lambda: False)
+    monkeypatch.setattr(kernels, "q4_fast", lambda: True)
+    assert draft_precision(EngineConfig()) == "q4"
+    assert draft_precision(EngineConfig(draft_dtype="w8a8")) == "w8a8"
     assert draft_precision(EngineConfig(draft_dtype="int8")) == "float32 + int8 head"
     assert draft_precision(EngineConfig(draft_dtype="bfloat16")) == "bfloat16"
     monkeypatch.setattr(linear, "w8a8_available", lambda: False)

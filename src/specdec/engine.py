@@ -33,6 +33,8 @@ from specdec.verify import Rule, get_rule
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 #: quantised target formats of the native backend (activations and norms stay float32)
 QUANTS = ("int8", "q4")
+#: draft dtypes that quantise a draft model's layer matrices, and the quantisation each means
+DRAFT_QUANTS = {"w8a8": "int8", "q4": "q4"}
 
 
 @dataclass(frozen=True)
@@ -43,15 +45,17 @@ class EngineConfig:
     #: the target's precision: auto | float32 | bfloat16 | float16 | int8 (W8A8Linear layers,
     #: native backend) | q4 (4-bit layer matrices, a GGUF's Q4_0 / Q4_1 blocks as shipped, the LM
     #: head as int8's; Q4Linear).  "auto" where torch has fbgemm (x86): q4 for a model that ships
-    #: as a GGUF whose layer matrices are mostly Q4_0 / Q4_1 blocks, int8 otherwise; float32
+    #: as a GGUF whose layer matrices are mostly Q4_0 / Q4_1 blocks, where the 4-bit kernel runs
+    #: vectorised (AVX-512 VNNI or AVX2), int8 otherwise; float32
     #: elsewhere.  Measured on SmolLM2-135M (a Q4_1 GGUF): int8 steps 3x faster than float32, KL to
     #: float32 0.015-0.024 nats; q4 a further ~40 % faster with KL 0.006-0.007 (its weights are
     #: the file's own).  Exactness is relative to the target as it runs.
     dtype: str = defaults.TARGET_DTYPE
     #: the draft's dtype (never affects exactness, only acceptance and speed): "auto" = w8a8 where
-    #: torch has fbgemm (x86), else bfloat16 where the CPU has native bf16 matmuls, else float32,
-    #: either with an int8 LM head where torch has an int8 engine; "int8" = float32 layers + int8
-    #: LM head; "w8a8" = every linear layer as the int8 target's (see :func:`draft_quant`); a
+    #: torch has fbgemm (x86) and the CPU has AVX-512 VNNI, q4 where it has fbgemm and AVX2 only,
+    #: else bfloat16 where the CPU has native bf16 matmuls, else float32, either with an int8 LM
+    #: head where torch has an int8 engine; "int8" = float32 layers + int8 LM head; "w8a8" = every
+    #: linear layer as the int8 target's; "q4" = 4-bit layer matrices (see :func:`draft_quant`); a
     #: target-aware head's own layers follow the non-w8a8 rule
     draft_dtype: str = "auto"
     #: the draft model's vocabulary (never affects exactness, only acceptance and speed): "auto" =
@@ -73,9 +77,12 @@ def target_dtype(cfg: EngineConfig) -> tuple[torch.dtype, str | None]:
         native = cfg.backend != "hf"
         if not (native and w8a8_available()):
             return target_dtype(replace(cfg, dtype="float32"))
+        from specdec.models import kernels
         from specdec.models.gguf_blocks import ships_q4
 
-        return target_dtype(replace(cfg, dtype="q4" if ships_q4(cfg.target) else "int8"))
+        # q4 only where its kernel runs vectorised: the portable C++ or the ATen reference (no
+        # compiler) is several times slower than int8 on fbgemm
+        return target_dtype(replace(cfg, dtype="q4" if ships_q4(cfg.target) and kernels.q4_fast() else "int8"))
     if cfg.dtype in QUANTS:
         if cfg.backend == "hf":
             raise ConfigError(f"--dtype {cfg.dtype} needs the native backend (not --backend hf)")
@@ -99,29 +106,46 @@ def draft_dtype(cfg: EngineConfig) -> torch.dtype:
         # the target's float dtype: float32 whatever "auto" resolves to (q4, int8 or float32), so
         # no need to resolve it (that reads the target GGUF's header)
         return torch.float32 if cfg.dtype == "auto" else target_dtype(cfg)[0]
-    if cfg.draft_dtype in ("int8", "w8a8"):
+    if cfg.draft_dtype in ("int8", *DRAFT_QUANTS):
         return torch.float32
     if cfg.draft_dtype not in DTYPES:
-        raise ConfigError(f"draft dtype must be auto, int8, w8a8 or one of {', '.join(DTYPES)}, got {cfg.draft_dtype!r}")
+        raise ConfigError(f"draft dtype must be auto, int8, {', '.join(DRAFT_QUANTS)} or one of {', '.join(DTYPES)},"
+                          f" got {cfg.draft_dtype!r}")
     return DTYPES[cfg.draft_dtype]
 
 
 def draft_quant(cfg: EngineConfig) -> str | None:
-    """``"int8"`` when the draft model runs every linear layer as the target's int8 matmul: asked
-    for (``w8a8``), or ``auto`` wherever torch has fbgemm.  Measured on a 2-core Sapphire Rapids
-    (SmolLM2-135M int8 target, the 16 built-in prompts, prompt lookup + the small draft, paired in
-    one process): a draft step 1.43 -> 1.19 ms against bfloat16 with an int8 head, tokens per call
-    2.10 -> 2.18 at T = 0 (the int8 draft agrees a little more with the int8 target), ×1.295 ->
-    ×1.325 over plain at T = 0 and ×0.980 -> ×0.992 at T = 1."""
+    """How a draft model's layer matrices are quantised, if they are:
+
+    * ``"int8"``: every linear layer as the target's int8 matmul — asked for (``w8a8``), or
+      ``auto`` wherever torch has fbgemm and the CPU has 512-bit VNNI.  Measured on a 2-core
+      Sapphire Rapids (SmolLM2-135M int8 target, the 16 built-in prompts, prompt lookup + the
+      small draft, paired in one process): a draft step 1.43 -> 1.19 ms against bfloat16 with an
+      int8 head, tokens per call 2.10 -> 2.18 at T = 0, ×1.295 -> ×1.325 over plain at T = 0 and
+      ×0.980 -> ×0.992 at T = 1;
+    * ``"q4"``: the layers as 4-bit blocks (llama.cpp's Q4_1 rule) on the 4-bit kernel, the LM
+      head int8 — asked for (``q4``), or ``auto`` where the 4-bit kernel runs vectorised but the
+      int8 one does not (AVX2 without AVX-512 VNNI): there the int8 layers fall back to one
+      fbgemm call and ~25 ATen calls per layer, the 4-bit ones run in one compiled call per pass
+      (see NOTES, "AVX2 machines")."""
+    from specdec.models import kernels
     from specdec.models.linear import w8a8_available
 
     if cfg.draft_dtype == "auto":
-        return "int8" if cfg.backend != "hf" and w8a8_available() else None
-    if cfg.draft_dtype != "w8a8":
+        if cfg.backend == "hf" or not w8a8_available():
+            return None
+        return "q4" if kernels.q4_fast() and not kernels.q8_available() else "int8"
+    if cfg.draft_dtype not in DRAFT_QUANTS:
         return None
     if cfg.backend == "hf" or not w8a8_available():
-        raise ConfigError("--draft-dtype w8a8 needs the native backend and torch's fbgemm int8 engine (x86)")
-    return "int8"
+        raise ConfigError(f"--draft-dtype {cfg.draft_dtype} needs the native backend and torch's fbgemm int8 engine (x86)")
+    return DRAFT_QUANTS[cfg.draft_dtype]
+
+
+def head_quant(cfg: EngineConfig) -> str | None:
+    """A target-aware head's quantisation: int8 where a draft model's would be int8 or 4-bit (heads
+    have no 4-bit path)."""
+    return "int8" if draft_quant(cfg) is not None else None
 
 
 def draft_int8_head(cfg: EngineConfig) -> bool:
@@ -131,7 +155,7 @@ def draft_int8_head(cfg: EngineConfig) -> bool:
 
     if cfg.backend == "hf" or not int8_available():
         return False
-    if cfg.draft_dtype in ("int8", "w8a8"):
+    if cfg.draft_dtype in ("int8", *DRAFT_QUANTS):
         return True
     # auto: on every CPU with an int8 engine (measured here, AVX-512 + bf16: a bf16 SmolLM2-draft
     # step 1.57 -> 1.25 ms with the int8 head; AVX2 without bf16: 4.8 -> 3.3 ms)
@@ -140,8 +164,9 @@ def draft_int8_head(cfg: EngineConfig) -> bool:
 
 def draft_precision(cfg: EngineConfig) -> str:
     """What ``cfg.draft_dtype`` resolves to for a draft model on this machine, in words (reports)."""
-    if draft_quant(cfg):
-        return "w8a8"
+    quant = draft_quant(cfg)
+    if quant:
+        return "w8a8" if quant == "int8" else quant
     name = str(draft_dtype(cfg)).removeprefix("torch.")
     return name + (" + int8 head" if draft_int8_head(cfg) else "")
 
@@ -340,7 +365,7 @@ class Engine:
                 progress(f"loading draft head {cfg.draft}")
             label = cfg.draft.strip().lower() if cfg.draft.strip().lower() in heads.HEADS else None
             drafter, name = heads.build(head, target.model, label=label, int8_head=draft_int8_head(cfg),
-                                        dtype=draft_dtype(cfg), quant=draft_quant(cfg))
+                                        dtype=draft_dtype(cfg), quant=head_quant(cfg))
             return cls(target, drafter, name)
         if progress:
             progress(f"loading draft {base}")

@@ -55,7 +55,7 @@ def add_parser(sub) -> None:  # noqa: ANN001 - argparse's subparsers action
     p.add_argument("--prompts", help="JSONL prompt file (fields: prompt, id, category, chat); default: the built-in set")
     p.add_argument("--categories", help="comma list of prompt categories to keep (e.g. code,chat; default all)")
     p.add_argument("--limit", type=int, help="keep the first N prompts of each category (default all)")
-    p.add_argument("--draft-dtype", default="auto", choices=["auto", "float32", "bfloat16", "int8", "w8a8"],
+    p.add_argument("--draft-dtype", default="auto", choices=["auto", "float32", "bfloat16", "int8", "w8a8", "q4"],
                    help="draft precision (see specdec generate --help; default auto)")
     p.add_argument("--draft-vocab", default="auto", choices=["auto", "full"],
                    help="the draft model's vocabulary: auto = the reduced one its folder ships, else all; full = all"
