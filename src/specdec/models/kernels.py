@@ -165,8 +165,8 @@ def q8_available() -> bool:
 
 
 def q4_available() -> bool:
-    """Whether ``torch.ops.specdec.q4_linear`` runs here (the library loaded; AVX-512 VNNI or
-    portable C++, the same bits either way)."""
+    """Whether ``torch.ops.specdec.q4_linear`` runs here (the library loaded; AVX-512 VNNI, AVX2
+    or portable C++, the same bits every way)."""
     return load()
 
 
