@@ -127,7 +127,7 @@ def draft_quant(cfg: EngineConfig) -> str | None:
       head int8 — asked for (``q4``), or ``auto`` where the 4-bit kernel runs vectorised but the
       int8 one does not (AVX2 without AVX-512 VNNI): there the int8 layers fall back to one
       fbgemm call and ~25 ATen calls per layer, the 4-bit ones run in one compiled call per pass
-      (see NOTES, "AVX2 machines")."""
+      (see NOTES, "Machine F")."""
     from specdec.models import kernels
     from specdec.models.linear import w8a8_available
 
