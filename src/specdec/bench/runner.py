@@ -244,6 +244,10 @@ def machine_info() -> dict:
         info["int8_kernel"] = int8_kernel()
     except SpecdecError:
         pass
+    from specdec.models import kernels
+
+    if kernels.load():  # which path the 4-bit product runs: avx512-vnni, avx2 or portable (2-8x apart)
+        info["q4_kernel"] = str(torch.ops.specdec.q4_isa())
     try:
         for line in Path("/proc/cpuinfo").read_text().splitlines():
             if line.startswith("model name"):
