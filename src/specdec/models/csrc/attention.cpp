@@ -22,9 +22,11 @@
 //     share the reads of the keys and values they all see; their sums stay in registers.
 //
 // Fused multiply-adds are explicit (`fma16`: the AVX-512 instruction, two AVX2 ones on halves, or
-// std::fma lane by lane in the portable build: a * b + c rounded once in every case).  Everything else is compiled with
-// -ffp-contract=off and without -ffast-math: the compiler may neither fuse a multiply-add nor
-// reorder a sum.  Work is split across threads by (KV head, chunk of rows) only.
+// std::fma lane by lane in the portable build: a * b + c rounded once in every case).  Everything
+// else is compiled with -ffp-contract=off and without -ffast-math: the compiler may neither fuse a
+// multiply-add nor reorder a sum.  Work is split across threads by (KV head, chunk of rows) only.
+// On AVX2 the hot loops (scores, value sums) run on 8-lane registers directly: GCC lowers the
+// 16-lane vector type into halves that go through memory there.
 
 #include <ATen/ATen.h>
 #include <ATen/Parallel.h>
@@ -37,7 +39,7 @@
 #include <cstring>
 #include <vector>
 
-#if defined(__AVX512F__) || (defined(__AVX__) && defined(__FMA__))
+#if defined(__AVX512F__) || defined(__AVX__)
 #include <immintrin.h>
 #endif
 

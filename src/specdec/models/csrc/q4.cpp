@@ -25,7 +25,7 @@
 //       n_out, col float32 [N] (empty: none)) -> y float32 [n, N], x multiplied by gain first
 //   torch.ops.specdec.q4_vnni() -> bool: this build runs the AVX-512 VNNI path
 //   torch.ops.specdec.q4_isa() -> str: the path this build runs: "avx512-vnni", "avx2" (u8 x s8
-//       pair products summed in int16, exact: see group_avx2) or "portable" (plain C++, slow)
+//       pair products summed in int16, exact: see half_group_avx2) or "portable" (plain C++, slow)
 
 #include <ATen/ATen.h>
 #include <ATen/Parallel.h>
