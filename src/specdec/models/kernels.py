@@ -57,7 +57,6 @@ _SCHEMAS = (
     "attend(Tensor q, Tensor k, Tensor v, int start, Tensor? paths=None) -> Tensor",
     "q4_pack(Tensor qs, Tensor d, Tensor m) -> Tensor",
     "q4_linear(Tensor x, Tensor gain, Tensor packed, int n_out, Tensor col) -> Tensor",
-    "q4_vnni() -> bool",
     "q4_isa() -> str",
     "f32_pack(Tensor w) -> Tensor",
     "f32_linear(Tensor x, Tensor packed, int n_out) -> Tensor",

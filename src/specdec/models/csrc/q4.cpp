@@ -23,7 +23,6 @@
 //       the 32 columns as float16 (64 + 64 bytes): one contiguous stream per group
 //   torch.ops.specdec.q4_linear(x float32 [n, K], gain float32 [K] (empty: none), packed,
 //       n_out, col float32 [N] (empty: none)) -> y float32 [n, N], x multiplied by gain first
-//   torch.ops.specdec.q4_vnni() -> bool: this build runs the AVX-512 VNNI path
 //   torch.ops.specdec.q4_isa() -> str: the path this build runs: "avx512-vnni", "avx2" (u8 x s8
 //       pair products summed in int16, exact: see half_group_avx2) or "portable" (plain C++, slow)
 
@@ -84,8 +83,6 @@ at::Tensor q4_pack(const at::Tensor& qs, const at::Tensor& d, const at::Tensor& 
   }
   return out;
 }
-
-bool q4_vnni() { return SPECDEC_Q4_VNNI != 0; }
 
 std::string q4_isa() { return SPECDEC_Q4_VNNI ? "avx512-vnni" : (SPECDEC_Q4_AVX2 ? "avx2" : "portable"); }
 
@@ -447,7 +444,6 @@ at::Tensor specdec::q4_product(const at::Tensor& x, const at::Tensor& gain, cons
 TORCH_LIBRARY_FRAGMENT(specdec, m) {
   m.def("q4_pack(Tensor qs, Tensor d, Tensor m) -> Tensor");
   m.def("q4_linear(Tensor x, Tensor gain, Tensor packed, int n_out, Tensor col) -> Tensor");
-  m.def("q4_vnni() -> bool", &q4_vnni);
   m.def("q4_isa() -> str", &q4_isa);
 }
 
