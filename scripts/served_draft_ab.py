@@ -38,8 +38,9 @@ def main() -> int:
     ap.add_argument("--gamma", type=int, default=4)
     ap.add_argument("--repeats", type=int, default=3)
     ap.add_argument("--hosts", default="bare,lock,scheduler",
-                    help="comma list of bare, lock, scheduler (the scheduler's thread runs its passes: its OpenMP "
-                         "team next to the main thread's disturbs the other arms' timings, so measure it in its own run)")
+                    help="comma list of bare, lock, scheduler (lock and scheduler run their passes on the server's "
+                         "compute thread: its OpenMP team next to the main thread's slows every arm down, so measure "
+                         "bare in a run of its own; scripts/served_threads.py lays a process out as the server does)")
     args = ap.parse_args()
     temps, prompts, engine, _ = paired.setup(args)
     model = paired.native_model(engine.drafter)

@@ -338,10 +338,11 @@ def test_the_servers_model_wrappers_pass_compact_rows_through(tiny_pair, monkeyp
 
 
 def test_the_batching_scheduler_runs_compact_and_whole_row_items_in_one_pass(tiny_pair, monkeypatch):
-    """Two forwards queued together (the loop started once both wait) run as one batched pass;
-    each gets its rows as asked, bitwise what it gets alone."""
+    """Two forwards queued together (the compute thread busy until both wait) run as one batched
+    pass; each gets its rows as asked, bitwise what it gets alone."""
     import threading
 
+    from specdec.server.compute import ComputeThread
     from specdec.server.scheduler import Scheduler
 
     folder, _, _, ids, prompt, _ = tiny_pair
@@ -349,7 +350,9 @@ def test_the_batching_scheduler_runs_compact_and_whole_row_items_in_one_pass(tin
     calls: list[list[bool] | None] = []
     orig = NativeCausalLM.forward_batch
     monkeypatch.setattr(NativeCausalLM, "forward_batch", lambda self, items, compact=None: calls.append(compact) or orig(self, items, compact))
-    sched = Scheduler(draft, name="draft")
+    compute, gate = ComputeThread(name="test-compute"), threading.Event()
+    compute.post(gate.wait)  # busy until both forwards wait
+    sched = Scheduler(draft, name="draft", compute=compute)
     blocks = [torch.tensor(prompt), torch.tensor(prompt[1:])]
     want = [True, False]
     out: list[torch.Tensor | None] = [None, None]
@@ -357,14 +360,12 @@ def test_the_batching_scheduler_runs_compact_and_whole_row_items_in_one_pass(tin
     def run(i: int) -> None:
         out[i] = sched.forward(blocks[i], draft.new_cache(64), compact=want[i])
 
-    start = sched._start
-    sched._start = lambda: None  # the loop starts only once both forwards wait
     threads = [threading.Thread(target=run, args=(i,)) for i in range(2)]
     for t in threads:
         t.start()
     while len(sched) < 2:
         threading.Event().wait(0.01)
-    start()
+    gate.set()
     for t in threads:
         t.join(timeout=30)
     assert calls == [want]  # one batched pass with both items

@@ -57,6 +57,7 @@ from specdec.server import memory
 from specdec.server.draft_cap import CAPPED_WIRES, DraftCap, calibrate
 from specdec.server.prefix_cache import PrefixCache, supports_prefix_cache
 from specdec.server.scheduler import BatchedModel, Overloaded, PassStats, Scheduler, SchedulerMetrics
+from specdec.server.compute import one_openmp_thread
 from specdec.server.sessions import FORWARD_LOCK, SerializedModel, SessionStore, create_session, growth_bytes
 from specdec.server.settings import ServerSettings
 
@@ -88,7 +89,8 @@ class ServerContext:
         self.store = SessionStore(self.settings, on_evict=self._evicted)
         #: generation slots of the OpenAI endpoints and the worker threads that run them
         self.active = threading.BoundedSemaphore(self.settings.max_active_requests)
-        self.executor = ThreadPoolExecutor(self.settings.max_active_requests, thread_name_prefix="specdec-generate")
+        self.executor = ThreadPoolExecutor(self.settings.max_active_requests, thread_name_prefix="specdec-generate",
+                                           initializer=one_openmp_thread)
         probe = self.model.new_cache(1)
         #: KV bytes per position of one session (0 for models without a KV cache we can measure)
         self.kv_per_position = int(getattr(probe, "bytes_per_position", 0))

@@ -197,7 +197,14 @@ def _log(msg: str) -> None:
 
 
 def build_app(args: argparse.Namespace, settings_kw: dict[str, Any]) -> Any:
-    """Load the models named by ``args`` and build the serving app (one process, or one Ray replica)."""
+    """Load the models named by ``args`` and build the serving app (one process, or one Ray
+    replica), on the compute thread that will run their passes (:mod:`specdec.server.compute`)."""
+    from specdec.server.compute import COMPUTE
+
+    return COMPUTE.run(_build_app, args, settings_kw)
+
+
+def _build_app(args: argparse.Namespace, settings_kw: dict[str, Any]) -> Any:
     from specdec.engine import Engine, EngineConfig
     from specdec.server.app import create_app
     from specdec.server.settings import ServerSettings

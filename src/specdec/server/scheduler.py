@@ -18,7 +18,11 @@ it through the model in one pass (iteration-level scheduling, Orca: Yu et al., O
 * **admission**: at most ``max_queue`` forwards wait; past that :meth:`Scheduler.forward` raises
   :class:`Overloaded` (the HTTP layer answers 503 with Retry-After), never an unbounded backlog;
 * **cancellation**: a forward whose request was cancelled (:meth:`Scheduler.bind_cancel`) is
-  dropped at the next pass boundary.
+  dropped at the next pass boundary;
+* **one compute thread**: the passes run on the process's compute thread
+  (:mod:`specdec.server.compute`), shared by every scheduler: a model's next pass is queued there
+  behind whatever other model's pass was asked for first, and no second thread ever holds an
+  OpenMP team of its own (which would slow every pass down, see that module).
 """
 
 from __future__ import annotations
@@ -34,6 +38,7 @@ from torch import Tensor
 
 from specdec import defaults
 from specdec.errors import ConfigError
+from specdec.server.compute import COMPUTE, ComputeThread
 from specdec.server.served import ServedModel, compact_kw
 
 
@@ -91,11 +96,12 @@ class PassStats:
 
 
 class Scheduler:
-    """The batching loop in front of one model (a daemon thread started on first use)."""
+    """The batching loop in front of one model; its passes run on ``compute`` (default: the
+    process's compute thread, :data:`specdec.server.compute.COMPUTE`)."""
 
     def __init__(self, model: Any, config: SchedulerConfig | None = None, *,
                  on_pass: Callable[[PassStats], None] | None = None, name: str = "target",
-                 lock: Any | None = None) -> None:
+                 lock: Any | None = None, compute: ComputeThread | None = None) -> None:
         self.model = model
         #: held during every pass of this model: the batching loop's and :meth:`alone`'s (a model
         #: object runs one forward at a time: its layers reuse staging buffers).  ``lock``: share
@@ -105,8 +111,9 @@ class Scheduler:
         self.on_pass = on_pass or (lambda stats: None)
         self.name = name
         self._queue: deque[_Item] = deque()
-        self._cond = threading.Condition()
-        self._thread: threading.Thread | None = None
+        self._mutex = threading.Lock()
+        self.compute = compute if compute is not None else COMPUTE
+        self._posted = False  # a pass of this scheduler is queued on the compute thread
         self._local = threading.local()
         self.batched = hasattr(model, "forward_batch")
         self.metrics: SchedulerMetrics | None = None  # set by the server (Prometheus figures)
@@ -132,15 +139,16 @@ class Scheduler:
         """Run one sequence's forward pass in the next batch; blocks until its logits are ready
         (tokens: [n] -> [n|1, V], or [n|1, Vd] with ``compact``: a reduced draft vocabulary's rows)."""
         tokens = tokens.reshape(-1)
+        if self.compute.on_it():  # a pass asking for a pass: run it here (waiting would never end)
+            return self.alone(self.model.forward, tokens, cache, last_only=last_only, **compact_kw(compact))
         item = _Item(tokens=tokens, cache=cache, last_only=last_only, cancelled=self._cancel_event(), compact=compact)
-        with self._cond:
+        with self._mutex:
             if len(self._queue) >= self.config.max_queue:
                 if self.metrics is not None:
                     self.metrics.rejected.labels(self.name).inc()
                 raise Overloaded(f"the {self.name} model's queue is full ({self.config.max_queue} forward passes waiting)")
             self._queue.append(item)
-            self._start()
-            self._cond.notify()
+            self._post()
         item.done.wait()
         if item.error is not None:
             raise item.error
@@ -148,14 +156,18 @@ class Scheduler:
 
     def alone(self, fn: Callable[..., Any], *args: Any, **kw: Any) -> Any:
         """``fn(*args, **kw)`` (a pass of this model the batching loop does not run, e.g. a token
-        tree's) between two of the loop's passes, never during one."""
+        tree's) on the compute thread, between two of the loop's passes, never during one."""
+        return self.compute.run(self._locked, fn, *args, **kw)
+
+    def _locked(self, fn: Callable[..., Any], *args: Any, **kw: Any) -> Any:
         with self.pass_lock:
             return fn(*args, **kw)
 
-    def _start(self) -> None:
-        if self._thread is None or not self._thread.is_alive():
-            self._thread = threading.Thread(target=self._loop, name=f"specdec-{self.name}-scheduler", daemon=True)
-            self._thread.start()
+    def _post(self) -> None:
+        """Queue this scheduler's next pass on the compute thread, unless one is queued (under _mutex)."""
+        if not self._posted:
+            self._posted = True
+            self.compute.post(self._pass)
 
     # ------------------------------------------------------------------ the loop
 
@@ -176,24 +188,29 @@ class Scheduler:
             budget -= take
         return batch, len(self._queue)
 
-    def _loop(self) -> None:
-        while True:
-            with self._cond:
-                while not self._queue:
-                    self._cond.wait()
-                batch, queued = self._take()
+    def _pass(self) -> None:
+        """One pass over what is pending now (on the compute thread); the next one is queued behind
+        the other work asked for meanwhile."""
+        with self._mutex:
+            batch, queued = self._take()
             if not batch:
-                continue
+                self._posted = False
+                return
+        try:
             with self.pass_lock:  # the pass's own time, not a wait for the lock
                 started = time.perf_counter()
                 self._run(batch)
                 seconds = time.perf_counter() - started
             self.on_pass(PassStats(sequences=len(batch), tokens=sum(t for _, t in batch), queued=queued, seconds=seconds))
-            with self._cond:
+        finally:
+            with self._mutex:
                 for item, _ in batch:
                     if item.error is not None or item.left == 0:
                         self._queue.remove(item)
                         item.done.set()
+                self._posted = False
+                if self._queue:
+                    self._post()
 
     def _run(self, batch: list[tuple[_Item, int]]) -> None:
         work = []

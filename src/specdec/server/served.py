@@ -7,6 +7,7 @@ from functools import partial
 from typing import Any
 
 from specdec.errors import ConfigError
+from specdec.server.compute import one_openmp_thread
 from specdec.server.prefix_cache import prefill, supports_prefix_cache
 
 
@@ -37,6 +38,7 @@ class ServedModel:
             self._grows = False
 
     def new_cache(self, max_length: int | None = None) -> Any:
+        one_openmp_thread()  # a request thread: its own operations run without an OpenMP team
         if self._grows and self.initial_length is not None:
             return self.inner.new_cache(max_length, initial_length=self.initial_length)
         return self.inner.new_cache(max_length)
@@ -49,6 +51,7 @@ class ServedModel:
 
     def forward(self, tokens: Any, cache: Any, *, last_only: bool = False, compact: bool = False) -> Any:
         """tokens: [n] -> [n|1, V] ([n|1, Vd] with ``compact``, for a model with :attr:`vocab_ids`)."""
+        one_openmp_thread()
         return prefill(partial(self._forward, compact=compact), self.prefix_cache, tokens, cache, last_only)
 
     def _forward(self, tokens: Any, cache: Any, *, last_only: bool = False, compact: bool = False) -> Any:
@@ -64,6 +67,7 @@ class ServedModel:
         fn = getattr(self.inner, "forward_tree", None)
         if fn is None:
             raise ConfigError("token trees need a backend with tree attention (the native backend, not hf)")
+        one_openmp_thread()
         return self._alone(fn, tokens, parents, cache, prefix=prefix, **compact_kw(compact))
 
     def __getattr__(self, name: str) -> Any:  # anything else (dtype, n_params, ...) passes through

@@ -35,6 +35,7 @@ from specdec.remote.protocol import (
     wire_method,
 )
 from specdec.sampling import SamplingConfig
+from specdec.server.compute import COMPUTE
 from specdec.server.errors import ApiError
 from specdec.server.served import ServedModel, compact_kw
 from specdec.server.settings import ServerSettings
@@ -47,7 +48,8 @@ FORWARD_LOCK = threading.Lock()
 
 
 class SerializedModel(ServedModel):
-    """A :class:`LanguageModel` whose forward passes run one at a time under a shared lock.
+    """A :class:`LanguageModel` whose forward passes run one at a time under a shared lock, on the
+    process's compute thread (:mod:`specdec.server.compute`).
 
     Sessions are independent, but the model objects are not meant for concurrent forwards (and
     on a small CPU box running two at once only thrashes the cores).  Caches stay per session.
@@ -59,10 +61,12 @@ class SerializedModel(ServedModel):
         self.lock = lock
 
     def _forward(self, tokens: Tensor, cache: Any, *, last_only: bool = False, compact: bool = False) -> Tensor:  # tokens: [n]
-        with self.lock:
-            return self.inner.forward(tokens, cache, last_only=last_only, **compact_kw(compact))
+        return self._alone(self.inner.forward, tokens, cache, last_only=last_only, **compact_kw(compact))
 
     def _alone(self, fn: Any, *args: Any, **kw: Any) -> Any:
+        return COMPUTE.run(self._locked, fn, *args, **kw)
+
+    def _locked(self, fn: Any, *args: Any, **kw: Any) -> Any:
         with self.lock:
             return fn(*args, **kw)
 

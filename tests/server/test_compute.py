@@ -1,0 +1,203 @@
+"""The server's compute thread: every model pass a server runs happens on it, and the threads that
+serve requests run their own torch operations without an OpenMP team (see
+``specdec.server.compute``: each extra team slows every parallel region of a pass down)."""
+
+from __future__ import annotations
+
+import threading
+from concurrent.futures import Future
+from types import SimpleNamespace
+
+import pytest
+import torch
+from fastapi.testclient import TestClient
+
+from specdec.drafters import ModelDrafter
+from specdec.models.toy import ToyLM
+from specdec.server import ServerSettings, create_app
+from specdec.server import command
+from specdec.server.compute import COMPUTE, ComputeThread, one_openmp_thread
+from specdec.server.scheduler import BatchedModel, Scheduler
+from specdec.server.sessions import SerializedModel
+
+
+class _Threads(ToyLM):
+    """A toy whose passes (forward, batched forward, token tree) record the thread running them."""
+
+    def __init__(self, *a, **kw) -> None:
+        super().__init__(*a, **kw)
+        self.seen: list[tuple[str, threading.Thread]] = []
+
+    def forward(self, tokens, cache, *, last_only=False):
+        self.seen.append(("forward", threading.current_thread()))
+        return super().forward(tokens, cache, last_only=last_only)
+
+    def forward_batch(self, items):
+        self.seen.append(("batch", threading.current_thread()))
+        return [ToyLM.forward(self, t, c, last_only=last) for t, c, last in items]
+
+    def forward_tree(self, tokens, parents, cache, *, prefix=None):
+        self.seen.append(("tree", threading.current_thread()))
+        return super().forward_tree(tokens, parents, cache, prefix=prefix)
+
+
+class _Letters:
+    def encode(self, text, add_special_tokens=False):
+        return [ord(c) - 97 for c in text]
+
+    def decode(self, ids, skip_special_tokens=True):
+        return "".join(chr(97 + int(i)) for i in ids)
+
+
+def _in_threads(jobs: list, rounds: int = 10) -> None:
+    def loop(job) -> None:
+        for _ in range(rounds):
+            job()
+
+    threads = [threading.Thread(target=loop, args=(job,)) for job in jobs]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+
+
+@pytest.fixture
+def two_threads():
+    before = torch.get_num_threads()
+    torch.set_num_threads(2)
+    yield
+    torch.set_num_threads(before)
+
+
+def test_every_pass_of_the_wrappers_runs_on_the_compute_thread(two_threads):
+    """Batched passes of two models, token trees between batches and lock-serialised passes,
+    asked for from eight threads at once, all run on the one compute thread; the asking threads
+    end up with one OpenMP thread each, and the main thread keeps its own count."""
+    target, draft, other = _Threads(6, order=2, seed=0), _Threads(6, order=1, seed=1), _Threads(6, order=1, seed=2)
+    served_target = BatchedModel(target, Scheduler(target))
+    served_draft = BatchedModel(draft, Scheduler(draft, name="draft"))
+    serialised = SerializedModel(other)
+    counts: list[int] = []
+
+    def chain(model):
+        def job() -> None:
+            cache = model.new_cache(64)
+            model.forward(torch.tensor([1, 2, 3]), cache)
+            model.forward(torch.tensor([4]), cache)
+            counts.append(torch.get_num_threads())
+        return job
+
+    def tree() -> None:
+        cache = served_target.new_cache(64)
+        served_target.forward(torch.tensor([1, 2]), cache)
+        served_target.forward_tree(torch.tensor([0, 1, 2]), torch.tensor([-1, -1, 0]), cache)
+        counts.append(torch.get_num_threads())
+
+    _in_threads([chain(served_target), chain(served_target), chain(served_draft), chain(served_draft), tree, tree,
+                 chain(serialised), chain(serialised)])
+    seen = target.seen + draft.seen + other.seen
+    assert {kind for kind, _ in target.seen} >= {"forward", "tree"} and draft.seen and other.seen
+    assert {thread for _, thread in seen} == {COMPUTE._thread}
+    assert counts and set(counts) == {1}
+    assert torch.get_num_threads() == 2
+
+
+def test_a_servers_passes_run_on_the_compute_thread():
+    """Through the app: edge sessions' rounds and OpenAI completions drafted on the server, the
+    draft model wrapped as ``specdec serve`` wraps it."""
+    target, draft = _Threads(6, order=2, seed=0), _Threads(6, order=1, seed=1)
+    engine = SimpleNamespace(drafter=object(), draft_model=SimpleNamespace(model=draft))
+    served_draft = command.draft_server_model(engine, batching=True)
+    app = create_app(target, tokenizer=_Letters(), settings=ServerSettings(),
+                     drafter_factory=lambda: ModelDrafter(served_draft), drafter_name="toy", draft_model=served_draft)
+    client = TestClient(app, base_url="http://localhost")
+    executor_threads = app.state.ctx.executor.submit(torch.get_num_threads).result()
+
+    def session() -> None:
+        sid = client.post("/v1/sessions", json={"prompt_ids": [1, 2, 3], "temperature": 0.0}).json()["session_id"]
+        assert client.post(f"/v1/sessions/{sid}/verify", json={"seq": 0, "draft_tokens": [1, 2]}).status_code == 200
+
+    def completion() -> None:
+        r = client.post("/v1/completions", json={"model": "target", "prompt": "abc", "max_tokens": 6, "temperature": 0})
+        assert r.status_code == 200, r.text
+
+    _in_threads([session, session, completion, completion], rounds=3)
+    assert target.seen and draft.seen
+    assert {thread for _, thread in target.seen + draft.seen} == {COMPUTE._thread}
+    assert executor_threads == 1
+
+
+def test_serve_loads_the_models_on_the_compute_thread(monkeypatch):
+    """``specdec serve`` builds everything on the compute thread (a team made while loading on the
+    main thread would stay for the process's life); a failure there reaches the caller."""
+    from specdec import engine as engine_mod
+
+    where: list[threading.Thread] = []
+
+    class Stop(Exception):
+        pass
+
+    def build(*a, **kw):
+        where.append(threading.current_thread())
+        raise Stop
+
+    monkeypatch.setattr(engine_mod.Engine, "build", build)
+    args = type("Args", (), {"target": "t", "draft": "none", "backend": "native", "dtype": "auto", "draft_dtype": "auto"})()
+    with pytest.raises(Stop):
+        command.build_app(args, {})
+    assert where == [COMPUTE._thread]
+
+
+def test_compute_thread_runs_calls_in_order_and_hands_back_results_and_errors():
+    compute = ComputeThread(name="test-compute")
+    order: list[int] = []
+    for i in range(5):
+        compute.post(lambda i=i: order.append(i))
+    assert compute.run(lambda a, b=0: a + b, 2, b=3) == 5
+    assert order == [0, 1, 2, 3, 4]
+    with pytest.raises(ZeroDivisionError):
+        compute.run(lambda: 1 / 0)
+    thread = compute.run(threading.current_thread)
+    compute.post(lambda: 1 / 0)  # nobody waits for a posted call: its error must not stop the thread
+    after: Future = Future()
+    compute.post(lambda: after.set_result(threading.current_thread()))
+    assert after.result(timeout=30) is thread and thread.is_alive()  # (a stopped thread: a time-out)
+    # a call made on the compute thread runs there at once (queueing it would wait forever)
+    assert compute.run(lambda: compute.run(lambda: "inner")) == "inner"
+
+
+def test_a_scheduler_asked_from_its_compute_thread_runs_the_pass_there():
+    compute = ComputeThread(name="test-compute")
+    model = _Threads(6, order=1, seed=0)
+    scheduler = Scheduler(model, compute=compute)
+    want = ToyLM(6, order=1, seed=0).forward(torch.tensor([1, 2]), model.new_cache())
+
+    def inside():
+        return scheduler.forward(torch.tensor([1, 2]), model.new_cache())
+
+    done: Future = Future()
+    compute.post(lambda: done.set_result(inside()))
+    torch.testing.assert_close(done.result(timeout=30), want, rtol=0, atol=0)  # a deadlock times out
+    assert [thread for _, thread in model.seen] == [compute._thread]
+
+
+def test_one_openmp_thread_is_per_thread(two_threads):
+    """The calling thread's count drops to one; the main thread and a thread started afterwards
+    keep the process's; calling it on the main thread changes nothing."""
+    got: dict[str, int] = {}
+
+    def limited() -> None:
+        one_openmp_thread()
+        got["limited"] = torch.get_num_threads()
+        torch.ones(1 << 20).sum()  # an operation that would use a team
+
+    def plain() -> None:
+        got["plain"] = torch.get_num_threads()
+
+    for fn in (limited, plain):
+        t = threading.Thread(target=fn)
+        t.start()
+        t.join()
+    one_openmp_thread()
+    assert got == {"limited": 1, "plain": 2}
+    assert torch.get_num_threads() == 2
