@@ -20,6 +20,8 @@ from specdec.server.compute import COMPUTE, ComputeThread, one_openmp_thread
 from specdec.server.scheduler import BatchedModel, Scheduler
 from specdec.server.sessions import SerializedModel
 
+from .test_scheduler import _hammer, _Letters
+
 
 class _Threads(ToyLM):
     """A toy whose passes (forward, batched forward, token tree) record the thread running them."""
@@ -39,26 +41,6 @@ class _Threads(ToyLM):
     def forward_tree(self, tokens, parents, cache, *, prefix=None):
         self.seen.append(("tree", threading.current_thread()))
         return super().forward_tree(tokens, parents, cache, prefix=prefix)
-
-
-class _Letters:
-    def encode(self, text, add_special_tokens=False):
-        return [ord(c) - 97 for c in text]
-
-    def decode(self, ids, skip_special_tokens=True):
-        return "".join(chr(97 + int(i)) for i in ids)
-
-
-def _in_threads(jobs: list, rounds: int = 10) -> None:
-    def loop(job) -> None:
-        for _ in range(rounds):
-            job()
-
-    threads = [threading.Thread(target=loop, args=(job,)) for job in jobs]
-    for t in threads:
-        t.start()
-    for t in threads:
-        t.join()
 
 
 @pytest.fixture
@@ -93,7 +75,7 @@ def test_every_pass_of_the_wrappers_runs_on_the_compute_thread(two_threads):
         served_target.forward_tree(torch.tensor([0, 1, 2]), torch.tensor([-1, -1, 0]), cache)
         counts.append(torch.get_num_threads())
 
-    _in_threads([chain(served_target), chain(served_target), chain(served_draft), chain(served_draft), tree, tree,
+    _hammer([chain(served_target), chain(served_target), chain(served_draft), chain(served_draft), tree, tree,
                  chain(serialised), chain(serialised)])
     seen = target.seen + draft.seen + other.seen
     assert {kind for kind, _ in target.seen} >= {"forward", "tree"} and draft.seen and other.seen
@@ -121,7 +103,7 @@ def test_a_servers_passes_run_on_the_compute_thread():
         r = client.post("/v1/completions", json={"model": "target", "prompt": "abc", "max_tokens": 6, "temperature": 0})
         assert r.status_code == 200, r.text
 
-    _in_threads([session, session, completion, completion], rounds=3)
+    _hammer([session, session, completion, completion], rounds=3)
     assert target.seen and draft.seen
     assert {thread for _, thread in target.seen + draft.seen} == {COMPUTE._thread}
     assert executor_threads == 1
