@@ -24,7 +24,7 @@
 //   torch.ops.specdec.q4_linear(x float32 [n, K], gain float32 [K] (empty: none), packed,
 //       n_out, col float32 [N] (empty: none)) -> y float32 [n, N], x multiplied by gain first
 //   torch.ops.specdec.q4_isa() -> str: the path this build runs: "avx512-vnni", "avx2" (u8 x s8
-//       pair products summed in int16, exact: see half_group_avx2) or "portable" (plain C++, slow)
+//       pair products summed in int16, exact: see group_avx2) or "portable" (plain C++, slow)
 
 #include <ATen/ATen.h>
 #include <ATen/Parallel.h>
@@ -292,87 +292,61 @@ void group_vnni(const int8_t* codes, const float* step, const float* sums, int64
 #endif
 
 #if SPECDEC_Q4_AVX2
-// Columns 16u .. 16u + 15 of one group for R rows (AVX2): per block and 8 columns, the products
-// of four inputs summed in int16 lanes (u8 x s8 pairs, then 16 products per lane: at most
-// 16 x 15 x 127 = 30,480, so nothing saturates and the sums are exact), widened to int32, then the
-// float steps on 8 lanes.
+// One group of 32 columns for R rows (AVX2), in one pass over the group's stream: per block and
+// octet of columns, the R rows' products of four inputs summed in int16 lanes (u8 x s8 pairs, then
+// 16 products per lane: at most 16 x 15 x 127 = 30,480, so nothing saturates and the sums are
+// exact), widened to int32, then the float steps on 8 lanes into the rows' sums, which live in a
+// small array on the stack (L1) rather than in registers.  Each block's 640 bytes are unpacked
+// once for all R rows and all 32 columns, so the weights stream in from memory while the products
+// run.  The kernel this replaced passed over each group once per 16 columns and three rows, and
+// the first pass waited on memory with little to compute.  Machine F (Zen 3), SmolLM2's 120 layer
+// products on two threads, paired in one process: 0.80 of the time for one row, 0.78 for two,
+// 0.89-0.90 for three and four.
 template <int R>
-void half_group_avx2(const int8_t* codes, const float* step, const float* sums, int64_t nb, const uint8_t* wg,
-                     int u, float* out, int64_t out_stride, int64_t valid) {
-  __m256 y[R][2];
-  for (int r = 0; r < R; ++r) y[r][0] = y[r][1] = _mm256_setzero_ps();
+void group_avx2(const int8_t* codes, const float* step, const float* sums, int64_t nb, const uint8_t* wg, float* out,
+                int64_t out_stride, int64_t valid) {
+  alignas(32) float y[R][kCols] = {};
   const __m256i low = _mm256_set1_epi8(0x0F);
   const __m256i ones = _mm256_set1_epi16(1);
   for (int64_t b = 0; b < nb; ++b) {
     const uint8_t* blk = wg + b * kStride;
-    if (u == 0) {
-      const uint8_t* ahead = blk + kPrefetch * kStride;
-      for (int line = 0; line < kStride; line += 64) _mm_prefetch(reinterpret_cast<const char*>(ahead + line), _MM_HINT_T0);
-    }
-#pragma GCC unroll 2
-    for (int h = 0; h < 2; ++h) {
+    const uint8_t* ahead = blk + kPrefetch * kStride;
+    for (int line = 0; line < kStride; line += 64) _mm_prefetch(reinterpret_cast<const char*>(ahead + line), _MM_HINT_T0);
+#pragma GCC unroll 4
+    for (int o = 0; o < 4; ++o) {  // columns 8o .. 8o + 7: half o / 2 of the codes, lanes 8 (o % 2) ..
       __m256i acc[R];
       for (int r = 0; r < R; ++r) acc[r] = _mm256_setzero_si256();
 #pragma GCC unroll 4
       for (int l = 0; l < 4; ++l) {
-        const __m256i v = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(blk + u * 256 + l * 64 + 32 * h));
+        const __m256i v = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(blk + (o / 2) * 256 + l * 64 + 32 * (o % 2)));
         const __m256i lo = _mm256_and_si256(v, low);
         const __m256i hi = _mm256_and_si256(_mm256_srli_epi16(v, 4), low);
-#pragma GCC unroll 4
+#pragma GCC unroll 6
         for (int r = 0; r < R; ++r) {
           // the four codes of inputs 4l .. 4l + 3 (a + 4: 16 further) in every 32-bit lane, as one
           // vbroadcastss load (a bit-exact move; the codes were written by quantize_rows_*, called
           // before this function through the group table).  Measured on machine F against
-          // memcpy + set1 (a move through a general register): 3 rows 64 -> 47 us, 6 rows 124 -> 90 us
+          // memcpy + set1 (a move through a general register): ~25 % off 3- and 6-row products
           const float* a = reinterpret_cast<const float*>(codes + (r * nb + b) * kBlock + 4 * l);
           acc[r] = _mm256_add_epi16(acc[r], _mm256_maddubs_epi16(lo, _mm256_castps_si256(_mm256_broadcast_ss(a))));
           acc[r] = _mm256_add_epi16(acc[r], _mm256_maddubs_epi16(hi, _mm256_castps_si256(_mm256_broadcast_ss(a + 4))));
         }
       }
-      const int c = 16 * u + 8 * h;
-      const __m256 dw = _mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(blk + kCodes + 2 * c)));
-      const __m256 mw = _mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(blk + kCodes + 64 + 2 * c)));
+      const __m256 dw = _mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(blk + kCodes + 16 * o)));
+      const __m256 mw = _mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(blk + kCodes + 64 + 16 * o)));
+#pragma GCC unroll 6
       for (int r = 0; r < R; ++r) {
         const __m256 t = _mm256_mul_ps(dw, _mm256_set1_ps(step[r * nb + b]));
         const __m256 f = _mm256_cvtepi32_ps(_mm256_madd_epi16(acc[r], ones));
-        y[r][h] = _mm256_add_ps(y[r][h], _mm256_mul_ps(t, f));
-        y[r][h] = _mm256_add_ps(y[r][h], _mm256_mul_ps(mw, _mm256_set1_ps(sums[r * nb + b])));
+        __m256 s = _mm256_load_ps(y[r] + 8 * o);
+        s = _mm256_add_ps(s, _mm256_mul_ps(t, f));
+        s = _mm256_add_ps(s, _mm256_mul_ps(mw, _mm256_set1_ps(sums[r * nb + b])));
+        _mm256_store_ps(y[r] + 8 * o, s);
       }
     }
   }
-  for (int h = 0; h < 2; ++h) {
-    const int64_t v = valid - 16 * u - 8 * h;
-    if (v <= 0) break;
-    for (int r = 0; r < R; ++r) {
-      float* o = out + r * out_stride + 16 * u + 8 * h;
-      if (v >= 8) {
-        _mm256_storeu_ps(o, y[r][h]);
-      } else {
-        alignas(32) float t[8];
-        _mm256_store_ps(t, y[r][h]);
-        for (int64_t i = 0; i < v; ++i) o[i] = t[i];
-      }
-    }
-  }
-}
-
-// One group of 32 columns for R rows: its two halves of 16 columns, rows three at a time (the
-// float sums of a half and three rows' integer sums fit the 16 vector registers).
-template <int R>
-void group_avx2(const int8_t* codes, const float* step, const float* sums, int64_t nb, const uint8_t* wg, float* out,
-                int64_t out_stride, int64_t valid) {
-  for (int u = 0; u < 2 && 16 * u < valid; ++u) {
-    int r0 = 0;
-    for (; r0 + 3 <= R; r0 += 3)
-      half_group_avx2<3>(codes + r0 * nb * kBlock, step + r0 * nb, sums + r0 * nb, nb, wg, u, out + r0 * out_stride,
-                         out_stride, valid);
-    if (R - r0 == 2)
-      half_group_avx2<2>(codes + r0 * nb * kBlock, step + r0 * nb, sums + r0 * nb, nb, wg, u, out + r0 * out_stride,
-                         out_stride, valid);
-    else if (R - r0 == 1)
-      half_group_avx2<1>(codes + r0 * nb * kBlock, step + r0 * nb, sums + r0 * nb, nb, wg, u, out + r0 * out_stride,
-                         out_stride, valid);
-  }
+  const int64_t v = valid < kCols ? valid : kCols;
+  for (int r = 0; r < R; ++r) std::memcpy(out + r * out_stride, y[r], static_cast<size_t>(v) * sizeof(float));
 }
 #endif
 
@@ -381,8 +355,18 @@ using GroupFn = void (*)(const int8_t*, const float*, const float*, int64_t, con
 constexpr GroupFn kGroups[kRowsMax + 1] = {nullptr, group_vnni<1>, group_vnni<2>, group_vnni<3>, group_vnni<4>,
                                            group_vnni<5>, group_vnni<6>};
 #elif SPECDEC_Q4_AVX2
+// Five and six rows as two passes (three rows, then two or three; the second pass reads the group
+// from cache).  In the layer sweep on machine F one pass of five or six rows ran 2 % / 17 % slower
+// than the old kernel (though faster in a one-product micro-benchmark; the cause was not found),
+// two passes 7 % / 5 % faster.
+template <int A, int B>
+void group_avx2_split(const int8_t* codes, const float* step, const float* sums, int64_t nb, const uint8_t* wg, float* out,
+                      int64_t out_stride, int64_t valid) {
+  group_avx2<A>(codes, step, sums, nb, wg, out, out_stride, valid);
+  group_avx2<B>(codes + A * nb * kBlock, step + A * nb, sums + A * nb, nb, wg, out + A * out_stride, out_stride, valid);
+}
 constexpr GroupFn kGroups[kRowsMax + 1] = {nullptr, group_avx2<1>, group_avx2<2>, group_avx2<3>, group_avx2<4>,
-                                           group_avx2<5>, group_avx2<6>};
+                                           group_avx2_split<3, 2>, group_avx2_split<3, 3>};
 #else
 constexpr GroupFn kGroups[kRowsMax + 1] = {nullptr, group_portable<1>, group_portable<2>, group_portable<3>,
                                            group_portable<4>, group_portable<5>, group_portable<6>};
