@@ -148,6 +148,89 @@ inline float lane_sum(v16 a) {
 #endif
 }
 
+#if !defined(__AVX512F__) && defined(__AVX__) && defined(__FMA__)
+// exp_neg on 8 lanes (AVX2): the same operations as the template, lane by lane, written on
+// 8-lane registers because GCC lowers the 16-lane vector type through memory here.
+inline __m256 exp_neg8(__m256 x0) {
+  const __m256 lo = _mm256_set1_ps(-87.0f);
+  const __m256 below = _mm256_cmp_ps(x0, lo, _CMP_LT_OQ);
+  const __m256 x = _mm256_blendv_ps(x0, lo, below);
+  const __m256i ni = _mm256_cvttps_epi32(_mm256_sub_ps(_mm256_mul_ps(x, _mm256_set1_ps(kLog2e)), _mm256_set1_ps(0.5f)));
+  const __m256 n = _mm256_cvtepi32_ps(ni);
+  __m256 r = _mm256_sub_ps(x, _mm256_mul_ps(n, _mm256_set1_ps(kC1)));
+  r = _mm256_sub_ps(r, _mm256_mul_ps(n, _mm256_set1_ps(kC2)));
+  __m256 p = _mm256_set1_ps(kP0);
+  p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(kP1));
+  p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(kP2));
+  p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(kP3));
+  p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(kP4));
+  p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(kP5));
+  p = _mm256_add_ps(_mm256_add_ps(_mm256_mul_ps(p, _mm256_mul_ps(r, r)), r), _mm256_set1_ps(1.0f));
+  const __m256 scale = _mm256_castsi256_ps(_mm256_slli_epi32(_mm256_add_epi32(ni, _mm256_set1_epi32(127)), 23));
+  return _mm256_blendv_ps(_mm256_mul_ps(p, scale), _mm256_setzero_ps(), below);
+}
+#endif
+
+// One (row, head)'s softmax in place over its nk scores sh: the max (exact in any order), then
+// e_i = exp_neg(s_i - max) with key i in lane i mod 16, the lanes summed in lane_sum's tree;
+// returns 1 / sum.
+inline float softmax_inplace(float* sh, int64_t nk) {
+#if !defined(__AVX512F__) && defined(__AVX__) && defined(__FMA__)
+  __m256 mlo = _mm256_set1_ps(sh[0]), mhi = mlo;  // lanes 0-7 and 8-15; max_ps(x, m) is x > m ? x : m
+  int64_t i = 0;
+  for (; i + kLanes <= nk; i += kLanes) {
+    mlo = _mm256_max_ps(_mm256_loadu_ps(sh + i), mlo);
+    mhi = _mm256_max_ps(_mm256_loadu_ps(sh + i + 8), mhi);
+  }
+  alignas(32) float mv[kLanes];
+  _mm256_store_ps(mv, mlo);
+  _mm256_store_ps(mv + 8, mhi);
+  float m = sh[0];
+  for (int l = 0; l < kLanes; ++l) m = mv[l] > m ? mv[l] : m;
+  for (; i < nk; ++i) m = sh[i] > m ? sh[i] : m;
+  const __m256 mm = _mm256_set1_ps(m);
+  __m256 slo = _mm256_setzero_ps(), shi = _mm256_setzero_ps();
+  i = 0;
+  for (; i + kLanes <= nk; i += kLanes) {
+    const __m256 elo = exp_neg8(_mm256_sub_ps(_mm256_loadu_ps(sh + i), mm));
+    const __m256 ehi = exp_neg8(_mm256_sub_ps(_mm256_loadu_ps(sh + i + 8), mm));
+    _mm256_storeu_ps(sh + i, elo);
+    _mm256_storeu_ps(sh + i + 8, ehi);
+    slo = _mm256_add_ps(slo, elo);
+    shi = _mm256_add_ps(shi, ehi);
+  }
+  alignas(32) float tail[kLanes] = {0};
+  for (int64_t l = 0; i + l < nk; ++l) tail[l] = sh[i + l] = exp_neg(sh[i + l] - m);
+  slo = _mm256_add_ps(slo, _mm256_load_ps(tail));
+  shi = _mm256_add_ps(shi, _mm256_load_ps(tail + 8));
+  const __m256 h8 = _mm256_add_ps(slo, shi);  // lane_sum's tree on the two halves
+  const __m128 h4 = _mm_add_ps(_mm256_castps256_ps128(h8), _mm256_extractf128_ps(h8, 1));
+  const __m128 h2 = _mm_add_ps(h4, _mm_movehl_ps(h4, h4));
+  return 1.0f / _mm_cvtss_f32(_mm_add_ss(h2, _mm_shuffle_ps(h2, h2, 1)));
+#else
+  v16 mv = v16{} + sh[0];
+  int64_t i = 0;
+  for (; i + kLanes <= nk; i += kLanes) {
+    const v16 x = load(sh + i);
+    mv = x > mv ? x : mv;
+  }
+  float m = sh[0];
+  for (int l = 0; l < kLanes; ++l) m = mv[l] > m ? mv[l] : m;
+  for (; i < nk; ++i) m = sh[i] > m ? sh[i] : m;
+  v16 lanes{};  // key i in lane i mod 16
+  i = 0;
+  for (; i + kLanes <= nk; i += kLanes) {
+    const v16 e = exp_neg(load(sh + i) - m);
+    store(sh + i, e);
+    lanes = lanes + e;
+  }
+  float tail[kLanes] = {0};
+  for (int64_t l = 0; i + l < nk; ++l) tail[l] = sh[i + l] = exp_neg(sh[i + l] - m);
+  lanes = lanes + load(tail);
+  return 1.0f / lane_sum(lanes);
+#endif
+}
+
 // q . k with feature c in lane c mod 16 (the tail's missing features add exact zeros), not yet summed.
 template <int NV>
 inline v16 dot_lanes(const float* q, const float* k, int64_t d) {
@@ -344,29 +427,7 @@ void attend_rows(const Rows& rows, int64_t g, int64_t d, const float* k, const f
   // softmax per row and head
   for (int64_t r = 0; r < R; ++r) {
     const int64_t nk = n_keys(r);
-    for (int64_t h = 0; h < g; ++h) {
-      float* sh = s + off[r] + h * nk;
-      v16 mv = v16{} + sh[0];
-      int64_t i = 0;
-      for (; i + kLanes <= nk; i += kLanes) {
-        const v16 x = load(sh + i);
-        mv = x > mv ? x : mv;
-      }
-      float m = sh[0];
-      for (int l = 0; l < kLanes; ++l) m = mv[l] > m ? mv[l] : m;
-      for (; i < nk; ++i) m = sh[i] > m ? sh[i] : m;
-      v16 lanes{};  // key i in lane i mod 16
-      i = 0;
-      for (; i + kLanes <= nk; i += kLanes) {
-        const v16 e = exp_neg(load(sh + i) - m);
-        store(sh + i, e);
-        lanes = lanes + e;
-      }
-      float tail[kLanes] = {0};
-      for (int64_t l = 0; i + l < nk; ++l) tail[l] = sh[i + l] = exp_neg(sh[i + l] - m);
-      lanes = lanes + load(tail);
-      inv[r * g + h] = 1.0f / lane_sum(lanes);
-    }
+    for (int64_t h = 0; h < g; ++h) inv[r * g + h] = softmax_inplace(s + off[r] + h * nk, nk);
   }
   // out = sum_j e_j v_j in each row's key order (the shared prefix values first, then its
   // extras), one fused multiply-add per key and feature, then times 1 / sum
