@@ -1,0 +1,187 @@
+#!/usr/bin/env python
+"""The compiled kernels at another commit against this checkout's, paired in one process.
+
+    python scripts/library_ab.py --base 7ab318b --out benchmarks/NAME
+
+Not a test and not part of CI.  On a machine whose speed drifts by tens of per cent between
+runs, two builds compared in two processes minutes apart say little; this loads both into one
+process and alternates them call by call.  The base commit's ``csrc`` sources are compiled as a
+second library whose operator namespace (and C++ namespace) is ``specdec_base`` instead of
+``specdec``, with the same flags and target CPU as this checkout's build.  Then, with the default
+target (the packed weights are shared: both builds must read the same packed layout):
+
+* **passes** — the target's forward pass over n new tokens after a ``--context``-token prompt,
+  the fused layer loop on one library or the other (the loop is one operator call, so it uses
+  its own library's products and attention);
+* **products** — the target's 120 4-bit layer products for n rows, called directly;
+* **attention** — one layer's exact attention (SmolLM2's head layout) for n rows over the context.
+
+Each repetition runs both arms in alternating order; the report gives best and median per arm
+and the median of the per-repetition ratio (this / base).  Outputs of the two arms are compared
+bitwise (the kernels promise the same bits).  Writes ``README.md`` and ``results.json``.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import re
+import shlex
+import statistics
+import subprocess
+import sys
+import sysconfig
+import tarfile
+import tempfile
+import time
+from io import BytesIO
+from pathlib import Path
+
+import torch
+
+from specdec.bench.report import machine_line
+from specdec.bench.runner import machine_info
+from specdec.engine import Engine, EngineConfig
+from specdec.models import kernels, scripted
+
+
+def build_base(commit: str, work: Path) -> Path:
+    """Compile the kernels of ``commit`` as the ``specdec_base`` library; returns the .so path."""
+    repo = Path(__file__).resolve().parent.parent
+    blob = subprocess.run(["git", "-C", str(repo), "archive", commit, "src/specdec/models/csrc"],
+                          check=True, capture_output=True).stdout
+    with tarfile.open(fileobj=BytesIO(blob)) as tar:
+        tar.extractall(work, filter="data")
+    csrc = work / "src" / "specdec" / "models" / "csrc"
+    for f in csrc.iterdir():
+        text = f.read_text()
+        text = re.sub(r"TORCH_LIBRARY(_FRAGMENT|_IMPL)?\(specdec,", r"TORCH_LIBRARY\1(specdec_base,", text)
+        text = re.sub(r"\bnamespace specdec\b", "namespace specdec_base", text)
+        text = text.replace("specdec::", "specdec_base::")
+        f.write_text(text)
+    from torch.utils import cpp_extension
+
+    names = [p.name for p in kernels._SOURCES if (csrc / p.name).is_file()]
+    lib = work / "base.so"
+    cmd = [kernels._compiler() or "c++", *kernels._FLAGS, kernels._march(),
+           *(f"-I{p}" for p in cpp_extension.include_paths()), f"-I{sysconfig.get_paths()['include']}",
+           *(str(csrc / n) for n in names), "-o", str(lib),
+           *(f"-L{p}" for p in cpp_extension.library_paths()), "-lc10", "-ltorch_cpu", "-ltorch"]
+    print(f"[library_ab] compiling {commit}'s kernels ...", file=sys.stderr)
+    subprocess.run(cmd, check=True, capture_output=True, text=True)
+    return lib
+
+
+class _Torch:
+    """``torch`` with ``torch.ops.specdec`` replaced by another namespace (for scripted.py)."""
+
+    def __init__(self, ns) -> None:
+        self.ops = type("Ops", (), {"specdec": ns})()
+
+    def __getattr__(self, name):
+        return getattr(torch, name)
+
+
+def paired(arms: dict, call, reps: int) -> dict:
+    times = {a: [] for a in arms}
+    for rep in range(reps):
+        for a in (list(arms) if rep % 2 == 0 else list(reversed(arms))):
+            t = time.perf_counter()
+            call(a)
+            times[a].append((time.perf_counter() - t) * 1e3)
+    base, this = times["base"], times["this"]
+    return {"base_best_ms": min(base), "base_median_ms": statistics.median(base), "this_best_ms": min(this),
+            "this_median_ms": statistics.median(this),
+            "paired_ratio": statistics.median(b / a for a, b in zip(base, this))}
+
+
+def main(argv: list[str] | None = None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0], formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--base", required=True, help="git commit whose kernels are the baseline")
+    ap.add_argument("--target", default="smollm2-135m", help="registry name of the target (default smollm2-135m)")
+    ap.add_argument("--rows", default="1,2,3,4,5,7,9", help="row counts (default 1,2,3,4,5,7,9)")
+    ap.add_argument("--context", type=int, default=200, help="tokens before the new rows (default 200)")
+    ap.add_argument("--reps", type=int, default=24, help="paired repetitions per row count (default 24)")
+    ap.add_argument("--threads", type=int, default=2, help="torch threads (default 2)")
+    ap.add_argument("--out", required=True, help="output folder (README.md, results.json)")
+    args = ap.parse_args(argv)
+    torch.set_num_threads(args.threads)
+    rows = [int(x) for x in args.rows.split(",") if x.strip()]
+    model = Engine.build(EngineConfig(target=args.target, draft="none")).target.model
+    if not kernels.load():
+        print("error: this checkout's kernels did not build here", file=sys.stderr)
+        return 1
+    with tempfile.TemporaryDirectory() as tmp:
+        torch.ops.load_library(str(build_base(args.base, Path(tmp))))
+    ns = {"base": torch.ops.specdec_base, "this": torch.ops.specdec}
+    g = torch.Generator().manual_seed(0)
+    context = torch.randint(0, model.vocab_size, (args.context,), generator=g)
+    cache = model.new_cache(args.context + max(rows) + 8)
+    model.forward(context, cache, last_only=True)
+    lins = [getattr(layer, name) for layer in model.layers for name in ("qkv", "out", "gate_up", "down")]
+    cfg = model.cfg
+    k = torch.randn(cfg.n_kv_heads, args.context + max(rows), cfg.head_dim, generator=g)
+    v = torch.randn(cfg.n_kv_heads, args.context + max(rows), cfg.head_dim, generator=g)
+    results: dict[str, dict[int, dict]] = {"passes": {}, "products": {}, "attention": {}}
+    same = True
+    try:
+        for n in rows:
+            tokens = torch.randint(0, model.vocab_size, (n,), generator=g)
+            out = {}
+
+            def one_pass(a: str) -> None:
+                scripted.torch = torch if a == "this" else _Torch(ns[a])
+                cache.truncate(args.context)
+                out[a] = model.forward(tokens, cache)
+
+            results["passes"][n] = paired(ns, one_pass, args.reps)
+            same = same and torch.equal(out["base"], out["this"])
+            xs = {lin.in_features: torch.randn(n, lin.in_features, generator=g) for lin in lins}
+
+            def products(a: str) -> None:
+                for lin in lins:
+                    out[a] = ns[a].q4_linear(xs[lin.in_features], lin.gain, lin.packed, lin.out_features, lin.col)
+
+            results["products"][n] = paired(ns, products, args.reps)
+            same = same and torch.equal(out["base"], out["this"])
+            q = torch.randn(n, cfg.n_heads, cfg.head_dim, generator=g) * 0.3
+
+            def attention(a: str) -> None:
+                for _ in range(cfg.n_layers):
+                    out[a] = ns[a].attend(q, k, v, args.context, None)
+
+            results["attention"][n] = paired(ns, attention, args.reps)
+            same = same and torch.equal(out["base"], out["this"])
+            print(f"[library_ab] rows {n}: pass x{results['passes'][n]['paired_ratio']:.3f}", file=sys.stderr)
+    finally:
+        scripted.torch = torch
+    out_dir = Path(args.out)
+    out_dir.mkdir(parents=True, exist_ok=True)
+    command = "python scripts/library_ab.py " + " ".join(shlex.quote(a) for a in (argv if argv is not None else sys.argv[1:]))
+    info = {**machine_info(), "threads": args.threads}
+    (out_dir / "results.json").write_text(json.dumps(
+        {"command": command, "machine": info, "base": args.base, "context": args.context, "reps": args.reps,
+         "same_bits": same, **results}, indent=1) + "\n")
+    lines = [
+        "# Kernels at another commit against this checkout's, paired in one process", "",
+        f"Command: `{command}`", "", f"Machine: {machine_line(info)}", "",
+        f"Base: kernels of `{args.base}`; this: the checkout's. Target `{args.target}`, {args.context}-token "
+        f"context, {args.reps} repetitions per row count, both arms alternated in each. Times in ms; "
+        "ratio = median over repetitions of this / base (below 1: this is faster). "
+        f"Outputs of the two arms bitwise equal: {'yes' if same else 'NO'}.", "",
+    ]
+    for part, what in (("passes", "Forward pass over n new tokens (the fused layer loop and the LM head)"),
+                       ("products", f"The target's {len(lins)} 4-bit layer products, n rows"),
+                       ("attention", f"Attention over {args.context} keys, n rows, all {cfg.n_layers} layers")):
+        lines += [f"## {what}", "", "| rows | base best / median | this best / median | ratio |", "|---|---|---|---|"]
+        for n, r in results[part].items():
+            lines.append(f"| {n} | {r['base_best_ms']:.2f} / {r['base_median_ms']:.2f} | "
+                         f"{r['this_best_ms']:.2f} / {r['this_median_ms']:.2f} | {r['paired_ratio']:.3f} |")
+        lines.append("")
+    (out_dir / "README.md").write_text("\n".join(lines))
+    print(f"[library_ab] wrote {out_dir}/README.md and results.json", file=sys.stderr)
+    return 0 if same else 1
+
+
+if __name__ == "__main__":
+    sys.exit(main())
