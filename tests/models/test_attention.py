@@ -92,15 +92,18 @@ def test_kernel_reads_a_tree_nodes_path_in_place() -> None:
 
 
 @needs_kernel
-def test_kernel_bits_do_not_depend_on_threads() -> None:
+@pytest.mark.parametrize("rows", [40, 3, 1])
+def test_kernel_bits_do_not_depend_on_threads(rows: int) -> None:
+    """40 rows split by (KV head, chunk of rows); 1 and 3 rows on two threads also split each KV
+    head's query heads across tasks (fewer tasks than twice the threads otherwise)."""
     torch.manual_seed(5)
     q, k, v = torch.randn(40, 12, 128) * 0.1, torch.randn(2, 900, 128), torch.randn(2, 900, 128)
     before = torch.get_num_threads()
     try:
         torch.set_num_threads(1)
-        one = torch.ops.specdec.attend(q, k, v, 800, None)
+        one = torch.ops.specdec.attend(q[:rows], k, v, 800, None)
         torch.set_num_threads(2)
-        two = torch.ops.specdec.attend(q, k, v, 800, None)
+        two = torch.ops.specdec.attend(q[:rows], k, v, 800, None)
     finally:
         torch.set_num_threads(before)
     assert torch.equal(one, two)

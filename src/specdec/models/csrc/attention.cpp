@@ -495,6 +495,8 @@ RowsFn rows_fn(int64_t d) {
 }
 
 constexpr int64_t kRowChunk = 8;  // rows sharing key/value reads in one task
+// rows x keys x query heads x head size below which a pass stays on the calling thread
+constexpr int64_t kParallelWork = 1 << 16;
 
 at::Tensor attend(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v, int64_t start,
                   const c10::optional<at::Tensor>& paths) {
@@ -535,17 +537,23 @@ at::Tensor attend(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v,
   const int64_t* pp = tree ? pc.data_ptr<int64_t>() : nullptr;
   const int64_t ks = k.stride(1), hs = k.stride(0);
   const RowsFn fn = rows_fn(d);
-  // tasks: (KV head, chunk of up to kRowChunk rows); a row is one task's, so no thread split
-  // changes its arithmetic.  Small passes stay on the calling thread.
-  const int64_t chunks = (n + kRowChunk - 1) / kRowChunk, tasks = hk * chunks;
-  const int64_t work = n * hk * (start + n) * g * d;
-  const int64_t grain = work < (1 << 19) ? tasks : 1;
+  // tasks: (KV head, chunk of up to kRowChunk rows, share of the KV head's query heads); a
+  // (row, query head) pair is one task's, so no thread split changes its arithmetic (a pair's
+  // scores, softmax and value sums never involve another pair).  A pass with fewer (KV head,
+  // chunk) tasks than twice the threads splits each KV head's query heads across tasks too
+  // (decoding: 9 tasks instead of 3 for SmolLM2's 3 KV heads on two threads).  Small passes stay
+  // on the calling thread.
+  const int64_t chunks = (n + kRowChunk - 1) / kRowChunk;
+  const bool parallel = n * hk * (start + n) * g * d >= kParallelWork;
+  const int64_t gs = parallel && hk * chunks < 2 * at::get_num_threads() ? g : 1;  // shares per KV head
+  const int64_t gt = g / gs, tasks = hk * chunks * gs;                              // query heads per task
+  const int64_t grain = parallel ? 1 : tasks;
   at::parallel_for(0, tasks, grain, [&](int64_t lo, int64_t hi) {
     std::vector<float> buf;
     int64_t pre[kRowChunk], n_extra[kRowChunk];
     const int64_t* extra[kRowChunk];
     for (int64_t task = lo; task < hi; ++task) {
-      const int64_t h = task / chunks, r0 = (task % chunks) * kRowChunk;
+      const int64_t h = task / (chunks * gs), r0 = (task / gs % chunks) * kRowChunk, h0 = h * g + task % gs * gt;
       const int64_t count = n - r0 < kRowChunk ? n - r0 : kRowChunk;
       for (int64_t i = 0; i < count; ++i) {
         const int64_t r = r0 + i;
@@ -560,8 +568,8 @@ at::Tensor attend(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v,
           n_extra[i] = 0;
         }
       }
-      const Rows rows{qp + (r0 * hq + h * g) * d, hq * d, op + (r0 * hq + h * g) * d, pre, extra, n_extra, count};
-      fn(rows, g, d, kp + h * hs, vp + h * hs, ks, buf);
+      const Rows rows{qp + (r0 * hq + h0) * d, hq * d, op + (r0 * hq + h0) * d, pre, extra, n_extra, count};
+      fn(rows, gt, d, kp + h * hs, vp + h * hs, ks, buf);
     }
   });
   return out;
