@@ -24,9 +24,7 @@ bitwise (the kernels promise the same bits).  Writes ``README.md`` and ``results
 from __future__ import annotations
 
 import argparse
-import json
 import re
-import shlex
 import statistics
 import subprocess
 import sys
@@ -39,8 +37,7 @@ from pathlib import Path
 
 import torch
 
-from specdec.bench.report import machine_line
-from specdec.bench.runner import machine_info
+import paired
 from specdec.engine import Engine, EngineConfig
 from specdec.models import kernels, scripted
 
@@ -82,7 +79,7 @@ class _Torch:
         return getattr(torch, name)
 
 
-def paired(arms: dict, call, reps: int) -> dict:
+def alternate(arms: dict, call, reps: int) -> dict:
     times = {a: [] for a in arms}
     for rep in range(reps):
         for a in (list(arms) if rep % 2 == 0 else list(reversed(arms))):
@@ -95,7 +92,7 @@ def paired(arms: dict, call, reps: int) -> dict:
             "paired_ratio": statistics.median(b / a for a, b in zip(base, this))}
 
 
-def main(argv: list[str] | None = None) -> int:
+def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0], formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--base", required=True, help="git commit whose kernels are the baseline")
     ap.add_argument("--target", default="smollm2-135m", help="registry name of the target (default smollm2-135m)")
@@ -104,7 +101,7 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--reps", type=int, default=24, help="paired repetitions per row count (default 24)")
     ap.add_argument("--threads", type=int, default=2, help="torch threads (default 2)")
     ap.add_argument("--out", required=True, help="output folder (README.md, results.json)")
-    args = ap.parse_args(argv)
+    args = ap.parse_args()
     torch.set_num_threads(args.threads)
     rows = [int(x) for x in args.rows.split(",") if x.strip()]
     model = Engine.build(EngineConfig(target=args.target, draft="none")).target.model
@@ -134,7 +131,7 @@ def main(argv: list[str] | None = None) -> int:
                 cache.truncate(args.context)
                 out[a] = model.forward(tokens, cache)
 
-            results["passes"][n] = paired(ns, one_pass, args.reps)
+            results["passes"][n] = alternate(ns, one_pass, args.reps)
             same = same and torch.equal(out["base"], out["this"])
             xs = {lin.in_features: torch.randn(n, lin.in_features, generator=g) for lin in lins}
 
@@ -142,7 +139,7 @@ def main(argv: list[str] | None = None) -> int:
                 for lin in lins:
                     out[a] = ns[a].q4_linear(xs[lin.in_features], lin.gain, lin.packed, lin.out_features, lin.col)
 
-            results["products"][n] = paired(ns, products, args.reps)
+            results["products"][n] = alternate(ns, products, args.reps)
             same = same and torch.equal(out["base"], out["this"])
             q = torch.randn(n, cfg.n_heads, cfg.head_dim, generator=g) * 0.3
 
@@ -150,36 +147,28 @@ def main(argv: list[str] | None = None) -> int:
                 for _ in range(cfg.n_layers):
                     out[a] = ns[a].attend(q, k, v, args.context, None)
 
-            results["attention"][n] = paired(ns, attention, args.reps)
+            results["attention"][n] = alternate(ns, attention, args.reps)
             same = same and torch.equal(out["base"], out["this"])
             print(f"[library_ab] rows {n}: pass x{results['passes'][n]['paired_ratio']:.3f}", file=sys.stderr)
     finally:
         scripted.torch = torch
-    out_dir = Path(args.out)
-    out_dir.mkdir(parents=True, exist_ok=True)
-    command = "python scripts/library_ab.py " + " ".join(shlex.quote(a) for a in (argv if argv is not None else sys.argv[1:]))
-    info = {**machine_info(), "threads": args.threads}
-    (out_dir / "results.json").write_text(json.dumps(
-        {"command": command, "machine": info, "base": args.base, "context": args.context, "reps": args.reps,
-         "same_bits": same, **results}, indent=1) + "\n")
-    lines = [
-        "# Kernels at another commit against this checkout's, paired in one process", "",
-        f"Command: `{command}`", "", f"Machine: {machine_line(info)}", "",
+    body = [
         f"Base: kernels of `{args.base}`; this: the checkout's. Target `{args.target}`, {args.context}-token "
-        f"context, {args.reps} repetitions per row count, both arms alternated in each. Times in ms; "
-        "ratio = median over repetitions of this / base (below 1: this is faster). "
+        f"context, {args.reps} repetitions per row count, both arms alternated in each, {args.threads} threads. "
+        "Times in ms; ratio = median over repetitions of this / base (below 1: this is faster). "
         f"Outputs of the two arms bitwise equal: {'yes' if same else 'NO'}.", "",
     ]
     for part, what in (("passes", "Forward pass over n new tokens (the fused layer loop and the LM head)"),
                        ("products", f"The target's {len(lins)} 4-bit layer products, n rows"),
                        ("attention", f"Attention over {args.context} keys, n rows, all {cfg.n_layers} layers")):
-        lines += [f"## {what}", "", "| rows | base best / median | this best / median | ratio |", "|---|---|---|---|"]
+        body += [f"## {what}", "", "| rows | base best / median | this best / median | ratio |", "|---|---|---|---|"]
         for n, r in results[part].items():
-            lines.append(f"| {n} | {r['base_best_ms']:.2f} / {r['base_median_ms']:.2f} | "
-                         f"{r['this_best_ms']:.2f} / {r['this_median_ms']:.2f} | {r['paired_ratio']:.3f} |")
-        lines.append("")
-    (out_dir / "README.md").write_text("\n".join(lines))
-    print(f"[library_ab] wrote {out_dir}/README.md and results.json", file=sys.stderr)
+            body.append(f"| {n} | {r['base_best_ms']:.2f} / {r['base_median_ms']:.2f} | "
+                        f"{r['this_best_ms']:.2f} / {r['this_median_ms']:.2f} | {r['paired_ratio']:.3f} |")
+        body.append("")
+    paired.write_report(args.out, "Kernels at another commit against this checkout's, paired in one process",
+                               {"base": args.base, "target": args.target, "context": args.context, "reps": args.reps,
+                                "threads": args.threads, "same_bits": same, **results}, body)
     return 0 if same else 1
 
 
