@@ -67,6 +67,11 @@ def one_openmp_thread() -> None:
         setter(1)
 
 
+def _holding(lock: Any, fn: Callable[..., Any], *args: Any, **kw: Any) -> Any:
+    with lock:
+        return fn(*args, **kw)
+
+
 class ComputeThread:
     """A daemon thread that runs submitted calls one at a time, first come first served."""
 
@@ -104,6 +109,10 @@ class ComputeThread:
 
         self.post(call)
         return done.result()
+
+    def run_locked(self, lock: Any, fn: Callable[..., Any], *args: Any, **kw: Any) -> Any:
+        """:meth:`run` of ``fn(*args, **kw)`` holding ``lock`` (a model's pass lock) around the call."""
+        return self.run(_holding, lock, fn, *args, **kw)
 
     def _loop(self) -> None:
         _local.compute = True

@@ -157,11 +157,7 @@ class Scheduler:
     def alone(self, fn: Callable[..., Any], *args: Any, **kw: Any) -> Any:
         """``fn(*args, **kw)`` (a pass of this model the batching loop does not run, e.g. a token
         tree's) on the compute thread, between two of the loop's passes, never during one."""
-        return self.compute.run(self._locked, fn, *args, **kw)
-
-    def _locked(self, fn: Callable[..., Any], *args: Any, **kw: Any) -> Any:
-        with self.pass_lock:
-            return fn(*args, **kw)
+        return self.compute.run_locked(self.pass_lock, fn, *args, **kw)
 
     def _post(self) -> None:
         """Queue this scheduler's next pass on the compute thread, unless one is queued (under _mutex)."""

@@ -64,11 +64,7 @@ class SerializedModel(ServedModel):
         return self._alone(self.inner.forward, tokens, cache, last_only=last_only, **compact_kw(compact))
 
     def _alone(self, fn: Any, *args: Any, **kw: Any) -> Any:
-        return COMPUTE.run(self._locked, fn, *args, **kw)
-
-    def _locked(self, fn: Any, *args: Any, **kw: Any) -> Any:
-        with self.lock:
-            return fn(*args, **kw)
+        return COMPUTE.run_locked(self.lock, fn, *args, **kw)
 
     def forward_features(self, tokens: Tensor, cache: Any, taps: Any, **kw: Any) -> tuple[Tensor, Tensor]:
         fn = getattr(self.inner, "forward_features", None)
