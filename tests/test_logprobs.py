@@ -14,6 +14,7 @@ import torch
 
 from specdec.decoder import SpeculativeDecoder
 from specdec.drafters import ModelDrafter
+from specdec.drafters.tree_builder import TreeSpec
 from specdec.gamma import FixedGamma
 from specdec.models.toy import ToyLM
 from specdec.sampling import PenaltyState, SamplingConfig, process_logits
@@ -25,10 +26,12 @@ DRAFT = TARGET.perturbed(1.0, seed=9)
 PROMPT = [1, 2, 3]
 
 
-def _run(cfg: SamplingConfig, method: str, drafter, gamma: int, top: int):
+def _run(cfg: SamplingConfig, method: str, drafter, gamma: int, top: int, tree: TreeSpec | None = None):
     session = TargetSession(TARGET, PROMPT, cfg, get_rule(method), seed=int(cfg.seed), logprobs=top)
-    dec = SpeculativeDecoder(TARGET, drafter, get_rule(method), gamma=FixedGamma(gamma))
+    dec = SpeculativeDecoder(TARGET, drafter, get_rule(method), gamma=FixedGamma(gamma), tree=tree)
     res = dec.generate(PROMPT, cfg, verifier=session)
+    if tree is not None:  # the rounds really were trees, and some kept a node off the first branch
+        assert all(r.tree for r in res.rounds if r.gamma) and any(r.gamma > r.accepted + 1 for r in res.rounds)
     return res.tokens, session.emitted_logprobs[: len(res.tokens)]
 
 
@@ -49,13 +52,19 @@ def _oracle(cfg: SamplingConfig, tokens: list[int]) -> list[torch.Tensor]:
     return out
 
 
-@pytest.mark.parametrize("cfg,method", [
+CASES = [
     (SamplingConfig(temperature=0.8, top_k=5, repetition_penalty=1.3, logit_bias=((3, 1.0),), seed=2, max_new_tokens=20), "coupled"),
     (SamplingConfig(temperature=1.0, top_p=0.8, seed=3, max_new_tokens=20), "block"),
     (SamplingConfig(temperature=0.0, presence_penalty=0.5, max_new_tokens=20, seed=0), "greedy"),
-])
-def test_logprobs_are_the_targets_and_independent_of_the_draft(cfg, method):
-    tokens, lps = _run(cfg, method, ModelDrafter(DRAFT), 3, top=3)
+]
+
+
+@pytest.mark.parametrize("cfg,method", CASES)
+@pytest.mark.parametrize("tree", [None, TreeSpec(min_prob=0.0), TreeSpec(shape="static", sample_expand=0.0)],
+                         ids=["chain", "dynamic-tree", "static-tree"])
+def test_logprobs_are_the_targets_and_independent_of_the_draft(cfg, method, tree):
+    """Trees report each kept node's row with its own path as history (penalties included)."""
+    tokens, lps = _run(cfg, method, ModelDrafter(DRAFT), 6 if tree is not None else 3, top=3, tree=tree)
     oracle = _oracle(cfg, tokens)
     assert len(lps) == len(tokens) == 20
     for tok, (lp, top), law in zip(tokens, lps, oracle):

@@ -222,8 +222,8 @@ class TargetSession:
         forward_tree = getattr(self.model, "forward_tree", None)
         if forward_tree is None:
             raise ConfigError("token trees need a backend with tree attention (the native backend, not hf)")
-        if self.cfg.constraint is not None or self.logprobs is not None:
-            raise ConfigError("token trees do not support structured output or logprobs yet; use --tree chain")
+        if self.cfg.constraint is not None:
+            raise ConfigError("token trees do not support structured output yet; use --tree chain")
         if self._tree_rule is None:
             self._tree_rule = get_tree_rule(self.rule.name)
         rule = self._tree_rule
@@ -255,6 +255,9 @@ class TargetSession:
             self.cache.compact(base + keep, base)  # O(path) copy
         verdict = Verdict(num_accepted=len(tv.path), tokens=tv.tokens, alpha_mean=tv.alpha_mean, path=tuple(tv.path))
         k = verdict.tokens.numel()
+        if self.logprobs is not None:  # the kept path's rows, each with the path before it as history: a chain's
+            logp = target_logprobs(logits[keep[:k]], self.cfg, self.penalties, tokens[list(tv.path)])  # [k, V]
+            self.emitted_logprobs.extend(top_logprobs(logp, verdict.tokens, self.logprobs))
         self._ctx[self._n : self._n + k] = verdict.tokens
         self._n += k
         if self.penalties is not None:

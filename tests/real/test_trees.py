@@ -130,3 +130,31 @@ def test_scripted_tree_pass_is_bitwise_python_and_path_by_path(quant, request):
         ref.truncate(start)
         seq = torch.cat([m.forward(toks[i : i + 1], ref) for i in p])
         assert torch.equal(scripted[j], seq[-1]), f"node {j}"
+
+
+def test_tree_logprobs_are_plain_decodings_bit_for_bit(q4_target, smollm2):
+    """On the real 4-bit target a greedy tree run reports exactly the log-probabilities plain
+    decoding reports: each kept node's row is bitwise its path's sequential row."""
+    from specdec.decoder import SpeculativeDecoder
+    from specdec.drafters import ModelDrafter
+    from specdec.drafters.tree_builder import TreeSpec
+    from specdec.gamma import FixedGamma
+    from specdec.sampling import SamplingConfig
+    from specdec.session import TargetSession
+    from specdec.verify import get_rule
+
+    _, draft = smollm2
+    m = q4_target.model
+    ids = encode_prompt(q4_target.tokenizer, PROMPT, chat=True)
+    cfg = SamplingConfig(temperature=0.0, max_new_tokens=32, repetition_penalty=1.1)
+
+    def run(drafter, tree):
+        session = TargetSession(m, ids, cfg, get_rule("greedy"), seed=0, logprobs=2)
+        dec = SpeculativeDecoder(m, drafter, get_rule("greedy"), gamma=FixedGamma(8 if tree else 1), tree=tree)
+        res = dec.generate(ids, cfg, verifier=session)
+        return res, session.emitted_logprobs[: len(res.tokens)]
+
+    plain, plain_lp = run(None, None)
+    tree, tree_lp = run(ModelDrafter(draft.model), TreeSpec(min_prob=0.0))
+    assert tree.stats.tree_rounds > 0 and tree.tokens == plain.tokens
+    assert tree_lp == plain_lp  # floats compared exactly, top-2 ids and values included
