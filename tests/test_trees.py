@@ -33,7 +33,20 @@ DRAFT = TARGET.perturbed(1.0, seed=1)
 # siblings drawn from q at T > 0, the whole shape (no sibling stop, every level's best nodes expanded)
 SAMPLED = TreeSpec(sample_branching=(2, 2, 1), sample_width=2, sibling_stop=0.0, sample_expand=0.0)
 
+class StrictNoRepeat:
+    """A toy grammar: no token twice in a row, the first generated token never 0; like a real
+    grammar engine it cannot follow a history that breaks it (asking is an error)."""
+
+    def allowed(self, generated, vocab_size):
+        if any(a == b for a, b in zip(generated, generated[1:])) or generated[:1] == [0]:
+            raise AssertionError(f"the constraint was asked to follow a forbidden history {generated}")
+        mask = torch.ones(vocab_size, dtype=torch.bool)
+        mask[generated[-1] if generated else 0] = False
+        return mask
+
+
 OPTIONS = {
+    "constraint": SamplingConfig(temperature=1.0, constraint=StrictNoRepeat()),
     "temperature": SamplingConfig(temperature=0.7),
     "top_k": SamplingConfig(temperature=1.0, top_k=2),
     "top_p": SamplingConfig(temperature=1.0, top_p=0.75),
@@ -73,6 +86,11 @@ def _samples(method: str, cfg: SamplingConfig, spec: TreeSpec | None, *, drafter
         # deterministic trees with a probability floor (nodes left out, some rounds draft nothing)
         ("token", "repetition_penalty", TreeSpec(shape="dynamic", width=2, sample=False, min_prob=0.3)),
         ("coupled", "top_p", TreeSpec(shape="static", min_prob=0.3)),
+        # structured output: each node's row masked along its own path; the draft's q ignores
+        # the grammar, so some nodes are forbidden (and everything below them unreachable)
+        ("token", "constraint", SAMPLED),
+        ("block", "constraint", replace(SAMPLED, siblings="iid")),
+        ("coupled", "constraint", TreeSpec(shape="dynamic", width=2)),
     ],
 )
 def test_tree_output_law_matches_target(method, option, spec):
@@ -85,6 +103,47 @@ def test_tree_output_law_with_ngram_trees_and_auto_budget():
     law = exact_law(TARGET, PROMPT, cfg, N_NEW)
     samples = _samples("token", cfg, TreeSpec(), drafter=NgramDrafter(min_ngram=1), gamma=TreeBudget(sizes=(2, 5), warmup=1, probe_every=2, max_probe_every=2))  # a probe every other round
     assert chi_square_pvalue(samples, law) > ALPHA
+
+
+def test_negative_control_tree_rows_without_the_constraint_are_detected():
+    """The same sampled trees verified by a target that ignores the grammar: the output then
+    follows the unconstrained law, and the χ² test against the constrained one must fail."""
+    from specdec.session import TargetSession
+
+    cfg = OPTIONS["constraint"]
+    law = exact_law(TARGET, PROMPT, cfg, N_NEW)
+    dec = SpeculativeDecoder(TARGET, ModelDrafter(DRAFT), get_rule("token"), gamma=FixedGamma(6), tree=SAMPLED)
+    out = []
+    for i in range(N_SAMPLES // 4):
+        c = SamplingConfig(**{**cfg.__dict__, "seed": i, "max_new_tokens": N_NEW})
+        free = SamplingConfig(temperature=1.0, seed=i, max_new_tokens=N_NEW)
+        out.append(tuple(dec.generate(PROMPT, c, verifier=TargetSession(TARGET, PROMPT, free, get_rule("token"), seed=i)).tokens))
+    assert chi_square_pvalue(out, law) < ALPHA
+
+
+def test_greedy_constrained_trees_equal_plain_constrained_greedy():
+    """Greedy trees under a grammar give plain constrained greedy output, and the draft's
+    unconstrained candidates do get cut by it (some drafted nodes are forbidden)."""
+    cfg = SamplingConfig(temperature=0.0, constraint=StrictNoRepeat(), logit_bias=((3, 0.5),), max_new_tokens=40)
+    target = ToyLM(6, order=2, seed=3)
+    draft = target.perturbed(0.3, seed=4)
+    plain = SpeculativeDecoder(target, None, get_rule("greedy")).generate([1, 2], cfg).tokens
+    assert all(a != b for a, b in zip(plain, plain[1:]))
+    forbidden = 0
+
+    class Counting(ModelDrafter):
+        def propose_tree(self, context, *args, **kwargs):
+            nonlocal forbidden
+            d = super().propose_tree(context, *args, **kwargs)
+            toks = d.tokens.tolist()
+            for tok, par in zip(toks, d.parents.tolist()):
+                forbidden += tok == (toks[par] if par >= 0 else int(context[-1]))
+            return d
+
+    for spec in (TreeSpec(min_prob=0.0), TreeSpec(shape="static")):
+        res = SpeculativeDecoder(target, Counting(draft), get_rule("greedy"), gamma=FixedGamma(8), tree=spec).generate([1, 2], cfg)
+        assert res.tokens == plain and res.stats.tree_rounds > 0
+    assert forbidden > 0
 
 
 class _MislabelledSiblings(ModelDrafter):

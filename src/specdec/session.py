@@ -10,6 +10,7 @@ protocol, so the decoding loop is written once.
 
 from __future__ import annotations
 
+import math
 import time
 from dataclasses import dataclass, field, replace
 from typing import Protocol
@@ -22,6 +23,7 @@ from specdec.drafters.base import Draft
 from specdec.errors import ConfigError, ContextLengthError
 from specdec.models.base import LanguageModel
 from specdec.sampling import (
+    Constraint,
     PenaltyState,
     SamplingConfig,
     argmax_last,
@@ -222,8 +224,6 @@ class TargetSession:
         forward_tree = getattr(self.model, "forward_tree", None)
         if forward_tree is None:
             raise ConfigError("token trees need a backend with tree attention (the native backend, not hf)")
-        if self.cfg.constraint is not None:
-            raise ConfigError("token trees do not support structured output yet; use --tree chain")
         if self._tree_rule is None:
             self._tree_rule = get_tree_rule(self.rule.name)
         rule = self._tree_rule
@@ -285,8 +285,8 @@ def tree_scores(
     False gives penalised logits (all greedy needs), True the sampled-from probabilities.
     """
     if cfg.logit_bias:  # step 0 comes before the penalties, as in penalised_logits
-        logits = penalised_logits(logits, with_overrides(cfg, repetition_penalty=1.0, frequency_penalty=0.0,
-                                                          presence_penalty=0.0, constraint=None), None)
+        logits = penalised_logits(logits, replace(cfg, repetition_penalty=1.0, frequency_penalty=0.0,
+                                                  presence_penalty=0.0, constraint=None), None)
         cfg = with_overrides(cfg, logit_bias=())
     if cfg.has_penalties:
         assert penalties is not None
@@ -297,4 +297,42 @@ def tree_scores(
                 extra[i + 1, toks[j]] += 1.0
         logits = penalise_with_extra(logits, cfg, penalties, extra)
         cfg = with_overrides(cfg, repetition_penalty=1.0, frequency_penalty=0.0, presence_penalty=0.0)
+    if cfg.constraint is not None:  # after the penalties, as in penalised_logits
+        assert penalties is not None
+        logits = tree_constraint(logits, cfg.constraint, penalties.generated, tokens, parents)
+        cfg = replace(cfg, constraint=None)  # (with_overrides ignores None)
     return process_logits(logits, cfg) if probs else logits
+
+
+def tree_constraint(
+    logits: Tensor,  # [N+1, V]: row 0 at the root, row i+1 after node i
+    constraint: Constraint,
+    generated: list[int],
+    tokens: Tensor,  # [N] int64
+    parents: Tensor,  # [N] int64
+) -> Tensor:  # [N+1, V]
+    """Row i+1: tokens the constraint forbids after ``generated`` + node i's path get -inf.
+
+    A node whose own token its parent's row forbids can never be kept (its target probability is
+    0 under every rule, and greedy never picks a -inf token), so neither can anything below it:
+    those rows are left as they are, never asked of the constraint (which could not follow a
+    forbidden token).
+    """
+    n, vocab = logits.shape
+    toks, pars = tokens.tolist(), parents.tolist()
+    allowed: list[Tensor | None] = [constraint.allowed(generated, vocab)] + [None] * (n - 1)
+    history: list[list[int]] = [[]] + [[] for _ in toks]
+    for i, (tok, par) in enumerate(zip(toks, pars)):
+        above = allowed[par + 1]
+        if above is None or not bool(above[tok]):  # unreachable: its parent's row forbids it
+            continue
+        history[i + 1] = history[par + 1] + [tok]
+        allowed[i + 1] = constraint.allowed(generated + history[i + 1], vocab)
+    out = logits.clone()
+    for row, mask in enumerate(allowed):
+        if mask is None:
+            continue
+        if not bool(mask.any()):
+            raise ConfigError("the constraint allows no token here (is end-of-sequence allowed when it is complete?)")
+        out[row].masked_fill_(~mask, -math.inf)
+    return out

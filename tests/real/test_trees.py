@@ -158,3 +158,41 @@ def test_tree_logprobs_are_plain_decodings_bit_for_bit(q4_target, smollm2):
     tree, tree_lp = run(ModelDrafter(draft.model), TreeSpec(min_prob=0.0))
     assert tree.stats.tree_rounds > 0 and tree.tokens == plain.tokens
     assert tree_lp == plain_lp  # floats compared exactly, top-2 ids and values included
+
+
+def test_structured_output_with_trees_on_the_real_weights(q4_target, smollm2):
+    """A JSON schema through llguidance with token trees: greedy trees give plain constrained
+    greedy output, and sampled trees (token verification) give JSON that matches the schema."""
+    import json
+
+    pytest.importorskip("llguidance")
+    from specdec.decoder import SpeculativeDecoder
+    from specdec.drafters import ModelDrafter
+    from specdec.drafters.tree_builder import TreeSpec
+    from specdec.gamma import FixedGamma
+    from specdec.grammar import GrammarConstraint, grammar_for
+    from specdec.sampling import SamplingConfig
+    from specdec.verify import get_rule
+
+    _, draft = smollm2
+    m, tok = q4_target.model, q4_target.tokenizer
+    schema = {"type": "object", "properties": {"color": {"enum": ["red", "green", "blue"]},
+                                               "count": {"type": "integer", "minimum": 0, "maximum": 99}},
+              "required": ["color", "count"], "additionalProperties": False}
+    ids = encode_prompt(tok, "Describe a ball as JSON.", chat=True)
+
+    def run(method, drafter, tree, temperature, seed=0):
+        cfg = SamplingConfig(temperature=temperature, seed=seed, max_new_tokens=40,
+                             constraint=GrammarConstraint(tok, grammar_for("json_schema", schema), m.vocab_size))
+        dec = SpeculativeDecoder(m, drafter, get_rule(method), gamma=FixedGamma(8 if tree else 1), tree=tree,
+                                 eos_ids=q4_target.eos_ids)
+        return dec.generate(ids, cfg)
+
+    plain = run("greedy", None, None, 0.0)
+    tree = run("greedy", ModelDrafter(draft.model), TreeSpec(min_prob=0.0), 0.0)
+    assert tree.tokens == plain.tokens and tree.stats.tree_rounds > 0
+    for seed in (1, 2):
+        out = run("token", ModelDrafter(draft.model), TreeSpec(), 1.0, seed=seed)
+        assert out.stats.tree_rounds > 0
+        value = json.loads(tok.decode([t for t in out.tokens if t not in q4_target.eos_ids]))
+        assert set(value) == {"color", "count"} and value["color"] in ("red", "green", "blue")

@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import Any, Literal, Protocol
 
 import torch
@@ -209,13 +209,16 @@ class DraftSampler:
         """Distributions a tree builder ranks or samples candidates from, one per expanded node.
 
         Argmax mode: penalised logits; otherwise the processed q.  Penalties see the committed
-        context only (not each node's path): q is a drafting choice, any q is lossless as long
-        as it is the one the tokens were drawn from and the one reported.
+        context only (not each node's path), and a constraint (structured output) is left to
+        the target's rows, which apply it along each node's path: q is a drafting choice, any q
+        is lossless as long as it is the one the tokens were drawn from and the one reported.
         """
         cfg = self.cfg
         if cfg.has_penalties and self.penalties is not None:
             logits = penalise_with_extra(logits, cfg, self.penalties, torch.zeros(logits.shape, dtype=torch.float32))
             cfg = with_overrides(cfg, repetition_penalty=1.0, frequency_penalty=0.0, presence_penalty=0.0)
+        if cfg.constraint is not None:
+            cfg = replace(cfg, constraint=None)  # (with_overrides ignores None)
         if self.mode == "argmax":
             return logits
         return process_logits(logits, cfg)
