@@ -495,15 +495,10 @@ RowsFn rows_fn(int64_t d) {
 }
 
 constexpr int64_t kRowChunk = 8;  // rows sharing key/value reads in one task
-// rows x keys x query heads x head size below which a pass stays on the calling thread: 2^16
+// rows x keys x query heads x head size below which a pass stays on the calling thread: 2^16,
 // measured on an AVX2 Zen 3 (one row over 200 keys went from ~25-30 us per layer on one core to
-// 0.8x that on two); the AVX-512 builds, whose score loop takes 16 keys at a time, keep the 2^19
-// they ran with (not re-measured)
-#if defined(__AVX512F__)
-constexpr int64_t kParallelWork = 1 << 19;
-#else
+// 0.8x that on two) and on an AVX-512 + AMX Xeon (scripts/library_ab.py against 2^19)
 constexpr int64_t kParallelWork = 1 << 16;
-#endif
 
 at::Tensor attend(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v, int64_t start,
                   const c10::optional<at::Tensor>& paths) {
