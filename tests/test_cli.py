@@ -214,3 +214,68 @@ def test_bench_help_documents_every_flag_and_its_default():
 def test_bench_refuses_bad_drafter_lists(capsys, draft, modes, says):
     code, out, err = _run(capsys, "bench", "--draft", draft, "--modes", modes, "--out", "unused")
     assert code == 2 and says in err and "Traceback" not in err and out == ""
+
+
+SCHEMA = {"type": "object", "properties": {"color": {"enum": ["red", "green", "blue"]}, "size": {"type": "integer"}},
+          "required": ["color", "size"], "additionalProperties": False}
+
+
+def test_structured_output_and_logprobs_from_the_command_line(capsys, tmp_path):
+    """--json-schema (inline or a file), --regex and --logprobs on a real model: the output obeys
+    the grammar under speculation (chains and trees), greedy speculation equals plain decoding,
+    and the reported log-probabilities are the target's."""
+    pytest.importorskip("llguidance")
+    model = "smollm2-135m-draft"  # small and real (a tokenizer llguidance can read)
+    base = ["generate", "--target", model, "--chat", "-p", "Describe a ball as JSON.", "-n", "40", "--json"]
+    outs = []
+    for draft, extra in (("none", []), (model, []), (model, ["--tree", "4"])):
+        code, out, err = _run(capsys, *base, "--draft", draft, "--json-schema", json.dumps(SCHEMA), *extra)
+        assert code == 0, err
+        payload = json.loads(out)
+        value = json.loads(payload["text"])
+        assert set(value) == {"color", "size"} and value["color"] in ("red", "green", "blue") and type(value["size"]) is int
+        outs.append(payload["token_ids"])
+    assert outs[0] == outs[1] == outs[2]
+    schema_file = tmp_path / "ball.json"
+    schema_file.write_text(json.dumps(SCHEMA))
+    code, out, err = _run(capsys, *base, "--draft", model, "--tree", "4", "-t", "1", "--seed", "5", "--json-schema",
+                          str(schema_file), "--logprobs", "3")
+    assert code == 0, err
+    payload = json.loads(out)
+    assert set(json.loads(payload["text"])) == {"color", "size"}
+    lps = payload["logprobs"]
+    assert [e["id"] for e in lps] == payload["token_ids"] and all(len(e["top"]) == 3 for e in lps)
+    assert all(e["top"][0]["logprob"] >= e["logprob"] > -9999.0 for e in lps)  # drawn from the constrained law
+    code, out, err = _run(capsys, "generate", "--target", model, "--draft", "none", "-p", "The year was", "-n", "8",
+                          "--regex", " [0-9]{4}", "--json", "--logprobs", "0")
+    assert code == 0, err
+    payload = json.loads(out)
+    assert payload["text"][0] == " " and payload["text"][1:5].isdigit() and len(payload["text"]) == 5
+    assert all(e["top"] == [] for e in payload["logprobs"])
+
+
+@pytest.mark.parametrize(
+    "args,needle",
+    [
+        (["--json-schema", "{bad"], "not valid JSON"),
+        (["--json-schema", "[1]"], "must be a JSON object"),
+        (["--json-schema", '{"type": "foo"}'], "invalid grammar"),
+        (["--json-schema", "missing.json"], "no such file"),
+        (["--regex", "("], "invalid grammar"),
+        (["--grammar", "missing.lark"], "no such file"),
+        (["--logprobs", "3"], "needs --json"),
+        (["--logprobs", "21", "--json"], "between 0 and 20"),
+        (["--json-object", "--remote", "http://127.0.0.1:9"], "run locally"),
+    ],
+)
+def test_bad_output_options_fail_before_loading_anything(capsys, args, needle):
+    pytest.importorskip("llguidance")
+    code, out, err = _run(capsys, "generate", "-p", "hi", "--target", "no-such-model", *args)
+    lines = [line for line in err.strip().splitlines() if line]
+    assert code == 2 and len(lines) == 1 and needle in lines[0] and "Traceback" not in err, err  # before the target
+
+
+def test_output_formats_are_exclusive(capsys):
+    with pytest.raises(SystemExit) as exc:
+        main(["generate", "-p", "hi", "--json-object", "--regex", "a"])
+    assert exc.value.code == 2 and "not allowed with" in capsys.readouterr().err

@@ -50,6 +50,59 @@ def _add_sampling(p: argparse.ArgumentParser) -> None:
     g.add_argument("--stop", action="append", default=[], help="stop string (repeatable)")
 
 
+def _add_output(p: argparse.ArgumentParser) -> None:
+    g = p.add_argument_group("structured output and log-probabilities (local runs)")
+    fmt = g.add_mutually_exclusive_group()
+    fmt.add_argument("--json-object", action="store_true",
+                     help="constrain the output to one JSON object (the grammar masks draft and target alike: still"
+                          " lossless, relative to the constrained target; needs pip install 'specdec[structured]')")
+    fmt.add_argument("--json-schema", metavar="SCHEMA",
+                     help="constrain the output to JSON matching this JSON Schema: inline JSON or the path of a .json file")
+    fmt.add_argument("--regex", metavar="PATTERN", help="constrain the output to this regular expression")
+    fmt.add_argument("--grammar", metavar="FILE", help="constrain the output to the Lark grammar in FILE")
+    g.add_argument("--logprobs", type=int, metavar="K",
+                   help="with --json: each generated token's log-probability under the target's processed law (never"
+                        " the draft's) and the K (0-20) most likely alternatives, as 'logprobs' in the JSON")
+
+
+def _grammar_from(args: argparse.Namespace) -> str | None:
+    """The llguidance grammar the output options ask for (None: unconstrained); checked before any model loads."""
+    from specdec.grammar import check_grammar, grammar_for
+
+    kind, spec = _grammar_spec(args)
+    return None if kind is None else check_grammar(grammar_for(kind, spec))
+
+
+def _grammar_spec(args: argparse.Namespace) -> tuple[str | None, object]:
+    """(llguidance grammar kind, its source) of the output options; (None, None) when unconstrained."""
+    from pathlib import Path
+
+    if args.json_object:
+        return "json_object", None
+    if args.json_schema is not None:
+        text = args.json_schema
+        path = Path(text)
+        if not text.lstrip().startswith("{") and path.suffix == ".json":
+            if not path.is_file():
+                raise SpecdecError(f"--json-schema: no such file {text!r}")
+            text = path.read_text()
+        try:
+            schema = json.loads(text)
+        except json.JSONDecodeError as exc:
+            raise SpecdecError(f"--json-schema is not valid JSON ({exc.msg} at character {exc.pos})") from None
+        if not isinstance(schema, dict):
+            raise SpecdecError("--json-schema must be a JSON object (a JSON Schema)")
+        return "json_schema", schema
+    if args.regex is not None:
+        return "regex", args.regex
+    if args.grammar is not None:
+        path = Path(args.grammar)
+        if not path.is_file():
+            raise SpecdecError(f"--grammar: no such file {args.grammar!r}")
+        return "lark", path.read_text()
+    return None, None
+
+
 def _sampling_from(args: argparse.Namespace) -> SamplingConfig:
     base = PRESETS[args.preset] if args.preset else SamplingConfig(temperature=0.0)
     return with_overrides(
@@ -132,6 +185,7 @@ def build_parser() -> argparse.ArgumentParser:
     gen.add_argument("--json", action="store_true", help="print one JSON object: text, token_ids, stats")
     gen.add_argument("--rounds", action="store_true", help="with --json, include per-round stats")
     _add_sampling(gen)
+    _add_output(gen)
     from specdec.remote.command import add_remote_args
 
     add_remote_args(gen)
@@ -208,6 +262,15 @@ def _cmd_generate(args: argparse.Namespace) -> int:
             raise SpecdecError(f"--method {args.method} needs --temperature 0")
     if not prompt.strip() and not args.interactive:
         raise SpecdecError("the prompt is empty")
+    if args.logprobs is not None:
+        if not 0 <= args.logprobs <= 20:
+            raise SpecdecError("--logprobs must be between 0 and 20")
+        if not args.json or args.interactive:
+            raise SpecdecError("--logprobs needs --json (the log-probabilities are part of the JSON output)")
+    grammar = _grammar_from(args)  # a bad schema, pattern or file fails here, before any model loads
+    if args.remote and (grammar is not None or args.logprobs is not None):
+        raise SpecdecError("structured output and --logprobs run locally; through a server use its OpenAI API"
+                           " (response_format, logprobs)")
     if args.remote:  # edge-cloud: draft here, verify on a `specdec serve` server
         from specdec.remote.command import run_generate
 
@@ -217,15 +280,31 @@ def _cmd_generate(args: argparse.Namespace) -> int:
     engine = Engine.build(EngineConfig(target=args.target, draft=args.draft, backend=args.backend, dtype=args.dtype, draft_dtype=args.draft_dtype, draft_vocab=args.draft_vocab, batch_invariant=not args.fast_attention,
                                        int8_kernel=args.int8_kernel), progress=log)
     on_text = None if quiet else (lambda text: (sys.stdout.write(text), sys.stdout.flush()))
+    if grammar is not None:
+        from dataclasses import replace
+
+        from specdec.grammar import GrammarConstraint
+
+        sampling = replace(sampling, constraint=GrammarConstraint(engine.target.tokenizer, grammar,
+                                                                  engine.target.model.vocab_size))
     if args.interactive:
         return _chat_loop(engine, args, sampling, gamma, first=prompt.strip() or None, on_text=on_text, tree=tree)
     ids = engine.encode_messages(_messages(args.system, [prompt])) if args.chat else prompt
     out = engine.generate(ids, sampling, method=args.method, gamma=gamma, on_text=on_text,
-                          min_confidence=args.min_confidence, tree=tree, tree_min_prob=args.tree_min_prob)
+                          min_confidence=args.min_confidence, tree=tree, tree_min_prob=args.tree_min_prob,
+                          logprobs=args.logprobs)
     st = out.stats
     if args.json:
         payload = {"text": out.text, "token_ids": out.token_ids, "stats": st.to_dict()}
         payload["stats"].update(target=engine.target.name, temperature=sampling.temperature, seed=sampling.seed)
+        if out.logprobs is not None:
+            tok = engine.target.tokenizer
+            # -inf (a token the processing removed) as -9999.0, as OpenAI's API reports it: JSON has no infinity
+            payload["logprobs"] = [
+                {"id": t, "token": tok.decode([t]), "logprob": max(lp, -9999.0),
+                 "top": [{"id": i, "token": tok.decode([i]), "logprob": max(v, -9999.0)} for i, v in top]}
+                for t, (lp, top) in zip(out.token_ids, out.logprobs)
+            ]
         if args.rounds:
             payload["rounds"] = [r.__dict__ for r in out.result.rounds]
         print(json.dumps(payload))

@@ -114,6 +114,15 @@ class GrammarConstraint:
         return mask[:vocab_size]
 
 
+def check_grammar(grammar: str) -> str:
+    """``grammar`` if llguidance accepts it; otherwise a :class:`ConfigError` naming the problem
+    (what :class:`GrammarConstraint` checks, without a tokenizer: before any model loads)."""
+    ok, why = _validate(_llguidance(), grammar)
+    if not ok:
+        raise ConfigError(f"invalid grammar: {why}")
+    return grammar
+
+
 def _validate(llg: Any, grammar: str) -> tuple[bool, str]:
     try:
         result = llg.LLMatcher.validate_grammar(grammar)
