@@ -387,12 +387,24 @@ def keyed_uniform(seed: int, position: int, ids: Tensor | None, vocab_size: int)
     (SplitMix64 finaliser), so the edge and the cloud draw the same numbers without sharing any
     RNG state, on any device or torch version.
     """
+    key = _splitmix64_int(_to_signed(seed) ^ _to_signed(position * 0x9E3779B1 + 0x1234567))
+    from specdec.models import kernels
+
+    if kernels.loaded():  # one compiled pass, the same bits (tested); ~10x faster over a whole vocabulary
+        return torch.ops.specdec.keyed_uniform(_to_signed(key), ids, vocab_size)
     hashes = _id_hashes(vocab_size)
     if ids is not None:
         hashes = hashes[ids]
-    key = _splitmix64(torch.tensor(_to_signed(seed) ^ _to_signed(position * 0x9E3779B1 + 0x1234567), dtype=torch.int64))
-    bits = _splitmix64(hashes ^ key)
+    bits = _splitmix64(hashes ^ _to_signed(key))
     return (_srl(bits, 11).to(torch.float64) + 0.5) * (1.0 / (1 << 53))
+
+
+def _splitmix64_int(x: int) -> int:
+    """:func:`_splitmix64` of one 64-bit value, on Python integers (unsigned result)."""
+    x = (x + 0x9E3779B97F4A7C15) & _MASK64
+    x = ((x ^ (x >> 30)) * 0xBF58476D1CE4E5B9) & _MASK64
+    x = ((x ^ (x >> 27)) * 0x94D049BB133111EB) & _MASK64
+    return x ^ (x >> 31)
 
 
 def gumbel_sample(probs: Tensor, seed: int, position: int) -> int:  # probs: [V]

@@ -45,7 +45,7 @@ from pathlib import Path
 
 import torch
 
-_SOURCES = tuple(Path(__file__).parent / "csrc" / name for name in ("q8.cpp", "q4.cpp", "f32.cpp", "attention.cpp", "layers.cpp"))
+_SOURCES = tuple(Path(__file__).parent / "csrc" / name for name in ("q8.cpp", "q4.cpp", "f32.cpp", "attention.cpp", "layers.cpp", "keyed.cpp"))
 _HEADERS = (Path(__file__).parent / "csrc" / "specdec.h",)
 _FLAGS = ("-O3", "-std=c++20", "-shared", "-fPIC", "-fopenmp", "-ffp-contract=off", "-fno-fast-math", "-DNDEBUG")
 #: the ops' schemas, declared in Python when the library cannot be built, so TorchScript code that
@@ -58,6 +58,7 @@ _SCHEMAS = (
     "q4_pack(Tensor qs, Tensor d, Tensor m) -> Tensor",
     "q4_linear(Tensor x, Tensor gain, Tensor packed, int n_out, Tensor col) -> Tensor",
     "q4_isa() -> str",
+    "keyed_uniform(int key, Tensor? ids, int vocab) -> Tensor",
     "f32_pack(Tensor w) -> Tensor",
     "f32_linear(Tensor x, Tensor packed, int n_out) -> Tensor",
     "fused_layers(Tensor x, Tensor cos, Tensor sin, Tensor k_all, Tensor v_all, int start, int n_heads, "
@@ -153,6 +154,13 @@ def load() -> bool:
         _declare()
     _state["loaded"] = ok
     return ok
+
+
+def loaded() -> bool:
+    """Whether the kernels are loaded and implemented in this process, without loading (or
+    compiling) them: for helpers such as seeded sampling that use a kernel only where a model
+    already brought the library in."""
+    return bool(_state.get("loaded"))
 
 
 def q8_available() -> bool:
