@@ -105,14 +105,23 @@ def test_tree_output_law_with_ngram_trees_and_auto_budget():
     assert chi_square_pvalue(samples, law) > ALPHA
 
 
+def test_tree_output_law_with_a_draft_that_ignores_the_grammar():
+    """Sampled trees whose q ignores the grammar (so forbidden nodes and their subtrees reach the
+    target): still the constrained target's law, n = 6,000."""
+    cfg = OPTIONS["constraint"]
+    samples = _samples("token", cfg, SAMPLED, drafter=_DraftIgnoresGrammar(DRAFT))
+    assert chi_square_pvalue(samples, exact_law(TARGET, PROMPT, cfg, N_NEW)) > ALPHA
+
+
 def test_negative_control_tree_rows_without_the_constraint_are_detected():
-    """The same sampled trees verified by a target that ignores the grammar: the output then
-    follows the unconstrained law, and the χ² test against the constrained one must fail."""
+    """Sampled trees verified by a target that ignores the grammar: the output then follows the
+    unconstrained law, and the χ² test against the constrained one must fail (the draft ignores
+    the grammar too, so the target's rows are the only place it could act)."""
     from specdec.session import TargetSession
 
     cfg = OPTIONS["constraint"]
     law = exact_law(TARGET, PROMPT, cfg, N_NEW)
-    dec = SpeculativeDecoder(TARGET, ModelDrafter(DRAFT), get_rule("token"), gamma=FixedGamma(6), tree=SAMPLED)
+    dec = SpeculativeDecoder(TARGET, _DraftIgnoresGrammar(DRAFT), get_rule("token"), gamma=FixedGamma(6), tree=SAMPLED)
     out = []
     for i in range(N_SAMPLES // 4):
         c = SamplingConfig(**{**cfg.__dict__, "seed": i, "max_new_tokens": N_NEW})
@@ -121,29 +130,44 @@ def test_negative_control_tree_rows_without_the_constraint_are_detected():
     assert chi_square_pvalue(out, law) < ALPHA
 
 
+class _DraftIgnoresGrammar(ModelDrafter):
+    """Grows its trees as if there were no constraint (q, when reported, is the unconstrained one):
+    nodes the grammar forbids, and subtrees below them, reach the target's rows."""
+
+    def propose_tree(self, context, budget, sampler, *args, **kwargs):
+        import copy
+
+        free = copy.copy(sampler)
+        free.cfg = replace(sampler.cfg, constraint=None)
+        return super().propose_tree(context, budget, free, *args, **kwargs)
+
+
 def test_greedy_constrained_trees_equal_plain_constrained_greedy():
-    """Greedy trees under a grammar give plain constrained greedy output, and the draft's
-    unconstrained candidates do get cut by it (some drafted nodes are forbidden)."""
+    """Greedy trees under a grammar give plain constrained greedy output, whether the draft's
+    candidates obey the grammar (they do: counted) or not (forbidden nodes and their subtrees
+    are cut by the target's rows, never asked of the grammar)."""
     cfg = SamplingConfig(temperature=0.0, constraint=StrictNoRepeat(), logit_bias=((3, 0.5),), max_new_tokens=40)
     target = ToyLM(6, order=2, seed=3)
     draft = target.perturbed(0.3, seed=4)
     plain = SpeculativeDecoder(target, None, get_rule("greedy")).generate([1, 2], cfg).tokens
     assert all(a != b for a, b in zip(plain, plain[1:]))
-    forbidden = 0
+    forbidden = {True: 0, False: 0}  # draft obeys the grammar -> nodes it forbids
 
-    class Counting(ModelDrafter):
-        def propose_tree(self, context, *args, **kwargs):
-            nonlocal forbidden
-            d = super().propose_tree(context, *args, **kwargs)
-            toks = d.tokens.tolist()
-            for tok, par in zip(toks, d.parents.tolist()):
-                forbidden += tok == (toks[par] if par >= 0 else int(context[-1]))
-            return d
+    def counting(base):
+        class Counting(base):
+            def propose_tree(self, context, *args, **kwargs):
+                d = super().propose_tree(context, *args, **kwargs)
+                toks = d.tokens.tolist()
+                for tok, par in zip(toks, d.parents.tolist()):
+                    forbidden[base is ModelDrafter] += tok == (toks[par] if par >= 0 else int(context[-1]))
+                return d
+        return Counting(draft)
 
-    for spec in (TreeSpec(min_prob=0.0), TreeSpec(shape="static")):
-        res = SpeculativeDecoder(target, Counting(draft), get_rule("greedy"), gamma=FixedGamma(8), tree=spec).generate([1, 2], cfg)
-        assert res.tokens == plain and res.stats.tree_rounds > 0
-    assert forbidden > 0
+    for base in (ModelDrafter, _DraftIgnoresGrammar):
+        for spec in (TreeSpec(min_prob=0.0), TreeSpec(shape="static")):
+            res = SpeculativeDecoder(target, counting(base), get_rule("greedy"), gamma=FixedGamma(8), tree=spec).generate([1, 2], cfg)
+            assert res.tokens == plain and res.stats.tree_rounds > 0
+    assert forbidden[True] == 0 and forbidden[False] > 0
 
 
 class _MislabelledSiblings(ModelDrafter):

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass, replace
 from typing import Any, Literal, Protocol
 
@@ -205,23 +206,41 @@ class DraftSampler:
             self.penalties.append(torch.tensor([token]))
         return token, probs
 
-    def tree_rows(self, logits: Tensor) -> Tensor:  # [m, V] -> [m, V]
+    def tree_rows(self, logits: Tensor, histories: list[list[int]] | None = None) -> Tensor:  # [m, V] -> [m, V]
         """Distributions a tree builder ranks or samples candidates from, one per expanded node.
 
         Argmax mode: penalised logits; otherwise the processed q.  Penalties see the committed
-        context only (not each node's path), and a constraint (structured output) is left to
-        the target's rows, which apply it along each node's path: q is a drafting choice, any q
-        is lossless as long as it is the one the tokens were drawn from and the one reported.
+        context only (not each node's path).  A constraint (structured output) masks row i with
+        what it allows after the committed tokens + ``histories[i]`` (the node's path), so the
+        tree holds only tokens the grammar allows; a row it would leave empty (a reduced draft
+        vocabulary without any allowed token) stays unmasked, and without ``histories`` every row
+        does: the target's rows apply the constraint along each path in any case.  q is a
+        drafting choice, any q is lossless as long as it is the one the tokens were drawn from
+        and the one reported.
         """
         cfg = self.cfg
         if cfg.has_penalties and self.penalties is not None:
             logits = penalise_with_extra(logits, cfg, self.penalties, torch.zeros(logits.shape, dtype=torch.float32))
             cfg = with_overrides(cfg, repetition_penalty=1.0, frequency_penalty=0.0, presence_penalty=0.0)
         if cfg.constraint is not None:
+            if histories is not None and self.penalties is not None:
+                logits = self._constrained(logits, cfg.constraint, histories)
             cfg = replace(cfg, constraint=None)  # (with_overrides ignores None)
         if self.mode == "argmax":
             return logits
         return process_logits(logits, cfg)
+
+
+    def _constrained(self, logits: Tensor, constraint: Any, histories: list[list[int]]) -> Tensor:  # [m, V]
+        assert self.penalties is not None and len(histories) == logits.shape[0]
+        generated = self.penalties.generated
+        vocab = logits.shape[-1]
+        out = logits.clone()
+        for i, path in enumerate(histories):
+            masked = logits[i].masked_fill(~constraint.allowed(generated + path, vocab), -math.inf)
+            if bool(torch.isfinite(masked).any()):
+                out[i] = masked
+        return out
 
 
 def truncate_top_k(q: Tensor, k: int) -> Tensor:  # q: [V] -> [V] with at most k non-zeros

@@ -181,7 +181,8 @@ def build_tree(
     if sampled and spec.sample_expand > 0:
         expand_floor = math.log(spec.sample_expand)
     level: list[int] = [-1]
-    dists = sampler.tree_rows(root_logits)  # [1, V]
+    paths: list[list[int]] = []  # each node's tokens from the root down (a constraint's history)
+    dists = sampler.tree_rows(root_logits, [[]])  # [1, V]
     for d in range(depth):
         new: list[int] = []
         kids = spec.children(d, sampled)
@@ -201,6 +202,7 @@ def build_tree(
                 toks.append(tok)
                 pars.append(parent)
                 score.append(s)
+                paths.append((paths[parent] if parent >= 0 else []) + [tok])
                 if sampled:
                     rows.append(row)
                 new.append(len(toks) - 1)
@@ -215,7 +217,7 @@ def build_tree(
             break  # no descendant can enter the best N (a child never outscores its parent; ties
             # go to the earlier node): the pruned tree is the same, one draft pass cheaper
         level.sort()
-        dists = sampler.tree_rows(expand(level, toks, pars))  # [len(level), V]
+        dists = sampler.tree_rows(expand(level, toks, pars), [paths[i] for i in level])  # [len(level), V]
     keep = list(range(len(toks)))
     if prune and len(toks) > budget:
         keep = sorted(sorted(range(len(toks)), key=lambda i: (-score[i], i))[:budget])
