@@ -232,12 +232,24 @@ class DraftSampler:
 
 
     def _constrained(self, logits: Tensor, constraint: Any, histories: list[list[int]]) -> Tensor:  # [m, V]
+        """Rows masked by the constraint after each path.  A path whose last token its parent's
+        mask forbids (drawn from a row left unmasked) is never handed to the constraint, which
+        cannot follow it; nor is anything below it.  The masks of this round's paths are kept."""
         assert self.penalties is not None and len(histories) == logits.shape[0]
+        masks: dict[tuple[int, ...], Tensor] = self.__dict__.setdefault("_tree_masks", {})
         generated = self.penalties.generated
         vocab = logits.shape[-1]
         out = logits.clone()
         for i, path in enumerate(histories):
-            masked = logits[i].masked_fill(~constraint.allowed(generated + path, vocab), -math.inf)
+            key = tuple(path)
+            if key:
+                above = masks.get(key[:-1])
+                if above is None or not bool(above[key[-1]]):
+                    continue  # the path has left the grammar: this node can never be kept
+            mask = masks.get(key)
+            if mask is None:
+                mask = masks[key] = constraint.allowed(generated + path, vocab)
+            masked = logits[i].masked_fill(~mask, -math.inf)
             if bool(torch.isfinite(masked).any()):
                 out[i] = masked
         return out

@@ -197,7 +197,7 @@ def build_tree(
                 cands = _candidates(row, min(kids, room), sampler, spec, position + d, sampled, ids)
             for tok, lq in cands:
                 s = (score[parent] if parent >= 0 else 0.0) + lq
-                if s < floor:
+                if s < floor or lq == -math.inf:  # (a top-k past a row's last finite entry: q = 0)
                     continue
                 toks.append(tok)
                 pars.append(parent)
