@@ -361,13 +361,13 @@ def test_the_batching_scheduler_runs_compact_and_whole_row_items_in_one_pass(tin
         out[i] = sched.forward(blocks[i], draft.new_cache(64), compact=want[i])
 
     threads = [threading.Thread(target=run, args=(i,)) for i in range(2)]
-    for t in threads:
+    for i, t in enumerate(threads):  # one at a time, so the queue's order is known (it was a race)
         t.start()
-    while len(sched) < 2:
-        threading.Event().wait(0.01)
+        while len(sched) < i + 1:
+            threading.Event().wait(0.01)
     gate.set()
     for t in threads:
         t.join(timeout=30)
-    assert calls == [want]  # one batched pass with both items
+    assert calls == [want]  # one batched pass with both items, in queue order
     for i in range(2):
         assert torch.equal(out[i], draft.forward(blocks[i], draft.new_cache(64), compact=want[i]))
