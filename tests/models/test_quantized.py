@@ -421,3 +421,32 @@ def test_auto_takes_the_mixed_kernel_only_for_models_whose_matrices_switch_early
     assert named.int8_kernel == "mixed" and named.layers[0].qkv.wide is not None
     monkeypatch.setattr(linear_mod, "WIDE_WEIGHTS", 0)  # every matrix switches at the minimum: it pays
     assert NativeCausalLM.from_folder(tiny_folder, quant="int8", batch_invariant=True).int8_kernel == "mixed"
+
+
+def test_compiled_loops_run_without_torchscripts_graph_optimiser(tiny_folder, monkeypatch):
+    """The compiled loops are called with TorchScript's graph optimiser off (its profiling executor
+    spent ~250 ms on each of a function's first specialisations, in the first requests' time to
+    first token, for no steady-state gain): a spy in place of each loop sees the flag off."""
+    import specdec.models.scripted as scripted_mod
+
+    model = _scripted_model(tiny_folder, "float32-fast")  # the scripted loop, not the fused kernel
+    seen: list[bool] = []
+
+    def spy(fn):  # noqa: ANN001, ANN202
+        def call(*args):  # noqa: ANN002, ANN202
+            seen.append(torch._C._get_graph_executor_optimize())
+            return fn(*args)
+        return call
+
+    monkeypatch.setattr(model.scripted, "fn", spy(model.scripted.fn))
+    batch_fn = scripted_mod.compiled_batch_layers()
+    if batch_fn is not None:
+        monkeypatch.setattr(scripted_mod, "compiled_batch_layers", lambda: spy(batch_fn))
+    ids = torch.randint(0, 1000, (12,), generator=torch.Generator().manual_seed(4))
+    cache = model.new_cache(64)
+    model.forward(ids[:8], cache)
+    model.forward(ids[8:9], cache)
+    other = model.new_cache(64)
+    model.forward_batch([(ids[:3], other, False), (ids[9:12], cache, True)])
+    assert len(seen) == (3 if batch_fn is not None else 2) and not any(seen), seen
+    assert torch._C._get_graph_executor_optimize()  # the caller's setting is left as it was

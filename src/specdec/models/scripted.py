@@ -358,6 +358,22 @@ def _layers_batch(
     return x * _inv_rms(x, eps, width)
 
 
+#: whether TorchScript's graph executor optimises the compiled loops.  Off: its profiling executor
+#: spends ~200-300 ms on each of a function's first specialisations (the first two calls, then
+#: again for new input shapes), which landed in the first requests' time to first token (a cold
+#: `specdec generate`: ~280 -> ~90 ms), and the optimised graph was no faster -- the loop's ops
+#: are opaque kernels with nothing to fuse (one-row and four-row passes within ±1 %, paired).  It
+#: also means the graph that runs is the one the tests compare with the Python loop, from the
+#: first call on.  The flag is thread-local in torch, so it is set around each call.
+JIT_OPTIMIZE = False
+
+
+def _call(fn, *args):  # noqa: ANN001, ANN002, ANN202 - a scripted function and its arguments
+    """Call a compiled loop with TorchScript's graph optimiser set by :data:`JIT_OPTIMIZE`."""
+    with torch.jit.optimized_execution(JIT_OPTIMIZE):
+        return fn(*args)
+
+
 _compiled_batch = None
 
 
@@ -545,8 +561,8 @@ class ScriptedLayers:
             if paths is None:
                 steps, perm = tree.scripted_steps()
         wanted = [k for k in sorted(taps) if 0 <= k <= len(self.kinds) // 4] if taps else []
-        out, tapped = self.fn(
-            x, cos, sin, cache.k, cache.v, start, cfg.n_heads, cfg.n_kv_heads, cfg.head_dim, eps,
+        out, tapped = _call(
+            self.fn, x, cos, sin, cache.k, cache.v, start, cfg.n_heads, cfg.n_kv_heads, cfg.head_dim, eps,
             self.weights(), mask, tree_start, steps, perm, paths, wanted, plan or [], plan is None, BLOCK_MASK,
         )
         if taps:
@@ -566,7 +582,7 @@ class ScriptedLayers:
         if fn is None:
             return None
         self._ensure(x.shape[0])
-        return fn(
-            x, cos, sin, [c.k for c in caches], [c.v for c in caches], starts, sizes, cfg.n_heads, cfg.n_kv_heads,
+        return _call(
+            fn, x, cos, sin, [c.k for c in caches], [c.v for c in caches], starts, sizes, cfg.n_heads, cfg.n_kv_heads,
             cfg.head_dim, eps, self.weights(), exact, BLOCK_MASK,
         )
