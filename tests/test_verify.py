@@ -194,6 +194,28 @@ def test_deterministic_drafter_and_empty_draft(rule):
     assert v.num_accepted == 0 and v.tokens.tolist() == [1]
 
 
+@pytest.mark.parametrize("rule", [token_verify, block_verify])
+def test_an_empty_draft_draws_what_plain_sampling_draws(rule):
+    """A round with nothing drafted takes its own short path; it must draw exactly what plain
+    sampling's one categorical draw gives with the same generator state (200 seeds, 3 laws, one
+    with zeros), and leave the generator where that draw leaves it."""
+    from specdec.sampling import sample_categorical
+
+    g = torch.Generator().manual_seed(5)
+    laws = [torch.softmax(torch.randn(1, 500, generator=g) * 3, -1),
+            torch.softmax(torch.randn(1, 7, generator=g), -1).double(),
+            torch.tensor([[0.0, 0.5, 0.0, 0.25, 0.25]])]
+    empty = torch.empty(0, dtype=torch.long)
+    for p in laws:
+        for seed in range(200):
+            mine, ref = torch.Generator().manual_seed(seed), torch.Generator().manual_seed(seed)
+            v = rule(empty, None, p, generator=mine)
+            assert v.num_accepted == 0 and v.tokens.tolist() == [sample_categorical(p[0], ref)]
+            assert torch.equal(torch.rand(3, generator=mine), torch.rand(3, generator=ref))
+    with pytest.raises(ValueError):
+        rule(empty, None, torch.ones(2, 5) / 5)
+
+
 def test_greedy_verify():
     logits = torch.tensor([[0.0, 5.0, 1.0], [3.0, 0.0, 1.0], [0.0, 0.0, 9.0]])
     assert greedy_verify(torch.tensor([1, 0]), None, logits).tokens.tolist() == [1, 0, 2]
