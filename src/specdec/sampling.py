@@ -45,6 +45,36 @@ class Constraint(Protocol):
         ...
 
 
+def path_masks(
+    constraint: Constraint,
+    generated: Sequence[int],
+    paths: Sequence[Sequence[int]],  # token paths below ``generated``; a path's parent path comes first
+    vocab: int,
+    cache: dict[tuple[int, ...], Tensor] | None = None,
+) -> list[Tensor | None]:  # per path: [V] bool, or None
+    """What ``constraint`` allows after ``generated`` + each path of a token tree.
+
+    None for a path that has left the grammar -- its last token is one its parent path's mask
+    forbids (drawn from a row left unmasked) -- and for everything below it: such a node can never
+    be kept, and the constraint, which cannot follow a forbidden token, is never asked about it.
+    ``cache`` keeps the masks by path across calls (a draft round expands its tree level by level).
+    """
+    masks: dict[tuple[int, ...], Tensor] = {} if cache is None else cache
+    out: list[Tensor | None] = []
+    for path in paths:
+        key = tuple(path)
+        if key:
+            above = masks.get(key[:-1])
+            if above is None or not bool(above[key[-1]]):
+                out.append(None)
+                continue
+        mask = masks.get(key)
+        if mask is None:
+            mask = masks[key] = constraint.allowed([*generated, *key], vocab)
+        out.append(mask)
+    return out
+
+
 @dataclass(frozen=True)
 class SamplingConfig:
     """How the target would sample on its own.  Defaults live here and nowhere else."""

@@ -27,6 +27,7 @@ from specdec.sampling import (
     PenaltyState,
     SamplingConfig,
     argmax_last,
+    path_masks,
     penalise_with_extra,
     penalised_logits,
     process_logits,
@@ -318,16 +319,9 @@ def tree_constraint(
     those rows are left as they are, never asked of the constraint (which could not follow a
     forbidden token).
     """
-    n, vocab = logits.shape
-    toks, pars = tokens.tolist(), parents.tolist()
-    allowed: list[Tensor | None] = [constraint.allowed(generated, vocab)] + [None] * (n - 1)
-    history: list[list[int]] = [[]] + [[] for _ in toks]
-    for i, (tok, par) in enumerate(zip(toks, pars)):
-        above = allowed[par + 1]
-        if above is None or not bool(above[tok]):  # unreachable: its parent's row forbids it
-            continue
-        history[i + 1] = history[par + 1] + [tok]
-        allowed[i + 1] = constraint.allowed(generated + history[i + 1], vocab)
+    toks = tokens.tolist()
+    node_paths = [[toks[j] for j in path] for path in paths(parents)]
+    allowed = path_masks(constraint, generated, [[], *node_paths], logits.shape[1])
     out = logits.clone()
     for row, mask in enumerate(allowed):
         if mask is None:

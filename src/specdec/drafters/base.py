@@ -15,6 +15,7 @@ from specdec.sampling import (
     SamplingConfig,
     argmax_last,
     gumbel_sample,
+    path_masks,
     penalise_with_extra,
     penalised_logits,
     process_logits,
@@ -131,6 +132,8 @@ class DraftSampler:
         #: the most draft tokens this round can use (tokens left to generate, the γ cap); a
         #: drafter whose drafts cost nothing may propose up to this many, more than γ
         self.room = room
+        #: this round's grammar masks by tree path (see :meth:`tree_rows`)
+        self._tree_masks: dict[tuple[int, ...], Tensor] = {}
 
     @property
     def deterministic(self) -> bool:
@@ -236,19 +239,11 @@ class DraftSampler:
         mask forbids (drawn from a row left unmasked) is never handed to the constraint, which
         cannot follow it; nor is anything below it.  The masks of this round's paths are kept."""
         assert self.penalties is not None and len(histories) == logits.shape[0]
-        masks: dict[tuple[int, ...], Tensor] = self.__dict__.setdefault("_tree_masks", {})
-        generated = self.penalties.generated
-        vocab = logits.shape[-1]
+        masks = path_masks(constraint, self.penalties.generated, histories, logits.shape[-1], self._tree_masks)
         out = logits.clone()
-        for i, path in enumerate(histories):
-            key = tuple(path)
-            if key:
-                above = masks.get(key[:-1])
-                if above is None or not bool(above[key[-1]]):
-                    continue  # the path has left the grammar: this node can never be kept
-            mask = masks.get(key)
+        for i, mask in enumerate(masks):
             if mask is None:
-                mask = masks[key] = constraint.allowed(generated + path, vocab)
+                continue
             masked = logits[i].masked_fill(~mask, -math.inf)
             if bool(torch.isfinite(masked).any()):
                 out[i] = masked
