@@ -143,3 +143,49 @@ def test_heads_refuse_tokens_only_data(setup, capsys) -> None:
     rc = cli.main(["train", "medusa", "--data", str(root / "data"), "--out", str(root / "medusa"), "--target", str(root / "target")])
     err = capsys.readouterr().err
     assert rc != 0 and "tokens only" in err and "Traceback" not in err
+
+
+def test_on_policy_data_is_the_drafts_own_samples(setup, capsys) -> None:
+    """``train data --sampled-by draft``: the replies are the draft's (greedy ones equal the draft's
+    own one-token-at-a-time decoding, and differ from the target's), under the target's prompts;
+    the folder says who sampled it and `train distill` labels it with the target's law.  Asking for
+    features, or resuming a folder with other settings, is a one-line error."""
+    from specdec import cli
+    from specdec.models.registry import load
+
+    root, target, draft_dir, _ = setup
+    out = root / "on-policy"
+    base = ["train", "data", "--target", str(root / "target"), "--out", str(out), "--sequences", "20", "--batch", "8",
+            "--max-new-chat", "8", "--max-new-code", "8", "--temperatures", "0"]
+    rc = cli.main([*base, "--sampled-by", "draft", "--draft", str(draft_dir)])
+    err = capsys.readouterr().err
+    assert rc == 2 and "--no-features" in err and "Traceback" not in err and not out.exists()
+    assert cli.main([*base, "--sampled-by", "draft", "--draft", str(draft_dir), "--no-features"]) == 0
+    assert json.loads((out / "config.json").read_text())["sampler"] == str(draft_dir)
+    shards = load_shards(out)
+    draft = load(str(draft_dir), batch_invariant=False).model
+    differs = 0
+    for ids, n0 in zip(shards.tokens, shards.prompt_len):
+        seqs = {}
+        for name, model in (("draft", draft), ("target", target.model)):
+            cache = model.new_cache(ids.numel() + 1)
+            logits = model.forward(ids[:n0].long(), cache, last_only=True)
+            seq = ids[:n0].tolist()
+            for _ in range(ids.numel() - n0):
+                seq.append(int(logits[0].argmax()))
+                logits = model.forward(torch.tensor(seq[-1:]), cache)
+            seqs[name] = seq
+        assert ids.tolist() == seqs["draft"]
+        differs += seqs["target"] != seqs["draft"]
+    assert differs >= 15  # the two random models disagree: these are not the target's replies
+    rc = cli.main([*base, "--no-features"])  # the same folder, now sampled by the target: refused
+    err = capsys.readouterr().err
+    assert rc == 2 and "other settings (sampler)" in err and "Traceback" not in err
+    run = root / "on-policy-run"
+    argv = ["train", "distill", "--data", str(out), "--out", str(run), "--target", str(root / "target"),
+            "--draft", str(draft_dir), "--steps", "2", "--batch", "2", "--positions", "8", "--top-k", "4"]
+    assert cli.main(argv) == 0
+    labels = torch.load(run / "labels.pt", weights_only=False)["labels"]
+    assert len(labels) == 20 and labels[0].start == shards.prompt_len[0] - 1
+    card = json.loads((run / "report.json").read_text())
+    assert card["finished"] and "sampler" in (run / "draft" / "README.md").read_text()

@@ -63,7 +63,8 @@ def add_parser(sub) -> None:  # noqa: ANN001 - argparse's subparsers action
         description="Chat instructions (generated from templates, none of the benchmark's) and standard-library code "
         "headers, answered by the target at the given temperatures with batched generation; each sequence is then "
         "scored once more to store the target's features (the tapped residual streams and the final hidden state, "
-        "float16). Written in shards; rerunning the same command resumes where it stopped.",
+        "float16). Written in shards; rerunning the same command resumes where it stopped. With --sampled-by draft "
+        "the draft model answers instead (tokens only): on-policy data for `specdec train distill`.",
     )
     d.add_argument("--target", default=defaults.DEFAULT_TARGET)
     d.add_argument("--out", required=True, help="output folder (shards + config.json)")
@@ -79,6 +80,12 @@ def add_parser(sub) -> None:  # noqa: ANN001 - argparse's subparsers action
     d.add_argument("--prompt-file", help="JSONL prompts to answer instead of the built-in templates (fields: prompt, "
                    "chat, optional category); a head learns the prompts it is trained on, so use ones like those it "
                    "will serve (--chat-share is then ignored)")
+    d.add_argument("--sampled-by", choices=("target", "draft"), default="target",
+                   help="who answers the prompts: the target (default), or the draft model (--draft), whose own "
+                   "samples `specdec train distill` then labels with the target's law: DistillSpec's on-policy "
+                   "data (tokens only: needs --no-features)")
+    d.add_argument("--draft", default=defaults.DEFAULT_DRAFT_MODEL,
+                   help="with --sampled-by draft: the draft model that samples (a registry name or folder)")
     d.add_argument("--seed", type=int, default=0)
 
 
@@ -283,7 +290,9 @@ def _temperatures(text: str) -> tuple[float, ...]:
 def _data(args: argparse.Namespace) -> int:
     from tqdm.auto import tqdm
 
-    from specdec.models.registry import load
+    import torch
+
+    from specdec.models.registry import check_compatible, load
     from specdec.train.data import DataConfig, generate
 
     temps = _temperatures(args.temperatures)
@@ -292,7 +301,10 @@ def _data(args: argparse.Namespace) -> int:
     cfg = DataConfig(target=args.target, sequences=args.sequences, chat_share=args.chat_share, temperatures=temps,
                      max_new_chat=args.max_new_chat, max_new_code=args.max_new_code, batch=args.batch,
                      taps=_int_list(args.taps, "--taps"), seed=args.seed, features=not args.no_features,
-                     prompt_file=args.prompt_file)
+                     prompt_file=args.prompt_file, sampler="target" if args.sampled_by == "target" else args.draft)
+    if cfg.sampler != "target" and cfg.features:
+        raise ConfigError("--sampled-by draft writes tokens only (features are the target's hidden states on its own "
+                          "sequences): add --no-features")
     if cfg.prompt_file is not None:
         from specdec.bench.workloads import load_jsonl
 
@@ -301,14 +313,19 @@ def _data(args: argparse.Namespace) -> int:
 
     dtype, quant = target_dtype(EngineConfig(target=args.target))
     target = load(args.target, dtype=dtype, quant=quant, batch_invariant=False)
-    if not hasattr(target.model, "forward_batch"):
-        raise ConfigError("training data needs the native backend (a Llama / Qwen2 target)")
-    if max(cfg.taps) > target.model.cfg.n_layers:
+    sampler, precision = target, quant or dtype
+    if cfg.sampler != "target":  # the draft answers; prompts, chat template and stop tokens stay the target's
+        sampler, precision = load(cfg.sampler, dtype=torch.float32, batch_invariant=False), "float32"
+        check_compatible(target, sampler)
+    if not hasattr(sampler.model, "forward_batch"):
+        raise ConfigError("training data needs the native backend (a Llama / Qwen2 model)")
+    if cfg.features and max(cfg.taps) > target.model.cfg.n_layers:
         raise ConfigError(f"--taps must be <= the target's {target.model.cfg.n_layers} layers")
     bar = tqdm(total=cfg.sequences, desc="sequences", unit="seq")
-    n = generate(cfg, target.model, target.tokenizer, target.eos_ids, Path(args.out), progress=bar.update)
+    n = generate(cfg, sampler.model, target.tokenizer, target.eos_ids, Path(args.out), progress=bar.update)
     bar.close()
-    print(f"[specdec] {args.out}: {n} sequences (target {target.name}, {quant or dtype})", file=sys.stderr)
+    who = f"target {target.name}" if sampler is target else f"draft {sampler.name} for target {target.name}"
+    print(f"[specdec] {args.out}: {n} sequences ({who}, {precision})", file=sys.stderr)
     return 0
 
 

@@ -1,5 +1,7 @@
 """``specdec train data``: sequences sampled from the target, with the features drafters learn from.
 
+(Or sampled from the draft model itself, tokens only: on-policy data for ``specdec train distill``.)
+
 Generation is batched the way the server batches users (continuous batching over
 :meth:`NativeCausalLM.forward_batch`): up to ``batch`` sequences decode together, one row each
 per pass, and a finished sequence's slot is refilled with the next prompt at once.  On a 2-core
@@ -24,6 +26,7 @@ from typing import Any, Callable
 import torch
 from torch import Tensor
 
+from specdec.errors import ConfigError
 from specdec.text import encode_prompt
 
 
@@ -47,6 +50,9 @@ class DataConfig:
     #: templates: the head learns the prompt distribution it is trained on, so train on prompts
     #: like the ones it will serve
     prompt_file: str | None = None
+    #: who sampled the replies: "target", or the draft model (its registry name or folder) whose
+    #: own samples the target then labels -- DistillSpec's on-policy data (tokens only)
+    sampler: str = "target"
 
 
 @dataclass
@@ -133,9 +139,16 @@ def generate(
 ) -> int:
     """Generate (or finish generating) the planned sequences into ``out``; returns how many exist."""
     out.mkdir(parents=True, exist_ok=True)
-    (out / "config.json").write_text(json.dumps(asdict(cfg), indent=1))
-    todo = plan(cfg, tokenizer)
+    settings = json.loads(json.dumps(asdict(cfg)))  # as config.json holds them (tuples as lists)
     shards = sorted(out.glob("shard-*.pt"))
+    if shards and (out / "config.json").is_file():
+        before = {"sampler": "target", **json.loads((out / "config.json").read_text())}  # older folders lack it
+        changed = sorted(k for k in settings if before.get(k) != settings[k])
+        if changed:
+            raise ConfigError(f"{out} holds sequences generated with other settings ({', '.join(changed)}); "
+                              "rerun with the same options to resume, or write to a new folder")
+    (out / "config.json").write_text(json.dumps(settings, indent=1))
+    todo = plan(cfg, tokenizer)
     done = len(shards) * cfg.shard_size
     if progress is not None:
         progress(min(done, len(todo)))
