@@ -121,7 +121,7 @@ def test_command_writes_a_draft_that_loads_and_resumes(setup, capsys) -> None:
     assert report["finished"] and report["steps"] == 4
     assert set(report["held_out_after"]) >= {"all"} and "held_out_before" in report
     card = (out / "draft" / "README.md").read_text()
-    assert "Held-out teacher-forced acceptance" in card and "--steps 4" in card
+    assert "Held-out teacher-forced acceptance" in card and "--steps 4" in card and "target-generated sequences" in card
     drafted = load(str(out / "draft"), batch_invariant=False)
     assert drafted.tokenizer.encode("hello") == load(str(draft_dir), batch_invariant=False).tokenizer.encode("hello")
     assert cli.main(argv) == 0  # a finished run: resumes at its last step, trains nothing
@@ -188,4 +188,4 @@ def test_on_policy_data_is_the_drafts_own_samples(setup, capsys) -> None:
     labels = torch.load(run / "labels.pt", weights_only=False)["labels"]
     assert len(labels) == 20 and labels[0].start == shards.prompt_len[0] - 1
     card = json.loads((run / "report.json").read_text())
-    assert card["finished"] and "sampler" in (run / "draft" / "README.md").read_text()
+    assert card["finished"] and f"`{draft_dir}`-generated (on-policy) sequences" in (run / "draft" / "README.md").read_text()

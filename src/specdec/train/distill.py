@@ -210,20 +210,23 @@ def model_card(card: dict) -> str:
     def row(name: str, acc: dict) -> list[str]:
         return [f"| {name} | {k} | {v['greedy']:.3f} | {v['t1_lower']:.3f} | {v['positions']} |" for k, v in sorted(acc.items())]
 
+    sampler = card["data"].get("sampler", "target")
+    source = "target-generated" if sampler == "target" else f"`{sampler}`-generated (on-policy)"
     lines = [
         f"# Distilled draft for {card['target']}",
         "",
         f"Re-distilled from `{card['source']}` towards the target's own next-token law (DistillSpec; loss "
         f"`{card['config']['loss']}` on the target's top-{card['config']['top_k']} probabilities).",
         "",
-        f"* Data: {card['train_sequences']} target-generated sequences ({card['train_positions']} reply positions), "
+        f"* Data: {card['train_sequences']} {source} sequences ({card['train_positions']} reply positions), "
         f"{card['held_out_sequences']} held out; data settings: {card['data']}.",
         f"* Training: {card['steps']} steps × {card['config']['batch']} sequences × {card['config']['positions']} "
         f"positions, lr {card['config']['lr']}, AdamW + cosine; wall time {card['train_seconds']:.0f} s on "
         f"{card['machine']}.",
         f"* Command: `{card['command']}`",
         "",
-        "Held-out teacher-forced acceptance (greedy: arg-max agreement; t1_lower: sum min(p, q) on the target's top-k):",
+        "Held-out teacher-forced acceptance on held-out sequences of the same data (greedy: arg-max agreement; "
+        "t1_lower: sum min(p, q) on the target's top-k):",
         "",
         "| draft | kind | greedy | t1_lower | positions |",
         "|---|---|---|---|---|",
