@@ -160,6 +160,9 @@ def test_on_policy_data_is_the_drafts_own_samples(setup, capsys) -> None:
     rc = cli.main([*base, "--sampled-by", "draft", "--draft", str(draft_dir)])
     err = capsys.readouterr().err
     assert rc == 2 and "--no-features" in err and "Traceback" not in err and not out.exists()
+    rc = cli.main([*base, "--sampled-by", "draft", "--draft", str(root / "missing"), "--no-features"])
+    err = capsys.readouterr().err
+    assert rc != 0 and "missing" in err and "Traceback" not in err and not out.exists()
     assert cli.main([*base, "--sampled-by", "draft", "--draft", str(draft_dir), "--no-features"]) == 0
     assert json.loads((out / "config.json").read_text())["sampler"] == str(draft_dir)
     shards = load_shards(out)

@@ -292,7 +292,7 @@ def _data(args: argparse.Namespace) -> int:
 
     import torch
 
-    from specdec.models.registry import check_compatible, load
+    from specdec.models.registry import check_compatible, load, resolve
     from specdec.train.data import DataConfig, generate
 
     temps = _temperatures(args.temperatures)
@@ -311,6 +311,8 @@ def _data(args: argparse.Namespace) -> int:
         load_jsonl(cfg.prompt_file)  # a bad file is a one-line error before the model loads
     from specdec.engine import EngineConfig, target_dtype
 
+    if cfg.sampler != "target":
+        resolve(cfg.sampler)  # an unknown draft is a one-line error before the target loads
     dtype, quant = target_dtype(EngineConfig(target=args.target))
     target = load(args.target, dtype=dtype, quant=quant, batch_invariant=False)
     sampler, precision = target, quant or dtype
