@@ -431,9 +431,9 @@ def keyed_uniform(seed: int, position: int, ids: Tensor | None, vocab_size: int)
 
 def _splitmix64_int(x: int) -> int:
     """:func:`_splitmix64` of one 64-bit value, on Python integers (unsigned result)."""
-    x = (x + 0x9E3779B97F4A7C15) & _MASK64
-    x = ((x ^ (x >> 30)) * 0xBF58476D1CE4E5B9) & _MASK64
-    x = ((x ^ (x >> 27)) * 0x94D049BB133111EB) & _MASK64
+    x = (x + _GOLDEN) & _MASK64  # the same constants, read modulo 2**64
+    x = ((x ^ (x >> 30)) * _M1) & _MASK64
+    x = ((x ^ (x >> 27)) * _M2) & _MASK64
     return x ^ (x >> 31)
 
 

@@ -70,13 +70,12 @@ def _sample_row(weights: Tensor, generator: torch.Generator | None) -> Tensor:  
 
 
 def _undrafted(draft_tokens: Tensor, draft_probs: Tensor | None, target_probs: Tensor,
-               generator: torch.Generator | None) -> Verdict | None:
+               generator: torch.Generator | None) -> Verdict:
     """A round with nothing drafted (plain decoding; a round the γ controller left empty): one draw
     from ``p_0`` -- what the general path draws, since it draws no uniforms for γ = 0 and then
     samples ``p_γ`` -- without its dozen empty-tensor ops (over a 49,152-word row: block 0.26 ->
-    0.10 ms a round, token 0.17 -> 0.10 ms).  None if something was drafted."""
-    if _check_shapes(draft_tokens, draft_probs, target_probs):
-        return None
+    0.10 ms a round, token 0.17 -> 0.10 ms)."""
+    _check_shapes(draft_tokens, draft_probs, target_probs)
     return Verdict(num_accepted=0, tokens=_sample_row(target_probs[0], generator))
 
 
@@ -169,8 +168,8 @@ def token_verify(
     ``j``; then sample from the residual ``norm(max(0, p_j - q_j))`` over the whole vocabulary
     (not the often-quoted ``p - 1[v=y_j] q_j``).  If all γ are accepted, the bonus comes from ``p_γ``.
     """
-    if (plain := _undrafted(draft_tokens, draft_probs, target_probs, generator)) is not None:
-        return plain
+    if draft_tokens.numel() == 0:
+        return _undrafted(draft_tokens, draft_probs, target_probs, generator)
     plan = token_plan(draft_tokens, draft_probs, target_probs)
     u = torch.rand(plan.stop.numel(), generator=generator, dtype=torch.float64)
     n = _leading_true(u < plan.stop)
@@ -190,8 +189,8 @@ def block_verify(
     next token comes from ``p_γ`` if ``τ = γ``, else from ``norm(r_τ)`` (see :func:`block_plan`;
     for ``τ = 0`` this is the token-verification residual).
     """
-    if (plain := _undrafted(draft_tokens, draft_probs, target_probs, generator)) is not None:
-        return plain
+    if draft_tokens.numel() == 0:
+        return _undrafted(draft_tokens, draft_probs, target_probs, generator)
     plan = block_plan(draft_tokens, draft_probs, target_probs)
     eta = torch.rand(plan.stop.numel(), generator=generator, dtype=torch.float64)
     hits = (eta < plan.stop).nonzero()

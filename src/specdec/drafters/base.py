@@ -233,7 +233,6 @@ class DraftSampler:
             return logits
         return process_logits(logits, cfg)
 
-
     def _constrained(self, logits: Tensor, constraint: Any, histories: list[list[int]]) -> Tensor:  # [m, V]
         """Rows masked by the constraint after each path.  A path whose last token its parent's
         mask forbids (drawn from a row left unmasked) is never handed to the constraint, which
