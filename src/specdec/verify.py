@@ -73,8 +73,8 @@ def _undrafted(draft_tokens: Tensor, draft_probs: Tensor | None, target_probs: T
                generator: torch.Generator | None) -> Verdict:
     """A round with nothing drafted (plain decoding; a round the γ controller left empty): one draw
     from ``p_0`` -- what the general path draws, since it draws no uniforms for γ = 0 and then
-    samples ``p_γ`` -- without its dozen empty-tensor ops (over a 49,152-word row: block 0.26 ->
-    0.10 ms a round, token 0.17 -> 0.10 ms)."""
+    samples ``p_γ`` -- without its dozen empty-tensor ops (over a 49,152-word row: block 0.19 ->
+    0.09 ms a round, token 0.14 -> 0.09 ms; ``benchmarks/empty-draft-round``)."""
     _check_shapes(draft_tokens, draft_probs, target_probs)
     return Verdict(num_accepted=0, tokens=_sample_row(target_probs[0], generator))
 
