@@ -264,10 +264,13 @@ def test_tree_budget_is_not_thrown_off_by_one_preempted_round():
         played.append(arm)
         ctl.update(gamma=ctl.next_gamma(), accepted=n - 1, draft_s=0.3 * s, target_s=0.7 * s, other_s=0.0)
     assert played[41:].count(0) >= 0.95 * 79
+
+
 def test_cost_gamma_extrapolates_the_pass_costs_it_has_not_measured():
     """Before any γ = 0 round the one-row cost is extrapolated from the measured sizes (not read
     as the two-row cost, which made one drafted token look free); beyond the largest size it
-    grows along the last slope; it never falls below half the cheapest measured pass."""
+    grows along the last slope; it never falls below half the cheapest measured pass, nor rises
+    above a larger measured one."""
     ctrl = CostGamma()
     ctrl.observe_cost(2, 7.0)
     ctrl.observe_cost(4, 9.0)
@@ -281,3 +284,7 @@ def test_cost_gamma_extrapolates_the_pass_costs_it_has_not_measured():
     one = CostGamma()
     one.observe_cost(3, 5.0)
     assert one._target_cost(1) == one._target_cost(8) == 5.0
+    noisy = CostGamma()  # a 3-row pass read cheaper than a 2-row one: no size below reads dearer
+    noisy.observe_cost(2, 7.8)
+    noisy.observe_cost(3, 7.3)
+    assert noisy._target_cost(1) == pytest.approx(7.3)  # the line through them would give 8.3
