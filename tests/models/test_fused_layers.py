@@ -147,6 +147,31 @@ def test_fused_layer_subsets_are_bitwise_the_scripted_loop(q4_model):
         assert torch.equal(fused[0], scripted[0]) and torch.equal(fused[1], scripted[1])
 
 
+def test_fused_passes_with_feature_taps_are_bitwise_the_scripted_loop(q4_model):
+    """A target-aware drafter's pass (``forward_features``): the residual stream after each tapped
+    layer count, copied by the one fused call as it goes, for 1, 3 and 6 rows and taps before,
+    inside and between the layers; logits and cache as the plain pass."""
+    model = q4_model
+    g = torch.Generator().manual_seed(6)
+    prompt = torch.randint(0, 1000, (20,), generator=g)
+    for taps in ((1,), (0, 2), (1, 2), (0, 1, 2)):
+        for n in (1, 3, 6):
+            block = torch.randint(0, 1000, (n,), generator=g)
+
+            def run(block=block, taps=taps) -> tuple[torch.Tensor, ...]:
+                cache = model.new_cache(64)
+                model.forward(prompt, cache)
+                logits, feats = model.forward_features(block, cache, taps)
+                return logits, feats, cache.k[:, :, : cache.length].clone(), cache.v[:, :, : cache.length].clone()
+
+            fused, scripted = run(), _unfused(model, run)
+            for a, b in zip(fused, scripted):
+                assert torch.equal(a, b), (taps, n)
+            cache = model.new_cache(64)
+            model.forward(prompt, cache)
+            assert torch.equal(fused[0], model.forward(block, cache))
+
+
 def test_fused_call_refuses_a_cache_too_short():
     with pytest.raises(RuntimeError, match="beyond the cache"):
         k = torch.zeros(1, 1, 4, 8)

@@ -63,7 +63,7 @@ _SCHEMAS = (
     "f32_linear(Tensor x, Tensor packed, int n_out) -> Tensor",
     "fused_layers(Tensor x, Tensor cos, Tensor sin, Tensor k_all, Tensor v_all, int start, int n_heads, "
     "int n_kv_heads, int head_dim, Tensor eps, int[] kinds, Tensor[] weights, int[] n_out, int[] plan, "
-    "bool final_norm, int tree_start=-1, Tensor? paths=None) -> Tensor",
+    "bool final_norm, int tree_start=-1, Tensor? paths=None, int[] taps=[], Tensor(a!)? tap_out=None) -> Tensor",
     "fused_layers_batch(Tensor x, Tensor cos, Tensor sin, Tensor[] k_caches, Tensor[] v_caches, int[] starts, "
     "int[] sizes, int n_heads, int n_kv_heads, int head_dim, Tensor eps, int[] kinds, Tensor[] weights, "
     "int[] n_out) -> Tensor",

@@ -26,8 +26,11 @@
 //   torch.ops.specdec.fused_layers(x [n, D], cos [n, 1, d], sin [n, 1, d] (signed), k_all, v_all
 //       [L, Hkv, T, d], start, n_heads, n_kv_heads, head_dim, eps [1], kinds[], weights[], n_out[],
 //       plan[] (flattened [layer, attention on, MLP on, cache slot] steps; empty = every layer),
-//       final_norm, tree_start, paths) -> [n, D]: the residual stream after the steps, times its
-//       inverse RMS when final_norm (the LM head's input).  paths [n, E] (a token tree: each node's
+//       final_norm, tree_start, paths, taps[], tap_out) -> [n, D]: the residual stream after the steps, times its
+//       inverse RMS when final_norm (the LM head's input).  taps[] (increasing step counts, 1 ..
+//       steps) with tap_out [len(taps), n, D] float32: tap_out[j] receives the residual stream after
+//       the first taps[j] steps (a target-aware drafter's features, in the same call: one call per
+//       stretch between taps had cost ~0.25-0.5 ms a tap on a 2-core machine).  paths [n, E] (a token tree: each node's
 //       ancestors-or-self as cache slots, -1 padded) with tree_start (the prefix every node sees)
 //       as torch.ops.specdec.attend takes them; the nodes' keys and values go to start .. start + n.
 //   torch.ops.specdec.fused_layers_batch(x [M, D], cos, sin [M, 1, d], k_caches[], v_caches[], starts[],
@@ -139,7 +142,8 @@ void check_weights(const std::vector<int64_t>& kinds, const std::vector<at::Tens
 // The layer loop over the segments' rows x [M, D] (see the header); tree (paths) for one segment only.
 at::Tensor run(const at::Tensor& x_in, const at::Tensor& cos_in, const at::Tensor& sin_in, const std::vector<Segment>& segs,
                int64_t hq, int64_t hk, int64_t d, const at::Tensor& eps_t, const Net& w, std::vector<int64_t> plan,
-               bool final_norm, int64_t tree_start, const c10::optional<at::Tensor>& paths) {
+               bool final_norm, int64_t tree_start, const c10::optional<at::Tensor>& paths,
+               const std::vector<int64_t>& taps = {}, const c10::optional<at::Tensor>& tap_out = c10::nullopt) {
   TORCH_CHECK(x_in.dim() == 2 && x_in.scalar_type() == at::kFloat, "fused_layers: x must be float32 [n, D]");
   const int64_t m = x_in.size(0), width = x_in.size(1), n_lin = static_cast<int64_t>(w.kinds.size());
   TORCH_CHECK(plan.size() % 4 == 0, "fused_layers: plan steps are [layer, attention, mlp, slot]");
@@ -172,6 +176,15 @@ at::Tensor run(const at::Tensor& x_in, const at::Tensor& cos_in, const at::Tenso
   for (size_t s = 0; s < plan.size(); s += 4)
     TORCH_CHECK(plan[s] >= 0 && plan[s] < n_lin / 4 && plan[s + 3] >= 0 && plan[s + 3] < slots,
                 "fused_layers: a plan step beyond the layers or the cache");
+  const int64_t n_steps = static_cast<int64_t>(plan.size() / 4), n_taps = static_cast<int64_t>(taps.size());
+  for (int64_t j = 0; j < n_taps; ++j)
+    TORCH_CHECK(taps[j] >= 1 && taps[j] <= n_steps && (j == 0 || taps[j] > taps[j - 1]),
+                "fused_layers: taps must be increasing step counts in 1 .. the steps run");
+  TORCH_CHECK(n_taps == 0 || (tap_out.has_value() && tap_out->defined() && tap_out->scalar_type() == at::kFloat &&
+                              tap_out->is_contiguous() && tap_out->dim() == 3 && tap_out->size(0) == n_taps &&
+                              tap_out->size(1) == m && tap_out->size(2) == width),
+              "fused_layers: tap_out must be contiguous float32 [len(taps), n, D]");
+  int64_t next_tap = 0;
   const int64_t qk_heads = hq + hk, half = d / 2;
   const float* cp = cos.data_ptr<float>();
   const float* sp = sin.data_ptr<float>();
@@ -238,6 +251,8 @@ at::Tensor run(const at::Tensor& x_in, const at::Tensor& cos_in, const at::Tenso
         for (int64_t j = 0; j < inter; ++j) hp[r * inter + j] = hp[r * inter + j] * gp[r * 2 * inter + inter + j];
       add_into(x, linear(w, lin + 3, h, nullptr));
     }
+    if (next_tap < n_taps && taps[next_tap] == static_cast<int64_t>(s / 4) + 1)
+      tap_out->select(0, next_tap++).copy_(x);
   }
   if (!final_norm) return x;
   const at::Tensor rs = inv_rms(x, eps, value);
@@ -252,11 +267,12 @@ at::Tensor fused_layers(const at::Tensor& x, const at::Tensor& cos, const at::Te
                         const at::Tensor& v_all, int64_t start, int64_t hq, int64_t hk, int64_t d, const at::Tensor& eps,
                         std::vector<int64_t> kinds, std::vector<at::Tensor> weights, std::vector<int64_t> n_out,
                         std::vector<int64_t> plan, bool final_norm, int64_t tree_start,
-                        const c10::optional<at::Tensor>& paths) {
+                        const c10::optional<at::Tensor>& paths, std::vector<int64_t> taps,
+                        const c10::optional<at::Tensor>& tap_out) {
   check_weights(kinds, weights, n_out);
   const Net w{kinds, weights, n_out};
   return run(x, cos, sin, {Segment{0, x.size(0), start, k_all, v_all}}, hq, hk, d, eps, w, std::move(plan), final_norm,
-             tree_start, paths);
+             tree_start, paths, taps, tap_out);
 }
 
 at::Tensor fused_layers_batch(const at::Tensor& x, const at::Tensor& cos, const at::Tensor& sin,
@@ -283,7 +299,7 @@ at::Tensor fused_layers_batch(const at::Tensor& x, const at::Tensor& cos, const 
 TORCH_LIBRARY_FRAGMENT(specdec, m) {
   m.def("fused_layers(Tensor x, Tensor cos, Tensor sin, Tensor k_all, Tensor v_all, int start, int n_heads, "
         "int n_kv_heads, int head_dim, Tensor eps, int[] kinds, Tensor[] weights, int[] n_out, int[] plan, "
-        "bool final_norm, int tree_start=-1, Tensor? paths=None) -> Tensor");
+        "bool final_norm, int tree_start=-1, Tensor? paths=None, int[] taps=[], Tensor(a!)? tap_out=None) -> Tensor");
   m.def("fused_layers_batch(Tensor x, Tensor cos, Tensor sin, Tensor[] k_caches, Tensor[] v_caches, int[] starts, "
         "int[] sizes, int n_heads, int n_kv_heads, int head_dim, Tensor eps, int[] kinds, Tensor[] weights, "
         "int[] n_out) -> Tensor");
