@@ -182,7 +182,12 @@ class TargetSession:
         feed = torch.cat([self._ctx[self._n - 1 : self._n], draft.tokens])  # [γ+1]
         feats: Tensor | None = None
         if self.feature_taps is not None:
-            logits, feats = self.model.forward_features(feed, self.cache, self.feature_taps)  # [γ+1, V], [γ+1, R, D]
+            # a draft that computed part of this pass hands it over with the features (Kangaroo)
+            reused = draft.reuse.forward_features(self.model, feed, self.cache, self.feature_taps) \
+                if draft.reuse is not None and hasattr(draft.reuse, "forward_features") else None
+            if reused is None:
+                reused = self.model.forward_features(feed, self.cache, self.feature_taps)
+            logits, feats = reused  # [γ+1, V], [γ+1, R, D]
         else:
             logits = draft.reuse.forward(self.model, feed, self.cache) if draft.reuse is not None else None
             if logits is None:

@@ -175,6 +175,101 @@ def test_spawn_for_the_server_keeps_kangaroo():
 
     fresh = drafter.spawn(Wrapped)
     assert isinstance(fresh, KangarooDrafter) and fresh.stop_below == 0.3 and fresh.view is drafter.view
+    assert drafter.feature_taps == (2,) and fresh.feature_taps is None  # batched passes hand out no features
     run = SamplingConfig(temperature=0.0, max_new_tokens=10)
     out = SpeculativeDecoder(INVARIANT, fresh, get_rule("greedy"), gamma=FixedGamma(3)).generate([1, 2, 3], run)
     assert calls and out.tokens == SpeculativeDecoder(INVARIANT, None, get_rule("greedy")).generate([1, 2, 3], run).tokens
+
+
+class _Pattern:
+    """γ by a repeated pattern: plain rounds between drafted ones."""
+
+    name = "pattern"
+
+    def __init__(self, pattern: list[int]) -> None:
+        self.pattern, self.i = pattern, 0
+
+    def next_gamma(self) -> int:
+        return self.pattern[self.i % len(self.pattern)]
+
+    def update(self, **_) -> None:
+        self.i += 1
+
+
+def _count_fed(view: KangarooView) -> list[int]:
+    """Rows each call of the view's forward feeds (its layers run over them)."""
+    calls: list[int] = []
+    forward = view.forward
+
+    def spy(tokens, cache, **kw):
+        calls.append(tokens.numel())
+        return forward(tokens, cache, **kw)
+
+    view.forward = spy  # type: ignore[method-assign]
+    return calls
+
+
+def test_with_the_feature_tap_the_view_never_reruns_committed_tokens():
+    """The decoder hands Kangaroo the target's residual after K layers at every committed position,
+    so the view copies the shallow keys/values of the prompt and of plain rounds from the target's
+    cache and computes only the adapter's: each drafting round feeds its layers one row (the
+    pending token), where without the tap it re-runs them over the prompt and every token of a
+    plain stretch.  Its cache then holds what its own layers compute (the shallow keys/values and
+    residuals bitwise, the adapter's keys/values to the matmul's rounding), and greedy output is
+    plain greedy output.  Sizes: a 6-token prompt, 24 tokens, 4 plain rounds before each 3-token draft."""
+    adapter = _trained(INVARIANT)
+    prompt = [1, 2, 3, 4, 5, 6]
+    run = SamplingConfig(temperature=0.0, max_new_tokens=24)
+    plain = SpeculativeDecoder(INVARIANT, None, get_rule("greedy")).generate(prompt, run).tokens
+    fed, drafters = {}, {}
+    for tap in (True, False):
+        drafter = KangarooDrafter(KangarooView(INVARIANT, adapter), stop_below=0.0)
+        if not tap:
+            drafter.feature_taps = None
+        fed[tap] = _count_fed(drafter.view)
+        dec = SpeculativeDecoder(INVARIANT, drafter, get_rule("greedy"), gamma=_Pattern([0, 0, 0, 0, 3]))
+        out = dec.generate(prompt, run)
+        assert out.tokens == plain and out.stats.draft_tokens_proposed >= 9
+        drafters[tap] = drafter
+    assert fed[True] and max(fed[True]) == 1, fed[True]
+    assert fed[False][0] == len(prompt) - 1 and max(fed[False][1:]) >= 4, fed[False]  # prefill, catch-ups
+    a, b = drafters[True].cache, drafters[False].cache
+    n, k = min(a.length, b.length), 2
+    assert n >= len(prompt) + 16
+    assert torch.equal(a.k[:k, :, :n], b.k[:k, :, :n]) and torch.equal(a.v[:k, :, :n], b.v[:k, :, :n])
+    assert torch.equal(a.resid[:n], b.resid[:n]) and torch.equal(a.tokens[:n], b.tokens[:n])
+    assert torch.allclose(a.k[k, :, :n], b.k[k, :, :n], atol=1e-5) and torch.allclose(a.v[k, :, :n], b.v[k, :, :n], atol=1e-5)
+
+
+def test_a_pass_that_reuses_the_draft_hands_over_the_targets_features_bitwise():
+    """With the tap, a verification pass that reuses the draft's shallow layers returns the logits
+    and the features (residual after K layers, final hidden state) of the target's own pass, bit
+    for bit; it declines taps it does not hold."""
+    adapter = _trained(INVARIANT)
+    cfg = SamplingConfig(temperature=0.0)
+    drafter = KangarooDrafter(KangarooView(INVARIANT, adapter), stop_below=0.0)
+    shared = TargetSession(INVARIANT, [1, 2, 3, 4], cfg, get_rule("greedy"), seed=0, feature_taps=(2,))
+    plain = TargetSession(INVARIANT, [1, 2, 3, 4], cfg, get_rule("greedy"), seed=0, feature_taps=(2,))
+    drafter.prepare(shared.context)
+    draft = drafter.propose(shared.context, 4, DraftSampler(cfg, "argmax", penalties=None, generator=None))
+    feed = torch.cat([shared.context[-1:], draft.tokens])
+    assert draft.reuse.forward_features(INVARIANT, feed, shared.cache, (1,)) is None
+    got = draft.reuse.forward_features(INVARIANT, feed, shared.cache, (2,))
+    want = INVARIANT.forward_features(feed, plain.cache, (2,))
+    assert got is not None and torch.equal(got[0], want[0]) and torch.equal(got[1], want[1])
+
+
+def test_prompt_lookup_in_front_passes_the_tap_through():
+    """``kangaroo+lookup``: the hybrid declares the model drafter's tap and forwards the features;
+    the view still feeds one row per model round and greedy output is plain greedy output."""
+    from specdec.drafters.hybrid import LookupThenModel
+
+    drafter = KangarooDrafter(KangarooView(INVARIANT, _trained(INVARIANT)), stop_below=0.0)
+    hybrid = LookupThenModel(drafter)
+    assert hybrid.feature_taps == (2,)
+    fed = _count_fed(drafter.view)
+    prompt = [1, 2, 3, 1, 2, 3, 1, 2]  # something for the lookup to find
+    run = SamplingConfig(temperature=0.0, max_new_tokens=20)
+    out = SpeculativeDecoder(INVARIANT, hybrid, get_rule("greedy"), gamma=_Pattern([0, 0, 3])).generate(prompt, run)
+    assert out.tokens == SpeculativeDecoder(INVARIANT, None, get_rule("greedy")).generate(prompt, run).tokens
+    assert fed and max(fed) == 1, fed

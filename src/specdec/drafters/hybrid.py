@@ -109,6 +109,14 @@ class LookupThenModel:
         if bind is not None:
             bind(model, cache)
 
+    @property
+    def feature_taps(self) -> tuple[int, ...] | None:
+        """The model drafter's (Kangaroo reads the target's residual stream: see its drafter)."""
+        return getattr(self.model, "feature_taps", None)
+
+    def add_features(self, features: Tensor) -> None:
+        self.model.add_features(features)  # type: ignore[attr-defined]
+
     def prepare(self, prompt: Tensor) -> None:  # prompt: [L]
         self.model.prepare(prompt)
         self.lookup.prepare(prompt)

@@ -112,13 +112,19 @@ class Adapter(nn.Module):
         ``k_cache`` / ``v_cache`` [Hkv, T, d] (the rows' own keys are written there first)."""
         n = x.shape[0]
         end = start + n
-        q, k, v = self._project(x, torch.arange(start, end))
-        k_cache[:, start:end] = k.transpose(0, 1)
-        v_cache[:, start:end] = v.transpose(0, 1)
+        q = self.store(x, k_cache, v_cache, start)
         mask = torch.full((n, end), -math.inf, dtype=x.dtype).triu_(start + 1) if n > 1 else None  # [n, T]
         attn = F.scaled_dot_product_attention(q.transpose(0, 1).unsqueeze(0), k_cache[:, :end].unsqueeze(0),
                                               v_cache[:, :end].unsqueeze(0), attn_mask=mask, enable_gqa=True)
         return self._finish(x, attn[0].transpose(0, 1).reshape(n, -1))  # [n, D]
+
+    def store(self, x: Tensor, k_cache: Tensor, v_cache: Tensor, start: int) -> Tensor:  # x: [n, D] -> q [n, H, d]
+        """Write the keys/values of rows at positions ``start .. start + n`` into ``k_cache`` /
+        ``v_cache`` [Hkv, T, d]; returns the rows' queries."""
+        q, k, v = self._project(x, torch.arange(start, start + x.shape[0]))
+        k_cache[:, start : start + x.shape[0]] = k.transpose(0, 1)
+        v_cache[:, start : start + x.shape[0]] = v.transpose(0, 1)
+        return q
 
     @property
     def nbytes(self) -> int:
@@ -206,19 +212,67 @@ class KangarooView(LayerView):
 class KangarooDrafter(SelfSpecDrafter):
     """A :class:`~specdec.drafters.self_spec.SelfSpecDrafter` over a :class:`KangarooView` that
     stops a draft early when its confidence falls below ``stop_below`` (never below the
-    decoder's own ``min_confidence``)."""
+    decoder's own ``min_confidence``).
+
+    **Feature tap.**  It asks the verifier for the residual stream after the target's first K
+    layers at every committed position (``feature_taps = (K,)``; the verification pass computes
+    it anyway, and a pass that reuses the draft's shallow layers hands it over too, see
+    :meth:`SharedLayers.forward_features`).  With the target's cache bound
+    (:meth:`bind_target`) the view then never runs its K layers over tokens it did not draft --
+    the prompt, and every token committed while it was not drafting: it copies their shallow
+    keys/values from the target's cache and computes only the adapter's keys/values from the
+    tapped residuals.  Without the features (inside a lookup hybrid, in the server) it catches
+    up by running its layers, as before.
+    """
 
     def __init__(self, view: KangarooView, *, stop_below: float, share: bool = True) -> None:
         super().__init__(view, share=share)
         if not 0.0 <= stop_below < 1.0:
             raise ConfigError(f"the kangaroo stopping threshold must be in [0, 1), got {stop_below}")
         self.stop_below = stop_below
+        #: only where the target's pass can reuse the draft's layers (the batching server and a
+        #: wrapped view get no features, see :meth:`spawn`)
+        self.feature_taps: tuple[int, ...] | None = (view.plan.exit_after,) if self.share else None
+        self._tapped: list[tuple[int, Tensor]] = []  # (first position, residual rows [k, D]) not yet in the cache
+        self._tapped_end = 0  # positions 0 .. _tapped_end - 1 have had their features delivered
 
     def bind_target(self, model: Any, cache: Any) -> None:
-        """Not used: the adapter's keys/values at committed positions are computed from the
-        residual stream after layer K, which the target's cache does not hold, so the view keeps
-        its own cache and catches up as before."""
-        self._target_cache = None
+        """The target's cache, read only when the features come too (see the class docstring)."""
+        self._target_cache = cache if self.feature_taps is not None and self.share and model is self.view.target else None
+
+    def reset(self, expected: int = 0) -> None:
+        super().reset(expected)
+        self._tapped, self._tapped_end = [], 0
+
+    def add_features(self, features: Tensor) -> None:  # [k, 2, D]: (residual after K layers, final hidden)
+        if features is None or features.shape[0] == 0:
+            return
+        self._tapped.append((self._tapped_end, features[:, 0]))
+        self._tapped_end += features.shape[0]
+
+    def _copy_committed(self, context: Tensor) -> None:  # context: [L]
+        """Positions the view lacks below the last context token, from the target: shallow
+        keys/values from its cache, the adapter's from the tapped residuals.  Stops where either
+        runs out (the view's own forward feeds the rest)."""
+        source, cache = self._target_cache, self.cache
+        if source is None or cache is None:
+            return
+        have = cache.length
+        upto = min(source.length, context.numel() - 1, self._tapped_end)
+        self._tapped = [(a, r) for a, r in self._tapped if a + r.shape[0] > have]  # older rows are in the cache
+        if upto <= have or not self._tapped or self._tapped[0][0] > have:
+            return
+        rows = torch.cat([r for _, r in self._tapped])[have - self._tapped[0][0] : upto - self._tapped[0][0]]  # [n, D]
+        k = self.view.plan.exit_after
+        view = self.view
+        cache.reserve(upto - have)
+        cache.k[:k, :, have:upto] = source.k[:k, :, have:upto]  # [K, Hkv, n, d]
+        cache.v[:k, :, have:upto] = source.v[:k, :, have:upto]
+        cache.tokens[have:upto] = context[have:upto]
+        if cache.resid is not None:
+            cache.resid[have:upto] = rows
+        with torch.inference_mode():
+            view.adapter.store(rows.to(cache.k.dtype), cache.k[k], cache.v[k], have)  # type: ignore[attr-defined]
 
     def propose(self, context: Tensor, gamma: int, sampler: DraftSampler) -> Draft:  # context: [L]
         sampler.min_confidence = max(sampler.min_confidence, self.stop_below)
@@ -227,6 +281,7 @@ class KangarooDrafter(SelfSpecDrafter):
     def spawn(self, wrap: Callable[[Any], Any] = lambda m: m) -> "KangarooDrafter":
         fresh = KangarooDrafter(self.view, stop_below=self.stop_below, share=self.share)  # type: ignore[arg-type]
         fresh.model = wrap(self.view)
+        fresh.feature_taps = None  # a server's batched passes hand out no features
         return fresh
 
     def extra_bytes(self) -> int:

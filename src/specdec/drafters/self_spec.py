@@ -191,6 +191,25 @@ class SharedLayers:
     def forward(self, model: Any, tokens: Tensor, cache: KVCache) -> Tensor | None:  # tokens: [n] -> [n, V] | None
         """Logits of the verification pass, or None when nothing can be reused (then the caller
         runs its plain pass)."""
+        passed = self._pass(model, tokens, cache)
+        return None if passed is None else self.target.head(passed[1])
+
+    def forward_features(self, model: Any, tokens: Tensor, cache: KVCache, taps: tuple[int, ...]
+                         ) -> tuple[Tensor, Tensor] | None:  # tokens: [n] -> ([n, V], [n, 2, D]) | None
+        """:meth:`forward` with the features of ``taps == (k,)``: per row the residual stream after
+        the first k layers and the final hidden state (the layout of the target's
+        ``forward_features``, bitwise its values); None for other taps or when nothing can be reused."""
+        if tuple(taps) != (self.k,):
+            return None
+        passed = self._pass(model, tokens, cache)
+        if passed is None:
+            return None
+        x, h = passed
+        with torch.inference_mode():
+            return self.target.head(h), torch.stack([x, self.target.final_norm(h)], dim=1)
+
+    def _pass(self, model: Any, tokens: Tensor, cache: KVCache) -> tuple[Tensor, Tensor] | None:
+        """The residual stream after layer k-1 and after the last layer, [n, D] each, or None."""
         if model is not self.target or self.cache.resid is None:
             return None
         n = tokens.numel()
@@ -209,7 +228,7 @@ class SharedLayers:
                 rest = target.run_layers(target.embed_tokens(tokens[m:]), cache, lower, start=base + m)  # [n-m, D]
                 x = torch.cat([x, rest])
             upper = tuple((li, True, True) for li in range(k, target.cfg.n_layers))
-            return target.head(target.run_layers(x, cache, upper, start=base))
+            return x, target.run_layers(x, cache, upper, start=base)
 
 
 class SelfSpecDrafter(ModelDrafter):

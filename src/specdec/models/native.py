@@ -707,7 +707,11 @@ class NativeCausalLM:
 
     def head(self, x: Tensor) -> Tensor:  # x: [n, D] residual stream -> [n, V] float32 logits
         """Final norm + LM head of a residual stream (an early exit uses it after any layer)."""
-        return self._logits(x * self._inv_rms(x))
+        return self._logits(self.final_norm(x))
+
+    def final_norm(self, x: Tensor) -> Tensor:  # x: [n, D] residual stream -> [n, D]
+        """The LM head's input for a residual stream: what :meth:`hidden` returns after the last layer."""
+        return x * self._inv_rms(x)
 
     @torch.inference_mode()
     def run_layers(

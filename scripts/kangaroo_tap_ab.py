@@ -1,0 +1,104 @@
+#!/usr/bin/env python
+"""Kangaroo with and without the feature tap, paired in one process.
+
+    python scripts/kangaroo_tap_ab.py --temperatures 0,1 --repeats 2 --out benchmarks/NAME
+
+Not a test and not part of CI.  One target is loaded once, with two Kangaroo drafters over it:
+``tap`` (the default: the verifier hands the drafter the residual stream after the target's first
+K layers at every committed position, so the view copies the prompt's and plain rounds' shallow
+keys/values from the target's cache and computes only its adapter's) and ``own`` (the same
+drafter with the tap off: it prefills its K layers over the prompt and re-runs them over every
+token committed while it was not drafting, as before the tap).  For each prompt, temperature
+and repeat, plain decoding and both arms run once, in an order rotated per prompt and reversed
+on odd repeats (γ auto; greedy verification at T = 0, block verification above it, one seed per
+prompt and repeat shared by every arm).  Writes ``results.json`` and ``README.md``: geometric
+means of the per-run speed-ups over the prompt's plain run by category, time to first token,
+tokens per target call, drafted tokens per sequence and, at T = 0, whether every output equals
+plain greedy output.
+"""
+
+from __future__ import annotations
+
+import argparse
+import statistics
+import sys
+
+from tqdm import tqdm
+
+import paired
+
+from specdec.engine import Engine, EngineConfig
+from specdec.sampling import SamplingConfig
+from specdec.verify import get_rule
+
+ARMS = ("tap", "own")
+
+
+def main() -> int:
+    ap = paired.parser(__doc__)
+    ap.set_defaults(draft="kangaroo")
+    ap.add_argument("--repeats", type=int, default=1)
+    args = ap.parse_args()
+    temps, prompts, _, plain = paired.setup(argparse.Namespace(**{**vars(args), "draft": "none"}))
+    cfg0 = EngineConfig(target=args.target, draft=args.draft, dtype=args.dtype)
+    engines = {a: Engine.attach(plain.target, cfg0) for a in ARMS}
+    if engines["tap"].drafter.feature_taps is None:  # type: ignore[union-attr]
+        raise SystemExit(f"{args.draft} declares no feature tap here (not a Kangaroo drafter over a batch-invariant target)")
+    engines["own"].drafter.feature_taps = None  # type: ignore[union-attr]
+    arms = ["plain", *ARMS]
+
+    def run(arm: str, ids: list[int], cfg: SamplingConfig):  # noqa: ANN202
+        rule = get_rule("greedy" if cfg.greedy else "block")
+        return (plain if arm == "plain" else engines[arm]).decoder(rule).generate(ids, cfg)
+
+    warm = SamplingConfig(temperature=0.0, max_new_tokens=16)
+    enc0 = plain.encode(prompts[0].text, chat=prompts[0].chat)
+    for a in arms:
+        run(a, enc0, warm)
+    rows = []
+    for rep in range(args.repeats):
+        for temp in temps:
+            for i, p in enumerate(tqdm(prompts, desc=f"T = {temp:g}, repeat {rep + 1}/{args.repeats}")):
+                cfg = SamplingConfig(temperature=temp, max_new_tokens=args.max_new_tokens,
+                                     seed=None if temp == 0 else 1000 * rep + i)
+                ids = plain.encode(p.text, chat=p.chat)
+                order = arms[i % len(arms):] + arms[: i % len(arms)]
+                res = {a: run(a, ids, cfg) for a in (order if rep % 2 == 0 else order[::-1])}
+                ref = res["plain"]
+                for a in ARMS:
+                    s = res[a].stats
+                    rows.append({"prompt": p.id, "category": p.category, "temperature": temp, "repeat": rep, "arm": a,
+                                 "tok_s": s.tokens_per_s, "plain_tok_s": ref.stats.tokens_per_s,
+                                 "speedup": s.tokens_per_s / ref.stats.tokens_per_s,
+                                 "ttft_ms": 1e3 * s.ttft_s, "plain_ttft_ms": 1e3 * ref.stats.ttft_s,
+                                 "tokens_per_call": s.tokens_per_target_call, "drafted": s.draft_tokens_proposed,
+                                 "draft_ms_per_token": 1e3 * s.draft_s / max(s.draft_tokens_proposed, 1),
+                                 "same": res[a].tokens == ref.tokens})
+
+    def gmean(xs: list[float]) -> float:
+        return statistics.geometric_mean(xs) if xs else float("nan")
+
+    lines = [f"{len(prompts)} prompts × {args.repeats} repeats, {args.max_new_tokens} tokens, {args.draft} over one "
+             f"{args.target} target (dtype {args.dtype}) with the feature tap (`tap`) and without it (`own`: the view "
+             "prefills and catches up with its own layers), every arm on every prompt right after or before the "
+             "prompt's plain run, in one process. ×plain = geometric mean of the per-run ratios; TTFT = median time to "
+             "first token; draft ms = the draft's time per drafted token (its catch-ups included).", "",
+             "| T | arm | ×plain (all) | chat | code | TTFT ms (plain) | tokens/call | drafted / sequence "
+             "| draft ms / token | greedy = plain |", "|---|---|---|---|---|---|---|---|---|---|"]
+    for temp in temps:
+        for a in ARMS:
+            rs = [r for r in rows if r["arm"] == a and r["temperature"] == temp]
+            by = {c: gmean([r["speedup"] for r in rs if r["category"] == c]) for c in ("chat", "code")}
+            same = f"{sum(r['same'] for r in rs)}/{len(rs)}" if temp == 0 else "n/a (T > 0)"
+            lines.append(
+                f"| {temp:g} | {a} | {gmean([r['speedup'] for r in rs]):.3f} | {by['chat']:.3f} | {by['code']:.3f} "
+                f"| {statistics.median(r['ttft_ms'] for r in rs):.1f} ({statistics.median(r['plain_ttft_ms'] for r in rs):.1f}) "
+                f"| {statistics.mean(r['tokens_per_call'] for r in rs):.2f} | {statistics.mean(r['drafted'] for r in rs):.1f} "
+                f"| {statistics.median(r['draft_ms_per_token'] for r in rs):.2f} | {same} |")
+    paired.write_report(args.out, f"Kangaroo with and without the feature tap ({args.target} + {args.draft})",
+                        {"rows": rows}, lines)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
