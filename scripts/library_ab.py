@@ -16,6 +16,10 @@ target (the packed weights are shared: both builds must read the same packed lay
 * **products** — the target's 120 4-bit layer products for n rows, called directly;
 * **attention** — one layer's exact attention (SmolLM2's head layout) for n rows over the context.
 
+With ``--model draft`` the model is the default draft instead (its own precision: W8A8 layers on
+an x86 machine with VNNI), its LM head on the arm's library too, and the products are its
+int8 ones (``q8_linear``).
+
 Each repetition runs both arms in alternating order; the report gives best and median per arm
 and the median of the per-repetition ratio (this / base).  Outputs of the two arms are compared
 bitwise (the kernels promise the same bits).  Writes ``README.md`` and ``results.json``.
@@ -38,7 +42,9 @@ from pathlib import Path
 import torch
 
 import paired
+from specdec import defaults
 from specdec.engine import Engine, EngineConfig
+import specdec.models.linear as linear_mod
 from specdec.models import kernels, scripted
 
 
@@ -96,6 +102,8 @@ def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0], formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--base", required=True, help="git commit whose kernels are the baseline")
     ap.add_argument("--target", default="smollm2-135m", help="registry name of the target (default smollm2-135m)")
+    ap.add_argument("--model", choices=["target", "draft"], default="target",
+                    help="time the target or its default draft model (default target)")
     ap.add_argument("--rows", default="1,2,3,4,5,7,9", help="row counts (default 1,2,3,4,5,7,9)")
     ap.add_argument("--context", type=int, default=200, help="tokens before the new rows (default 200)")
     ap.add_argument("--reps", type=int, default=24, help="paired repetitions per row count (default 24)")
@@ -104,7 +112,8 @@ def main() -> int:
     args = ap.parse_args()
     torch.set_num_threads(args.threads)
     rows = [int(x) for x in args.rows.split(",") if x.strip()]
-    model = Engine.build(EngineConfig(target=args.target, draft="none")).target.model
+    engine = Engine.build(EngineConfig(target=args.target, draft=defaults.DEFAULT_DRAFT if args.model == "draft" else "none"))
+    model = paired.native_model(engine.drafter) if args.model == "draft" else engine.target.model
     if not kernels.load():
         print("error: this checkout's kernels did not build here", file=sys.stderr)
         return 1
@@ -127,7 +136,7 @@ def main() -> int:
             out = {}
 
             def one_pass(a: str) -> None:
-                scripted.torch = torch if a == "this" else _Torch(ns[a])
+                scripted.torch = linear_mod.torch = torch if a == "this" else _Torch(ns[a])
                 cache.truncate(args.context)
                 out[a] = model.forward(tokens, cache)
 
@@ -137,7 +146,10 @@ def main() -> int:
 
             def products(a: str) -> None:
                 for lin in lins:
-                    out[a] = ns[a].q4_linear(xs[lin.in_features], lin.gain, lin.packed, lin.out_features, lin.col)
+                    if getattr(lin, "vnni", None) is not None:  # W8A8 on the few-row kernel
+                        out[a] = ns[a].q8_linear(xs[lin.in_features], lin.inv_smooth, *lin.vnni)[0]
+                    else:  # 4-bit
+                        out[a] = ns[a].q4_linear(xs[lin.in_features], lin.gain, lin.packed, lin.out_features, lin.col)
 
             results["products"][n] = alternate(ns, products, args.reps)
             same = same and torch.equal(out["base"], out["this"])
@@ -151,15 +163,16 @@ def main() -> int:
             same = same and torch.equal(out["base"], out["this"])
             print(f"[library_ab] rows {n}: pass x{results['passes'][n]['paired_ratio']:.3f}", file=sys.stderr)
     finally:
-        scripted.torch = torch
+        scripted.torch = linear_mod.torch = torch
     body = [
-        f"Base: kernels of `{args.base}`; this: the checkout's. Target `{args.target}`, {args.context}-token "
+        f"Base: kernels of `{args.base}`; this: the checkout's. Target `{args.target}`"
+        f"{' (timed: its default draft model)' if args.model == 'draft' else ''}, {args.context}-token "
         f"context, {args.reps} repetitions per row count, both arms alternated in each, {args.threads} threads. "
         "Times in ms; ratio = median over repetitions of this / base (below 1: this is faster). "
         f"Outputs of the two arms bitwise equal: {'yes' if same else 'NO'}.", "",
     ]
     for part, what in (("passes", "Forward pass over n new tokens (the fused layer loop and the LM head)"),
-                       ("products", f"The target's {len(lins)} 4-bit layer products, n rows"),
+                       ("products", f"The {'draft' if args.model == 'draft' else 'target'}'s {len(lins)} layer products, n rows"),
                        ("attention", f"Attention over {args.context} keys, n rows, all {cfg.n_layers} layers")):
         body += [f"## {what}", "", "| rows | base best / median | this best / median | ratio |", "|---|---|---|---|"]
         for n, r in results[part].items():
@@ -167,7 +180,7 @@ def main() -> int:
                         f"{r['this_best_ms']:.2f} / {r['this_median_ms']:.2f} | {r['paired_ratio']:.3f} |")
         body.append("")
     paired.write_report(args.out, "Kernels at another commit against this checkout's, paired in one process",
-                               {"base": args.base, "target": args.target, "context": args.context, "reps": args.reps,
+                               {"base": args.base, "target": args.target, "model": args.model, "context": args.context, "reps": args.reps,
                                 "threads": args.threads, "same_bits": same, **results}, body)
     return 0 if same else 1
 

@@ -62,6 +62,30 @@ def test_kernel_is_bitwise_fbgemm_for_every_row_count(shape, extras):
 
 
 @needs_vnni
+def test_kernel_quantises_rows_as_aten_does_on_the_hard_values():
+    """The kernel quantises rows itself, by fbgemm's rule (ATen's quantize_per_tensor for quint8):
+    one fused multiply-add x * (1 / step) + 128 in float32, rounded half to even.  Random rows
+    rarely tell that apart from a separate multiply and add, or from other tie rules, so the rows
+    here are made of the values that do: from 6 M seeded uniforms in [-1, 1], those where the
+    multiply-then-add rounds differently, and those the fused result puts exactly on .5.  Each row
+    holds a 1.0 (its max, so the values reach the quantiser unchanged)."""
+    g = torch.Generator().manual_seed(0)
+    x = torch.rand(6_000_000, generator=g, dtype=torch.float64).float() * 2 - 1  # [6M]
+    inv = torch.tensor(1.0) / torch.tensor(2.0 / 255.0, dtype=torch.float32)
+    fused = (x.double() * inv.double() + 128.0).float()  # exact product and sum, one rounding
+    split = (x * inv) + 128.0
+    hard = x[(torch.round(fused) != torch.round(split)) | ((fused % 1) == 0.5)]  # [h]
+    assert hard.numel() >= 60
+    rows = hard[:60].reshape(4, 15)  # [4, 15]
+    rows = torch.cat([torch.ones(4, 1), rows], dim=1)  # [4, 16]
+    w = torch.randn(96, 16, generator=torch.Generator().manual_seed(3)) * 0.05
+    lin, ref = _pair(w)
+    for n in (1, 2, 3, 4):
+        for i in range(0, rows.shape[0] - n + 1, n):
+            assert torch.equal(lin(rows[i : i + n]), ref(rows[i : i + n])), (n, i)
+
+
+@needs_vnni
 def test_kernel_refuses_mismatched_inputs():
     w = torch.randn(70, 33)
     lin = W8A8Linear(w)
