@@ -20,8 +20,6 @@ import statistics
 import sys
 from dataclasses import replace
 
-from tqdm import tqdm
-
 import paired
 
 from specdec.engine import Engine, EngineConfig, draft_precision
@@ -45,32 +43,20 @@ def main() -> int:
         rule = get_rule("greedy" if cfg.greedy else "block")
         return (plain if arm == "plain" else engines[arm]).decoder(rule).generate(ids, cfg)
 
-    warm = SamplingConfig(temperature=0.0, max_new_tokens=16)
-    enc0 = plain.encode(prompts[0].text, chat=prompts[0].chat)
-    for a in arms:
-        run(a, enc0, warm)
     rows = []
-    for rep in range(args.repeats):
-        for temp in temps:
-            for i, p in enumerate(tqdm(prompts, desc=f"T = {temp:g}, repeat {rep + 1}/{args.repeats}")):
-                cfg = SamplingConfig(temperature=temp, max_new_tokens=args.max_new_tokens,
-                                     seed=None if temp == 0 else 1000 * rep + i)
-                ids = plain.encode(p.text, chat=p.chat)
-                order = arms[i % len(arms):] + arms[: i % len(arms)]
-                res = {a: run(a, ids, cfg) for a in (order if rep % 2 == 0 else order[::-1])}
-                ref = res["plain"]
-                for a in dtypes:
-                    s = res[a].stats
-                    rows.append({"prompt": p.id, "category": p.category, "temperature": temp, "repeat": rep, "dtype": a,
-                                 "tok_s": s.tokens_per_s, "plain_tok_s": ref.stats.tokens_per_s,
-                                 "speedup": s.tokens_per_s / ref.stats.tokens_per_s,
-                                 "tokens_per_call": s.tokens_per_target_call,
-                                 "first_acceptance": s.acceptance_per_position[0] if s.acceptance_per_position else None,
-                                 "draft_ms_per_token": 1e3 * s.draft_s / max(s.draft_tokens_proposed, 1),
-                                 "same": res[a].tokens == ref.tokens})
+    for p, temp, rep, res in paired.rotated_runs(plain, prompts, temps, args.repeats, args.max_new_tokens, arms, run):
+        ref = res["plain"]
+        for a in dtypes:
+            s = res[a].stats
+            rows.append({"prompt": p.id, "category": p.category, "temperature": temp, "repeat": rep, "dtype": a,
+                         "tok_s": s.tokens_per_s, "plain_tok_s": ref.stats.tokens_per_s,
+                         "speedup": s.tokens_per_s / ref.stats.tokens_per_s,
+                         "tokens_per_call": s.tokens_per_target_call,
+                         "first_acceptance": s.acceptance_per_position[0] if s.acceptance_per_position else None,
+                         "draft_ms_per_token": 1e3 * s.draft_s / max(s.draft_tokens_proposed, 1),
+                         "same": res[a].tokens == ref.tokens})
 
-    def gmean(xs: list[float]) -> float:
-        return statistics.geometric_mean(xs) if xs else float("nan")
+    gmean = paired.gmean
 
     lines = [f"{len(prompts)} prompts × {args.repeats} repeats, {args.max_new_tokens} tokens, the draft {args.draft} in "
              f"each precision over one {args.target} target (dtype {args.dtype}), every arm on every prompt right after "

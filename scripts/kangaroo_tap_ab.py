@@ -23,8 +23,6 @@ import argparse
 import statistics
 import sys
 
-from tqdm import tqdm
-
 import paired
 
 from specdec.engine import Engine, EngineConfig
@@ -51,32 +49,20 @@ def main() -> int:
         rule = get_rule("greedy" if cfg.greedy else "block")
         return (plain if arm == "plain" else engines[arm]).decoder(rule).generate(ids, cfg)
 
-    warm = SamplingConfig(temperature=0.0, max_new_tokens=16)
-    enc0 = plain.encode(prompts[0].text, chat=prompts[0].chat)
-    for a in arms:
-        run(a, enc0, warm)
     rows = []
-    for rep in range(args.repeats):
-        for temp in temps:
-            for i, p in enumerate(tqdm(prompts, desc=f"T = {temp:g}, repeat {rep + 1}/{args.repeats}")):
-                cfg = SamplingConfig(temperature=temp, max_new_tokens=args.max_new_tokens,
-                                     seed=None if temp == 0 else 1000 * rep + i)
-                ids = plain.encode(p.text, chat=p.chat)
-                order = arms[i % len(arms):] + arms[: i % len(arms)]
-                res = {a: run(a, ids, cfg) for a in (order if rep % 2 == 0 else order[::-1])}
-                ref = res["plain"]
-                for a in ARMS:
-                    s = res[a].stats
-                    rows.append({"prompt": p.id, "category": p.category, "temperature": temp, "repeat": rep, "arm": a,
-                                 "tok_s": s.tokens_per_s, "plain_tok_s": ref.stats.tokens_per_s,
-                                 "speedup": s.tokens_per_s / ref.stats.tokens_per_s,
-                                 "ttft_ms": 1e3 * s.ttft_s, "plain_ttft_ms": 1e3 * ref.stats.ttft_s,
-                                 "tokens_per_call": s.tokens_per_target_call, "drafted": s.draft_tokens_proposed,
-                                 "draft_ms_per_token": 1e3 * s.draft_s / max(s.draft_tokens_proposed, 1),
-                                 "same": res[a].tokens == ref.tokens})
+    for p, temp, rep, res in paired.rotated_runs(plain, prompts, temps, args.repeats, args.max_new_tokens, arms, run):
+        ref = res["plain"]
+        for a in ARMS:
+            s = res[a].stats
+            rows.append({"prompt": p.id, "category": p.category, "temperature": temp, "repeat": rep, "arm": a,
+                         "tok_s": s.tokens_per_s, "plain_tok_s": ref.stats.tokens_per_s,
+                         "speedup": s.tokens_per_s / ref.stats.tokens_per_s,
+                         "ttft_ms": 1e3 * s.ttft_s, "plain_ttft_ms": 1e3 * ref.stats.ttft_s,
+                         "tokens_per_call": s.tokens_per_target_call, "drafted": s.draft_tokens_proposed,
+                         "draft_ms_per_token": 1e3 * s.draft_s / max(s.draft_tokens_proposed, 1),
+                         "same": res[a].tokens == ref.tokens})
 
-    def gmean(xs: list[float]) -> float:
-        return statistics.geometric_mean(xs) if xs else float("nan")
+    gmean = paired.gmean
 
     lines = [f"{len(prompts)} prompts × {args.repeats} repeats, {args.max_new_tokens} tokens, {args.draft} over one "
              f"{args.target} target (dtype {args.dtype}) with the feature tap (`tap`) and without it (`own`: the view "

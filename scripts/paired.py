@@ -7,14 +7,18 @@ from __future__ import annotations
 import argparse
 import json
 import shlex
+import statistics
 import sys
 from pathlib import Path
+from typing import Iterator
 
 import torch
+from tqdm import tqdm
 
 from specdec import defaults
 from specdec.bench.workloads import BUILTIN, select
 from specdec.engine import Engine, EngineConfig
+from specdec.sampling import SamplingConfig
 
 
 def parser(description: str) -> argparse.ArgumentParser:
@@ -37,6 +41,31 @@ def setup(args: argparse.Namespace) -> tuple[list[float], list, Engine, Engine]:
     prompts = select(list(BUILTIN), limit=args.limit)
     engine = Engine.build(EngineConfig(target=args.target, draft=args.draft, dtype=args.dtype))
     return temps, prompts, engine, Engine(engine.target, None, "none")
+
+
+def rotated_runs(plain: Engine, prompts: list, temps: list[float], repeats: int, max_new_tokens: int,
+                 arms: list[str], run) -> Iterator[tuple[object, float, int, dict]]:  # noqa: ANN001 - run(arm, ids, cfg)
+    """The paired A/B loop the drafter scripts share: one short warm-up call per arm, then for each
+    repeat, temperature and prompt every arm once (``run(arm, ids, cfg)`` -> a generation), in an
+    order rotated per prompt and reversed on odd repeats, one seed per prompt and repeat shared by
+    every arm (none at T = 0); yields ``(prompt, temperature, repeat, {arm: result})``."""
+    warm = SamplingConfig(temperature=0.0, max_new_tokens=16)
+    enc0 = plain.encode(prompts[0].text, chat=prompts[0].chat)
+    for a in arms:
+        run(a, enc0, warm)
+    for rep in range(repeats):
+        for temp in temps:
+            for i, p in enumerate(tqdm(prompts, desc=f"T = {temp:g}, repeat {rep + 1}/{repeats}")):
+                cfg = SamplingConfig(temperature=temp, max_new_tokens=max_new_tokens,
+                                     seed=None if temp == 0 else 1000 * rep + i)
+                ids = plain.encode(p.text, chat=p.chat)
+                order = arms[i % len(arms):] + arms[: i % len(arms)]
+                yield p, temp, rep, {a: run(a, ids, cfg) for a in (order if rep % 2 == 0 else order[::-1])}
+
+
+def gmean(xs: list[float]) -> float:
+    """Geometric mean; NaN for no values."""
+    return statistics.geometric_mean(xs) if xs else float("nan")
 
 
 def native_model(obj):  # noqa: ANN001, ANN201 - a drafter, a loaded model or the model itself
