@@ -94,6 +94,8 @@ def test_sparse_q_gating_and_env_key(server, capsys, monkeypatch):
         (["--draft", "ngram"], "needs --tokenizer"),
         (["--api-key", "wrong"], "HTTP 401: missing or invalid API key"),
         (["--method", "coupled", "--wire", "sparse-q", "-t", "1"], "not available in wire mode"),
+        (["--draft", "kangaroo+lookup"], "drafts with the target's own layers, which stay on the server"),
+        (["--draft", "layerskip:2"], "drafts with the target's own layers, which stay on the server"),
     ],
 )
 def test_cli_errors_are_one_line(server, capsys, monkeypatch, extra, message):

@@ -75,7 +75,7 @@ def run_generate(args: argparse.Namespace, prompt: str, sampling: SamplingConfig
     from transformers import AutoTokenizer
 
     from specdec import defaults
-    from specdec.drafters import ModelDrafter, NgramDrafter
+    from specdec.drafters import ModelDrafter, NgramDrafter, self_spec
     from specdec.drafters.hybrid import LOOKUP_SUFFIX, LookupThenModel, split_lookup
     from specdec.engine import EngineConfig, load_draft
     from specdec.models.registry import resolve
@@ -106,8 +106,9 @@ def run_generate(args: argparse.Namespace, prompt: str, sampling: SamplingConfig
         eos = frozenset({tokenizer.eos_token_id} if tokenizer.eos_token_id is not None else set())
         drafter = NgramDrafter(max_ngram=defaults.NGRAM_MAX, min_ngram=defaults.NGRAM_MIN) if kind == "ngram" else None
         name = kind
-    elif kind == "self":
-        raise ConfigError("--draft self needs the target here; with --remote pick a draft model, ngram or none")
+    elif kind == "self" or self_spec.parse_name(split_lookup(args.draft)[0]) is not None:
+        raise ConfigError(f"--draft {args.draft} drafts with the target's own layers, which stay on the server;"
+                          " with --remote pick a draft model, ngram or none")
     elif _is_head(args.draft):
         raise ConfigError(
             f"--draft {args.draft} reads the target's hidden states, which a remote target does not send;"

@@ -26,12 +26,12 @@
 //   torch.ops.specdec.fused_layers(x [n, D], cos [n, 1, d], sin [n, 1, d] (signed), k_all, v_all
 //       [L, Hkv, T, d], start, n_heads, n_kv_heads, head_dim, eps [1], kinds[], weights[], n_out[],
 //       plan[] (flattened [layer, attention on, MLP on, cache slot] steps; empty = every layer),
-//       final_norm, tree_start, paths, taps[], tap_out) -> [n, D]: the residual stream after the steps, times its
-//       inverse RMS when final_norm (the LM head's input).  taps[] (increasing step counts, 1 ..
-//       steps) with tap_out [len(taps), n, D] float32: tap_out[j] receives the residual stream after
-//       the first taps[j] steps (a target-aware drafter's features, in the same call: one call per
-//       stretch between taps had cost ~0.25-0.5 ms a tap on a 2-core machine).  paths [n, E] (a token tree: each node's
-//       ancestors-or-self as cache slots, -1 padded) with tree_start (the prefix every node sees)
+//       final_norm, tree_start, paths, taps[], tap_out) -> [n, D]: the residual stream after the
+//       steps, times its inverse RMS when final_norm (the LM head's input).  taps[] (increasing
+//       step counts, 1 .. steps) with tap_out [len(taps), n, D] float32: tap_out[j] receives the
+//       residual stream after the first taps[j] steps (a target-aware drafter's features, in the
+//       same call: one call per stretch between taps had cost ~0.25-0.5 ms a tap on a 2-core
+//       machine).  paths [n, E] (a token tree: each node's ancestors-or-self as cache slots, -1 padded) with tree_start (the prefix every node sees)
 //       as torch.ops.specdec.attend takes them; the nodes' keys and values go to start .. start + n.
 //   torch.ops.specdec.fused_layers_batch(x [M, D], cos, sin [M, 1, d], k_caches[], v_caches[], starts[],
 //       sizes[], n_heads, n_kv_heads, head_dim, eps, kinds[], weights[], n_out[]) -> [M, D]: a
