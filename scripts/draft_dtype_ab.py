@@ -23,8 +23,6 @@ from dataclasses import replace
 import paired
 
 from specdec.engine import Engine, EngineConfig, draft_precision
-from specdec.sampling import SamplingConfig
-from specdec.verify import get_rule
 
 
 def main() -> int:
@@ -37,14 +35,10 @@ def main() -> int:
     dtypes = args.dtypes.split(",")
     engines = {dt: Engine.attach(plain.target, replace(base, draft_dtype=dt)) for dt in dtypes}
     precision = {dt: draft_precision(replace(base, draft_dtype=dt)) for dt in dtypes}
-    arms = ["plain", *dtypes]
-
-    def run(arm: str, ids: list[int], cfg: SamplingConfig):  # noqa: ANN202
-        rule = get_rule("greedy" if cfg.greedy else "block")
-        return (plain if arm == "plain" else engines[arm]).decoder(rule).generate(ids, cfg)
 
     rows = []
-    for p, temp, rep, res in paired.rotated_runs(plain, prompts, temps, args.repeats, args.max_new_tokens, arms, run):
+    for p, temp, rep, res in paired.rotated_runs({"plain": plain, **engines}, prompts, temps, args.repeats,
+                                                    args.max_new_tokens):
         ref = res["plain"]
         for a in dtypes:
             s = res[a].stats

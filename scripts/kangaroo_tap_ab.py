@@ -26,8 +26,6 @@ import sys
 import paired
 
 from specdec.engine import Engine, EngineConfig
-from specdec.sampling import SamplingConfig
-from specdec.verify import get_rule
 
 ARMS = ("tap", "own")
 
@@ -43,14 +41,10 @@ def main() -> int:
     if engines["tap"].drafter.feature_taps is None:  # type: ignore[union-attr]
         raise SystemExit(f"{args.draft} declares no feature tap here (not a Kangaroo drafter over a batch-invariant target)")
     engines["own"].drafter.feature_taps = None  # type: ignore[union-attr]
-    arms = ["plain", *ARMS]
-
-    def run(arm: str, ids: list[int], cfg: SamplingConfig):  # noqa: ANN202
-        rule = get_rule("greedy" if cfg.greedy else "block")
-        return (plain if arm == "plain" else engines[arm]).decoder(rule).generate(ids, cfg)
 
     rows = []
-    for p, temp, rep, res in paired.rotated_runs(plain, prompts, temps, args.repeats, args.max_new_tokens, arms, run):
+    for p, temp, rep, res in paired.rotated_runs({"plain": plain, **engines}, prompts, temps, args.repeats,
+                                                    args.max_new_tokens):
         ref = res["plain"]
         for a in ARMS:
             s = res[a].stats

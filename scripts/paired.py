@@ -19,6 +19,7 @@ from specdec import defaults
 from specdec.bench.workloads import BUILTIN, select
 from specdec.engine import Engine, EngineConfig
 from specdec.sampling import SamplingConfig
+from specdec.verify import get_rule
 
 
 def parser(description: str) -> argparse.ArgumentParser:
@@ -43,14 +44,21 @@ def setup(args: argparse.Namespace) -> tuple[list[float], list, Engine, Engine]:
     return temps, prompts, engine, Engine(engine.target, None, "none")
 
 
-def rotated_runs(plain: Engine, prompts: list, temps: list[float], repeats: int, max_new_tokens: int,
-                 arms: list[str], run) -> Iterator[tuple[object, float, int, dict]]:  # noqa: ANN001 - run(arm, ids, cfg)
-    """The paired A/B loop the drafter scripts share: one short warm-up call per arm, then for each
-    repeat, temperature and prompt every arm once (``run(arm, ids, cfg)`` -> a generation), in an
-    order rotated per prompt and reversed on odd repeats, one seed per prompt and repeat shared by
-    every arm (none at T = 0); yields ``(prompt, temperature, repeat, {arm: result})``."""
+def rotated_runs(engines: dict[str, Engine], prompts: list, temps: list[float], repeats: int,
+                 max_new_tokens: int) -> Iterator[tuple[object, float, int, dict]]:
+    """The paired A/B loop the drafter scripts share, over ``engines`` (arm -> engine, the plain one
+    first): one short warm-up call per arm, then for each repeat, temperature and prompt every arm
+    once (greedy verification at T = 0, block above it), in an order rotated per prompt and reversed
+    on odd repeats, one seed per prompt and repeat shared by every arm (none at T = 0); yields
+    ``(prompt, temperature, repeat, {arm: generation result})``."""
+    arms = list(engines)
+    first = engines[arms[0]]
+
+    def run(arm: str, ids: list[int], cfg: SamplingConfig):  # noqa: ANN202
+        return engines[arm].decoder(get_rule("greedy" if cfg.greedy else "block")).generate(ids, cfg)
+
     warm = SamplingConfig(temperature=0.0, max_new_tokens=16)
-    enc0 = plain.encode(prompts[0].text, chat=prompts[0].chat)
+    enc0 = first.encode(prompts[0].text, chat=prompts[0].chat)
     for a in arms:
         run(a, enc0, warm)
     for rep in range(repeats):
@@ -58,7 +66,7 @@ def rotated_runs(plain: Engine, prompts: list, temps: list[float], repeats: int,
             for i, p in enumerate(tqdm(prompts, desc=f"T = {temp:g}, repeat {rep + 1}/{repeats}")):
                 cfg = SamplingConfig(temperature=temp, max_new_tokens=max_new_tokens,
                                      seed=None if temp == 0 else 1000 * rep + i)
-                ids = plain.encode(p.text, chat=p.chat)
+                ids = first.encode(p.text, chat=p.chat)
                 order = arms[i % len(arms):] + arms[: i % len(arms)]
                 yield p, temp, rep, {a: run(a, ids, cfg) for a in (order if rep % 2 == 0 else order[::-1])}
 

@@ -238,7 +238,7 @@ class KangarooDrafter(SelfSpecDrafter):
 
     def bind_target(self, model: Any, cache: Any) -> None:
         """The target's cache, read only when the features come too (see the class docstring)."""
-        self._target_cache = cache if self.feature_taps is not None and self.share and model is self.view.target else None
+        self._target_cache = cache if self.feature_taps is not None and model is self.view.target else None
 
     def reset(self, expected: int = 0) -> None:
         super().reset(expected)
@@ -264,7 +264,6 @@ class KangarooDrafter(SelfSpecDrafter):
             return
         rows = torch.cat([r for _, r in self._tapped])[have - self._tapped[0][0] : upto - self._tapped[0][0]]  # [n, D]
         k = self.view.plan.exit_after
-        view = self.view
         cache.reserve(upto - have)
         cache.k[:k, :, have:upto] = source.k[:k, :, have:upto]  # [K, Hkv, n, d]
         cache.v[:k, :, have:upto] = source.v[:k, :, have:upto]
@@ -272,7 +271,7 @@ class KangarooDrafter(SelfSpecDrafter):
         if cache.resid is not None:
             cache.resid[have:upto] = rows
         with torch.inference_mode():
-            view.adapter.store(rows.to(cache.k.dtype), cache.k[k], cache.v[k], have)  # type: ignore[attr-defined]
+            self.view.adapter.store(rows.to(cache.k.dtype), cache.k[k], cache.v[k], have)  # type: ignore[attr-defined]
 
     def propose(self, context: Tensor, gamma: int, sampler: DraftSampler) -> Draft:  # context: [L]
         sampler.min_confidence = max(sampler.min_confidence, self.stop_below)
