@@ -75,6 +75,37 @@ def build_base(commit: str, work: Path) -> Path:
     return lib
 
 
+class _BaseOps:
+    """The base library's operators, called as this checkout calls them: the fused loops' weights
+    (this checkout's ``torch.classes.specdec.FusedWeights``) become what the base takes, its own
+    class of that name or, before it had one, the three lists."""
+
+    def __init__(self, ns, name: str) -> None:
+        self.ns, self.made = ns, {}
+        try:
+            takes_class = "FusedWeights" in str(ns.fused_layers.default._schema)
+        except (AttributeError, RuntimeError):  # a base from before the fused loop
+            takes_class = False
+        self.cls = getattr(torch.classes, name).FusedWeights if takes_class else None
+
+    def _weights(self, w):
+        if self.cls is None:
+            return w.parts()
+        if id(w) not in self.made:
+            self.made[id(w)] = (w, self.cls(*w.parts()))  # keeps w alive, so its id stays its own
+        return (self.made[id(w)][1],)
+
+    def __getattr__(self, name):
+        op = getattr(self.ns, name)
+        if name not in ("fused_layers", "fused_layers_batch"):
+            return op
+        at = 10 if name == "fused_layers" else 11  # the weights' position in the call
+
+        def call(*args):
+            return op(*args[:at], *self._weights(args[at]), *args[at + 1:])
+        return call
+
+
 class _Torch:
     """``torch`` with ``torch.ops.specdec`` replaced by another namespace (for scripted.py)."""
 
@@ -119,7 +150,7 @@ def main() -> int:
         return 1
     with tempfile.TemporaryDirectory() as tmp:
         torch.ops.load_library(str(build_base(args.base, Path(tmp))))
-    ns = {"base": torch.ops.specdec_base, "this": torch.ops.specdec}
+    ns = {"base": _BaseOps(torch.ops.specdec_base, "specdec_base"), "this": torch.ops.specdec}
     g = torch.Generator().manual_seed(0)
     context = torch.randint(0, model.vocab_size, (args.context,), generator=g)
     cache = model.new_cache(args.context + max(rows) + 8)

@@ -38,7 +38,6 @@ def main() -> int:
     sc = model.scripted
     if sc is None or sc.fused is None:
         raise SystemExit("this target has no fused layer loop here (a q4 or int8 target on the compiled kernels)")
-    kinds, weights, n_out = sc.fused
     cfg = model.cfg
     prompt = torch.tensor(engine.encode("Write a short poem about the sea and the wind.", chat=True))
 
@@ -52,8 +51,8 @@ def main() -> int:
         bounds = sorted({0, cfg.n_layers, *taps})
         for a, b in zip(bounds, bounds[1:]):
             x = torch.ops.specdec.fused_layers(
-                x, cos, sin, cache.k, cache.v, start, cfg.n_heads, cfg.n_kv_heads, cfg.head_dim, model._eps, kinds,
-                weights, n_out, [v for li in range(a, b) for v in (li, 1, 1, li)], b == cfg.n_layers, -1, None)
+                x, cos, sin, cache.k, cache.v, start, cfg.n_heads, cfg.n_kv_heads, cfg.head_dim, model._eps, sc.fused,
+                [v for li in range(a, b) for v in (li, 1, 1, li)], b == cfg.n_layers, -1, None)
             if b in taps:
                 found[b] = x
         return model._logits(x), torch.stack([found[k] for k in taps] + [x], dim=1)

@@ -53,7 +53,7 @@ def _unfused(model, run):
 
 def test_fused_loop_runs_only_for_quantised_layers_on_the_kernels(tmp_path):
     folder = make_tiny(tmp_path / "m", layers=1)
-    assert NativeCausalLM.from_folder(folder, batch_invariant=True, quant="q4", int8_kernel="fbgemm").scripted.fused
+    assert NativeCausalLM.from_folder(folder, batch_invariant=True, quant="q4", int8_kernel="fbgemm").scripted.fused is not None
     int8 = NativeCausalLM.from_folder(folder, batch_invariant=True, quant="int8", int8_kernel="fbgemm").scripted
     assert (int8.fused is not None) == kernels.q8_available()
     assert NativeCausalLM.from_folder(folder, batch_invariant=True).scripted.fused is None  # float32
@@ -176,4 +176,17 @@ def test_fused_call_refuses_a_cache_too_short():
     with pytest.raises(RuntimeError, match="beyond the cache"):
         k = torch.zeros(1, 1, 4, 8)
         torch.ops.specdec.fused_layers(torch.zeros(2, 8), torch.zeros(2, 1, 8), torch.zeros(2, 1, 8), k, k.clone(), 3, 1,
-                                       1, 8, torch.tensor([1e-5]), [4] * 4, [torch.empty(0)] * 20, [8] * 4, [], True)
+                                       1, 8, torch.tensor([1e-5]),
+                                       torch.classes.specdec.FusedWeights([4] * 4, [torch.empty(0)] * 20, [8] * 4), [], True)
+
+
+def test_fused_weights_are_checked_once_when_made():
+    """The layer weights are one object built per model (a list of ~600 tensors cost ~50 µs of
+    dispatch per call); its constructor refuses what the calls used to refuse."""
+    with pytest.raises(RuntimeError, match="five tensors"):
+        torch.classes.specdec.FusedWeights([4] * 4, [torch.empty(0)] * 19, [8] * 4)
+    with pytest.raises(RuntimeError, match="unknown kind"):
+        torch.classes.specdec.FusedWeights([4, 4, 4, 7], [torch.empty(0)] * 20, [8] * 4)
+    with pytest.raises(RuntimeError, match="contiguous float32"):
+        torch.classes.specdec.FusedWeights([4] * 4, [torch.empty(0), torch.zeros(3, dtype=torch.float64)] + [torch.empty(0)] * 18,
+                                           [8] * 4)

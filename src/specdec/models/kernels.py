@@ -61,13 +61,9 @@ _SCHEMAS = (
     "keyed_uniform(int key, Tensor? ids, int vocab) -> Tensor",
     "f32_pack(Tensor w) -> Tensor",
     "f32_linear(Tensor x, Tensor packed, int n_out) -> Tensor",
-    "fused_layers(Tensor x, Tensor cos, Tensor sin, Tensor k_all, Tensor v_all, int start, int n_heads, "
-    "int n_kv_heads, int head_dim, Tensor eps, int[] kinds, Tensor[] weights, int[] n_out, int[] plan, "
-    "bool final_norm, int tree_start=-1, Tensor? paths=None, int[] taps=[], Tensor(a!)? tap_out=None) -> Tensor",
-    "fused_layers_batch(Tensor x, Tensor cos, Tensor sin, Tensor[] k_caches, Tensor[] v_caches, int[] starts, "
-    "int[] sizes, int n_heads, int n_kv_heads, int head_dim, Tensor eps, int[] kinds, Tensor[] weights, "
-    "int[] n_out) -> Tensor",
 )
+# (fused_layers and fused_layers_batch are not declared there: they take a torch.classes.specdec.FusedWeights,
+# a class only the built library defines, and only Python code that checked the library loaded calls them)
 _state: dict[str, object] = {}
 
 

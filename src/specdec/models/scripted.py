@@ -477,7 +477,7 @@ class ScriptedLayers:
         #: whole loop as one compiled call
         #: (csrc/layers.cpp, bitwise this loop); None where a layer is of another kind or the
         #: kernels did not load
-        self.fused: tuple[list[int], list[Tensor], list[int]] | None = None
+        self.fused: torch.ScriptObject | None = None  # a torch.classes.specdec.FusedWeights
         #: the most rows the fused call takes: W8A8 layers only on the few-row kernel's range
         self.fused_rows: int = 1 << 30
         self._q8_fused = False
@@ -495,7 +495,9 @@ class ScriptedLayers:
                     weights += [self.smooth.get(i, empty), col, packed, comp, bias]
                     if i in self.wide:
                         self.fused_rows = min(self.fused_rows, self.wide_rows[i] - 1)
-            self.fused = ([4 if k == Q4 else 0 for k in self.kinds], weights, [self.n_out.get(i, 0) for i in range(len(self.kinds))])
+            # one object, checked once: passed as a list, the tensors cost ~50 µs of dispatch a call
+            self.fused = torch.classes.specdec.FusedWeights(
+                [4 if k == Q4 else 0 for k in self.kinds], weights, [self.n_out.get(i, 0) for i in range(len(self.kinds))])
             self._q8_fused = W8A8 in self.kinds
 
     def _fuses(self, x: Tensor) -> bool:
@@ -534,13 +536,12 @@ class ScriptedLayers:
         n_layers = len(self.kinds) // 4
         if mask is None and (tree is None or tree.paths is not None) and self._fuses(x) \
                 and (not taps or plan is None and all(0 <= k < n_layers for k in taps)):
-            kinds, weights, n_out = self.fused
             tree_start, paths = (-1, None) if tree is None else (tree.start, tree.paths)
 
             if not taps:
                 return torch.ops.specdec.fused_layers(
-                    x, cos, sin, cache.k, cache.v, start, cfg.n_heads, cfg.n_kv_heads, cfg.head_dim, eps, kinds,
-                    weights, n_out, [v for step in plan for v in step] if plan else [], plan is None, tree_start, paths)
+                    x, cos, sin, cache.k, cache.v, start, cfg.n_heads, cfg.n_kv_heads, cfg.head_dim, eps, self.fused,
+                    [v for step in plan for v in step] if plan else [], plan is None, tree_start, paths)
             # a feature drafter's pass: the call copies the residual stream after each tapped layer
             # count into ``out`` as it goes (one call per stretch between taps cost ~0.25-0.5 ms a tap)
             if 0 in taps:
@@ -548,8 +549,8 @@ class ScriptedLayers:
             inner = sorted(k for k in taps if k > 0)
             out = x.new_empty(len(inner), x.shape[0], x.shape[1])  # [taps, n, D]
             y = torch.ops.specdec.fused_layers(
-                x, cos, sin, cache.k, cache.v, start, cfg.n_heads, cfg.n_kv_heads, cfg.head_dim, eps, kinds,
-                weights, n_out, [], True, tree_start, paths, inner, out if inner else None)
+                x, cos, sin, cache.k, cache.v, start, cfg.n_heads, cfg.n_kv_heads, cfg.head_dim, eps, self.fused,
+                [], True, tree_start, paths, inner, out if inner else None)
             for j, k in enumerate(inner):
                 taps[k] = out[j]
             return y
@@ -573,10 +574,9 @@ class ScriptedLayers:
               eps: Tensor, *, exact: bool) -> Tensor | None:  # x: [M, D] -> [M, D]
         """:meth:`NativeCausalLM.forward_batch`'s layers (None where the batched loop did not compile)."""
         if exact and self._fuses(x):  # the same ops in one compiled call (csrc/layers.cpp)
-            kinds, weights, n_out = self.fused
             return torch.ops.specdec.fused_layers_batch(
                 x, cos, sin, [c.k for c in caches], [c.v for c in caches], starts, sizes, cfg.n_heads, cfg.n_kv_heads,
-                cfg.head_dim, eps, kinds, weights, n_out)
+                cfg.head_dim, eps, self.fused)
         fn = compiled_batch_layers()
         if fn is None:
             return None

@@ -24,7 +24,7 @@
 // Compiled with -ffp-contract=off: the compiler fuses nothing the comment does not name.
 //
 //   torch.ops.specdec.fused_layers(x [n, D], cos [n, 1, d], sin [n, 1, d] (signed), k_all, v_all
-//       [L, Hkv, T, d], start, n_heads, n_kv_heads, head_dim, eps [1], kinds[], weights[], n_out[],
+//       [L, Hkv, T, d], start, n_heads, n_kv_heads, head_dim, eps [1], weights (a FusedWeights),
 //       plan[] (flattened [layer, attention on, MLP on, cache slot] steps; empty = every layer),
 //       final_norm, tree_start, paths, taps[], tap_out) -> [n, D]: the residual stream after the
 //       steps, times its inverse RMS when final_norm (the LM head's input).  taps[] (increasing
@@ -34,17 +34,19 @@
 //       machine).  paths [n, E] (a token tree: each node's ancestors-or-self as cache slots, -1 padded) with tree_start (the prefix every node sees)
 //       as torch.ops.specdec.attend takes them; the nodes' keys and values go to start .. start + n.
 //   torch.ops.specdec.fused_layers_batch(x [M, D], cos, sin [M, 1, d], k_caches[], v_caches[], starts[],
-//       sizes[], n_heads, n_kv_heads, head_dim, eps, kinds[], weights[], n_out[]) -> [M, D]: a
+//       sizes[], n_heads, n_kv_heads, head_dim, eps, weights) -> [M, D]: a
 //       batching server's pass (scripted._layers_batch with exact attention): the rows of several
 //       sequences concatenated, the linear layers over all of them, each sequence's attention
 //       against its own cache from its own start; every layer, then the final norm.
-//   Both: four linear layers per layer (qkv, out, gate_up, down), each of kind 4 (4-bit: gain,
-//       col, packed, -, bias) or 0 (W8A8 few-row: smooth, col, packed, comp, bias), five tensors
-//       per linear layer in `weights` (an empty tensor: none); n_out: the 4-bit layers' output
-//       features.  W8A8 layers only for at most 16 rows (the few-row kernel's range, as in
+//   torch.classes.specdec.FusedWeights(kinds[], tensors[], n_out[]): a model's layer weights, made
+//       (and checked) once.  Four linear layers per layer (qkv, out, gate_up, down), each of kind 4
+//       (4-bit: gain, col, packed, -, bias) or 0 (W8A8 few-row: smooth, col, packed, comp, bias),
+//       five tensors per linear layer in `tensors` (an empty tensor: none); n_out: the 4-bit
+//       layers' output features.  W8A8 layers only for at most 16 rows (the few-row kernel's range, as in
 //       scripted._linear).
 
 #include <ATen/ATen.h>
+#include <torch/custom_class.h>
 #include <torch/library.h>
 
 #include <algorithm>
@@ -138,6 +140,19 @@ void check_weights(const std::vector<int64_t>& kinds, const std::vector<at::Tens
                   "fused_layers: column factors and biases must be contiguous float32");
   }
 }
+
+// A model's layer weights, checked once and handed to every call as one object: passed as a list,
+// the ~600 tensors of a 30-layer model cost ~50 us of dispatcher work per call (boxing each one,
+// computing the dispatch keys over all of them) -- ~1 % of a decoding step on two cores.
+struct FusedWeights : torch::CustomClassHolder {
+  std::vector<int64_t> kinds;
+  std::vector<at::Tensor> w;
+  std::vector<int64_t> n_out;
+  FusedWeights(std::vector<int64_t> kinds_, std::vector<at::Tensor> w_, std::vector<int64_t> n_out_)
+      : kinds(std::move(kinds_)), w(std::move(w_)), n_out(std::move(n_out_)) {
+    check_weights(kinds, w, n_out);
+  }
+};
 
 // The layer loop over the segments' rows x [M, D] (see the header); tree (paths) for one segment only.
 at::Tensor run(const at::Tensor& x_in, const at::Tensor& cos_in, const at::Tensor& sin_in, const std::vector<Segment>& segs,
@@ -265,12 +280,10 @@ at::Tensor run(const at::Tensor& x_in, const at::Tensor& cos_in, const at::Tenso
 
 at::Tensor fused_layers(const at::Tensor& x, const at::Tensor& cos, const at::Tensor& sin, const at::Tensor& k_all,
                         const at::Tensor& v_all, int64_t start, int64_t hq, int64_t hk, int64_t d, const at::Tensor& eps,
-                        std::vector<int64_t> kinds, std::vector<at::Tensor> weights, std::vector<int64_t> n_out,
-                        std::vector<int64_t> plan, bool final_norm, int64_t tree_start,
-                        const c10::optional<at::Tensor>& paths, std::vector<int64_t> taps,
+                        const c10::intrusive_ptr<FusedWeights>& weights, std::vector<int64_t> plan, bool final_norm,
+                        int64_t tree_start, const c10::optional<at::Tensor>& paths, std::vector<int64_t> taps,
                         const c10::optional<at::Tensor>& tap_out) {
-  check_weights(kinds, weights, n_out);
-  const Net w{kinds, weights, n_out};
+  const Net w{weights->kinds, weights->w, weights->n_out};
   return run(x, cos, sin, {Segment{0, x.size(0), start, k_all, v_all}}, hq, hk, d, eps, w, std::move(plan), final_norm,
              tree_start, paths, taps, tap_out);
 }
@@ -278,9 +291,7 @@ at::Tensor fused_layers(const at::Tensor& x, const at::Tensor& cos, const at::Te
 at::Tensor fused_layers_batch(const at::Tensor& x, const at::Tensor& cos, const at::Tensor& sin,
                               std::vector<at::Tensor> k_caches, std::vector<at::Tensor> v_caches,
                               std::vector<int64_t> starts, std::vector<int64_t> sizes, int64_t hq, int64_t hk, int64_t d,
-                              const at::Tensor& eps, std::vector<int64_t> kinds, std::vector<at::Tensor> weights,
-                              std::vector<int64_t> n_out) {
-  check_weights(kinds, weights, n_out);
+                              const at::Tensor& eps, const c10::intrusive_ptr<FusedWeights>& weights) {
   TORCH_CHECK(k_caches.size() == sizes.size() && v_caches.size() == sizes.size() && starts.size() == sizes.size(),
               "fused_layers_batch: one cache, start and size per sequence");
   std::vector<Segment> segs;
@@ -290,19 +301,24 @@ at::Tensor fused_layers_batch(const at::Tensor& x, const at::Tensor& cos, const 
     row += sizes[i];
   }
   TORCH_CHECK(row == x.size(0), "fused_layers_batch: the sizes must add up to x's rows");
-  const Net w{kinds, weights, n_out};
+  const Net w{weights->kinds, weights->w, weights->n_out};
   return run(x, cos, sin, segs, hq, hk, d, eps, w, {}, true, -1, c10::nullopt);
 }
 
 }  // namespace
 
 TORCH_LIBRARY_FRAGMENT(specdec, m) {
+  m.class_<FusedWeights>("FusedWeights")
+      .def(torch::init<std::vector<int64_t>, std::vector<at::Tensor>, std::vector<int64_t>>())
+      .def("parts", [](const c10::intrusive_ptr<FusedWeights>& self) {  // (kinds, tensors, n_out), as made
+        return std::make_tuple(self->kinds, self->w, self->n_out);
+      });
   m.def("fused_layers(Tensor x, Tensor cos, Tensor sin, Tensor k_all, Tensor v_all, int start, int n_heads, "
-        "int n_kv_heads, int head_dim, Tensor eps, int[] kinds, Tensor[] weights, int[] n_out, int[] plan, "
+        "int n_kv_heads, int head_dim, Tensor eps, __torch__.torch.classes.specdec.FusedWeights weights, int[] plan, "
         "bool final_norm, int tree_start=-1, Tensor? paths=None, int[] taps=[], Tensor(a!)? tap_out=None) -> Tensor");
   m.def("fused_layers_batch(Tensor x, Tensor cos, Tensor sin, Tensor[] k_caches, Tensor[] v_caches, int[] starts, "
-        "int[] sizes, int n_heads, int n_kv_heads, int head_dim, Tensor eps, int[] kinds, Tensor[] weights, "
-        "int[] n_out) -> Tensor");
+        "int[] sizes, int n_heads, int n_kv_heads, int head_dim, Tensor eps, "
+        "__torch__.torch.classes.specdec.FusedWeights weights) -> Tensor");
 }
 
 TORCH_LIBRARY_IMPL(specdec, CPU, m) {
