@@ -89,11 +89,10 @@ class _BaseOps:
         self.cls = getattr(torch.classes, name).FusedWeights if takes_class else None
 
     def _weights(self, w):
-        if self.cls is None:
-            return w.parts()
-        if id(w) not in self.made:
-            self.made[id(w)] = (w, self.cls(*w.parts()))  # keeps w alive, so its id stays its own
-        return (self.made[id(w)][1],)
+        """What the base takes for ``w``, made once (the timed calls pay no conversion)."""
+        if id(w) not in self.made:  # the entry keeps w alive, so its id stays its own
+            self.made[id(w)] = (w, w.parts() if self.cls is None else (self.cls(*w.parts()),))
+        return self.made[id(w)][1]
 
     def __getattr__(self, name):
         op = getattr(self.ns, name)
