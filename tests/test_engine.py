@@ -154,3 +154,20 @@ def test_attach_puts_several_drafters_on_one_loaded_target(tmp_path):
     assert first.generate([1, 2, 3, 4], cfg).token_ids == plain == second.generate([1, 2, 3, 4], cfg).token_ids
     with pytest.raises(ConfigError, match="lookup"):  # the same name checks as build(), before anything loads
         Engine.attach(first.target, EngineConfig(target=target, draft="ngram+lookup"))
+
+
+def test_the_package_exports_the_library_entry_points_lazily():
+    """``from specdec import Engine, EngineConfig, SamplingConfig`` works (the README's library
+    example), and ``import specdec`` alone does not import torch."""
+    import subprocess
+    import sys
+
+    import specdec
+    from specdec.engine import Engine, EngineConfig
+    from specdec.sampling import SamplingConfig
+
+    assert (specdec.Engine, specdec.EngineConfig, specdec.SamplingConfig) == (Engine, EngineConfig, SamplingConfig)
+    with pytest.raises(AttributeError, match="no attribute 'Nope'"):
+        specdec.Nope  # noqa: B018
+    probe = "import sys, specdec; print('torch' in sys.modules)"
+    assert subprocess.run([sys.executable, "-c", probe], capture_output=True, text=True, check=True).stdout.strip() == "False"
