@@ -23,7 +23,7 @@ def add_parser(sub) -> None:  # noqa: ANN001 - argparse's subparsers action
         "speed-up from teacher-forced acceptance (T=0 and T=1) and measured per-sub-layer cost. Writes a JSON file "
         "for --draft self-skip:FILE; the search state is checkpointed next to it and resumed.",
     )
-    s.add_argument("--target", default=defaults.DEFAULT_TARGET)
+    s.add_argument("--target", default=defaults.DEFAULT_TARGET, help="the target model: registry name, folder or .gguf")
     s.add_argument("--out", required=True, help="output JSON file")
     s.add_argument("--prompts", type=int, default=4, help="calibration prompts to use (of the built-in 8, or of --prompt-file)")
     s.add_argument("--prompt-file", help="JSONL calibration prompts (fields: prompt, chat)")
@@ -44,7 +44,7 @@ def add_parser(sub) -> None:  # noqa: ANN001 - argparse's subparsers action
         "--draft kangaroo:FILE and a JSON report (held-out acceptance next to layerskip:K); data and training state "
         "are checkpointed next to it and resumed.",
     )
-    k.add_argument("--target", default=defaults.DEFAULT_TARGET)
+    k.add_argument("--target", default=defaults.DEFAULT_TARGET, help="the target model: registry name, folder or .gguf")
     k.add_argument("--out", required=True, help="output adapter file (.safetensors)")
     k.add_argument("--layers", type=int, help="shallow sub-network depth K (default: half the target's layers)")
     k.add_argument("--prompts", type=int, default=96, help="built-in training prompts to continue (at most 144)")
@@ -52,9 +52,9 @@ def add_parser(sub) -> None:  # noqa: ANN001 - argparse's subparsers action
     k.add_argument("--steps", type=int, default=300, help="optimiser steps")
     k.add_argument("--batch", type=int, default=8, help="sequences per step")
     k.add_argument("--positions", type=int, default=256, help="positions per step the loss is computed on")
-    k.add_argument("--lr", type=float, default=2e-3)
+    k.add_argument("--lr", type=float, default=2e-3, help="learning rate (AdamW)")
     k.add_argument("--top-k", type=int, default=32, help="target probabilities kept per position (distillation target)")
-    k.add_argument("--seed", type=int, default=0)
+    k.add_argument("--seed", type=int, default=0, help="seed of the data order and the initialisation")
 
 
     d = tsub.add_parser(
@@ -66,14 +66,14 @@ def add_parser(sub) -> None:  # noqa: ANN001 - argparse's subparsers action
         "float16). Written in shards; rerunning the same command resumes where it stopped. With --sampled-by draft "
         "the draft model answers instead (tokens only): on-policy data for `specdec train distill`.",
     )
-    d.add_argument("--target", default=defaults.DEFAULT_TARGET)
+    d.add_argument("--target", default=defaults.DEFAULT_TARGET, help="the target model: registry name, folder or .gguf")
     d.add_argument("--out", required=True, help="output folder (shards + config.json)")
     d.add_argument("--sequences", type=int, default=2000, help="sequences to generate")
     d.add_argument("--chat-share", type=float, default=0.7, help="share of chat prompts (the rest: code)")
     d.add_argument("--temperatures", default="0,1", help="comma list, cycled over the sequences")
     d.add_argument("--batch", type=int, default=32, help="sequences decoded together")
-    d.add_argument("--max-new-chat", type=int, default=192)
-    d.add_argument("--max-new-code", type=int, default=128)
+    d.add_argument("--max-new-chat", type=int, default=192, help="most tokens of a chat reply")
+    d.add_argument("--max-new-code", type=int, default=128, help="most tokens of a code continuation")
     d.add_argument("--taps", default="2,15,27", help="residual-stream layers to store (layer counts)")
     d.add_argument("--no-features", action="store_true",
                    help="store tokens only (enough for `specdec train distill`; heads need the features)")
@@ -86,7 +86,7 @@ def add_parser(sub) -> None:  # noqa: ANN001 - argparse's subparsers action
                    "data (tokens only: needs --no-features)")
     d.add_argument("--draft", default=defaults.DEFAULT_DRAFT_MODEL,
                    help="with --sampled-by draft: the draft model that samples (a registry name or folder)")
-    d.add_argument("--seed", type=int, default=0)
+    d.add_argument("--seed", type=int, default=0, help="seed of the prompts drawn and the sampling")
 
 
     t = tsub.add_parser(
@@ -100,16 +100,16 @@ def add_parser(sub) -> None:  # noqa: ANN001 - argparse's subparsers action
     )
     t.add_argument("--data", required=True, help="folder written by `specdec train data`")
     t.add_argument("--out", required=True, help="output folder: draft/ (the model), labels.pt, ckpt.pt, report.json")
-    t.add_argument("--target", default=defaults.DEFAULT_TARGET)
+    t.add_argument("--target", default=defaults.DEFAULT_TARGET, help="the target model: registry name, folder or .gguf")
     t.add_argument("--draft", default=defaults.DEFAULT_DRAFT_MODEL, help="the draft to start from (a registry name or folder)")
     t.add_argument("--steps", type=int, default=600, help="optimiser steps in all (across resumed runs)")
     t.add_argument("--batch", type=int, default=8, help="sequences per step")
     t.add_argument("--positions", type=int, default=512, help="reply positions per step the loss is computed on")
-    t.add_argument("--lr", type=float, default=1e-4)
+    t.add_argument("--lr", type=float, default=1e-4, help="learning rate (AdamW)")
     t.add_argument("--loss", choices=("kl", "tvd"), default="kl", help="forward KL or total variation (1 - acceptance)")
     t.add_argument("--top-k", type=int, default=32, help="target probabilities kept per position")
     t.add_argument("--max-minutes", type=float, help="stop this run after about this long (rerun to resume)")
-    t.add_argument("--seed", type=int, default=0)
+    t.add_argument("--seed", type=int, default=0, help="seed of the held-out split and the batch order")
 
     o = tsub.add_parser(
         "online",
@@ -128,20 +128,20 @@ def add_parser(sub) -> None:  # noqa: ANN001 - argparse's subparsers action
     o.add_argument("--out", required=True, help="output folder: draft/ (the model), data.pt, ckpt.pt, report.json")
     o.add_argument("--target", default=defaults.DEFAULT_TARGET, help="a Llama GGUF target with 4-bit layers")
     o.add_argument("--draft", default=defaults.DEFAULT_DRAFT_MODEL, help="the draft to start from (a registry name or folder)")
-    o.add_argument("--device", default="auto", help="cpu, cuda or auto (cuda when present)")
+    o.add_argument("--device", default="auto", choices=["auto", "cpu", "cuda"], help="where to train: cpu, cuda or auto (cuda when present; default auto)")
     o.add_argument("--chat-prompts", type=int, default=23126, help="built-in chat instructions to answer (at most 23,126)")
     o.add_argument("--code-prompts", type=int, default=1022, help="built-in code headers to continue (at most 1,022)")
     o.add_argument("--temperatures", default="0,1,0.7", help="comma list: every prompt is answered once at each")
     o.add_argument("--code-repeats", type=int, default=4, help="samples of each code prompt at each temperature > 0")
     o.add_argument("--sequences", type=int, default=0, help="sequences to generate (0: as many as --gen-seconds allows)")
-    o.add_argument("--gen-seconds", type=float, default=120.0)
+    o.add_argument("--gen-seconds", type=float, default=120.0, help="generation time budget when --sequences is 0")
     o.add_argument("--gen-batch", type=int, default=512, help="sequences decoded together")
-    o.add_argument("--max-new-chat", type=int, default=192)
-    o.add_argument("--max-new-code", type=int, default=128)
+    o.add_argument("--max-new-chat", type=int, default=192, help="most tokens of a chat reply")
+    o.add_argument("--max-new-code", type=int, default=128, help="most tokens of a code continuation")
     o.add_argument("--steps", type=int, default=0, help="optimiser steps (0: as many as --train-seconds allows)")
-    o.add_argument("--train-seconds", type=float, default=240.0)
+    o.add_argument("--train-seconds", type=float, default=240.0, help="training time budget when --steps is 0")
     o.add_argument("--batch-tokens", type=int, default=16384, help="padded tokens per step")
-    o.add_argument("--lr", type=float, default=2e-4)
+    o.add_argument("--lr", type=float, default=2e-4, help="the draft's learning rate (AdamW)")
     o.add_argument("--add-layers", default="0", help="comma list, one draft trained per entry (side by side, on the "
                    "same batches): identity-initialised layers appended to the source draft first (0: as it is; "
                    "none: no draft, heads only)")
@@ -149,14 +149,16 @@ def add_parser(sub) -> None:  # noqa: ANN001 - argparse's subparsers action
                    "same target passes (eagle3, eagle1, medusa, mtp); each is written to --out/<kind>")
     o.add_argument("--head-vocab", type=int, default=8192, help="the heads' draft vocabulary: most frequent reply tokens")
     o.add_argument("--head-depth", type=int, default=3, help="EAGLE's training-time-test steps, Medusa's heads, MTP's modules")
-    o.add_argument("--head-lr", type=float, default=5e-4)
+    o.add_argument("--head-lr", type=float, default=5e-4, help="the heads' learning rate (AdamW)")
     o.add_argument("--init-heads", default="", help="an earlier run's --out: the heads continue from its <kind>/ folders "
                    "and keep their draft vocabulary (copy its data.pt into --out to train on the same sequences)")
     o.add_argument("--max-minutes", type=float, help="pause training after about this long (rerun to resume)")
     o.add_argument("--bundle", help="write the inputs to this folder instead of training (for a torch-only machine)")
-    o.add_argument("--seed", type=int, default=0)
+    o.add_argument("--seed", type=int, default=0, help="seed of the prompts' order, the sampling and the batches")
 
-    for kind, what in (("eagle", "EAGLE-1 or EAGLE-3 head (--variant)"), ("medusa", "Medusa-1 heads"), ("mtp", "MTP modules (DeepSeek-V3 style)")):
+    for kind, what, depth in (("eagle", "EAGLE-1 or EAGLE-3 head (--variant)", "training-time-test steps (draft steps the head learns to chain)"),
+                              ("medusa", "Medusa-1 heads", "heads (head k proposes the token k + 1 places ahead)"),
+                              ("mtp", "MTP modules (DeepSeek-V3 style)", "modules (module k proposes the token k + 1 places ahead)")):
         h = tsub.add_parser(
             kind,
             help=f"train {what} on `specdec train data` output",
@@ -167,16 +169,31 @@ def add_parser(sub) -> None:  # noqa: ANN001 - argparse's subparsers action
         )
         h.add_argument("--data", required=True, help="folder written by `specdec train data`")
         h.add_argument("--out", required=True, help="output folder: head (config.json + model.safetensors), ckpt.pt, report")
-        h.add_argument("--target", default=defaults.DEFAULT_TARGET)
+        h.add_argument("--target", default=defaults.DEFAULT_TARGET, help="the target model: registry name, folder or .gguf")
         if kind == "eagle":
-            h.add_argument("--variant", choices=("eagle3", "eagle1"), default="eagle3")
+            h.add_argument("--variant", choices=("eagle3", "eagle1"), default="eagle3", help="EAGLE-3 (fused low/mid/high-layer features) or EAGLE-1 (the last hidden state)")
         h.add_argument("--steps", type=int, default=2000, help="optimiser steps in all (across resumed runs)")
         h.add_argument("--batch-tokens", type=int, default=2048, help="padded tokens per batch")
-        h.add_argument("--lr", type=float, default=5e-4)
+        h.add_argument("--lr", type=float, default=5e-4, help="learning rate (AdamW)")
         h.add_argument("--draft-vocab", type=int, default=8192, help="draft vocabulary size (most frequent reply tokens)")
-        h.add_argument("--depth", type=int, default=3, help="EAGLE: training-time-test steps; Medusa: heads; MTP: modules")
+        h.add_argument("--depth", type=int, default=3, help=depth)
         h.add_argument("--max-minutes", type=float, help="stop this run after about this long (resume later)")
-        h.add_argument("--eval-every", type=int, default=500)
+        h.add_argument("--eval-every", type=int, default=500, help="optimiser steps between held-out evaluations")
+
+
+    for parser in tsub.choices.values():  # every option's help ends with its default
+        parser.formatter_class = _WithDefaults
+
+
+class _WithDefaults(argparse.HelpFormatter):
+    """Help that names each option's default unless its text already does."""
+
+    def _get_help_string(self, action: argparse.Action) -> str | None:
+        text = action.help
+        if text and action.option_strings and action.default not in (None, False, argparse.SUPPRESS) \
+                and "default" not in text.lower():
+            text += " (default: %(default)s)"
+        return text
 
 
 def run(args: argparse.Namespace) -> int:
