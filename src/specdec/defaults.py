@@ -73,6 +73,8 @@ LOOKAHEAD_PER_KEY = 8  # continuations kept per first token (most recent)
 
 # seeds: the drafter's generator is seeded with seed + DRAFT_SEED_OFFSET
 DRAFT_SEED_OFFSET = 0x5EED
+#: seeds run 0 .. MAX_SEED everywhere (the command line, the library, both HTTP APIs)
+MAX_SEED = (1 << 63) - 1
 
 #: dynamic draft length: stop a draft after a token the drafter gives less than this probability
 MIN_CONFIDENCE = 0.0

@@ -24,6 +24,7 @@ from specdec.drafters.base import Drafter, feature_taps
 from specdec.errors import ConfigError, SpecdecError
 from specdec.drafters.tree_builder import TreeSpec
 from specdec.gamma import CostGamma, FixedGamma, GammaController, GuideGamma, TreeBudget
+from specdec.models import registry
 from specdec.models.registry import LoadedModel, check_compatible, load
 from specdec.sampling import SamplingConfig
 from specdec.session import TargetSession
@@ -281,6 +282,13 @@ def parse_tree_min_prob(value: float | None) -> float | None:
     return value
 
 
+def parse_min_confidence(value: float | None) -> float | None:
+    """A ``--min-confidence`` value checked (None = the default, off): a probability in [0, 1]."""
+    if value is not None and not 0.0 <= value <= 1.0:
+        raise ConfigError(f"min-confidence is a draft probability in [0, 1] (0 = off), got {value}")
+    return value
+
+
 def make_tree(tree: str | int, gamma: GammaController, *, min_prob: float | None = None) -> tuple[TreeSpec | None, GammaController]:
     """The tree spec and the controller for a ``--tree`` value (``chain`` keeps ``gamma``);
     ``min_prob``: the deterministic trees' probability floor (None = the default)."""
@@ -293,7 +301,7 @@ def make_tree(tree: str | int, gamma: GammaController, *, min_prob: float | None
     return spec, FixedGamma(int(tree))
 
 
-def _check_draft_name(draft: str) -> tuple[str, bool, Path | None]:
+def check_draft_name(draft: str) -> tuple[str, bool, Path | None]:
     """(base name, prompt lookup in front?, head folder or None) of a ``--draft`` value; a missing
     shipped head or a ``+lookup`` on a drafter that is not a model fails here, before anything loads."""
     from specdec.drafters import heads
@@ -304,6 +312,9 @@ def _check_draft_name(draft: str) -> tuple[str, bool, Path | None]:
     if lookup and (kind in ("none", "ngram", "lookahead") or head is not None):
         raise ConfigError(f"'{LOOKUP_SUFFIX}' adds prompt lookup to a drafting model (a draft model, 'self' or a"
                           f" self-speculative view); {base!r} is not one (use e.g. {defaults.DEFAULT_DRAFT_MODEL}{LOOKUP_SUFFIX})")
+    if kind not in ("none", "ngram", "lookahead", "self") and head is None and self_spec.parse_name(kind) is None:
+        registry.check_name(base, also="as --draft also: none, ngram, lookahead, self, layerskip:K, self-skip[:FILE],"
+                                       " swift, kangaroo[:FILE], a trained head (see `specdec models`), NAME+lookup")
     return base, lookup, head
 
 
@@ -333,7 +344,8 @@ class Engine:
 
     @classmethod
     def build(cls, cfg: EngineConfig, *, progress: Callable[[str], None] | None = None) -> "Engine":
-        _check_draft_name(cfg.draft)  # a bad draft name fails before the target loads
+        check_draft_name(cfg.draft)  # a bad draft name fails before the target loads
+        registry.check_name(cfg.target)
         dtype, quant = target_dtype(cfg)
         if progress:
             progress(f"loading target {cfg.target}" + (f" ({quant})" if quant else ""))
@@ -347,7 +359,7 @@ class Engine:
         several drafters can share one target this way (``specdec bench --draft A,B``)."""
         from specdec.drafters import heads
 
-        base, lookup, head = _check_draft_name(cfg.draft)
+        base, lookup, head = check_draft_name(cfg.draft)
         kind = base.lower()
         wrap = (lambda d, name: (LookupThenModel(d), name + LOOKUP_SUFFIX)) if lookup else (lambda d, name: (d, name))
         if kind == "none":
@@ -392,7 +404,7 @@ class Engine:
             tree=spec,
             eos_ids=frozenset() if ignore_eos else self.target.eos_ids,
             drafter_name=self.drafter_name,
-            min_confidence=defaults.MIN_CONFIDENCE if min_confidence is None else min_confidence,
+            min_confidence=defaults.MIN_CONFIDENCE if min_confidence is None else parse_min_confidence(min_confidence),
         )
 
     def encode(self, prompt: str, *, chat: bool, system: str | None = None) -> list[int]:

@@ -149,6 +149,8 @@ def validate(cfg: SamplingConfig) -> None:
             raise ConfigError(f"{name.replace('_', ' ')} must be finite, got {value}")
     if cfg.max_new_tokens < 1:
         raise ConfigError(f"max new tokens must be >= 1, got {cfg.max_new_tokens}")
+    if cfg.seed is not None and not 0 <= cfg.seed <= defaults.MAX_SEED:
+        raise ConfigError(f"the seed must be between 0 and 2^63 - 1 ({defaults.MAX_SEED}), got {cfg.seed}")
     for token, bias in cfg.logit_bias:
         if token < 0 or not math.isfinite(bias):
             raise ConfigError(f"logit bias needs token ids >= 0 and finite values, got {token}: {bias}")

@@ -105,7 +105,7 @@ class TextSink:
 
     def __init__(self, tokenizer: Any | None, stops: tuple[str, ...], on_text: Any | None) -> None:
         self.stream = TextStream(tokenizer) if tokenizer is not None else None
-        self.stops = stops
+        self.stops = tuple(s for s in stops if s)  # an empty stop string matches nothing (as in StopStrings)
         self.on_text = on_text
         self.printed = 0
 

@@ -252,6 +252,15 @@ def test_errors_are_one_line_messages(toy_server):
         RemoteVerifier(RemoteConfig(url=f"http://127.0.0.1:{free_port()}", retry_budget_s=0.3), [1], cfg)
 
 
+def test_an_openai_style_base_url_reaches_the_session_api(toy_server):
+    """``--remote http://host:port/v1`` (how OpenAI clients spell a server) drafts against the same
+    session API as ``http://host:port``, not ``/v1/v1/sessions``."""
+    cfg = SamplingConfig(temperature=0.0, max_new_tokens=6)
+    a = generate_remote([1, 2], cfg, _cfg(toy_server.url), drafter=ModelDrafter(DRAFT), gamma=2)
+    b = generate_remote([1, 2], cfg, _cfg(toy_server.url + "/v1/"), drafter=ModelDrafter(DRAFT), gamma=2)
+    assert a.token_ids == b.token_ids and len(a.token_ids) == 6
+
+
 def test_a_refused_first_connection_fails_without_retrying(monkeypatch):
     from serverproc import free_port
 

@@ -38,6 +38,18 @@ def _session(client: TestClient, **body) -> str:
 # ----------------------------------------------------------------------------- memory
 
 
+def test_a_port_in_use_fails_before_any_model_loads():
+    from specdec.server.command import _check_port
+
+    with socket.socket() as taken:
+        taken.bind(("127.0.0.1", 0))
+        taken.listen()
+        port = taken.getsockname()[1]
+        with pytest.raises(ConfigError, match=f"cannot listen on 127.0.0.1:{port}"):
+            _check_port("127.0.0.1", port)
+    _check_port("127.0.0.1", port)  # free again
+
+
 def test_kv_cache_is_sized_to_use_and_grows():
     model = tiny_native()
     client = TestClient(create_app(model, settings=ServerSettings()), base_url="http://localhost")
@@ -345,7 +357,9 @@ class _Letters:
         return "".join(chr(97 + int(i)) for i in ids)
 
 
-def test_completion_stops_when_its_client_goes_away():
+def test_completion_stops_when_its_client_goes_away(caplog):
+    import gc
+
     import uvicorn
 
     from serverproc import free_port
@@ -369,6 +383,8 @@ def test_completion_stops_when_its_client_goes_away():
         time.sleep(0.5)
         assert model.calls == first, "generation went on after the client disconnected"
         assert first < 1000
+        gc.collect()  # an abandoned future whose exception nobody retrieved is logged when collected
+        assert not [r for r in caplog.records if "never retrieved" in r.getMessage()], "a traceback in the log"
     finally:
         server.should_exit = True
         thread.join(timeout=10)

@@ -55,12 +55,12 @@ def add_parser(sub) -> None:  # noqa: ANN001 - argparse's subparsers action
     p.add_argument("--prompts", help="JSONL prompt file (fields: prompt, id, category, chat); default: the built-in set")
     p.add_argument("--categories", help="comma list of prompt categories to keep (e.g. code,chat; default all)")
     p.add_argument("--limit", type=int, help="keep the first N prompts of each category (default all)")
-    p.add_argument("--draft-dtype", default="auto", choices=["auto", "float32", "bfloat16", "int8", "w8a8", "q4"],
+    p.add_argument("--draft-dtype", default="auto", choices=["auto", "float32", "bfloat16", "float16", "int8", "w8a8", "q4"],
                    help="draft precision (see specdec generate --help; default auto)")
     p.add_argument("--draft-vocab", default="auto", choices=["auto", "full"],
                    help="the draft model's vocabulary: auto = the reduced one its folder ships, else all; full = all"
                         " tokens (see specdec generate --help; default auto)")
-    p.add_argument("--dtype", "--target-dtype", dest="dtype", default="auto", choices=["auto", "float32", "bfloat16", "int8", "q4"],
+    p.add_argument("--dtype", "--target-dtype", dest="dtype", default="auto", choices=["auto", "float32", "bfloat16", "float16", "int8", "q4"],
                    help="target precision for specdec's rows (default auto; see specdec generate --help)."
                         " The Hugging Face rows always run the float32 weights")
     p.add_argument("--fast-attention", action="store_true", help="target without batch invariance (see specdec generate --help; default off)")
@@ -122,7 +122,14 @@ def run(args: argparse.Namespace, argv: list[str] | None = None) -> int:
         if bad:
             raise ConfigError(f"--draft with several drafters ({args.draft}) runs with --modes plain,speculative only; "
                               f"{', '.join(bad)} need one draft")
+    from specdec.engine import check_draft_name
+    from specdec.models.registry import check_name
+
+    check_name(args.target)  # a typo fails now, not after minutes of other modes
+    if args.threads is not None and args.threads < 1:
+        raise ConfigError(f"--threads must be >= 1, got {args.threads}")
     for draft in drafts:
+        check_draft_name(draft)
         base = split_lookup(draft)[0]  # NAME+lookup: what matters here is NAME
         if parse_name(base) is not None:  # a view of the target: there is no draft model to run alone
             bad = [m for m in _csv(args.modes) if m in ("edge_only", "hf_assisted", "edge_cloud")]

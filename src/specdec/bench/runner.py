@@ -29,6 +29,9 @@ from specdec.bench import network
 from specdec.bench.workloads import Prompt
 from specdec.errors import SpecdecError
 
+#: how a worker marks a user-facing error on its last stderr line (the runner shows that line alone)
+ERROR_MARK = "specdec-worker: error: "
+
 LOCAL_MODES = ("plain", "edge_only", "speculative", "hf_plain", "hf_assisted", "llamacpp")
 MODES = LOCAL_MODES + network.NETWORK_MODES
 
@@ -156,7 +159,10 @@ def _run_worker(job: dict, env: dict[str, str], prefix: list[str], name: str, on
     err = proc.stderr.read() if proc.stderr else ""
     rc = proc.wait()
     if rc != 0 or done is None:
-        tail = "\n".join(err.strip().splitlines()[-5:])
+        lines = err.strip().splitlines()
+        if lines and lines[-1].startswith(ERROR_MARK):  # the worker's own one-line error
+            raise SpecdecError(f"bench mode {name}: {lines[-1][len(ERROR_MARK):]}")
+        tail = "\n".join(lines[-5:])
         if rc < 0:  # killed by a signal: a crash in native code prints no Python traceback
             import signal
 

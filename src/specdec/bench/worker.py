@@ -15,8 +15,9 @@ from dataclasses import dataclass, field
 
 import torch
 
-from specdec.bench.runner import split_drafts
+from specdec.bench.runner import ERROR_MARK, split_drafts
 from specdec.bench.workloads import Prompt
+from specdec.errors import SpecdecError
 from specdec.sampling import SamplingConfig
 
 
@@ -36,7 +37,7 @@ class Job:
     repetition_penalty: float | None = None
     draft_dtype: str = "auto"
     draft_vocab: str = "auto"
-    dtype: str = "auto"  # the target's precision (float32 | bfloat16 | int8)
+    dtype: str = "auto"  # the target's precision (as `specdec generate --dtype`)
     tree_min_prob: float | None = None  # None = the default floor
     batch_invariant: bool = True
     threads: int | None = None
@@ -307,4 +308,8 @@ def main() -> int:
 
 
 if __name__ == "__main__":
-    sys.exit(main())
+    try:
+        sys.exit(main())
+    except SpecdecError as exc:  # a bad model, option or file: one line, not a traceback
+        print(f"{ERROR_MARK}{exc}", file=sys.stderr)
+        sys.exit(2)

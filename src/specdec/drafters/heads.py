@@ -531,8 +531,12 @@ def describe_heads() -> list[dict[str, Any]]:
     rows = []
     for name, text in HEADS.items():
         ok = is_head_folder(heads_dir() / name)
+        kind = name.rsplit("-", 1)[-1]
+        train = "eagle" if kind.startswith("eagle") else kind
+        variant = f" --variant {kind}" if kind == "eagle1" else ""
         rows.append({"name": name, "description": text + " — reads the target's hidden states (native backend, local)",
                      "default_draft": None, "license": "Apache-2.0",
-                     "install": "not shipped in this installation (trained weights absent)",
+                     "install": "not shipped (none trained so far beat the small draft); train your own: specdec train data"
+                                f" --out data && specdec train {train} --data data --out HEAD{variant}, then --draft HEAD",
                      "status": "bundled" if ok else "missing"})
     return rows

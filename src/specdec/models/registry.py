@@ -250,6 +250,22 @@ class ResolvedModel:
     spec: ModelSpec | None = None
 
 
+def check_name(ref: str, *, also: str = "") -> None:
+    """Fail at once, with :func:`resolve`'s message, where ``ref`` cannot name a model (not a
+    registry name, an existing path or a hub id) -- without preparing or loading anything, so a
+    typo is reported before a model loads.  ``also`` lists the caller's other accepted spellings."""
+    ref = ref.strip()
+    if not ref:
+        raise ModelNotFoundError("empty model name")
+    if ref.lower() in REGISTRY or Path(ref).expanduser().exists():
+        return
+    if "/" in ref and not ref.startswith((".", "/")) and ref.count("/") == 1:
+        return
+    known = ", ".join(sorted(REGISTRY))
+    raise ModelNotFoundError(f"unknown model {ref!r}: not a registry name ({known}), a local path, or a hub id"
+                             + (f"; {also}" if also else ""))
+
+
 def resolve(ref: str, *, convert: bool = True) -> ResolvedModel:
     """Turn a registry name, local path or hub id into a loadable folder (converting if needed)."""
     ref = ref.strip()
@@ -383,7 +399,11 @@ def load(
             tokenizer = AutoTokenizer.from_pretrained(resolved.hub_id)
             model = HFCausalLM.from_folder(resolved.hub_id, dtype=dtype)
         except Exception as exc:  # noqa: BLE001 - any hub failure is a user-facing "not found"
-            raise ModelNotFoundError(f"could not load {ref!r} from the Hugging Face hub ({type(exc).__name__})") from None
+            first = (str(exc).strip().splitlines() or [""])[0][:200]
+            raise ModelNotFoundError(
+                f"could not load {ref!r} from the Hugging Face hub ({type(exc).__name__}{': ' + first if first else ''});"
+                " check the id and the network, or with no network set HF_HUB_OFFLINE=1 to read the local cache only"
+            ) from None
         cfg = model.model.config.to_dict()
         return LoadedModel(resolved.name, model, tokenizer, None, "hf", _eos_ids(None, tokenizer, cfg))
     folder = resolved.folder

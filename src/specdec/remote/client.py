@@ -209,6 +209,8 @@ class RemoteVerifier:
             raise ConfigError("the prompt is empty")
         self._budget = max_new_tokens if max_new_tokens is not None else sampling.max_new_tokens
         self._base = cfg.url.rstrip("/")
+        if self._base.endswith("/v1"):  # an OpenAI-style base URL: the session API lives at <server>/v1/sessions
+            self._base = self._base[: -len("/v1")]
         headers = {"Content-Type": "application/json", "Accept": "application/json"}
         if cfg.api_key:
             headers["Authorization"] = f"Bearer {cfg.api_key}"

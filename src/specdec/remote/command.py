@@ -15,9 +15,18 @@ from specdec.sampling import SamplingConfig
 API_KEY_ENV = "SPECDEC_API_KEY"
 
 
+def remote_only_given(args: argparse.Namespace) -> list[str]:
+    """The edge-cloud options of :func:`add_remote_args` that ``args`` sets away from their defaults
+    (each spelled as on the command line): without ``--remote`` they would do nothing."""
+    own = argparse.ArgumentParser(add_help=False)
+    add_remote_args(own)
+    return ["--" + name.replace("_", "-") for name, default in vars(own.parse_args([])).items()
+            if name != "remote" and getattr(args, name, default) != default]
+
+
 def add_remote_args(p: argparse.ArgumentParser) -> None:
     g = p.add_argument_group("edge-cloud (draft here with --draft, verify on a `specdec serve` server)")
-    g.add_argument("--remote", metavar="URL", help="the server's base URL, e.g. http://127.0.0.1:8000")
+    g.add_argument("--remote", metavar="URL", help="the server's base URL, e.g. http://127.0.0.1:8000 (an OpenAI-style base URL ending in /v1 works too)")
     g.add_argument("--api-key", help=f"bearer token for the server (default: ${API_KEY_ENV})")
     g.add_argument("--wire", choices=WIRE_MODES, help="what crosses the wire: greedy / coupled (ids only), sparse-q (ids + top-k q), lossy-scalar (one q per token; LOSSY). Default: greedy at temperature 0, coupled otherwise")
     g.add_argument("--q-top-k", type=int, default=16, help="sparse-q: the drafter samples from its top-k q and sends exactly that (default 16)")
@@ -30,7 +39,7 @@ def add_remote_args(p: argparse.ArgumentParser) -> None:
     g.add_argument("--gate-nll-bits", type=float, help="T_nll: NLL above this is hard (default off; calibrate it on validation data)")
     g.add_argument("--gate-mc-var", type=float, help="T_var: MC-dropout variance above this is hard (only where the draft has dropout)")
     g.add_argument("--gate-r-hard", type=float, default=0.3, help="R_hard: a block with a larger hard ratio goes to the cloud (default 0.3)")
-    g.add_argument("--gate-rules", default="number,date,amount,name,rare", help="rule triggers, comma-separated (default all; 'none' for none)")
+    g.add_argument("--gate-rules", default="number,date,amount,name,rare", help="rule triggers that make a token hard, comma-separated from number, date, amount, name, rare (default all; 'none' for none)")
     g.add_argument("--gate-freq", help="token frequency table for the 'rare' rule: JSON counts by id, or a text corpus")
     g.add_argument("--gate-rare-max-count", type=int, default=0, help="a token seen at most this often is rare (default 0)")
 

@@ -50,7 +50,7 @@ ROW_SUM_SLACK = 1e-4
 MAX_PROMPT_TOKENS = 1 << 20
 MAX_TOKEN_ID = (1 << 31) - 1
 MAX_SEQ = (1 << 62) - 1
-MAX_SEED = (1 << 63) - 1
+MAX_SEED = defaults.MAX_SEED
 #: default bound on a request body, in bytes (the server's setting may lower or raise it)
 DEFAULT_MAX_BODY_BYTES = 1 << 20
 

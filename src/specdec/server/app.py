@@ -307,7 +307,10 @@ def create_app(
 
     @app.exception_handler(RequestValidationError)
     async def _invalid(request: Request, exc: RequestValidationError) -> JSONResponse:
-        return error_response(422, _validation_message(exc), "invalid_request_error", metrics)
+        # the OpenAI endpoints answer a bad request as OpenAI and vLLM do (400: an OpenAI client's
+        # BadRequestError); the edge-cloud session API keeps its documented 422
+        status = 400 if request.url.path in ("/v1/completions", "/v1/chat/completions") else 422
+        return error_response(status, _validation_message(exc), "invalid_request_error", metrics)
 
     @app.exception_handler(StarletteHTTPException)
     async def _http(request: Request, exc: StarletteHTTPException) -> JSONResponse:

@@ -35,7 +35,7 @@ def add_parser(sub: Any) -> None:
         description=(
             "Serve the target: edges create sessions and send drafts to /v1/sessions/{id}/verify; OpenAI "
             "clients use /v1/completions and /v1/chat/completions (speculative decoding with the local "
-            f"--draft). Every endpoint but /health needs 'Authorization: Bearer KEY' when a key is set "
+            f"--draft). Every endpoint but /health and /metrics (see --metrics-need-key) needs 'Authorization: Bearer KEY' when a key is set "
             f"(--api-key or ${API_KEY_ENV}); a non-loopback --host needs a key."
         ),
     )
@@ -189,7 +189,27 @@ def settings_from_args(args: argparse.Namespace) -> dict[str, Any]:
             f"draft {args.draft!r} reads the target's hidden states, which the batching scheduler does not hand out;"
             " serve it with --no-batching"
         )
+    if args.port and not getattr(args, "ray", False):  # last: every other setting is checked first
+        _check_port(args.host, args.port)
     return settings_kw
+
+
+def _check_port(host: str, port: int) -> None:
+    """Fail before any model loads where ``host:port`` cannot be listened on (taken, or not an
+    address of this machine) -- rather than after loading, with the server's own traceback."""
+    import socket
+
+    try:
+        infos = socket.getaddrinfo(host, port, type=socket.SOCK_STREAM, flags=socket.AI_PASSIVE)
+    except socket.gaierror as exc:
+        raise ConfigError(f"cannot listen on {host}:{port}: {exc.strerror or exc}") from None
+    family, kind, proto, _, addr = infos[0]
+    with socket.socket(family, kind, proto) as sock:
+        sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)  # as the server itself binds
+        try:
+            sock.bind(addr)
+        except OSError as exc:
+            raise ConfigError(f"cannot listen on {host}:{port}: {exc.strerror or exc}") from None
 
 
 def _log(msg: str) -> None:

@@ -74,7 +74,7 @@ class _Request(BaseModel):
     presence_penalty: Annotated[float, Field(ge=-2.0, le=2.0, allow_inf_nan=False)] | None = None
     frequency_penalty: Annotated[float, Field(ge=-2.0, le=2.0, allow_inf_nan=False)] | None = None
     logit_bias: Annotated[dict[str, Annotated[float, Field(ge=-100.0, le=100.0, allow_inf_nan=False)]], Field(max_length=1024)] | None = None
-    seed: Annotated[int, Field(ge=0, le=(1 << 63) - 1)] | None = None
+    seed: Annotated[int, Field(ge=0, le=defaults.MAX_SEED)] | None = None
     tool_choice: Any = None
     function_call: Any = None
     response_format: dict[str, Any] | None = None
@@ -323,7 +323,7 @@ class _Job:
 
         sampling = self.sampling
         if sampling.seed is not None and j:
-            sampling = replace(sampling, seed=(sampling.seed + j) % (1 << 63))
+            sampling = replace(sampling, seed=(sampling.seed + j) % (defaults.MAX_SEED + 1))
         if self.grammar is not None:  # one matcher per choice (each has its own history)
             sampling = replace(sampling, constraint=self._constraint())
         schedulers = [m.scheduler for m in (ctx.model, getattr(ctx, "draft_model", None)) if hasattr(m, "scheduler")]
@@ -388,6 +388,9 @@ async def _run_blocking(job: _Job, request: Request | None = None) -> list[TextR
 
     _admit(job)
     future = _submit(job, lambda: [job.run(i, on_text, cancelled) for i in range(job.choices)])
+    # a client that leaves abandons the future, which then ends in _Cancelled: retrieve that here,
+    # or asyncio logs it with a traceback ("Future exception was never retrieved")
+    future.add_done_callback(lambda f: f.cancelled() or f.exception())
     try:
         while True:
             done, _ = await asyncio.wait({future}, timeout=0.1)
