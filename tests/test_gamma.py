@@ -135,6 +135,26 @@ def test_cost_gamma_stops_probing_a_drafter_dearer_than_a_plain_round():
     assert rounds[1:8] == [0] * 7 and all(g > 0 for g in rounds[8:]), rounds
 
 
+def test_cost_gamma_stops_probing_a_drafter_that_loses_even_when_always_accepted():
+    """A drafted token at 0.9 of a plain round, where each extra row of a pass costs 0.15 of one:
+    an always-accepted draft of γ tokens takes 0.9 γ + 1 + 0.15 γ > γ + 1 plain rounds, so no γ
+    pays.  After the first probe (round 8) the next waits the longest interval, as for a token
+    dearer than a plain round.  A token at 0.8 of a round (1 + 0.95 γ < γ + 1) could pay and keeps
+    the doubling intervals (probes at 8, 24, 56, 120)."""
+    def rounds(step: float) -> list[int]:
+        ctrl = CostGamma()
+        drafted = []
+        for i in range(200):
+            g = ctrl.next_gamma()
+            if g:
+                drafted.append(i)
+            ctrl.update(gamma=g, accepted=0, draft_s=g * step, target_s=0.02 + 0.003 * g, other_s=0.0)
+        return drafted
+
+    assert rounds(0.018) == [0, 8, 136]
+    assert rounds(0.016) == [0, 8, 24, 56, 120]
+
+
 def test_cost_gamma_started_idle_probes_only_after_the_longest_interval():
     """start_idle (a drafter known to cost a target step per token): no drafting until the first
     probe, max_probe_every rounds later."""
