@@ -128,6 +128,9 @@ def test_prompt_bytes_that_are_not_utf8(capsys, monkeypatch):
     assert code == 2 and "--prompt is not valid UTF-8" in _one_error_line(err)
     code, _, err = _run(capsys, "generate", "-p", "Hi", "--chat", "--system", "a\udcfe", "--target", "no-such-model")
     assert code == 2 and "--system is not valid UTF-8" in _one_error_line(err)
+    from specdec.cli import _read_text
+
+    assert _read_text(b"a\r\nb\rc\n", "x") == "a\nb\nc\n"  # newlines as text-mode stdin gives them
 
 
 def test_setup_refuses_a_drafter_name(capsys):

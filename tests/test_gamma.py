@@ -111,20 +111,26 @@ def test_cost_gamma_probes_thin_out_while_drafting_loses_and_recover_when_it_pay
     assert drafted >= 10 and ctrl.next_gamma() >= 2
 
 
+def _drafted_rounds(step_s: float, row_s: float, *, accept: bool, rounds: int = 200) -> list[int]:
+    """The rounds in which γ auto drafts, for a drafter whose token costs ``step_s`` (a plain
+    round: 0.02 s) against a pass of ``0.02 + row_s γ`` seconds, its drafts all accepted or none."""
+    ctrl = CostGamma()
+    drafted = []
+    for i in range(rounds):
+        g = ctrl.next_gamma()
+        if g:
+            drafted.append(i)
+        ctrl.update(gamma=g, accepted=g if accept else 0, draft_s=g * step_s, target_s=0.02 + row_s * g, other_s=0.0)
+    return drafted
+
+
 def test_cost_gamma_stops_probing_a_drafter_dearer_than_a_plain_round():
     """A drafted token that costs 1.2 plain rounds cannot pay even if always accepted: after the
     first probe (round 8) the next waits the longest interval (128 rounds), so 200 rounds draft
     3 times (rounds 0, 8, 136) -- doubling alone would probe at 8, 24, 56, 120 and 184.  One slow
     first round of a cheap drafter (a cold start) does not do that: from the probe on (round 8)
     it drafts every round."""
-    ctrl = CostGamma()
-    drafted = []
-    for i in range(200):
-        g = ctrl.next_gamma()
-        if g:
-            drafted.append(i)
-        ctrl.update(gamma=g, accepted=g, draft_s=g * 0.024, target_s=0.02 + 0.001 * g, other_s=0.0)
-    assert drafted == [0, 8, 136], drafted
+    assert _drafted_rounds(0.024, 0.001, accept=True) == [0, 8, 136]
     cold = CostGamma()
     rounds = []
     for i in range(40):
@@ -141,18 +147,8 @@ def test_cost_gamma_stops_probing_a_drafter_that_loses_even_when_always_accepted
     pays.  After the first probe (round 8) the next waits the longest interval, as for a token
     dearer than a plain round.  A token at 0.8 of a round (1 + 0.95 γ < γ + 1) could pay and keeps
     the doubling intervals (probes at 8, 24, 56, 120)."""
-    def rounds(step: float) -> list[int]:
-        ctrl = CostGamma()
-        drafted = []
-        for i in range(200):
-            g = ctrl.next_gamma()
-            if g:
-                drafted.append(i)
-            ctrl.update(gamma=g, accepted=0, draft_s=g * step, target_s=0.02 + 0.003 * g, other_s=0.0)
-        return drafted
-
-    assert rounds(0.018) == [0, 8, 136]
-    assert rounds(0.016) == [0, 8, 24, 56, 120]
+    assert _drafted_rounds(0.018, 0.003, accept=False) == [0, 8, 136]
+    assert _drafted_rounds(0.016, 0.003, accept=False) == [0, 8, 24, 56, 120]
 
 
 def test_cost_gamma_started_idle_probes_only_after_the_longest_interval():

@@ -104,9 +104,10 @@ def _grammar_spec(args: argparse.Namespace) -> tuple[str | None, object]:
 
 
 def _read_text(data: bytes, what: str) -> str:
-    """Bytes a user gave as text, decoded as UTF-8; anything else is refused in one line."""
+    """Bytes a user gave as text, decoded as UTF-8 with newlines as text-mode stdin reads them
+    (\\r\\n and \\r become \\n); anything else is refused in one line."""
     try:
-        return data.decode("utf-8")
+        return data.decode("utf-8").replace("\r\n", "\n").replace("\r", "\n")
     except UnicodeDecodeError as exc:
         raise SpecdecError(f"{what} is not valid UTF-8 (byte {exc.start}: {data[exc.start:exc.start + 1]!r})") from None
 
@@ -442,11 +443,12 @@ def _cmd_models(args: argparse.Namespace) -> int:
 
 def _cmd_setup(args: argparse.Namespace) -> int:
     from specdec.drafters.self_spec import parse_name
+    from specdec.engine import NON_MODEL_DRAFTS
     from specdec.models.registry import REGISTRY, resolve
 
     for name in args.names:
-        if name.strip().lower() not in REGISTRY and (name.strip().lower() in ("none", "ngram", "lookahead", "self")
-                                                    or parse_name(name.strip().lower()) is not None):
+        kind = name.strip().lower()
+        if kind not in REGISTRY and (kind in NON_MODEL_DRAFTS or parse_name(kind) is not None):
             raise SpecdecError(f"{name!r} is a drafter, not a model: it needs no setup (set up the target it runs on)")
         print(f"[specdec] preparing {name} ...", file=sys.stderr, flush=True)
         resolved = resolve(name)

@@ -301,6 +301,10 @@ def make_tree(tree: str | int, gamma: GammaController, *, min_prob: float | None
     return spec, FixedGamma(int(tree))
 
 
+#: ``--draft`` values that name a drafter with no model of its own to load
+NON_MODEL_DRAFTS = ("none", "ngram", "lookahead", "self")
+
+
 def check_draft_name(draft: str) -> tuple[str, bool, Path | None]:
     """(base name, prompt lookup in front?, head folder or None) of a ``--draft`` value; a missing
     shipped head or a ``+lookup`` on a drafter that is not a model fails here, before anything loads."""
@@ -312,7 +316,7 @@ def check_draft_name(draft: str) -> tuple[str, bool, Path | None]:
     if lookup and (kind in ("none", "ngram", "lookahead") or head is not None):
         raise ConfigError(f"'{LOOKUP_SUFFIX}' adds prompt lookup to a drafting model (a draft model, 'self' or a"
                           f" self-speculative view); {base!r} is not one (use e.g. {defaults.DEFAULT_DRAFT_MODEL}{LOOKUP_SUFFIX})")
-    if kind not in ("none", "ngram", "lookahead", "self") and head is None and self_spec.parse_name(kind) is None:
+    if kind not in NON_MODEL_DRAFTS and head is None and self_spec.parse_name(kind) is None:
         registry.check_name(base, also="as --draft also: none, ngram, lookahead, self, layerskip:K, self-skip[:FILE],"
                                        " swift, kangaroo[:FILE], a trained head (see `specdec models`), NAME+lookup")
     return base, lookup, head

@@ -257,13 +257,19 @@ def check_name(ref: str, *, also: str = "") -> None:
     ref = ref.strip()
     if not ref:
         raise ModelNotFoundError("empty model name")
-    if ref.lower() in REGISTRY or Path(ref).expanduser().exists():
-        return
-    if "/" in ref and not ref.startswith((".", "/")) and ref.count("/") == 1:
-        return
+    if not (ref.lower() in REGISTRY or Path(ref).expanduser().exists() or _hub_id(ref)):
+        raise _unknown(ref, also)
+
+
+def _hub_id(ref: str) -> bool:
+    """Whether ``ref`` reads as a Hugging Face hub id (``owner/name``)."""
+    return "/" in ref and not ref.startswith((".", "/")) and ref.count("/") == 1
+
+
+def _unknown(ref: str, also: str = "") -> ModelNotFoundError:
     known = ", ".join(sorted(REGISTRY))
-    raise ModelNotFoundError(f"unknown model {ref!r}: not a registry name ({known}), a local path, or a hub id"
-                             + (f"; {also}" if also else ""))
+    return ModelNotFoundError(f"unknown model {ref!r}: not a registry name ({known}), a local path, or a hub id"
+                              + (f"; {also}" if also else ""))
 
 
 def resolve(ref: str, *, convert: bool = True) -> ResolvedModel:
@@ -288,10 +294,9 @@ def resolve(ref: str, *, convert: bool = True) -> ResolvedModel:
                 convert_gguf(path.resolve(), out)
             return ResolvedModel(path.stem, out)
         raise ModelNotFoundError(f"{ref!r} is neither a Hugging Face folder (with config.json) nor a .gguf file")
-    if "/" in ref and not ref.startswith((".", "/")) and ref.count("/") == 1:
+    if _hub_id(ref):
         return ResolvedModel(ref, None, hub_id=ref)
-    known = ", ".join(sorted(REGISTRY))
-    raise ModelNotFoundError(f"unknown model {ref!r}: not a registry name ({known}), a local path, or a hub id")
+    raise _unknown(ref)
 
 
 def _prepare_registry(spec: ModelSpec, *, convert: bool) -> Path:
