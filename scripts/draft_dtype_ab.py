@@ -42,13 +42,8 @@ def main() -> int:
         ref = res["plain"]
         for a in dtypes:
             s = res[a].stats
-            rows.append({"prompt": p.id, "category": p.category, "temperature": temp, "repeat": rep, "dtype": a,
-                         "tok_s": s.tokens_per_s, "plain_tok_s": ref.stats.tokens_per_s,
-                         "speedup": s.tokens_per_s / ref.stats.tokens_per_s,
-                         "tokens_per_call": s.tokens_per_target_call,
-                         "first_acceptance": s.acceptance_per_position[0] if s.acceptance_per_position else None,
-                         "draft_ms_per_token": 1e3 * s.draft_s / max(s.draft_tokens_proposed, 1),
-                         "same": res[a].tokens == ref.tokens})
+            rows.append(paired.run_row(p, temp, rep, res[a], ref, dtype=a, first_acceptance=(
+                s.acceptance_per_position[0] if s.acceptance_per_position else None)))
 
     gmean = paired.gmean
 

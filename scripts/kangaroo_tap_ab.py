@@ -48,13 +48,8 @@ def main() -> int:
         ref = res["plain"]
         for a in ARMS:
             s = res[a].stats
-            rows.append({"prompt": p.id, "category": p.category, "temperature": temp, "repeat": rep, "arm": a,
-                         "tok_s": s.tokens_per_s, "plain_tok_s": ref.stats.tokens_per_s,
-                         "speedup": s.tokens_per_s / ref.stats.tokens_per_s,
-                         "ttft_ms": 1e3 * s.ttft_s, "plain_ttft_ms": 1e3 * ref.stats.ttft_s,
-                         "tokens_per_call": s.tokens_per_target_call, "drafted": s.draft_tokens_proposed,
-                         "draft_ms_per_token": 1e3 * s.draft_s / max(s.draft_tokens_proposed, 1),
-                         "same": res[a].tokens == ref.tokens})
+            rows.append(paired.run_row(p, temp, rep, res[a], ref, arm=a, ttft_ms=1e3 * s.ttft_s,
+                                       plain_ttft_ms=1e3 * ref.stats.ttft_s, drafted=s.draft_tokens_proposed))
 
     gmean = paired.gmean
 

@@ -71,6 +71,17 @@ def rotated_runs(engines: dict[str, Engine], prompts: list, temps: list[float], 
                 yield p, temp, rep, {a: run(a, ids, cfg) for a in (order if rep % 2 == 0 else order[::-1])}
 
 
+def run_row(prompt, temp: float, rep: int, result, ref, **extra) -> dict:  # noqa: ANN001 - bench prompt, results
+    """One arm's run as a report row, against ``ref`` (the same prompt's plain run): the fields the
+    drafter scripts share, then ``extra``."""
+    s = result.stats
+    return {"prompt": prompt.id, "category": prompt.category, "temperature": temp, "repeat": rep,
+            "tok_s": s.tokens_per_s, "plain_tok_s": ref.stats.tokens_per_s, "speedup": s.tokens_per_s / ref.stats.tokens_per_s,
+            "tokens_per_call": s.tokens_per_target_call,
+            "draft_ms_per_token": 1e3 * s.draft_s / max(s.draft_tokens_proposed, 1),
+            "same": result.tokens == ref.tokens, **extra}
+
+
 def gmean(xs: list[float]) -> float:
     """Geometric mean; NaN for no values."""
     return statistics.geometric_mean(xs) if xs else float("nan")
