@@ -215,3 +215,62 @@ def test_greedy_equality_with_dynamic_draft_length():
     ref = _plain(cfg, prompt=[1, 2], target=target)
     dec = SpeculativeDecoder(target, ModelDrafter(target.perturbed(0.8, seed=8)), get_rule("greedy"), gamma=FixedGamma(6), min_confidence=0.6)
     assert dec.generate([1, 2], cfg).tokens == ref
+
+
+# ----------------------------------------------------------------------------- a draft temperature factor
+
+
+class _ReportsUnscaledQ(ModelDrafter):
+    """Negative control: samples at its factor x T but reports q at T itself (not the q it drew from)."""
+
+    def propose(self, context, gamma, sampler):  # noqa: ANN001, ANN201
+        from dataclasses import replace as _replace
+
+        from specdec.drafters.base import Draft
+        from specdec.sampling import process_logits
+
+        draft = super().propose(context, gamma, sampler)
+        cfg = _replace(sampler.cfg, temperature=sampler.cfg.temperature / self.temperature_factor)
+        hist = context.tolist()
+        rows = []
+        for tok in draft.tokens.tolist():
+            rows.append(process_logits(self.model.logits_for(hist).unsqueeze(0), cfg)[0])
+            hist.append(tok)
+        return Draft(tokens=draft.tokens, probs=torch.stack(rows))
+
+
+@pytest.mark.parametrize("method, option", [("token", "temperature"), ("block", "top_p"), ("block", "repetition_penalty"),
+                                            ("coupled", "temperature")])
+def test_output_law_with_a_draft_temperature_factor(method, option):
+    """The draft samples at 0.5 x T (a much sharper q than the request's): still the target's law."""
+    cfg = OPTIONS[option]
+    law = exact_law(TARGET, PROMPT, cfg, N_NEW)
+    samples = _samples(method, cfg, drafter=ModelDrafter(DRAFT, temperature_factor=0.5))
+    assert chi_square_pvalue(samples, law) > ALPHA
+
+
+def test_negative_control_a_factor_applied_to_the_draws_but_not_to_the_reported_q_is_detected():
+    cfg = SamplingConfig(temperature=1.0)
+    law = exact_law(TARGET, PROMPT, cfg, N_NEW)
+    samples = _samples("block", cfg, drafter=_ReportsUnscaledQ(DRAFT, temperature_factor=0.3))
+    assert chi_square_pvalue(samples, law) < ALPHA
+
+
+def test_a_draft_temperature_factor_leaves_greedy_decoding_alone():
+    cfg = SamplingConfig(temperature=0.0, max_new_tokens=30)
+    for method in ("greedy", "block"):
+        dec = SpeculativeDecoder(TARGET, ModelDrafter(DRAFT, temperature_factor=0.4), get_rule(method), gamma=FixedGamma(3))
+        assert dec.generate(PROMPT, cfg).tokens == _plain(cfg)
+
+
+def test_the_decoder_samples_each_round_at_the_drafters_factor():
+    seen = []
+
+    class Spy(ModelDrafter):
+        def propose(self, context, gamma, sampler):  # noqa: ANN001, ANN201
+            seen.append(sampler.cfg.temperature)
+            return super().propose(context, gamma, sampler)
+
+    cfg = SamplingConfig(temperature=0.8, seed=0, max_new_tokens=8)
+    SpeculativeDecoder(TARGET, Spy(DRAFT, temperature_factor=0.5), get_rule("block"), gamma=FixedGamma(2)).generate(PROMPT, cfg)
+    assert seen and set(seen) == {0.4}

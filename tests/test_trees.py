@@ -98,6 +98,15 @@ def test_tree_output_law_matches_target(method, option, spec):
     assert chi_square_pvalue(_samples(method, cfg, spec), exact_law(TARGET, PROMPT, cfg, N_NEW)) > ALPHA
 
 
+@pytest.mark.parametrize(("method", "spec"), [("token", SAMPLED), ("block", replace(SAMPLED, siblings="iid")),
+                                             ("coupled", TreeSpec(shape="dynamic", width=2))])
+def test_tree_output_law_with_a_draft_temperature_factor(method, spec):
+    """Trees whose nodes are drawn from (or ranked by) q at 0.5 x T: still the target's law."""
+    cfg = OPTIONS["temperature"]
+    samples = _samples(method, cfg, spec, drafter=ModelDrafter(DRAFT, temperature_factor=0.5))
+    assert chi_square_pvalue(samples, exact_law(TARGET, PROMPT, cfg, N_NEW)) > ALPHA
+
+
 def test_tree_output_law_with_ngram_trees_and_auto_budget():
     cfg = SamplingConfig(temperature=1.0, top_p=0.9, repetition_penalty=1.2)
     law = exact_law(TARGET, PROMPT, cfg, N_NEW)

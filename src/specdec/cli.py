@@ -184,6 +184,12 @@ def _add_models(p: argparse.ArgumentParser) -> None:
                    help="the draft model's vocabulary (never affects exactness, only speed and acceptance): auto = the"
                         " reduced one its folder ships (draft_vocab.json: its LM head over the most frequent tokens of the"
                         " target's replies, a third of the cost of the full head), else all; full = all tokens")
+    g.add_argument("--draft-temperature-factor", default="auto", metavar="auto|F",
+                   help="the draft samples at F x the temperature (never affects exactness, only acceptance; greedy"
+                        " decoding is untouched): a small draft is less sure than its target, and a sharper draft"
+                        " agrees with it more often. auto = the factor the draft's folder ships"
+                        " (draft_calibration.json, written by `specdec train calibrate`; the shipped draft: 0.85), else 1"
+                        " (default auto)")
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -273,7 +279,8 @@ _EXTRA_COMMANDS: list = [_add_serve, _add_bench, _add_train]
 
 
 def _cmd_generate(args: argparse.Namespace) -> int:
-    from specdec.engine import Engine, EngineConfig, parse_gamma, parse_min_confidence, parse_tree, parse_tree_min_prob
+    from specdec.engine import (Engine, EngineConfig, parse_gamma, parse_min_confidence, parse_temperature_factor, parse_tree,
+                                parse_tree_min_prob)
     from specdec.remote.command import remote_only_given
 
     if args.prompt is None and not args.interactive:
@@ -285,6 +292,7 @@ def _cmd_generate(args: argparse.Namespace) -> int:
     if args.rounds and not args.json:
         raise SpecdecError("--rounds adds per-round stats to the JSON output; add --json")
     parse_min_confidence(args.min_confidence)
+    parse_temperature_factor(args.draft_temperature_factor)
     if args.interactive and (args.remote or args.json):
         raise SpecdecError("--interactive runs locally and prints text; drop --remote / --json")
     if args.system is not None and not (args.chat or args.interactive):
@@ -319,7 +327,8 @@ def _cmd_generate(args: argparse.Namespace) -> int:
         return run_generate(args, prompt, sampling, gamma, tree)
     quiet = args.json
     log = (lambda msg: None) if quiet else (lambda msg: print(f"[specdec] {msg}", file=sys.stderr, flush=True))
-    engine = Engine.build(EngineConfig(target=args.target, draft=args.draft, backend=args.backend, dtype=args.dtype, draft_dtype=args.draft_dtype, draft_vocab=args.draft_vocab, batch_invariant=not args.fast_attention,
+    engine = Engine.build(EngineConfig(target=args.target, draft=args.draft, backend=args.backend, dtype=args.dtype, draft_dtype=args.draft_dtype, draft_vocab=args.draft_vocab,
+                                       draft_temperature_factor=args.draft_temperature_factor, batch_invariant=not args.fast_attention,
                                        int8_kernel=args.int8_kernel), progress=log)
     on_text = None if quiet else (lambda text: (sys.stdout.write(text), sys.stdout.flush()))
     if grammar is not None:

@@ -16,7 +16,7 @@ import torch
 from torch import Tensor
 
 from specdec import defaults
-from specdec.drafters.base import Draft, Drafter, DraftSampler, feature_taps
+from specdec.drafters.base import Draft, Drafter, DraftSampler, feature_taps, temperature_factor
 from specdec.errors import ConfigError
 from specdec.drafters.tree_builder import TreeSpec
 from specdec.gamma import FixedGamma, GammaController
@@ -75,6 +75,8 @@ class GenerationStats:
     #: rounds drafted without a model step (prompt lookup in front of a model) and what they kept
     free_rounds: int = 0
     free_tokens_accepted: int = 0
+    #: the drafter sampled at this factor x the temperature (``--draft-temperature-factor``)
+    draft_temperature_factor: float = 1.0
 
     def to_dict(self) -> dict:
         return asdict(self)
@@ -179,6 +181,7 @@ class SpeculativeDecoder:
         proposed_so_far = accepted_so_far = 0
         free_drafts = hasattr(drafter, "update_free")  # a hybrid: prompt lookup in front of a model
         observe_pass = getattr(drafter, "observe_pass", None)  # ... whose lookup controller learns pass costs
+        factor = temperature_factor(drafter)  # the drafter's calibration: it samples at factor x T
         while len(generated) < max_new:
             remaining = max_new - len(generated)
             t0 = time.perf_counter()
@@ -203,6 +206,7 @@ class SpeculativeDecoder:
                     q_top_k=self.q_top_k,
                     min_confidence=self.min_confidence,
                     room=limit,
+                    temperature_factor=factor,
                 )
                 if tree is not None and g > 0:
                     draft = drafter.propose_tree(verifier.context, g, sampler, tree, max_depth=remaining - 1)  # type: ignore[attr-defined]
@@ -303,4 +307,5 @@ class SpeculativeDecoder:
             tree_rounds=sum(1 for r in rounds if r.tree),
             free_rounds=sum(1 for r in rounds if r.free),
             free_tokens_accepted=sum(r.accepted for r in rounds if r.free),
+            draft_temperature_factor=temperature_factor(self.drafter),
         )

@@ -87,6 +87,8 @@ KANGAROO_STOP_BELOW = 0.6
 MIN_TEMPERATURE = 1e-3
 #: the largest temperature (past it the distribution is uniform to float32 precision anyway)
 MAX_TEMPERATURE = 1e4
+#: the largest draft temperature factor accepted (see ``--draft-temperature-factor``)
+MAX_DRAFT_TEMPERATURE_FACTOR = 100.0
 #: repetition penalty bounds (1 = off)
 MIN_REPETITION_PENALTY = 1e-3
 MAX_REPETITION_PENALTY = 1e3

@@ -20,7 +20,7 @@ from specdec.drafters import ModelDrafter, NgramDrafter
 from specdec.drafters import self_spec
 from specdec.drafters.hybrid import LOOKUP_SUFFIX, LookupThenModel, split_lookup
 from specdec.drafters.lookahead import LookaheadDrafter
-from specdec.drafters.base import Drafter, feature_taps
+from specdec.drafters.base import Drafter, check_temperature_factor, feature_taps
 from specdec.errors import ConfigError, SpecdecError
 from specdec.drafters.tree_builder import TreeSpec
 from specdec.gamma import CostGamma, FixedGamma, GammaController, GuideGamma, TreeBudget
@@ -36,6 +36,10 @@ DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch
 QUANTS = ("int8", "q4")
 #: draft dtypes that quantise a draft model's layer matrices, and the quantisation each means
 DRAFT_QUANTS = {"w8a8": "int8", "q4": "q4"}
+#: ``--draft`` values that draft without any model's distribution
+MODEL_FREE_DRAFTS = ("none", "ngram", "lookahead")
+#: ``--draft`` values that name a drafter with no model of its own to load
+NON_MODEL_DRAFTS = (*MODEL_FREE_DRAFTS, "self")
 
 
 @dataclass(frozen=True)
@@ -68,6 +72,12 @@ class EngineConfig:
     batch_invariant: bool = True
     #: the int8 target's matmul kernel: auto | fbgemm | onednn | mixed (see :func:`specdec.models.linear.int8_kernel`)
     int8_kernel: str = "auto"
+    #: the draft samples at this factor x the request's temperature (never affects exactness, only
+    #: acceptance; greedy decoding is untouched): "auto" = the value its folder ships
+    #: (``draft_calibration.json``, measured by ``specdec train calibrate``), else 1; or a number
+    #: in (0, 100].  A small draft is less sure than its target, so a factor below 1 makes q agree
+    #: with p more often (the shipped draft: 0.85)
+    draft_temperature_factor: str | float = "auto"
 
 
 def target_dtype(cfg: EngineConfig) -> tuple[torch.dtype, str | None]:
@@ -209,6 +219,53 @@ def draft_vocabulary(cfg: EngineConfig, ref: str) -> torch.Tensor | None:
     return ids
 
 
+#: a draft folder's calibration (``specdec train calibrate`` writes it)
+CALIBRATION_FILE = "draft_calibration.json"
+
+
+def parse_temperature_factor(value: str | float) -> str | float:
+    """``auto`` or a draft temperature factor in (0, 100] (see :attr:`EngineConfig.draft_temperature_factor`)."""
+    if isinstance(value, str):
+        text = value.strip().lower()
+        if text == "auto":
+            return "auto"
+        try:
+            value = float(text)
+        except ValueError:
+            raise ConfigError(f"the draft temperature factor must be auto or a number, got {value!r}") from None
+    return check_temperature_factor(value)
+
+
+def check_factor_applies(kind: str, value: str | float) -> None:
+    """A draft temperature factor other than auto or 1 for a drafter that samples from no model
+    (``none``, ``ngram``, ``lookahead``) is refused: it would do nothing."""
+    if kind.strip().lower() in MODEL_FREE_DRAFTS and parse_temperature_factor(value) not in ("auto", 1.0):
+        raise ConfigError(f"--draft {kind} drafts without a model's distribution: a draft temperature factor"
+                          " applies to drafters that sample from a model")
+
+
+def draft_temperature_factor(cfg: EngineConfig, folder: Path | None) -> float:
+    """The factor a drafter loaded from ``folder`` samples at: the configured number, or under
+    ``auto`` its folder's calibration (:data:`CALIBRATION_FILE`), else 1."""
+    value = parse_temperature_factor(cfg.draft_temperature_factor)
+    if value != "auto":
+        return float(value)
+    path = folder / CALIBRATION_FILE if folder is not None else None
+    if path is None or not path.is_file():
+        return 1.0
+    try:
+        return check_temperature_factor(json.loads(path.read_text())["temperature_factor"])
+    except (ValueError, KeyError, TypeError, ConfigError) as exc:
+        raise ConfigError(f"{path}: not a draft calibration ({type(exc).__name__}: {exc})".splitlines()[0]) from None
+
+
+def model_drafter(cfg: EngineConfig, draft: LoadedModel, *, lookup: bool) -> tuple[Drafter, str]:
+    """(drafter, name) over a loaded draft model, sampling at its :func:`draft_temperature_factor`,
+    with prompt lookup in front where asked (``NAME+lookup``); a fresh one per sequence stream."""
+    drafter = ModelDrafter(draft.model, temperature_factor=draft_temperature_factor(cfg, draft.folder))
+    return (LookupThenModel(drafter), draft.name + LOOKUP_SUFFIX) if lookup else (drafter, draft.name)
+
+
 def load_draft(cfg: EngineConfig, ref: str | None = None) -> LoadedModel:
     """The draft model in :func:`draft_dtype` (batch-invariant only where that is faster:
     :func:`draft_batch_invariant`), over its reduced vocabulary where it has one (:func:`draft_vocabulary`)."""
@@ -301,10 +358,6 @@ def make_tree(tree: str | int, gamma: GammaController, *, min_prob: float | None
     return spec, FixedGamma(int(tree))
 
 
-#: ``--draft`` values that name a drafter with no model of its own to load
-NON_MODEL_DRAFTS = ("none", "ngram", "lookahead", "self")
-
-
 def check_draft_name(draft: str) -> tuple[str, bool, Path | None]:
     """(base name, prompt lookup in front?, head folder or None) of a ``--draft`` value; a missing
     shipped head or a ``+lookup`` on a drafter that is not a model fails here, before anything loads."""
@@ -313,7 +366,7 @@ def check_draft_name(draft: str) -> tuple[str, bool, Path | None]:
     base, lookup = split_lookup(draft)
     kind = base.lower()
     head = heads.resolve_head(base)
-    if lookup and (kind in ("none", "ngram", "lookahead") or head is not None):
+    if lookup and (kind in MODEL_FREE_DRAFTS or head is not None):
         raise ConfigError(f"'{LOOKUP_SUFFIX}' adds prompt lookup to a drafting model (a draft model, 'self' or a"
                           f" self-speculative view); {base!r} is not one (use e.g. {defaults.DEFAULT_DRAFT_MODEL}{LOOKUP_SUFFIX})")
     if kind not in NON_MODEL_DRAFTS and head is None and self_spec.parse_name(kind) is None:
@@ -365,6 +418,7 @@ class Engine:
 
         base, lookup, head = check_draft_name(cfg.draft)
         kind = base.lower()
+        check_factor_applies(kind, cfg.draft_temperature_factor)
         wrap = (lambda d, name: (LookupThenModel(d), name + LOOKUP_SUFFIX)) if lookup else (lambda d, name: (d, name))
         if kind == "none":
             return cls(target, None, "none")
@@ -373,21 +427,25 @@ class Engine:
         if kind == "lookahead":
             return cls(target, LookaheadDrafter(), "lookahead")
         if kind == "self":
-            return cls(target, *wrap(ModelDrafter(target.model), "self"), target)
+            return cls(target, *wrap(ModelDrafter(target.model, temperature_factor=draft_temperature_factor(cfg, None)),
+                                     "self"), target)
         if self_spec.parse_name(kind) is not None:  # a view of the target: no second model is loaded
-            return cls(target, *wrap(*self_spec.build(base, target.model, target.name)))
+            view, name = self_spec.build(base, target.model, target.name)
+            view.temperature_factor = draft_temperature_factor(cfg, None)
+            return cls(target, *wrap(view, name))
         if head is not None:  # a target-aware head (EAGLE, Medusa, MTP): reads the target's features
             if progress:
                 progress(f"loading draft head {cfg.draft}")
             label = cfg.draft.strip().lower() if cfg.draft.strip().lower() in heads.HEADS else None
             drafter, name = heads.build(head, target.model, label=label, int8_head=draft_int8_head(cfg),
                                         dtype=draft_dtype(cfg), quant=head_quant(cfg))
+            drafter.temperature_factor = draft_temperature_factor(cfg, head)
             return cls(target, drafter, name)
         if progress:
             progress(f"loading draft {base}")
         draft = load_draft(cfg, base)
         check_compatible(target, draft)
-        return cls(target, *wrap(ModelDrafter(draft.model), draft.name), draft)
+        return cls(target, *model_drafter(cfg, draft, lookup=lookup), draft)
 
     def decoder(
         self,

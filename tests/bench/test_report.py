@@ -87,6 +87,18 @@ def test_report_says_what_the_draft_dtype_resolved_to(tmp_path):
     assert "(draft dtype w8a8)" in (tmp_path / "README.md").read_text()
 
 
+def test_report_says_at_what_factor_the_draft_sampled(tmp_path):
+    cfg = {"target": "t", "draft": "d", "draft_dtype": "w8a8", "prompts": [{"category": "code"}],
+           "max_new_tokens": 20, "repeats": 1, "seed": 0, "top_p": None, "repetition_penalty": None, "batch_invariant": True}
+    rows = _samples()
+    sampled = [{**r, "temperature": 1.0, "draft_temperature_factor": 0.85} for r in rows if r["mode"] == "speculative"]
+    report.write({"config": cfg, "samples": rows + sampled, "processes": {}, "machine": {"cpu": "test"}}, tmp_path)
+    assert "(draft dtype w8a8, sampled at 0.85 × T)" in (tmp_path / "README.md").read_text()
+    greedy_only = [{**r, "draft_temperature_factor": 0.85} for r in rows]  # T = 0: no factor applies
+    report.write({"config": cfg, "samples": greedy_only, "processes": {}, "machine": {"cpu": "test"}}, tmp_path)
+    assert "(draft dtype w8a8)" in (tmp_path / "README.md").read_text()
+
+
 def test_old_results_with_cloud_only_rows_still_aggregate():
     old = [{**s, "mode": "cloud_only", "method": "cloud_only"} if s["mode"] == "plain" else s for s in _samples()]
     new = {(g.mode, g.method): g.speedup_vs_cloud for g in report.aggregate(_samples())}

@@ -371,3 +371,48 @@ def test_the_batching_scheduler_runs_compact_and_whole_row_items_in_one_pass(tin
     assert calls == [want]  # one batched pass with both items, in queue order
     for i in range(2):
         assert torch.equal(out[i], draft.forward(blocks[i], draft.new_cache(64), compact=want[i]))
+
+
+# ----------------------------------------------------------------------------- a draft temperature factor
+
+
+def test_a_temperature_factor_draws_from_and_reports_the_sharper_q():
+    from dataclasses import replace
+
+    model = ToyLM(5, order=2, seed=3)
+    ctx = torch.tensor([1, 2, 3])
+    cfg = SamplingConfig(temperature=0.9, top_p=0.95, repetition_penalty=1.3)
+    drafts = {}
+    for factor in (1.0, 0.5):
+        d = ModelDrafter(model, temperature_factor=factor)
+        d.prepare(ctx)
+        state = PenaltyState.start(ctx, 5)
+        sampler = DraftSampler(cfg, "multinomial", penalties=state, generator=torch.Generator().manual_seed(0),
+                               temperature_factor=factor)
+        drafts[factor] = draft = d.propose(ctx, 3, sampler)
+        hist, ref_state = ctx.tolist(), PenaltyState.start(ctx, 5)
+        for i, tok in enumerate(draft.tokens.tolist()):
+            q = process_logits(model.logits_for(hist).unsqueeze(0), replace(cfg, temperature=0.9 * factor), ref_state)[0]
+            assert torch.allclose(draft.probs[i], q)
+            hist.append(tok)
+            ref_state.append(torch.tensor([tok]))
+    # sharper: the first position's most likely token gets more mass
+    top = int(drafts[1.0].probs[0].argmax())
+    assert float(drafts[0.5].probs[0, top]) > float(drafts[1.0].probs[0, top])
+
+
+def test_the_draft_config_keeps_greedy_and_the_temperature_range():
+    import pytest
+
+    from specdec import defaults
+    from specdec.drafters.base import check_temperature_factor, draft_config
+    from specdec.errors import ConfigError
+
+    greedy = SamplingConfig(temperature=0.0)
+    assert draft_config(greedy, 0.5) is greedy
+    assert draft_config(SamplingConfig(temperature=0.8), 0.5).temperature == 0.4
+    assert draft_config(SamplingConfig(temperature=0.002), 0.1).temperature == defaults.MIN_TEMPERATURE
+    assert draft_config(SamplingConfig(temperature=5000.0), 50.0).temperature == defaults.MAX_TEMPERATURE
+    for bad in (0.0, -1.0, float("nan"), float("inf"), 101.0):
+        with pytest.raises(ConfigError):
+            check_temperature_factor(bad)

@@ -252,3 +252,22 @@ def test_server_spawns_a_fresh_serialised_view_per_request():
         a, b = make(), make()
         assert a is not b and type(a) is type(drafter)
         assert isinstance(a.model, SerializedModel) and a.view.target is INVARIANT
+
+
+def test_the_servers_fresh_drafters_keep_the_temperature_factor():
+    from types import SimpleNamespace
+
+    from specdec.drafters import ModelDrafter
+    from specdec.drafters.hybrid import LookupThenModel
+    from specdec.server.command import drafter_factory
+
+    view, _ = build("layerskip:2", INVARIANT, "tiny")
+    view.temperature_factor = 0.7
+    model = LookupThenModel(ModelDrafter(INVARIANT, temperature_factor=0.6))
+    for engine, want in ((SimpleNamespace(drafter=view, draft_model=None), 0.7),
+                         (SimpleNamespace(drafter=LookupThenModel(view), draft_model=None), 0.7),
+                         (SimpleNamespace(drafter=model, draft_model=SimpleNamespace(model=INVARIANT)), 0.6)):
+        fresh = drafter_factory(engine)()
+        assert fresh is not engine.drafter and fresh.temperature_factor == want
+    plain = SimpleNamespace(drafter=ModelDrafter(INVARIANT), draft_model=SimpleNamespace(model=INVARIANT))
+    assert drafter_factory(plain)().temperature_factor == 1.0

@@ -60,6 +60,9 @@ def add_parser(sub) -> None:  # noqa: ANN001 - argparse's subparsers action
     p.add_argument("--draft-vocab", default="auto", choices=["auto", "full"],
                    help="the draft model's vocabulary: auto = the reduced one its folder ships, else all; full = all"
                         " tokens (see specdec generate --help; default auto)")
+    p.add_argument("--draft-temperature-factor", default="auto", metavar="auto|F",
+                   help="drafters that sample from a model sample at F x the temperature: auto = the factor the draft's"
+                        " folder ships, else 1 (see specdec generate --help; default auto)")
     p.add_argument("--dtype", "--target-dtype", dest="dtype", default="auto", choices=["auto", "float32", "bfloat16", "float16", "int8", "q4"],
                    help="target precision for specdec's rows (default auto; see specdec generate --help)."
                         " The Hugging Face rows always run the float32 weights")
@@ -122,12 +125,13 @@ def run(args: argparse.Namespace, argv: list[str] | None = None) -> int:
         if bad:
             raise ConfigError(f"--draft with several drafters ({args.draft}) runs with --modes plain,speculative only; "
                               f"{', '.join(bad)} need one draft")
-    from specdec.engine import check_draft_name
+    from specdec.engine import check_draft_name, parse_temperature_factor
     from specdec.models.registry import check_name
 
     check_name(args.target)  # a typo fails now, not after minutes of other modes
     if args.threads is not None and args.threads < 1:
         raise ConfigError(f"--threads must be >= 1, got {args.threads}")
+    parse_temperature_factor(args.draft_temperature_factor)
     for draft in drafts:
         check_draft_name(draft)
         base = split_lookup(draft)[0]  # NAME+lookup: what matters here is NAME
@@ -150,6 +154,7 @@ def run(args: argparse.Namespace, argv: list[str] | None = None) -> int:
         methods=tuple(methods), gammas=tuple(gammas), temperatures=tuple(temps),
         max_new_tokens=args.max_new_tokens, repeats=args.repeats, seed=args.seed, top_p=args.top_p,
         repetition_penalty=args.repetition_penalty, draft_dtype=args.draft_dtype, draft_vocab=args.draft_vocab, dtype=args.dtype,
+        draft_temperature_factor=args.draft_temperature_factor,
         tree_min_prob=defaults.TREE_MIN_PROB if args.tree_min_prob is None else args.tree_min_prob,
         batch_invariant=not args.fast_attention, threads=args.threads, command=command,
         rtts=tuple(rtts), wires=tuple(wires), rtt_emulation=args.rtt_emulation, q_top_k=args.q_top_k,

@@ -145,16 +145,17 @@ def _gamma(g: str | None) -> int | str | None:
 
 def _edge_runner(job: Any, client: httpx.Client) -> tuple[Callable[[str], list[int]], Callable[..., dict]]:
     """(encode, generate) for edge_cloud: the draft model here, the target behind ``job.url``."""
-    from specdec.drafters import ModelDrafter
-    from specdec.drafters.hybrid import LOOKUP_SUFFIX, LookupThenModel, split_lookup
-    from specdec.engine import EngineConfig, load_draft
+    from specdec.drafters.hybrid import split_lookup
+    from specdec.engine import EngineConfig, load_draft, model_drafter
     from specdec.remote.client import RemoteConfig
     from specdec.remote.edge import generate_remote
     from specdec.text import encode_prompt
 
-    draft = load_draft(EngineConfig(draft=job.draft, draft_dtype=job.draft_dtype, draft_vocab=job.draft_vocab))
+    cfg = EngineConfig(draft=job.draft, draft_dtype=job.draft_dtype, draft_vocab=job.draft_vocab,
+                       draft_temperature_factor=job.draft_temperature_factor)
+    draft = load_draft(cfg)
     lookup = split_lookup(job.draft)[1]
-    name = draft.name + (LOOKUP_SUFFIX if lookup else "")
+    name = model_drafter(cfg, draft, lookup=lookup)[1]
 
     def encode(text: str, chat: bool) -> list[int]:
         return encode_prompt(draft.tokenizer, text, chat=chat)
@@ -170,7 +171,7 @@ def _edge_runner(job: Any, client: httpx.Client) -> tuple[Callable[[str], list[i
 
         remote = RemoteConfig(url=job.url, api_key=job.api_key, wire=wire)
         start = time.perf_counter()
-        drafter = LookupThenModel(ModelDrafter(draft.model)) if lookup else ModelDrafter(draft.model)
+        drafter = model_drafter(cfg, draft, lookup=lookup)[0]
         out = generate_remote(ids, sampling, remote, drafter=drafter, drafter_name=name,
                               gamma=_gamma(gamma) or "auto", eos_ids=draft.eos_ids, q_top_k=job.q_top_k,
                               tokenizer=draft.tokenizer, on_tokens=on_tokens, client=client)

@@ -144,7 +144,7 @@ class CloudServer:
     """``specdec serve`` in its own process (inside the cloud namespace under netem)."""
 
     def __init__(self, target: str, draft: str, *, threads: int, emulation: Emulation, draft_dtype: str = "auto",
-                 draft_vocab: str = "auto") -> None:
+                 draft_vocab: str = "auto", draft_temperature_factor: str = "auto") -> None:
         self.api_key = secrets.token_urlsafe(24)
         self.port = free_port()
         self.emulation = emulation
@@ -152,7 +152,7 @@ class CloudServer:
         prefix = ["ip", "netns", "exec", NETEM_CLOUD_NS] if emulation.kind == "netem" else []
         self.argv = [*prefix, sys.executable, "-m", "specdec.cli", "serve", "--host", self.host, "--port", str(self.port),
                      "--target", target, "--draft", draft, "--draft-dtype", draft_dtype, "--draft-vocab", draft_vocab,
-                     "--max-sessions", "256"]
+                     "--draft-temperature-factor", draft_temperature_factor, "--max-sessions", "256"]
         self.env = dict(thread_env(threads), SPECDEC_API_KEY=self.api_key)  # the key stays off the command line
         self.proc: subprocess.Popen | None = None
         self._log = tempfile.TemporaryFile(mode="w+")
@@ -271,6 +271,7 @@ def run_group(
     draft: str,
     draft_dtype: str,
     draft_vocab: str = "auto",
+    draft_temperature_factor: str = "auto",
     threads: int,
     rtts: list[float],
     emulation: Emulation,
@@ -281,8 +282,9 @@ def run_group(
 ) -> None:
     """One server for ``modes``; per RTT a link and one edge worker (``run_worker(job, env, prefix, name)``)."""
     mode = "+".join(modes)
-    server = CloudServer(target, server_draft(modes, draft), threads=threads, emulation=emulation, draft_dtype=draft_dtype,
-                         draft_vocab=draft_vocab)
+    served = server_draft(modes, draft)
+    server = CloudServer(target, served, threads=threads, emulation=emulation, draft_dtype=draft_dtype, draft_vocab=draft_vocab,
+                         draft_temperature_factor=draft_temperature_factor if served != "none" else "auto")
     if emulation.kind == "netem":
         subprocess.run(["bash", str(emulation.script), "up", "0"], check=True, capture_output=True, text=True)
     server_started = time.perf_counter()

@@ -392,7 +392,8 @@ def markdown(result: dict, stats: list[GroupStats], bvt: list[BlockVsToken], plo
         "",
         f"Command: `{cfg.get('command') or 'specdec bench'}`",
         "",
-        f"Target `{cfg['target']}` ({_target_dtype(cfg)}), draft `{cfg['draft']}` (draft dtype {_draft_dtype(cfg)}{_draft_vocab(cfg)}), "
+        f"Target `{cfg['target']}` ({_target_dtype(cfg)}), draft `{cfg['draft']}` (draft dtype {_draft_dtype(cfg)}{_draft_vocab(cfg)}"
+        f"{_draft_temperature(result.get('samples', []))}), "
         f"{len(cfg['prompts'])} prompts ({', '.join(sorted({p['category'] for p in cfg['prompts']}))}), "
         f"{cfg['max_new_tokens']} new tokens, repeats {cfg['repeats']}, seed {cfg['seed']}, "
         f"top-p {cfg['top_p']}, repetition penalty {cfg['repetition_penalty']}, "
@@ -675,6 +676,14 @@ def _tree_floor(cfg: dict) -> str:
 def _draft_vocab(cfg: dict) -> str:
     """", full vocabulary" where the run asked the draft model for every token (``--draft-vocab full``)."""
     return ", full vocabulary" if cfg.get("draft_vocab") == "full" else ""
+
+
+def _draft_temperature(samples: list[dict]) -> str:
+    """", sampled at 0.85 × T" where the speculative rows at T > 0 drew their drafts at a factor
+    other than 1 (``--draft-temperature-factor``; rows record the factor each drafter used)."""
+    factors = sorted({float(s["draft_temperature_factor"]) for s in samples
+                      if s.get("draft_temperature_factor") not in (None, 1.0) and float(s.get("temperature", 0)) > 0})
+    return f", sampled at {' / '.join(f'{f:g}' for f in factors)} × T" if factors else ""
 
 
 def _draft_dtype(cfg: dict) -> str:

@@ -9,6 +9,8 @@ from typing import Any, Literal, Protocol
 import torch
 from torch import Tensor
 
+from specdec import defaults
+from specdec.errors import ConfigError
 from specdec.models.base import full_probs
 from specdec.sampling import (
     PenaltyState,
@@ -105,8 +107,12 @@ class DraftSampler:
         q_top_k: int | None = None,
         min_confidence: float = 0.0,
         room: int | None = None,
+        temperature_factor: float = 1.0,
     ) -> None:
-        self.cfg = cfg
+        #: the draft samples at ``temperature_factor`` x the request's temperature (a drafter's
+        #: calibration: a small draft is less sure than its target, and a sharper q agrees with p
+        #: more often).  Lossless for any factor: the rules see the q the tokens were drawn from.
+        self.cfg = draft_config(cfg, temperature_factor)
         self.mode: DraftSampling = "argmax" if cfg.greedy else mode
         self.penalties = (
             penalties.copy()
@@ -247,6 +253,30 @@ class DraftSampler:
             if bool(torch.isfinite(masked).any()):
                 out[i] = masked
         return out
+
+
+def check_temperature_factor(factor: float) -> float:
+    """A draft temperature factor, checked: finite and within (0, 100]."""
+    f = float(factor)
+    if not math.isfinite(f) or not 0.0 < f <= defaults.MAX_DRAFT_TEMPERATURE_FACTOR:
+        raise ConfigError(f"the draft temperature factor must be in (0, {defaults.MAX_DRAFT_TEMPERATURE_FACTOR:g}], got {factor}")
+    return f
+
+
+def draft_config(cfg: SamplingConfig, temperature_factor: float) -> SamplingConfig:
+    """The sampling config a draft samples from: the request's, at ``temperature_factor`` x its
+    temperature (kept within the temperatures a config allows); greedy stays greedy."""
+    f = check_temperature_factor(temperature_factor)
+    if f == 1.0 or cfg.greedy:
+        return cfg
+    t = min(max(cfg.temperature * f, defaults.MIN_TEMPERATURE), defaults.MAX_TEMPERATURE)
+    return replace(cfg, temperature=t)
+
+
+def temperature_factor(drafter: Any) -> float:
+    """The factor ``drafter``'s model samples at (x the request's temperature); 1 for drafters
+    that do not sample from a model or were not calibrated."""
+    return float(getattr(drafter, "temperature_factor", 1.0)) if drafter is not None else 1.0
 
 
 def truncate_top_k(q: Tensor, k: int) -> Tensor:  # q: [V] -> [V] with at most k non-zeros

@@ -88,6 +88,15 @@ class LookupThenModel:
     def supports_trees(self) -> bool:
         return self.model.supports_trees
 
+    @property
+    def temperature_factor(self) -> float:
+        """The model drafter's (lookup drafts are deterministic: no temperature to scale)."""
+        return float(getattr(self.model, "temperature_factor", 1.0))
+
+    @temperature_factor.setter
+    def temperature_factor(self, value: float) -> None:
+        self.model.temperature_factor = value
+
     def _new_length(self) -> GammaController:
         if self.lookup_tokens is not None:
             return FixedGamma(self.lookup_tokens)

@@ -24,8 +24,12 @@ class ModelDrafter:
     recovered or bonus token, plus the last draft token when all γ were accepted).
     """
 
-    def __init__(self, model: LanguageModel, *, max_length: int | None = None) -> None:
+    #: the draft samples at this factor x the request's temperature (see ``DraftSampler``)
+    temperature_factor: float = 1.0
+
+    def __init__(self, model: LanguageModel, *, max_length: int | None = None, temperature_factor: float = 1.0) -> None:
         self.model = model
+        self.temperature_factor = temperature_factor
         self.max_length = max_length
         self.cache: Cache | None = None
         self._round_start = 0

@@ -84,9 +84,9 @@ def run_generate(args: argparse.Namespace, prompt: str, sampling: SamplingConfig
     from transformers import AutoTokenizer
 
     from specdec import defaults
-    from specdec.drafters import ModelDrafter, NgramDrafter, self_spec
-    from specdec.drafters.hybrid import LOOKUP_SUFFIX, LookupThenModel, split_lookup
-    from specdec.engine import EngineConfig, load_draft
+    from specdec.drafters import NgramDrafter, self_spec
+    from specdec.drafters.hybrid import split_lookup
+    from specdec.engine import EngineConfig, check_factor_applies, load_draft, model_drafter
     from specdec.models.registry import resolve
     from specdec.remote.client import RemoteConfig
     from specdec.remote.edge import generate_remote
@@ -108,6 +108,7 @@ def run_generate(args: argparse.Namespace, prompt: str, sampling: SamplingConfig
     kind = args.draft.strip().lower()
     draft = None
     if kind in ("ngram", "none"):
+        check_factor_applies(kind, getattr(args, "draft_temperature_factor", "auto"))
         if not args.tokenizer:
             raise ConfigError(f"--draft {kind} with --remote needs --tokenizer (a model name or folder with the target's tokenizer)")
         folder = resolve(args.tokenizer).folder
@@ -130,11 +131,11 @@ def run_generate(args: argparse.Namespace, prompt: str, sampling: SamplingConfig
             lookup = False
         log(f"loading draft {base}" + (" (prompt lookup first)" if lookup else ""))
         cfg = EngineConfig(draft=args.draft, backend=args.backend, dtype=args.dtype, draft_dtype=args.draft_dtype,
-                           draft_vocab=getattr(args, "draft_vocab", "auto"))
+                           draft_vocab=getattr(args, "draft_vocab", "auto"),
+                           draft_temperature_factor=getattr(args, "draft_temperature_factor", "auto"))
         draft = load_draft(cfg)
-        tokenizer, eos, drafter, name = draft.tokenizer, draft.eos_ids, ModelDrafter(draft.model), draft.name
-        if lookup:  # NAME+lookup: prompt lookup first, the draft model otherwise
-            drafter, name = LookupThenModel(drafter), name + LOOKUP_SUFFIX
+        tokenizer, eos = draft.tokenizer, draft.eos_ids
+        drafter, name = model_drafter(cfg, draft, lookup=lookup)  # NAME+lookup: prompt lookup first
     ids = encode_prompt(tokenizer, prompt, chat=args.chat, system=args.system)
     vocab = draft.vocab_size if draft is not None else len(tokenizer)
     gate = _gate(args, tokenizer, draft.model if draft is not None else None, vocab)

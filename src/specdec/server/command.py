@@ -106,7 +106,24 @@ def draft_server_model(engine: Any, *, batching: bool) -> Any | None:
 
 
 def drafter_factory(engine: Any, draft_model: Any | None = None) -> Callable[[], Any] | None:
-    """A fresh drafter per OpenAI request (drafters keep per-sequence state)."""
+    """A fresh drafter per OpenAI request (drafters keep per-sequence state), sampling at the
+    engine's drafter's temperature factor."""
+    from specdec.drafters.base import temperature_factor
+
+    make = _fresh_drafter(engine, draft_model)
+    factor = temperature_factor(engine.drafter)
+    if make is None or factor == 1.0:
+        return make
+
+    def calibrated() -> Any:
+        drafter = make()
+        drafter.temperature_factor = factor
+        return drafter
+
+    return calibrated
+
+
+def _fresh_drafter(engine: Any, draft_model: Any | None) -> Callable[[], Any] | None:
     from specdec.drafters import ModelDrafter, NgramDrafter
     from specdec.drafters.hybrid import LookupThenModel
     from specdec.server.sessions import serialized
@@ -182,6 +199,9 @@ def settings_from_args(args: argparse.Namespace) -> dict[str, Any]:
     if not getattr(args, "replica_cpus", 1.0) > 0:
         raise ConfigError(f"replica CPUs must be > 0, got {args.replica_cpus}")
     ServerSettings(**settings_kw)  # check the limits before loading models
+    from specdec.engine import parse_temperature_factor
+
+    parse_temperature_factor(getattr(args, "draft_temperature_factor", "auto"))
     from specdec.drafters.heads import resolve_head
 
     if not args.no_batching and resolve_head(args.draft) is not None:
@@ -231,7 +251,8 @@ def _build_app(args: argparse.Namespace, settings_kw: dict[str, Any]) -> Any:
 
     engine = Engine.build(
         EngineConfig(target=args.target, draft=args.draft, backend=args.backend, dtype=args.dtype,
-                     draft_dtype=args.draft_dtype, draft_vocab=getattr(args, "draft_vocab", "auto"), int8_kernel=getattr(args, "int8_kernel", "auto")),
+                     draft_dtype=args.draft_dtype, draft_vocab=getattr(args, "draft_vocab", "auto"),
+                     draft_temperature_factor=getattr(args, "draft_temperature_factor", "auto"), int8_kernel=getattr(args, "int8_kernel", "auto")),
         progress=_log,
     )
     settings = ServerSettings(model_name=engine.target.name, **settings_kw)
