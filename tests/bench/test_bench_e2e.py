@@ -69,6 +69,19 @@ def test_draft_vocab_full_reaches_the_worker_and_the_report(tmp_path):
     assert sizes == {"auto": {16384}, "full": {49152}}
 
 
+def test_the_draft_temperature_factor_reaches_the_worker_and_the_report(tmp_path):
+    """``auto`` takes the shipped draft's calibrated 0.85, a number overrides it; ngram rows (no
+    model's law) run at 1 in the same job; the report's header says what the drafts sampled at."""
+    base = dict(target=MODEL, draft=f"{MODEL},ngram", prompts=(BUILTIN[0],), modes=("speculative",), temperatures=(1.0,),
+                max_new_tokens=4, threads=1)
+    for factor, want in (("auto", 0.85), ("1", 1.0)):
+        result = runner.run(runner.BenchConfig(**base, draft_temperature_factor=factor), progress=False)
+        spec = {s["draft"]: s["draft_temperature_factor"] for s in result["samples"] if s["mode"] == "speculative"}
+        assert spec == {MODEL: want, "ngram": 1.0}
+        report.write(result, tmp_path / factor, make_plots=False)
+        assert ("sampled at 0.85 × T" in (tmp_path / factor / "README.md").read_text()) == (factor == "auto")
+
+
 def test_the_tree_floor_reaches_the_worker_and_the_report(tmp_path):
     """``--tree-min-prob``: a tree round proposes only nodes at or above the floor (the draft is its
     own target here, so a high floor still leaves the confident nodes), greedy = plain either way,

@@ -181,8 +181,33 @@ def add_parser(sub) -> None:  # noqa: ANN001 - argparse's subparsers action
         h.add_argument("--eval-every", type=int, default=500, help="optimiser steps between held-out evaluations")
 
 
+    c = tsub.add_parser(
+        "calibrate",
+        help="measure the draft temperature factor at which a draft model agrees with the target most (no training)",
+        description="The target continues built-in training prompts (none of the benchmark's) at each temperature; both "
+        "models then score the continuations teacher-forced, and for each factor f the mean acceptance of a draft token "
+        "sampled at f x the temperature (sum of min(p, q)) is computed. The factor with the best mean over the "
+        "temperatures is written to FOLDER/draft_calibration.json with the whole table; a draft folder holding that file "
+        "samples at its factor under --draft-temperature-factor auto (the default). Lossless for any factor.",
+    )
+    c.add_argument("--out", required=True, metavar="FOLDER",
+                   help="where draft_calibration.json goes: the draft model's own folder, for --draft-temperature-factor auto to find it")
+    c.add_argument("--draft", default=defaults.DEFAULT_DRAFT_MODEL, help="the draft model (a registry name or folder)")
+    c.add_argument("--target", default=defaults.DEFAULT_TARGET, help="the target model: registry name, folder or .gguf")
+    c.add_argument("--prompts", type=int, default=64, help="built-in training prompts (chat and code alternating, at most 144)")
+    c.add_argument("--new-tokens", type=int, default=96, help="target continuation length per prompt")
+    c.add_argument("--temperatures", default="1,0.7", help="comma list: every prompt is continued and scored at each")
+    c.add_argument("--factors", default=",".join(f"{f:g}" for f in _factors()), help="comma list of factors to try")
+    c.add_argument("--seed", type=int, default=0, help="seed of the prompts' order and the sampling")
+
     for parser in tsub.choices.values():  # every option's help ends with its default
         parser.formatter_class = _WithDefaults
+
+
+def _factors() -> tuple[float, ...]:
+    from specdec.train.calibrate import FACTORS
+
+    return FACTORS
 
 
 class _WithDefaults(argparse.HelpFormatter):
@@ -209,7 +234,78 @@ def run(args: argparse.Namespace) -> int:
         return _distill(args)
     if args.train_command == "online":
         return _online(args)
+    if args.train_command == "calibrate":
+        return _calibrate(args)
     raise ConfigError(f"unknown train method {args.train_command!r}")
+
+
+def _positive_floats(text: str, what: str) -> list[float]:
+    try:
+        values = [float(x) for x in text.split(",") if x.strip()]
+    except ValueError:
+        raise ConfigError(f"{what} must be a comma list of numbers, got {text!r}") from None
+    if not values or any(not 0 < v < float("inf") for v in values):
+        raise ConfigError(f"{what} must be positive numbers, got {text!r}")
+    return values
+
+
+def _calibrate(args: argparse.Namespace) -> int:
+    import time
+
+    import torch
+    from tqdm.auto import tqdm
+
+    from specdec.drafters import self_spec
+    from specdec.drafters.base import check_temperature_factor
+    from specdec.engine import CALIBRATION_FILE, NON_MODEL_DRAFTS, EngineConfig, check_draft_name, load_draft, target_dtype
+    from specdec.models.registry import check_compatible, load
+    from specdec.text import encode_prompt
+    from specdec.train import calibrate as cal
+    from specdec.train.kangaroo import continue_batched, training_prompts
+
+    temps = _positive_floats(args.temperatures, "--temperatures")
+    factors = [check_temperature_factor(f) for f in _positive_floats(args.factors, "--factors")]
+    if not 1 <= args.prompts <= 144 or args.new_tokens < 1:
+        raise ConfigError("--prompts must be 1-144 and --new-tokens >= 1")
+    out = Path(args.out)
+    if out.exists() and not out.is_dir():
+        raise ConfigError(f"--out {args.out} is not a folder")
+    base, lookup, head = check_draft_name(args.draft)
+    if lookup or head is not None or base.strip().lower() in NON_MODEL_DRAFTS or self_spec.parse_name(base) is not None:
+        raise ConfigError(f"calibrate measures a draft model (a registry name or folder), not --draft {args.draft}")
+    t0 = time.perf_counter()
+    dtype, quant = target_dtype(EngineConfig(target=args.target))
+    target = load(args.target, dtype=dtype, quant=quant, batch_invariant=False)  # scored, never compared bitwise
+    draft = load_draft(EngineConfig(target=args.target, draft=base))  # as it drafts: its dtype and vocabulary
+    check_compatible(target, draft)
+    prompts = training_prompts(args.prompts, seed=args.seed)
+    enc = [encode_prompt(target.tokenizer, text, chat=chat) for text, chat in prompts]
+    bar = tqdm(total=len(enc) * len(temps), desc="target continuations", unit="seq")
+    seqs = []
+    for ti, t in enumerate(temps):
+        cont = continue_batched(target.model, enc, new_tokens=args.new_tokens, temperatures=(t,), eos_ids=target.eos_ids,
+                                seed=args.seed + ti, progress=bar.update)
+        seqs += [(s, len(p), ti) for s, p in zip(cont, enc)]
+    bar.close()
+    bar = tqdm(total=len(seqs), desc="teacher-forced overlap", unit="seq")
+    result = cal.calibrate(target.model, draft.model, seqs, temps, factors, progress=bar.update)
+    bar.close()
+    out.mkdir(parents=True, exist_ok=True)
+    payload = {**result.to_json(), "target": target.name, "draft": draft.name, "prompts": args.prompts,
+               "new_tokens": args.new_tokens, "seed": args.seed, "seconds": round(time.perf_counter() - t0, 1),
+               "torch": torch.__version__}
+    (out / CALIBRATION_FILE).write_text(json.dumps(payload, indent=1) + "\n")
+    one = factors.index(1.0) if 1.0 in factors else None
+    best = factors.index(result.factor)
+    print("| T | " + " | ".join(f"{f:g}" for f in factors) + " |")
+    print("|---|" + "---|" * len(factors))
+    for t in temps:
+        row = result.mean_overlap[f"{t:g}"]
+        print(f"| {t:g} | " + " | ".join(f"{x:.4f}" for x in row) + " |")
+    gain = "" if one is None else " (" + ", ".join(
+        f"T = {t:g}: {result.mean_overlap[f'{t:g}'][one]:.4f} -> {result.mean_overlap[f'{t:g}'][best]:.4f}" for t in temps) + ")"
+    print(f"[specdec] draft temperature factor {result.factor:g}{gain}; wrote {out / CALIBRATION_FILE}", file=sys.stderr)
+    return 0
 
 
 def _load_prompts(args: argparse.Namespace) -> list[tuple[str, bool]]:

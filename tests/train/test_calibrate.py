@@ -1,0 +1,127 @@
+"""Draft temperature calibration: the overlap it measures, the factor it chooses, the file it writes
+and ``--draft-temperature-factor auto`` reading that file back."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+import torch
+
+from specdec.cli import main
+from specdec.engine import CALIBRATION_FILE, Engine, EngineConfig
+from specdec.models.toy import ToyLM
+from specdec.train.calibrate import FACTORS, calibrate, choose, overlap
+from tiny import make_tiny
+
+
+def test_overlap_is_sum_of_min_p_q():
+    lt = torch.tensor([[2.0, 0.0, -1.0], [0.0, 0.0, 0.0]])
+    ld = torch.tensor([[0.0, 1.0, float("-inf")], [3.0, 0.0, 0.0]])
+    for t, f in ((1.0, 1.0), (0.7, 0.85), (1.3, 0.5)):
+        p, q = torch.softmax(lt / t, -1), torch.softmax(ld / (t * f), -1)
+        want = torch.tensor([float(sum(min(a, b) for a, b in zip(p[i].tolist(), q[i].tolist()))) for i in range(2)])
+        assert torch.allclose(overlap(lt, ld, t, f), want, atol=1e-6)
+    assert overlap(lt, lt, 1.0, 1.0).tolist() == pytest.approx([1.0, 1.0])
+
+
+def test_choose_takes_the_best_mean_and_breaks_ties_towards_one():
+    sums = torch.tensor([[1.0, 3.0, 2.0], [2.0, 2.0, 2.2]])  # T = 1 over 4 positions, T = 0.7 over 2
+    c = choose([1.0, 0.7], [0.8, 0.9, 1.0], sums, [4, 2])
+    assert c.mean_overlap == {"1": [0.25, 0.75, 0.5], "0.7": [1.0, 1.0, 1.1]}
+    assert c.factor == 0.9  # means over the temperatures: 0.625, 0.875, 0.8
+    tie = choose([1.0], [0.8, 1.0, 1.2], torch.tensor([[5.0, 5.0, 5.0]]), [10])
+    assert tie.factor == 1.0
+    with pytest.raises(ValueError):
+        choose([1.0], [1.0], torch.zeros(1, 1), [0])
+
+
+class Flattened:
+    """A draft whose logits are its target's times ``scale``: q at factor ``scale`` is exactly p."""
+
+    def __init__(self, target: ToyLM, scale: float) -> None:
+        self.target, self.scale = target, scale
+        self.vocab_size, self.max_length = target.vocab_size, target.max_length
+
+    def new_cache(self, max_length=None):  # noqa: ANN001, ANN201
+        return self.target.new_cache(max_length)
+
+    def forward(self, tokens, cache, *, last_only=False):  # noqa: ANN001, ANN201
+        return self.target.forward(tokens, cache, last_only=last_only) * self.scale
+
+
+@pytest.mark.parametrize("scale", [0.6, 0.85, 1.0, 1.15])
+def test_calibration_recovers_a_known_flattening(scale):
+    target = ToyLM(6, order=2, seed=5, scale=3.0)
+    gen = torch.Generator().manual_seed(0)
+    seqs = [(torch.randint(0, 6, (24,), generator=gen), 3, i % 2) for i in range(6)]
+    c = calibrate(target, Flattened(target, scale), seqs, [1.0, 0.7], FACTORS)
+    assert c.factor == pytest.approx(scale)
+    best = c.factors.index(c.factor)
+    assert c.mean_overlap["1"][best] == pytest.approx(1.0, abs=1e-5)
+    assert c.positions == {"1": 3 * 21, "0.7": 3 * 21} and c.sequences == 6
+
+
+@pytest.fixture(scope="module")
+def tiny_folder(tmp_path_factory):
+    return make_tiny(tmp_path_factory.mktemp("cal") / "m", seed=3, max_positions=64)
+
+
+def _err_line(err: str) -> str:
+    lines = [line for line in err.strip().splitlines() if line.startswith("specdec: error:")]
+    assert len(lines) == 1 and "Traceback" not in err, err
+    return lines[0]
+
+
+def test_the_command_writes_the_file_that_auto_reads(capsys, tiny_folder, tmp_path):
+    draft = tmp_path / "draft"
+    import shutil
+
+    shutil.copytree(tiny_folder, draft)
+    code = main(["train", "calibrate", "--target", str(tiny_folder), "--draft", str(draft), "--out", str(draft),
+                 "--prompts", "3", "--new-tokens", "5", "--temperatures", "1", "--factors", "0.8,1,1.25"])
+    out, err = capsys.readouterr()
+    assert code == 0, err
+    saved = json.loads((draft / CALIBRATION_FILE).read_text())
+    # the draft is its target (same weights): q = p at factor 1, so 1 wins with overlap 1
+    assert saved["temperature_factor"] == 1.0 and saved["factors"] == [0.8, 1.0, 1.25]
+    assert saved["mean_overlap"]["1"][1] == pytest.approx(1.0, abs=1e-4) and max(saved["mean_overlap"]["1"]) <= 1.0 + 1e-6
+    assert saved["positions"]["1"] > 0 and saved["sequences"] == 3 and "| 1 |" in out
+    # --draft-temperature-factor auto (the default) takes the folder's factor; a number overrides it
+    (draft / CALIBRATION_FILE).write_text(json.dumps({**saved, "temperature_factor": 0.7}))
+    target = Engine.build(EngineConfig(target=str(tiny_folder), draft="none")).target
+    assert Engine.attach(target, EngineConfig(target=str(tiny_folder), draft=str(draft))).drafter.temperature_factor == 0.7
+    both = Engine.attach(target, EngineConfig(target=str(tiny_folder), draft=f"{draft}+lookup", draft_temperature_factor="1.2"))
+    assert both.drafter.temperature_factor == 1.2 and both.drafter.model.temperature_factor == 1.2
+    plain = Engine.attach(target, EngineConfig(target=str(tiny_folder), draft=str(tiny_folder)))
+    assert plain.drafter.temperature_factor == 1.0  # no calibration file: 1
+    (draft / CALIBRATION_FILE).write_text(json.dumps({"temperature_factor": -1}))
+    code = main(["generate", "-p", "hi", "--target", str(tiny_folder), "--draft", str(draft), "-n", "2"])
+    assert code != 0 and "not a draft calibration" in _err_line(capsys.readouterr()[1])
+
+
+@pytest.mark.parametrize("argv, says", [
+    (["--factors", "0.8,x"], "--factors must be a comma list"),
+    (["--temperatures", "0"], "--temperatures must be positive"),
+    (["--factors", "0.5,200"], "temperature factor must be in"),
+    (["--prompts", "0"], "--prompts must be 1-144"),
+    (["--draft", "ngram"], "calibrate measures a draft model"),
+    (["--draft", "layerskip:1"], "calibrate measures a draft model"),
+])
+def test_the_command_refuses_bad_input(capsys, tiny_folder, tmp_path, argv, says):
+    code = main(["train", "calibrate", "--target", str(tiny_folder), "--draft", str(tiny_folder), "--out", str(tmp_path), *argv])
+    assert code != 0 and says in _err_line(capsys.readouterr()[1])
+
+
+@pytest.mark.parametrize("value, says", [("abc", "must be auto or a number"), ("0", "must be in (0, 100]"),
+                                         ("-1", "must be in"), ("inf", "must be in"), ("101", "must be in")])
+def test_generate_refuses_a_bad_factor(capsys, tiny_folder, value, says):
+    code = main(["generate", "-p", "hi", "--target", str(tiny_folder), "--draft", str(tiny_folder), "-n", "2",
+                 "--draft-temperature-factor", value])
+    assert code != 0 and says in _err_line(capsys.readouterr()[1])
+
+
+def test_a_factor_for_a_drafter_without_a_model_is_refused(capsys, tiny_folder):
+    code = main(["generate", "-p", "hi", "--target", str(tiny_folder), "--draft", "ngram", "-n", "2",
+                 "--draft-temperature-factor", "0.8"])
+    assert code != 0 and "drafts without a model" in _err_line(capsys.readouterr()[1])
