@@ -45,17 +45,18 @@ def setup(args: argparse.Namespace) -> tuple[list[float], list, Engine, Engine]:
 
 
 def rotated_runs(engines: dict[str, Engine], prompts: list, temps: list[float], repeats: int,
-                 max_new_tokens: int) -> Iterator[tuple[object, float, int, dict]]:
+                 max_new_tokens: int, method: str = "block",
+                 gamma: str | int = "auto") -> Iterator[tuple[object, float, int, dict]]:
     """The paired A/B loop the drafter scripts share, over ``engines`` (arm -> engine, the plain one
     first): one short warm-up call per arm, then for each repeat, temperature and prompt every arm
-    once (greedy verification at T = 0, block above it), in an order rotated per prompt and reversed
+    once (greedy verification at T = 0, ``method`` above it; ``gamma`` as ``--gamma``), in an order rotated per prompt and reversed
     on odd repeats, one seed per prompt and repeat shared by every arm (none at T = 0); yields
     ``(prompt, temperature, repeat, {arm: generation result})``."""
     arms = list(engines)
     first = engines[arms[0]]
 
     def run(arm: str, ids: list[int], cfg: SamplingConfig):  # noqa: ANN202
-        return engines[arm].decoder(get_rule("greedy" if cfg.greedy else "block")).generate(ids, cfg)
+        return engines[arm].decoder(get_rule("greedy" if cfg.greedy else method), gamma).generate(ids, cfg)
 
     warm = SamplingConfig(temperature=0.0, max_new_tokens=16)
     enc0 = first.encode(prompts[0].text, chat=prompts[0].chat)
