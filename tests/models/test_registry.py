@@ -31,6 +31,28 @@ def test_hub_ids_are_recognised():
     assert r.hub_id == "HuggingFaceTB/SmolLM2-135M" and r.folder is None
 
 
+def test_an_unreachable_hub_fails_at_once_and_only_the_cache_is_read(monkeypatch, tmp_path):
+    """No name resolution for the hub: the hub client is asked for the local cache only (online
+    it retries for ~50 s before failing), and the error says what happened."""
+    from transformers import AutoTokenizer
+
+    asked = []
+    real = AutoTokenizer.from_pretrained.__func__
+
+    def spy(cls, name, *args, **kwargs):  # noqa: ANN001, ANN202
+        asked.append(kwargs.get("local_files_only"))
+        return real(cls, name, *args, **kwargs)
+
+    monkeypatch.setattr(AutoTokenizer, "from_pretrained", classmethod(spy))
+    monkeypatch.delenv("HF_HUB_OFFLINE", raising=False)
+    monkeypatch.setenv("HF_HOME", str(tmp_path / "hf"))  # an empty cache
+    monkeypatch.setenv("HF_ENDPOINT", "https://hub.example.invalid")  # .invalid never resolves (RFC 2606)
+    assert registry._hub_host() == "hub.example.invalid" and not registry._hub_reachable()
+    with pytest.raises(ModelNotFoundError, match=r"hub \(hub.example.invalid\) cannot be reached .* not in the local cache"):
+        registry.load("someorg/not-a-model")
+    assert asked == [True]
+
+
 def test_chunk_assembly_checks_size(tmp_path, monkeypatch):
     parts = []
     for i in (1, 2):

@@ -48,10 +48,11 @@ class HFCausalLM:
         self.device = next(model.parameters()).device
 
     @classmethod
-    def from_folder(cls, folder: str, *, dtype: torch.dtype = torch.float32) -> "HFCausalLM":
+    def from_folder(cls, folder: str, *, dtype: torch.dtype = torch.float32, local_files_only: bool = False) -> "HFCausalLM":
+        """``folder``: a local folder or a hub id (``local_files_only``: the hub's local cache only)."""
         from transformers import AutoModelForCausalLM
 
-        return cls(AutoModelForCausalLM.from_pretrained(folder, dtype=dtype))
+        return cls(AutoModelForCausalLM.from_pretrained(folder, dtype=dtype, local_files_only=local_files_only))
 
     def new_cache(self, max_length: int | None = None) -> HFCache:
         from transformers import DynamicCache

@@ -261,6 +261,33 @@ def check_name(ref: str, *, also: str = "") -> None:
         raise _unknown(ref, also)
 
 
+def _hub_host() -> str:
+    from urllib.parse import urlparse
+
+    return urlparse(os.environ.get("HF_ENDPOINT") or "https://huggingface.co").hostname or "huggingface.co"
+
+
+def _hub_reachable(timeout_s: float = 5.0) -> bool:
+    """Whether the hub's host name resolves (within ``timeout_s``): without that no download can
+    work, and the hub client would retry for ~50 s before saying so."""
+    import socket
+    import threading
+
+    ok: list[bool] = []
+
+    def look() -> None:
+        try:
+            socket.getaddrinfo(_hub_host(), 443)
+            ok.append(True)
+        except OSError:
+            ok.append(False)
+
+    t = threading.Thread(target=look, daemon=True)
+    t.start()
+    t.join(timeout_s)
+    return bool(ok and ok[0])
+
+
 def _hub_id(ref: str) -> bool:
     """Whether ``ref`` reads as a Hugging Face hub id (``owner/name``)."""
     return "/" in ref and not ref.startswith((".", "/")) and ref.count("/") == 1
@@ -400,10 +427,18 @@ def load(
 
     resolved = resolve(ref)
     if resolved.folder is None:  # hub id
+        # the hub client retries an unreachable host for ~50 s: with no name resolution for it, read
+        # the local cache only and say so at once
+        offline = os.environ.get("HF_HUB_OFFLINE", "").strip().lower() in ("1", "true", "yes", "on") or not _hub_reachable()
         try:
-            tokenizer = AutoTokenizer.from_pretrained(resolved.hub_id)
-            model = HFCausalLM.from_folder(resolved.hub_id, dtype=dtype)
+            tokenizer = AutoTokenizer.from_pretrained(resolved.hub_id, local_files_only=offline)
+            model = HFCausalLM.from_folder(resolved.hub_id, dtype=dtype, local_files_only=offline)
         except Exception as exc:  # noqa: BLE001 - any hub failure is a user-facing "not found"
+            if offline and not os.environ.get("HF_HUB_OFFLINE"):
+                raise ModelNotFoundError(
+                    f"could not load {ref!r}: the Hugging Face hub ({_hub_host()}) cannot be reached from here"
+                    " and the model is not in the local cache; download it where there is a network, or pass a local folder"
+                ) from None
             first = (str(exc).strip().splitlines() or [""])[0][:200]
             raise ModelNotFoundError(
                 f"could not load {ref!r} from the Hugging Face hub ({type(exc).__name__}{': ' + first if first else ''});"
