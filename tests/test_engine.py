@@ -171,3 +171,15 @@ def test_the_package_exports_the_library_entry_points_lazily():
         specdec.Nope  # noqa: B018
     probe = "import sys, specdec; print('torch' in sys.modules)"
     assert subprocess.run([sys.executable, "-c", probe], capture_output=True, text=True, check=True).stdout.strip() == "False"
+
+
+def test_a_hub_id_runs_in_float_on_the_hf_backend():
+    """A hub id loads through transformers: auto means float32 there (not a quantised label the
+    loader would ignore), and asking for int8 / q4 is refused before anything loads."""
+    from specdec.engine import target_dtype
+
+    assert target_dtype(EngineConfig(target="someorg/some-model")) == (torch.float32, None)
+    assert target_dtype(EngineConfig(target="someorg/some-model", dtype="bfloat16")) == (torch.bfloat16, None)
+    for quant in ("int8", "q4"):
+        with pytest.raises(ConfigError, match="needs a local model"):
+            target_dtype(EngineConfig(target="someorg/some-model", dtype=quant))

@@ -82,10 +82,13 @@ class EngineConfig:
 
 def target_dtype(cfg: EngineConfig) -> tuple[torch.dtype, str | None]:
     """The target's float dtype and quantisation (see :attr:`EngineConfig.dtype`)."""
+    if cfg.dtype in QUANTS and registry.is_hub_ref(cfg.target):
+        raise ConfigError(f"--dtype {cfg.dtype} needs a local model (a hub id loads on the Hugging Face backend):"
+                          " download it and pass its folder, or use float32")
     if cfg.dtype == "auto":
         from specdec.models.linear import w8a8_available
 
-        native = cfg.backend != "hf"
+        native = cfg.backend != "hf" and not registry.is_hub_ref(cfg.target)
         if not (native and w8a8_available()):
             return target_dtype(replace(cfg, dtype="float32"))
         from specdec.models import kernels

@@ -293,6 +293,13 @@ def _hub_id(ref: str) -> bool:
     return "/" in ref and not ref.startswith((".", "/")) and ref.count("/") == 1
 
 
+def is_hub_ref(ref: str) -> bool:
+    """Whether :func:`resolve` takes ``ref`` as a hub id (not a registry name, not a local path);
+    such a model loads on the Hugging Face backend."""
+    ref = ref.strip()
+    return ref.lower() not in REGISTRY and not Path(ref).expanduser().exists() and _hub_id(ref)
+
+
 def _unknown(ref: str, also: str = "") -> ModelNotFoundError:
     known = ", ".join(sorted(REGISTRY))
     return ModelNotFoundError(f"unknown model {ref!r}: not a registry name ({known}), a local path, or a hub id"
