@@ -89,6 +89,8 @@ MIN_TEMPERATURE = 1e-3
 MAX_TEMPERATURE = 1e4
 #: the largest draft temperature factor accepted (see ``--draft-temperature-factor``)
 MAX_DRAFT_TEMPERATURE_FACTOR = 100.0
+#: the factors ``specdec train calibrate`` tries by default: 0.5, 0.55, ..., 1.2
+CALIBRATION_FACTORS = tuple(round(0.5 + 0.05 * i, 2) for i in range(15))
 #: repetition penalty bounds (1 = off)
 MIN_REPETITION_PENALTY = 1e-3
 MAX_REPETITION_PENALTY = 1e3

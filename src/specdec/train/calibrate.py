@@ -18,8 +18,7 @@ from typing import Any, Callable, Sequence
 import torch
 from torch import Tensor
 
-#: the factors tried by default: 0.5, 0.55, ..., 1.2
-FACTORS = tuple(round(0.5 + 0.05 * i, 2) for i in range(15))
+from specdec.defaults import CALIBRATION_FACTORS as FACTORS
 
 
 def overlap(target_logits: Tensor, draft_logits: Tensor, temperature: float, factor: float) -> Tensor:

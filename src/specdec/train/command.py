@@ -197,17 +197,11 @@ def add_parser(sub) -> None:  # noqa: ANN001 - argparse's subparsers action
     c.add_argument("--prompts", type=int, default=64, help="built-in training prompts (chat and code alternating, at most 144)")
     c.add_argument("--new-tokens", type=int, default=96, help="target continuation length per prompt")
     c.add_argument("--temperatures", default="1,0.7", help="comma list: every prompt is continued and scored at each")
-    c.add_argument("--factors", default=",".join(f"{f:g}" for f in _factors()), help="comma list of factors to try")
+    c.add_argument("--factors", default=",".join(f"{f:g}" for f in defaults.CALIBRATION_FACTORS), help="comma list of factors to try")
     c.add_argument("--seed", type=int, default=0, help="seed of the prompts' order and the sampling")
 
     for parser in tsub.choices.values():  # every option's help ends with its default
         parser.formatter_class = _WithDefaults
-
-
-def _factors() -> tuple[float, ...]:
-    from specdec.train.calibrate import FACTORS
-
-    return FACTORS
 
 
 class _WithDefaults(argparse.HelpFormatter):
