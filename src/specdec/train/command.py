@@ -197,7 +197,7 @@ def add_parser(sub) -> None:  # noqa: ANN001 - argparse's subparsers action
     c.add_argument("--prompts", type=int, default=64, help="built-in training prompts (chat and code alternating, at most 144)")
     c.add_argument("--new-tokens", type=int, default=96, help="target continuation length per prompt")
     c.add_argument("--temperatures", default="1,0.7", help="comma list: every prompt is continued and scored at each")
-    c.add_argument("--factors", default=",".join(f"{f:g}" for f in defaults.CALIBRATION_FACTORS), help="comma list of factors to try")
+    c.add_argument("--factors", help="comma list of factors to try (default: 0.5 to 1.2 in steps of 0.05)")
     c.add_argument("--seed", type=int, default=0, help="seed of the prompts' order and the sampling")
 
     for parser in tsub.choices.values():  # every option's help ends with its default
@@ -258,7 +258,8 @@ def _calibrate(args: argparse.Namespace) -> int:
     from specdec.train.kangaroo import continue_batched, training_prompts
 
     temps = _positive_floats(args.temperatures, "--temperatures")
-    factors = [check_temperature_factor(f) for f in _positive_floats(args.factors, "--factors")]
+    factors = [check_temperature_factor(f) for f in _positive_floats(args.factors, "--factors")] if args.factors \
+        else list(defaults.CALIBRATION_FACTORS)
     if not 1 <= args.prompts <= 144 or args.new_tokens < 1:
         raise ConfigError("--prompts must be 1-144 and --new-tokens >= 1")
     out = Path(args.out)
