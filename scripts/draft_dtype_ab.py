@@ -40,10 +40,7 @@ def main() -> int:
     for p, temp, rep, res in paired.rotated_runs({"plain": plain, **engines}, prompts, temps, args.repeats,
                                                     args.max_new_tokens):
         ref = res["plain"]
-        for a in dtypes:
-            s = res[a].stats
-            rows.append(paired.run_row(p, temp, rep, res[a], ref, dtype=a, first_acceptance=(
-                s.acceptance_per_position[0] if s.acceptance_per_position else None)))
+        rows += [paired.run_row(p, temp, rep, res[a], ref, dtype=a) for a in dtypes]
 
     gmean = paired.gmean
 

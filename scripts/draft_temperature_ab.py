@@ -58,10 +58,7 @@ def main() -> int:
                           [float(f) for f in factors])
             overlaps.append({"prompt": p.id, "category": p.category, "temperature": temp, "repeat": rep,
                              "positions": c.positions[f"{temp:g}"], "mean_overlap": c.mean_overlap[f"{temp:g}"]})
-        for f in factors:
-            s = res[f].stats
-            rows.append(paired.run_row(p, temp, rep, res[f], ref, factor=f, first_acceptance=(
-                s.acceptance_per_position[0] if s.acceptance_per_position else None)))
+        rows += [paired.run_row(p, temp, rep, res[f], ref, factor=f) for f in factors]
 
     gmean = paired.gmean
     lines = [f"{len(prompts)} prompts × {args.repeats} repeats, {args.max_new_tokens} tokens, {args.draft} over "

@@ -80,6 +80,7 @@ def run_row(prompt, temp: float, rep: int, result, ref, **extra) -> dict:  # noq
             "tok_s": s.tokens_per_s, "plain_tok_s": ref.stats.tokens_per_s, "speedup": s.tokens_per_s / ref.stats.tokens_per_s,
             "tokens_per_call": s.tokens_per_target_call,
             "draft_ms_per_token": 1e3 * s.draft_s / max(s.draft_tokens_proposed, 1),
+            "first_acceptance": s.acceptance_per_position[0] if s.acceptance_per_position else None,
             "same": result.tokens == ref.tokens, **extra}
 
 
