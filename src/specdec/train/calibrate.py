@@ -12,7 +12,7 @@ temperature, and the factor with the highest mean over the temperatures is chose
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import Any, Callable, Sequence
 
 import torch
@@ -83,5 +83,4 @@ def calibrate(target: Any, draft: Any, sequences: Sequence[tuple[Tensor, int, in
             counts[ti] += lt.shape[0]
             if progress:
                 progress(1)
-    out = choose(temperatures, factors, sums, counts)
-    return Calibration(**{**out.__dict__, "sequences": len(sequences)})
+    return replace(choose(temperatures, factors, sums, counts), sequences=len(sequences))
