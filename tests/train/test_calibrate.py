@@ -107,8 +107,11 @@ def test_the_command_writes_the_file_that_auto_reads(capsys, tiny_folder, tmp_pa
     (["--prompts", "0"], "--prompts must be 1-144"),
     (["--draft", "ngram"], "calibrate measures a draft model"),
     (["--draft", "layerskip:1"], "calibrate measures a draft model"),
+    (["--out", "TMP/a-file/sub"], "cannot make that folder"),
 ])
 def test_the_command_refuses_bad_input(capsys, tiny_folder, tmp_path, argv, says):
+    (tmp_path / "a-file").write_text("x")
+    argv = [a.replace("TMP", str(tmp_path)) for a in argv]
     code = main(["train", "calibrate", "--target", str(tiny_folder), "--draft", str(tiny_folder), "--out", str(tmp_path), *argv])
     assert code != 0 and says in _err_line(capsys.readouterr()[1])
 

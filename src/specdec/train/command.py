@@ -263,8 +263,10 @@ def _calibrate(args: argparse.Namespace) -> int:
     if not 1 <= args.prompts <= 144 or args.new_tokens < 1:
         raise ConfigError("--prompts must be 1-144 and --new-tokens >= 1")
     out = Path(args.out)
-    if out.exists() and not out.is_dir():
-        raise ConfigError(f"--out {args.out} is not a folder")
+    try:  # before anything loads
+        out.mkdir(parents=True, exist_ok=True)
+    except OSError as exc:
+        raise ConfigError(f"--out {args.out}: cannot make that folder ({exc.strerror or exc})") from None
     base, lookup, head = check_draft_name(args.draft)
     if lookup or head is not None or base.strip().lower() in NON_MODEL_DRAFTS or self_spec.parse_name(base) is not None:
         raise ConfigError(f"calibrate measures a draft model (a registry name or folder), not --draft {args.draft}")
@@ -285,11 +287,13 @@ def _calibrate(args: argparse.Namespace) -> int:
     bar = tqdm(total=len(seqs), desc="teacher-forced overlap", unit="seq")
     result = cal.calibrate(target.model, draft.model, seqs, temps, factors, progress=bar.update)
     bar.close()
-    out.mkdir(parents=True, exist_ok=True)
     payload = {**result.to_json(), "target": target.name, "draft": draft.name, "prompts": args.prompts,
                "new_tokens": args.new_tokens, "seed": args.seed, "seconds": round(time.perf_counter() - t0, 1),
                "torch": torch.__version__}
-    (out / CALIBRATION_FILE).write_text(json.dumps(payload, indent=1) + "\n")
+    try:
+        (out / CALIBRATION_FILE).write_text(json.dumps(payload, indent=1) + "\n")
+    except OSError as exc:
+        raise ConfigError(f"cannot write {out / CALIBRATION_FILE}: {exc.strerror or exc}") from None
     one = factors.index(1.0) if 1.0 in factors else None
     best = factors.index(result.factor)
     print("| T | " + " | ".join(f"{f:g}" for f in factors) + " |")
