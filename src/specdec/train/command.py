@@ -1,5 +1,6 @@
 """``specdec train``: ``data`` (target-sampled sequences + features), ``eagle`` / ``medusa`` / ``mtp``
-(draft heads), ``kangaroo`` (a Kangaroo adapter) and ``skip`` (search a layer-skipping draft)."""
+(draft heads), ``kangaroo`` (a Kangaroo adapter), ``skip`` (search a layer-skipping draft),
+``distill`` / ``online`` (the small draft) and ``calibrate`` (a draft's temperature factor)."""
 
 from __future__ import annotations
 
@@ -14,7 +15,7 @@ from specdec.errors import ConfigError
 
 def add_parser(sub) -> None:  # noqa: ANN001 - argparse's subparsers action
     p = sub.add_parser("train", help="train or search a drafter (skip: a layer-skipping self-speculative draft; "
-                       "kangaroo: an early-exit adapter)")
+                       "kangaroo: an early-exit adapter; calibrate: a draft's temperature factor)")
     tsub = p.add_subparsers(dest="train_command", metavar="METHOD", required=True)
     s = tsub.add_parser(
         "skip",
