@@ -54,6 +54,7 @@ def test_bench_runs_edge_cloud_and_streaming_over_the_proxy(result):
             assert s["ping_ms"] >= 30.0
     edge = [s for s in samples if s["mode"] == "edge_cloud"]
     assert all(s["cloud_calls"] >= 1 and s["draft_tokens_proposed"] > 0 for s in edge)
+    assert {s["draft_temperature_factor"] for s in edge} == {0.85}  # the shipped draft's calibration (auto)
     # greedy over the wire is exact: the same text as the cloud decoding alone
     by = {(s["rtt_ms"], s["method"]): s["text_sha1"] for s in samples if s["temperature"] == 0.0}
     assert by[(0.0, "greedy")] == by[(0.0, "cloud_streaming")] and by[(30.0, "greedy")] == by[(30.0, "cloud_streaming")]
@@ -71,6 +72,6 @@ def test_bench_report_of_a_real_run(result, tmp_path):
     greedy = [g for g in out["network"] if g.method == "greedy"]
     assert all(g.same_text == g.compared == 1 and g.speedup_vs_streaming for g in greedy)
     md = (tmp_path / "README.md").read_text()
-    assert "RTT emulation: **proxy**" in md
+    assert "RTT emulation: **proxy**" in md and "sampled at 0.85 × T" in md
     precision = result["config"]["draft_precision"]  # recorded by the run, said by the report
-    assert precision and (precision == "auto" or f"(draft dtype auto = {precision})" in md)
+    assert precision and (precision == "auto" or f"(draft dtype auto = {precision}, sampled at 0.85 × T)" in md)

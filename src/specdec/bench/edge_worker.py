@@ -190,6 +190,7 @@ def _edge_runner(job: Any, client: httpx.Client) -> tuple[Callable[[str], list[i
             "retries": r["retries"], "session_recreates": r["session_recreates"], "unverified_tokens": r["unverified_tokens"],
             "draft_tokens_proposed": st.draft_tokens_proposed, "draft_tokens_accepted": st.draft_tokens_accepted,
             "acceptance_rate": st.acceptance_rate, "mean_gamma": st.mean_gamma, "edge_draft_s": st.draft_s,
+            "draft_temperature_factor": st.draft_temperature_factor,
             "rule": r["method"], "lossless": out.lossless, "finish_reason": st.finish_reason, "text_sha1": text_sha1(out.text),
         }
 
