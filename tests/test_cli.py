@@ -226,6 +226,14 @@ def test_models_says_what_is_installed(capsys):
     assert "status: available (part of specdec)" in out
 
 
+def test_models_names_a_drafts_calibrated_temperature_factor(capsys):
+    code, out, _ = _run(capsys, "models", "--json")
+    factors = {row["name"]: row.get("draft_temperature_factor") for row in json.loads(out)}
+    assert factors["smollm2-135m-draft"] == 0.85 and factors["qwen2.5-coder-0.5b"] is None
+    code, out, _ = _run(capsys, "models")
+    assert "drafts at 0.85 x the temperature" in out
+
+
 def test_bench_help_documents_every_flag_and_its_default():
     from specdec.cli import build_parser
 

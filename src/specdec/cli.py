@@ -423,14 +423,26 @@ def _chat_loop(engine, args: argparse.Namespace, sampling: SamplingConfig, gamma
     return 0
 
 
+def _calibrated_factor(spec, status: str) -> float | None:  # noqa: ANN001 - a registry ModelSpec
+    """The draft temperature factor a bundled or prepared model's folder ships, if any."""
+    from specdec.engine import CALIBRATION_FILE, EngineConfig, draft_temperature_factor
+    from specdec.models.registry import resolve
+
+    if status not in ("bundled", "ready"):
+        return None
+    folder = resolve(spec.name, convert=False).folder
+    return draft_temperature_factor(EngineConfig(), folder) if folder and (folder / CALIBRATION_FILE).is_file() else None
+
+
 def _cmd_models(args: argparse.Namespace) -> int:
     from specdec.models.registry import REGISTRY, install_status
 
-    rows = [
-        {"name": s.name, "description": s.description, "default_draft": s.default_draft,
-         "install": getattr(s.source, "pip", lambda: "bundled")(), "license": s.license, "status": install_status(s)}
-        for s in REGISTRY.values()
-    ]
+    rows = []
+    for s in REGISTRY.values():
+        status = install_status(s)
+        rows.append({"name": s.name, "description": s.description, "default_draft": s.default_draft,
+                     "install": getattr(s.source, "pip", lambda: "bundled")(), "license": s.license, "status": status,
+                     "draft_temperature_factor": _calibrated_factor(s, status)})
     from specdec.drafters.self_spec import describe_families
 
     rows += describe_families()
@@ -445,6 +457,9 @@ def _cmd_models(args: argparse.Namespace) -> int:
         for r in rows:
             draft = f" (draft: {r['default_draft']})" if r["default_draft"] else ""
             print(f"{r['name']:<22} {r['description']}{draft}\n{'':<22} status: {said[r['status']]}")
+            if r.get("draft_temperature_factor") is not None:
+                print(f"{'':<22} drafts at {r['draft_temperature_factor']:g} x the temperature (its draft_calibration.json;"
+                      " --draft-temperature-factor overrides it)")
             if r["status"] == "missing":
                 print(f"{'':<22} install: {r['install']}")
     return 0
