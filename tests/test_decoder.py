@@ -122,7 +122,8 @@ def test_coupled_equals_plain_seeded_sampling():
     """Drafter-invariance: same seed => same tokens, for any drafter and γ."""
     target = ToyLM(8, order=2, seed=11)
     cfg = SamplingConfig(temperature=1.0, top_p=0.95, repetition_penalty=1.2, max_new_tokens=30)
-    drafters = [ModelDrafter(target.perturbed(0.5, seed=1)), ModelDrafter(target.perturbed(3.0, seed=2)), NgramDrafter()]
+    drafters = [ModelDrafter(target.perturbed(0.5, seed=1)), ModelDrafter(target.perturbed(3.0, seed=2)), NgramDrafter(),
+                ModelDrafter(target.perturbed(0.5, seed=1), temperature_factor=0.6)]  # a sharper draft: the same tokens
     for seed in range(10):
         c = SamplingConfig(**{**cfg.__dict__, "seed": seed})
         ref = _plain(c, "coupled", target=target)
