@@ -16,7 +16,7 @@ import torch
 from torch import Tensor
 
 from specdec import defaults
-from specdec.drafters.base import Draft, Drafter, DraftSampler, feature_taps, temperature_factor
+from specdec.drafters.base import Draft, Drafter, DraftSampler, draft_config, feature_taps, temperature_factor
 from specdec.errors import ConfigError
 from specdec.drafters.tree_builder import TreeSpec
 from specdec.gamma import FixedGamma, GammaController
@@ -181,7 +181,7 @@ class SpeculativeDecoder:
         proposed_so_far = accepted_so_far = 0
         free_drafts = hasattr(drafter, "update_free")  # a hybrid: prompt lookup in front of a model
         observe_pass = getattr(drafter, "observe_pass", None)  # ... whose lookup controller learns pass costs
-        factor = temperature_factor(drafter)  # the drafter's calibration: it samples at factor x T
+        draft_cfg = draft_config(cfg, temperature_factor(drafter))  # the drafter samples at its factor x T
         while len(generated) < max_new:
             remaining = max_new - len(generated)
             t0 = time.perf_counter()
@@ -197,7 +197,7 @@ class SpeculativeDecoder:
             draft = empty
             if asked:
                 sampler = DraftSampler(
-                    cfg,
+                    draft_cfg,
                     rule.draft_sampling,
                     penalties=penalties,
                     generator=draft_gen,
@@ -206,7 +206,6 @@ class SpeculativeDecoder:
                     q_top_k=self.q_top_k,
                     min_confidence=self.min_confidence,
                     room=limit,
-                    temperature_factor=factor,
                 )
                 if tree is not None and g > 0:
                     draft = drafter.propose_tree(verifier.context, g, sampler, tree, max_depth=remaining - 1)  # type: ignore[attr-defined]

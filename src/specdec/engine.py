@@ -239,12 +239,23 @@ def parse_temperature_factor(value: str | float) -> str | float:
     return check_temperature_factor(value)
 
 
+def samples_no_model(draft: str) -> bool:
+    """Whether ``--draft`` names a drafter that samples from no model (``none``, ``ngram``, ``lookahead``)."""
+    return split_lookup(draft)[0].strip().lower() in MODEL_FREE_DRAFTS
+
+
 def check_factor_applies(kind: str, value: str | float) -> None:
     """A draft temperature factor other than auto or 1 for a drafter that samples from no model
-    (``none``, ``ngram``, ``lookahead``) is refused: it would do nothing."""
-    if kind.strip().lower() in MODEL_FREE_DRAFTS and parse_temperature_factor(value) not in ("auto", 1.0):
+    is refused: it would do nothing."""
+    if samples_no_model(kind) and parse_temperature_factor(value) not in ("auto", 1.0):
         raise ConfigError(f"--draft {kind} drafts without a model's distribution: a draft temperature factor"
                           " applies to drafters that sample from a model")
+
+
+def factor_for(draft: str, value: str | float) -> str | float:
+    """``value`` for a drafter that samples from a model, else ``auto``: how a benchmark applies one
+    ``--draft-temperature-factor`` to several drafters (or to a server without one)."""
+    return "auto" if samples_no_model(draft) else value
 
 
 def draft_temperature_factor(cfg: EngineConfig, folder: Path | None) -> float:

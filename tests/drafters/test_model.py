@@ -379,6 +379,8 @@ def test_the_batching_scheduler_runs_compact_and_whole_row_items_in_one_pass(tin
 def test_a_temperature_factor_draws_from_and_reports_the_sharper_q():
     from dataclasses import replace
 
+    from specdec.drafters.base import draft_config
+
     model = ToyLM(5, order=2, seed=3)
     ctx = torch.tensor([1, 2, 3])
     cfg = SamplingConfig(temperature=0.9, top_p=0.95, repetition_penalty=1.3)
@@ -387,8 +389,8 @@ def test_a_temperature_factor_draws_from_and_reports_the_sharper_q():
         d = ModelDrafter(model, temperature_factor=factor)
         d.prepare(ctx)
         state = PenaltyState.start(ctx, 5)
-        sampler = DraftSampler(cfg, "multinomial", penalties=state, generator=torch.Generator().manual_seed(0),
-                               temperature_factor=factor)
+        sampler = DraftSampler(draft_config(cfg, factor), "multinomial", penalties=state,
+                               generator=torch.Generator().manual_seed(0))
         drafts[factor] = draft = d.propose(ctx, 3, sampler)
         hist, ref_state = ctx.tolist(), PenaltyState.start(ctx, 5)
         for i, tok in enumerate(draft.tokens.tolist()):

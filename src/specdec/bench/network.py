@@ -281,10 +281,12 @@ def run_group(
     processes: dict[str, dict],
 ) -> None:
     """One server for ``modes``; per RTT a link and one edge worker (``run_worker(job, env, prefix, name)``)."""
+    from specdec.engine import factor_for
+
     mode = "+".join(modes)
     served = server_draft(modes, draft)
     server = CloudServer(target, served, threads=threads, emulation=emulation, draft_dtype=draft_dtype, draft_vocab=draft_vocab,
-                         draft_temperature_factor=draft_temperature_factor if served != "none" else "auto")
+                         draft_temperature_factor=factor_for(served, draft_temperature_factor))
     if emulation.kind == "netem":
         subprocess.run(["bash", str(emulation.script), "up", "0"], check=True, capture_output=True, text=True)
     server_started = time.perf_counter()

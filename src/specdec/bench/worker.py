@@ -119,8 +119,7 @@ def run_engine(job: Job, prompts: list[Prompt]) -> None:
     speculative runs and in the same process ("plain_paired"), so that speed-ups compare runs
     taken seconds apart: on a shared machine the same decoding can drift by 10-20% over minutes.
     """
-    from specdec.drafters.hybrid import split_lookup
-    from specdec.engine import MODEL_FREE_DRAFTS, Engine, EngineConfig, load_draft
+    from specdec.engine import Engine, EngineConfig, factor_for, load_draft
     from specdec.verify import get_rule
 
     drafts = split_drafts(job.draft)
@@ -130,11 +129,9 @@ def run_engine(job: Job, prompts: list[Prompt]) -> None:
     elif job.mode == "plain":
         engine = Engine.build(EngineConfig(target=job.target, draft="none", dtype=job.dtype, batch_invariant=job.batch_invariant))
     else:
-        def factor(d: str) -> str:  # the factor applies to drafters that sample from a model
-            return "auto" if split_lookup(d)[0].strip().lower() in MODEL_FREE_DRAFTS else job.draft_temperature_factor
-
         cfgs = [EngineConfig(target=job.target, draft=d, dtype=job.dtype, draft_dtype=job.draft_dtype, draft_vocab=job.draft_vocab,
-                             draft_temperature_factor=factor(d), batch_invariant=job.batch_invariant) for d in drafts]
+                             draft_temperature_factor=factor_for(d, job.draft_temperature_factor),
+                             batch_invariant=job.batch_invariant) for d in drafts]
         engine = Engine.build(cfgs[0])
         # several drafters share the one loaded target; each is decoded on every prompt right after
         # the same plain_paired run, so their speed-ups are paired with the same reference

@@ -107,12 +107,10 @@ class DraftSampler:
         q_top_k: int | None = None,
         min_confidence: float = 0.0,
         room: int | None = None,
-        temperature_factor: float = 1.0,
     ) -> None:
-        #: the draft samples at ``temperature_factor`` x the request's temperature (a drafter's
-        #: calibration: a small draft is less sure than its target, and a sharper q agrees with p
-        #: more often).  Lossless for any factor: the rules see the q the tokens were drawn from.
-        self.cfg = draft_config(cfg, temperature_factor)
+        #: what the draft samples from: the request's config, or :func:`draft_config` of it (a
+        #: drafter's temperature factor); lossless either way, the rules see the q drawn from
+        self.cfg = cfg
         self.mode: DraftSampling = "argmax" if cfg.greedy else mode
         self.penalties = (
             penalties.copy()

@@ -49,7 +49,7 @@ class HeadDrafter:
     """What every head drafter shares: the feature stream, the embeddings, the vocabulary map."""
 
     supports_trees = False
-    #: the head samples at this factor x the request's temperature (see ``DraftSampler``)
+    #: the head samples at this factor x the request's temperature (see ``draft_config``)
     temperature_factor: float = 1.0
 
     def __init__(self, head: Any, embed: Tensor, *, name: str = "") -> None:

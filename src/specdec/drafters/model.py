@@ -24,11 +24,9 @@ class ModelDrafter:
     recovered or bonus token, plus the last draft token when all γ were accepted).
     """
 
-    #: the draft samples at this factor x the request's temperature (see ``DraftSampler``)
-    temperature_factor: float = 1.0
-
     def __init__(self, model: LanguageModel, *, max_length: int | None = None, temperature_factor: float = 1.0) -> None:
         self.model = model
+        #: the draft samples at this factor x the request's temperature (see ``draft_config``)
         self.temperature_factor = temperature_factor
         self.max_length = max_length
         self.cache: Cache | None = None

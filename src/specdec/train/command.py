@@ -234,16 +234,6 @@ def run(args: argparse.Namespace) -> int:
     raise ConfigError(f"unknown train method {args.train_command!r}")
 
 
-def _positive_floats(text: str, what: str) -> list[float]:
-    try:
-        values = [float(x) for x in text.split(",") if x.strip()]
-    except ValueError:
-        raise ConfigError(f"{what} must be a comma list of numbers, got {text!r}") from None
-    if not values or any(not 0 < v < float("inf") for v in values):
-        raise ConfigError(f"{what} must be positive numbers, got {text!r}")
-    return values
-
-
 def _calibrate(args: argparse.Namespace) -> int:
     import time
 
@@ -258,8 +248,8 @@ def _calibrate(args: argparse.Namespace) -> int:
     from specdec.train import calibrate as cal
     from specdec.train.kangaroo import continue_batched, training_prompts
 
-    temps = _positive_floats(args.temperatures, "--temperatures")
-    factors = [check_temperature_factor(f) for f in _positive_floats(args.factors, "--factors")] if args.factors \
+    temps = _floats(args.temperatures, "--temperatures", positive=True)
+    factors = [check_temperature_factor(f) for f in _floats(args.factors, "--factors", positive=True)] if args.factors \
         else list(defaults.CALIBRATION_FACTORS)
     if not 1 <= args.prompts <= 144 or args.new_tokens < 1:
         raise ConfigError("--prompts must be 1-144 and --new-tokens >= 1")
@@ -390,14 +380,17 @@ def _int_list(text: str, what: str) -> tuple[int, ...]:
     return values
 
 
-def _temperatures(text: str) -> tuple[float, ...]:
+def _floats(text: str, what: str, *, positive: bool = False) -> tuple[float, ...]:
+    """A comma list of finite numbers, each >= 0 (``positive``: > 0)."""
     try:
-        temps = tuple(float(x) for x in text.split(",") if x.strip())
+        values = tuple(float(x) for x in text.split(",") if x.strip())
     except ValueError:
-        raise ConfigError(f"--temperatures must be a comma list of numbers, got {text!r}") from None
-    if not temps or min(temps) < 0:
-        raise ConfigError("--temperatures needs at least one value >= 0")
-    return temps
+        raise ConfigError(f"{what} must be a comma list of numbers, got {text!r}") from None
+    if positive and (not values or any(not 0 < v < float("inf") for v in values)):
+        raise ConfigError(f"{what} must be positive numbers, got {text!r}")
+    if not values or any(not 0 <= v < float("inf") for v in values):
+        raise ConfigError(f"{what} needs at least one value >= 0")
+    return values
 
 
 def _data(args: argparse.Namespace) -> int:
@@ -408,7 +401,7 @@ def _data(args: argparse.Namespace) -> int:
     from specdec.models.registry import check_compatible, load, resolve
     from specdec.train.data import DataConfig, generate
 
-    temps = _temperatures(args.temperatures)
+    temps = _floats(args.temperatures, "--temperatures")
     if args.sequences < 1 or args.batch < 1 or not 0.0 <= args.chat_share <= 1.0:
         raise ConfigError("--sequences and --batch must be >= 1 and --chat-share in [0, 1]")
     cfg = DataConfig(target=args.target, sequences=args.sequences, chat_share=args.chat_share, temperatures=temps,
@@ -702,7 +695,7 @@ def _online(args: argparse.Namespace) -> int:
 
     from specdec.heads.modules import KINDS
 
-    temps = _temperatures(args.temperatures)
+    temps = _floats(args.temperatures, "--temperatures")
     add = () if args.add_layers.strip() == "none" else _int_list(args.add_layers, "--add-layers")
     heads = tuple(x.strip() for x in args.heads.split(",") if x.strip())
     if any(k not in KINDS for k in heads) or len(set(heads)) != len(heads):
