@@ -197,3 +197,43 @@ def test_argmax_last_is_argmax_ties_and_nan_included():
         assert torch.equal(argmax_last(x[0]), x[0].argmax(-1))
     x = torch.tensor([[1.0, float("nan"), 3.0, float("nan")], [2.0, 5.0, 5.0, -1.0]])
     assert argmax_last(x).tolist() == x.argmax(-1).tolist() == [1, 1]
+
+
+def test_sample_categorical_compiled_and_torch_paths_give_the_same_draws(monkeypatch):
+    """Once a model has loaded the kernels a draw is one compiled call (``sample_weights``); it
+    must return the torch version's token for the same generator state, and leave the generator
+    where the torch version leaves it: 3,000 rows (float32 and float64; 1 to 49,152 entries; flat,
+    sharp, with zeros, a single non-zero entry, all zeros, tiny weights) drawn with both paths."""
+    from specdec.models import kernels
+
+    if not kernels.load():
+        pytest.skip("the kernels did not build here")
+    g = torch.Generator().manual_seed(4)
+    real = torch.ops.specdec.sample_weights
+    for case in range(3000):
+        n = (1, 2, 5, 511, 512, 513, 4099, 49_152)[case % 8]
+        w = torch.softmax(torch.randn(n, generator=g) * (0.3, 3.0, 12.0)[case % 3], -1)
+        if case % 5 == 1:
+            w = w * (torch.rand(n, generator=g) < 0.3)
+        if case % 11 == 2:
+            w = torch.zeros(n)
+            w[int(torch.randint(n, (1,), generator=g))] = 0.25
+        if case % 13 == 3:
+            w = torch.zeros(n)
+        if case % 17 == 4:
+            w = w * 1e-30
+        if case % 2:
+            w = w.double()
+        mine, ref = torch.Generator().manual_seed(case), torch.Generator().manual_seed(case)
+        got = sample_categorical(w, mine)
+        with monkeypatch.context() as m:
+            m.setattr(kernels, "loaded", lambda: False)
+            want = sample_categorical(w, ref)
+        assert got == want, case
+        assert torch.equal(torch.rand(2, generator=mine, dtype=torch.float64), torch.rand(2, generator=ref, dtype=torch.float64))
+    # the compiled call really ran: it answers the same as the torch path for a draw by hand
+    w = torch.tensor([0.0, 0.5, 0.0, 0.25, 0.25])
+    assert [int(real(w, u)) for u in (0.0, 0.49, 0.5, 0.74, 0.75, 0.99, 1.0)] == [1, 1, 3, 3, 4, 4, 4]
+    w = torch.zeros(1025, dtype=torch.float64)  # across the search's 512-entry chunks
+    w[511], w[512], w[1000] = 1.0, 1.0, 2.0
+    assert [int(real(w, u)) for u in (0.0, 0.2, 0.25, 0.3, 0.49, 0.5, 0.99)] == [511, 511, 512, 512, 512, 1000, 1000]

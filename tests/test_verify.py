@@ -244,3 +244,91 @@ def test_rule_registry():
     assert get_rule("lossy-ratio-threshold").name == "lossy_ratio_threshold"
     with pytest.raises(ConfigError, match="unknown verification method"):
         get_rule("nope")
+
+
+# ----------------------------------------------------------------------------- the compiled chain rules
+
+
+def _kernels():
+    from specdec.models import kernels
+
+    if not kernels.load():
+        pytest.skip("the kernels did not build here")
+    return kernels
+
+
+def _random_round(g: torch.Generator, gamma: int, vocab: int, kind: int) -> tuple[torch.Tensor, torch.Tensor | None, torch.Tensor]:
+    """Draft tokens, q [γ, V] (None: a deterministic drafter) and p [γ+1, V], float32: random laws,
+    some sharp, some with zero entries (truncated), some q equal to p, some one-hot."""
+    scale = (0.5, 2.0, 6.0)[kind % 3]
+    p = torch.softmax(torch.randn(gamma + 1, vocab, generator=g) * scale, -1)
+    q = torch.softmax(torch.randn(gamma, vocab, generator=g) * scale, -1)
+    if kind % 4 == 1:  # truncated laws: zeros in both
+        p = p * (torch.rand(p.shape, generator=g) < 0.6)
+        p[:, 0] += 1e-3
+        p = p / p.sum(-1, keepdim=True)
+        q = q * (torch.rand(q.shape, generator=g) < 0.6)
+        q[:, 0] += 1e-3
+        q = q / q.sum(-1, keepdim=True)
+    if kind % 5 == 2:  # the draft equals the target on its rows
+        q = p[:gamma].clone()
+    tokens = torch.multinomial(q, 1, generator=g).squeeze(1)
+    return tokens, (None if kind % 7 == 3 else q), p
+
+
+@pytest.mark.parametrize("rule", [token_verify, block_verify])
+def test_compiled_chain_rule_gives_the_torch_rules_verdicts(rule, monkeypatch):
+    """Once a model has loaded the kernels, a float32 chain's token / block verification is one
+    compiled call.  On 2,400 random rounds (γ 1-6, vocabularies of 2 to 49,152 words, sharp and
+    flat laws, zeros, q = p, one-hot q) with the same generator state it returns the torch rule's
+    verdict — kept length, tokens, mean acceptance (a statistic, summed in another order) — and
+    leaves the generator where the torch rule leaves it.  (Token verification is the same
+    arithmetic; block verification sums its residual masses in float64 rather than float32, so a
+    threshold may differ in its last bits: with these fixed seeds no decision lands that close.)"""
+    import specdec.verify as verify_mod
+
+    kernels = _kernels()
+    g = torch.Generator().manual_seed(11)
+    calls = []
+    real = verify_mod._compiled_chain
+    monkeypatch.setattr(verify_mod, "_compiled_chain", lambda *a, **k: calls.append(1) or real(*a, **k))
+    vocabs = (2, 3, 7, 50, 1000, 49_152)
+    for case in range(2400):
+        vocab = vocabs[case % len(vocabs)] if case % 40 else 49_152
+        if vocab == 49_152 and case % 40:
+            vocab = 1000  # the full vocabulary once in 40 rounds: the torch rule is slow there
+        tokens, q, p = _random_round(g, 1 + case % 6, vocab, case)
+        mine, ref = torch.Generator().manual_seed(case), torch.Generator().manual_seed(case)
+        got = rule(tokens, q, p, generator=mine)
+        with monkeypatch.context() as m:
+            m.setattr(kernels, "loaded", lambda: False)
+            want = rule(tokens, q, p, generator=ref)
+        assert (got.num_accepted, got.tokens.tolist()) == (want.num_accepted, want.tokens.tolist()), case
+        assert got.alpha_mean == pytest.approx(want.alpha_mean, rel=1e-12), case
+        assert torch.equal(torch.rand(2, generator=mine, dtype=torch.float64), torch.rand(2, generator=ref, dtype=torch.float64))
+    assert len(calls) == 2400  # every round took the compiled call
+
+
+N_COMPILED_LAW = 40_000  # rounds; 4^4 = 256 cells of ~156 expected outputs each
+
+
+@pytest.mark.parametrize("rule", [token_verify, block_verify])
+def test_compiled_chain_rule_law(rule):
+    """The compiled rules' outputs, completed as in Lemma 2 of Sun et al. (accepted prefix, the
+    next token, then fresh draws from p), follow p^{γ+1} (χ², N = 40,000, γ = 3, 4 tokens, float32
+    laws with a zero); the torch fallback is not involved.  A compiled rule that drew the next
+    token from p instead of the residual fails this test (checked by breaking it once)."""
+    _kernels()
+    p1 = torch.tensor([0.1, 0.4, 0.0, 0.5])
+    q1 = torch.tensor([0.4, 0.1, 0.3, 0.2])
+    gamma = 3
+    p, q = p1.expand(gamma + 1, 4).contiguous(), q1.expand(gamma, 4).contiguous()
+    g = torch.Generator().manual_seed(3)
+    drafts = torch.multinomial(q1, N_COMPILED_LAW * gamma, replacement=True, generator=g).view(-1, gamma)
+    fill = torch.multinomial(p1, N_COMPILED_LAW * gamma, replacement=True, generator=g).view(-1, gamma).tolist()
+    outputs = []
+    for i in range(N_COMPILED_LAW):
+        out = rule(drafts[i], q, p, generator=g).tokens.tolist()
+        outputs.append(tuple(out + fill[i][: gamma + 1 - len(out)]))
+    law = _iid_law(p1.double(), gamma + 1)
+    assert chi_square_pvalue(outputs, {k: v for k, v in law.items() if v > 0}) > ALPHA

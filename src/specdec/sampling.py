@@ -321,7 +321,8 @@ def process_logits(
     scores = penalised_logits(logits, cfg, state, draft)
     if cfg.greedy:
         return torch.nn.functional.one_hot(argmax_last(scores), scores.shape[-1]).to(scores.dtype)
-    scores = scores / cfg.temperature
+    if cfg.temperature != 1.0:  # x / 1 is x, bit for bit: the division's pass over [n, V] is skipped
+        scores = scores / cfg.temperature
     if cfg.top_k is not None and cfg.top_k < scores.shape[-1]:
         kth = scores.topk(cfg.top_k, dim=-1).values[:, -1:]  # [n, 1]
         scores = scores.masked_fill(scores < kth, -math.inf)
@@ -372,10 +373,14 @@ def sample_categorical(weights: Tensor, generator: torch.Generator | None) -> in
     """One draw from ``weights / weights.sum()`` by inverting the float64 CDF with one uniform.
 
     About 20x faster than ``torch.multinomial`` on a 49k vocabulary; zero-weight tokens can never
-    be drawn.
+    be drawn.  Where a model loaded the kernels, one compiled call computes the same CDF and search.
     """
-    cdf = weights.double().cumsum(0)
     u = torch.rand(1, generator=generator, dtype=torch.float64)
+    from specdec.models import kernels
+
+    if kernels.loaded() and weights.dim() == 1 and weights.is_contiguous() and weights.dtype in (torch.float32, torch.float64):
+        return int(torch.ops.specdec.sample_weights(weights, float(u)))  # the same bits in one pass (tested)
+    cdf = weights.double().cumsum(0)
     idx = int(torch.searchsorted(cdf, u * cdf[-1], right=True))
     return min(idx, weights.numel() - 1)
 

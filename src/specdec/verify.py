@@ -84,6 +84,31 @@ def _finish(draft_tokens: Tensor, n: int, last: Tensor, alpha: Tensor | None = N
     return Verdict(num_accepted=n, tokens=torch.cat([draft_tokens[:n], last.reshape(1)]), alpha_mean=mean)
 
 
+def _compiled(target_probs: Tensor) -> bool:
+    """Whether a chain's token / block verification runs as one compiled call here: a model
+    loaded the kernels in this process and the rows are float32 (as processed logits are)."""
+    from specdec.models import kernels
+
+    return kernels.loaded() and target_probs.dtype == torch.float32
+
+
+def _compiled_chain(draft_tokens: Tensor, draft_probs: Tensor | None, target_probs: Tensor,
+                    generator: torch.Generator | None, *, block: bool) -> Verdict:
+    """:func:`token_verify` / :func:`block_verify` in one compiled call (``csrc/rules.cpp``).
+
+    The randomness is what the torch version draws (γ uniforms for the rule, then one for the next
+    token: one call, the same numbers), and every step is the torch version's own arithmetic,
+    except that block verification sums each residual's mass in float64 where the torch version
+    sums in float32 (a threshold may differ in its last bits) and the mean acceptance (a
+    statistic) is summed in order.  Tested against the torch rules verdict for verdict."""
+    gamma = _check_shapes(draft_tokens, draft_probs, target_probs)
+    q = _as_probs(draft_probs, draft_tokens, target_probs.shape[1], target_probs.dtype)
+    uniforms = torch.rand(gamma + 1, generator=generator, dtype=torch.float64)  # [γ+1]: η_1..η_γ, then the draw's
+    n, emitted, alpha_mean = torch.ops.specdec.chain_rule(
+        target_probs.contiguous(), q.to(torch.float32).contiguous(), draft_tokens.contiguous(), uniforms, block)
+    return Verdict(num_accepted=n, tokens=emitted, alpha_mean=alpha_mean)
+
+
 def greedy_verify(
     draft_tokens: Tensor,  # [γ] int64
     draft_probs: Tensor | None,  # unused: greedy needs only the target's arg-max
@@ -170,6 +195,8 @@ def token_verify(
     """
     if draft_tokens.numel() == 0:
         return _undrafted(draft_tokens, draft_probs, target_probs, generator)
+    if _compiled(target_probs):
+        return _compiled_chain(draft_tokens, draft_probs, target_probs, generator, block=False)
     plan = token_plan(draft_tokens, draft_probs, target_probs)
     u = torch.rand(plan.stop.numel(), generator=generator, dtype=torch.float64)
     n = _leading_true(u < plan.stop)
@@ -191,6 +218,8 @@ def block_verify(
     """
     if draft_tokens.numel() == 0:
         return _undrafted(draft_tokens, draft_probs, target_probs, generator)
+    if _compiled(target_probs):
+        return _compiled_chain(draft_tokens, draft_probs, target_probs, generator, block=True)
     plan = block_plan(draft_tokens, draft_probs, target_probs)
     eta = torch.rand(plan.stop.numel(), generator=generator, dtype=torch.float64)
     hits = (eta < plan.stop).nonzero()

@@ -8,7 +8,8 @@ AVX-512 machine would otherwise never run) and for baseline ``x86-64`` (the port
 child processes (``SPECDEC_MARCH``), and every case is compared bit for bit with this process's
 build: 4-bit products of 1-8 rows with padded blocks, partial column groups, a gain and column
 factors; attention of head sizes 64 (the vector paths), 48 and 40 (the generic path with a
-tail), one row and a verification pass, a tree's paths.
+tail), one row and a verification pass, a tree's paths; a draw from a row of weights and token
+verification of a chain (``csrc/rules.cpp``).
 """
 
 from __future__ import annotations
@@ -58,6 +59,17 @@ def cases():
         paths = torch.tensor([[60, -1, -1], [60, 61, -1], [60, 62, -1], [60, 61, 63]])
         q = torch.randn(4, 9, d, generator=g) * d ** -0.5
         out[f"attend d {d} tree"] = ops.attend(q, k, v, 60, paths)
+    for n in (5, 513, 49152):  # a draw, and token verification (block's thresholds may round differently)
+        w = torch.softmax(torch.randn(n, generator=g) * 4, -1)
+        out[f"sample_weights {n}"] = torch.tensor([ops.sample_weights(w, u) for u in (0.0, 0.3, 0.7, 0.999999)])
+        for gamma in (1, 4):
+            p = torch.softmax(torch.randn(gamma + 1, n, generator=g) * 2, -1)
+            qd = torch.softmax(torch.randn(gamma, n, generator=g) * 2, -1)
+            tokens = torch.multinomial(qd, 1, generator=g).squeeze(1)
+            for uniforms in (torch.zeros(gamma + 1, dtype=torch.float64), torch.rand(gamma + 1, generator=g, dtype=torch.float64)):
+                kept, emitted, alpha_mean = ops.chain_rule(p, qd, tokens, uniforms, False)
+                out[f"token rule {n} gamma {gamma} u {float(uniforms.sum()):.3f}"] = torch.cat(
+                    [emitted.double(), torch.tensor([kept, alpha_mean], dtype=torch.float64)])
     return out
 """
 

@@ -22,6 +22,12 @@
   same bits alone, in a verification pass of any size or as a tree node (over its path, read in
   place: no cache shuffling).  It replaces the blocked ATen computation (``native._attend_rows``),
   whose bits differ: a process uses one or the other for every pass (``attention_kernel()``).
+* ``torch.ops.specdec.sample_weights`` and ``chain_rule`` (``csrc/rules.cpp``): a draw from a
+  row of weights, and token / block verification of a chain at T > 0, each in one call instead
+  of ~25 ATen calls over fresh buffers; the draw is bitwise the torch version's, the rules too
+  except block verification's thresholds, whose masses are summed in float64 (see the source).
+  Used by :func:`specdec.sampling.sample_categorical` and :mod:`specdec.verify` once a model has
+  loaded the library (``loaded()``).
 
 The sources are compiled with the system's C++ compiler (``$CXX``, ``c++``, ``g++`` or
 ``clang++``) against the installed torch, once per source / torch / CPU combination, into
@@ -45,7 +51,7 @@ from pathlib import Path
 
 import torch
 
-_SOURCES = tuple(Path(__file__).parent / "csrc" / name for name in ("q8.cpp", "q4.cpp", "f32.cpp", "attention.cpp", "layers.cpp", "keyed.cpp"))
+_SOURCES = tuple(Path(__file__).parent / "csrc" / name for name in ("q8.cpp", "q4.cpp", "f32.cpp", "attention.cpp", "layers.cpp", "keyed.cpp", "rules.cpp"))
 _HEADERS = (Path(__file__).parent / "csrc" / "specdec.h",)
 _FLAGS = ("-O3", "-std=c++20", "-shared", "-fPIC", "-fopenmp", "-ffp-contract=off", "-fno-fast-math", "-DNDEBUG")
 #: the ops' schemas, declared in Python when the library cannot be built, so TorchScript code that
