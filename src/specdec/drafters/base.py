@@ -66,6 +66,15 @@ class Draft:
         return torch.arange(-1, self.tokens.numel() - 1, dtype=torch.long)
 
 
+def _draws_compiled(q: Tensor, ids: Tensor) -> bool:
+    """Whether a compact draft row's draw and scatter run as one compiled call here: a model loaded
+    the kernels, the row [1, Vd] is float32 and its ids int64, both contiguous (as they come)."""
+    from specdec.models import kernels
+
+    return (kernels.loaded() and q.dtype == torch.float32 and q.is_contiguous()
+            and ids.dtype == torch.long and ids.is_contiguous())
+
+
 class DraftChain:
     """A chain draft being collected by a drafter: each drawn token and the q it came from."""
 
@@ -190,11 +199,15 @@ class DraftSampler:
             if vocab is None:
                 raise ValueError("compact draft rows drawn from q need the whole vocabulary's size")
             q = process_logits(logits, self.cfg)  # [1, Vd]
-            col = sample_categorical(q[0], self.generator)
-            if self.min_confidence > 0.0:
-                self.stop_requested = float(q[0, col]) < self.min_confidence
-            token = int(ids[col])
-            probs = full_probs(q, ids, vocab)[0]  # [V]
+            if self.min_confidence > 0.0 or not _draws_compiled(q, ids):
+                col = sample_categorical(q[0], self.generator)
+                if self.min_confidence > 0.0:
+                    self.stop_requested = float(q[0, col]) < self.min_confidence
+                token = int(ids[col])
+                probs = full_probs(q, ids, vocab)[0]  # [V]
+            else:  # the same draw and row in one compiled call (csrc/rules.cpp)
+                u = torch.rand(1, generator=self.generator, dtype=torch.float64)
+                token, probs = torch.ops.specdec.draw_scattered(q[0], ids, vocab, float(u))
         else:
             q = process_logits(logits, self.cfg, self.penalties)[0]  # [V]
             if self.cfg.constraint is not None and not bool(torch.isfinite(q).all()):

@@ -10,6 +10,12 @@
 //       u * cdf[-1], right=True), V - 1)`` (the CDF is the same sequential float64 sum; torch's
 //       CPU cumsum is sequential too, tested).  w: float32 or float64 [V], contiguous.
 //
+//   torch.ops.specdec.draw_scattered(q, ids, vocab, u) -> (int token, Tensor q_full)
+//       A draft token drawn from a row over a reduced draft vocabulary, and that row over the
+//       whole vocabulary: q float32 [Vd] (contiguous), ids int64 [Vd] its target ids; returns
+//       ids[sample_weights(q, u)] and q scattered into zeros [vocab] — bitwise what the torch
+//       version's draw, ids[col] and full_probs give.
+//
 //   torch.ops.specdec.chain_rule(p, q, tokens, uniforms, block) -> (int n, Tensor emitted, float alpha_mean)
 //       Token (block = False) or block (block = True) verification of one chain, given the
 //       target's processed rows p [γ+1, V] float32, the draft's q [γ, V] float32, the drafted
@@ -98,6 +104,24 @@ inline float relu(float r) {
 #else
   return (0.0f > r) ? 0.0f : r;
 #endif
+}
+
+std::tuple<int64_t, at::Tensor> draw_scattered(const at::Tensor& q, const at::Tensor& ids, int64_t vocab, double u) {
+  TORCH_CHECK(q.dim() == 1 && q.scalar_type() == at::kFloat && q.is_contiguous() && q.numel() > 0,
+              "draw_scattered: q must be contiguous float32 [Vd]");
+  TORCH_CHECK(ids.dim() == 1 && ids.numel() == q.numel() && ids.scalar_type() == at::kLong && ids.is_contiguous(),
+              "draw_scattered: ids must be contiguous int64 [Vd]");
+  const int64_t n = q.numel();
+  const float* qp = q.data_ptr<float>();
+  const int64_t* ip = ids.data_ptr<int64_t>();
+  at::Tensor full = at::zeros({vocab}, at::TensorOptions().dtype(at::kFloat));
+  float* fp = full.data_ptr<float>();
+  for (int64_t i = 0; i < n; ++i) {
+    TORCH_CHECK(ip[i] >= 0 && ip[i] < vocab, "draw_scattered: an id outside the vocabulary");
+    fp[ip[i]] = qp[i];
+  }
+  const int64_t col = draw(n, u, [qp](int64_t i) { return static_cast<double>(qp[i]); });
+  return {ip[col], full};
 }
 
 inline float residual(float w, float p, float q) {
@@ -209,5 +233,6 @@ std::tuple<int64_t, at::Tensor, double> chain_rule(const at::Tensor& p, const at
 
 TORCH_LIBRARY_FRAGMENT(specdec, m) {
   m.def("sample_weights(Tensor w, float u) -> int", &sample_weights);
+  m.def("draw_scattered(Tensor q, Tensor ids, int vocab, float u) -> (int, Tensor)", &draw_scattered);
   m.def("chain_rule(Tensor p, Tensor q, Tensor tokens, Tensor uniforms, bool block) -> (int, Tensor, float)", &chain_rule);
 }
