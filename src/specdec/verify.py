@@ -84,12 +84,14 @@ def _finish(draft_tokens: Tensor, n: int, last: Tensor, alpha: Tensor | None = N
     return Verdict(num_accepted=n, tokens=torch.cat([draft_tokens[:n], last.reshape(1)]), alpha_mean=mean)
 
 
-def _compiled(target_probs: Tensor) -> bool:
+def _compiled(target_probs: Tensor, draft_probs: Tensor | None) -> bool:
     """Whether a chain's token / block verification runs as one compiled call here: a model
-    loaded the kernels in this process and the rows are float32 (as processed logits are)."""
+    loaded the kernels in this process and both laws are float32 (as processed rows are; mixed
+    precisions would make the torch rule compute in float64)."""
     from specdec.models import kernels
 
-    return kernels.loaded() and target_probs.dtype == torch.float32
+    return (kernels.loaded() and target_probs.dtype == torch.float32
+            and (draft_probs is None or draft_probs.dtype == torch.float32))
 
 
 def _compiled_chain(draft_tokens: Tensor, draft_probs: Tensor | None, target_probs: Tensor,
@@ -105,7 +107,7 @@ def _compiled_chain(draft_tokens: Tensor, draft_probs: Tensor | None, target_pro
     q = _as_probs(draft_probs, draft_tokens, target_probs.shape[1], target_probs.dtype)
     uniforms = torch.rand(gamma + 1, generator=generator, dtype=torch.float64)  # [γ+1]: η_1..η_γ, then the draw's
     n, emitted, alpha_mean = torch.ops.specdec.chain_rule(
-        target_probs.contiguous(), q.to(torch.float32).contiguous(), draft_tokens.contiguous(), uniforms, block)
+        target_probs.contiguous(), q.contiguous(), draft_tokens.contiguous(), uniforms, block)
     return Verdict(num_accepted=n, tokens=emitted, alpha_mean=alpha_mean)
 
 
@@ -195,7 +197,7 @@ def token_verify(
     """
     if draft_tokens.numel() == 0:
         return _undrafted(draft_tokens, draft_probs, target_probs, generator)
-    if _compiled(target_probs):
+    if _compiled(target_probs, draft_probs):
         return _compiled_chain(draft_tokens, draft_probs, target_probs, generator, block=False)
     plan = token_plan(draft_tokens, draft_probs, target_probs)
     u = torch.rand(plan.stop.numel(), generator=generator, dtype=torch.float64)
@@ -218,7 +220,7 @@ def block_verify(
     """
     if draft_tokens.numel() == 0:
         return _undrafted(draft_tokens, draft_probs, target_probs, generator)
-    if _compiled(target_probs):
+    if _compiled(target_probs, draft_probs):
         return _compiled_chain(draft_tokens, draft_probs, target_probs, generator, block=True)
     plan = block_plan(draft_tokens, draft_probs, target_probs)
     eta = torch.rand(plan.stop.numel(), generator=generator, dtype=torch.float64)

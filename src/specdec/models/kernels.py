@@ -22,12 +22,14 @@
   same bits alone, in a verification pass of any size or as a tree node (over its path, read in
   place: no cache shuffling).  It replaces the blocked ATen computation (``native._attend_rows``),
   whose bits differ: a process uses one or the other for every pass (``attention_kernel()``).
-* ``torch.ops.specdec.sample_weights`` and ``chain_rule`` (``csrc/rules.cpp``): a draw from a
-  row of weights, and token / block verification of a chain at T > 0, each in one call instead
-  of ~25 ATen calls over fresh buffers; the draw is bitwise the torch version's, the rules too
-  except block verification's thresholds, whose masses are summed in float64 (see the source).
-  Used by :func:`specdec.sampling.sample_categorical` and :mod:`specdec.verify` once a model has
-  loaded the library (``loaded()``).
+* ``torch.ops.specdec.sample_weights``, ``draw_scattered`` and ``chain_rule``
+  (``csrc/rules.cpp``): a draw from a row of weights, a draft's draw from a reduced-vocabulary row
+  with its scatter into the whole vocabulary, and token / block verification of a chain at T > 0,
+  each in one call instead of up to ~25 ATen calls (each of which costs ~40-60 us more right after
+  a target pass than warm); the draws are bitwise the torch version's, the rules too except block
+  verification's thresholds, whose masses are summed in float64 (see the source).  Used by
+  :func:`specdec.sampling.sample_categorical`, :class:`specdec.drafters.base.DraftSampler` and
+  :mod:`specdec.verify` once a model has loaded the library (``loaded()``).
 
 The sources are compiled with the system's C++ compiler (``$CXX``, ``c++``, ``g++`` or
 ``clang++``) against the installed torch, once per source / torch / CPU combination, into
