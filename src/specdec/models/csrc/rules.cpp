@@ -44,7 +44,6 @@
 #endif
 
 #include <algorithm>
-#include <cmath>
 #include <cstdint>
 #include <tuple>
 #include <vector>
