@@ -3,6 +3,7 @@
 
     python scripts/rule_kernel_ab.py --temperatures 1 --repeats 2 --out benchmarks/NAME
     python scripts/rule_kernel_ab.py --draft smollm2-135m-draft --gamma 2 --out benchmarks/NAME
+    python scripts/rule_kernel_ab.py --method coupled --out benchmarks/NAME
 
 Not a test and not part of CI.  Four arms on the same loaded target and drafter: plain decoding
 and speculative decoding (γ auto, ``--method`` verification), each with the compiled draw and
@@ -13,7 +14,11 @@ rotated per prompt and reversed on odd repeats, with one seed per prompt and rep
 decoding draws the same tokens on both paths (the draw is bitwise the same: counted).  Speculative
 runs under γ auto do not: γ auto picks draft lengths from measured times, and with block or token verification
 another draft length consumes the seed's random numbers differently (the law is the same; the
-rules' own equality is what ``tests/test_verify.py`` checks).  Writes ``results.json`` and
+rules' own equality is what ``tests/test_verify.py`` checks).  With ``--method coupled`` (seeded
+sampling's rule) the switch is the compiled Gumbel-max draw alone (``csrc/keyed.cpp``'s
+``gumbel_argmax``; the keyed uniforms stay compiled in both arms, as they were before it), plain
+decoding is plain seeded sampling, and every arm must emit the same tokens: the seed fixes them
+whatever γ auto picks.  Writes ``results.json`` and
 ``README.md``: tokens per second per arm, the geometric mean of the per-run ratio compiled /
 torch, by category.
 """
@@ -26,14 +31,20 @@ import sys
 
 import paired
 
+from specdec import sampling
 from specdec.models import kernels
 
 
-class _Arm:
-    """An engine whose runs see ``kernels.loaded`` as ``compiled`` says (the rules' switch)."""
+def _no_compiled_gumbel(probs, seed, position):  # noqa: ANN001, ANN202, ARG001 - sampling._gumbel_compiled's signature
+    return None
 
-    def __init__(self, engine, compiled: bool) -> None:  # noqa: ANN001 - an Engine
-        self.engine, self.compiled = engine, compiled
+
+class _Arm:
+    """An engine whose runs see ``kernels.loaded`` as ``compiled`` says (the rules' switch), or,
+    with ``gumbel_only``, only the compiled Gumbel-max draw switched off when not ``compiled``."""
+
+    def __init__(self, engine, compiled: bool, gumbel_only: bool = False) -> None:  # noqa: ANN001 - an Engine
+        self.engine, self.compiled, self.gumbel_only = engine, compiled, gumbel_only
 
     def encode(self, *a, **k):  # noqa: ANN002, ANN003, ANN201
         return self.engine.encode(*a, **k)
@@ -44,13 +55,16 @@ class _Arm:
 
         class _Run:
             def generate(self, *ga, **gk):  # noqa: ANN002, ANN003, ANN201
-                real = kernels.loaded
+                real, real_gumbel = kernels.loaded, sampling._gumbel_compiled
                 if not arm.compiled:
-                    kernels.loaded = lambda: False
+                    if arm.gumbel_only:
+                        sampling._gumbel_compiled = _no_compiled_gumbel
+                    else:
+                        kernels.loaded = lambda: False
                 try:
                     return dec.generate(*ga, **gk)
                 finally:
-                    kernels.loaded = real
+                    kernels.loaded, sampling._gumbel_compiled = real, real_gumbel
 
         return _Run()
 
@@ -58,7 +72,8 @@ class _Arm:
 def main() -> int:
     ap = paired.parser(__doc__)
     ap.set_defaults(temperatures="1")
-    ap.add_argument("--method", default="block", choices=["block", "token"], help="the rule above T = 0")
+    ap.add_argument("--method", default="block", choices=["block", "token", "coupled"],
+                    help="the rule above T = 0 (coupled: switch the compiled Gumbel-max draw alone)")
     ap.add_argument("--gamma", default="auto", help="γ of the speculative arms: auto, or a fixed draft length "
                     "(with a drafter whose lengths do not depend on timing, e.g. the draft model alone, both arms "
                     "then draw the same tokens and compare the same work)")
@@ -67,8 +82,9 @@ def main() -> int:
     temps, prompts, engine, plain = paired.setup(args)
     if not kernels.loaded():
         raise SystemExit("the kernels did not load here: nothing to compare")
-    arms = {"plain-torch": _Arm(plain, False), "plain-compiled": _Arm(plain, True),
-            "spec-torch": _Arm(engine, False), "spec-compiled": _Arm(engine, True)}
+    only = args.method == "coupled"
+    arms = {"plain-torch": _Arm(plain, False, only), "plain-compiled": _Arm(plain, True, only),
+            "spec-torch": _Arm(engine, False, only), "spec-compiled": _Arm(engine, True, only)}
     rows = []
     for p, temp, rep, res in paired.rotated_runs(arms, prompts, temps, args.repeats, args.max_new_tokens,
                                                     method=args.method,
@@ -78,6 +94,7 @@ def main() -> int:
             rows.append({"prompt": p.id, "category": p.category, "temperature": temp, "repeat": rep, "kind": kind,
                          "torch_tok_s": t.stats.tokens_per_s, "compiled_tok_s": c.stats.tokens_per_s,
                          "ratio": c.stats.tokens_per_s / t.stats.tokens_per_s, "same": t.tokens == c.tokens,
+                         "same_as_plain": t.tokens == c.tokens == res["plain-compiled"].tokens,
                          "tokens_per_call": c.stats.tokens_per_target_call,
                          "plain_torch_tok_s": res["plain-torch"].stats.tokens_per_s})
     lines = [f"{len(prompts)} prompts × {args.repeats} repeats, {args.max_new_tokens} tokens, {args.draft} over "
@@ -98,7 +115,12 @@ def main() -> int:
                              f"{statistics.mean(r['compiled_tok_s'] for r in rs):.1f} | "
                              f"×{paired.gmean([r['ratio'] for r in rs]):.3f} | ×{sp_t:.3f} | ×{sp_c:.3f} | "
                              f"{sum(r['same'] for r in rs)}/{len(rs)} |")
-    paired.write_report(args.out, "Compiled chain rules and draws against the torch ops, end to end", {"rows": rows}, lines)
+    if only:
+        same = [r["same_as_plain"] for r in rows if r["kind"] == "spec"]
+        lines += ["", f"Speculative runs (both arms) equal to plain seeded sampling, token for token: {sum(same)}/{len(same)}."]
+    title = ("The compiled Gumbel-max draw against the torch ops, end to end" if only
+             else "Compiled chain rules and draws against the torch ops, end to end")
+    paired.write_report(args.out, title, {"rows": rows}, lines)
     return 0
 
 

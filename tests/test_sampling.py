@@ -181,6 +181,76 @@ def test_gumbel_sample_law():
     assert Counter(draws)[(1,)] == 0
 
 
+def _gumbel_torch(probs, seed, position, monkeypatch):  # gumbel_sample's torch ops alone
+    from specdec.models import kernels
+
+    with monkeypatch.context() as m:
+        m.setattr(kernels, "loaded", lambda: False)
+        return gumbel_sample(probs, seed, position)
+
+
+def test_gumbel_compiled_draws_the_torch_token(monkeypatch):
+    """The compiled Gumbel-max (``csrc/keyed.cpp``, used once a model has loaded the kernels) picks
+    the token the torch ops pick, on 1,800 rows: 49,152 and 1,000 words, float32 and float64, flat,
+    peaked and top-k-truncated laws, tiny (subnormal float32) entries, seeds beyond 64 bits and
+    negative ones, large positions.  It may decline a row (about one in 10^9); here it must answer
+    all but a handful, so a broken screen or logarithm shows as mismatches or refusals."""
+    from specdec.models import kernels
+    from specdec.sampling import _gumbel_compiled
+
+    if not kernels.load():
+        pytest.skip("the kernels did not build here")
+    g = torch.Generator().manual_seed(5)
+    declined = 0
+    for t in range(1_800):
+        vocab = 49_152 if t % 3 else 1_000
+        logits = torch.randn(vocab, generator=g) * (0.3, 1.0, 4.0, 12.0)[t % 4]
+        p = torch.softmax(logits, -1)
+        if t % 5 == 1:  # top-k: a few hundred ids with p > 0
+            keep = p.topk(1 + t % 300).indices
+            p = torch.zeros_like(p).index_put_((keep,), p[keep])
+        if t % 7 == 2:
+            p[t % vocab] = 1e-42  # a subnormal float32 entry
+        if t % 2:
+            p = p.double()
+        seed = (t * 7_919, -t - 1, 2**64 + t, 2**63 + t)[t % 4]
+        position = (t, 10**9 + t)[t % 2]
+        won = _gumbel_compiled(p, seed, position)
+        ref = _gumbel_torch(p, seed, position, monkeypatch)
+        if won is None:
+            declined += 1
+            assert gumbel_sample(p, seed, position) == ref  # then gumbel_sample runs the torch ops
+        else:
+            assert won == ref, (t, won, ref)
+    assert declined <= 2
+
+
+def test_gumbel_compiled_declines_what_it_cannot_vouch_for(monkeypatch):
+    """Rows where the margin argument does not hold go to the torch ops: two ids whose ratios
+    p / (-log u) are equal to the last bits (a near-tie built from the uniforms themselves), a NaN,
+    a negative and an infinite entry; gumbel_sample still returns the torch version's token."""
+    from specdec.models import kernels
+    from specdec.sampling import _gumbel_compiled
+
+    if not kernels.load():
+        pytest.skip("the kernels did not build here")
+    vocab, seed, position = 1_000, 17, 4
+    u = keyed_uniform(seed, position, None, vocab)  # [V] float64
+    e = -torch.log(u)
+    base = torch.full((vocab,), 1e-6, dtype=torch.float64)
+    assert _gumbel_compiled(base, seed, position) is not None
+    tie = base.clone()
+    tie[10], tie[20] = 0.3, 0.3 * float(e[20]) / float(e[10])  # r_10 == r_20 up to rounding
+    odd = []
+    for i, v in enumerate([math.nan, -0.5, math.inf]):
+        row = base.clone()
+        row[100 + i] = v
+        odd.append(row)
+    for row in [tie, *odd]:
+        assert _gumbel_compiled(row, seed, position) is None
+        assert gumbel_sample(row, seed, position) == _gumbel_torch(row, seed, position, monkeypatch)
+
+
 def test_argmax_last_is_argmax_ties_and_nan_included():
     """The fast arg-max every greedy path uses returns exactly what ``argmax(-1)`` returns: the first
     maximal index, on random rows, on rows full of ties (small integer values) and with NaN."""

@@ -424,7 +424,7 @@ def keyed_uniform(seed: int, position: int, ids: Tensor | None, vocab_size: int)
     (SplitMix64 finaliser), so the edge and the cloud draw the same numbers without sharing any
     RNG state, on any device or torch version.
     """
-    key = _splitmix64_int(_to_signed(seed) ^ _to_signed(position * 0x9E3779B1 + 0x1234567))
+    key = _noise_key(seed, position)
     from specdec.models import kernels
 
     if kernels.loaded():  # one compiled pass, the same bits (tested); ~10x faster over a whole vocabulary
@@ -444,12 +444,33 @@ def _splitmix64_int(x: int) -> int:
     return x ^ (x >> 31)
 
 
+def _noise_key(seed: int, position: int) -> int:
+    """The mixed (seed, position) key of :func:`keyed_uniform`, unsigned."""
+    return _splitmix64_int(_to_signed(seed) ^ _to_signed(position * 0x9E3779B1 + 0x1234567))
+
+
+def _gumbel_compiled(probs: Tensor, seed: int, position: int) -> int | None:
+    """:func:`gumbel_sample`'s token in one compiled pass (``csrc/keyed.cpp``), or ``None`` where
+    it does not run or cannot vouch for the torch ops' answer (about one row in 10^9; a NaN,
+    infinite or negative entry): it decides the arg-max only when it wins by a relative margin
+    that no rounding of the torch version's logarithms can close, so the token is the same."""
+    from specdec.models import kernels
+
+    if not (kernels.loaded() and probs.dim() == 1 and probs.is_contiguous() and probs.dtype in (torch.float32, torch.float64)):
+        return None
+    won = int(torch.ops.specdec.gumbel_argmax(probs, _to_signed(_noise_key(seed, position))))
+    return won if won >= 0 else None
+
+
 def gumbel_sample(probs: Tensor, seed: int, position: int) -> int:  # probs: [V]
     """Gumbel-max sample ``argmax_v log p(v) + G(seed, position, v)``, distributed as ``p``.
 
     Only tokens with ``p > 0`` can win, so the noise is drawn for the support alone: with top-p /
     top-k truncation this is a few hundred ids instead of the whole vocabulary.
     """
+    won = _gumbel_compiled(probs, seed, position)
+    if won is not None:
+        return won
     vocab = probs.shape[-1]
     support = probs.nonzero().squeeze(-1)  # [m]
     full = support.numel() == vocab

@@ -9,7 +9,7 @@ child processes (``SPECDEC_MARCH``), and every case is compared bit for bit with
 build: 4-bit products of 1-8 rows with padded blocks, partial column groups, a gain and column
 factors; attention of head sizes 64 (the vector paths), 48 and 40 (the generic path with a
 tail), one row and a verification pass, a tree's paths; a draw from a row of weights and token
-verification of a chain (``csrc/rules.cpp``).
+verification of a chain (``csrc/rules.cpp``); seeded sampling's Gumbel-max draw (``csrc/keyed.cpp``).
 """
 
 from __future__ import annotations
@@ -62,6 +62,7 @@ def cases():
     for n in (5, 513, 49152):  # a draw, and token verification (block's thresholds may round differently)
         w = torch.softmax(torch.randn(n, generator=g) * 4, -1)
         out[f"sample_weights {n}"] = torch.tensor([ops.sample_weights(w, u) for u in (0.0, 0.3, 0.7, 0.999999)])
+        out[f"gumbel_argmax {n}"] = torch.tensor([ops.gumbel_argmax(w, key) for key in (0, 7, -3, 2**62 + 1)])
         for gamma in (1, 4):
             p = torch.softmax(torch.randn(gamma + 1, n, generator=g) * 2, -1)
             qd = torch.softmax(torch.randn(gamma, n, generator=g) * 2, -1)

@@ -30,6 +30,10 @@
   verification's thresholds, whose masses are summed in float64 (see the source).  Used by
   :func:`specdec.sampling.sample_categorical`, :class:`specdec.drafters.base.DraftSampler` and
   :mod:`specdec.verify` once a model has loaded the library (``loaded()``).
+* ``torch.ops.specdec.keyed_uniform`` and ``gumbel_argmax`` (``csrc/keyed.cpp``): seeded
+  sampling's keyed uniforms (bitwise the torch version's), and its Gumbel-max draw in one pass
+  (:func:`specdec.sampling.gumbel_sample`), answered only when the winner leads by a margin no
+  rounding of the torch version's logarithms can close, so the token is the torch version's.
 
 The sources are compiled with the system's C++ compiler (``$CXX``, ``c++``, ``g++`` or
 ``clang++``) against the installed torch, once per source / torch / CPU combination, into
@@ -67,6 +71,7 @@ _SCHEMAS = (
     "q4_linear(Tensor x, Tensor gain, Tensor packed, int n_out, Tensor col) -> Tensor",
     "q4_isa() -> str",
     "keyed_uniform(int key, Tensor? ids, int vocab) -> Tensor",
+    "gumbel_argmax(Tensor probs, int key) -> int",
     "f32_pack(Tensor w) -> Tensor",
     "f32_linear(Tensor x, Tensor packed, int n_out) -> Tensor",
 )

@@ -6,12 +6,31 @@
 //
 //   torch.ops.specdec.keyed_uniform(key, ids, vocab) -> float64 [m]: key is the already mixed
 //       (seed, position) key as a signed 64-bit integer; ids int64 [m] (None: 0 .. vocab - 1)
+//
+//   torch.ops.specdec.gumbel_argmax(probs, key) -> int: the Gumbel-max draw of
+//       specdec.sampling.gumbel_sample, argmax_v log p(v) - log(-log u(v)) over the ids with
+//       p(v) > 0, decided without torch's logarithms, or -1 when this op cannot vouch for torch's
+//       answer (the caller then runs the torch ops).  probs: float32 or float64 [V], contiguous.
+//
+// How gumbel_argmax can return torch's token without torch's bits.  In exact arithmetic the key
+// log p - log(-log u) is log r with r = p / (-log u), so the winner is the id of the largest r.
+// Here r is computed in float64 with our own logarithm (relative error ~1e-15); the op answers
+// only when the largest r exceeds every other by a relative margin of 1e-9, and -1 otherwise
+// (also for a NaN, infinite or negative p).  Then the exact keys of the winner and of any other id
+// differ by more than 1e-9 - 1e-14, while torch's computed keys are within ~1e-13 of the exact
+// ones (each of its float64 logs is within an ulp or so, |key| < 150): torch's arg-max is the same
+// id, whichever logarithm (SLEEF's vector one or the C library's) it used for each entry.  A row
+// falls back with probability ~1e-9 (the gap between the two largest Gumbel keys has a bounded
+// density near 0).  One pass over the row (see gumbel_argmax_impl): the uniforms, and a log and a
+// division only for the few ids that could win.
 
 #include <ATen/ATen.h>
 #include <ATen/Parallel.h>
 #include <torch/library.h>
 
+#include <algorithm>
 #include <cstdint>
+#include <cstring>
 
 namespace {
 
@@ -48,8 +67,103 @@ at::Tensor keyed_uniform(int64_t key, const c10::optional<at::Tensor>& ids, int6
   return out;
 }
 
+// log(x) for a normal x > 0 in float64: x = 2^e * m with m in [sqrt(1/2), sqrt(2)), then
+// log m = 2 atanh(f), f = (m - 1) / (m + 1), |f| < 0.1716, by its series to f^25 (the next term is
+// below 1e-20 of the sum), and e ln 2 with ln 2 split in two so the sum rounds once.  Relative
+// error a few ulps (near x = 1 too: m - 1 is exact there); only branch-free arithmetic and bit
+// moves, so the loop below vectorises.
+inline double log_normal(double x) {
+  uint64_t b;
+  std::memcpy(&b, &x, 8);
+  int64_t e = static_cast<int64_t>(b >> 52) - 1023;
+  uint64_t mb = (b & 0x000FFFFFFFFFFFFFull) | 0x3FF0000000000000ull;  // m in [1, 2)
+  double m;
+  std::memcpy(&m, &mb, 8);
+  const bool big = m > 1.4142135623730951;
+  m = big ? m * 0.5 : m;
+  e += big ? 1 : 0;
+  const double f = (m - 1.0) / (m + 1.0), s = f * f;
+  double t = 1.0 / 25;
+  t = 1.0 / 23 + s * t;
+  t = 1.0 / 21 + s * t;
+  t = 1.0 / 19 + s * t;
+  t = 1.0 / 17 + s * t;
+  t = 1.0 / 15 + s * t;
+  t = 1.0 / 13 + s * t;
+  t = 1.0 / 11 + s * t;
+  t = 1.0 / 9 + s * t;
+  t = 1.0 / 7 + s * t;
+  t = 1.0 / 5 + s * t;
+  t = 1.0 / 3 + s * t;
+  const double lm = 2.0 * f + 2.0 * f * (s * t);
+  const double de = static_cast<double>(e);
+  return de * 6.93147180369123816490e-01 + (de * 1.90821492927058770002e-10 + lm);  // ln 2 = hi + lo
+}
+
+constexpr double kMargin = 1e-9;  // the relative gap gumbel_argmax needs between the two largest r
+constexpr int64_t kBlock = 512;
+
+// The largest r in one pass without a logarithm for most ids: -log u >= 1 - u, so r <= p / (1 - u),
+// and an id with p < t (1 - u), t the best r so far shrunk by the margin, can neither win nor come
+// within the margin of the winner (a product and a comparison, vectorised, per id).  Only the ids
+// that pass (all of the first block, then ~1 / max r, about one, per row on average: the sum of p
+// over the best r) get their log and division.  The top two r seen decide; r < 0 (u rounded to 1,
+// -log u = -0) sends the row back to torch like a NaN.
+#if defined(__x86_64__) && defined(__GNUC__) && !defined(__clang__)
+#define SPECDEC_WIDE __attribute__((target("prefer-vector-width=512")))  // GCC's default is 256 bits: ~20 % slower here
+#else
+#define SPECDEC_WIDE
+#endif
+
+template <typename T>
+SPECDEC_WIDE int64_t gumbel_argmax_impl(const T* p, int64_t n, uint64_t key) {
+  double us[kBlock];
+  unsigned char pass[kBlock];
+  double best = 0.0, second = 0.0;
+  int64_t arg = -1;
+  int bad = 0;
+  for (int64_t lo = 0; lo < n; lo += kBlock) {
+    const int64_t m = std::min(kBlock, n - lo);
+    const double t = best * (1.0 - kMargin);
+    int odd = 0;
+    for (int64_t j = 0; j < m; ++j) {  // vectorised: no branch, comparisons combined bitwise
+      const uint64_t bits = splitmix64(splitmix64(static_cast<uint64_t>(lo + j) + 0x5DEECE66Dull) ^ key);
+      const double u = (static_cast<double>(bits >> 11) + 0.5) * (1.0 / 9007199254740992.0);  // keyed_uniform's
+      const double v = static_cast<double>(p[lo + j]);
+      odd |= static_cast<int>(!(v >= 0.0)) | static_cast<int>(v > 1.7976931348623157e308);  // NaN, < 0, inf
+      us[j] = u;
+      pass[j] = static_cast<unsigned char>(static_cast<int>(v > 0.0) & static_cast<int>(v >= t * (1.0 - u)));
+    }
+    bad |= odd;
+    for (int64_t j = 0; j < m; ++j) {
+      if (!pass[j]) continue;
+      const double r = static_cast<double>(p[lo + j]) / -log_normal(us[j]);
+      bad |= static_cast<int>(!(r >= 0.0));
+      if (r > best) {
+        second = best;
+        best = r;
+        arg = lo + j;
+      } else if (r > second) {
+        second = r;
+      }
+    }
+  }
+  if (bad || !(best > 0.0) || !(second < best * (1.0 - kMargin))) return -1;
+  return arg;
+}
+
+int64_t gumbel_argmax(const at::Tensor& probs, int64_t key) {
+  TORCH_CHECK(probs.dim() == 1 && probs.is_contiguous() && probs.numel() > 0,
+              "gumbel_argmax: probs must be a contiguous, non-empty [V] row");
+  const uint64_t k = static_cast<uint64_t>(key);
+  if (probs.scalar_type() == at::kFloat) return gumbel_argmax_impl(probs.data_ptr<float>(), probs.numel(), k);
+  TORCH_CHECK(probs.scalar_type() == at::kDouble, "gumbel_argmax: probs must be float32 or float64");
+  return gumbel_argmax_impl(probs.data_ptr<double>(), probs.numel(), k);
+}
+
 }  // namespace
 
 TORCH_LIBRARY_FRAGMENT(specdec, m) {
   m.def("keyed_uniform(int key, Tensor? ids, int vocab) -> Tensor", &keyed_uniform);
+  m.def("gumbel_argmax(Tensor probs, int key) -> int", &gumbel_argmax);
 }
