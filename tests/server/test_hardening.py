@@ -276,6 +276,18 @@ def test_health_is_not_stale():
     assert client.get("/health").json()["sessions"] == 0
 
 
+def test_health_names_the_servers_drafter():
+    """/health says what the OpenAI endpoints speculate with, and "none" for plain decoding."""
+    from specdec.drafters.model import ModelDrafter
+
+    plain = TestClient(create_app(ToyLM(6, order=1, seed=0), settings=ServerSettings()), base_url="http://localhost")
+    assert plain.get("/health").json()["drafter"] == "none"
+    draft = ToyLM(6, order=1, seed=1)
+    app = create_app(ToyLM(6, order=1, seed=0), settings=ServerSettings(),
+                     drafter_factory=lambda: ModelDrafter(draft), drafter_name="toy-draft")
+    assert TestClient(app, base_url="http://localhost").get("/health").json()["drafter"] == "toy-draft"
+
+
 # ----------------------------------------------------------------------------- the access log
 
 

@@ -278,3 +278,6 @@ class Health(_Body):
     #: the target's numerics as it runs, e.g. "int8 (onednn)" or "float32": an edge that checks
     #: outputs against a local copy of the target must load it the same way
     precision: str | None = None
+    #: what the OpenAI endpoints draft with on the server ("none": plain decoding), as
+    #: ``specdec models`` names it; edge sessions draft on the edge whatever this says
+    drafter: str = "none"

@@ -337,7 +337,8 @@ def create_app(
     def health() -> Health:
         store.sweep()
         return Health(model=settings.model_name, vocab_size=ctx.model.vocab_size, max_context=ctx.model.max_length,
-                      sessions=len(store), precision=precision(ctx.model))
+                      sessions=len(store), precision=precision(ctx.model),
+                      drafter=ctx.drafter_name if ctx.drafter_factory is not None else "none")
 
     @app.get("/metrics", dependencies=guarded if settings.metrics_need_key else [], response_class=Response, responses={401: {"model": ErrorResponse}})
     def prometheus() -> Response:
