@@ -133,6 +133,22 @@ def test_prompt_bytes_that_are_not_utf8(capsys, monkeypatch):
     assert _read_text(b"a\r\nb\rc\n", "x") == "a\nb\nc\n"  # newlines as text-mode stdin gives them
 
 
+def test_the_prompt_as_a_plain_argument(capsys, tiny_pair):
+    """``specdec generate "TEXT"`` is ``--prompt TEXT``: the same tokens; both at once, or neither, is
+    a one-line error."""
+    target, draft = tiny_pair
+    base = ["--target", target, "--draft", draft, "-n", "6", "--json", "-t", "0"]
+    code, out, err = _run(capsys, "generate", "def f(x):", *base)
+    assert code == 0, err
+    code2, out2, err2 = _run(capsys, "generate", "-p", "def f(x):", *base)
+    assert code2 == 0, err2
+    assert json.loads(out)["token_ids"] == json.loads(out2)["token_ids"]
+    code, _, err = _run(capsys, "generate", "a", "-p", "b", *base)
+    assert code == 2 and "not both" in _one_error_line(err)
+    code, _, err = _run(capsys, "generate", *base)
+    assert code == 2 and "needs a prompt" in _one_error_line(err)
+
+
 def test_setup_refuses_a_drafter_name(capsys):
     code, _, err = _run(capsys, "setup", "layerskip:4")
     assert code == 2 and "needs no setup" in _one_error_line(err)

@@ -198,6 +198,7 @@ def build_parser() -> argparse.ArgumentParser:
     sub = parser.add_subparsers(dest="command", metavar="COMMAND", parser_class=_Parser)
 
     gen = sub.add_parser("generate", help="generate text with speculative decoding", description="Generate text. Streams to the terminal and prints a one-line summary, or prints one JSON object with --json.")
+    gen.add_argument("text", nargs="?", metavar="PROMPT", help="the prompt, as a plain argument (the same as --prompt)")
     gen.add_argument("--prompt", "-p", help="the prompt text ('-' reads stdin); required unless --interactive")
     gen.add_argument("--chat", action="store_true", help="wrap the prompt in the model's chat template")
     gen.add_argument("--system", help="system message for --chat / --interactive")
@@ -283,8 +284,12 @@ def _cmd_generate(args: argparse.Namespace) -> int:
                                 parse_tree_min_prob)
     from specdec.remote.command import remote_only_given
 
+    if args.text is not None:
+        if args.prompt is not None:
+            raise SpecdecError("give the prompt once: as PROMPT or as --prompt, not both")
+        args.prompt = args.text
     if args.prompt is None and not args.interactive:
-        raise SpecdecError("generate needs --prompt (or --interactive)")
+        raise SpecdecError("generate needs a prompt: specdec generate \"TEXT\", --prompt TEXT, or --interactive")
     stray = remote_only_given(args) if not args.remote else []
     if stray:
         raise SpecdecError(f"{', '.join(stray)} {'apply' if len(stray) > 1 else 'applies'} only to edge-cloud generation:"
