@@ -30,7 +30,7 @@ def command_line(argv: list[str], environ) -> str:  # noqa: ANN001 - a mapping s
 def add_parser(sub) -> None:  # noqa: ANN001 - argparse's subparsers action
     p = sub.add_parser(
         "bench",
-        help="benchmark plain, speculative and Hugging Face decoding on the same prompts",
+        help="benchmark plain and speculative decoding, Hugging Face, llama.cpp and edge-cloud runs on the same prompts",
         description="Run every mode (each in its own process) on the same prompts, sampling settings and seeds; "
         "write results.json, a Markdown summary (README.md) and PNG plots.",
     )

@@ -14,8 +14,9 @@ from specdec.errors import ConfigError
 
 
 def add_parser(sub) -> None:  # noqa: ANN001 - argparse's subparsers action
-    p = sub.add_parser("train", help="train or search a drafter (skip: a layer-skipping self-speculative draft; "
-                       "kangaroo: an early-exit adapter; calibrate: a draft's temperature factor)")
+    p = sub.add_parser("train", help="train or search a drafter (data: the target's own replies; distill / online: "
+                       "the small draft; eagle, medusa, mtp: heads on the target; skip: a layer-skipping "
+                       "self-speculative draft; kangaroo: an early-exit adapter; calibrate: a draft's temperature factor)")
     tsub = p.add_subparsers(dest="train_command", metavar="METHOD", required=True)
     s = tsub.add_parser(
         "skip",
