@@ -41,6 +41,13 @@ inline uint64_t splitmix64(uint64_t x) {
   return x ^ (x >> 31);
 }
 
+// The uniform of token id v under a mixed key: SplitMix64(SplitMix64(v + 0x5DEECE66D) ^ key), its top
+// 53 bits + 1/2, times 2^-53 (one definition for both ops below).
+inline double keyed_u(uint64_t v, uint64_t key) {
+  const uint64_t bits = splitmix64(splitmix64(v + 0x5DEECE66Dull) ^ key);
+  return (static_cast<double>(bits >> 11) + 0.5) * (1.0 / 9007199254740992.0);  // 2^-53
+}
+
 at::Tensor keyed_uniform(int64_t key, const c10::optional<at::Tensor>& ids, int64_t vocab) {
   TORCH_CHECK(vocab > 0, "keyed_uniform: the vocabulary must not be empty");
   const bool some = ids.has_value() && ids->defined();
@@ -60,8 +67,7 @@ at::Tensor keyed_uniform(int64_t key, const c10::optional<at::Tensor>& ids, int6
   at::parallel_for(0, n, 16384, [&](int64_t lo, int64_t hi) {
     for (int64_t i = lo; i < hi; ++i) {
       const uint64_t v = static_cast<uint64_t>(some ? ip[i] : i);
-      const uint64_t bits = splitmix64(splitmix64(v + 0x5DEECE66Dull) ^ k);
-      op[i] = (static_cast<double>(bits >> 11) + 0.5) * (1.0 / 9007199254740992.0);  // 2^-53
+      op[i] = keyed_u(v, k);
     }
   });
   return out;
@@ -127,8 +133,7 @@ SPECDEC_WIDE int64_t gumbel_argmax_impl(const T* p, int64_t n, uint64_t key) {
     const double t = best * (1.0 - kMargin);
     int odd = 0;
     for (int64_t j = 0; j < m; ++j) {  // vectorised: no branch, comparisons combined bitwise
-      const uint64_t bits = splitmix64(splitmix64(static_cast<uint64_t>(lo + j) + 0x5DEECE66Dull) ^ key);
-      const double u = (static_cast<double>(bits >> 11) + 0.5) * (1.0 / 9007199254740992.0);  // keyed_uniform's
+      const double u = keyed_u(static_cast<uint64_t>(lo + j), key);  // in [2^-54, 1], keyed_uniform's
       const double v = static_cast<double>(p[lo + j]);
       odd |= static_cast<int>(!(v >= 0.0)) | static_cast<int>(v > 1.7976931348623157e308);  // NaN, < 0, inf
       us[j] = u;
