@@ -68,3 +68,78 @@ def test_chunk_assembly_checks_size(tmp_path, monkeypatch):
     bad = registry.ModelSpec("chunky2", "x", spec.source, size=21)
     with pytest.raises(Exception, match="wrong size"):
         registry._assemble(bad, bad.source, tmp_path / "gguf2")
+
+
+_TEXTS = (
+    "Hello there, general. 12,345.67 — café naïve 東京 🙂",
+    "  leading spaces\n\n\ttabs and\r\nnew lines   ",
+    "<|im_start|>user\nHi<|im_end|>\n<|endoftext|> raw special tokens",
+    "def f(x):\n    return x ** 2  # code",
+    "",
+)
+
+
+def test_a_llama_folder_declaring_tokenizersbackend_loads_without_autotokenizer_and_the_same(monkeypatch):
+    """The shipped draft's tokenizer comes from TokenizersBackend directly (AutoTokenizer, which
+    first builds the model's config class, is not called) and behaves exactly as AutoTokenizer's:
+    the same class, vocabulary, special tokens, encodings, decodings and chat template."""
+    from transformers import AutoTokenizer
+
+    folder = registry.DATA_DIR / "smollm2-135m-draft"
+    assert registry.direct_tokenizer(folder)
+    reference = AutoTokenizer.from_pretrained(str(folder))
+    called = []
+    monkeypatch.setattr(AutoTokenizer, "from_pretrained", classmethod(lambda cls, *a, **k: called.append(a)))
+    tok = registry.load_tokenizer(folder)
+    assert called == []
+    assert type(tok) is type(reference)
+    assert tok.get_vocab() == reference.get_vocab()
+    assert tok.all_special_ids == reference.all_special_ids and tok.all_special_tokens == reference.all_special_tokens
+    assert (tok.eos_token_id, tok.bos_token_id, tok.pad_token_id, tok.unk_token_id) == (
+        reference.eos_token_id, reference.bos_token_id, reference.pad_token_id, reference.unk_token_id)
+    assert {i: str(t) for i, t in tok.added_tokens_decoder.items()} == {
+        i: str(t) for i, t in reference.added_tokens_decoder.items()}
+    for text in _TEXTS:
+        for special in (True, False):
+            ids = tok.encode(text, add_special_tokens=special)
+            assert ids == reference.encode(text, add_special_tokens=special)
+            for skip in (True, False):
+                assert tok.decode(ids, skip_special_tokens=skip) == reference.decode(ids, skip_special_tokens=skip)
+    messages = [{"role": "system", "content": "Be brief."}, {"role": "user", "content": _TEXTS[0]}]
+    for kwargs in ({"tokenize": False}, {"tokenize": True}):
+        assert tok.apply_chat_template(messages, add_generation_prompt=True, **kwargs) == \
+            reference.apply_chat_template(messages, add_generation_prompt=True, **kwargs)
+
+
+def test_the_direct_tokenizer_premise_holds_in_the_installed_transformers():
+    """For each model type loaded directly, AutoTokenizer keeps a declared TokenizersBackend: the
+    type has no tokenizer class of its own registered and is not one whose hub class it overrides."""
+    from transformers.models.auto.tokenization_auto import MODELS_WITH_INCORRECT_HUB_TOKENIZER_CLASS, TOKENIZER_MAPPING_NAMES
+
+    for model_type in registry.DIRECT_TOKENIZER_TYPES:
+        assert model_type not in MODELS_WITH_INCORRECT_HUB_TOKENIZER_CLASS
+        assert TOKENIZER_MAPPING_NAMES.get(model_type) in (None, "TokenizersBackend")
+
+
+@pytest.mark.parametrize("change", ["class", "model_type", "auto_map", "no tokenizer.json", "broken json"])
+def test_other_folders_go_through_autotokenizer(tmp_path, change):
+    import json
+    import shutil
+
+    src = registry.DATA_DIR / "smollm2-135m-draft"
+    for name in ("tokenizer.json", "tokenizer_config.json", "config.json"):
+        shutil.copy(src / name, tmp_path / name)
+    assert registry.direct_tokenizer(tmp_path)
+    declared = json.loads((tmp_path / "tokenizer_config.json").read_text())
+    config = json.loads((tmp_path / "config.json").read_text())
+    if change == "class":
+        declared["tokenizer_class"] = "GPT2Tokenizer"
+    elif change == "model_type":
+        config["model_type"] = "qwen2"  # AutoTokenizer overrides a hub class for qwen2
+    elif change == "auto_map":
+        declared["auto_map"] = {"AutoTokenizer": ["x.Tok", None]}
+    elif change == "no tokenizer.json":
+        (tmp_path / "tokenizer.json").unlink()
+    (tmp_path / "tokenizer_config.json").write_text(json.dumps(declared))
+    (tmp_path / "config.json").write_text("{" if change == "broken json" else json.dumps(config))
+    assert not registry.direct_tokenizer(tmp_path)

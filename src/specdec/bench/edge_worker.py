@@ -200,14 +200,11 @@ def _edge_runner(job: Any, client: httpx.Client) -> tuple[Callable[[str], list[i
 def _stream_runner(job: Any, client: httpx.Client, plain: bool) -> tuple[Callable[[str], list[int]], Callable[..., dict]]:
     """(encode, generate) for the streaming baselines (the same tokenizer as the edge's draft);
     ``plain``: the server decodes without a drafter."""
-    from transformers import AutoTokenizer
-
-    from specdec.models.registry import resolve
+    from specdec.drafters.hybrid import split_lookup
+    from specdec.models.registry import load_tokenizer, resolve
     from specdec.text import encode_prompt
 
-    from specdec.drafters.hybrid import split_lookup
-
-    tokenizer = AutoTokenizer.from_pretrained(str(resolve(split_lookup(job.draft)[0]).folder))
+    tokenizer = load_tokenizer(resolve(split_lookup(job.draft)[0]).folder)
     headers = {"Authorization": f"Bearer {job.api_key}", "Accept": "text/event-stream"}
 
     def encode(text: str, chat: bool) -> list[int]:

@@ -272,13 +272,11 @@ def run_llamacpp(job: Job, prompts: list[Prompt]) -> None:
     """llama.cpp alone (the ``llamacpp`` mode when no speculative worker hosts its rows)."""
     import json as _json
 
-    from transformers import AutoTokenizer
-
-    from specdec.models.registry import _eos_ids, resolve
+    from specdec.models.registry import _eos_ids, load_tokenizer, resolve
     from specdec.text import encode_prompt
 
     folder = resolve(job.target).folder
-    tokenizer = AutoTokenizer.from_pretrained(str(folder))
+    tokenizer = load_tokenizer(folder)
     eos = _eos_ids(folder, tokenizer, _json.loads((folder / "config.json").read_text()))
     llama = _llamacpp_runner(job, eos)
     encoded = {p.id: encode_prompt(tokenizer, p.text, chat=p.chat) for p in prompts}

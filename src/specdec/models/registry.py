@@ -430,13 +430,13 @@ def load(
     ``int8_kernel`` (``quant="int8"``): fbgemm | onednn | mixed | auto (see :func:`specdec.models.linear.int8_kernel`).
     ``quant="q4"``: 4-bit layer matrices, a GGUF's own blocks where the model comes as one.
     """
-    from transformers import AutoTokenizer
-
     from specdec.models.hf import HFCausalLM
     from specdec.models.native import SUPPORTED, NativeCausalLM
 
     resolved = resolve(ref)
     if resolved.folder is None:  # hub id
+        from transformers import AutoTokenizer
+
         # the hub client retries an unreachable host for ~50 s: with no name resolution for it, read
         # the local cache only and say so at once
         offline = os.environ.get("HF_HUB_OFFLINE", "").strip().lower() in ("1", "true", "yes", "on") or not _hub_reachable()
@@ -458,7 +458,7 @@ def load(
         return LoadedModel(resolved.name, model, tokenizer, None, "hf", _eos_ids(None, tokenizer, cfg))
     folder = resolved.folder
     cfg = json.loads((folder / "config.json").read_text())
-    tokenizer = _load_tokenizer(folder)
+    tokenizer = load_tokenizer(folder)
     has_safetensors = any(folder.glob("*.safetensors"))
     use_native = backend == "native" or (backend == "auto" and cfg.get("model_type") in SUPPORTED and has_safetensors)
     if use_native:
@@ -488,15 +488,44 @@ def _source_gguf(ref: str, resolved: ResolvedModel) -> Path | None:
 _TOKENIZER_FILES = ("tokenizer.json", "tokenizer.model", "vocab.json", "tokenizer_config.json")
 
 
-def _load_tokenizer(folder: Path) -> Any:
-    """The folder's tokenizer, or a one-line error naming the files a tokenizer needs."""
-    from transformers import AutoTokenizer
+#: model types for which a folder that declares transformers' ``TokenizersBackend`` (and no
+#: remote code) gets exactly that class from ``AutoTokenizer``: such a folder's tokenizer is loaded
+#: as that class directly.  ``AutoTokenizer`` first builds the model's config class, whose imports
+#: cost ~1.3 s on a 2-core CPU — most of a ``specdec generate``'s start-up after torch itself.
+#: A test checks the premise against the installed transformers (model types it overrides, such as
+#: qwen2, must stay out of this set) and that both loaders give the same tokenizer.
+DIRECT_TOKENIZER_TYPES = frozenset({"llama"})
 
+
+def direct_tokenizer(folder: Path) -> bool:
+    """Whether ``folder``'s tokenizer can be loaded as ``TokenizersBackend`` without ``AutoTokenizer``."""
+    try:
+        declared = json.loads((folder / "tokenizer_config.json").read_text())
+        model_type = json.loads((folder / "config.json").read_text()).get("model_type")
+    except (OSError, ValueError, AttributeError):
+        return False
+    return (
+        isinstance(declared, dict)
+        and declared.get("tokenizer_class") == "TokenizersBackend"
+        and "auto_map" not in declared
+        and model_type in DIRECT_TOKENIZER_TYPES
+        and (folder / "tokenizer.json").is_file()
+    )
+
+
+def load_tokenizer(folder: Path) -> Any:
+    """The folder's tokenizer, or a one-line error naming the files a tokenizer needs."""
     if not any((folder / name).is_file() for name in _TOKENIZER_FILES):
         raise ModelNotFoundError(
             f"{folder} has no tokenizer files ({', '.join(_TOKENIZER_FILES)}); copy the model's tokenizer there"
         )
     try:
+        if direct_tokenizer(folder):
+            from transformers.tokenization_utils_tokenizers import TokenizersBackend
+
+            return TokenizersBackend.from_pretrained(str(folder))
+        from transformers import AutoTokenizer
+
         return AutoTokenizer.from_pretrained(str(folder))
     except Exception as exc:  # noqa: BLE001 - an unreadable tokenizer is the user's folder, not a bug
         raise ModelNotFoundError(f"could not load the tokenizer in {folder} ({type(exc).__name__}: {exc})".splitlines()[0]) from None

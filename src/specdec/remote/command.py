@@ -87,7 +87,7 @@ def run_generate(args: argparse.Namespace, prompt: str, sampling: SamplingConfig
     from specdec.drafters import NgramDrafter, self_spec
     from specdec.drafters.hybrid import split_lookup
     from specdec.engine import EngineConfig, check_factor_applies, load_draft, model_drafter
-    from specdec.models.registry import resolve
+    from specdec.models.registry import load_tokenizer, resolve
     from specdec.remote.client import RemoteConfig
     from specdec.remote.edge import generate_remote
     from specdec.text import encode_prompt
@@ -112,7 +112,7 @@ def run_generate(args: argparse.Namespace, prompt: str, sampling: SamplingConfig
         if not args.tokenizer:
             raise ConfigError(f"--draft {kind} with --remote needs --tokenizer (a model name or folder with the target's tokenizer)")
         folder = resolve(args.tokenizer).folder
-        tokenizer = AutoTokenizer.from_pretrained(str(folder) if folder is not None else args.tokenizer)
+        tokenizer = load_tokenizer(folder) if folder is not None else AutoTokenizer.from_pretrained(args.tokenizer)
         eos = frozenset({tokenizer.eos_token_id} if tokenizer.eos_token_id is not None else set())
         drafter = NgramDrafter(max_ngram=defaults.NGRAM_MAX, min_ngram=defaults.NGRAM_MIN) if kind == "ngram" else None
         name = kind
