@@ -70,6 +70,26 @@ def test_mixed_kernel_is_bitwise_fbgemm_for_every_row_count(with_bias, with_smoo
         assert torch.equal(mixed.scaled(x[:n], x[:n, :1].abs() + 0.5), fb.scaled(x[:n], x[:n, :1].abs() + 0.5)), n
 
 
+@needs_w8a8
+def test_fbgemm_packing_is_made_on_first_use_and_gives_the_same_products():
+    """fbgemm's packed weight is made when a product first needs it (an LM head that only ever runs
+    on the few-row and wide kernels never packs it), then the quantised weight is released; the
+    products are bitwise those of a layer packed at once, before and after."""
+    g = torch.Generator().manual_seed(3)
+    w = torch.randn(96, 64, generator=g) * 0.05
+    x = torch.randn(40, 64, generator=g)
+    lazy, eager = W8A8Linear(w), W8A8Linear(w)
+    assert lazy._packed is None and lazy._qw is not None
+    assert eager.packed is not None and eager._qw is None
+    few = linear_mod.VNNI_ROWS if lazy.vnni is not None else 0
+    if few:  # few rows run on the VNNI kernel: still nothing packed for fbgemm
+        assert torch.equal(lazy(x[:few]), eager(x[:few]))
+        assert lazy._packed is None
+    assert torch.equal(lazy(x), eager(x))  # 40 rows: fbgemm
+    assert lazy._packed is not None and lazy._qw is None
+    assert torch.equal(lazy(x[:3]), eager(x[:3]))
+
+
 def test_onednn_is_refused_without_vnni(monkeypatch):
     """Without VNNI oneDNN's u8 x s8 pair sums saturate: the kernel is refused, fbgemm stays."""
     from specdec.errors import ConfigError

@@ -197,8 +197,8 @@ class W8A8Linear:
     at a time per model (the staging buffer is reused).
     """
 
-    __slots__ = ("packed", "bias", "inv_smooth", "in_features", "out_features", "_buf", "_views", "_reduce_range",
-                 "wide", "wide_rows", "vnni")
+    __slots__ = ("_packed", "_qw", "bias", "inv_smooth", "in_features", "out_features", "_buf", "_views",
+                 "_reduce_range", "wide", "wide_rows", "vnni")
 
     def __init__(self, weight: Tensor, bias: Tensor | None = None, *, smooth: Tensor | None = None,
                  wide: bool = False) -> None:
@@ -215,7 +215,11 @@ class W8A8Linear:
         with warnings.catch_warnings():  # torch marks its quantised tensors as deprecated (2.13)
             warnings.simplefilter("ignore")
             qw = torch.quantize_per_channel(w, scales, torch.zeros(n, dtype=torch.long), axis=0, dtype=torch.qint8)
-        self.packed = torch.ops.quantized.linear_prepack(qw, None)
+        # fbgemm's packing is made on first use (:attr:`packed`): a matrix with both the few-row
+        # kernel and the wide one (an LM head on an AMX CPU) never runs on fbgemm, and packing
+        # SmolLM2's head costs ~0.35 s of every start-up
+        self._packed: Tensor | None = None
+        self._qw: Tensor | None = qw
         self.bias = None if bias is None else bias.detach().float().contiguous()
         self.in_features, self.out_features = k, n
         self._reduce_range = not _has_vnni()
@@ -231,7 +235,16 @@ class W8A8Linear:
         #: [packed int8 weight, zero-point compensation, column scales] for the few-row kernel
         #: (kernels.q8_linear: bitwise fbgemm, products of up to VNNI_ROWS rows), None where it is absent
         self.vnni = vnni_packing(qw.int_repr()[:, :k], scales) if not self._reduce_range and vnni_available() else None
-        del qw
+
+    @property
+    def packed(self) -> Tensor:
+        """fbgemm's packed weight (``quantized.linear_prepack`` of the int8 weight [out, in + 2]),
+        made on first use; the quantised weight it is made from is then released."""
+        if self._packed is None:
+            assert self._qw is not None
+            self._packed = torch.ops.quantized.linear_prepack(self._qw, None)
+            self._qw = None
+        return self._packed
 
     def _staging(self, rows: int) -> Tensor:  # [rows, in + 2]: normalised rows, then +1, -1
         buf = torch.empty(rows, self.in_features + 2)
