@@ -10,12 +10,13 @@ import argparse
 import json
 import os
 import sys
-from typing import Sequence
+from typing import TYPE_CHECKING, Sequence
 
 from specdec import __version__, defaults
 from specdec.errors import SpecdecError
-from specdec.sampling import PRESETS, SamplingConfig, with_overrides
-from specdec.verify import method_names
+
+if TYPE_CHECKING:  # torch loads only once a command runs, not for --help
+    from specdec.sampling import SamplingConfig
 
 EXIT_USAGE = 2
 
@@ -37,7 +38,7 @@ def _positive_int(text: str) -> int:
 
 def _add_sampling(p: argparse.ArgumentParser) -> None:
     g = p.add_argument_group("sampling (applied identically to draft and target)")
-    g.add_argument("--preset", choices=sorted(PRESETS), help="start from a preset (the options below override it): 'guide' = T 1.0, top-p 0.9, repetition penalty 1.1; 'greedy' = T 0")
+    g.add_argument("--preset", choices=sorted(defaults.SAMPLING_PRESETS), help="start from a preset (the options below override it): 'guide' = T 1.0, top-p 0.9, repetition penalty 1.1; 'greedy' = T 0")
     g.add_argument("--temperature", "-t", type=float, help="0 = greedy (default 0)")
     g.add_argument("--top-k", type=int, help="keep the k most likely tokens (default: off)")
     g.add_argument("--top-p", type=float, help="nucleus sampling: keep the most likely tokens that make up this mass, in (0, 1] (default: off)")
@@ -131,6 +132,8 @@ def _text_arg(text: str, what: str) -> str:
 
 
 def _sampling_from(args: argparse.Namespace) -> SamplingConfig:
+    from specdec.sampling import PRESETS, SamplingConfig, with_overrides
+
     base = PRESETS[args.preset] if args.preset else SamplingConfig(temperature=0.0)
     return with_overrides(
         base,
@@ -205,7 +208,7 @@ def build_parser() -> argparse.ArgumentParser:
     gen.add_argument("--interactive", "-i", action="store_true",
                      help="multi-turn chat in the terminal: each line you type is a user turn, the history is kept (empty line or Ctrl-D ends)")
     _add_models(gen)
-    gen.add_argument("--method", "-m", help=f"verification rule: {', '.join(method_names())} (default: greedy at temperature 0; coupled with --seed; block otherwise)")
+    gen.add_argument("--method", "-m", help=f"verification rule: {', '.join(m.replace('_', '-') for m in defaults.VERIFICATION_METHODS)} (default: greedy at temperature 0; coupled with --seed; block otherwise)")
     gen.add_argument("--gamma", "-g", default=defaults.DEFAULT_GAMMA, help="draft length: an integer >= 1, 'auto' (cost-based, default) or 'guide' (start 6, range 3-12)")
     gen.add_argument("--tree", default=defaults.DEFAULT_TREE, help="token trees: 'chain' (default: one candidate per position), 'auto' (node budget chosen per round from measured cost and acceptance; falls back to a chain or to no drafting) or a node count N")
     gen.add_argument("--tree-min-prob", type=float, default=None, metavar="P",

@@ -75,6 +75,19 @@ LOOKAHEAD_PER_KEY = 8  # continuations kept per first token (most recent)
 DRAFT_SEED_OFFSET = 0x5EED
 #: seeds run 0 .. MAX_SEED everywhere (the command line, the library, both HTTP APIs)
 MAX_SEED = (1 << 63) - 1
+#: the verification rules, in the order help texts list them (``specdec.verify.RULES`` checks it
+#: holds exactly these): named here so that the command line's help needs no torch
+VERIFICATION_METHODS: tuple[str, ...] = (
+    "greedy", "token", "block", "coupled",
+    "lossy_resample_p", "lossy_strict_residual", "lossy_ratio_threshold", "lossy_p_threshold",
+)
+#: sampling presets (``--preset``): SamplingConfig fields each sets; the options given beside it override them
+SAMPLING_PRESETS: dict[str, dict[str, float]] = {
+    "guide": {"temperature": 1.0, "top_p": 0.9, "repetition_penalty": 1.1},
+    "greedy": {"temperature": 0.0},
+}
+#: default bound on an HTTP request body, in bytes (the server's setting may lower or raise it)
+MAX_BODY_BYTES = 1 << 20
 
 #: dynamic draft length: stop a draft after a token the drafter gives less than this probability
 MIN_CONFIDENCE = 0.0

@@ -157,8 +157,8 @@ def validate(cfg: SamplingConfig) -> None:
 
 
 #: A common preset: temperature 1.0, top-p 0.9, repetition penalty 1.1.
-GUIDE_PRESET = SamplingConfig(temperature=1.0, top_p=0.9, repetition_penalty=1.1)
-PRESETS: dict[str, SamplingConfig] = {"guide": GUIDE_PRESET, "greedy": SamplingConfig(temperature=0.0)}
+PRESETS: dict[str, SamplingConfig] = {name: SamplingConfig(**fields) for name, fields in defaults.SAMPLING_PRESETS.items()}
+GUIDE_PRESET = PRESETS["guide"]
 
 
 def with_overrides(cfg: SamplingConfig, **overrides: object) -> SamplingConfig:

@@ -25,6 +25,7 @@ from typing import Callable, Literal, Protocol
 import torch
 from torch import Tensor
 
+from specdec import defaults
 from specdec.errors import ConfigError
 from specdec.sampling import argmax_last, gumbel_sample, sample_categorical
 
@@ -373,6 +374,10 @@ RULES: dict[str, Rule] = {
 }
 
 
+if tuple(RULES) != defaults.VERIFICATION_METHODS:  # the command line lists the rules from defaults
+    raise AssertionError(f"verification rules {tuple(RULES)} differ from defaults.VERIFICATION_METHODS")
+
+
 def get_rule(name: str, **params: float) -> Rule:
     """Look a rule up by name (``lossy-ratio-threshold`` and ``lossy_ratio_threshold`` both work)."""
     key = name.strip().lower().replace("-", "_")
@@ -385,4 +390,5 @@ def get_rule(name: str, **params: float) -> Rule:
 
 
 def method_names() -> list[str]:
-    return [name.replace("_", "-") for name in RULES]
+    """The rules' names as the command line spells them (``lossy-resample-p``)."""
+    return [name.replace("_", "-") for name in defaults.VERIFICATION_METHODS]

@@ -233,7 +233,7 @@ def _llamacpp_args(args: argparse.Namespace) -> list[str]:
 def _network_args(args: argparse.Namespace, temps: list[float]) -> tuple[list[float], list[str]]:
     """Parsed and checked ``--rtts`` and ``--wires``."""
     from specdec.bench.network import wire_valid
-    from specdec.remote.protocol import WIRE_MODES
+    from specdec.remote.wire import WIRE_MODES
 
     rtts = _non_negative(args.rtts, "--rtts must be numbers of milliseconds", "an RTT must be >= 0 ms")
     wires = _csv(args.wires)

@@ -6,11 +6,13 @@ import argparse
 import json
 import os
 import sys
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from specdec.errors import ConfigError, SpecdecError
-from specdec.remote.protocol import WIRE_METHODS, WIRE_MODES
-from specdec.sampling import SamplingConfig
+from specdec.remote.wire import WIRE_METHODS, WIRE_MODES
+
+if TYPE_CHECKING:
+    from specdec.sampling import SamplingConfig
 
 API_KEY_ENV = "SPECDEC_API_KEY"
 

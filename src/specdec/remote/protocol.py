@@ -32,17 +32,9 @@ from typing import Annotated, Any, Literal, Union
 from pydantic import BaseModel, ConfigDict, Discriminator, Field, Tag, field_validator, model_validator
 
 from specdec import defaults
+from specdec.remote.wire import WIRE_METHODS, WIRE_MODES  # noqa: F401 - re-exported: the protocol's modes
 
 WireMode = Literal["greedy", "coupled", "sparse-q", "lossy-scalar"]
-WIRE_MODES: tuple[str, ...] = ("greedy", "coupled", "sparse-q", "lossy-scalar")
-
-#: rules each wire mode may run on the cloud, the first being the default
-WIRE_METHODS: dict[str, tuple[str, ...]] = {
-    "greedy": ("greedy",),
-    "coupled": ("coupled",),
-    "sparse-q": ("block", "token"),
-    "lossy-scalar": ("lossy_resample_p", "lossy_strict_residual", "lossy_ratio_threshold", "lossy_p_threshold"),
-}
 
 #: a row of q may sum to at most 1 + this (float32 rounding of a renormalised top-k)
 ROW_SUM_SLACK = 1e-4
@@ -51,8 +43,7 @@ MAX_PROMPT_TOKENS = 1 << 20
 MAX_TOKEN_ID = (1 << 31) - 1
 MAX_SEQ = (1 << 62) - 1
 MAX_SEED = defaults.MAX_SEED
-#: default bound on a request body, in bytes (the server's setting may lower or raise it)
-DEFAULT_MAX_BODY_BYTES = 1 << 20
+DEFAULT_MAX_BODY_BYTES = defaults.MAX_BODY_BYTES
 
 TokenId = Annotated[int, Field(strict=True, ge=0, le=MAX_TOKEN_ID)]
 Prob = Annotated[float, Field(strict=True, ge=0.0, le=1.0 + ROW_SUM_SLACK, allow_inf_nan=False)]

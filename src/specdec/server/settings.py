@@ -8,7 +8,6 @@ from typing import TYPE_CHECKING
 
 from specdec import defaults
 from specdec.errors import ConfigError
-from specdec.remote.protocol import DEFAULT_MAX_BODY_BYTES
 
 if TYPE_CHECKING:
     from specdec.server.scheduler import SchedulerConfig
@@ -24,7 +23,7 @@ class ServerSettings:
     model_name: str = "target"
     max_sessions: int = 64  # the least recently used idle session is evicted past this
     session_ttl_s: float = 900.0  # idle sessions are dropped after this
-    max_body_bytes: int = DEFAULT_MAX_BODY_BYTES
+    max_body_bytes: int = defaults.MAX_BODY_BYTES
     max_gamma: int = defaults.MAX_GAMMA
     #: OpenAI endpoints: max_tokens when a chat request gives none, and the draft length policy
     default_max_tokens: int = 256
