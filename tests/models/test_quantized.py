@@ -70,24 +70,29 @@ def test_mixed_kernel_is_bitwise_fbgemm_for_every_row_count(with_bias, with_smoo
         assert torch.equal(mixed.scaled(x[:n], x[:n, :1].abs() + 0.5), fb.scaled(x[:n], x[:n, :1].abs() + 0.5)), n
 
 
-@needs_w8a8
-def test_fbgemm_packing_is_made_on_first_use_and_gives_the_same_products():
-    """fbgemm's packed weight is made when a product first needs it (an LM head that only ever runs
-    on the few-row and wide kernels never packs it), then the quantised weight is released; the
-    products are bitwise those of a layer packed at once, before and after."""
+@needs_mixed
+def test_fbgemm_is_packed_only_where_some_row_count_runs_on_it(monkeypatch):
+    """A matrix whose rows all go to the VNNI kernel (up to VNNI_ROWS) or the wide one (from
+    wide_rows <= VNNI_ROWS + 1: an LM head on an AMX CPU) never packs fbgemm's weight, whatever the
+    row count, and its products are bitwise fbgemm's; every other matrix packs it when built, so no
+    packing ever lands inside a timed pass; asked for, the packing is made once."""
     g = torch.Generator().manual_seed(3)
     w = torch.randn(96, 64, generator=g) * 0.05
     x = torch.randn(40, 64, generator=g)
-    lazy, eager = W8A8Linear(w), W8A8Linear(w)
-    assert lazy._packed is None and lazy._qw is not None
-    assert eager.packed is not None and eager._qw is None
-    few = linear_mod.VNNI_ROWS if lazy.vnni is not None else 0
-    if few:  # few rows run on the VNNI kernel: still nothing packed for fbgemm
-        assert torch.equal(lazy(x[:few]), eager(x[:few]))
-        assert lazy._packed is None
-    assert torch.equal(lazy(x), eager(x))  # 40 rows: fbgemm
-    assert lazy._packed is not None and lazy._qw is None
-    assert torch.equal(lazy(x[:3]), eager(x[:3]))
+    fb = W8A8Linear(w)
+    assert fb._packed is not None and fb._qw is None and not fb.fbgemm_unused
+    head = W8A8Linear(w, wide=True)  # the fixture makes every matrix switch to oneDNN at two rows
+    assert head.fbgemm_unused and head._packed is None
+    for n in range(1, 41):
+        assert torch.equal(head(x[:n]), fb(x[:n])), n
+    assert head._packed is None
+    monkeypatch.setattr(linear_mod, "WIDE_MIN_ROWS", linear_mod.VNNI_ROWS + 2)  # rows 17: fbgemm
+    late = W8A8Linear(w, wide=True)
+    assert not late.fbgemm_unused and late._packed is not None
+    assert torch.equal(late(x[:17]), fb(x[:17]))
+    packed = head.packed
+    assert packed is not None and head.packed is packed and head._qw is None
+    assert torch.equal(head(x), fb(x))
 
 
 def test_onednn_is_refused_without_vnni(monkeypatch):

@@ -215,9 +215,7 @@ class W8A8Linear:
         with warnings.catch_warnings():  # torch marks its quantised tensors as deprecated (2.13)
             warnings.simplefilter("ignore")
             qw = torch.quantize_per_channel(w, scales, torch.zeros(n, dtype=torch.long), axis=0, dtype=torch.qint8)
-        # fbgemm's packing is made on first use (:attr:`packed`): a matrix with both the few-row
-        # kernel and the wide one (an LM head on an AMX CPU) never runs on fbgemm, and packing
-        # SmolLM2's head costs ~0.35 s of every start-up
+        # fbgemm's packed weight (:attr:`packed`), made below unless no row count runs on fbgemm
         self._packed: Tensor | None = None
         self._qw: Tensor | None = qw
         self.bias = None if bias is None else bias.detach().float().contiguous()
@@ -235,11 +233,22 @@ class W8A8Linear:
         #: [packed int8 weight, zero-point compensation, column scales] for the few-row kernel
         #: (kernels.q8_linear: bitwise fbgemm, products of up to VNNI_ROWS rows), None where it is absent
         self.vnni = vnni_packing(qw.int_repr()[:, :k], scales) if not self._reduce_range and vnni_available() else None
+        if not self.fbgemm_unused:
+            self.packed  # noqa: B018 - packed now, never inside a timed pass
+        del qw
+
+    @property
+    def fbgemm_unused(self) -> bool:
+        """True when no row count runs on fbgemm: the few-row kernel takes up to VNNI_ROWS rows and
+        the wide one takes over at or below VNNI_ROWS + 1 (an LM head on an AMX CPU).  Such a matrix
+        packs fbgemm's weight only if something asks for it: packing SmolLM2's head costs ~0.35 s
+        of every start-up."""
+        return self.vnni is not None and self.wide is not None and self.wide_rows <= VNNI_ROWS + 1
 
     @property
     def packed(self) -> Tensor:
         """fbgemm's packed weight (``quantized.linear_prepack`` of the int8 weight [out, in + 2]),
-        made on first use; the quantised weight it is made from is then released."""
+        made once, when first asked for; the quantised weight it is made from is then released."""
         if self._packed is None:
             assert self._qw is not None
             self._packed = torch.ops.quantized.linear_prepack(self._qw, None)
