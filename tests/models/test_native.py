@@ -56,11 +56,18 @@ def test_last_only_and_context_limit(tiny_folder):
 
 
 def test_hf_backend_matches_native(tiny_folder):
+    """... and calls the model with the cache argument its transformers names now: no deprecation
+    warning (transformers 5.x warns that ``past_key_values`` is removed in 5.40)."""
+    import warnings
+
     native = NativeCausalLM.from_folder(tiny_folder)
     hf = HFCausalLM.from_folder(str(tiny_folder))
     ids = torch.randint(0, 49152, (9,), generator=torch.Generator().manual_seed(2))
     hc = hf.new_cache()
-    a = torch.cat([hf.forward(ids[:5], hc), hf.forward(ids[5:], hc)])
+    with warnings.catch_warnings():
+        warnings.simplefilter("error", FutureWarning)
+        warnings.simplefilter("error", DeprecationWarning)
+        a = torch.cat([hf.forward(ids[:5], hc), hf.forward(ids[5:], hc)])
     hc.truncate(6)
     b = hf.forward(ids[6:], hc)
     n = native.forward(ids, native.new_cache(32))

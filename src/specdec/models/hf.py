@@ -6,6 +6,7 @@ transformers knows.  Truncation uses ``DynamicCache.crop``, which is O(1) in mem
 
 from __future__ import annotations
 
+import inspect
 from dataclasses import dataclass
 from typing import Any
 
@@ -46,6 +47,9 @@ class HFCausalLM:
         self.vocab_size = int(cfg.vocab_size)
         self.max_length = int(getattr(cfg, "max_position_embeddings", 2048))
         self.device = next(model.parameters()).device
+        #: the forward's name for the KV cache: ``cache`` from transformers 5.x (which warns that
+        #: ``past_key_values`` goes in 5.40), ``past_key_values`` before
+        self._cache_arg = "cache" if "cache" in inspect.signature(model.forward).parameters else "past_key_values"
 
     @classmethod
     def from_folder(cls, folder: str, *, dtype: torch.dtype = torch.float32, local_files_only: bool = False) -> "HFCausalLM":
@@ -65,7 +69,7 @@ class HFCausalLM:
         positions = torch.arange(cache.length, cache.length + n, device=self.device)
         out = self.model(
             input_ids=tokens.to(self.device).unsqueeze(0),
-            past_key_values=cache.cache,
+            **{self._cache_arg: cache.cache},
             use_cache=True,
             cache_position=positions,
             logits_to_keep=1 if last_only else 0,
