@@ -280,14 +280,16 @@ def model_drafter(cfg: EngineConfig, draft: LoadedModel, *, lookup: bool) -> tup
     return (LookupThenModel(drafter), draft.name + LOOKUP_SUFFIX) if lookup else (drafter, draft.name)
 
 
-def load_draft(cfg: EngineConfig, ref: str | None = None) -> LoadedModel:
+def load_draft(cfg: EngineConfig, ref: str | None = None, *, target: LoadedModel | None = None) -> LoadedModel:
     """The draft model in :func:`draft_dtype` (batch-invariant only where that is faster:
-    :func:`draft_batch_invariant`), over its reduced vocabulary where it has one (:func:`draft_vocabulary`)."""
+    :func:`draft_batch_invariant`), over its reduced vocabulary where it has one (:func:`draft_vocabulary`);
+    with ``target``, its tokenizer object where the two folders' tokenizer files are the same."""
     quant = draft_quant(cfg)
     name = split_lookup(ref or cfg.draft)[0]
     return load(name, backend=cfg.backend, dtype=torch.float32 if quant else draft_dtype(cfg),
                 batch_invariant=draft_batch_invariant(quant), int8_head=draft_int8_head(cfg), quant=quant,
-                int8_kernel="fbgemm" if quant else "auto", vocab_subset=draft_vocabulary(cfg, name))
+                int8_kernel="fbgemm" if quant else "auto", vocab_subset=draft_vocabulary(cfg, name),
+                tokenizer_of=target)
 
 
 def default_method(cfg: SamplingConfig) -> str:
@@ -457,7 +459,7 @@ class Engine:
             return cls(target, drafter, name)
         if progress:
             progress(f"loading draft {base}")
-        draft = load_draft(cfg, base)
+        draft = load_draft(cfg, base, target=target)
         check_compatible(target, draft)
         return cls(target, *model_drafter(cfg, draft, lookup=lookup), draft)
 

@@ -1,6 +1,7 @@
 import hashlib
 
 import pytest
+import torch
 
 from specdec.errors import MissingPackageError, ModelNotFoundError
 from specdec.models import registry
@@ -143,3 +144,45 @@ def test_other_folders_go_through_autotokenizer(tmp_path, change):
     (tmp_path / "tokenizer_config.json").write_text(json.dumps(declared))
     (tmp_path / "config.json").write_text("{" if change == "broken json" else json.dumps(config))
     assert not registry.direct_tokenizer(tmp_path)
+
+
+def test_a_draft_with_the_targets_tokenizer_files_shares_its_tokenizer(tmp_path):
+    """A draft whose tokenizer files are byte for byte the target's gets the target's tokenizer
+    object (loaded once) and the two pass the compatibility check; any difference in a tokenizer
+    file, or another model type, loads its own."""
+    import json
+
+    from tiny import make_tiny
+
+    target_dir, same, other, qwen = (make_tiny(tmp_path / n, model_type="qwen2" if n == "qwen" else "llama", layers=1)
+                                     for n in ("target", "same", "other", "qwen"))
+    (other / "chat_template.jinja").write_text((other / "chat_template.jinja").read_text() + "\n")
+    assert registry.same_tokenizer(target_dir, same)
+    assert not registry.same_tokenizer(target_dir, other) and not registry.same_tokenizer(target_dir, qwen)
+    (same / "special_tokens_map.json").write_text(json.dumps({}))  # a file only one folder has
+    assert not registry.same_tokenizer(target_dir, same)
+    (same / "special_tokens_map.json").unlink()
+    target = registry.load(str(target_dir))
+    shared = registry.load(str(same), tokenizer_of=target)
+    own = registry.load(str(other), tokenizer_of=target)
+    assert shared.tokenizer is target.tokenizer and own.tokenizer is not target.tokenizer
+    registry.check_compatible(target, shared)
+    registry.check_compatible(target, own)  # same vocabulary, its own object
+
+
+def test_calibration_ids_are_the_tokenizers_encoding_parsed_once_per_file(tmp_path):
+    import shutil
+
+    from tokenizers import Tokenizer
+
+    from specdec.models import quantize
+
+    for n in ("a", "b"):
+        (tmp_path / n).mkdir()
+        shutil.copy(registry.DATA_DIR / "smollm2-135m-draft" / "tokenizer.json", tmp_path / n / "tokenizer.json")
+    quantize._calibration_ids.cache_clear()
+    a, b = quantize.calibration_ids(tmp_path / "a"), quantize.calibration_ids(tmp_path / "b")
+    want = Tokenizer.from_file(str(tmp_path / "a" / "tokenizer.json")).encode(quantize.CALIBRATION_TEXT).ids
+    assert a.tolist() == want and b.tolist() == want and a.dtype == torch.long
+    assert quantize._calibration_ids.cache_info().misses == 1
+    assert quantize.calibration_ids(tmp_path) is None  # no tokenizer.json

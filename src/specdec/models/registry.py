@@ -419,8 +419,13 @@ def load(
     quant: str | None = None,
     int8_kernel: str = "auto",
     vocab_subset: torch.Tensor | None = None,
+    tokenizer_of: LoadedModel | None = None,
 ) -> LoadedModel:
     """Resolve ``ref`` and load model + tokenizer with the requested backend (auto = native if it can).
+
+    ``tokenizer_of`` (a model loaded before, e.g. the target when this is its draft): its tokenizer
+    object is reused when this folder's tokenizer files are byte for byte its folder's
+    (:func:`same_tokenizer`), instead of being loaded again.
 
     ``batch_invariant`` (native backend): multi-token scoring is bitwise identical to scoring the
     tokens one at a time, so speculative and plain decoding agree exactly, not just up to ties.
@@ -458,7 +463,10 @@ def load(
         return LoadedModel(resolved.name, model, tokenizer, None, "hf", _eos_ids(None, tokenizer, cfg))
     folder = resolved.folder
     cfg = json.loads((folder / "config.json").read_text())
-    tokenizer = load_tokenizer(folder)
+    if tokenizer_of is not None and tokenizer_of.folder is not None and same_tokenizer(folder, tokenizer_of.folder):
+        tokenizer = tokenizer_of.tokenizer
+    else:
+        tokenizer = load_tokenizer(folder)
     has_safetensors = any(folder.glob("*.safetensors"))
     use_native = backend == "native" or (backend == "auto" and cfg.get("model_type") in SUPPORTED and has_safetensors)
     if use_native:
@@ -513,6 +521,30 @@ def direct_tokenizer(folder: Path) -> bool:
     )
 
 
+#: every file a folder's tokenizer is read from
+_TOKENIZER_SOURCES = ("tokenizer.json", "tokenizer.model", "vocab.json", "merges.txt", "tokenizer_config.json",
+                      "special_tokens_map.json", "added_tokens.json", "chat_template.jinja", "chat_template.json")
+
+
+def same_tokenizer(a: Path, b: Path) -> bool:
+    """Whether folders ``a`` and ``b`` load the same tokenizer: each tokenizer file present in both
+    or in neither and byte for byte the same, the same model type (``AutoTokenizer`` may choose the
+    class by it), and no folder of extra chat templates in either."""
+    if (a / "additional_chat_templates").exists() or (b / "additional_chat_templates").exists():
+        return False
+    for name in _TOKENIZER_SOURCES:
+        fa, fb = a / name, b / name
+        if fa.is_file() != fb.is_file():
+            return False
+        if fa.is_file() and (fa.stat().st_size != fb.stat().st_size or fa.read_bytes() != fb.read_bytes()):
+            return False
+    try:
+        types = [json.loads((f / "config.json").read_text()).get("model_type") for f in (a, b)]
+    except (OSError, ValueError, AttributeError):
+        return False
+    return types[0] == types[1]
+
+
 def load_tokenizer(folder: Path) -> Any:
     """The folder's tokenizer, or a one-line error naming the files a tokenizer needs."""
     if not any((folder / name).is_file() for name in _TOKENIZER_FILES):
@@ -533,8 +565,7 @@ def load_tokenizer(folder: Path) -> Any:
 
 def check_compatible(target: LoadedModel, draft: LoadedModel) -> None:
     """Target and draft must share the tokenizer: same vocabulary, same ids."""
-    tv, dv = target.tokenizer.get_vocab(), draft.tokenizer.get_vocab()
-    if tv != dv:
+    if target.tokenizer is not draft.tokenizer and target.tokenizer.get_vocab() != draft.tokenizer.get_vocab():
         raise SpecdecError(
             f"draft {draft.name!r} and target {target.name!r} use different tokenizers;"
             " speculative decoding needs the same vocabulary"
