@@ -233,6 +233,36 @@ def test_system_prompt_and_interactive_chat(capsys, tiny_pair, monkeypatch):
     assert code == 0 and len(summaries) == 2  # the -p turn, then one typed turn; the empty line ends the chat
 
 
+def test_interactive_chat_reuses_earlier_turns_and_decodes_the_same(capsys, tiny_pair, monkeypatch):
+    """--interactive puts a prefix cache in front of the (batch-invariant) target's prefills: from
+    the third turn on, a prompt starts with keys/values copied from an earlier one, and every turn's
+    text is the one decoding without the cache gives."""
+    import io
+
+    import specdec.server.prefix_cache as pc
+
+    target, draft = tiny_pair
+    made: list = []
+
+    class Counting(pc.PrefixCache):
+        def __init__(self, *a, **k):
+            super().__init__(*a, **k)
+            made.append(self)
+
+    def chat(cached: bool) -> str:
+        monkeypatch.setattr(pc, "PrefixCache", Counting)
+        monkeypatch.setattr(pc, "supports_prefix_cache", pc.supports_prefix_cache if cached else (lambda model: False))
+        monkeypatch.setattr("sys.stdin", io.StringIO("and then\nwhy so\nok\n\n"))
+        code, out, err = _run(capsys, "generate", "--target", target, "--draft", draft, "-n", "3", "-i", "--chat",
+                              "-p", "hello there", "--system", "Be brief.")
+        assert code == 0 and len([line for line in err.splitlines() if "tokens in" in line]) == 4
+        return out
+
+    with_cache = chat(True)
+    assert len(made) == 1 and made[0].reused_tokens > 0 and made[0].hits >= 2
+    assert chat(False) == with_cache and len(made) == 1
+
+
 def test_models_says_what_is_installed(capsys):
     code, out, _ = _run(capsys, "models", "--json")
     status = {row["name"]: row["status"] for row in json.loads(out)}

@@ -396,9 +396,17 @@ def _messages(system: str | None, turns: list[str]) -> list[dict[str, str]]:
 
 def _chat_loop(engine, args: argparse.Namespace, sampling: SamplingConfig, gamma, *, first: str | None,  # noqa: ANN001
                on_text, tree: str | int = "chain") -> int:  # noqa: ANN001
-    """Interactive multi-turn chat: the whole conversation is re-encoded with the chat template each turn."""
+    """Interactive multi-turn chat: the whole conversation is re-encoded with the chat template each
+    turn; where the target is batch-invariant, a prefix cache in front of its prefills copies the
+    keys/values of what earlier turns already computed (bitwise what a fresh prefill writes)."""
     from dataclasses import replace
 
+    from specdec.engine import Engine
+    from specdec.server.prefix_cache import PrefixCache, PrefixCached, supports_prefix_cache
+
+    if supports_prefix_cache(engine.target.model):
+        cached = PrefixCached(engine.target.model, PrefixCache(defaults.SERVER_PREFIX_CACHE_BYTES))
+        engine = Engine(replace(engine.target, model=cached), engine.drafter, engine.drafter_name, engine.draft_model)
     turns: list[str] = []
     pending = first
     n = 0

@@ -14,7 +14,7 @@ from fastapi.testclient import TestClient
 
 from specdec.models.toy import ToyLM
 from specdec.server import ServerSettings, create_app
-from specdec.server.prefix_cache import PrefixCache, common_prefix, supports_prefix_cache
+from specdec.server.prefix_cache import PrefixCache, PrefixCached, common_prefix, supports_prefix_cache
 from specdec.server.scheduler import BatchedModel, Scheduler
 from specdec.server.sessions import SerializedModel
 from tiny import tiny_native
@@ -50,12 +50,15 @@ def _prompts() -> dict[str, torch.Tensor]:
     }
 
 
-@pytest.mark.parametrize("wrapper", ["serialized", "batched"])
+@pytest.mark.parametrize("wrapper", ["serialized", "batched", "plain"])
 def test_prefills_from_the_prefix_cache_are_bitwise_fresh_prefills(wrapper):
+    """The server's two wrappers, and ``PrefixCached`` (one process, prompt after prompt: the
+    interactive chat's)."""
     model = tiny_native(vocab=VOCAB)
     pc = PrefixCache(64 << 20)
-    served = (SerializedModel(model, threading.Lock(), prefix_cache=pc) if wrapper == "serialized"
-              else BatchedModel(model, Scheduler(model), prefix_cache=pc))
+    served = {"serialized": lambda: SerializedModel(model, threading.Lock(), prefix_cache=pc),
+              "batched": lambda: BatchedModel(model, Scheduler(model), prefix_cache=pc),
+              "plain": lambda: PrefixCached(model, pc)}[wrapper]()
     # a prompt's blocks seen before are stored: "a" is seen, "a again" stores its two whole 16-token blocks
     expected_reuse = {"a": 0, "a again": 0, "shares 25": 25, "extends a": 32, "unrelated": 0}
     for name, tokens in _prompts().items():

@@ -26,6 +26,7 @@ from __future__ import annotations
 import threading
 from collections import OrderedDict
 from dataclasses import dataclass
+from functools import partial
 from typing import Any, Callable
 
 from torch import Tensor
@@ -209,4 +210,23 @@ def prefill(run: Any, prefix_cache: PrefixCache | None, tokens: Tensor, cache: A
     return logits
 
 
-__all__ = ["MIN_TOKENS", "PrefixCache", "common_prefix", "prefill", "supports_prefix_cache"]
+class PrefixCached:
+    """A batch-invariant model whose prefills of an empty cache go through a :class:`PrefixCache`
+    (:func:`prefill`); every other pass and attribute is the wrapped model's.  For one process
+    that decodes prompt after prompt, e.g. ``specdec generate --interactive``, whose every turn
+    re-sends the conversation so far."""
+
+    def __init__(self, model: Any, prefix_cache: PrefixCache) -> None:
+        if not supports_prefix_cache(model):
+            raise ValueError("prefix caching needs a batch-invariant model (its cached rows must not depend on the pass)")
+        self.inner = model
+        self.prefix_cache = prefix_cache
+
+    def forward(self, tokens: Tensor, cache: Any, *, last_only: bool = False, **kw: Any) -> Tensor:
+        return prefill(partial(self.inner.forward, **kw), self.prefix_cache, tokens, cache, last_only)
+
+    def __getattr__(self, name: str) -> Any:  # every other pass and attribute
+        return getattr(self.inner, name)
+
+
+__all__ = ["MIN_TOKENS", "PrefixCache", "PrefixCached", "common_prefix", "prefill", "supports_prefix_cache"]
