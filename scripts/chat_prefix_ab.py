@@ -17,14 +17,11 @@ from __future__ import annotations
 import argparse
 import statistics
 import sys
-from dataclasses import replace
-
 import paired
 import torch
 
 from specdec.engine import Engine, EngineConfig
 from specdec.sampling import SamplingConfig
-from specdec.server.prefix_cache import PrefixCache, PrefixCached
 
 MESSAGES = (
     "Tell me about the history of the bicycle.",
@@ -42,8 +39,8 @@ MESSAGES = (
 
 def conversation(engine: Engine, cached: bool, turns: int, tokens: int) -> list[dict]:
     if cached:
-        model = PrefixCached(engine.target.model, PrefixCache(256 << 20))
-        engine = Engine(replace(engine.target, model=model), engine.drafter, engine.drafter_name, engine.draft_model)
+        engine = engine.with_prefix_cache()
+        model = engine.target.model
     history: list[dict[str, str]] = [{"role": "system", "content": "You are a helpful assistant."}]
     rows = []
     for turn in range(turns):

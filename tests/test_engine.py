@@ -183,3 +183,19 @@ def test_a_hub_id_runs_in_float_on_the_hf_backend():
     for quant in ("int8", "q4"):
         with pytest.raises(ConfigError, match="needs a local model"):
             target_dtype(EngineConfig(target="someorg/some-model", dtype=quant))
+
+
+def test_with_prefix_cache_only_where_it_is_exact(tmp_path):
+    """A batch-invariant target gets the prefix cache in front of its prefills; one that is not
+    (--fast-attention) is left as it is."""
+    from tiny import make_tiny
+
+    from specdec.engine import Engine
+
+    folder = str(make_tiny(tmp_path, layers=1))
+    exact = Engine.build(EngineConfig(target=folder, draft="none"))
+    cached = exact.with_prefix_cache(1 << 20)
+    assert cached is not exact and cached.target.model.prefix_cache.max_bytes == 1 << 20
+    assert cached.target.model.inner is exact.target.model and cached.target.tokenizer is exact.target.tokenizer
+    fast = Engine.build(EngineConfig(target=folder, draft="none", batch_invariant=False))
+    assert fast.with_prefix_cache() is fast

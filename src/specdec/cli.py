@@ -401,12 +401,7 @@ def _chat_loop(engine, args: argparse.Namespace, sampling: SamplingConfig, gamma
     keys/values of what earlier turns already computed (bitwise what a fresh prefill writes)."""
     from dataclasses import replace
 
-    from specdec.engine import Engine
-    from specdec.server.prefix_cache import PrefixCache, PrefixCached, supports_prefix_cache
-
-    if supports_prefix_cache(engine.target.model):
-        cached = PrefixCached(engine.target.model, PrefixCache(defaults.SERVER_PREFIX_CACHE_BYTES))
-        engine = Engine(replace(engine.target, model=cached), engine.drafter, engine.drafter_name, engine.draft_model)
+    engine = engine.with_prefix_cache()
     turns: list[str] = []
     pending = first
     n = 0

@@ -463,6 +463,17 @@ class Engine:
         check_compatible(target, draft)
         return cls(target, *model_drafter(cfg, draft, lookup=lookup), draft)
 
+    def with_prefix_cache(self, max_bytes: int = defaults.SERVER_PREFIX_CACHE_BYTES) -> "Engine":
+        """This engine with a prefix cache (``target.model.prefix_cache``) in front of its target's
+        prefills, for prompt after prompt that share their beginnings (a chat re-sending its history);
+        itself where that would not be exact (a target that is not batch-invariant)."""
+        from specdec.server.prefix_cache import PrefixCache, PrefixCached, supports_prefix_cache
+
+        if not supports_prefix_cache(self.target.model):
+            return self
+        model = PrefixCached(self.target.model, PrefixCache(max_bytes))
+        return Engine(replace(self.target, model=model), self.drafter, self.drafter_name, self.draft_model)
+
     def decoder(
         self,
         rule: Rule,
