@@ -7,7 +7,8 @@ Not a test and not part of CI.  One process, the default models loaded once.  A 
 ``--turns`` user messages (fixed texts, greedy replies of ``--max-new-tokens``) is played the way
 the interactive chat plays it: every turn re-encodes the whole conversation with the chat template
 and decodes it from an empty cache.  The two arms — a fresh ``PrefixCache`` per conversation in
-front of the target's prefills, or none — alternate, ``--repeats`` conversations each.  Per turn:
+front of the target's prefills (it keeps each finished turn, reply included, for the next one), or
+none — alternate, ``--repeats`` conversations each.  Per turn:
 prompt tokens, tokens whose keys/values were copied, time to first token and wall time.  Replies
 must be identical in both arms.  Writes ``README.md`` and ``results.json``.
 """

@@ -147,6 +147,7 @@ class SpeculativeDecoder:
         seed = cfg.seed if cfg.seed is not None else _fresh_seed()
         started = time.perf_counter()
         taps = feature_taps(self.drafter)
+        owned = verifier is None  # closed here when the sequence ends (see TargetSession.close)
         if verifier is None:
             verifier = TargetSession(self.target, prompt_t, cfg, rule, seed=seed, feature_taps=taps)
         elif taps is not None and getattr(verifier, "feature_taps", None) != taps:
@@ -264,6 +265,8 @@ class SpeculativeDecoder:
                 on_tokens(new)
             if finish != "length":
                 break
+        if owned:
+            verifier.close()
         wall = time.perf_counter() - started
         kv = getattr(verifier, "kv_peak_bytes", 0)
         return GenerationResult(

@@ -536,6 +536,8 @@ class Engine:
             session = TargetSession(self.target.model, ids, sampling, rule, seed=int(sampling.seed), logprobs=logprobs,
                                     feature_taps=feature_taps(self.drafter))
         result = decoder.generate(ids, sampling, stop=stop, on_tokens=sink.push, verifier=session)
+        if session is not None:
+            session.close()
         text = sink.finish(result.tokens)
         lps = session.emitted_logprobs[: len(result.tokens)] if session is not None else None
         return TextResult(text=text, token_ids=result.tokens, prompt_ids=ids, result=result, logprobs=lps)

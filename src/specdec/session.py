@@ -273,7 +273,16 @@ class TargetSession:
                        node_argmax=argmax_last(logits) if draft.wants_argmax else None)
 
     def close(self) -> None:
-        pass
+        """The sequence is finished.  A target that keeps finished sequences (``keep_sequence``: the
+        interactive chat's prefix cache, :class:`specdec.server.prefix_cache.PrefixCached`) is
+        handed the committed tokens whose keys/values the cache holds — every committed token but
+        the last, which no pass has fed yet — so that the next turn, which re-sends this reply
+        inside its prompt, copies them instead of computing them again."""
+        keep = getattr(self.model, "keep_sequence", None)
+        if keep is not None:
+            n = self.cache.length  # [0, n) are rows of committed tokens: rejected rows were truncated away
+            assert n <= self._n, (n, self._n)
+            keep(self._ctx[:n], self.cache)
 
 
 def tree_scores(

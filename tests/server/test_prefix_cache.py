@@ -175,3 +175,66 @@ def test_sessions_on_a_server_give_the_same_verdicts_with_and_without_the_prefix
         else:
             assert app.state.ctx.model.prefix_cache is None
     assert verdicts[64 << 20] == verdicts[0]
+
+
+@pytest.mark.parametrize("how", ["plain", "greedy chain", "sampled chain", "greedy tree", "sampled tree"])
+def test_a_finished_sequence_is_kept_and_the_next_turn_prefills_bitwise_fresh(how):
+    """``PrefixCached`` keeps a finished sequence's rows, reply included (``TargetSession.close``):
+    rows written by one-row steps, verification passes and compacted tree passes.  The next turn —
+    the whole sequence and new text — copies all of them and its logits and cache are bitwise a
+    fresh prefill's."""
+    from specdec.decoder import SpeculativeDecoder
+    from specdec.drafters import ModelDrafter
+    from specdec.drafters.tree_builder import TreeSpec
+    from specdec.gamma import FixedGamma
+    from specdec.sampling import SamplingConfig
+    from specdec.verify import get_rule
+
+    target = tiny_native(vocab=VOCAB)
+    pc = PrefixCache(64 << 20)
+    greedy = how.startswith("greedy") or how == "plain"
+    drafter = None if how == "plain" else ModelDrafter(tiny_native(vocab=VOCAB, seed=1))
+    dec = SpeculativeDecoder(PrefixCached(target, pc), drafter, get_rule("greedy" if greedy else "token"),
+                             gamma=FixedGamma(4), tree=TreeSpec(min_prob=0.0) if how.endswith("tree") else None)
+    prompt = _prompt(11, 30)
+    out = dec.generate(prompt, SamplingConfig(temperature=0.0 if greedy else 1.0, max_new_tokens=40, seed=5))
+    reply = torch.tensor(out.tokens)  # [40]: the tiny model emits no end-of-sequence token
+    assert reply.numel() == 40
+    assert out.stats.target_calls < 40 if drafter is not None else out.stats.target_calls == 40
+    if how.endswith("tree"):
+        assert out.stats.tree_rounds > 0
+    # one entry: the prompt and every committed token but the last (no pass has fed it yet)
+    assert len(pc) == 1 and pc.bytes == (30 + 40 - 1) * target.new_cache(1).bytes_per_position
+    turn = torch.cat([prompt, reply, _prompt(12, 9)])  # [79]: the next turn re-sends the conversation
+    cache = PrefixCached(target, pc).new_cache(512)
+    first = PrefixCached(target, pc).forward(turn, cache, last_only=True)
+    after = target.forward(torch.tensor([3]), cache)
+    ref_first, ref_after, ref_cache = _fresh(target, turn, [3])
+    assert pc.reused_tokens == 69
+    assert torch.equal(first, ref_first) and torch.equal(after, ref_after[0]) and _same_cache(cache, ref_cache)
+
+
+def test_keep_replaces_what_it_extends_and_respects_the_budget():
+    model = tiny_native(vocab=VOCAB)
+    per_position = model.new_cache(1).bytes_per_position
+    pc = PrefixCache(100 * per_position)
+
+    def filled(tokens: torch.Tensor):
+        cache = model.new_cache(512)
+        model.forward(tokens, cache)
+        return cache
+
+    seq, other, long = _prompt(1, 90), _prompt(2, 50), _prompt(3, 120)
+    cache = filled(seq)
+    pc.keep(seq[:40], cache)  # kept at once, never seen before
+    assert len(pc) == 1 and pc.bytes == 40 * per_position
+    pc.keep(seq[:70], cache)  # the next turn extends it: replaces it
+    assert len(pc) == 1 and pc.bytes == 70 * per_position
+    pc.keep(seq[:30], cache)  # inside what is stored: nothing new
+    assert len(pc) == 1 and pc.bytes == 70 * per_position
+    pc.keep(other, filled(other))  # another conversation: 120 > 100 positions, the older one goes
+    assert len(pc) == 1 and pc.bytes == 50 * per_position and pc.restore(other, model.new_cache(64)) == 49
+    pc.keep(long, filled(long))  # larger than the whole budget: not kept
+    assert len(pc) == 1 and pc.bytes == 50 * per_position
+    pc.keep(seq[:8], cache)  # shorter than MIN_TOKENS: not kept
+    assert len(pc) == 1

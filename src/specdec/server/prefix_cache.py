@@ -155,11 +155,21 @@ class PrefixCache:
         """Remember the keys/values of the part of ``tokens`` (the cache's first positions) that a
         recently seen prompt shares, unless a stored prompt already covers it; a stored prompt it
         extends is replaced."""
+        self._put(tokens, cache, whole=False)
+
+    def keep(self, tokens: Tensor, cache: Any) -> None:  # tokens: [n] int64, the cache's first n positions
+        """Remember all of ``tokens`` now, seen before or not: a finished sequence (prompt + reply)
+        whose next turn will start with it, in a process that knows its next prompt extends this one
+        (the interactive chat).  Replaces the stored sequence it extends, e.g. its own prompt."""
+        self._put(tokens, cache, whole=True)
+
+    def _put(self, tokens: Tensor, cache: Any, *, whole: bool) -> None:
         if tokens.numel() < self.min_tokens:
             return
         per_position = cache.bytes_per_position
         with self._lock:
-            n = self._shared_with_seen(tokens)
+            shared = self._shared_with_seen(tokens)  # remembers its blocks as seen either way
+            n = tokens.numel() if whole else shared
             if n < self.min_tokens or n * per_position > self.max_bytes:
                 return
             tokens = tokens[:n]
@@ -214,7 +224,10 @@ class PrefixCached:
     """A batch-invariant model whose prefills of an empty cache go through a :class:`PrefixCache`
     (:func:`prefill`); every other pass and attribute is the wrapped model's.  For one process
     that decodes prompt after prompt, e.g. ``specdec generate --interactive``, whose every turn
-    re-sends the conversation so far."""
+    re-sends the conversation so far.  A finished sequence's rows, reply included, are kept
+    (:meth:`keep_sequence`, called by ``TargetSession.close``): the next turn's prompt starts with
+    them.  A reply's rows were written by decoding steps and verification passes rather than a
+    prefill; on a batch-invariant model they are the same bits (tested on the real weights)."""
 
     def __init__(self, model: Any, prefix_cache: PrefixCache) -> None:
         if not supports_prefix_cache(model):
@@ -224,6 +237,9 @@ class PrefixCached:
 
     def forward(self, tokens: Tensor, cache: Any, *, last_only: bool = False, **kw: Any) -> Tensor:
         return prefill(partial(self.inner.forward, **kw), self.prefix_cache, tokens, cache, last_only)
+
+    def keep_sequence(self, tokens: Tensor, cache: Any) -> None:  # tokens: [n] int64, the cache's first n positions
+        self.prefix_cache.keep(tokens, cache)
 
     def __getattr__(self, name: str) -> Any:  # every other pass and attribute
         return getattr(self.inner, name)

@@ -1,0 +1,45 @@
+"""The interactive chat's prefix cache on the real SmolLM2-135M weights: a finished turn's rows,
+reply included, are what a fresh prefill of the next turn computes, bit for bit."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from specdec.decoder import SpeculativeDecoder
+from specdec.drafters import ModelDrafter
+from specdec.drafters.tree_builder import TreeSpec
+from specdec.gamma import FixedGamma
+from specdec.sampling import SamplingConfig
+from specdec.server.prefix_cache import PrefixCache, PrefixCached
+from specdec.text import encode_messages
+from specdec.verify import get_rule
+
+TURN = [{"role": "system", "content": "Be brief."}, {"role": "user", "content": "What is a hash table?"}]
+
+
+@pytest.mark.parametrize("target_fixture", ["q4_target", "int8_target", "float32"])
+@pytest.mark.parametrize("tree", [False, True])
+def test_next_turn_copies_the_whole_last_turn_and_prefills_bitwise_fresh(smollm2, target_fixture, tree, request):
+    """A greedy reply decoded with the default draft (a chain of 4, or 8-node trees), then the next
+    turn through the chat template: every position of the last turn but its final token is copied
+    (the reply re-tokenises to the same ids), and the prefill's logits and cache equal the target
+    prefilling the whole conversation itself."""
+    target = smollm2[0] if target_fixture == "float32" else request.getfixturevalue(target_fixture)
+    draft = smollm2[1]
+    tok, model = target.tokenizer, target.model
+    pc = PrefixCache(256 << 20)
+    dec = SpeculativeDecoder(PrefixCached(model, pc), ModelDrafter(draft.model), get_rule("greedy"),
+                             gamma=FixedGamma(8 if tree else 4), tree=TreeSpec(min_prob=0.0) if tree else None,
+                             eos_ids=target.eos_ids)
+    ids = encode_messages(tok, TURN)
+    out = dec.generate(ids, SamplingConfig(temperature=0.0, max_new_tokens=32))
+    assert len(out.tokens) == 32 and (out.stats.tree_rounds > 0) == tree
+    turn = torch.tensor(encode_messages(tok, TURN + [{"role": "assistant", "content": tok.decode(out.tokens, skip_special_tokens=True)},
+                                                       {"role": "user", "content": "And a heap?"}]))  # [n]
+    cache, fresh = model.new_cache(512), model.new_cache(512)
+    logits = PrefixCached(model, pc).forward(turn, cache, last_only=True)
+    assert pc.reused_tokens == len(ids) + 32 - 1
+    assert torch.equal(logits, model.forward(turn, fresh, last_only=True))
+    n = cache.length
+    assert n == fresh.length and torch.equal(cache.k[:, :, :n], fresh.k[:, :, :n]) and torch.equal(cache.v[:, :, :n], fresh.v[:, :, :n])
