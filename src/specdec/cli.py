@@ -221,6 +221,19 @@ def build_parser() -> argparse.ArgumentParser:
     gen.add_argument("--min-confidence", type=float, default=None, help="dynamic draft length: end a draft after a token the drafter gives less than this probability (default 0 = off; lossless)")
     gen.add_argument("--json", action="store_true", help="print one JSON object: text, token_ids, stats")
     gen.add_argument("--rounds", action="store_true", help="with --json, include per-round stats")
+    b = gen.add_argument_group("many prompts at once")
+    b.add_argument("--prompts-file", metavar="FILE",
+                   help="batch generation: the prompts of a JSON-lines FILE ('-' reads stdin), one per line: a string, "
+                        "{\"prompt\": ...} (with --chat, or its own \"system\", through the chat template) or "
+                        "{\"messages\": [...]}. Results are JSON lines in input order (text, token_ids, finish_reason, "
+                        "seed, ...) on stdout or in --out. Up to --batch sequences decode together (continuous batching), "
+                        "without a drafter: a batched pass is compute-bound on a CPU, where drafting does not pay. Prompt "
+                        "i uses --seed + i; each result is what generating that prompt alone gives with its seed")
+    b.add_argument("--batch", type=int, default=defaults.BATCH_SEQUENCES, metavar="N",
+                   help=f"with --prompts-file: sequences decoded together (default {defaults.BATCH_SEQUENCES})")
+    b.add_argument("--out", metavar="FILE",
+                   help="with --prompts-file: write the results to FILE, each line as soon as it and those before it are "
+                        "done; run the same command again and it goes on after the results FILE holds")
     _add_sampling(gen)
     _add_output(gen)
     from specdec.remote.command import add_remote_args
@@ -291,6 +304,10 @@ def _cmd_generate(args: argparse.Namespace) -> int:
         if args.prompt is not None:
             raise SpecdecError("give the prompt once: as PROMPT or as --prompt, not both")
         args.prompt = args.text
+    if args.prompts_file is not None:
+        return _generate_batch(args)
+    if args.out is not None or args.batch != defaults.BATCH_SEQUENCES:
+        raise SpecdecError("--batch and --out go with --prompts-file (many prompts at once)")
     if args.prompt is None and not args.interactive:
         raise SpecdecError("generate needs a prompt: specdec generate \"TEXT\", --prompt TEXT, or --interactive")
     stray = remote_only_given(args) if not args.remote else []
@@ -371,6 +388,52 @@ def _cmd_generate(args: argparse.Namespace) -> int:
         sys.stdout.write("\n")
         print(summary_line(st), file=sys.stderr)
     return 0
+
+
+def _generate_batch(args: argparse.Namespace) -> int:
+    """``generate --prompts-file``: every checked before any model loads, then :mod:`specdec.batch_file`."""
+    from specdec.engine import Engine, EngineConfig
+    from specdec.remote.command import remote_only_given
+
+    if args.prompt is not None:
+        raise SpecdecError("give the prompts either in --prompts-file or as PROMPT / --prompt, not both")
+    given = [flag for flag, on in (("--interactive", args.interactive), ("--remote", args.remote), ("--json", args.json),
+                                   ("--rounds", args.rounds)) if on]
+    if given:
+        raise SpecdecError(f"--prompts-file writes JSON lines locally; drop {', '.join(given)}")
+    speculative = [flag for flag, on in (
+        ("--draft", args.draft not in (defaults.DEFAULT_DRAFT, "none")), ("--gamma", str(args.gamma) != str(defaults.DEFAULT_GAMMA)),
+        ("--tree", str(args.tree) != str(defaults.DEFAULT_TREE)), ("--tree-min-prob", args.tree_min_prob is not None),
+        ("--min-confidence", args.min_confidence is not None)) if on] + remote_only_given(args)
+    if speculative:
+        raise SpecdecError(f"{', '.join(speculative)} {'apply' if len(speculative) > 1 else 'applies'} to one prompt's "
+                           "speculative decoding; --prompts-file decodes its batches without a drafter")
+    if args.system is not None:
+        _text_arg(args.system, "--system")
+        if not args.chat:
+            raise SpecdecError("--system needs --chat")
+    if args.batch < 1:
+        raise SpecdecError(f"--batch must be >= 1, got {args.batch}")
+    if args.logprobs is not None and not 0 <= args.logprobs <= 20:
+        raise SpecdecError("--logprobs must be between 0 and 20")
+    if _grammar_spec(args)[0] is not None:
+        raise SpecdecError("structured output runs one prompt at a time: use -p (or the server's OpenAI API) for those")
+    sampling = _sampling_from(args)
+    if args.method:
+        from specdec.verify import get_rule
+
+        if get_rule(args.method).greedy_only and not sampling.greedy:
+            raise SpecdecError(f"--method {args.method} needs --temperature 0")
+    from specdec import batch_file
+
+    job = batch_file.plan(args.prompts_file, args.out)  # a bad prompts file or --out fails before any model loads
+    log = lambda msg: print(f"[specdec] {msg}", file=sys.stderr, flush=True)  # noqa: E731
+    if job.start == len(job.prompts):
+        log(f"all {job.start} results are already in {job.out}; nothing to do")
+        return 0
+    engine = Engine.build(EngineConfig(target=args.target, draft="none", backend=args.backend, dtype=args.dtype,
+                                       batch_invariant=not args.fast_attention, int8_kernel=args.int8_kernel), progress=log)
+    return batch_file.run(engine, job, args, sampling, log)
 
 
 def summary_line(st) -> str:  # noqa: ANN001 - GenerationStats

@@ -108,6 +108,12 @@ CALIBRATION_FACTORS = tuple(round(0.5 + 0.05 * i, 2) for i in range(15))
 MIN_REPETITION_PENALTY = 1e-3
 MAX_REPETITION_PENALTY = 1e3
 
+# batch generation (`specdec generate --prompts-file`, `Engine.generate_batch`)
+#: sequences decoded together: on two cores a 16-row pass of the 4-bit SmolLM2 target gives ~3x the
+#: tokens per second of one row; a job of 48 prompts ran 4-5 % faster at 32 than at 16, for twice
+#: the cache memory (benchmarks/offline-batch-g)
+BATCH_SEQUENCES = 16
+
 # server
 #: positions a server-side KV cache allocates first (it grows on demand up to the session's need)
 SERVER_KV_INITIAL_LENGTH = 64

@@ -10,7 +10,7 @@ import json
 import os
 from dataclasses import dataclass, field, replace
 from pathlib import Path
-from typing import Callable
+from typing import Callable, Sequence
 
 import torch
 
@@ -541,3 +541,25 @@ class Engine:
         text = sink.finish(result.tokens)
         lps = session.emitted_logprobs[: len(result.tokens)] if session is not None else None
         return TextResult(text=text, token_ids=result.tokens, prompt_ids=ids, result=result, logprobs=lps)
+
+    def generate_batch(
+        self,
+        prompts: Sequence[str | list[int]],
+        sampling: SamplingConfig,
+        *,
+        batch: int = defaults.BATCH_SEQUENCES,
+        method: str | None = None,
+        chat: bool = False,
+        logprobs: int | None = None,
+        ignore_eos: bool = False,
+        on_result: Callable[..., None] | None = None,
+    ) -> list:
+        """Many prompts at once, by continuous batching, with plain decoding (the drafter is not
+        used: a batched pass is compute-bound on a CPU, see :mod:`specdec.batch`).  Prompt i uses
+        seed + i when ``sampling.seed`` is set; each result is what :meth:`generate` gives for that
+        prompt alone with that seed.  Returns :class:`specdec.batch.BatchResult` in input order."""
+        from specdec.batch import generate_batch
+
+        ids = [self.encode(p, chat=chat) if isinstance(p, str) else list(p) for p in prompts]
+        return generate_batch(self.target, ids, sampling, batch=batch, method=method, logprobs=logprobs,
+                              ignore_eos=ignore_eos, on_result=on_result)

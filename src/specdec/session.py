@@ -192,8 +192,26 @@ class TargetSession:
             logits = draft.reuse.forward(self.model, feed, self.cache) if draft.reuse is not None else None
             if logits is None:
                 logits = self.model.forward(feed, self.cache)  # [γ+1, V]
+        return self._conclude(draft, logits, feats, base, t0, time.perf_counter(), max_tokens)
+
+    def plain_feed(self) -> Tensor:  # [1] int64
+        """What a round without a draft feeds the target: the last committed token."""
+        return self._ctx[self._n - 1 : self._n]
+
+    def conclude_plain(self, logits: Tensor, *, target_s: float = 0.0, max_tokens: int | None = None) -> Outcome:
+        """A round without a draft whose pass ran elsewhere: ``logits`` [1, V] are the target's
+        scores of :meth:`plain_feed` written to :attr:`cache` (several sessions' rounds in one
+        batched pass).  Everything after the pass is :meth:`verify`'s."""
+        if self._n + 1 > self._ctx.numel():
+            raise ContextLengthError(f"the sequence would exceed its context of {self._ctx.numel()} tokens")
+        empty = Draft(tokens=self._ctx[:0], probs=None)
         t1 = time.perf_counter()
-        cfg, rule = self.cfg, self.rule
+        return self._conclude(empty, logits, None, self.cache.length - 1, t1 - target_s, t1, max_tokens)
+
+    def _conclude(self, draft: Draft, logits: Tensor, feats: Tensor | None, base: int, t0: float, t1: float,
+                  max_tokens: int | None) -> Outcome:  # logits: [γ+1, V], rows base.. of the cache
+        """The rule's verdict on a scored chain, the cache cut to what it keeps, the tokens committed."""
+        cfg, rule, gamma = self.cfg, self.rule, draft.tokens.numel()
         if rule.needs_target_probs:
             scores = process_logits(logits, cfg, self.penalties, draft.tokens)  # [γ+1, V]
         else:

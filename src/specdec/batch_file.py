@@ -1,0 +1,217 @@
+"""``specdec generate --prompts-file``: a JSON-lines file of prompts in, a JSON-lines file of results out.
+
+Input: one JSON value per line (blank lines skipped) — a string (the prompt), or an object with
+``"prompt"`` (a string; ``"system"`` optional, for ``--chat``) or ``"messages"`` (a chat: a list of
+``{"role", "content"}``, always through the chat template).  Output: one object per prompt, in
+input order, written as soon as it and every prompt before it are done, so an interrupted job keeps
+what it finished; run the same command again with the same ``--out`` and it goes on from there.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import sys
+import time
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any, Callable, TextIO
+
+from specdec.errors import SpecdecError
+
+
+@dataclass(frozen=True)
+class PromptLine:
+    """One prompt of the input: ``value`` as written there (echoed in the output), and how to encode it."""
+
+    value: Any  # str | dict
+    text: str | None
+    messages: list[dict[str, str]] | None
+
+
+def _bad(where: str, what: str) -> SpecdecError:
+    return SpecdecError(f"{where}: {what}; each line must be a JSON string, or an object with \"prompt\" (a string) or "
+                        "\"messages\" (a list of {\"role\", \"content\"} objects)")
+
+
+def parse_prompt_lines(text: str, source: str) -> list[PromptLine]:
+    """The prompts of a JSON-lines text; a line that is not one names its number."""
+    out = []
+    for number, line in enumerate(text.splitlines(), start=1):
+        if not line.strip():
+            continue
+        where = f"{source} line {number}"
+        try:
+            value = json.loads(line)
+        except ValueError as exc:
+            raise _bad(where, f"not JSON ({exc.msg})") from None
+        if isinstance(value, str):
+            out.append(PromptLine(value, value, None))
+            continue
+        if not isinstance(value, dict) or ("prompt" in value) == ("messages" in value):
+            raise _bad(where, "neither a string nor an object with exactly one of \"prompt\" and \"messages\"")
+        if "prompt" in value:
+            if not isinstance(value["prompt"], str) or not isinstance(value.get("system", ""), str):
+                raise _bad(where, "\"prompt\" and \"system\" must be strings")
+            out.append(PromptLine(value, value["prompt"], None))
+            continue
+        msgs = value["messages"]
+        if not isinstance(msgs, list) or not msgs or not all(
+                isinstance(m, dict) and isinstance(m.get("role"), str) and isinstance(m.get("content"), str) for m in msgs):
+            raise _bad(where, "\"messages\" must be a non-empty list of {\"role\": str, \"content\": str}")
+        out.append(PromptLine(value, None, [{"role": m["role"], "content": m["content"]} for m in msgs]))
+    return out
+
+
+def read_prompts(path: str) -> list[PromptLine]:
+    """``path`` ('-': stdin) as prompts; a missing, unreadable or empty file is a one-line error."""
+    if path == "-":
+        raw = sys.stdin.buffer.read() if hasattr(sys.stdin, "buffer") else sys.stdin.read().encode()
+        source = "stdin"
+    else:
+        try:
+            raw = Path(path).read_bytes()
+        except OSError as exc:
+            raise SpecdecError(f"cannot read the prompts file {path}: {exc.strerror or exc}") from None
+        source = path
+    try:
+        text = raw.decode("utf-8")
+    except UnicodeDecodeError as exc:
+        raise SpecdecError(f"{source} is not valid UTF-8 (byte {exc.start})") from None
+    prompts = parse_prompt_lines(text, source)
+    if not prompts:
+        raise SpecdecError(f"{source} holds no prompts")
+    return prompts
+
+
+def encode(engine: Any, p: PromptLine, *, chat: bool, system: str | None) -> list[int]:
+    if p.messages is not None:
+        return engine.encode_messages(p.messages)
+    own = isinstance(p.value, dict) and "system" in p.value  # a line's own system message implies the template
+    return engine.encode(p.text or "", chat=chat or own, system=p.value["system"] if own else system)
+
+
+def done_lines(path: Path, prompts: list[PromptLine]) -> tuple[int, int]:
+    """(results already in ``path`` for the first prompts, the byte length of those lines): a
+    rerun goes on after them; a last line cut short by an interruption is not counted."""
+    if not path.exists():
+        return 0, 0
+    try:
+        data = path.read_bytes()
+    except OSError as exc:
+        raise SpecdecError(f"cannot read {path}: {exc.strerror or exc}") from None
+    n = size = 0
+    for line in data.splitlines(keepends=True):
+        if not line.endswith(b"\n"):
+            break  # written in part when the job stopped
+        try:
+            row = json.loads(line)
+        except ValueError:
+            break
+        if not isinstance(row, dict) or row.get("index") != n or n >= len(prompts) or row.get("prompt") != prompts[n].value:
+            raise SpecdecError(f"{path} holds results for other prompts (line {n + 1}); choose another --out, or delete it"
+                               " to start again")
+        n += 1
+        size += len(line)
+    return n, size
+
+
+class OrderedWriter:
+    """Writes results in input order as they arrive in any order; flushes each line."""
+
+    def __init__(self, stream: TextIO, prompts: list[PromptLine], start: int, row: Callable[[Any], dict]) -> None:
+        self.stream, self.prompts, self.next, self.row = stream, prompts, start, row
+        self.waiting: dict[int, Any] = {}
+
+    def add(self, index: int, result: Any) -> None:
+        self.waiting[index] = result
+        while self.next in self.waiting:
+            res = self.waiting.pop(self.next)
+            payload = {"index": self.next, "prompt": self.prompts[self.next].value, **self.row(res)}
+            self.stream.write(json.dumps(payload, ensure_ascii=False) + "\n")
+            self.stream.flush()
+            self.next += 1
+
+
+@dataclass(frozen=True)
+class Job:
+    """What ``--prompts-file`` will do, known before any model loads."""
+
+    prompts: list[PromptLine]
+    out: Path | None
+    start: int  # results already in ``out``: generation goes on from this prompt
+    size: int  # their bytes (``out`` is cut there: a half-written last line goes)
+
+
+def plan(prompts_file: str, out: str | None) -> Job:
+    """Read the prompts and what ``out`` already holds; every problem with either is a one-line error."""
+    prompts = read_prompts(prompts_file)
+    out_path = Path(out) if out else None
+    if out_path is not None and out_path.is_dir():
+        raise SpecdecError(f"--out {out_path} is a folder; give a file")
+    start, size = done_lines(out_path, prompts) if out_path is not None else (0, 0)
+    return Job(prompts, out_path, start, size)
+
+
+def run(engine: Any, job: Job, args: Any, sampling: Any, log: Callable[[str], None]) -> int:
+    """Generate for every prompt of ``job`` not done yet (``specdec generate --prompts-file``)."""
+    from tqdm.auto import tqdm
+
+    prompts, out_path, start, size = job.prompts, job.out, job.start, job.size
+    if start:
+        log(f"{out_path} already holds the first {start} of {len(prompts)} results; going on from prompt {start}")
+    todo = list(range(start, len(prompts)))
+    ids = [encode(engine, prompts[i], chat=args.chat, system=args.system) for i in todo]
+    tok = engine.target.tokenizer
+
+    def row(res: Any) -> dict:
+        r = {"text": res.text, "token_ids": res.token_ids, "finish_reason": res.finish_reason,
+             "prompt_tokens": res.prompt_tokens, "generated_tokens": len(res.token_ids), "seed": res.seed, "method": res.method}
+        if res.logprobs is not None:
+            r["logprobs"] = [{"id": t, "token": tok.decode([t]), "logprob": max(lp, -9999.0),
+                              "top": [{"id": i, "token": tok.decode([i]), "logprob": max(v, -9999.0)} for i, v in top]}
+                             for t, (lp, top) in zip(res.token_ids, res.logprobs)]
+        return r
+
+    if out_path is not None:
+        try:
+            stream = open(out_path, "r+" if out_path.exists() else "w", encoding="utf-8")
+        except OSError as exc:
+            raise SpecdecError(f"cannot write {out_path}: {exc.strerror or exc}") from None
+        stream.truncate(size)
+        stream.seek(size, os.SEEK_SET)
+    else:
+        stream = sys.stdout
+    writer = OrderedWriter(stream, prompts, start, row)
+    sampling_for = sampling
+    if sampling.seed is not None and start:  # prompt i keeps seed + i on a rerun
+        from dataclasses import replace
+
+        from specdec import defaults
+
+        sampling_for = replace(sampling, seed=(sampling.seed + start) % (defaults.MAX_SEED + 1))
+    bar = tqdm(total=len(prompts), initial=start, unit="prompt", desc="generating", file=sys.stderr, disable=None)
+    tokens = 0
+
+    def on_result(res: Any) -> None:
+        nonlocal tokens
+        tokens += len(res.token_ids)
+        writer.add(todo[res.index], res)
+        bar.update(1)
+
+    t0 = time.perf_counter()
+    try:
+        engine.generate_batch(ids, sampling_for, batch=args.batch, method=args.method, logprobs=args.logprobs,
+                              on_result=on_result)
+    finally:
+        bar.close()
+        if stream is not sys.stdout:
+            stream.close()
+    wall = time.perf_counter() - t0
+    log(f"{len(todo)} prompts, {tokens} tokens in {wall:.2f} s = {tokens / wall if wall > 0 else 0.0:.1f} tok/s "
+        f"(continuous batching of up to {args.batch} sequences, plain decoding)"
+        + (f"; results in {out_path}" if out_path is not None else ""))
+    return 0
+
+
+__all__ = ["Job", "PromptLine", "done_lines", "parse_prompt_lines", "plan", "read_prompts", "run"]

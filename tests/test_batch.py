@@ -1,0 +1,107 @@
+"""Batch generation: many prompts by continuous batching, each result exactly what generating
+that prompt alone gives (same seed), whatever the batch size and the order prompts finish in."""
+
+from __future__ import annotations
+
+from dataclasses import replace
+
+import pytest
+
+from specdec.engine import Engine, EngineConfig
+from specdec.errors import ConfigError
+from specdec.sampling import SamplingConfig
+from tiny import make_tiny
+
+PROMPTS = ["def add(a, b):", "The weather today", "Once upon a time there was a", "1, 2, 3,",
+           "import os\nimport sys\n\ndef main():\n    print(", "Hello", "A list of fruits: apple, pear,"]
+
+
+@pytest.fixture(scope="module")
+def engines(tmp_path_factory):
+    target = str(make_tiny(tmp_path_factory.mktemp("target"), seed=0, max_positions=256))
+    draft = str(make_tiny(tmp_path_factory.mktemp("draft"), seed=1, layers=1))
+    plain = Engine.build(EngineConfig(target=target, draft="none"))
+    speculative = Engine.build(EngineConfig(target=target, draft=draft))
+    return plain, speculative
+
+
+CONFIGS = {
+    "greedy": SamplingConfig(temperature=0.0, max_new_tokens=20),
+    "seeded T=1 (coupled)": SamplingConfig(temperature=1.0, max_new_tokens=20, seed=7),
+    "seeded top-p, penalties, stop": SamplingConfig(temperature=0.8, top_p=0.9, repetition_penalty=1.3,
+                                                    max_new_tokens=12, seed=11, stop=("k",)),
+    "varied lengths": SamplingConfig(temperature=1.0, top_k=20, max_new_tokens=9, seed=2**63 - 3),
+}
+
+
+@pytest.mark.parametrize("name", list(CONFIGS))
+@pytest.mark.parametrize("batch", [1, 3, 16])
+def test_each_result_is_the_prompt_generated_alone(engines, name, batch):
+    """Prompt i with seed + i (7 prompts, several finishing early: stop strings, end of sequence)."""
+    plain, speculative = engines
+    sampling = CONFIGS[name]
+    method = "token" if name.startswith("seeded top-p") else None  # a sampling rule that is not coupled
+    seen: list[int] = []
+    got = plain.generate_batch(PROMPTS, sampling, batch=batch, method=method, logprobs=2,
+                               on_result=lambda r: seen.append(r.index))
+    assert [r.index for r in got] == list(range(len(PROMPTS))) and sorted(seen) == list(range(len(PROMPTS)))
+    for i, (prompt, res) in enumerate(zip(PROMPTS, got)):
+        seed = None if sampling.seed is None else (sampling.seed + i) % (2**63)
+        assert res.seed == (seed if seed is not None else res.seed)
+        alone = plain.generate(prompt, replace(sampling, seed=res.seed), method=method, logprobs=2)
+        assert res.token_ids == alone.token_ids and res.text == alone.text, (name, i)
+        assert res.finish_reason == alone.stats.finish_reason and res.prompt_tokens == alone.stats.prompt_tokens
+        assert res.logprobs == alone.logprobs
+        if method is None:  # greedy and coupled: the same tokens with a draft, too
+            assert speculative.generate(prompt, replace(sampling, seed=res.seed)).token_ids == res.token_ids
+    if name == "seeded top-p, penalties, stop":
+        assert {r.finish_reason for r in got} >= {"stop", "length"}
+
+
+def test_without_a_seed_each_prompt_gets_its_own_and_reports_it(engines):
+    plain, _ = engines
+    sampling = SamplingConfig(temperature=1.0, max_new_tokens=12)
+    got = plain.generate_batch(PROMPTS[:4], sampling, batch=4)
+    assert len({r.seed for r in got}) == 4
+    for prompt, res in zip(PROMPTS, got):
+        assert res.method == "block"  # the rule without a seed; with one the default would be coupled
+        assert plain.generate(prompt, replace(sampling, seed=res.seed), method=res.method).token_ids == res.token_ids
+
+
+def test_edges_and_bad_input(engines):
+    plain, _ = engines
+    greedy = SamplingConfig(temperature=0.0, max_new_tokens=8)
+    long = plain.generate_batch([[5] * 255, "Hi"], greedy, batch=2)  # the first fills the context: nothing to add
+    assert long[0].token_ids == [] and long[0].finish_reason == "length" and len(long[1].token_ids) == 8
+    assert plain.generate_batch([], greedy) == []
+    with pytest.raises(ConfigError, match="prompt 1 is empty"):
+        plain.generate_batch(["Hi", []], greedy)
+    with pytest.raises(ConfigError, match="batch size"):
+        plain.generate_batch(["Hi"], greedy, batch=0)
+    with pytest.raises(ConfigError, match="structured output"):
+        plain.generate_batch(["Hi"], replace(greedy, constraint=object()))
+
+
+def test_chat_prompts_go_through_the_template(engines):
+    plain, _ = engines
+    greedy = SamplingConfig(temperature=0.0, max_new_tokens=6)
+    got = plain.generate_batch(["Hi there"], greedy, chat=True)
+    assert got[0].token_ids == plain.generate("Hi there", greedy, chat=True).token_ids
+    assert got[0].prompt_tokens == len(plain.encode("Hi there", chat=True))
+
+
+def test_end_of_sequence_ends_a_sequence_where_generating_it_alone_does(engines):
+    """Tokens the tiny model does emit are declared end-of-sequence ids, so sequences end early."""
+    plain, _ = engines
+    greedy = SamplingConfig(temperature=0.0, max_new_tokens=16)
+    sampled = SamplingConfig(temperature=1.0, max_new_tokens=16, seed=5)
+    fourth = {r.token_ids[3] for s in (greedy, sampled) for r in plain.generate_batch(PROMPTS[:3], s)}
+    eos = Engine(replace(plain.target, eos_ids=frozenset(fourth)), None, "none")
+    for sampling in (greedy, sampled):
+        got = eos.generate_batch(PROMPTS, sampling, batch=3)
+        assert "eos" in {r.finish_reason for r in got}
+        for i, (prompt, res) in enumerate(zip(PROMPTS, got)):
+            alone = eos.generate(prompt, replace(sampling, seed=res.seed))
+            assert res.token_ids == alone.token_ids and res.finish_reason == alone.stats.finish_reason, i
+        ignored = eos.generate_batch(PROMPTS, sampling, batch=3, ignore_eos=True)
+        assert all(len(r.token_ids) == 16 and r.finish_reason == "length" for r in ignored)

@@ -1,0 +1,111 @@
+"""``specdec generate --prompts-file``: the prompts file, the results file, resuming, and bad input."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+
+from specdec.batch_file import parse_prompt_lines
+from specdec.cli import main
+from specdec.errors import SpecdecError
+from tiny import make_tiny
+
+LINES = ['"def add(a, b):"', '{"prompt": "Hello there", "system": "Be brief."}', "",
+         '{"messages": [{"role": "user", "content": "What is 2+2?"}]}', '"The weather"', '{"prompt": "Once upon"}']
+
+
+@pytest.fixture(scope="module")
+def target(tmp_path_factory):
+    return str(make_tiny(tmp_path_factory.mktemp("target"), seed=0, max_positions=256))
+
+
+def _run(capsys, *argv):
+    code = main(list(argv))
+    out, err = capsys.readouterr()
+    return code, out, err
+
+
+def test_prompt_lines_parse_and_bad_lines_name_their_number():
+    got = parse_prompt_lines("\n".join(LINES), "f")
+    assert [p.text for p in got] == ["def add(a, b):", "Hello there", None, "The weather", "Once upon"]
+    assert got[2].messages == [{"role": "user", "content": "What is 2+2?"}]
+    for bad, why in [('{"prompt": 3}', "must be strings"), ("[1, 2]", "neither a string"), ("{oops", "not JSON"),
+                     ('{"prompt": "a", "messages": []}', "exactly one"), ('{"messages": [{"role": "user"}]}', "non-empty list")]:
+        with pytest.raises(SpecdecError, match=f"f line 2: .*{why}"):
+            parse_prompt_lines('"fine"\n' + bad, "f")
+
+
+def test_results_in_input_order_equal_single_prompt_generation(capsys, target, tmp_path):
+    prompts = tmp_path / "p.jsonl"
+    prompts.write_text("\n".join(LINES) + "\n")
+    code, out, err = _run(capsys, "generate", "--prompts-file", str(prompts), "--target", target, "-n", "10",
+                          "-t", "1", "--seed", "40", "--batch", "2")
+    assert code == 0 and "5 prompts" in err
+    rows = [json.loads(line) for line in out.splitlines()]
+    assert [r["index"] for r in rows] == list(range(5)) and [r["seed"] for r in rows] == [40, 41, 42, 43, 44]
+    assert rows[1]["prompt"] == {"prompt": "Hello there", "system": "Be brief."}
+    # prompt 1 alone (its own system message: the chat template), with its seed, with the default draft
+    code, alone, _ = _run(capsys, "generate", "-p", "Hello there", "--chat", "--system", "Be brief.", "--target", target,
+                          "--draft", target, "-n", "10", "-t", "1", "--seed", "41", "--json")
+    assert json.loads(alone)["token_ids"] == rows[1]["token_ids"]
+    code, alone, _ = _run(capsys, "generate", "-p", "Once upon", "--target", target, "--draft", "none", "-n", "10",
+                          "-t", "1", "--seed", "44", "--json")
+    assert json.loads(alone)["token_ids"] == rows[4]["token_ids"] and json.loads(alone)["text"] == rows[4]["text"]
+
+
+def test_out_file_resumes_after_the_results_it_holds(capsys, target, tmp_path):
+    prompts = tmp_path / "p.jsonl"
+    prompts.write_text("\n".join(LINES))
+    out = tmp_path / "r.jsonl"
+    argv = ["generate", "--prompts-file", str(prompts), "--target", target, "-n", "8", "-t", "1", "--seed", "9",
+            "--out", str(out), "--logprobs", "1"]
+    assert _run(capsys, *argv)[0] == 0
+    whole = out.read_text()
+    lines = whole.splitlines(keepends=True)
+    assert len(lines) == 5 and "logprobs" in json.loads(lines[0])
+    out.write_text("".join(lines[:2]) + lines[2][:30] + " " * len(whole))  # interrupted while writing the third result
+    code, stdout, err = _run(capsys, *argv)
+    assert code == 0 and stdout == "" and "first 2 of 5" in err and "3 prompts" in err
+    assert out.read_text() == whole  # prompt i keeps seed + i: the same results
+    code, stdout, err = _run(capsys, *argv[:4], "no-such-model", *argv[5:])  # all done: no model is even loaded
+    assert code == 0 and stdout == "" and "all 5 results are already in" in err and out.read_text() == whole
+    prompts.write_text('"something else"\n' + "\n".join(LINES[1:]))
+    code, _, err = _run(capsys, *argv)
+    assert code == 2 and "holds results for other prompts (line 1)" in err and out.read_text() == whole
+
+
+@pytest.mark.parametrize("extra, message", [
+    (["-p", "x"], "not both"),
+    (["--interactive"], "drop --interactive"),
+    (["--json"], "drop --json"),
+    (["--draft", "ngram"], "--draft applies to one prompt's speculative decoding"),
+    (["--gamma", "4", "--tree", "8"], "--gamma, --tree apply"),
+    (["--json-object"], "structured output runs one prompt at a time"),
+    (["--batch", "0"], "--batch must be >= 1"),
+    (["--system", "s"], "--system needs --chat"),
+    (["--logprobs", "30"], "between 0 and 20"),
+])
+def test_bad_combinations_fail_before_any_model_loads(capsys, tmp_path, extra, message):
+    prompts = tmp_path / "p.jsonl"
+    prompts.write_text('"hi"\n')
+    code, out, err = _run(capsys, "generate", "--prompts-file", str(prompts), "--target", "no-such-model", *extra)
+    assert code == 2 and message in err and "Traceback" not in err and out == ""
+
+
+def test_bad_files_and_stray_batch_flags(capsys, tmp_path):
+    for content, message in [(None, "cannot read the prompts file"), ("\n\n", "holds no prompts"), (b"\xff\n", "not valid UTF-8")]:
+        path = tmp_path / "p.jsonl"
+        if content is None:
+            path = tmp_path / "missing.jsonl"
+        elif isinstance(content, bytes):
+            path.write_bytes(content)
+        else:
+            path.write_text(content)
+        code, _, err = _run(capsys, "generate", "--prompts-file", str(path), "--target", "no-such-model")
+        assert code == 2 and message in err, err
+    (tmp_path / "ok.jsonl").write_text('"hi"\n')
+    code, _, err = _run(capsys, "generate", "--prompts-file", str(tmp_path / "ok.jsonl"), "--out", str(tmp_path))
+    assert code == 2 and "is a folder" in err
+    code, _, err = _run(capsys, "generate", "-p", "hi", "--out", "x.jsonl")
+    assert code == 2 and "go with --prompts-file" in err
