@@ -78,7 +78,7 @@ def test_edges_and_bad_input(engines):
         plain.generate_batch(["Hi", []], greedy)
     with pytest.raises(ConfigError, match="batch size"):
         plain.generate_batch(["Hi"], greedy, batch=0)
-    with pytest.raises(ConfigError, match="structured output"):
+    with pytest.raises(ConfigError, match="constraint factory"):
         plain.generate_batch(["Hi"], replace(greedy, constraint=object()))
 
 

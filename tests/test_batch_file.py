@@ -75,13 +75,28 @@ def test_out_file_resumes_after_the_results_it_holds(capsys, target, tmp_path):
     assert code == 2 and "holds results for other prompts (line 1)" in err and out.read_text() == whole
 
 
+def test_structured_output_gives_each_prompt_its_own_matcher(capsys, target, tmp_path):
+    """--json-object over a file: every result is what -p gives for that prompt with its seed."""
+    prompts = tmp_path / "p.jsonl"
+    prompts.write_text("\n".join(LINES))
+    code, out, err = _run(capsys, "generate", "--prompts-file", str(prompts), "--target", target, "-n", "12",
+                          "-t", "1", "--seed", "5", "--json-object", "--batch", "3")
+    assert code == 0, err
+    rows = [json.loads(line) for line in out.splitlines()]
+    for i, text in ((0, "def add(a, b):"), (3, "The weather")):
+        code, alone, _ = _run(capsys, "generate", "-p", text, "--target", target, "--draft", "none",
+                              "-n", "12", "-t", "1", "--seed", str(5 + i), "--json-object", "--json")
+        assert rows[i]["prompt"] == text and json.loads(alone)["token_ids"] == rows[i]["token_ids"], i
+    assert all(r["text"].startswith("{") for r in rows if r["text"])
+
+
 @pytest.mark.parametrize("extra, message", [
     (["-p", "x"], "not both"),
     (["--interactive"], "drop --interactive"),
     (["--json"], "drop --json"),
     (["--draft", "ngram"], "--draft applies to one prompt's speculative decoding"),
     (["--gamma", "4", "--tree", "8"], "--gamma, --tree apply"),
-    (["--json-object"], "structured output runs one prompt at a time"),
+    (["--regex", "("], "invalid grammar"),
     (["--batch", "0"], "--batch must be >= 1"),
     (["--system", "s"], "--system needs --chat"),
     (["--logprobs", "30"], "between 0 and 20"),

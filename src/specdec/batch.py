@@ -81,16 +81,22 @@ def generate_batch(
     method: str | None = None,
     logprobs: int | None = None,
     ignore_eos: bool = False,
+    constraint: Callable[[], Any] | None = None,
     on_result: Callable[[BatchResult], None] | None = None,
 ) -> list[BatchResult]:
     """Decode every prompt (token ids) plainly, up to ``batch`` at a time in one pass per token;
-    results in input order (``on_result`` also gets each as it finishes, in finishing order)."""
+    results in input order (``on_result`` also gets each as it finishes, in finishing order).
+    ``constraint`` (structured output) makes each sequence's own constraint, e.g.
+    ``lambda: GrammarConstraint(tokenizer, grammar, vocab_size)``: a grammar matcher follows one history."""
+    from dataclasses import replace
+
     from specdec.engine import default_method
 
     if batch < 1:
         raise ConfigError(f"the batch size must be >= 1, got {batch}")
     if sampling.constraint is not None:
-        raise ConfigError("structured output is not available in batch generation; generate those prompts one by one")
+        raise ConfigError("give generate_batch a constraint factory (constraint=lambda: GrammarConstraint(...)): each"
+                          " sequence needs its own matcher, one shared one would replay every history at every step")
     rule = get_rule(method or default_method(sampling))
     model, tokenizer = target.model, target.tokenizer
     eos = frozenset() if ignore_eos else target.eos_ids
@@ -113,7 +119,8 @@ def generate_batch(
             ids = list(ids)
             if not ids:
                 raise ConfigError(f"prompt {i} is empty")
-            session = TargetSession(model, ids, sampling, rule, seed=seed_for(sampling, i), logprobs=logprobs)
+            own = replace(sampling, constraint=constraint()) if constraint is not None else sampling
+            session = TargetSession(model, ids, own, rule, seed=seed_for(sampling, i), logprobs=logprobs)
             r = _Running(i, len(ids), session, TextSink(tokenizer, sampling.stop, None),
                          StopStrings(tokenizer, sampling.stop) if sampling.stop else None,
                          min(sampling.max_new_tokens, session.max_length - len(ids) - 1), [])

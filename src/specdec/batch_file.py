@@ -153,7 +153,8 @@ def plan(prompts_file: str, out: str | None) -> Job:
     return Job(prompts, out_path, start, size)
 
 
-def run(engine: Any, job: Job, args: Any, sampling: Any, log: Callable[[str], None]) -> int:
+def run(engine: Any, job: Job, args: Any, sampling: Any, log: Callable[[str], None], *,
+        constraint: Callable[[], Any] | None = None) -> int:
     """Generate for every prompt of ``job`` not done yet (``specdec generate --prompts-file``)."""
     from tqdm.auto import tqdm
 
@@ -202,7 +203,7 @@ def run(engine: Any, job: Job, args: Any, sampling: Any, log: Callable[[str], No
     t0 = time.perf_counter()
     try:
         engine.generate_batch(ids, sampling_for, batch=args.batch, method=args.method, logprobs=args.logprobs,
-                              on_result=on_result)
+                              constraint=constraint, on_result=on_result)
     finally:
         bar.close()
         if stream is not sys.stdout:

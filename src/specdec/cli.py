@@ -416,8 +416,7 @@ def _generate_batch(args: argparse.Namespace) -> int:
         raise SpecdecError(f"--batch must be >= 1, got {args.batch}")
     if args.logprobs is not None and not 0 <= args.logprobs <= 20:
         raise SpecdecError("--logprobs must be between 0 and 20")
-    if _grammar_spec(args)[0] is not None:
-        raise SpecdecError("structured output runs one prompt at a time: use -p (or the server's OpenAI API) for those")
+    grammar = _grammar_from(args)  # a bad schema, pattern or file fails here, before any model loads
     sampling = _sampling_from(args)
     if args.method:
         from specdec.verify import get_rule
@@ -433,7 +432,14 @@ def _generate_batch(args: argparse.Namespace) -> int:
         return 0
     engine = Engine.build(EngineConfig(target=args.target, draft="none", backend=args.backend, dtype=args.dtype,
                                        batch_invariant=not args.fast_attention, int8_kernel=args.int8_kernel), progress=log)
-    return batch_file.run(engine, job, args, sampling, log)
+    constraint = None
+    if grammar is not None:  # one matcher per sequence: each follows its own history
+        from functools import partial
+
+        from specdec.grammar import GrammarConstraint
+
+        constraint = partial(GrammarConstraint, engine.target.tokenizer, grammar, engine.target.model.vocab_size)
+    return batch_file.run(engine, job, args, sampling, log, constraint=constraint)
 
 
 def summary_line(st) -> str:  # noqa: ANN001 - GenerationStats

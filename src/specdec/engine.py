@@ -552,6 +552,7 @@ class Engine:
         chat: bool = False,
         logprobs: int | None = None,
         ignore_eos: bool = False,
+        constraint: Callable[[], object] | None = None,
         on_result: Callable[..., None] | None = None,
     ) -> list:
         """Many prompts at once, by continuous batching, with plain decoding (the drafter is not
@@ -562,4 +563,4 @@ class Engine:
 
         ids = [self.encode(p, chat=chat) if isinstance(p, str) else list(p) for p in prompts]
         return generate_batch(self.target, ids, sampling, batch=batch, method=method, logprobs=logprobs,
-                              ignore_eos=ignore_eos, on_result=on_result)
+                              ignore_eos=ignore_eos, constraint=constraint, on_result=on_result)
