@@ -107,6 +107,7 @@ def generate_batch(
 
     def finish(r: _Running) -> None:
         s = r.session
+        s.close()  # as the decoder closes its sessions (a target that keeps finished sequences gets this one)
         lps = s.emitted_logprobs[: len(r.generated)] if logprobs is not None else None
         res = BatchResult(r.index, r.sink.finish(r.generated), list(r.generated), r.prompt_tokens, r.finish, s.seed, rule.name, lps)
         results[r.index] = res

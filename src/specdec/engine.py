@@ -15,6 +15,7 @@ from typing import Callable, Sequence
 import torch
 
 from specdec import defaults
+from specdec.batch import BatchResult, generate_batch
 from specdec.decoder import GenerationResult, SpeculativeDecoder
 from specdec.drafters import ModelDrafter, NgramDrafter
 from specdec.drafters import self_spec
@@ -554,13 +555,11 @@ class Engine:
         ignore_eos: bool = False,
         constraint: Callable[[], object] | None = None,
         on_result: Callable[..., None] | None = None,
-    ) -> list:
+    ) -> list[BatchResult]:
         """Many prompts at once, by continuous batching, with plain decoding (the drafter is not
         used: a batched pass is compute-bound on a CPU, see :mod:`specdec.batch`).  Prompt i uses
         seed + i when ``sampling.seed`` is set; each result is what :meth:`generate` gives for that
         prompt alone with that seed.  Returns :class:`specdec.batch.BatchResult` in input order."""
-        from specdec.batch import generate_batch
-
         ids = [self.encode(p, chat=chat) if isinstance(p, str) else list(p) for p in prompts]
         return generate_batch(self.target, ids, sampling, batch=batch, method=method, logprobs=logprobs,
                               ignore_eos=ignore_eos, constraint=constraint, on_result=on_result)
