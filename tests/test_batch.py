@@ -105,3 +105,14 @@ def test_end_of_sequence_ends_a_sequence_where_generating_it_alone_does(engines)
             assert res.token_ids == alone.token_ids and res.finish_reason == alone.stats.finish_reason, i
         ignored = eos.generate_batch(PROMPTS, sampling, batch=3, ignore_eos=True)
         assert all(len(r.token_ids) == 16 and r.finish_reason == "length" for r in ignored)
+
+
+def test_a_target_without_batched_passes_runs_one_pass_per_sequence(tmp_path):
+    """The Hugging Face backend has no ``forward_batch``: the same loop, each sequence's pass alone."""
+    folder = str(make_tiny(tmp_path, seed=3, max_positions=128))
+    hf = Engine.build(EngineConfig(target=folder, draft="none", backend="hf"))
+    assert not hasattr(hf.target.model, "forward_batch")
+    sampling = SamplingConfig(temperature=1.0, max_new_tokens=8, seed=4)
+    got = hf.generate_batch(PROMPTS[:3], sampling, batch=2)
+    for i, (prompt, res) in enumerate(zip(PROMPTS, got)):
+        assert res.token_ids == hf.generate(prompt, replace(sampling, seed=4 + i)).token_ids, i
