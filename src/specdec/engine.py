@@ -16,6 +16,7 @@ import torch
 
 from specdec import defaults
 from specdec.batch import BatchResult, generate_batch
+from specdec.catalog import CALIBRATION_FILE, calibrated_factor  # noqa: F401 - CALIBRATION_FILE re-exported
 from specdec.decoder import GenerationResult, SpeculativeDecoder
 from specdec.drafters import ModelDrafter, NgramDrafter
 from specdec.drafters import self_spec
@@ -223,10 +224,6 @@ def draft_vocabulary(cfg: EngineConfig, ref: str) -> torch.Tensor | None:
     return ids
 
 
-#: a draft folder's calibration (``specdec train calibrate`` writes it)
-CALIBRATION_FILE = "draft_calibration.json"
-
-
 def parse_temperature_factor(value: str | float) -> str | float:
     """``auto`` or a draft temperature factor in (0, 100] (see :attr:`EngineConfig.draft_temperature_factor`)."""
     if isinstance(value, str):
@@ -265,13 +262,8 @@ def draft_temperature_factor(cfg: EngineConfig, folder: Path | None) -> float:
     value = parse_temperature_factor(cfg.draft_temperature_factor)
     if value != "auto":
         return float(value)
-    path = folder / CALIBRATION_FILE if folder is not None else None
-    if path is None or not path.is_file():
-        return 1.0
-    try:
-        return check_temperature_factor(json.loads(path.read_text())["temperature_factor"])
-    except (ValueError, KeyError, TypeError, ConfigError) as exc:
-        raise ConfigError(f"{path}: not a draft calibration ({type(exc).__name__}: {exc})".splitlines()[0]) from None
+    calibrated = calibrated_factor(folder)
+    return 1.0 if calibrated is None else calibrated
 
 
 def model_drafter(cfg: EngineConfig, draft: LoadedModel, *, lookup: bool) -> tuple[Drafter, str]:

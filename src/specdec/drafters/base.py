@@ -10,6 +10,7 @@ import torch
 from torch import Tensor
 
 from specdec import defaults
+from specdec.catalog import check_temperature_factor  # noqa: F401 - re-exported
 from specdec.errors import ConfigError
 from specdec.models.base import full_probs
 from specdec.sampling import (
@@ -264,14 +265,6 @@ class DraftSampler:
             if bool(torch.isfinite(masked).any()):
                 out[i] = masked
         return out
-
-
-def check_temperature_factor(factor: float) -> float:
-    """A draft temperature factor, checked: finite and within (0, 100]."""
-    f = float(factor)
-    if not math.isfinite(f) or not 0.0 < f <= defaults.MAX_DRAFT_TEMPERATURE_FACTOR:
-        raise ConfigError(f"the draft temperature factor must be in (0, {defaults.MAX_DRAFT_TEMPERATURE_FACTOR:g}], got {factor}")
-    return f
 
 
 def draft_config(cfg: SamplingConfig, temperature_factor: float) -> SamplingConfig:

@@ -34,6 +34,8 @@ from typing import Any, Callable
 import torch
 from torch import Tensor
 
+from specdec import catalog
+from specdec.catalog import HEADS, is_head_folder  # noqa: F401 - re-exported
 from specdec.drafters.base import Draft, DraftChain, DraftSampler
 from specdec.drafters.tree_builder import TreeSpec, build_tree
 from specdec.errors import ConfigError
@@ -352,23 +354,6 @@ def drafter_for(head: Any, embed: Tensor, *, name: str = "") -> HeadDrafter:
     raise ConfigError(f"no drafter for a head of type {type(head).__name__}")
 
 
-def is_head_folder(path: Path) -> bool:
-    """A folder holding a draft head: ours (``config.json`` with a head ``kind``) or an EAGLE-3
-    checkpoint in the format vLLM / SGLang users share (see :mod:`specdec.heads.formats`)."""
-    cfg = path / "config.json"
-    if not (path.is_dir() and cfg.is_file()):
-        return False
-    try:
-        raw = json.loads(cfg.read_text())
-    except (OSError, ValueError):
-        return False
-    if raw.get("kind") in KINDS:
-        return True
-    from specdec.heads.formats import is_eagle3_checkpoint
-
-    return is_eagle3_checkpoint(raw)
-
-
 def target_embeddings(target: Any) -> Tensor:
     """The target's token embeddings ``[V, D]`` (float32), which every head reads."""
     embed = getattr(target, "embed", None)
@@ -378,15 +363,6 @@ def target_embeddings(target: Any) -> Tensor:
             " (a Llama / Qwen2 target with --backend native or auto)"
         )
     return embed if embed.dtype == torch.float32 else embed.float()
-
-
-#: registry names of the heads shipped for SmolLM2-135M (folders under the package data dir)
-HEADS: dict[str, str] = {
-    "smollm2-135m-eagle3": "EAGLE-3 head for SmolLM2-135M (fused low/mid/high-layer features, reduced draft vocabulary)",
-    "smollm2-135m-eagle1": "EAGLE-1 head for SmolLM2-135M (feature + next token, one decoder layer, the target's head rows)",
-    "smollm2-135m-medusa": "Medusa-1 heads for SmolLM2-135M (residual blocks on the last hidden state)",
-    "smollm2-135m-mtp": "MTP modules for SmolLM2-135M (DeepSeek-V3 style sequential modules)",
-}
 
 
 def heads_dir() -> Path:
@@ -529,16 +505,5 @@ def build(ref: Path, target: Any, *, label: str | None = None, int8_head: bool =
 
 
 def describe_heads() -> list[dict[str, Any]]:
-    """``specdec models`` rows for the shipped heads."""
-    rows = []
-    for name, text in HEADS.items():
-        ok = is_head_folder(heads_dir() / name)
-        kind = name.rsplit("-", 1)[-1]
-        train = "eagle" if kind.startswith("eagle") else kind
-        variant = f" --variant {kind}" if kind == "eagle1" else ""
-        rows.append({"name": name, "description": text + " — reads the target's hidden states (native backend, local)",
-                     "default_draft": None, "license": "Apache-2.0",
-                     "install": "not shipped (none trained so far beat the small draft); train your own: specdec train data"
-                                f" --out data && specdec train {train} --data data --out HEAD{variant}, then --draft HEAD",
-                     "status": "bundled" if ok else "missing"})
-    return rows
+    """``specdec models`` rows for the registry's heads, shipped ones under :func:`heads_dir`."""
+    return catalog.describe_heads(heads_dir())

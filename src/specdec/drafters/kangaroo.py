@@ -29,12 +29,12 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
 
+from specdec.catalog import ADAPTERS_DIR, adapter_targets
 from specdec.drafters.base import Draft, DraftSampler
 from specdec.drafters.self_spec import LayerPlan, LayerView, SelfSpecDrafter, ViewCache
 from specdec.errors import ConfigError
 
 #: package data: trained adapters, one per target (``<target name>.safetensors``)
-ADAPTERS_DIR = Path(__file__).resolve().parent.parent / "data" / "kangaroo"
 
 
 @dataclass(frozen=True)
@@ -171,8 +171,7 @@ def shipped_adapter(target_name: str) -> Path | None:
     return path if path.is_file() else None
 
 
-def shipped_targets() -> list[str]:
-    return sorted(p.name.removesuffix(".safetensors") for p in ADAPTERS_DIR.glob("*.safetensors")) if ADAPTERS_DIR.is_dir() else []
+shipped_targets = adapter_targets
 
 
 # ----------------------------------------------------------------------------- the draft

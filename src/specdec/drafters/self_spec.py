@@ -28,13 +28,13 @@ from typing import Any, Callable
 import torch
 from torch import Tensor
 
+from specdec.catalog import SKIP_SETS_DIR, describe_families, skip_set_targets  # noqa: F401 - re-exported
 from specdec.drafters.base import Draft, DraftSampler
 from specdec.drafters.model import ModelDrafter
 from specdec.errors import ConfigError
 from specdec.kv_cache import KVCache
 
 #: package data: searched skip sets, one JSON file per target (``<target name>.json``)
-SKIP_SETS_DIR = Path(__file__).resolve().parent.parent / "data" / "self_skip"
 
 
 @dataclass(frozen=True)
@@ -414,8 +414,7 @@ def shipped_plan(target_name: str) -> LayerPlan | None:
     return load_plan(path) if path.is_file() else None
 
 
-def shipped_targets() -> list[str]:
-    return sorted(p.stem for p in SKIP_SETS_DIR.glob("*.json")) if SKIP_SETS_DIR.is_dir() else []
+shipped_targets = skip_set_targets
 
 
 def build(name: str, target: Any, target_name: str) -> tuple[SelfSpecDrafter, str]:
@@ -457,28 +456,3 @@ def build(name: str, target: Any, target_name: str) -> tuple[SelfSpecDrafter, st
     if family == "swift":
         return SwiftDrafter(target, plan), label
     return SelfSpecDrafter(LayerView(target, plan)), label
-
-
-def describe_families() -> list[dict[str, Any]]:
-    """``specdec models`` rows for the self-speculative drafters (``--draft NAME``)."""
-    from specdec.drafters import kangaroo
-
-    shipped = ", ".join(shipped_targets()) or "none"
-    kangaroo_shipped = ", ".join(kangaroo.shipped_targets()) or "none"
-    none = "none: a view of the target (native backend), no weights of its own"
-    return [
-        {"name": "layerskip:K", "description": "early exit: the target's first K layers + its final norm and LM head; the "
-         "verification pass reuses the draft's keys/values of layers < K, and the draft copies the target's for "
-         "committed tokens instead of recomputing them. Extra memory: a K-layer KV cache",
-         "default_draft": None, "install": none, "license": "", "status": "bundled"},
-        {"name": "self-skip", "description": "Draft & Verify: the target with a searched set of attention / MLP sub-layers "
-         f"skipped (shipped for: {shipped}; self-skip:FILE from `specdec train skip`). Extra memory: a KV cache of the "
-         "layers whose attention runs", "default_draft": None, "install": none, "license": "", "status": "bundled"},
-        {"name": "swift", "description": "SWIFT: a skip set adapted while generating (starts from the shipped set, or "
-         "swift:FILE). Extra memory: as self-skip", "default_draft": None, "install": none, "license": "", "status": "bundled"},
-        {"name": "kangaroo", "description": "Kangaroo: the target's first K layers + a small trained adapter (one "
-         "attention block) + its LM head, drafting stopped when its confidence drops; the verification pass reuses the "
-         f"K layers' keys/values (adapter shipped for: {kangaroo_shipped}; kangaroo:FILE from `specdec train kangaroo`). "
-         "Extra memory: the adapter's weights and a (K+1)-layer KV cache", "default_draft": None,
-         "install": "none: a view of the target (native backend) plus an adapter file", "license": "", "status": "bundled"},
-    ]

@@ -37,6 +37,7 @@ from pathlib import Path
 import torch
 from torch import Tensor, nn
 
+from specdec.catalog import is_eagle3_checkpoint  # noqa: F401 - the format's test, torch-free
 from specdec.heads.modules import Eagle, HeadConfig
 
 _LAYER = {  # our parameter name -> theirs, inside the decoder layer
@@ -52,14 +53,6 @@ _LAYER = {  # our parameter name -> theirs, inside the decoder layer
     "layer.mlp.down.weight": "mlp.down_proj.weight",
 }
 _TOP = {"fc.weight": "fc.weight", "norm.weight": "norm.weight", "lm_head.weight": "lm_head.weight"}
-
-
-def is_eagle3_checkpoint(raw: dict) -> bool:
-    """A ``config.json`` of an EAGLE-3 head in the speculators or EAGLE / SpecForge format."""
-    if raw.get("speculators_model_type") == "eagle3":
-        return True
-    archs = [str(a) for a in raw.get("architectures") or []]
-    return any("eagle3" in a.lower() for a in archs)
 
 
 class SharedEagle3(Eagle):

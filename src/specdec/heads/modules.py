@@ -35,7 +35,9 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
 
-KINDS = ("eagle1", "eagle3", "medusa", "mtp")
+from specdec.catalog import HEAD_KINDS
+
+KINDS = HEAD_KINDS  # the kinds specdec trains and runs (one list, in the torch-free catalog)
 
 
 @dataclass(frozen=True)

@@ -22,11 +22,12 @@ import os
 import shutil
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
-
-import torch
+from typing import TYPE_CHECKING, Any
 
 from specdec.errors import MissingPackageError, ModelNotFoundError, SpecdecError
+
+if TYPE_CHECKING:  # torch is imported where a model loads: `specdec models` and `setup`'s checks need none of it
+    import torch
 
 
 def cache_root() -> Path:
@@ -216,6 +217,7 @@ def _check_sha(spec: ModelSpec, path: Path) -> None:
 
 def convert_gguf(gguf: Path, out_dir: Path) -> Path:
     """Dequantise ``gguf`` with transformers and store config + safetensors + tokenizer in ``out_dir``."""
+    import torch
     from safetensors.torch import save_file
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
@@ -413,7 +415,7 @@ def load(
     ref: str,
     *,
     backend: str = "auto",
-    dtype: torch.dtype = torch.float32,
+    dtype: torch.dtype | None = None,
     batch_invariant: bool = True,
     int8_head: bool = False,
     quant: str | None = None,
@@ -434,10 +436,14 @@ def load(
     other logit -inf (see :func:`specdec.engine.draft_vocabulary`).
     ``int8_kernel`` (``quant="int8"``): fbgemm | onednn | mixed | auto (see :func:`specdec.models.linear.int8_kernel`).
     ``quant="q4"``: 4-bit layer matrices, a GGUF's own blocks where the model comes as one.
+    ``dtype``: the weights' dtype (default float32).
     """
+    import torch
+
     from specdec.models.hf import HFCausalLM
     from specdec.models.native import SUPPORTED, NativeCausalLM
 
+    dtype = torch.float32 if dtype is None else dtype
     resolved = resolve(ref)
     if resolved.folder is None:  # hub id
         from transformers import AutoTokenizer
