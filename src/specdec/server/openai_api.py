@@ -217,7 +217,8 @@ def _logit_bias(req: _Request, vocab: int) -> tuple[tuple[int, float], ...]:
 
 
 class _Job:
-    """One request, validated: ``len(prompts) * n`` choices, run one after the other in a worker thread."""
+    """One request, validated: ``len(prompts) * n`` choices, run one after the other in a worker thread
+    (and, on a batching server, side by side on generation slots nobody else holds: :func:`_run_choices`)."""
 
     def __init__(self, ctx: "ServerContext", req: _Request, prompts: list[list[int]], max_tokens: int | None,
                  *, logprobs: int | None = None, endpoint: str = "completions", owner: str = "") -> None:
@@ -244,8 +245,8 @@ class _Job:
                 f"the model's context is {model.max_length} tokens; the prompt has {longest} and max_tokens asks for"
                 f" {max_tokens} more (at most {room})",
             )
-        # the most KV memory one choice can hold (choices run one after the other): the target's
-        # cache as TargetSession sizes it, and the server-side draft's, per position
+        # the most KV memory one choice can hold (each slot a job runs on holds one choice at a time):
+        # the target's cache as TargetSession sizes it, and the server-side draft's, per position
         positions = min(model.max_length, longest + max_tokens + defaults.MAX_GAMMA + 1 + defaults.MAX_TREE_NODES)
         self.kv_bytes = positions * (ctx.kv_per_position + ctx.draft_kv_per_position)
         stops = (req.stop,) if isinstance(req.stop, str) else tuple(req.stop or ())
@@ -365,6 +366,65 @@ def _release(job: _Job) -> None:
     job.ctx.active.release()
 
 
+def _spare_slot(job: _Job) -> bool:
+    """Take one more generation slot and its KV bytes for ``job``, only where both are free now
+    (nobody waits, no idle session is evicted for it); :func:`_release` gives them back."""
+    ctx = job.ctx
+    if not ctx.active.acquire(blocking=False):
+        return False
+    if not ctx.store.try_claim(job.kv_bytes):
+        ctx.active.release()
+        return False
+    return True
+
+
+def _run_choices(job: _Job, on_text: Callable[[str], None] | None, cancelled: threading.Event) -> list[TextResult]:
+    """Every choice of ``job`` (in a worker thread holding its admitted slot), results in index order.
+
+    On a batching server a request's several prompts or ``n`` choices also run on spare generation
+    slots — each taken without waiting, with its own KV claim, and given back when its thread
+    runs out of choices — so the scheduler batches their passes as it batches separate requests'.
+    Each choice is the same computation wherever it runs (its prompt, its seed), so the results
+    are those of running them one after the other.  A failing choice stops the others from starting
+    new ones; the first failure is raised.
+    """
+    n = job.choices
+    results: list[TextResult | None] = [None] * n
+    pending = iter(range(n))
+    lock = threading.Lock()
+    failures: list[BaseException] = []
+
+    def work() -> None:
+        while True:
+            with lock:
+                i = None if failures else next(pending, None)
+            if i is None:
+                return
+            try:
+                results[i] = job.run(i, on_text, cancelled)
+            except BaseException as exc:  # noqa: BLE001 - re-raised below, in the admitted thread
+                with lock:
+                    failures.append(exc)
+                return
+
+    def extra() -> None:
+        try:
+            work()
+        finally:
+            _release(job)
+
+    helpers = []
+    if job.ctx.settings.batching:
+        while len(helpers) < n - 1 and _spare_slot(job):
+            helpers.append(job.ctx.executor.submit(extra))
+    work()
+    for h in helpers:
+        h.result()
+    if failures:
+        raise failures[0]
+    return results  # type: ignore[return-value]
+
+
 def _submit(job: _Job, fn: Callable[[], Any]) -> "asyncio.Future[Any]":
     """Run ``fn`` on the generation pool; what :func:`_admit` took is given back when it ends."""
 
@@ -387,7 +447,7 @@ async def _run_blocking(job: _Job, request: Request | None = None) -> list[TextR
             raise _Cancelled
 
     _admit(job)
-    future = _submit(job, lambda: [job.run(i, on_text, cancelled) for i in range(job.choices)])
+    future = _submit(job, lambda: _run_choices(job, on_text, cancelled))
     # a client that leaves abandons the future, which then ends in _Cancelled: retrieve that here,
     # or asyncio logs it with a traceback ("Future exception was never retrieved")
     future.add_done_callback(lambda f: f.cancelled() or f.exception())

@@ -463,6 +463,18 @@ class SessionStore:
             self._make_room(owner, kv_bytes, count=False)
             self._claimed += kv_bytes
 
+    def try_claim(self, kv_bytes: int) -> bool:
+        """Hold ``kv_bytes`` under the KV cap if they fit as things stand (nothing is evicted for
+        them); False where they do not.  Give them back with :meth:`release`."""
+        if kv_bytes <= 0:
+            return True
+        with self._lock:
+            used = self._claimed + sum(cache_bytes(s.target.cache) for s in self._sessions.values())
+            if used + kv_bytes > self.settings.max_kv_bytes:
+                return False
+            self._claimed += kv_bytes
+            return True
+
     def release(self, kv_bytes: int) -> None:
         with self._lock:
             self._claimed -= max(kv_bytes, 0)

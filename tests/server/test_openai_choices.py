@@ -1,0 +1,85 @@
+"""A request's several prompts (or ``n`` choices) on a batching server run side by side on spare
+generation slots, so the scheduler batches their passes; the results are those of running them
+one after the other, and a request never takes a slot or KV bytes someone else could need."""
+
+from __future__ import annotations
+
+import threading
+
+import pytest
+from fastapi.testclient import TestClient
+
+import specdec.server.openai_api as api
+from specdec import defaults
+from specdec.server import ServerSettings, create_app
+from specdec.drafters import ModelDrafter
+from tiny import tiny_native
+from toy_server import LetterTokenizer
+
+PROMPTS = ["abc", "de", "fghi", "jk", "l", "mno"]
+VOCAB = 26
+
+
+def _app(model, draft, **settings):
+    return TestClient(create_app(model, tokenizer=LetterTokenizer(), settings=ServerSettings(**settings),
+                                 drafter_factory=lambda: ModelDrafter(draft), drafter_name="tiny"),
+                      base_url="http://localhost")
+
+
+@pytest.fixture
+def running(monkeypatch):
+    """The most choices that ran at once, over every request since the fixture started."""
+    state = {"now": 0, "most": 0}
+    lock = threading.Lock()
+    run = api._Job.run
+
+    def counting(self, *a, **k):
+        with lock:
+            state["now"] += 1
+            state["most"] = max(state["most"], state["now"])
+        try:
+            return run(self, *a, **k)
+        finally:
+            with lock:
+                state["now"] -= 1
+
+    monkeypatch.setattr(api._Job, "run", counting)
+    return state
+
+
+def _texts(client, prompts, **kw):
+    r = client.post("/v1/completions", json={"prompt": prompts, "max_tokens": 12, **kw})
+    assert r.status_code == 200, r.text
+    body = r.json()
+    assert [c["index"] for c in body["choices"]] == list(range(len(body["choices"])))
+    return [c["text"] for c in body["choices"]], body
+
+
+@pytest.mark.parametrize("sampling", [{"temperature": 0}, {"temperature": 1.0, "seed": 5}])
+def test_choices_run_side_by_side_and_give_what_one_after_the_other_gives(running, sampling):
+    model, draft = tiny_native(vocab=VOCAB), tiny_native(vocab=VOCAB, seed=1)
+    side = _app(model, draft, max_active_requests=4)
+    alone = _app(model, draft, batching=False)
+    got, body = _texts(side, PROMPTS, **sampling)
+    assert running["most"] > 1 and running["most"] <= 4  # the admitted slot and up to three spare ones
+    ctx = side.app.state.ctx
+    assert ctx.store.claimed_bytes == 0 and ctx.active._value == 4  # every slot and claim given back
+    running["most"] = 0
+    ref, _ = _texts(alone, PROMPTS, **sampling)  # the serialised server runs them one after the other
+    assert running["most"] == 1 and got == ref
+    assert got == [_texts(alone, [p], **sampling)[0][0] for p in PROMPTS]  # each prompt alone (same seed)
+    n2, _ = _texts(side, PROMPTS[:1], n=3, **sampling)
+    assert n2[0] == got[0] and (len(set(n2)) == 1) == (sampling["temperature"] == 0)
+
+
+def test_no_spare_slot_or_kv_room_means_one_after_the_other(running):
+    model, draft = tiny_native(vocab=VOCAB), tiny_native(vocab=VOCAB, seed=1)
+    one = _app(model, draft, max_active_requests=1)
+    ref, _ = _texts(one, PROMPTS, temperature=0)
+    assert running["most"] == 1
+    probe = one.app.state.ctx
+    positions = 4 + 12 + defaults.MAX_GAMMA + 1 + defaults.MAX_TREE_NODES  # as _Job sizes a choice's claim
+    per_choice = int(1.5 * positions * (probe.kv_per_position + probe.draft_kv_per_position))  # one claim fits, two do not
+    tight = _app(model, draft, max_kv_bytes=per_choice)
+    got, _ = _texts(tight, PROMPTS, temperature=0)
+    assert running["most"] == 1 and got == ref and tight.app.state.ctx.store.claimed_bytes == 0
