@@ -147,6 +147,10 @@ SCHEDULER_PREFILL_CHUNK = 128
 SCHEDULER_MAX_QUEUE = 1024
 #: OpenAI requests generating at once; more are answered 429 with Retry-After
 SERVER_MAX_ACTIVE_REQUESTS = 64
+#: a request's choices (prompts x n) that run side by side on spare generation slots, at most; and
+#: spare slots are taken only while at least half of all slots stay for requests' own (see
+#: openai_api._run_choices).  On two cores batching flattens past ~16 sequences (benchmarks/offline-batch-g)
+SERVER_CHOICES_SIDE_BY_SIDE = 16
 
 # scale-out on Ray Serve
 #: verifier replicas of `specdec serve --ray` and the CPUs Ray reserves for each

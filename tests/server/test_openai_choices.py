@@ -58,12 +58,12 @@ def _texts(client, prompts, **kw):
 @pytest.mark.parametrize("sampling", [{"temperature": 0}, {"temperature": 1.0, "seed": 5}])
 def test_choices_run_side_by_side_and_give_what_one_after_the_other_gives(running, sampling):
     model, draft = tiny_native(vocab=VOCAB), tiny_native(vocab=VOCAB, seed=1)
-    side = _app(model, draft, max_active_requests=4)
+    side = _app(model, draft, max_active_requests=6)
     alone = _app(model, draft, batching=False)
     got, body = _texts(side, PROMPTS, **sampling)
-    assert running["most"] > 1 and running["most"] <= 4  # the admitted slot and up to three spare ones
+    assert running["most"] == 4  # the admitted slot and three spare ones: half of the six slots
     ctx = side.app.state.ctx
-    assert ctx.store.claimed_bytes == 0 and ctx.active._value == 4  # every slot and claim given back
+    assert ctx.store.claimed_bytes == 0 and ctx.active._value == 6 and ctx.spare._value == 3  # all given back
     running["most"] = 0
     ref, _ = _texts(alone, PROMPTS, **sampling)  # the serialised server runs them one after the other
     assert running["most"] == 1 and got == ref
@@ -83,3 +83,15 @@ def test_no_spare_slot_or_kv_room_means_one_after_the_other(running):
     tight = _app(model, draft, max_kv_bytes=per_choice)
     got, _ = _texts(tight, PROMPTS, temperature=0)
     assert running["most"] == 1 and got == ref and tight.app.state.ctx.store.claimed_bytes == 0
+
+
+def test_a_request_takes_at_most_its_share_of_spare_slots(running, monkeypatch):
+    model, draft = tiny_native(vocab=VOCAB), tiny_native(vocab=VOCAB, seed=1)
+    monkeypatch.setattr(defaults, "SERVER_CHOICES_SIDE_BY_SIDE", 2)
+    capped = _app(model, draft, max_active_requests=16)
+    ref, _ = _texts(capped, PROMPTS, temperature=0)
+    assert running["most"] == 2  # the per-request cap
+    monkeypatch.setattr(defaults, "SERVER_CHOICES_SIDE_BY_SIDE", 16)
+    running["most"] = 0
+    two = _app(model, draft, max_active_requests=2)  # one spare slot at most: half of two
+    assert _texts(two, PROMPTS, temperature=0)[0] == ref and running["most"] == 2

@@ -89,6 +89,9 @@ class ServerContext:
         self.store = SessionStore(self.settings, on_evict=self._evicted)
         #: generation slots of the OpenAI endpoints and the worker threads that run them
         self.active = threading.BoundedSemaphore(self.settings.max_active_requests)
+        #: of those, the ones a request's further choices may take (half: a request with many prompts
+        #: never takes the slots other requests are admitted to)
+        self.spare = threading.BoundedSemaphore(max(1, self.settings.max_active_requests // 2))
         self.executor = ThreadPoolExecutor(self.settings.max_active_requests, thread_name_prefix="specdec-generate",
                                            initializer=one_openmp_thread)
         probe = self.model.new_cache(1)

@@ -368,22 +368,34 @@ def _release(job: _Job) -> None:
 
 def _spare_slot(job: _Job) -> bool:
     """Take one more generation slot and its KV bytes for ``job``, only where both are free now
-    (nobody waits, no idle session is evicted for it); :func:`_release` gives them back."""
+    (nobody waits, no idle session is evicted for it) and spare slots in use stay within half of
+    all slots; :func:`_release_spare` gives them back."""
     ctx = job.ctx
+    if not ctx.spare.acquire(blocking=False):
+        return False
     if not ctx.active.acquire(blocking=False):
+        ctx.spare.release()
         return False
     if not ctx.store.try_claim(job.kv_bytes):
         ctx.active.release()
+        ctx.spare.release()
         return False
     return True
+
+
+def _release_spare(job: _Job) -> None:
+    _release(job)
+    job.ctx.spare.release()
 
 
 def _run_choices(job: _Job, on_text: Callable[[str], None] | None, cancelled: threading.Event) -> list[TextResult]:
     """Every choice of ``job`` (in a worker thread holding its admitted slot), results in index order.
 
     On a batching server a request's several prompts or ``n`` choices also run on spare generation
-    slots — each taken without waiting, with its own KV claim, and given back when its thread
-    runs out of choices — so the scheduler batches their passes as it batches separate requests'.
+    slots — each taken without waiting, with its own KV claim, at most
+    :data:`~specdec.defaults.SERVER_CHOICES_SIDE_BY_SIDE` at once and never more than half of all
+    slots server-wide, and given back when its thread runs out of choices — so the scheduler
+    batches their passes as it batches separate requests'.
     Each choice is the same computation wherever it runs (its prompt, its seed), so the results
     are those of running them one after the other.  A failing choice stops the others from starting
     new ones; the first failure is raised.
@@ -411,11 +423,11 @@ def _run_choices(job: _Job, on_text: Callable[[str], None] | None, cancelled: th
         try:
             work()
         finally:
-            _release(job)
+            _release_spare(job)
 
     helpers = []
     if job.ctx.settings.batching:
-        while len(helpers) < n - 1 and _spare_slot(job):
+        while len(helpers) < min(n, defaults.SERVER_CHOICES_SIDE_BY_SIDE) - 1 and _spare_slot(job):
             helpers.append(job.ctx.executor.submit(extra))
     work()
     for h in helpers:
