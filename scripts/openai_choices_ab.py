@@ -1,0 +1,114 @@
+#!/usr/bin/env python
+"""One OpenAI completions request with many prompts: a server at another commit against this checkout's.
+
+    python scripts/openai_choices_ab.py --base REV --repeats 3 --out benchmarks/NAME
+
+Not a test and not part of CI.  Two ``specdec serve`` processes on the default models, one from
+this checkout and one from ``--base`` (its ``src`` exported with ``git archive`` and put first on
+``PYTHONPATH``), both up at once; the same request — ``prompt`` a list of the 16 built-in
+benchmark prompts' texts, ``max_tokens`` each — goes to each in turn, the order alternating per
+repeat, at T = 0 and at T = 1 with a seed.  Per arm: the request's wall time and completion
+tokens per second.  The choices' texts must be the same in both arms.  Writes ``README.md`` and
+``results.json``.
+"""
+
+from __future__ import annotations
+
+import os
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+import httpx
+import paired
+from startup_ab import _export
+
+from specdec.bench.workloads import BUILTIN
+
+ROOT = Path(__file__).resolve().parent.parent
+
+
+def _free_port() -> int:
+    import socket
+
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def _serve(src: Path, threads: int) -> tuple[subprocess.Popen, str]:
+    port = _free_port()
+    env = dict(os.environ, PYTHONPATH=str(src), OMP_NUM_THREADS=str(threads), TOKENIZERS_PARALLELISM="false")
+    proc = subprocess.Popen([sys.executable, "-m", "specdec.cli", "serve", "--host", "127.0.0.1", "--port", str(port)],
+                            env=env, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
+    url = f"http://127.0.0.1:{port}"
+    deadline = time.monotonic() + 300
+    while time.monotonic() < deadline:
+        if proc.poll() is not None:
+            raise RuntimeError(f"server from {src} exited: {proc.stderr.read()[-2000:]}")
+        try:
+            if httpx.get(url + "/health", timeout=1.0).status_code == 200:
+                return proc, url
+        except httpx.HTTPError:
+            pass
+        time.sleep(0.2)
+    raise RuntimeError("server did not become ready")
+
+
+def main() -> int:
+    ap = paired.parser(__doc__)
+    ap.add_argument("--base", required=True, help="the commit to compare with")
+    ap.add_argument("--repeats", type=int, default=3)
+    ap.set_defaults(max_new_tokens=64)
+    args = ap.parse_args()
+    prompts = [p.text for p in BUILTIN]
+    temps = [float(t) for t in args.temperatures.split(",")]
+    with tempfile.TemporaryDirectory() as tmp:
+        arms = {"base": _export(args.base, Path(tmp)), "this": ROOT / "src"}
+        servers = {name: _serve(src, args.threads) for name, src in arms.items()}
+        rows, texts = [], {}
+        try:
+            for url in (u for _, u in servers.values()):  # warm-up
+                httpx.post(url + "/v1/completions", json={"prompt": prompts[:2], "max_tokens": 8, "temperature": 0}, timeout=600)
+            for rep in range(args.repeats):
+                for temp in temps:
+                    body = {"prompt": prompts, "max_tokens": args.max_new_tokens, "temperature": temp}
+                    if temp > 0:
+                        body["seed"] = 7
+                    order = list(servers) if rep % 2 == 0 else list(servers)[::-1]
+                    for name in order:
+                        t0 = time.perf_counter()
+                        r = httpx.post(servers[name][1] + "/v1/completions", json=body, timeout=600)
+                        wall = time.perf_counter() - t0
+                        r.raise_for_status()
+                        out = r.json()
+                        tokens = out["usage"]["completion_tokens"]
+                        texts.setdefault((temp, name), [c["text"] for c in out["choices"]])
+                        rows.append({"arm": name, "temperature": temp, "repeat": rep, "wall_s": wall, "tokens": tokens,
+                                     "tok_s": tokens / wall})
+                        print(f"T = {temp:g} {name}: {tokens} tokens in {wall:.2f} s", file=sys.stderr, flush=True)
+        finally:
+            for proc, _ in servers.values():
+                proc.terminate()
+                proc.wait(timeout=30)
+    same = all(texts[(t, "base")] == texts[(t, "this")] for t in temps)
+    lines = [f"One `/v1/completions` request whose `prompt` is the list of the 16 built-in prompts, `max_tokens` "
+             f"{args.max_new_tokens}, default models and server settings (batching on), {args.threads} threads per "
+             f"server, {args.repeats} repeats alternating; medians.", "",
+             "| T | arm | wall s | tok/s |", "|---|---|---|---|"]
+    for temp in temps:
+        for name in ("base", "this"):
+            sel = [r for r in rows if r["temperature"] == temp and r["arm"] == name]
+            lines.append(f"| {temp:g} | {name} ({args.base if name == 'base' else 'this checkout'}) "
+                         f"| {statistics.median(r['wall_s'] for r in sel):.2f} | {statistics.median(r['tok_s'] for r in sel):.1f} |")
+    lines += ["", f"The same choice texts from both servers: {'yes' if same else 'NO'}."]
+    paired.write_report(args.out, "A request with many prompts: choices side by side on spare slots",
+                        {"rows": rows, "same_texts": same}, lines)
+    return 0 if same else 1
+
+
+if __name__ == "__main__":
+    sys.exit(main())
