@@ -124,3 +124,15 @@ def test_bad_files_and_stray_batch_flags(capsys, tmp_path):
     assert code == 2 and "is a folder" in err
     code, _, err = _run(capsys, "generate", "-p", "hi", "--out", "x.jsonl")
     assert code == 2 and "go with --prompts-file" in err
+
+
+def test_every_prompt_is_checked_before_any_is_decoded(capsys, target, tmp_path):
+    out = tmp_path / "r.jsonl"
+    for bad, message in [('""', "prompt 1 (counting from 0): the prompt is empty"),
+                         (json.dumps("word " * 400), "prompt 1 (counting from 0) has")]:
+        prompts = tmp_path / "p.jsonl"
+        prompts.write_text('"fine"\n' + bad + "\n")
+        code, stdout, err = _run(capsys, "generate", "--prompts-file", str(prompts), "--target", target, "-n", "4",
+                                 "--out", str(out))
+        assert code == 2 and message in err and "Traceback" not in err, err
+        assert not out.exists()  # nothing decoded, nothing written

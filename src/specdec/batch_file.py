@@ -18,6 +18,7 @@ from pathlib import Path
 from typing import Any, Callable, TextIO
 
 from specdec.errors import SpecdecError
+from specdec.text import logprob_rows
 
 
 @dataclass(frozen=True)
@@ -162,16 +163,25 @@ def run(engine: Any, job: Job, args: Any, sampling: Any, log: Callable[[str], No
     if start:
         log(f"{out_path} already holds the first {start} of {len(prompts)} results; going on from prompt {start}")
     todo = list(range(start, len(prompts)))
-    ids = [encode(engine, prompts[i], chat=args.chat, system=args.system) for i in todo]
+    context = engine.target.model.max_length
+    ids = []
+    for i in todo:  # every prompt encoded and checked before the first is decoded
+        try:
+            x = encode(engine, prompts[i], chat=args.chat, system=args.system)
+        except SpecdecError as exc:
+            raise SpecdecError(f"prompt {i} (counting from 0): {exc}") from None
+        if not x:
+            raise SpecdecError(f"prompt {i} (counting from 0): the prompt is empty")
+        if len(x) >= context:
+            raise SpecdecError(f"prompt {i} (counting from 0) has {len(x)} tokens but the model's context is {context}")
+        ids.append(x)
     tok = engine.target.tokenizer
 
     def row(res: Any) -> dict:
         r = {"text": res.text, "token_ids": res.token_ids, "finish_reason": res.finish_reason,
              "prompt_tokens": res.prompt_tokens, "generated_tokens": len(res.token_ids), "seed": res.seed, "method": res.method}
         if res.logprobs is not None:
-            r["logprobs"] = [{"id": t, "token": tok.decode([t]), "logprob": max(lp, -9999.0),
-                              "top": [{"id": i, "token": tok.decode([i]), "logprob": max(v, -9999.0)} for i, v in top]}
-                             for t, (lp, top) in zip(res.token_ids, res.logprobs)]
+            r["logprobs"] = logprob_rows(tok, res.token_ids, res.logprobs)
         return r
 
     if out_path is not None:

@@ -374,13 +374,9 @@ def _cmd_generate(args: argparse.Namespace) -> int:
         payload = {"text": out.text, "token_ids": out.token_ids, "stats": st.to_dict()}
         payload["stats"].update(target=engine.target.name, temperature=sampling.temperature, seed=sampling.seed)
         if out.logprobs is not None:
-            tok = engine.target.tokenizer
-            # -inf (a token the processing removed) as -9999.0, as OpenAI's API reports it: JSON has no infinity
-            payload["logprobs"] = [
-                {"id": t, "token": tok.decode([t]), "logprob": max(lp, -9999.0),
-                 "top": [{"id": i, "token": tok.decode([i]), "logprob": max(v, -9999.0)} for i, v in top]}
-                for t, (lp, top) in zip(out.token_ids, out.logprobs)
-            ]
+            from specdec.text import logprob_rows
+
+            payload["logprobs"] = logprob_rows(engine.target.tokenizer, out.token_ids, out.logprobs)
         if args.rounds:
             payload["rounds"] = [r.__dict__ for r in out.result.rounds]
         print(json.dumps(payload))

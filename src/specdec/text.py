@@ -131,6 +131,15 @@ class TextSink:
         return text
 
 
+def logprob_rows(tokenizer: Any, token_ids: list[int], logprobs: list[tuple[float, list[tuple[int, float]]]]) -> list[dict]:
+    """The JSON form of a generation's log-probabilities (``--json --logprobs K``): per token its id,
+    text and log-probability, and the K most likely alternatives; -inf (a token the processing
+    removed) as -9999.0, as OpenAI's API reports it — JSON has no infinity."""
+    return [{"id": t, "token": tokenizer.decode([t]), "logprob": max(lp, -9999.0),
+             "top": [{"id": i, "token": tokenizer.decode([i]), "logprob": max(v, -9999.0)} for i, v in top]}
+            for t, (lp, top) in zip(token_ids, logprobs)]
+
+
 def trim_at_stop(text: str, stops: tuple[str, ...]) -> str:
     """``text`` up to (not including) the first occurrence of any stop string."""
     cut = min((text.find(s) for s in stops if s and s in text), default=-1)
