@@ -136,3 +136,10 @@ def test_every_prompt_is_checked_before_any_is_decoded(capsys, target, tmp_path)
                                  "--out", str(out))
         assert code == 2 and message in err and "Traceback" not in err, err
         assert not out.exists()  # nothing decoded, nothing written
+
+
+def test_greedy_results_name_no_seed_and_repeat_byte_for_byte(capsys, target, tmp_path):
+    prompts = tmp_path / "p.jsonl"
+    prompts.write_text("\n".join(LINES))
+    runs = [_run(capsys, "generate", "--prompts-file", str(prompts), "--target", target, "-n", "6")[1] for _ in range(2)]
+    assert runs[0] == runs[1] and all(json.loads(line)["seed"] is None for line in runs[0].splitlines())

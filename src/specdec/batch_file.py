@@ -179,7 +179,8 @@ def run(engine: Any, job: Job, args: Any, sampling: Any, log: Callable[[str], No
 
     def row(res: Any) -> dict:
         r = {"text": res.text, "token_ids": res.token_ids, "finish_reason": res.finish_reason,
-             "prompt_tokens": res.prompt_tokens, "generated_tokens": len(res.token_ids), "seed": res.seed, "method": res.method}
+             "prompt_tokens": res.prompt_tokens, "generated_tokens": len(res.token_ids),
+             "seed": None if sampling.greedy else res.seed, "method": res.method}  # greedy draws nothing
         if res.logprobs is not None:
             r["logprobs"] = logprob_rows(tok, res.token_ids, res.logprobs)
         return r
