@@ -34,8 +34,6 @@ from specdec.drafters.base import Draft, DraftSampler
 from specdec.drafters.self_spec import LayerPlan, LayerView, SelfSpecDrafter, ViewCache
 from specdec.errors import ConfigError
 
-#: package data: trained adapters, one per target (``<target name>.safetensors``)
-
 
 @dataclass(frozen=True)
 class AdapterConfig:

@@ -34,8 +34,6 @@ from specdec.drafters.model import ModelDrafter
 from specdec.errors import ConfigError
 from specdec.kv_cache import KVCache
 
-#: package data: searched skip sets, one JSON file per target (``<target name>.json``)
-
 
 @dataclass(frozen=True)
 class LayerPlan:
