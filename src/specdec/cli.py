@@ -387,7 +387,8 @@ def _cmd_generate(args: argparse.Namespace) -> int:
 
 
 def _generate_batch(args: argparse.Namespace) -> int:
-    """``generate --prompts-file``: every checked before any model loads, then :mod:`specdec.batch_file`."""
+    """``generate --prompts-file``: every option and the files checked before any model loads, then
+    :mod:`specdec.batch_file`."""
     from specdec.engine import Engine, EngineConfig
     from specdec.remote.command import remote_only_given
 

@@ -428,7 +428,11 @@ def _run_choices(job: _Job, on_text: Callable[[str], None] | None, cancelled: th
     helpers = []
     if job.ctx.settings.batching:
         while len(helpers) < min(n, defaults.SERVER_CHOICES_SIDE_BY_SIDE) - 1 and _spare_slot(job):
-            helpers.append(job.ctx.executor.submit(extra))
+            try:
+                helpers.append(job.ctx.executor.submit(extra))
+            except RuntimeError:  # the executor is shutting down: give the slot back, run here
+                _release_spare(job)
+                break
     work()
     for h in helpers:
         h.result()
