@@ -30,8 +30,9 @@ from typing import Any, Callable, Sequence
 from torch import Tensor
 
 from specdec import defaults
+from specdec.decoder import _fresh_seed, cut_at_eos
 from specdec.errors import ConfigError
-from specdec.sampling import SamplingConfig
+from specdec.sampling import SamplingConfig, offset_seed
 from specdec.session import TargetSession
 from specdec.text import StopStrings, TextSink
 from specdec.verify import get_rule
@@ -66,10 +67,8 @@ class _Running:
 def seed_for(sampling: SamplingConfig, index: int) -> int:
     """Prompt ``index``'s seed: the configured seed + index (as OpenAI's ``n`` choices), else a fresh one."""
     if sampling.seed is None:
-        from specdec.decoder import _fresh_seed
-
         return _fresh_seed()
-    return (int(sampling.seed) + index) % (defaults.MAX_SEED + 1)
+    return offset_seed(sampling.seed, index)
 
 
 def generate_batch(
@@ -141,10 +140,9 @@ def generate_batch(
         still: list[_Running] = []
         for r, row in zip(running, logits):
             new = r.session.conclude_plain(row, target_s=share).verdict.tokens.tolist()[: r.max_new - len(r.generated)]
-            for j, tok in enumerate(new):  # as the decoder does after every round
-                if tok in eos:
-                    new, r.finish = new[: j + 1], "eos"
-                    break
+            new, ended = cut_at_eos(new, eos)  # as the decoder does after every round
+            if ended:
+                r.finish = "eos"
             r.generated.extend(new)
             if r.stop is not None:
                 keep = r.stop(r.generated)

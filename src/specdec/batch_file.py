@@ -199,9 +199,9 @@ def run(engine: Any, job: Job, args: Any, sampling: Any, log: Callable[[str], No
     if sampling.seed is not None and start:  # prompt i keeps seed + i on a rerun
         from dataclasses import replace
 
-        from specdec import defaults
+        from specdec.sampling import offset_seed
 
-        sampling_for = replace(sampling, seed=(sampling.seed + start) % (defaults.MAX_SEED + 1))
+        sampling_for = replace(sampling, seed=offset_seed(sampling.seed, start))
     bar = tqdm(total=len(prompts), initial=start, unit="prompt", desc="generating", file=sys.stderr, disable=None)
     tokens = 0
 

@@ -467,6 +467,8 @@ def _chat_loop(engine, args: argparse.Namespace, sampling: SamplingConfig, gamma
     keys/values of what earlier turns already computed (bitwise what a fresh prefill writes)."""
     from dataclasses import replace
 
+    from specdec.sampling import offset_seed
+
     engine = engine.with_prefix_cache()
     turns: list[str] = []
     pending = first
@@ -488,7 +490,7 @@ def _chat_loop(engine, args: argparse.Namespace, sampling: SamplingConfig, gamma
         turns.append(pending)
         pending = None
         # with a seed, turn k uses seed + k: reproducible conversations, not a repeated noise stream
-        turn_sampling = replace(sampling, seed=(sampling.seed + n) % (defaults.MAX_SEED + 1)) if sampling.seed is not None else sampling
+        turn_sampling = replace(sampling, seed=offset_seed(sampling.seed, n)) if sampling.seed is not None else sampling
         out = engine.generate(engine.encode_messages(_messages(args.system, turns)), turn_sampling, method=args.method,
                               gamma=gamma, on_text=on_text, min_confidence=args.min_confidence, tree=tree,
                               tree_min_prob=args.tree_min_prob)

@@ -95,6 +95,14 @@ class StopCheck(Protocol):
         ...
 
 
+def cut_at_eos(tokens: list[int], eos_ids: frozenset[int]) -> tuple[list[int], bool]:
+    """``tokens`` up to and including the first end-of-sequence token, and whether there was one."""
+    for i, tok in enumerate(tokens):
+        if tok in eos_ids:
+            return tokens[: i + 1], True
+    return tokens, False
+
+
 def _fresh_seed() -> int:
     return int.from_bytes(os.urandom(6), "little")
 
@@ -222,11 +230,9 @@ class SpeculativeDecoder:
             if taps is not None:  # every round, drafted or not: the features of what was committed
                 drafter.add_features(outcome.features)  # type: ignore[union-attr]
             new = verdict.tokens.tolist()[:remaining]
-            for i, tok in enumerate(new):
-                if tok in self.eos_ids:
-                    new = new[: i + 1]
-                    finish = "eos"
-                    break
+            new, ended = cut_at_eos(new, self.eos_ids)
+            if ended:
+                finish = "eos"
             if penalties is not None:
                 penalties.append(torch.tensor(new, dtype=torch.long))
             generated.extend(new)

@@ -75,6 +75,12 @@ def path_masks(
     return out
 
 
+
+def offset_seed(seed: int, k: int) -> int:
+    """The k-th seed after ``seed`` (seed + k, wrapped into the seed range): choice, turn or prompt
+    k of a request, a chat or a batch that was given one seed."""
+    return (int(seed) + k) % (defaults.MAX_SEED + 1)
+
 @dataclass(frozen=True)
 class SamplingConfig:
     """How the target would sample on its own.  Defaults live here and nowhere else."""

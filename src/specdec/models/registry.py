@@ -24,6 +24,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
+from specdec import catalog
 from specdec.errors import MissingPackageError, ModelNotFoundError, SpecdecError
 
 if TYPE_CHECKING:  # torch is imported where a model loads: `specdec models` and `setup`'s checks need none of it
@@ -34,7 +35,7 @@ def cache_root() -> Path:
     return Path(os.environ.get("SPECDEC_CACHE", Path.home() / ".cache" / "specdec"))
 
 
-DATA_DIR = Path(__file__).resolve().parent.parent / "data"
+DATA_DIR = catalog.DATA_DIR  # the package's data folder
 
 
 @dataclass(frozen=True)

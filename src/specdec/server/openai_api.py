@@ -28,7 +28,7 @@ from specdec.engine import Engine, TextResult, default_method, make_gamma, parse
 from specdec.gamma import CappedGamma
 from specdec.errors import SpecdecError
 from specdec.models.registry import LoadedModel
-from specdec.sampling import SamplingConfig
+from specdec.sampling import SamplingConfig, offset_seed
 from specdec.text import TextStream
 from specdec.server.draft_cap import CAPPED_WIRES
 from specdec.server.errors import ApiError
@@ -324,7 +324,7 @@ class _Job:
 
         sampling = self.sampling
         if sampling.seed is not None and j:
-            sampling = replace(sampling, seed=(sampling.seed + j) % (defaults.MAX_SEED + 1))
+            sampling = replace(sampling, seed=offset_seed(sampling.seed, j))
         if self.grammar is not None:  # one matcher per choice (each has its own history)
             sampling = replace(sampling, constraint=self._constraint())
         schedulers = [m.scheduler for m in (ctx.model, getattr(ctx, "draft_model", None)) if hasattr(m, "scheduler")]

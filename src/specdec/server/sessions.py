@@ -463,13 +463,17 @@ class SessionStore:
             self._make_room(owner, kv_bytes, count=False)
             self._claimed += kv_bytes
 
+    def _used_bytes(self) -> int:  # under the lock
+        """KV bytes held now: OpenAI requests' claims and the sessions' caches."""
+        return self._claimed + sum(cache_bytes(s.target.cache) for s in self._sessions.values())
+
     def try_claim(self, kv_bytes: int) -> bool:
         """Hold ``kv_bytes`` under the KV cap if they fit as things stand (nothing is evicted for
         them); False where they do not.  Give them back with :meth:`release`."""
         if kv_bytes <= 0:
             return True
         with self._lock:
-            used = self._claimed + sum(cache_bytes(s.target.cache) for s in self._sessions.values())
+            used = self._used_bytes()
             if used + kv_bytes > self.settings.max_kv_bytes:
                 return False
             self._claimed += kv_bytes
@@ -487,7 +491,7 @@ class SessionStore:
         cap = self.settings.max_kv_bytes
         while True:
             full = count and len(self._sessions) >= self.settings.max_sessions
-            used = self._claimed + sum(cache_bytes(s.target.cache) for s in self._sessions.values())
+            used = self._used_bytes()
             over = used + kv_bytes > cap
             if not full and not over:
                 return
