@@ -77,6 +77,8 @@ class GenerationStats:
     free_tokens_accepted: int = 0
     #: the drafter sampled at this factor x the temperature (``--draft-temperature-factor``)
     draft_temperature_factor: float = 1.0
+    #: prompt tokens whose keys/values a prefix cache copied instead of the prefill computing them
+    cached_prompt_tokens: int = 0
 
     def to_dict(self) -> dict:
         return asdict(self)
@@ -277,11 +279,12 @@ class SpeculativeDecoder:
         kv = getattr(verifier, "kv_peak_bytes", 0)
         return GenerationResult(
             tokens=generated,
-            stats=self._stats(rounds, generated, n_prompt, wall, ttft, prefill_s, kv, finish),
+            stats=self._stats(rounds, generated, n_prompt, wall, ttft, prefill_s, kv, finish,
+                              cached=int(getattr(verifier, "cached_prompt_tokens", 0))),
             rounds=tuple(rounds),
         )
 
-    def _stats(self, rounds, generated, n_prompt, wall, ttft, prefill_s, kv_peak, finish) -> GenerationStats:
+    def _stats(self, rounds, generated, n_prompt, wall, ttft, prefill_s, kv_peak, finish, *, cached: int = 0) -> GenerationStats:
         proposed = sum(r.gamma for r in rounds)
         accepted = sum(r.accepted for r in rounds)
         longest = max((r.gamma for r in rounds), default=0)
@@ -316,4 +319,5 @@ class SpeculativeDecoder:
             free_rounds=sum(1 for r in rounds if r.free),
             free_tokens_accepted=sum(r.accepted for r in rounds if r.free),
             draft_temperature_factor=temperature_factor(self.drafter),
+            cached_prompt_tokens=cached,
         )

@@ -51,6 +51,8 @@ class KVCache:
         self.max_length = max_length
         self.length = 0
         self.peak_length = 0
+        #: leading positions a prefix cache copied in instead of a prefill computing them
+        self.restored = 0
 
     @property
     def capacity(self) -> int:

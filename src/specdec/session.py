@@ -161,6 +161,11 @@ class TargetSession:
         return self._ctx.numel()
 
     @property
+    def cached_prompt_tokens(self) -> int:
+        """Prompt positions whose keys/values a prefix cache copied instead of the prefill computing them."""
+        return int(getattr(self.cache, "restored", 0))
+
+    @property
     def kv_peak_bytes(self) -> int:
         used = getattr(self.cache, "used_bytes", None)
         return int(used()) if used is not None else int(self.cache.nbytes)

@@ -43,3 +43,59 @@ def test_next_turn_copies_the_whole_last_turn_and_prefills_bitwise_fresh(smollm2
     assert torch.equal(logits, model.forward(turn, fresh, last_only=True))
     n = cache.length
     assert n == fresh.length and torch.equal(cache.k[:, :, :n], fresh.k[:, :, :n]) and torch.equal(cache.v[:, :, :n], fresh.v[:, :, :n])
+
+
+@pytest.mark.parametrize("target_fixture", ["q4_target", "float32"])
+def test_a_batching_server_keeps_replies_decoded_side_by_side_bitwise(smollm2, target_fixture, request):
+    """Two chats decoded at once through the batching scheduler (their verification passes share
+    batches), each kept when it finishes (``TargetSession.close`` -> ``ServedModel.keep_sequence``):
+    each next turn copies all of its last turn but the final token, and its logits and cache equal
+    the target prefilling the whole conversation alone."""
+    import threading
+    import time
+
+    from specdec.server.scheduler import BatchedModel, Scheduler
+    from specdec.server.sessions import SerializedModel
+
+    target = smollm2[0] if target_fixture == "float32" else request.getfixturevalue(target_fixture)
+    tok, model = target.tokenizer, target.model
+    pc = PrefixCache(256 << 20)
+    served = BatchedModel(model, Scheduler(model), initial_length=64, prefix_cache=pc)
+    draft = SerializedModel(smollm2[1].model, threading.Lock())  # one draft object, one pass at a time
+    chats = [TURN, [{"role": "user", "content": "Name three prime numbers and say why they are prime."}]]
+    outs: dict[int, list[int]] = {}
+    sizes: list[int] = []
+    observe = served.scheduler.on_pass
+
+    def counting(stats):
+        sizes.append(stats.sequences)
+        observe(stats)
+
+    served.scheduler.on_pass = counting
+
+    def chat(i: int) -> None:
+        dec = SpeculativeDecoder(served, ModelDrafter(draft), get_rule("greedy"), gamma=FixedGamma(4), eos_ids=target.eos_ids)
+        outs[i] = dec.generate(encode_messages(tok, chats[i]), SamplingConfig(temperature=0.0, max_new_tokens=32)).tokens
+
+    threads = [threading.Thread(target=chat, args=(i,)) for i in range(2)]
+    hold = threading.Event()
+    served.scheduler.compute.post(hold.wait)  # the compute thread waits: both prompts queue for the first pass
+    for t in threads:
+        t.start()
+    while len(served.scheduler) < 2:
+        time.sleep(0.001)
+    hold.set()
+    for t in threads:
+        t.join()
+    assert sorted(outs) == [0, 1] and all(len(o) == 32 for o in outs.values()) and sizes[0] == 2
+    for i, messages in enumerate(chats):
+        reply = tok.decode(outs[i], skip_special_tokens=True)
+        turn = torch.tensor(encode_messages(tok, messages + [{"role": "assistant", "content": reply},
+                                                             {"role": "user", "content": "Say more."}]))  # [n]
+        before = pc.reused_tokens
+        cache, fresh = served.new_cache(512), model.new_cache(512)
+        logits = served.forward(turn, cache, last_only=True)
+        assert pc.reused_tokens - before == len(encode_messages(tok, messages)) + 32 - 1, i
+        assert torch.equal(logits, model.forward(turn, fresh, last_only=True)), i
+        n = cache.length
+        assert n == fresh.length and torch.equal(cache.k[:, :, :n], fresh.k[:, :, :n]) and torch.equal(cache.v[:, :, :n], fresh.v[:, :, :n])

@@ -214,27 +214,94 @@ def test_a_finished_sequence_is_kept_and_the_next_turn_prefills_bitwise_fresh(ho
     assert torch.equal(first, ref_first) and torch.equal(after, ref_after[0]) and _same_cache(cache, ref_cache)
 
 
+def _filled(model, tokens: torch.Tensor):
+    cache = model.new_cache(512)
+    model.forward(tokens, cache)
+    return cache
+
+
 def test_keep_replaces_what_it_extends_and_respects_the_budget():
+    """A kept sequence is unproven (it may never come back) until a prefill copies from it; unproven
+    entries hold at most half of the budget, dropped least recently used first; a kept sequence
+    that extends a proven entry (a conversation's next turn) is proven."""
     model = tiny_native(vocab=VOCAB)
     per_position = model.new_cache(1).bytes_per_position
-    pc = PrefixCache(100 * per_position)
-
-    def filled(tokens: torch.Tensor):
-        cache = model.new_cache(512)
-        model.forward(tokens, cache)
-        return cache
-
-    seq, other, long = _prompt(1, 90), _prompt(2, 50), _prompt(3, 120)
-    cache = filled(seq)
+    pc = PrefixCache(100 * per_position)  # unproven entries: at most 50 positions
+    seq, other, long = _prompt(1, 90), _prompt(2, 90), _prompt(3, 120)
+    cache, other_cache = _filled(model, seq), _filled(model, other)
     pc.keep(seq[:40], cache)  # kept at once, never seen before
-    assert len(pc) == 1 and pc.bytes == 40 * per_position
-    pc.keep(seq[:70], cache)  # the next turn extends it: replaces it
-    assert len(pc) == 1 and pc.bytes == 70 * per_position
+    assert len(pc) == 1 and pc.bytes == pc.unproven_bytes == 40 * per_position
+    pc.keep(seq[:45], cache)  # extends it: replaces it
+    assert len(pc) == 1 and pc.bytes == pc.unproven_bytes == 45 * per_position
     pc.keep(seq[:30], cache)  # inside what is stored: nothing new
-    assert len(pc) == 1 and pc.bytes == 70 * per_position
-    pc.keep(other, filled(other))  # another conversation: 120 > 100 positions, the older one goes
-    assert len(pc) == 1 and pc.bytes == 50 * per_position and pc.restore(other, model.new_cache(64)) == 49
-    pc.keep(long, filled(long))  # larger than the whole budget: not kept
-    assert len(pc) == 1 and pc.bytes == 50 * per_position
+    assert len(pc) == 1 and pc.bytes == 45 * per_position
+    pc.keep(other[:30], other_cache)  # 75 unproven positions > 50: the older unproven one goes
+    assert len(pc) == 1 and pc.bytes == pc.unproven_bytes == 30 * per_position
+    assert pc.restore(other[:50], model.new_cache(64)) == 30  # the next turn copies it: proven
+    assert pc.unproven_bytes == 0
+    pc.keep(other[:70], other_cache)  # that turn finishes: extends a proven entry, so proven
+    assert len(pc) == 1 and pc.bytes == 70 * per_position and pc.unproven_bytes == 0
+    pc.keep(seq[:20], cache)  # a new conversation beside it: 90 positions in all
+    pc.keep(long[:25], _filled(model, long))  # 45 unproven positions: both stay
+    # 115 > 100 positions: the least recently used entry went, proven or not (a conversation left idle)
+    assert pc.restore(other[:80], model.new_cache(64)) == 0
+    assert len(pc) == 2 and pc.bytes == pc.unproven_bytes == 45 * per_position
+    pc.keep(long[:60], _filled(model, long))  # an unproven sequence larger than its share: not kept
+    assert pc.bytes == 45 * per_position
     pc.keep(seq[:8], cache)  # shorter than MIN_TOKENS: not kept
-    assert len(pc) == 1
+    assert len(pc) == 2
+
+
+def test_a_flood_of_one_shot_sequences_never_evicts_what_was_reused():
+    """200 distinct finished requests (kept, never re-sent) against a shared system prompt stored
+    because two prompts began with it: the shared prefix stays and every later prompt copies it."""
+    model = tiny_native(vocab=VOCAB)
+    per_position = model.new_cache(1).bytes_per_position
+    pc = PrefixCache(200 * per_position)
+    served = SerializedModel(model, threading.Lock(), prefix_cache=pc)
+    system = _prompt(20, 48)
+    for i in range(2):  # seen twice: its three whole blocks are stored
+        served.forward(torch.cat([system, _prompt(100 + i, 10)]), served.new_cache(512), last_only=True)
+    assert len(pc) == 1 and pc.unproven_bytes == 0
+    for i in range(200):
+        seq = torch.cat([_prompt(300 + i, 40), _prompt(600 + i, 20)])  # one-shot prompt + its "reply"
+        pc.keep(seq, _filled(model, seq))
+        assert pc.unproven_bytes <= 100 * per_position and pc.bytes <= 200 * per_position
+    before = pc.reused_tokens
+    served.forward(torch.cat([system, _prompt(999, 10)]), served.new_cache(512), last_only=True)
+    assert pc.reused_tokens - before == 48
+
+
+@pytest.mark.parametrize("batching", [True, False])
+@pytest.mark.parametrize("sampling", [{"temperature": 0}, {"temperature": 1.0, "seed": 4}])
+def test_a_server_keeps_finished_requests_for_the_next_turn(batching, sampling):
+    """OpenAI completions on a server: four prompts side by side (their passes batched), then each
+    one's next turn — prompt, reply and new text.  Each next turn copies every position of its last
+    turn but the final token, and every text equals a server without a prefix cache."""
+    from specdec.drafters import ModelDrafter
+    from toy_server import LetterTokenizer
+
+    model, draft = tiny_native(vocab=26), tiny_native(vocab=26, seed=1)
+    prompts = ["thequickbrownfoxjumps", "overthelazydogagainandagain", "packmyboxwithfivedozen", "liquorjugsnowplease"]
+
+    def run(size: int) -> tuple[list[str], list[str], int]:
+        app = create_app(model, tokenizer=LetterTokenizer(), drafter_factory=lambda: ModelDrafter(draft), drafter_name="tiny",
+                         settings=ServerSettings(batching=batching, prefix_cache_bytes=size, max_active_requests=8))
+        client = TestClient(app, base_url="http://localhost")
+
+        def texts(ps: list[str]) -> tuple[list[str], int]:
+            r = client.post("/v1/completions", json={"prompt": ps, "max_tokens": 12, **sampling})
+            assert r.status_code == 200, r.text
+            return [c["text"] for c in r.json()["choices"]], r.json()["usage"]["prompt_tokens_details"]["cached_tokens"]
+
+        first, _ = texts(prompts)
+        pc = app.state.ctx.model.prefix_cache
+        before = pc.reused_tokens if pc is not None else 0
+        second, cached = texts([p + t + "xyz" for p, t in zip(prompts, first)])
+        assert cached == ((pc.reused_tokens - before) if pc is not None else 0)  # reported to the client
+        return first, second, cached
+
+    first, second, reused = run(64 << 20)
+    assert all(len(t) == 12 for t in first)
+    assert reused == sum(len(p) + 12 - 1 for p in prompts)
+    assert (first, second, 0) == run(0)

@@ -177,9 +177,13 @@ def _finish_reason(reason: str) -> str:
     return "length" if reason == "length" else "stop"
 
 
-def _usage(outs: list[TextResult], prompt_tokens: int) -> dict[str, int]:
+def _usage(outs: list[TextResult], prompt_tokens: int, n: int = 1) -> dict[str, Any]:
+    """Token counts; ``prompt_tokens_details.cached_tokens``: prompt tokens the prefix cache served
+    (each prompt counted once, by its first choice: ``n`` choices per prompt)."""
     completion = sum(len(o.token_ids) for o in outs)
-    return {"prompt_tokens": prompt_tokens, "completion_tokens": completion, "total_tokens": prompt_tokens + completion}
+    cached = sum(o.stats.cached_prompt_tokens for o in outs[::n])
+    return {"prompt_tokens": prompt_tokens, "completion_tokens": completion, "total_tokens": prompt_tokens + completion,
+            "prompt_tokens_details": {"cached_tokens": cached}}
 
 
 def _stats(outs: list[TextResult]) -> dict[str, Any]:
@@ -689,7 +693,7 @@ def openai_router(ctx: "ServerContext") -> APIRouter:
                 delta=lambda index, text: chunk(index, text, None),
                 tail=lambda index, out: chunk(index, "", _finish_reason(out.stats.finish_reason),
                                               _completion_logprobs(tok, out, len(echoed(index)))),
-                usage=(lambda outs: {**chunk(0, "", None), "choices": [], "usage": _usage(outs, prompt_tokens)})
+                usage=(lambda outs: {**chunk(0, "", None), "choices": [], "usage": _usage(outs, prompt_tokens, job.n)})
                 if include_usage else None,
             )
         outs = await _run_blocking(job, request)
@@ -699,7 +703,7 @@ def openai_router(ctx: "ServerContext") -> APIRouter:
             for i, out in enumerate(outs)
         ]
         body = {"id": cid, "object": "text_completion", "created": created, "model": job.model_name,
-                "choices": choices, "usage": _usage(outs, prompt_tokens), "specdec": _stats(outs)}
+                "choices": choices, "usage": _usage(outs, prompt_tokens, job.n), "specdec": _stats(outs)}
         return JSONResponse(body, headers=job.headers)
 
     @router.post("/v1/chat/completions")
@@ -738,7 +742,7 @@ def openai_router(ctx: "ServerContext") -> APIRouter:
                 head=lambda index: [chunk(index, {"role": "assistant", "content": ""}, None)],
                 delta=lambda index, text: chunk(index, {"content": text}, None),
                 tail=lambda index, out: chunk(index, {}, _finish_reason(out.stats.finish_reason), _chat_logprobs(tok, out)),
-                usage=(lambda outs: {**chunk(0, {}, None), "choices": [], "usage": _usage(outs, len(ids))})
+                usage=(lambda outs: {**chunk(0, {}, None), "choices": [], "usage": _usage(outs, len(ids), job.n)})
                 if include_usage else None,
             )
         outs = await _run_blocking(job, request)
@@ -750,7 +754,7 @@ def openai_router(ctx: "ServerContext") -> APIRouter:
             "choices": [{"index": i, "message": {"role": "assistant", "content": out.text},
                          "logprobs": _chat_logprobs(tok, out), "finish_reason": _finish_reason(out.stats.finish_reason)}
                         for i, out in enumerate(outs)],
-            "usage": _usage(outs, len(ids)),
+            "usage": _usage(outs, len(ids), job.n),
             "specdec": _stats(outs),
         }
         return JSONResponse(body, headers=job.headers)

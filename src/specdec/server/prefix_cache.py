@@ -11,6 +11,13 @@ never recur (most of a load of distinct requests) from churning the cache: measu
 test, whose prompts are all distinct, storing every prompt kept the cache full of them and the
 server's resident memory rising ~60 MiB/min, for no reuse.
 
+A finished sequence, reply included, is kept too (:meth:`PrefixCache.keep`, through
+``TargetSession.close``): a chat client's next turn re-sends it inside its prompt.  Most finished
+sequences never come back, so kept ones are *unproven* until a prefill copies from them, and
+unproven entries may fill at most :data:`UNPROVEN_SHARE` of the budget, least recently used dropped
+first: a flood of one-shot requests churns that share and never evicts what was reused.  A kept
+sequence that extends a proven entry (the next turn of a conversation that came back) is proven.
+
 **Exact, not approximate**, and only offered where that holds: the native target is
 batch-invariant (``NativeCausalLM(batch_invariant=True)``), so the key/value rows of position
 ``i`` depend on tokens ``0..i`` alone, not on how many rows the pass that computed them held or
@@ -38,6 +45,8 @@ MIN_TOKENS = 16
 SEEN_BLOCK = 16
 #: blocks remembered at most (a million tokens' worth)
 SEEN_BLOCKS = 1 << 16
+#: at most this share of the budget holds kept sequences no prefill has copied from yet
+UNPROVEN_SHARE = 0.5
 
 
 def block_hashes(tokens: Tensor) -> list[int]:  # tokens: [n] int64
@@ -57,6 +66,9 @@ class _Entry:
     tokens: Tensor  # [n] int64
     k: Tensor  # [Lyr, Hkv, n, d]
     v: Tensor  # [Lyr, Hkv, n, d]
+    #: stored because a prompt shared it, or copied from since it was kept (else: a kept sequence
+    #: that may never come back, dropped first)
+    proven: bool = True
 
     @property
     def nbytes(self) -> int:
@@ -90,6 +102,7 @@ class PrefixCache:
         self._lock = threading.Lock()
         self._next_id = 0
         self.bytes = 0
+        self.unproven_bytes = 0
         #: prompt tokens whose keys/values were copied instead of computed, and prefills that used the cache
         self.reused_tokens = 0
         self.hits = 0
@@ -127,6 +140,9 @@ class PrefixCache:
                 return 0
             entry = self._entries[eid]
             self._entries.move_to_end(eid)
+            if not entry.proven:
+                entry.proven = True
+                self.unproven_bytes -= entry.nbytes
             k, v = entry.k[:, :, :n], entry.v[:, :, :n]
             self.hits += 1
             self.reused_tokens += n
@@ -135,6 +151,7 @@ class PrefixCache:
         start = cache.reserve(n)  # grows the buffers if needed; start == 0
         cache.k[:, :, start : start + n] = k
         cache.v[:, :, start : start + n] = v
+        cache.restored = n
         return n
 
     def _shared_with_seen(self, tokens: Tensor) -> int:  # under the lock
@@ -159,8 +176,8 @@ class PrefixCache:
 
     def keep(self, tokens: Tensor, cache: Any) -> None:  # tokens: [n] int64, the cache's first n positions
         """Remember all of ``tokens`` now, seen before or not: a finished sequence (prompt + reply)
-        whose next turn will start with it, in a process that knows its next prompt extends this one
-        (the interactive chat).  Replaces the stored sequence it extends, e.g. its own prompt."""
+        whose next turn may start with it (a chat).  Replaces the stored sequence it extends, e.g.
+        its own prompt, and is proven if that one was; else unproven until a prefill copies from it."""
         self._put(tokens, cache, whole=True)
 
     def _put(self, tokens: Tensor, cache: Any, *, whole: bool) -> None:
@@ -182,6 +199,10 @@ class PrefixCache:
         with self._lock:
             if self._best(tokens)[1] == n:  # another thread stored the same prompt meanwhile
                 return
+            if whole:
+                entry.proven = extended is not None and extended in self._entries and self._entries[extended].proven
+                if not entry.proven and entry.nbytes > self.max_bytes * UNPROVEN_SHARE:
+                    return
             if extended is not None and extended in self._entries:  # replaced only now: no window without it
                 self._drop(extended)
             eid = self._next_id
@@ -189,6 +210,10 @@ class PrefixCache:
             self._entries[eid] = entry
             self._index.setdefault(self._key(tokens), set()).add(eid)
             self.bytes += entry.nbytes
+            if not entry.proven:
+                self.unproven_bytes += entry.nbytes
+            while self.unproven_bytes > self.max_bytes * UNPROVEN_SHARE:
+                self._drop(next(i for i, e in self._entries.items() if not e.proven))
             while self.bytes > self.max_bytes and self._entries:
                 self._drop(next(iter(self._entries)))
 
@@ -201,6 +226,8 @@ class PrefixCache:
             if not ids:
                 del self._index[key]
         self.bytes -= entry.nbytes
+        if not entry.proven:
+            self.unproven_bytes -= entry.nbytes
 
 
 def prefill(run: Any, prefix_cache: PrefixCache | None, tokens: Tensor, cache: Any, last_only: bool) -> Tensor:

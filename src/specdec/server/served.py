@@ -22,7 +22,8 @@ class ServedModel:
     forward pass runs (``_forward``: under a lock, or through the batching scheduler).  Caches
     start at ``initial_length`` positions and grow on demand, for models whose ``new_cache``
     supports it.  With a ``prefix_cache`` (batch-invariant models only, see
-    :mod:`specdec.server.prefix_cache`), prefills reuse the keys/values of earlier prompts."""
+    :mod:`specdec.server.prefix_cache`), prefills reuse the keys/values of earlier prompts and of
+    finished requests' replies."""
 
     def __init__(self, model: Any, *, initial_length: int | None = None, prefix_cache: Any | None = None) -> None:
         if prefix_cache is not None and not supports_prefix_cache(model):
@@ -53,6 +54,12 @@ class ServedModel:
         """tokens: [n] -> [n|1, V] ([n|1, Vd] with ``compact``, for a model with :attr:`vocab_ids`)."""
         one_openmp_thread()
         return prefill(partial(self._forward, compact=compact), self.prefix_cache, tokens, cache, last_only)
+
+    def keep_sequence(self, tokens: Any, cache: Any) -> None:  # tokens: [n] int64, the cache's first n positions
+        """A finished request's sequence, reply included (``TargetSession.close``), kept in the prefix
+        cache for a chat client's next turn, which re-sends it (no-op without a prefix cache)."""
+        if self.prefix_cache is not None:
+            self.prefix_cache.keep(tokens, cache)
 
     def _forward(self, tokens: Any, cache: Any, *, last_only: bool = False, compact: bool = False) -> Any:
         raise NotImplementedError
