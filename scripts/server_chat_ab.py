@@ -34,12 +34,12 @@ from startup_ab import _export
 ROOT = Path(__file__).resolve().parent.parent
 
 
-def _turn(url: str, messages: list[dict[str, str]], tokens: int) -> dict:
+def _turn(client: httpx.Client, url: str, messages: list[dict[str, str]], tokens: int) -> dict:
     body = {"messages": messages, "max_tokens": tokens, "temperature": 0, "stream": True,
             "stream_options": {"include_usage": True}}
     t0 = time.perf_counter()
     ttft, text, usage = None, [], {}
-    with httpx.stream("POST", url + "/v1/chat/completions", json=body, timeout=600) as r:
+    with client.stream("POST", url + "/v1/chat/completions", json=body) as r:
         r.raise_for_status()
         for line in r.iter_lines():
             if not line.startswith("data: ") or line == "data: [DONE]":
@@ -62,11 +62,12 @@ def _turn(url: str, messages: list[dict[str, str]], tokens: int) -> dict:
 def _conversation(url: str, user: int, rep: int, turns: int, tokens: int) -> list[dict]:
     history = [{"role": "system", "content": f"You are a helpful assistant (conversation {rep}.{user})."}]
     rows = []
-    for turn in range(turns):
-        history.append({"role": "user", "content": MESSAGES[(turn + user) % len(MESSAGES)]})
-        row = _turn(url, history, tokens)
-        history.append({"role": "assistant", "content": row["text"]})
-        rows.append({"turn": turn + 1, "user": user, **row})
+    with httpx.Client(timeout=600) as client:  # one connection per conversation, as a chat client keeps
+        for turn in range(turns):
+            history.append({"role": "user", "content": MESSAGES[(turn + user) % len(MESSAGES)]})
+            row = _turn(client, url, history, tokens)
+            history.append({"role": "assistant", "content": row["text"]})
+            rows.append({"turn": turn + 1, "user": user, **row})
     return rows
 
 
