@@ -275,6 +275,9 @@ class SpeculativeDecoder:
                 break
         if owned:
             verifier.close()
+        finished = getattr(drafter, "finish", None)  # a draft model behind a prefix cache keeps its rows too
+        if finished is not None:
+            finished(verifier.context)
         wall = time.perf_counter() - started
         kv = getattr(verifier, "kv_peak_bytes", 0)
         return GenerationResult(

@@ -99,3 +99,35 @@ def test_a_batching_server_keeps_replies_decoded_side_by_side_bitwise(smollm2, t
         assert torch.equal(logits, model.forward(turn, fresh, last_only=True)), i
         n = cache.length
         assert n == fresh.length and torch.equal(cache.k[:, :, :n], fresh.k[:, :, :n]) and torch.equal(cache.v[:, :, :n], fresh.v[:, :, :n])
+
+
+@pytest.mark.parametrize("tree", ["chain", "8"])
+def test_the_default_chat_engine_keeps_the_drafts_rows_and_changes_no_output(tree):
+    """``Engine.with_prefix_cache`` on the default models (4-bit target, int8 draft): the draft,
+    batch-invariant on the compiled kernels, gets its own prefix cache and keeps its rows of each
+    finished turn.  Three turns of a chat sampled at T = 1 with a seed under block verification at
+    γ 4 — whose tokens depend on every draft proposal and probability — give the engine's own tokens
+    without any cache, and the draft's prefills copy what earlier turns kept.  (Without prompt
+    lookup in front: its draft length is picked by the clock, so block verification's tokens would
+    differ run to run with or without a cache.)"""
+    from specdec.engine import Engine, EngineConfig
+    from specdec.defaults import DEFAULT_DRAFT_MODEL
+
+    engine = Engine.build(EngineConfig(draft=DEFAULT_DRAFT_MODEL))
+    cached = engine.with_prefix_cache()
+    draft_model = cached.drafter.model  # ModelDrafter -> PrefixCached
+    assert draft_model.prefix_cache is not None and cached.target.model.prefix_cache is not None
+    tok = engine.target.tokenizer
+    history = list(TURN)
+    cfg = SamplingConfig(temperature=1.0, seed=3, max_new_tokens=24)
+    last: list[int] = []
+    for turn, follow_up in enumerate(["And a heap?", "Which is faster?", "Thanks."]):
+        ids = encode_messages(tok, history)
+        before = draft_model.prefix_cache.reused_tokens
+        out = cached.generate(ids, cfg, method="block", gamma=4, tree=tree)
+        ref = engine.generate(ids, cfg, method="block", gamma=4, tree=tree)
+        assert out.token_ids == ref.token_ids, turn
+        if turn > 0:  # the last turn's prompt and at least part of its reply
+            assert draft_model.prefix_cache.reused_tokens - before > len(last), turn
+        last = ids
+        history += [{"role": "assistant", "content": out.text}, {"role": "user", "content": follow_up}]

@@ -214,6 +214,52 @@ def test_a_finished_sequence_is_kept_and_the_next_turn_prefills_bitwise_fresh(ho
     assert torch.equal(first, ref_first) and torch.equal(after, ref_after[0]) and _same_cache(cache, ref_cache)
 
 
+@pytest.mark.parametrize("how", ["greedy chain", "sampled chain", "sampled tree", "lookup+model"])
+def test_a_draft_behind_a_prefix_cache_keeps_its_rows_and_changes_nothing(how):
+    """The draft model behind its own prefix cache (``ModelDrafter.finish`` keeps its rows of the
+    committed tokens): the next turn's draft prefill copies them, its cache is bitwise a fresh
+    prefill's, and the tokens — at T = 1 under the token rule, which depend on every draft
+    proposal and probability — equal decoding that turn with no cache anywhere."""
+    from specdec.decoder import SpeculativeDecoder
+    from specdec.drafters import ModelDrafter
+    from specdec.drafters.hybrid import LookupThenModel
+    from specdec.drafters.tree_builder import TreeSpec
+    from specdec.gamma import FixedGamma
+    from specdec.sampling import SamplingConfig
+    from specdec.verify import get_rule
+
+    target, draft = tiny_native(vocab=VOCAB), tiny_native(vocab=VOCAB, seed=1)
+    greedy = how.startswith("greedy")
+    cfg = SamplingConfig(temperature=0.0 if greedy else 1.0, max_new_tokens=30, seed=5)
+
+    def decoder(cached: bool) -> tuple[SpeculativeDecoder, PrefixCache | None]:
+        pcd = PrefixCache(64 << 20) if cached else None
+        dm = PrefixCached(draft, pcd) if cached else draft
+        drafter = LookupThenModel(ModelDrafter(dm)) if how == "lookup+model" else ModelDrafter(dm)
+        tgt = PrefixCached(target, PrefixCache(64 << 20)) if cached else target
+        return SpeculativeDecoder(tgt, drafter, get_rule("greedy" if greedy else "token"), gamma=FixedGamma(4),
+                                  tree=TreeSpec(min_prob=0.0) if how.endswith("tree") else None), pcd
+
+    dec, pcd = decoder(True)
+    prompt = torch.cat([_prompt(13, 20), _prompt(13, 20)])  # repeats itself: prompt lookup finds drafts
+    first = dec.generate(prompt, cfg)
+    assert len(pcd) == 1
+    kept = pcd._entries[next(iter(pcd._entries))].tokens.numel()
+    assert 39 <= kept <= 40 + 30 - 1
+    turn = torch.cat([prompt, torch.tensor(first.tokens), _prompt(14, 9)])
+    second = dec.generate(turn, cfg)
+    assert pcd.reused_tokens == kept  # the draft's prefill of the next turn copied every kept row
+    plain, _ = decoder(False)
+    assert second.tokens == plain.generate(turn, cfg).tokens
+    if how.endswith("tree"):
+        assert first.stats.tree_rounds > 0
+    ref = draft.new_cache(512)
+    draft.forward(turn[:-1], ref, last_only=True)
+    got = draft.new_cache(512)
+    PrefixCached(draft, pcd).forward(turn[:-1], got, last_only=True)
+    assert _same_cache(got, ref)
+
+
 def _filled(model, tokens: torch.Tensor):
     cache = model.new_cache(512)
     model.forward(tokens, cache)
@@ -277,16 +323,19 @@ def test_a_flood_of_one_shot_sequences_never_evicts_what_was_reused():
 def test_a_server_keeps_finished_requests_for_the_next_turn(batching, sampling):
     """OpenAI completions on a server: four prompts side by side (their passes batched), then each
     one's next turn — prompt, reply and new text.  Each next turn copies every position of its last
-    turn but the final token, and every text equals a server without a prefix cache."""
+    turn but the final token (the draft's prefills copy too, from their own cache), and every text
+    equals a server without a prefix cache."""
     from specdec.drafters import ModelDrafter
+    from specdec.server.command import served_draft
     from toy_server import LetterTokenizer
 
     model, draft = tiny_native(vocab=26), tiny_native(vocab=26, seed=1)
     prompts = ["thequickbrownfoxjumps", "overthelazydogagainandagain", "packmyboxwithfivedozen", "liquorjugsnowplease"]
 
     def run(size: int) -> tuple[list[str], list[str], int]:
-        app = create_app(model, tokenizer=LetterTokenizer(), drafter_factory=lambda: ModelDrafter(draft), drafter_name="tiny",
-                         settings=ServerSettings(batching=batching, prefix_cache_bytes=size, max_active_requests=8))
+        served = served_draft(draft, model, batching=batching, prefix_cache_bytes=size)  # its own prefix cache
+        app = create_app(model, tokenizer=LetterTokenizer(), drafter_factory=lambda: ModelDrafter(served), drafter_name="tiny",
+                         draft_model=served, settings=ServerSettings(batching=batching, prefix_cache_bytes=size, max_active_requests=8))
         client = TestClient(app, base_url="http://localhost")
 
         def texts(ps: list[str]) -> tuple[list[str], int]:
@@ -297,8 +346,13 @@ def test_a_server_keeps_finished_requests_for_the_next_turn(batching, sampling):
         first, _ = texts(prompts)
         pc = app.state.ctx.model.prefix_cache
         before = pc.reused_tokens if pc is not None else 0
+        draft_before = served.prefix_cache.reused_tokens if pc is not None else 0
         second, cached = texts([p + t + "xyz" for p, t in zip(prompts, first)])
         assert cached == ((pc.reused_tokens - before) if pc is not None else 0)  # reported to the client
+        if pc is not None:  # the draft's prefills copied at least each prompt's rows too
+            assert served.prefix_cache.reused_tokens - draft_before >= sum(len(p) for p in prompts)
+        else:
+            assert served.prefix_cache is None
         return first, second, cached
 
     first, second, reused = run(64 << 20)

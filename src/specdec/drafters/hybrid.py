@@ -88,6 +88,16 @@ class LookupThenModel:
     def supports_trees(self) -> bool:
         return self.model.supports_trees
 
+    def with_model(self, model: Any) -> "LookupThenModel":
+        """A fresh hybrid whose model drafter runs ``model`` (see :meth:`ModelDrafter.with_model`)."""
+        return LookupThenModel(self.model.with_model(model), min_ngram=self.lookup.min_ngram, max_ngram=self.lookup.max_ngram,
+                               lookup_tokens=self.lookup_tokens)
+
+    def finish(self, context: Tensor) -> None:  # context: [L]
+        finish = getattr(self.model, "finish", None)
+        if finish is not None:
+            finish(context)
+
     @property
     def temperature_factor(self) -> float:
         """The model drafter's (lookup drafts are deterministic: no temperature to scale)."""

@@ -38,6 +38,21 @@ class ModelDrafter:
     def supports_trees(self) -> bool:
         return hasattr(self.model, "forward_tree")
 
+    def with_model(self, model: LanguageModel) -> "ModelDrafter":
+        """A fresh drafter of the same settings over ``model`` (e.g. the draft behind a prefix cache)."""
+        return ModelDrafter(model, max_length=self.max_length, temperature_factor=self.temperature_factor)
+
+    def finish(self, context: Tensor) -> None:  # context: [L] the sequence's committed tokens
+        """The sequence is finished: a draft model that keeps finished sequences (``keep_sequence``:
+        a prefix cache in front of it) is handed the committed tokens whose rows the draft cache
+        holds, so the next turn of a chat, which re-sends them, copies them instead of prefilling."""
+        keep = getattr(self.model, "keep_sequence", None)
+        if keep is None or self.cache is None or self.cache.length == 0:
+            return
+        n = self.cache.length  # after commit: rows of committed tokens only
+        assert n <= context.numel(), (n, context.numel())
+        keep(context[:n], self.cache)
+
     def reset(self, expected: int = 0) -> None:
         """A fresh cache; one that can grow starts ``expected`` + a margin positions long."""
         if "initial_length" in inspect.signature(self.model.new_cache).parameters:

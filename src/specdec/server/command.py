@@ -92,17 +92,29 @@ def add_parser(sub: Any) -> None:
     p.add_argument("--log-level", default="warning", choices=["critical", "error", "warning", "info", "debug"], help="uvicorn log level (default warning)")
 
 
-def draft_server_model(engine: Any, *, batching: bool) -> Any | None:
-    """The draft model as the server shares it: behind its own batching scheduler, or a lock."""
+def draft_server_model(engine: Any, *, batching: bool, prefix_cache_bytes: int = 0) -> Any | None:
+    """The draft model as the server shares it: behind its own batching scheduler, or a lock, with
+    its own prefix cache where it is batch-invariant (room for the positions ``prefix_cache_bytes``
+    holds of the target's: :func:`specdec.server.prefix_cache.draft_budget`)."""
+    if engine.drafter is None or engine.draft_model is None:
+        return None
+    target = engine.target.model if prefix_cache_bytes > 0 else None
+    return served_draft(engine.draft_model.model, target, batching=batching, prefix_cache_bytes=prefix_cache_bytes)
+
+
+def served_draft(model: Any, target: Any | None, *, batching: bool, prefix_cache_bytes: int = 0) -> Any:
+    """``model`` (a draft) wrapped for the server; see :func:`draft_server_model`."""
+    from specdec.server.prefix_cache import PrefixCache, draft_budget, supports_prefix_cache
     from specdec.server.scheduler import BatchedModel, Scheduler
     from specdec.server.sessions import serialized
 
-    if engine.drafter is None or engine.draft_model is None:
-        return None
-    model = engine.draft_model.model
+    prefix = None
+    if prefix_cache_bytes > 0 and target is not None and supports_prefix_cache(model) and supports_prefix_cache(target):
+        prefix = PrefixCache(draft_budget(target, model, prefix_cache_bytes))
     if not batching:
-        return serialized(model)
-    return BatchedModel(model, Scheduler(model, name="draft"), initial_length=defaults.SERVER_KV_INITIAL_LENGTH)
+        return serialized(model, prefix_cache=prefix)
+    return BatchedModel(model, Scheduler(model, name="draft"), initial_length=defaults.SERVER_KV_INITIAL_LENGTH,
+                        prefix_cache=prefix)
 
 
 def drafter_factory(engine: Any, draft_model: Any | None = None) -> Callable[[], Any] | None:
@@ -256,7 +268,7 @@ def _build_app(args: argparse.Namespace, settings_kw: dict[str, Any]) -> Any:
         progress=_log,
     )
     settings = ServerSettings(model_name=engine.target.name, **settings_kw)
-    draft = draft_server_model(engine, batching=settings.batching)
+    draft = draft_server_model(engine, batching=settings.batching, prefix_cache_bytes=settings.prefix_cache_bytes)
     return create_app(
         engine.target.model,
         tokenizer=engine.target.tokenizer,
