@@ -6,10 +6,11 @@
 Not a test and not part of CI.  One process, the default models loaded once.  A conversation of
 ``--turns`` user messages (fixed texts, greedy replies of ``--max-new-tokens``) is played the way
 the interactive chat plays it: every turn re-encodes the whole conversation with the chat template
-and decodes it from an empty cache.  The two arms — a fresh ``PrefixCache`` per conversation in
-front of the target's prefills (it keeps each finished turn, reply included, for the next one), or
-none — alternate, ``--repeats`` conversations each.  Per turn:
-prompt tokens, tokens whose keys/values were copied, time to first token and wall time.  Replies
+and decodes it from an empty cache.  The two arms — ``Engine.with_prefix_cache()`` per conversation
+(fresh prefix caches in front of the target's prefills and, where it is batch-invariant, the
+draft's; they keep each finished turn, reply included, for the next one), or none — alternate,
+``--repeats`` conversations each.  Per turn: prompt tokens, target tokens whose keys/values were
+copied, time to first token and wall time.  Replies
 must be identical in both arms.  Writes ``README.md`` and ``results.json``.
 """
 
@@ -76,7 +77,8 @@ def main() -> int:
     lines = [f"{args.repeats} conversations per arm, alternating, {args.turns} turns, greedy replies of at most "
              f"{args.max_new_tokens} tokens, the default models (target + draft with prompt lookup), "
              f"{args.threads} threads. Medians over the conversations; TTFT = time to first token (prefill, "
-             "first round).", "",
+             "first round). The cache arm is `Engine.with_prefix_cache()`: the target's prefix cache and, "
+             "where the draft is batch-invariant, the draft's; 'reused' counts the target's copied tokens.", "",
              "| turn | prompt tokens | reused | TTFT none ms | TTFT cache ms | wall none s | wall cache s |",
              "|---|---|---|---|---|---|---|"]
     for turn in range(1, args.turns + 1):
