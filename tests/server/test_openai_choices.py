@@ -95,3 +95,67 @@ def test_a_request_takes_at_most_its_share_of_spare_slots(running, monkeypatch):
     running["most"] = 0
     two = _app(model, draft, max_active_requests=2)  # one spare slot at most: half of two
     assert _texts(two, PROMPTS, temperature=0)[0] == ref and running["most"] == 2
+
+
+def _streamed(client, path, body):
+    """(text per choice index, finish reason per index, usage, stats, indices in arrival order) of a streamed request."""
+    import json
+
+    r = client.post(path, json={**body, "stream": True})
+    assert r.status_code == 200, r.text
+    texts: dict[int, str] = {}
+    finish: dict[int, str] = {}
+    order, usage, stats = [], None, None
+    for line in r.text.splitlines():
+        if not line.startswith("data: ") or line == "data: [DONE]":
+            continue
+        chunk = json.loads(line[6:])
+        assert "error" not in chunk, chunk
+        usage = chunk.get("usage") or usage
+        stats = chunk.get("specdec") or stats
+        for c in chunk["choices"]:
+            i = c["index"]
+            piece = c.get("text") if "text" in c else (c.get("delta") or {}).get("content")
+            texts[i] = texts.get(i, "") + (piece or "")
+            order.append(i)
+            if c.get("finish_reason"):
+                finish[i] = c["finish_reason"]
+    return texts, finish, usage, stats, order
+
+
+@pytest.mark.parametrize("sampling", [{"temperature": 0}, {"temperature": 1.0, "seed": 5}])
+def test_streamed_choices_run_side_by_side_and_stream_what_a_plain_request_returns(running, sampling):
+    """A streamed request's prompts (and ``n`` choices) take spare slots as an unstreamed one's do;
+    its chunks interleave, each with its index, and each choice streams the text, finish reason
+    and, at the end, the usage the same request returns unstreamed."""
+    model, draft = tiny_native(vocab=VOCAB), tiny_native(vocab=VOCAB, seed=1)
+    side = _app(model, draft, max_active_requests=6)
+    ref, body = _texts(side, PROMPTS, **sampling)
+    running["most"] = 0
+    texts, finish, usage, stats, order = _streamed(side, "/v1/completions",
+                                                   {"prompt": PROMPTS, "max_tokens": 12, "stream_options": {"include_usage": True},
+                                                    **sampling})
+    assert running["most"] == 4  # the admitted slot and three spare ones, as unstreamed
+    assert [texts[i] for i in range(len(PROMPTS))] == ref
+    assert finish == {i: c["finish_reason"] for i, c in enumerate(body["choices"])}
+    assert usage == body["usage"] and stats["lossless"] is True and stats["target_calls"] >= len(PROMPTS)
+    assert order != sorted(order)  # interleaved, not one choice after another
+    ctx = side.app.state.ctx
+    assert ctx.store.claimed_bytes == 0 and ctx.active._value == 6 and ctx.spare._value == 3  # all given back
+    chat = TestClient(create_app(model, tokenizer=_ChatLetters(), settings=ServerSettings(max_active_requests=6),
+                                 drafter_factory=lambda: ModelDrafter(draft), drafter_name="tiny"), base_url="http://localhost")
+    body = {"messages": [{"role": "user", "content": "abc"}], "max_tokens": 12, "n": 3, **sampling}
+    r = chat.post("/v1/chat/completions", json=body)
+    assert r.status_code == 200, r.text
+    texts, finish, _, _, order = _streamed(chat, "/v1/chat/completions", body)
+    assert [texts[i] for i in range(3)] == [c["message"]["content"] for c in r.json()["choices"]]
+    assert order != sorted(order) and finish == {i: c["finish_reason"] for i, c in enumerate(r.json()["choices"])}
+
+
+class _ChatLetters(LetterTokenizer):
+    """The letter tokenizer with a chat template: a conversation is its messages' letters."""
+
+    chat_template = "letters"
+
+    def apply_chat_template(self, messages, tokenize=False, add_generation_prompt=True, **_):
+        return "".join(m["content"] for m in messages)

@@ -392,8 +392,10 @@ def _release_spare(job: _Job) -> None:
     job.ctx.spare.release()
 
 
-def _run_choices(job: _Job, on_text: Callable[[str], None] | None, cancelled: threading.Event) -> list[TextResult]:
-    """Every choice of ``job`` (in a worker thread holding its admitted slot), results in index order.
+def _run_choices(job: _Job, on_text: Callable[[int], Callable[[str], None] | None], cancelled: threading.Event,
+                 on_done: Callable[[int, TextResult], None] | None = None) -> list[TextResult]:
+    """Every choice of ``job`` (in a worker thread holding its admitted slot), results in index order;
+    ``on_text(i)`` is choice ``i``'s text callback, ``on_done(i, result)`` is called as each ends.
 
     On a batching server a request's several prompts or ``n`` choices also run on spare generation
     slots — each taken without waiting, with its own KV claim, at most
@@ -417,7 +419,9 @@ def _run_choices(job: _Job, on_text: Callable[[str], None] | None, cancelled: th
             if i is None:
                 return
             try:
-                results[i] = job.run(i, on_text, cancelled)
+                results[i] = job.run(i, on_text(i), cancelled)
+                if on_done is not None:
+                    on_done(i, results[i])
             except BaseException as exc:  # noqa: BLE001 - re-raised below, in the admitted thread
                 with lock:
                     failures.append(exc)
@@ -467,7 +471,7 @@ async def _run_blocking(job: _Job, request: Request | None = None) -> list[TextR
             raise _Cancelled
 
     _admit(job)
-    future = _submit(job, lambda: _run_choices(job, on_text, cancelled))
+    future = _submit(job, lambda: _run_choices(job, lambda index: on_text, cancelled))
     # a client that leaves abandons the future, which then ends in _Cancelled: retrieve that here,
     # or asyncio logs it with a traceback ("Future exception was never retrieved")
     future.add_done_callback(lambda f: f.cancelled() or f.exception())
@@ -502,31 +506,38 @@ def _stream(
     tail: Callable[[int, TextResult], dict[str, Any]],
     usage: Callable[[list[TextResult]], dict[str, Any]] | None,
 ) -> StreamingResponse:
-    """Server-sent events, choice after choice: ``head`` chunks, one ``delta`` chunk per text piece,
-    ``tail``; then [usage] and [DONE].  The request's speculative stats ride on the last chunk."""
+    """Server-sent events: per choice, ``head`` chunks, one ``delta`` chunk per text piece, ``tail``;
+    then [usage] and [DONE].  Choices run as :func:`_run_choices` runs them — side by side on spare
+    slots where there are some — so their chunks interleave, each carrying its index (as OpenAI's
+    streams of ``n`` choices do); a choice's own chunks keep their order.  The request's
+    speculative stats ride on the chunk of the choice that ends last."""
     loop = asyncio.get_running_loop()
     queue: asyncio.Queue[tuple[str, Any]] = asyncio.Queue()
     cancelled = threading.Event()
 
-    def work() -> None:
-        for index in range(job.choices):
-            def on_text(text: str, index: int = index) -> None:
-                if cancelled.is_set():
-                    raise _Cancelled
-                loop.call_soon_threadsafe(queue.put_nowait, ("text", (index, text)))
+    def put(kind: str, value: Any) -> None:
+        loop.call_soon_threadsafe(queue.put_nowait, (kind, value))
 
-            try:
-                result = job.run(index, on_text, cancelled)
-            except _Cancelled:
-                return
-            except SpecdecError as exc:
-                loop.call_soon_threadsafe(queue.put_nowait, ("error", str(exc)))
-                return
-            except Exception as exc:  # noqa: BLE001 - reported to the client as an error event
-                loop.call_soon_threadsafe(queue.put_nowait, ("error", f"internal error ({type(exc).__name__})"))
-                return
-            loop.call_soon_threadsafe(queue.put_nowait, ("done", (index, result)))
-        loop.call_soon_threadsafe(queue.put_nowait, ("end", None))
+    def text_of(index: int) -> Callable[[str], None]:
+        def on_text(text: str) -> None:
+            if cancelled.is_set():
+                raise _Cancelled
+            put("text", (index, text))
+
+        return on_text
+
+    def work() -> None:
+        try:
+            _run_choices(job, text_of, cancelled, on_done=lambda index, result: put("done", (index, result)))
+        except _Cancelled:
+            return
+        except SpecdecError as exc:
+            put("error", str(exc))
+            return
+        except Exception as exc:  # noqa: BLE001 - reported to the client as an error event
+            put("error", f"internal error ({type(exc).__name__})")
+            return
+        put("end", None)
 
     _admit(job)
     started = False
@@ -535,32 +546,43 @@ def _stream(
         nonlocal started
         started = True
         _submit(job, work)
-        results: list[TextResult] = []
+        results: dict[int, TextResult] = {}
+        opened: set[int] = set()  # choices whose head chunks went out
         last: dict[str, Any] | None = None  # the last choice's final chunk, held back to carry the stats
+
+        def opening(index: int) -> list[str]:
+            if index in opened:
+                return []
+            opened.add(index)
+            return [_sse(chunk) for chunk in head(index)]
+
         try:
-            for chunk in head(0):
-                yield _sse(chunk)
+            for chunk in opening(0):
+                yield chunk
             while True:
                 kind, value = await queue.get()
                 if kind == "text":
                     index, text = value
                     if text:
+                        for chunk in opening(index):
+                            yield chunk
                         yield _sse(delta(index, text))
                 elif kind == "done":
                     index, result = value
-                    results.append(result)
-                    if index + 1 < job.choices:
+                    for chunk in opening(index):
+                        yield chunk
+                    results[index] = result
+                    if len(results) < job.choices:
                         yield _sse(tail(index, result))
-                        for chunk in head(index + 1):
-                            yield _sse(chunk)
                     else:
                         last = tail(index, result)
                 elif kind == "end":
+                    outs = [results[i] for i in sorted(results)]
                     if usage is not None and last is not None:
                         yield _sse(last)
-                        last = usage(results)
+                        last = usage(outs)
                     if last is not None:
-                        yield _sse({**last, "specdec": _stats(results)})
+                        yield _sse({**last, "specdec": _stats(outs)})
                     break
                 else:
                     yield _sse({"error": {"message": value, "type": "invalid_request_error", "code": 400}})
