@@ -1,14 +1,15 @@
 #!/usr/bin/env python
 """One OpenAI completions request with many prompts: a server at another commit against this checkout's.
 
-    python scripts/openai_choices_ab.py --base REV --repeats 3 --out benchmarks/NAME
+    python scripts/openai_choices_ab.py --base REV --repeats 3 [--stream] --out benchmarks/NAME
 
 Not a test and not part of CI.  Two ``specdec serve`` processes on the default models, one from
 this checkout and one from ``--base`` (its ``src`` exported with ``git archive`` and put first on
 ``PYTHONPATH``), both up at once; the same request — ``prompt`` a list of the 16 built-in
 benchmark prompts' texts, ``max_tokens`` each — goes to each in turn, the order alternating per
 repeat, at T = 0 and at T = 1 with a seed.  Per arm: the request's wall time and completion
-tokens per second.  The choices' texts must be the same in both arms.  Writes ``README.md`` and
+tokens per second (``--stream``: the request streamed, its time to the first text piece of any
+choice too).  The choices' texts must be the same in both arms.  Writes ``README.md`` and
 ``results.json``.
 """
 
@@ -58,10 +59,43 @@ def _serve(src: Path, threads: int) -> tuple[subprocess.Popen, str]:
     raise RuntimeError("server did not become ready")
 
 
+def _request(url: str, body: dict, stream: bool) -> tuple[list[str], int, float, tuple[float, float] | None]:
+    """(choice texts, completion tokens, wall time, and when streamed: times to the first text
+    piece of any choice and, averaged over the choices, to each one's first piece)."""
+    import json
+
+    t0 = time.perf_counter()
+    if not stream:
+        r = httpx.post(url + "/v1/completions", json=body, timeout=600)
+        wall = time.perf_counter() - t0
+        r.raise_for_status()
+        out = r.json()
+        return [c["text"] for c in out["choices"]], out["usage"]["completion_tokens"], wall, None
+    texts: dict[int, str] = {}
+    firsts: dict[int, float] = {}
+    usage: dict = {}
+    body = {**body, "stream": True, "stream_options": {"include_usage": True}}
+    with httpx.stream("POST", url + "/v1/completions", json=body, timeout=600) as r:
+        r.raise_for_status()
+        for line in r.iter_lines():
+            if not line.startswith("data: ") or line == "data: [DONE]":
+                continue
+            chunk = json.loads(line[6:])
+            usage = chunk.get("usage") or usage
+            for c in chunk["choices"]:
+                if c.get("text"):
+                    firsts.setdefault(c["index"], time.perf_counter() - t0)
+                    texts[c["index"]] = texts.get(c["index"], "") + c["text"]
+    wall = time.perf_counter() - t0
+    first = (min(firsts.values()), sum(firsts.values()) / len(firsts))
+    return [texts.get(i, "") for i in range(len(body["prompt"]))], usage["completion_tokens"], wall, first
+
+
 def main() -> int:
     ap = paired.parser(__doc__)
     ap.add_argument("--base", required=True, help="the commit to compare with")
     ap.add_argument("--repeats", type=int, default=3)
+    ap.add_argument("--stream", action="store_true", help="stream the request (server-sent events)")
     ap.set_defaults(max_new_tokens=64)
     args = ap.parse_args()
     prompts = [p.text for p in BUILTIN]
@@ -80,30 +114,29 @@ def main() -> int:
                         body["seed"] = 7
                     order = list(servers) if rep % 2 == 0 else list(servers)[::-1]
                     for name in order:
-                        t0 = time.perf_counter()
-                        r = httpx.post(servers[name][1] + "/v1/completions", json=body, timeout=600)
-                        wall = time.perf_counter() - t0
-                        r.raise_for_status()
-                        out = r.json()
-                        tokens = out["usage"]["completion_tokens"]
-                        texts.setdefault((temp, name), [c["text"] for c in out["choices"]])
+                        got, tokens, wall, first = _request(servers[name][1], body, args.stream)
+                        texts.setdefault((temp, name), got)
                         rows.append({"arm": name, "temperature": temp, "repeat": rep, "wall_s": wall, "tokens": tokens,
-                                     "tok_s": tokens / wall})
+                                     "tok_s": tokens / wall, "first_text_s": first})
                         print(f"T = {temp:g} {name}: {tokens} tokens in {wall:.2f} s", file=sys.stderr, flush=True)
         finally:
             for proc, _ in servers.values():
                 proc.terminate()
                 proc.wait(timeout=30)
     same = all(texts[(t, "base")] == texts[(t, "this")] for t in temps)
-    lines = [f"One `/v1/completions` request whose `prompt` is the list of the 16 built-in prompts, `max_tokens` "
+    streamed = " streamed," if args.stream else ""
+    lines = [f"One{streamed} `/v1/completions` request whose `prompt` is the list of the 16 built-in prompts, `max_tokens` "
              f"{args.max_new_tokens}, default models and server settings (batching on), {args.threads} threads per "
              f"server, {args.repeats} repeats alternating; medians.", "",
-             "| T | arm | wall s | tok/s |", "|---|---|---|---|"]
+             "| T | arm | wall s | tok/s |" + (" first text, any choice s | first text, mean over choices s |" if args.stream else ""),
+             "|---|---|---|---|" + ("---|---|" if args.stream else "")]
     for temp in temps:
         for name in ("base", "this"):
             sel = [r for r in rows if r["temperature"] == temp and r["arm"] == name]
+            first = (f" {statistics.median(r['first_text_s'][0] for r in sel):.3f} | "
+                     f"{statistics.median(r['first_text_s'][1] for r in sel):.3f} |") if args.stream else ""
             lines.append(f"| {temp:g} | {name} ({args.base if name == 'base' else 'this checkout'}) "
-                         f"| {statistics.median(r['wall_s'] for r in sel):.2f} | {statistics.median(r['tok_s'] for r in sel):.1f} |")
+                         f"| {statistics.median(r['wall_s'] for r in sel):.2f} | {statistics.median(r['tok_s'] for r in sel):.1f} |{first}")
     lines += ["", f"The same choice texts from both servers: {'yes' if same else 'NO'}."]
     paired.write_report(args.out, "A request with many prompts: choices side by side on spare slots",
                         {"rows": rows, "same_texts": same}, lines)
