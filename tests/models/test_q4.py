@@ -127,10 +127,14 @@ def test_kernel_refuses_mismatched_inputs():
 # ----------------------------------------------------------------------------- GGUF blocks
 
 
-def _write_gguf(path: Path, tensors: dict[str, tuple[np.ndarray, str]], arch: str = "llama") -> None:
+def _write_gguf(path: Path, tensors: dict[str, tuple[np.ndarray, str]], arch: str = "llama",
+                tokens: list[str] | None = None) -> None:
     import gguf
 
     writer = gguf.GGUFWriter(str(path), arch)
+    if tokens is not None:  # a vocabulary: an array of strings in the metadata, before the tensor table
+        writer.add_token_list(tokens)
+        writer.add_token_scores([0.0] * len(tokens))
     for name, (w, kind) in tensors.items():
         qtype = getattr(gguf.GGMLQuantizationType, kind)
         data = gguf.quants.quantize(w, qtype) if kind != "F32" else w
@@ -169,6 +173,30 @@ def test_gguf_blocks_are_read_as_shipped_with_llama_rows_unpermuted(tmp_path, ar
         want = _hf_unpermute(shipped, heads) if arch == "llama" else shipped
         got = blocks[f"model.layers.0.self_attn.{name}.weight"].dequantize().numpy()
         assert np.array_equal(got, want), name
+
+
+def test_the_gguf_header_skips_string_arrays_and_is_read_again_when_the_file_changes(tmp_path):
+    """The header parse steps over a vocabulary (an array of strings) without decoding it, finds the
+    tensor table after it, and is cached per version of the file: rewriting the file in place
+    gives the new table."""
+    import os
+
+    from specdec.models.gguf_blocks import _read_header
+
+    rng = np.random.default_rng(2)
+    path = tmp_path / "m.gguf"
+    vocab = ["<s>", "é", "hello", "\u2581world", "x" * 300] * 40
+    _write_gguf(path, {"blk.0.ffn_up.weight": (rng.standard_normal((64, 96)).astype(np.float32), "Q4_1")}, tokens=vocab)
+    first = _read_header(path)
+    assert first.arch == "llama" and [t[:3] for t in first.tensors] == [("blk.0.ffn_up.weight", [96, 64], 3)]
+    assert _read_header(path) is first  # parsed once
+    stat = os.stat(path)
+    _write_gguf(path, {"blk.0.ffn_up.weight": (rng.standard_normal((64, 96)).astype(np.float32), "Q4_0"),
+                       "blk.0.ffn_down.weight": (rng.standard_normal((96, 64)).astype(np.float32), "F32")}, tokens=vocab[:7])
+    os.utime(path, ns=(stat.st_atime_ns, stat.st_mtime_ns + 1_000_000))  # a later version, even on a coarse clock
+    second = _read_header(path)
+    assert [t[:3] for t in second.tensors] == [("blk.0.ffn_up.weight", [96, 64], 2), ("blk.0.ffn_down.weight", [64, 96], 0)]
+    assert second.data_start % second.alignment == 0 and second.data_start < first.data_start
 
 
 def test_auto_runs_q4_for_a_gguf_whose_layers_ship_as_4bit_blocks(tmp_path, monkeypatch):

@@ -315,6 +315,18 @@ def test_quantized_model_block_equals_token_by_token_and_is_close_to_float(tiny_
         assert any(lin.wide is not None for lin in (q.lm_head, q.layers[0].qkv))
 
 
+@pytest.mark.parametrize("quant", [pytest.param("int8", marks=needs_w8a8), pytest.param("q4", marks=needs_w8a8)])
+def test_calibration_without_the_heads_product_gives_the_same_model(tiny_folder, monkeypatch, quant):
+    """Calibration hands the LM head's range recorder its input instead of running the head: the
+    quantised model is bit for bit the one a full calibration forward pass gives."""
+    fast = NativeCausalLM.from_folder(tiny_folder, quant=quant, batch_invariant=True, int8_kernel="fbgemm")
+    monkeypatch.setattr(NativeCausalLM, "_calibrate", lambda self, ids: self.forward(ids, self.new_cache(ids.numel())))
+    full = NativeCausalLM.from_folder(tiny_folder, quant=quant, batch_invariant=True, int8_kernel="fbgemm")
+    assert torch.equal(fast.lm_head.inv_smooth, full.lm_head.inv_smooth)
+    ids = torch.randint(0, 1000, (30,), generator=torch.Generator().manual_seed(5))
+    assert torch.equal(fast.forward(ids, fast.new_cache(64)), full.forward(ids, full.new_cache(64)))
+
+
 def test_calibration_needs_a_tokenizer(tmp_path):
     assert calibration_ids(tmp_path) is None
 

@@ -80,16 +80,17 @@ class RangeRecorder:
         self.bias = inner.bias
         self.absmax: Tensor | None = None  # [in]
 
-    def _record(self, x: Tensor) -> None:
+    def record(self, x: Tensor) -> None:  # x: [n, in]
+        """Note the range of inputs ``x`` without computing the product."""
         m = x.detach().abs().amax(0).float()
         self.absmax = m if self.absmax is None else torch.maximum(self.absmax, m)
 
     def __call__(self, x: Tensor) -> Tensor:
-        self._record(x)
+        self.record(x)
         return self.inner(x)
 
     def scaled(self, x: Tensor, row_scale: Tensor) -> Tensor:
-        self._record(x * row_scale)
+        self.record(x * row_scale)
         return self.inner.scaled(x, row_scale)
 
 
