@@ -86,6 +86,21 @@ def test_kernel_quantises_rows_as_aten_does_on_the_hard_values():
 
 
 @needs_vnni
+@pytest.mark.parametrize("shape", [(64, 576), (70, 33), (130, 258), (1, 3), (65, 4)])
+def test_the_packed_layout_is_groups_of_64_columns_by_steps_of_4_inputs(shape):
+    """``q8_pack``: row j's inputs 4c..4c+3 at [j // 64, c, j % 64, :], zero padding past the
+    matrix (the layout written out here with tensor ops), for whole and partial groups and steps."""
+    n, k = shape
+    w = torch.randint(-128, 128, (n, k), dtype=torch.int8, generator=torch.Generator().manual_seed(n * k))
+    ng, k4 = -(-n // 64), -(-k // 4)
+    padded = torch.zeros(ng * 64, k4 * 4, dtype=torch.int8)
+    padded[:n, :k] = w
+    want = padded.reshape(ng, 64, k4, 4).permute(0, 2, 1, 3).contiguous()  # [ng, k4, 64, 4]
+    assert torch.equal(torch.ops.specdec.q8_pack(w), want)
+    assert torch.equal(torch.ops.specdec.q8_pack(w.t().contiguous().t()), want)  # a strided weight too
+
+
+@needs_vnni
 def test_kernel_refuses_mismatched_inputs():
     w = torch.randn(70, 33)
     lin = W8A8Linear(w)

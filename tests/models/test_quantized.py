@@ -327,6 +327,33 @@ def test_calibration_without_the_heads_product_gives_the_same_model(tiny_folder,
     assert torch.equal(fast.forward(ids, fast.new_cache(64)), full.forward(ids, full.new_cache(64)))
 
 
+@needs_w8a8
+@pytest.mark.parametrize("with_smooth", [False, True])
+def test_the_int8_weights_are_what_the_written_out_recipe_gives(with_smooth):
+    """W8A8Linear's int8 weights, scales and zero-point terms against the recipe written out with
+    plain tensor ops (smooth, append two zero columns, per-row max |w| / 127, quantise), so that
+    faster ways of building them (in-place padding, one-pass min/max, int32 sums) change no bit."""
+    import warnings
+
+    g = torch.Generator().manual_seed(6)
+    w = torch.randn(300, 70, generator=g)
+    w[5] = 0.0  # an all-zero row
+    w[7, 3] = -40.0  # a row whose max |w| is a negative entry
+    smooth = torch.rand(70, generator=g) + 0.2 if with_smooth else None
+    lin = W8A8Linear(w, smooth=smooth)
+    ref = torch.cat([w * smooth if smooth is not None else w, torch.zeros(300, 2)], dim=1)
+    scales = (ref.abs().amax(dim=1).clamp_min(1e-12) / 127.0).double()
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        qw = torch.quantize_per_channel(ref, scales, torch.zeros(300, dtype=torch.long), axis=0, dtype=torch.qint8)
+        got, _ = torch.ops.quantized.linear_unpack(lin.packed)
+    assert torch.equal(got.int_repr(), qw.int_repr()) and torch.equal(got.q_per_channel_scales(), scales)
+    if lin.vnni is not None:
+        q = qw.int_repr()[:, :70]
+        assert torch.equal(lin.vnni[1], (128 * q.to(torch.int32).sum(1)).to(torch.int32))
+        assert torch.equal(lin.vnni[2], (torch.tensor(2.0 / 255.0, dtype=torch.float32) * scales.float()))
+
+
 def test_calibration_needs_a_tokenizer(tmp_path):
     assert calibration_ids(tmp_path) is None
 

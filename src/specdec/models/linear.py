@@ -172,10 +172,21 @@ def _has_vnni() -> bool:
     return cpu_has("avx512_vnni", "avx_vnni")
 
 
-def _smoothed(weight: Tensor, smooth: Tensor | None) -> tuple[Tensor, Tensor | None]:
+def _smoothed(weight: Tensor, smooth: Tensor | None, *, pad: int = 0) -> tuple[Tensor, Tensor | None]:
     """``(W * smooth, 1 / smooth)``: the float weight [out, in] with SmoothQuant's per-input-channel
-    factors moved in, and the factors the activations are multiplied by (None without smoothing)."""
+    factors moved in, and the factors the activations are multiplied by (None without smoothing).
+    ``pad``: the weight comes back [out, in + pad], its last columns zero (written in place: no
+    concatenated copy of a large head)."""
     w = weight.detach().float()
+    if pad:
+        n, k = w.shape
+        out = w.new_empty(n, k + pad)
+        out[:, k:] = 0
+        if smooth is None:
+            out[:, :k] = w
+        else:
+            torch.mul(w, smooth.float(), out=out[:, :k])
+        return out, None if smooth is None else (1.0 / smooth.float()).contiguous()
     if smooth is None:
         return w, None
     return w * smooth.float(), (1.0 / smooth.float()).contiguous()
@@ -208,10 +219,10 @@ class W8A8Linear:
         set each row's quantisation step.  ``wide``: also pack the same int8 weights for oneDNN,
         which then runs products of :func:`wide_rows` rows or more with bitwise the same result
         (see :func:`wide_packing`; needs VNNI and oneDNN's int8 linear)."""
-        w, self.inv_smooth = _smoothed(weight, smooth)
-        n, k = w.shape
-        w = torch.cat([w, w.new_zeros(n, 2)], dim=1)  # [out, in + 2]
-        scales = (w.abs().amax(dim=1).clamp_min(1e-12) / 127.0).double()
+        w, self.inv_smooth = _smoothed(weight, smooth, pad=2)  # [out, in + 2]: two zero columns
+        n, k = w.shape[0], w.shape[1] - 2
+        lo, hi = torch.aminmax(w, dim=1)  # max |w| per row, as abs().amax() gives it, without a copy
+        scales = (torch.maximum(hi, -lo).clamp_min(1e-12) / 127.0).double()
         with warnings.catch_warnings():  # torch marks its quantised tensors as deprecated (2.13)
             warnings.simplefilter("ignore")
             qw = torch.quantize_per_channel(w, scales, torch.zeros(n, dtype=torch.long), axis=0, dtype=torch.qint8)
@@ -391,7 +402,7 @@ def vnni_packing(q: Tensor, scales: Tensor) -> list[Tensor]:
     :func:`wide_packing`)]."""
     step = torch.tensor(_FBGEMM_STEP, dtype=torch.float32)
     col = (step * scales.float()).contiguous()
-    comp = (_FBGEMM_ZERO * q.to(torch.int32).sum(1)).to(torch.int32).contiguous()
+    comp = (_FBGEMM_ZERO * q.sum(1, dtype=torch.int32)).contiguous()  # exact: |sum| <= 128 * 127 * in
     return [torch.ops.specdec.q8_pack(q.contiguous()), comp, col]
 
 

@@ -25,6 +25,7 @@
 
 #include "specdec.h"
 
+#include <algorithm>
 #include <cmath>
 #include <cstdint>
 #include <cstring>
@@ -51,8 +52,18 @@ at::Tensor q8_pack(const at::Tensor& w) {
   at::Tensor out = at::zeros({ng, k4, kGroup, 4}, wc.options());
   const int8_t* src = wc.data_ptr<int8_t>();
   int8_t* dst = out.data_ptr<int8_t>();
-  for (int64_t j = 0; j < n; ++j)
-    for (int64_t c = 0; c < k; ++c) dst[(((j / kGroup) * k4 + c / 4) * kGroup + j % kGroup) * 4 + c % 4] = src[j * k + c];
+  // row j's columns 4c..4c+3 go to [j / 64][c][j % 64][0..3]: whole groups in parallel, each row's
+  // four-column steps copied as one 32-bit word (a partial last step byte by byte; the rest stays 0)
+  at::parallel_for(0, ng, 1, [&](int64_t g0, int64_t g1) {
+    for (int64_t g = g0; g < g1; ++g)
+      for (int64_t j = g * kGroup; j < std::min(n, (g + 1) * kGroup); ++j) {
+        const int8_t* row = src + j * k;
+        int8_t* at = dst + (g * k4 * kGroup + j % kGroup) * 4;
+        int64_t c = 0;
+        for (; c + 4 <= k; c += 4, at += kGroup * 4) std::memcpy(at, row + c, 4);
+        for (int64_t u = 0; c + u < k; ++u) at[u] = row[c + u];
+      }
+  });
   return out;
 }
 
