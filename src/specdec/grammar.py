@@ -38,7 +38,9 @@ def _tokenizer_info(tokenizer: Any, vocab_size: int) -> Any:
     """llguidance's view of ``tokenizer`` (built once per tokenizer and vocabulary size: seconds)."""
     cache = tokenizer.__dict__.setdefault("_specdec_llg", {})
     if vocab_size not in cache:
-        cache[vocab_size] = _llguidance().hf.from_tokenizer(tokenizer, n_vocab=vocab_size)
+        from specdec.tokenizer import hf_tokenizer
+
+        cache[vocab_size] = _llguidance().hf.from_tokenizer(hf_tokenizer(tokenizer), n_vocab=vocab_size)
     return cache[vocab_size]
 
 

@@ -81,10 +81,13 @@ _TEXTS = (
 
 
 def test_a_llama_folder_declaring_tokenizersbackend_loads_without_autotokenizer_and_the_same(monkeypatch):
-    """The shipped draft's tokenizer comes from TokenizersBackend directly (AutoTokenizer, which
-    first builds the model's config class, is not called) and behaves exactly as AutoTokenizer's:
-    the same class, vocabulary, special tokens, encodings, decodings and chat template."""
+    """The shipped draft's tokenizer comes without AutoTokenizer (which first builds the model's
+    config class): a :class:`FastTokenizer` over the ``tokenizers`` library, with TokenizersBackend
+    behind it for the rest.  It behaves exactly as AutoTokenizer's: the same class behind it,
+    vocabulary, special tokens, encodings, decodings and chat template."""
     from transformers import AutoTokenizer
+
+    from specdec.tokenizer import FastTokenizer
 
     folder = registry.DATA_DIR / "smollm2-135m-draft"
     assert registry.direct_tokenizer(folder)
@@ -92,8 +95,9 @@ def test_a_llama_folder_declaring_tokenizersbackend_loads_without_autotokenizer_
     called = []
     monkeypatch.setattr(AutoTokenizer, "from_pretrained", classmethod(lambda cls, *a, **k: called.append(a)))
     tok = registry.load_tokenizer(folder)
+    assert isinstance(tok, FastTokenizer) and type(tok.hf) is type(reference)
     assert called == []
-    assert type(tok) is type(reference)
+    assert len(tok) == len(reference) and tok.clean_up_tokenization_spaces == reference.clean_up_tokenization_spaces
     assert tok.get_vocab() == reference.get_vocab()
     assert tok.all_special_ids == reference.all_special_ids and tok.all_special_tokens == reference.all_special_tokens
     assert (tok.eos_token_id, tok.bos_token_id, tok.pad_token_id, tok.unk_token_id) == (
@@ -110,6 +114,102 @@ def test_a_llama_folder_declaring_tokenizersbackend_loads_without_autotokenizer_
     for kwargs in ({"tokenize": False}, {"tokenize": True}):
         assert tok.apply_chat_template(messages, add_generation_prompt=True, **kwargs) == \
             reference.apply_chat_template(messages, add_generation_prompt=True, **kwargs)
+
+
+def _random_ids(n: int, vocab: int, seed: int) -> list[int]:
+    import random
+
+    rng = random.Random(seed)
+    return [rng.randrange(vocab) for _ in range(n)]
+
+
+@pytest.mark.parametrize("name", ["smollm2-135m", "smollm2-135m-draft"])
+def test_the_fast_tokenizer_encodes_and_decodes_as_transformers_does(name):
+    """On the shipped folders, :class:`FastTokenizer` against transformers' tokenizer of the same
+    folder: the benchmark's prompts, odd texts and a long mixed one, with and without special
+    tokens; decodings of those ids and of 200 random id sequences (special tokens among them),
+    skipping special tokens or not; the end-of-sequence id, vocabulary and size."""
+    from transformers.tokenization_utils_tokenizers import TokenizersBackend
+
+    from specdec.bench.workloads import BUILTIN
+    from specdec.tokenizer import FastTokenizer
+
+    folder = registry.resolve(name).folder
+    tok = registry.load_tokenizer(folder)
+    assert isinstance(tok, FastTokenizer)
+    ref = TokenizersBackend.from_pretrained(str(folder))
+    assert tok.eos_token_id == ref.eos_token_id and tok.get_vocab() == ref.get_vocab() and len(tok) == len(ref)
+    texts = [p.text for p in BUILTIN] + list(_TEXTS) + ["".join(_TEXTS) * 20, " " * 7, "\u200b\ufeffx\u0301", "a" * 3000]
+    for text in texts:
+        for special in (True, False):
+            ids = tok.encode(text, add_special_tokens=special)
+            assert ids == ref.encode(text, add_special_tokens=special), text[:40]
+            for skip in (True, False):
+                assert tok.decode(ids, skip_special_tokens=skip) == ref.decode(ids, skip_special_tokens=skip)
+    specials = sorted(ref.all_special_ids)
+    for seed in range(200):
+        ids = _random_ids(1 + seed % 40, len(ref), seed) + specials[: seed % 3]
+        for skip in (True, False):
+            assert tok.decode(ids, skip_special_tokens=skip) == ref.decode(ids, skip_special_tokens=skip), ids
+    assert tok.decode(ids[0]) == ref.decode(ids[0])  # one id, as the server's logprobs decode them
+
+
+@pytest.mark.parametrize("change", ["add_bos_token", "special_tokens_map.json", "clean_up"])
+def test_folders_the_fast_tokenizer_might_not_reproduce_keep_transformers(tmp_path, change):
+    """A tokenizer_config.json key outside the known set (one that can make transformers rebuild the
+    post-processor), another tokenizer source file, or decoded-space clean-up: transformers'
+    tokenizer, as before."""
+    import json
+    import shutil
+
+    from transformers.tokenization_utils_tokenizers import TokenizersBackend
+
+    from specdec.tokenizer import FastTokenizer
+
+    src = registry.DATA_DIR / "smollm2-135m-draft"
+    for name in ("tokenizer.json", "tokenizer_config.json", "config.json"):
+        shutil.copy(src / name, tmp_path / name)
+    assert isinstance(registry.load_tokenizer(tmp_path), FastTokenizer)
+    declared = json.loads((tmp_path / "tokenizer_config.json").read_text())
+    if change == "add_bos_token":
+        declared["add_bos_token"] = True
+    elif change == "clean_up":
+        declared["clean_up_tokenization_spaces"] = True
+    else:
+        (tmp_path / change).write_text(json.dumps({"eos_token": "<|endoftext|>"}))
+    (tmp_path / "tokenizer_config.json").write_text(json.dumps(declared))
+    assert type(registry.load_tokenizer(tmp_path)) is TokenizersBackend
+
+
+def test_a_plain_prompt_never_imports_transformers():
+    """Loading the shipped draft's tokenizer, encoding, decoding and streaming text (what
+    ``specdec generate PROMPT`` does) in a fresh interpreter leave transformers unimported; asking
+    for the chat template loads it then, and answers as transformers does."""
+    import subprocess
+    import sys
+
+    code = (
+        "import sys\n"
+        "from specdec.models import registry\n"
+        "from specdec.text import TextStream\n"
+        "tok = registry.load_tokenizer(registry.DATA_DIR / 'smollm2-135m-draft')\n"
+        "ids = tok.encode('Hello there, 東京 🙂', add_special_tokens=False)\n"
+        "stream = TextStream(tok)\n"
+        "text = ''.join(stream.push([i]) for i in ids)\n"
+        "assert text == tok.decode(ids) == 'Hello there, 東京 🙂', text\n"
+        "assert 'transformers' not in sys.modules, 'imported'\n"
+        "m = [{'role': 'user', 'content': 'Hi'}]\n"
+        "out = tok.apply_chat_template(m, tokenize=False, add_generation_prompt=True)\n"
+        "assert 'transformers' in sys.modules\n"
+        "print(repr(out))\n"
+    )
+    done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
+    assert done.returncode == 0, done.stderr[-2000:]
+    from transformers import AutoTokenizer
+
+    ref = AutoTokenizer.from_pretrained(str(registry.DATA_DIR / "smollm2-135m-draft"))
+    assert done.stdout.strip() == repr(ref.apply_chat_template([{"role": "user", "content": "Hi"}], tokenize=False,
+                                                               add_generation_prompt=True))
 
 
 def test_the_direct_tokenizer_premise_holds_in_the_installed_transformers():

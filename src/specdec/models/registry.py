@@ -560,6 +560,11 @@ def load_tokenizer(folder: Path) -> Any:
         )
     try:
         if direct_tokenizer(folder):
+            from specdec.tokenizer import FastTokenizer, plain_config
+
+            config = plain_config(folder)
+            if config is not None:  # transformers' tokenizer only when something asks for more
+                return FastTokenizer(folder, config)
             from transformers.tokenization_utils_tokenizers import TokenizersBackend
 
             return TokenizersBackend.from_pretrained(str(folder))
