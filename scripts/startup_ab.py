@@ -12,8 +12,8 @@ arm and command:
 
 * ``help`` — ``specdec --help``;
 * ``generate`` — ``specdec generate PROMPT --max-new-tokens N --json`` on the default models
-  (target and draft as shipped, greedy): load, encode, decode, print.  Its token ids must be the
-  same in both arms.
+  (target and draft as shipped, greedy): load, encode, decode, print (``--chat``: the prompt in
+  the chat template, as the demo runs it).  Its token ids must be the same in both arms.
 
 With ``--llamacpp`` (llama-cpp-python installed), a third arm: a fresh process that imports
 llama_cpp, loads the same GGUF file and greedily generates N tokens from the same prompt — what
@@ -77,11 +77,12 @@ def main() -> int:
     ap.add_argument("--max-new-tokens", type=int, default=32)
     ap.add_argument("--threads", type=int, default=2)
     ap.add_argument("--llamacpp", action="store_true", help="add llama-cpp-python's cold start on the same GGUF")
+    ap.add_argument("--chat", action="store_true", help="generate with --chat (the prompt in the chat template, as the demo does)")
     ap.add_argument("--out", required=True)
     args = ap.parse_args()
     py = sys.executable
     cli = [py, "-m", "specdec.cli"]
-    gen = [*cli, "generate", PROMPT, "--max-new-tokens", str(args.max_new_tokens), "--json"]
+    gen = [*cli, "generate", PROMPT, "--max-new-tokens", str(args.max_new_tokens), "--json", *(["--chat"] if args.chat else [])]
     gguf = ""
     if args.llamacpp:
         from specdec.models.registry import gguf_file
@@ -108,7 +109,8 @@ def main() -> int:
     same = tokens["base"] == tokens["this"]
     lines = [f"{args.processes} fresh processes per arm and command, alternating; wall time from the parent "
              f"(seconds), {args.threads} threads (`OMP_NUM_THREADS`). `generate` = `specdec generate \"{PROMPT}\" "
-             f"--max-new-tokens {args.max_new_tokens} --json` with the default models; `help` = `specdec --help`.", "",
+             f"--max-new-tokens {args.max_new_tokens} --json{' --chat' if args.chat else ''}` with the default models; "
+             "`help` = `specdec --help`.", "",
              "| command | arm | median s | min s | max s |", "|---|---|---|---|---|"]
     for command in ("help", "generate"):
         for arm in (*arms, *(["llama.cpp"] if args.llamacpp and command == "generate" else [])):

@@ -5,20 +5,24 @@ most of it building the package's lazy module table) and ``TokenizersBackend``'s
 (~0.25 s).  What a plain prompt needs of a tokenizer — encode, decode, the vocabulary, the
 end-of-sequence id, the incremental decoder — is the ``tokenizers`` library's own ``Tokenizer``,
 which transformers' fast tokenizer wraps; it loads in ~0.1 s.  :class:`FastTokenizer` answers
-those from it and hands everything else (the chat template, special-token lists, saving, what
-llguidance reads) to the transformers tokenizer, loaded the first time something asks for it.
+those from it, renders the chat template for plain conversations (role and content strings) in a
+Jinja sandbox set up as transformers sets up its own, and hands everything else (other template
+calls, special-token lists, saving, what llguidance reads) to the transformers tokenizer, loaded
+the first time something asks for it.
 
 Only folders whose ``tokenizer_config.json`` says nothing that would make transformers change the
 ``tokenizers`` object or post-process its output get one (:func:`plain_config`); the others load
 transformers' tokenizer as before.  Tested against transformers' on the shipped folders: encodings
-with and without special tokens, decodings with and without them, the vocabulary, its size and the
-end-of-sequence id.
+with and without special tokens, decodings with and without them, the vocabulary, its size, the
+end-of-sequence id, and rendered conversations (also under a template that exercises the
+sandbox's loop controls, namespaces, ``tojson``, ``raise_exception`` and special-token names).
 """
 
 from __future__ import annotations
 
 import json
 import threading
+from datetime import datetime
 from pathlib import Path
 from typing import Any
 
@@ -32,7 +36,13 @@ PLAIN_KEYS = frozenset({
     "model_input_names", "padding_side", "truncation_side", "name_or_path",
 })
 #: files besides tokenizer.json and tokenizer_config.json that would feed transformers' tokenizer
-_OTHER_SOURCES = ("special_tokens_map.json", "added_tokens.json", "tokenizer.model", "vocab.json", "merges.txt")
+_OTHER_SOURCES = ("special_tokens_map.json", "added_tokens.json", "tokenizer.model", "vocab.json", "merges.txt",
+                  "chat_template.json", "additional_chat_templates")
+#: the named special tokens a chat template sees by name (transformers' ``special_tokens_map``)
+_TEMPLATE_TOKENS = ("bos_token", "eos_token", "unk_token", "sep_token", "pad_token", "cls_token", "mask_token")
+#: message fields transformers copies under other names before rendering (reasoning): such
+#: conversations go to transformers
+_ALIASED = ("reasoning_content", "thinking", "reasoning")
 
 
 def _token_name(value: Any) -> str | None:
@@ -45,7 +55,7 @@ def _token_name(value: Any) -> str | None:
 def plain_config(folder: Path) -> dict | None:
     """``folder``'s tokenizer_config.json when :class:`FastTokenizer` reproduces transformers' tokenizer
     for it (only :data:`PLAIN_KEYS`, no clean-up of decoded spaces, no other tokenizer source file,
-    a tokenizer.json), else None."""
+    at most one chat template source, a tokenizer.json), else None."""
     try:
         config = json.loads((folder / "tokenizer_config.json").read_text())
     except (OSError, ValueError):
@@ -53,6 +63,8 @@ def plain_config(folder: Path) -> dict | None:
     if not isinstance(config, dict) or not (folder / "tokenizer.json").is_file():
         return None
     if set(config) - PLAIN_KEYS or config.get("clean_up_tokenization_spaces") or any((folder / f).exists() for f in _OTHER_SOURCES):
+        return None
+    if "chat_template" in config and (folder / "chat_template.jinja").exists():  # which one wins is transformers' call
         return None
     return config
 
@@ -74,6 +86,13 @@ class FastTokenizer:
         self._tokenizer = tokenizer  # the name transformers' fast tokenizers give it (see text.TextStream)
         eos = _token_name(config.get("eos_token"))
         self.eos_token_id: int | None = tokenizer.token_to_id(eos) if eos is not None else None
+        #: the chat template: chat_template.jinja, else the config's string (None: none, or named ones)
+        jinja = self.folder / "chat_template.jinja"
+        template = jinja.read_text(encoding="utf-8") if jinja.is_file() else config.get("chat_template")
+        self.chat_template: str | None = template if isinstance(template, str) else None
+        self._named_templates = isinstance(template, (dict, list))
+        self._template_tokens = {k: t for k in _TEMPLATE_TOKENS if (t := _token_name(config.get(k))) is not None}
+        self._compiled: Any = None
         self._hf: Any = None
         self._hf_lock = threading.Lock()
 
@@ -88,6 +107,37 @@ class FastTokenizer:
         elif hasattr(ids, "tolist"):
             ids = ids.tolist()
         return self._tokenizer.decode(list(ids), skip_special_tokens=skip_special_tokens)
+
+    def apply_chat_template(self, conversation: Any, tools: Any = None, documents: Any = None, *,
+                            add_generation_prompt: bool = False, tokenize: bool = True, **kw: Any) -> Any:
+        """The conversation rendered with the chat template (``tokenize=False``, a list of messages
+        whose fields are all strings, no tools, documents or other options); any other call goes to
+        transformers' ``apply_chat_template``."""
+        plain = (not tokenize and tools is None and documents is None and not kw and self.chat_template is not None
+                 and isinstance(conversation, list) and len(conversation) > 0  # empty: transformers' error
+                 and all(isinstance(m, dict) and all(type(k) is str and type(v) is str for k, v in m.items())
+                         and not any(f in m for f in _ALIASED) for m in conversation))
+        template = self._template() if plain else None
+        if template is None:
+            return self.hf.apply_chat_template(conversation, tools=tools, documents=documents,
+                                               add_generation_prompt=add_generation_prompt, tokenize=tokenize, **kw)
+        return template.render(messages=[dict(m) for m in conversation], tools=None, documents=None,
+                               add_generation_prompt=add_generation_prompt, **self._template_tokens)
+
+    def _template(self) -> Any:
+        """The compiled chat template, or None where this class leaves it to transformers (named
+        templates, or a template its sandbox cannot compile, e.g. one with generation tags)."""
+        if self._compiled is None:
+            compiled = False
+            if self.chat_template is not None and not self._named_templates:
+                import jinja2
+
+                try:
+                    compiled = _sandbox().from_string(self.chat_template)
+                except jinja2.TemplateError:
+                    compiled = False
+            self._compiled = compiled
+        return self._compiled or None
 
     def get_vocab(self) -> dict[str, int]:
         return self._tokenizer.get_vocab(with_added_tokens=True)
@@ -106,13 +156,60 @@ class FastTokenizer:
                     self._hf = TokenizersBackend.from_pretrained(str(self.folder))
         return self._hf
 
-    def __getattr__(self, name: str) -> Any:  # the chat template, special-token lists, save_pretrained, ...
-        if name.startswith("__") or name in ("_hf", "_hf_lock", "_tokenizer", "folder"):
+    def __getattr__(self, name: str) -> Any:  # special-token lists, save_pretrained, ...
+        if name.startswith("__") or name in ("_hf", "_hf_lock", "_tokenizer", "folder", "_compiled", "chat_template"):
             raise AttributeError(name)
         return getattr(self.hf, name)
 
     def __repr__(self) -> str:
         return f"FastTokenizer({str(self.folder)!r}, vocab={len(self)})"
+
+
+def _sandbox() -> Any:
+    """A Jinja environment for chat templates as transformers builds its own: sandboxed and
+    immutable, blocks trimmed, loop controls, ``tojson`` without HTML escaping, ``raise_exception``,
+    ``strftime_now``, and ``dict`` / ``namespace`` that refuse underscore-prefixed names."""
+    import jinja2
+    import jinja2.ext
+    from jinja2.sandbox import ImmutableSandboxedEnvironment
+
+    def raise_exception(message: str) -> None:
+        raise jinja2.exceptions.TemplateError(message)
+
+    def tojson(x: Any, ensure_ascii: bool = False, indent: Any = None, separators: Any = None, sort_keys: bool = False) -> str:
+        return json.dumps(x, ensure_ascii=ensure_ascii, indent=indent, separators=separators, sort_keys=sort_keys)
+
+    class TemplateDict:
+        def __call__(self, *args: Any, **kwargs: Any) -> dict:
+            return dict(*args, **kwargs)
+
+        def fromkeys(self, *args: Any, **kwargs: Any) -> dict:
+            return dict.fromkeys(*args, **kwargs)
+
+    class Namespace(jinja2.utils.Namespace):
+        def __init__(*args: Any, **kwargs: Any) -> None:  # noqa: N805 - Jinja's own signature trick
+            self, args = args[0], args[1:]
+            attrs = dict(*args, **kwargs)
+            for name in attrs:
+                Namespace._check(name)
+            jinja2.utils.Namespace.__init__(self, attrs)
+
+        def __setitem__(self, name: str, value: Any) -> None:
+            Namespace._check(name)
+            jinja2.utils.Namespace.__setitem__(self, name, value)
+
+        @staticmethod
+        def _check(name: Any) -> None:
+            if isinstance(name, str) and name.startswith("_"):
+                raise jinja2.exceptions.SecurityError(f"chat templates cannot store underscore-prefixed names ({name!r})")
+
+    env = ImmutableSandboxedEnvironment(trim_blocks=True, lstrip_blocks=True, extensions=[jinja2.ext.loopcontrols])
+    env.filters["tojson"] = tojson
+    env.globals["raise_exception"] = raise_exception
+    env.globals["strftime_now"] = lambda fmt: datetime.now().strftime(fmt)
+    env.globals["dict"] = TemplateDict()
+    env.globals["namespace"] = Namespace
+    return env
 
 
 def hf_tokenizer(tokenizer: Any) -> Any:

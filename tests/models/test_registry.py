@@ -116,6 +116,30 @@ def test_a_llama_folder_declaring_tokenizersbackend_loads_without_autotokenizer_
             reference.apply_chat_template(messages, add_generation_prompt=True, **kwargs)
 
 
+_CONVERSATIONS = (
+    [{"role": "user", "content": "Hi"}],
+    [{"role": "system", "content": "Be brief."}, {"role": "user", "content": _TEXTS[0]}],
+    [{"role": "user", "content": "a"}, {"role": "assistant", "content": " b\n\n"}, {"role": "user", "content": _TEXTS[1]},
+     {"role": "assistant", "content": _TEXTS[2]}, {"role": "user", "content": "{{ not a template }} {% raw %}"}],
+)
+#: a template using what transformers' sandbox offers: loop controls, a namespace, tojson (no HTML
+#: escaping, non-ASCII kept), raise_exception, dict(), special-token names, trimmed blocks
+_TEMPLATE = """{%- set ns = namespace(n=0) -%}
+{{ bos_token }}{% for m in messages %}
+  {%- if m['role'] == 'tool' %}{{ raise_exception('no tools here') }}{% endif %}
+  {%- if m['content'] == 'skip' %}{% continue %}{% endif %}
+  {%- set ns.n = ns.n + 1 %}
+  [{{ ns.n }}:{{ m['role'] }}] {{ m['content'] | tojson }} {{ dict(a=1, b='<&>') | tojson }}
+  {%- if loop.index > 5 %}{% break %}{% endif %}
+{% endfor %}
+{%- if add_generation_prompt %}<assistant>{{ eos_token if false else '' }}{% endif %}{{ pad_token }}
+{% for m in messages %}
+    {% if m['role'] == 'user' %}
+U: {{ m['content'] }}
+    {% endif %}
+{% endfor %}"""
+
+
 def _random_ids(n: int, vocab: int, seed: int) -> list[int]:
     import random
 
@@ -152,6 +176,51 @@ def test_the_fast_tokenizer_encodes_and_decodes_as_transformers_does(name):
         for skip in (True, False):
             assert tok.decode(ids, skip_special_tokens=skip) == ref.decode(ids, skip_special_tokens=skip), ids
     assert tok.decode(ids[0]) == ref.decode(ids[0])  # one id, as the server's logprobs decode them
+    for messages in _CONVERSATIONS:
+        for prompt in (True, False):
+            assert tok.apply_chat_template(messages, tokenize=False, add_generation_prompt=prompt) == \
+                ref.apply_chat_template(messages, tokenize=False, add_generation_prompt=prompt)
+    assert "transformers" in type(ref).__module__ and tok._hf is None  # all of it answered without transformers' tokenizer
+
+
+def test_the_fast_tokenizer_renders_a_template_as_transformers_sandbox_does(tmp_path):
+    """A template with loop controls, a namespace, ``tojson``, ``dict()``, special-token names and
+    trimmed blocks renders as transformers renders it; ``raise_exception`` raises for both; a
+    conversation with fields other than strings, or tools, goes to transformers."""
+    import json
+    import shutil
+
+    import jinja2
+    from transformers.tokenization_utils_tokenizers import TokenizersBackend
+
+    from specdec.tokenizer import FastTokenizer
+
+    src = registry.DATA_DIR / "smollm2-135m-draft"
+    for name in ("tokenizer.json", "tokenizer_config.json", "config.json"):
+        shutil.copy(src / name, tmp_path / name)
+    (tmp_path / "chat_template.jinja").write_text(_TEMPLATE)
+    tok = registry.load_tokenizer(tmp_path)
+    ref = TokenizersBackend.from_pretrained(str(tmp_path))
+    assert isinstance(tok, FastTokenizer) and tok.chat_template == ref.chat_template
+    conversations = list(_CONVERSATIONS) + [[{"role": "user", "content": c} for c in ("x", "skip", "é 東京 </script>", *"abcdefg")]]
+    for messages in conversations:
+        for prompt in (True, False):
+            got = tok.apply_chat_template(messages, tokenize=False, add_generation_prompt=prompt)
+            assert got == ref.apply_chat_template(messages, tokenize=False, add_generation_prompt=prompt), got
+    assert tok._hf is None
+    for which in (tok, ref):
+        with pytest.raises(jinja2.TemplateError, match="no tools here"):
+            which.apply_chat_template([{"role": "tool", "content": "x"}], tokenize=False)
+    assert tok._hf is None  # raised by this class's own sandbox
+    odd = [{"role": "user", "content": [{"type": "text", "text": "hi"}]}]
+    tok.apply_chat_template(odd, tokenize=False)  # a list content: transformers' call
+    assert tok._hf is not None
+    for which in (tok, ref):
+        with pytest.raises(ValueError, match="empty conversation"):
+            which.apply_chat_template([], tokenize=False)
+    (tmp_path / "tokenizer_config.json").write_text(json.dumps({**json.loads((src / "tokenizer_config.json").read_text()),
+                                                               "chat_template": "{{ 'other' }}"}))
+    assert type(registry.load_tokenizer(tmp_path)) is TokenizersBackend  # two template sources: transformers decides
 
 
 @pytest.mark.parametrize("change", ["add_bos_token", "special_tokens_map.json", "clean_up"])
@@ -182,9 +251,10 @@ def test_folders_the_fast_tokenizer_might_not_reproduce_keep_transformers(tmp_pa
 
 
 def test_a_plain_prompt_never_imports_transformers():
-    """Loading the shipped draft's tokenizer, encoding, decoding and streaming text (what
-    ``specdec generate PROMPT`` does) in a fresh interpreter leave transformers unimported; asking
-    for the chat template loads it then, and answers as transformers does."""
+    """Loading the shipped draft's tokenizer, encoding, decoding, streaming text and rendering a
+    conversation (what ``specdec generate [--chat] PROMPT`` does) in a fresh interpreter leave
+    transformers unimported, and the conversation renders as transformers renders it; asking for
+    anything else loads transformers' tokenizer."""
     import subprocess
     import sys
 
@@ -197,10 +267,10 @@ def test_a_plain_prompt_never_imports_transformers():
         "stream = TextStream(tok)\n"
         "text = ''.join(stream.push([i]) for i in ids)\n"
         "assert text == tok.decode(ids) == 'Hello there, 東京 🙂', text\n"
-        "assert 'transformers' not in sys.modules, 'imported'\n"
         "m = [{'role': 'user', 'content': 'Hi'}]\n"
         "out = tok.apply_chat_template(m, tokenize=False, add_generation_prompt=True)\n"
-        "assert 'transformers' in sys.modules\n"
+        "assert 'transformers' not in sys.modules, 'imported'\n"
+        "assert tok.all_special_ids and 'transformers' in sys.modules  # anything else: transformers' tokenizer\n"
         "print(repr(out))\n"
     )
     done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
