@@ -318,6 +318,25 @@ def test_a_flood_of_one_shot_sequences_never_evicts_what_was_reused():
     assert pc.reused_tokens - before == 48
 
 
+def test_a_kept_sequence_that_only_shares_a_system_prompt_stays_unproven():
+    """One-shot chats behind a common system prompt: each next prompt copies the shared part from
+    a kept sequence (less than half of it), which leaves that sequence unproven, so one-shot
+    sequences never hold more than their share however many share the prompt; a next turn, which
+    copies most of its kept sequence, proves it."""
+    model = tiny_native(vocab=VOCAB)
+    per_position = model.new_cache(1).bytes_per_position
+    pc = PrefixCache(400 * per_position)  # unproven: at most 200 positions
+    system = _prompt(21, 20)
+    for i in range(30):
+        seq = torch.cat([system, _prompt(400 + i, 40)])  # [60]: the system prompt, a question, its "reply"
+        if i:
+            assert pc.restore(torch.cat([system, _prompt(700 + i, 5)]), model.new_cache(64)) == 20  # the system part
+        pc.keep(seq, _filled(model, seq))
+        assert pc.unproven_bytes == pc.bytes <= 200 * per_position
+    turn = torch.cat([system, _prompt(429, 40), _prompt(800, 6)])  # the last chat's next turn
+    assert pc.restore(turn, model.new_cache(128)) == 60 and pc.unproven_bytes == pc.bytes - 60 * per_position
+
+
 @pytest.mark.parametrize("batching", [True, False])
 @pytest.mark.parametrize("sampling", [{"temperature": 0}, {"temperature": 1.0, "seed": 4}])
 def test_a_server_keeps_finished_requests_for_the_next_turn(batching, sampling):

@@ -13,10 +13,12 @@ server's resident memory rising ~60 MiB/min, for no reuse.
 
 A finished sequence, reply included, is kept too (:meth:`PrefixCache.keep`, through
 ``TargetSession.close``): a chat client's next turn re-sends it inside its prompt.  Most finished
-sequences never come back, so kept ones are *unproven* until a prefill copies from them, and
-unproven entries may fill at most :data:`UNPROVEN_SHARE` of the budget, least recently used dropped
-first: a flood of one-shot requests churns that share and never evicts what was reused.  A kept
-sequence that extends a proven entry (the next turn of a conversation that came back) is proven.
+sequences never come back, so kept ones are *unproven* until a prefill copies at least half of
+one (a next turn does; a prompt that only shares the template and system message with it does
+not), and unproven entries may fill at most :data:`UNPROVEN_SHARE` of the budget, least recently
+used dropped first: a flood of one-shot requests churns that share and never evicts what was
+reused.  A kept sequence that extends a proven entry (the next turn of a conversation that came
+back) is proven.
 
 **Exact, not approximate**, and only offered where that holds: the native target is
 batch-invariant (``NativeCausalLM(batch_invariant=True)``), so the key/value rows of position
@@ -67,7 +69,7 @@ class _Entry:
     tokens: Tensor  # [n] int64
     k: Tensor  # [Lyr, Hkv, n, d]
     v: Tensor  # [Lyr, Hkv, n, d]
-    #: stored because a prompt shared it, or copied from since it was kept (else: a kept sequence
+    #: stored because a prompt shared it, or mostly copied since it was kept (else: a kept sequence
     #: that may never come back, dropped first)
     proven: bool = True
 
@@ -141,7 +143,7 @@ class PrefixCache:
                 return 0
             entry = self._entries[eid]
             self._entries.move_to_end(eid)
-            if not entry.proven:
+            if not entry.proven and 2 * n >= entry.tokens.numel():  # a next turn, not a shared system prompt
                 entry.proven = True
                 self.unproven_bytes -= entry.nbytes
             k, v = entry.k[:, :, :n], entry.v[:, :, :n]
