@@ -161,6 +161,12 @@ class FastTokenizer:
             raise AttributeError(name)
         return getattr(self.hf, name)
 
+    def __getstate__(self) -> dict:  # picklable (a lock, a compiled template and transformers' object are rebuilt)
+        return {k: v for k, v in self.__dict__.items() if k not in ("_hf", "_hf_lock", "_compiled")}
+
+    def __setstate__(self, state: dict) -> None:
+        self.__dict__.update(state, _hf=None, _hf_lock=threading.Lock(), _compiled=None)
+
     def __repr__(self) -> str:
         return f"FastTokenizer({str(self.folder)!r}, vocab={len(self)})"
 

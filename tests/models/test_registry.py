@@ -181,6 +181,11 @@ def test_the_fast_tokenizer_encodes_and_decodes_as_transformers_does(name):
             assert tok.apply_chat_template(messages, tokenize=False, add_generation_prompt=prompt) == \
                 ref.apply_chat_template(messages, tokenize=False, add_generation_prompt=prompt)
     assert "transformers" in type(ref).__module__ and tok._hf is None  # all of it answered without transformers' tokenizer
+    import pickle
+
+    copy = pickle.loads(pickle.dumps(tok))
+    assert copy.encode(texts[0]) == tok.encode(texts[0]) and copy.chat_template == tok.chat_template
+    assert copy.apply_chat_template(_CONVERSATIONS[1], tokenize=False) == tok.apply_chat_template(_CONVERSATIONS[1], tokenize=False)
 
 
 def test_the_fast_tokenizer_renders_a_template_as_transformers_sandbox_does(tmp_path):
