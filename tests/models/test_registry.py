@@ -361,3 +361,38 @@ def test_calibration_ids_are_the_tokenizers_encoding_parsed_once_per_file(tmp_pa
     assert a.tolist() == want and b.tolist() == want and a.dtype == torch.long
     assert quantize._calibration_ids.cache_info().misses == 1
     assert quantize.calibration_ids(tmp_path) is None  # no tokenizer.json
+
+
+@pytest.mark.parametrize("truncated", [False, True])
+def test_the_tokenizer_and_the_calibration_share_one_parse_of_tokenizer_json(tmp_path, truncated):
+    """A folder's FastTokenizer and its calibration text's ids come from one parse of tokenizer.json;
+    where the file configures truncation, the tokenizer takes its own copy without it (as
+    transformers' encodes) and the calibration keeps the file's setting, as a plain parse has it."""
+    import json
+    import shutil
+
+    from tokenizers import Tokenizer
+
+    from specdec import tokenizer as fast
+    from specdec.models import quantize
+
+    src = registry.DATA_DIR / "smollm2-135m-draft"
+    for name in ("tokenizer.json", "tokenizer_config.json", "config.json"):
+        shutil.copy(src / name, tmp_path / name)
+    if truncated:
+        data = json.loads((tmp_path / "tokenizer.json").read_text())
+        data["truncation"] = {"direction": "Right", "max_length": 7, "strategy": "LongestFirst", "stride": 0}
+        (tmp_path / "tokenizer.json").write_text(json.dumps(data))
+    fast.parsed.cache_clear()
+    quantize._calibration_ids.cache_clear()
+    tok = registry.load_tokenizer(tmp_path)
+    ids = quantize.calibration_ids(tmp_path).tolist()
+    assert fast.parsed.cache_info().misses == 1  # one parse for both
+    plain = Tokenizer.from_file(str(tmp_path / "tokenizer.json"))
+    assert ids == plain.encode(quantize.CALIBRATION_TEXT).ids and (len(ids) == 7) == truncated
+    assert (tok._tokenizer is fast.parsed((tmp_path / "tokenizer.json").read_bytes())) != truncated
+    from transformers.tokenization_utils_tokenizers import TokenizersBackend
+
+    ref = TokenizersBackend.from_pretrained(str(tmp_path))
+    assert tok.encode(quantize.CALIBRATION_TEXT) == ref.encode(quantize.CALIBRATION_TEXT)  # neither truncates
+    assert len(tok.encode(quantize.CALIBRATION_TEXT)) > 7

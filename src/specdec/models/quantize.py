@@ -65,11 +65,11 @@ def calibration_ids(folder: Path) -> Tensor | None:
 
 @functools.lru_cache(maxsize=4)
 def _calibration_ids(tokenizer_json: bytes) -> tuple[int, ...]:
-    """The calibration text's ids under the tokenizer these bytes describe: parsed once per process
-    for each distinct file (a target and its draft usually ship the same one; ~0.12 s a parse)."""
-    from tokenizers import Tokenizer
+    """The calibration text's ids under the tokenizer these bytes describe (as the file configures
+    it), its parse shared with the folder's tokenizer (:func:`specdec.tokenizer.parsed`)."""
+    from specdec.tokenizer import parsed
 
-    return tuple(Tokenizer.from_str(tokenizer_json.decode("utf-8")).encode(CALIBRATION_TEXT).ids)
+    return tuple(parsed(tokenizer_json).encode(CALIBRATION_TEXT).ids)
 
 
 class RangeRecorder:
