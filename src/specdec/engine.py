@@ -461,16 +461,18 @@ class Engine:
         prefills, for prompt after prompt that share their beginnings (a chat re-sending its history);
         itself where that would not be exact (a target that is not batch-invariant).  A draft model
         that is batch-invariant gets one too (its drafter's ``model.prefix_cache``)."""
-        from specdec.server.prefix_cache import PrefixCache, PrefixCached, draft_budget, supports_prefix_cache
+        from specdec.server.prefix_cache import PrefixCache, PrefixCached, draft_prefix_cache, supports_prefix_cache
 
         if not supports_prefix_cache(self.target.model):
             return self
         model = PrefixCached(self.target.model, PrefixCache(max_bytes))
         drafter = self.drafter
         with_model = getattr(drafter, "with_model", None)
-        if with_model is not None and self.draft_model is not None and supports_prefix_cache(self.draft_model.model):
+        if with_model is not None and self.draft_model is not None:
             draft = self.draft_model.model
-            drafter = with_model(PrefixCached(draft, PrefixCache(draft_budget(self.target.model, draft, max_bytes))))
+            draft_cache = draft_prefix_cache(self.target.model, draft, max_bytes)
+            if draft_cache is not None:
+                drafter = with_model(PrefixCached(draft, draft_cache))
         return Engine(replace(self.target, model=model), drafter, self.drafter_name, self.draft_model)
 
     def decoder(

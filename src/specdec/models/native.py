@@ -406,11 +406,8 @@ class NativeCausalLM:
         per-channel max; the LM head's recorder is handed its input directly, since the head's
         own product (~0.1 s for SmolLM2's 49,152 rows at start-up) only made logits nobody reads.
         The same ranges, bit for bit, as a full forward pass's (tested)."""
-        h = self.hidden(ids, self.new_cache(ids.numel()))  # [n, D]: what forward hands the head
-        if isinstance(self.lm_head, RangeRecorder):
-            self.lm_head.record(h)
-        else:
-            self.lm_head(h)
+        assert isinstance(self.lm_head, RangeRecorder), "calibration runs before quantisation"
+        self.lm_head.record(self.hidden(ids, self.new_cache(ids.numel())))  # [n, D]: what forward hands the head
 
     def _quantize(self, calibration: Tensor | None) -> None:
         """Replace the float (range-recording) linears by smoothed :class:`W8A8Linear` layers."""

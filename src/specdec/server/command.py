@@ -95,7 +95,7 @@ def add_parser(sub: Any) -> None:
 def draft_server_model(engine: Any, *, batching: bool, prefix_cache_bytes: int = 0) -> Any | None:
     """The draft model as the server shares it: behind its own batching scheduler, or a lock, with
     its own prefix cache where it is batch-invariant (room for the positions ``prefix_cache_bytes``
-    holds of the target's: :func:`specdec.server.prefix_cache.draft_budget`)."""
+    holds of the target's: :func:`specdec.server.prefix_cache.draft_prefix_cache`)."""
     if engine.drafter is None or engine.draft_model is None:
         return None
     target = engine.target.model if prefix_cache_bytes > 0 else None
@@ -104,13 +104,11 @@ def draft_server_model(engine: Any, *, batching: bool, prefix_cache_bytes: int =
 
 def served_draft(model: Any, target: Any | None, *, batching: bool, prefix_cache_bytes: int = 0) -> Any:
     """``model`` (a draft) wrapped for the server; see :func:`draft_server_model`."""
-    from specdec.server.prefix_cache import PrefixCache, draft_budget, supports_prefix_cache
+    from specdec.server.prefix_cache import draft_prefix_cache
     from specdec.server.scheduler import BatchedModel, Scheduler
     from specdec.server.sessions import serialized
 
-    prefix = None
-    if prefix_cache_bytes > 0 and target is not None and supports_prefix_cache(model) and supports_prefix_cache(target):
-        prefix = PrefixCache(draft_budget(target, model, prefix_cache_bytes))
+    prefix = draft_prefix_cache(target, model, prefix_cache_bytes) if target is not None else None
     if not batching:
         return serialized(model, prefix_cache=prefix)
     return BatchedModel(model, Scheduler(model, name="draft"), initial_length=defaults.SERVER_KV_INITIAL_LENGTH,

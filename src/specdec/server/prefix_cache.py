@@ -28,7 +28,7 @@ would write, and every later logit is unchanged (tested on a toy model and on th
 against prefilling the whole prompt).  At least the prompt's last token always runs, so the
 caller still gets its logits.  Models that are not batch-invariant (the Hugging Face backend,
 ``--fast-attention``, a float draft) get no prefix cache.  The draft model gets its own
-(:func:`draft_budget`) where it is batch-invariant (the int8 draft on the compiled kernels).
+(:func:`draft_prefix_cache`) where it is batch-invariant (the int8 draft on the compiled kernels).
 """
 
 from __future__ import annotations
@@ -233,12 +233,15 @@ class PrefixCache:
             self.unproven_bytes -= entry.nbytes
 
 
-def draft_budget(target: Any, draft: Any, target_bytes: int) -> int:
-    """Bytes for the draft model's prefix cache: room for as many positions as ``target_bytes``
-    holds of the target's (a draft position is far smaller: 4 KiB against 45 KiB for SmolLM2's).
+def draft_prefix_cache(target: Any, draft: Any, target_bytes: int) -> PrefixCache | None:
+    """The draft model's own prefix cache, next to a target's of ``target_bytes`` (None where
+    either model is not batch-invariant, or the target has none): room for as many positions as
+    the target's holds (a draft position is far smaller: 4 KiB against 45 KiB for SmolLM2's).
     The draft's rows only shape proposals, never the output's law; on a batch-invariant draft
     copied rows are the bits a prefill writes, so proposals, and every output, stay the same."""
-    return target_bytes * draft.new_cache(1).bytes_per_position // target.new_cache(1).bytes_per_position
+    if target_bytes <= 0 or not (supports_prefix_cache(target) and supports_prefix_cache(draft)):
+        return None
+    return PrefixCache(target_bytes * draft.new_cache(1).bytes_per_position // target.new_cache(1).bytes_per_position)
 
 
 def prefill(run: Any, prefix_cache: PrefixCache | None, tokens: Tensor, cache: Any, last_only: bool) -> Tensor:
@@ -283,4 +286,4 @@ class PrefixCached:
         return getattr(self.inner, name)
 
 
-__all__ = ["MIN_TOKENS", "PrefixCache", "PrefixCached", "common_prefix", "draft_budget", "prefill", "supports_prefix_cache"]
+__all__ = ["MIN_TOKENS", "PrefixCache", "PrefixCached", "common_prefix", "draft_prefix_cache", "prefill", "supports_prefix_cache"]
