@@ -401,3 +401,29 @@ def test_the_edge_follows_a_busy_servers_draft_cap():
     drafted = out.stats.proposed_per_position  # rounds that drafted >= k tokens
     assert out.stats.target_calls > 5 and drafted[1] == out.stats.target_calls - 1  # all but the last round: 2
     assert drafted[2] == 1  # only the first round drafted the full 5 (before the server said anything)
+
+
+def test_the_edges_next_turn_reuses_its_ended_session():
+    """An edge generates, closes its session, then generates after everything it had (a chat's next
+    turn) on a server with a prefix cache: the new session copies all of the first sequence but its
+    last token (``session_cached_tokens``), and both outputs are plain greedy decoding's."""
+    from fastapi.testclient import TestClient
+
+    from specdec.server import ServerSettings, create_app
+    from tiny import tiny_native
+
+    target, draft = tiny_native(vocab=40), tiny_native(vocab=40, seed=1)
+    app = create_app(target, settings=ServerSettings(prefix_cache_bytes=16 << 20))
+    cfg = SamplingConfig(temperature=0.0, max_new_tokens=20)
+    first_prompt = list(range(3, 27))
+    with TestClient(app, base_url="http://localhost") as client:
+        first = generate_remote(first_prompt, cfg, RemoteConfig(url="http://localhost"), drafter=ModelDrafter(draft),
+                                gamma=3, client=client)
+        second_prompt = first_prompt + first.token_ids + [5, 6, 7]
+        second = generate_remote(second_prompt, cfg, RemoteConfig(url="http://localhost"), drafter=ModelDrafter(draft),
+                                 gamma=3, client=client)
+    assert first.remote["session_cached_tokens"] == 0
+    assert second.remote["session_cached_tokens"] == len(first_prompt) + len(first.token_ids) - 1
+    for prompt, out in ((first_prompt, first), (second_prompt, second)):
+        plain = SpeculativeDecoder(target, None, get_rule("greedy")).generate(prompt, cfg).tokens
+        assert out.token_ids == plain

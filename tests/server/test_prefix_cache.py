@@ -378,3 +378,53 @@ def test_a_server_keeps_finished_requests_for_the_next_turn(batching, sampling):
     assert all(len(t) == 12 for t in first)
     assert reused == sum(len(p) + 12 - 1 for p in prompts)
     assert (first, second, 0) == run(0)
+
+
+@pytest.mark.parametrize("batching", [True, False])
+@pytest.mark.parametrize("end", ["delete", "ttl"])
+@pytest.mark.parametrize("wire", [{"temperature": 0.0, "wire": "greedy"}, {"temperature": 1.0, "seed": 7, "wire": "sparse-q"}])
+def test_an_ended_edge_session_is_kept_for_the_edges_next_sequence(batching, end, wire):
+    """An edge session of four verification rounds ends (its edge deletes it, or it idles past the
+    TTL); the edge's next sequence starts with everything it committed (a chat's next turn).  Its
+    prefill copies every committed position but the last (reported in the create response), and
+    every round's verdict equals a server without a prefix cache."""
+    model = tiny_native(vocab=VOCAB)
+    prompt = _prompt(31, 30).tolist()
+    drafts = [[5, 9, 2], [7, 7], [1, 30, 12, 4], [3]]
+
+    def q(tokens: list[int]) -> dict:
+        if wire["wire"] == "greedy":
+            return {}
+        return {"q": [{"ids": [t, (t + 1) % VOCAB], "probs": [0.75, 0.25]} for t in tokens]}
+
+    def run(size: int) -> tuple[list[dict], int]:
+        app = create_app(model, settings=ServerSettings(batching=batching, prefix_cache_bytes=size))
+        client = TestClient(app, base_url="http://localhost")
+        store = app.state.ctx.store
+
+        def session(ids: list[int]) -> tuple[str, int, list[dict]]:
+            r = client.post("/v1/sessions", json={"prompt_ids": ids, **wire})
+            assert r.status_code == 201, r.text
+            sid = r.json()["session_id"]
+            rounds = []
+            for seq, tokens in enumerate(drafts):
+                v = client.post(f"/v1/sessions/{sid}/verify", json={"seq": seq, "draft_tokens": tokens, **q(tokens)})
+                assert v.status_code == 200, v.text
+                rounds.append({k: v.json()[k] for k in ("num_accepted", "tokens", "next_token")})
+            return sid, r.json()["cached_prompt_tokens"], rounds
+
+        sid, cached, first = session(prompt)
+        assert cached == 0
+        if end == "delete":
+            assert client.delete(f"/v1/sessions/{sid}").status_code == 200
+        else:
+            store.get(sid).last_used -= 2 * app.state.ctx.settings.session_ttl_s
+            assert store.sweep() == 1
+        assert len(store) == 0
+        committed = [t for r in first for t in r["tokens"]]
+        _, cached, second = session(prompt + committed + [4, 8, 15])
+        return first + second, cached
+
+    rounds, cached = run(64 << 20)
+    assert cached == len(prompt) + sum(len(r["tokens"]) for r in rounds[:4]) - 1
+    assert (rounds, 0) == run(0)

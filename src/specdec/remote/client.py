@@ -95,6 +95,7 @@ class RemoteStats:
     cloud_target_ms: float = 0.0  # the server's forward passes (summed)
     cloud_server_ms: float = 0.0  # the server's handling time of the verify calls
     session_prefill_ms: float = 0.0  # the server's prompt prefill(s)
+    session_cached_tokens: int = 0  # prompt tokens the server's prefix cache copied for them
     unverified_tokens: int = 0  # lossy: committed without the cloud
     timeout_commits: int = 0  # lossy: rounds where the timeout fallback fired
     local_commits: int = 0  # lossy: rounds the gate committed locally
@@ -126,6 +127,7 @@ class RemoteStats:
             "cloud_prefill_ms_total": self.cloud_target_ms,
             "cloud_server_ms_total": self.cloud_server_ms,
             "session_prefill_ms": self.session_prefill_ms,
+            "session_cached_tokens": self.session_cached_tokens,
             "unverified_tokens": self.unverified_tokens,
             "timeout_commits": self.timeout_commits,
             "local_commits": self.local_commits,
@@ -427,6 +429,7 @@ class RemoteVerifier:
         self._pending = []
         self.stats.session_creates += 1
         self.stats.session_prefill_ms += float(data.get("prefill_ms", 0.0))
+        self.stats.session_cached_tokens += int(data.get("cached_prompt_tokens", 0))
         if not resume:
             self.vocab_size = int(data["vocab_size"])
             self.max_context = int(data["max_context"])

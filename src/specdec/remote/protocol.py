@@ -131,6 +131,9 @@ class CreateSessionResponse(_Body):
     max_gamma: int
     prompt_ids: list[int]
     prefill_ms: float
+    #: prompt tokens whose keys/values the server's prefix cache copied instead of computing them
+    #: (a sequence that starts with an ended session's, e.g. a chat's next turn)
+    cached_prompt_tokens: int = 0
 
 
 class SparseRow(_Body):

@@ -59,6 +59,7 @@ class ServedModel:
         """A finished request's sequence, reply included (``TargetSession.close``), kept in the prefix
         cache for a chat client's next turn, which re-sends it (no-op without a prefix cache)."""
         if self.prefix_cache is not None:
+            one_openmp_thread()  # any server thread may end a sequence (a DELETE's, the TTL sweeper's)
             self.prefix_cache.keep(tokens, cache)
 
     def _forward(self, tokens: Any, cache: Any, *, last_only: bool = False, compact: bool = False) -> Any:

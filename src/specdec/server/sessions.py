@@ -10,6 +10,7 @@ from __future__ import annotations
 import dataclasses
 
 import hashlib
+import logging
 import os
 import threading
 import time
@@ -42,6 +43,8 @@ from specdec.server.settings import ServerSettings
 from specdec.session import TargetSession
 from specdec.tree import depths
 from specdec.verify import Rule, Verdict, get_rule
+
+log = logging.getLogger("specdec.server")
 
 #: the forward-pass lock shared by every model a server process holds
 FORWARD_LOCK = threading.Lock()
@@ -395,11 +398,26 @@ def create_session(
         max_gamma=settings.max_gamma,
         prompt_ids=prompt,
         prefill_ms=target.prefill_s * 1e3,
+        cached_prompt_tokens=target.cached_prompt_tokens,
     )
     return session, reply
 
 
 # ----------------------------------------------------------------------------- the store
+
+
+def keep_ended(session: EdgeSession) -> None:
+    """A session that ended (deleted by its edge, or idle past the TTL) hands its committed rows to
+    the server's prefix cache (``TargetSession.close`` -> ``ServedModel.keep_sequence``; nothing
+    without one), as a finished OpenAI request does: an edge's next sequence that starts with this
+    one — a chat's next turn, the conversation so far re-sent as its prompt — copies them instead of
+    computing them.  Sessions evicted to make room are not kept: their memory is what was needed.
+    A round still running on the session ends first; a failure here never fails the caller."""
+    try:
+        with session.lock:
+            session.target.close()
+    except Exception:  # noqa: BLE001 - the cache is an optimisation; the session is gone either way
+        log.warning("could not keep ended session %s in the prefix cache", session.id, exc_info=True)
 
 
 class SessionStore:
@@ -431,9 +449,11 @@ class SessionStore:
         ttl = self.settings.session_ttl_s
         with self._lock:
             stale = [k for k, s in self._sessions.items() if now - s.last_used > ttl and not s.lock.locked()]
-            for key in stale:
-                del self._sessions[key]
+            ended = [self._sessions.pop(key) for key in stale]
+            for _ in stale:
                 self._on_evict("ttl")
+        for session in ended:
+            keep_ended(session)
         return len(stale)
 
     def reserve(self, owner: str = "", kv_bytes: int = 0) -> None:
@@ -529,4 +549,5 @@ class SessionStore:
             if session is None or (owner is not None and session.owner != owner):
                 return False
             del self._sessions[session_id]
-            return True
+        keep_ended(session)
+        return True
