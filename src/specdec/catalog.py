@@ -26,6 +26,10 @@ ADAPTERS_DIR = DATA_DIR / "kangaroo"
 CALIBRATION_FILE = "draft_calibration.json"
 #: the draft head kinds specdec trains and runs
 HEAD_KINDS = ("eagle1", "eagle3", "medusa", "mtp")
+#: ``--draft`` values that draft without any model's distribution
+MODEL_FREE_DRAFTS = ("none", "ngram", "lookahead")
+#: ``--draft`` values that name a drafter with no model of its own to load
+NON_MODEL_DRAFTS = (*MODEL_FREE_DRAFTS, "self")
 #: registry names of the heads for SmolLM2-135M (folders under the package data dir when shipped)
 HEADS: dict[str, str] = {
     "smollm2-135m-eagle3": "EAGLE-3 head for SmolLM2-135M (fused low/mid/high-layer features, reduced draft vocabulary)",
@@ -52,6 +56,16 @@ def calibrated_factor(folder: Path | None) -> float | None:
         return check_temperature_factor(json.loads(path.read_text())["temperature_factor"])
     except (ValueError, KeyError, TypeError, ConfigError) as exc:
         raise ConfigError(f"{path}: not a draft calibration ({type(exc).__name__}: {exc})".splitlines()[0]) from None
+
+
+def parse_self_spec(name: str) -> tuple[str, str] | None:
+    """``layerskip:K`` / ``self-skip[:PATH]`` / ``swift[:PATH]`` / ``kangaroo[:PATH]`` -> (family, argument), else None."""
+    text = name.strip()
+    family, _, arg = text.partition(":")
+    family = family.lower()
+    if family in ("layerskip", "self-skip", "swift", "kangaroo"):
+        return family, arg.strip()
+    return None
 
 
 def skip_set_targets() -> list[str]:

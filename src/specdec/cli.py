@@ -541,13 +541,12 @@ def _cmd_models(args: argparse.Namespace) -> int:
 
 
 def _cmd_setup(args: argparse.Namespace) -> int:
-    from specdec.drafters.self_spec import parse_name
-    from specdec.engine import NON_MODEL_DRAFTS
+    from specdec.catalog import NON_MODEL_DRAFTS, parse_self_spec  # torch-free: ready models answer at once
     from specdec.models.registry import REGISTRY, resolve
 
     for name in args.names:
         kind = name.strip().lower()
-        if kind not in REGISTRY and (kind in NON_MODEL_DRAFTS or parse_name(kind) is not None):
+        if kind not in REGISTRY and (kind in NON_MODEL_DRAFTS or parse_self_spec(kind) is not None):
             raise SpecdecError(f"{name!r} is a drafter, not a model: it needs no setup (set up the target it runs on)")
         print(f"[specdec] preparing {name} ...", file=sys.stderr, flush=True)
         resolved = resolve(name)

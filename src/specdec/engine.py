@@ -16,7 +16,7 @@ import torch
 
 from specdec import defaults
 from specdec.batch import BatchResult, generate_batch
-from specdec.catalog import CALIBRATION_FILE, calibrated_factor  # noqa: F401 - CALIBRATION_FILE re-exported
+from specdec.catalog import CALIBRATION_FILE, MODEL_FREE_DRAFTS, NON_MODEL_DRAFTS, calibrated_factor  # noqa: F401 - re-exported
 from specdec.decoder import GenerationResult, SpeculativeDecoder
 from specdec.drafters import ModelDrafter, NgramDrafter
 from specdec.drafters import self_spec
@@ -38,10 +38,6 @@ DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch
 QUANTS = ("int8", "q4")
 #: draft dtypes that quantise a draft model's layer matrices, and the quantisation each means
 DRAFT_QUANTS = {"w8a8": "int8", "q4": "q4"}
-#: ``--draft`` values that draft without any model's distribution
-MODEL_FREE_DRAFTS = ("none", "ngram", "lookahead")
-#: ``--draft`` values that name a drafter with no model of its own to load
-NON_MODEL_DRAFTS = (*MODEL_FREE_DRAFTS, "self")
 
 
 @dataclass(frozen=True)

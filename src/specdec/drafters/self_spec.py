@@ -28,7 +28,7 @@ from typing import Any, Callable
 import torch
 from torch import Tensor
 
-from specdec.catalog import SKIP_SETS_DIR, describe_families, skip_set_targets  # noqa: F401 - re-exported
+from specdec.catalog import SKIP_SETS_DIR, describe_families, parse_self_spec, skip_set_targets  # noqa: F401 - re-exported
 from specdec.drafters.base import Draft, DraftSampler
 from specdec.drafters.model import ModelDrafter
 from specdec.errors import ConfigError
@@ -384,14 +384,7 @@ class SwiftDrafter(SelfSpecDrafter):
 # ----------------------------------------------------------------------------- names
 
 
-def parse_name(name: str) -> tuple[str, str] | None:
-    """``layerskip:K`` / ``self-skip[:PATH]`` / ``swift[:PATH]`` / ``kangaroo[:PATH]`` -> (family, argument), else None."""
-    text = name.strip()
-    family, _, arg = text.partition(":")
-    family = family.lower()
-    if family in ("layerskip", "self-skip", "swift", "kangaroo"):
-        return family, arg.strip()
-    return None
+parse_name = parse_self_spec  # the drafter names (torch-free, in the catalog for ``specdec setup``)
 
 
 def load_plan(path: str | Path) -> LayerPlan:
