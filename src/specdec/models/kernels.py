@@ -153,7 +153,9 @@ def load() -> bool:
                   file=sys.stderr)
         else:
             try:
-                torch.ops.load_library(str(_build(cxx)))
+                lib = _build(cxx)
+                torch.ops.load_library(str(lib))
+                _state["library"] = lib.name  # names its sources, torch, compiler, CPU and flags (a hash)
                 ok = True
             except (OSError, RuntimeError, subprocess.CalledProcessError) as e:
                 detail = (getattr(e, "stderr", "") or str(e)).strip().splitlines()
@@ -170,6 +172,12 @@ def loaded() -> bool:
     compiling) them: for helpers such as seeded sampling that use a kernel only where a model
     already brought the library in."""
     return bool(_state.get("loaded"))
+
+
+def library() -> str | None:
+    """The loaded library's file name — a hash of its sources, torch, compiler, CPU and flags —
+    or None where the kernels are not implemented in this process (without loading them)."""
+    return _state.get("library") if loaded() else None
 
 
 def q8_available() -> bool:

@@ -9,6 +9,7 @@ function per block, fused QKV and gate/up projections, and the cache as a preall
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import math
 import os
@@ -23,7 +24,7 @@ from torch import Tensor
 from specdec.errors import ConfigError
 from specdec.kv_cache import KVCache
 from specdec.models.base import full_vocab
-from specdec.models import kernels
+from specdec.models import calibration_cache, kernels
 from specdec.models.linear import (
     Int8Linear,
     Linear,
@@ -291,13 +292,16 @@ class NativeCausalLM:
         calibration: Tensor | None = None,
         int8_kernel: str = "auto",
         q4_blocks: dict[str, Q4Blocks] | None = None,
+        sources: list[Path] | None = None,
     ) -> None:
         """``quant="int8"``: every linear layer and the LM head as :class:`W8A8Linear`, smoothed
         with input ranges measured on ``calibration`` token ids [n] (no smoothing without);
         ``int8_kernel``: fbgemm | onednn | mixed | auto (see :func:`specdec.models.linear.int8_kernel`).
         ``quant="q4"``: every layer matrix as :class:`Q4Linear` — the 4-bit blocks in ``q4_blocks``
         (by weight name: a GGUF's as shipped) where given, else quantised from the float weight —
-        and the LM head as the int8 target's."""
+        and the LM head as the int8 target's.  ``sources``: the files ``weights`` (and ``q4_blocks``)
+        were read from, which lets the calibration's ranges be kept on disk for later starts
+        (:mod:`specdec.models.calibration_cache`)."""
         if quant not in (None, "int8", "q4"):
             raise ConfigError(f"unknown quantisation {quant!r}; the native backend offers int8 and q4")
         self.cfg = cfg
@@ -394,7 +398,15 @@ class NativeCausalLM:
         if quant is not None:  # auto weighs the layer shapes (small matrices: fbgemm, linear.WIDE_AUTO_ROWS)
             shapes = [_out_in(getattr(layer, name)) for layer in self.layers for name in ("qkv", "out", "gate_up", "down")]
             self.int8_kernel = resolve_int8_kernel(int8_kernel, shapes)
-            self._quantize(calibration)
+            cache_parts = None
+            if sources is not None and calibration is not None:  # what the ranges depend on besides the code
+                cache_parts = {
+                    "files": calibration_cache.file_identity(sources), "calibration": calibration_cache.tensor_digest(calibration),
+                    "config": dataclasses.asdict(cfg), "dtype": str(dtype), "batch_invariant": batch_invariant,
+                    "int8_head": int8_head, "quant": quant, "int8_kernel": self.int8_kernel, "q4_blocks": sorted(blocks),
+                    "vocab_subset": None if vocab_subset is None else calibration_cache.tensor_digest(vocab_subset),
+                }
+            self._quantize(calibration, cache_parts)
         #: the layer loop compiled with TorchScript (bitwise the same ops; see models/scripted.py),
         #: used for single positions and per-row (batch-invariant) attention; None = Python loop
         self.scripted: ScriptedLayers | None = None
@@ -409,11 +421,32 @@ class NativeCausalLM:
         assert isinstance(self.lm_head, RangeRecorder), "calibration runs before quantisation"
         self.lm_head.record(self.hidden(ids, self.new_cache(ids.numel())))  # [n, D]: what forward hands the head
 
-    def _quantize(self, calibration: Tensor | None) -> None:
-        """Replace the float (range-recording) linears by smoothed :class:`W8A8Linear` layers."""
+    def _recorders(self) -> dict[str, RangeRecorder]:
+        """The range recorders by name (``layers.I.NAME``, ``lm_head``): the linears still in float."""
+        out = {f"layers.{i}.{name}": getattr(layer, name) for i, layer in enumerate(self.layers)
+               for name in ("qkv", "out", "gate_up", "down") if isinstance(getattr(layer, name), RangeRecorder)}
+        if isinstance(self.lm_head, RangeRecorder):
+            out["lm_head"] = self.lm_head
+        return out
+
+    def _quantize(self, calibration: Tensor | None, cache_parts: dict | None = None) -> None:
+        """Replace the float (range-recording) linears by smoothed :class:`W8A8Linear` layers.
+        ``cache_parts`` (the model's files and options): the ranges come from, and go to, the
+        calibration cache under a key of those and the code (:mod:`specdec.models.calibration_cache`)."""
         if calibration is not None and calibration.numel() > 1:
             self.scripted = None
-            self._calibrate(calibration[: self.max_length])
+            recorders = self._recorders()
+            name = calibration_cache.key(cache_parts) if cache_parts is not None else None
+            stored = None
+            if name is not None:
+                stored = calibration_cache.load(name, {k: (_out_in(r)[1],) for k, r in recorders.items()})
+            if stored is not None:
+                for k, rec in recorders.items():
+                    rec.absmax = stored[k]
+            else:
+                self._calibrate(calibration[: self.max_length])
+                if name is not None and all(r.absmax is not None for r in recorders.values()):
+                    calibration_cache.save(name, {k: r.absmax for k, r in recorders.items()})
 
         def quantized(rec: RangeRecorder) -> W8A8Linear | W8A8OneDNNLinear:
             weight = rec.inner.weight  # [out, in] float, unpacked
@@ -457,8 +490,10 @@ class NativeCausalLM:
             from specdec.models.gguf_blocks import read_q4_blocks
 
             blocks = read_q4_blocks(gguf, cfg.n_heads, cfg.n_kv_heads)
+        sources = [folder / "config.json", *sorted(folder.glob("*.safetensors")), *([Path(gguf)] if blocks is not None else [])]
         return cls(cfg, weights, dtype=dtype, batch_invariant=batch_invariant, int8_head=int8_head, quant=quant,
-                   calibration=calibration, int8_kernel=int8_kernel, q4_blocks=blocks, vocab_subset=vocab_subset)
+                   calibration=calibration, int8_kernel=int8_kernel, q4_blocks=blocks, vocab_subset=vocab_subset,
+                   sources=sources)
 
     # ------------------------------------------------------------------ LanguageModel
 

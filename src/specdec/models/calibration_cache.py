@@ -1,0 +1,116 @@
+"""A quantised model's calibration ranges on disk, so that later starts skip the calibration pass.
+
+Quantising a model (``quant="int8"`` or ``"q4"``) first runs a calibration text through it and
+records, per linear layer still in float, the per-channel max |input| that sets its smoothing
+(:mod:`specdec.models.quantize`).  That pass is ~0.3-0.9 s of every start on two cores.  Its result
+is a deterministic function of what this module puts in the key, so it is stored under
+``$SPECDEC_CALIBRATION_CACHE`` (default ``$SPECDEC_CACHE/calibration``, i.e.
+``~/.cache/specdec/calibration``) and read back by later processes:
+
+* the weight files the model was built from (path, size, modification time: a changed file is a
+  new key), the calibration ids, the model's config and constructor options;
+* the code that computes the pass: every Python source of ``specdec.models``, the compiled
+  library's name (a hash of its C++ sources, torch, compiler, CPU and flags) or none, whether
+  exact attention runs on it, every ``SPECDEC_*`` setting, torch's version and thread count.
+
+A stored entry must name exactly the model's range recorders with the shapes they have, or it is
+not used.  Anything unreadable is a miss (the pass runs, the entry is rewritten); writes go through
+a temporary file and a rename, so concurrent starts never read half a file.
+``SPECDEC_CALIBRATION_CACHE=off`` turns the cache off.
+"""
+
+from __future__ import annotations
+
+import functools
+import hashlib
+import json
+import os
+from pathlib import Path
+from typing import Any
+
+import torch
+from torch import Tensor
+
+#: settings that never change a pass's numbers (where files go, credentials)
+_NEUTRAL_ENV = ("SPECDEC_CACHE", "SPECDEC_CALIBRATION_CACHE", "SPECDEC_API_KEY")
+
+
+def cache_dir() -> Path | None:
+    """Where entries live, or None when the cache is off."""
+    own = os.environ.get("SPECDEC_CALIBRATION_CACHE")
+    if own is not None and own.strip().lower() in ("0", "off", "no", "false", ""):
+        return None
+    if own:
+        return Path(own).expanduser()
+    return Path(os.environ.get("SPECDEC_CACHE") or Path.home() / ".cache" / "specdec") / "calibration"
+
+
+def file_identity(paths: list[Path]) -> list[list[Any]]:
+    """(resolved path, size, modification time in ns) of each file, in the order given."""
+    out = []
+    for p in paths:
+        st = Path(p).stat()
+        out.append([str(Path(p).resolve()), st.st_size, st.st_mtime_ns])
+    return out
+
+
+@functools.lru_cache(maxsize=1)
+def _code_digest() -> str:
+    """The Python sources of ``specdec.models`` (the pass's own code), hashed once per process."""
+    h = hashlib.sha256()
+    for path in sorted(Path(__file__).parent.glob("*.py")):
+        h.update(path.name.encode() + b"\0" + path.read_bytes() + b"\0")
+    return h.hexdigest()
+
+
+def key(parts: dict[str, Any]) -> str:
+    """The entry's name: ``parts`` (what the caller knows of the model) and this process's code,
+    kernels and settings, hashed."""
+    from specdec.models import kernels
+
+    env = sorted((k, v) for k, v in os.environ.items() if k.startswith("SPECDEC_") and k not in _NEUTRAL_ENV)
+    full = {
+        **parts,
+        "code": _code_digest(),
+        "library": kernels.library() if kernels.load() else None,  # loaded now: the pass would load it
+        "attention_kernel": kernels.attention_kernel(),
+        "env": env,
+        "torch": torch.__version__,
+        "threads": torch.get_num_threads(),
+    }
+    return hashlib.sha256(json.dumps(full, sort_keys=True, default=str).encode()).hexdigest()[:32]
+
+
+def tensor_digest(t: Tensor) -> str:
+    return hashlib.sha256(t.detach().contiguous().cpu().numpy().tobytes()).hexdigest()
+
+
+def load(name: str, shapes: dict[str, tuple[int, ...]]) -> dict[str, Tensor] | None:
+    """The stored ranges of entry ``name`` when they are exactly ``shapes`` (recorder name ->
+    shape of its range), else None."""
+    folder = cache_dir()
+    if folder is None:
+        return None
+    try:
+        ranges = torch.load(folder / f"{name}.pt", weights_only=True)
+    except Exception:  # noqa: BLE001 - missing, truncated, or not ours: compute it again
+        return None
+    if not isinstance(ranges, dict) or set(ranges) != set(shapes):
+        return None
+    if any(not isinstance(t, Tensor) or tuple(t.shape) != shapes[k] or t.dtype != torch.float32 for k, t in ranges.items()):
+        return None
+    return ranges
+
+
+def save(name: str, ranges: dict[str, Tensor]) -> None:
+    """Store ``ranges`` as entry ``name`` (best effort: a read-only disk only costs the next start)."""
+    folder = cache_dir()
+    if folder is None:
+        return
+    tmp = folder / f"{name}.{os.getpid()}.tmp"
+    try:
+        folder.mkdir(parents=True, exist_ok=True)
+        torch.save({k: t.detach().clone() for k, t in ranges.items()}, tmp)
+        tmp.replace(folder / f"{name}.pt")
+    except OSError:
+        tmp.unlink(missing_ok=True)
