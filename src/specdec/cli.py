@@ -10,7 +10,7 @@ import argparse
 import json
 import os
 import sys
-from typing import TYPE_CHECKING, Sequence
+from typing import TYPE_CHECKING, Callable, Sequence
 
 from specdec import __version__, defaults
 from specdec.errors import SpecdecError
@@ -206,7 +206,7 @@ def build_parser() -> argparse.ArgumentParser:
     gen.add_argument("--chat", action="store_true", help="wrap the prompt in the model's chat template")
     gen.add_argument("--system", help="system message for --chat / --interactive")
     gen.add_argument("--interactive", "-i", action="store_true",
-                     help="multi-turn chat in the terminal: each line you type is a user turn, the history is kept (empty line or Ctrl-D ends)")
+                     help="multi-turn chat in the terminal: each line you type is a user turn, the history is kept (empty line or Ctrl-D ends); with --remote, drafted here and verified on the server")
     _add_models(gen)
     gen.add_argument("--method", "-m", help=f"verification rule: {', '.join(m.replace('_', '-') for m in defaults.VERIFICATION_METHODS)} (default: greedy at temperature 0; coupled with --seed; block otherwise)")
     gen.add_argument("--gamma", "-g", default=defaults.DEFAULT_GAMMA, help="draft length: an integer >= 1, 'auto' (cost-based, default) or 'guide' (start 6, range 3-12)")
@@ -318,8 +318,8 @@ def _cmd_generate(args: argparse.Namespace) -> int:
         raise SpecdecError("--rounds adds per-round stats to the JSON output; add --json")
     parse_min_confidence(args.min_confidence)
     parse_temperature_factor(args.draft_temperature_factor)
-    if args.interactive and (args.remote or args.json):
-        raise SpecdecError("--interactive runs locally and prints text; drop --remote / --json")
+    if args.interactive and args.json:
+        raise SpecdecError("--interactive prints text as it comes; drop --json")
     if args.system is not None and not (args.chat or args.interactive):
         raise SpecdecError("--system needs --chat or --interactive")
     prompt = _stdin_text("the prompt on stdin") if args.prompt == "-" else _text_arg(args.prompt or "", "--prompt")
@@ -364,7 +364,18 @@ def _cmd_generate(args: argparse.Namespace) -> int:
         sampling = replace(sampling, constraint=GrammarConstraint(engine.target.tokenizer, grammar,
                                                                   engine.target.model.vocab_size))
     if args.interactive:
-        return _chat_loop(engine, args, sampling, gamma, first=prompt.strip() or None, on_text=on_text, tree=tree)
+        chat = engine.with_prefix_cache()
+
+        def turn(messages: list[dict[str, str]], turn_sampling: SamplingConfig) -> str:
+            out = chat.generate(chat.encode_messages(messages), turn_sampling, method=args.method, gamma=gamma,
+                                on_text=on_text, min_confidence=args.min_confidence, tree=tree,
+                                tree_min_prob=args.tree_min_prob)
+            sys.stdout.write("\n")
+            sys.stdout.flush()
+            print(summary_line(out.stats), file=sys.stderr)
+            return out.text
+
+        return chat_loop(turn, args.system, sampling, first=prompt.strip() or None)
     ids = engine.encode_messages(_messages(args.system, [prompt])) if args.chat else prompt
     out = engine.generate(ids, sampling, method=args.method, gamma=gamma, on_text=on_text,
                           min_confidence=args.min_confidence, tree=tree, tree_min_prob=args.tree_min_prob,
@@ -460,16 +471,17 @@ def _messages(system: str | None, turns: list[str]) -> list[dict[str, str]]:
     return msgs + [{"role": "user" if i % 2 == 0 else "assistant", "content": t} for i, t in enumerate(turns)]
 
 
-def _chat_loop(engine, args: argparse.Namespace, sampling: SamplingConfig, gamma, *, first: str | None,  # noqa: ANN001
-               on_text, tree: str | int = "chain") -> int:  # noqa: ANN001
-    """Interactive multi-turn chat: the whole conversation is re-encoded with the chat template each
-    turn; where the target is batch-invariant, a prefix cache in front of its prefills copies the
-    keys/values of what earlier turns already computed (bitwise what a fresh prefill writes)."""
+def chat_loop(turn: Callable[[list[dict[str, str]], SamplingConfig], str], system: str | None,
+              sampling: SamplingConfig, *, first: str | None) -> int:
+    """Interactive multi-turn chat (``--interactive``): each turn ``turn(messages, sampling)`` decodes
+    the whole conversation so far, re-encoded with the chat template, prints the reply and returns
+    its text.  Locally, prefix caches in front of the (batch-invariant) target's and draft's prefills
+    copy what earlier turns computed (bitwise what a fresh prefill writes); with ``--remote`` the
+    server keeps each ended session for the next turn, and the edge its draft's rows."""
     from dataclasses import replace
 
     from specdec.sampling import offset_seed
 
-    engine = engine.with_prefix_cache()
     turns: list[str] = []
     pending = first
     n = 0
@@ -491,13 +503,7 @@ def _chat_loop(engine, args: argparse.Namespace, sampling: SamplingConfig, gamma
         pending = None
         # with a seed, turn k uses seed + k: reproducible conversations, not a repeated noise stream
         turn_sampling = replace(sampling, seed=offset_seed(sampling.seed, n)) if sampling.seed is not None else sampling
-        out = engine.generate(engine.encode_messages(_messages(args.system, turns)), turn_sampling, method=args.method,
-                              gamma=gamma, on_text=on_text, min_confidence=args.min_confidence, tree=tree,
-                              tree_min_prob=args.tree_min_prob)
-        sys.stdout.write("\n")
-        sys.stdout.flush()
-        print(summary_line(out.stats), file=sys.stderr)
-        turns.append(out.text)
+        turns.append(turn(_messages(system, turns), turn_sampling))
         n += 1
     return 0
 

@@ -120,6 +120,9 @@ SERVER_KV_INITIAL_LENGTH = 64
 #: keys/values of recent prompts a server keeps for later prompts that start the same way
 #: (prefix caching; SmolLM2-135M float32: 90 KiB per position, so 256 MiB hold ~2,900 positions)
 SERVER_PREFIX_CACHE_BYTES = 256 << 20
+#: the edge's draft-model prefix cache in ``generate --remote --interactive`` (a SmolLM2 draft
+#: position is ~4 KiB: room for ~8,000 positions of conversation)
+EDGE_DRAFT_PREFIX_CACHE_BYTES = 32 << 20
 #: a drafter's KV cache starts this many positions past the prompt and grows on demand: allocating
 #: the model's whole context up front (32,768 positions for Qwen2.5-Coder) took 0.5-1.3 s per
 #: sequence, every prompt, before the first token

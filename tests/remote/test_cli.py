@@ -87,6 +87,40 @@ def test_sparse_q_gating_and_env_key(server, capsys, monkeypatch):
     assert code == 0 and "LOSSY" in captured.err and captured.out.strip()
 
 
+def test_an_interactive_remote_chat_reuses_each_turn_on_both_sides(server, capsys, monkeypatch):
+    """``generate --remote URL --interactive``: every turn's reply equals the local interactive chat's
+    (greedy), and from the second turn on the server copies the conversation so far from the session
+    the last turn ended (said in the summary line) while the edge's draft copies its own rows."""
+    import io
+    import re
+
+    import specdec.server.prefix_cache as pc
+
+    made: list = []
+
+    class Counting(pc.PrefixCache):
+        def __init__(self, *a, **k):
+            super().__init__(*a, **k)
+            made.append(self)
+
+    lines = "and then?\nwhy so?\n\n"
+    common = ["-n", "8", "-i", "-p", "hello there", "--system", "Be brief.", "--gamma", "3"]
+    monkeypatch.setattr("sys.stdin", io.StringIO(lines))
+    code = main(["generate", "--target", MODEL, "--draft", MODEL, *common])
+    local = capsys.readouterr()
+    assert code == 0, local.err
+    monkeypatch.setattr(pc, "PrefixCache", Counting)
+    monkeypatch.setattr("sys.stdin", io.StringIO(lines))
+    code = main(["generate", "--remote", server.url, "--api-key", KEY, "--draft", MODEL, *common])
+    remote = capsys.readouterr()
+    assert code == 0, remote.err
+    assert remote.out == local.out and local.err.count("tokens in") == 3  # three replies, the same text
+    summaries = [line for line in remote.err.splitlines() if "tokens/cloud call" in line]
+    cached = [int(m.group(1)) if (m := re.search(r"(\d+) prompt tokens cached on the server", line)) else 0 for line in summaries]
+    assert len(cached) == 3 and cached[0] == 0 and cached[1] > 10 and cached[2] > cached[1]
+    assert len(made) == 1 and made[0].reused_tokens > 0  # the edge's draft cache
+
+
 @pytest.mark.parametrize(
     "extra, message",
     [

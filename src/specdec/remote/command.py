@@ -138,11 +138,15 @@ def run_generate(args: argparse.Namespace, prompt: str, sampling: SamplingConfig
         draft = load_draft(cfg)
         tokenizer, eos = draft.tokenizer, draft.eos_ids
         drafter, name = model_drafter(cfg, draft, lookup=lookup)  # NAME+lookup: prompt lookup first
-    ids = encode_prompt(tokenizer, prompt, chat=args.chat, system=args.system)
     vocab = draft.vocab_size if draft is not None else len(tokenizer)
     gate = _gate(args, tokenizer, draft.model if draft is not None else None, vocab)
     log(f"verifying on {args.remote} (wire {wire or 'default'})")
     on_text = None if quiet else (lambda text: (sys.stdout.write(text), sys.stdout.flush()))
+    if args.interactive:
+        return _chat(args, prompt, sampling, remote, drafter, draft, dict(
+            drafter_name=name, tokenizer=tokenizer, gamma=gamma, tree=tree, tree_min_prob=args.tree_min_prob,
+            eos_ids=eos, q_top_k=args.q_top_k, gate=gate, on_text=on_text))
+    ids = encode_prompt(tokenizer, prompt, chat=args.chat, system=args.system)
     out = generate_remote(
         ids, sampling, remote, drafter=drafter, drafter_name=name, tokenizer=tokenizer, gamma=gamma, tree=tree,
         tree_min_prob=args.tree_min_prob, eos_ids=eos, q_top_k=args.q_top_k, gate=gate, on_text=on_text,
@@ -158,14 +162,47 @@ def run_generate(args: argparse.Namespace, prompt: str, sampling: SamplingConfig
         print(json.dumps(payload))
     else:
         sys.stdout.write("\n")
-        lossy = "" if out.lossless else f"  [LOSSY: {out.remote['unverified_tokens']} unverified tokens, rule {stats['method']}]"
-        print(
-            f"[specdec] {stats['generated_tokens']} tokens in {stats['wall_s']:.2f} s = {stats['tokens_per_s']:.1f} tok/s | "
-            f"{stats['tokens_per_target_call']:.2f} tokens/cloud call | acceptance {stats['acceptance_rate']:.2f} | "
-            f"wire {out.remote['wire']} ({stats['bytes_up']} B up, {stats['bytes_down']} B down) | rtt {stats['rtt_ms']:.1f} ms{lossy}",
-            file=sys.stderr,
-        )
+        print(_summary_line(out), file=sys.stderr)
     return 0
+
+
+def _summary_line(out: Any) -> str:  # an EdgeResult
+    stats = out.summary()
+    lossy = "" if out.lossless else f"  [LOSSY: {out.remote['unverified_tokens']} unverified tokens, rule {stats['method']}]"
+    cached = out.remote.get("session_cached_tokens", 0)
+    return (
+        f"[specdec] {stats['generated_tokens']} tokens in {stats['wall_s']:.2f} s = {stats['tokens_per_s']:.1f} tok/s | "
+        f"{stats['tokens_per_target_call']:.2f} tokens/cloud call | acceptance {stats['acceptance_rate']:.2f} | "
+        f"wire {out.remote['wire']} ({stats['bytes_up']} B up, {stats['bytes_down']} B down) | rtt {stats['rtt_ms']:.1f} ms"
+        + (f" | {cached} prompt tokens cached on the server" if cached else "") + lossy
+    )
+
+
+def _chat(args: argparse.Namespace, prompt: str, sampling: "SamplingConfig", remote: Any, drafter: Any, draft: Any,
+          options: dict[str, Any]) -> int:
+    """``generate --remote URL --interactive``: a chat drafted here and verified on the server, one
+    edge session per turn.  The server keeps each ended session in its prefix cache, so a turn's
+    session copies the conversation so far instead of prefilling it; here the draft model (where it
+    is batch-invariant) gets a prefix cache of its own, as the local chat's draft does."""
+    from specdec import defaults
+    from specdec.cli import chat_loop
+    from specdec.remote.edge import generate_remote
+    from specdec.server.prefix_cache import PrefixCache, PrefixCached, supports_prefix_cache
+    from specdec.text import encode_messages
+
+    with_model = getattr(drafter, "with_model", None)
+    if with_model is not None and draft is not None and supports_prefix_cache(draft.model):
+        drafter = with_model(PrefixCached(draft.model, PrefixCache(defaults.EDGE_DRAFT_PREFIX_CACHE_BYTES)))
+
+    def turn(messages: list[dict[str, str]], turn_sampling: "SamplingConfig") -> str:
+        out = generate_remote(encode_messages(options["tokenizer"], messages), turn_sampling, remote, drafter=drafter,
+                              **options)
+        sys.stdout.write("\n")
+        sys.stdout.flush()
+        print(_summary_line(out), file=sys.stderr)
+        return out.text
+
+    return chat_loop(turn, args.system, sampling, first=prompt.strip() or None)
 
 
 __all__ = ["add_remote_args", "run_generate", "SpecdecError"]
