@@ -9,7 +9,7 @@ is a deterministic function of what this module puts in the key, so it is stored
 
 * the weight files the model was built from (path, size, modification time: a changed file is a
   new key), the calibration ids, the model's config and constructor options;
-* the code that computes the pass: every Python source of ``specdec.models``, the compiled
+* the code that computes the pass: every Python source of ``specdec``, the compiled
   library's name (a hash of its C++ sources, torch, compiler, CPU and flags) or none, whether
   exact attention runs on it, every ``SPECDEC_*`` setting, torch's version and thread count.
 
@@ -56,10 +56,13 @@ def file_identity(paths: list[Path]) -> list[list[Any]]:
 
 @functools.lru_cache(maxsize=1)
 def _code_digest() -> str:
-    """The Python sources of ``specdec.models`` (the pass's own code), hashed once per process."""
+    """Every Python source of the ``specdec`` package, hashed once per process: the pass's own code
+    lives in ``specdec.models``, but what it calls (the KV cache, the tree schedule) does not, and
+    hashing it all (~10 ms) is cheaper than keeping a list of what matters."""
+    package = Path(__file__).resolve().parents[1]
     h = hashlib.sha256()
-    for path in sorted(Path(__file__).parent.glob("*.py")):
-        h.update(path.name.encode() + b"\0" + path.read_bytes() + b"\0")
+    for path in sorted(package.rglob("*.py")):
+        h.update(str(path.relative_to(package)).encode() + b"\0" + path.read_bytes() + b"\0")
     return h.hexdigest()
 
 
