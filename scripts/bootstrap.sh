@@ -16,16 +16,17 @@ stamp=.venv/.specdec-installed
 want="$(sha256sum pyproject.toml scripts/bootstrap.sh | sha256sum | cut -d' ' -f1)"
 have="" have_extras=""
 [ -f "$stamp" ] && read -r have have_extras < "$stamp" || true
+[ "$have" = "$want" ] || have_extras=""  # another pyproject.toml or script: install afresh
 missing=""
 for e in ${extras//,/ }; do
   case ",${have_extras}," in *",$e,"*) ;; *) missing="$missing $e" ;; esac
 done
 if [ "$have" != "$want" ] || [ -n "$missing" ]; then
-  [ "$have" = "$want" ] || have_extras=""
   python -m pip install -q --upgrade pip >/dev/null
   # the CPU wheel of torch 2.13.0 (pinned first so that nothing pulls a multi-GB CUDA build)
   python -m pip install -q "torch==2.13.0"
-  all="$(echo "${have_extras},${extras}" | tr ',' '\n' | grep -v '^$' | sort -u | paste -sd, -)"
+  all="$have_extras"  # what this venv had, and what is asked for now
+  for e in $missing; do all="${all:+$all,}$e"; done
   if [ -n "$all" ]; then
     python -m pip install -q -e ".[${all}]"
   else
