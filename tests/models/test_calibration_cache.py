@@ -98,3 +98,16 @@ def test_off_writes_nothing(folder, passes, tmp_path, monkeypatch):
     _load(folder)
     _load(folder)
     assert passes[0] == 2 and not (tmp_path / "calibration").exists()
+
+
+def test_only_the_most_recent_entries_are_kept(tmp_path, monkeypatch):
+    from specdec.models import calibration_cache
+
+    monkeypatch.setenv("SPECDEC_CALIBRATION_CACHE", str(tmp_path))
+    monkeypatch.setattr(calibration_cache, "KEEP", 3)
+    for i in range(5):
+        calibration_cache.save(f"entry{i}", {"lm_head": torch.full((4,), float(i))})
+        os.utime(tmp_path / f"entry{i}.pt", ns=(i * 10**9, i * 10**9))  # written in this order
+    calibration_cache.save("entry5", {"lm_head": torch.zeros(4)})
+    assert sorted(p.stem for p in tmp_path.glob("*.pt")) == ["entry3", "entry4", "entry5"]
+    assert torch.equal(calibration_cache.load("entry4", {"lm_head": (4,)})["lm_head"], torch.full((4,), 4.0))

@@ -31,6 +31,8 @@ from typing import Any
 import torch
 from torch import Tensor
 
+#: entries kept (an entry is a few KB to ~100 KB; the oldest written go first)
+KEEP = 64
 #: settings that never change a pass's numbers (where files go, credentials)
 _NEUTRAL_ENV = ("SPECDEC_CACHE", "SPECDEC_CALIBRATION_CACHE", "SPECDEC_API_KEY")
 
@@ -106,7 +108,8 @@ def load(name: str, shapes: dict[str, tuple[int, ...]]) -> dict[str, Tensor] | N
 
 
 def save(name: str, ranges: dict[str, Tensor]) -> None:
-    """Store ``ranges`` as entry ``name`` (best effort: a read-only disk only costs the next start)."""
+    """Store ``ranges`` as entry ``name`` (best effort: a read-only disk only costs the next start),
+    keeping the :data:`KEEP` most recently written entries (every code change makes new keys)."""
     folder = cache_dir()
     if folder is None:
         return
@@ -115,5 +118,8 @@ def save(name: str, ranges: dict[str, Tensor]) -> None:
         folder.mkdir(parents=True, exist_ok=True)
         torch.save({k: t.detach().clone() for k, t in ranges.items()}, tmp)
         tmp.replace(folder / f"{name}.pt")
+        entries = sorted(folder.glob("*.pt"), key=lambda p: p.stat().st_mtime_ns)
+        for old in entries[: max(0, len(entries) - KEEP)]:
+            old.unlink(missing_ok=True)
     except OSError:
         tmp.unlink(missing_ok=True)
