@@ -366,14 +366,11 @@ def _cmd_generate(args: argparse.Namespace) -> int:
     if args.interactive:
         chat = engine.with_prefix_cache()
 
-        def turn(messages: list[dict[str, str]], turn_sampling: SamplingConfig) -> str:
+        def turn(messages: list[dict[str, str]], turn_sampling: SamplingConfig) -> tuple[str, str]:
             out = chat.generate(chat.encode_messages(messages), turn_sampling, method=args.method, gamma=gamma,
                                 on_text=on_text, min_confidence=args.min_confidence, tree=tree,
                                 tree_min_prob=args.tree_min_prob)
-            sys.stdout.write("\n")
-            sys.stdout.flush()
-            print(summary_line(out.stats), file=sys.stderr)
-            return out.text
+            return out.text, summary_line(out.stats)
 
         return chat_loop(turn, args.system, sampling, first=prompt.strip() or None)
     ids = engine.encode_messages(_messages(args.system, [prompt])) if args.chat else prompt
@@ -471,11 +468,11 @@ def _messages(system: str | None, turns: list[str]) -> list[dict[str, str]]:
     return msgs + [{"role": "user" if i % 2 == 0 else "assistant", "content": t} for i, t in enumerate(turns)]
 
 
-def chat_loop(turn: Callable[[list[dict[str, str]], SamplingConfig], str], system: str | None,
+def chat_loop(turn: Callable[[list[dict[str, str]], SamplingConfig], tuple[str, str]], system: str | None,
               sampling: SamplingConfig, *, first: str | None) -> int:
     """Interactive multi-turn chat (``--interactive``): each turn ``turn(messages, sampling)`` decodes
-    the whole conversation so far, re-encoded with the chat template, prints the reply and returns
-    its text.  Locally, prefix caches in front of the (batch-invariant) target's and draft's prefills
+    the whole conversation so far, re-encoded with the chat template, streams the reply and returns
+    its text and summary line.  Locally, prefix caches in front of the (batch-invariant) target's and draft's prefills
     copy what earlier turns computed (bitwise what a fresh prefill writes); with ``--remote`` the
     server keeps each ended session for the next turn, and the edge its draft's rows."""
     from dataclasses import replace
@@ -503,7 +500,11 @@ def chat_loop(turn: Callable[[list[dict[str, str]], SamplingConfig], str], syste
         pending = None
         # with a seed, turn k uses seed + k: reproducible conversations, not a repeated noise stream
         turn_sampling = replace(sampling, seed=offset_seed(sampling.seed, n)) if sampling.seed is not None else sampling
-        turns.append(turn(_messages(system, turns), turn_sampling))
+        text, summary = turn(_messages(system, turns), turn_sampling)
+        sys.stdout.write("\n")
+        sys.stdout.flush()
+        print(summary, file=sys.stderr)
+        turns.append(text)
         n += 1
     return 0
 

@@ -68,10 +68,13 @@ def _code_digest() -> str:
     return h.hexdigest()
 
 
-def key(parts: dict[str, Any]) -> str:
+def key(parts: dict[str, Any]) -> str | None:
     """The entry's name: ``parts`` (what the caller knows of the model) and this process's code,
-    kernels and settings, hashed."""
+    kernels and settings, hashed; None when the cache is off (nothing to read or write)."""
     from specdec.models import kernels
+
+    if cache_dir() is None:
+        return None
 
     env = sorted((k, v) for k, v in os.environ.items() if k.startswith("SPECDEC_") and k not in _NEUTRAL_ENV)
     full = {

@@ -194,13 +194,10 @@ def _chat(args: argparse.Namespace, prompt: str, sampling: "SamplingConfig", rem
     if with_model is not None and draft is not None and supports_prefix_cache(draft.model):
         drafter = with_model(PrefixCached(draft.model, PrefixCache(defaults.EDGE_DRAFT_PREFIX_CACHE_BYTES)))
 
-    def turn(messages: list[dict[str, str]], turn_sampling: "SamplingConfig") -> str:
+    def turn(messages: list[dict[str, str]], turn_sampling: "SamplingConfig") -> tuple[str, str]:
         out = generate_remote(encode_messages(options["tokenizer"], messages), turn_sampling, remote, drafter=drafter,
                               **options)
-        sys.stdout.write("\n")
-        sys.stdout.flush()
-        print(_summary_line(out), file=sys.stderr)
-        return out.text
+        return out.text, _summary_line(out)
 
     return chat_loop(turn, args.system, sampling, first=prompt.strip() or None)
 
