@@ -133,3 +133,13 @@ def test_the_avx2_build_gives_this_builds_bits(builds: dict[str, dict]) -> None:
     child = builds["x86-64-v3"]
     assert child["isa"] == "avx2"
     assert _compare(_here(), child["cases"]) == []
+
+
+def test_loading_a_built_library_imports_no_build_tools() -> None:
+    """A process that finds the library already compiled for this machine loads it without
+    importing ``torch.utils.cpp_extension``, which brings setuptools in (~0.25 s of every start-up
+    on a 2-core machine).  This process built or found it, so the child finds it."""
+    code = ("import sys\nfrom specdec.models import kernels\nassert kernels.load()\n"
+            "print(sorted(m for m in ('torch.utils.cpp_extension', 'setuptools') if m in sys.modules))\n")
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True, env=os.environ.copy())
+    assert out.stdout.strip() == "[]", out.stdout + out.stderr
