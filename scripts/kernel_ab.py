@@ -6,13 +6,16 @@ prompt in one process, interleaved.
     python scripts/kernel_ab.py --temperatures 0,1 --out benchmarks/NAME
     python scripts/kernel_ab.py --passes --out benchmarks/NAME     # the cost of an n-row pass
     python scripts/kernel_ab.py --fused --out benchmarks/NAME      # the 4-bit target's fused layer loop
+    python scripts/kernel_ab.py --head --out benchmarks/NAME       # the default models' int8 LM heads
 
 Not a test and not part of CI.  For each prompt and temperature every variant runs plain then
 speculative decoding (variants rotated per prompt so that none always runs first); speed-ups are
 over the ``aten`` variant's plain run of the same prompt.  The int8 kernel is bitwise fbgemm, so
 ``aten`` and ``int8`` produce the same tokens; the attention kernel has its own rounding, so
 ``int8+attention`` is a (very slightly) different target whose greedy speculative output is
-checked against its own plain output.  Writes ``results.json`` and ``README.md``.
+checked against its own plain output.  With ``--head`` the models are the defaults (a 4-bit target
+and draft with int8 LM heads) and the variants are their heads on fbgemm or on the few-row kernel
+(which has an AVX2 build too), the attention kernel on in both.  Writes ``results.json`` and ``README.md``.
 """
 
 from __future__ import annotations
@@ -41,6 +44,9 @@ from specdec.verify import get_rule
 VARIANTS = {"aten": (0, False), "int8": (linear_mod.VNNI_ROWS, False), "int8+attention": (linear_mod.VNNI_ROWS, True)}
 #: --fused: the 4-bit target's layer loop from TorchScript, or as one compiled call (bitwise the same)
 FUSED_VARIANTS = {"scripted": False, "fused": True}
+#: --head: the W8A8 products (the default models' LM heads) on fbgemm, or on the few-row kernel
+HEAD_VARIANTS = {"fbgemm": (0, True), "kernel": (linear_mod.VNNI_ROWS, True)}
+_variants: dict = dict(VARIANTS)  # what use() switches between: VARIANTS, or HEAD_VARIANTS with --head
 _fused: dict = {}  # the q4 target's ScriptedLayers and its fused weights (--fused)
 
 
@@ -48,13 +54,13 @@ def use(variant: str) -> None:
     if variant in FUSED_VARIANTS:
         _fused["layers"].fused = _fused["weights"] if FUSED_VARIANTS[variant] else None
         return
-    rows, attention = VARIANTS[variant]
+    rows, attention = _variants[variant]
     linear_mod.VNNI_ROWS = rows
     kernels.set_attention_kernel(attention)
 
 
 def last_variant() -> str:
-    return list(FUSED_VARIANTS if _fused else VARIANTS)[-1]
+    return list(FUSED_VARIANTS if _fused else _variants)[-1]
 
 
 def hold_fused(target) -> None:
@@ -76,7 +82,7 @@ def passes(args: argparse.Namespace, context: int = 120, repeats: int = 12) -> i
     target = Engine.build(EngineConfig(target=args.target, draft="none", dtype=args.dtype)).target.model
     if args.fused:
         hold_fused(target)
-    variants = list(FUSED_VARIANTS if args.fused else VARIANTS)
+    variants = list(FUSED_VARIANTS if args.fused else _variants)
     ids = torch.randint(0, 1000, (context,), generator=torch.Generator().manual_seed(0))
     times: dict[str, dict[int, list[float]]] = {name: {r: [] for r in PASS_ROWS} for name in variants}
     for _ in tqdm(range(repeats), desc="passes"):
@@ -118,12 +124,20 @@ def main() -> int:
     ap.add_argument("--fused", action="store_true",
                     help="compare the 4-bit target's layer loop from TorchScript ('scripted') with the fused compiled "
                     "loop ('fused'); implies --dtype q4")
+    ap.add_argument("--head", action="store_true",
+                    help="the default models (4-bit layers, int8 LM heads), their heads on fbgemm ('fbgemm') or on "
+                    "the few-row kernel ('kernel'); implies --dtype auto")
     ap.set_defaults(dtype="int8")  # the variants differ in the int8 product; q4 layers run none of them
     args = ap.parse_args()
     if args.fused:
         args.dtype = "q4"
-    if not (kernels.q8_available() and kernels.attention_kernel()):
-        print("kernel_ab: the kernels do not run here (no compiler, no 512-bit VNNI, or switched off)", file=sys.stderr)
+    if args.head:
+        args.dtype = "auto"
+        _variants.clear()
+        _variants.update(HEAD_VARIANTS)
+    if not (linear_mod.vnni_available() and kernels.attention_kernel()) or (not args.head and not kernels.q8_available()):
+        print("kernel_ab: the kernels do not run here (no compiler, no 512-bit VNNI (AVX2 is enough for --head), "
+              "or switched off)", file=sys.stderr)
         return 2
     if args.passes:
         torch.set_num_threads(args.threads)
@@ -131,7 +145,7 @@ def main() -> int:
     temps, prompts, engine, plain = paired.setup(args)
     if args.fused:
         hold_fused(engine.target.model)
-    names = list(FUSED_VARIANTS if args.fused else VARIANTS)
+    names = list(FUSED_VARIANTS if args.fused else _variants)
     base = names[0]
     rows = []
     for t in temps:

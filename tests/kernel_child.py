@@ -12,18 +12,20 @@ from pathlib import Path
 _SCRIPT = r"""
 import json, sys, torch
 from specdec.models import kernels
+from specdec.models.linear import vnni_available
 from specdec.models.native import NativeCausalLM
 model = NativeCausalLM.from_folder(sys.argv[1], quant=sys.argv[2], batch_invariant=True, int8_kernel="fbgemm")
 ids = torch.randint(0, 1000, (12,), generator=torch.Generator().manual_seed(1))
 cache = model.new_cache(32)
 logits = torch.cat([model.forward(ids[:6], cache)] + [model.forward(ids[i : i + 1], cache) for i in range(6, 12)])
-print(json.dumps({"q8": kernels.q8_available(), "q4": kernels.q4_available(), "logits": logits.flatten()[::97].tolist(),
+print(json.dumps({"q8": vnni_available(), "q4": kernels.q4_available(), "logits": logits.flatten()[::97].tolist(),
                   "sum": float(logits.double().sum())}))
 """
 
 
 def decode_in_child(folder: Path, quant: str, **env: str) -> tuple[dict, str]:
-    """({"q8", "q4": whether those kernels ran, "logits": a sample, "sum"}, the child's stderr):
+    """({"q8", "q4": whether those kernels ran (q8: the few-row int8 product, VNNI or AVX2), "logits": a
+    sample, "sum"}, the child's stderr):
     the ``quant`` target of ``folder`` scoring 12 tokens (a 6-token block, then one by one)."""
     proc = subprocess.run([sys.executable, "-c", _SCRIPT, str(folder), quant], capture_output=True, text=True, timeout=300,
                           env={**os.environ, "SPECDEC_KERNELS": "1", "SPECDEC_ATTENTION": "1", **env})

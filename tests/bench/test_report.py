@@ -139,6 +139,8 @@ def test_machine_line_names_the_cpu_features():
     assert report.machine_line(m) == "Xeon (AVX512, AMX int8, int8 kernel onednn), 2 cores, torch t"
     m = {"cpu": "AMD EPYC", "cpu_count": 2, "torch": "t", "cpu_capability": "AVX2", "q4_kernel": "avx2"}
     assert report.machine_line(m) == "AMD EPYC (AVX2, q4 kernel avx2), 2 cores, torch t"
+    m["q8_kernel"] = "avx2"
+    assert report.machine_line(m) == "AMD EPYC (AVX2, q4 kernel avx2, few-row int8 kernel avx2), 2 cores, torch t"
 
 
 def test_bench_command_names_the_environment_that_changes_what_runs():

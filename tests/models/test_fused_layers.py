@@ -19,7 +19,7 @@ import pytest
 import torch
 
 from specdec.models import kernels
-from specdec.models.linear import w8a8_available
+from specdec.models.linear import vnni_available, w8a8_available
 from specdec.models.native import NativeCausalLM
 from tiny import make_tiny
 
@@ -32,8 +32,8 @@ MODELS = [("llama", 32, "q4"), ("qwen2", 32, "q4"), ("llama", 128, "q4"), ("llam
 @pytest.fixture(scope="module", params=MODELS, ids=[f"{a}-d{h // 4}-{q}" for a, h, q in MODELS])
 def q4_model(request, tmp_path_factory):
     arch, hidden, quant = request.param
-    if quant == "int8" and not kernels.q8_available():
-        pytest.skip("the int8 few-row kernel needs 512-bit VNNI")
+    if quant == "int8" and not vnni_available():
+        pytest.skip("the int8 few-row kernel needs 512-bit VNNI, or AVX2 on a CPU without VNNI")
     folder = make_tiny(tmp_path_factory.mktemp(f"{arch}{hidden}"), model_type=arch, hidden=hidden, layers=3)
     # int8: the calibration pass gives SmoothQuant factors (the layers' smooth inputs)
     model = NativeCausalLM.from_folder(folder, batch_invariant=True, quant=quant, int8_kernel="fbgemm")
@@ -55,7 +55,7 @@ def test_fused_loop_runs_only_for_quantised_layers_on_the_kernels(tmp_path):
     folder = make_tiny(tmp_path / "m", layers=1)
     assert NativeCausalLM.from_folder(folder, batch_invariant=True, quant="q4", int8_kernel="fbgemm").scripted.fused is not None
     int8 = NativeCausalLM.from_folder(folder, batch_invariant=True, quant="int8", int8_kernel="fbgemm").scripted
-    assert (int8.fused is not None) == kernels.q8_available()
+    assert (int8.fused is not None) == vnni_available()
     assert NativeCausalLM.from_folder(folder, batch_invariant=True).scripted.fused is None  # float32
 
 

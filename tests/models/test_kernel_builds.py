@@ -7,7 +7,7 @@ every machine.  Here the kernels are compiled again for ``x86-64-v3`` (the AVX2 
 AVX-512 machine would otherwise never run) and for baseline ``x86-64`` (the portable paths), in
 child processes (``SPECDEC_MARCH``), and every case is compared bit for bit with this process's
 build: 4-bit products of 1-8 rows with padded blocks, partial column groups, a gain and column
-factors; attention of head sizes 64 (the vector paths), 48 and 40 (the generic path with a
+factors (and the AVX2 build's few-row int8 product against fbgemm with 7-bit activations); attention of head sizes 64 (the vector paths), 48 and 40 (the generic path with a
 tail), one row and a verification pass, a tree's paths; a draw from a row of weights and token
 verification of a chain (``csrc/rules.cpp``); seeded sampling's Gumbel-max draw (``csrc/keyed.cpp``).
 """
@@ -74,11 +74,45 @@ def cases():
     return out
 """
 
-_CHILD = _CASES + r"""
+# the few-row int8 product's AVX2 build against fbgemm with 7-bit activations (``reduce_range``),
+# in the child that has it: this build quantises activations as fbgemm does on CPUs without VNNI,
+# so it cannot be compared with a VNNI build's bits, only with fbgemm's, which runs on any x86 CPU
+_Q8 = r"""
+import warnings
+from specdec.models.linear import vnni_packing
+
+def q8_mismatches():
+    bad = []
+    g = torch.Generator().manual_seed(11)
+    for n_out, k in ((130, 70), (64, 576), (1000, 1536)):
+        w = torch.randn(n_out, k + 2, generator=g) * 0.05
+        w[:, k:] = 0.0  # the two pinned columns' weights
+        w[3] *= 20
+        scales = (w.abs().amax(1).clamp_min(1e-12) / 127.0).double()
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore")
+            qw = torch.quantize_per_channel(w, scales, torch.zeros(n_out, dtype=torch.long), 0, torch.qint8)
+        packed = torch.ops.quantized.linear_prepack(qw, None)
+        mine = vnni_packing(qw.int_repr()[:, :k], scales)
+        for rows in (1, 2, 3, 4, 7, 16):
+            x = torch.randn(rows, k, generator=g) * (torch.rand(rows, 1, generator=g) * 10 + 0.01)
+            x[:, k // 2] *= 40
+            s = x.abs().amax(1, keepdim=True).clamp_min(1e-30)
+            staged = torch.cat([x / s, torch.ones(rows, 1), -torch.ones(rows, 1)], 1)
+            want = torch.ops.quantized.linear_dynamic(staged, packed, True)
+            got, got_s = torch.ops.specdec.q8_linear(x, None, *mine)
+            if not (torch.equal(got, want) and torch.equal(got_s, s)):
+                bad.append(f"{n_out}x{k} rows {rows}: max |diff| {float((got - want).abs().max()):.3g}")
+    return bad
+"""
+
+_CHILD = _CASES + _Q8 + r"""
 import sys
 from specdec.models import kernels
 assert kernels.load(), "the kernels did not build"
-torch.save({"isa": str(torch.ops.specdec.q4_isa()), "cases": cases()}, sys.argv[1])
+zero = int(torch.ops.specdec.q8_zero())
+torch.save({"isa": str(torch.ops.specdec.q4_isa()), "cases": cases(), "q8_zero": zero,
+            "q8_mismatches": q8_mismatches() if zero == 64 else None}, sys.argv[1])
 """
 
 
@@ -125,6 +159,7 @@ def test_the_portable_build_gives_this_builds_bits(builds: dict[str, dict]) -> N
     child = builds["x86-64"]
     assert child["isa"] == "portable"
     assert _compare(_here(), child["cases"]) == []
+    assert child["q8_zero"] == 0  # no few-row int8 product: fbgemm runs every W8A8 product there
 
 
 def test_the_avx2_build_gives_this_builds_bits(builds: dict[str, dict]) -> None:
@@ -133,6 +168,7 @@ def test_the_avx2_build_gives_this_builds_bits(builds: dict[str, dict]) -> None:
     child = builds["x86-64-v3"]
     assert child["isa"] == "avx2"
     assert _compare(_here(), child["cases"]) == []
+    assert child["q8_zero"] == 64 and child["q8_mismatches"] == []
 
 
 def test_loading_a_built_library_imports_no_build_tools() -> None:

@@ -5,7 +5,10 @@ product (fbgemm, oneDNN, this one) never changes a result, and a machine without
 the same quantised target, only slower.  Checked here on matrices whose shapes exercise every
 edge of the packing (columns not a multiple of the 64-column groups, inputs not a multiple of
 the 4-byte dot products), rows of very different magnitudes with outlier channels, bias, smoothing
-and a per-row scale; and across processes, with the kernel switched off.
+and a per-row scale; and across processes, with the kernel switched off.  The kernel has a 512-bit
+VNNI build (fbgemm's 8-bit activations on such CPUs) and an AVX2 build (its 7-bit activations on
+CPUs without VNNI); these tests run whichever this CPU has (``test_kernel_builds.py`` also runs the
+AVX2 build on a VNNI CPU, against fbgemm with 7-bit activations).
 """
 
 from __future__ import annotations
@@ -17,13 +20,14 @@ import torch
 
 import specdec.models.linear as linear_mod
 from specdec.models import kernels
-from specdec.models.linear import W8A8Linear, w8a8_available
+from specdec.models.linear import W8A8Linear, vnni_available, vnni_packing, w8a8_available
 from specdec.models.quantize import smoothing
 from kernel_child import decode_in_child
 from tiny import make_tiny
 
-needs_vnni = pytest.mark.skipif(not (w8a8_available() and kernels.q8_available()),
-                                reason="the few-row int8 kernel needs a C++ compiler, fbgemm and 512-bit VNNI")
+needs_vnni = pytest.mark.skipif(not (w8a8_available() and vnni_available()),
+                                reason="the few-row int8 kernel needs a C++ compiler, fbgemm and 512-bit VNNI "
+                                "(or AVX2 on a CPU without VNNI)")
 
 
 def _pair(w, bias=None, smooth=None) -> tuple[W8A8Linear, W8A8Linear]:
@@ -64,20 +68,23 @@ def test_kernel_is_bitwise_fbgemm_for_every_row_count(shape, extras):
 @needs_vnni
 def test_kernel_quantises_rows_as_aten_does_on_the_hard_values():
     """The kernel quantises rows itself, by fbgemm's rule (ATen's quantize_per_tensor for quint8):
-    one fused multiply-add x * (1 / step) + 128 in float32, rounded half to even.  Random rows
-    rarely tell that apart from a separate multiply and add, or from other tie rules, so the rows
-    here are made of the values that do: from 6 M seeded uniforms in [-1, 1], those where the
-    multiply-then-add rounds differently, and those the fused result puts exactly on .5.  Each row
-    holds a 1.0 (its max, so the values reach the quantiser unchanged)."""
+    one fused multiply-add x * (1 / step) + zero in float32, rounded half to even (step 2/255 and
+    zero 128 with VNNI, 2/127 and 64 without).  Random rows rarely tell that apart from a separate
+    multiply and add, or from other tie rules, so the rows here are made of the values that do:
+    from 6 M seeded uniforms in [-1, 1], those where the multiply-then-add rounds differently, and
+    those the fused result puts exactly on .5.  Each row holds a 1.0 (its max, so the values reach
+    the quantiser unchanged)."""
+    step, zero = (2.0 / 255.0, 128.0) if kernels.q8_zero() == 128 else (2.0 / 127.0, 64.0)
     g = torch.Generator().manual_seed(0)
     x = torch.rand(6_000_000, generator=g, dtype=torch.float64).float() * 2 - 1  # [6M]
-    inv = torch.tensor(1.0) / torch.tensor(2.0 / 255.0, dtype=torch.float32)
-    fused = (x.double() * inv.double() + 128.0).float()  # exact product and sum, one rounding
-    split = (x * inv) + 128.0
+    inv = torch.tensor(1.0) / torch.tensor(step, dtype=torch.float32)
+    fused = (x.double() * inv.double() + zero).float()  # exact product and sum, one rounding
+    split = (x * inv) + zero
     hard = x[(torch.round(fused) != torch.round(split)) | ((fused % 1) == 0.5)]  # [h]
-    assert hard.numel() >= 60
-    rows = hard[:60].reshape(4, 15)  # [4, 15]
-    rows = torch.cat([torch.ones(4, 1), rows], dim=1)  # [4, 16]
+    assert hard.numel() >= 30  # 60+ with VNNI's 8-bit step, ~40 with the 7-bit one
+    m = min(4, hard.numel() // 15)
+    rows = hard[: 15 * m].reshape(m, 15)  # [m, 15]
+    rows = torch.cat([torch.ones(m, 1), rows], dim=1)  # [m, 16]
     w = torch.randn(96, 16, generator=torch.Generator().manual_seed(3)) * 0.05
     lin, ref = _pair(w)
     for n in (1, 2, 3, 4):
@@ -112,6 +119,19 @@ def test_kernel_refuses_mismatched_inputs():
         torch.ops.specdec.q8_pack(w)
 
 
+@needs_vnni
+def test_the_avx2_build_refuses_weights_whose_pair_sums_could_saturate():
+    """AVX2's u8 x s8 pair sums are exact in int16 for codes up to 128 and weights down to -127,
+    which per-channel symmetric quantisation never goes below; a weight of -128 (two of them
+    against codes of 128 would overflow) keeps the matrix on fbgemm.  The VNNI build sums in int32
+    and takes any weight."""
+    q = torch.randint(-127, 128, (70, 33), dtype=torch.int8, generator=torch.Generator().manual_seed(2))
+    scales = torch.rand(70, dtype=torch.float64) * 0.01 + 1e-3
+    assert vnni_packing(q, scales) is not None
+    q[4, 7] = -128
+    assert (vnni_packing(q, scales) is None) == (kernels.q8_zero() == 64)
+
+
 def _child(folder: Path, **env: str) -> tuple[dict, str]:
     return decode_in_child(folder, "int8", **env)
 
@@ -128,7 +148,7 @@ def test_the_same_quantised_target_with_and_without_the_kernel(tmp_path):
     broken, err = _child(folder, CXX="false", SPECDEC_CACHE=str(tmp_path / "cache"))
     assert broken["q8"] is False and "did not build" in err
     assert broken["logits"] == off["logits"] and broken["sum"] == off["sum"]
-    if kernels.q8_available():
+    if vnni_available():
         q8, _ = _child(folder, SPECDEC_ATTENTION="0")
         assert q8["q8"] is True
         assert q8["logits"] == off["logits"] and q8["sum"] == off["sum"]

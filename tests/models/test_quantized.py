@@ -348,10 +348,11 @@ def test_the_int8_weights_are_what_the_written_out_recipe_gives(with_smooth):
         qw = torch.quantize_per_channel(ref, scales, torch.zeros(300, dtype=torch.long), axis=0, dtype=torch.qint8)
         got, _ = torch.ops.quantized.linear_unpack(lin.packed)
     assert torch.equal(got.int_repr(), qw.int_repr()) and torch.equal(got.q_per_channel_scales(), scales)
-    if lin.vnni is not None:
+    if lin.vnni is not None:  # fbgemm's activations: 8-bit (step 2/255, zero 128) with VNNI, else 7-bit (2/127, 64)
         q = qw.int_repr()[:, :70]
-        assert torch.equal(lin.vnni[1], (128 * q.to(torch.int32).sum(1)).to(torch.int32))
-        assert torch.equal(lin.vnni[2], (torch.tensor(2.0 / 255.0, dtype=torch.float32) * scales.float()))
+        zero, step = (128, 2.0 / 255.0) if not lin._reduce_range else (64, 2.0 / 127.0)
+        assert torch.equal(lin.vnni[1], (zero * q.to(torch.int32).sum(1)).to(torch.int32))
+        assert torch.equal(lin.vnni[2], (torch.tensor(step, dtype=torch.float32) * scales.float()))
 
 
 def test_calibration_needs_a_tokenizer(tmp_path):

@@ -706,6 +706,8 @@ def machine_line(machine: dict) -> str:
         features.append(f"int8 kernel {machine['int8_kernel']}")
     if machine.get("q4_kernel"):
         features.append(f"q4 kernel {machine['q4_kernel']}")
+    if machine.get("q8_kernel"):
+        features.append(f"few-row int8 kernel {machine['q8_kernel']}")
     if features:
         cpu += f" ({', '.join(features)})"
     return f"{cpu}, {machine.get('cpu_count', '?')} cores, torch {machine.get('torch', '?')}"

@@ -256,6 +256,10 @@ def machine_info() -> dict:
 
     if kernels.load():  # which path the 4-bit product runs: avx512-vnni, avx2 or portable (2-8x apart)
         info["q4_kernel"] = str(torch.ops.specdec.q4_isa())
+        from specdec.models.linear import vnni_available
+
+        # which build of the few-row int8 product runs W8A8 products (LM heads) beside fbgemm, if any
+        info["q8_kernel"] = ("avx512-vnni" if kernels.q8_zero() == 128 else "avx2") if vnni_available() else "none"
     try:
         for line in Path("/proc/cpuinfo").read_text().splitlines():
             if line.startswith("model name"):

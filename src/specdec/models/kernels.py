@@ -2,9 +2,10 @@
 
 * ``torch.ops.specdec.q8_linear`` (``csrc/q8.cpp``): fbgemm's dynamic int8 product, bitwise, for
   the few rows a decoding step or a verification pass has, with the int8 weights streamed once for
-  up to four rows (VNNI dot products).  :class:`~specdec.models.linear.W8A8Linear` takes it for
-  small row counts where the CPU has 512-bit VNNI; since its output is bitwise fbgemm's, which
-  kernel runs a product never changes a result.
+  up to four rows (VNNI dot products) or two (AVX2 pair products).  :class:`~specdec.models.linear.W8A8Linear`
+  takes it for small row counts where the build quantises activations as fbgemm does on this CPU
+  (8-bit with 512-bit VNNI, 7-bit on AVX2 without VNNI: :func:`q8_zero`); since its output is
+  bitwise fbgemm's, which kernel runs a product never changes a result.
 * ``torch.ops.specdec.q4_linear`` (``csrc/q4.cpp``): GGUF's Q4_1 weights as shipped times
   activations quantised to 8 bits per block of 32 (:class:`~specdec.models.linear.Q4Linear`);
   every row's result depends on that row alone.  Without the library the same bits come from
@@ -66,6 +67,7 @@ _SCHEMAS = (
     "q8_pack(Tensor w) -> Tensor",
     "q8_linear(Tensor x, Tensor? smooth, Tensor packed, Tensor comp, Tensor col) -> (Tensor, Tensor)",
     "q8_supported() -> bool",
+    "q8_zero() -> int",
     "attend(Tensor q, Tensor k, Tensor v, int start, Tensor? paths=None) -> Tensor",
     "q4_pack(Tensor qs, Tensor d, Tensor m) -> Tensor",
     "q4_linear(Tensor x, Tensor gain, Tensor packed, int n_out, Tensor col) -> Tensor",
@@ -182,11 +184,20 @@ def library() -> str | None:
 
 
 def q8_available() -> bool:
-    """Whether ``torch.ops.specdec.q8_linear`` runs here (the library loaded and the CPU and build
-    have 512-bit VNNI)."""
+    """Whether ``torch.ops.specdec.q8_linear`` runs here with 8-bit activations (the library loaded
+    and the CPU and build have 512-bit VNNI): where int8 layers run as fast as the 4-bit ones."""
     if "q8" not in _state:
         _state["q8"] = load() and bool(torch.ops.specdec.q8_supported())
     return bool(_state["q8"])
+
+
+def q8_zero() -> int:
+    """The activations' zero point ``torch.ops.specdec.q8_linear`` quantises with in this build:
+    128 (512-bit VNNI, fbgemm's 8-bit activations), 64 (AVX2, fbgemm's 7-bit ``reduce_range``), 0
+    where the product is absent (no library, or neither ISA)."""
+    if "q8_zero" not in _state:
+        _state["q8_zero"] = int(torch.ops.specdec.q8_zero()) if load() else 0
+    return int(_state["q8_zero"])
 
 
 def q4_available() -> bool:

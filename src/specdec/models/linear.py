@@ -243,7 +243,7 @@ class W8A8Linear:
             self.wide = wide_packing(qw.int_repr()[:, :k], scales)
         #: [packed int8 weight, zero-point compensation, column scales] for the few-row kernel
         #: (kernels.q8_linear: bitwise fbgemm, products of up to VNNI_ROWS rows), None where it is absent
-        self.vnni = vnni_packing(qw.int_repr()[:, :k], scales) if not self._reduce_range and vnni_available() else None
+        self.vnni = vnni_packing(qw.int_repr()[:, :k], scales) if vnni_available() else None
         if not self.fbgemm_unused:
             self.packed  # noqa: B018 - packed now, never inside a timed pass
         del qw
@@ -352,6 +352,9 @@ def mixed_pays(shapes: list[tuple[int, int]]) -> bool:
 #: with 8-bit activations ((1 - (-1)) / 255, zero point 128): what :class:`W8A8Linear` feeds it
 _FBGEMM_STEP = 2.0 / 255.0
 _FBGEMM_ZERO = 128
+#: fbgemm's step and zero point with ``reduce_range`` (CPUs without VNNI: 7-bit activations)
+_FBGEMM_STEP_7BIT = 2.0 / 127.0
+_FBGEMM_ZERO_7BIT = 64
 
 
 def wide_packing(q: Tensor, scales: Tensor) -> list[Tensor]:
@@ -384,25 +387,38 @@ def wide_product(x: Tensor, wide: list[Tensor]) -> Tensor:  # x: [n, in] rows in
 #: 576 x 3072 32/16, 42/31, 53/46; 1536 x 576 26/16, 28/23, 31/35; 576 x 49152 746/756, 889/908,
 #: 896/1007.  Whole SmolLM2-135M passes (weights streamed, interleaved in one process, median ms
 #: for 1 / 2 / 3 / 4 / 5 / 9 / 17 rows): fbgemm only 14.9 / 17.0 / 17.9 / 19.4 / 21.3 / 24.9 / 32.8,
-#: the kernel up to 16 rows 13.7 / 15.2 / 15.9 / 17.9 / 19.4 / 22.5 / 33.0
+#: the kernel up to 16 rows 13.7 / 15.2 / 15.9 / 17.9 / 19.4 / 22.5 / 33.0.  The AVX2 build (machine H, a
+#: Zen 3), time against fbgemm's for 1 / 2 / 3 / 5 / 9 / 16 rows: SmolLM2's LM head (49,152 x 576)
+#: 0.84 / 0.78 / 0.78 / 0.93 / 1.00 / 1.17, a 1536 x 576 layer 0.36 / 0.42 / 0.52 / 0.61 / 0.75 / 0.88;
+#: the same limit serves both (a verification pass of a chain is a few rows)
 VNNI_ROWS = 16
 
 
 def vnni_available() -> bool:
-    """True when the few-row VNNI kernel (``torch.ops.specdec.q8_linear``) runs here."""
+    """True when the few-row kernel (``torch.ops.specdec.q8_linear``) runs here and quantises the
+    activations as fbgemm does on this CPU: 8-bit with VNNI (the kernel's 512-bit VNNI build), 7-bit
+    without (fbgemm's ``reduce_range``; the kernel's AVX2 build).  A CPU with 256-bit VNNI only
+    has the AVX2 build but 8-bit fbgemm activations: no kernel there."""
     from specdec.models import kernels
 
-    return kernels.q8_available()
+    return kernels.q8_zero() == (_FBGEMM_ZERO if _has_vnni() else _FBGEMM_ZERO_7BIT)
 
 
-def vnni_packing(q: Tensor, scales: Tensor) -> list[Tensor]:
+def vnni_packing(q: Tensor, scales: Tensor) -> list[Tensor] | None:
     """The int8 weight ``q`` [out, in] (per-channel ``scales`` [out], as packed for fbgemm) laid out
-    for ``torch.ops.specdec.q8_linear``: [packed weight, ``128 * sum_k q_jk`` (fbgemm's zero-point
+    for ``torch.ops.specdec.q8_linear``: [packed weight, ``zero * sum_k q_jk`` (fbgemm's zero-point
     term, int32), ``float32(act_step * w_scale[j])`` (its epilogue's column factor, formed as for
-    :func:`wide_packing`)]."""
-    step = torch.tensor(_FBGEMM_STEP, dtype=torch.float32)
+    :func:`wide_packing`)], with this build's zero point and step (:func:`vnni_available`).  None
+    where the AVX2 build's int16 pair sums could saturate: a weight of -128 (symmetric per-channel
+    quantisation gives -127 at the least)."""
+    from specdec.models import kernels
+
+    zero = kernels.q8_zero()
+    if zero == _FBGEMM_ZERO_7BIT and int(q.min()) < -127:
+        return None
+    step = torch.tensor(_FBGEMM_STEP if zero == _FBGEMM_ZERO else _FBGEMM_STEP_7BIT, dtype=torch.float32)
     col = (step * scales.float()).contiguous()
-    comp = (_FBGEMM_ZERO * q.sum(1, dtype=torch.int32)).contiguous()  # exact: |sum| <= 128 * 127 * in
+    comp = (zero * q.sum(1, dtype=torch.int32)).contiguous()  # exact: |sum| <= 128 * 127 * in
     return [torch.ops.specdec.q8_pack(q.contiguous()), comp, col]
 
 

@@ -1,14 +1,18 @@
 // fbgemm's dynamic int8 product for a few rows, with the weights streamed once for all of them.
 //
 // W8A8Linear feeds fbgemm rows already divided by their own max-abs value (plus two pinned
-// columns), so fbgemm quantises every element with step 2/255 and zero point 128, accumulates
-// sum_k (q_k - 128) w_jk exactly in int32 and multiplies by float32(step * w_scale_j).  This
+// columns), so fbgemm quantises every element with one step and zero point — 2/255 and 128 on
+// CPUs with VNNI (8-bit activations), 2/127 and 64 elsewhere (fbgemm's ``reduce_range``: 7-bit
+// activations, so that AVX2's u8 x s8 pair sums cannot saturate int16) — accumulates
+// sum_k (q_k - zero) w_jk exactly in int32 and multiplies by float32(step * w_scale_j).  This
 // kernel computes exactly that — the same quantisation routine (ATen's quantize_per_tensor),
-// the same exact integer sums (VNNI u8 x s8 dot products, int32 without saturation), the same
-// single float multiply — so its output is bitwise fbgemm's for any row count (tested), and the
-// two can be mixed freely, as the oneDNN path is.  What differs is the cost curve: fbgemm's
-// grows ~0.8 ms per extra row over SmolLM2's layers on two cores; here up to 4 rows share one
-// pass over the int8 weights, which is what a decoding step is bound by.
+// the same exact integer sums (VNNI u8 x s8 dot products, or AVX2's pair products widened to
+// int32, both without saturation), the same single float multiply — so its output is bitwise
+// fbgemm's for any row count (tested), and the two can be mixed freely, as the oneDNN path is.
+// What differs is the cost curve: fbgemm's grows ~0.8 ms per extra row over SmolLM2's layers on
+// two cores; here a few rows share one pass over the int8 weights, which is what a decoding step
+// is bound by.  On AVX2 (machine H, a Zen 3) fbgemm's one-row product of SmolLM2's 49,152-row LM
+// head read its 28 MB at ~10 GB/s of the ~17 the two cores stream.
 //
 //   torch.ops.specdec.q8_pack(w int8 [N, K]) -> int8 [ceil(N/64), ceil(K/4), 64, 4]: groups of 64
 //       columns, each read front to back once per pass
@@ -18,6 +22,9 @@
 //   (the row preparation W8A8Linear does with ATen ops — a product, abs, max, clamp, division,
 //   each one IEEE operation per element or an exact max — done here in one call)
 //   torch.ops.specdec.q8_supported() -> bool (the CPU and the build have 512-bit VNNI)
+//   torch.ops.specdec.q8_zero() -> int: the activations' zero point this build's product runs
+//       with: 128 (512-bit VNNI), 64 (AVX2: fbgemm's reduce_range), 0 (no product in this build);
+//       used only where fbgemm quantises the activations the same way on this CPU
 
 #include <ATen/ATen.h>
 #include <ATen/Parallel.h>
@@ -33,15 +40,24 @@
 #if defined(__AVX512VNNI__) && defined(__AVX512F__) && defined(__AVX512BW__)
 #include <immintrin.h>
 #define SPECDEC_Q8 1
+#define SPECDEC_Q8_AVX2 0
+#elif defined(__AVX2__) && defined(__FMA__)
+#include <immintrin.h>
+#define SPECDEC_Q8 0
+#define SPECDEC_Q8_AVX2 1
 #else
 #define SPECDEC_Q8 0
+#define SPECDEC_Q8_AVX2 0
 #endif
 
 namespace {
 
-constexpr double kStep = 2.0 / 255.0;  // fbgemm's step for rows pinned to [-1, 1]
-constexpr int64_t kZero = 128;
-constexpr int kRowsMax = 4;  // rows per register block (4 rows x 4 accumulators of 16 columns)
+// fbgemm's step and zero point for rows pinned to [-1, 1]: 8-bit activations with VNNI, 7-bit
+// (reduce_range) without
+constexpr double kStep = SPECDEC_Q8 ? 2.0 / 255.0 : 2.0 / 127.0;
+constexpr int64_t kZero = SPECDEC_Q8 ? 128 : 64;
+// rows per block: VNNI 4 rows x 4 accumulators of 16 columns; AVX2 3 rows x 8 of 8
+constexpr int kRowsMax = SPECDEC_Q8 ? 4 : 3;
 constexpr int kGroup = 64;  // columns per packed group
 constexpr int kPrefetch = 8;  // steps (of 256 bytes) a group's weights are prefetched ahead
 
@@ -68,6 +84,8 @@ at::Tensor q8_pack(const at::Tensor& w) {
 }
 
 bool q8_supported() { return SPECDEC_Q8 != 0; }
+
+int64_t q8_zero() { return SPECDEC_Q8 || SPECDEC_Q8_AVX2 ? kZero : 0; }
 
 #if SPECDEC_Q8
 // R rows x one group of 64 columns: 4 x R independent int32 accumulators of 16 columns (integer
@@ -117,9 +135,79 @@ using GroupFn = void (*)(const uint8_t*, int64_t, const int8_t*, int64_t, const 
 constexpr GroupFn kGroups[kRowsMax + 1] = {nullptr, group_rows<1>, group_rows<2>, group_rows<3>, group_rows<4>};
 #endif
 
+#if SPECDEC_Q8_AVX2
+// R rows x one group of 64 columns (eight octets of 8 columns): per step of four inputs, each
+// row's four codes (u8, at most 128) times an octet's int8 weights as pair sums in int16
+// (|128 x 127 x 2| < 2^15: exact), widened to int32 pair sums against ones and added into the
+// row's accumulator for the octet: sum_k q_k w_jk exactly.  Then the zero point's term and the
+// column factor, one float multiply, as fbgemm does.  8 x R accumulators are more than AVX2's 16
+// registers hold from two rows on; the compiler keeps the rest in L1, which costs less than
+// passing over the group once per half (measured, machine H, SmolLM2's 49,152 x 576 LM head,
+// time against fbgemm's in the same process for 1 / 2 / 3 / 4 / 5 / 9 / 16 rows: one pass, blocks
+// of three rows, 0.75 / 0.75 / 0.75 / 0.80 / 0.89 / 1.10 / 1.11; a pass per half of the group,
+// 0.73 / 0.87 / 0.94 and ~1.1 from four rows on).
+template <int R>
+void group_rows(const uint8_t* xq, int64_t x_stride, const int8_t* wg, int64_t k4, const int32_t* comp,
+                const float* col, float* out, int64_t out_stride, int64_t valid) {
+  constexpr int kOctets = kGroup / 8;
+  const __m256i ones = _mm256_set1_epi16(1);
+  __m256i acc[R][kOctets];
+  for (int r = 0; r < R; ++r)
+    for (int h = 0; h < kOctets; ++h) acc[r][h] = _mm256_setzero_si256();
+  for (int64_t c = 0; c < k4; ++c) {
+    const int8_t* wc = wg + c * (kGroup * 4);
+    const int8_t* ahead = wc + kPrefetch * (kGroup * 4);
+    for (int line = 0; line < kGroup * 4; line += 64) _mm_prefetch(reinterpret_cast<const char*>(ahead + line), _MM_HINT_T0);
+    __m256i a[R];
+    for (int r = 0; r < R; ++r) {
+      int32_t four;
+      std::memcpy(&four, xq + r * x_stride + c * 4, sizeof(four));
+      a[r] = _mm256_set1_epi32(four);
+    }
+#pragma GCC unroll 8
+    for (int h = 0; h < kOctets; ++h) {
+      const __m256i w = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(wc + 32 * h));
+      for (int r = 0; r < R; ++r)
+        acc[r][h] = _mm256_add_epi32(acc[r][h], _mm256_madd_epi16(_mm256_maddubs_epi16(a[r], w), ones));
+    }
+  }
+  for (int h = 0; h < kOctets; ++h) {
+    const int64_t first = 8 * h, v = valid - first;
+    if (v <= 0) break;
+    __m256i cz;
+    __m256 cs;
+    if (v >= 8) {
+      cz = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(comp + first));
+      cs = _mm256_loadu_ps(col + first);
+    } else {  // the last columns of the matrix: no read past comp's and col's ends
+      alignas(32) int32_t tc[8] = {};
+      alignas(32) float ts[8] = {};
+      std::memcpy(tc, comp + first, static_cast<size_t>(v) * sizeof(int32_t));
+      std::memcpy(ts, col + first, static_cast<size_t>(v) * sizeof(float));
+      cz = _mm256_load_si256(reinterpret_cast<const __m256i*>(tc));
+      cs = _mm256_load_ps(ts);
+    }
+    for (int r = 0; r < R; ++r) {
+      const __m256 y = _mm256_mul_ps(_mm256_cvtepi32_ps(_mm256_sub_epi32(acc[r][h], cz)), cs);
+      if (v >= 8) {
+        _mm256_storeu_ps(out + r * out_stride + first, y);
+      } else {
+        alignas(32) float t[8];
+        _mm256_store_ps(t, y);
+        std::memcpy(out + r * out_stride + first, t, static_cast<size_t>(v) * sizeof(float));
+      }
+    }
+  }
+}
+
+using GroupFn = void (*)(const uint8_t*, int64_t, const int8_t*, int64_t, const int32_t*, const float*, float*, int64_t,
+                         int64_t);
+constexpr GroupFn kGroups[kRowsMax + 1] = {nullptr, group_rows<1>, group_rows<2>, group_rows<3>};
+#endif
+
 std::tuple<at::Tensor, at::Tensor> q8_linear(const at::Tensor& x_in, const c10::optional<at::Tensor>& smooth,
                                              const at::Tensor& packed, const at::Tensor& comp, const at::Tensor& col) {
-#if SPECDEC_Q8
+#if SPECDEC_Q8 || SPECDEC_Q8_AVX2
   TORCH_CHECK(x_in.dim() == 2 && x_in.scalar_type() == at::kFloat, "q8_linear: x must be float32 [n, K]");
   TORCH_CHECK(packed.dim() == 4 && packed.size(2) == kGroup && packed.size(3) == 4 && packed.scalar_type() == at::kChar,
               "q8_linear: weights packed by q8_pack");
@@ -157,7 +245,7 @@ std::tuple<at::Tensor, at::Tensor> q8_linear(const at::Tensor& x_in, const c10::
     }
   }
   // fbgemm's quantisation (what ATen's quantize_per_tensor runs for quint8): one fused multiply-add
-  // x * float(1 / float(step)) + 128 in float32, rounded half to even, clamped to [0, 255] (a
+  // x * float(1 / float(step)) + zero in float32, rounded half to even, clamped to [0, 255] (a
   // separate multiply and add differs from it about once in 10^5 values); written here, padded to
   // whole groups of four (the padded weights are zero), instead of two ATen calls and a copy
   // (~7 us a call: a fifth of a small draft model's step). Tested bit for bit against ATen.
@@ -194,7 +282,7 @@ std::tuple<at::Tensor, at::Tensor> q8_linear(const at::Tensor& x_in, const c10::
   });
   return {out, s};
 #else
-  TORCH_CHECK(false, "q8_linear: this build has no 512-bit VNNI");
+  TORCH_CHECK(false, "q8_linear: this build has neither 512-bit VNNI nor AVX2");
   return {x_in, x_in};
 #endif
 }
@@ -211,6 +299,7 @@ TORCH_LIBRARY(specdec, m) {
   m.def("q8_pack(Tensor w) -> Tensor");
   m.def("q8_linear(Tensor x, Tensor? smooth, Tensor packed, Tensor comp, Tensor col) -> (Tensor, Tensor)");
   m.def("q8_supported() -> bool", &q8_supported);
+  m.def("q8_zero() -> int", &q8_zero);
 }
 
 TORCH_LIBRARY_IMPL(specdec, CPU, m) {
