@@ -2,7 +2,7 @@
 
 * ``torch.ops.specdec.q8_linear`` (``csrc/q8.cpp``): fbgemm's dynamic int8 product, bitwise, for
   the few rows a decoding step or a verification pass has, with the int8 weights streamed once for
-  up to four rows (VNNI dot products) or two (AVX2 pair products).  :class:`~specdec.models.linear.W8A8Linear`
+  up to four rows (VNNI dot products) or three (AVX2 pair products).  :class:`~specdec.models.linear.W8A8Linear`
   takes it for small row counts where the build quantises activations as fbgemm does on this CPU
   (8-bit with 512-bit VNNI, 7-bit on AVX2 without VNNI: :func:`q8_zero`); since its output is
   bitwise fbgemm's, which kernel runs a product never changes a result.
