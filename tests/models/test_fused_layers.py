@@ -19,6 +19,7 @@ import pytest
 import torch
 
 from specdec.models import kernels
+from specdec.models import linear as linear_mod
 from specdec.models.linear import vnni_available, w8a8_available
 from specdec.models.native import NativeCausalLM
 from tiny import make_tiny
@@ -40,6 +41,13 @@ def q4_model(request, tmp_path_factory):
     if model.scripted is None or model.scripted.fused is None:
         pytest.skip("TorchScript or the fused loop is not available here")
     return model
+
+
+@pytest.fixture(autouse=True)
+def _every_row_count_on_the_int8_kernel(monkeypatch):
+    """The int8 kernel's AVX2 build takes up to 3 rows by default (linear.AVX2_ROWS); here it takes
+    as many as the VNNI build, so the fused loop's int8 passes are compared at every row count."""
+    monkeypatch.setattr(linear_mod, "AVX2_ROWS", linear_mod.VNNI_ROWS)
 
 
 def _unfused(model, run):

@@ -242,7 +242,7 @@ class W8A8Linear:
                 raise ValueError("the wide int8 kernel needs VNNI (8-bit activations)")
             self.wide = wide_packing(qw.int_repr()[:, :k], scales)
         #: [packed int8 weight, zero-point compensation, column scales] for the few-row kernel
-        #: (kernels.q8_linear: bitwise fbgemm, products of up to VNNI_ROWS rows), None where it is absent
+        #: (kernels.q8_linear: bitwise fbgemm, products of up to few_rows() rows), None where it is absent
         self.vnni = vnni_packing(qw.int_repr()[:, :k], scales) if vnni_available() else None
         if not self.fbgemm_unused:
             self.packed  # noqa: B018 - packed now, never inside a timed pass
@@ -288,7 +288,7 @@ class W8A8Linear:
 
     def scaled(self, x: Tensor, row_scale: Tensor | None) -> Tensor:  # x: [n, in], row_scale: [n, 1]
         """``row_scale * (x @ W.T) + b`` (see :meth:`Linear.scaled`)."""
-        if self.vnni is not None and x.shape[0] <= VNNI_ROWS and (self.wide is None or x.shape[0] < self.wide_rows):
+        if self.vnni is not None and x.shape[0] <= few_rows() and (self.wide is None or x.shape[0] < self.wide_rows):
             # [n, out], [n, 1]: the row preparation below and the product, bitwise, in one call
             y, s = torch.ops.specdec.q8_linear(x, self.inv_smooth, *self.vnni)
         else:
@@ -390,8 +390,20 @@ def wide_product(x: Tensor, wide: list[Tensor]) -> Tensor:  # x: [n, in] rows in
 #: the kernel up to 16 rows 13.7 / 15.2 / 15.9 / 17.9 / 19.4 / 22.5 / 33.0.  The AVX2 build (machine H, a
 #: Zen 3), time against fbgemm's for 1 / 2 / 3 / 5 / 9 / 16 rows: SmolLM2's LM head (49,152 x 576)
 #: 0.84 / 0.78 / 0.78 / 0.93 / 1.00 / 1.17, a 1536 x 576 layer 0.36 / 0.42 / 0.52 / 0.61 / 0.75 / 0.88;
-#: the same limit serves both (a verification pass of a chain is a few rows)
+#: in whole passes of the int8 Qwen2.5-Coder-1.5B (fused loop on the kernel against TorchScript on
+#: fbgemm, median ms for 1 / 2 / 3 / 4 / 5 / 9 / 17 rows) 110 / 107 / 117 / 116 / 122 / 169 / 299 on
+#: fbgemm against 101 / 106 / 109 / 137 / 136 / 232 / 323: its larger matrices' groups (98-573 KB)
+#: no longer stay in cache for a second block of rows, so the AVX2 build takes at most AVX2_ROWS
 VNNI_ROWS = 16
+AVX2_ROWS = 3
+
+
+def few_rows() -> int:
+    """The most rows a W8A8 product runs on the few-row kernel: ``VNNI_ROWS`` with its 512-bit VNNI
+    build, at most ``AVX2_ROWS`` with its AVX2 build (module settings, read per call)."""
+    from specdec.models import kernels
+
+    return min(VNNI_ROWS, AVX2_ROWS) if kernels.q8_zero() == _FBGEMM_ZERO_7BIT else VNNI_ROWS
 
 
 def vnni_available() -> bool:
