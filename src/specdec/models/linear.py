@@ -242,8 +242,8 @@ class W8A8Linear:
                 raise ValueError("the wide int8 kernel needs VNNI (8-bit activations)")
             self.wide = wide_packing(qw.int_repr()[:, :k], scales)
         #: [packed int8 weight, zero-point compensation, column scales] for the few-row kernel
-        #: (kernels.q8_linear: bitwise fbgemm, products of up to few_rows() rows), None where it is absent
-        self.vnni = vnni_packing(qw.int_repr()[:, :k], scales) if vnni_available() else None
+        #: (kernels.q8_linear: bitwise fbgemm, products of up to few_rows(reduce_range) rows), None where it is absent
+        self.vnni = vnni_packing(qw.int_repr()[:, :k], scales) if vnni_available(self._reduce_range) else None
         if not self.fbgemm_unused:
             self.packed  # noqa: B018 - packed now, never inside a timed pass
         del qw
@@ -288,7 +288,7 @@ class W8A8Linear:
 
     def scaled(self, x: Tensor, row_scale: Tensor | None) -> Tensor:  # x: [n, in], row_scale: [n, 1]
         """``row_scale * (x @ W.T) + b`` (see :meth:`Linear.scaled`)."""
-        if self.vnni is not None and x.shape[0] <= few_rows() and (self.wide is None or x.shape[0] < self.wide_rows):
+        if self.vnni is not None and x.shape[0] <= few_rows(self._reduce_range) and (self.wide is None or x.shape[0] < self.wide_rows):
             # [n, out], [n, 1]: the row preparation below and the product, bitwise, in one call
             y, s = torch.ops.specdec.q8_linear(x, self.inv_smooth, *self.vnni)
         else:
@@ -398,22 +398,25 @@ VNNI_ROWS = 16
 AVX2_ROWS = 3
 
 
-def few_rows() -> int:
+def few_rows(reduce_range: bool) -> int:
     """The most rows a W8A8 product runs on the few-row kernel: ``VNNI_ROWS`` with its 512-bit VNNI
-    build, at most ``AVX2_ROWS`` with its AVX2 build (module settings, read per call)."""
-    from specdec.models import kernels
+    build, at most ``AVX2_ROWS`` with its AVX2 build (module settings, read per call).  Where the
+    kernel runs at all its build matches fbgemm's activations (:func:`vnni_available`), so the
+    layer's ``reduce_range`` (7-bit activations) names the AVX2 build."""
+    return min(VNNI_ROWS, AVX2_ROWS) if reduce_range else VNNI_ROWS
 
-    return min(VNNI_ROWS, AVX2_ROWS) if kernels.q8_zero() == _FBGEMM_ZERO_7BIT else VNNI_ROWS
 
-
-def vnni_available() -> bool:
+def vnni_available(reduce_range: bool | None = None) -> bool:
     """True when the few-row kernel (``torch.ops.specdec.q8_linear``) runs here and quantises the
     activations as fbgemm does on this CPU: 8-bit with VNNI (the kernel's 512-bit VNNI build), 7-bit
     without (fbgemm's ``reduce_range``; the kernel's AVX2 build).  A CPU with 256-bit VNNI only
-    has the AVX2 build but 8-bit fbgemm activations: no kernel there."""
+    has the AVX2 build but 8-bit fbgemm activations: no kernel there.  ``reduce_range``: what a
+    layer already read from the CPU (None: read it now)."""
     from specdec.models import kernels
 
-    return kernels.q8_zero() == (_FBGEMM_ZERO if _has_vnni() else _FBGEMM_ZERO_7BIT)
+    if reduce_range is None:
+        reduce_range = not _has_vnni()
+    return kernels.q8_zero() == (_FBGEMM_ZERO_7BIT if reduce_range else _FBGEMM_ZERO)
 
 
 def vnni_packing(q: Tensor, scales: Tensor) -> list[Tensor] | None:

@@ -502,11 +502,11 @@ class ScriptedLayers:
 
     def _fuses(self, x: Tensor) -> bool:
         """Whether the fused call can take these rows now: float32, exact attention on the kernel,
-        and W8A8 layers within their few-row kernel's range (``linear.few_rows()``, read per call as
+        and W8A8 layers within their few-row kernel's range (``linear.few_rows``, read per call as
         ``_linear`` does) and below their oneDNN switch."""
         if self.fused is None or x.dtype != torch.float32 or not kernels.attention_kernel():
             return False
-        return x.shape[0] <= (min(self.fused_rows, linear_mod.few_rows()) if self._q8_fused else self.fused_rows)
+        return x.shape[0] <= (min(self.fused_rows, linear_mod.few_rows(self.reduce_range)) if self._q8_fused else self.fused_rows)
 
     def _ensure(self, rows: int) -> None:
         if rows <= self._rows:
@@ -519,7 +519,7 @@ class ScriptedLayers:
     def weights(self) -> Weights:
         """The tables as the scripted loops take them (the staging buffers may have grown)."""
         return Weights(self.kinds, self.q8, self.staging, self.reduce_range, self.chunks, self.bounds, self.dense,  # type: ignore[arg-type]
-                       self.bias, self.smooth, self.wide, self.wide_rows, self.vnni, linear_mod.few_rows(),
+                       self.bias, self.smooth, self.wide, self.wide_rows, self.vnni, linear_mod.few_rows(self.reduce_range),
                        kernels.attention_kernel(), self.q4, self.n_out)
 
     def __call__(
