@@ -40,12 +40,17 @@ from specdec.models import linear as linear_mod
 from specdec.sampling import SamplingConfig
 from specdec.verify import get_rule
 
-#: variant -> (largest product on the int8 kernel, attention kernel on)
-VARIANTS = {"aten": (0, False), "int8": (linear_mod.VNNI_ROWS, False), "int8+attention": (linear_mod.VNNI_ROWS, True)}
+#: variant -> (largest product on the int8 kernel's VNNI build, on its AVX2 build, attention kernel on)
+ALL = linear_mod.ALL_ROWS
+VARIANTS = {"aten": (0, 0, False), "int8": (linear_mod.VNNI_ROWS, ALL, False),
+            "int8+attention": (linear_mod.VNNI_ROWS, ALL, True)}
 #: --fused: the 4-bit target's layer loop from TorchScript, or as one compiled call (bitwise the same)
 FUSED_VARIANTS = {"scripted": False, "fused": True}
 #: --head: the W8A8 products (the default models' LM heads) on fbgemm, or on the few-row kernel
-HEAD_VARIANTS = {"fbgemm": (0, True), "kernel": (linear_mod.VNNI_ROWS, True)}
+HEAD_VARIANTS = {"fbgemm": (0, 0, True), "kernel": (linear_mod.VNNI_ROWS, ALL, True)}
+#: --avx2-three: on the AVX2 build, also the kernel for at most three rows and fbgemm beyond (its limit
+#: before products of more rows ran a 16-column group at a time)
+AVX2_THREE = ("kernel<=3", (linear_mod.VNNI_ROWS, 3, True))
 _variants: dict = dict(VARIANTS)  # what use() switches between: VARIANTS, or HEAD_VARIANTS with --head
 _fused: dict = {}  # the q4 target's ScriptedLayers and its fused weights (--fused)
 
@@ -54,8 +59,9 @@ def use(variant: str) -> None:
     if variant in FUSED_VARIANTS:
         _fused["layers"].fused = _fused["weights"] if FUSED_VARIANTS[variant] else None
         return
-    rows, attention = _variants[variant]
-    linear_mod.VNNI_ROWS = rows
+    vnni_rows, avx2_rows, attention = _variants[variant]
+    linear_mod.VNNI_ROWS = vnni_rows
+    linear_mod.AVX2_ROWS = avx2_rows
     kernels.set_attention_kernel(attention)
 
 
@@ -127,6 +133,9 @@ def main() -> int:
     ap.add_argument("--head", action="store_true",
                     help="the default models (4-bit layers, int8 LM heads), their heads on fbgemm ('fbgemm') or on "
                     "the few-row kernel ('kernel'); implies --dtype auto")
+    ap.add_argument("--avx2-three", action="store_true",
+                    help="with the kernel's AVX2 build: add a variant 'kernel<=3' (the kernel for at most three rows, "
+                    "fbgemm beyond), placed before 'kernel'")
     ap.set_defaults(dtype="int8")  # the variants differ in the int8 product; q4 layers run none of them
     args = ap.parse_args()
     if args.fused:
@@ -135,6 +144,11 @@ def main() -> int:
         args.dtype = "auto"
         _variants.clear()
         _variants.update(HEAD_VARIANTS)
+    if args.avx2_three and kernels.q8_zero() == 64:
+        last = list(_variants)[-1]
+        kept = _variants.pop(last)
+        _variants[AVX2_THREE[0]] = AVX2_THREE[1]
+        _variants[last] = kept
     if not (linear_mod.vnni_available() and kernels.attention_kernel()) or (not args.head and not kernels.q8_available()):
         print("kernel_ab: the kernels do not run here (no compiler, no 512-bit VNNI (AVX2 is enough for --head), "
               "or switched off)", file=sys.stderr)
@@ -198,10 +212,11 @@ def main() -> int:
                              f"| {by.get('code', float('nan')):.3f} | {statistics.mean(r['tokens_per_call'] for r in rs):.2f} | {same} |")
     pids = sorted({r["prompt"] for r in rows})
     runs = [(t, m) for t in temps for m in ("plain", "speculative") if m == "plain" or t == 0]
-    same_bits = sum(get(t, base, m, pid)["tokens"] == get(t, names[1], m, pid)["tokens"] for t, m in runs for pid in pids)
+    same = ", ".join(f"`{name}` {sum(get(t, base, m, pid)['tokens'] == get(t, name, m, pid)['tokens'] for t, m in runs for pid in pids)}"
+                     for name in names[1:])
     why = "the fused loop is bitwise the TorchScript one" if args.fused else "the int8 kernel is bitwise fbgemm"
-    lines += ["", f"`{base}` and `{names[1]}` generated the same tokens in {same_bits} of {len(runs) * len(pids)} plain "
-              f"and greedy runs ({why}). Speculative runs at T > 0 are not compared: γ auto follows "
+    lines += ["", f"Runs with the same tokens as `{base}`'s, of {len(runs) * len(pids)} plain and greedy runs: {same} "
+              f"({why}). Speculative runs at T > 0 are not compared: γ auto follows "
               "measured timings, and a different draft length consumes the seeded random stream differently (the "
               "output law is the same, the sampled tokens differ)."]
     (out / "README.md").write_text("\n".join(lines) + "\n")

@@ -45,8 +45,9 @@ def q4_model(request, tmp_path_factory):
 
 @pytest.fixture(autouse=True)
 def _every_row_count_on_the_int8_kernel(monkeypatch):
-    """The int8 kernel's AVX2 build takes up to 3 rows by default (linear.AVX2_ROWS); here it takes
-    as many as the VNNI build, so the fused loop's int8 passes are compared at every row count."""
+    """The int8 kernel's AVX2 build takes every row count by default (linear.AVX2_ROWS) and its VNNI
+    build up to 16; here both take 16, so the same cases run on either CPU and passes of more rows
+    still check the unfused loop's fbgemm path against the fused one's."""
     monkeypatch.setattr(linear_mod, "AVX2_ROWS", linear_mod.VNNI_ROWS)
 
 

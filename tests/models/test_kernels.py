@@ -34,6 +34,7 @@ def _pair(w, bias=None, smooth=None) -> tuple[W8A8Linear, W8A8Linear]:
     """(the layer with the kernel, the same layer on fbgemm alone)."""
     lin = W8A8Linear(w, bias, smooth=smooth)
     ref = W8A8Linear(w, bias, smooth=smooth)
+    ref.packed  # noqa: B018 - fbgemm's weight (on AVX2 rebuilt from the kernel's packing), before the kernel goes
     ref.vnni = None
     return lin, ref
 
@@ -42,7 +43,7 @@ def _pair(w, bias=None, smooth=None) -> tuple[W8A8Linear, W8A8Linear]:
 @pytest.mark.parametrize("shape", [(384, 160), (77, 37), (64, 4), (1000, 1536), (130, 9)])
 @pytest.mark.parametrize("extras", ["plain", "bias+smooth"])
 def test_kernel_is_bitwise_fbgemm_for_every_row_count(shape, extras, monkeypatch):
-    monkeypatch.setattr(linear_mod, "AVX2_ROWS", linear_mod.VNNI_ROWS)  # the AVX2 build for every row count too
+    monkeypatch.setattr(linear_mod, "AVX2_ROWS", linear_mod.VNNI_ROWS)  # both builds up to 16 rows, fbgemm beyond
     out_f, in_f = shape
     g = torch.Generator().manual_seed(out_f + in_f)
     w = torch.randn(out_f, in_f, generator=g) * 0.05
@@ -57,13 +58,46 @@ def test_kernel_is_bitwise_fbgemm_for_every_row_count(shape, extras, monkeypatch
     lin, ref = _pair(w, bias, smooth)
     assert lin.vnni is not None and ref.vnni is None
     scale = torch.rand(40, 1, generator=g) + 0.5
-    for n in (1, 2, 3, 4, 5, 8, 9, 16):
+    for n in (1, 2, 3, 4, 5, 6, 7, 8, 9, 11, 16):  # blocks of 3 (AVX2) or 4 (VNNI) rows, of 5 (AVX2) from 4
         assert n <= linear_mod.few_rows(lin._reduce_range)
         assert torch.equal(lin(x[:n]), ref(x[:n])), n
         assert torch.equal(lin.scaled(x[:n], scale[:n]), ref.scaled(x[:n], scale[:n])), n
     # rows past the kernel's limit run on fbgemm: a row's bits do not depend on which ran it
     rows = torch.cat([lin(x[i : i + 1]) for i in range(40)])
     assert torch.equal(lin(x), rows)
+    # the default settings: the AVX2 build takes every row count (40 rows: eight blocks of five)
+    monkeypatch.setattr(linear_mod, "AVX2_ROWS", linear_mod.ALL_ROWS)
+    assert torch.equal(lin(x), ref(x))
+
+
+@needs_vnni
+def test_fbgemm_weights_rebuilt_from_the_kernels_packing_are_the_quantised_weights(monkeypatch):
+    """Where the kernel takes every row count (its AVX2 build) a layer packs no fbgemm weight and
+    keeps no int8 copy besides the kernel's packing; asked for fbgemm's weight later (a test that
+    lowers the row setting) it rebuilds the quantised weight from that packing.  That must be the
+    weight quantisation made: the same int8 values and float64 scales (read back from fbgemm's
+    packing of each), here against a layer that packed fbgemm's weight from the quantised one."""
+    g = torch.Generator().manual_seed(5)
+    w = torch.randn(77, 37, generator=g) * 0.05
+    w[3] *= 30
+    smooth = torch.rand(37, generator=g) + 0.5
+    monkeypatch.setattr(linear_mod, "AVX2_ROWS", 3)
+    eager = W8A8Linear(w, smooth=smooth)  # packs fbgemm's weight when built
+    assert eager._packed is not None
+    monkeypatch.setattr(linear_mod, "AVX2_ROWS", linear_mod.ALL_ROWS)
+    lazy = W8A8Linear(w, smooth=smooth)
+    assert (lazy._packed is None) == (kernels.q8_zero() == 64) and lazy._qw is None
+    lazy._packed = None  # a VNNI build packed it when built: rebuild it here too
+    qa, _ = torch.ops.quantized.linear_unpack(eager.packed)
+    qb, _ = torch.ops.quantized.linear_unpack(lazy.packed)
+    assert qa.shape == qb.shape == (77, 39)
+    assert torch.equal(qa.int_repr(), qb.int_repr())
+    assert torch.equal(qa.q_per_channel_scales(), qb.q_per_channel_scales())
+    assert torch.equal(qa.q_per_channel_zero_points(), qb.q_per_channel_zero_points())
+    x = torch.randn(20, 37, generator=g)
+    monkeypatch.setattr(linear_mod, "AVX2_ROWS", 0)
+    monkeypatch.setattr(linear_mod, "VNNI_ROWS", 0)
+    assert torch.equal(eager(x), lazy(x))  # both on fbgemm
 
 
 @needs_vnni
@@ -94,16 +128,19 @@ def test_kernel_quantises_rows_as_aten_does_on_the_hard_values():
 
 
 @needs_vnni
-@pytest.mark.parametrize("shape", [(64, 576), (70, 33), (130, 258), (1, 3), (65, 4)])
-def test_the_packed_layout_is_groups_of_64_columns_by_steps_of_4_inputs(shape):
-    """``q8_pack``: row j's inputs 4c..4c+3 at [j // 64, c, j % 64, :], zero padding past the
-    matrix (the layout written out here with tensor ops), for whole and partial groups and steps."""
+@pytest.mark.parametrize("shape", [(64, 576), (70, 33), (130, 258), (1, 3), (65, 4), (17, 9)])
+def test_the_packed_layout_is_groups_of_columns_by_steps_of_4_inputs(shape):
+    """``q8_pack``: row j's inputs 4c..4c+3 at [j // G, c, j % G, :], zero padding past the
+    matrix (the layout written out here with tensor ops), for whole and partial groups and steps.
+    G is 64 columns for the VNNI build (four 16-lane accumulators) and 16 for the AVX2 build (one
+    64-byte line a step, so that each group is one contiguous stream)."""
     n, k = shape
+    size = 64 if kernels.q8_zero() == 128 else 16
     w = torch.randint(-128, 128, (n, k), dtype=torch.int8, generator=torch.Generator().manual_seed(n * k))
-    ng, k4 = -(-n // 64), -(-k // 4)
-    padded = torch.zeros(ng * 64, k4 * 4, dtype=torch.int8)
+    ng, k4 = -(-n // size), -(-k // 4)
+    padded = torch.zeros(ng * size, k4 * 4, dtype=torch.int8)
     padded[:n, :k] = w
-    want = padded.reshape(ng, 64, k4, 4).permute(0, 2, 1, 3).contiguous()  # [ng, k4, 64, 4]
+    want = padded.reshape(ng, size, k4, 4).permute(0, 2, 1, 3).contiguous()  # [ng, k4, G, 4]
     assert torch.equal(torch.ops.specdec.q8_pack(w), want)
     assert torch.equal(torch.ops.specdec.q8_pack(w.t().contiguous().t()), want)  # a strided weight too
 

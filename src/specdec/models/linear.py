@@ -208,7 +208,7 @@ class W8A8Linear:
     at a time per model (the staging buffer is reused).
     """
 
-    __slots__ = ("_packed", "_qw", "bias", "inv_smooth", "in_features", "out_features", "_buf", "_views",
+    __slots__ = ("_packed", "_qw", "_scales", "bias", "inv_smooth", "in_features", "out_features", "_buf", "_views",
                  "_reduce_range", "wide", "wide_rows", "vnni")
 
     def __init__(self, weight: Tensor, bias: Tensor | None = None, *, smooth: Tensor | None = None,
@@ -229,6 +229,7 @@ class W8A8Linear:
         # fbgemm's packed weight (:attr:`packed`), made below unless no row count runs on fbgemm
         self._packed: Tensor | None = None
         self._qw: Tensor | None = qw
+        self._scales = scales  # float64 [out]: what packed is made from, with the int8 weights
         self.bias = None if bias is None else bias.detach().float().contiguous()
         self.in_features, self.out_features = k, n
         self._reduce_range = not _has_vnni()
@@ -246,26 +247,42 @@ class W8A8Linear:
         self.vnni = vnni_packing(qw.int_repr()[:, :k], scales) if vnni_available(self._reduce_range) else None
         if not self.fbgemm_unused:
             self.packed  # noqa: B018 - packed now, never inside a timed pass
+        self._qw = None  # packed, or rebuilt from the kernel's packing if ever asked for (_unpacked)
         del qw
 
     @property
     def fbgemm_unused(self) -> bool:
-        """True when no row count runs on fbgemm: the few-row kernel takes up to VNNI_ROWS rows and
-        the wide one takes over at or below VNNI_ROWS + 1 (an LM head under the mixed kernel, which
-        ``auto`` picks for Qwen2.5-Coder-1.5B on an AMX CPU).  Such a matrix packs fbgemm's weight
-        only if something asks for it: packing that head (151,936 x 1,536) took 2.8 s of every
-        start-up."""
-        return self.vnni is not None and self.wide is not None and self.wide_rows <= VNNI_ROWS + 1
+        """True when no row count runs on fbgemm (with the module's row settings as they are now):
+        the AVX2 build of the few-row kernel takes every row count (``AVX2_ROWS``), or its VNNI build
+        takes up to VNNI_ROWS rows and the wide one takes over at or below VNNI_ROWS + 1 (an LM head
+        under the mixed kernel, which ``auto`` picks for Qwen2.5-Coder-1.5B on an AMX CPU).  Such a
+        matrix packs fbgemm's weight only if something asks for it: packing that head (151,936 x
+        1,536) took 2.8 s of every start-up, and all of the int8 Qwen2.5-Coder-1.5B 20 s on machine H."""
+        if self.vnni is None:
+            return False
+        if self._reduce_range:
+            return AVX2_ROWS >= ALL_ROWS
+        return self.wide is not None and self.wide_rows <= VNNI_ROWS + 1
 
     @property
     def packed(self) -> Tensor:
         """fbgemm's packed weight (``quantized.linear_prepack`` of the int8 weight [out, in + 2]),
-        made once, when first asked for; the quantised weight it is made from is then released."""
+        made once, when first asked for (a matrix that runs on fbgemm at all is packed when it is
+        built; the others only if a row setting is lowered later, as tests do)."""
         if self._packed is None:
-            assert self._qw is not None
-            self._packed = torch.ops.quantized.linear_prepack(self._qw, None)
+            qw = self._qw if self._qw is not None else self._unpacked()
+            self._packed = torch.ops.quantized.linear_prepack(qw, None)
             self._qw = None
         return self._packed
+
+    def _unpacked(self) -> Tensor:  # qint8 [out, in + 2]: the quantised weight back from the kernel's layout
+        assert self.vnni is not None, "the int8 weights were released with the few-row kernel's packing"
+        packed = self.vnni[0]  # [groups, in / 4, columns per group, 4]
+        groups, k4, size, _ = packed.shape
+        q = packed.permute(0, 2, 1, 3).reshape(groups * size, k4 * 4)[: self.out_features, : self.in_features]
+        q = torch.cat([q, torch.zeros(self.out_features, 2, dtype=torch.int8)], dim=1)  # the two pinned columns' zeros
+        zeros = torch.zeros(self.out_features, dtype=torch.long)
+        return torch._make_per_channel_quantized_tensor(q, self._scales, zeros, 0)
 
     def _staging(self, rows: int) -> Tensor:  # [rows, in + 2]: normalised rows, then +1, -1
         buf = torch.empty(rows, self.in_features + 2)
@@ -393,17 +410,24 @@ def wide_product(x: Tensor, wide: list[Tensor]) -> Tensor:  # x: [n, in] rows in
 #: in whole passes of the int8 Qwen2.5-Coder-1.5B (fused loop on the kernel against TorchScript on
 #: fbgemm, median ms for 1 / 2 / 3 / 4 / 5 / 9 / 17 rows) 110 / 107 / 117 / 116 / 122 / 169 / 299 on
 #: fbgemm against 101 / 106 / 109 / 137 / 136 / 232 / 323: its larger matrices' groups (98-573 KB)
-#: no longer stay in cache for a second block of rows, so the AVX2 build takes at most AVX2_ROWS
+#: no longer stay in cache for a second block of rows.  So the AVX2 build now runs products of more
+#: than three rows a 16-column group at a time, in blocks of five rows whose accumulators stay in
+#: registers (``line_rows`` in csrc/q8.cpp), against fbgemm in one process (machine H, weights
+#: streamed, kernel / fbgemm for 4 / 8 / 16 / 64 rows): 49,152 x 576 0.70 / 0.78 / 0.92 / 1.08,
+#: 17,920 x 1,536 0.89 / 1.00 / 0.98 / 0.98, 1,536 x 8,960 0.84 / 0.98 / 0.93 / 1.13, 151,936 x 1,536
+#: 0.88 / 1.10 / 1.08 / 0.92, and level from 128 to 512 rows (``scripts/q8_rows.py``).  It takes
+#: every row count (``AVX2_ROWS``), so fbgemm's weights are never packed there.
 VNNI_ROWS = 16
-AVX2_ROWS = 3
+ALL_ROWS = 1 << 30
+AVX2_ROWS = ALL_ROWS
 
 
 def few_rows(reduce_range: bool) -> int:
     """The most rows a W8A8 product runs on the few-row kernel: ``VNNI_ROWS`` with its 512-bit VNNI
-    build, at most ``AVX2_ROWS`` with its AVX2 build (module settings, read per call).  Where the
+    build, ``AVX2_ROWS`` (every row count) with its AVX2 build (module settings, read per call).  Where the
     kernel runs at all its build matches fbgemm's activations (:func:`vnni_available`), so the
     layer's ``reduce_range`` (7-bit activations) names the AVX2 build."""
-    return min(VNNI_ROWS, AVX2_ROWS) if reduce_range else VNNI_ROWS
+    return AVX2_ROWS if reduce_range else VNNI_ROWS
 
 
 def vnni_available(reduce_range: bool | None = None) -> bool:

@@ -430,6 +430,8 @@ class ScriptedLayers:
         self.q4: dict[int, list[Tensor]] = {}  # Q4Linear layers (see Q4)
         self.n_out: dict[int, int] = {}  # Q4 and F32 layers' output features
         self._w8a8: list[W8A8Linear] = []
+        self._w8a8_at: dict[int, W8A8Linear] = {}
+        self._q8_few = -1  # the few-row setting self.q8 was made for (see _fbgemm)
         self.reduce_range = False
         for layer in layers:
             for lin in (layer.qkv, layer.out, layer.gate_up, layer.down):
@@ -438,7 +440,7 @@ class ScriptedLayers:
                     self.bias[i] = lin.bias
                 if isinstance(lin, W8A8Linear):
                     self.kinds.append(W8A8)
-                    self.q8[i] = lin.packed
+                    self._w8a8_at[i] = lin
                     if lin.inv_smooth is not None:
                         self.smooth[i] = lin.inv_smooth
                     self._w8a8.append(lin)
@@ -516,10 +518,20 @@ class ScriptedLayers:
         self.staging = {i: lin._buf for i, lin in zip((i for i, k in enumerate(self.kinds) if k == W8A8), self._w8a8)}
         self._rows = min(lin._buf.shape[0] for lin in self._w8a8) if self._w8a8 else 1 << 30
 
+    def _fbgemm(self, few: int) -> dict[int, object]:
+        """fbgemm's packed weights of the W8A8 layers that run some row count on fbgemm under the
+        few-row setting ``few`` (none on the AVX2 build, which takes every row count; packed when
+        first needed, e.g. after a test lowers the setting)."""
+        if few != self._q8_few:
+            self.q8 = {i: lin.packed for i, lin in self._w8a8_at.items() if not lin.fbgemm_unused}
+            self._q8_few = few
+        return self.q8
+
     def weights(self) -> Weights:
         """The tables as the scripted loops take them (the staging buffers may have grown)."""
-        return Weights(self.kinds, self.q8, self.staging, self.reduce_range, self.chunks, self.bounds, self.dense,  # type: ignore[arg-type]
-                       self.bias, self.smooth, self.wide, self.wide_rows, self.vnni, linear_mod.few_rows(self.reduce_range),
+        few = linear_mod.few_rows(self.reduce_range)
+        return Weights(self.kinds, self._fbgemm(few), self.staging, self.reduce_range, self.chunks, self.bounds, self.dense,  # type: ignore[arg-type]
+                       self.bias, self.smooth, self.wide, self.wide_rows, self.vnni, few,
                        kernels.attention_kernel(), self.q4, self.n_out)
 
     def __call__(

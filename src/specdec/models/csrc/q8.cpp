@@ -14,8 +14,8 @@
 // is bound by.  On AVX2 (machine H, a Zen 3) fbgemm's one-row product of SmolLM2's 49,152-row LM
 // head read its 28 MB at ~10 GB/s of the ~17 the two cores stream.
 //
-//   torch.ops.specdec.q8_pack(w int8 [N, K]) -> int8 [ceil(N/64), ceil(K/4), 64, 4]: groups of 64
-//       columns, each read front to back once per pass
+//   torch.ops.specdec.q8_pack(w int8 [N, K]) -> int8 [ceil(N/G), ceil(K/4), G, 4]: groups of G
+//       columns (64 in the VNNI build, 16 in the AVX2 build), each read front to back once per pass
 //   torch.ops.specdec.q8_linear(x f32 [n, K], smooth f32 [K] or None, packed, comp int32 [N], col f32 [N])
 //       -> (y f32 [n, N], s f32 [n, 1]):  x' = x * smooth, s = max(max_k |x'_k|, 1e-30) per row,
 //       q = quantize(x' / s), y_j = float(sum_k q_k w_jk - comp_j) * col_j
@@ -58,8 +58,11 @@ constexpr double kStep = SPECDEC_Q8 ? 2.0 / 255.0 : 2.0 / 127.0;
 constexpr int64_t kZero = SPECDEC_Q8 ? 128 : 64;
 // rows per block: VNNI 4 rows x 4 accumulators of 16 columns; AVX2 3 rows x 8 of 8
 constexpr int kRowsMax = SPECDEC_Q8 ? 4 : 3;
-constexpr int kGroup = 64;  // columns per packed group
-constexpr int kPrefetch = 8;  // steps (of 256 bytes) a group's weights are prefetched ahead
+// columns per packed group: four 16-column zmm accumulators (VNNI); one 64-byte line a step of
+// four inputs (AVX2: each 16-column group is then one contiguous stream, see line_rows)
+constexpr int kGroup = SPECDEC_Q8 ? 64 : 16;
+constexpr int kSpan = 64;  // columns per unit of work (a thread's share is whole spans)
+constexpr int kPrefetch = 8;  // a stream of weights is prefetched kPrefetch x 256 bytes (2 KB) ahead
 
 at::Tensor q8_pack(const at::Tensor& w) {
   TORCH_CHECK(w.dim() == 2 && w.scalar_type() == at::kChar, "q8_pack: an int8 [N, K] weight");
@@ -136,73 +139,116 @@ constexpr GroupFn kGroups[kRowsMax + 1] = {nullptr, group_rows<1>, group_rows<2>
 #endif
 
 #if SPECDEC_Q8_AVX2
-// R rows x one group of 64 columns (eight octets of 8 columns): per step of four inputs, each
-// row's four codes (u8, at most 128) times an octet's int8 weights as pair sums in int16
-// (|128 x 127 x 2| < 2^15: exact), widened to int32 pair sums against ones and added into the
-// row's accumulator for the octet: sum_k q_k w_jk exactly.  Then the zero point's term and the
-// column factor, one float multiply, as fbgemm does.  8 x R accumulators are more than AVX2's 16
-// registers hold from two rows on; the compiler keeps the rest in L1, which costs less than
-// passing over the group once per half (measured, machine H, SmolLM2's 49,152 x 576 LM head,
-// time against fbgemm's in the same process for 1 / 2 / 3 / 4 / 5 / 9 / 16 rows: one pass, blocks
-// of three rows, 0.75 / 0.75 / 0.75 / 0.80 / 0.89 / 1.10 / 1.11; a pass per half of the group,
-// 0.73 / 0.87 / 0.94 and ~1.1 from four rows on).
+// The last step of a product: 8 columns' exact sums less the zero point's term, times the column
+// factor, one float multiply, as fbgemm does; ``v`` of the 8 columns are real (no read or write
+// past comp's, col's and the row's ends).
 template <int R>
-void group_rows(const uint8_t* xq, int64_t x_stride, const int8_t* wg, int64_t k4, const int32_t* comp,
-                const float* col, float* out, int64_t out_stride, int64_t valid) {
-  constexpr int kOctets = kGroup / 8;
-  const __m256i ones = _mm256_set1_epi16(1);
-  __m256i acc[R][kOctets];
-  for (int r = 0; r < R; ++r)
-    for (int h = 0; h < kOctets; ++h) acc[r][h] = _mm256_setzero_si256();
-  for (int64_t c = 0; c < k4; ++c) {
-    const int8_t* wc = wg + c * (kGroup * 4);
-    const int8_t* ahead = wc + kPrefetch * (kGroup * 4);
-    for (int line = 0; line < kGroup * 4; line += 64) _mm_prefetch(reinterpret_cast<const char*>(ahead + line), _MM_HINT_T0);
-    __m256i a[R];
-    for (int r = 0; r < R; ++r) {
-      int32_t four;
-      std::memcpy(&four, xq + r * x_stride + c * 4, sizeof(four));
-      a[r] = _mm256_set1_epi32(four);
-    }
-#pragma GCC unroll 8
-    for (int h = 0; h < kOctets; ++h) {
-      const __m256i w = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(wc + 32 * h));
-      for (int r = 0; r < R; ++r)
-        acc[r][h] = _mm256_add_epi32(acc[r][h], _mm256_madd_epi16(_mm256_maddubs_epi16(a[r], w), ones));
-    }
+inline void store_octet(const __m256i (&acc)[R], const int32_t* comp, const float* col, float* out, int64_t out_stride,
+                        int64_t v) {
+  __m256i cz;
+  __m256 cs;
+  if (v >= 8) {
+    cz = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(comp));
+    cs = _mm256_loadu_ps(col);
+  } else {
+    alignas(32) int32_t tc[8] = {};
+    alignas(32) float ts[8] = {};
+    std::memcpy(tc, comp, static_cast<size_t>(v) * sizeof(int32_t));
+    std::memcpy(ts, col, static_cast<size_t>(v) * sizeof(float));
+    cz = _mm256_load_si256(reinterpret_cast<const __m256i*>(tc));
+    cs = _mm256_load_ps(ts);
   }
-  for (int h = 0; h < kOctets; ++h) {
-    const int64_t first = 8 * h, v = valid - first;
-    if (v <= 0) break;
-    __m256i cz;
-    __m256 cs;
+  for (int r = 0; r < R; ++r) {
+    const __m256 y = _mm256_mul_ps(_mm256_cvtepi32_ps(_mm256_sub_epi32(acc[r], cz)), cs);
     if (v >= 8) {
-      cz = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(comp + first));
-      cs = _mm256_loadu_ps(col + first);
-    } else {  // the last columns of the matrix: no read past comp's and col's ends
-      alignas(32) int32_t tc[8] = {};
-      alignas(32) float ts[8] = {};
-      std::memcpy(tc, comp + first, static_cast<size_t>(v) * sizeof(int32_t));
-      std::memcpy(ts, col + first, static_cast<size_t>(v) * sizeof(float));
-      cz = _mm256_load_si256(reinterpret_cast<const __m256i*>(tc));
-      cs = _mm256_load_ps(ts);
-    }
-    for (int r = 0; r < R; ++r) {
-      const __m256 y = _mm256_mul_ps(_mm256_cvtepi32_ps(_mm256_sub_epi32(acc[r][h], cz)), cs);
-      if (v >= 8) {
-        _mm256_storeu_ps(out + r * out_stride + first, y);
-      } else {
-        alignas(32) float t[8];
-        _mm256_store_ps(t, y);
-        std::memcpy(out + r * out_stride + first, t, static_cast<size_t>(v) * sizeof(float));
-      }
+      _mm256_storeu_ps(out + r * out_stride, y);
+    } else {
+      alignas(32) float t[8];
+      _mm256_store_ps(t, y);
+      std::memcpy(out + r * out_stride, t, static_cast<size_t>(v) * sizeof(float));
     }
   }
 }
 
-using GroupFn = void (*)(const uint8_t*, int64_t, const int8_t*, int64_t, const int32_t*, const float*, float*, int64_t,
-                         int64_t);
-constexpr GroupFn kGroups[kRowsMax + 1] = {nullptr, group_rows<1>, group_rows<2>, group_rows<3>};
+// u8 codes (at most 128) times int8 weights, four inputs at a time: pair sums in int16 (|128 x 127
+// x 2| < 2^15: exact), widened to int32 pair sums against ones and added: sum_k q_k w_jk exactly.
+inline __m256i dot4(__m256i acc, __m256i a, __m256i w, __m256i ones) {
+  return _mm256_add_epi32(acc, _mm256_madd_epi16(_mm256_maddubs_epi16(a, w), ones));
+}
+
+inline __m256i codes4(const uint8_t* at) {  // a row's four codes, broadcast
+  int32_t four;
+  std::memcpy(&four, at, sizeof(four));
+  return _mm256_set1_epi32(four);
+}
+
+// R rows x a span of 64 columns (four 16-column groups, eight octets of 8 columns), one pass over
+// the span's weights for all R rows: per step of four inputs, each row's four codes against the
+// four groups' lines.  8 x R accumulators are more than AVX2's 16 registers hold from two rows on;
+// the compiler keeps the rest in L1, which costs less than passing over the span once per half
+// (measured, machine H, SmolLM2's 49,152 x 576 LM head, time against fbgemm's in the same process
+// for 1 / 2 / 3 / 4 / 5 / 9 / 16 rows: one pass, blocks of three rows, 0.75 / 0.75 / 0.75 / 0.80 /
+// 0.89 / 1.10 / 1.11; a pass per half of the span, 0.73 / 0.87 / 0.94 and ~1.1 from four rows on).
+// Products of more rows take line_rows.
+template <int R>
+void span_rows(const uint8_t* xq, int64_t x_stride, const int8_t* ws, int64_t k4, const int32_t* comp,
+               const float* col, float* out, int64_t out_stride) {
+  constexpr int kOctets = kSpan / 8;
+  const int64_t stride = k4 * kGroup * 4;  // bytes from one 16-column group to the next
+  const __m256i ones = _mm256_set1_epi16(1);
+  __m256i acc[kOctets][R];
+  for (int h = 0; h < kOctets; ++h)
+    for (int r = 0; r < R; ++r) acc[h][r] = _mm256_setzero_si256();
+  for (int64_t c = 0; c < k4; ++c) {
+    const int8_t* wc = ws + c * (kGroup * 4);
+    for (int g = 0; g < kSpan / kGroup; ++g)
+      _mm_prefetch(reinterpret_cast<const char*>(wc + g * stride + kPrefetch * 256), _MM_HINT_T0);
+    __m256i a[R];
+    for (int r = 0; r < R; ++r) a[r] = codes4(xq + r * x_stride + c * 4);
+#pragma GCC unroll 8
+    for (int h = 0; h < kOctets; ++h) {
+      const __m256i w = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(wc + (h / 2) * stride + 32 * (h % 2)));
+      for (int r = 0; r < R; ++r) acc[h][r] = dot4(acc[h][r], a[r], w, ones);
+    }
+  }
+  for (int h = 0; h < kOctets; ++h) store_octet<R>(acc[h], comp + 8 * h, col + 8 * h, out + 8 * h, out_stride, 8);
+}
+
+using SpanFn = void (*)(const uint8_t*, int64_t, const int8_t*, int64_t, const int32_t*, const float*, float*, int64_t);
+constexpr SpanFn kSpans[kRowsMax + 1] = {nullptr, span_rows<1>, span_rows<2>, span_rows<3>};
+
+// Products of more than kRowsMax rows (and a matrix's last, partial span): R rows x one 16-column
+// group, whose weights are one contiguous stream of 64 bytes a step; the 2R accumulators, the
+// step's two weight vectors, the ones, a row's codes and one product fit AVX2's 16 registers
+// (2R + 5 <= 16), where span_rows spills.  Each group is read from memory by its first block of
+// rows; the later blocks find it in L2 (64 bytes x K/4: 143 KB for 8,960 inputs).
+constexpr int kLineRows = 5;
+
+template <int R>
+void line_rows(const uint8_t* xq, int64_t x_stride, const int8_t* wl, int64_t k4, const int32_t* comp,
+               const float* col, float* out, int64_t out_stride, int64_t valid) {
+  const __m256i ones = _mm256_set1_epi16(1);
+  __m256i lo[R], hi[R];
+  for (int r = 0; r < R; ++r) lo[r] = hi[r] = _mm256_setzero_si256();
+  for (int64_t c = 0; c < k4; ++c) {
+    const int8_t* wc = wl + c * (kGroup * 4);
+    _mm_prefetch(reinterpret_cast<const char*>(wc + kPrefetch * 256), _MM_HINT_T0);
+    const __m256i w0 = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(wc));
+    const __m256i w1 = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(wc + 32));
+    for (int r = 0; r < R; ++r) {
+      const __m256i a = codes4(xq + r * x_stride + c * 4);
+      lo[r] = dot4(lo[r], a, w0, ones);
+      hi[r] = dot4(hi[r], a, w1, ones);
+    }
+  }
+  store_octet<R>(lo, comp, col, out, out_stride, valid);
+  if (valid > 8) store_octet<R>(hi, comp + 8, col + 8, out + 8, out_stride, valid - 8);
+}
+
+using LineFn = void (*)(const uint8_t*, int64_t, const int8_t*, int64_t, const int32_t*, const float*, float*, int64_t,
+                        int64_t);
+constexpr LineFn kLines[kLineRows + 1] = {nullptr, line_rows<1>, line_rows<2>, line_rows<3>, line_rows<4>,
+                                          line_rows<5>};
 #endif
 
 std::tuple<at::Tensor, at::Tensor> q8_linear(const at::Tensor& x_in, const c10::optional<at::Tensor>& smooth,
@@ -271,14 +317,35 @@ std::tuple<at::Tensor, at::Tensor> q8_linear(const at::Tensor& x_in, const c10::
   const int64_t xs = xq.size(1);
   // groups of 64 output columns, split between threads; a column's sum is computed by one thread
   // (and integer sums are exact in any order anyway)
-  const int64_t grain = ng * k4 * kGroup * 4 < (1 << 16) ? ng : (ng + 1) / 2;
-  at::parallel_for(0, ng, grain, [&](int64_t lo, int64_t hi) {
+  const int64_t spans = (nout + kSpan - 1) / kSpan;
+  const int64_t grain = ng * k4 * kGroup * 4 < (1 << 16) ? spans : (spans + 1) / 2;
+  at::parallel_for(0, spans, grain, [&](int64_t lo, int64_t hi) {
+#if SPECDEC_Q8
     for (int64_t g = lo; g < hi; ++g)
       for (int64_t r0 = 0; r0 < n; r0 += kRowsMax) {
         const int64_t rows = n - r0 < kRowsMax ? n - r0 : kRowsMax;
         kGroups[rows](xp + r0 * xs, xs, wp + g * k4 * kGroup * 4, k4, cp + g * kGroup, sp + g * kGroup,
                       op + r0 * nout + g * kGroup, nout, nout - g * kGroup);
       }
+#else
+    for (int64_t sp0 = lo; sp0 < hi; ++sp0) {
+      const int64_t first = sp0 * kSpan, cols = std::min<int64_t>(kSpan, nout - first);
+      const int8_t* ws = wp + (first / kGroup) * k4 * kGroup * 4;
+      if (n <= kRowsMax && cols == kSpan) {
+        for (int64_t r0 = 0; r0 < n; r0 += kRowsMax) {
+          const int64_t rows = n - r0 < kRowsMax ? n - r0 : kRowsMax;
+          kSpans[rows](xp + r0 * xs, xs, ws, k4, cp + first, sp + first, op + r0 * nout + first, nout);
+        }
+        continue;
+      }
+      for (int64_t g = 0; g * kGroup < cols; ++g)
+        for (int64_t r0 = 0; r0 < n; r0 += kLineRows) {
+          const int64_t rows = n - r0 < kLineRows ? n - r0 : kLineRows, c0 = first + g * kGroup;
+          kLines[rows](xp + r0 * xs, xs, ws + g * k4 * kGroup * 4, k4, cp + c0, sp + c0, op + r0 * nout + c0, nout,
+                       nout - c0);
+        }
+    }
+#endif
   });
   return {out, s};
 #else
