@@ -13,6 +13,7 @@ AVX2 build on a VNNI CPU, against fbgemm with 7-bit activations).
 
 from __future__ import annotations
 
+import warnings
 from pathlib import Path
 
 import pytest
@@ -21,7 +22,7 @@ import torch
 import specdec.models.linear as linear_mod
 from specdec.models import kernels
 from specdec.models.linear import W8A8Linear, vnni_available, vnni_packing, w8a8_available
-from specdec.models.quantize import smoothing
+from specdec.models.quantize import column_absmax, smoothing
 from kernel_child import decode_in_child
 from tiny import make_tiny
 
@@ -143,6 +144,84 @@ def test_the_packed_layout_is_groups_of_columns_by_steps_of_4_inputs(shape):
     want = padded.reshape(ng, size, k4, 4).permute(0, 2, 1, 3).contiguous()  # [ng, k4, G, 4]
     assert torch.equal(torch.ops.specdec.q8_pack(w), want)
     assert torch.equal(torch.ops.specdec.q8_pack(w.t().contiguous().t()), want)  # a strided weight too
+
+
+def _aten_quantised(w: torch.Tensor, smooth: torch.Tensor | None) -> tuple[list[torch.Tensor], torch.Tensor]:
+    """The kernel's packing and the float64 scales the way W8A8Linear made them before q8_quantize:
+    smoothing product, per-row max |.|, scale = max / 127, quantize_per_channel, vnni_packing."""
+    ws, _ = linear_mod._smoothed(w, smooth, pad=2)
+    lo, hi = torch.aminmax(ws, dim=1)
+    scales = (torch.maximum(hi, -lo).clamp_min(1e-12) / 127.0).double()
+    with warnings.catch_warnings():  # torch marks its quantised tensors as deprecated (2.13)
+        warnings.simplefilter("ignore")
+        qw = torch.quantize_per_channel(ws, scales, torch.zeros(w.shape[0], dtype=torch.long), 0, torch.qint8)
+    return vnni_packing(qw.int_repr()[:, : w.shape[1]], scales), scales
+
+
+def _hard_row(n: int, g: torch.Generator) -> torch.Tensor:
+    """A row with max |.| 1 (scale float32(1/127)) whose other values sit a few ulps from the
+    half-way points between codes, where rounding v * (1 / scale) and v / scale part ways."""
+    scale = torch.tensor(1.0) / 127.0
+    k = torch.randint(-127, 127, (n,), generator=g).float()
+    v = (k + 0.5) * scale
+    ulps = torch.randint(-3, 4, (n,), generator=g)
+    for _ in range(3):  # step each value up to three ulps up or down
+        v = torch.where(ulps > 0, torch.nextafter(v, torch.tensor(2.0)), torch.where(ulps < 0, torch.nextafter(v, torch.tensor(-2.0)), v))
+        ulps = ulps - ulps.sign()
+    v[0] = 1.0
+    return v
+
+
+@needs_vnni
+@pytest.mark.parametrize("shape", [(1000, 1536), (77, 37), (130, 9), (17, 4)])
+@pytest.mark.parametrize("smoothed", [False, True])
+def test_quantising_in_one_compiled_pass_is_the_aten_path_bit_for_bit(shape, smoothed):
+    """``q8_quantize`` (the weight's smoothing, scales, quantisation, packing and column sums in one
+    compiled pass) makes what the ATen calls make: the same packed codes, zero-point terms, column
+    factors and float64 scales, for zero rows, outlier rows, tiny values and rows built on the
+    rounding boundaries (where a division instead of the product with the inverse scale rounds 1-10
+    % of values differently: counted here, so the test can tell the two apart)."""
+    out_f, in_f = shape
+    g = torch.Generator().manual_seed(out_f * in_f + smoothed)
+    w = torch.randn(out_f, in_f, generator=g) * 0.05
+    w[min(3, out_f - 1)] *= 40
+    w[min(5, out_f - 1)] = 0.0
+    w[min(6, out_f - 1), ::2] = 1e-39  # subnormal
+    hard_rows = min(out_f - 8, 64) if out_f > 8 else 0
+    for r in range(hard_rows):
+        w[8 + r] = _hard_row(in_f, g) * (0.5 + r / 64)
+    smooth = torch.rand(in_f, generator=g) * 3 + 0.2 if smoothed else None
+    packed, comp, col, scales = torch.ops.specdec.q8_quantize(w, smooth)
+    (ref_packed, ref_comp, ref_col), ref_scales = _aten_quantised(w, smooth)
+    assert torch.equal(scales, ref_scales)
+    assert torch.equal(packed, ref_packed)
+    assert torch.equal(comp, ref_comp)
+    assert torch.equal(col, ref_col)
+    if hard_rows and not smoothed and in_f >= 1000:
+        hard = w[8 : 8 + hard_rows]
+        s32 = ref_scales[8 : 8 + hard_rows].float()[:, None]
+        assert int((torch.round(hard * (1.0 / s32)) != torch.round(hard / s32)).sum()) >= 100
+    lin = W8A8Linear(w, smooth=smooth)  # the layer takes this path where the kernel runs
+    assert all(torch.equal(a, b) for a, b in zip(lin.vnni, (ref_packed, ref_comp, ref_col)))
+
+
+@pytest.mark.skipif(not kernels.load(), reason="needs the compiled kernels (a C++ compiler)")
+@pytest.mark.parametrize("shape", [(300, 257), (1, 5), (7, 1), (1000, 600)])
+def test_column_absmax_is_abs_then_amax(shape):
+    """``quantize.column_absmax`` (the smoothing's per-input max |w|, compiled without abs's copy)
+    equals ``w.abs().amax(0)`` bit for bit, with signed zeros, infinities and a NaN among the values."""
+    g = torch.Generator().manual_seed(shape[0] * 7 + shape[1])
+    w = torch.randn(shape, generator=g) * torch.rand(shape[1], generator=g) * 5
+    w[0, 0] = -0.0
+    if shape[1] > 3:
+        w[-1, 1] = float("-inf")
+        w[0, 2] = float("nan")
+        w[:, 3] = -0.0
+    got = column_absmax(w)
+    want = w.abs().amax(0)
+    assert torch.equal(got.isnan(), want.isnan())
+    assert torch.equal(torch.nan_to_num(got), torch.nan_to_num(want))
+    assert torch.equal(torch.nan_to_num(column_absmax(w.t().contiguous().t())), torch.nan_to_num(got))  # a strided weight too
 
 
 @needs_vnni

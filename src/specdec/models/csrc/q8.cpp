@@ -36,6 +36,7 @@
 #include <cmath>
 #include <cstdint>
 #include <cstring>
+#include <vector>
 
 #if defined(__AVX512VNNI__) && defined(__AVX512F__) && defined(__AVX512BW__)
 #include <immintrin.h>
@@ -82,6 +83,129 @@ at::Tensor q8_pack(const at::Tensor& w) {
         for (; c + 4 <= k; c += 4, at += kGroup * 4) std::memcpy(at, row + c, 4);
         for (int64_t u = 0; c + u < k; ++u) at[u] = row[c + u];
       }
+  });
+  return out;
+}
+
+// The whole quantisation of a W8A8 layer's weight in one pass, what W8A8Linear otherwise does with
+// seven ATen calls (smoothing product, per-row aminmax, the scales, quantize_per_channel, int_repr,
+// the row sums, q8_pack: ~25 s of loading the int8 Qwen2.5-Coder-1.5B on two cores).  Every number
+// comes out as the ATen path makes it, bit for bit (tested): v = w * smooth (one float product),
+// m = max(max_k |v_k|, 1e-12), scale = m / 127 (float), q = nearbyint(v * (1 / scale)) clamped to
+// [-128, 127] (quantize_per_channel's rule for qint8), col = float(step) * scale, comp = zero * sum_k q.
+//   w f32 [N, K], smooth f32 [K] or None -> (packed as q8_pack, comp int32 [N], col f32 [N],
+//   scales f64 [N])
+std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor> q8_quantize(const at::Tensor& w_in,
+                                                                   const c10::optional<at::Tensor>& smooth) {
+  TORCH_CHECK(w_in.dim() == 2 && w_in.scalar_type() == at::kFloat, "q8_quantize: a float32 [N, K] weight");
+  const at::Tensor w = w_in.contiguous();
+  const int64_t n = w.size(0), k = w.size(1), ng = (n + kGroup - 1) / kGroup, k4 = (k + 3) / 4;
+  const bool smoothed = smooth.has_value() && smooth->defined();
+  at::Tensor sm;
+  if (smoothed) {
+    sm = smooth->contiguous();
+    TORCH_CHECK(sm.scalar_type() == at::kFloat && sm.numel() == k, "q8_quantize: smooth must be float32 [K]");
+  }
+  at::Tensor packed = at::zeros({ng, k4, kGroup, 4}, w.options().dtype(at::kChar));
+  at::Tensor comp = at::empty({n}, w.options().dtype(at::kInt));
+  at::Tensor col = at::empty({n}, w.options());
+  at::Tensor scales = at::empty({n}, w.options().dtype(at::kDouble));
+  const float* wp = w.data_ptr<float>();
+  const float* smp = smoothed ? sm.data_ptr<float>() : nullptr;
+  int8_t* dst = packed.data_ptr<int8_t>();
+  int32_t* cp = comp.data_ptr<int32_t>();
+  float* colp = col.data_ptr<float>();
+  double* sp = scales.data_ptr<double>();
+  const float step = static_cast<float>(kStep);
+  at::parallel_for(0, ng, 1, [&](int64_t g0, int64_t g1) {
+    std::vector<float> v(static_cast<size_t>(k));
+    for (int64_t g = g0; g < g1; ++g)
+      for (int64_t j = g * kGroup; j < std::min(n, (g + 1) * kGroup); ++j) {
+        const float* row = wp + j * k;
+        int64_t c = 0;
+        float m = 0.0f;
+#if SPECDEC_Q8 || SPECDEC_Q8_AVX2
+        const __m256 sign = _mm256_set1_ps(-0.0f);
+        __m256 mv = _mm256_setzero_ps();
+        for (; c + 8 <= k; c += 8) {
+          __m256 x = _mm256_loadu_ps(row + c);
+          if (smoothed) x = _mm256_mul_ps(x, _mm256_loadu_ps(smp + c));
+          _mm256_storeu_ps(v.data() + c, x);
+          mv = _mm256_max_ps(mv, _mm256_andnot_ps(sign, x));
+        }
+        alignas(32) float lanes[8];
+        _mm256_store_ps(lanes, mv);
+        for (float a : lanes) m = a > m ? a : m;
+#endif
+        for (; c < k; ++c) {
+          const float x = smoothed ? row[c] * smp[c] : row[c];
+          v[c] = x;
+          const float a = std::fabs(x);
+          m = a > m ? a : m;
+        }
+        const float scale = (m > 1e-12f ? m : 1e-12f) / 127.0f;
+        const float inv = 1.0f / scale;
+        int32_t sum = 0;
+        int8_t* at = dst + (g * k4 * kGroup + j % kGroup) * 4;
+        c = 0;
+#if SPECDEC_Q8 || SPECDEC_Q8_AVX2
+        const __m256 vinv = _mm256_set1_ps(inv), lo = _mm256_set1_ps(-128.0f), hi = _mm256_set1_ps(127.0f);
+        __m256i vsum = _mm256_setzero_si256();
+        for (; c + 8 <= k; c += 8) {
+          // nearest, ties to even (nearbyint), then the clamp: integral floats, converted exactly
+          __m256 q = _mm256_round_ps(_mm256_mul_ps(_mm256_loadu_ps(v.data() + c), vinv),
+                                     _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
+          const __m256i qi = _mm256_cvtps_epi32(_mm256_min_ps(_mm256_max_ps(q, lo), hi));
+          vsum = _mm256_add_epi32(vsum, qi);
+          alignas(32) int32_t t[8];
+          _mm256_store_si256(reinterpret_cast<__m256i*>(t), qi);
+          int8_t* dst0 = at + (c / 4) * kGroup * 4;
+          int8_t* dst1 = dst0 + kGroup * 4;
+          for (int u = 0; u < 4; ++u) {
+            dst0[u] = static_cast<int8_t>(t[u]);
+            dst1[u] = static_cast<int8_t>(t[u + 4]);
+          }
+        }
+        alignas(32) int32_t sums[8];
+        _mm256_store_si256(reinterpret_cast<__m256i*>(sums), vsum);
+        for (int32_t x : sums) sum += x;
+#endif
+        for (; c < k; ++c) {
+          float q = std::nearbyint(v[c] * inv);
+          q = q < -128.0f ? -128.0f : (q > 127.0f ? 127.0f : q);
+          const int8_t b = static_cast<int8_t>(q);
+          sum += b;
+          at[(c / 4) * kGroup * 4 + c % 4] = b;
+        }
+        cp[j] = static_cast<int32_t>(kZero) * sum;
+        colp[j] = step * scale;
+        sp[j] = static_cast<double>(scale);
+      }
+  });
+  return {packed, comp, col, scales};
+}
+
+// max_i |w_ij| per column of a float32 [N, K] weight: w.abs().amax(0) without the N x K copy (a
+// max is exact in any order); what SmoothQuant's factors are made from, for every int8 matrix.
+at::Tensor absmax_columns(const at::Tensor& w_in) {
+  TORCH_CHECK(w_in.dim() == 2 && w_in.scalar_type() == at::kFloat, "absmax_columns: a float32 [N, K] weight");
+  const at::Tensor w = w_in.contiguous();
+  const int64_t n = w.size(0), k = w.size(1);
+  at::Tensor out = at::zeros({k}, w.options());
+  const float* wp = w.data_ptr<float>();
+  float* op = out.data_ptr<float>();
+  constexpr int64_t kBlock = 256;  // columns a thread keeps its running maxima for
+  at::parallel_for(0, (k + kBlock - 1) / kBlock, 1, [&](int64_t b0, int64_t b1) {
+    for (int64_t b = b0; b < b1; ++b) {
+      const int64_t c0 = b * kBlock, c1 = std::min(k, c0 + kBlock);
+      for (int64_t i = 0; i < n; ++i) {
+        const float* row = wp + i * k;
+        for (int64_t c = c0; c < c1; ++c) {
+          const float a = std::fabs(row[c]);
+          op[c] = a > op[c] || a != a ? a : op[c];  // a NaN stays, as amax keeps it
+        }
+      }
+    }
   });
   return out;
 }
@@ -364,6 +488,8 @@ std::tuple<at::Tensor, at::Tensor> specdec::q8_product(const at::Tensor& x, cons
 
 TORCH_LIBRARY(specdec, m) {
   m.def("q8_pack(Tensor w) -> Tensor");
+  m.def("q8_quantize(Tensor w, Tensor? smooth) -> (Tensor, Tensor, Tensor, Tensor)");
+  m.def("absmax_columns(Tensor w) -> Tensor");
   m.def("q8_linear(Tensor x, Tensor? smooth, Tensor packed, Tensor comp, Tensor col) -> (Tensor, Tensor)");
   m.def("q8_supported() -> bool", &q8_supported);
   m.def("q8_zero() -> int", &q8_zero);
@@ -371,5 +497,7 @@ TORCH_LIBRARY(specdec, m) {
 
 TORCH_LIBRARY_IMPL(specdec, CPU, m) {
   m.impl("q8_pack", &q8_pack);
+  m.impl("q8_quantize", &q8_quantize);
+  m.impl("absmax_columns", &absmax_columns);
   m.impl("q8_linear", &q8_linear);
 }
