@@ -82,6 +82,8 @@ def main() -> int:
     ap.add_argument("--draft", help="generate with this drafter instead of the default (e.g. none)")
     ap.add_argument("--out", required=True)
     args = ap.parse_args()
+    if args.llamacpp and args.target:
+        ap.error("--llamacpp times llama.cpp on the default target's GGUF; leave --target out with it")
     py = sys.executable
     cli = [py, "-m", "specdec.cli"]
     models = [*(["--target", args.target] if args.target else []), *(["--draft", args.draft] if args.draft else [])]

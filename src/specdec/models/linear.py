@@ -426,9 +426,9 @@ def wide_product(x: Tensor, wide: list[Tensor]) -> Tensor:  # x: [n, in] rows in
 #: no longer stay in cache for a second block of rows.  So the AVX2 build now runs products of more
 #: than three rows a 16-column group at a time, in blocks of five rows whose accumulators stay in
 #: registers (``line_rows`` in csrc/q8.cpp), against fbgemm in one process (machine H, weights
-#: streamed, kernel / fbgemm for 4 / 8 / 16 / 64 rows): 49,152 x 576 0.70 / 0.78 / 0.92 / 1.08,
-#: 17,920 x 1,536 0.89 / 1.00 / 0.98 / 0.98, 1,536 x 8,960 0.84 / 0.98 / 0.93 / 1.13, 151,936 x 1,536
-#: 0.88 / 1.10 / 1.08 / 0.92, and level from 128 to 512 rows (``scripts/q8_rows.py``).  It takes
+#: streamed, kernel / fbgemm for 4 / 8 / 16 / 64 rows, benchmarks/avx2-int8-rows-h): 49,152 x 576
+#: 0.62 / 0.78 / 0.98 / 0.79, 16,384 x 256 0.51 / 0.58 / 0.60 / 0.85, 17,920 x 1,536 0.88 / 1.17 /
+#: 1.11 / 1.02, 1,536 x 8,960 0.80 / 0.86 / 0.87 / 0.95, and level from 128 to 512 rows.  It takes
 #: every row count (``AVX2_ROWS``), so fbgemm's weights are never packed there.
 VNNI_ROWS = 16
 ALL_ROWS = 1 << 30
