@@ -429,8 +429,7 @@ class ScriptedLayers:
         self.vnni: dict[int, list[Tensor]] = {}  # W8A8 layers' few-row kernel packing (linear.vnni_packing)
         self.q4: dict[int, list[Tensor]] = {}  # Q4Linear layers (see Q4)
         self.n_out: dict[int, int] = {}  # Q4 and F32 layers' output features
-        self._w8a8: list[W8A8Linear] = []
-        self._w8a8_at: dict[int, W8A8Linear] = {}
+        self._w8a8_at: dict[int, W8A8Linear] = {}  # the W8A8 layers by index
         self._q8_few = -1  # the few-row setting self.q8 was made for (see _fbgemm)
         self.reduce_range = False
         for layer in layers:
@@ -443,7 +442,6 @@ class ScriptedLayers:
                     self._w8a8_at[i] = lin
                     if lin.inv_smooth is not None:
                         self.smooth[i] = lin.inv_smooth
-                    self._w8a8.append(lin)
                     self.reduce_range = lin._reduce_range
                     if lin.wide is not None:
                         self.wide[i] = lin.wide
@@ -513,10 +511,10 @@ class ScriptedLayers:
     def _ensure(self, rows: int) -> None:
         if rows <= self._rows:
             return
-        for lin in self._w8a8:
+        for lin in self._w8a8_at.values():
             lin._staged(rows)  # grows the staging buffer
-        self.staging = {i: lin._buf for i, lin in zip((i for i, k in enumerate(self.kinds) if k == W8A8), self._w8a8)}
-        self._rows = min(lin._buf.shape[0] for lin in self._w8a8) if self._w8a8 else 1 << 30
+        self.staging = {i: lin._buf for i, lin in self._w8a8_at.items()}
+        self._rows = min(lin._buf.shape[0] for lin in self._w8a8_at.values()) if self._w8a8_at else 1 << 30
 
     def _fbgemm(self, few: int) -> dict[int, object]:
         """fbgemm's packed weights of the W8A8 layers that run some row count on fbgemm under the
