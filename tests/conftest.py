@@ -11,9 +11,11 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).parent))
 
-# every test runs the calibration pass it asks for: a model's ranges kept on disk by an earlier load
-# would answer instead (tests/models/test_calibration_cache.py turns the cache on for itself)
+# every test runs the calibration pass and builds the int8 layers it asks for: a model's ranges or
+# layers kept on disk by an earlier load would answer instead (tests/models/test_calibration_cache.py
+# and test_quantised_cache.py turn the caches on for themselves)
 os.environ["SPECDEC_CALIBRATION_CACHE"] = "off"
+os.environ["SPECDEC_QUANTISED_CACHE"] = "off"
 
 # one thread per xdist worker: OpenMP threads oversubscribing the cores slow everything down badly
 torch.set_num_threads(1 if os.environ.get("PYTEST_XDIST_WORKER") else max(1, min(2, os.cpu_count() or 1)))

@@ -34,7 +34,7 @@ from torch import Tensor
 #: entries kept (an entry is a few KB to ~100 KB; the oldest written go first)
 KEEP = 64
 #: settings that never change a pass's numbers (where files go, credentials)
-_NEUTRAL_ENV = ("SPECDEC_CACHE", "SPECDEC_CALIBRATION_CACHE", "SPECDEC_API_KEY")
+_NEUTRAL_ENV = ("SPECDEC_CACHE", "SPECDEC_CALIBRATION_CACHE", "SPECDEC_QUANTISED_CACHE", "SPECDEC_API_KEY")
 
 
 def cache_dir() -> Path | None:
@@ -70,11 +70,16 @@ def _code_digest() -> str:
 
 def key(parts: dict[str, Any]) -> str | None:
     """The entry's name: ``parts`` (what the caller knows of the model) and this process's code,
-    kernels and settings, hashed; None when the cache is off (nothing to read or write)."""
-    from specdec.models import kernels
-
+    kernels and settings, hashed (:func:`digest`); None when the cache is off (nothing to read or write)."""
     if cache_dir() is None:
         return None
+    return digest(parts)
+
+
+def digest(parts: dict[str, Any]) -> str:
+    """``parts`` and this process's code, kernels and settings, hashed: what a pass over a model
+    made from those parts can depend on (also the name of :mod:`specdec.models.quantised_cache`'s entries)."""
+    from specdec.models import kernels
 
     env = sorted((k, v) for k, v in os.environ.items() if k.startswith("SPECDEC_") and k not in _NEUTRAL_ENV)
     full = {

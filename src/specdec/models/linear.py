@@ -222,18 +222,16 @@ class W8A8Linear:
         self._reduce_range = not _has_vnni()
         n, k = weight.shape
         qw: Tensor | None = None
-        #: [packed int8 weight, zero-point compensation, column scales] for the few-row kernel
-        #: (kernels.q8_linear: bitwise fbgemm, products of up to few_rows(reduce_range) rows), None where it is absent
-        self.vnni: list[Tensor] | None = None
+        vnni: list[Tensor] | None = None
         if not wide and vnni_available(self._reduce_range):
             # the kernel's packing straight from the float weight in one compiled pass: bitwise what
             # the steps below make (quantize_per_channel, then vnni_packing), ~10x faster
             packed, comp, col, scales = torch.ops.specdec.q8_quantize(
                 weight.detach().float(), None if smooth is None else smooth.float())
-            self.inv_smooth = None if smooth is None else (1.0 / smooth.float()).contiguous()
-            self.vnni = [packed, comp, col]
+            inv_smooth = None if smooth is None else (1.0 / smooth.float()).contiguous()
+            vnni = [packed, comp, col]
         else:
-            w, self.inv_smooth = _smoothed(weight, smooth, pad=2)  # [out, in + 2]: two zero columns
+            w, inv_smooth = _smoothed(weight, smooth, pad=2)  # [out, in + 2]: two zero columns
             lo, hi = torch.aminmax(w, dim=1)  # max |w| per row, as abs().amax() gives it, without a copy
             scales = (torch.maximum(hi, -lo).clamp_min(1e-12) / 127.0).double()
             with warnings.catch_warnings():  # torch marks its quantised tensors as deprecated (2.13)
@@ -241,7 +239,17 @@ class W8A8Linear:
                 qw = torch.quantize_per_channel(w, scales, torch.zeros(n, dtype=torch.long), axis=0, dtype=torch.qint8)
             del w
             if vnni_available(self._reduce_range):
-                self.vnni = vnni_packing(qw.int_repr()[:, :k], scales)
+                vnni = vnni_packing(qw.int_repr()[:, :k], scales)
+        self._finish(n, k, scales, vnni, qw, inv_smooth, bias, wide)
+
+    def _finish(self, n: int, k: int, scales: Tensor, vnni: list[Tensor] | None, qw: Tensor | None,
+                inv_smooth: Tensor | None, bias: Tensor | None, wide: bool) -> None:
+        """Everything after quantisation, shared by a new layer and one read back (:meth:`from_state`):
+        ``qw`` (qint8 [out, in + 2]) or ``vnni`` (the kernel's packing) holds the int8 weights."""
+        #: [packed int8 weight, zero-point compensation, column scales] for the few-row kernel
+        #: (kernels.q8_linear: bitwise fbgemm, products of up to few_rows(reduce_range) rows), None where it is absent
+        self.vnni = vnni
+        self.inv_smooth = inv_smooth
         # fbgemm's packed weight (:attr:`packed`), made below unless no row count runs on fbgemm
         self._packed: Tensor | None = None
         self._qw: Tensor | None = qw
@@ -256,12 +264,39 @@ class W8A8Linear:
         if wide:
             if self._reduce_range:
                 raise ValueError("the wide int8 kernel needs VNNI (8-bit activations)")
-            assert qw is not None
-            self.wide = wide_packing(qw.int_repr()[:, :k], scales)
+            q = qw if qw is not None else self._unpacked()
+            self.wide = wide_packing(q.int_repr()[:, :k], scales)
         if not self.fbgemm_unused:
             self.packed  # noqa: B018 - packed now, never inside a timed pass
         self._qw = None  # packed, or rebuilt from the kernel's packing if ever asked for (_unpacked)
-        del qw
+
+    def state(self) -> dict[str, Tensor] | None:
+        """What :meth:`from_state` rebuilds this layer from — the kernel's packing (int8 weights
+        [groups, in / 4, group width, 4], zero-point terms, column factors), the float64 weight
+        scales, and the bias and smoothing where there are any — or None where the layer has no
+        kernel packing (its int8 weights then live in fbgemm's packed form, which cannot be saved)."""
+        if self.vnni is None:
+            return None
+        out = {"packed": self.vnni[0], "comp": self.vnni[1], "col": self.vnni[2], "scales": self._scales}
+        if self.bias is not None:
+            out["bias"] = self.bias
+        if self.inv_smooth is not None:
+            out["inv_smooth"] = self.inv_smooth
+        return out
+
+    @classmethod
+    def from_state(cls, state: dict[str, Tensor], in_features: int, *, wide: bool = False) -> "W8A8Linear":
+        """The layer :meth:`state` was taken from, without the float weight: the same int8 weights,
+        scales and packing, so every product is bitwise the original layer's.  The kernel must
+        run here with the same build as where the state was taken (the caller keys on it)."""
+        self = cls.__new__(cls)
+        self._reduce_range = not _has_vnni()
+        if not vnni_available(self._reduce_range):
+            raise ValueError("a W8A8 layer's saved packing needs the few-row int8 kernel")
+        scales = state["scales"]
+        self._finish(scales.numel(), in_features, scales, [state["packed"], state["comp"], state["col"]], None,
+                     state.get("inv_smooth"), state.get("bias"), wide)
+        return self
 
     @property
     def fbgemm_unused(self) -> bool:

@@ -24,7 +24,7 @@ from torch import Tensor
 from specdec.errors import ConfigError
 from specdec.kv_cache import KVCache
 from specdec.models.base import full_vocab
-from specdec.models import calibration_cache, kernels
+from specdec.models import calibration_cache, kernels, quantised_cache
 from specdec.models.linear import (
     Int8Linear,
     Linear,
@@ -276,6 +276,42 @@ def _out_in(lin) -> tuple[int, int]:
     return lin.out_features, lin.in_features
 
 
+#: the linear layers of each decoder layer, in the order they run
+LAYER_LINEARS = ("qkv", "out", "gate_up", "down")
+
+
+def _linear_shapes(cfg: NativeConfig, head_rows: int) -> dict[str, tuple[int, int]]:
+    """Every linear layer's (outputs, inputs) by name (``layers.I.NAME``, ``lm_head``), from the config."""
+    d, q, kv, inter = cfg.hidden_size, cfg.n_heads * cfg.head_dim, cfg.n_kv_heads * cfg.head_dim, cfg.intermediate_size
+    one = {"qkv": (q + 2 * kv, d), "out": (d, q), "gate_up": (2 * inter, d), "down": (d, inter)}
+    return {**{f"layers.{i}.{name}": one[name] for i in range(cfg.n_layers) for name in LAYER_LINEARS},
+            "lm_head": (head_rows, d)}
+
+
+def _cache_parts(cfg: NativeConfig, sources: list[Path], calibration: Tensor, *, dtype: torch.dtype,
+                 batch_invariant: bool, int8_head: bool, quant: str, int8_kernel: str, q4_blocks: list[str],
+                 vocab_subset: Tensor | None) -> dict:
+    """What a quantised model's calibration ranges and int8 layers depend on besides the code
+    (the key of :mod:`specdec.models.calibration_cache` and :mod:`specdec.models.quantised_cache`)."""
+    return {
+        "files": calibration_cache.file_identity(sources), "calibration": calibration_cache.tensor_digest(calibration),
+        "config": dataclasses.asdict(cfg), "dtype": str(dtype), "batch_invariant": batch_invariant,
+        "int8_head": int8_head, "quant": quant, "int8_kernel": int8_kernel, "q4_blocks": sorted(q4_blocks),
+        "vocab_subset": None if vocab_subset is None else calibration_cache.tensor_digest(vocab_subset),
+    }
+
+
+def _read_tensor(files: list[Path], name: str) -> Tensor:
+    """One tensor from whichever of the safetensors ``files`` holds it, without reading the others."""
+    from safetensors import safe_open
+
+    for f in files:
+        with safe_open(str(f), framework="pt") as sf:
+            if name in sf.keys():
+                return sf.get_tensor(name)
+    raise KeyError(name)
+
+
 class NativeCausalLM:
     """A Llama-family causal LM implementing :class:`specdec.models.base.LanguageModel`."""
 
@@ -293,6 +329,7 @@ class NativeCausalLM:
         int8_kernel: str = "auto",
         q4_blocks: dict[str, Q4Blocks] | None = None,
         sources: list[Path] | None = None,
+        quantised: dict[str, Tensor] | None = None,
     ) -> None:
         """``quant="int8"``: every linear layer and the LM head as :class:`W8A8Linear`, smoothed
         with input ranges measured on ``calibration`` token ids [n] (no smoothing without);
@@ -301,7 +338,9 @@ class NativeCausalLM:
         (by weight name: a GGUF's as shipped) where given, else quantised from the float weight —
         and the LM head as the int8 target's.  ``sources``: the files ``weights`` (and ``q4_blocks``)
         were read from, which lets the calibration's ranges be kept on disk for later starts
-        (:mod:`specdec.models.calibration_cache`)."""
+        (:mod:`specdec.models.calibration_cache`).  ``quantised`` (``quant="int8"``): the int8 layers
+        as :meth:`quantised_state` gave them, which then stand for every weight but the embedding
+        (``weights`` holds that alone), with ``int8_kernel`` already resolved; no calibration runs."""
         if quant not in (None, "int8", "q4"):
             raise ConfigError(f"unknown quantisation {quant!r}; the native backend offers int8 and q4")
         self.cfg = cfg
@@ -347,7 +386,18 @@ class NativeCausalLM:
         self.embed = w("model.embed_tokens.weight")  # [V, D]
         q_scale = 1.0 / math.sqrt(cfg.head_dim)  # exact (a power of two) for head_dim 64
         self.layers: list[_Layer] = []
-        for i in range(cfg.n_layers):
+        if quantised is not None:
+            if quant != "int8" or int8_kernel not in ("fbgemm", "mixed"):
+                raise ConfigError("a saved int8 model needs quant='int8' and its resolved kernel (fbgemm or mixed)")
+            ins = {name: k for name, (_, k) in _linear_shapes(cfg, 1).items()}
+
+            def stored(name: str) -> W8A8Linear:
+                fields = {k.rpartition(".")[2]: v for k, v in quantised.items() if k.rpartition(".")[0] == name}
+                return W8A8Linear.from_state(fields, ins[name], wide=int8_kernel == "mixed")
+
+            for i in range(cfg.n_layers):
+                self.layers.append(_Layer(**{name: stored(f"layers.{i}.{name}") for name in LAYER_LINEARS}))
+        for i in range(cfg.n_layers if quantised is None else 0):  # (a saved model's layers: built above)
             p = f"model.layers.{i}."
             attn_g, mlp_g = w(p + "input_layernorm.weight"), w(p + "post_attention_layernorm.weight")  # [D]
             biases = [b(p + f"self_attn.{x}_proj.bias") for x in "qkv"]
@@ -373,7 +423,7 @@ class NativeCausalLM:
                     down=linear(w(p + "mlp.down_proj.weight")),
                 )
             )
-        final_g = w("model.norm.weight")  # [D]
+        final_g = w("model.norm.weight") if quantised is None else None  # [D]
         head = self.embed if cfg.tie_embeddings or "lm_head.weight" not in weights else w("lm_head.weight")
         #: int8_head (drafts only: never for a target, whose logits define the output law): the LM
         #: head, by far the largest matrix of a small draft, as a dynamically quantised int8 matmul
@@ -383,10 +433,13 @@ class NativeCausalLM:
         self._subset = None if vocab_subset is None else vocab_subset.long()
         if self._subset is not None and not 0 <= int(self._subset.min()) <= int(self._subset.max()) < cfg.vocab_size:
             raise ConfigError(f"a draft vocabulary's ids must lie in 0..{cfg.vocab_size - 1}")
-        rows = head if self._subset is None else head[self._subset]
-        self.lm_head = Int8Linear(rows * final_g) if int8_head else linear(rows * final_g)
-        if quant is not None:
-            self.lm_head = linear(rows * final_g)
+        if quantised is not None:
+            self.lm_head = stored("lm_head")
+        else:
+            rows = head if self._subset is None else head[self._subset]
+            self.lm_head = Int8Linear(rows * final_g) if int8_head else linear(rows * final_g)
+            if quant is not None:
+                self.lm_head = linear(rows * final_g)
         self._eps = torch.tensor([cfg.rms_eps], dtype=dtype)
         cos, sin = _rope_tables(cfg, cfg.max_length)
         sin[:, : cfg.head_dim // 2] *= -1  # signed for _rotate
@@ -395,17 +448,16 @@ class NativeCausalLM:
         self._kv_size = cfg.n_kv_heads * cfg.head_dim
         #: the int8 kernel the linear layers run on ("fbgemm" | "onednn" | "mixed"), None when not quantised
         self.int8_kernel = None
-        if quant is not None:  # auto weighs the layer shapes (small matrices: fbgemm, linear.WIDE_AUTO_ROWS)
-            shapes = [_out_in(getattr(layer, name)) for layer in self.layers for name in ("qkv", "out", "gate_up", "down")]
+        if quantised is not None:
+            self.int8_kernel = int8_kernel
+        elif quant is not None:  # auto weighs the layer shapes (small matrices: fbgemm, linear.WIDE_AUTO_ROWS)
+            shapes = [_out_in(getattr(layer, name)) for layer in self.layers for name in LAYER_LINEARS]
             self.int8_kernel = resolve_int8_kernel(int8_kernel, shapes)
             cache_parts = None
             if sources is not None and calibration is not None:  # what the ranges depend on besides the code
-                cache_parts = {
-                    "files": calibration_cache.file_identity(sources), "calibration": calibration_cache.tensor_digest(calibration),
-                    "config": dataclasses.asdict(cfg), "dtype": str(dtype), "batch_invariant": batch_invariant,
-                    "int8_head": int8_head, "quant": quant, "int8_kernel": self.int8_kernel, "q4_blocks": sorted(blocks),
-                    "vocab_subset": None if vocab_subset is None else calibration_cache.tensor_digest(vocab_subset),
-                }
+                cache_parts = _cache_parts(cfg, sources, calibration, dtype=dtype, batch_invariant=batch_invariant,
+                                           int8_head=int8_head, quant=quant, int8_kernel=self.int8_kernel,
+                                           q4_blocks=list(blocks), vocab_subset=vocab_subset)
             self._quantize(calibration, cache_parts)
         #: the layer loop compiled with TorchScript (bitwise the same ops; see models/scripted.py),
         #: used for single positions and per-row (batch-invariant) attention; None = Python loop
@@ -424,7 +476,7 @@ class NativeCausalLM:
     def _recorders(self) -> dict[str, RangeRecorder]:
         """The range recorders by name (``layers.I.NAME``, ``lm_head``): the linears still in float."""
         out = {f"layers.{i}.{name}": getattr(layer, name) for i, layer in enumerate(self.layers)
-               for name in ("qkv", "out", "gate_up", "down") if isinstance(getattr(layer, name), RangeRecorder)}
+               for name in LAYER_LINEARS if isinstance(getattr(layer, name), RangeRecorder)}
         if isinstance(self.lm_head, RangeRecorder):
             out["lm_head"] = self.lm_head
         return out
@@ -455,10 +507,25 @@ class NativeCausalLM:
             return W8A8Linear(weight, rec.bias, smooth=smoothing(rec.absmax, weight), wide=self.int8_kernel == "mixed")
 
         for layer in self.layers:
-            for name in ("qkv", "out", "gate_up", "down"):
+            for name in LAYER_LINEARS:
                 if isinstance(getattr(layer, name), RangeRecorder):
                     setattr(layer, name, quantized(getattr(layer, name)))
         self.lm_head = quantized(self.lm_head)
+
+    def quantised_state(self) -> dict[str, Tensor] | None:
+        """An int8 model's layers as tensors, ``LAYER.FIELD`` (``layers.I.NAME``, ``lm_head``; the
+        fields of :meth:`W8A8Linear.state`), from which the constructor's ``quantised`` rebuilds
+        them bit for bit; None unless every layer is a W8A8 layer with the kernel's packing."""
+        if self.quant != "int8" or self.int8_kernel not in ("fbgemm", "mixed"):
+            return None
+        layers = {f"layers.{i}.{name}": getattr(layer, name) for i, layer in enumerate(self.layers) for name in LAYER_LINEARS}
+        out: dict[str, Tensor] = {}
+        for name, lin in {**layers, "lm_head": self.lm_head}.items():
+            state = lin.state() if isinstance(lin, W8A8Linear) else None
+            if state is None:
+                return None
+            out.update({f"{name}.{field}": t for field, t in state.items()})
+        return out
 
     # ------------------------------------------------------------------ loading
 
@@ -481,19 +548,41 @@ class NativeCausalLM:
 
         folder = Path(folder)
         cfg = NativeConfig.from_hf(json.loads((folder / "config.json").read_text()))
-        weights: dict[str, Tensor] = {}
-        for f in sorted(folder.glob("*.safetensors")):
-            weights.update(load_file(str(f)))
+        files = sorted(folder.glob("*.safetensors"))
         calibration = calibration_ids(folder) if quant is not None else None
+        # an int8 model built before from the same files, options and code: its layers are read from
+        # disk instead of made (the float weights are then never read but for the embedding)
+        entry = None
+        if quant == "int8" and calibration is not None and calibration.numel() > 1 and quantised_cache.cache_dir() is not None:
+            head_rows = cfg.vocab_size if vocab_subset is None else vocab_subset.numel()
+            shapes = _linear_shapes(cfg, head_rows)
+            kernel = resolve_int8_kernel(int8_kernel, [shapes[n] for n in shapes if n != "lm_head"])
+            parts = _cache_parts(cfg, [folder / "config.json", *files], calibration, dtype=dtype,
+                                 batch_invariant=batch_invariant, int8_head=int8_head, quant=quant,
+                                 int8_kernel=kernel, q4_blocks=[], vocab_subset=vocab_subset)
+            entry = calibration_cache.digest({**parts, "entry": quantised_cache.FORMAT})
+            state = quantised_cache.load(entry, shapes) if kernel in ("fbgemm", "mixed") else None
+            if state is not None:
+                embed = {"model.embed_tokens.weight": _read_tensor(files, "model.embed_tokens.weight")}
+                return cls(cfg, embed, dtype=dtype, batch_invariant=batch_invariant, int8_head=int8_head, quant=quant,
+                           int8_kernel=kernel, vocab_subset=vocab_subset, quantised=state)
+        weights: dict[str, Tensor] = {}
+        for f in files:
+            weights.update(load_file(str(f)))
         blocks = None
         if quant == "q4" and gguf is not None:
             from specdec.models.gguf_blocks import read_q4_blocks
 
             blocks = read_q4_blocks(gguf, cfg.n_heads, cfg.n_kv_heads)
-        sources = [folder / "config.json", *sorted(folder.glob("*.safetensors")), *([Path(gguf)] if blocks is not None else [])]
-        return cls(cfg, weights, dtype=dtype, batch_invariant=batch_invariant, int8_head=int8_head, quant=quant,
-                   calibration=calibration, int8_kernel=int8_kernel, q4_blocks=blocks, vocab_subset=vocab_subset,
-                   sources=sources)
+        sources = [folder / "config.json", *files, *([Path(gguf)] if blocks is not None else [])]
+        model = cls(cfg, weights, dtype=dtype, batch_invariant=batch_invariant, int8_head=int8_head, quant=quant,
+                    calibration=calibration, int8_kernel=int8_kernel, q4_blocks=blocks, vocab_subset=vocab_subset,
+                    sources=sources)
+        if entry is not None:
+            state = model.quantised_state()
+            if state is not None:
+                quantised_cache.save(entry, state)
+        return model
 
     # ------------------------------------------------------------------ LanguageModel
 

@@ -1,0 +1,113 @@
+"""An int8 model's quantised layers on disk, so that later starts read them instead of making them.
+
+Building an int8 model (``quant="int8"``: a target with ``--dtype int8``, a draft with
+``--draft-dtype w8a8``) reads every float32 weight, runs the calibration text through the float
+layers, smooths and quantises each matrix and packs it for the few-row int8 kernel.  For
+Qwen2.5-Coder-1.5B that is ~11 s of a ~21 s start on two cores and a 12.5 GB peak: the float32
+weights are read whole first.  The result is a deterministic function of the same things the
+calibration's ranges depend on (:func:`specdec.models.calibration_cache.key`: the weight files'
+path, size and modification time, the calibration ids, the config and options, specdec's code,
+its compiled kernels' build, every ``SPECDEC_*`` setting, torch and the thread count), so it is
+stored under that key in ``$SPECDEC_QUANTISED_CACHE`` (default ``$SPECDEC_CACHE/quantised``) as
+one safetensors file: per layer the kernel's packing, the float64 weight scales, and the bias and
+smoothing where there are any (:meth:`specdec.models.linear.W8A8Linear.state`).  A later start
+reads that and the float embedding alone, and rebuilds bitwise the same model.
+
+Only models whose every int8 layer has the kernel's packing are stored (a layer held in fbgemm's
+packed form alone cannot be saved; oneDNN-packed ``--int8-kernel onednn`` models are not either).
+An entry that does not name exactly the layers and fields the model expects, with their dtypes
+and sizes, is not used; anything unreadable is a miss (the model is built and the entry
+rewritten); writes go through a temporary file and a rename.  Entries are large (the int8 weights:
+~1.5 GB for a 1.5B model), so only :data:`KEEP` are kept and none is written where the disk would
+be left with less than :data:`FREE_MARGIN` bytes.  ``SPECDEC_QUANTISED_CACHE=off`` turns it off.
+"""
+
+from __future__ import annotations
+
+import os
+import shutil
+from pathlib import Path
+
+import torch
+from torch import Tensor
+
+#: entries kept (the most recently written)
+KEEP = 3
+#: free bytes a write must leave on the disk
+FREE_MARGIN = 2 << 30
+#: the file's format, in its metadata: an entry of another format is a miss
+FORMAT = "specdec-w8a8-1"
+#: the fields of one layer's state: always, and where the layer has them
+REQUIRED = {"packed": torch.int8, "comp": torch.int32, "col": torch.float32, "scales": torch.float64}
+OPTIONAL = {"bias": torch.float32, "inv_smooth": torch.float32}
+
+
+def cache_dir() -> Path | None:
+    """Where entries live, or None when the cache is off."""
+    own = os.environ.get("SPECDEC_QUANTISED_CACHE")
+    if own is not None and own.strip().lower() in ("0", "off", "no", "false", ""):
+        return None
+    if own:
+        return Path(own).expanduser()
+    return Path(os.environ.get("SPECDEC_CACHE") or Path.home() / ".cache" / "specdec") / "quantised"
+
+
+def _fits(state: dict[str, Tensor], shapes: dict[str, tuple[int, int]]) -> bool:
+    """Whether ``state`` holds exactly the layers ``shapes`` names (layer -> (outputs, inputs)),
+    each with the required fields, no unknown one, the right dtypes and sizes that match its shape."""
+    names = {f"{layer}.{field}" for layer in shapes for field in REQUIRED}
+    if not names <= set(state):
+        return False
+    for name, t in state.items():
+        layer, _, field = name.rpartition(".")
+        if layer not in shapes or (REQUIRED | OPTIONAL).get(field) != t.dtype:
+            return False
+        out, k = shapes[layer]
+        if field == "packed":
+            if t.dim() != 4 or t.shape[3] != 4 or t.shape[0] * t.shape[2] < out or t.shape[1] * 4 < k:
+                return False
+        elif t.dim() != 1 or t.numel() != (k if field == "inv_smooth" else out):
+            return False
+    return True
+
+
+def load(name: str, shapes: dict[str, tuple[int, int]]) -> dict[str, Tensor] | None:
+    """Entry ``name``'s layer states (``LAYER.FIELD`` -> tensor) when they fit ``shapes``, else None."""
+    folder = cache_dir()
+    if folder is None:
+        return None
+    from safetensors import safe_open
+
+    try:
+        with safe_open(str(folder / f"{name}.safetensors"), framework="pt") as f:
+            if (f.metadata() or {}).get("format") != FORMAT:
+                return None
+            state = {k: f.get_tensor(k) for k in f.keys()}
+    except Exception:  # noqa: BLE001 - missing, truncated, or not ours: build the model again
+        return None
+    return state if _fits(state, shapes) else None
+
+
+def save(name: str, state: dict[str, Tensor]) -> bool:
+    """Store ``state`` as entry ``name`` (best effort: a full or read-only disk only costs the next
+    start), keeping the :data:`KEEP` most recently written entries.  True when it was written."""
+    folder = cache_dir()
+    if folder is None:
+        return False
+    from safetensors.torch import save_file
+
+    tmp = folder / f"{name}.{os.getpid()}.tmp"
+    try:
+        folder.mkdir(parents=True, exist_ok=True)
+        size = sum(t.numel() * t.element_size() for t in state.values())
+        if shutil.disk_usage(folder).free < size + FREE_MARGIN:
+            return False
+        save_file({k: t.contiguous() for k, t in state.items()}, str(tmp), metadata={"format": FORMAT})
+        tmp.replace(folder / f"{name}.safetensors")
+        entries = sorted(folder.glob("*.safetensors"), key=lambda p: p.stat().st_mtime_ns)
+        for old in entries[: max(0, len(entries) - KEEP)]:
+            old.unlink(missing_ok=True)
+        return True
+    except OSError:
+        tmp.unlink(missing_ok=True)
+        return False

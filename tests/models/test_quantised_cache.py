@@ -1,0 +1,183 @@
+"""The quantised-layer cache: a later load of an int8 model reads its layers from disk instead of the
+float weights, and is the same model bit for bit; anything that could change the layers is in the
+key; a damaged, foreign or mismatched entry is built again; the cache keeps few entries and
+writes none onto a nearly full disk."""
+
+from __future__ import annotations
+
+import os
+
+import pytest
+import torch
+
+from specdec.models import quantised_cache
+from specdec.models.linear import W8A8Linear, mixed_available, vnni_available, w8a8_available
+from specdec.models.native import NativeCausalLM
+from tiny import make_tiny
+
+pytestmark = pytest.mark.skipif(not (w8a8_available() and vnni_available()),
+                                reason="needs fbgemm's int8 engine and the few-row int8 kernel")
+
+IDS = torch.randint(0, 1000, (30,), generator=torch.Generator().manual_seed(8))
+STEP = torch.tensor([17, 4, 933, 5])  # a 4-row pass after the prefill: the multi-row products too
+
+
+@pytest.fixture(scope="module", params=["llama", "qwen2"])
+def folder(request, tmp_path_factory):
+    return make_tiny(tmp_path_factory.mktemp(request.param), model_type=request.param)
+
+
+@pytest.fixture
+def builds(tmp_path, monkeypatch):
+    """The cache on, in a folder of this test's own; counts the loads that read the float weights."""
+    monkeypatch.setenv("SPECDEC_QUANTISED_CACHE", str(tmp_path / "quantised"))
+    import safetensors.torch
+
+    count = [0]
+    real = safetensors.torch.load_file
+
+    def counted(*args, **kw):
+        count[0] += 1
+        return real(*args, **kw)
+
+    monkeypatch.setattr(safetensors.torch, "load_file", counted)
+    return count
+
+
+def _load(folder, **kw):
+    kw.setdefault("int8_kernel", "fbgemm")
+    kw.setdefault("batch_invariant", True)
+    return NativeCausalLM.from_folder(folder, quant="int8", **kw)
+
+
+def _entries(tmp_path):
+    return sorted((tmp_path / "quantised").glob("*.safetensors"))
+
+
+def _same(a: NativeCausalLM, b: NativeCausalLM) -> bool:
+    """Every int8 layer's state, the embedding, and a prefill's and a 4-row pass's logits, bit for bit."""
+    sa, sb = a.quantised_state(), b.quantised_state()
+    if sa is None or sb is None or set(sa) != set(sb) or not all(torch.equal(sa[k], sb[k]) for k in sa):
+        return False
+    if not torch.equal(a.embed, b.embed) or a.int8_kernel != b.int8_kernel:
+        return False
+    ca, cb = a.new_cache(64), b.new_cache(64)
+    return (torch.equal(a.forward(IDS, ca), b.forward(IDS, cb))
+            and torch.equal(a.forward(STEP, ca), b.forward(STEP, cb)))
+
+
+@pytest.mark.parametrize("subset", [None, torch.arange(100, 20000)])
+def test_a_second_load_reads_the_layers_and_is_the_same_model(folder, builds, subset, tmp_path):
+    first = _load(folder, vocab_subset=subset)
+    assert builds[0] == 1 and len(_entries(tmp_path)) == 1
+    second = _load(folder, vocab_subset=subset)
+    assert builds[0] == 1  # the float weights were not read again
+    assert _same(first, second)
+    os.environ["SPECDEC_QUANTISED_CACHE"] = "off"  # (restored by monkeypatch) the reference: a plain load
+    assert _same(second, _load(folder, vocab_subset=subset)) and builds[0] == 2
+
+
+@pytest.mark.skipif(not mixed_available(), reason="the mixed int8 kernel needs VNNI and oneDNN's int8 linear")
+def test_the_mixed_kernels_wide_packing_is_rebuilt_from_the_saved_layers(folder, builds):
+    first = _load(folder, int8_kernel="mixed")
+    second = _load(folder, int8_kernel="mixed")
+    assert builds[0] == 1 and second.int8_kernel == "mixed"
+    assert all(lin.wide is not None for lin in [second.lm_head, *(l.qkv for l in second.layers)])
+    ca, cb = first.new_cache(64), second.new_cache(64)
+    rows = torch.randint(0, 1000, (40,))  # enough rows for the wide kernel on every matrix
+    assert torch.equal(first.forward(IDS, ca), second.forward(IDS, cb))
+    assert torch.equal(first.forward(rows, ca), second.forward(rows, cb))
+
+
+def test_what_could_change_the_layers_is_in_the_key(folder, builds, tmp_path, monkeypatch):
+    monkeypatch.setattr(quantised_cache, "KEEP", 8)  # every entry this test writes stays
+    _load(folder)
+    _load(folder, batch_invariant=False)  # another option
+    _load(folder, vocab_subset=torch.arange(0, 40000))  # another head
+    assert builds[0] == 3 and len(_entries(tmp_path)) == 3
+    monkeypatch.setenv("SPECDEC_SOME_SETTING", "1")  # any specdec setting
+    _load(folder)
+    assert builds[0] == 4
+    monkeypatch.delenv("SPECDEC_SOME_SETTING")
+    _load(folder)
+    assert builds[0] == 4  # back to the first key
+    weights = next(folder.glob("*.safetensors"))
+    st = weights.stat()
+    os.utime(weights, ns=(st.st_atime_ns, st.st_mtime_ns + 10**9))  # the weight file rewritten
+    _load(folder)
+    assert builds[0] == 5
+
+
+def _rewrite(entry, change):
+    from safetensors import safe_open
+    from safetensors.torch import save_file
+
+    with safe_open(str(entry), framework="pt") as f:
+        meta = f.metadata()
+        state = {k: f.get_tensor(k) for k in f.keys()}
+    new_meta = change(state, meta)
+    save_file(state, str(entry), metadata=new_meta if isinstance(new_meta, dict) else meta)
+
+
+@pytest.mark.parametrize("damage", ["bytes", "format", "missing", "dtype", "size", "unknown"])
+def test_a_damaged_or_foreign_entry_is_built_again(folder, builds, tmp_path, damage):
+    reference = _load(folder)
+    (entry,) = _entries(tmp_path)
+    if damage == "bytes":
+        entry.write_bytes(entry.read_bytes()[:1000])  # truncated
+    elif damage == "format":
+        _rewrite(entry, lambda s, m: {"format": "specdec-w8a8-0"})
+    elif damage == "missing":
+        _rewrite(entry, lambda s, m: s.pop("layers.1.down.scales"))
+    elif damage == "dtype":
+        _rewrite(entry, lambda s, m: s.update({"lm_head.scales": s["lm_head.scales"].float()}))
+    elif damage == "size":
+        _rewrite(entry, lambda s, m: s.update({"layers.0.qkv.col": s["layers.0.qkv.col"][:-1].clone()}))
+    else:
+        _rewrite(entry, lambda s, m: s.update({"layers.0.qkv.extra": torch.zeros(3)}))
+    again = _load(folder)
+    assert builds[0] == 2 and _same(again, reference)
+    assert _same(_load(folder), reference) and builds[0] == 2  # rewritten whole: read again
+
+
+def test_off_writes_nothing(folder, builds, tmp_path, monkeypatch):
+    monkeypatch.setenv("SPECDEC_QUANTISED_CACHE", "off")
+    _load(folder)
+    _load(folder)
+    assert builds[0] == 2 and not (tmp_path / "quantised").exists()
+
+
+def test_only_the_most_recent_entries_are_kept_and_a_full_disk_gets_none(tmp_path, monkeypatch):
+    monkeypatch.setenv("SPECDEC_QUANTISED_CACHE", str(tmp_path))
+    monkeypatch.setattr(quantised_cache, "KEEP", 2)
+    state = {"lm_head.scales": torch.ones(4, dtype=torch.float64)}
+    for i in range(3):
+        assert quantised_cache.save(f"entry{i}", state)
+        os.utime(tmp_path / f"entry{i}.safetensors", ns=(i * 10**9, i * 10**9))  # written in this order
+    assert quantised_cache.save("entry3", state)
+    assert sorted(p.stem for p in tmp_path.glob("*.safetensors")) == ["entry2", "entry3"]
+    monkeypatch.setattr(quantised_cache, "FREE_MARGIN", 1 << 62)  # more than any disk has free
+    assert not quantised_cache.save("entry4", state)
+    assert sorted(p.stem for p in tmp_path.glob("*")) == ["entry2", "entry3"]  # no temporary file left
+
+
+def test_a_layer_rebuilt_from_its_state_is_the_layer(tmp_path):
+    """W8A8Linear.state / from_state alone, with bias and smoothing, over 1-40 rows."""
+    g = torch.Generator().manual_seed(3)
+    w, b, smooth = torch.randn(70, 52, generator=g), torch.randn(70, generator=g), torch.rand(52, generator=g) + 0.5
+    lin = W8A8Linear(w, b, smooth=smooth)
+    again = W8A8Linear.from_state({k: v.clone() for k, v in lin.state().items()}, 52)
+    for n in (1, 3, 5, 16, 40):
+        x = torch.randn(n, 52, generator=g)
+        assert torch.equal(lin(x), again(x))
+    assert torch.equal(lin._unpacked().int_repr(), again._unpacked().int_repr())
+
+
+def test_the_real_draft_in_int8_from_the_cache_is_the_draft(builds, tmp_path):
+    """The shipped draft's real weights (w8a8, as ``--draft-dtype w8a8`` loads them)."""
+    from specdec.models.registry import resolve
+
+    folder = resolve("smollm2-135m-draft").folder
+    first = _load(folder, int8_kernel="auto")
+    second = _load(folder, int8_kernel="auto")
+    assert builds[0] == 1 and _same(first, second)
