@@ -12,7 +12,10 @@ the first time something asks for it.
 
 Only folders whose ``tokenizer_config.json`` says nothing that would make transformers change the
 ``tokenizers`` object or post-process its output get one (:func:`plain_config`); the others load
-transformers' tokenizer as before.  Tested against transformers' on the shipped folders: encodings
+transformers' tokenizer as before.  A folder that declares one of the classes in :data:`REBUILT`
+(Qwen2's) gets what that class makes of the file — its vocabulary, merges, post-processor and added
+tokens, the rest of the pipeline the class's own — where the file already has that rest, the
+normaliser aside, which is then set as the class sets it (:meth:`FastTokenizer.load`).  Tested against transformers' on the shipped folders: encodings
 with and without special tokens, decodings with and without them, the vocabulary, its size, the
 end-of-sequence id, and rendered conversations (also under a template that exercises the
 sandbox's loop controls, namespaces, ``tojson``, ``raise_exception`` and special-token names).
@@ -46,14 +49,61 @@ _TEMPLATE_TOKENS = ("bos_token", "eos_token", "unk_token", "sep_token", "pad_tok
 _ALIASED = ("reasoning_content", "thinking", "reasoning")
 
 
+#: Qwen2's pre-tokenisation pattern (the split before byte-level encoding), as its tokenizer files carry it
+_QWEN2_SPLIT = (r"""(?i:'s|'t|'re|'ve|'m|'ll|'d)|[^\r\n\p{L}\p{N}]?\p{L}+|\p{N}| ?[^\s\p{L}\p{N}]+[\r\n]*|"""
+                r"""\s*[\r\n]+|\s+(?!\S)|\s+""")
+#: transformers' tokenizer classes that keep tokenizer.json's vocabulary, merges, post-processor and
+#: added tokens but build the rest of the pipeline themselves, by the name a folder declares: the
+#: parts they build (as the ``tokenizers`` library serialises them; a test checks each against the
+#: installed transformers) — the normaliser, set on the file's parse, and the parts the file must
+#: already have as the class builds them, else the folder loads transformers' tokenizer
+REBUILT: dict[str, dict[str, Any]] = {
+    "Qwen2Tokenizer": {
+        "normalizer": {"type": "NFC"},
+        "pre_tokenizer": {"type": "Sequence", "pretokenizers": [
+            {"type": "Split", "pattern": {"Regex": _QWEN2_SPLIT}, "behavior": "Isolated", "invert": False},
+            {"type": "ByteLevel", "add_prefix_space": False, "trim_offsets": True, "use_regex": False}]},
+        "decoder": {"type": "ByteLevel", "add_prefix_space": True, "trim_offsets": True, "use_regex": True},
+        "model": {"type": "BPE", "dropout": None, "unk_token": None, "continuing_subword_prefix": "",
+                  "end_of_word_suffix": "", "fuse_unk": False, "byte_fallback": False, "ignore_merges": False},
+    },
+}
+
+
 @functools.lru_cache(maxsize=4)
-def parsed(tokenizer_json: bytes) -> Any:
+def parsed(tokenizer_json: bytes, normalizer: str | None = None) -> Any:
     """The ``tokenizers`` library's ``Tokenizer`` for these tokenizer.json bytes, parsed once per
-    process for each distinct file (~0.1 s a parse; a target, its draft and the quantised models'
-    calibration text share one).  Shared: callers must not change it."""
+    process for each distinct file (~0.1 s a parse for SmolLM2's, ~0.8 s for Qwen2's; a target, its
+    draft and the quantised models' calibration text share one).  ``normalizer`` (JSON of a
+    normaliser, e.g. ``'{"type": "NFC"}'``): set in place of the file's (a separate parse).  Shared:
+    callers must not change it."""
     from tokenizers import Tokenizer
 
-    return Tokenizer.from_str(tokenizer_json.decode("utf-8"))
+    tokenizer = Tokenizer.from_str(tokenizer_json.decode("utf-8"))
+    if normalizer is not None:
+        tokenizer.normalizer = _normalizer(json.loads(normalizer))
+    return tokenizer
+
+
+def _normalizer(spec: dict) -> Any:
+    """A ``tokenizers`` normaliser from its JSON (the forms :data:`REBUILT` names)."""
+    from tokenizers import normalizers
+
+    if spec == {"type": "NFC"}:
+        return normalizers.NFC()
+    raise ValueError(f"no normaliser for {spec}")
+
+
+def _state(part: Any) -> Any:
+    """A pipeline part as the ``tokenizers`` library serialises it (None for none)."""
+    return None if part is None else json.loads(part.__getstate__())
+
+
+def _model_options(model: Any) -> dict:
+    """A BPE model's options (not its vocabulary or merges), in the form :data:`REBUILT` names them."""
+    names = ("dropout", "unk_token", "continuing_subword_prefix", "end_of_word_suffix", "fuse_unk", "byte_fallback",
+             "ignore_merges")
+    return {"type": type(model).__name__, **{n: getattr(model, n, None) for n in names}}
 
 
 def _token_name(value: Any) -> str | None:
@@ -73,7 +123,10 @@ def plain_config(folder: Path) -> dict | None:
         return None
     if not isinstance(config, dict) or not (folder / "tokenizer.json").is_file():
         return None
-    if set(config) - PLAIN_KEYS or config.get("clean_up_tokenization_spaces") or any((folder / f).exists() for f in _OTHER_SOURCES):
+    keys = set(config) - PLAIN_KEYS
+    if config.get("tokenizer_class") in REBUILT and config.get("add_prefix_space") in (None, False):
+        keys.discard("add_prefix_space")  # what such a class builds its pre-tokenizer with (checked by load)
+    if keys or config.get("clean_up_tokenization_spaces") or any((folder / f).exists() for f in _OTHER_SOURCES):
         return None
     if "chat_template" in config and (folder / "chat_template.jinja").exists():  # which one wins is transformers' call
         return None
@@ -87,14 +140,20 @@ class FastTokenizer:
     #: decoded text is never rewritten around punctuation (:func:`plain_config` admits no clean-up)
     clean_up_tokenization_spaces = False
 
-    def __init__(self, folder: str | Path, config: dict) -> None:
+    def __init__(self, folder: str | Path, config: dict, tokenizer: Any = None) -> None:
+        """``tokenizer``: the file's parse as :meth:`load` prepared it (None: parsed here, as written)."""
         self.folder = Path(folder)
         data = (self.folder / "tokenizer.json").read_bytes()
-        tokenizer = parsed(data)
+        if tokenizer is None:
+            tokenizer = parsed(data)
+        #: the transformers class behind this one (:attr:`hf`): the declared class where it rebuilds the file
+        self._hf_class = config.get("tokenizer_class") if config.get("tokenizer_class") in REBUILT else None
         if tokenizer.truncation is not None or tokenizer.padding is not None:
             from tokenizers import Tokenizer
 
+            normalizer = tokenizer.normalizer
             tokenizer = Tokenizer.from_str(data.decode("utf-8"))  # its own, changed: not the shared one
+            tokenizer.normalizer = normalizer
             tokenizer.no_truncation()  # transformers' wrapper encodes with neither unless asked
             tokenizer.no_padding()
         self._tokenizer = tokenizer  # the name transformers' fast tokenizers give it (see text.TextStream)
@@ -109,6 +168,21 @@ class FastTokenizer:
         self._compiled: Any = None
         self._hf: Any = None
         self._hf_lock = threading.Lock()
+
+    @classmethod
+    def load(cls, folder: str | Path, config: dict) -> "FastTokenizer | None":
+        """The folder's tokenizer as transformers' declared class makes it: tokenizer.json as written
+        for ``TokenizersBackend``; for a class in :data:`REBUILT`, the file with that class's
+        normaliser, where the file's pre-tokenizer, decoder and model options are the ones the class
+        builds (else None: transformers' tokenizer decides).  ``config``: :func:`plain_config`'s."""
+        rebuilt = REBUILT.get(config.get("tokenizer_class"))
+        if rebuilt is None:
+            return cls(folder, config)
+        tokenizer = parsed((Path(folder) / "tokenizer.json").read_bytes(), json.dumps(rebuilt["normalizer"]))
+        if (_state(tokenizer.pre_tokenizer) != rebuilt["pre_tokenizer"] or _state(tokenizer.decoder) != rebuilt["decoder"]
+                or _model_options(tokenizer.model) != rebuilt["model"]):
+            return None
+        return cls(folder, config, tokenizer)
 
     def encode(self, text: str, add_special_tokens: bool = True) -> list[int]:
         return self._tokenizer.encode(text, add_special_tokens=add_special_tokens).ids
@@ -165,13 +239,18 @@ class FastTokenizer:
         if self._hf is None:
             with self._hf_lock:
                 if self._hf is None:
-                    from transformers.tokenization_utils_tokenizers import TokenizersBackend
+                    if self._hf_class is not None:  # the class AutoTokenizer picks for it (tested)
+                        from transformers import AutoTokenizer
 
-                    self._hf = TokenizersBackend.from_pretrained(str(self.folder))
+                        self._hf = AutoTokenizer.from_pretrained(str(self.folder))
+                    else:
+                        from transformers.tokenization_utils_tokenizers import TokenizersBackend
+
+                        self._hf = TokenizersBackend.from_pretrained(str(self.folder))
         return self._hf
 
     def __getattr__(self, name: str) -> Any:  # special-token lists, save_pretrained, ...
-        if name.startswith("__") or name in ("_hf", "_hf_lock", "_tokenizer", "folder", "_compiled", "chat_template"):
+        if name.startswith("__") or name in ("_hf", "_hf_lock", "_hf_class", "_tokenizer", "folder", "_compiled", "chat_template"):
             raise AttributeError(name)
         return getattr(self.hf, name)
 
@@ -238,4 +317,4 @@ def hf_tokenizer(tokenizer: Any) -> Any:
     return tokenizer.hf if isinstance(tokenizer, FastTokenizer) else tokenizer
 
 
-__all__ = ["FastTokenizer", "PLAIN_KEYS", "hf_tokenizer", "parsed", "plain_config"]
+__all__ = ["FastTokenizer", "PLAIN_KEYS", "REBUILT", "hf_tokenizer", "parsed", "plain_config"]

@@ -147,23 +147,35 @@ def _random_ids(n: int, vocab: int, seed: int) -> list[int]:
     return [rng.randrange(vocab) for _ in range(n)]
 
 
-@pytest.mark.parametrize("name", ["smollm2-135m", "smollm2-135m-draft"])
+def _installed(name: str) -> bool:
+    try:
+        registry.resolve(name, convert=False)
+    except Exception:  # noqa: BLE001 - not installed here (the Qwen pair is optional)
+        return False
+    return True
+
+
+@pytest.mark.parametrize("name", ["smollm2-135m", "smollm2-135m-draft", "qwen2.5-coder-1.5b"])
 def test_the_fast_tokenizer_encodes_and_decodes_as_transformers_does(name):
-    """On the shipped folders, :class:`FastTokenizer` against transformers' tokenizer of the same
-    folder: the benchmark's prompts, odd texts and a long mixed one, with and without special
-    tokens; decodings of those ids and of 200 random id sequences (special tokens among them),
-    skipping special tokens or not; the end-of-sequence id, vocabulary and size."""
-    from transformers.tokenization_utils_tokenizers import TokenizersBackend
+    """On the shipped folders (and Qwen2.5-Coder-1.5B's where it is installed), :class:`FastTokenizer`
+    against AutoTokenizer's tokenizer of the same folder: the benchmark's prompts, odd texts and a
+    long mixed one, with and without special tokens; decodings of those ids and of 200 random id
+    sequences (special tokens among them), skipping special tokens or not; the end-of-sequence id,
+    vocabulary and size."""
+    from transformers import AutoTokenizer
 
     from specdec.bench.workloads import BUILTIN
     from specdec.tokenizer import FastTokenizer
 
+    if not _installed(name):
+        pytest.skip(f"{name} is not installed")
     folder = registry.resolve(name).folder
     tok = registry.load_tokenizer(folder)
     assert isinstance(tok, FastTokenizer)
-    ref = TokenizersBackend.from_pretrained(str(folder))
+    ref = AutoTokenizer.from_pretrained(str(folder))
     assert tok.eos_token_id == ref.eos_token_id and tok.get_vocab() == ref.get_vocab() and len(tok) == len(ref)
-    texts = [p.text for p in BUILTIN] + list(_TEXTS) + ["".join(_TEXTS) * 20, " " * 7, "\u200b\ufeffx\u0301", "a" * 3000]
+    texts = [p.text for p in BUILTIN] + list(_TEXTS) + list(_NFC_TEXTS) + ["".join(_TEXTS) * 20, " " * 7, "\u200b\ufeffx\u0301",
+                                                                          "a" * 3000]
     for text in texts:
         for special in (True, False):
             ids = tok.encode(text, add_special_tokens=special)
@@ -287,14 +299,127 @@ def test_a_plain_prompt_never_imports_transformers():
                                                                add_generation_prompt=True))
 
 
-def test_the_direct_tokenizer_premise_holds_in_the_installed_transformers():
-    """For each model type loaded directly, AutoTokenizer keeps a declared TokenizersBackend: the
-    type has no tokenizer class of its own registered and is not one whose hub class it overrides."""
-    from transformers.models.auto.tokenization_auto import MODELS_WITH_INCORRECT_HUB_TOKENIZER_CLASS, TOKENIZER_MAPPING_NAMES
+def test_the_direct_tokenizer_premise_holds_in_the_installed_transformers(tmp_path):
+    """For each model type loaded directly, AutoTokenizer gives a folder declaring the named class
+    that class: a declared TokenizersBackend is kept where the type has no tokenizer class of its own
+    registered and is not one whose hub class it overrides; any other named class is the one
+    registered for the type.  And each class in REBUILT builds exactly the pipeline parts named
+    there (normaliser, pre-tokenizer, decoder, model options), whatever the file says."""
+    from transformers.models.auto.tokenization_auto import (
+        MODELS_WITH_INCORRECT_HUB_TOKENIZER_CLASS, TOKENIZER_MAPPING_NAMES, tokenizer_class_from_name)
 
-    for model_type in registry.DIRECT_TOKENIZER_TYPES:
-        assert model_type not in MODELS_WITH_INCORRECT_HUB_TOKENIZER_CLASS
-        assert TOKENIZER_MAPPING_NAMES.get(model_type) in (None, "TokenizersBackend")
+    from specdec import tokenizer as fast
+
+    for model_type, declared in registry.DIRECT_TOKENIZER_TYPES.items():
+        if declared == "TokenizersBackend":
+            assert model_type not in MODELS_WITH_INCORRECT_HUB_TOKENIZER_CLASS
+            assert TOKENIZER_MAPPING_NAMES.get(model_type) in (None, "TokenizersBackend")
+        else:
+            assert declared in fast.REBUILT and TOKENIZER_MAPPING_NAMES.get(model_type) == declared
+    for name, parts in fast.REBUILT.items():
+        # a file whose every rebuilt part differs from the class's: what the class makes of it is the class's
+        folder = _qwen2_folder(tmp_path / name, normalizer={"type": "Lowercase"},
+                               pre_tokenizer={"type": "Whitespace"}, decoder={"type": "Fuse"}, fuse_unk=True)
+        built = tokenizer_class_from_name(name).from_pretrained(str(folder))._tokenizer
+        assert fast._state(built.normalizer) == parts["normalizer"]
+        assert fast._state(built.pre_tokenizer) == parts["pre_tokenizer"]
+        assert fast._state(built.decoder) == parts["decoder"]
+        assert fast._model_options(built.model) == parts["model"]
+
+
+def _qwen2_folder(folder, *, normalizer=None, prefix_space=None, pre_tokenizer=None, decoder=None, fuse_unk=False):
+    """A small qwen2-style tokenizer folder: byte-level BPE trained on a few texts, its file holding
+    the pipeline parts Qwen2Tokenizer builds unless given here (the normaliser: none unless given),
+    the special tokens added, a tokenizer_config.json declaring Qwen2Tokenizer, a chat template."""
+    import json
+
+    from tokenizers import Tokenizer, models, pre_tokenizers, trainers
+
+    from specdec import tokenizer as fast
+
+    folder.mkdir(parents=True, exist_ok=True)
+    tok = Tokenizer(models.BPE(continuing_subword_prefix="", end_of_word_suffix=""))
+    tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+    trainer = trainers.BpeTrainer(vocab_size=600, initial_alphabet=pre_tokenizers.ByteLevel.alphabet(),
+                                  special_tokens=["<|endoftext|>", "<|im_start|>", "<|im_end|>"])
+    tok.train_from_iterator([t * 3 for t in _TEXTS] + ["café naïve Å ﬁ ½ 東京 def f(x): return x"] * 5, trainer)
+    data = json.loads(tok.to_str())
+    parts = fast.REBUILT["Qwen2Tokenizer"]
+    data.update(normalizer=normalizer, pre_tokenizer=pre_tokenizer or parts["pre_tokenizer"],
+                decoder=decoder or parts["decoder"])
+    data["model"].update(fuse_unk=fuse_unk, continuing_subword_prefix="", end_of_word_suffix="")
+    (folder / "tokenizer.json").write_text(json.dumps(data))
+    (folder / "config.json").write_text(json.dumps({"model_type": "qwen2"}))
+    (folder / "tokenizer_config.json").write_text(json.dumps({
+        "add_prefix_space": prefix_space, "backend": "tokenizers", "bos_token": None, "eos_token": "<|im_end|>",
+        "pad_token": "<|endoftext|>", "tokenizer_class": "Qwen2Tokenizer", "unk_token": None,
+        "model_max_length": 32768}))
+    (folder / "chat_template.jinja").write_text(
+        "{% for m in messages %}<|im_start|>{{ m['role'] }}\n{{ m['content'] }}<|im_end|>\n{% endfor %}"
+        "{% if add_generation_prompt %}<|im_start|>assistant\n{% endif %}")
+    return folder
+
+
+#: texts whose NFC form differs from them (composed accents, a combining mark after a special token)
+_NFC_TEXTS = ("cafe\u0301 A\u030a \u212b", "<|im_end|>\u0338 x", "e\u0301<|im_start|>\u0301", "ﬁ ½ \u1e9b\u0323")
+
+
+@pytest.mark.parametrize("normalizer", [None, {"type": "NFC"}, {"type": "Lowercase"}])
+def test_a_qwen2_folder_loads_without_autotokenizer_as_qwen2tokenizer_makes_it(tmp_path, normalizer):
+    """A qwen2 folder declaring Qwen2Tokenizer whose tokenizer.json has the pipeline that class
+    builds gets a FastTokenizer: the file with an NFC normaliser in place of its own (none, NFC or
+    another), which is what Qwen2Tokenizer makes of it.  Encodings with and without special tokens
+    (texts NFC changes among them), decodings, the vocabulary, end-of-sequence id and chat
+    template, against AutoTokenizer's."""
+    from transformers import AutoTokenizer
+
+    from specdec.tokenizer import FastTokenizer
+
+    folder = _qwen2_folder(tmp_path, normalizer=normalizer)
+    assert registry.direct_tokenizer(folder)
+    tok = registry.load_tokenizer(folder)
+    ref = AutoTokenizer.from_pretrained(str(folder))
+    assert isinstance(tok, FastTokenizer) and type(ref).__name__ == "Qwen2Tokenizer"
+    assert tok.get_vocab() == ref.get_vocab() and len(tok) == len(ref) and tok.eos_token_id == ref.eos_token_id
+    changed = 0
+    for text in (*_TEXTS, *_NFC_TEXTS):
+        for special in (True, False):
+            ids = tok.encode(text, add_special_tokens=special)
+            assert ids == ref.encode(text, add_special_tokens=special), text
+            for skip in (True, False):
+                assert tok.decode(ids, skip_special_tokens=skip) == ref.decode(ids, skip_special_tokens=skip)
+        plain = tok._tokenizer.encode(text).ids
+        from tokenizers import Tokenizer
+
+        changed += plain != Tokenizer.from_file(str(folder / "tokenizer.json")).encode(text).ids
+    if normalizer is None:  # the file alone encodes two of those texts otherwise (the other two: special
+        assert changed == 2  # tokens are split off before normalising; NFC leaves compatibility forms)
+    for messages in _CONVERSATIONS:
+        assert tok.apply_chat_template(messages, tokenize=False, add_generation_prompt=True) == \
+            ref.apply_chat_template(messages, tokenize=False, add_generation_prompt=True)
+    assert tok._hf is None
+    assert type(tok.hf).__name__ == "Qwen2Tokenizer"  # the rest: the class AutoTokenizer gives
+
+
+@pytest.mark.parametrize("change", ["pre_tokenizer", "prefix_space", "decoder"])
+def test_a_qwen2_folder_qwen2tokenizer_would_change_keeps_transformers(tmp_path, change):
+    """A pre-tokenizer or decoder other than the ones Qwen2Tokenizer builds, or ``add_prefix_space``
+    set: transformers' tokenizer, as before (a direct load of such a file would not be the class's)."""
+    from transformers import AutoTokenizer
+
+    from specdec.tokenizer import FastTokenizer
+
+    if change == "pre_tokenizer":
+        folder = _qwen2_folder(tmp_path, pre_tokenizer={"type": "ByteLevel", "add_prefix_space": True,
+                                                        "trim_offsets": True, "use_regex": True})
+    elif change == "prefix_space":
+        folder = _qwen2_folder(tmp_path, prefix_space=True)
+    else:
+        folder = _qwen2_folder(tmp_path, decoder={"type": "Fuse"})
+    tok = registry.load_tokenizer(folder)
+    assert not isinstance(tok, FastTokenizer) and type(tok).__name__ == "Qwen2Tokenizer"
+    ref = AutoTokenizer.from_pretrained(str(folder))
+    assert all(tok.encode(t) == ref.encode(t) for t in _TEXTS)
 
 
 @pytest.mark.parametrize("change", ["class", "model_type", "auto_map", "no tokenizer.json", "broken json"])

@@ -35,7 +35,7 @@ from specdec.models.linear import (
     int8_kernel as resolve_int8_kernel,
     quantize_q4_1,
 )
-from specdec.models.quantize import RangeRecorder, calibration_ids, smoothing
+from specdec.models.quantize import RangeRecorder, calibration_ids, calibration_source, smoothing
 from specdec.models.scripted import ATTENTION_BLOCK, ScriptedLayers, compiled_layers
 from specdec.models.scripted import BLOCK_MASK as _BLOCK_MASK
 
@@ -288,13 +288,14 @@ def _linear_shapes(cfg: NativeConfig, head_rows: int) -> dict[str, tuple[int, in
             "lm_head": (head_rows, d)}
 
 
-def _cache_parts(cfg: NativeConfig, sources: list[Path], calibration: Tensor, *, dtype: torch.dtype,
+def _cache_parts(cfg: NativeConfig, sources: list[Path], calibration: str, *, dtype: torch.dtype,
                  batch_invariant: bool, int8_head: bool, quant: str, int8_kernel: str, q4_blocks: list[str],
                  vocab_subset: Tensor | None) -> dict:
     """What a quantised model's calibration ranges and int8 layers depend on besides the code
-    (the key of :mod:`specdec.models.calibration_cache` and :mod:`specdec.models.quantised_cache`)."""
+    (the key of :mod:`specdec.models.calibration_cache` and :mod:`specdec.models.quantised_cache`);
+    ``calibration``: a digest of the calibration ids, or of what they are computed from."""
     return {
-        "files": calibration_cache.file_identity(sources), "calibration": calibration_cache.tensor_digest(calibration),
+        "files": calibration_cache.file_identity(sources), "calibration": calibration,
         "config": dataclasses.asdict(cfg), "dtype": str(dtype), "batch_invariant": batch_invariant,
         "int8_head": int8_head, "quant": quant, "int8_kernel": int8_kernel, "q4_blocks": sorted(q4_blocks),
         "vocab_subset": None if vocab_subset is None else calibration_cache.tensor_digest(vocab_subset),
@@ -455,7 +456,7 @@ class NativeCausalLM:
             self.int8_kernel = resolve_int8_kernel(int8_kernel, shapes)
             cache_parts = None
             if sources is not None and calibration is not None:  # what the ranges depend on besides the code
-                cache_parts = _cache_parts(cfg, sources, calibration, dtype=dtype, batch_invariant=batch_invariant,
+                cache_parts = _cache_parts(cfg, sources, calibration_cache.tensor_digest(calibration), dtype=dtype, batch_invariant=batch_invariant,
                                            int8_head=int8_head, quant=quant, int8_kernel=self.int8_kernel,
                                            q4_blocks=list(blocks), vocab_subset=vocab_subset)
             self._quantize(calibration, cache_parts)
@@ -549,15 +550,16 @@ class NativeCausalLM:
         folder = Path(folder)
         cfg = NativeConfig.from_hf(json.loads((folder / "config.json").read_text()))
         files = sorted(folder.glob("*.safetensors"))
-        calibration = calibration_ids(folder) if quant is not None else None
         # an int8 model built before from the same files, options and code: its layers are read from
-        # disk instead of made (the float weights are then never read but for the embedding)
+        # disk instead of made (the float weights are then never read but for the embedding, nor the
+        # calibration text tokenised)
         entry = None
-        if quant == "int8" and calibration is not None and calibration.numel() > 1 and quantised_cache.cache_dir() is not None:
+        source = calibration_source(folder) if quant == "int8" and quantised_cache.cache_dir() is not None else None
+        if source is not None:
             head_rows = cfg.vocab_size if vocab_subset is None else vocab_subset.numel()
             shapes = _linear_shapes(cfg, head_rows)
             kernel = resolve_int8_kernel(int8_kernel, [shapes[n] for n in shapes if n != "lm_head"])
-            parts = _cache_parts(cfg, [folder / "config.json", *files], calibration, dtype=dtype,
+            parts = _cache_parts(cfg, [folder / "config.json", *files], source, dtype=dtype,
                                  batch_invariant=batch_invariant, int8_head=int8_head, quant=quant,
                                  int8_kernel=kernel, q4_blocks=[], vocab_subset=vocab_subset)
             entry = calibration_cache.digest({**parts, "entry": quantised_cache.FORMAT})
@@ -569,6 +571,7 @@ class NativeCausalLM:
         weights: dict[str, Tensor] = {}
         for f in files:
             weights.update(load_file(str(f)))
+        calibration = calibration_ids(folder) if quant is not None else None
         blocks = None
         if quant == "q4" and gguf is not None:
             from specdec.models.gguf_blocks import read_q4_blocks

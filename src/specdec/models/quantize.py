@@ -63,6 +63,20 @@ def calibration_ids(folder: Path) -> Tensor | None:
     return torch.tensor(_calibration_ids(path.read_bytes()), dtype=torch.long)
 
 
+def calibration_source(folder: Path) -> str | None:
+    """A digest of what :func:`calibration_ids` computes the ids from (tokenizer.json's bytes, the
+    text, the ``tokenizers`` library's version), without parsing the file, or None without one."""
+    import hashlib
+    import importlib.metadata as md
+
+    path = Path(folder) / "tokenizer.json"
+    if not path.is_file():
+        return None
+    h = hashlib.sha256(path.read_bytes())
+    h.update(b"\0" + CALIBRATION_TEXT.encode() + b"\0" + md.version("tokenizers").encode())
+    return h.hexdigest()
+
+
 @functools.lru_cache(maxsize=4)
 def _calibration_ids(tokenizer_json: bytes) -> tuple[int, ...]:
     """The calibration text's ids under the tokenizer these bytes describe (as the file configures

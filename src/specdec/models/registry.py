@@ -503,17 +503,18 @@ def _source_gguf(ref: str, resolved: ResolvedModel) -> Path | None:
 _TOKENIZER_FILES = ("tokenizer.json", "tokenizer.model", "vocab.json", "tokenizer_config.json")
 
 
-#: model types for which a folder that declares transformers' ``TokenizersBackend`` (and no
-#: remote code) gets exactly that class from ``AutoTokenizer``: such a folder's tokenizer is loaded
-#: as that class directly.  ``AutoTokenizer`` first builds the model's config class, whose imports
-#: cost ~1.3 s on a 2-core CPU — most of a ``specdec generate``'s start-up after torch itself.
-#: A test checks the premise against the installed transformers (model types it overrides, such as
-#: qwen2, must stay out of this set) and that both loaders give the same tokenizer.
-DIRECT_TOKENIZER_TYPES = frozenset({"llama"})
+#: model type -> the tokenizer class a folder of that type must declare for its tokenizer to be
+#: loaded without ``AutoTokenizer``, which first builds the model's config class (~1.3 s of imports on a
+#: 2-core CPU, most of a ``specdec generate``'s start-up after torch itself): ``TokenizersBackend``,
+#: which ``AutoTokenizer`` keeps for llama, and ``Qwen2Tokenizer``, the class it gives every qwen2
+#: folder (see :data:`specdec.tokenizer.REBUILT`).  A test checks the premise against the installed
+#: transformers and that both loaders give the same tokenizer.
+DIRECT_TOKENIZER_TYPES: dict[str, str] = {"llama": "TokenizersBackend", "qwen2": "Qwen2Tokenizer"}
 
 
 def direct_tokenizer(folder: Path) -> bool:
-    """Whether ``folder``'s tokenizer can be loaded as ``TokenizersBackend`` without ``AutoTokenizer``."""
+    """Whether ``folder``'s tokenizer may be loaded without ``AutoTokenizer``: its declared class is
+    the one :data:`DIRECT_TOKENIZER_TYPES` names for its model type, without remote code."""
     try:
         declared = json.loads((folder / "tokenizer_config.json").read_text())
         model_type = json.loads((folder / "config.json").read_text()).get("model_type")
@@ -521,9 +522,9 @@ def direct_tokenizer(folder: Path) -> bool:
         return False
     return (
         isinstance(declared, dict)
-        and declared.get("tokenizer_class") == "TokenizersBackend"
+        and isinstance(model_type, str)
+        and declared.get("tokenizer_class") == DIRECT_TOKENIZER_TYPES.get(model_type)
         and "auto_map" not in declared
-        and model_type in DIRECT_TOKENIZER_TYPES
         and (folder / "tokenizer.json").is_file()
     )
 
@@ -563,11 +564,13 @@ def load_tokenizer(folder: Path) -> Any:
             from specdec.tokenizer import FastTokenizer, plain_config
 
             config = plain_config(folder)
-            if config is not None:  # transformers' tokenizer only when something asks for more
-                return FastTokenizer(folder, config)
-            from transformers.tokenization_utils_tokenizers import TokenizersBackend
+            fast = FastTokenizer.load(folder, config) if config is not None else None
+            if fast is not None:  # transformers' tokenizer only when something asks for more
+                return fast
+            if json.loads((folder / "tokenizer_config.json").read_text()).get("tokenizer_class") == "TokenizersBackend":
+                from transformers.tokenization_utils_tokenizers import TokenizersBackend
 
-            return TokenizersBackend.from_pretrained(str(folder))
+                return TokenizersBackend.from_pretrained(str(folder))  # the class AutoTokenizer keeps
         from transformers import AutoTokenizer
 
         return AutoTokenizer.from_pretrained(str(folder))
