@@ -6,7 +6,7 @@ import pytest
 import torch
 
 from specdec.models.hf import HFCausalLM
-from specdec.models.linear import Int8Linear, int8_available
+from specdec.models.linear import Int8Linear, int8_available, w8a8_available
 from specdec.models.native import NativeCausalLM
 from tiny import make_tiny
 
@@ -93,6 +93,23 @@ def test_int8_head_is_close_and_only_touches_the_head(tiny_folder):
     # the hidden states are computed in float32 either way; only the head's product is quantised
     assert torch.equal(f32.hidden(ids, f32.new_cache(32)), q8.hidden(ids, q8.new_cache(32)))
     assert (b - a).norm() / a.norm() < 0.05 and not torch.equal(a, b)
+
+
+@pytest.mark.skipif(not w8a8_available(), reason="this torch build has no fbgemm int8 engine")
+@pytest.mark.parametrize("quant", ["int8", "q4"])
+def test_a_quantised_drafts_int8_head_builds_no_head_it_throws_away(tiny_folder, monkeypatch, quant):
+    """A quantised draft asked for an int8 head quantises its head with its layers, as without the
+    option, and constructs no Int8Linear on the way (one was built and dropped: 5 s of fbgemm
+    packing for Qwen2.5-Coder-0.5B's head)."""
+    import specdec.models.native as native
+
+    built = []
+    monkeypatch.setattr(native, "Int8Linear", lambda *a, **k: built.append(a) or Int8Linear(*a, **k))
+    with_option = NativeCausalLM.from_folder(tiny_folder, quant=quant, int8_head=True)
+    without = NativeCausalLM.from_folder(tiny_folder, quant=quant)
+    assert built == [] and type(with_option.lm_head) is type(without.lm_head)
+    ids = torch.arange(16)
+    assert torch.equal(with_option.forward(ids, with_option.new_cache(32)), without.forward(ids, without.new_cache(32)))
 
 
 @pytest.mark.parametrize("quant", [None, "q4"])
