@@ -1,5 +1,5 @@
-"""The quantised-layer cache: a later load of an int8 model reads its layers from disk instead of the
-float weights, and is the same model bit for bit; anything that could change the layers is in the
+"""The quantised-layer cache: a later load of an int8 or 4-bit model reads its layers from disk
+instead of the float weights (and a GGUF's blocks), and is the same model bit for bit; anything that could change the layers is in the
 key; a damaged, foreign or mismatched entry is built again; the cache keeps few entries and
 writes none onto a nearly full disk."""
 
@@ -11,12 +11,12 @@ import pytest
 import torch
 
 from specdec.models import quantised_cache
-from specdec.models.linear import W8A8Linear, mixed_available, vnni_available, w8a8_available
+from specdec.models.linear import Q4Linear, W8A8Linear, mixed_available, q4_kernel_available, quantize_q4_1, vnni_available, w8a8_available
 from specdec.models.native import NativeCausalLM
 from tiny import make_tiny
 
-pytestmark = pytest.mark.skipif(not (w8a8_available() and vnni_available()),
-                                reason="needs fbgemm's int8 engine and the few-row int8 kernel")
+pytestmark = pytest.mark.skipif(not (w8a8_available() and vnni_available() and q4_kernel_available()),
+                                reason="needs fbgemm's int8 engine and the few-row int8 and 4-bit kernels")
 
 IDS = torch.randint(0, 1000, (30,), generator=torch.Generator().manual_seed(8))
 STEP = torch.tensor([17, 4, 933, 5])  # a 4-row pass after the prefill: the multi-row products too
@@ -47,7 +47,8 @@ def builds(tmp_path, monkeypatch):
 def _load(folder, **kw):
     kw.setdefault("int8_kernel", "fbgemm")
     kw.setdefault("batch_invariant", True)
-    return NativeCausalLM.from_folder(folder, quant="int8", **kw)
+    kw.setdefault("quant", "int8")
+    return NativeCausalLM.from_folder(folder, **kw)
 
 
 def _entries(tmp_path):
@@ -66,15 +67,18 @@ def _same(a: NativeCausalLM, b: NativeCausalLM) -> bool:
             and torch.equal(a.forward(STEP, ca), b.forward(STEP, cb)))
 
 
+@pytest.mark.parametrize("quant", ["int8", "q4"])
 @pytest.mark.parametrize("subset", [None, torch.arange(100, 20000)])
-def test_a_second_load_reads_the_layers_and_is_the_same_model(folder, builds, subset, tmp_path):
-    first = _load(folder, vocab_subset=subset)
+def test_a_second_load_reads_the_layers_and_is_the_same_model(folder, builds, subset, quant, tmp_path):
+    first = _load(folder, vocab_subset=subset, quant=quant)
     assert builds[0] == 1 and len(_entries(tmp_path)) == 1
-    second = _load(folder, vocab_subset=subset)
+    second = _load(folder, vocab_subset=subset, quant=quant)
     assert builds[0] == 1  # the float weights were not read again
     assert _same(first, second)
+    kinds = {type(getattr(layer, name)) for layer in second.layers for name in ("qkv", "out", "gate_up", "down")}
+    assert kinds == {Q4Linear if quant == "q4" else W8A8Linear} and type(second.lm_head) is W8A8Linear
     os.environ["SPECDEC_QUANTISED_CACHE"] = "off"  # (restored by monkeypatch) the reference: a plain load
-    assert _same(second, _load(folder, vocab_subset=subset)) and builds[0] == 2
+    assert _same(second, _load(folder, vocab_subset=subset, quant=quant)) and builds[0] == 2
 
 
 @pytest.mark.skipif(not mixed_available(), reason="the mixed int8 kernel needs VNNI and oneDNN's int8 linear")
@@ -94,18 +98,19 @@ def test_what_could_change_the_layers_is_in_the_key(folder, builds, tmp_path, mo
     _load(folder)
     _load(folder, batch_invariant=False)  # another option
     _load(folder, vocab_subset=torch.arange(0, 40000))  # another head
-    assert builds[0] == 3 and len(_entries(tmp_path)) == 3
+    _load(folder, quant="q4")  # another quantisation
+    assert builds[0] == 4 and len(_entries(tmp_path)) == 4
     monkeypatch.setenv("SPECDEC_SOME_SETTING", "1")  # any specdec setting
     _load(folder)
-    assert builds[0] == 4
+    assert builds[0] == 5
     monkeypatch.delenv("SPECDEC_SOME_SETTING")
     _load(folder)
-    assert builds[0] == 4  # back to the first key
+    assert builds[0] == 5  # back to the first key
     weights = next(folder.glob("*.safetensors"))
     st = weights.stat()
     os.utime(weights, ns=(st.st_atime_ns, st.st_mtime_ns + 10**9))  # the weight file rewritten
     _load(folder)
-    assert builds[0] == 5
+    assert builds[0] == 6
 
 
 def _rewrite(entry, change):
@@ -119,9 +124,10 @@ def _rewrite(entry, change):
     save_file(state, str(entry), metadata=new_meta if isinstance(new_meta, dict) else meta)
 
 
-@pytest.mark.parametrize("damage", ["bytes", "format", "missing", "dtype", "size", "unknown"])
+@pytest.mark.parametrize("damage", ["bytes", "format", "missing", "dtype", "size", "unknown", "q4 size", "q4 missing"])
 def test_a_damaged_or_foreign_entry_is_built_again(folder, builds, tmp_path, damage):
-    reference = _load(folder)
+    quant = "q4" if damage.startswith("q4") else "int8"
+    reference = _load(folder, quant=quant)
     (entry,) = _entries(tmp_path)
     if damage == "bytes":
         entry.write_bytes(entry.read_bytes()[:1000])  # truncated
@@ -133,11 +139,15 @@ def test_a_damaged_or_foreign_entry_is_built_again(folder, builds, tmp_path, dam
         _rewrite(entry, lambda s, m: s.update({"lm_head.scales": s["lm_head.scales"].float()}))
     elif damage == "size":
         _rewrite(entry, lambda s, m: s.update({"layers.0.qkv.col": s["layers.0.qkv.col"][:-1].clone()}))
-    else:
+    elif damage == "unknown":
         _rewrite(entry, lambda s, m: s.update({"layers.0.qkv.extra": torch.zeros(3)}))
-    again = _load(folder)
+    elif damage == "q4 size":
+        _rewrite(entry, lambda s, m: s.update({"layers.1.qkv.q4_gain": s["layers.1.qkv.q4_gain"][:-1].clone()}))
+    else:
+        _rewrite(entry, lambda s, m: s.pop("layers.0.down.q4_packed"))  # then the layer reads as an int8 one
+    again = _load(folder, quant=quant)
     assert builds[0] == 2 and _same(again, reference)
-    assert _same(_load(folder), reference) and builds[0] == 2  # rewritten whole: read again
+    assert _same(_load(folder, quant=quant), reference) and builds[0] == 2  # rewritten whole: read again
 
 
 def test_off_writes_nothing(folder, builds, tmp_path, monkeypatch):
@@ -173,6 +183,17 @@ def test_a_layer_rebuilt_from_its_state_is_the_layer(tmp_path):
     assert torch.equal(lin._unpacked().int_repr(), again._unpacked().int_repr())
 
 
+def test_a_4bit_layer_rebuilt_from_its_state_is_the_layer():
+    """Q4Linear.state / from_state alone, with gain, column factors and bias, over 1-40 rows."""
+    g = torch.Generator().manual_seed(4)
+    w, b = torch.randn(70, 80, generator=g), torch.randn(70, generator=g)
+    lin = Q4Linear(quantize_q4_1(w), b, gain=torch.rand(80, generator=g) + 0.5, col=torch.rand(70, generator=g), in_features=80)
+    again = Q4Linear.from_state({k: v.clone() for k, v in lin.state().items()}, 70, 80)
+    for n in (1, 3, 5, 16, 40):
+        x = torch.randn(n, 80, generator=g)
+        assert torch.equal(lin(x), again(x))
+
+
 def test_the_real_draft_in_int8_from_the_cache_is_the_draft(builds, tmp_path):
     """The shipped draft's real weights (w8a8, as ``--draft-dtype w8a8`` loads them)."""
     from specdec.models.registry import resolve
@@ -181,3 +202,20 @@ def test_the_real_draft_in_int8_from_the_cache_is_the_draft(builds, tmp_path):
     first = _load(folder, int8_kernel="auto")
     second = _load(folder, int8_kernel="auto")
     assert builds[0] == 1 and _same(first, second)
+
+
+def test_the_real_4bit_target_from_the_cache_is_the_target(builds, tmp_path):
+    """The default target as it loads by default: the GGUF's 4-bit blocks as shipped, the int8 head;
+    a second load reads neither the GGUF nor the float weights."""
+    import specdec.models.gguf_blocks as gguf_blocks
+    from specdec.models.registry import load
+
+    reads = []
+    real = gguf_blocks.read_q4_blocks
+    gguf_blocks.read_q4_blocks = lambda *a, **k: reads.append(a) or real(*a, **k)
+    try:
+        first = load("smollm2-135m", quant="q4").model
+        second = load("smollm2-135m", quant="q4").model
+    finally:
+        gguf_blocks.read_q4_blocks = real
+    assert builds[0] == 1 and len(reads) == 1 and _same(first, second)

@@ -735,6 +735,29 @@ class Q4Linear:
             self.ref = [blocks.codes().permute(1, 2, 0).float().contiguous(), blocks.d.float().T.contiguous(),
                         blocks.m.float().T.contiguous()]
 
+    def state(self) -> dict[str, Tensor] | None:
+        """What :meth:`from_state` rebuilds this layer from (the kernel's packing, the input gain and
+        output factors, empty where there are none, and the bias where there is one), or None where
+        the kernel does not run and the layer holds the reference form."""
+        if self.packed is None:
+            return None
+        out = {"q4_packed": self.packed, "q4_gain": self.gain, "q4_col": self.col}
+        if self.bias is not None:
+            out["bias"] = self.bias
+        return out
+
+    @classmethod
+    def from_state(cls, state: dict[str, Tensor], out_features: int, in_features: int) -> "Q4Linear":
+        """The layer :meth:`state` was taken from: the same packing, hence bitwise the same products
+        (the kernel must run here with the build the state was taken with: the caller keys on it)."""
+        if not q4_kernel_available():
+            raise ValueError("a 4-bit layer's saved packing needs the 4-bit kernel")
+        self = cls.__new__(cls)
+        self.out_features, self.in_features = out_features, in_features
+        self.gain, self.col, self.bias = state["q4_gain"], state["q4_col"], state.get("bias")
+        self.packed, self.ref = state["q4_packed"], None
+        return self
+
     def product(self, x: Tensor) -> Tensor:  # x: [n, in] float32 -> [n, out]
         if self.packed is not None:
             return torch.ops.specdec.q4_linear(x, self.gain, self.packed, self.out_features, self.col)

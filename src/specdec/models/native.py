@@ -388,13 +388,16 @@ class NativeCausalLM:
         q_scale = 1.0 / math.sqrt(cfg.head_dim)  # exact (a power of two) for head_dim 64
         self.layers: list[_Layer] = []
         if quantised is not None:
-            if quant != "int8" or int8_kernel not in ("fbgemm", "mixed"):
-                raise ConfigError("a saved int8 model needs quant='int8' and its resolved kernel (fbgemm or mixed)")
-            ins = {name: k for name, (_, k) in _linear_shapes(cfg, 1).items()}
+            if quant not in ("int8", "q4") or int8_kernel not in ("fbgemm", "mixed"):
+                raise ConfigError("a saved model needs quant='int8' or 'q4' and its resolved int8 kernel (fbgemm or mixed)")
+            head_rows = cfg.vocab_size if vocab_subset is None else vocab_subset.numel()
+            shapes = _linear_shapes(cfg, head_rows)
 
-            def stored(name: str) -> W8A8Linear:
+            def stored(name: str) -> W8A8Linear | Q4Linear:
                 fields = {k.rpartition(".")[2]: v for k, v in quantised.items() if k.rpartition(".")[0] == name}
-                return W8A8Linear.from_state(fields, ins[name], wide=int8_kernel == "mixed")
+                if quantised_cache.kind(fields) == "q4":
+                    return Q4Linear.from_state(fields, *shapes[name])
+                return W8A8Linear.from_state(fields, shapes[name][1], wide=int8_kernel == "mixed")
 
             for i in range(cfg.n_layers):
                 self.layers.append(_Layer(**{name: stored(f"layers.{i}.{name}") for name in LAYER_LINEARS}))
@@ -514,15 +517,16 @@ class NativeCausalLM:
         self.lm_head = quantized(self.lm_head)
 
     def quantised_state(self) -> dict[str, Tensor] | None:
-        """An int8 model's layers as tensors, ``LAYER.FIELD`` (``layers.I.NAME``, ``lm_head``; the
-        fields of :meth:`W8A8Linear.state`), from which the constructor's ``quantised`` rebuilds
-        them bit for bit; None unless every layer is a W8A8 layer with the kernel's packing."""
-        if self.quant != "int8" or self.int8_kernel not in ("fbgemm", "mixed"):
+        """A quantised model's layers as tensors, ``LAYER.FIELD`` (``layers.I.NAME``, ``lm_head``; the
+        fields of :meth:`W8A8Linear.state` and :meth:`Q4Linear.state`), from which the constructor's
+        ``quantised`` rebuilds them bit for bit; None unless every layer is an int8 (W8A8) or 4-bit
+        layer with its kernel's packing."""
+        if self.quant not in ("int8", "q4") or self.int8_kernel not in ("fbgemm", "mixed"):
             return None
         layers = {f"layers.{i}.{name}": getattr(layer, name) for i, layer in enumerate(self.layers) for name in LAYER_LINEARS}
         out: dict[str, Tensor] = {}
         for name, lin in {**layers, "lm_head": self.lm_head}.items():
-            state = lin.state() if isinstance(lin, W8A8Linear) else None
+            state = lin.state() if isinstance(lin, (W8A8Linear, Q4Linear)) else None
             if state is None:
                 return None
             out.update({f"{name}.{field}": t for field, t in state.items()})
@@ -550,16 +554,17 @@ class NativeCausalLM:
         folder = Path(folder)
         cfg = NativeConfig.from_hf(json.loads((folder / "config.json").read_text()))
         files = sorted(folder.glob("*.safetensors"))
-        # an int8 model built before from the same files, options and code: its layers are read from
-        # disk instead of made (the float weights are then never read but for the embedding, nor the
-        # calibration text tokenised)
+        gguf_files = [Path(gguf)] if quant == "q4" and gguf is not None else []
+        # a quantised model built before from the same files, options and code: its layers are read
+        # from disk instead of made (the float weights are then never read but for the embedding,
+        # nor a GGUF's blocks, nor the calibration text tokenised)
         entry = None
-        source = calibration_source(folder) if quant == "int8" and quantised_cache.cache_dir() is not None else None
+        source = calibration_source(folder) if quant is not None and quantised_cache.cache_dir() is not None else None
         if source is not None:
             head_rows = cfg.vocab_size if vocab_subset is None else vocab_subset.numel()
             shapes = _linear_shapes(cfg, head_rows)
             kernel = resolve_int8_kernel(int8_kernel, [shapes[n] for n in shapes if n != "lm_head"])
-            parts = _cache_parts(cfg, [folder / "config.json", *files], source, dtype=dtype,
+            parts = _cache_parts(cfg, [folder / "config.json", *files, *gguf_files], source, dtype=dtype,
                                  batch_invariant=batch_invariant, int8_head=int8_head, quant=quant,
                                  int8_kernel=kernel, q4_blocks=[], vocab_subset=vocab_subset)
             entry = calibration_cache.digest({**parts, "entry": quantised_cache.FORMAT})
@@ -573,11 +578,11 @@ class NativeCausalLM:
             weights.update(load_file(str(f)))
         calibration = calibration_ids(folder) if quant is not None else None
         blocks = None
-        if quant == "q4" and gguf is not None:
+        if gguf_files:
             from specdec.models.gguf_blocks import read_q4_blocks
 
             blocks = read_q4_blocks(gguf, cfg.n_heads, cfg.n_kv_heads)
-        sources = [folder / "config.json", *files, *([Path(gguf)] if blocks is not None else [])]
+        sources = [folder / "config.json", *files, *gguf_files]
         model = cls(cfg, weights, dtype=dtype, batch_invariant=batch_invariant, int8_head=int8_head, quant=quant,
                     calibration=calibration, int8_kernel=int8_kernel, q4_blocks=blocks, vocab_subset=vocab_subset,
                     sources=sources)

@@ -1,19 +1,22 @@
-"""An int8 model's quantised layers on disk, so that later starts read them instead of making them.
+"""A quantised model's layers on disk, so that later starts read them instead of making them.
 
 Building an int8 model (``quant="int8"``: a target with ``--dtype int8``, a draft with
 ``--draft-dtype w8a8``) reads every float32 weight, runs the calibration text through the float
-layers, smooths and quantises each matrix and packs it for the few-row int8 kernel.  For
+layers, smooths and quantises each matrix and packs it for the few-row int8 kernel; a 4-bit one
+(``quant="q4"``) quantises its layer matrices to 4-bit blocks (or reads a GGUF's) and packs them,
+and its LM head as the int8 model's.  For
 Qwen2.5-Coder-1.5B that is ~11 s of a ~21 s start on two cores and a 12.5 GB peak: the float32
 weights are read whole first.  The result is a deterministic function of the same things the
 calibration's ranges depend on (:func:`specdec.models.calibration_cache.key`: the weight files'
 path, size and modification time, the calibration ids, the config and options, specdec's code,
 its compiled kernels' build, every ``SPECDEC_*`` setting, torch and the thread count), so it is
 stored under that key in ``$SPECDEC_QUANTISED_CACHE`` (default ``$SPECDEC_CACHE/quantised``) as
-one safetensors file: per layer the kernel's packing, the float64 weight scales, and the bias and
-smoothing where there are any (:meth:`specdec.models.linear.W8A8Linear.state`).  A later start
-reads that and the float embedding alone, and rebuilds bitwise the same model.
+one safetensors file: per int8 layer the kernel's packing, the float64 weight scales, and the bias
+and smoothing where there are any (:meth:`specdec.models.linear.W8A8Linear.state`), per 4-bit layer
+the 4-bit kernel's packing, its input gain, output factors and bias (:meth:`~specdec.models.linear.Q4Linear.state`).
+A later start reads that and the float embedding alone, and rebuilds bitwise the same model.
 
-Only models whose every int8 layer has the kernel's packing are stored (a layer held in fbgemm's
+Only models whose every layer has its kernel's packing are stored (an int8 layer held in fbgemm's
 packed form alone cannot be saved; oneDNN-packed ``--int8-kernel onednn`` models are not either).
 An entry that does not name exactly the layers and fields the model expects, with their dtypes
 and sizes, is not used; anything unreadable is a miss (the model is built and the entry
@@ -37,9 +40,18 @@ KEEP = 3
 FREE_MARGIN = 2 << 30
 #: the file's format, in its metadata: an entry of another format is a miss
 FORMAT = "specdec-w8a8-1"
-#: the fields of one layer's state: always, and where the layer has them
-REQUIRED = {"packed": torch.int8, "comp": torch.int32, "col": torch.float32, "scales": torch.float64}
-OPTIONAL = {"bias": torch.float32, "inv_smooth": torch.float32}
+#: the fields of one layer's state, per kind of layer (an int8 W8A8 layer, a 4-bit layer): the ones
+#: it always has, and the ones it has where it has them
+REQUIRED = {
+    "w8a8": {"packed": torch.int8, "comp": torch.int32, "col": torch.float32, "scales": torch.float64},
+    "q4": {"q4_packed": torch.uint8, "q4_gain": torch.float32, "q4_col": torch.float32},
+}
+OPTIONAL = {"w8a8": {"bias": torch.float32, "inv_smooth": torch.float32}, "q4": {"bias": torch.float32}}
+
+
+def kind(fields: dict[str, Tensor]) -> str:
+    """Which kind of layer a state's fields describe."""
+    return "q4" if "q4_packed" in fields else "w8a8"
 
 
 def cache_dir() -> Path | None:
@@ -54,20 +66,30 @@ def cache_dir() -> Path | None:
 
 def _fits(state: dict[str, Tensor], shapes: dict[str, tuple[int, int]]) -> bool:
     """Whether ``state`` holds exactly the layers ``shapes`` names (layer -> (outputs, inputs)),
-    each with the required fields, no unknown one, the right dtypes and sizes that match its shape."""
-    names = {f"{layer}.{field}" for layer in shapes for field in REQUIRED}
-    if not names <= set(state):
-        return False
+    each with the fields of its kind, no unknown one, the right dtypes and sizes that match its shape."""
+    layers: dict[str, dict[str, Tensor]] = {}
     for name, t in state.items():
         layer, _, field = name.rpartition(".")
-        if layer not in shapes or (REQUIRED | OPTIONAL).get(field) != t.dtype:
+        layers.setdefault(layer, {})[field] = t
+    if set(layers) != set(shapes):
+        return False
+    for layer, fields in layers.items():
+        layer_kind = kind(fields)
+        allowed = REQUIRED[layer_kind] | OPTIONAL[layer_kind]
+        if not set(REQUIRED[layer_kind]) <= set(fields) or any(allowed.get(f) != t.dtype for f, t in fields.items()):
             return False
         out, k = shapes[layer]
-        if field == "packed":
-            if t.dim() != 4 or t.shape[3] != 4 or t.shape[0] * t.shape[2] < out or t.shape[1] * 4 < k:
+        for field, t in fields.items():
+            if field == "packed":  # [groups, in / 4, group width, 4]
+                ok = t.dim() == 4 and t.shape[3] == 4 and t.shape[0] * t.shape[2] >= out and t.shape[1] * 4 >= k
+            elif field == "q4_packed":  # [column groups, in / 32, bytes per group and block]
+                ok = t.dim() == 3 and t.shape[0] > 0 and t.shape[1] * 32 >= k > (t.shape[1] - 1) * 32
+            elif field in ("q4_gain", "q4_col"):  # empty where there is none
+                ok = t.dim() == 1 and t.numel() in (0, k if field == "q4_gain" else out)
+            else:
+                ok = t.dim() == 1 and t.numel() == (k if field == "inv_smooth" else out)
+            if not ok:
                 return False
-        elif t.dim() != 1 or t.numel() != (k if field == "inv_smooth" else out):
-            return False
     return True
 
 
