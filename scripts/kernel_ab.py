@@ -34,7 +34,7 @@ import paired
 
 from specdec.bench.report import machine_line
 from specdec.bench.runner import machine_info
-from specdec.engine import Engine, EngineConfig
+from specdec.engine import Engine, EngineConfig, parse_gamma
 from specdec.models import kernels
 from specdec.models import linear as linear_mod
 from specdec.sampling import SamplingConfig
@@ -136,6 +136,9 @@ def main() -> int:
     ap.add_argument("--avx2-three", action="store_true",
                     help="with the kernel's AVX2 build: add a variant 'kernel<=3' (the kernel for at most three rows, "
                     "fbgemm beyond), placed before 'kernel'")
+    ap.add_argument("--gamma", default="auto",
+                    help="the speculative runs' draft length: auto (default) or an integer, which holds every variant's "
+                    "rounds equal (γ auto follows each variant's measured pass costs)")
     ap.set_defaults(dtype="int8")  # the variants differ in the int8 product; q4 layers run none of them
     args = ap.parse_args()
     if args.fused:
@@ -157,6 +160,7 @@ def main() -> int:
         torch.set_num_threads(args.threads)
         return passes(args)
     temps, prompts, engine, plain = paired.setup(args)
+    gamma = parse_gamma(args.gamma)
     if args.fused:
         hold_fused(engine.target.model)
     names = list(FUSED_VARIANTS if args.fused else _variants)
@@ -169,14 +173,14 @@ def main() -> int:
         for name in names:
             use(name)
             plain.decoder(rule).generate(enc0, warm)
-            engine.decoder(rule).generate(enc0, warm)
+            engine.decoder(rule, gamma).generate(enc0, warm)
         for i, p in enumerate(tqdm(prompts, desc=f"T={t:g}")):
             ids = engine.encode(p.text, chat=p.chat)
             cfg = SamplingConfig(temperature=t, seed=0, max_new_tokens=args.max_new_tokens)
             for name in names[i % len(names):] + names[: i % len(names)]:
                 use(name)
                 for mode, eng in (("plain", plain), ("speculative", engine)):
-                    res = eng.decoder(rule).generate(ids, cfg)
+                    res = (eng.decoder(rule, gamma) if mode == "speculative" else eng.decoder(rule)).generate(ids, cfg)
                     rows.append({"prompt": p.id, "category": p.category, "T": t, "variant": name, "mode": mode,
                                  "tok_s": res.stats.tokens_per_s, "tokens_per_call": res.stats.tokens_per_target_call,
                                  "tokens": res.tokens})
@@ -191,7 +195,7 @@ def main() -> int:
 
     lines = [f"# The compiled kernels, paired ({args.target} + {args.draft})", "", f"Command: `{command}`", "",
              f"Machine: {machine_line(machine_info())}.", "",
-             f"{len(prompts)} prompts, {args.max_new_tokens} tokens, γ auto; every variant (plain, then speculative) on "
+             f"{len(prompts)} prompts, {args.max_new_tokens} tokens, γ {gamma}; every variant (plain, then speculative) on "
              "every prompt in one process, the variants' order rotated per prompt. "
              f"×{base} plain = median over prompts of the per-prompt tok/s ratio to the `{base}` variant's plain run.", "",
              f"| T | variant | mode | tok/s (median) | ×{base} plain (all) | chat | code | tokens/call | greedy = own plain |",
