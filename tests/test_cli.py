@@ -472,3 +472,85 @@ def test_models_lists_the_registry_without_torch():
         assert rows[r["name"]] == r
     assert "smollm2-135m" in rows["kangaroo"]["description"] and kangaroo.shipped_targets() == ["smollm2-135m"]
     assert rows["smollm2-135m-draft"]["draft_temperature_factor"] == 0.85
+
+
+@pytest.fixture
+def cache_root(tmp_path, monkeypatch):
+    """A cache of this test's own: a few files in every part, and a file that is no part's in the
+    quantised folder."""
+    root = tmp_path / "cache"
+    monkeypatch.setenv("SPECDEC_CACHE", str(root))
+    monkeypatch.delenv("SPECDEC_CALIBRATION_CACHE", raising=False)
+    monkeypatch.delenv("SPECDEC_QUANTISED_CACHE", raising=False)
+    files = {"models/m/model.safetensors": 1000, "models/m/config.json": 24, "gguf/x.gguf": 300,
+             "kernels/specdec-1.so": 500, "calibration/a.pt": 40, "calibration/b.pt": 60,
+             "quantised/e.safetensors": 7000, "quantised/e.1.tmp": 5, "quantised/notes.txt": 11}
+    for name, size in files.items():
+        (root / name).parent.mkdir(parents=True, exist_ok=True)
+        (root / name).write_bytes(b"x" * size)
+    return root
+
+
+def test_cache_lists_every_part_with_its_entries_and_size(capsys, cache_root, monkeypatch):
+    code, out, err = _run(capsys, "cache", "--json")
+    assert code == 0, err
+    rows = {r["part"]: r for r in json.loads(out)}
+    assert list(rows) == ["models", "gguf", "kernels", "calibration", "quantised"]
+    assert {k: (r["entries"], r["bytes"]) for k, r in rows.items()} == {
+        "models": (1, 1024), "gguf": (1, 300), "kernels": (1, 500), "calibration": (2, 100), "quantised": (2, 7005)}
+    code, out, _ = _run(capsys, "cache")
+    assert code == 0 and str(cache_root) in out and "quantised" in out and "6.8 KiB" in out
+    monkeypatch.setenv("SPECDEC_QUANTISED_CACHE", "off")  # a part turned off: listed as off, empty
+    code, out, _ = _run(capsys, "cache", "--json")
+    assert {r["part"]: r["folder"] for r in json.loads(out)}["quantised"] is None
+
+
+def test_cache_clear_removes_the_named_parts_own_files_only(capsys, cache_root):
+    code, out, err = _run(capsys, "cache", "clear", "quantised", "calibration")
+    assert code == 0, err
+    assert "quantised    cleared, 6.8 KiB freed" in out and "calibration  cleared, 100 B freed" in out
+    left = sorted(str(p.relative_to(cache_root)) for p in cache_root.rglob("*") if p.is_file())
+    assert left == ["gguf/x.gguf", "kernels/specdec-1.so", "models/m/config.json", "models/m/model.safetensors",
+                    "quantised/notes.txt"]  # a file that is not the cache's own stays
+    code, out, _ = _run(capsys, "cache", "clear", "all", "--json")
+    assert code == 0 and {r["part"]: r["freed_bytes"] for r in json.loads(out)} == {
+        "models": 1024, "gguf": 300, "kernels": 500, "calibration": 0, "quantised": 0}
+    assert [str(p.relative_to(cache_root)) for p in cache_root.rglob("*") if p.is_file()] == ["quantised/notes.txt"]
+
+
+@pytest.mark.parametrize("argv, message", [
+    (("cache", "clear", "bogus"), "unknown cache part 'bogus'"),
+    (("cache", "clear"), "name the parts to clear"),
+    (("cache", "list", "quantised"), "lists every part"),
+])
+def test_cache_refuses_bad_input_in_one_line(capsys, cache_root, argv, message):
+    code, out, err = _run(capsys, *argv)
+    assert code == 2 and message in err and err.count("\n") == 1 and "Traceback" not in err
+    assert len([p for p in cache_root.rglob("*") if p.is_file()]) == 9  # nothing removed
+
+
+def test_cache_answers_without_torch(tmp_path):
+    code = (
+        "import contextlib, io, os, sys\n"
+        f"os.environ['SPECDEC_CACHE'] = {str(tmp_path)!r}\n"
+        "from specdec.cli import main\n"
+        "with contextlib.redirect_stdout(io.StringIO()):\n"
+        "    assert main(['cache']) == 0 and main(['cache', 'clear', 'all']) == 0\n"
+        "print(sorted(m for m in ('torch', 'numpy', 'transformers') if m in sys.modules))\n"
+    )
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True, timeout=120)
+    assert out.stdout.strip().splitlines()[-1] == "[]"
+
+
+def test_the_models_caches_and_the_cache_command_agree_on_the_folders(cache_root, monkeypatch, tmp_path):
+    from specdec import caches
+    from specdec.models import calibration_cache, quantised_cache
+
+    assert registry.cache_root() == caches.root() == cache_root
+    assert calibration_cache.cache_dir() == cache_root / "calibration"
+    assert quantised_cache.cache_dir() == cache_root / "quantised"
+    monkeypatch.setenv("SPECDEC_QUANTISED_CACHE", str(tmp_path / "elsewhere"))
+    monkeypatch.setenv("SPECDEC_CALIBRATION_CACHE", "off")
+    parts = {p.name: p.folder for p in caches.parts()}
+    assert quantised_cache.cache_dir() == parts["quantised"] == tmp_path / "elsewhere"
+    assert calibration_cache.cache_dir() is None and parts["calibration"] is None

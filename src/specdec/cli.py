@@ -251,6 +251,17 @@ def build_parser() -> argparse.ArgumentParser:
                                        "loads read the cache). Also takes a .gguf file or a Hugging Face folder.")
     setup.add_argument("names", nargs="*", default=[defaults.DEFAULT_TARGET, defaults.DEFAULT_DRAFT_MODEL], help="registry names (default: the SmolLM2 pair)")
 
+    cache = sub.add_parser("cache", help="list what specdec keeps on disk, or clear parts of it",
+                           description="List the parts of specdec's cache ($SPECDEC_CACHE, default ~/.cache/specdec): "
+                                       "converted models, assembled GGUFs, compiled kernels, quantised models' "
+                                       "calibration ranges and quantised layers, with their sizes. `specdec cache clear "
+                                       "PART...` removes parts; each is rebuilt on its next use, so clearing costs only "
+                                       "time.")
+    cache.add_argument("action", nargs="?", choices=("list", "clear"), default="list", help="list (default) or clear")
+    cache.add_argument("parts", nargs="*", metavar="PART",
+                       help="with clear: the parts to remove (models, gguf, kernels, calibration, quantised) or all")
+    cache.add_argument("--json", action="store_true", help="print one JSON list instead of text")
+
     for extra in _EXTRA_COMMANDS:
         extra(sub)
     return parser
@@ -561,7 +572,45 @@ def _cmd_setup(args: argparse.Namespace) -> int:
     return 0
 
 
-COMMANDS = {"generate": _cmd_generate, "models": _cmd_models, "setup": _cmd_setup, "serve": _cmd_serve, "bench": _cmd_bench, "train": _cmd_train}
+def _cmd_cache(args: argparse.Namespace) -> int:
+    from specdec import caches
+
+    parts = {p.name: p for p in caches.parts()}
+    if args.action == "list" and args.parts:
+        raise SpecdecError("`specdec cache` lists every part; to remove some, use `specdec cache clear PART...`")
+    if args.action == "clear":
+        if not args.parts:
+            raise SpecdecError(f"name the parts to clear: {', '.join(parts)} or all")
+        unknown = [name for name in args.parts if name not in parts and name != "all"]
+        if unknown:
+            raise SpecdecError(f"unknown cache part {unknown[0]!r}; choose from {', '.join(parts)} or all")
+        chosen = list(parts) if "all" in args.parts else list(dict.fromkeys(args.parts))
+        freed = {name: caches.clear(parts[name]) for name in chosen}
+        if args.json:
+            print(json.dumps([{"part": name, "freed_bytes": size} for name, size in freed.items()]))
+        else:
+            for name, size in freed.items():
+                print(f"{name:<12} cleared, {caches.human(size)} freed ({parts[name].rebuilt})")
+        return 0
+    rows = []
+    for part in parts.values():
+        entries, size = caches.usage(part)
+        rows.append({"part": part.name, "folder": None if part.folder is None else str(part.folder), "entries": entries,
+                     "bytes": size, "holds": part.holds})
+    if args.json:
+        print(json.dumps(rows))
+        return 0
+    print(f"specdec's cache: {caches.root()}  (SPECDEC_CACHE moves it)")
+    for row in rows:
+        where = "off" if row["folder"] is None else row["folder"]
+        print(f"{row['part']:<12} {caches.human(row['bytes']):>10}  {row['entries']:>4} entries  {row['holds']}\n"
+              f"{'':<12} {where}")
+    print(f"total        {caches.human(sum(r['bytes'] for r in rows)):>10}   (`specdec cache clear PART...` removes parts)")
+    return 0
+
+
+COMMANDS = {"generate": _cmd_generate, "models": _cmd_models, "setup": _cmd_setup, "cache": _cmd_cache,
+            "serve": _cmd_serve, "bench": _cmd_bench, "train": _cmd_train}
 
 
 def main(argv: Sequence[str] | None = None) -> int:

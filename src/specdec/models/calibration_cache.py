@@ -39,12 +39,9 @@ _NEUTRAL_ENV = ("SPECDEC_CACHE", "SPECDEC_CALIBRATION_CACHE", "SPECDEC_QUANTISED
 
 def cache_dir() -> Path | None:
     """Where entries live, or None when the cache is off."""
-    own = os.environ.get("SPECDEC_CALIBRATION_CACHE")
-    if own is not None and own.strip().lower() in ("0", "off", "no", "false", ""):
-        return None
-    if own:
-        return Path(own).expanduser()
-    return Path(os.environ.get("SPECDEC_CACHE") or Path.home() / ".cache" / "specdec") / "calibration"
+    from specdec import caches
+
+    return caches.calibration_dir()
 
 
 def file_identity(paths: list[Path]) -> list[list[Any]]:

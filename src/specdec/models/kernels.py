@@ -58,6 +58,8 @@ from pathlib import Path
 
 import torch
 
+from specdec import caches
+
 _SOURCES = tuple(Path(__file__).parent / "csrc" / name for name in ("q8.cpp", "q4.cpp", "f32.cpp", "attention.cpp", "layers.cpp", "keyed.cpp", "rules.cpp"))
 _HEADERS = (Path(__file__).parent / "csrc" / "specdec.h",)
 _FLAGS = ("-O3", "-std=c++20", "-shared", "-fPIC", "-fopenmp", "-ffp-contract=off", "-fno-fast-math", "-DNDEBUG")
@@ -114,7 +116,7 @@ def _build(cxx: str) -> Path:
     march = _march()
     key = hashlib.sha256(b"\0".join([src, torch.__version__.encode(), cxx.encode(), _cpu_key().encode(),
                                      " ".join((*_FLAGS, march)).encode()])).hexdigest()[:16]
-    cache = Path(os.environ.get("SPECDEC_CACHE") or Path.home() / ".cache" / "specdec") / "kernels"
+    cache = caches.root() / "kernels"
     cache.mkdir(parents=True, exist_ok=True)
     lib = cache / f"specdec-{key}.so"
     if lib.is_file():

@@ -56,12 +56,9 @@ def kind(fields: dict[str, Tensor]) -> str:
 
 def cache_dir() -> Path | None:
     """Where entries live, or None when the cache is off."""
-    own = os.environ.get("SPECDEC_QUANTISED_CACHE")
-    if own is not None and own.strip().lower() in ("0", "off", "no", "false", ""):
-        return None
-    if own:
-        return Path(own).expanduser()
-    return Path(os.environ.get("SPECDEC_CACHE") or Path.home() / ".cache" / "specdec") / "quantised"
+    from specdec import caches
+
+    return caches.quantised_dir()
 
 
 def _fits(state: dict[str, Tensor], shapes: dict[str, tuple[int, int]]) -> bool:

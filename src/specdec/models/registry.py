@@ -24,7 +24,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
-from specdec import catalog
+from specdec import caches, catalog
 from specdec.errors import MissingPackageError, ModelNotFoundError, SpecdecError
 
 if TYPE_CHECKING:  # torch is imported where a model loads: `specdec models` and `setup`'s checks need none of it
@@ -32,7 +32,7 @@ if TYPE_CHECKING:  # torch is imported where a model loads: `specdec models` and
 
 
 def cache_root() -> Path:
-    return Path(os.environ.get("SPECDEC_CACHE", Path.home() / ".cache" / "specdec"))
+    return caches.root()
 
 
 DATA_DIR = catalog.DATA_DIR  # the package's data folder
