@@ -291,7 +291,7 @@ def _linear_shapes(cfg: NativeConfig, head_rows: int) -> dict[str, tuple[int, in
 def _cache_parts(cfg: NativeConfig, sources: list[Path], calibration: str, *, dtype: torch.dtype,
                  batch_invariant: bool, int8_head: bool, quant: str, int8_kernel: str, q4_blocks: list[str],
                  vocab_subset: Tensor | None) -> dict:
-    """What a quantised model's calibration ranges and int8 layers depend on besides the code
+    """What a quantised model's calibration ranges and quantised layers depend on besides the code
     (the key of :mod:`specdec.models.calibration_cache` and :mod:`specdec.models.quantised_cache`);
     ``calibration``: a digest of the calibration ids, or of what they are computed from."""
     return {
@@ -339,9 +339,10 @@ class NativeCausalLM:
         (by weight name: a GGUF's as shipped) where given, else quantised from the float weight —
         and the LM head as the int8 target's.  ``sources``: the files ``weights`` (and ``q4_blocks``)
         were read from, which lets the calibration's ranges be kept on disk for later starts
-        (:mod:`specdec.models.calibration_cache`).  ``quantised`` (``quant="int8"``): the int8 layers
-        as :meth:`quantised_state` gave them, which then stand for every weight but the embedding
-        (``weights`` holds that alone), with ``int8_kernel`` already resolved; no calibration runs."""
+        (:mod:`specdec.models.calibration_cache`).  ``quantised`` (``quant="int8"`` or ``"q4"``): the
+        quantised layers as :meth:`quantised_state` gave them, which then stand for every weight but
+        the embedding (``weights`` holds that alone), with ``int8_kernel`` already resolved; no
+        calibration runs (:mod:`specdec.models.quantised_cache`)."""
         if quant not in (None, "int8", "q4"):
             raise ConfigError(f"unknown quantisation {quant!r}; the native backend offers int8 and q4")
         self.cfg = cfg
