@@ -174,13 +174,18 @@ class FastTokenizer:
         """The folder's tokenizer as transformers' declared class makes it: tokenizer.json as written
         for ``TokenizersBackend``; for a class in :data:`REBUILT`, the file with that class's
         normaliser, where the file's pre-tokenizer, decoder and model options are the ones the class
-        builds (else None: transformers' tokenizer decides).  ``config``: :func:`plain_config`'s."""
+        builds and every special token the config names is one of the file's special added tokens
+        (such a class adds the named ones as special tokens; else None: transformers' tokenizer
+        decides).  ``config``: :func:`plain_config`'s."""
         rebuilt = REBUILT.get(config.get("tokenizer_class"))
         if rebuilt is None:
             return cls(folder, config)
         tokenizer = parsed((Path(folder) / "tokenizer.json").read_bytes(), json.dumps(rebuilt["normalizer"]))
         if (_state(tokenizer.pre_tokenizer) != rebuilt["pre_tokenizer"] or _state(tokenizer.decoder) != rebuilt["decoder"]
                 or _model_options(tokenizer.model) != rebuilt["model"]):
+            return None
+        special = {t.content: t.special for t in tokenizer.get_added_tokens_decoder().values()}
+        if any(special.get(name) is not True for k in _TEMPLATE_TOKENS if (name := _token_name(config.get(k))) is not None):
             return None
         return cls(folder, config, tokenizer)
 

@@ -401,10 +401,13 @@ def test_a_qwen2_folder_loads_without_autotokenizer_as_qwen2tokenizer_makes_it(t
     assert type(tok.hf).__name__ == "Qwen2Tokenizer"  # the rest: the class AutoTokenizer gives
 
 
-@pytest.mark.parametrize("change", ["pre_tokenizer", "prefix_space", "decoder"])
+@pytest.mark.parametrize("change", ["pre_tokenizer", "prefix_space", "decoder", "eos not in the file"])
 def test_a_qwen2_folder_qwen2tokenizer_would_change_keeps_transformers(tmp_path, change):
-    """A pre-tokenizer or decoder other than the ones Qwen2Tokenizer builds, or ``add_prefix_space``
-    set: transformers' tokenizer, as before (a direct load of such a file would not be the class's)."""
+    """A pre-tokenizer or decoder other than the ones Qwen2Tokenizer builds, ``add_prefix_space``
+    set, or a named special token the file lacks (the class adds it): transformers' tokenizer, as
+    before (a direct load of such a file would not be the class's)."""
+    import json
+
     from transformers import AutoTokenizer
 
     from specdec.tokenizer import FastTokenizer
@@ -414,8 +417,12 @@ def test_a_qwen2_folder_qwen2tokenizer_would_change_keeps_transformers(tmp_path,
                                                         "trim_offsets": True, "use_regex": True})
     elif change == "prefix_space":
         folder = _qwen2_folder(tmp_path, prefix_space=True)
-    else:
+    elif change == "decoder":
         folder = _qwen2_folder(tmp_path, decoder={"type": "Fuse"})
+    else:
+        folder = _qwen2_folder(tmp_path)
+        declared = json.loads((folder / "tokenizer_config.json").read_text())
+        (folder / "tokenizer_config.json").write_text(json.dumps({**declared, "eos_token": "<|eot|>"}))
     tok = registry.load_tokenizer(folder)
     assert not isinstance(tok, FastTokenizer) and type(tok).__name__ == "Qwen2Tokenizer"
     ref = AutoTokenizer.from_pretrained(str(folder))
