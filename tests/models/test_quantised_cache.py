@@ -219,3 +219,16 @@ def test_the_real_4bit_target_from_the_cache_is_the_target(builds, tmp_path):
     finally:
         gguf_blocks.read_q4_blocks = real
     assert builds[0] == 1 and len(reads) == 1 and _same(first, second)
+
+
+def test_an_entry_that_cannot_be_written_never_fails_the_load(folder, builds, tmp_path, monkeypatch):
+    """The writer's own error (not only a full or read-only disk): the model loads, nothing is left."""
+    import safetensors.torch
+
+    def broken(*args, **kwargs):
+        raise ValueError("the writer failed")
+
+    monkeypatch.setattr(safetensors.torch, "save_file", broken)
+    model = _load(folder)
+    assert model.quantised_state() is not None and not _entries(tmp_path)
+    assert not list((tmp_path / "quantised").glob("*.tmp"))

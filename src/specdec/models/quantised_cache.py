@@ -127,6 +127,9 @@ def save(name: str, state: dict[str, Tensor]) -> bool:
         for old in entries[: max(0, len(entries) - KEEP)]:
             old.unlink(missing_ok=True)
         return True
-    except OSError:
-        tmp.unlink(missing_ok=True)
+    except Exception:  # noqa: BLE001 - a cache that cannot be written must never fail a model's load
+        try:
+            tmp.unlink(missing_ok=True)
+        except OSError:
+            pass
         return False
