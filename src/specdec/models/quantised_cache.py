@@ -7,14 +7,15 @@ layers, smooths and quantises each matrix and packs it for the few-row int8 kern
 and its LM head as the int8 model's.  For
 Qwen2.5-Coder-1.5B that is ~11 s of a ~21 s start on two cores and a 12.5 GB peak: the float32
 weights are read whole first.  The result is a deterministic function of the same things the
-calibration's ranges depend on (:func:`specdec.models.calibration_cache.key`: the weight files'
-path, size and modification time, the calibration ids, the config and options, specdec's code,
-its compiled kernels' build, every ``SPECDEC_*`` setting, torch and the thread count), so it is
-stored under that key in ``$SPECDEC_QUANTISED_CACHE`` (default ``$SPECDEC_CACHE/quantised``) as
+calibration's ranges depend on (:func:`specdec.models.calibration_cache.digest`: the weight files'
+path, size and modification time, what the calibration ids are computed from, the config and
+options, specdec's code, its compiled kernels' build, every ``SPECDEC_*`` setting, torch and the
+thread count), so it is stored under that key in ``$SPECDEC_QUANTISED_CACHE`` (default ``$SPECDEC_CACHE/quantised``) as
 one safetensors file: per int8 layer the kernel's packing, the float64 weight scales, and the bias
 and smoothing where there are any (:meth:`specdec.models.linear.W8A8Linear.state`), per 4-bit layer
 the 4-bit kernel's packing, its input gain, output factors and bias (:meth:`~specdec.models.linear.Q4Linear.state`).
-A later start reads that and the float embedding alone, and rebuilds bitwise the same model.
+A later start reads that and the float embedding alone (``safe_open``'s tensors are views of the
+mapped files, not copies), and rebuilds bitwise the same model.
 
 Only models whose every layer has its kernel's packing are stored (an int8 layer held in fbgemm's
 packed form alone cannot be saved; oneDNN-packed ``--int8-kernel onednn`` models are not either).
@@ -39,7 +40,7 @@ KEEP = 3
 #: free bytes a write must leave on the disk
 FREE_MARGIN = 2 << 30
 #: the file's format, in its metadata: an entry of another format is a miss
-FORMAT = "specdec-w8a8-1"
+FORMAT = "specdec-layers-1"
 #: the fields of one layer's state, per kind of layer (an int8 W8A8 layer, a 4-bit layer): the ones
 #: it always has, and the ones it has where it has them
 REQUIRED = {
