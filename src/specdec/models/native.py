@@ -394,8 +394,13 @@ class NativeCausalLM:
             head_rows = cfg.vocab_size if vocab_subset is None else vocab_subset.numel()
             shapes = _linear_shapes(cfg, head_rows)
 
+            by_layer: dict[str, dict[str, Tensor]] = {}  # LAYER -> FIELD -> tensor
+            for key, t in quantised.items():
+                layer_name, _, field = key.rpartition(".")
+                by_layer.setdefault(layer_name, {})[field] = t
+
             def stored(name: str) -> W8A8Linear | Q4Linear:
-                fields = {k.rpartition(".")[2]: v for k, v in quantised.items() if k.rpartition(".")[0] == name}
+                fields = by_layer[name]
                 if quantised_cache.kind(fields) == "q4":
                     return Q4Linear.from_state(fields, *shapes[name])
                 return W8A8Linear.from_state(fields, shapes[name][1], wide=int8_kernel == "mixed")
@@ -585,8 +590,8 @@ class NativeCausalLM:
             blocks = read_q4_blocks(gguf, cfg.n_heads, cfg.n_kv_heads)
         sources = [folder / "config.json", *files, *gguf_files]
         model = cls(cfg, weights, dtype=dtype, batch_invariant=batch_invariant, int8_head=int8_head, quant=quant,
-                    calibration=calibration, int8_kernel=int8_kernel, q4_blocks=blocks, vocab_subset=vocab_subset,
-                    sources=sources)
+                    calibration=calibration, int8_kernel=kernel if source is not None else int8_kernel,
+                    q4_blocks=blocks, vocab_subset=vocab_subset, sources=sources)
         if entry is not None:
             state = model.quantised_state()
             if state is not None:
