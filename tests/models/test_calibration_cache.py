@@ -9,7 +9,7 @@ import os
 import pytest
 import torch
 
-from specdec.models.native import NativeCausalLM
+from specdec.models.native import NativeCausalLM, _LayerByLayer
 from specdec.models.linear import w8a8_available
 from tiny import make_tiny
 
@@ -28,13 +28,13 @@ def passes(tmp_path, monkeypatch):
     """The cache on, in a folder of this test's own; counts the calibration passes that run."""
     monkeypatch.setenv("SPECDEC_CALIBRATION_CACHE", str(tmp_path / "calibration"))
     count = [0]
-    real = NativeCausalLM._calibrate
+    real = _LayerByLayer.begin_pass
 
     def counted(self, ids):
         count[0] += 1
         return real(self, ids)
 
-    monkeypatch.setattr(NativeCausalLM, "_calibrate", counted)
+    monkeypatch.setattr(_LayerByLayer, "begin_pass", counted)
     return count
 
 

@@ -16,6 +16,7 @@ from specdec.models.linear import (W8A8Linear, W8A8OneDNNLinear, _has_vnni, mixe
                                    w8a8_available)
 from specdec.models.native import NativeCausalLM
 from specdec.models.quantize import calibration_ids, smoothing
+from specdec.models.scripted import compiled_layers
 from tiny import make_tiny
 
 needs_w8a8 = pytest.mark.skipif(not w8a8_available(), reason="this torch build has no fbgemm int8 engine")
@@ -315,16 +316,50 @@ def test_quantized_model_block_equals_token_by_token_and_is_close_to_float(tiny_
         assert any(lin.wide is not None for lin in (q.lm_head, q.layers[0].qkv))
 
 
-@pytest.mark.parametrize("quant", [pytest.param("int8", marks=needs_w8a8), pytest.param("q4", marks=needs_w8a8)])
-def test_calibration_without_the_heads_product_gives_the_same_model(tiny_folder, monkeypatch, quant):
-    """Calibration hands the LM head's range recorder its input instead of running the head: the
-    quantised model is bit for bit the one a full calibration forward pass gives."""
-    fast = NativeCausalLM.from_folder(tiny_folder, quant=quant, batch_invariant=True, int8_kernel="fbgemm")
-    monkeypatch.setattr(NativeCausalLM, "_calibrate", lambda self, ids: self.forward(ids, self.new_cache(ids.numel())))
-    full = NativeCausalLM.from_folder(tiny_folder, quant=quant, batch_invariant=True, int8_kernel="fbgemm")
-    assert torch.equal(fast.lm_head.inv_smooth, full.lm_head.inv_smooth)
-    ids = torch.randint(0, 1000, (30,), generator=torch.Generator().manual_seed(5))
-    assert torch.equal(fast.forward(ids, fast.new_cache(64)), full.forward(ids, full.new_cache(64)))
+def _stored_ranges(folder) -> dict[str, torch.Tensor]:
+    (entry,) = list(folder.glob("*.pt"))  # the calibration cache's one entry
+    return torch.load(entry, weights_only=True)
+
+
+@needs_w8a8
+def test_layer_by_layer_calibration_records_a_whole_float_pass(tiny_folder, tmp_path, monkeypatch):
+    """An int8 model is built one layer at a time, each layer's ranges measured and the layer
+    quantised before the next is made: the ranges are bit for bit those a whole forward pass
+    over the float model records (every linear's input and the LM head's), and the model is the
+    one those ranges give.  The float reference runs the same dense products: a non-invariant
+    model whose tiny matrices stay unpacked."""
+    from specdec.models.quantize import RangeRecorder
+
+    monkeypatch.setenv("SPECDEC_CALIBRATION_CACHE", str(tmp_path))
+    q = NativeCausalLM.from_folder(tiny_folder, quant="int8", int8_kernel="fbgemm")
+    measured = _stored_ranges(tmp_path)
+    f = NativeCausalLM.from_folder(tiny_folder)
+    f.scripted = None  # the Python loop, which calls the recorders
+    for layer in f.layers:
+        for name in ("qkv", "out", "gate_up", "down"):
+            assert getattr(layer, name).weight is not None  # dense, as the calibration's float layers
+            setattr(layer, name, RangeRecorder(getattr(layer, name)))
+    ids = calibration_ids(tiny_folder)[: f.max_length]
+    head_input = f.hidden(ids, f.new_cache(ids.numel()))  # [n, D]
+    reference = {f"layers.{i}.{n}": getattr(layer, n).absmax for i, layer in enumerate(f.layers)
+                 for n in ("qkv", "out", "gate_up", "down")}
+    reference["lm_head"] = head_input.abs().amax(0)
+    assert set(measured) == set(reference) and len(reference) == 4 * len(f.layers) + 1
+    for k in reference:
+        assert torch.equal(measured[k], reference[k]), k
+    assert q.scripted is not None or not compiled_layers()  # the compiled loop is made once the layers are settled
+
+
+@needs_w8a8
+def test_a_4bit_models_head_is_calibrated_on_its_4bit_layers(tiny_folder, tmp_path, monkeypatch):
+    """A q4 model's layers are 4-bit from the start; only the LM head is calibrated, on what
+    the built model's own forward pass hands it."""
+    monkeypatch.setenv("SPECDEC_CALIBRATION_CACHE", str(tmp_path))
+    q = NativeCausalLM.from_folder(tiny_folder, quant="q4", int8_kernel="fbgemm")
+    measured = _stored_ranges(tmp_path)
+    ids = calibration_ids(tiny_folder)[: q.max_length]
+    assert set(measured) == {"lm_head"}
+    assert torch.equal(measured["lm_head"], q.hidden(ids, q.new_cache(ids.numel())).abs().amax(0))
 
 
 @needs_w8a8

@@ -269,13 +269,6 @@ class _TreeLayout:
 
 
 
-def _out_in(lin) -> tuple[int, int]:
-    """A linear layer's (outputs, inputs), calibrating or quantised."""
-    if isinstance(lin, RangeRecorder):
-        return tuple(lin.inner.weight.shape)
-    return lin.out_features, lin.in_features
-
-
 #: the linear layers of each decoder layer, in the order they run
 LAYER_LINEARS = ("qkv", "out", "gate_up", "down")
 
@@ -311,6 +304,89 @@ def _read_tensor(files: list[Path], name: str) -> Tensor:
             if name in sf.keys():
                 return sf.get_tensor(name)
     raise KeyError(name)
+
+
+#: a decoder layer's weight matrices (``model.layers.I.NAME.weight``), as a checkpoint names them
+_LAYER_MATRICES = tuple(f"self_attn.{x}_proj" for x in "qkvo") + tuple(f"mlp.{x}_proj" for x in ("gate", "up", "down"))
+
+
+class _LayerByLayer:
+    """A quantised model built one layer at a time.  Each new layer's float (range-recording)
+    linears get their input ranges — read from the calibration cache, or measured by carrying the
+    calibration text's residual stream through that layer with the operations of a forward pass —
+    and are quantised before the next layer is made; the LM head's recorder gets the final
+    normalised stream without running the head.  A model so built holds one float layer at a
+    time (the int8 Qwen2.5-Coder-1.5B held all 28 for one calibration pass: 6.5 GB), and is bit
+    for bit the model a whole calibration pass over the float layers gives (tested)."""
+
+    def __init__(self, model: "NativeCausalLM", ranges: dict[str, Tensor] | None, cache_name: str | None) -> None:
+        self.model = model
+        self.ranges = ranges  # read from the cache: nothing to measure
+        self.cache_name = cache_name  # where measured ranges go (None: cache off, or no key)
+        self.measured: dict[str, Tensor] = {}
+        self.x: Tensor | None = None  # [n, D] the calibration text's residual stream after the layers settled so far
+        self.cache: KVCache | None = None
+
+    @classmethod
+    def start(cls, model: "NativeCausalLM", calibration: Tensor | None, cache_parts: dict | None,
+              shapes: dict[str, tuple[int, int]]) -> "_LayerByLayer":
+        """``calibration``: token ids [n] (none, or one token: no ranges, no smoothing);
+        ``cache_parts``: the key's parts besides the code; ``shapes``: every linear's (out, in)."""
+        ids = calibration[: model.max_length] if calibration is not None and calibration.numel() > 1 else None
+        if ids is None:
+            return cls(model, None, None)
+        name = calibration_cache.key(cache_parts) if cache_parts is not None else None
+        ranges = None
+        if name is not None:  # every linear's range for int8; only the head's for q4 (its layers are 4-bit blocks)
+            wanted = {k: (shape[1],) for k, shape in shapes.items() if model.quant == "int8" or k == "lm_head"}
+            ranges = calibration_cache.load(name, wanted)
+        build = cls(model, ranges, name)
+        if ranges is None:
+            build.begin_pass(ids)
+        return build
+
+    def begin_pass(self, ids: Tensor) -> None:  # ids: [n] int64
+        """Start measuring: the calibration text's embedding, and a cache for its keys and values."""
+        n = ids.numel()
+        self.cache = self.model.new_cache(n)
+        self.cache.reserve(n)
+        self.x = self.model.embed.index_select(0, ids)  # [n, D]
+
+    def settle_layer(self, i: int) -> None:
+        """Layer ``i`` (just built): its ranges read or measured, then its float linears quantised."""
+        m, layer = self.model, self.model.layers[i]
+        recorders = {n: getattr(layer, n) for n in LAYER_LINEARS if isinstance(getattr(layer, n), RangeRecorder)}
+        if self.x is not None:  # every layer runs, 4-bit ones too: the head's input comes from all of them
+            assert self.cache is not None and m.scripted is None
+            self.x = m.run_layers(self.x, self.cache, [(i, True, True)], start=0)
+        for n, rec in recorders.items():
+            self._settle(f"layers.{i}.{n}", rec)
+            setattr(layer, n, self._quantised(rec))
+
+    def settle_head(self) -> None:
+        """The LM head (built last): its range, its quantisation, and the ranges stored when measured."""
+        m = self.model
+        rec = m.lm_head
+        assert isinstance(rec, RangeRecorder), "a quantised model's head is calibrated with its layers"
+        if self.x is not None:
+            rec.record(self.x * m._inv_rms(self.x))  # [n, D]: what forward hands the head
+        self._settle("lm_head", rec)
+        m.lm_head = self._quantised(rec)
+        if self.cache_name is not None and self.x is not None:
+            calibration_cache.save(self.cache_name, self.measured)
+        self.x = self.cache = None
+
+    def _settle(self, name: str, rec: RangeRecorder) -> None:
+        if self.ranges is not None:
+            rec.absmax = self.ranges[name]
+        elif self.x is not None:
+            self.measured[name] = rec.absmax
+
+    def _quantised(self, rec: RangeRecorder) -> W8A8Linear | W8A8OneDNNLinear:
+        weight = rec.inner.weight  # [out, in] float, unpacked
+        if self.model.int8_kernel == "onednn":
+            return W8A8OneDNNLinear(weight, rec.bias, smooth=smoothing(rec.absmax, weight))
+        return W8A8Linear(weight, rec.bias, smooth=smoothing(rec.absmax, weight), wide=self.model.int8_kernel == "mixed")
 
 
 class NativeCausalLM:
@@ -360,7 +436,7 @@ class NativeCausalLM:
         mode = "invariant" if batch_invariant else "fast"
 
         def linear(weight: Tensor, bias: Tensor | None = None) -> Linear | W8A8Linear:
-            if quant is not None:  # float first: calibrated, then quantised (see _quantize)
+            if quant is not None:  # float first: calibrated, then quantised (see _LayerByLayer)
                 return RangeRecorder(Linear(weight, bias, pack=False))
             return Linear(weight, bias, mode=mode)
 
@@ -386,12 +462,34 @@ class NativeCausalLM:
             return weights.pop(name).to(dtype) if name in weights else None
 
         self.embed = w("model.embed_tokens.weight")  # [V, D]
+        self._eps = torch.tensor([cfg.rms_eps], dtype=dtype)
+        cos, sin = _rope_tables(cfg, cfg.max_length)
+        sin[:, : cfg.head_dim // 2] *= -1  # signed for _rotate
+        self._cos, self._sin = cos.to(dtype), sin.to(dtype)
+        self._q_size = cfg.n_heads * cfg.head_dim
+        self._kv_size = cfg.n_kv_heads * cfg.head_dim
+        #: the layer loop compiled with TorchScript (bitwise the same ops; see models/scripted.py),
+        #: used for single positions and per-row (batch-invariant) attention; None = Python loop
+        #: (and while the layers are built: a calibration runs them one at a time in Python)
+        self.scripted: ScriptedLayers | None = None
+        #: int8_head (drafts only: never for a target, whose logits define the output law): the LM
+        #: head, by far the largest matrix of a small draft, as a dynamically quantised int8 matmul
+        #: vocab_subset (drafts only, like int8_head): the LM head's rows for these target ids alone
+        #: (a draft vocabulary of the most frequent tokens, sorted); every other logit is -inf, so
+        #: the draft never proposes those tokens — a proposal rule, never the output law
+        self._subset = None if vocab_subset is None else vocab_subset.long()
+        if self._subset is not None and not 0 <= int(self._subset.min()) <= int(self._subset.max()) < cfg.vocab_size:
+            raise ConfigError(f"a draft vocabulary's ids must lie in 0..{cfg.vocab_size - 1}")
+        head_rows = cfg.vocab_size if vocab_subset is None else vocab_subset.numel()
+        #: the int8 kernel the linear layers run on ("fbgemm" | "onednn" | "mixed"), None when not quantised
+        self.int8_kernel = None
         q_scale = 1.0 / math.sqrt(cfg.head_dim)  # exact (a power of two) for head_dim 64
         self.layers: list[_Layer] = []
+        build: _LayerByLayer | None = None
         if quantised is not None:
             if quant not in ("int8", "q4") or int8_kernel not in ("fbgemm", "mixed"):
                 raise ConfigError("a saved model needs quant='int8' or 'q4' and its resolved int8 kernel (fbgemm or mixed)")
-            head_rows = cfg.vocab_size if vocab_subset is None else vocab_subset.numel()
+            self.int8_kernel = int8_kernel
             shapes = _linear_shapes(cfg, head_rows)
 
             by_layer: dict[str, dict[str, Tensor]] = {}  # LAYER -> FIELD -> tensor
@@ -407,6 +505,17 @@ class NativeCausalLM:
 
             for i in range(cfg.n_layers):
                 self.layers.append(_Layer(**{name: stored(f"layers.{i}.{name}") for name in LAYER_LINEARS}))
+        elif quant is not None:  # auto weighs the layer shapes (small matrices: fbgemm, linear.WIDE_AUTO_ROWS)
+            shapes = _linear_shapes(cfg, head_rows)
+            self.int8_kernel = resolve_int8_kernel(int8_kernel, [shapes[n] for n in shapes if n != "lm_head"])
+            cache_parts = None
+            if sources is not None and calibration is not None:  # what the ranges depend on besides the code
+                # (a GGUF's blocks that are no layer matrix would stay unused: part of the key as before)
+                used = {f"model.layers.{i}.{m}.weight" for i in range(cfg.n_layers) for m in _LAYER_MATRICES}
+                cache_parts = _cache_parts(cfg, sources, calibration_cache.tensor_digest(calibration), dtype=dtype, batch_invariant=batch_invariant,
+                                           int8_head=int8_head, quant=quant, int8_kernel=self.int8_kernel,
+                                           q4_blocks=[n for n in blocks if n not in used], vocab_subset=vocab_subset)
+            build = _LayerByLayer.start(self, calibration, cache_parts, shapes)
         for i in range(cfg.n_layers if quantised is None else 0):  # (a saved model's layers: built above)
             p = f"model.layers.{i}."
             attn_g, mlp_g = w(p + "input_layernorm.weight"), w(p + "post_attention_layernorm.weight")  # [D]
@@ -422,27 +531,21 @@ class NativeCausalLM:
                         down=q4([p + "mlp.down_proj.weight"]),
                     )
                 )
-                continue
-            qkv_w = torch.cat([w(p + "self_attn.q_proj.weight") * q_scale] + [w(p + f"self_attn.{x}_proj.weight") for x in "kv"])
-            gate_up_w = torch.cat([w(p + "mlp.gate_proj.weight"), w(p + "mlp.up_proj.weight")])
-            self.layers.append(
-                _Layer(
-                    qkv=linear(qkv_w * attn_g, qkv_b),
-                    out=linear(w(p + "self_attn.o_proj.weight")),
-                    gate_up=linear(gate_up_w * mlp_g),
-                    down=linear(w(p + "mlp.down_proj.weight")),
+            else:
+                qkv_w = torch.cat([w(p + "self_attn.q_proj.weight") * q_scale] + [w(p + f"self_attn.{x}_proj.weight") for x in "kv"])
+                gate_up_w = torch.cat([w(p + "mlp.gate_proj.weight"), w(p + "mlp.up_proj.weight")])
+                self.layers.append(
+                    _Layer(
+                        qkv=linear(qkv_w * attn_g, qkv_b),
+                        out=linear(w(p + "self_attn.o_proj.weight")),
+                        gate_up=linear(gate_up_w * mlp_g),
+                        down=linear(w(p + "mlp.down_proj.weight")),
+                    )
                 )
-            )
+            if build is not None:  # its ranges measured (or read), then quantised: one float layer at a time
+                build.settle_layer(i)
         final_g = w("model.norm.weight") if quantised is None else None  # [D]
         head = self.embed if cfg.tie_embeddings or "lm_head.weight" not in weights else w("lm_head.weight")
-        #: int8_head (drafts only: never for a target, whose logits define the output law): the LM
-        #: head, by far the largest matrix of a small draft, as a dynamically quantised int8 matmul
-        #: vocab_subset (drafts only, like int8_head): the LM head's rows for these target ids alone
-        #: (a draft vocabulary of the most frequent tokens, sorted); every other logit is -inf, so
-        #: the draft never proposes those tokens — a proposal rule, never the output law
-        self._subset = None if vocab_subset is None else vocab_subset.long()
-        if self._subset is not None and not 0 <= int(self._subset.min()) <= int(self._subset.max()) < cfg.vocab_size:
-            raise ConfigError(f"a draft vocabulary's ids must lie in 0..{cfg.vocab_size - 1}")
         if quantised is not None:
             self.lm_head = stored("lm_head")
         else:
@@ -450,77 +553,10 @@ class NativeCausalLM:
             # a quantised model's head is quantised with its layers (calibrated, smoothed), int8_head or
             # not: an Int8Linear was built here for such drafts and thrown away (5 s for Qwen2.5-Coder-0.5B)
             self.lm_head = Int8Linear(rows * final_g) if int8_head and quant is None else linear(rows * final_g)
-        self._eps = torch.tensor([cfg.rms_eps], dtype=dtype)
-        cos, sin = _rope_tables(cfg, cfg.max_length)
-        sin[:, : cfg.head_dim // 2] *= -1  # signed for _rotate
-        self._cos, self._sin = cos.to(dtype), sin.to(dtype)
-        self._q_size = cfg.n_heads * cfg.head_dim
-        self._kv_size = cfg.n_kv_heads * cfg.head_dim
-        #: the int8 kernel the linear layers run on ("fbgemm" | "onednn" | "mixed"), None when not quantised
-        self.int8_kernel = None
-        if quantised is not None:
-            self.int8_kernel = int8_kernel
-        elif quant is not None:  # auto weighs the layer shapes (small matrices: fbgemm, linear.WIDE_AUTO_ROWS)
-            shapes = [_out_in(getattr(layer, name)) for layer in self.layers for name in LAYER_LINEARS]
-            self.int8_kernel = resolve_int8_kernel(int8_kernel, shapes)
-            cache_parts = None
-            if sources is not None and calibration is not None:  # what the ranges depend on besides the code
-                cache_parts = _cache_parts(cfg, sources, calibration_cache.tensor_digest(calibration), dtype=dtype, batch_invariant=batch_invariant,
-                                           int8_head=int8_head, quant=quant, int8_kernel=self.int8_kernel,
-                                           q4_blocks=list(blocks), vocab_subset=vocab_subset)
-            self._quantize(calibration, cache_parts)
-        #: the layer loop compiled with TorchScript (bitwise the same ops; see models/scripted.py),
-        #: used for single positions and per-row (batch-invariant) attention; None = Python loop
-        self.scripted: ScriptedLayers | None = None
+        if build is not None:
+            build.settle_head()
         if os.environ.get("SPECDEC_SCRIPTED", "1") != "0" and compiled_layers() is not None:
             self.scripted = ScriptedLayers(self.layers)
-
-    def _calibrate(self, ids: Tensor) -> None:  # ids: [n] int64
-        """Run the calibration text through the layers, their range recorders noting each input's
-        per-channel max; the LM head's recorder is handed its input directly, since the head's
-        own product (~0.1 s for SmolLM2's 49,152 rows at start-up) only made logits nobody reads.
-        The same ranges, bit for bit, as a full forward pass's (tested)."""
-        assert isinstance(self.lm_head, RangeRecorder), "calibration runs before quantisation"
-        self.lm_head.record(self.hidden(ids, self.new_cache(ids.numel())))  # [n, D]: what forward hands the head
-
-    def _recorders(self) -> dict[str, RangeRecorder]:
-        """The range recorders by name (``layers.I.NAME``, ``lm_head``): the linears still in float."""
-        out = {f"layers.{i}.{name}": getattr(layer, name) for i, layer in enumerate(self.layers)
-               for name in LAYER_LINEARS if isinstance(getattr(layer, name), RangeRecorder)}
-        if isinstance(self.lm_head, RangeRecorder):
-            out["lm_head"] = self.lm_head
-        return out
-
-    def _quantize(self, calibration: Tensor | None, cache_parts: dict | None = None) -> None:
-        """Replace the float (range-recording) linears by smoothed :class:`W8A8Linear` layers.
-        ``cache_parts`` (the model's files and options): the ranges come from, and go to, the
-        calibration cache under a key of those and the code (:mod:`specdec.models.calibration_cache`)."""
-        if calibration is not None and calibration.numel() > 1:
-            self.scripted = None
-            recorders = self._recorders()
-            name = calibration_cache.key(cache_parts) if cache_parts is not None else None
-            stored = None
-            if name is not None:
-                stored = calibration_cache.load(name, {k: (_out_in(r)[1],) for k, r in recorders.items()})
-            if stored is not None:
-                for k, rec in recorders.items():
-                    rec.absmax = stored[k]
-            else:
-                self._calibrate(calibration[: self.max_length])
-                if name is not None and all(r.absmax is not None for r in recorders.values()):
-                    calibration_cache.save(name, {k: r.absmax for k, r in recorders.items()})
-
-        def quantized(rec: RangeRecorder) -> W8A8Linear | W8A8OneDNNLinear:
-            weight = rec.inner.weight  # [out, in] float, unpacked
-            if self.int8_kernel == "onednn":
-                return W8A8OneDNNLinear(weight, rec.bias, smooth=smoothing(rec.absmax, weight))
-            return W8A8Linear(weight, rec.bias, smooth=smoothing(rec.absmax, weight), wide=self.int8_kernel == "mixed")
-
-        for layer in self.layers:
-            for name in LAYER_LINEARS:
-                if isinstance(getattr(layer, name), RangeRecorder):
-                    setattr(layer, name, quantized(getattr(layer, name)))
-        self.lm_head = quantized(self.lm_head)
 
     def quantised_state(self) -> dict[str, Tensor] | None:
         """A quantised model's layers as tensors, ``LAYER.FIELD`` (``layers.I.NAME``, ``lm_head``; the
