@@ -8,7 +8,8 @@ each measurement is one fresh process, timed from outside (``time.perf_counter``
 ``subprocess.run``), the arms alternating so that the machine's drift falls on both alike.  The
 base commit's ``src`` is exported with ``git archive`` into a temporary folder and put first on
 ``PYTHONPATH``; the compiled kernels are shared (the same sources hash to the same build).  Per
-arm and command:
+arm and command (with the median of each process's peak anonymous and file-backed resident memory,
+read from ``/proc`` every 20 ms):
 
 * ``help`` — ``specdec --help``;
 * ``generate`` — ``specdec generate PROMPT --max-new-tokens N --json`` on the default models
@@ -58,16 +59,41 @@ def _export(rev: str, into: Path) -> Path:
     return into / "src"
 
 
-def _timed(argv: list[str], src: Path | None, threads: int) -> tuple[float, str]:
-    env = dict(os.environ, OMP_NUM_THREADS=str(threads))
+def _memory(pid: int) -> tuple[int, int]:
+    """The process's resident anonymous and file-backed memory now, in kB (0, 0 once it is gone)."""
+    anon = file = 0
+    try:
+        with open(f"/proc/{pid}/status") as f:
+            for line in f:
+                if line.startswith("RssAnon:"):
+                    anon = int(line.split()[1])
+                elif line.startswith("RssFile:"):
+                    file = int(line.split()[1])
+    except OSError:
+        pass
+    return anon, file
+
+
+def _timed(argv: list[str], src: Path | None, threads: int, extra_env: dict[str, str]) -> tuple[float, str, dict]:
+    """Wall seconds, stdout, and the peaks of the process's anonymous and file-backed resident
+    memory (GB, read from /proc every 20 ms: a peak shorter than that can be missed)."""
+    env = dict(os.environ, OMP_NUM_THREADS=str(threads), **extra_env)
     if src is not None:
         env["PYTHONPATH"] = str(src) + (os.pathsep + env["PYTHONPATH"] if env.get("PYTHONPATH") else "")
-    t = time.perf_counter()
-    out = subprocess.run(argv, env=env, capture_output=True, text=True)
-    seconds = time.perf_counter() - t
-    if out.returncode != 0:
-        raise SystemExit(f"{' '.join(argv[:4])} ... failed ({out.returncode}):\n{out.stderr[-2000:]}")
-    return seconds, out.stdout
+    peak = [0, 0]
+    with tempfile.TemporaryFile("w+") as out, tempfile.TemporaryFile("w+") as err:
+        t = time.perf_counter()
+        proc = subprocess.Popen(argv, env=env, stdout=out, stderr=err, text=True)
+        while proc.poll() is None:
+            peak = [max(a, b) for a, b in zip(peak, _memory(proc.pid))]
+            time.sleep(0.02)
+        seconds = time.perf_counter() - t
+        out.seek(0)
+        err.seek(0)
+        stdout, stderr = out.read(), err.read()
+    if proc.returncode != 0:
+        raise SystemExit(f"{' '.join(argv[:4])} ... failed ({proc.returncode}):\n{stderr[-2000:]}")
+    return seconds, stdout, {"anon_gb": peak[0] / 1e6, "file_gb": peak[1] / 1e6}
 
 
 def main() -> int:
@@ -80,8 +106,13 @@ def main() -> int:
     ap.add_argument("--chat", action="store_true", help="generate with --chat (the prompt in the chat template, as the demo does)")
     ap.add_argument("--target", help="generate with this target instead of the default (e.g. qwen2.5-coder-1.5b)")
     ap.add_argument("--draft", help="generate with this drafter instead of the default (e.g. none)")
+    ap.add_argument("--env", action="append", default=[], metavar="KEY=VALUE",
+                    help="set this in both arms' environment (repeatable), e.g. SPECDEC_QUANTISED_CACHE=off")
     ap.add_argument("--out", required=True)
     args = ap.parse_args()
+    if any("=" not in kv for kv in args.env):
+        ap.error("--env takes KEY=VALUE")
+    extra_env = dict(kv.split("=", 1) for kv in args.env)
     if args.llamacpp and args.target:
         ap.error("--llamacpp times llama.cpp on the default target's GGUF; leave --target out with it")
     py = sys.executable
@@ -99,35 +130,39 @@ def main() -> int:
         runs: list[dict] = []
         tokens: dict[str, list[int]] = {}
         for arm in arms:  # untimed: an arm whose kernel sources differ compiles its own build once
-            _timed(gen, arms[arm], args.threads)
+            _timed(gen, arms[arm], args.threads, extra_env)
         for i in tqdm(range(args.processes), desc="processes"):
             order = list(arms) if i % 2 == 0 else list(arms)[::-1]
             for arm in order:
-                s, _ = _timed([*cli, "--help"], arms[arm], args.threads)
-                runs.append({"arm": arm, "command": "help", "seconds": s})
-                s, out = _timed(gen, arms[arm], args.threads)
+                s, _, memory = _timed([*cli, "--help"], arms[arm], args.threads, extra_env)
+                runs.append({"arm": arm, "command": "help", "seconds": s, **memory})
+                s, out, memory = _timed(gen, arms[arm], args.threads, extra_env)
                 ids = json.loads(out)["token_ids"]
                 if tokens.setdefault(arm, ids) != ids:
                     raise SystemExit(f"{arm}: greedy tokens differ between processes")
-                runs.append({"arm": arm, "command": "generate", "seconds": s})
+                runs.append({"arm": arm, "command": "generate", "seconds": s, **memory})
             if args.llamacpp:
-                s, _ = _timed([py, "-c", _LLAMACPP, gguf, PROMPT, str(args.threads), str(args.max_new_tokens)],
-                              None, args.threads)
-                runs.append({"arm": "llama.cpp", "command": "generate", "seconds": s})
+                s, _, memory = _timed([py, "-c", _LLAMACPP, gguf, PROMPT, str(args.threads), str(args.max_new_tokens)],
+                                      None, args.threads, {})
+                runs.append({"arm": "llama.cpp", "command": "generate", "seconds": s, **memory})
     same = tokens["base"] == tokens["this"]
     lines = [f"{args.processes} fresh processes per arm and command, alternating; wall time from the parent "
              f"(seconds), {args.threads} threads (`OMP_NUM_THREADS`). `generate` = `specdec generate \"{PROMPT}\" "
              f"--max-new-tokens {args.max_new_tokens} --json{' --chat' if args.chat else ''}{' ' + ' '.join(models) if models else ''}` "
              f"({'these models' if models else 'the default models'}, one untimed process per arm first); "
-             "`help` = `specdec --help`.", "",
-             "| command | arm | median s | min s | max s |", "|---|---|---|---|---|"]
+             "`help` = `specdec --help`."
+             + (f" Both arms ran with {', '.join(f'`{kv}`' for kv in args.env)}." if args.env else ""),
+             "", "| command | arm | median s | min s | max s | peak anonymous GB | peak file-backed GB |",
+             "|---|---|---|---|---|---|---|"]
     for command in ("help", "generate"):
         for arm in (*arms, *(["llama.cpp"] if args.llamacpp and command == "generate" else [])):
             xs = [r["seconds"] for r in runs if r["arm"] == arm and r["command"] == command]
             label = {"base": f"base ({args.base})", "this": "this checkout"}.get(arm, "llama-cpp-python, same GGUF")
-            lines.append(f"| {command} | {label} | {statistics.median(xs):.2f} | {min(xs):.2f} | {max(xs):.2f} |")
+            rows = [r for r in runs if r["arm"] == arm and r["command"] == command]
+            anon, file = (statistics.median(r[k] for r in rows) for k in ("anon_gb", "file_gb"))
+            lines.append(f"| {command} | {label} | {statistics.median(xs):.2f} | {min(xs):.2f} | {max(xs):.2f} | {anon:.2f} | {file:.2f} |")
     lines += ["", f"Greedy tokens the same in both arms: {'yes' if same else 'NO'} ({len(tokens['this'])} tokens)."]
-    paired.write_report(args.out, "Start-up time of a fresh specdec process", {"runs": runs, "same_tokens": same}, lines)
+    paired.write_report(args.out, "Start-up time of a fresh specdec process", {"runs": runs, "same_tokens": same, "env": extra_env}, lines)
     return 0 if same else 1
 
 
