@@ -235,7 +235,9 @@ def test_a_draft_behind_a_prefix_cache_keeps_its_rows_and_changes_nothing(how):
     def decoder(cached: bool) -> tuple[SpeculativeDecoder, PrefixCache | None]:
         pcd = PrefixCache(64 << 20) if cached else None
         dm = PrefixCached(draft, pcd) if cached else draft
-        drafter = LookupThenModel(ModelDrafter(dm)) if how == "lookup+model" else ModelDrafter(dm)
+        # a fixed lookup length: one chosen by measured cost would make the two decodings' rounds,
+        # and so their T = 1 tokens, depend on the machine's timings
+        drafter = LookupThenModel(ModelDrafter(dm), lookup_tokens=4) if how == "lookup+model" else ModelDrafter(dm)
         tgt = PrefixCached(target, PrefixCache(64 << 20)) if cached else target
         return SpeculativeDecoder(tgt, drafter, get_rule("greedy" if greedy else "token"), gamma=FixedGamma(4),
                                   tree=TreeSpec(min_prob=0.0) if how.endswith("tree") else None), pcd
