@@ -209,21 +209,34 @@ def test_concurrent_requests_give_solo_tokens_on_real_weights(smollm2):
 # ----------------------------------------------------------------------------- fairness and admission
 
 
+def _until(condition, timeout: float = 30.0) -> None:
+    """Wait for ``condition()`` (polled), instead of sleeping a fixed time a loaded machine may outlast."""
+    end = time.monotonic() + timeout
+    while not condition():
+        if time.monotonic() > end:
+            raise AssertionError("the condition never held")
+        time.sleep(0.005)
+
+
 class _Gate(BatchToy):
-    """A toy whose passes wait for a gate (to pile up work deterministically)."""
+    """A toy whose passes wait for a gate (to pile up work deterministically); ``waiting`` is set
+    once a pass has reached the gate."""
 
     def __init__(self, *a, **kw) -> None:
         super().__init__(*a, **kw)
         self.gate = threading.Event()
+        self.waiting = threading.Event()
 
         self.log: list[list[tuple[int, int]]] = []  # per call: (first token, rows) of each item
 
     def forward_batch(self, items):
+        self.waiting.set()
         self.gate.wait()
         self.log.append([(int(t[0]), t.numel()) for t, _, _ in items])
         return [ToyLM.forward(self, t, c, last_only=last) for t, c, last in items]
 
     def forward(self, tokens, cache, *, last_only=False):
+        self.waiting.set()
         self.gate.wait()
         self.log.append([(int(tokens[0]), tokens.numel())])
         return super().forward(tokens, cache, last_only=last_only)
@@ -242,10 +255,10 @@ def test_long_prefill_does_not_stall_a_short_round():
 
     t1 = threading.Thread(target=long)
     t1.start()
-    time.sleep(0.1)
+    model.waiting.wait(30)  # the prefill's first chunk is in a pass
     t2 = threading.Thread(target=short)
     t2.start()
-    time.sleep(0.1)
+    _until(lambda: len(scheduler) == 2)  # the short round is queued behind it
     model.gate.set()
     t1.join()
     t2.join()
@@ -261,7 +274,7 @@ def test_full_queue_is_refused_and_a_503_with_retry_after():
     scheduler = Scheduler(model, SchedulerConfig(max_queue=1))
     waiting = threading.Thread(target=lambda: scheduler.forward(torch.ones(1, dtype=torch.long), model.new_cache()))
     waiting.start()
-    time.sleep(0.1)
+    _until(lambda: len(scheduler) == 1)
     with pytest.raises(Overloaded):
         scheduler.forward(torch.ones(1, dtype=torch.long), model.new_cache())
     model.gate.set()
@@ -273,14 +286,15 @@ def test_full_queue_is_refused_and_a_503_with_retry_after():
     results = []
     threads = [threading.Thread(target=lambda: results.append(client.post("/v1/sessions", json={"prompt_ids": [1, 2, 3]})))
                for _ in range(3)]
-    for t in threads:
+    threads[0].start()
+    gate.waiting.wait(30)  # the first session's prefill holds the only queue place
+    for t in threads[1:]:
         t.start()
-    time.sleep(0.5)
+        t.join(30)  # refused at once
     gate.gate.set()
-    for t in threads:
-        t.join()
-    codes = sorted(r.status_code for r in results)
-    assert codes[0] == 201 and 503 in codes
+    threads[0].join()
+    codes = [r.status_code for r in results]
+    assert sorted(codes) == [201, 503, 503] and codes[-1] == 201
     assert all("Retry-After" in r.headers for r in results if r.status_code == 503)
 
 
@@ -299,10 +313,10 @@ def test_cancelled_forwards_are_dropped():
 
     blocker = threading.Thread(target=lambda: scheduler.forward(torch.ones(1, dtype=torch.long), model.new_cache()))
     blocker.start()
-    time.sleep(0.1)  # the loop is now waiting inside the first pass
+    model.waiting.wait(30)  # the loop is now waiting inside the first pass
     t = threading.Thread(target=run)
     t.start()
-    time.sleep(0.1)
+    _until(lambda: len(scheduler) == 2)
     cancel.set()
     model.gate.set()
     t.join()
@@ -351,7 +365,7 @@ def test_generation_slots_are_bounded_429():
     first: list = []
     t = threading.Thread(target=lambda: first.append(client.post("/v1/completions", json=body)))
     t.start()
-    time.sleep(0.5)  # the first request holds the only slot (its forward waits at the gate)
+    gate.waiting.wait(30)  # the first request holds the only slot (its forward waits at the gate)
     r = client.post("/v1/completions", json={**body, "stream": True})
     assert r.status_code == 429 and r.headers["Retry-After"]
     gate.gate.set()
