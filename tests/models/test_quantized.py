@@ -347,6 +347,10 @@ def test_layer_by_layer_calibration_records_a_whole_float_pass(tiny_folder, tmp_
     assert set(measured) == set(reference) and len(reference) == 4 * len(f.layers) + 1
     for k in reference:
         assert torch.equal(measured[k], reference[k]), k
+    for i, layer in enumerate(f.layers):  # each layer was quantised with its measured ranges
+        for n in ("qkv", "out", "gate_up", "down"):
+            smooth = smoothing(reference[f"layers.{i}.{n}"], getattr(layer, n).inner.weight)
+            assert torch.equal(getattr(q.layers[i], n).inv_smooth, (1.0 / smooth.float()).contiguous()), (i, n)
     assert q.scripted is not None or not compiled_layers()  # the compiled loop is made once the layers are settled
 
 
