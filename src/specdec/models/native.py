@@ -532,13 +532,16 @@ class NativeCausalLM:
                     )
                 )
             else:
-                qkv_w = torch.cat([w(p + "self_attn.q_proj.weight") * q_scale] + [w(p + f"self_attn.{x}_proj.weight") for x in "kv"])
-                gate_up_w = torch.cat([w(p + "mlp.gate_proj.weight"), w(p + "mlp.up_proj.weight")])
+                # folded in place (the same products, element by element, as folding before the
+                # concatenation): one float copy of each matrix instead of three
+                qkv_w = torch.cat([w(p + f"self_attn.{x}_proj.weight") for x in "qkv"])  # [(H + 2 Hkv) d, D]
+                qkv_w[: self._q_size].mul_(q_scale)
+                gate_up_w = torch.cat([w(p + "mlp.gate_proj.weight"), w(p + "mlp.up_proj.weight")])  # [2 I, D]
                 self.layers.append(
                     _Layer(
-                        qkv=linear(qkv_w * attn_g, qkv_b),
+                        qkv=linear(qkv_w.mul_(attn_g), qkv_b),
                         out=linear(w(p + "self_attn.o_proj.weight")),
-                        gate_up=linear(gate_up_w * mlp_g),
+                        gate_up=linear(gate_up_w.mul_(mlp_g)),
                         down=linear(w(p + "mlp.down_proj.weight")),
                     )
                 )
