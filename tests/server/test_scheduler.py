@@ -255,7 +255,7 @@ def test_long_prefill_does_not_stall_a_short_round():
 
     t1 = threading.Thread(target=long)
     t1.start()
-    model.waiting.wait(30)  # the prefill's first chunk is in a pass
+    assert model.waiting.wait(30)  # the prefill's first chunk is in a pass
     t2 = threading.Thread(target=short)
     t2.start()
     _until(lambda: len(scheduler) == 2)  # the short round is queued behind it
@@ -287,7 +287,7 @@ def test_full_queue_is_refused_and_a_503_with_retry_after():
     threads = [threading.Thread(target=lambda: results.append(client.post("/v1/sessions", json={"prompt_ids": [1, 2, 3]})))
                for _ in range(3)]
     threads[0].start()
-    gate.waiting.wait(30)  # the first session's prefill holds the only queue place
+    assert gate.waiting.wait(30)  # the first session's prefill holds the only queue place
     for t in threads[1:]:
         t.start()
         t.join(30)  # refused at once
@@ -313,7 +313,7 @@ def test_cancelled_forwards_are_dropped():
 
     blocker = threading.Thread(target=lambda: scheduler.forward(torch.ones(1, dtype=torch.long), model.new_cache()))
     blocker.start()
-    model.waiting.wait(30)  # the loop is now waiting inside the first pass
+    assert model.waiting.wait(30)  # the loop is now waiting inside the first pass
     t = threading.Thread(target=run)
     t.start()
     _until(lambda: len(scheduler) == 2)
@@ -365,7 +365,7 @@ def test_generation_slots_are_bounded_429():
     first: list = []
     t = threading.Thread(target=lambda: first.append(client.post("/v1/completions", json=body)))
     t.start()
-    gate.waiting.wait(30)  # the first request holds the only slot (its forward waits at the gate)
+    assert gate.waiting.wait(30)  # the first request holds the only slot (its forward waits at the gate)
     r = client.post("/v1/completions", json={**body, "stream": True})
     assert r.status_code == 429 and r.headers["Retry-After"]
     gate.gate.set()
