@@ -6,8 +6,6 @@ scoring its tokens one by one, so these equalities hold exactly, not just up to 
 
 from __future__ import annotations
 
-from dataclasses import dataclass
-
 import pytest
 import torch
 
@@ -18,6 +16,7 @@ from specdec.models.registry import load
 from specdec.sampling import GUIDE_PRESET, SamplingConfig
 from specdec.text import encode_prompt
 from specdec.verify import get_rule
+from clock import ModelledCostGamma
 
 PROMPTS = [
     ("def binary_search(items, target):\n    \"\"\"Return the index of target in sorted items.\"\"\"\n", False),
@@ -31,19 +30,6 @@ def pair(smollm2):
     target, draft = smollm2
     ids = [encode_prompt(target.tokenizer, p, chat=c) for p, c in PROMPTS]
     return target, draft, ids
-
-
-@dataclass
-class ModelledCostGamma(CostGamma):
-    """γ auto fed a modelled clock instead of this machine's: a drafted token costs 0.12 of a
-    one-row target pass and each extra row 0.06 of it (about what this pair measures on an idle
-    2-core CPU: 5.5 ms a drafted token, 45 ms a pass).  The real controller follows measured
-    timings, so on a busy machine it may rightly stop drafting (a CI run with another worker
-    beside it once drafted in 3 of 93 rounds); with this clock its choices depend on acceptance
-    alone, and the draft's help can be held to a figure."""
-
-    def update(self, *, gamma: int, accepted: int, draft_s: float, target_s: float, other_s: float) -> None:
-        super().update(gamma=gamma, accepted=accepted, draft_s=0.12 * gamma, target_s=1.0 + 0.06 * gamma, other_s=0.0)
 
 
 def _generate(target, drafter, method, cfg, prompt, gamma=None):
@@ -77,7 +63,9 @@ def test_block_scoring_is_batch_invariant(pair):
 
 
 def test_greedy_speculative_equals_plain_greedy(pair):
-    """γ 4 and γ auto (on a modelled clock) against one plain run per prompt."""
+    """γ 4 and γ auto against one plain run per prompt; γ auto on a modelled clock (a drafted
+    token 0.12 of a pass, an extra row 0.06: about this pair on an idle 2-core CPU, 5.5 ms a
+    drafted token, 45 ms a pass), so that the draft's help can be held to a figure."""
     target, draft, ids = pair
     cfg = SamplingConfig(temperature=0.0, max_new_tokens=96)
     for prompt in ids:

@@ -8,7 +8,6 @@ arithmetic), and a chi-square test of the output law in sparse-q mode with two n
 from __future__ import annotations
 
 import time
-from dataclasses import dataclass, field
 
 import httpx
 import pytest
@@ -18,12 +17,13 @@ from specdec.decoder import SpeculativeDecoder
 from specdec.drafters import ModelDrafter, NgramDrafter
 from specdec.drafters.hybrid import LookupThenModel
 from specdec.errors import ConfigError
-from specdec.gamma import CostGamma, FixedGamma
+from specdec.gamma import FixedGamma
 from specdec.models.toy import ToyLM
 from specdec.remote.client import RemoteConfig, RemoteError, RemoteTarget, RemoteVerifier
 from specdec.remote.edge import generate_remote
 from specdec.sampling import SamplingConfig
 from specdec.verify import get_rule
+from clock import ModelledCostGamma
 from stats import ALPHA, chi_square_pvalue, exact_law
 
 from .conftest import API_KEY
@@ -341,30 +341,17 @@ class _Latency(httpx.HTTPTransport):
         return super().handle_request(request)
 
 
-@dataclass
-class _ModelledRoundTrip(CostGamma):
-    """γ auto that notes the verification seconds each round hands it (the measured round trip)
-    and decides on a modelled clock: a drafted token costs 20 ms (a slow edge device's draft
-    model), a verification 3 ms plus ``delay``.  On the measured clock the no-delay arm's choices
-    followed how loaded the machine was (a slow toy server made drafting pay even without delay,
-    and the two arms came within 0.5 of each other once in a full parallel run)."""
-
-    delay: float = 0.0
-    seen: list[float] = field(default_factory=list)
-
-    def update(self, *, gamma: int, accepted: int, draft_s: float, target_s: float, other_s: float) -> None:
-        self.seen.append(target_s)
-        super().update(gamma=gamma, accepted=accepted, draft_s=0.02 * gamma, target_s=0.003 + self.delay, other_s=0.0)
-
-
 def test_auto_gamma_accounts_for_the_round_trip(toy_server):
     """The cost-based γ is handed each round's full round trip as the target's cost (every round
     of the 0.3 s arm reads at least 0.3 s), and a slow network makes longer drafts pay, so
-    ``auto`` drafts more per cloud call."""
+    ``auto`` drafts more per cloud call.  It decides on a modelled clock (a drafted token 20 ms, a
+    slow edge device's draft model; a verification 3 ms plus the delay): on the measured one the
+    no-delay arm's choices followed how loaded the machine was, and the two arms came within 0.5
+    of each other once in a full parallel run."""
     cfg = SamplingConfig(temperature=0.0, max_new_tokens=40)
     mean_gamma = {}
     for delay in (0.0, 0.3):
-        ctrl = _ModelledRoundTrip(delay=delay)
+        ctrl = ModelledCostGamma(draft_token_s=0.02, pass_s=0.003 + delay, row_s=0.0)
         with httpx.Client(transport=_Latency(delay)) as client:
             out = generate_remote([1, 2], cfg, _cfg(toy_server.url), drafter=ModelDrafter(DRAFT), gamma=ctrl, client=client)
         assert out.token_ids == _local([1, 2], cfg, "greedy", drafter=None)

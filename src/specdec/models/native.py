@@ -281,6 +281,12 @@ def _linear_shapes(cfg: NativeConfig, head_rows: int) -> dict[str, tuple[int, in
             "lm_head": (head_rows, d)}
 
 
+def _layer_kernel(requested: str, shapes: dict[str, tuple[int, int]]) -> str:
+    """The int8 kernel ``requested`` resolves to for layers of these ``shapes`` (the head's aside:
+    auto weighs the layer matrices; small ones run on fbgemm, see linear.WIDE_AUTO_ROWS)."""
+    return resolve_int8_kernel(requested, [shape for name, shape in shapes.items() if name != "lm_head"])
+
+
 def _cache_parts(cfg: NativeConfig, sources: list[Path], calibration: str, *, dtype: torch.dtype,
                  batch_invariant: bool, int8_head: bool, quant: str, int8_kernel: str, q4_blocks: list[str],
                  vocab_subset: Tensor | None) -> dict:
@@ -505,9 +511,9 @@ class NativeCausalLM:
 
             for i in range(cfg.n_layers):
                 self.layers.append(_Layer(**{name: stored(f"layers.{i}.{name}") for name in LAYER_LINEARS}))
-        elif quant is not None:  # auto weighs the layer shapes (small matrices: fbgemm, linear.WIDE_AUTO_ROWS)
+        elif quant is not None:
             shapes = _linear_shapes(cfg, head_rows)
-            self.int8_kernel = resolve_int8_kernel(int8_kernel, [shapes[n] for n in shapes if n != "lm_head"])
+            self.int8_kernel = _layer_kernel(int8_kernel, shapes)
             cache_parts = None
             if sources is not None and calibration is not None:  # what the ranges depend on besides the code
                 # (a GGUF's blocks that are no layer matrix would stay unused: part of the key as before)
@@ -608,7 +614,7 @@ class NativeCausalLM:
         if source is not None:
             head_rows = cfg.vocab_size if vocab_subset is None else vocab_subset.numel()
             shapes = _linear_shapes(cfg, head_rows)
-            kernel = resolve_int8_kernel(int8_kernel, [shapes[n] for n in shapes if n != "lm_head"])
+            kernel = _layer_kernel(int8_kernel, shapes)
             parts = _cache_parts(cfg, [folder / "config.json", *files, *gguf_files], source, dtype=dtype,
                                  batch_invariant=batch_invariant, int8_head=int8_head, quant=quant,
                                  int8_kernel=kernel, q4_blocks=[], vocab_subset=vocab_subset)
