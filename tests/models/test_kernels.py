@@ -205,6 +205,36 @@ def test_quantising_in_one_compiled_pass_is_the_aten_path_bit_for_bit(shape, smo
     assert all(torch.equal(a, b) for a, b in zip(lin.vnni, (ref_packed, ref_comp, ref_col)))
 
 
+@needs_vnni
+@pytest.mark.parametrize("shape", [(200, 37), (64, 16), (1000, 96), (3, 8)])
+@pytest.mark.parametrize("smoothed", [False, True])
+def test_a_head_quantised_a_block_of_rows_at_a_time_is_the_whole_product_bit_for_bit(shape, smoothed):
+    """``W8A8Linear.scaled_rows(rows, gain)`` (an LM head with the final norm's weight folded in,
+    multiplied and quantised ``block`` rows at a time so that the [V, D] product is never whole)
+    is the layer made from the whole product: the same smoothing factors — computed from the rows'
+    column maxima times |gain|, with negative and tiny gains among them — and the same packed codes,
+    zero-point terms, column factors and scales, whether the blocks divide the rows or not."""
+    out_f, in_f = shape
+    g = torch.Generator().manual_seed(out_f + in_f + smoothed)
+    rows = torch.randn(out_f, in_f, generator=g)
+    rows[0] *= 30  # an outlier row
+    gain = torch.randn(in_f, generator=g)  # signed, as a norm's weight may be
+    gain[0] = 1e-30  # products that fall below float32's normal range
+    gain[-1] = -0.0
+    absmax = torch.rand(in_f, generator=g) * 8 if smoothed else None
+    smooth = smoothing(absmax, rows, column_gain=gain)
+    want_smooth = smoothing(absmax, rows * gain)
+    assert (smooth is None) == (not smoothed)
+    if smoothed:
+        assert torch.equal(smooth, want_smooth)
+    want = W8A8Linear(rows * gain, smooth=want_smooth).state()
+    for block in (64, 128, 4096):  # whole packing groups on either build (64 columns VNNI, 16 AVX2)
+        got = W8A8Linear.scaled_rows(rows, gain, smooth=smooth, block=block).state()
+        assert set(got) == set(want)
+        for k in want:
+            assert torch.equal(got[k], want[k]), (block, k)
+
+
 @pytest.mark.skipif(not kernels.load(), reason="needs the compiled kernels (a C++ compiler)")
 @pytest.mark.parametrize("shape", [(300, 257), (1, 5), (7, 1), (1000, 600)])
 def test_column_absmax_is_abs_then_amax(shape):

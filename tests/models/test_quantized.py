@@ -326,20 +326,31 @@ def test_layer_by_layer_calibration_records_a_whole_float_pass(tiny_folder, tmp_
     """An int8 model is built one layer at a time, each layer's ranges measured and the layer
     quantised before the next is made: the ranges are bit for bit those a whole forward pass
     over the float model records (every linear's input and the LM head's), and the model is the
-    one those ranges give.  The float reference runs the same dense products: a non-invariant
-    model whose tiny matrices stay unpacked."""
+    one those ranges give — its LM head too, quantised a block of rows at a time with the final
+    norm's weight (signed here, not the tiny model's ones) folded into each block.  The float
+    reference runs the same dense products: a non-invariant model whose tiny matrices stay unpacked."""
+    import shutil
+
+    from safetensors.torch import load_file, save_file
+
     from specdec.models.quantize import RangeRecorder
 
-    monkeypatch.setenv("SPECDEC_CALIBRATION_CACHE", str(tmp_path))
-    q = NativeCausalLM.from_folder(tiny_folder, quant="int8", int8_kernel="fbgemm")
-    measured = _stored_ranges(tmp_path)
-    f = NativeCausalLM.from_folder(tiny_folder)
+    folder = tmp_path / "model"
+    shutil.copytree(tiny_folder, folder)
+    st = load_file(folder / "model.safetensors")
+    d = st["model.norm.weight"].numel()
+    st["model.norm.weight"] = torch.randn(d, generator=torch.Generator().manual_seed(3))  # signed gains
+    save_file(st, folder / "model.safetensors", metadata={"format": "pt"})
+    monkeypatch.setenv("SPECDEC_CALIBRATION_CACHE", str(tmp_path / "ranges"))
+    q = NativeCausalLM.from_folder(folder, quant="int8", int8_kernel="fbgemm")
+    measured = _stored_ranges(tmp_path / "ranges")
+    f = NativeCausalLM.from_folder(folder)
     f.scripted = None  # the Python loop, which calls the recorders
     for layer in f.layers:
         for name in ("qkv", "out", "gate_up", "down"):
             assert getattr(layer, name).weight is not None  # dense, as the calibration's float layers
             setattr(layer, name, RangeRecorder(getattr(layer, name)))
-    ids = calibration_ids(tiny_folder)[: f.max_length]
+    ids = calibration_ids(folder)[: f.max_length]
     head_input = f.hidden(ids, f.new_cache(ids.numel()))  # [n, D]
     reference = {f"layers.{i}.{n}": getattr(layer, n).absmax for i, layer in enumerate(f.layers)
                  for n in ("qkv", "out", "gate_up", "down")}
@@ -351,6 +362,11 @@ def test_layer_by_layer_calibration_records_a_whole_float_pass(tiny_folder, tmp_
         for n in ("qkv", "out", "gate_up", "down"):
             smooth = smoothing(reference[f"layers.{i}.{n}"], getattr(layer, n).inner.weight)
             assert torch.equal(getattr(q.layers[i], n).inv_smooth, (1.0 / smooth.float()).contiguous()), (i, n)
+    head = W8A8Linear(st["model.embed_tokens.weight"] * st["model.norm.weight"],  # the tied head, norm folded in
+                      smooth=smoothing(reference["lm_head"], st["model.embed_tokens.weight"] * st["model.norm.weight"]))
+    assert torch.equal(q.lm_head.inv_smooth, head.inv_smooth)
+    x = torch.randn(5, d, generator=torch.Generator().manual_seed(4))
+    assert torch.equal(q.lm_head(x), head(x))
     assert q.scripted is not None or not compiled_layers()  # the compiled loop is made once the layers are settled
 
 

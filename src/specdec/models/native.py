@@ -15,7 +15,7 @@ import math
 import os
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Sequence
+from typing import NamedTuple, Sequence
 
 import torch
 import torch.nn.functional as F
@@ -316,6 +316,16 @@ def _read_tensor(files: list[Path], name: str) -> Tensor:
 _LAYER_MATRICES = tuple(f"self_attn.{x}_proj" for x in "qkvo") + tuple(f"mlp.{x}_proj" for x in ("gate", "up", "down"))
 
 
+class _HeadRows(NamedTuple):
+    """A quantised model's LM head before it is quantised: its rows [V, D] and the final norm's
+    weight [D] that scales their columns, kept apart so the [V, D] product is never made whole
+    (the head is not run in float: only its input's range is recorded; see W8A8Linear.scaled_rows)."""
+
+    rows: Tensor
+    gain: Tensor
+    bias: None = None
+
+
 class _LayerByLayer:
     """A quantised model built one layer at a time.  Each new layer's float (range-recording)
     linears get their input ranges — read from the calibration cache, or measured by carrying the
@@ -389,10 +399,17 @@ class _LayerByLayer:
             self.measured[name] = rec.absmax
 
     def _quantised(self, rec: RangeRecorder) -> W8A8Linear | W8A8OneDNNLinear:
+        kernel = self.model.int8_kernel
+        if isinstance(rec.inner, _HeadRows):
+            rows, gain = rec.inner.rows, rec.inner.gain
+            smooth = smoothing(rec.absmax, rows, column_gain=gain)
+            if kernel == "onednn":
+                return W8A8OneDNNLinear(rows * gain, smooth=smooth)
+            return W8A8Linear.scaled_rows(rows, gain, smooth=smooth, wide=kernel == "mixed")
         weight = rec.inner.weight  # [out, in] float, unpacked
-        if self.model.int8_kernel == "onednn":
+        if kernel == "onednn":
             return W8A8OneDNNLinear(weight, rec.bias, smooth=smoothing(rec.absmax, weight))
-        return W8A8Linear(weight, rec.bias, smooth=smoothing(rec.absmax, weight), wide=self.model.int8_kernel == "mixed")
+        return W8A8Linear(weight, rec.bias, smooth=smoothing(rec.absmax, weight), wide=kernel == "mixed")
 
 
 class NativeCausalLM:
@@ -559,9 +576,12 @@ class NativeCausalLM:
             self.lm_head = stored("lm_head")
         else:
             rows = head if self._subset is None else head[self._subset]
-            # a quantised model's head is quantised with its layers (calibrated, smoothed), int8_head or
-            # not: an Int8Linear was built here for such drafts and thrown away (5 s for Qwen2.5-Coder-0.5B)
-            self.lm_head = Int8Linear(rows * final_g) if int8_head and quant is None else linear(rows * final_g)
+            if quant is not None:
+                # quantised with the layers (calibrated, smoothed), int8_head or not: an Int8Linear was
+                # built here for such drafts and thrown away (5 s for Qwen2.5-Coder-0.5B)
+                self.lm_head = RangeRecorder(_HeadRows(rows, final_g))
+            else:
+                self.lm_head = Int8Linear(rows * final_g) if int8_head else linear(rows * final_g)
         if build is not None:
             build.settle_head()
         if os.environ.get("SPECDEC_SCRIPTED", "1") != "0" and compiled_layers() is not None:

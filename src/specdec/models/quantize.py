@@ -119,10 +119,16 @@ def column_absmax(weight: Tensor) -> Tensor:  # [out, in] -> [in]
     return w.abs().amax(0)
 
 
-def smoothing(absmax: Tensor | None, weight: Tensor, alpha: float = ALPHA) -> Tensor | None:
-    """SmoothQuant factors ``s`` [in] for ``weight`` [out, in] given input ranges [in]."""
+def smoothing(absmax: Tensor | None, weight: Tensor, alpha: float = ALPHA, *,
+              column_gain: Tensor | None = None) -> Tensor | None:
+    """SmoothQuant factors ``s`` [in] for ``weight`` [out, in] given input ranges [in] —
+    for ``weight * column_gain`` where a gain [in] is given, without making that product: rounding
+    is monotone, so a column's largest |w·g| is bit for bit its largest |w| times |g|."""
     if absmax is None:
         return None
     x = absmax.clamp_min(1e-5)
-    w = column_absmax(weight).float().clamp_min(1e-5)
+    w = column_absmax(weight).float()
+    if column_gain is not None:
+        w = w * column_gain.float().abs()
+    w = w.clamp_min(1e-5)
     return (x.pow(alpha) / w.pow(1.0 - alpha)).clamp(1e-2, 1e2)
