@@ -53,6 +53,17 @@ def test_several_drafters_share_one_target_and_one_paired_plain_run(tmp_path):
     assert "## Drafters side by side" in md
 
 
+def test_the_drafters_take_turns_first_from_prompt_to_prompt():
+    """The (drafter, setting) pairs of a prompt run in an order rotated from prompt to prompt (a
+    fixed order gives each its own place after the paired plain run: a bias between rows compared)."""
+    a, b = BUILTIN[0], BUILTIN[1]
+    cfg = runner.BenchConfig(target=MODEL, draft=f"{MODEL},ngram", prompts=(a, b), modes=("speculative",),
+                             temperatures=(0.0,), max_new_tokens=4, threads=1)
+    samples = runner.run(cfg, progress=False)["samples"]
+    order = [(s["prompt_id"], s["draft"]) for s in samples if s["mode"] == "speculative"]
+    assert order == [(a.id, MODEL), (a.id, "ngram"), (b.id, "ngram"), (b.id, MODEL)]
+
+
 def test_draft_vocab_full_reaches_the_worker_and_the_report(tmp_path):
     """``--draft-vocab full``: the speculative rows say the draft could propose every token (the
     shipped draft's reduced vocabulary otherwise), the config and the report's header say so."""

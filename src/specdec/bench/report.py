@@ -404,7 +404,8 @@ def markdown(result: dict, stats: list[GroupStats], bvt: list[BlockVsToken], plo
         "Speed-ups are medians over prompts of the per-prompt ratio against the same prompt and seed "
         "in the reference mode; for the speculative rows, \"×plain\" uses plain_paired: plain "
         "decoding of the same prompt in the same process right before (plain runs in its own "
-        "process, minutes apart, and this shared machine drifts by 10-20% over minutes). "
+        "process, minutes apart, and this shared machine drifts by 10-20% over minutes); the speculative "
+        "settings and drafters follow it in an order rotated from prompt to prompt. "
         "Tokens/s = generated tokens / decoding wall time (prefill included, model loading excluded).",
     ]
     if stats:

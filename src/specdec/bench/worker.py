@@ -150,9 +150,13 @@ def run_engine(job: Job, prompts: list[Prompt]) -> None:
                 _decoder(eng, get_rule("block" if method == "sample" else method), gamma, job.tree_min_prob).generate(encoded[prompts[0].id], warm)
         if llama is not None:
             _llamacpp_warmup(job, llama, encoded[prompts[0].id], temperature)
+        # every (drafter, setting) pair of a prompt, their order rotated from prompt to prompt: a fixed
+        # order would give each pair its own place after the reference run (and after llama.cpp's,
+        # whose threads may still be spinning), a bias between the rows compared
+        arms = [(eng, draft, method, gamma) for eng, draft in zip(engines, drafts) for method, gamma in settings]
         for rep in range(job.repeats):
             seed = job.seed + rep
-            for p in prompts:
+            for i, p in enumerate(prompts):
                 cfg = _sampling(job, temperature, seed)
                 if llama is not None:  # llama.cpp on the same prompt, seconds before specdec's runs
                     _llamacpp_rows(job, llama, p, encoded[p.id], temperature, seed)
@@ -160,15 +164,15 @@ def run_engine(job: Job, prompts: list[Prompt]) -> None:
                     rule = get_rule("greedy" if temperature == 0 else "block")
                     _emit(_row(job, "plain_paired", "plain_paired", None, temperature, p, seed,
                                plain.decoder(rule).generate(encoded[p.id], cfg)))
-                for eng, draft in zip(engines, drafts):
-                    for method, gamma in settings:
-                        rule = get_rule("block" if method == "sample" else method)
-                        res = _decoder(eng, rule, gamma, job.tree_min_prob).generate(encoded[p.id], cfg)
-                        name = method if job.mode == "speculative" else job.mode
-                        row = _row(job, job.mode, name, gamma, temperature, p, seed, res)
-                        if eng.draft_model is not None:  # a draft model: the tokens it could propose
-                            row["draft_vocab_size"] = getattr(eng.draft_model.model, "proposal_vocab", None)
-                        _emit({**row, "draft": draft} if tag else row)
+                turn = (i + rep * len(prompts)) % len(arms)
+                for eng, draft, method, gamma in arms[turn:] + arms[:turn]:
+                    rule = get_rule("block" if method == "sample" else method)
+                    res = _decoder(eng, rule, gamma, job.tree_min_prob).generate(encoded[p.id], cfg)
+                    name = method if job.mode == "speculative" else job.mode
+                    row = _row(job, job.mode, name, gamma, temperature, p, seed, res)
+                    if eng.draft_model is not None:  # a draft model: the tokens it could propose
+                        row["draft_vocab_size"] = getattr(eng.draft_model.model, "proposal_vocab", None)
+                    _emit({**row, "draft": draft} if tag else row)
 
 
 class _FirstTokenTimer:
