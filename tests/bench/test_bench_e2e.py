@@ -62,6 +62,11 @@ def test_the_drafters_take_turns_first_from_prompt_to_prompt():
     samples = runner.run(cfg, progress=False)["samples"]
     order = [(s["prompt_id"], s["draft"]) for s in samples if s["mode"] == "speculative"]
     assert order == [(a.id, MODEL), (a.id, "ngram"), (b.id, "ngram"), (b.id, MODEL)]
+    # greedy alone at T = 1: no speculative setting to rotate, the paired plain runs all the same
+    greedy = runner.BenchConfig(target=MODEL, draft=MODEL, prompts=(a, b), modes=("speculative",), methods=("greedy",),
+                                temperatures=(1.0,), max_new_tokens=4, threads=1)
+    samples = runner.run(greedy, progress=False)["samples"]
+    assert [s["mode"] for s in samples] == ["plain_paired", "plain_paired"]
 
 
 def test_draft_vocab_full_reaches_the_worker_and_the_report(tmp_path):

@@ -362,8 +362,8 @@ def test_layer_by_layer_calibration_records_a_whole_float_pass(tiny_folder, tmp_
         for n in ("qkv", "out", "gate_up", "down"):
             smooth = smoothing(reference[f"layers.{i}.{n}"], getattr(layer, n).inner.weight)
             assert torch.equal(getattr(q.layers[i], n).inv_smooth, (1.0 / smooth.float()).contiguous()), (i, n)
-    head = W8A8Linear(st["model.embed_tokens.weight"] * st["model.norm.weight"],  # the tied head, norm folded in
-                      smooth=smoothing(reference["lm_head"], st["model.embed_tokens.weight"] * st["model.norm.weight"]))
+    head_w = st["model.embed_tokens.weight"] * st["model.norm.weight"]  # [V, D] the tied head, norm folded in
+    head = W8A8Linear(head_w, smooth=smoothing(reference["lm_head"], head_w))
     assert torch.equal(q.lm_head.inv_smooth, head.inv_smooth)
     x = torch.randn(5, d, generator=torch.Generator().manual_seed(4))
     assert torch.equal(q.lm_head(x), head(x))

@@ -164,7 +164,7 @@ def run_engine(job: Job, prompts: list[Prompt]) -> None:
                     rule = get_rule("greedy" if temperature == 0 else "block")
                     _emit(_row(job, "plain_paired", "plain_paired", None, temperature, p, seed,
                                plain.decoder(rule).generate(encoded[p.id], cfg)))
-                turn = (i + rep * len(prompts)) % len(arms)
+                turn = (i + rep * len(prompts)) % max(len(arms), 1)  # none: greedy alone asked for at T > 0
                 for eng, draft, method, gamma in arms[turn:] + arms[:turn]:
                     rule = get_rule("block" if method == "sample" else method)
                     res = _decoder(eng, rule, gamma, job.tree_min_prob).generate(encoded[p.id], cfg)
