@@ -60,7 +60,7 @@ def build_base(commit: str, work: Path) -> Path:
         text = f.read_text()
         text = re.sub(r"TORCH_LIBRARY(_FRAGMENT|_IMPL)?\(specdec,", r"TORCH_LIBRARY\1(specdec_base,", text)
         text = re.sub(r"\bnamespace specdec\b", "namespace specdec_base", text)
-        text = text.replace("specdec::", "specdec_base::")
+        text = text.replace("specdec::", "specdec_base::").replace("torch.classes.specdec.", "torch.classes.specdec_base.")
         f.write_text(text)
     from torch.utils import cpp_extension
 

@@ -31,6 +31,13 @@
 #include <algorithm>
 #include <cstdint>
 #include <cstring>
+#include <memory>
+#include <mutex>
+#include <vector>
+
+#if defined(__AVX2__)
+#include <immintrin.h>
+#endif
 
 namespace {
 
@@ -41,12 +48,67 @@ inline uint64_t splitmix64(uint64_t x) {
   return x ^ (x >> 31);
 }
 
-// The uniform of token id v under a mixed key: SplitMix64(SplitMix64(v + 0x5DEECE66D) ^ key), its top
-// 53 bits + 1/2, times 2^-53 (one definition for both ops below).
-inline double keyed_u(uint64_t v, uint64_t key) {
-  const uint64_t bits = splitmix64(splitmix64(v + 0x5DEECE66Dull) ^ key);
+// The uniform of a token id under a mixed key from the id's own hash h = SplitMix64(v + 0x5DEECE66D):
+// SplitMix64(h ^ key), its top 53 bits + 1/2, times 2^-53.
+inline double keyed_u_of_hash(uint64_t h, uint64_t key) {
+  const uint64_t bits = splitmix64(h ^ key);
   return (static_cast<double>(bits >> 11) + 0.5) * (1.0 / 9007199254740992.0);  // 2^-53
 }
+
+// The uniform of token id v under a mixed key: SplitMix64(SplitMix64(v + 0x5DEECE66D) ^ key), its top
+// 53 bits + 1/2, times 2^-53 (one definition for both ops below).
+inline double keyed_u(uint64_t v, uint64_t key) { return keyed_u_of_hash(splitmix64(v + 0x5DEECE66Dull), key); }
+
+// SplitMix64(v + 0x5DEECE66D) for v = 0 .. n - 1 at least: the half of each uniform's hashing that
+// does not depend on the key, made once per process (and again for a larger vocabulary; the old
+// table lives on with any call still reading it).  Two of a uniform's four 64-bit products.
+std::shared_ptr<const std::vector<uint64_t>> id_hashes(int64_t n) {
+  static std::mutex mu;
+  static std::shared_ptr<const std::vector<uint64_t>> table;
+  std::lock_guard<std::mutex> lock(mu);
+  if (!table || static_cast<int64_t>(table->size()) < n) {
+    auto t = std::make_shared<std::vector<uint64_t>>(static_cast<size_t>(n));
+    for (int64_t v = 0; v < n; ++v) (*t)[static_cast<size_t>(v)] = splitmix64(static_cast<uint64_t>(v) + 0x5DEECE66Dull);
+    table = std::move(t);
+  }
+  return table;
+}
+
+#if defined(__AVX2__) && !defined(__AVX512DQ__)
+// Four lanes of the same integer arithmetic on AVX2, which has no 64-bit product (AVX-512DQ's
+// vpmullq; there the compiler vectorises the scalar code): a * c mod 2^64 from three 32 x 32 -> 64
+// products, lo(a) lo(c) + ((hi(a) lo(c) + lo(a) hi(c)) << 32), the same bits.
+inline __m256i mul64_by(__m256i a, uint64_t c) {
+  const __m256i clo = _mm256_set1_epi64x(static_cast<int64_t>(c & 0xFFFFFFFFull));
+  const __m256i chi = _mm256_set1_epi64x(static_cast<int64_t>(c >> 32));
+  const __m256i cross = _mm256_add_epi64(_mm256_mul_epu32(_mm256_srli_epi64(a, 32), clo), _mm256_mul_epu32(a, chi));
+  return _mm256_add_epi64(_mm256_mul_epu32(a, clo), _mm256_slli_epi64(cross, 32));
+}
+
+inline __m256i splitmix64_x4(__m256i x) {
+  x = _mm256_add_epi64(x, _mm256_set1_epi64x(static_cast<int64_t>(0x9E3779B97F4A7C15ull)));
+  x = mul64_by(_mm256_xor_si256(x, _mm256_srli_epi64(x, 30)), 0xBF58476D1CE4E5B9ull);
+  x = mul64_by(_mm256_xor_si256(x, _mm256_srli_epi64(x, 27)), 0x94D049BB133111EBull);
+  return _mm256_xor_si256(x, _mm256_srli_epi64(x, 31));
+}
+
+// keyed_u_of_hash for four hashes.  A 53-bit integer's double without AVX-512's conversion: each
+// 32-bit half exactly through the 2^52 bias, then hi * 2^32 + lo, exact (the sum is an integer
+// below 2^53): static_cast<double>'s value.
+inline __m256d keyed_u_x4(__m256i h, uint64_t key) {
+  const __m256i x = _mm256_srli_epi64(splitmix64_x4(_mm256_xor_si256(h, _mm256_set1_epi64x(static_cast<int64_t>(key)))), 11);
+  const __m256i bias_bits = _mm256_set1_epi64x(0x4330000000000000ll);
+  const __m256d bias = _mm256_set1_pd(4503599627370496.0);  // 2^52
+  const __m256d hi = _mm256_sub_pd(_mm256_castsi256_pd(_mm256_or_si256(_mm256_srli_epi64(x, 32), bias_bits)), bias);
+  const __m256d lo = _mm256_sub_pd(
+      _mm256_castsi256_pd(_mm256_or_si256(_mm256_and_si256(x, _mm256_set1_epi64x(0xFFFFFFFFll)), bias_bits)), bias);
+  const __m256d d = _mm256_add_pd(_mm256_mul_pd(hi, _mm256_set1_pd(4294967296.0)), lo);
+  return _mm256_mul_pd(_mm256_add_pd(d, _mm256_set1_pd(0.5)), _mm256_set1_pd(1.0 / 9007199254740992.0));
+}
+
+inline __m256d load4_as_double(const float* p) { return _mm256_cvtps_pd(_mm_loadu_ps(p)); }
+inline __m256d load4_as_double(const double* p) { return _mm256_loadu_pd(p); }
+#endif
 
 at::Tensor keyed_uniform(int64_t key, const c10::optional<at::Tensor>& ids, int64_t vocab) {
   TORCH_CHECK(vocab > 0, "keyed_uniform: the vocabulary must not be empty");
@@ -122,36 +184,73 @@ constexpr int64_t kBlock = 512;
 #endif
 
 template <typename T>
-SPECDEC_WIDE int64_t gumbel_argmax_impl(const T* p, int64_t n, uint64_t key) {
+SPECDEC_WIDE int64_t gumbel_argmax_impl(const T* p, int64_t n, uint64_t key, const uint64_t* hashes) {
   double us[kBlock];
   unsigned char pass[kBlock];
   double best = 0.0, second = 0.0;
   int64_t arg = -1;
   int bad = 0;
+  // an id that passed the screen: its r and the top two (order does not matter: the top two values
+  // are the same whatever the order, and equal ones send the row back anyway)
+  auto consider = [&](int64_t id, double u) {
+    const double r = static_cast<double>(p[id]) / -log_normal(u);
+    bad |= static_cast<int>(!(r >= 0.0));
+    if (r > best) {
+      second = best;
+      best = r;
+      arg = id;
+    } else if (r > second) {
+      second = r;
+    }
+  };
   for (int64_t lo = 0; lo < n; lo += kBlock) {
     const int64_t m = std::min(kBlock, n - lo);
     const double t = best * (1.0 - kMargin);
     int odd = 0;
-    for (int64_t j = 0; j < m; ++j) {  // vectorised: no branch, comparisons combined bitwise
-      const double u = keyed_u(static_cast<uint64_t>(lo + j), key);  // in [2^-54, 1], keyed_uniform's
+    int64_t j = 0;
+#if defined(__AVX2__) && !defined(__AVX512DQ__)
+    // four ids at a time, the scalar loop's operations on the same doubles; the ids that pass (all
+    // of the first block, then about one a row) are kept in a short list instead of every id's
+    // uniform and flag being stored
+    int64_t cand[kBlock];
+    double cand_u[kBlock];
+    int count = 0;
+    {
+      const __m256d tv = _mm256_set1_pd(t), one = _mm256_set1_pd(1.0), zero = _mm256_setzero_pd();
+      const __m256d top = _mm256_set1_pd(1.7976931348623157e308);
+      for (; j + 4 <= m; j += 4) {
+        const __m256d u = keyed_u_x4(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(hashes + lo + j)), key);
+        const __m256d v = load4_as_double(p + lo + j);
+        odd |= static_cast<int>(_mm256_movemask_pd(_mm256_cmp_pd(v, zero, _CMP_GE_OQ)) != 0xF) |
+               static_cast<int>(_mm256_movemask_pd(_mm256_cmp_pd(v, top, _CMP_GT_OQ)) != 0);
+        const __m256d thr = _mm256_mul_pd(tv, _mm256_sub_pd(one, u));
+        const int ok = _mm256_movemask_pd(_mm256_and_pd(_mm256_cmp_pd(v, zero, _CMP_GT_OQ), _mm256_cmp_pd(v, thr, _CMP_GE_OQ)));
+        if (ok) {
+          alignas(32) double lanes[4];
+          _mm256_store_pd(lanes, u);
+          for (int i = 0; i < 4; ++i)
+            if ((ok >> i) & 1) {
+              cand[count] = lo + j + i;
+              cand_u[count++] = lanes[i];
+            }
+        }
+      }
+    }
+#endif
+    const int64_t tail = j;
+    for (; j < m; ++j) {  // vectorised: no branch, comparisons combined bitwise
+      const double u = keyed_u_of_hash(hashes[lo + j], key);  // in [2^-54, 1], keyed_uniform's
       const double v = static_cast<double>(p[lo + j]);
       odd |= static_cast<int>(!(v >= 0.0)) | static_cast<int>(v > 1.7976931348623157e308);  // NaN, < 0, inf
       us[j] = u;
       pass[j] = static_cast<unsigned char>(static_cast<int>(v > 0.0) & static_cast<int>(v >= t * (1.0 - u)));
     }
     bad |= odd;
-    for (int64_t j = 0; j < m; ++j) {
-      if (!pass[j]) continue;
-      const double r = static_cast<double>(p[lo + j]) / -log_normal(us[j]);
-      bad |= static_cast<int>(!(r >= 0.0));
-      if (r > best) {
-        second = best;
-        best = r;
-        arg = lo + j;
-      } else if (r > second) {
-        second = r;
-      }
-    }
+#if defined(__AVX2__) && !defined(__AVX512DQ__)
+    for (int c = 0; c < count; ++c) consider(cand[c], cand_u[c]);
+#endif
+    for (j = tail; j < m; ++j)
+      if (pass[j]) consider(lo + j, us[j]);
   }
   if (bad || !(best > 0.0) || !(second < best * (1.0 - kMargin))) return -1;
   return arg;
@@ -161,9 +260,11 @@ int64_t gumbel_argmax(const at::Tensor& probs, int64_t key) {
   TORCH_CHECK(probs.dim() == 1 && probs.is_contiguous() && probs.numel() > 0,
               "gumbel_argmax: probs must be a contiguous, non-empty [V] row");
   const uint64_t k = static_cast<uint64_t>(key);
-  if (probs.scalar_type() == at::kFloat) return gumbel_argmax_impl(probs.data_ptr<float>(), probs.numel(), k);
-  TORCH_CHECK(probs.scalar_type() == at::kDouble, "gumbel_argmax: probs must be float32 or float64");
-  return gumbel_argmax_impl(probs.data_ptr<double>(), probs.numel(), k);
+  TORCH_CHECK(probs.scalar_type() == at::kFloat || probs.scalar_type() == at::kDouble,
+              "gumbel_argmax: probs must be float32 or float64");
+  const auto hashes = id_hashes(probs.numel());  // held for the call: a larger vocabulary may replace the table
+  if (probs.scalar_type() == at::kFloat) return gumbel_argmax_impl(probs.data_ptr<float>(), probs.numel(), k, hashes->data());
+  return gumbel_argmax_impl(probs.data_ptr<double>(), probs.numel(), k, hashes->data());
 }
 
 }  // namespace
