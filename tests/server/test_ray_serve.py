@@ -148,6 +148,49 @@ def test_serve_ray_refuses_bad_replica_options():
     assert proc.returncode == 2 and "specdec: error: replicas must be >= 1" in proc.stderr and "Traceback" not in proc.stderr
 
 
+def test_a_serve_proxy_slower_than_serves_own_timeout_is_waited_for(monkeypatch):
+    """Serve gives its HTTP proxy 60 s to report ready; past that ``start`` waits for the port
+    (the proxy up a little later, as seen once on a loaded two-core machine) and joins the running
+    controller, instead of failing.  Faked: Serve's start times out once, the port opens 0.5 s
+    later; with nothing ever listening the wait ends in a clear TimeoutError."""
+    import socket
+
+    import ray
+    from ray import serve
+
+    calls: list[str] = []
+    timers: list[threading.Timer] = []
+    server = socket.socket()
+    server.bind(("127.0.0.1", 0))
+    port = server.getsockname()[1]
+
+    def fake_start(http_options):
+        calls.append("start")
+        if len(calls) == 1:  # the first call of each scaleout.start times out
+            if not timers:  # the port opens once, 0.5 s after the first
+                timers.append(threading.Timer(0.5, server.listen))
+                timers[0].start()
+            raise TimeoutError("HTTP proxies not available after 60s.")
+
+    monkeypatch.setattr(ray, "is_initialized", lambda: True)
+    monkeypatch.setattr(ray, "get_runtime_context", lambda: type("Ctx", (), {"gcs_address": "fake:6379"})())
+    monkeypatch.setattr(serve, "start", fake_start)
+    monkeypatch.setattr(serve, "run", lambda *a, **k: calls.append("run"))
+    monkeypatch.setattr(scaleout, "application", lambda *a, **k: None)
+    logged: list[str] = []
+    try:
+        url = scaleout.start(ToyApp(api_key=KEY), replicas=1, host="0.0.0.0", port=port, log=logged.append)
+    finally:
+        server.close()
+    assert calls == ["start", "start", "run"] and url.endswith(f":{port}")
+    assert any("slow to start" in line for line in logged)
+    calls.clear()
+    monkeypatch.setattr(scaleout, "PROXY_WAIT_S", 0.5)
+    with pytest.raises(TimeoutError, match="nothing listens"):
+        scaleout.start(ToyApp(api_key=KEY), replicas=1, host="127.0.0.1", port=port)
+    assert calls == ["start"]
+
+
 # ----------------------------------------------------------------------------- 2 replicas on a local Ray instance
 
 

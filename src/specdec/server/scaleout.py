@@ -315,6 +315,26 @@ def kill_replica(replica_id: str, app_name: str = APP_NAME) -> None:
     ray.kill(actor, no_restart=True)
 
 
+#: seconds a slow Serve proxy is waited for after Serve's own 60 s
+PROXY_WAIT_S = 120.0
+
+
+def wait_for_port(host: str, port: int, timeout_s: float) -> None:
+    """Return once ``host:port`` accepts a TCP connection; TimeoutError after ``timeout_s``."""
+    import socket
+    import time
+
+    deadline = time.monotonic() + timeout_s
+    while True:
+        try:
+            with socket.create_connection((host, port), timeout=1.0):
+                return
+        except OSError:
+            if time.monotonic() > deadline:
+                raise TimeoutError(f"nothing listens on {host}:{port} after {timeout_s:g} s") from None
+            time.sleep(0.2)
+
+
 def start(build: Callable[[str], Any], *, replicas: int, host: str, port: int, address: str | None = None,
           num_cpus: float | None = None, replica_cpus: float = 1.0, blocking: bool = False,
           runtime_env: dict[str, Any] | None = None, log: Callable[[str], None] | None = None) -> str:
@@ -334,7 +354,15 @@ def start(build: Callable[[str], Any], *, replicas: int, host: str, port: int, a
         ray.init(address=address, **kw)
     if log is not None:
         log(f"Ray cluster at {ray.get_runtime_context().gcs_address}")
-    serve.start(http_options={"host": host, "port": port})
+    try:
+        serve.start(http_options={"host": host, "port": port})
+    except TimeoutError:
+        # Serve gives its HTTP proxy 60 s to report ready (missed once on a loaded two-core machine,
+        # the controller and proxy up a little later): wait for the port, then join the running controller
+        if log is not None:
+            log(f"Ray Serve's HTTP proxy is slow to start; waiting up to {PROXY_WAIT_S:g} s more for port {port}")
+        wait_for_port("127.0.0.1" if host in ("0.0.0.0", "::", "") else host, port, PROXY_WAIT_S)
+        serve.start(http_options={"host": host, "port": port})
     serve.run(application(build, replicas=replicas, replica_cpus=replica_cpus), name=APP_NAME, route_prefix="/",
               blocking=blocking)
     return f"http://{host}:{port}"
