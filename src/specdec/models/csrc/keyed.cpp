@@ -35,8 +35,12 @@
 #include <mutex>
 #include <vector>
 
-#if defined(__AVX2__)
+// AVX2 without AVX-512DQ: the uniforms' 64-bit products by hand (with vpmullq the compiler vectorises them)
+#if defined(__AVX2__) && !defined(__AVX512DQ__)
+#define SPECDEC_KEYED_AVX2 1
 #include <immintrin.h>
+#else
+#define SPECDEC_KEYED_AVX2 0
 #endif
 
 namespace {
@@ -74,7 +78,7 @@ std::shared_ptr<const std::vector<uint64_t>> id_hashes(int64_t n) {
   return table;
 }
 
-#if defined(__AVX2__) && !defined(__AVX512DQ__)
+#if SPECDEC_KEYED_AVX2
 // Four lanes of the same integer arithmetic on AVX2, which has no 64-bit product (AVX-512DQ's
 // vpmullq; there the compiler vectorises the scalar code): a * c mod 2^64 from three 32 x 32 -> 64
 // products, lo(a) lo(c) + ((hi(a) lo(c) + lo(a) hi(c)) << 32), the same bits.
@@ -208,7 +212,7 @@ SPECDEC_WIDE int64_t gumbel_argmax_impl(const T* p, int64_t n, uint64_t key, con
     const double t = best * (1.0 - kMargin);
     int odd = 0;
     int64_t j = 0;
-#if defined(__AVX2__) && !defined(__AVX512DQ__)
+#if SPECDEC_KEYED_AVX2
     // four ids at a time, the scalar loop's operations on the same doubles; the ids that pass (all
     // of the first block, then about one a row) are kept in a short list instead of every id's
     // uniform and flag being stored
@@ -246,7 +250,7 @@ SPECDEC_WIDE int64_t gumbel_argmax_impl(const T* p, int64_t n, uint64_t key, con
       pass[j] = static_cast<unsigned char>(static_cast<int>(v > 0.0) & static_cast<int>(v >= t * (1.0 - u)));
     }
     bad |= odd;
-#if defined(__AVX2__) && !defined(__AVX512DQ__)
+#if SPECDEC_KEYED_AVX2
     for (int c = 0; c < count; ++c) consider(cand[c], cand_u[c]);
 #endif
     for (j = tail; j < m; ++j)
