@@ -5,6 +5,8 @@ the report says what the run was."""
 
 from __future__ import annotations
 
+import pytest
+
 from specdec.bench import report, runner
 from specdec.bench.workloads import BUILTIN
 
@@ -67,6 +69,32 @@ def test_the_drafters_take_turns_first_from_prompt_to_prompt():
                                 temperatures=(1.0,), max_new_tokens=4, threads=1)
     samples = runner.run(greedy, progress=False)["samples"]
     assert [s["mode"] for s in samples] == ["plain_paired", "plain_paired"]
+
+
+def test_coupled_rows_get_a_plain_seeded_reference_with_the_same_tokens(tmp_path):
+    """At T > 0 with coupled verification, each prompt is also decoded plainly with the coupled rule
+    (seeded Gumbel-max sampling, right after the block-rule plain run); the coupled rows' tokens equal
+    it (the rule's promise) and the report pairs them with it; the block rows keep plain_paired."""
+    a, b = BUILTIN[0], BUILTIN[8]
+    cfg = runner.BenchConfig(target=MODEL, draft=MODEL, prompts=(a, b), modes=("speculative",), methods=("coupled", "block"),
+                             temperatures=(1.0,), max_new_tokens=12, threads=1)
+    result = runner.run(cfg, progress=False)
+    samples = result["samples"]
+    assert [s["mode"] for s in samples if s["prompt_id"] == a.id][:2] == ["plain_paired", report.PAIRED_COUPLED]
+    refs = {s["prompt_id"]: s for s in samples if s["mode"] == report.PAIRED_COUPLED}
+    coupled = [s for s in samples if s["mode"] == "speculative" and s["method"] == "coupled"]
+    assert set(refs) == {a.id, b.id} and len(coupled) == 2
+    assert all(s["tokens_sha1"] == refs[s["prompt_id"]]["tokens_sha1"] for s in coupled)
+    written = report.write(result, tmp_path, make_plots=False)
+    stats = {(g.mode, g.method): g for g in written["stats"]}
+    ratios = sorted(s["tokens_per_s"] / refs[s["prompt_id"]]["tokens_per_s"] for s in coupled)
+    assert stats[("speculative", "coupled")].speedup_vs_cloud == pytest.approx(sum(ratios) / 2)  # median of two
+    md = (tmp_path / "README.md").read_text()
+    assert "## Seeded output identical to plain seeded sampling" in md and "| speculative coupled γ=auto | 1 | 2 | 2 |" in md
+    # greedy / block only: no second plain run
+    block = runner.run(runner.BenchConfig(target=MODEL, draft=MODEL, prompts=(a,), modes=("speculative",), methods=("block",),
+                                          temperatures=(1.0,), max_new_tokens=4, threads=1), progress=False)
+    assert not any(s["mode"] == report.PAIRED_COUPLED for s in block["samples"])
 
 
 def test_draft_vocab_full_reaches_the_worker_and_the_report(tmp_path):

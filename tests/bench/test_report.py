@@ -131,6 +131,33 @@ def test_speculative_rows_use_the_paired_plain_run_when_present():
     assert stats[("hf_assisted", "hf_assisted")].speedup_vs_cloud == pytest.approx(0.5)  # still vs cloud_only
 
 
+def test_coupled_rows_use_plain_seeded_sampling_as_their_reference():
+    """At T > 0 the coupled rows are paired with plain_paired_coupled (plain decoding that draws by
+    Gumbel-max as they do), the block rows still with plain_paired, also in the drafter table; the
+    seeded-identity table counts the coupled rows whose tokens equal plain seeded sampling's."""
+    rows = []
+    for p, cat in (("a", "code"), ("b", "code"), ("c", "chat")):
+        rows.append({**_engine("plain_paired", "plain_paired", p, 50.0, t=1.0, calls=20, gen=20, target_s=0.4, cat=cat), "tokens_sha1": "blk"})
+        rows.append({**_engine(report.PAIRED_COUPLED, report.PAIRED_COUPLED, p, 40.0, t=1.0, calls=20, gen=20, target_s=0.5, cat=cat),
+                     "tokens_sha1": f"g{p}"})
+        for method, draft in (("block", "d"), ("coupled", "d"), ("coupled", "ngram")):
+            rows.append({**_engine("speculative", method, p, 60.0, gamma="auto", t=1.0, calls=10, gen=20, prop=20, acc=10,
+                                   per_pos=(0.5,), prop_pos=(20,), draft_s=0.02, target_s=0.2, cat=cat),
+                         "draft": draft, "tokens_sha1": f"g{p}" if (draft, p) != ("ngram", "c") else "other"})
+    stats = {(g.mode, g.method, g.draft): g for g in report.aggregate(rows)}
+    assert stats[("speculative", "block", "d")].speedup_vs_cloud == pytest.approx(60 / 50)
+    assert stats[("speculative", "block", "d")].cost_ratio_c == pytest.approx(1e-3 / 0.02)  # plain_paired: 0.4 s / 20
+    assert stats[("speculative", "coupled", "d")].speedup_vs_cloud == pytest.approx(60 / 40)
+    assert stats[("speculative", "coupled", "d")].cost_ratio_c == pytest.approx(1e-3 / 0.025)  # its own: 0.5 s / 20
+    table = {(r.draft, r.method, r.category): r.speedup for r in report.drafters_by_category(rows)}
+    assert table[("d", "block", "chat")] == pytest.approx(1.2) and table[("ngram", "coupled", "chat")] == pytest.approx(1.5)
+    assert report.seeded_identity(rows) == [("speculative coupled · d γ=auto", 1.0, 3, 3), ("speculative coupled · ngram γ=auto", 1.0, 2, 3)]
+    # a result written before the coupled reference existed: coupled rows fall back to plain_paired
+    old = [r for r in rows if r["mode"] != report.PAIRED_COUPLED]
+    assert {(g.method, g.draft): g.speedup_vs_cloud for g in report.aggregate(old)}[("coupled", "d")] == pytest.approx(1.2)
+    assert report.seeded_identity(old) == []
+
+
 def test_machine_line_names_the_cpu_features():
     m = {"cpu": "AMD EPYC", "cpu_count": 2, "torch": "2.13.0+cpu", "cpu_capability": "AVX2", "cpu_bf16": False}
     assert report.machine_line(m) == "AMD EPYC (AVX2, no native bf16), 2 cores, torch 2.13.0+cpu"

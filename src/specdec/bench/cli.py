@@ -40,7 +40,7 @@ def add_parser(sub) -> None:  # noqa: ANN001 - argparse's subparsers action
                    help="comma list of plain (the target alone; 'cloud_only' is accepted too), edge_only (the draft alone), speculative, "
                    "hf_plain, hf_assisted, llamacpp (llama.cpp on the target's GGUF; needs the llamacpp extra) (local), and edge_cloud, cloud_streaming, cloud_streaming_spec (cloud server process "
                    "+ edge process over an emulated RTT) (default plain,edge_only,speculative,hf_plain,hf_assisted)")
-    p.add_argument("--methods", default="default", help="comma list of rules for the speculative mode ('default' = greedy at T=0, block otherwise; default: default)")
+    p.add_argument("--methods", default="default", help="comma list of rules for the speculative mode ('default' = greedy at T=0, block otherwise; default: default). 'coupled' at T>0 adds a paired plain seeded-sampling run, its rows' reference")
     p.add_argument("--gammas", default="auto", help="comma list of γ values (integers, 'auto', 'guide'; default auto)")
     p.add_argument("--trees", default="", help="comma list of token-tree settings ('auto' or a node count) run after the chain γ values of the speculative mode, prompt by prompt in the same process (paired); rows are labelled tree-<setting> (default: none)")
     p.add_argument("--tree-min-prob", type=float, default=None, metavar="P",

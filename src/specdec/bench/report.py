@@ -14,7 +14,11 @@ from pathlib import Path
 
 from specdec.bench import netreport, theory
 
-ENGINE_MODES = ("plain", "plain_paired", "edge_only", "speculative")
+#: plain decoding with the coupled rule (seeded Gumbel-max sampling) in the speculative worker: the
+#: reference of the coupled rows at T > 0, whose tokens must equal it
+PAIRED_COUPLED = "plain_paired_coupled"
+PLAIN_MODES = ("plain", "plain_paired", PAIRED_COUPLED)
+ENGINE_MODES = (*PLAIN_MODES, "edge_only", "speculative")
 LLAMACPP_PLAIN = "llamacpp_plain"
 
 
@@ -43,6 +47,18 @@ def group_key(s: dict) -> tuple:
 
 def pair_key(s: dict) -> tuple:
     return (float(s["temperature"]), s["prompt_id"], s["seed"])
+
+
+def plain_reference(mode: str, method: str, present: set[str]) -> str:
+    """The plain mode a group's "×plain" is taken against, of the plain modes ``present`` in the run:
+    speculative rows use the plain run taken in the same process seconds before (plain_paired), and
+    coupled ones the plain run that draws as they do (plain_paired_coupled) where the bench made one;
+    everything else, and results written before either existed, use plain."""
+    if mode != "speculative":
+        return "plain"
+    if method == "coupled" and PAIRED_COUPLED in present:
+        return PAIRED_COUPLED
+    return "plain_paired" if "plain_paired" in present else "plain"
 
 
 @dataclass
@@ -142,19 +158,18 @@ def aggregate(samples: list[dict], processes: dict | None = None) -> list[GroupS
         groups[group_key(s)].append(s)
     refs = {
         mode: {pair_key(s): s for s in samples if s["mode"] == mode}
-        for mode in ("plain", "plain_paired", "hf_assisted", "hf_plain", LLAMACPP_PLAIN)
+        for mode in (*PLAIN_MODES, "hf_assisted", "hf_plain", LLAMACPP_PLAIN)
     }
-    # speculative runs are compared with the plain run of the same prompt taken in the same
-    # process seconds before (plain_paired) when the bench recorded one, else with plain
-    plain_ref = {mode: ("plain_paired" if mode == "speculative" and refs["plain_paired"] else "plain") for mode, *_ in groups}
+    present = {mode for mode in PLAIN_MODES if refs[mode]}
     cloud_step: dict[tuple[str, float], float] = {}  # seconds per target call of plain decoding
     for (mode, _, _, t, _), rows in groups.items():
-        if mode in ("plain", "plain_paired"):
+        if mode in PLAIN_MODES:
             calls = sum(r["target_calls"] for r in rows)
             cloud_step[(mode, t)] = sum(r["target_s"] for r in rows) / calls if calls else math.nan
     out = []
     order = _draft_order(samples)
     for (mode, method, gamma, t, draft), rows in sorted(groups.items(), key=lambda kv: (kv[0][0], order[kv[0][4]], kv[0][1], netreport.gamma_order(kv[0][2]), kv[0][3])):
+        plain_ref = plain_reference(mode, method, present)
         tps = [r["tokens_per_s"] for r in rows]
         walls = [r["wall_s"] for r in rows]
         g = GroupStats(
@@ -170,7 +185,7 @@ def aggregate(samples: list[dict], processes: dict | None = None) -> list[GroupS
         decode = [_decode_tps(r) for r in rows]
         if all(d is not None for d in decode):
             g.decode_tokens_per_s_median = statistics.median(decode)
-        for attr, ref_mode in (("speedup_vs_cloud", plain_ref[mode]), ("speedup_vs_hf_assisted", "hf_assisted"),
+        for attr, ref_mode in (("speedup_vs_cloud", plain_ref), ("speedup_vs_hf_assisted", "hf_assisted"),
                                ("speedup_vs_hf_plain", "hf_plain"), ("speedup_vs_llamacpp", LLAMACPP_PLAIN)):
             ratios = _ratios(rows, refs[ref_mode])
             if ratios:
@@ -179,7 +194,7 @@ def aggregate(samples: list[dict], processes: dict | None = None) -> list[GroupS
                     g.speedup_by_category = {c: statistics.median(r for cc, r in ratios if cc == c) for c in cats if any(cc == c for cc, _ in ratios)}
         g.rss_peak_bytes = (processes.get(mode) or {}).get("rss_peak_bytes") or max((r.get("rss_peak_bytes") or 0) for r in rows) or None
         if mode in ENGINE_MODES:
-            _engine_metrics(g, rows, cloud_step.get((plain_ref[mode], t)))
+            _engine_metrics(g, rows, cloud_step.get((plain_ref, t)))
         elif mode.startswith("llamacpp_"):
             _llamacpp_metrics(g, rows)
         _same_tokens(g, rows, refs[LLAMACPP_PLAIN])
@@ -242,7 +257,8 @@ class DrafterCategory:
 def drafters_by_category(samples: list[dict]) -> list[DrafterCategory]:
     """The drafter × T × category table of a run that compared several drafters (``--draft A,B``)."""
     samples = upgrade(samples)
-    ref = {pair_key(s): s for s in samples if s["mode"] == "plain_paired"}
+    refs = {mode: {pair_key(s): s for s in samples if s["mode"] == mode} for mode in PLAIN_MODES}
+    present = {mode for mode in PLAIN_MODES if refs[mode]}
     groups: dict[tuple, list[dict]] = defaultdict(list)
     order = _draft_order(samples)
     for s in samples:
@@ -252,7 +268,7 @@ def drafters_by_category(samples: list[dict]) -> list[DrafterCategory]:
     for (draft, method, gamma, t, cat), rows in sorted(groups.items(), key=lambda kv: (kv[0][3], order[kv[0][0]], kv[0][1], netreport.gamma_order(kv[0][2]), kv[0][4])):
         calls = sum(r["target_calls"] for r in rows)
         proposed = sum(r["draft_tokens_proposed"] for r in rows)
-        ratios = [r for _, r in _ratios(rows, ref)]
+        ratios = [r for _, r in _ratios(rows, refs[plain_reference("speculative", method, present)])]
         out.append(DrafterCategory(
             draft=draft, method=method, gamma=gamma, temperature=t, category=cat, n=len(rows),
             tokens_per_call=sum(r["generated_tokens"] for r in rows) / calls if calls else math.nan,
@@ -354,7 +370,7 @@ def greedy_identity(samples: list[dict]) -> list[tuple[str, int, int]]:
                 ref[(s["prompt_id"], s.get("seed"))] = s["tokens_sha1"]
     counts: dict[str, list[int]] = {}
     for s in samples:
-        if s.get("temperature") != 0 or not s.get("tokens_sha1") or s.get("mode") in ("plain", "plain_paired"):
+        if s.get("temperature") != 0 or not s.get("tokens_sha1") or s.get("mode") in PLAIN_MODES:
             continue
         key = (s["prompt_id"], s.get("seed"))
         if key not in ref:
@@ -364,6 +380,22 @@ def greedy_identity(samples: list[dict]) -> list[tuple[str, int, int]]:
         c[0] += s["tokens_sha1"] == ref[key]
         c[1] += 1
     return [(label, same, n) for label, (same, n) in sorted(counts.items())]
+
+
+def seeded_identity(samples: list[dict]) -> list[tuple[str, float, int, int]]:
+    """At T > 0, for each coupled row kind: (label, T, prompts whose generated ids equal plain seeded
+    sampling's of the same prompt and seed (plain_paired_coupled), prompts compared).  Coupled
+    verification promises exactly that whatever the drafter, γ or tree."""
+    ref = {pair_key(s): s["tokens_sha1"] for s in samples if s.get("mode") == PAIRED_COUPLED and s.get("tokens_sha1")}
+    counts: dict[tuple[str, float], list[int]] = {}
+    for s in samples:
+        if s.get("mode") != "speculative" or s.get("method") != "coupled" or pair_key(s) not in ref or not s.get("tokens_sha1"):
+            continue
+        label = "speculative coupled" + (f" · {s['draft']}" if s.get("draft") else "") + f" γ={s.get('gamma') or '–'}"
+        c = counts.setdefault((label, float(s["temperature"])), [0, 0])
+        c[0] += s["tokens_sha1"] == ref[pair_key(s)]
+        c[1] += 1
+    return [(label, t, same, n) for (label, t), (same, n) in sorted(counts.items(), key=lambda kv: (kv[0][1], kv[0][0]))]
 
 
 def _fmt(x, nd: int = 2, pct: bool = False) -> str:
@@ -405,7 +437,9 @@ def markdown(result: dict, stats: list[GroupStats], bvt: list[BlockVsToken], plo
         "in the reference mode; for the speculative rows, \"×plain\" uses plain_paired: plain "
         "decoding of the same prompt in the same process right before (plain runs in its own "
         "process, minutes apart, and this shared machine drifts by 10-20% over minutes); the speculative "
-        "settings and drafters follow it in an order rotated from prompt to prompt. "
+        "settings and drafters follow it in an order rotated from prompt to prompt; coupled rows at T > 0 use "
+        "plain_paired_coupled instead, plain seeded sampling (Gumbel-max, as coupled verification draws) of the "
+        "same prompt and seed right after plain_paired. "
         "Tokens/s = generated tokens / decoding wall time (prefill included, model loading excluded).",
     ]
     if stats:
@@ -417,6 +451,11 @@ def markdown(result: dict, stats: list[GroupStats], bvt: list[BlockVsToken], plo
         lines += ["", "## Greedy output identical to plain decoding (T = 0, generated ids, same prompt)", "",
                   "| row | identical | prompts |", "|---|---|---|"]
         lines += [f"| {label} | {same} | {n} |" for label, same, n in ident]
+    seeded = seeded_identity(result.get("samples", []))
+    if seeded:
+        lines += ["", "## Seeded output identical to plain seeded sampling (coupled rule, T > 0, same prompt and seed)", "",
+                  "| row | T | identical | prompts |", "|---|---|---|---|"]
+        lines += [f"| {label} | {t:g} | {same} | {n} |" for label, t, same, n in seeded]
     lines += netreport.markdown(net or [], result.get("network"))
     procs = result.get("processes") or {}
     if procs:

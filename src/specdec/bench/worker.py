@@ -15,6 +15,7 @@ from dataclasses import dataclass, field
 
 import torch
 
+from specdec.bench.report import PAIRED_COUPLED
 from specdec.bench.runner import ERROR_MARK, split_drafts
 from specdec.bench.workloads import Prompt
 from specdec.errors import SpecdecError
@@ -118,6 +119,9 @@ def run_engine(job: Job, prompts: list[Prompt]) -> None:
     """Our engine.  In the speculative job every prompt is also decoded plainly, right before its
     speculative runs and in the same process ("plain_paired"), so that speed-ups compare runs
     taken seconds apart: on a shared machine the same decoding can drift by 10-20% over minutes.
+    Where coupled verification runs at T > 0, the prompt is decoded plainly a second time with the
+    coupled rule ("plain_paired_coupled": seeded Gumbel-max sampling, what a user who passes a seed
+    runs without a drafter), the reference of the coupled rows and the tokens they must equal.
     """
     from specdec.engine import Engine, EngineConfig, factor_for, load_draft
     from specdec.verify import get_rule
@@ -144,10 +148,15 @@ def run_engine(job: Job, prompts: list[Prompt]) -> None:
     llama = _llamacpp_runner(job, engine.target.eos_ids) if job.llamacpp else None
     for temperature in job.temperatures:
         settings = list(_settings(job, temperature))
+        # coupled rows at T > 0 get their own plain reference: plain decoding with a seed draws by
+        # Gumbel-max as coupled speculation does, not by the block rule's cheaper inverse-CDF draw
+        coupled = job.mode == "speculative" and temperature > 0 and any(m == "coupled" for m, _ in settings)
         warm = SamplingConfig(temperature=temperature, seed=0, max_new_tokens=16)
         for eng in engines:
             for method, gamma in settings:  # warm-up (oneDNN kernels, allocator), not recorded
                 _decoder(eng, get_rule("block" if method == "sample" else method), gamma, job.tree_min_prob).generate(encoded[prompts[0].id], warm)
+        if coupled:
+            plain.decoder(get_rule("coupled")).generate(encoded[prompts[0].id], warm)
         if llama is not None:
             _llamacpp_warmup(job, llama, encoded[prompts[0].id], temperature)
         # every (drafter, setting) pair of a prompt, their order rotated from prompt to prompt: a fixed
@@ -164,6 +173,9 @@ def run_engine(job: Job, prompts: list[Prompt]) -> None:
                     rule = get_rule("greedy" if temperature == 0 else "block")
                     _emit(_row(job, "plain_paired", "plain_paired", None, temperature, p, seed,
                                plain.decoder(rule).generate(encoded[p.id], cfg)))
+                    if coupled:  # plain seeded sampling (Gumbel-max): the coupled rows' reference, same tokens
+                        _emit(_row(job, PAIRED_COUPLED, PAIRED_COUPLED, None, temperature, p, seed,
+                                   plain.decoder(get_rule("coupled")).generate(encoded[p.id], cfg)))
                 turn = (i + rep * len(prompts)) % max(len(arms), 1)  # none: greedy alone asked for at T > 0
                 for eng, draft, method, gamma in arms[turn:] + arms[:turn]:
                     rule = get_rule("block" if method == "sample" else method)
