@@ -80,6 +80,7 @@ def test_coupled_rows_get_a_plain_seeded_reference_with_the_same_tokens(tmp_path
                              temperatures=(1.0,), max_new_tokens=12, threads=1)
     result = runner.run(cfg, progress=False)
     samples = result["samples"]
+    assert len(samples) == runner._count(cfg, "speculative") == 2 * 4  # what the progress bar expects
     assert [s["mode"] for s in samples if s["prompt_id"] == a.id][:2] == ["plain_paired", report.PAIRED_COUPLED]
     refs = {s["prompt_id"]: s for s in samples if s["mode"] == report.PAIRED_COUPLED}
     coupled = [s for s in samples if s["mode"] == "speculative" and s["method"] == "coupled"]

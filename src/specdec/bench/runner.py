@@ -123,7 +123,8 @@ def split_drafts(draft: str) -> list[str]:
 
 
 def _count(cfg: BenchConfig, mode: str) -> int:
-    """Samples a mode's worker emits (the speculative one adds one paired plain run per prompt)."""
+    """Samples a mode's worker emits (the speculative one adds one paired plain run per prompt, two
+    where coupled verification runs at T > 0)."""
     if mode in network.NETWORK_MODES:
         return network.count(mode, len(cfg.prompts), cfg.repeats, list(cfg.rtts), list(cfg.temperatures),
                              list(cfg.wires), list(cfg.gammas))
@@ -134,7 +135,7 @@ def _count(cfg: BenchConfig, mode: str) -> int:
     if mode == "speculative":
         per_t = 0
         for t in cfg.temperatures:
-            per_t += 1 + len(split_drafts(cfg.draft)) * sum(len(cfg.gammas) for m in cfg.methods if not (m == "greedy" and t > 0))
+            per_t += 1 + (t > 0 and "coupled" in cfg.methods) + len(split_drafts(cfg.draft)) * sum(len(cfg.gammas) for m in cfg.methods if not (m == "greedy" and t > 0))
         return len(cfg.prompts) * cfg.repeats * per_t + hosted
     return n
 
