@@ -11,7 +11,7 @@ import torch
 from specdec.cli import main
 from specdec.engine import CALIBRATION_FILE, Engine, EngineConfig
 from specdec.models.toy import ToyLM
-from specdec.train.calibrate import FACTORS, calibrate, choose, overlap
+from specdec.train.calibrate import FACTORS, calibrate, choose, coupled_agreement, overlap
 from tiny import make_tiny
 
 
@@ -23,6 +23,34 @@ def test_overlap_is_sum_of_min_p_q():
         want = torch.tensor([float(sum(min(a, b) for a, b in zip(p[i].tolist(), q[i].tolist()))) for i in range(2)])
         assert torch.allclose(overlap(lt, ld, t, f), want, atol=1e-6)
     assert overlap(lt, lt, 1.0, 1.0).tolist() == pytest.approx([1.0, 1.0])
+
+
+def _agreement_by_definition(p: list[float], q: list[float]) -> float:
+    """sum_x 1 / sum_v max(p_v / p_x, q_v / q_x) over the x both can draw, term by term."""
+    return sum(1.0 / sum(max(pv / px, qv / qx) for pv, qv in zip(p, q)) for px, qx in zip(p, q) if px > 0 and qx > 0)
+
+
+def test_coupled_agreement_is_the_chance_that_shared_gumbel_noise_picks_one_token():
+    """Against the O(V^2) formula, and against the event itself: 200,000 shared Gumbel draws per row
+    (the standard error of a frequency near 0.5 is ~0.0011; the tolerance is 0.006, over 5 SE),
+    with tokens only one side can draw (-inf logits), ties in p / q, and q = p (agreement 1)."""
+    gen = torch.Generator().manual_seed(3)
+    lt = torch.randn(5, 9, generator=gen, dtype=torch.float64) * 2
+    ld = torch.randn(5, 9, generator=gen, dtype=torch.float64) * 2
+    lt[1, 2] = ld[1, 4] = ld[1, 5] = float("-inf")  # p = 0 at one token, q = 0 at two
+    ld[2] = lt[2] + 0.7  # the same law: agreement 1 at factor 1
+    ld[3, :4] = lt[3, :4]  # equal ratios p / q among the first four
+    for t, f in ((1.0, 1.0), (0.7, 0.85)):
+        got = coupled_agreement(lt, ld, t, f)
+        p, q = torch.softmax(lt / t, -1), torch.softmax(ld / (t * f), -1)
+        want = [_agreement_by_definition(p[i].tolist(), q[i].tolist()) for i in range(5)]
+        assert got.tolist() == pytest.approx(want, rel=1e-9)
+        assert (got <= overlap(lt, ld, t, f).double() + 1e-12).all()  # never above the maximal coupling
+        g = -torch.log(-torch.log(torch.rand(200_000, 9, generator=gen, dtype=torch.float64)))
+        for i in range(5):
+            same = ((p[i].log() + g).argmax(-1) == (q[i].log() + g).argmax(-1)).double().mean()
+            assert float(same) == pytest.approx(float(got[i]), abs=0.006), (i, t, f)
+    assert float(coupled_agreement(lt, ld, 1.0, 1.0)[2]) == pytest.approx(1.0)
 
 
 def test_choose_takes_the_best_mean_and_breaks_ties_towards_one():
@@ -60,6 +88,13 @@ def test_calibration_recovers_a_known_flattening(scale):
     best = c.factors.index(c.factor)
     assert c.mean_overlap["1"][best] == pytest.approx(1.0, abs=1e-5)
     assert c.positions == {"1": 3 * 21, "0.7": 3 * 21} and c.sequences == 6
+    assert c.mean_coupled_agreement is None  # measured only when asked for
+    both = calibrate(target, Flattened(target, scale), seqs, [1.0, 0.7], FACTORS, coupled=True)
+    assert both.factor == c.factor and both.mean_overlap == c.mean_overlap
+    for t in ("1", "0.7"):  # q = p at the true factor: coupled drafts always agree there, and less elsewhere
+        agree = both.mean_coupled_agreement[t]
+        assert agree[best] == pytest.approx(1.0, abs=1e-5) and max(agree) == agree[best]
+        assert all(a <= o + 1e-9 for a, o in zip(agree, both.mean_overlap[t]))
 
 
 @pytest.fixture(scope="module")
@@ -83,14 +118,16 @@ def test_the_command_writes_the_file_that_auto_reads(capsys, tiny_folder, tmp_pa
 
     shutil.copytree(tiny_folder, draft)
     code = main(["train", "calibrate", "--target", str(tiny_folder), "--draft", str(draft), "--out", str(draft),
-                 "--prompts", "3", "--new-tokens", "5", "--temperatures", "1", "--factors", "0.8,1,1.25"])
+                 "--prompts", "3", "--new-tokens", "5", "--temperatures", "1", "--factors", "0.8,1,1.25", "--coupled"])
     out, err = capsys.readouterr()
     assert code == 0, err
     saved = json.loads((draft / CALIBRATION_FILE).read_text())
     # the draft is its target (same weights): q = p at factor 1, so 1 wins with overlap 1
     assert saved["temperature_factor"] == 1.0 and saved["factors"] == [0.8, 1.0, 1.25]
     assert saved["mean_overlap"]["1"][1] == pytest.approx(1.0, abs=1e-4) and max(saved["mean_overlap"]["1"]) <= 1.0 + 1e-6
-    assert saved["positions"]["1"] > 0 and saved["sequences"] == 3 and "| 1 |" in out
+    assert saved["positions"]["1"] > 0 and saved["sequences"] == 3 and "| 1 | sum min(p, q) |" in out
+    assert saved["mean_coupled_agreement"]["1"][1] == pytest.approx(1.0, abs=1e-4) and "| 1 | coupled |" in out
+    assert all(a <= o + 1e-6 for a, o in zip(saved["mean_coupled_agreement"]["1"], saved["mean_overlap"]["1"]))
     # --draft-temperature-factor auto (the default) takes the folder's factor; a number overrides it
     (draft / CALIBRATION_FILE).write_text(json.dumps({**saved, "temperature_factor": 0.7}))
     target = Engine.build(EngineConfig(target=str(tiny_folder), draft="none")).target

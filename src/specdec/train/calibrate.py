@@ -8,6 +8,12 @@ flatter), so a sharper q (f < 1) overlaps p more; any f is lossless, because the
 the q the tokens were drawn from.  The overlap is measured teacher-forced on the target's own
 continuations of built-in training prompts (none of the benchmark's), sampled at each
 temperature, and the factor with the highest mean over the temperatures is chosen.
+
+Coupled verification (the default with a seed) accepts a draft token only where the draft's
+keyed Gumbel-max draw from q and the target's from p pick the same token, which happens less
+often than ``sum min(p, q)``; asked for (``coupled=True``, a few times slower), that agreement is
+recorded beside the overlap for every factor (:func:`coupled_agreement`), to see what the chosen
+factor gives that rule too.
 """
 
 from __future__ import annotations
@@ -32,6 +38,37 @@ def overlap(target_logits: Tensor, draft_logits: Tensor, temperature: float, fac
     return torch.minimum(p, q).sum(-1)
 
 
+def coupled_agreement(target_logits: Tensor, draft_logits: Tensor, temperature: float, factor: float) -> Tensor:
+    """``P(argmax_v log p(v) + G_v == argmax_v log q(v) + G_v)`` per position, the Gumbel noise G
+    shared ([N, V], [N, V] -> [N], float64), ``p`` and ``q`` as in :func:`overlap`: how often a
+    coupled draft token is accepted there.  Exactly, not by sampling: with the exponential race
+    (E_v i.i.d. Exp(1), the winner minimises E_v / p_v) both pick x when every other E_v exceeds
+    E_x · max(p_v / p_x, q_v / q_x), which integrates to ``sum_x 1 / sum_v max(p_v / p_x, q_v / q_x)``;
+    sorting by p_v / q_v makes each inner sum a prefix sum of p plus a suffix sum of q."""
+    if temperature <= 0 or factor <= 0:
+        raise ValueError("the temperature and the factor must be positive")
+    lt = target_logits.double() / temperature
+    ld = draft_logits.double() / (temperature * factor)
+    # columns no row's q reaches (a reduced draft vocabulary) rank first in every row (p / q = inf):
+    # only their p mass matters, added to every prefix, so they are left out of the sort
+    drawn = torch.isfinite(ld).any(0)  # [V]
+    lse = torch.logsumexp(lt, -1, keepdim=True)  # [N, 1]
+    first = torch.exp(torch.logsumexp(lt[:, ~drawn], -1) - lse[:, 0]) if not bool(drawn.all()) else 0.0  # [N]
+    lt, ld = lt[:, drawn], ld[:, drawn]
+    p = torch.exp(lt - lse)  # [N, V'] the target's law over the kept columns
+    q = torch.softmax(ld, -1)
+    # p / q in order without dividing: log p - log q differs from lt - ld by a constant per row
+    key = torch.where(torch.isneginf(lt), -torch.inf, lt - ld)  # q = 0 -> +inf; p = 0 -> -inf (never both drawn)
+    order = torch.argsort(key, dim=-1, descending=True)  # ties: either term is the same there
+    ps, qs = torch.gather(p, -1, order), torch.gather(q, -1, order)  # [N, V']
+    both = (ps > 0) & (qs > 0)
+    tiny = torch.finfo(torch.float64).tiny
+    # over v ranked at or above x (p_v / q_v >= p_x / q_x) the p term is the larger, below it the q term
+    above = (ps.cumsum(-1) + (first if isinstance(first, float) else first[:, None])) / ps.clamp_min(tiny)
+    below = (qs.sum(-1, keepdim=True) - qs.cumsum(-1)) / qs.clamp_min(tiny)
+    return torch.where(both, 1.0 / torch.where(both, above + below, 1.0), 0.0).sum(-1)
+
+
 @dataclass(frozen=True)
 class Calibration:
     """Mean overlap per temperature and factor, and the factor chosen."""
@@ -42,10 +79,14 @@ class Calibration:
     mean_overlap: dict[str, list[float]]  # str(T) -> one mean per factor
     positions: dict[str, int]  # str(T) -> positions scored
     sequences: int
+    mean_coupled_agreement: dict[str, list[float]] | None = None  # str(T) -> one mean per factor (not used to choose)
 
     def to_json(self) -> dict[str, Any]:
-        return {"temperature_factor": self.factor, "temperatures": list(self.temperatures), "factors": list(self.factors),
-                "mean_overlap": self.mean_overlap, "positions": self.positions, "sequences": self.sequences}
+        out = {"temperature_factor": self.factor, "temperatures": list(self.temperatures), "factors": list(self.factors),
+               "mean_overlap": self.mean_overlap, "positions": self.positions, "sequences": self.sequences}
+        if self.mean_coupled_agreement is not None:
+            out["mean_coupled_agreement"] = self.mean_coupled_agreement
+        return out
 
 
 def choose(temperatures: Sequence[float], factors: Sequence[float], sums: Tensor, counts: Sequence[int]) -> Calibration:
@@ -64,11 +105,13 @@ def choose(temperatures: Sequence[float], factors: Sequence[float], sums: Tensor
 
 
 def calibrate(target: Any, draft: Any, sequences: Sequence[tuple[Tensor, int, int]], temperatures: Sequence[float],
-              factors: Sequence[float] = FACTORS, progress: Callable[[int], None] | None = None) -> Calibration:
+              factors: Sequence[float] = FACTORS, progress: Callable[[int], None] | None = None, *,
+              coupled: bool = False) -> Calibration:
     """Score ``sequences`` — ``(tokens [L], first continuation position, index into temperatures)``,
     each sampled from the target at that temperature — teacher-forced through both models (each a
     :class:`~specdec.models.base.LanguageModel`) and choose the factor (see :func:`choose`)."""
     sums = torch.zeros(len(temperatures), len(factors), dtype=torch.float64)
+    agree = torch.zeros(len(temperatures), len(factors), dtype=torch.float64)
     counts = [0] * len(temperatures)
     with torch.inference_mode():
         for seq, start, ti in sequences:
@@ -80,7 +123,11 @@ def calibrate(target: Any, draft: Any, sequences: Sequence[tuple[Tensor, int, in
             ld = draft.forward(seq, draft.new_cache(seq.numel()))[start - 1 : -1]  # [n, V]
             for fi, f in enumerate(factors):
                 sums[ti, fi] += float(overlap(lt, ld, temperatures[ti], f).double().sum())
+                if coupled:
+                    agree[ti, fi] += float(coupled_agreement(lt, ld, temperatures[ti], f).sum())
             counts[ti] += lt.shape[0]
             if progress:
                 progress(1)
-    return replace(choose(temperatures, factors, sums, counts), sequences=len(sequences))
+    chosen = choose(temperatures, factors, sums, counts)
+    table = {t: [round(float(x) / counts[i], 6) for x in agree[i]] for i, t in enumerate(chosen.mean_overlap)} if coupled else None
+    return replace(chosen, sequences=len(sequences), mean_coupled_agreement=table)

@@ -189,8 +189,9 @@ def add_parser(sub) -> None:  # noqa: ANN001 - argparse's subparsers action
         description="The target continues built-in training prompts (none of the benchmark's) at each temperature; both "
         "models then score the continuations teacher-forced, and for each factor f the mean acceptance of a draft token "
         "sampled at f x the temperature (sum of min(p, q)) is computed. The factor with the best mean over the "
-        "temperatures is written to FOLDER/draft_calibration.json with the whole table; a draft folder holding that file "
-        "samples at its factor under --draft-temperature-factor auto (the default). Lossless for any factor.",
+        "temperatures is written to FOLDER/draft_calibration.json with the whole table (with --coupled, beside the chance "
+        "that a draft token is accepted by coupled verification, the default with a seed); a draft folder holding that "
+        "file samples at its factor under --draft-temperature-factor auto (the default). Lossless for any factor.",
     )
     c.add_argument("--out", required=True, metavar="FOLDER",
                    help="where draft_calibration.json goes: the draft model's own folder, for --draft-temperature-factor auto to find it")
@@ -201,6 +202,9 @@ def add_parser(sub) -> None:  # noqa: ANN001 - argparse's subparsers action
     c.add_argument("--temperatures", default="1,0.7", help="comma list: every prompt is continued and scored at each")
     c.add_argument("--factors", help="comma list of factors to try (default: 0.5 to 1.2 in steps of 0.05)")
     c.add_argument("--seed", type=int, default=0, help="seed of the prompts' order and the sampling")
+    c.add_argument("--coupled", action="store_true",
+                   help="also measure, for every factor, how often coupled verification (the default with a seed) would accept "
+                   "a draft token: exactly, from both rows (a few times slower)")
 
     for parser in tsub.choices.values():  # every option's help ends with its default
         parser.formatter_class = _WithDefaults
@@ -277,7 +281,7 @@ def _calibrate(args: argparse.Namespace) -> int:
         seqs += [(s, len(p), ti) for s, p in zip(cont, enc)]
     bar.close()
     bar = tqdm(total=len(seqs), desc="teacher-forced overlap", unit="seq")
-    result = cal.calibrate(target.model, draft.model, seqs, temps, factors, progress=bar.update)
+    result = cal.calibrate(target.model, draft.model, seqs, temps, factors, progress=bar.update, coupled=args.coupled)
     bar.close()
     payload = {**result.to_json(), "target": target.name, "draft": draft.name, "prompts": args.prompts,
                "new_tokens": args.new_tokens, "seed": args.seed, "seconds": round(time.perf_counter() - t0, 1),
@@ -288,11 +292,13 @@ def _calibrate(args: argparse.Namespace) -> int:
         raise ConfigError(f"cannot write {out / CALIBRATION_FILE}: {exc.strerror or exc}") from None
     one = factors.index(1.0) if 1.0 in factors else None
     best = factors.index(result.factor)
-    print("| T | " + " | ".join(f"{f:g}" for f in factors) + " |")
-    print("|---|" + "---|" * len(factors))
+    print("| T | agreement | " + " | ".join(f"{f:g}" for f in factors) + " |")
+    print("|---|---|" + "---|" * len(factors))
     for t in temps:
-        row = result.mean_overlap[f"{t:g}"]
-        print(f"| {t:g} | " + " | ".join(f"{x:.4f}" for x in row) + " |")
+        for what, table in (("sum min(p, q)", result.mean_overlap), ("coupled", result.mean_coupled_agreement)):
+            if table is None:
+                continue
+            print(f"| {t:g} | {what} | " + " | ".join(f"{x:.4f}" for x in table[f"{t:g}"]) + " |")
     gain = "" if one is None else " (" + ", ".join(
         f"T = {t:g}: {result.mean_overlap[f'{t:g}'][one]:.4f} -> {result.mean_overlap[f'{t:g}'][best]:.4f}" for t in temps) + ")"
     print(f"[specdec] draft temperature factor {result.factor:g}{gain}; wrote {out / CALIBRATION_FILE}", file=sys.stderr)
