@@ -51,6 +51,11 @@ def test_coupled_agreement_is_the_chance_that_shared_gumbel_noise_picks_one_toke
             same = ((p[i].log() + g).argmax(-1) == (q[i].log() + g).argmax(-1)).double().mean()
             assert float(same) == pytest.approx(float(got[i]), abs=0.006), (i, t, f)
     assert float(coupled_agreement(lt, ld, 1.0, 1.0)[2]) == pytest.approx(1.0)
+    reduced = ld.clone()
+    reduced[:, 6:] = float("-inf")  # columns no row's draft can draw (a reduced draft vocabulary)
+    p, q = torch.softmax(lt, -1), torch.softmax(reduced, -1)
+    want = [_agreement_by_definition(p[i].tolist(), q[i].tolist()) for i in range(5)]
+    assert coupled_agreement(lt, reduced, 1.0, 1.0).tolist() == pytest.approx(want, rel=1e-9)
 
 
 def test_choose_takes_the_best_mean_and_breaks_ties_towards_one():
