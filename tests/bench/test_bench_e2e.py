@@ -5,6 +5,8 @@ the report says what the run was."""
 
 from __future__ import annotations
 
+import dataclasses
+
 import pytest
 
 from specdec.bench import report, runner
@@ -64,6 +66,11 @@ def test_the_drafters_take_turns_first_from_prompt_to_prompt():
     samples = runner.run(cfg, progress=False)["samples"]
     order = [(s["prompt_id"], s["draft"]) for s in samples if s["mode"] == "speculative"]
     assert order == [(a.id, MODEL), (a.id, "ngram"), (b.id, "ngram"), (b.id, MODEL)]
+    # a second repeat turns each prompt's order over (two prompts, two drafters: the count divides)
+    again = dataclasses.replace(cfg, repeats=2)
+    samples = runner.run(again, progress=False)["samples"]
+    order = [(s["seed"], s["prompt_id"], s["draft"]) for s in samples if s["mode"] == "speculative"]
+    assert order[4:] == [(1, a.id, "ngram"), (1, a.id, MODEL), (1, b.id, MODEL), (1, b.id, "ngram")]
     # greedy alone at T = 1: no speculative setting to rotate, the paired plain runs all the same
     greedy = runner.BenchConfig(target=MODEL, draft=MODEL, prompts=(a, b), modes=("speculative",), methods=("greedy",),
                                 temperatures=(1.0,), max_new_tokens=4, threads=1)

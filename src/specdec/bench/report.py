@@ -437,7 +437,7 @@ def markdown(result: dict, stats: list[GroupStats], bvt: list[BlockVsToken], plo
         "in the reference mode; for the speculative rows, \"×plain\" uses plain_paired: plain "
         "decoding of the same prompt in the same process right before (plain runs in its own "
         "process, minutes apart, and this shared machine drifts by 10-20% over minutes); the speculative "
-        "settings and drafters follow it in an order rotated from prompt to prompt; coupled rows at T > 0 use "
+        "settings and drafters follow it in an order rotated from prompt to prompt and from repeat to repeat; coupled rows at T > 0 use "
         "plain_paired_coupled instead, plain seeded sampling (Gumbel-max, as coupled verification draws) of the "
         "same prompt and seed right after plain_paired. "
         "Tokens/s = generated tokens / decoding wall time (prefill included, model loading excluded).",

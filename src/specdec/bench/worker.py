@@ -176,7 +176,10 @@ def run_engine(job: Job, prompts: list[Prompt]) -> None:
                     if coupled:  # plain seeded sampling (Gumbel-max): the coupled rows' reference, same tokens
                         _emit(_row(job, PAIRED_COUPLED, PAIRED_COUPLED, None, temperature, p, seed,
                                    plain.decoder(get_rule("coupled")).generate(encoded[p.id], cfg)))
-                turn = (i + rep * len(prompts)) % max(len(arms), 1)  # none: greedy alone asked for at T > 0
+                # one place on from prompt to prompt, and from repeat to repeat on the same prompt (an
+                # offset of rep * len(prompts) gave a prompt the same order in every repeat whenever the
+                # arms' count divides the prompts'); max(..., 1): none, greedy alone asked for at T > 0
+                turn = (i + rep) % max(len(arms), 1)
                 for eng, draft, method, gamma in arms[turn:] + arms[:turn]:
                     rule = get_rule("block" if method == "sample" else method)
                     res = _decoder(eng, rule, gamma, job.tree_min_prob).generate(encoded[p.id], cfg)
