@@ -204,7 +204,7 @@ def add_parser(sub) -> None:  # noqa: ANN001 - argparse's subparsers action
     c.add_argument("--seed", type=int, default=0, help="seed of the prompts' order and the sampling")
     c.add_argument("--coupled", action="store_true",
                    help="also measure, for every factor, how often coupled verification (the default with a seed) would accept "
-                   "a draft token: exactly, from both rows (about 4x the time: 615 against 148 s for the defaults on a 2-core AVX2 CPU)")
+                   "a draft token: exactly, from both rows (about 2.4x the time: 355 against 148 s for the defaults on a 2-core AVX2 CPU)")
 
     for parser in tsub.choices.values():  # every option's help ends with its default
         parser.formatter_class = _WithDefaults
