@@ -251,6 +251,62 @@ def test_gumbel_compiled_declines_what_it_cannot_vouch_for(monkeypatch):
         assert gumbel_sample(row, seed, position) == _gumbel_torch(row, seed, position, monkeypatch)
 
 
+@pytest.mark.parametrize("compiled", [True, False])
+def test_a_compact_gumbel_row_draws_the_token_its_scattered_row_draws(monkeypatch, compiled):
+    """A row over a reduced vocabulary (its target ids beside it, sorted or not) draws by keyed
+    Gumbel noise exactly the token the same row scattered into the whole vocabulary draws: 600
+    rows of 49,152 and 1,000 words, float32 and float64, top-k-truncated ones among them, with the
+    compiled op and with the torch ops.  Keying a column by its index instead of its id, or
+    returning the column, fails it."""
+    from specdec.models import kernels
+    from specdec.sampling import gumbel_column
+
+    if compiled and not kernels.load():
+        pytest.skip("the kernels did not build here")
+    if not compiled:
+        monkeypatch.setattr(kernels, "loaded", lambda: False)
+    g = torch.Generator().manual_seed(9)
+    differ = 0
+    for t in range(600 if compiled else 150):
+        vocab = 49_152 if t % 3 else 1_000
+        m = (16_384, 400)[t % 2] if vocab > 1_000 else 300
+        ids = torch.randperm(vocab, generator=g)[:m]
+        if t % 4:
+            ids = ids.sort().values
+        q = torch.softmax(torch.randn(m, generator=g) * (0.5, 2.0, 6.0)[t % 3], -1)
+        if t % 5 == 1:
+            keep = q.topk(1 + t % 50).indices
+            q = torch.zeros_like(q).index_put_((keep,), q[keep])
+        if t % 2:
+            q = q.double()
+        full = torch.zeros(vocab, dtype=q.dtype)
+        full[ids] = q
+        seed, position = (t * 7_919, -t - 1)[t % 2], 10 * t
+        token = gumbel_sample(q, seed, position, ids, vocab)
+        assert token == gumbel_sample(full, seed, position), t
+        col = gumbel_column(q, seed, position, ids, vocab)
+        assert int(ids[col]) == token and q[col] > 0
+        differ += token != int(ids[gumbel_column(q, seed, position)])  # keyed by column: another token
+    assert differ > (300 if compiled else 75)  # (peaked rows agree either way)
+    with pytest.raises(ValueError, match="compact row"):
+        gumbel_sample(torch.ones(3) / 3, 0, 0, torch.tensor([1, 2]), 8)
+    with pytest.raises(ValueError, match="compact row"):
+        gumbel_sample(torch.ones(2) / 2, 0, 0, torch.tensor([1, 2]))
+
+
+def test_the_compiled_compact_gumbel_op_refuses_bad_ids():
+    """The op checks what it is given: ids outside the vocabulary, of another length or type."""
+    from specdec.models import kernels
+
+    if not kernels.load():
+        pytest.skip("the kernels did not build here")
+    row = torch.ones(3) / 3
+    for ids, vocab in ((torch.tensor([0, 1, 8]), 8), (torch.tensor([0, 1]), 8), (torch.tensor([0, 1, 2], dtype=torch.int32), 8),
+                       (torch.tensor([0, 1, 2]), 0), (torch.tensor([0, -1, 2]), 8)):
+        with pytest.raises(RuntimeError, match="gumbel_argmax"):
+            torch.ops.specdec.gumbel_argmax(row, 5, ids, vocab)
+
+
 def test_argmax_last_is_argmax_ties_and_nan_included():
     """The fast arg-max every greedy path uses returns exactly what ``argmax(-1)`` returns: the first
     maximal index, on random rows, on rows full of ties (small integer values) and with NaN."""

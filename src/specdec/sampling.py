@@ -455,8 +455,8 @@ def _noise_key(seed: int, position: int) -> int:
     return _splitmix64_int(_to_signed(seed) ^ _to_signed(position * 0x9E3779B1 + 0x1234567))
 
 
-def _gumbel_compiled(probs: Tensor, seed: int, position: int) -> int | None:
-    """:func:`gumbel_sample`'s token in one compiled pass (``csrc/keyed.cpp``), or ``None`` where
+def _gumbel_compiled(probs: Tensor, seed: int, position: int, ids: Tensor | None = None, vocab: int = 0) -> int | None:
+    """:func:`gumbel_sample`'s column in one compiled pass (``csrc/keyed.cpp``), or ``None`` where
     it does not run or cannot vouch for the torch ops' answer (about one row in 10^9; a NaN,
     infinite or negative entry): it decides the arg-max only when it wins by a relative margin
     that no rounding of the torch version's logarithms can close, so the token is the same."""
@@ -464,16 +464,41 @@ def _gumbel_compiled(probs: Tensor, seed: int, position: int) -> int | None:
 
     if not (kernels.loaded() and probs.dim() == 1 and probs.is_contiguous() and probs.dtype in (torch.float32, torch.float64)):
         return None
-    won = int(torch.ops.specdec.gumbel_argmax(probs, _to_signed(_noise_key(seed, position))))
+    if ids is not None and not (ids.dtype == torch.long and ids.is_contiguous()):
+        return None
+    won = int(torch.ops.specdec.gumbel_argmax(probs, _to_signed(_noise_key(seed, position)), ids, vocab))
     return won if won >= 0 else None
 
 
-def gumbel_sample(probs: Tensor, seed: int, position: int) -> int:  # probs: [V]
-    """Gumbel-max sample ``argmax_v log p(v) + G(seed, position, v)``, distributed as ``p``.
+def gumbel_sample(
+    probs: Tensor, seed: int, position: int, ids: Tensor | None = None, vocab: int | None = None
+) -> int:  # probs: [V], or [m] over ids [m]
+    """Gumbel-max sample ``argmax_v log p(v) + G(seed, position, v)``, distributed as ``p``; a
+    token id.
 
     Only tokens with ``p > 0`` can win, so the noise is drawn for the support alone: with top-p /
-    top-k truncation this is a few hundred ids instead of the whole vocabulary.
+    top-k truncation this is a few hundred ids instead of the whole vocabulary.  A compact row
+    (``ids`` [m] the target ids of ``probs``' entries, ``vocab`` the whole vocabulary's size; a
+    reduced draft vocabulary) draws the token the row scattered into the whole vocabulary would:
+    each entry is keyed by its id, and the zeros elsewhere could never win.
     """
+    col = gumbel_column(probs, seed, position, ids, vocab)
+    return col if ids is None else int(ids[col])
+
+
+def gumbel_column(
+    probs: Tensor, seed: int, position: int, ids: Tensor | None = None, vocab: int | None = None
+) -> int:  # probs: [V], or [m] over ids [m]
+    """:func:`gumbel_sample`'s draw as an index into ``probs`` (the token id itself without ``ids``)."""
+    if ids is not None:
+        if vocab is None or ids.shape != probs.shape:
+            raise ValueError("a compact row needs its ids, one per entry, and the vocabulary's size")
+        won = _gumbel_compiled(probs, seed, position, ids, vocab)
+        if won is not None:
+            return won
+        support = probs.nonzero().squeeze(-1)  # [m'] columns
+        u = keyed_uniform(seed, position, ids[support], vocab)
+        return int(support[int((probs[support].double().log() - torch.log(-torch.log(u))).argmax())])
     won = _gumbel_compiled(probs, seed, position)
     if won is not None:
         return won

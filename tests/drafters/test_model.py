@@ -46,6 +46,7 @@ def test_gumbel_mode_reports_no_probs():
 
 
 import json  # noqa: E402
+import math  # noqa: E402
 from pathlib import Path  # noqa: E402
 
 import pytest  # noqa: E402
@@ -124,21 +125,23 @@ def _spy_compact(monkeypatch) -> list[bool]:
     return asked
 
 
+@pytest.mark.parametrize("mode", ["argmax", "gumbel"])
 @pytest.mark.parametrize("tree", [False, True])
-def test_compact_draft_rows_propose_what_scattered_rows_propose(tiny_pair, monkeypatch, tree):
-    """Greedy drafting over a reduced vocabulary reads the LM head's rows as they are (no scatter
-    into 49,152 columns): the same chain / tree as the scattered rows, and the draft model was
-    really asked for compact rows."""
+def test_compact_draft_rows_propose_what_scattered_rows_propose(tiny_pair, monkeypatch, tree, mode):
+    """Greedy drafting, and seeded drafting by keyed Gumbel noise, over a reduced vocabulary read
+    the LM head's rows as they are (no scatter into 49,152 columns): the same chain / tree as the
+    scattered rows, and the draft model was really asked for compact rows."""
     from specdec.drafters.tree_builder import TreeSpec
 
     _, _, draft, ids, prompt, _ = tiny_pair
     asked = _spy_compact(monkeypatch)
+    cfg = SamplingConfig(temperature=0.0 if mode == "argmax" else 1.0)
 
     def propose() -> tuple[list[int], list[int] | None]:
         d = ModelDrafter(draft)
         ctx = torch.tensor(prompt)
         d.prepare(ctx)
-        sampler = DraftSampler(SamplingConfig(temperature=0.0), "argmax", penalties=None, generator=None)
+        sampler = DraftSampler(cfg, mode, penalties=None, generator=None, noise_seed=11)
         out = d.propose_tree(ctx, 8, sampler, TreeSpec(min_prob=0.0), max_depth=4) if tree else d.propose(ctx, 5, sampler)
         return out.tokens.tolist(), None if out.parents is None else out.parents.tolist()
 
@@ -182,8 +185,9 @@ def test_drafting_from_q_reads_compact_rows_and_reports_q_over_the_whole_vocabul
 
 def test_compact_rows_only_where_no_other_token_counts():
     """Penalties, a logit bias and a constraint read (or change) logits outside the draft's
-    vocabulary, keyed Gumbel noise is indexed by target id and a sparse wire q truncates the whole
-    row: those rounds keep whole rows, and a compact row is refused there."""
+    vocabulary and a sparse wire q truncates the whole row: those rounds keep whole rows, and a
+    compact row is refused there.  Keyed Gumbel noise keys each column by its target id, so it
+    reads compact rows."""
     def sampler(mode=None, **kw):
         mode = mode or ("multinomial" if kw.get("temperature", 0.0) > 0 else "argmax")
         extra = {k: kw.pop(k) for k in ("q_top_k", "want_probs") if k in kw}
@@ -192,12 +196,14 @@ def test_compact_rows_only_where_no_other_token_counts():
 
     assert sampler(temperature=0.0).compact and sampler(temperature=1.0).compact
     assert sampler(temperature=0.7, top_p=0.9, top_k=3, min_p=0.05).compact  # truncation sees only zeros outside
+    assert sampler("gumbel", temperature=1.0).compact and sampler("gumbel", temperature=0.7, top_p=0.9).compact
+    assert not sampler("gumbel", temperature=1.0, presence_penalty=0.5).compact
     for mode, kw in ((None, {"temperature": 0.0, "repetition_penalty": 1.2}),
                      (None, {"temperature": 1.0, "presence_penalty": 0.5}),
                      (None, {"temperature": 0.0, "logit_bias": ((3, 5.0),)}),
                      (None, {"temperature": 1.0, "logit_bias": ((3, 5.0),)}),
                      (None, {"temperature": 0.0, "constraint": _Strict([1, 2])}),
-                     ("gumbel", {"temperature": 1.0}),
+                     ("gumbel", {"temperature": 1.0, "logit_bias": ((3, 5.0),)}),
                      (None, {"temperature": 1.0, "q_top_k": 2}),
                      (None, {"temperature": 1.0, "want_probs": False})):
         s = sampler(mode, **kw)
@@ -206,6 +212,30 @@ def test_compact_rows_only_where_no_other_token_counts():
             s(torch.zeros(1, 4), 0, torch.tensor([0, 2, 5, 7]), 8)
     s = sampler(temperature=0.0)
     assert s(torch.tensor([[0.0, 3.0, 1.0, 3.0]]), 0, torch.tensor([0, 2, 5, 7]))[0] == 2  # first maximum, as argmax
+
+
+def test_a_seeded_draft_from_a_compact_row_is_the_scattered_rows_draft():
+    """Drafting by keyed Gumbel noise (coupled verification) from a row over a reduced vocabulary
+    gives the token the same row scattered into the whole vocabulary gives, position by position
+    (200 positions, ids spread over a vocabulary of 5,000), and the confidence stop reads the
+    drawn token's own q."""
+    g = torch.Generator().manual_seed(2)
+    vocab = 5_000
+    ids = torch.randperm(vocab, generator=g)[:300].sort().values
+    cfg = SamplingConfig(temperature=0.9, top_p=0.95)
+    compact = DraftSampler(cfg, "gumbel", penalties=None, generator=None, noise_seed=21, min_confidence=0.05)
+    whole = DraftSampler(cfg, "gumbel", penalties=None, generator=None, noise_seed=21, min_confidence=0.05)
+    stops = 0
+    for position in range(200):
+        row = torch.randn(1, ids.numel(), generator=g) * 3
+        full = torch.full((1, vocab), -math.inf)
+        full[0, ids] = row[0]
+        token, q = compact(row, position, ids, vocab)
+        assert q is None and (token, compact.stop_requested) == (whole(full, position)[0], whole.stop_requested), position
+        stops += compact.stop_requested
+    assert 0 < stops < 200
+    with pytest.raises(ValueError, match="vocabulary's size"):
+        compact(row, 0, ids)
 
 
 def test_a_draw_from_a_compact_row_reports_its_q_over_the_whole_vocabulary():

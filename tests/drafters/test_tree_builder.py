@@ -125,12 +125,15 @@ def test_min_prob_above_every_root_candidate_gives_an_empty_tree_and_sampled_tre
         TreeSpec(min_prob=1.0)
 
 
+@pytest.mark.parametrize("mode", ["argmax", "gumbel"])
 @pytest.mark.parametrize("shape", ["dynamic", "static"])
-def test_compact_rows_over_a_reduced_vocabulary_give_the_same_tree(shape):
+def test_compact_rows_over_a_reduced_vocabulary_give_the_same_tree(shape, mode):
     """Rows over a reduced draft vocabulary (with its target ids) rank the same candidates as the
-    same rows scattered into the whole vocabulary with -inf elsewhere."""
+    same rows scattered into the whole vocabulary with -inf elsewhere; seeded (Gumbel) trees put
+    the same keyed draw first."""
     ids = torch.tensor(sorted(torch.randperm(V, generator=torch.Generator().manual_seed(5))[:25].tolist()))
-    sampler = DraftSampler(SamplingConfig(temperature=0.0), "argmax", penalties=None, generator=None)
+    cfg = SamplingConfig(temperature=0.0 if mode == "argmax" else 1.0)
+    sampler = DraftSampler(cfg, mode, penalties=None, generator=None, noise_seed=4)
     spec = TreeSpec(shape=shape, width=3, depth=4, min_prob=0.01)
     for sharpness in (0.5, 3.0):
         expand, root = _expander(sharpness, [])
@@ -145,7 +148,7 @@ def test_compact_rows_over_a_reduced_vocabulary_give_the_same_tree(shape):
 
         full_root = torch.full((1, V), -math.inf)
         full_root[0, ids] = root[ids]
-        a, _ = build_tree(root[ids].unsqueeze(0), compact, spec, sampler, position=0, budget=12, max_depth=4, ids=ids)
+        a, _ = build_tree(root[ids].unsqueeze(0), compact, spec, sampler, position=0, budget=12, max_depth=4, ids=ids, vocab=V)
         b, _ = build_tree(full_root, scattered, spec, sampler, position=0, budget=12, max_depth=4)
         assert a.tokens.numel() > 3
         assert torch.equal(a.tokens, b.tokens) and torch.equal(a.parents, b.parents)

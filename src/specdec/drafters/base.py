@@ -17,6 +17,7 @@ from specdec.sampling import (
     PenaltyState,
     SamplingConfig,
     argmax_last,
+    gumbel_column,
     gumbel_sample,
     path_masks,
     penalise_with_extra,
@@ -159,14 +160,17 @@ class DraftSampler:
         """Whether rows over a reduced draft vocabulary may be used as they are ([m, Vd] with its
         target ids beside them) instead of scattered into the whole vocabulary: nothing may read
         or change other tokens' logits (no bias, penalty or constraint), and the draft is chosen
-        by arg-max or drawn from q (not by keyed Gumbel noise, which is indexed by target id, nor
-        truncated to a sparse q for the wire).  Arg-max picks the same token either way (``-inf``
-        elsewhere never wins); a draw from the compact q is a draw from the scattered q (zero
-        elsewhere; the same law, rounded in a shorter sum), which is reported over the whole
+        by arg-max, by keyed Gumbel noise or drawn from q (not truncated to a sparse q for the
+        wire).  Arg-max picks the same token either way (``-inf`` elsewhere never wins); the
+        Gumbel draw keys each column by its target id, so it picks the token the scattered row
+        would (bar the last bits of q, rounded in a shorter sum); a draw from the compact q is a
+        draw from the scattered q (zero elsewhere; the same law), which is reported over the whole
         vocabulary.  It saves the scatter and the reductions over the full vocabulary."""
         if self.cfg.needs_state or self.cfg.logit_bias:
             return False
-        return self.mode == "argmax" or (self.mode == "multinomial" and self.want_probs and self.q_top_k is None)
+        if self.mode == "multinomial":
+            return self.want_probs and self.q_top_k is None
+        return True  # argmax, gumbel
 
     def __call__(
         self, logits: Tensor, position: int, ids: Tensor | None = None, vocab: int | None = None
@@ -181,7 +185,7 @@ class DraftSampler:
         probs: Tensor | None = None
         self.undefined = False
         if ids is not None and not self.compact:
-            raise ValueError("compact draft rows need arg-max drafting or q reported, with no bias, penalty or constraint")
+            raise ValueError("compact draft rows need arg-max or Gumbel drafting or q reported, with no bias, penalty or constraint")
         if self.mode == "argmax":
             # compact rows have nothing to penalise (no bias, penalty or constraint: see compact)
             scores = logits if ids is not None else penalised_logits(logits, self.cfg, self.penalties)
@@ -196,6 +200,14 @@ class DraftSampler:
                 token = int(argmax_last(scores))
             if ids is not None:
                 token = int(ids[token])  # a column of the draft vocabulary -> its target id
+        elif ids is not None and self.mode == "gumbel":  # keyed by each column's target id
+            if vocab is None:
+                raise ValueError("compact draft rows drawn by Gumbel noise need the whole vocabulary's size")
+            q = process_logits(logits, self.cfg)[0]  # [Vd]
+            col = gumbel_column(q, self.noise_seed, position, ids, vocab)
+            token = int(ids[col])
+            if self.min_confidence > 0.0:
+                self.stop_requested = float(q[col]) < self.min_confidence
         elif ids is not None:  # multinomial over the draft vocabulary's columns
             if vocab is None:
                 raise ValueError("compact draft rows drawn from q need the whole vocabulary's size")

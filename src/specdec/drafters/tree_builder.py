@@ -30,7 +30,7 @@ from specdec import defaults
 from specdec.drafters.base import Draft, DraftSampler, SiblingMode
 from specdec.errors import ConfigError
 from specdec.models.base import full_probs
-from specdec.sampling import gumbel_sample, sample_categorical
+from specdec.sampling import gumbel_column, sample_categorical
 
 TreeShape = Literal["static", "dynamic"]
 
@@ -111,17 +111,25 @@ def _top_candidates(rows: Tensor, k: int, ids: Tensor | None = None) -> list[lis
 
 
 def _candidates(
-    row: Tensor, k: int, sampler: DraftSampler, spec: TreeSpec, position: int, sampled: bool, ids: Tensor | None = None
+    row: Tensor,
+    k: int,
+    sampler: DraftSampler,
+    spec: TreeSpec,
+    position: int,
+    sampled: bool,
+    ids: Tensor | None = None,
+    vocab: int | None = None,
 ) -> list[tuple[int, float]]:
     """Up to ``k`` child tokens of one node and their log draft probabilities.  ``ids`` [Vd]: the
-    row is over a reduced draft vocabulary with these target ids (drawn columns are mapped)."""
+    row is over a reduced draft vocabulary with these target ids (drawn columns are mapped; a
+    Gumbel draw keys each column by its id, in a vocabulary of ``vocab``)."""
     if sampler.mode == "argmax":
         return _top_candidates(row.unsqueeze(0), k, ids)[0]
     q = row.double()
     logq = q.log()
     tid = (lambda c: c) if ids is None else (lambda c: int(ids[c]))  # column -> target id
     if not sampled:
-        first = [gumbel_sample(row, sampler.noise_seed, position)] if sampler.mode == "gumbel" else []
+        first = [gumbel_column(row, sampler.noise_seed, position, ids, vocab)] if sampler.mode == "gumbel" else []
         idx = [int(t) for t in q.topk(min(k + 1, q.numel())).indices if q[t] > 0]
         cols = (first + [t for t in idx if t not in first])[:k]
         return [(tid(c), float(logq[c])) for c in cols]
@@ -166,7 +174,7 @@ def build_tree(
     ``spec.min_prob / spec.expand_child``.
     """
     if ids is not None and not sampler.compact:
-        raise ValueError("compact draft rows need arg-max drafting or q reported, with no bias, penalty or constraint")
+        raise ValueError("compact draft rows need arg-max or Gumbel drafting or q reported, with no bias, penalty or constraint")
     toks: list[int] = []
     pars: list[int] = []
     score: list[float] = []
@@ -194,7 +202,7 @@ def build_tree(
             if tops is not None:
                 cands = tops[i][: min(kids, room)]
             else:
-                cands = _candidates(row, min(kids, room), sampler, spec, position + d, sampled, ids)
+                cands = _candidates(row, min(kids, room), sampler, spec, position + d, sampled, ids, vocab)
             for tok, lq in cands:
                 s = (score[parent] if parent >= 0 else 0.0) + lq
                 if s < floor or lq == -math.inf:  # (a top-k past a row's last finite entry: q = 0)

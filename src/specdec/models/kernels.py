@@ -75,7 +75,7 @@ _SCHEMAS = (
     "q4_linear(Tensor x, Tensor gain, Tensor packed, int n_out, Tensor col) -> Tensor",
     "q4_isa() -> str",
     "keyed_uniform(int key, Tensor? ids, int vocab) -> Tensor",
-    "gumbel_argmax(Tensor probs, int key) -> int",
+    "gumbel_argmax(Tensor probs, int key, Tensor? ids=None, int vocab=0) -> int",
     "f32_pack(Tensor w) -> Tensor",
     "f32_linear(Tensor x, Tensor packed, int n_out) -> Tensor",
 )

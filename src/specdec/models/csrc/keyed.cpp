@@ -7,10 +7,12 @@
 //   torch.ops.specdec.keyed_uniform(key, ids, vocab) -> float64 [m]: key is the already mixed
 //       (seed, position) key as a signed 64-bit integer; ids int64 [m] (None: 0 .. vocab - 1)
 //
-//   torch.ops.specdec.gumbel_argmax(probs, key) -> int: the Gumbel-max draw of
+//   torch.ops.specdec.gumbel_argmax(probs, key, ids=None, vocab=0) -> int: the Gumbel-max draw of
 //       specdec.sampling.gumbel_sample, argmax_v log p(v) - log(-log u(v)) over the ids with
 //       p(v) > 0, decided without torch's logarithms, or -1 when this op cannot vouch for torch's
 //       answer (the caller then runs the torch ops).  probs: float32 or float64 [V], contiguous.
+//       With ids (int64 [m], ids within 0 .. vocab - 1), probs [m] is a compact row: entry j is
+//       token id ids[j]'s probability and is keyed as that id; the answer is the column j.
 //
 // How gumbel_argmax can return torch's token without torch's bits.  In exact arithmetic the key
 // log p - log(-log u) is log r with r = p / (-log u), so the winner is the id of the largest r.
@@ -260,20 +262,39 @@ SPECDEC_WIDE int64_t gumbel_argmax_impl(const T* p, int64_t n, uint64_t key, con
   return arg;
 }
 
-int64_t gumbel_argmax(const at::Tensor& probs, int64_t key) {
+int64_t gumbel_argmax(const at::Tensor& probs, int64_t key, const c10::optional<at::Tensor>& ids, int64_t vocab) {
   TORCH_CHECK(probs.dim() == 1 && probs.is_contiguous() && probs.numel() > 0,
               "gumbel_argmax: probs must be a contiguous, non-empty [V] row");
   const uint64_t k = static_cast<uint64_t>(key);
   TORCH_CHECK(probs.scalar_type() == at::kFloat || probs.scalar_type() == at::kDouble,
               "gumbel_argmax: probs must be float32 or float64");
-  const auto hashes = id_hashes(probs.numel());  // held for the call: a larger vocabulary may replace the table
-  if (probs.scalar_type() == at::kFloat) return gumbel_argmax_impl(probs.data_ptr<float>(), probs.numel(), k, hashes->data());
-  return gumbel_argmax_impl(probs.data_ptr<double>(), probs.numel(), k, hashes->data());
+  const int64_t n = probs.numel();
+  const uint64_t* h = nullptr;
+  std::vector<uint64_t> gathered;
+  std::shared_ptr<const std::vector<uint64_t>> hashes;  // held for the call: a larger vocabulary may replace the table
+  if (ids.has_value() && ids->defined()) {  // a compact row: entry j is token id ids[j]'s probability
+    TORCH_CHECK(ids->scalar_type() == at::kLong && ids->dim() == 1 && ids->is_contiguous() && ids->numel() == n,
+                "gumbel_argmax: ids must be a contiguous int64 [m] row as long as probs");
+    TORCH_CHECK(vocab > 0, "gumbel_argmax: compact rows need the vocabulary's size");
+    hashes = id_hashes(vocab);
+    const int64_t* ip = ids->data_ptr<int64_t>();
+    gathered.resize(static_cast<size_t>(n));
+    for (int64_t j = 0; j < n; ++j) {
+      TORCH_CHECK(ip[j] >= 0 && ip[j] < vocab, "gumbel_argmax: a token id outside the vocabulary");
+      gathered[static_cast<size_t>(j)] = (*hashes)[static_cast<size_t>(ip[j])];
+    }
+    h = gathered.data();
+  } else {
+    hashes = id_hashes(n);
+    h = hashes->data();
+  }
+  if (probs.scalar_type() == at::kFloat) return gumbel_argmax_impl(probs.data_ptr<float>(), n, k, h);
+  return gumbel_argmax_impl(probs.data_ptr<double>(), n, k, h);
 }
 
 }  // namespace
 
 TORCH_LIBRARY_FRAGMENT(specdec, m) {
   m.def("keyed_uniform(int key, Tensor? ids, int vocab) -> Tensor", &keyed_uniform);
-  m.def("gumbel_argmax(Tensor probs, int key) -> int", &gumbel_argmax);
+  m.def("gumbel_argmax(Tensor probs, int key, Tensor? ids=None, int vocab=0) -> int", &gumbel_argmax);
 }
