@@ -32,7 +32,7 @@ def test_local_bench_modes_run_their_workers_and_report(tmp_path):
 
 
 def test_several_drafters_share_one_target_and_one_paired_plain_run(tmp_path):
-    """`--draft A,B`: each drafter decodes the prompt right after the one plain_paired run, rows say
+    """`--draft A,B`: each drafter decodes the prompt beside the one plain_paired run, rows say
     which drafter made them, and the report keeps them apart."""
     cfg = runner.BenchConfig(target=MODEL, draft=f"{MODEL},ngram", prompts=(BUILTIN[0],), modes=("speculative",),
                              temperatures=(0.0,), max_new_tokens=8, threads=1)
@@ -57,20 +57,23 @@ def test_several_drafters_share_one_target_and_one_paired_plain_run(tmp_path):
     assert "## Drafters side by side" in md
 
 
-def test_the_drafters_take_turns_first_from_prompt_to_prompt():
-    """The (drafter, setting) pairs of a prompt run in an order rotated from prompt to prompt (a
-    fixed order gives each its own place after the paired plain run: a bias between rows compared)."""
-    a, b = BUILTIN[0], BUILTIN[1]
-    cfg = runner.BenchConfig(target=MODEL, draft=f"{MODEL},ngram", prompts=(a, b), modes=("speculative",),
+def test_the_runs_take_turns_first_from_prompt_to_prompt():
+    """A prompt's runs (the paired plain run and the (drafter, setting) pairs) go in an order rotated
+    from prompt to prompt (a fixed order gives each its own place, the reference always first: a
+    bias between rows compared), and from repeat to repeat on the same prompt."""
+    a, b, c = BUILTIN[0], BUILTIN[1], BUILTIN[2]
+    cfg = runner.BenchConfig(target=MODEL, draft=f"{MODEL},ngram", prompts=(a, b, c), modes=("speculative",),
                              temperatures=(0.0,), max_new_tokens=4, threads=1)
     samples = runner.run(cfg, progress=False)["samples"]
-    order = [(s["prompt_id"], s["draft"]) for s in samples if s["mode"] == "speculative"]
-    assert order == [(a.id, MODEL), (a.id, "ngram"), (b.id, "ngram"), (b.id, MODEL)]
-    # a second repeat turns each prompt's order over (two prompts, two drafters: the count divides)
+    order = [(s["prompt_id"], s.get("draft", s["mode"])) for s in samples]
+    P = "plain_paired"
+    assert order == [(a.id, P), (a.id, MODEL), (a.id, "ngram"), (b.id, MODEL), (b.id, "ngram"), (b.id, P),
+                     (c.id, "ngram"), (c.id, P), (c.id, MODEL)]
+    # a second repeat turns each prompt's order one place on (three prompts, three runs: the count divides)
     again = dataclasses.replace(cfg, repeats=2)
     samples = runner.run(again, progress=False)["samples"]
-    order = [(s["seed"], s["prompt_id"], s["draft"]) for s in samples if s["mode"] == "speculative"]
-    assert order[4:] == [(1, a.id, "ngram"), (1, a.id, MODEL), (1, b.id, MODEL), (1, b.id, "ngram")]
+    order = [(s["seed"], s["prompt_id"], s.get("draft", s["mode"])) for s in samples]
+    assert order[9:12] == [(1, a.id, MODEL), (1, a.id, "ngram"), (1, a.id, P)]
     # greedy alone at T = 1: no speculative setting to rotate, the paired plain runs all the same
     greedy = runner.BenchConfig(target=MODEL, draft=MODEL, prompts=(a, b), modes=("speculative",), methods=("greedy",),
                                 temperatures=(1.0,), max_new_tokens=4, threads=1)
@@ -80,7 +83,7 @@ def test_the_drafters_take_turns_first_from_prompt_to_prompt():
 
 def test_coupled_rows_get_a_plain_seeded_reference_with_the_same_tokens(tmp_path):
     """At T > 0 with coupled verification, each prompt is also decoded plainly with the coupled rule
-    (seeded Gumbel-max sampling, right after the block-rule plain run); the coupled rows' tokens equal
+    (seeded Gumbel-max sampling, beside the block-rule plain run); the coupled rows' tokens equal
     it (the rule's promise) and the report pairs them with it; the block rows keep plain_paired."""
     a, b = BUILTIN[0], BUILTIN[8]
     cfg = runner.BenchConfig(target=MODEL, draft=MODEL, prompts=(a, b), modes=("speculative",), methods=("coupled", "block"),
@@ -88,7 +91,9 @@ def test_coupled_rows_get_a_plain_seeded_reference_with_the_same_tokens(tmp_path
     result = runner.run(cfg, progress=False)
     samples = result["samples"]
     assert len(samples) == runner._count(cfg, "speculative") == 2 * 4  # what the progress bar expects
-    assert [s["mode"] for s in samples if s["prompt_id"] == a.id][:2] == ["plain_paired", report.PAIRED_COUPLED]
+    P, C, S = "plain_paired", report.PAIRED_COUPLED, "speculative"
+    assert [s["mode"] for s in samples if s["prompt_id"] == a.id] == [P, C, S, S]
+    assert [s["mode"] for s in samples if s["prompt_id"] == b.id] == [C, S, S, P]  # the references take turns too
     refs = {s["prompt_id"]: s for s in samples if s["mode"] == report.PAIRED_COUPLED}
     coupled = [s for s in samples if s["mode"] == "speculative" and s["method"] == "coupled"]
     assert set(refs) == {a.id, b.id} and len(coupled) == 2

@@ -35,7 +35,7 @@ def add_parser(sub) -> None:  # noqa: ANN001 - argparse's subparsers action
         "write results.json, a Markdown summary (README.md) and PNG plots.",
     )
     p.add_argument("--target", default=defaults.DEFAULT_TARGET, help=f"target model (default {defaults.DEFAULT_TARGET})")
-    p.add_argument("--draft", default=defaults.DEFAULT_DRAFT, help=f"draft model, 'NAME+lookup' (prompt lookup, the draft model NAME where nothing repeats), 'ngram', 'lookahead', 'self', a draft head (EAGLE / Medusa / MTP folder or name), or a self-speculative view of the target: layerskip:K, self-skip, swift, kangaroo (modes plain,speculative); a comma list compares several drafters in one run: each decodes every prompt right after the same paired plain run (modes plain,speculative) (default {defaults.DEFAULT_DRAFT})")
+    p.add_argument("--draft", default=defaults.DEFAULT_DRAFT, help=f"draft model, 'NAME+lookup' (prompt lookup, the draft model NAME where nothing repeats), 'ngram', 'lookahead', 'self', a draft head (EAGLE / Medusa / MTP folder or name), or a self-speculative view of the target: layerskip:K, self-skip, swift, kangaroo (modes plain,speculative); a comma list compares several drafters in one run: each decodes every prompt beside the same paired plain run (modes plain,speculative) (default {defaults.DEFAULT_DRAFT})")
     p.add_argument("--modes", default="plain,edge_only,speculative,hf_plain,hf_assisted",
                    help="comma list of plain (the target alone; 'cloud_only' is accepted too), edge_only (the draft alone), speculative, "
                    "hf_plain, hf_assisted, llamacpp (llama.cpp on the target's GGUF; needs the llamacpp extra) (local), and edge_cloud, cloud_streaming, cloud_streaming_spec (cloud server process "

@@ -49,16 +49,26 @@ def pair_key(s: dict) -> tuple:
     return (float(s["temperature"]), s["prompt_id"], s["seed"])
 
 
-def plain_reference(mode: str, method: str, present: set[str]) -> str:
-    """The plain mode a group's "×plain" is taken against, of the plain modes ``present`` in the run:
-    speculative rows use the plain run taken in the same process seconds before (plain_paired), and
-    coupled ones the plain run that draws as they do (plain_paired_coupled) where the bench made one;
-    everything else, and results written before either existed, use plain."""
+def runs_by_pair(samples: list[dict], modes: tuple[str, ...] = PLAIN_MODES) -> dict[str, dict[tuple, dict]]:
+    """Each of ``modes``' runs by :func:`pair_key` (a mode the results lack maps to ``{}``)."""
+    out: dict[str, dict[tuple, dict]] = {mode: {} for mode in modes}
+    for s in samples:
+        if s["mode"] in out:
+            out[s["mode"]][pair_key(s)] = s
+    return out
+
+
+def plain_reference(mode: str, method: str, refs: dict[str, dict[tuple, dict]]) -> str:
+    """The plain mode a group's "×plain" is taken against, given the run's plain runs ``refs``
+    (:func:`runs_by_pair`): speculative rows use the plain run taken in the same process seconds
+    apart (plain_paired), and coupled ones the plain run that draws as they do
+    (plain_paired_coupled) where the bench made one; everything else, and results written before
+    either existed, use plain."""
     if mode != "speculative":
         return "plain"
-    if method == "coupled" and PAIRED_COUPLED in present:
+    if method == "coupled" and refs.get(PAIRED_COUPLED):
         return PAIRED_COUPLED
-    return "plain_paired" if "plain_paired" in present else "plain"
+    return "plain_paired" if refs.get("plain_paired") else "plain"
 
 
 @dataclass
@@ -156,11 +166,7 @@ def aggregate(samples: list[dict], processes: dict | None = None) -> list[GroupS
     groups: dict[tuple, list[dict]] = defaultdict(list)
     for s in samples:
         groups[group_key(s)].append(s)
-    refs = {
-        mode: {pair_key(s): s for s in samples if s["mode"] == mode}
-        for mode in (*PLAIN_MODES, "hf_assisted", "hf_plain", LLAMACPP_PLAIN)
-    }
-    present = {mode for mode in PLAIN_MODES if refs[mode]}
+    refs = runs_by_pair(samples, (*PLAIN_MODES, "hf_assisted", "hf_plain", LLAMACPP_PLAIN))
     cloud_step: dict[tuple[str, float], float] = {}  # seconds per target call of plain decoding
     for (mode, _, _, t, _), rows in groups.items():
         if mode in PLAIN_MODES:
@@ -169,7 +175,7 @@ def aggregate(samples: list[dict], processes: dict | None = None) -> list[GroupS
     out = []
     order = _draft_order(samples)
     for (mode, method, gamma, t, draft), rows in sorted(groups.items(), key=lambda kv: (kv[0][0], order[kv[0][4]], kv[0][1], netreport.gamma_order(kv[0][2]), kv[0][3])):
-        plain_ref = plain_reference(mode, method, present)
+        plain_ref = plain_reference(mode, method, refs)
         tps = [r["tokens_per_s"] for r in rows]
         walls = [r["wall_s"] for r in rows]
         g = GroupStats(
@@ -257,8 +263,7 @@ class DrafterCategory:
 def drafters_by_category(samples: list[dict]) -> list[DrafterCategory]:
     """The drafter × T × category table of a run that compared several drafters (``--draft A,B``)."""
     samples = upgrade(samples)
-    refs = {mode: {pair_key(s): s for s in samples if s["mode"] == mode} for mode in PLAIN_MODES}
-    present = {mode for mode in PLAIN_MODES if refs[mode]}
+    refs = runs_by_pair(samples)
     groups: dict[tuple, list[dict]] = defaultdict(list)
     order = _draft_order(samples)
     for s in samples:
@@ -268,7 +273,7 @@ def drafters_by_category(samples: list[dict]) -> list[DrafterCategory]:
     for (draft, method, gamma, t, cat), rows in sorted(groups.items(), key=lambda kv: (kv[0][3], order[kv[0][0]], kv[0][1], netreport.gamma_order(kv[0][2]), kv[0][4])):
         calls = sum(r["target_calls"] for r in rows)
         proposed = sum(r["draft_tokens_proposed"] for r in rows)
-        ratios = [r for _, r in _ratios(rows, refs[plain_reference("speculative", method, present)])]
+        ratios = [r for _, r in _ratios(rows, refs[plain_reference("speculative", method, refs)])]
         out.append(DrafterCategory(
             draft=draft, method=method, gamma=gamma, temperature=t, category=cat, n=len(rows),
             tokens_per_call=sum(r["generated_tokens"] for r in rows) / calls if calls else math.nan,
@@ -435,11 +440,12 @@ def markdown(result: dict, stats: list[GroupStats], bvt: list[BlockVsToken], plo
         "",
         "Speed-ups are medians over prompts of the per-prompt ratio against the same prompt and seed "
         "in the reference mode; for the speculative rows, \"×plain\" uses plain_paired: plain "
-        "decoding of the same prompt in the same process right before (plain runs in its own "
-        "process, minutes apart, and this shared machine drifts by 10-20% over minutes); the speculative "
-        "settings and drafters follow it in an order rotated from prompt to prompt and from repeat to repeat; coupled rows at T > 0 use "
+        "decoding of the same prompt in the same process, seconds apart (plain runs in its own "
+        "process, minutes apart, and this shared machine drifts by 10-20% over minutes); a prompt's plain "
+        "references and its speculative settings and drafters run in an order rotated from prompt to prompt and "
+        "from repeat to repeat; coupled rows at T > 0 use "
         "plain_paired_coupled instead, plain seeded sampling (Gumbel-max, as coupled verification draws) of the "
-        "same prompt and seed right after plain_paired. "
+        "same prompt and seed. "
         "Tokens/s = generated tokens / decoding wall time (prefill included, model loading excluded).",
     ]
     if stats:

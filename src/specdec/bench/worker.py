@@ -116,7 +116,7 @@ def _row(job: Job, mode: str, method: str, gamma: str | None, temperature: float
 
 
 def run_engine(job: Job, prompts: list[Prompt]) -> None:
-    """Our engine.  In the speculative job every prompt is also decoded plainly, right before its
+    """Our engine.  In the speculative job every prompt is also decoded plainly, among its
     speculative runs and in the same process ("plain_paired"), so that speed-ups compare runs
     taken seconds apart: on a shared machine the same decoding can drift by 10-20% over minutes.
     Where coupled verification runs at T > 0, the prompt is decoded plainly a second time with the
@@ -137,8 +137,8 @@ def run_engine(job: Job, prompts: list[Prompt]) -> None:
                              draft_temperature_factor=factor_for(d, job.draft_temperature_factor),
                              batch_invariant=job.batch_invariant) for d in drafts]
         engine = Engine.build(cfgs[0])
-        # several drafters share the one loaded target; each is decoded on every prompt right after
-        # the same plain_paired run, so their speed-ups are paired with the same reference
+        # several drafters share the one loaded target; each is decoded on every prompt beside the
+        # same plain_paired run, so their speed-ups are paired with the same reference
         engines = [engine] + [Engine.attach(engine.target, c) for c in cfgs[1:]]
     if job.mode != "speculative":
         engines = [engine]
@@ -159,28 +159,29 @@ def run_engine(job: Job, prompts: list[Prompt]) -> None:
             plain.decoder(get_rule("coupled")).generate(encoded[prompts[0].id], warm)
         if llama is not None:
             _llamacpp_warmup(job, llama, encoded[prompts[0].id], temperature)
-        # every (drafter, setting) pair of a prompt, their order rotated from prompt to prompt: a fixed
-        # order would give each pair its own place after the reference run (and after llama.cpp's,
-        # whose threads may still be spinning), a bias between the rows compared
-        arms = [(eng, draft, method, gamma) for eng, draft in zip(engines, drafts) for method, gamma in settings]
+        # every run of a prompt (its plain references and each (drafter, setting) pair), their order
+        # rotated from prompt to prompt: a fixed order would give each run its own place after
+        # llama.cpp's (whose threads may still be spinning) and after the others, a bias between the
+        # rows compared; the references rotate too, so none of them is always the first run
+        arms: list[tuple] = [(eng, draft, method, gamma) for eng, draft in zip(engines, drafts) for method, gamma in settings]
+        if job.mode == "speculative":
+            refs = [("plain_paired", "greedy" if temperature == 0 else "block")] + ([(PAIRED_COUPLED, "coupled")] if coupled else [])
+            arms = [(None, name, rule, None) for name, rule in refs] + arms
         for rep in range(job.repeats):
             seed = job.seed + rep
             for i, p in enumerate(prompts):
                 cfg = _sampling(job, temperature, seed)
                 if llama is not None:  # llama.cpp on the same prompt, seconds before specdec's runs
                     _llamacpp_rows(job, llama, p, encoded[p.id], temperature, seed)
-                if job.mode == "speculative":
-                    rule = get_rule("greedy" if temperature == 0 else "block")
-                    _emit(_row(job, "plain_paired", "plain_paired", None, temperature, p, seed,
-                               plain.decoder(rule).generate(encoded[p.id], cfg)))
-                    if coupled:  # plain seeded sampling (Gumbel-max): the coupled rows' reference, same tokens
-                        _emit(_row(job, PAIRED_COUPLED, PAIRED_COUPLED, None, temperature, p, seed,
-                                   plain.decoder(get_rule("coupled")).generate(encoded[p.id], cfg)))
                 # one place on from prompt to prompt, and from repeat to repeat on the same prompt (an
                 # offset of rep * len(prompts) gave a prompt the same order in every repeat whenever the
                 # arms' count divides the prompts'); max(..., 1): none, greedy alone asked for at T > 0
                 turn = (i + rep) % max(len(arms), 1)
                 for eng, draft, method, gamma in arms[turn:] + arms[:turn]:
+                    if eng is None:  # a plain reference: draft is its mode, method its rule
+                        _emit(_row(job, draft, draft, None, temperature, p, seed,
+                                   plain.decoder(get_rule(method)).generate(encoded[p.id], cfg)))
+                        continue
                     rule = get_rule("block" if method == "sample" else method)
                     res = _decoder(eng, rule, gamma, job.tree_min_prob).generate(encoded[p.id], cfg)
                     name = method if job.mode == "speculative" else job.mode
