@@ -326,6 +326,9 @@ def test_bench_refuses_bad_drafter_lists(capsys, draft, modes, says):
 @pytest.mark.parametrize("args, says", [
     (["--threads", "0"], "--threads must be >= 1"),
     (["--target", "no-such-target"], "unknown model 'no-such-target'"),
+    (["--draft-vocab", "small"], "--draft-vocab takes auto, full or both"),
+    (["--draft-vocab", "auto,auto"], "lists a vocabulary twice"),
+    (["--draft-vocab", "auto,full", "--modes", "speculative,edge_only"], "--draft-vocab auto,full runs with --modes plain,speculative only"),
 ])
 def test_bench_refuses_bad_settings_before_running(capsys, args, says):
     code, out, err = _run(capsys, "bench", *args, "--out", "unused")

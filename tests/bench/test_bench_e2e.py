@@ -126,6 +126,27 @@ def test_draft_vocab_full_reaches_the_worker_and_the_report(tmp_path):
     assert sizes == {"auto": {16384}, "full": {49152}}
 
 
+def test_both_draft_vocabularies_run_side_by_side_in_one_run(tmp_path):
+    """``--draft-vocab auto,full``: each drafter decodes every prompt under both vocabularies beside
+    the one paired plain run; the rows are labelled apart, say how many tokens the draft could
+    propose, equal plain greedy output, and the report keeps them apart and says both ran."""
+    cfg = runner.BenchConfig(target=MODEL, draft=MODEL, prompts=(BUILTIN[0], BUILTIN[8]), modes=("speculative",),
+                             temperatures=(0.0,), max_new_tokens=6, threads=1, draft_vocab="auto,full")
+    result = runner.run(cfg, progress=False)
+    samples = result["samples"]
+    assert len(samples) == runner._count(cfg, "speculative") == 2 * 3
+    spec = [s for s in samples if s["mode"] == "speculative"]
+    paired = {s["prompt_id"]: s["tokens_sha1"] for s in samples if s["mode"] == "plain_paired"}
+    auto, full = f"{MODEL} · auto vocabulary", f"{MODEL} · full vocabulary"
+    assert sorted((s["prompt_id"], s["draft"], s["draft_vocab_size"]) for s in spec) == sorted(
+        (p, d, n) for p in paired for d, n in ((auto, 16384), (full, 49152)))
+    assert all(s["tokens_sha1"] == paired[s["prompt_id"]] for s in spec)
+    report.write(result, tmp_path, make_plots=False)
+    md = (tmp_path / "README.md").read_text()
+    assert f"speculative/greedy · {auto}" in md and f"speculative/greedy · {full}" in md
+    assert "its own and the full vocabulary side by side" in md
+
+
 def test_the_draft_temperature_factor_reaches_the_worker_and_the_report(tmp_path):
     """``auto`` takes the shipped draft's calibrated 0.85, a number overrides it; ngram rows (no
     model's law) run at 1 in the same job; the report's header says what the drafts sampled at."""

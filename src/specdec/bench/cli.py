@@ -57,9 +57,10 @@ def add_parser(sub) -> None:  # noqa: ANN001 - argparse's subparsers action
     p.add_argument("--limit", type=int, help="keep the first N prompts of each category (default all)")
     p.add_argument("--draft-dtype", default="auto", choices=["auto", "float32", "bfloat16", "float16", "int8", "w8a8", "q4"],
                    help="draft precision (see specdec generate --help; default auto)")
-    p.add_argument("--draft-vocab", default="auto", choices=["auto", "full"],
+    p.add_argument("--draft-vocab", default="auto", metavar="auto|full|auto,full",
                    help="the draft model's vocabulary: auto = the reduced one its folder ships, else all; full = all"
-                        " tokens (see specdec generate --help; default auto)")
+                        " tokens (see specdec generate --help); auto,full runs every drafter under both, side by side"
+                        " beside the same paired plain run (modes plain,speculative) (default auto)")
     p.add_argument("--draft-temperature-factor", default="auto", metavar="auto|F",
                    help="drafters that sample from a model sample at F x the temperature: auto = the factor the draft's"
                         " folder ships, else 1 (see specdec generate --help; default auto)")
@@ -113,18 +114,19 @@ def run(args: argparse.Namespace, argv: list[str] | None = None) -> int:
 
     from specdec.drafters.hybrid import split_lookup
 
-    from specdec.bench.runner import split_drafts
+    from specdec.bench.runner import split_drafts, split_vocabs
 
     drafts = split_drafts(args.draft)
     if not drafts:
         raise ConfigError("--draft is empty")
     if len(drafts) != len(set(drafts)):
         raise ConfigError(f"--draft lists a drafter twice: {args.draft}")
-    if len(drafts) > 1:  # several drafters side by side: only the speculative mode compares them
+    vocabs = split_vocabs(args.draft_vocab)
+    if len(drafts) > 1 or len(vocabs) > 1:  # several drafters side by side: only the speculative mode compares them
         bad = [m for m in _csv(args.modes) if m not in ("plain", "cloud_only", "speculative")]
+        what = f"--draft with several drafters ({args.draft})" if len(drafts) > 1 else f"--draft-vocab {args.draft_vocab}"
         if bad:
-            raise ConfigError(f"--draft with several drafters ({args.draft}) runs with --modes plain,speculative only; "
-                              f"{', '.join(bad)} need one draft")
+            raise ConfigError(f"{what} runs with --modes plain,speculative only; {', '.join(bad)} need one draft")
     from specdec.engine import check_draft_name, parse_temperature_factor
     from specdec.models.registry import check_name
 
@@ -153,7 +155,7 @@ def run(args: argparse.Namespace, argv: list[str] | None = None) -> int:
         target=args.target, draft=args.draft, prompts=tuple(prompts), modes=tuple("plain" if m == "cloud_only" else m for m in _csv(args.modes)),
         methods=tuple(methods), gammas=tuple(gammas), temperatures=tuple(temps),
         max_new_tokens=args.max_new_tokens, repeats=args.repeats, seed=args.seed, top_p=args.top_p,
-        repetition_penalty=args.repetition_penalty, draft_dtype=args.draft_dtype, draft_vocab=args.draft_vocab, dtype=args.dtype,
+        repetition_penalty=args.repetition_penalty, draft_dtype=args.draft_dtype, draft_vocab=",".join(vocabs), dtype=args.dtype,
         draft_temperature_factor=args.draft_temperature_factor,
         tree_min_prob=defaults.TREE_MIN_PROB if args.tree_min_prob is None else args.tree_min_prob,
         batch_invariant=not args.fast_attention, threads=args.threads, command=command,

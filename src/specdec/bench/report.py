@@ -720,8 +720,12 @@ def _tree_floor(cfg: dict) -> str:
 
 
 def _draft_vocab(cfg: dict) -> str:
-    """", full vocabulary" where the run asked the draft model for every token (``--draft-vocab full``)."""
-    return ", full vocabulary" if cfg.get("draft_vocab") == "full" else ""
+    """", full vocabulary" where the run asked the draft model for every token (``--draft-vocab full``),
+    ", its own and the full vocabulary side by side" where it compared both (``auto,full``)."""
+    vocab = str(cfg.get("draft_vocab") or "auto").replace(" ", "")
+    if vocab == "full":
+        return ", full vocabulary"
+    return ", its own and the full vocabulary side by side" if "," in vocab else ""
 
 
 def _draft_temperature(samples: list[dict]) -> str:

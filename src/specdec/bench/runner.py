@@ -51,7 +51,7 @@ class BenchConfig:
     top_p: float | None = None
     repetition_penalty: float | None = None
     draft_dtype: str = "auto"
-    draft_vocab: str = "auto"  # auto | full (the draft model's vocabulary; see EngineConfig.draft_vocab)
+    draft_vocab: str = "auto"  # auto | full | auto,full (the draft model's vocabulary; see EngineConfig.draft_vocab)
     draft_temperature_factor: str = "auto"  # see EngineConfig.draft_temperature_factor
     dtype: str = "auto"  # the target's precision for specdec's rows
     tree_min_prob: float = defaults.TREE_MIN_PROB  # the probability floor of greedy / coupled trees
@@ -122,6 +122,26 @@ def split_drafts(draft: str) -> list[str]:
     return [d.strip() for d in draft.split(",") if d.strip()]
 
 
+def split_vocabs(vocab: str) -> list[str]:
+    """The draft vocabularies of a ``--draft-vocab auto,full`` value, or a ConfigError."""
+    from specdec.errors import ConfigError
+
+    out = [v.strip().lower() for v in vocab.split(",") if v.strip()]
+    bad = [v for v in out if v not in ("auto", "full")]
+    if not out or bad:
+        raise ConfigError(f"--draft-vocab takes auto, full or both (auto,full), got {vocab!r}")
+    if len(out) != len(set(out)):
+        raise ConfigError(f"--draft-vocab lists a vocabulary twice: {vocab}")
+    return out
+
+
+def draft_arms(draft: str, vocab: str) -> list[tuple[str, str, str]]:
+    """(label, drafter, vocabulary) for every drafter of ``--draft`` under every vocabulary of
+    ``--draft-vocab``; the label names the vocabulary only where several are compared."""
+    vocabs = split_vocabs(vocab)
+    return [(d if len(vocabs) == 1 else f"{d} · {v} vocabulary", d, v) for d in split_drafts(draft) for v in vocabs]
+
+
 def _count(cfg: BenchConfig, mode: str) -> int:
     """Samples a mode's worker emits (the speculative one adds one paired plain run per prompt, two
     where coupled verification runs at T > 0)."""
@@ -135,7 +155,7 @@ def _count(cfg: BenchConfig, mode: str) -> int:
     if mode == "speculative":
         per_t = 0
         for t in cfg.temperatures:
-            per_t += 1 + (t > 0 and "coupled" in cfg.methods) + len(split_drafts(cfg.draft)) * sum(len(cfg.gammas) for m in cfg.methods if not (m == "greedy" and t > 0))
+            per_t += 1 + (t > 0 and "coupled" in cfg.methods) + len(draft_arms(cfg.draft, cfg.draft_vocab)) * sum(len(cfg.gammas) for m in cfg.methods if not (m == "greedy" and t > 0))
         return len(cfg.prompts) * cfg.repeats * per_t + hosted
     return n
 

@@ -16,7 +16,7 @@ from dataclasses import dataclass, field
 import torch
 
 from specdec.bench.report import PAIRED_COUPLED
-from specdec.bench.runner import ERROR_MARK, split_drafts
+from specdec.bench.runner import ERROR_MARK, draft_arms
 from specdec.bench.workloads import Prompt
 from specdec.errors import SpecdecError
 from specdec.sampling import SamplingConfig
@@ -37,7 +37,7 @@ class Job:
     top_p: float | None = None
     repetition_penalty: float | None = None
     draft_dtype: str = "auto"
-    draft_vocab: str = "auto"
+    draft_vocab: str = "auto"  # or a comma list (auto,full): the speculative mode then runs each drafter under each
     draft_temperature_factor: str = "auto"
     dtype: str = "auto"  # the target's precision (as `specdec generate --dtype`)
     tree_min_prob: float | None = None  # None = the default floor
@@ -126,16 +126,17 @@ def run_engine(job: Job, prompts: list[Prompt]) -> None:
     from specdec.engine import Engine, EngineConfig, factor_for, load_draft
     from specdec.verify import get_rule
 
-    drafts = split_drafts(job.draft)
+    runs = draft_arms(job.draft, job.draft_vocab)  # (label, drafter, vocabulary)
+    drafts = [label for label, _, _ in runs]
     if job.mode == "edge_only":  # the draft model alone, in the precision it drafts in
         draft = load_draft(EngineConfig(draft=job.draft, draft_dtype=job.draft_dtype, draft_vocab=job.draft_vocab))
         engine = Engine(draft, None, "none")
     elif job.mode == "plain":
         engine = Engine.build(EngineConfig(target=job.target, draft="none", dtype=job.dtype, batch_invariant=job.batch_invariant))
     else:
-        cfgs = [EngineConfig(target=job.target, draft=d, dtype=job.dtype, draft_dtype=job.draft_dtype, draft_vocab=job.draft_vocab,
+        cfgs = [EngineConfig(target=job.target, draft=d, dtype=job.dtype, draft_dtype=job.draft_dtype, draft_vocab=v,
                              draft_temperature_factor=factor_for(d, job.draft_temperature_factor),
-                             batch_invariant=job.batch_invariant) for d in drafts]
+                             batch_invariant=job.batch_invariant) for _, d, v in runs]
         engine = Engine.build(cfgs[0])
         # several drafters share the one loaded target; each is decoded on every prompt beside the
         # same plain_paired run, so their speed-ups are paired with the same reference
