@@ -9,7 +9,8 @@ child processes (``SPECDEC_MARCH``), and every case is compared bit for bit with
 build: 4-bit products of 1-8 rows with padded blocks, partial column groups, a gain and column
 factors (and the AVX2 build's few-row int8 product against fbgemm with 7-bit activations); attention of head sizes 64 (the vector paths), 48 and 40 (the generic path with a
 tail), one row and a verification pass, a tree's paths; a draw from a row of weights and token
-verification of a chain (``csrc/rules.cpp``); seeded sampling's Gumbel-max draw (``csrc/keyed.cpp``).
+verification of a chain (``csrc/rules.cpp``); seeded sampling's Gumbel-max draw, over a whole row and a
+compact one (``csrc/keyed.cpp``).
 """
 
 from __future__ import annotations
@@ -63,6 +64,8 @@ def cases():
         w = torch.softmax(torch.randn(n, generator=g) * 4, -1)
         out[f"sample_weights {n}"] = torch.tensor([ops.sample_weights(w, u) for u in (0.0, 0.3, 0.7, 0.999999)])
         out[f"gumbel_argmax {n}"] = torch.tensor([ops.gumbel_argmax(w, key) for key in (0, 7, -3, 2**62 + 1)])
+        ids = torch.randperm(3 * n, generator=g)[:n]  # a compact row: its columns keyed by these ids
+        out[f"gumbel_argmax compact {n}"] = torch.tensor([ops.gumbel_argmax(w, key, ids, 3 * n) for key in (0, 7, -3, 2**62 + 1)])
         for gamma in (1, 4):
             p = torch.softmax(torch.randn(gamma + 1, n, generator=g) * 2, -1)
             qd = torch.softmax(torch.randn(gamma, n, generator=g) * 2, -1)
