@@ -490,23 +490,16 @@ def gumbel_column(
     probs: Tensor, seed: int, position: int, ids: Tensor | None = None, vocab: int | None = None
 ) -> int:  # probs: [V], or [m] over ids [m]
     """:func:`gumbel_sample`'s draw as an index into ``probs`` (the token id itself without ``ids``)."""
-    if ids is not None:
-        if vocab is None or ids.shape != probs.shape:
-            raise ValueError("a compact row needs its ids, one per entry, and the vocabulary's size")
-        won = _gumbel_compiled(probs, seed, position, ids, vocab)
-        if won is not None:
-            return won
-        support = probs.nonzero().squeeze(-1)  # [m'] columns
-        u = keyed_uniform(seed, position, ids[support], vocab)
-        return int(support[int((probs[support].double().log() - torch.log(-torch.log(u))).argmax())])
-    won = _gumbel_compiled(probs, seed, position)
+    if ids is not None and (vocab is None or ids.shape != probs.shape):
+        raise ValueError("a compact row needs its ids, one per entry, and the vocabulary's size")
+    vocab = probs.shape[-1] if ids is None else vocab
+    won = _gumbel_compiled(probs, seed, position, ids, vocab)  # (vocab is read only with ids)
     if won is not None:
         return won
-    vocab = probs.shape[-1]
-    support = probs.nonzero().squeeze(-1)  # [m]
-    full = support.numel() == vocab
-    ids = None if full else support
-    u = keyed_uniform(seed, position, ids, vocab)
+    support = probs.nonzero().squeeze(-1)  # [m'] columns with p > 0
+    full = ids is None and support.numel() == probs.numel()
+    keys = None if full else (support if ids is None else ids[support])  # the token ids the noise is keyed by
+    u = keyed_uniform(seed, position, keys, vocab)
     # exponential race: argmax log p - log(-log u)  ==  argmax log p + Gumbel
     p = probs.double() if full else probs[support].double()
     best = int((p.log() - torch.log(-torch.log(u))).argmax())
