@@ -159,3 +159,23 @@ def test_gguf_names_and_bad_inputs():
         gguf_name("model.layers.0.self_attn.q_norm.weight")
     with pytest.raises(SpecdecError):
         rope_halves_to_pairs(np.zeros((10, 4)), 4)
+
+
+def test_llamacpp_variants_take_turns_with_specdecs_runs():
+    """In the speculative worker llama.cpp's variants are arms of the same rotation as the plain
+    references and the drafters' runs: no run is always first, none always right after llama.cpp's."""
+    from specdec.bench import worker
+
+    arms = worker._arms(["plain", "spec"], [("plain_paired", "greedy")], [("engine", "draft", "greedy", "auto")])
+    assert [a.kind for a in arms] == ["llamacpp", "llamacpp", "reference", "engine"]
+    assert (arms[2].method, arms[3].engine, arms[3].gamma) == ("greedy", "engine", "auto")
+
+    def names(prompt, rep):
+        return [a.name for a in worker._in_turn(arms, prompt, rep)]
+
+    assert names(0, 0) == ["plain", "spec", "plain_paired", "draft"]
+    assert names(1, 0) == ["spec", "plain_paired", "draft", "plain"]
+    assert names(3, 0) == ["draft", "plain", "spec", "plain_paired"]
+    assert names(4, 0) == names(0, 0) and names(0, 1) == names(1, 0)  # and one place on at the next repeat
+    assert {names(i, 0)[0] for i in range(4)} == {"plain", "spec", "plain_paired", "draft"}
+    assert worker._in_turn([], 3, 1) == []

@@ -560,8 +560,8 @@ def _llamacpp_table(stats: list[GroupStats]) -> list[str]:
         return []
     lines = ["", "## Against llama.cpp on the same GGUF", "",
              "×llama.cpp = median over prompts of the per-prompt tok/s ratio to llama.cpp plain decoding (same prompt, "
-             "seed and temperature; when the speculative mode ran, llama.cpp ran in its process right before specdec on "
-             "each prompt). Decode tok/s leaves out the prompt's forward pass. Greedy output = llama.cpp plain: prompts "
+             "seed and temperature; when the speculative mode ran, llama.cpp ran in its process among specdec's runs of "
+             "each prompt, the order of all of them turned one place on from prompt to prompt). Decode tok/s leaves out the prompt's forward pass. Greedy output = llama.cpp plain: prompts "
              "whose greedy tokens equal llama.cpp plain decoding's.", "",
              "| mode | γ | T | tok/s median | decode tok/s | ×llama.cpp plain | tokens/call ± SE | acceptance | greedy output = llama.cpp plain |",
              "|---|---|---|---|---|---|---|---|---|"]

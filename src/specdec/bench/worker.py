@@ -12,6 +12,7 @@ import resource
 import sys
 import time
 from dataclasses import dataclass, field
+from typing import NamedTuple
 
 import torch
 
@@ -160,36 +161,60 @@ def run_engine(job: Job, prompts: list[Prompt]) -> None:
             plain.decoder(get_rule("coupled")).generate(encoded[prompts[0].id], warm)
         if llama is not None:
             _llamacpp_warmup(job, llama, encoded[prompts[0].id], temperature)
-        # every run of a prompt (its plain references and each (drafter, setting) pair), their order
-        # rotated from prompt to prompt: a fixed order would give each run its own place after
-        # llama.cpp's (whose threads may still be spinning) and after the others, a bias between the
-        # rows compared; the references rotate too, so none of them is always the first run
-        arms: list[tuple] = [(eng, draft, method, gamma) for eng, draft in zip(engines, drafts) for method, gamma in settings]
+        # every run of a prompt (llama.cpp's variants, the plain references and each (drafter,
+        # setting) pair), their order rotated from prompt to prompt: see ``_arms`` and ``_in_turn``
+        refs = []
         if job.mode == "speculative":
             refs = [("plain_paired", "greedy" if temperature == 0 else "block")] + ([(PAIRED_COUPLED, "coupled")] if coupled else [])
-            arms = [(None, name, rule, None) for name, rule in refs] + arms
+        arms = _arms(job.llamacpp if llama is not None else [], refs,
+                     [(eng, draft, method, gamma) for eng, draft in zip(engines, drafts) for method, gamma in settings])
         for rep in range(job.repeats):
             seed = job.seed + rep
             for i, p in enumerate(prompts):
                 cfg = _sampling(job, temperature, seed)
-                if llama is not None:  # llama.cpp on the same prompt, seconds before specdec's runs
-                    _llamacpp_rows(job, llama, p, encoded[p.id], temperature, seed)
-                # one place on from prompt to prompt, and from repeat to repeat on the same prompt (an
-                # offset of rep * len(prompts) gave a prompt the same order in every repeat whenever the
-                # arms' count divides the prompts'); max(..., 1): none, greedy alone asked for at T > 0
-                turn = (i + rep) % max(len(arms), 1)
-                for eng, draft, method, gamma in arms[turn:] + arms[:turn]:
-                    if eng is None:  # a plain reference: draft is its mode, method its rule
-                        _emit(_row(job, draft, draft, None, temperature, p, seed,
-                                   plain.decoder(get_rule(method)).generate(encoded[p.id], cfg)))
-                        continue
-                    rule = get_rule("block" if method == "sample" else method)
-                    res = _decoder(eng, rule, gamma, job.tree_min_prob).generate(encoded[p.id], cfg)
-                    name = method if job.mode == "speculative" else job.mode
-                    row = _row(job, job.mode, name, gamma, temperature, p, seed, res)
-                    if eng.draft_model is not None:  # a draft model: the tokens it could propose
-                        row["draft_vocab_size"] = getattr(eng.draft_model.model, "proposal_vocab", None)
-                    _emit({**row, "draft": draft} if tag else row)
+                for arm in _in_turn(arms, i, rep):
+                    if arm.kind == "llamacpp":  # llama.cpp on the same prompt, seconds from specdec's runs
+                        _llamacpp_rows(job, llama, p, encoded[p.id], temperature, seed, [arm.name])
+                    elif arm.kind == "reference":  # a plain reference: name is its mode, method its rule
+                        _emit(_row(job, arm.name, arm.name, None, temperature, p, seed,
+                                   plain.decoder(get_rule(arm.method)).generate(encoded[p.id], cfg)))
+                    else:
+                        eng, method, gamma = arm.engine, arm.method, arm.gamma
+                        rule = get_rule("block" if method == "sample" else method)
+                        res = _decoder(eng, rule, gamma, job.tree_min_prob).generate(encoded[p.id], cfg)
+                        name = method if job.mode == "speculative" else job.mode
+                        row = _row(job, job.mode, name, gamma, temperature, p, seed, res)
+                        if eng.draft_model is not None:  # a draft model: the tokens it could propose
+                            row["draft_vocab_size"] = getattr(eng.draft_model.model, "proposal_vocab", None)
+                        _emit({**row, "draft": arm.name} if tag else row)
+
+
+class _Arm(NamedTuple):
+    """One run of a prompt: a llama.cpp variant, a plain reference, or an engine's (drafter, setting)."""
+
+    kind: str  # "llamacpp" | "reference" | "engine"
+    name: str  # the llama.cpp variant, the reference's mode, or the drafter's label
+    method: str | None = None  # the reference's or the setting's rule
+    gamma: str | None = None
+    engine: object | None = None  # the Engine that runs an "engine" arm
+
+
+def _arms(llamacpp: list[str], refs: list[tuple[str, str]], runs: list[tuple]) -> list[_Arm]:
+    """A prompt's runs before rotation: llama.cpp's variants, the plain references ((mode, rule)),
+    then the engines' runs ((engine, drafter label, method, gamma))."""
+    return ([_Arm("llamacpp", v) for v in llamacpp] + [_Arm("reference", name, rule) for name, rule in refs]
+            + [_Arm("engine", draft, method, gamma, eng) for eng, draft, method, gamma in runs])
+
+
+def _in_turn(arms: list[_Arm], prompt: int, rep: int) -> list[_Arm]:
+    """``arms`` turned one place on from prompt to prompt and from repeat to repeat on the same prompt.
+
+    A fixed order would give each run its own place (after llama.cpp's, whose threads may still be
+    spinning, and after the others): a bias between the rows compared. An offset of rep * prompts
+    gave a prompt the same order in every repeat whenever the arms' count divides the prompts'.
+    """
+    turn = (prompt + rep) % max(len(arms), 1)  # max(..., 1): no arm (greedy alone at T > 0, no reference)
+    return arms[turn:] + arms[:turn]
 
 
 class _FirstTokenTimer:
@@ -274,7 +299,8 @@ def _llamacpp_warmup(job: Job, llama, ids: list[int], temperature: float) -> Non
         llama.generate(v, ids, temperature=temperature, seed=0, max_new=16, top_p=job.top_p)
 
 
-def _llamacpp_rows(job: Job, llama, p: Prompt, ids: list[int], temperature: float, seed: int) -> None:  # noqa: ANN001
+def _llamacpp_rows(job: Job, llama, p: Prompt, ids: list[int], temperature: float, seed: int,  # noqa: ANN001
+                   variants: list[str] | None = None) -> None:
     from specdec.bench.llamacpp import run_rows
 
     def make_row(variant: str, stats: dict) -> dict:
@@ -283,7 +309,7 @@ def _llamacpp_rows(job: Job, llama, p: Prompt, ids: list[int], temperature: floa
                 "category": p.category, "seed": seed, **stats, "rss_peak_bytes": _peak_rss(),
                 **({"draft_max": job.llamacpp_draft_max, "draft_p_min": job.llamacpp_p_min} if variant == "spec" else {})}
 
-    for row in run_rows(llama, list(job.llamacpp), ids, temperature=temperature, seed=seed, max_new=job.max_new_tokens,
+    for row in run_rows(llama, list(job.llamacpp if variants is None else variants), ids, temperature=temperature, seed=seed, max_new=job.max_new_tokens,
                         top_p=job.top_p if temperature > 0 else None, repetition_penalty=job.repetition_penalty,
                         make_row=make_row):
         _emit(row)
