@@ -4,6 +4,7 @@
     python scripts/rule_kernel_ab.py --temperatures 1 --repeats 2 --out benchmarks/NAME
     python scripts/rule_kernel_ab.py --draft smollm2-135m-draft --gamma 2 --out benchmarks/NAME
     python scripts/rule_kernel_ab.py --method coupled --out benchmarks/NAME
+    python scripts/rule_kernel_ab.py --temperatures 0 --out benchmarks/NAME
 
 Not a test and not part of CI.  Four arms on the same loaded target and drafter: plain decoding
 and speculative decoding (γ auto, ``--method`` verification), each with the compiled draw and
@@ -18,7 +19,9 @@ rules' own equality is what ``tests/test_verify.py`` checks).  With ``--method c
 sampling's rule) the switch is the compiled Gumbel-max draw alone (``csrc/keyed.cpp``'s
 ``gumbel_argmax``; the keyed uniforms stay compiled in both arms, as they were before it), plain
 decoding is plain seeded sampling, and every arm must emit the same tokens: the seed fixes them
-whatever γ auto picks.  Writes ``results.json`` and
+whatever γ auto picks.  At T = 0 the switch is the compiled arg-max alone (``argmax_rows``, what
+greedy verification, greedy drafts and Lookahead's node arg-maxes call), and every arm emits plain
+greedy decoding's tokens.  Writes ``results.json`` and
 ``README.md``: tokens per second per arm, the geometric mean of the per-run ratio compiled /
 torch, by category.
 """

@@ -307,22 +307,62 @@ def test_the_compiled_compact_gumbel_op_refuses_bad_ids():
             torch.ops.specdec.gumbel_argmax(row, 5, ids, vocab)
 
 
-def test_argmax_last_is_argmax_ties_and_nan_included():
+def _argmax_cases(g: torch.Generator):
+    """Rows for the arg-max tests: random, full of ties (small integers), with repeated maxima,
+    NaN before and after the maximum, infinities, signed zeros; widths around the compiled
+    kernel's vector steps (8, 16) and a 49,152-word row."""
+    for t in range(400):
+        n, width = 1 + t % 5, (4099, 1, 7, 15, 16, 17, 31, 33, 49_152)[t % 9]
+        x = torch.randint(-3, 3, (n, width), generator=g).float() if t % 2 else torch.randn(n, width, generator=g)
+        if t % 7 == 0:
+            x[:, width // 3] = x.max()
+            x[:, width - 1] = x.max()
+        if t % 11 == 3:
+            x[0, int(torch.randint(width, (1,), generator=g))] = float("nan")
+            x[-1, width - 1] = float("nan")
+        if t % 13 == 4:
+            x[n // 2] = -math.inf
+            x[0, width // 2] = math.inf
+        if t % 17 == 5:
+            x = torch.zeros(n, width)
+            x[0, ::2] = -0.0
+        yield x
+
+
+@pytest.mark.parametrize("compiled", [False, True])
+def test_argmax_last_is_argmax_ties_and_nan_included(monkeypatch, compiled):
     """The fast arg-max every greedy path uses returns exactly what ``argmax(-1)`` returns: the first
-    maximal index, on random rows, on rows full of ties (small integer values) and with NaN."""
+    maximal index (the first NaN where a row holds one), on 400 batches of rows (see _argmax_cases),
+    with torch's reduction and with the compiled ``argmax_rows`` a model's kernels bring in."""
+    from specdec.models import kernels
     from specdec.sampling import argmax_last
 
+    if compiled and not kernels.load():
+        pytest.skip("the kernels did not build here")
+    if not compiled:
+        monkeypatch.setattr(kernels, "loaded", lambda: False)
     g = torch.Generator().manual_seed(0)
-    for t in range(400):
-        n = 1 + t % 5
-        x = torch.randint(-3, 3, (n, 4099), generator=g).float() if t % 2 else torch.randn(n, 4099, generator=g)
-        if t % 7 == 0:
-            x[:, 100] = x.max()
-            x[:, 4000] = x.max()
-        assert torch.equal(argmax_last(x), x.argmax(-1))
-        assert torch.equal(argmax_last(x[0]), x[0].argmax(-1))
+    for x in _argmax_cases(g):
+        want = x.argmax(-1)
+        assert torch.equal(argmax_last(x), want)
+        assert torch.equal(argmax_last(x[0]), want[0])
+        if compiled:  # the op itself, not a fallback
+            assert torch.equal(torch.ops.specdec.argmax_rows(x), want)
     x = torch.tensor([[1.0, float("nan"), 3.0, float("nan")], [2.0, 5.0, 5.0, -1.0]])
     assert argmax_last(x).tolist() == x.argmax(-1).tolist() == [1, 1]
+    # what the compiled path leaves to torch: other dtypes, strided rows, more dimensions
+    for y in (x.double(), x.t().contiguous().t(), x.reshape(1, 2, 4), x.half()):
+        assert torch.equal(argmax_last(y), y.argmax(-1))
+
+
+def test_the_compiled_argmax_refuses_what_it_cannot_read():
+    from specdec.models import kernels
+
+    if not kernels.load():
+        pytest.skip("the kernels did not build here")
+    for bad in (torch.zeros(4), torch.zeros(2, 4).double(), torch.zeros(4, 2).t(), torch.zeros(2, 0)):
+        with pytest.raises(RuntimeError, match="argmax_rows"):
+            torch.ops.specdec.argmax_rows(bad)
 
 
 def test_sample_categorical_compiled_and_torch_paths_give_the_same_draws(monkeypatch):

@@ -60,6 +60,13 @@ def cases():
         paths = torch.tensor([[60, -1, -1], [60, 61, -1], [60, 62, -1], [60, 61, 63]])
         q = torch.randn(4, 9, d, generator=g) * d ** -0.5
         out[f"attend d {d} tree"] = ops.attend(q, k, v, 60, paths)
+    for width in (7, 16, 49152):  # arg-max rows: random, ties, a NaN after the maximum, signed zeros
+        x = torch.randn(4, width, generator=g)
+        x[1] = torch.randint(-2, 2, (width,), generator=g).float()
+        x[2, width - 1] = float("nan")
+        x[3] = 0.0
+        x[3, ::2] = -0.0
+        out[f"argmax_rows {width}"] = ops.argmax_rows(x)
     for n in (5, 513, 49152):  # a draw, and token verification (block's thresholds may round differently)
         w = torch.softmax(torch.randn(n, generator=g) * 4, -1)
         out[f"sample_weights {n}"] = torch.tensor([ops.sample_weights(w, u) for u in (0.0, 0.3, 0.7, 0.999999)])

@@ -32,6 +32,12 @@
 //       next token is drawn from the residual row (or from p_γ when all γ are kept) exactly as
 //       sample_weights draws.
 //
+//   torch.ops.specdec.argmax_rows(x) -> Tensor
+//       Each row's arg-max, x float32 [n, V] contiguous -> int64 [n]: the index of the row's first
+//       NaN if it holds one, else the first index of its maximum -- what torch's
+//       ``x.max(-1).indices`` returns (specdec.sampling.argmax_last), ~15x faster: torch's
+//       reduction with indices runs scalar here (~125 us for a 49,152-word row on a Zen 3 core).
+//
 // Why one call returns everything: right after a target pass every ATen call costs ~40-60 us
 // more than when warm (its code and data were pushed out of the caches by the pass's weights),
 // so the number of calls after the pass, not their arithmetic, is what a round's rule costs.
@@ -228,9 +234,75 @@ std::tuple<int64_t, at::Tensor, double> chain_rule(const at::Tensor& p, const at
   return {n, emitted, sum / static_cast<double>(gamma)};
 }
 
+// The first NaN's index of a row that holds one, else the first index of its maximum (+0 and -0
+// are equal, so the first of them wins, as torch's comparisons give).
+int64_t argmax_row(const float* x, int64_t n) {
+  int64_t v = 0;
+  float best;
+#if defined(__AVX2__)
+  if (n >= 16) {
+    // pass 1: the maximum over lanes (two chains for the max's latency), and whether any NaN is seen
+    __m256 m0 = _mm256_loadu_ps(x), m1 = _mm256_loadu_ps(x + 8);
+    __m256 bad = _mm256_or_ps(_mm256_cmp_ps(m0, m0, _CMP_UNORD_Q), _mm256_cmp_ps(m1, m1, _CMP_UNORD_Q));
+    for (v = 16; v + 16 <= n; v += 16) {
+      const __m256 a = _mm256_loadu_ps(x + v), b = _mm256_loadu_ps(x + v + 8);
+      m0 = _mm256_max_ps(m0, a);
+      m1 = _mm256_max_ps(m1, b);
+      bad = _mm256_or_ps(bad, _mm256_or_ps(_mm256_cmp_ps(a, a, _CMP_UNORD_Q), _mm256_cmp_ps(b, b, _CMP_UNORD_Q)));
+    }
+    float lanes[8];
+    _mm256_storeu_ps(lanes, _mm256_max_ps(m0, m1));
+    bool nan = _mm256_movemask_ps(bad) != 0;
+    best = lanes[0];
+    for (int i = 1; i < 8; ++i) best = lanes[i] > best ? lanes[i] : best;
+    for (int64_t i = v; i < n; ++i) {
+      nan = nan || x[i] != x[i];
+      best = x[i] > best ? x[i] : best;
+    }
+    if (nan) {
+      for (int64_t i = 0; i < n; ++i)
+        if (x[i] != x[i]) return i;
+    }
+    // pass 2: the first index holding the maximum
+    const __m256 target = _mm256_set1_ps(best);
+    for (v = 0; v + 8 <= n; v += 8) {
+      const int hit = _mm256_movemask_ps(_mm256_cmp_ps(_mm256_loadu_ps(x + v), target, _CMP_EQ_OQ));
+      if (hit != 0) return v + __builtin_ctz(static_cast<unsigned>(hit));
+    }
+    for (; v < n; ++v)
+      if (x[v] == best) return v;
+    return 0;  // unreachable: the maximum is in the row
+  }
+#endif
+  int64_t idx = 0;
+  best = x[0];
+  if (best != best) return 0;
+  for (v = 1; v < n; ++v) {
+    const float a = x[v];
+    if (a != a) return v;
+    if (a > best) {
+      best = a;
+      idx = v;
+    }
+  }
+  return idx;
+}
+
+at::Tensor argmax_rows(const at::Tensor& x) {
+  TORCH_CHECK(x.dim() == 2 && x.scalar_type() == at::kFloat && x.is_contiguous() && x.size(1) > 0,
+              "argmax_rows: x must be a contiguous float32 [n, V] tensor with V > 0");
+  const int64_t rows = x.size(0), n = x.size(1);
+  const float* p = x.data_ptr<float>();
+  at::Tensor out = at::empty({rows}, at::TensorOptions().dtype(at::kLong));
+  int64_t* o = out.data_ptr<int64_t>();
+  for (int64_t r = 0; r < rows; ++r) o[r] = argmax_row(p + r * n, n);
+  return out;
+}
+
 }  // namespace
 
 TORCH_LIBRARY_FRAGMENT(specdec, m) {
+  m.def("argmax_rows(Tensor x) -> Tensor", &argmax_rows);
   m.def("sample_weights(Tensor w, float u) -> int", &sample_weights);
   m.def("draw_scattered(Tensor q, Tensor ids, int vocab, float u) -> (int, Tensor)", &draw_scattered);
   m.def("chain_rule(Tensor p, Tensor q, Tensor tokens, Tensor uniforms, bool block) -> (int, Tensor, float)", &chain_rule);
