@@ -168,6 +168,10 @@ def test_machine_line_names_the_cpu_features():
     assert report.machine_line(m) == "AMD EPYC (AVX2, q4 kernel avx2), 2 cores, torch t"
     m["q8_kernel"] = "avx2"
     assert report.machine_line(m) == "AMD EPYC (AVX2, q4 kernel avx2, few-row int8 kernel avx2), 2 cores, torch t"
+    m["huge_pages"] = True  # older results, without the field, say nothing of pages
+    assert report.machine_line(m) == "AMD EPYC (AVX2, q4 kernel avx2, few-row int8 kernel avx2, weights on huge pages), 2 cores, torch t"
+    m["huge_pages"] = False
+    assert report.machine_line(m).endswith("weights on 4 KiB pages), 2 cores, torch t")
 
 
 def test_bench_command_names_the_environment_that_changes_what_runs():

@@ -71,6 +71,10 @@ def test_what_could_change_the_ranges_is_in_the_key(folder, passes, monkeypatch)
     monkeypatch.delenv("SPECDEC_SOME_SETTING")
     _load(folder)
     assert passes[0] == 4  # back to the first key
+    monkeypatch.setenv("SPECDEC_HUGE_PAGES", "0")  # which pages the built weights sit on: the same ranges
+    _load(folder)
+    assert passes[0] == 4
+    monkeypatch.delenv("SPECDEC_HUGE_PAGES")
     weights = next(folder.glob("*.safetensors"))
     st = weights.stat()
     os.utime(weights, ns=(st.st_atime_ns, st.st_mtime_ns + 10**9))  # the weight file rewritten

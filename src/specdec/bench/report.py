@@ -758,6 +758,8 @@ def machine_line(machine: dict) -> str:
         features.append(f"q4 kernel {machine['q4_kernel']}")
     if machine.get("q8_kernel"):
         features.append(f"few-row int8 kernel {machine['q8_kernel']}")
+    if "huge_pages" in machine:
+        features.append("weights on huge pages" if machine["huge_pages"] else "weights on 4 KiB pages")
     if features:
         cpu += f" ({', '.join(features)})"
     return f"{cpu}, {machine.get('cpu_count', '?')} cores, torch {machine.get('torch', '?')}"

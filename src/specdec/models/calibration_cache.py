@@ -33,8 +33,10 @@ from torch import Tensor
 
 #: entries kept (an entry is a few KB to ~100 KB; the oldest written go first)
 KEEP = 64
-#: settings that never change a pass's numbers (where files go, credentials)
-_NEUTRAL_ENV = ("SPECDEC_CACHE", "SPECDEC_CALIBRATION_CACHE", "SPECDEC_QUANTISED_CACHE", "SPECDEC_API_KEY")
+#: settings that never change a pass's numbers (where files go, credentials, which pages the
+#: weights sit on: models.hugepages moves them after they are built, the same bits)
+_NEUTRAL_ENV = ("SPECDEC_CACHE", "SPECDEC_CALIBRATION_CACHE", "SPECDEC_QUANTISED_CACHE", "SPECDEC_API_KEY",
+                "SPECDEC_HUGE_PAGES")
 
 
 def cache_dir() -> Path | None:

@@ -441,6 +441,7 @@ def load(
     """
     import torch
 
+    from specdec.models import hugepages
     from specdec.models.hf import HFCausalLM
     from specdec.models.native import SUPPORTED, NativeCausalLM
 
@@ -481,6 +482,7 @@ def load(
             folder, dtype=dtype, batch_invariant=batch_invariant, int8_head=int8_head, quant=quant, int8_kernel=int8_kernel,
             gguf=_source_gguf(ref, resolved) if quant == "q4" else None, vocab_subset=vocab_subset,
         )
+        hugepages.adopt_model(model)  # the layers and head on 2 MiB pages where the kernel allows
         kind = "native"
     elif quant is not None:
         raise SpecdecError(f"{resolved.name}: quantised ({quant}) targets need the native backend")

@@ -1,0 +1,142 @@
+"""Model weights moved onto transparent huge pages (``specdec.models.hugepages``): the move keeps
+every tensor's bits, shape, strides and sharing, and a moved model scores exactly as before.
+Whether the kernel really backs the mapping with 2 MiB pages is not asserted (it may not, under
+memory fragmentation or where transparent huge pages are off); where the platform has no
+``MADV_HUGEPAGE`` the moving tests skip."""
+
+from __future__ import annotations
+
+import gc
+import mmap
+
+import pytest
+import torch
+
+from specdec.models import hugepages
+from specdec.models.native import NativeCausalLM
+from tiny import make_tiny
+
+
+@pytest.fixture
+def on(monkeypatch):
+    """Huge pages asked for whatever the machine's setting (the move itself is what is tested)."""
+    if not hasattr(mmap, "MADV_HUGEPAGE"):
+        pytest.skip("no MADV_HUGEPAGE on this platform")
+    monkeypatch.setattr(hugepages, "available", lambda: True)
+
+
+class _Holder:
+    __slots__ = ("a", "b")
+
+
+def _everything(obj):
+    return True
+
+
+def _inside(t: torch.Tensor, arena: hugepages.Arena) -> bool:
+    lo = arena.buffer.data_ptr()
+    return lo <= t.data_ptr() and t.data_ptr() + t.numel() * t.element_size() <= lo + arena.buffer.numel()
+
+
+def test_tensors_of_follows_attributes_slots_and_containers_of_the_objects_it_may_enter():
+    x, y, z, w = (torch.zeros(3) for _ in range(4))
+    holder = _Holder()
+    holder.a, holder.b = [x, {"k": (y,)}], None
+    module = torch.nn.Linear(2, 2)
+    root = {"h": holder, "m": module, "again": x}
+    found = {id(t) for t in hugepages.tensors_of(root, _everything)}
+    assert found == {id(x), id(y), id(module.weight), id(module.bias)}
+    # the default enters specdec's objects and torch modules only: not a test's own class
+    found = {id(t) for t in hugepages.tensors_of(root)}
+    assert found == {id(x), id(module.weight), id(module.bias)}
+    assert sorted(id(t) for t in hugepages.tensors_of([z, w, z])) == sorted([id(z), id(w)])  # each once
+
+
+def test_views_of_one_storage_stay_views_of_one_copy(on):
+    """Tensors viewing one storage (offsets, a transpose) view one copy after the move, with the
+    same values, sizes and strides; a write through one is seen through the others; small storages
+    and tensors that require grad stay where they were."""
+    base = torch.arange(200_000, dtype=torch.float32)
+    part, row, t = base[10:20], base.view(200, 1000)[5], base.view(1000, 200).t()
+    small, trained = torch.ones(8), torch.zeros(100_000, requires_grad=True)
+    holder = _Holder()
+    holder.a, holder.b = [base, part, row, t, small], {"w": trained}
+    before = {name: x.clone() for name, x in (("base", base), ("part", part), ("row", row), ("t", t))}
+    shapes = [(x.size(), x.stride(), x.storage_offset() - base.storage_offset()) for x in (base, part, row, t)]
+    small_ptr, trained_ptr = small.data_ptr(), trained.data_ptr()
+    arena = hugepages.adopt(holder, enter=_everything)
+    assert arena is not None and arena.storages == 1 and arena.tensors == 4 and arena.moved_bytes == base.numel() * 4
+    for name, x in (("base", base), ("part", part), ("row", row), ("t", t)):
+        assert _inside(x, arena) and torch.equal(x, before[name])
+    assert [(x.size(), x.stride(), x.storage_offset() - base.storage_offset()) for x in (base, part, row, t)] == shapes
+    assert len({x.untyped_storage().data_ptr() for x in (base, part, row, t)}) == 1
+    assert small.data_ptr() == small_ptr and trained.data_ptr() == trained_ptr
+    assert base.data_ptr() % hugepages.HUGE_PAGE == 0  # the first storage starts on a huge page boundary
+    base[12] = -1.0
+    assert part[2] == -1.0 and t[12, 0] == -1.0
+    gc.collect()  # the old buffer is gone; the copy lives as long as its tensors
+    del arena
+    holder.a = None
+    gc.collect()
+    assert part[2] == -1.0 and float(row.sum()) == float(sum(range(5000, 6000)))
+
+
+@pytest.mark.parametrize("quant", [None, "q4"])
+def test_a_moved_model_scores_bit_for_bit_as_before(on, tmp_path, quant):
+    from specdec.models import kernels
+
+    if quant == "q4" and not kernels.q4_available():
+        pytest.skip("the 4-bit layers need the kernel library")
+    folder = make_tiny(tmp_path, model_type="llama", hidden=128, layers=3)
+    model = NativeCausalLM.from_folder(folder, batch_invariant=True, quant=quant)
+    ids = torch.randint(0, 49152, (23,), generator=torch.Generator().manual_seed(0))
+
+    def score():
+        cache = model.new_cache(64)
+        full = model.forward(ids[:20], cache)
+        return full, torch.cat([model.forward(ids[i : i + 1], cache) for i in range(20, 23)])
+
+    want = score()
+    arena = hugepages.adopt(model, min_bytes=1)
+    assert arena is not None and model._huge_pages is arena and arena.moved_bytes > 0
+    gc.collect()
+    got = score()
+    assert all(torch.equal(a, b) for a, b in zip(got, want))
+    moved = [t for t in hugepages.tensors_of(model) if _inside(t, arena)]
+    assert len(moved) == arena.tensors and any(t is model.embed for t in moved)
+    # a second call finds nothing left to move (the arena's own buffer included)
+    assert hugepages.adopt(model, min_bytes=1) is None and torch.equal(score()[1], want[1])
+
+
+def test_off_when_asked_or_where_the_kernel_says_never(monkeypatch, tmp_path):
+    setting = tmp_path / "enabled"
+    monkeypatch.setattr(hugepages, "_SETTING", setting)
+    assert hugepages.thp_setting() is None  # unreadable
+    setting.write_text("always [madvise] never\n")
+    assert hugepages.thp_setting() == "madvise"
+    monkeypatch.setenv("SPECDEC_HUGE_PAGES", "0")
+    assert not hugepages.available() and hugepages.adopt([torch.zeros(1 << 20)]) is None
+    monkeypatch.setenv("SPECDEC_HUGE_PAGES", "1")
+    assert hugepages.available() == hasattr(mmap, "MADV_HUGEPAGE")
+    setting.write_text("always madvise [never]\n")
+    assert hugepages.thp_setting() == "never" and not hugepages.available()
+    x = torch.zeros(1 << 20)
+    ptr = x.data_ptr()
+    assert hugepages.adopt([x]) is None and x.data_ptr() == ptr
+
+
+def test_loading_moves_the_layers_and_head_but_not_the_embedding(on, tmp_path):
+    """What ``registry.load`` does (``adopt_model``): the layer weights and the head move, the
+    embedding table (a row a token) stays; the scores stay the same bits."""
+    from specdec.models import registry
+
+    folder = make_tiny(tmp_path, model_type="llama", hidden=128, layers=2)
+    model = registry.load(str(folder)).model
+    arena = model._huge_pages
+    assert arena is not None and not _inside(model.embed, arena)
+    assert all(_inside(t, arena) for t in hugepages.tensors_of(model.lm_head) if t.untyped_storage().nbytes() >= hugepages.MIN_BYTES)
+    ids = torch.randint(0, 49152, (9,), generator=torch.Generator().manual_seed(1))
+    moved = model.forward(ids, model.new_cache(16))
+    plain = NativeCausalLM.from_folder(folder, batch_invariant=True)  # as the loader builds it, nothing moved
+    assert not hasattr(plain, "_huge_pages")
+    assert torch.equal(moved, plain.forward(ids, plain.new_cache(16)))
