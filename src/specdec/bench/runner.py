@@ -283,7 +283,7 @@ def machine_info() -> dict:
         info["q8_kernel"] = ("avx512-vnni" if kernels.q8_zero() == 128 else "avx2") if vnni_available() else "none"
     from specdec.models import hugepages
 
-    # whether loading put the weights on 2 MiB pages (models.hugepages): a few per cent of decoding speed
+    # whether loading asks for 2 MiB pages for the weights (models.hugepages): a few per cent of decoding speed
     info["huge_pages"] = hugepages.available()
     try:
         for line in Path("/proc/cpuinfo").read_text().splitlines():
