@@ -94,18 +94,13 @@ def main() -> int:
              "| T | decoding | category | 4 KiB pages tok/s | 2 MiB pages tok/s | 2 MiB / 4 KiB | ×plain (4 KiB) | ×plain (2 MiB) "
              "| same tokens |",
              "|---|---|---|---|---|---|---|---|---|"]
-    for temp in temps:
-        for kind in ("plain", "spec"):
-            for cat in ("all", "chat", "code"):
-                rs = [r for r in rows if r["temperature"] == temp and r["kind"] == kind and cat in ("all", r["category"])]
-                if not rs:
-                    continue
-                lines.append(
-                    f"| {temp:g} | {kind} | {cat} | {statistics.mean(r['small_tok_s'] for r in rs):.1f} | "
-                    f"{statistics.mean(r['huge_tok_s'] for r in rs):.1f} | ×{paired.gmean([r['ratio'] for r in rs]):.3f} | "
-                    f"×{paired.gmean([r['small_tok_s'] / r['plain_small_tok_s'] for r in rs]):.3f} | "
-                    f"×{paired.gmean([r['huge_tok_s'] / r['plain_small_tok_s'] for r in rs]):.3f} | "
-                    f"{sum(r['same'] for r in rs)}/{len(rs)} |")
+    for temp, kind, cat, rs in paired.groups(rows, temps):
+        lines.append(
+            f"| {temp:g} | {kind} | {cat} | {statistics.mean(r['small_tok_s'] for r in rs):.1f} | "
+            f"{statistics.mean(r['huge_tok_s'] for r in rs):.1f} | ×{paired.gmean([r['ratio'] for r in rs]):.3f} | "
+            f"×{paired.gmean([r['small_tok_s'] / r['plain_small_tok_s'] for r in rs]):.3f} | "
+            f"×{paired.gmean([r['huge_tok_s'] / r['plain_small_tok_s'] for r in rs]):.3f} | "
+            f"{sum(r['same'] for r in rs)}/{len(rs)} |")
     paired.write_report(args.out, "Weights on 2 MiB pages against 4 KiB pages, end to end", {"rows": rows}, lines)
     return 0
 

@@ -84,6 +84,17 @@ def run_row(prompt, temp: float, rep: int, result, ref, **extra) -> dict:  # noq
             "same": result.tokens == ref.tokens, **extra}
 
 
+def groups(rows: list[dict], temps: list[float], kinds: tuple[str, ...] = ("plain", "spec")) -> Iterator[tuple[float, str, str, list[dict]]]:
+    """``(temperature, kind, category, rows)`` for each temperature, kind and category ("all",
+    "chat", "code") that has rows: the table rows of the two-kind A/B scripts' reports."""
+    for temp in temps:
+        for kind in kinds:
+            for cat in ("all", "chat", "code"):
+                rs = [r for r in rows if r["temperature"] == temp and r["kind"] == kind and cat in ("all", r["category"])]
+                if rs:
+                    yield temp, kind, cat, rs
+
+
 def gmean(xs: list[float]) -> float:
     """Geometric mean; NaN for no values."""
     return statistics.geometric_mean(xs) if xs else float("nan")

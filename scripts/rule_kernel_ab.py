@@ -106,18 +106,13 @@ def main() -> int:
              "| T | decoding | category | torch tok/s | compiled tok/s | compiled / torch | ×plain (torch rules) "
              "| ×plain (compiled rules) | same tokens |",
              "|---|---|---|---|---|---|---|---|---|"]
-    for temp in temps:
-        for kind in ("plain", "spec"):
-            for cat in ("all", "chat", "code"):
-                rs = [r for r in rows if r["temperature"] == temp and r["kind"] == kind and cat in ("all", r["category"])]
-                if not rs:
-                    continue
-                sp_t = paired.gmean([r["torch_tok_s"] / r["plain_torch_tok_s"] for r in rs])
-                sp_c = paired.gmean([r["compiled_tok_s"] / r["plain_torch_tok_s"] for r in rs])
-                lines.append(f"| {temp:g} | {kind} | {cat} | {statistics.mean(r['torch_tok_s'] for r in rs):.1f} | "
-                             f"{statistics.mean(r['compiled_tok_s'] for r in rs):.1f} | "
-                             f"×{paired.gmean([r['ratio'] for r in rs]):.3f} | ×{sp_t:.3f} | ×{sp_c:.3f} | "
-                             f"{sum(r['same'] for r in rs)}/{len(rs)} |")
+    for temp, kind, cat, rs in paired.groups(rows, temps):
+        sp_t = paired.gmean([r["torch_tok_s"] / r["plain_torch_tok_s"] for r in rs])
+        sp_c = paired.gmean([r["compiled_tok_s"] / r["plain_torch_tok_s"] for r in rs])
+        lines.append(f"| {temp:g} | {kind} | {cat} | {statistics.mean(r['torch_tok_s'] for r in rs):.1f} | "
+                     f"{statistics.mean(r['compiled_tok_s'] for r in rs):.1f} | "
+                     f"×{paired.gmean([r['ratio'] for r in rs]):.3f} | ×{sp_t:.3f} | ×{sp_c:.3f} | "
+                     f"{sum(r['same'] for r in rs)}/{len(rs)} |")
     if only:
         same = [r["same_as_plain"] for r in rows if r["kind"] == "spec"]
         lines += ["", f"Speculative runs (both arms) equal to plain seeded sampling, token for token: {sum(same)}/{len(same)}."]
