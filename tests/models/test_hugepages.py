@@ -140,3 +140,17 @@ def test_loading_moves_the_layers_and_head_but_not_the_embedding(on, tmp_path):
     plain = NativeCausalLM.from_folder(folder, batch_invariant=True)  # as the loader builds it, nothing moved
     assert not hasattr(plain, "_huge_pages")
     assert torch.equal(moved, plain.forward(ids, plain.new_cache(16)))
+
+
+def test_tensors_without_a_storage_of_their_own_are_left_alone(on):
+    """oneDNN's packed weights (opaque layout: no storage to read, the float32 Linear's packing),
+    quantised and sparse tensors are not moved; the dense ones beside them are."""
+    dense = torch.randn(300, 300)
+    others = [torch.quantize_per_tensor(torch.randn(300, 300), 0.1, 0, torch.qint8), torch.randn(300, 300).to_sparse()]
+    if torch.backends.mkldnn.is_available():
+        others.append(torch.randn(300, 300).to_mkldnn())
+    holder = _Holder()
+    holder.a, holder.b = others, dense
+    assert [id(t) for t in hugepages.tensors_of(holder, _everything)] == [id(dense)]
+    arena = hugepages.adopt(holder, enter=_everything)
+    assert arena is not None and arena.tensors == 1 and _inside(dense, arena)

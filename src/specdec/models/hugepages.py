@@ -62,8 +62,15 @@ def ours(obj: object) -> bool:
         and not isinstance(obj, Arena)
 
 
+def _plain(t: Tensor) -> bool:
+    """A dense CPU tensor over a storage of its own kind: not oneDNN's opaque layout (a packed
+    weight, which has no storage to read), quantised, sparse or on another device."""
+    return (t.device.type == "cpu" and t.layout == torch.strided and not t.is_mkldnn and not t.is_quantized
+            and not t.is_sparse)
+
+
 def tensors_of(root: Any, enter: Callable[[object], bool] = ours) -> Iterator[Tensor]:
-    """Every CPU tensor reachable from ``root`` through attributes (``__dict__`` and ``__slots__``)
+    """Every dense CPU tensor (see :func:`_plain`) reachable from ``root`` through attributes (``__dict__`` and ``__slots__``)
     of the objects ``enter`` admits, and through lists, tuples, sets and dicts; each object once."""
     seen: set[int] = set()
     stack = [root]
@@ -73,7 +80,7 @@ def tensors_of(root: Any, enter: Callable[[object], bool] = ours) -> Iterator[Te
             continue
         seen.add(id(obj))
         if isinstance(obj, Tensor):
-            if obj.device.type == "cpu" and not obj.is_sparse:
+            if _plain(obj):
                 yield obj
             continue
         if isinstance(obj, dict):
