@@ -380,7 +380,9 @@ def argmax_last(x: Tensor) -> Tensor:  # [..., V] -> [...] int64
 
     if (kernels.loaded() and x.dtype == torch.float32 and x.dim() in (1, 2) and x.is_contiguous() and x.shape[-1] > 0
             and not x.requires_grad):
-        return torch.ops.specdec.argmax_rows(x.view(-1, x.shape[-1])).view(x.shape[:-1])
+        if x.dim() == 2:  # the common case (a pass's rows): no views around the call
+            return torch.ops.specdec.argmax_rows(x)
+        return torch.ops.specdec.argmax_rows(x.unsqueeze(0))[0]
     return x.max(-1).indices
 
 

@@ -21,7 +21,7 @@ from __future__ import annotations
 import mmap
 import os
 import weakref
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Callable, Iterator, Sequence
 
@@ -106,7 +106,6 @@ class Arena:
     moved_bytes: int
     tensors: int
     storages: int
-    _keep: list[object] = field(default_factory=list, repr=False)
 
 
 _ARENAS: weakref.WeakSet[Arena] = weakref.WeakSet()  # every live arena, so that nothing moves twice
