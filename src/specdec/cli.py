@@ -179,8 +179,9 @@ def _add_models(p: argparse.ArgumentParser) -> None:
     g.add_argument("--fast-attention", action="store_true", help="score draft blocks with one batched attention call: ~10%% faster verification, but speculative output may differ from plain decoding at exact float ties")
     g.add_argument("--draft-dtype", default="auto", choices=["auto", "float32", "bfloat16", "float16", "int8", "w8a8", "q4"],
                    help="draft precision (never affects exactness, only speed and acceptance): auto = q4 where torch has"
-                        " fbgemm (x86) and specdec's 4-bit kernel runs vectorised (AVX-512 VNNI or AVX2), w8a8 where only"
-                        " fbgemm does, else bfloat16 where the CPU has native bf16 matmuls, else float32 with an int8 LM head; w8a8 = every layer as the int8 target's"
+                        " fbgemm (x86) and specdec's 4-bit kernel runs vectorised (AVX-512 VNNI or AVX2), w8a8 where"
+                        " fbgemm runs but that kernel is not vectorised, else bfloat16 where the CPU has native bf16"
+                        " matmuls, else float32 with an int8 LM head; w8a8 = every layer as the int8 target's"
                         " matmul (int8 weights and activations); q4 = every layer as 4-bit blocks on the 4-bit kernel, int8 LM"
                         " head; int8 = float32 layers + int8 LM head")
     g.add_argument("--draft-vocab", default="auto", choices=["auto", "full"],

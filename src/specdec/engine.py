@@ -143,8 +143,8 @@ def draft_quant(cfg: EngineConfig) -> str | None:
       build the two are level there (machine H, paired: a draft token 1.13 against 1.03 ms,
       ×1.262 against ×1.275 over plain at T = 0, ×1.154 against ×1.173 at T = 1). With 512-bit
       VNNI (machine I, a Zen 5, paired) the 4-bit draft is the faster one: SmolLM2's draft token
-      0.288 → 0.249 ms at T = 0, ×1.280 → ×1.316 over plain, ×1.178 → ×1.188 at T = 1;
-      Qwen2.5-Coder-0.5B's 10.5 → 7.8 ms, ×1.292 → ×1.370 and ×1.253 → ×1.377 over its 1.5B
+      0.288 -> 0.249 ms at T = 0, ×1.280 -> ×1.316 over plain, ×1.178 -> ×1.188 at T = 1;
+      Qwen2.5-Coder-0.5B's 10.5 -> 7.8 ms, ×1.292 -> ×1.370 and ×1.253 -> ×1.377 over its 1.5B
       target, at the same acceptance. (Intel CPUs with VNNI were not measured with 4-bit drafts.)"""
     from specdec.models import kernels
     from specdec.models.linear import w8a8_available
