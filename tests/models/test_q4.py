@@ -83,6 +83,32 @@ def test_kernel_is_bitwise_the_reference_and_batch_invariant(shape, extras):
 
 
 @needs_q4
+def test_products_from_several_threads_at_once_keep_their_own_activations():
+    """The kernel keeps each calling thread's quantised activations between calls: products run
+    at the same time from several threads (torch.ops releases the GIL: a server's draft and target
+    threads do this), with different row counts, give what each gives alone.  400 products."""
+    import threading
+
+    b = quantize_q4_1(torch.randn(1024, 576, generator=torch.Generator().manual_seed(4)) * 0.05)
+    lin = Q4Linear(b)
+    inputs = [_inputs(n, 576, seed=20 + n) for n in (1, 3, 6, 17)]
+    want = [lin.product(x) for x in inputs]
+    bad: list[int] = []
+
+    def work(i: int) -> None:
+        for _ in range(100):
+            if not torch.equal(lin.product(inputs[i]), want[i]):
+                bad.append(i)
+
+    threads = [threading.Thread(target=work, args=(i,)) for i in range(len(inputs))]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    assert not bad
+
+
+@needs_q4
 def test_kernel_bits_do_not_depend_on_the_thread_count():
     b = quantize_q4_1(torch.randn(3072, 576, generator=torch.Generator().manual_seed(2)) * 0.05)
     lin = Q4Linear(b)

@@ -35,6 +35,7 @@
 #include <cmath>
 #include <cstdint>
 #include <cstring>
+#include <vector>
 #include <string>
 
 #if defined(__AVX512VNNI__) && defined(__AVX512F__) && defined(__AVX512BW__)
@@ -385,23 +386,30 @@ at::Tensor q4_linear(const at::Tensor& x_in, const at::Tensor& gain, const at::T
   TORCH_CHECK(col.numel() == 0 || (col.scalar_type() == at::kFloat && col.numel() == n_out),
               "q4_linear: col must be float32 [N] or empty");
   const at::Tensor g = gain.contiguous(), cf = col.contiguous();
-  at::Tensor codes = at::empty({n, nb * kBlock}, x.options().dtype(at::kChar));
-  at::Tensor step = at::empty({n, nb}, x.options());
-  at::Tensor sums = at::empty({n, nb}, x.options());
+  // The activation side (codes int8 [n, nb * 32], steps and sums float [n, nb]) in buffers the
+  // calling thread keeps from call to call: a pass makes 120 of these products, and three tensor
+  // allocations each were ~2 % of a one-row pass (machine I, paired).  Only this call reads them,
+  // and it has returned before the thread can call again (they grow to the largest call: a few MB
+  // for a long prompt's prefill).
+  thread_local std::vector<int8_t> codes_buf;
+  thread_local std::vector<float> step_buf, sums_buf;
+  codes_buf.resize(static_cast<size_t>(n * nb * kBlock));
+  step_buf.resize(static_cast<size_t>(n * nb));
+  sums_buf.resize(static_cast<size_t>(n * nb));
 #if SPECDEC_Q4_VNNI
   quantize_rows_avx512(x.data_ptr<float>(), g.numel() ? g.data_ptr<float>() : nullptr, n, k, nb,
-                       codes.data_ptr<int8_t>(), step.data_ptr<float>(), sums.data_ptr<float>());
+                       codes_buf.data(), step_buf.data(), sums_buf.data());
 #elif SPECDEC_Q4_AVX2
   quantize_rows_avx2(x.data_ptr<float>(), g.numel() ? g.data_ptr<float>() : nullptr, n, k, nb,
-                     codes.data_ptr<int8_t>(), step.data_ptr<float>(), sums.data_ptr<float>());
+                     codes_buf.data(), step_buf.data(), sums_buf.data());
 #else
-  quantize_rows(x.data_ptr<float>(), g.numel() ? g.data_ptr<float>() : nullptr, n, k, nb, codes.data_ptr<int8_t>(),
-                step.data_ptr<float>(), sums.data_ptr<float>());
+  quantize_rows(x.data_ptr<float>(), g.numel() ? g.data_ptr<float>() : nullptr, n, k, nb, codes_buf.data(),
+                step_buf.data(), sums_buf.data());
 #endif
   at::Tensor out = at::empty({n, n_out}, x.options());
-  const int8_t* cp = codes.data_ptr<int8_t>();
-  const float* sp = step.data_ptr<float>();
-  const float* up = sums.data_ptr<float>();
+  const int8_t* cp = codes_buf.data();
+  const float* sp = step_buf.data();
+  const float* up = sums_buf.data();
   const uint8_t* wp = packed.data_ptr<uint8_t>();
   float* op = out.data_ptr<float>();
   // groups of 32 output columns, split between threads; a column is computed by one thread
