@@ -85,8 +85,8 @@ def test_kernel_is_bitwise_the_reference_and_batch_invariant(shape, extras):
 @needs_q4
 def test_products_from_several_threads_at_once_keep_their_own_activations():
     """The kernel keeps each calling thread's quantised activations between calls: products run
-    at the same time from several threads (torch.ops releases the GIL: a server's draft and target
-    threads do this), with different row counts, give what each gives alone.  400 products."""
+    at the same time from several threads (torch.ops releases the GIL, so Python threads can run
+    products at once), with different row counts, give what each gives alone.  400 products."""
     import threading
 
     b = quantize_q4_1(torch.randn(1024, 576, generator=torch.Generator().manual_seed(4)) * 0.05)

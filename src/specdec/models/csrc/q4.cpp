@@ -35,8 +35,8 @@
 #include <cmath>
 #include <cstdint>
 #include <cstring>
-#include <vector>
 #include <string>
+#include <vector>
 
 #if defined(__AVX512VNNI__) && defined(__AVX512F__) && defined(__AVX512BW__)
 #include <immintrin.h>
@@ -388,7 +388,7 @@ at::Tensor q4_linear(const at::Tensor& x_in, const at::Tensor& gain, const at::T
   const at::Tensor g = gain.contiguous(), cf = col.contiguous();
   // The activation side (codes int8 [n, nb * 32], steps and sums float [n, nb]) in buffers the
   // calling thread keeps from call to call: a pass makes 120 of these products, and three tensor
-  // allocations each were ~2 % of a one-row pass (machine I, paired).  Only this call reads them,
+  // allocations each were 2-9 % of a one-row pass (machine I, see NOTES).  Only this call reads them,
   // and it has returned before the thread can call again (they grow to the largest call: a few MB
   // for a long prompt's prefill).
   thread_local std::vector<int8_t> codes_buf;
