@@ -393,9 +393,12 @@ at::Tensor q4_linear(const at::Tensor& x_in, const at::Tensor& gain, const at::T
   // for a long prompt's prefill).
   thread_local std::vector<int8_t> codes_buf;
   thread_local std::vector<float> step_buf, sums_buf;
-  codes_buf.resize(static_cast<size_t>(n * nb * kBlock));
-  step_buf.resize(static_cast<size_t>(n * nb));
-  sums_buf.resize(static_cast<size_t>(n * nb));
+  // only ever grown: a pass alternates 576- and 1536-wide inputs, and a shrink followed by a grow
+  // would zero the difference at every product
+  const size_t n_codes = static_cast<size_t>(n * nb * kBlock), n_blocks = static_cast<size_t>(n * nb);
+  if (codes_buf.size() < n_codes) codes_buf.resize(n_codes);
+  if (step_buf.size() < n_blocks) step_buf.resize(n_blocks);
+  if (sums_buf.size() < n_blocks) sums_buf.resize(n_blocks);
 #if SPECDEC_Q4_VNNI
   quantize_rows_avx512(x.data_ptr<float>(), g.numel() ? g.data_ptr<float>() : nullptr, n, k, nb,
                        codes_buf.data(), step_buf.data(), sums_buf.data());
