@@ -92,21 +92,24 @@ def test_kernel_reads_a_tree_nodes_path_in_place() -> None:
 
 
 @needs_kernel
-@pytest.mark.parametrize("rows", [40, 3, 1])
-def test_kernel_bits_do_not_depend_on_threads(rows: int) -> None:
-    """40 rows split by (KV head, chunk of rows); 1 and 3 rows on two threads also split each KV
-    head's query heads across tasks (fewer tasks than twice the threads otherwise)."""
+@pytest.mark.parametrize("threads", [2, 3])
+@pytest.mark.parametrize("rows", [40, 17, 9, 3, 1])
+@pytest.mark.parametrize("hq,hk,d", [(12, 2, 128), (9, 3, 64)])
+def test_kernel_bits_do_not_depend_on_threads(rows: int, threads: int, hq: int, hk: int, d: int) -> None:
+    """The threads take equal shares of the (KV head, row, query head) units, so a share can
+    begin or end inside a row (SmolLM2's 9 query heads over 3 KV heads, 1 or 9 rows on two
+    threads) and a run of rows is cut into chunks; every row is bitwise what one thread computes."""
     torch.manual_seed(5)
-    q, k, v = torch.randn(40, 12, 128) * 0.1, torch.randn(2, 900, 128), torch.randn(2, 900, 128)
+    q, k, v = torch.randn(40, hq, d) * 0.1, torch.randn(hk, 900, d), torch.randn(hk, 900, d)
     before = torch.get_num_threads()
     try:
         torch.set_num_threads(1)
         one = torch.ops.specdec.attend(q[:rows], k, v, 800, None)
-        torch.set_num_threads(2)
-        two = torch.ops.specdec.attend(q[:rows], k, v, 800, None)
+        torch.set_num_threads(threads)
+        many = torch.ops.specdec.attend(q[:rows], k, v, 800, None)
     finally:
         torch.set_num_threads(before)
-    assert torch.equal(one, two)
+    assert torch.equal(one, many)
 
 
 @needs_kernel

@@ -34,6 +34,7 @@
 
 #include "specdec.h"
 
+#include <algorithm>
 #include <cmath>
 #include <cstdint>
 #include <cstring>
@@ -539,39 +540,55 @@ at::Tensor attend(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v,
   const int64_t* pp = tree ? pc.data_ptr<int64_t>() : nullptr;
   const int64_t ks = k.stride(1), hs = k.stride(0);
   const RowsFn fn = rows_fn(d);
-  // tasks: (KV head, chunk of up to kRowChunk rows, share of the KV head's query heads); a
-  // (row, query head) pair is one task's, so no thread split changes its arithmetic (a pair's
-  // scores, softmax and value sums never involve another pair).  A pass with fewer (KV head,
-  // chunk) tasks than twice the threads splits each KV head's query heads across tasks too
-  // (decoding: 9 tasks instead of 3 for SmolLM2's 3 KV heads on two threads).  Small passes stay
-  // on the calling thread.
-  const int64_t chunks = (n + kRowChunk - 1) / kRowChunk;
+  // Work units (KV head, row, query head of that KV head's g) in that order; part t of P takes
+  // units [t U / P, (t + 1) U / P), so the threads get equal shares whatever n, Hkv and g are.
+  // Within a KV head a part is a run of rows (the first and the last may hold only some of the
+  // query heads), taken in chunks of at most kRowChunk rows of even size that share their key
+  // and value reads.  A (row, query head) pair is one part's, so no split changes its arithmetic
+  // (a pair's scores, softmax and value sums never involve another pair).  The split this
+  // replaced, tasks of (KV head, chunk of 8 rows, share of the query heads) dealt out by count,
+  // gave one thread 17 of a nine-row pass's 27 (row, KV head) pairs and the other 10, and read a
+  // one-row pass's keys and values nine times (once per query head) instead of four.  Small
+  // passes stay on the calling thread.
+  const int64_t units = n * hq;
   const bool parallel = n * hk * (start + n) * g * d >= kParallelWork;
-  const int64_t gs = parallel && hk * chunks < 2 * at::get_num_threads() ? g : 1;  // shares per KV head
-  const int64_t gt = g / gs, tasks = hk * chunks * gs;                              // query heads per task
-  const int64_t grain = parallel ? 1 : tasks;
-  at::parallel_for(0, tasks, grain, [&](int64_t lo, int64_t hi) {
+  const int64_t parts = parallel ? std::min<int64_t>(at::get_num_threads(), units) : 1;
+  at::parallel_for(0, parts, 1, [&](int64_t lo, int64_t hi) {
     std::vector<float> buf;
     int64_t pre[kRowChunk], n_extra[kRowChunk];
     const int64_t* extra[kRowChunk];
-    for (int64_t task = lo; task < hi; ++task) {
-      const int64_t h = task / (chunks * gs), r0 = (task / gs % chunks) * kRowChunk, h0 = h * g + task % gs * gt;
-      const int64_t count = n - r0 < kRowChunk ? n - r0 : kRowChunk;
-      for (int64_t i = 0; i < count; ++i) {
-        const int64_t r = r0 + i;
-        if (tree) {
-          pre[i] = start;
-          extra[i] = pp + r * e;
-          n_extra[i] = 0;
-          while (n_extra[i] < e && extra[i][n_extra[i]] >= 0) ++n_extra[i];
-        } else {
-          pre[i] = start + r + 1;
-          extra[i] = nullptr;
-          n_extra[i] = 0;
+    for (int64_t part = lo; part < hi; ++part) {
+      const int64_t u_end = units * (part + 1) / parts;
+      for (int64_t u = units * part / parts; u < u_end;) {
+        const int64_t h = u / (n * g), r0 = u / g % n, j0 = u % g;
+        const int64_t left = std::min(u_end, (h + 1) * n * g) - u;  // units of this part in KV head h
+        int64_t count, gt;
+        if (j0 > 0 || left < g) {  // one row, some of its query heads
+          count = 1;
+          gt = std::min(g - j0, left);
+        } else {  // whole rows, in chunks of even size
+          const int64_t whole = left / g, chunks = (whole + kRowChunk - 1) / kRowChunk;
+          count = (whole + chunks - 1) / chunks;
+          gt = g;
         }
+        for (int64_t i = 0; i < count; ++i) {
+          const int64_t r = r0 + i;
+          if (tree) {
+            pre[i] = start;
+            extra[i] = pp + r * e;
+            n_extra[i] = 0;
+            while (n_extra[i] < e && extra[i][n_extra[i]] >= 0) ++n_extra[i];
+          } else {
+            pre[i] = start + r + 1;
+            extra[i] = nullptr;
+            n_extra[i] = 0;
+          }
+        }
+        const int64_t h0 = h * g + j0;
+        const Rows rows{qp + (r0 * hq + h0) * d, hq * d, op + (r0 * hq + h0) * d, pre, extra, n_extra, count};
+        fn(rows, gt, d, kp + h * hs, vp + h * hs, ks, buf);
+        u += count * gt;
       }
-      const Rows rows{qp + (r0 * hq + h0) * d, hq * d, op + (r0 * hq + h0) * d, pre, extra, n_extra, count};
-      fn(rows, gt, d, kp + h * hs, vp + h * hs, ks, buf);
     }
   });
   return out;
