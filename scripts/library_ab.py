@@ -113,12 +113,25 @@ class _Ops:
         return op
 
 
+class _Namespaces:
+    """``torch.ops`` with ``specdec`` replaced by one arm's operators; every other namespace is
+    torch's (``quantized``: the LM head on fbgemm from 17 rows)."""
+
+    def __init__(self, ops: _Ops) -> None:
+        self.specdec = ops
+
+    def __getattr__(self, name):
+        value = getattr(torch.ops, name)
+        setattr(self, name, value)
+        return value
+
+
 class _Torch:
     """``torch`` with ``torch.ops.specdec`` replaced by one arm's operators (for scripted.py and
     linear.py); every other name is torch's, looked up once."""
 
     def __init__(self, ops: _Ops) -> None:
-        self.ops = type("Ops", (), {"specdec": ops})()
+        self.ops = _Namespaces(ops)
 
     def __getattr__(self, name):
         value = getattr(torch, name)
