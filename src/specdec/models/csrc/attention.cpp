@@ -24,7 +24,8 @@
 // Fused multiply-adds are explicit (`fma16`: the AVX-512 instruction, two AVX2 ones on halves, or
 // std::fma lane by lane in the portable build: a * b + c rounded once in every case).  Everything
 // else is compiled with -ffp-contract=off and without -ffast-math: the compiler may neither fuse a
-// multiply-add nor reorder a sum.  Work is split across threads by (KV head, chunk of rows) only.
+// multiply-add nor reorder a sum.  Work is split across threads by (KV head, row, query head) units
+// only, never within one.
 // On AVX2 the hot loops (scores, value sums) run on 8-lane registers directly: GCC lowers the
 // 16-lane vector type into halves that go through memory there.
 
@@ -495,7 +496,7 @@ RowsFn rows_fn(int64_t d) {
   }
 }
 
-constexpr int64_t kRowChunk = 8;  // rows sharing key/value reads in one task
+constexpr int64_t kRowChunk = 8;  // rows sharing key/value reads in one call of attend_rows
 // rows x keys x query heads x head size below which a pass stays on the calling thread: 2^16,
 // measured on an AVX2 Zen 3 (one row over 200 keys went from ~25-30 us per layer on one core to
 // 0.8x that on two) and on an AVX-512 + AMX Xeon (scripts/library_ab.py against 2^19)
