@@ -29,6 +29,14 @@ COST_GAMMA_PROBE = 1
 #: a probe after which drafting still does not pay doubles the interval, up to this many rounds
 COST_GAMMA_PROBE_MAX = 128
 COST_GAMMA_PRIOR_ACCEPT = 0.7
+#: how many drafted positions' worth of evidence that prior counts for against the measured rates
+#: (which decay by COST_GAMMA_DECAY a round, so they hold ~10 rounds).  At 2 a short run of misses
+#: drove the estimate below break-even; the controller then stopped drafting and, learning nothing
+#: while it did not draft, stayed stopped (a one-token probe rarely won it back): on a 2-core Zen 5
+#: with the default drafter it left ~55 % of chat rounds undrafted at T = 1 while drafting a token
+#: there paid ~7 % a token.  At 6 it keeps drafting through such a run; at 10 it also kept
+#: drafting where the acceptance (~0.1) no longer pays (see tests/test_gamma.py)
+COST_GAMMA_PRIOR_WEIGHT = 6.0
 
 #: γ when the user asks for none in particular
 DEFAULT_GAMMA = "auto"
@@ -64,6 +72,8 @@ HYBRID_NGRAM_MIN = 2
 HYBRID_NGRAM_MAX = 4
 HYBRID_LOOKUP_START = 4
 HYBRID_LOOKUP_MAX = 12
+#: prompt lookup's length controller keeps the lighter prior (the heavier one was measured for the model's drafts only)
+HYBRID_LOOKUP_PRIOR_WEIGHT = 2.0
 # Lookahead decoding: window of W guesses x (N - 1) rows, N-grams, pool candidates per round
 LOOKAHEAD_WINDOW = 5
 LOOKAHEAD_NGRAM = 3

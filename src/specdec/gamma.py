@@ -130,7 +130,7 @@ class CostGamma:
     probe_gamma: int = defaults.COST_GAMMA_PROBE
     max_probe_every: int = defaults.COST_GAMMA_PROBE_MAX
     prior_accept: float = defaults.COST_GAMMA_PRIOR_ACCEPT
-    prior_weight: float = 2.0
+    prior_weight: float = defaults.COST_GAMMA_PRIOR_WEIGHT
     extra_target_s: float = 0.0  # e.g. a network round trip, known before measuring
     _hits: list[float] = field(default_factory=list)
     _tries: list[float] = field(default_factory=list)

@@ -110,7 +110,8 @@ class LookupThenModel:
     def _new_length(self) -> GammaController:
         if self.lookup_tokens is not None:
             return FixedGamma(self.lookup_tokens)
-        return CostGamma(max_gamma=defaults.HYBRID_LOOKUP_MAX, start=defaults.HYBRID_LOOKUP_START)
+        return CostGamma(max_gamma=defaults.HYBRID_LOOKUP_MAX, start=defaults.HYBRID_LOOKUP_START,
+                         prior_weight=defaults.HYBRID_LOOKUP_PRIOR_WEIGHT)
 
     def _fresh(self) -> None:  # per-sequence state
         self._model_round = False
