@@ -236,18 +236,12 @@ def replay(args: argparse.Namespace) -> int:
 
 
 def main() -> int:
-    from specdec import defaults
+    import paired
 
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     sub = ap.add_subparsers(dest="command", required=True)
     rec = sub.add_parser("record", help="decode, score and time the built-in prompts")
-    rec.add_argument("--target", default=defaults.DEFAULT_TARGET)
-    rec.add_argument("--draft", default=defaults.DEFAULT_DRAFT)
-    rec.add_argument("--temperatures", default="0,1")
-    rec.add_argument("--max-new-tokens", type=int, default=128)
-    rec.add_argument("--limit", type=int, help="first N built-in prompts of each category")
-    rec.add_argument("--dtype", default="auto", help="the target's precision (as specdec generate --dtype)")
-    rec.add_argument("--threads", type=int, default=2)
+    paired.add_options(rec)
     rec.add_argument("--out", required=True, help="the record (JSON)")
     rep = sub.add_parser("replay", help="replay controllers over a record")
     rep.add_argument("data")

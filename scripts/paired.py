@@ -22,8 +22,8 @@ from specdec.sampling import SamplingConfig
 from specdec.verify import get_rule
 
 
-def parser(description: str) -> argparse.ArgumentParser:
-    ap = argparse.ArgumentParser(description=description, formatter_class=argparse.RawDescriptionHelpFormatter)
+def add_options(ap: argparse.ArgumentParser) -> None:
+    """The options :func:`setup` reads: target, draft, temperatures, tokens, prompts, precision, threads."""
     ap.add_argument("--target", default=defaults.DEFAULT_TARGET)
     ap.add_argument("--draft", default=defaults.DEFAULT_DRAFT)
     ap.add_argument("--temperatures", default="0,1")
@@ -31,6 +31,11 @@ def parser(description: str) -> argparse.ArgumentParser:
     ap.add_argument("--limit", type=int, help="first N built-in prompts of each category")
     ap.add_argument("--dtype", default="auto", help="the target's precision (as specdec generate --dtype)")
     ap.add_argument("--threads", type=int, default=2)
+
+
+def parser(description: str) -> argparse.ArgumentParser:
+    ap = argparse.ArgumentParser(description=description, formatter_class=argparse.RawDescriptionHelpFormatter)
+    add_options(ap)
     ap.add_argument("--out", required=True)
     return ap
 
