@@ -8,7 +8,7 @@ Not a test and not part of CI.  ``base`` runs the cost controllers of ``src/spec
 as committed at ``--base`` (loaded from git as a module of its own: the model drafter's γ and
 prompt lookup's length both come from it; only with ``--base``), ``auto`` this checkout's, a number a fixed γ for the
 model's drafts (prompt lookup's length stays this checkout's γ auto), ``plain`` plain decoding.
-Chains only (``--tree chain``).  For each temperature, repeat and prompt every arm runs once, in
+Chains only (``--tree chain``).  For each repeat, temperature and prompt every arm runs once, in
 an order rotated per prompt and reversed on odd repeats, with one seed per prompt and repeat
 shared by every arm (greedy verification at T = 0, block verification above it); each run's
 speed-up is over the plain run of the same prompt, repeat and temperature.  Writes
@@ -25,8 +25,6 @@ import sys
 import tempfile
 from contextlib import contextmanager
 from pathlib import Path
-
-from tqdm import tqdm
 
 import paired
 
@@ -74,35 +72,22 @@ def main() -> int:
     base = load_base(args.base) if "base" in arms else None
     temps, prompts, engine, plain = paired.setup(args)
 
-    def generate(arm: str, ids: list[int], cfg: SamplingConfig):  # noqa: ANN202
-        rule = get_rule("greedy" if cfg.greedy else "block")
-        if arm == "plain":
-            return plain.decoder(rule).generate(ids, cfg)
-        if arm == "base":
-            with lookup_controller(base.CostGamma):
-                return engine.decoder(rule, gamma=base.CostGamma(), tree="chain").generate(ids, cfg)
-        return engine.decoder(rule, gamma=arm if arm == "auto" else int(arm), tree="chain").generate(ids, cfg)
+    def generate(arm: str):  # noqa: ANN202 - a call decoding ids with a sampling config
+        def run(ids: list[int], cfg: SamplingConfig):  # noqa: ANN202
+            rule = get_rule("greedy" if cfg.greedy else "block")
+            if arm == "plain":
+                return plain.decoder(rule).generate(ids, cfg)
+            if arm == "base":
+                with lookup_controller(base.CostGamma):
+                    return engine.decoder(rule, gamma=base.CostGamma(), tree="chain").generate(ids, cfg)
+            return engine.decoder(rule, gamma=arm if arm == "auto" else int(arm), tree="chain").generate(ids, cfg)
+        return run
 
-    warm = SamplingConfig(temperature=0.0, max_new_tokens=16)
-    enc0 = engine.encode(prompts[0].text, chat=prompts[0].chat)
-    for a in arms:
-        generate(a, enc0, warm)
     rows = []
-    for temp in temps:
-        for rep in range(args.repeats):
-            for i, p in enumerate(tqdm(prompts, desc=f"T={temp:g} repeat {rep + 1}/{args.repeats}")):
-                cfg = SamplingConfig(temperature=temp, max_new_tokens=args.max_new_tokens,
-                                     seed=None if temp == 0 else 1000 * rep + i)
-                ids = engine.encode(p.text, chat=p.chat)
-                order = arms[i % len(arms):] + arms[: i % len(arms)]
-                res = {a: generate(a, ids, cfg) for a in (order if rep % 2 == 0 else order[::-1])}
-                ref = res["plain"]
-                for a in arms:
-                    st = res[a].stats
-                    rows.append({"prompt": p.id, "category": p.category, "temperature": temp, "repeat": rep, "arm": a,
-                                 "tok_s": st.tokens_per_s, "tokens_per_call": st.tokens_per_target_call,
-                                 "mean_gamma": st.mean_gamma, "speedup": st.tokens_per_s / ref.stats.tokens_per_s,
-                                 "same": res[a].tokens == ref.tokens})
+    for p, temp, rep, res in paired.rotated({a: generate(a) for a in arms}, lambda p: engine.encode(p.text, chat=p.chat),
+                                            prompts, temps, args.repeats, args.max_new_tokens):
+        for a in arms:
+            rows.append(paired.run_row(p, temp, rep, res[a], res["plain"], arm=a, mean_gamma=res[a].stats.mean_gamma))
 
     lines = [f"{len(prompts)} prompts × {args.repeats} repeats, {args.max_new_tokens} tokens, chains, every arm on every "
              f"prompt in one process (order rotated per prompt, reversed on odd repeats). "

@@ -10,7 +10,7 @@ import shlex
 import statistics
 import sys
 from pathlib import Path
-from typing import Iterator
+from typing import Callable, Iterator
 
 import torch
 from tqdm import tqdm
@@ -49,32 +49,39 @@ def setup(args: argparse.Namespace) -> tuple[list[float], list, Engine, Engine]:
     return temps, prompts, engine, Engine(engine.target, None, "none")
 
 
-def rotated_runs(engines: dict[str, Engine], prompts: list, temps: list[float], repeats: int,
-                 max_new_tokens: int, method: str = "block",
-                 gamma: str | int = "auto") -> Iterator[tuple[object, float, int, dict]]:
-    """The paired A/B loop the drafter scripts share, over ``engines`` (arm -> engine, the plain one
-    first): one short warm-up call per arm, then for each repeat, temperature and prompt every arm
-    once (greedy verification at T = 0, ``method`` above it; ``gamma`` as ``--gamma``), in an order rotated per prompt and reversed
-    on odd repeats, one seed per prompt and repeat shared by every arm (none at T = 0); yields
+def rotated(generate: dict[str, Callable[[list[int], SamplingConfig], object]], encode: Callable[[object], list[int]],
+            prompts: list, temps: list[float], repeats: int, max_new_tokens: int) -> Iterator[tuple[object, float, int, dict]]:
+    """The paired A/B loop the scripts share, over ``generate`` (arm -> a call decoding token ids
+    with a sampling config, the reference arm first): one short warm-up call per arm, then for each
+    repeat, temperature and prompt every arm once, in an order rotated per prompt and reversed on
+    odd repeats, one seed per prompt and repeat shared by every arm (none at T = 0); yields
     ``(prompt, temperature, repeat, {arm: generation result})``."""
-    arms = list(engines)
-    first = engines[arms[0]]
-
-    def run(arm: str, ids: list[int], cfg: SamplingConfig):  # noqa: ANN202
-        return engines[arm].decoder(get_rule("greedy" if cfg.greedy else method), gamma).generate(ids, cfg)
-
+    arms = list(generate)
     warm = SamplingConfig(temperature=0.0, max_new_tokens=16)
-    enc0 = first.encode(prompts[0].text, chat=prompts[0].chat)
+    enc0 = encode(prompts[0])
     for a in arms:
-        run(a, enc0, warm)
+        generate[a](enc0, warm)
     for rep in range(repeats):
         for temp in temps:
             for i, p in enumerate(tqdm(prompts, desc=f"T = {temp:g}, repeat {rep + 1}/{repeats}")):
                 cfg = SamplingConfig(temperature=temp, max_new_tokens=max_new_tokens,
                                      seed=None if temp == 0 else 1000 * rep + i)
-                ids = first.encode(p.text, chat=p.chat)
+                ids = encode(p)
                 order = arms[i % len(arms):] + arms[: i % len(arms)]
-                yield p, temp, rep, {a: run(a, ids, cfg) for a in (order if rep % 2 == 0 else order[::-1])}
+                yield p, temp, rep, {a: generate[a](ids, cfg) for a in (order if rep % 2 == 0 else order[::-1])}
+
+
+def rotated_runs(engines: dict[str, Engine], prompts: list, temps: list[float], repeats: int,
+                 max_new_tokens: int, method: str = "block",
+                 gamma: str | int = "auto") -> Iterator[tuple[object, float, int, dict]]:
+    """:func:`rotated` over ``engines`` (arm -> engine, the plain one first): greedy verification
+    at T = 0, ``method`` above it, ``gamma`` as ``--gamma``."""
+    def run(engine: Engine) -> Callable[[list[int], SamplingConfig], object]:
+        return lambda ids, cfg: engine.decoder(get_rule("greedy" if cfg.greedy else method), gamma).generate(ids, cfg)
+
+    first = engines[next(iter(engines))]
+    yield from rotated({a: run(e) for a, e in engines.items()}, lambda p: first.encode(p.text, chat=p.chat),
+                       prompts, temps, repeats, max_new_tokens)
 
 
 def run_row(prompt, temp: float, rep: int, result, ref, **extra) -> dict:  # noqa: ANN001 - bench prompt, results
