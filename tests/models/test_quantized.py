@@ -570,3 +570,23 @@ def test_compiled_loops_run_without_torchscripts_graph_optimiser(tiny_folder, mo
     model.forward_batch([(ids[:3], other, False), (ids[9:12], cache, True)])
     assert len(seen) == (3 if batch_fn is not None else 2) and not any(seen), seen
     assert torch._C._get_graph_executor_optimize()  # the caller's setting is left as it was
+
+
+def test_quantised_tensors_print_no_deprecation_warning():
+    """torch 2.13 warns once per process that quantised tensors are deprecated; specdec spends that
+    warning silently when its linear module is imported, so a user's ``specdec generate`` output is
+    not interrupted by it.  A fresh interpreter with every warning shown quantises an int8 layer and
+    a tensor by hand after the import: nothing about deprecation may reach stderr."""
+    import subprocess
+    import sys
+
+    code = (
+        "import torch, specdec.models.linear as L\n"
+        "W = torch.randn(16, 32)\n"
+        "lin = L.W8A8Linear(W) if L.w8a8_available() else None\n"
+        "torch.quantize_per_channel(W, torch.ones(16, dtype=torch.double), torch.zeros(16, dtype=torch.long), 0, torch.qint8)\n"
+        "torch.quantize_per_tensor(W, 0.1, 0, torch.quint8)\n"
+    )
+    done = subprocess.run([sys.executable, "-W", "always", "-c", code], capture_output=True, text=True, timeout=120)
+    assert done.returncode == 0, done.stderr
+    assert "deprecated" not in done.stderr, done.stderr

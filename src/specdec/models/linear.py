@@ -27,6 +27,20 @@ PACK_ROWS = 16
 MAX_INVARIANT_K = 1024
 
 
+def _spend_quantised_deprecation_warning() -> None:
+    """torch 2.13 warns, once per process, that its quantised tensors are deprecated; specdec's
+    int8 paths use them on purpose (torch is pinned below 2.14).  Without this, that warning landed
+    in the middle of every ``specdec generate``'s output, wherever a quantised tensor was first
+    made.  The warning is torch's warn-once, so one silenced call here spends it for the process;
+    nothing else is filtered."""
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        torch.quantize_per_tensor(torch.zeros(1), 1.0, 0, torch.quint8)
+
+
+_spend_quantised_deprecation_warning()
+
+
 def _onednn_available() -> bool:
     return hasattr(torch.ops.mkldnn, "_reorder_linear_weight") and torch.backends.mkldnn.is_available()
 
@@ -148,9 +162,7 @@ class Int8Linear:
         w = weight.detach().float().contiguous()  # [out, in]
         scales = (w.abs().amax(dim=1).clamp_min(1e-8) / 127.0).double()
         zero_points = torch.zeros(w.shape[0], dtype=torch.long)
-        with warnings.catch_warnings():  # torch marks its quantised tensors as deprecated (2.13)
-            warnings.simplefilter("ignore")
-            qw = torch.quantize_per_channel(w, scales, zero_points, axis=0, dtype=torch.qint8)
+        qw = torch.quantize_per_channel(w, scales, zero_points, axis=0, dtype=torch.qint8)
         self.packed = torch.ops.quantized.linear_prepack(qw, None if bias is None else bias.float())
         self.out_features = w.shape[0]
 
@@ -234,9 +246,7 @@ class W8A8Linear:
             w, inv_smooth = _smoothed(weight, smooth, pad=2)  # [out, in + 2]: two zero columns
             lo, hi = torch.aminmax(w, dim=1)  # max |w| per row, as abs().amax() gives it, without a copy
             scales = (torch.maximum(hi, -lo).clamp_min(1e-12) / 127.0).double()
-            with warnings.catch_warnings():  # torch marks its quantised tensors as deprecated (2.13)
-                warnings.simplefilter("ignore")
-                qw = torch.quantize_per_channel(w, scales, torch.zeros(n, dtype=torch.long), axis=0, dtype=torch.qint8)
+            qw = torch.quantize_per_channel(w, scales, torch.zeros(n, dtype=torch.long), axis=0, dtype=torch.qint8)
             del w
             if vnni_available(self._reduce_range):
                 vnni = vnni_packing(qw.int_repr()[:, :k], scales)
