@@ -14,7 +14,9 @@ target (the packed weights are shared: both builds must read the same packed lay
   the fused layer loop on one library or the other (the loop is one operator call, so it uses
   its own library's products and attention);
 * **products** — the target's 120 4-bit layer products for n rows, called directly;
-* **attention** — one layer's exact attention (SmolLM2's head layout) for n rows over the context.
+* **attention** — one layer's exact attention (SmolLM2's head layout) for n rows over the context;
+* **batched passes** (``--sequences``) — a batching server's pass (``forward_batch``): S sequences
+  of one new token each, each after its own prompt of about ``--context`` tokens.
 
 With ``--model draft`` the model is the default draft instead (its own precision: W8A8 layers on
 an x86 machine with VNNI), its LM head on the arm's library too, and the products are its
@@ -160,6 +162,8 @@ def main() -> int:
                     help="time the target or its default draft model (default target)")
     ap.add_argument("--rows", default="1,2,3,4,5,7,9", help="row counts (default 1,2,3,4,5,7,9)")
     ap.add_argument("--context", type=int, default=200, help="tokens before the new rows (default 200)")
+    ap.add_argument("--sequences", default="",
+                    help="sequence counts of batched passes, e.g. 2,4,8,16 (default: none)")
     ap.add_argument("--reps", type=int, default=24, help="paired repetitions per row count (default 24)")
     ap.add_argument("--threads", type=int, default=2, help="torch threads (default 2)")
     ap.add_argument("--out", required=True, help="output folder (README.md, results.json)")
@@ -184,7 +188,7 @@ def main() -> int:
     cfg = model.cfg
     k = torch.randn(cfg.n_kv_heads, args.context + max(rows), cfg.head_dim, generator=g)
     v = torch.randn(cfg.n_kv_heads, args.context + max(rows), cfg.head_dim, generator=g)
-    results: dict[str, dict[int, dict]] = {"passes": {}, "products": {}, "attention": {}}
+    results: dict[str, dict[int, dict]] = {"passes": {}, "products": {}, "attention": {}, "batched": {}}
     same = True
     try:
         for n in rows:
@@ -218,6 +222,26 @@ def main() -> int:
             results["attention"][n] = alternate(ns, attention, args.reps)
             same = same and torch.equal(out["base"], out["this"])
             print(f"[library_ab] rows {n}: pass x{results['passes'][n]['paired_ratio']:.3f}", file=sys.stderr)
+        seqs = [int(x) for x in args.sequences.split(",") if x.strip()]
+        lengths = [args.context + 7 * i for i in range(max(seqs, default=0))]  # prompts of different lengths
+        caches = []
+        for length in lengths:
+            c = model.new_cache(length + 8)
+            model.forward(torch.randint(0, model.vocab_size, (length,), generator=g), c, last_only=True)
+            caches.append(c)
+        for s in seqs:
+            items = [(torch.randint(0, model.vocab_size, (1,), generator=g), caches[i], True) for i in range(s)]
+            out = {}
+
+            def batched(a: str) -> None:
+                scripted.torch = linear_mod.torch = torches[a]
+                for c, length in zip(caches, lengths):
+                    c.truncate(length)
+                out[a] = torch.cat(model.forward_batch(items))
+
+            results["batched"][s] = alternate(ns, batched, args.reps)
+            same = same and torch.equal(out["base"], out["this"])
+            print(f"[library_ab] {s} sequences: batched pass x{results['batched'][s]['paired_ratio']:.3f}", file=sys.stderr)
     finally:
         scripted.torch = linear_mod.torch = torch
     body = [
@@ -229,8 +253,13 @@ def main() -> int:
     ]
     for part, what in (("passes", "Forward pass over n new tokens (the fused layer loop and the LM head)"),
                        ("products", f"The {'draft' if args.model == 'draft' else 'target'}'s {len(lins)} layer products, n rows"),
-                       ("attention", f"Attention over {args.context} keys, n rows, all {cfg.n_layers} layers")):
-        body += [f"## {what}", "", "| rows | base best / median | this best / median | ratio |", "|---|---|---|---|"]
+                       ("attention", f"Attention over {args.context} keys, n rows, all {cfg.n_layers} layers"),
+                       ("batched", f"Batched pass (forward_batch): n sequences of one new token, sequence i after its own "
+                                   f"prompt of {args.context} + 7 i tokens")):
+        if not results[part]:
+            continue
+        unit = "sequences" if part == "batched" else "rows"
+        body += [f"## {what}", "", f"| {unit} | base best / median | this best / median | ratio |", "|---|---|---|---|"]
         for n, r in results[part].items():
             body.append(f"| {n} | {r['base_best_ms']:.2f} / {r['base_median_ms']:.2f} | "
                         f"{r['this_best_ms']:.2f} / {r['this_median_ms']:.2f} | {r['paired_ratio']:.3f} |")

@@ -113,6 +113,49 @@ def test_kernel_bits_do_not_depend_on_threads(rows: int, threads: int, hq: int, 
 
 
 @needs_kernel
+@pytest.mark.parametrize("threads", [1, 2, 3])
+@pytest.mark.parametrize("hq,hk,d", [(9, 3, 64), (12, 2, 128), (4, 4, 40)])
+def test_batched_sequences_equal_each_alone(threads: int, hq: int, hk: int, d: int) -> None:
+    """``attend_batch`` (a batching server's pass: several sequences, each against its own cache,
+    in one parallel region) gives every sequence's rows bitwise what ``attend`` gives them alone:
+    12 sequences of 0-20 rows at different cache lengths, sizes that put thread shares' edges
+    inside sequences and rows, on 1-3 threads."""
+    rng = random.Random(7 + threads + d)
+    torch.manual_seed(11 + d)
+    sizes = [rng.choice([0, 1, 1, 1, 2, 3, 9, 20]) for _ in range(12)]
+    starts = [rng.randint(0, 200) for _ in sizes]
+    ks = [torch.randn(hk, s + n + 30, d) for s, n in zip(starts, sizes)]
+    vs = [torch.randn_like(k) for k in ks]
+    q = torch.randn(sum(sizes), hq + hk, d)[:, :hq] * d**-0.5  # a strided view, as the layer loop holds it
+    before = torch.get_num_threads()
+    try:
+        torch.set_num_threads(threads)
+        together = torch.ops.specdec.attend_batch(q, ks, vs, starts, sizes)
+        parts, row = [], 0
+        for k, v, s, n in zip(ks, vs, starts, sizes):
+            if n:
+                parts.append(torch.ops.specdec.attend(q[row : row + n], k, v, s, None))
+            row += n
+    finally:
+        torch.set_num_threads(before)
+    assert together.shape == (sum(sizes), hq * d)
+    assert torch.equal(together, torch.cat(parts))
+
+
+@needs_kernel
+def test_batched_kernel_refuses_bad_inputs() -> None:
+    q, k = torch.randn(4, 4, 8), torch.randn(2, 40, 8)
+    with pytest.raises(RuntimeError, match="rows beyond the cache"):
+        torch.ops.specdec.attend_batch(q, [k, k], [k, k], [10, 38], [1, 3])
+    with pytest.raises(RuntimeError, match="add up"):
+        torch.ops.specdec.attend_batch(q, [k], [k], [10], [3])
+    with pytest.raises(RuntimeError, match="one k, v, start and size"):
+        torch.ops.specdec.attend_batch(q, [k, k], [k], [10, 10], [2, 2])
+    with pytest.raises(RuntimeError, match="one layout"):
+        torch.ops.specdec.attend_batch(q, [k], [k.transpose(0, 1).contiguous().transpose(0, 1)], [10], [4])
+
+
+@needs_kernel
 def test_kernel_refuses_bad_inputs() -> None:
     q, k = torch.randn(3, 4, 8), torch.randn(2, 40, 8)
     with pytest.raises(RuntimeError, match="rows beyond the cache"):

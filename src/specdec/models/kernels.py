@@ -23,6 +23,8 @@
   same bits alone, in a verification pass of any size or as a tree node (over its path, read in
   place: no cache shuffling).  It replaces the blocked ATen computation (``native._attend_rows``),
   whose bits differ: a process uses one or the other for every pass (``attention_kernel()``).
+  ``attend_batch`` runs several sequences' rows, each against its own cache, in one parallel
+  region, each row bitwise what ``attend`` gives it alone (a batching server's pass).
 * ``torch.ops.specdec.sample_weights``, ``draw_scattered`` and ``chain_rule``
   (``csrc/rules.cpp``): a draw from a row of weights, a draft's draw from a reduced-vocabulary row
   with its scatter into the whole vocabulary, and token / block verification of a chain at T > 0,
@@ -71,6 +73,7 @@ _SCHEMAS = (
     "q8_supported() -> bool",
     "q8_zero() -> int",
     "attend(Tensor q, Tensor k, Tensor v, int start, Tensor? paths=None) -> Tensor",
+    "attend_batch(Tensor q, Tensor[] k, Tensor[] v, int[] starts, int[] sizes) -> Tensor",
     "q4_pack(Tensor qs, Tensor d, Tensor m) -> Tensor",
     "q4_linear(Tensor x, Tensor gain, Tensor packed, int n_out, Tensor col) -> Tensor",
     "q4_isa() -> str",

@@ -502,6 +502,81 @@ constexpr int64_t kRowChunk = 8;  // rows sharing key/value reads in one call of
 // 0.8x that on two) and on an AVX-512 + AMX Xeon (scripts/library_ab.py against 2^19)
 constexpr int64_t kParallelWork = 1 << 16;
 
+// The rows of one or more sequences (a batching server's pass), each against its own cache:
+// q and out [M, Hq * d] rows; sequence i's rows [seqs[i].row, + n) see its keys as attend's
+// rows do.  Work units are (sequence, KV head, row, query head) in that order; part t of P takes
+// units [t U / P, (t + 1) U / P), so the threads get equal shares whatever the sequences' sizes,
+// in one parallel region for the whole pass (a region per sequence and layer cost ~0.3 ms of a
+// 16-sequence pass).  Within a sequence's KV head a part is a run of rows (the first and the last
+// may hold only some of the query heads), taken in chunks of at most kRowChunk rows of even size
+// that share their key and value reads.  A (row, query head) pair is one part's, so no split
+// changes its arithmetic (a pair's scores, softmax and value sums never involve another pair):
+// a sequence's rows are bitwise what attend gives them alone.  The split this replaced within
+// one sequence, tasks of (KV head, chunk of 8 rows, share of the query heads) dealt out by count,
+// gave one thread 17 of a nine-row pass's 27 (row, KV head) pairs and the other 10, and read a
+// one-row pass's keys and values nine times (once per query head) instead of four.  Small passes
+// stay on the calling thread.
+void attend_seqs(const float* qp, float* op, int64_t hq, int64_t hk, int64_t d,
+                 const std::vector<specdec::AttnSeq>& seqs) {
+  const int64_t g = hq / hk;
+  const RowsFn fn = rows_fn(d);
+  std::vector<int64_t> first(seqs.size() + 1, 0);  // sequence i's units start at first[i]
+  int64_t work = 0;
+  for (size_t i = 0; i < seqs.size(); ++i) {
+    first[i + 1] = first[i] + seqs[i].n * hq;
+    work += seqs[i].n * hk * (seqs[i].start + seqs[i].n) * g * d;
+  }
+  const int64_t units = first.back();
+  if (units == 0) return;
+  const bool parallel = work >= kParallelWork;
+  const int64_t parts = parallel ? std::min<int64_t>(at::get_num_threads(), units) : 1;
+  at::parallel_for(0, parts, 1, [&](int64_t lo, int64_t hi) {
+    std::vector<float> buf;
+    int64_t pre[kRowChunk], n_extra[kRowChunk];
+    const int64_t* extra[kRowChunk];
+    for (int64_t part = lo; part < hi; ++part) {
+      const int64_t part_lo = units * part / parts, part_hi = units * (part + 1) / parts;
+      for (size_t i = 0; i < seqs.size(); ++i) {
+        if (first[i + 1] <= part_lo || first[i] >= part_hi) continue;
+        const specdec::AttnSeq& sq = seqs[i];
+        const int64_t n = sq.n, start = sq.start, e = sq.e;
+        const bool tree = sq.paths != nullptr;
+        const int64_t u_end = std::min(part_hi, first[i + 1]) - first[i];  // this sequence's units, its own count
+        for (int64_t u = std::max(part_lo, first[i]) - first[i]; u < u_end;) {
+          const int64_t h = u / (n * g), r0 = u / g % n, j0 = u % g;
+          const int64_t left = std::min(u_end, (h + 1) * n * g) - u;  // units of this part in KV head h
+          int64_t count, gt;
+          if (j0 > 0 || left < g) {  // one row, some of its query heads
+            count = 1;
+            gt = std::min(g - j0, left);
+          } else {  // whole rows, in chunks of even size
+            const int64_t whole = left / g, chunks = (whole + kRowChunk - 1) / kRowChunk;
+            count = (whole + chunks - 1) / chunks;
+            gt = g;
+          }
+          for (int64_t c = 0; c < count; ++c) {
+            const int64_t r = r0 + c;
+            if (tree) {
+              pre[c] = start;
+              extra[c] = sq.paths + r * e;
+              n_extra[c] = 0;
+              while (n_extra[c] < e && extra[c][n_extra[c]] >= 0) ++n_extra[c];
+            } else {
+              pre[c] = start + r + 1;
+              extra[c] = nullptr;
+              n_extra[c] = 0;
+            }
+          }
+          const int64_t h0 = h * g + j0, at_row = sq.row + r0;
+          const Rows rows{qp + (at_row * hq + h0) * d, hq * d, op + (at_row * hq + h0) * d, pre, extra, n_extra, count};
+          fn(rows, gt, d, sq.k + h * sq.head_stride, sq.v + h * sq.head_stride, sq.key_stride, buf);
+          u += count * gt;
+        }
+      }
+    }
+  });
+}
+
 at::Tensor attend(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v, int64_t start,
                   const c10::optional<at::Tensor>& paths) {
   TORCH_CHECK(q.dim() == 3 && k.dim() == 3 && v.dim() == 3, "attend: q [n, Hq, d], k and v [Hkv, T, d]");
@@ -512,7 +587,6 @@ at::Tensor attend(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v,
   const at::Tensor qc = q.contiguous();
   const int64_t n = qc.size(0), hq = qc.size(1), d = qc.size(2), hk = k.size(0), t = k.size(1);
   TORCH_CHECK(k.size(2) == d && hk > 0 && hq % hk == 0, "attend: head layout mismatch");
-  const int64_t g = hq / hk;
   const bool tree = paths.has_value() && paths->defined();
   at::Tensor pc;
   int64_t e = 0;
@@ -540,58 +614,38 @@ at::Tensor attend(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v,
   float* op = out.data_ptr<float>();
   const int64_t* pp = tree ? pc.data_ptr<int64_t>() : nullptr;
   const int64_t ks = k.stride(1), hs = k.stride(0);
-  const RowsFn fn = rows_fn(d);
-  // Work units (KV head, row, query head of that KV head's g) in that order; part t of P takes
-  // units [t U / P, (t + 1) U / P), so the threads get equal shares whatever n, Hkv and g are.
-  // Within a KV head a part is a run of rows (the first and the last may hold only some of the
-  // query heads), taken in chunks of at most kRowChunk rows of even size that share their key
-  // and value reads.  A (row, query head) pair is one part's, so no split changes its arithmetic
-  // (a pair's scores, softmax and value sums never involve another pair).  The split this
-  // replaced, tasks of (KV head, chunk of 8 rows, share of the query heads) dealt out by count,
-  // gave one thread 17 of a nine-row pass's 27 (row, KV head) pairs and the other 10, and read a
-  // one-row pass's keys and values nine times (once per query head) instead of four.  Small
-  // passes stay on the calling thread.
-  const int64_t units = n * hq;
-  const bool parallel = n * hk * (start + n) * g * d >= kParallelWork;
-  const int64_t parts = parallel ? std::min<int64_t>(at::get_num_threads(), units) : 1;
-  at::parallel_for(0, parts, 1, [&](int64_t lo, int64_t hi) {
-    std::vector<float> buf;
-    int64_t pre[kRowChunk], n_extra[kRowChunk];
-    const int64_t* extra[kRowChunk];
-    for (int64_t part = lo; part < hi; ++part) {
-      const int64_t u_end = units * (part + 1) / parts;
-      for (int64_t u = units * part / parts; u < u_end;) {
-        const int64_t h = u / (n * g), r0 = u / g % n, j0 = u % g;
-        const int64_t left = std::min(u_end, (h + 1) * n * g) - u;  // units of this part in KV head h
-        int64_t count, gt;
-        if (j0 > 0 || left < g) {  // one row, some of its query heads
-          count = 1;
-          gt = std::min(g - j0, left);
-        } else {  // whole rows, in chunks of even size
-          const int64_t whole = left / g, chunks = (whole + kRowChunk - 1) / kRowChunk;
-          count = (whole + chunks - 1) / chunks;
-          gt = g;
-        }
-        for (int64_t i = 0; i < count; ++i) {
-          const int64_t r = r0 + i;
-          if (tree) {
-            pre[i] = start;
-            extra[i] = pp + r * e;
-            n_extra[i] = 0;
-            while (n_extra[i] < e && extra[i][n_extra[i]] >= 0) ++n_extra[i];
-          } else {
-            pre[i] = start + r + 1;
-            extra[i] = nullptr;
-            n_extra[i] = 0;
-          }
-        }
-        const int64_t h0 = h * g + j0;
-        const Rows rows{qp + (r0 * hq + h0) * d, hq * d, op + (r0 * hq + h0) * d, pre, extra, n_extra, count};
-        fn(rows, gt, d, kp + h * hs, vp + h * hs, ks, buf);
-        u += count * gt;
-      }
-    }
-  });
+  attend_seqs(qp, op, hq, hk, d, {specdec::AttnSeq{kp, vp, ks, hs, start, 0, n, pp, e}});
+  return out;
+}
+
+// Several sequences' rows in one call (see attend_seqs), each against its own cache:
+// q [M, Hq, d], k[i] / v[i] [Hkv, T_i, d], sequence i's rows the next sizes[i] of q, at starts[i].
+at::Tensor attend_batch(const at::Tensor& q, const std::vector<at::Tensor>& k, const std::vector<at::Tensor>& v,
+                        const std::vector<int64_t>& starts, const std::vector<int64_t>& sizes) {
+  TORCH_CHECK(q.dim() == 3 && q.scalar_type() == at::kFloat, "attend_batch: q must be float32 [M, Hq, d]");
+  TORCH_CHECK(k.size() == sizes.size() && v.size() == sizes.size() && starts.size() == sizes.size(),
+              "attend_batch: one k, v, start and size per sequence");
+  const at::Tensor qc = q.contiguous();
+  const int64_t m = qc.size(0), hq = qc.size(1), d = qc.size(2);
+  TORCH_CHECK(!k.empty(), "attend_batch: no sequences");
+  const int64_t hk = k[0].dim() == 3 ? k[0].size(0) : 0;
+  TORCH_CHECK(hk > 0 && hq % hk == 0, "attend_batch: head layout mismatch");
+  std::vector<specdec::AttnSeq> seqs;
+  int64_t row = 0;
+  for (size_t i = 0; i < sizes.size(); ++i) {
+    TORCH_CHECK(k[i].dim() == 3 && k[i].sizes() == v[i].sizes() && k[i].strides() == v[i].strides() &&
+                    k[i].scalar_type() == at::kFloat && v[i].scalar_type() == at::kFloat && k[i].stride(2) == 1,
+                "attend_batch: k and v must be float32 [Hkv, T, d] of one layout, features contiguous");
+    TORCH_CHECK(k[i].size(0) == hk && k[i].size(2) == d, "attend_batch: head layout mismatch");
+    TORCH_CHECK(sizes[i] >= 0 && starts[i] >= 0 && starts[i] + sizes[i] <= k[i].size(1),
+                "attend_batch: rows beyond the cache");
+    seqs.push_back(specdec::AttnSeq{k[i].data_ptr<float>(), v[i].data_ptr<float>(), k[i].stride(1), k[i].stride(0),
+                                    starts[i], row, sizes[i], nullptr, 0});
+    row += sizes[i];
+  }
+  TORCH_CHECK(row == m, "attend_batch: the sizes must add up to q's rows");
+  at::Tensor out = at::empty({m, hq * d}, qc.options());
+  attend_seqs(qc.data_ptr<float>(), out.data_ptr<float>(), hq, hk, d, seqs);
   return out;
 }
 
@@ -602,10 +656,17 @@ at::Tensor specdec::attend_op(const at::Tensor& q, const at::Tensor& k, const at
   return attend(q, k, v, start, paths);
 }
 
+void specdec::attend_seqs_op(const float* q, float* out, int64_t hq, int64_t hk, int64_t d,
+                             const std::vector<AttnSeq>& seqs) {
+  attend_seqs(q, out, hq, hk, d, seqs);
+}
+
 TORCH_LIBRARY_FRAGMENT(specdec, m) {
   m.def("attend(Tensor q, Tensor k, Tensor v, int start, Tensor? paths=None) -> Tensor");
+  m.def("attend_batch(Tensor q, Tensor[] k, Tensor[] v, int[] starts, int[] sizes) -> Tensor");
 }
 
 TORCH_LIBRARY_IMPL(specdec, CPU, m) {
   m.impl("attend", &attend);
+  m.impl("attend_batch", &attend_batch);
 }

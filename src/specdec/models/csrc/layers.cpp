@@ -171,6 +171,7 @@ at::Tensor run(const at::Tensor& x_in, const at::Tensor& cos_in, const at::Tenso
                     sg.k.scalar_type() == at::kFloat && sg.v.scalar_type() == at::kFloat,
                 "fused_layers: caches must be float32 [L, Hkv, T, d] with contiguous features");
     TORCH_CHECK(sg.k.size(1) == hk && sg.k.size(3) == d, "fused_layers: head layout mismatch");
+    TORCH_CHECK(sg.k.strides() == sg.v.strides(), "fused_layers: a cache's keys and values must have one layout");
     TORCH_CHECK(sg.start >= 0 && sg.start + sg.n <= sg.k.size(2), "fused_layers: rows beyond the cache");
     TORCH_CHECK(sg.row >= 0 && sg.n >= 0 && sg.row + sg.n <= m, "fused_layers: segment rows beyond x");
     for (int64_t r = sg.row; r < sg.row + sg.n; ++r) {
@@ -244,14 +245,16 @@ at::Tensor run(const at::Tensor& x_in, const at::Tensor& cos_in, const at::Tenso
         const Segment& sg = segs[0];
         attn = specdec::attend_op(qk.narrow(1, 0, hq), sg.k.select(0, slot), sg.v.select(0, slot),
                                   tree ? tree_start : sg.start, tree ? paths : c10::optional<at::Tensor>());
-      } else {  // each sequence against its own cache, as its solo pass (torch.cat of the parts)
+      } else {  // each sequence against its own cache, bitwise its solo pass, in one parallel region
+        const at::Tensor q = qk.narrow(1, 0, hq).contiguous();  // [M, Hq, d]
         attn = at::empty({m, hq * d}, x.options());
-        for (const Segment& sg : segs) {
-          if (sg.n == 0) continue;
-          attn.narrow(0, sg.row, sg.n).copy_(specdec::attend_op(qk.narrow(0, sg.row, sg.n).narrow(1, 0, hq),
-                                                               sg.k.select(0, slot), sg.v.select(0, slot), sg.start,
-                                                               c10::nullopt));
-        }
+        std::vector<specdec::AttnSeq> seqs;
+        seqs.reserve(segs.size());
+        for (const Segment& sg : segs)
+          seqs.push_back(specdec::AttnSeq{sg.k.data_ptr<float>() + slot * sg.k.stride(0),
+                                          sg.v.data_ptr<float>() + slot * sg.v.stride(0), sg.k.stride(2),
+                                          sg.k.stride(1), sg.start, sg.row, sg.n, nullptr, 0});
+        specdec::attend_seqs_op(q.data_ptr<float>(), attn.data_ptr<float>(), hq, hk, d, seqs);
       }
       add_into(x, linear(w, lin + 1, attn, nullptr));
     }

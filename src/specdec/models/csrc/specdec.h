@@ -4,6 +4,7 @@
 #include <ATen/ATen.h>
 
 #include <tuple>
+#include <vector>
 
 namespace specdec {
 
@@ -18,5 +19,23 @@ std::tuple<at::Tensor, at::Tensor> q8_product(const at::Tensor& x, const c10::op
 // csrc/attention.cpp: torch.ops.specdec.attend (consecutive rows, or tree nodes over their paths)
 at::Tensor attend_op(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v, int64_t start,
                      const c10::optional<at::Tensor>& paths);
+
+// One sequence of a batched attention call: its cache's keys and values for one layer ([Hkv, T, d],
+// features contiguous, k and v of one layout) and its rows of q / out (see attend_seqs_op)
+struct AttnSeq {
+  const float* k;
+  const float* v;
+  int64_t key_stride;    // floats between consecutive keys
+  int64_t head_stride;   // floats between consecutive KV heads
+  int64_t start;         // row r sees keys [0, start + r] (without paths), or the prefix [0, start)
+  int64_t row;           // its first row in q and out
+  int64_t n;             // its rows
+  const int64_t* paths;  // [n, e] slot lists of tree nodes, or null
+  int64_t e;
+};
+
+// csrc/attention.cpp: the rows of several sequences, each against its own cache, in one parallel
+// region; q and out [M, Hq * d] contiguous, each row bitwise what attend_op gives it alone
+void attend_seqs_op(const float* q, float* out, int64_t hq, int64_t hk, int64_t d, const std::vector<AttnSeq>& seqs);
 
 }  // namespace specdec
