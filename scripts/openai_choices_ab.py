@@ -7,7 +7,9 @@ Not a test and not part of CI.  Two ``specdec serve`` processes on the default m
 this checkout and one from ``--base`` (its ``src`` exported with ``git archive`` and put first on
 ``PYTHONPATH``), both up at once; the same request — ``prompt`` a list of the 16 built-in
 benchmark prompts' texts, ``max_tokens`` each — goes to each in turn, the order alternating per
-repeat, at T = 0 and at T = 1 with a seed.  Per arm: the request's wall time and completion
+repeat, at T = 0 and at T = 1 with a seed (``--prompts N``: the first N only; ``--base-args`` /
+``--this-args``: more ``specdec serve`` arguments for one server, e.g. the same commit on both
+sides with a setting changed on one).  Per arm: the request's wall time and completion
 tokens per second (``--stream``: the request streamed, its time to the first text piece of any
 choice too).  The choices' texts must be the same in both arms.  Writes ``README.md`` and
 ``results.json``.
@@ -16,6 +18,7 @@ choice too).  The choices' texts must be the same in both arms.  Writes ``README
 from __future__ import annotations
 
 import os
+import shlex
 import statistics
 import subprocess
 import sys
@@ -40,10 +43,10 @@ def _free_port() -> int:
         return s.getsockname()[1]
 
 
-def _serve(src: Path, threads: int) -> tuple[subprocess.Popen, str]:
+def _serve(src: Path, threads: int, extra: list[str]) -> tuple[subprocess.Popen, str]:
     port = _free_port()
     env = dict(os.environ, PYTHONPATH=str(src), OMP_NUM_THREADS=str(threads), TOKENIZERS_PARALLELISM="false")
-    proc = subprocess.Popen([sys.executable, "-m", "specdec.cli", "serve", "--host", "127.0.0.1", "--port", str(port)],
+    proc = subprocess.Popen([sys.executable, "-m", "specdec.cli", "serve", "--host", "127.0.0.1", "--port", str(port), *extra],
                             env=env, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
     url = f"http://127.0.0.1:{port}"
     deadline = time.monotonic() + 300
@@ -96,13 +99,17 @@ def main() -> int:
     ap.add_argument("--base", required=True, help="the commit to compare with")
     ap.add_argument("--repeats", type=int, default=3)
     ap.add_argument("--stream", action="store_true", help="stream the request (server-sent events)")
+    ap.add_argument("--base-args", default="", help="more `specdec serve` arguments for the base's server, e.g. '--draft none'")
+    ap.add_argument("--this-args", default="", help="more `specdec serve` arguments for this checkout's server")
+    ap.add_argument("--prompts", type=int, default=len(BUILTIN), help=f"the first N built-in prompts (default all {len(BUILTIN)})")
     ap.set_defaults(max_new_tokens=64)
     args = ap.parse_args()
-    prompts = [p.text for p in BUILTIN]
+    prompts = [p.text for p in BUILTIN][: args.prompts]
     temps = [float(t) for t in args.temperatures.split(",")]
     with tempfile.TemporaryDirectory() as tmp:
         arms = {"base": _export(args.base, Path(tmp)), "this": ROOT / "src"}
-        servers = {name: _serve(src, args.threads) for name, src in arms.items()}
+        extra = {"base": shlex.split(args.base_args), "this": shlex.split(args.this_args)}
+        servers = {name: _serve(src, args.threads, extra[name]) for name, src in arms.items()}
         rows, texts = [], {}
         try:
             for url in (u for _, u in servers.values()):  # warm-up
@@ -125,9 +132,10 @@ def main() -> int:
                 proc.wait(timeout=30)
     same = all(texts[(t, "base")] == texts[(t, "this")] for t in temps)
     streamed = " streamed," if args.stream else ""
-    lines = [f"One{streamed} `/v1/completions` request whose `prompt` is the list of the 16 built-in prompts, `max_tokens` "
+    flags = "".join(f" The {name}'s server ran with `{a}`." for name, a in (("base", args.base_args), ("this", args.this_args)) if a)
+    lines = [f"One{streamed} `/v1/completions` request whose `prompt` is the list of the first {len(prompts)} built-in prompts, `max_tokens` "
              f"{args.max_new_tokens}, default models and server settings (batching on), {args.threads} threads per "
-             f"server, {args.repeats} repeats alternating; medians.", "",
+             f"server, {args.repeats} repeats alternating; medians.{flags}", "",
              "| T | arm | wall s | tok/s |" + (" first text, any choice s | first text, mean over choices s |" if args.stream else ""),
              "|---|---|---|---|" + ("---|---|" if args.stream else "")]
     for temp in temps:

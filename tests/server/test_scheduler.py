@@ -456,3 +456,92 @@ def test_serialised_views_of_the_target_never_overlap_its_batches():
     _hammer([lambda: job(served), lambda: job(served), lambda: job(view), lambda: job(view)])
     assert model.passes["forward"] + model.passes["batch"] >= 50 + 1  # the view's 50 and the scheduler's
     assert model.overlaps == 0
+
+
+class _Slow(BatchToy):
+    """A toy whose passes take as long as a real model's do relative to a request thread's own work."""
+
+    PASS_S = 0.04
+
+    def forward_batch(self, items):
+        time.sleep(self.PASS_S)
+        return super().forward_batch(items)
+
+    def forward(self, tokens, cache, *, last_only=False):
+        time.sleep(self.PASS_S)
+        return super().forward(tokens, cache, last_only=last_only)
+
+
+def _staggered_pass_sizes(gather_gap: float) -> list[int]:
+    """Four sequences, each decoding six tokens; after each pass its request thread works 1 / 5 / 9 /
+    13 ms before it resubmits (sampling, stops, text: a real thread's time under the GIL)."""
+    model = _Slow(6, order=1, seed=0)
+    scheduler, passes = _recording_scheduler(model, gather_gap=gather_gap)
+
+    def worker(w: int) -> None:
+        cache = model.new_cache()
+        for _ in range(6):
+            scheduler.forward(torch.ones(1, dtype=torch.long), cache)
+            time.sleep(0.001 + 0.004 * w)
+
+    threads = [threading.Thread(target=worker, args=(w,)) for w in range(4)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(60)
+    assert sum(p.sequences for p in passes) == 24
+    return [p.sequences for p in passes]
+
+
+def test_passes_gather_the_sequences_the_last_pass_finished():
+    """Without gathering, the first request thread back starts the next pass alone and the four
+    sequences settle into small passes taking turns; with it, every pass but the first and the last
+    holds all four (24 sequence-steps; the first pass holds those that arrived before it started,
+    the last the rest of them; the negative control, gap 0, must fragment)."""
+    gathered = _staggered_pass_sizes(0.02)
+    assert gathered[1:-1].count(4) == len(gathered) - 2, gathered
+    at_once = _staggered_pass_sizes(0.0)
+    assert at_once.count(4) <= len(at_once) // 3, at_once
+
+
+class _Compute:
+    """A stand-in for the compute thread: only ``pending`` is asked during gathering."""
+
+    def __init__(self, pending: bool) -> None:
+        self._pending = pending
+
+    def pending(self) -> bool:
+        return self._pending
+
+    def post(self, fn) -> None:  # noqa: ANN001
+        pass
+
+
+def _gather_returns(scheduler: Scheduler, within: float) -> bool:
+    def run() -> None:
+        with scheduler._mutex:
+            scheduler._gather()
+
+    t = threading.Thread(target=run, daemon=True)
+    t.start()
+    t.join(within)
+    return not t.is_alive()
+
+
+@pytest.mark.parametrize("case", ["nothing arrives", "other work waits", "gap 0"])
+def test_gathering_never_holds_a_pass_for_what_will_not_come(case):
+    """A sequence that finished never comes back: the wait ends one gap after the last arrival,
+    not at the last pass's length (10 s here); it ends at once when another model's pass waits on
+    the compute thread, and with gathering off."""
+    model = BatchToy(6, order=1, seed=0)
+    gap = {"nothing arrives": 0.05, "other work waits": 10.0, "gap 0": 0.0}[case]
+    scheduler = Scheduler(model, SchedulerConfig(gather_gap=gap), compute=_Compute(case == "other work waits"))
+    scheduler._returning, scheduler._last_pass_s = 3, 10.0
+    assert _gather_returns(scheduler, within=5.0)
+
+
+def test_gathering_gap_must_not_be_negative():
+    from specdec.errors import ConfigError
+
+    with pytest.raises(ConfigError, match="gathering gap"):
+        SchedulerConfig(gather_gap=-0.001)

@@ -77,6 +77,10 @@ def add_parser(sub: Any) -> None:
                    help=f"longest piece of one prompt per pass (default {defaults.SCHEDULER_PREFILL_CHUNK})")
     b.add_argument("--max-queue", type=int, default=defaults.SCHEDULER_MAX_QUEUE,
                    help=f"forward passes waiting at most; more are answered 503 (default {defaults.SCHEDULER_MAX_QUEUE})")
+    b.add_argument("--gather-gap-ms", type=float, default=defaults.SCHEDULER_GATHER_GAP_S * 1e3,
+                   help="before a pass, wait for the sequences the last pass finished while they keep coming back,"
+                        " at most this many ms after the latest and never longer than the last pass took; 0 starts"
+                        f" each pass at once (default {defaults.SCHEDULER_GATHER_GAP_S * 1e3:g})")
     b.add_argument("--max-active-requests", type=int, default=defaults.SERVER_MAX_ACTIVE_REQUESTS,
                    help=f"OpenAI completions generating at once; more are answered 429 (default {defaults.SERVER_MAX_ACTIVE_REQUESTS})")
     g.add_argument("--allowed-host", action="append", default=[], metavar="NAME",
@@ -197,6 +201,7 @@ def settings_from_args(args: argparse.Namespace) -> dict[str, Any]:
         max_tokens_per_pass=args.max_tokens_per_pass,
         prefill_chunk=args.prefill_chunk,
         max_queue=args.max_queue,
+        gather_gap_s=args.gather_gap_ms / 1e3,
         max_active_requests=args.max_active_requests,
         metrics_need_key=args.metrics_need_key,
     )

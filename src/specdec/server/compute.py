@@ -94,6 +94,10 @@ class ComputeThread:
                     self._thread.start()
         self._queue.put(fn)
 
+    def pending(self) -> bool:
+        """Whether calls are queued (not counting the one running)."""
+        return not self._queue.empty()
+
     def run(self, fn: Callable[..., Any], *args: Any, **kw: Any) -> Any:
         """``fn(*args, **kw)`` on the compute thread (directly when called from it); its result, or
         its exception raised here."""

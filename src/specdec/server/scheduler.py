@@ -15,6 +15,13 @@ it through the model in one pass (iteration-level scheduling, Orca: Yu et al., O
   ``chunk`` rows (a long prompt) is cut into chunks run over several passes, so a 2,048-token
   prefill shares each pass with everyone's verification rounds instead of stalling them;
 * **first come, first served**: the queue is FIFO; an item partly run keeps its place;
+* **gathering**: the sequences a pass finished come back one request thread at a time (each
+  samples, checks its stops and resubmits under the GIL), so the first to come back would start
+  the next pass alone and many sequences would settle into small passes that take turns.  Before a
+  pass the loop waits for the sequences the last pass finished to join those queued meanwhile,
+  while they keep arriving
+  (``gather_gap`` at most since the last arrival), never longer in all than the last pass took and
+  never while another model's pass waits on the compute thread;
 * **admission**: at most ``max_queue`` forwards wait; past that :meth:`Scheduler.forward` raises
   :class:`Overloaded` (the HTTP layer answers 503 with Retry-After), never an unbounded backlog;
 * **cancellation**: a forward whose request was cancelled (:meth:`Scheduler.bind_cancel`) is
@@ -58,12 +65,14 @@ class SchedulerConfig:
     chunk: int = defaults.SCHEDULER_PREFILL_CHUNK
     #: forwards waiting at most; more raise Overloaded
     max_queue: int = defaults.SCHEDULER_MAX_QUEUE
+    #: gathering (see the module): seconds without an arrival after which a pass starts; 0 = never wait
+    gather_gap: float = defaults.SCHEDULER_GATHER_GAP_S
 
     def __post_init__(self) -> None:
-        from specdec.errors import ConfigError
-
         if self.max_tokens < 1 or self.chunk < 1 or self.max_queue < 1:
             raise ConfigError(f"scheduler limits must be >= 1, got {self}")
+        if not self.gather_gap >= 0:
+            raise ConfigError(f"the gathering gap must be >= 0 ms, got {self.gather_gap * 1e3:g} ms")
         if self.chunk > self.max_tokens:
             raise ConfigError(f"the prefill chunk ({self.chunk}) cannot exceed the tokens per pass ({self.max_tokens})")
 
@@ -112,6 +121,10 @@ class Scheduler:
         self.name = name
         self._queue: deque[_Item] = deque()
         self._mutex = threading.Lock()
+        self._arrived = threading.Condition(self._mutex)  # notified when a forward joins the queue
+        self._last_arrival = 0.0  # perf_counter() of the latest forward queued
+        self._returning = 0  # the last pass's finished sequences (they may come back) + those queued meanwhile
+        self._last_pass_s = 0.0  # the last pass's own time
         self.compute = compute if compute is not None else COMPUTE
         self._posted = False  # a pass of this scheduler is queued on the compute thread
         self._local = threading.local()
@@ -148,7 +161,9 @@ class Scheduler:
                     self.metrics.rejected.labels(self.name).inc()
                 raise Overloaded(f"the {self.name} model's queue is full ({self.config.max_queue} forward passes waiting)")
             self._queue.append(item)
+            self._last_arrival = time.perf_counter()
             self._post()
+            self._arrived.notify()
         item.done.wait()
         if item.error is not None:
             raise item.error
@@ -184,10 +199,26 @@ class Scheduler:
             budget -= take
         return batch, len(self._queue)
 
+    def _gather(self) -> None:
+        """Wait (under _mutex) for the sequences the last pass finished, while they keep coming."""
+        gap = self.config.gather_gap
+        if gap <= 0:
+            return
+        started = time.perf_counter()
+        deadline = started + self._last_pass_s
+        while len(self._queue) < self._returning and not self.compute.pending():
+            now = time.perf_counter()
+            until = min(deadline, max(self._last_arrival, started) + gap)
+            if now >= until:
+                return
+            self._arrived.wait(min(until - now, gap))  # wakes on an arrival; looks at other work at least every gap
+
     def _pass(self) -> None:
-        """One pass over what is pending now (on the compute thread); the next one is queued behind
-        the other work asked for meanwhile."""
+        """One pass over what is pending now (on the compute thread), once the sequences the last
+        pass finished are back or stop arriving; the next one is queued behind the other work asked
+        for meanwhile."""
         with self._mutex:
+            self._gather()
             batch, queued = self._take()
             if not batch:
                 self._posted = False
@@ -197,13 +228,18 @@ class Scheduler:
                 started = time.perf_counter()
                 self._run(batch)
                 seconds = time.perf_counter() - started
+            self._last_pass_s = seconds
             self.on_pass(PassStats(sequences=len(batch), tokens=sum(t for _, t in batch), queued=queued, seconds=seconds))
         finally:
             with self._mutex:
+                finished = 0
                 for item, _ in batch:
                     if item.error is not None or item.left == 0:
                         self._queue.remove(item)
                         item.done.set()
+                        finished += item.error is None
+                # what the next pass can hold: these sequences once back, and what queued meanwhile
+                self._returning = finished + len(self._queue)
                 self._posted = False
                 if self._queue:
                     self._post()

@@ -49,6 +49,9 @@ class ServerSettings:
     max_tokens_per_pass: int = defaults.SCHEDULER_MAX_TOKENS
     prefill_chunk: int = defaults.SCHEDULER_PREFILL_CHUNK
     max_queue: int = defaults.SCHEDULER_MAX_QUEUE
+    #: with batching: before a pass, wait for the last pass's sequences while they keep arriving,
+    #: at most this long after the latest (server/scheduler.py); 0 = start each pass at once
+    gather_gap_s: float = defaults.SCHEDULER_GATHER_GAP_S
     #: OpenAI requests generating at once (429 + Retry-After past it)
     max_active_requests: int = defaults.SERVER_MAX_ACTIVE_REQUESTS
     #: Host names a keyless server answers to (loopback names are always accepted); DNS-rebinding guard
@@ -93,7 +96,8 @@ class ServerSettings:
     def scheduler_config(self) -> "SchedulerConfig":
         from specdec.server.scheduler import SchedulerConfig
 
-        return SchedulerConfig(max_tokens=self.max_tokens_per_pass, chunk=self.prefill_chunk, max_queue=self.max_queue)
+        return SchedulerConfig(max_tokens=self.max_tokens_per_pass, chunk=self.prefill_chunk, max_queue=self.max_queue,
+                               gather_gap=self.gather_gap_s)
 
     def _check_times(self) -> None:
         for name in ("sweep_interval_s", "header_timeout_s", "body_timeout_s"):
