@@ -19,9 +19,8 @@ it through the model in one pass (iteration-level scheduling, Orca: Yu et al., O
   samples, checks its stops and resubmits under the GIL), so the first to come back would start
   the next pass alone and many sequences would settle into small passes that take turns.  Before a
   pass the loop waits for the sequences the last pass finished to join those queued meanwhile,
-  while they keep arriving
-  (``gather_gap`` at most since the last arrival), never longer in all than the last pass took and
-  never while another model's pass waits on the compute thread;
+  while they keep arriving (``gather_gap`` at most since the last arrival), never longer in all
+  than the last pass took and never while another model's pass waits on the compute thread;
 * **admission**: at most ``max_queue`` forwards wait; past that :meth:`Scheduler.forward` raises
   :class:`Overloaded` (the HTTP layer answers 503 with Retry-After), never an unbounded backlog;
 * **cancellation**: a forward whose request was cancelled (:meth:`Scheduler.bind_cancel`) is

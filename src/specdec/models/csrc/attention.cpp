@@ -506,8 +506,8 @@ constexpr int64_t kParallelWork = 1 << 16;
 // q and out [M, Hq * d] rows; sequence i's rows [seqs[i].row, + n) see its keys as attend's
 // rows do.  Work units are (sequence, KV head, row, query head) in that order; part t of P takes
 // units [t U / P, (t + 1) U / P), so the threads get equal shares whatever the sequences' sizes,
-// in one parallel region for the whole pass (a region per sequence and layer cost ~0.3 ms of a
-// 16-sequence pass).  Within a sequence's KV head a part is a run of rows (the first and the last
+// in one parallel region per layer for the whole pass (a region per sequence and layer had cost a
+// 16-sequence pass ~2.5 ms of its ~12 on two Zen 5 cores).  Within a sequence's KV head a part is a run of rows (the first and the last
 // may hold only some of the query heads), taken in chunks of at most kRowChunk rows of even size
 // that share their key and value reads.  A (row, query head) pair is one part's, so no split
 // changes its arithmetic (a pair's scores, softmax and value sums never involve another pair):
