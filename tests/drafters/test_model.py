@@ -42,6 +42,28 @@ def test_gumbel_mode_reports_no_probs():
     assert draft.probs is None and draft.tokens.numel() == 3
 
 
+def test_a_lazy_prefill_feeds_the_prompt_with_the_first_draft():
+    """``lazy_prefill``: preparing runs no pass; the first round that drafts feeds the whole context
+    and draws what an eagerly prefilled drafter draws, q included (a sequence a busy server never
+    lets draft never pays for the draft's prefill)."""
+    model = ToyLM(7, order=2, seed=5)
+    ctx = torch.tensor([1, 4, 2, 6, 3])
+    drafts = []
+    for lazy in (False, True):
+        d = ModelDrafter(model, lazy_prefill=lazy)
+        d.prepare(ctx)
+        assert d.cache.length == (0 if lazy else ctx.numel() - 1)
+        assert d.propose(ctx, 0, DraftSampler(SamplingConfig(), "argmax", penalties=None, generator=None)).tokens.numel() == 0
+        assert d.cache.length == (0 if lazy else ctx.numel() - 1)  # an undrafted round feeds nothing either
+        sampler = DraftSampler(SamplingConfig(temperature=1.0), "multinomial", penalties=None,
+                               generator=torch.Generator().manual_seed(3))
+        drafts.append(d.propose(ctx, 3, sampler))
+        assert d.cache.length == ctx.numel() + 2 and d.cache.tokens[: ctx.numel()] == ctx.tolist()
+    assert drafts[0].tokens.tolist() == drafts[1].tokens.tolist()
+    assert torch.equal(drafts[0].probs, drafts[1].probs)
+    assert ModelDrafter(model, lazy_prefill=True).with_model(model).lazy_prefill
+
+
 # ----------------------------------------------------------------------------- a reduced draft vocabulary
 
 

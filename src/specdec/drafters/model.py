@@ -24,8 +24,12 @@ class ModelDrafter:
     recovered or bonus token, plus the last draft token when all γ were accepted).
     """
 
-    def __init__(self, model: LanguageModel, *, max_length: int | None = None, temperature_factor: float = 1.0) -> None:
+    def __init__(self, model: LanguageModel, *, max_length: int | None = None, temperature_factor: float = 1.0,
+                 lazy_prefill: bool = False) -> None:
+        """``lazy_prefill``: :meth:`prepare` runs nothing; the first round that drafts feeds the
+        whole context (a batching server, whose load may keep a sequence from drafting at all)."""
         self.model = model
+        self.lazy_prefill = lazy_prefill
         #: the draft samples at this factor x the request's temperature (see ``draft_config``)
         self.temperature_factor = temperature_factor
         self.max_length = max_length
@@ -40,7 +44,8 @@ class ModelDrafter:
 
     def with_model(self, model: LanguageModel) -> "ModelDrafter":
         """A fresh drafter of the same settings over ``model`` (e.g. the draft behind a prefix cache)."""
-        return ModelDrafter(model, max_length=self.max_length, temperature_factor=self.temperature_factor)
+        return ModelDrafter(model, max_length=self.max_length, temperature_factor=self.temperature_factor,
+                            lazy_prefill=self.lazy_prefill)
 
     def finish(self, context: Tensor) -> None:  # context: [L] the sequence's committed tokens
         """The sequence is finished: a draft model that keeps finished sequences (``keep_sequence``:
@@ -62,10 +67,11 @@ class ModelDrafter:
             self.cache = self.model.new_cache(self.max_length)
 
     def prepare(self, prompt: Tensor) -> None:  # prompt: [L]
-        """Prefill the draft cache with all but the last prompt token (outside the timed rounds)."""
+        """Prefill the draft cache with all but the last prompt token (outside the timed rounds),
+        unless the prefill is lazy."""
         self.reset(prompt.numel())
         assert self.cache is not None
-        if prompt.numel() > 1:
+        if prompt.numel() > 1 and not self.lazy_prefill:
             self.model.forward(prompt[:-1], self.cache, last_only=True)
 
     def _compact_ids(self, sampler: DraftSampler) -> Tensor | None:

@@ -147,8 +147,8 @@ def _fresh_drafter(engine: Any, draft_model: Any | None) -> Callable[[], Any] | 
     if engine.draft_model is not None:
         model = draft_model if draft_model is not None else serialized(engine.draft_model.model)
         if isinstance(engine.drafter, LookupThenModel):  # DRAFT+lookup
-            return lambda: LookupThenModel(ModelDrafter(model))
-        return lambda: ModelDrafter(model)
+            return lambda: LookupThenModel(ModelDrafter(model, lazy_prefill=True))
+        return lambda: ModelDrafter(model, lazy_prefill=True)
     if isinstance(engine.drafter, LookupThenModel) and not hasattr(engine.drafter.model, "spawn"):
         raise ConfigError(f"the server cannot share the drafter {engine.drafter_name!r} between requests")
     spawn = getattr(engine.drafter, "spawn", None)  # a self-speculative view of the target (+lookup)
