@@ -35,7 +35,7 @@ class FixedCap:
     def observe_tokens(self, n: int) -> None:
         pass
 
-    def observe_round(self, *args: Any) -> None:
+    def observe_round(self, *args: Any, **_: Any) -> None:
         self.rounds.append(args)
 
 

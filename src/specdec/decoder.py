@@ -191,6 +191,8 @@ class SpeculativeDecoder:
         empty = Draft(tokens=torch.empty(0, dtype=torch.long), probs=None)
         proposed_so_far = accepted_so_far = 0
         free_drafts = hasattr(drafter, "update_free")  # a hybrid: prompt lookup in front of a model
+        free_limit = getattr(self.gamma, "free_limit", None) if free_drafts else None
+        free_update = getattr(self.gamma, "update_free", None) if free_drafts else None
         observe_pass = getattr(drafter, "observe_pass", None)  # ... whose lookup controller learns pass costs
         draft_cfg = draft_config(cfg, temperature_factor(drafter))  # the drafter samples at its factor x T
         while len(generated) < max_new:
@@ -202,9 +204,13 @@ class SpeculativeDecoder:
             if advised is not None and tree is None:
                 limit = min(limit, advised)
             g = min(self.gamma.next_gamma(), limit) if drafter is not None and remaining > 1 else 0
+            room = limit  # free drafts' ceiling: a busy server's own (see server/draft_cap.py), else γ's
+            if free_limit is not None and tree is None:
+                ceiling = free_limit()
+                room = limit if ceiling is None else min(limit, ceiling)
             # a drafter with free drafts (prompt lookup) is asked even when γ is 0: a free draft
             # may pay where the model's drafts do not
-            asked = g > 0 or (free_drafts and remaining > 1 and limit > 0)
+            asked = g > 0 or (free_drafts and remaining > 1 and room > 0)
             draft = empty
             if asked:
                 sampler = DraftSampler(
@@ -216,7 +222,7 @@ class SpeculativeDecoder:
                     want_probs=rule.needs_draft_probs,
                     q_top_k=self.q_top_k,
                     min_confidence=self.min_confidence,
-                    room=limit,
+                    room=room,
                 )
                 if tree is not None and g > 0:
                     draft = drafter.propose_tree(verifier.context, g, sampler, tree, max_depth=remaining - 1)  # type: ignore[attr-defined]
@@ -257,6 +263,8 @@ class SpeculativeDecoder:
             measured = dict(gamma=drafted, accepted=verdict.num_accepted, draft_s=t1 - t0, target_s=outcome.target_s, other_s=other_s)
             if draft.free:  # a lookup round says nothing about the draft model; the drafter learns from it
                 drafter.update_free(**measured)  # type: ignore[union-attr]
+                if free_update is not None:
+                    free_update(**measured)
             else:
                 self.gamma.update(**measured)
                 if observe_pass is not None:

@@ -78,6 +78,10 @@ class CappedGamma:
     inner: GammaController
     cap: Callable[[], int | None]
     observe: Callable[[int, int], None] | None = None
+    #: the ceiling for free drafts (prompt lookup's: a row of the target's pass each, no draft
+    #: model's), and where their rounds are reported; None = no ceiling / not reported
+    free_cap: Callable[[], int | None] | None = None
+    observe_free: Callable[[int, int], None] | None = None
 
     @property
     def name(self) -> str:
@@ -88,10 +92,19 @@ class CappedGamma:
         c = self.cap()
         return g if c is None else max(0, min(g, c))
 
+    def free_limit(self) -> int | None:
+        """The most free draft tokens worth a round now (None: no ceiling)."""
+        return None if self.free_cap is None else self.free_cap()
+
     def update(self, *, gamma: int, accepted: int, draft_s: float, target_s: float, other_s: float) -> None:
         self.inner.update(gamma=gamma, accepted=accepted, draft_s=draft_s, target_s=target_s, other_s=other_s)
         if self.observe is not None:
             self.observe(gamma, accepted)
+
+    def update_free(self, *, gamma: int, accepted: int, draft_s: float, target_s: float, other_s: float) -> None:
+        """A free draft's round (the drafter's own controller learns from it; γ's does not)."""
+        if self.observe_free is not None:
+            self.observe_free(gamma, accepted)
 
 
 def expected_tokens(accept_at_least: list[float], gamma: int) -> float:

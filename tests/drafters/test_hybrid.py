@@ -17,6 +17,7 @@ from types import SimpleNamespace
 import pytest
 import torch
 
+from specdec import defaults
 from specdec.decoder import SpeculativeDecoder
 from specdec.drafters.base import Draft, DraftSampler
 from specdec.drafters.hybrid import LookupThenModel
@@ -56,6 +57,7 @@ def test_lookup_round_where_the_suffix_repeats_model_round_elsewhere():
     d = h.propose(ctx, 1, _sampler(room=10))
     assert d.tokens.tolist() == [0, 2, 2, 4] and d.probs is None and d.free  # longer than γ = 1: it is free
     assert h.propose(ctx, 1, _sampler(room=2)).tokens.tolist() == [0, 2]  # never past the round's room
+    assert not h.propose(ctx, 1, _sampler(room=0)).free  # no room for free drafts (a busy server): the model's
     ctx = torch.tensor([4, 1, 3, 0, 2])  # no 2-token suffix seen before: the model drafts
     h.prepare(ctx)
     d = h.propose(ctx, 3, _sampler(1.0, room=10))
@@ -178,6 +180,45 @@ def test_negative_control_lookup_reported_with_a_wrong_q_fails(monkeypatch):
     law = exact_law(Oracle(TARGET), PROMPT, cfg, N_NEW)
     assert chi_square_pvalue(_samples("token", cfg, _Counting()), law) < ALPHA
 
+@pytest.mark.parametrize("ceiling", [0, 2, None])
+def test_a_busy_servers_ceiling_for_free_drafts(ceiling):
+    """A capped γ policy (a batching server's) also bounds prompt lookup's drafts: its ceiling 0
+    stops them (with the model's γ 0 nothing is drafted at all), k keeps them at k tokens; every
+    lookup round is reported to the server; the tokens are plain greedy decoding's either way."""
+    from specdec.gamma import CappedGamma
+
+    cfg = SamplingConfig(temperature=0.0, max_new_tokens=48)
+    plain = SpeculativeDecoder(INVARIANT, None, get_rule("greedy")).generate(PROMPT, cfg)
+    h = _hybrid(lookup_tokens=None)
+    free_rounds: list[tuple[int, int]] = []
+    gamma = CappedGamma(FixedGamma(3), cap=lambda: 0, free_cap=lambda: ceiling,
+                        observe_free=lambda g, a: free_rounds.append((g, a)))
+    asked = []
+    propose = h.propose
+    h.propose = lambda *a, **k: asked.append(1) or propose(*a, **k)  # type: ignore[method-assign]
+    out = SpeculativeDecoder(INVARIANT, h, get_rule("greedy"), gamma=gamma).generate(PROMPT, cfg)
+    assert out.tokens == plain.tokens and h.rounds["model"] == 0
+    assert (len(asked) == 0) == (ceiling == 0)  # nothing to draft: the drafter is not even asked
+    free = [r for r in out.rounds if r.free]
+    assert [(r.gamma, r.accepted) for r in free] == free_rounds
+    if ceiling == 0:
+        assert not free and all(r.gamma == 0 for r in out.rounds)
+    else:
+        assert free and all(r.gamma <= (ceiling or defaults.MAX_GAMMA) for r in free)
+        if ceiling is None:
+            assert max(r.gamma for r in free) > 2  # uncapped lookup drafts run longer here
+
+
+def test_a_capped_policy_passes_the_ceilings_on():
+    from specdec.gamma import CappedGamma
+
+    seen = []
+    g = CappedGamma(FixedGamma(4), cap=lambda: 1, free_cap=lambda: 3, observe_free=lambda *a: seen.append(a))
+    assert g.next_gamma() == 1 and g.free_limit() == 3
+    g.update_free(gamma=3, accepted=2, draft_s=0.0, target_s=0.0, other_s=0.0)
+    assert seen == [(3, 2)]
+    assert CappedGamma(FixedGamma(4), cap=lambda: None).free_limit() is None
+
 
 def test_the_server_gives_each_request_its_own_hybrid():
     from types import SimpleNamespace
@@ -188,6 +229,7 @@ def test_the_server_gives_each_request_its_own_hybrid():
     make = drafter_factory(engine, draft_model=DRAFT)
     a, b = make(), make()
     assert isinstance(a, LookupThenModel) and a is not b and a.model is not b.model and a.model.model is DRAFT
+    assert a.model.lazy_prefill  # a busy server's cap may keep a sequence from drafting at all
 
 
 def test_lookup_length_follows_the_lookup_rounds_acceptance():

@@ -154,10 +154,10 @@ def test_no_cap_on_the_serialised_server_or_when_switched_off():
     assert _app(draft_cap=False).state.ctx.draft_cap is None
 
 
-def _steady(draft_row_s: float | None) -> DraftCap:
+def _steady(draft_pass_s: float | None, draft_rows: int = 10) -> DraftCap:
     """32 target passes of 100 rows in 0.2 s (costs a = 20 ms, b = 1.8 ms: m = 0.9), 25 tokens each,
-    32 draft passes of 10 rows at ``draft_row_s`` per row, 400 greedy and openai rounds of γ = 3
-    with P(accepted >= k) = 0.8 / 0.5 / 0.3."""
+    32 draft passes of ``draft_rows`` rows in ``draft_pass_s`` seconds each, 400 greedy (edge) and
+    openai (drafted by the server: 1,200 tokens) rounds of γ = 3 with P(accepted >= k) = 0.8 / 0.5 / 0.3."""
     clock = _Clock()
     cap = DraftCap(CapConfig(window_s=1000.0, min_passes=16, min_rounds=32, max_positions=6), clock=clock,
                    costs=(0.020, 0.0018))
@@ -165,27 +165,62 @@ def _steady(draft_row_s: float | None) -> DraftCap:
         clock.t += 0.3
         cap.observe_pass(100, 0.2)
         cap.observe_tokens(25)
-        if draft_row_s is not None:
-            cap.observe_draft_pass(10, 10 * draft_row_s)
+        if draft_pass_s is not None:
+            cap.observe_draft_pass(draft_rows, draft_pass_s)
     for i in range(400):
         accepted = (3 if i % 10 < 3 else 2 if i % 10 < 5 else 1 if i % 10 < 8 else 0)  # P(>=k) = .8 / .5 / .3
-        for wire in ("greedy", "openai"):
-            cap.observe_round(wire, 3, accepted)
+        cap.observe_round("greedy", 3, accepted)
+        cap.observe_round("openai", 3, accepted, server_drafted=True)
     return cap
 
 
 def test_the_servers_own_drafting_counts_its_draft_cost():
     """Edge drafts cost the server a target row: threshold m ρ = 0.9 × 0.25 = 0.225, so all three
-    positions pay.  Drafts the server makes itself cost a draft row too: with 5 ms per draft row,
-    (0.9 × 0.2/100 + 0.005) × 800 tokens / (6.4 + 1.6) s = 0.68, so only the first does."""
-    cap = _steady(0.005)
+    positions pay.  Drafts the server makes itself cost the draft's passes too: 32 passes of
+    0.1875 s for 1,200 drafted tokens are 5 ms a token, (0.9 × 0.2/100 + 0.005) × 800 tokens /
+    (6.4 + 6.0) s = 0.44, so the first two do; at twice the draft seconds (0.51) only the first."""
+    cap = _steady(0.1875)
     edge, p = cap.estimate("greedy")
     assert edge == pytest.approx(0.225) and p[:3] == pytest.approx([0.8, 0.5, 0.3], abs=0.01)
     own, _ = cap.estimate("openai", server_drafted=True)
-    assert own == pytest.approx((0.9 * 0.002 + 0.005) * 800 / 8.0)
-    assert cap.cap("greedy") == 3 and cap.cap("openai", server_drafted=True) == 1
-    assert _steady(0.05).cap("openai", server_drafted=True) == 0  # drafting dearer than it brings: none
+    assert own == pytest.approx((0.9 * 0.002 + 0.005) * 800 / 12.4)
+    assert cap.cap("greedy") == 3 and cap.cap("openai", server_drafted=True) == 2
+    assert _steady(0.375).cap("openai", server_drafted=True) == 1
     assert _steady(None).cap("openai", server_drafted=True) is None  # no draft pass seen: no basis for a cap
+
+
+def test_the_drafts_prefill_and_catch_up_rows_count_per_drafted_token():
+    """What drafting costs is the draft's seconds per token it drafted, whatever rows its passes
+    held: the same seconds over 10 or 1,000 rows a pass (a pass that is mostly a prompt's prefill,
+    or the catch-up over what a sequence committed while not drafting) give the same threshold, and
+    more seconds for the same drafted tokens a higher one."""
+    few, many = _steady(0.1875, draft_rows=10), _steady(0.1875, draft_rows=1000)
+    assert few.estimate("openai", server_drafted=True)[0] == pytest.approx(many.estimate("openai", server_drafted=True)[0])
+    assert _steady(0.375, draft_rows=1000).estimate("openai", server_drafted=True)[0] > many.estimate("openai", server_drafted=True)[0]
+
+
+def test_the_window_forgets_what_it_trims():
+    """The running sums follow the window: passes older than it leave the fit, the draft's cost per
+    drafted token is kept once nothing is left to measure it by."""
+    clock = _Clock()
+    cap = DraftCap(CapConfig(window_s=10.0, min_passes=2, min_rounds=1, max_positions=4), clock=clock)
+    for rows in (10, 30):  # old passes: 1 ms a row
+        cap.observe_pass(rows, 0.001 * rows)
+    cap.observe_tokens(20)
+    cap.observe_draft_pass(5, 0.05)
+    cap.observe_round("openai", 2, 1, server_drafted=True)
+    old, _ = cap.estimate("openai", server_drafted=True)
+    clock.t = 11.0
+    for rows in (10, 30):  # new passes: 2 ms a row plus 10 ms
+        cap.observe_pass(rows, 0.01 + 0.002 * rows)
+    cap.observe_tokens(20)
+    assert cap._passes.sums == [40, pytest.approx(0.1), 1000, pytest.approx(10 * 0.03 + 30 * 0.07)]
+    assert cap._draft_passes.sums == [0] and cap._drafted.sums == [0]
+    from specdec.server.draft_cap import fit_line
+    assert fit_line(len(cap._passes), *cap._passes.sums) == pytest.approx((0.01, 0.002))
+    new, _ = cap.estimate("openai", server_drafted=True)
+    # m = 0.04 / 0.05 = 0.8, T/R = 0.1 / 40, draft 0.05 s per drafted token (kept), E = 20
+    assert new == pytest.approx((0.8 * 0.1 / 40 + 0.025) * 20 / 0.1) and new != old
 
 
 def test_capped_gamma_takes_the_ceiling_and_reports_rounds():
@@ -232,3 +267,33 @@ def test_openai_requests_draft_no_more_than_the_cap_and_give_the_same_text(k):
         else:
             assert proposed > 0
     assert texts[True] == texts[False]
+
+
+def test_a_busy_servers_cap_stops_prompt_lookup_too():
+    """The default drafter's prompt lookup costs the busy pass a row per token as well: a server
+    whose cap says 0 asks it for the lookup wire too (as an edge-like cost, no draft pass), and
+    then drafts nothing at all, model or lookup, and returns the uncapped server's text."""
+    from specdec.drafters import ModelDrafter
+    from specdec.drafters.hybrid import LookupThenModel
+    from toy_server import LetterTokenizer
+
+    texts, proposed = {}, {}
+    for capped in (True, False):
+        target = ToyLM(VOCAB, order=2, seed=3)
+        draft = target.perturbed(0.3, seed=1)
+        app = create_app(target, tokenizer=LetterTokenizer(), settings=ServerSettings(),
+                         drafter_factory=lambda: LookupThenModel(ModelDrafter(draft, lazy_prefill=True), min_ngram=1),
+                         drafter_name="toy+lookup")
+        fixed = FixedCap(0) if capped else None
+        app.state.ctx.draft_cap = fixed
+        client = TestClient(app, base_url="http://localhost")
+        r = client.post("/v1/completions", json={"prompt": "abcabcab", "max_tokens": 24, "temperature": 0})
+        assert r.status_code == 200, r.text
+        texts[capped] = r.json()["choices"][0]["text"]
+        metrics = client.get("/metrics").text
+        proposed[capped] = sum(float(line.split()[-1]) for line in metrics.splitlines()
+                               if line.startswith('specdec_draft_tokens_proposed_total{wire="openai"}'))
+        if capped:
+            assert set(fixed.asked) == {("openai", True), ("openai+lookup", False)}
+    assert texts[True] == texts[False]
+    assert proposed[True] == 0 and proposed[False] > 0

@@ -166,7 +166,8 @@ class LookupThenModel:
         return max(1, min(self.length.next_gamma(), room))
 
     def propose(self, context: Tensor, gamma: int, sampler: DraftSampler) -> Draft:  # context: [L]
-        found = self._lookup(context, self._lookup_length(sampler.room if sampler.room is not None else gamma), sampler)
+        room = sampler.room if sampler.room is not None else gamma
+        found = self._lookup(context, self._lookup_length(room), sampler) if room > 0 else None  # room 0: a busy server's cap
         if found is not None:
             return found
         self._model_round = False

@@ -20,15 +20,23 @@ leading positions with ``p_k > m ρ``.
 Truncating a draft is lossless for every rule: verifying the first ``k`` tokens of a draft is
 verifying a ``k``-token draft, which the client could have sent itself (the choice of ``k``
 depends only on the past).  The client commits what the answer holds, as after any rejection.
-**The server's own drafting** (OpenAI requests) costs the server a draft row per drafted token
-as well, so there one more position pays when
+**The server's own drafting** (OpenAI requests) costs the server the draft model's passes as
+well, so there one more position pays when
 
-    p > (m T / R + T_d / R_d) E / (T + T_d),
+    p > (m T / R + T_d / D) E / (T + T_d),
 
-with ``T_d`` the seconds of the draft model's passes and ``R_d`` their rows in the same window
-(the edge rule above is the case ``T_d = 0``).  Under heavy load this turns the server's own
-speculation down, to none at all when even the first position does not pay — what vLLM's
-switch-off by batch size does, but measured rather than set.
+with ``T_d`` the seconds of the draft model's passes and ``D`` the tokens it drafted in the same
+window (the edge rule above is the case ``T_d = 0``).  ``T_d`` holds every row the drafting took,
+not only one per drafted token: the prefill of a sequence's prompt, which the server's drafter
+runs only when the sequence first drafts, and the catch-up over the tokens a sequence committed
+while it was not drafting.  Counting a drafted token's own row alone (``T_d / R_d``), as a first
+version did, let the cap turn drafting back on as soon as it paid per row; each time it did,
+every sequence caught up on all it had missed, and on a busy 2-core server those catch-up rows
+took ~13 % of the time.  Under heavy load this turns the server's own speculation down, to none
+at all when even the first position does not pay — what vLLM's switch-off by batch size does,
+but measured rather than set.  **Prompt lookup's drafts** (the default drafter's free half) cost
+a target row and no draft pass: their positions get the edge rule's threshold ``m ρ``, from their
+own acceptance (a wire of their own, :data:`LOOKUP_WIRE_SUFFIX`).
 
 It is applied only to the wire modes whose output does not depend on γ at all
 (:data:`CAPPED_WIRES`: greedy, and coupled sampling, a function of the seed): with token or block
@@ -49,6 +57,8 @@ from specdec import defaults
 
 #: wire modes whose outputs are the same tokens whatever γ (so the cap never changes a result)
 CAPPED_WIRES = ("greedy", "coupled")
+#: a wire's free drafts (prompt lookup's, in the server's own drafting) are tracked as this wire
+LOOKUP_WIRE_SUFFIX = "+lookup"
 
 
 @dataclass(frozen=True)
@@ -73,16 +83,17 @@ def cap_from(p_accept: list[float], threshold: float) -> int:
 
 def row_costs(rows: list[int], seconds: list[float]) -> tuple[float, float] | None:
     """Least-squares ``(a, b)`` of ``seconds ≈ a + b · rows`` (pure); None if the rows never vary."""
-    n = len(rows)
-    if n < 2:
+    return fit_line(len(rows), sum(rows), sum(seconds), sum(r * r for r in rows), sum(r * s for r, s in zip(rows, seconds)))
+
+
+def fit_line(n: int, rows: int, seconds: float, rows2: int, rows_s: float) -> tuple[float, float] | None:
+    """:func:`row_costs` from the sums ``Σr, Σs, Σr², Σrs`` of ``n`` passes (integer rows: the
+    spread ``n Σr² - (Σr)²`` is exact, zero when the rows never vary)."""
+    spread = n * rows2 - rows * rows
+    if n < 2 or spread <= 0:
         return None
-    mr = sum(rows) / n
-    ms = sum(seconds) / n
-    var = sum((r - mr) ** 2 for r in rows)
-    if var <= 0:
-        return None
-    b = sum((r - mr) * (s - ms) for r, s in zip(rows, seconds)) / var
-    return ms - b * mr, b
+    b = (n * rows_s - rows * seconds) / spread
+    return (seconds - b * rows) / n, b
 
 
 def calibrate(model: Any, *, rows: int = 96, sequences: int = 12, context: int = 64, reps: int = 3) -> tuple[float, float] | None:
@@ -125,6 +136,33 @@ def calibrate(model: Any, *, rows: int = 96, sequences: int = 12, context: int =
     return max(small - b, 0.0), b
 
 
+class _Window:
+    """Timed entries of a few numbers each, with their running sums: :meth:`DraftCap.estimate`
+    runs once or twice per round of every sequence, under a lock, while the window holds thousands
+    of passes; summing them each time took ~0.2 ms a call, a busy server's request threads paying
+    it one after another.  Integer columns stay Python ints, so their sums are exact."""
+
+    def __init__(self, width: int) -> None:
+        self.entries: deque[tuple[float, tuple]] = deque()
+        self.sums: list = [0] * width
+
+    def __len__(self) -> int:
+        return len(self.entries)
+
+    def add(self, now: float, *values) -> None:
+        self.entries.append((now, values))
+        for i, v in enumerate(values):
+            self.sums[i] += v
+
+    def trim(self, horizon: float) -> None:
+        entries = self.entries
+        while entries and entries[0][0] < horizon:
+            for i, v in enumerate(entries.popleft()[1]):
+                self.sums[i] -= v
+        if not entries:  # float sums back to exact zeros
+            self.sums = [0] * len(self.sums)
+
+
 class DraftCap:
     """The server's running estimates and the cap they give (thread-safe)."""
 
@@ -135,45 +173,47 @@ class DraftCap:
         self._costs = costs
         self._clock = clock
         self._lock = threading.Lock()
-        self._passes: deque[tuple[float, int, float]] = deque()  # (time, rows, seconds)
-        self._draft_passes: deque[tuple[float, int, float]] = deque()  # the server's draft model: (time, rows, seconds)
-        self._draft_row_s: float | None = None  # seconds per draft row, kept when the window holds none
-        self._emitted: deque[tuple[float, int]] = deque()  # (time, tokens)
+        self._passes = _Window(4)  # the target's: rows, seconds, rows², rows·seconds
+        self._draft_passes = _Window(1)  # the server's draft model's: seconds
+        self._drafted = _Window(1)  # tokens the server's draft model drafted
+        self._draft_token_s: float | None = None  # draft seconds per drafted token, kept when the window holds none
+        self._emitted = _Window(1)  # tokens
         self._rounds: dict[str, int] = {}
         self._proposed: dict[str, list[float]] = {}
         self._accepted: dict[str, list[float]] = {}
 
     def _trim(self, now: float) -> None:
         horizon = now - self.config.window_s
-        while self._passes and self._passes[0][0] < horizon:
-            self._passes.popleft()
-        while self._emitted and self._emitted[0][0] < horizon:
-            self._emitted.popleft()
-        while self._draft_passes and self._draft_passes[0][0] < horizon:
-            self._draft_passes.popleft()
+        for window in (self._passes, self._emitted, self._draft_passes, self._drafted):
+            window.trim(horizon)
 
     def observe_pass(self, rows: int, seconds: float) -> None:
         with self._lock:
             now = self._clock()
-            self._passes.append((now, rows, seconds))
+            self._passes.add(now, rows, seconds, rows * rows, rows * seconds)
             self._trim(now)
 
     def observe_draft_pass(self, rows: int, seconds: float) -> None:
         """One pass of the server's own draft model (drafting for OpenAI requests)."""
         with self._lock:
             now = self._clock()
-            self._draft_passes.append((now, rows, seconds))
+            self._draft_passes.add(now, seconds)
             self._trim(now)
 
     def observe_tokens(self, tokens: int) -> None:
         """Tokens emitted by anything the target's passes served (edge rounds, OpenAI requests)."""
         with self._lock:
-            self._emitted.append((self._clock(), tokens))
+            self._emitted.add(self._clock(), tokens)
 
-    def observe_round(self, wire: str, gamma: int, accepted: int) -> None:
-        """One verified chain round: ``gamma`` drafted, the first ``accepted`` of them kept."""
+    def observe_round(self, wire: str, gamma: int, accepted: int, *, server_drafted: bool = False) -> None:
+        """One verified chain round: ``gamma`` drafted, the first ``accepted`` of them kept
+        (``server_drafted``: by the server's own draft model, whose passes it cost)."""
         n = self.config.max_positions
         with self._lock:
+            if server_drafted and gamma > 0:
+                now = self._clock()
+                self._drafted.add(now, gamma)
+                self._trim(now)
             prop = self._proposed.setdefault(wire, [0.0] * n)
             acc = self._accepted.setdefault(wire, [0.0] * n)
             decay = 1.0 - 1.0 / 512  # forget slowly: acceptance drifts with the prompts in flight
@@ -188,22 +228,20 @@ class DraftCap:
     def estimate(self, wire: str, *, server_drafted: bool = False) -> tuple[float, list[float]] | None:
         """``(threshold, [p_1, p_2, ...])`` for ``wire``, or None while there is too little to go on.
 
-        The threshold is ``m·ρ`` for drafts that arrive drafted (edges), and ``(m T/R + T_d/R_d)
-        E/(T + T_d)`` for drafts the server drafts itself (``server_drafted``)."""
+        The threshold is ``m·ρ`` for drafts that arrive drafted (edges) or cost no draft pass
+        (prompt lookup), and ``(m T/R + T_d/D) E/(T + T_d)`` for drafts the server's draft model
+        drafts (``server_drafted``)."""
         with self._lock:
             self._trim(self._clock())
             if len(self._passes) < self.config.min_passes or self._rounds.get(wire, 0) < self.config.min_rounds:
                 return None
-            fit = self._costs or row_costs([r for _, r, _ in self._passes], [s for _, _, s in self._passes])
-            rows = sum(r for _, r, _ in self._passes)
             len_passes = len(self._passes)
-            seconds = sum(s for _, _, s in self._passes)
-            tokens = sum(t for _, t in self._emitted)
-            draft_rows = sum(r for _, r, _ in self._draft_passes)
-            draft_s = sum(s for _, _, s in self._draft_passes)
-            if draft_rows:
-                self._draft_row_s = draft_s / draft_rows
-            draft_row_s = self._draft_row_s
+            rows, seconds, rows2, rows_s = self._passes.sums
+            fit = self._costs or fit_line(len_passes, rows, seconds, rows2, rows_s)
+            (tokens,), (draft_s,), (drafted,) = self._emitted.sums, self._draft_passes.sums, self._drafted.sums
+            if drafted and len(self._draft_passes):  # (no draft pass seen: its cost is unknown)
+                self._draft_token_s = draft_s / drafted
+            draft_token_s = self._draft_token_s
             prop, acc = self._proposed[wire], self._accepted[wire]
             p = [a / q if q > 1e-12 else 0.0 for a, q in zip(acc, prop)]  # decay keeps the ratio
         if fit is None or rows == 0 or seconds <= 0 or tokens == 0:
@@ -213,9 +251,9 @@ class DraftCap:
         m = min(max(b * mean_rows / (a + b * mean_rows), 0.0), 1.0)  # b / (seconds per row of an average pass)
         if not server_drafted:
             return m * tokens / rows, p
-        if draft_row_s is None:
+        if draft_token_s is None:
             return None
-        return (m * seconds / rows + draft_row_s) * tokens / (seconds + draft_s), p
+        return (m * seconds / rows + draft_token_s) * tokens / (seconds + draft_s), p
 
     def cap(self, wire: str, *, server_drafted: bool = False) -> int | None:
         """Draft tokens worth verifying (or, ``server_drafted``, drafting) for a round of ``wire`` now (None: no cap)."""

@@ -30,7 +30,7 @@ from specdec.errors import SpecdecError
 from specdec.models.registry import LoadedModel
 from specdec.sampling import SamplingConfig, offset_seed
 from specdec.text import TextStream
-from specdec.server.draft_cap import CAPPED_WIRES
+from specdec.server.draft_cap import CAPPED_WIRES, LOOKUP_WIRE_SUFFIX
 from specdec.server.errors import ApiError
 from specdec.server.scheduler import Cancelled as SchedulerCancelled
 from specdec.verify import get_rule
@@ -311,8 +311,10 @@ class _Job:
         cap = getattr(self.ctx, "draft_cap", None)
         if cap is None or self.method not in CAPPED_WIRES:
             return self.gamma
+        lookup = OPENAI_WIRE + LOOKUP_WIRE_SUFFIX  # prompt lookup's drafts: a target row each, no draft pass
         return CappedGamma(make_gamma(self.gamma), cap=lambda: cap.cap(OPENAI_WIRE, server_drafted=True),
-                           observe=lambda gamma, accepted: cap.observe_round(OPENAI_WIRE, gamma, accepted))
+                           observe=lambda gamma, accepted: cap.observe_round(OPENAI_WIRE, gamma, accepted, server_drafted=True),
+                           free_cap=lambda: cap.cap(lookup), observe_free=lambda gamma, accepted: cap.observe_round(lookup, gamma, accepted))
 
     def prompt_of(self, index: int) -> list[int]:
         return self.prompts[index // self.n]
