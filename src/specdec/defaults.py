@@ -163,10 +163,6 @@ SCHEDULER_MAX_QUEUE = 1024
 #: last arrival, never longer than the last pass took, and never while other compute work waits.
 #: Without it 16 side-by-side sequences settled into passes of ~5.5 (see the server notes)
 SCHEDULER_GATHER_GAP_S = 0.001
-#: the serving process's interpreter switch interval (``sys.setswitchinterval``; Python's own is
-#: 5 ms): the compute thread takes the GIL back after each of a pass's native calls, and while
-#: request threads ran their Python between passes it waited up to a whole interval each time
-SERVER_SWITCH_INTERVAL_S = 0.0005
 #: OpenAI requests generating at once; more are answered 429 with Retry-After
 SERVER_MAX_ACTIVE_REQUESTS = 64
 #: a request's choices (prompts x n) that run side by side on spare generation slots, at most; and

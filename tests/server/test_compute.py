@@ -4,7 +4,6 @@ serve requests run their own torch operations without an OpenMP team (see
 
 from __future__ import annotations
 
-import sys
 import threading
 from concurrent.futures import Future
 from types import SimpleNamespace
@@ -13,8 +12,6 @@ import pytest
 import torch
 from fastapi.testclient import TestClient
 
-from specdec import defaults
-from specdec.cli import build_parser
 from specdec.drafters import ModelDrafter
 from specdec.models.toy import ToyLM
 from specdec.server import ServerSettings, create_app
@@ -131,31 +128,6 @@ def test_serve_loads_the_models_on_the_compute_thread(monkeypatch):
     with pytest.raises(Stop):
         command.build_app(args, {})
     assert where == [COMPUTE._thread]
-
-
-@pytest.mark.parametrize("interval_ms", [0.0, 0.25])
-def test_serve_sets_the_interpreters_switch_interval(monkeypatch, interval_ms):
-    """The serving process hands the GIL over every ``--switch-interval-ms`` (0: Python's own)."""
-    from specdec import engine as engine_mod
-
-    class Stop(Exception):
-        pass
-
-    def build(*a, **kw):
-        raise Stop
-
-    monkeypatch.setattr(engine_mod.Engine, "build", build)
-    before = sys.getswitchinterval()
-    args = type("Args", (), {"target": "t", "draft": "none", "backend": "native", "dtype": "auto", "draft_dtype": "auto",
-                             "switch_interval_ms": interval_ms})()
-    try:
-        with pytest.raises(Stop):
-            command.build_app(args, {})
-        assert sys.getswitchinterval() == pytest.approx(interval_ms / 1e3 if interval_ms else before)
-    finally:
-        sys.setswitchinterval(before)
-    parsed = build_parser().parse_args(["serve"])
-    assert parsed.switch_interval_ms == pytest.approx(defaults.SERVER_SWITCH_INTERVAL_S * 1e3)
 
 
 def test_compute_thread_runs_calls_in_order_and_hands_back_results_and_errors():

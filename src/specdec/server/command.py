@@ -81,11 +81,6 @@ def add_parser(sub: Any) -> None:
                    help="before a pass, wait for the sequences the last pass finished while they keep coming back,"
                         " at most this many ms after the latest and never longer than the last pass took; 0 starts"
                         f" each pass at once (default {defaults.SCHEDULER_GATHER_GAP_S * 1e3:g})")
-    b.add_argument("--switch-interval-ms", type=float, default=defaults.SERVER_SWITCH_INTERVAL_S * 1e3,
-                   help="how often Python makes a thread holding the interpreter lock hand it over, in ms: the"
-                        " compute thread takes it back after each native step of a pass, so shorter than Python's"
-                        f" own 5 ms keeps request threads from holding passes up; 0 leaves Python's (default"
-                        f" {defaults.SERVER_SWITCH_INTERVAL_S * 1e3:g})")
     b.add_argument("--max-active-requests", type=int, default=defaults.SERVER_MAX_ACTIVE_REQUESTS,
                    help=f"OpenAI completions generating at once; more are answered 429 (default {defaults.SERVER_MAX_ACTIVE_REQUESTS})")
     g.add_argument("--allowed-host", action="append", default=[], metavar="NAME",
@@ -210,8 +205,6 @@ def settings_from_args(args: argparse.Namespace) -> dict[str, Any]:
         max_active_requests=args.max_active_requests,
         metrics_need_key=args.metrics_need_key,
     )
-    if not getattr(args, "switch_interval_ms", 0.0) >= 0:
-        raise ConfigError(f"--switch-interval-ms must be >= 0 (0 leaves Python's own), got {args.switch_interval_ms:g}")
     if args.prefix_cache_mib < 0:
         raise ConfigError(f"--prefix-cache-mib must be >= 0 (0 turns prefix caching off), got {args.prefix_cache_mib:g}")
     if args.max_connections < 1:
@@ -270,10 +263,6 @@ def _build_app(args: argparse.Namespace, settings_kw: dict[str, Any]) -> Any:
     from specdec.engine import Engine, EngineConfig
     from specdec.server.app import create_app
     from specdec.server.settings import ServerSettings
-
-    interval_ms = getattr(args, "switch_interval_ms", 0.0)
-    if interval_ms > 0:  # the serving process's (this one, or a Ray replica's)
-        sys.setswitchinterval(interval_ms / 1e3)
 
     engine = Engine.build(
         EngineConfig(target=args.target, draft=args.draft, backend=args.backend, dtype=args.dtype,
