@@ -297,3 +297,30 @@ def test_a_busy_servers_cap_stops_prompt_lookup_too():
             assert set(fixed.asked) == {("openai", True), ("openai+lookup", False)}
     assert texts[True] == texts[False]
     assert proposed[True] == 0 and proposed[False] > 0
+
+
+@pytest.mark.parametrize("rescale_above", [1e100, 1e3])
+def test_acceptance_estimates_forget_old_rounds_geometrically(monkeypatch, rescale_above):
+    """P(accepted >= k) weighs a round by ROUND_DECAY to the power of the drafted rounds after it:
+    5,000 random rounds (γ 0-6, γ = 0 rounds carry nothing) against the same sums written out; with
+    the weights' rescaling forced every ~3,500 rounds (1e3) too."""
+    from specdec.server import draft_cap as mod
+
+    monkeypatch.setattr(mod, "RESCALE_ABOVE", rescale_above)
+    cap = DraftCap(CapConfig(window_s=1e9, min_passes=1, min_rounds=1, max_positions=6), costs=(0.001, 0.001))
+    cap.observe_pass(10, 0.02)
+    cap.observe_tokens(5)
+    rng = random.Random(3)
+    prop, acc = [0.0] * 6, [0.0] * 6
+    for i in range(5000):
+        gamma = rng.randint(0, 6)
+        accepted = rng.randint(0, gamma)
+        if i > 2500 and gamma:  # the acceptance drifts: the late rounds must dominate
+            accepted = gamma
+        cap.observe_round("greedy", gamma, accepted)
+        if gamma:
+            prop = [x * mod.ROUND_DECAY + (k < gamma) for k, x in enumerate(prop)]
+            acc = [x * mod.ROUND_DECAY + (k < accepted) for k, x in enumerate(acc)]
+    _, p = cap.estimate("greedy")
+    assert p == pytest.approx([a / q for a, q in zip(acc, prop)], rel=1e-9)
+    assert min(p) > 0.98  # the first half's rejections are all but forgotten (weight e^-4 by now)

@@ -57,6 +57,10 @@ from specdec import defaults
 
 #: wire modes whose outputs are the same tokens whatever γ (so the cap never changes a result)
 CAPPED_WIRES = ("greedy", "coupled")
+#: each round's weight in the acceptance estimates shrinks by this factor with every later round
+ROUND_DECAY = 1.0 - 1.0 / 512
+#: the weights are brought back to 1 when a new round's would pass this
+RESCALE_ABOVE = 1e100
 #: a wire's free drafts (prompt lookup's, in the server's own drafting) are tracked as this wire
 LOOKUP_WIRE_SUFFIX = "+lookup"
 
@@ -181,6 +185,7 @@ class DraftCap:
         self._rounds: dict[str, int] = {}
         self._proposed: dict[str, list[float]] = {}
         self._accepted: dict[str, list[float]] = {}
+        self._weight: dict[str, float] = {}  # the next round's weight per wire (see observe_round)
 
     def _trim(self, now: float) -> None:
         horizon = now - self.config.window_s
@@ -208,21 +213,30 @@ class DraftCap:
     def observe_round(self, wire: str, gamma: int, accepted: int, *, server_drafted: bool = False) -> None:
         """One verified chain round: ``gamma`` drafted, the first ``accepted`` of them kept
         (``server_drafted``: by the server's own draft model, whose passes it cost)."""
+        if gamma <= 0:  # nothing drafted: nothing learnt (and no time spent under the lock)
+            return
         n = self.config.max_positions
         with self._lock:
-            if server_drafted and gamma > 0:
+            if server_drafted:
                 now = self._clock()
                 self._drafted.add(now, gamma)
                 self._trim(now)
             prop = self._proposed.setdefault(wire, [0.0] * n)
             acc = self._accepted.setdefault(wire, [0.0] * n)
-            decay = 1.0 - 1.0 / 512  # forget slowly: acceptance drifts with the prompts in flight
-            for k in range(n):
-                prop[k] *= decay
-                acc[k] *= decay
+            # forget slowly (acceptance drifts with the prompts in flight): every earlier round's
+            # weight shrinks by ROUND_DECAY a round; done by growing the new round's weight instead
+            # (the ratios acc / prop are all the estimates read), rescaled before it overflows
+            w = self._weight.get(wire, 1.0) / ROUND_DECAY
+            if w > RESCALE_ABOVE:
+                for k in range(n):
+                    prop[k] /= w
+                    acc[k] /= w
+                w = 1.0
+            self._weight[wire] = w
             for k in range(min(gamma, n)):
-                prop[k] += 1.0
-                acc[k] += 1.0 if k < accepted else 0.0
+                prop[k] += w
+                if k < accepted:
+                    acc[k] += w
             self._rounds[wire] = self._rounds.get(wire, 0) + 1
 
     def estimate(self, wire: str, *, server_drafted: bool = False) -> tuple[float, list[float]] | None:
@@ -243,7 +257,7 @@ class DraftCap:
                 self._draft_token_s = draft_s / drafted
             draft_token_s = self._draft_token_s
             prop, acc = self._proposed[wire], self._accepted[wire]
-            p = [a / q if q > 1e-12 else 0.0 for a, q in zip(acc, prop)]  # decay keeps the ratio
+            p = [a / q if q > 0 else 0.0 for a, q in zip(acc, prop)]
         if fit is None or rows == 0 or seconds <= 0 or tokens == 0:
             return None
         a, b = fit
