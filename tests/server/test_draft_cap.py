@@ -261,7 +261,7 @@ def test_openai_requests_draft_no_more_than_the_cap_and_give_the_same_text(k):
         proposed = sum(float(line.split()[-1]) for line in metrics.splitlines()
                        if line.startswith('specdec_draft_tokens_proposed_total{wire="openai"}'))
         if capped:
-            assert fixed.asked and set(fixed.asked) == {("openai", True)}
+            assert fixed.asked and set(fixed.asked) == {("openai-greedy", True)}  # acceptance is per rule
             assert all(gamma <= k for _, gamma, _ in fixed.rounds) and len(fixed.rounds) >= 24 // (k + 1) // 2
             assert proposed <= k * len(fixed.rounds)
         else:
@@ -294,7 +294,7 @@ def test_a_busy_servers_cap_stops_prompt_lookup_too():
         proposed[capped] = sum(float(line.split()[-1]) for line in metrics.splitlines()
                                if line.startswith('specdec_draft_tokens_proposed_total{wire="openai"}'))
         if capped:
-            assert set(fixed.asked) == {("openai", True), ("openai+lookup", False)}
+            assert set(fixed.asked) == {("openai-greedy", True), ("openai-greedy+lookup", False)}
     assert texts[True] == texts[False]
     assert proposed[True] == 0 and proposed[False] > 0
 

@@ -311,9 +311,12 @@ class _Job:
         cap = getattr(self.ctx, "draft_cap", None)
         if cap is None or self.method not in CAPPED_WIRES:
             return self.gamma
-        lookup = OPENAI_WIRE + LOOKUP_WIRE_SUFFIX  # prompt lookup's drafts: a target row each, no draft pass
-        return CappedGamma(make_gamma(self.gamma), cap=lambda: cap.cap(OPENAI_WIRE, server_drafted=True),
-                           observe=lambda gamma, accepted: cap.observe_round(OPENAI_WIRE, gamma, accepted, server_drafted=True),
+        # acceptance is the rule's (greedy accepts more than coupled sampling), and prompt lookup's
+        # drafts (a target row each, no draft pass) are tracked apart from the draft model's
+        wire = f"{OPENAI_WIRE}-{self.method}"
+        lookup = wire + LOOKUP_WIRE_SUFFIX
+        return CappedGamma(make_gamma(self.gamma), cap=lambda: cap.cap(wire, server_drafted=True),
+                           observe=lambda gamma, accepted: cap.observe_round(wire, gamma, accepted, server_drafted=True),
                            free_cap=lambda: cap.cap(lookup), observe_free=lambda gamma, accepted: cap.observe_round(lookup, gamma, accepted))
 
     def prompt_of(self, index: int) -> list[int]:
