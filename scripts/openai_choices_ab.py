@@ -1,7 +1,7 @@
 #!/usr/bin/env python
 """One OpenAI completions request with many prompts: a server at another commit against this checkout's.
 
-    python scripts/openai_choices_ab.py --base REV --repeats 3 [--stream] --out benchmarks/NAME
+    python scripts/openai_choices_ab.py --base REV --repeats 3 [--launches K] [--stream] --out benchmarks/NAME
 
 Not a test and not part of CI.  Two ``specdec serve`` processes on the default models, one from
 this checkout and one from ``--base`` (its ``src`` exported with ``git archive`` and put first on
@@ -98,6 +98,9 @@ def main() -> int:
     ap = paired.parser(__doc__)
     ap.add_argument("--base", required=True, help="the commit to compare with")
     ap.add_argument("--repeats", type=int, default=3)
+    ap.add_argument("--launches", type=int, default=1,
+                    help="start both servers afresh this many times (the first to start alternating), --repeats each:"
+                         " two servers of the same commit differ by up to ~7 %% from launch to launch on a 2-core machine")
     ap.add_argument("--stream", action="store_true", help="stream the request (server-sent events)")
     ap.add_argument("--base-args", default="", help="more `specdec serve` arguments for the base's server, e.g. '--draft none'")
     ap.add_argument("--this-args", default="", help="more `specdec serve` arguments for this checkout's server")
@@ -106,36 +109,39 @@ def main() -> int:
     args = ap.parse_args()
     prompts = [p.text for p in BUILTIN][: args.prompts]
     temps = [float(t) for t in args.temperatures.split(",")]
+    rows, texts = [], {}
     with tempfile.TemporaryDirectory() as tmp:
         arms = {"base": _export(args.base, Path(tmp)), "this": ROOT / "src"}
         extra = {"base": shlex.split(args.base_args), "this": shlex.split(args.this_args)}
-        servers = {name: _serve(src, args.threads, extra[name]) for name, src in arms.items()}
-        rows, texts = [], {}
-        try:
-            for url in (u for _, u in servers.values()):  # warm-up
-                httpx.post(url + "/v1/completions", json={"prompt": prompts[:2], "max_tokens": 8, "temperature": 0}, timeout=600)
-            for rep in range(args.repeats):
-                for temp in temps:
-                    body = {"prompt": prompts, "max_tokens": args.max_new_tokens, "temperature": temp}
-                    if temp > 0:
-                        body["seed"] = 7
-                    order = list(servers) if rep % 2 == 0 else list(servers)[::-1]
-                    for name in order:
-                        got, tokens, wall, first = _request(servers[name][1], body, args.stream)
-                        texts.setdefault((temp, name), got)
-                        rows.append({"arm": name, "temperature": temp, "repeat": rep, "wall_s": wall, "tokens": tokens,
-                                     "tok_s": tokens / wall, "first_text_s": first})
-                        print(f"T = {temp:g} {name}: {tokens} tokens in {wall:.2f} s", file=sys.stderr, flush=True)
-        finally:
-            for proc, _ in servers.values():
-                proc.terminate()
-                proc.wait(timeout=30)
+        for launch in range(args.launches):
+            names = list(arms) if launch % 2 == 0 else list(arms)[::-1]  # which server starts first
+            servers = {name: _serve(arms[name], args.threads, extra[name]) for name in names}
+            try:
+                for url in (u for _, u in servers.values()):  # warm-up
+                    httpx.post(url + "/v1/completions", json={"prompt": prompts[:2], "max_tokens": 8, "temperature": 0}, timeout=600)
+                for rep in range(args.repeats):
+                    for temp in temps:
+                        body = {"prompt": prompts, "max_tokens": args.max_new_tokens, "temperature": temp}
+                        if temp > 0:
+                            body["seed"] = 7
+                        order = ["base", "this"] if rep % 2 == 0 else ["this", "base"]
+                        for name in order:
+                            got, tokens, wall, first = _request(servers[name][1], body, args.stream)
+                            texts.setdefault((temp, name), got)
+                            rows.append({"arm": name, "temperature": temp, "launch": launch, "repeat": rep, "wall_s": wall,
+                                         "tokens": tokens, "tok_s": tokens / wall, "first_text_s": first})
+                            print(f"launch {launch} T = {temp:g} {name}: {tokens} tokens in {wall:.2f} s", file=sys.stderr, flush=True)
+            finally:
+                for proc, _ in servers.values():
+                    proc.terminate()
+                    proc.wait(timeout=30)
     same = all(texts[(t, "base")] == texts[(t, "this")] for t in temps)
     streamed = " streamed," if args.stream else ""
     flags = "".join(f" The {name}'s server ran with `{a}`." for name, a in (("base", args.base_args), ("this", args.this_args)) if a)
     lines = [f"One{streamed} `/v1/completions` request whose `prompt` is the list of the first {len(prompts)} built-in prompts, `max_tokens` "
              f"{args.max_new_tokens}, default models and server settings (batching on), {args.threads} threads per "
-             f"server, {args.repeats} repeats alternating; medians.{flags}", "",
+             f"server, {args.launches} launch{'es' if args.launches > 1 else ''} of both servers × {args.repeats} repeats"
+             f" alternating; medians.{flags}", "",
              "| T | arm | wall s | tok/s |" + (" first text, any choice s | first text, mean over choices s |" if args.stream else ""),
              "|---|---|---|---|" + ("---|---|" if args.stream else "")]
     for temp in temps:
@@ -145,6 +151,18 @@ def main() -> int:
                      f"{statistics.median(r['first_text_s'][1] for r in sel):.3f} |") if args.stream else ""
             lines.append(f"| {temp:g} | {name} ({args.base if name == 'base' else 'this checkout'}) "
                          f"| {statistics.median(r['wall_s'] for r in sel):.2f} | {statistics.median(r['tok_s'] for r in sel):.1f} |{first}")
+    lines += ["", "Paired: this / base for each request pair (same launch and repeat).", "",
+              "| T | median ratio | this faster | per launch (median ratio) |", "|---|---|---|---|"]
+    for temp in temps:
+        ratios: dict[int, list[float]] = {}
+        for r in rows:
+            if r["temperature"] == temp and r["arm"] == "this":
+                base = next(b for b in rows if b["temperature"] == temp and b["arm"] == "base"
+                            and b["launch"] == r["launch"] and b["repeat"] == r["repeat"])
+                ratios.setdefault(r["launch"], []).append(r["tok_s"] / base["tok_s"])
+        every = [x for v in ratios.values() for x in v]
+        per = ", ".join(f"{statistics.median(v):.3f}" for v in ratios.values())
+        lines.append(f"| {temp:g} | ×{statistics.median(every):.3f} | {sum(x > 1 for x in every)}/{len(every)} | {per} |")
     lines += ["", f"The same choice texts from both servers: {'yes' if same else 'NO'}."]
     paired.write_report(args.out, "A request with many prompts: choices side by side on spare slots",
                         {"rows": rows, "same_texts": same}, lines)
