@@ -115,8 +115,10 @@ def main() -> int:
         extra = {"base": shlex.split(args.base_args), "this": shlex.split(args.this_args)}
         for launch in range(args.launches):
             names = list(arms) if launch % 2 == 0 else list(arms)[::-1]  # which server starts first
-            servers = {name: _serve(arms[name], args.threads, extra[name]) for name in names}
+            servers: dict[str, tuple[subprocess.Popen, str]] = {}
             try:
+                for name in names:  # inside the try: a server that fails to start stops the other
+                    servers[name] = _serve(arms[name], args.threads, extra[name])
                 for url in (u for _, u in servers.values()):  # warm-up
                     httpx.post(url + "/v1/completions", json={"prompt": prompts[:2], "max_tokens": 8, "temperature": 0}, timeout=600)
                 for rep in range(args.repeats):
