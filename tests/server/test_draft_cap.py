@@ -238,6 +238,12 @@ def test_capped_gamma_takes_the_ceiling_and_reports_rounds():
     assert seen == [(2, 1)]
 
 
+def _openai_proposed(client: TestClient) -> float:
+    """Draft tokens the server's own drafting proposed so far (its Prometheus counter)."""
+    return sum(float(line.split()[-1]) for line in client.get("/metrics").text.splitlines()
+               if line.startswith('specdec_draft_tokens_proposed_total{wire="openai"}'))
+
+
 @pytest.mark.parametrize("k", [0, 1])
 def test_openai_requests_draft_no_more_than_the_cap_and_give_the_same_text(k):
     """A greedy completion on a batching server whose cap says k drafts at most k tokens a round,
@@ -257,9 +263,7 @@ def test_openai_requests_draft_no_more_than_the_cap_and_give_the_same_text(k):
         r = client.post("/v1/completions", json={"prompt": "abcab", "max_tokens": 24, "temperature": 0, "gamma": 4})
         assert r.status_code == 200, r.text
         texts[capped] = r.json()["choices"][0]["text"]
-        metrics = client.get("/metrics").text
-        proposed = sum(float(line.split()[-1]) for line in metrics.splitlines()
-                       if line.startswith('specdec_draft_tokens_proposed_total{wire="openai"}'))
+        proposed = _openai_proposed(client)
         if capped:
             assert fixed.asked and set(fixed.asked) == {("openai-greedy", True)}  # acceptance is per rule
             assert all(gamma <= k for _, gamma, _ in fixed.rounds) and len(fixed.rounds) >= 24 // (k + 1) // 2
@@ -290,9 +294,7 @@ def test_a_busy_servers_cap_stops_prompt_lookup_too():
         r = client.post("/v1/completions", json={"prompt": "abcabcab", "max_tokens": 24, "temperature": 0})
         assert r.status_code == 200, r.text
         texts[capped] = r.json()["choices"][0]["text"]
-        metrics = client.get("/metrics").text
-        proposed[capped] = sum(float(line.split()[-1]) for line in metrics.splitlines()
-                               if line.startswith('specdec_draft_tokens_proposed_total{wire="openai"}'))
+        proposed[capped] = _openai_proposed(client)
         if capped:
             assert set(fixed.asked) == {("openai-greedy", True), ("openai-greedy+lookup", False)}
     assert texts[True] == texts[False]
