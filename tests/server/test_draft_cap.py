@@ -301,6 +301,32 @@ def test_a_busy_servers_cap_stops_prompt_lookup_too():
     assert proposed[True] == 0 and proposed[False] > 0
 
 
+def test_a_busy_servers_cap_stops_prompt_lookup_alone():
+    """A server drafting with prompt lookup alone (``--draft ngram``) has no draft model whose
+    passes the cap could cost: its rounds are free drafts (the lookup wire, a target row each), so
+    a cap of 0 stops them, and a cap of 1 keeps every round to one token (they had gone uncapped)."""
+    from specdec.drafters import NgramDrafter
+    from toy_server import LetterTokenizer
+
+    texts, proposed = {}, {}
+    for k in (0, 1, None):
+        app = create_app(ToyLM(VOCAB, order=2, seed=3), tokenizer=LetterTokenizer(), settings=ServerSettings(),
+                         drafter_factory=lambda: NgramDrafter(max_ngram=3, min_ngram=1), drafter_name="ngram")
+        fixed = FixedCap(k) if k is not None else None
+        app.state.ctx.draft_cap = fixed
+        client = TestClient(app, base_url="http://localhost")
+        r = client.post("/v1/completions", json={"prompt": "abcabcab", "max_tokens": 24, "temperature": 0})
+        assert r.status_code == 200, r.text
+        texts[k] = r.json()["choices"][0]["text"]
+        proposed[k] = _openai_proposed(client)
+        if fixed is not None:
+            assert set(fixed.asked) == {("openai-greedy+lookup", False)}
+            assert fixed.rounds and all(wire == "openai-greedy+lookup" for wire, *_ in fixed.rounds)
+            assert all(gamma <= k for _, gamma, _ in fixed.rounds)
+    assert texts[0] == texts[1] == texts[None]
+    assert proposed[0] == 0 and 0 < proposed[1] < proposed[None]
+
+
 @pytest.mark.parametrize("rescale_above", [1e100, 1e3])
 def test_acceptance_estimates_forget_old_rounds_geometrically(monkeypatch, rescale_above):
     """P(accepted >= k) weighs a round by ROUND_DECAY to the power of the drafted rounds after it:

@@ -16,6 +16,10 @@ from specdec.verify import Verdict
 
 
 class NgramDrafter:
+    #: its drafts cost the target a row each and no model pass (a batching server caps them as it
+    #: caps prompt lookup's rounds in front of a draft model: :mod:`specdec.server.draft_cap`)
+    free_drafts = True
+
     def __init__(self, *, max_ngram: int = 3, min_ngram: int = 1) -> None:
         if not 1 <= min_ngram <= max_ngram:
             raise ValueError("need 1 <= min_ngram <= max_ngram")

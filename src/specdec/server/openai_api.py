@@ -304,7 +304,7 @@ class _Job:
         except SpecdecError as exc:
             raise ApiError(400, str(exc)) from None
 
-    def _gamma(self) -> Any:
+    def _gamma(self, drafter: Any) -> Any:
         """The request's γ policy; on a batching server, for the rules whose output does not depend
         on γ (greedy, coupled), capped to what the server's load makes worth drafting
         (:mod:`specdec.server.draft_cap`), each round reported back to the cap's estimates."""
@@ -315,6 +315,9 @@ class _Job:
         # drafts (a target row each, no draft pass) are tracked apart from the draft model's
         wire = f"{OPENAI_WIRE}-{self.method}"
         lookup = wire + LOOKUP_WIRE_SUFFIX
+        if getattr(drafter, "free_drafts", False):  # prompt lookup alone: every round is a free one
+            return CappedGamma(make_gamma(self.gamma), cap=lambda: cap.cap(lookup),
+                               observe=lambda gamma, accepted: cap.observe_round(lookup, gamma, accepted))
         return CappedGamma(make_gamma(self.gamma), cap=lambda: cap.cap(wire, server_drafted=True),
                            observe=lambda gamma, accepted: cap.observe_round(wire, gamma, accepted, server_drafted=True),
                            free_cap=lambda: cap.cap(lookup), observe_free=lambda gamma, accepted: cap.observe_round(lookup, gamma, accepted))
@@ -343,7 +346,7 @@ class _Job:
             drafter = ctx.drafter_factory() if ctx.drafter_factory is not None else None
             target = LoadedModel(ctx.settings.model_name, ctx.model, ctx.tokenizer, None, "server", ctx.eos_ids)
             engine = Engine(target, drafter, ctx.drafter_name if drafter is not None else "none")
-            out = engine.generate(self.prompt_of(index), sampling, method=self.method, gamma=self._gamma(), on_text=on_text,
+            out = engine.generate(self.prompt_of(index), sampling, method=self.method, gamma=self._gamma(drafter), on_text=on_text,
                                   logprobs=self.logprobs, ignore_eos=self.ignore_eos)
         except SchedulerCancelled:
             raise _Cancelled from None
