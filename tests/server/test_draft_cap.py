@@ -324,7 +324,69 @@ def test_a_busy_servers_cap_stops_prompt_lookup_alone():
             assert fixed.rounds and all(wire == "openai-greedy+lookup" for wire, *_ in fixed.rounds)
             assert all(gamma <= k for _, gamma, _ in fixed.rounds)
     assert texts[0] == texts[1] == texts[None]
-    assert proposed[0] == 0 and 0 < proposed[1] < proposed[None]
+    assert proposed[0] == 0 and proposed[1] > 0 and proposed[None] > 0  # (how many γ auto drafts uncapped depends on timings)
+
+
+def test_request_pace_holds_back_only_a_choice_ahead_of_the_slowest():
+    from specdec.server.draft_cap import RequestPace
+
+    pace = RequestPace(waiting=3)
+    pace.start(0)
+    pace.start(1)
+    pace.add(0, 5)
+    assert not pace.ahead(0)  # choice 2 still waits for a slot: finishing early starts it sooner
+    pace.start(2)
+    assert pace.waiting == 0
+    assert pace.ahead(0) and not pace.ahead(1) and not pace.ahead(2)  # 5 against 0 and 0
+    pace.add(1, 5)
+    pace.add(2, 4)
+    assert pace.ahead(0) and pace.ahead(1) and not pace.ahead(2)  # level with each other, ahead of 2
+    pace.add(2, 1)
+    assert not any(pace.ahead(i) for i in range(3))  # all level: everyone drafts
+    pace.add(0, 2)
+    pace.finish(1)
+    pace.finish(2)
+    assert not pace.ahead(0)  # alone now: the request ends with it
+    pace.add(7, 3)  # a choice that never started counts for nothing
+    assert not pace.ahead(7)
+
+
+@pytest.mark.parametrize("free", [False, True])
+def test_a_choice_ahead_of_its_request_drafts_nothing(free):
+    """A request's choice that is ahead of the slowest running one gets ceiling 0 for the draft
+    model and for prompt lookup alike, whatever the server's cap says; level again, it gets the
+    cap's; every round it reports counts its emitted tokens (accepted + 1) towards its pace."""
+    from specdec.drafters import NgramDrafter
+    from specdec.server.draft_cap import RequestPace
+    from specdec.server.openai_api import _Job, _Request
+    from toy_server import LetterTokenizer
+
+    app = create_app(ToyLM(VOCAB, order=2, seed=3), tokenizer=LetterTokenizer(), settings=ServerSettings(),
+                     drafter_factory=lambda: None, drafter_name="toy")
+    fixed = FixedCap(3)
+    app.state.ctx.draft_cap = fixed
+    job = _Job(app.state.ctx, _Request(temperature=0), [[0, 1], [2, 3]], 8)
+    pace = RequestPace(waiting=2)
+    pace.start(0)
+    pace.start(1)
+    drafter = NgramDrafter() if free else object()
+    gamma = job._gamma(drafter, 1, pace)
+    limits = (lambda: [gamma.cap()]) if free else (lambda: [gamma.cap(), gamma.free_limit()])
+    held, open_ = [0] * len(limits()), [3] * len(limits())
+    assert limits() == open_  # both at 0
+    gamma.update(gamma=2, accepted=1, draft_s=0.0, target_s=0.0, other_s=0.0)  # choice 1: 2 tokens
+    assert limits() == held
+    pace.add(0, 1)
+    assert limits() == held  # 2 against 1
+    pace.add(0, 1)
+    assert limits() == open_  # 2 against 2: level
+    if not free:
+        gamma.update_free(gamma=4, accepted=2, draft_s=0.0, target_s=0.0, other_s=0.0)  # a lookup round: 3 tokens
+        pace.add(0, 2)
+        assert limits() == held  # 5 against 4
+        pace.add(0, 1)
+        assert limits() == open_
+    assert job._gamma(drafter, 1, None).cap() == 3  # no pace (one choice): the cap alone
 
 
 @pytest.mark.parametrize("rescale_above", [1e100, 1e3])

@@ -30,7 +30,7 @@ from specdec.errors import SpecdecError
 from specdec.models.registry import LoadedModel
 from specdec.sampling import SamplingConfig, offset_seed
 from specdec.text import TextStream
-from specdec.server.draft_cap import CAPPED_WIRES, LOOKUP_WIRE_SUFFIX
+from specdec.server.draft_cap import CAPPED_WIRES, LOOKUP_WIRE_SUFFIX, RequestPace
 from specdec.server.errors import ApiError
 from specdec.server.scheduler import Cancelled as SchedulerCancelled
 from specdec.verify import get_rule
@@ -304,10 +304,12 @@ class _Job:
         except SpecdecError as exc:
             raise ApiError(400, str(exc)) from None
 
-    def _gamma(self, drafter: Any) -> Any:
+    def _gamma(self, drafter: Any, index: int = 0, pace: RequestPace | None = None) -> Any:
         """The request's γ policy; on a batching server, for the rules whose output does not depend
         on γ (greedy, coupled), capped to what the server's load makes worth drafting
-        (:mod:`specdec.server.draft_cap`), each round reported back to the cap's estimates."""
+        (:mod:`specdec.server.draft_cap`), each round reported back to the cap's estimates; and
+        with ``pace`` (the request's choices side by side), choice ``index`` drafts nothing while it
+        is ahead of the slowest of them."""
         cap = getattr(self.ctx, "draft_cap", None)
         if cap is None or self.method not in CAPPED_WIRES:
             return self.gamma
@@ -315,21 +317,34 @@ class _Job:
         # drafts (a target row each, no draft pass) are tracked apart from the draft model's
         wire = f"{OPENAI_WIRE}-{self.method}"
         lookup = wire + LOOKUP_WIRE_SUFFIX
+
+        def ceiling(wire: str, drafted: bool) -> Callable[[], int | None]:
+            if pace is None:
+                return lambda: cap.cap(wire, server_drafted=drafted)
+            return lambda: 0 if pace.ahead(index) else cap.cap(wire, server_drafted=drafted)
+
+        def observe(wire: str, drafted: bool) -> Callable[[int, int], None]:
+            def observed(gamma: int, accepted: int) -> None:
+                cap.observe_round(wire, gamma, accepted, server_drafted=drafted)
+                if pace is not None:
+                    pace.add(index, accepted + 1)
+            return observed
+
         if getattr(drafter, "free_drafts", False):  # prompt lookup alone: every round is a free one
-            return CappedGamma(make_gamma(self.gamma), cap=lambda: cap.cap(lookup),
-                               observe=lambda gamma, accepted: cap.observe_round(lookup, gamma, accepted))
-        return CappedGamma(make_gamma(self.gamma), cap=lambda: cap.cap(wire, server_drafted=True),
-                           observe=lambda gamma, accepted: cap.observe_round(wire, gamma, accepted, server_drafted=True),
-                           free_cap=lambda: cap.cap(lookup), observe_free=lambda gamma, accepted: cap.observe_round(lookup, gamma, accepted))
+            return CappedGamma(make_gamma(self.gamma), cap=ceiling(lookup, False), observe=observe(lookup, False))
+        return CappedGamma(make_gamma(self.gamma), cap=ceiling(wire, True), observe=observe(wire, True),
+                           free_cap=ceiling(lookup, False), observe_free=observe(lookup, False))
 
     def prompt_of(self, index: int) -> list[int]:
         return self.prompts[index // self.n]
 
     def run(
-        self, index: int = 0, on_text: Callable[[str], None] | None = None, cancelled: threading.Event | None = None
+        self, index: int = 0, on_text: Callable[[str], None] | None = None, cancelled: threading.Event | None = None,
+        pace: RequestPace | None = None,
     ) -> TextResult:
         """Choice ``index`` (in a worker thread): prompt ``index // n``; with a seed, sample
-        ``j = index % n`` uses seed + j.  ``cancelled`` also drops this request's queued forward passes."""
+        ``j = index % n`` uses seed + j.  ``cancelled`` also drops this request's queued forward passes;
+        ``pace``: the request's choices side by side (see :meth:`_gamma`)."""
         ctx = self.ctx
         j = index % self.n
         from dataclasses import replace
@@ -342,15 +357,20 @@ class _Job:
         schedulers = [m.scheduler for m in (ctx.model, getattr(ctx, "draft_model", None)) if hasattr(m, "scheduler")]
         for sched in schedulers:
             sched.bind_cancel(cancelled)
+        if pace is not None:
+            pace.start(index)
         try:
             drafter = ctx.drafter_factory() if ctx.drafter_factory is not None else None
             target = LoadedModel(ctx.settings.model_name, ctx.model, ctx.tokenizer, None, "server", ctx.eos_ids)
             engine = Engine(target, drafter, ctx.drafter_name if drafter is not None else "none")
-            out = engine.generate(self.prompt_of(index), sampling, method=self.method, gamma=self._gamma(drafter), on_text=on_text,
+            out = engine.generate(self.prompt_of(index), sampling, method=self.method,
+                                  gamma=self._gamma(drafter, index, pace), on_text=on_text,
                                   logprobs=self.logprobs, ignore_eos=self.ignore_eos)
         except SchedulerCancelled:
             raise _Cancelled from None
         finally:
+            if pace is not None:
+                pace.finish(index)
             for sched in schedulers:
                 sched.bind_cancel(None)
         ctx.metrics.completion_tokens.inc(len(out.token_ids))
@@ -417,6 +437,7 @@ def _run_choices(job: _Job, on_text: Callable[[int], Callable[[str], None] | Non
     n = job.choices
     results: list[TextResult | None] = [None] * n
     pending = iter(range(n))
+    pace = RequestPace(waiting=n) if n > 1 else None  # a choice ahead of the others drafts nothing
     lock = threading.Lock()
     failures: list[BaseException] = []
 
@@ -427,7 +448,7 @@ def _run_choices(job: _Job, on_text: Callable[[int], Callable[[str], None] | Non
             if i is None:
                 return
             try:
-                results[i] = job.run(i, on_text(i), cancelled)
+                results[i] = job.run(i, on_text(i), cancelled, pace)
                 if on_done is not None:
                     on_done(i, results[i])
             except BaseException as exc:  # noqa: BLE001 - re-raised below, in the admitted thread
