@@ -26,10 +26,12 @@ class FixedCap:
     def __init__(self, k: int = 1) -> None:
         self.k = k
         self.asked: list[tuple[str, bool]] = []  # (wire, server_drafted) of every cap() call
+        self.values: list[float] = []  # the value of every cap() call
         self.rounds: list[tuple[Any, ...]] = []
 
-    def cap(self, wire: str, *, server_drafted: bool = False) -> int:
+    def cap(self, wire: str, *, server_drafted: bool = False, value: float = 1.0) -> int:
         self.asked.append((wire, server_drafted))
+        self.values.append(value)
         return self.k
 
     def observe_tokens(self, n: int) -> None:

@@ -67,6 +67,10 @@ def test_the_cap_follows_acceptance_and_load():
     # makes rows nearly free, so nothing is capped
     assert _loaded(0.25, p, costs=(0.012, 0.0017)).cap("greedy") == 2
     assert _loaded(0.25, p, costs=(1.0, 0.0017)).cap("greedy") == 4
+    # a token coming sooner worth a quarter (a request's choice ahead of the slowest of four): four
+    # times the threshold
+    assert _loaded(0.05, p).cap("greedy", value=0.25) == 2  # threshold ~0.047 -> ~0.19
+    assert _loaded(0.25, p).cap("greedy", value=0.25) == 0  # ~0.23 -> ~0.94
 
 
 def test_calibration_times_the_model_alone():
@@ -327,35 +331,36 @@ def test_a_busy_servers_cap_stops_prompt_lookup_alone():
     assert proposed[0] == 0 and proposed[1] > 0 and proposed[None] > 0  # (how many γ auto drafts uncapped depends on timings)
 
 
-def test_request_pace_holds_back_only_a_choice_ahead_of_the_slowest():
+def test_request_pace_values_a_choice_ahead_of_the_slowest_at_one_in_k():
     from specdec.server.draft_cap import RequestPace
 
     pace = RequestPace(waiting=3)
     pace.start(0)
     pace.start(1)
     pace.add(0, 5)
-    assert not pace.ahead(0)  # choice 2 still waits for a slot: finishing early starts it sooner
+    assert pace.value(0) == 1.0  # choice 2 still waits for a slot: finishing early starts it sooner
     pace.start(2)
     assert pace.waiting == 0
-    assert pace.ahead(0) and not pace.ahead(1) and not pace.ahead(2)  # 5 against 0 and 0
+    assert [pace.value(i) for i in range(3)] == [1 / 3, 1.0, 1.0]  # 5 against 0 and 0
     pace.add(1, 5)
     pace.add(2, 4)
-    assert pace.ahead(0) and pace.ahead(1) and not pace.ahead(2)  # level with each other, ahead of 2
+    assert [pace.value(i) for i in range(3)] == [1 / 3, 1 / 3, 1.0]  # level with each other, ahead of 2
     pace.add(2, 1)
-    assert not any(pace.ahead(i) for i in range(3))  # all level: everyone drafts
+    assert [pace.value(i) for i in range(3)] == [1.0] * 3  # all level
     pace.add(0, 2)
     pace.finish(1)
+    assert [pace.value(i) for i in (0, 2)] == [0.5, 1.0]  # two running
     pace.finish(2)
-    assert not pace.ahead(0)  # alone now: the request ends with it
+    assert pace.value(0) == 1.0  # alone now: the request ends with it
     pace.add(7, 3)  # a choice that never started counts for nothing
-    assert not pace.ahead(7)
+    assert pace.value(7) == 1.0
 
 
 @pytest.mark.parametrize("free", [False, True])
-def test_a_choice_ahead_of_its_request_drafts_nothing(free):
-    """A request's choice that is ahead of the slowest running one gets ceiling 0 for the draft
-    model and for prompt lookup alike, whatever the server's cap says; level again, it gets the
-    cap's; every round it reports counts its emitted tokens (accepted + 1) towards its pace."""
+def test_a_choice_ahead_of_its_request_asks_the_cap_with_less_value(free):
+    """A request's choice ahead of the slowest running one asks the cap, for the draft model and for
+    prompt lookup alike, with value 1/k (k choices running); level again, with 1; every round it
+    reports counts its emitted tokens (accepted + 1) towards its pace."""
     from specdec.drafters import NgramDrafter
     from specdec.server.draft_cap import RequestPace
     from specdec.server.openai_api import _Job, _Request
@@ -371,22 +376,29 @@ def test_a_choice_ahead_of_its_request_drafts_nothing(free):
     pace.start(1)
     drafter = NgramDrafter() if free else object()
     gamma = job._gamma(drafter, 1, pace)
-    limits = (lambda: [gamma.cap()]) if free else (lambda: [gamma.cap(), gamma.free_limit()])
-    held, open_ = [0] * len(limits()), [3] * len(limits())
-    assert limits() == open_  # both at 0
+
+    def values() -> list[float]:
+        fixed.values.clear()
+        assert gamma.cap() == 3 and (free or gamma.free_limit() == 3)
+        return fixed.values
+
+    level, ahead = [1.0] * (1 if free else 2), [0.5] * (1 if free else 2)
+    assert values() == level  # both at 0
     gamma.update(gamma=2, accepted=1, draft_s=0.0, target_s=0.0, other_s=0.0)  # choice 1: 2 tokens
-    assert limits() == held
+    assert values() == ahead
     pace.add(0, 1)
-    assert limits() == held  # 2 against 1
+    assert values() == ahead  # 2 against 1
     pace.add(0, 1)
-    assert limits() == open_  # 2 against 2: level
+    assert values() == level  # 2 against 2
     if not free:
         gamma.update_free(gamma=4, accepted=2, draft_s=0.0, target_s=0.0, other_s=0.0)  # a lookup round: 3 tokens
         pace.add(0, 2)
-        assert limits() == held  # 5 against 4
+        assert values() == ahead  # 5 against 4
         pace.add(0, 1)
-        assert limits() == open_
-    assert job._gamma(drafter, 1, None).cap() == 3  # no pace (one choice): the cap alone
+        assert values() == level
+    fixed.values.clear()
+    job._gamma(drafter, 1, None).cap()  # no pace (one choice): the plain threshold
+    assert fixed.values == [1.0]
 
 
 @pytest.mark.parametrize("rescale_above", [1e100, 1e3])

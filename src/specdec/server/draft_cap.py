@@ -43,9 +43,14 @@ a sequence finishing sooner frees the server for other work: the choices run sid
 the request ends with the slowest of them.  A choice that speculates its way ahead of the others
 shortens nothing, while its rejected draft rows make every pass it joins dearer (the 16 built-in
 prompts in one request, prompt lookup alone: 2,400-2,600 rows in ~124 passes against 1,546 rows in
-~137 passes without drafting).  So such a choice drafts only while it is not ahead of the request's
-slowest running choice (:class:`RequestPace`); while some of the request's choices still wait for
-a slot, finishing early does start the next one sooner, and every choice drafts as the cap allows.
+~137 passes without drafting).  Which choice ends last is not known (a choice stops at its end of
+sequence), but one that has emitted more than the slowest running choice is less likely to: with
+``k`` choices running it is taken to be the last with probability ``1/k``, so its tokens coming
+sooner are worth ``1/k`` of what the threshold assumes and its threshold is ``k`` times as high
+(:class:`RequestPace`; the slowest choices keep the plain threshold).  With two choices on a
+lightly loaded pass that still drafts (rows cost little there); with sixteen on a busy one it
+stops.  While some of the request's choices still wait for a slot, finishing early does start the
+next one sooner, and every choice keeps the plain threshold.
 
 It is applied only to the wire modes whose output does not depend on γ at all
 (:data:`CAPPED_WIRES`: greedy, and coupled sampling, a function of the seed): with token or block
@@ -278,18 +283,20 @@ class DraftCap:
             return None
         return (m * seconds / rows + draft_token_s) * tokens / (seconds + draft_s), p
 
-    def cap(self, wire: str, *, server_drafted: bool = False) -> int | None:
-        """Draft tokens worth verifying (or, ``server_drafted``, drafting) for a round of ``wire`` now (None: no cap)."""
+    def cap(self, wire: str, *, server_drafted: bool = False, value: float = 1.0) -> int | None:
+        """Draft tokens worth verifying (or, ``server_drafted``, drafting) for a round of ``wire`` now
+        (None: no cap); ``value`` (0, 1]: what a token emitted sooner is worth to this sequence against
+        the steady load the threshold assumes (:meth:`RequestPace.value`): the threshold is divided by it."""
         est = self.estimate(wire, server_drafted=server_drafted)
         if est is None:
             return None
         threshold, p = est
-        return cap_from(p, threshold)
+        return cap_from(p, threshold / value)
 
 
 class RequestPace:
-    """Tokens emitted by each running choice of one request, and whether a choice is ahead of the
-    slowest one (thread-safe; see the module docstring).  A choice counts from :meth:`start` to
+    """Tokens emitted by each running choice of one request, and what a choice ahead of the slowest
+    one gains from drafting (thread-safe; see the module docstring).  A choice counts from :meth:`start` to
     :meth:`finish`; while :attr:`waiting` choices have not started, nobody is held back."""
 
     def __init__(self, waiting: int = 0) -> None:
@@ -311,11 +318,13 @@ class RequestPace:
         with self._lock:
             self._tokens.pop(choice, None)
 
-    def ahead(self, choice: int) -> bool:
-        """Whether ``choice`` has emitted more than the slowest running choice (never while
+    def value(self, choice: int) -> float:
+        """What ``choice``'s tokens coming sooner are worth (the module docstring): ``1 / k`` with ``k``
+        choices running when it has emitted more than the slowest of them, else 1 (also while
         choices wait to start, or when it runs alone)."""
         with self._lock:
             mine = self._tokens.get(choice)
-            if mine is None or self.waiting > 0 or len(self._tokens) < 2:
-                return False
-            return mine > min(self._tokens.values())
+            running = len(self._tokens)
+            if mine is None or self.waiting > 0 or running < 2 or mine <= min(self._tokens.values()):
+                return 1.0
+            return 1.0 / running

@@ -308,8 +308,8 @@ class _Job:
         """The request's γ policy; on a batching server, for the rules whose output does not depend
         on γ (greedy, coupled), capped to what the server's load makes worth drafting
         (:mod:`specdec.server.draft_cap`), each round reported back to the cap's estimates; and
-        with ``pace`` (the request's choices side by side), choice ``index`` drafts nothing while it
-        is ahead of the slowest of them."""
+        with ``pace`` (the request's choices side by side), choice ``index``'s threshold rises while
+        it is ahead of the slowest of them (:class:`~specdec.server.draft_cap.RequestPace`)."""
         cap = getattr(self.ctx, "draft_cap", None)
         if cap is None or self.method not in CAPPED_WIRES:
             return self.gamma
@@ -321,7 +321,7 @@ class _Job:
         def ceiling(wire: str, drafted: bool) -> Callable[[], int | None]:
             if pace is None:
                 return lambda: cap.cap(wire, server_drafted=drafted)
-            return lambda: 0 if pace.ahead(index) else cap.cap(wire, server_drafted=drafted)
+            return lambda: cap.cap(wire, server_drafted=drafted, value=pace.value(index))
 
         def observe(wire: str, drafted: bool) -> Callable[[int, int], None]:
             def observed(gamma: int, accepted: int) -> None:
@@ -437,7 +437,7 @@ def _run_choices(job: _Job, on_text: Callable[[int], Callable[[str], None] | Non
     n = job.choices
     results: list[TextResult | None] = [None] * n
     pending = iter(range(n))
-    pace = RequestPace(waiting=n) if n > 1 else None  # a choice ahead of the others drafts nothing
+    pace = RequestPace(waiting=n) if n > 1 else None  # a choice ahead of the others drafts less
     lock = threading.Lock()
     failures: list[BaseException] = []
 
