@@ -277,32 +277,36 @@ def test_openai_requests_draft_no_more_than_the_cap_and_give_the_same_text(k):
     assert texts[True] == texts[False]
 
 
+def _lookup_request(drafter_factory, name: str, cap) -> tuple[str, float]:
+    """One greedy completion of a repetitive prompt on a toy server whose draft cap is ``cap``
+    (None: no cap): its text and the draft tokens the server's drafting proposed."""
+    from toy_server import LetterTokenizer
+
+    app = create_app(ToyLM(VOCAB, order=2, seed=3), tokenizer=LetterTokenizer(), settings=ServerSettings(),
+                     drafter_factory=drafter_factory, drafter_name=name)
+    app.state.ctx.draft_cap = cap
+    client = TestClient(app, base_url="http://localhost")
+    r = client.post("/v1/completions", json={"prompt": "abcabcab", "max_tokens": 24, "temperature": 0})
+    assert r.status_code == 200, r.text
+    return r.json()["choices"][0]["text"], _openai_proposed(client)
+
+
 def test_a_busy_servers_cap_stops_prompt_lookup_too():
     """The default drafter's prompt lookup costs the busy pass a row per token as well: a server
     whose cap says 0 asks it for the lookup wire too (as an edge-like cost, no draft pass), and
     then drafts nothing at all, model or lookup, and returns the uncapped server's text."""
     from specdec.drafters import ModelDrafter
     from specdec.drafters.hybrid import LookupThenModel
-    from toy_server import LetterTokenizer
 
+    draft = ToyLM(VOCAB, order=2, seed=3).perturbed(0.3, seed=1)
+    fixed = FixedCap(0)
     texts, proposed = {}, {}
-    for capped in (True, False):
-        target = ToyLM(VOCAB, order=2, seed=3)
-        draft = target.perturbed(0.3, seed=1)
-        app = create_app(target, tokenizer=LetterTokenizer(), settings=ServerSettings(),
-                         drafter_factory=lambda: LookupThenModel(ModelDrafter(draft, lazy_prefill=True), min_ngram=1),
-                         drafter_name="toy+lookup")
-        fixed = FixedCap(0) if capped else None
-        app.state.ctx.draft_cap = fixed
-        client = TestClient(app, base_url="http://localhost")
-        r = client.post("/v1/completions", json={"prompt": "abcabcab", "max_tokens": 24, "temperature": 0})
-        assert r.status_code == 200, r.text
-        texts[capped] = r.json()["choices"][0]["text"]
-        proposed[capped] = _openai_proposed(client)
-        if capped:
-            assert set(fixed.asked) == {("openai-greedy", True), ("openai-greedy+lookup", False)}
-    assert texts[True] == texts[False]
-    assert proposed[True] == 0 and proposed[False] > 0
+    for cap in (fixed, None):
+        texts[cap], proposed[cap] = _lookup_request(
+            lambda: LookupThenModel(ModelDrafter(draft, lazy_prefill=True), min_ngram=1), "toy+lookup", cap)
+    assert set(fixed.asked) == {("openai-greedy", True), ("openai-greedy+lookup", False)}
+    assert texts[fixed] == texts[None]
+    assert proposed[fixed] == 0 and proposed[None] > 0
 
 
 def test_a_busy_servers_cap_stops_prompt_lookup_alone():
@@ -310,19 +314,11 @@ def test_a_busy_servers_cap_stops_prompt_lookup_alone():
     passes the cap could cost: its rounds are free drafts (the lookup wire, a target row each), so
     a cap of 0 stops them, and a cap of 1 keeps every round to one token (they had gone uncapped)."""
     from specdec.drafters import NgramDrafter
-    from toy_server import LetterTokenizer
 
     texts, proposed = {}, {}
     for k in (0, 1, None):
-        app = create_app(ToyLM(VOCAB, order=2, seed=3), tokenizer=LetterTokenizer(), settings=ServerSettings(),
-                         drafter_factory=lambda: NgramDrafter(max_ngram=3, min_ngram=1), drafter_name="ngram")
         fixed = FixedCap(k) if k is not None else None
-        app.state.ctx.draft_cap = fixed
-        client = TestClient(app, base_url="http://localhost")
-        r = client.post("/v1/completions", json={"prompt": "abcabcab", "max_tokens": 24, "temperature": 0})
-        assert r.status_code == 200, r.text
-        texts[k] = r.json()["choices"][0]["text"]
-        proposed[k] = _openai_proposed(client)
+        texts[k], proposed[k] = _lookup_request(lambda: NgramDrafter(max_ngram=3, min_ngram=1), "ngram", fixed)
         if fixed is not None:
             assert set(fixed.asked) == {("openai-greedy+lookup", False)}
             assert fixed.rounds and all(wire == "openai-greedy+lookup" for wire, *_ in fixed.rounds)
