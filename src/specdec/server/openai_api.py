@@ -318,14 +318,14 @@ class _Job:
         wire = f"{OPENAI_WIRE}-{self.method}"
         lookup = wire + LOOKUP_WIRE_SUFFIX
 
-        def ceiling(wire: str, drafted: bool) -> Callable[[], int | None]:
+        def ceiling(name: str, drafted: bool) -> Callable[[], int | None]:
             if pace is None:
-                return lambda: cap.cap(wire, server_drafted=drafted)
-            return lambda: cap.cap(wire, server_drafted=drafted, value=pace.value(index))
+                return lambda: cap.cap(name, server_drafted=drafted)
+            return lambda: cap.cap(name, server_drafted=drafted, value=pace.value(index))
 
-        def observe(wire: str, drafted: bool) -> Callable[[int, int], None]:
+        def observe(name: str, drafted: bool) -> Callable[[int, int], None]:
             def observed(gamma: int, accepted: int) -> None:
-                cap.observe_round(wire, gamma, accepted, server_drafted=drafted)
+                cap.observe_round(name, gamma, accepted, server_drafted=drafted)
                 if pace is not None:
                     pace.add(index, accepted + 1)
             return observed
