@@ -73,3 +73,31 @@ def test_streaming_detokenisation_is_incremental_and_equals_the_full_decode(tok,
     monkeypatch.undo()
     assert "".join(pieces) == stream.text == tok.decode(ids, skip_special_tokens=True)
     assert all("\ufffd" not in p for p in pieces)
+
+
+@pytest.mark.parametrize("stops", [(), ("END",), ("é",)])
+def test_spans_hand_over_each_token_once_and_only_after_its_text(tok, stops):
+    """``on_span``: the spans cover the kept tokens in order, each once; a token is handed over only
+    once its text is out (so never a token held back with a possible stop string), and ``finish``
+    hands over the rest, text or not (here the end-of-turn token)."""
+    ids = tok.encode("naïve café — ok ✓ The END is near<|im_end|>", add_special_tokens=False)
+    shown: list[str] = []
+    spans: list[tuple[str, int, int]] = []
+    sink = TextSink(tok, stops, shown.append, lambda text, a, b: spans.append((text, a, b)))
+    stop = StopStrings(tok, stops)
+    kept = len(ids)
+    for i in range(len(ids)):
+        sink.push(ids[i : i + 1])
+        if (cut := stop(ids[: i + 1])) is not None:
+            kept = cut
+            break
+    final = sink.finish(ids[:kept])
+    assert "".join(t for t, _, _ in spans) == "".join(shown) == final
+    assert [a for _, a, _ in spans] == [0] + [b for _, _, b in spans[:-1]] and spans[-1][2] == kept
+    assert sum(1 for _, a, b in spans if b > a) > 2  # handed over as the text goes, not all at the end
+    printed = ""
+    for text, _, end in spans[:-1]:  # the last one may hold the stop string's token, whose text is cut
+        printed += text
+        assert printed.startswith(tok.decode(ids[:end], skip_special_tokens=True))
+    if stops == ("END",):
+        assert final.endswith("The ") and spans[-1][2] - spans[-1][1] >= 1  # the stop's token came last

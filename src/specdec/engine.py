@@ -386,6 +386,18 @@ def check_draft_name(draft: str) -> tuple[str, bool, Path | None]:
     return base, lookup, head
 
 
+@dataclass(frozen=True)
+class TextPiece:
+    """One streamed piece of a generation (:meth:`Engine.generate`'s ``on_piece``): its new text,
+    the generated tokens whose text it completes (possibly none, or tokens with no text of their
+    own, such as an end-of-turn token) and, where log-probabilities were asked for, theirs."""
+
+    text: str
+    token_ids: list[int]
+    #: per token in ``token_ids``, as :attr:`TextResult.logprobs`; None without ``logprobs``
+    logprobs: list[tuple[float, list[tuple[int, float]]]] | None = None
+
+
 @dataclass
 class TextResult:
     text: str
@@ -520,19 +532,27 @@ class Engine:
         ignore_eos: bool = False,
         tree: str | int = defaults.DEFAULT_TREE,
         tree_min_prob: float | None = None,
+        on_piece: Callable[[TextPiece], None] | None = None,
     ) -> TextResult:
         """Decode ``prompt``; ``logprobs`` (k >= 0) records each emitted token's log-probability
         under the target's processed law and the k most likely alternatives; ``ignore_eos``
-        keeps generating past end-of-sequence tokens."""
+        keeps generating past end-of-sequence tokens.  ``on_text`` receives the text as it is
+        decided; ``on_piece`` the same pieces with their tokens and log-probabilities
+        (:class:`TextPiece`), the last one carrying whatever tokens are left."""
         rule = get_rule(method or default_method(sampling))
         ids = self.encode(prompt, chat=chat) if isinstance(prompt, str) else list(prompt)
         if not ids:
             raise ConfigError("the prompt is empty")
-        sink = TextSink(self.target.tokenizer, sampling.stop, on_text)
+        session = None
+
+        def span(text: str, start: int, end: int) -> None:  # the sink's tokens [start, end) with this text
+            lps = session.emitted_logprobs[start:end] if session is not None else None
+            on_piece(TextPiece(text, sink.stream.tokens[start:end], lps))  # type: ignore[misc, union-attr]
+
+        sink = TextSink(self.target.tokenizer, sampling.stop, on_text, span if on_piece is not None else None)
         stop = StopStrings(self.target.tokenizer, sampling.stop) if sampling.stop else None
         decoder = self.decoder(rule, gamma, min_confidence=min_confidence, ignore_eos=ignore_eos, tree=tree,
                                tree_min_prob=tree_min_prob)
-        session = None
         if logprobs is not None:  # the decoder and the session must share the seed
             if sampling.seed is None:
                 sampling = replace(sampling, seed=int.from_bytes(os.urandom(6), "little"))

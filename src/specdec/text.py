@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+from bisect import bisect_right
 from typing import Any
 
 from specdec.errors import ConfigError
@@ -101,23 +102,43 @@ class TextSink:
 
     ``push`` takes each round's new tokens; ``finish`` returns the final text (cut at the first
     stop string) and flushes what was held back.  Used by local and edge generation alike.
+
+    ``on_span(text, start, end)``, where given, is called with each piece of text too, and with
+    the generated tokens ``[start, end)`` whose text that piece completes: a token counts as shown
+    once the text up to its end is out, so a token held back with a possible stop string (or
+    still half a character) goes with a later piece; ``finish`` hands over every token left, with
+    or without text.  Together the spans cover the tokens in order, each once.
     """
 
-    def __init__(self, tokenizer: Any | None, stops: tuple[str, ...], on_text: Any | None) -> None:
+    def __init__(self, tokenizer: Any | None, stops: tuple[str, ...], on_text: Any | None,
+                 on_span: Any | None = None) -> None:
         self.stream = TextStream(tokenizer) if tokenizer is not None else None
         self.stops = tuple(s for s in stops if s)  # an empty stop string matches nothing (as in StopStrings)
         self.on_text = on_text
+        self.on_span = on_span
         self.printed = 0
+        self.ends: list[int] = []  # with on_span: the text's length once each token's text was out
+        self._known = 0  # ... known for the first so many (a token may be half a character, or have no text)
+        self.shown = 0  # with on_span: tokens handed over so far
 
     def push(self, tokens: list[int]) -> None:
-        if self.stream is None or not self.stream.push(tokens) or self.on_text is None:
+        if self.stream is None:
+            return
+        if self.on_span is not None:
+            for t in tokens:  # one at a time, for where each token's text ends
+                self.ends.append(-1)  # not yet known
+                if self.stream.push([t]):  # this token's text is out, and that of any before it whose wasn't
+                    while self._known < len(self.ends):
+                        self.ends[self._known] = len(self.stream.text)
+                        self._known += 1
+        elif not self.stream.push(tokens) or self.on_text is None:
             return
         text = self.stream.text
         visible = trim_at_stop(text, self.stops) if self.stops else text
         hold = max((len(s) - 1 for s in self.stops), default=0)
         safe = len(visible) if len(visible) < len(text) else max(self.printed, len(visible) - hold)
         if safe > self.printed:
-            self.on_text(visible[self.printed : safe])
+            self._emit(visible[self.printed : safe], bisect_right(self.ends, safe, hi=self._known))
             self.printed = safe
 
     def finish(self, tokens: list[int]) -> str:
@@ -126,9 +147,17 @@ class TextSink:
         text = self.stream.decode(tokens)
         if self.stops:
             text = trim_at_stop(text, self.stops)
-        if self.on_text is not None and len(text) > self.printed:
-            self.on_text(text[self.printed :])
+        if len(text) > self.printed or (self.on_span is not None and len(tokens) > self.shown):
+            self._emit(text[self.printed :], len(tokens))
+            self.printed = max(self.printed, len(text))
         return text
+
+    def _emit(self, text: str, shown: int) -> None:
+        if self.on_text is not None and text:
+            self.on_text(text)
+        if self.on_span is not None:
+            self.on_span(text, self.shown, max(shown, self.shown))
+            self.shown = max(shown, self.shown)
 
 
 def logprob_rows(tokenizer: Any, token_ids: list[int], logprobs: list[tuple[float, list[tuple[int, float]]]]) -> list[dict]:

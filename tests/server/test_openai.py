@@ -136,6 +136,34 @@ def test_logprobs_are_the_targets_processed_law(client, local):
     assert all(len(c.top_logprobs) == 2 and c.logprob == pytest.approx(c.top_logprobs[0].logprob) for c in content)  # greedy
 
 
+def test_streamed_logprobs_come_with_their_text(client):
+    """In a stream each chunk carries the log-probabilities of the tokens its text completes (as
+    OpenAI's and vLLM's streams do), not all of them at the end; together they are the same as the
+    answer's without a stream, and the tokens so far never run ahead of the text so far."""
+    kw = dict(model=MODEL, prompt=PROMPT, max_tokens=16, temperature=0.7, seed=5, logprobs=2, echo=False)
+    whole = client.completions.create(**kw).choices[0].logprobs
+    chunks = [c for c in client.completions.create(**kw, stream=True) if c.choices]
+    parts = [c.choices[0].logprobs for c in chunks if c.choices[0].logprobs is not None]
+    assert sum(1 for c in chunks if c.choices[0].text and c.choices[0].logprobs) >= 3
+    assert [t for p in parts for t in p.tokens] == whole.tokens
+    assert [v for p in parts for v in p.token_logprobs] == pytest.approx(whole.token_logprobs, abs=1e-9)
+    assert [o for p in parts for o in p.text_offset] == whole.text_offset
+    assert [t for p in parts for t in p.top_logprobs] == whole.top_logprobs
+    text = tokens = ""
+    for c in chunks:
+        text += c.choices[0].text
+        tokens += "".join(c.choices[0].logprobs.tokens) if c.choices[0].logprobs else ""
+        assert text.startswith(tokens) or c.choices[0].finish_reason is not None
+    messages = [{"role": "user", "content": "Write a Python hello world."}]
+    chat = dict(model=MODEL, messages=messages, max_tokens=20, temperature=0, logprobs=True, top_logprobs=2)
+    answer = client.chat.completions.create(**chat).choices[0]
+    streamed = [c.choices[0] for c in client.chat.completions.create(**chat, stream=True) if c.choices]
+    entries = [e for c in streamed if c.logprobs is not None for e in c.logprobs.content]
+    assert [(e.token, e.logprob) for e in entries] == [(e.token, e.logprob) for e in answer.logprobs.content]
+    assert sum(1 for c in streamed if c.delta.content and c.logprobs) >= 2
+    assert "".join(e.token for e in entries) == "".join(c.delta.content or "" for c in streamed)
+
+
 def test_n_list_prompts_echo_logit_bias_ignore_eos(client):
     kw = dict(model=MODEL, prompt=PROMPT, max_tokens=10, temperature=1.0, seed=11)
     many = client.completions.create(**kw, n=2)

@@ -24,7 +24,7 @@ from fastapi.responses import JSONResponse, StreamingResponse
 from pydantic import BaseModel, ConfigDict, Field
 
 from specdec import defaults
-from specdec.engine import Engine, TextResult, default_method, make_gamma, parse_gamma
+from specdec.engine import Engine, TextPiece, TextResult, default_method, make_gamma, parse_gamma
 from specdec.gamma import CappedGamma
 from specdec.errors import SpecdecError
 from specdec.models.registry import LoadedModel
@@ -339,8 +339,8 @@ class _Job:
         return self.prompts[index // self.n]
 
     def run(
-        self, index: int = 0, on_text: Callable[[str], None] | None = None, cancelled: threading.Event | None = None,
-        pace: RequestPace | None = None,
+        self, index: int = 0, on_piece: Callable[[TextPiece], None] | None = None,
+        cancelled: threading.Event | None = None, pace: RequestPace | None = None,
     ) -> TextResult:
         """Choice ``index`` (in a worker thread): prompt ``index // n``; with a seed, sample
         ``j = index % n`` uses seed + j.  ``cancelled`` also drops this request's queued forward passes;
@@ -364,7 +364,7 @@ class _Job:
             target = LoadedModel(ctx.settings.model_name, ctx.model, ctx.tokenizer, None, "server", ctx.eos_ids)
             engine = Engine(target, drafter, ctx.drafter_name if drafter is not None else "none")
             out = engine.generate(self.prompt_of(index), sampling, method=self.method,
-                                  gamma=self._gamma(drafter, index, pace), on_text=on_text,
+                                  gamma=self._gamma(drafter, index, pace), on_piece=on_piece,
                                   logprobs=self.logprobs, ignore_eos=self.ignore_eos)
         except SchedulerCancelled:
             raise _Cancelled from None
@@ -420,10 +420,11 @@ def _release_spare(job: _Job) -> None:
     job.ctx.spare.release()
 
 
-def _run_choices(job: _Job, on_text: Callable[[int], Callable[[str], None] | None], cancelled: threading.Event,
+def _run_choices(job: _Job, on_piece: Callable[[int], Callable[[TextPiece], None] | None], cancelled: threading.Event,
                  on_done: Callable[[int, TextResult], None] | None = None) -> list[TextResult]:
     """Every choice of ``job`` (in a worker thread holding its admitted slot), results in index order;
-    ``on_text(i)`` is choice ``i``'s text callback, ``on_done(i, result)`` is called as each ends.
+    ``on_piece(i)`` is choice ``i``'s callback for its streamed pieces, ``on_done(i, result)`` is called
+    as each ends.
 
     On a batching server a request's several prompts or ``n`` choices also run on spare generation
     slots — each taken without waiting, with its own KV claim, at most
@@ -448,7 +449,7 @@ def _run_choices(job: _Job, on_text: Callable[[int], Callable[[str], None] | Non
             if i is None:
                 return
             try:
-                results[i] = job.run(i, on_text(i), cancelled, pace)
+                results[i] = job.run(i, on_piece(i), cancelled, pace)
                 if on_done is not None:
                     on_done(i, results[i])
             except BaseException as exc:  # noqa: BLE001 - re-raised below, in the admitted thread
@@ -495,12 +496,12 @@ async def _run_blocking(job: _Job, request: Request | None = None) -> list[TextR
     (polled every 0.1 s)."""
     cancelled = threading.Event()
 
-    def on_text(text: str) -> None:
+    def on_piece(piece: TextPiece) -> None:
         if cancelled.is_set():
             raise _Cancelled
 
     _admit(job)
-    future = _submit(job, lambda: _run_choices(job, lambda index: on_text, cancelled))
+    future = _submit(job, lambda: _run_choices(job, lambda index: on_piece, cancelled))
     # a client that leaves abandons the future, which then ends in _Cancelled: retrieve that here,
     # or asyncio logs it with a traceback ("Future exception was never retrieved")
     future.add_done_callback(lambda f: f.cancelled() or f.exception())
@@ -531,13 +532,14 @@ def _stream(
     job: _Job,
     *,
     head: Callable[[int], list[dict[str, Any]]],
-    delta: Callable[[int, str], dict[str, Any]],
+    delta: Callable[[int, TextPiece], dict[str, Any] | None],
     tail: Callable[[int, TextResult], dict[str, Any]],
     usage: Callable[[list[TextResult]], dict[str, Any]] | None,
 ) -> StreamingResponse:
-    """Server-sent events: per choice, ``head`` chunks, one ``delta`` chunk per text piece, ``tail``;
-    then [usage] and [DONE].  Choices run as :func:`_run_choices` runs them — side by side on spare
-    slots where there are some — so their chunks interleave, each carrying its index (as OpenAI's
+    """Server-sent events: per choice, ``head`` chunks, one ``delta`` chunk per streamed piece (its
+    text and, where asked for, the log-probabilities of the tokens it completes; None: nothing to
+    send), ``tail``; then [usage] and [DONE].  Choices run as :func:`_run_choices` runs them — side
+    by side on spare slots where there are some — so their chunks interleave, each carrying its index (as OpenAI's
     streams of ``n`` choices do); a choice's own chunks keep their order.  The request's
     speculative stats ride on the chunk of the choice that ends last."""
     loop = asyncio.get_running_loop()
@@ -547,17 +549,17 @@ def _stream(
     def put(kind: str, value: Any) -> None:
         loop.call_soon_threadsafe(queue.put_nowait, (kind, value))
 
-    def text_of(index: int) -> Callable[[str], None]:
-        def on_text(text: str) -> None:
+    def piece_of(index: int) -> Callable[[TextPiece], None]:
+        def on_piece(piece: TextPiece) -> None:
             if cancelled.is_set():
                 raise _Cancelled
-            put("text", (index, text))
+            put("piece", (index, piece))
 
-        return on_text
+        return on_piece
 
     def work() -> None:
         try:
-            _run_choices(job, text_of, cancelled, on_done=lambda index, result: put("done", (index, result)))
+            _run_choices(job, piece_of, cancelled, on_done=lambda index, result: put("done", (index, result)))
         except _Cancelled:
             return
         except SpecdecError as exc:
@@ -590,12 +592,13 @@ def _stream(
                 yield chunk
             while True:
                 kind, value = await queue.get()
-                if kind == "text":
-                    index, text = value
-                    if text:
+                if kind == "piece":
+                    index, piece = value
+                    sent = delta(index, piece)
+                    if sent is not None:
                         for chunk in opening(index):
                             yield chunk
-                        yield _sse(delta(index, text))
+                        yield _sse(sent)
                 elif kind == "done":
                     index, result = value
                     for chunk in opening(index):
@@ -634,11 +637,12 @@ def _piece(tok: Any, token: int) -> str:
     return tok.decode([token])
 
 
-def _chat_logprobs(tok: Any, out: TextResult) -> dict[str, Any] | None:
-    """OpenAI chat ``logprobs``: the target's processed law at each emitted position whose token
-    is part of the message; special tokens (the end of the turn) are left out, as the message's
-    text leaves them out, so the entries' tokens join to the content."""
-    if out.logprobs is None:
+def _chat_logprobs(tok: Any, token_ids: list[int], logprobs: list | None) -> dict[str, Any] | None:
+    """OpenAI chat ``logprobs`` of ``token_ids`` (a whole answer or a streamed piece of it): the
+    target's processed law at each emitted position whose token is part of the message; special
+    tokens (the end of the turn) are left out, as the message's text leaves them out, so the
+    entries' tokens join to the content."""
+    if logprobs is None:
         return None
     special = set(getattr(tok, "all_special_ids", None) or ())
 
@@ -648,24 +652,26 @@ def _chat_logprobs(tok: Any, out: TextResult) -> dict[str, Any] | None:
 
     return {"content": [
         {**entry(token, lp), "top_logprobs": [entry(i, v) for i, v in top]}
-        for token, (lp, top) in zip(out.token_ids, out.logprobs) if token not in special
+        for token, (lp, top) in zip(token_ids, logprobs) if token not in special
     ], "refusal": None}
 
 
-def _completion_logprobs(tok: Any, out: TextResult, offset: int) -> dict[str, Any] | None:
-    """Legacy completions ``logprobs``: tokens, token_logprobs, top_logprobs, text_offset."""
-    if out.logprobs is None:
+def _completion_logprobs(tok: Any, token_ids: list[int], logprobs: list | None, offset: int) -> dict[str, Any] | None:
+    """Legacy completions ``logprobs`` of ``token_ids`` (a whole answer or a streamed piece of it,
+    whose first token's text starts at character ``offset`` of the choice's text): tokens,
+    token_logprobs, top_logprobs, text_offset."""
+    if logprobs is None:
         return None
     tokens, offsets = [], []
-    for token in out.token_ids:
+    for token in token_ids:
         offsets.append(offset)
         piece = _piece(tok, token)
         tokens.append(piece)
         offset += len(piece)
     return {
         "tokens": tokens,
-        "token_logprobs": [max(lp, -9999.0) for lp, _ in out.logprobs],
-        "top_logprobs": [{_piece(tok, i): max(v, -9999.0) for i, v in top} for _, top in out.logprobs],
+        "token_logprobs": [max(lp, -9999.0) for lp, _ in logprobs],
+        "top_logprobs": [{_piece(tok, i): max(v, -9999.0) for i, v in top} for _, top in logprobs],
         "text_offset": offsets,
     }
 
@@ -738,18 +744,28 @@ def openai_router(ctx: "ServerContext") -> APIRouter:
 
         if req.stream:
             include_usage = req.stream_options is not None and req.stream_options.include_usage
+            offsets: dict[int, int] = {}  # per choice: where the next streamed token's text starts
+
+            def streamed(index: int, piece: TextPiece) -> dict[str, Any] | None:
+                lps = None
+                if piece.logprobs is not None and piece.token_ids:
+                    start = offsets.get(index, len(echoed(index)))
+                    lps = _completion_logprobs(tok, piece.token_ids, piece.logprobs, start)
+                    offsets[index] = start + sum(len(t) for t in lps["tokens"])  # type: ignore[index]
+                return chunk(index, piece.text, None, lps) if piece.text or lps is not None else None
+
             return _stream(
                 job,
                 head=lambda index: [chunk(index, echoed(index), None)] if req.echo else [],
-                delta=lambda index, text: chunk(index, text, None),
-                tail=lambda index, out: chunk(index, "", _finish_reason(out.stats.finish_reason),
-                                              _completion_logprobs(tok, out, len(echoed(index)))),
+                delta=streamed,
+                tail=lambda index, out: chunk(index, "", _finish_reason(out.stats.finish_reason)),
                 usage=(lambda outs: {**chunk(0, "", None), "choices": [], "usage": _usage(outs, prompt_tokens, job.n)})
                 if include_usage else None,
             )
         outs = await _run_blocking(job, request)
         choices = [
-            {"index": i, "text": echoed(i) + out.text, "logprobs": _completion_logprobs(tok, out, len(echoed(i))),
+            {"index": i, "text": echoed(i) + out.text,
+             "logprobs": _completion_logprobs(tok, out.token_ids, out.logprobs, len(echoed(i))),
              "finish_reason": _finish_reason(out.stats.finish_reason)}
             for i, out in enumerate(outs)
         ]
@@ -788,11 +804,18 @@ def openai_router(ctx: "ServerContext") -> APIRouter:
 
         if req.stream:
             include_usage = req.stream_options is not None and req.stream_options.include_usage
+
+            def streamed(index: int, piece: TextPiece) -> dict[str, Any] | None:
+                lps = _chat_logprobs(tok, piece.token_ids, piece.logprobs)
+                if lps is not None and not lps["content"]:  # an end-of-turn token alone
+                    lps = None
+                return chunk(index, {"content": piece.text}, None, lps) if piece.text or lps is not None else None
+
             return _stream(
                 job,
                 head=lambda index: [chunk(index, {"role": "assistant", "content": ""}, None)],
-                delta=lambda index, text: chunk(index, {"content": text}, None),
-                tail=lambda index, out: chunk(index, {}, _finish_reason(out.stats.finish_reason), _chat_logprobs(tok, out)),
+                delta=streamed,
+                tail=lambda index, out: chunk(index, {}, _finish_reason(out.stats.finish_reason)),
                 usage=(lambda outs: {**chunk(0, {}, None), "choices": [], "usage": _usage(outs, len(ids), job.n)})
                 if include_usage else None,
             )
@@ -803,7 +826,8 @@ def openai_router(ctx: "ServerContext") -> APIRouter:
             "created": created,
             "model": job.model_name,
             "choices": [{"index": i, "message": {"role": "assistant", "content": out.text},
-                         "logprobs": _chat_logprobs(tok, out), "finish_reason": _finish_reason(out.stats.finish_reason)}
+                         "logprobs": _chat_logprobs(tok, out.token_ids, out.logprobs),
+                         "finish_reason": _finish_reason(out.stats.finish_reason)}
                         for i, out in enumerate(outs)],
             "usage": _usage(outs, len(ids), job.n),
             "specdec": _stats(outs),
