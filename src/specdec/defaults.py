@@ -158,6 +158,9 @@ SERVER_MAX_CONNECTIONS = 1024
 SCHEDULER_MAX_TOKENS = 256
 SCHEDULER_PREFILL_CHUNK = 128
 SCHEDULER_MAX_QUEUE = 1024
+#: prompt positions scored per forward pass for the prompt's log-probabilities (``echo`` with
+#: ``logprobs``): the logits of a piece are [chunk, vocabulary] floats, 50 MB at 256 for SmolLM2
+PROMPT_SCORE_CHUNK = 256
 #: before a pass, wait for the sequences the last pass finished to come back (their request threads
 #: sample, check stops and resubmit in turn), while they keep arriving: at most this long after the
 #: last arrival, never longer than the last pass took, and never while other compute work waits.

@@ -367,3 +367,26 @@ def tree_constraint(
             raise ConfigError("the constraint allows no token here (is end-of-sequence allowed when it is complete?)")
         out[row].masked_fill_(~mask, -math.inf)
     return out
+
+
+def score_prompt(
+    model: LanguageModel, prompt: Tensor | list[int], top: int, *, chunk: int = defaults.PROMPT_SCORE_CHUNK,
+) -> list[tuple[float, list[tuple[int, float]]]]:
+    """Each prompt token after the first: its log-probability given the tokens before it, and the
+    ``top`` most likely tokens there, under the target's own law (the log-softmax of its logits:
+    no temperature, truncation, bias or penalty — the prompt was not sampled), from a pass over the
+    prompt in pieces of ``chunk`` positions on a cache of its own (what OpenAI's legacy
+    completions report with ``echo`` and ``logprobs``)."""
+    ids = torch.as_tensor(prompt, dtype=torch.long).reshape(-1)  # [n]
+    n = ids.numel()
+    if n >= model.max_length:
+        raise ContextLengthError(f"the prompt has {n} tokens but the model's context is {model.max_length}")
+    if n < 2:
+        return []
+    cache = model.new_cache(n)
+    out: list[tuple[float, list[tuple[int, float]]]] = []
+    for start in range(0, n - 1, chunk):
+        end = min(start + chunk, n - 1)
+        logits = model.forward(ids[start:end], cache)  # [end - start, V]: the law of tokens start+1 .. end
+        out.extend(top_logprobs(torch.log_softmax(logits.double(), dim=-1), ids[start + 1 : end + 1], top))
+    return out

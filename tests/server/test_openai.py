@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import openai
 import pytest
+import torch
 
 from serverproc import ServerProcess
 from specdec.engine import Engine, EngineConfig
@@ -83,8 +84,8 @@ def test_sampling_options_stop_and_seed(client):
 def test_errors_come_back_as_openai_errors(client, server):
     with pytest.raises(openai.BadRequestError, match="best_of"):
         client.completions.create(model=MODEL, prompt=PROMPT, n=1, best_of=3)
-    with pytest.raises(openai.BadRequestError, match="echo together with logprobs"):
-        client.completions.create(model=MODEL, prompt=PROMPT, logprobs=2, echo=True)
+    with pytest.raises(openai.BadRequestError, match="echo together with logprobs .* not streamed"):
+        client.completions.create(model=MODEL, prompt=PROMPT, logprobs=2, echo=True, stream=True)
     with pytest.raises(openai.BadRequestError, match="context"):
         client.completions.create(model=MODEL, prompt=PROMPT, max_tokens=100_000)
     with pytest.raises(openai.NotFoundError, match="not served here"):
@@ -162,6 +163,29 @@ def test_streamed_logprobs_come_with_their_text(client):
     assert [(e.token, e.logprob) for e in entries] == [(e.token, e.logprob) for e in answer.logprobs.content]
     assert sum(1 for c in streamed if c.delta.content and c.logprobs) >= 2
     assert "".join(e.token for e in entries) == "".join(c.delta.content or "" for c in streamed)
+
+
+def test_echo_with_logprobs_scores_the_prompt_as_lm_eval_asks(client, local):
+    """The request lm-evaluation-harness's ``local-completions`` sends for a log-likelihood (token
+    ids, ``echo``, ``logprobs`` 1, ``max_tokens`` 1, T = 0): an entry per prompt token, the first
+    null, each later one the target's log-softmax after the tokens before it (here against one
+    whole pass of the local model), then the generated token's, as without ``echo``."""
+    ids = local.encode("The quick brown fox jumps over the lazy dog. def add(a, b): return a + b", chat=False)
+    kw = dict(model=MODEL, max_tokens=1, temperature=0, logprobs=1)
+    out = client.completions.create(prompt=[ids], echo=True, **kw).choices[0]
+    lp = out.logprobs
+    assert len(lp.tokens) == len(lp.token_logprobs) == len(lp.top_logprobs) == len(ids) + 1
+    assert lp.token_logprobs[0] is None and lp.top_logprobs[0] is None and lp.text_offset[0] == 0
+    model = local.target.model
+    law = torch.log_softmax(model.forward(torch.tensor(ids[:-1]), model.new_cache(len(ids))).double(), -1)
+    want = law.gather(1, torch.tensor(ids[1:]).view(-1, 1)).squeeze(1).tolist()
+    assert lp.token_logprobs[1:-1] == pytest.approx(want, abs=1e-4)
+    best = law.max(-1)
+    assert [max(top.values()) for top in lp.top_logprobs[1:-1]] == pytest.approx(best.values.tolist(), abs=1e-4)
+    assert sum(a == pytest.approx(b, abs=1e-6) for a, b in zip(lp.token_logprobs[1:-1], best.values.tolist())) > 2
+    alone = client.completions.create(prompt=[ids], **kw).choices[0]
+    assert out.text == local.target.tokenizer.decode(ids) + alone.text
+    assert lp.tokens[-1:] == alone.logprobs.tokens and lp.token_logprobs[-1] == pytest.approx(alone.logprobs.token_logprobs[0])
 
 
 def test_n_list_prompts_echo_logit_bias_ignore_eos(client):

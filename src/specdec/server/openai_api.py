@@ -225,7 +225,8 @@ class _Job:
     (and, on a batching server, side by side on generation slots nobody else holds: :func:`_run_choices`)."""
 
     def __init__(self, ctx: "ServerContext", req: _Request, prompts: list[list[int]], max_tokens: int | None,
-                 *, logprobs: int | None = None, endpoint: str = "completions", owner: str = "") -> None:
+                 *, logprobs: int | None = None, prompt_logprobs: int | None = None, endpoint: str = "completions",
+                 owner: str = "") -> None:
         self.ctx = ctx
         self.endpoint = endpoint
         self.owner = owner  # the caller's key digest (whose idle sessions may make room for this job)
@@ -281,6 +282,7 @@ class _Job:
         self.prompts = prompts
         self.n = req.n or 1
         self.logprobs = logprobs
+        self.prompt_logprobs = prompt_logprobs  # echo with logprobs: the prompt's tokens scored too
         self.ignore_eos = req.ignore_eos
         self.model_name = ctx.settings.model_name
         if self.ignored:
@@ -365,7 +367,8 @@ class _Job:
             engine = Engine(target, drafter, ctx.drafter_name if drafter is not None else "none")
             out = engine.generate(self.prompt_of(index), sampling, method=self.method,
                                   gamma=self._gamma(drafter, index, pace), on_piece=on_piece,
-                                  logprobs=self.logprobs, ignore_eos=self.ignore_eos)
+                                  logprobs=self.logprobs, ignore_eos=self.ignore_eos,
+                                  prompt_logprobs=self.prompt_logprobs)
         except SchedulerCancelled:
             raise _Cancelled from None
         finally:
@@ -676,6 +679,29 @@ def _completion_logprobs(tok: Any, token_ids: list[int], logprobs: list | None, 
     }
 
 
+def _echo_logprobs(tok: Any, out: TextResult) -> dict[str, Any] | None:
+    """Legacy completions ``logprobs`` of an echoed prompt (``echo`` with ``logprobs``): its first
+    token has none (null, as OpenAI reports it), each later one the target's own law given the
+    tokens before it; offsets from the start of the choice's text."""
+    if out.prompt_logprobs is None:
+        return None
+    first, *rest = out.prompt_ids
+    scored = _completion_logprobs(tok, rest, out.prompt_logprobs, len(_piece(tok, first)))
+    assert scored is not None
+    return {"tokens": [_piece(tok, first), *scored["tokens"]],
+            "token_logprobs": [None, *scored["token_logprobs"]],
+            "top_logprobs": [None, *scored["top_logprobs"]],
+            "text_offset": [0, *scored["text_offset"]]}
+
+
+def _joined(*parts: dict[str, Any] | None) -> dict[str, Any] | None:
+    """Legacy ``logprobs`` objects one after the other (the echoed prompt's, then the answer's)."""
+    present = [p for p in parts if p is not None]
+    if not present:
+        return None
+    return {key: [v for p in present for v in p[key]] for key in present[0]}
+
+
 # ----------------------------------------------------------------------------- endpoints
 
 
@@ -704,8 +730,9 @@ def openai_router(ctx: "ServerContext") -> APIRouter:
 
     @router.post("/v1/completions")
     async def completions(req: CompletionRequest, request: Request) -> Any:
-        if req.echo and req.logprobs is not None:
-            raise ApiError(400, "echo together with logprobs (prompt log-probabilities) is not supported by this server")
+        if req.echo and req.logprobs is not None and req.stream:
+            raise ApiError(400, "echo together with logprobs (the prompt's log-probabilities) is not streamed by this"
+                                " server; send stream: false")
         if req.best_of is not None and req.best_of != (req.n or 1):
             raise ApiError(400, "best_of other than n is not supported by this server (no ranking of samples)")
         if req.suffix:
@@ -727,7 +754,7 @@ def openai_router(ctx: "ServerContext") -> APIRouter:
             prompts.append(ids)
             texts.append(item if isinstance(item, str) else "")
         job = _Job(ctx, req, prompts, req.max_tokens if req.max_tokens is not None else 16, logprobs=req.logprobs,
-                   owner=_owner(request))
+                   prompt_logprobs=req.logprobs if req.echo else None, owner=_owner(request))
         tok = tokenizer()  # the text of the answer needs it
         if req.echo:
             texts = [t or tok.decode(ids) for t, ids in zip(texts, prompts)]
@@ -765,7 +792,8 @@ def openai_router(ctx: "ServerContext") -> APIRouter:
         outs = await _run_blocking(job, request)
         choices = [
             {"index": i, "text": echoed(i) + out.text,
-             "logprobs": _completion_logprobs(tok, out.token_ids, out.logprobs, len(echoed(i))),
+             "logprobs": _joined(_echo_logprobs(tok, out),
+                                 _completion_logprobs(tok, out.token_ids, out.logprobs, len(echoed(i)))),
              "finish_reason": _finish_reason(out.stats.finish_reason)}
             for i, out in enumerate(outs)
         ]
