@@ -210,6 +210,37 @@ def test_n_list_prompts_echo_logit_bias_ignore_eos(client):
     assert kept.choices[0].finish_reason == "length" and kept.usage.completion_tokens == 6
 
 
+def test_tokenizer_endpoints_answer_as_vllms_do(server, client, local):
+    """/tokenize, /detokenize and /tokenizer_info (what lm-evaluation-harness's remote tokenizer
+    calls): a prompt's ids are those /v1/completions generates after, messages' those
+    /v1/chat/completions does, and ids come back to the text; bad requests are 4xx."""
+    import httpx
+
+    tok = local.target.tokenizer
+    with httpx.Client(base_url=server.url, headers={"Authorization": f"Bearer {KEY}"}, timeout=60) as c:
+        got = c.post("/tokenize", json={"model": MODEL, "prompt": PROMPT, "return_token_strs": True}).json()
+        ids = tok.encode(PROMPT, add_special_tokens=False)
+        assert got["tokens"] == ids and got["count"] == len(ids) and got["max_model_len"] == local.target.model.max_length
+        assert got["token_strs"] == tok.convert_ids_to_tokens(ids)
+        greedy = dict(model=MODEL, max_tokens=6, temperature=0)
+        assert client.completions.create(prompt=got["tokens"], **greedy).choices[0].text == \
+            client.completions.create(prompt=PROMPT, **greedy).choices[0].text
+        messages = [{"role": "user", "content": "Say hi."}]
+        chat = c.post("/tokenize", json={"messages": messages}).json()["tokens"]
+        assert chat == local.encode_messages(messages)
+        assert client.completions.create(prompt=chat, **greedy).choices[0].text == \
+            client.chat.completions.create(messages=messages, **greedy).choices[0].message.content
+        assert c.post("/detokenize", json={"tokens": ids}).json() == {"prompt": PROMPT}
+        info = c.get("/tokenizer_info").json()
+        assert info["eos_token"] == "<|im_end|>" and "im_start" in info["chat_template"]
+        assert c.post("/tokenize", json={"prompt": PROMPT, "messages": messages}).status_code == 400
+        assert c.post("/tokenize", json={}).status_code == 400
+        assert c.post("/tokenize", json={"model": "gpt-4", "prompt": "x"}).status_code == 404
+        bad = c.post("/detokenize", json={"tokens": [1, 10**9]})
+        assert bad.status_code == 400 and "outside the vocabulary" in bad.json()["error"]["message"]
+    assert httpx.post(server.url + "/tokenize", json={"prompt": "x"}, timeout=30).status_code == 401  # keys hold here too
+
+
 def test_streams_carry_n_choices_and_the_stats_on_the_last_chunk(client):
     chunks = list(client.chat.completions.create(model=MODEL, messages=[{"role": "user", "content": "hi"}], max_tokens=5,
                                                  temperature=1.0, seed=3, n=2, stream=True))

@@ -159,6 +159,24 @@ class ChatMessage(BaseModel):
     name: Annotated[str, Field(max_length=256)] | None = None
 
 
+class TokenizeRequest(BaseModel):
+    """vLLM's ``/tokenize``: a ``prompt`` or chat ``messages`` (exactly one)."""
+
+    model_config = ConfigDict(extra="allow")
+    model: Annotated[str, Field(max_length=256)] | None = None
+    prompt: Annotated[str, Field(max_length=1 << 22)] | None = None
+    messages: Annotated[list[ChatMessage], Field(min_length=1, max_length=1024)] | None = None
+    add_special_tokens: bool = False  # as /v1/completions encodes a prompt (vLLM's default is true)
+    add_generation_prompt: bool = True
+    return_token_strs: bool = False
+
+
+class DetokenizeRequest(BaseModel):
+    model_config = ConfigDict(extra="allow")
+    model: Annotated[str, Field(max_length=256)] | None = None
+    tokens: Annotated[list[Annotated[int, Field(ge=0, le=(1 << 31) - 1)]], Field(max_length=1 << 20)]
+
+
 class ChatRequest(_Request):
     messages: Annotated[list[ChatMessage], Field(min_length=1, max_length=1024)]
     max_completion_tokens: Annotated[int, Field(ge=1, le=1 << 20)] | None = None
@@ -636,6 +654,23 @@ def _stream(
     return StreamingResponse(body, media_type="text/event-stream", headers={"Cache-Control": "no-cache", **job.headers})
 
 
+def _chat_ids(tok: Any, messages: list[ChatMessage], *, add_generation_prompt: bool = True) -> list[int]:
+    """Token ids of a conversation through the model's chat template (what /v1/chat/completions
+    generates after)."""
+    if not getattr(tok, "chat_template", None):
+        raise ApiError(400, "this model has no chat template; use /v1/completions")
+    turns = [
+        {"role": "system" if m.role == "developer" else m.role,
+         "content": m.content if isinstance(m.content, str) else "".join(p.text for p in m.content)}
+        for m in messages
+    ]
+    try:
+        text = tok.apply_chat_template(turns, tokenize=False, add_generation_prompt=add_generation_prompt)
+    except Exception as exc:  # noqa: BLE001 - a template that rejects the conversation
+        raise ApiError(400, f"the chat template rejected the messages: {exc}") from None
+    return list(tok.encode(text, add_special_tokens=False))
+
+
 def _piece(tok: Any, token: int) -> str:
     return tok.decode([token])
 
@@ -801,23 +836,49 @@ def openai_router(ctx: "ServerContext") -> APIRouter:
                 "choices": choices, "usage": _usage(outs, prompt_tokens, job.n), "specdec": _stats(outs)}
         return JSONResponse(body, headers=job.headers)
 
+    def served(name: str | None) -> None:
+        if name is not None and name != ctx.settings.model_name:
+            raise ApiError(404, f"model {name!r} is not served here; this server serves {ctx.settings.model_name!r}")
+
+    @router.post("/tokenize")
+    def tokenize(req: TokenizeRequest) -> dict[str, Any]:
+        """vLLM's tokenizer endpoint (lm-evaluation-harness uses it instead of a local tokenizer)."""
+        served(req.model)
+        tok = tokenizer()
+        if (req.prompt is None) == (req.messages is None):
+            raise ApiError(400, "send either prompt or messages")
+        if req.prompt is not None:
+            ids = list(tok.encode(req.prompt, add_special_tokens=req.add_special_tokens))
+        else:
+            ids = _chat_ids(tok, req.messages, add_generation_prompt=req.add_generation_prompt)  # type: ignore[arg-type]
+        return {"count": len(ids), "max_model_len": ctx.model.max_length, "tokens": ids,
+                "token_strs": tok.convert_ids_to_tokens(ids) if req.return_token_strs else None}
+
+    @router.post("/detokenize")
+    def detokenize(req: DetokenizeRequest) -> dict[str, Any]:
+        served(req.model)
+        tok = tokenizer()
+        vocab = ctx.model.vocab_size
+        for i, t in enumerate(req.tokens):
+            if t >= vocab:
+                raise ApiError(400, f"token {i} = {t} is outside the vocabulary [0, {vocab})")
+        return {"prompt": tok.decode(req.tokens)}
+
+    @router.get("/tokenizer_info")
+    def tokenizer_info() -> dict[str, Any]:
+        """The served tokenizer's special tokens, chat template and context (vLLM's endpoint)."""
+        tok = tokenizer()
+        return {"tokenizer_class": type(tok).__name__, "model_max_length": ctx.model.max_length,
+                "vocab_size": ctx.model.vocab_size,
+                **{name: getattr(tok, name, None) for name in ("bos_token", "eos_token", "pad_token", "unk_token")},
+                "chat_template": getattr(tok, "chat_template", None)}
+
     @router.post("/v1/chat/completions")
     async def chat(req: ChatRequest, request: Request) -> Any:
         if req.top_logprobs is not None and not req.logprobs:
             raise ApiError(400, "top_logprobs needs logprobs: true")
         tok = tokenizer()
-        if not getattr(tok, "chat_template", None):
-            raise ApiError(400, "this model has no chat template; use /v1/completions")
-        messages = [
-            {"role": "system" if m.role == "developer" else m.role,
-             "content": m.content if isinstance(m.content, str) else "".join(p.text for p in m.content)}
-            for m in req.messages
-        ]
-        try:
-            text = tok.apply_chat_template(messages, tokenize=False, add_generation_prompt=True)
-        except Exception as exc:  # noqa: BLE001 - a template that rejects the conversation
-            raise ApiError(400, f"the chat template rejected the messages: {exc}") from None
-        ids = list(tok.encode(text, add_special_tokens=False))
+        ids = _chat_ids(tok, req.messages)
         if not ids:
             raise ApiError(400, "the conversation encodes to no tokens")
         max_tokens = req.max_completion_tokens if req.max_completion_tokens is not None else req.max_tokens
