@@ -37,6 +37,11 @@ COST_GAMMA_PRIOR_ACCEPT = 0.7
 #: there paid ~7 % a token.  At 6 it keeps drafting through such a run; at 10 it also kept
 #: drafting where the acceptance (~0.1) no longer pays (see tests/test_gamma.py)
 COST_GAMMA_PRIOR_WEIGHT = 6.0
+#: a verification pass counts at most this many times the running estimate of its size's cost:
+#: one pass slowed down by something else on the machine (a 6.7 ms one-row pass against ~2.9 ms,
+#: seen on a 2-core Zen 5) otherwise lifted the one-row estimate by a third, and since drafting
+#: rounds never measure it again, kept a drafter that does not pay drafting for dozens of rounds
+COST_GAMMA_OUTLIER = 1.5
 
 #: γ when the user asks for none in particular
 DEFAULT_GAMMA = "auto"

@@ -144,6 +144,7 @@ class CostGamma:
     max_probe_every: int = defaults.COST_GAMMA_PROBE_MAX
     prior_accept: float = defaults.COST_GAMMA_PRIOR_ACCEPT
     prior_weight: float = defaults.COST_GAMMA_PRIOR_WEIGHT
+    outlier: float = defaults.COST_GAMMA_OUTLIER
     extra_target_s: float = 0.0  # e.g. a network round trip, known before measuring
     _hits: list[float] = field(default_factory=list)
     _tries: list[float] = field(default_factory=list)
@@ -178,7 +179,11 @@ class CostGamma:
 
     def _target_cost(self, n: int) -> float:
         if n in self._target_s:
-            return self._target_s[n]
+            # never above a larger pass's: more rows never cost less, so a smaller size reading
+            # dearer is a stale or disturbed estimate (the one-row cost is not measured again while
+            # the controller drafts, and one slow pass had made plain decoding look dearer than a
+            # drafted round, which then kept drafting at a loss)
+            return min([self._target_s[n], *(t for s, t in self._target_s.items() if s > n)])
         # linear between the two nearest measured sizes; outside them, along the line through
         # the two nearest (a pass never costs less than half the cheapest one measured, never
         # less than a smaller one and never more than a larger one): before any γ = 0 round the
@@ -240,7 +245,8 @@ class CostGamma:
     def observe_cost(self, n: int, target_s: float) -> None:
         """A verification pass over ``n`` positions took ``target_s`` (whatever drafted it)."""
         t = target_s + self.extra_target_s
-        self._target_s[n] = t if n not in self._target_s else 0.7 * self._target_s[n] + 0.3 * t
+        old = self._target_s.get(n)
+        self._target_s[n] = t if old is None else 0.7 * old + 0.3 * min(t, self.outlier * old)
 
     def update(self, *, gamma: int, accepted: int, draft_s: float, target_s: float, other_s: float) -> None:
         d = self.decay
