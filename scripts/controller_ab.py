@@ -7,7 +7,9 @@
 Not a test and not part of CI.  ``base`` runs the cost controllers of ``src/specdec/gamma.py``
 as committed at ``--base`` (loaded from git as a module of its own: the model drafter's γ and
 prompt lookup's length both come from it; only with ``--base``), ``auto`` this checkout's, a number a fixed γ for the
-model's drafts (prompt lookup's length stays this checkout's γ auto), ``plain`` plain decoding.
+model's drafts (prompt lookup's length stays this checkout's γ auto), ``plain`` plain decoding,
+``fresh`` this checkout's γ auto with a new controller for every sequence (``auto`` is what
+``Engine.decoder`` hands out: each sequence's controller continues from the engine's last one).
 Chains only (``--tree chain``).  For each repeat, temperature and prompt every arm runs once, in
 an order rotated per prompt and reversed on odd repeats, with one seed per prompt and repeat
 shared by every arm (greedy verification at T = 0, block verification above it); each run's
@@ -29,6 +31,7 @@ from pathlib import Path
 import paired
 
 import specdec.drafters.hybrid as hybrid
+from specdec.gamma import CostGamma
 from specdec.sampling import SamplingConfig
 from specdec.verify import get_rule
 
@@ -65,8 +68,8 @@ def main() -> int:
     ap.add_argument("--repeats", type=int, default=2)
     args = ap.parse_args()
     arms = args.arms.split(",")
-    if arms[0] != "plain" or any(a not in ("base", "auto") and not a.isdigit() for a in arms[1:]):
-        raise SystemExit("arms: plain first, then base, auto and / or fixed γs (numbers)")
+    if arms[0] != "plain" or any(a not in ("base", "auto", "fresh") and not a.isdigit() for a in arms[1:]):
+        raise SystemExit("arms: plain first, then base, auto, fresh and / or fixed γs (numbers)")
     if "base" in arms and not args.base:
         raise SystemExit("the 'base' arm needs --base REV")
     base = load_base(args.base) if "base" in arms else None
@@ -80,6 +83,8 @@ def main() -> int:
             if arm == "base":
                 with lookup_controller(base.CostGamma):
                     return engine.decoder(rule, gamma=base.CostGamma(), tree="chain").generate(ids, cfg)
+            if arm == "fresh":  # this checkout's controller, new for every sequence (nothing carried over)
+                return engine.decoder(rule, gamma=CostGamma(), tree="chain").generate(ids, cfg)
             return engine.decoder(rule, gamma=arm if arm == "auto" else int(arm), tree="chain").generate(ids, cfg)
         return run
 
@@ -92,7 +97,8 @@ def main() -> int:
     lines = [f"{len(prompts)} prompts × {args.repeats} repeats, {args.max_new_tokens} tokens, chains, every arm on every "
              f"prompt in one process (order rotated per prompt, reversed on odd repeats). "
              + (f"`base`: γ auto as committed at `{args.base}`; " if base is not None else "")
-             + "`auto`: this checkout's γ auto; a number: that fixed γ for the draft model. ×plain = geometric mean of the "
+             + "`auto`: this checkout's γ auto (each sequence's controller continued from the engine's last one);"
+             " `fresh`: the same controller new for every sequence; a number: that fixed γ for the draft model. ×plain = geometric mean of the "
              "per-run ratios over plain decoding of the same prompt and repeat.", "",
              "| T | arm | ×plain (all) | chat | code | tokens/call | mean γ | greedy = plain |", "|---|---|---|---|---|---|---|---|"]
     for temp in temps:

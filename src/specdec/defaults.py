@@ -42,6 +42,9 @@ COST_GAMMA_PRIOR_WEIGHT = 6.0
 #: seen on a 2-core Zen 5) otherwise lifted the one-row estimate by a third, and since drafting
 #: rounds never measure it again, kept a drafter that does not pay drafting for dozens of rounds
 COST_GAMMA_OUTLIER = 1.5
+#: an engine's next sequence with γ auto starts from the last one's controller: its costs as they
+#: are, its acceptance evidence at this weight (the next prompt may be of another kind)
+COST_GAMMA_CARRY = 0.3
 
 #: γ when the user asks for none in particular
 DEFAULT_GAMMA = "auto"

@@ -415,7 +415,8 @@ class TextResult:
 
 
 class Engine:
-    """Loaded target (+ drafter); builds a decoder per request (γ controllers are per sequence)."""
+    """Loaded target (+ drafter); builds a decoder per request.  With γ auto each sequence's cost
+    controller starts from the last one's for the same rule (:meth:`CostGamma.successor`)."""
 
     def __init__(self, target: LoadedModel, drafter: Drafter | None, drafter_name: str,
                  draft_model: LoadedModel | None = None) -> None:
@@ -423,6 +424,7 @@ class Engine:
         self.drafter = drafter
         self.drafter_name = drafter_name
         self.draft_model = draft_model
+        self._last_auto: dict[str, CostGamma] = {}  # rule name -> the last γ auto controller handed out
 
     @classmethod
     def build(cls, cfg: EngineConfig, *, progress: Callable[[str], None] | None = None) -> "Engine":
@@ -501,7 +503,7 @@ class Engine:
         tree: str | int = defaults.DEFAULT_TREE,
         tree_min_prob: float | None = None,
     ) -> SpeculativeDecoder:
-        spec, controller = make_tree(tree, make_gamma(gamma), min_prob=tree_min_prob)
+        spec, controller = make_tree(tree, self._gamma(rule, gamma), min_prob=tree_min_prob)
         return SpeculativeDecoder(
             self.target.model,
             self.drafter,
@@ -512,6 +514,16 @@ class Engine:
             drafter_name=self.drafter_name,
             min_confidence=defaults.MIN_CONFIDENCE if min_confidence is None else parse_min_confidence(min_confidence),
         )
+
+    def _gamma(self, rule: Rule, gamma: str | int | GammaController) -> GammaController:
+        """The controller for ``gamma``; γ auto's continues from this engine's last one for ``rule``
+        (the measured costs carry over, the acceptance at a fraction of its weight)."""
+        if not isinstance(gamma, (str, int)) or parse_gamma(gamma) != "auto":
+            return make_gamma(gamma)
+        last = self._last_auto.get(rule.name)
+        controller = last.successor() if last is not None else CostGamma()
+        self._last_auto[rule.name] = controller
+        return controller
 
     def encode(self, prompt: str, *, chat: bool, system: str | None = None) -> list[int]:
         return encode_prompt(self.target.tokenizer, prompt, chat=chat, system=system)

@@ -219,6 +219,37 @@ class CostGamma:
         self._probing = True
         return True
 
+    def successor(self) -> "CostGamma":
+        """A controller for the next sequence of the same drafter and target, starting from what
+        this one learnt: the costs it measured (a drafted token, the verification cost curve, the
+        rest of a round) carry over as they are — they belong to the drafter and the machine, not
+        to the prompt — and its acceptance evidence at :data:`~specdec.defaults.COST_GAMMA_CARRY`
+        of its weight, so that the next prompt's own rounds outweigh it within a few rounds.  It
+        starts at the γ those estimates choose (growing at most twofold, as in a sequence), or,
+        where they choose none, backed off at this one's probe interval: a drafter that did not
+        pay is not re-tried from γ = 1 and probed from 8 rounds on at every new prompt."""
+        carry = defaults.COST_GAMMA_CARRY
+        nxt = CostGamma(max_gamma=self.max_gamma, start=self.start, decay=self.decay, probe_every=self.probe_every,
+                        probe_gamma=self.probe_gamma, max_probe_every=self.max_probe_every,
+                        prior_accept=self.prior_accept, prior_weight=self.prior_weight, outlier=self.outlier,
+                        extra_target_s=self.extra_target_s)
+        if self._draft_s is None:  # nothing measured about drafting: a fresh start
+            return nxt
+        nxt._hits = [h * carry for h in self._hits]
+        nxt._tries = [t * carry for t in self._tries]
+        nxt._draft_s = self._draft_s
+        nxt._target_s = dict(self._target_s)
+        nxt._other_s = self._other_s
+        costs = [nxt._target_cost(k + 1) for k in range(nxt.max_gamma + 1)]
+        choice, _ = best_gamma(nxt.accept_profile(), nxt._draft_s, costs, nxt._other_s)
+        if choice > 0:
+            tried = max((k + 1 for k in range(nxt.max_gamma) if nxt._tries[k] > 0), default=0)
+            nxt._gamma = min(choice, max(2 * tried, 1))
+        else:
+            nxt._gamma = 0
+            nxt._interval = max(self._interval, self.probe_every)
+        return nxt
+
     def start_idle(self) -> None:
         """Begin backed off, with the longest probe interval: for a drafter known before any
         measurement to cost a whole target step per drafted token (a self-speculative view that
