@@ -13,6 +13,8 @@
 
 from __future__ import annotations
 
+import math
+from bisect import bisect_left
 from dataclasses import dataclass, field
 from typing import Callable, Protocol
 
@@ -177,13 +179,23 @@ class CostGamma:
             out.append(prob)
         return out
 
-    def _target_cost(self, n: int) -> float:
-        if n in self._target_s:
-            # never above a larger pass's: more rows never cost less, so a smaller size reading
-            # dearer is a stale or disturbed estimate (the one-row cost is not measured again while
-            # the controller drafts, and one slow pass had made plain decoding look dearer than a
-            # drafted round, which then kept drafting at a loss)
-            return min([self._target_s[n], *(t for s, t in self._target_s.items() if s > n)])
+    def _effective(self) -> dict[int, float]:
+        """The measured pass costs, each never above a larger pass's: more rows never cost less, so
+        a smaller size reading dearer is a stale or disturbed estimate (the one-row cost is not
+        measured again while the controller drafts, and one slow pass had made plain decoding
+        look dearer than a drafted round, which then kept drafting at a loss)."""
+        eff: dict[int, float] = {}
+        low = math.inf
+        for size in sorted(self._target_s, reverse=True):
+            low = min(low, self._target_s[size])
+            eff[size] = low
+        return eff
+
+    @staticmethod
+    def _interpolated(eff: dict[int, float], sizes: list[int], n: int) -> float:
+        """The cost of a pass over ``n`` positions from the (monotone) measured ones, ``sizes`` sorted."""
+        if n in eff:
+            return eff[n]
         # linear between the two nearest measured sizes; outside them, along the line through
         # the two nearest (a pass never costs less than half the cheapest one measured, never
         # less than a smaller one and never more than a larger one): before any γ = 0 round the
@@ -191,20 +203,26 @@ class CostGamma:
         # than it is; nor above it: two noisy larger sizes (a 3-row pass read cheaper than a
         # 2-row one) extrapolated to a one-row pass dearer than both, so plain decoding looked
         # dearer than drafting (seen in a chat sequence at T = 1: 8.3 ms against 7.8 and 7.3)
-        sizes = sorted(self._target_s)
-        lower = [s for s in sizes if s < n]
-        upper = [s for s in sizes if s > n]
-        if lower and upper:
-            a, b = lower[-1], upper[0]
+        at = bisect_left(sizes, n)  # sizes[:at] < n < sizes[at:]
+        if 0 < at < len(sizes):
+            a, b = sizes[at - 1], sizes[at]
         elif len(sizes) >= 2:
-            a, b = (sizes[0], sizes[1]) if upper else (sizes[-2], sizes[-1])
+            a, b = (sizes[0], sizes[1]) if at == 0 else (sizes[-2], sizes[-1])
         else:
-            return self._target_s[sizes[0]]
-        ta, tb = self._target_s[a], self._target_s[b]
-        t = ta + (tb - ta) * (n - a) / (b - a)
-        floor = self._target_s[lower[-1]] if lower else 0.5 * min(self._target_s.values())
-        t = max(t, floor)
-        return min(t, min(self._target_s[s] for s in upper)) if upper else t
+            return eff[sizes[0]]
+        t = eff[a] + (eff[b] - eff[a]) * (n - a) / (b - a)
+        t = max(t, eff[sizes[at - 1]] if at > 0 else 0.5 * eff[sizes[0]])
+        return min(t, eff[sizes[at]]) if at < len(sizes) else t
+
+    def _target_cost(self, n: int) -> float:
+        eff = self._effective()
+        return self._interpolated(eff, sorted(eff), n)
+
+    def _costs(self) -> list[float]:
+        """The cost of a verification pass over 1 .. max_gamma + 1 positions (γ = 0 .. max)."""
+        eff = self._effective()
+        sizes = sorted(eff)
+        return [self._interpolated(eff, sizes, k + 1) for k in range(self.max_gamma + 1)]
 
     def next_gamma(self) -> int:
         return self._gamma
@@ -240,7 +258,7 @@ class CostGamma:
         nxt._draft_s = self._draft_s
         nxt._target_s = dict(self._target_s)
         nxt._other_s = self._other_s
-        costs = [nxt._target_cost(k + 1) for k in range(nxt.max_gamma + 1)]
+        costs = nxt._costs()
         choice, _ = best_gamma(nxt.accept_profile(), nxt._draft_s, costs, nxt._other_s)
         if choice > 0:
             tried = max((k + 1 for k in range(nxt.max_gamma) if nxt._tries[k] > 0), default=0)
@@ -269,7 +287,7 @@ class CostGamma:
         layers, a token at 0.95 of a plain round, probed every 8, 16, 32, 64 rounds before)."""
         if self._draft_s is None:
             return False
-        costs = [self._target_cost(k + 1) for k in range(self.max_gamma + 1)]
+        costs = self._costs()
         choice, _ = best_gamma([1.0] * self.max_gamma, min(step_s, self._draft_s), costs, self._other_s)
         return choice == 0
 
@@ -299,7 +317,7 @@ class CostGamma:
             if self._gamma == 0 and self._probe_due():  # started idle (:meth:`start_idle`)
                 self._gamma = self.probe_gamma
             return
-        costs = [self._target_cost(k + 1) for k in range(self.max_gamma + 1)]
+        costs = self._costs()
         choice, self.last_rates = best_gamma(self.accept_profile(), self._draft_s, costs, self._other_s)
         if self._probing:  # the round just measured was a probe: did drafting win it back?
             if choice > 0:
