@@ -84,8 +84,6 @@ def test_sampling_options_stop_and_seed(client):
 def test_errors_come_back_as_openai_errors(client, server):
     with pytest.raises(openai.BadRequestError, match="best_of"):
         client.completions.create(model=MODEL, prompt=PROMPT, n=1, best_of=3)
-    with pytest.raises(openai.BadRequestError, match="echo together with logprobs .* not streamed"):
-        client.completions.create(model=MODEL, prompt=PROMPT, logprobs=2, echo=True, stream=True)
     with pytest.raises(openai.BadRequestError, match="context"):
         client.completions.create(model=MODEL, prompt=PROMPT, max_tokens=100_000)
     with pytest.raises(openai.NotFoundError, match="not served here"):
@@ -169,7 +167,8 @@ def test_echo_with_logprobs_scores_the_prompt_as_lm_eval_asks(client, local):
     """The request lm-evaluation-harness's ``local-completions`` sends for a log-likelihood (token
     ids, ``echo``, ``logprobs`` 1, ``max_tokens`` 1, T = 0): an entry per prompt token, the first
     null, each later one the target's log-softmax after the tokens before it (here against one
-    whole pass of the local model), then the generated token's, as without ``echo``."""
+    whole pass of the local model), then the generated token's, as without ``echo``; streamed, the
+    echoed prompt's chunk carries the prompt's entries and the rest follow as without a stream."""
     ids = local.encode("The quick brown fox jumps over the lazy dog. def add(a, b): return a + b", chat=False)
     kw = dict(model=MODEL, max_tokens=1, temperature=0, logprobs=1)
     out = client.completions.create(prompt=[ids], echo=True, **kw).choices[0]
@@ -183,6 +182,11 @@ def test_echo_with_logprobs_scores_the_prompt_as_lm_eval_asks(client, local):
     best = law.max(-1)
     assert [max(top.values()) for top in lp.top_logprobs[1:-1]] == pytest.approx(best.values.tolist(), abs=1e-4)
     assert sum(a == pytest.approx(b, abs=1e-6) for a, b in zip(lp.token_logprobs[1:-1], best.values.tolist())) > 2
+    streamed = [c.choices[0] for c in client.completions.create(prompt=[ids], echo=True, stream=True, **kw) if c.choices]
+    assert streamed[0].text == local.target.tokenizer.decode(ids) and len(streamed[0].logprobs.tokens) == len(ids)
+    assert [v for c in streamed if c.logprobs for v in c.logprobs.token_logprobs] == lp.token_logprobs
+    assert [o for c in streamed if c.logprobs for o in c.logprobs.text_offset] == lp.text_offset
+    assert "".join(c.text for c in streamed) == out.text
     alone = client.completions.create(prompt=[ids], **kw).choices[0]
     assert out.text == local.target.tokenizer.decode(ids) + alone.text
     assert lp.tokens[-1:] == alone.logprobs.tokens and lp.token_logprobs[-1] == pytest.approx(alone.logprobs.token_logprobs[0])

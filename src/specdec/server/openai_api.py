@@ -29,6 +29,7 @@ from specdec.gamma import CappedGamma
 from specdec.errors import SpecdecError
 from specdec.models.registry import LoadedModel
 from specdec.sampling import SamplingConfig, offset_seed
+from specdec.session import score_prompt
 from specdec.text import TextStream
 from specdec.server.draft_cap import CAPPED_WIRES, LOOKUP_WIRE_SUFFIX, RequestPace
 from specdec.server.errors import ApiError
@@ -301,6 +302,8 @@ class _Job:
         self.n = req.n or 1
         self.logprobs = logprobs
         self.prompt_logprobs = prompt_logprobs  # echo with logprobs: the prompt's tokens scored too
+        self.scored: dict[int, list[tuple[float, list[tuple[int, float]]]]] = {}  # prompt index -> its scores
+        self._scoring = threading.Lock()
         self.ignore_eos = req.ignore_eos
         self.model_name = ctx.settings.model_name
         if self.ignored:
@@ -358,6 +361,14 @@ class _Job:
     def prompt_of(self, index: int) -> list[int]:
         return self.prompts[index // self.n]
 
+    def score(self, index: int) -> list[tuple[float, list[tuple[int, float]]]]:
+        """The prompt of choice ``index`` scored (``echo`` with ``logprobs``), once per prompt."""
+        with self._scoring:
+            at = index // self.n
+            if at not in self.scored:
+                self.scored[at] = score_prompt(self.ctx.model, self.prompts[at], int(self.prompt_logprobs or 0))
+            return self.scored[at]
+
     def run(
         self, index: int = 0, on_piece: Callable[[TextPiece], None] | None = None,
         cancelled: threading.Event | None = None, pace: RequestPace | None = None,
@@ -383,10 +394,11 @@ class _Job:
             drafter = ctx.drafter_factory() if ctx.drafter_factory is not None else None
             target = LoadedModel(ctx.settings.model_name, ctx.model, ctx.tokenizer, None, "server", ctx.eos_ids)
             engine = Engine(target, drafter, ctx.drafter_name if drafter is not None else "none")
+            scored = self.score(index) if self.prompt_logprobs is not None else None  # before any text streams
             out = engine.generate(self.prompt_of(index), sampling, method=self.method,
                                   gamma=self._gamma(drafter, index, pace), on_piece=on_piece,
-                                  logprobs=self.logprobs, ignore_eos=self.ignore_eos,
-                                  prompt_logprobs=self.prompt_logprobs)
+                                  logprobs=self.logprobs, ignore_eos=self.ignore_eos)
+            out.prompt_logprobs = scored
         except SchedulerCancelled:
             raise _Cancelled from None
         finally:
@@ -556,6 +568,7 @@ def _stream(
     delta: Callable[[int, TextPiece], dict[str, Any] | None],
     tail: Callable[[int, TextResult], dict[str, Any]],
     usage: Callable[[list[TextResult]], dict[str, Any]] | None,
+    head_waits: bool = False,
 ) -> StreamingResponse:
     """Server-sent events: per choice, ``head`` chunks, one ``delta`` chunk per streamed piece (its
     text and, where asked for, the log-probabilities of the tokens it completes; None: nothing to
@@ -609,8 +622,9 @@ def _stream(
             return [_sse(chunk) for chunk in head(index)]
 
         try:
-            for chunk in opening(0):
-                yield chunk
+            if not head_waits:  # else the head goes out with the choice's first event (it needs the job's work)
+                for chunk in opening(0):
+                    yield chunk
             while True:
                 kind, value = await queue.get()
                 if kind == "piece":
@@ -714,14 +728,14 @@ def _completion_logprobs(tok: Any, token_ids: list[int], logprobs: list | None, 
     }
 
 
-def _echo_logprobs(tok: Any, out: TextResult) -> dict[str, Any] | None:
+def _echo_logprobs(tok: Any, prompt_ids: list[int], prompt_logprobs: list | None) -> dict[str, Any] | None:
     """Legacy completions ``logprobs`` of an echoed prompt (``echo`` with ``logprobs``): its first
     token has none (null, as OpenAI reports it), each later one the target's own law given the
     tokens before it; offsets from the start of the choice's text."""
-    if out.prompt_logprobs is None:
+    if prompt_logprobs is None:
         return None
-    first, *rest = out.prompt_ids
-    scored = _completion_logprobs(tok, rest, out.prompt_logprobs, len(_piece(tok, first)))
+    first, *rest = prompt_ids
+    scored = _completion_logprobs(tok, rest, prompt_logprobs, len(_piece(tok, first)))
     assert scored is not None
     return {"tokens": [_piece(tok, first), *scored["tokens"]],
             "token_logprobs": [None, *scored["token_logprobs"]],
@@ -765,9 +779,6 @@ def openai_router(ctx: "ServerContext") -> APIRouter:
 
     @router.post("/v1/completions")
     async def completions(req: CompletionRequest, request: Request) -> Any:
-        if req.echo and req.logprobs is not None and req.stream:
-            raise ApiError(400, "echo together with logprobs (the prompt's log-probabilities) is not streamed by this"
-                                " server; send stream: false")
         if req.best_of is not None and req.best_of != (req.n or 1):
             raise ApiError(400, "best_of other than n is not supported by this server (no ranking of samples)")
         if req.suffix:
@@ -816,9 +827,16 @@ def openai_router(ctx: "ServerContext") -> APIRouter:
                     offsets[index] = start + sum(len(t) for t in lps["tokens"])  # type: ignore[index]
                 return chunk(index, piece.text, None, lps) if piece.text or lps is not None else None
 
+            def head(index: int) -> list[dict[str, Any]]:
+                if not req.echo:
+                    return []
+                scored = job.scored.get(index // job.n) if job.prompt_logprobs is not None else None
+                return [chunk(index, echoed(index), None, _echo_logprobs(tok, job.prompt_of(index), scored))]
+
             return _stream(
                 job,
-                head=lambda index: [chunk(index, echoed(index), None)] if req.echo else [],
+                head=head,
+                head_waits=job.prompt_logprobs is not None,
                 delta=streamed,
                 tail=lambda index, out: chunk(index, "", _finish_reason(out.stats.finish_reason)),
                 usage=(lambda outs: {**chunk(0, "", None), "choices": [], "usage": _usage(outs, prompt_tokens, job.n)})
@@ -827,7 +845,7 @@ def openai_router(ctx: "ServerContext") -> APIRouter:
         outs = await _run_blocking(job, request)
         choices = [
             {"index": i, "text": echoed(i) + out.text,
-             "logprobs": _joined(_echo_logprobs(tok, out),
+             "logprobs": _joined(_echo_logprobs(tok, out.prompt_ids, out.prompt_logprobs),
                                  _completion_logprobs(tok, out.token_ids, out.logprobs, len(echoed(i)))),
              "finish_reason": _finish_reason(out.stats.finish_reason)}
             for i, out in enumerate(outs)
