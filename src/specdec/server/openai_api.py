@@ -250,8 +250,7 @@ class _Job:
         self.endpoint = endpoint
         self.owner = owner  # the caller's key digest (whose idle sessions may make room for this job)
         model = ctx.model
-        if req.model is not None and req.model != ctx.settings.model_name:
-            raise ApiError(404, f"model {req.model!r} is not served here; this server serves {ctx.settings.model_name!r}")
+        _served(ctx, req.model)
         self.ignored = req.ignored_fields()
         for ids in prompts:
             for i, tok in enumerate(ids):
@@ -303,7 +302,7 @@ class _Job:
         self.logprobs = logprobs
         self.prompt_logprobs = prompt_logprobs  # echo with logprobs: the prompt's tokens scored too
         self.scored: dict[int, list[tuple[float, list[tuple[int, float]]]]] = {}  # prompt index -> its scores
-        self._scoring = threading.Lock()
+        self._scoring = [threading.Lock() for _ in prompts]  # one per prompt: choices of others score side by side
         self.ignore_eos = req.ignore_eos
         self.model_name = ctx.settings.model_name
         if self.ignored:
@@ -363,8 +362,8 @@ class _Job:
 
     def score(self, index: int) -> list[tuple[float, list[tuple[int, float]]]]:
         """The prompt of choice ``index`` scored (``echo`` with ``logprobs``), once per prompt."""
-        with self._scoring:
-            at = index // self.n
+        at = index // self.n
+        with self._scoring[at]:
             if at not in self.scored:
                 self.scored[at] = score_prompt(self.ctx.model, self.prompts[at], int(self.prompt_logprobs or 0))
             return self.scored[at]
@@ -573,9 +572,10 @@ def _stream(
     """Server-sent events: per choice, ``head`` chunks, one ``delta`` chunk per streamed piece (its
     text and, where asked for, the log-probabilities of the tokens it completes; None: nothing to
     send), ``tail``; then [usage] and [DONE].  Choices run as :func:`_run_choices` runs them — side
-    by side on spare slots where there are some — so their chunks interleave, each carrying its index (as OpenAI's
-    streams of ``n`` choices do); a choice's own chunks keep their order.  The request's
-    speculative stats ride on the chunk of the choice that ends last."""
+    by side on spare slots where there are some — so their chunks interleave, each carrying its
+    index (as OpenAI's streams of ``n`` choices do); a choice's own chunks keep their order.  The
+    request's speculative stats ride on the chunk of the choice that ends last.  ``head_waits``:
+    the first choice's head chunks go out with its first event, not at once (they need its work)."""
     loop = asyncio.get_running_loop()
     queue: asyncio.Queue[tuple[str, Any]] = asyncio.Queue()
     cancelled = threading.Event()
@@ -666,6 +666,12 @@ def _stream(
 
     weakref.finalize(body, release_if_never_started)
     return StreamingResponse(body, media_type="text/event-stream", headers={"Cache-Control": "no-cache", **job.headers})
+
+
+def _served(ctx: "ServerContext", name: str | None) -> None:
+    """A request naming another model than the one served is a 404 (as OpenAI answers it)."""
+    if name is not None and name != ctx.settings.model_name:
+        raise ApiError(404, f"model {name!r} is not served here; this server serves {ctx.settings.model_name!r}")
 
 
 def _chat_ids(tok: Any, messages: list[ChatMessage], *, add_generation_prompt: bool = True) -> list[int]:
@@ -854,14 +860,10 @@ def openai_router(ctx: "ServerContext") -> APIRouter:
                 "choices": choices, "usage": _usage(outs, prompt_tokens, job.n), "specdec": _stats(outs)}
         return JSONResponse(body, headers=job.headers)
 
-    def served(name: str | None) -> None:
-        if name is not None and name != ctx.settings.model_name:
-            raise ApiError(404, f"model {name!r} is not served here; this server serves {ctx.settings.model_name!r}")
-
     @router.post("/tokenize")
     def tokenize(req: TokenizeRequest) -> dict[str, Any]:
         """vLLM's tokenizer endpoint (lm-evaluation-harness uses it instead of a local tokenizer)."""
-        served(req.model)
+        _served(ctx, req.model)
         tok = tokenizer()
         if (req.prompt is None) == (req.messages is None):
             raise ApiError(400, "send either prompt or messages")
@@ -874,7 +876,7 @@ def openai_router(ctx: "ServerContext") -> APIRouter:
 
     @router.post("/detokenize")
     def detokenize(req: DetokenizeRequest) -> dict[str, Any]:
-        served(req.model)
+        _served(ctx, req.model)
         tok = tokenizer()
         vocab = ctx.model.vocab_size
         for i, t in enumerate(req.tokens):
