@@ -398,10 +398,11 @@ def test_outliers_are_clipped_and_the_cost_curve_never_falls_with_rows():
     assert ctrl._target_cost(1) == pytest.approx(0.0031)  # not dearer than the two-row pass
 
 
-def test_a_successor_starts_where_the_last_sequence_left_off():
-    """``successor``: the costs carry over, the acceptance at COST_GAMMA_CARRY of its weight; a drafter
-    that did not pay starts backed off at the interval reached, one that paid at the γ it chose
-    (at most twice the longest tried), and a controller that measured nothing hands on a fresh start."""
+def test_a_successor_stays_backed_off_only_for_a_drafter_that_cannot_pay():
+    """``successor``: after a drafter whose token costs ~0.9 of a plain round (it would lose even at
+    an acceptance of 0.5 at every position) the next sequence starts backed off at the interval
+    reached, with its costs and the acceptance at COST_GAMMA_CARRY of its weight; after a cheap
+    drafter, even one that ended backed off on a prompt where it did not pay, a fresh start."""
     import random
 
     losing = CostGamma()
@@ -410,29 +411,32 @@ def test_a_successor_starts_where_the_last_sequence_left_off():
     assert nxt.next_gamma() == 0 and nxt._interval == losing._interval >= 2 * defaults.COST_GAMMA_PROBE_EVERY
     assert nxt._draft_s == losing._draft_s and nxt._target_s == losing._target_s and nxt._target_s is not losing._target_s
     assert nxt._tries == pytest.approx([defaults.COST_GAMMA_CARRY * t for t in losing._tries])
-    assert CostGamma().next_gamma() == defaults.COST_GAMMA_START  # where a fresh controller drafts
+    cheap = CostGamma()
+    _run(cheap, accept_rate=0.0, draft_s=0.002, target_s=0.02, rounds=200)  # a tenth of a step, never accepted
+    assert cheap.next_gamma() == 0  # backed off on this prompt ...
+    fresh = cheap.successor()  # ... but the next prompt starts afresh
+    assert fresh.next_gamma() == defaults.COST_GAMMA_START and fresh._draft_s is None and fresh._interval == defaults.COST_GAMMA_PROBE_EVERY
     paying = CostGamma()
     _run(paying, accept_rate=0.9, draft_s=0.0005, target_s=0.02)
-    assert paying.successor().next_gamma() >= 4
+    assert paying.successor()._draft_s is None
     assert CostGamma().successor().next_gamma() == defaults.COST_GAMMA_START
 
 
 def test_an_engine_hands_each_sequence_the_last_ones_controller_per_rule():
+    import random
+
     from specdec.drafters import ModelDrafter
     from specdec.engine import Engine
     from specdec.models.registry import LoadedModel
     from specdec.models.toy import ToyLM
-    from specdec.sampling import SamplingConfig
     from specdec.verify import get_rule
 
     target = ToyLM(8, order=2, seed=4)
     engine = Engine(LoadedModel("toy", target, None, None, "toy", frozenset()), ModelDrafter(target.perturbed(1.0, seed=9)), "toy")
     greedy, block = get_rule("greedy"), get_rule("block")
-    first = engine.decoder(greedy)
-    first.generate([1, 2, 3], SamplingConfig(temperature=0.0, max_new_tokens=24))
-    assert first.gamma._draft_s is not None
-    assert isinstance(engine.decoder(greedy, gamma=3).gamma, FixedGamma)  # a fixed γ leaves the chain alone
+    first = engine.decoder(greedy).gamma
+    _losing_drafter(first, 200, random.Random(5))  # as the decoder would drive it
+    assert isinstance(engine.decoder(greedy, gamma=3).gamma, FixedGamma)  # a fixed γ leaves the hand-over alone
     second = engine.decoder(greedy).gamma
-    assert second is not first.gamma and second._draft_s == first.gamma._draft_s
-    assert second._tries == pytest.approx([defaults.COST_GAMMA_CARRY * t for t in first.gamma._tries])
-    assert engine.decoder(block).gamma._draft_s is None  # another rule: its own chain, fresh
+    assert second is not first and second.next_gamma() == 0 and second._draft_s == first._draft_s
+    assert engine.decoder(block).gamma._draft_s is None  # another rule: its own, fresh

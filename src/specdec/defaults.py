@@ -42,8 +42,11 @@ COST_GAMMA_PRIOR_WEIGHT = 6.0
 #: seen on a 2-core Zen 5) otherwise lifted the one-row estimate by a third, and since drafting
 #: rounds never measure it again, kept a drafter that does not pay drafting for dozens of rounds
 COST_GAMMA_OUTLIER = 1.5
-#: an engine's next sequence with γ auto starts from the last one's controller: its costs as they
-#: are, its acceptance evidence at this weight (the next prompt may be of another kind)
+#: an engine's next sequence with γ auto starts backed off where the last one ended backed off and
+#: its drafter would lose even at this acceptance at every position (a drafted token costing more
+#: than about half a target step); it then carries the costs as they are and the acceptance
+#: evidence at COST_GAMMA_CARRY of its weight (see CostGamma.successor)
+COST_GAMMA_CARRY_ACCEPT = 0.5
 COST_GAMMA_CARRY = 0.3
 
 #: γ when the user asks for none in particular

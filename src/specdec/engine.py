@@ -415,8 +415,9 @@ class TextResult:
 
 
 class Engine:
-    """Loaded target (+ drafter); builds a decoder per request.  With γ auto each sequence's cost
-    controller starts from the last one's for the same rule (:meth:`CostGamma.successor`)."""
+    """Loaded target (+ drafter); builds a decoder per request.  With γ auto a drafter that ended a
+    sequence backed off, and would not pay at a fair acceptance, starts the next one backed off
+    (:meth:`CostGamma.successor` of the last controller for the same rule)."""
 
     def __init__(self, target: LoadedModel, drafter: Drafter | None, drafter_name: str,
                  draft_model: LoadedModel | None = None) -> None:
@@ -516,8 +517,7 @@ class Engine:
         )
 
     def _gamma(self, rule: Rule, gamma: str | int | GammaController) -> GammaController:
-        """The controller for ``gamma``; γ auto's continues from this engine's last one for ``rule``
-        (the measured costs carry over, the acceptance at a fraction of its weight)."""
+        """The controller for ``gamma``; γ auto's is the successor of this engine's last one for ``rule``."""
         if not isinstance(gamma, (str, int)) or parse_gamma(gamma) != "auto":
             return make_gamma(gamma)
         last = self._last_auto.get(rule.name)
