@@ -9,7 +9,8 @@ as committed at ``--base`` (loaded from git as a module of its own: the model dr
 prompt lookup's length both come from it; only with ``--base``), ``auto`` this checkout's, a number a fixed γ for the
 model's drafts (prompt lookup's length stays this checkout's γ auto), ``plain`` plain decoding,
 ``fresh`` this checkout's γ auto with a new controller for every sequence (``auto`` is what
-``Engine.decoder`` hands out: each sequence's controller continues from the engine's last one).
+``Engine.decoder`` hands out: the successor of the engine's last controller, see
+``CostGamma.successor``).
 Chains only (``--tree chain``).  For each repeat, temperature and prompt every arm runs once, in
 an order rotated per prompt and reversed on odd repeats, with one seed per prompt and repeat
 shared by every arm (greedy verification at T = 0, block verification above it); each run's
@@ -97,7 +98,7 @@ def main() -> int:
     lines = [f"{len(prompts)} prompts × {args.repeats} repeats, {args.max_new_tokens} tokens, chains, every arm on every "
              f"prompt in one process (order rotated per prompt, reversed on odd repeats). "
              + (f"`base`: γ auto as committed at `{args.base}`; " if base is not None else "")
-             + "`auto`: this checkout's γ auto (each sequence's controller continued from the engine's last one);"
+             + "`auto`: this checkout's γ auto (each sequence's controller the successor of the engine's last one);"
              " `fresh`: the same controller new for every sequence; a number: that fixed γ for the draft model. ×plain = geometric mean of the "
              "per-run ratios over plain decoding of the same prompt and repeat.", "",
              "| T | arm | ×plain (all) | chat | code | tokens/call | mean γ | greedy = plain |", "|---|---|---|---|---|---|---|---|"]
