@@ -95,9 +95,3 @@ def test_a_scored_prompt_is_the_targets_own_law_at_each_position(chunk):
         assert [t for t, _ in top] == best.indices.tolist()
         assert [v for _, v in top] == pytest.approx(best.values.tolist(), abs=1e-12)
     assert score_prompt(TARGET, [4], 2) == []
-    from specdec.engine import Engine
-    from specdec.models.registry import LoadedModel
-
-    engine = Engine(LoadedModel("toy", TARGET, None, None, "toy", frozenset()), ModelDrafter(DRAFT), "toy")
-    out = engine.generate(prompt, SamplingConfig(temperature=0.0, max_new_tokens=4), prompt_logprobs=2)
-    assert out.prompt_logprobs == score_prompt(TARGET, prompt, 2)

@@ -29,7 +29,7 @@ from specdec.gamma import CostGamma, FixedGamma, GammaController, GuideGamma, Tr
 from specdec.models import registry
 from specdec.models.registry import LoadedModel, check_compatible, load
 from specdec.sampling import SamplingConfig
-from specdec.session import TargetSession, score_prompt
+from specdec.session import TargetSession
 from specdec.text import StopStrings, TextSink, encode_messages, encode_prompt
 from specdec.verify import Rule, get_rule
 
@@ -406,8 +406,6 @@ class TextResult:
     result: GenerationResult = field(repr=False)
     #: per generated token: (log-probability, [(id, log-probability) of the most likely]) or None
     logprobs: list[tuple[float, list[tuple[int, float]]]] | None = field(default=None, repr=False)
-    #: per prompt token after the first, the same under the target's own law (``prompt_logprobs``), or None
-    prompt_logprobs: list[tuple[float, list[tuple[int, float]]]] | None = field(default=None, repr=False)
 
     @property
     def stats(self):
@@ -547,20 +545,17 @@ class Engine:
         tree: str | int = defaults.DEFAULT_TREE,
         tree_min_prob: float | None = None,
         on_piece: Callable[[TextPiece], None] | None = None,
-        prompt_logprobs: int | None = None,
     ) -> TextResult:
         """Decode ``prompt``; ``logprobs`` (k >= 0) records each emitted token's log-probability
         under the target's processed law and the k most likely alternatives; ``ignore_eos``
         keeps generating past end-of-sequence tokens.  ``on_text`` receives the text as it is
         decided; ``on_piece`` the same pieces with their tokens and log-probabilities
-        (:class:`TextPiece`), the last one carrying whatever tokens are left.  ``prompt_logprobs``
-        (k >= 0) also scores the prompt: each token after the first under the target's own law,
-        with the k most likely alternatives (:func:`~specdec.session.score_prompt`)."""
+        (:class:`TextPiece`), the last one carrying whatever tokens are left.  (The prompt's own
+        log-probabilities: :func:`~specdec.session.score_prompt`.)"""
         rule = get_rule(method or default_method(sampling))
         ids = self.encode(prompt, chat=chat) if isinstance(prompt, str) else list(prompt)
         if not ids:
             raise ConfigError("the prompt is empty")
-        scored = score_prompt(self.target.model, ids, prompt_logprobs) if prompt_logprobs is not None else None
         session = None
 
         def span(text: str, start: int, end: int) -> None:  # the sink's tokens [start, end) with this text
@@ -581,8 +576,7 @@ class Engine:
             session.close()
         text = sink.finish(result.tokens)
         lps = session.emitted_logprobs[: len(result.tokens)] if session is not None else None
-        return TextResult(text=text, token_ids=result.tokens, prompt_ids=ids, result=result, logprobs=lps,
-                          prompt_logprobs=scored)
+        return TextResult(text=text, token_ids=result.tokens, prompt_ids=ids, result=result, logprobs=lps)
 
     def generate_batch(
         self,

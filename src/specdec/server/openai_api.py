@@ -393,11 +393,11 @@ class _Job:
             drafter = ctx.drafter_factory() if ctx.drafter_factory is not None else None
             target = LoadedModel(ctx.settings.model_name, ctx.model, ctx.tokenizer, None, "server", ctx.eos_ids)
             engine = Engine(target, drafter, ctx.drafter_name if drafter is not None else "none")
-            scored = self.score(index) if self.prompt_logprobs is not None else None  # before any text streams
+            if self.prompt_logprobs is not None:
+                self.score(index)  # before any text streams (the echoed prompt's chunk carries it)
             out = engine.generate(self.prompt_of(index), sampling, method=self.method,
                                   gamma=self._gamma(drafter, index, pace), on_piece=on_piece,
                                   logprobs=self.logprobs, ignore_eos=self.ignore_eos)
-            out.prompt_logprobs = scored
         except SchedulerCancelled:
             raise _Cancelled from None
         finally:
@@ -851,7 +851,7 @@ def openai_router(ctx: "ServerContext") -> APIRouter:
         outs = await _run_blocking(job, request)
         choices = [
             {"index": i, "text": echoed(i) + out.text,
-             "logprobs": _joined(_echo_logprobs(tok, out.prompt_ids, out.prompt_logprobs),
+             "logprobs": _joined(_echo_logprobs(tok, out.prompt_ids, job.scored.get(i // job.n)),
                                  _completion_logprobs(tok, out.token_ids, out.logprobs, len(echoed(i)))),
              "finish_reason": _finish_reason(out.stats.finish_reason)}
             for i, out in enumerate(outs)
