@@ -295,6 +295,11 @@ class SpeculativeDecoder:
             rounds=tuple(rounds),
         )
 
+    def nothing(self, n_prompt: int, wall_s: float = 0.0) -> GenerationResult:
+        """The result of generating no token after a prompt of ``n_prompt`` tokens, nothing run
+        (a server asked only to echo and score a prompt); ``wall_s``: the time that took."""
+        return GenerationResult(tokens=[], stats=self._stats([], [], n_prompt, wall_s, 0.0, 0.0, 0, "length"), rounds=())
+
     def _stats(self, rounds, generated, n_prompt, wall, ttft, prefill_s, kv_peak, finish, *, cached: int = 0) -> GenerationStats:
         proposed = sum(r.gamma for r in rounds)
         accepted = sum(r.accepted for r in rounds)

@@ -192,6 +192,34 @@ def test_echo_with_logprobs_scores_the_prompt_as_lm_eval_asks(client, local):
     assert lp.tokens[-1:] == alone.logprobs.tokens and lp.token_logprobs[-1] == pytest.approx(alone.logprobs.token_logprobs[0])
 
 
+def test_max_tokens_zero_with_echo_scores_the_prompt_and_generates_nothing(client, local):
+    """OpenAI's legacy scoring request (``echo``, ``logprobs``, ``max_tokens`` 0): the prompt's
+    entries alone, the same as with ``max_tokens`` 1 less the generated token's, streamed or not;
+    no completion tokens.  ``max_tokens`` 0 without ``echo``, or on chat, is a 400."""
+    ids = local.encode("Speculative decoding keeps the target's law exactly.", chat=False)
+    kw = dict(model=MODEL, prompt=[ids], echo=True, temperature=0, logprobs=2)
+    one = client.completions.create(max_tokens=1, **kw).choices[0].logprobs
+    out = client.completions.create(max_tokens=0, **kw)
+    choice = out.choices[0]
+    assert choice.text == local.target.tokenizer.decode(ids) and choice.finish_reason == "length"
+    assert out.usage.completion_tokens == 0 and out.usage.prompt_tokens == len(ids)
+    assert choice.logprobs.tokens == one.tokens[:-1] and len(choice.logprobs.tokens) == len(ids)
+    assert choice.logprobs.token_logprobs == one.token_logprobs[:-1]
+    assert choice.logprobs.top_logprobs == one.top_logprobs[:-1] and choice.logprobs.text_offset == one.text_offset[:-1]
+    assert out.model_extra["specdec"]["target_calls"] == 0
+    chunks = list(client.completions.create(max_tokens=0, stream=True, stream_options={"include_usage": True}, **kw))
+    streamed = [c.choices[0] for c in chunks if c.choices]
+    assert "".join(c.text for c in streamed) == choice.text and streamed[-1].finish_reason == "length"
+    assert [v for c in streamed if c.logprobs for v in c.logprobs.token_logprobs] == choice.logprobs.token_logprobs
+    assert chunks[-1].usage.completion_tokens == 0
+    plain = client.completions.create(model=MODEL, prompt=PROMPT, echo=True, max_tokens=0)
+    assert plain.choices[0].text == PROMPT and plain.choices[0].logprobs is None
+    with pytest.raises(openai.BadRequestError, match="max_tokens 0 needs echo"):
+        client.completions.create(model=MODEL, prompt=PROMPT, max_tokens=0)
+    with pytest.raises(openai.BadRequestError, match="max_tokens"):
+        client.chat.completions.create(model=MODEL, messages=[{"role": "user", "content": "hi"}], max_tokens=0)
+
+
 def test_n_list_prompts_echo_logit_bias_ignore_eos(client):
     kw = dict(model=MODEL, prompt=PROMPT, max_tokens=10, temperature=1.0, seed=11)
     many = client.completions.create(**kw, n=2)

@@ -64,7 +64,8 @@ class _Request(BaseModel):
     model_config = ConfigDict(extra="allow")
 
     model: Annotated[str, Field(max_length=256)] | None = None
-    max_tokens: Annotated[int, Field(ge=1, le=1 << 20)] | None = None
+    # 0: nothing generated, the prompt echoed (and scored): /v1/completions with ``echo`` only
+    max_tokens: Annotated[int, Field(ge=0, le=1 << 20)] | None = None
     # OpenAI bounds: temperature [0, 2], penalties [-2, 2], logit bias [-100, 100]
     temperature: Annotated[float, Field(ge=0.0, le=2.0, allow_inf_nan=False)] | None = None
     top_p: Annotated[float, Field(gt=0.0, le=1.0, allow_inf_nan=False)] | None = None
@@ -180,6 +181,7 @@ class DetokenizeRequest(BaseModel):
 
 class ChatRequest(_Request):
     messages: Annotated[list[ChatMessage], Field(min_length=1, max_length=1024)]
+    max_tokens: Annotated[int, Field(ge=1, le=1 << 20)] | None = None
     max_completion_tokens: Annotated[int, Field(ge=1, le=1 << 20)] | None = None
     logprobs: bool | None = None
     top_logprobs: Annotated[int, Field(ge=0, le=20)] | None = None
@@ -258,7 +260,7 @@ class _Job:
                     raise ApiError(400, f"prompt token {i} = {tok} is outside the vocabulary [0, {model.vocab_size})")
         longest = max(len(ids) for ids in prompts)
         room = model.max_length - longest - 1
-        if room < 1:
+        if room < (0 if max_tokens == 0 else 1):  # scoring alone needs no room to generate in
             raise ApiError(400, f"the prompt has {longest} tokens but the model's context is {model.max_length}")
         if max_tokens is None:
             max_tokens = min(ctx.settings.default_max_tokens, room)
@@ -283,7 +285,7 @@ class _Job:
                 frequency_penalty=req.frequency_penalty or 0.0,
                 presence_penalty=req.presence_penalty or 0.0,
                 seed=req.seed,
-                max_new_tokens=max_tokens,
+                max_new_tokens=max(max_tokens, 1),  # 0 (echo alone) never reaches the decoder: see run
                 stop=tuple(s for s in stops if s),
                 logit_bias=_logit_bias(req, model.vocab_size),
             )
@@ -298,6 +300,7 @@ class _Job:
         if self.grammar is not None:
             self._constraint()  # a bad grammar is a 400 now, not an error event later
         self.prompts = prompts
+        self.max_tokens = max_tokens
         self.n = req.n or 1
         self.logprobs = logprobs
         self.prompt_logprobs = prompt_logprobs  # echo with logprobs: the prompt's tokens scored too
@@ -393,8 +396,13 @@ class _Job:
             drafter = ctx.drafter_factory() if ctx.drafter_factory is not None else None
             target = LoadedModel(ctx.settings.model_name, ctx.model, ctx.tokenizer, None, "server", ctx.eos_ids)
             engine = Engine(target, drafter, ctx.drafter_name if drafter is not None else "none")
+            started = time.perf_counter()
             if self.prompt_logprobs is not None:
                 self.score(index)  # before any text streams (the echoed prompt's chunk carries it)
+            if self.max_tokens == 0:  # echo alone: the prompt scored where asked, nothing generated
+                prompt = self.prompt_of(index)
+                nothing = engine.decoder(get_rule(self.method), self.gamma).nothing(len(prompt), time.perf_counter() - started)
+                return self._finished(TextResult("", [], prompt, nothing))
             out = engine.generate(self.prompt_of(index), sampling, method=self.method,
                                   gamma=self._gamma(drafter, index, pace), on_piece=on_piece,
                                   logprobs=self.logprobs, ignore_eos=self.ignore_eos)
@@ -405,6 +413,11 @@ class _Job:
                 pace.finish(index)
             for sched in schedulers:
                 sched.bind_cancel(None)
+        return self._finished(out)
+
+    def _finished(self, out: TextResult) -> TextResult:
+        """``out``, counted in the server's metrics."""
+        ctx = self.ctx
         ctx.metrics.completion_tokens.inc(len(out.token_ids))
         if getattr(ctx, "draft_cap", None) is not None:
             ctx.draft_cap.observe_tokens(len(out.token_ids))
@@ -789,6 +802,8 @@ def openai_router(ctx: "ServerContext") -> APIRouter:
             raise ApiError(400, "best_of other than n is not supported by this server (no ranking of samples)")
         if req.suffix:
             raise ApiError(400, "suffix is not supported by this server")
+        if req.max_tokens == 0 and not req.echo:
+            raise ApiError(400, "max_tokens 0 needs echo (the prompt echoed, and scored with logprobs; nothing generated)")
         raw = req.prompt
         many = isinstance(raw, list) and bool(raw) and isinstance(raw[0], (str, list))
         items: list[Any] = list(raw) if many else [raw]  # type: ignore[arg-type]
