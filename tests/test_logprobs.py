@@ -82,15 +82,17 @@ def test_logprobs_are_the_targets_and_independent_of_the_draft(cfg, method, tree
 def test_a_scored_prompt_is_the_targets_own_law_at_each_position(chunk):
     """``score_prompt`` (``echo`` with ``logprobs``): token i >= 1 of an 11-token prompt against
     the exact log-softmax of the target's logits after tokens 0 .. i-1, whatever the pieces the
-    pass is cut into; the first token has no entry, and a one-token prompt none at all."""
+    pass is cut into, with its rank among the vocabulary's tokens; the first token has no entry,
+    and a one-token prompt none at all."""
     from specdec.session import score_prompt
 
     prompt = [1, 2, 3, 0, 5, 7, 7, 2, 6, 4, 1]
     scored = score_prompt(TARGET, prompt, 2, chunk=chunk)
     assert len(scored) == len(prompt) - 1
-    for i, (lp, top) in enumerate(scored, start=1):
+    for i, (lp, top, rank) in enumerate(scored, start=1):
         law = torch.log_softmax(TARGET.logits_for(prompt[:i]).double(), -1)
         assert lp == pytest.approx(float(law[prompt[i]]), abs=1e-12)
+        assert rank == 1 + law.argsort(descending=True).tolist().index(prompt[i])
         best = law.topk(2)
         assert [t for t, _ in top] == best.indices.tolist()
         assert [v for _, v in top] == pytest.approx(best.values.tolist(), abs=1e-12)

@@ -371,12 +371,13 @@ def tree_constraint(
 
 def score_prompt(
     model: LanguageModel, prompt: Tensor | list[int], top: int, *, chunk: int = defaults.PROMPT_SCORE_CHUNK,
-) -> list[tuple[float, list[tuple[int, float]]]]:
-    """Each prompt token after the first: its log-probability given the tokens before it, and the
-    ``top`` most likely tokens there, under the target's own law (the log-softmax of its logits:
-    no temperature, truncation, bias or penalty — the prompt was not sampled), from a pass over the
-    prompt in pieces of ``chunk`` positions on a cache of its own (what OpenAI's legacy
-    completions report with ``echo`` and ``logprobs``)."""
+) -> list[tuple[float, list[tuple[int, float]], int]]:
+    """Each prompt token after the first: its log-probability given the tokens before it, the
+    ``top`` most likely tokens there, and its rank (1 + the tokens more likely than it), under the
+    target's own law (the log-softmax of its logits: no temperature, truncation, bias or penalty —
+    the prompt was not sampled), from a pass over the prompt in pieces of ``chunk`` positions on a
+    cache of its own (what OpenAI's legacy completions report with ``echo`` and ``logprobs``, and
+    vLLM's ``prompt_logprobs``)."""
     ids = torch.as_tensor(prompt, dtype=torch.long).reshape(-1)  # [n]
     n = ids.numel()
     if n >= model.max_length:
@@ -384,9 +385,12 @@ def score_prompt(
     if n < 2:
         return []
     cache = model.new_cache(n)
-    out: list[tuple[float, list[tuple[int, float]]]] = []
+    out: list[tuple[float, list[tuple[int, float]], int]] = []
     for start in range(0, n - 1, chunk):
         end = min(start + chunk, n - 1)
         logits = model.forward(ids[start:end], cache)  # [end - start, V]: the law of tokens start+1 .. end
-        out.extend(top_logprobs(torch.log_softmax(logits.double(), dim=-1), ids[start + 1 : end + 1], top))
+        logp = torch.log_softmax(logits.double(), dim=-1)
+        tokens = ids[start + 1 : end + 1]  # [end - start]
+        ranks = (logp > logp.gather(1, tokens.view(-1, 1))).sum(1) + 1  # [end - start]
+        out.extend((lp, best, rank) for (lp, best), rank in zip(top_logprobs(logp, tokens, top), ranks.tolist()))
     return out

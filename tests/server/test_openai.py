@@ -220,6 +220,44 @@ def test_max_tokens_zero_with_echo_scores_the_prompt_and_generates_nothing(clien
         client.chat.completions.create(model=MODEL, messages=[{"role": "user", "content": "hi"}], max_tokens=0)
 
 
+def test_vllms_prompt_logprobs_on_completions_and_chat(client, local):
+    """vLLM's ``prompt_logprobs`` extension: per prompt token after the first a map from token id
+    to log-probability, rank and text, the prompt's token first (its rank against one whole pass
+    of the local model), then the best ones ranked 1, 2, ...; on a completion per choice (the same
+    numbers ``echo`` reports), on chat for the conversation's tokens; streamed, a 400."""
+    ids = local.encode("Lossless speculative decoding on two cores.", chat=False)
+    kw = dict(model=MODEL, prompt=[ids], max_tokens=2, temperature=0)
+    echoed = client.completions.create(echo=True, logprobs=1, **kw).choices[0].logprobs
+    out = client.completions.create(extra_body={"prompt_logprobs": 3}, **kw)
+    got = out.choices[0].model_extra["prompt_logprobs"]
+    model = local.target.model
+
+    def check(got: list, prompt: list[int]) -> None:
+        assert len(got) == len(prompt) and got[0] is None
+        law = torch.log_softmax(model.forward(torch.tensor(prompt[:-1]), model.new_cache(len(prompt))).double(), -1)
+        for at, token, row in zip(got[1:], prompt[1:], law):
+            first, *rest = at.items()
+            assert int(first[0]) == token and first[1]["logprob"] == pytest.approx(float(row[token]), abs=1e-4)
+            assert first[1]["rank"] == 1 + int((row > row[token]).sum())
+            assert first[1]["decoded_token"] == local.target.tokenizer.decode([token])
+            best = row.topk(3)
+            want = [(str(i), r) for r, i in enumerate(best.indices.tolist(), start=1) if i != token]
+            assert [(k, v["rank"]) for k, v in rest] == want
+            assert [v["logprob"] for _, v in rest] == pytest.approx([float(row[int(k)]) for k, _ in want], abs=1e-4)
+
+    check(got, ids)
+    assert [at[str(t)]["logprob"] for at, t in zip(got[1:], ids[1:])] == echoed.token_logprobs[1:len(ids)]
+    assert sum(1 for at, t in zip(got[1:], ids[1:]) if at[str(t)]["rank"] > 1) >= 2  # not only the best tokens
+    plain = client.completions.create(**kw)
+    assert out.choices[0].text == plain.choices[0].text and "prompt_logprobs" not in plain.choices[0].model_extra
+    messages = [{"role": "user", "content": "Say hi."}]
+    chat = client.chat.completions.create(model=MODEL, messages=messages, max_tokens=2, temperature=0,
+                                          extra_body={"prompt_logprobs": 3})
+    check(chat.model_extra["prompt_logprobs"], local.encode_messages(messages))
+    with pytest.raises(openai.BadRequestError, match="prompt_logprobs cannot be streamed"):
+        client.completions.create(stream=True, extra_body={"prompt_logprobs": 1}, **kw)
+
+
 def test_n_list_prompts_echo_logit_bias_ignore_eos(client):
     kw = dict(model=MODEL, prompt=PROMPT, max_tokens=10, temperature=1.0, seed=11)
     many = client.completions.create(**kw, n=2)

@@ -5,7 +5,8 @@ drafter from the app's drafter factory).  Fields this server does not know are a
 ignored, as vLLM does: they are named in the ``X-Specdec-Ignored-Fields`` response header and in
 the server log.  Fields whose *semantics* it cannot honour (tools, audio, ``suffix``, ...) are
 refused with a 400 that names them, never silently dropped.  Extensions: ``top_k``, ``min_p``,
-``repetition_penalty``, ``ignore_eos``, ``method`` (verification rule) and ``gamma``; responses
+``repetition_penalty``, ``ignore_eos``, ``method`` (verification rule), ``gamma`` and vLLM's
+``prompt_logprobs``; responses
 carry a ``specdec`` object with the run's speculative stats (the last stream chunk too).
 """
 
@@ -87,6 +88,8 @@ class _Request(BaseModel):
     ignore_eos: bool = False
     method: Annotated[str, Field(max_length=64)] | None = None
     gamma: Annotated[int, Field(ge=1, le=defaults.MAX_GAMMA)] | Literal["auto", "guide"] | None = None
+    # vLLM's: each prompt token's log-probability, rank and this many most likely tokens (not streamed)
+    prompt_logprobs: Annotated[int, Field(ge=0, le=20)] | None = None
 
     def ignored_fields(self) -> list[str]:
         """Names of the fields accepted without effect (unknown ones and known no-ops)."""
@@ -246,7 +249,7 @@ class _Job:
     (and, on a batching server, side by side on generation slots nobody else holds: :func:`_run_choices`)."""
 
     def __init__(self, ctx: "ServerContext", req: _Request, prompts: list[list[int]], max_tokens: int | None,
-                 *, logprobs: int | None = None, prompt_logprobs: int | None = None, endpoint: str = "completions",
+                 *, logprobs: int | None = None, echo_logprobs: int | None = None, endpoint: str = "completions",
                  owner: str = "") -> None:
         self.ctx = ctx
         self.endpoint = endpoint
@@ -254,6 +257,8 @@ class _Job:
         model = ctx.model
         _served(ctx, req.model)
         self.ignored = req.ignored_fields()
+        if req.prompt_logprobs is not None and req.stream:
+            raise ApiError(400, "prompt_logprobs cannot be streamed (as in vLLM): send the request without stream")
         for ids in prompts:
             for i, tok in enumerate(ids):
                 if tok >= model.vocab_size:
@@ -303,8 +308,11 @@ class _Job:
         self.max_tokens = max_tokens
         self.n = req.n or 1
         self.logprobs = logprobs
-        self.prompt_logprobs = prompt_logprobs  # echo with logprobs: the prompt's tokens scored too
-        self.scored: dict[int, list[tuple[float, list[tuple[int, float]]]]] = {}  # prompt index -> its scores
+        self.echo_logprobs = echo_logprobs  # echo with logprobs: the prompt's tokens scored too, this many best
+        self.prompt_logprobs = req.prompt_logprobs  # vLLM's prompt_logprobs: the same scores, this many best
+        asked = [k for k in (echo_logprobs, req.prompt_logprobs) if k is not None]
+        self._score_top = max(asked) if asked else None  # the best tokens to keep at each prompt position
+        self.scored: dict[int, list[tuple[float, list[tuple[int, float]], int]]] = {}  # prompt index -> its scores
         self._scoring = [threading.Lock() for _ in prompts]  # one per prompt: choices of others score side by side
         self.ignore_eos = req.ignore_eos
         self.model_name = ctx.settings.model_name
@@ -364,12 +372,18 @@ class _Job:
         return self.prompts[index // self.n]
 
     def score(self, index: int) -> list[tuple[float, list[tuple[int, float]]]]:
-        """The prompt of choice ``index`` scored (``echo`` with ``logprobs``), once per prompt."""
+        """The prompt of choice ``index`` scored (``echo`` with ``logprobs``, ``prompt_logprobs``), once per prompt."""
         at = index // self.n
         with self._scoring[at]:
             if at not in self.scored:
-                self.scored[at] = score_prompt(self.ctx.model, self.prompts[at], int(self.prompt_logprobs or 0))
+                self.scored[at] = score_prompt(self.ctx.model, self.prompts[at], int(self._score_top or 0))
             return self.scored[at]
+
+    def scores(self, index: int, top: int | None) -> list[tuple[float, list[tuple[int, float]], int]] | None:
+        """Choice ``index``'s prompt scores, each position's best tokens cut to ``top`` (None: not asked for)."""
+        if top is None:
+            return None
+        return [(lp, best[:top], rank) for lp, best, rank in self.scored[index // self.n]]
 
     def run(
         self, index: int = 0, on_piece: Callable[[TextPiece], None] | None = None,
@@ -397,7 +411,7 @@ class _Job:
             target = LoadedModel(ctx.settings.model_name, ctx.model, ctx.tokenizer, None, "server", ctx.eos_ids)
             engine = Engine(target, drafter, ctx.drafter_name if drafter is not None else "none")
             started = time.perf_counter()
-            if self.prompt_logprobs is not None:
+            if self._score_top is not None:
                 self.score(index)  # before any text streams (the echoed prompt's chunk carries it)
             if self.max_tokens == 0:  # echo alone: the prompt scored where asked, nothing generated
                 prompt = self.prompt_of(index)
@@ -741,8 +755,8 @@ def _completion_logprobs(tok: Any, token_ids: list[int], logprobs: list | None, 
         offset += len(piece)
     return {
         "tokens": tokens,
-        "token_logprobs": [max(lp, -9999.0) for lp, _ in logprobs],
-        "top_logprobs": [{_piece(tok, i): max(v, -9999.0) for i, v in top} for _, top in logprobs],
+        "token_logprobs": [max(entry[0], -9999.0) for entry in logprobs],
+        "top_logprobs": [{_piece(tok, i): max(v, -9999.0) for i, v in entry[1]} for entry in logprobs],
         "text_offset": offsets,
     }
 
@@ -760,6 +774,24 @@ def _echo_logprobs(tok: Any, prompt_ids: list[int], prompt_logprobs: list | None
             "token_logprobs": [None, *scored["token_logprobs"]],
             "top_logprobs": [None, *scored["top_logprobs"]],
             "text_offset": [0, *scored["text_offset"]]}
+
+
+def _vllm_prompt_logprobs(tok: Any, prompt_ids: list[int], scores: list | None) -> list[dict[str, Any] | None] | None:
+    """vLLM's ``prompt_logprobs``: null for the first prompt token, then per token a map from token
+    id to its log-probability, rank and text, for the prompt's token (first) and the best ones."""
+    if scores is None:
+        return None
+
+    def entry(token: int, lp: float, rank: int) -> dict[str, Any]:
+        return {"logprob": max(lp, -9999.0), "rank": rank, "decoded_token": _piece(tok, token)}
+
+    out: list[dict[str, Any] | None] = [None]
+    for token, (lp, best, rank) in zip(prompt_ids[1:], scores):
+        at = {str(token): entry(token, lp, rank)}
+        for r, (i, v) in enumerate(best, start=1):
+            at.setdefault(str(i), entry(i, v, r))
+        out.append(at)
+    return out
 
 
 def _joined(*parts: dict[str, Any] | None) -> dict[str, Any] | None:
@@ -821,7 +853,7 @@ def openai_router(ctx: "ServerContext") -> APIRouter:
             prompts.append(ids)
             texts.append(item if isinstance(item, str) else "")
         job = _Job(ctx, req, prompts, req.max_tokens if req.max_tokens is not None else 16, logprobs=req.logprobs,
-                   prompt_logprobs=req.logprobs if req.echo else None, owner=_owner(request))
+                   echo_logprobs=req.logprobs if req.echo else None, owner=_owner(request))
         tok = tokenizer()  # the text of the answer needs it
         if req.echo:
             texts = [t or tok.decode(ids) for t, ids in zip(texts, prompts)]
@@ -851,13 +883,13 @@ def openai_router(ctx: "ServerContext") -> APIRouter:
             def head(index: int) -> list[dict[str, Any]]:
                 if not req.echo:
                     return []
-                scored = job.scored.get(index // job.n) if job.prompt_logprobs is not None else None
+                scored = job.scores(index, job.echo_logprobs)
                 return [chunk(index, echoed(index), None, _echo_logprobs(tok, job.prompt_of(index), scored))]
 
             return _stream(
                 job,
                 head=head,
-                head_waits=job.prompt_logprobs is not None,
+                head_waits=job.echo_logprobs is not None,
                 delta=streamed,
                 tail=lambda index, out: chunk(index, "", _finish_reason(out.stats.finish_reason)),
                 usage=(lambda outs: {**chunk(0, "", None), "choices": [], "usage": _usage(outs, prompt_tokens, job.n)})
@@ -866,9 +898,11 @@ def openai_router(ctx: "ServerContext") -> APIRouter:
         outs = await _run_blocking(job, request)
         choices = [
             {"index": i, "text": echoed(i) + out.text,
-             "logprobs": _joined(_echo_logprobs(tok, out.prompt_ids, job.scored.get(i // job.n)),
+             "logprobs": _joined(_echo_logprobs(tok, out.prompt_ids, job.scores(i, job.echo_logprobs)),
                                  _completion_logprobs(tok, out.token_ids, out.logprobs, len(echoed(i)))),
-             "finish_reason": _finish_reason(out.stats.finish_reason)}
+             "finish_reason": _finish_reason(out.stats.finish_reason),
+             **({"prompt_logprobs": _vllm_prompt_logprobs(tok, out.prompt_ids, job.scores(i, job.prompt_logprobs))}
+                if job.prompt_logprobs is not None else {})}
             for i, out in enumerate(outs)
         ]
         body = {"id": cid, "object": "text_completion", "created": created, "model": job.model_name,
@@ -954,6 +988,8 @@ def openai_router(ctx: "ServerContext") -> APIRouter:
                          "finish_reason": _finish_reason(out.stats.finish_reason)}
                         for i, out in enumerate(outs)],
             "usage": _usage(outs, len(ids), job.n),
+            **({"prompt_logprobs": _vllm_prompt_logprobs(tok, ids, job.scores(0, job.prompt_logprobs))}
+               if job.prompt_logprobs is not None else {}),
             "specdec": _stats(outs),
         }
         return JSONResponse(body, headers=job.headers)
