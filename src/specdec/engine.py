@@ -25,7 +25,7 @@ from specdec.drafters.lookahead import LookaheadDrafter
 from specdec.drafters.base import Drafter, check_temperature_factor, feature_taps
 from specdec.errors import ConfigError, SpecdecError
 from specdec.drafters.tree_builder import TreeSpec
-from specdec.gamma import CostGamma, FixedGamma, GammaController, GuideGamma, TreeBudget
+from specdec.gamma import CostGamma, FixedGamma, GammaController, GammaMemory, GuideGamma, TreeBudget
 from specdec.models import registry
 from specdec.models.registry import LoadedModel, check_compatible, load
 from specdec.sampling import SamplingConfig
@@ -423,7 +423,7 @@ class Engine:
         self.drafter = drafter
         self.drafter_name = drafter_name
         self.draft_model = draft_model
-        self._last_auto: dict[str, CostGamma] = {}  # rule name -> the last γ auto controller handed out
+        self._auto = GammaMemory()  # rule name -> the last γ auto controller handed out
 
     @classmethod
     def build(cls, cfg: EngineConfig, *, progress: Callable[[str], None] | None = None) -> "Engine":
@@ -518,9 +518,8 @@ class Engine:
         """The controller for ``gamma``; γ auto's is the successor of this engine's last one for ``rule``."""
         if not isinstance(gamma, (str, int)) or parse_gamma(gamma) != "auto":
             return make_gamma(gamma)
-        last = self._last_auto.get(rule.name)
-        controller = last.successor() if last is not None else CostGamma()
-        self._last_auto[rule.name] = controller
+        controller = self._auto.next(rule.name)
+        self._auto.keep(rule.name, controller)  # one sequence at a time: the next one follows this one
         return controller
 
     def encode(self, prompt: str, *, chat: bool, system: str | None = None) -> list[int]:

@@ -14,6 +14,7 @@
 from __future__ import annotations
 
 import math
+import threading
 from bisect import bisect_left
 from dataclasses import dataclass, field
 from typing import Callable, Protocol
@@ -337,6 +338,28 @@ class CostGamma:
         # grow at most twofold per round: positions never tried are extrapolated, not measured
         tried = max((k + 1 for k in range(self.max_gamma) if self._tries[k] > 0), default=0)
         self._gamma = min(choice, max(2 * tried, 1))
+
+
+class GammaMemory:
+    """The γ auto controller of the last sequence per key (a verification rule's name): the next
+    sequence gets its :meth:`CostGamma.successor`.  An engine keeps one for the sequences it
+    decodes one after another; a server keeps one for all its requests, which run side by side,
+    so a controller is kept only when its sequence has ended (never read while it still learns).
+    Thread-safe."""
+
+    def __init__(self) -> None:
+        self._last: dict[str, CostGamma] = {}
+        self._lock = threading.Lock()
+
+    def next(self, key: str) -> CostGamma:
+        """A controller for a new sequence: the successor of the last kept for ``key``, else a fresh one."""
+        with self._lock:
+            last = self._last.get(key)
+        return last.successor() if last is not None else CostGamma()
+
+    def keep(self, key: str, controller: CostGamma) -> None:
+        with self._lock:
+            self._last[key] = controller
 
 
 @dataclass

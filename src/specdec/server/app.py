@@ -41,6 +41,7 @@ from starlette.exceptions import HTTPException as StarletteHTTPException
 from specdec import __version__
 from specdec.drafters.base import Drafter
 from specdec.models.base import LanguageModel
+from specdec.gamma import GammaMemory
 from specdec.remote.protocol import (
     CreateSessionRequest,
     CreateSessionResponse,
@@ -84,6 +85,8 @@ class ServerContext:
     draft_model: Any | None = None
     #: how many edge draft tokens a busy batched pass verifies (None: all; the serialised server)
     draft_cap: DraftCap | None = None
+    #: γ auto across OpenAI requests: each starts from the last ended one's controller for its rule
+    gamma_memory: GammaMemory = field(default_factory=GammaMemory)
 
     def __post_init__(self) -> None:
         self.store = SessionStore(self.settings, on_evict=self._evicted)

@@ -26,7 +26,7 @@ from pydantic import BaseModel, ConfigDict, Field
 
 from specdec import defaults
 from specdec.engine import Engine, TextPiece, TextResult, default_method, make_gamma, parse_gamma
-from specdec.gamma import CappedGamma
+from specdec.gamma import CappedGamma, CostGamma
 from specdec.errors import SpecdecError
 from specdec.models.registry import LoadedModel
 from specdec.sampling import SamplingConfig, offset_seed
@@ -337,15 +337,16 @@ class _Job:
         except SpecdecError as exc:
             raise ApiError(400, str(exc)) from None
 
-    def _gamma(self, drafter: Any, index: int = 0, pace: RequestPace | None = None) -> Any:
-        """The request's γ policy; on a batching server, for the rules whose output does not depend
+    def _gamma(self, drafter: Any, index: int = 0, pace: RequestPace | None = None, auto: CostGamma | None = None) -> Any:
+        """The request's γ policy (``auto``: γ auto's controller for this choice); on a batching server, for the rules whose output does not depend
         on γ (greedy, coupled), capped to what the server's load makes worth drafting
         (:mod:`specdec.server.draft_cap`), each round reported back to the cap's estimates; and
         with ``pace`` (the request's choices side by side), choice ``index``'s threshold rises while
         it is ahead of the slowest of them (:class:`~specdec.server.draft_cap.RequestPace`)."""
+        base = auto if auto is not None else self.gamma
         cap = getattr(self.ctx, "draft_cap", None)
         if cap is None or self.method not in CAPPED_WIRES:
-            return self.gamma
+            return base
         # acceptance is the rule's (greedy accepts more than coupled sampling), and prompt lookup's
         # drafts (a target row each, no draft pass) are tracked apart from the draft model's
         wire = f"{OPENAI_WIRE}-{self.method}"
@@ -364,8 +365,8 @@ class _Job:
             return observed
 
         if getattr(drafter, "free_drafts", False):  # prompt lookup alone: every round is a free one
-            return CappedGamma(make_gamma(self.gamma), cap=ceiling(lookup, False), observe=observe(lookup, False))
-        return CappedGamma(make_gamma(self.gamma), cap=ceiling(wire, True), observe=observe(wire, True),
+            return CappedGamma(make_gamma(base), cap=ceiling(lookup, False), observe=observe(lookup, False))
+        return CappedGamma(make_gamma(base), cap=ceiling(wire, True), observe=observe(wire, True),
                            free_cap=ceiling(lookup, False), observe_free=observe(lookup, False))
 
     def prompt_of(self, index: int) -> list[int]:
@@ -417,9 +418,13 @@ class _Job:
                 prompt = self.prompt_of(index)
                 nothing = engine.decoder(get_rule(self.method), self.gamma).nothing(len(prompt), time.perf_counter() - started)
                 return self._finished(TextResult("", [], prompt, nothing))
+            # γ auto: the successor of the controller of the server's last ended choice under this rule
+            auto = ctx.gamma_memory.next(self.method) if drafter is not None and self.gamma == "auto" else None
             out = engine.generate(self.prompt_of(index), sampling, method=self.method,
-                                  gamma=self._gamma(drafter, index, pace), on_piece=on_piece,
+                                  gamma=self._gamma(drafter, index, pace, auto), on_piece=on_piece,
                                   logprobs=self.logprobs, ignore_eos=self.ignore_eos)
+            if auto is not None:
+                ctx.gamma_memory.keep(self.method, auto)
         except SchedulerCancelled:
             raise _Cancelled from None
         finally:
