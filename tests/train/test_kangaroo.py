@@ -158,7 +158,7 @@ def test_early_stopping_shortens_drafts_and_cache_sharing_is_bitwise():
 
 def test_spawn_for_the_server_keeps_kangaroo():
     """The server builds one drafter per request with ``spawn(wrap)``: same adapter and threshold,
-    the wrapped view drafts, and the output is still plain greedy."""
+    no prefill before a round drafts, the wrapped view drafts, and the output is still plain greedy."""
     drafter = KangarooDrafter(KangarooView(INVARIANT, _trained(INVARIANT)), stop_below=0.3)
     calls = []
 
@@ -176,6 +176,8 @@ def test_spawn_for_the_server_keeps_kangaroo():
     fresh = drafter.spawn(Wrapped)
     assert isinstance(fresh, KangarooDrafter) and fresh.stop_below == 0.3 and fresh.view is drafter.view
     assert drafter.feature_taps == (2,) and fresh.feature_taps is None  # batched passes hand out no features
+    fresh.prepare(torch.tensor([1, 2, 3]))
+    assert fresh.cache.length == 0 and not calls  # lazy: the first round that drafts feeds the prompt
     run = SamplingConfig(temperature=0.0, max_new_tokens=10)
     out = SpeculativeDecoder(INVARIANT, fresh, get_rule("greedy"), gamma=FixedGamma(3)).generate([1, 2, 3], run)
     assert calls and out.tokens == SpeculativeDecoder(INVARIANT, None, get_rule("greedy")).generate([1, 2, 3], run).tokens

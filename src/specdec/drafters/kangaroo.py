@@ -277,6 +277,7 @@ class KangarooDrafter(SelfSpecDrafter):
     def spawn(self, wrap: Callable[[Any], Any] = lambda m: m) -> "KangarooDrafter":
         fresh = KangarooDrafter(self.view, stop_below=self.stop_below, share=self.share)  # type: ignore[arg-type]
         fresh.model = wrap(self.view)
+        fresh.lazy_prefill = True  # the first round that drafts feeds the context: none for a request that never does
         fresh.feature_taps = None  # a server's batched passes hand out no features
         return fresh
 

@@ -296,6 +296,7 @@ class SelfSpecDrafter(ModelDrafter):
         (the server serialises forward passes); a wrapped view's drafts are verified plainly."""
         fresh = SelfSpecDrafter(self.view, share=self.share)
         fresh.model = wrap(self.view)  # a wrapped (serialised) view is never bound to a cache
+        fresh.lazy_prefill = True  # the first round that drafts feeds the context: none for a request that never does
         return fresh
 
     def extra_bytes(self) -> int:

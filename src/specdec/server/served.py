@@ -38,10 +38,13 @@ class ServedModel:
         except (TypeError, ValueError):
             self._grows = False
 
-    def new_cache(self, max_length: int | None = None) -> Any:
+    def new_cache(self, max_length: int | None = None, *, initial_length: int | None = None) -> Any:
+        """A cache of the wrapped model, starting at ``initial_length`` positions (the caller's, else
+        the wrapper's) where the model's caches grow; else sized for ``max_length`` at once."""
         one_openmp_thread()  # a request thread: its own operations run without an OpenMP team
-        if self._grows and self.initial_length is not None:
-            return self.inner.new_cache(max_length, initial_length=self.initial_length)
+        start = initial_length if initial_length is not None else self.initial_length
+        if self._grows and start is not None:
+            return self.inner.new_cache(max_length, initial_length=start)
         return self.inner.new_cache(max_length)
 
     @property
