@@ -277,6 +277,40 @@ def test_a_served_view_prefills_lazily_on_a_short_cache_and_drafts_the_same_toke
             assert torch.equal(got.tokens, want.tokens) and got.tokens.numel() == gamma
 
 
+def test_a_served_early_exit_view_copies_the_targets_keys_through_the_servers_wrapper():
+    """Early exit on a server: bound to the request's target session through the server's wrapper,
+    the view copies the committed positions' keys and values of layers < K from the target's cache
+    instead of running its layers over them, drafts what the engine's view drafts, and its drafts
+    are verified by the wrapper's own pass (the shared layers reused only by the bare target)."""
+    from specdec.server.sessions import serialized
+
+    target = tiny_native(layers=3, max_length=4096)
+    drafter, _ = build("layerskip:2", target, "tiny")
+    served = drafter.spawn(serialized)
+    wrapper = serialized(target, initial_length=16)
+    cfg = SamplingConfig(temperature=0.0)
+    session = TargetSession(wrapper, PROMPT + [1, 2, 3], cfg, get_rule("greedy"), seed=0)
+    served.bind_target(wrapper, session.cache)
+    served.prepare(session.context)
+    assert served.cache.length == 0
+    sampler = DraftSampler(cfg, "multinomial", penalties=None, generator=torch.Generator().manual_seed(0))
+    rows, run_layers = [], target.run_layers
+    target.run_layers = lambda x, *a, **k: rows.append(x.shape[0]) or run_layers(x, *a, **k)
+    try:
+        draft = served.propose(session.context, 3, sampler)
+    finally:
+        del target.run_layers
+    assert rows == [1, 1, 1]  # the last context token and two drafted ones: nothing run over the prompt
+    n = session.context.numel() - 1  # committed positions copied; the last context token is the view's own row
+    assert torch.equal(served.cache.k[:, :, :n], session.cache.k[:2, :, :n])
+    drafter.prepare(session.context)
+    want = drafter.propose(session.context, 3, DraftSampler(cfg, "multinomial", penalties=None,
+                                                            generator=torch.Generator().manual_seed(0)))
+    assert torch.equal(draft.tokens, want.tokens)
+    feed = torch.cat([session.context[-1:], draft.tokens])
+    assert draft.reuse is not None and draft.reuse.forward(wrapper, feed, session.cache) is None
+
+
 def test_the_servers_fresh_drafters_keep_the_temperature_factor():
     from types import SimpleNamespace
 

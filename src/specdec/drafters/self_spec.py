@@ -249,8 +249,11 @@ class SelfSpecDrafter(ModelDrafter):
         committed positions are the target's own — the same layers on the same inputs, and the
         batch-invariant target computes a row alike in any pass — so the view copies them from
         there instead of running its layers over the prompt and over every token committed while
-        it was not drafting (the catch-up a probe after plain rounds used to pay for)."""
-        self._target_cache = cache if self.share and model is self.view.target else None
+        it was not drafting (the catch-up a probe after plain rounds used to pay for).  A server's
+        wrapper around the target (``inner``: its passes serialised or batched) binds the same way:
+        what the view copies only shapes its drafts, and verification stays the wrapper's own pass."""
+        target = getattr(model, "inner", model)
+        self._target_cache = cache if self.share and target is self.view.target else None
 
     @property
     def whole_target(self) -> bool:
