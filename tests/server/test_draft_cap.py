@@ -57,16 +57,17 @@ def _loaded(tokens_per_row: float, p: list[float], costs=None) -> DraftCap:
 
 def test_the_cap_follows_acceptance_and_load():
     """threshold = m ρ with m ≈ 0.85-0.95 here: acceptance 0.46 / 0.27 / 0.16 / 0.11 per position
-    (the load test's greedy edges) gives cap 2 at 0.25 tokens per row, 4 at 0.05, 0 at 0.6."""
+    (the load test's greedy edges) gives cap 2 at 0.25 tokens per row, 0 at 0.6, and at 0.05 none
+    of the four drafted positions is cut (nor positions 5 and 6, never drafted: 6)."""
     p = [0.46, 0.27, 0.16, 0.11]
     assert _loaded(0.25, p).cap("greedy") == 2
-    assert _loaded(0.05, p).cap("greedy") == 4
+    assert _loaded(0.05, p).cap("greedy") == 6
     assert _loaded(0.6, p).cap("greedy") == 0
     assert _loaded(0.25, p).cap("coupled") is None  # no rounds of that wire yet
     # costs measured at start-up replace the live fit: a pass that is mostly fixed cost (a = 1 s)
     # makes rows nearly free, so nothing is capped
     assert _loaded(0.25, p, costs=(0.012, 0.0017)).cap("greedy") == 2
-    assert _loaded(0.25, p, costs=(1.0, 0.0017)).cap("greedy") == 4
+    assert _loaded(0.25, p, costs=(1.0, 0.0017)).cap("greedy") == 6
     # a token coming sooner worth a quarter (a request's choice ahead of the slowest of four): four
     # times the threshold
     assert _loaded(0.05, p).cap("greedy", value=0.25) == 2  # threshold ~0.047 -> ~0.19
@@ -74,12 +75,67 @@ def test_the_cap_follows_acceptance_and_load():
 
 
 def test_calibration_times_the_model_alone():
+    """A cost curve over the row counts asked for (one sequence up to 8 rows, sequences of 8
+    beyond), its times never falling with rows."""
     from specdec.server.draft_cap import calibrate
     from tiny import tiny_native
 
-    a, b = calibrate(tiny_native(), rows=24, sequences=6, reps=1)
-    assert a >= 0 and b >= 0 and a + b > 0
+    curve = calibrate(tiny_native(), rows=(1, 2, 4, 24), reps=1)
+    assert curve.rows == (1, 2, 4, 24) and curve.seconds[0] > 0
+    assert all(b >= a for a, b in zip(curve.seconds, curve.seconds[1:]))
     assert calibrate(ToyLM(VOCAB, order=1, seed=0)) is None  # no batched forward: the live fit is used
+
+
+def test_a_cost_curve_reads_each_rows_own_marginal_cost():
+    """Rows nearly free at two to four and dear at a hundred (as on a 2-core CPU): the slope at a
+    single user's ~2 rows per pass is the small one, and there the threshold m ρ is far below the
+    one a straight line through the curve's ends gives; a loaded server's ~100 rows read the steep
+    piece.  Timings that fall with rows (noise) are raised to the smaller row count's."""
+    from specdec.server.draft_cap import RowCosts
+
+    curve = RowCosts.measured((1, 2, 4, 8, 96), (0.0027, 0.00285, 0.0028, 0.0045, 0.047))
+    assert curve.seconds == (0.0027, 0.00285, 0.00285, 0.0045, 0.047)
+    assert curve.slope(1.5) == pytest.approx(0.00015) and curve.slope(3) == 0.0
+    assert curve.slope(50) == pytest.approx((0.047 - 0.0045) / 88) and curve.slope(200) == curve.slope(50)
+    assert curve.at(6) == pytest.approx(0.00285 + 2 * (0.0045 - 0.00285) / 4) and curve.at(0.5) == pytest.approx(0.002625)
+    line = RowCosts.line(0.0027 - (0.047 - 0.0027) / 95, (0.047 - 0.0027) / 95)
+    assert line.at(96) == pytest.approx(0.047) and line.slope(2) == pytest.approx((0.047 - 0.0027) / 95)
+
+    def threshold(costs, rows: int) -> float:
+        clock = _Clock()
+        cap = DraftCap(CapConfig(window_s=1e9, min_passes=1, min_rounds=1), clock=clock, costs=costs)
+        cap.observe_pass(rows, costs.at(rows))
+        cap.observe_tokens(rows // 2)
+        cap.observe_round("greedy", 2, 1)
+        return cap.estimate("greedy")[0]
+
+    assert threshold(curve, 2) < 0.1 * threshold(line, 2)  # a single user: rows nearly free
+    assert threshold(curve, 96) == pytest.approx(threshold(line, 96), rel=0.1)  # a busy server: alike
+    with pytest.raises(ValueError):
+        RowCosts((4, 2), (0.1, 0.2))
+
+
+def test_positions_never_drafted_are_not_cut_and_cut_ones_are_probed():
+    """A wire whose first rounds drafted one token, accepted, has no estimate past position 1:
+    those positions are not cut (counted as 0 they cut every later round to one token, for good).
+    A position the cap cuts is offered again every probe_every-th cap, so its estimate can recover:
+    here position 2 is rejected in every early round, then accepted in every probe, until it pays."""
+    cap = DraftCap(CapConfig(window_s=1e9, min_passes=1, min_rounds=1, max_positions=4, probe_every=4),
+                   costs=(0.002, 0.001))
+    for _ in range(10):
+        cap.observe_pass(3, 0.005)
+        cap.observe_tokens(2)
+    cap.observe_round("greedy", 1, 1)
+    assert cap.estimate("greedy")[1] == [1.0, None, None, None] and cap.cap("greedy") == 4
+    for _ in range(50):
+        cap.observe_round("greedy", 2, 1)  # position 2 never kept
+    caps = []
+    for _ in range(400):
+        k = cap.cap("greedy")
+        caps.append(k)
+        cap.observe_round("greedy", min(k, 2), min(k, 2))  # drafts as far as allowed, all kept now
+    assert caps[:3] == [1, 1, 2]  # cut at one; the wire's fourth cap (one was given above) probes position 2
+    assert caps[-1] == 4  # position 2's estimate recovered: nothing cut
 
 
 def test_no_cap_before_enough_passes():
@@ -180,7 +236,7 @@ def _steady(draft_pass_s: float | None, draft_rows: int = 10) -> DraftCap:
 
 def test_the_servers_own_drafting_counts_its_draft_cost():
     """Edge drafts cost the server a target row: threshold m ρ = 0.9 × 0.25 = 0.225, so all three
-    positions pay.  Drafts the server makes itself cost the draft's passes too: 32 passes of
+    positions pay (and 4-6, never drafted, are not cut: 6).  Drafts the server makes itself cost the draft's passes too: 32 passes of
     0.1875 s for 1,200 drafted tokens are 5 ms a token, (0.9 × 0.2/100 + 0.005) × 800 tokens /
     (6.4 + 6.0) s = 0.44, so the first two do; at twice the draft seconds (0.51) only the first."""
     cap = _steady(0.1875)
@@ -188,7 +244,7 @@ def test_the_servers_own_drafting_counts_its_draft_cost():
     assert edge == pytest.approx(0.225) and p[:3] == pytest.approx([0.8, 0.5, 0.3], abs=0.01)
     own, _ = cap.estimate("openai", server_drafted=True)
     assert own == pytest.approx((0.9 * 0.002 + 0.005) * 800 / 12.4)
-    assert cap.cap("greedy") == 3 and cap.cap("openai", server_drafted=True) == 2
+    assert cap.cap("greedy") == 6 and cap.cap("openai", server_drafted=True) == 2
     assert _steady(0.375).cap("openai", server_drafted=True) == 1
     assert _steady(None).cap("openai", server_drafted=True) is None  # no draft pass seen: no basis for a cap
 

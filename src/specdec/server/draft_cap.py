@@ -3,19 +3,25 @@
 An edge session chooses its own γ, and under batching its round latency hardly depends on it
 (its rows are a few among a hundred), so every client drafts long.  But once a batched pass is
 compute-bound each row costs the same for everyone: with ``E`` tokens emitted from ``R`` rows in
-a pass of time ``T = a + b R``, one more row whose token is accepted with probability ``p``
-raises the server's tokens per second exactly when
+a pass of time ``T(R)``, whose next row costs ``b = T'(R)``, one more row whose token is
+accepted with probability ``p`` raises the server's tokens per second exactly when
 
     p > b E / T = m ρ,    ρ = E / R (tokens per row),  m = b / (T / R) (marginal / average row cost).
 
 This is the rule vLLM applies coarsely when it switches speculation off past a batch size; here
-it is applied per draft position.  The server knows everything in it: ``a`` and ``b`` from timing
-the model alone at start-up (:func:`calibrate`; a least-squares fit of the live passes instead when
-that is not available — measured, the live fit under load is poor: the server's other threads
-steal time from passes at random, which flattens the slope), the rows per pass ``R`` and ``ρ``
+it is applied per draft position.  The server knows everything in it: the cost curve ``T(R)``
+from timing the model alone at start-up over 1 to 96 rows (:func:`calibrate`; ``b`` is its slope
+at the mean rows per pass: on a 2-core CPU a row costs a few hundredths of a one-row pass at two
+to four rows and a fifth at a hundred, and one straight line through both ends capped a single
+user's drafts as if the server were busy); a least-squares line through the live passes instead
+when that is not available (measured, the live fit under load is poor: the server's other
+threads steal time from passes at random, which flattens the slope), the rows per pass ``R`` and ``ρ``
 from the passes it ran and the tokens it emitted in a recent time window, and ``p_k`` = P(accepted
 ≥ k) per draft position from the rounds it verified (per wire mode).  The cap is the number of
-leading positions with ``p_k > m ρ``.
+leading positions with ``p_k > m ρ``, or with no estimate yet (never drafted: nothing says they
+do not pay; counted as 0 they capped a server for good after its first rounds drafted one
+token).  A position the cap cuts is drafted no more, so its estimate would never change: every
+:data:`~specdec.defaults.DRAFT_CAP_PROBE_EVERY`-th cap of a wire allows one position more.
 
 Truncating a draft is lossless for every rule: verifying the first ``k`` tokens of a draft is
 verifying a ``k``-token draft, which the client could have sent itself (the choice of ``k``
@@ -62,6 +68,7 @@ from __future__ import annotations
 
 import threading
 import time
+from bisect import bisect_right
 from collections import deque
 from dataclasses import dataclass
 from typing import Any
@@ -89,12 +96,16 @@ class CapConfig:
     min_rounds: int = defaults.DRAFT_CAP_MIN_ROUNDS
     #: longest draft position tracked (longer drafts are capped here once a cap is active)
     max_positions: int = defaults.MAX_GAMMA
+    #: every this many caps of a wire allow one position more: a position the cap cuts is drafted
+    #: no more, so without these probes its acceptance estimate could never recover
+    probe_every: int = defaults.DRAFT_CAP_PROBE_EVERY
 
 
-def cap_from(p_accept: list[float], threshold: float) -> int:
-    """Number of leading positions whose acceptance probability exceeds ``threshold`` (pure)."""
+def cap_from(p_accept: list[float | None], threshold: float) -> int:
+    """Number of leading positions whose acceptance probability exceeds ``threshold`` or is not
+    known (None: never drafted, so nothing says it does not pay) (pure)."""
     k = 0
-    while k < len(p_accept) and p_accept[k] > threshold:
+    while k < len(p_accept) and (p_accept[k] is None or p_accept[k] > threshold):
         k += 1
     return k
 
@@ -114,11 +125,54 @@ def fit_line(n: int, rows: int, seconds: float, rows2: int, rows_s: float) -> tu
     return (seconds - b * rows) / n, b
 
 
-def calibrate(model: Any, *, rows: int = 96, sequences: int = 12, context: int = 64, reps: int = 3) -> tuple[float, float] | None:
-    """``(a, b)`` seconds of one pass ``≈ a + b · rows`` for ``model`` alone: one 1-row sequence vs
-    ``sequences`` sequences of ``rows / sequences`` rows each, after a ``context``-token prefill,
+@dataclass(frozen=True)
+class RowCosts:
+    """Seconds of one pass by its rows, piecewise linear between measured row counts (rows
+    increasing), extended past either end by the nearest piece's slope."""
+
+    rows: tuple[int, ...]
+    seconds: tuple[float, ...]
+
+    def __post_init__(self) -> None:
+        if len(self.rows) < 2 or len(self.rows) != len(self.seconds) or any(b <= a for a, b in zip(self.rows, self.rows[1:])):
+            raise ValueError(f"row costs need two or more increasing row counts, got {self.rows}")
+
+    @classmethod
+    def line(cls, a: float, b: float) -> "RowCosts":
+        """``a + b · rows``."""
+        return cls((0, 1), (a, a + b))
+
+    @classmethod
+    def measured(cls, rows: tuple[int, ...], seconds: tuple[float, ...]) -> "RowCosts":
+        """From timings, noisy at small row counts: a time below a smaller row count's is raised to it."""
+        out, top = [], 0.0
+        for sec in seconds:
+            top = max(top, sec)
+            out.append(top)
+        return cls(tuple(rows), tuple(out))
+
+    def _piece(self, r: float) -> int:
+        """The index ``i`` of the piece [rows[i], rows[i + 1]] that holds ``r`` (the first or last beyond them)."""
+        return min(max(bisect_right(self.rows, r) - 1, 0), len(self.rows) - 2)
+
+    def slope(self, r: float) -> float:
+        """What one more row costs at ``r`` rows (seconds)."""
+        i = self._piece(r)
+        return (self.seconds[i + 1] - self.seconds[i]) / (self.rows[i + 1] - self.rows[i])
+
+    def at(self, r: float) -> float:
+        """Seconds of a pass of ``r`` rows."""
+        i = self._piece(r)
+        return self.seconds[i] + (r - self.rows[i]) * self.slope(r)
+
+
+def calibrate(model: Any, *, rows: tuple[int, ...] = defaults.DRAFT_CAP_CALIBRATION_ROWS, per_sequence: int = 8,
+              context: int = 64, reps: int = 3) -> RowCosts | None:
+    """The seconds of one pass of ``model`` alone at each of ``rows`` (one sequence of up to
+    ``per_sequence`` rows, several of ``per_sequence`` beyond), after a ``context``-token prefill,
     medians of ``reps`` (throwaway caches; call before the model serves anyone).  None for models
     other than the native backend's (their passes may not be ours to time)."""
+    import math
     import statistics
 
     import torch
@@ -128,30 +182,26 @@ def calibrate(model: Any, *, rows: int = 96, sequences: int = 12, context: int =
     if not isinstance(model, NativeCausalLM):
         return None
     gen = torch.Generator().manual_seed(0)
+    caches = []
+    for _ in range(max(math.ceil(r / per_sequence) for r in rows)):
+        cache = model.new_cache(context + per_sequence + 64)
+        model.forward(torch.randint(0, model.vocab_size, (context,), generator=gen), cache, last_only=True)
+        caches.append(cache)
 
-    def caches(n: int) -> list[Any]:
-        out = []
-        for _ in range(n):
-            cache = model.new_cache(context + rows + 64)
-            model.forward(torch.randint(0, model.vocab_size, (context,), generator=gen), cache, last_only=True)
-            out.append(cache)
-        return out
-
-    def timed(cs: list[Any], per: int) -> float:
-        items = [(torch.randint(0, model.vocab_size, (per,), generator=gen), c, False) for c in cs]
+    def timed(r: int) -> float:
+        n = math.ceil(r / per_sequence)
+        sizes = [r // n + (i < r % n) for i in range(n)]  # r rows over n sequences
+        items = [(torch.randint(0, model.vocab_size, (k,), generator=gen), c, False) for k, c in zip(sizes, caches)]
         times = []
         for _ in range(reps):
-            for c in cs:
+            for c in caches[:n]:
                 c.truncate(context)
             t = time.perf_counter()
             model.forward_batch(items)
             times.append(time.perf_counter() - t)
         return statistics.median(times)
 
-    per = max(rows // sequences, 1)
-    small, big = timed(caches(1), 1), timed(caches(sequences), per)
-    b = max((big - small) / (per * sequences - 1), 0.0)
-    return max(small - b, 0.0), b
+    return RowCosts.measured(tuple(rows), tuple(timed(r) for r in rows))
 
 
 class _Window:
@@ -185,10 +235,11 @@ class DraftCap:
     """The server's running estimates and the cap they give (thread-safe)."""
 
     def __init__(self, config: CapConfig | None = None, clock=time.monotonic,
-                 costs: tuple[float, float] | None = None) -> None:
-        """``costs``: ``(a, b)`` from :func:`calibrate` (else fitted on the live passes)."""
+                 costs: "RowCosts | tuple[float, float] | None" = None) -> None:
+        """``costs``: the cost curve from :func:`calibrate`, or ``(a, b)`` of a line ``a + b · rows``
+        (else a line fitted on the live passes)."""
         self.config = config or CapConfig()
-        self._costs = costs
+        self._costs = RowCosts.line(*costs) if isinstance(costs, tuple) else costs
         self._clock = clock
         self._lock = threading.Lock()
         self._passes = _Window(4)  # the target's: rows, seconds, rows², rows·seconds
@@ -200,6 +251,7 @@ class DraftCap:
         self._proposed: dict[str, list[float]] = {}
         self._accepted: dict[str, list[float]] = {}
         self._weight: dict[str, float] = {}  # the next round's weight per wire (see observe_round)
+        self._asked: dict[str, int] = {}  # caps given per wire (every probe_every-th one is a probe)
 
     def _trim(self, now: float) -> None:
         horizon = now - self.config.window_s
@@ -265,18 +317,21 @@ class DraftCap:
                 return None
             len_passes = len(self._passes)
             rows, seconds, rows2, rows_s = self._passes.sums
-            fit = self._costs or fit_line(len_passes, rows, seconds, rows2, rows_s)
+            fit = self._costs
+            if fit is None:
+                line = fit_line(len_passes, rows, seconds, rows2, rows_s)
+                fit = RowCosts.line(*line) if line is not None else None
             (tokens,), (draft_s,), (drafted,) = self._emitted.sums, self._draft_passes.sums, self._drafted.sums
             if drafted and len(self._draft_passes):  # (no draft pass seen: its cost is unknown)
                 self._draft_token_s = draft_s / drafted
             draft_token_s = self._draft_token_s
             prop, acc = self._proposed[wire], self._accepted[wire]
-            p = [a / q if q > 0 else 0.0 for a, q in zip(acc, prop)]
+            p = [a / q if q > 0 else None for a, q in zip(acc, prop)]
         if fit is None or rows == 0 or seconds <= 0 or tokens == 0:
             return None
-        a, b = fit
         mean_rows = rows / len_passes
-        m = min(max(b * mean_rows / (a + b * mean_rows), 0.0), 1.0)  # b / (seconds per row of an average pass)
+        whole = fit.at(mean_rows)  # an average pass's seconds
+        m = min(max(fit.slope(mean_rows) * mean_rows / whole, 0.0), 1.0) if whole > 0 else 0.0  # b / (seconds per row)
         if not server_drafted:
             return m * tokens / rows, p
         if draft_token_s is None:
@@ -291,7 +346,12 @@ class DraftCap:
         if est is None:
             return None
         threshold, p = est
-        return cap_from(p, threshold / value)
+        k = cap_from(p, threshold / value)
+        with self._lock:
+            asked = self._asked[wire] = self._asked.get(wire, 0) + 1
+        if asked % self.config.probe_every == 0:  # a probe: the first capped position's estimate
+            return min(k + 1, self.config.max_positions)  # would otherwise never change again
+        return k
 
 
 class RequestPace:
