@@ -1,15 +1,19 @@
 #!/usr/bin/env python
-"""γ auto across a server's requests: each request's controller continuing from the last one's
-against a fresh controller per request, and plain decoding, paired in one server process.
+"""A server's own speculation, one request at a time: γ auto continuing from request to request
+or fresh per request, the draft cap on its measured cost curve, on a straight line or off, against
+plain decoding, paired in one server process.
 
     python scripts/served_gamma_ab.py --draft layerskip:24 --repeats 3 --out benchmarks/NAME
+    python scripts/served_gamma_ab.py --draft ngram --arms plain,kept,line,nocap --repeats 3 --out benchmarks/NAME
 
 Not a test and not part of CI.  Builds the serving app in process (batching on, as ``specdec
 serve`` runs it) and sends every built-in prompt, as token ids, to ``/v1/completions`` through
 an in-process HTTP client, once per arm: ``plain`` with the server's drafter switched off,
 ``fresh`` with a new γ memory for the request (what every request got before the server kept
 one: a fresh controller), ``kept`` with one memory that lives through the whole run (what the
-server does now).  Arms alternate in an order rotated per prompt and reversed on odd repeats,
+server does now), ``line`` as ``kept`` with the draft cap's cost curve replaced by the straight
+line through its one-row and 96-row points (what the cap used before it had a curve), ``nocap``
+as ``kept`` with the draft cap off (the arms share the cap's estimates).  Arms alternate in an order rotated per prompt and reversed on odd repeats,
 one seed per prompt and repeat shared by every arm.  Timed: the request, client side.  Writes
 ``results.json`` and ``README.md`` (geometric means of the per-request ratios over plain, by
 category; draft tokens proposed per request; at T = 0 whether the text equals plain's).
@@ -25,9 +29,10 @@ from dataclasses import dataclass
 import paired
 
 from specdec.gamma import GammaMemory
+from specdec.server.draft_cap import RowCosts
 from specdec.sampling import SamplingConfig
 
-ARMS = ("plain", "fresh", "kept")
+ARMS = ("plain", "fresh", "kept", "line", "nocap")
 
 
 @dataclass(frozen=True)
@@ -45,7 +50,11 @@ def main() -> int:
     ap = paired.parser(__doc__)
     ap.set_defaults(draft="layerskip:24")
     ap.add_argument("--repeats", type=int, default=3)
+    ap.add_argument("--arms", default="plain,fresh,kept", help=f"plain first, then any of {', '.join(ARMS[1:])}")
     args = ap.parse_args()
+    arms = args.arms.split(",")
+    if arms[0] != "plain" or len(arms) < 2 or any(a not in ARMS[1:] for a in arms[1:]):
+        raise SystemExit(f"--arms: plain first, then any of {', '.join(ARMS[1:])}")
 
     import torch
     from fastapi.testclient import TestClient
@@ -58,13 +67,23 @@ def main() -> int:
     prompts = select(list(BUILTIN), limit=args.limit)
     app = _app(args)
     ctx = app.state.ctx
-    factory, kept = ctx.drafter_factory, GammaMemory()
+    factory, kept, cap = ctx.drafter_factory, GammaMemory(), ctx.draft_cap
+    curve = cap._costs if cap is not None else None
+    line = None
+    if curve is not None:  # the line through the curve's ends, as the cap's calibration was before
+        b = (curve.seconds[-1] - curve.seconds[0]) / (curve.rows[-1] - curve.rows[0])
+        line = RowCosts.line(curve.seconds[0] - b * curve.rows[0], b)
+    if any(a in ("line", "nocap") for a in arms) and curve is None:
+        raise SystemExit("the line and nocap arms need the batching server's calibrated draft cap")
     client = TestClient(app, base_url="http://localhost")
 
     def generate(arm: str):  # noqa: ANN202 - a call decoding ids with a sampling config
         def run(ids: list[int], cfg: SamplingConfig) -> _Served:
             ctx.drafter_factory = None if arm == "plain" else factory
-            ctx.gamma_memory = kept if arm == "kept" else GammaMemory()
+            ctx.gamma_memory = GammaMemory() if arm == "fresh" else kept
+            ctx.draft_cap = None if arm == "nocap" else cap
+            if cap is not None:
+                cap._costs = line if arm == "line" else curve
             body = {"prompt": ids, "max_tokens": cfg.max_new_tokens, "temperature": cfg.temperature, "gamma": "auto"}
             if cfg.seed is not None:
                 body["seed"] = cfg.seed
@@ -80,11 +99,11 @@ def main() -> int:
 
     tok = ctx.tokenizer
     rows = []
-    for p, temp, rep, res in paired.rotated({a: generate(a) for a in ARMS},
+    for p, temp, rep, res in paired.rotated({a: generate(a) for a in arms},
                                             lambda p: encode_prompt(tok, p.text, chat=p.chat),
                                             prompts, temps, args.repeats, args.max_new_tokens):
         ref = res["plain"]
-        for a in ARMS:
+        for a in arms:
             s = res[a]
             rows.append({"prompt": p.id, "category": p.category, "temperature": temp, "repeat": rep, "arm": a,
                          "tok_s": s.completion_tokens / s.wall_s, "speedup": (s.completion_tokens / s.wall_s)
@@ -94,13 +113,15 @@ def main() -> int:
     lines = [f"{len(prompts)} prompts × {args.repeats} repeats, {args.max_new_tokens} tokens, `/v1/completions` of an "
              f"in-process server (batching on) with `{args.draft}`, one request at a time, every arm on every prompt "
              "(order rotated per prompt, reversed on odd repeats). `fresh`: a new γ controller for every request; "
-             "`kept`: each request's controller the successor of the last ended one's. ×plain = geometric mean of the "
+             "`kept`: each request's controller the successor of the last ended one's; `line`: `kept` with the draft "
+             "cap's cost curve replaced by the line through its ends; `nocap`: `kept` without the draft cap. "
+             + (f"The cap's curve: {_curve(curve)}. " if curve is not None else "") + "×plain = geometric mean of the "
              "per-request ratios (tokens over the request's wall time, client side) over plain decoding of the same "
              "prompt and repeat.", "",
              "| T | arm | ×plain (all) | chat | code | draft tokens / request | tokens/call | text = plain |",
              "|---|---|---|---|---|---|---|---|"]
     for temp in temps:
-        for a in ARMS[1:]:
+        for a in arms[1:]:
             rs = [r for r in rows if r["arm"] == a and r["temperature"] == temp]
             by = {c: paired.gmean([r["speedup"] for r in rs if r["category"] == c]) for c in ("chat", "code")}
             same = f"{sum(r['same'] for r in rs)}/{len(rs)}" if temp == 0 else "n/a"
@@ -108,8 +129,14 @@ def main() -> int:
                          f"| {by['code']:.3f} | {statistics.mean(r['proposed'] for r in rs):.1f} "
                          f"| {statistics.mean(r['tokens_per_call'] for r in rs):.2f} | {same} |")
     paired.write_report(args.out, f"γ auto across a server's requests, paired ({args.target} + {args.draft})",
-                        {"rows": rows}, lines)
+                        {"arms": arms, "curve": None if curve is None else {"rows": curve.rows, "seconds": curve.seconds},
+                         "rows": rows}, lines)
     return 0
+
+
+def _curve(curve) -> str:  # noqa: ANN001 - RowCosts
+    """The cost curve as 'rows: ms' pairs."""
+    return ", ".join(f"{r} rows {1e3 * s:.2f} ms" for r, s in zip(curve.rows, curve.seconds))
 
 
 def _app(args):  # noqa: ANN001, ANN202 - argparse namespace, the FastAPI app
