@@ -275,3 +275,30 @@ def test_the_decoder_samples_each_round_at_the_drafters_factor():
     cfg = SamplingConfig(temperature=0.8, seed=0, max_new_tokens=8)
     SpeculativeDecoder(TARGET, Spy(DRAFT, temperature_factor=0.5), get_rule("block"), gamma=FixedGamma(2)).generate(PROMPT, cfg)
     assert seen and set(seen) == {0.4}
+
+
+def test_the_gamma_controller_does_not_see_a_drafters_catch_up():
+    """A round's catch-up pass (``catch_up_s``: a lazy prefill, the backlog of rounds without
+    drafting) is left out of the draft seconds the γ controller learns from, and kept in the
+    round's reported draft time."""
+
+    class CatchingUp(ModelDrafter):
+        def propose(self, context, gamma, sampler):
+            draft = super().propose(context, gamma, sampler)
+            self.catch_up_s = 100.0 if gamma else 0.0  # as if the round had caught up for 100 s
+            return draft
+
+    class Spy(FixedGamma):
+        def __init__(self) -> None:
+            super().__init__(2)
+            self.seen: list[tuple[int, float]] = []
+
+        def update(self, *, gamma, accepted, draft_s, target_s, other_s):
+            self.seen.append((gamma, draft_s))
+
+    spy = Spy()
+    out = SpeculativeDecoder(TARGET, CatchingUp(DRAFT), get_rule("greedy"), gamma=spy).generate(
+        PROMPT, SamplingConfig(temperature=0.0, max_new_tokens=8))
+    drafted = [s for g, s in spy.seen if g > 0]
+    assert drafted and all(s < -99.0 for s in drafted)  # 100 s taken off each drafted round's seconds
+    assert all(r.draft_ms >= 0 for r in out.rounds)

@@ -411,6 +411,16 @@ def test_a_successor_stays_backed_off_only_for_a_drafter_that_cannot_pay():
     assert nxt.next_gamma() == 0 and nxt._interval == losing._interval >= 2 * defaults.COST_GAMMA_PROBE_EVERY
     assert nxt._draft_s == losing._draft_s and nxt._target_s == losing._target_s and nxt._target_s is not losing._target_s
     assert nxt._tries == pytest.approx([defaults.COST_GAMMA_CARRY * t for t in losing._tries])
+    assert nxt._since_draft == losing._since_draft  # the probe schedule runs on
+    ctrl, probed = losing, False
+    for _ in range(losing._interval):  # sequences of three rounds each, shorter than the interval ...
+        ctrl = ctrl.successor()
+        for _ in range(3):
+            probed = probed or ctrl.next_gamma() > 0
+            _losing_drafter(ctrl, 1, random.Random(0))
+        if probed:
+            break
+    assert probed  # ... still reach a probe (with a fresh count each, none ever would)
     cheap = CostGamma()
     _run(cheap, accept_rate=0.0, draft_s=0.002, target_s=0.02, rounds=200)  # a tenth of a step, never accepted
     assert cheap.next_gamma() == 0  # backed off on this prompt ...

@@ -260,7 +260,11 @@ class SpeculativeDecoder:
                     free=draft.free,
                 )
             )
-            measured = dict(gamma=drafted, accepted=verdict.num_accepted, draft_s=t1 - t0, target_s=outcome.target_s, other_s=other_s)
+            # a drafter's catch-up pass (a lazy prefill, the backlog of rounds without drafting) is a
+            # one-off, not the cost of this round's drafted tokens: the controllers do not see it
+            catch_up = getattr(drafter, "catch_up_s", 0.0) if asked else 0.0
+            measured = dict(gamma=drafted, accepted=verdict.num_accepted, draft_s=t1 - t0 - catch_up,
+                            target_s=outcome.target_s, other_s=other_s)
             if draft.free:  # a lookup round says nothing about the draft model; the drafter learns from it
                 drafter.update_free(**measured)  # type: ignore[union-attr]
                 if free_update is not None:

@@ -83,6 +83,9 @@ HYBRID_NGRAM_MIN = 2
 HYBRID_NGRAM_MAX = 4
 HYBRID_LOOKUP_START = 4
 HYBRID_LOOKUP_MAX = 12
+#: a draft cache this many tokens behind the context catches up in a pass of its own, timed apart
+#: (a prefill or the backlog of rounds without drafting; see ModelDrafter._after)
+DRAFT_CATCH_UP_SPLIT = 16
 #: prompt lookup's length controller keeps the lighter prior (the heavier one was measured for the model's drafts only)
 HYBRID_LOOKUP_PRIOR_WEIGHT = 2.0
 # Lookahead decoding: window of W guesses x (N - 1) rows, N-grams, pool candidates per round

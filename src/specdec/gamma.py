@@ -268,6 +268,9 @@ class CostGamma:
         nxt._other_s = self._other_s
         nxt._gamma = 0
         nxt._interval = max(self._interval, self.probe_every)
+        nxt._since_draft = self._since_draft  # the probe schedule runs on across sequences: with a
+        # fresh count, sequences shorter than the interval would never probe, and costs carried
+        # from one bad reading would never be measured again
         return nxt
 
     def start_idle(self) -> None:

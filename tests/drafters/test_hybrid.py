@@ -84,6 +84,19 @@ def test_model_cache_catches_up_after_lookup_rounds():
     assert fresh.propose(longer, 2, _sampler()).tokens.tolist() == d.tokens.tolist()
 
 
+def test_the_model_rounds_catch_up_is_reported_and_a_lookup_rounds_is_none():
+    """A model round whose draft cache lags DRAFT_CATCH_UP_SPLIT or more tokens (a lazy prefill)
+    reports its catch-up pass; a lookup round reports none, whatever the model did before."""
+    h = LookupThenModel(ModelDrafter(DRAFT, lazy_prefill=True), min_ngram=2, max_ngram=4, lookup_tokens=4)
+    ctx = torch.tensor([(i * i) % 5 for i in range(defaults.DRAFT_CATCH_UP_SPLIT + 6)] + [4, 0])
+    h.prepare(ctx)
+    d = h.propose(ctx, 2, _sampler())
+    assert not d.free and h.catch_up_s > 0.0
+    repeat = torch.tensor([4, 1, 3, 0, 2, 2, 4, 1, 3])
+    h.prepare(repeat)
+    assert h.propose(repeat, 2, _sampler(room=8)).free and h.catch_up_s == 0.0
+
+
 def test_free_rounds_do_not_teach_the_gamma_controller():
     class Spy(FixedGamma):
         def __init__(self) -> None:

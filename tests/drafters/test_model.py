@@ -64,6 +64,44 @@ def test_a_lazy_prefill_feeds_the_prompt_with_the_first_draft():
     assert ModelDrafter(model, lazy_prefill=True).with_model(model).lazy_prefill
 
 
+def test_a_long_backlog_is_fed_in_a_pass_of_its_own_and_timed_apart():
+    """A draft cache DRAFT_CATCH_UP_SPLIT or more tokens behind (a lazy prefill, or rounds without
+    drafting) catches up in a pass of its own, whose seconds the round reports as ``catch_up_s``;
+    the draft is what one pass over the backlog draws.  Drafting every round (a backlog of one or
+    two tokens) runs one pass and reports none; nor does a round that drafts nothing."""
+    from specdec import defaults
+
+    calls = []
+
+    class Counted(ToyLM):
+        def forward(self, tokens, cache, *, last_only=False, **kw):
+            calls.append(tokens.numel())
+            return super().forward(tokens, cache, last_only=last_only, **kw)
+
+    model = Counted(7, order=2, seed=5)
+    n = defaults.DRAFT_CATCH_UP_SPLIT + 5
+    ctx = torch.tensor([(3 * i) % 7 for i in range(n)])
+    cfg = SamplingConfig(temperature=1.0)
+    drafts = []
+    for lazy in (True, False):
+        d = ModelDrafter(model, lazy_prefill=lazy)
+        d.prepare(ctx)
+        calls.clear()
+        assert d.propose(ctx, 0, DraftSampler(cfg, "multinomial", penalties=None, generator=None)).tokens.numel() == 0
+        assert d.catch_up_s == 0.0 and calls == []
+        drafts.append(d.propose(ctx, 3, DraftSampler(cfg, "multinomial", penalties=None, generator=torch.Generator().manual_seed(3))))
+        if lazy:
+            assert calls[:2] == [n - 1, 1] and d.catch_up_s > 0.0
+        else:
+            assert calls[0] == 1 and d.catch_up_s == 0.0
+    assert drafts[0].tokens.tolist() == drafts[1].tokens.tolist() and torch.equal(drafts[0].probs, drafts[1].probs)
+    d.commit(Verdict(3, torch.tensor(drafts[1].tokens.tolist() + [2])))  # all kept, one token more
+    longer = torch.cat([ctx, drafts[1].tokens, torch.tensor([2])])
+    calls.clear()
+    d.propose(longer, 2, DraftSampler(cfg, "multinomial", penalties=None, generator=torch.Generator().manual_seed(4)))
+    assert calls[0] == 2 and d.catch_up_s == 0.0  # the last draft and the bonus token: one pass
+
+
 # ----------------------------------------------------------------------------- a reduced draft vocabulary
 
 

@@ -185,6 +185,11 @@ class LookupThenModel:
         self._model_round = True
         return self.model.propose_tree(context, budget, sampler, spec, max_depth=max_depth)
 
+    @property
+    def catch_up_s(self) -> float:
+        """The model drafter's catch-up pass of this round (none in a lookup round)."""
+        return float(getattr(self.model, "catch_up_s", 0.0)) if self._model_round else 0.0
+
     def commit(self, verdict: Verdict) -> None:
         if self._model_round:
             self.model.commit(verdict)

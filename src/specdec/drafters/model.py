@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import inspect
+import time
 
 import torch
 from torch import Tensor
@@ -37,6 +38,8 @@ class ModelDrafter:
         self._round_start = 0
         self._fed = 0
         self._slots: dict[int, int] | None = None  # tree rounds: node index -> region slot
+        #: seconds of this round's catch-up pass (see :meth:`_after`): 0.0 when there was none
+        self.catch_up_s = 0.0
 
     @property
     def supports_trees(self) -> bool:
@@ -88,11 +91,12 @@ class ModelDrafter:
         self._round_start = length
         self._fed = 0
         self._slots = None
+        self.catch_up_s = 0.0
         if gamma <= 0:
             return Draft(tokens=torch.empty(0, dtype=torch.long), probs=None)
         ids = self._compact_ids(sampler)
         kw = {} if ids is None else {"compact": True}  # rows over the draft vocabulary: [1, Vd]
-        logits = self.model.forward(context[self.cache.length :], self.cache, last_only=True, **kw)  # [1, V]
+        logits = self._after(context, kw)  # [1, V]
         chain = DraftChain()
         for j in range(gamma):
             drawn = sampler(logits, length + j) if ids is None else sampler(logits, length + j, ids, self.model.vocab_size)
@@ -116,7 +120,7 @@ class ModelDrafter:
         self._fed = 0
         ids = self._compact_ids(sampler)
         kw = {} if ids is None else {"compact": True}  # rows over the draft vocabulary: [m, Vd]
-        logits = self.model.forward(context[self.cache.length :], self.cache, last_only=True, **kw)  # [1, V]
+        logits = self._after(context, kw)  # [1, V]
         slots: dict[int, int] = {}
         region: list[int] = []  # parents of the fed nodes, in region-slot terms
 
@@ -133,6 +137,23 @@ class ModelDrafter:
         )
         self._slots = {new: slots[old] for new, old in enumerate(grown) if old in slots}
         return draft
+
+    def _after(self, context: Tensor, kw: dict[str, bool]) -> Tensor:  # context: [L] -> [1, V]
+        """The draft's logits after ``context``, the tokens its cache lacks fed first.  Drafting
+        every round, that is one or two tokens (the last round's bonus, perhaps its last draft).
+        A longer backlog — the prompt of a lazy prefill, or what was committed while the drafter
+        did not draft (rounds at γ = 0, prompt lookup's rounds) — goes first in a pass of its own,
+        timed as :attr:`catch_up_s`: a one-off, which the γ controller must not read as the cost of
+        this round's drafted tokens (seen: a server's first drafted token of a new prompt read
+        10 ms instead of 0.3, and γ auto backed off for the rest of the request)."""
+        assert self.cache is not None
+        self.catch_up_s = 0.0
+        upto = context.numel() - 1
+        if upto - self.cache.length >= defaults.DRAFT_CATCH_UP_SPLIT:
+            t0 = time.perf_counter()
+            self.model.forward(context[self.cache.length : upto], self.cache, last_only=True, **kw)
+            self.catch_up_s = time.perf_counter() - t0
+        return self.model.forward(context[self.cache.length :], self.cache, last_only=True, **kw)
 
     def commit(self, verdict: Verdict) -> None:
         if self.cache is None:
