@@ -338,8 +338,9 @@ class _Job:
             raise ApiError(400, str(exc)) from None
 
     def _gamma(self, drafter: Any, index: int = 0, pace: RequestPace | None = None, auto: CostGamma | None = None) -> Any:
-        """The request's γ policy (``auto``: γ auto's controller for this choice); on a batching server, for the rules whose output does not depend
-        on γ (greedy, coupled), capped to what the server's load makes worth drafting
+        """The request's γ policy (``auto``: γ auto's controller for this choice); on a batching
+        server, for the rules whose output does not depend on γ (greedy, coupled), capped to what
+        the server's load makes worth drafting
         (:mod:`specdec.server.draft_cap`), each round reported back to the cap's estimates; and
         with ``pace`` (the request's choices side by side), choice ``index``'s threshold rises while
         it is ahead of the slowest of them (:class:`~specdec.server.draft_cap.RequestPace`)."""
@@ -372,7 +373,7 @@ class _Job:
     def prompt_of(self, index: int) -> list[int]:
         return self.prompts[index // self.n]
 
-    def score(self, index: int) -> list[tuple[float, list[tuple[int, float]]]]:
+    def score(self, index: int) -> list[tuple[float, list[tuple[int, float]], int]]:
         """The prompt of choice ``index`` scored (``echo`` with ``logprobs``, ``prompt_logprobs``), once per prompt."""
         at = index // self.n
         with self._scoring[at]:
