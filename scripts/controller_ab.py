@@ -101,15 +101,9 @@ def main() -> int:
              + "`auto`: this checkout's γ auto (each sequence's controller the successor of the engine's last one);"
              " `fresh`: the same controller new for every sequence; a number: that fixed γ for the draft model. ×plain = geometric mean of the "
              "per-run ratios over plain decoding of the same prompt and repeat.", "",
-             "| T | arm | ×plain (all) | chat | code | tokens/call | mean γ | greedy = plain |", "|---|---|---|---|---|---|---|---|"]
-    for temp in temps:
-        for a in arms[1:]:
-            rs = [r for r in rows if r["arm"] == a and r["temperature"] == temp]
-            by = {c: statistics.geometric_mean([r["speedup"] for r in rs if r["category"] == c]) for c in ("chat", "code")}
-            same = f"{sum(r['same'] for r in rs)}/{len(rs)}" if temp == 0 else "n/a"
-            lines.append(f"| {temp:g} | {a} | {statistics.geometric_mean([r['speedup'] for r in rs]):.3f} | {by['chat']:.3f} "
-                         f"| {by['code']:.3f} | {statistics.mean(r['tokens_per_call'] for r in rs):.2f} "
-                         f"| {statistics.mean(r['mean_gamma'] for r in rs):.2f} | {same} |")
+             *paired.arm_table(rows, temps, arms, [
+                 ("tokens/call", lambda rs: f"{statistics.mean(r['tokens_per_call'] for r in rs):.2f}"),
+                 ("mean γ", lambda rs: f"{statistics.mean(r['mean_gamma'] for r in rs):.2f}")])]
     title = f"γ auto against `{args.base}`'s" if base is not None else "γ auto against fixed γs"
     paired.write_report(args.out, f"{title}, paired ({args.target} + {args.draft})",
                         {"base": args.base, "rows": rows}, lines)

@@ -107,6 +107,26 @@ def groups(rows: list[dict], temps: list[float], kinds: tuple[str, ...] = ("plai
                     yield temp, kind, cat, rs
 
 
+def arm_table(rows: list[dict], temps: list[float], arms: list[str],
+              extra: list[tuple[str, Callable[[list[dict]], str]]], same: str = "greedy = plain") -> list[str]:
+    """A Markdown table of paired runs: per temperature and arm (``arms[0]``, the reference, left
+    out) the geometric means of the rows' ``speedup`` overall and by category, the ``extra``
+    columns (a header and the text it shows for the arm's rows), and at T = 0 how many rows were
+    the ``same`` as the reference's."""
+    heads = [h for h, _ in extra]
+    lines = ["| T | arm | ×plain (all) | chat | code | " + " | ".join(heads + [same]) + " |",
+             "|" + "---|" * (5 + len(heads)) + "---|"]
+    for temp in temps:
+        for a in arms[1:]:
+            rs = [r for r in rows if r["arm"] == a and r["temperature"] == temp]
+            by = [gmean([r["speedup"] for r in rs if r["category"] == c]) for c in ("chat", "code")]
+            equal = f"{sum(r['same'] for r in rs)}/{len(rs)}" if temp == 0 else "n/a"
+            cells = [f"{temp:g}", a, f"{gmean([r['speedup'] for r in rs]):.3f}", f"{by[0]:.3f}", f"{by[1]:.3f}",
+                     *(fn(rs) for _, fn in extra), equal]
+            lines.append("| " + " | ".join(cells) + " |")
+    return lines
+
+
 def gmean(xs: list[float]) -> float:
     """Geometric mean; NaN for no values."""
     return statistics.geometric_mean(xs) if xs else float("nan")

@@ -118,17 +118,11 @@ def main() -> int:
              + (f"The cap's curve: {_curve(curve)}. " if curve is not None else "") + "×plain = geometric mean of the "
              "per-request ratios (tokens over the request's wall time, client side) over plain decoding of the same "
              "prompt and repeat.", "",
-             "| T | arm | ×plain (all) | chat | code | draft tokens / request | tokens/call | text = plain |",
-             "|---|---|---|---|---|---|---|---|"]
-    for temp in temps:
-        for a in arms[1:]:
-            rs = [r for r in rows if r["arm"] == a and r["temperature"] == temp]
-            by = {c: paired.gmean([r["speedup"] for r in rs if r["category"] == c]) for c in ("chat", "code")}
-            same = f"{sum(r['same'] for r in rs)}/{len(rs)}" if temp == 0 else "n/a"
-            lines.append(f"| {temp:g} | {a} | {paired.gmean([r['speedup'] for r in rs]):.3f} | {by['chat']:.3f} "
-                         f"| {by['code']:.3f} | {statistics.mean(r['proposed'] for r in rs):.1f} "
-                         f"| {statistics.mean(r['tokens_per_call'] for r in rs):.2f} | {same} |")
-    paired.write_report(args.out, f"γ auto across a server's requests, paired ({args.target} + {args.draft})",
+             *paired.arm_table(rows, temps, arms, [
+                 ("draft tokens / request", lambda rs: f"{statistics.mean(r['proposed'] for r in rs):.1f}"),
+                 ("tokens/call", lambda rs: f"{statistics.mean(r['tokens_per_call'] for r in rs):.2f}")],
+                 same="text = plain")]
+    paired.write_report(args.out, f"A server's own speculation, one request at a time, paired ({args.target} + {args.draft})",
                         {"arms": arms, "curve": None if curve is None else {"rows": curve.rows, "seconds": curve.seconds},
                          "rows": rows}, lines)
     return 0
