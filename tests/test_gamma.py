@@ -432,6 +432,27 @@ def test_a_successor_stays_backed_off_only_for_a_drafter_that_cannot_pay():
     assert CostGamma().successor().next_gamma() == defaults.COST_GAMMA_START
 
 
+def test_a_successor_judges_a_drafter_by_its_cheapest_token():
+    """A cheap drafter (0.3 ms a token against a 2.9 ms step) that stops being accepted backs off;
+    its probes after plain rounds read 2.6 ms a token (the draft catching up on what it missed), so
+    its running estimate ends dear enough to lose even at an acceptance of 0.5.  The next sequence
+    still starts afresh: judged by the cheapest token measured, it could pay on another prompt."""
+    from specdec.gamma import best_gamma
+
+    ctrl, drafted_last = CostGamma(), True  # the first round follows the prefill: nothing to catch up
+    for i in range(300):
+        g = ctrl.next_gamma()
+        step = 0.0003 if drafted_last else 0.0026  # a round after plain rounds catches up first
+        ctrl.update(gamma=g, accepted=g if i < 3 else 0, draft_s=g * step, target_s=0.0029 + 0.0004 * g,
+                    other_s=0.0001)
+        drafted_last = g > 0
+    assert ctrl.next_gamma() == 0 and ctrl._draft_min == pytest.approx(0.0003)
+    hoped = [defaults.COST_GAMMA_CARRY_ACCEPT ** (k + 1) for k in range(ctrl.max_gamma)]
+    assert best_gamma(hoped, ctrl._draft_s, ctrl._costs(), ctrl._other_s)[0] == 0  # the running estimate loses
+    nxt = ctrl.successor()
+    assert nxt._draft_s is None and nxt.next_gamma() == defaults.COST_GAMMA_START
+
+
 def test_an_engine_hands_each_sequence_the_last_ones_controller_per_rule():
     import random
 

@@ -152,6 +152,7 @@ class CostGamma:
     _hits: list[float] = field(default_factory=list)
     _tries: list[float] = field(default_factory=list)
     _draft_s: float | None = None
+    _draft_min: float | None = None  # the cheapest drafted token measured (see successor)
     _target_s: dict[int, float] = field(default_factory=dict)
     _other_s: float = 0.0
     _since_draft: int = 0
@@ -249,7 +250,10 @@ class CostGamma:
         rounds on at every new prompt.  Any other drafter starts afresh: one that stopped paying on
         one prompt (chat) may pay on the next (code), and costs carried from sequence to sequence
         would never be re-measured at sizes the controller stops playing (seen: a carried
-        controller held the default drafter at mean γ 1.8 against 2.6)."""
+        controller held the default drafter at mean γ 1.8 against 2.6).  The test takes the
+        cheapest drafted token measured, not the running estimate: probes after plain rounds read
+        dearer (the draft catches up on what it missed), and a server's cheap default drafter,
+        judged on them after a chat prompt, started the next request backed off."""
         nxt = CostGamma(max_gamma=self.max_gamma, start=self.start, decay=self.decay, probe_every=self.probe_every,
                         probe_gamma=self.probe_gamma, max_probe_every=self.max_probe_every,
                         prior_accept=self.prior_accept, prior_weight=self.prior_weight, outlier=self.outlier,
@@ -258,12 +262,14 @@ class CostGamma:
             return nxt
         costs = self._costs()
         hoped = [defaults.COST_GAMMA_CARRY_ACCEPT ** (k + 1) for k in range(self.max_gamma)]
-        if best_gamma(hoped, self._draft_s, costs, self._other_s)[0] > 0:  # it could pay on another prompt
+        cheapest = self._draft_min if self._draft_min is not None else self._draft_s
+        if best_gamma(hoped, cheapest, costs, self._other_s)[0] > 0:  # it could pay on another prompt
             return nxt
         carry = defaults.COST_GAMMA_CARRY
         nxt._hits = [h * carry for h in self._hits]
         nxt._tries = [t * carry for t in self._tries]
         nxt._draft_s = self._draft_s
+        nxt._draft_min = self._draft_min
         nxt._target_s = dict(self._target_s)
         nxt._other_s = self._other_s
         nxt._gamma = 0
@@ -316,6 +322,7 @@ class CostGamma:
             # slower than the drafter is), a dearer one is smoothed in
             old = self._draft_s
             self._draft_s = step if old is None or step < old else 0.7 * old + 0.3 * step
+            self._draft_min = step if self._draft_min is None else min(self._draft_min, step)
         self.observe_cost(gamma + 1, target_s)
         self._other_s = 0.7 * self._other_s + 0.3 * other_s
         if self._draft_s is None:  # nothing measured about drafting yet: keep the start value
