@@ -9,11 +9,14 @@ sample size detects a biased rule.
 
 from __future__ import annotations
 
+import time
+
 import pytest
 import torch
 
 from specdec.decoder import SpeculativeDecoder
 from specdec.drafters import ModelDrafter, NgramDrafter
+from specdec.drafters.hybrid import LookupThenModel
 from specdec.errors import ConfigError, ContextLengthError
 from specdec.gamma import CostGamma, FixedGamma
 from specdec.models.toy import ToyLM
@@ -277,15 +280,20 @@ def test_the_decoder_samples_each_round_at_the_drafters_factor():
     assert seen and set(seen) == {0.4}
 
 
-def test_the_gamma_controller_does_not_see_a_drafters_catch_up():
+@pytest.mark.parametrize("hybrid", [False, True], ids=["model", "lookup+model"])
+def test_the_gamma_controller_does_not_see_a_drafters_catch_up(hybrid):
     """A round's catch-up pass (``catch_up_s``: a lazy prefill, the backlog of rounds without
     drafting) is left out of the draft seconds the γ controller learns from, and kept in the
-    round's reported draft time."""
+    round's reported draft time — for the model drafter and for prompt lookup in front of it
+    (the server's default drafter), whose report of its model's catch-up ends with the round."""
+    pause = 0.05
 
     class CatchingUp(ModelDrafter):
         def propose(self, context, gamma, sampler):
             draft = super().propose(context, gamma, sampler)
-            self.catch_up_s = 100.0 if gamma else 0.0  # as if the round had caught up for 100 s
+            if gamma:  # as if the round had caught up for `pause` seconds
+                time.sleep(pause)
+                self.catch_up_s = pause
             return draft
 
     class Spy(FixedGamma):
@@ -297,8 +305,12 @@ def test_the_gamma_controller_does_not_see_a_drafters_catch_up():
             self.seen.append((gamma, draft_s))
 
     spy = Spy()
-    out = SpeculativeDecoder(TARGET, CatchingUp(DRAFT), get_rule("greedy"), gamma=spy).generate(
+    drafter = CatchingUp(DRAFT)
+    if hybrid:  # lookup finds nothing in a prompt without repeats: every round is the model's
+        drafter = LookupThenModel(drafter)
+    out = SpeculativeDecoder(TARGET, drafter, get_rule("greedy"), gamma=spy).generate(
         PROMPT, SamplingConfig(temperature=0.0, max_new_tokens=8))
     drafted = [s for g, s in spy.seen if g > 0]
-    assert drafted and all(s < -99.0 for s in drafted)  # 100 s taken off each drafted round's seconds
-    assert all(r.draft_ms >= 0 for r in out.rounds)
+    assert drafted and all(s < pause / 2 for s in drafted)  # the pause taken off each drafted round
+    model_rounds = [r for r in out.rounds if r.gamma > 0 and not r.free]
+    assert len(model_rounds) == len(drafted) and all(r.draft_ms >= pause * 1e3 for r in model_rounds)

@@ -229,6 +229,10 @@ class SpeculativeDecoder:
                 else:
                     draft = drafter.propose(verifier.context, g, sampler)
             t1 = time.perf_counter()
+            # a drafter's catch-up pass (a lazy prefill, the backlog of rounds without drafting) is a
+            # one-off, not the cost of this round's drafted tokens: the controllers do not see it.
+            # Read before commit: a hybrid reports its model's catch-up only until the round ends
+            catch_up = getattr(drafter, "catch_up_s", 0.0) if asked else 0.0
             outcome = verifier.verify(draft)
             verdict = outcome.verdict
             if drafter is not None and outcome.node_argmax is not None:  # before commit: the tree's layout
@@ -260,9 +264,6 @@ class SpeculativeDecoder:
                     free=draft.free,
                 )
             )
-            # a drafter's catch-up pass (a lazy prefill, the backlog of rounds without drafting) is a
-            # one-off, not the cost of this round's drafted tokens: the controllers do not see it
-            catch_up = getattr(drafter, "catch_up_s", 0.0) if asked else 0.0
             measured = dict(gamma=drafted, accepted=verdict.num_accepted, draft_s=t1 - t0 - catch_up,
                             target_s=outcome.target_s, other_s=other_s)
             if draft.free:  # a lookup round says nothing about the draft model; the drafter learns from it
