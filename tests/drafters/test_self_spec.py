@@ -264,8 +264,11 @@ def test_a_served_view_prefills_lazily_on_a_short_cache_and_drafts_the_same_toke
     prompt = torch.tensor(PROMPT + [1, 2, 3])
     cfg = SamplingConfig(temperature=0.0)
     target = tiny_native(layers=3, max_length=4096)
-    for name in ("layerskip:2", "swift"):
-        drafter, _ = build(name, target, "tiny")
+    # SWIFT twice: as built (no skip set shipped for the tiny model: the whole target, which never
+    # prefills anyway) and on a skip set of its own, whose view would
+    drafters = [build(name, target, "tiny")[0] for name in ("layerskip:2", "swift")]
+    drafters.append(SwiftDrafter(target, LayerPlan.skipping(3, {1}, set())))
+    for drafter in drafters:
         served = drafter.spawn(serialized)
         served.prepare(prompt)
         assert served.cache.length == 0 and served.cache.capacity < target.max_length // 8

@@ -298,7 +298,9 @@ class SelfSpecDrafter(ModelDrafter):
         """A fresh drafter of the same kind (per-request state), its view wrapped by ``wrap``
         (the server serialises forward passes); a wrapped view's drafts are verified plainly."""
         fresh = SelfSpecDrafter(self.view, share=self.share)
-        fresh.model = wrap(self.view)  # a wrapped (serialised) view is never bound to a cache
+        # a wrapped (serialised) view binds to the request's target cache through the wrapper's
+        # ``inner`` (bind_target), but its drafts are verified by the wrapper's own pass
+        fresh.model = wrap(self.view)
         fresh.lazy_prefill = True  # the first round that drafts feeds the context: none for a request that never does
         return fresh
 
@@ -355,6 +357,7 @@ class SwiftDrafter(SelfSpecDrafter):
         fresh = SwiftDrafter(self.view.target, self.view.plan, every=self.every, window=self.window, tries=self.tries)
         fresh._wrap = wrap
         fresh.model = wrap(fresh.view)
+        fresh.lazy_prefill = True  # as SelfSpecDrafter.spawn: no prefill for a request that never drafts
         return fresh
 
     def _neighbour(self, plan: LayerPlan) -> LayerPlan:
