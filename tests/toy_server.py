@@ -27,10 +27,12 @@ class FixedCap:
         self.k = k
         self.asked: list[tuple[str, bool]] = []  # (wire, server_drafted) of every cap() call
         self.values: list[float] = []  # the value of every cap() call
+        self.wanted: list[int | None] = []  # the tokens each cap() call's round wanted (None: unknown)
         self.rounds: list[tuple[Any, ...]] = []
 
-    def cap(self, wire: str, *, server_drafted: bool = False, value: float = 1.0) -> int:
+    def cap(self, wire: str, *, server_drafted: bool = False, value: float = 1.0, wanted: int | None = None) -> int:
         self.asked.append((wire, server_drafted))
+        self.wanted.append(wanted)
         self.values.append(value)
         return self.k
 

@@ -79,7 +79,8 @@ class CappedGamma:
     (see :mod:`specdec.server.draft_cap`)."""
 
     inner: GammaController
-    cap: Callable[[], int | None]
+    #: the ceiling for a round the inner controller wants the given number of tokens for
+    cap: Callable[[int], int | None]
     observe: Callable[[int, int], None] | None = None
     #: the ceiling for free drafts (prompt lookup's: a row of the target's pass each, no draft
     #: model's), and where their rounds are reported; None = no ceiling / not reported
@@ -92,7 +93,7 @@ class CappedGamma:
 
     def next_gamma(self) -> int:
         g = self.inner.next_gamma()
-        c = self.cap()
+        c = self.cap(g)
         return g if c is None else max(0, min(g, c))
 
     def free_limit(self) -> int | None:

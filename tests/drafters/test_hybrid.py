@@ -204,7 +204,7 @@ def test_a_busy_servers_ceiling_for_free_drafts(ceiling):
     plain = SpeculativeDecoder(INVARIANT, None, get_rule("greedy")).generate(PROMPT, cfg)
     h = _hybrid(lookup_tokens=None)
     free_rounds: list[tuple[int, int]] = []
-    gamma = CappedGamma(FixedGamma(3), cap=lambda: 0, free_cap=lambda: ceiling,
+    gamma = CappedGamma(FixedGamma(3), cap=lambda g: 0, free_cap=lambda: ceiling,
                         observe_free=lambda g, a: free_rounds.append((g, a)))
     asked = []
     propose = h.propose
@@ -226,11 +226,11 @@ def test_a_capped_policy_passes_the_ceilings_on():
     from specdec.gamma import CappedGamma
 
     seen = []
-    g = CappedGamma(FixedGamma(4), cap=lambda: 1, free_cap=lambda: 3, observe_free=lambda *a: seen.append(a))
+    g = CappedGamma(FixedGamma(4), cap=lambda g: 1, free_cap=lambda: 3, observe_free=lambda *a: seen.append(a))
     assert g.next_gamma() == 1 and g.free_limit() == 3
     g.update_free(gamma=3, accepted=2, draft_s=0.0, target_s=0.0, other_s=0.0)
     assert seen == [(3, 2)]
-    assert CappedGamma(FixedGamma(4), cap=lambda: None).free_limit() is None
+    assert CappedGamma(FixedGamma(4), cap=lambda g: None).free_limit() is None
 
 
 def test_the_server_gives_each_request_its_own_hybrid():

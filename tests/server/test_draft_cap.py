@@ -138,6 +138,26 @@ def test_positions_never_drafted_are_not_cut_and_cut_ones_are_probed():
     assert caps[-1] == 4  # position 2's estimate recovered: nothing cut
 
 
+def test_a_cap_that_does_not_bind_is_not_counted_towards_a_probe():
+    """A round that wants no more than the cap allows (``wanted``) leaves the probe count alone, so
+    the probe lands on a round that would draft past the cut (counted, probes often fell on rounds
+    that wanted one token anyway)."""
+    cap = DraftCap(CapConfig(window_s=1e9, min_passes=1, min_rounds=1, max_positions=4, probe_every=4),
+                   costs=(0.002, 0.001))
+    for _ in range(10):
+        cap.observe_pass(3, 0.005)
+        cap.observe_tokens(2)
+    for _ in range(50):
+        cap.observe_round("greedy", 2, 1)  # position 2 never kept: cut at one
+    got = []
+    for _ in range(3):  # three binding caps, each between rounds that want one token
+        got.append(cap.cap("greedy", wanted=3))
+        got += [cap.cap("greedy", wanted=1) for _ in range(5)]
+    assert got[0] == 1 and set(got[1:6]) == {1}
+    assert cap.cap("greedy", wanted=3) == 2  # the fourth binding cap probes position 2
+    assert cap.cap("greedy", wanted=3) == 1
+
+
 def test_no_cap_before_enough_passes():
     cap = DraftCap(CapConfig(min_passes=16, min_rounds=1))
     cap.observe_round("greedy", 4, 0)
@@ -287,9 +307,10 @@ def test_capped_gamma_takes_the_ceiling_and_reports_rounds():
     from specdec.gamma import CappedGamma, FixedGamma
 
     ceiling = [None]
-    seen = []
-    g = CappedGamma(FixedGamma(4), cap=lambda: ceiling[0], observe=lambda gamma, acc: seen.append((gamma, acc)))
-    assert g.next_gamma() == 4 and g.name == "fixed(4)"
+    seen, wanted = [], []
+    g = CappedGamma(FixedGamma(4), cap=lambda w: wanted.append(w) or ceiling[0],
+                    observe=lambda gamma, acc: seen.append((gamma, acc)))
+    assert g.next_gamma() == 4 and g.name == "fixed(4)" and wanted == [4]  # the cap is told what the round wants
     ceiling[0] = 2
     assert g.next_gamma() == 2
     ceiling[0] = 0
@@ -326,6 +347,7 @@ def test_openai_requests_draft_no_more_than_the_cap_and_give_the_same_text(k):
         proposed = _openai_proposed(client)
         if capped:
             assert fixed.asked and set(fixed.asked) == {("openai-greedy", True)}  # acceptance is per rule
+            assert set(fixed.wanted) == {4}  # each round tells the cap what it wants (γ 4), for the probes
             assert all(gamma <= k for _, gamma, _ in fixed.rounds) and len(fixed.rounds) >= 24 // (k + 1) // 2
             assert proposed <= k * len(fixed.rounds)
         else:

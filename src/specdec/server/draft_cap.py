@@ -338,15 +338,20 @@ class DraftCap:
             return None
         return (m * seconds / rows + draft_token_s) * tokens / (seconds + draft_s), p
 
-    def cap(self, wire: str, *, server_drafted: bool = False, value: float = 1.0) -> int | None:
+    def cap(self, wire: str, *, server_drafted: bool = False, value: float = 1.0, wanted: int | None = None) -> int | None:
         """Draft tokens worth verifying (or, ``server_drafted``, drafting) for a round of ``wire`` now
         (None: no cap); ``value`` (0, 1]: what a token emitted sooner is worth to this sequence against
-        the steady load the threshold assumes (:meth:`RequestPace.value`): the threshold is divided by it."""
+        the steady load the threshold assumes (:meth:`RequestPace.value`): the threshold is divided by it.
+        ``wanted``: the tokens the round would draft uncapped, where known; a cap that does not bind
+        (``wanted`` within it) is not counted towards the next probe, so probes land on rounds that
+        would draft past the cut."""
         est = self.estimate(wire, server_drafted=server_drafted)
         if est is None:
             return None
         threshold, p = est
         k = cap_from(p, threshold / value)
+        if wanted is not None and wanted <= k:
+            return k
         with self._lock:
             asked = self._asked[wire] = self._asked.get(wire, 0) + 1
         if asked % self.config.probe_every == 0:  # a probe: the first capped position's estimate

@@ -353,10 +353,10 @@ class _Job:
         wire = f"{OPENAI_WIRE}-{self.method}"
         lookup = wire + LOOKUP_WIRE_SUFFIX
 
-        def ceiling(name: str, drafted: bool) -> Callable[[], int | None]:
+        def ceiling(name: str, drafted: bool) -> Callable[..., int | None]:  # (wanted tokens, if known)
             if pace is None:
-                return lambda: cap.cap(name, server_drafted=drafted)
-            return lambda: cap.cap(name, server_drafted=drafted, value=pace.value(index))
+                return lambda wanted=None: cap.cap(name, server_drafted=drafted, wanted=wanted)
+            return lambda wanted=None: cap.cap(name, server_drafted=drafted, value=pace.value(index), wanted=wanted)
 
         def observe(name: str, drafted: bool) -> Callable[[int, int], None]:
             def observed(gamma: int, accepted: int) -> None:
