@@ -13,8 +13,10 @@ an in-process HTTP client, once per arm: ``plain`` with the server's drafter swi
 one: a fresh controller), ``kept`` with one memory that lives through the whole run (what the
 server does now), ``line`` as ``kept`` with the draft cap's cost curve replaced by the straight
 line through its one-row and 96-row points (what the cap used before it had a curve), ``nocap``
-as ``kept`` with the draft cap off (the arms share the cap's estimates).  Arms alternate in an order rotated per prompt and reversed on odd repeats,
-one seed per prompt and repeat shared by every arm.  Timed: the request, client side.  Writes
+as ``kept`` with the draft cap off.  Each continuing arm has a memory of its own (each request
+continues from the arm's last one); the arms share the cap's estimates.  Arms alternate in an
+order rotated per prompt and reversed on odd repeats, one seed per prompt and repeat shared by
+every arm.  Timed: the request, client side.  Writes
 ``results.json`` and ``README.md`` (geometric means of the per-request ratios over plain, by
 category; draft tokens proposed per request; at T = 0 whether the text equals plain's).
 """
@@ -37,7 +39,7 @@ ARMS = ("plain", "fresh", "kept", "line", "nocap")
 
 @dataclass(frozen=True)
 class _Served:
-    """One request's outcome (``tokens`` for :func:`paired.rotated`'s callers: the text's)."""
+    """One request's outcome, as the client sees it."""
 
     text: str
     wall_s: float
@@ -67,7 +69,8 @@ def main() -> int:
     prompts = select(list(BUILTIN), limit=args.limit)
     app = _app(args)
     ctx = app.state.ctx
-    factory, kept, cap = ctx.drafter_factory, GammaMemory(), ctx.draft_cap
+    factory, cap = ctx.drafter_factory, ctx.draft_cap
+    kept = {a: GammaMemory() for a in arms}  # each continuing arm continues its own requests' controllers
     curve = cap._costs if cap is not None else None
     line = None
     if curve is not None:  # the line through the curve's ends, as the cap's calibration was before
@@ -80,7 +83,7 @@ def main() -> int:
     def generate(arm: str):  # noqa: ANN202 - a call decoding ids with a sampling config
         def run(ids: list[int], cfg: SamplingConfig) -> _Served:
             ctx.drafter_factory = None if arm == "plain" else factory
-            ctx.gamma_memory = GammaMemory() if arm == "fresh" else kept
+            ctx.gamma_memory = GammaMemory() if arm == "fresh" else kept[arm]
             ctx.draft_cap = None if arm == "nocap" else cap
             if cap is not None:
                 cap._costs = line if arm == "line" else curve
@@ -113,7 +116,7 @@ def main() -> int:
     lines = [f"{len(prompts)} prompts × {args.repeats} repeats, {args.max_new_tokens} tokens, `/v1/completions` of an "
              f"in-process server (batching on) with `{args.draft}`, one request at a time, every arm on every prompt "
              "(order rotated per prompt, reversed on odd repeats). `fresh`: a new γ controller for every request; "
-             "`kept`: each request's controller the successor of the last ended one's; `line`: `kept` with the draft "
+             "`kept`: each request's controller the successor of the arm's last ended one's; `line`: `kept` with the draft "
              "cap's cost curve replaced by the line through its ends; `nocap`: `kept` without the draft cap. "
              + (f"The cap's curve: {_curve(curve)}. " if curve is not None else "") + "×plain = geometric mean of the "
              "per-request ratios (tokens over the request's wall time, client side) over plain decoding of the same "
