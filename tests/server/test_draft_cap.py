@@ -221,6 +221,7 @@ def test_the_verify_endpoint_applies_the_cap():
     app.state.ctx.draft_cap = FixedCap(1)
     r = client.post(f"/v1/sessions/{sid}/verify", json={"seq": 0, "draft_tokens": [1, 2, 3, 4]}).json()
     assert r["metrics"]["gamma"] == 1 and r["metrics"]["capped_from"] == 4
+    assert app.state.ctx.draft_cap.wanted == [4]  # the edge's draft length: a cap that binds counts for probes
     # block verification: a seed's sample depends on γ, so such rounds are never capped
     sid = client.post("/v1/sessions", json={"prompt_ids": [1, 2], "temperature": 1.0, "seed": 3,
                                              "wire": "sparse-q"}).json()["session_id"]

@@ -390,7 +390,7 @@ def create_app(
             unverified_before = session.unverified
             cap = None
             if ctx.draft_cap is not None and req.parents is None and session.wire in CAPPED_WIRES:
-                cap = ctx.draft_cap.cap(session.wire)
+                cap = ctx.draft_cap.cap(session.wire, wanted=len(req.draft_tokens))
             reply = session.verify(req, settings, draft_cap=cap)
             session.last_used = time.monotonic()
             unverified = session.unverified - unverified_before
