@@ -160,7 +160,7 @@ SERVER_SWEEP_INTERVAL_S = 5.0
 DRAFT_CAP_WINDOW_S = 20.0
 DRAFT_CAP_MIN_PASSES = 16
 DRAFT_CAP_MIN_ROUNDS = 32
-#: every this many caps of a wire mode give one draft position more (the cut position's estimate refreshes)
+#: every this many binding caps of a wire mode give one draft position more (the cut position's estimate refreshes)
 DRAFT_CAP_PROBE_EVERY = 16
 #: rows per pass the server times its target at, at start-up, for the draft cap's cost curve
 DRAFT_CAP_CALIBRATION_ROWS = (1, 2, 4, 8, 16, 32, 96)

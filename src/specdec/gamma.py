@@ -263,8 +263,8 @@ class CostGamma:
             return nxt
         costs = self._costs()
         hoped = [defaults.COST_GAMMA_CARRY_ACCEPT ** (k + 1) for k in range(self.max_gamma)]
-        cheapest = self._draft_min if self._draft_min is not None else self._draft_s
-        if best_gamma(hoped, cheapest, costs, self._other_s)[0] > 0:  # it could pay on another prompt
+        assert self._draft_min is not None  # measured whenever _draft_s is
+        if best_gamma(hoped, self._draft_min, costs, self._other_s)[0] > 0:  # it could pay on another prompt
             return nxt
         carry = defaults.COST_GAMMA_CARRY
         nxt._hits = [h * carry for h in self._hits]

@@ -21,7 +21,8 @@ from the passes it ran and the tokens it emitted in a recent time window, and ``
 leading positions with ``p_k > m ρ``, or with no estimate yet (never drafted: nothing says they
 do not pay; counted as 0 they capped a server for good after its first rounds drafted one
 token).  A position the cap cuts is drafted no more, so its estimate would never change: every
-:data:`~specdec.defaults.DRAFT_CAP_PROBE_EVERY`-th cap of a wire allows one position more.
+:data:`~specdec.defaults.DRAFT_CAP_PROBE_EVERY`-th cap of a wire that binds (its round wanted
+more) allows one position more.
 
 Truncating a draft is lossless for every rule: verifying the first ``k`` tokens of a draft is
 verifying a ``k``-token draft, which the client could have sent itself (the choice of ``k``
@@ -96,7 +97,7 @@ class CapConfig:
     min_rounds: int = defaults.DRAFT_CAP_MIN_ROUNDS
     #: longest draft position tracked (longer drafts are capped here once a cap is active)
     max_positions: int = defaults.MAX_GAMMA
-    #: every this many caps of a wire allow one position more: a position the cap cuts is drafted
+    #: every this many binding caps of a wire allow one position more: a position the cap cuts is drafted
     #: no more, so without these probes its acceptance estimate could never recover
     probe_every: int = defaults.DRAFT_CAP_PROBE_EVERY
 
