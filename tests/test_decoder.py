@@ -20,7 +20,7 @@ from specdec.drafters.hybrid import LookupThenModel
 from specdec.errors import ConfigError, ContextLengthError
 from specdec.gamma import CostGamma, FixedGamma
 from specdec.models.toy import ToyLM
-from specdec.sampling import SamplingConfig
+from specdec.sampling import SamplingConfig, StopFloor
 from specdec.verify import get_rule
 from stats import ALPHA, chi_square_pvalue, exact_law
 
@@ -85,6 +85,19 @@ def test_output_law_matches_target(method, option):
     assert chi_square_pvalue(_samples(method, cfg), law) > ALPHA
 
 
+@pytest.mark.parametrize("method", ["token", "block", "coupled"])
+def test_output_law_with_min_tokens(method):
+    """vLLM's min_tokens through the decoder: end-of-sequence (token 0 here) is masked out of the
+    first two tokens' law, composed with a grammar; the third may end the sequence.  Same N and
+    threshold as the other law tests."""
+    cfg = SamplingConfig(temperature=1.0, min_tokens=2, constraint=NoRepeat())
+    law = exact_law(TARGET, PROMPT, SamplingConfig(temperature=1.0, constraint=StopFloor(frozenset({0}), 2, NoRepeat())), N_NEW)
+    dec = SpeculativeDecoder(TARGET, ModelDrafter(DRAFT), get_rule(method), gamma=FixedGamma(2), eos_ids=frozenset({0}))
+    out = [tuple(dec.generate(PROMPT, SamplingConfig(**{**cfg.__dict__, "seed": i, "max_new_tokens": N_NEW})).tokens)
+           for i in range(N_SAMPLES)]
+    assert chi_square_pvalue(out, law) > ALPHA
+
+
 @pytest.mark.parametrize("method", ["token", "block"])
 def test_output_law_with_ngram_drafter_and_auto_gamma(method):
     """A deterministic drafter (one-hot q) and a γ that changes between rounds."""
@@ -119,6 +132,35 @@ def test_greedy_equals_plain_greedy(method, penalty):
         for gamma in (1, 3, 7):
             dec = SpeculativeDecoder(target, ModelDrafter(draft), get_rule(method), gamma=FixedGamma(gamma))
             assert dec.generate(prompt, cfg).tokens == ref
+
+
+@pytest.mark.parametrize("method", ["greedy", "block"])
+def test_min_tokens_and_stop_token_ids_greedy_equal_plain(method):
+    """Greedy decoding with min_tokens masks end-of-sequence until then and equals plain decoding
+    with it; a stop token id ends the output after the token, as end-of-sequence does."""
+    target = ToyLM(6, order=3, seed=7)
+    draft = target.perturbed(0.8, seed=8)
+    eos = frozenset({2})
+    free = SamplingConfig(temperature=0.0, max_new_tokens=40)
+    for prompt in ([1], [2, 3, 4], [5, 5, 0, 1]):
+        plain = SpeculativeDecoder(target, None, get_rule("greedy"), eos_ids=eos)
+        unfloored = plain.generate(prompt, free).tokens
+        floored = plain.generate(prompt, SamplingConfig(temperature=0.0, max_new_tokens=40, min_tokens=12)).tokens
+        assert 2 not in floored[:12] and (len(floored) == 40 or floored[-1] == 2)
+        if 2 in unfloored[:12]:
+            assert floored != unfloored  # the floor changed something here
+        spec = SpeculativeDecoder(target, ModelDrafter(draft), get_rule(method), gamma=FixedGamma(3), eos_ids=eos)
+        assert spec.generate(prompt, SamplingConfig(temperature=0.0, max_new_tokens=40, min_tokens=12)).tokens == floored
+        ref = SpeculativeDecoder(target, None, get_rule("greedy")).generate(prompt, free).tokens
+        stop_at = ref[5]
+        res = spec.generate(prompt, SamplingConfig(temperature=0.0, max_new_tokens=40, stop_token_ids=(stop_at,)))
+        end = next(i for i, t in enumerate(ref) if t in (2, stop_at))  # end-of-sequence may come first
+        assert res.tokens == ref[: end + 1] and res.stats.finish_reason == "eos"
+    with pytest.raises(ConfigError, match="min_tokens"):  # a verifier built elsewhere would not mask the stops
+        from specdec.session import TargetSession
+
+        cfg = SamplingConfig(temperature=0.0, max_new_tokens=4, min_tokens=2)
+        spec.generate([1], cfg, verifier=TargetSession(target, [1], cfg, get_rule(method), seed=0))
 
 
 def test_coupled_equals_plain_seeded_sampling():

@@ -38,6 +38,9 @@ def test_guide_preset():
         ({"min_p": -0.1}, "min-p"),
         ({"repetition_penalty": 0.0}, "repetition penalty"),
         ({"max_new_tokens": 0}, "max new tokens"),
+        ({"min_tokens": 5, "max_new_tokens": 4}, "min tokens"),
+        ({"min_tokens": -1}, "min tokens"),
+        ({"stop_token_ids": (3, -1)}, "stop token ids"),
     ],
 )
 def test_validation(kwargs, message):

@@ -101,3 +101,61 @@ def test_spans_hand_over_each_token_once_and_only_after_its_text(tok, stops):
         assert printed.startswith(tok.decode(ids[:end], skip_special_tokens=True))
     if stops == ("END",):
         assert final.endswith("The ") and spans[-1][2] - spans[-1][1] >= 1  # the stop's token came last
+
+
+def _stream(tok, ids, **kw):
+    """Push ``ids`` one round of three at a time through a sink and a stop check, as the decoder does;
+    (final text, what was streamed, tokens kept)."""
+    shown: list[str] = []
+    stops = kw.pop("stops", ())
+    sink = TextSink(tok, stops, shown.append, **kw)
+    stop = StopStrings(tok, stops, min_tokens=kw.get("min_tokens", 0)) if stops else None
+    kept = list(ids)
+    for i in range(0, len(ids), 3):
+        upto = ids[: i + 3]
+        keep = stop(upto) if stop is not None else None
+        if keep is not None:
+            sink.push(upto[i:keep])
+            kept = upto[:keep]
+            break
+        sink.push(upto[i:])
+    final = sink.finish(kept)
+    return final, "".join(shown), kept
+
+
+def test_min_tokens_keeps_stop_strings_out_of_the_first_tokens_text(tok):
+    """vLLM's min_tokens: a stop string counts only where it starts after the first min_tokens
+    tokens' text; the streamed text never shows more than the final one."""
+    ids = tok.encode("one. two. three. four. five.", add_special_tokens=False)
+    final, shown, kept = _stream(tok, ids, stops=(".",))
+    assert final == shown == "one" and tok.decode(kept).startswith("one.")
+    for n in (2, 3, 5):
+        floor = len(tok.decode(ids[:n]))
+        want = tok.decode(ids)[: tok.decode(ids).index(".", floor)]
+        final, shown, kept = _stream(tok, ids, stops=(".",), min_tokens=n)
+        assert final == shown == want, n
+    assert trim_at_stop("a. b. c.", (".",), start=2) == "a. b"
+
+
+def test_include_stop_keeps_the_stop_string(tok):
+    ids = tok.encode("Hello there, general. END of the story", add_special_tokens=False)
+    final, shown, _ = _stream(tok, ids, stops=("END",), keep_stop=True)
+    assert final == shown == "Hello there, general. END"
+    assert trim_at_stop("abc STOP def", ("STOP", "de"), keep=True) == "abc STOP"
+
+
+def test_a_stop_token_ends_the_ids_but_not_the_text(tok):
+    """vLLM's stop_token_ids: the token stays in the ids (and in the spans), its text is left out
+    unless the stop string is kept."""
+    ids = tok.encode("alpha beta gamma", add_special_tokens=False)
+    last = ids[-1]
+    spans: list[tuple[str, int, int]] = []
+    sink = TextSink(tok, (), None, lambda text, a, b: spans.append((text, a, b)), hidden=frozenset({last}))
+    for t in ids:
+        sink.push([t])
+    assert sink.finish(ids) == tok.decode(ids[:-1])
+    assert "".join(s[0] for s in spans) == tok.decode(ids[:-1])
+    assert [i for _, a, b in spans for i in range(a, b)] == list(range(len(ids)))  # every token once
+    kept = TextSink(tok, (), None, hidden=frozenset({last}), keep_stop=True)
+    kept.push(ids)
+    assert kept.finish(ids) == tok.decode(ids)

@@ -32,7 +32,7 @@ from torch import Tensor
 from specdec import defaults
 from specdec.decoder import _fresh_seed, cut_at_eos
 from specdec.errors import ConfigError
-from specdec.sampling import SamplingConfig, offset_seed
+from specdec.sampling import SamplingConfig, floor_stops, offset_seed
 from specdec.session import TargetSession
 from specdec.text import StopStrings, TextSink
 from specdec.verify import get_rule
@@ -98,7 +98,7 @@ def generate_batch(
                           " sequence needs its own matcher, one shared one would replay every history at every step")
     rule = get_rule(method or default_method(sampling))
     model, tokenizer = target.model, target.tokenizer
-    eos = frozenset() if ignore_eos else target.eos_ids
+    stops = (frozenset() if ignore_eos else target.eos_ids) | frozenset(sampling.stop_token_ids)
     forward_batch = getattr(model, "forward_batch", None)
     pending = deque(enumerate(prompts))
     running: list[_Running] = []
@@ -120,9 +120,12 @@ def generate_batch(
             if not ids:
                 raise ConfigError(f"prompt {i} is empty")
             own = replace(sampling, constraint=constraint()) if constraint is not None else sampling
+            own = floor_stops(own, stops)  # min_tokens: the stop tokens masked while too few were generated
             session = TargetSession(model, ids, own, rule, seed=seed_for(sampling, i), logprobs=logprobs)
-            r = _Running(i, len(ids), session, TextSink(tokenizer, sampling.stop, None),
-                         StopStrings(tokenizer, sampling.stop) if sampling.stop else None,
+            r = _Running(i, len(ids), session,
+                         TextSink(tokenizer, sampling.stop, None, min_tokens=sampling.min_tokens,
+                                  keep_stop=sampling.include_stop, hidden=frozenset(sampling.stop_token_ids)),
+                         StopStrings(tokenizer, sampling.stop, min_tokens=sampling.min_tokens) if sampling.stop else None,
                          min(sampling.max_new_tokens, session.max_length - len(ids) - 1), [])
             if r.max_new <= 0:
                 finish(r)
@@ -140,7 +143,7 @@ def generate_batch(
         still: list[_Running] = []
         for r, row in zip(running, logits):
             new = r.session.conclude_plain(row, target_s=share).verdict.tokens.tolist()[: r.max_new - len(r.generated)]
-            new, ended = cut_at_eos(new, eos)  # as the decoder does after every round
+            new, ended = cut_at_eos(new, stops)  # as the decoder does after every round
             if ended:
                 r.finish = "eos"
             r.generated.extend(new)

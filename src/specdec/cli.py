@@ -49,6 +49,13 @@ def _add_sampling(p: argparse.ArgumentParser) -> None:
     g.add_argument("--seed", type=int, help="fixed seed, 0 .. 2^63 - 1 => identical output run after run, whatever γ and the drafter (at temperature > 0 the default rule becomes coupled: the tokens of plain seeded sampling)")
     g.add_argument("--max-new-tokens", "-n", type=int, default=128, help="tokens to generate at most (default 128)")
     g.add_argument("--stop", action="append", default=[], help="stop string (repeatable)")
+    g.add_argument("--stop-token-id", dest="stop_token_ids", type=int, action="append", default=[], metavar="ID",
+                   help="a token id that ends the output as end-of-sequence does (repeatable); its text is left out")
+    g.add_argument("--include-stop", action="store_true",
+                   help="keep the stop string (or the stop token's text) the output ended at")
+    g.add_argument("--min-tokens", type=int,
+                   help="generate at least this many tokens: end-of-sequence and stop tokens are masked out of the"
+                        " law until then (still exact for that law), stop strings not looked for in their text (default 0)")
 
 
 def _add_output(p: argparse.ArgumentParser) -> None:
@@ -147,6 +154,9 @@ def _sampling_from(args: argparse.Namespace) -> SamplingConfig:
         seed=args.seed,
         max_new_tokens=args.max_new_tokens,
         stop=tuple(args.stop) if args.stop else None,
+        stop_token_ids=tuple(args.stop_token_ids) or None,
+        include_stop=args.include_stop or None,
+        min_tokens=args.min_tokens,
     )
 
 

@@ -21,7 +21,7 @@ from specdec.errors import ConfigError
 from specdec.drafters.tree_builder import TreeSpec
 from specdec.gamma import FixedGamma, GammaController
 from specdec.models.base import LanguageModel
-from specdec.sampling import PenaltyState, SamplingConfig
+from specdec.sampling import PenaltyState, SamplingConfig, floor_stops
 from specdec.session import TargetSession, Verifier, check_rule
 from specdec.verify import Rule
 
@@ -137,6 +137,11 @@ class SpeculativeDecoder:
         #: budget); drafters without tree support keep drafting chains
         self.tree = tree if tree is not None and getattr(drafter, "supports_trees", False) else None
 
+    def stop_ids(self, cfg: SamplingConfig) -> frozenset[int]:
+        """The tokens that end a sequence under ``cfg``: end-of-sequence (unless ignored) and its
+        ``stop_token_ids``."""
+        return self.eos_ids | frozenset(cfg.stop_token_ids) if cfg.stop_token_ids else self.eos_ids
+
     def generate(
         self,
         prompt: Tensor | list[int],
@@ -153,6 +158,12 @@ class SpeculativeDecoder:
         """
         rule = self.rule
         check_rule(rule, cfg)
+        stops = self.stop_ids(cfg)
+        if cfg.min_tokens:
+            if verifier is not None:  # its law must mask the stop tokens too: it was built from cfg
+                raise ConfigError("min_tokens: build the verifier from floor_stops(cfg, decoder.stop_ids(cfg)) and pass"
+                                  " that config (a remote target cannot take min_tokens)")
+            cfg = floor_stops(cfg, stops)
         prompt_t = torch.as_tensor(prompt, dtype=torch.long).reshape(-1)
         seed = cfg.seed if cfg.seed is not None else _fresh_seed()
         started = time.perf_counter()
@@ -242,7 +253,7 @@ class SpeculativeDecoder:
             if taps is not None:  # every round, drafted or not: the features of what was committed
                 drafter.add_features(outcome.features)  # type: ignore[union-attr]
             new = verdict.tokens.tolist()[:remaining]
-            new, ended = cut_at_eos(new, self.eos_ids)
+            new, ended = cut_at_eos(new, stops)
             if ended:
                 finish = "eos"
             if penalties is not None:

@@ -28,7 +28,7 @@ from specdec.drafters.tree_builder import TreeSpec
 from specdec.gamma import CostGamma, FixedGamma, GammaController, GammaMemory, GuideGamma, TreeBudget
 from specdec.models import registry
 from specdec.models.registry import LoadedModel, check_compatible, load
-from specdec.sampling import SamplingConfig
+from specdec.sampling import SamplingConfig, floor_stops
 from specdec.session import TargetSession
 from specdec.text import StopStrings, TextSink, encode_messages, encode_prompt
 from specdec.verify import Rule, get_rule
@@ -562,10 +562,13 @@ class Engine:
             lps = session.emitted_logprobs[start:end] if session is not None else None
             on_piece(TextPiece(text, sink.stream.tokens[start:end], lps))  # type: ignore[misc, union-attr]
 
-        sink = TextSink(self.target.tokenizer, sampling.stop, on_text, span if on_piece is not None else None)
-        stop = StopStrings(self.target.tokenizer, sampling.stop) if sampling.stop else None
+        sink = TextSink(self.target.tokenizer, sampling.stop, on_text, span if on_piece is not None else None,
+                        min_tokens=sampling.min_tokens, keep_stop=sampling.include_stop,
+                        hidden=frozenset(sampling.stop_token_ids))
+        stop = StopStrings(self.target.tokenizer, sampling.stop, min_tokens=sampling.min_tokens) if sampling.stop else None
         decoder = self.decoder(rule, gamma, min_confidence=min_confidence, ignore_eos=ignore_eos, tree=tree,
                                tree_min_prob=tree_min_prob)
+        sampling = floor_stops(sampling, decoder.stop_ids(sampling))  # min_tokens: the session's law and the draft's
         if logprobs is not None:  # the decoder and the session must share the seed
             if sampling.seed is None:
                 sampling = replace(sampling, seed=int.from_bytes(os.urandom(6), "little"))

@@ -76,6 +76,49 @@ def path_masks(
 
 
 
+class StopFloor:
+    """``min_tokens`` as a constraint: while fewer than ``n`` tokens have been generated, the stop
+    tokens ``stop_ids`` are not allowed; ``inner`` (a grammar, or None) is applied as well.
+
+    A pure function of the history like every constraint, so it masks the target's rows, the
+    draft's and a tree's nodes alike, and every verification rule stays exact for the law with the
+    stop tokens masked (as vLLM's ``min_tokens`` defines it).  Where ``inner`` allows nothing but
+    stop tokens (a grammar that is complete), the grammar wins: the stop tokens stay allowed.
+    """
+
+    def __init__(self, stop_ids: frozenset[int], n: int, inner: Constraint | None = None) -> None:
+        self.stop_ids = tuple(sorted(stop_ids))
+        self.n = n
+        self.inner = inner
+        self._free: Tensor | None = None  # [V] all True, made once
+
+    def _everything(self, vocab_size: int) -> Tensor:  # -> [V] bool
+        if self._free is None or self._free.numel() != vocab_size:
+            self._free = torch.ones(vocab_size, dtype=torch.bool)
+        return self._free
+
+    def allowed(self, generated: Sequence[int], vocab_size: int) -> Tensor:  # -> [V] bool
+        base = self.inner.allowed(generated, vocab_size) if self.inner is not None else self._everything(vocab_size)
+        if len(generated) >= self.n:
+            return base
+        ids = [t for t in self.stop_ids if t < vocab_size]
+        mask = base.clone()
+        mask[ids] = False
+        return mask if bool(mask.any()) else base
+
+
+def floor_stops(cfg: "SamplingConfig", stop_ids: frozenset[int]) -> "SamplingConfig":
+    """``cfg`` with its ``min_tokens`` turned into a :class:`StopFloor` over ``stop_ids`` (the
+    sequence's end-of-sequence ids unless ignored, and ``cfg.stop_token_ids``), composed with its
+    constraint; ``min_tokens`` is then 0, so a second call changes nothing.  The target's session
+    and the drafter must both sample from the returned config."""
+    if cfg.min_tokens == 0:
+        return cfg
+    if not stop_ids:
+        return replace(cfg, min_tokens=0)
+    return replace(cfg, constraint=StopFloor(frozenset(stop_ids), cfg.min_tokens, cfg.constraint), min_tokens=0)
+
+
 def offset_seed(seed: int, k: int) -> int:
     """The k-th seed after ``seed`` (seed + k, wrapped into the seed range): choice, turn or prompt
     k of a request, a chat or a batch that was given one seed."""
@@ -95,6 +138,16 @@ class SamplingConfig:
     seed: int | None = None
     max_new_tokens: int = 128
     stop: tuple[str, ...] = field(default_factory=tuple)
+    #: tokens that end the output as end-of-sequence does (vLLM's ``stop_token_ids``); the token is
+    #: kept in the ids, its text left out of the output text
+    stop_token_ids: tuple[int, ...] = ()
+    #: the output text keeps the stop string (and a stop token's text) it ended at (vLLM's
+    #: ``include_stop_str_in_output``)
+    include_stop: bool = False
+    #: the fewest tokens to generate: until then the stop tokens (end-of-sequence unless ignored,
+    #: ``stop_token_ids``) are masked out of the law, and stop strings are not looked for in the
+    #: first ``min_tokens`` tokens' text (vLLM's ``min_tokens``).  Applied by :func:`floor_stops`
+    min_tokens: int = 0
     #: (token id, bias) pairs added to the logits before anything else (OpenAI ``logit_bias``)
     logit_bias: tuple[tuple[int, float], ...] = ()
     #: tokens allowed after the generated history (structured output); None = everything
@@ -155,6 +208,10 @@ def validate(cfg: SamplingConfig) -> None:
             raise ConfigError(f"{name.replace('_', ' ')} must be finite, got {value}")
     if cfg.max_new_tokens < 1:
         raise ConfigError(f"max new tokens must be >= 1, got {cfg.max_new_tokens}")
+    if not 0 <= cfg.min_tokens <= cfg.max_new_tokens:
+        raise ConfigError(f"min tokens must be between 0 and max new tokens ({cfg.max_new_tokens}), got {cfg.min_tokens}")
+    if any(t < 0 for t in cfg.stop_token_ids):
+        raise ConfigError(f"stop token ids must be >= 0, got {list(cfg.stop_token_ids)}")
     if cfg.seed is not None and not 0 <= cfg.seed <= defaults.MAX_SEED:
         raise ConfigError(f"the seed must be between 0 and 2^63 - 1 ({defaults.MAX_SEED}), got {cfg.seed}")
     for token, bias in cfg.logit_bias:

@@ -72,27 +72,33 @@ class StopStrings:
     """A decoder ``stop`` check: stop once the generated text contains any stop string.
 
     Returns how many tokens to keep: the shortest prefix whose text contains the stop string, so
-    the stop string is cut from the visible text by :func:`trim_at_stop`.
+    the stop string is cut from the visible text by :func:`trim_at_stop`.  With ``min_tokens``
+    (vLLM's), a stop string counts only where it starts after the first ``min_tokens`` tokens'
+    text.
     """
 
-    def __init__(self, tokenizer: Any, stops: tuple[str, ...]) -> None:
+    def __init__(self, tokenizer: Any, stops: tuple[str, ...], *, min_tokens: int = 0) -> None:
         self.tokenizer = tokenizer
         self.stops = tuple(s for s in stops if s)
+        self.min_tokens = min_tokens
+        self._floor: int | None = None  # characters of the first min_tokens tokens' text
         self._checked_chars = 0
 
     def __call__(self, tokens: list[int]) -> int | None:
-        if not self.stops:
+        if not self.stops or len(tokens) <= self.min_tokens:
             return None
+        if self._floor is None:
+            self._floor = len(self.tokenizer.decode(tokens[: self.min_tokens], skip_special_tokens=True)) if self.min_tokens else 0
         text = self.tokenizer.decode(tokens, skip_special_tokens=True)
         longest = max(len(s) for s in self.stops)
-        window_start = max(0, self._checked_chars - longest)
+        window_start = max(self._floor, self._checked_chars - longest)
         self._checked_chars = len(text)
         if not any(s in text[window_start:] for s in self.stops):
             return None
-        # shortest token prefix whose text contains a stop string
-        for keep in range(1, len(tokens) + 1):
+        # shortest token prefix whose text (after the floor) contains a stop string
+        for keep in range(self.min_tokens + 1, len(tokens) + 1):
             part = self.tokenizer.decode(tokens[:keep], skip_special_tokens=True)
-            if any(s in part for s in self.stops):
+            if any(s in part[self._floor :] for s in self.stops):
                 return keep
         return len(tokens)
 
@@ -108,45 +114,83 @@ class TextSink:
     once the text up to its end is out, so a token held back with a possible stop string (or
     still half a character) goes with a later piece; ``finish`` hands over every token left, with
     or without text.  Together the spans cover the tokens in order, each once.
+
+    vLLM's options: ``min_tokens`` (a stop string counts only where it starts after the first
+    ``min_tokens`` tokens' text), ``keep_stop`` (``include_stop_str_in_output``: the text ends
+    after the stop string instead of before it) and ``hidden`` (stop token ids: such a token ends
+    the output, and its text is left out unless ``keep_stop``).
     """
 
     def __init__(self, tokenizer: Any | None, stops: tuple[str, ...], on_text: Any | None,
-                 on_span: Any | None = None) -> None:
+                 on_span: Any | None = None, *, min_tokens: int = 0, keep_stop: bool = False,
+                 hidden: frozenset[int] = frozenset()) -> None:
         self.stream = TextStream(tokenizer) if tokenizer is not None else None
         self.stops = tuple(s for s in stops if s)  # an empty stop string matches nothing (as in StopStrings)
         self.on_text = on_text
         self.on_span = on_span
+        self.min_tokens = min_tokens
+        self.keep_stop = keep_stop
+        self.hidden = frozenset() if keep_stop else hidden
         self.printed = 0
         self.ends: list[int] = []  # with on_span: the text's length once each token's text was out
         self._known = 0  # ... known for the first so many (a token may be half a character, or have no text)
         self.shown = 0  # with on_span: tokens handed over so far
+        self._count = 0  # tokens pushed
+        self._floor: int | None = 0 if min_tokens == 0 else None  # the first min_tokens tokens' characters
+
+    def _feed(self, tokens: list[int]) -> None:
+        assert self.stream is not None
+        if self.on_span is None:
+            self.stream.push(tokens)
+            return
+        for t in tokens:  # one at a time, for where each token's text ends
+            self.ends.append(-1)  # not yet known
+            if self.stream.push([t]):  # this token's text is out, and that of any before it whose wasn't
+                while self._known < len(self.ends):
+                    self.ends[self._known] = len(self.stream.text)
+                    self._known += 1
 
     def push(self, tokens: list[int]) -> None:
         if self.stream is None:
             return
-        if self.on_span is not None:
-            for t in tokens:  # one at a time, for where each token's text ends
-                self.ends.append(-1)  # not yet known
-                if self.stream.push([t]):  # this token's text is out, and that of any before it whose wasn't
-                    while self._known < len(self.ends):
-                        self.ends[self._known] = len(self.stream.text)
-                        self._known += 1
-        elif not self.stream.push(tokens) or self.on_text is None:
+        tokens = list(tokens)
+        tail = tokens[-1:] if tokens and tokens[-1] in self.hidden else []  # a stop token: always the last
+        if tail:
+            tokens = tokens[:-1]
+        if self._floor is None and self._count + len(tokens) >= self.min_tokens:
+            k = self.min_tokens - self._count
+            self._feed(tokens[:k])
+            self._floor = len(self.stream.text)
+            self._feed(tokens[k:])
+        else:
+            self._feed(tokens)
+        self._count += len(tokens)
+        for t in tail:  # in the ids, not in the text
+            self.stream.tokens.append(t)
+            if self.on_span is not None:
+                self.ends.append(-1)
+        self._count += len(tail)
+        if self.on_text is None and self.on_span is None:
             return
         text = self.stream.text
-        visible = trim_at_stop(text, self.stops) if self.stops else text
-        hold = max((len(s) - 1 for s in self.stops), default=0)
-        safe = len(visible) if len(visible) < len(text) else max(self.printed, len(visible) - hold)
+        if self._floor is None:  # nothing yet can be cut
+            safe = len(text)
+        else:
+            cut = stop_cut(text, self.stops, start=self._floor, keep=self.keep_stop) if self.stops else None
+            hold = max((len(s) - 1 for s in self.stops), default=0)
+            safe = cut if cut is not None else max(self.printed, self._floor, len(text) - hold)
         if safe > self.printed:
-            self._emit(visible[self.printed : safe], bisect_right(self.ends, safe, hi=self._known))
+            self._emit(text[self.printed : safe], bisect_right(self.ends, safe, hi=self._known))
             self.printed = safe
 
     def finish(self, tokens: list[int]) -> str:
         if self.stream is None:
             return ""
-        text = self.stream.decode(tokens)
-        if self.stops:
-            text = trim_at_stop(text, self.stops)
+        shown = tokens[:-1] if tokens and tokens[-1] in self.hidden else tokens
+        text = self.stream.decode(shown)
+        if self.stops and len(shown) > self.min_tokens:
+            floor = len(self.stream.decode(shown[: self.min_tokens])) if self.min_tokens else 0
+            text = trim_at_stop(text, self.stops, start=floor, keep=self.keep_stop)
         if len(text) > self.printed or (self.on_span is not None and len(tokens) > self.shown):
             self._emit(text[self.printed :], len(tokens))
             self.printed = max(self.printed, len(text))
@@ -169,7 +213,18 @@ def logprob_rows(tokenizer: Any, token_ids: list[int], logprobs: list[tuple[floa
             for t, (lp, top) in zip(token_ids, logprobs)]
 
 
-def trim_at_stop(text: str, stops: tuple[str, ...]) -> str:
-    """``text`` up to (not including) the first occurrence of any stop string."""
-    cut = min((text.find(s) for s in stops if s and s in text), default=-1)
-    return text if cut < 0 else text[:cut]
+def stop_cut(text: str, stops: tuple[str, ...], *, start: int = 0, keep: bool = False) -> int | None:
+    """Where ``text`` ends at its first stop string that starts at ``start`` or later (before it,
+    or with ``keep`` after it), or None where there is none."""
+    hits = [(at, len(s)) for s in stops if s and (at := text.find(s, start)) >= 0]
+    if not hits:
+        return None
+    at, length = min(hits)
+    return at + length if keep else at
+
+
+def trim_at_stop(text: str, stops: tuple[str, ...], *, start: int = 0, keep: bool = False) -> str:
+    """``text`` up to (not including, or with ``keep`` including) its first stop string that starts
+    at ``start`` or later."""
+    cut = stop_cut(text, stops, start=start, keep=keep)
+    return text if cut is None else text[:cut]

@@ -280,6 +280,37 @@ def test_n_list_prompts_echo_logit_bias_ignore_eos(client):
     assert kept.choices[0].finish_reason == "length" and kept.usage.completion_tokens == 6
 
 
+def test_vllm_min_tokens_stop_token_ids_and_include_stop(client, local):
+    """vLLM's min_tokens (end-of-sequence masked until then), stop_token_ids (the token ends the
+    output and stays in the ids, its text does not, unless include_stop_str_in_output), and the
+    extensions that would change the output but are not implemented: a 400, never ignored."""
+    greedy = dict(model=MODEL, prompt=PROMPT, temperature=0)
+    eos = "2"  # SmolLM2's <|im_end|>, forced by the bias
+    floored = client.completions.create(max_tokens=8, logit_bias={eos: 100}, extra_body={"min_tokens": 4}, **greedy)
+    assert floored.choices[0].finish_reason == "stop" and floored.usage.completion_tokens == 5
+    ref = local.generate(PROMPT, SamplingConfig(temperature=0.0, max_new_tokens=12), gamma=4).token_ids
+    at = next(i for i in range(2, len(ref)) if ref[i] not in ref[:i])  # a token's first appearance
+    tok = local.target.tokenizer
+    cut = client.completions.create(max_tokens=12, logprobs=0, extra_body={"stop_token_ids": [ref[at]]}, **greedy)
+    assert cut.choices[0].finish_reason == "stop" and cut.usage.completion_tokens == at + 1
+    assert cut.choices[0].text == tok.decode(ref[:at]) and len(cut.choices[0].logprobs.tokens) == at + 1
+    kept = client.completions.create(max_tokens=12, extra_body={"stop_token_ids": [ref[at]], "include_stop_str_in_output": True},
+                                     **greedy)
+    assert kept.choices[0].text == tok.decode(ref[: at + 1])
+    streamed = client.completions.create(max_tokens=12, stream=True, extra_body={"stop_token_ids": [ref[at]]}, **greedy)
+    assert "".join(c.choices[0].text for c in streamed if c.choices) == cut.choices[0].text
+    text = tok.decode(ref)
+    stop = text[len(tok.decode(ref[:at])) :][:2]
+    with_stop = client.completions.create(max_tokens=12, stop=[stop], extra_body={"include_stop_str_in_output": True}, **greedy)
+    assert with_stop.choices[0].text == text[: text.index(stop) + len(stop)]
+    for body, message in (({"min_tokens": 13}, "must not exceed max_tokens"), ({"bad_words": ["x"]}, "bad_words"),
+                          ({"use_beam_search": True}, "use_beam_search"), ({"guided_json": {"type": "object"}}, "guided_json"),
+                          ({"skip_special_tokens": False}, "skip_special_tokens"),
+                          ({"stop_token_ids": [10**8]}, "outside the vocabulary")):
+        with pytest.raises(openai.BadRequestError, match=message):
+            client.completions.create(max_tokens=12, extra_body=body, **greedy)
+
+
 def test_tokenizer_endpoints_answer_as_vllms_do(server, client, local):
     """/tokenize, /detokenize and /tokenizer_info (what lm-evaluation-harness's remote tokenizer
     calls): a prompt's ids are those /v1/completions generates after, messages' those

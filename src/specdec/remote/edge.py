@@ -104,6 +104,9 @@ def generate_remote(
             drafter = GatedDrafter(drafter, gate)
         if gate.cfg.policy == "lossy-local-commit":
             local_commit = gate.local_commit
+    if sampling.min_tokens:
+        raise ConfigError("min tokens change the target's law, which the server computes: not supported over the wire"
+                          " (--remote); stop token ids are")
     verifier = RemoteVerifier(
         remote, prompt_ids, sampling, max_new_tokens=sampling.max_new_tokens, client=client, local_commit=local_commit
     )
@@ -119,7 +122,8 @@ def generate_remote(
             q_top_k=q_top_k if verifier.wire == "sparse-q" else None,
             tree=spec,
         )
-        sink = TextSink(tokenizer, sampling.stop, on_text)
+        sink = TextSink(tokenizer, sampling.stop, on_text, keep_stop=sampling.include_stop,
+                        hidden=frozenset(sampling.stop_token_ids))
         stop = StopStrings(tokenizer, sampling.stop) if sampling.stop and tokenizer is not None else None
 
         def emit(tokens: list[int]) -> None:

@@ -6,7 +6,9 @@ ignored, as vLLM does: they are named in the ``X-Specdec-Ignored-Fields`` respon
 the server log.  Fields whose *semantics* it cannot honour (tools, audio, ``suffix``, ...) are
 refused with a 400 that names them, never silently dropped.  Extensions: ``top_k``, ``min_p``,
 ``repetition_penalty``, ``ignore_eos``, ``method`` (verification rule), ``gamma`` and vLLM's
-``prompt_logprobs``; responses
+``prompt_logprobs``, ``min_tokens``, ``stop_token_ids`` and ``include_stop_str_in_output``; vLLM's
+extensions that would change the output and are not implemented (beam search, bad words, guided
+decoding by its old field names: use ``response_format``) are refused; responses
 carry a ``specdec`` object with the run's speculative stats (the last stream chunk too).
 """
 
@@ -51,7 +53,10 @@ log = logging.getLogger("specdec.server")
 #: response header naming the request fields that were accepted and ignored
 IGNORED_HEADER = "X-Specdec-Ignored-Fields"
 #: fields clients send whose meaning this server cannot honour: a 400 when they ask for something
-_REFUSED = ("tools", "functions", "audio", "prediction", "web_search_options")
+_REFUSED = ("tools", "functions", "audio", "prediction", "web_search_options",
+            # vLLM's sampling extensions this server does not implement: each would change the output
+            "use_beam_search", "bad_words", "allowed_token_ids", "logits_processors", "guided_json", "guided_regex",
+            "guided_choice", "guided_grammar", "structured_outputs", "truncate_prompt_tokens")
 #: fields that are accepted and have no effect here (listed in the ignored-fields header)
 _NO_EFFECT = ("user", "store", "metadata", "service_tier", "parallel_tool_calls", "reasoning_effort", "modalities")
 
@@ -86,6 +91,12 @@ class _Request(BaseModel):
     min_p: Annotated[float, Field(ge=0.0, le=1.0, allow_inf_nan=False)] | None = None
     repetition_penalty: Annotated[float, Field(gt=0.0, le=100.0, allow_inf_nan=False)] | None = None
     ignore_eos: bool = False
+    # vLLM's: at least this many tokens (end-of-sequence and stop_token_ids masked until then)
+    min_tokens: Annotated[int, Field(ge=0, le=1 << 20)] | None = None
+    stop_token_ids: Annotated[list[Annotated[int, Field(ge=0, le=(1 << 31) - 1)]], Field(max_length=256)] | None = None
+    include_stop_str_in_output: bool = False
+    # vLLM's; special tokens are always left out of the text here (false is refused)
+    skip_special_tokens: bool = True
     method: Annotated[str, Field(max_length=64)] | None = None
     gamma: Annotated[int, Field(ge=1, le=defaults.MAX_GAMMA)] | Literal["auto", "guide"] | None = None
     # vLLM's: each prompt token's log-probability, rank and this many most likely tokens (not streamed)
@@ -98,6 +109,8 @@ class _Request(BaseModel):
             value = extra.pop(name, None)
             if value not in (None, [], {}, False):
                 raise ApiError(400, f"{name} is not supported by this server")
+        if not self.skip_special_tokens:
+            raise ApiError(400, "skip_special_tokens false is not supported by this server (special tokens never reach the text)")
         for name in ("tool_choice", "function_call"):
             if getattr(self, name) not in (None, "none", "auto"):
                 raise ApiError(400, f"{name} is not supported by this server (no tools)")
@@ -105,6 +118,15 @@ class _Request(BaseModel):
         if self.stream_options is not None:
             names += [f"stream_options.{k}" for k in sorted(self.stream_options.model_extra or {})]
         return names
+
+
+def _stop_token_ids(req: _Request, vocab_size: int) -> tuple[int, ...]:
+    """vLLM's ``stop_token_ids``, each checked against the vocabulary."""
+    ids = tuple(req.stop_token_ids or ())
+    bad = [t for t in ids if t >= vocab_size]
+    if bad:
+        raise ApiError(400, f"stop_token_ids {bad} are outside the vocabulary (size {vocab_size})")
+    return ids
 
 
 def _grammar(fmt: dict[str, Any] | None) -> str | None:
@@ -280,6 +302,8 @@ class _Job:
         positions = min(model.max_length, longest + max_tokens + defaults.MAX_GAMMA + 1 + defaults.MAX_TREE_NODES)
         self.kv_bytes = positions * (ctx.kv_per_position + ctx.draft_kv_per_position)
         stops = (req.stop,) if isinstance(req.stop, str) else tuple(req.stop or ())
+        if (req.min_tokens or 0) > max_tokens:
+            raise ApiError(400, f"min_tokens ({req.min_tokens}) must not exceed max_tokens ({max_tokens})")
         try:
             self.sampling = SamplingConfig(
                 temperature=1.0 if req.temperature is None else req.temperature,
@@ -293,6 +317,9 @@ class _Job:
                 max_new_tokens=max(max_tokens, 1),  # 0 (echo alone) never reaches the decoder: see run
                 stop=tuple(s for s in stops if s),
                 logit_bias=_logit_bias(req, model.vocab_size),
+                stop_token_ids=_stop_token_ids(req, model.vocab_size),
+                include_stop=req.include_stop_str_in_output,
+                min_tokens=req.min_tokens or 0,
             )
             self.method = req.method or default_method(self.sampling)
             rule = get_rule(self.method)
