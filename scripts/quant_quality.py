@@ -77,7 +77,7 @@ def main() -> None:
     }
     greedy = SamplingConfig(temperature=0.0, max_new_tokens=args.new_tokens)
     replies = [ref.generate(p, greedy, chat=True) for p in tqdm(CHAT, desc="float32 chat replies")]
-    sets = {k: windows(tok(v)["input_ids"], args.chunks) for k, v in texts.items()}
+    sets = {k: windows(tok.encode(v), args.chunks) for k, v in texts.items()}
     sets["chat"] = [torch.tensor(r.prompt_ids + r.token_ids) for r in replies]
     ref_lp = {k: score(ref.target.model, v) for k, v in tqdm(sets.items(), desc="float32 scoring")}
     results: dict = {"target": args.target, "window": WINDOW, "sets": {}, "generation": {}}

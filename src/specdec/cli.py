@@ -172,10 +172,10 @@ def _add_models(p: argparse.ArgumentParser) -> None:
     g.add_argument("--dtype", "--target-dtype", dest="dtype", default="auto",
                    choices=["auto", "float32", "bfloat16", "float16", "int8", "q4"],
                    help="target precision (default auto, where torch has fbgemm, its int8 library for x86 CPUs: q4 for a model shipped as a"
-                        " GGUF of Q4_0/Q4_1 blocks such as the default SmolLM2, int8 otherwise; float32 elsewhere);"
+                        " GGUF of mostly Q4_0/Q4_1/Q4_K blocks such as the default SmolLM2 or Qwen2.5-Coder, int8 otherwise; float32 elsewhere);"
                         " int8 = int8 weights and per-row int8 activations with exact integer accumulation"
                         " (native backend): ~3x faster steps than float32 on SmolLM2, KL divergence of its next-token law from float32's ~0.02 nats;"
-                        " q4 = 4-bit layer weights (a GGUF's Q4_0/Q4_1 blocks as shipped, other weights quantised"
+                        " q4 = 4-bit layer weights (a GGUF's Q4_0/Q4_1/Q4_K blocks as shipped, other weights quantised"
                         " the same way), activations in 8 bits per block of 32, the LM head as int8's: on SmolLM2"
                         " ~40%% faster steps than int8 and closer to float32 (KL ~0.007);"
                         " exactness always holds relative to the target as it runs")

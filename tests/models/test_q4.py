@@ -201,6 +201,74 @@ def test_gguf_blocks_are_read_as_shipped_with_llama_rows_unpermuted(tmp_path, ar
         assert np.array_equal(got, want), name
 
 
+def _q4_k_raw(rng: np.random.Generator, rows: int, k: int, exact: bool) -> np.ndarray:
+    """Random Q4_K super-blocks (uint8 [rows, k / 256 * 144]): every code, 6-bit scale and min
+    byte pattern possible; ``exact``: d and dmin powers of two, so each block's scale ``d * sc`` and
+    minimum ``dmin * m`` are float16 values and Q4_1 holds them without rounding."""
+    n = rows * (k // 256)
+    if exact:
+        d = np.ldexp(1.0, rng.integers(-14, -6, n)).astype(np.float16)
+        dmin = np.ldexp(1.0, rng.integers(-14, -6, n)).astype(np.float16)
+    else:
+        d = (rng.random(n) * 2e-3 + 1e-5).astype(np.float16)
+        dmin = (rng.random(n) * 2e-3).astype(np.float16)
+    blocks = np.concatenate([d.view(np.uint8).reshape(n, 2), dmin.view(np.uint8).reshape(n, 2),
+                             rng.integers(0, 256, (n, 140), dtype=np.uint8)], axis=1)
+    return blocks.reshape(rows, -1)
+
+
+def _write_raw_gguf(path: Path, tensors: dict[str, tuple[np.ndarray, str]], arch: str) -> None:
+    import gguf
+
+    writer = gguf.GGUFWriter(str(path), arch)
+    for name, (data, kind) in tensors.items():
+        writer.add_tensor(name, data, raw_dtype=getattr(gguf.GGMLQuantizationType, kind))
+    writer.write_header_to_file()
+    writer.write_kv_data_to_file()
+    writer.write_tensors_to_file()
+    writer.close()
+
+
+@pytest.mark.parametrize("arch", ["llama", "qwen2"])
+def test_q4_k_super_blocks_are_read_as_q4_1_blocks_with_the_file_s_codes(tmp_path, arch):
+    """Qwen2.5-Coder's GGUF ships its layers as Q4_K: 8 blocks of 32 inputs per super-block, each
+    with a 6-bit scale and min under a float16 pair.  They become Q4_1 blocks with the same codes;
+    the block scale and minimum (exact float32 products) are rounded to float16, which changes a
+    weight by at most 2^-11 of its block's scale and minimum (bitwise the file's where the products
+    are float16 values, e.g. d and dmin powers of two).  gguf's own dequantiser is the reference."""
+    import gguf
+
+    from specdec.models.gguf_blocks import read_q4_blocks, ships_q4
+
+    rng = np.random.default_rng(5)
+    q_exact = _q4_k_raw(rng, 64, 512, exact=True)  # 4 heads of 16 (query rows, permuted for llama)
+    up = _q4_k_raw(rng, 48, 256, exact=False)
+    path = tmp_path / "k.gguf"
+    _write_raw_gguf(path, {"blk.0.attn_q.weight": (q_exact, "Q4_K"), "blk.0.ffn_up.weight": (up, "Q4_K")}, arch)
+    assert ships_q4(str(path))
+    blocks = read_q4_blocks(path, n_heads=4, n_kv_heads=2)
+
+    def shipped(raw: np.ndarray) -> np.ndarray:
+        return gguf.quants.dequantize(raw, gguf.GGMLQuantizationType.Q4_K).reshape(raw.shape[0], -1)
+
+    want = shipped(q_exact)
+    want = _hf_unpermute(want, 4) if arch == "llama" else want
+    assert np.array_equal(blocks["model.layers.0.self_attn.q_proj.weight"].dequantize().numpy(), want)
+    b = blocks["model.layers.0.mlp.up_proj.weight"]
+    got, want = b.dequantize().numpy(), shipped(up)
+    raw = torch.from_numpy(up).view(48, 1, 144)
+    d, dmin = raw[..., 0:2].contiguous().view(torch.float16).float(), raw[..., 2:4].contiguous().view(torch.float16).float()
+    # |weight error| <= 15 |scale error| + |min error| <= (15 * 63 d + 63 dmin) * 2^-11 (d, dmin per super-block)
+    bound = ((15 * 63 * d + 63 * dmin) * 2.0 ** -11).numpy().reshape(48, 1)
+    assert np.all(np.abs(got - want) <= bound)
+    # the codes are the file's: a weight's code is where it sits between its block's min and scale
+    codes = b.codes().reshape(48, -1).numpy().astype(np.float64)
+    scale = np.repeat(b.d.float().numpy(), 32, axis=1).astype(np.float64)
+    mins = np.repeat(b.m.float().numpy(), 32, axis=1).astype(np.float64)
+    live = scale > 0
+    assert np.array_equal(np.rint((want - mins)[live] / scale[live]), codes[live])
+
+
 def test_the_gguf_header_skips_string_arrays_and_is_read_again_when_the_file_changes(tmp_path):
     """The header parse steps over a vocabulary (an array of strings) without decoding it, finds the
     tensor table after it, and is cached per version of the file: rewriting the file in place
@@ -227,7 +295,8 @@ def test_the_gguf_header_skips_string_arrays_and_is_read_again_when_the_file_cha
 
 def test_auto_runs_q4_for_a_gguf_whose_layers_ship_as_4bit_blocks(tmp_path, monkeypatch):
     """``--dtype auto`` takes the 4-bit target for a GGUF whose layer matrices are mostly Q4_0 /
-    Q4_1 (by weight count), int8 for other files and for anything that is not a GGUF."""
+    Q4_1 / Q4_K (by weight count; Q4_K in the test below), int8 for other files and for anything
+    that is not a GGUF."""
     from specdec import engine
     from specdec.models.gguf_blocks import ships_q4
     from specdec.models.linear import w8a8_available

@@ -2,7 +2,8 @@
 
 A GGUF model's layer matrices come as Q4_0 / Q4_1 blocks (32 inputs of one output: 4-bit codes,
 a float16 scale and, for Q4_1, a float16 minimum; Q4_0 is Q4_1 with ``m = -8 d``, which float16
-represents exactly).  :func:`read_q4_blocks` returns them under the Hugging Face names the native
+represents exactly), or as Q4_K super-blocks of eight such blocks (read as Q4_1 blocks with the
+file's codes and float16 block scales: :func:`q4_k_blocks`).  :func:`read_q4_blocks` returns them under the Hugging Face names the native
 backend uses, with llama.cpp's row permutation of the query and key projections of Llama models
 undone (the one ``transformers`` undoes when it converts the file), so that dequantising a block
 gives the converted float32 weight (tested).  Matrices of other block types are not returned;
@@ -48,6 +49,8 @@ def _unpermute(rows: int, n_head: int) -> torch.Tensor:
 _SCALARS = {0: "B", 1: "b", 2: "H", 3: "h", 4: "I", 5: "i", 6: "f", 7: "?", 10: "Q", 11: "q", 12: "d"}
 #: ggml block types read here: (bytes per block of 32, has a minimum)
 _Q4_TYPES = {2: ("Q4_0", 18), 3: ("Q4_1", 20)}
+#: ggml's Q4_K: super-blocks of 256 inputs (8 blocks of 32), 144 bytes each
+_Q4_K, _Q4_K_BYTES = 12, 144
 
 
 class _Header(NamedTuple):
@@ -131,7 +134,8 @@ def _layer_name(name: str) -> str | None:
 
 def ships_q4(ref: str) -> bool:
     """Whether the model ``ref`` (registry name or path) comes as a GGUF whose layer matrices are
-    mostly (by weight count) Q4_0 / Q4_1 blocks: the ones the ``q4`` target runs as shipped.
+    mostly (by weight count) Q4_0 / Q4_1 / Q4_K blocks: the ones the ``q4`` target runs as shipped
+    (Q4_K with its block scales rounded to float16, see :func:`q4_k_blocks`).
     False for anything else, and for a name that does not resolve (loading reports that)."""
     from specdec.errors import SpecdecError
     from specdec.models.registry import gguf_file
@@ -146,34 +150,65 @@ def ships_q4(ref: str) -> bool:
         return False  # an unreadable file is reported when it is loaded
     sizes = [(kind, math.prod(dims)) for name, dims, kind, _ in header.tensors if _layer_name(name)]
     total = sum(n for _, n in sizes)
-    return total > 0 and 2 * sum(n for kind, n in sizes if kind in _Q4_TYPES) >= total
+    return total > 0 and 2 * sum(n for kind, n in sizes if kind in _Q4_TYPES or kind == _Q4_K) >= total
 
 
 def read_q4_blocks(path: str | Path, n_heads: int, n_kv_heads: int) -> dict[str, Q4Blocks]:
-    """Every Q4_0 / Q4_1 layer matrix of the GGUF at ``path``, by Hugging Face weight name."""
+    """Every Q4_0 / Q4_1 / Q4_K layer matrix of the GGUF at ``path``, by Hugging Face weight name
+    (Q4_K as Q4_1 blocks: see :func:`q4_k_blocks`)."""
     header = _read_header(path)
     data = np.memmap(path, dtype=np.uint8, mode="r")
     out: dict[str, Q4Blocks] = {}
     for name, dims, kind, offset in header.tensors:
         hf = _layer_name(name)
-        if hf is None or kind not in _Q4_TYPES:
+        if hf is None or kind not in (*_Q4_TYPES, _Q4_K):
             continue
         k, n = dims[0], math.prod(dims[1:])  # inputs (inner), outputs
-        label, size = _Q4_TYPES[kind]
         start = header.data_start + offset
-        raw = np.array(data[start : start + n * (k // 32) * size])  # a copy: [N * nb * size]
-        blocks = torch.from_numpy(raw).view(n, k // 32, size)
-        d = blocks[..., 0:2].contiguous().view(torch.float16)[..., 0]  # [N, nb]
-        if label == "Q4_1":
-            m = blocks[..., 2:4].contiguous().view(torch.float16)[..., 0]
-            qs = blocks[..., 4:20]
+        if kind == _Q4_K:
+            raw = np.array(data[start : start + n * (k // 256) * _Q4_K_BYTES])
+            b = q4_k_blocks(torch.from_numpy(raw).view(n, k // 256, _Q4_K_BYTES))
         else:
-            m = d * -8.0  # exact: a power of two
-            qs = blocks[..., 2:18]
-        b = Q4Blocks(qs.contiguous(), d.contiguous(), m.contiguous())
+            label, size = _Q4_TYPES[kind]
+            raw = np.array(data[start : start + n * (k // 32) * size])  # a copy: [N * nb * size]
+            blocks = torch.from_numpy(raw).view(n, k // 32, size)
+            d = blocks[..., 0:2].contiguous().view(torch.float16)[..., 0]  # [N, nb]
+            if label == "Q4_1":
+                m = blocks[..., 2:4].contiguous().view(torch.float16)[..., 0]
+                qs = blocks[..., 4:20]
+            else:
+                m = d * -8.0  # exact: a power of two
+                qs = blocks[..., 2:18]
+            b = Q4Blocks(qs.contiguous(), d.contiguous(), m.contiguous())
         part = name.split(".")[2]
         if header.arch in PERMUTED and part in ("attn_q", "attn_k"):
             b = b.take(_unpermute(n, n_heads if part == "attn_q" else n_kv_heads))
         out[hf] = b
     del data
     return out
+
+
+def q4_k_blocks(raw: torch.Tensor) -> Q4Blocks:
+    """ggml's Q4_K super-blocks (uint8 [N, K/256, 144]) as Q4_1 blocks with the file's 4-bit codes.
+
+    A super-block holds a float16 scale ``d`` and minimum scale ``dmin``, eight 6-bit scales
+    ``sc_j`` and mins ``m_j`` (12 bytes, packed as llama.cpp's ``get_scale_min_k4`` reads them) and
+    128 bytes of codes; input i of block j is ``(d * sc_j) * q - (dmin * m_j)``, i.e. a Q4_1 block
+    with scale ``d * sc_j`` and minimum ``-(dmin * m_j)``.  Those products are exact in float32 but
+    need up to 17 significant bits, and Q4_1 keeps them as float16 (11 bits): they are rounded to
+    nearest, a relative change of at most 2^-11 of a block's scale and minimum (the codes, what the
+    4 bits hold, are the file's).  In the codes a 64-input chunk's 32 bytes hold block 2c in their low
+    nibbles and block 2c + 1 in their high ones; Q4_1's byte i holds inputs i and i + 16.
+    """
+    n, ns, _ = raw.shape
+    d = raw[..., 0:2].contiguous().view(torch.float16)[..., 0].float()  # [N, S]
+    dmin = raw[..., 2:4].contiguous().view(torch.float16)[..., 0].float()
+    sc = raw[..., 4:16].long()  # [N, S, 12]
+    scale = torch.cat([sc[..., 0:4] & 63, (sc[..., 8:12] & 0x0F) | ((sc[..., 0:4] >> 6) << 4)], -1)  # [N, S, 8]
+    mins = torch.cat([sc[..., 4:8] & 63, (sc[..., 8:12] >> 4) | ((sc[..., 4:8] >> 6) << 4)], -1)
+    q = raw[..., 16:144].reshape(n, ns, 4, 32)  # [N, S, chunk, byte]
+    codes = torch.stack([q & 0x0F, q >> 4], dim=3).reshape(n, ns * 8, 32)  # [N, blocks, input]
+    qs = codes[..., :16] | (codes[..., 16:] << 4)  # [N, nb, 16]
+    block_d = (d[..., None] * scale.float()).reshape(n, ns * 8).half()
+    block_m = (-(dmin[..., None] * mins.float())).reshape(n, ns * 8).half()
+    return Q4Blocks(qs.contiguous(), block_d.contiguous(), block_m.contiguous())
