@@ -7,6 +7,21 @@ tokens only (``--draft-vocab auto``, the default): its LM head computes a third 
 other tokens get probability 0 in the draft — which no verification rule needs for exactness.
 
     python scripts/draft_vocab.py --counts token_counts.pt --size 16384 --out src/specdec/data/smollm2-135m-draft
+
+``--data`` counts the target's replies in a ``specdec train data`` folder instead.  ``--texts``
+counts the tokens of text files, tokenised by ``--tokenizer``'s tokenizer (``stdlib``: the running
+Python's standard library's ``*.py``, code with English comments and docstrings; a folder: its
+``*.py``, ``*.md``, ``*.txt`` files and those without a suffix, such as license texts); given with
+replies, it only fills the places the replies leave (every token the replies hold comes first).
+For a model the registry converts on setup (not shipped in the package), ``--out`` may be
+``src/specdec/data/draft_vocab/NAME``: the engine looks there when the model's own folder has no
+file.  The Qwen pair's 0.5B draft:
+
+    specdec train data --target qwen2.5-coder-1.5b --no-features --sequences 192 --chat-share 0.6 \
+        --max-new-chat 160 --max-new-code 128 --out qwen-replies
+    python scripts/draft_vocab.py --data qwen-replies --texts stdlib /usr/share/common-licenses \
+        --tokenizer qwen2.5-coder-0.5b --size 32768 --eos 151643,151645 \
+        --out src/specdec/data/draft_vocab/qwen2.5-coder-0.5b
 """
 
 from __future__ import annotations
@@ -18,23 +33,89 @@ from pathlib import Path
 import torch
 
 
+def text_counts(paths: list[str], model: str) -> torch.Tensor:  # -> [V] int64
+    """How often each token of ``model``'s vocabulary occurs in the files under ``paths``."""
+    import sysconfig
+
+    from tqdm import tqdm
+
+    from specdec.models.registry import load_tokenizer, resolve
+
+    folder = resolve(model).folder
+    tok = load_tokenizer(folder)
+    files: list[Path] = []
+    for p in paths:
+        root = Path(sysconfig.get_paths()["stdlib"]) if p == "stdlib" else Path(p)
+        if root.is_dir():  # the standard library's *.py; a folder's *.py, *.md, *.txt and files without a suffix
+            kinds = (".py",) if p == "stdlib" else (".py", ".md", ".txt", "")
+            files += sorted(f for f in root.rglob("*") if f.is_file() and f.suffix in kinds)
+        elif root.is_file():
+            files.append(root)
+        else:
+            raise SystemExit(f"error: {p}: no such file or folder")
+    counts = torch.zeros(len(tok), dtype=torch.long)
+    for f in tqdm(files, desc="counting tokens", unit="file"):
+        try:
+            ids = tok.encode(f.read_text(encoding="utf-8"), add_special_tokens=False)
+        except (UnicodeDecodeError, OSError):
+            continue
+        if ids:
+            counts += torch.bincount(torch.tensor(ids), minlength=counts.numel())[: counts.numel()]
+    return counts
+
+
 def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    ap.add_argument("--counts", required=True, help="a [V] int64 tensor of token counts (torch.save)")
+    ap.add_argument("--counts", help="a [V] int64 tensor of token counts (torch.save)")
+    ap.add_argument("--data", help="a `specdec train data` folder: the target's replies there are counted")
+    ap.add_argument("--texts", nargs="+", help="files or folders whose tokens are counted ('stdlib': Python's standard library)")
+    ap.add_argument("--tokenizer", help="with --texts: the model (registry name or folder) whose tokenizer counts them")
     ap.add_argument("--size", type=int, default=16384, help="tokens kept (plus the end-of-sequence ids)")
     ap.add_argument("--eos", default="2", help="comma list of end-of-sequence ids always kept")
     ap.add_argument("--out", required=True, help="the draft model's folder")
     a = ap.parse_args()
     from specdec.train.heads import top_tokens
 
-    counts = torch.load(a.counts, weights_only=True)
+    if not (a.counts or a.data or a.texts):
+        ap.error("give --counts, --data or --texts")
+    if a.texts and not a.tokenizer:
+        ap.error("--texts needs --tokenizer")
+    # several sources rank lexicographically: a token the target's replies hold (--counts / --data)
+    # before any token only the texts hold, which fill the places left
+    replies, source = None, []
+    if a.counts:
+        replies, source = torch.load(a.counts, weights_only=True), [f"--counts {Path(a.counts).name}"]
+    if a.data:
+        from specdec.train.data import load_shards
+        from specdec.train.heads import reply_counts
+
+        shard = load_shards(Path(a.data))
+        if not shard.tokens:
+            ap.error(f"--data {a.data}: no shards there")
+        vocab = int(replies.numel()) if replies is not None else int(max(int(t.max()) for t in shard.tokens)) + 1
+        found = reply_counts(zip(shard.tokens, shard.prompt_len), vocab)
+        replies, source = (found if replies is None else replies + found), source + [f"--data {Path(a.data).name}"]
+    counts = replies
+    if a.texts:
+        text = text_counts(a.texts, a.tokenizer)
+        source.append("--texts " + " ".join(a.texts) + f" --tokenizer {a.tokenizer}")
+        if replies is not None:
+            pad = torch.zeros(text.numel(), dtype=torch.long)
+            pad[: replies.numel()] = replies[: text.numel()]
+            replies = pad
+            counts = replies * (int(text.sum()) + 1) + text
+        else:
+            counts = text
+    source = " ".join(source)
     eos = tuple(int(x) for x in a.eos.split(","))
     ids = top_tokens(counts, a.size, eos)
-    share = float(counts[ids].sum()) / float(counts.sum())
+    counted = replies if replies is not None else counts  # the share is of the replies where there are any
+    share = float(counted[ids].sum()) / float(counted.sum())
     out = Path(a.out) / "draft_vocab.json"
+    out.parent.mkdir(parents=True, exist_ok=True)
     out.write_text(json.dumps({"ids": ids.tolist(), "size": int(ids.numel()), "vocab": int(counts.numel()),
-                               "reply_tokens_counted": int(counts.sum()), "share_of_reply_tokens": round(share, 5),
-                               "command": f"python scripts/draft_vocab.py --counts {Path(a.counts).name} --size {a.size} "
+                               "reply_tokens_counted": int(counted.sum()), "share_of_reply_tokens": round(share, 5),
+                               "command": f"python scripts/draft_vocab.py {source} --size {a.size} "
                                           f"--eos {a.eos} --out {a.out}"}) + "\n")
     print(f"{out}: {ids.numel()} tokens, {share:.4f} of the counted reply tokens")
     return 0

@@ -202,9 +202,15 @@ def draft_batch_invariant(quant: str | None) -> bool:
     return quant is not None and kernels.attention_kernel()
 
 
+#: reduced draft vocabularies shipped for registry models that are converted on setup, not shipped
+#: (``NAME/draft_vocab.json``; a file in the model's own folder comes first)
+SHIPPED_DRAFT_VOCABS = Path(__file__).parent / "data" / "draft_vocab"
+
+
 def draft_vocabulary(cfg: EngineConfig, ref: str) -> torch.Tensor | None:
-    """The token ids the draft's LM head keeps (``draft_vocab.json`` in its folder, with
-    ``draft_vocab="auto"`` and the native backend), or None for the whole vocabulary."""
+    """The token ids the draft's LM head keeps (``draft_vocab.json`` in its folder, or for a
+    registry model in :data:`SHIPPED_DRAFT_VOCABS`, with ``draft_vocab="auto"`` and the native
+    backend), or None for the whole vocabulary."""
     if cfg.draft_vocab not in ("auto", "full"):
         raise ConfigError(f"draft vocabulary must be auto or full, got {cfg.draft_vocab!r}")
     if cfg.draft_vocab == "full" or cfg.backend == "hf":
@@ -212,10 +218,12 @@ def draft_vocabulary(cfg: EngineConfig, ref: str) -> torch.Tensor | None:
     from specdec.models.registry import resolve
 
     try:
-        folder = resolve(ref).folder
+        resolved = resolve(ref)
     except SpecdecError:
         return None  # load() reports what is wrong with the reference
-    path = folder / "draft_vocab.json" if folder is not None else None
+    path = resolved.folder / "draft_vocab.json" if resolved.folder is not None else None
+    if (path is None or not path.is_file()) and resolved.spec is not None:
+        path = SHIPPED_DRAFT_VOCABS / resolved.spec.name / "draft_vocab.json"  # a registry model converted on setup
     if path is None or not path.is_file():
         return None
     try:

@@ -545,3 +545,81 @@ def test_compact_draws_compiled_and_torch_give_the_same_token_and_q(monkeypatch)
         assert t1 == t2 and torch.equal(q1, q2) and torch.equal(r1, r2), case
         assert q1.shape == (vocab,) and float(q1[t1]) > 0
     assert used.count(True) == 600  # every compiled-arm draw took the compiled call
+
+
+def test_a_registry_model_s_shipped_vocabulary_is_found_when_its_folder_has_none(tiny_pair, tmp_path: Path, monkeypatch):
+    """A model the registry converts on setup (the Qwen pair's 0.5B draft) has no vocabulary file in
+    its folder; the package ships one under ``data/draft_vocab/NAME``. The folder's own file wins."""
+    from types import SimpleNamespace
+
+    from specdec import engine
+    from specdec.models import registry
+
+    folder, *_ = tiny_pair
+    shipped = tmp_path / "shipped"
+    (shipped / "m").mkdir(parents=True)
+    (shipped / "m" / "draft_vocab.json").write_text(json.dumps({"ids": [1, 5]}))
+    monkeypatch.setattr(engine, "SHIPPED_DRAFT_VOCABS", shipped)
+    monkeypatch.setattr(registry, "resolve", lambda ref: registry.ResolvedModel("m", folder, spec=SimpleNamespace(name="m")))
+    assert engine.draft_vocabulary(engine.EngineConfig(), "m").tolist() == [1, 5]
+    assert engine.draft_vocabulary(engine.EngineConfig(draft_vocab="full"), "m") is None
+    (folder / "draft_vocab.json").write_text(json.dumps({"ids": [0, 2, 7]}))
+    try:
+        assert engine.draft_vocabulary(engine.EngineConfig(), "m").tolist() == [0, 2, 7]
+    finally:
+        (folder / "draft_vocab.json").unlink()
+    monkeypatch.setattr(registry, "resolve", lambda ref: registry.ResolvedModel("x", folder, spec=None))
+    assert engine.draft_vocabulary(engine.EngineConfig(), "x") is None  # a plain folder: nothing shipped for it
+
+
+def test_the_shipped_draft_vocabularies_are_well_formed():
+    """Each shipped file names a registry model and holds sorted, distinct ids inside that model's
+    vocabulary, its end-of-sequence ids among them (checked without the model installed)."""
+    from specdec.engine import SHIPPED_DRAFT_VOCABS
+    from specdec.models.registry import REGISTRY
+
+    files = sorted(SHIPPED_DRAFT_VOCABS.glob("*/draft_vocab.json"))
+    assert files, "no shipped draft vocabulary"
+    for f in files:
+        assert f.parent.name in REGISTRY
+        data = json.loads(f.read_text())
+        ids = torch.tensor(data["ids"])
+        assert ids.numel() == data["size"] and bool((ids[1:] > ids[:-1]).all()) and int(ids[0]) >= 0
+        assert int(ids[-1]) < data["vocab"]
+        assert 0.9 < data["share_of_reply_tokens"] <= 1.0
+
+
+def test_the_vocabulary_script_ranks_reply_tokens_before_text_tokens(tiny_pair, tmp_path: Path):
+    """``scripts/draft_vocab.py --data D --texts T``: every token of the target's replies in D (not
+    the prompts) is kept before the most frequent tokens of the texts fill the remaining places."""
+    import subprocess
+    import sys
+
+    from specdec.models.registry import load_tokenizer
+    from specdec.train.data import Shard
+
+    folder, *_ = tiny_pair
+    tok = load_tokenizer(folder)
+    data = tmp_path / "data"
+    data.mkdir()
+    prompt = [9000, 9001, 9002]  # never counted: prompt tokens
+    Shard(tokens=[torch.tensor(prompt + [7000, 7000, 7001], dtype=torch.int32)], prompt_len=[3], temperature=[0.0],
+          kind=["chat"]).save(data / "shard-00000.pt")
+    texts = tmp_path / "texts"
+    texts.mkdir()
+    (texts / "a.py").write_text("def hello():\n    return hello\n" * 20 + "rare_word_xyz\n")
+    out = tmp_path / "out"
+    root = Path(__file__).resolve().parents[2]
+
+    def run(*args: str) -> dict:
+        subprocess.run([sys.executable, str(root / "scripts" / "draft_vocab.py"), *args, "--eos", "2", "--out", str(out)],
+                       check=True, capture_output=True, text=True)
+        return json.loads((out / "draft_vocab.json").read_text())
+
+    text_ids = tok.encode((texts / "a.py").read_text(), add_special_tokens=False)
+    common = max(set(text_ids), key=text_ids.count)
+    got = run("--data", str(data), "--texts", str(texts), "--tokenizer", str(folder), "--size", "4")
+    assert got["ids"] == sorted({2, 7000, 7001, common}) and got["reply_tokens_counted"] == 3
+    assert got["share_of_reply_tokens"] == 1.0 and "--data data --texts" in got["command"]
+    got = run("--texts", str(texts), "--tokenizer", str(folder), "--size", "3")
+    assert common in got["ids"] and 7000 not in got["ids"] and len(got["ids"]) == 3

