@@ -3,10 +3,11 @@
 A GGUF model's layer matrices come as Q4_0 / Q4_1 blocks (32 inputs of one output: 4-bit codes,
 a float16 scale and, for Q4_1, a float16 minimum; Q4_0 is Q4_1 with ``m = -8 d``, which float16
 represents exactly), or as Q4_K super-blocks of eight such blocks (read as Q4_1 blocks with the
-file's codes and float16 block scales: :func:`q4_k_blocks`).  :func:`read_q4_blocks` returns them under the Hugging Face names the native
-backend uses, with llama.cpp's row permutation of the query and key projections of Llama models
-undone (the one ``transformers`` undoes when it converts the file), so that dequantising a block
-gives the converted float32 weight (tested).  Matrices of other block types are not returned;
+file's codes and float16 block scales: :func:`q4_k_blocks`).  :func:`read_q4_blocks` returns them
+under the Hugging Face names the native backend uses, with llama.cpp's row permutation of the
+query and key projections of Llama models undone (the one ``transformers`` undoes when it converts
+the file), so that dequantising a block gives the converted float32 weight (tested; a Q4_K block
+up to its float16 scales).  Matrices of other block types are not returned;
 the loader quantises those from float32 (:func:`specdec.models.linear.quantize_q4_1`).
 """
 
