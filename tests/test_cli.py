@@ -557,3 +557,39 @@ def test_the_models_caches_and_the_cache_command_agree_on_the_folders(cache_root
     parts = {p.name: p.folder for p in caches.parts()}
     assert quantised_cache.cache_dir() == parts["quantised"] == tmp_path / "elsewhere"
     assert calibration_cache.cache_dir() is None and parts["calibration"] is None
+
+
+def test_a_target_with_a_draft_of_its_own_gets_it_when_draft_is_left_alone(monkeypatch):
+    """``--target qwen2.5-coder-1.5b`` without ``--draft`` drafts with its listed 0.5B (prompt
+    lookup in front, as the default drafter has it); the default SmolLM2 draft shares no tokenizer
+    with it and used to fail. A ``--draft`` given, or a target without a draft of its own, is kept."""
+    from specdec import cli, defaults
+    from specdec.engine import draft_for_target
+
+    assert draft_for_target("qwen2.5-coder-1.5b", defaults.DEFAULT_DRAFT) == "qwen2.5-coder-0.5b+lookup"
+    assert draft_for_target("Qwen2.5-Coder-1.5B", defaults.DEFAULT_DRAFT) == "qwen2.5-coder-0.5b+lookup"
+    assert draft_for_target("qwen2.5-coder-1.5b", "ngram") == "ngram"
+    assert draft_for_target("smollm2-135m", defaults.DEFAULT_DRAFT) == defaults.DEFAULT_DRAFT
+    assert draft_for_target("some/folder", defaults.DEFAULT_DRAFT) == defaults.DEFAULT_DRAFT
+    seen = {}
+    monkeypatch.setitem(cli.COMMANDS, "generate", lambda args: seen.update(draft=args.draft) or 0)
+    monkeypatch.setitem(cli.COMMANDS, "bench", lambda args: seen.update(draft=args.draft) or 0)
+    assert main(["generate", "--target", "qwen2.5-coder-1.5b", "-p", "hi"]) == 0 and seen["draft"] == "qwen2.5-coder-0.5b+lookup"
+    assert main(["generate", "--target", "qwen2.5-coder-1.5b", "--draft", "lookahead", "-p", "hi"]) == 0
+    assert seen["draft"] == "lookahead"
+    assert main(["bench", "--target", "qwen2.5-coder-1.5b"]) == 0 and seen["draft"] == "qwen2.5-coder-0.5b+lookup"
+    assert main(["generate", "-p", "hi"]) == 0 and seen["draft"] == defaults.DEFAULT_DRAFT
+    # the library's Engine.build does the same (stopped right after the draft name is checked)
+    from specdec import engine
+
+    class Stop(Exception):
+        pass
+
+    def check(draft):
+        seen.update(draft=draft)
+        raise Stop
+
+    monkeypatch.setattr(engine, "check_draft_name", check)
+    with pytest.raises(Stop):
+        engine.Engine.build(engine.EngineConfig(target="qwen2.5-coder-1.5b"))
+    assert seen["draft"] == "qwen2.5-coder-0.5b+lookup"

@@ -163,7 +163,7 @@ def _sampling_from(args: argparse.Namespace) -> SamplingConfig:
 def _add_models(p: argparse.ArgumentParser) -> None:
     g = p.add_argument_group("models")
     g.add_argument("--target", default=defaults.DEFAULT_TARGET, help=f"registry name, HF folder, .gguf file or hub id (default {defaults.DEFAULT_TARGET})")
-    g.add_argument("--draft", default=defaults.DEFAULT_DRAFT, help=f"draft model (as --target); 'NAME+lookup' = prompt lookup first (a free draft wherever the text repeats itself, as code does), the draft model NAME otherwise; 'ngram' (prompt lookup alone), 'lookahead' (Lookahead decoding: Jacobi window + n-gram pool, best with --tree N), 'self' (the target itself), 'none' (plain decoding) (default {defaults.DEFAULT_DRAFT}), "
+    g.add_argument("--draft", default=defaults.DEFAULT_DRAFT, help=f"draft model (as --target); 'NAME+lookup' = prompt lookup first (a free draft wherever the text repeats itself, as code does), the draft model NAME otherwise; 'ngram' (prompt lookup alone), 'lookahead' (Lookahead decoding: Jacobi window + n-gram pool, best with --tree N), 'self' (the target itself), 'none' (plain decoding) (default {defaults.DEFAULT_DRAFT}; for a target the registry lists with a draft of its own, that draft +lookup, e.g. qwen2.5-coder-0.5b+lookup for qwen2.5-coder-1.5b), "
                    "or a self-speculative view of the target (no second model): 'layerskip:K' (its first K layers, cache shared "
                    "with verification), 'self-skip' (a searched set of skipped sub-layers; 'self-skip:FILE' from `specdec train skip`), "
                    "'swift' (skip set adapted while generating), 'kangaroo' (first layers + a trained adapter, drafting "
@@ -631,6 +631,10 @@ def main(argv: Sequence[str] | None = None) -> int:
     if not args.command:
         parser.print_help()
         return EXIT_USAGE
+    if isinstance(getattr(args, "draft", None), str) and isinstance(getattr(args, "target", None), str):
+        from specdec.engine import draft_for_target
+
+        args.draft = draft_for_target(args.target, args.draft)  # a target's own draft when --draft is left alone
     try:
         return COMMANDS[args.command](args)
     except SpecdecError as exc:

@@ -378,6 +378,18 @@ def make_tree(tree: str | int, gamma: GammaController, *, min_prob: float | None
     return spec, FixedGamma(int(tree))
 
 
+def draft_for_target(target: str, draft: str) -> str:
+    """``draft``, unless it is the default drafter and ``target`` is a registry model with a draft
+    of its own (the Qwen pair's 0.5B, whose tokenizer the default SmolLM2 draft does not share):
+    then that draft, with prompt lookup in front as the default has it."""
+    if draft != defaults.DEFAULT_DRAFT:
+        return draft
+    spec = registry.REGISTRY.get(target.strip().lower())
+    if spec is None or not spec.default_draft or spec.default_draft == defaults.DEFAULT_DRAFT_MODEL:
+        return draft
+    return spec.default_draft + LOOKUP_SUFFIX
+
+
 def check_draft_name(draft: str) -> tuple[str, bool, Path | None]:
     """(base name, prompt lookup in front?, head folder or None) of a ``--draft`` value; a missing
     shipped head or a ``+lookup`` on a drafter that is not a model fails here, before anything loads."""
@@ -436,6 +448,7 @@ class Engine:
 
     @classmethod
     def build(cls, cfg: EngineConfig, *, progress: Callable[[str], None] | None = None) -> "Engine":
+        cfg = replace(cfg, draft=draft_for_target(cfg.target, cfg.draft))
         check_draft_name(cfg.draft)  # a bad draft name fails before the target loads
         registry.check_name(cfg.target)
         dtype, quant = target_dtype(cfg)
