@@ -92,6 +92,7 @@ def test_greedy_default_and_plain_match(capsys, tiny_pair):
         (["--wire", "sparse-q"], "--wire applies only to edge-cloud generation"),
         (["--gate", "shape", "--q-top-k", "4"], "--q-top-k, --gate apply only"),
         (["--draft", "no-such-draft"], "as --draft also: none, ngram"),
+        (["--allowed-token-id", "99999999"], "outside the vocabulary"),
     ],
 )
 def test_bad_input_one_line_exit_2(capsys, tiny_pair, args, needle):
@@ -373,6 +374,40 @@ def test_structured_output_and_logprobs_from_the_command_line(capsys, tmp_path):
     assert all(e["top"] == [] for e in payload["logprobs"])
 
 
+def test_allowed_token_ids_and_bad_words_from_the_command_line(capsys, tiny_pair, tmp_path):
+    """--allowed-token-id and --bad-word: the output obeys them, speculation (chains and trees)
+    equals plain greedy decoding under them, --prompts-file applies them too, and with a
+    grammar on a real model both hold at once."""
+    target, draft = tiny_pair
+    base = ["generate", "-p", "abc abc abc", "--target", target, "-n", "16", "--json"]
+    code, out, err = _run(capsys, *base, "--draft", "none")
+    free = json.loads(out)["token_ids"]
+    allowed = [t for t in range(64) if t != free[0]]  # the free output's first token is not allowed
+    flags = [f"--allowed-token-id={t}" for t in allowed]
+    outs = []
+    for d, extra in (("none", []), (draft, []), (draft + "+lookup", ["--tree", "4"])):
+        code, out, err = _run(capsys, *base, "--draft", d, *flags, *extra)
+        assert code == 0, err
+        outs.append(json.loads(out)["token_ids"])
+    assert outs[0] == outs[1] == outs[2] and set(outs[0]) <= set(allowed) and outs[0] != free
+    prompts = tmp_path / "prompts.txt"
+    prompts.write_text(json.dumps("abc abc abc") + "\n")
+    code, out, err = _run(capsys, "generate", "--target", target, "--prompts-file", str(prompts), "-n", "16",
+                          "--out", str(tmp_path / "out.jsonl"), *flags)
+    assert code == 0, err
+    assert json.loads((tmp_path / "out.jsonl").read_text().splitlines()[0])["token_ids"] == outs[0]
+    pytest.importorskip("llguidance")
+    real = ["generate", "--target", "smollm2-135m-draft", "-p", "The year was", "-n", "8", "--regex", " [0-9]{4}", "--json"]
+    code, out, err = _run(capsys, *real, "--draft", "none")
+    year = json.loads(out)["text"]
+    digit = next(c for c in year if c.isdigit())
+    for d in ("none", "smollm2-135m-draft"):
+        code, out, err = _run(capsys, *real, "--draft", d, "--bad-word", digit)
+        assert code == 0, err
+        text = json.loads(out)["text"]
+        assert text[0] == " " and text[1:5].isdigit() and len(text) == 5 and digit not in text, (year, text)
+
+
 @pytest.mark.parametrize(
     "args,needle",
     [
@@ -385,6 +420,9 @@ def test_structured_output_and_logprobs_from_the_command_line(capsys, tmp_path):
         (["--logprobs", "3"], "needs --json"),
         (["--logprobs", "21", "--json"], "between 0 and 20"),
         (["--json-object", "--remote", "http://127.0.0.1:9"], "run locally"),
+        (["--bad-word", "x", "--remote", "http://127.0.0.1:9"], "run locally"),
+        (["--allowed-token-id", "-1"], "must be >= 0"),
+        (["--bad-word", " "], "white space"),
     ],
 )
 def test_bad_output_options_fail_before_loading_anything(capsys, args, needle):

@@ -10,7 +10,7 @@ import argparse
 import json
 import os
 import sys
-from typing import TYPE_CHECKING, Callable, Sequence
+from typing import TYPE_CHECKING, Any, Callable, Sequence
 
 from specdec import __version__, defaults
 from specdec.errors import SpecdecError
@@ -68,6 +68,11 @@ def _add_output(p: argparse.ArgumentParser) -> None:
                      help="constrain the output to JSON matching this JSON Schema: inline JSON or the path of a .json file")
     fmt.add_argument("--regex", metavar="PATTERN", help="constrain the output to this regular expression")
     fmt.add_argument("--grammar", metavar="FILE", help="constrain the output to the Lark grammar in FILE")
+    g.add_argument("--allowed-token-id", dest="allowed_token_ids", type=int, action="append", default=[], metavar="ID",
+                   help="only these token ids may be generated (repeatable; end-of-sequence too only where listed), as vLLM's"
+                        " allowed_token_ids: a mask on draft and target alike, so still lossless for the masked law")
+    g.add_argument("--bad-word", dest="bad_words", action="append", default=[], metavar="WORD",
+                   help="never complete this word's tokens, as written or after a space (repeatable), as vLLM's bad_words")
     g.add_argument("--logprobs", type=int, metavar="K",
                    help="with --json: each generated token's log-probability under the target's processed law (never"
                         " the draft's) and the K (0-20) most likely alternatives, as 'logprobs' in the JSON")
@@ -79,6 +84,37 @@ def _grammar_from(args: argparse.Namespace) -> str | None:
 
     kind, spec = _grammar_spec(args)
     return None if kind is None else check_grammar(grammar_for(kind, spec))
+
+
+def _check_filter(args: argparse.Namespace) -> None:
+    """--allowed-token-id and --bad-word checked before any model loads (the vocabulary's bound after)."""
+    bad = [t for t in args.allowed_token_ids if t < 0]
+    if bad:
+        raise SpecdecError(f"--allowed-token-id must be >= 0, got {bad[0]}")
+    for word in args.bad_words:
+        _text_arg(word, "--bad-word")
+        if not word.strip():
+            raise SpecdecError(f"--bad-word needs a character other than white space, got {word!r}")
+
+
+def _constraints(args: argparse.Namespace, engine: Any, grammar: str | None) -> Callable[[], object] | None:
+    """What makes each sequence's constraint: the output options' grammar (one matcher per sequence)
+    under --allowed-token-id and --bad-word; None where none is asked for."""
+    from functools import partial
+
+    from specdec.token_filter import TokenFilter, bad_word_ids
+
+    vocab = engine.target.model.vocab_size
+    token_filter = None
+    if args.allowed_token_ids or args.bad_words:
+        banned = bad_word_ids(engine.target.tokenizer, args.bad_words) if args.bad_words else ()
+        token_filter = TokenFilter(vocab, allowed_ids=args.allowed_token_ids or None, banned=banned)
+    if grammar is None:
+        return None if token_filter is None else (lambda: token_filter)
+    from specdec.grammar import GrammarConstraint
+
+    make = partial(GrammarConstraint, engine.target.tokenizer, grammar, vocab)
+    return make if token_filter is None else (lambda: token_filter.over(make()))
 
 
 def _grammar_spec(args: argparse.Namespace) -> tuple[str | None, object]:
@@ -365,9 +401,10 @@ def _cmd_generate(args: argparse.Namespace) -> int:
         if not args.json or args.interactive:
             raise SpecdecError("--logprobs needs --json (the log-probabilities are part of the JSON output)")
     grammar = _grammar_from(args)  # a bad schema, pattern or file fails here, before any model loads
-    if args.remote and (grammar is not None or args.logprobs is not None):
-        raise SpecdecError("structured output and --logprobs run locally; through a server use its OpenAI API"
-                           " (response_format, logprobs)")
+    _check_filter(args)
+    if args.remote and (grammar is not None or args.logprobs is not None or args.allowed_token_ids or args.bad_words):
+        raise SpecdecError("structured output, --allowed-token-id, --bad-word and --logprobs run locally; through a"
+                           " server use its OpenAI API (response_format, allowed_token_ids, bad_words, logprobs)")
     if args.remote:  # edge-cloud: draft here, verify on a `specdec serve` server
         from specdec.remote.command import run_generate
 
@@ -378,13 +415,11 @@ def _cmd_generate(args: argparse.Namespace) -> int:
                                        draft_temperature_factor=args.draft_temperature_factor, batch_invariant=not args.fast_attention,
                                        int8_kernel=args.int8_kernel), progress=log)
     on_text = None if quiet else (lambda text: (sys.stdout.write(text), sys.stdout.flush()))
-    if grammar is not None:
+    constraint = _constraints(args, engine, grammar)
+    if constraint is not None:
         from dataclasses import replace
 
-        from specdec.grammar import GrammarConstraint
-
-        sampling = replace(sampling, constraint=GrammarConstraint(engine.target.tokenizer, grammar,
-                                                                  engine.target.model.vocab_size))
+        sampling = replace(sampling, constraint=constraint())
     if args.interactive:
         chat = engine.with_prefix_cache()
 
@@ -444,6 +479,7 @@ def _generate_batch(args: argparse.Namespace) -> int:
     if args.logprobs is not None and not 0 <= args.logprobs <= 20:
         raise SpecdecError("--logprobs must be between 0 and 20")
     grammar = _grammar_from(args)  # a bad schema, pattern or file fails here, before any model loads
+    _check_filter(args)
     sampling = _sampling_from(args)
     if args.method:
         from specdec.verify import get_rule
@@ -459,13 +495,7 @@ def _generate_batch(args: argparse.Namespace) -> int:
         return 0
     engine = Engine.build(EngineConfig(target=args.target, draft="none", backend=args.backend, dtype=args.dtype,
                                        batch_invariant=not args.fast_attention, int8_kernel=args.int8_kernel), progress=log)
-    constraint = None
-    if grammar is not None:  # one matcher per sequence: each follows its own history
-        from functools import partial
-
-        from specdec.grammar import GrammarConstraint
-
-        constraint = partial(GrammarConstraint, engine.target.tokenizer, grammar, engine.target.model.vocab_size)
+    constraint = _constraints(args, engine, grammar)  # one grammar matcher per sequence: each follows its own history
     return batch_file.run(engine, job, args, sampling, log, constraint=constraint)
 
 

@@ -303,12 +303,47 @@ def test_vllm_min_tokens_stop_token_ids_and_include_stop(client, local):
     stop = text[len(tok.decode(ref[:at])) :][:2]
     with_stop = client.completions.create(max_tokens=12, stop=[stop], extra_body={"include_stop_str_in_output": True}, **greedy)
     assert with_stop.choices[0].text == text[: text.index(stop) + len(stop)]
-    for body, message in (({"min_tokens": 13}, "must not exceed max_tokens"), ({"bad_words": ["x"]}, "bad_words"),
+    for body, message in (({"min_tokens": 13}, "must not exceed max_tokens"), ({"logits_processors": ["x"]}, "logits_processors"),
                           ({"use_beam_search": True}, "use_beam_search"), ({"guided_json": {"type": "object"}}, "guided_json"),
                           ({"skip_special_tokens": False}, "skip_special_tokens"),
                           ({"stop_token_ids": [10**8]}, "outside the vocabulary")):
         with pytest.raises(openai.BadRequestError, match=message):
             client.completions.create(max_tokens=12, extra_body=body, **greedy)
+
+
+def test_vllm_allowed_token_ids_and_bad_words(client, local):
+    """vLLM's allowed_token_ids (nothing else sampled) and bad_words (no word completed, as written or
+    after a space): greedy answers equal local decoding under the same filter, which changes them."""
+    from specdec.token_filter import TokenFilter, bad_word_ids
+
+    greedy = dict(model=MODEL, prompt=PROMPT, temperature=0, max_tokens=16)
+    vocab = local.target.model.vocab_size
+    free = local.generate(PROMPT, SamplingConfig(temperature=0.0, max_new_tokens=16), gamma=4)
+    allowed = sorted(set(free.token_ids[1:]))  # the first token is not among them (checked below)
+    ref = local.generate(PROMPT, SamplingConfig(temperature=0.0, max_new_tokens=16,
+                                                constraint=TokenFilter(vocab, allowed_ids=allowed)), gamma=4)
+    assert free.token_ids[0] not in allowed and set(ref.token_ids) <= set(allowed)
+    out = client.completions.create(logprobs=0, extra_body={"allowed_token_ids": allowed}, **greedy)
+    assert out.choices[0].text == ref.text and out.model_extra["specdec"]["lossless"] is True
+    word = next(w for w in free.text.split() if w.isalpha() and len(w) > 2)  # a word the free answer has
+    tok = local.target.tokenizer
+    banned = TokenFilter(vocab, banned=bad_word_ids(tok, [word]))
+    ref = local.generate(PROMPT, SamplingConfig(temperature=0.0, max_new_tokens=16, constraint=banned), gamma=4)
+    assert ref.text != free.text
+    for endpoint in ("completions", "stream"):
+        if endpoint == "stream":
+            chunks = client.completions.create(stream=True, extra_body={"bad_words": [word]}, **greedy)
+            text = "".join(c.choices[0].text for c in chunks if c.choices)
+        else:
+            text = client.completions.create(extra_body={"bad_words": [word]}, **greedy).choices[0].text
+        assert text == ref.text
+    for seq in bad_word_ids(tok, [word]):
+        assert not any(tuple(ref.token_ids[i:i + len(seq)]) == seq for i in range(len(ref.token_ids)))
+    for body, message in (({"allowed_token_ids": []}, "must not be empty"),
+                          ({"allowed_token_ids": [1, 10**8]}, "outside the vocabulary"),
+                          ({"bad_words": [" "]}, "white space")):
+        with pytest.raises(openai.BadRequestError, match=message):
+            client.completions.create(extra_body=body, **greedy)
 
 
 def test_tokenizer_endpoints_answer_as_vllms_do(server, client, local):
@@ -471,5 +506,12 @@ def test_structured_output_parses_and_matches_the_schema_under_speculation(clien
                                        extra_body={"response_format": {"type": "regex", "regex": " [0-9]{4}"}})
     text = digits.choices[0].text
     assert len(text) == 5 and text[0] == " " and text[1:].isdigit()
+    # under bad_words (the choices' own filter over each choice's grammar): both hold, whatever the seed
+    for seed in (2, 3):
+        fours = client.completions.create(model=MODEL, prompt="The year was", max_tokens=8, temperature=1.0, seed=seed, n=2,
+                                          extra_body={"response_format": {"type": "regex", "regex": " [0-9]{4}"},
+                                                      "bad_words": list("13579")})
+        for choice in fours.choices:
+            assert len(choice.text) == 5 and choice.text[0] == " " and set(choice.text[1:]) <= set("02468"), choice.text
     with pytest.raises(openai.BadRequestError, match="invalid"):
         client.completions.create(model=MODEL, prompt="x", extra_body={"response_format": {"type": "grammar", "grammar": "start: ("}})

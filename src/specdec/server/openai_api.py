@@ -6,9 +6,10 @@ ignored, as vLLM does: they are named in the ``X-Specdec-Ignored-Fields`` respon
 the server log.  Fields whose *semantics* it cannot honour (tools, audio, ``suffix``, ...) are
 refused with a 400 that names them, never silently dropped.  Extensions: ``top_k``, ``min_p``,
 ``repetition_penalty``, ``ignore_eos``, ``method`` (verification rule), ``gamma`` and vLLM's
-``prompt_logprobs``, ``min_tokens``, ``stop_token_ids`` and ``include_stop_str_in_output``; vLLM's
-extensions that would change the output and are not implemented (beam search, bad words, guided
-decoding by its old field names: use ``response_format``) are refused; responses
+``prompt_logprobs``, ``min_tokens``, ``stop_token_ids``, ``include_stop_str_in_output``,
+``allowed_token_ids`` and ``bad_words``; vLLM's extensions that would change the output and are not
+implemented (beam search, guided decoding by its old field names: use ``response_format``) are
+refused; responses
 carry a ``specdec`` object with the run's speculative stats (the last stream chunk too).
 """
 
@@ -34,6 +35,7 @@ from specdec.models.registry import LoadedModel
 from specdec.sampling import SamplingConfig, offset_seed
 from specdec.session import score_prompt
 from specdec.text import TextStream
+from specdec.token_filter import MAX_BAD_WORDS, TokenFilter, bad_word_ids
 from specdec.server.draft_cap import CAPPED_WIRES, LOOKUP_WIRE_SUFFIX, RequestPace
 from specdec.server.errors import ApiError
 from specdec.server.scheduler import Cancelled as SchedulerCancelled
@@ -55,7 +57,7 @@ IGNORED_HEADER = "X-Specdec-Ignored-Fields"
 #: fields clients send whose meaning this server cannot honour: a 400 when they ask for something
 _REFUSED = ("tools", "functions", "audio", "prediction", "web_search_options",
             # vLLM's sampling extensions this server does not implement: each would change the output
-            "use_beam_search", "bad_words", "allowed_token_ids", "logits_processors", "guided_json", "guided_regex",
+            "use_beam_search", "logits_processors", "guided_json", "guided_regex",
             "guided_choice", "guided_grammar", "structured_outputs", "truncate_prompt_tokens")
 #: fields that are accepted and have no effect here (listed in the ignored-fields header)
 _NO_EFFECT = ("user", "store", "metadata", "service_tier", "parallel_tool_calls", "reasoning_effort", "modalities")
@@ -95,6 +97,9 @@ class _Request(BaseModel):
     min_tokens: Annotated[int, Field(ge=0, le=1 << 20)] | None = None
     stop_token_ids: Annotated[list[Annotated[int, Field(ge=0, le=(1 << 31) - 1)]], Field(max_length=256)] | None = None
     include_stop_str_in_output: bool = False
+    # vLLM's: only these token ids may be sampled; no word of bad_words is ever completed (token_filter)
+    allowed_token_ids: Annotated[list[Annotated[int, Field(ge=0, le=(1 << 31) - 1)]], Field(max_length=1 << 18)] | None = None
+    bad_words: Annotated[list[Annotated[str, Field(max_length=256)]], Field(max_length=MAX_BAD_WORDS)] | None = None
     # vLLM's; special tokens are always left out of the text here (false is refused)
     skip_special_tokens: bool = True
     method: Annotated[str, Field(max_length=64)] | None = None
@@ -253,6 +258,21 @@ def _stats(outs: list[TextResult]) -> dict[str, Any]:
     }
 
 
+def _token_filter(ctx: "ServerContext", req: _Request) -> TokenFilter | None:
+    """vLLM's ``allowed_token_ids`` and ``bad_words`` as one constraint (None: neither asked for)."""
+    if req.allowed_token_ids is None and not req.bad_words:
+        return None
+    try:
+        banned: tuple[tuple[int, ...], ...] = ()
+        if req.bad_words:
+            if ctx.tokenizer is None:
+                raise ApiError(400, "bad_words needs the server's tokenizer")
+            banned = bad_word_ids(ctx.tokenizer, req.bad_words)
+        return TokenFilter(ctx.model.vocab_size, allowed_ids=req.allowed_token_ids, banned=banned)
+    except SpecdecError as exc:
+        raise ApiError(400, str(exc)) from None
+
+
 def _logit_bias(req: _Request, vocab: int) -> tuple[tuple[int, float], ...]:
     out = []
     for key, value in (req.logit_bias or {}).items():
@@ -328,9 +348,14 @@ class _Job:
             self.gamma = parse_gamma(req.gamma if req.gamma is not None else ctx.settings.gamma)
         except SpecdecError as exc:
             raise ApiError(400, str(exc)) from None
+        self.token_filter = _token_filter(ctx, req)
         self.grammar = _grammar(req.response_format)
         if self.grammar is not None:
             self._constraint()  # a bad grammar is a 400 now, not an error event later
+        elif self.token_filter is not None:  # no state of its own: one filter serves every choice
+            from dataclasses import replace
+
+            self.sampling = replace(self.sampling, constraint=self.token_filter)
         self.prompts = prompts
         self.max_tokens = max_tokens
         self.n = req.n or 1
@@ -360,9 +385,10 @@ class _Job:
         if self.ctx.tokenizer is None:
             raise ApiError(400, "structured output needs the server's tokenizer")
         try:
-            return GrammarConstraint(self.ctx.tokenizer, self.grammar, self.ctx.model.vocab_size)  # type: ignore[arg-type]
+            grammar = GrammarConstraint(self.ctx.tokenizer, self.grammar, self.ctx.model.vocab_size)  # type: ignore[arg-type]
         except SpecdecError as exc:
             raise ApiError(400, str(exc)) from None
+        return grammar if self.token_filter is None else self.token_filter.over(grammar)
 
     def _gamma(self, drafter: Any, index: int = 0, pace: RequestPace | None = None, auto: CostGamma | None = None) -> Any:
         """The request's γ policy (``auto``: γ auto's controller for this choice); on a batching

@@ -1,0 +1,124 @@
+"""vLLM's ``allowed_token_ids`` and ``bad_words`` as a constraint.
+
+Both are pure functions of the tokens generated so far, so they are a constraint like a grammar
+(step 2' of :mod:`specdec.sampling`): they mask the draft's rows and the target's alike, a tree's
+nodes along each node's own path, and every verification rule stays exact for the law with the
+forbidden tokens masked.
+
+* ``allowed_token_ids``: only these ids may be sampled (end-of-sequence too only where listed).
+* ``bad_words``: no word's token sequence is ever completed.  A one-token word is never allowed; a
+  longer one has its last token masked right after the generated tokens end with the rest of it.
+  The generated tokens alone are looked at, not the prompt (as vLLM does).  Each word is tokenized
+  as written, with leading spaces dropped, and again with one leading space (the same word inside a
+  text): both spellings are banned.
+
+Where the masks together would leave nothing to sample, the narrower wishes give way in a fixed
+order: the bad words first, then the allowed ids; an inner constraint (a grammar) always holds.
+"""
+
+from __future__ import annotations
+
+from typing import Any, Sequence
+
+import torch
+from torch import Tensor
+
+from specdec.errors import ConfigError
+
+#: the most bad words a request may give (each its own token sequences, looked up at every row)
+MAX_BAD_WORDS = 256
+
+
+def bad_word_ids(tokenizer: Any, words: Sequence[str]) -> tuple[tuple[int, ...], ...]:
+    """Each word's token sequences: as written (leading spaces dropped) and after one space; distinct, sorted."""
+    if len(words) > MAX_BAD_WORDS:
+        raise ConfigError(f"at most {MAX_BAD_WORDS} bad words, got {len(words)}")
+    out: set[tuple[int, ...]] = set()
+    for word in words:
+        bare = word.lstrip(" ")
+        if not bare.strip():
+            raise ConfigError(f"a bad word must have a character other than white space, got {word!r}")
+        for text in (bare, " " + bare):
+            ids = tuple(int(t) for t in tokenizer.encode(text, add_special_tokens=False))
+            if ids:
+                out.add(ids)
+    return tuple(sorted(out))
+
+
+class TokenFilter:
+    """Allowed ids and banned token sequences as a :class:`specdec.sampling.Constraint` over
+    ``inner`` (a grammar, or None).  Holds no state of a sequence: one filter without ``inner`` may
+    serve many sequences; :meth:`over` puts it over another sequence's grammar without re-checking."""
+
+    def __init__(
+        self,
+        vocab_size: int,
+        *,
+        allowed_ids: Sequence[int] | None = None,
+        banned: Sequence[Sequence[int]] = (),
+        inner: Any = None,
+    ) -> None:
+        if allowed_ids is not None:
+            if not allowed_ids:
+                raise ConfigError("allowed_token_ids must not be empty")
+            bad = [t for t in allowed_ids if not 0 <= int(t) < vocab_size]
+            if bad:
+                raise ConfigError(f"allowed token {bad[0]} is outside the vocabulary [0, {vocab_size})")
+        self.vocab_size = vocab_size
+        self.allowed_ids = None if allowed_ids is None else tuple(sorted({int(t) for t in allowed_ids}))
+        self.banned = tuple(tuple(int(t) for t in seq) for seq in banned if len(seq))
+        self.inner = inner
+        allowed = torch.ones(vocab_size, dtype=torch.bool)  # [V]
+        if self.allowed_ids is not None:
+            allowed[:] = False
+            allowed[list(self.allowed_ids)] = True
+        own = allowed.clone()  # [V] the allowed ids less the one-token bad words
+        after: dict[tuple[int, ...], list[int]] = {}  # a banned sequence's head -> the last tokens it bans
+        for seq in self.banned:
+            if seq[-1] >= vocab_size:
+                continue  # a token the model cannot produce needs no ban
+            if len(seq) == 1:
+                own[seq[0]] = False
+            else:
+                after.setdefault(seq[:-1], []).append(seq[-1])
+        if not bool(own.any()):
+            raise ConfigError("the bad words ban every allowed token")
+        self._allowed = allowed
+        self._own = own
+        self._after = after
+        self._heads = sorted({len(h) for h in after})
+
+    def over(self, inner: Any) -> "TokenFilter":
+        """The same filter over ``inner`` (another sequence's grammar), its masks shared."""
+        twin = object.__new__(TokenFilter)
+        twin.__dict__.update(self.__dict__)
+        twin.inner = inner
+        return twin
+
+    def banned_after(self, generated: Sequence[int]) -> list[int]:
+        """The tokens the multi-token bad words ban right after ``generated``."""
+        out: list[int] = []
+        n = len(generated)
+        for k in self._heads:
+            if k <= n:
+                out += self._after.get(tuple(int(t) for t in generated[n - k:]), ())
+        return out
+
+    def allowed(self, generated: Sequence[int], vocab_size: int) -> Tensor:  # -> [V] bool
+        if vocab_size != self.vocab_size:
+            raise ConfigError(f"this token filter was built for a vocabulary of {self.vocab_size}, not {vocab_size}")
+        inner = self.inner.allowed(generated, vocab_size) if self.inner is not None else None
+        banned = self.banned_after(generated)
+        mask = self._own
+        if banned:
+            mask = mask.clone()
+            mask[banned] = False
+        if inner is not None:
+            mask = mask & inner
+        if bool(mask.any()):
+            return mask
+        # nothing left: the bad words give way, then the allowed ids (the inner constraint holds)
+        if inner is None:
+            return self._allowed
+        mask = self._allowed & inner
+        return mask if bool(mask.any()) else inner

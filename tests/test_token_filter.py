@@ -1,0 +1,161 @@
+"""vLLM's allowed_token_ids and bad_words (:mod:`specdec.token_filter`).
+
+The masks are checked directly, then through the decoder: the law tests draw N = 8,000
+independent generations (seed = sample index) of 3 new tokens from the 4-token order-2 toy target
+of ``test_decoder.py`` (64 possible outputs) and run a chi-square goodness-of-fit test, failing at
+p < 1e-4, against a law enumerated by hand from the target's logits and the filter's rules as
+written here (not through the filter itself).
+"""
+
+from __future__ import annotations
+
+import itertools
+import math
+from pathlib import Path
+
+import pytest
+import torch
+
+from specdec.decoder import SpeculativeDecoder
+from specdec.drafters import ModelDrafter
+from specdec.drafters.tree_builder import TreeSpec
+from specdec.errors import ConfigError
+from specdec.gamma import FixedGamma
+from specdec.models.toy import ToyLM
+from specdec.sampling import SamplingConfig, StopFloor
+from specdec.token_filter import TokenFilter, bad_word_ids
+from specdec.verify import get_rule
+from stats import ALPHA, chi_square_pvalue
+
+N_SAMPLES = 8_000
+N_NEW = 3
+PROMPT = [1, 2]  # ends with 2: a filter that looked at the prompt would ban 1 at the first position
+TARGET = ToyLM(4, order=2, seed=0)
+DRAFT = TARGET.perturbed(1.0, seed=1)
+ALLOWED = (0, 1, 2)
+BANNED = ((2, 1), (1, 1), (0, 2, 0), (3, 0))  # (3, 0) can never start: 3 is not allowed
+
+
+def _oracle_law() -> dict[tuple[int, ...], float]:
+    """The filtered target's law, from the rules in words: 3 never; 1 never after 2 or 1; 0 never after 0, 2."""
+    law = {}
+    for seq in itertools.product(range(4), repeat=N_NEW):
+        p = 1.0
+        for i in range(N_NEW):
+            gen = seq[:i]
+            ok = [t in ALLOWED for t in range(4)]
+            if gen and gen[-1] in (1, 2):
+                ok[1] = False
+            if gen[-2:] == (0, 2):
+                ok[0] = False
+            logits = TARGET.logits_for(PROMPT + list(gen)).double()
+            weights = [math.exp(float(logits[t])) if ok[t] else 0.0 for t in range(4)]
+            p *= weights[seq[i]] / sum(weights)
+        if p > 0:
+            law[seq] = p
+    return law
+
+
+def test_masks_follow_the_rules():
+    f = TokenFilter(4, allowed_ids=ALLOWED, banned=BANNED)
+    rows = {(): [1, 1, 1, 0], (2,): [1, 0, 1, 0], (1,): [1, 0, 1, 0], (0,): [1, 1, 1, 0], (0, 2): [0, 0, 1, 0],
+            (1, 0, 2): [0, 0, 1, 0], (2, 0): [1, 1, 1, 0]}
+    for generated, want in rows.items():
+        assert f.allowed(list(generated), 4).tolist() == [bool(w) for w in want], generated
+    # one-token words are never allowed; ids the model cannot produce are ignored
+    g = TokenFilter(5, banned=((3,), (7,), (9, 9)))
+    assert g.allowed([], 5).tolist() == [True, True, True, False, True]
+
+
+def test_the_narrower_wishes_give_way_when_nothing_is_left():
+    f = TokenFilter(4, allowed_ids=(1, 2), banned=((1, 1), (1, 2)))
+    assert f.allowed([1], 4).tolist() == [False, True, True, False]  # the bad words give way
+    assert f.allowed([2], 4).tolist() == [False, True, True, False]
+
+    class OnlyThree:
+        def allowed(self, generated, vocab_size):
+            return torch.tensor([False, False, False, True])
+
+    over = f.over(OnlyThree())
+    assert over.allowed([], 4).tolist() == [False, False, False, True]  # the inner constraint holds
+    assert f.allowed([], 4).tolist() == [False, True, True, False]  # the twin left the original alone
+    # composed: a stop floor over the filter over a grammar
+    floor = StopFloor(frozenset({2}), 3, TokenFilter(4, banned=((0, 1),)))
+    assert floor.allowed([0], 4).tolist() == [True, False, False, True]
+    assert floor.allowed([0, 0, 0], 4).tolist() == [True, False, True, True]
+
+
+def test_bad_input_is_refused():
+    with pytest.raises(ConfigError, match="must not be empty"):
+        TokenFilter(4, allowed_ids=())
+    with pytest.raises(ConfigError, match="outside the vocabulary"):
+        TokenFilter(4, allowed_ids=(1, 4))
+    with pytest.raises(ConfigError, match="ban every allowed token"):
+        TokenFilter(4, allowed_ids=(1,), banned=((1,),))
+    with pytest.raises(ConfigError, match="built for a vocabulary of 4"):
+        TokenFilter(4).allowed([], 5)
+
+
+def test_bad_words_are_banned_as_written_and_after_a_space():
+    from specdec.tokenizer import FastTokenizer, plain_config
+
+    folder = Path(__file__).resolve().parents[1] / "src" / "specdec" / "data" / "smollm2-135m-draft"
+    tok = FastTokenizer.load(folder, plain_config(folder))
+    seqs = bad_word_ids(tok, ["Paris", "  Paris", "unbelievable"])
+    assert (tok.encode("Paris", add_special_tokens=False) in [list(s) for s in seqs]
+            and tok.encode(" Paris", add_special_tokens=False) in [list(s) for s in seqs])
+    assert len(seqs) == len(set(seqs)) == 4  # "  Paris" is "Paris" again
+    assert any(len(s) > 1 for s in seqs)
+    with pytest.raises(ConfigError, match="white space"):
+        bad_word_ids(tok, [" "])
+
+
+@pytest.mark.parametrize("method", ["token", "block", "coupled"])
+def test_output_law_is_the_filtered_targets(method):
+    cfg = SamplingConfig(temperature=1.0, constraint=TokenFilter(4, allowed_ids=ALLOWED, banned=BANNED))
+    dec = SpeculativeDecoder(TARGET, ModelDrafter(DRAFT), get_rule(method), gamma=FixedGamma(2))
+    out = [tuple(dec.generate(PROMPT, SamplingConfig(**{**cfg.__dict__, "seed": i, "max_new_tokens": N_NEW})).tokens)
+           for i in range(N_SAMPLES)]
+    assert chi_square_pvalue(out, _oracle_law()) > ALPHA
+
+
+@pytest.mark.parametrize("method", ["token", "block"])
+def test_tree_output_law_is_the_filtered_targets(method):
+    spec = TreeSpec(sample_branching=(2, 2, 1), sample_width=2, sibling_stop=0.0, sample_expand=0.0)
+    cfg = SamplingConfig(temperature=1.0, constraint=TokenFilter(4, allowed_ids=ALLOWED, banned=BANNED))
+    dec = SpeculativeDecoder(TARGET, ModelDrafter(DRAFT), get_rule(method), gamma=FixedGamma(6), tree=spec)
+    out, trees = [], 0
+    for i in range(N_SAMPLES // 2):
+        res = dec.generate(PROMPT, SamplingConfig(**{**cfg.__dict__, "seed": i, "max_new_tokens": N_NEW}))
+        out.append(tuple(res.tokens))
+        trees += res.stats.tree_rounds
+    assert trees > 0
+    assert chi_square_pvalue(out, _oracle_law()) > ALPHA
+
+
+def _obeys(tokens: list[int], allowed: set[int], banned: tuple[tuple[int, ...], ...]) -> bool:
+    return set(tokens) <= allowed and not any(tuple(tokens[i:i + len(b)]) == b for b in banned for i in range(len(tokens)))
+
+
+@pytest.mark.parametrize(("allowed", "banned"), [
+    ((0, 1, 2, 3, 5), ((5,), (1, 2), (2, 3, 1))),
+    (None, ((4,), (2, 1), (0, 3, 2))),  # each of these occurs in the unfiltered outputs
+    (None, ((2, 1), (3, 5, 0))),  # no one-token ban: the multi-token ones alone change the outputs
+])
+def test_greedy_speculation_equals_plain_greedy_under_the_filter(allowed, banned):
+    target = ToyLM(6, order=3, seed=7)
+    draft = target.perturbed(0.8, seed=8)
+    f = TokenFilter(6, allowed_ids=allowed, banned=banned)
+    cfg = SamplingConfig(temperature=0.0, max_new_tokens=40, constraint=f)
+    changed = 0
+    for prompt in ([1], [2, 3, 4], [5, 5, 0, 1]):
+        plain = SpeculativeDecoder(target, None, get_rule("greedy"))
+        ref = plain.generate(prompt, cfg).tokens
+        free = plain.generate(prompt, SamplingConfig(temperature=0.0, max_new_tokens=40)).tokens
+        assert _obeys(ref, set(allowed or range(6)), banned)
+        changed += ref != free
+        for gamma in (1, 3, 6):
+            for method in ("greedy", "block"):
+                dec = SpeculativeDecoder(target, ModelDrafter(draft), get_rule(method), gamma=FixedGamma(gamma))
+                assert dec.generate(prompt, cfg).tokens == ref
+    assert changed == 3
