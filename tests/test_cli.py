@@ -420,7 +420,6 @@ def test_allowed_token_ids_and_bad_words_from_the_command_line(capsys, tiny_pair
         (["--logprobs", "3"], "needs --json"),
         (["--logprobs", "21", "--json"], "between 0 and 20"),
         (["--json-object", "--remote", "http://127.0.0.1:9"], "run locally"),
-        (["--bad-word", "x", "--remote", "http://127.0.0.1:9"], "run locally"),
         (["--allowed-token-id", "-1"], "must be >= 0"),
         (["--bad-word", " "], "white space"),
     ],

@@ -92,8 +92,13 @@ def test_bad_input_is_refused():
         TokenFilter(4, allowed_ids=(1, 4))
     with pytest.raises(ConfigError, match="ban every allowed token"):
         TokenFilter(4, allowed_ids=(1,), banned=((1,),))
-    with pytest.raises(ConfigError, match="built for a vocabulary of 4"):
-        TokenFilter(4).allowed([], 5)
+    with pytest.raises(ConfigError, match=">= 0"):
+        TokenFilter(banned=((1, -2),))
+    lazy = TokenFilter(allowed_ids=(1, 6))  # no vocabulary yet: masks made for each size asked about
+    assert lazy.allowed([], 4).tolist() == [False, True, False, False]
+    assert lazy.allowed([], 7).tolist() == [False, True] + [False] * 4 + [True]
+    with pytest.raises(ConfigError, match="no allowed token id is inside"):
+        TokenFilter(allowed_ids=(5,)).allowed([], 4)
 
 
 def test_bad_words_are_banned_as_written_and_after_a_space():

@@ -402,9 +402,9 @@ def _cmd_generate(args: argparse.Namespace) -> int:
             raise SpecdecError("--logprobs needs --json (the log-probabilities are part of the JSON output)")
     grammar = _grammar_from(args)  # a bad schema, pattern or file fails here, before any model loads
     _check_filter(args)
-    if args.remote and (grammar is not None or args.logprobs is not None or args.allowed_token_ids or args.bad_words):
-        raise SpecdecError("structured output, --allowed-token-id, --bad-word and --logprobs run locally; through a"
-                           " server use its OpenAI API (response_format, allowed_token_ids, bad_words, logprobs)")
+    if args.remote and (grammar is not None or args.logprobs is not None):
+        raise SpecdecError("structured output and --logprobs run locally; through a server use its OpenAI API"
+                           " (response_format, logprobs)")
     if args.remote:  # edge-cloud: draft here, verify on a `specdec serve` server
         from specdec.remote.command import run_generate
 

@@ -162,7 +162,7 @@ class SpeculativeDecoder:
         if cfg.min_tokens:
             if verifier is not None:  # its law must mask the stop tokens too: it was built from cfg
                 raise ConfigError("min_tokens: build the verifier from floor_stops(cfg, decoder.stop_ids(cfg)) and pass"
-                                  " that config (a remote target cannot take min_tokens)")
+                                  " that config (a remote verifier: give it floor_ids=decoder.stop_ids(cfg))")
             cfg = floor_stops(cfg, stops)
         prompt_t = torch.as_tensor(prompt, dtype=torch.long).reshape(-1)
         seed = cfg.seed if cfg.seed is not None else _fresh_seed()

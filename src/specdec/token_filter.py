@@ -48,45 +48,56 @@ def bad_word_ids(tokenizer: Any, words: Sequence[str]) -> tuple[tuple[int, ...],
 class TokenFilter:
     """Allowed ids and banned token sequences as a :class:`specdec.sampling.Constraint` over
     ``inner`` (a grammar, or None).  Holds no state of a sequence: one filter without ``inner`` may
-    serve many sequences; :meth:`over` puts it over another sequence's grammar without re-checking."""
+    serve many sequences; :meth:`over` puts it over another sequence's grammar.  Its masks are made
+    for each vocabulary size it is asked about (a draft's may differ from the target's); with
+    ``vocab_size`` the ids are checked against it at once."""
 
     def __init__(
         self,
-        vocab_size: int,
+        vocab_size: int | None = None,
         *,
         allowed_ids: Sequence[int] | None = None,
         banned: Sequence[Sequence[int]] = (),
         inner: Any = None,
     ) -> None:
-        if allowed_ids is not None:
-            if not allowed_ids:
-                raise ConfigError("allowed_token_ids must not be empty")
-            bad = [t for t in allowed_ids if not 0 <= int(t) < vocab_size]
+        if allowed_ids is not None and not allowed_ids:
+            raise ConfigError("allowed_token_ids must not be empty")
+        self.allowed_ids = None if allowed_ids is None else tuple(sorted({int(t) for t in allowed_ids}))
+        self.banned = tuple(sorted({tuple(int(t) for t in seq) for seq in banned if len(seq)}))
+        if any(t < 0 for t in (*(self.allowed_ids or ()), *(t for seq in self.banned for t in seq))):
+            raise ConfigError("token ids must be >= 0")
+        self.inner = inner
+        self._masks: dict[int, tuple[Tensor, Tensor]] = {}  # vocabulary size -> (allowed, own) [V] bool
+        after: dict[tuple[int, ...], list[int]] = {}  # a banned sequence's head -> the last tokens it bans
+        for seq in self.banned:
+            if len(seq) > 1:
+                after.setdefault(seq[:-1], []).append(seq[-1])
+        self._after = after
+        self._heads = sorted({len(h) for h in after})
+        if vocab_size is not None:
+            bad = [t for t in self.allowed_ids or () if t >= vocab_size]
             if bad:
                 raise ConfigError(f"allowed token {bad[0]} is outside the vocabulary [0, {vocab_size})")
-        self.vocab_size = vocab_size
-        self.allowed_ids = None if allowed_ids is None else tuple(sorted({int(t) for t in allowed_ids}))
-        self.banned = tuple(tuple(int(t) for t in seq) for seq in banned if len(seq))
-        self.inner = inner
+            self._masks_for(vocab_size)
+
+    def _masks_for(self, vocab_size: int) -> tuple[Tensor, Tensor]:  # -> (allowed, own): [V] bool each
+        """The allowed ids' mask, and it less the one-token bad words, for a vocabulary of ``vocab_size``
+        (ids outside it can never be sampled there, so they neither allow nor need a ban)."""
+        masks = self._masks.get(vocab_size)
+        if masks is not None:
+            return masks
         allowed = torch.ones(vocab_size, dtype=torch.bool)  # [V]
         if self.allowed_ids is not None:
             allowed[:] = False
-            allowed[list(self.allowed_ids)] = True
-        own = allowed.clone()  # [V] the allowed ids less the one-token bad words
-        after: dict[tuple[int, ...], list[int]] = {}  # a banned sequence's head -> the last tokens it bans
-        for seq in self.banned:
-            if seq[-1] >= vocab_size:
-                continue  # a token the model cannot produce needs no ban
-            if len(seq) == 1:
-                own[seq[0]] = False
-            else:
-                after.setdefault(seq[:-1], []).append(seq[-1])
+            allowed[[t for t in self.allowed_ids if t < vocab_size]] = True
+            if not bool(allowed.any()):
+                raise ConfigError(f"no allowed token id is inside the vocabulary [0, {vocab_size})")
+        own = allowed.clone()  # [V]
+        own[[seq[0] for seq in self.banned if len(seq) == 1 and seq[0] < vocab_size]] = False
         if not bool(own.any()):
             raise ConfigError("the bad words ban every allowed token")
-        self._allowed = allowed
-        self._own = own
-        self._after = after
-        self._heads = sorted({len(h) for h in after})
+        self._masks[vocab_size] = masks = (allowed, own)
+        return masks
 
     def over(self, inner: Any) -> "TokenFilter":
         """The same filter over ``inner`` (another sequence's grammar), its masks shared."""
@@ -105,11 +116,10 @@ class TokenFilter:
         return out
 
     def allowed(self, generated: Sequence[int], vocab_size: int) -> Tensor:  # -> [V] bool
-        if vocab_size != self.vocab_size:
-            raise ConfigError(f"this token filter was built for a vocabulary of {self.vocab_size}, not {vocab_size}")
+        allowed, own = self._masks_for(vocab_size)
         inner = self.inner.allowed(generated, vocab_size) if self.inner is not None else None
-        banned = self.banned_after(generated)
-        mask = self._own
+        banned = [t for t in self.banned_after(generated) if t < vocab_size]
+        mask = own
         if banned:
             mask = mask.clone()
             mask[banned] = False
@@ -119,6 +129,6 @@ class TokenFilter:
             return mask
         # nothing left: the bad words give way, then the allowed ids (the inner constraint holds)
         if inner is None:
-            return self._allowed
-        mask = self._allowed & inner
+            return allowed
+        mask = allowed & inner
         return mask if bool(mask.any()) else inner

@@ -57,6 +57,27 @@ def test_remote_greedy_and_coupled_equal_local(server, capsys):
     assert remote["remote"]["wire"] == "coupled" and remote["token_ids"] == local["token_ids"]
 
 
+def test_remote_min_tokens_allowed_ids_and_bad_words_equal_local(server, capsys):
+    """--min-tokens, --allowed-token-id and --bad-word over the wire give local decoding's tokens
+    (greedy, and coupled sampling with a seed), which they change."""
+    common = ["-p", PROMPT, "-n", "16", "--gamma", "4", "--json"]
+    code, free, _ = _run(capsys, "generate", "--target", MODEL, "--draft", "none", *common)
+    word = next(w for w in free["text"].split() if w.isalpha() and len(w) > 2)
+    allowed = [t for t in range(2, 4000) if t != free["token_ids"][1]]  # 0-1: end-of-text ids; one token of free's out
+    options = ["--min-tokens", "12", "--bad-word", word, *[f"--allowed-token-id={t}" for t in allowed]]
+    for sampled in ([], ["-t", "0.8", "--seed", "3"]):
+        method = ["--method", "coupled"] if sampled else []
+        code, local, err = _run(capsys, "generate", "--target", MODEL, "--draft", "none", *method, *common, *options, *sampled)
+        assert code == 0, err
+        code, remote, err = _run(capsys, "generate", "--remote", server.url, "--api-key", KEY, "--draft", MODEL, *common,
+                                 *options, *sampled)
+        assert code == 0, err
+        assert remote["token_ids"] == local["token_ids"] and remote["text"] == local["text"]
+        assert word not in local["text"] and set(local["token_ids"]) <= set(allowed)
+        if not sampled:
+            assert local["token_ids"] != free["token_ids"]
+
+
 def test_sparse_q_gating_and_env_key(server, capsys, monkeypatch):
     monkeypatch.setenv("SPECDEC_API_KEY", KEY)
     base = ["generate", "--remote", server.url, "--draft", MODEL, "-p", "It costs $25 on March 3 and", "-n", "10", "--json"]

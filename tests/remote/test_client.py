@@ -22,6 +22,7 @@ from specdec.models.toy import ToyLM
 from specdec.remote.client import RemoteConfig, RemoteError, RemoteTarget, RemoteVerifier
 from specdec.remote.edge import generate_remote
 from specdec.sampling import SamplingConfig
+from specdec.token_filter import TokenFilter
 from specdec.verify import get_rule
 from clock import ModelledCostGamma
 from stats import ALPHA, chi_square_pvalue, exact_law
@@ -89,6 +90,54 @@ def test_remote_sparse_q_equals_local_truncated_drafting(toy_server, method):
             out = _remote(toy_server.url, [1, 2], cfg, gamma=3, q_top_k=2, wire="sparse-q", method=method, client=client)
             assert out.remote["method"] == method
             assert out.token_ids == _local([1, 2], cfg, method, gamma=3, q_top_k=2)
+
+
+#: allowed ids and bad words on the toy vocabulary {0, 1, 2, 3}: 3 never; 1 never after 1 or 2
+FILTER = TokenFilter(allowed_ids=(0, 1, 2), banned=((1, 1), (2, 1)))
+
+
+def _obeys(tokens: list[int]) -> bool:
+    return 3 not in tokens and all(tokens[i:i + 2] not in ([1, 1], [2, 1]) for i in range(len(tokens)))
+
+
+def test_remote_bias_min_tokens_and_filters_equal_local(toy_server):
+    """logit_bias, min_tokens (over the edge's stop ids) and allowed ids / bad words travel in the
+    session body: greedy and coupled edges give the tokens the local target gives alone under the
+    same options (same seed), which change them, chains and trees alike."""
+    eos = frozenset({0})
+    options = dict(logit_bias=((2, 1.5), (0, -1.0)), min_tokens=5, constraint=FILTER)
+    changed = 0
+    with httpx.Client() as client:
+        for temperature, seeds in ((0.0, (0,)), (1.0, range(8))):
+            for seed in seeds:
+                cfg = SamplingConfig(temperature=temperature, seed=seed, max_new_tokens=24, **options)
+                method = "greedy" if temperature == 0 else "coupled"
+                plain = SpeculativeDecoder(TARGET, None, get_rule(method), eos_ids=eos).generate([1, 2], cfg).tokens
+                free = SpeculativeDecoder(TARGET, None, get_rule(method), eos_ids=eos).generate(
+                    [1, 2], SamplingConfig(temperature=temperature, seed=seed, max_new_tokens=24)).tokens
+                assert _obeys(plain) and 0 not in plain[:5]
+                changed += plain != free
+                for tree in ("chain", 4):
+                    out = generate_remote([1, 2], cfg, _cfg(toy_server.url), drafter=ModelDrafter(DRAFT), gamma=3,
+                                          eos_ids=eos, tree=tree, client=client)
+                    assert out.token_ids == plain, (temperature, seed, tree)
+    assert changed >= 6
+
+
+def test_a_grammar_does_not_go_over_the_wire(toy_server):
+    """A constraint the session body cannot carry is refused before any session exists: verifying
+    without it would give the unconstrained target's law."""
+    class NoRepeat:
+        def allowed(self, generated, vocab_size):
+            return torch.ones(vocab_size, dtype=torch.bool)
+
+    for constraint in (NoRepeat(), FILTER.over(NoRepeat())):
+        cfg = SamplingConfig(temperature=1.0, seed=1, max_new_tokens=4, constraint=constraint)
+        with pytest.raises(ConfigError, match="runs locally"):
+            generate_remote([1, 2], cfg, _cfg(toy_server.url), drafter=ModelDrafter(DRAFT), gamma=2)
+    cfg = SamplingConfig(temperature=1.0, seed=1, max_new_tokens=4, constraint=TokenFilter(allowed_ids=(7,)))
+    with pytest.raises(RemoteError, match="allowed token 7 is outside the vocabulary"):
+        generate_remote([1, 2], cfg, _cfg(toy_server.url), drafter=ModelDrafter(DRAFT), gamma=2)
 
 
 # ----------------------------------------------------------------------------- output law over the wire
@@ -168,15 +217,18 @@ def test_a_lost_response_is_retried_with_the_same_seq(toy_server):
 
 
 def test_server_killed_and_restarted_mid_session(toy_server):
+    """Killed right after a 1 was committed: the re-created session must count what was committed as
+    generated (penalties, and the bad words' history: no 1 may follow that 1)."""
     from serverproc import ServerProcess
 
-    cfg = SamplingConfig(temperature=1.0, top_k=3, seed=9, max_new_tokens=120)
+    cfg = SamplingConfig(temperature=1.0, top_k=3, frequency_penalty=0.3, seed=9, max_new_tokens=120,
+                         constraint=TokenFilter(banned=((1, 1), (1, 2))))
     srv = ServerProcess.toy("--api-key", API_KEY, "--vocab", "4", "--order", "2", "--seed", "0").start()
     restarted = []
 
     def crash(tokens: list[int]) -> None:
         seen.extend(tokens)
-        if len(seen) >= 30 and not restarted:
+        if len(seen) >= 30 and seen[-1] == 1 and not restarted:
             srv.kill()
             srv.start(wait=False)  # the edge's retries wait for it
             restarted.append(len(seen))

@@ -38,7 +38,8 @@ from torch import Tensor
 from specdec.drafters.base import Draft
 from specdec.errors import ConfigError, SpecdecError
 from specdec.remote.protocol import default_wire, wire_method
-from specdec.sampling import SamplingConfig
+from specdec.sampling import SamplingConfig, StopFloor
+from specdec.token_filter import TokenFilter
 from specdec.session import Outcome
 from specdec.verify import Rule, Verdict, get_rule
 
@@ -173,6 +174,34 @@ def derived_seed(seed: int, committed: int) -> int:
     return x & ((1 << 63) - 1)
 
 
+def wire_options(sampling: SamplingConfig, floor_ids: frozenset[int] = frozenset()) -> dict[str, Any]:
+    """What a session body carries of ``sampling`` beyond temperature, truncation and penalties:
+    its logit bias, min_tokens over ``floor_ids`` (the edge's end-of-sequence and stop token ids),
+    and a constraint made of allowed ids and bad words (a :class:`~specdec.token_filter.TokenFilter`,
+    possibly under the :class:`~specdec.sampling.StopFloor` that ``floor_stops`` makes).  Any other
+    constraint (a grammar) is refused: the server could not apply it, and verifying without it
+    would give the unconstrained target's law."""
+    constraint, min_tokens, floor = sampling.constraint, sampling.min_tokens, frozenset(floor_ids)
+    if isinstance(constraint, StopFloor):
+        if min_tokens:
+            raise ConfigError("min_tokens given twice: as a number and as a floor already applied")
+        min_tokens, floor, constraint = constraint.n, frozenset(constraint.stop_ids), constraint.inner
+    if constraint is not None and not (isinstance(constraint, TokenFilter) and constraint.inner is None):
+        raise ConfigError("over the wire a constraint may only be allowed token ids and bad words; structured output"
+                          " (a grammar) runs locally or through the server's OpenAI API")
+    body: dict[str, Any] = {}
+    if sampling.logit_bias:
+        body["logit_bias"] = [[int(t), float(b)] for t, b in sampling.logit_bias]
+    if min_tokens and floor:
+        body.update(min_tokens=int(min_tokens), floor_ids=sorted(floor))
+    if constraint is not None:
+        if constraint.allowed_ids is not None:
+            body["allowed_token_ids"] = list(constraint.allowed_ids)
+        if constraint.banned:
+            body["bad_token_ids"] = [list(seq) for seq in constraint.banned]
+    return body
+
+
 class RemoteVerifier:
     """Implements :class:`specdec.session.Verifier` by calling a specdec server.
 
@@ -189,11 +218,13 @@ class RemoteVerifier:
         max_new_tokens: int | None = None,
         client: httpx.Client | None = None,
         local_commit: Callable[[Draft], bool] | None = None,
+        floor_ids: frozenset[int] = frozenset(),
     ) -> None:
         if sampling.seed is None:
             raise ConfigError("a remote session needs a fixed seed (the edge and the cloud must share it)")
         self.cfg = cfg
         self.sampling = sampling
+        self._options = wire_options(sampling, floor_ids)  # refused here, before the server is asked
         self.wire = cfg.wire or default_wire(sampling.temperature)
         try:
             self.method = wire_method(self.wire, cfg.method) if self.wire in _WIRES else None
@@ -389,6 +420,7 @@ class RemoteVerifier:
             "wire": self.wire,
             "method": self.method,
             "max_new_tokens": max(1, self._budget - len(committed)),
+            **self._options,
         }
         started = time.perf_counter()
         attempts = 0

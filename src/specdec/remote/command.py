@@ -140,6 +140,14 @@ def run_generate(args: argparse.Namespace, prompt: str, sampling: SamplingConfig
         drafter, name = model_drafter(cfg, draft, lookup=lookup)  # NAME+lookup: prompt lookup first
     vocab = draft.vocab_size if draft is not None else len(tokenizer)
     gate = _gate(args, tokenizer, draft.model if draft is not None else None, vocab)
+    if getattr(args, "allowed_token_ids", None) or getattr(args, "bad_words", None):
+        from dataclasses import replace
+
+        from specdec.token_filter import TokenFilter, bad_word_ids
+
+        # sent as ids and token sequences (the edge's tokenizer is the target's); the server checks its vocabulary
+        banned = bad_word_ids(tokenizer, args.bad_words) if args.bad_words else ()
+        sampling = replace(sampling, constraint=TokenFilter(allowed_ids=args.allowed_token_ids or None, banned=banned))
     log(f"verifying on {args.remote} (wire {wire or 'default'})")
     on_text = None if quiet else (lambda text: (sys.stdout.write(text), sys.stdout.flush()))
     if args.interactive:

@@ -22,7 +22,7 @@ from specdec.engine import make_gamma, make_tree
 from specdec.errors import ConfigError
 from specdec.remote.client import RemoteConfig, RemoteTarget, RemoteVerifier
 from specdec.remote.gating import Gate, GatedDrafter
-from specdec.sampling import SamplingConfig
+from specdec.sampling import SamplingConfig, floor_stops
 from specdec.text import StopStrings, TextSink
 
 #: default truncation of q in sparse-q mode (the drafter samples from its top-k and sends exactly that)
@@ -104,11 +104,11 @@ def generate_remote(
             drafter = GatedDrafter(drafter, gate)
         if gate.cfg.policy == "lossy-local-commit":
             local_commit = gate.local_commit
-    if sampling.min_tokens:
-        raise ConfigError("min tokens change the target's law, which the server computes: not supported over the wire"
-                          " (--remote); stop token ids are")
+    # min_tokens masks these until then: the server is told which, and the drafts are masked alike
+    stops = frozenset(eos_ids) | frozenset(sampling.stop_token_ids)
     verifier = RemoteVerifier(
-        remote, prompt_ids, sampling, max_new_tokens=sampling.max_new_tokens, client=client, local_commit=local_commit
+        remote, prompt_ids, sampling, max_new_tokens=sampling.max_new_tokens, client=client, local_commit=local_commit,
+        floor_ids=stops,
     )
     try:
         target = RemoteTarget(vocab_size=verifier.vocab_size, max_length=verifier.max_context)
@@ -122,16 +122,17 @@ def generate_remote(
             q_top_k=q_top_k if verifier.wire == "sparse-q" else None,
             tree=spec,
         )
-        sink = TextSink(tokenizer, sampling.stop, on_text, keep_stop=sampling.include_stop,
+        sink = TextSink(tokenizer, sampling.stop, on_text, min_tokens=sampling.min_tokens, keep_stop=sampling.include_stop,
                         hidden=frozenset(sampling.stop_token_ids))
-        stop = StopStrings(tokenizer, sampling.stop) if sampling.stop and tokenizer is not None else None
+        stop = (StopStrings(tokenizer, sampling.stop, min_tokens=sampling.min_tokens)
+                if sampling.stop and tokenizer is not None else None)
 
         def emit(tokens: list[int]) -> None:
             sink.push(tokens)
             if on_tokens is not None:
                 on_tokens(tokens)
 
-        result = decoder.generate(prompt_ids, sampling, stop=stop, on_tokens=emit, verifier=verifier)
+        result = decoder.generate(prompt_ids, floor_stops(sampling, stops), stop=stop, on_tokens=emit, verifier=verifier)
         text = sink.finish(result.tokens)
     finally:
         verifier.close()

@@ -82,6 +82,17 @@ class SamplingFields(_Body):
     repetition_penalty: Annotated[float, Field(strict=True, gt=0.0, le=1e4, allow_inf_nan=False)] = 1.0
     frequency_penalty: Annotated[float, Field(strict=True, ge=-1e4, le=1e4, allow_inf_nan=False)] = 0.0
     presence_penalty: Annotated[float, Field(strict=True, ge=-1e4, le=1e4, allow_inf_nan=False)] = 0.0
+    #: [token id, bias] pairs added to the logits first (OpenAI's logit_bias)
+    logit_bias: Annotated[list[tuple[TokenId, Annotated[float, Field(strict=True, ge=-1e4, le=1e4, allow_inf_nan=False)]]],
+                          Field(max_length=1 << 16)] = []
+    #: vLLM's min_tokens: ``floor_ids`` (the edge's end-of-sequence and stop token ids) are masked
+    #: until this many tokens were generated (resumed ones count)
+    min_tokens: Annotated[int, Field(strict=True, ge=0, le=MAX_PROMPT_TOKENS)] = 0
+    floor_ids: Annotated[list[TokenId], Field(max_length=1024)] = []
+    #: vLLM's allowed_token_ids (only these sampled) and bad words as token sequences (none completed)
+    allowed_token_ids: Annotated[list[TokenId], Field(min_length=1, max_length=1 << 18)] | None = None
+    bad_token_ids: Annotated[list[Annotated[list[TokenId], Field(min_length=1, max_length=64)]],
+                             Field(max_length=1024)] = []
 
 
 class CreateSessionRequest(SamplingFields):

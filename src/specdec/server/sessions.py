@@ -15,7 +15,7 @@ import os
 import threading
 import time
 from collections import OrderedDict
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from typing import Any, Callable
 
 import torch
@@ -35,12 +35,13 @@ from specdec.remote.protocol import (
     default_wire,
     wire_method,
 )
-from specdec.sampling import SamplingConfig
+from specdec.sampling import SamplingConfig, floor_stops
 from specdec.server.compute import COMPUTE
 from specdec.server.errors import ApiError
 from specdec.server.served import ServedModel, compact_kw
 from specdec.server.settings import ServerSettings
 from specdec.session import TargetSession
+from specdec.token_filter import TokenFilter
 from specdec.tree import depths
 from specdec.verify import Rule, Verdict, get_rule
 
@@ -319,6 +320,25 @@ class EdgeSession:
 # ----------------------------------------------------------------------------- creation
 
 
+def _logit_bias(pairs: list[tuple[int, float]], vocab: int) -> tuple[tuple[int, float], ...]:
+    """The edge's logit bias, one bias a token, each token in the vocabulary."""
+    out: dict[int, float] = {}
+    for token, bias in pairs:
+        if token >= vocab:
+            raise ValueError(f"logit_bias token {token} is outside the vocabulary [0, {vocab})")
+        if token in out:
+            raise ValueError(f"logit_bias gives token {token} twice")
+        out[token] = float(bias)
+    return tuple(sorted(out.items()))
+
+
+def _token_filter(req: CreateSessionRequest, vocab: int) -> TokenFilter | None:
+    """The edge's allowed ids and bad words (as token sequences); None where neither is given."""
+    if req.allowed_token_ids is None and not req.bad_token_ids:
+        return None
+    return TokenFilter(vocab, allowed_ids=req.allowed_token_ids, banned=req.bad_token_ids)
+
+
 def create_session(
     req: CreateSessionRequest,
     model: LanguageModel,
@@ -365,7 +385,11 @@ def create_session(
             repetition_penalty=req.repetition_penalty,
             frequency_penalty=req.frequency_penalty,
             presence_penalty=req.presence_penalty,
+            logit_bias=_logit_bias(req.logit_bias, vocab),
+            constraint=_token_filter(req, vocab),
         )
+        # min_tokens as the edge's floor over its stop ids: the drafts were masked the same way
+        cfg = floor_stops(replace(cfg, min_tokens=req.min_tokens), frozenset(req.floor_ids))
     except (ValueError, SpecdecError) as exc:
         raise ApiError(400, str(exc)) from None
     budget = model.max_length - n - 1
@@ -377,10 +401,12 @@ def create_session(
     except SpecdecError as exc:
         raise ApiError(400, str(exc)) from None
     if generated and target.penalties is not None:
-        # a resumed sequence: penalties count these as generated tokens, as the first session did
+        # a resumed sequence: penalties count these as generated tokens, as the first session did,
+        # and a constraint (min_tokens, bad words) sees them in its history
         target.penalties.counts.index_add_(
             0, torch.tensor(generated), torch.ones(len(generated), dtype=target.penalties.counts.dtype)
         )
+        target.penalties.generated.extend(generated)
     session = EdgeSession(
         id=session_id, wire=wire, rule=rule, seed=seed, target=target, prompt_tokens=len(prompt),
         resumed_tokens=len(generated), limit=n + max(budget, 1), owner=owner,
