@@ -304,7 +304,7 @@ def test_vllm_min_tokens_stop_token_ids_and_include_stop(client, local):
     with_stop = client.completions.create(max_tokens=12, stop=[stop], extra_body={"include_stop_str_in_output": True}, **greedy)
     assert with_stop.choices[0].text == text[: text.index(stop) + len(stop)]
     for body, message in (({"min_tokens": 13}, "must not exceed max_tokens"), ({"logits_processors": ["x"]}, "logits_processors"),
-                          ({"use_beam_search": True}, "use_beam_search"), ({"guided_json": {"type": "object"}}, "guided_json"),
+                          ({"use_beam_search": True}, "use_beam_search"), ({"guided_whitespace_pattern": " "}, "guided_whitespace_pattern"),
                           ({"skip_special_tokens": False}, "skip_special_tokens"),
                           ({"stop_token_ids": [10**8]}, "outside the vocabulary")):
         with pytest.raises(openai.BadRequestError, match=message):
@@ -515,3 +515,37 @@ def test_structured_output_parses_and_matches_the_schema_under_speculation(clien
             assert len(choice.text) == 5 and choice.text[0] == " " and set(choice.text[1:]) <= set("02468"), choice.text
     with pytest.raises(openai.BadRequestError, match="invalid"):
         client.completions.create(model=MODEL, prompt="x", extra_body={"response_format": {"type": "grammar", "grammar": "start: ("}})
+
+
+def test_vllm_guided_decoding_fields(client):
+    """vLLM's guided_choice / _regex / _json / _grammar and structured_outputs make the same grammar
+    response_format does: the output obeys it under speculation, greedy and sampled."""
+    import json
+
+    choices = ["positive", "negative", "not sure"]
+    prompt = "Review: the food was cold and late.\nSentiment:"
+    bodies = [{"guided_choice": choices}, {"structured_outputs": {"choice": choices}},
+              {"guided_grammar": 'start: "positive" | "negative" | "not sure"'},
+              {"structured_outputs": {"grammar": 'start: "positive" | "negative" | "not sure"', "disable_fallback": True}}]
+    for body in bodies:
+        greedy = client.completions.create(model=MODEL, prompt=prompt, max_tokens=8, temperature=0, extra_body=body)
+        assert greedy.choices[0].text in choices and greedy.choices[0].finish_reason == "stop", body
+        sampled = client.completions.create(model=MODEL, prompt=prompt, max_tokens=8, temperature=1.0, seed=5, n=3,
+                                            extra_body=body)
+        assert all(c.text in choices for c in sampled.choices) and sampled.model_extra["specdec"]["lossless"], body
+    for body in ({"guided_regex": " [0-9]{4}"}, {"structured_outputs": {"regex": " [0-9]{4}"}}):
+        text = client.completions.create(model=MODEL, prompt="The year was", max_tokens=8, temperature=1.0, seed=2,
+                                         extra_body=body).choices[0].text
+        assert len(text) == 5 and text[0] == " " and text[1:].isdigit(), body
+    schema = {"type": "object", "properties": {"ok": {"type": "boolean"}}, "required": ["ok"], "additionalProperties": False}
+    for body in ({"guided_json": schema}, {"guided_json": json.dumps(schema)}, {"structured_outputs": {"json": schema}}):
+        out = client.chat.completions.create(model=MODEL, messages=[{"role": "user", "content": "Is the sky blue? JSON."}],
+                                             max_tokens=20, temperature=0, extra_body=body).choices[0]
+        assert json.loads(out.message.content) in ({"ok": True}, {"ok": False}), body
+    for body, message in (({"guided_choice": choices, "guided_regex": "a"}, "guided_regex and guided_choice"),
+                          ({"guided_regex": "a", "response_format": {"type": "json_object"}}, "response_format and guided_regex"),
+                          ({"guided_choice": []}, "non-empty strings"), ({"guided_choice": ["a", ""]}, "non-empty strings"),
+                          ({"guided_json": "{bad"}, "invalid guided_json"), ({"guided_json": "[1]"}, "a JSON Schema"),
+                          ({"guided_regex": "("}, "invalid"), ({"guided_grammar": 'root ::= "yes"'}, "invalid grammar"), ({"structured_outputs": {"structural_tag": "x"}}, "structural_tag")):
+        with pytest.raises(openai.BadRequestError, match=message):
+            client.completions.create(model=MODEL, prompt=prompt, max_tokens=4, extra_body=body)

@@ -7,15 +7,16 @@ the server log.  Fields whose *semantics* it cannot honour (tools, audio, ``suff
 refused with a 400 that names them, never silently dropped.  Extensions: ``top_k``, ``min_p``,
 ``repetition_penalty``, ``ignore_eos``, ``method`` (verification rule), ``gamma`` and vLLM's
 ``prompt_logprobs``, ``min_tokens``, ``stop_token_ids``, ``include_stop_str_in_output``,
-``allowed_token_ids`` and ``bad_words``; vLLM's extensions that would change the output and are not
-implemented (beam search, guided decoding by its old field names: use ``response_format``) are
-refused; responses
+``allowed_token_ids``, ``bad_words`` and guided decoding (``guided_json`` / ``_regex`` / ``_choice`` /
+``_grammar``, ``structured_outputs``); vLLM's extensions that would change the output and are not
+implemented (beam search, logits processors, a whitespace pattern) are refused; responses
 carry a ``specdec`` object with the run's speculative stats (the last stream chunk too).
 """
 
 from __future__ import annotations
 
 import asyncio
+import json
 import logging
 import secrets
 import threading
@@ -57,8 +58,8 @@ IGNORED_HEADER = "X-Specdec-Ignored-Fields"
 #: fields clients send whose meaning this server cannot honour: a 400 when they ask for something
 _REFUSED = ("tools", "functions", "audio", "prediction", "web_search_options",
             # vLLM's sampling extensions this server does not implement: each would change the output
-            "use_beam_search", "logits_processors", "guided_json", "guided_regex",
-            "guided_choice", "guided_grammar", "structured_outputs", "truncate_prompt_tokens")
+            "use_beam_search", "logits_processors", "guided_whitespace_pattern",
+            "truncate_prompt_tokens")
 #: fields that are accepted and have no effect here (listed in the ignored-fields header)
 _NO_EFFECT = ("user", "store", "metadata", "service_tier", "parallel_tool_calls", "reasoning_effort", "modalities")
 
@@ -100,6 +101,12 @@ class _Request(BaseModel):
     # vLLM's: only these token ids may be sampled; no word of bad_words is ever completed (token_filter)
     allowed_token_ids: Annotated[list[Annotated[int, Field(ge=0, le=(1 << 31) - 1)]], Field(max_length=1 << 18)] | None = None
     bad_words: Annotated[list[Annotated[str, Field(max_length=256)]], Field(max_length=MAX_BAD_WORDS)] | None = None
+    # vLLM's guided decoding (a grammar, as response_format makes): its older fields and structured_outputs
+    guided_json: dict[str, Any] | Annotated[str, Field(max_length=1 << 20)] | None = None
+    guided_regex: Annotated[str, Field(max_length=1 << 16)] | None = None
+    guided_choice: Annotated[list[Annotated[str, Field(max_length=1 << 12)]], Field(max_length=1024)] | None = None
+    guided_grammar: Annotated[str, Field(max_length=1 << 20)] | None = None
+    structured_outputs: dict[str, Any] | None = None
     # vLLM's; special tokens are always left out of the text here (false is refused)
     skip_special_tokens: bool = True
     method: Annotated[str, Field(max_length=64)] | None = None
@@ -163,6 +170,61 @@ def _grammar(fmt: dict[str, Any] | None) -> str | None:
     except ValueError as exc:  # the engine's own parse errors
         raise ApiError(400, f"invalid response_format: {str(exc).splitlines()[0]}") from None
     raise ApiError(400, f"response_format {kind!r} is not supported: text, json_object, json_schema, regex or grammar")
+
+
+#: vLLM's guided-decoding fields -> the kind of grammar each asks for
+_GUIDED = {"guided_json": "json", "guided_regex": "regex", "guided_choice": "choice", "guided_grammar": "grammar"}
+#: structured_outputs keys that choose vLLM's backend and change nothing here
+_BACKEND_ONLY = ("disable_fallback",)
+
+
+def _structured(req: _Request) -> str | None:
+    """The llguidance grammar a request asks for by any of its names: ``response_format``, vLLM's
+    ``guided_*`` fields or its ``structured_outputs`` (``json``, ``regex``, ``choice``, ``grammar``,
+    ``json_object``); None: free text.  More than one of them is a 400, as is a key this server
+    cannot honour."""
+    asked: list[tuple[str, str, Any]] = []  # (field, kind, spec)
+    if (req.response_format or {}).get("type", "text") != "text":
+        asked.append(("response_format", "response_format", req.response_format))
+    asked += [(name, kind, getattr(req, name)) for name, kind in _GUIDED.items() if getattr(req, name) is not None]
+    for key, value in (req.structured_outputs or {}).items():
+        if key in ("json", "regex", "choice", "grammar"):
+            if value is not None:
+                asked.append((f"structured_outputs.{key}", key, value))
+        elif key == "json_object":
+            if value:
+                asked.append((f"structured_outputs.{key}", "json_object", None))
+        elif key not in _BACKEND_ONLY and value not in (None, False, "", [], {}):
+            raise ApiError(400, f"structured_outputs.{key} is not supported by this server")
+    if not asked:
+        return None
+    if len(asked) > 1:
+        raise ApiError(400, f"ask for one kind of structured output, not {' and '.join(name for name, _, _ in asked)}")
+    name, kind, spec = asked[0]
+    if kind == "response_format":
+        return _grammar(spec)
+    from specdec.grammar import grammar_for
+
+    try:
+        if kind == "json_object":
+            return grammar_for("json_object", None)
+        if kind == "json":
+            schema = json.loads(spec) if isinstance(spec, str) else spec
+            if not isinstance(schema, dict):
+                raise ApiError(400, f"{name} must be a JSON Schema (an object)")
+            return grammar_for("json_schema", schema)
+        if kind == "choice":
+            if not isinstance(spec, list) or not spec or not all(isinstance(c, str) and c for c in spec):
+                raise ApiError(400, f"{name} must be a list of non-empty strings")
+            # one Lark literal per choice: JSON's string escapes are Lark's
+            return grammar_for("lark", "start: " + " | ".join(json.dumps(c, ensure_ascii=False) for c in spec))
+        if not isinstance(spec, str) or not spec:
+            raise ApiError(400, f"{name} must be a non-empty string")
+        return grammar_for("regex" if kind == "regex" else "lark", spec)
+    except SpecdecError as exc:
+        raise ApiError(400, str(exc)) from None
+    except ValueError as exc:  # a schema that is not JSON, the engine's own parse errors
+        raise ApiError(400, f"invalid {name}: {str(exc).splitlines()[0]}") from None
 
 
 class CompletionRequest(_Request):
@@ -349,7 +411,7 @@ class _Job:
         except SpecdecError as exc:
             raise ApiError(400, str(exc)) from None
         self.token_filter = _token_filter(ctx, req)
-        self.grammar = _grammar(req.response_format)
+        self.grammar = _structured(req)
         if self.grammar is not None:
             self._constraint()  # a bad grammar is a 400 now, not an error event later
         elif self.token_filter is not None:  # no state of its own: one filter serves every choice
@@ -640,8 +702,6 @@ async def _run_blocking(job: _Job, request: Request | None = None) -> list[TextR
 
 
 def _sse(payload: dict[str, Any] | str) -> str:
-    import json
-
     data = payload if isinstance(payload, str) else json.dumps(payload, separators=(",", ":"))
     return f"data: {data}\n\n"
 
