@@ -372,6 +372,12 @@ def test_structured_output_and_logprobs_from_the_command_line(capsys, tmp_path):
     payload = json.loads(out)
     assert payload["text"][0] == " " and payload["text"][1:5].isdigit() and len(payload["text"]) == 5
     assert all(e["top"] == [] for e in payload["logprobs"])
+    picks = ["positive", "negative", "not sure"]
+    for draft, extra in (("none", []), (model, ["-t", "1", "--seed", "4"]), (model, ["--tree", "4"])):
+        code, out, err = _run(capsys, "generate", "--target", model, "--draft", draft, "-p", "The review was",
+                              "-n", "8", "--json", *[f"--choice={c}" for c in picks], *extra)
+        assert code == 0, err
+        assert json.loads(out)["text"] in picks
 
 
 def test_allowed_token_ids_and_bad_words_from_the_command_line(capsys, tiny_pair, tmp_path):
@@ -420,6 +426,8 @@ def test_allowed_token_ids_and_bad_words_from_the_command_line(capsys, tiny_pair
         (["--logprobs", "3"], "needs --json"),
         (["--logprobs", "21", "--json"], "between 0 and 20"),
         (["--json-object", "--remote", "http://127.0.0.1:9"], "run locally"),
+        (["--choice", ""], "non-empty strings"),
+        (["--choice", "a", "--remote", "http://127.0.0.1:9"], "run locally"),
         (["--allowed-token-id", "-1"], "must be >= 0"),
         (["--bad-word", " "], "white space"),
     ],

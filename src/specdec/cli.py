@@ -68,6 +68,8 @@ def _add_output(p: argparse.ArgumentParser) -> None:
                      help="constrain the output to JSON matching this JSON Schema: inline JSON or the path of a .json file")
     fmt.add_argument("--regex", metavar="PATTERN", help="constrain the output to this regular expression")
     fmt.add_argument("--grammar", metavar="FILE", help="constrain the output to the Lark grammar in FILE")
+    fmt.add_argument("--choice", action="append", metavar="TEXT",
+                     help="constrain the output to exactly one of these strings (repeatable), as vLLM's guided_choice")
     g.add_argument("--allowed-token-id", dest="allowed_token_ids", type=int, action="append", default=[], metavar="ID",
                    help="only these token ids may be generated (repeatable; end-of-sequence too only where listed), as vLLM's"
                         " allowed_token_ids: a mask on draft and target alike, so still lossless for the masked law")
@@ -139,6 +141,10 @@ def _grammar_spec(args: argparse.Namespace) -> tuple[str | None, object]:
         return "json_schema", schema
     if args.regex is not None:
         return "regex", args.regex
+    if args.choice:
+        from specdec.grammar import choice_lark
+
+        return "lark", choice_lark(args.choice)
     if args.grammar is not None:
         path = Path(args.grammar)
         if not path.is_file():

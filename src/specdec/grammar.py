@@ -60,6 +60,14 @@ def grammar_for(kind: str, spec: Any) -> str:
     raise ConfigError(f"unknown grammar kind {kind!r}: json_object, json_schema, regex or lark")
 
 
+def choice_lark(choices: list[str]) -> str:
+    """A Lark grammar whose language is exactly ``choices`` (vLLM's ``guided_choice``): one literal
+    per string, written with JSON's string escapes, which are Lark's."""
+    if not choices or not all(isinstance(c, str) and c for c in choices):
+        raise ConfigError("a choice list must hold one or more non-empty strings")
+    return "start: " + " | ".join(json.dumps(c, ensure_ascii=False) for c in choices)
+
+
 class GrammarConstraint:
     """Tokens a grammar allows after a generated history (a :class:`specdec.sampling.Constraint`)."""
 

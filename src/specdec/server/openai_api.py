@@ -203,7 +203,7 @@ def _structured(req: _Request) -> str | None:
     name, kind, spec = asked[0]
     if kind == "response_format":
         return _grammar(spec)
-    from specdec.grammar import grammar_for
+    from specdec.grammar import choice_lark, grammar_for
 
     try:
         if kind == "json_object":
@@ -216,8 +216,7 @@ def _structured(req: _Request) -> str | None:
         if kind == "choice":
             if not isinstance(spec, list) or not spec or not all(isinstance(c, str) and c for c in spec):
                 raise ApiError(400, f"{name} must be a list of non-empty strings")
-            # one Lark literal per choice: JSON's string escapes are Lark's
-            return grammar_for("lark", "start: " + " | ".join(json.dumps(c, ensure_ascii=False) for c in spec))
+            return grammar_for("lark", choice_lark(spec))
         if not isinstance(spec, str) or not spec:
             raise ApiError(400, f"{name} must be a non-empty string")
         return grammar_for("regex" if kind == "regex" else "lark", spec)
