@@ -356,3 +356,43 @@ def test_the_gamma_controller_does_not_see_a_drafters_catch_up(hybrid):
     assert drafted and all(s < pause / 2 for s in drafted)  # the pause taken off each drafted round
     model_rounds = [r for r in out.rounds if r.gamma > 0 and not r.free]
     assert len(model_rounds) == len(drafted) and all(r.draft_ms >= pause * 1e3 for r in model_rounds)
+
+
+class _CountingFloor(StopFloor):
+    """A min_tokens floor that records the history length of every row it is asked about."""
+
+    def __init__(self, *args):
+        super().__init__(*args)
+        self.asked: list[int] = []
+
+    def allowed(self, generated, vocab_size):
+        self.asked.append(len(generated))
+        return super().allowed(generated, vocab_size)
+
+
+@pytest.mark.parametrize("method", ["greedy", "block"])
+def test_a_passed_min_tokens_floor_leaves_the_config(method):
+    """Once n tokens exist the floor masks nothing, for every continuation: the target's session
+    and the drafts stop asking it (no row after the round that crossed it), and the tokens are
+    those of a floor that stays (here: the decoder's own, applied to every row)."""
+    from specdec.sampling import settled
+
+    inner = NoRepeat()
+    floor = StopFloor(frozenset({0}), 3, inner)
+    assert settled(floor, [1, 2]) is floor and settled(floor, [1, 2, 3]) is inner
+    assert settled(StopFloor(frozenset({0}), 2, StopFloor(frozenset({1}), 3)), [5, 5, 5]) is None and settled(None, []) is None
+    target = ToyLM(6, order=3, seed=7)
+    draft = target.perturbed(0.8, seed=8)
+    gamma = 4
+    temperature = 0.0 if method == "greedy" else 1.0
+    for seed in range(4):
+        counting = _CountingFloor(frozenset({0}), 5)
+        cfg = SamplingConfig(temperature=temperature, max_new_tokens=40, seed=seed, constraint=counting)
+        dec = SpeculativeDecoder(target, ModelDrafter(draft), get_rule(method), gamma=FixedGamma(gamma))
+        out = dec.generate([1, 2], cfg).tokens
+        assert len(out) == 40 and 0 not in out[:5]
+        assert counting.asked and max(counting.asked) <= 5 - 1 + gamma  # rows of rounds begun before the floor
+        if method == "greedy":  # the decoder's own floor (min_tokens) gives the same tokens
+            ref = SpeculativeDecoder(target, None, get_rule("greedy"), eos_ids=frozenset({0})).generate(
+                [1, 2], SamplingConfig(temperature=0.0, max_new_tokens=40, min_tokens=5)).tokens
+            assert out[: len(ref)] == ref

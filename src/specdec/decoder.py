@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import os
 import time
-from dataclasses import asdict, dataclass, field
+from dataclasses import asdict, dataclass, field, replace
 from typing import Callable, Protocol
 
 import torch
@@ -21,7 +21,7 @@ from specdec.errors import ConfigError
 from specdec.drafters.tree_builder import TreeSpec
 from specdec.gamma import FixedGamma, GammaController
 from specdec.models.base import LanguageModel
-from specdec.sampling import PenaltyState, SamplingConfig, floor_stops
+from specdec.sampling import PenaltyState, SamplingConfig, floor_stops, settled
 from specdec.session import TargetSession, Verifier, check_rule
 from specdec.verify import Rule
 
@@ -259,6 +259,12 @@ class SpeculativeDecoder:
             if penalties is not None:
                 penalties.append(torch.tensor(new, dtype=torch.long))
             generated.extend(new)
+            if draft_cfg.constraint is not None:  # a passed min_tokens floor leaves the drafts' config too
+                now = settled(draft_cfg.constraint, generated)
+                if now is not draft_cfg.constraint:
+                    draft_cfg = replace(draft_cfg, constraint=now)
+                    if not draft_cfg.needs_state:
+                        penalties = None
             t2 = time.perf_counter()
             if not rounds:
                 ttft = t2 - started

@@ -107,6 +107,16 @@ class StopFloor:
         return mask if bool(mask.any()) else base
 
 
+def settled(constraint: Constraint | None, generated: Sequence[int]) -> Constraint | None:
+    """The constraint in force from ``generated`` on, whatever follows: a :class:`StopFloor` whose
+    floor was reached is its inner constraint (None: nothing is left to mask).  Putting it in the
+    config in the old one's place changes no row's law, and saves every later row the constrained
+    path (the penalty state, a mask per row, draft rows scattered over the whole vocabulary)."""
+    while isinstance(constraint, StopFloor) and len(generated) >= constraint.n:
+        constraint = constraint.inner
+    return constraint
+
+
 def floor_stops(cfg: "SamplingConfig", stop_ids: frozenset[int]) -> "SamplingConfig":
     """``cfg`` with its ``min_tokens`` turned into a :class:`StopFloor` over ``stop_ids`` (the
     sequence's end-of-sequence ids unless ignored, and ``cfg.stop_token_ids``), composed with its

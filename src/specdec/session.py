@@ -31,6 +31,7 @@ from specdec.sampling import (
     penalise_with_extra,
     penalised_logits,
     process_logits,
+    settled,
     target_logprobs,
     top_logprobs,
     with_overrides,
@@ -236,6 +237,7 @@ class TargetSession:
         self._n += k
         if self.penalties is not None:
             self.penalties.append(verdict.tokens)
+            self._settle()
         kept = feats[: 1 + verdict.num_accepted] if feats is not None else None
         return Outcome(verdict=verdict, target_s=t1 - t0, verify_s=time.perf_counter() - t1, features=kept,
                        node_argmax=argmax_last(logits) if draft.wants_argmax else None)
@@ -291,9 +293,18 @@ class TargetSession:
         self._n += k
         if self.penalties is not None:
             self.penalties.append(verdict.tokens)
+            self._settle()
         return Outcome(verdict=verdict, target_s=t1 - t0, verify_s=time.perf_counter() - t1, metrics={"tree_nodes": n},
                        features=feats[keep] if feats is not None else None,
                        node_argmax=argmax_last(logits) if draft.wants_argmax else None)
+
+    def _settle(self) -> None:
+        """A min_tokens floor that was passed leaves the config (:func:`~specdec.sampling.settled`)."""
+        constraint = self.cfg.constraint
+        if constraint is not None and self.penalties is not None:
+            now = settled(constraint, self.penalties.generated)
+            if now is not constraint:
+                self.cfg = replace(self.cfg, constraint=now)
 
     def close(self) -> None:
         """The sequence is finished.  A target that keeps finished sequences (``keep_sequence``: the
