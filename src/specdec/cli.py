@@ -408,13 +408,12 @@ def _cmd_generate(args: argparse.Namespace) -> int:
             raise SpecdecError("--logprobs needs --json (the log-probabilities are part of the JSON output)")
     grammar = _grammar_from(args)  # a bad schema, pattern or file fails here, before any model loads
     _check_filter(args)
-    if args.remote and (grammar is not None or args.logprobs is not None):
-        raise SpecdecError("structured output and --logprobs run locally; through a server use its OpenAI API"
-                           " (response_format, logprobs)")
+    if args.remote and args.logprobs is not None:
+        raise SpecdecError("--logprobs runs locally; through a server use its OpenAI API (logprobs)")
     if args.remote:  # edge-cloud: draft here, verify on a `specdec serve` server
         from specdec.remote.command import run_generate
 
-        return run_generate(args, prompt, sampling, gamma, tree)
+        return run_generate(args, prompt, sampling, gamma, tree, grammar)
     quiet = args.json
     log = (lambda msg: None) if quiet else (lambda msg: print(f"[specdec] {msg}", file=sys.stderr, flush=True))
     engine = Engine.build(EngineConfig(target=args.target, draft=args.draft, backend=args.backend, dtype=args.dtype, draft_dtype=args.draft_dtype, draft_vocab=args.draft_vocab,

@@ -76,6 +76,8 @@ class GrammarConstraint:
         ok, warnings_or_error = _validate(llg, grammar)
         if not ok:
             raise ConfigError(f"invalid grammar: {warnings_or_error}")
+        #: the llguidance grammar (what the edge-cloud wire sends the server)
+        self.grammar = grammar
         self._info = _tokenizer_info(tokenizer, vocab_size)
         self._eos = getattr(tokenizer, "eos_token_id", None)
         self._new = lambda: llg.LLMatcher(self._info, grammar)
@@ -121,6 +123,8 @@ class GrammarConstraint:
                     raise ConfigError(f"the grammar engine failed: {self._matcher.get_error().splitlines()[0]}")
             words = self._bits[0].unsqueeze(-1)  # [W, 1]
             mask = ((words >> self._shifts) & 1).bool().reshape(-1)  # [W * 32]
+        if mask.numel() < vocab_size:  # ids past the tokenizer's (a padded embedding) are never allowed
+            mask = torch.cat([mask, mask.new_zeros(vocab_size - mask.numel())])
         return mask[:vocab_size]
 
 

@@ -78,6 +78,28 @@ def test_remote_min_tokens_allowed_ids_and_bad_words_equal_local(server, capsys)
             assert local["token_ids"] != free["token_ids"]
 
 
+def test_structured_output_over_the_wire_equals_local(server, capsys):
+    """--regex, --choice and --json-schema with --remote: the server reads the grammar with its own
+    tokenizer; greedy and seeded (coupled) runs give local decoding's tokens, which obey it."""
+    pytest.importorskip("llguidance")
+    schema = json.dumps({"type": "object", "properties": {"ok": {"type": "boolean"}}, "required": ["ok"],
+                         "additionalProperties": False})
+    # the choice case also sends a filter over the grammar: allowing only end-of-text (2), it gives way
+    # wherever the grammar needs a word, and the grammar holds
+    cases = [(["-p", "The year was", "--regex", " [0-9]{4}"], lambda t: len(t) == 5 and t[1:].isdigit()),
+             (["-p", "The review was", "--choice", "good", "--choice", "bad", "--allowed-token-id=2"], lambda t: t in ("good", "bad")),
+             (["-p", "Is the sky blue? Answer in JSON:", "--json-schema", schema], lambda t: json.loads(t)["ok"] in (True, False))]
+    for args, obeys in cases:
+        for sampled in ([], ["-t", "1", "--seed", "7"]):
+            common = [*args, "-n", "12", "--gamma", "3", "--json", *sampled]
+            method = ["--method", "coupled"] if sampled else []
+            code, local, err = _run(capsys, "generate", "--target", MODEL, "--draft", "none", *method, *common)
+            assert code == 0, err
+            code, remote, err = _run(capsys, "generate", "--remote", server.url, "--api-key", KEY, "--draft", MODEL, *common)
+            assert code == 0, err
+            assert remote["token_ids"] == local["token_ids"] and obeys(local["text"]), (args, sampled, local["text"])
+
+
 def test_sparse_q_gating_and_env_key(server, capsys, monkeypatch):
     monkeypatch.setenv("SPECDEC_API_KEY", KEY)
     base = ["generate", "--remote", server.url, "--draft", MODEL, "-p", "It costs $25 on March 3 and", "-n", "10", "--json"]

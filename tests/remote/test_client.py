@@ -124,16 +124,17 @@ def test_remote_bias_min_tokens_and_filters_equal_local(toy_server):
     assert changed >= 6
 
 
-def test_a_grammar_does_not_go_over_the_wire(toy_server):
-    """A constraint the session body cannot carry is refused before any session exists: verifying
-    without it would give the unconstrained target's law."""
+def test_a_constraint_the_wire_cannot_carry_is_refused(toy_server):
+    """A constraint the session body cannot carry (neither allowed ids, bad words nor an llguidance
+    grammar) is refused before any session exists: verifying without it would give the
+    unconstrained target's law."""
     class NoRepeat:
         def allowed(self, generated, vocab_size):
             return torch.ones(vocab_size, dtype=torch.bool)
 
     for constraint in (NoRepeat(), FILTER.over(NoRepeat())):
         cfg = SamplingConfig(temperature=1.0, seed=1, max_new_tokens=4, constraint=constraint)
-        with pytest.raises(ConfigError, match="runs locally"):
+        with pytest.raises(ConfigError, match="not NoRepeat: run it locally"):
             generate_remote([1, 2], cfg, _cfg(toy_server.url), drafter=ModelDrafter(DRAFT), gamma=2)
     cfg = SamplingConfig(temperature=1.0, seed=1, max_new_tokens=4, constraint=TokenFilter(allowed_ids=(7,)))
     with pytest.raises(RemoteError, match="allowed token 7 is outside the vocabulary"):

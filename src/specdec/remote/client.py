@@ -177,28 +177,35 @@ def derived_seed(seed: int, committed: int) -> int:
 def wire_options(sampling: SamplingConfig, floor_ids: frozenset[int] = frozenset()) -> dict[str, Any]:
     """What a session body carries of ``sampling`` beyond temperature, truncation and penalties:
     its logit bias, min_tokens over ``floor_ids`` (the edge's end-of-sequence and stop token ids),
-    and a constraint made of allowed ids and bad words (a :class:`~specdec.token_filter.TokenFilter`,
-    possibly under the :class:`~specdec.sampling.StopFloor` that ``floor_stops`` makes).  Any other
-    constraint (a grammar) is refused: the server could not apply it, and verifying without it
-    would give the unconstrained target's law."""
+    and a constraint made of allowed ids and bad words (a :class:`~specdec.token_filter.TokenFilter`)
+    and a grammar (a :class:`~specdec.grammar.GrammarConstraint`, alone or under the filter), possibly
+    under the :class:`~specdec.sampling.StopFloor` that ``floor_stops`` makes.  Any other constraint
+    is refused: the server could not apply it, and verifying without it would give the
+    unconstrained target's law."""
     constraint, min_tokens, floor = sampling.constraint, sampling.min_tokens, frozenset(floor_ids)
     if isinstance(constraint, StopFloor):
         if min_tokens:
             raise ConfigError("min_tokens given twice: as a number and as a floor already applied")
         min_tokens, floor, constraint = constraint.n, frozenset(constraint.stop_ids), constraint.inner
-    if constraint is not None and not (isinstance(constraint, TokenFilter) and constraint.inner is None):
-        raise ConfigError("over the wire a constraint may only be allowed token ids and bad words; structured output"
-                          " (a grammar) runs locally or through the server's OpenAI API")
+    from specdec.grammar import GrammarConstraint  # llguidance itself loads only when a grammar is made
+
+    token_filter = constraint if isinstance(constraint, TokenFilter) else None
+    inner = constraint.inner if token_filter is not None else constraint
+    if inner is not None and not isinstance(inner, GrammarConstraint):
+        raise ConfigError("over the wire a constraint may be allowed token ids, bad words and a grammar"
+                          f" (specdec.grammar.GrammarConstraint), not {type(inner).__name__}: run it locally")
     body: dict[str, Any] = {}
     if sampling.logit_bias:
         body["logit_bias"] = [[int(t), float(b)] for t, b in sampling.logit_bias]
     if min_tokens and floor:
         body.update(min_tokens=int(min_tokens), floor_ids=sorted(floor))
-    if constraint is not None:
-        if constraint.allowed_ids is not None:
-            body["allowed_token_ids"] = list(constraint.allowed_ids)
-        if constraint.banned:
-            body["bad_token_ids"] = [list(seq) for seq in constraint.banned]
+    if token_filter is not None:
+        if token_filter.allowed_ids is not None:
+            body["allowed_token_ids"] = list(token_filter.allowed_ids)
+        if token_filter.banned:
+            body["bad_token_ids"] = [list(seq) for seq in token_filter.banned]
+    if inner is not None:
+        body["grammar"] = inner.grammar
     return body
 
 

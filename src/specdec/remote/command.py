@@ -81,8 +81,9 @@ def _gate(args: argparse.Namespace, tokenizer: Any, draft_model: Any, vocab_size
 
 
 def run_generate(args: argparse.Namespace, prompt: str, sampling: SamplingConfig, gamma: str | int,
-                 tree: str | int = "chain") -> int:
-    """The ``generate --remote`` command body (prompt, sampling and γ already parsed by the CLI)."""
+                 tree: str | int = "chain", grammar: str | None = None) -> int:
+    """The ``generate --remote`` command body (prompt, sampling, γ and the output options' llguidance
+    ``grammar`` already parsed by the CLI)."""
     from transformers import AutoTokenizer
 
     from specdec import defaults
@@ -140,14 +141,21 @@ def run_generate(args: argparse.Namespace, prompt: str, sampling: SamplingConfig
         drafter, name = model_drafter(cfg, draft, lookup=lookup)  # NAME+lookup: prompt lookup first
     vocab = draft.vocab_size if draft is not None else len(tokenizer)
     gate = _gate(args, tokenizer, draft.model if draft is not None else None, vocab)
-    if getattr(args, "allowed_token_ids", None) or getattr(args, "bad_words", None):
-        from dataclasses import replace
+    constraint: Any = None
+    if grammar is not None:  # masks the drafts here; the server reads the same grammar with its own tokenizer
+        from specdec.grammar import GrammarConstraint
 
+        constraint = GrammarConstraint(tokenizer, grammar, vocab)
+    if getattr(args, "allowed_token_ids", None) or getattr(args, "bad_words", None):
         from specdec.token_filter import TokenFilter, bad_word_ids
 
         # sent as ids and token sequences (the edge's tokenizer is the target's); the server checks its vocabulary
         banned = bad_word_ids(tokenizer, args.bad_words) if args.bad_words else ()
-        sampling = replace(sampling, constraint=TokenFilter(allowed_ids=args.allowed_token_ids or None, banned=banned))
+        constraint = TokenFilter(allowed_ids=args.allowed_token_ids or None, banned=banned, inner=constraint)
+    if constraint is not None:
+        from dataclasses import replace
+
+        sampling = replace(sampling, constraint=constraint)
     log(f"verifying on {args.remote} (wire {wire or 'default'})")
     on_text = None if quiet else (lambda text: (sys.stdout.write(text), sys.stdout.flush()))
     if args.interactive:

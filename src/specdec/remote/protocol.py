@@ -93,6 +93,8 @@ class SamplingFields(_Body):
     allowed_token_ids: Annotated[list[TokenId], Field(min_length=1, max_length=1 << 18)] | None = None
     bad_token_ids: Annotated[list[Annotated[list[TokenId], Field(min_length=1, max_length=64)]],
                              Field(max_length=1024)] = []
+    #: structured output: an llguidance grammar (the server reads it with its own tokenizer)
+    grammar: Annotated[str, Field(min_length=1, max_length=1 << 22)] | None = None
 
 
 class CreateSessionRequest(SamplingFields):

@@ -332,11 +332,19 @@ def _logit_bias(pairs: list[tuple[int, float]], vocab: int) -> tuple[tuple[int, 
     return tuple(sorted(out.items()))
 
 
-def _token_filter(req: CreateSessionRequest, vocab: int) -> TokenFilter | None:
-    """The edge's allowed ids and bad words (as token sequences); None where neither is given."""
+def _constraint(req: CreateSessionRequest, tokenizer: Any | None, vocab: int) -> Any:
+    """The edge's grammar (read with this server's tokenizer) under its allowed ids and bad words
+    (as token sequences); None where none is given."""
+    grammar = None
+    if req.grammar is not None:
+        if tokenizer is None:
+            raise ValueError("a grammar needs the server's tokenizer, and this server has none")
+        from specdec.grammar import GrammarConstraint
+
+        grammar = GrammarConstraint(tokenizer, req.grammar, vocab)
     if req.allowed_token_ids is None and not req.bad_token_ids:
-        return None
-    return TokenFilter(vocab, allowed_ids=req.allowed_token_ids, banned=req.bad_token_ids)
+        return grammar
+    return TokenFilter(vocab, allowed_ids=req.allowed_token_ids, banned=req.bad_token_ids, inner=grammar)
 
 
 def create_session(
@@ -386,7 +394,7 @@ def create_session(
             frequency_penalty=req.frequency_penalty,
             presence_penalty=req.presence_penalty,
             logit_bias=_logit_bias(req.logit_bias, vocab),
-            constraint=_token_filter(req, vocab),
+            constraint=_constraint(req, tokenizer, vocab),
         )
         # min_tokens as the edge's floor over its stop ids: the drafts were masked the same way
         cfg = floor_stops(replace(cfg, min_tokens=req.min_tokens), frozenset(req.floor_ids))
