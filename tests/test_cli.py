@@ -425,7 +425,6 @@ def test_allowed_token_ids_and_bad_words_from_the_command_line(capsys, tiny_pair
         (["--grammar", "missing.lark"], "no such file"),
         (["--logprobs", "3"], "needs --json"),
         (["--logprobs", "21", "--json"], "between 0 and 20"),
-        (["--logprobs", "2", "--json", "--remote", "http://127.0.0.1:9"], "runs locally"),
         (["--choice", ""], "non-empty strings"),
         (["--allowed-token-id", "-1"], "must be >= 0"),
         (["--bad-word", " "], "white space"),

@@ -408,8 +408,6 @@ def _cmd_generate(args: argparse.Namespace) -> int:
             raise SpecdecError("--logprobs needs --json (the log-probabilities are part of the JSON output)")
     grammar = _grammar_from(args)  # a bad schema, pattern or file fails here, before any model loads
     _check_filter(args)
-    if args.remote and args.logprobs is not None:
-        raise SpecdecError("--logprobs runs locally; through a server use its OpenAI API (logprobs)")
     if args.remote:  # edge-cloud: draft here, verify on a `specdec serve` server
         from specdec.remote.command import run_generate
 

@@ -100,6 +100,20 @@ def test_structured_output_over_the_wire_equals_local(server, capsys):
             assert remote["token_ids"] == local["token_ids"] and obeys(local["text"]), (args, sampled, local["text"])
 
 
+def test_remote_logprobs_equal_local(server, capsys):
+    """--logprobs K with --remote: the server's target scores each committed token, as local decoding does."""
+    common = ["-p", PROMPT, "-n", "12", "--gamma", "3", "--json", "--logprobs", "3", "-t", "0.8", "--seed", "5"]
+    code, local, err = _run(capsys, "generate", "--target", MODEL, "--draft", "none", "--method", "coupled", *common)
+    assert code == 0, err
+    code, remote, err = _run(capsys, "generate", "--remote", server.url, "--api-key", KEY, "--draft", MODEL, *common)
+    assert code == 0, err
+    assert remote["token_ids"] == local["token_ids"]
+    assert [e["id"] for e in remote["logprobs"]] == remote["token_ids"]
+    for mine, theirs in zip(remote["logprobs"], local["logprobs"]):
+        assert mine["token"] == theirs["token"] and mine["logprob"] == pytest.approx(theirs["logprob"], abs=1e-4)
+        assert [t["id"] for t in mine["top"]] == [t["id"] for t in theirs["top"]]
+
+
 def test_sparse_q_gating_and_env_key(server, capsys, monkeypatch):
     monkeypatch.setenv("SPECDEC_API_KEY", KEY)
     base = ["generate", "--remote", server.url, "--draft", MODEL, "-p", "It costs $25 on March 3 and", "-n", "10", "--json"]

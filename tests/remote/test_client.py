@@ -141,6 +141,29 @@ def test_a_constraint_the_wire_cannot_carry_is_refused(toy_server):
         generate_remote([1, 2], cfg, _cfg(toy_server.url), drafter=ModelDrafter(DRAFT), gamma=2)
 
 
+def test_logprobs_over_the_wire_are_the_targets(toy_server):
+    """generate_remote(logprobs=K): each token's log-probability and best alternatives come with
+    the verdicts, equal to a local target session's (a removed token as -9999.0), chains and trees."""
+    from specdec.session import TargetSession
+
+    with httpx.Client() as client:
+        for seed, tree in ((0, "chain"), (1, "chain"), (2, 4)):
+            cfg = SamplingConfig(temperature=1.0, top_k=3, seed=seed, max_new_tokens=20, constraint=FILTER)
+            rule = get_rule("coupled")
+            session = TargetSession(TARGET, [1, 2], cfg, rule, seed=seed, logprobs=4)
+            local = SpeculativeDecoder(TARGET, None, rule).generate([1, 2], cfg, verifier=session).tokens
+            want = [(max(lp, -9999.0), [(i, max(v, -9999.0)) for i, v in top]) for lp, top in session.emitted_logprobs]
+            out = generate_remote([1, 2], cfg, _cfg(toy_server.url), drafter=ModelDrafter(DRAFT), gamma=3, tree=tree,
+                                  logprobs=4, client=client)
+            assert out.token_ids == local and len(out.logprobs) == len(local)
+            for (lp, top), (lp_want, top_want) in zip(out.logprobs, want):
+                assert lp == pytest.approx(lp_want, abs=1e-6) and [i for i, _ in top] == [i for i, _ in top_want]
+                assert [v for _, v in top] == pytest.approx([v for _, v in top_want], abs=1e-6)
+            assert any(lp == -9999.0 for _, top in out.logprobs for _, lp in top)  # the filter removed token 3
+    with pytest.raises(ConfigError, match="no lossy local commits"):
+        RemoteVerifier(_cfg(toy_server.url, lossy_timeout_commit_ms=50), [1, 2], SamplingConfig(seed=1), logprobs=1)
+
+
 # ----------------------------------------------------------------------------- output law over the wire
 
 #: 2,000 independent generations (seed = index) of 3 tokens from the 4-token order-2 toy target

@@ -226,12 +226,24 @@ class RemoteVerifier:
         client: httpx.Client | None = None,
         local_commit: Callable[[Draft], bool] | None = None,
         floor_ids: frozenset[int] = frozenset(),
+        logprobs: int | None = None,
     ) -> None:
         if sampling.seed is None:
             raise ConfigError("a remote session needs a fixed seed (the edge and the cloud must share it)")
         self.cfg = cfg
         self.sampling = sampling
         self._options = wire_options(sampling, floor_ids)  # refused here, before the server is asked
+        if logprobs is not None:
+            if not 0 <= logprobs <= 20:
+                raise ConfigError(f"logprobs must be between 0 and 20, got {logprobs}")
+            if local_commit is not None or cfg.lossy_timeout_commit_ms:
+                raise ConfigError("logprobs come from the server's target, which never scores tokens committed"
+                                  " without it: no lossy local commits with logprobs")
+            self._options["logprobs"] = logprobs
+        #: each committed token's (log-probability, [(id, log-probability)] best) from the server's
+        #: target (-9999.0 for a removed token), when created with ``logprobs``
+        self.emitted_logprobs: list[tuple[float, list[tuple[int, float]]]] = []
+        self.logprobs = logprobs
         self.wire = cfg.wire or default_wire(sampling.temperature)
         try:
             self.method = wire_method(self.wire, cfg.method) if self.wire in _WIRES else None
@@ -539,6 +551,12 @@ class RemoteVerifier:
             or not all(0 <= t < self.vocab_size for t in tokens)
         ):
             raise RemoteError(f"the server's verdict for round {self._seq} is inconsistent with the draft")
+        if self.logprobs is not None:
+            rows = data.get("logprobs")
+            if not isinstance(rows, list) or len(rows) != len(tokens):
+                raise RemoteError(f"the server sent no log-probabilities for round {self._seq}'s {len(tokens)} tokens")
+            self.emitted_logprobs += [(float(r["logprob"]), [(int(i), float(v)) for i, v in r.get("top", [])])
+                                      for r in rows]
         self._seq += 1
         self._pending = []
         self._append(tokens)

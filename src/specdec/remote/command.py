@@ -166,6 +166,7 @@ def run_generate(args: argparse.Namespace, prompt: str, sampling: SamplingConfig
     out = generate_remote(
         ids, sampling, remote, drafter=drafter, drafter_name=name, tokenizer=tokenizer, gamma=gamma, tree=tree,
         tree_min_prob=args.tree_min_prob, eos_ids=eos, q_top_k=args.q_top_k, gate=gate, on_text=on_text,
+        logprobs=getattr(args, "logprobs", None),
     )
     stats = out.summary()
     if args.json:
@@ -173,6 +174,10 @@ def run_generate(args: argparse.Namespace, prompt: str, sampling: SamplingConfig
         payload: dict[str, Any] = {"text": out.text, "token_ids": out.token_ids, "stats": stats, "remote": out.remote}
         if out.gate is not None:
             payload["gate"] = out.gate
+        if out.logprobs is not None:
+            from specdec.text import logprob_rows
+
+            payload["logprobs"] = logprob_rows(tokenizer, out.token_ids, out.logprobs)
         if args.rounds:
             payload["rounds"] = [r.__dict__ for r in out.result.rounds]
         print(json.dumps(payload))

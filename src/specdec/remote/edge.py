@@ -37,6 +37,9 @@ class EdgeResult:
     result: GenerationResult = field(repr=False)
     remote: dict[str, Any]  # wire mode, bytes, RTT, cloud time, retries, lossy counts
     gate: dict[str, Any] | None
+    #: per token: its log-probability under the server target's law and the best alternatives
+    #: (``generate_remote(logprobs=K)``; None otherwise)
+    logprobs: list[tuple[float, list[tuple[int, float]]]] | None = None
 
     @property
     def stats(self) -> GenerationStats:
@@ -80,8 +83,12 @@ def generate_remote(
     on_text: Callable[[str], None] | None = None,
     on_tokens: Callable[[list[int]], None] | None = None,
     client: httpx.Client | None = None,
+    logprobs: int | None = None,
 ) -> EdgeResult:
     """Generate after ``prompt_ids`` with ``drafter`` here and the target behind ``remote``.
+
+    ``logprobs`` (0-20): each token's log-probability under the server target's processed law and
+    that many best alternatives, sent with each verdict (:attr:`EdgeResult.logprobs`).
 
     A missing ``sampling.seed`` is drawn here, so the edge and the cloud share it.
     ``q_top_k`` applies to the sparse-q wire mode only.  ``tree`` (``chain``, ``auto`` or a node
@@ -108,7 +115,7 @@ def generate_remote(
     stops = frozenset(eos_ids) | frozenset(sampling.stop_token_ids)
     verifier = RemoteVerifier(
         remote, prompt_ids, sampling, max_new_tokens=sampling.max_new_tokens, client=client, local_commit=local_commit,
-        floor_ids=stops,
+        floor_ids=stops, logprobs=logprobs,
     )
     try:
         target = RemoteTarget(vocab_size=verifier.vocab_size, max_length=verifier.max_context)
@@ -162,4 +169,5 @@ def generate_remote(
         result=result,
         remote=info,
         gate=gate.summary() if gate is not None else None,
+        logprobs=verifier.emitted_logprobs[: len(result.tokens)] if logprobs is not None else None,
     )

@@ -111,6 +111,9 @@ class CreateSessionRequest(SamplingFields):
     seed: Annotated[int, Field(strict=True, ge=0, le=MAX_SEED)] | None = None
     wire: WireMode | None = None
     method: Annotated[str, Field(max_length=64)] | None = None
+    #: each committed token's log-probability under the target's processed law and this many best
+    #: alternatives, in every verify reply (lossless rounds only: no unverified tokens)
+    logprobs: Annotated[int, Field(strict=True, ge=0, le=20)] | None = None
     #: tokens the edge may still generate (bounds the session's context); default: the model's context
     max_new_tokens: Annotated[int, Field(strict=True, ge=1, le=MAX_PROMPT_TOKENS)] | None = None
 
@@ -242,6 +245,14 @@ class VerifyMetrics(_Body):
     capped_from: int | None = None
 
 
+class TokenLogprob(_Body):
+    """One committed token's log-probability under the target's law (-9999.0 for a removed token,
+    as OpenAI reports it) and the best alternatives as ``[id, log-probability]`` pairs."""
+
+    logprob: float
+    top: list[tuple[int, float]] = []
+
+
 class VerifyResponse(_Body):
     seq: int
     num_accepted: int
@@ -249,6 +260,7 @@ class VerifyResponse(_Body):
     next_token: int
     metrics: VerifyMetrics
     path: list[int] | None = None  # token trees: the accepted draft indices, root level first
+    logprobs: list[TokenLogprob] | None = None  # one per token, for a session created with logprobs
 
 
 class SessionInfo(_Body):

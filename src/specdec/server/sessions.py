@@ -29,6 +29,7 @@ from specdec.remote.protocol import (
     CreateSessionResponse,
     SessionInfo,
     SparseRow,
+    TokenLogprob,
     VerifyMetrics,
     VerifyRequest,
     VerifyResponse,
@@ -212,10 +213,16 @@ class EdgeSession:
             self._guarded(lambda: append_unverified(self.target, forced))
             self.unverified += forced.numel()
         left = self.limit - self.target.context.numel()  # >= 1, checked
+        scored = len(self.target.emitted_logprobs)
         outcome = self._guarded(lambda: self.target.verify(draft, max_tokens=left))
         verdict = outcome.verdict
         tokens = verdict.tokens.tolist()
+        logprobs = None
+        if self.target.logprobs is not None:  # -inf (a removed token) as OpenAI writes it: JSON has no infinity
+            logprobs = [TokenLogprob(logprob=max(lp, -9999.0), top=[(i, max(v, -9999.0)) for i, v in top])
+                        for lp, top in self.target.emitted_logprobs[scored:]]
         reply = VerifyResponse(
+            logprobs=logprobs,
             seq=req.seq,
             num_accepted=verdict.num_accepted,
             tokens=tokens,
@@ -263,6 +270,8 @@ class EdgeSession:
                 if tok >= vocab:
                     raise ApiError(400, f"{name}[{i}] = {tok} is outside the vocabulary [0, {vocab})")
         n_forced = len(req.unverified_tokens)
+        if n_forced and self.target.logprobs is not None:
+            raise ApiError(400, "a session created with logprobs takes no unverified tokens (the target never scored them)")
         left = self.limit - self.target.context.numel()
         if n_forced + 1 > left:
             done = self.target.context.numel() - self.prompt_tokens - self.resumed_tokens
@@ -405,7 +414,8 @@ def create_session(
         budget = min(budget, req.max_new_tokens)
     seed = req.seed if req.seed is not None else fresh_seed()
     try:
-        target = TargetSession(model, prompt + generated, cfg, rule, seed=seed, max_new_tokens=max(budget, 1))
+        target = TargetSession(model, prompt + generated, cfg, rule, seed=seed, max_new_tokens=max(budget, 1),
+                               logprobs=req.logprobs)
     except SpecdecError as exc:
         raise ApiError(400, str(exc)) from None
     if generated and target.penalties is not None:
