@@ -204,9 +204,11 @@ class FastTokenizer:
     def apply_chat_template(self, conversation: Any, tools: Any = None, documents: Any = None, *,
                             add_generation_prompt: bool = False, tokenize: bool = True, **kw: Any) -> Any:
         """The conversation rendered with the chat template (``tokenize=False``, a list of messages
-        whose fields are all strings, no tools, documents or other options); any other call goes to
-        transformers' ``apply_chat_template``."""
-        plain = (not tokenize and tools is None and documents is None and not kw and self.chat_template is not None
+        whose fields are all strings, no tools or documents; other keywords are the template's own
+        variables, as transformers passes them); any other call goes to transformers'
+        ``apply_chat_template``."""
+        plain = (not tokenize and tools is None and documents is None and self.chat_template is not None
+                 and not set(kw) & {"chat_template", "continue_final_message", "return_dict", "return_tensors"}
                  and isinstance(conversation, list) and len(conversation) > 0  # empty: transformers' error
                  and all(isinstance(m, dict) and all(type(k) is str and type(v) is str for k, v in m.items())
                          and not any(f in m for f in _ALIASED) for m in conversation))
@@ -215,7 +217,7 @@ class FastTokenizer:
             return self.hf.apply_chat_template(conversation, tools=tools, documents=documents,
                                                add_generation_prompt=add_generation_prompt, tokenize=tokenize, **kw)
         return template.render(messages=[dict(m) for m in conversation], tools=None, documents=None,
-                               add_generation_prompt=add_generation_prompt, **self._template_tokens)
+                               add_generation_prompt=add_generation_prompt, **{**self._template_tokens, **kw})
 
     def _template(self) -> Any:
         """The compiled chat template, or None where this class leaves it to transformers (named

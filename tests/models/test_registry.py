@@ -240,6 +240,28 @@ def test_the_fast_tokenizer_renders_a_template_as_transformers_sandbox_does(tmp_
     assert type(registry.load_tokenizer(tmp_path)) is TokenizersBackend  # two template sources: transformers decides
 
 
+def test_the_fast_tokenizer_passes_template_variables_as_transformers_does(tmp_path):
+    """Keywords of ``apply_chat_template`` other than its own are the template's variables (a
+    server's ``chat_template_kwargs``): rendered by this class's sandbox, as transformers renders them."""
+    import shutil
+
+    from transformers.tokenization_utils_tokenizers import TokenizersBackend
+
+    src = registry.DATA_DIR / "smollm2-135m-draft"
+    for name in ("tokenizer.json", "tokenizer_config.json", "config.json"):
+        shutil.copy(src / name, tmp_path / name)
+    (tmp_path / "chat_template.jinja").write_text(
+        "{% if greeting %}{{ greeting }}|{% endif %}{% for m in messages %}{{ m['content'] }};{% endfor %}"
+        "{% if add_generation_prompt %}>{% endif %}")
+    tok = registry.load_tokenizer(tmp_path)
+    ref = TokenizersBackend.from_pretrained(str(tmp_path))
+    messages = [{"role": "user", "content": "hi"}]
+    for kw in ({}, {"greeting": "hey"}, {"greeting": ""}):
+        got = tok.apply_chat_template(messages, tokenize=False, add_generation_prompt=True, **kw)
+        assert got == ref.apply_chat_template(messages, tokenize=False, add_generation_prompt=True, **kw)
+    assert tok.apply_chat_template(messages, tokenize=False, greeting="hey") == "hey|hi;" and tok._hf is None
+
+
 @pytest.mark.parametrize("change", ["add_bos_token", "special_tokens_map.json", "clean_up"])
 def test_folders_the_fast_tokenizer_might_not_reproduce_keep_transformers(tmp_path, change):
     """A tokenizer_config.json key outside the known set (one that can make transformers rebuild the

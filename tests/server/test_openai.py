@@ -377,6 +377,39 @@ def test_tokenizer_endpoints_answer_as_vllms_do(server, client, local):
     assert httpx.post(server.url + "/tokenize", json={"prompt": "x"}, timeout=30).status_code == 401  # keys hold here too
 
 
+def test_chat_continues_the_final_message_and_takes_template_options(server, client, local):
+    """vLLM's continue_final_message (the reply continues the caller's start of it: the rendered
+    text ends right after that message's content), add_generation_prompt and chat_template_kwargs
+    (the template's own variables); /tokenize gives the ids the chat generates after; the options
+    that would contradict each other, echo and chat_template are 400s."""
+    import httpx
+
+    tok = local.target.tokenizer
+    messages = [{"role": "user", "content": "Count from one to ten."}, {"role": "assistant", "content": "One, two,"}]
+    rendered = tok.apply_chat_template(messages, tokenize=False, add_generation_prompt=False)
+    opened = rendered[: rendered.rindex("One, two,") + len("One, two,")]
+    assert opened != rendered and opened.endswith("One, two,")
+    ids = tok.encode(opened, add_special_tokens=False)
+    ref = local.generate(ids, SamplingConfig(temperature=0.0, max_new_tokens=8), gamma=4)
+    body = {"continue_final_message": True, "add_generation_prompt": False}
+    out = client.chat.completions.create(model=MODEL, messages=messages, max_tokens=8, temperature=0, extra_body=body)
+    assert out.choices[0].message.content == ref.text and out.usage.prompt_tokens == len(ids)
+    closed = client.chat.completions.create(model=MODEL, messages=messages, max_tokens=8, temperature=0,
+                                            extra_body={"add_generation_prompt": False})
+    assert closed.usage.prompt_tokens == len(tok.encode(rendered, add_special_tokens=False))
+    with httpx.Client(base_url=server.url, headers={"Authorization": f"Bearer {KEY}"}, timeout=60) as c:
+        assert c.post("/tokenize", json={"messages": messages, **body}).json()["tokens"] == ids
+    kw = client.chat.completions.create(model=MODEL, messages=messages[:1], max_tokens=8, temperature=0,
+                                        extra_body={"chat_template_kwargs": {"enable_thinking": False}})
+    plain = client.chat.completions.create(model=MODEL, messages=messages[:1], max_tokens=8, temperature=0)
+    assert kw.choices[0].message.content == plain.choices[0].message.content  # a variable this template ignores
+    for extra, message in (({"continue_final_message": True}, "needs add_generation_prompt false"),
+                           ({"chat_template_kwargs": {"messages": []}}, "may not set messages"),
+                           ({"echo": True}, "echo"), ({"chat_template": "{{ 1 }}"}, "chat_template")):
+        with pytest.raises(openai.BadRequestError, match=message):
+            client.chat.completions.create(model=MODEL, messages=messages, max_tokens=4, extra_body=extra)
+
+
 def test_streams_carry_n_choices_and_the_stats_on_the_last_chunk(client):
     chunks = list(client.chat.completions.create(model=MODEL, messages=[{"role": "user", "content": "hi"}], max_tokens=5,
                                                  temperature=1.0, seed=3, n=2, stream=True))

@@ -59,7 +59,7 @@ IGNORED_HEADER = "X-Specdec-Ignored-Fields"
 _REFUSED = ("tools", "functions", "audio", "prediction", "web_search_options",
             # vLLM's sampling extensions this server does not implement: each would change the output
             "use_beam_search", "logits_processors", "guided_whitespace_pattern",
-            "truncate_prompt_tokens")
+            "truncate_prompt_tokens", "chat_template")
 #: fields that are accepted and have no effect here (listed in the ignored-fields header)
 _NO_EFFECT = ("user", "store", "metadata", "service_tier", "parallel_tool_calls", "reasoning_effort", "modalities")
 
@@ -252,7 +252,17 @@ class ChatMessage(BaseModel):
     name: Annotated[str, Field(max_length=256)] | None = None
 
 
-class TokenizeRequest(BaseModel):
+class _ChatTemplating(BaseModel):
+    """vLLM's chat-template options (``/v1/chat/completions`` and ``/tokenize``): no generation
+    prompt, the last message left open to be continued (a reply's start written by the caller),
+    and keyword arguments for the template."""
+
+    add_generation_prompt: bool = True
+    continue_final_message: bool = False
+    chat_template_kwargs: Annotated[dict[str, Any], Field(max_length=64)] | None = None
+
+
+class TokenizeRequest(_ChatTemplating):
     """vLLM's ``/tokenize``: a ``prompt`` or chat ``messages`` (exactly one)."""
 
     model_config = ConfigDict(extra="allow")
@@ -260,7 +270,6 @@ class TokenizeRequest(BaseModel):
     prompt: Annotated[str, Field(max_length=1 << 22)] | None = None
     messages: Annotated[list[ChatMessage], Field(min_length=1, max_length=1024)] | None = None
     add_special_tokens: bool = False  # as /v1/completions encodes a prompt (vLLM's default is true)
-    add_generation_prompt: bool = True
     return_token_strs: bool = False
 
 
@@ -270,12 +279,14 @@ class DetokenizeRequest(BaseModel):
     tokens: Annotated[list[Annotated[int, Field(ge=0, le=(1 << 31) - 1)]], Field(max_length=1 << 20)]
 
 
-class ChatRequest(_Request):
+class ChatRequest(_Request, _ChatTemplating):
     messages: Annotated[list[ChatMessage], Field(min_length=1, max_length=1024)]
     max_tokens: Annotated[int, Field(ge=1, le=1 << 20)] | None = None
     max_completion_tokens: Annotated[int, Field(ge=1, le=1 << 20)] | None = None
     logprobs: bool | None = None
     top_logprobs: Annotated[int, Field(ge=0, le=20)] | None = None
+    # vLLM's: the last message's text put in front of the reply; not built (a 400 when true)
+    echo: bool = False
 
 
 # ----------------------------------------------------------------------------- helpers
@@ -819,21 +830,49 @@ def _served(ctx: "ServerContext", name: str | None) -> None:
         raise ApiError(404, f"model {name!r} is not served here; this server serves {ctx.settings.model_name!r}")
 
 
-def _chat_ids(tok: Any, messages: list[ChatMessage], *, add_generation_prompt: bool = True) -> list[int]:
+#: names a chat template's keyword arguments may not take (the rendering's own)
+_TEMPLATE_OWN = ("messages", "conversation", "tools", "documents", "add_generation_prompt", "continue_final_message",
+                 "tokenize", "return_tensors", "return_dict", "chat_template")
+
+
+def _chat_ids(tok: Any, messages: list[ChatMessage], opts: _ChatTemplating | None = None) -> list[int]:
     """Token ids of a conversation through the model's chat template (what /v1/chat/completions
-    generates after)."""
+    generates after).  With ``continue_final_message`` the text ends right after the last
+    message's content, its end-of-turn tokens left out, so the reply continues that message."""
+    opts = opts or _ChatTemplating()
     if not getattr(tok, "chat_template", None):
         raise ApiError(400, "this model has no chat template; use /v1/completions")
+    if opts.continue_final_message and opts.add_generation_prompt:
+        raise ApiError(400, "continue_final_message needs add_generation_prompt false (as in vLLM): the reply continues"
+                            " the last message instead of starting a new one")
+    kwargs = dict(opts.chat_template_kwargs or {})
+    clash = sorted(set(kwargs) & set(_TEMPLATE_OWN))
+    if clash:
+        raise ApiError(400, f"chat_template_kwargs may not set {', '.join(clash)}")
     turns = [
         {"role": "system" if m.role == "developer" else m.role,
          "content": m.content if isinstance(m.content, str) else "".join(p.text for p in m.content)}
         for m in messages
     ]
     try:
-        text = tok.apply_chat_template(turns, tokenize=False, add_generation_prompt=add_generation_prompt)
+        text = tok.apply_chat_template(turns, tokenize=False, add_generation_prompt=opts.add_generation_prompt, **kwargs)
     except Exception as exc:  # noqa: BLE001 - a template that rejects the conversation
         raise ApiError(400, f"the chat template rejected the messages: {exc}") from None
+    if opts.continue_final_message:
+        text = _open_final(text, turns[-1]["content"])
     return list(tok.encode(text, add_special_tokens=False))
+
+
+def _open_final(text: str, content: str) -> str:
+    """``text`` (a rendered conversation) cut right after its last message's ``content``: whatever the
+    template wrote after it (the end of the turn) goes.  Templates that strip a message's
+    surrounding white space are matched by the stripped content."""
+    for body in (content, content.strip()):
+        at = text.rfind(body) if body else -1
+        if at >= 0:
+            return text[: at + len(body)]
+    raise ApiError(400, "continue_final_message needs a last message with text, found as written in the rendered"
+                        " conversation")
 
 
 def _piece(tok: Any, token: int) -> str:
@@ -1037,7 +1076,7 @@ def openai_router(ctx: "ServerContext") -> APIRouter:
         if req.prompt is not None:
             ids = list(tok.encode(req.prompt, add_special_tokens=req.add_special_tokens))
         else:
-            ids = _chat_ids(tok, req.messages, add_generation_prompt=req.add_generation_prompt)  # type: ignore[arg-type]
+            ids = _chat_ids(tok, req.messages, req)  # type: ignore[arg-type]
         return {"count": len(ids), "max_model_len": ctx.model.max_length, "tokens": ids,
                 "token_strs": tok.convert_ids_to_tokens(ids) if req.return_token_strs else None}
 
@@ -1064,8 +1103,10 @@ def openai_router(ctx: "ServerContext") -> APIRouter:
     async def chat(req: ChatRequest, request: Request) -> Any:
         if req.top_logprobs is not None and not req.logprobs:
             raise ApiError(400, "top_logprobs needs logprobs: true")
+        if req.echo:
+            raise ApiError(400, "echo is not supported by /v1/chat/completions on this server")
         tok = tokenizer()
-        ids = _chat_ids(tok, req.messages)
+        ids = _chat_ids(tok, req.messages, req)
         if not ids:
             raise ApiError(400, "the conversation encodes to no tokens")
         max_tokens = req.max_completion_tokens if req.max_completion_tokens is not None else req.max_tokens
