@@ -352,7 +352,8 @@ class CostGamma:
 
 
 class GammaMemory:
-    """The γ auto controller of the last sequence per key (a verification rule's name): the next
+    """The γ auto controller of the last sequence per key (a verification rule's name; a server adds
+    ``+constrained`` for constrained output): the next
     sequence gets its :meth:`CostGamma.successor`.  An engine keeps one for the sequences it
     decodes one after another; a server keeps one for all its requests, which run side by side,
     so a controller is kept only when its sequence has ended (never read while it still learns).

@@ -35,8 +35,8 @@ def test_a_servers_requests_continue_gamma_autos_controller_per_rule():
     """A fresh server's first greedy request drafts (γ auto starts at one token) and leaves its
     controller behind; after a request whose controller ended backed off with a drafter that cannot
     pay, the next drafts nothing in its 6 tokens (the successor starts backed off, probing later)
-    and gives the same text; another rule (coupled, T = 1) keeps its own; a fixed γ leaves the
-    memory alone."""
+    and gives the same text; another rule (coupled, T = 1) keeps its own, and so does constrained
+    output; a fixed γ leaves the memory alone."""
     target = ToyLM(VOCAB, order=2, seed=3)
     draft = target.perturbed(0.3, seed=1)
     app = create_app(target, tokenizer=LetterTokenizer(), settings=ServerSettings(gamma="auto"),
@@ -62,3 +62,6 @@ def test_a_servers_requests_continue_gamma_autos_controller_per_rule():
     assert sampled["specdec"]["method"] == "coupled" and sampled["specdec"]["draft_tokens_proposed"] > 0
     assert memory._last["greedy"] is kept
     assert ask(gamma=3)["specdec"]["draft_tokens_proposed"] > 0 and memory._last["greedy"] is kept
+    # constrained output keeps a controller of its own: it drafts afresh, and free text's stays
+    assert ask(allowed_token_ids=list(range(VOCAB)))["specdec"]["draft_tokens_proposed"] > 0
+    assert memory._last["greedy"] is kept and isinstance(memory._last["greedy+constrained"], CostGamma)

@@ -545,12 +545,14 @@ class _Job:
                 nothing = engine.decoder(get_rule(self.method), self.gamma).nothing(len(prompt), time.perf_counter() - started)
                 return self._finished(TextResult("", [], prompt, nothing))
             # γ auto: the successor of the controller of the server's last ended choice under this rule
-            auto = ctx.gamma_memory.next(self.method) if drafter is not None and self.gamma == "auto" else None
+            # (constrained output, which a grammar often makes easy to draft, learns apart from free text)
+            memory_key = self.method + ("+constrained" if self.grammar is not None or self.token_filter is not None else "")
+            auto = ctx.gamma_memory.next(memory_key) if drafter is not None and self.gamma == "auto" else None
             out = engine.generate(self.prompt_of(index), sampling, method=self.method,
                                   gamma=self._gamma(drafter, index, pace, auto), on_piece=on_piece,
                                   logprobs=self.logprobs, ignore_eos=self.ignore_eos)
             if auto is not None:
-                ctx.gamma_memory.keep(self.method, auto)
+                ctx.gamma_memory.keep(memory_key, auto)
         except SchedulerCancelled:
             raise _Cancelled from None
         finally:
