@@ -396,3 +396,46 @@ def test_a_passed_min_tokens_floor_leaves_the_config(method):
             ref = SpeculativeDecoder(target, None, get_rule("greedy"), eos_ids=frozenset({0})).generate(
                 [1, 2], SamplingConfig(temperature=0.0, max_new_tokens=40, min_tokens=5)).tokens
             assert out[: len(ref)] == ref
+
+
+class _StrictNoRepeat:
+    """:class:`NoRepeat` as a real grammar engine behaves: it cannot follow a history that breaks
+    it (asking is an error)."""
+
+    def allowed(self, generated, vocab_size):
+        if any(a == b for a, b in zip(generated, generated[1:])) or generated[:1] == [0]:
+            raise AssertionError(f"the constraint was asked to follow a forbidden history {generated}")
+        return NoRepeat().allowed(generated, vocab_size)
+
+
+#: repeats itself, so prompt lookup drafts repeated tokens, which the grammar forbids
+_REPEATING = [3, 3, 3, 1, 3, 3, 3, 2, 3, 3, 3]
+
+
+@pytest.mark.parametrize("method", ["token", "block", "coupled"])
+def test_free_drafts_that_leave_the_grammar_keep_the_law(method):
+    """Prompt lookup copies text without asking the constraint, so its chain drafts may leave the
+    grammar; the target's rows after the first forbidden token are never asked about (that token
+    has probability 0) and the output law is the constrained target's.  Same N and threshold as
+    the other law tests."""
+    cfg = SamplingConfig(temperature=1.0, constraint=_StrictNoRepeat())
+    law = exact_law(TARGET, _REPEATING, cfg, N_NEW)
+    dec = SpeculativeDecoder(TARGET, NgramDrafter(), get_rule(method), gamma=FixedGamma(3))
+    out, drafted = [], 0
+    for i in range(N_SAMPLES):
+        res = dec.generate(_REPEATING, SamplingConfig(**{**cfg.__dict__, "seed": i, "max_new_tokens": N_NEW}))
+        out.append(tuple(res.tokens))
+        drafted += res.stats.draft_tokens_proposed
+    assert drafted > N_SAMPLES  # lookup drafted (repeated 3s among them)
+    assert chi_square_pvalue(out, law) > ALPHA
+
+
+def test_free_drafts_that_leave_the_grammar_keep_greedy_exact():
+    target = ToyLM(6, order=3, seed=7)
+    cfg = SamplingConfig(temperature=0.0, max_new_tokens=40, constraint=_StrictNoRepeat())
+    for prompt in ([5, 5, 5, 1, 5, 5, 5], [2, 4, 4, 4, 2, 4, 4, 4]):
+        ref = SpeculativeDecoder(target, None, get_rule("greedy")).generate(prompt, cfg).tokens
+        for method in ("greedy", "block"):
+            dec = SpeculativeDecoder(target, NgramDrafter(), get_rule(method), gamma=FixedGamma(4))
+            res = dec.generate(prompt, cfg)
+            assert res.tokens == ref and res.stats.draft_tokens_proposed > 0

@@ -334,13 +334,24 @@ def penalised_logits(
 
 
 def _apply_constraint(logits: Tensor, constraint: Constraint, generated: list[int], draft: Tensor) -> Tensor:
-    """Row i: tokens the constraint forbids after ``generated + draft[:i]`` get -inf.  [n, V]"""
+    """Row i: tokens the constraint forbids after ``generated + draft[:i]`` get -inf.  [n, V]
+
+    A draft that leaves the constraint (a free draft such as prompt lookup's copies text without
+    asking it) has probability 0 at its first forbidden token, so no rule keeps that token or
+    anything after it: the rows after it are left as they are and the constraint, which cannot
+    follow a forbidden history, is never asked about them (:func:`path_masks`, as for a tree)."""
     n, vocab = logits.shape
     drafted = draft.tolist()
-    allowed = torch.stack([constraint.allowed(generated + drafted[:i], vocab) for i in range(n)])  # [n, V]
+    masks = path_masks(constraint, generated, [drafted[:i] for i in range(n)], vocab)
+    live = sum(m is not None for m in masks)  # the rows up to the first forbidden token (a prefix)
+    allowed = torch.stack(masks[:live])  # type: ignore[arg-type]  # [live, V]
     if not bool(allowed.any(-1).all()):
         raise ConfigError("the constraint allows no token here (is end-of-sequence allowed when it is complete?)")
-    return logits.masked_fill(~allowed, -math.inf)
+    if live == n:
+        return logits.masked_fill(~allowed, -math.inf)
+    out = logits.clone()
+    out[:live] = logits[:live].masked_fill(~allowed, -math.inf)
+    return out
 
 
 #: candidate counts tried by the top-p search before a full sort
