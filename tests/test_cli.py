@@ -356,6 +356,13 @@ def test_structured_output_and_logprobs_from_the_command_line(capsys, tmp_path):
         assert set(value) == {"color", "size"} and value["color"] in ("red", "green", "blue") and type(value["size"]) is int
         outs.append(payload["token_ids"])
     assert outs[0] == outs[1] == outs[2]
+    # prompt lookup drafts text copied from a prompt that holds JSON: drafts that leave the grammar
+    echo = ["generate", "--target", model, "--chat", "-n", "40", "--json", "--json-schema", json.dumps(SCHEMA), "-p",
+            'A ball: {"color": "red", "size": 3}. Another: {"color": "blue", "size": 5}. Describe a third as JSON.']
+    looked = [_run(capsys, *echo, "--draft", d) for d in ("none", model + "+lookup")]
+    assert all(code == 0 for code, _, _ in looked), looked[-1][2]
+    assert json.loads(looked[0][1])["token_ids"] == json.loads(looked[1][1])["token_ids"]
+    assert json.loads(looked[1][1])["stats"]["free_rounds"] > 0
     schema_file = tmp_path / "ball.json"
     schema_file.write_text(json.dumps(SCHEMA))
     code, out, err = _run(capsys, *base, "--draft", model, "--tree", "4", "-t", "1", "--seed", "5", "--json-schema",
