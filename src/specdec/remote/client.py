@@ -39,8 +39,8 @@ from specdec.drafters.base import Draft
 from specdec.errors import ConfigError, SpecdecError
 from specdec.remote.protocol import default_wire, wire_method
 from specdec.sampling import SamplingConfig, StopFloor
-from specdec.token_filter import TokenFilter
 from specdec.session import Outcome
+from specdec.token_filter import TokenFilter
 from specdec.verify import Rule, Verdict, get_rule
 
 #: at most this many locally committed tokens wait for the next cloud call
