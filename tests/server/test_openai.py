@@ -304,7 +304,7 @@ def test_vllm_min_tokens_stop_token_ids_and_include_stop(client, local):
     with_stop = client.completions.create(max_tokens=12, stop=[stop], extra_body={"include_stop_str_in_output": True}, **greedy)
     assert with_stop.choices[0].text == text[: text.index(stop) + len(stop)]
     for body, message in (({"min_tokens": 13}, "must not exceed max_tokens"), ({"logits_processors": ["x"]}, "logits_processors"),
-                          ({"use_beam_search": True}, "use_beam_search"), ({"guided_whitespace_pattern": " "}, "guided_whitespace_pattern"),
+                          ({"use_beam_search": True}, "use_beam_search"), ({"return_tokens_as_token_ids": True}, "return_tokens_as_token_ids"), ({"guided_whitespace_pattern": " "}, "guided_whitespace_pattern"),
                           ({"skip_special_tokens": False}, "skip_special_tokens"),
                           ({"stop_token_ids": [10**8]}, "outside the vocabulary")):
         with pytest.raises(openai.BadRequestError, match=message):

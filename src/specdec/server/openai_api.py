@@ -59,7 +59,7 @@ IGNORED_HEADER = "X-Specdec-Ignored-Fields"
 _REFUSED = ("tools", "functions", "audio", "prediction", "web_search_options",
             # vLLM's sampling extensions this server does not implement: each would change the output
             "use_beam_search", "logits_processors", "guided_whitespace_pattern",
-            "truncate_prompt_tokens", "chat_template")
+            "truncate_prompt_tokens", "chat_template", "return_tokens_as_token_ids")
 #: fields that are accepted and have no effect here (listed in the ignored-fields header)
 _NO_EFFECT = ("user", "store", "metadata", "service_tier", "parallel_tool_calls", "reasoning_effort", "modalities")
 
