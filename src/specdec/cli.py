@@ -100,23 +100,12 @@ def _check_filter(args: argparse.Namespace) -> None:
 
 
 def _constraints(args: argparse.Namespace, engine: Any, grammar: str | None) -> Callable[[], object] | None:
-    """What makes each sequence's constraint: the output options' grammar (one matcher per sequence)
-    under --allowed-token-id and --bad-word; None where none is asked for."""
-    from functools import partial
+    """What makes each sequence's constraint: the output options' grammar under --allowed-token-id
+    and --bad-word (:func:`specdec.token_filter.constraint_factory`); None where none is asked for."""
+    from specdec.token_filter import constraint_factory
 
-    from specdec.token_filter import TokenFilter, bad_word_ids
-
-    vocab = engine.target.model.vocab_size
-    token_filter = None
-    if args.allowed_token_ids or args.bad_words:
-        banned = bad_word_ids(engine.target.tokenizer, args.bad_words) if args.bad_words else ()
-        token_filter = TokenFilter(vocab, allowed_ids=args.allowed_token_ids or None, banned=banned)
-    if grammar is None:
-        return None if token_filter is None else (lambda: token_filter)
-    from specdec.grammar import GrammarConstraint
-
-    make = partial(GrammarConstraint, engine.target.tokenizer, grammar, vocab)
-    return make if token_filter is None else (lambda: token_filter.over(make()))
+    return constraint_factory(engine.target.tokenizer, engine.target.model.vocab_size, grammar=grammar,
+                              allowed_ids=args.allowed_token_ids or None, bad_words=args.bad_words)
 
 
 def _grammar_spec(args: argparse.Namespace) -> tuple[str | None, object]:

@@ -129,6 +129,19 @@ def floor_stops(cfg: "SamplingConfig", stop_ids: frozenset[int]) -> "SamplingCon
     return replace(cfg, constraint=StopFloor(frozenset(stop_ids), cfg.min_tokens, cfg.constraint), min_tokens=0)
 
 
+def checked_bias(pairs: Sequence[tuple[int, float]], vocab_size: int) -> tuple[tuple[int, float], ...]:
+    """A logit bias as :class:`SamplingConfig` takes it: ``(token, bias)`` pairs sorted by token,
+    each token inside the vocabulary and given once (:class:`ConfigError` otherwise)."""
+    out: dict[int, float] = {}
+    for token, bias in pairs:
+        if not 0 <= token < vocab_size:
+            raise ConfigError(f"logit_bias token {token} is outside the vocabulary [0, {vocab_size})")
+        if token in out:
+            raise ConfigError(f"logit_bias gives token {token} twice")
+        out[token] = float(bias)
+    return tuple(sorted(out.items()))
+
+
 def offset_seed(seed: int, k: int) -> int:
     """The k-th seed after ``seed`` (seed + k, wrapped into the seed range): choice, turn or prompt
     k of a request, a chat or a batch that was given one seed."""

@@ -18,7 +18,7 @@ order: the bad words first, then the allowed ids; an inner constraint (a grammar
 
 from __future__ import annotations
 
-from typing import Any, Sequence
+from typing import Any, Callable, Sequence
 
 import torch
 from torch import Tensor
@@ -132,3 +132,29 @@ class TokenFilter:
             return allowed
         mask = allowed & inner
         return mask if bool(mask.any()) else inner
+
+
+def constraint_factory(
+    tokenizer: Any,
+    vocab_size: int,
+    *,
+    grammar: str | None = None,
+    allowed_ids: Sequence[int] | None = None,
+    bad_words: Sequence[str] = (),
+) -> Callable[[], Any] | None:
+    """What makes each sequence's constraint: ``grammar`` (an llguidance grammar; one matcher per
+    sequence, each following its own history) under the allowed ids (None: any; empty is an error)
+    and bad words (one filter shared by every sequence); None where none is asked for.  A bad id
+    or word raises :class:`ConfigError` here, a bad grammar when the first constraint is made."""
+    token_filter = None
+    if allowed_ids is not None or bad_words:
+        banned = bad_word_ids(tokenizer, bad_words) if bad_words else ()
+        token_filter = TokenFilter(vocab_size, allowed_ids=allowed_ids, banned=banned)
+    if grammar is None:
+        return None if token_filter is None else (lambda: token_filter)
+    from functools import partial
+
+    from specdec.grammar import GrammarConstraint
+
+    make = partial(GrammarConstraint, tokenizer, grammar, vocab_size)
+    return make if token_filter is None else (lambda: token_filter.over(make()))

@@ -141,21 +141,16 @@ def run_generate(args: argparse.Namespace, prompt: str, sampling: SamplingConfig
         drafter, name = model_drafter(cfg, draft, lookup=lookup)  # NAME+lookup: prompt lookup first
     vocab = draft.vocab_size if draft is not None else len(tokenizer)
     gate = _gate(args, tokenizer, draft.model if draft is not None else None, vocab)
-    constraint: Any = None
-    if grammar is not None:  # masks the drafts here; the server reads the same grammar with its own tokenizer
-        from specdec.grammar import GrammarConstraint
+    # the grammar masks the drafts here and the server reads it with its own tokenizer; the bad words
+    # travel as the edge's token sequences (its tokenizer is the target's); the server checks its vocabulary
+    from specdec.token_filter import constraint_factory
 
-        constraint = GrammarConstraint(tokenizer, grammar, vocab)
-    if getattr(args, "allowed_token_ids", None) or getattr(args, "bad_words", None):
-        from specdec.token_filter import TokenFilter, bad_word_ids
-
-        # sent as ids and token sequences (the edge's tokenizer is the target's); the server checks its vocabulary
-        banned = bad_word_ids(tokenizer, args.bad_words) if args.bad_words else ()
-        constraint = TokenFilter(allowed_ids=args.allowed_token_ids or None, banned=banned, inner=constraint)
-    if constraint is not None:
+    make = constraint_factory(tokenizer, vocab, grammar=grammar, allowed_ids=getattr(args, "allowed_token_ids", None) or None,
+                              bad_words=getattr(args, "bad_words", None) or ())
+    if make is not None:
         from dataclasses import replace
 
-        sampling = replace(sampling, constraint=constraint)
+        sampling = replace(sampling, constraint=make())
     log(f"verifying on {args.remote} (wire {wire or 'default'})")
     on_text = None if quiet else (lambda text: (sys.stdout.write(text), sys.stdout.flush()))
     if args.interactive:

@@ -33,10 +33,10 @@ from specdec.engine import Engine, TextPiece, TextResult, default_method, make_g
 from specdec.gamma import CappedGamma, CostGamma
 from specdec.errors import SpecdecError
 from specdec.models.registry import LoadedModel
-from specdec.sampling import SamplingConfig, offset_seed
+from specdec.sampling import SamplingConfig, checked_bias, offset_seed
 from specdec.session import score_prompt
 from specdec.text import TextStream
-from specdec.token_filter import MAX_BAD_WORDS, TokenFilter, bad_word_ids
+from specdec.token_filter import MAX_BAD_WORDS, constraint_factory
 from specdec.server.draft_cap import CAPPED_WIRES, LOOKUP_WIRE_SUFFIX, RequestPace
 from specdec.server.errors import ApiError
 from specdec.server.scheduler import Cancelled as SchedulerCancelled
@@ -330,32 +330,29 @@ def _stats(outs: list[TextResult]) -> dict[str, Any]:
     }
 
 
-def _token_filter(ctx: "ServerContext", req: _Request) -> TokenFilter | None:
-    """vLLM's ``allowed_token_ids`` and ``bad_words`` as one constraint (None: neither asked for)."""
-    if req.allowed_token_ids is None and not req.bad_words:
-        return None
+def _constraints(ctx: "ServerContext", req: _Request, grammar: str | None) -> Callable[[], Any] | None:
+    """What makes each choice's constraint: ``grammar`` under vLLM's ``allowed_token_ids`` and
+    ``bad_words`` (:func:`specdec.token_filter.constraint_factory`); None where none is asked for."""
+    if ctx.tokenizer is None and (grammar is not None or req.bad_words):
+        raise ApiError(400, f"{'structured output' if grammar is not None else 'bad_words'} needs the server's tokenizer")
     try:
-        banned: tuple[tuple[int, ...], ...] = ()
-        if req.bad_words:
-            if ctx.tokenizer is None:
-                raise ApiError(400, "bad_words needs the server's tokenizer")
-            banned = bad_word_ids(ctx.tokenizer, req.bad_words)
-        return TokenFilter(ctx.model.vocab_size, allowed_ids=req.allowed_token_ids, banned=banned)
+        return constraint_factory(ctx.tokenizer, ctx.model.vocab_size, grammar=grammar,
+                                  allowed_ids=req.allowed_token_ids, bad_words=req.bad_words or ())
     except SpecdecError as exc:
         raise ApiError(400, str(exc)) from None
 
 
 def _logit_bias(req: _Request, vocab: int) -> tuple[tuple[int, float], ...]:
-    out = []
+    pairs = []
     for key, value in (req.logit_bias or {}).items():
         try:
-            token = int(key)
+            pairs.append((int(key), float(value)))
         except ValueError:
             raise ApiError(400, f"logit_bias keys must be token ids, got {key!r}") from None
-        if not 0 <= token < vocab:
-            raise ApiError(400, f"logit_bias token {token} is outside the vocabulary [0, {vocab})")
-        out.append((token, float(value)))
-    return tuple(sorted(out))
+    try:
+        return checked_bias(pairs, vocab)
+    except SpecdecError as exc:
+        raise ApiError(400, str(exc)) from None
 
 
 class _Job:
@@ -420,14 +417,15 @@ class _Job:
             self.gamma = parse_gamma(req.gamma if req.gamma is not None else ctx.settings.gamma)
         except SpecdecError as exc:
             raise ApiError(400, str(exc)) from None
-        self.token_filter = _token_filter(ctx, req)
         self.grammar = _structured(req)
-        if self.grammar is not None:
-            self._constraint()  # a bad grammar is a 400 now, not an error event later
-        elif self.token_filter is not None:  # no state of its own: one filter serves every choice
-            from dataclasses import replace
-
-            self.sampling = replace(self.sampling, constraint=self.token_filter)
+        # each choice's constraint: its own grammar matcher (each has its own history) under the
+        # request's one filter of allowed ids and bad words
+        self._constraint = _constraints(ctx, req, self.grammar)
+        if self._constraint is not None:
+            try:
+                self._constraint()  # a bad grammar is a 400 now, not an error event later
+            except SpecdecError as exc:
+                raise ApiError(400, str(exc)) from None
         self.prompts = prompts
         self.max_tokens = max_tokens
         self.n = req.n or 1
@@ -450,17 +448,6 @@ class _Job:
     @property
     def headers(self) -> dict[str, str]:
         return {IGNORED_HEADER: ", ".join(self.ignored)} if self.ignored else {}
-
-    def _constraint(self) -> Any:
-        from specdec.grammar import GrammarConstraint
-
-        if self.ctx.tokenizer is None:
-            raise ApiError(400, "structured output needs the server's tokenizer")
-        try:
-            grammar = GrammarConstraint(self.ctx.tokenizer, self.grammar, self.ctx.model.vocab_size)  # type: ignore[arg-type]
-        except SpecdecError as exc:
-            raise ApiError(400, str(exc)) from None
-        return grammar if self.token_filter is None else self.token_filter.over(grammar)
 
     def _gamma(self, drafter: Any, index: int = 0, pace: RequestPace | None = None, auto: CostGamma | None = None) -> Any:
         """The request's γ policy (``auto``: γ auto's controller for this choice); on a batching
@@ -526,7 +513,7 @@ class _Job:
         sampling = self.sampling
         if sampling.seed is not None and j:
             sampling = replace(sampling, seed=offset_seed(sampling.seed, j))
-        if self.grammar is not None:  # one matcher per choice (each has its own history)
+        if self._constraint is not None:
             sampling = replace(sampling, constraint=self._constraint())
         schedulers = [m.scheduler for m in (ctx.model, getattr(ctx, "draft_model", None)) if hasattr(m, "scheduler")]
         for sched in schedulers:
@@ -546,7 +533,7 @@ class _Job:
                 return self._finished(TextResult("", [], prompt, nothing))
             # γ auto: the successor of the controller of the server's last ended choice under this rule
             # (constrained output, which a grammar often makes easy to draft, learns apart from free text)
-            memory_key = self.method + ("+constrained" if self.grammar is not None or self.token_filter is not None else "")
+            memory_key = self.method + ("+constrained" if self._constraint is not None else "")
             auto = ctx.gamma_memory.next(memory_key) if drafter is not None and self.gamma == "auto" else None
             out = engine.generate(self.prompt_of(index), sampling, method=self.method,
                                   gamma=self._gamma(drafter, index, pace, auto), on_piece=on_piece,

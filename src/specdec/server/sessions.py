@@ -36,7 +36,7 @@ from specdec.remote.protocol import (
     default_wire,
     wire_method,
 )
-from specdec.sampling import SamplingConfig, floor_stops
+from specdec.sampling import SamplingConfig, checked_bias, floor_stops
 from specdec.server.compute import COMPUTE
 from specdec.server.errors import ApiError
 from specdec.server.served import ServedModel, compact_kw
@@ -329,18 +329,6 @@ class EdgeSession:
 # ----------------------------------------------------------------------------- creation
 
 
-def _logit_bias(pairs: list[tuple[int, float]], vocab: int) -> tuple[tuple[int, float], ...]:
-    """The edge's logit bias, one bias a token, each token in the vocabulary."""
-    out: dict[int, float] = {}
-    for token, bias in pairs:
-        if token >= vocab:
-            raise ValueError(f"logit_bias token {token} is outside the vocabulary [0, {vocab})")
-        if token in out:
-            raise ValueError(f"logit_bias gives token {token} twice")
-        out[token] = float(bias)
-    return tuple(sorted(out.items()))
-
-
 def _constraint(req: CreateSessionRequest, tokenizer: Any | None, vocab: int) -> Any:
     """The edge's grammar (read with this server's tokenizer) under its allowed ids and bad words
     (as token sequences); None where none is given."""
@@ -402,7 +390,7 @@ def create_session(
             repetition_penalty=req.repetition_penalty,
             frequency_penalty=req.frequency_penalty,
             presence_penalty=req.presence_penalty,
-            logit_bias=_logit_bias(req.logit_bias, vocab),
+            logit_bias=checked_bias(req.logit_bias, vocab),
             constraint=_constraint(req, tokenizer, vocab),
         )
         # min_tokens as the edge's floor over its stop ids: the drafts were masked the same way
