@@ -6,7 +6,7 @@ drafters that are often wrong (prompt lookup, Lookahead, the target's first two 
 seeded random generator writes ``N_REQUESTS`` requests, each drawing from every option the
 endpoints take — chat or completions, streaming, n, echo, stop strings and ids, min_tokens,
 ignore_eos, logit_bias, the three penalties, top-k / top-p / min-p, allowed_token_ids, bad_words,
-structured output (regex, choice, JSON schema), logprobs, γ and the rule — and sends them to
+structured output (regex, choice, JSON schema), logprobs, γ, token trees and the rule — and sends them to
 every server from ``CONCURRENCY`` threads at once, so the batching scheduler mixes them.
 
 Where the output is a function of the request (greedy, or a seed under the coupled rule, the
@@ -128,6 +128,8 @@ def _request(rng: random.Random, ids: list[int]) -> tuple[str, dict]:
             body["logprobs"] = rng.randint(0, 3)
     if rng.random() < 0.6:
         body["gamma"] = rng.choice([1, 2, 4, 6, "auto"])
+    if rng.random() < 0.3:
+        body["tree"] = rng.choice(["chain", "auto", 4, 8])
     body["stream"] = rng.random() < 0.3
     if body["stream"]:
         body["stream_options"] = {"include_usage": True}
@@ -150,6 +152,7 @@ def _post(url: str, path: str, body: dict) -> dict:
                 if not line.startswith("data: ") or line == "data: [DONE]":
                     continue
                 chunk = json.loads(line[6:])
+                assert "error" not in chunk, (chunk, body)
                 usage = chunk.get("usage") or usage
                 stats = chunk.get("specdec") or stats
                 for c in chunk["choices"]:
@@ -204,6 +207,7 @@ def test_speculating_servers_answer_what_plain_decoding_answers(servers):
         answers = [list(pool.map(lambda req, url=url: _post(url, *req), requests)) for url in servers]
     compared = 0
     drafted = {name: [0, 0] for name in DRAFTERS}  # proposed, accepted over the compared requests
+    trees = {name: 0 for name in DRAFTERS}  # tree rounds over the compared requests
     for i, (path, body) in enumerate(requests):
         ref = answers[0][i]
         assert len(ref["choices"]) == body.get("n", 1)
@@ -215,6 +219,16 @@ def test_speculating_servers_answer_what_plain_decoding_answers(servers):
                 compared += 1
                 drafted[name][0] += got["specdec"]["draft_tokens_proposed"]
                 drafted[name][1] += got["specdec"]["draft_tokens_accepted"]
+                trees[name] += got["specdec"]["tree_rounds"]
     assert compared >= N_REQUESTS  # most requests are deterministic ones, each compared on 3 servers
     for name, (proposed, accepted) in drafted.items():  # the drafters drafted, and were often wrong
         assert proposed >= 100 and 0.1 * proposed < accepted < 0.9 * proposed, (name, proposed, accepted)
+    assert trees["ngram"] >= 20 and trees["lookahead"] >= 20, trees  # tree requests verified trees
+    assert trees["layerskip:2"] == 0  # a self-speculative view has no tree pass: its tree requests draft chains
+
+
+def test_a_bad_tree_is_a_400(servers):
+    for tree in (0, 65, "bushy"):
+        r = httpx.post(servers[1] + "/v1/completions", json={"prompt": "a", "max_tokens": 2, "tree": tree},
+                       headers={"Authorization": f"Bearer {KEY}"})
+        assert r.status_code == 400 and "tree" in r.json()["error"]["message"], (tree, r.text)

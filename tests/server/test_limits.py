@@ -62,6 +62,8 @@ def test_bad_settings_are_refused():
         ServerSettings(max_sessions=0)
     with pytest.raises(ValueError, match="max gamma"):
         ServerSettings(max_gamma=65)
+    with pytest.raises(ValueError, match="tree must be 'chain', 'auto' or a node count"):
+        ServerSettings(tree="bushy")
 
 
 def test_serve_refuses_an_open_public_address(capsys, monkeypatch):
@@ -72,6 +74,8 @@ def test_serve_refuses_an_open_public_address(capsys, monkeypatch):
     assert main(["serve", "--host", "127.0.0.1", "--api-key", " "]) == 2
     assert "API key is empty" in capsys.readouterr().err
     assert is_loopback("127.0.0.1") and is_loopback("::1") and is_loopback("localhost") and not is_loopback("10.0.0.1")
+    assert main(["serve", "--tree", "0"]) == 2
+    assert capsys.readouterr().err.strip() == "specdec: error: tree node count must be between 1 and 64, got 0"
     assert main(["serve", "--prefix-cache-mib", "-1"]) == 2
     err = capsys.readouterr().err.strip()
     assert err == "specdec: error: --prefix-cache-mib must be >= 0 (0 turns prefix caching off), got -1"

@@ -52,6 +52,10 @@ def add_parser(sub: Any) -> None:
     g.add_argument("--max-body-bytes", type=int, default=1 << 20, help="largest request body accepted (default 1 MiB)")
     g.add_argument("--max-gamma", type=int, default=defaults.MAX_GAMMA, help=f"longest draft verified in one round (default {defaults.MAX_GAMMA})")
     g.add_argument("--gamma", default=defaults.DEFAULT_GAMMA, help="draft length for the OpenAI endpoints: integer, 'auto' or 'guide' (default auto)")
+    g.add_argument("--tree", default=defaults.DEFAULT_TREE,
+                   help="token trees for the OpenAI endpoints (a request's 'tree' field overrides it): 'chain' (default: one "
+                        "candidate per position), 'auto' (node budget from measured cost and acceptance) or a node count N. "
+                        "A tree's target pass runs between the batched passes, not inside them: for a lightly loaded server")
     g.add_argument("--default-max-tokens", type=int, default=256, help="max_tokens of a chat request that gives none (default 256)")
     g.add_argument("--max-kv-mib", type=float, default=defaults.SERVER_MAX_KV_BYTES / 2**20,
                    help=f"KV cache memory all sessions and OpenAI requests together may hold, MiB (default {defaults.SERVER_MAX_KV_BYTES >> 20})")
@@ -179,7 +183,7 @@ def settings_from_args(args: argparse.Namespace) -> dict[str, Any]:
         import uvicorn  # noqa: F401
     except ImportError as exc:
         raise MissingPackageError(f"serving needs the 'serve' extra ({exc.name} is missing): pip install 'specdec[serve]'") from None
-    from specdec.engine import parse_gamma
+    from specdec.engine import parse_gamma, parse_tree
     from specdec.server.settings import ServerSettings
 
     settings_kw: dict[str, Any] = dict(
@@ -189,6 +193,7 @@ def settings_from_args(args: argparse.Namespace) -> dict[str, Any]:
         max_body_bytes=args.max_body_bytes,
         max_gamma=args.max_gamma,
         gamma=parse_gamma(args.gamma),
+        tree=parse_tree(args.tree),
         default_max_tokens=args.default_max_tokens,
         api_keys=more_keys,
         max_kv_bytes=int(args.max_kv_mib * 2**20),

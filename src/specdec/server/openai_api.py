@@ -29,7 +29,7 @@ from fastapi.responses import JSONResponse, StreamingResponse
 from pydantic import BaseModel, ConfigDict, Field
 
 from specdec import defaults
-from specdec.engine import Engine, TextPiece, TextResult, default_method, make_gamma, parse_gamma
+from specdec.engine import Engine, TextPiece, TextResult, default_method, make_gamma, parse_gamma, parse_tree
 from specdec.gamma import CappedGamma, CostGamma
 from specdec.errors import SpecdecError
 from specdec.models.registry import LoadedModel
@@ -111,6 +111,8 @@ class _Request(BaseModel):
     skip_special_tokens: bool = True
     method: Annotated[str, Field(max_length=64)] | None = None
     gamma: Annotated[int, Field(ge=1, le=defaults.MAX_GAMMA)] | Literal["auto", "guide"] | None = None
+    # token trees: chain, auto or a node count (default: the server's --tree)
+    tree: Annotated[int, Field(ge=1, le=defaults.MAX_TREE_NODES)] | Literal["chain", "auto"] | None = None
     # vLLM's: each prompt token's log-probability, rank and this many most likely tokens (not streamed)
     prompt_logprobs: Annotated[int, Field(ge=0, le=20)] | None = None
 
@@ -324,6 +326,7 @@ def _stats(outs: list[TextResult]) -> dict[str, Any]:
         "target_calls": calls,
         "draft_tokens_proposed": proposed,
         "draft_tokens_accepted": accepted,
+        "tree_rounds": sum(s.tree_rounds for s in st),
         "tokens_per_target_call": tokens / calls if calls else 0.0,
         "acceptance_rate": accepted / proposed if proposed else 0.0,
         "wall_s": sum(s.wall_s for s in st),
@@ -415,8 +418,11 @@ class _Job:
             if rule.greedy_only and not self.sampling.greedy:
                 raise ApiError(400, f"method {self.method!r} needs temperature 0")
             self.gamma = parse_gamma(req.gamma if req.gamma is not None else ctx.settings.gamma)
+            self.tree = parse_tree(req.tree if req.tree is not None else ctx.settings.tree)
         except SpecdecError as exc:
             raise ApiError(400, str(exc)) from None
+        if self.tree != "chain" and getattr(model, "forward_tree", None) is None:
+            raise ApiError(400, "token trees need a backend with tree attention (the native backend, not hf)")
         self.grammar = _structured(req)
         # each choice's constraint: its own grammar matcher (each has its own history) under the
         # request's one filter of allowed ids and bad words
@@ -533,11 +539,13 @@ class _Job:
                 return self._finished(TextResult("", [], prompt, nothing))
             # γ auto: the successor of the controller of the server's last ended choice under this rule
             # (constrained output, which a grammar often makes easy to draft, learns apart from free text)
+            # (a tree's node budget comes from its own controller: neither the memory nor the cap applies)
             memory_key = self.method + ("+constrained" if self._constraint is not None else "")
-            auto = ctx.gamma_memory.next(memory_key) if drafter is not None and self.gamma == "auto" else None
+            chain = self.tree == "chain"
+            auto = ctx.gamma_memory.next(memory_key) if chain and drafter is not None and self.gamma == "auto" else None
             out = engine.generate(self.prompt_of(index), sampling, method=self.method,
-                                  gamma=self._gamma(drafter, index, pace, auto), on_piece=on_piece,
-                                  logprobs=self.logprobs, ignore_eos=self.ignore_eos)
+                                  gamma=self._gamma(drafter, index, pace, auto) if chain else self.gamma, on_piece=on_piece,
+                                  logprobs=self.logprobs, ignore_eos=self.ignore_eos, tree=self.tree)
             if auto is not None:
                 ctx.gamma_memory.keep(memory_key, auto)
         except SchedulerCancelled:

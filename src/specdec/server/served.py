@@ -4,9 +4,8 @@ from __future__ import annotations
 
 import inspect
 from functools import partial
-from typing import Any
+from typing import Any, Callable
 
-from specdec.errors import ConfigError
 from specdec.server.compute import one_openmp_thread
 from specdec.server.prefix_cache import prefill, supports_prefix_cache
 
@@ -73,13 +72,21 @@ class ServedModel:
         other pass of that model running (a model object runs one forward at a time)."""
         raise NotImplementedError
 
-    def forward_tree(self, tokens: Any, parents: Any, cache: Any, *, prefix: int | None = None,
-                     compact: bool = False) -> Any:  # -> [n, V] ([n, Vd] with compact)
+    @property
+    def forward_tree(self) -> Callable[..., Any]:
+        """The wrapped model's tree pass, run alone; absent (``hasattr`` False) where the wrapped model
+        has none (the hf backend, a self-speculative view), so drafters keep to chains there and a
+        verifier asked for a tree says what is missing, as they do without the server."""
         fn = getattr(self.inner, "forward_tree", None)
         if fn is None:
-            raise ConfigError("token trees need a backend with tree attention (the native backend, not hf)")
-        one_openmp_thread()
-        return self._alone(fn, tokens, parents, cache, prefix=prefix, **compact_kw(compact))
+            raise AttributeError("forward_tree")
+
+        def forward_tree(tokens: Any, parents: Any, cache: Any, *, prefix: int | None = None,
+                         compact: bool = False) -> Any:  # -> [n, V] ([n, Vd] with compact)
+            one_openmp_thread()
+            return self._alone(fn, tokens, parents, cache, prefix=prefix, **compact_kw(compact))
+
+        return forward_tree
 
     def __getattr__(self, name: str) -> Any:  # anything else (dtype, n_params, ...) passes through
         return getattr(self.inner, name)

@@ -28,6 +28,8 @@ class ServerSettings:
     #: OpenAI endpoints: max_tokens when a chat request gives none, and the draft length policy
     default_max_tokens: int = 256
     gamma: str | int = defaults.DEFAULT_GAMMA
+    #: OpenAI endpoints: token trees (chain | auto | a node count); a request's ``tree`` overrides it
+    tree: str | int = defaults.DEFAULT_TREE
     #: /metrics needs the API key too (default: open, so that Prometheus can scrape it)
     metrics_need_key: bool = False
     #: all sessions' KV caches together may hold at most this many bytes (503 + Retry-After past it)
@@ -74,6 +76,9 @@ class ServerSettings:
             raise ConfigError(f"max body size must be >= 1024 bytes, got {self.max_body_bytes}")
         if not 1 <= self.max_gamma <= defaults.MAX_GAMMA:
             raise ConfigError(f"max gamma must be between 1 and {defaults.MAX_GAMMA}, got {self.max_gamma}")
+        from specdec.engine import parse_tree
+
+        parse_tree(self.tree)  # ConfigError with the accepted spellings
         if self.default_max_tokens < 1:
             raise ConfigError(f"default max tokens must be >= 1, got {self.default_max_tokens}")
         if self.api_key is not None and not self.api_key.strip():
