@@ -33,9 +33,6 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 from specdec.decoder import SpeculativeDecoder
-from specdec.drafters import ModelDrafter, NgramDrafter
-from specdec.drafters.hybrid import LookupThenModel
-from specdec.drafters.lookahead import LookaheadDrafter
 from specdec.drafters.tree_builder import TreeSpec
 from specdec.errors import ConfigError
 from specdec.gamma import CostGamma, FixedGamma, TreeBudget
@@ -44,6 +41,7 @@ from specdec.sampling import PenaltyState, SamplingConfig, floor_stops, process_
 from specdec.session import TargetSession
 from specdec.token_filter import TokenFilter
 from specdec.verify import get_rule
+from toy_drafters import toy_drafter
 
 #: combinations drawn (each decodes up to 24 tokens two or three times on 6-token toy models)
 N_EXAMPLES = 1500
@@ -67,15 +65,7 @@ class StrictNoRepeat:
 
 
 def _drafter(kind: str):
-    if kind == "ngram":
-        return NgramDrafter()
-    if kind == "lookahead":
-        return LookaheadDrafter(window=3, ngram=3, candidates=3, pool_size=8)
-    if kind == "hybrid":
-        return LookupThenModel(ModelDrafter(DRAFTS["close"]))
-    if kind == "sharp":
-        return ModelDrafter(DRAFTS["close"], temperature_factor=0.6)
-    return ModelDrafter(DRAFTS[kind])
+    return toy_drafter(kind, DRAFTS)
 
 
 _trees = st.sampled_from([

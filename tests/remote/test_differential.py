@@ -19,9 +19,6 @@ import httpx
 import pytest
 
 from specdec.decoder import SpeculativeDecoder
-from specdec.drafters import ModelDrafter, NgramDrafter
-from specdec.drafters.hybrid import LookupThenModel
-from specdec.drafters.lookahead import LookaheadDrafter
 from specdec.models.toy import ToyLM
 from specdec.remote.client import RemoteConfig
 from specdec.remote.edge import generate_remote
@@ -29,6 +26,7 @@ from specdec.sampling import SamplingConfig, floor_stops
 from specdec.session import TargetSession
 from specdec.token_filter import TokenFilter
 from specdec.verify import get_rule
+from toy_drafters import toy_drafter
 
 from .conftest import API_KEY
 
@@ -38,13 +36,7 @@ DRAFTS = {"close": TARGET.perturbed(0.6, seed=5), "far": TARGET.perturbed(3.0, s
 
 
 def _drafter(kind: str):
-    if kind == "ngram":
-        return NgramDrafter()
-    if kind == "lookahead":
-        return LookaheadDrafter(window=3, ngram=3, candidates=3, pool_size=8)
-    if kind == "hybrid":
-        return LookupThenModel(ModelDrafter(DRAFTS["close"]))
-    return ModelDrafter(DRAFTS[kind])
+    return toy_drafter(kind, DRAFTS)
 
 
 def _draw(rng: random.Random) -> dict:

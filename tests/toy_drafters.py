@@ -1,0 +1,23 @@
+"""Every drafter family over toy draft models, by a short name (the differential tests draw them)."""
+
+from __future__ import annotations
+
+from typing import Any
+
+from specdec.drafters import ModelDrafter, NgramDrafter
+from specdec.drafters.hybrid import LookupThenModel
+from specdec.drafters.lookahead import LookaheadDrafter
+
+
+def toy_drafter(kind: str, drafts: dict[str, Any]) -> Any:
+    """A fresh drafter: ``ngram``, ``lookahead``, ``hybrid`` (lookup, else ``drafts["close"]``),
+    ``sharp`` (``drafts["close"]`` sampled at 0.6 × T), or the draft model ``drafts[kind]``."""
+    if kind == "ngram":
+        return NgramDrafter()
+    if kind == "lookahead":
+        return LookaheadDrafter(window=3, ngram=3, candidates=3, pool_size=8)
+    if kind == "hybrid":
+        return LookupThenModel(ModelDrafter(drafts["close"]))
+    if kind == "sharp":
+        return ModelDrafter(drafts["close"], temperature_factor=0.6)
+    return ModelDrafter(drafts[kind])
