@@ -340,6 +340,15 @@ SCHEMA = {"type": "object", "properties": {"color": {"enum": ["red", "green", "b
           "required": ["color", "size"], "additionalProperties": False}
 
 
+def test_a_drafter_without_a_tree_pass_says_it_drafts_chains(capsys):
+    model = "smollm2-135m-draft"
+    base = ["generate", "--target", model, "--dtype", "float32", "-p", "The quick brown fox jumps", "-n", "4", "--tree", "4"]
+    code, out, err = _run(capsys, *base, "--draft", "layerskip:2")
+    assert code == 0 and "the drafter layerskip:2 has no tree pass: it drafts chains (--tree 4 is not used)" in err, err
+    code, out, err = _run(capsys, *base, "--draft", "ngram")
+    assert code == 0 and "no tree pass" not in err, err
+
+
 def test_structured_output_and_logprobs_from_the_command_line(capsys, tmp_path):
     """--json-schema (inline or a file), --regex and --logprobs on a real model: the output obeys
     the grammar under speculation (chains and trees), greedy speculation equals plain decoding,
