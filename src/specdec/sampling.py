@@ -426,12 +426,34 @@ def process_logits(
     probs = torch.softmax(scores, dim=-1)
     if cfg.top_p is not None and cfg.top_p < 1.0:
         probs = probs * _top_p_mask(probs, cfg.top_p)
-        probs = probs / probs.sum(-1, keepdim=True)
+        probs = probs / row_sums(probs)
     if cfg.min_p is not None and cfg.min_p > 0.0:
         threshold = cfg.min_p * probs.max(-1, keepdim=True).values
         probs = probs * (probs >= threshold)
-        probs = probs / probs.sum(-1, keepdim=True)
+        probs = probs / row_sums(probs)
     return probs
+
+
+#: the blocks :func:`row_sums` adds up first
+_SUM_BLOCK = 1024
+
+
+def row_sums(x: Tensor) -> Tensor:  # [n, V] -> [n, 1]
+    """Each row's sum, in an order fixed by the row's length alone.
+
+    ``x.sum(-1)`` is not batch-invariant: with one row torch splits the reduction among its
+    threads, with several it gives each row to one thread, so a row summed alone and the same row
+    summed among others can differ in the last bit (measured: half of the rows renormalised after
+    top-p or min-p over SmolLM2's vocabulary).  A verification pass processes γ + 1 rows where plain
+    decoding processes one, so the speculative target law, the coupled rule's tokens at near-ties
+    and the reported log-probabilities would drift from plain decoding's.  Here each row is cut into
+    blocks of ``_SUM_BLOCK`` (zero-padded), each block summed on its own, then the block sums: every
+    reduction is short enough that torch never splits it, so the bits depend neither on the other
+    rows nor on the thread count."""
+    n, vocab = x.shape
+    pad = (-vocab) % _SUM_BLOCK
+    blocks = torch.nn.functional.pad(x, (0, pad)) if pad else x
+    return blocks.view(n, -1, _SUM_BLOCK).sum(-1).sum(-1, keepdim=True)
 
 
 def target_logprobs(
