@@ -36,7 +36,6 @@ PROMPTS = (
     "Write one sentence about the sea.",
     "List three colors: red, green,",
 )
-WORDS = ("the", "sea", "return", "blue", "Rome")
 
 
 @pytest.fixture(scope="module")
