@@ -33,3 +33,24 @@ def test_compact_keeps_a_path():
     c.k[0, 0, :6, 0] = torch.arange(6.0)
     c.compact(torch.tensor([3, 5]), start=2)
     assert c.length == 4 and c.k[0, 0, :4, 0].tolist() == [0.0, 1.0, 3.0, 5.0]
+
+
+@pytest.mark.parametrize("made_inside", [False, True])
+def test_a_cache_grown_or_made_under_inference_mode_takes_writes_outside_it(made_inside):
+    """The server's caches start short and grow inside a pass run under inference mode; a tree
+    round then compacts them outside it.  With the grown buffers as inference tensors that write
+    failed ("Inplace update to inference tensor outside InferenceMode"), found by a streamed tree
+    request under load (tests/server/test_differential.py)."""
+    if made_inside:
+        with torch.inference_mode():
+            c = KVCache(1, 1, 1, 512, initial_length=64)
+    else:
+        c = KVCache(1, 1, 1, 512, initial_length=64)
+    with torch.inference_mode():
+        c.reserve(100)  # grows past the first 64 positions
+        c.k[0, 0, :100, 0] = torch.arange(100.0)
+    assert c.capacity >= 100
+    c.compact(torch.tensor([70, 99]), start=60)
+    assert c.length == 62 and c.k[0, 0, 58:62, 0].tolist() == [58.0, 59.0, 70.0, 99.0]
+    c.reserve(1)
+    c.k[0, 0, 62, 0] = 1.0  # an ordinary write outside inference mode, as a drafter's catch-up makes

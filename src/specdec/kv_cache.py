@@ -84,7 +84,11 @@ class KVCache:
         if start + n > self.max_length:
             raise ValueError(f"KV cache full: {start} + {n} > {self.max_length} positions")
         if start + n > self.capacity:
-            self._grow(self._grown_capacity(start + n))
+            # a pass under inference mode may grow the cache; buffers made there would be inference
+            # tensors, which in-place writes outside it (compact after a tree round, a view's catch-up
+            # copies) refuse: keep them ordinary tensors
+            with torch.inference_mode(False):
+                self._grow(self._grown_capacity(start + n))
         self.length = start + n
         self.peak_length = max(self.peak_length, self.length)
         return start
@@ -112,9 +116,11 @@ class KVCache:
         m = keep.numel()
         # index_select, not self.k[:, :, keep]: advanced indexing runs a parallel kernel, measured
         # at 15-25 us and, when the other core was busy, up to 18 ms (it waits for that core);
-        # index_select is a serial 4-8 us copy here (SmolLM2-sized caches, 2-core CPU)
-        self.k[:, :, start : start + m] = self.k.index_select(2, keep)
-        self.v[:, :, start : start + m] = self.v.index_select(2, keep)
+        # index_select is a serial 4-8 us copy here (SmolLM2-sized caches, 2-core CPU).  Under
+        # inference mode, so that buffers made inside it (a cache created there) take the write too
+        with torch.inference_mode():
+            self.k[:, :, start : start + m] = self.k.index_select(2, keep)
+            self.v[:, :, start : start + m] = self.v.index_select(2, keep)
         self.length = start + m
 
     @property

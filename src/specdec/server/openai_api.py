@@ -753,6 +753,7 @@ def _stream(
             put("error", str(exc))
             return
         except Exception as exc:  # noqa: BLE001 - reported to the client as an error event
+            log.exception("streamed completion failed")  # the client sees the type only: the log keeps the rest
             put("error", f"internal error ({type(exc).__name__})")
             return
         put("end", None)
