@@ -318,10 +318,70 @@ def _sandbox() -> Any:
     return env
 
 
+@functools.lru_cache(maxsize=1)
+def _byte_level_chars() -> dict[str, int]:
+    """The byte each character of a byte-level BPE vocabulary stands for.  Such vocabularies
+    (GPT-2's scheme, used by SmolLM2 and Qwen2) spell every byte as one printable character: the
+    printable Latin-1 bytes as themselves, the other 68 (controls, space, soft hyphen, ...) as
+    the characters from U+0100 on, in byte order."""
+    printable = {*range(0x21, 0x7F), *range(0xA1, 0xAD), *range(0xAE, 0x100)}
+    chars: dict[str, int] = {}
+    extra = 0
+    for byte in range(256):
+        if byte in printable:
+            chars[chr(byte)] = byte
+        else:
+            chars[chr(0x100 + extra)] = byte
+            extra += 1
+    return chars
+
+
+def _decoder_kinds(part: dict | None) -> set[str]:
+    """The types of a serialised ``tokenizers`` decoder and of the decoders a ``Sequence`` holds."""
+    if not part:
+        return set()
+    return {part.get("type", ""), *(k for sub in part.get("decoders") or () for k in _decoder_kinds(sub))}
+
+
+class TokenBytes:
+    """Each token's own bytes, as OpenAI's logprobs report them (``bytes``): a token that holds
+    part of a character (a byte-level BPE splits emoji and most CJK characters over several tokens)
+    is that part, not U+FFFD, so the bytes of consecutive tokens join to the text's UTF-8.  Read
+    from the vocabulary of a ``tokenizers``-backed tokenizer: byte-level entries through
+    :func:`_byte_level_chars`, byte-fallback entries (``<0x41>``) as their byte, added tokens as
+    their text; elsewhere, or for any other tokenizer, the token's decoded text in UTF-8."""
+
+    def __init__(self, tokenizer: Any) -> None:
+        self.tokenizer = tokenizer
+        backend = getattr(tokenizer, "_tokenizer", None)
+        self._backend = backend if hasattr(backend, "id_to_token") else None
+        kinds = _decoder_kinds(_state(self._backend.decoder)) if self._backend is not None else set()
+        self._byte_level = "ByteLevel" in kinds
+        self._byte_fallback = "ByteFallback" in kinds
+        self._added = ({i: t.content for i, t in self._backend.get_added_tokens_decoder().items()}
+                       if self._backend is not None else {})
+
+    def __call__(self, token: int) -> bytes:
+        if self._backend is not None and token not in self._added:
+            piece = self._backend.id_to_token(token)
+            if piece is not None:
+                if self._byte_level:
+                    chars = _byte_level_chars()
+                    if all(c in chars for c in piece):
+                        return bytes(chars[c] for c in piece)
+                elif self._byte_fallback:
+                    if len(piece) == 6 and piece.startswith("<0x") and piece.endswith(">"):
+                        return bytes([int(piece[3:5], 16)])
+                    return piece.replace("\u2581", " ").encode("utf-8")
+        if token in self._added:
+            return self._added[token].encode("utf-8")
+        return self.tokenizer.decode([token]).encode("utf-8")
+
+
 def hf_tokenizer(tokenizer: Any) -> Any:
     """The transformers tokenizer behind ``tokenizer`` (itself unless it is a :class:`FastTokenizer`),
     for libraries that need transformers' class (llguidance)."""
     return tokenizer.hf if isinstance(tokenizer, FastTokenizer) else tokenizer
 
 
-__all__ = ["FastTokenizer", "PLAIN_KEYS", "REBUILT", "hf_tokenizer", "parsed", "plain_config"]
+__all__ = ["FastTokenizer", "PLAIN_KEYS", "REBUILT", "TokenBytes", "hf_tokenizer", "parsed", "plain_config"]

@@ -6,7 +6,8 @@ drafters that are often wrong (prompt lookup, Lookahead, the target's first two 
 seeded random generator writes ``N_REQUESTS`` requests, each drawing from every option the
 endpoints take — chat or completions, streaming, n, echo, stop strings and ids, min_tokens,
 ignore_eos, logit_bias, the three penalties, top-k / top-p / min-p, allowed_token_ids, bad_words,
-structured output (regex, choice, JSON schema), logprobs, γ, token trees and the rule — and sends them to
+structured output (regex, choice, JSON schema), logprobs (tokens named by text or by id), the
+generated token ids, γ, token trees and the rule — and sends them to
 every server from ``CONCURRENCY`` threads at once, so the batching scheduler mixes them.
 
 Where the output is a function of the request (greedy, or a seed under the coupled rule, the
@@ -133,6 +134,10 @@ def _request(rng: random.Random, ids: list[int]) -> tuple[str, dict]:
     body["stream"] = rng.random() < 0.3
     if body["stream"]:
         body["stream_options"] = {"include_usage": True}
+    if rng.random() < 0.2:  # drawn last: the earlier draws are the same as without these options
+        body["return_token_ids"] = True
+    if rng.random() < 0.2:
+        body["return_tokens_as_token_ids"] = True
     return ("/v1/chat/completions" if chat else "/v1/completions"), body
 
 
@@ -159,6 +164,8 @@ def _post(url: str, path: str, body: dict) -> dict:
                     acc = choices.setdefault(c["index"], {"text": "", "finish_reason": None, "logprobs": []})
                     piece = c.get("delta", {}).get("content") if "delta" in c else c.get("text")
                     acc["text"] += piece or ""
+                    if "token_ids" in c:
+                        acc["token_ids"] = acc.get("token_ids", []) + c["token_ids"]
                     acc["finish_reason"] = c.get("finish_reason") or acc["finish_reason"]
                     if c.get("logprobs"):
                         acc["logprobs"].append(c["logprobs"])
@@ -187,7 +194,7 @@ def _view(response: dict) -> list[tuple]:
     out = []
     for c in response["choices"]:
         text = c["message"]["content"] if "message" in c else c["text"]
-        out.append((text, c["finish_reason"], json.dumps(c.get("logprobs"), sort_keys=True)))
+        out.append((text, c["finish_reason"], json.dumps(c.get("logprobs"), sort_keys=True), c.get("token_ids")))
     usage = response.get("usage") or {}
     out.append((usage.get("prompt_tokens"), usage.get("completion_tokens")))
     return out
@@ -211,6 +218,8 @@ def test_speculating_servers_answer_what_plain_decoding_answers(servers):
     for i, (path, body) in enumerate(requests):
         ref = answers[0][i]
         assert len(ref["choices"]) == body.get("n", 1)
+        if body.get("return_token_ids"):  # every generated token's id, streamed or not
+            assert sum(len(c["token_ids"]) for c in ref["choices"]) == ref["usage"]["completion_tokens"], body
         for name, got in zip(DRAFTERS, (a[i] for a in answers[1:])):
             assert len(got["choices"]) == body.get("n", 1), (name, body)
             assert (got.get("usage") or {}).get("completion_tokens", 0) <= body["max_tokens"] * body.get("n", 1)

@@ -163,6 +163,70 @@ def test_streamed_logprobs_come_with_their_text(client):
     assert "".join(e.token for e in entries) == "".join(c.delta.content or "" for c in streamed)
 
 
+def test_logprob_bytes_are_each_tokens_own_and_join_to_the_text(client, local):
+    """Chat logprobs' ``bytes`` are each token's own bytes, as OpenAI reports them: a token that
+    holds part of a character (SmolLM2 splits the emoji and each CJK character over several) is
+    that part, not U+FFFD's three bytes, so the entries' bytes join to the message's UTF-8."""
+    text = "😀 你好"
+    tok = local.target.tokenizer
+    assert any("\ufffd" in tok.decode([t]) for t in tok.encode(text, add_special_tokens=False))  # split characters
+    for body in ({}, {"return_tokens_as_token_ids": True}):
+        out = client.chat.completions.create(model=MODEL, messages=[{"role": "user", "content": "Smile."}], max_tokens=12,
+                                             temperature=0, logprobs=True, top_logprobs=1,
+                                             extra_body={"guided_choice": [text], **body}).choices[0]
+        assert out.message.content == text
+        entries = out.logprobs.content
+        assert b"".join(bytes(e.bytes) for e in entries) == text.encode("utf-8")
+        assert all(bytes(e.top_logprobs[0].bytes) == bytes(e.bytes) for e in entries)  # greedy: the token is the top one
+
+
+def test_vllms_token_id_options(client, local):
+    """vLLM's ``return_tokens_as_token_ids`` (logprobs name tokens ``token_id:N``; offsets and bytes
+    stay the text's) and ``return_token_ids`` (the prompt's and each choice's token ids; in a stream,
+    each chunk's new ids, which join to the whole answer's, end-of-turn token included)."""
+    tok = local.target.tokenizer
+    kw = dict(model=MODEL, prompt=PROMPT, max_tokens=12, temperature=0.7, seed=5, logprobs=2)
+    named = client.completions.create(**kw).choices[0]
+    ids = client.completions.create(**kw, extra_body={"return_tokens_as_token_ids": True, "return_token_ids": True}).choices[0]
+    assert ids.text == named.text and ids.model_extra["prompt_token_ids"] == tok.encode(PROMPT, add_special_tokens=False)
+    generated = ids.model_extra["token_ids"]
+    assert tok.decode(generated) == named.text and len(generated) == len(named.logprobs.tokens)
+    assert ids.logprobs.tokens == [f"token_id:{t}" for t in generated]
+    assert ids.logprobs.text_offset == named.logprobs.text_offset and ids.logprobs.token_logprobs == named.logprobs.token_logprobs
+    for top_ids, top_named in zip(ids.logprobs.top_logprobs, named.logprobs.top_logprobs):
+        assert all(k.startswith("token_id:") and k[9:].isdigit() for k in top_ids)
+        assert sorted(top_ids.values()) == sorted(top_named.values())
+        assert sorted(tok.decode([int(k[9:])]) for k in top_ids) == sorted(top_named)
+    chunks = [c.choices[0] for c in client.completions.create(**kw, n=2, stream=True, extra_body={
+        "return_tokens_as_token_ids": True, "return_token_ids": True}) if c.choices]
+    for index in (0, 1):
+        mine = [c for c in chunks if c.index == index]
+        assert [c.model_extra.get("prompt_token_ids") is not None for c in mine].count(True) == 1
+        assert mine[0].model_extra["prompt_token_ids"] == ids.model_extra["prompt_token_ids"]
+        streamed = [t for c in mine for t in c.model_extra["token_ids"]]
+        assert [t for c in mine if c.logprobs for t in c.logprobs.tokens] == [f"token_id:{t}" for t in streamed]
+        if index == 0:  # seed + 0: the same answer as without a stream
+            assert streamed == generated
+    plain = client.completions.create(**kw).choices[0]
+    assert "token_ids" not in plain.model_extra and plain.logprobs.tokens == named.logprobs.tokens  # off by default
+    messages = [{"role": "user", "content": "Say hi."}]
+    chat = dict(model=MODEL, messages=messages, max_tokens=20, temperature=0, logprobs=True,
+                extra_body={"return_token_ids": True, "return_tokens_as_token_ids": True})
+    answer = client.chat.completions.create(**chat)
+    prompt_ids = client.post("/../tokenize", body={"model": MODEL, "messages": messages}, cast_to=object)["tokens"]
+    assert answer.model_extra["prompt_token_ids"] == prompt_ids
+    generated = answer.choices[0].model_extra["token_ids"]
+    assert tok.decode(generated, skip_special_tokens=True) == answer.choices[0].message.content
+    shown = [t for t in generated if t not in tok.all_special_ids]
+    assert [e.token for e in answer.choices[0].logprobs.content] == [f"token_id:{t}" for t in shown]
+    assert b"".join(bytes(e.bytes) for e in answer.choices[0].logprobs.content) == answer.choices[0].message.content.encode()
+    streamed = list(client.chat.completions.create(**chat, stream=True))
+    assert streamed[0].model_extra["prompt_token_ids"] == prompt_ids
+    assert [t for c in streamed if c.choices for t in c.choices[0].model_extra["token_ids"]] == generated
+    if answer.choices[0].finish_reason == "stop":  # the end-of-turn token rides in a chunk of its own ids
+        assert generated[-1] in tok.all_special_ids
+
+
 def test_echo_with_logprobs_scores_the_prompt_as_lm_eval_asks(client, local):
     """The request lm-evaluation-harness's ``local-completions`` sends for a log-likelihood (token
     ids, ``echo``, ``logprobs`` 1, ``max_tokens`` 1, T = 0): an entry per prompt token, the first
@@ -304,7 +368,7 @@ def test_vllm_min_tokens_stop_token_ids_and_include_stop(client, local):
     with_stop = client.completions.create(max_tokens=12, stop=[stop], extra_body={"include_stop_str_in_output": True}, **greedy)
     assert with_stop.choices[0].text == text[: text.index(stop) + len(stop)]
     for body, message in (({"min_tokens": 13}, "must not exceed max_tokens"), ({"logits_processors": ["x"]}, "logits_processors"),
-                          ({"use_beam_search": True}, "use_beam_search"), ({"return_tokens_as_token_ids": True}, "return_tokens_as_token_ids"), ({"guided_whitespace_pattern": " "}, "guided_whitespace_pattern"),
+                          ({"use_beam_search": True}, "use_beam_search"), ({"guided_whitespace_pattern": " "}, "guided_whitespace_pattern"),
                           ({"skip_special_tokens": False}, "skip_special_tokens"),
                           ({"stop_token_ids": [10**8]}, "outside the vocabulary")):
         with pytest.raises(openai.BadRequestError, match=message):

@@ -8,7 +8,7 @@ refused with a 400 that names them, never silently dropped.  Extensions: ``top_k
 ``repetition_penalty``, ``ignore_eos``, ``method`` (verification rule), ``gamma`` and vLLM's
 ``prompt_logprobs``, ``min_tokens``, ``stop_token_ids``, ``include_stop_str_in_output``,
 ``allowed_token_ids``, ``bad_words`` and guided decoding (``guided_json`` / ``_regex`` / ``_choice`` /
-``_grammar``, ``structured_outputs``); vLLM's extensions that would change the output and are not
+``_grammar``, ``structured_outputs``), ``return_token_ids`` and ``return_tokens_as_token_ids``; vLLM's extensions that would change the output and are not
 implemented (beam search, logits processors, a whitespace pattern) are refused; responses
 carry a ``specdec`` object with the run's speculative stats (the last stream chunk too).
 """
@@ -16,6 +16,7 @@ carry a ``specdec`` object with the run's speculative stats (the last stream chu
 from __future__ import annotations
 
 import asyncio
+import functools
 import json
 import logging
 import secrets
@@ -37,6 +38,7 @@ from specdec.sampling import SamplingConfig, checked_bias, offset_seed
 from specdec.session import score_prompt
 from specdec.text import TextStream
 from specdec.token_filter import MAX_BAD_WORDS, constraint_factory
+from specdec.tokenizer import TokenBytes
 from specdec.server.draft_cap import CAPPED_WIRES, LOOKUP_WIRE_SUFFIX, RequestPace
 from specdec.server.errors import ApiError
 from specdec.server.scheduler import Cancelled as SchedulerCancelled
@@ -59,7 +61,7 @@ IGNORED_HEADER = "X-Specdec-Ignored-Fields"
 _REFUSED = ("tools", "functions", "audio", "prediction", "web_search_options",
             # vLLM's sampling extensions this server does not implement: each would change the output
             "use_beam_search", "logits_processors", "guided_whitespace_pattern",
-            "truncate_prompt_tokens", "chat_template", "return_tokens_as_token_ids")
+            "truncate_prompt_tokens", "chat_template")
 #: fields that are accepted and have no effect here (listed in the ignored-fields header)
 _NO_EFFECT = ("user", "store", "metadata", "service_tier", "parallel_tool_calls", "reasoning_effort", "modalities")
 
@@ -115,6 +117,10 @@ class _Request(BaseModel):
     tree: Annotated[int, Field(ge=1, le=defaults.MAX_TREE_NODES)] | Literal["chain", "auto"] | None = None
     # vLLM's: each prompt token's log-probability, rank and this many most likely tokens (not streamed)
     prompt_logprobs: Annotated[int, Field(ge=0, le=20)] | None = None
+    # vLLM's: logprobs name each token ``token_id:N`` instead of its text (its bytes stay the token's own)
+    return_tokens_as_token_ids: bool = False
+    # vLLM's: the prompt's token ids and each choice's generated ids alongside the text
+    return_token_ids: bool = False
 
     def ignored_fields(self) -> list[str]:
         """Names of the fields accepted without effect (unknown ones and known no-ops)."""
@@ -877,18 +883,38 @@ def _piece(tok: Any, token: int) -> str:
     return tok.decode([token])
 
 
-def _chat_logprobs(tok: Any, token_ids: list[int], logprobs: list | None) -> dict[str, Any] | None:
+class _Names:
+    """How a response's log-probabilities name tokens: a token's ``text`` (what the choice's text
+    holds of it), its ``label`` (the text, or vLLM's ``token_id:N`` with ``return_tokens_as_token_ids``)
+    and its own ``bytes`` (part of a character where the token holds part of one: OpenAI's chat
+    ``bytes``, which join to the text's UTF-8 across tokens)."""
+
+    def __init__(self, tok: Any, token_bytes: TokenBytes, as_ids: bool = False) -> None:
+        self.tok = tok
+        self._bytes = token_bytes
+        self.as_ids = as_ids
+
+    def text(self, token: int) -> str:
+        return _piece(self.tok, token)
+
+    def label(self, token: int) -> str:
+        return f"token_id:{token}" if self.as_ids else _piece(self.tok, token)
+
+    def bytes(self, token: int) -> list[int]:
+        return list(self._bytes(token))
+
+
+def _chat_logprobs(names: _Names, token_ids: list[int], logprobs: list | None) -> dict[str, Any] | None:
     """OpenAI chat ``logprobs`` of ``token_ids`` (a whole answer or a streamed piece of it): the
     target's processed law at each emitted position whose token is part of the message; special
     tokens (the end of the turn) are left out, as the message's text leaves them out, so the
     entries' tokens join to the content."""
     if logprobs is None:
         return None
-    special = set(getattr(tok, "all_special_ids", None) or ())
+    special = set(getattr(names.tok, "all_special_ids", None) or ())
 
     def entry(token: int, lp: float) -> dict[str, Any]:
-        text = _piece(tok, token)
-        return {"token": text, "logprob": max(lp, -9999.0), "bytes": list(text.encode("utf-8"))}
+        return {"token": names.label(token), "logprob": max(lp, -9999.0), "bytes": names.bytes(token)}
 
     return {"content": [
         {**entry(token, lp), "top_logprobs": [entry(i, v) for i, v in top]}
@@ -896,36 +922,35 @@ def _chat_logprobs(tok: Any, token_ids: list[int], logprobs: list | None) -> dic
     ], "refusal": None}
 
 
-def _completion_logprobs(tok: Any, token_ids: list[int], logprobs: list | None, offset: int) -> dict[str, Any] | None:
+def _completion_logprobs(names: _Names, token_ids: list[int], logprobs: list | None, offset: int) -> dict[str, Any] | None:
     """Legacy completions ``logprobs`` of ``token_ids`` (a whole answer or a streamed piece of it,
     whose first token's text starts at character ``offset`` of the choice's text): tokens,
-    token_logprobs, top_logprobs, text_offset."""
+    token_logprobs, top_logprobs, text_offset (characters of the text, whatever the tokens' labels)."""
     if logprobs is None:
         return None
     tokens, offsets = [], []
     for token in token_ids:
         offsets.append(offset)
-        piece = _piece(tok, token)
-        tokens.append(piece)
-        offset += len(piece)
+        tokens.append(names.label(token))
+        offset += len(names.text(token))
     return {
         "tokens": tokens,
         "token_logprobs": [max(entry[0], -9999.0) for entry in logprobs],
-        "top_logprobs": [{_piece(tok, i): max(v, -9999.0) for i, v in entry[1]} for entry in logprobs],
+        "top_logprobs": [{names.label(i): max(v, -9999.0) for i, v in entry[1]} for entry in logprobs],
         "text_offset": offsets,
     }
 
 
-def _echo_logprobs(tok: Any, prompt_ids: list[int], prompt_logprobs: list | None) -> dict[str, Any] | None:
+def _echo_logprobs(names: _Names, prompt_ids: list[int], prompt_logprobs: list | None) -> dict[str, Any] | None:
     """Legacy completions ``logprobs`` of an echoed prompt (``echo`` with ``logprobs``): its first
     token has none (null, as OpenAI reports it), each later one the target's own law given the
     tokens before it; offsets from the start of the choice's text."""
     if prompt_logprobs is None:
         return None
     first, *rest = prompt_ids
-    scored = _completion_logprobs(tok, rest, prompt_logprobs, len(_piece(tok, first)))
+    scored = _completion_logprobs(names, rest, prompt_logprobs, len(names.text(first)))
     assert scored is not None
-    return {"tokens": [_piece(tok, first), *scored["tokens"]],
+    return {"tokens": [names.label(first), *scored["tokens"]],
             "token_logprobs": [None, *scored["token_logprobs"]],
             "top_logprobs": [None, *scored["top_logprobs"]],
             "text_offset": [0, *scored["text_offset"]]}
@@ -976,6 +1001,13 @@ def openai_router(ctx: "ServerContext") -> APIRouter:
             raise ApiError(400, "this server has no tokenizer, so it cannot serve text completions")
         return ctx.tokenizer
 
+    @functools.cache
+    def token_bytes() -> TokenBytes:
+        return TokenBytes(tokenizer())
+
+    def names(req: _Request) -> _Names:
+        return _Names(tokenizer(), token_bytes(), req.return_tokens_as_token_ids)
+
     @router.get("/v1/models")
     def models() -> dict[str, Any]:
         return {
@@ -1010,6 +1042,7 @@ def openai_router(ctx: "ServerContext") -> APIRouter:
         job = _Job(ctx, req, prompts, req.max_tokens if req.max_tokens is not None else 16, logprobs=req.logprobs,
                    echo_logprobs=req.logprobs if req.echo else None, owner=_owner(request))
         tok = tokenizer()  # the text of the answer needs it
+        named = names(req)
         if req.echo:
             texts = [t or tok.decode(ids) for t, ids in zip(texts, prompts)]
         cid, created = f"cmpl-{secrets.token_hex(12)}", int(time.time())
@@ -1019,9 +1052,18 @@ def openai_router(ctx: "ServerContext") -> APIRouter:
         def echoed(index: int) -> str:
             return texts[index // job.n] if req.echo else ""
 
-        def chunk(index: int, text: str, finish: str | None, logprobs: Any = None) -> dict[str, Any]:
+        ids_shown: set[int] = set()  # streamed choices whose prompt ids went out (return_token_ids)
+
+        def chunk(index: int, text: str, finish: str | None, logprobs: Any = None,
+                  token_ids: list[int] | None = None) -> dict[str, Any]:
+            choice = {"index": index, "text": text, "logprobs": logprobs, "finish_reason": finish}
+            if req.return_token_ids:  # vLLM's: the prompt's ids on a choice's first chunk, each chunk its new ids
+                if index not in ids_shown:
+                    ids_shown.add(index)
+                    choice["prompt_token_ids"] = job.prompt_of(index)
+                choice["token_ids"] = token_ids or []
             return {"id": cid, "object": "text_completion", "created": created, "model": job.model_name,
-                    "choices": [{"index": index, "text": text, "logprobs": logprobs, "finish_reason": finish}]}
+                    "choices": [choice]}
 
         if req.stream:
             include_usage = req.stream_options is not None and req.stream_options.include_usage
@@ -1031,15 +1073,17 @@ def openai_router(ctx: "ServerContext") -> APIRouter:
                 lps = None
                 if piece.logprobs is not None and piece.token_ids:
                     start = offsets.get(index, len(echoed(index)))
-                    lps = _completion_logprobs(tok, piece.token_ids, piece.logprobs, start)
-                    offsets[index] = start + sum(len(t) for t in lps["tokens"])  # type: ignore[index]
-                return chunk(index, piece.text, None, lps) if piece.text or lps is not None else None
+                    lps = _completion_logprobs(named, piece.token_ids, piece.logprobs, start)
+                    offsets[index] = start + sum(len(named.text(t)) for t in piece.token_ids)
+                if piece.text or lps is not None or (req.return_token_ids and piece.token_ids):
+                    return chunk(index, piece.text, None, lps, piece.token_ids)
+                return None
 
             def head(index: int) -> list[dict[str, Any]]:
                 if not req.echo:
                     return []
                 scored = job.scores(index, job.echo_logprobs)
-                return [chunk(index, echoed(index), None, _echo_logprobs(tok, job.prompt_of(index), scored))]
+                return [chunk(index, echoed(index), None, _echo_logprobs(named, job.prompt_of(index), scored))]
 
             return _stream(
                 job,
@@ -1053,11 +1097,12 @@ def openai_router(ctx: "ServerContext") -> APIRouter:
         outs = await _run_blocking(job, request)
         choices = [
             {"index": i, "text": echoed(i) + out.text,
-             "logprobs": _joined(_echo_logprobs(tok, out.prompt_ids, job.scores(i, job.echo_logprobs)),
-                                 _completion_logprobs(tok, out.token_ids, out.logprobs, len(echoed(i)))),
+             "logprobs": _joined(_echo_logprobs(named, out.prompt_ids, job.scores(i, job.echo_logprobs)),
+                                 _completion_logprobs(named, out.token_ids, out.logprobs, len(echoed(i)))),
              "finish_reason": _finish_reason(out.stats.finish_reason),
              **({"prompt_logprobs": _vllm_prompt_logprobs(tok, out.prompt_ids, job.scores(i, job.prompt_logprobs))}
-                if job.prompt_logprobs is not None else {})}
+                if job.prompt_logprobs is not None else {}),
+             **({"prompt_token_ids": out.prompt_ids, "token_ids": out.token_ids} if req.return_token_ids else {})}
             for i, out in enumerate(outs)
         ]
         body = {"id": cid, "object": "text_completion", "created": created, "model": job.model_name,
@@ -1112,23 +1157,34 @@ def openai_router(ctx: "ServerContext") -> APIRouter:
                    owner=_owner(request))
         cid, created = f"chatcmpl-{secrets.token_hex(12)}", int(time.time())
         metrics.completions.labels("chat", str(req.stream).lower()).inc()
+        named = names(req)
 
-        def chunk(index: int, delta: dict[str, Any], finish: str | None, logprobs: Any = None) -> dict[str, Any]:
+        def chunk(index: int, delta: dict[str, Any], finish: str | None, logprobs: Any = None,
+                  token_ids: list[int] | None = None) -> dict[str, Any]:
+            choice = {"index": index, "delta": delta, "logprobs": logprobs, "finish_reason": finish}
+            if req.return_token_ids:  # vLLM's: each chunk's new ids (the prompt's ride on the role chunks)
+                choice["token_ids"] = token_ids or []
             return {"id": cid, "object": "chat.completion.chunk", "created": created, "model": job.model_name,
-                    "choices": [{"index": index, "delta": delta, "logprobs": logprobs, "finish_reason": finish}]}
+                    "choices": [choice]}
 
         if req.stream:
             include_usage = req.stream_options is not None and req.stream_options.include_usage
 
             def streamed(index: int, piece: TextPiece) -> dict[str, Any] | None:
-                lps = _chat_logprobs(tok, piece.token_ids, piece.logprobs)
+                lps = _chat_logprobs(named, piece.token_ids, piece.logprobs)
                 if lps is not None and not lps["content"]:  # an end-of-turn token alone
                     lps = None
-                return chunk(index, {"content": piece.text}, None, lps) if piece.text or lps is not None else None
+                if piece.text or lps is not None or (req.return_token_ids and piece.token_ids):
+                    return chunk(index, {"content": piece.text}, None, lps, piece.token_ids)
+                return None
+
+            def head(index: int) -> list[dict[str, Any]]:
+                opening = chunk(index, {"role": "assistant", "content": ""}, None)
+                return [{**opening, "prompt_token_ids": ids} if req.return_token_ids else opening]
 
             return _stream(
                 job,
-                head=lambda index: [chunk(index, {"role": "assistant", "content": ""}, None)],
+                head=head,
                 delta=streamed,
                 tail=lambda index, out: chunk(index, {}, _finish_reason(out.stats.finish_reason)),
                 usage=(lambda outs: {**chunk(0, {}, None), "choices": [], "usage": _usage(outs, len(ids), job.n)})
@@ -1141,12 +1197,14 @@ def openai_router(ctx: "ServerContext") -> APIRouter:
             "created": created,
             "model": job.model_name,
             "choices": [{"index": i, "message": {"role": "assistant", "content": out.text},
-                         "logprobs": _chat_logprobs(tok, out.token_ids, out.logprobs),
-                         "finish_reason": _finish_reason(out.stats.finish_reason)}
+                         "logprobs": _chat_logprobs(named, out.token_ids, out.logprobs),
+                         "finish_reason": _finish_reason(out.stats.finish_reason),
+                         **({"token_ids": out.token_ids} if req.return_token_ids else {})}
                         for i, out in enumerate(outs)],
             "usage": _usage(outs, len(ids), job.n),
             **({"prompt_logprobs": _vllm_prompt_logprobs(tok, ids, job.scores(0, job.prompt_logprobs))}
                if job.prompt_logprobs is not None else {}),
+            **({"prompt_token_ids": ids} if req.return_token_ids else {}),
             "specdec": _stats(outs),
         }
         return JSONResponse(body, headers=job.headers)
