@@ -83,7 +83,9 @@ def test_sampling_options_stop_and_seed(client):
 
 def test_errors_come_back_as_openai_errors(client, server):
     with pytest.raises(openai.BadRequestError, match="best_of"):
-        client.completions.create(model=MODEL, prompt=PROMPT, n=1, best_of=3)
+        client.completions.create(model=MODEL, prompt=PROMPT, n=3, best_of=2)
+    with pytest.raises(openai.BadRequestError, match="cannot be streamed"):
+        client.completions.create(model=MODEL, prompt=PROMPT, n=1, best_of=3, stream=True)
     with pytest.raises(openai.BadRequestError, match="context"):
         client.completions.create(model=MODEL, prompt=PROMPT, max_tokens=100_000)
     with pytest.raises(openai.NotFoundError, match="not served here"):
@@ -320,6 +322,31 @@ def test_vllms_prompt_logprobs_on_completions_and_chat(client, local):
     check(chat.model_extra["prompt_logprobs"], local.encode_messages(messages))
     with pytest.raises(openai.BadRequestError, match="prompt_logprobs cannot be streamed"):
         client.completions.create(stream=True, extra_body={"prompt_logprobs": 1}, **kw)
+
+
+def test_best_of_returns_the_n_candidates_with_the_best_mean_logprob(client):
+    """OpenAI's ``best_of``: best_of candidates per prompt, the n with the highest log-probability
+    per token returned, best first; usage counts every candidate.  With a seed, candidate j is
+    the request's choice j of ``n = best_of`` (seed + j), so the ranking is checked against those."""
+    prompts = [PROMPT, "Once upon a time"]
+    kw = dict(model=MODEL, prompt=prompts, max_tokens=10, temperature=1.0, seed=11, stop=["e"])  # lengths differ
+    every = client.completions.create(**kw, n=4, logprobs=0)
+    by_prompt = {p: [] for p in range(2)}
+    for c in every.choices:
+        lps = c.logprobs.token_logprobs
+        by_prompt[c.index // 4].append((-sum(lps) / len(lps), c.index, c.text, lps))
+    best = client.completions.create(**kw, n=2, best_of=4)
+    want = [text for p in range(2) for _, _, text, _ in sorted(by_prompt[p])[:2]]
+    assert [c.text for c in best.choices] == want and [c.index for c in best.choices] == [0, 1, 2, 3]
+    by_sum = [c[2] for p in range(2) for c in sorted(by_prompt[p], key=lambda c: (c[0] * len(c[3]), c[1]))[:2]]
+    assert by_sum != want  # per token, not summed: the sum (which favours short answers) would pick others
+    assert all(c.logprobs is None for c in best.choices)  # ranked by logprobs, not asked for them
+    assert best.usage.completion_tokens == every.usage.completion_tokens  # every candidate counted
+    scored = client.completions.create(**kw, n=1, best_of=4, logprobs=1).choices
+    assert [c.text for c in scored] == [sorted(by_prompt[p])[0][2] for p in range(2)]
+    assert [c.logprobs.token_logprobs for c in scored] == [sorted(by_prompt[p])[0][3] for p in range(2)]
+    same = client.completions.create(**kw, n=2, best_of=2)  # best_of = n: every choice, in order
+    assert [c.text for c in same.choices] == [c.text for c in client.completions.create(**kw, n=2).choices]
 
 
 def test_n_list_prompts_echo_logit_bias_ignore_eos(client):

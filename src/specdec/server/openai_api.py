@@ -317,6 +317,21 @@ def _usage(outs: list[TextResult], prompt_tokens: int, n: int = 1) -> dict[str, 
             "prompt_tokens_details": {"cached_tokens": cached}}
 
 
+def _best(outs: list[TextResult], candidates: int, keep: int) -> list[int]:
+    """``best_of``: per prompt (``candidates`` runs each, in order), the indices of the ``keep``
+    runs with the highest mean log-probability per token (OpenAI's ranking; under the target's
+    processed law, what ``logprobs`` report), best first, ties in run order."""
+    def mean(i: int) -> float:
+        lps = [lp for lp, _ in outs[i].logprobs or ()]
+        return sum(lps) / len(lps) if lps else float("-inf")
+
+    picked: list[int] = []
+    for start in range(0, len(outs), candidates):
+        runs = range(start, start + candidates)
+        picked += sorted(runs, key=lambda i: (-mean(i), i))[:keep]
+    return picked
+
+
 def _stats(outs: list[TextResult]) -> dict[str, Any]:
     """The request's speculative stats (summed over its choices)."""
     st = [o.stats for o in outs]
@@ -440,7 +455,8 @@ class _Job:
                 raise ApiError(400, str(exc)) from None
         self.prompts = prompts
         self.max_tokens = max_tokens
-        self.n = req.n or 1
+        # runs per prompt: n, or best_of candidates of which the n best are returned
+        self.n = max(req.n or 1, getattr(req, "best_of", None) or 1)
         self.logprobs = logprobs
         self.echo_logprobs = echo_logprobs  # echo with logprobs: the prompt's tokens scored too, this many best
         self.prompt_logprobs = req.prompt_logprobs  # vLLM's prompt_logprobs: the same scores, this many best
@@ -1017,8 +1033,12 @@ def openai_router(ctx: "ServerContext") -> APIRouter:
 
     @router.post("/v1/completions")
     async def completions(req: CompletionRequest, request: Request) -> Any:
-        if req.best_of is not None and req.best_of != (req.n or 1):
-            raise ApiError(400, "best_of other than n is not supported by this server (no ranking of samples)")
+        keep = req.n or 1
+        if req.best_of is not None and req.best_of < keep:
+            raise ApiError(400, f"best_of ({req.best_of}) must be at least n ({keep})")
+        ranked = req.best_of is not None and req.best_of > keep  # candidates generated, the best n returned
+        if ranked and req.stream:
+            raise ApiError(400, "best_of greater than n cannot be streamed (as in OpenAI's API)")
         if req.suffix:
             raise ApiError(400, "suffix is not supported by this server")
         if req.max_tokens == 0 and not req.echo:
@@ -1039,7 +1059,8 @@ def openai_router(ctx: "ServerContext") -> APIRouter:
                 raise ApiError(400, "the prompt is empty")
             prompts.append(ids)
             texts.append(item if isinstance(item, str) else "")
-        job = _Job(ctx, req, prompts, req.max_tokens if req.max_tokens is not None else 16, logprobs=req.logprobs,
+        job = _Job(ctx, req, prompts, req.max_tokens if req.max_tokens is not None else 16,
+                   logprobs=0 if ranked and req.logprobs is None else req.logprobs,  # best_of ranks by them
                    echo_logprobs=req.logprobs if req.echo else None, owner=_owner(request))
         tok = tokenizer()  # the text of the answer needs it
         named = names(req)
@@ -1095,15 +1116,18 @@ def openai_router(ctx: "ServerContext") -> APIRouter:
                 if include_usage else None,
             )
         outs = await _run_blocking(job, request)
+        picked = _best(outs, job.n, keep) if ranked else range(len(outs))  # run i of each choice
         choices = [
-            {"index": i, "text": echoed(i) + out.text,
-             "logprobs": _joined(_echo_logprobs(named, out.prompt_ids, job.scores(i, job.echo_logprobs)),
-                                 _completion_logprobs(named, out.token_ids, out.logprobs, len(echoed(i)))),
-             "finish_reason": _finish_reason(out.stats.finish_reason),
-             **({"prompt_logprobs": _vllm_prompt_logprobs(tok, out.prompt_ids, job.scores(i, job.prompt_logprobs))}
+            {"index": index, "text": echoed(i) + outs[i].text,
+             "logprobs": _joined(_echo_logprobs(named, outs[i].prompt_ids, job.scores(i, job.echo_logprobs)),
+                                 _completion_logprobs(named, outs[i].token_ids,
+                                                      outs[i].logprobs if req.logprobs is not None else None,
+                                                      len(echoed(i)))),
+             "finish_reason": _finish_reason(outs[i].stats.finish_reason),
+             **({"prompt_logprobs": _vllm_prompt_logprobs(tok, outs[i].prompt_ids, job.scores(i, job.prompt_logprobs))}
                 if job.prompt_logprobs is not None else {}),
-             **({"prompt_token_ids": out.prompt_ids, "token_ids": out.token_ids} if req.return_token_ids else {})}
-            for i, out in enumerate(outs)
+             **({"prompt_token_ids": outs[i].prompt_ids, "token_ids": outs[i].token_ids} if req.return_token_ids else {})}
+            for index, i in enumerate(picked)
         ]
         body = {"id": cid, "object": "text_completion", "created": created, "model": job.model_name,
                 "choices": choices, "usage": _usage(outs, prompt_tokens, job.n), "specdec": _stats(outs)}
