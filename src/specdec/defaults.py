@@ -144,6 +144,10 @@ SERVER_KV_INITIAL_LENGTH = 64
 #: keys/values of recent prompts a server keeps for later prompts that start the same way
 #: (prefix caching; SmolLM2-135M float32: 90 KiB per position, so 256 MiB hold ~2,900 positions)
 SERVER_PREFIX_CACHE_BYTES = 256 << 20
+#: the Responses API's stored responses kept in the server's memory (least recently used dropped
+#: past either bound; the characters are those of the input and output each response added)
+RESPONSES_STORED = 1024
+RESPONSES_STORED_CHARS = 64 << 20
 #: the edge's draft-model prefix cache in ``generate --remote --interactive`` (a SmolLM2 draft
 #: position is ~4 KiB: room for ~8,000 positions of conversation)
 EDGE_DRAFT_PREFIX_CACHE_BYTES = 32 << 20

@@ -39,8 +39,17 @@ def local():
     return Engine.build(EngineConfig(target=MODEL, draft=MODEL, dtype="float32"))
 
 
-def test_models(client):
+def test_models(client, server, local):
     assert [m.id for m in client.models.list().data] == [MODEL]
+    card = client.models.retrieve(MODEL)
+    assert card.id == MODEL and card.model_extra["max_model_len"] == local.target.model.max_length
+    with pytest.raises(openai.NotFoundError, match="not served here"):
+        client.models.retrieve("gpt-4")
+    import httpx
+
+    from specdec import __version__
+
+    assert httpx.get(server.url + "/version").json() == {"version": __version__}  # open, as /health is
 
 
 def test_completion_plain_and_streaming(client, local):

@@ -96,6 +96,16 @@ def test_session_paths_name_their_replica():
     assert scaleout.session_replica("/v1/sessions/plainid/verify") is None  # a single-process server's id
     assert scaleout.session_replica("/v1/sessions") is None
     assert scaleout.session_replica("/v1/completions") is None
+    # stored Responses API responses: by their id in the path, or the one a new response continues
+    assert scaleout.bound_replica("GET", "/v1/responses/resp_abc12345.ff00", b"") == "abc12345"
+    assert scaleout.bound_replica("DELETE", "/v1/responses/resp_abc12345.ff00", b"") == "abc12345"
+    assert scaleout.bound_replica("GET", "/v1/responses/resp_ff00", b"") is None  # a single-process server's id
+    body = b'{"input": "x", "previous_response_id": "resp_abc12345.ff00"}'
+    assert scaleout.bound_replica("POST", "/v1/responses", body) == "abc12345"
+    assert scaleout.bound_replica("POST", "/v1/responses", b'{"input": "x"}') is None
+    assert scaleout.bound_replica("POST", "/v1/responses", b'{"previous_response_id": ') is None  # the replica answers
+    assert scaleout.bound_replica("POST", "/v1/completions", body) is None
+    assert scaleout.bound_replica("GET", "/v1/sessions/abc12345.XyZ", b"") == "abc12345"
 
 
 def test_session_id_prefix_is_checked():

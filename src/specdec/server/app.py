@@ -24,6 +24,7 @@ input; a bad request never changes a session.
 from __future__ import annotations
 
 import asyncio
+import functools
 import json
 import threading
 from concurrent.futures import ThreadPoolExecutor
@@ -103,6 +104,17 @@ class ServerContext:
         #: the same for the draft model an OpenAI request drafts with on the server (0: none)
         draft_probe = self.draft_model.new_cache(1) if self.draft_model is not None else None
         self.draft_kv_per_position = int(getattr(draft_probe, "bytes_per_position", 0))
+        from specdec.server.responses_api import ResponseStore
+
+        #: the Responses API's stored responses (``store``, ``previous_response_id``)
+        self.responses = ResponseStore()
+
+    @functools.cached_property
+    def token_bytes(self) -> Any:
+        """Each token's own bytes (:class:`specdec.tokenizer.TokenBytes`; logprobs' ``bytes``)."""
+        from specdec.tokenizer import TokenBytes
+
+        return TokenBytes(self.tokenizer)
 
     def _evicted(self, reason: str) -> None:
         self.metrics.sessions_evicted.labels(reason).inc()
@@ -315,7 +327,7 @@ def create_app(
     async def _invalid(request: Request, exc: RequestValidationError) -> JSONResponse:
         # the OpenAI endpoints answer a bad request as OpenAI and vLLM do (400: an OpenAI client's
         # BadRequestError); the edge-cloud session API keeps its documented 422
-        status = 400 if request.url.path in ("/v1/completions", "/v1/chat/completions") else 422
+        status = 400 if request.url.path in ("/v1/completions", "/v1/chat/completions", "/v1/responses") else 422
         return error_response(status, _validation_message(exc), "invalid_request_error", metrics)
 
     @app.exception_handler(StarletteHTTPException)
@@ -345,6 +357,13 @@ def create_app(
         return Health(model=settings.model_name, vocab_size=ctx.model.vocab_size, max_context=ctx.model.max_length,
                       sessions=len(store), precision=precision(ctx.model),
                       drafter=ctx.drafter_name if ctx.drafter_factory is not None else "none")
+
+    @app.get("/version")
+    def version() -> dict[str, str]:
+        """The server's specdec version (vLLM's endpoint; open like /health)."""
+        from specdec import __version__
+
+        return {"version": __version__}
 
     @app.get("/metrics", dependencies=guarded if settings.metrics_need_key else [], response_class=Response, responses={401: {"model": ErrorResponse}})
     def prometheus() -> Response:
@@ -409,8 +428,10 @@ def create_app(
         return reply
 
     from specdec.server.openai_api import openai_router
+    from specdec.server.responses_api import responses_router
 
     app.include_router(openai_router(ctx), dependencies=guarded)
+    app.include_router(responses_router(ctx), dependencies=guarded)
     app.add_middleware(BodyLimit, max_bytes=settings.max_body_bytes, metrics=metrics, timeout_s=settings.body_timeout_s)
     app.add_middleware(Guard, keys=settings.keys, allowed_hosts=settings.allowed_hosts,
                        on_error=lambda status: metrics.http_errors.labels(str(status)).inc(),

@@ -18,8 +18,8 @@ from urllib.parse import urlsplit
 
 from specdec.server.command import is_loopback
 
-#: paths anyone may read (no key): health checks and the API description
-PUBLIC_PATHS = frozenset({"/health", "/openapi.json", "/docs", "/docs/oauth2-redirect", "/redoc"})
+#: paths anyone may read (no key): health checks, the version and the API description
+PUBLIC_PATHS = frozenset({"/health", "/version", "/openapi.json", "/docs", "/docs/oauth2-redirect", "/redoc"})
 #: the scope key holding the caller's owner id
 OWNER = "specdec.owner"
 

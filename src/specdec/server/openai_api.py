@@ -16,7 +16,6 @@ carry a ``specdec`` object with the run's speculative stats (the last stream chu
 from __future__ import annotations
 
 import asyncio
-import functools
 import json
 import logging
 import secrets
@@ -730,8 +729,12 @@ async def _run_blocking(job: _Job, request: Request | None = None) -> list[TextR
         cancelled.set()  # also when this handler is cancelled
 
 
-def _sse(payload: dict[str, Any] | str) -> str:
+def _sse(payload: dict[str, Any] | str, named: bool = False) -> str:
+    """One server-sent event; ``named``: with an ``event:`` line naming the payload's ``type``
+    (the Responses API's events)."""
     data = payload if isinstance(payload, str) else json.dumps(payload, separators=(",", ":"))
+    if named and isinstance(payload, dict) and "type" in payload:
+        return f"event: {payload['type']}\ndata: {data}\n\n"
     return f"data: {data}\n\n"
 
 
@@ -740,17 +743,21 @@ def _stream(
     *,
     head: Callable[[int], list[dict[str, Any]]],
     delta: Callable[[int, TextPiece], dict[str, Any] | None],
-    tail: Callable[[int, TextResult], dict[str, Any]],
+    tail: Callable[[int, TextResult], dict[str, Any] | list[dict[str, Any]]],
     usage: Callable[[list[TextResult]], dict[str, Any]] | None,
     head_waits: bool = False,
+    finish: Callable[[dict[str, Any], list[TextResult]], dict[str, Any]] | None = None,
+    named: bool = False,
 ) -> StreamingResponse:
     """Server-sent events: per choice, ``head`` chunks, one ``delta`` chunk per streamed piece (its
     text and, where asked for, the log-probabilities of the tokens it completes; None: nothing to
-    send), ``tail``; then [usage] and [DONE].  Choices run as :func:`_run_choices` runs them — side
+    send), ``tail`` (one chunk or several); then [usage] and [DONE].  Choices run as :func:`_run_choices` runs them — side
     by side on spare slots where there are some — so their chunks interleave, each carrying its
     index (as OpenAI's streams of ``n`` choices do); a choice's own chunks keep their order.  The
-    request's speculative stats ride on the chunk of the choice that ends last.  ``head_waits``:
-    the first choice's head chunks go out with its first event, not at once (they need its work)."""
+    request's speculative stats ride on the last chunk of the choice that ends last (``finish``
+    puts them there: by default a ``specdec`` field).  ``head_waits``: the first choice's head
+    chunks go out with its first event, not at once (they need its work).  ``named``: the
+    Responses API's framing (each event named by its ``type``, no [DONE])."""
     loop = asyncio.get_running_loop()
     queue: asyncio.Queue[tuple[str, Any]] = asyncio.Queue()
     cancelled = threading.Event()
@@ -795,7 +802,7 @@ def _stream(
             if index in opened:
                 return []
             opened.add(index)
-            return [_sse(chunk) for chunk in head(index)]
+            return [_sse(chunk, named) for chunk in head(index)]
 
         try:
             if not head_waits:  # else the head goes out with the choice's first event (it needs the job's work)
@@ -809,28 +816,32 @@ def _stream(
                     if sent is not None:
                         for chunk in opening(index):
                             yield chunk
-                        yield _sse(sent)
+                        yield _sse(sent, named)
                 elif kind == "done":
                     index, result = value
                     for chunk in opening(index):
                         yield chunk
                     results[index] = result
-                    if len(results) < job.choices:
-                        yield _sse(tail(index, result))
-                    else:
-                        last = tail(index, result)
+                    ends = tail(index, result)
+                    ends = ends if isinstance(ends, list) else [ends]
+                    held = len(results) == job.choices  # the last choice's last chunk carries the stats
+                    for chunk in ends[:-1] if held else ends:
+                        yield _sse(chunk, named)
+                    if held:
+                        last = ends[-1]
                 elif kind == "end":
                     outs = [results[i] for i in sorted(results)]
                     if usage is not None and last is not None:
-                        yield _sse(last)
+                        yield _sse(last, named)
                         last = usage(outs)
                     if last is not None:
-                        yield _sse({**last, "specdec": _stats(outs)})
+                        yield _sse(finish(last, outs) if finish is not None else {**last, "specdec": _stats(outs)}, named)
                     break
                 else:
                     yield _sse({"error": {"message": value, "type": "invalid_request_error", "code": 400}})
                     break
-            yield _sse("[DONE]")
+            if not named:
+                yield _sse("[DONE]")
         finally:
             cancelled.set()
 
@@ -1017,19 +1028,22 @@ def openai_router(ctx: "ServerContext") -> APIRouter:
             raise ApiError(400, "this server has no tokenizer, so it cannot serve text completions")
         return ctx.tokenizer
 
-    @functools.cache
-    def token_bytes() -> TokenBytes:
-        return TokenBytes(tokenizer())
-
     def names(req: _Request) -> _Names:
-        return _Names(tokenizer(), token_bytes(), req.return_tokens_as_token_ids)
+        return _Names(tokenizer(), ctx.token_bytes, req.return_tokens_as_token_ids)
+
+    def model_card() -> dict[str, Any]:  # OpenAI's model object, with vLLM's max_model_len
+        return {"id": ctx.settings.model_name, "object": "model", "created": int(ctx.started), "owned_by": "specdec",
+                "max_model_len": ctx.model.max_length}
 
     @router.get("/v1/models")
     def models() -> dict[str, Any]:
-        return {
-            "object": "list",
-            "data": [{"id": ctx.settings.model_name, "object": "model", "created": int(ctx.started), "owned_by": "specdec"}],
-        }
+        return {"object": "list", "data": [model_card()]}
+
+    @router.get("/v1/models/{model:path}")
+    def model(model: str) -> dict[str, Any]:
+        """OpenAI's model retrieval (``client.models.retrieve``); 404 for a model not served here."""
+        _served(ctx, model)
+        return model_card()
 
     @router.post("/v1/completions")
     async def completions(req: CompletionRequest, request: Request) -> Any:

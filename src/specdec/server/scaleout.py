@@ -8,7 +8,8 @@ Two deployments make one Serve application:
   ``<replica id>.<random>``, so the id itself says where the session's KV cache lives.
 * ``Gateway`` (the HTTP ingress): reads each request and forwards it through a deployment handle
   whose router (:class:`SessionAffinityRouter`) sends ``/v1/sessions/<id>/…`` to the replica named
-  in the id and everything else (session creation, OpenAI requests, ``/health``) to the less loaded
+  in the id (and a stored Responses API response's requests, ``resp_<replica>.<x>``, to the replica
+  that stores it) and everything else (session creation, OpenAI requests, ``/health``) to the less loaded
   of two random replicas (Serve's power-of-two-choices rule).
 
 When a replica dies its sessions are gone.  A request for one of them is answered 404 (by the
@@ -25,6 +26,7 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import json
 import re
 from typing import Any, AsyncIterator, Callable
 
@@ -48,6 +50,34 @@ def session_replica(path: str) -> str | None:
     if m is None or SEPARATOR not in m.group(1):
         return None
     return m.group(1).split(SEPARATOR, 1)[0] or None
+
+
+def response_replica(response_id: Any) -> str | None:
+    """The replica that stores a Responses API response (``resp_<replica>.<x>``), else None."""
+    if not isinstance(response_id, str) or not response_id.startswith("resp_"):
+        return None
+    rest = response_id[len("resp_"):]
+    if SEPARATOR not in rest:
+        return None
+    return rest.split(SEPARATOR, 1)[0] or None
+
+
+def bound_replica(method: str, path: str, body: bytes) -> str | None:
+    """The replica a request must reach, else None: a session's (its id in the path), a stored
+    response's (``GET`` / ``DELETE /v1/responses/<id>``), or the one a new response continues
+    (``previous_response_id`` in a ``POST /v1/responses`` body)."""
+    replica = session_replica(path)
+    if replica is not None:
+        return replica
+    if path.startswith("/v1/responses/"):
+        return response_replica(path[len("/v1/responses/"):].split("/", 1)[0])
+    if path == "/v1/responses" and method == "POST" and b"previous_response_id" in body:
+        try:
+            found = json.loads(body)
+        except ValueError:
+            return None  # the replica answers the bad body
+        return response_replica(found.get("previous_response_id")) if isinstance(found, dict) else None
+    return None
 
 
 def require_ray() -> None:
@@ -237,7 +267,7 @@ class Gateway:
 
         body = await request.body()
         path = request.url.path
-        replica = session_replica(path)
+        replica = bound_replica(request.method, path, body)
         req = {
             "method": request.method, "path": path, "query_string": request.url.query.encode(),
             "headers": [(k.decode("latin-1"), v.decode("latin-1")) for k, v in request.scope["headers"]], "body": body,
@@ -253,7 +283,8 @@ class Gateway:
                     raise
                 if replica is not None:
                     return JSONResponse(
-                        {"error": {"message": "unknown session: the replica holding it is gone; create a new one",
+                        {"error": {"message": "unknown session or stored response: the replica holding it is gone;"
+                                              " create a new one",
                                    "type": "invalid_request_error", "code": 404}}, status_code=404)
                 if attempt == self.retries:
                     return JSONResponse({"error": {"message": "no verifier replica answered; retry later",

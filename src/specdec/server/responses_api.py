@@ -1,0 +1,276 @@
+"""OpenAI's Responses API: ``POST /v1/responses``, ``GET`` and ``DELETE /v1/responses/{id}``.
+
+A request is turned into the chat request it amounts to and served by the same machinery as
+``/v1/chat/completions`` (speculative decoding on the server, every sampling option and
+extension of that endpoint, structured output from ``text.format``); the answer is written as a
+Responses object: one assistant ``message`` item with one ``output_text`` part.  Streamed, it is
+OpenAI's event sequence (``response.created`` … ``response.output_text.delta`` …
+``response.completed``, or ``response.incomplete`` when ``max_output_tokens`` cut it), each event
+named and numbered.
+
+``store`` (true unless the request says false) keeps the response in a bounded in-memory store
+(:data:`specdec.defaults.RESPONSES_STORED` responses, ``RESPONSES_STORED_CHARS`` characters; least
+recently used dropped; per API key), so
+``GET`` returns it and ``previous_response_id`` continues its conversation: that response's input
+and output come before the new input; its ``instructions`` do not (as in OpenAI's API).  The
+store lives in the server process: a restart forgets it.  Tools, background runs and non-text
+input are refused with a 400.
+"""
+
+from __future__ import annotations
+
+import secrets
+import threading
+import time
+from collections import OrderedDict
+from typing import TYPE_CHECKING, Annotated, Any, Literal
+
+from fastapi import APIRouter, Request
+from fastapi.responses import JSONResponse
+from pydantic import BaseModel, ConfigDict, Field, ValidationError
+
+from specdec import defaults
+from specdec.engine import TextPiece, TextResult
+from specdec.server.errors import ApiError
+from specdec.server.openai_api import (
+    ChatRequest, _chat_ids, _chat_logprobs, _Job, _Names, _owner, _run_blocking, _stats, _stream,
+)
+
+if TYPE_CHECKING:
+    from specdec.server.app import ServerContext
+
+#: what makes the answer carry log-probabilities (with ``top_logprobs`` alternatives)
+LOGPROBS_INCLUDE = "message.output_text.logprobs"
+#: Responses fields accepted without effect here (named in the ignored-fields header)
+_NO_EFFECT = ("reasoning", "truncation", "parallel_tool_calls", "metadata", "user", "service_tier",
+              "safety_identifier", "prompt_cache_key", "max_tool_calls", "prompt_cache_retention")
+
+
+class InputPart(BaseModel):
+    model_config = ConfigDict(extra="allow")
+    type: Literal["input_text", "output_text", "text"]
+    text: Annotated[str, Field(max_length=1 << 22)]
+
+
+class InputMessage(BaseModel):
+    """A message item (OpenAI's ``EasyInputMessage`` or ``message`` item): text content only."""
+
+    model_config = ConfigDict(extra="allow")
+    type: Literal["message"] = "message"
+    role: Literal["user", "system", "developer", "assistant"]
+    content: Annotated[str, Field(max_length=1 << 22)] | Annotated[list[InputPart], Field(max_length=256)]
+
+
+class ResponsesRequest(BaseModel):
+    model_config = ConfigDict(extra="allow")
+
+    model: Annotated[str, Field(max_length=256)] | None = None
+    input: Annotated[str, Field(min_length=1, max_length=1 << 22)] | Annotated[list[InputMessage], Field(min_length=1, max_length=1024)]
+    instructions: Annotated[str, Field(max_length=1 << 22)] | None = None
+    max_output_tokens: Annotated[int, Field(ge=1, le=1 << 20)] | None = None
+    stream: bool = False
+    store: bool = True
+    previous_response_id: Annotated[str, Field(max_length=128)] | None = None
+    text: dict[str, Any] | None = None
+    top_logprobs: Annotated[int, Field(ge=0, le=20)] | None = None
+    include: Annotated[list[Annotated[str, Field(max_length=128)]], Field(max_length=16)] | None = None
+    background: bool = False
+
+
+def _format(text: dict[str, Any] | None) -> dict[str, Any] | None:
+    """``text.format`` as the chat endpoint's ``response_format`` (a JSON schema's fields sit in a
+    ``json_schema`` object there; the rest is the same)."""
+    fmt = (text or {}).get("format")
+    if fmt is None:
+        return None
+    if not isinstance(fmt, dict):
+        raise ApiError(400, "text.format must be an object")
+    if fmt.get("type") == "json_schema":
+        return {"type": "json_schema", "json_schema": {k: v for k, v in fmt.items() if k != "type"}}
+    return fmt
+
+
+def _turns(items: str | list[InputMessage]) -> list[dict[str, str]]:
+    """The input as chat turns (role, text)."""
+    if isinstance(items, str):
+        return [{"role": "user", "content": items}]
+    return [{"role": m.role, "content": m.content if isinstance(m.content, str) else "".join(p.text for p in m.content)}
+            for m in items]
+
+
+class ResponseStore:
+    """Stored responses, per owner: id -> (owner, the conversation so far, the response body, its
+    size); at most ``capacity`` of them and ``chars`` characters of the text each added (its new
+    input and its output: the earlier turns are shared with the response it continues), the least
+    recently used dropped first.  Thread-safe."""
+
+    def __init__(self, capacity: int = defaults.RESPONSES_STORED, chars: int = defaults.RESPONSES_STORED_CHARS) -> None:
+        self.capacity = capacity
+        self.chars = chars
+        self._items: OrderedDict[str, tuple[str, list[dict[str, str]], dict[str, Any], int]] = OrderedDict()
+        self._held = 0
+        self._lock = threading.Lock()
+
+    def put(self, rid: str, owner: str, turns: list[dict[str, str]], body: dict[str, Any], size: int) -> None:
+        with self._lock:
+            self._items[rid] = (owner, turns, body, size)
+            self._held += size
+            while len(self._items) > self.capacity or (self._held > self.chars and len(self._items) > 1):
+                self._held -= self._items.popitem(last=False)[1][3]
+
+    def get(self, rid: str, owner: str) -> tuple[list[dict[str, str]], dict[str, Any]]:
+        """(conversation, body) of ``rid``; 404 for an id this owner never stored (or one dropped)."""
+        with self._lock:
+            found = self._items.get(rid)
+            if found is None or found[0] != owner:
+                raise ApiError(404, f"response {rid!r} not found (stored responses are kept in memory: at most "
+                                    f"{self.capacity}, the least recently used dropped, none across restarts)")
+            self._items.move_to_end(rid)
+            return found[1], found[2]
+
+    def delete(self, rid: str, owner: str) -> None:
+        self.get(rid, owner)
+        with self._lock:
+            gone = self._items.pop(rid, None)
+            if gone is not None:
+                self._held -= gone[3]
+
+    def __len__(self) -> int:
+        return len(self._items)
+
+
+def responses_router(ctx: "ServerContext") -> APIRouter:
+    router = APIRouter()
+    store: ResponseStore = ctx.responses
+
+    @router.post("/v1/responses")
+    async def create(req: ResponsesRequest, request: Request) -> Any:
+        if req.background:
+            raise ApiError(400, "background responses are not supported by this server")
+        owner = _owner(request)
+        if ctx.tokenizer is None:
+            raise ApiError(400, "this server has no tokenizer, so it cannot serve text responses")
+        history: list[dict[str, str]] = []
+        if req.previous_response_id is not None:
+            history = list(store.get(req.previous_response_id, owner)[0])
+        turns = history + _turns(req.input)  # the conversation this response continues (stored with it)
+        system = [{"role": "system", "content": req.instructions}] if req.instructions else []
+        logprobs = req.top_logprobs is not None or LOGPROBS_INCLUDE in (req.include or ())
+        known = set(ResponsesRequest.model_fields)
+        extra = {k: v for k, v in (req.model_extra or {}).items() if k not in known}
+        ignored = sorted(k for k in extra if k in _NO_EFFECT)
+        for name in ignored:
+            extra.pop(name)
+        for name in ("messages", "max_tokens", "max_completion_tokens", "response_format", "logprobs", "n", "echo"):
+            if name in extra:  # the chat endpoint's spellings of what a Responses request says its own way
+                raise ApiError(400, f"{name} is not a Responses API field")
+        try:
+            chat = ChatRequest(model=req.model, messages=system + turns, max_tokens=req.max_output_tokens,
+                               stream=req.stream, response_format=_format(req.text), logprobs=logprobs,
+                               top_logprobs=req.top_logprobs if logprobs else None, **extra)
+        except ValidationError as exc:
+            err = exc.errors()[0]
+            where = ".".join(str(p) for p in err.get("loc", ()))
+            raise ApiError(400, f"{where}: {err.get('msg')}" if where else str(err.get("msg"))) from None
+        tok = ctx.tokenizer
+        ids = _chat_ids(tok, chat.messages, chat)
+        job = _Job(ctx, chat, [ids], req.max_output_tokens, logprobs=(req.top_logprobs or 0) if logprobs else None,
+                   endpoint="responses", owner=owner)
+        job.ignored = sorted(job.ignored + ignored)
+        named = _Names(tok, ctx.token_bytes)
+        # on a scale-out replica the id names it (as session ids do), so the gateway routes to its store
+        rid = f"resp_{ctx.settings.session_id_prefix}{secrets.token_hex(16)}"
+        mid, created = f"msg_{secrets.token_hex(16)}", int(time.time())
+        ctx.metrics.completions.labels("responses", str(req.stream).lower()).inc()
+
+        def body(status: str, out: TextResult | None, text: str = "") -> dict[str, Any]:
+            """The response object: in progress (no output yet) or finished with ``out``."""
+            incomplete = out is not None and out.stats.finish_reason == "length"
+            if out is not None:
+                status = "incomplete" if incomplete else "completed"
+            output = [] if out is None else [_message(mid, "incomplete" if incomplete else "completed",
+                                                      _part(out.text, named, out, logprobs))]
+            return {
+                "id": rid, "object": "response", "created_at": created, "status": status, "error": None,
+                "incomplete_details": {"reason": "max_output_tokens"} if incomplete else None,
+                "instructions": req.instructions, "max_output_tokens": req.max_output_tokens, "model": job.model_name,
+                "output": output, "parallel_tool_calls": False, "previous_response_id": req.previous_response_id,
+                "reasoning": {"effort": None, "summary": None}, "store": req.store,
+                "temperature": 1.0 if chat.temperature is None else chat.temperature,
+                "text": {"format": req.text.get("format") if req.text and req.text.get("format") else {"type": "text"}},
+                "tool_choice": "none", "tools": [], "top_logprobs": req.top_logprobs,
+                "top_p": 1.0 if chat.top_p is None else chat.top_p,
+                "truncation": "disabled", "user": None, "metadata": {},
+                "usage": None if out is None else _usage(out, len(ids)),
+            }
+
+        def finished(out: TextResult, stats: dict[str, Any]) -> dict[str, Any]:
+            done = {**body("completed", out), "specdec": stats}
+            if req.store:
+                added = sum(len(t["content"]) for t in turns[len(history):]) + len(out.text)
+                store.put(rid, owner, turns + [{"role": "assistant", "content": out.text}], done, added)
+            return done
+
+        if req.stream:
+            seq = iter(range(1 << 62))
+
+            def event(kind: str, **fields: Any) -> dict[str, Any]:
+                return {"type": kind, "sequence_number": next(seq), **fields}
+
+            where = {"item_id": mid, "output_index": 0, "content_index": 0}
+
+            def head(index: int) -> list[dict[str, Any]]:
+                opening = body("in_progress", None)
+                return [event("response.created", response=opening), event("response.in_progress", response=opening),
+                        event("response.output_item.added", output_index=0,
+                              item=_message(mid, "in_progress", None)),
+                        event("response.content_part.added", **where, part=_part("", named, None, False))]
+
+            def delta(index: int, piece: TextPiece) -> dict[str, Any] | None:
+                if not piece.text and not (logprobs and piece.logprobs):
+                    return None
+                lps = _chat_logprobs(named, piece.token_ids, piece.logprobs)
+                return event("response.output_text.delta", **where, delta=piece.text,
+                             logprobs=lps["content"] if lps is not None else [])
+
+            def tail(index: int, out: TextResult) -> list[dict[str, Any]]:
+                part = _part(out.text, named, out, logprobs)
+                status = "incomplete" if out.stats.finish_reason == "length" else "completed"
+                return [event("response.output_text.done", **where, text=out.text, logprobs=part["logprobs"]),
+                        event("response.content_part.done", **where, part=part),
+                        event("response.output_item.done", output_index=0, item=_message(mid, status, part)),
+                        {"type": f"response.{status}"}]  # numbered when it goes out, with the stats
+
+            def finish(last: dict[str, Any], outs: list[TextResult]) -> dict[str, Any]:
+                return event(last["type"], response=finished(outs[0], _stats(outs)))
+
+            return _stream(job, head=head, delta=delta, tail=tail, usage=None, finish=finish, named=True)
+        outs = await _run_blocking(job, request)
+        return JSONResponse(finished(outs[0], _stats(outs)), headers=job.headers)
+
+    @router.get("/v1/responses/{rid}")
+    def retrieve(rid: str, request: Request) -> dict[str, Any]:
+        return store.get(rid, _owner(request))[1]
+
+    @router.delete("/v1/responses/{rid}")
+    def delete(rid: str, request: Request) -> dict[str, Any]:
+        store.delete(rid, _owner(request))
+        return {"id": rid, "object": "response", "deleted": True}
+
+    return router
+
+
+def _message(mid: str, status: str, part: dict[str, Any] | None) -> dict[str, Any]:
+    return {"id": mid, "type": "message", "status": status, "role": "assistant", "content": [] if part is None else [part]}
+
+
+def _part(text: str, named: _Names, out: TextResult | None, logprobs: bool) -> dict[str, Any]:
+    """An ``output_text`` part; its ``logprobs`` (the chat endpoint's entries) where asked for."""
+    lps = _chat_logprobs(named, out.token_ids, out.logprobs) if logprobs and out is not None else None
+    return {"type": "output_text", "text": text, "annotations": [], "logprobs": lps["content"] if lps is not None else []}
+
+
+def _usage(out: TextResult, prompt_tokens: int) -> dict[str, Any]:
+    return {"input_tokens": prompt_tokens, "input_tokens_details": {"cached_tokens": out.stats.cached_prompt_tokens},
+            "output_tokens": len(out.token_ids), "output_tokens_details": {"reasoning_tokens": 0},
+            "total_tokens": prompt_tokens + len(out.token_ids)}

@@ -1,0 +1,173 @@
+"""OpenAI's Responses API (``/v1/responses``), driven by the official ``openai`` client.
+
+The server serves the bundled SmolLM2 draft as its target with itself as drafter (as in
+``test_openai``); a greedy response must be exactly the chat endpoint's greedy answer to the same
+conversation, streamed or not, continued through ``previous_response_id`` or not.
+"""
+
+from __future__ import annotations
+
+import json
+
+import httpx
+import openai
+import pytest
+
+from serverproc import ServerProcess
+from specdec.server.errors import ApiError
+from specdec.server.responses_api import ResponseStore
+
+MODEL = "smollm2-135m-draft"
+KEY = "responses-test-key"
+
+pytestmark = pytest.mark.usefixtures("single_thread")
+
+
+@pytest.fixture(scope="module")
+def server():
+    with ServerProcess.cli("--target", MODEL, "--draft", MODEL, "--dtype", "float32", "--api-key", KEY, "--gamma", "4") as srv:
+        yield srv
+
+
+@pytest.fixture(scope="module")
+def client(server):
+    with openai.OpenAI(base_url=server.url + "/v1", api_key=KEY, max_retries=0, timeout=60) as c:
+        yield c
+
+
+def _chat(client, messages, max_tokens, **kw):
+    return client.chat.completions.create(model=MODEL, messages=messages, max_tokens=max_tokens, temperature=0, **kw)
+
+
+def test_a_response_is_the_chat_endpoints_answer(client):
+    question = "Write a Python hello world."
+    for max_tokens in (40, 6):
+        resp = client.responses.create(model=MODEL, input=question, instructions="You are terse.",
+                                       max_output_tokens=max_tokens, temperature=0)
+        chat = _chat(client, [{"role": "system", "content": "You are terse."}, {"role": "user", "content": question}],
+                     max_tokens)
+        assert resp.output_text == chat.choices[0].message.content and resp.output_text
+        assert resp.id.startswith("resp_") and resp.object == "response" and resp.model == MODEL
+        assert [item.type for item in resp.output] == ["message"] and resp.output[0].role == "assistant"
+        assert resp.usage.input_tokens == chat.usage.prompt_tokens
+        assert resp.usage.output_tokens == chat.usage.completion_tokens
+        assert resp.usage.total_tokens == resp.usage.input_tokens + resp.usage.output_tokens
+        if chat.choices[0].finish_reason == "length":
+            assert resp.status == "incomplete" and resp.incomplete_details.reason == "max_output_tokens"
+        else:
+            assert resp.status == "completed" and resp.incomplete_details is None
+        assert resp.model_extra["specdec"]["draft_tokens_proposed"] > 0  # speculation served it
+    assert client.responses.create(model=MODEL, input=question, max_output_tokens=6, temperature=0).status == "incomplete"
+    items = [{"role": "user", "content": [{"type": "input_text", "text": "Say hi."}]}]
+    assert (client.responses.create(model=MODEL, input=items, max_output_tokens=12, temperature=0).output_text
+            == _chat(client, [{"role": "user", "content": "Say hi."}], 12).choices[0].message.content)
+
+
+def test_a_stream_is_openais_event_sequence(client, server):
+    kw = dict(model=MODEL, input="Write a Python hello world.", max_output_tokens=24, temperature=0)
+    whole = client.responses.create(**kw)
+    events = list(client.responses.create(**kw, stream=True))
+    kinds = [e.type for e in events]
+    end = f"response.{whole.status}"
+    assert kinds[:4] == ["response.created", "response.in_progress", "response.output_item.added",
+                         "response.content_part.added"]
+    assert kinds[-4:] == ["response.output_text.done", "response.content_part.done", "response.output_item.done", end]
+    assert set(kinds[4:-4]) == {"response.output_text.delta"} and len(kinds) > 10
+    assert [e.sequence_number for e in events] == list(range(len(events)))
+    text = "".join(e.delta for e in events if e.type == "response.output_text.delta")
+    assert text == whole.output_text == events[-4].text == events[-1].response.output_text
+    assert events[-1].response.usage.output_tokens == whole.usage.output_tokens
+    assert events[0].response.status == "in_progress" and events[0].response.output == []
+    assert len({e.item_id for e in events if hasattr(e, "item_id")}) == 1
+    with httpx.stream("POST", server.url + "/v1/responses", json={**kw, "stream": True},
+                      headers={"Authorization": f"Bearer {KEY}"}) as r:  # each event named, no [DONE]
+        lines = [line for line in r.iter_lines() if line]
+    assert lines[0] == "event: response.created" and lines[-2] == f"event: {end}" and "[DONE]" not in lines[-1]
+
+
+def test_stored_responses_continue_and_can_be_read_and_deleted(client):
+    first = client.responses.create(model=MODEL, input="My name is Ada.", max_output_tokens=10, temperature=0)
+    second = client.responses.create(model=MODEL, input="What is my name?", previous_response_id=first.id,
+                                     max_output_tokens=12, temperature=0)
+    conversation = [{"role": "user", "content": "My name is Ada."}, {"role": "assistant", "content": first.output_text},
+                    {"role": "user", "content": "What is my name?"}]
+    assert second.output_text == _chat(client, conversation, 12).choices[0].message.content
+    assert second.previous_response_id == first.id
+    third = client.responses.create(model=MODEL, input="Thanks.", previous_response_id=second.id, max_output_tokens=8,
+                                    temperature=0, instructions="Answer in French.")
+    assert third.output_text == _chat(client, [{"role": "system", "content": "Answer in French."}, *conversation,
+                                               {"role": "assistant", "content": second.output_text},
+                                               {"role": "user", "content": "Thanks."}], 8).choices[0].message.content
+    streamed = list(client.responses.create(model=MODEL, input="What is my name?", previous_response_id=first.id,
+                                            max_output_tokens=12, temperature=0, stream=True))
+    assert streamed[-1].response.output_text == second.output_text  # a stream continues a stored response
+    assert client.responses.retrieve(streamed[-1].response.id).output_text == second.output_text  # and is stored
+    got = client.responses.retrieve(second.id)
+    assert got.output_text == second.output_text and got.usage.output_tokens == second.usage.output_tokens
+    client.responses.delete(second.id)
+    with pytest.raises(openai.NotFoundError, match="not found"):
+        client.responses.retrieve(second.id)
+    with pytest.raises(openai.NotFoundError, match="not found"):
+        client.responses.create(model=MODEL, input="x", previous_response_id=second.id)
+    unstored = client.responses.create(model=MODEL, input="Hi.", max_output_tokens=4, temperature=0, store=False)
+    with pytest.raises(openai.NotFoundError):
+        client.responses.retrieve(unstored.id)
+
+
+def test_text_format_and_logprobs(client):
+    schema = {"type": "object", "properties": {"ok": {"type": "boolean"}}, "required": ["ok"], "additionalProperties": False}
+    resp = client.responses.create(model=MODEL, input="Is the sky blue? JSON.", max_output_tokens=20, temperature=0,
+                                   text={"format": {"type": "json_schema", "name": "answer", "schema": schema, "strict": True}})
+    assert json.loads(resp.output_text) in ({"ok": True}, {"ok": False})
+    assert resp.text.format.type == "json_schema"
+    scored = client.responses.create(model=MODEL, input="Say hi.", max_output_tokens=8, temperature=0, top_logprobs=2,
+                                     include=["message.output_text.logprobs"])
+    entries = scored.output[0].content[0].logprobs
+    assert "".join(e.token for e in entries) == scored.output_text
+    assert b"".join(bytes(e.bytes) for e in entries) == scored.output_text.encode()
+    assert all(len(e.top_logprobs) == 2 and e.logprob == pytest.approx(e.top_logprobs[0].logprob) for e in entries)
+    plain = client.responses.create(model=MODEL, input="Say hi.", max_output_tokens=8, temperature=0)
+    assert plain.output_text == scored.output_text and plain.output[0].content[0].logprobs == []
+    seeded = dict(model=MODEL, input="Once upon a time", max_output_tokens=12, temperature=0.9,
+                  extra_body={"seed": 3, "top_k": 40})  # the chat endpoint's extensions pass through
+    assert client.responses.create(**seeded).output_text == client.responses.create(**seeded).output_text
+
+
+def test_bad_requests_are_400s(client, server):
+    def post(body: dict) -> httpx.Response:
+        return httpx.post(server.url + "/v1/responses", json=body, headers={"Authorization": f"Bearer {KEY}"})
+
+    for body, message in (({"input": "x", "tools": [{"type": "function", "name": "f"}]}, "tools"),
+                          ({"input": "x", "background": True}, "background"),
+                          ({"input": [{"role": "user", "content": [{"type": "input_image", "image_url": "u"}]}]}, "input"),
+                          ({"input": "x", "max_output_tokens": 0}, "max_output_tokens"),
+                          ({"input": ""}, "input"), ({}, "input"),
+                          ({"input": "x", "messages": []}, "messages is not a Responses API field"),
+                          ({"input": "x", "temperature": 3}, "temperature"),
+                          ({"input": "x", "text": {"format": {"type": "json_schema", "name": "n"}}}, "schema")):
+        r = post({"model": MODEL, **body})
+        assert r.status_code == 400 and message in r.json()["error"]["message"], (body, r.text)
+    r = post({"model": MODEL, "input": "x", "previous_response_id": "resp_nope"})
+    assert r.status_code == 404
+    r = post({"model": MODEL, "input": "x", "max_output_tokens": 2, "reasoning": {"effort": "low"}, "frobnicate": 1})
+    assert r.status_code == 200 and {"reasoning", "frobnicate"} <= set(r.headers["x-specdec-ignored-fields"].split(", "))
+
+
+def test_the_store_keeps_the_most_recently_used_within_its_bounds():
+    store = ResponseStore(capacity=2, chars=100)
+    for rid in "abc":
+        store.put(rid, "me", [], {"id": rid}, 10)
+    assert len(store) == 2
+    with pytest.raises(ApiError):
+        store.get("a", "me")  # the least recently used went first
+    store.get("b", "me")  # b is now the most recent
+    store.put("d", "me", [], {"id": "d"}, 10)
+    assert store.get("b", "me")[1] == {"id": "b"}
+    with pytest.raises(ApiError):
+        store.get("c", "me")
+    with pytest.raises(ApiError):
+        store.get("b", "someone else")  # another key's responses are not found
+    store.put("big", "me", [], {"id": "big"}, 95)  # past the characters' bound: older ones go
+    assert len(store) == 1 and store.get("big", "me")[1] == {"id": "big"}
+    store.delete("big", "me")
+    assert len(store) == 0
