@@ -471,3 +471,21 @@ def test_an_engine_hands_each_sequence_the_last_ones_controller_per_rule():
     second = engine.decoder(greedy).gamma
     assert second is not first and second.next_gamma() == 0 and second._draft_s == first._draft_s
     assert engine.decoder(block).gamma._draft_s is None  # another rule: its own, fresh
+
+
+def test_an_observed_tree_budget_plays_as_the_budget_and_reports_each_update():
+    """The server wraps a tree's node budget to count its rounds' drafted nodes: the wrapped budget
+    plays exactly the rounds the bare one plays (its ``tree_round`` and all), and every update is
+    reported."""
+    from specdec.gamma import ObservedGamma, TreeBudget
+
+    seen: list[tuple[int, int]] = []
+    bare_played, *_ = _simulate(TreeBudget(), PAY, 200)
+    wrapped = ObservedGamma(TreeBudget(), lambda gamma, accepted: seen.append((gamma, accepted)))
+    played = []
+    for r in range(200):
+        arm = wrapped.next_gamma() if wrapped.tree_round else 0
+        n, s = PAY[arm]
+        played.append(arm)
+        wrapped.update(gamma=wrapped.next_gamma(), accepted=int(n) - 1, draft_s=0.3 * s, target_s=0.7 * s, other_s=0.0)
+    assert played == bare_played and len(seen) == 200 and wrapped.name == TreeBudget().name

@@ -29,6 +29,7 @@ class FixedCap:
         self.values: list[float] = []  # the value of every cap() call
         self.wanted: list[int | None] = []  # the tokens each cap() call's round wanted (None: unknown)
         self.rounds: list[tuple[Any, ...]] = []
+        self.drafted: list[int] = []  # observe_drafted() calls: tree rounds' drafted nodes
 
     def cap(self, wire: str, *, server_drafted: bool = False, value: float = 1.0, wanted: int | None = None) -> int:
         self.asked.append((wire, server_drafted))
@@ -41,6 +42,9 @@ class FixedCap:
 
     def observe_round(self, *args: Any, **_: Any) -> None:
         self.rounds.append(args)
+
+    def observe_drafted(self, tokens: int) -> None:
+        self.drafted.append(tokens)
 
 
 class LetterTokenizer:

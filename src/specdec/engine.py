@@ -25,7 +25,7 @@ from specdec.drafters.lookahead import LookaheadDrafter
 from specdec.drafters.base import Drafter, check_temperature_factor, feature_taps
 from specdec.errors import ConfigError, SpecdecError
 from specdec.drafters.tree_builder import TreeSpec
-from specdec.gamma import CostGamma, FixedGamma, GammaController, GammaMemory, GuideGamma, TreeBudget
+from specdec.gamma import CostGamma, FixedGamma, GammaController, GammaMemory, GuideGamma, ObservedGamma, TreeBudget
 from specdec.models import registry
 from specdec.models.registry import LoadedModel, check_compatible, load
 from specdec.sampling import SamplingConfig, floor_stops
@@ -523,8 +523,12 @@ class Engine:
         ignore_eos: bool = False,
         tree: str | int = defaults.DEFAULT_TREE,
         tree_min_prob: float | None = None,
+        tree_observe: Callable[[int, int], None] | None = None,
     ) -> SpeculativeDecoder:
+        """``tree_observe(nodes, accepted)``: told of every tree round's budget controller update."""
         spec, controller = make_tree(tree, self._gamma(rule, gamma), min_prob=tree_min_prob)
+        if spec is not None and tree_observe is not None:
+            controller = ObservedGamma(controller, tree_observe)
         return SpeculativeDecoder(
             self.target.model,
             self.drafter,
@@ -566,13 +570,14 @@ class Engine:
         tree: str | int = defaults.DEFAULT_TREE,
         tree_min_prob: float | None = None,
         on_piece: Callable[[TextPiece], None] | None = None,
+        tree_observe: Callable[[int, int], None] | None = None,
     ) -> TextResult:
         """Decode ``prompt``; ``logprobs`` (k >= 0) records each emitted token's log-probability
         under the target's processed law and the k most likely alternatives; ``ignore_eos``
         keeps generating past end-of-sequence tokens.  ``on_text`` receives the text as it is
         decided; ``on_piece`` the same pieces with their tokens and log-probabilities
-        (:class:`TextPiece`), the last one carrying whatever tokens are left.  (The prompt's own
-        log-probabilities: :func:`~specdec.session.score_prompt`.)"""
+        (:class:`TextPiece`), the last one carrying whatever tokens are left.  ``tree_observe``: see
+        :meth:`decoder`.  (The prompt's own log-probabilities: :func:`~specdec.session.score_prompt`.)"""
         rule = get_rule(method or default_method(sampling))
         ids = self.encode(prompt, chat=chat) if isinstance(prompt, str) else list(prompt)
         if not ids:
@@ -588,7 +593,7 @@ class Engine:
                         hidden=frozenset(sampling.stop_token_ids))
         stop = StopStrings(self.target.tokenizer, sampling.stop, min_tokens=sampling.min_tokens) if sampling.stop else None
         decoder = self.decoder(rule, gamma, min_confidence=min_confidence, ignore_eos=ignore_eos, tree=tree,
-                               tree_min_prob=tree_min_prob)
+                               tree_min_prob=tree_min_prob, tree_observe=tree_observe)
         sampling = floor_stops(sampling, decoder.stop_ids(sampling))  # min_tokens: the session's law and the draft's
         if logprobs is not None:  # the decoder and the session must share the seed
             if sampling.seed is None:

@@ -111,6 +111,29 @@ class CappedGamma:
             self.observe_free(gamma, accepted)
 
 
+class ObservedGamma:
+    """Another controller (a tree's node budget), every round it learns from also reported to
+    ``observe(gamma, accepted)``; the rest of its surface (a budget's ``tree_round``) is its own.
+    A batching server counts its tree rounds' drafted tokens with it (see
+    :mod:`specdec.server.draft_cap`)."""
+
+    def __init__(self, inner: GammaController, observe: Callable[[int, int], None]) -> None:
+        self.inner = inner
+        self.observe = observe
+
+    def __getattr__(self, name: str):  # noqa: ANN204 - whatever the inner controller has
+        if name in ("inner", "observe"):
+            raise AttributeError(name)
+        return getattr(self.inner, name)
+
+    def next_gamma(self) -> int:
+        return self.inner.next_gamma()
+
+    def update(self, *, gamma: int, accepted: int, draft_s: float, target_s: float, other_s: float) -> None:
+        self.inner.update(gamma=gamma, accepted=accepted, draft_s=draft_s, target_s=target_s, other_s=other_s)
+        self.observe(gamma, accepted)
+
+
 def expected_tokens(accept_at_least: list[float], gamma: int) -> float:
     """E[tokens per round] = 1 + sum_{k<=γ} P(accepted >= k)."""
     return 1.0 + sum(accept_at_least[:gamma])

@@ -280,6 +280,49 @@ def test_the_drafts_prefill_and_catch_up_rows_count_per_drafted_token():
     assert _steady(0.375, draft_rows=1000).estimate("openai", server_drafted=True)[0] > many.estimate("openai", server_drafted=True)[0]
 
 
+def test_tree_rounds_count_their_drafted_nodes():
+    """Token trees' draft passes land in T_d like any other; their nodes must land in D, or the
+    server's chains are charged for them.  On the steady server above, as many more draft seconds
+    (32 passes of 0.1875 s) for 1,200 tree nodes keep 5 ms a drafted token: (0.9 × 0.2/100 + 0.005)
+    × 800 / (6.4 + 12.0) s = 0.296: all three drafted positions pay (the cap 6: 4-6 were never drafted).  Uncounted, the same seconds read as 10 ms a
+    token (threshold 0.513) and the chains' cap falls to one position — what a served benchmark
+    with tree requests beside chain requests showed (chains 2.03 → 1.54 tokens per call)."""
+    counted, uncounted = _steady(0.1875), _steady(0.1875)
+    for cap in (counted, uncounted):
+        for _ in range(32):
+            cap.observe_draft_pass(10, 0.1875)
+    counted.observe_drafted(1200)
+    assert counted.estimate("openai", server_drafted=True)[0] == pytest.approx((0.9 * 0.002 + 0.005) * 800 / 18.4)
+    assert uncounted.estimate("openai", server_drafted=True)[0] == pytest.approx((0.9 * 0.002 + 0.010) * 800 / 18.4)
+    assert counted.cap("openai", server_drafted=True) == 6 and uncounted.cap("openai", server_drafted=True) == 1
+
+
+def test_openai_tree_requests_report_their_drafted_nodes():
+    """A served tree request tells the cap how many nodes its rounds drafted (chain rounds are
+    reported as rounds instead), and answers what a chain answers (greedy)."""
+    from specdec.drafters import ModelDrafter
+    from toy_server import LetterTokenizer
+
+    texts = {}
+    for tree in (4, "chain"):
+        target = ToyLM(VOCAB, order=2, seed=3)
+        draft = target.perturbed(0.3, seed=1)
+        app = create_app(target, tokenizer=LetterTokenizer(), settings=ServerSettings(),
+                         drafter_factory=lambda: ModelDrafter(draft), drafter_name="toy")
+        app.state.ctx.draft_cap = fixed = FixedCap(8)
+        client = TestClient(app, base_url="http://localhost")
+        r = client.post("/v1/completions", json={"prompt": "abcab", "max_tokens": 24, "temperature": 0, "tree": tree})
+        assert r.status_code == 200, r.text
+        texts[tree] = r.json()["choices"][0]["text"]
+        stats = r.json()["specdec"]
+        if tree == 4:
+            assert stats["tree_rounds"] > 0 and sum(fixed.drafted) == stats["draft_tokens_proposed"] > 0
+            assert fixed.rounds == []  # no chain estimate learns from a tree's rounds
+        else:
+            assert fixed.drafted == [] and fixed.rounds
+    assert texts[4] == texts["chain"]
+
+
 def test_the_window_forgets_what_it_trims():
     """The running sums follow the window: passes older than it leave the fit, the draft's cost per
     drafted token is kept once nothing is left to measure it by."""

@@ -277,6 +277,16 @@ class DraftCap:
         with self._lock:
             self._emitted.add(self._clock(), tokens)
 
+    def observe_drafted(self, tokens: int) -> None:
+        """Tokens the server's draft model drafted in a round that teaches no chain estimate (a
+        token tree's nodes): their draft passes are in ``T_d``, so they count in ``D`` too."""
+        if tokens <= 0:
+            return
+        with self._lock:
+            now = self._clock()
+            self._drafted.add(now, tokens)
+            self._trim(now)
+
     def observe_round(self, wire: str, gamma: int, accepted: int, *, server_drafted: bool = False) -> None:
         """One verified chain round: ``gamma`` drafted, the first ``accepted`` of them kept
         (``server_drafted``: by the server's own draft model, whose passes it cost)."""

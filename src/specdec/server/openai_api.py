@@ -564,9 +564,12 @@ class _Job:
             memory_key = self.method + ("+constrained" if self._constraint is not None else "")
             chain = self.tree == "chain"
             auto = ctx.gamma_memory.next(memory_key) if chain and drafter is not None and self.gamma == "auto" else None
+            cap = getattr(ctx, "draft_cap", None)
+            # a tree round's drafted nodes cost draft passes the cap counts: they count as drafted too
+            nodes = (lambda gamma, accepted: cap.observe_drafted(gamma)) if cap is not None and not chain else None
             out = engine.generate(self.prompt_of(index), sampling, method=self.method,
                                   gamma=self._gamma(drafter, index, pace, auto) if chain else self.gamma, on_piece=on_piece,
-                                  logprobs=self.logprobs, ignore_eos=self.ignore_eos, tree=self.tree)
+                                  logprobs=self.logprobs, ignore_eos=self.ignore_eos, tree=self.tree, tree_observe=nodes)
             if auto is not None:
                 ctx.gamma_memory.keep(memory_key, auto)
         except SchedulerCancelled:
