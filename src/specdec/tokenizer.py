@@ -166,6 +166,7 @@ class FastTokenizer:
         self._named_templates = isinstance(template, (dict, list))
         self._template_tokens = {k: t for k in _TEMPLATE_TOKENS if (t := _token_name(config.get(k))) is not None}
         self._compiled: Any = None
+        self._override: str | None = None  # a chat template set in place of the folder's (set_chat_template)
         self._hf: Any = None
         self._hf_lock = threading.Lock()
 
@@ -234,6 +235,15 @@ class FastTokenizer:
             self._compiled = compiled
         return self._compiled or None
 
+    def set_chat_template(self, template: str) -> None:
+        """Render conversations with ``template`` instead of the folder's (``serve --chat-template``),
+        here and in transformers' tokenizer behind this one, whenever it loads."""
+        self.chat_template = self._override = template
+        self._named_templates = False
+        self._compiled = None
+        if self._hf is not None:
+            self._hf.chat_template = template
+
     def get_vocab(self) -> dict[str, int]:
         return self._tokenizer.get_vocab(with_added_tokens=True)
 
@@ -254,10 +264,13 @@ class FastTokenizer:
                         from transformers.tokenization_utils_tokenizers import TokenizersBackend
 
                         self._hf = TokenizersBackend.from_pretrained(str(self.folder))
+                    if self._override is not None:  # the template in use here
+                        self._hf.chat_template = self._override
         return self._hf
 
     def __getattr__(self, name: str) -> Any:  # special-token lists, save_pretrained, ...
-        if name.startswith("__") or name in ("_hf", "_hf_lock", "_hf_class", "_tokenizer", "folder", "_compiled", "chat_template"):
+        if name.startswith("__") or name in ("_hf", "_hf_lock", "_hf_class", "_tokenizer", "folder", "_compiled", "chat_template",
+                                             "_override"):
             raise AttributeError(name)
         return getattr(self.hf, name)
 
@@ -378,10 +391,43 @@ class TokenBytes:
         return self.tokenizer.decode([token]).encode("utf-8")
 
 
+def read_chat_template(value: str) -> str:
+    """A ``--chat-template`` value: a file's text, or the template itself where it is written
+    inline (it holds ``{{`` or ``{%``); checked to compile (ConfigError otherwise)."""
+    from specdec.errors import ConfigError
+
+    path = Path(value).expanduser()
+    if "{{" in value or "{%" in value:
+        text = value
+    elif path.is_file():
+        try:
+            text = path.read_text(encoding="utf-8")
+        except (OSError, UnicodeDecodeError) as exc:
+            raise ConfigError(f"cannot read the chat template {value}: {exc}") from None
+    else:
+        raise ConfigError(f"--chat-template: {value!r} is neither a file nor a Jinja template (no '{{{{' or '{{%')")
+    import jinja2
+
+    try:
+        _sandbox().from_string(text)
+    except jinja2.TemplateError as exc:
+        raise ConfigError(f"the chat template does not compile: {exc}") from None
+    return text
+
+
+def set_chat_template(tokenizer: Any, template: str) -> None:
+    """Make ``tokenizer`` (specdec's or transformers') render conversations with ``template``."""
+    if isinstance(tokenizer, FastTokenizer):
+        tokenizer.set_chat_template(template)
+    else:
+        tokenizer.chat_template = template
+
+
 def hf_tokenizer(tokenizer: Any) -> Any:
     """The transformers tokenizer behind ``tokenizer`` (itself unless it is a :class:`FastTokenizer`),
     for libraries that need transformers' class (llguidance)."""
     return tokenizer.hf if isinstance(tokenizer, FastTokenizer) else tokenizer
 
 
-__all__ = ["FastTokenizer", "PLAIN_KEYS", "REBUILT", "TokenBytes", "hf_tokenizer", "parsed", "plain_config"]
+__all__ = ["FastTokenizer", "PLAIN_KEYS", "REBUILT", "TokenBytes", "hf_tokenizer", "parsed", "plain_config",
+           "read_chat_template", "set_chat_template"]

@@ -97,3 +97,16 @@ def test_per_position_counters_of_the_verify_api():
     text = client.get("/metrics").text
     for k in (1, 2, 3):
         assert f'specdec_draft_position_proposed_total{{position="{k}",wire="greedy"}} 1.0' in text
+
+
+def test_serve_refuses_bad_names_lengths_and_templates_before_loading(capsys, tmp_path):
+    """vLLM's --served-model-name, --max-model-len and --chat-template: bad values are one line and
+    exit 2 before any model loads (a missing file, a template that does not compile, a length
+    that leaves no room to generate, a blank name)."""
+    for argv, message in ((["--chat-template", str(tmp_path / "missing.jinja")], "neither a file nor a Jinja template"),
+                          (["--chat-template", "{% for m in messages %}"], "does not compile"),
+                          (["--max-model-len", "1"], "max model length must be >= 2"),
+                          (["--served-model-name", " "], "served model name")):
+        assert main(["serve", "--target", "definitely-not-loaded", *argv]) == 2, argv
+        err = capsys.readouterr().err.strip()
+        assert err.startswith("specdec: error:") and message in err and "\n" not in err, err

@@ -52,6 +52,7 @@ from specdec.remote.protocol import (
     VerifyRequest,
     VerifyResponse,
 )
+from specdec.errors import ConfigError
 from specdec.server.errors import ApiError
 from specdec.server.metrics import ServerMetrics
 from specdec.server.guard import OWNER, Guard
@@ -209,15 +210,21 @@ def serving_model(model: LanguageModel, settings: ServerSettings, metrics: Serve
     if settings.prefix_cache_bytes > 0 and supports_prefix_cache(inner):
         prefix = PrefixCache(settings.prefix_cache_bytes, on_reuse=metrics.prefix_reused.inc)
     lock = model.lock if isinstance(model, SerializedModel) else FORWARD_LOCK
+    if settings.max_model_len is not None and settings.max_model_len > inner.max_length:
+        raise ConfigError(f"--max-model-len {settings.max_model_len} is longer than the model's context ({inner.max_length})")
     if not settings.batching:
-        return SerializedModel(inner, lock, initial_length=settings.kv_initial_length, prefix_cache=prefix)
-    scheduler_metrics = SchedulerMetrics(metrics.registry)
-    # the forward lock: wrappers that run the target's weights outside the scheduler (the serialised
-    # self-speculative views) then never overlap its batches
-    scheduler = Scheduler(inner, settings.scheduler_config(), on_pass=scheduler_metrics.observer("target"), name="target",
-                          lock=lock)
-    scheduler.metrics = scheduler_metrics
-    return BatchedModel(inner, scheduler, initial_length=settings.kv_initial_length, prefix_cache=prefix)
+        served = SerializedModel(inner, lock, initial_length=settings.kv_initial_length, prefix_cache=prefix)
+    else:
+        scheduler_metrics = SchedulerMetrics(metrics.registry)
+        # the forward lock: wrappers that run the target's weights outside the scheduler (the serialised
+        # self-speculative views) then never overlap its batches
+        scheduler = Scheduler(inner, settings.scheduler_config(), on_pass=scheduler_metrics.observer("target"),
+                              name="target", lock=lock)
+        scheduler.metrics = scheduler_metrics
+        served = BatchedModel(inner, scheduler, initial_length=settings.kv_initial_length, prefix_cache=prefix)
+    if settings.max_model_len is not None:  # every request and session sizes itself from this
+        served.max_length = settings.max_model_len
+    return served
 
 
 def precision(model: Any) -> str | None:

@@ -46,6 +46,15 @@ def add_parser(sub: Any) -> None:
                    help="file of accepted keys, one per line ('#' comments); each session belongs to the key that made it")
     p.add_argument("--metrics-need-key", action="store_true", help="require the API key on /metrics too (default: /metrics is open for scrapers)")
     _add_models(p)
+    m = p.add_argument_group("what clients see (vLLM's spellings)")
+    m.add_argument("--served-model-name", nargs="+", metavar="NAME",
+                   help="names the OpenAI endpoints answer to; responses carry the first (default: the --target name)")
+    m.add_argument("--max-model-len", type=int, metavar="N",
+                   help="longest context (prompt + output) a request or edge session may use, at most the model's own"
+                        " (default: the model's own)")
+    m.add_argument("--chat-template", metavar="PATH|TEMPLATE",
+                   help="render chat conversations with this Jinja template (a file, or the template itself) instead"
+                        " of the model's")
     g = p.add_argument_group("limits")
     g.add_argument("--max-sessions", type=int, default=64, help="edge sessions held at once; the least recently used idle one is evicted past this (default 64)")
     g.add_argument("--session-ttl", type=float, default=900.0, help="seconds an idle session is kept (default 900)")
@@ -209,7 +218,15 @@ def settings_from_args(args: argparse.Namespace) -> dict[str, Any]:
         gather_gap_s=args.gather_gap_ms / 1e3,
         max_active_requests=args.max_active_requests,
         metrics_need_key=args.metrics_need_key,
+        max_model_len=getattr(args, "max_model_len", None),
     )
+    names = getattr(args, "served_model_name", None)
+    if names:
+        settings_kw.update(model_name=names[0], model_aliases=tuple(names[1:]))
+    if getattr(args, "chat_template", None) is not None:
+        from specdec.tokenizer import read_chat_template
+
+        read_chat_template(args.chat_template)  # a bad template fails before any model loads
     if args.prefix_cache_mib < 0:
         raise ConfigError(f"--prefix-cache-mib must be >= 0 (0 turns prefix caching off), got {args.prefix_cache_mib:g}")
     if args.max_connections < 1:
@@ -275,7 +292,11 @@ def _build_app(args: argparse.Namespace, settings_kw: dict[str, Any]) -> Any:
                      draft_temperature_factor=getattr(args, "draft_temperature_factor", "auto"), int8_kernel=getattr(args, "int8_kernel", "auto")),
         progress=_log,
     )
-    settings = ServerSettings(model_name=engine.target.name, **settings_kw)
+    settings = ServerSettings(**{"model_name": engine.target.name, **settings_kw})
+    if getattr(args, "chat_template", None) is not None:
+        from specdec.tokenizer import read_chat_template, set_chat_template
+
+        set_chat_template(engine.target.tokenizer, read_chat_template(args.chat_template))
     draft = draft_server_model(engine, batching=settings.batching, prefix_cache_bytes=settings.prefix_cache_bytes)
     return create_app(
         engine.target.model,

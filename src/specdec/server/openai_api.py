@@ -860,8 +860,10 @@ def _stream(
 
 def _served(ctx: "ServerContext", name: str | None) -> None:
     """A request naming another model than the one served is a 404 (as OpenAI answers it)."""
-    if name is not None and name != ctx.settings.model_name:
-        raise ApiError(404, f"model {name!r} is not served here; this server serves {ctx.settings.model_name!r}")
+    names = ctx.settings.model_names
+    if name is not None and name not in names:
+        served = " or ".join(repr(n) for n in names)
+        raise ApiError(404, f"model {name!r} is not served here; this server serves {served}")
 
 
 #: names a chat template's keyword arguments may not take (the rendering's own)
@@ -1034,19 +1036,19 @@ def openai_router(ctx: "ServerContext") -> APIRouter:
     def names(req: _Request) -> _Names:
         return _Names(tokenizer(), ctx.token_bytes, req.return_tokens_as_token_ids)
 
-    def model_card() -> dict[str, Any]:  # OpenAI's model object, with vLLM's max_model_len
-        return {"id": ctx.settings.model_name, "object": "model", "created": int(ctx.started), "owned_by": "specdec",
+    def model_card(name: str) -> dict[str, Any]:  # OpenAI's model object, with vLLM's max_model_len
+        return {"id": name, "object": "model", "created": int(ctx.started), "owned_by": "specdec",
                 "max_model_len": ctx.model.max_length}
 
     @router.get("/v1/models")
     def models() -> dict[str, Any]:
-        return {"object": "list", "data": [model_card()]}
+        return {"object": "list", "data": [model_card(name) for name in ctx.settings.model_names]}
 
     @router.get("/v1/models/{model:path}")
     def model(model: str) -> dict[str, Any]:
         """OpenAI's model retrieval (``client.models.retrieve``); 404 for a model not served here."""
         _served(ctx, model)
-        return model_card()
+        return model_card(model)
 
     @router.post("/v1/completions")
     async def completions(req: CompletionRequest, request: Request) -> Any:

@@ -19,8 +19,12 @@ class ServerSettings:
     api_key: str | None = None
     #: more accepted keys (a key file); every session belongs to the key that created it
     api_keys: tuple[str, ...] = ()
-    #: the name /v1/models and the OpenAI endpoints answer to
+    #: the name /v1/models and the OpenAI endpoints answer to (and responses carry)
     model_name: str = "target"
+    #: more names the OpenAI endpoints answer to (vLLM's ``--served-model-name`` after the first)
+    model_aliases: tuple[str, ...] = ()
+    #: the longest context (prompt and output) a request or session may use; None = the model's own
+    max_model_len: int | None = None
     max_sessions: int = 64  # the least recently used idle session is evicted past this
     session_ttl_s: float = 900.0  # idle sessions are dropped after this
     max_body_bytes: int = defaults.MAX_BODY_BYTES
@@ -63,11 +67,21 @@ class ServerSettings:
     session_id_prefix: str = ""
 
     @property
+    def model_names(self) -> tuple[str, ...]:
+        """Every name the OpenAI endpoints answer to, the one responses carry first."""
+        return (self.model_name, *(a for a in self.model_aliases if a != self.model_name))
+
+    @property
     def keys(self) -> tuple[str, ...]:
         """Every accepted key (empty: the server is open, loopback only)."""
         return ((self.api_key,) if self.api_key is not None else ()) + tuple(k for k in self.api_keys if k != self.api_key)
 
     def __post_init__(self) -> None:
+        for name in (self.model_name, *self.model_aliases):
+            if not name.strip() or len(name) > 256:
+                raise ConfigError(f"a served model name must be 1 to 256 characters and not blank, got {name!r}")
+        if self.max_model_len is not None and self.max_model_len < 2:
+            raise ConfigError(f"max model length must be >= 2 (a prompt token and one to generate), got {self.max_model_len}")
         if self.max_sessions < 1:
             raise ConfigError(f"max sessions must be >= 1, got {self.max_sessions}")
         if not self.session_ttl_s > 0:

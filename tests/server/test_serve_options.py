@@ -1,0 +1,38 @@
+"""``specdec serve`` options clients see, spelled as vLLM spells them: ``--served-model-name``,
+``--max-model-len`` and ``--chat-template``."""
+
+from __future__ import annotations
+
+import httpx
+import openai
+import pytest
+
+from serverproc import ServerProcess
+
+MODEL = "smollm2-135m-draft"
+TEMPLATE = "{% for m in messages %}<{{ m.role }}>{{ m.content }}\n{% endfor %}{% if add_generation_prompt %}<assistant>{% endif %}"
+
+pytestmark = pytest.mark.usefixtures("single_thread")
+
+
+def test_names_context_limit_and_chat_template(tmp_path):
+    template = tmp_path / "chat.jinja"
+    template.write_text(TEMPLATE)
+    with ServerProcess.cli("--target", MODEL, "--draft", MODEL, "--dtype", "float32", "--served-model-name", "alpha", "beta",
+                           "--max-model-len", "48", "--chat-template", str(template)) as srv:
+        with openai.OpenAI(base_url=srv.url + "/v1", api_key="none", max_retries=0, timeout=60) as client:
+            assert [m.id for m in client.models.list().data] == ["alpha", "beta"]
+            assert client.models.retrieve("beta").model_extra["max_model_len"] == 48
+            out = client.completions.create(model="beta", prompt="def add(a, b):", max_tokens=8, temperature=0)
+            assert out.model == "alpha" and out.choices[0].text  # any name, the first one in responses
+            with pytest.raises(openai.NotFoundError, match="'alpha' or 'beta'"):
+                client.completions.create(model=MODEL, prompt="x", max_tokens=2)  # the target's own name is not served
+            with pytest.raises(openai.BadRequestError, match="context is 48 tokens"):
+                client.completions.create(model="alpha", prompt="def add(a, b):", max_tokens=60)
+            assert httpx.get(srv.url + "/health").json()["max_context"] == 48
+            ids = httpx.post(srv.url + "/tokenize", json={"messages": [{"role": "user", "content": "hi"}]}).json()["tokens"]
+            text = httpx.post(srv.url + "/detokenize", json={"tokens": ids}).json()["prompt"]
+            assert text == "<user>hi\n<assistant>"  # the template given, not the model's
+            chat = client.chat.completions.create(model="alpha", messages=[{"role": "user", "content": "hi"}], max_tokens=4,
+                                                  temperature=0)
+            assert chat.usage.prompt_tokens == len(ids)
