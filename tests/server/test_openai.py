@@ -99,9 +99,9 @@ def test_errors_come_back_as_openai_errors(client, server):
         client.completions.create(model=MODEL, prompt=PROMPT, max_tokens=100_000)
     with pytest.raises(openai.NotFoundError, match="not served here"):
         client.completions.create(model="gpt-4", prompt=PROMPT)
-    with pytest.raises(openai.BadRequestError, match="tools is not supported"):
+    with pytest.raises(openai.BadRequestError, match="functions is not supported"):  # the older spelling of tools
         client.chat.completions.create(model=MODEL, messages=[{"role": "user", "content": "hi"}],
-                                       tools=[{"type": "function", "function": {"name": "f"}}])
+                                       functions=[{"name": "f", "parameters": {"type": "object"}}])
     with pytest.raises(openai.BadRequestError, match="logit_bias token"):
         client.completions.create(model=MODEL, prompt=PROMPT, logit_bias={"99999999": 5})
     with pytest.raises(openai.BadRequestError, match="temperature"):  # 400, as OpenAI answers it

@@ -3,8 +3,9 @@
 Served by speculative decoding on the server itself (:class:`specdec.engine.Engine` with a local
 drafter from the app's drafter factory).  Fields this server does not know are accepted and
 ignored, as vLLM does: they are named in the ``X-Specdec-Ignored-Fields`` response header and in
-the server log.  Fields whose *semantics* it cannot honour (tools, audio, ``suffix``, ...) are
-refused with a 400 that names them, never silently dropped.  Extensions: ``top_k``, ``min_p``,
+the server log.  Fields whose *semantics* it cannot honour (audio, ``suffix``, tools on
+completions, ...) are refused with a 400 that names them, never silently dropped.  Chat takes
+``tools`` and ``tool_choice`` (:mod:`specdec.server.tools`).  Extensions: ``top_k``, ``min_p``,
 ``repetition_penalty``, ``ignore_eos``, ``method`` (verification rule), ``gamma`` and vLLM's
 ``prompt_logprobs``, ``min_tokens``, ``stop_token_ids``, ``include_stop_str_in_output``,
 ``allowed_token_ids``, ``bad_words`` and guided decoding (``guided_json`` / ``_regex`` / ``_choice`` /
@@ -26,7 +27,7 @@ from typing import TYPE_CHECKING, Annotated, Any, AsyncIterator, Callable, Liter
 
 from fastapi import APIRouter, Request
 from fastapi.responses import JSONResponse, StreamingResponse
-from pydantic import BaseModel, ConfigDict, Field
+from pydantic import BaseModel, ConfigDict, Field, model_validator
 
 from specdec import defaults
 from specdec.engine import Engine, TextPiece, TextResult, default_method, make_gamma, parse_gamma, parse_tree
@@ -40,6 +41,8 @@ from specdec.token_filter import MAX_BAD_WORDS, constraint_factory
 from specdec.tokenizer import TokenBytes
 from specdec.server.draft_cap import CAPPED_WIRES, LOOKUP_WIRE_SUFFIX, RequestPace
 from specdec.server.errors import ApiError
+from specdec.server import tools as tool_calls
+from specdec.server.tools import ToolCall, ToolDef
 from specdec.server.scheduler import Cancelled as SchedulerCancelled
 from specdec.verify import get_rule
 
@@ -131,6 +134,8 @@ class _Request(BaseModel):
         if not self.skip_special_tokens:
             raise ApiError(400, "skip_special_tokens false is not supported by this server (special tokens never reach the text)")
         for name in ("tool_choice", "function_call"):
+            if name == "tool_choice" and "tools" in type(self).model_fields:
+                continue  # an endpoint with tools checks it with them (server/tools.py)
             if getattr(self, name) not in (None, "none", "auto"):
                 raise ApiError(400, f"{name} is not supported by this server (no tools)")
         names = sorted(extra)
@@ -254,9 +259,26 @@ class TextPart(BaseModel):
 
 class ChatMessage(BaseModel):
     model_config = ConfigDict(extra="allow")  # e.g. ``refusal: null`` echoed back by clients
-    role: Literal["system", "developer", "user", "assistant"]
-    content: Annotated[str, Field(max_length=1 << 22)] | Annotated[list[TextPart], Field(max_length=256)]
+    role: Literal["system", "developer", "user", "assistant", "tool"]
+    # None only for an assistant message that made tool calls
+    content: Annotated[str, Field(max_length=1 << 22)] | Annotated[list[TextPart], Field(max_length=256)] | None = None
     name: Annotated[str, Field(max_length=256)] | None = None
+    tool_calls: Annotated[list[ToolCall], Field(max_length=128)] | None = None  # an assistant's earlier calls
+    tool_call_id: Annotated[str, Field(max_length=256)] | None = None  # a tool's result: the call it answers
+
+    @model_validator(mode="after")
+    def _content(self) -> "ChatMessage":
+        if self.content is None and not (self.role == "assistant" and self.tool_calls):
+            raise ValueError("content is required (only an assistant message with tool_calls may leave it out)")
+        if self.tool_calls and self.role != "assistant":
+            raise ValueError("only assistant messages carry tool_calls")
+        return self
+
+    @property
+    def text(self) -> str:
+        if self.content is None:
+            return ""
+        return self.content if isinstance(self.content, str) else "".join(p.text for p in self.content)
 
 
 class _ChatTemplating(BaseModel):
@@ -288,6 +310,7 @@ class DetokenizeRequest(BaseModel):
 
 class ChatRequest(_Request, _ChatTemplating):
     messages: Annotated[list[ChatMessage], Field(min_length=1, max_length=1024)]
+    tools: Annotated[list[ToolDef], Field(max_length=128)] | None = None
     max_tokens: Annotated[int, Field(ge=1, le=1 << 20)] | None = None
     max_completion_tokens: Annotated[int, Field(ge=1, le=1 << 20)] | None = None
     logprobs: bool | None = None
@@ -384,7 +407,7 @@ class _Job:
 
     def __init__(self, ctx: "ServerContext", req: _Request, prompts: list[list[int]], max_tokens: int | None,
                  *, logprobs: int | None = None, echo_logprobs: int | None = None, endpoint: str = "completions",
-                 owner: str = "") -> None:
+                 owner: str = "", tool_grammar: str | None = None) -> None:
         self.ctx = ctx
         self.endpoint = endpoint
         self.owner = owner  # the caller's key digest (whose idle sessions may make room for this job)
@@ -444,6 +467,10 @@ class _Job:
         if self.tree != "chain" and getattr(model, "forward_tree", None) is None:
             raise ApiError(400, "token trees need a backend with tree attention (the native backend, not hf)")
         self.grammar = _structured(req)
+        if tool_grammar is not None:  # tool_choice required or named: exactly one call
+            if self.grammar is not None:
+                raise ApiError(400, "tool_choice required or named is a structured output of its own: send no other")
+            self.grammar = tool_grammar
         # each choice's constraint: its own grammar matcher (each has its own history) under the
         # request's one filter of allowed ids and bad words
         self._constraint = _constraints(ctx, req, self.grammar)
@@ -871,10 +898,13 @@ _TEMPLATE_OWN = ("messages", "conversation", "tools", "documents", "add_generati
                  "tokenize", "return_tensors", "return_dict", "chat_template")
 
 
-def _chat_ids(tok: Any, messages: list[ChatMessage], opts: _ChatTemplating | None = None) -> list[int]:
+def _chat_ids(tok: Any, messages: list[ChatMessage], opts: _ChatTemplating | None = None,
+              tools: list[ToolDef] | None = None) -> list[int]:
     """Token ids of a conversation through the model's chat template (what /v1/chat/completions
     generates after).  With ``continue_final_message`` the text ends right after the last
-    message's content, its end-of-turn tokens left out, so the reply continues that message."""
+    message's content, its end-of-turn tokens left out, so the reply continues that message.
+    ``tools``: shown to the model (by the template where it renders them, else in a system
+    message: :mod:`specdec.server.tools`)."""
     opts = opts or _ChatTemplating()
     if not getattr(tok, "chat_template", None):
         raise ApiError(400, "this model has no chat template; use /v1/completions")
@@ -885,11 +915,16 @@ def _chat_ids(tok: Any, messages: list[ChatMessage], opts: _ChatTemplating | Non
     clash = sorted(set(kwargs) & set(_TEMPLATE_OWN))
     if clash:
         raise ApiError(400, f"chat_template_kwargs may not set {', '.join(clash)}")
-    turns = [
-        {"role": "system" if m.role == "developer" else m.role,
-         "content": m.content if isinstance(m.content, str) else "".join(p.text for p in m.content)}
-        for m in messages
-    ]
+    native = tool_calls.template_renders_tools(tok)
+    turns = [tool_calls.turn(m, m.text, native) for m in messages]
+    if tools and native:
+        kwargs["tools"] = [t.model_dump(exclude_none=True) for t in tools]
+    elif tools:  # the template cannot show them: a system message does
+        described = tool_calls.system_text(tools)
+        if turns[0]["role"] == "system":
+            turns[0] = {**turns[0], "content": turns[0]["content"] + "\n\n" + described}
+        else:
+            turns.insert(0, {"role": "system", "content": described})
     try:
         text = tok.apply_chat_template(turns, tokenize=False, add_generation_prompt=opts.add_generation_prompt, **kwargs)
     except Exception as exc:  # noqa: BLE001 - a template that rejects the conversation
@@ -1192,12 +1227,13 @@ def openai_router(ctx: "ServerContext") -> APIRouter:
         if req.echo:
             raise ApiError(400, "echo is not supported by /v1/chat/completions on this server")
         tok = tokenizer()
-        ids = _chat_ids(tok, req.messages, req)
+        shown, forced = tool_calls.chosen(req.tools, req.tool_choice)  # the tools the model sees, a call it must make
+        ids = _chat_ids(tok, req.messages, req, tools=shown)
         if not ids:
             raise ApiError(400, "the conversation encodes to no tokens")
         max_tokens = req.max_completion_tokens if req.max_completion_tokens is not None else req.max_tokens
         job = _Job(ctx, req, [ids], max_tokens, logprobs=(req.top_logprobs or 0) if req.logprobs else None, endpoint="chat",
-                   owner=_owner(request))
+                   owner=_owner(request), tool_grammar=tool_calls.grammar(shown, forced))
         cid, created = f"chatcmpl-{secrets.token_hex(12)}", int(time.time())
         metrics.completions.labels("chat", str(req.stream).lower()).inc()
         named = names(req)
@@ -1210,38 +1246,83 @@ def openai_router(ctx: "ServerContext") -> APIRouter:
             return {"id": cid, "object": "chat.completion.chunk", "created": created, "model": job.model_name,
                     "choices": [choice]}
 
+        def message(out: TextResult) -> tuple[dict[str, Any], str]:
+            """The answer's message and finish reason: with tools shown, its calls parsed out."""
+            finish = _finish_reason(out.stats.finish_reason)
+            if not shown:
+                return {"role": "assistant", "content": out.text}, finish
+            content, calls = tool_calls.parse(out.text)
+            if not calls:
+                return {"role": "assistant", "content": out.text}, finish
+            return {"role": "assistant", "content": content, "tool_calls": calls}, "tool_calls"
+
         if req.stream:
             include_usage = req.stream_options is not None and req.stream_options.include_usage
+            # with tools shown, content stops where a call may begin; the calls go out at the end
+            texts: dict[int, str] = {}  # per choice: its text so far
+            sent: dict[int, int] = {}  # per choice: how much of it went out as content
+            held: dict[int, list[Any]] = {}  # per choice: logprob entries of text not yet sent
+            held_ids: dict[int, list[int]] = {}
 
             def streamed(index: int, piece: TextPiece) -> dict[str, Any] | None:
                 lps = _chat_logprobs(named, piece.token_ids, piece.logprobs)
                 if lps is not None and not lps["content"]:  # an end-of-turn token alone
                     lps = None
-                if piece.text or lps is not None or (req.return_token_ids and piece.token_ids):
-                    return chunk(index, {"content": piece.text}, None, lps, piece.token_ids)
+                text, token_ids = piece.text, piece.token_ids
+                if shown:
+                    texts[index] = texts.get(index, "") + text
+                    start, stop = sent.get(index, 0), tool_calls.held_back(texts[index])
+                    text = texts[index][start:stop] if stop > start else ""
+                    sent[index] = max(start, stop)
+                    if lps is not None:
+                        held.setdefault(index, []).extend(lps["content"])
+                    held_ids.setdefault(index, []).extend(token_ids)
+                    if not text:
+                        return None
+                    lps = {"content": held.pop(index, []), "refusal": None} if lps is not None else None
+                    token_ids = held_ids.pop(index, [])
+                if text or lps is not None or (req.return_token_ids and token_ids):
+                    return chunk(index, {"content": text}, None, lps, token_ids)
                 return None
 
             def head(index: int) -> list[dict[str, Any]]:
                 opening = chunk(index, {"role": "assistant", "content": ""}, None)
                 return [{**opening, "prompt_token_ids": ids} if req.return_token_ids else opening]
 
+            def tail(index: int, out: TextResult) -> list[dict[str, Any]]:
+                answer, finish = message(out)
+                if not shown:
+                    return [chunk(index, {}, finish)]
+                ends = []
+                rest = out.text[sent.get(index, 0):tool_calls.held_back(out.text)] if "tool_calls" in answer else \
+                    out.text[sent.get(index, 0):]
+                pending = held.pop(index, None)
+                lps = {"content": pending, "refusal": None} if pending is not None else None
+                if rest or lps is not None or held_ids.get(index):
+                    ends.append(chunk(index, {"content": rest}, None, lps, held_ids.pop(index, [])))
+                if "tool_calls" in answer:
+                    ends.append(chunk(index, {"tool_calls": [{"index": i, **call} for i, call in enumerate(answer["tool_calls"])]},
+                                      None))
+                return [*ends, chunk(index, {}, finish)]
+
             return _stream(
                 job,
                 head=head,
                 delta=streamed,
-                tail=lambda index, out: chunk(index, {}, _finish_reason(out.stats.finish_reason)),
+                tail=tail,
                 usage=(lambda outs: {**chunk(0, {}, None), "choices": [], "usage": _usage(outs, len(ids), job.n)})
                 if include_usage else None,
             )
         outs = await _run_blocking(job, request)
+        answers = [message(out) for out in outs]
         body = {
             "id": cid,
             "object": "chat.completion",
             "created": created,
             "model": job.model_name,
-            "choices": [{"index": i, "message": {"role": "assistant", "content": out.text},
+            "choices": [{"index": i, "message": answers[i][0],
                          "logprobs": _chat_logprobs(named, out.token_ids, out.logprobs),
-                         "finish_reason": _finish_reason(out.stats.finish_reason),
+                         "finish_reason": answers[i][1],
                          **({"token_ids": out.token_ids} if req.return_token_ids else {})}
                         for i, out in enumerate(outs)],
             "usage": _usage(outs, len(ids), job.n),

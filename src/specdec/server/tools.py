@@ -1,0 +1,191 @@
+"""Tool calling on ``/v1/chat/completions``: OpenAI's ``tools`` and ``tool_choice``.
+
+The model is told about the tools by its chat template (``tools=`` as transformers passes it),
+and writes each call as a Hermes-style block, the format Qwen2.5 and many other open models were
+trained on::
+
+    <tool_call>
+    {"name": "get_weather", "arguments": {"city": "Paris"}}
+    </tool_call>
+
+The answer's blocks become the message's ``tool_calls`` (the text around them its ``content``,
+``finish_reason`` ``tool_calls``).  A template that does not render tools (SmolLM2's) gets a
+system message describing them in that format instead, and earlier calls and tool results are
+written into the conversation as blocks too.
+
+``tool_choice``: ``none`` (no tools shown, nothing parsed), ``auto`` (the model decides),
+``required`` or a named function: then a grammar holds the answer to exactly one call, of any
+tool or of the named one, with arguments that follow the function's JSON Schema.  The grammar
+masks draft and target alike, so the output is exactly the constrained target's law, as for any
+structured output.
+"""
+
+from __future__ import annotations
+
+import json
+import re
+import secrets
+from typing import Annotated, Any, Literal
+
+from pydantic import BaseModel, ConfigDict, Field
+
+from specdec.server.errors import ApiError
+
+OPEN, CLOSE = "<tool_call>", "</tool_call>"
+_BLOCK = re.compile(r"<tool_call>\s*(.*?)\s*</tool_call>", re.DOTALL)
+
+
+class FunctionDef(BaseModel):
+    model_config = ConfigDict(extra="allow")
+    name: Annotated[str, Field(min_length=1, max_length=64, pattern=r"^[A-Za-z0-9_.-]+$")]
+    description: Annotated[str, Field(max_length=1 << 16)] | None = None
+    parameters: dict[str, Any] | None = None
+    strict: bool | None = None
+
+
+class ToolDef(BaseModel):
+    model_config = ConfigDict(extra="allow")
+    type: Literal["function"]
+    function: FunctionDef
+
+
+class CalledFunction(BaseModel):
+    model_config = ConfigDict(extra="allow")
+    name: Annotated[str, Field(max_length=64)]
+    arguments: Annotated[str, Field(max_length=1 << 20)] = "{}"
+
+
+class ToolCall(BaseModel):
+    """A call in an earlier assistant message (as OpenAI clients send the conversation back)."""
+
+    model_config = ConfigDict(extra="allow")
+    id: Annotated[str, Field(max_length=256)] | None = None
+    type: Literal["function"] = "function"
+    function: CalledFunction
+
+
+def chosen(tools: list[ToolDef] | None, tool_choice: Any) -> tuple[list[ToolDef], str | None]:
+    """(the tools shown to the model, the one function a named ``tool_choice`` asks for) — no tools
+    for ``none``; the name is ``""`` for ``required`` (any tool), None where the model decides."""
+    tools = list(tools or ())
+    if tool_choice in (None, "auto"):
+        return tools, None
+    if tool_choice == "none":
+        return [], None
+    if not tools:
+        raise ApiError(400, f"tool_choice {tool_choice!r} needs tools")
+    if tool_choice == "required":
+        return tools, ""
+    if isinstance(tool_choice, dict) and tool_choice.get("type") == "function":
+        name = (tool_choice.get("function") or {}).get("name")
+        if not any(t.function.name == name for t in tools):
+            raise ApiError(400, f"tool_choice names {name!r}, which is not among the tools")
+        return tools, name
+    raise ApiError(400, "tool_choice must be 'none', 'auto', 'required' or {'type': 'function', 'function': {'name': ...}}")
+
+
+def grammar(tools: list[ToolDef], name: str | None) -> str | None:
+    """The llguidance grammar of one call (``name`` "": of any tool; a name: of that one; None: no grammar)."""
+    if name is None:
+        return None
+    from specdec.errors import SpecdecError
+    from specdec.grammar import grammar_for
+
+    picked = [t for t in tools if not name or t.function.name == name]
+    calls = [{"type": "object", "properties": {"name": {"const": t.function.name},
+                                               "arguments": t.function.parameters or {"type": "object"}},
+              "required": ["name", "arguments"], "additionalProperties": False} for t in picked]
+    schema = calls[0] if len(calls) == 1 else {"anyOf": calls}
+    schema = {**schema, "x-guidance": {"whitespace_flexible": False}}  # compact: small models spiral into whitespace
+    lark = f"start: {json.dumps(OPEN + chr(10))} call {json.dumps(chr(10) + CLOSE)}\ncall: %json {json.dumps(schema)}"
+    try:
+        return grammar_for("lark", lark)
+    except (SpecdecError, ValueError) as exc:
+        raise ApiError(400, f"invalid tool parameters: {str(exc).splitlines()[0]}") from None
+
+
+def template_renders_tools(tokenizer: Any) -> bool:
+    """Whether the chat template reads a ``tools`` variable (else :func:`system_text` describes them)."""
+    return "tools" in (getattr(tokenizer, "chat_template", None) or "")
+
+
+def system_text(tools: list[ToolDef]) -> str:
+    """The tools described in a system message, for a template that does not render them."""
+    listed = "\n".join(json.dumps(t.model_dump(exclude_none=True), ensure_ascii=False) for t in tools)
+    return ("You can call these functions (JSON signatures):\n" + listed + "\n\nTo call one, answer with "
+            f'{OPEN}\n{{"name": <function name>, "arguments": <arguments as a JSON object>}}\n{CLOSE}')
+
+
+def _arguments(text: str) -> Any:
+    """A call's arguments for a template: the JSON object its string holds (templates write them
+    with ``tojson``), else the string as it is."""
+    try:
+        return json.loads(text)
+    except ValueError:
+        return text
+
+
+def block(name: str, arguments: Any) -> str:
+    """A call written as the model writes it."""
+    return f"{OPEN}\n{json.dumps({'name': name, 'arguments': arguments}, ensure_ascii=False)}\n{CLOSE}"
+
+
+def turn(message: Any, text: str, native: bool) -> dict[str, Any]:
+    """A chat message as a template turn: ``native`` templates get ``tool_calls`` and ``tool``
+    turns as transformers passes them; others the calls as blocks in the assistant's text and the
+    tool's result as a user turn in a ``<tool_response>`` block."""
+    role = "system" if message.role == "developer" else message.role
+    calls = message.tool_calls or []
+    if native:
+        out: dict[str, Any] = {"role": role, "content": text}
+        if calls:
+            out["tool_calls"] = [{"type": "function", "id": c.id,
+                                  "function": {"name": c.function.name, "arguments": _arguments(c.function.arguments)}}
+                                 for c in calls]
+        if role == "tool" and message.tool_call_id is not None:
+            out["tool_call_id"] = message.tool_call_id
+        return out
+    if role == "tool":
+        return {"role": "user", "content": f"<tool_response>\n{text}\n</tool_response>"}
+    if calls:
+        written = "\n".join(block(c.function.name, _arguments(c.function.arguments)) for c in calls)
+        return {"role": role, "content": f"{text}\n{written}" if text else written}
+    return {"role": role, "content": text}
+
+
+def parse(text: str) -> tuple[str | None, list[dict[str, Any]]]:
+    """(content, OpenAI ``tool_calls``) of an answer: every well-formed block (a JSON object with
+    a string ``name``) is a call, its ``arguments`` re-encoded as a JSON string; the rest of the
+    text, stripped, is the content (None if nothing is left).  Malformed blocks stay in the text."""
+    calls: list[dict[str, Any]] = []
+    kept: list[str] = []
+    at = 0
+    for m in _BLOCK.finditer(text):
+        try:
+            call = json.loads(m.group(1))
+        except ValueError:
+            continue
+        if not isinstance(call, dict) or not isinstance(call.get("name"), str):
+            continue
+        arguments = call.get("arguments", {})
+        calls.append({"id": f"call_{secrets.token_hex(12)}", "type": "function",
+                      "function": {"name": call["name"],
+                                   "arguments": arguments if isinstance(arguments, str) else json.dumps(arguments, ensure_ascii=False)}})
+        kept.append(text[at:m.start()])
+        at = m.end()
+    if not calls:
+        return text, []
+    kept.append(text[at:])
+    return "".join(kept).strip() or None, calls
+
+
+def held_back(text: str) -> int:
+    """Where streamed content must stop for now: at a call's opening tag, or at a suffix that may
+    still become one."""
+    at = text.find(OPEN)
+    if at >= 0:
+        return at
+    for k in range(min(len(OPEN) - 1, len(text)), 0, -1):
+        if OPEN.startswith(text[-k:]):
+            return len(text) - k
+    return len(text)

@@ -1,0 +1,154 @@
+"""Tool calling on /v1/chat/completions (``tools``, ``tool_choice``): the Hermes-style blocks,
+the grammar that holds a required call, and both kinds of chat template."""
+
+from __future__ import annotations
+
+import json
+
+import openai
+import pytest
+
+from serverproc import ServerProcess
+from specdec.server import tools as tc
+from specdec.server.errors import ApiError
+from specdec.server.openai_api import ChatMessage, _chat_ids
+
+MODEL = "smollm2-135m-draft"
+ADD = {"type": "function", "function": {"name": "add", "description": "Add two integers", "parameters": {
+    "type": "object", "properties": {"a": {"type": "integer"}, "b": {"type": "integer"}}, "required": ["a", "b"],
+    "additionalProperties": False}}}
+WEATHER = {"type": "function", "function": {"name": "get_weather", "parameters": {
+    "type": "object", "properties": {"city": {"enum": ["Paris", "Rome"]}}, "required": ["city"], "additionalProperties": False}}}
+ASK = [{"role": "user", "content": "What is the weather in Paris?"}]
+
+pytestmark = pytest.mark.usefixtures("single_thread")
+
+
+@pytest.fixture(scope="module")
+def client():
+    with ServerProcess.cli("--target", MODEL, "--draft", MODEL, "--dtype", "float32", "--gamma", "4") as srv:
+        with openai.OpenAI(base_url=srv.url + "/v1", api_key="none", max_retries=0, timeout=60) as c:
+            yield c
+
+
+def test_answers_become_tool_calls_and_content():
+    content, calls = tc.parse('Let me check.\n<tool_call>\n{"name": "get_weather", "arguments": {"city": "Paris"}}\n</tool_call>'
+                              '<tool_call>{"name": "add", "arguments": "{\\"a\\": 1}"}</tool_call>')
+    assert content == "Let me check."
+    assert [(c["function"]["name"], json.loads(c["function"]["arguments"])) for c in calls] == [
+        ("get_weather", {"city": "Paris"}), ("add", {"a": 1})]
+    assert all(c["type"] == "function" and c["id"].startswith("call_") for c in calls) and calls[0]["id"] != calls[1]["id"]
+    assert tc.parse("<tool_call>\n{\"name\": \"add\", \"arguments\": {}}\n</tool_call>")[0] is None  # nothing else said
+    for text in ("no call here", "<tool_call>{not json}</tool_call>", "<tool_call>{\"arguments\": {}}</tool_call>",
+                 "<tool_call>{\"name\": \"add\""):  # plain text, malformed, nameless, cut off: all content
+        assert tc.parse(text) == (text, [])
+    assert tc.held_back("Sure <tool_ca") == len("Sure ") and tc.held_back("a <tool_call>{") == 2
+    assert tc.held_back("x < y") == len("x < y") and tc.held_back("tail<") == 4
+
+
+def test_tool_choice_picks_the_tools_and_the_grammar():
+    tools = [tc.ToolDef.model_validate(ADD), tc.ToolDef.model_validate(WEATHER)]
+    assert tc.chosen(tools, None) == (tools, None) and tc.chosen(tools, "auto") == (tools, None)
+    assert tc.chosen(tools, "none") == ([], None) and tc.chosen(tools, "required") == (tools, "")
+    assert tc.chosen(tools, {"type": "function", "function": {"name": "add"}}) == (tools, "add")
+    for bad in ({"type": "function", "function": {"name": "nope"}}, "sometimes"):
+        with pytest.raises(ApiError):
+            tc.chosen(tools, bad)
+    with pytest.raises(ApiError, match="needs tools"):
+        tc.chosen([], "required")
+    assert tc.grammar(tools, None) is None and tc.grammar(tools, "") and tc.grammar(tools, "add")
+
+
+def test_a_template_without_tools_gets_them_in_a_system_message():
+    """SmolLM2's template renders no tools: they go into a system message, earlier calls into
+    the assistant's text as blocks, and a tool's result into a user turn."""
+    from specdec.models import registry
+
+    tok = registry.load_tokenizer(registry.resolve(MODEL).folder)
+    assert not tc.template_renders_tools(tok)
+    call = {"id": "call_1", "type": "function", "function": {"name": "add", "arguments": '{"a": 1, "b": 2}'}}
+    messages = [ChatMessage.model_validate(m) for m in (
+        {"role": "system", "content": "Be brief."}, {"role": "user", "content": "1 + 2?"},
+        {"role": "assistant", "content": None, "tool_calls": [call]}, {"role": "tool", "tool_call_id": "call_1", "content": "3"})]
+    text = tok.decode(_chat_ids(tok, messages, tools=[tc.ToolDef.model_validate(ADD)]))
+    assert text.index("Be brief.") < text.index('"name": "add"') < text.index("1 + 2?")  # one system message, first
+    assert '<tool_call>\n{"name": "add", "arguments": {"a": 1, "b": 2}}\n</tool_call>' in text
+    assert "<|im_start|>user\n<tool_response>\n3\n</tool_response>" in text
+
+
+def test_a_template_with_tools_renders_them_itself():
+    """Qwen2.5's template renders tools, calls and results itself (arguments as objects, not
+    strings written twice)."""
+    from specdec.models import registry
+
+    try:
+        folder = registry.resolve("qwen2.5-coder-0.5b").folder
+    except Exception:  # noqa: BLE001 - the Qwen models are an optional install
+        pytest.skip("the Qwen2.5-Coder-0.5B files are not installed")
+    tok = registry.load_tokenizer(folder)
+    assert tc.template_renders_tools(tok)
+    call = {"id": "call_1", "type": "function", "function": {"name": "add", "arguments": '{"a": 1, "b": 2}'}}
+    messages = [ChatMessage.model_validate(m) for m in (
+        {"role": "user", "content": "1 + 2?"}, {"role": "assistant", "content": None, "tool_calls": [call]},
+        {"role": "tool", "tool_call_id": "call_1", "content": "3"})]
+    text = tok.decode(_chat_ids(tok, messages, tools=[tc.ToolDef.model_validate(ADD)]))
+    assert "<tools>" in text and '"name": "add"' in text and '"arguments": {"a": 1, "b": 2}' in text
+    assert "<tool_response>\n3\n</tool_response>" in text
+
+
+def test_a_required_call_is_made_and_parsed_streamed_or_not(client):
+    for choice, names in (({"type": "function", "function": {"name": "add"}}, {"add"}), ("required", {"add", "get_weather"})):
+        kw = dict(model=MODEL, messages=ASK, tools=[ADD, WEATHER], tool_choice=choice, max_tokens=60, temperature=0)
+        out = client.chat.completions.create(**kw)
+        choice0 = out.choices[0]
+        assert choice0.finish_reason == "tool_calls" and choice0.message.content is None
+        [call] = choice0.message.tool_calls
+        arguments = json.loads(call.function.arguments)
+        assert call.function.name in names
+        if call.function.name == "add":
+            assert set(arguments) == {"a", "b"} and all(isinstance(v, int) for v in arguments.values())
+        else:
+            assert arguments["city"] in ("Paris", "Rome")
+        assert out.model_extra["specdec"]["draft_tokens_proposed"] > 0  # speculation ran under the call's grammar
+        chunks = [c.choices[0] for c in client.chat.completions.create(**kw, stream=True) if c.choices]
+        deltas = [tc for c in chunks if c.delta.tool_calls for tc in c.delta.tool_calls]
+        assert [(d.index, d.function.name, d.function.arguments) for d in deltas] == [
+            (0, call.function.name, call.function.arguments)]
+        assert "".join(c.delta.content or "" for c in chunks) == "" and chunks[-1].finish_reason == "tool_calls"
+        sampled = client.chat.completions.create(**{**kw, "temperature": 1.0, "seed": 4, "n": 3})
+        assert all(c.finish_reason == "tool_calls" and c.message.tool_calls[0].function.name in names for c in sampled.choices)
+
+
+def test_auto_shows_the_tools_and_leaves_plain_answers_alone(client):
+    kw = dict(model=MODEL, messages=ASK, max_tokens=12, temperature=0)
+    bare = client.chat.completions.create(**kw)
+    auto = client.chat.completions.create(**kw, tools=[ADD, WEATHER])
+    assert auto.usage.prompt_tokens > bare.usage.prompt_tokens + 40  # the tools were described to the model
+    if not auto.choices[0].message.tool_calls:  # this tiny model rarely calls on its own: then it is text
+        assert auto.choices[0].message.content and auto.choices[0].finish_reason in ("stop", "length")
+    streamed = list(client.chat.completions.create(**kw, tools=[ADD, WEATHER], stream=True))
+    assert "".join(c.choices[0].delta.content or "" for c in streamed if c.choices) == (auto.choices[0].message.content or "")
+    none = client.chat.completions.create(**kw, tools=[ADD, WEATHER], tool_choice="none")
+    assert none.usage.prompt_tokens == bare.usage.prompt_tokens and none.choices[0].message.content == bare.choices[0].message.content
+
+
+def test_a_conversation_with_calls_and_results_is_accepted(client):
+    call = {"id": "call_1", "type": "function", "function": {"name": "get_weather", "arguments": '{"city": "Paris"}'}}
+    messages = [*ASK, {"role": "assistant", "content": None, "tool_calls": [call]},
+                {"role": "tool", "tool_call_id": "call_1", "content": "18 C and sunny"}]
+    out = client.chat.completions.create(model=MODEL, messages=messages, tools=[WEATHER], max_tokens=8, temperature=0)
+    assert out.choices[0].finish_reason in ("stop", "length", "tool_calls")
+
+
+def test_bad_tool_requests_are_400s(client):
+    for kw, message in ((dict(tool_choice="required"), "needs tools"),
+                        (dict(tools=[ADD], tool_choice={"type": "function", "function": {"name": "nope"}}), "not among"),
+                        (dict(tools=[ADD], tool_choice="required", response_format={"type": "json_object"}), "send no other"),
+                        (dict(tools=[{"type": "function", "function": {"name": "bad name!"}}]), "tools"),
+                        (dict(messages=[{"role": "tool", "tool_call_id": "x"}]), "content is required"),
+                        (dict(messages=[{"role": "user", "content": "x", "tool_calls": [
+                            {"type": "function", "function": {"name": "add"}}]}]), "only assistant messages")):
+        with pytest.raises(openai.BadRequestError, match=message):
+            client.chat.completions.create(**{"model": MODEL, "messages": ASK, "max_tokens": 4, **kw})
+    with pytest.raises(openai.BadRequestError, match="tools"):
+        client.completions.create(model=MODEL, prompt="x", max_tokens=2, extra_body={"tools": [ADD]})  # chat only
