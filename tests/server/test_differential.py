@@ -34,7 +34,7 @@ from serverproc import ServerProcess
 
 MODEL = "smollm2-135m-draft"
 KEY = "differential-key"
-N_REQUESTS = 96
+N_REQUESTS = 64
 CONCURRENCY = 6
 DRAFTERS = ("ngram", "lookahead", "layerskip:2")
 

@@ -138,6 +138,7 @@ def test_bad_requests_are_400s(client, server):
         return httpx.post(server.url + "/v1/responses", json=body, headers={"Authorization": f"Bearer {KEY}"})
 
     for body, message in (({"input": "x", "tools": [{"type": "function", "name": "f"}]}, "tools"),
+                          ({"input": "x", "tool_choice": "required"}, "tools"),
                           ({"input": "x", "background": True}, "background"),
                           ({"input": [{"role": "user", "content": [{"type": "input_image", "image_url": "u"}]}]}, "input"),
                           ({"input": "x", "max_output_tokens": 0}, "max_output_tokens"),

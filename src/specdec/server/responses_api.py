@@ -161,7 +161,7 @@ def responses_router(ctx: "ServerContext") -> APIRouter:
         ignored = sorted(k for k in extra if k in _NO_EFFECT)
         for name in ignored:
             extra.pop(name)
-        if extra.get("tools"):
+        if extra.get("tools") or extra.get("tool_choice") not in (None, "none", "auto"):
             raise ApiError(400, "tools are not supported on /v1/responses by this server (use /v1/chat/completions)")
         for name in ("messages", "max_tokens", "max_completion_tokens", "response_format", "logprobs", "n", "echo"):
             if name in extra:  # the chat endpoint's spellings of what a Responses request says its own way
