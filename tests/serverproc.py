@@ -13,6 +13,10 @@ from pathlib import Path
 import httpx
 
 TESTS = Path(__file__).resolve().parent
+#: the bundled SmolLM2 draft model: small enough to serve as a fast target in the OpenAI tests
+DRAFT_MODEL = "smollm2-135m-draft"
+#: the key of the OpenAI tests' server (tests/server/conftest.py)
+OPENAI_KEY = "openai-test-key"
 
 
 def free_port() -> int:
@@ -39,6 +43,17 @@ class ServerProcess:
     @classmethod
     def cli(cls, *extra: str, **kw) -> "ServerProcess":
         return cls(["-m", "specdec.cli", "serve", "--port", "{port}", *extra], **kw)
+
+    @classmethod
+    def draft_model(cls, *extra: str, **kw) -> "ServerProcess":
+        """``specdec serve`` of the bundled draft model as target, drafting for itself (float32, γ 4)."""
+        return cls.cli("--target", DRAFT_MODEL, "--draft", DRAFT_MODEL, "--dtype", "float32", "--gamma", "4", *extra, **kw)
+
+    def openai(self, key: str = "none"):  # noqa: ANN201 - an openai.OpenAI client (imported here only)
+        """An ``openai`` client of this server (no retries: a test sees each answer as it is)."""
+        import openai
+
+        return openai.OpenAI(base_url=self.url + "/v1", api_key=key, max_retries=0, timeout=60)
 
     @property
     def url(self) -> str:

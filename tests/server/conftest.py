@@ -1,11 +1,12 @@
-"""A toy-model server process shared by the server tests (vocab 6, order 2, max γ 8, context 512)."""
+"""Server processes shared by the server tests: a toy model (vocab 6, order 2, max γ 8, context 512), and
+the bundled draft model behind `specdec serve` for the OpenAI endpoints (one per test module)."""
 
 from __future__ import annotations
 
 import httpx
 import pytest
 
-from serverproc import ServerProcess
+from serverproc import OPENAI_KEY, ServerProcess
 
 API_KEY = "test-key-123"
 VOCAB = 6
@@ -25,3 +26,17 @@ def toy_server():
 def api(toy_server):
     with httpx.Client(base_url=toy_server.url, headers={"Authorization": f"Bearer {API_KEY}"}, timeout=30.0) as client:
         yield client
+
+
+@pytest.fixture(scope="module")
+def server():
+    """The bundled draft model behind ``specdec serve``, with a key (one process per test module)."""
+    with ServerProcess.draft_model("--api-key", OPENAI_KEY) as srv:
+        yield srv
+
+
+@pytest.fixture(scope="module")
+def client(server):
+    """An ``openai`` client of :func:`server`."""
+    with server.openai(OPENAI_KEY) as c:
+        yield c

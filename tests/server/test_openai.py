@@ -10,28 +10,16 @@ import openai
 import pytest
 import torch
 
-from serverproc import ServerProcess
+from serverproc import DRAFT_MODEL, OPENAI_KEY
 from specdec.engine import Engine, EngineConfig
 from specdec.sampling import SamplingConfig
 
-MODEL = "smollm2-135m-draft"
-KEY = "openai-test-key"
+MODEL = DRAFT_MODEL
+KEY = OPENAI_KEY
 PROMPT = "def add(a, b):"
 
 
 pytestmark = pytest.mark.usefixtures("single_thread")
-
-
-@pytest.fixture(scope="module")
-def server():
-    with ServerProcess.cli("--target", MODEL, "--draft", MODEL, "--dtype", "float32", "--api-key", KEY, "--gamma", "4") as srv:
-        yield srv
-
-
-@pytest.fixture(scope="module")
-def client(server):
-    with openai.OpenAI(base_url=server.url + "/v1", api_key=KEY, max_retries=0, timeout=60) as c:
-        yield c
 
 
 @pytest.fixture(scope="module")

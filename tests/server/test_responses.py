@@ -13,26 +13,14 @@ import httpx
 import openai
 import pytest
 
-from serverproc import ServerProcess
+from serverproc import DRAFT_MODEL, OPENAI_KEY
 from specdec.server.errors import ApiError
 from specdec.server.responses_api import ResponseStore
 
-MODEL = "smollm2-135m-draft"
-KEY = "responses-test-key"
+MODEL = DRAFT_MODEL
+KEY = OPENAI_KEY
 
 pytestmark = pytest.mark.usefixtures("single_thread")
-
-
-@pytest.fixture(scope="module")
-def server():
-    with ServerProcess.cli("--target", MODEL, "--draft", MODEL, "--dtype", "float32", "--api-key", KEY, "--gamma", "4") as srv:
-        yield srv
-
-
-@pytest.fixture(scope="module")
-def client(server):
-    with openai.OpenAI(base_url=server.url + "/v1", api_key=KEY, max_retries=0, timeout=60) as c:
-        yield c
 
 
 def _chat(client, messages, max_tokens, **kw):

@@ -7,9 +7,9 @@ import httpx
 import openai
 import pytest
 
-from serverproc import ServerProcess
+from serverproc import DRAFT_MODEL, ServerProcess
 
-MODEL = "smollm2-135m-draft"
+MODEL = DRAFT_MODEL
 TEMPLATE = "{% for m in messages %}<{{ m.role }}>{{ m.content }}\n{% endfor %}{% if add_generation_prompt %}<assistant>{% endif %}"
 
 pytestmark = pytest.mark.usefixtures("single_thread")
@@ -18,9 +18,9 @@ pytestmark = pytest.mark.usefixtures("single_thread")
 def test_names_context_limit_and_chat_template(tmp_path):
     template = tmp_path / "chat.jinja"
     template.write_text(TEMPLATE)
-    with ServerProcess.cli("--target", MODEL, "--draft", MODEL, "--dtype", "float32", "--served-model-name", "alpha", "beta",
-                           "--max-model-len", "48", "--chat-template", str(template)) as srv:
-        with openai.OpenAI(base_url=srv.url + "/v1", api_key="none", max_retries=0, timeout=60) as client:
+    with ServerProcess.draft_model("--served-model-name", "alpha", "beta", "--max-model-len", "48",
+                                   "--chat-template", str(template)) as srv:
+        with srv.openai() as client:
             assert [m.id for m in client.models.list().data] == ["alpha", "beta"]
             assert client.models.retrieve("beta").model_extra["max_model_len"] == 48
             out = client.completions.create(model="beta", prompt="def add(a, b):", max_tokens=8, temperature=0)

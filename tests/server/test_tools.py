@@ -8,12 +8,12 @@ import json
 import openai
 import pytest
 
-from serverproc import ServerProcess
+from serverproc import DRAFT_MODEL, ServerProcess
 from specdec.server import tools as tc
 from specdec.server.errors import ApiError
 from specdec.server.openai_api import ChatMessage, _chat_ids
 
-MODEL = "smollm2-135m-draft"
+MODEL = DRAFT_MODEL
 ADD = {"type": "function", "function": {"name": "add", "description": "Add two integers", "parameters": {
     "type": "object", "properties": {"a": {"type": "integer"}, "b": {"type": "integer"}}, "required": ["a", "b"],
     "additionalProperties": False}}}
@@ -26,9 +26,8 @@ pytestmark = pytest.mark.usefixtures("single_thread")
 
 @pytest.fixture(scope="module")
 def client():
-    with ServerProcess.cli("--target", MODEL, "--draft", MODEL, "--dtype", "float32", "--gamma", "4") as srv:
-        with openai.OpenAI(base_url=srv.url + "/v1", api_key="none", max_retries=0, timeout=60) as c:
-            yield c
+    with ServerProcess.draft_model() as srv, srv.openai() as c:
+        yield c
 
 
 def test_answers_become_tool_calls_and_content():
