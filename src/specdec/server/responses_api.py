@@ -185,7 +185,7 @@ def responses_router(ctx: "ServerContext") -> APIRouter:
         mid, created = f"msg_{secrets.token_hex(16)}", int(time.time())
         ctx.metrics.completions.labels("responses", str(req.stream).lower()).inc()
 
-        def body(status: str, out: TextResult | None, text: str = "") -> dict[str, Any]:
+        def body(status: str, out: TextResult | None) -> dict[str, Any]:
             """The response object: in progress (no output yet) or finished with ``out``."""
             incomplete = out is not None and out.stats.finish_reason == "length"
             if out is not None:
