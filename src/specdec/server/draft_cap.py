@@ -283,9 +283,12 @@ class DraftCap:
         if tokens <= 0:
             return
         with self._lock:
-            now = self._clock()
-            self._drafted.add(now, tokens)
-            self._trim(now)
+            self._add_drafted(tokens)
+
+    def _add_drafted(self, tokens: int) -> None:  # under the lock
+        now = self._clock()
+        self._drafted.add(now, tokens)
+        self._trim(now)
 
     def observe_round(self, wire: str, gamma: int, accepted: int, *, server_drafted: bool = False) -> None:
         """One verified chain round: ``gamma`` drafted, the first ``accepted`` of them kept
@@ -295,9 +298,7 @@ class DraftCap:
         n = self.config.max_positions
         with self._lock:
             if server_drafted:
-                now = self._clock()
-                self._drafted.add(now, gamma)
-                self._trim(now)
+                self._add_drafted(gamma)
             prop = self._proposed.setdefault(wire, [0.0] * n)
             acc = self._accepted.setdefault(wire, [0.0] * n)
             # forget slowly (acceptance drifts with the prompts in flight): every earlier round's

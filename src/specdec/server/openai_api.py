@@ -998,8 +998,9 @@ def _completion_logprobs(names: _Names, token_ids: list[int], logprobs: list | N
     tokens, offsets = [], []
     for token in token_ids:
         offsets.append(offset)
-        tokens.append(names.label(token))
-        offset += len(names.text(token))
+        text = names.text(token)
+        tokens.append(f"token_id:{token}" if names.as_ids else text)
+        offset += len(text)
     return {
         "tokens": tokens,
         "token_logprobs": [max(entry[0], -9999.0) for entry in logprobs],
@@ -1149,7 +1150,7 @@ def openai_router(ctx: "ServerContext") -> APIRouter:
                 if piece.logprobs is not None and piece.token_ids:
                     start = offsets.get(index, len(echoed(index)))
                     lps = _completion_logprobs(named, piece.token_ids, piece.logprobs, start)
-                    offsets[index] = start + sum(len(named.text(t)) for t in piece.token_ids)
+                    offsets[index] = lps["text_offset"][-1] + len(named.text(piece.token_ids[-1]))  # type: ignore[index]
                 if piece.text or lps is not None or (req.return_token_ids and piece.token_ids):
                     return chunk(index, piece.text, None, lps, piece.token_ids)
                 return None
