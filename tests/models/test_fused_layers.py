@@ -27,7 +27,9 @@ from tiny import make_tiny
 pytestmark = pytest.mark.skipif(not (kernels.q4_available() and w8a8_available()),
                                 reason="the quantised targets need the kernel library and fbgemm")
 
-MODELS = [("llama", 32, "q4"), ("qwen2", 32, "q4"), ("llama", 128, "q4"), ("llama", 32, "int8"), ("qwen2", 128, "int8")]
+# q6: the 4-bit target with its value projections and one down projection from Q6_K blocks
+MODELS = [("llama", 32, "q4"), ("qwen2", 32, "q4"), ("llama", 128, "q4"), ("llama", 32, "int8"), ("qwen2", 128, "int8"),
+          ("qwen2", 256, "q6")]
 
 
 @pytest.fixture(scope="module", params=MODELS, ids=[f"{a}-d{h // 4}-{q}" for a, h, q in MODELS])
@@ -36,8 +38,14 @@ def q4_model(request, tmp_path_factory):
     if quant == "int8" and not vnni_available():
         pytest.skip("the int8 few-row kernel needs 512-bit VNNI, or AVX2 on a CPU without VNNI")
     folder = make_tiny(tmp_path_factory.mktemp(f"{arch}{hidden}"), model_type=arch, hidden=hidden, layers=3)
+    gguf = None
+    if quant == "q6":
+        from tests.models.test_q6 import write_q6_gguf
+
+        gguf, quant = write_q6_gguf(folder / "m.gguf", hidden=hidden, layers=3), "q4"
     # int8: the calibration pass gives SmoothQuant factors (the layers' smooth inputs)
-    model = NativeCausalLM.from_folder(folder, batch_invariant=True, quant=quant, int8_kernel="fbgemm")
+    model = NativeCausalLM.from_folder(folder, batch_invariant=True, quant=quant, int8_kernel="fbgemm", gguf=gguf)
+    assert gguf is None or model.layers[0].down.packed6.numel() > 0
     if model.scripted is None or model.scripted.fused is None:
         pytest.skip("TorchScript or the fused loop is not available here")
     return model

@@ -51,6 +51,19 @@ def cases():
             x[0, :5] = 0.0  # a block with zeros
             out[f"q4 {n_out}x{k} rows {rows}"] = ops.q4_linear(x, torch.empty(0), packed, n_out, torch.empty(0))
             out[f"q4 {n_out}x{k} rows {rows} gain col"] = ops.q4_linear(x, gain, packed, n_out, col)
+    for n4, n6, k in ((0, 40, 96), (32, 70, 256)):  # Q6_K columns, alone and after a 4-bit group
+        nb = -(-k // 32)
+        packed = torch.empty(0, dtype=torch.uint8)
+        if n4:
+            packed = ops.q4_pack(torch.randint(0, 256, (n4, nb, 16), dtype=torch.uint8, generator=g),
+                                 (torch.rand(n4, nb, generator=g) * 0.02).half(), (-torch.rand(n4, nb, generator=g) * 0.02).half())
+        codes = torch.randint(0, 64, (n6, nb, 32), dtype=torch.uint8, generator=g)
+        sc = torch.randint(-128, 128, (n6, nb, 2), generator=g).to(torch.int8)
+        packed6 = ops.q6_pack(codes, (torch.rand(n6, nb, generator=g) * 0.002).half(), sc)
+        col = torch.rand(n4 + n6, generator=g) + 0.5
+        for rows in (1, 3, 5, 8):
+            x = torch.randn(rows, k, generator=g) * 3
+            out[f"q6 {n4}+{n6}x{k} rows {rows}"] = ops.q4_linear(x, torch.empty(0), packed, n4 + n6, col, packed6)
     for d in (64, 48, 40):
         k = torch.randn(3, 96, d, generator=g)
         v = torch.randn(3, 96, d, generator=g)

@@ -7,8 +7,10 @@ file's codes and float16 block scales: :func:`q4_k_blocks`).  :func:`read_q4_blo
 under the Hugging Face names the native backend uses, with llama.cpp's row permutation of the
 query and key projections of Llama models undone (the one ``transformers`` undoes when it converts
 the file), so that dequantising a block gives the converted float32 weight (tested; a Q4_K block
-up to its float16 scales).  Matrices of other block types are not returned;
-the loader quantises those from float32 (:func:`specdec.models.linear.quantize_q4_1`).
+up to its float16 scales).  With ``q6=True`` it also returns Q6_K super-blocks (6-bit codes under
+int8 scales per 16 inputs and a float16 scale per 256: :func:`q6_k_blocks`), which the 4-bit kernel
+runs as shipped too.  Matrices of other block types are not returned; the loader quantises those
+from float32 (:func:`specdec.models.linear.quantize_q4_1`).
 """
 
 from __future__ import annotations
@@ -24,7 +26,7 @@ from typing import NamedTuple
 import numpy as np
 import torch
 
-from specdec.models.linear import Q4Blocks
+from specdec.models.linear import Q4Blocks, Q6Blocks
 
 #: GGUF tensor name (within ``blk.N.``) -> Hugging Face name (within ``model.layers.N.``)
 LAYER_NAMES = {
@@ -52,6 +54,8 @@ _SCALARS = {0: "B", 1: "b", 2: "H", 3: "h", 4: "I", 5: "i", 6: "f", 7: "?", 10: 
 _Q4_TYPES = {2: ("Q4_0", 18), 3: ("Q4_1", 20)}
 #: ggml's Q4_K: super-blocks of 256 inputs (8 blocks of 32), 144 bytes each
 _Q4_K, _Q4_K_BYTES = 12, 144
+#: ggml's Q6_K: super-blocks of 256 inputs, 210 bytes each
+_Q6_K, _Q6_K_BYTES = 14, 210
 
 
 class _Header(NamedTuple):
@@ -154,19 +158,24 @@ def ships_q4(ref: str) -> bool:
     return total > 0 and 2 * sum(n for kind, n in sizes if kind in _Q4_TYPES or kind == _Q4_K) >= total
 
 
-def read_q4_blocks(path: str | Path, n_heads: int, n_kv_heads: int) -> dict[str, Q4Blocks]:
+def read_q4_blocks(path: str | Path, n_heads: int, n_kv_heads: int, *, q6: bool = False) -> dict[str, Q4Blocks | Q6Blocks]:
     """Every Q4_0 / Q4_1 / Q4_K layer matrix of the GGUF at ``path``, by Hugging Face weight name
-    (Q4_K as Q4_1 blocks: see :func:`q4_k_blocks`)."""
+    (Q4_K as Q4_1 blocks: see :func:`q4_k_blocks`), and with ``q6`` every Q6_K one (as
+    :class:`Q6Blocks`: see :func:`q6_k_blocks`)."""
     header = _read_header(path)
     data = np.memmap(path, dtype=np.uint8, mode="r")
-    out: dict[str, Q4Blocks] = {}
+    out: dict[str, Q4Blocks | Q6Blocks] = {}
+    kinds = (*_Q4_TYPES, _Q4_K, *((_Q6_K,) if q6 else ()))
     for name, dims, kind, offset in header.tensors:
         hf = _layer_name(name)
-        if hf is None or kind not in (*_Q4_TYPES, _Q4_K):
+        if hf is None or kind not in kinds:
             continue
         k, n = dims[0], math.prod(dims[1:])  # inputs (inner), outputs
         start = header.data_start + offset
-        if kind == _Q4_K:
+        if kind == _Q6_K:
+            raw = np.array(data[start : start + n * (k // 256) * _Q6_K_BYTES])
+            b = q6_k_blocks(torch.from_numpy(raw).view(n, k // 256, _Q6_K_BYTES))
+        elif kind == _Q4_K:
             raw = np.array(data[start : start + n * (k // 256) * _Q4_K_BYTES])
             b = q4_k_blocks(torch.from_numpy(raw).view(n, k // 256, _Q4_K_BYTES))
         else:
@@ -213,3 +222,25 @@ def q4_k_blocks(raw: torch.Tensor) -> Q4Blocks:
     block_d = (d[..., None] * scale.float()).reshape(n, ns * 8).half()
     block_m = (-(dmin[..., None] * mins.float())).reshape(n, ns * 8).half()
     return Q4Blocks(qs.contiguous(), block_d.contiguous(), block_m.contiguous())
+
+
+def q6_k_blocks(raw: torch.Tensor) -> Q6Blocks:
+    """ggml's Q6_K super-blocks (uint8 [N, K/256, 210]) as :class:`Q6Blocks`, codes and scales as
+    shipped.
+
+    A super-block holds 128 bytes of low nibbles ``ql``, 64 bytes of high bit pairs ``qh``, sixteen
+    int8 scales (one per 16 inputs, in input order) and a float16 scale ``d``; input i's weight is
+    ``d * sc[i // 16] * (q_i - 32)``.  In each half of 128 inputs (64 bytes of ``ql``, 32 of ``qh``),
+    input 32 * c + l (quarter c, l < 32) takes the low nibble of ``ql[l]`` (c = 0), of ``ql[32 + l]``
+    (c = 1), the high nibble of ``ql[l]`` (c = 2) or of ``ql[32 + l]`` (c = 3), and bits 2c, 2c + 1
+    of ``qh[l]`` as its top two bits (llama.cpp's ``dequantize_row_q6_K``).
+    """
+    n, ns, _ = raw.shape
+    ql = raw[..., 0:128].reshape(n, ns, 2, 2, 32)  # [N, S, half, ql's first / second 32 bytes, l]
+    qh = raw[..., 128:192].reshape(n, ns, 2, 32)  # [N, S, half, l]
+    low = torch.stack([ql[..., 0, :] & 0x0F, ql[..., 1, :] & 0x0F, ql[..., 0, :] >> 4, ql[..., 1, :] >> 4], 3)
+    high = torch.stack([(qh >> (2 * c)) & 0x03 for c in range(4)], 3)  # [N, S, half, quarter, l]
+    codes = (low | (high << 4)).reshape(n, ns * 8, 32)  # [N, blocks, input]
+    sc = raw[..., 192:208].contiguous().view(torch.int8).reshape(n, ns * 8, 2)
+    d = raw[..., 208:210].contiguous().view(torch.float16)[..., 0]  # [N, S]
+    return Q6Blocks(codes.contiguous(), d.repeat_interleave(8, dim=1).contiguous(), sc.contiguous())

@@ -690,6 +690,38 @@ class Q4Blocks(NamedTuple):
         return Q4Blocks(*(torch.cat([getattr(p, f) for p in parts]) for f in ("qs", "d", "m")))
 
 
+class Q6Blocks(NamedTuple):
+    """A weight [N, K] from GGUF's Q6_K super-blocks, cut into the 4-bit kernel's blocks of 32
+    inputs: per output column and block, 6-bit codes ``q`` (0..63), the super-block's float16 scale
+    ``d`` and an int8 scale per sub-block of 16 inputs; the weight is ``d * sc * (q - 32)``, exact in
+    float32 (11 + 8 + 6 significant bits at most)."""
+
+    codes: Tensor  # uint8 [N, K/32, 32], input order
+    d: Tensor  # float16 [N, K/32] (each super-block's d, once per block of 32)
+    sc: Tensor  # int8 [N, K/32, 2]: inputs 0-15 and 16-31 of the block
+
+    @property
+    def shape(self) -> tuple[int, int]:
+        return self.codes.shape[0], self.codes.shape[1] * Q4_BLOCK
+
+    def scales(self) -> Tensor:  # float32 [N, K/32, 2]: d * sc, exact
+        return self.d.float()[..., None] * self.sc.float()
+
+    def dequantize(self) -> Tensor:  # float32 [N, K]
+        n, nb, _ = self.codes.shape
+        w = self.scales()[..., None] * (self.codes.float() - 32.0).view(n, nb, 2, 16)
+        return w.reshape(n, -1)
+
+    def take(self, rows: Tensor) -> "Q6Blocks":
+        """The output columns ``rows`` [r] (a selection or permutation)."""
+        return Q6Blocks(self.codes[rows], self.d[rows], self.sc[rows])
+
+    @staticmethod
+    def cat(parts: list["Q6Blocks"]) -> "Q6Blocks":
+        """Stacked along the outputs."""
+        return Q6Blocks(*(torch.cat([getattr(p, f) for p in parts]) for f in ("codes", "d", "sc")))
+
+
 def quantize_q4_1(weight: Tensor) -> Q4Blocks:
     """A float weight [N, K] as Q4_1 blocks (K padded with zero inputs to a multiple of 32): per
     block, ``m = min``, ``d = (max - min) / 15`` (both rounded to float16 first) and
@@ -741,6 +773,48 @@ def q4_reference(x: Tensor, gain: Tensor, codes: Tensor, d: Tensor, m: Tensor, c
     return y
 
 
+def q6_reference(x: Tensor, gain: Tensor, codes: Tensor, scales: Tensor) -> Tensor:
+    """The Q6_K columns of ``torch.ops.specdec.q4_linear`` with ATen ops, bitwise (see
+    :func:`q4_reference`).  x: [n, K]; gain [K] or empty; codes float32 [nb, 32, N] (the 6-bit
+    codes less 32, input order); scales float32 [nb, 2, N] (``d * sc`` per sub-block of 16, exact)
+    -> [n, N], before any column factor.
+
+    The activation blocks are :func:`q4_reference`'s; each sub-block's integer dot product is a
+    float32 matmul whose partial sums are integers below 2**24 (|products| <= 32 * 127, 16 per
+    sub-block), exact in any order; then ``y + ((d * sc) * e) * sum`` sub-block by sub-block in
+    input order."""
+    n, k = x.shape[0], x.shape[1]
+    nb = codes.shape[0]
+    if gain.numel() > 0:
+        x = x * gain
+    if nb * 32 > k:
+        x = F.pad(x, [0, nb * 32 - k])
+    xb = x.reshape(n, nb, 32)
+    e = xb.abs().amax(-1) / 127.0  # [n, nb]
+    ee = e.unsqueeze(-1)
+    q = torch.where(ee != 0, torch.round(xb / ee), torch.zeros_like(xb)).clamp_(-127.0, 127.0)  # [n, nb, 32]
+    qt = q.transpose(0, 1)  # [nb, n, 32]
+    acc0 = torch.bmm(qt[:, :, :16], codes[:, :16])  # [nb, n, N], exact integers
+    acc1 = torch.bmm(qt[:, :, 16:], codes[:, 16:])
+    y = torch.zeros(n, codes.shape[2], dtype=x.dtype)
+    for b in range(nb):
+        y = y + (scales[b, 0] * e[:, b : b + 1]) * acc0[b]
+        y = y + (scales[b, 1] * e[:, b : b + 1]) * acc1[b]
+    return y
+
+
+def q46_reference(x: Tensor, gain: Tensor, ref: list[Tensor], col: Tensor) -> Tensor:
+    """A :class:`Q4Linear`'s product from its reference operands ``ref`` (see ``Q4Linear.ref``): the
+    4-bit columns, then any Q6_K columns, then the column factor, as the kernel orders them."""
+    if len(ref) == 3:
+        return q4_reference(x, gain, ref[0], ref[1], ref[2], col)
+    y = torch.cat([q4_reference(x, gain, ref[0], ref[1], ref[2], torch.empty(0)),
+                   q6_reference(x, gain, ref[3], ref[4])], 1)
+    if col.numel() > 0:
+        y = y * col
+    return y
+
+
 def q4_kernel_available() -> bool:
     """True when ``torch.ops.specdec.q4_linear`` runs here (the kernel library loaded)."""
     from specdec.models import kernels
@@ -757,26 +831,46 @@ class Q4Linear:
     ``n``-row product is bitwise the same for every ``n``, on the kernel and on the ATen reference
     alike.  ``gain`` [K]: an input factor applied before quantisation (an RMSNorm's weight, which
     cannot be folded into 4-bit blocks as it is into float weights); ``col`` [N]: an output
-    factor (the attention's 1 / sqrt(d) on the query columns)."""
+    factor (the attention's 1 / sqrt(d) on the query columns).
 
-    __slots__ = ("packed", "ref", "gain", "col", "bias", "in_features", "out_features")
+    ``blocks6``: further output columns, after those of ``blocks``, from GGUF's Q6_K super-blocks as
+    shipped (see ``csrc/q4.cpp``); ``blocks`` may then be None (a layer of Q6_K blocks alone), and
+    otherwise must hold whole groups of 32 columns."""
 
-    def __init__(self, blocks: Q4Blocks, bias: Tensor | None = None, *, gain: Tensor | None = None,
-                 col: Tensor | None = None, in_features: int | None = None) -> None:
-        n, k = blocks.shape
-        self.out_features = n
+    __slots__ = ("packed", "packed6", "ref", "gain", "col", "bias", "in_features", "out_features")
+
+    def __init__(self, blocks: Q4Blocks | None, bias: Tensor | None = None, *, gain: Tensor | None = None,
+                 col: Tensor | None = None, in_features: int | None = None, blocks6: Q6Blocks | None = None) -> None:
+        if blocks is None and blocks6 is None:
+            raise ValueError("a 4-bit layer needs Q4 or Q6_K blocks")
+        n4, k = blocks.shape if blocks is not None else (0, blocks6.shape[1])
+        n6 = 0 if blocks6 is None else blocks6.shape[0]
+        if blocks6 is not None and (n4 % 32 or blocks6.shape[1] != k):
+            raise ValueError("Q6_K columns follow whole groups of 32 4-bit columns with the same inputs")
+        self.out_features = n4 + n6
         self.in_features = k if in_features is None else in_features
         self.gain = torch.empty(0) if gain is None else gain.detach().float().contiguous()
         self.col = torch.empty(0) if col is None else col.detach().float().contiguous()
         self.bias = None if bias is None else bias.detach().float().contiguous()
-        #: the kernel's packing, or None (then ref: [codes [nb, 32, N], d [nb, N], m [nb, N]] float32)
+        #: the kernel's packing (q4_pack's, empty where every column is Q6_K; packed6: q6_pack's or
+        #: empty), or None (then ref: [codes [nb, 32, N4], d [nb, N4], m [nb, N4]] float32, and where
+        #: there are Q6_K columns [codes - 32 [nb, 32, N6], d * sc [nb, 2, N6]] after them)
         self.packed: Tensor | None = None
+        self.packed6: Tensor = torch.empty(0, dtype=torch.uint8)
         self.ref: list[Tensor] | None = None
         if q4_kernel_available():
-            self.packed = torch.ops.specdec.q4_pack(blocks.qs, blocks.d, blocks.m)
+            self.packed = (torch.ops.specdec.q4_pack(blocks.qs, blocks.d, blocks.m) if blocks is not None
+                           else torch.empty(0, dtype=torch.uint8))
+            if blocks6 is not None:
+                self.packed6 = torch.ops.specdec.q6_pack(blocks6.codes, blocks6.d, blocks6.sc)
         else:
-            self.ref = [blocks.codes().permute(1, 2, 0).float().contiguous(), blocks.d.float().T.contiguous(),
-                        blocks.m.float().T.contiguous()]
+            nb = -(-k // Q4_BLOCK)
+            self.ref = ([blocks.codes().permute(1, 2, 0).float().contiguous(), blocks.d.float().T.contiguous(),
+                         blocks.m.float().T.contiguous()] if blocks is not None
+                        else [torch.zeros(nb, 32, 0), torch.zeros(nb, 0), torch.zeros(nb, 0)])
+            if blocks6 is not None:
+                self.ref += [(blocks6.codes.float() - 32.0).permute(1, 2, 0).contiguous(),
+                             blocks6.scales().permute(1, 2, 0).contiguous()]
 
     def state(self) -> dict[str, Tensor] | None:
         """What :meth:`from_state` rebuilds this layer from (the kernel's packing, the input gain and
@@ -785,6 +879,8 @@ class Q4Linear:
         if self.packed is None:
             return None
         out = {"q4_packed": self.packed, "q4_gain": self.gain, "q4_col": self.col}
+        if self.packed6.numel():
+            out["q6_packed"] = self.packed6
         if self.bias is not None:
             out["bias"] = self.bias
         return out
@@ -799,12 +895,13 @@ class Q4Linear:
         self.out_features, self.in_features = out_features, in_features
         self.gain, self.col, self.bias = state["q4_gain"], state["q4_col"], state.get("bias")
         self.packed, self.ref = state["q4_packed"], None
+        self.packed6 = state.get("q6_packed", torch.empty(0, dtype=torch.uint8))
         return self
 
     def product(self, x: Tensor) -> Tensor:  # x: [n, in] float32 -> [n, out]
         if self.packed is not None:
-            return torch.ops.specdec.q4_linear(x, self.gain, self.packed, self.out_features, self.col)
-        return q4_reference(x, self.gain, *self.ref, self.col)
+            return torch.ops.specdec.q4_linear(x, self.gain, self.packed, self.out_features, self.col, self.packed6)
+        return q46_reference(x, self.gain, self.ref, self.col)
 
     def __call__(self, x: Tensor) -> Tensor:
         return self.scaled(x, None)

@@ -30,6 +30,7 @@ from specdec.models.linear import (
     Linear,
     Q4Blocks,
     Q4Linear,
+    Q6Blocks,
     W8A8Linear,
     W8A8OneDNNLinear,
     int8_kernel as resolve_int8_kernel,
@@ -427,15 +428,16 @@ class NativeCausalLM:
         quant: str | None = None,
         calibration: Tensor | None = None,
         int8_kernel: str = "auto",
-        q4_blocks: dict[str, Q4Blocks] | None = None,
+        q4_blocks: dict[str, Q4Blocks | Q6Blocks] | None = None,
         sources: list[Path] | None = None,
         quantised: dict[str, Tensor] | None = None,
     ) -> None:
         """``quant="int8"``: every linear layer and the LM head as :class:`W8A8Linear`, smoothed
         with input ranges measured on ``calibration`` token ids [n] (no smoothing without);
         ``int8_kernel``: fbgemm | onednn | mixed | auto (see :func:`specdec.models.linear.int8_kernel`).
-        ``quant="q4"``: every layer matrix as :class:`Q4Linear` — the 4-bit blocks in ``q4_blocks``
-        (by weight name: a GGUF's as shipped) where given, else quantised from the float weight —
+        ``quant="q4"``: every layer matrix as :class:`Q4Linear` — the 4-bit (and Q6_K) blocks in
+        ``q4_blocks`` (by weight name: a GGUF's as shipped) where given, else quantised from the
+        float weight —
         and the LM head as the int8 target's.  ``sources``: the files ``weights`` (and ``q4_blocks``)
         were read from, which lets the calibration's ranges be kept on disk for later starts
         (:mod:`specdec.models.calibration_cache`).  ``quantised`` (``quant="int8"`` or ``"q4"``): the
@@ -471,10 +473,20 @@ class NativeCausalLM:
             as they are, the others quantised from float32 (norm gain and query scale stay out
             of the blocks: ``gain`` scales the input, ``col`` the output)."""
             parts = [blocks.pop(n) if n in blocks else quantize_q4_1(weights[n].float()) for n in names]
+            # Q6_K blocks run as shipped where they are the last columns, after whole groups of 32
+            # 4-bit ones (a value or down projection); anywhere else they are quantised to 4 bits
+            tail = len(parts)
+            while tail > 0 and isinstance(parts[tail - 1], Q6Blocks):
+                tail -= 1
+            if sum(p.shape[0] for p in parts[:tail]) % 32:
+                tail = len(parts)
+            parts = [quantize_q4_1(weights[n].float()) if isinstance(p, Q6Blocks) and i < tail else p
+                     for i, (n, p) in enumerate(zip(names, parts))]
             k = weights[names[0]].shape[1]
             for n in names:
                 weights.pop(n)
-            return Q4Linear(Q4Blocks.cat(parts), bias, gain=gain, col=col, in_features=k)
+            return Q4Linear(Q4Blocks.cat(parts[:tail]) if tail else None, bias, gain=gain, col=col, in_features=k,
+                            blocks6=Q6Blocks.cat(parts[tail:]) if tail < len(parts) else None)
 
         # tensors are popped as they are packed, so a large model's raw weights are freed layer by
         # layer instead of doubling the peak memory (the dict passed in is consumed)
@@ -652,7 +664,7 @@ class NativeCausalLM:
         if gguf_files:
             from specdec.models.gguf_blocks import read_q4_blocks
 
-            blocks = read_q4_blocks(gguf, cfg.n_heads, cfg.n_kv_heads)
+            blocks = read_q4_blocks(gguf, cfg.n_heads, cfg.n_kv_heads, q6=quant == "q4")
         sources = [folder / "config.json", *files, *gguf_files]
         model = cls(cfg, weights, dtype=dtype, batch_invariant=batch_invariant, int8_head=int8_head, quant=quant,
                     calibration=calibration, int8_kernel=kernel if source is not None else int8_kernel,

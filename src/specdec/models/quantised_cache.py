@@ -47,7 +47,8 @@ REQUIRED = {
     "w8a8": {"packed": torch.int8, "comp": torch.int32, "col": torch.float32, "scales": torch.float64},
     "q4": {"q4_packed": torch.uint8, "q4_gain": torch.float32, "q4_col": torch.float32},
 }
-OPTIONAL = {"w8a8": {"bias": torch.float32, "inv_smooth": torch.float32}, "q4": {"bias": torch.float32}}
+OPTIONAL = {"w8a8": {"bias": torch.float32, "inv_smooth": torch.float32},
+            "q4": {"bias": torch.float32, "q6_packed": torch.uint8}}
 
 
 def kind(fields: dict[str, Tensor]) -> str:
@@ -80,7 +81,9 @@ def _fits(state: dict[str, Tensor], shapes: dict[str, tuple[int, int]]) -> bool:
         for field, t in fields.items():
             if field == "packed":  # [groups, in / 4, group width, 4]
                 ok = t.dim() == 4 and t.shape[3] == 4 and t.shape[0] * t.shape[2] >= out and t.shape[1] * 4 >= k
-            elif field == "q4_packed":  # [column groups, in / 32, bytes per group and block]
+            elif field == "q4_packed" and "q6_packed" in fields and t.numel() == 0:
+                ok = True  # every column Q6_K
+            elif field in ("q4_packed", "q6_packed"):  # [column groups, in / 32, bytes per group and block]
                 ok = t.dim() == 3 and t.shape[0] > 0 and t.shape[1] * 32 >= k > (t.shape[1] - 1) * 32
             elif field in ("q4_gain", "q4_col"):  # empty where there is none
                 ok = t.dim() == 1 and t.numel() in (0, k if field == "q4_gain" else out)

@@ -31,7 +31,7 @@ from torch import Tensor
 from specdec.kv_cache import GROW_STEP
 from specdec.models import kernels
 from specdec.models import linear as linear_mod
-from specdec.models.linear import q4_reference, wide_product
+from specdec.models.linear import q4_reference, q6_reference, wide_product
 
 #: exact attention reads keys in whole blocks of this many positions (the cache's allocation step,
 #: so a block never reaches past the buffer); see ``native._attend_rows``
@@ -43,7 +43,7 @@ W8A8 = 0
 PACKED = 1
 DENSE = 2
 ONEDNN_INT8 = 3  # chunks[i] = [packed int8 weight, column scales, zero points]
-Q4 = 4  # q4[i] = [gain, col, packed] on the kernel, [gain, col, codes, d, m] on the ATen reference
+Q4 = 4  # q4[i] = [gain, col, packed, packed6] on the kernel, [gain, col, codes, d, m(, codes6, scales6)] on the ATen reference
 F32 = 5  # dense[i] = the weight packed for specdec::f32_linear
 
 
@@ -81,10 +81,14 @@ def _linear(
         b = wt.bias[i]
     if kind == 4:  # Q4
         q = wt.q4[i]
-        if len(q) == 3:
-            y = torch.ops.specdec.q4_linear(x, q[0], q[2], wt.n_out[i], q[1])
-        else:
+        if len(q) == 4:
+            y = torch.ops.specdec.q4_linear(x, q[0], q[2], wt.n_out[i], q[1], q[3])
+        elif len(q) == 5:
             y = q4_reference(x, q[0], q[2], q[3], q[4], q[1])
+        else:  # Q6_K columns after the 4-bit ones
+            y = torch.cat([q4_reference(x, q[0], q[2], q[3], q[4], torch.empty(0)), q6_reference(x, q[0], q[5], q[6])], 1)
+            if q[1].numel() > 0:
+                y = y * q[1]
         if row_scale is None:
             if b is not None:
                 return y + b
@@ -450,7 +454,7 @@ class ScriptedLayers:
                         self.vnni[i] = lin.vnni
                 elif isinstance(lin, Q4Linear):
                     self.kinds.append(Q4)
-                    self.q4[i] = [lin.gain, lin.col, lin.packed] if lin.packed is not None else [lin.gain, lin.col, *lin.ref]
+                    self.q4[i] = [lin.gain, lin.col, lin.packed, lin.packed6] if lin.packed is not None else [lin.gain, lin.col, *lin.ref]
                     self.n_out[i] = lin.out_features
                 elif isinstance(lin, W8A8OneDNNLinear):
                     self.kinds.append(ONEDNN_INT8)
@@ -481,15 +485,15 @@ class ScriptedLayers:
         #: the most rows the fused call takes: W8A8 layers only on the few-row kernel's range
         self.fused_rows: int = 1 << 30
         self._q8_fused = False
-        fusable = all((k == Q4 and len(self.q4[i]) == 3) or (k == W8A8 and i in self.vnni) for i, k in enumerate(self.kinds))
+        fusable = all((k == Q4 and len(self.q4[i]) == 4) or (k == W8A8 and i in self.vnni) for i, k in enumerate(self.kinds))
         if self.kinds and fusable and kernels.load():
             empty = torch.empty(0)
             weights: list[Tensor] = []
             for i, k in enumerate(self.kinds):
                 bias = self.bias.get(i, empty).float().contiguous()
                 if k == Q4:
-                    gain, col, packed = self.q4[i]
-                    weights += [gain, col, packed, empty, bias]
+                    gain, col, packed, packed6 = self.q4[i]
+                    weights += [gain, col, packed, packed6, bias]
                 else:
                     packed, comp, col = self.vnni[i]
                     weights += [self.smooth.get(i, empty), col, packed, comp, bias]

@@ -40,7 +40,7 @@
 //       against its own cache from its own start; every layer, then the final norm.
 //   torch.classes.specdec.FusedWeights(kinds[], tensors[], n_out[]): a model's layer weights, made
 //       (and checked) once.  Four linear layers per layer (qkv, out, gate_up, down), each of kind 4
-//       (4-bit: gain, col, packed, -, bias) or 0 (W8A8 few-row: smooth, col, packed, comp, bias),
+//       (4-bit: gain, col, packed, packed6 (the Q6_K columns, empty: none), bias) or 0 (W8A8 few-row: smooth, col, packed, comp, bias),
 //       five tensors per linear layer in `tensors` (an empty tensor: none); n_out: the 4-bit
 //       layers' output features.  W8A8 layers only for at most 16 rows (the few-row kernel's range, as in
 //       scripted._linear).
@@ -97,7 +97,7 @@ at::Tensor linear(const Net& net, int64_t i, const at::Tensor& x, const float* r
     }
     return y;
   }
-  at::Tensor y = specdec::q4_product(x, t[0], t[2], net.n_out[i], t[1]);  // contiguous
+  at::Tensor y = specdec::q4_product(x, t[0], t[2], net.n_out[i], t[1], t[3]);  // contiguous
   if (!rs && !has_bias) return y;
   const int64_t n = y.size(0), m = y.size(1);
   float* yp = y.data_ptr<float>();

@@ -25,6 +25,25 @@
 //       n_out, col float32 [N] (empty: none)) -> y float32 [n, N], x multiplied by gain first
 //   torch.ops.specdec.q4_isa() -> str: the path this build runs: "avx512-vnni", "avx2" (u8 x s8
 //       pair products summed in int16, exact: see group_avx2) or "portable" (plain C++, slow)
+//
+// GGUF's Q6_K weights as shipped, in the same product (the last columns of a layer: packed6).  A
+// Q6_K super-block holds 256 inputs of one column: 6-bit codes q_i (0..63), a float16 scale d and
+// sixteen int8 scales sc_j, one per sub-block of 16 inputs; weight_i = d * sc_j * (q_i - 32).  The
+// activations are the same blocks of 32 (two sub-blocks each), and sub-block j of block b adds
+//
+//   t   = (d * sc_j) * e                          (d * sc_j is exact in float32: 11 + 8 bits)
+//   y  += t * float(sum_i (q_i - 32) a_i)         (an exact int32 sum, one multiply, one add)
+//
+// sub-blocks in input order (linear.q6_reference, op for op).
+//
+//   torch.ops.specdec.q6_pack(codes uint8 [N, K/32, 32] (0..63, input order), d float16 [N, K/32],
+//       sc int8 [N, K/32, 2]) -> uint8 [ceil(N/32), K/32, 896]: per group of 32 columns and block,
+//       the codes' low nibbles as q4_pack lays them out (512 bytes), their high bits (256 bytes:
+//       byte 4 l' + p of lane j in half u, at u * 128 + h * 64, holds the top two bits of inputs
+//       8h + p, 8h + p + 16, 8h + 4 + p and 8h + 4 + p + 16 in its bit pairs 0, 1, 2, 3), then d
+//       of the 32 columns (float16) and sc (int8, sub-block 0's 32 then sub-block 1's)
+//   q4_linear(..., packed6): columns 32 * packed.size(0) .. n_out from packed6 (packed may hold
+//       no group: a layer of Q6_K blocks alone)
 
 #include <ATen/ATen.h>
 #include <ATen/Parallel.h>
@@ -50,6 +69,12 @@
 #define SPECDEC_Q4_VNNI 0
 #define SPECDEC_Q4_AVX2 0
 #endif
+// Q6_K columns: the AVX2 kernel wherever AVX2 runs (on AVX-512 builds too), else portable C++
+#if defined(__AVX2__) && defined(__F16C__)
+#define SPECDEC_Q6_AVX2 1
+#else
+#define SPECDEC_Q6_AVX2 0
+#endif
 
 namespace {
 
@@ -63,6 +88,8 @@ constexpr int kPrefetch = 4;    // blocks a group's stream is prefetched ahead (
 // NOTES: products bound by memory), 16 took 1-4 row products to ~0.9-0.95 of the time and nine
 // rows to ~0.86 of it; 32 lost the few-row gain again.
 constexpr int kPrefetchVnni = 16;
+constexpr int kHigh = 256;      // Q6: high-bit bytes per group and block
+constexpr int kStride6 = 896;   // Q6: bytes per group and block: low nibbles, high bits, 32 d, 64 sc
 
 at::Tensor q4_pack(const at::Tensor& qs, const at::Tensor& d, const at::Tensor& m) {
   TORCH_CHECK(qs.dim() == 3 && qs.size(2) == 16 && qs.scalar_type() == at::kByte,
@@ -84,6 +111,45 @@ at::Tensor q4_pack(const at::Tensor& qs, const at::Tensor& d, const at::Tensor& 
       for (int byte = 0; byte < 16; ++byte) blk[u * 256 + (byte / 4) * 64 + lane * 4 + byte % 4] = src[(j * nb + b) * 16 + byte];
       std::memcpy(blk + kCodes + 2 * c, dp + j * nb + b, 2);
       std::memcpy(blk + kCodes + 64 + 2 * c, mp + j * nb + b, 2);
+    }
+  }
+  return out;
+}
+
+at::Tensor q6_pack(const at::Tensor& codes, const at::Tensor& d, const at::Tensor& sc) {
+  TORCH_CHECK(codes.dim() == 3 && codes.size(2) == kBlock && codes.scalar_type() == at::kByte,
+              "q6_pack: codes must be uint8 [N, K/32, 32]");
+  TORCH_CHECK(d.scalar_type() == at::kHalf && d.dim() == 2 && d.size(0) == codes.size(0) && d.size(1) == codes.size(1),
+              "q6_pack: d must be float16 [N, K/32]");
+  TORCH_CHECK(sc.scalar_type() == at::kChar && sc.dim() == 3 && sc.size(0) == codes.size(0) &&
+                  sc.size(1) == codes.size(1) && sc.size(2) == 2,
+              "q6_pack: sc must be int8 [N, K/32, 2]");
+  const at::Tensor q = codes.contiguous(), dc = d.contiguous(), sq = sc.contiguous();
+  const int64_t n = q.size(0), nb = q.size(1), ng = (n + kCols - 1) / kCols;
+  const uint8_t* src = q.data_ptr<uint8_t>();
+  for (int64_t i = 0; i < q.numel(); ++i) TORCH_CHECK(src[i] < 64, "q6_pack: codes must lie in 0..63");
+  at::Tensor out = at::zeros({ng, nb, kStride6}, q.options());
+  const uint16_t* dp = reinterpret_cast<const uint16_t*>(dc.data_ptr<at::Half>());
+  const int8_t* sp = sq.data_ptr<int8_t>();
+  uint8_t* dst = out.data_ptr<uint8_t>();
+  for (int64_t j = 0; j < n; ++j) {
+    const int64_t g = j / kCols, c = j % kCols, u = c / 16, lane = c % 16;
+    for (int64_t b = 0; b < nb; ++b) {
+      uint8_t* blk = dst + (g * nb + b) * kStride6;
+      const uint8_t* w = src + (j * nb + b) * kBlock;
+      for (int byte = 0; byte < 16; ++byte) {
+        const int l = byte / 4, p = byte % 4;
+        blk[u * 256 + l * 64 + lane * 4 + p] = static_cast<uint8_t>((w[byte] & 0x0F) | ((w[byte + 16] & 0x0F) << 4));
+      }
+      for (int h = 0; h < 2; ++h)
+        for (int p = 0; p < 4; ++p) {
+          const int i0 = 8 * h + p, i1 = 8 * h + 4 + p;
+          blk[kCodes + u * 128 + h * 64 + lane * 4 + p] =
+              static_cast<uint8_t>((w[i0] >> 4) | ((w[i0 + 16] >> 4) << 2) | ((w[i1] >> 4) << 4) | ((w[i1 + 16] >> 4) << 6));
+        }
+      std::memcpy(blk + kCodes + kHigh + 2 * c, dp + j * nb + b, 2);
+      blk[kCodes + kHigh + 64 + c] = static_cast<uint8_t>(sp[(j * nb + b) * 2]);
+      blk[kCodes + kHigh + 96 + c] = static_cast<uint8_t>(sp[(j * nb + b) * 2 + 1]);
     }
   }
   return out;
@@ -377,14 +443,164 @@ constexpr GroupFn kGroups[kRowsMax + 1] = {nullptr, group_portable<1>, group_por
                                            group_portable<4>, group_portable<5>, group_portable<6>};
 #endif
 
+// ---- Q6_K columns ----------------------------------------------------------------------------
+// Each row's sums of its activation codes per sub-block of 16 (int32 [n, nb, 2]): the "- 32" of
+// the Q6_K codes is taken out of the integer sums as 32 times these.
+void sub_sums(const int8_t* codes, int64_t n, int64_t nb, int32_t* subs) {
+  for (int64_t i = 0; i < n * nb; ++i) {
+    int32_t s0 = 0, s1 = 0;
+    for (int k = 0; k < 16; ++k) {
+      s0 += codes[i * kBlock + k];
+      s1 += codes[i * kBlock + 16 + k];
+    }
+    subs[2 * i] = s0;
+    subs[2 * i + 1] = s1;
+  }
+}
+
+// One group of 32 Q6_K columns for R rows, portable C++: exact integer sums, then the float steps.
+template <int R>
+void group6_portable(const int8_t* codes, const float* step, const int32_t* subs, int64_t nb, const uint8_t* wg,
+                     float* out, int64_t out_stride, int64_t valid) {
+  float y[R][kCols] = {};
+  for (int64_t b = 0; b < nb; ++b) {
+    const uint8_t* blk = wg + b * kStride6;
+    for (int r = 0; r < R; ++r) {
+      const int8_t* a = codes + (r * nb + b) * kBlock;
+      const float e = step[r * nb + b];
+      for (int c = 0; c < kCols; ++c) {
+        const int u = c / 16, lane = c % 16;
+        int32_t acc[2] = {0, 0};
+        for (int byte = 0; byte < 16; ++byte) {
+          const int l = byte / 4, p = byte % 4, sh = 4 * (l % 2);
+          const uint8_t w = blk[u * 256 + l * 64 + lane * 4 + p];
+          const uint8_t hb = blk[kCodes + u * 128 + (l / 2) * 64 + lane * 4 + p];
+          const int32_t q0 = (w & 0x0F) | (((hb >> sh) & 0x03) << 4);
+          const int32_t q1 = (w >> 4) | (((hb >> (sh + 2)) & 0x03) << 4);
+          acc[0] += q0 * a[byte];
+          acc[1] += q1 * a[byte + 16];
+        }
+        const float d = half_to_float(blk + kCodes + kHigh + 2 * c);
+        for (int j = 0; j < 2; ++j) {
+          const int32_t z = acc[j] - 32 * subs[(r * nb + b) * 2 + j];
+          const float s = d * static_cast<float>(static_cast<int8_t>(blk[kCodes + kHigh + 64 + 32 * j + c]));
+          const float t = s * e;
+          y[r][c] = y[r][c] + t * static_cast<float>(z);
+        }
+      }
+    }
+  }
+  for (int r = 0; r < R; ++r)
+    for (int c = 0; c < kCols && c < valid; ++c) out[r * out_stride + c] = y[r][c];
+}
+
+#if SPECDEC_Q6_AVX2
+// One group of 32 Q6_K columns for R rows (AVX2), one pass over the group's stream as group_avx2:
+// per block and octet of columns, the 6-bit codes rebuilt from their nibble and their two high
+// bits, u8 x s8 pair products summed in int16 over two quartets of inputs (at most
+// 4 x 63 x 127 = 32,004: nothing saturates), widened to int32 per sub-block, less 32 times the
+// row's code sum, then the float steps on 8 lanes.
+template <int R>
+void group6_avx2(const int8_t* codes, const float* step, const int32_t* subs, int64_t nb, const uint8_t* wg,
+                 float* out, int64_t out_stride, int64_t valid) {
+  alignas(32) float y[R][kCols] = {};
+  const __m256i low = _mm256_set1_epi8(0x0F), two = _mm256_set1_epi8(0x03);
+  const __m256i ones = _mm256_set1_epi16(1);
+  for (int64_t b = 0; b < nb; ++b) {
+    const uint8_t* blk = wg + b * kStride6;
+    const uint8_t* ahead = blk + kPrefetch * kStride6;
+    for (int line = 0; line < kStride6; line += 64) _mm_prefetch(reinterpret_cast<const char*>(ahead + line), _MM_HINT_T0);
+#pragma GCC unroll 4
+    for (int o = 0; o < 4; ++o) {  // columns 8o .. 8o + 7
+      const int u = o / 2, half = 32 * (o % 2);
+      __m256i acc0[R], acc1[R];
+      for (int r = 0; r < R; ++r) acc0[r] = acc1[r] = _mm256_setzero_si256();
+#pragma GCC unroll 2
+      for (int h = 0; h < 2; ++h) {
+        const __m256i hbits = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(blk + kCodes + u * 128 + h * 64 + half));
+        __m256i s0[R], s1[R];
+        for (int r = 0; r < R; ++r) s0[r] = s1[r] = _mm256_setzero_si256();
+#pragma GCC unroll 2
+        for (int t = 0; t < 2; ++t) {
+          const int l = 2 * h + t;
+          const __m256i v = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(blk + u * 256 + l * 64 + half));
+          const __m256i hb = t ? _mm256_srli_epi16(hbits, 4) : hbits;
+          const __m256i lo = _mm256_or_si256(_mm256_and_si256(v, low), _mm256_slli_epi16(_mm256_and_si256(hb, two), 4));
+          const __m256i hi = _mm256_or_si256(_mm256_and_si256(_mm256_srli_epi16(v, 4), low),
+                                             _mm256_slli_epi16(_mm256_and_si256(_mm256_srli_epi16(hb, 2), two), 4));
+#pragma GCC unroll 3
+          for (int r = 0; r < R; ++r) {
+            const float* a = reinterpret_cast<const float*>(codes + (r * nb + b) * kBlock + 4 * l);
+            s0[r] = _mm256_add_epi16(s0[r], _mm256_maddubs_epi16(lo, _mm256_castps_si256(_mm256_broadcast_ss(a))));
+            s1[r] = _mm256_add_epi16(s1[r], _mm256_maddubs_epi16(hi, _mm256_castps_si256(_mm256_broadcast_ss(a + 4))));
+          }
+        }
+        for (int r = 0; r < R; ++r) {
+          acc0[r] = _mm256_add_epi32(acc0[r], _mm256_madd_epi16(s0[r], ones));
+          acc1[r] = _mm256_add_epi32(acc1[r], _mm256_madd_epi16(s1[r], ones));
+        }
+      }
+      const __m256 d = _mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(blk + kCodes + kHigh + 16 * o)));
+      const __m256 sc0 = _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(_mm_loadl_epi64(reinterpret_cast<const __m128i*>(blk + kCodes + kHigh + 64 + 8 * o))));
+      const __m256 sc1 = _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(_mm_loadl_epi64(reinterpret_cast<const __m128i*>(blk + kCodes + kHigh + 96 + 8 * o))));
+      const __m256 f0 = _mm256_mul_ps(d, sc0), f1 = _mm256_mul_ps(d, sc1);  // exact
+#pragma GCC unroll 3
+      for (int r = 0; r < R; ++r) {
+        const __m256 e = _mm256_set1_ps(step[r * nb + b]);
+        const int32_t* sr = subs + (r * nb + b) * 2;
+        const __m256i z0 = _mm256_sub_epi32(acc0[r], _mm256_set1_epi32(32 * sr[0]));
+        const __m256i z1 = _mm256_sub_epi32(acc1[r], _mm256_set1_epi32(32 * sr[1]));
+        __m256 s = _mm256_load_ps(y[r] + 8 * o);
+        s = _mm256_add_ps(s, _mm256_mul_ps(_mm256_mul_ps(f0, e), _mm256_cvtepi32_ps(z0)));
+        s = _mm256_add_ps(s, _mm256_mul_ps(_mm256_mul_ps(f1, e), _mm256_cvtepi32_ps(z1)));
+        _mm256_store_ps(y[r] + 8 * o, s);
+      }
+    }
+  }
+  const int64_t v = valid < kCols ? valid : kCols;
+  for (int r = 0; r < R; ++r) std::memcpy(out + r * out_stride, y[r], static_cast<size_t>(v) * sizeof(float));
+}
+#endif
+
+using Group6Fn = void (*)(const int8_t*, const float*, const int32_t*, int64_t, const uint8_t*, float*, int64_t, int64_t);
+#if SPECDEC_Q6_AVX2
+template <int A, int B>
+void group6_split(const int8_t* codes, const float* step, const int32_t* subs, int64_t nb, const uint8_t* wg, float* out,
+                  int64_t out_stride, int64_t valid) {
+  group6_avx2<A>(codes, step, subs, nb, wg, out, out_stride, valid);
+  group6_avx2<B>(codes + A * nb * kBlock, step + A * nb, subs + 2 * A * nb, nb, wg, out + A * out_stride, out_stride, valid);
+}
+constexpr Group6Fn kGroups6[kRowsMax + 1] = {nullptr, group6_avx2<1>, group6_avx2<2>, group6_avx2<3>,
+                                             group6_split<2, 2>, group6_split<3, 2>, group6_split<3, 3>};
+#else
+constexpr Group6Fn kGroups6[kRowsMax + 1] = {nullptr, group6_portable<1>, group6_portable<2>, group6_portable<3>,
+                                             group6_portable<4>, group6_portable<5>, group6_portable<6>};
+#endif
+
 at::Tensor q4_linear(const at::Tensor& x_in, const at::Tensor& gain, const at::Tensor& packed, int64_t n_out,
-                     const at::Tensor& col) {
+                     const at::Tensor& col, const c10::optional<at::Tensor>& packed6_in) {
   TORCH_CHECK(x_in.dim() == 2 && x_in.scalar_type() == at::kFloat, "q4_linear: x must be float32 [n, K]");
-  TORCH_CHECK(packed.dim() == 3 && packed.size(2) == kStride && packed.scalar_type() == at::kByte,
+  const bool has6 = packed6_in.has_value() && packed6_in->defined() && packed6_in->numel() > 0;
+  TORCH_CHECK((packed.dim() == 3 && packed.size(2) == kStride && packed.scalar_type() == at::kByte) ||
+                  (has6 && packed.numel() == 0),
               "q4_linear: weights packed by q4_pack");
   const at::Tensor x = x_in.contiguous();
-  const int64_t n = x.size(0), k = x.size(1), ng = packed.size(0), nb = packed.size(1);
-  TORCH_CHECK((k + kBlock - 1) / kBlock == nb && (n_out + kCols - 1) / kCols == ng, "q4_linear: shapes do not match");
+  const int64_t n = x.size(0), k = x.size(1);
+  const int64_t ng = packed.dim() == 3 ? packed.size(0) : 0;  // 4-bit column groups
+  int64_t nb = packed.dim() == 3 ? packed.size(1) : 0, ng6 = 0, n4 = n_out;
+  if (has6) {
+    const at::Tensor& p6 = *packed6_in;
+    TORCH_CHECK(p6.dim() == 3 && p6.size(2) == kStride6 && p6.scalar_type() == at::kByte,
+                "q4_linear: Q6_K weights packed by q6_pack");
+    TORCH_CHECK(ng == 0 || p6.size(1) == nb, "q4_linear: the 4-bit and the Q6_K columns must have the same inputs");
+    nb = p6.size(1);
+    ng6 = p6.size(0);
+    n4 = ng * kCols;  // the 4-bit columns fill whole groups
+    TORCH_CHECK(n_out > n4 && (n_out - n4 + kCols - 1) / kCols == ng6, "q4_linear: shapes do not match");
+  } else {
+    TORCH_CHECK((n_out + kCols - 1) / kCols == ng, "q4_linear: shapes do not match");
+  }
+  TORCH_CHECK((k + kBlock - 1) / kBlock == nb, "q4_linear: shapes do not match");
   TORCH_CHECK(gain.numel() == 0 || (gain.scalar_type() == at::kFloat && gain.numel() == k),
               "q4_linear: gain must be float32 [K] or empty");
   TORCH_CHECK(col.numel() == 0 || (col.scalar_type() == at::kFloat && col.numel() == n_out),
@@ -397,6 +613,7 @@ at::Tensor q4_linear(const at::Tensor& x_in, const at::Tensor& gain, const at::T
   // for a long prompt's prefill).
   thread_local std::vector<int8_t> codes_buf;
   thread_local std::vector<float> step_buf, sums_buf;
+  thread_local std::vector<int32_t> subs_buf;  // Q6_K columns: [n, nb, 2] sub-block code sums
   // only ever grown: a pass alternates 576- and 1536-wide inputs, and a shrink followed by a grow
   // would zero the difference at every product
   const size_t n_codes = static_cast<size_t>(n * nb * kBlock), n_blocks = static_cast<size_t>(n * nb);
@@ -417,18 +634,47 @@ at::Tensor q4_linear(const at::Tensor& x_in, const at::Tensor& gain, const at::T
   const int8_t* cp = codes_buf.data();
   const float* sp = step_buf.data();
   const float* up = sums_buf.data();
-  const uint8_t* wp = packed.data_ptr<uint8_t>();
+  const uint8_t* wp = ng > 0 ? packed.data_ptr<uint8_t>() : nullptr;
   float* op = out.data_ptr<float>();
-  // groups of 32 output columns, split between threads; a column is computed by one thread
-  const int64_t grain = ng * nb * kStride < (1 << 16) ? ng : (ng + 1) / 2;
-  at::parallel_for(0, ng, grain, [&](int64_t lo, int64_t hi) {
-    for (int64_t gi = lo; gi < hi; ++gi)
-      for (int64_t r0 = 0; r0 < n; r0 += kRowsMax) {
-        const int64_t rows = n - r0 < kRowsMax ? n - r0 : kRowsMax;
-        kGroups[rows](cp + r0 * nb * kBlock, sp + r0 * nb, up + r0 * nb, nb, wp + gi * nb * kStride,
-                      op + r0 * n_out + gi * kCols, n_out, n_out - gi * kCols);
-      }
-  });
+  if (!has6) {
+    // groups of 32 output columns, split between threads; a column is computed by one thread
+    const int64_t grain = ng * nb * kStride < (1 << 16) ? ng : (ng + 1) / 2;
+    at::parallel_for(0, ng, grain, [&](int64_t lo, int64_t hi) {
+      for (int64_t gi = lo; gi < hi; ++gi)
+        for (int64_t r0 = 0; r0 < n; r0 += kRowsMax) {
+          const int64_t rows = n - r0 < kRowsMax ? n - r0 : kRowsMax;
+          kGroups[rows](cp + r0 * nb * kBlock, sp + r0 * nb, up + r0 * nb, nb, wp + gi * nb * kStride,
+                        op + r0 * n_out + gi * kCols, n_out, n_out - gi * kCols);
+        }
+    });
+  } else {
+    if (subs_buf.size() < 2 * n_blocks) subs_buf.resize(2 * n_blocks);
+    sub_sums(cp, n, nb, subs_buf.data());
+    const int32_t* qp = subs_buf.data();
+    const uint8_t* wp6 = packed6_in->data_ptr<uint8_t>();
+    // the 4-bit groups, then the Q6_K ones, cut in two at the byte half way (a Q6_K group streams
+    // 896 bytes a block against 640): each half one task
+    const int64_t total = ng * kStride + ng6 * kStride6;
+    int64_t cut = 0;
+    while (cut < ng + ng6 && 2 * (std::min(cut, ng) * kStride + std::max<int64_t>(cut - ng, 0) * kStride6) < total) ++cut;
+    const int64_t bounds[3] = {0, cut, ng + ng6};
+    const int64_t tasks = total * nb < (1 << 16) ? 1 : 2;
+    at::parallel_for(0, tasks, 1, [&](int64_t lo, int64_t hi) {
+      for (int64_t task = lo; task < hi; ++task)
+        for (int64_t gi = tasks == 1 ? 0 : bounds[task]; gi < (tasks == 1 ? ng + ng6 : bounds[task + 1]); ++gi)
+          for (int64_t r0 = 0; r0 < n; r0 += kRowsMax) {
+            const int64_t rows = n - r0 < kRowsMax ? n - r0 : kRowsMax;
+            if (gi < ng) {
+              kGroups[rows](cp + r0 * nb * kBlock, sp + r0 * nb, up + r0 * nb, nb, wp + gi * nb * kStride,
+                            op + r0 * n_out + gi * kCols, n_out, kCols);
+            } else {
+              const int64_t g6 = gi - ng;
+              kGroups6[rows](cp + r0 * nb * kBlock, sp + r0 * nb, qp + 2 * r0 * nb, nb, wp6 + g6 * nb * kStride6,
+                             op + r0 * n_out + n4 + g6 * kCols, n_out, n_out - n4 - g6 * kCols);
+            }
+          }
+    });
+  }
   if (cf.numel()) out.mul_(cf);
   return out;
 }
@@ -436,17 +682,19 @@ at::Tensor q4_linear(const at::Tensor& x_in, const at::Tensor& gain, const at::T
 }  // namespace
 
 at::Tensor specdec::q4_product(const at::Tensor& x, const at::Tensor& gain, const at::Tensor& packed, int64_t n_out,
-                               const at::Tensor& col) {
-  return q4_linear(x, gain, packed, n_out, col);
+                               const at::Tensor& col, const at::Tensor& packed6) {
+  return q4_linear(x, gain, packed, n_out, col, packed6.numel() ? c10::optional<at::Tensor>(packed6) : c10::nullopt);
 }
 
 TORCH_LIBRARY_FRAGMENT(specdec, m) {
   m.def("q4_pack(Tensor qs, Tensor d, Tensor m) -> Tensor");
-  m.def("q4_linear(Tensor x, Tensor gain, Tensor packed, int n_out, Tensor col) -> Tensor");
+  m.def("q4_linear(Tensor x, Tensor gain, Tensor packed, int n_out, Tensor col, Tensor? packed6=None) -> Tensor");
+  m.def("q6_pack(Tensor codes, Tensor d, Tensor sc) -> Tensor");
   m.def("q4_isa() -> str", &q4_isa);
 }
 
 TORCH_LIBRARY_IMPL(specdec, CPU, m) {
   m.impl("q4_pack", &q4_pack);
   m.impl("q4_linear", &q4_linear);
+  m.impl("q6_pack", &q6_pack);
 }

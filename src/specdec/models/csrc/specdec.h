@@ -8,9 +8,10 @@
 
 namespace specdec {
 
-// csrc/q4.cpp: torch.ops.specdec.q4_linear, called directly (no dispatcher round trip)
+// csrc/q4.cpp: torch.ops.specdec.q4_linear, called directly (no dispatcher round trip); packed6
+// empty: no Q6_K columns
 at::Tensor q4_product(const at::Tensor& x, const at::Tensor& gain, const at::Tensor& packed, int64_t n_out,
-                      const at::Tensor& col);
+                      const at::Tensor& col, const at::Tensor& packed6);
 
 // csrc/q8.cpp: torch.ops.specdec.q8_linear (the W8A8 few-row product), called directly
 std::tuple<at::Tensor, at::Tensor> q8_product(const at::Tensor& x, const c10::optional<at::Tensor>& smooth,
