@@ -13,15 +13,16 @@ TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "chat_template.jin
 
 
 def make_tiny(folder: Path, *, model_type: str = "llama", seed: int = 0, max_positions: int = 256,
-              layers: int = 2, hidden: int = 32, vocab: int = 49152) -> Path:
-    """Save a tiny random ``model_type`` (llama | qwen2) model with the 49,152-token tokenizer."""
+              layers: int = 2, hidden: int = 32, vocab: int = 49152, tied: bool = True) -> Path:
+    """Save a tiny random ``model_type`` (llama | qwen2) model with the 49,152-token tokenizer
+    (``tied``: the LM head is the embedding)."""
     from transformers import AutoModelForCausalLM, LlamaConfig, Qwen2Config
 
     torch.manual_seed(seed)
     common = dict(
         vocab_size=vocab, hidden_size=hidden, intermediate_size=2 * hidden, num_hidden_layers=layers,
         num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=max_positions,
-        tie_word_embeddings=True, bos_token_id=1, eos_token_id=2, rope_theta=10000.0,
+        tie_word_embeddings=tied, bos_token_id=1, eos_token_id=2, rope_theta=10000.0,
     )
     cfg = LlamaConfig(**common) if model_type == "llama" else Qwen2Config(**common)
     model = AutoModelForCausalLM.from_config(cfg, dtype=torch.float32)

@@ -186,27 +186,34 @@ def test_the_q6_kernel_refuses_bad_inputs():
 # ----------------------------------------------------------------------------- a whole model
 
 
-def write_q6_gguf(path: Path, *, hidden: int = 256, layers: int = 2) -> Path:
+def write_q6_gguf(path: Path, *, hidden: int = 256, layers: int = 2, head_rows: int = 0) -> Path:
     """A GGUF for :func:`tiny.make_tiny`'s Qwen2 model whose value projections (two KV heads of
-    ``hidden / 4``) and layer 0's down projection ship as Q6_K, the rest left to the loader."""
+    ``hidden / 4``), layer 0's down projection and, with ``head_rows``, an untied LM head ship as
+    Q6_K, the rest left to the loader."""
     from tests.models.test_q4 import _write_raw_gguf
 
     rng = np.random.default_rng(9)
     tensors = {f"blk.{i}.attn_v.weight": (_q6_k_raw(rng, hidden // 2, hidden), "Q6_K") for i in range(layers)}
     tensors["blk.0.ffn_down.weight"] = (_q6_k_raw(rng, hidden, 2 * hidden), "Q6_K")
+    if head_rows:
+        tensors["output.weight"] = (_q6_k_raw(rng, head_rows, hidden), "Q6_K")
     _write_raw_gguf(path, tensors, "qwen2")
     return path
 
 
 def _q6_model(tmp_path: Path) -> tuple[Path, Path]:
-    return make_tiny(tmp_path / "m", model_type="qwen2", hidden=256, layers=2), write_q6_gguf(tmp_path / "m.gguf")
+    """A tiny untied Qwen2 model whose head ships as Q6_K too."""
+    folder = make_tiny(tmp_path / "m", model_type="qwen2", hidden=256, layers=2, tied=False)
+    return folder, write_q6_gguf(tmp_path / "m.gguf", head_rows=49152)
 
 
 @needs_q4
 def test_a_model_runs_its_q6_k_matrices_as_shipped(tmp_path):
-    """The value projection's Q6_K rows become the fused qkv layer's last columns and the down
-    projection a layer of Q6_K columns alone; the layers' products are the dequantised file's
-    within the activations' rounding."""
+    """The value projection's Q6_K rows become the fused qkv layer's last columns, the down
+    projection a layer of Q6_K columns alone, and the untied head the 4-bit product's Q6_K columns
+    with the final norm's weight as its input gain (no calibration: nothing is re-quantised); its
+    logits are the dequantised file's within the activations' rounding."""
+    from specdec.models.linear import Q4Linear
     from specdec.models.native import NativeCausalLM
 
     folder, path = _q6_model(tmp_path)
@@ -215,6 +222,18 @@ def test_a_model_runs_its_q6_k_matrices_as_shipped(tmp_path):
     assert first.qkv.packed6.numel() > 0 and first.down.packed6.numel() > 0 and first.down.packed.numel() == 0
     assert second.qkv.packed6.numel() > 0 and second.down.packed6.numel() == 0
     assert first.qkv.out_features == 256 + 2 * 128
+    head = model.lm_head
+    assert isinstance(head, Q4Linear) and head.packed6.numel() > 0 and head.out_features == 49152
+    from specdec.models.gguf_blocks import read_q4_blocks
+
+    w = read_q4_blocks(path, 4, 2, q6=True)["lm_head.weight"].dequantize()  # [V, D]
+    h = torch.randn(3, 256)
+    want = (h * head.gain) @ w.T
+    assert (head(h) - want).norm() / want.norm() < 0.03
+    # without the head in the file, the int8 head as before
+    other = NativeCausalLM.from_folder(folder, quant="q4", batch_invariant=True, int8_kernel="fbgemm",
+                                       gguf=write_q6_gguf(tmp_path / "p.gguf"))
+    assert not isinstance(other.lm_head, Q4Linear)
 
 
 @needs_q4

@@ -161,13 +161,14 @@ def ships_q4(ref: str) -> bool:
 def read_q4_blocks(path: str | Path, n_heads: int, n_kv_heads: int, *, q6: bool = False) -> dict[str, Q4Blocks | Q6Blocks]:
     """Every Q4_0 / Q4_1 / Q4_K layer matrix of the GGUF at ``path``, by Hugging Face weight name
     (Q4_K as Q4_1 blocks: see :func:`q4_k_blocks`), and with ``q6`` every Q6_K one (as
-    :class:`Q6Blocks`: see :func:`q6_k_blocks`)."""
+    :class:`Q6Blocks`: see :func:`q6_k_blocks`) and an untied LM head of any of those types
+    (``output.weight``, as ``lm_head.weight``)."""
     header = _read_header(path)
     data = np.memmap(path, dtype=np.uint8, mode="r")
     out: dict[str, Q4Blocks | Q6Blocks] = {}
     kinds = (*_Q4_TYPES, _Q4_K, *((_Q6_K,) if q6 else ()))
     for name, dims, kind, offset in header.tensors:
-        hf = _layer_name(name)
+        hf = "lm_head.weight" if q6 and name == "output.weight" else _layer_name(name)
         if hf is None or kind not in kinds:
             continue
         k, n = dims[0], math.prod(dims[1:])  # inputs (inner), outputs
@@ -190,7 +191,7 @@ def read_q4_blocks(path: str | Path, n_heads: int, n_kv_heads: int, *, q6: bool 
                 m = d * -8.0  # exact: a power of two
                 qs = blocks[..., 2:18]
             b = Q4Blocks(qs.contiguous(), d.contiguous(), m.contiguous())
-        part = name.split(".")[2]
+        part = name.split(".")[2] if name.startswith("blk.") else ""
         if header.arch in PERMUTED and part in ("attn_q", "attn_k"):
             b = b.take(_unpermute(n, n_heads if part == "attn_q" else n_kv_heads))
         out[hf] = b

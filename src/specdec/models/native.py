@@ -384,7 +384,9 @@ class _LayerByLayer:
         """The LM head (built last): its range, its quantisation, and the ranges stored when measured."""
         m = self.model
         rec = m.lm_head
-        assert isinstance(rec, RangeRecorder), "a quantised model's head is calibrated with its layers"
+        if not isinstance(rec, RangeRecorder):  # a head as shipped: nothing to measure
+            assert isinstance(rec, Q4Linear) and self.x is None
+            return
         if self.x is not None:
             rec.record(self.x * m._inv_rms(self.x))  # [n, D]: what forward hands the head
         self._settle("lm_head", rec)
@@ -521,6 +523,10 @@ class NativeCausalLM:
         q_scale = 1.0 / math.sqrt(cfg.head_dim)  # exact (a power of two) for head_dim 64
         self.layers: list[_Layer] = []
         build: _LayerByLayer | None = None
+        #: an untied LM head from the GGUF's own blocks (a target's, q4: Qwen2.5-Coder's Q6_K head),
+        #: run by the 4-bit product as shipped instead of re-quantised to int8
+        shipped_head = (quant == "q4" and self._subset is None and not cfg.tie_embeddings and "lm_head.weight" in weights
+                        and isinstance(blocks.get("lm_head.weight"), (Q4Blocks, Q6Blocks)))
         if quantised is not None:
             if quant not in ("int8", "q4") or int8_kernel not in ("fbgemm", "mixed"):
                 raise ConfigError("a saved model needs quant='int8' or 'q4' and its resolved int8 kernel (fbgemm or mixed)")
@@ -543,6 +549,8 @@ class NativeCausalLM:
         elif quant is not None:
             shapes = _linear_shapes(cfg, head_rows)
             self.int8_kernel = _layer_kernel(int8_kernel, shapes)
+            if shipped_head:
+                calibration = None  # the 4-bit layers and a head as shipped take no ranges
             cache_parts = None
             if sources is not None and calibration is not None:  # what the ranges depend on besides the code
                 # (a GGUF's blocks that are no layer matrix would stay unused: part of the key as before)
@@ -586,6 +594,10 @@ class NativeCausalLM:
         head = self.embed if cfg.tie_embeddings or "lm_head.weight" not in weights else w("lm_head.weight")
         if quantised is not None:
             self.lm_head = stored("lm_head")
+        elif shipped_head:
+            hb = blocks.pop("lm_head.weight")
+            self.lm_head = Q4Linear(hb if isinstance(hb, Q4Blocks) else None, gain=final_g, in_features=cfg.hidden_size,
+                                    blocks6=hb if isinstance(hb, Q6Blocks) else None)
         else:
             rows = head if self._subset is None else head[self._subset]
             if quant is not None:
