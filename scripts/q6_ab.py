@@ -5,6 +5,11 @@ the default; ``requant``: those matrices quantised to Q4_1 blocks, as before), p
 every built-in prompt on both, the arms' order rotated per prompt.
 
     python scripts/q6_ab.py --target qwen2.5-coder-1.5b --limit 2 --max-new-tokens 64 --out benchmarks/NAME
+    python scripts/q6_ab.py --target qwen2.5-coder-1.5b --products --out benchmarks/NAME   # one Q6_K matrix's product, by rows
+
+``--products``: the model's first Q6_K layer matrix (Qwen2.5-Coder-1.5B: a down projection, 8,960
+inputs, 1,536 outputs) as shipped against its Q4_1 re-quantisation, products of 1-6 rows timed
+alternately (median of ``--reps``).
 
 Not a test and not part of CI.  The saved quantised layers are not read (either arm would find the
 other's: the cache's key does not name the block reading), so both arms build from the file.  The
@@ -24,10 +29,50 @@ from specdec.engine import Engine, EngineConfig  # noqa: E402
 from specdec.models import gguf_blocks  # noqa: E402
 
 
+def products(args) -> int:  # noqa: ANN001 - parsed options
+    import statistics
+    import time
+
+    import torch
+
+    from specdec.models.linear import Q4Linear, Q6Blocks, quantize_q4_1
+    from specdec.models.registry import gguf_file
+
+    torch.set_num_threads(args.threads)
+    blocks = gguf_blocks.read_q4_blocks(gguf_file(args.target), 1, 1, q6=True)
+    found = next(((n, b) for n, b in blocks.items() if isinstance(b, Q6Blocks) and n.startswith("model.layers.")), None)
+    if found is None:
+        raise SystemExit(f"{args.target}'s GGUF has no Q6_K layer matrix")
+    name, b6 = found
+    arms = {"q6": Q4Linear(None, blocks6=b6), "requant": Q4Linear(quantize_q4_1(b6.dequantize()))}
+    k = b6.shape[1]
+    rows_out = []
+    for rows in (1, 2, 3, 4, 6):
+        x = torch.randn(rows, k)
+        times: dict[str, list[float]] = {a: [] for a in arms}
+        for rep in range(args.reps):
+            for a in (list(arms) if rep % 2 == 0 else list(arms)[::-1]):
+                t0 = time.perf_counter()
+                arms[a].product(x)
+                times[a].append((time.perf_counter() - t0) * 1e3)
+        med = {a: statistics.median(t) for a, t in times.items()}
+        rows_out.append({"rows": rows, **{f"{a}_ms": v for a, v in med.items()}, "ratio": med["q6"] / med["requant"]})
+    body = [f"`{name}` ({b6.shape[0]} x {k}), median of {args.reps} products per arm and row count, alternated:", "",
+            "| rows | Q6_K as shipped (ms) | re-quantised Q4_1 (ms) | ratio |", "|---|---|---|---|",
+            *(f"| {r['rows']} | {r['q6_ms']:.3f} | {r['requant_ms']:.3f} | {r['ratio']:.3f} |" for r in rows_out)]
+    paired.write_report(args.out, f"One Q6_K matrix's product: {args.target}", {"matrix": name, "rows": rows_out}, body)
+    print("\n".join(body))
+    return 0
+
+
 def main() -> int:
     ap = paired.parser(__doc__)
     ap.add_argument("--repeats", type=int, default=1)
+    ap.add_argument("--products", action="store_true", help="time one Q6_K matrix's products instead of decoding")
+    ap.add_argument("--reps", type=int, default=200, help="--products: timed products per arm and row count")
     args = ap.parse_args()
+    if args.products:
+        return products(args)
     args.draft = "none"
     temps, prompts, q6, _ = paired.setup(args)
     read = gguf_blocks.read_q4_blocks

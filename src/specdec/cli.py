@@ -206,8 +206,9 @@ def _add_models(p: argparse.ArgumentParser) -> None:
                         " GGUF of mostly Q4_0/Q4_1/Q4_K blocks such as the default SmolLM2 or Qwen2.5-Coder, int8 otherwise; float32 elsewhere);"
                         " int8 = int8 weights and per-row int8 activations with exact integer accumulation"
                         " (native backend): ~3x faster steps than float32 on SmolLM2, KL divergence of its next-token law from float32's ~0.02 nats;"
-                        " q4 = 4-bit layer weights (a GGUF's Q4_0/Q4_1/Q4_K blocks as shipped, other weights quantised"
-                        " the same way), activations in 8 bits per block of 32, the LM head as int8's: on SmolLM2"
+                        " q4 = 4-bit layer weights (a GGUF's Q4_0/Q4_1/Q4_K blocks as shipped, and its Q6_K matrices"
+                        " and untied LM head as shipped too; other weights quantised to 4 bits), activations in 8 bits per block of 32,"
+                        " any other LM head as int8's: on SmolLM2"
                         " ~40%% faster steps than int8 and closer to float32 (KL ~0.007);"
                         " exactness always holds relative to the target as it runs")
     g.add_argument("--int8-kernel", default="auto", choices=["auto", "fbgemm", "onednn", "mixed"],

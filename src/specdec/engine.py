@@ -46,8 +46,8 @@ class EngineConfig:
     draft: str = defaults.DEFAULT_DRAFT  # registry name | path | "ngram" | "self" | "none" | self-speculative (layerskip:K, self-skip[:PATH], swift[:PATH], kangaroo[:PATH])
     backend: str = "auto"  # auto | native | hf
     #: the target's precision: auto | float32 | bfloat16 | float16 | int8 (W8A8Linear layers,
-    #: native backend) | q4 (4-bit layer matrices, a GGUF's Q4_0 / Q4_1 / Q4_K blocks as shipped, the LM
-    #: head as int8's; Q4Linear).  "auto" where torch has fbgemm (x86): q4 for a model that ships
+    #: native backend) | q4 (4-bit layer matrices, a GGUF's Q4_0 / Q4_1 / Q4_K blocks as shipped, its
+    #: Q6_K matrices and an untied head as shipped too, any other LM head as int8's; Q4Linear).  "auto" where torch has fbgemm (x86): q4 for a model that ships
     #: as a GGUF whose layer matrices are mostly Q4_0 / Q4_1 / Q4_K blocks, where the 4-bit kernel runs
     #: vectorised (AVX-512 VNNI or AVX2), int8 otherwise; float32
     #: elsewhere.  Measured on SmolLM2-135M (a Q4_1 GGUF): int8 steps 3x faster than float32, KL to

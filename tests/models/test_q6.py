@@ -48,8 +48,9 @@ def _ref(lin_blocks: tuple) -> list[torch.Tensor]:
     nb = k // 32
     four = ([b4.codes().permute(1, 2, 0).float().contiguous(), b4.d.float().T.contiguous(), b4.m.float().T.contiguous()]
             if b4 is not None else [torch.zeros(nb, 32, 0), torch.zeros(nb, 0), torch.zeros(nb, 0)])
-    return four + [(b6.codes.float() - 32).permute(1, 2, 0).contiguous(),
-                   (b6.d.float()[..., None] * b6.sc.float()).permute(1, 2, 0).contiguous()]
+    n6, nb = b6.codes.shape[:2]
+    weights = b6.sc.float().repeat_interleave(16, dim=2) * (b6.codes.float() - 32)  # [N, nb, 32]
+    return four + [weights.permute(1, 2, 0).contiguous(), b6.d.float().T.contiguous()]
 
 
 def _inputs(n: int, k: int, seed: int) -> torch.Tensor:

@@ -704,13 +704,12 @@ class Q6Blocks(NamedTuple):
     def shape(self) -> tuple[int, int]:
         return self.codes.shape[0], self.codes.shape[1] * Q4_BLOCK
 
-    def scales(self) -> Tensor:  # float32 [N, K/32, 2]: d * sc, exact
-        return self.d.float()[..., None] * self.sc.float()
-
-    def dequantize(self) -> Tensor:  # float32 [N, K]
+    def integer_weights(self) -> Tensor:  # float32 [N, K/32, 32]: sc * (q - 32), integers
         n, nb, _ = self.codes.shape
-        w = self.scales()[..., None] * (self.codes.float() - 32.0).view(n, nb, 2, 16)
-        return w.reshape(n, -1)
+        return (self.sc.float()[..., None] * (self.codes.float() - 32.0).view(n, nb, 2, 16)).reshape(n, nb, 32)
+
+    def dequantize(self) -> Tensor:  # float32 [N, K]: d * sc * (q - 32), exact
+        return (self.d.float()[..., None] * self.integer_weights()).reshape(self.codes.shape[0], -1)
 
     def take(self, rows: Tensor) -> "Q6Blocks":
         """The output columns ``rows`` [r] (a selection or permutation)."""
@@ -773,18 +772,18 @@ def q4_reference(x: Tensor, gain: Tensor, codes: Tensor, d: Tensor, m: Tensor, c
     return y
 
 
-def q6_reference(x: Tensor, gain: Tensor, codes: Tensor, scales: Tensor) -> Tensor:
+def q6_reference(x: Tensor, gain: Tensor, weights: Tensor, d: Tensor) -> Tensor:
     """The Q6_K columns of ``torch.ops.specdec.q4_linear`` with ATen ops, bitwise (see
-    :func:`q4_reference`).  x: [n, K]; gain [K] or empty; codes float32 [nb, 32, N] (the 6-bit
-    codes less 32, input order); scales float32 [nb, 2, N] (``d * sc`` per sub-block of 16, exact)
+    :func:`q4_reference`).  x: [n, K]; gain [K] or empty; weights float32 [nb, 32, N] (each
+    weight's integer ``sc * (q - 32)``, input order); d float32 [nb, N] (the super-block's scale)
     -> [n, N], before any column factor.
 
-    The activation blocks are :func:`q4_reference`'s; each sub-block's integer dot product is a
-    float32 matmul whose partial sums are integers below 2**24 (|products| <= 32 * 127, 16 per
-    sub-block), exact in any order; then ``y + ((d * sc) * e) * sum`` sub-block by sub-block in
-    input order."""
+    The activation blocks are :func:`q4_reference`'s; each block's integer dot product
+    ``sum_j sc_j sum_i (q_i - 32) a_i`` is a float32 matmul whose every partial sum is an integer
+    below 2**24 (|products| <= 128 * 32 * 127, 32 per block), exact in any order; then
+    ``y + (d * e) * sum`` block by block in input order."""
     n, k = x.shape[0], x.shape[1]
-    nb = codes.shape[0]
+    nb = weights.shape[0]
     if gain.numel() > 0:
         x = x * gain
     if nb * 32 > k:
@@ -793,13 +792,10 @@ def q6_reference(x: Tensor, gain: Tensor, codes: Tensor, scales: Tensor) -> Tens
     e = xb.abs().amax(-1) / 127.0  # [n, nb]
     ee = e.unsqueeze(-1)
     q = torch.where(ee != 0, torch.round(xb / ee), torch.zeros_like(xb)).clamp_(-127.0, 127.0)  # [n, nb, 32]
-    qt = q.transpose(0, 1)  # [nb, n, 32]
-    acc0 = torch.bmm(qt[:, :, :16], codes[:, :16])  # [nb, n, N], exact integers
-    acc1 = torch.bmm(qt[:, :, 16:], codes[:, 16:])
-    y = torch.zeros(n, codes.shape[2], dtype=x.dtype)
+    acc = torch.bmm(q.transpose(0, 1), weights)  # [nb, n, N], exact integers
+    y = torch.zeros(n, weights.shape[2], dtype=x.dtype)
     for b in range(nb):
-        y = y + (scales[b, 0] * e[:, b : b + 1]) * acc0[b]
-        y = y + (scales[b, 1] * e[:, b : b + 1]) * acc1[b]
+        y = y + (d[b] * e[:, b : b + 1]) * acc[b]
     return y
 
 
@@ -854,7 +850,7 @@ class Q4Linear:
         self.bias = None if bias is None else bias.detach().float().contiguous()
         #: the kernel's packing (q4_pack's, empty where every column is Q6_K; packed6: q6_pack's or
         #: empty), or None (then ref: [codes [nb, 32, N4], d [nb, N4], m [nb, N4]] float32, and where
-        #: there are Q6_K columns [codes - 32 [nb, 32, N6], d * sc [nb, 2, N6]] after them)
+        #: there are Q6_K columns [sc * (codes - 32) [nb, 32, N6], d [nb, N6]] after them)
         self.packed: Tensor | None = None
         self.packed6: Tensor = torch.empty(0, dtype=torch.uint8)
         self.ref: list[Tensor] | None = None
@@ -869,8 +865,7 @@ class Q4Linear:
                          blocks.m.float().T.contiguous()] if blocks is not None
                         else [torch.zeros(nb, 32, 0), torch.zeros(nb, 0), torch.zeros(nb, 0)])
             if blocks6 is not None:
-                self.ref += [(blocks6.codes.float() - 32.0).permute(1, 2, 0).contiguous(),
-                             blocks6.scales().permute(1, 2, 0).contiguous()]
+                self.ref += [blocks6.integer_weights().permute(1, 2, 0).contiguous(), blocks6.d.float().T.contiguous()]
 
     def state(self) -> dict[str, Tensor] | None:
         """What :meth:`from_state` rebuilds this layer from (the kernel's packing, the input gain and

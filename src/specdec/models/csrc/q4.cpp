@@ -29,18 +29,20 @@
 // GGUF's Q6_K weights as shipped, in the same product (the last columns of a layer: packed6).  A
 // Q6_K super-block holds 256 inputs of one column: 6-bit codes q_i (0..63), a float16 scale d and
 // sixteen int8 scales sc_j, one per sub-block of 16 inputs; weight_i = d * sc_j * (q_i - 32).  The
-// activations are the same blocks of 32 (two sub-blocks each), and sub-block j of block b adds
+// activations are the same blocks of 32 (two sub-blocks each), and block b adds
 //
-//   t   = (d * sc_j) * e                          (d * sc_j is exact in float32: 11 + 8 bits)
-//   y  += t * float(sum_i (q_i - 32) a_i)         (an exact int32 sum, one multiply, one add)
+//   t   = d * e                                                (one float32 multiply)
+//   y  += t * float(sum_j sc_j * sum_i (q_i - 32) a_i)         (an exact int32 sum below 2^24, so
+//                                                               its conversion is exact too)
 //
-// sub-blocks in input order (linear.q6_reference, op for op).
+// blocks in input order (linear.q6_reference, op for op).
 //
 //   torch.ops.specdec.q6_pack(codes uint8 [N, K/32, 32] (0..63, input order), d float16 [N, K/32],
 //       sc int8 [N, K/32, 2]) -> uint8 [ceil(N/32), K/32, 896]: per group of 32 columns and block,
 //       the codes' low nibbles as q4_pack lays them out (512 bytes), their high bits (256 bytes:
 //       byte 4 l' + p of lane j in half u, at u * 128 + h * 64, holds the top two bits of inputs
-//       8h + p, 8h + p + 16, 8h + 4 + p and 8h + 4 + p + 16 in its bit pairs 0, 1, 2, 3), then d
+//       8h + 4 + p, 8h + 4 + p + 16, 8h + p and 8h + p + 16 in its bit pairs 0, 1, 2, 3: those of
+//       the even quartet where a mask of bits 4-5 finds them), then d
 //       of the 32 columns (float16) and sc (int8, sub-block 0's 32 then sub-block 1's)
 //   q4_linear(..., packed6): columns 32 * packed.size(0) .. n_out from packed6 (packed may hold
 //       no group: a layer of Q6_K blocks alone)
@@ -143,9 +145,9 @@ at::Tensor q6_pack(const at::Tensor& codes, const at::Tensor& d, const at::Tenso
       }
       for (int h = 0; h < 2; ++h)
         for (int p = 0; p < 4; ++p) {
-          const int i0 = 8 * h + p, i1 = 8 * h + 4 + p;
+          const int i0 = 8 * h + p, i1 = 8 * h + 4 + p;  // quartets 2h and 2h + 1
           blk[kCodes + u * 128 + h * 64 + lane * 4 + p] =
-              static_cast<uint8_t>((w[i0] >> 4) | ((w[i0 + 16] >> 4) << 2) | ((w[i1] >> 4) << 4) | ((w[i1 + 16] >> 4) << 6));
+              static_cast<uint8_t>((w[i1] >> 4) | ((w[i1 + 16] >> 4) << 2) | ((w[i0] >> 4) << 4) | ((w[i0 + 16] >> 4) << 6));
         }
       std::memcpy(blk + kCodes + kHigh + 2 * c, dp + j * nb + b, 2);
       blk[kCodes + kHigh + 64 + c] = static_cast<uint8_t>(sp[(j * nb + b) * 2]);
@@ -444,49 +446,33 @@ constexpr GroupFn kGroups[kRowsMax + 1] = {nullptr, group_portable<1>, group_por
 #endif
 
 // ---- Q6_K columns ----------------------------------------------------------------------------
-// Each row's sums of its activation codes per sub-block of 16 (int32 [n, nb, 2]): the "- 32" of
-// the Q6_K codes is taken out of the integer sums as 32 times these.
-void sub_sums(const int8_t* codes, int64_t n, int64_t nb, int32_t* subs) {
-  for (int64_t i = 0; i < n * nb; ++i) {
-    int32_t s0 = 0, s1 = 0;
-    for (int k = 0; k < 16; ++k) {
-      s0 += codes[i * kBlock + k];
-      s1 += codes[i * kBlock + 16 + k];
-    }
-    subs[2 * i] = s0;
-    subs[2 * i + 1] = s1;
-  }
-}
-
-// One group of 32 Q6_K columns for R rows, portable C++: exact integer sums, then the float steps.
+// One group of 32 Q6_K columns for R rows, portable C++: each block's exact integer sum
+// z = sum_j sc_j * sum_i (q_i - 32) a_i, then y += (d * e) * float(z).
 template <int R>
-void group6_portable(const int8_t* codes, const float* step, const int32_t* subs, int64_t nb, const uint8_t* wg,
-                     float* out, int64_t out_stride, int64_t valid) {
+void group6_portable(const int8_t* codes, const float* step, int64_t nb, const uint8_t* wg, float* out,
+                     int64_t out_stride, int64_t valid) {
   float y[R][kCols] = {};
   for (int64_t b = 0; b < nb; ++b) {
     const uint8_t* blk = wg + b * kStride6;
     for (int r = 0; r < R; ++r) {
       const int8_t* a = codes + (r * nb + b) * kBlock;
-      const float e = step[r * nb + b];
       for (int c = 0; c < kCols; ++c) {
         const int u = c / 16, lane = c % 16;
         int32_t acc[2] = {0, 0};
         for (int byte = 0; byte < 16; ++byte) {
-          const int l = byte / 4, p = byte % 4, sh = 4 * (l % 2);
+          const int l = byte / 4, p = byte % 4;
           const uint8_t w = blk[u * 256 + l * 64 + lane * 4 + p];
           const uint8_t hb = blk[kCodes + u * 128 + (l / 2) * 64 + lane * 4 + p];
+          const int sh = l % 2 ? 0 : 4;  // see q6_pack: the even quartet's bits sit above the odd one's
           const int32_t q0 = (w & 0x0F) | (((hb >> sh) & 0x03) << 4);
           const int32_t q1 = (w >> 4) | (((hb >> (sh + 2)) & 0x03) << 4);
-          acc[0] += q0 * a[byte];
-          acc[1] += q1 * a[byte + 16];
+          acc[0] += (q0 - 32) * a[byte];
+          acc[1] += (q1 - 32) * a[byte + 16];
         }
-        const float d = half_to_float(blk + kCodes + kHigh + 2 * c);
-        for (int j = 0; j < 2; ++j) {
-          const int32_t z = acc[j] - 32 * subs[(r * nb + b) * 2 + j];
-          const float s = d * static_cast<float>(static_cast<int8_t>(blk[kCodes + kHigh + 64 + 32 * j + c]));
-          const float t = s * e;
-          y[r][c] = y[r][c] + t * static_cast<float>(z);
-        }
+        const int32_t z = static_cast<int8_t>(blk[kCodes + kHigh + 64 + c]) * acc[0] +
+                          static_cast<int8_t>(blk[kCodes + kHigh + 96 + c]) * acc[1];
+        const float t = half_to_float(blk + kCodes + kHigh + 2 * c) * step[r * nb + b];
+        y[r][c] = y[r][c] + t * static_cast<float>(z);
       }
     }
   }
@@ -495,64 +481,71 @@ void group6_portable(const int8_t* codes, const float* step, const int32_t* subs
 }
 
 #if SPECDEC_Q6_AVX2
-// One group of 32 Q6_K columns for R rows (AVX2), one pass over the group's stream as group_avx2:
-// per block and octet of columns, the 6-bit codes rebuilt from their nibble and their two high
-// bits, u8 x s8 pair products summed in int16 over two quartets of inputs (at most
-// 4 x 63 x 127 = 32,004: nothing saturates), widened to int32 per sub-block, less 32 times the
-// row's code sum, then the float steps on 8 lanes.
+// One group of 32 Q6_K columns for R rows (AVX2), one pass over the group's stream as group_avx2.
+// Per block, octet of columns and pair of quartets: the codes rebuilt from their nibbles and high
+// bits, u8 x s8 pair products summed in int16 over the two quartets (at most 4 x 63 x 127 = 32,004),
+// less 32 times the activations' pair sums (the same for every column: computed once a block), which
+// leaves sum (q - 32) a, at most 4 x 32 x 127 = 16,256 in magnitude (int16 arithmetic wraps, and the
+// true difference fits); then one multiply-add by the column's int8 scale into int32.  A block's
+// integer sum is at most 32 x 32 x 127 x 128 < 2^24, so its conversion to float is exact.
 template <int R>
-void group6_avx2(const int8_t* codes, const float* step, const int32_t* subs, int64_t nb, const uint8_t* wg,
-                 float* out, int64_t out_stride, int64_t valid) {
+void group6_avx2(const int8_t* codes, const float* step, int64_t nb, const uint8_t* wg, float* out,
+                 int64_t out_stride, int64_t valid) {
   alignas(32) float y[R][kCols] = {};
-  const __m256i low = _mm256_set1_epi8(0x0F), two = _mm256_set1_epi8(0x03);
-  const __m256i ones = _mm256_set1_epi16(1);
+  alignas(32) int16_t m32[R][2][2][16];  // per row, quartet pair and sub-block: 32 x the pair sums
+  const __m256i low = _mm256_set1_epi8(0x0F), high = _mm256_set1_epi8(0x30), k32 = _mm256_set1_epi8(32);
+  const __m128i dup = _mm_setr_epi8(0, 0, 1, 1, 2, 2, 3, 3, 4, 4, 5, 5, 6, 6, 7, 7);
   for (int64_t b = 0; b < nb; ++b) {
     const uint8_t* blk = wg + b * kStride6;
     const uint8_t* ahead = blk + kPrefetch * kStride6;
     for (int line = 0; line < kStride6; line += 64) _mm_prefetch(reinterpret_cast<const char*>(ahead + line), _MM_HINT_T0);
+    for (int r = 0; r < R; ++r)
+      for (int h = 0; h < 2; ++h)
+        for (int j = 0; j < 2; ++j) {
+          const float* a = reinterpret_cast<const float*>(codes + (r * nb + b) * kBlock + 16 * j + 8 * h);
+          const __m256i m = _mm256_add_epi16(_mm256_maddubs_epi16(k32, _mm256_castps_si256(_mm256_broadcast_ss(a))),
+                                             _mm256_maddubs_epi16(k32, _mm256_castps_si256(_mm256_broadcast_ss(a + 1))));
+          _mm256_store_si256(reinterpret_cast<__m256i*>(m32[r][h][j]), m);
+        }
 #pragma GCC unroll 4
     for (int o = 0; o < 4; ++o) {  // columns 8o .. 8o + 7
       const int u = o / 2, half = 32 * (o % 2);
-      __m256i acc0[R], acc1[R];
-      for (int r = 0; r < R; ++r) acc0[r] = acc1[r] = _mm256_setzero_si256();
+      // each column's scale in both int16 halves of its 32-bit lane
+      const __m256i sc0 = _mm256_cvtepi8_epi16(_mm_shuffle_epi8(
+          _mm_loadl_epi64(reinterpret_cast<const __m128i*>(blk + kCodes + kHigh + 64 + 8 * o)), dup));
+      const __m256i sc1 = _mm256_cvtepi8_epi16(_mm_shuffle_epi8(
+          _mm_loadl_epi64(reinterpret_cast<const __m128i*>(blk + kCodes + kHigh + 96 + 8 * o)), dup));
+      __m256i acc[R];
+      for (int r = 0; r < R; ++r) acc[r] = _mm256_setzero_si256();
 #pragma GCC unroll 2
       for (int h = 0; h < 2; ++h) {
         const __m256i hbits = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(blk + kCodes + u * 128 + h * 64 + half));
-        __m256i s0[R], s1[R];
-        for (int r = 0; r < R; ++r) s0[r] = s1[r] = _mm256_setzero_si256();
-#pragma GCC unroll 2
-        for (int t = 0; t < 2; ++t) {
-          const int l = 2 * h + t;
-          const __m256i v = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(blk + u * 256 + l * 64 + half));
-          const __m256i hb = t ? _mm256_srli_epi16(hbits, 4) : hbits;
-          const __m256i lo = _mm256_or_si256(_mm256_and_si256(v, low), _mm256_slli_epi16(_mm256_and_si256(hb, two), 4));
-          const __m256i hi = _mm256_or_si256(_mm256_and_si256(_mm256_srli_epi16(v, 4), low),
-                                             _mm256_slli_epi16(_mm256_and_si256(_mm256_srli_epi16(hb, 2), two), 4));
+        const __m256i v0 = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(blk + u * 256 + (2 * h) * 64 + half));
+        const __m256i v1 = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(blk + u * 256 + (2 * h + 1) * 64 + half));
+        const __m256i lo0 = _mm256_or_si256(_mm256_and_si256(v0, low), _mm256_and_si256(hbits, high));
+        const __m256i hi0 = _mm256_or_si256(_mm256_and_si256(_mm256_srli_epi16(v0, 4), low),
+                                            _mm256_and_si256(_mm256_srli_epi16(hbits, 2), high));
+        const __m256i lo1 = _mm256_or_si256(_mm256_and_si256(v1, low), _mm256_and_si256(_mm256_slli_epi16(hbits, 4), high));
+        const __m256i hi1 = _mm256_or_si256(_mm256_and_si256(_mm256_srli_epi16(v1, 4), low),
+                                            _mm256_and_si256(_mm256_slli_epi16(hbits, 2), high));
 #pragma GCC unroll 3
-          for (int r = 0; r < R; ++r) {
-            const float* a = reinterpret_cast<const float*>(codes + (r * nb + b) * kBlock + 4 * l);
-            s0[r] = _mm256_add_epi16(s0[r], _mm256_maddubs_epi16(lo, _mm256_castps_si256(_mm256_broadcast_ss(a))));
-            s1[r] = _mm256_add_epi16(s1[r], _mm256_maddubs_epi16(hi, _mm256_castps_si256(_mm256_broadcast_ss(a + 4))));
-          }
-        }
         for (int r = 0; r < R; ++r) {
-          acc0[r] = _mm256_add_epi32(acc0[r], _mm256_madd_epi16(s0[r], ones));
-          acc1[r] = _mm256_add_epi32(acc1[r], _mm256_madd_epi16(s1[r], ones));
+          const float* a = reinterpret_cast<const float*>(codes + (r * nb + b) * kBlock + 8 * h);
+          __m256i s0 = _mm256_add_epi16(_mm256_maddubs_epi16(lo0, _mm256_castps_si256(_mm256_broadcast_ss(a))),
+                                        _mm256_maddubs_epi16(lo1, _mm256_castps_si256(_mm256_broadcast_ss(a + 1))));
+          __m256i s1 = _mm256_add_epi16(_mm256_maddubs_epi16(hi0, _mm256_castps_si256(_mm256_broadcast_ss(a + 4))),
+                                        _mm256_maddubs_epi16(hi1, _mm256_castps_si256(_mm256_broadcast_ss(a + 5))));
+          s0 = _mm256_sub_epi16(s0, _mm256_load_si256(reinterpret_cast<const __m256i*>(m32[r][h][0])));
+          s1 = _mm256_sub_epi16(s1, _mm256_load_si256(reinterpret_cast<const __m256i*>(m32[r][h][1])));
+          acc[r] = _mm256_add_epi32(acc[r], _mm256_add_epi32(_mm256_madd_epi16(s0, sc0), _mm256_madd_epi16(s1, sc1)));
         }
       }
       const __m256 d = _mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(blk + kCodes + kHigh + 16 * o)));
-      const __m256 sc0 = _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(_mm_loadl_epi64(reinterpret_cast<const __m128i*>(blk + kCodes + kHigh + 64 + 8 * o))));
-      const __m256 sc1 = _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(_mm_loadl_epi64(reinterpret_cast<const __m128i*>(blk + kCodes + kHigh + 96 + 8 * o))));
-      const __m256 f0 = _mm256_mul_ps(d, sc0), f1 = _mm256_mul_ps(d, sc1);  // exact
 #pragma GCC unroll 3
       for (int r = 0; r < R; ++r) {
-        const __m256 e = _mm256_set1_ps(step[r * nb + b]);
-        const int32_t* sr = subs + (r * nb + b) * 2;
-        const __m256i z0 = _mm256_sub_epi32(acc0[r], _mm256_set1_epi32(32 * sr[0]));
-        const __m256i z1 = _mm256_sub_epi32(acc1[r], _mm256_set1_epi32(32 * sr[1]));
+        const __m256 t = _mm256_mul_ps(d, _mm256_set1_ps(step[r * nb + b]));
         __m256 s = _mm256_load_ps(y[r] + 8 * o);
-        s = _mm256_add_ps(s, _mm256_mul_ps(_mm256_mul_ps(f0, e), _mm256_cvtepi32_ps(z0)));
-        s = _mm256_add_ps(s, _mm256_mul_ps(_mm256_mul_ps(f1, e), _mm256_cvtepi32_ps(z1)));
+        s = _mm256_add_ps(s, _mm256_mul_ps(t, _mm256_cvtepi32_ps(acc[r])));
         _mm256_store_ps(y[r] + 8 * o, s);
       }
     }
@@ -562,16 +555,16 @@ void group6_avx2(const int8_t* codes, const float* step, const int32_t* subs, in
 }
 #endif
 
-using Group6Fn = void (*)(const int8_t*, const float*, const int32_t*, int64_t, const uint8_t*, float*, int64_t, int64_t);
+using Group6Fn = void (*)(const int8_t*, const float*, int64_t, const uint8_t*, float*, int64_t, int64_t);
 #if SPECDEC_Q6_AVX2
 template <int A, int B>
-void group6_split(const int8_t* codes, const float* step, const int32_t* subs, int64_t nb, const uint8_t* wg, float* out,
+void group6_split(const int8_t* codes, const float* step, int64_t nb, const uint8_t* wg, float* out,
                   int64_t out_stride, int64_t valid) {
-  group6_avx2<A>(codes, step, subs, nb, wg, out, out_stride, valid);
-  group6_avx2<B>(codes + A * nb * kBlock, step + A * nb, subs + 2 * A * nb, nb, wg, out + A * out_stride, out_stride, valid);
+  group6_avx2<A>(codes, step, nb, wg, out, out_stride, valid);
+  group6_avx2<B>(codes + A * nb * kBlock, step + A * nb, nb, wg, out + A * out_stride, out_stride, valid);
 }
 constexpr Group6Fn kGroups6[kRowsMax + 1] = {nullptr, group6_avx2<1>, group6_avx2<2>, group6_avx2<3>,
-                                             group6_split<2, 2>, group6_split<3, 2>, group6_split<3, 3>};
+                                             group6_avx2<4>, group6_split<3, 2>, group6_split<3, 3>};
 #else
 constexpr Group6Fn kGroups6[kRowsMax + 1] = {nullptr, group6_portable<1>, group6_portable<2>, group6_portable<3>,
                                              group6_portable<4>, group6_portable<5>, group6_portable<6>};
@@ -613,7 +606,6 @@ at::Tensor q4_linear(const at::Tensor& x_in, const at::Tensor& gain, const at::T
   // for a long prompt's prefill).
   thread_local std::vector<int8_t> codes_buf;
   thread_local std::vector<float> step_buf, sums_buf;
-  thread_local std::vector<int32_t> subs_buf;  // Q6_K columns: [n, nb, 2] sub-block code sums
   // only ever grown: a pass alternates 576- and 1536-wide inputs, and a shrink followed by a grow
   // would zero the difference at every product
   const size_t n_codes = static_cast<size_t>(n * nb * kBlock), n_blocks = static_cast<size_t>(n * nb);
@@ -648,9 +640,6 @@ at::Tensor q4_linear(const at::Tensor& x_in, const at::Tensor& gain, const at::T
         }
     });
   } else {
-    if (subs_buf.size() < 2 * n_blocks) subs_buf.resize(2 * n_blocks);
-    sub_sums(cp, n, nb, subs_buf.data());
-    const int32_t* qp = subs_buf.data();
     const uint8_t* wp6 = packed6_in->data_ptr<uint8_t>();
     // the 4-bit groups, then the Q6_K ones, cut in two at the byte half way (a Q6_K group streams
     // 896 bytes a block against 640): each half one task
@@ -669,7 +658,7 @@ at::Tensor q4_linear(const at::Tensor& x_in, const at::Tensor& gain, const at::T
                             op + r0 * n_out + gi * kCols, n_out, kCols);
             } else {
               const int64_t g6 = gi - ng;
-              kGroups6[rows](cp + r0 * nb * kBlock, sp + r0 * nb, qp + 2 * r0 * nb, nb, wp6 + g6 * nb * kStride6,
+              kGroups6[rows](cp + r0 * nb * kBlock, sp + r0 * nb, nb, wp6 + g6 * nb * kStride6,
                              op + r0 * n_out + n4 + g6 * kCols, n_out, n_out - n4 - g6 * kCols);
             }
           }
