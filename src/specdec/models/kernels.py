@@ -6,10 +6,11 @@
   takes it for small row counts where the build quantises activations as fbgemm does on this CPU
   (8-bit with 512-bit VNNI, 7-bit on AVX2 without VNNI: :func:`q8_zero`); since its output is
   bitwise fbgemm's, which kernel runs a product never changes a result.
-* ``torch.ops.specdec.q4_linear`` (``csrc/q4.cpp``): GGUF's Q4_1 weights as shipped times
-  activations quantised to 8 bits per block of 32 (:class:`~specdec.models.linear.Q4Linear`);
-  every row's result depends on that row alone.  Without the library the same bits come from
-  ATen ops (:func:`~specdec.models.linear.q4_reference`), much more slowly.
+* ``torch.ops.specdec.q4_linear`` (``csrc/q4.cpp``): GGUF's Q4_1 weights (and any Q6_K columns
+  after them) as shipped times activations quantised to 8 bits per block of 32
+  (:class:`~specdec.models.linear.Q4Linear`); every row's result depends on that row alone.
+  Without the library the same bits come from ATen ops (:func:`~specdec.models.linear.q4_reference`,
+  :func:`~specdec.models.linear.q6_reference`), much more slowly.
 * ``torch.ops.specdec.f32_linear`` (``csrc/f32.cpp``): the batch-invariant float32 target's
   product, each row summed in a fixed order; it replaces oneDNN for such targets
   (:class:`~specdec.models.linear.Linear`), whose bits differ: a process uses one or the other
