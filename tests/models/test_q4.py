@@ -108,19 +108,24 @@ def test_products_from_several_threads_at_once_keep_their_own_activations():
     assert not bad
 
 
+def on_one_and_two_threads(run):  # noqa: ANN001, ANN201 - a call and what it returns
+    """``run()`` on one thread, then on two (or more): both results."""
+    threads = torch.get_num_threads()
+    try:
+        torch.set_num_threads(1)
+        one = run()
+        torch.set_num_threads(max(2, threads))
+        return one, run()
+    finally:
+        torch.set_num_threads(threads)
+
+
 @needs_q4
 def test_kernel_bits_do_not_depend_on_the_thread_count():
     b = quantize_q4_1(torch.randn(3072, 576, generator=torch.Generator().manual_seed(2)) * 0.05)
     lin = Q4Linear(b)
     x = _inputs(5, 576, seed=9)
-    threads = torch.get_num_threads()
-    try:
-        torch.set_num_threads(1)
-        one = lin.product(x)
-        torch.set_num_threads(max(2, threads))
-        many = lin.product(x)
-    finally:
-        torch.set_num_threads(threads)
+    one, many = on_one_and_two_threads(lambda: lin.product(x))
     assert torch.equal(one, many)
 
 

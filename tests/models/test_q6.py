@@ -17,6 +17,7 @@ from specdec.models import kernels
 from specdec.models.linear import Q4Linear, Q6Blocks, q46_reference, quantize_q4_1
 
 from kernel_child import decode_in_child
+from tests.models.test_q4 import on_one_and_two_threads
 from tiny import make_tiny
 
 needs_q4 = pytest.mark.skipif(not kernels.q4_available(), reason="the 4-bit kernel needs a C++ compiler")
@@ -144,14 +145,7 @@ def test_q6_bits_do_not_depend_on_the_thread_count():
     b4 = quantize_q4_1(torch.randn(1792, 1536, generator=torch.Generator().manual_seed(1)) * 0.05)
     lin = Q4Linear(b4, blocks6=_blocks(_q6_k_raw(rng, 256, 1536)))
     x = _inputs(5, 1536, seed=2)
-    threads = torch.get_num_threads()
-    try:
-        torch.set_num_threads(1)
-        one = lin.product(x)
-        torch.set_num_threads(max(2, threads))
-        many = lin.product(x)
-    finally:
-        torch.set_num_threads(threads)
+    one, many = on_one_and_two_threads(lambda: lin.product(x))
     assert torch.equal(one, many)
 
 

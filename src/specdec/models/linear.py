@@ -741,6 +741,22 @@ def quantize_q4_1(weight: Tensor) -> Q4Blocks:
     return Q4Blocks((q[..., :16] | (q[..., 16:] << 4)).contiguous(), d, m)
 
 
+def _activation_blocks(x: Tensor, gain: Tensor, nb: int) -> tuple[Tensor, Tensor]:
+    """The 4-bit product's activation side (``csrc/q4.cpp``'s ``quantize_rows``) with ATen ops: x
+    [n, K] times ``gain`` where given, zero-padded to ``nb`` blocks of 32 -> (codes ``round(x / e)``
+    float32 [n, nb, 32], steps ``e = max|x| / 127`` [n, nb])."""
+    n, k = x.shape[0], x.shape[1]
+    if gain.numel() > 0:
+        x = x * gain
+    if nb * 32 > k:
+        x = F.pad(x, [0, nb * 32 - k])
+    xb = x.reshape(n, nb, 32)
+    e = xb.abs().amax(-1) / 127.0  # [n, nb]
+    ee = e.unsqueeze(-1)
+    q = torch.where(ee != 0, torch.round(xb / ee), torch.zeros_like(xb)).clamp_(-127.0, 127.0)  # [n, nb, 32]
+    return q, e
+
+
 def q4_reference(x: Tensor, gain: Tensor, codes: Tensor, d: Tensor, m: Tensor, col: Tensor) -> Tensor:
     """``torch.ops.specdec.q4_linear`` with ATen ops, bitwise (and how the target runs where the
     kernel library did not build).  x: [n, K]; gain [K] or empty; codes float32 [nb, 32, N] (the
@@ -750,16 +766,9 @@ def q4_reference(x: Tensor, gain: Tensor, codes: Tensor, d: Tensor, m: Tensor, c
     the codes ``round(x / e)``, ``e * sum(codes)``; the integer dot products come from a float32
     matmul whose every partial sum is an integer below 2**24 (|code products| <= 1,905, 32 per
     block), hence exact in any order; then the blocks in input order."""
-    n, k = x.shape[0], x.shape[1]
+    n = x.shape[0]
     nb = codes.shape[0]
-    if gain.numel() > 0:
-        x = x * gain
-    if nb * 32 > k:
-        x = F.pad(x, [0, nb * 32 - k])
-    xb = x.reshape(n, nb, 32)
-    e = xb.abs().amax(-1) / 127.0  # [n, nb]
-    ee = e.unsqueeze(-1)
-    q = torch.where(ee != 0, torch.round(xb / ee), torch.zeros_like(xb)).clamp_(-127.0, 127.0)  # [n, nb, 32]
+    q, e = _activation_blocks(x, gain, nb)
     s = e * q.sum(-1)  # [n, nb]
     acc = torch.bmm(q.transpose(0, 1), codes)  # [nb, n, N], exact integers
     y = torch.zeros(n, codes.shape[2], dtype=x.dtype)
@@ -782,19 +791,11 @@ def q6_reference(x: Tensor, gain: Tensor, weights: Tensor, d: Tensor) -> Tensor:
     ``sum_j sc_j sum_i (q_i - 32) a_i`` is a float32 matmul whose every partial sum is an integer
     below 2**24 (|products| <= 128 * 32 * 127, 32 per block), exact in any order; then
     ``y + (d * e) * sum`` block by block in input order."""
-    n, k = x.shape[0], x.shape[1]
-    nb = weights.shape[0]
-    if gain.numel() > 0:
-        x = x * gain
-    if nb * 32 > k:
-        x = F.pad(x, [0, nb * 32 - k])
-    xb = x.reshape(n, nb, 32)
-    e = xb.abs().amax(-1) / 127.0  # [n, nb]
-    ee = e.unsqueeze(-1)
-    q = torch.where(ee != 0, torch.round(xb / ee), torch.zeros_like(xb)).clamp_(-127.0, 127.0)  # [n, nb, 32]
+    n = x.shape[0]
+    q, e = _activation_blocks(x, gain, weights.shape[0])
     acc = torch.bmm(q.transpose(0, 1), weights)  # [nb, n, N], exact integers
     y = torch.zeros(n, weights.shape[2], dtype=x.dtype)
-    for b in range(nb):
+    for b in range(weights.shape[0]):
         y = y + (d[b] * e[:, b : b + 1]) * acc[b]
     return y
 
