@@ -247,3 +247,37 @@ def test_a_q6_model_decodes_the_same_with_and_without_the_kernel(tmp_path):
     assert on["logits"] == off["logits"] and on["sum"] == off["sum"]
     plain, _ = decode_in_child(folder, "q4")  # the Q6_K blocks do change the model
     assert plain["sum"] != on["sum"]
+
+
+@needs_q4
+def test_a_q6_model_is_kept_on_disk_and_read_back_bit_for_bit(tmp_path, monkeypatch):
+    """The quantised-layer cache keeps the Q6_K packings (a layer of Q6_K columns alone has an empty
+    4-bit packing) and the head as shipped: a second load reads them, not the GGUF, and scores a
+    prefill and a 4-row pass bit for bit as the first."""
+    from specdec.models import gguf_blocks
+    from specdec.models.linear import Q4Linear, w8a8_available
+    from specdec.models.native import NativeCausalLM
+
+    if not w8a8_available():
+        pytest.skip("the 4-bit target's loader needs fbgemm")
+    monkeypatch.setenv("SPECDEC_QUANTISED_CACHE", str(tmp_path / "quantised"))
+    folder, path = _q6_model(tmp_path)
+
+    def load() -> NativeCausalLM:
+        return NativeCausalLM.from_folder(folder, quant="q4", batch_invariant=True, int8_kernel="fbgemm", gguf=path)
+
+    first = load()
+    assert list((tmp_path / "quantised").glob("*.safetensors"))
+
+    def no_gguf(*args, **kw):  # noqa: ANN002, ANN003, ANN202
+        raise AssertionError("the second load read the GGUF")
+
+    monkeypatch.setattr(gguf_blocks, "read_q4_blocks", no_gguf)
+    second = load()
+    assert isinstance(second.lm_head, Q4Linear) and second.layers[0].down.packed.numel() == 0
+    ids = torch.randint(0, 1000, (10,), generator=torch.Generator().manual_seed(3))
+    outs = []
+    for model in (first, second):
+        cache = model.new_cache(32)
+        outs.append(torch.cat([model.forward(ids[:6], cache), model.forward(ids[6:], cache)]))
+    assert torch.equal(outs[0], outs[1])

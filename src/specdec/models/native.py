@@ -439,8 +439,8 @@ class NativeCausalLM:
         ``int8_kernel``: fbgemm | onednn | mixed | auto (see :func:`specdec.models.linear.int8_kernel`).
         ``quant="q4"``: every layer matrix as :class:`Q4Linear` — the 4-bit (and Q6_K) blocks in
         ``q4_blocks`` (by weight name: a GGUF's as shipped) where given, else quantised from the
-        float weight —
-        and the LM head as the int8 target's.  ``sources``: the files ``weights`` (and ``q4_blocks``)
+        float weight — and the LM head likewise where ``q4_blocks`` holds an untied target's
+        (``lm_head.weight``), else as the int8 target's.  ``sources``: the files ``weights`` (and ``q4_blocks``)
         were read from, which lets the calibration's ranges be kept on disk for later starts
         (:mod:`specdec.models.calibration_cache`).  ``quantised`` (``quant="int8"`` or ``"q4"``): the
         quantised layers as :meth:`quantised_state` gave them, which then stand for every weight but

@@ -43,7 +43,7 @@ W8A8 = 0
 PACKED = 1
 DENSE = 2
 ONEDNN_INT8 = 3  # chunks[i] = [packed int8 weight, column scales, zero points]
-Q4 = 4  # q4[i] = [gain, col, packed, packed6] on the kernel, [gain, col, codes, d, m(, codes6, scales6)] on the ATen reference
+Q4 = 4  # q4[i] = [gain, col, packed, packed6] on the kernel, [gain, col, codes, d, m(, weights6, d6)] on the ATen reference
 F32 = 5  # dense[i] = the weight packed for specdec::f32_linear
 
 
