@@ -19,6 +19,13 @@ from specdec.server.responses_api import ResponseStore
 
 MODEL = DRAFT_MODEL
 KEY = OPENAI_KEY
+# function tools as the Responses API writes them (flat); the chat endpoint's nest them under "function"
+ADD = {"type": "function", "name": "add", "description": "Add two integers", "strict": True, "parameters": {
+    "type": "object", "properties": {"a": {"type": "integer"}, "b": {"type": "integer"}}, "required": ["a", "b"],
+    "additionalProperties": False}}
+WEATHER = {"type": "function", "name": "get_weather", "strict": None, "parameters": {
+    "type": "object", "properties": {"city": {"enum": ["Paris", "Rome"]}}, "required": ["city"], "additionalProperties": False}}
+ASK = "What is the weather in Paris?"
 
 pytestmark = pytest.mark.usefixtures("single_thread")
 
@@ -125,8 +132,13 @@ def test_bad_requests_are_400s(client, server):
     def post(body: dict) -> httpx.Response:
         return httpx.post(server.url + "/v1/responses", json=body, headers={"Authorization": f"Bearer {KEY}"})
 
-    for body, message in (({"input": "x", "tools": [{"type": "function", "name": "f"}]}, "tools"),
-                          ({"input": "x", "tool_choice": "required"}, "tools"),
+    for body, message in (({"input": "x", "tools": [{"type": "web_search"}]}, "only function tools"),
+                          ({"input": "x", "tools": [{"type": "function", "name": "bad name!"}]}, "tools[0]"),
+                          ({"input": "x", "tool_choice": "required"}, "needs tools"),
+                          ({"input": "x", "tools": [ADD], "tool_choice": {"type": "function", "name": "nope"}}, "not among"),
+                          ({"input": "x", "tools": [ADD], "tool_choice": {"type": "web_search_preview"}}, "tool_choice must be"),
+                          ({"input": [{"type": "function_call_output", "output": "3"}]}, "call_id"),
+                          ({"input": [{"type": "item_reference", "id": "x"}]}, "input"),
                           ({"input": "x", "background": True}, "background"),
                           ({"input": [{"role": "user", "content": [{"type": "input_image", "image_url": "u"}]}]}, "input"),
                           ({"input": "x", "max_output_tokens": 0}, "max_output_tokens"),
@@ -160,3 +172,78 @@ def test_the_store_keeps_the_most_recently_used_within_its_bounds():
     assert len(store) == 1 and store.get("big", "me")[1] == {"id": "big"}
     store.delete("big", "me")
     assert len(store) == 0
+
+
+def _as_chat(tool: dict) -> dict:
+    return {"type": "function", "function": {k: v for k, v in tool.items() if k != "type"}}
+
+
+def test_function_tools_make_the_chat_endpoints_calls(client):
+    """A required or named call is the chat endpoint's call (same name, same arguments, greedy), as
+    ``function_call`` items and no message; streamed, each call's item and arguments go out as
+    OpenAI's events, and the finished response equals the one not streamed."""
+    for choice, chat_choice in (("required", "required"),
+                                ({"type": "function", "name": "add"}, {"type": "function", "function": {"name": "add"}})):
+        kw = dict(model=MODEL, input=ASK, tools=[ADD, WEATHER], tool_choice=choice, max_output_tokens=60, temperature=0)
+        resp = client.responses.create(**kw)
+        chat = _chat(client, [{"role": "user", "content": ASK}], 60, tools=[_as_chat(ADD), _as_chat(WEATHER)],
+                     tool_choice=chat_choice)
+        [expected] = chat.choices[0].message.tool_calls
+        assert [item.type for item in resp.output] == ["function_call"] and resp.output_text == ""
+        [call] = resp.output
+        assert (call.name, call.arguments) == (expected.function.name, expected.function.arguments)
+        assert call.call_id.startswith("call_") and call.id.startswith("fc_") and call.status == "completed"
+        assert set(json.loads(call.arguments)) == ({"a", "b"} if call.name == "add" else {"city"})
+        assert resp.tool_choice == choice if isinstance(choice, str) else resp.tool_choice.name == "add"
+        assert [t.name for t in resp.tools] == ["add", "get_weather"] and resp.tools[0].parameters == ADD["parameters"]
+        assert resp.model_extra["specdec"]["draft_tokens_proposed"] > 0  # speculation ran under the call's grammar
+        events = list(client.responses.create(**kw, stream=True))
+        assert [e.type for e in events] == [
+            "response.created", "response.in_progress", "response.output_item.added",
+            "response.function_call_arguments.delta", "response.function_call_arguments.done",
+            "response.output_item.done", "response.completed"]
+        assert [e.sequence_number for e in events] == list(range(len(events)))
+        added, delta, done, closed, end = events[2:]
+        assert added.item.type == "function_call" and added.item.arguments == "" and added.output_index == 0
+        assert delta.delta == done.arguments == closed.item.arguments == call.arguments
+        assert delta.item_id == done.item_id == closed.item.id == added.item.id == end.response.output[0].id
+        assert (end.response.output[0].name, end.response.output[0].arguments) == (call.name, call.arguments)
+
+
+def test_auto_and_none_show_the_tools_or_not(client):
+    kw = dict(model=MODEL, input=ASK, max_output_tokens=12, temperature=0)
+    bare = client.responses.create(**kw)
+    auto = client.responses.create(**kw, tools=[ADD, WEATHER])
+    chat = _chat(client, [{"role": "user", "content": ASK}], 12, tools=[_as_chat(ADD), _as_chat(WEATHER)])
+    assert auto.usage.input_tokens == chat.usage.prompt_tokens > bare.usage.input_tokens + 40  # described to the model
+    assert auto.output_text == (chat.choices[0].message.content or "")
+    streamed = list(client.responses.create(**kw, tools=[ADD, WEATHER], stream=True))
+    assert "".join(e.delta for e in streamed if e.type == "response.output_text.delta") == auto.output_text
+    assert streamed[-1].response.output_text == auto.output_text
+    none = client.responses.create(**kw, tools=[ADD, WEATHER], tool_choice="none")
+    assert none.usage.input_tokens == bare.usage.input_tokens and none.output_text == bare.output_text
+
+
+def test_a_calls_output_continues_the_conversation(client):
+    """Earlier calls and their outputs, sent as input items or continued from a stored response,
+    give the chat endpoint's answer to the same conversation."""
+    first = client.responses.create(model=MODEL, input=ASK, tools=[WEATHER], tool_choice="required",
+                                    max_output_tokens=40, temperature=0)
+    [call] = first.output
+    result = {"type": "function_call_output", "call_id": call.call_id, "output": "18 C and sunny"}
+    chat = _chat(client, [{"role": "user", "content": ASK},
+                          {"role": "assistant", "content": None, "tool_calls": [
+                              {"id": call.call_id, "type": "function",
+                               "function": {"name": call.name, "arguments": call.arguments}}]},
+                          {"role": "tool", "tool_call_id": call.call_id, "content": "18 C and sunny"}],
+                 16, tools=[_as_chat(WEATHER)])
+    expected = chat.choices[0].message.content or ""
+    continued = client.responses.create(model=MODEL, input=[result], previous_response_id=first.id, tools=[WEATHER],
+                                        max_output_tokens=16, temperature=0)
+    items = [{"role": "user", "content": ASK},
+             {"type": "function_call", "call_id": call.call_id, "name": call.name, "arguments": call.arguments},
+             {**result, "output": [{"type": "input_text", "text": "18 C and sunny"}]}]
+    sent = client.responses.create(model=MODEL, input=items, tools=[WEATHER], max_output_tokens=16, temperature=0)
+    assert continued.output_text == sent.output_text == expected
+    assert continued.usage.input_tokens == sent.usage.input_tokens == chat.usage.prompt_tokens
+    assert client.responses.retrieve(first.id).output[0].arguments == call.arguments  # a call's response is stored

@@ -45,6 +45,26 @@ def test_answers_become_tool_calls_and_content():
     assert tc.held_back("x < y") == len("x < y") and tc.held_back("tail<") == 4
 
 
+def test_streamed_content_is_held_where_a_call_may_begin():
+    """Text goes out up to a possible call; the entries and ids of text held back go out with the
+    next text sent (a piece without entries leaves them waiting), the rest at the end."""
+    gate = tc.HeldContent()
+    assert gate.feed("Sure", ["e1"], [1]) == ("Sure", ["e1"], [1])
+    assert gate.feed(" <tool", ["e2"], [2]) == (" ", ["e2"], [2])  # "<tool" may open a call
+    assert gate.feed("_c", ["e3"], [3]) is None  # "<tool_c": still a call's opening
+    assert gate.feed("s", ["e4"], [4]) == ("<tool_cs", ["e3", "e4"], [3, 4])  # not one after all
+    assert gate.feed("<tool_call>{", ["e5"], [5]) is None
+    assert gate.rest('Sure <tool_cs<tool_call>{"name": "f"}</tool_call>', calls=True) == ("", ["e5"], [5])
+    gate = tc.HeldContent()
+    assert gate.feed("a", ["e1"], [1]) == ("a", ["e1"], [1])
+    assert gate.feed("<", ["e2"], [2]) is None
+    assert gate.feed("b", None, [3]) == ("<b", None, [2, 3])  # a piece without entries: the held one waits on
+    assert gate.rest("a<b", calls=False) == ("", ["e2"], [])
+    gate = tc.HeldContent()
+    assert gate.feed("x <tool_ca", None, [1]) == ("x ", None, [1])
+    assert gate.rest("x <tool_ca", calls=False) == ("<tool_ca", None, [])  # no call made: all of it goes
+
+
 def test_tool_choice_picks_the_tools_and_the_grammar():
     tools = [tc.ToolDef.model_validate(ADD), tc.ToolDef.model_validate(WEATHER)]
     assert tc.chosen(tools, None) == (tools, None) and tc.chosen(tools, "auto") == (tools, None)

@@ -772,16 +772,16 @@ def _stream(
     job: _Job,
     *,
     head: Callable[[int], list[dict[str, Any]]],
-    delta: Callable[[int, TextPiece], dict[str, Any] | None],
+    delta: Callable[[int, TextPiece], dict[str, Any] | list[dict[str, Any]] | None],
     tail: Callable[[int, TextResult], dict[str, Any] | list[dict[str, Any]]],
     usage: Callable[[list[TextResult]], dict[str, Any]] | None,
     head_waits: bool = False,
     finish: Callable[[dict[str, Any], list[TextResult]], dict[str, Any]] | None = None,
     named: bool = False,
 ) -> StreamingResponse:
-    """Server-sent events: per choice, ``head`` chunks, one ``delta`` chunk per streamed piece (its
-    text and, where asked for, the log-probabilities of the tokens it completes; None: nothing to
-    send), ``tail`` (one chunk or several); then [usage] and [DONE].  Choices run as :func:`_run_choices` runs them — side
+    """Server-sent events: per choice, ``head`` chunks, ``delta`` chunks per streamed piece (one or
+    a list: its text and, where asked for, the log-probabilities of the tokens it completes; None:
+    nothing to send), ``tail`` (one chunk or several); then [usage] and [DONE].  Choices run as :func:`_run_choices` runs them — side
     by side on spare slots where there are some — so their chunks interleave, each carrying its
     index (as OpenAI's streams of ``n`` choices do); a choice's own chunks keep their order.  The
     request's speculative stats ride on the last chunk of the choice that ends last (``finish``
@@ -846,7 +846,8 @@ def _stream(
                     if sent is not None:
                         for chunk in opening(index):
                             yield chunk
-                        yield _sse(sent, named)
+                        for chunk in sent if isinstance(sent, list) else [sent]:
+                            yield _sse(chunk, named)
                 elif kind == "done":
                     index, result = value
                     for chunk in opening(index):
@@ -1260,10 +1261,7 @@ def openai_router(ctx: "ServerContext") -> APIRouter:
         if req.stream:
             include_usage = req.stream_options is not None and req.stream_options.include_usage
             # with tools shown, content stops where a call may begin; the calls go out at the end
-            texts: dict[int, str] = {}  # per choice: its text so far
-            sent: dict[int, int] = {}  # per choice: how much of it went out as content
-            held: dict[int, list[Any]] = {}  # per choice: logprob entries of text not yet sent
-            held_ids: dict[int, list[int]] = {}
+            gates: dict[int, tool_calls.HeldContent] = {}  # per choice
 
             def streamed(index: int, piece: TextPiece) -> dict[str, Any] | None:
                 lps = _chat_logprobs(named, piece.token_ids, piece.logprobs)
@@ -1271,17 +1269,12 @@ def openai_router(ctx: "ServerContext") -> APIRouter:
                     lps = None
                 text, token_ids = piece.text, piece.token_ids
                 if shown:
-                    texts[index] = texts.get(index, "") + text
-                    start, stop = sent.get(index, 0), tool_calls.held_back(texts[index])
-                    text = texts[index][start:stop] if stop > start else ""
-                    sent[index] = max(start, stop)
-                    if lps is not None:
-                        held.setdefault(index, []).extend(lps["content"])
-                    held_ids.setdefault(index, []).extend(token_ids)
-                    if not text:
+                    sent = gates.setdefault(index, tool_calls.HeldContent()).feed(
+                        text, lps["content"] if lps is not None else None, token_ids)
+                    if sent is None:
                         return None
-                    lps = {"content": held.pop(index, []), "refusal": None} if lps is not None else None
-                    token_ids = held_ids.pop(index, [])
+                    text, entries, token_ids = sent
+                    lps = {"content": entries, "refusal": None} if entries is not None else None
                 if text or lps is not None or (req.return_token_ids and token_ids):
                     return chunk(index, {"content": text}, None, lps, token_ids)
                 return None
@@ -1295,12 +1288,10 @@ def openai_router(ctx: "ServerContext") -> APIRouter:
                 if not shown:
                     return [chunk(index, {}, finish)]
                 ends = []
-                rest = out.text[sent.get(index, 0):tool_calls.held_back(out.text)] if "tool_calls" in answer else \
-                    out.text[sent.get(index, 0):]
-                pending = held.pop(index, None)
+                rest, pending, rest_ids = gates.pop(index, tool_calls.HeldContent()).rest(out.text, "tool_calls" in answer)
                 lps = {"content": pending, "refusal": None} if pending is not None else None
-                if rest or lps is not None or held_ids.get(index):
-                    ends.append(chunk(index, {"content": rest}, None, lps, held_ids.pop(index, [])))
+                if rest or lps is not None or rest_ids:
+                    ends.append(chunk(index, {"content": rest}, None, lps, rest_ids))
                 if "tool_calls" in answer:
                     ends.append(chunk(index, {"tool_calls": [{"index": i, **call} for i, call in enumerate(answer["tool_calls"])]},
                                       None))

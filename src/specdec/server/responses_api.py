@@ -13,8 +13,18 @@ named and numbered.
 recently used dropped; per API key), so
 ``GET`` returns it and ``previous_response_id`` continues its conversation: that response's input
 and output come before the new input; its ``instructions`` do not (as in OpenAI's API).  The
-store lives in the server process: a restart forgets it.  Tools, background runs and non-text
-input are refused with a 400.
+store lives in the server process: a restart forgets it.
+
+Function tools: ``tools`` (``{"type": "function", "name", "description", "parameters", "strict"}``)
+and ``tool_choice`` (``none``, ``auto``, ``required`` or ``{"type": "function", "name"}``) work as on
+the chat endpoint (:mod:`specdec.server.tools`: the model writes Hermes-style blocks; a required or
+named call is held to the function's JSON Schema by a grammar, so the output keeps the constrained
+target's law).  Each call the answer makes is a ``function_call`` output item after the message
+(which is left out when the model said nothing else); streamed, each call's item is added, its
+arguments sent (``response.function_call_arguments.delta`` / ``.done``) and the item closed once
+the answer is finished, and text stops streaming where a call may begin.  Input may carry earlier
+``function_call`` items and their ``function_call_output`` results.  Hosted tools (web search,
+file search, …), background runs and non-text input are refused with a 400.
 """
 
 from __future__ import annotations
@@ -27,14 +37,16 @@ from typing import TYPE_CHECKING, Annotated, Any, Literal
 
 from fastapi import APIRouter, Request
 from fastapi.responses import JSONResponse
-from pydantic import BaseModel, ConfigDict, Field, ValidationError
+from pydantic import BaseModel, ConfigDict, Discriminator, Field, Tag, ValidationError
 
 from specdec import defaults
 from specdec.engine import TextPiece, TextResult
+from specdec.server import tools as tool_calls
 from specdec.server.errors import ApiError
 from specdec.server.openai_api import (
     ChatRequest, _chat_ids, _chat_logprobs, _Job, _Names, _owner, _run_blocking, _stats, _stream,
 )
+from specdec.server.tools import ToolDef
 
 if TYPE_CHECKING:
     from specdec.server.app import ServerContext
@@ -61,11 +73,40 @@ class InputMessage(BaseModel):
     content: Annotated[str, Field(max_length=1 << 22)] | Annotated[list[InputPart], Field(max_length=256)]
 
 
+class FunctionCallItem(BaseModel):
+    """A call the model made earlier (sent back with the conversation)."""
+
+    model_config = ConfigDict(extra="allow")
+    type: Literal["function_call"]
+    call_id: Annotated[str, Field(max_length=256)]
+    name: Annotated[str, Field(max_length=64)]
+    arguments: Annotated[str, Field(max_length=1 << 20)]
+
+
+class FunctionCallOutputItem(BaseModel):
+    """A call's result, answering the call with the same ``call_id``."""
+
+    model_config = ConfigDict(extra="allow")
+    type: Literal["function_call_output"]
+    call_id: Annotated[str, Field(max_length=256)]
+    output: Annotated[str, Field(max_length=1 << 22)] | Annotated[list[InputPart], Field(max_length=256)]
+
+
+def _item_type(item: Any) -> str:
+    return (item.get("type") if isinstance(item, dict) else getattr(item, "type", None)) or "message"
+
+
+InputItem = Annotated[Annotated[InputMessage, Tag("message")] | Annotated[FunctionCallItem, Tag("function_call")]
+                      | Annotated[FunctionCallOutputItem, Tag("function_call_output")], Discriminator(_item_type)]
+
+
 class ResponsesRequest(BaseModel):
     model_config = ConfigDict(extra="allow")
 
     model: Annotated[str, Field(max_length=256)] | None = None
-    input: Annotated[str, Field(min_length=1, max_length=1 << 22)] | Annotated[list[InputMessage], Field(min_length=1, max_length=1024)]
+    input: Annotated[str, Field(min_length=1, max_length=1 << 22)] | Annotated[list[InputItem], Field(min_length=1, max_length=1024)]
+    tools: Annotated[list[dict[str, Any]], Field(max_length=128)] | None = None
+    tool_choice: Annotated[str, Field(max_length=64)] | dict[str, Any] | None = None
     instructions: Annotated[str, Field(max_length=1 << 22)] | None = None
     max_output_tokens: Annotated[int, Field(ge=1, le=1 << 20)] | None = None
     stream: bool = False
@@ -90,12 +131,62 @@ def _format(text: dict[str, Any] | None) -> dict[str, Any] | None:
     return fmt
 
 
-def _turns(items: str | list[InputMessage]) -> list[dict[str, str]]:
-    """The input as chat turns (role, text)."""
+def _text(content: str | list[InputPart]) -> str:
+    return content if isinstance(content, str) else "".join(p.text for p in content)
+
+
+def _turns(items: str | list[Any]) -> list[dict[str, Any]]:
+    """The input as chat messages: a message item is a turn; a function call joins the assistant
+    turn right before it (the text it said first) or starts one; a call's output is a tool turn."""
     if isinstance(items, str):
         return [{"role": "user", "content": items}]
-    return [{"role": m.role, "content": m.content if isinstance(m.content, str) else "".join(p.text for p in m.content)}
-            for m in items]
+    turns: list[dict[str, Any]] = []
+    for item in items:
+        if isinstance(item, FunctionCallItem):
+            call = {"id": item.call_id, "type": "function", "function": {"name": item.name, "arguments": item.arguments}}
+            if turns and turns[-1]["role"] == "assistant":
+                turns[-1] = {**turns[-1], "tool_calls": [*(turns[-1].get("tool_calls") or []), call]}
+            else:
+                turns.append({"role": "assistant", "content": None, "tool_calls": [call]})
+        elif isinstance(item, FunctionCallOutputItem):
+            turns.append({"role": "tool", "tool_call_id": item.call_id, "content": _text(item.output)})
+        else:
+            turns.append({"role": item.role, "content": _text(item.content)})
+    return turns
+
+
+def _chars(turn: dict[str, Any]) -> int:
+    """A turn's size in the store: its text and its calls' arguments."""
+    return len(turn.get("content") or "") + sum(len(c["function"]["arguments"]) for c in turn.get("tool_calls") or ())
+
+
+def _tools(tools: list[dict[str, Any]] | None) -> list[ToolDef]:
+    """Responses function tools (flat: ``name``, ``parameters`` … beside ``type``) as the chat endpoint's."""
+    out = []
+    for i, tool in enumerate(tools or ()):
+        if tool.get("type") != "function":
+            raise ApiError(400, f"tools[{i}]: only function tools are supported by this server, not {tool.get('type')!r}")
+        fields = {k: tool[k] for k in ("name", "description", "parameters", "strict") if tool.get(k) is not None}
+        try:
+            out.append(ToolDef.model_validate({"type": "function", "function": fields}))
+        except ValidationError as exc:
+            raise ApiError(400, f"tools[{i}]: {_first_error(exc)}") from None
+    return out
+
+
+def _tool_choice(choice: str | dict[str, Any] | None) -> str | dict[str, Any] | None:
+    """A Responses ``tool_choice`` in the chat endpoint's spelling."""
+    if choice is None or choice in ("none", "auto", "required"):
+        return choice
+    if isinstance(choice, dict) and choice.get("type") == "function" and isinstance(choice.get("name"), str):
+        return {"type": "function", "function": {"name": choice["name"]}}
+    raise ApiError(400, "tool_choice must be 'none', 'auto', 'required' or {'type': 'function', 'name': ...} on this server")
+
+
+def _first_error(exc: ValidationError) -> str:
+    err = exc.errors()[0]
+    where = ".".join(str(p) for p in err.get("loc", ()))
+    return f"{where}: {err.get('msg')}" if where else str(err.get("msg"))
 
 
 class ResponseStore:
@@ -107,18 +198,18 @@ class ResponseStore:
     def __init__(self, capacity: int = defaults.RESPONSES_STORED, chars: int = defaults.RESPONSES_STORED_CHARS) -> None:
         self.capacity = capacity
         self.chars = chars
-        self._items: OrderedDict[str, tuple[str, list[dict[str, str]], dict[str, Any], int]] = OrderedDict()
+        self._items: OrderedDict[str, tuple[str, list[dict[str, Any]], dict[str, Any], int]] = OrderedDict()
         self._held = 0
         self._lock = threading.Lock()
 
-    def put(self, rid: str, owner: str, turns: list[dict[str, str]], body: dict[str, Any], size: int) -> None:
+    def put(self, rid: str, owner: str, turns: list[dict[str, Any]], body: dict[str, Any], size: int) -> None:
         with self._lock:
             self._items[rid] = (owner, turns, body, size)
             self._held += size
             while len(self._items) > self.capacity or (self._held > self.chars and len(self._items) > 1):
                 self._held -= self._items.popitem(last=False)[1][3]
 
-    def get(self, rid: str, owner: str) -> tuple[list[dict[str, str]], dict[str, Any]]:
+    def get(self, rid: str, owner: str) -> tuple[list[dict[str, Any]], dict[str, Any]]:
         """(conversation, body) of ``rid``; 404 for an id this owner never stored (or one dropped)."""
         with self._lock:
             found = self._items.get(rid)
@@ -150,7 +241,9 @@ def responses_router(ctx: "ServerContext") -> APIRouter:
         owner = _owner(request)
         if ctx.tokenizer is None:
             raise ApiError(400, "this server has no tokenizer, so it cannot serve text responses")
-        history: list[dict[str, str]] = []
+        defs = _tools(req.tools)
+        shown, forced = tool_calls.chosen(defs, _tool_choice(req.tool_choice))  # the tools the model sees, a call it must make
+        history: list[dict[str, Any]] = []
         if req.previous_response_id is not None:
             history = list(store.get(req.previous_response_id, owner)[0])
         turns = history + _turns(req.input)  # the conversation this response continues (stored with it)
@@ -159,10 +252,9 @@ def responses_router(ctx: "ServerContext") -> APIRouter:
         known = set(ResponsesRequest.model_fields)
         extra = {k: v for k, v in (req.model_extra or {}).items() if k not in known}
         ignored = sorted(k for k in extra if k in _NO_EFFECT)
+        parallel = extra.get("parallel_tool_calls", True)
         for name in ignored:
             extra.pop(name)
-        if extra.get("tools") or extra.get("tool_choice") not in (None, "none", "auto"):
-            raise ApiError(400, "tools are not supported on /v1/responses by this server (use /v1/chat/completions)")
         for name in ("messages", "max_tokens", "max_completion_tokens", "response_format", "logprobs", "n", "echo"):
             if name in extra:  # the chat endpoint's spellings of what a Responses request says its own way
                 raise ApiError(400, f"{name} is not a Responses API field")
@@ -171,13 +263,11 @@ def responses_router(ctx: "ServerContext") -> APIRouter:
                                stream=req.stream, response_format=_format(req.text), logprobs=logprobs,
                                top_logprobs=req.top_logprobs if logprobs else None, **extra)
         except ValidationError as exc:
-            err = exc.errors()[0]
-            where = ".".join(str(p) for p in err.get("loc", ()))
-            raise ApiError(400, f"{where}: {err.get('msg')}" if where else str(err.get("msg"))) from None
+            raise ApiError(400, _first_error(exc)) from None
         tok = ctx.tokenizer
-        ids = _chat_ids(tok, chat.messages, chat)
+        ids = _chat_ids(tok, chat.messages, chat, tools=shown)
         job = _Job(ctx, chat, [ids], req.max_output_tokens, logprobs=(req.top_logprobs or 0) if logprobs else None,
-                   endpoint="responses", owner=owner)
+                   endpoint="responses", owner=owner, tool_grammar=tool_calls.grammar(shown, forced))
         job.ignored = sorted(job.ignored + ignored)
         named = _Names(tok, ctx.token_bytes)
         # on a scale-out replica the id names it (as session ids do), so the gateway routes to its store
@@ -185,23 +275,44 @@ def responses_router(ctx: "ServerContext") -> APIRouter:
         mid, created = f"msg_{secrets.token_hex(16)}", int(time.time())
         ctx.metrics.completions.labels("responses", str(req.stream).lower()).inc()
 
+        parsed: list[Any] = [None, None]  # the answer parsed last and what it gave (its calls keep their ids)
+
+        def answer(out: TextResult) -> tuple[str | None, list[dict[str, Any]]]:
+            """(the message's text, None for none; the calls) of an answer: with tools shown, its calls parsed out."""
+            if not shown:
+                return out.text, []
+            if parsed[0] is not out:
+                content, calls = tool_calls.parse(out.text)
+                parsed[:] = [out, (content, calls) if calls else (out.text, [])]
+            return parsed[1]
+
+        def status_of(out: TextResult) -> str:
+            return "incomplete" if out.stats.finish_reason == "length" else "completed"
+
+        def output(out: TextResult) -> list[dict[str, Any]]:
+            """The output items: the message (unless the model only made calls), then each call."""
+            content, calls = answer(out)
+            message = [] if content is None else [_message(mid, status_of(out), _part(content, named, out, logprobs))]
+            return message + [_function_call(call, "completed") for call in calls]
+
         def body(status: str, out: TextResult | None) -> dict[str, Any]:
             """The response object: in progress (no output yet) or finished with ``out``."""
             incomplete = out is not None and out.stats.finish_reason == "length"
             if out is not None:
-                status = "incomplete" if incomplete else "completed"
-            output = [] if out is None else [_message(mid, "incomplete" if incomplete else "completed",
-                                                      _part(out.text, named, out, logprobs))]
+                status = status_of(out)
             return {
                 "id": rid, "object": "response", "created_at": created, "status": status, "error": None,
                 "incomplete_details": {"reason": "max_output_tokens"} if incomplete else None,
                 "instructions": req.instructions, "max_output_tokens": req.max_output_tokens, "model": job.model_name,
-                "output": output, "parallel_tool_calls": False, "previous_response_id": req.previous_response_id,
+                "output": [] if out is None else output(out), "parallel_tool_calls": parallel,
+                "previous_response_id": req.previous_response_id,
                 "reasoning": {"effort": None, "summary": None}, "store": req.store,
                 "temperature": 1.0 if chat.temperature is None else chat.temperature,
                 "text": {"format": req.text.get("format") if req.text and req.text.get("format") else {"type": "text"}},
-                "tool_choice": "none", "tools": [], "top_logprobs": req.top_logprobs,
-                "top_p": 1.0 if chat.top_p is None else chat.top_p,
+                "tool_choice": "auto" if req.tool_choice is None else req.tool_choice,
+                "tools": [{"type": "function", **t.function.model_dump(include={"name", "description", "parameters", "strict"})}
+                          for t in defs],
+                "top_logprobs": req.top_logprobs, "top_p": 1.0 if chat.top_p is None else chat.top_p,
                 "truncation": "disabled", "user": None, "metadata": {},
                 "usage": None if out is None else _usage(out, len(ids)),
             }
@@ -209,8 +320,9 @@ def responses_router(ctx: "ServerContext") -> APIRouter:
         def finished(out: TextResult, stats: dict[str, Any]) -> dict[str, Any]:
             done = {**body("completed", out), "specdec": stats}
             if req.store:
-                added = sum(len(t["content"]) for t in turns[len(history):]) + len(out.text)
-                store.put(rid, owner, turns + [{"role": "assistant", "content": out.text}], done, added)
+                content, calls = answer(out)
+                said = {"role": "assistant", "content": content, **({"tool_calls": calls} if calls else {})}
+                store.put(rid, owner, turns + [said], done, sum(_chars(t) for t in turns[len(history):]) + _chars(said))
             return done
 
         if req.stream:
@@ -220,28 +332,58 @@ def responses_router(ctx: "ServerContext") -> APIRouter:
                 return {"type": kind, "sequence_number": next(seq), **fields}
 
             where = {"item_id": mid, "output_index": 0, "content_index": 0}
+            gate = tool_calls.HeldContent()  # with tools shown, text stops where a call may begin
+            opened = False  # whether the message item went out (with its first text, or at the end)
 
-            def head(index: int) -> list[dict[str, Any]]:
-                opening = body("in_progress", None)
-                return [event("response.created", response=opening), event("response.in_progress", response=opening),
-                        event("response.output_item.added", output_index=0,
-                              item=_message(mid, "in_progress", None)),
+            def opening() -> list[dict[str, Any]]:
+                nonlocal opened
+                if opened:
+                    return []
+                opened = True
+                return [event("response.output_item.added", output_index=0, item=_message(mid, "in_progress", None)),
                         event("response.content_part.added", **where, part=_part("", named, None, False))]
 
-            def delta(index: int, piece: TextPiece) -> dict[str, Any] | None:
+            def head(index: int) -> list[dict[str, Any]]:
+                opening_body = body("in_progress", None)
+                return [event("response.created", response=opening_body),
+                        event("response.in_progress", response=opening_body)]
+
+            def text_event(text: str, entries: list[Any] | None) -> list[dict[str, Any]]:
+                return [*opening(), event("response.output_text.delta", **where, delta=text, logprobs=entries or [])]
+
+            def delta(index: int, piece: TextPiece) -> list[dict[str, Any]] | None:
                 if not piece.text and not (logprobs and piece.logprobs):
                     return None
                 lps = _chat_logprobs(named, piece.token_ids, piece.logprobs)
-                return event("response.output_text.delta", **where, delta=piece.text,
-                             logprobs=lps["content"] if lps is not None else [])
+                text, entries = piece.text, lps["content"] if lps is not None else None
+                if shown:
+                    sent = gate.feed(text, entries, piece.token_ids)
+                    if sent is None:
+                        return None
+                    text, entries, _ = sent
+                return text_event(text, entries)
 
             def tail(index: int, out: TextResult) -> list[dict[str, Any]]:
-                part = _part(out.text, named, out, logprobs)
-                status = "incomplete" if out.stats.finish_reason == "length" else "completed"
-                return [event("response.output_text.done", **where, text=out.text, logprobs=part["logprobs"]),
-                        event("response.content_part.done", **where, part=part),
-                        event("response.output_item.done", output_index=0, item=_message(mid, status, part)),
-                        {"type": f"response.{status}"}]  # numbered when it goes out, with the stats
+                content, calls = answer(out)
+                ends: list[dict[str, Any]] = []
+                if shown:
+                    rest, entries, _ = gate.rest(out.text, bool(calls))
+                    if rest or entries:
+                        ends += text_event(rest, entries)
+                if content is not None or opened:
+                    part = _part(content or "", named, out, logprobs)
+                    ends += [*opening(), event("response.output_text.done", **where, text=part["text"], logprobs=part["logprobs"]),
+                             event("response.content_part.done", **where, part=part),
+                             event("response.output_item.done", output_index=0, item=_message(mid, status_of(out), part))]
+                for k, call in enumerate(calls, start=1 if opened else 0):
+                    item = _function_call(call, "completed")
+                    ends += [event("response.output_item.added", output_index=k, item={**item, "arguments": "", "status": "in_progress"}),
+                             event("response.function_call_arguments.delta", item_id=item["id"], output_index=k,
+                                   delta=item["arguments"]),
+                             event("response.function_call_arguments.done", item_id=item["id"], output_index=k,
+                                   arguments=item["arguments"]),
+                             event("response.output_item.done", output_index=k, item=item)]
+                return [*ends, {"type": f"response.{status_of(out)}"}]  # numbered when it goes out, with the stats
 
             def finish(last: dict[str, Any], outs: list[TextResult]) -> dict[str, Any]:
                 return event(last["type"], response=finished(outs[0], _stats(outs)))
@@ -264,6 +406,12 @@ def responses_router(ctx: "ServerContext") -> APIRouter:
 
 def _message(mid: str, status: str, part: dict[str, Any] | None) -> dict[str, Any]:
     return {"id": mid, "type": "message", "status": status, "role": "assistant", "content": [] if part is None else [part]}
+
+
+def _function_call(call: dict[str, Any], status: str) -> dict[str, Any]:
+    """A call (as :func:`specdec.server.tools.parse` gives it) as a ``function_call`` output item."""
+    return {"id": f"fc_{call['id'].removeprefix('call_')}", "type": "function_call", "status": status,
+            "call_id": call["id"], "name": call["function"]["name"], "arguments": call["function"]["arguments"]}
 
 
 def _part(text: str, named: _Names, out: TextResult | None, logprobs: bool) -> dict[str, Any]:

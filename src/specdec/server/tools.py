@@ -189,3 +189,42 @@ def held_back(text: str) -> int:
         if OPEN.startswith(text[-k:]):
             return len(text) - k
     return len(text)
+
+
+class HeldContent:
+    """One streamed answer's content while tools are shown: text goes out up to where a call may
+    begin (:func:`held_back`); the log-probability entries and token ids of text held back wait
+    with it, and go out with the next text sent (or with the rest at the end)."""
+
+    def __init__(self) -> None:
+        self.text = ""  # the answer so far
+        self.sent = 0  # how much of it went out
+        self.entries: list[Any] | None = None  # log-probability entries of text not yet sent
+        self.ids: list[int] = []  # token ids of text not yet sent
+
+    def feed(self, text: str, entries: list[Any] | None, ids: list[int]) -> tuple[str, list[Any] | None, list[int]] | None:
+        """A piece's text, entries (None: no log-probabilities for it) and ids: (text, entries, ids) to
+        send now — entries None where this piece had none — or None while all of it is held."""
+        self.text += text
+        stop = held_back(self.text)
+        out = self.text[self.sent:stop] if stop > self.sent else ""
+        self.sent = max(self.sent, stop)
+        if entries is not None:
+            self.entries = (self.entries or []) + list(entries)
+        self.ids.extend(ids)
+        if not out:
+            return None
+        held = None
+        if entries is not None:  # a piece without entries leaves the held ones for the next that has some
+            held, self.entries = self.entries, None
+        ids_out, self.ids = self.ids, []
+        return out, held, ids_out
+
+    def rest(self, final: str, calls: bool) -> tuple[str, list[Any] | None, list[int]]:
+        """What is left to send of the finished answer ``final``: its content up to the first call where
+        it made calls, else all of it; the held entries (None if none) and ids."""
+        stop = held_back(final) if calls else len(final)
+        out = final[self.sent:stop] if stop > self.sent else ""
+        held, self.entries = self.entries, None
+        ids_out, self.ids = self.ids, []
+        return out, held, ids_out
