@@ -493,7 +493,7 @@ def test_chat_continues_the_final_message_and_takes_template_options(server, cli
     assert kw.choices[0].message.content == plain.choices[0].message.content  # a variable this template ignores
     for extra, message in (({"continue_final_message": True}, "needs add_generation_prompt false"),
                            ({"chat_template_kwargs": {"messages": []}}, "may not set messages"),
-                           ({"echo": True}, "echo"), ({"chat_template": "{{ 1 }}"}, "chat_template")):
+                           ({"echo": True}, "echo"), ({"chat_template": "{{ 1 }}"}, "--trust-request-chat-template")):
         with pytest.raises(openai.BadRequestError, match=message):
             client.chat.completions.create(model=MODEL, messages=messages, max_tokens=4, extra_body=extra)
 

@@ -1,5 +1,5 @@
 """``specdec serve`` options clients see, spelled as vLLM spells them: ``--served-model-name``,
-``--max-model-len`` and ``--chat-template``."""
+``--max-model-len``, ``--chat-template`` and ``--trust-request-chat-template``."""
 
 from __future__ import annotations
 
@@ -19,7 +19,7 @@ def test_names_context_limit_and_chat_template(tmp_path):
     template = tmp_path / "chat.jinja"
     template.write_text(TEMPLATE)
     with ServerProcess.draft_model("--served-model-name", "alpha", "beta", "--max-model-len", "48",
-                                   "--chat-template", str(template)) as srv:
+                                   "--chat-template", str(template), "--trust-request-chat-template") as srv:
         with srv.openai() as client:
             assert [m.id for m in client.models.list().data] == ["alpha", "beta"]
             assert client.models.retrieve("beta").model_extra["max_model_len"] == 48
@@ -36,3 +36,14 @@ def test_names_context_limit_and_chat_template(tmp_path):
             chat = client.chat.completions.create(model="alpha", messages=[{"role": "user", "content": "hi"}], max_tokens=4,
                                                   temperature=0)
             assert chat.usage.prompt_tokens == len(ids)
+            # a request's own template renders its conversation instead (the server trusts requests' templates)
+            own = {"chat_template": "{% for m in messages %}[{{ m.content }}]{% endfor %}{% if add_generation_prompt %}={% endif %}"}
+            ids = httpx.post(srv.url + "/tokenize", json={"messages": [{"role": "user", "content": "def f():"}], **own}).json()["tokens"]
+            assert httpx.post(srv.url + "/detokenize", json={"tokens": ids}).json()["prompt"] == "[def f():]="
+            chat = client.chat.completions.create(model="alpha", messages=[{"role": "user", "content": "def f():"}], max_tokens=6,
+                                                  temperature=0, extra_body=own)
+            plain = client.completions.create(model="alpha", prompt="[def f():]=", max_tokens=6, temperature=0)
+            assert chat.usage.prompt_tokens == len(ids) and chat.choices[0].message.content == plain.choices[0].text
+            with pytest.raises(openai.BadRequestError, match="chat template rejected"):
+                client.chat.completions.create(model="alpha", messages=[{"role": "user", "content": "hi"}], max_tokens=2,
+                                               extra_body={"chat_template": "{% for m in messages %}"})

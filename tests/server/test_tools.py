@@ -84,7 +84,7 @@ def test_a_template_without_tools_gets_them_in_a_system_message():
     from specdec.models import registry
 
     tok = registry.load_tokenizer(registry.resolve(MODEL).folder)
-    assert not tc.template_renders_tools(tok)
+    assert not tc.template_renders_tools(tok.chat_template)
     call = {"id": "call_1", "type": "function", "function": {"name": "add", "arguments": '{"a": 1, "b": 2}'}}
     messages = [ChatMessage.model_validate(m) for m in (
         {"role": "system", "content": "Be brief."}, {"role": "user", "content": "1 + 2?"},
@@ -105,7 +105,7 @@ def test_a_template_with_tools_renders_them_itself():
     except Exception:  # noqa: BLE001 - the Qwen models are an optional install
         pytest.skip("the Qwen2.5-Coder-0.5B files are not installed")
     tok = registry.load_tokenizer(folder)
-    assert tc.template_renders_tools(tok)
+    assert tc.template_renders_tools(tok.chat_template)
     call = {"id": "call_1", "type": "function", "function": {"name": "add", "arguments": '{"a": 1, "b": 2}'}}
     messages = [ChatMessage.model_validate(m) for m in (
         {"role": "user", "content": "1 + 2?"}, {"role": "assistant", "content": None, "tool_calls": [call]},

@@ -55,6 +55,9 @@ def add_parser(sub: Any) -> None:
     m.add_argument("--chat-template", metavar="PATH|TEMPLATE",
                    help="render chat conversations with this Jinja template (a file, or the template itself) instead"
                         " of the model's")
+    m.add_argument("--trust-request-chat-template", action="store_true",
+                   help="let a chat request's own chat_template (vLLM's extension) render its conversation instead of"
+                        " the model's (off by default, as in vLLM: a template is code the server runs, in Jinja's sandbox)")
     g = p.add_argument_group("limits")
     g.add_argument("--max-sessions", type=int, default=64, help="edge sessions held at once; the least recently used idle one is evicted past this (default 64)")
     g.add_argument("--session-ttl", type=float, default=900.0, help="seconds an idle session is kept (default 900)")
@@ -219,6 +222,7 @@ def settings_from_args(args: argparse.Namespace) -> dict[str, Any]:
         max_active_requests=args.max_active_requests,
         metrics_need_key=args.metrics_need_key,
         max_model_len=getattr(args, "max_model_len", None),
+        trust_request_chat_template=getattr(args, "trust_request_chat_template", False),
     )
     names = getattr(args, "served_model_name", None)
     if names:

@@ -63,7 +63,7 @@ IGNORED_HEADER = "X-Specdec-Ignored-Fields"
 _REFUSED = ("tools", "functions", "audio", "prediction", "web_search_options",
             # vLLM's sampling extensions this server does not implement: each would change the output
             "use_beam_search", "logits_processors", "guided_whitespace_pattern",
-            "truncate_prompt_tokens", "chat_template")
+            "truncate_prompt_tokens")
 #: fields that are accepted and have no effect here (listed in the ignored-fields header)
 _NO_EFFECT = ("user", "store", "metadata", "service_tier", "parallel_tool_calls", "reasoning_effort", "modalities")
 
@@ -289,6 +289,8 @@ class _ChatTemplating(BaseModel):
     add_generation_prompt: bool = True
     continue_final_message: bool = False
     chat_template_kwargs: Annotated[dict[str, Any], Field(max_length=64)] | None = None
+    # the request's own template (a server started with --trust-request-chat-template; else a 400)
+    chat_template: Annotated[str, Field(min_length=1, max_length=1 << 20)] | None = None
 
 
 class TokenizeRequest(_ChatTemplating):
@@ -900,14 +902,19 @@ _TEMPLATE_OWN = ("messages", "conversation", "tools", "documents", "add_generati
 
 
 def _chat_ids(tok: Any, messages: list[ChatMessage], opts: _ChatTemplating | None = None,
-              tools: list[ToolDef] | None = None) -> list[int]:
+              tools: list[ToolDef] | None = None, *, trust_template: bool = False) -> list[int]:
     """Token ids of a conversation through the model's chat template (what /v1/chat/completions
     generates after).  With ``continue_final_message`` the text ends right after the last
     message's content, its end-of-turn tokens left out, so the reply continues that message.
     ``tools``: shown to the model (by the template where it renders them, else in a system
-    message: :mod:`specdec.server.tools`)."""
+    message: :mod:`specdec.server.tools`).  The request's own ``chat_template`` renders it instead
+    of the model's where ``trust_template`` (the server's ``--trust-request-chat-template``) allows."""
     opts = opts or _ChatTemplating()
-    if not getattr(tok, "chat_template", None):
+    if opts.chat_template is not None and not trust_template:
+        raise ApiError(400, "chat_template is not accepted by this server (start it with --trust-request-chat-template"
+                            " to let requests bring their own)")
+    template = opts.chat_template or getattr(tok, "chat_template", None)
+    if not template:
         raise ApiError(400, "this model has no chat template; use /v1/completions")
     if opts.continue_final_message and opts.add_generation_prompt:
         raise ApiError(400, "continue_final_message needs add_generation_prompt false (as in vLLM): the reply continues"
@@ -916,7 +923,7 @@ def _chat_ids(tok: Any, messages: list[ChatMessage], opts: _ChatTemplating | Non
     clash = sorted(set(kwargs) & set(_TEMPLATE_OWN))
     if clash:
         raise ApiError(400, f"chat_template_kwargs may not set {', '.join(clash)}")
-    native = tool_calls.template_renders_tools(tok)
+    native = tool_calls.template_renders_tools(template)
     turns = [tool_calls.turn(m, m.text, native) for m in messages]
     if tools and native:
         kwargs["tools"] = [t.model_dump(exclude_none=True) for t in tools]
@@ -926,6 +933,8 @@ def _chat_ids(tok: Any, messages: list[ChatMessage], opts: _ChatTemplating | Non
             turns[0] = {**turns[0], "content": turns[0]["content"] + "\n\n" + described}
         else:
             turns.insert(0, {"role": "system", "content": described})
+    if opts.chat_template is not None:
+        kwargs["chat_template"] = opts.chat_template
     try:
         text = tok.apply_chat_template(turns, tokenize=False, add_generation_prompt=opts.add_generation_prompt, **kwargs)
     except Exception as exc:  # noqa: BLE001 - a template that rejects the conversation
@@ -1199,7 +1208,8 @@ def openai_router(ctx: "ServerContext") -> APIRouter:
         if req.prompt is not None:
             ids = list(tok.encode(req.prompt, add_special_tokens=req.add_special_tokens))
         else:
-            ids = _chat_ids(tok, req.messages, req)  # type: ignore[arg-type]
+            ids = _chat_ids(tok, req.messages, req,  # type: ignore[arg-type]
+                            trust_template=ctx.settings.trust_request_chat_template)
         return {"count": len(ids), "max_model_len": ctx.model.max_length, "tokens": ids,
                 "token_strs": tok.convert_ids_to_tokens(ids) if req.return_token_strs else None}
 
@@ -1230,7 +1240,7 @@ def openai_router(ctx: "ServerContext") -> APIRouter:
             raise ApiError(400, "echo is not supported by /v1/chat/completions on this server")
         tok = tokenizer()
         shown, forced = tool_calls.chosen(req.tools, req.tool_choice)  # the tools the model sees, a call it must make
-        ids = _chat_ids(tok, req.messages, req, tools=shown)
+        ids = _chat_ids(tok, req.messages, req, tools=shown, trust_template=ctx.settings.trust_request_chat_template)
         if not ids:
             raise ApiError(400, "the conversation encodes to no tokens")
         max_tokens = req.max_completion_tokens if req.max_completion_tokens is not None else req.max_tokens

@@ -265,7 +265,7 @@ def responses_router(ctx: "ServerContext") -> APIRouter:
         except ValidationError as exc:
             raise ApiError(400, _first_error(exc)) from None
         tok = ctx.tokenizer
-        ids = _chat_ids(tok, chat.messages, chat, tools=shown)
+        ids = _chat_ids(tok, chat.messages, chat, tools=shown, trust_template=ctx.settings.trust_request_chat_template)
         job = _Job(ctx, chat, [ids], req.max_output_tokens, logprobs=(req.top_logprobs or 0) if logprobs else None,
                    endpoint="responses", owner=owner, tool_grammar=tool_calls.grammar(shown, forced))
         job.ignored = sorted(job.ignored + ignored)

@@ -65,6 +65,8 @@ class ServerSettings:
     #: put before every session id this server creates (a Ray Serve replica puts its own id there,
     #: so that a session's requests can be routed to the replica holding its KV cache)
     session_id_prefix: str = ""
+    #: a chat request's own ``chat_template`` (vLLM's extension) replaces the model's; off: a 400
+    trust_request_chat_template: bool = False
 
     @property
     def model_names(self) -> tuple[str, ...]:

@@ -104,9 +104,9 @@ def grammar(tools: list[ToolDef], name: str | None) -> str | None:
         raise ApiError(400, f"invalid tool parameters: {str(exc).splitlines()[0]}") from None
 
 
-def template_renders_tools(tokenizer: Any) -> bool:
-    """Whether the chat template reads a ``tools`` variable (else :func:`system_text` describes them)."""
-    return "tools" in (getattr(tokenizer, "chat_template", None) or "")
+def template_renders_tools(template: str | None) -> bool:
+    """Whether a chat template reads a ``tools`` variable (else :func:`system_text` describes them)."""
+    return "tools" in (template or "")
 
 
 def system_text(tools: list[ToolDef]) -> str:
