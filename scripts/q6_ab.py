@@ -9,7 +9,10 @@ every built-in prompt on both, the arms' order rotated per prompt.
 
 ``--products``: the model's first Q6_K layer matrix (Qwen2.5-Coder-1.5B: a down projection, 8,960
 inputs, 1,536 outputs) as shipped against its Q4_1 re-quantisation, products of 1-6 rows timed
-alternately (median of ``--reps``).
+alternately (median of ``--reps``).  With ``--copies N`` each arm holds N copies of its matrix in
+memory of their own and each product takes the next: past the L3 cache's size every product
+streams its weights from memory, as a decoding step's products do (one copy stays in L3 between
+products).
 
 Not a test and not part of CI.  The saved quantised layers are not read (either arm would find the
 other's: the cache's key does not name the block reading), so both arms build from the file.  The
@@ -44,7 +47,9 @@ def products(args) -> int:  # noqa: ANN001 - parsed options
     if found is None:
         raise SystemExit(f"{args.target}'s GGUF has no Q6_K layer matrix")
     name, b6 = found
-    arms = {"q6": Q4Linear(None, blocks6=b6), "requant": Q4Linear(quantize_q4_1(b6.dequantize()))}
+    requant = quantize_q4_1(b6.dequantize())
+    arms = {"q6": [Q4Linear(None, blocks6=b6) for _ in range(args.copies)],
+            "requant": [Q4Linear(requant) for _ in range(args.copies)]}
     k = b6.shape[1]
     rows_out = []
     for rows in (1, 2, 3, 4, 6):
@@ -52,15 +57,18 @@ def products(args) -> int:  # noqa: ANN001 - parsed options
         times: dict[str, list[float]] = {a: [] for a in arms}
         for rep in range(args.reps):
             for a in (list(arms) if rep % 2 == 0 else list(arms)[::-1]):
+                layer = arms[a][rep % args.copies]
                 t0 = time.perf_counter()
-                arms[a].product(x)
+                layer.product(x)
                 times[a].append((time.perf_counter() - t0) * 1e3)
         med = {a: statistics.median(t) for a, t in times.items()}
         rows_out.append({"rows": rows, **{f"{a}_ms": v for a, v in med.items()}, "ratio": med["q6"] / med["requant"]})
-    body = [f"`{name}` ({b6.shape[0]} x {k}), median of {args.reps} products per arm and row count, alternated:", "",
+    held = f"{args.copies} copies per arm, each product on the next" if args.copies > 1 else "one copy per arm"
+    body = [f"`{name}` ({b6.shape[0]} x {k}), {held}; median of {args.reps} products per arm and row count, alternated:", "",
             "| rows | Q6_K as shipped (ms) | re-quantised Q4_1 (ms) | ratio |", "|---|---|---|---|",
             *(f"| {r['rows']} | {r['q6_ms']:.3f} | {r['requant_ms']:.3f} | {r['ratio']:.3f} |" for r in rows_out)]
-    paired.write_report(args.out, f"One Q6_K matrix's product: {args.target}", {"matrix": name, "rows": rows_out}, body)
+    paired.write_report(args.out, f"One Q6_K matrix's product: {args.target}",
+                        {"matrix": name, "copies": args.copies, "rows": rows_out}, body)
     print("\n".join(body))
     return 0
 
@@ -70,6 +78,9 @@ def main() -> int:
     ap.add_argument("--repeats", type=int, default=1)
     ap.add_argument("--products", action="store_true", help="time one Q6_K matrix's products instead of decoding")
     ap.add_argument("--reps", type=int, default=200, help="--products: timed products per arm and row count")
+    ap.add_argument("--copies", type=int, default=1,
+                    help="--products: copies of the matrix per arm, taken in turn (enough to exceed the L3 cache: the"
+                         " products then read their weights from memory)")
     args = ap.parse_args()
     if args.products:
         return products(args)
