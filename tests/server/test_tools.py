@@ -45,6 +45,37 @@ def test_answers_become_tool_calls_and_content():
     assert tc.held_back("x < y") == len("x < y") and tc.held_back("tail<") == 4
 
 
+def test_untagged_calls_are_read_only_when_they_are_the_whole_answer():
+    """Qwen2.5-Coder writes a call without tags, often fenced: an answer that is nothing but calls
+    of the tools shown is read as those calls; anything else stays text."""
+    names = ["get_weather", "add"]
+    fenced = '```json\n{\n  "name": "get_weather",\n  "arguments": {\n    "city": "Paris"\n  }\n}\n```'
+    for text, expected in ((fenced, [("get_weather", {"city": "Paris"})]),
+                           ('  {"name": "add", "arguments": {"a": 1, "b": 2}}\n', [("add", {"a": 1, "b": 2})]),
+                           ('[{"name": "add", "parameters": {"a": 1}}, {"name": "get_weather", "arguments": "{}"}]',
+                            [("add", {"a": 1}), ("get_weather", {})])):
+        content, calls = tc.parse(text, names)
+        assert content is None and [(c["function"]["name"], json.loads(c["function"]["arguments"])) for c in calls] == expected
+    for text in (fenced, '{"name": "add", "arguments": {}}'):
+        assert tc.parse(text) == (text, [])  # no tool shown: text
+    for text in ('{"name": "nope", "arguments": {}}',  # not a tool shown
+                 '{"name": "add", "arguments": {}, "why": "asked"}',  # more than a call
+                 'Here: {"name": "add", "arguments": {}}',  # JSON inside an answer
+                 '```python\n{"name": "add", "arguments": {}}\n```', '{"name": "add", "arguments": {}', '[]', '{"ok": true}'):
+        assert tc.parse(text, names) == (text, []), text
+    tagged = 'Sure.\n<tool_call>\n{"name": "add", "arguments": {"a": 1}}\n</tool_call>'
+    assert tc.parse(tagged, names)[0] == "Sure." and len(tc.parse(tagged, names)[1]) == 1
+    for start in ("", " \n", "{", "[", "`", "```", "```js", "```json", "```json\n", "```\n[", "```json\n  {"):
+        assert tc.may_be_whole_call(start), start
+    for start in ("Sure", "```python", "```jsonx", "`x", "Here {", "```\nprint"):
+        assert not tc.may_be_whole_call(start), start
+    gate = tc.HeldContent()  # a fenced call streams nothing as content
+    assert all(gate.feed(piece, None, [i]) is None for i, piece in enumerate(("```json\n", '{"name": "add",', ' "arguments": {}}\n```')))
+    assert gate.rest('```json\n{"name": "add", "arguments": {}}\n```', calls=True) == ("", None, [0, 1, 2])
+    gate = tc.HeldContent()  # a code block is held only until it cannot be a call
+    assert gate.feed("```", None, [0]) is None and gate.feed("python\nx = 1", None, [1]) == ("```python\nx = 1", None, [0, 1])
+
+
 def test_streamed_content_is_held_where_a_call_may_begin():
     """Text goes out up to a possible call; the entries and ids of text held back go out with the
     next text sent (a piece without entries leaves them waiting), the rest at the end."""
@@ -149,6 +180,28 @@ def test_auto_shows_the_tools_and_leaves_plain_answers_alone(client):
     assert "".join(c.choices[0].delta.content or "" for c in streamed if c.choices) == (auto.choices[0].message.content or "")
     none = client.chat.completions.create(**kw, tools=[ADD, WEATHER], tool_choice="none")
     assert none.usage.prompt_tokens == bare.usage.prompt_tokens and none.choices[0].message.content == bare.choices[0].message.content
+
+
+def test_an_untagged_call_reaches_the_client_as_a_call(client):
+    """An answer that is a call object without tags (held here to that shape by a JSON schema,
+    with the tools shown and the model free to call) is a call on both endpoints, streamed or not,
+    and no content is streamed."""
+    shape = {"type": "object", "properties": {"name": {"const": "get_weather"}, "arguments": WEATHER["function"]["parameters"]},
+             "required": ["name", "arguments"], "additionalProperties": False}
+    kw = dict(model=MODEL, messages=ASK, tools=[ADD, WEATHER], max_tokens=40, temperature=0,
+              response_format={"type": "json_schema", "json_schema": {"name": "call", "schema": shape}})
+    out = client.chat.completions.create(**kw)
+    [call] = out.choices[0].message.tool_calls
+    assert out.choices[0].finish_reason == "tool_calls" and out.choices[0].message.content is None
+    assert call.function.name == "get_weather" and json.loads(call.function.arguments)["city"] in ("Paris", "Rome")
+    chunks = [c.choices[0] for c in client.chat.completions.create(**kw, stream=True) if c.choices]
+    assert "".join(c.delta.content or "" for c in chunks) == "" and chunks[-1].finish_reason == "tool_calls"
+    assert [(d.function.name, d.function.arguments) for c in chunks if c.delta.tool_calls for d in c.delta.tool_calls] == [
+        (call.function.name, call.function.arguments)]
+    resp = client.responses.create(model=MODEL, input=ASK[0]["content"], max_output_tokens=40, temperature=0,
+                                   tools=[{"type": "function", **t["function"]} for t in (ADD, WEATHER)],
+                                   text={"format": {"type": "json_schema", "name": "call", "schema": shape}})
+    assert [(o.type, o.name, o.arguments) for o in resp.output] == [("function_call", call.function.name, call.function.arguments)]
 
 
 def test_a_conversation_with_calls_and_results_is_accepted(client):

@@ -1263,7 +1263,7 @@ def openai_router(ctx: "ServerContext") -> APIRouter:
             finish = _finish_reason(out.stats.finish_reason)
             if not shown:
                 return {"role": "assistant", "content": out.text}, finish
-            content, calls = tool_calls.parse(out.text)
+            content, calls = tool_calls.parse(out.text, names=[t.function.name for t in shown])
             if not calls:
                 return {"role": "assistant", "content": out.text}, finish
             return {"role": "assistant", "content": content, "tool_calls": calls}, "tool_calls"

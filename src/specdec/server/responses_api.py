@@ -282,7 +282,7 @@ def responses_router(ctx: "ServerContext") -> APIRouter:
             if not shown:
                 return out.text, []
             if parsed[0] is not out:
-                content, calls = tool_calls.parse(out.text)
+                content, calls = tool_calls.parse(out.text, names=[t.function.name for t in shown])
                 parsed[:] = [out, (content, calls) if calls else (out.text, [])]
             return parsed[1]
 

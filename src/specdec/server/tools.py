@@ -9,7 +9,11 @@ trained on::
     </tool_call>
 
 The answer's blocks become the message's ``tool_calls`` (the text around them its ``content``,
-``finish_reason`` ``tool_calls``).  A template that does not render tools (SmolLM2's) gets a
+``finish_reason`` ``tool_calls``).  Models that were not trained on the tags write the call
+without them: Qwen2.5-Coder answers with the object alone, often in a ```` ```json ```` fence.  An
+answer that is nothing but such calls (one object or a list of them, fenced or not, each naming a
+tool shown and holding only ``name`` and ``arguments`` — or ``parameters``, Llama 3's word) is read
+as calls too; JSON in the middle of an answer, or naming no tool shown, stays text.  A template that does not render tools (SmolLM2's) gets a
 system message describing them in that format instead, and earlier calls and tool results are
 written into the conversation as blocks too.
 
@@ -25,6 +29,7 @@ from __future__ import annotations
 import json
 import re
 import secrets
+from collections.abc import Collection
 from typing import Annotated, Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field
@@ -33,6 +38,7 @@ from specdec.server.errors import ApiError
 
 OPEN, CLOSE = "<tool_call>", "</tool_call>"
 _BLOCK = re.compile(r"<tool_call>\s*(.*?)\s*</tool_call>", re.DOTALL)
+_FENCED = re.compile(r"```(?:json)?\s*(.*?)\s*```", re.DOTALL)
 
 
 class FunctionDef(BaseModel):
@@ -153,10 +159,38 @@ def turn(message: Any, text: str, native: bool) -> dict[str, Any]:
     return {"role": role, "content": text}
 
 
-def parse(text: str) -> tuple[str | None, list[dict[str, Any]]]:
+def _call(name: str, arguments: Any) -> dict[str, Any]:
+    """An OpenAI ``tool_calls`` entry, its ``arguments`` a JSON string (re-encoded where the model wrote an object)."""
+    return {"id": f"call_{secrets.token_hex(12)}", "type": "function",
+            "function": {"name": name, "arguments": arguments if isinstance(arguments, str) else json.dumps(arguments, ensure_ascii=False)}}
+
+
+def _whole_answer_calls(text: str, names: Collection[str]) -> list[dict[str, Any]]:
+    """The calls an answer makes without tags: all of it (fenced or not) one call object or a list
+    of them, each naming a tool in ``names`` with nothing but ``name`` and ``arguments`` (or
+    ``parameters``); else none."""
+    body = text.strip()
+    fenced = _FENCED.fullmatch(body)
+    try:
+        found = json.loads(fenced.group(1) if fenced else body)
+    except ValueError:
+        return []
+    found = found if isinstance(found, list) else [found]
+    calls = []
+    for call in found:
+        if not (isinstance(call, dict) and call.get("name") in names and 1 <= len(call) <= 2
+                and set(call) - {"name"} <= {"arguments", "parameters"}):
+            return []
+        calls.append(_call(call["name"], call.get("arguments", call.get("parameters", {}))))
+    return calls
+
+
+def parse(text: str, names: Collection[str] = ()) -> tuple[str | None, list[dict[str, Any]]]:
     """(content, OpenAI ``tool_calls``) of an answer: every well-formed block (a JSON object with
     a string ``name``) is a call, its ``arguments`` re-encoded as a JSON string; the rest of the
-    text, stripped, is the content (None if nothing is left).  Malformed blocks stay in the text."""
+    text, stripped, is the content (None if nothing is left).  Malformed blocks stay in the text.
+    Without blocks, an answer that is nothing but untagged calls of the tools ``names`` (see the
+    module's note) is those calls, with no content."""
     calls: list[dict[str, Any]] = []
     kept: list[str] = []
     at = 0
@@ -167,16 +201,29 @@ def parse(text: str) -> tuple[str | None, list[dict[str, Any]]]:
             continue
         if not isinstance(call, dict) or not isinstance(call.get("name"), str):
             continue
-        arguments = call.get("arguments", {})
-        calls.append({"id": f"call_{secrets.token_hex(12)}", "type": "function",
-                      "function": {"name": call["name"],
-                                   "arguments": arguments if isinstance(arguments, str) else json.dumps(arguments, ensure_ascii=False)}})
+        calls.append(_call(call["name"], call.get("arguments", {})))
         kept.append(text[at:m.start()])
         at = m.end()
     if not calls:
-        return text, []
+        bare = _whole_answer_calls(text, names) if names else []
+        return (None, bare) if bare else (text, [])
     kept.append(text[at:])
     return "".join(kept).strip() or None, calls
+
+
+def may_be_whole_call(text: str) -> bool:
+    """Whether ``text``, an answer's start, may still become an untagged call (an object or a list,
+    bare or in a ```` ```json ```` fence): streamed content waits while it may."""
+    s = text.lstrip()
+    if not s or s[0] in "{[" or "```".startswith(s):
+        return True
+    if not s.startswith("```"):
+        return False
+    rest = s[3:]
+    if "json".startswith(rest):
+        return True
+    rest = (rest[4:] if rest.startswith("json") else rest).lstrip()
+    return not rest or rest[0] in "{["
 
 
 def held_back(text: str) -> int:
@@ -206,7 +253,7 @@ class HeldContent:
         """A piece's text, entries (None: no log-probabilities for it) and ids: (text, entries, ids) to
         send now — entries None where this piece had none — or None while all of it is held."""
         self.text += text
-        stop = held_back(self.text)
+        stop = 0 if self.sent == 0 and may_be_whole_call(self.text) else held_back(self.text)
         out = self.text[self.sent:stop] if stop > self.sent else ""
         self.sent = max(self.sent, stop)
         if entries is not None:
@@ -222,8 +269,9 @@ class HeldContent:
 
     def rest(self, final: str, calls: bool) -> tuple[str, list[Any] | None, list[int]]:
         """What is left to send of the finished answer ``final``: its content up to the first call where
-        it made calls, else all of it; the held entries (None if none) and ids."""
-        stop = held_back(final) if calls else len(final)
+        it made calls (nothing more where the whole answer was its calls), else all of it; the held
+        entries (None if none) and ids."""
+        stop = (final.find(OPEN) if OPEN in final else self.sent) if calls else len(final)
         out = final[self.sent:stop] if stop > self.sent else ""
         held, self.entries = self.entries, None
         ids_out, self.ids = self.ids, []
