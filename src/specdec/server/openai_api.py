@@ -783,7 +783,8 @@ def _stream(
 ) -> StreamingResponse:
     """Server-sent events: per choice, ``head`` chunks, ``delta`` chunks per streamed piece (one or
     a list: its text and, where asked for, the log-probabilities of the tokens it completes; None:
-    nothing to send), ``tail`` (one chunk or several); then [usage] and [DONE].  Choices run as :func:`_run_choices` runs them — side
+    nothing to send), ``tail`` (one chunk or several); then [usage] and [DONE].  Choices run as
+    :func:`_run_choices` runs them — side
     by side on spare slots where there are some — so their chunks interleave, each carrying its
     index (as OpenAI's streams of ``n`` choices do); a choice's own chunks keep their order.  The
     request's speculative stats ride on the last chunk of the choice that ends last (``finish``

@@ -1,4 +1,5 @@
-"""Tool calling on ``/v1/chat/completions``: OpenAI's ``tools`` and ``tool_choice``.
+"""Tool calling: OpenAI's ``tools`` and ``tool_choice`` (``/v1/chat/completions``; ``/v1/responses``
+translates its own spelling to these).
 
 The model is told about the tools by its chat template (``tools=`` as transformers passes it),
 and writes each call as a Hermes-style block, the format Qwen2.5 and many other open models were
@@ -9,13 +10,15 @@ trained on::
     </tool_call>
 
 The answer's blocks become the message's ``tool_calls`` (the text around them its ``content``,
-``finish_reason`` ``tool_calls``).  Models that were not trained on the tags write the call
-without them: Qwen2.5-Coder answers with the object alone, often in a ```` ```json ```` fence.  An
-answer that is nothing but such calls (one object or a list of them, fenced or not, each naming a
-tool shown and holding only ``name`` and ``arguments`` — or ``parameters``, Llama 3's word) is read
-as calls too; JSON in the middle of an answer, or naming no tool shown, stays text.  A template that does not render tools (SmolLM2's) gets a
+``finish_reason`` ``tool_calls``).  A template that does not render tools (SmolLM2's) gets a
 system message describing them in that format instead, and earlier calls and tool results are
 written into the conversation as blocks too.
+
+Models that were not trained on the tags write a call without them: Qwen2.5-Coder answers with
+the object alone, often in a ```` ```json ```` fence.  An answer that is nothing but such calls (one
+object or a list of them, fenced or not, each naming a tool shown and holding only ``name`` and
+``arguments`` — or ``parameters``, Llama 3's word) is read as calls too; JSON in the middle of an
+answer, or naming no tool shown, stays text.
 
 ``tool_choice``: ``none`` (no tools shown, nothing parsed), ``auto`` (the model decides),
 ``required`` or a named function: then a grammar holds the answer to exactly one call, of any
@@ -240,7 +243,8 @@ def held_back(text: str) -> int:
 
 class HeldContent:
     """One streamed answer's content while tools are shown: text goes out up to where a call may
-    begin (:func:`held_back`); the log-probability entries and token ids of text held back wait
+    begin (:func:`held_back`), and none of it while the whole answer may still be an untagged call
+    (:func:`may_be_whole_call`); the log-probability entries and token ids of text held back wait
     with it, and go out with the next text sent (or with the rest at the end)."""
 
     def __init__(self) -> None:
