@@ -91,6 +91,9 @@ def test_streamed_content_is_held_where_a_call_may_begin():
     assert gate.feed("<", ["e2"], [2]) is None
     assert gate.feed("b", None, [3]) == ("<b", None, [2, 3])  # a piece without entries: the held one waits on
     assert gate.rest("a<b", calls=False) == ("", ["e2"], [])
+    gate = tc.HeldContent()  # white space alone before a call is no content
+    assert gate.feed("\n", None, [1]) is None and gate.feed("<tool_call>{", None, [2]) is None
+    assert gate.rest('\n<tool_call>{"name": "f"}</tool_call>', calls=True) == ("", None, [1, 2])
     gate = tc.HeldContent()
     assert gate.feed("x <tool_ca", None, [1]) == ("x ", None, [1])
     assert gate.rest("x <tool_ca", calls=False) == ("<tool_ca", None, [])  # no call made: all of it goes

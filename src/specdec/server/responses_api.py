@@ -368,7 +368,7 @@ def responses_router(ctx: "ServerContext") -> APIRouter:
                 ends: list[dict[str, Any]] = []
                 if shown:
                     rest, entries, _ = gate.rest(out.text, bool(calls))
-                    if rest or entries:
+                    if (rest or entries) and (content is not None or opened):
                         ends += text_event(rest, entries)
                 if content is not None or opened:
                     part = _part(content or "", named, out, logprobs)

@@ -258,6 +258,8 @@ class HeldContent:
         send now — entries None where this piece had none — or None while all of it is held."""
         self.text += text
         stop = 0 if self.sent == 0 and may_be_whole_call(self.text) else held_back(self.text)
+        if self.sent == 0 and not self.text[:stop].strip():
+            stop = 0  # white space alone does not start the content: it may be all there is before a call
         out = self.text[self.sent:stop] if stop > self.sent else ""
         self.sent = max(self.sent, stop)
         if entries is not None:
@@ -277,6 +279,8 @@ class HeldContent:
         entries (None if none) and ids."""
         stop = (final.find(OPEN) if OPEN in final else self.sent) if calls else len(final)
         out = final[self.sent:stop] if stop > self.sent else ""
+        if calls and not final[:stop].strip():
+            out = ""  # nothing but white space before the calls: no content
         held, self.entries = self.entries, None
         ids_out, self.ids = self.ids, []
         return out, held, ids_out
