@@ -14,6 +14,7 @@ import openai
 import pytest
 
 from serverproc import DRAFT_MODEL, OPENAI_KEY
+from tests.server.test_tools import TWO_CALLS
 from specdec.server.errors import ApiError
 from specdec.server.responses_api import ResponseStore
 
@@ -198,16 +199,59 @@ def test_function_tools_make_the_chat_endpoints_calls(client):
         assert [t.name for t in resp.tools] == ["add", "get_weather"] and resp.tools[0].parameters == ADD["parameters"]
         assert resp.model_extra["specdec"]["draft_tokens_proposed"] > 0  # speculation ran under the call's grammar
         events = list(client.responses.create(**kw, stream=True))
-        assert [e.type for e in events] == [
+        kinds = [e.type for e in events]
+        pieces = kinds.count("response.function_call_arguments.delta")
+        assert pieces > 1 and kinds == [  # the arguments go out as they are written
             "response.created", "response.in_progress", "response.output_item.added",
-            "response.function_call_arguments.delta", "response.function_call_arguments.done",
+            *["response.function_call_arguments.delta"] * pieces, "response.function_call_arguments.done",
             "response.output_item.done", "response.completed"]
         assert [e.sequence_number for e in events] == list(range(len(events)))
-        added, delta, done, closed, end = events[2:]
+        added, deltas, (done, closed, end) = events[2], events[3:-3], events[-3:]
         assert added.item.type == "function_call" and added.item.arguments == "" and added.output_index == 0
-        assert delta.delta == done.arguments == closed.item.arguments == call.arguments
-        assert delta.item_id == done.item_id == closed.item.id == added.item.id == end.response.output[0].id
+        assert added.item.status == "in_progress" and added.item.name == call.name
+        assert "".join(d.delta for d in deltas) == done.arguments == closed.item.arguments == call.arguments
+        assert {d.item_id for d in deltas} == {done.item_id} == {closed.item.id} == {added.item.id} == {end.response.output[0].id}
         assert (end.response.output[0].name, end.response.output[0].arguments) == (call.name, call.arguments)
+
+
+def test_text_then_two_calls_stream_item_by_item(client):
+    """The model held to some text and two calls: the message item, then each call's item, each
+    finished before the next is added, the arguments streamed as they are written; the finished
+    stream equals the response not streamed (but for new ids)."""
+    kw = dict(model=MODEL, input=ASK, tools=[ADD, WEATHER], max_output_tokens=80, temperature=0,
+              extra_body={"guided_regex": TWO_CALLS})
+    resp = client.responses.create(**kw)
+    assert [o.type for o in resp.output] == ["message", "function_call", "function_call"] and resp.output_text == "Sure."
+    events = list(client.responses.create(**kw, stream=True))
+    items, text, arguments = {}, "", {}
+    for e in events:
+        if e.type == "response.output_item.added":
+            assert e.output_index == len(items) and all(done for done in items.values())
+            items[e.output_index] = False
+        elif e.type == "response.output_item.done":
+            assert not items[e.output_index]
+            items[e.output_index] = True
+        elif e.type == "response.output_text.delta":
+            assert e.output_index == 0 and not items[0]
+            text += e.delta
+        elif e.type == "response.function_call_arguments.delta":
+            assert e.output_index > 0 and not items[e.output_index]
+            arguments[e.output_index] = arguments.get(e.output_index, "") + e.delta
+    end = events[-1].response
+    assert text.strip() == "Sure." and list(items) == [0, 1, 2] and all(items.values())
+    assert [arguments[k] for k in (1, 2)] == [o.arguments for o in resp.output[1:]] == [o.arguments for o in end.output[1:]]
+    strip = {"id", "call_id", "created_at", "specdec"}
+
+    def shown(r):
+        return [{k: v for k, v in o.model_dump().items() if k not in strip} for o in r.output]
+
+    assert shown(end) == shown(resp) and end.status == resp.status == "completed"
+    one = client.responses.create(**kw, parallel_tool_calls=False)  # the first call alone, streamed or not
+    assert shown(one) == shown(resp)[:2] and one.parallel_tool_calls is False
+    last = list(client.responses.create(**kw, stream=True, parallel_tool_calls=False))[-1].response
+    assert shown(last) == shown(one)
+    with pytest.raises(openai.BadRequestError, match="parallel_tool_calls"):
+        client.responses.create(**{**kw, "extra_body": {"guided_regex": TWO_CALLS, "parallel_tool_calls": "no"}})
 
 
 def test_auto_and_none_show_the_tools_or_not(client):

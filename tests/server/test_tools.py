@@ -39,8 +39,15 @@ def test_answers_become_tool_calls_and_content():
     assert all(c["type"] == "function" and c["id"].startswith("call_") for c in calls) and calls[0]["id"] != calls[1]["id"]
     assert tc.parse("<tool_call>\n{\"name\": \"add\", \"arguments\": {}}\n</tool_call>")[0] is None  # nothing else said
     for text in ("no call here", "<tool_call>{not json}</tool_call>", "<tool_call>{\"arguments\": {}}</tool_call>",
-                 "<tool_call>{\"name\": \"add\""):  # plain text, malformed, nameless, cut off: all content
+                 "<tool_call>{\"name\": \"add\""):  # plain text, malformed, nameless, cut off before the arguments: content
         assert tc.parse(text) == (text, [])
+    # the arguments as written (not re-encoded); text between or after blocks, and a malformed block among calls, dropped
+    content, calls = tc.parse('A<tool_call>{"name":"add","arguments":{"a":1}}</tool_call> b <tool_call>{oops}</tool_call>'
+                              '<tool_call>{"arguments": {"b": 2}, "name": "add"}</tool_call> c', ids=["call_x"])
+    assert content == "A" and [(c["id"], c["function"]["arguments"]) for c in calls] == [
+        ("call_x", '{"a":1}'), (calls[1]["id"], '{"b": 2}')] and calls[1]["id"] != "call_x"
+    cut = '<tool_call>\n{"name": "add", "arguments": {"a": "x}", "b": [1, {'  # cut off inside the arguments: a call so far
+    assert tc.parse(cut)[1][0]["function"]["arguments"] == '{"a": "x}", "b": [1, {'
     assert tc.held_back("Sure <tool_ca") == len("Sure ") and tc.held_back("a <tool_call>{") == 2
     assert tc.held_back("x < y") == len("x < y") and tc.held_back("tail<") == 4
 
@@ -97,6 +104,54 @@ def test_streamed_content_is_held_where_a_call_may_begin():
     gate = tc.HeldContent()
     assert gate.feed("x <tool_ca", None, [1]) == ("x ", None, [1])
     assert gate.rest("x <tool_ca", calls=False) == ("<tool_ca", None, [])  # no call made: all of it goes
+
+
+def _stream_calls(text: str, cuts: list[int]) -> tuple[list[tuple], list[dict]]:
+    """The events of ``text`` streamed in pieces ending at ``cuts``, then finished; and its calls."""
+    writer = tc.StreamedCalls()
+    events = [e for cut in cuts for e in writer.feed(text[:cut])]
+    calls = tc.parse(text, ids=writer.ids)[1]
+    return events + writer.finish(calls), calls
+
+
+def _gathered(events: list[tuple]) -> dict[int, list]:
+    """Per call: [id, name, the argument pieces put together, how many pieces, whether done]."""
+    calls: dict[int, list] = {}
+    for kind, k, *what in events:
+        if kind == "added":
+            assert k == len(calls) and all(c[4] for c in calls.values())  # in order, each after the last is done
+            calls[k] = [*what, "", 0, False]
+        elif kind == "delta":
+            assert not calls[k][4]
+            calls[k][2] += what[0]
+            calls[k][3] += 1
+        else:
+            assert what[0] == calls[k][2] and not calls[k][4]
+            calls[k][4] = True
+    return calls
+
+
+@pytest.mark.parametrize("step", [1, 2, 3, 7, 1000])
+def test_streamed_calls_add_up_to_the_finished_answers(step):
+    """Streamed in pieces of any size, each call is announced with its id and name, its arguments
+    go out as they grow (never a piece of the closing tag) and add up to exactly the finished
+    answer's arguments; the ids are the finished answer's."""
+    answers = ['Sure.\n<tool_call>\n{"name": "get_weather", "arguments": {"city": "Pa\\"ris}"}}\n</tool_call>\n'
+               '<tool_call>{"name": "add", "arguments": "{\\"a\\": 1}"}</tool_call>\n'
+               '<tool_call>\n{"name": "add", "arguments": {"a": [1, {"b": "</tool"}], "c": 2}, "x": 1}\n</tool_call>',
+               '<tool_call>{"name": "add", "arguments": {"a": 1, "b": "<"}}',  # never closed
+               '<tool_call>{"name": "add", "arguments": {"a": "x</tool_call>"}}</tool_call>',  # the tag ends it
+               '<tool_call>{broken}</tool_call><tool_call>{"name": "f", "arguments": {}}</tool_call>', "no calls"]
+    for text in answers:
+        events, calls = _stream_calls(text, list(range(step, len(text), step)))
+        streamed = _gathered(events)
+        assert [(c[0], c[1], c[2], c[4]) for c in streamed.values()] == [
+            (c["id"], c["function"]["name"], c["function"]["arguments"], True) for c in calls], text
+    events, calls = _stream_calls(answers[0], list(range(1, len(answers[0]))))  # a character at a time
+    # a piece per character, but "</tool" waits until it cannot close the block; the other shape goes out whole
+    assert [c[3] for c in _gathered(events).values()] == [len('{"city": "Pa\\"ris}"}'), 1, len(calls[2]["function"]["arguments"]) - 6]
+    assert [c["function"]["arguments"] for c in calls] == ['{"city": "Pa\\"ris}"}', '{"a": 1}', '{"a": [1, {"b": "</tool"}], "c": 2}']
+    assert [c["function"]["arguments"] for c in _stream_calls(answers[2], [len(answers[2])])[1]] == ['{"a": "x']
 
 
 def test_tool_choice_picks_the_tools_and_the_grammar():
@@ -164,12 +219,59 @@ def test_a_required_call_is_made_and_parsed_streamed_or_not(client):
             assert arguments["city"] in ("Paris", "Rome")
         assert out.model_extra["specdec"]["draft_tokens_proposed"] > 0  # speculation ran under the call's grammar
         chunks = [c.choices[0] for c in client.chat.completions.create(**kw, stream=True) if c.choices]
-        deltas = [tc for c in chunks if c.delta.tool_calls for tc in c.delta.tool_calls]
-        assert [(d.index, d.function.name, d.function.arguments) for d in deltas] == [
-            (0, call.function.name, call.function.arguments)]
+        [(name, arguments, pieces)] = _client_calls(chunks)
+        assert (name, arguments) == (call.function.name, call.function.arguments) and pieces > 1  # streamed as written
         assert "".join(c.delta.content or "" for c in chunks) == "" and chunks[-1].finish_reason == "tool_calls"
         sampled = client.chat.completions.create(**{**kw, "temperature": 1.0, "seed": 4, "n": 3})
         assert all(c.finish_reason == "tool_calls" and c.message.tool_calls[0].function.name in names for c in sampled.choices)
+
+
+def _client_calls(chunks: list) -> list[tuple[str, str, int]]:
+    """The calls of streamed chat choices as a client puts them together: (name, arguments, how many
+    chunks carried them); an id and the name come once, with the call's first chunk."""
+    calls: dict[int, list] = {}
+    for c in chunks:
+        for d in c.delta.tool_calls or ():
+            if d.index not in calls:
+                assert d.index == len(calls) and d.id.startswith("call_") and d.type == "function" and d.function.name
+                calls[d.index] = [d.function.name, "", 0]
+            else:
+                assert d.id is None and d.function.name is None
+            calls[d.index][1] += d.function.arguments or ""
+            calls[d.index][2] += 1
+    return [tuple(calls[k]) for k in sorted(calls)]
+
+
+#: a regex (vLLM's guided_regex) that holds the model to some text, then two calls
+TWO_CALLS = (r'Sure\.\n<tool_call>\n\{"name": "add", "arguments": \{"a": [1-9], "b": [1-9]\}\}\n</tool_call>\n'
+             r'<tool_call>\n\{"name": "get_weather", "arguments": \{"city": "(Paris|Rome)"\}\}\n</tool_call>')
+
+
+def test_text_then_two_calls_stream_as_they_are_written(client):
+    """With the model held to some text and two calls: the text is the content; each call streams
+    its id and name once, then its arguments piece by piece, adding up to the answer not streamed."""
+    kw = dict(model=MODEL, messages=ASK, tools=[ADD, WEATHER], max_tokens=80, temperature=0, extra_body={"guided_regex": TWO_CALLS})
+    out = client.chat.completions.create(**kw)
+    message = out.choices[0].message
+    assert out.choices[0].finish_reason == "tool_calls" and message.content == "Sure."
+    assert [c.function.name for c in message.tool_calls] == ["add", "get_weather"]
+    chunks = [c.choices[0] for c in client.chat.completions.create(**kw, stream=True) if c.choices]
+    calls = _client_calls(chunks)
+    assert [(name, arguments) for name, arguments, _ in calls] == [(c.function.name, c.function.arguments) for c in message.tool_calls]
+    assert all(pieces > 2 for *_, pieces in calls)
+    assert "".join(c.delta.content or "" for c in chunks).strip() == "Sure." and chunks[-1].finish_reason == "tool_calls"
+    first_call = next(i for i, c in enumerate(chunks) if c.delta.tool_calls)
+    assert first_call < len(chunks) - 3 and not any(c.delta.content for c in chunks[first_call:])
+    one = client.chat.completions.create(**kw, parallel_tool_calls=False)  # the first call alone, streamed or not
+    assert [c.function.name for c in one.choices[0].message.tool_calls] == ["add"] and one.choices[0].message.content == "Sure."
+    assert "x-specdec-ignored-fields" not in client.chat.completions.with_raw_response.create(**kw, parallel_tool_calls=False).headers
+    one_streamed = [c.choices[0] for c in client.chat.completions.create(**kw, stream=True, parallel_tool_calls=False) if c.choices]
+    assert [(name, arguments) for name, arguments, _ in _client_calls(one_streamed)] == [
+        (message.tool_calls[0].function.name, message.tool_calls[0].function.arguments)]
+    cut = client.chat.completions.create(**{**kw, "max_tokens": 24})  # cut off inside the first call's arguments
+    [call] = cut.choices[0].message.tool_calls
+    assert cut.choices[0].finish_reason == "length" and call.function.name == "add"
+    assert call.function.arguments and message.tool_calls[0].function.arguments.startswith(call.function.arguments)
 
 
 def test_auto_shows_the_tools_and_leaves_plain_answers_alone(client):

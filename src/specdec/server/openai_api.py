@@ -5,7 +5,7 @@ drafter from the app's drafter factory).  Fields this server does not know are a
 ignored, as vLLM does: they are named in the ``X-Specdec-Ignored-Fields`` response header and in
 the server log.  Fields whose *semantics* it cannot honour (audio, ``suffix``, tools on
 completions, ...) are refused with a 400 that names them, never silently dropped.  Chat takes
-``tools`` and ``tool_choice`` (:mod:`specdec.server.tools`).  Extensions: ``top_k``, ``min_p``,
+``tools``, ``tool_choice`` and ``parallel_tool_calls`` (:mod:`specdec.server.tools`).  Extensions: ``top_k``, ``min_p``,
 ``repetition_penalty``, ``ignore_eos``, ``method`` (verification rule), ``gamma`` and vLLM's
 ``prompt_logprobs``, ``min_tokens``, ``stop_token_ids``, ``include_stop_str_in_output``,
 ``allowed_token_ids``, ``bad_words`` and guided decoding (``guided_json`` / ``_regex`` / ``_choice`` /
@@ -65,7 +65,7 @@ _REFUSED = ("tools", "functions", "audio", "prediction", "web_search_options",
             "use_beam_search", "logits_processors", "guided_whitespace_pattern",
             "truncate_prompt_tokens")
 #: fields that are accepted and have no effect here (listed in the ignored-fields header)
-_NO_EFFECT = ("user", "store", "metadata", "service_tier", "parallel_tool_calls", "reasoning_effort", "modalities")
+_NO_EFFECT = ("user", "store", "metadata", "service_tier", "reasoning_effort", "modalities")
 
 
 class StreamOptions(BaseModel):
@@ -138,6 +138,8 @@ class _Request(BaseModel):
                 continue  # an endpoint with tools checks it with them (server/tools.py)
             if getattr(self, name) not in (None, "none", "auto"):
                 raise ApiError(400, f"{name} is not supported by this server (no tools)")
+        if getattr(self, "parallel_tool_calls", None) is not None and (not getattr(self, "tools", None) or self.tool_choice == "none"):
+            extra["parallel_tool_calls"] = self.parallel_tool_calls  # no tools shown: no call to limit
         names = sorted(extra)
         if self.stream_options is not None:
             names += [f"stream_options.{k}" for k in sorted(self.stream_options.model_extra or {})]
@@ -313,6 +315,7 @@ class DetokenizeRequest(BaseModel):
 class ChatRequest(_Request, _ChatTemplating):
     messages: Annotated[list[ChatMessage], Field(min_length=1, max_length=1024)]
     tools: Annotated[list[ToolDef], Field(max_length=128)] | None = None
+    parallel_tool_calls: bool | None = None  # false: at most one call (the first the model writes)
     max_tokens: Annotated[int, Field(ge=1, le=1 << 20)] | None = None
     max_completion_tokens: Annotated[int, Field(ge=1, le=1 << 20)] | None = None
     logprobs: bool | None = None
@@ -1250,6 +1253,7 @@ def openai_router(ctx: "ServerContext") -> APIRouter:
         cid, created = f"chatcmpl-{secrets.token_hex(12)}", int(time.time())
         metrics.completions.labels("chat", str(req.stream).lower()).inc()
         named = names(req)
+        most_calls = 1 if req.parallel_tool_calls is False else None  # OpenAI's parallel_tool_calls: false
 
         def chunk(index: int, delta: dict[str, Any], finish: str | None, logprobs: Any = None,
                   token_ids: list[int] | None = None) -> dict[str, Any]:
@@ -1259,33 +1263,54 @@ def openai_router(ctx: "ServerContext") -> APIRouter:
             return {"id": cid, "object": "chat.completion.chunk", "created": created, "model": job.model_name,
                     "choices": [choice]}
 
-        def message(out: TextResult) -> tuple[dict[str, Any], str]:
-            """The answer's message and finish reason: with tools shown, its calls parsed out."""
+        def message(out: TextResult, call_ids: list[str] = ()) -> tuple[dict[str, Any], str]:
+            """The answer's message and finish reason: with tools shown, its calls parsed out (the
+            first with ``call_ids``); ``tool_calls`` unless the answer was cut off."""
             finish = _finish_reason(out.stats.finish_reason)
             if not shown:
                 return {"role": "assistant", "content": out.text}, finish
-            content, calls = tool_calls.parse(out.text, names=[t.function.name for t in shown])
+            content, calls = tool_calls.parse(out.text, names=[t.function.name for t in shown], ids=call_ids)
+            calls = calls[:most_calls]
             if not calls:
                 return {"role": "assistant", "content": out.text}, finish
-            return {"role": "assistant", "content": content, "tool_calls": calls}, "tool_calls"
+            return {"role": "assistant", "content": content, "tool_calls": calls}, "length" if finish == "length" else "tool_calls"
 
         if req.stream:
             include_usage = req.stream_options is not None and req.stream_options.include_usage
-            # with tools shown, content stops where a call may begin; the calls go out at the end
+            # with tools shown, content stops where a call may begin; each call goes out as it is written
             gates: dict[int, tool_calls.HeldContent] = {}  # per choice
+            writers: dict[int, tool_calls.StreamedCalls] = {}  # per choice
 
-            def streamed(index: int, piece: TextPiece) -> dict[str, Any] | None:
+            def call_chunks(index: int, events: list[tuple[Any, ...]]) -> list[dict[str, Any]]:
+                """OpenAI's tool-call deltas: the id and name with the first piece of the arguments, then the others."""
+                out: list[dict[str, Any]] = []
+                for kind, k, *what in events:
+                    if kind == "added":
+                        call_id, name = what
+                        delta = {"index": k, "id": call_id, "type": "function", "function": {"name": name, "arguments": ""}}
+                        out.append(chunk(index, {"tool_calls": [delta]}, None))
+                    elif kind == "delta":
+                        last = out[-1]["choices"][0]["delta"]["tool_calls"][0] if out else None
+                        if last is not None and last["index"] == k and last["function"]["arguments"] == "":
+                            last["function"]["arguments"] = what[0]  # the call's first piece goes with its name
+                        else:
+                            out.append(chunk(index, {"tool_calls": [{"index": k, "function": {"arguments": what[0]}}]}, None))
+                return out
+
+            def streamed(index: int, piece: TextPiece) -> list[dict[str, Any]] | dict[str, Any] | None:
                 lps = _chat_logprobs(named, piece.token_ids, piece.logprobs)
                 if lps is not None and not lps["content"]:  # an end-of-turn token alone
                     lps = None
                 text, token_ids = piece.text, piece.token_ids
                 if shown:
-                    sent = gates.setdefault(index, tool_calls.HeldContent()).feed(
-                        text, lps["content"] if lps is not None else None, token_ids)
+                    gate = gates.setdefault(index, tool_calls.HeldContent())
+                    sent = gate.feed(text, lps["content"] if lps is not None else None, token_ids)
+                    calls = call_chunks(index, writers.setdefault(index, tool_calls.StreamedCalls(most_calls)).feed(gate.text))
                     if sent is None:
-                        return None
+                        return calls or None
                     text, entries, token_ids = sent
                     lps = {"content": entries, "refusal": None} if entries is not None else None
+                    return [chunk(index, {"content": text}, None, lps, token_ids), *calls]
                 if text or lps is not None or (req.return_token_ids and token_ids):
                     return chunk(index, {"content": text}, None, lps, token_ids)
                 return None
@@ -1295,17 +1320,16 @@ def openai_router(ctx: "ServerContext") -> APIRouter:
                 return [{**opening, "prompt_token_ids": ids} if req.return_token_ids else opening]
 
             def tail(index: int, out: TextResult) -> list[dict[str, Any]]:
-                answer, finish = message(out)
                 if not shown:
-                    return [chunk(index, {}, finish)]
+                    return [chunk(index, {}, message(out)[1])]
+                writer = writers.pop(index, None) or tool_calls.StreamedCalls(most_calls)
+                answer, finish = message(out, writer.ids)
                 ends = []
                 rest, pending, rest_ids = gates.pop(index, tool_calls.HeldContent()).rest(out.text, "tool_calls" in answer)
                 lps = {"content": pending, "refusal": None} if pending is not None else None
                 if rest or lps is not None or rest_ids:
                     ends.append(chunk(index, {"content": rest}, None, lps, rest_ids))
-                if "tool_calls" in answer:
-                    ends.append(chunk(index, {"tool_calls": [{"index": i, **call} for i, call in enumerate(answer["tool_calls"])]},
-                                      None))
+                ends += call_chunks(index, writer.finish(answer.get("tool_calls", [])))
                 return [*ends, chunk(index, {}, finish)]
 
             return _stream(

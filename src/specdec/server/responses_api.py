@@ -20,9 +20,11 @@ and ``tool_choice`` (``none``, ``auto``, ``required`` or ``{"type": "function", 
 the chat endpoint (:mod:`specdec.server.tools`: the model writes Hermes-style blocks; a required or
 named call is held to the function's JSON Schema by a grammar, so the output keeps the constrained
 target's law).  Each call the answer makes is a ``function_call`` output item after the message
-(which is left out when the model said nothing else); streamed, each call's item is added, its
-arguments sent (``response.function_call_arguments.delta`` / ``.done``) and the item closed once
-the answer is finished, and text stops streaming where a call may begin.  Input may carry earlier
+(which is left out when the model said nothing else); streamed, the message item is finished
+where the first call begins, and each call's item is added once its name is written, its
+arguments streamed as they are written (``response.function_call_arguments.delta`` / ``.done``)
+and the item closed once the call is, before the next is added; text stops streaming where a
+call may begin.  ``parallel_tool_calls: false`` keeps the first call alone.  Input may carry earlier
 ``function_call`` items and their ``function_call_output`` results.  Hosted tools (web search,
 file search, …), background runs and non-text input are refused with a 400.
 """
@@ -54,7 +56,7 @@ if TYPE_CHECKING:
 #: what makes the answer carry log-probabilities (with ``top_logprobs`` alternatives)
 LOGPROBS_INCLUDE = "message.output_text.logprobs"
 #: Responses fields accepted without effect here (named in the ignored-fields header)
-_NO_EFFECT = ("reasoning", "truncation", "parallel_tool_calls", "metadata", "user", "service_tier",
+_NO_EFFECT = ("reasoning", "truncation", "metadata", "user", "service_tier",
               "safety_identifier", "prompt_cache_key", "max_tool_calls", "prompt_cache_retention")
 
 
@@ -251,10 +253,13 @@ def responses_router(ctx: "ServerContext") -> APIRouter:
         logprobs = req.top_logprobs is not None or LOGPROBS_INCLUDE in (req.include or ())
         known = set(ResponsesRequest.model_fields)
         extra = {k: v for k, v in (req.model_extra or {}).items() if k not in known}
-        ignored = sorted(k for k in extra if k in _NO_EFFECT)
-        parallel = extra.get("parallel_tool_calls", True)
+        parallel = extra.pop("parallel_tool_calls", None)
+        if parallel is not None and not isinstance(parallel, bool):
+            raise ApiError(400, "parallel_tool_calls must be true or false")
+        ignored = sorted(k for k in extra if k in _NO_EFFECT) + (["parallel_tool_calls"] if parallel is not None and not shown else [])
+        parallel = parallel is not False
         for name in ignored:
-            extra.pop(name)
+            extra.pop(name, None)
         for name in ("messages", "max_tokens", "max_completion_tokens", "response_format", "logprobs", "n", "echo"):
             if name in extra:  # the chat endpoint's spellings of what a Responses request says its own way
                 raise ApiError(400, f"{name} is not a Responses API field")
@@ -277,12 +282,16 @@ def responses_router(ctx: "ServerContext") -> APIRouter:
 
         parsed: list[Any] = [None, None]  # the answer parsed last and what it gave (its calls keep their ids)
 
+        most_calls = None if parallel else 1  # parallel_tool_calls false: the first call alone
+        writer = tool_calls.StreamedCalls(most_calls)  # streamed: the calls as they are written (their ids)
+
         def answer(out: TextResult) -> tuple[str | None, list[dict[str, Any]]]:
             """(the message's text, None for none; the calls) of an answer: with tools shown, its calls parsed out."""
             if not shown:
                 return out.text, []
             if parsed[0] is not out:
-                content, calls = tool_calls.parse(out.text, names=[t.function.name for t in shown])
+                content, calls = tool_calls.parse(out.text, names=[t.function.name for t in shown], ids=writer.ids)
+                calls = calls[:most_calls]
                 parsed[:] = [out, (content, calls) if calls else (out.text, [])]
             return parsed[1]
 
@@ -333,15 +342,51 @@ def responses_router(ctx: "ServerContext") -> APIRouter:
 
             where = {"item_id": mid, "output_index": 0, "content_index": 0}
             gate = tool_calls.HeldContent()  # with tools shown, text stops where a call may begin
-            opened = False  # whether the message item went out (with its first text, or at the end)
+            message = {"opened": False, "closed": False}  # the message item: went out (with its first text), finished
+            seen: list[Any] = []  # with logprobs: the entries of the text sent
 
             def opening() -> list[dict[str, Any]]:
-                nonlocal opened
-                if opened:
+                if message["opened"]:
                     return []
-                opened = True
+                message["opened"] = True
                 return [event("response.output_item.added", output_index=0, item=_message(mid, "in_progress", None)),
                         event("response.content_part.added", **where, part=_part("", named, None, False))]
+
+            def closing(text: str, entries: list[Any], status: str) -> list[dict[str, Any]]:
+                """The message's end, once it opened (at the end, or where the first call begins: then
+                with the log-probabilities of the text sent so far)."""
+                if message["closed"] or not message["opened"]:
+                    return []
+                message["closed"] = True
+                part = {**_part(text, named, None, False), "logprobs": entries}
+                return [event("response.output_text.done", **where, text=part["text"], logprobs=part["logprobs"]),
+                        event("response.content_part.done", **where, part=part),
+                        event("response.output_item.done", output_index=0, item=_message(mid, status, part))]
+
+            def call_events(events: list[tuple[Any, ...]]) -> list[dict[str, Any]]:
+                """A call's item added once its name is written (the message finished first), its
+                arguments as they grow, the item done once the call is."""
+                out: list[dict[str, Any]] = []
+                for kind, k, *what in events:
+                    at = k + int(message["opened"])
+                    item = _function_call({"id": writer.ids[k], "function": {"name": writer.names[k], "arguments": what[-1]}},
+                                          "completed")
+                    if kind == "added":
+                        before = gate.text[:gate.text.find(tool_calls.OPEN)]
+                        if before.strip() and not message["opened"]:  # held while the answer might have been a call
+                            out += text_event(before[gate.sent:], None)
+                        out += closing(before.strip(), seen, "completed")
+                        at = k + int(message["opened"])
+                        out.append(event("response.output_item.added", output_index=at,
+                                         item={**item, "arguments": "", "status": "in_progress"}))
+                    elif kind == "delta":
+                        out.append(event("response.function_call_arguments.delta", item_id=item["id"], output_index=at,
+                                         delta=what[0]))
+                    else:
+                        out += [event("response.function_call_arguments.done", item_id=item["id"], output_index=at,
+                                      arguments=what[0]),
+                                event("response.output_item.done", output_index=at, item=item)]
+                return out
 
             def head(index: int) -> list[dict[str, Any]]:
                 opening_body = body("in_progress", None)
@@ -349,6 +394,7 @@ def responses_router(ctx: "ServerContext") -> APIRouter:
                         event("response.in_progress", response=opening_body)]
 
             def text_event(text: str, entries: list[Any] | None) -> list[dict[str, Any]]:
+                seen.extend(entries or ())
                 return [*opening(), event("response.output_text.delta", **where, delta=text, logprobs=entries or [])]
 
             def delta(index: int, piece: TextPiece) -> list[dict[str, Any]] | None:
@@ -356,33 +402,23 @@ def responses_router(ctx: "ServerContext") -> APIRouter:
                     return None
                 lps = _chat_logprobs(named, piece.token_ids, piece.logprobs)
                 text, entries = piece.text, lps["content"] if lps is not None else None
-                if shown:
-                    sent = gate.feed(text, entries, piece.token_ids)
-                    if sent is None:
-                        return None
-                    text, entries, _ = sent
-                return text_event(text, entries)
+                if not shown:
+                    return text_event(text, entries)
+                sent = gate.feed(text, entries, piece.token_ids)
+                out = text_event(*sent[:2]) if sent is not None else []
+                return out + call_events(writer.feed(gate.text)) or None
 
             def tail(index: int, out: TextResult) -> list[dict[str, Any]]:
                 content, calls = answer(out)
                 ends: list[dict[str, Any]] = []
-                if shown:
+                if shown and not message["closed"]:
                     rest, entries, _ = gate.rest(out.text, bool(calls))
-                    if (rest or entries) and (content is not None or opened):
+                    if (rest or entries) and (content is not None or message["opened"]):
                         ends += text_event(rest, entries)
-                if content is not None or opened:
-                    part = _part(content or "", named, out, logprobs)
-                    ends += [*opening(), event("response.output_text.done", **where, text=part["text"], logprobs=part["logprobs"]),
-                             event("response.content_part.done", **where, part=part),
-                             event("response.output_item.done", output_index=0, item=_message(mid, status_of(out), part))]
-                for k, call in enumerate(calls, start=1 if opened else 0):
-                    item = _function_call(call, "completed")
-                    ends += [event("response.output_item.added", output_index=k, item={**item, "arguments": "", "status": "in_progress"}),
-                             event("response.function_call_arguments.delta", item_id=item["id"], output_index=k,
-                                   delta=item["arguments"]),
-                             event("response.function_call_arguments.done", item_id=item["id"], output_index=k,
-                                   arguments=item["arguments"]),
-                             event("response.output_item.done", output_index=k, item=item)]
+                if content is not None and not message["closed"]:
+                    ends += opening()
+                ends += closing(content or "", _part("", named, out, logprobs)["logprobs"], status_of(out))
+                ends += call_events(writer.finish(calls))
                 return [*ends, {"type": f"response.{status_of(out)}"}]  # numbered when it goes out, with the stats
 
             def finish(last: dict[str, Any], outs: list[TextResult]) -> dict[str, Any]:

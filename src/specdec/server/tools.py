@@ -9,10 +9,19 @@ trained on::
     {"name": "get_weather", "arguments": {"city": "Paris"}}
     </tool_call>
 
-The answer's blocks become the message's ``tool_calls`` (the text around them its ``content``,
-``finish_reason`` ``tool_calls``).  A template that does not render tools (SmolLM2's) gets a
-system message describing them in that format instead, and earlier calls and tool results are
-written into the conversation as blocks too.
+The answer's blocks become the message's ``tool_calls``, the text before the first one its
+``content`` (``finish_reason`` ``tool_calls``, or ``length`` where the answer was cut off); text
+between or after the blocks is dropped, as vLLM's Hermes parser drops it.  A block in this shape
+(``name`` first, then an object of ``arguments``) is read as it is written: its ``arguments`` are
+the object's text as the model wrote it, and streamed (:class:`StreamedCalls`) they go out as
+they grow, so the pieces sent add up to exactly what the finished answer holds (an answer cut off
+inside a call ends with the arguments written so far, as OpenAI's does).  A block in another
+shape is read once it closes, its arguments re-encoded from the JSON it holds; a malformed one is
+no call.  ``parallel_tool_calls: false`` keeps the first call alone.
+
+A template that does not render tools (SmolLM2's) gets a system message describing them in that
+format instead, and earlier calls and tool results are written into the conversation as blocks
+too.
 
 Models that were not trained on the tags write a call without them: Qwen2.5-Coder answers with
 the object alone, often in a ```` ```json ```` fence.  An answer that is nothing but such calls (one
@@ -40,7 +49,8 @@ from pydantic import BaseModel, ConfigDict, Field
 from specdec.server.errors import ApiError
 
 OPEN, CLOSE = "<tool_call>", "</tool_call>"
-_BLOCK = re.compile(r"<tool_call>\s*(.*?)\s*</tool_call>", re.DOTALL)
+#: a block's start up to its arguments' opening brace: ``{"name": "<name>", "arguments": `` then ``{``
+_HEAD = re.compile(r'\s*\{\s*"name"\s*:\s*"((?:[^"\\\n]|\\.)*)"\s*,\s*"arguments"\s*:\s*(?=\{)')
 _FENCED = re.compile(r"```(?:json)?\s*(.*?)\s*```", re.DOTALL)
 
 
@@ -162,13 +172,97 @@ def turn(message: Any, text: str, native: bool) -> dict[str, Any]:
     return {"role": role, "content": text}
 
 
-def _call(name: str, arguments: Any) -> dict[str, Any]:
-    """An OpenAI ``tool_calls`` entry, its ``arguments`` a JSON string (re-encoded where the model wrote an object)."""
-    return {"id": f"call_{secrets.token_hex(12)}", "type": "function",
-            "function": {"name": name, "arguments": arguments if isinstance(arguments, str) else json.dumps(arguments, ensure_ascii=False)}}
+def _text(arguments: Any) -> str:
+    """A call's ``arguments`` as OpenAI's API carries them: a string as it is, anything else as JSON."""
+    return arguments if isinstance(arguments, str) else json.dumps(arguments, ensure_ascii=False)
 
 
-def _whole_answer_calls(text: str, names: Collection[str]) -> list[dict[str, Any]]:
+def _call(name: str, arguments: Any, call_id: str | None = None) -> dict[str, Any]:
+    """An OpenAI ``tool_calls`` entry (a new id unless ``call_id``), its ``arguments`` a JSON string."""
+    return {"id": call_id or f"call_{secrets.token_hex(12)}", "type": "function",
+            "function": {"name": name, "arguments": _text(arguments)}}
+
+
+def _object_end(text: str, start: int) -> tuple[int, bool]:
+    """How far the JSON object that opens at ``text[start]`` reaches: (the end of its closing
+    brace, True), or (the end of ``text``, False) while it is still open.  Only strings and nesting
+    are followed; what is inside is not checked (arguments are not always valid JSON)."""
+    depth, quoted, escaped = 0, False, False
+    for i in range(start, len(text)):
+        ch = text[i]
+        if quoted:
+            if escaped:
+                escaped = False
+            elif ch == "\\":
+                escaped = True
+            elif ch == '"':
+                quoted = False
+        elif ch == '"':
+            quoted = True
+        elif ch in "{[":
+            depth += 1
+        elif ch in "}]":
+            depth -= 1
+            if depth == 0:
+                return i + 1, True
+    return len(text), False
+
+
+def _head(body: str) -> tuple[str, int] | None:
+    """(the name, where the arguments object starts) of a block's text in the streamable shape, else None."""
+    m = _HEAD.match(body)
+    if m is None:
+        return None
+    try:
+        return json.loads(f'"{m.group(1)}"'), m.end()
+    except ValueError:
+        return None
+
+
+def _read_block(body: str, closed: bool) -> tuple[str, Any] | None:
+    """(name, arguments) of one block's text (``closed``: its closing tag was written), or None
+    while it is no call (yet).  The streamable shape gives the arguments as written so far;
+    another shape is read once closed, as JSON with a string ``name``."""
+    head = _head(body)
+    if head is not None:
+        name, start = head
+        return name, body[start:_object_end(body, start)[0]]
+    if not closed:
+        return None
+    try:
+        call = json.loads(body)
+    except ValueError:
+        return None
+    if not isinstance(call, dict) or not isinstance(call.get("name"), str):
+        return None
+    return call["name"], call.get("arguments", {})
+
+
+def _tagged(text: str, final: bool) -> list[tuple[str, Any, bool]]:
+    """The tagged calls in ``text`` in order: (name, arguments, closed).  While the answer is still
+    being written (``final`` False) the reading stops at an open block not yet readable, and an
+    open block's arguments leave out a tail that may become its closing tag."""
+    found: list[tuple[str, Any, bool]] = []
+    at = text.find(OPEN)
+    while at >= 0:
+        start = at + len(OPEN)
+        end = text.find(CLOSE, start)
+        closed = end >= 0
+        body = text[start:end] if closed else text[start:]
+        if not closed and not final:
+            body = body[:held_back(body, CLOSE)]
+        read = _read_block(body, closed)
+        if read is not None:
+            found.append((*read, closed))
+        elif not closed and not final:
+            break  # not readable yet: the calls after it wait for it
+        if not closed:
+            break
+        at = text.find(OPEN, end + len(CLOSE))
+    return found
+
+
+def _whole_answer_calls(text: str, names: Collection[str]) -> list[tuple[str, Any]]:
     """The calls an answer makes without tags: all of it (fenced or not) one call object or a list
     of them, each naming a tool in ``names`` with nothing but ``name`` and ``arguments`` (or
     ``parameters``); else none."""
@@ -184,34 +278,23 @@ def _whole_answer_calls(text: str, names: Collection[str]) -> list[dict[str, Any
         if not (isinstance(call, dict) and call.get("name") in names and 1 <= len(call) <= 2
                 and set(call) - {"name"} <= {"arguments", "parameters"}):
             return []
-        calls.append(_call(call["name"], call.get("arguments", call.get("parameters", {}))))
+        calls.append((call["name"], call.get("arguments", call.get("parameters", {}))))
     return calls
 
 
-def parse(text: str, names: Collection[str] = ()) -> tuple[str | None, list[dict[str, Any]]]:
-    """(content, OpenAI ``tool_calls``) of an answer: every well-formed block (a JSON object with
-    a string ``name``) is a call, its ``arguments`` re-encoded as a JSON string; the rest of the
-    text, stripped, is the content (None if nothing is left).  Malformed blocks stay in the text.
-    Without blocks, an answer that is nothing but untagged calls of the tools ``names`` (see the
-    module's note) is those calls, with no content."""
-    calls: list[dict[str, Any]] = []
-    kept: list[str] = []
-    at = 0
-    for m in _BLOCK.finditer(text):
-        try:
-            call = json.loads(m.group(1))
-        except ValueError:
-            continue
-        if not isinstance(call, dict) or not isinstance(call.get("name"), str):
-            continue
-        calls.append(_call(call["name"], call.get("arguments", {})))
-        kept.append(text[at:m.start()])
-        at = m.end()
+def parse(text: str, names: Collection[str] = (), ids: Collection[str] = ()) -> tuple[str | None, list[dict[str, Any]]]:
+    """(content, OpenAI ``tool_calls``) of a finished answer: each readable block is a call (see the
+    module's note), the text before the first block, stripped, the content (None if nothing is
+    left).  Without calls the whole text is the content.  Without blocks, an answer that is nothing
+    but untagged calls of the tools ``names`` is those calls, with no content.  The first calls
+    take the ids ``ids`` (those a stream gave them), the rest new ones."""
+    tagged = [(name, arguments) for name, arguments, _ in _tagged(text, final=True)]
+    calls = tagged or (_whole_answer_calls(text, names) if names and OPEN not in text else [])
     if not calls:
-        bare = _whole_answer_calls(text, names) if names else []
-        return (None, bare) if bare else (text, [])
-    kept.append(text[at:])
-    return "".join(kept).strip() or None, calls
+        return text, []
+    given = list(ids)
+    made = [_call(name, arguments, given[k] if k < len(given) else None) for k, (name, arguments) in enumerate(calls)]
+    return (text[:text.find(OPEN)].strip() or None) if tagged else None, made
 
 
 def may_be_whole_call(text: str) -> bool:
@@ -229,14 +312,14 @@ def may_be_whole_call(text: str) -> bool:
     return not rest or rest[0] in "{["
 
 
-def held_back(text: str) -> int:
-    """Where streamed content must stop for now: at a call's opening tag, or at a suffix that may
-    still become one."""
-    at = text.find(OPEN)
+def held_back(text: str, tag: str = OPEN) -> int:
+    """Where streamed text must stop for now: at ``tag`` (a call's opening tag unless told), or at
+    a suffix that may still become it."""
+    at = text.find(tag)
     if at >= 0:
         return at
-    for k in range(min(len(OPEN) - 1, len(text)), 0, -1):
-        if OPEN.startswith(text[-k:]):
+    for k in range(min(len(tag) - 1, len(text)), 0, -1):
+        if tag.startswith(text[-k:]):
             return len(text) - k
     return len(text)
 
@@ -284,3 +367,43 @@ class HeldContent:
         held, self.entries = self.entries, None
         ids_out, self.ids = self.ids, []
         return out, held, ids_out
+
+
+class StreamedCalls:
+    """One streamed answer's tagged calls as they are written: a call is announced once its name is
+    (``("added", k, call id, name)``), its arguments go out as they grow (``("delta", k, text)``)
+    and it is finished once its block closes (``("done", k, arguments)``), the calls in order (a
+    block in another shape goes out whole once it closes).  :meth:`finish` sends what is left,
+    given the finished answer's calls as :func:`parse` gives them with :attr:`ids`: the pieces of
+    each call's arguments add up to its ``arguments`` there."""
+
+    def __init__(self, most: int | None = None) -> None:
+        self.most = most  # calls streamed at most (the rest are dropped), None: all
+        self.ids: list[str] = []  # the calls announced so far
+        self.names: list[str] = []  # ... their names
+        self.sent: list[str] = []  # the arguments sent of each
+        self.done = 0  # how many are finished
+
+    def _advance(self, calls: list[tuple[str, str, bool, str | None]]) -> list[tuple[Any, ...]]:
+        events: list[tuple[Any, ...]] = []
+        for k, (name, arguments, closed, call_id) in enumerate(calls[:self.most]):
+            if k == len(self.ids):
+                self.ids.append(call_id or f"call_{secrets.token_hex(12)}")
+                self.names.append(name)
+                self.sent.append("")
+                events.append(("added", k, self.ids[k], name))
+            if len(arguments) > len(self.sent[k]) and arguments.startswith(self.sent[k]):
+                events.append(("delta", k, arguments[len(self.sent[k]):]))
+                self.sent[k] = arguments
+            if closed and k == self.done:
+                events.append(("done", k, arguments))
+                self.done += 1
+        return events
+
+    def feed(self, text: str) -> list[tuple[Any, ...]]:
+        """The events the answer so far, ``text``, adds."""
+        return self._advance([(name, _text(arguments), closed, None) for name, arguments, closed in _tagged(text, final=False)])
+
+    def finish(self, calls: list[dict[str, Any]]) -> list[tuple[Any, ...]]:
+        """The events left once the answer is finished with ``calls``."""
+        return self._advance([(c["function"]["name"], c["function"]["arguments"], True, c["id"]) for c in calls])
