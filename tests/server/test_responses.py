@@ -185,10 +185,11 @@ def test_function_tools_make_the_chat_endpoints_calls(client):
     OpenAI's events, and the finished response equals the one not streamed."""
     for choice, chat_choice in (("required", "required"),
                                 ({"type": "function", "name": "add"}, {"type": "function", "function": {"name": "add"}})):
-        kw = dict(model=MODEL, input=ASK, tools=[ADD, WEATHER], tool_choice=choice, max_output_tokens=60, temperature=0)
+        kw = dict(model=MODEL, input=ASK, tools=[ADD, WEATHER], tool_choice=choice, max_output_tokens=60, temperature=0,
+                  parallel_tool_calls=False)  # one call (required allows several otherwise)
         resp = client.responses.create(**kw)
         chat = _chat(client, [{"role": "user", "content": ASK}], 60, tools=[_as_chat(ADD), _as_chat(WEATHER)],
-                     tool_choice=chat_choice)
+                     tool_choice=chat_choice, parallel_tool_calls=False)
         [expected] = chat.choices[0].message.tool_calls
         assert [item.type for item in resp.output] == ["function_call"] and resp.output_text == ""
         [call] = resp.output

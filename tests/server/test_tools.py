@@ -167,6 +167,30 @@ def test_tool_choice_picks_the_tools_and_the_grammar():
     assert tc.grammar(tools, None) is None and tc.grammar(tools, "") and tc.grammar(tools, "add")
 
 
+def test_required_allows_several_calls_unless_parallel_calls_are_off():
+    """``required`` is OpenAI's "one or more calls": its grammar takes a second block after the
+    first; with ``parallel_tool_calls: false``, or a named function, the first block ends the answer."""
+    from specdec.errors import ConfigError
+    from specdec.grammar import GrammarConstraint
+    from specdec.models import registry
+
+    tok = registry.load_tokenizer(registry.resolve(MODEL).folder)
+    tools = [tc.ToolDef.model_validate(ADD), tc.ToolDef.model_validate(WEATHER)]
+    one = '<tool_call>\n{"name":"add","arguments":{"a":1,"b":2}}\n</tool_call>'
+    two = one + '\n<tool_call>\n{"name":"get_weather","arguments":{"city":"Rome"}}\n</tool_call>'
+    vocab = len(tok)
+
+    def ends(grammar: str, text: str) -> bool:  # whether the grammar takes ``text`` and lets the answer end there
+        return bool(GrammarConstraint(tok, grammar, vocab).allowed(tok.encode(text, add_special_tokens=False), vocab)[tok.eos_token_id])
+
+    several = tc.grammar(tools, "", several=True)
+    assert ends(several, one) and ends(several, two) and ends(several, two + "\n" + one)
+    for single in (tc.grammar(tools, ""), tc.grammar(tools, "add", several=True)):
+        assert ends(single, one)
+        with pytest.raises(ConfigError, match="breaks the grammar"):
+            ends(single, two)
+
+
 def test_a_template_without_tools_gets_them_in_a_system_message():
     """SmolLM2's template renders no tools: they go into a system message, earlier calls into
     the assistant's text as blocks, and a tool's result into a user turn."""
@@ -206,7 +230,9 @@ def test_a_template_with_tools_renders_them_itself():
 
 def test_a_required_call_is_made_and_parsed_streamed_or_not(client):
     for choice, names in (({"type": "function", "function": {"name": "add"}}, {"add"}), ("required", {"add", "get_weather"})):
-        kw = dict(model=MODEL, messages=ASK, tools=[ADD, WEATHER], tool_choice=choice, max_tokens=60, temperature=0)
+        # one call: a named function's, or required's with parallel calls off (several: the next test)
+        kw = dict(model=MODEL, messages=ASK, tools=[ADD, WEATHER], tool_choice=choice, max_tokens=60, temperature=0,
+                  parallel_tool_calls=False)
         out = client.chat.completions.create(**kw)
         choice0 = out.choices[0]
         assert choice0.finish_reason == "tool_calls" and choice0.message.content is None
@@ -223,7 +249,23 @@ def test_a_required_call_is_made_and_parsed_streamed_or_not(client):
         assert (name, arguments) == (call.function.name, call.function.arguments) and pieces > 1  # streamed as written
         assert "".join(c.delta.content or "" for c in chunks) == "" and chunks[-1].finish_reason == "tool_calls"
         sampled = client.chat.completions.create(**{**kw, "temperature": 1.0, "seed": 4, "n": 3})
-        assert all(c.finish_reason == "tool_calls" and c.message.tool_calls[0].function.name in names for c in sampled.choices)
+        assert all(c.finish_reason == "tool_calls" and [t.function.name for t in c.message.tool_calls] in ([n] for n in names)
+                   for c in sampled.choices)
+
+
+def test_required_may_make_several_calls(client):
+    """``required`` with parallel calls allowed (the default): the grammar lets the model go on to
+    another call after each, which this small model does until ``max_tokens`` cuts it off
+    (``length``; the last call's arguments as far as they were written); every call names a tool
+    shown, and the stream adds up to the same calls."""
+    kw = dict(model=MODEL, messages=ASK, tools=[ADD, WEATHER], tool_choice="required", max_tokens=60, temperature=0)
+    out = client.chat.completions.create(**kw)
+    calls = out.choices[0].message.tool_calls
+    assert len(calls) >= 2 and all(c.function.name in ("add", "get_weather") for c in calls)
+    assert all(json.loads(c.function.arguments) for c in calls[:-1]) and out.choices[0].finish_reason == "length"
+    chunks = [c.choices[0] for c in client.chat.completions.create(**kw, stream=True) if c.choices]
+    assert [(name, arguments) for name, arguments, _ in _client_calls(chunks)] == [(c.function.name, c.function.arguments) for c in calls]
+    assert chunks[-1].finish_reason == out.choices[0].finish_reason
 
 
 def _client_calls(chunks: list) -> list[tuple[str, str, int]]:

@@ -30,8 +30,9 @@ object or a list of them, fenced or not, each naming a tool shown and holding on
 answer, or naming no tool shown, stays text.
 
 ``tool_choice``: ``none`` (no tools shown, nothing parsed), ``auto`` (the model decides),
-``required`` or a named function: then a grammar holds the answer to exactly one call, of any
-tool or of the named one, with arguments that follow the function's JSON Schema.  The grammar
+``required`` or a named function: then a grammar holds the answer to calls whose arguments
+follow the function's JSON Schema: one or more calls of any tool for ``required`` (one alone with
+``parallel_tool_calls: false``), exactly one call of the named one.  The grammar
 masks draft and target alike, so the output is exactly the constrained target's law, as for any
 structured output.
 """
@@ -103,8 +104,10 @@ def chosen(tools: list[ToolDef] | None, tool_choice: Any) -> tuple[list[ToolDef]
     raise ApiError(400, "tool_choice must be 'none', 'auto', 'required' or {'type': 'function', 'function': {'name': ...}}")
 
 
-def grammar(tools: list[ToolDef], name: str | None) -> str | None:
-    """The llguidance grammar of one call (``name`` "": of any tool; a name: of that one; None: no grammar)."""
+def grammar(tools: list[ToolDef], name: str | None, several: bool = False) -> str | None:
+    """The llguidance grammar of one call (``name`` "": of any tool; a name: of that one; None: no
+    grammar), or with ``several`` and ``name`` "" of one call or more (``required`` with parallel
+    calls allowed: OpenAI's "one or more tools")."""
     if name is None:
         return None
     from specdec.errors import SpecdecError
@@ -116,7 +119,9 @@ def grammar(tools: list[ToolDef], name: str | None) -> str | None:
               "required": ["name", "arguments"], "additionalProperties": False} for t in picked]
     schema = calls[0] if len(calls) == 1 else {"anyOf": calls}
     schema = {**schema, "x-guidance": {"whitespace_flexible": False}}  # compact: small models spiral into whitespace
-    lark = f"start: {json.dumps(OPEN + chr(10))} call {json.dumps(chr(10) + CLOSE)}\ncall: %json {json.dumps(schema)}"
+    block = f"block: {json.dumps(OPEN + chr(10))} call {json.dumps(chr(10) + CLOSE)}"
+    start = 'start: block ("\\n" block)*' if several and not name else "start: block"
+    lark = f"{start}\n{block}\ncall: %json {json.dumps(schema)}"
     try:
         return grammar_for("lark", lark)
     except (SpecdecError, ValueError) as exc:
