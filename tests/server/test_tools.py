@@ -167,6 +167,31 @@ def test_tool_choice_picks_the_tools_and_the_grammar():
     assert tc.grammar(tools, None) is None and tc.grammar(tools, "") and tc.grammar(tools, "add")
 
 
+def test_a_tokenizer_that_has_the_tags_as_tokens_gets_them_in_the_grammar():
+    """Qwen2.5's tokenizer has ``<tool_call>`` and ``</tool_call>`` as added tokens of their own,
+    which llguidance matches by name only: with the tags written as text, the grammar allowed the
+    tag's token and then refused it (a forced call on Qwen2.5 failed at its first token).  Here a
+    SmolLM2 tokenizer given the two tags as added tokens stands in for Qwen2.5's."""
+    from transformers import AutoTokenizer
+
+    from specdec.errors import ConfigError
+    from specdec.grammar import GrammarConstraint
+    from specdec.models.registry import DATA_DIR
+
+    tok = AutoTokenizer.from_pretrained(str(DATA_DIR / "smollm2-135m-draft"))
+    tok.add_tokens([tc.OPEN, tc.CLOSE])
+    tools = [tc.ToolDef.model_validate(ADD)]
+    ids = tok.encode('<tool_call>\n{"name":"add","arguments":{"a":1,"b":2}}\n</tool_call>', add_special_tokens=False)
+    assert ids[0] == tok.convert_tokens_to_ids(tc.OPEN) and ids[-1] == tok.convert_tokens_to_ids(tc.CLOSE)
+    vocab = len(tok)
+    grammar = tc.grammar(tools, "", tokenizer=tok)
+    assert bool(GrammarConstraint(tok, grammar, vocab).allowed(ids, vocab)[tok.eos_token_id])  # the call, then the end
+    with pytest.raises(ConfigError, match="breaks the grammar"):  # the tags as text: the tag's own token is refused
+        GrammarConstraint(tok, tc.grammar(tools, ""), vocab).allowed(ids, vocab)
+    plain = AutoTokenizer.from_pretrained(str(DATA_DIR / "smollm2-135m-draft"))  # no such tokens: the tags as text
+    assert tc.grammar(tools, "", tokenizer=plain) == tc.grammar(tools, "")
+
+
 def test_required_allows_several_calls_unless_parallel_calls_are_off():
     """``required`` is OpenAI's "one or more calls": its grammar takes a second block after the
     first; with ``parallel_tool_calls: false``, or a named function, the first block ends the answer."""

@@ -1249,7 +1249,7 @@ def openai_router(ctx: "ServerContext") -> APIRouter:
             raise ApiError(400, "the conversation encodes to no tokens")
         max_tokens = req.max_completion_tokens if req.max_completion_tokens is not None else req.max_tokens
         job = _Job(ctx, req, [ids], max_tokens, logprobs=(req.top_logprobs or 0) if req.logprobs else None, endpoint="chat",
-                   owner=_owner(request), tool_grammar=tool_calls.grammar(shown, forced, several=req.parallel_tool_calls is not False))
+                   owner=_owner(request), tool_grammar=tool_calls.grammar(shown, forced, several=req.parallel_tool_calls is not False, tokenizer=tok))
         cid, created = f"chatcmpl-{secrets.token_hex(12)}", int(time.time())
         metrics.completions.labels("chat", str(req.stream).lower()).inc()
         named = names(req)

@@ -104,10 +104,21 @@ def chosen(tools: list[ToolDef] | None, tool_choice: Any) -> tuple[list[ToolDef]
     raise ApiError(400, "tool_choice must be 'none', 'auto', 'required' or {'type': 'function', 'function': {'name': ...}}")
 
 
-def grammar(tools: list[ToolDef], name: str | None, several: bool = False) -> str | None:
+def _tag(tag: str, tokenizer: Any) -> str:
+    """A call's tag in a Lark grammar: the tokenizer's own token where it has the tag as one added
+    token (Qwen2.5's ``<tool_call>``: llguidance matches such a token by name only, never as the
+    text it decodes to), else the literal text."""
+    if tokenizer is not None and len(tokenizer.encode(tag, add_special_tokens=False)) == 1:
+        added = getattr(tokenizer, "get_added_vocab", None)
+        if added is not None and tag in added():
+            return tag
+    return json.dumps(tag)
+
+
+def grammar(tools: list[ToolDef], name: str | None, several: bool = False, tokenizer: Any = None) -> str | None:
     """The llguidance grammar of one call (``name`` "": of any tool; a name: of that one; None: no
     grammar), or with ``several`` and ``name`` "" of one call or more (``required`` with parallel
-    calls allowed: OpenAI's "one or more tools")."""
+    calls allowed: OpenAI's "one or more tools"); the tags as ``tokenizer`` writes them."""
     if name is None:
         return None
     from specdec.errors import SpecdecError
@@ -119,7 +130,7 @@ def grammar(tools: list[ToolDef], name: str | None, several: bool = False) -> st
               "required": ["name", "arguments"], "additionalProperties": False} for t in picked]
     schema = calls[0] if len(calls) == 1 else {"anyOf": calls}
     schema = {**schema, "x-guidance": {"whitespace_flexible": False}}  # compact: small models spiral into whitespace
-    block = f"block: {json.dumps(OPEN + chr(10))} call {json.dumps(chr(10) + CLOSE)}"
+    block = f'block: {_tag(OPEN, tokenizer)} "\\n" call "\\n" {_tag(CLOSE, tokenizer)}'
     start = 'start: block ("\\n" block)*' if several and not name else "start: block"
     lark = f"{start}\n{block}\ncall: %json {json.dumps(schema)}"
     try:
