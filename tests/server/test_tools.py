@@ -141,7 +141,10 @@ def test_streamed_calls_add_up_to_the_finished_answers(step):
                '<tool_call>\n{"name": "add", "arguments": {"a": [1, {"b": "</tool"}], "c": 2}, "x": 1}\n</tool_call>',
                '<tool_call>{"name": "add", "arguments": {"a": 1, "b": "<"}}',  # never closed
                '<tool_call>{"name": "add", "arguments": {"a": "x</tool_call>"}}</tool_call>',  # the tag ends it
-               '<tool_call>{broken}</tool_call><tool_call>{"name": "f", "arguments": {}}</tool_call>', "no calls"]
+               '<tool_call>{broken}</tool_call><tool_call>{"name": "f", "arguments": {}}</tool_call>', "no calls",
+               # a file as an argument: braces, quotes and backslashes inside a long string, cut anywhere
+               '<tool_call>\n{"name": "write", "arguments": {"path": "a.py", "content": "' +
+               'def f():\\n    return {\\"a\\": [1, \\"}\\"]}  # \\\\ {\\n' * 20 + '"}}\n</tool_call>']
     for text in answers:
         events, calls = _stream_calls(text, list(range(step, len(text), step)))
         streamed = _gathered(events)

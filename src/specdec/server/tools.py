@@ -51,6 +51,9 @@ from specdec.server.errors import ApiError
 
 OPEN, CLOSE = "<tool_call>", "</tool_call>"
 #: a block's start up to its arguments' opening brace: ``{"name": "<name>", "arguments": `` then ``{``
+#: what a JSON object's nesting depends on: a quote or a bracket; inside a string, all up to its closing quote
+_STRUCTURE = re.compile(r'["{}\[\]]')
+_STRING_BODY = re.compile(r'(?:[^"\\]|\\.)*', re.DOTALL)
 _HEAD = re.compile(r'\s*\{\s*"name"\s*:\s*"((?:[^"\\\n]|\\.)*)"\s*,\s*"arguments"\s*:\s*(?=\{)')
 _FENCED = re.compile(r"```(?:json)?\s*(.*?)\s*```", re.DOTALL)
 
@@ -199,29 +202,40 @@ def _call(name: str, arguments: Any, call_id: str | None = None) -> dict[str, An
             "function": {"name": name, "arguments": _text(arguments)}}
 
 
-def _object_end(text: str, start: int) -> tuple[int, bool]:
+def _object_end(text: str, start: int, resume: list[Any] | None = None) -> tuple[int, bool]:
     """How far the JSON object that opens at ``text[start]`` reaches: (the end of its closing
     brace, True), or (the end of ``text``, False) while it is still open.  Only strings and nesting
-    are followed; what is inside is not checked (arguments are not always valid JSON)."""
-    depth, quoted, escaped = 0, False, False
-    for i in range(start, len(text)):
-        ch = text[i]
+    are followed; what is inside is not checked (arguments are not always valid JSON).
+
+    ``resume`` (where to go on, the depth there and whether inside a string; kept by the caller)
+    lets a stream, which asks again with each piece of a text that only grows, go on where the
+    last scan stopped instead of reading the whole object again: a call may write a whole file as
+    one argument."""
+    at, depth, quoted = resume if resume else (start, 0, False)
+    end = len(text)
+    while True:
         if quoted:
-            if escaped:
-                escaped = False
-            elif ch == "\\":
-                escaped = True
-            elif ch == '"':
-                quoted = False
-        elif ch == '"':
+            stop = _STRING_BODY.match(text, at).end()  # to the closing quote, a last backslash or the end
+            if stop >= end or text[stop] != '"':
+                at = stop
+                break
+            at, quoted = stop + 1, False
+        m = _STRUCTURE.search(text, at)
+        if m is None:
+            at = end
+            break
+        at = m.end()
+        if m.group() == '"':
             quoted = True
-        elif ch in "{[":
+        elif m.group() in "{[":
             depth += 1
-        elif ch in "}]":
+        else:
             depth -= 1
             if depth == 0:
-                return i + 1, True
-    return len(text), False
+                return at, True
+    if resume is not None:
+        resume[:] = [at, depth, quoted]
+    return end, False
 
 
 def _head(body: str) -> tuple[str, int] | None:
@@ -235,14 +249,15 @@ def _head(body: str) -> tuple[str, int] | None:
         return None
 
 
-def _read_block(body: str, closed: bool) -> tuple[str, Any] | None:
+def _read_block(body: str, closed: bool, resume: list[Any] | None = None) -> tuple[str, Any] | None:
     """(name, arguments) of one block's text (``closed``: its closing tag was written), or None
-    while it is no call (yet).  The streamable shape gives the arguments as written so far;
-    another shape is read once closed, as JSON with a string ``name``."""
+    while it is no call (yet).  The streamable shape gives the arguments as written so far (its
+    scan going on from ``resume``: see :func:`_object_end`); another shape is read once closed, as
+    JSON with a string ``name``."""
     head = _head(body)
     if head is not None:
         name, start = head
-        return name, body[start:_object_end(body, start)[0]]
+        return name, body[start:_object_end(body, start, resume)[0]]
     if not closed:
         return None
     try:
@@ -254,10 +269,11 @@ def _read_block(body: str, closed: bool) -> tuple[str, Any] | None:
     return call["name"], call.get("arguments", {})
 
 
-def _tagged(text: str, final: bool) -> list[tuple[str, Any, bool]]:
+def _tagged(text: str, final: bool, scans: dict[int, list[Any]] | None = None) -> list[tuple[str, Any, bool]]:
     """The tagged calls in ``text`` in order: (name, arguments, closed).  While the answer is still
     being written (``final`` False) the reading stops at an open block not yet readable, and an
-    open block's arguments leave out a tail that may become its closing tag."""
+    open block's arguments leave out a tail that may become its closing tag; ``scans`` keeps where
+    each block's scan stopped, per block (a stream reads the same blocks again with each piece)."""
     found: list[tuple[str, Any, bool]] = []
     at = text.find(OPEN)
     while at >= 0:
@@ -267,7 +283,7 @@ def _tagged(text: str, final: bool) -> list[tuple[str, Any, bool]]:
         body = text[start:end] if closed else text[start:]
         if not closed and not final:
             body = body[:held_back(body, CLOSE)]
-        read = _read_block(body, closed)
+        read = _read_block(body, closed, None if scans is None else scans.setdefault(at, []))
         if read is not None:
             found.append((*read, closed))
         elif not closed and not final:
@@ -399,6 +415,7 @@ class StreamedCalls:
         self.names: list[str] = []  # ... their names
         self.sent: list[str] = []  # the arguments sent of each
         self.done = 0  # how many are finished
+        self._scans: dict[int, list[Any]] = {}  # where each block's scan stopped (see _object_end)
 
     def _advance(self, calls: list[tuple[str, str, bool, str | None]]) -> list[tuple[Any, ...]]:
         events: list[tuple[Any, ...]] = []
@@ -418,7 +435,8 @@ class StreamedCalls:
 
     def feed(self, text: str) -> list[tuple[Any, ...]]:
         """The events the answer so far, ``text``, adds."""
-        return self._advance([(name, _text(arguments), closed, None) for name, arguments, closed in _tagged(text, final=False)])
+        return self._advance([(name, _text(arguments), closed, None)
+                              for name, arguments, closed in _tagged(text, final=False, scans=self._scans)])
 
     def finish(self, calls: list[dict[str, Any]]) -> list[tuple[Any, ...]]:
         """The events left once the answer is finished with ``calls``."""
