@@ -45,3 +45,35 @@ def test_bad_grammars_are_config_errors(tok):
     digits = GrammarConstraint(tok, grammar_for("regex", "[0-9]+"), V)
     allowed = digits.allowed([], V).nonzero().flatten().tolist()
     assert allowed and all(tok.decode([i]).isdigit() for i in allowed)
+
+
+def test_specdecs_own_tokenizer_gives_llguidance_the_same_view(tok):
+    """specdec's tokenizer hands llguidance its parsed tokenizer.json directly (without building
+    transformers' class); every mask must equal the one llguidance makes from transformers'
+    tokenizer, along every prefix of answers to a few grammars."""
+    import llguidance
+    import llguidance.hf
+    import llguidance.torch
+
+    from specdec.grammar import _tokenizer_info
+    from specdec.models import registry
+
+    own = registry.load_tokenizer(DATA_DIR / "smollm2-135m-draft")
+    assert type(own).__name__ == "FastTokenizer"
+    views = (_tokenizer_info(own, V), llguidance.hf.from_tokenizer(tok, n_vocab=V))
+    cases = [(grammar_for("json_schema", SCHEMA), '{"a":12,"b":"y"}'), (grammar_for("json_object", None), '{"k":[1,{"z":null}]}'),
+             (grammar_for("regex", "[A-Z][a-z ]+[.!]"), "Hello there friend."),
+             (grammar_for("lark", 'start: "<tool_call>\\n" /[a-z]+/ "\\n</tool_call>"'), "<tool_call>\nabc\n</tool_call>")]
+    for grammar, text in cases:
+        ids = own.encode(text, add_special_tokens=False)
+        masks = []
+        for view in views:
+            matcher, bits, rows = llguidance.LLMatcher(view, grammar), llguidance.torch.allocate_token_bitmask(1, V), []
+            for k in range(len(ids) + 1):
+                llguidance.torch.fill_next_token_bitmask(matcher, bits, 0)
+                rows.append(bits[0].clone())
+                if k < len(ids):
+                    assert matcher.consume_token(ids[k]), (text, k)
+            assert matcher.is_stopped() or matcher.is_accepting()
+            masks.append(torch.stack(rows))
+        assert torch.equal(masks[0], masks[1]), text

@@ -193,6 +193,12 @@ class FastTokenizer:
     def encode(self, text: str, add_special_tokens: bool = True) -> list[int]:
         return self._tokenizer.encode(text, add_special_tokens=add_special_tokens).ids
 
+    def backend_json(self) -> str:
+        """The tokenizer as the ``tokenizers`` library serialises it (what transformers' fast class
+        would hand on: the same vocabulary, added tokens, normaliser and pipeline; no padding or
+        truncation), for libraries that read it (llguidance)."""
+        return self._tokenizer.to_str()
+
     def decode(self, ids: Any, skip_special_tokens: bool = False, **kw: Any) -> str:
         if kw:  # options only transformers' decode knows
             return self.hf.decode(ids, skip_special_tokens=skip_special_tokens, **kw)
