@@ -193,6 +193,10 @@ class FastTokenizer:
     def encode(self, text: str, add_special_tokens: bool = True) -> list[int]:
         return self._tokenizer.encode(text, add_special_tokens=add_special_tokens).ids
 
+    def get_added_vocab(self) -> dict[str, int]:
+        """The added tokens by their text (transformers' method of the name, without building it)."""
+        return {t.content: i for i, t in self._tokenizer.get_added_tokens_decoder().items()}
+
     def backend_json(self) -> str:
         """The tokenizer as the ``tokenizers`` library serialises it (what transformers' fast class
         would hand on: the same vocabulary, added tokens, normaliser and pipeline; no padding or
