@@ -66,3 +66,10 @@ def test_other_tokenizers_give_their_decoded_text():
             return "".join(chr(0x4E00 + i) for i in ids)
 
     assert TokenBytes(Plain())(5) == chr(0x4E05).encode("utf-8")
+
+
+def test_added_tokens_and_the_serialised_backend_are_transformers(smollm2):
+    """What specdec's tokenizer answers without building transformers' class (the added tokens
+    by text; the backend llguidance reads) is what transformers' tokenizer answers."""
+    assert smollm2.get_added_vocab() == smollm2.hf.get_added_vocab() and len(smollm2.get_added_vocab()) > 10
+    assert smollm2.backend_json() == smollm2.hf.backend_tokenizer.to_str()
