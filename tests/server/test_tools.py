@@ -167,6 +167,14 @@ def test_tool_choice_picks_the_tools_and_the_grammar():
             tc.chosen(tools, bad)
     with pytest.raises(ApiError, match="needs tools"):
         tc.chosen([], "required")
+    for mode, name in (("auto", None), ("required", "")):  # OpenAI's allowed_tools: a subset, the only tools shown
+        subset = {"type": "allowed_tools", "allowed_tools": {"mode": mode, "tools": [{"type": "function", "function": {"name": "get_weather"}}]}}
+        assert tc.chosen(tools, subset) == (tools[1:], name)
+    for bad in ({"type": "allowed_tools", "allowed_tools": {"mode": "sometimes", "tools": [WEATHER]}},
+                {"type": "allowed_tools", "allowed_tools": {"mode": "auto", "tools": []}},
+                {"type": "allowed_tools", "allowed_tools": {"mode": "auto", "tools": [{"type": "function", "function": {"name": "nope"}}]}}):
+        with pytest.raises(ApiError, match="allowed_tools"):
+            tc.chosen(tools, bad)
     assert tc.grammar(tools, None) is None and tc.grammar(tools, "") and tc.grammar(tools, "add")
 
 
@@ -377,6 +385,24 @@ def test_an_untagged_call_reaches_the_client_as_a_call(client):
                                    tools=[{"type": "function", **t["function"]} for t in (ADD, WEATHER)],
                                    text={"format": {"type": "json_schema", "name": "call", "schema": shape}})
     assert [(o.type, o.name, o.arguments) for o in resp.output] == [("function_call", call.function.name, call.function.arguments)]
+
+
+def test_allowed_tools_show_and_allow_a_subset(client):
+    """``allowed_tools`` with ``required`` over one of two tools: that tool's call, and the prompt
+    the one where only that tool is shown; on both endpoints."""
+    subset = {"type": "allowed_tools", "allowed_tools": {"mode": "required", "tools": [{"type": "function", "function": {"name": "add"}}]}}
+    kw = dict(model=MODEL, messages=ASK, max_tokens=40, temperature=0, parallel_tool_calls=False)
+    out = client.chat.completions.create(**kw, tools=[WEATHER, ADD], tool_choice=subset)
+    alone = client.chat.completions.create(**kw, tools=[ADD], tool_choice="required")
+    assert [c.function.name for c in out.choices[0].message.tool_calls] == ["add"]
+    assert out.usage.prompt_tokens == alone.usage.prompt_tokens
+    assert out.choices[0].message.tool_calls[0].function.arguments == alone.choices[0].message.tool_calls[0].function.arguments
+    resp = client.responses.create(model=MODEL, input=ASK[0]["content"], max_output_tokens=40, temperature=0, parallel_tool_calls=False,
+                                   tools=[{"type": "function", **t["function"]} for t in (WEATHER, ADD)],
+                                   tool_choice={"type": "allowed_tools", "mode": "required", "tools": [{"type": "function", "name": "add"}]})
+    assert [(o.name, o.arguments) for o in resp.output] == [("add", alone.choices[0].message.tool_calls[0].function.arguments)]
+    with pytest.raises(openai.BadRequestError, match="allowed_tools"):
+        client.chat.completions.create(**kw, tools=[ADD], tool_choice={"type": "allowed_tools", "allowed_tools": {"mode": "x", "tools": []}})
 
 
 def test_a_conversation_with_calls_and_results_is_accepted(client):

@@ -16,7 +16,8 @@ and output come before the new input; its ``instructions`` do not (as in OpenAI'
 store lives in the server process: a restart forgets it.
 
 Function tools: ``tools`` (``{"type": "function", "name", "description", "parameters", "strict"}``)
-and ``tool_choice`` (``none``, ``auto``, ``required`` or ``{"type": "function", "name"}``) work as on
+and ``tool_choice`` (``none``, ``auto``, ``required``, ``{"type": "function", "name"}`` or
+``{"type": "allowed_tools", "mode", "tools"}``) work as on
 the chat endpoint (:mod:`specdec.server.tools`: the model writes Hermes-style blocks; a required or
 named call is held to the function's JSON Schema by a grammar, so the output keeps the constrained
 target's law).  Each call the answer makes is a ``function_call`` output item after the message
@@ -182,7 +183,13 @@ def _tool_choice(choice: str | dict[str, Any] | None) -> str | dict[str, Any] | 
         return choice
     if isinstance(choice, dict) and choice.get("type") == "function" and isinstance(choice.get("name"), str):
         return {"type": "function", "function": {"name": choice["name"]}}
-    raise ApiError(400, "tool_choice must be 'none', 'auto', 'required' or {'type': 'function', 'name': ...} on this server")
+    if isinstance(choice, dict) and choice.get("type") == "allowed_tools":  # flat here, nested on the chat endpoint
+        listed = choice.get("tools")
+        return {"type": "allowed_tools", "allowed_tools": {"mode": choice.get("mode"), "tools": [
+            {"type": "function", "function": {"name": t.get("name")}} if isinstance(t, dict) else t
+            for t in (listed if isinstance(listed, list) else [])]}}
+    raise ApiError(400, "tool_choice must be 'none', 'auto', 'required', {'type': 'function', 'name': ...} or "
+                   "{'type': 'allowed_tools', 'mode': ..., 'tools': [...]} on this server")
 
 
 def _first_error(exc: ValidationError) -> str:

@@ -30,6 +30,7 @@ object or a list of them, fenced or not, each naming a tool shown and holding on
 answer, or naming no tool shown, stays text.
 
 ``tool_choice``: ``none`` (no tools shown, nothing parsed), ``auto`` (the model decides),
+``allowed_tools`` (``auto`` or ``required`` over a subset of the tools, the only ones shown),
 ``required`` or a named function: then a grammar holds the answer to calls whose arguments
 follow the function's JSON Schema: one or more calls of any tool for ``required`` (one alone with
 ``parallel_tool_calls: false``), exactly one call of the named one.  The grammar
@@ -89,7 +90,9 @@ class ToolCall(BaseModel):
 
 def chosen(tools: list[ToolDef] | None, tool_choice: Any) -> tuple[list[ToolDef], str | None]:
     """(the tools shown to the model, the one function a named ``tool_choice`` asks for) — no tools
-    for ``none``; the name is ``""`` for ``required`` (any tool), None where the model decides."""
+    for ``none``; the name is ``""`` for ``required`` (any tool), None where the model decides.
+    ``allowed_tools`` (OpenAI's subset of the tools, ``auto`` or ``required`` among them) shows the
+    model that subset alone, so a call of another tool is never asked for."""
     tools = list(tools or ())
     if tool_choice in (None, "auto"):
         return tools, None
@@ -104,7 +107,19 @@ def chosen(tools: list[ToolDef] | None, tool_choice: Any) -> tuple[list[ToolDef]
         if not any(t.function.name == name for t in tools):
             raise ApiError(400, f"tool_choice names {name!r}, which is not among the tools")
         return tools, name
-    raise ApiError(400, "tool_choice must be 'none', 'auto', 'required' or {'type': 'function', 'function': {'name': ...}}")
+    if isinstance(tool_choice, dict) and tool_choice.get("type") == "allowed_tools":
+        allowed = tool_choice.get("allowed_tools")
+        mode = allowed.get("mode") if isinstance(allowed, dict) else None
+        listed = allowed.get("tools") if isinstance(allowed, dict) else None
+        if mode not in ("auto", "required") or not isinstance(listed, list) or not listed:
+            raise ApiError(400, "tool_choice allowed_tools needs a mode ('auto' or 'required') and a list of tools")
+        names = [(t.get("function") or {}).get("name") if isinstance(t, dict) else None for t in listed]
+        unknown = [n for n in names if not any(t.function.name == n for t in tools)]
+        if unknown:
+            raise ApiError(400, f"tool_choice allowed_tools names {unknown[0]!r}, which is not among the tools")
+        return [t for t in tools if t.function.name in names], (None if mode == "auto" else "")
+    raise ApiError(400, "tool_choice must be 'none', 'auto', 'required', {'type': 'function', 'function': {'name': ...}} "
+                   "or {'type': 'allowed_tools', 'allowed_tools': {'mode': ..., 'tools': [...]}}")
 
 
 def _tag(tag: str, tokenizer: Any) -> str:
