@@ -50,7 +50,8 @@ def test_bad_grammars_are_config_errors(tok):
 def test_specdecs_own_tokenizer_gives_llguidance_the_same_view(tok):
     """specdec's tokenizer hands llguidance its parsed tokenizer.json directly (without building
     transformers' class); every mask must equal the one llguidance makes from transformers'
-    tokenizer, along every prefix of answers to a few grammars."""
+    tokenizer, along every prefix of answers to a few grammars, and GrammarConstraint's masks
+    must be those bits."""
     import llguidance
     import llguidance.hf
     import llguidance.torch
@@ -77,3 +78,7 @@ def test_specdecs_own_tokenizer_gives_llguidance_the_same_view(tok):
             assert matcher.is_stopped() or matcher.is_accepting()
             masks.append(torch.stack(rows))
         assert torch.equal(masks[0], masks[1]), text
+        # and GrammarConstraint (its own fill, without llguidance.torch) answers with the same bits
+        unpacked = ((masks[0].unsqueeze(-1) >> torch.arange(32, dtype=torch.int32)) & 1).bool().reshape(len(ids) + 1, -1)[:, :V]
+        constraint = GrammarConstraint(own, grammar, V)
+        assert torch.equal(torch.stack([constraint.allowed(ids[:k], V) for k in range(len(ids) + 1)]), unpacked), text

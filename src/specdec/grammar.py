@@ -26,8 +26,7 @@ from specdec.errors import ConfigError, MissingPackageError
 
 def _llguidance() -> Any:
     try:
-        import llguidance
-        import llguidance.torch  # noqa: F401
+        import llguidance  # not llguidance.torch: importing it compiles a kernel (torch._dynamo, ~4 s)
     except ImportError:
         raise MissingPackageError("structured output needs llguidance: pip install 'specdec[structured]'") from None
     return llguidance
@@ -89,8 +88,7 @@ class GrammarConstraint:
         self._eos = getattr(tokenizer, "eos_token_id", None)
         self._new = lambda: llg.LLMatcher(self._info, grammar)
         self._matcher = self._new()
-        self._fill = llg.torch.fill_next_token_bitmask
-        self._bits = llg.torch.allocate_token_bitmask(1, vocab_size)  # [1, ceil(V/32)] int32
+        self._bits = torch.full((1, (vocab_size + 31) // 32), -1, dtype=torch.int32)  # [1, ceil(V/32)] int32
         self._shifts = torch.arange(32, dtype=torch.int32)
         self._consumed: list[int] = []
         self._lock = threading.Lock()
@@ -110,6 +108,10 @@ class GrammarConstraint:
                 raise ConfigError(f"token {token} breaks the grammar ({self._matcher.get_error()})")
             self._consumed.append(int(token))
 
+    def _fill(self) -> None:
+        """The matcher's mask into :attr:`_bits` (what llguidance.torch's ``fill_next_token_bitmask`` does)."""
+        self._matcher.unsafe_compute_mask_ptr(self._bits.data_ptr(), self._bits.numel() * self._bits.element_size())
+
     def allowed(self, generated: Sequence[int], vocab_size: int) -> Tensor:  # -> [V] bool
         if self._eos is not None and self._eos in generated:
             # the sequence has ended (decoding stops at its end token): only the end may follow.
@@ -119,13 +121,13 @@ class GrammarConstraint:
             return mask
         with self._lock:
             self._sync(generated)
-            self._fill(self._matcher, self._bits, 0)
+            self._fill()
             if self._matcher.is_error():
                 # a matcher that gave up (e.g. its complexity budget after many rollbacks) would
                 # allow only end-of-sequence: rebuild it from the history, which defines the answer
                 self._matcher, self._consumed = self._new(), []
                 self._sync(generated)
-                self._fill(self._matcher, self._bits, 0)
+                self._fill()
                 if self._matcher.is_error():
                     raise ConfigError(f"the grammar engine failed: {self._matcher.get_error().splitlines()[0]}")
             words = self._bits[0].unsqueeze(-1)  # [W, 1]
