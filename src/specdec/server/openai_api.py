@@ -138,8 +138,6 @@ class _Request(BaseModel):
                 continue  # an endpoint with tools checks it with them (server/tools.py)
             if getattr(self, name) not in (None, "none", "auto"):
                 raise ApiError(400, f"{name} is not supported by this server (no tools)")
-        if getattr(self, "parallel_tool_calls", None) is not None and (not getattr(self, "tools", None) or self.tool_choice == "none"):
-            extra["parallel_tool_calls"] = self.parallel_tool_calls  # no tools shown: no call to limit
         names = sorted(extra)
         if self.stream_options is not None:
             names += [f"stream_options.{k}" for k in sorted(self.stream_options.model_extra or {})]
@@ -316,6 +314,12 @@ class ChatRequest(_Request, _ChatTemplating):
     messages: Annotated[list[ChatMessage], Field(min_length=1, max_length=1024)]
     tools: Annotated[list[ToolDef], Field(max_length=128)] | None = None
     parallel_tool_calls: bool | None = None  # false: at most one call (the first the model writes)
+
+    def ignored_fields(self) -> list[str]:
+        names = super().ignored_fields()
+        if self.parallel_tool_calls is not None and (not self.tools or self.tool_choice == "none"):
+            names = sorted([*names, "parallel_tool_calls"])  # no tools shown: no call to limit
+        return names
     max_tokens: Annotated[int, Field(ge=1, le=1 << 20)] | None = None
     max_completion_tokens: Annotated[int, Field(ge=1, le=1 << 20)] | None = None
     logprobs: bool | None = None

@@ -375,22 +375,24 @@ def responses_router(ctx: "ServerContext") -> APIRouter:
                 arguments as they grow, the item done once the call is."""
                 out: list[dict[str, Any]] = []
                 for kind, k, *what in events:
-                    at = k + int(message["opened"])
-                    item = _function_call({"id": writer.ids[k], "function": {"name": writer.names[k], "arguments": what[-1]}},
-                                          "completed")
+                    item_id = _item_id(writer.ids[k])
                     if kind == "added":
                         before = gate.text[:gate.text.find(tool_calls.OPEN)]
                         if before.strip() and not message["opened"]:  # held while the answer might have been a call
                             out += text_event(before[gate.sent:], None)
                         out += closing(before.strip(), seen, "completed")
-                        at = k + int(message["opened"])
-                        out.append(event("response.output_item.added", output_index=at,
-                                         item={**item, "arguments": "", "status": "in_progress"}))
+                    at = k + int(message["opened"])
+                    if kind == "added":
+                        item = _function_call({"id": writer.ids[k], "function": {"name": writer.names[k], "arguments": ""}},
+                                              "in_progress")
+                        out.append(event("response.output_item.added", output_index=at, item=item))
                     elif kind == "delta":
-                        out.append(event("response.function_call_arguments.delta", item_id=item["id"], output_index=at,
+                        out.append(event("response.function_call_arguments.delta", item_id=item_id, output_index=at,
                                          delta=what[0]))
                     else:
-                        out += [event("response.function_call_arguments.done", item_id=item["id"], output_index=at,
+                        item = _function_call({"id": writer.ids[k], "function": {"name": writer.names[k], "arguments": what[0]}},
+                                              "completed")
+                        out += [event("response.function_call_arguments.done", item_id=item_id, output_index=at,
                                       arguments=what[0]),
                                 event("response.output_item.done", output_index=at, item=item)]
                 return out
@@ -451,9 +453,14 @@ def _message(mid: str, status: str, part: dict[str, Any] | None) -> dict[str, An
     return {"id": mid, "type": "message", "status": status, "role": "assistant", "content": [] if part is None else [part]}
 
 
+def _item_id(call_id: str) -> str:
+    """A ``function_call`` item's id, made from its call's."""
+    return f"fc_{call_id.removeprefix('call_')}"
+
+
 def _function_call(call: dict[str, Any], status: str) -> dict[str, Any]:
     """A call (as :func:`specdec.server.tools.parse` gives it) as a ``function_call`` output item."""
-    return {"id": f"fc_{call['id'].removeprefix('call_')}", "type": "function_call", "status": status,
+    return {"id": _item_id(call["id"]), "type": "function_call", "status": status,
             "call_id": call["id"], "name": call["function"]["name"], "arguments": call["function"]["arguments"]}
 
 
