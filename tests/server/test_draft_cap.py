@@ -86,6 +86,26 @@ def test_calibration_times_the_model_alone():
     assert calibrate(ToyLM(VOCAB, order=1, seed=0)) is None  # no batched forward: the live fit is used
 
 
+def test_calibration_prefills_once_and_times_long_passes_fewer_times():
+    """One prefill for all the sequences (the rest copy its cache), ``reps`` passes per row count
+    while they fit ``budget_s``, and at least one however long a pass takes."""
+    from specdec.server.draft_cap import calibrate
+    from tiny import tiny_native
+
+    model = tiny_native()
+    prefills, passes = [], []
+    forward, forward_batch = model.forward, model.forward_batch
+    model.forward = lambda ids, cache, **kw: prefills.append(len(ids)) or forward(ids, cache, **kw)
+    model.forward_batch = lambda items: passes.append(sum(len(i[0]) for i in items)) or forward_batch(items)
+    rows = (1, 4, 24)
+    calibrate(model, rows=rows, reps=3, budget_s=1e9)
+    assert prefills == [64] and passes == [1, 1, 1, 4, 4, 4, 24, 24, 24]
+    prefills.clear()
+    passes.clear()
+    calibrate(model, rows=rows, reps=3, budget_s=0.0)
+    assert prefills == [64] and passes == [1, 4, 24]
+
+
 def test_a_cost_curve_reads_each_rows_own_marginal_cost():
     """Rows nearly free at two to four and dear at a hundred (as on a 2-core CPU): the slope at a
     single user's ~2 rows per pass is the small one, and there the threshold m ρ is far below the
