@@ -159,3 +159,23 @@ def test_a_stop_token_ends_the_ids_but_not_the_text(tok):
     kept = TextSink(tok, (), None, hidden=frozenset({last}), keep_stop=True)
     kept.push(ids)
     assert kept.finish(ids) == tok.decode(ids)
+
+
+def test_stop_when_keeps_the_shortest_prefix_whose_text_is_done(tok):
+    """A stop on what the text says (the server's first closed tool call): checked in rounds of three
+    tokens, it keeps exactly the shortest token prefix whose text passes, that text whole; combined
+    with a stop string, whichever comes first wins."""
+    from specdec.text import StopWhen, first_stop
+
+    ids = tok.encode("Sure. <tool_call> {} </tool_call> and more text after it", add_special_tokens=False)
+    shortest = next(k for k in range(1, len(ids) + 1) if "</tool_call>" in tok.decode(ids[:k]))
+    for rounds in (1, 3, len(ids)):
+        stop = StopWhen(tok, lambda text: "</tool_call>" in text)
+        kept = next(keep for i in range(rounds, len(ids) + rounds, rounds) if (keep := stop(ids[:i])) is not None)
+        assert kept == shortest, rounds
+    assert tok.decode(ids[:shortest]).endswith("</tool_call>")
+    both = first_stop(StopStrings(tok, ("more",)), StopWhen(tok, lambda text: "</tool_call>" in text))
+    assert both(ids) == shortest  # the call closes first
+    early = first_stop(StopStrings(tok, ("Sure",)), None, StopWhen(tok, lambda text: "</tool_call>" in text))
+    assert early(ids) == 1
+    assert first_stop(None, None) is None

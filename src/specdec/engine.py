@@ -30,7 +30,7 @@ from specdec.models import registry
 from specdec.models.registry import LoadedModel, check_compatible, load
 from specdec.sampling import SamplingConfig, floor_stops
 from specdec.session import TargetSession
-from specdec.text import StopStrings, TextSink, encode_messages, encode_prompt
+from specdec.text import StopStrings, StopWhen, TextSink, encode_messages, encode_prompt, first_stop
 from specdec.verify import Rule, get_rule
 
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
@@ -571,13 +571,16 @@ class Engine:
         tree_min_prob: float | None = None,
         on_piece: Callable[[TextPiece], None] | None = None,
         tree_observe: Callable[[int, int], None] | None = None,
+        stop_when: Callable[[str], bool] | None = None,
     ) -> TextResult:
         """Decode ``prompt``; ``logprobs`` (k >= 0) records each emitted token's log-probability
         under the target's processed law and the k most likely alternatives; ``ignore_eos``
         keeps generating past end-of-sequence tokens.  ``on_text`` receives the text as it is
         decided; ``on_piece`` the same pieces with their tokens and log-probabilities
         (:class:`TextPiece`), the last one carrying whatever tokens are left.  ``tree_observe``: see
-        :meth:`decoder`.  (The prompt's own log-probabilities: :func:`~specdec.session.score_prompt`.)"""
+        :meth:`decoder`.  ``stop_when``: a test of the text so far that ends generation at the first
+        token that makes it true, that token's text kept (:class:`~specdec.text.StopWhen`).  (The
+        prompt's own log-probabilities: :func:`~specdec.session.score_prompt`.)"""
         rule = get_rule(method or default_method(sampling))
         ids = self.encode(prompt, chat=chat) if isinstance(prompt, str) else list(prompt)
         if not ids:
@@ -592,6 +595,7 @@ class Engine:
                         min_tokens=sampling.min_tokens, keep_stop=sampling.include_stop,
                         hidden=frozenset(sampling.stop_token_ids))
         stop = StopStrings(self.target.tokenizer, sampling.stop, min_tokens=sampling.min_tokens) if sampling.stop else None
+        stop = first_stop(stop, StopWhen(self.target.tokenizer, stop_when) if stop_when is not None else None)
         decoder = self.decoder(rule, gamma, min_confidence=min_confidence, ignore_eos=ignore_eos, tree=tree,
                                tree_min_prob=tree_min_prob, tree_observe=tree_observe)
         sampling = floor_stops(sampling, decoder.stop_ids(sampling))  # min_tokens: the session's law and the draft's

@@ -103,6 +103,42 @@ class StopStrings:
         return len(tokens)
 
 
+class StopWhen:
+    """A decoder ``stop`` check on what the text says rather than on a string: stop at the shortest
+    token prefix whose text satisfies ``done`` (a test that, once true of a text, stays true as the
+    text grows), keeping that prefix's text whole (the server's ``parallel_tool_calls: false`` stops
+    once the first call's block is closed).  The text is decoded incrementally; only the round that
+    makes ``done`` true decodes its prefixes."""
+
+    def __init__(self, tokenizer: Any, done: Any) -> None:
+        self.stream = TextStream(tokenizer)
+        self.done = done
+        self._checked = 0  # tokens whose text was not done
+
+    def __call__(self, tokens: list[int]) -> int | None:
+        self.stream.push(tokens[len(self.stream.tokens):])
+        if not self.done(self.stream.text):
+            self._checked = len(tokens)
+            return None
+        for keep in range(self._checked + 1, len(tokens) + 1):
+            if self.done(self.stream.decode(tokens[:keep])):
+                return keep
+        return len(tokens)
+
+
+def first_stop(*checks: Any) -> Any:
+    """One decoder ``stop`` check from several (None ones left out): the fewest tokens any keeps."""
+    live = [c for c in checks if c is not None]
+    if len(live) <= 1:
+        return live[0] if live else None
+
+    def check(tokens: list[int]) -> int | None:
+        kept = [k for c in live if (k := c(tokens)) is not None]
+        return min(kept) if kept else None
+
+    return check
+
+
 class TextSink:
     """Streams generated text to a callback, holding back what could still become a stop string.
 

@@ -249,6 +249,7 @@ def test_text_then_two_calls_stream_item_by_item(client):
     assert shown(end) == shown(resp) and end.status == resp.status == "completed"
     one = client.responses.create(**kw, parallel_tool_calls=False)  # the first call alone, streamed or not
     assert shown(one) == shown(resp)[:2] and one.parallel_tool_calls is False
+    assert one.usage.output_tokens < resp.usage.output_tokens  # generation stopped after the first call
     last = list(client.responses.create(**kw, stream=True, parallel_tool_calls=False))[-1].response
     assert shown(last) == shown(one)
     with pytest.raises(openai.BadRequestError, match="parallel_tool_calls"):

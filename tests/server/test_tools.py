@@ -342,6 +342,15 @@ def test_text_then_two_calls_stream_as_they_are_written(client):
     assert first_call < len(chunks) - 3 and not any(c.delta.content for c in chunks[first_call:])
     one = client.chat.completions.create(**kw, parallel_tool_calls=False)  # the first call alone, streamed or not
     assert [c.function.name for c in one.choices[0].message.tool_calls] == ["add"] and one.choices[0].message.content == "Sure."
+    # ... and generation stopped where that call's block closed: its tokens end with the closing tag
+    ids = client.chat.completions.create(**{**kw, "extra_body": {**kw["extra_body"], "return_token_ids": True}}, parallel_tool_calls=False)
+    assert one.choices[0].finish_reason == "tool_calls" and one.usage.completion_tokens < out.usage.completion_tokens
+    from transformers import AutoTokenizer
+
+    from specdec.models.registry import DATA_DIR
+
+    written = AutoTokenizer.from_pretrained(str(DATA_DIR / "smollm2-135m-draft")).decode(ids.choices[0].token_ids)
+    assert written.endswith("</tool_call>") and written.count("</tool_call>") == 1
     assert "x-specdec-ignored-fields" not in client.chat.completions.with_raw_response.create(**kw, parallel_tool_calls=False).headers
     one_streamed = [c.choices[0] for c in client.chat.completions.create(**kw, stream=True, parallel_tool_calls=False) if c.choices]
     assert [(name, arguments) for name, arguments, _ in _client_calls(one_streamed)] == [

@@ -416,8 +416,11 @@ class _Job:
 
     def __init__(self, ctx: "ServerContext", req: _Request, prompts: list[list[int]], max_tokens: int | None,
                  *, logprobs: int | None = None, echo_logprobs: int | None = None, endpoint: str = "completions",
-                 owner: str = "", tool_grammar: str | None = None) -> None:
+                 owner: str = "", tool_grammar: str | None = None, stop_when: Callable[[str], bool] | None = None) -> None:
+        """``stop_when``: a test of the text that ends each choice where it turns true, the text kept
+        (``parallel_tool_calls: false``: the first call's block closed)."""
         self.ctx = ctx
+        self.stop_when = stop_when
         self.endpoint = endpoint
         self.owner = owner  # the caller's key digest (whose idle sessions may make room for this job)
         model = ctx.model
@@ -605,7 +608,8 @@ class _Job:
             nodes = (lambda gamma, accepted: cap.observe_drafted(gamma)) if cap is not None and not chain else None
             out = engine.generate(self.prompt_of(index), sampling, method=self.method,
                                   gamma=self._gamma(drafter, index, pace, auto) if chain else self.gamma, on_piece=on_piece,
-                                  logprobs=self.logprobs, ignore_eos=self.ignore_eos, tree=self.tree, tree_observe=nodes)
+                                  logprobs=self.logprobs, ignore_eos=self.ignore_eos, tree=self.tree, tree_observe=nodes,
+                                  stop_when=self.stop_when)
             if auto is not None:
                 ctx.gamma_memory.keep(memory_key, auto)
         except SchedulerCancelled:
@@ -1253,7 +1257,8 @@ def openai_router(ctx: "ServerContext") -> APIRouter:
             raise ApiError(400, "the conversation encodes to no tokens")
         max_tokens = req.max_completion_tokens if req.max_completion_tokens is not None else req.max_tokens
         job = _Job(ctx, req, [ids], max_tokens, logprobs=(req.top_logprobs or 0) if req.logprobs else None, endpoint="chat",
-                   owner=_owner(request), tool_grammar=tool_calls.grammar(shown, forced, several=req.parallel_tool_calls is not False, tokenizer=tok))
+                   owner=_owner(request), tool_grammar=tool_calls.grammar(shown, forced, several=req.parallel_tool_calls is not False, tokenizer=tok),
+                   stop_when=tool_calls.first_call_closed if shown and req.parallel_tool_calls is False else None)
         cid, created = f"chatcmpl-{secrets.token_hex(12)}", int(time.time())
         metrics.completions.labels("chat", str(req.stream).lower()).inc()
         named = names(req)

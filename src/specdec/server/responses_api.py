@@ -279,7 +279,8 @@ def responses_router(ctx: "ServerContext") -> APIRouter:
         tok = ctx.tokenizer
         ids = _chat_ids(tok, chat.messages, chat, tools=shown, trust_template=ctx.settings.trust_request_chat_template)
         job = _Job(ctx, chat, [ids], req.max_output_tokens, logprobs=(req.top_logprobs or 0) if logprobs else None,
-                   endpoint="responses", owner=owner, tool_grammar=tool_calls.grammar(shown, forced, several=parallel, tokenizer=tok))
+                   endpoint="responses", owner=owner, tool_grammar=tool_calls.grammar(shown, forced, several=parallel, tokenizer=tok),
+                   stop_when=tool_calls.first_call_closed if shown and not parallel else None)
         job.ignored = sorted(job.ignored + ignored)
         named = _Names(tok, ctx.token_bytes)
         # on a scale-out replica the id names it (as session ids do), so the gateway routes to its store

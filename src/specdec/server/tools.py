@@ -17,7 +17,8 @@ the object's text as the model wrote it, and streamed (:class:`StreamedCalls`) t
 they grow, so the pieces sent add up to exactly what the finished answer holds (an answer cut off
 inside a call ends with the arguments written so far, as OpenAI's does).  A block in another
 shape is read once it closes, its arguments re-encoded from the JSON it holds; a malformed one is
-no call.  ``parallel_tool_calls: false`` keeps the first call alone.
+no call.  ``parallel_tool_calls: false`` keeps the first call alone, and generation stops once
+its block is closed (:func:`first_call_closed`).
 
 A template that does not render tools (SmolLM2's) gets a system message describing them in that
 format instead, and earlier calls and tool results are written into the conversation as blocks
@@ -327,6 +328,12 @@ def _whole_answer_calls(text: str, names: Collection[str]) -> list[tuple[str, An
             return []
         calls.append((call["name"], call.get("arguments", call.get("parameters", {}))))
     return calls
+
+
+def first_call_closed(text: str) -> bool:
+    """Whether ``text`` holds a tagged call whose block is closed (after it, ``parallel_tool_calls:
+    false`` keeps nothing: generation can stop there)."""
+    return CLOSE in text and any(closed for *_, closed in _tagged(text, final=True))
 
 
 def parse(text: str, names: Collection[str] = (), ids: Collection[str] = ()) -> tuple[str | None, list[dict[str, Any]]]:
