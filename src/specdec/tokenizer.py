@@ -23,6 +23,7 @@ sandbox's loop controls, namespaces, ``tojson``, ``raise_exception`` and special
 
 from __future__ import annotations
 
+import copy
 import functools
 import json
 import threading
@@ -47,6 +48,11 @@ _TEMPLATE_TOKENS = ("bos_token", "eos_token", "unk_token", "sep_token", "pad_tok
 #: message fields transformers copies under other names before rendering (reasoning): such
 #: conversations go to transformers
 _ALIASED = ("reasoning_content", "thinking", "reasoning")
+#: transformers' ``apply_chat_template`` options other than the conversation, tools, documents,
+#: ``add_generation_prompt`` and ``tokenize``: a call that sets one goes to transformers
+_HF_CHAT_OPTIONS = frozenset({"chat_template", "continue_final_message", "sanitize_control_tokens", "padding", "truncation",
+                              "max_length", "return_tensors", "return_dict", "return_assistant_tokens_mask",
+                              "tokenizer_kwargs"})
 
 
 #: Qwen2's pre-tokenisation pattern (the split before byte-level encoding), as its tokenizer files carry it
@@ -214,21 +220,26 @@ class FastTokenizer:
 
     def apply_chat_template(self, conversation: Any, tools: Any = None, documents: Any = None, *,
                             add_generation_prompt: bool = False, tokenize: bool = True, **kw: Any) -> Any:
-        """The conversation rendered with the chat template (``tokenize=False``, a list of messages
-        whose fields are all strings, no tools or documents; other keywords are the template's own
-        variables, as transformers passes them); any other call goes to transformers'
-        ``apply_chat_template``."""
-        plain = (not tokenize and tools is None and documents is None and self.chat_template is not None
-                 and not set(kw) & {"chat_template", "continue_final_message", "return_dict", "return_tensors"}
-                 and isinstance(conversation, list) and len(conversation) > 0  # empty: transformers' error
-                 and all(isinstance(m, dict) and all(type(k) is str and type(v) is str for k, v in m.items())
-                         and not any(f in m for f in _ALIASED) for m in conversation))
+        """The conversation rendered with the chat template (``tokenize=False``; messages, tools and
+        the template's own variables made of JSON's types alone — strings, numbers, booleans, None,
+        lists, string-keyed dicts — which transformers hands the template unchanged, as a server's
+        requests are; no documents; other keywords are the template's own variables, as transformers
+        passes them); any other call goes to transformers' ``apply_chat_template``."""
+        plain = (not tokenize and documents is None and self.chat_template is not None
+                 and not set(kw) & _HF_CHAT_OPTIONS
+                 and type(conversation) is list and len(conversation) > 0  # empty: transformers' error
+                 and all(type(m) is dict and not any(f in m for f in _ALIASED) for m in conversation)
+                 and _json_data(conversation) and (tools is None or type(tools) is list and _json_data(tools))
+                 and _json_data(kw))
         template = self._template() if plain else None
         if template is None:
             return self.hf.apply_chat_template(conversation, tools=tools, documents=documents,
                                                add_generation_prompt=add_generation_prompt, tokenize=tokenize, **kw)
-        return template.render(messages=[dict(m) for m in conversation], tools=None, documents=None,
-                               add_generation_prompt=add_generation_prompt, **{**self._template_tokens, **kw})
+        # copies, as transformers renders copies, without a message's None-valued keys, as transformers
+        # drops them (OpenAI's content: null beside tool calls)
+        messages = [{k: copy.deepcopy(v) for k, v in m.items() if v is not None} for m in conversation]
+        return template.render(messages=messages, tools=copy.deepcopy(tools), documents=None,
+                               add_generation_prompt=add_generation_prompt, **{**self._template_tokens, **copy.deepcopy(kw)})
 
     def _template(self) -> Any:
         """The compiled chat template, or None where this class leaves it to transformers (named
@@ -292,6 +303,19 @@ class FastTokenizer:
 
     def __repr__(self) -> str:
         return f"FastTokenizer({str(self.folder)!r}, vocab={len(self)})"
+
+
+def _json_data(value: Any) -> bool:
+    """Whether ``value`` is made of JSON's types alone (exactly: no subclasses, no tuples), which
+    transformers' rendering passes to a template as they are."""
+    kind = type(value)
+    if value is None or kind in (str, int, float, bool):
+        return True
+    if kind is list:
+        return all(_json_data(v) for v in value)
+    if kind is dict:
+        return all(type(k) is str and _json_data(v) for k, v in value.items())
+    return False
 
 
 def _sandbox() -> Any:

@@ -122,6 +122,39 @@ _CONVERSATIONS = (
     [{"role": "user", "content": "a"}, {"role": "assistant", "content": " b\n\n"}, {"role": "user", "content": _TEXTS[1]},
      {"role": "assistant", "content": _TEXTS[2]}, {"role": "user", "content": "{{ not a template }} {% raw %}"}],
 )
+_WEATHER = {"type": "function", "function": {"name": "get_weather", "description": "Weather in a city (°C).", "parameters": {
+    "type": "object", "properties": {"city": {"type": "string"}, "days": {"type": "integer", "minimum": 1, "maximum": 7.5},
+                                     "units": {"enum": ["c", "f", None]}, "alerts": {"type": "boolean", "default": False}},
+    "required": ["city"]}}}
+#: conversations with tools as the server hands them to a template: (messages, tools)
+_TOOL_CONVERSATIONS = (
+    ([{"role": "user", "content": "Weather in Paris?"}], [_WEATHER]),
+    ([{"role": "system", "content": "Use tools."}, {"role": "user", "content": "Paris and 東京?"},
+      {"role": "assistant", "content": None, "tool_calls": [
+          {"id": "call_1", "type": "function", "function": {"name": "get_weather", "arguments": {"city": "Paris", "days": 2}}},
+          {"id": "call_2", "type": "function", "function": {"name": "get_weather", "arguments": {"city": "東京", "alerts": True}}}]},
+      {"role": "tool", "tool_call_id": "call_1", "content": '{"temp": 21.5}'},
+      {"role": "tool", "tool_call_id": "call_2", "content": "rain"}], [_WEATHER, {**_WEATHER, "function": {"name": "noop"}}]),
+    ([{"role": "user", "content": [{"type": "text", "text": "hi"}, {"type": "text", "text": " there"}]}], None),
+)
+
+
+def _same_rendering(tok, ref, messages, **kw) -> str | None:
+    """``tok``'s rendering of ``messages`` checked against transformers' ``ref``: the same text, or
+    the same error where the template refuses them (SmolLM2's adds content to strings: a call's
+    None content or a list of parts fails there); the text, None for an error."""
+    try:
+        want = ref.apply_chat_template(messages, tokenize=False, **kw)
+    except Exception as exc:  # noqa: BLE001 - the template's own refusal
+        with pytest.raises(type(exc)) as got:
+            tok.apply_chat_template(messages, tokenize=False, **kw)
+        assert str(got.value) == str(exc)
+        return None
+    got = tok.apply_chat_template(messages, tokenize=False, **kw)
+    assert got == want, got
+    return got
+
+
 #: a template using what transformers' sandbox offers: loop controls, a namespace, tojson (no HTML
 #: escaping, non-ASCII kept), raise_exception, dict(), special-token names, trimmed blocks
 _TEMPLATE = """{%- set ns = namespace(n=0) -%}
@@ -192,6 +225,10 @@ def test_the_fast_tokenizer_encodes_and_decodes_as_transformers_does(name):
         for prompt in (True, False):
             assert tok.apply_chat_template(messages, tokenize=False, add_generation_prompt=prompt) == \
                 ref.apply_chat_template(messages, tokenize=False, add_generation_prompt=prompt)
+    for messages, tools in _TOOL_CONVERSATIONS:  # tools, calls, tool results, content parts
+        got = _same_rendering(tok, ref, messages, tools=tools, add_generation_prompt=True)
+        if tools is not None and "qwen" in name:  # a template that renders them all
+            assert "get_weather" in got and ("東京" in got) == (len(messages) > 1) and ('"days": 2' in got) == (len(messages) > 1)
     assert "transformers" in type(ref).__module__ and tok._hf is None  # all of it answered without transformers' tokenizer
     import pickle
 
@@ -202,8 +239,9 @@ def test_the_fast_tokenizer_encodes_and_decodes_as_transformers_does(name):
 
 def test_the_fast_tokenizer_renders_a_template_as_transformers_sandbox_does(tmp_path):
     """A template with loop controls, a namespace, ``tojson``, ``dict()``, special-token names and
-    trimmed blocks renders as transformers renders it; ``raise_exception`` raises for both; a
-    conversation with fields other than strings, or tools, goes to transformers."""
+    trimmed blocks renders as transformers renders it, tools and messages of any JSON data too;
+    ``raise_exception`` raises for both; a conversation holding something other than JSON data goes
+    to transformers."""
     import json
     import shutil
 
@@ -229,8 +267,12 @@ def test_the_fast_tokenizer_renders_a_template_as_transformers_sandbox_does(tmp_
         with pytest.raises(jinja2.TemplateError, match="no tools here"):
             which.apply_chat_template([{"role": "tool", "content": "x"}], tokenize=False)
     assert tok._hf is None  # raised by this class's own sandbox
-    odd = [{"role": "user", "content": [{"type": "text", "text": "hi"}]}]
-    tok.apply_chat_template(odd, tokenize=False)  # a list content: transformers' call
+    rendered = [_same_rendering(tok, ref, [m for m in messages if m["role"] != "tool"], tools=tools)
+                for messages, tools in _TOOL_CONVERSATIONS]  # JSON data of every kind, rendered here too
+    assert rendered[0] is not None and "[{'type'" in rendered[2]  # (a call's missing content fails tojson on both sides)
+    assert tok._hf is None
+    odd = [{"role": "user", "content": ("a tuple", "is not JSON")}]
+    assert tok.apply_chat_template(odd, tokenize=False) == ref.apply_chat_template(odd, tokenize=False)  # transformers' call
     assert tok._hf is not None
     for which in (tok, ref):
         with pytest.raises(ValueError, match="empty conversation"):
