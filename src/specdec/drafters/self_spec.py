@@ -242,18 +242,33 @@ class SelfSpecDrafter(ModelDrafter):
         #: token (batch-invariant); a --fast-attention target verifies the plain way
         self.share = share and bool(getattr(view.target, "batch_invariant", False))
         self._target_cache: KVCache | None = None
+        self._synced = 0  # leading positions of the view's cache holding the target's keys/values
+        # the view's cache layer i is the target's layer attention_layers[i]
+        self._layers = torch.tensor(view.plan.attention_layers, dtype=torch.long)
 
     def bind_target(self, model: Any, cache: KVCache | None) -> None:
         """The target's own cache for the coming sequence (the decoder calls this before
-        :meth:`prepare`, for a local target).  Early exit only: the keys/values of layers < K at
-        committed positions are the target's own — the same layers on the same inputs, and the
-        batch-invariant target computes a row alike in any pass — so the view copies them from
-        there instead of running its layers over the prompt and over every token committed while
-        it was not drafting (the catch-up a probe after plain rounds used to pay for).  A server's
-        wrapper around the target (``inner``: its passes serialised or batched) binds the same way:
-        what the view copies only shapes its drafts, and verification stays the wrapper's own pass."""
+        :meth:`prepare`, for a local target).  At committed positions the view takes the keys and
+        values of the layers whose attention it runs from there instead of running its layers over
+        the prompt and over every token committed while it was not drafting (the second prefill
+        and the catch-ups a view with a cache of its own paid for):
+
+        * early exit: they are what the view would compute — the same layers on the same inputs,
+          and the batch-invariant target computes a row alike in any pass;
+        * a skip set: the view's own would differ after its first skipped sub-layer, and the
+          target's are the better context (Draft & Verify and SWIFT draft over the target's cache).
+          Positions the view computed itself while drafting are replaced by the target's once
+          committed.
+
+        Either way what the view holds only shapes its drafts: verification is the target's own
+        pass, so the output law is untouched.  A server's wrapper around the target (``inner``: its
+        passes serialised or batched) binds the same way."""
         target = getattr(model, "inner", model)
-        self._target_cache = cache if self.share and target is self.view.target else None
+        self._target_cache = cache if target is self.view.target else None
+
+    def reset(self, expected: int = 0) -> None:
+        super().reset(expected)
+        self._synced = 0
 
     @property
     def whole_target(self) -> bool:
@@ -271,19 +286,24 @@ class SelfSpecDrafter(ModelDrafter):
             self.reset(prompt.numel())
 
     def _copy_committed(self, context: Tensor) -> None:  # context: [L]
-        """Bring the view's cache up to the target's for committed positions (layers < K); the
-        last context token is left to the view's own forward, whose logits drafting needs."""
+        """Bring the view's cache up to the target's for committed positions (see
+        :meth:`bind_target`): those it lacks, and those it computed itself that are committed now;
+        the last context token is left to the view's own forward, whose logits drafting needs."""
         source, cache = self._target_cache, self.cache
         if source is None or cache is None:
             return
         have, upto = cache.length, min(source.length, context.numel() - 1)
-        if upto <= have:
+        start = min(self._synced, have)
+        if upto <= start:
             return
-        k = self.view.plan.exit_after
-        cache.reserve(upto - have)
-        cache.k[:, :, have:upto] = source.k[:k, :, have:upto]  # [K, Hkv, n, d]
-        cache.v[:, :, have:upto] = source.v[:k, :, have:upto]
-        cache.tokens[have:upto] = context[have:upto]
+        if upto > have:
+            cache.reserve(upto - have)
+        n_layers = self._layers.numel()
+        if n_layers:  # [A, Hkv, n, d] of the attention layers the view runs
+            cache.k[:n_layers, :, start:upto] = source.k[:, :, start:upto].index_select(0, self._layers)
+            cache.v[:n_layers, :, start:upto] = source.v[:, :, start:upto].index_select(0, self._layers)
+        cache.tokens[start:upto] = context[start:upto]
+        self._synced = upto
 
     def propose(self, context: Tensor, gamma: int, sampler: DraftSampler) -> Draft:  # context: [L]
         if gamma > 0:

@@ -1,0 +1,82 @@
+#!/usr/bin/env python
+"""A self-speculative view over the target's cache or over a cache of its own, paired in one process.
+
+    python scripts/view_cache_ab.py --draft self-skip --temperatures 0,1 --repeats 2 --out benchmarks/NAME
+
+Not a test and not part of CI.  One target is loaded once, with two drafters of the same kind
+(``--draft``: ``self-skip``, ``swift``, ``layerskip:K``, ...) over it: ``borrowed`` (the default:
+bound to the target's cache, the view takes the committed positions' keys and values of the
+layers it runs from there) and ``own`` (the view's cache is its own: it prefills the prompt with
+its own layers and catches up over every token committed while it was not drafting, as views with
+a skip set did before; early exit is left bound in both arms, its keys being the target's bits
+either way).  For each prompt, temperature and repeat, plain decoding and both arms run once, in
+an order rotated per prompt and reversed on odd repeats (γ auto; greedy verification at T = 0,
+block verification above it, one seed per prompt and repeat shared by every arm).  Writes
+``results.json`` and ``README.md``: geometric means of the per-run speed-ups over the prompt's
+plain run by category, time to first token, tokens per target call, drafted tokens per sequence,
+the draft's time per drafted token and, at T = 0, whether every output equals plain greedy output.
+"""
+
+from __future__ import annotations
+
+import argparse
+import statistics
+import sys
+
+import paired
+
+from specdec.drafters.self_spec import SelfSpecDrafter
+from specdec.engine import Engine, EngineConfig
+
+ARMS = ("borrowed", "own")
+
+
+def main() -> int:
+    ap = paired.parser(__doc__)
+    ap.set_defaults(draft="self-skip")
+    ap.add_argument("--repeats", type=int, default=1)
+    args = ap.parse_args()
+    temps, prompts, _, plain = paired.setup(argparse.Namespace(**{**vars(args), "draft": "none"}))
+    cfg0 = EngineConfig(target=args.target, draft=args.draft, dtype=args.dtype)
+    engines = {a: Engine.attach(plain.target, cfg0) for a in ARMS}
+    own = engines["own"].drafter
+    if not isinstance(own, SelfSpecDrafter):
+        raise SystemExit(f"{args.draft} is not a self-speculative view (layerskip:K, self-skip, swift)")
+    if not own.share:  # a view with a cache of its own: never bound to the target's
+        own.bind_target = lambda model, cache: None  # type: ignore[method-assign]
+
+    rows = []
+    for p, temp, rep, res in paired.rotated_runs({"plain": plain, **engines}, prompts, temps, args.repeats,
+                                                    args.max_new_tokens):
+        ref = res["plain"]
+        for a in ARMS:
+            s = res[a].stats
+            rows.append(paired.run_row(p, temp, rep, res[a], ref, arm=a, ttft_ms=1e3 * s.ttft_s,
+                                       plain_ttft_ms=1e3 * ref.stats.ttft_s, drafted=s.draft_tokens_proposed))
+
+    gmean = paired.gmean
+    lines = [f"{len(prompts)} prompts × {args.repeats} repeats, {args.max_new_tokens} tokens, {args.draft} over one "
+             f"{args.target} target (dtype {args.dtype}) drafting over the target's cache (`borrowed`) and over a cache "
+             "of its own (`own`: the view prefills and catches up with its own layers), every arm on every prompt "
+             "right after or before the prompt's plain run, in one process. ×plain = geometric mean of the per-run "
+             "ratios; TTFT = median time to first token; draft ms = the draft's time per drafted token (its "
+             "catch-ups included).", "",
+             "| T | arm | ×plain (all) | chat | code | TTFT ms (plain) | tokens/call | drafted / sequence "
+             "| draft ms / token | greedy = plain |", "|---|---|---|---|---|---|---|---|---|---|"]
+    for temp in temps:
+        for a in ARMS:
+            rs = [r for r in rows if r["arm"] == a and r["temperature"] == temp]
+            by = {c: gmean([r["speedup"] for r in rs if r["category"] == c]) for c in ("chat", "code")}
+            same = f"{sum(r['same'] for r in rs)}/{len(rs)}" if temp == 0 else "n/a (T > 0)"
+            lines.append(
+                f"| {temp:g} | {a} | {gmean([r['speedup'] for r in rs]):.3f} | {by['chat']:.3f} | {by['code']:.3f} "
+                f"| {statistics.median(r['ttft_ms'] for r in rs):.1f} ({statistics.median(r['plain_ttft_ms'] for r in rs):.1f}) "
+                f"| {statistics.mean(r['tokens_per_call'] for r in rs):.2f} | {statistics.mean(r['drafted'] for r in rs):.1f} "
+                f"| {statistics.median(r['draft_ms_per_token'] for r in rs):.2f} | {same} |")
+    paired.write_report(args.out, f"A self-speculative view over the target's cache or its own ({args.target} + {args.draft})",
+                        {"rows": rows}, lines)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
