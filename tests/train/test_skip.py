@@ -68,3 +68,32 @@ def test_parameter_count_costs_add_up():
     n = MODEL.cfg.n_layers
     assert cost.fixed + n * (cost.attn + cost.mlp) == pytest.approx(1.0)
     assert cost.mlp == pytest.approx(3 * 16 * 32 / (n * (48 * 16 + 3 * 16 * 32) + 5 * 16))
+
+
+def test_acceptance_scores_the_view_as_it_drafts_over_the_targets_cache(data):
+    """The scored logits are those the drafter bound to the target's cache drafts from: at every
+    scored position its first draft token's law (T = 1) is their softmax, and its cache holds the
+    target's keys; a view over a cache of its own (the old scoring) reads other logits."""
+    import torch
+
+    from specdec.drafters.base import DraftSampler
+    from specdec.drafters.self_spec import LayerView, SelfSpecDrafter
+    from specdec.sampling import SamplingConfig
+    from specdec.train.skip import view_logits
+
+    plan = LayerPlan.skipping(3, {1}, {0})
+    seq, start, k, v = data.sequences[2], data.starts[2], data.keys[2], data.values[2]
+    got = view_logits(MODEL, plan, seq, start, k, v)  # [n, V]
+    assert got.shape[0] == seq.numel() - 1 - start
+    own = LayerView(MODEL, plan).forward(seq, LayerView(MODEL, plan).new_cache(seq.numel()))[start:-1]
+    assert not torch.allclose(own, got)
+    cfg = SamplingConfig(temperature=1.0)
+    for t in range(start, seq.numel() - 1):
+        cache = MODEL.new_cache(seq.numel())
+        MODEL.forward(seq[:t], cache)  # the committed positions but the last context token's
+        drafter = SelfSpecDrafter(LayerView(MODEL, plan))
+        drafter.bind_target(MODEL, cache)
+        drafter.prepare(seq[: t + 1])
+        draft = drafter.propose(seq[: t + 1], 1, DraftSampler(cfg, "multinomial", penalties=None, generator=torch.Generator()))
+        assert torch.allclose(draft.probs[0], torch.softmax(got[t - start], -1), atol=1e-6), t  # q: the draft's law
+        assert drafter.cache.length == t + 1 and torch.equal(drafter.cache.k[0, :, :t], cache.k[0, :, :t])

@@ -4,11 +4,12 @@ Draft & Verify picks which attention / MLP sub-layers the draft skips by Bayesia
 calibration prompts.  This is a simpler, cheaper search with the same objective:
 
 1. **Calibration data**: each calibration prompt plus the target's own greedy continuation.
-2. **Acceptance, timing-free**: a candidate plan is scored by one teacher-forced pass of the
-   draft over those sequences.  At temperature 0 a chain draft's token at a position is accepted
-   exactly when the draft's arg-max equals the target's there (given the previous tokens were
-   accepted, the draft sees the true context), so the agreement rate is the per-position
-   acceptance α₀.  At temperature 1 the probability that token verification accepts a draft
+2. **Acceptance, timing-free**: a candidate plan is scored teacher-forced over those sequences,
+   one row at a time over the target's keys and values at earlier positions, as the view drafts
+   (its cache holds the target's at committed positions).  At temperature 0 a chain draft's
+   token at a position is accepted exactly when the draft's arg-max equals the target's there
+   (given the previous tokens were accepted, the draft sees the true context), so the agreement
+   rate is the first position's acceptance α₀.  At temperature 1 the probability that token verification accepts a draft
    token is ``Σ_v min(p(v), q(v))``; its mean is α₁.
 3. **Cost, measured once**: the time of one decoding step through the whole target, and the
    share of it spent in attention and MLP sub-layers (the layers of these models are identical),
@@ -110,6 +111,9 @@ class Calibration:
     starts: tuple[int, ...]  # first scored position (the last prompt token) per sequence
     target_argmax: tuple[Tensor, ...]  # each [L - start] int64
     target_probs: tuple[Tensor, ...]  # each [L - start, V] float32 at temperature 1
+    #: the target's keys and values over each sequence, each [layers, Hkv, L, d]: a view drafts over them
+    keys: tuple[Tensor, ...] = ()
+    values: tuple[Tensor, ...] = ()
 
 
 def build_calibration(target: Any, prompts: Sequence[Sequence[int]], *, new_tokens: int) -> Calibration:
@@ -119,25 +123,53 @@ def build_calibration(target: Any, prompts: Sequence[Sequence[int]], *, new_toke
     from specdec.verify import get_rule
 
     plain = SpeculativeDecoder(target, None, get_rule("greedy"))
-    seqs, starts, amax, probs = [], [], [], []
+    seqs, starts, amax, probs, keys, values = [], [], [], [], [], []
     for ids in prompts:
         out = plain.generate(list(ids), SamplingConfig(temperature=0.0, max_new_tokens=new_tokens)).tokens
         seq = torch.tensor(list(ids) + out, dtype=torch.long)  # [L]
-        logits = target.forward(seq, target.new_cache(seq.numel()))[len(ids) - 1 : -1]  # [n, V]
+        cache = target.new_cache(seq.numel())
+        logits = target.forward(seq, cache)[len(ids) - 1 : -1]  # [n, V]
         seqs.append(seq)
         starts.append(len(ids) - 1)
         amax.append(logits.argmax(-1))
         probs.append(torch.softmax(logits, -1))
-    return Calibration(tuple(seqs), tuple(starts), tuple(amax), tuple(probs))
+        keys.append(cache.k[:, :, : seq.numel()].clone())  # [layers, Hkv, L, d]
+        values.append(cache.v[:, :, : seq.numel()].clone())
+    return Calibration(tuple(seqs), tuple(starts), tuple(amax), tuple(probs), tuple(keys), tuple(values))
+
+
+def view_logits(target: Any, plan: LayerPlan, seq: Tensor, start: int, keys: Tensor, values: Tensor) -> Tensor:
+    """The draft's logits at positions ``start .. L-2`` of ``seq`` [L] as it drafts them: one row
+    at a time over the target's ``keys`` / ``values`` [layers, Hkv, L, d] at earlier positions
+    (the view's cache holds the target's at committed positions: :meth:`SelfSpecDrafter.bind_target`)
+    and its own at the row's position.  [L - 1 - start, V]."""
+    view = LayerView(target, plan)
+    layers = torch.tensor(plan.attention_layers, dtype=torch.long)
+    n = seq.numel()
+    cache = view.new_cache(n)
+    cache.reserve(n)
+    a = layers.numel()
+    if a:
+        cache.k[:a, :, :n] = keys.index_select(0, layers)
+        cache.v[:a, :, :n] = values.index_select(0, layers)
+    rows = []
+    for t in range(start, n - 1):
+        cache.truncate(t)
+        rows.append(view.forward(seq[t : t + 1], cache))  # [1, V], the view's own keys written at t
+        if a:  # the target's back at t for the next rows
+            cache.k[:a, :, t] = keys[layers, :, t]
+            cache.v[:a, :, t] = values[layers, :, t]
+    return torch.cat(rows)
 
 
 def acceptance(target: Any, plan: LayerPlan, data: Calibration) -> tuple[float, float]:
-    """(α₀, α₁) of the draft ``plan`` on ``data`` (see the module docstring)."""
-    view = LayerView(target, plan)
+    """(α₀, α₁) of the draft ``plan`` on ``data`` (see the module docstring), the view drafting
+    over the target's keys and values as it does when generating (:func:`view_logits`)."""
     agree = overlap = 0.0
     count = 0
-    for seq, start, amax, p in zip(data.sequences, data.starts, data.target_argmax, data.target_probs):
-        logits = view.forward(seq, view.new_cache(seq.numel()))[start:-1]  # [n, V]
+    for seq, start, amax, p, k, v in zip(data.sequences, data.starts, data.target_argmax, data.target_probs,
+                                         data.keys, data.values):
+        logits = view_logits(target, plan, seq, start, k, v)  # [n, V]
         agree += float((logits.argmax(-1) == amax).sum())
         overlap += float(torch.minimum(torch.softmax(logits, -1), p).sum())
         count += amax.numel()
