@@ -96,6 +96,22 @@ def run_row(prompt, temp: float, rep: int, result, ref, **extra) -> dict:  # noq
             "same": result.tokens == ref.tokens, **extra}
 
 
+def drafter_rows(plain: Engine, engines: dict[str, Engine], prompts: list, temps: list[float], repeats: int,
+                 max_new_tokens: int) -> list[dict]:
+    """Every arm of ``engines`` and ``plain`` on every prompt, temperature and repeat
+    (:func:`rotated_runs`), each arm's run a :func:`run_row` against the prompt's plain run, with its
+    time to first token (``ttft_ms``, ``plain_ttft_ms``) and drafted tokens (``drafted``): the rows
+    :data:`DRAFTER_COLUMNS` reads."""
+    rows = []
+    for p, temp, rep, res in rotated_runs({"plain": plain, **engines}, prompts, temps, repeats, max_new_tokens):
+        ref = res["plain"]
+        for a in engines:
+            s = res[a].stats
+            rows.append(run_row(p, temp, rep, res[a], ref, arm=a, ttft_ms=1e3 * s.ttft_s,
+                                plain_ttft_ms=1e3 * ref.stats.ttft_s, drafted=s.draft_tokens_proposed))
+    return rows
+
+
 def groups(rows: list[dict], temps: list[float], kinds: tuple[str, ...] = ("plain", "spec")) -> Iterator[tuple[float, str, str, list[dict]]]:
     """``(temperature, kind, category, rows)`` for each temperature, kind and category ("all",
     "chat", "code") that has rows: the table rows of the two-kind A/B scripts' reports."""
@@ -125,6 +141,17 @@ def arm_table(rows: list[dict], temps: list[float], arms: list[str],
                      *(fn(rs) for _, fn in extra), equal]
             lines.append("| " + " | ".join(cells) + " |")
     return lines
+
+
+#: :func:`arm_table`'s ``extra`` columns for drafter A/Bs whose rows carry ``ttft_ms``,
+#: ``plain_ttft_ms`` and ``drafted`` (besides :func:`run_row`'s fields)
+DRAFTER_COLUMNS: list[tuple[str, Callable[[list[dict]], str]]] = [
+    ("TTFT ms (plain)", lambda rs: f"{statistics.median(r['ttft_ms'] for r in rs):.1f} "
+                                   f"({statistics.median(r['plain_ttft_ms'] for r in rs):.1f})"),
+    ("tokens/call", lambda rs: f"{statistics.mean(r['tokens_per_call'] for r in rs):.2f}"),
+    ("drafted / sequence", lambda rs: f"{statistics.mean(r['drafted'] for r in rs):.1f}"),
+    ("draft ms / token", lambda rs: f"{statistics.median(r['draft_ms_per_token'] for r in rs):.2f}"),
+]
 
 
 def gmean(xs: list[float]) -> float:

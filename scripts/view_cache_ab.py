@@ -20,7 +20,6 @@ the draft's time per drafted token and, at T = 0, whether every output equals pl
 from __future__ import annotations
 
 import argparse
-import statistics
 import sys
 
 import paired
@@ -45,34 +44,15 @@ def main() -> int:
     if not own.share:  # a view with a cache of its own: never bound to the target's
         own.bind_target = lambda model, cache: None  # type: ignore[method-assign]
 
-    rows = []
-    for p, temp, rep, res in paired.rotated_runs({"plain": plain, **engines}, prompts, temps, args.repeats,
-                                                    args.max_new_tokens):
-        ref = res["plain"]
-        for a in ARMS:
-            s = res[a].stats
-            rows.append(paired.run_row(p, temp, rep, res[a], ref, arm=a, ttft_ms=1e3 * s.ttft_s,
-                                       plain_ttft_ms=1e3 * ref.stats.ttft_s, drafted=s.draft_tokens_proposed))
+    rows = paired.drafter_rows(plain, engines, prompts, temps, args.repeats, args.max_new_tokens)
 
-    gmean = paired.gmean
     lines = [f"{len(prompts)} prompts × {args.repeats} repeats, {args.max_new_tokens} tokens, {args.draft} over one "
              f"{args.target} target (dtype {args.dtype}) drafting over the target's cache (`borrowed`) and over a cache "
              "of its own (`own`: the view prefills and catches up with its own layers), every arm on every prompt "
              "right after or before the prompt's plain run, in one process. ×plain = geometric mean of the per-run "
              "ratios; TTFT = median time to first token; draft ms = the draft's time per drafted token (its "
-             "catch-ups included).", "",
-             "| T | arm | ×plain (all) | chat | code | TTFT ms (plain) | tokens/call | drafted / sequence "
-             "| draft ms / token | greedy = plain |", "|---|---|---|---|---|---|---|---|---|---|"]
-    for temp in temps:
-        for a in ARMS:
-            rs = [r for r in rows if r["arm"] == a and r["temperature"] == temp]
-            by = {c: gmean([r["speedup"] for r in rs if r["category"] == c]) for c in ("chat", "code")}
-            same = f"{sum(r['same'] for r in rs)}/{len(rs)}" if temp == 0 else "n/a (T > 0)"
-            lines.append(
-                f"| {temp:g} | {a} | {gmean([r['speedup'] for r in rs]):.3f} | {by['chat']:.3f} | {by['code']:.3f} "
-                f"| {statistics.median(r['ttft_ms'] for r in rs):.1f} ({statistics.median(r['plain_ttft_ms'] for r in rs):.1f}) "
-                f"| {statistics.mean(r['tokens_per_call'] for r in rs):.2f} | {statistics.mean(r['drafted'] for r in rs):.1f} "
-                f"| {statistics.median(r['draft_ms_per_token'] for r in rs):.2f} | {same} |")
+             "catch-ups included).", ""]
+    lines += paired.arm_table(rows, temps, ["plain", *ARMS], extra=paired.DRAFTER_COLUMNS)
     paired.write_report(args.out, f"A self-speculative view over the target's cache or its own ({args.target} + {args.draft})",
                         {"rows": rows}, lines)
     return 0
