@@ -19,24 +19,15 @@ plain greedy output.
 
 from __future__ import annotations
 
-import argparse
 import sys
 
 import paired
-
-from specdec.engine import Engine, EngineConfig
 
 ARMS = ("tap", "own")
 
 
 def main() -> int:
-    ap = paired.parser(__doc__)
-    ap.set_defaults(draft="kangaroo")
-    ap.add_argument("--repeats", type=int, default=1)
-    args = ap.parse_args()
-    temps, prompts, _, plain = paired.setup(argparse.Namespace(**{**vars(args), "draft": "none"}))
-    cfg0 = EngineConfig(target=args.target, draft=args.draft, dtype=args.dtype)
-    engines = {a: Engine.attach(plain.target, cfg0) for a in ARMS}
+    args, temps, prompts, plain, engines = paired.drafter_arms(__doc__, "kangaroo", ARMS)
     if engines["tap"].drafter.feature_taps is None:  # type: ignore[union-attr]
         raise SystemExit(f"{args.draft} declares no feature tap here (not a Kangaroo drafter over a batch-invariant target)")
     engines["own"].drafter.feature_taps = None  # type: ignore[union-attr]

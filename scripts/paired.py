@@ -49,6 +49,19 @@ def setup(args: argparse.Namespace) -> tuple[list[float], list, Engine, Engine]:
     return temps, prompts, engine, Engine(engine.target, None, "none")
 
 
+def drafter_arms(doc: str, draft: str, arms: tuple[str, ...]) -> tuple[argparse.Namespace, list[float], list, Engine, dict[str, Engine]]:
+    """The drafter A/B scripts' start: their options (``--draft`` defaulting to ``draft``, and
+    ``--repeats``), then the plain engine and one engine per arm attached to its target, each with
+    its own drafter of that kind: ``(args, temperatures, prompts, plain, engines)``."""
+    ap = parser(doc)
+    ap.set_defaults(draft=draft)
+    ap.add_argument("--repeats", type=int, default=1)
+    args = ap.parse_args()
+    temps, prompts, _, plain = setup(argparse.Namespace(**{**vars(args), "draft": "none"}))
+    cfg = EngineConfig(target=args.target, draft=args.draft, dtype=args.dtype)
+    return args, temps, prompts, plain, {a: Engine.attach(plain.target, cfg) for a in arms}
+
+
 def rotated(generate: dict[str, Callable[[list[int], SamplingConfig], object]], encode: Callable[[object], list[int]],
             prompts: list, temps: list[float], repeats: int, max_new_tokens: int) -> Iterator[tuple[object, float, int, dict]]:
     """The paired A/B loop the scripts share, over ``generate`` (arm -> a call decoding token ids

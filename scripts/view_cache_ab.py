@@ -19,25 +19,17 @@ the draft's time per drafted token and, at T = 0, whether every output equals pl
 
 from __future__ import annotations
 
-import argparse
 import sys
 
 import paired
 
 from specdec.drafters.self_spec import SelfSpecDrafter
-from specdec.engine import Engine, EngineConfig
 
 ARMS = ("borrowed", "own")
 
 
 def main() -> int:
-    ap = paired.parser(__doc__)
-    ap.set_defaults(draft="self-skip")
-    ap.add_argument("--repeats", type=int, default=1)
-    args = ap.parse_args()
-    temps, prompts, _, plain = paired.setup(argparse.Namespace(**{**vars(args), "draft": "none"}))
-    cfg0 = EngineConfig(target=args.target, draft=args.draft, dtype=args.dtype)
-    engines = {a: Engine.attach(plain.target, cfg0) for a in ARMS}
+    args, temps, prompts, plain, engines = paired.drafter_arms(__doc__, "self-skip", ARMS)
     own = engines["own"].drafter
     if not isinstance(own, SelfSpecDrafter):
         raise SystemExit(f"{args.draft} is not a self-speculative view (layerskip:K, self-skip, swift)")
