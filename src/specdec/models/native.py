@@ -956,6 +956,7 @@ class NativeCausalLM:
         *,
         start: int,
         slots: Sequence[int] | None = None,
+        as_drafted: bool = False,
     ) -> Tensor:  # -> [n, D] residual stream after the last step
         """Run ``steps`` = ``(layer, attention on, MLP on)`` for positions ``start .. start + n``.
 
@@ -963,6 +964,13 @@ class NativeCausalLM:
         the cache layer step ``i`` writes its keys/values to (default: its layer index), so a
         draft can keep a cache holding only the layers it runs.  A skipped attention sub-layer
         writes nothing.
+
+        ``as_drafted``: each row as a self-speculative view drafts it over a cache of someone
+        else's keys and values (the target's, at committed positions): the row at position ``p``
+        attends to ``cache`` at ``0 .. p-1`` and to its own key and value, and nothing is written
+        (``cache`` must hold ``start + n - 1`` positions).  One pass scores every row of a
+        teacher-forced sequence as the view would draft it, instead of one row at a time; masked
+        attention, so equal to the row-at-a-time result to rounding, not bitwise.
         """
         cfg = self.cfg
         n = x.shape[0]
@@ -971,8 +979,14 @@ class NativeCausalLM:
             raise ValueError(f"position {end} is past the model's context of {self._cos.shape[0]}")
         cos = self._cos[start:end].unsqueeze(1)  # [n, 1, d]
         sin = self._sin[start:end].unsqueeze(1)
-        mask = torch.full((n, end), -math.inf, dtype=x.dtype).triu_(start + 1) if n > 1 else None  # [n, T]
-        if self.scripted is not None and steps:  # the same ops from TorchScript (bitwise this loop)
+        if as_drafted:  # row i sees cache columns < start + i, then its own key (column end - 1 + i)
+            ctx = end - 1
+            mask = torch.full((n, ctx + n), -math.inf, dtype=x.dtype)  # [n, ctx + n]
+            mask[:, :ctx].triu_(start)
+            mask[:, ctx:].fill_diagonal_(0.0)
+        else:
+            mask = torch.full((n, end), -math.inf, dtype=x.dtype).triu_(start + 1) if n > 1 else None  # [n, T]
+        if self.scripted is not None and steps and not as_drafted:  # the same ops from TorchScript (bitwise this loop)
             plan = [[li, int(a), int(m), li if slots is None else slots[i]] for i, (li, a, m) in enumerate(steps)]
             fast = mask if not self.batch_invariant else None
             return self.scripted(x, cos, sin, cache, start, cfg, self._eps, mask=fast, plan=plan)
@@ -980,7 +994,8 @@ class NativeCausalLM:
             layer = self.layers[li]
             if attn_on:
                 slot = li if slots is None else slots[i]
-                x = x + self._attention(layer, x, cache, slot, start=start, cos=cos, sin=sin, mask=mask)
+                attend = self._attention_as_drafted if as_drafted else self._attention
+                x = x + attend(layer, x, cache, slot, start=start, cos=cos, sin=sin, mask=mask)
             if mlp_on:
                 gate, up = layer.gate_up.scaled(x, self._inv_rms(x)).chunk(2, dim=-1)
                 x = x + layer.down(F.silu(gate) * up)
@@ -1009,3 +1024,24 @@ class NativeCausalLM:
                 attn_mask=mask, enable_gqa=hq != hk, scale=1.0,
             )[0].transpose(0, 1).reshape(n, self._q_size)  # [n, H d]
         return layer.out(attn)
+
+    def _attention_as_drafted(
+        self, layer: _Layer, x: Tensor, cache: KVCache, slot: int, *, start: int, cos: Tensor, sin: Tensor,
+        mask: Tensor | None,
+    ) -> Tensor:  # x: [n, D] -> [n, D] attention output (before the residual add)
+        """:meth:`_attention` with ``run_layers(as_drafted=True)``'s keys: the cache's before each
+        row's position, then the row's own (never written); ``mask`` [n, ctx + n] says which."""
+        cfg = self.cfg
+        n = x.shape[0]
+        ctx = start + n - 1
+        hq, hk, d = cfg.n_heads, cfg.n_kv_heads, cfg.head_dim
+        qk_size = self._q_size + self._kv_size
+        qkv = layer.qkv.scaled(x, self._inv_rms(x))  # [n, (H + 2 Hkv) d]
+        qk = _rotate(qkv[:, :qk_size].view(n, hq + hk, d), cos, sin)
+        keys = torch.cat([cache.k[slot, :, :ctx], qk[:, hq:].transpose(0, 1).to(cache.k.dtype)], dim=1)  # [Hkv, ctx + n, d]
+        values = torch.cat([cache.v[slot, :, :ctx], qkv[:, qk_size:].view(n, hk, d).transpose(0, 1).to(cache.v.dtype)], dim=1)
+        attn = F.scaled_dot_product_attention(
+            qk[:, :hq].transpose(0, 1).unsqueeze(0).to(keys.dtype), keys.unsqueeze(0), values.unsqueeze(0),
+            attn_mask=mask.to(keys.dtype), enable_gqa=hq != hk, scale=1.0,
+        )[0].transpose(0, 1).reshape(n, self._q_size)  # [n, H d]
+        return layer.out(attn.to(x.dtype))

@@ -5,8 +5,8 @@ calibration prompts.  This is a simpler, cheaper search with the same objective:
 
 1. **Calibration data**: each calibration prompt plus the target's own greedy continuation.
 2. **Acceptance, timing-free**: a candidate plan is scored teacher-forced over those sequences,
-   one row at a time over the target's keys and values at earlier positions, as the view drafts
-   (its cache holds the target's at committed positions).  At temperature 0 a chain draft's
+   each row over the target's keys and values at earlier positions and its own at its position,
+   as the view drafts (its cache holds the target's at committed positions), in one pass.  At temperature 0 a chain draft's
    token at a position is accepted exactly when the draft's arg-max equals the target's there
    (given the previous tokens were accepted, the draft sees the true context), so the agreement
    rate is the first position's acceptance α₀.  At temperature 1 the probability that token verification accepts a draft
@@ -139,27 +139,19 @@ def build_calibration(target: Any, prompts: Sequence[Sequence[int]], *, new_toke
 
 
 def view_logits(target: Any, plan: LayerPlan, seq: Tensor, start: int, keys: Tensor, values: Tensor) -> Tensor:
-    """The draft's logits at positions ``start .. L-2`` of ``seq`` [L] as it drafts them: one row
-    at a time over the target's ``keys`` / ``values`` [layers, Hkv, L, d] at earlier positions
-    (the view's cache holds the target's at committed positions: :meth:`SelfSpecDrafter.bind_target`)
-    and its own at the row's position.  [L - 1 - start, V]."""
-    view = LayerView(target, plan)
-    layers = torch.tensor(plan.attention_layers, dtype=torch.long)
+    """The draft's logits at positions ``start .. L-2`` of ``seq`` [L] as it drafts them: each row
+    over the target's ``keys`` / ``values`` [layers, Hkv, L, d] at earlier positions (the view's
+    cache holds the target's at committed positions: :meth:`SelfSpecDrafter.bind_target`) and
+    its own at the row's position — all rows in one pass (``run_layers(as_drafted=True)``).
+    [L - 1 - start, V]."""
     n = seq.numel()
-    cache = view.new_cache(n)
+    cache = target.new_cache(n)
     cache.reserve(n)
-    a = layers.numel()
-    if a:
-        cache.k[:a, :, :n] = keys.index_select(0, layers)
-        cache.v[:a, :, :n] = values.index_select(0, layers)
-    rows = []
-    for t in range(start, n - 1):
-        cache.truncate(t)
-        rows.append(view.forward(seq[t : t + 1], cache))  # [1, V], the view's own keys written at t
-        if a:  # the target's back at t for the next rows
-            cache.k[:a, :, t] = keys[layers, :, t]
-            cache.v[:a, :, t] = values[layers, :, t]
-    return torch.cat(rows)
+    cache.k[:, :, :n] = keys
+    cache.v[:, :, :n] = values
+    with torch.inference_mode():
+        x = target.run_layers(target.embed_tokens(seq[start : n - 1]), cache, plan.steps, start=start, as_drafted=True)
+        return target.head(x)  # [n - 1 - start, V]
 
 
 def acceptance(target: Any, plan: LayerPlan, data: Calibration) -> tuple[float, float]:
