@@ -212,6 +212,75 @@ def test_swift_adapts_its_skip_set_and_stays_exact():
     assert drafter.switches >= 1  # a draft that skips everything is a poor one: it moved
 
 
+def test_swift_moving_to_a_set_with_other_attention_layers_copies_those_layers_keys():
+    """A switch that skips an attention layer changes which of the target's layers the view's
+    cache holds: after it, the committed positions hold the new set's layers (the first version
+    kept the old map and crashed on the smaller cache).  Greedy output stays plain greedy's."""
+    cfg = SamplingConfig(temperature=0.0, max_new_tokens=30)
+    plain = SpeculativeDecoder(TARGET, None, get_rule("greedy")).generate(PROMPT, cfg).tokens
+    drafter = SwiftDrafter(TARGET, LayerPlan.skipping(3, set(), set()), every=2, window=6, tries=4)
+    wanted = LayerPlan.skipping(3, {1}, set())
+    drafter._neighbour = lambda plan: wanted  # type: ignore[method-assign]
+    drafter._speedup = lambda plan, context: 2.0 if plan == wanted else 1.0  # type: ignore[method-assign]
+    out = SpeculativeDecoder(TARGET, drafter, get_rule("greedy"), gamma=FixedGamma(2)).generate(PROMPT, cfg)
+    assert out.tokens == plain and drafter.switches == 1 and drafter.view.plan == wanted
+    target_cache, view_cache = drafter._target_cache, drafter.cache  # bound by the decoder
+    synced = drafter._synced
+    assert synced > len(PROMPT) and view_cache.k.shape[0] == 2
+    for slot, layer in enumerate((0, 2)):
+        assert torch.equal(view_cache.k[slot, :, :synced], target_cache.k[layer, :, :synced])
+        assert torch.equal(view_cache.v[slot, :, :synced], target_cache.v[layer, :, :synced])
+
+
+@pytest.mark.parametrize("model", [TARGET, INVARIANT], ids=["fast", "invariant"])
+@pytest.mark.parametrize("plan", [SKIP, LayerPlan.early_exit(3, 2), LayerPlan.skipping(3, {0, 1, 2}, {1})])
+def test_a_pass_as_drafted_scores_each_row_as_the_view_drafts_it(model, plan):
+    """``run_layers(as_drafted=True)``: every row of one pass gets the logits the view bound to the
+    target's cache computes when it drafts from that row (the target's keys before it, its own at
+    it), to rounding; the cache it reads is left as it was."""
+    seq = torch.tensor([1, 3, 0, 4, 2, 2, 1, 0, 3, 4])  # [L]
+    n, start = seq.numel(), 3
+    cache = model.new_cache(n)
+    model.forward(seq, cache)
+    before = (cache.k.clone(), cache.v.clone())
+    with torch.inference_mode():
+        x = model.run_layers(model.embed_tokens(seq[start:-1]), cache, plan.steps, start=start, as_drafted=True)
+        got = model.head(x)  # [n - 1 - start, V]
+    assert torch.equal(cache.k, before[0]) and torch.equal(cache.v, before[1])
+    view = LayerView(model, plan)
+    for t in range(start, n - 1):
+        own = view.new_cache(n)
+        own.reserve(t)
+        for slot, layer in enumerate(plan.attention_layers):  # the target's keys at committed positions
+            own.k[slot, :, :t] = cache.k[layer, :, :t]
+            own.v[slot, :, :t] = cache.v[layer, :, :t]
+        want = view.forward(seq[t : t + 1], own)[0]  # [V]
+        assert torch.allclose(got[t - start], want, atol=1e-5, rtol=1e-5), t
+
+
+def test_swift_scores_a_set_over_the_targets_cache():
+    """SWIFT's score of a skip set is the agreement of the rows drafted over the target's keys
+    (one pass as drafted) with the committed tokens; without the target's cache (a view whose
+    target is another process's or a server's batch) it scores over the window alone."""
+    seq = torch.tensor([1, 3, 0, 4, 2, 2, 1, 0, 3, 4, 0, 1])  # [L]
+    cache = TARGET.new_cache(seq.numel())
+    TARGET.forward(seq[:-1], cache)  # every position committed but the pending last token
+    drafter = SwiftDrafter(TARGET, SKIP, window=8)
+    drafter.bind_target(TARGET, cache)
+    plan = LayerPlan.skipping(3, {2}, {2})
+    start = seq.numel() - 8
+    with torch.inference_mode():
+        rows = TARGET.head(TARGET.run_layers(TARGET.embed_tokens(seq[start:-1]), cache, plan.steps, start=start,
+                                             as_drafted=True))
+    want = float((rows.argmax(-1) == seq[start + 1 :]).float().mean())
+    assert drafter._agreement(plan, seq) == want
+    alone = SwiftDrafter(TARGET, SKIP, window=8)  # unbound: the window's own pass from position 0
+    view = LayerView(TARGET, plan)
+    own = view.forward(seq[start:], view.new_cache(8))[:-1]
+    assert alone._agreement(plan, seq) == float((own.argmax(-1) == seq[start + 1 :]).float().mean())
+    assert alone._agreement(plan, seq) != want  # 2 of 7 rows against 4 of 7 here: the context matters
+
+
 def test_names_and_bad_input(tmp_path):
     assert parse_name("layerskip:12") == ("layerskip", "12")
     assert parse_name("Self-Skip") == ("self-skip", "")

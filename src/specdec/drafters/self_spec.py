@@ -237,13 +237,17 @@ class SelfSpecDrafter(ModelDrafter):
         super().__init__(view, max_length=max_length)
         if share and (view.plan.skip_attn or view.plan.skip_mlp):
             raise ConfigError("cache sharing needs a pure early-exit plan (no skipped sub-layers)")
-        self.view = view
         #: sharing is bitwise only when the target scores a block row by row as it scores one
         #: token (batch-invariant); a --fast-attention target verifies the plain way
         self.share = share and bool(getattr(view.target, "batch_invariant", False))
         self._target_cache: KVCache | None = None
         self._synced = 0  # leading positions of the view's cache holding the target's keys/values
-        # the view's cache layer i is the target's layer attention_layers[i]
+        self._use_view(view)
+
+    def _use_view(self, view: LayerView) -> None:
+        """Draft through ``view`` (SWIFT moves to another skip set): its cache's layer i is the
+        target's layer ``attention_layers[i]``, the map :meth:`_copy_committed` copies by."""
+        self.view = view
         self._layers = torch.tensor(view.plan.attention_layers, dtype=torch.long)
 
     def bind_target(self, model: Any, cache: KVCache | None) -> None:
@@ -336,8 +340,9 @@ class SwiftDrafter(SelfSpecDrafter):
     Every ``every`` rounds it scores the current skip set and ``tries`` random neighbours (one
     sub-layer added or removed; seeded, so runs are reproducible) on the last ``window``
     committed tokens: teacher-forced agreement of the draft's arg-max with the committed token
-    (exactly the greedy acceptance), turned into an expected speed-up with a cost model from
-    the sub-layers' parameter counts.  It moves to the best; the draft cache is then rebuilt
+    (exactly the greedy acceptance of a first draft token), each row scored as the view drafts
+    it, over the target's keys and values (:meth:`_agreement`), turned into an expected speed-up
+    with a cost model from the sub-layers' parameter counts.  It moves to the best; the draft cache is then rebuilt
     (the next ``propose`` re-feeds the context).  Which tokens it drafts never affects the
     output law, only the speed.
     """
@@ -361,10 +366,26 @@ class SwiftDrafter(SelfSpecDrafter):
         super().reset(expected)
         self._rounds = 0
 
-    def _speedup(self, plan: LayerPlan, context: Tensor) -> float:
-        view = LayerView(self.view.target, plan)
-        logits = view.forward(context, view.new_cache(context.numel()))[:-1]  # [w, V]
-        alpha = float((logits.argmax(-1) == context[1:]).float().mean())
+    def _agreement(self, plan: LayerPlan, context: Tensor) -> float:  # context: [L]
+        """The first draft token's greedy acceptance over the last ``window`` committed tokens:
+        each row scored as the view drafts it, over the target's keys and values before its
+        position (one pass, ``run_layers(as_drafted=True)``), where the target's cache holds
+        them; else over a cache of the window alone (a server's view of a batched target)."""
+        target, source = self.view.target, self._target_cache
+        length = context.numel()
+        start = length - self.window
+        recent = context[start:]  # [w]
+        if source is not None and source.length >= length - 2:
+            with torch.inference_mode():
+                x = target.run_layers(target.embed_tokens(recent[:-1]), source, plan.steps, start=start, as_drafted=True)
+                logits = target.head(x)  # [w - 1, V]
+        else:
+            view = LayerView(target, plan)
+            logits = view.forward(recent, view.new_cache(recent.numel()))[:-1]  # [w - 1, V]
+        return float((logits.argmax(-1) == recent[1:]).float().mean())
+
+    def _speedup(self, plan: LayerPlan, context: Tensor) -> float:  # context: [L]
+        alpha = self._agreement(plan, context)
         a, m, fixed = self._cost
         c = fixed + sum(a * at + m * ml for _, at, ml in plan.steps)
         best = 1.0
@@ -391,16 +412,15 @@ class SwiftDrafter(SelfSpecDrafter):
     def propose(self, context: Tensor, gamma: int, sampler: DraftSampler) -> Draft:  # context: [L]
         self._rounds += 1
         if self._rounds % self.every == 0 and context.numel() > self.window:
-            recent = context[-self.window :]
             plan = self.view.plan
-            best, best_plan = self._speedup(plan, recent), plan
+            best, best_plan = self._speedup(plan, context), plan
             for _ in range(self.tries):
                 trial = self._neighbour(plan)
-                s = self._speedup(trial, recent)
+                s = self._speedup(trial, context)
                 if s > best:
                     best, best_plan = s, trial
             if best_plan != plan:
-                self.view = LayerView(self.view.target, best_plan)
+                self._use_view(LayerView(self.view.target, best_plan))
                 self.model = self._wrap(self.view)
                 self.reset()
                 self._rounds = 1
