@@ -1001,27 +1001,34 @@ class NativeCausalLM:
                 x = x + layer.down(F.silu(gate) * up)
         return x
 
+    def _project(self, layer: _Layer, x: Tensor, cos: Tensor, sin: Tensor) -> tuple[Tensor, Tensor, Tensor]:
+        """An attention sub-layer's rotated queries [n, H, d], rotated keys [n, Hkv, d] and values
+        [n, Hkv, d] for the residual stream ``x`` [n, D] (the same operations as in :meth:`hidden`)."""
+        cfg = self.cfg
+        n = x.shape[0]
+        hq, hk, d = cfg.n_heads, cfg.n_kv_heads, cfg.head_dim
+        qk_size = self._q_size + self._kv_size
+        qkv = layer.qkv.scaled(x, self._inv_rms(x))  # [n, (H + 2 Hkv) d]
+        qk = _rotate(qkv[:, :qk_size].view(n, hq + hk, d), cos, sin)
+        return qk[:, :hq], qk[:, hq:], qkv[:, qk_size:].view(n, hk, d)
+
     def _attention(
         self, layer: _Layer, x: Tensor, cache: KVCache, slot: int, *, start: int, cos: Tensor, sin: Tensor,
         mask: Tensor | None,
     ) -> Tensor:  # x: [n, D] -> [n, D] attention output (before the residual add)
         """One attention sub-layer, the same operations as in :meth:`hidden`."""
-        cfg = self.cfg
         n = x.shape[0]
         end = start + n
-        hq, hk, d = cfg.n_heads, cfg.n_kv_heads, cfg.head_dim
-        qk_size = self._q_size + self._kv_size
-        qkv = layer.qkv.scaled(x, self._inv_rms(x))  # [n, (H + 2 Hkv) d]
-        qk = _rotate(qkv[:, :qk_size].view(n, hq + hk, d), cos, sin)
+        q, k, v = self._project(layer, x, cos, sin)
         k_cache, v_cache = cache.k[slot], cache.v[slot]  # [Hkv, T, d]
-        k_cache[:, start:end] = qk[:, hq:].transpose(0, 1)
-        v_cache[:, start:end] = qkv[:, qk_size:].view(n, hk, d).transpose(0, 1)
+        k_cache[:, start:end] = k.transpose(0, 1)
+        v_cache[:, start:end] = v.transpose(0, 1)
         if n == 1 or self.batch_invariant:  # exactly the rows hidden() computes
-            attn = _attend_rows(qk[:, :hq], k_cache, v_cache, start)  # [n, H d]
+            attn = _attend_rows(q, k_cache, v_cache, start)  # [n, H d]
         else:
             attn = F.scaled_dot_product_attention(
-                qk[:, :hq].transpose(0, 1).unsqueeze(0), k_cache[:, :end].unsqueeze(0), v_cache[:, :end].unsqueeze(0),
-                attn_mask=mask, enable_gqa=hq != hk, scale=1.0,
+                q.transpose(0, 1).unsqueeze(0), k_cache[:, :end].unsqueeze(0), v_cache[:, :end].unsqueeze(0),
+                attn_mask=mask, enable_gqa=self.cfg.n_heads != self.cfg.n_kv_heads, scale=1.0,
             )[0].transpose(0, 1).reshape(n, self._q_size)  # [n, H d]
         return layer.out(attn)
 
@@ -1031,17 +1038,13 @@ class NativeCausalLM:
     ) -> Tensor:  # x: [n, D] -> [n, D] attention output (before the residual add)
         """:meth:`_attention` with ``run_layers(as_drafted=True)``'s keys: the cache's before each
         row's position, then the row's own (never written); ``mask`` [n, ctx + n] says which."""
-        cfg = self.cfg
         n = x.shape[0]
         ctx = start + n - 1
-        hq, hk, d = cfg.n_heads, cfg.n_kv_heads, cfg.head_dim
-        qk_size = self._q_size + self._kv_size
-        qkv = layer.qkv.scaled(x, self._inv_rms(x))  # [n, (H + 2 Hkv) d]
-        qk = _rotate(qkv[:, :qk_size].view(n, hq + hk, d), cos, sin)
-        keys = torch.cat([cache.k[slot, :, :ctx], qk[:, hq:].transpose(0, 1).to(cache.k.dtype)], dim=1)  # [Hkv, ctx + n, d]
-        values = torch.cat([cache.v[slot, :, :ctx], qkv[:, qk_size:].view(n, hk, d).transpose(0, 1).to(cache.v.dtype)], dim=1)
+        q, k, v = self._project(layer, x, cos, sin)
+        keys = torch.cat([cache.k[slot, :, :ctx], k.transpose(0, 1)], dim=1)  # [Hkv, ctx + n, d]
+        values = torch.cat([cache.v[slot, :, :ctx], v.transpose(0, 1)], dim=1)
         attn = F.scaled_dot_product_attention(
-            qk[:, :hq].transpose(0, 1).unsqueeze(0).to(keys.dtype), keys.unsqueeze(0), values.unsqueeze(0),
-            attn_mask=mask.to(keys.dtype), enable_gqa=hq != hk, scale=1.0,
+            q.transpose(0, 1).unsqueeze(0), keys.unsqueeze(0), values.unsqueeze(0),
+            attn_mask=mask, enable_gqa=self.cfg.n_heads != self.cfg.n_kv_heads, scale=1.0,
         )[0].transpose(0, 1).reshape(n, self._q_size)  # [n, H d]
-        return layer.out(attn.to(x.dtype))
+        return layer.out(attn)
