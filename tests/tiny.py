@@ -85,13 +85,14 @@ def random_head(kind: str, *, hidden: int, vocab: int, draft_vocab: int, taps: t
 
 
 def tiny_vocab_llama(*, vocab: int = 5, layers: int = 4, seed: int = 0, batch_invariant: bool = True,
-                     max_length: int = 64) -> NativeCausalLM:
-    """A random 4-layer Llama with a 5-token vocabulary, logits spread enough to matter (law tests)."""
+                     max_length: int = 64, tied: bool = False) -> NativeCausalLM:
+    """A random 4-layer Llama with a 5-token vocabulary, logits spread enough to matter (law tests);
+    ``tied``: the LM head is the embedding."""
     from specdec.models.native import NativeCausalLM, NativeConfig
 
     cfg = NativeConfig(model_type="llama", vocab_size=vocab, hidden_size=16, n_layers=layers, n_heads=2, n_kv_heads=1,
                        head_dim=8, intermediate_size=32, rms_eps=1e-6, rope_theta=10000.0, max_length=max_length,
-                       tie_embeddings=False, attention_bias=False)
+                       tie_embeddings=tied, attention_bias=False)
     g = torch.Generator().manual_seed(seed)
 
     def r(*shape: int, scale: float = 0.4) -> torch.Tensor:
@@ -99,6 +100,8 @@ def tiny_vocab_llama(*, vocab: int = 5, layers: int = 4, seed: int = 0, batch_in
 
     w = {"model.embed_tokens.weight": r(vocab, 16, scale=1.0), "model.norm.weight": torch.ones(16),
          "lm_head.weight": r(vocab, 16, scale=0.8)}
+    if tied:
+        del w["lm_head.weight"]
     for i in range(layers):
         p = f"model.layers.{i}."
         w |= {p + "self_attn.q_proj.weight": r(16, 16), p + "self_attn.k_proj.weight": r(8, 16),

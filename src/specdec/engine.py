@@ -235,6 +235,23 @@ def draft_vocabulary(cfg: EngineConfig, ref: str) -> torch.Tensor | None:
     return ids
 
 
+def view_vocabulary(cfg: EngineConfig, target: str) -> torch.Tensor | None:
+    """The reduced vocabulary a self-speculative view of the target ``target`` (a reference: a
+    registry name or a folder) drafts over under ``draft_vocab="auto"``: the target's own
+    (:func:`draft_vocabulary`), else its registry default draft's, which shares its tokenizer;
+    None for the whole vocabulary."""
+    ids = draft_vocabulary(cfg, target)
+    if ids is not None or cfg.draft_vocab == "full":
+        return ids
+    from specdec.models.registry import resolve
+
+    try:
+        spec = resolve(target).spec
+    except SpecdecError:
+        return None
+    return draft_vocabulary(cfg, spec.default_draft) if spec is not None and spec.default_draft else None
+
+
 def parse_temperature_factor(value: str | float) -> str | float:
     """``auto`` or a draft temperature factor in (0, 100] (see :attr:`EngineConfig.draft_temperature_factor`)."""
     if isinstance(value, str):
@@ -478,7 +495,10 @@ class Engine:
             return cls(target, *wrap(ModelDrafter(target.model, temperature_factor=draft_temperature_factor(cfg, None)),
                                      "self"), target)
         if self_spec.parse_name(kind) is not None:  # a view of the target: no second model is loaded
-            view, name = self_spec.build(base, target.model, target.name)
+            vocab = view_vocabulary(cfg, cfg.target)
+            if vocab is not None and int(vocab.max()) >= target.model.vocab_size:
+                vocab = None  # (a default draft of another vocabulary)
+            view, name = self_spec.build(base, target.model, target.name, vocab=vocab)
             view.temperature_factor = draft_temperature_factor(cfg, None)
             return cls(target, *wrap(view, name))
         if head is not None:  # a target-aware head (EAGLE, Medusa, MTP): reads the target's features

@@ -36,10 +36,14 @@ PROMPT = [1, 3, 0]
 TARGET = tiny_native(layers=3, batch_invariant=False)  # the fast path: law tests draw many samples
 INVARIANT = tiny_native(layers=3)  # for the bitwise cache-sharing checks
 SKIP = LayerPlan.skipping(3, {1}, {2})
+#: a tied head (the embedding): a view can draft over a reduced vocabulary of its rows
+TIED = tiny_native(layers=3, batch_invariant=False, tied=True)
+TIED_INVARIANT = tiny_native(layers=3, tied=True)
+KEEP = torch.tensor([0, 2, 4])  # the reduced draft vocabulary: 3 of the 5 tokens
 
 
-def _samples(method: str, cfg: SamplingConfig, drafter, n: int = N_SAMPLES) -> list[tuple[int, ...]]:
-    dec = SpeculativeDecoder(TARGET, drafter, get_rule(method), gamma=FixedGamma(2))
+def _samples(method: str, cfg: SamplingConfig, drafter, n: int = N_SAMPLES, target=TARGET) -> list[tuple[int, ...]]:
+    dec = SpeculativeDecoder(target, drafter, get_rule(method), gamma=FixedGamma(2))
     return [tuple(dec.generate(PROMPT, SamplingConfig(**{**cfg.__dict__, "seed": i, "max_new_tokens": N_NEW})).tokens)
             for i in range(n)]
 
@@ -57,6 +61,15 @@ def test_output_law_with_early_exit_drafter_block_verification():
     drafter = SelfSpecDrafter(LayerView(TARGET, LayerPlan.early_exit(3, 1), keep_hidden=True), share=True)
     assert not drafter.share  # a fast-path target never shares (not bitwise)
     assert chi_square_pvalue(_samples("block", cfg, drafter), law) > ALPHA
+
+
+def test_output_law_with_a_view_over_a_reduced_vocabulary_token_verification():
+    """The view drafts over 3 of the 5 tokens (its compact rows, q reported over all 5)."""
+    cfg = SamplingConfig(temperature=0.9)
+    law = exact_law(Oracle(TIED), PROMPT, cfg, N_NEW)
+    drafter = SelfSpecDrafter(LayerView(TIED, SKIP, reduced=TIED.reduced_head(KEEP)))
+    assert drafter.view.vocab_ids is not None
+    assert chi_square_pvalue(_samples("token", cfg, drafter, target=TIED), law) > ALPHA
 
 
 def test_negative_control_lossy_rule_with_the_same_drafter_fails():
@@ -279,6 +292,61 @@ def test_swift_scores_a_set_over_the_targets_cache():
     own = view.forward(seq[start:], view.new_cache(8))[:-1]
     assert alone._agreement(plan, seq) == float((own.argmax(-1) == seq[start + 1 :]).float().mean())
     assert alone._agreement(plan, seq) != want  # 2 of 7 rows against 4 of 7 here: the context matters
+
+
+class _RecordingDrafter(SelfSpecDrafter):
+    drafted: list[int] = []
+
+    def propose(self, context, gamma, sampler):
+        draft = super().propose(context, gamma, sampler)
+        self.drafted += draft.tokens.tolist()
+        return draft
+
+
+def test_a_view_over_a_reduced_vocabulary_drafts_from_those_rows_alone():
+    """A tied float head cut to 3 of 5 rows: the view's compact rows are the whole view's logits at
+    those tokens (to the packing's rounding), scattered rows are -inf elsewhere, drafts come from
+    those tokens alone and greedy output stays plain greedy's; SWIFT scores and costs a set with
+    the reduced head.  An untied float head, packed away, has no reduced form (None: all tokens)."""
+    reduced = TIED.reduced_head(KEEP)
+    assert reduced is not None and reduced.share == 3 / 5 and TARGET.reduced_head(KEEP) is None
+    whole, cut = LayerView(TIED, SKIP), LayerView(TIED, SKIP, reduced=reduced)
+    seq = torch.tensor([1, 3, 0, 4, 2, 2, 1])
+    full = whole.forward(seq, whole.new_cache(8))  # [7, 5]
+    compact = cut.forward(seq, cut.new_cache(8), compact=True)  # [7, 3]
+    assert compact.shape == (7, 3) and torch.allclose(compact, full[:, KEEP], atol=1e-5, rtol=1e-5)
+    scattered = cut.forward(seq, cut.new_cache(8))
+    assert torch.equal(scattered[:, KEEP], compact) and bool(torch.isinf(scattered[:, [1, 3]]).all())
+    assert cut.vocab_ids is KEEP or torch.equal(cut.vocab_ids, KEEP)
+    cfg = SamplingConfig(temperature=0.0, max_new_tokens=30)
+    plain = SpeculativeDecoder(TIED, None, get_rule("greedy")).generate(PROMPT, cfg).tokens
+    assert set(plain) - set(KEEP.tolist())  # the target says tokens the view can never draft
+    _RecordingDrafter.drafted = []
+    drafter = _RecordingDrafter(cut)
+    out = SpeculativeDecoder(TIED, drafter, get_rule("greedy"), gamma=FixedGamma(3)).generate(PROMPT, cfg)
+    assert out.tokens == plain and out.stats.draft_tokens_proposed > 0
+    assert _RecordingDrafter.drafted and set(_RecordingDrafter.drafted) <= set(KEEP.tolist())
+    swift = SwiftDrafter(TIED, SKIP, reduced=reduced)
+    assert swift._cost[2] == pytest.approx(SwiftDrafter(TIED, SKIP)._cost[2] * 3 / 5)
+    with torch.inference_mode():
+        rows = cut.logits(TIED.run_layers(TIED.embed_tokens(seq[:-1]), cut.new_cache(8), SKIP.steps, start=0,
+                                          slots=cut._slots), compact=True)
+    unbound = SwiftDrafter(TIED, SKIP, window=7, reduced=reduced)
+    assert unbound._agreement(SKIP, seq) == float((KEEP[rows.argmax(-1)] == seq[1:]).float().mean())
+
+
+def test_every_family_over_a_reduced_vocabulary_keeps_greedy_output_exact():
+    cfg = SamplingConfig(temperature=0.0, max_new_tokens=24)
+    for model in (TIED, TIED_INVARIANT):
+        plain = SpeculativeDecoder(model, None, get_rule("greedy")).generate(PROMPT, cfg).tokens
+        for name in ("layerskip:2", "swift"):
+            drafter, _ = build(name, model, "tiny", vocab=KEEP)
+            assert drafter.view.vocab_ids is not None and torch.equal(drafter.view.vocab_ids, KEEP)
+            if name == "swift":
+                drafter.every, drafter.window = 2, 6
+            out = SpeculativeDecoder(model, drafter, get_rule("greedy"), gamma=FixedGamma(3)).generate(PROMPT, cfg)
+            assert out.tokens == plain, (name, model.batch_invariant)
+            assert out.stats.draft_tokens_proposed > 0
 
 
 def test_names_and_bad_input(tmp_path):

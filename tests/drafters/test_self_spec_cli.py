@@ -47,6 +47,33 @@ def test_generate_search_and_use_a_skip_set(capsys, tiny_target, tmp_path):
     assert json.loads(out)["token_ids"] == outs["none"]["token_ids"]
 
 
+def test_a_view_drafts_over_the_target_folder_s_reduced_vocabulary(tiny_target, tmp_path):
+    """A target folder's ``draft_vocab.json`` is the vocabulary its views draft over (the head cut to
+    those rows), unless ``--draft-vocab full``; greedy output stays plain greedy's either way."""
+    import shutil
+
+    import torch
+
+    from specdec.engine import Engine, EngineConfig
+    from specdec.sampling import SamplingConfig
+
+    folder = tmp_path / "t"
+    shutil.copytree(tiny_target, folder)
+    ids = list(range(0, 49152, 3))
+    (folder / "draft_vocab.json").write_text(json.dumps({"ids": ids}))
+    cfg = SamplingConfig(temperature=0.0, max_new_tokens=12)
+    outs = {}
+    for vocab in ("auto", "full"):
+        engine = Engine.build(EngineConfig(target=str(folder), draft="layerskip:2", dtype="float32", draft_vocab=vocab))
+        view = engine.drafter.view
+        assert (view.vocab_ids is not None) == (vocab == "auto"), vocab
+        if vocab == "auto":
+            assert torch.equal(view.vocab_ids, torch.tensor(ids))
+        outs[vocab] = engine.generate("abc abc", cfg).token_ids
+    plain = Engine.build(EngineConfig(target=str(folder), draft="none", dtype="float32")).generate("abc abc", cfg).token_ids
+    assert outs["auto"] == outs["full"] == plain
+
+
 @pytest.mark.parametrize(
     "draft,needle",
     [("layerskip:3", "1 <= K < 3"), ("layerskip:x", "layer count"), ("self-skip", "no searched skip set"),

@@ -164,6 +164,42 @@ def test_the_layer_without_the_kernel_is_the_kernel_s_product(monkeypatch):
 
 
 @needs_q4
+@pytest.mark.parametrize("kernel", ["kernel", "reference"])
+@pytest.mark.parametrize("shape", [(96, 0), (0, 70), (64, 40)])
+def test_selected_outputs_are_bitwise_the_layer_s_columns(shape, kernel, monkeypatch):
+    """``select_outputs`` (a reduced vocabulary's LM head): the packed bytes of the chosen columns
+    copied into new groups give each column bitwise what the whole layer gives it, for sorted
+    subsets, single columns, every column and (4-bit columns alone) any order; with both kinds of
+    columns the kept 4-bit ones must fill whole groups of 32, else there is no such layer (None)."""
+    if kernel == "reference":
+        monkeypatch.setattr(kernels, "q4_available", lambda: False)
+    n4, n6 = shape
+    k, n = 256, n4 + n6
+    g = torch.Generator().manual_seed(n)
+    b4 = quantize_q4_1(torch.randn(n4, k, generator=g) * 0.05) if n4 else None
+    b6 = _blocks(_q6_k_raw(np.random.default_rng(n), n6, k)) if n6 else None
+    lin = Q4Linear(b4, torch.randn(n, generator=g), gain=torch.rand(k, generator=g) + 0.5,
+                   col=torch.rand(n, generator=g) + 0.1, in_features=k, blocks6=b6)
+    assert (lin.packed is None) == (kernel == "reference")
+    x = _inputs(5, k, seed=n)
+    full = lin(x)  # [5, n]
+    one_kind = n4 if not n6 else n6  # subsets of one kind's columns (the Q6_K ones where there are)
+    picks = [torch.arange(n), torch.tensor([n - 1]), n - one_kind + torch.tensor([0, one_kind - 1]),
+             n - one_kind + torch.sort(torch.randperm(one_kind, generator=g)[: one_kind // 2 + 3]).values]
+    if not n6:
+        picks.append(torch.randperm(n, generator=g)[:37])  # any order
+    if n4 and n6:
+        picks += [torch.tensor([0, 7]),  # 4-bit columns alone
+                  torch.cat([torch.arange(32), n4 + torch.tensor([1, 5, 39])])]  # one whole group, then Q6_K
+    for ids in picks:
+        sub = lin.select_outputs(ids)
+        assert sub is not None and sub.out_features == ids.numel(), ids
+        assert torch.equal(sub(x), full[:, ids]), ids
+    if n4 and n6:
+        assert lin.select_outputs(torch.tensor([3, n4 + 2])) is None  # a part group of 4-bit columns before Q6_K
+
+
+@needs_q4
 def test_the_q6_kernel_refuses_bad_inputs():
     b6 = _blocks(_q6_k_raw(np.random.default_rng(0), 32, 256))
     with pytest.raises(RuntimeError, match="0..63"):
@@ -229,6 +265,26 @@ def test_a_model_runs_its_q6_k_matrices_as_shipped(tmp_path):
     other = NativeCausalLM.from_folder(folder, quant="q4", batch_invariant=True, int8_kernel="fbgemm",
                                        gguf=write_q6_gguf(tmp_path / "p.gguf"))
     assert not isinstance(other.lm_head, Q4Linear)
+
+
+@needs_q4
+def test_a_q6_head_cut_to_a_reduced_vocabulary_gives_its_rows_bit_for_bit(tmp_path):
+    """``reduced_head``: the shipped Q6_K head's packed columns for a draft vocabulary's ids give
+    those ids' logits bitwise as the whole head does (compact, or scattered with -inf elsewhere)."""
+    from specdec.models.native import NativeCausalLM
+
+    folder, path = _q6_model(tmp_path)
+    model = NativeCausalLM.from_folder(folder, quant="q4", batch_invariant=True, int8_kernel="fbgemm", gguf=path)
+    ids = torch.sort(torch.randperm(49152, generator=torch.Generator().manual_seed(0))[:5000]).values
+    reduced = model.reduced_head(ids)
+    assert reduced is not None and reduced.rows.out_features == 5000
+    x = torch.randn(3, 256)
+    whole = model.head(x)  # [3, V]
+    assert torch.equal(reduced.logits(x, compact=True), whole[:, ids])
+    scattered = reduced.logits(x)
+    keep = torch.zeros(49152, dtype=torch.bool)
+    keep[ids] = True
+    assert torch.equal(scattered[:, keep], whole[:, keep]) and bool(torch.isinf(scattered[:, ~keep]).all())
 
 
 @needs_q4

@@ -183,13 +183,13 @@ class KangarooView(LayerView):
     layer ``k-1`` (what cache sharing hands to layer ``k``).
     """
 
-    def __init__(self, target: Any, adapter: Adapter) -> None:
+    def __init__(self, target: Any, adapter: Adapter, *, reduced: Any = None) -> None:
         cfg = adapter.cfg
         tcfg = getattr(target, "cfg", None)
         if tcfg is not None and (tcfg.n_layers, tcfg.hidden_size, tcfg.n_heads, tcfg.n_kv_heads, tcfg.head_dim) != (
                 cfg.n_layers, cfg.hidden_size, cfg.n_heads, cfg.n_kv_heads, cfg.head_dim):
             raise ConfigError("this kangaroo adapter was trained for a target of another shape")
-        super().__init__(target, LayerPlan.early_exit(cfg.n_layers, cfg.exit_after), keep_hidden=True)
+        super().__init__(target, LayerPlan.early_exit(cfg.n_layers, cfg.exit_after), keep_hidden=True, reduced=reduced)
         self.adapter = adapter.to(target.dtype)
 
     def new_cache(self, max_length: int | None = None, *, initial_length: int | None = None) -> ViewCache:
@@ -198,12 +198,13 @@ class KangarooView(LayerView):
         return ViewCache(self.plan.exit_after + 1, cfg.n_kv_heads, cfg.head_dim, length, dtype=self.target.dtype,
                          hidden_size=cfg.hidden_size, initial_length=initial_length)
 
-    def forward(self, tokens: Tensor, cache: ViewCache, *, last_only: bool = False) -> Tensor:  # [n] -> [n|1, V]
+    def forward(self, tokens: Tensor, cache: ViewCache, *, last_only: bool = False, compact: bool = False
+                ) -> Tensor:  # [n] -> [n|1, V], or [n|1, Vd] with ``compact``
         with torch.inference_mode():
             x, start = self._layers(tokens, cache)
             k = self.plan.exit_after
             y = self.adapter.step(x, cache.k[k], cache.v[k], start)  # [n, D]
-            return self.target.head(y[-1:] if last_only else y)
+            return self.logits(y[-1:] if last_only else y, compact=compact)
 
 
 class KangarooDrafter(SelfSpecDrafter):
@@ -286,8 +287,10 @@ class KangarooDrafter(SelfSpecDrafter):
         return self.view.adapter.nbytes + super().extra_bytes()  # type: ignore[attr-defined]
 
 
-def build(arg: str, target: Any, target_name: str, *, stop_below: float) -> tuple[KangarooDrafter, str]:
-    """``kangaroo`` (the adapter shipped for ``target_name``) or ``kangaroo:FILE``."""
+def build(arg: str, target: Any, target_name: str, *, stop_below: float, reduced: Any = None
+          ) -> tuple[KangarooDrafter, str]:
+    """``kangaroo`` (the adapter shipped for ``target_name``) or ``kangaroo:FILE``; ``reduced``: the
+    target's head over a reduced draft vocabulary to draft through (see :class:`LayerView`)."""
     if arg:
         path, label = Path(arg), f"kangaroo:{Path(arg).name}"
     else:
@@ -300,4 +303,4 @@ def build(arg: str, target: Any, target_name: str, *, stop_below: float) -> tupl
             )
         path, label = found, "kangaroo"
     adapter, _ = load_adapter(path, dtype=target.dtype)
-    return KangarooDrafter(KangarooView(target, adapter), stop_below=stop_below), label
+    return KangarooDrafter(KangarooView(target, adapter, reduced=reduced), stop_below=stop_below), label

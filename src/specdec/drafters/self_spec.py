@@ -132,7 +132,9 @@ class LayerView:
     """The target seen through a :class:`LayerPlan`: a :class:`~specdec.models.base.LanguageModel`
     that shares the target's weights (no copy) and keeps its own, smaller cache."""
 
-    def __init__(self, target: Any, plan: LayerPlan, *, keep_hidden: bool = False) -> None:
+    def __init__(self, target: Any, plan: LayerPlan, *, keep_hidden: bool = False, reduced: Any = None) -> None:
+        """``reduced``: a :class:`~specdec.models.native.ReducedHead` of the target, the head the
+        view drafts through (its reduced vocabulary's rows alone), or None for the whole head."""
         if not hasattr(target, "run_layers"):
             raise ConfigError(
                 "self-speculative drafters need the native backend (a Llama / Qwen2 target loaded with --backend native or auto)"
@@ -144,6 +146,7 @@ class LayerView:
         self.vocab_size = target.vocab_size
         self.max_length = target.max_length
         self.keep_hidden = keep_hidden
+        self.reduced = reduced
         self._steps = plan.steps
         slot = {li: i for i, li in enumerate(plan.attention_layers)}
         self._slots = [slot.get(li, 0) for li, _, _ in self._steps]
@@ -164,10 +167,27 @@ class LayerView:
             cache.resid[start : start + n] = x
         return x, start
 
-    def forward(self, tokens: Tensor, cache: ViewCache, *, last_only: bool = False) -> Tensor:  # [n] -> [n|1, V]
+    @property
+    def vocab_ids(self) -> Tensor | None:
+        """Target ids of the draft vocabulary's rows (sorted) where the view drafts over a reduced
+        one, else None (see :meth:`ModelDrafter._compact_ids`)."""
+        return None if self.reduced is None else self.reduced.ids
+
+    def logits(self, x: Tensor, *, compact: bool = False) -> Tensor:  # [n, D] residual stream -> [n, V | Vd]
+        """The view's final norm + LM head: the target's, or its reduced vocabulary's rows
+        (``compact``: as they are; otherwise scattered over the whole vocabulary)."""
+        return self.target.head(x) if self.reduced is None else self.reduced.logits(x, compact=compact)
+
+    def greedy(self, x: Tensor) -> Tensor:  # [n, D] residual stream -> [n] target token ids
+        """The view's arg-max token for each row."""
+        top = self.logits(x, compact=True).argmax(-1)
+        return top if self.reduced is None else self.reduced.ids[top]
+
+    def forward(self, tokens: Tensor, cache: ViewCache, *, last_only: bool = False, compact: bool = False
+                ) -> Tensor:  # [n] -> [n|1, V], or [n|1, Vd] with ``compact``
         with torch.inference_mode():
             x, _ = self._layers(tokens, cache)
-            return self.target.head(x[-1:] if last_only else x)
+            return self.logits(x[-1:] if last_only else x, compact=compact)
 
 
 @dataclass(frozen=True)
@@ -348,8 +368,8 @@ class SwiftDrafter(SelfSpecDrafter):
     """
 
     def __init__(self, target: Any, plan: LayerPlan, *, every: int = 12, window: int = 48, tries: int = 3,
-                 seed: int = 0) -> None:
-        super().__init__(LayerView(target, plan))
+                 seed: int = 0, reduced: Any = None) -> None:
+        super().__init__(LayerView(target, plan, reduced=reduced))
         self.every, self.window, self.tries = every, window, tries
         self._wrap: Callable[[Any], Any] = lambda m: m
         self._rng = torch.Generator().manual_seed(seed)
@@ -359,7 +379,8 @@ class SwiftDrafter(SelfSpecDrafter):
         mlp = 3 * cfg.hidden_size * cfg.intermediate_size
         head = cfg.vocab_size * cfg.hidden_size
         total = cfg.n_layers * (attn + mlp) + head
-        self._cost = (attn / total, mlp / total, head / total)
+        share = 1.0 if reduced is None else reduced.share  # the view's head: its reduced rows alone
+        self._cost = (attn / total, mlp / total, head * share / total)
         self.switches = 0
 
     def reset(self, expected: int = 0) -> None:
@@ -375,14 +396,13 @@ class SwiftDrafter(SelfSpecDrafter):
         length = context.numel()
         start = length - self.window
         recent = context[start:]  # [w]
-        if source is not None and source.length >= length - 2:
-            with torch.inference_mode():
+        view = LayerView(target, plan, reduced=self.view.reduced)
+        with torch.inference_mode():
+            if source is not None and source.length >= length - 2:
                 x = target.run_layers(target.embed_tokens(recent[:-1]), source, plan.steps, start=start, as_drafted=True)
-                logits = target.head(x)  # [w - 1, V]
-        else:
-            view = LayerView(target, plan)
-            logits = view.forward(recent, view.new_cache(recent.numel()))[:-1]  # [w - 1, V]
-        return float((logits.argmax(-1) == recent[1:]).float().mean())
+            else:
+                x = view._layers(recent[:-1], view.new_cache(recent.numel()))[0]  # [w - 1, D]
+            return float((view.greedy(x) == recent[1:]).float().mean())
 
     def _speedup(self, plan: LayerPlan, context: Tensor) -> float:  # context: [L]
         alpha = self._agreement(plan, context)
@@ -395,7 +415,8 @@ class SwiftDrafter(SelfSpecDrafter):
         return best
 
     def spawn(self, wrap: Callable[[Any], Any] = lambda m: m) -> "SwiftDrafter":
-        fresh = SwiftDrafter(self.view.target, self.view.plan, every=self.every, window=self.window, tries=self.tries)
+        fresh = SwiftDrafter(self.view.target, self.view.plan, every=self.every, window=self.window, tries=self.tries,
+                             reduced=self.view.reduced)
         fresh._wrap = wrap
         fresh.model = wrap(fresh.view)
         fresh.lazy_prefill = True  # as SelfSpecDrafter.spawn: no prefill for a request that never drafts
@@ -420,7 +441,7 @@ class SwiftDrafter(SelfSpecDrafter):
                 if s > best:
                     best, best_plan = s, trial
             if best_plan != plan:
-                self._use_view(LayerView(self.view.target, best_plan))
+                self._use_view(LayerView(self.view.target, best_plan, reduced=self.view.reduced))
                 self.model = self._wrap(self.view)
                 self.reset()
                 self._rounds = 1
@@ -455,8 +476,10 @@ def shipped_plan(target_name: str) -> LayerPlan | None:
 shipped_targets = skip_set_targets
 
 
-def build(name: str, target: Any, target_name: str) -> tuple[SelfSpecDrafter, str]:
-    """The drafter a self-speculative ``name`` means for ``target`` (a NativeCausalLM), and its display name."""
+def build(name: str, target: Any, target_name: str, *, vocab: Tensor | None = None) -> tuple[SelfSpecDrafter, str]:
+    """The drafter a self-speculative ``name`` means for ``target`` (a NativeCausalLM), and its
+    display name; ``vocab``: a reduced draft vocabulary (sorted target ids) to draft over where the
+    target's head can be cut to its rows (:meth:`NativeCausalLM.reduced_head`)."""
     parsed = parse_name(name)
     if parsed is None:
         raise ConfigError(f"{name!r} is not a self-speculative drafter name")
@@ -464,11 +487,12 @@ def build(name: str, target: Any, target_name: str) -> tuple[SelfSpecDrafter, st
     n_layers = getattr(getattr(target, "cfg", None), "n_layers", None)
     if n_layers is None:
         LayerView(target, LayerPlan(1, 1))  # raises the backend error
+    reduced = target.reduced_head(vocab) if vocab is not None else None
     if family == "kangaroo":
         from specdec import defaults
         from specdec.drafters import kangaroo
 
-        return kangaroo.build(arg, target, target_name, stop_below=defaults.KANGAROO_STOP_BELOW)
+        return kangaroo.build(arg, target, target_name, stop_below=defaults.KANGAROO_STOP_BELOW, reduced=reduced)
     if family == "layerskip":
         try:
             k = int(arg)
@@ -476,7 +500,7 @@ def build(name: str, target: Any, target_name: str) -> tuple[SelfSpecDrafter, st
             raise ConfigError(f"layerskip needs a layer count, e.g. layerskip:12 (got {name!r})") from None
         if not 1 <= k < n_layers:
             raise ConfigError(f"layerskip:K needs 1 <= K < {n_layers} (the target's layers), got {k}")
-        view = LayerView(target, LayerPlan.early_exit(n_layers, k), keep_hidden=True)
+        view = LayerView(target, LayerPlan.early_exit(n_layers, k), keep_hidden=True, reduced=reduced)
         return SelfSpecDrafter(view, share=True), f"layerskip:{k}"
     if arg:
         plan = load_plan(arg)
@@ -492,5 +516,5 @@ def build(name: str, target: Any, target_name: str) -> tuple[SelfSpecDrafter, st
             plan = LayerPlan.skipping(n_layers, set(), set())
         label = family
     if family == "swift":
-        return SwiftDrafter(target, plan), label
-    return SelfSpecDrafter(LayerView(target, plan)), label
+        return SwiftDrafter(target, plan, reduced=reduced), label
+    return SelfSpecDrafter(LayerView(target, plan, reduced=reduced)), label

@@ -812,6 +812,56 @@ def q46_reference(x: Tensor, gain: Tensor, ref: list[Tensor], col: Tensor) -> Te
     return y
 
 
+def _packed_owners(kind: str) -> Tensor:  # -> long [32, w]
+    """Which bytes of one block's stream in a packed group of 32 columns (``q4_pack``: 640 bytes,
+    ``q6_pack``: 896) belong to each column: read off the packer itself, by packing a group where
+    one column's every bit is set and the others are zero.  Every byte belongs to one column."""
+    cached = _OWNERS.get(kind)
+    if cached is not None:
+        return cached
+    rows = []
+    one = torch.tensor([1.0009765625], dtype=torch.float16)  # both of its bytes non-zero
+    for c in range(32):
+        hot = torch.zeros(32, dtype=torch.bool)
+        hot[c] = True
+        if kind == "q4":
+            qs = torch.where(hot[:, None, None], 0xFF, 0).to(torch.uint8).expand(32, 1, 16).contiguous()
+            d = torch.where(hot[:, None], one, torch.zeros(1, dtype=torch.float16))  # [32, 1]
+            packed = torch.ops.specdec.q4_pack(qs, d, d.clone())
+        else:
+            codes = torch.where(hot[:, None, None], 63, 0).to(torch.uint8).expand(32, 1, 32).contiguous()
+            d = torch.where(hot[:, None], one, torch.zeros(1, dtype=torch.float16))
+            sc = torch.where(hot[:, None, None], -1, 0).to(torch.int8).expand(32, 1, 2).contiguous()
+            packed = torch.ops.specdec.q6_pack(codes, d, sc)
+        rows.append(packed.reshape(-1).nonzero().reshape(-1))
+    owners = torch.stack(rows)  # [32, w]
+    size = owners.numel()
+    if sorted(owners.reshape(-1).tolist()) != list(range(size)):
+        raise RuntimeError(f"{kind}_pack's layout does not give each column bytes of its own")
+    _OWNERS[kind] = owners
+    return owners
+
+
+_OWNERS: dict[str, Tensor] = {}
+
+
+def _take_packed(packed: Tensor, cols: Tensor, kind: str) -> Tensor:  # [G, nb, B] uint8, cols [r] -> [ceil(r/32), nb, B]
+    """The packed groups of columns ``cols`` of a packed layer, in that order (the last group
+    padded with zero columns, as the packer pads)."""
+    owners = _packed_owners(kind)  # [32, w]
+    g, nb, b = packed.shape
+    r = cols.numel()
+    out = torch.zeros(-(-r // 32), nb, b, dtype=torch.uint8)
+    blocks = torch.arange(nb)[None, :, None]  # [1, nb, 1]
+    k = torch.arange(r)
+    for slot in range(32):
+        dst = k[slot::32]  # new columns in this slot of their group
+        src = cols[dst]
+        vals = packed[(src // 32)[:, None, None], blocks, owners[src % 32][:, None, :]]  # [m, nb, w]
+        out[(dst // 32)[:, None, None], blocks, owners[slot][None, None, :]] = vals
+    return out
+
+
 def q4_kernel_available() -> bool:
     """True when ``torch.ops.specdec.q4_linear`` runs here (the kernel library loaded)."""
     from specdec.models import kernels
@@ -893,6 +943,40 @@ class Q4Linear:
         self.packed, self.ref = state["q4_packed"], None
         self.packed6 = state.get("q6_packed", torch.empty(0, dtype=torch.uint8))
         return self
+
+    def select_outputs(self, ids: Tensor) -> "Q4Linear | None":
+        """A layer computing output columns ``ids`` [r] alone, in that order, bitwise as this one
+        computes them (each column's product depends on that column's bytes alone): a reduced
+        draft vocabulary's LM head.  The packing's bytes are copied, not the blocks re-packed (a
+        model read back from disk has no blocks).  None where the kept 4-bit columns would not
+        all come first in whole groups of 32 before Q6_K ones (the kernel's order)."""
+        ids = ids.long().reshape(-1)
+        n4 = self.out_features - self._n6()
+        four, six = ids[ids < n4], ids[ids >= n4] - n4
+        if six.numel() and (four.numel() % 32 or not bool((ids[: four.numel()] < n4).all())):
+            return None
+        out = Q4Linear.__new__(Q4Linear)
+        out.in_features, out.out_features = self.in_features, int(ids.numel())
+        out.gain = self.gain
+        out.col = self.col[ids].contiguous() if self.col.numel() else self.col
+        out.bias = None if self.bias is None else self.bias[ids].contiguous()
+        if self.packed is not None:
+            out.ref = None
+            out.packed = (_take_packed(self.packed, four, "q4") if four.numel()
+                          else torch.empty(0, dtype=torch.uint8))
+            out.packed6 = _take_packed(self.packed6, six, "q6") if six.numel() else torch.empty(0, dtype=torch.uint8)
+        else:
+            assert self.ref is not None
+            out.packed, out.packed6 = None, torch.empty(0, dtype=torch.uint8)
+            out.ref = [t[..., four].contiguous() for t in self.ref[:3]] + [t[..., six].contiguous() for t in self.ref[3:]]
+        return out
+
+    def _n6(self) -> int:
+        """How many output columns come from Q6_K blocks (the last ones)."""
+        if self.packed is not None:  # (an empty ``packed`` holds no group: shape (0,))
+            return self.out_features - 32 * self.packed.shape[0] if self.packed6.numel() else 0
+        assert self.ref is not None
+        return self.ref[3].shape[-1] if len(self.ref) > 3 else 0
 
     def product(self, x: Tensor) -> Tensor:  # x: [n, in] float32 -> [n, out]
         if self.packed is not None:

@@ -327,6 +327,28 @@ class _HeadRows(NamedTuple):
     bias: None = None
 
 
+@dataclass(frozen=True)
+class ReducedHead:
+    """A target's final norm + LM head over a reduced draft vocabulary (target ids ``ids``, sorted),
+    what :meth:`NativeCausalLM.reduced_head` builds: a draft proposes those tokens only, which no
+    verification rule needs for exactness (every other token gets draft probability 0)."""
+
+    ids: Tensor  # [Vd] long, sorted target ids of the rows
+    rows: "Q4Linear | Linear" = dataclasses.field(repr=False)
+    target: "NativeCausalLM" = dataclasses.field(repr=False)
+
+    def logits(self, x: Tensor, *, compact: bool = False) -> Tensor:  # [n, D] residual stream -> [n, Vd | V]
+        """The rows as they are with ``compact`` (columns in the order of :attr:`ids`), else
+        scattered over the target's vocabulary (``-inf`` elsewhere)."""
+        out = self.rows(self.target.final_norm(x)).float()
+        return out if compact else full_vocab(out, self.ids, self.target.vocab_size)
+
+    @property
+    def share(self) -> float:
+        """The reduced head's rows over the whole head's (its share of the head's cost)."""
+        return self.ids.numel() / self.target.vocab_size
+
+
 class _LayerByLayer:
     """A quantised model built one layer at a time.  Each new layer's float (range-recording)
     linears get their input ranges — read from the calibration cache, or measured by carrying the
@@ -591,6 +613,10 @@ class NativeCausalLM:
             if build is not None:  # its ranges measured (or read), then quantised: one float layer at a time
                 build.settle_layer(i)
         final_g = w("model.norm.weight") if quantised is None else None  # [D]
+        #: the final norm's weight where the LM head is the float embedding it was folded into (a
+        #: tied float head: what :meth:`reduced_head` rebuilds rows from), else None
+        self._tied_gain = final_g if quant is None and self._subset is None and (
+            cfg.tie_embeddings or "lm_head.weight" not in weights) else None
         head = self.embed if cfg.tie_embeddings or "lm_head.weight" not in weights else w("lm_head.weight")
         if quantised is not None:
             self.lm_head = stored("lm_head")
@@ -942,6 +968,22 @@ class NativeCausalLM:
     def head(self, x: Tensor) -> Tensor:  # x: [n, D] residual stream -> [n, V] float32 logits
         """Final norm + LM head of a residual stream (an early exit uses it after any layer)."""
         return self._logits(self.final_norm(x))
+
+    def reduced_head(self, ids: Tensor) -> "ReducedHead | None":
+        """The LM head over the target ids ``ids`` [Vd] alone, for a self-speculative view drafting
+        over a reduced vocabulary (on Qwen2.5-Coder-1.5B the 151,936-row head is ~22 % of a decoding
+        step): the 4-bit head's packed columns for those ids (bitwise its logits there), or a tied
+        float head's rows; None for other heads (an int8 one), which then draft over every token."""
+        ids = ids.long().reshape(-1)
+        if self._subset is not None or ids.numel() == 0 or int(ids.min()) < 0 or int(ids.max()) >= self.vocab_size:
+            return None
+        if isinstance(self.lm_head, Q4Linear):
+            rows = self.lm_head.select_outputs(ids)
+        elif self._tied_gain is not None:
+            rows = Linear(self.embed[ids] * self._tied_gain, mode="invariant" if self.batch_invariant else "fast")
+        else:
+            rows = None
+        return None if rows is None else ReducedHead(ids, rows, self)
 
     def final_norm(self, x: Tensor) -> Tensor:  # x: [n, D] residual stream -> [n, D]
         """The LM head's input for a residual stream: what :meth:`hidden` returns after the last layer."""
