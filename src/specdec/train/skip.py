@@ -78,14 +78,15 @@ class CostModel:
         return {"attn": self.attn, "mlp": self.mlp, "fixed": self.fixed, "verify_slope": self.verify_slope}
 
     @classmethod
-    def from_params(cls, cfg: Any, *, verify_slope: float = 0.12) -> "CostModel":
+    def from_params(cls, cfg: Any, *, verify_slope: float = 0.12, head_share: float = 1.0) -> "CostModel":
         """Timing-free costs: each part's share of the weights a decoding step reads (decoding a
-        small model on a CPU is memory-bound), for a machine too busy to time (``--cost params``)."""
+        small model on a CPU is memory-bound), for a machine too busy to time (``--cost params``);
+        ``head_share``: the share of the LM head's rows the draft computes (a reduced vocabulary's)."""
         attn = (2 * cfg.n_heads + 2 * cfg.n_kv_heads) * cfg.head_dim * cfg.hidden_size
         mlp = 3 * cfg.hidden_size * cfg.intermediate_size
         head = cfg.vocab_size * cfg.hidden_size
         total = cfg.n_layers * (attn + mlp) + head
-        return cls(attn=attn / total, mlp=mlp / total, fixed=head / total, verify_slope=verify_slope)
+        return cls(attn=attn / total, mlp=mlp / total, fixed=head * head_share / total, verify_slope=verify_slope)
 
 
 def expected_speedup(alpha: float, c: float, cost: CostModel, *, floor: bool = True) -> tuple[float, int]:
@@ -138,12 +139,14 @@ def build_calibration(target: Any, prompts: Sequence[Sequence[int]], *, new_toke
     return Calibration(tuple(seqs), tuple(starts), tuple(amax), tuple(probs), tuple(keys), tuple(values))
 
 
-def view_logits(target: Any, plan: LayerPlan, seq: Tensor, start: int, keys: Tensor, values: Tensor) -> Tensor:
+def view_logits(target: Any, plan: LayerPlan, seq: Tensor, start: int, keys: Tensor, values: Tensor,
+                reduced: Any = None) -> Tensor:
     """The draft's logits at positions ``start .. L-2`` of ``seq`` [L] as it drafts them: each row
     over the target's ``keys`` / ``values`` [layers, Hkv, L, d] at earlier positions (the view's
     cache holds the target's at committed positions: :meth:`SelfSpecDrafter.bind_target`) and
-    its own at the row's position — all rows in one pass (``run_layers(as_drafted=True)``).
-    [L - 1 - start, V]."""
+    its own at the row's position — all rows in one pass (``run_layers(as_drafted=True)``);
+    ``reduced``: the head it drafts through (a reduced vocabulary's, -inf elsewhere), else the
+    target's.  [L - 1 - start, V]."""
     n = seq.numel()
     cache = target.new_cache(n)
     cache.reserve(n)
@@ -151,32 +154,34 @@ def view_logits(target: Any, plan: LayerPlan, seq: Tensor, start: int, keys: Ten
     cache.v[:, :, :n] = values
     with torch.inference_mode():
         x = target.run_layers(target.embed_tokens(seq[start : n - 1]), cache, plan.steps, start=start, as_drafted=True)
-        return target.head(x)  # [n - 1 - start, V]
+        return target.head(x) if reduced is None else reduced.logits(x)  # [n - 1 - start, V]
 
 
-def acceptance(target: Any, plan: LayerPlan, data: Calibration) -> tuple[float, float]:
+def acceptance(target: Any, plan: LayerPlan, data: Calibration, reduced: Any = None) -> tuple[float, float]:
     """(α₀, α₁) of the draft ``plan`` on ``data`` (see the module docstring), the view drafting
     over the target's keys and values as it does when generating (:func:`view_logits`)."""
     agree = overlap = 0.0
     count = 0
     for seq, start, amax, p, k, v in zip(data.sequences, data.starts, data.target_argmax, data.target_probs,
                                          data.keys, data.values):
-        logits = view_logits(target, plan, seq, start, k, v)  # [n, V]
+        logits = view_logits(target, plan, seq, start, k, v, reduced)  # [n, V]
         agree += float((logits.argmax(-1) == amax).sum())
         overlap += float(torch.minimum(torch.softmax(logits, -1), p).sum())
         count += amax.numel()
     return agree / count, overlap / count
 
 
-def measure_costs(target: Any, *, repeats: int = 30, context: int = 64) -> CostModel:
+def measure_costs(target: Any, *, repeats: int = 30, context: int = 64, reduced: Any = None) -> CostModel:
     """Time one decoding step with every sub-layer, with no attention and with no MLP (median of
-    ``repeats``), and a 5-position verification pass, all at a ``context``-token position."""
+    ``repeats``), and a 5-position verification pass, all at a ``context``-token position;
+    ``reduced``: the views draft through this head (a reduced vocabulary's), so their fixed cost
+    is timed with it: a view running every sub-layer against the target's step."""
     n = target.cfg.n_layers
     context = max(1, min(context, target.max_length // 2))
     prefix = (torch.arange(context) % 1000 + 100) % target.vocab_size
 
     def step_time(plan: LayerPlan | None, width: int = 1) -> float:
-        model = target if plan is None else LayerView(target, plan)
+        model = target if plan is None else LayerView(target, plan, reduced=reduced)
         cache = model.new_cache(context + 16)
         model.forward(prefix, cache)
         times = []
@@ -189,12 +194,13 @@ def measure_costs(target: Any, *, repeats: int = 30, context: int = 64) -> CostM
 
     full = step_time(None)
     every = frozenset(range(n))
+    whole = full if reduced is None else step_time(LayerPlan.skipping(n, set(), set()))  # through the draft's head
     no_attn = step_time(LayerPlan.skipping(n, every, set()))
     no_mlp = step_time(LayerPlan.skipping(n, set(), every))
     v4 = step_time(None, width=5)
-    attn = max(full - no_attn, 0.0) / full / n
-    mlp = max(full - no_mlp, 0.0) / full / n
-    fixed = max(1.0 - n * (attn + mlp), 0.02)
+    attn = max(whole - no_attn, 0.0) / full / n
+    mlp = max(whole - no_mlp, 0.0) / full / n
+    fixed = max(whole / full - n * (attn + mlp), 0.02)
     return CostModel(attn=attn, mlp=mlp, fixed=fixed, verify_slope=max((v4 / full - 1.0) / 4, 0.0))
 
 
@@ -226,8 +232,9 @@ class SearchResult:
         }
 
 
-def score(target: Any, plan: LayerPlan, data: Calibration, cost: CostModel, evaluations: int = 0) -> SearchResult:
-    a0, a1 = acceptance(target, plan, data)
+def score(target: Any, plan: LayerPlan, data: Calibration, cost: CostModel, evaluations: int = 0,
+          reduced: Any = None) -> SearchResult:
+    a0, a1 = acceptance(target, plan, data, reduced)
     c = cost.draft_cost(plan)
     s0, g0 = expected_speedup(a0, c, cost, floor=False)
     s1, g1 = expected_speedup(a1, c, cost, floor=False)
@@ -265,8 +272,10 @@ def greedy_search(
     progress: Callable[[str, SearchResult], None] | None = None,
     state: dict | None = None,
     rank: str = "alone",
+    reduced: Any = None,
 ) -> SearchResult:
     """Importance-ordered greedy inclusion, then one removal pass (see the module docstring).
+    ``reduced``: the head the view drafts through (a reduced vocabulary's), else the target's.
 
     ``rank="alone"`` orders sub-layers by the acceptance each costs when skipped alone (one
     evaluation each); ``rank="influence"`` by their block influence (:func:`influence`, one pass)
@@ -277,7 +286,7 @@ def greedy_search(
     n = target.cfg.n_layers
     state = state if state is not None else {}
     evaluations = 0
-    base = score(target, LayerPlan.skipping(n, set(), set()), data, cost)
+    base = score(target, LayerPlan.skipping(n, set(), set()), data, cost, 0, reduced)
     candidates = [("attn", i) for i in range(n)] + [("mlp", i) for i in range(n)]
     if rank == "influence":
         if "influence" not in state:
@@ -291,7 +300,7 @@ def greedy_search(
             key = f"{kind}{i}"
             if key not in singles:
                 plan = LayerPlan.skipping(n, {i} if kind == "attn" else set(), {i} if kind == "mlp" else set())
-                res = score(target, plan, data, cost, evaluations + 1)
+                res = score(target, plan, data, cost, evaluations + 1, reduced)
                 singles[key] = 0.5 * (res.alpha0 + res.alpha1)
                 evaluations += 1
                 if progress:
@@ -307,7 +316,7 @@ def greedy_search(
         if (max_steps is not None and step >= max_steps) or misses >= patience:
             break
         (grow_attn if kind == "attn" else grow_mlp).add(i)
-        res = score(target, LayerPlan.skipping(n, grow_attn, grow_mlp), data, cost, evaluations)
+        res = score(target, LayerPlan.skipping(n, grow_attn, grow_mlp), data, cost, evaluations, reduced)
         evaluations += 1
         if res.objective > best.objective:
             best, misses = res, 0
@@ -321,7 +330,7 @@ def greedy_search(
             break
         trial_attn, trial_mlp = set(attn), set(mlp)
         (trial_attn if kind == "attn" else trial_mlp).discard(i)
-        res = score(target, LayerPlan.skipping(n, trial_attn, trial_mlp), data, cost, evaluations)
+        res = score(target, LayerPlan.skipping(n, trial_attn, trial_mlp), data, cost, evaluations, reduced)
         evaluations += 1
         if res.objective > best.objective:
             best, attn, mlp = res, trial_attn, trial_mlp
@@ -332,8 +341,10 @@ def greedy_search(
 
 
 def write_result(result: SearchResult, path: str | Path, *, target: str, prompts: int, new_tokens: int,
-                 rank: str = "alone", cost_source: str = "measure", command: str | None = None) -> None:
+                 rank: str = "alone", cost_source: str = "measure", command: str | None = None,
+                 draft_vocab: int | str = "full") -> None:
     obj = {"target": target, "method": "greedy skip-set search (Draft & Verify objective)",
            "calibration": {"prompts": prompts, "new_tokens": new_tokens}, "rank": rank, "cost_source": cost_source,
+           "draft_vocab": draft_vocab,
            **({"command": command} if command else {}), **result.to_json()}
     Path(path).write_text(json.dumps(obj, indent=1) + "\n")
