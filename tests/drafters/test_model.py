@@ -623,3 +623,39 @@ def test_the_vocabulary_script_ranks_reply_tokens_before_text_tokens(tiny_pair, 
     assert got["share_of_reply_tokens"] == 1.0 and "--data data --texts" in got["command"]
     got = run("--texts", str(texts), "--tokenizer", str(folder), "--size", "3")
     assert common in got["ids"] and 7000 not in got["ids"] and len(got["ids"]) == 3
+
+
+def test_the_vocabulary_script_reads_tagged_texts_and_balances_its_sources(tiny_pair, tmp_path: Path):
+    """``--tagged``: Brown-corpus tokens (``word/tag``) count as their words; ``--balance``: each
+    source weighs alike whatever its size, so a small prose source's top word outranks words a
+    much larger code source repeats less often, relative to its own size."""
+    import subprocess
+    import sys
+
+    from specdec.models.registry import load_tokenizer
+
+    sys.path.insert(0, str(Path(__file__).resolve().parents[2] / "scripts"))
+    from draft_vocab import untag
+
+    assert untag("The/at jury/nn said/vbd ``/`` no/at ''/'' ,/, done/vbn ./.") == 'The jury said " no ", done.'
+    folder, *_ = tiny_pair
+    tok = load_tokenizer(folder)
+    code, prose = tmp_path / "code", tmp_path / "prose"
+    code.mkdir()
+    prose.mkdir()
+    (code / "a.py").write_text("return\n" * 300 + "import\n" * 200)
+    (prose / "ca01").write_text("elephant/nn " * 10)
+    out = tmp_path / "out"
+    root = Path(__file__).resolve().parents[2]
+
+    def top(*args: str) -> list[int]:
+        subprocess.run([sys.executable, str(root / "scripts" / "draft_vocab.py"), *args, "--tokenizer", str(folder),
+                        "--size", "3", "--eos", "2", "--out", str(out)], check=True, capture_output=True, text=True)
+        return json.loads((out / "draft_vocab.json").read_text())["ids"]
+
+    elephant = set(tok.encode(" elephant", add_special_tokens=False)) | set(tok.encode("elephant", add_special_tokens=False))
+    tag = set(tok.encode("/nn", add_special_tokens=False))
+    by_size = top("--texts", str(code), "--tagged", str(prose))
+    balanced = top("--texts", str(code), "--tagged", str(prose), "--balance")
+    assert not elephant & set(by_size)  # 500 code tokens crowd out 10 prose words
+    assert elephant & set(balanced) and not tag & set(balanced) - elephant

@@ -330,7 +330,7 @@ def _load_prompts(args: argparse.Namespace) -> list[tuple[str, bool]]:
 def _skip(args: argparse.Namespace) -> int:
     from tqdm.auto import tqdm
 
-    from specdec.engine import EngineConfig, view_vocabulary
+    from specdec.engine import EngineConfig, target_dtype, view_vocabulary
     from specdec.models.registry import load
     from specdec.text import encode_prompt
     from specdec.train import skip
@@ -340,8 +340,10 @@ def _skip(args: argparse.Namespace) -> int:
     out = Path(args.out)
     state_path = out.with_name(out.name + ".state.json")
     prompts = _load_prompts(args)
-    # acceptance is scored, not bitwise-compared: the faster (not batch-invariant) attention path
-    target = load(args.target, batch_invariant=False)
+    # scored as it decodes (its default dtype: the registry's models as q4, whose head a reduced
+    # vocabulary cuts); scored, not bitwise-compared: the faster (not batch-invariant) attention path
+    dtype, quant = target_dtype(EngineConfig(target=args.target))
+    target = load(args.target, dtype=dtype, quant=quant, batch_invariant=False)
     if not hasattr(target.model, "run_layers"):
         raise ConfigError("the skip search needs the native backend (a Llama / Qwen2 target)")
     state: dict = json.loads(state_path.read_text()) if state_path.is_file() else {}
