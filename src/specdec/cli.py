@@ -656,6 +656,8 @@ def main(argv: Sequence[str] | None = None) -> int:
     os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
     parser = build_parser()
     args = parser.parse_args(argv)
+    #: the arguments as given (a command that records how to reproduce its output writes them)
+    args.argv = list(sys.argv[1:] if argv is None else argv)
     if not args.command:
         parser.print_help()
         return EXIT_USAGE

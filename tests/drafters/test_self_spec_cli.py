@@ -42,6 +42,16 @@ def test_generate_search_and_use_a_skip_set(capsys, tiny_target, tmp_path):
     saved = json.loads(skip_file.read_text())
     assert saved["plan"]["n_layers"] == 3 and {"alpha_t0", "speedup_t0"} <= set(saved["expected"])
     assert saved["draft_vocab"] == "full"  # no reduced vocabulary for this target
+    polished = tmp_path / "polished.json"
+    code, _, err = _run(capsys, "train", "skip", "--target", tiny_target, "--out", str(polished), "--prompts", "2",
+                        "--new-tokens", "4", "--from", str(skip_file), "--polish", "1", "--cost", "params")
+    assert code == 0, err
+    got = json.loads(polished.read_text())  # the start scored, then one pass toggling each of the 6 sub-layers
+    assert got["evaluations"] == 1 + 2 * 3 and got["command"].endswith(f"--from {skip_file} --polish 1 --cost params")
+    other = tmp_path / "other.json"
+    other.write_text('{"plan": {"n_layers": 5, "skip_attn": [1], "skip_mlp": []}}')
+    code, _, err = _run(capsys, "train", "skip", "--target", tiny_target, "--out", str(polished), "--from", str(other))
+    assert code == 2 and "5 layers, the target has 3" in _one_error_line(err)
     code, out, err = _run(capsys, "generate", "-p", "abc abc", "--target", tiny_target, "--draft", f"self-skip:{skip_file}",
                           "-n", "12", "--json")
     assert code == 0, err

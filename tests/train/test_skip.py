@@ -134,3 +134,26 @@ def test_a_reduced_vocabulary_is_scored_and_costed_as_the_view_drafts_through_it
     assert acceptance(TIED, plan, data, reduced)[0] == agree / count
     assert acceptance(TIED, plan, data, reduced) != acceptance(TIED, plan, data)  # the head matters here
     assert CostModel.from_params(TIED.cfg, head_share=0.6).fixed == pytest.approx(0.6 * CostModel.from_params(TIED.cfg).fixed)
+
+
+def test_local_search_ends_where_no_single_toggle_pays(data):
+    """From every sub-layer skipped (a poor set), hill climbing raises the objective and, after a
+    pass that changes nothing, no sub-layer toggled alone scores higher; from the greedy search's
+    set it never scores lower than that set."""
+    from specdec.train.skip import local_search, singles_order
+
+    n = MODEL.cfg.n_layers
+    worst = LayerPlan.skipping(n, set(range(n)), set(range(n)))
+    res = local_search(MODEL, data, COST, worst, passes=20)
+    assert res.objective > score(MODEL, worst, data, COST).objective
+    for kind in ("attn", "mlp"):
+        for i in range(n):
+            attn, mlp = set(res.plan.skip_attn), set(res.plan.skip_mlp)
+            (attn if kind == "attn" else mlp).symmetric_difference_update({i})
+            assert score(MODEL, LayerPlan.skipping(n, attn, mlp), data, COST).objective <= res.objective, (kind, i)
+    state: dict = {}
+    greedy = greedy_search(MODEL, data, COST, state=state)
+    order = singles_order(state, n)
+    assert order is not None and sorted(order) == sorted([("attn", i) for i in range(n)] + [("mlp", i) for i in range(n)])
+    assert singles_order({}, n) is None
+    assert local_search(MODEL, data, COST, greedy.plan, order=order).objective >= greedy.objective

@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import shlex
 import sys
 from pathlib import Path
 
@@ -38,6 +39,12 @@ def add_parser(sub) -> None:  # noqa: ANN001 - argparse's subparsers action
     s.add_argument("--cost", choices=("measure", "params"), default="measure",
                    help="sub-layer costs: timed on this machine, or each part's share of the weights (timing-free, "
                    "for a busy machine)")
+    s.add_argument("--polish", type=int, default=0, metavar="N",
+                   help="then up to N passes of local search: toggle each sub-layer in turn, keep it where the expected "
+                   "speed-up rises; stops after a pass that changes nothing (default 0: none)")
+    s.add_argument("--from", dest="start", metavar="FILE",
+                   help="start the local search from this skip-set file instead of the greedy search (with --polish, "
+                   "default 3 passes)")
     s.add_argument("--draft-vocab", choices=("auto", "full"), default="auto",
                    help="the vocabulary the view drafts over, as `generate --draft-vocab` gives it: auto = the reduced "
                    "one shipped for the target or its default draft, where the target's head can be cut to it (a "
@@ -330,6 +337,9 @@ def _load_prompts(args: argparse.Namespace) -> list[tuple[str, bool]]:
 def _skip(args: argparse.Namespace) -> int:
     from tqdm.auto import tqdm
 
+    import dataclasses
+
+    from specdec.drafters.self_spec import load_plan
     from specdec.engine import EngineConfig, target_dtype, view_vocabulary
     from specdec.models.registry import load
     from specdec.text import encode_prompt
@@ -337,6 +347,9 @@ def _skip(args: argparse.Namespace) -> int:
 
     if args.prompts < 1 or args.new_tokens < 1:
         raise ConfigError("--prompts and --new-tokens must be >= 1")
+    if args.polish < 0:
+        raise ConfigError(f"--polish must be >= 0, got {args.polish}")
+    start = load_plan(args.start) if args.start else None  # a bad file is a one-line error before the target loads
     out = Path(args.out)
     state_path = out.with_name(out.name + ".state.json")
     prompts = _load_prompts(args)
@@ -372,18 +385,32 @@ def _skip(args: argparse.Namespace) -> int:
     print(f"[specdec] cost per target step: attention {cost.attn:.4f}, MLP {cost.mlp:.4f}, fixed {cost.fixed:.3f}; "
           f"verify(γ) = 1 + {cost.verify_slope:.3f} γ", file=sys.stderr)
     n = target.model.cfg.n_layers
-    bar = tqdm(total=(2 * n if args.rank == "alone" else 0) + 2 * n, desc="skip search", unit="eval", leave=False)
+    if start is not None and start.n_layers != n:
+        raise ConfigError(f"--from {args.start}: a skip set for {start.n_layers} layers, the target has {n}")
+    bar = tqdm(total=0 if start else (2 * n if args.rank == "alone" else 0) + 2 * n, desc="skip search", unit="eval",
+               leave=False, disable=start is not None)
 
     def progress(what: str, best: skip.SearchResult) -> None:
         bar.update(1)
         bar.set_postfix_str(f"{what}: best ×{best.objective:.3f} (α0 {best.alpha0:.2f}, c {best.draft_cost:.2f})")
         state_path.write_text(json.dumps(state))
 
-    result = skip.greedy_search(target.model, data, cost, max_steps=args.max_steps, patience=args.patience, progress=progress, state=state,
-                                rank=args.rank, reduced=reduced)
+    if start is not None:
+        result = skip.score(target.model, start, data, cost, 0, reduced)
+    else:
+        result = skip.greedy_search(target.model, data, cost, max_steps=args.max_steps, patience=args.patience,
+                                    progress=progress, state=state, rank=args.rank, reduced=reduced)
     bar.close()
+    passes = args.polish or (3 if start is not None else 0)
+    if passes:
+        order = skip.singles_order(state, n)  # the most harmless sub-layers first, where the search scored them
+        bar = tqdm(total=passes * 2 * n, desc="local search", unit="eval", leave=False)
+        polished = skip.local_search(target.model, data, cost, result.plan, passes=passes, order=order, progress=progress,
+                                     reduced=reduced)
+        bar.close()
+        result = dataclasses.replace(polished, evaluations=result.evaluations + polished.evaluations)
     skip.write_result(result, out, target=target.name, prompts=len(ids), new_tokens=args.new_tokens, rank=args.rank,
-                      cost_source=args.cost, command="specdec " + " ".join(sys.argv[1:]), draft_vocab=head)
+                      cost_source=args.cost, command="specdec " + shlex.join(getattr(args, "argv", sys.argv[1:])), draft_vocab=head)
     plan = result.plan
     print(f"[specdec] {out}: skip {len(plan.skip_attn)} attention + {len(plan.skip_mlp)} MLP sub-layers of {n} layers; "
           f"α0 {result.alpha0:.3f}, α1 {result.alpha1:.3f}, draft cost {result.draft_cost:.2f} step, expected "

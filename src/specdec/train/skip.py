@@ -23,6 +23,10 @@ calibration prompts.  This is a simpler, cheaper search with the same objective:
    objective often dips before it rises, since each skip alone saves little), keeping the best
    prefix and stopping ``patience`` additions after it; a final pass tries un-skipping each
    sub-layer of the best one.
+6. **Local search** (``polish`` passes, optionally from a given set): each pass toggles every
+   sub-layer in turn (skip it, or run it again) and keeps a toggle whenever the objective rises,
+   until a pass changes nothing.  The growing prefix of step 5 stops at the first long dip, which
+   a set searched under other scores (another dtype, another LM head) may sit beyond.
 
 Everything but the one-off cost measurement is deterministic, so a search is reproducible.
 """
@@ -305,7 +309,8 @@ def greedy_search(
                 evaluations += 1
                 if progress:
                     progress(f"alone {key}", res)
-        order = sorted(candidates, key=lambda c: (-singles[f"{c[0]}{c[1]}"], c[0], c[1]))
+        order = singles_order(state, n)
+        assert order is not None
     else:
         raise ValueError(f"rank must be 'alone' or 'influence', got {rank!r}")
     best = base
@@ -336,6 +341,53 @@ def greedy_search(
             best, attn, mlp = res, trial_attn, trial_mlp
         if progress:
             progress(f"drop {kind}{i}", best)
+    return SearchResult(best.plan, best.alpha0, best.alpha1, best.draft_cost, best.speedup0, best.speedup1,
+                        best.gamma0, best.gamma1, evaluations, cost)
+
+
+def singles_order(state: dict, n: int) -> list[tuple[str, int]] | None:
+    """The sub-layers ``("attn" | "mlp", layer)`` from the most harmless skipped alone to the most
+    harmful, where ``state`` holds every one's score (a ``rank="alone"`` search), else None."""
+    singles = state.get("singles") or {}
+    candidates = [("attn", i) for i in range(n)] + [("mlp", i) for i in range(n)]
+    if any(f"{kind}{i}" not in singles for kind, i in candidates):
+        return None
+    return sorted(candidates, key=lambda c: (-singles[f"{c[0]}{c[1]}"], c[0], c[1]))
+
+
+def local_search(
+    target: Any,
+    data: Calibration,
+    cost: CostModel,
+    start: LayerPlan,
+    *,
+    passes: int = 3,
+    order: Sequence[tuple[str, int]] | None = None,
+    progress: Callable[[str, SearchResult], None] | None = None,
+    reduced: Any = None,
+) -> SearchResult:
+    """First-improvement hill climbing from ``start`` (step 6 of the module docstring): up to
+    ``passes`` passes over the sub-layers (``order``: ``("attn" | "mlp", layer)`` pairs, default
+    attention then MLP by layer), each toggled in turn and kept where the objective rises; stops
+    after a pass that changes nothing."""
+    n = target.cfg.n_layers
+    order = list(order) if order is not None else [("attn", i) for i in range(n)] + [("mlp", i) for i in range(n)]
+    best = score(target, start, data, cost, 1, reduced)
+    evaluations = 1
+    for _ in range(passes):
+        changed = False
+        for kind, i in order:
+            attn, mlp = set(best.plan.skip_attn), set(best.plan.skip_mlp)
+            group = attn if kind == "attn" else mlp
+            group.symmetric_difference_update({i})
+            evaluations += 1
+            res = score(target, LayerPlan.skipping(n, attn, mlp), data, cost, evaluations, reduced)
+            if res.objective > best.objective:
+                best, changed = res, True
+            if progress:
+                progress(f"toggle {kind}{i}", best)
+        if not changed:
+            break
     return SearchResult(best.plan, best.alpha0, best.alpha1, best.draft_cost, best.speedup0, best.speedup1,
                         best.gamma0, best.gamma1, evaluations, cost)
 
