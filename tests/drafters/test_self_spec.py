@@ -225,6 +225,34 @@ def test_swift_adapts_its_skip_set_and_stays_exact():
     assert drafter.switches >= 1  # a draft that skips everything is a poor one: it moved
 
 
+def test_swift_rescores_ever_more_rarely_while_its_set_holds():
+    """Each scoring runs 1 + tries passes over the window: the interval doubles while the set
+    holds (capped at every x max_backoff, carried into the next sequence) and falls back to
+    ``every`` after a switch."""
+    drafter = SwiftDrafter(TARGET, SKIP, every=2, window=4, tries=1, max_backoff=4)
+    switch_at: set[int] = set()
+    drafter._speedup = lambda plan, context: 1.0 + (plan != SKIP and drafter.scorings in switch_at)  # type: ignore[method-assign]
+    context = torch.tensor([1, 3, 0, 4, 2, 2, 1])
+    sampler = DraftSampler(SamplingConfig(temperature=0.0), "multinomial", penalties=None, generator=torch.Generator())
+    drafter.prepare(context)
+    seen = []
+    for r in range(1, 31):
+        drafter.propose(context, 0, sampler)  # (the rounds count; nothing drafted)
+        seen.append(drafter.scorings)
+    rounds = [r for r in range(1, 31) if seen[r - 1] > (seen[r - 2] if r > 1 else 0)]
+    assert rounds == [2, 6, 14, 22, 30] and drafter.switches == 0  # intervals 2, 4, 8, then the cap 8
+    drafter.reset()  # a new sequence keeps the interval
+    for _ in range(7):
+        drafter.propose(context, 0, sampler)  # (the rounds count; nothing drafted)
+    assert drafter.scorings == 5
+    switch_at.add(6)
+    drafter.propose(context, 0, sampler)  # the 8th round: a scoring that switches
+    assert drafter.scorings == 6 and drafter.switches == 1
+    for _ in range(2):
+        drafter.propose(context, 0, sampler)  # (the rounds count; nothing drafted)
+    assert drafter.scorings == 7  # every 2 rounds again
+
+
 def test_swift_moving_to_a_set_with_other_attention_layers_copies_those_layers_keys():
     """A switch that skips an attention layer changes which of the target's layers the view's
     cache holds: after it, the committed positions hold the new set's layers (the first version
