@@ -354,6 +354,8 @@ def test_a_view_over_a_reduced_vocabulary_drafts_from_those_rows_alone():
     out = SpeculativeDecoder(TIED, drafter, get_rule("greedy"), gamma=FixedGamma(3)).generate(PROMPT, cfg)
     assert out.tokens == plain and out.stats.draft_tokens_proposed > 0
     assert _RecordingDrafter.drafted and set(_RecordingDrafter.drafted) <= set(KEEP.tolist())
+    assert reduced.nbytes == 3 * 16 * 4 + 3 * 8  # float32 rows and their ids
+    assert drafter.extra_bytes() == reduced.nbytes + drafter.cache.used_bytes()
     swift = SwiftDrafter(TIED, SKIP, reduced=reduced)
     assert swift._cost[2] == pytest.approx(SwiftDrafter(TIED, SKIP)._cost[2] * 3 / 5)
     with torch.inference_mode():

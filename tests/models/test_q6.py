@@ -278,6 +278,8 @@ def test_a_q6_head_cut_to_a_reduced_vocabulary_gives_its_rows_bit_for_bit(tmp_pa
     ids = torch.sort(torch.randperm(49152, generator=torch.Generator().manual_seed(0))[:5000]).values
     reduced = model.reduced_head(ids)
     assert reduced is not None and reduced.rows.out_features == 5000
+    packed = reduced.rows.packed6  # 157 groups of 32 columns (the last padded), 8 blocks of 896 bytes
+    assert packed.shape == (157, 8, 896) and reduced.nbytes == packed.numel() + 5000 * 8
     x = torch.randn(3, 256)
     whole = model.head(x)  # [3, V]
     assert torch.equal(reduced.logits(x, compact=True), whole[:, ids])

@@ -34,9 +34,18 @@ def target_ids(smollm2):
     return target, [encode_prompt(target.tokenizer, p, chat=c) for p, c in PROMPTS]
 
 
+@pytest.mark.parametrize("vocab", ["full", "reduced"])
 @pytest.mark.parametrize("name", ["layerskip:24", "self-skip:FILE", "self-skip", "swift", "kangaroo"])
-def test_greedy_self_speculative_equals_plain_greedy(target_ids, name, tmp_path):
+def test_greedy_self_speculative_equals_plain_greedy(target_ids, name, vocab, tmp_path):
+    """Every family, over every token and over the draft's reduced vocabulary (the float32
+    target's tied head cut to its 16,384 rows), gives plain greedy output."""
     target, ids = target_ids
+    keep = None
+    if vocab == "reduced":
+        from specdec.engine import EngineConfig, view_vocabulary
+
+        keep = view_vocabulary(EngineConfig(target="smollm2-135m"), "smollm2-135m")  # the default draft's
+        assert keep is not None and keep.numel() == 16384 and target.model.reduced_head(keep) is not None
     if name == "self-skip:FILE":  # a hand-written skip set, whatever set ships
         path = tmp_path / "skip.json"
         path.write_text(json.dumps({"n_layers": 30, "skip_attn": list(range(18, 28)), "skip_mlp": [24, 26]}))
@@ -48,7 +57,8 @@ def test_greedy_self_speculative_equals_plain_greedy(target_ids, name, tmp_path)
     cfg = SamplingConfig(temperature=0.0, max_new_tokens=40)
     for prompt in ids:
         plain = SpeculativeDecoder(target.model, None, get_rule("greedy")).generate(prompt, cfg).tokens
-        drafter, _ = self_spec.build(name, target.model, target.name)
+        drafter, _ = self_spec.build(name, target.model, target.name, vocab=keep)
+        assert (drafter.view.vocab_ids is not None) == (keep is not None)
         # a fixed γ: the cost controller may (rightly) stop drafting with a weak view, and these
         # checks must not depend on the machine's timings
         out = SpeculativeDecoder(target.model, drafter, get_rule("greedy"), gamma=FixedGamma(4),

@@ -327,7 +327,7 @@ class _HeadRows(NamedTuple):
     bias: None = None
 
 
-@dataclass(frozen=True)
+@dataclass(frozen=True, eq=False)
 class ReducedHead:
     """A target's final norm + LM head over a reduced draft vocabulary (target ids ``ids``, sorted),
     what :meth:`NativeCausalLM.reduced_head` builds: a draft proposes those tokens only, which no
@@ -347,6 +347,17 @@ class ReducedHead:
     def share(self) -> float:
         """The reduced head's rows over the whole head's (its share of the head's cost)."""
         return self.ids.numel() / self.target.vocab_size
+
+    @property
+    def nbytes(self) -> int:
+        """Memory beyond the target's: the rows' copy (the 4-bit packing, or float32 rows) and the ids."""
+        rows = self.rows
+        if isinstance(rows, Q4Linear):
+            parts = [rows.packed, rows.packed6, rows.col, rows.bias] + list(rows.ref or [])
+            held = sum(t.numel() * t.element_size() for t in parts if t is not None)
+        else:
+            held = rows.out_features * int(self.target.embed.shape[1]) * 4
+        return int(held + self.ids.numel() * self.ids.element_size())
 
 
 class _LayerByLayer:
