@@ -335,9 +335,9 @@ def _load_prompts(args: argparse.Namespace) -> list[tuple[str, bool]]:
 
 
 def _skip(args: argparse.Namespace) -> int:
-    from tqdm.auto import tqdm
-
     import dataclasses
+
+    from tqdm.auto import tqdm
 
     from specdec.drafters.self_spec import load_plan
     from specdec.engine import EngineConfig, target_dtype, view_vocabulary
