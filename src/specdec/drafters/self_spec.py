@@ -357,6 +357,17 @@ class SelfSpecDrafter(ModelDrafter):
         return head + (int(self.cache.used_bytes()) if self.cache is not None else 0)
 
 
+def param_shares(cfg: Any, *, head_share: float = 1.0) -> tuple[float, float, float]:
+    """(one attention sub-layer, one MLP sub-layer, the LM head): each part's share of the weights
+    a decoding step reads, a timing-free cost model (decoding on a CPU is memory-bound);
+    ``head_share``: the share of the head's rows a draft computes (a reduced vocabulary's)."""
+    attn = (2 * cfg.n_heads + 2 * cfg.n_kv_heads) * cfg.head_dim * cfg.hidden_size
+    mlp = 3 * cfg.hidden_size * cfg.intermediate_size
+    head = cfg.vocab_size * cfg.hidden_size
+    total = cfg.n_layers * (attn + mlp) + head
+    return attn / total, mlp / total, head * head_share / total
+
+
 class SwiftDrafter(SelfSpecDrafter):
     """Layer skipping adapted on the fly (Xia et al. 2024, *SWIFT*), with no offline step.
 
@@ -384,13 +395,8 @@ class SwiftDrafter(SelfSpecDrafter):
         self._wrap: Callable[[Any], Any] = lambda m: m
         self._rng = torch.Generator().manual_seed(seed)
         self._rounds = 0
-        cfg = target.cfg
-        attn = (2 * cfg.n_heads + 2 * cfg.n_kv_heads) * cfg.head_dim * cfg.hidden_size
-        mlp = 3 * cfg.hidden_size * cfg.intermediate_size
-        head = cfg.vocab_size * cfg.hidden_size
-        total = cfg.n_layers * (attn + mlp) + head
-        share = 1.0 if reduced is None else reduced.share  # the view's head: its reduced rows alone
-        self._cost = (attn / total, mlp / total, head * share / total)
+        # the view's head: its reduced rows alone
+        self._cost = param_shares(target.cfg, head_share=1.0 if reduced is None else reduced.share)
         self.switches = 0
         self.scorings = 0
 

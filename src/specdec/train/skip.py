@@ -43,7 +43,7 @@ from typing import Any, Callable, Sequence
 import torch
 from torch import Tensor
 
-from specdec.drafters.self_spec import LayerPlan, LayerView
+from specdec.drafters.self_spec import LayerPlan, LayerView, param_shares
 
 #: calibration prompts (deliberately not the benchmark's prompts): code and chat, alternating
 CALIBRATION: tuple[tuple[str, bool], ...] = (
@@ -86,11 +86,8 @@ class CostModel:
         """Timing-free costs: each part's share of the weights a decoding step reads (decoding a
         small model on a CPU is memory-bound), for a machine too busy to time (``--cost params``);
         ``head_share``: the share of the LM head's rows the draft computes (a reduced vocabulary's)."""
-        attn = (2 * cfg.n_heads + 2 * cfg.n_kv_heads) * cfg.head_dim * cfg.hidden_size
-        mlp = 3 * cfg.hidden_size * cfg.intermediate_size
-        head = cfg.vocab_size * cfg.hidden_size
-        total = cfg.n_layers * (attn + mlp) + head
-        return cls(attn=attn / total, mlp=mlp / total, fixed=head * head_share / total, verify_slope=verify_slope)
+        attn, mlp, head = param_shares(cfg, head_share=head_share)
+        return cls(attn=attn, mlp=mlp, fixed=head, verify_slope=verify_slope)
 
 
 def expected_speedup(alpha: float, c: float, cost: CostModel, *, floor: bool = True) -> tuple[float, int]:
