@@ -231,8 +231,9 @@ def _add_models(p: argparse.ArgumentParser) -> None:
                         " reduced one its folder ships (draft_vocab.json: its LM head over the most frequent tokens of the"
                         " target's replies, a third of the cost of the full head), else all; full = all tokens. A"
                         " self-speculative drafter (layerskip, self-skip, swift, kangaroo) drafts through the target's"
-                        " 4-bit head cut to the reduced vocabulary shipped for the target or its default draft"
-                        " (Qwen2.5-Coder-1.5B: 32,768 of 151,936 tokens); other heads draft over all tokens")
+                        " 4-bit or int8 head cut to the reduced vocabulary shipped for the target or its default draft"
+                        " (Qwen2.5-Coder-1.5B: 32,768 of 151,936 tokens; SmolLM2-135M: 16,384 of 49,152); other heads"
+                        " draft over all tokens")
     g.add_argument("--draft-temperature-factor", default="auto", metavar="auto|F",
                    help="the draft samples at F x the temperature (never affects exactness, only acceptance; greedy"
                         " decoding is untouched): a small draft is less sure than its target, and a sharper draft"

@@ -155,6 +155,37 @@ def test_w8a8_rows_are_batch_invariant_and_close(linear, with_bias, with_smooth)
     assert 0 < err < (0.02 if with_smooth else 0.05)
 
 
+@needs_w8a8
+@pytest.mark.parametrize("with_bias", [False, True])
+@pytest.mark.parametrize("with_smooth", [False, True])
+def test_selected_outputs_of_an_int8_layer_are_bitwise_its_columns(with_bias, with_smooth):
+    """``select_outputs`` (a reduced vocabulary's cut of an int8 LM head): any columns, in any
+    order, a count that fills no whole packing group, give bitwise the whole layer's columns for
+    1-40 rows, on the few-row kernel and (rows it does not take) on fbgemm; the copy holds only
+    the chosen columns' bytes."""
+    g = torch.Generator().manual_seed(11)
+    w = torch.randn(333, 96, generator=g) * 0.05
+    w[5] *= 25  # a column with a much larger scale
+    bias = torch.randn(333, generator=g) if with_bias else None
+    x = torch.randn(40, 96, generator=g) * (torch.rand(40, 1, generator=g) * 5 + 0.1)
+    smooth = smoothing(x.abs().amax(0), w) if with_smooth else None
+    whole = W8A8Linear(w, bias, smooth=smooth)
+    if whole.vnni is None:
+        assert whole.select_outputs(torch.arange(3)) is None
+        pytest.skip("no few-row int8 kernel here: its packing is what is cut")
+    ids = torch.randperm(333, generator=g)[:77]  # 77 columns: the last group part-filled
+    ids[:3] = torch.tensor([332, 5, 0])
+    cut = whole.select_outputs(ids)
+    assert cut is not None and cut.out_features == 77 and cut.vnni is not None
+    group = whole.vnni[0].shape[2]
+    assert cut.vnni[0].shape[0] == -(-77 // group)
+    for n in (1, 2, 3, 5, 16, 17, 40):
+        assert torch.equal(cut(x[:n]), whole(x[:n])[:, ids]), n
+    assert torch.equal(cut.scaled(x[:4], x[:4, :1].abs() + 0.5), whole.scaled(x[:4], x[:4, :1].abs() + 0.5)[:, ids])
+    assert torch.equal(cut._unpacked().int_repr(), whole._unpacked().int_repr()[ids])  # the int8 weights themselves
+    assert cut.nbytes < whole.nbytes * 0.3
+
+
 @pytest.mark.parametrize("linear", INT8_LINEARS)
 def test_smoothing_reduces_error_on_outlier_channels(linear):
     g = torch.Generator().manual_seed(1)

@@ -117,3 +117,31 @@ def test_kangaroo_shares_the_shallow_layers_bitwise(target_ids):
     end = shared.cache.length
     assert torch.equal(shared.cache.k[:, :, :end], plain.cache.k[:, :, :end])
     assert torch.equal(shared.cache.v[:, :, :end], plain.cache.v[:, :, :end])
+
+
+@pytest.mark.parametrize("name", ["layerskip:24", "self-skip"])
+def test_the_4bit_targets_int8_head_cut_to_the_draft_vocabulary_keeps_greedy_output_exact(q4_target, name):
+    """The q4 SmolLM2 target's LM head is int8 (W8A8): a view drafting over the default draft's
+    16,384 tokens runs on those columns of it, bitwise the whole head's there, and greedy
+    speculative output equals plain greedy output on both prompts."""
+    from specdec.engine import EngineConfig, view_vocabulary
+    from specdec.models.linear import W8A8Linear
+
+    m = q4_target.model
+    keep = view_vocabulary(EngineConfig(target="smollm2-135m"), "smollm2-135m")
+    assert isinstance(m.lm_head, W8A8Linear) and keep is not None
+    if m.lm_head.vnni is None:
+        pytest.skip("no few-row int8 kernel here: the int8 head keeps every token")
+    reduced = m.reduced_head(keep)
+    assert reduced is not None and reduced.nbytes < 11e6  # 16,384 x 576 int8 and their factors
+    x = torch.randn(3, m.embed.shape[1], generator=torch.Generator().manual_seed(0)) * 4
+    assert torch.equal(reduced.logits(x, compact=True), m.head(x)[:, keep])
+    cfg = SamplingConfig(temperature=0.0, max_new_tokens=32)
+    for prompt, chat in PROMPTS:
+        ids = encode_prompt(q4_target.tokenizer, prompt, chat=chat)
+        plain = SpeculativeDecoder(m, None, get_rule("greedy")).generate(ids, cfg).tokens
+        drafter, _ = self_spec.build(name, m, q4_target.name, vocab=keep)
+        assert drafter.view.vocab_ids is not None
+        out = SpeculativeDecoder(m, drafter, get_rule("greedy"), gamma=FixedGamma(3),
+                                 eos_ids=q4_target.eos_ids).generate(ids, cfg)
+        assert out.tokens == plain and out.stats.draft_tokens_accepted > 0

@@ -341,6 +341,42 @@ class W8A8Linear:
                      False)
         return self
 
+    def select_outputs(self, ids: Tensor) -> "W8A8Linear | None":
+        """A layer computing output columns ``ids`` [r] alone, in that order, bitwise as this one
+        computes them: a reduced draft vocabulary's LM head (SmolLM2's int8 head under the q4
+        target).  Each column's int32 sum and epilogue depend on its own weights, zero-point term
+        and factor alone, and a row's activation scale on the row alone, so the few-row kernel's
+        packing is copied column by column (the last group padded with zero columns, as ``q8_pack``
+        pads).  None where the layer kept no such packing (its weights in fbgemm's form only)."""
+        if self.vnni is None:
+            return None
+        ids = ids.long().reshape(-1)
+        packed, comp, col = self.vnni  # [groups, in / 4, G, 4], [out], [out]
+        groups, k4, size, four = packed.shape
+        r = int(ids.numel())
+        cols = packed.permute(0, 2, 1, 3).reshape(groups * size, k4, four)[ids]  # [r, in / 4, 4]
+        taken = torch.zeros((-(-r // size)) * size, k4, four, dtype=packed.dtype)
+        taken[:r] = cols
+        taken = taken.view(-1, size, k4, four).permute(0, 2, 1, 3).contiguous()  # [ceil(r / G), in / 4, G, 4]
+        out = W8A8Linear.__new__(W8A8Linear)
+        out._reduce_range = self._reduce_range
+        out._finish(r, self.in_features, self._scales[ids].contiguous(),
+                    [taken, comp[ids].contiguous(), col[ids].contiguous()], None, self.inv_smooth,
+                    None if self.bias is None else self.bias[ids], False)
+        return out
+
+    @property
+    def nbytes(self) -> int:
+        """The bytes this layer holds: the kernel's packing, scales, bias, smoothing (and fbgemm's
+        packed weight, where made, counted as its int8 weights)."""
+        parts = list(self.vnni or []) + [self._scales, self.bias, self.inv_smooth]
+        held = sum(t.numel() * t.element_size() for t in parts if t is not None)
+        if self._packed is not None:
+            held += self.out_features * (self.in_features + 2)
+        if self.wide is not None:
+            held += self.out_features * self.in_features
+        return int(held)
+
     @property
     def fbgemm_unused(self) -> bool:
         """True when no row count runs on fbgemm (with the module's row settings as they are now):

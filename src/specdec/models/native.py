@@ -334,7 +334,7 @@ class ReducedHead:
     verification rule needs for exactness (every other token gets draft probability 0)."""
 
     ids: Tensor  # [Vd] long, sorted target ids of the rows
-    rows: "Q4Linear | Linear" = dataclasses.field(repr=False)
+    rows: "Q4Linear | W8A8Linear | Linear" = dataclasses.field(repr=False)
     target: "NativeCausalLM" = dataclasses.field(repr=False)
 
     def logits(self, x: Tensor, *, compact: bool = False) -> Tensor:  # [n, D] residual stream -> [n, Vd | V]
@@ -350,11 +350,13 @@ class ReducedHead:
 
     @property
     def nbytes(self) -> int:
-        """Memory beyond the target's: the rows' copy (the 4-bit packing, or float32 rows) and the ids."""
+        """Memory beyond the target's: the rows' copy (the 4-bit or int8 packing, or float32 rows) and the ids."""
         rows = self.rows
         if isinstance(rows, Q4Linear):
             parts = [rows.packed, rows.packed6, rows.col, rows.bias] + list(rows.ref or [])
             held = sum(t.numel() * t.element_size() for t in parts if t is not None)
+        elif isinstance(rows, W8A8Linear):
+            held = rows.nbytes
         else:
             held = rows.out_features * int(self.target.embed.shape[1]) * 4
         return int(held + self.ids.numel() * self.ids.element_size())
@@ -983,12 +985,12 @@ class NativeCausalLM:
     def reduced_head(self, ids: Tensor) -> "ReducedHead | None":
         """The LM head over the target ids ``ids`` [Vd] alone, for a self-speculative view drafting
         over a reduced vocabulary (on Qwen2.5-Coder-1.5B the 151,936-row head is ~22 % of a decoding
-        step): the 4-bit head's packed columns for those ids (bitwise its logits there), or a tied
-        float head's rows; None for other heads (an int8 one), which then draft over every token."""
+        step): the 4-bit or int8 head's packed columns for those ids (bitwise its logits there), or
+        a tied float head's rows; None for other heads, which then draft over every token."""
         ids = ids.long().reshape(-1)
         if self._subset is not None or ids.numel() == 0 or int(ids.min()) < 0 or int(ids.max()) >= self.vocab_size:
             return None
-        if isinstance(self.lm_head, Q4Linear):
+        if isinstance(self.lm_head, (Q4Linear, W8A8Linear)):
             rows = self.lm_head.select_outputs(ids)
         elif self._tied_gain is not None:
             rows = Linear(self.embed[ids] * self._tied_gain, mode="invariant" if self.batch_invariant else "fast")
