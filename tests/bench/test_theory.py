@@ -18,6 +18,25 @@ def test_optimal_gamma():
     assert theory.speedup(0.8, g, 0.05) >= max(theory.speedup(0.8, k, 0.05) for k in range(17)) - 1e-12
 
 
+def test_best_chain_speedup_with_a_growing_verification_pass():
+    """The γ that maximises E(α, γ) / (γ c + 1 + slope γ), found by hand at a few points."""
+    # α 0.78, c 0.61 (a self-speculative view on two cores): γ 1 gives 1.78 / 1.73, γ 2 2.3884 / 2.46
+    best, g = theory.best_chain_speedup(0.78, 0.61)
+    assert g == 1 and best == pytest.approx(1.78 / 1.73)
+    # a draft that never agrees: no drafting (×1, γ 0), or with no floor the least bad γ >= 1
+    assert theory.best_chain_speedup(0.0, 0.3) == (1.0, 0)
+    best, g = theory.best_chain_speedup(0.0, 0.3, floor=False)
+    assert g == 1 and best == pytest.approx(1 / 1.42)
+    # free drafting, perfect acceptance and free verification rows: γ as far as allowed
+    best, g = theory.best_chain_speedup(1.0, 0.0, verify_slope=0.0, max_gamma=5)
+    assert (best, g) == (6.0, 5)
+    # α 0.9, c 0.05, slope 0.12: γ 7 (5.6953 / 2.19 = 2.6006) beats γ 6 (2.5827) and γ 8 (2.5957)
+    best, g = theory.best_chain_speedup(0.9, 0.05)
+    assert g == 7 and best == pytest.approx(2.6006, abs=1e-4)
+    brute = max((theory.expected_tokens(0.9, k) / (k * 0.05 + 1 + 0.12 * k), k) for k in range(1, 9))
+    assert (best, g) == pytest.approx(brute)
+
+
 def test_alpha_inverts_expected_tokens():
     for alpha in (0.1, 0.5, 0.77, 0.95):
         e = theory.expected_tokens(alpha, 6)

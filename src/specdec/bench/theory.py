@@ -31,6 +31,20 @@ def optimal_gamma(alpha: float, c: float, max_gamma: int = 16) -> int:
     return max(range(max_gamma + 1), key=lambda g: speedup(alpha, g, c))
 
 
+def best_chain_speedup(alpha: float, c: float, *, verify_slope: float = 0.12, max_gamma: int = 8,
+                       floor: bool = True) -> tuple[float, int]:
+    """``max_γ E(α, γ) / (γ c + 1 + verify_slope · γ)`` and its γ: :func:`speedup` with a verification
+    pass that grows linearly with the rows it checks (what a CPU's pass does), what a self-speculative
+    drafter's cost model ranks skip sets by.  ``floor``: γ = 0 (no drafting, ×1) is a choice too;
+    without it the best γ >= 1 is returned even when it loses (< 1)."""
+    best, best_g = (1.0, 0) if floor else (float("-inf"), 1)
+    for g in range(1, max_gamma + 1):
+        s = expected_tokens(alpha, g) / (g * c + 1.0 + verify_slope * g)
+        if s > best:
+            best, best_g = s, g
+    return best, best_g
+
+
 def alpha_from_block_efficiency(tokens_per_call: float, gamma: int, tol: float = 1e-10) -> float:
     """The i.i.d. α whose E(α, γ) equals a measured tokens-per-call (bisection)."""
     if gamma <= 0:

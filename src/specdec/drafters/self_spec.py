@@ -30,6 +30,7 @@ from typing import Any, Callable
 import torch
 from torch import Tensor
 
+from specdec.bench.theory import best_chain_speedup
 from specdec.catalog import SKIP_SETS_DIR, describe_families, parse_self_spec, skip_set_targets  # noqa: F401 - re-exported
 from specdec.drafters.base import Draft, DraftSampler
 from specdec.drafters.model import ModelDrafter
@@ -424,12 +425,7 @@ class SwiftDrafter(SelfSpecDrafter):
     def _speedup(self, plan: LayerPlan, context: Tensor) -> float:  # context: [L]
         alpha = self._agreement(plan, context)
         a, m, fixed = self._cost
-        c = fixed + sum(a * at + m * ml for _, at, ml in plan.steps)
-        best = 1.0
-        for g in range(1, 9):
-            tokens = g + 1.0 if alpha >= 1.0 else (1.0 - alpha ** (g + 1)) / (1.0 - alpha)
-            best = max(best, tokens / (g * c + 1.0 + 0.12 * g))
-        return best
+        return best_chain_speedup(alpha, fixed + sum(a * at + m * ml for _, at, ml in plan.steps))[0]
 
     def spawn(self, wrap: Callable[[Any], Any] = lambda m: m) -> "SwiftDrafter":
         fresh = SwiftDrafter(self.view.target, self.view.plan, every=self.every, window=self.window, tries=self.tries,

@@ -34,7 +34,6 @@ Everything but the one-off cost measurement is deterministic, so a search is rep
 from __future__ import annotations
 
 import json
-import math
 import time
 from dataclasses import dataclass
 from pathlib import Path
@@ -43,6 +42,7 @@ from typing import Any, Callable, Sequence
 import torch
 from torch import Tensor
 
+from specdec.bench.theory import best_chain_speedup
 from specdec.drafters.self_spec import LayerPlan, LayerView, param_shares
 
 #: calibration prompts (deliberately not the benchmark's prompts): code and chat, alternating
@@ -75,9 +75,6 @@ class CostModel:
         steps = plan.steps
         return self.fixed + sum(self.attn * a + self.mlp * m for _, a, m in steps)
 
-    def verify_cost(self, gamma: int) -> float:
-        return 1.0 + self.verify_slope * gamma
-
     def to_json(self) -> dict[str, float]:
         return {"attn": self.attn, "mlp": self.mlp, "fixed": self.fixed, "verify_slope": self.verify_slope}
 
@@ -96,13 +93,7 @@ def expected_speedup(alpha: float, c: float, cost: CostModel, *, floor: bool = T
     ``floor``: γ = 0 (no drafting, ×1) is a choice too.  Without it the best γ >= 1 is returned
     even when it loses (< 1): the search climbs on that, since from a nearly full draft (cost
     close to a target step) every small change would otherwise score the same ×1."""
-    best, best_g = (1.0, 0) if floor else (-math.inf, 1)
-    for g in range(1, MAX_GAMMA + 1):
-        tokens = float(g + 1) if alpha >= 1.0 else (1.0 - alpha ** (g + 1)) / (1.0 - alpha)
-        s = tokens / (g * c + cost.verify_cost(g))
-        if s > best:
-            best, best_g = s, g
-    return best, best_g
+    return best_chain_speedup(alpha, c, verify_slope=cost.verify_slope, max_gamma=MAX_GAMMA, floor=floor)
 
 
 @dataclass(frozen=True)
