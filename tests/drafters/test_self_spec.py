@@ -5,7 +5,7 @@ The law tests draw N = 6,000 independent generations (seed = sample index) of 3 
 verification: one attention and one MLP sub-layer skipped; block verification: early exit after
 one layer), and run a chi-square goodness-of-fit test against the exact law (the target's own
 next-token distributions, enumerated); they fail at p < 1e-4.  The negative control runs the same
-test with a lossy rule on the same drafter and must fail.  Cache sharing is checked
+test with a lossy rule on the same drafter, on a quarter of the samples, and must fail.  Cache sharing is checked
 bitwise (it changes no logit, so it cannot change the law) on a batch-invariant copy.
 """
 
@@ -73,10 +73,12 @@ def test_output_law_with_a_view_over_a_reduced_vocabulary_token_verification():
 
 
 def test_negative_control_lossy_rule_with_the_same_drafter_fails():
+    """A quarter of the law tests' samples (N = 1,500) is ample to catch this rule (p ~ 1e-35 at
+    2,000 samples): failing at fewer samples, it fails at N = 6,000 too."""
     cfg = SamplingConfig(temperature=1.0, top_k=4)
     law = exact_law(Oracle(TARGET), PROMPT, cfg, N_NEW)
     drafter = SelfSpecDrafter(LayerView(TARGET, SKIP))
-    assert chi_square_pvalue(_samples("lossy_resample_p", cfg, drafter), law) < ALPHA
+    assert chi_square_pvalue(_samples("lossy_resample_p", cfg, drafter, n=N_SAMPLES // 4), law) < ALPHA
 
 
 # ----------------------------------------------------------------------------- deterministic checks

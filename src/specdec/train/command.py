@@ -48,7 +48,7 @@ def add_parser(sub) -> None:  # noqa: ANN001 - argparse's subparsers action
     s.add_argument("--draft-vocab", choices=("auto", "full"), default="auto",
                    help="the vocabulary the view drafts over, as `generate --draft-vocab` gives it: auto = the reduced "
                    "one shipped for the target or its default draft, where the target's head can be cut to it (a "
-                   "4-bit head); full = all tokens. Acceptance and the draft's cost are scored with that head")
+                   "4-bit or int8 head); full = all tokens. Acceptance and the draft's cost are scored with that head")
     k = tsub.add_parser(
         "kangaroo",
         help="train a Kangaroo adapter (the target's first K layers + one trained attention block + its LM head)",
