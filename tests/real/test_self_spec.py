@@ -133,7 +133,7 @@ def test_the_4bit_targets_int8_head_cut_to_the_draft_vocabulary_keeps_greedy_out
     if m.lm_head.vnni is None:
         pytest.skip("no few-row int8 kernel here: the int8 head keeps every token")
     reduced = m.reduced_head(keep)
-    assert reduced is not None and reduced.nbytes < 11e6  # 16,384 x 576 int8 and their factors
+    assert reduced is not None and reduced.nbytes < 0.4 * m.lm_head.nbytes  # a third of the head's columns, and the ids
     x = torch.randn(3, m.embed.shape[1], generator=torch.Generator().manual_seed(0)) * 4
     assert torch.equal(reduced.logits(x, compact=True), m.head(x)[:, keep])
     cfg = SamplingConfig(temperature=0.0, max_new_tokens=32)
