@@ -104,20 +104,23 @@ def describe_families() -> list[dict[str, Any]]:
     shipped = ", ".join(skip_set_targets()) or "none"
     kangaroo_shipped = ", ".join(adapter_targets()) or "none"
     none = "none: a view of the target (native backend), no weights of its own"
+    # every view drafts through the target's LM head cut to a reduced vocabulary where one ships
+    head = ("; with --draft-vocab auto, a copy of the LM head's rows for the reduced vocabulary where one ships "
+            "(Qwen2.5-Coder-1.5B 44 MB, SmolLM2-135M 10 MB)")
     return [
         {"name": "layerskip:K", "description": "early exit: the target's first K layers + its final norm and LM head; the "
          "verification pass reuses the draft's keys/values of layers < K, and the draft copies the target's for "
-         "committed tokens instead of recomputing them. Extra memory: a K-layer KV cache",
+         "committed tokens instead of recomputing them. Extra memory: a K-layer KV cache" + head,
          "default_draft": None, "install": none, "license": "", "status": "bundled"},
         {"name": "self-skip", "description": "Draft & Verify: the target with a searched set of attention / MLP sub-layers "
          f"skipped (shipped for: {shipped}; self-skip:FILE from `specdec train skip`). Extra memory: a KV cache of the "
-         "layers whose attention runs", "default_draft": None, "install": none, "license": "", "status": "bundled"},
+         "layers whose attention runs" + head, "default_draft": None, "install": none, "license": "", "status": "bundled"},
         {"name": "swift", "description": "SWIFT: a skip set adapted while generating (starts from the shipped set, or "
          "swift:FILE). Extra memory: as self-skip", "default_draft": None, "install": none, "license": "", "status": "bundled"},
         {"name": "kangaroo", "description": "Kangaroo: the target's first K layers + a small trained adapter (one "
          "attention block) + its LM head, drafting stopped when its confidence drops; the verification pass reuses the "
          f"K layers' keys/values (adapter shipped for: {kangaroo_shipped}; kangaroo:FILE from `specdec train kangaroo`). "
-         "Extra memory: the adapter's weights and a (K+1)-layer KV cache", "default_draft": None,
+         "Extra memory: the adapter's weights and a (K+1)-layer KV cache" + head, "default_draft": None,
          "install": "none: a view of the target (native backend) plus an adapter file", "license": "", "status": "bundled"},
     ]
 
