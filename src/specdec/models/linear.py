@@ -1007,6 +1007,13 @@ class Q4Linear:
             out.ref = [t[..., four].contiguous() for t in self.ref[:3]] + [t[..., six].contiguous() for t in self.ref[3:]]
         return out
 
+    @property
+    def nbytes(self) -> int:
+        """The bytes this layer holds: the kernel's packing (or the reference's blocks), the column
+        factors and the bias (the gain is the model's norm weight, shared)."""
+        parts = [self.packed, self.packed6, self.col, self.bias] + list(self.ref or [])
+        return int(sum(t.numel() * t.element_size() for t in parts if t is not None))
+
     def _n6(self) -> int:
         """How many output columns come from Q6_K blocks (the last ones)."""
         if self.packed is not None:  # (an empty ``packed`` holds no group: shape (0,))

@@ -352,10 +352,7 @@ class ReducedHead:
     def nbytes(self) -> int:
         """Memory beyond the target's: the rows' copy (the 4-bit or int8 packing, or float32 rows) and the ids."""
         rows = self.rows
-        if isinstance(rows, Q4Linear):
-            parts = [rows.packed, rows.packed6, rows.col, rows.bias] + list(rows.ref or [])
-            held = sum(t.numel() * t.element_size() for t in parts if t is not None)
-        elif isinstance(rows, W8A8Linear):
+        if isinstance(rows, (Q4Linear, W8A8Linear)):
             held = rows.nbytes
         else:
             held = rows.out_features * int(self.target.embed.shape[1]) * 4
