@@ -40,6 +40,8 @@ class ModelDrafter:
         self._slots: dict[int, int] | None = None  # tree rounds: node index -> region slot
         #: seconds of this round's catch-up pass (see :meth:`_after`): 0.0 when there was none
         self.catch_up_s = 0.0
+        #: (the model asked, whether its new_cache takes initial_length): see :meth:`reset`
+        self._grows: tuple[LanguageModel, bool] | None = None
 
     @property
     def supports_trees(self) -> bool:
@@ -63,7 +65,9 @@ class ModelDrafter:
 
     def reset(self, expected: int = 0) -> None:
         """A fresh cache; one that can grow starts ``expected`` + a margin positions long."""
-        if "initial_length" in inspect.signature(self.model.new_cache).parameters:
+        if self._grows is None or self._grows[0] is not self.model:  # asked once per model: inspect costs ~0.15 ms
+            self._grows = (self.model, "initial_length" in inspect.signature(self.model.new_cache).parameters)
+        if self._grows[1]:
             initial = expected + defaults.DRAFT_KV_INITIAL_LENGTH
             self.cache = self.model.new_cache(self.max_length, initial_length=initial)  # type: ignore[call-arg]
         else:
