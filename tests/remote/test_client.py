@@ -169,8 +169,11 @@ def test_logprobs_over_the_wire_are_the_targets(toy_server):
 #: 2,000 independent generations (seed = index) of 3 tokens from the 4-token order-2 toy target
 #: (64 outcomes), each through its own server session, chi-square against the exact law, failing
 #: at p < ALPHA = 1e-4.  Measured at this size: sparse-q p = 0.99; the negative controls
-#: lossy-scalar p = 3e-39 and misreported sparse q p = 2e-74 (all deterministic: seeded).
+#: lossy-scalar p = 3e-39 and misreported sparse q p = 2e-74 (all deterministic: seeded).  The
+#: negative controls draw half as many (N_CONTROL), where they still fail far past the threshold
+#: (p = 6e-22 and 5e-38): failing with fewer samples is the stronger result.
 N_LAW = 2000
+N_CONTROL = 1000
 LAW_CFG = SamplingConfig(temperature=1.0, max_new_tokens=3)
 
 
@@ -182,10 +185,11 @@ class _MisreportedQ(RemoteVerifier):
         return [{"ids": r["ids"], "probs": [1.0 / len(r["ids"])] * len(r["ids"])} for r in rows] if rows else rows
 
 
-def _law_samples(url: str, wire: str, *, q_top_k: int | None, verifier_cls=RemoteVerifier) -> list[tuple[int, ...]]:
+def _law_samples(url: str, wire: str, *, q_top_k: int | None, verifier_cls=RemoteVerifier,
+                 n: int = N_LAW) -> list[tuple[int, ...]]:
     out = []
     with httpx.Client() as client:
-        for i in range(N_LAW):
+        for i in range(n):
             cfg = SamplingConfig(temperature=1.0, seed=i, max_new_tokens=3)
             v = verifier_cls(_cfg(url, wire=wire), [1, 2], cfg, client=client)
             dec = SpeculativeDecoder(RemoteTarget(4, v.max_context), ModelDrafter(DRAFT), v.rule, gamma=FixedGamma(2),
@@ -202,8 +206,9 @@ def test_sparse_q_output_law_matches_the_target(toy_server):
 def test_negative_controls_the_law_test_catches_a_wrong_q(toy_server):
     """The scalar-q protocol, and a sparse q that misreports the draft's distribution."""
     law = exact_law(TARGET, [1, 2], LAW_CFG, 3)
-    assert chi_square_pvalue(_law_samples(toy_server.url, "lossy-scalar", q_top_k=None), law) < ALPHA
-    assert chi_square_pvalue(_law_samples(toy_server.url, "sparse-q", q_top_k=2, verifier_cls=_MisreportedQ), law) < ALPHA
+    assert chi_square_pvalue(_law_samples(toy_server.url, "lossy-scalar", q_top_k=None, n=N_CONTROL), law) < ALPHA
+    assert chi_square_pvalue(_law_samples(toy_server.url, "sparse-q", q_top_k=2, verifier_cls=_MisreportedQ,
+                                          n=N_CONTROL), law) < ALPHA
 
 
 # ----------------------------------------------------------------------------- failures
