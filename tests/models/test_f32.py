@@ -74,3 +74,22 @@ def test_kernel_refuses_mismatched_inputs():
         torch.ops.specdec.f32_linear(torch.randn(2, 63), packed, 40)
     with pytest.raises(RuntimeError, match="float32"):
         torch.ops.specdec.f32_pack(torch.randn(4, 4).double())
+
+
+def test_a_linears_byte_count_follows_the_form_its_weight_lives_in(monkeypatch):
+    """``Linear.nbytes``: dense weight and bias; the compiled kernel's packing, whose last group of
+    64 output columns is padded (200 outputs hold 256 columns); oneDNN's packed chunks, at least
+    the dense weight (the packing may pad too); a bfloat16 weight at two bytes a value."""
+    g = torch.Generator().manual_seed(5)
+    w, bias = torch.randn(200, 96, generator=g), torch.randn(200, generator=g)
+    dense = 200 * 96 * 4
+    assert Linear(w, bias, pack=False).nbytes == dense + 200 * 4
+    assert Linear(w, pack=False).nbytes == dense
+    assert Linear(w.bfloat16(), pack=False).nbytes == dense // 2
+    if f32_kernel_available():
+        lin = Linear(w, bias)
+        assert lin.f32 is not None and lin.nbytes == 256 * 96 * 4 + 200 * 4
+    monkeypatch.setenv("SPECDEC_F32_KERNEL", "0")
+    packed = Linear(w, bias)
+    if packed.packed is not None:  # oneDNN packs float32 here
+        assert packed.weight is None and packed.nbytes >= dense + 200 * 4

@@ -105,6 +105,13 @@ class Linear:
     def __call__(self, x: Tensor) -> Tensor:  # x: [n, in] -> [n, out]
         return self._product(x, self.bias)
 
+    @property
+    def nbytes(self) -> int:
+        """Bytes the layer holds: its weight in whichever form it lives (dense, the compiled
+        kernel's packing with its padded columns, or oneDNN's chunks) and the bias."""
+        held = [t for t in (self.weight, self.f32, self.bias) if t is not None] + list(self.packed or ())
+        return sum(t.numel() * t.element_size() for t in held)
+
     def scaled(self, x: Tensor, row_scale: Tensor) -> Tensor:  # x: [n, in], row_scale: [n, 1]
         """``row_scale * (x @ W.T) + b``: a per-row factor applied before the bias (how a folded
         RMSNorm's 1/rms enters; a pointwise step, so batch invariance is kept)."""

@@ -351,12 +351,7 @@ class ReducedHead:
     @property
     def nbytes(self) -> int:
         """Memory beyond the target's: the rows' copy (the 4-bit or int8 packing, or float32 rows) and the ids."""
-        rows = self.rows
-        if isinstance(rows, (Q4Linear, W8A8Linear)):
-            held = rows.nbytes
-        else:
-            held = rows.out_features * int(self.target.embed.shape[1]) * 4
-        return int(held + self.ids.numel() * self.ids.element_size())
+        return int(self.rows.nbytes + self.ids.numel() * self.ids.element_size())
 
 
 class _LayerByLayer:
