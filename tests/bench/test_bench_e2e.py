@@ -29,6 +29,7 @@ def test_local_bench_modes_run_their_workers_and_report(tmp_path):
     report.write(result, tmp_path, make_plots=False)
     md = (tmp_path / "README.md").read_text()
     assert "speculative/greedy" in md and "plain_paired" in md
+    assert "| code tok/s | code ×plain |" in md and "×cloud" not in md  # the mode was renamed plain long ago
 
 
 def test_several_drafters_share_one_target_and_one_paired_plain_run(tmp_path):

@@ -493,7 +493,7 @@ def _local_tables(stats: list[GroupStats], bvt: list[BlockVsToken]) -> list[str]
         )
     cats = sorted({c for g in stats for c in g.tokens_per_s_by_category})
     lines += ["", "## By prompt category (median tok/s; speed-up over plain)", "",
-              "| mode | γ | T | " + " | ".join(f"{c} tok/s | {c} ×cloud" for c in cats) + " |",
+              "| mode | γ | T | " + " | ".join(f"{c} tok/s | {c} ×plain" for c in cats) + " |",
               "|---|---|---|" + "---|---|" * len(cats)]
     for g in stats:
         cells = " | ".join(f"{_fmt(g.tokens_per_s_by_category.get(c), 1)} | {_fmt(g.speedup_by_category.get(c))}" for c in cats)
