@@ -344,7 +344,10 @@ def test_a_drafter_without_a_tree_pass_says_it_drafts_chains(capsys):
     model = "smollm2-135m-draft"
     base = ["generate", "--target", model, "--dtype", "float32", "-p", "The quick brown fox jumps", "-n", "4", "--tree", "4"]
     code, out, err = _run(capsys, *base, "--draft", "layerskip:2")
-    assert code == 0 and "the drafter layerskip:2 has no tree pass: it drafts chains (--tree 4 is not used)" in err, err
+    assert code == 0 and "the drafter layerskip:2 has no tree pass: it drafts chains, gamma auto (--tree 4 is not used)" in err, err
+    assert "gamma auto" in err.splitlines()[-1], err  # the gamma asked for, not a fixed one of the tree's node count
+    code, out, err = _run(capsys, *base, "--draft", "layerskip:2", "--gamma", "2")
+    assert code == 0 and "gamma fixed(2)" in err.splitlines()[-1], err
     code, out, err = _run(capsys, *base, "--draft", "ngram")
     assert code == 0 and "no tree pass" not in err, err
 

@@ -412,7 +412,7 @@ def _cmd_generate(args: argparse.Namespace) -> int:
                                        draft_temperature_factor=args.draft_temperature_factor, batch_invariant=not args.fast_attention,
                                        int8_kernel=args.int8_kernel), progress=log)
     if tree != "chain" and engine.drafter is not None and not getattr(engine.drafter, "supports_trees", False):
-        log(f"the drafter {engine.drafter_name} has no tree pass: it drafts chains (--tree {tree} is not used)")
+        log(f"the drafter {engine.drafter_name} has no tree pass: it drafts chains, gamma {gamma} (--tree {tree} is not used)")
     on_text = None if quiet else (lambda text: (sys.stdout.write(text), sys.stdout.flush()))
     constraint = _constraints(args, engine, grammar)
     if constraint is not None:

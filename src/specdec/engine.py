@@ -383,11 +383,13 @@ def parse_min_confidence(value: float | None) -> float | None:
     return value
 
 
-def make_tree(tree: str | int, gamma: GammaController, *, min_prob: float | None = None) -> tuple[TreeSpec | None, GammaController]:
-    """The tree spec and the controller for a ``--tree`` value (``chain`` keeps ``gamma``);
-    ``min_prob``: the deterministic trees' probability floor (None = the default)."""
+def make_tree(tree: str | int, gamma: GammaController, *, min_prob: float | None = None,
+              drafter: object = None) -> tuple[TreeSpec | None, GammaController]:
+    """The tree spec and the controller for a ``--tree`` value (``chain`` keeps ``gamma``, and so
+    does a ``drafter`` with no tree pass: it drafts chains under the γ asked for, not under the
+    tree's node count); ``min_prob``: the deterministic trees' probability floor (None = the default)."""
     tree = parse_tree(tree)
-    if tree == "chain":
+    if tree == "chain" or (drafter is not None and not getattr(drafter, "supports_trees", False)):
         return None, gamma
     spec = TreeSpec() if min_prob is None else TreeSpec(min_prob=min_prob)
     if tree == "auto":
@@ -546,7 +548,7 @@ class Engine:
         tree_observe: Callable[[int, int], None] | None = None,
     ) -> SpeculativeDecoder:
         """``tree_observe(nodes, accepted)``: told of every tree round's budget controller update."""
-        spec, controller = make_tree(tree, self._gamma(rule, gamma), min_prob=tree_min_prob)
+        spec, controller = make_tree(tree, self._gamma(rule, gamma), min_prob=tree_min_prob, drafter=self.drafter)
         if spec is not None and tree_observe is not None:
             controller = ObservedGamma(controller, tree_observe)
         return SpeculativeDecoder(

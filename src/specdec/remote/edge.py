@@ -103,7 +103,7 @@ def generate_remote(
     if sampling.seed is None:
         sampling = replace(sampling, seed=int.from_bytes(os.urandom(6), "little"))
     local_commit = None
-    spec, controller = make_tree(tree, make_gamma(gamma), min_prob=tree_min_prob)
+    spec, controller = make_tree(tree, make_gamma(gamma), min_prob=tree_min_prob, drafter=drafter)
     if spec is not None and gate is not None and gate.cfg.policy != "off":
         raise ConfigError("the edge gate judges chain drafts token by token; use --tree chain with --gate")
     if gate is not None and gate.cfg.policy != "off":
