@@ -62,6 +62,11 @@ _PACKABLE = {torch.float32: _onednn_available, torch.bfloat16: bf16_fast}
 DENSE_BELOW = 300_000
 
 
+def tensor_bytes(*tensors: Tensor | None) -> int:
+    """Bytes the given tensors hold (None: nothing), as a layer's ``nbytes`` counts them."""
+    return sum(t.numel() * t.element_size() for t in tensors if t is not None)
+
+
 class Linear:
     """``y = x @ W.T + b`` with the weight prepared once for the device it lives on.
 
@@ -109,8 +114,7 @@ class Linear:
     def nbytes(self) -> int:
         """Bytes the layer holds: its weight in whichever form it lives (dense, the compiled
         kernel's packing with its padded columns, or oneDNN's chunks) and the bias."""
-        held = [t for t in (self.weight, self.f32, self.bias) if t is not None] + list(self.packed or ())
-        return sum(t.numel() * t.element_size() for t in held)
+        return tensor_bytes(self.weight, self.f32, self.bias, *(self.packed or ()))
 
     def scaled(self, x: Tensor, row_scale: Tensor) -> Tensor:  # x: [n, in], row_scale: [n, 1]
         """``row_scale * (x @ W.T) + b``: a per-row factor applied before the bias (how a folded
@@ -376,8 +380,7 @@ class W8A8Linear:
     def nbytes(self) -> int:
         """The bytes this layer holds: the kernel's packing, scales, bias, smoothing (and fbgemm's
         packed weight, where made, counted as its int8 weights)."""
-        parts = list(self.vnni or []) + [self._scales, self.bias, self.inv_smooth]
-        held = sum(t.numel() * t.element_size() for t in parts if t is not None)
+        held = tensor_bytes(*(self.vnni or ()), self._scales, self.bias, self.inv_smooth)
         if self._packed is not None:
             held += self.out_features * (self.in_features + 2)
         if self.wide is not None:
@@ -1018,8 +1021,7 @@ class Q4Linear:
     def nbytes(self) -> int:
         """The bytes this layer holds: the kernel's packing (or the reference's blocks), the column
         factors and the bias (the gain is the model's norm weight, shared)."""
-        parts = [self.packed, self.packed6, self.col, self.bias] + list(self.ref or [])
-        return int(sum(t.numel() * t.element_size() for t in parts if t is not None))
+        return tensor_bytes(self.packed, self.packed6, self.col, self.bias, *(self.ref or ()))
 
     def _n6(self) -> int:
         """How many output columns come from Q6_K blocks (the last ones)."""
