@@ -662,3 +662,31 @@ def test_a_target_with_a_draft_of_its_own_gets_it_when_draft_is_left_alone(monke
     with pytest.raises(Stop):
         engine.Engine.build(engine.EngineConfig(target="qwen2.5-coder-1.5b"))
     assert seen["draft"] == "qwen2.5-coder-0.5b+lookup"
+
+
+def test_keep_special_tokens_from_the_command_line(capsys, tiny_pair, tmp_path):
+    """--keep-special-tokens: the text keeps the special tokens the output holds (locally and with
+    --prompts-file), the tokens unchanged; without it they are left out."""
+    from transformers import AutoTokenizer
+
+    target, draft = tiny_pair
+    tok = AutoTokenizer.from_pretrained(target)
+    special = tok.convert_tokens_to_ids("<|im_start|>")
+    flags = [f"--allowed-token-id={t}" for t in (special, *range(40, 48))]  # sampled among them: special tokens come up
+    base = ["generate", "-p", "abc abc", "--target", target, "--draft", draft, "-n", "24", "--json", "-t", "1", "--seed", "4", *flags]
+    texts = {}
+    for extra in ([], ["--keep-special-tokens"]):
+        code, out, err = _run(capsys, *base, *extra)
+        assert code == 0, err
+        texts[bool(extra)] = json.loads(out)
+    ids = texts[True]["token_ids"]
+    assert ids == texts[False]["token_ids"] and special in ids
+    assert texts[False]["text"] == tok.decode(ids, skip_special_tokens=True)
+    assert texts[True]["text"] == tok.decode(ids, skip_special_tokens=False) != texts[False]["text"]
+    prompts = tmp_path / "prompts.txt"
+    prompts.write_text(json.dumps("abc abc") + "\n")
+    code, out, err = _run(capsys, "generate", "--target", target, "--prompts-file", str(prompts), "-n", "24", "-t", "1",
+                          "--seed", "4", "--out", str(tmp_path / "out.jsonl"), "--keep-special-tokens", *flags)
+    assert code == 0, err
+    row = json.loads((tmp_path / "out.jsonl").read_text().splitlines()[0])
+    assert special in row["token_ids"] and row["text"] == tok.decode(row["token_ids"], skip_special_tokens=False)

@@ -179,3 +179,28 @@ def test_stop_when_keeps_the_shortest_prefix_whose_text_is_done(tok):
     early = first_stop(StopStrings(tok, ("Sure",)), None, StopWhen(tok, lambda text: "</tool_call>" in text))
     assert early(ids) == 1
     assert first_stop(None, None) is None
+
+
+def test_special_tokens_kept_in_the_text_except_the_one_that_ends_it(tok):
+    """vLLM's ``skip_special_tokens: false``: special tokens stay in the text (streamed and final
+    alike) and stop strings are looked for in that text; the end-of-sequence token that ends the
+    output is still left out (unless the stop is kept), its id kept; by default none shows."""
+    from specdec.sampling import SamplingConfig
+    from specdec.text import output_sink, output_stop
+
+    start, end = tok.convert_tokens_to_ids("<|im_start|>"), tok.convert_tokens_to_ids("<|im_end|>")
+    ids = tok.encode("Hi there", add_special_tokens=False) + [start] + tok.encode("user said", add_special_tokens=False) + [end]
+    kept = SamplingConfig(skip_special_tokens=False)
+    for sampling, want in ((SamplingConfig(), "Hi thereuser said"), (kept, "Hi there<|im_start|>user said")):
+        shown: list[str] = []
+        sink = output_sink(tok, sampling, shown.append, eos_ids=frozenset({end}))
+        for t in ids:
+            sink.push([t])
+        assert sink.finish(ids) == want and "".join(shown) == want
+    sink = output_sink(tok, SamplingConfig(skip_special_tokens=False, include_stop=True), eos_ids=frozenset({end}))
+    sink.push(ids)
+    assert sink.finish(ids).endswith("said<|im_end|>")
+    for sampling, cut in ((SamplingConfig(stop=("<|im_start|>user",)), None),  # not in the text: never found
+                          (SamplingConfig(stop=("<|im_start|>user",), skip_special_tokens=False), ids.index(start) + 2)):
+        stop = output_stop(tok, sampling)
+        assert next((k for i in range(1, len(ids) + 1) if (k := stop(ids[:i])) is not None), None) == cut

@@ -34,7 +34,7 @@ from specdec.decoder import _fresh_seed, cut_at_eos
 from specdec.errors import ConfigError
 from specdec.sampling import SamplingConfig, floor_stops, offset_seed
 from specdec.session import TargetSession
-from specdec.text import StopStrings, TextSink
+from specdec.text import StopStrings, TextSink, output_sink, output_stop
 from specdec.verify import get_rule
 
 
@@ -123,9 +123,7 @@ def generate_batch(
             own = floor_stops(own, stops)  # min_tokens: the stop tokens masked while too few were generated
             session = TargetSession(model, ids, own, rule, seed=seed_for(sampling, i), logprobs=logprobs)
             r = _Running(i, len(ids), session,
-                         TextSink(tokenizer, sampling.stop, None, min_tokens=sampling.min_tokens,
-                                  keep_stop=sampling.include_stop, hidden=frozenset(sampling.stop_token_ids)),
-                         StopStrings(tokenizer, sampling.stop, min_tokens=sampling.min_tokens) if sampling.stop else None,
+                         output_sink(tokenizer, sampling, eos_ids=stops), output_stop(tokenizer, sampling),
                          min(sampling.max_new_tokens, session.max_length - len(ids) - 1), [])
             if r.max_new <= 0:
                 finish(r)

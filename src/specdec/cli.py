@@ -53,6 +53,9 @@ def _add_sampling(p: argparse.ArgumentParser) -> None:
                    help="a token id that ends the output as end-of-sequence does (repeatable); its text is left out")
     g.add_argument("--include-stop", action="store_true",
                    help="keep the stop string (or the stop token's text) the output ended at")
+    g.add_argument("--keep-special-tokens", action="store_true",
+                   help="keep special tokens (end-of-turn markers, a tool call's marker, ...) in the output text; the"
+                        " end-of-sequence token that ends it is still left out (default: they are left out)")
     g.add_argument("--min-tokens", type=int,
                    help="generate at least this many tokens: end-of-sequence and stop tokens are masked out of the"
                         " law until then (still exact for that law), stop strings not looked for in their text (default 0)")
@@ -188,6 +191,7 @@ def _sampling_from(args: argparse.Namespace) -> SamplingConfig:
         stop_token_ids=tuple(args.stop_token_ids) or None,
         include_stop=args.include_stop or None,
         min_tokens=args.min_tokens,
+        skip_special_tokens=False if getattr(args, "keep_special_tokens", False) else None,
     )
 
 

@@ -30,7 +30,7 @@ from specdec.models import registry
 from specdec.models.registry import LoadedModel, check_compatible, load
 from specdec.sampling import SamplingConfig, floor_stops
 from specdec.session import TargetSession
-from specdec.text import StopStrings, StopWhen, TextSink, encode_messages, encode_prompt, first_stop
+from specdec.text import StopWhen, encode_messages, encode_prompt, first_stop, output_sink, output_stop
 from specdec.verify import Rule, get_rule
 
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
@@ -613,11 +613,11 @@ class Engine:
             lps = session.emitted_logprobs[start:end] if session is not None else None
             on_piece(TextPiece(text, sink.stream.tokens[start:end], lps))  # type: ignore[misc, union-attr]
 
-        sink = TextSink(self.target.tokenizer, sampling.stop, on_text, span if on_piece is not None else None,
-                        min_tokens=sampling.min_tokens, keep_stop=sampling.include_stop,
-                        hidden=frozenset(sampling.stop_token_ids))
-        stop = StopStrings(self.target.tokenizer, sampling.stop, min_tokens=sampling.min_tokens) if sampling.stop else None
-        stop = first_stop(stop, StopWhen(self.target.tokenizer, stop_when) if stop_when is not None else None)
+        tokenizer = self.target.tokenizer
+        sink = output_sink(tokenizer, sampling, on_text, span if on_piece is not None else None,
+                           eos_ids=frozenset() if ignore_eos else self.target.eos_ids)
+        stop = first_stop(output_stop(tokenizer, sampling), StopWhen(tokenizer, stop_when, skip_special_tokens=sampling.skip_special_tokens)
+                          if stop_when is not None else None)
         decoder = self.decoder(rule, gamma, min_confidence=min_confidence, ignore_eos=ignore_eos, tree=tree,
                                tree_min_prob=tree_min_prob, tree_observe=tree_observe)
         sampling = floor_stops(sampling, decoder.stop_ids(sampling))  # min_tokens: the session's law and the draft's

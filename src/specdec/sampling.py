@@ -171,6 +171,10 @@ class SamplingConfig:
     #: ``stop_token_ids``) are masked out of the law, and stop strings are not looked for in the
     #: first ``min_tokens`` tokens' text (vLLM's ``min_tokens``).  Applied by :func:`floor_stops`
     min_tokens: int = 0
+    #: special tokens (end-of-turn, a tool call's marker, ...) are left out of the output text;
+    #: False keeps them in it, except the end-of-sequence or stop token that ends the output
+    #: (vLLM's ``skip_special_tokens``).  Text alone: the tokens and their law do not change
+    skip_special_tokens: bool = True
     #: (token id, bias) pairs added to the logits before anything else (OpenAI ``logit_bias``)
     logit_bias: tuple[tuple[int, float], ...] = ()
     #: tokens allowed after the generated history (structured output); None = everything

@@ -77,10 +77,11 @@ class StopStrings:
     text.
     """
 
-    def __init__(self, tokenizer: Any, stops: tuple[str, ...], *, min_tokens: int = 0) -> None:
+    def __init__(self, tokenizer: Any, stops: tuple[str, ...], *, min_tokens: int = 0, skip_special_tokens: bool = True) -> None:
         self.tokenizer = tokenizer
         self.stops = tuple(s for s in stops if s)
         self.min_tokens = min_tokens
+        self.skip = skip_special_tokens  # the text looked in is the output's text
         self._floor: int | None = None  # characters of the first min_tokens tokens' text
         self._checked_chars = 0
 
@@ -88,8 +89,8 @@ class StopStrings:
         if not self.stops or len(tokens) <= self.min_tokens:
             return None
         if self._floor is None:
-            self._floor = len(self.tokenizer.decode(tokens[: self.min_tokens], skip_special_tokens=True)) if self.min_tokens else 0
-        text = self.tokenizer.decode(tokens, skip_special_tokens=True)
+            self._floor = len(self.tokenizer.decode(tokens[: self.min_tokens], skip_special_tokens=self.skip)) if self.min_tokens else 0
+        text = self.tokenizer.decode(tokens, skip_special_tokens=self.skip)
         longest = max(len(s) for s in self.stops)
         window_start = max(self._floor, self._checked_chars - longest)
         self._checked_chars = len(text)
@@ -97,7 +98,7 @@ class StopStrings:
             return None
         # shortest token prefix whose text (after the floor) contains a stop string
         for keep in range(self.min_tokens + 1, len(tokens) + 1):
-            part = self.tokenizer.decode(tokens[:keep], skip_special_tokens=True)
+            part = self.tokenizer.decode(tokens[:keep], skip_special_tokens=self.skip)
             if any(s in part[self._floor :] for s in self.stops):
                 return keep
         return len(tokens)
@@ -110,8 +111,8 @@ class StopWhen:
     once the first call's block is closed).  The text is decoded incrementally; only the round that
     makes ``done`` true decodes its prefixes."""
 
-    def __init__(self, tokenizer: Any, done: Any) -> None:
-        self.stream = TextStream(tokenizer)
+    def __init__(self, tokenizer: Any, done: Any, *, skip_special_tokens: bool = True) -> None:
+        self.stream = TextStream(tokenizer, skip_special_tokens=skip_special_tokens)
         self.done = done
         self._checked = 0  # tokens whose text was not done
 
@@ -154,13 +155,14 @@ class TextSink:
     vLLM's options: ``min_tokens`` (a stop string counts only where it starts after the first
     ``min_tokens`` tokens' text), ``keep_stop`` (``include_stop_str_in_output``: the text ends
     after the stop string instead of before it) and ``hidden`` (stop token ids: such a token ends
-    the output, and its text is left out unless ``keep_stop``).
+    the output, and its text is left out unless ``keep_stop``) and ``skip_special_tokens`` (False: the
+    text keeps special tokens; an end-of-sequence token that ends the output belongs in ``hidden``).
     """
 
     def __init__(self, tokenizer: Any | None, stops: tuple[str, ...], on_text: Any | None,
                  on_span: Any | None = None, *, min_tokens: int = 0, keep_stop: bool = False,
-                 hidden: frozenset[int] = frozenset()) -> None:
-        self.stream = TextStream(tokenizer) if tokenizer is not None else None
+                 hidden: frozenset[int] = frozenset(), skip_special_tokens: bool = True) -> None:
+        self.stream = TextStream(tokenizer, skip_special_tokens=skip_special_tokens) if tokenizer is not None else None
         self.stops = tuple(s for s in stops if s)  # an empty stop string matches nothing (as in StopStrings)
         self.on_text = on_text
         self.on_span = on_span
@@ -238,6 +240,23 @@ class TextSink:
         if self.on_span is not None:
             self.on_span(text, self.shown, max(shown, self.shown))
             self.shown = max(shown, self.shown)
+
+
+def output_sink(tokenizer: Any | None, sampling: Any, on_text: Any | None = None, on_span: Any | None = None, *,
+                eos_ids: frozenset[int] = frozenset()) -> TextSink:
+    """The :class:`TextSink` of ``sampling``'s text options (stop strings, ``min_tokens``,
+    ``include_stop``, ``stop_token_ids``, ``skip_special_tokens``); ``eos_ids``: the end-of-sequence
+    tokens that may end the output, whose text is left out too where special tokens are kept."""
+    hidden = frozenset(sampling.stop_token_ids) | (frozenset() if sampling.skip_special_tokens else frozenset(eos_ids))
+    return TextSink(tokenizer, sampling.stop, on_text, on_span, min_tokens=sampling.min_tokens, keep_stop=sampling.include_stop,
+                    hidden=hidden, skip_special_tokens=sampling.skip_special_tokens)
+
+
+def output_stop(tokenizer: Any | None, sampling: Any) -> StopStrings | None:
+    """The decoder's stop-string check of ``sampling`` (None without stop strings or a tokenizer)."""
+    if not sampling.stop or tokenizer is None:
+        return None
+    return StopStrings(tokenizer, sampling.stop, min_tokens=sampling.min_tokens, skip_special_tokens=sampling.skip_special_tokens)
 
 
 def logprob_rows(tokenizer: Any, token_ids: list[int], logprobs: list[tuple[float, list[tuple[int, float]]]]) -> list[dict]:

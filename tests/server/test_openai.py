@@ -226,6 +226,29 @@ def test_vllms_token_id_options(client, local):
         assert generated[-1] in tok.all_special_ids
 
 
+def test_special_tokens_kept_in_the_text_on_request(client, local):
+    """vLLM's ``skip_special_tokens: false``: the text keeps special tokens (here the end of a turn
+    and the next turn's start, generated past the end of the turn with ``ignore_eos``), streamed or
+    not, and the chat log-probabilities' entries then join to that text; the end-of-turn token
+    that ends an answer is still left out.  The tokens do not change."""
+    tok = local.target.tokenizer
+    chat = dict(model=MODEL, messages=[{"role": "user", "content": "Say hi."}], max_tokens=40, temperature=0, logprobs=True)
+    on = {"return_token_ids": True, "ignore_eos": True}
+    plain = client.chat.completions.create(**chat, extra_body=on).choices[0]
+    kept = client.chat.completions.create(**chat, extra_body={**on, "skip_special_tokens": False}).choices[0]
+    ids = kept.model_extra["token_ids"]
+    assert ids == plain.model_extra["token_ids"] and any(t in tok.all_special_ids for t in ids[:-1])
+    assert plain.message.content == tok.decode(ids, skip_special_tokens=True)
+    assert kept.message.content == tok.decode(ids, skip_special_tokens=False) != plain.message.content
+    assert b"".join(bytes(e.bytes) for e in kept.logprobs.content) == kept.message.content.encode()
+    streamed = client.chat.completions.create(**chat, stream=True, extra_body={**on, "skip_special_tokens": False})
+    assert "".join(c.choices[0].delta.content or "" for c in streamed if c.choices) == kept.message.content
+    ended = client.chat.completions.create(**{**chat, "max_tokens": 60}, extra_body={"return_token_ids": True, "skip_special_tokens": False}).choices[0]
+    ids = ended.model_extra["token_ids"]
+    assert ended.finish_reason == "stop" and ids[-1] in local.target.eos_ids
+    assert ended.message.content == tok.decode(ids[:-1], skip_special_tokens=False)
+
+
 def test_echo_with_logprobs_scores_the_prompt_as_lm_eval_asks(client, local):
     """The request lm-evaluation-harness's ``local-completions`` sends for a log-likelihood (token
     ids, ``echo``, ``logprobs`` 1, ``max_tokens`` 1, T = 0): an entry per prompt token, the first
@@ -393,7 +416,6 @@ def test_vllm_min_tokens_stop_token_ids_and_include_stop(client, local):
     assert with_stop.choices[0].text == text[: text.index(stop) + len(stop)]
     for body, message in (({"min_tokens": 13}, "must not exceed max_tokens"), ({"logits_processors": ["x"]}, "logits_processors"),
                           ({"use_beam_search": True}, "use_beam_search"), ({"guided_whitespace_pattern": " "}, "guided_whitespace_pattern"),
-                          ({"skip_special_tokens": False}, "skip_special_tokens"),
                           ({"stop_token_ids": [10**8]}, "outside the vocabulary")):
         with pytest.raises(openai.BadRequestError, match=message):
             client.completions.create(max_tokens=12, extra_body=body, **greedy)

@@ -23,7 +23,7 @@ from specdec.errors import ConfigError
 from specdec.remote.client import RemoteConfig, RemoteTarget, RemoteVerifier
 from specdec.remote.gating import Gate, GatedDrafter
 from specdec.sampling import SamplingConfig, floor_stops
-from specdec.text import StopStrings, TextSink
+from specdec.text import output_sink, output_stop
 
 #: default truncation of q in sparse-q mode (the drafter samples from its top-k and sends exactly that)
 DEFAULT_Q_TOP_K = 16
@@ -129,10 +129,8 @@ def generate_remote(
             q_top_k=q_top_k if verifier.wire == "sparse-q" else None,
             tree=spec,
         )
-        sink = TextSink(tokenizer, sampling.stop, on_text, min_tokens=sampling.min_tokens, keep_stop=sampling.include_stop,
-                        hidden=frozenset(sampling.stop_token_ids))
-        stop = (StopStrings(tokenizer, sampling.stop, min_tokens=sampling.min_tokens)
-                if sampling.stop and tokenizer is not None else None)
+        sink = output_sink(tokenizer, sampling, on_text, eos_ids=eos_ids)
+        stop = output_stop(tokenizer, sampling)
 
         def emit(tokens: list[int]) -> None:
             sink.push(tokens)

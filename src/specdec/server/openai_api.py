@@ -111,7 +111,7 @@ class _Request(BaseModel):
     guided_choice: Annotated[list[Annotated[str, Field(max_length=1 << 12)]], Field(max_length=1024)] | None = None
     guided_grammar: Annotated[str, Field(max_length=1 << 20)] | None = None
     structured_outputs: dict[str, Any] | None = None
-    # vLLM's; special tokens are always left out of the text here (false is refused)
+    # vLLM's: false keeps special tokens in the text (the end-of-sequence token that ends it left out)
     skip_special_tokens: bool = True
     method: Annotated[str, Field(max_length=64)] | None = None
     gamma: Annotated[int, Field(ge=1, le=defaults.MAX_GAMMA)] | Literal["auto", "guide"] | None = None
@@ -131,8 +131,6 @@ class _Request(BaseModel):
             value = extra.pop(name, None)
             if value not in (None, [], {}, False):
                 raise ApiError(400, f"{name} is not supported by this server")
-        if not self.skip_special_tokens:
-            raise ApiError(400, "skip_special_tokens false is not supported by this server (special tokens never reach the text)")
         for name in ("tool_choice", "function_call"):
             if name == "tool_choice" and "tools" in type(self).model_fields:
                 continue  # an endpoint with tools checks it with them (server/tools.py)
@@ -467,6 +465,7 @@ class _Job:
                 stop_token_ids=_stop_token_ids(req, model.vocab_size),
                 include_stop=req.include_stop_str_in_output,
                 min_tokens=req.min_tokens or 0,
+                skip_special_tokens=req.skip_special_tokens,
             )
             self.method = req.method or default_method(self.sampling)
             rule = get_rule(self.method)
@@ -978,10 +977,12 @@ class _Names:
     and its own ``bytes`` (part of a character where the token holds part of one: OpenAI's chat
     ``bytes``, which join to the text's UTF-8 across tokens)."""
 
-    def __init__(self, tok: Any, token_bytes: TokenBytes, as_ids: bool = False) -> None:
+    def __init__(self, tok: Any, token_bytes: TokenBytes, as_ids: bool = False, left_out: frozenset[int] | None = None) -> None:
         self.tok = tok
         self._bytes = token_bytes
         self.as_ids = as_ids
+        # the tokens a message's text leaves out: every special one, or (special tokens kept) those that end it
+        self.left_out = frozenset(getattr(tok, "all_special_ids", None) or ()) if left_out is None else left_out
 
     def text(self, token: int) -> str:
         return _piece(self.tok, token)
@@ -993,14 +994,23 @@ class _Names:
         return list(self._bytes(token))
 
 
+def text_left_out(req: Any, eos_ids: frozenset[int]) -> frozenset[int]:
+    """With special tokens kept in the text, the tokens it still leaves out: the end-of-sequence or
+    stop token that ends it (as :func:`specdec.text.output_sink` does), none with
+    ``include_stop_str_in_output``."""
+    if getattr(req, "include_stop_str_in_output", False):
+        return frozenset()
+    return frozenset(getattr(req, "stop_token_ids", None) or ()) | (frozenset() if getattr(req, "ignore_eos", False) else eos_ids)
+
+
 def _chat_logprobs(names: _Names, token_ids: list[int], logprobs: list | None) -> dict[str, Any] | None:
     """OpenAI chat ``logprobs`` of ``token_ids`` (a whole answer or a streamed piece of it): the
     target's processed law at each emitted position whose token is part of the message; special
-    tokens (the end of the turn) are left out, as the message's text leaves them out, so the
-    entries' tokens join to the content."""
+    tokens (the end of the turn) are left out where the message's text leaves them out
+    (:attr:`_Names.left_out`), so the entries' tokens join to the content."""
     if logprobs is None:
         return None
-    special = set(getattr(names.tok, "all_special_ids", None) or ())
+    special = names.left_out
 
     def entry(token: int, lp: float) -> dict[str, Any]:
         return {"token": names.label(token), "logprob": max(lp, -9999.0), "bytes": names.bytes(token)}
@@ -1092,7 +1102,8 @@ def openai_router(ctx: "ServerContext") -> APIRouter:
         return ctx.tokenizer
 
     def names(req: _Request) -> _Names:
-        return _Names(tokenizer(), ctx.token_bytes, req.return_tokens_as_token_ids)
+        return _Names(tokenizer(), ctx.token_bytes, req.return_tokens_as_token_ids,
+                      None if req.skip_special_tokens else text_left_out(req, ctx.eos_ids))
 
     def model_card(name: str) -> dict[str, Any]:  # OpenAI's model object, with vLLM's max_model_len
         return {"id": name, "object": "model", "created": int(ctx.started), "owned_by": "specdec",
