@@ -4,6 +4,7 @@ the grammar that holds a required call, and both kinds of chat template."""
 from __future__ import annotations
 
 import json
+import shutil
 
 import openai
 import pytest
@@ -434,3 +435,197 @@ def test_bad_tool_requests_are_400s(client):
             client.chat.completions.create(**{"model": MODEL, "messages": ASK, "max_tokens": 4, **kw})
     with pytest.raises(openai.BadRequestError, match="tools"):
         client.completions.create(model=MODEL, prompt="x", max_tokens=2, extra_body={"tools": [ADD]})  # chat only
+
+
+# ---------------------------------------------------------------- Mistral's [TOOL_CALLS] format
+
+LISTED, NAMED = tc.CallFormat(tc.MISTRAL_OPEN), tc.CallFormat(tc.MISTRAL_OPEN, args=True)
+
+
+def test_mistral_calls_are_read_in_both_of_its_forms():
+    """After ``[TOOL_CALLS]``: a JSON list of call objects (an ``id`` after the arguments allowed), or
+    each call by name, ``[ARGS]`` and its arguments (a ``[CALL_ID]`` read past); the text before the
+    first marker is the content; ids are nine letters and digits."""
+    answers = {
+        'Let me check. [TOOL_CALLS] [{"name": "get_weather", "arguments": {"city": "Paris"}, "id": "abc123XYZ"}, '
+        '{"name": "add", "arguments": {"a": 1}}]': ("Let me check.", [("get_weather", '{"city": "Paris"}'), ("add", '{"a": 1}')]),
+        '[TOOL_CALLS]get_weather[ARGS]{"city": "Rome"}[TOOL_CALLS]add[CALL_ID]x1[ARGS]{"a": {"b": "}"}}':
+            (None, [("get_weather", '{"city": "Rome"}'), ("add", '{"a": {"b": "}"}}')]),
+        '[TOOL_CALLS][{"arguments": {"a": 2}, "name": "add"}]': (None, [("add", '{"a": 2}')]),  # another shape: re-encoded
+        '[TOOL_CALLS] [{"name": "add", "arguments": {"a": 1, "b": [2': (None, [("add", '{"a": 1, "b": [2')]),  # cut off
+    }
+    for fmt in (LISTED, NAMED):  # either form is read whichever the tokenizer's: the grammar alone picks one
+        for text, (content, calls) in answers.items():
+            got_content, got = tc.parse(text, fmt=fmt)
+            assert got_content == content and [(c["function"]["name"], c["function"]["arguments"]) for c in got] == calls, text
+            assert all(len(c["id"]) == 9 and c["id"].isalnum() for c in got)
+    for text in ("no calls here", "[TOOL_CALLS] not a call", "[TOOL_CALLS] [oops]", '[TOOL_CALLS]{"a": 1}'):
+        assert tc.parse(text, fmt=LISTED) == (text, []), text
+    hermes = '<tool_call>{"name": "add", "arguments": {}}</tool_call>'  # a Mistral model's text is not read as blocks
+    assert tc.parse(hermes, fmt=LISTED) == (hermes, []) and tc.parse(hermes)[1]
+    assert tc.first_call_closed('[TOOL_CALLS]add[ARGS]{"a": 1}', NAMED)
+    assert not tc.first_call_closed('[TOOL_CALLS]add[ARGS]{"a": 1', NAMED) and not tc.first_call_closed("[TOOL_CALLS] [", LISTED)
+    assert tc.first_call_closed('[TOOL_CALLS] [{"name": "add", "arguments": {}}, {"name": "a', LISTED)
+    gate = tc.HeldContent(LISTED)  # content is held where the marker may begin, and stops at it
+    assert gate.feed("Sure [TOOL", None, [1]) == ("Sure ", None, [1]) and gate.feed("_CALLS] [", None, [2]) is None
+    assert gate.rest('Sure [TOOL_CALLS] [{"name": "add", "arguments": {}}]', calls=True) == ("", None, [2])
+
+
+@pytest.mark.parametrize("step", [1, 3, 1000])
+def test_mistral_calls_stream_as_they_are_written(step):
+    """Streamed in pieces of any size, Mistral's calls are announced in order and their arguments'
+    pieces add up to the finished answer's, in both forms."""
+    answers = ['Sure. [TOOL_CALLS] [{"name": "get_weather", "arguments": {"city": "Pa\\"ris]}"}, "id": "abcdefghi"}, '
+               '{"arguments": {"a": 1}, "name": "add"}, {"name": "add", "arguments": {"a": [1, {"b": 2}]}}]',
+               '[TOOL_CALLS]get_weather[ARGS]{"city": "[TOOL"}[TOOL_CALLS]add[ARGS]{"a": 1, "b": {"c": "}"}}',
+               '[TOOL_CALLS]add[ARGS]{"a": 1, "b": ',  # never closed
+               '[TOOL_CALLS] [{"name": "add", "arguments": {"a": "x"}}']  # the list never closed
+    for fmt, text in zip((LISTED, NAMED, NAMED, LISTED), answers):
+        writer = tc.StreamedCalls(fmt=fmt)
+        events = [e for cut in range(step, len(text), step) for e in writer.feed(text[:cut])]
+        calls = tc.parse(text, ids=writer.ids, fmt=fmt)[1]
+        streamed = _gathered(events + writer.finish(calls))
+        assert [(c[0], c[1], c[2], c[4]) for c in streamed.values()] == [
+            (c["id"], c["function"]["name"], c["function"]["arguments"], True) for c in calls], text
+        assert all(len(i) == 9 for i in writer.ids)
+    writer = tc.StreamedCalls(fmt=NAMED)  # a character at a time: the arguments grow piece by piece
+    events = [e for cut in range(1, len(answers[1]) + 1) for e in writer.feed(answers[1][:cut])]
+    assert [c[3] for c in _gathered(events).values()] == [len('{"city": "[TOOL"}'), len('{"a": 1, "b": {"c": "}"}}')]
+
+
+def test_mistral_templates_get_nine_character_ids():
+    """Mistral's templates refuse call ids other than nine letters and digits: an OpenAI-style id
+    becomes nine derived from it, the same for the call and the result naming it; a valid one stays."""
+    fmt = LISTED
+    derived = fmt.template_id("call_8f2a")
+    assert len(derived) == 9 and derived.isalnum() and derived == fmt.template_id("call_8f2a") != fmt.template_id("call_8f2b")
+    assert fmt.template_id("abcDEF123") == "abcDEF123" and fmt.template_id(None) is None
+    assert tc.HERMES.template_id("call_8f2a") == "call_8f2a"
+    call = ChatMessage.model_validate({"role": "assistant", "content": None, "tool_calls": [
+        {"id": "call_8f2a", "type": "function", "function": {"name": "add", "arguments": "{}"}}]})
+    result = ChatMessage.model_validate({"role": "tool", "tool_call_id": "call_8f2a", "content": "3"})
+    assert tc.turn(call, "", True, fmt)["tool_calls"][0]["id"] == tc.turn(result, "3", True, fmt)["tool_call_id"] == derived
+
+
+def _mistral_tokenizer(args: bool):
+    """SmolLM2's tokenizer given ``[TOOL_CALLS]`` (and ``[ARGS]``) as special tokens: a stand-in for
+    a Mistral tokenizer."""
+    from transformers import AutoTokenizer
+
+    from specdec.models.registry import DATA_DIR
+
+    tok = AutoTokenizer.from_pretrained(str(DATA_DIR / "smollm2-135m-draft"))
+    tok.add_special_tokens({"additional_special_tokens": [tc.MISTRAL_OPEN] + ([tc.MISTRAL_ARGS] if args else [])})
+    return tok
+
+
+def test_mistral_grammars_hold_a_forced_call_to_its_form():
+    """A forced call's grammar writes the marker (and ``[ARGS]``) as the tokenizer's own special
+    tokens: a list of calls, or each call by name; one call, or several where allowed."""
+    from specdec.errors import ConfigError
+    from specdec.grammar import GrammarConstraint
+
+    tools = [tc.ToolDef.model_validate(ADD), tc.ToolDef.model_validate(WEATHER)]
+    for args, one, two in ((False, '[TOOL_CALLS] [{"name":"add","arguments":{"a":1,"b":2}}]',
+                            '[TOOL_CALLS] [{"name":"add","arguments":{"a":1,"b":2}}, {"name":"get_weather","arguments":{"city":"Rome"}}]'),
+                           (True, '[TOOL_CALLS]"add"[ARGS]{"a":1,"b":2}',
+                            '[TOOL_CALLS]"add"[ARGS]{"a":1,"b":2}[TOOL_CALLS]"get_weather"[ARGS]{"city":"Rome"}')):
+        tok = _mistral_tokenizer(args)
+        fmt = tc.call_format(tok)
+        assert fmt == (NAMED if args else LISTED)
+        vocab = len(tok)
+        if args:
+            one, two = one.replace('"add"', "add").replace('"get_weather"', "get_weather"), two.replace('"add"', "add").replace('"get_weather"', "get_weather")
+
+        def ends(grammar: str, text: str) -> bool:
+            ids = tok.encode(text, add_special_tokens=False)
+            return bool(GrammarConstraint(tok, grammar, vocab).allowed(ids, vocab)[tok.eos_token_id])
+
+        assert tok.encode(two, add_special_tokens=False).count(tok.convert_tokens_to_ids(tc.MISTRAL_OPEN)) == (2 if args else 1)
+
+        several = tc.grammar(tools, "", several=True, tokenizer=tok, fmt=fmt)
+        assert ends(several, one) and ends(several, two)
+        for single in (tc.grammar(tools, "", tokenizer=tok, fmt=fmt), tc.grammar(tools, "add", several=True, tokenizer=tok, fmt=fmt)):
+            assert ends(single, one)
+            with pytest.raises(ConfigError, match="breaks the grammar"):
+                ends(single, two)
+        with pytest.raises(ConfigError, match="breaks the grammar"):  # the Hermes blocks are not this format
+            ends(several, '<tool_call>\n{"name":"add","arguments":{"a":1,"b":2}}\n</tool_call>')
+    assert tc.call_format(NoAddedTokens()) == tc.HERMES
+
+
+class NoAddedTokens:
+    """A tokenizer with no added tokens at all."""
+
+    def get_added_vocab(self) -> dict[str, int]:
+        return {}
+
+
+#: a Mistral-style template of my own: tools rendered, calls as a list after the marker, and the
+#: nine-character ids Mistral's templates insist on
+MISTRAL_TEMPLATE = """{%- for message in messages %}
+{%- if message.role == 'user' %}{% if loop.last and tools %}[AVAILABLE_TOOLS]{{ tools | tojson }}[/AVAILABLE_TOOLS]{% endif %}[INST]{{ message.content }}[/INST]
+{%- elif message.role == 'assistant' and message.tool_calls %}[TOOL_CALLS] [{% for call in message.tool_calls %}
+{%- if call.id | length != 9 %}{{ raise_exception('Tool call IDs should be alphanumeric strings with length 9!') }}{% endif %}
+{{- {'name': call.function.name, 'arguments': call.function.arguments, 'id': call.id} | tojson }}{% if not loop.last %}, {% endif %}{% endfor %}]{{ eos_token }}
+{%- elif message.role == 'assistant' %}{{ message.content }}{{ eos_token }}
+{%- elif message.role == 'tool' %}{% if message.tool_call_id | length != 9 %}{{ raise_exception('Tool call IDs should be alphanumeric strings with length 9!') }}{% endif %}[TOOL_RESULTS]{{ message.content }}[/TOOL_RESULTS]
+{%- endif %}{% endfor %}"""
+
+
+@pytest.fixture(scope="module")
+def mistral_client(tmp_path_factory):
+    """A server of the bundled draft model whose tokenizer calls two of its unused special tokens
+    ``[TOOL_CALLS]`` and ``[ARGS]`` (same ids, same vocabulary) under a Mistral-style template."""
+    from specdec.models.registry import DATA_DIR
+
+    src, folder = DATA_DIR / "smollm2-135m-draft", tmp_path_factory.mktemp("mistral-like")
+    for name in ("config.json", "generation_config.json", "model.safetensors", "tokenizer_config.json"):
+        shutil.copy(src / name, folder / name)
+    spec = json.loads((src / "tokenizer.json").read_text())
+    renamed = {"<repo_name>": tc.MISTRAL_OPEN, "<reponame>": tc.MISTRAL_ARGS}
+    for entry in spec["added_tokens"]:
+        entry["content"] = renamed.get(entry["content"], entry["content"])
+    spec["model"]["vocab"] = {renamed.get(k, k): v for k, v in spec["model"]["vocab"].items()}
+    (folder / "tokenizer.json").write_text(json.dumps(spec))
+    (folder / "chat_template.jinja").write_text(MISTRAL_TEMPLATE)
+    with ServerProcess.cli("--target", str(folder), "--draft", str(folder), "--dtype", "float32", "--gamma", "4") as srv, \
+            srv.openai() as c:
+        yield c, folder
+
+
+def test_a_mistral_model_makes_forced_calls_in_its_own_format(mistral_client):
+    """On a Mistral-style model a forced call is written after ``[TOOL_CALLS]`` by name and
+    ``[ARGS]`` (its tokenizer has both), read back into ``tool_calls`` with nine-character ids,
+    streamed or not (chat and Responses); the conversation goes on with those calls and their
+    results, and with an OpenAI-style id too (the template sees nine characters)."""
+    client, folder = mistral_client
+    kw = dict(model=folder.name, messages=ASK, tools=[ADD, WEATHER], max_tokens=40, temperature=0,
+              tool_choice={"type": "function", "function": {"name": "get_weather"}})
+    out = client.chat.completions.create(**kw, extra_body={"return_token_ids": True})
+    choice = out.choices[0]
+    [call] = choice.message.tool_calls
+    assert choice.finish_reason == "tool_calls" and choice.message.content is None
+    assert call.function.name == "get_weather" and json.loads(call.function.arguments)["city"] in ("Paris", "Rome")
+    assert len(call.id) == 9 and call.id.isalnum()
+    ids = choice.model_extra["token_ids"]
+    assert ids[0] == 3 and ids.count(4) == 1  # the marker and [ARGS] as the tokenizer's own tokens
+    chunks = [c.choices[0] for c in client.chat.completions.create(**kw, stream=True) if c.choices]
+    deltas = [d for c in chunks for d in c.delta.tool_calls or ()]
+    assert len(deltas) > 1 and deltas[0].function.name == "get_weather" and len(deltas[0].id) == 9
+    assert "".join(d.function.arguments or "" for d in deltas) == call.function.arguments
+    assert not any(c.delta.content for c in chunks) and chunks[-1].finish_reason == "tool_calls"
+    several = client.chat.completions.create(**{**kw, "tool_choice": "required", "max_tokens": 60})
+    assert all(c.function.name in ("add", "get_weather") for c in several.choices[0].message.tool_calls)
+    for call_id in (call.id, "call_8f2a61c0"):  # ours, and one of OpenAI's shape
+        turn = {"role": "assistant", "content": None, "tool_calls": [
+            {"id": call_id, "type": "function", "function": {"name": "get_weather", "arguments": call.function.arguments}}]}
+        follow = client.chat.completions.create(model=folder.name, tools=[WEATHER], max_tokens=4, temperature=0, messages=[
+            *ASK, turn, {"role": "tool", "tool_call_id": call_id, "content": "18 C"}])
+        assert follow.choices[0].finish_reason in ("stop", "length")
+    response = client.responses.create(model=folder.name, input="What is the weather in Paris?", max_output_tokens=40,
+                                       temperature=0, tools=[{"type": "function", "name": "get_weather",
+                                                              "parameters": WEATHER["function"]["parameters"]}],
+                                       tool_choice="required")
+    [item] = [i for i in response.output if i.type == "function_call"]
+    assert item.name == "get_weather" and json.loads(item.arguments)["city"] in ("Paris", "Rome") and len(item.call_id) == 9

@@ -935,7 +935,8 @@ def _chat_ids(tok: Any, messages: list[ChatMessage], opts: _ChatTemplating | Non
     if clash:
         raise ApiError(400, f"chat_template_kwargs may not set {', '.join(clash)}")
     native = tool_calls.template_renders_tools(template)
-    turns = [tool_calls.turn(m, m.text, native) for m in messages]
+    fmt = tool_calls.format_for(tok, template)
+    turns = [tool_calls.turn(m, m.text, native, fmt) for m in messages]
     if tools and native:
         kwargs["tools"] = [t.model_dump(exclude_none=True) for t in tools]
     elif tools:  # the template cannot show them: a system message does
@@ -953,6 +954,15 @@ def _chat_ids(tok: Any, messages: list[ChatMessage], opts: _ChatTemplating | Non
     if opts.continue_final_message:
         text = _open_final(text, turns[-1]["content"])
     return list(tok.encode(text, add_special_tokens=False))
+
+
+def _call_format(tok: Any, req: Any, shown: list[Any]) -> tool_calls.CallFormat:
+    """How the answer to ``req`` writes its calls (with tools shown); where that is after a special
+    token (Mistral's ``[TOOL_CALLS]``) the request's text keeps special tokens, as vLLM does."""
+    fmt = tool_calls.format_for(tok, getattr(req, "chat_template", None) or getattr(tok, "chat_template", None))
+    if shown and fmt.mistral:
+        req.skip_special_tokens = False
+    return fmt
 
 
 def _open_final(text: str, content: str) -> str:
@@ -1266,10 +1276,12 @@ def openai_router(ctx: "ServerContext") -> APIRouter:
         ids = _chat_ids(tok, req.messages, req, tools=shown, trust_template=ctx.settings.trust_request_chat_template)
         if not ids:
             raise ApiError(400, "the conversation encodes to no tokens")
+        fmt = _call_format(tok, req, shown)
         max_tokens = req.max_completion_tokens if req.max_completion_tokens is not None else req.max_tokens
         job = _Job(ctx, req, [ids], max_tokens, logprobs=(req.top_logprobs or 0) if req.logprobs else None, endpoint="chat",
-                   owner=_owner(request), tool_grammar=tool_calls.grammar(shown, forced, several=req.parallel_tool_calls is not False, tokenizer=tok),
-                   stop_when=tool_calls.first_call_closed if shown and req.parallel_tool_calls is False else None)
+                   owner=_owner(request),
+                   tool_grammar=tool_calls.grammar(shown, forced, several=req.parallel_tool_calls is not False, tokenizer=tok, fmt=fmt),
+                   stop_when=tool_calls.stop_at_first_call(fmt) if shown and req.parallel_tool_calls is False else None)
         cid, created = f"chatcmpl-{secrets.token_hex(12)}", int(time.time())
         metrics.completions.labels("chat", str(req.stream).lower()).inc()
         named = names(req)
@@ -1289,7 +1301,7 @@ def openai_router(ctx: "ServerContext") -> APIRouter:
             finish = _finish_reason(out.stats.finish_reason)
             if not shown:
                 return {"role": "assistant", "content": out.text}, finish
-            content, calls = tool_calls.parse(out.text, names=[t.function.name for t in shown], ids=call_ids)
+            content, calls = tool_calls.parse(out.text, names=[t.function.name for t in shown], ids=call_ids, fmt=fmt)
             calls = calls[:most_calls]
             if not calls:
                 return {"role": "assistant", "content": out.text}, finish
@@ -1323,9 +1335,9 @@ def openai_router(ctx: "ServerContext") -> APIRouter:
                     lps = None
                 text, token_ids = piece.text, piece.token_ids
                 if shown:
-                    gate = gates.setdefault(index, tool_calls.HeldContent())
+                    gate = gates.setdefault(index, tool_calls.HeldContent(fmt))
                     sent = gate.feed(text, lps["content"] if lps is not None else None, token_ids)
-                    calls = call_chunks(index, writers.setdefault(index, tool_calls.StreamedCalls(most_calls)).feed(gate.text))
+                    calls = call_chunks(index, writers.setdefault(index, tool_calls.StreamedCalls(most_calls, fmt)).feed(gate.text))
                     if sent is None:
                         return calls or None
                     text, entries, token_ids = sent
@@ -1342,10 +1354,10 @@ def openai_router(ctx: "ServerContext") -> APIRouter:
             def tail(index: int, out: TextResult) -> list[dict[str, Any]]:
                 if not shown:
                     return [chunk(index, {}, message(out)[1])]
-                writer = writers.pop(index, None) or tool_calls.StreamedCalls(most_calls)
+                writer = writers.pop(index, None) or tool_calls.StreamedCalls(most_calls, fmt)
                 answer, finish = message(out, writer.ids)
                 ends = []
-                rest, pending, rest_ids = gates.pop(index, tool_calls.HeldContent()).rest(out.text, "tool_calls" in answer)
+                rest, pending, rest_ids = gates.pop(index, tool_calls.HeldContent(fmt)).rest(out.text, "tool_calls" in answer)
                 lps = {"content": pending, "refusal": None} if pending is not None else None
                 if rest or lps is not None or rest_ids:
                     ends.append(chunk(index, {"content": rest}, None, lps, rest_ids))

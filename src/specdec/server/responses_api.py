@@ -47,7 +47,7 @@ from specdec.engine import TextPiece, TextResult
 from specdec.server import tools as tool_calls
 from specdec.server.errors import ApiError
 from specdec.server.openai_api import (
-    ChatRequest, _chat_ids, _chat_logprobs, _Job, _Names, _owner, _run_blocking, _stats, _stream,
+    ChatRequest, _call_format, _chat_ids, _chat_logprobs, _Job, _Names, _owner, _run_blocking, _stats, _stream, text_left_out,
 )
 from specdec.server.tools import ToolDef
 
@@ -278,11 +278,12 @@ def responses_router(ctx: "ServerContext") -> APIRouter:
             raise ApiError(400, _first_error(exc)) from None
         tok = ctx.tokenizer
         ids = _chat_ids(tok, chat.messages, chat, tools=shown, trust_template=ctx.settings.trust_request_chat_template)
+        fmt = _call_format(tok, chat, shown)  # Mistral's calls: the text keeps special tokens
         job = _Job(ctx, chat, [ids], req.max_output_tokens, logprobs=(req.top_logprobs or 0) if logprobs else None,
-                   endpoint="responses", owner=owner, tool_grammar=tool_calls.grammar(shown, forced, several=parallel, tokenizer=tok),
-                   stop_when=tool_calls.first_call_closed if shown and not parallel else None)
+                   endpoint="responses", owner=owner, tool_grammar=tool_calls.grammar(shown, forced, several=parallel, tokenizer=tok, fmt=fmt),
+                   stop_when=tool_calls.stop_at_first_call(fmt) if shown and not parallel else None)
         job.ignored = sorted(job.ignored + ignored)
-        named = _Names(tok, ctx.token_bytes)
+        named = _Names(tok, ctx.token_bytes, left_out=None if chat.skip_special_tokens else text_left_out(chat, ctx.eos_ids))
         # on a scale-out replica the id names it (as session ids do), so the gateway routes to its store
         rid = f"resp_{ctx.settings.session_id_prefix}{secrets.token_hex(16)}"
         mid, created = f"msg_{secrets.token_hex(16)}", int(time.time())
@@ -291,14 +292,14 @@ def responses_router(ctx: "ServerContext") -> APIRouter:
         parsed: list[Any] = [None, None]  # the answer parsed last and what it gave (its calls keep their ids)
 
         most_calls = None if parallel else 1  # parallel_tool_calls false: the first call alone
-        writer = tool_calls.StreamedCalls(most_calls)  # streamed: the calls as they are written (their ids)
+        writer = tool_calls.StreamedCalls(most_calls, fmt)  # streamed: the calls as they are written (their ids)
 
         def answer(out: TextResult) -> tuple[str | None, list[dict[str, Any]]]:
             """(the message's text, None for none; the calls) of an answer: with tools shown, its calls parsed out."""
             if not shown:
                 return out.text, []
             if parsed[0] is not out:
-                content, calls = tool_calls.parse(out.text, names=[t.function.name for t in shown], ids=writer.ids)
+                content, calls = tool_calls.parse(out.text, names=[t.function.name for t in shown], ids=writer.ids, fmt=fmt)
                 calls = calls[:most_calls]
                 parsed[:] = [out, (content, calls) if calls else (out.text, [])]
             return parsed[1]
@@ -349,7 +350,7 @@ def responses_router(ctx: "ServerContext") -> APIRouter:
                 return {"type": kind, "sequence_number": next(seq), **fields}
 
             where = {"item_id": mid, "output_index": 0, "content_index": 0}
-            gate = tool_calls.HeldContent()  # with tools shown, text stops where a call may begin
+            gate = tool_calls.HeldContent(fmt)  # with tools shown, text stops where a call may begin
             message = {"opened": False, "closed": False}  # the message item: went out (with its first text), finished
             seen: list[Any] = []  # with logprobs: the entries of the text sent
 
@@ -378,7 +379,7 @@ def responses_router(ctx: "ServerContext") -> APIRouter:
                 for kind, k, *what in events:
                     item_id = _item_id(writer.ids[k])
                     if kind == "added":
-                        before = gate.text[:gate.text.find(tool_calls.OPEN)]
+                        before = gate.text[:gate.text.find(fmt.open)]
                         if before.strip() and not message["opened"]:  # held while the answer might have been a call
                             out += text_event(before[gate.sent:], None)
                         out += closing(before.strip(), seen, "completed")

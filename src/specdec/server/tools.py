@@ -30,6 +30,17 @@ object or a list of them, fenced or not, each naming a tool shown and holding on
 ``arguments`` — or ``parameters``, Llama 3's word) is read as calls too; JSON in the middle of an
 answer, or naming no tool shown, stays text.
 
+Mistral's models write calls after a ``[TOOL_CALLS]`` token instead: a JSON list of call objects
+(``[TOOL_CALLS] [{"name": ..., "arguments": {...}}]``, Mistral 7B v0.3's and Mixtral's format),
+or, from the tokenizers that have an ``[ARGS]`` token on, each call as its name, ``[ARGS]`` and the
+arguments' object (``[TOOL_CALLS]get_weather[ARGS]{"city": "Paris"}``, a ``[CALL_ID]`` between
+them read too).  The marker is a special token, which the answer's text leaves out unless told
+to keep special tokens: with tools shown to such a model the text keeps them (as vLLM does), the
+calls are read from it, and the content is the text before the first marker.  Its call ids are
+nine letters and digits, what Mistral's templates insist on; an earlier call's id of another
+shape is turned into such one (the same for the call and its result) when the conversation is
+rendered (:class:`CallFormat`).
+
 ``tool_choice``: ``none`` (no tools shown, nothing parsed), ``auto`` (the model decides),
 ``allowed_tools`` (``auto`` or ``required`` over a subset of the tools, the only ones shown),
 ``required`` or a named function: then a grammar holds the answer to calls whose arguments
@@ -41,10 +52,13 @@ structured output.
 
 from __future__ import annotations
 
+import hashlib
 import json
 import re
 import secrets
+import string
 from collections.abc import Collection
+from dataclasses import dataclass
 from typing import Annotated, Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field
@@ -58,6 +72,53 @@ _STRUCTURE = re.compile(r'["{}\[\]]')
 _STRING_BODY = re.compile(r'(?:[^"\\]|\\.)*', re.DOTALL)
 _HEAD = re.compile(r'\s*\{\s*"name"\s*:\s*"((?:[^"\\\n]|\\.)*)"\s*,\s*"arguments"\s*:\s*(?=\{)')
 _FENCED = re.compile(r"```(?:json)?\s*(.*?)\s*```", re.DOTALL)
+#: Mistral's call marker, and what its newer tokenizers write between a call's name and arguments
+MISTRAL_OPEN, MISTRAL_ARGS = "[TOOL_CALLS]", "[ARGS]"
+#: a Mistral call written by name: the name, an optional id, the optional ``[ARGS]``, then the arguments' ``{``
+_NAMED = re.compile(r"\s*([A-Za-z0-9_.-]+)\s*(?:\[CALL_ID\]\s*[A-Za-z0-9_-]*\s*)?(?:\[ARGS\])?\s*(?=\{)")
+_ID_CHARS = string.ascii_letters + string.digits
+
+
+@dataclass(frozen=True)
+class CallFormat:
+    """How a model writes its calls: Hermes-style blocks (``<tool_call>`` ... ``</tool_call>``, the
+    default), or after Mistral's ``[TOOL_CALLS]`` token (``args``: calls written by name and
+    ``[ARGS]``, which a forced call's grammar then writes; else a JSON list)."""
+
+    open: str = OPEN  # what a call (or Mistral's list of calls) starts with
+    args: bool = False
+
+    @property
+    def mistral(self) -> bool:
+        return self.open == MISTRAL_OPEN
+
+    def new_id(self) -> str:
+        """A new call's id: OpenAI's ``call_…``, or nine letters and digits for Mistral."""
+        if self.mistral:
+            return "".join(secrets.choice(_ID_CHARS) for _ in range(9))
+        return f"call_{secrets.token_hex(12)}"
+
+    def template_id(self, call_id: str | None) -> str | None:
+        """An earlier call's id as the template gets it: Mistral's templates refuse any but nine
+        letters and digits, so another id becomes nine derived from it (the call and the tool
+        result that names it get the same)."""
+        if not self.mistral or call_id is None or (len(call_id) == 9 and call_id.isascii() and call_id.isalnum()):
+            return call_id
+        digest = int.from_bytes(hashlib.sha256(call_id.encode()).digest()[:8], "big")
+        return "".join(_ID_CHARS[(digest >> (6 * k)) % len(_ID_CHARS)] for k in range(9))
+
+
+HERMES = CallFormat()
+
+
+def call_format(tokenizer: Any) -> CallFormat:
+    """The call format of the model behind ``tokenizer``: Mistral's where ``[TOOL_CALLS]`` is one of
+    its added tokens, by name and ``[ARGS]`` where that is one too; else Hermes-style blocks."""
+    added = getattr(tokenizer, "get_added_vocab", None)
+    vocab = added() if added is not None else {}
+    if MISTRAL_OPEN in vocab:
+        return CallFormat(MISTRAL_OPEN, args=MISTRAL_ARGS in vocab)
+    return HERMES
 
 
 class FunctionDef(BaseModel):
@@ -126,32 +187,48 @@ def chosen(tools: list[ToolDef] | None, tool_choice: Any) -> tuple[list[ToolDef]
 def _tag(tag: str, tokenizer: Any) -> str:
     """A call's tag in a Lark grammar: the tokenizer's own token where it has the tag as one added
     token (Qwen2.5's ``<tool_call>``: llguidance matches such a token by name only, never as the
-    text it decodes to), else the literal text."""
+    text it decodes to; a name outside angle brackets, Mistral's ``[TOOL_CALLS]``, by its id),
+    else the literal text."""
     if tokenizer is not None and len(tokenizer.encode(tag, add_special_tokens=False)) == 1:
         added = getattr(tokenizer, "get_added_vocab", None)
-        if added is not None and tag in added():
-            return tag
+        vocab = added() if added is not None else {}
+        if tag in vocab:
+            return tag if tag.startswith("<") and tag.endswith(">") else f"<[{vocab[tag]}]>"
     return json.dumps(tag)
 
 
-def grammar(tools: list[ToolDef], name: str | None, several: bool = False, tokenizer: Any = None) -> str | None:
+def grammar(tools: list[ToolDef], name: str | None, several: bool = False, tokenizer: Any = None,
+            fmt: CallFormat = HERMES) -> str | None:
     """The llguidance grammar of one call (``name`` "": of any tool; a name: of that one; None: no
     grammar), or with ``several`` and ``name`` "" of one call or more (``required`` with parallel
-    calls allowed: OpenAI's "one or more tools"); the tags as ``tokenizer`` writes them."""
+    calls allowed: OpenAI's "one or more tools"); the tags as ``tokenizer`` writes them, the calls
+    in ``fmt``."""
     if name is None:
         return None
     from specdec.errors import SpecdecError
     from specdec.grammar import grammar_for
 
     picked = [t for t in tools if not name or t.function.name == name]
-    calls = [{"type": "object", "properties": {"name": {"const": t.function.name},
-                                               "arguments": t.function.parameters or {"type": "object"}},
-              "required": ["name", "arguments"], "additionalProperties": False} for t in picked]
-    schema = calls[0] if len(calls) == 1 else {"anyOf": calls}
-    schema = {**schema, "x-guidance": {"whitespace_flexible": False}}  # compact: small models spiral into whitespace
-    block = f'block: {_tag(OPEN, tokenizer)} "\\n" call "\\n" {_tag(CLOSE, tokenizer)}'
-    start = 'start: block ("\\n" block)*' if several and not name else "start: block"
-    lark = f"{start}\n{block}\ncall: %json {json.dumps(schema)}"
+    compact = {"x-guidance": {"whitespace_flexible": False}}  # compact: small models spiral into whitespace
+    many = several and not name
+    if fmt.mistral and fmt.args:  # each call: the marker, its name, [ARGS], its arguments' object
+        marker, args = _tag(MISTRAL_OPEN, tokenizer), _tag(MISTRAL_ARGS, tokenizer)
+        rules = [f"call{k}: {marker} {json.dumps(t.function.name)} {args} %json "
+                 f"{json.dumps({**(t.function.parameters or {'type': 'object'}), **compact})}" for k, t in enumerate(picked)]
+        lark = "\n".join([f"start: call{'+' if many else ''}", "call: " + " | ".join(f"call{k}" for k in range(len(picked))), *rules])
+    else:
+        calls = [{"type": "object", "properties": {"name": {"const": t.function.name},
+                                                   "arguments": t.function.parameters or {"type": "object"}},
+                  "required": ["name", "arguments"], "additionalProperties": False} for t in picked]
+        schema = {**(calls[0] if len(calls) == 1 else {"anyOf": calls}), **compact}
+        if fmt.mistral:  # the marker, then a JSON list of calls
+            more = ' (", " call)*' if many else ""
+            start = f'start: {_tag(MISTRAL_OPEN, tokenizer)} " [" call{more} "]"'
+            lark = f"{start}\ncall: %json {json.dumps(schema)}"
+        else:
+            block = f'block: {_tag(OPEN, tokenizer)} "\\n" call "\\n" {_tag(CLOSE, tokenizer)}'
+            start = 'start: block ("\\n" block)*' if many else "start: block"
+            lark = f"{start}\n{block}\ncall: %json {json.dumps(schema)}"
     try:
         return grammar_for("lark", lark)
     except (SpecdecError, ValueError) as exc:
@@ -161,6 +238,12 @@ def grammar(tools: list[ToolDef], name: str | None, several: bool = False, token
 def template_renders_tools(template: str | None) -> bool:
     """Whether a chat template reads a ``tools`` variable (else :func:`system_text` describes them)."""
     return "tools" in (template or "")
+
+
+def format_for(tokenizer: Any, template: str | None) -> CallFormat:
+    """The call format answers are read in: the model's own (:func:`call_format`) where its chat
+    template renders the tools, else the Hermes-style blocks :func:`system_text` asks for."""
+    return call_format(tokenizer) if template_renders_tools(template) else HERMES
 
 
 def system_text(tools: list[ToolDef]) -> str:
@@ -184,20 +267,21 @@ def block(name: str, arguments: Any) -> str:
     return f"{OPEN}\n{json.dumps({'name': name, 'arguments': arguments}, ensure_ascii=False)}\n{CLOSE}"
 
 
-def turn(message: Any, text: str, native: bool) -> dict[str, Any]:
+def turn(message: Any, text: str, native: bool, fmt: CallFormat = HERMES) -> dict[str, Any]:
     """A chat message as a template turn: ``native`` templates get ``tool_calls`` and ``tool``
-    turns as transformers passes them; others the calls as blocks in the assistant's text and the
-    tool's result as a user turn in a ``<tool_response>`` block."""
+    turns as transformers passes them (the ids as ``fmt``'s templates take them); others the calls
+    as blocks in the assistant's text and the tool's result as a user turn in a ``<tool_response>``
+    block."""
     role = "system" if message.role == "developer" else message.role
     calls = message.tool_calls or []
     if native:
         out: dict[str, Any] = {"role": role, "content": text}
         if calls:
-            out["tool_calls"] = [{"type": "function", "id": c.id,
+            out["tool_calls"] = [{"type": "function", "id": fmt.template_id(c.id),
                                   "function": {"name": c.function.name, "arguments": _arguments(c.function.arguments)}}
                                  for c in calls]
         if role == "tool" and message.tool_call_id is not None:
-            out["tool_call_id"] = message.tool_call_id
+            out["tool_call_id"] = fmt.template_id(message.tool_call_id)
         return out
     if role == "tool":
         return {"role": "user", "content": f"<tool_response>\n{text}\n</tool_response>"}
@@ -212,10 +296,9 @@ def _text(arguments: Any) -> str:
     return arguments if isinstance(arguments, str) else json.dumps(arguments, ensure_ascii=False)
 
 
-def _call(name: str, arguments: Any, call_id: str | None = None) -> dict[str, Any]:
+def _call(name: str, arguments: Any, call_id: str | None = None, fmt: CallFormat = HERMES) -> dict[str, Any]:
     """An OpenAI ``tool_calls`` entry (a new id unless ``call_id``), its ``arguments`` a JSON string."""
-    return {"id": call_id or f"call_{secrets.token_hex(12)}", "type": "function",
-            "function": {"name": name, "arguments": _text(arguments)}}
+    return {"id": call_id or fmt.new_id(), "type": "function", "function": {"name": name, "arguments": _text(arguments)}}
 
 
 def _object_end(text: str, start: int, resume: list[Any] | None = None) -> tuple[int, bool]:
@@ -310,6 +393,79 @@ def _tagged(text: str, final: bool, scans: dict[int, list[Any]] | None = None) -
     return found
 
 
+def _listed(body: str, final: bool, scans: dict[Any, list[Any]] | None, key: int) -> tuple[list[tuple[str, Any, bool]], bool]:
+    """The calls of a Mistral list (``body``: what follows its marker, a ``[`` first) in order:
+    (name, arguments, closed), and whether the list is over (closed, or no more calls readable).
+    An object in the streamable shape gives its arguments as written so far; another is read once
+    closed; an open one ends the reading for now (``final``: the answer was cut off there)."""
+    found: list[tuple[str, Any, bool]] = []
+    at = body.index("[") + 1
+    while True:
+        while at < len(body) and body[at] in " \t\r\n,":
+            at += 1
+        if at >= len(body):
+            return found, final
+        if body[at] != "{":
+            return found, True  # "]" or something that is no call: the list ends here
+        head = _head(body[at:])
+        if head is not None:
+            name, start = head[0], at + head[1]
+            end, closed = _object_end(body, start, None if scans is None else scans.setdefault((key, at), []))
+            if closed:  # the arguments are closed: the call's object closes after them (an "id" may come first)
+                end_call, closed = _object_end(body, at, [end, 1, False])
+            found.append((name, body[start:end], closed))
+            if not closed:
+                return found, final
+            at = end_call
+            continue
+        end, closed = _object_end(body, at)
+        if not closed:
+            return found, final
+        try:
+            call = json.loads(body[at:end])
+        except ValueError:
+            return found, True
+        if not isinstance(call, dict) or not isinstance(call.get("name"), str):
+            return found, True
+        found.append((call["name"], call.get("arguments", {}), True))
+        at = end
+
+
+def _mistral(text: str, final: bool, scans: dict[Any, list[Any]] | None = None) -> list[tuple[str, Any, bool]]:
+    """Mistral's calls in ``text`` in order, (name, arguments, closed): after each ``[TOOL_CALLS]``
+    either a JSON list of call objects or one call by name (``name[ARGS]{...}``); while the answer
+    is still being written (``final`` False) the reading stops at a call not yet readable."""
+    found: list[tuple[str, Any, bool]] = []
+    at = text.find(MISTRAL_OPEN)
+    while at >= 0:
+        start = at + len(MISTRAL_OPEN)
+        following = text.find(MISTRAL_OPEN, start)
+        body = text[start:following] if following >= 0 else text[start:]
+        if body.lstrip().startswith("["):
+            calls, over = _listed(body, final or following >= 0, scans, at)
+            found += calls
+            if not over:
+                break
+        else:
+            named = _NAMED.match(body)
+            if named is None:
+                if following < 0 and not final:
+                    break  # the name may still be being written
+            else:
+                arguments = named.end()
+                end, closed = _object_end(body, arguments, None if scans is None else scans.setdefault(at, []))
+                found.append((named.group(1), body[arguments:end], closed))
+                if not closed:
+                    break
+        at = following
+    return found
+
+
+def _calls(text: str, final: bool, fmt: CallFormat, scans: dict[Any, list[Any]] | None = None) -> list[tuple[str, Any, bool]]:
+    """The calls ``fmt`` writes in ``text``, (name, arguments, closed) in order."""
+    return _mistral(text, final, scans) if fmt.mistral else _tagged(text, final, scans)
+
+
 def _whole_answer_calls(text: str, names: Collection[str]) -> list[tuple[str, Any]]:
     """The calls an answer makes without tags: all of it (fenced or not) one call object or a list
     of them, each naming a tool in ``names`` with nothing but ``name`` and ``arguments`` (or
@@ -330,25 +486,33 @@ def _whole_answer_calls(text: str, names: Collection[str]) -> list[tuple[str, An
     return calls
 
 
-def first_call_closed(text: str) -> bool:
-    """Whether ``text`` holds a tagged call whose block is closed (after it, ``parallel_tool_calls:
+def first_call_closed(text: str, fmt: CallFormat = HERMES) -> bool:
+    """Whether ``text`` holds a call (in ``fmt``) that is closed (after it, ``parallel_tool_calls:
     false`` keeps nothing: generation can stop there)."""
-    return CLOSE in text and any(closed for *_, closed in _tagged(text, final=True))
+    if (MISTRAL_OPEN if fmt.mistral else CLOSE) not in text:
+        return False
+    return any(closed for *_, closed in _calls(text, True, fmt))
 
 
-def parse(text: str, names: Collection[str] = (), ids: Collection[str] = ()) -> tuple[str | None, list[dict[str, Any]]]:
-    """(content, OpenAI ``tool_calls``) of a finished answer: each readable block is a call (see the
-    module's note), the text before the first block, stripped, the content (None if nothing is
-    left).  Without calls the whole text is the content.  Without blocks, an answer that is nothing
-    but untagged calls of the tools ``names`` is those calls, with no content.  The first calls
-    take the ids ``ids`` (those a stream gave them), the rest new ones."""
-    tagged = [(name, arguments) for name, arguments, _ in _tagged(text, final=True)]
-    calls = tagged or (_whole_answer_calls(text, names) if names and OPEN not in text else [])
+def stop_at_first_call(fmt: CallFormat) -> Any:
+    """:func:`first_call_closed` for ``fmt``'s calls (a decoder's ``stop_when``)."""
+    return lambda text: first_call_closed(text, fmt)
+
+
+def parse(text: str, names: Collection[str] = (), ids: Collection[str] = (),
+          fmt: CallFormat = HERMES) -> tuple[str | None, list[dict[str, Any]]]:
+    """(content, OpenAI ``tool_calls``) of a finished answer: each readable call in ``fmt`` is a call
+    (see the module's note), the text before the first call's tag or marker, stripped, the content
+    (None if nothing is left).  Without calls the whole text is the content.  Without tags, an
+    answer that is nothing but untagged calls of the tools ``names`` is those calls, with no
+    content.  The first calls take the ids ``ids`` (those a stream gave them), the rest new ones."""
+    tagged = [(name, arguments) for name, arguments, _ in _calls(text, True, fmt)]
+    calls = tagged or (_whole_answer_calls(text, names) if names and fmt.open not in text else [])
     if not calls:
         return text, []
     given = list(ids)
-    made = [_call(name, arguments, given[k] if k < len(given) else None) for k, (name, arguments) in enumerate(calls)]
-    return (text[:text.find(OPEN)].strip() or None) if tagged else None, made
+    made = [_call(name, arguments, given[k] if k < len(given) else None, fmt) for k, (name, arguments) in enumerate(calls)]
+    return (text[:text.find(fmt.open)].strip() or None) if tagged else None, made
 
 
 def may_be_whole_call(text: str) -> bool:
@@ -384,7 +548,8 @@ class HeldContent:
     (:func:`may_be_whole_call`); the log-probability entries and token ids of text held back wait
     with it, and go out with the next text sent (or with the rest at the end)."""
 
-    def __init__(self) -> None:
+    def __init__(self, fmt: CallFormat = HERMES) -> None:
+        self.tag = fmt.open  # where a call begins
         self.text = ""  # the answer so far
         self.sent = 0  # how much of it went out
         self.entries: list[Any] | None = None  # log-probability entries of text not yet sent
@@ -394,7 +559,7 @@ class HeldContent:
         """A piece's text, entries (None: no log-probabilities for it) and ids: (text, entries, ids) to
         send now — entries None where this piece had none — or None while all of it is held."""
         self.text += text
-        stop = 0 if self.sent == 0 and may_be_whole_call(self.text) else held_back(self.text)
+        stop = 0 if self.sent == 0 and may_be_whole_call(self.text) else held_back(self.text, self.tag)
         if self.sent == 0 and not self.text[:stop].strip():
             stop = 0  # white space alone does not start the content: it may be all there is before a call
         out = self.text[self.sent:stop] if stop > self.sent else ""
@@ -414,7 +579,7 @@ class HeldContent:
         """What is left to send of the finished answer ``final``: its content up to the first call where
         it made calls (nothing more where the whole answer was its calls), else all of it; the held
         entries (None if none) and ids."""
-        stop = (final.find(OPEN) if OPEN in final else self.sent) if calls else len(final)
+        stop = (final.find(self.tag) if self.tag in final else self.sent) if calls else len(final)
         out = final[self.sent:stop] if stop > self.sent else ""
         if calls and not final[:stop].strip():
             out = ""  # nothing but white space before the calls: no content
@@ -431,19 +596,20 @@ class StreamedCalls:
     given the finished answer's calls as :func:`parse` gives them with :attr:`ids`: the pieces of
     each call's arguments add up to its ``arguments`` there."""
 
-    def __init__(self, most: int | None = None) -> None:
+    def __init__(self, most: int | None = None, fmt: CallFormat = HERMES) -> None:
         self.most = most  # calls streamed at most (the rest are dropped), None: all
+        self.fmt = fmt
         self.ids: list[str] = []  # the calls announced so far
         self.names: list[str] = []  # ... their names
         self.sent: list[str] = []  # the arguments sent of each
         self.done = 0  # how many are finished
-        self._scans: dict[int, list[Any]] = {}  # where each block's scan stopped (see _object_end)
+        self._scans: dict[Any, list[Any]] = {}  # where each call's scan stopped (see _object_end)
 
     def _advance(self, calls: list[tuple[str, str, bool, str | None]]) -> list[tuple[Any, ...]]:
         events: list[tuple[Any, ...]] = []
         for k, (name, arguments, closed, call_id) in enumerate(calls[:self.most]):
             if k == len(self.ids):
-                self.ids.append(call_id or f"call_{secrets.token_hex(12)}")
+                self.ids.append(call_id or self.fmt.new_id())
                 self.names.append(name)
                 self.sent.append("")
                 events.append(("added", k, self.ids[k], name))
@@ -458,7 +624,7 @@ class StreamedCalls:
     def feed(self, text: str) -> list[tuple[Any, ...]]:
         """The events the answer so far, ``text``, adds."""
         return self._advance([(name, _text(arguments), closed, None)
-                              for name, arguments, closed in _tagged(text, final=False, scans=self._scans)])
+                              for name, arguments, closed in _calls(text, False, self.fmt, self._scans)])
 
     def finish(self, calls: list[dict[str, Any]]) -> list[tuple[Any, ...]]:
         """The events left once the answer is finished with ``calls``."""
