@@ -117,6 +117,13 @@ class ServerContext:
 
         return TokenBytes(self.tokenizer)
 
+    @functools.cached_property
+    def reasoning_on(self) -> bool:
+        """Whether chat answers' thinking is split from their content (:mod:`specdec.server.reasoning`)."""
+        from specdec.server.reasoning import parser_on
+
+        return self.tokenizer is not None and parser_on(self.settings.reasoning_parser, self.tokenizer)
+
     def _evicted(self, reason: str) -> None:
         self.metrics.sessions_evicted.labels(reason).inc()
 

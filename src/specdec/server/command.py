@@ -58,6 +58,11 @@ def add_parser(sub: Any) -> None:
     m.add_argument("--trust-request-chat-template", action="store_true",
                    help="let a chat request's own chat_template (vLLM's extension) render its conversation instead of"
                         " the model's (off by default, as in vLLM: a template is code the server runs, in Jinja's sandbox)")
+    m.add_argument("--reasoning-parser", choices=("auto", "think", "none"), default="auto",
+                   help="a reasoning model's <think> ... </think> goes to the chat message's 'reasoning' (and"
+                        " 'reasoning_content'), the rest to 'content', streamed as such: 'think' on, 'none' off,"
+                        " 'auto' on where the tokenizer has both tags as tokens of their own, as DeepSeek-R1's"
+                        " distillations and Qwen3 do (default auto)")
     g = p.add_argument_group("limits")
     g.add_argument("--max-sessions", type=int, default=64, help="edge sessions held at once; the least recently used idle one is evicted past this (default 64)")
     g.add_argument("--session-ttl", type=float, default=900.0, help="seconds an idle session is kept (default 900)")
@@ -223,6 +228,7 @@ def settings_from_args(args: argparse.Namespace) -> dict[str, Any]:
         metrics_need_key=args.metrics_need_key,
         max_model_len=getattr(args, "max_model_len", None),
         trust_request_chat_template=getattr(args, "trust_request_chat_template", False),
+        reasoning_parser=getattr(args, "reasoning_parser", "auto"),
     )
     names = getattr(args, "served_model_name", None)
     if names:

@@ -41,6 +41,7 @@ from specdec.token_filter import MAX_BAD_WORDS, constraint_factory
 from specdec.tokenizer import TokenBytes
 from specdec.server.draft_cap import CAPPED_WIRES, LOOKUP_WIRE_SUFFIX, RequestPace
 from specdec.server.errors import ApiError
+from specdec.server import reasoning
 from specdec.server import tools as tool_calls
 from specdec.server.tools import ToolCall, ToolDef
 from specdec.server.scheduler import Cancelled as SchedulerCancelled
@@ -956,6 +957,26 @@ def _chat_ids(tok: Any, messages: list[ChatMessage], opts: _ChatTemplating | Non
     return list(tok.encode(text, add_special_tokens=False))
 
 
+def _thinks(ctx: Any, tok: Any, ids: list[int]) -> tuple[bool, bool]:
+    """(whether a chat answer's ``<think>`` block goes to its reasoning, whether the prompt ``ids``
+    opened that block already: R1's template does)."""
+    thinks = bool(ctx.reasoning_on)
+    return thinks, thinks and reasoning.prompt_opens(tok, ids)
+
+
+def _first_call(fmt: tool_calls.CallFormat, thinks: bool, opened: bool) -> Callable[[str], bool]:
+    """``parallel_tool_calls: false``'s stop: the first call closed, looked for after any thinking."""
+    stop = tool_calls.stop_at_first_call(fmt)
+    if not thinks:
+        return stop
+    return lambda text: stop(reasoning.split(text, opened)[1] or "")
+
+
+def _thinking(thought: str | None) -> dict[str, str]:
+    """A message's (or delta's) thinking: vLLM's ``reasoning`` and DeepSeek's older ``reasoning_content``."""
+    return {"reasoning": thought, "reasoning_content": thought} if thought else {}
+
+
 def _call_format(tok: Any, req: Any, shown: list[Any]) -> tool_calls.CallFormat:
     """How the answer to ``req`` writes its calls (with tools shown); where that is after a special
     token (Mistral's ``[TOOL_CALLS]``) the request's text keeps special tokens, as vLLM does."""
@@ -1277,11 +1298,12 @@ def openai_router(ctx: "ServerContext") -> APIRouter:
         if not ids:
             raise ApiError(400, "the conversation encodes to no tokens")
         fmt = _call_format(tok, req, shown)
+        thinks, opened = _thinks(ctx, tok, ids)
         max_tokens = req.max_completion_tokens if req.max_completion_tokens is not None else req.max_tokens
         job = _Job(ctx, req, [ids], max_tokens, logprobs=(req.top_logprobs or 0) if req.logprobs else None, endpoint="chat",
                    owner=_owner(request),
                    tool_grammar=tool_calls.grammar(shown, forced, several=req.parallel_tool_calls is not False, tokenizer=tok, fmt=fmt),
-                   stop_when=tool_calls.stop_at_first_call(fmt) if shown and req.parallel_tool_calls is False else None)
+                   stop_when=_first_call(fmt, thinks, opened) if shown and req.parallel_tool_calls is False else None)
         cid, created = f"chatcmpl-{secrets.token_hex(12)}", int(time.time())
         metrics.completions.labels("chat", str(req.stream).lower()).inc()
         named = names(req)
@@ -1299,19 +1321,22 @@ def openai_router(ctx: "ServerContext") -> APIRouter:
             """The answer's message and finish reason: with tools shown, its calls parsed out (the
             first with ``call_ids``); ``tool_calls`` unless the answer was cut off."""
             finish = _finish_reason(out.stats.finish_reason)
+            thought, text = reasoning.split(out.text, opened) if thinks else (None, out.text)
+            said = {"role": "assistant", **_thinking(thought)}
             if not shown:
-                return {"role": "assistant", "content": out.text}, finish
-            content, calls = tool_calls.parse(out.text, names=[t.function.name for t in shown], ids=call_ids, fmt=fmt)
+                return {**said, "content": text}, finish
+            content, calls = tool_calls.parse(text or "", names=[t.function.name for t in shown], ids=call_ids, fmt=fmt)
             calls = calls[:most_calls]
             if not calls:
-                return {"role": "assistant", "content": out.text}, finish
-            return {"role": "assistant", "content": content, "tool_calls": calls}, "length" if finish == "length" else "tool_calls"
+                return {**said, "content": text}, finish
+            return {**said, "content": content, "tool_calls": calls}, "length" if finish == "length" else "tool_calls"
 
         if req.stream:
             include_usage = req.stream_options is not None and req.stream_options.include_usage
             # with tools shown, content stops where a call may begin; each call goes out as it is written
             gates: dict[int, tool_calls.HeldContent] = {}  # per choice
             writers: dict[int, tool_calls.StreamedCalls] = {}  # per choice
+            thinking: dict[int, reasoning.StreamedReasoning] = {}  # per choice, where the parser is on
 
             def call_chunks(index: int, events: list[tuple[Any, ...]]) -> list[dict[str, Any]]:
                 """OpenAI's tool-call deltas: the id and name with the first piece of the arguments, then the others."""
@@ -1334,30 +1359,44 @@ def openai_router(ctx: "ServerContext") -> APIRouter:
                 if lps is not None and not lps["content"]:  # an end-of-turn token alone
                     lps = None
                 text, token_ids = piece.text, piece.token_ids
+                said: list[dict[str, Any]] = []
+                if thinks:  # its thinking first, with the piece's entries and ids; the rest as content
+                    thought, text = thinking.setdefault(index, reasoning.StreamedReasoning(opened)).feed(text)
+                    if thought:
+                        said.append(chunk(index, _thinking(thought), None, lps, token_ids))
+                        lps, token_ids = None, []
+                    if not text and not lps and not token_ids:
+                        return said or None
                 if shown:
                     gate = gates.setdefault(index, tool_calls.HeldContent(fmt))
                     sent = gate.feed(text, lps["content"] if lps is not None else None, token_ids)
                     calls = call_chunks(index, writers.setdefault(index, tool_calls.StreamedCalls(most_calls, fmt)).feed(gate.text))
                     if sent is None:
-                        return calls or None
+                        return [*said, *calls] or None
                     text, entries, token_ids = sent
                     lps = {"content": entries, "refusal": None} if entries is not None else None
-                    return [chunk(index, {"content": text}, None, lps, token_ids), *calls]
+                    return [*said, chunk(index, {"content": text}, None, lps, token_ids), *calls]
                 if text or lps is not None or (req.return_token_ids and token_ids):
-                    return chunk(index, {"content": text}, None, lps, token_ids)
-                return None
+                    return [*said, chunk(index, {"content": text}, None, lps, token_ids)]
+                return said or None
 
             def head(index: int) -> list[dict[str, Any]]:
                 opening = chunk(index, {"role": "assistant", "content": ""}, None)
                 return [{**opening, "prompt_token_ids": ids} if req.return_token_ids else opening]
 
             def tail(index: int, out: TextResult) -> list[dict[str, Any]]:
+                ends = []
+                text = out.text
+                if thinks:  # what the split still held back
+                    thought, held = thinking.pop(index, reasoning.StreamedReasoning(opened)).finish()
+                    ends += [chunk(index, _thinking(thought), None)] if thought else []
+                    ends += [chunk(index, {"content": held}, None)] if held and not shown else []
+                    text = reasoning.split(out.text, opened)[1] or ""
                 if not shown:
-                    return [chunk(index, {}, message(out)[1])]
+                    return [*ends, chunk(index, {}, message(out)[1])]
                 writer = writers.pop(index, None) or tool_calls.StreamedCalls(most_calls, fmt)
                 answer, finish = message(out, writer.ids)
-                ends = []
-                rest, pending, rest_ids = gates.pop(index, tool_calls.HeldContent(fmt)).rest(out.text, "tool_calls" in answer)
+                rest, pending, rest_ids = gates.pop(index, tool_calls.HeldContent(fmt)).rest(text, "tool_calls" in answer)
                 lps = {"content": pending, "refusal": None} if pending is not None else None
                 if rest or lps is not None or rest_ids:
                     ends.append(chunk(index, {"content": rest}, None, lps, rest_ids))

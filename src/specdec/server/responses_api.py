@@ -47,8 +47,10 @@ from specdec.engine import TextPiece, TextResult
 from specdec.server import tools as tool_calls
 from specdec.server.errors import ApiError
 from specdec.server.openai_api import (
-    ChatRequest, _call_format, _chat_ids, _chat_logprobs, _Job, _Names, _owner, _run_blocking, _stats, _stream, text_left_out,
+    ChatRequest, _call_format, _chat_ids, _chat_logprobs, _first_call, _Job, _Names, _owner, _run_blocking, _stats, _stream,
+    _thinks, text_left_out,
 )
+from specdec.server import reasoning
 from specdec.server.tools import ToolDef
 
 if TYPE_CHECKING:
@@ -279,14 +281,16 @@ def responses_router(ctx: "ServerContext") -> APIRouter:
         tok = ctx.tokenizer
         ids = _chat_ids(tok, chat.messages, chat, tools=shown, trust_template=ctx.settings.trust_request_chat_template)
         fmt = _call_format(tok, chat, shown)  # Mistral's calls: the text keeps special tokens
+        thinks, opened = _thinks(ctx, tok, ids)  # the answer's <think> block: a reasoning item
         job = _Job(ctx, chat, [ids], req.max_output_tokens, logprobs=(req.top_logprobs or 0) if logprobs else None,
                    endpoint="responses", owner=owner, tool_grammar=tool_calls.grammar(shown, forced, several=parallel, tokenizer=tok, fmt=fmt),
-                   stop_when=tool_calls.stop_at_first_call(fmt) if shown and not parallel else None)
+                   stop_when=_first_call(fmt, thinks, opened) if shown and not parallel else None)
         job.ignored = sorted(job.ignored + ignored)
         named = _Names(tok, ctx.token_bytes, left_out=None if chat.skip_special_tokens else text_left_out(chat, ctx.eos_ids))
         # on a scale-out replica the id names it (as session ids do), so the gateway routes to its store
         rid = f"resp_{ctx.settings.session_id_prefix}{secrets.token_hex(16)}"
         mid, created = f"msg_{secrets.token_hex(16)}", int(time.time())
+        rsid = f"rs_{secrets.token_hex(16)}"  # the reasoning item's, where the answer thinks
         ctx.metrics.completions.labels("responses", str(req.stream).lower()).inc()
 
         parsed: list[Any] = [None, None]  # the answer parsed last and what it gave (its calls keep their ids)
@@ -295,23 +299,28 @@ def responses_router(ctx: "ServerContext") -> APIRouter:
         writer = tool_calls.StreamedCalls(most_calls, fmt)  # streamed: the calls as they are written (their ids)
 
         def answer(out: TextResult) -> tuple[str | None, list[dict[str, Any]]]:
-            """(the message's text, None for none; the calls) of an answer: with tools shown, its calls parsed out."""
+            """(the message's text, None for none; the calls) of an answer: with tools shown, its calls
+            parsed out; where it thinks, of what follows its thinking."""
+            text = reasoning.split(out.text, opened)[1] if thinks else out.text
             if not shown:
-                return out.text, []
+                return text, []
             if parsed[0] is not out:
-                content, calls = tool_calls.parse(out.text, names=[t.function.name for t in shown], ids=writer.ids, fmt=fmt)
+                content, calls = tool_calls.parse(text or "", names=[t.function.name for t in shown], ids=writer.ids, fmt=fmt)
                 calls = calls[:most_calls]
-                parsed[:] = [out, (content, calls) if calls else (out.text, [])]
+                parsed[:] = [out, (content, calls) if calls else (text, [])]
             return parsed[1]
 
         def status_of(out: TextResult) -> str:
             return "incomplete" if out.stats.finish_reason == "length" else "completed"
 
         def output(out: TextResult) -> list[dict[str, Any]]:
-            """The output items: the message (unless the model only made calls), then each call."""
+            """The output items: the thinking (where there was some), the message (unless the model
+            only thought or made calls), then each call."""
             content, calls = answer(out)
-            message = [] if content is None else [_message(mid, status_of(out), _part(content, named, out, logprobs))]
-            return message + [_function_call(call, "completed") for call in calls]
+            thought = reasoning.split(out.text, opened)[0] if thinks else None
+            items = [_reasoning_item(rsid, thought, "completed")] if thought else []
+            items += [] if content is None else [_message(mid, status_of(out), _part(content, named, out, logprobs))]
+            return items + [_function_call(call, "completed") for call in calls]
 
         def body(status: str, out: TextResult | None) -> dict[str, Any]:
             """The response object: in progress (no output yet) or finished with ``out``."""
@@ -349,16 +358,36 @@ def responses_router(ctx: "ServerContext") -> APIRouter:
             def event(kind: str, **fields: Any) -> dict[str, Any]:
                 return {"type": kind, "sequence_number": next(seq), **fields}
 
-            where = {"item_id": mid, "output_index": 0, "content_index": 0}
+            where = {"item_id": mid, "output_index": 0, "content_index": 0}  # the message's (after any thinking)
             gate = tool_calls.HeldContent(fmt)  # with tools shown, text stops where a call may begin
             message = {"opened": False, "closed": False}  # the message item: went out (with its first text), finished
             seen: list[Any] = []  # with logprobs: the entries of the text sent
+            splitter = reasoning.StreamedReasoning(opened) if thinks else None
+            thought = {"text": "", "opened": False, "closed": False}  # the reasoning item, as the message's
+
+            def thinking(text: str) -> list[dict[str, Any]]:
+                """The reasoning item: added with its first text, each piece a delta."""
+                out: list[dict[str, Any]] = []
+                if not thought["opened"]:
+                    thought["opened"] = True
+                    where["output_index"] = 1  # the message and the calls come after it
+                    out.append(event("response.output_item.added", output_index=0, item=_reasoning_item(rsid, None, "in_progress")))
+                thought["text"] += text
+                return [*out, event("response.reasoning_text.delta", item_id=rsid, output_index=0, content_index=0, delta=text)]
+
+            def thought_done() -> list[dict[str, Any]]:
+                """The reasoning item's end (once, where it was opened): before the message or any call."""
+                if not thought["opened"] or thought["closed"]:
+                    return []
+                thought["closed"] = True
+                return [event("response.reasoning_text.done", item_id=rsid, output_index=0, content_index=0, text=thought["text"]),
+                        event("response.output_item.done", output_index=0, item=_reasoning_item(rsid, thought["text"], "completed"))]
 
             def opening() -> list[dict[str, Any]]:
                 if message["opened"]:
                     return []
                 message["opened"] = True
-                return [event("response.output_item.added", output_index=0, item=_message(mid, "in_progress", None)),
+                return [*thought_done(), event("response.output_item.added", output_index=where["output_index"], item=_message(mid, "in_progress", None)),
                         event("response.content_part.added", **where, part=_part("", named, None, False))]
 
             def closing(text: str, entries: list[Any], status: str) -> list[dict[str, Any]]:
@@ -370,7 +399,7 @@ def responses_router(ctx: "ServerContext") -> APIRouter:
                 part = {**_part(text, named, None, False), "logprobs": entries}
                 return [event("response.output_text.done", **where, text=part["text"], logprobs=part["logprobs"]),
                         event("response.content_part.done", **where, part=part),
-                        event("response.output_item.done", output_index=0, item=_message(mid, status, part))]
+                        event("response.output_item.done", output_index=where["output_index"], item=_message(mid, status, part))]
 
             def call_events(events: list[tuple[Any, ...]]) -> list[dict[str, Any]]:
                 """A call's item added once its name is written (the message finished first), its
@@ -383,7 +412,8 @@ def responses_router(ctx: "ServerContext") -> APIRouter:
                         if before.strip() and not message["opened"]:  # held while the answer might have been a call
                             out += text_event(before[gate.sent:], None)
                         out += closing(before.strip(), seen, "completed")
-                    at = k + int(message["opened"])
+                        out += thought_done()
+                    at = k + int(message["opened"]) + int(thought["opened"])
                     if kind == "added":
                         item = _function_call({"id": writer.ids[k], "function": {"name": writer.names[k], "arguments": ""}},
                                               "in_progress")
@@ -413,17 +443,28 @@ def responses_router(ctx: "ServerContext") -> APIRouter:
                     return None
                 lps = _chat_logprobs(named, piece.token_ids, piece.logprobs)
                 text, entries = piece.text, lps["content"] if lps is not None else None
+                out: list[dict[str, Any]] = []
+                if splitter is not None:  # the thinking first; a thinking piece's entries are in the message's at the end
+                    said, text = splitter.feed(text)
+                    out += thinking(said) if said else []
+                    if not text:
+                        return out or None
                 if not shown:
-                    return text_event(text, entries)
+                    return out + text_event(text, entries)
                 sent = gate.feed(text, entries, piece.token_ids)
-                out = text_event(*sent[:2]) if sent is not None else []
+                out += text_event(*sent[:2]) if sent is not None else []
                 return out + call_events(writer.feed(gate.text)) or None
 
             def tail(index: int, out: TextResult) -> list[dict[str, Any]]:
                 content, calls = answer(out)
                 ends: list[dict[str, Any]] = []
+                if splitter is not None:  # what the split held back
+                    said, held = splitter.finish()
+                    ends += thinking(said) if said else []
+                    ends += text_event(held, None) if held and not shown else []
+                    ends += thought_done()
                 if shown and not message["closed"]:
-                    rest, entries, _ = gate.rest(out.text, bool(calls))
+                    rest, entries, _ = gate.rest(reasoning.split(out.text, opened)[1] or "" if thinks else out.text, bool(calls))
                     if (rest or entries) and (content is not None or message["opened"]):
                         ends += text_event(rest, entries)
                 if content is not None and not message["closed"]:
@@ -449,6 +490,12 @@ def responses_router(ctx: "ServerContext") -> APIRouter:
         return {"id": rid, "object": "response", "deleted": True}
 
     return router
+
+
+def _reasoning_item(rsid: str, text: str | None, status: str) -> dict[str, Any]:
+    """The answer's thinking as a ``reasoning`` output item (its text as one ``reasoning_text`` part)."""
+    parts = [] if text is None else [{"type": "reasoning_text", "text": text}]
+    return {"id": rsid, "type": "reasoning", "status": status, "summary": [], "content": parts}
 
 
 def _message(mid: str, status: str, part: dict[str, Any] | None) -> dict[str, Any]:

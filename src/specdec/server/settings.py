@@ -67,6 +67,9 @@ class ServerSettings:
     session_id_prefix: str = ""
     #: a chat request's own ``chat_template`` (vLLM's extension) replaces the model's; off: a 400
     trust_request_chat_template: bool = False
+    #: a chat answer's ``<think>`` block goes to ``reasoning``: ``auto`` (where the tokenizer has both
+    #: tags as tokens), ``think`` or ``none`` (see :mod:`specdec.server.reasoning`)
+    reasoning_parser: str = "auto"
 
     @property
     def model_names(self) -> tuple[str, ...]:

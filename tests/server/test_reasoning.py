@@ -1,0 +1,125 @@
+"""A reasoning model's ``<think>`` block as the chat message's ``reasoning`` (``--reasoning-parser``)."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+
+from serverproc import DRAFT_MODEL, ServerProcess
+from specdec.server import reasoning as rs
+
+pytestmark = pytest.mark.usefixtures("single_thread")
+
+ANSWERS = [("<think>a b</think>Answer", False, ("a b", "Answer")),
+           ("a b</think>Answer", True, ("a b", "Answer")),  # the template opened the block (R1's prompt)
+           ("\n<think>\nhm</think>\n\nok", False, ("\nhm", "\n\nok")),
+           ("  <think>cut off</thi", False, ("cut off</thi", None)),  # still thinking: all of it is thinking
+           ("still thinking", True, ("still thinking", None)),
+           ("plain", False, (None, "plain")), ("plain</think>x", False, (None, "plain</think>x")),  # no block opened
+           ("<think>x</think>", False, ("x", None)), ("<thin", False, (None, "<thin")), ("", False, (None, ""))]
+
+
+@pytest.mark.parametrize("text, opened, expected", ANSWERS)
+def test_thinking_is_split_from_the_answer_streamed_or_not(text, opened, expected):
+    """The split of a finished answer, and the same answer streamed in pieces of 1, 2, 3 and all of
+    its characters: the pieces add up to the same reasoning and content, and no piece of a tag that
+    may still be written goes out as thinking."""
+    assert rs.split(text, opened) == expected
+    for step in (1, 2, 3, max(1, len(text))):
+        stream = rs.StreamedReasoning(opened)
+        pieces = [stream.feed(text[i:i + step]) for i in range(0, len(text), step)] + [stream.finish()]
+        thought, content = "".join(p[0] for p in pieces), "".join(p[1] for p in pieces)
+        assert (thought or None, content or None) == (expected[0] or None, expected[1] or None), step
+        if "</think>" in text:
+            assert not any("<" in p[0] for p in pieces[:-1]), pieces  # "</thi..." waited until it was known
+
+
+def test_the_parser_is_on_where_the_tokenizer_has_both_tags():
+    from transformers import AutoTokenizer
+
+    from specdec.models.registry import DATA_DIR
+
+    tok = AutoTokenizer.from_pretrained(str(DATA_DIR / "smollm2-135m-draft"))
+    assert not rs.parser_on("auto", tok) and rs.parser_on("think", tok) and not rs.parser_on("none", tok)
+    tok.add_tokens([rs.OPEN, rs.CLOSE])
+    assert rs.parser_on("auto", tok) and not rs.parser_on("none", tok)
+    ids = tok.encode("<|im_start|>assistant\n<think>\n", add_special_tokens=False)
+    assert rs.prompt_opens(tok, ids) and not rs.prompt_opens(tok, ids[:-2])
+
+
+#: the model held to some thinking, then an answer (vLLM's guided_regex)
+THOUGHT = r"<think>The capital of France is Paris\.</think>\n\nParis\."
+
+
+@pytest.fixture(scope="module")
+def client():
+    with ServerProcess.draft_model("--reasoning-parser", "think") as srv, srv.openai() as c:
+        yield c
+
+
+def test_a_thinking_answer_reaches_the_client_as_reasoning_and_content(client):
+    """Not streamed: ``reasoning`` (and ``reasoning_content``) hold the thinking, ``content`` the rest,
+    the logprobs every token; streamed: reasoning deltas, then content deltas, adding up to the same."""
+    kw = dict(model=DRAFT_MODEL, messages=[{"role": "user", "content": "Capital of France?"}], max_tokens=40,
+              temperature=0, logprobs=True, extra_body={"guided_regex": THOUGHT})
+    out = client.chat.completions.create(**kw).choices[0]
+    extra = out.message.model_extra
+    assert extra["reasoning"] == extra["reasoning_content"] == "The capital of France is Paris."
+    assert out.message.content == "\n\nParis."
+    assert "".join(e.token for e in out.logprobs.content) == "<think>The capital of France is Paris.</think>\n\nParis."
+    chunks = [c.choices[0] for c in client.chat.completions.create(**kw, stream=True) if c.choices]
+    thought = [c.delta.model_extra.get("reasoning") or "" for c in chunks]
+    content = [c.delta.content or "" for c in chunks]
+    assert "".join(thought) == extra["reasoning"] and "".join(content) == out.message.content
+    last_thought = max(i for i, t in enumerate(thought) if t)
+    assert not any(content[:last_thought]) and sum(bool(t) for t in thought) > 1  # thinking first, piece by piece
+    assert sum(len(c.logprobs.content) for c in chunks if c.logprobs) == len(out.logprobs.content)
+
+
+def test_tool_calls_are_read_after_the_thinking(client):
+    """With tools shown, a call written while thinking is thinking; the one after it is the call, and
+    ``parallel_tool_calls: false`` stops at the first call after the thinking."""
+    add = {"type": "function", "function": {"name": "add", "parameters": {"type": "object"}}}
+    regex = (r'<think>Maybe <tool_call>\{"name": "add", "arguments": \{\}\}</tool_call> helps\.</think>'
+             r'<tool_call>\n\{"name": "add", "arguments": \{"a": 1\}\}\n</tool_call>')
+    kw = dict(model=DRAFT_MODEL, messages=[{"role": "user", "content": "1 + 1?"}], tools=[add], max_tokens=80, temperature=0,
+              extra_body={"guided_regex": regex})
+    for extra in ({}, {"parallel_tool_calls": False}):
+        out = client.chat.completions.create(**kw, **extra).choices[0]
+        [call] = out.message.tool_calls
+        assert out.finish_reason == "tool_calls" and json.loads(call.function.arguments) == {"a": 1}
+        assert out.message.content is None and "<tool_call>" in out.message.model_extra["reasoning"]
+        chunks = [c.choices[0] for c in client.chat.completions.create(**kw, **extra, stream=True) if c.choices]
+        deltas = [d for c in chunks for d in c.delta.tool_calls or ()]
+        assert "".join(d.function.arguments or "" for d in deltas) == call.function.arguments
+        assert "".join(c.delta.model_extra.get("reasoning") or "" for c in chunks) == out.message.model_extra["reasoning"]
+
+
+def test_a_thinking_response_has_a_reasoning_item_first(client):
+    """The Responses API: the thinking is a ``reasoning`` item before the message (and the calls),
+    streamed as its own events, the items' indexes shifted after it; the stream's last response is
+    the one not streamed."""
+    kw = dict(model=DRAFT_MODEL, input="Capital of France?", max_output_tokens=40, temperature=0,
+              extra_body={"guided_regex": THOUGHT})
+    out = client.responses.create(**kw)
+    thought, said = out.output
+    assert thought.type == "reasoning" and thought.content[0].text == "The capital of France is Paris."
+    assert said.type == "message" and out.output_text == "\n\nParis."
+    events = list(client.responses.create(**kw, stream=True))
+    kinds = [e.type for e in events]
+    assert kinds.index("response.reasoning_text.done") < kinds.index("response.output_text.delta")
+    assert "".join(e.delta for e in events if e.type == "response.reasoning_text.delta") == thought.content[0].text
+    assert "".join(e.delta for e in events if e.type == "response.output_text.delta") == out.output_text
+    assert {e.output_index for e in events if e.type == "response.output_text.delta"} == {1}
+    final = events[-1].response
+    assert [i.type for i in final.output] == ["reasoning", "message"] and final.output_text == out.output_text
+    add = {"type": "function", "name": "add", "parameters": {"type": "object"}}
+    regex = r'<think>Add them\.</think><tool_call>\n\{"name": "add", "arguments": \{"a": 1\}\}\n</tool_call>'
+    calls = dict(model=DRAFT_MODEL, input="1 + 1?", tools=[add], max_output_tokens=60, temperature=0, extra_body={"guided_regex": regex})
+    out = client.responses.create(**calls)
+    assert [i.type for i in out.output] == ["reasoning", "function_call"] and out.output[1].arguments == '{"a": 1}'
+    events = list(client.responses.create(**calls, stream=True))
+    added = [(e.output_index, e.item.type) for e in events if e.type == "response.output_item.added"]
+    assert added == [(0, "reasoning"), (1, "function_call")]
+    assert [i.type for i in events[-1].response.output] == ["reasoning", "function_call"]
