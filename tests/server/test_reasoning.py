@@ -46,6 +46,17 @@ def test_the_parser_is_on_where_the_tokenizer_has_both_tags():
     assert rs.parser_on("auto", tok) and not rs.parser_on("none", tok)
     ids = tok.encode("<|im_start|>assistant\n<think>\n", add_special_tokens=False)
     assert rs.prompt_opens(tok, ids) and not rs.prompt_opens(tok, ids[:-2])
+    answer = tok.encode("<think>hm</think>ok", add_special_tokens=False)
+    assert rs.thinking_tokens(tok, answer, tok.decode(answer), False) == answer.index(tok.convert_tokens_to_ids(rs.CLOSE)) + 1
+    assert rs.thinking_tokens(tok, answer[:3], tok.decode(answer[:3]), False) == 3  # cut off while thinking: all of it
+    plain = tok.encode("no thinking", add_special_tokens=False)
+    assert rs.thinking_tokens(tok, plain, "no thinking", False) == 0 and rs.thinking_tokens(tok, plain, "no thinking", True) == 2
+
+
+def tok():
+    from specdec.models import registry
+
+    return registry.load_tokenizer(registry.resolve(DRAFT_MODEL).folder)
 
 
 #: the model held to some thinking, then an answer (vLLM's guided_regex)
@@ -63,11 +74,16 @@ def test_a_thinking_answer_reaches_the_client_as_reasoning_and_content(client):
     the logprobs every token; streamed: reasoning deltas, then content deltas, adding up to the same."""
     kw = dict(model=DRAFT_MODEL, messages=[{"role": "user", "content": "Capital of France?"}], max_tokens=40,
               temperature=0, logprobs=True, extra_body={"guided_regex": THOUGHT})
-    out = client.chat.completions.create(**kw).choices[0]
+    whole = client.chat.completions.create(**{**kw, "extra_body": {**kw["extra_body"], "return_token_ids": True}})
+    out = whole.choices[0]
     extra = out.message.model_extra
     assert extra["reasoning"] == extra["reasoning_content"] == "The capital of France is Paris."
     assert out.message.content == "\n\nParis."
     assert "".join(e.token for e in out.logprobs.content) == "<think>The capital of France is Paris.</think>\n\nParis."
+    ids = out.model_extra["token_ids"]  # usage counts the tokens up to the one that completes </think>
+    thinking = whole.usage.completion_tokens_details.reasoning_tokens
+    assert "</think>" in tok().decode(ids[:thinking]) and "</think>" not in tok().decode(ids[:thinking - 1])
+    assert 0 < thinking < whole.usage.completion_tokens
     chunks = [c.choices[0] for c in client.chat.completions.create(**kw, stream=True) if c.choices]
     thought = [c.delta.model_extra.get("reasoning") or "" for c in chunks]
     content = [c.delta.content or "" for c in chunks]
@@ -106,6 +122,7 @@ def test_a_thinking_response_has_a_reasoning_item_first(client):
     thought, said = out.output
     assert thought.type == "reasoning" and thought.content[0].text == "The capital of France is Paris."
     assert said.type == "message" and out.output_text == "\n\nParis."
+    assert 0 < out.usage.output_tokens_details.reasoning_tokens < out.usage.output_tokens
     events = list(client.responses.create(**kw, stream=True))
     kinds = [e.type for e in events]
     assert kinds.index("response.reasoning_text.done") < kinds.index("response.output_text.delta")

@@ -338,13 +338,15 @@ def _finish_reason(reason: str) -> str:
     return "length" if reason == "length" else "stop"
 
 
-def _usage(outs: list[TextResult], prompt_tokens: int, n: int = 1) -> dict[str, Any]:
+def _usage(outs: list[TextResult], prompt_tokens: int, n: int = 1, thinking: Callable[[TextResult], int] | None = None) -> dict[str, Any]:
     """Token counts; ``prompt_tokens_details.cached_tokens``: prompt tokens the prefix cache served
-    (each prompt counted once, by its first choice: ``n`` choices per prompt)."""
+    (each prompt counted once, by its first choice: ``n`` choices per prompt); with ``thinking`` (a
+    choice's thinking tokens), ``completion_tokens_details.reasoning_tokens``."""
     completion = sum(len(o.token_ids) for o in outs)
     cached = sum(o.stats.cached_prompt_tokens for o in outs[::n])
+    details = {"completion_tokens_details": {"reasoning_tokens": sum(thinking(o) for o in outs)}} if thinking is not None else {}
     return {"prompt_tokens": prompt_tokens, "completion_tokens": completion, "total_tokens": prompt_tokens + completion,
-            "prompt_tokens_details": {"cached_tokens": cached}}
+            "prompt_tokens_details": {"cached_tokens": cached}, **details}
 
 
 def _best(outs: list[TextResult], candidates: int, keep: int) -> list[int]:
@@ -1331,6 +1333,11 @@ def openai_router(ctx: "ServerContext") -> APIRouter:
                 return {**said, "content": text}, finish
             return {**said, "content": content, "tool_calls": calls}, "length" if finish == "length" else "tool_calls"
 
+        def thought_tokens(out: TextResult) -> int:
+            return reasoning.thinking_tokens(tok, out.token_ids, out.text, opened, skip_special_tokens=req.skip_special_tokens)
+
+        counted = thought_tokens if thinks else None  # usage's reasoning_tokens
+
         if req.stream:
             include_usage = req.stream_options is not None and req.stream_options.include_usage
             # with tools shown, content stops where a call may begin; each call goes out as it is written
@@ -1408,7 +1415,7 @@ def openai_router(ctx: "ServerContext") -> APIRouter:
                 head=head,
                 delta=streamed,
                 tail=tail,
-                usage=(lambda outs: {**chunk(0, {}, None), "choices": [], "usage": _usage(outs, len(ids), job.n)})
+                usage=(lambda outs: {**chunk(0, {}, None), "choices": [], "usage": _usage(outs, len(ids), job.n, counted)})
                 if include_usage else None,
             )
         outs = await _run_blocking(job, request)
@@ -1423,7 +1430,7 @@ def openai_router(ctx: "ServerContext") -> APIRouter:
                          "finish_reason": answers[i][1],
                          **({"token_ids": out.token_ids} if req.return_token_ids else {})}
                         for i, out in enumerate(outs)],
-            "usage": _usage(outs, len(ids), job.n),
+            "usage": _usage(outs, len(ids), job.n, counted),
             **({"prompt_logprobs": _vllm_prompt_logprobs(tok, ids, job.scores(0, job.prompt_logprobs))}
                if job.prompt_logprobs is not None else {}),
             **({"prompt_token_ids": ids} if req.return_token_ids else {}),

@@ -52,6 +52,25 @@ def split(text: str, opened: bool) -> tuple[str | None, str | None]:
     return body[:end], body[end + len(CLOSE):] or None
 
 
+def thinking_tokens(tokenizer: Any, token_ids: list[int], text: str, opened: bool, *, skip_special_tokens: bool = True) -> int:
+    """How many of an answer's tokens (``text`` its text) are thinking, up to the one that completes
+    ``</think>`` (usage's ``reasoning_tokens``): all of them while the block never closed, none
+    without a block."""
+    thought, content = split(text, opened)
+    if thought is None:
+        return 0
+    if content is None and CLOSE not in text:
+        return len(token_ids)
+    from specdec.text import TextStream
+
+    stream = TextStream(tokenizer, skip_special_tokens=skip_special_tokens)
+    for k, token in enumerate(token_ids, start=1):
+        stream.push([token])
+        if CLOSE in stream.text:
+            return k
+    return len(token_ids)
+
+
 class StreamedReasoning:
     """One streamed answer split as it grows: :meth:`feed` takes each new piece of text and gives
     (reasoning, content) to send now; a tail that may still become a tag waits.  The pieces sent

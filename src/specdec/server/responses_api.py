@@ -341,7 +341,8 @@ def responses_router(ctx: "ServerContext") -> APIRouter:
                           for t in defs],
                 "top_logprobs": req.top_logprobs, "top_p": 1.0 if chat.top_p is None else chat.top_p,
                 "truncation": "disabled", "user": None, "metadata": {},
-                "usage": None if out is None else _usage(out, len(ids)),
+                "usage": None if out is None else _usage(out, len(ids), reasoning.thinking_tokens(
+                    tok, out.token_ids, out.text, opened, skip_special_tokens=chat.skip_special_tokens) if thinks else 0),
             }
 
         def finished(out: TextResult, stats: dict[str, Any]) -> dict[str, Any]:
@@ -519,7 +520,7 @@ def _part(text: str, named: _Names, out: TextResult | None, logprobs: bool) -> d
     return {"type": "output_text", "text": text, "annotations": [], "logprobs": lps["content"] if lps is not None else []}
 
 
-def _usage(out: TextResult, prompt_tokens: int) -> dict[str, Any]:
+def _usage(out: TextResult, prompt_tokens: int, thinking: int = 0) -> dict[str, Any]:
     return {"input_tokens": prompt_tokens, "input_tokens_details": {"cached_tokens": out.stats.cached_prompt_tokens},
-            "output_tokens": len(out.token_ids), "output_tokens_details": {"reasoning_tokens": 0},
+            "output_tokens": len(out.token_ids), "output_tokens_details": {"reasoning_tokens": thinking},
             "total_tokens": prompt_tokens + len(out.token_ids)}
