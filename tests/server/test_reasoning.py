@@ -91,6 +91,13 @@ def test_a_thinking_answer_reaches_the_client_as_reasoning_and_content(client):
     last_thought = max(i for i, t in enumerate(thought) if t)
     assert not any(content[:last_thought]) and sum(bool(t) for t in thought) > 1  # thinking first, piece by piece
     assert sum(len(c.logprobs.content) for c in chunks if c.logprobs) == len(out.logprobs.content)
+    hidden = {**kw, "extra_body": {**kw["extra_body"], "include_reasoning": False}}  # vLLM's: the thinking left out
+    out = client.chat.completions.create(**hidden).choices[0]
+    assert out.message.content == "\n\nParis." and "reasoning" not in (out.message.model_extra or {})
+    chunks = [c.choices[0] for c in client.chat.completions.create(**hidden, stream=True) if c.choices]
+    assert not any(c.delta.model_extra.get("reasoning") for c in chunks)
+    assert "".join(c.delta.content or "" for c in chunks) == "\n\nParis."
+    assert sum(len(c.logprobs.content) for c in chunks if c.logprobs) == len(out.logprobs.content)
 
 
 def test_tool_calls_are_read_after_the_thinking(client):

@@ -313,6 +313,7 @@ class ChatRequest(_Request, _ChatTemplating):
     messages: Annotated[list[ChatMessage], Field(min_length=1, max_length=1024)]
     tools: Annotated[list[ToolDef], Field(max_length=128)] | None = None
     parallel_tool_calls: bool | None = None  # false: at most one call (the first the model writes)
+    include_reasoning: bool = True  # vLLM's: false leaves a reasoning model's thinking out of the answer
 
     def ignored_fields(self) -> list[str]:
         names = super().ignored_fields()
@@ -1324,7 +1325,7 @@ def openai_router(ctx: "ServerContext") -> APIRouter:
             first with ``call_ids``); ``tool_calls`` unless the answer was cut off."""
             finish = _finish_reason(out.stats.finish_reason)
             thought, text = reasoning.split(out.text, opened) if thinks else (None, out.text)
-            said = {"role": "assistant", **_thinking(thought)}
+            said = {"role": "assistant", **_thinking(thought if req.include_reasoning else None)}
             if not shown:
                 return {**said, "content": text}, finish
             content, calls = tool_calls.parse(text or "", names=[t.function.name for t in shown], ids=call_ids, fmt=fmt)
@@ -1369,7 +1370,7 @@ def openai_router(ctx: "ServerContext") -> APIRouter:
                 said: list[dict[str, Any]] = []
                 if thinks:  # its thinking first, with the piece's entries and ids; the rest as content
                     thought, text = thinking.setdefault(index, reasoning.StreamedReasoning(opened)).feed(text)
-                    if thought:
+                    if thought and req.include_reasoning:
                         said.append(chunk(index, _thinking(thought), None, lps, token_ids))
                         lps, token_ids = None, []
                     if not text and not lps and not token_ids:
@@ -1396,7 +1397,7 @@ def openai_router(ctx: "ServerContext") -> APIRouter:
                 text = out.text
                 if thinks:  # what the split still held back
                     thought, held = thinking.pop(index, reasoning.StreamedReasoning(opened)).finish()
-                    ends += [chunk(index, _thinking(thought), None)] if thought else []
+                    ends += [chunk(index, _thinking(thought), None)] if thought and req.include_reasoning else []
                     ends += [chunk(index, {"content": held}, None)] if held and not shown else []
                     text = reasoning.split(out.text, opened)[1] or ""
                 if not shown:
