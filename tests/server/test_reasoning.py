@@ -147,3 +147,18 @@ def test_a_thinking_response_has_a_reasoning_item_first(client):
     added = [(e.output_index, e.item.type) for e in events if e.type == "response.output_item.added"]
     assert added == [(0, "reasoning"), (1, "function_call")]
     assert [i.type for i in events[-1].response.output] == ["reasoning", "function_call"]
+
+
+def test_earlier_thinking_reaches_a_template_that_shows_it():
+    """An assistant message's ``reasoning`` (or DeepSeek's ``reasoning_content``) reaches a template
+    that renders tools under both names, as templates that show earlier thinking read one or the other."""
+    from specdec.server import tools as tc
+    from specdec.server.openai_api import ChatMessage
+
+    for field in ("reasoning", "reasoning_content"):
+        said = ChatMessage.model_validate({"role": "assistant", "content": "Paris.", field: "The capital."})
+        turn = tc.turn(said, said.text, True)
+        assert turn["reasoning"] == turn["reasoning_content"] == "The capital." and turn["content"] == "Paris."
+        assert "reasoning" not in tc.turn(said, said.text, False)  # a template that renders no tools: text alone
+    asked = ChatMessage.model_validate({"role": "user", "content": "Capital?", "reasoning": "ignored"})
+    assert "reasoning" not in tc.turn(asked, asked.text, True)

@@ -264,6 +264,9 @@ class ChatMessage(BaseModel):
     name: Annotated[str, Field(max_length=256)] | None = None
     tool_calls: Annotated[list[ToolCall], Field(max_length=128)] | None = None  # an assistant's earlier calls
     tool_call_id: Annotated[str, Field(max_length=256)] | None = None  # a tool's result: the call it answers
+    # an assistant's earlier thinking, as a reasoning model's answer gave it (vLLM's name; DeepSeek's below)
+    reasoning: Annotated[str, Field(max_length=1 << 22)] | None = None
+    reasoning_content: Annotated[str, Field(max_length=1 << 22)] | None = None
 
     @model_validator(mode="after")
     def _content(self) -> "ChatMessage":

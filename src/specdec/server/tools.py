@@ -269,13 +269,17 @@ def block(name: str, arguments: Any) -> str:
 
 def turn(message: Any, text: str, native: bool, fmt: CallFormat = HERMES) -> dict[str, Any]:
     """A chat message as a template turn: ``native`` templates get ``tool_calls`` and ``tool``
-    turns as transformers passes them (the ids as ``fmt``'s templates take them); others the calls
+    turns as transformers passes them (the ids as ``fmt``'s templates take them), and an assistant's
+    earlier thinking (``reasoning`` or ``reasoning_content``) under both names; others the calls
     as blocks in the assistant's text and the tool's result as a user turn in a ``<tool_response>``
     block."""
     role = "system" if message.role == "developer" else message.role
     calls = message.tool_calls or []
+    thought = getattr(message, "reasoning", None) or getattr(message, "reasoning_content", None)
     if native:
         out: dict[str, Any] = {"role": role, "content": text}
+        if thought is not None and role == "assistant":  # templates that show earlier thinking read either name
+            out["reasoning_content"] = out["reasoning"] = thought
         if calls:
             out["tool_calls"] = [{"type": "function", "id": fmt.template_id(c.id),
                                   "function": {"name": c.function.name, "arguments": _arguments(c.function.arguments)}}
