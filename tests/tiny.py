@@ -14,9 +14,9 @@ TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "chat_template.jin
 
 def make_tiny(folder: Path, *, model_type: str = "llama", seed: int = 0, max_positions: int = 256,
               layers: int = 2, hidden: int = 32, vocab: int = 49152, tied: bool = True) -> Path:
-    """Save a tiny random ``model_type`` (llama | qwen2) model with the 49,152-token tokenizer
+    """Save a tiny random ``model_type`` (llama | qwen2 | qwen3) model with the 49,152-token tokenizer
     (``tied``: the LM head is the embedding)."""
-    from transformers import AutoModelForCausalLM, LlamaConfig, Qwen2Config
+    from transformers import AutoModelForCausalLM, LlamaConfig, Qwen2Config, Qwen3Config
 
     torch.manual_seed(seed)
     common = dict(
@@ -24,12 +24,15 @@ def make_tiny(folder: Path, *, model_type: str = "llama", seed: int = 0, max_pos
         num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=max_positions,
         tie_word_embeddings=tied, bos_token_id=1, eos_token_id=2, rope_theta=10000.0,
     )
-    cfg = LlamaConfig(**common) if model_type == "llama" else Qwen2Config(**common)
+    configs = {"llama": LlamaConfig, "qwen2": Qwen2Config, "qwen3": lambda **kw: Qwen3Config(head_dim=hidden // 4, **kw)}
+    cfg = configs[model_type](**common)
     model = AutoModelForCausalLM.from_config(cfg, dtype=torch.float32)
     with torch.no_grad():  # make attention biases non-zero so Qwen2's bias path is exercised
         for name, p in model.named_parameters():
             if name.endswith("bias"):
                 p.normal_(0, 0.5)
+            elif name.endswith(("q_norm.weight", "k_norm.weight")):  # ... and Qwen3's head norms not all ones
+                p.uniform_(0.5, 1.5)
     model.save_pretrained(folder)
     for name in TOKENIZER_FILES:
         src = DATA_DIR / "smollm2-135m-draft" / name

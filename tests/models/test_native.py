@@ -1,4 +1,4 @@
-"""The native Llama/Qwen2 path reproduces transformers and rolls its cache back exactly."""
+"""The native Llama/Qwen2/Qwen3 path reproduces transformers and rolls its cache back exactly."""
 
 from __future__ import annotations
 
@@ -11,7 +11,7 @@ from specdec.models.native import NativeCausalLM
 from tiny import make_tiny
 
 
-@pytest.fixture(scope="module", params=["llama", "qwen2"])
+@pytest.fixture(scope="module", params=["llama", "qwen2", "qwen3"])
 def tiny_folder(request, tmp_path_factory):
     return make_tiny(tmp_path_factory.mktemp(request.param), model_type=request.param)
 

@@ -182,7 +182,7 @@ def _hf_unpermute(w: np.ndarray, n_head: int) -> np.ndarray:
     return w.reshape(n_head, dim, 2, *w.shape[1:]).swapaxes(2, 1).reshape(w.shape)
 
 
-@pytest.mark.parametrize("arch", ["llama", "qwen2"])
+@pytest.mark.parametrize("arch", ["llama", "qwen2", "qwen3"])
 def test_gguf_blocks_are_read_as_shipped_with_llama_rows_unpermuted(tmp_path, arch):
     import gguf
 

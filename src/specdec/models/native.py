@@ -45,7 +45,7 @@ from specdec.tree import paths as tree_paths
 
 AnyLinear = Linear | W8A8Linear | W8A8OneDNNLinear | Q4Linear
 
-SUPPORTED = ("llama", "qwen2", "mistral")
+SUPPORTED = ("llama", "qwen2", "mistral", "qwen3")
 
 
 @dataclass(frozen=True)
@@ -63,6 +63,8 @@ class NativeConfig:
     max_length: int
     tie_embeddings: bool
     attention_bias: bool
+    #: Qwen3's RMS norm of each query and key head (over head_dim, a weight per layer) before the rotation
+    qk_norm: bool = False
 
     @classmethod
     def from_hf(cls, cfg: dict) -> "NativeConfig":
@@ -89,6 +91,7 @@ class NativeConfig:
             max_length=int(cfg.get("max_position_embeddings", 2048)),
             tie_embeddings=bool(cfg.get("tie_word_embeddings", False)),
             attention_bias=model_type == "qwen2" or bool(cfg.get("attention_bias", False)),
+            qk_norm=model_type == "qwen3",
         )
 
 
@@ -102,6 +105,10 @@ class _Layer:
     out: AnyLinear  # H d -> D
     gate_up: AnyLinear  # D -> 2 I; post-attention norm folded in
     down: AnyLinear  # I -> D
+    #: Qwen3's per-head norms' weights [d] (the query's times the attention scale, which then is
+    #: not in the query rows: the norm would undo it); None for the other layouts
+    q_norm: Tensor | None = None
+    k_norm: Tensor | None = None
 
 
 def _rope_tables(cfg: NativeConfig, length: int) -> tuple[Tensor, Tensor]:
@@ -169,6 +176,11 @@ def _attend_rows_aten(q: Tensor, k: Tensor, v: Tensor, start: int) -> Tensor:  #
 def _rows(x: Tensor, rows: list[int]) -> Tensor:  # x: [n, ...] -> [len(rows), ...]
     """``x[rows]`` (a slice for one row; index_select, not advanced indexing: see ``hidden``)."""
     return x[rows[0] : rows[0] + 1] if len(rows) == 1 else x.index_select(0, torch.tensor(rows, dtype=torch.long))
+
+
+def _head_norm(x: Tensor, gain: Tensor, eps: Tensor) -> Tensor:  # x: [n, h, d]; gain: [d] -> [n, h, d]
+    """RMS norm of each head's vector (Qwen3's query and key norms): ``x / sqrt(mean(x^2) + eps) * gain``."""
+    return x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + eps) * gain
 
 
 def _rotate(x: Tensor, cos: Tensor, sin: Tensor) -> Tensor:  # x: [n, h, d]; cos/sin: [n, 1, d]
@@ -475,6 +487,8 @@ class NativeCausalLM:
         calibration runs (:mod:`specdec.models.quantised_cache`)."""
         if quant not in (None, "int8", "q4"):
             raise ConfigError(f"unknown quantisation {quant!r}; the native backend offers int8 and q4")
+        if cfg.qk_norm and quantised is not None:
+            raise ConfigError("a saved quantised model holds no query and key norms (Qwen3): build it from the weights")
         self.cfg = cfg
         #: "int8": every linear layer and the LM head as W8A8Linear (int8 weights per output
         #: channel, int8 activations per row, exact int32 accumulation; batch-invariant)
@@ -586,6 +600,11 @@ class NativeCausalLM:
                                            int8_head=int8_head, quant=quant, int8_kernel=self.int8_kernel,
                                            q4_blocks=[n for n in blocks if n not in used], vocab_subset=vocab_subset)
             build = _LayerByLayer.start(self, calibration, cache_parts, shapes)
+        norms: list[tuple[Tensor, Tensor]] = []  # Qwen3's per-head norms, by layer
+        if cfg.qk_norm:  # the attention scale goes into the query norm's weight instead of the query rows
+            norms = [(w(f"model.layers.{i}.self_attn.q_norm.weight") * q_scale, w(f"model.layers.{i}.self_attn.k_norm.weight"))
+                     for i in range(cfg.n_layers)]
+            q_scale = 1.0
         for i in range(cfg.n_layers if quantised is None else 0):  # (a saved model's layers: built above)
             p = f"model.layers.{i}."
             attn_g, mlp_g = w(p + "input_layernorm.weight"), w(p + "post_attention_layernorm.weight")  # [D]
@@ -599,6 +618,7 @@ class NativeCausalLM:
                         out=q4([p + "self_attn.o_proj.weight"]),
                         gate_up=q4([p + "mlp.gate_proj.weight", p + "mlp.up_proj.weight"], None, mlp_g),
                         down=q4([p + "mlp.down_proj.weight"]),
+                        **(dict(zip(("q_norm", "k_norm"), norms[i])) if norms else {}),
                     )
                 )
             else:
@@ -613,6 +633,7 @@ class NativeCausalLM:
                         out=linear(w(p + "self_attn.o_proj.weight")),
                         gate_up=linear(gate_up_w.mul_(mlp_g)),
                         down=linear(w(p + "mlp.down_proj.weight")),
+                        **(dict(zip(("q_norm", "k_norm"), norms[i])) if norms else {}),
                     )
                 )
             if build is not None:  # its ranges measured (or read), then quantised: one float layer at a time
@@ -639,7 +660,8 @@ class NativeCausalLM:
                 self.lm_head = Int8Linear(rows * final_g) if int8_head else linear(rows * final_g)
         if build is not None:
             build.settle_head()
-        if os.environ.get("SPECDEC_SCRIPTED", "1") != "0" and compiled_layers() is not None:
+        # (Qwen3's query and key norms are not in the compiled loops: its layers run this module's Python loop)
+        if os.environ.get("SPECDEC_SCRIPTED", "1") != "0" and compiled_layers() is not None and not cfg.qk_norm:
             self.scripted = ScriptedLayers(self.layers)
 
     def quantised_state(self) -> dict[str, Tensor] | None:
@@ -685,7 +707,9 @@ class NativeCausalLM:
         # from disk instead of made (the float weights are then never read but for the embedding,
         # nor a GGUF's blocks, nor the calibration text tokenised)
         entry = None
-        source = calibration_source(folder) if quant is not None and quantised_cache.cache_dir() is not None else None
+        # (Qwen3's head norms are not in a saved model's layers: it is built from the weights each time)
+        source = (calibration_source(folder) if quant is not None and quantised_cache.cache_dir() is not None
+                  and not cfg.qk_norm else None)
         if source is not None:
             head_rows = cfg.vocab_size if vocab_subset is None else vocab_subset.numel()
             shapes = _linear_shapes(cfg, head_rows)
@@ -801,7 +825,7 @@ class NativeCausalLM:
         qk_size = self._q_size + self._kv_size
         for li, layer in enumerate(self.layers):
             qkv = layer.qkv.scaled(x, self._inv_rms(x))  # [n, (H + 2 Hkv) d]
-            qk = _rotate(qkv[:, :qk_size].view(n, hq + hk, d), cos, sin)  # q and k heads in one op
+            qk = _rotate(self._normed(layer, qkv[:, :qk_size].view(n, hq + hk, d)), cos, sin)  # q and k heads in one op
             k_cache, v_cache = cache.k[li], cache.v[li]  # [Hkv, T, d]
             k_cache[:, start:end] = qk[:, hq:].transpose(0, 1)
             v_cache[:, start:end] = qkv[:, qk_size:].view(n, hk, d).transpose(0, 1)
@@ -910,7 +934,7 @@ class NativeCausalLM:
         qk_size = self._q_size + self._kv_size
         for li, layer in enumerate(self.layers):
             qkv = layer.qkv.scaled(x, self._inv_rms(x))  # [M, (H + 2 Hkv) d]
-            qk = _rotate(qkv[:, :qk_size].view(total, hq + hk, d), cos, sin)  # [M, H + Hkv, d]
+            qk = _rotate(self._normed(layer, qkv[:, :qk_size].view(total, hq + hk, d)), cos, sin)  # [M, H + Hkv, d]
             parts = []
             for (_, cache, _), start, n, o in zip(items, starts, sizes, offsets):
                 end = start + n
@@ -1056,8 +1080,15 @@ class NativeCausalLM:
         hq, hk, d = cfg.n_heads, cfg.n_kv_heads, cfg.head_dim
         qk_size = self._q_size + self._kv_size
         qkv = layer.qkv.scaled(x, self._inv_rms(x))  # [n, (H + 2 Hkv) d]
-        qk = _rotate(qkv[:, :qk_size].view(n, hq + hk, d), cos, sin)
+        qk = _rotate(self._normed(layer, qkv[:, :qk_size].view(n, hq + hk, d)), cos, sin)
         return qk[:, :hq], qk[:, hq:], qkv[:, qk_size:].view(n, hk, d)
+
+    def _normed(self, layer: _Layer, qk: Tensor) -> Tensor:  # qk: [n, H + Hkv, d] -> [n, H + Hkv, d]
+        """The query and key heads after Qwen3's per-head norms (as they are for the other layouts)."""
+        if layer.q_norm is None or layer.k_norm is None:
+            return qk
+        hq = self.cfg.n_heads
+        return torch.cat([_head_norm(qk[:, :hq], layer.q_norm, self._eps), _head_norm(qk[:, hq:], layer.k_norm, self._eps)], dim=1)
 
     def _attention(
         self, layer: _Layer, x: Tensor, cache: KVCache, slot: int, *, start: int, cos: Tensor, sin: Tensor,
