@@ -103,6 +103,29 @@ def test_output_law_with_min_tokens(method):
     assert chi_square_pvalue(out, law) > ALPHA
 
 
+def test_output_law_with_a_grammar_after_thinking():
+    """A constraint that holds only after a reasoning model's thinking (token 1 opens the block,
+    2 closes it; :class:`specdec.grammar.AfterThinking` over :class:`NoRepeat`): drafts that cross
+    the block's end are verified under a mask that changes inside one round.  Same N and
+    threshold as the other law tests; block verification, the rule with the most state."""
+    from specdec.grammar import AfterThinking
+
+    class Spelled:
+        """The same constraint written out by hand for the exact law."""
+
+        def allowed(self, generated, vocab_size):
+            if list(generated[:1]) == [1]:  # opened: free up to the close, NoRepeat on what follows it
+                rest = list(generated[1:])
+                return NoRepeat().allowed(rest[rest.index(2) + 1:], vocab_size) if 2 in rest else torch.ones(vocab_size, dtype=torch.bool)
+            mask = NoRepeat().allowed(generated, vocab_size)
+            mask[1] |= not generated  # the first token may open the block
+            return mask
+
+    cfg = SamplingConfig(temperature=1.0, constraint=AfterThinking(NoRepeat(), 1, 2, opened=False))
+    law = exact_law(TARGET, PROMPT, SamplingConfig(temperature=1.0, constraint=Spelled()), N_NEW)
+    assert chi_square_pvalue(_samples("block", cfg, gamma=FixedGamma(3)), law) > ALPHA
+
+
 @pytest.mark.parametrize("method", ["token", "block"])
 def test_output_law_with_ngram_drafter_and_auto_gamma(method):
     """A deterministic drafter (one-hot q) and a γ that changes between rounds."""

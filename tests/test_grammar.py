@@ -82,3 +82,68 @@ def test_specdecs_own_tokenizer_gives_llguidance_the_same_view(tok):
         unpacked = ((masks[0].unsqueeze(-1) >> torch.arange(32, dtype=torch.int32)) & 1).bool().reshape(len(ids) + 1, -1)[:, :V]
         constraint = GrammarConstraint(own, grammar, V)
         assert torch.equal(torch.stack([constraint.allowed(ids[:k], V) for k in range(len(ids) + 1)]), unpacked), text
+
+
+class _Asked:
+    """A stand-in grammar whose mask names the history it was asked about: it allows the one token
+    ``7 + len(history)``, and records each history."""
+
+    def __init__(self) -> None:
+        self.asked: list[list[int]] = []
+
+    def allowed(self, generated, vocab_size):
+        self.asked.append(list(generated))
+        mask = torch.zeros(vocab_size, dtype=torch.bool)
+        mask[7 + len(generated)] = True
+        return mask
+
+
+OPEN_ID, CLOSE_ID = 1, 2
+#: (the prompt opened the block, the history) -> what the grammar is asked about (None: not asked,
+#: every token allowed), and whether the first token may also open the block
+AFTER_THINKING = [
+    (False, [], [], True), (False, [5], [5], False), (False, [5, 2, 9], [5, 2, 9], False),  # no block: the grammar's throughout
+    (False, [1], None, False), (False, [1, 5, 9], None, False), (False, [1, 1, 5], None, False),  # thinking
+    (False, [1, 5, 2], [], False), (False, [1, 5, 2, 9], [9], False), (False, [1, 2, 1, 2], [1, 2], False),  # after it
+    (True, [], None, False), (True, [5, 1], None, False), (True, [2], [], False), (True, [5, 2, 9, 2], [9, 2], False),
+]
+
+
+@pytest.mark.parametrize("opened, history, asked, may_open", AFTER_THINKING)
+def test_a_grammar_after_thinking_holds_only_past_the_block(opened, history, asked, may_open):
+    """AfterThinking: inside the <think> block every token is allowed and the grammar is not asked;
+    past the block's closing token the grammar is asked about what follows it alone; an answer
+    that never opened a block is the grammar's from its first token, which may open one instead."""
+    from specdec.grammar import AfterThinking
+
+    inner = _Asked()
+    mask = AfterThinking(inner, OPEN_ID, CLOSE_ID, opened).allowed(history, 16)
+    if asked is None:
+        assert bool(mask.all()) and inner.asked == []
+        return
+    assert inner.asked == [asked]
+    expected = {7 + len(asked)} | ({OPEN_ID} if may_open else set())
+    assert set(mask.nonzero().flatten().tolist()) == expected
+
+
+def test_a_json_grammar_after_thinking_through_llguidance(tok):
+    """The real grammar engine under AfterThinking, asked in an order that rolls it back: the masks
+    past the block equal a fresh matcher's for the answer alone, the first token may be the grammar's
+    or the block's, and thinking allows everything (two unused special tokens stand for the tags)."""
+    from specdec.grammar import AfterThinking
+
+    grammar = grammar_for("json_schema", SCHEMA)
+    doc = tok.encode('{"a":12,"b":"y"}', add_special_tokens=False)
+    fresh = [GrammarConstraint(tok, grammar, V).allowed(doc[:k], V) for k in range(len(doc) + 1)]
+    think, done = tok.convert_tokens_to_ids(["<repo_name>", "<reponame>"])
+    thought = [think, *tok.encode("Let me see", add_special_tokens=False), done]
+    after = AfterThinking(GrammarConstraint(tok, grammar, V), think, done, opened=False)
+    first = after.allowed([], V)
+    assert bool(first[think]) and torch.equal(first.clone().index_fill_(0, torch.tensor([think]), False), fresh[0])
+    for k in [3, len(doc), 0, 5, 1]:
+        assert torch.equal(after.allowed(thought + doc[:k], V), fresh[k]), k
+        assert bool(after.allowed(thought[:2 + k % 2], V).all())
+        if k:  # no block: the grammar's from the first token
+            assert torch.equal(after.allowed(doc[:k], V), fresh[k]), k
+    opened = AfterThinking(GrammarConstraint(tok, grammar, V), think, done, opened=True)
+    assert bool(opened.allowed([], V).all()) and torch.equal(opened.allowed(thought[1:] + doc[:4], V), fresh[4])

@@ -137,6 +137,47 @@ class GrammarConstraint:
         return mask[:vocab_size]
 
 
+class AfterThinking:
+    """A constraint that holds only after a reasoning model's thinking: the tokens inside a
+    ``<think>`` ... ``</think>`` block are free, and ``inner`` (a grammar) rules what follows the
+    block's closing token, as if the answer began there (vLLM applies structured output after the
+    reasoning the same way).
+
+    ``open_id`` and ``close_id`` are the two tags' tokens (each one token of the tokenizer's own).
+    ``opened``: the prompt ended inside the block (R1's template writes ``<think>`` into it), so the
+    answer starts thinking.  Otherwise the answer's first token may open the block or begin what
+    ``inner`` allows, and an answer that does not open one is ``inner``'s from its first token.
+    The mask is a pure function of the history, as every constraint's is: a history is in the
+    block, or the block closed at a known token and ``inner`` is asked about what came after."""
+
+    def __init__(self, inner: Any, open_id: int, close_id: int, opened: bool) -> None:
+        self.inner = inner
+        self.open_id, self.close_id, self.opened = int(open_id), int(close_id), bool(opened)
+        self._free: dict[int, Tensor] = {}  # vocabulary size -> [V] all True
+
+    def answer_start(self, generated: Sequence[int]) -> int | None:
+        """Where the answer after the thinking starts in ``generated``; None while thinking."""
+        start = 0
+        if not self.opened:
+            if not generated or generated[0] != self.open_id:
+                return 0  # no block: the answer is all of it
+            start = 1
+        tail = list(generated[start:])
+        return start + tail.index(self.close_id) + 1 if self.close_id in tail else None
+
+    def allowed(self, generated: Sequence[int], vocab_size: int) -> Tensor:  # -> [V] bool
+        start = self.answer_start(generated)
+        if start is None:  # inside the block: any token (the filter over this one, if any, still holds)
+            if vocab_size not in self._free:
+                self._free[vocab_size] = torch.ones(vocab_size, dtype=torch.bool)
+            return self._free[vocab_size]
+        mask = self.inner.allowed(generated[start:], vocab_size)
+        if start == 0 and not generated and not self.opened:  # the first token may open the block instead
+            mask = mask.clone()
+            mask[self.open_id] = True
+        return mask
+
+
 def check_grammar(grammar: str) -> str:
     """``grammar`` if llguidance accepts it; otherwise a :class:`ConfigError` naming the problem
     (what :class:`GrammarConstraint` checks, without a tokenizer: before any model loads)."""

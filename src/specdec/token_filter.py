@@ -141,11 +141,15 @@ def constraint_factory(
     grammar: str | None = None,
     allowed_ids: Sequence[int] | None = None,
     bad_words: Sequence[str] = (),
+    after_thinking: tuple[int, int, bool] | None = None,
 ) -> Callable[[], Any] | None:
     """What makes each sequence's constraint: ``grammar`` (an llguidance grammar; one matcher per
     sequence, each following its own history) under the allowed ids (None: any; empty is an error)
     and bad words (one filter shared by every sequence); None where none is asked for.  A bad id
-    or word raises :class:`ConfigError` here, a bad grammar when the first constraint is made."""
+    or word raises :class:`ConfigError` here, a bad grammar when the first constraint is made.
+    ``after_thinking`` (the ``<think>`` and ``</think>`` tokens' ids, whether the prompt opened the
+    block): the grammar holds only after a reasoning model's thinking
+    (:class:`specdec.grammar.AfterThinking`); the filter holds throughout."""
     token_filter = None
     if allowed_ids is not None or bad_words:
         banned = bad_word_ids(tokenizer, bad_words) if bad_words else ()
@@ -154,7 +158,10 @@ def constraint_factory(
         return None if token_filter is None else (lambda: token_filter)
     from functools import partial
 
-    from specdec.grammar import GrammarConstraint
+    from specdec.grammar import AfterThinking, GrammarConstraint
 
     make = partial(GrammarConstraint, tokenizer, grammar, vocab_size)
+    if after_thinking is not None:
+        alone = make
+        make = lambda: AfterThinking(alone(), *after_thinking)  # noqa: E731
     return make if token_filter is None else (lambda: token_filter.over(make()))

@@ -390,13 +390,15 @@ def _stats(outs: list[TextResult]) -> dict[str, Any]:
     }
 
 
-def _constraints(ctx: "ServerContext", req: _Request, grammar: str | None) -> Callable[[], Any] | None:
-    """What makes each choice's constraint: ``grammar`` under vLLM's ``allowed_token_ids`` and
-    ``bad_words`` (:func:`specdec.token_filter.constraint_factory`); None where none is asked for."""
+def _constraints(ctx: "ServerContext", req: _Request, grammar: str | None,
+                 after_thinking: tuple[int, int, bool] | None = None) -> Callable[[], Any] | None:
+    """What makes each choice's constraint: ``grammar`` (after a reasoning model's thinking, with
+    ``after_thinking``) under vLLM's ``allowed_token_ids`` and ``bad_words``
+    (:func:`specdec.token_filter.constraint_factory`); None where none is asked for."""
     if ctx.tokenizer is None and (grammar is not None or req.bad_words):
         raise ApiError(400, f"{'structured output' if grammar is not None else 'bad_words'} needs the server's tokenizer")
     try:
-        return constraint_factory(ctx.tokenizer, ctx.model.vocab_size, grammar=grammar,
+        return constraint_factory(ctx.tokenizer, ctx.model.vocab_size, grammar=grammar, after_thinking=after_thinking,
                                   allowed_ids=req.allowed_token_ids, bad_words=req.bad_words or ())
     except SpecdecError as exc:
         raise ApiError(400, str(exc)) from None
@@ -421,9 +423,11 @@ class _Job:
 
     def __init__(self, ctx: "ServerContext", req: _Request, prompts: list[list[int]], max_tokens: int | None,
                  *, logprobs: int | None = None, echo_logprobs: int | None = None, endpoint: str = "completions",
-                 owner: str = "", tool_grammar: str | None = None, stop_when: Callable[[str], bool] | None = None) -> None:
+                 owner: str = "", tool_grammar: str | None = None, stop_when: Callable[[str], bool] | None = None,
+                 after_thinking: tuple[int, int, bool] | None = None) -> None:
         """``stop_when``: a test of the text that ends each choice where it turns true, the text kept
-        (``parallel_tool_calls: false``: the first call's block closed)."""
+        (``parallel_tool_calls: false``: the first call's block closed).  ``after_thinking``: a
+        reasoning model's tags and whether the prompt opened the block (:func:`_after_thinking`)."""
         self.ctx = ctx
         self.stop_when = stop_when
         self.endpoint = endpoint
@@ -491,7 +495,7 @@ class _Job:
             self.grammar = tool_grammar
         # each choice's constraint: its own grammar matcher (each has its own history) under the
         # request's one filter of allowed ids and bad words
-        self._constraint = _constraints(ctx, req, self.grammar)
+        self._constraint = _constraints(ctx, req, self.grammar, after_thinking)
         if self._constraint is not None:
             try:
                 self._constraint()  # a bad grammar is a 400 now, not an error event later
@@ -970,6 +974,14 @@ def _thinks(ctx: Any, tok: Any, ids: list[int]) -> tuple[bool, bool]:
     return thinks, thinks and reasoning.prompt_opens(tok, ids)
 
 
+def _after_thinking(tok: Any, thinks: bool, opened: bool) -> tuple[int, int, bool] | None:
+    """Where the parser is on and ``<think>`` / ``</think>`` are tokens of their own: their ids and
+    whether the prompt opened the block, so a structured output (a forced call, ``response_format``,
+    a guided grammar) holds after the thinking, as vLLM's does; None otherwise (from the first token)."""
+    tags = reasoning.tag_ids(tok) if thinks else None
+    return None if tags is None else (*tags, opened)
+
+
 def _first_call(fmt: tool_calls.CallFormat, thinks: bool, opened: bool) -> Callable[[str], bool]:
     """``parallel_tool_calls: false``'s stop: the first call closed, looked for after any thinking."""
     stop = tool_calls.stop_at_first_call(fmt)
@@ -1309,7 +1321,8 @@ def openai_router(ctx: "ServerContext") -> APIRouter:
         job = _Job(ctx, req, [ids], max_tokens, logprobs=(req.top_logprobs or 0) if req.logprobs else None, endpoint="chat",
                    owner=_owner(request),
                    tool_grammar=tool_calls.grammar(shown, forced, several=req.parallel_tool_calls is not False, tokenizer=tok, fmt=fmt),
-                   stop_when=_first_call(fmt, thinks, opened) if shown and req.parallel_tool_calls is False else None)
+                   stop_when=_first_call(fmt, thinks, opened) if shown and req.parallel_tool_calls is False else None,
+                   after_thinking=_after_thinking(tok, thinks, opened))
         cid, created = f"chatcmpl-{secrets.token_hex(12)}", int(time.time())
         metrics.completions.labels("chat", str(req.stream).lower()).inc()
         named = names(req)

@@ -33,6 +33,17 @@ def parser_on(choice: str, tokenizer: Any) -> bool:
     return choice == "think"
 
 
+def tag_ids(tokenizer: Any) -> tuple[int, int] | None:
+    """The ids of ``<think>`` and ``</think>`` where each is one token of the tokenizer's own (R1's
+    distillations, Qwen3), else None: structured output then starts after the thinking's last
+    token (:class:`specdec.grammar.AfterThinking`); without them it holds from the first token."""
+    added = getattr(tokenizer, "get_added_vocab", None)
+    vocab = added() if added is not None else {}
+    if OPEN not in vocab or CLOSE not in vocab:
+        return None
+    return int(vocab[OPEN]), int(vocab[CLOSE])
+
+
 def prompt_opens(tokenizer: Any, prompt_ids: list[int]) -> bool:
     """Whether the rendered prompt ends inside a ``<think>`` block (R1's generation prompt)."""
     tail = tokenizer.decode(prompt_ids[-8:], skip_special_tokens=False)

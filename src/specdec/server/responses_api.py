@@ -47,7 +47,7 @@ from specdec.engine import TextPiece, TextResult
 from specdec.server import tools as tool_calls
 from specdec.server.errors import ApiError
 from specdec.server.openai_api import (
-    ChatRequest, _call_format, _chat_ids, _chat_logprobs, _first_call, _Job, _Names, _owner, _run_blocking, _stats, _stream,
+    ChatRequest, _after_thinking, _call_format, _chat_ids, _chat_logprobs, _first_call, _Job, _Names, _owner, _run_blocking, _stats, _stream,
     _thinks, text_left_out,
 )
 from specdec.server import reasoning
@@ -284,7 +284,8 @@ def responses_router(ctx: "ServerContext") -> APIRouter:
         thinks, opened = _thinks(ctx, tok, ids)  # the answer's <think> block: a reasoning item
         job = _Job(ctx, chat, [ids], req.max_output_tokens, logprobs=(req.top_logprobs or 0) if logprobs else None,
                    endpoint="responses", owner=owner, tool_grammar=tool_calls.grammar(shown, forced, several=parallel, tokenizer=tok, fmt=fmt),
-                   stop_when=_first_call(fmt, thinks, opened) if shown and not parallel else None)
+                   stop_when=_first_call(fmt, thinks, opened) if shown and not parallel else None,
+                   after_thinking=_after_thinking(tok, thinks, opened))
         job.ignored = sorted(job.ignored + ignored)
         named = _Names(tok, ctx.token_bytes, left_out=None if chat.skip_special_tokens else text_left_out(chat, ctx.eos_ids))
         # on a scale-out replica the id names it (as session ids do), so the gateway routes to its store
