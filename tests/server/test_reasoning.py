@@ -162,3 +162,68 @@ def test_earlier_thinking_reaches_a_template_that_shows_it():
         assert "reasoning" not in tc.turn(said, said.text, False)  # a template that renders no tools: text alone
     asked = ChatMessage.model_validate({"role": "user", "content": "Capital?", "reasoning": "ignored"})
     assert "reasoning" not in tc.turn(asked, asked.text, True)
+
+
+@pytest.fixture(scope="module")
+def tagged_client(tmp_path_factory):
+    """A server of the bundled draft model whose tokenizer calls two of its unused tokens ``<think>``
+    (id 3) and ``</think>`` (id 4), not special (as Qwen3's): the parser turns on by itself
+    (``auto``), and structured output holds after the thinking's closing token."""
+    import shutil
+
+    from specdec.models.registry import DATA_DIR
+
+    src, folder = DATA_DIR / "smollm2-135m-draft", tmp_path_factory.mktemp("thinking")
+    for path in src.iterdir():
+        if path.name != "tokenizer.json":
+            shutil.copy(path, folder / path.name)
+    spec = json.loads((src / "tokenizer.json").read_text())
+    renamed = {"<repo_name>": rs.OPEN, "<reponame>": rs.CLOSE}
+    for entry in spec["added_tokens"]:
+        if entry["content"] in renamed:
+            entry["content"], entry["special"] = renamed[entry["content"]], False
+    spec["model"]["vocab"] = {renamed.get(k, k): v for k, v in spec["model"]["vocab"].items()}
+    (folder / "tokenizer.json").write_text(json.dumps(spec))
+    with ServerProcess.cli("--target", str(folder), "--draft", str(folder), "--dtype", "float32", "--gamma", "4") as srv, \
+            srv.openai() as c:
+        yield c, folder.name
+
+
+#: an answer with no free text (a string's inside could take the tags' tokens too) and an end
+COUNT = {"type": "object", "properties": {"n": {"enum": [2, 4, 6, 8]}}, "required": ["n"], "additionalProperties": False}
+#: the model pushed to open the block at once and close it right after (T = 0)
+THINK_AT_ONCE = {"3": 60, "4": 100}
+
+
+def test_structured_output_holds_after_the_thinking(tagged_client):
+    """``response_format`` and a forced call on a model whose tags are tokens of their own: the
+    answer may open the block first (the biases make it), anything goes inside it, and the grammar
+    holds from the token after ``</think>``; an answer that opens no block is the grammar's from its
+    first token; a block the prompt opened (``continue_final_message``) may be closed at once."""
+    client, model = tagged_client
+    ask = [{"role": "user", "content": "How many legs has a cat?"}]
+    fmt = {"type": "json_schema", "json_schema": {"name": "count", "schema": COUNT}}
+    kw = dict(model=model, messages=ask, max_tokens=30, temperature=0, response_format=fmt)
+    out = client.chat.completions.create(**kw, logit_bias=THINK_AT_ONCE, extra_body={"return_token_ids": True}).choices[0]
+    assert out.model_extra["token_ids"][:2] == [3, 4] and out.finish_reason == "stop"
+    assert json.loads(out.message.content)["n"] in (2, 4, 6, 8) and not out.message.model_extra.get("reasoning")
+    plain = client.chat.completions.create(**kw, extra_body={"return_token_ids": True}).choices[0]
+    assert 3 not in plain.model_extra["token_ids"] and json.loads(plain.message.content)["n"] in (2, 4, 6, 8)
+    opened = client.chat.completions.create(
+        **{**kw, "messages": ask + [{"role": "assistant", "content": "<think>\n"}]}, logit_bias={"4": 100},
+        extra_body={"return_token_ids": True, "continue_final_message": True, "add_generation_prompt": False}).choices[0]
+    assert opened.model_extra["token_ids"][0] == 4 and json.loads(opened.message.content)["n"] in (2, 4, 6, 8)
+    add = {"type": "function", "function": {"name": "add", "parameters": COUNT}}
+    calls = dict(model=model, messages=ask, tools=[add], tool_choice="required", parallel_tool_calls=False,
+                 max_tokens=40, temperature=0, logit_bias=THINK_AT_ONCE)
+    out = client.chat.completions.create(**calls, extra_body={"return_token_ids": True}).choices[0]
+    [call] = out.message.tool_calls
+    assert out.model_extra["token_ids"][:2] == [3, 4] and out.finish_reason == "tool_calls"
+    assert call.function.name == "add" and json.loads(call.function.arguments)["n"] in (2, 4, 6, 8)
+    chunks = [c.choices[0] for c in client.chat.completions.create(**calls, stream=True) if c.choices]
+    assert "".join(d.function.arguments or "" for c in chunks for d in c.delta.tool_calls or ()) == call.function.arguments
+    said = client.responses.create(model=model, input=ask[0]["content"], max_output_tokens=40, temperature=0,
+                                   tools=[{"type": "function", "name": "add", "parameters": COUNT}], tool_choice="required", parallel_tool_calls=False,
+                                   extra_body={"logit_bias": THINK_AT_ONCE})
+    assert said.usage.output_tokens_details.reasoning_tokens == 2  # an empty block: no reasoning item
+    assert [i.type for i in said.output] == ["function_call"] and said.output[0].arguments == call.function.arguments
