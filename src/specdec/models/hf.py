@@ -2,6 +2,9 @@
 
 Slower than the native path (framework overhead per call) but covers every architecture
 transformers knows.  Truncation uses ``DynamicCache.crop``, which is O(1) in memory moves.
+Token trees are scored with a custom 4-D attention mask (each node sees the cached prefix and its
+own path, at position prefix + depth), on models whose every layer attends to the whole context:
+a sliding-window layer would need a mask of its own, which transformers takes only one of.
 """
 
 from __future__ import annotations
@@ -12,6 +15,8 @@ from typing import Any
 
 import torch
 from torch import Tensor
+
+from specdec.tree import ancestor_mask, depths
 
 
 @dataclass
@@ -26,6 +31,18 @@ class HFCache:
             # a negative argument means "remove this many" in every transformers version
             self.cache.crop(length - self.length)
         self.length = length
+
+    def compact(self, keep: Tensor, start: int) -> None:  # keep: [m] int64 ascending positions >= start
+        """Keep positions ``keep`` at ``start, start+1, ...`` (one path of a token tree), in every layer."""
+        if keep.numel() and (int(keep.min()) < start or int(keep.max()) >= self.length):
+            raise ValueError(f"cannot keep positions {keep.tolist()} of a cache of length {self.length} from {start}")
+        for layer in self.cache.layers:
+            if getattr(layer, "keys", None) is None or layer.keys.numel() == 0:
+                continue
+            idx = keep.to(layer.keys.device)
+            layer.keys = torch.cat([layer.keys[..., :start, :], layer.keys[..., idx, :]], dim=-2)  # [B, H, T', d]
+            layer.values = torch.cat([layer.values[..., :start, :], layer.values[..., idx, :]], dim=-2)
+        self.length = start + keep.numel()
 
     @property
     def nbytes(self) -> int:
@@ -50,6 +67,8 @@ class HFCausalLM:
         #: the forward's name for the KV cache: ``cache`` from transformers 5.x (which warns that
         #: ``past_key_values`` goes in 5.40), ``past_key_values`` before
         self._cache_arg = "cache" if "cache" in inspect.signature(model.forward).parameters else "past_key_values"
+        if full_attention(cfg):  # token trees (one mask for every layer); absent: drafters and sessions keep to chains
+            self.forward_tree = self._forward_tree
 
     @classmethod
     def from_folder(cls, folder: str, *, dtype: torch.dtype = torch.float32, local_files_only: bool = False) -> "HFCausalLM":
@@ -76,3 +95,42 @@ class HFCausalLM:
         )
         cache.length += n
         return out.logits[0].float().cpu()
+
+    @torch.inference_mode()
+    def _forward_tree(self, tokens: Tensor, parents: Tensor, cache: HFCache, *, prefix: int | None = None) -> Tensor:
+        """Logits ``[n, V]`` of a token tree in one pass: ``tokens`` [n], ``parents`` over the tree
+        region ``[prefix, cache.length + n)`` (default ``prefix``: the cache's length; -1: a child
+        of the cached prefix), as :meth:`specdec.models.native.NativeCausalLM.forward_tree`.  Keys
+        land in node order; keep one path afterwards with ``cache.compact``.  Each node's row is its
+        path scored token by token, up to float rounding (transformers' passes are not
+        batch-invariant)."""
+        n, end = tokens.numel(), cache.length + tokens.numel()
+        start = cache.length if prefix is None else prefix
+        m = end - start
+        if parents.numel() != m or not 0 <= start <= cache.length:
+            raise ValueError(f"expected {m} tree parents for the region [{start}, {end}); got {parents.numel()}")
+        sees = ancestor_mask(parents)[m - n :]  # [n, m]: each new node's region path
+        dtype = next(self.model.parameters()).dtype
+        mask = torch.zeros((n, end), dtype=dtype)  # [n, T] additive: 0 attends
+        mask[:, start:] = torch.where(sees, 0.0, torch.finfo(dtype).min)
+        positions = (start + depths(parents)[m - n :]).to(self.device)  # [n]: prefix + depth
+        out = self.model(
+            input_ids=tokens.to(self.device).unsqueeze(0),
+            attention_mask=mask[None, None].to(self.device),  # [1, 1, n, T]
+            position_ids=positions.unsqueeze(0),
+            **{self._cache_arg: cache.cache},
+            use_cache=True,
+            cache_position=torch.arange(cache.length, end, device=self.device),
+        )
+        cache.length = end
+        return out.logits[0].float().cpu()
+
+
+def full_attention(config: Any) -> bool:
+    """Whether every layer of ``config``'s model attends to the whole context (no sliding window),
+    so one tree mask serves them all."""
+    cfg = getattr(config, "get_text_config", lambda: config)()
+    kinds = getattr(cfg, "layer_types", None)
+    if kinds is not None:
+        return all(kind == "full_attention" for kind in kinds)
+    return getattr(cfg, "sliding_window", None) is None or getattr(cfg, "use_sliding_window", True) is False
