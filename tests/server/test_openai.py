@@ -68,6 +68,35 @@ def test_chat_plain_and_streaming(client):
     assert chunks[-1].choices[0].finish_reason == out.choices[0].finish_reason
 
 
+def test_continuous_usage_in_every_chunk(client):
+    """vLLM's ``stream_options.continuous_usage_stats``: every chunk carries its choice's usage so far
+    (prompt tokens, the tokens streamed until then), growing to the choice's count at its end; the
+    final usage chunk totals the choices.  Completions with two prompts, and chat (role chunk first)."""
+    prompts = [PROMPT, "The capital of France is"]
+    kw = dict(model=MODEL, max_tokens=16, temperature=0, stream=True,
+              stream_options={"include_usage": True, "continuous_usage_stats": True})
+    whole = client.completions.create(model=MODEL, prompt=prompts, max_tokens=16, temperature=0)
+    chunks = list(client.completions.create(prompt=prompts, **kw, extra_body={"return_token_ids": True}))
+    for choice in whole.choices:
+        mine = [c for c in chunks if c.choices and c.choices[0].index == choice.index]
+        counts = [c.usage.completion_tokens for c in mine]
+        assert counts == sorted(counts) and counts[-1] > 0
+        streamed = 0
+        for c in mine:  # each chunk's count is the tokens streamed up to and including it
+            streamed += len(c.choices[0].model_extra.get("token_ids") or ())
+            assert c.usage.completion_tokens == streamed and c.usage.total_tokens == c.usage.prompt_tokens + streamed
+        assert {c.usage.prompt_tokens for c in mine} == {len(mine[0].choices[0].model_extra["prompt_token_ids"])}
+    assert chunks[-1].choices == [] and chunks[-1].usage.completion_tokens == whole.usage.completion_tokens == sum(
+        max(c.usage.completion_tokens for c in chunks if c.choices and c.choices[0].index == i) for i in (0, 1))
+    messages = [{"role": "user", "content": "Write a Python hello world."}]
+    said = client.chat.completions.create(model=MODEL, messages=messages, max_tokens=16, temperature=0)
+    chunks = list(client.chat.completions.create(messages=messages, **kw))
+    assert all(c.usage is not None for c in chunks) and chunks[0].usage.completion_tokens == 0  # the role chunk
+    assert [c.usage.completion_tokens for c in chunks[:-1]][-1] == said.usage.completion_tokens == chunks[-1].usage.completion_tokens
+    plain = list(client.chat.completions.create(messages=messages, **{**kw, "stream_options": {"include_usage": True}}))
+    assert all(c.usage is None for c in plain[:-1])  # only with continuous_usage_stats
+
+
 def test_sampling_options_stop_and_seed(client):
     kw = dict(model=MODEL, prompt=PROMPT, max_tokens=24, temperature=0.9, top_p=0.95, seed=7)
     a = client.completions.create(**kw).choices[0].text

@@ -72,6 +72,8 @@ _NO_EFFECT = ("user", "store", "metadata", "service_tier", "reasoning_effort", "
 class StreamOptions(BaseModel):
     model_config = ConfigDict(extra="allow")
     include_usage: bool = False
+    #: vLLM's: with ``include_usage``, every chunk also carries its choice's usage so far
+    continuous_usage_stats: bool = False
 
 
 class _Request(BaseModel):
@@ -801,6 +803,7 @@ def _stream(
     head_waits: bool = False,
     finish: Callable[[dict[str, Any], list[TextResult]], dict[str, Any]] | None = None,
     named: bool = False,
+    continuous_usage: bool = False,
 ) -> StreamingResponse:
     """Server-sent events: per choice, ``head`` chunks, ``delta`` chunks per streamed piece (one or
     a list: its text and, where asked for, the log-probabilities of the tokens it completes; None:
@@ -811,7 +814,9 @@ def _stream(
     request's speculative stats ride on the last chunk of the choice that ends last (``finish``
     puts them there: by default a ``specdec`` field).  ``head_waits``: the first choice's head
     chunks go out with its first event, not at once (they need its work).  ``named``: the
-    Responses API's framing (each event named by its ``type``, no [DONE])."""
+    Responses API's framing (each event named by its ``type``, no [DONE]).  ``continuous_usage``
+    (vLLM's ``continuous_usage_stats``): each chunk also carries its choice's usage so far (its
+    prompt's tokens, the tokens its pieces have brought until then, all of them from its tail on)."""
     loop = asyncio.get_running_loop()
     queue: asyncio.Queue[tuple[str, Any]] = asyncio.Queue()
     cancelled = threading.Event()
@@ -851,12 +856,19 @@ def _stream(
         results: dict[int, TextResult] = {}
         opened: set[int] = set()  # choices whose head chunks went out
         last: dict[str, Any] | None = None  # the last choice's final chunk, held back to carry the stats
+        made: dict[int, int] = {}  # per choice: the tokens its pieces have brought (continuous usage)
+
+        def counted(index: int, chunk: dict[str, Any]) -> dict[str, Any]:
+            if not continuous_usage:
+                return chunk
+            prompt, done = len(job.prompt_of(index)), made.get(index, 0)
+            return {**chunk, "usage": {"prompt_tokens": prompt, "completion_tokens": done, "total_tokens": prompt + done}}
 
         def opening(index: int) -> list[str]:
             if index in opened:
                 return []
             opened.add(index)
-            return [_sse(chunk, named) for chunk in head(index)]
+            return [_sse(counted(index, chunk), named) for chunk in head(index)]
 
         try:
             if not head_waits:  # else the head goes out with the choice's first event (it needs the job's work)
@@ -867,18 +879,20 @@ def _stream(
                 if kind == "piece":
                     index, piece = value
                     sent = delta(index, piece)
+                    made[index] = made.get(index, 0) + len(piece.token_ids or ())
                     if sent is not None:
                         for chunk in opening(index):
                             yield chunk
                         for chunk in sent if isinstance(sent, list) else [sent]:
-                            yield _sse(chunk, named)
+                            yield _sse(counted(index, chunk), named)
                 elif kind == "done":
                     index, result = value
                     for chunk in opening(index):
                         yield chunk
                     results[index] = result
+                    made[index] = len(result.token_ids)
                     ends = tail(index, result)
-                    ends = ends if isinstance(ends, list) else [ends]
+                    ends = [counted(index, chunk) for chunk in (ends if isinstance(ends, list) else [ends])]
                     held = len(results) == job.choices  # the last choice's last chunk carries the stats
                     for chunk in ends[:-1] if held else ends:
                         yield _sse(chunk, named)
@@ -1251,6 +1265,7 @@ def openai_router(ctx: "ServerContext") -> APIRouter:
                 tail=lambda index, out: chunk(index, "", _finish_reason(out.stats.finish_reason)),
                 usage=(lambda outs: {**chunk(0, "", None), "choices": [], "usage": _usage(outs, prompt_tokens, job.n)})
                 if include_usage else None,
+                continuous_usage=include_usage and req.stream_options.continuous_usage_stats,  # type: ignore[union-attr]
             )
         outs = await _run_blocking(job, request)
         picked = _best(outs, job.n, keep) if ranked else range(len(outs))  # run i of each choice
@@ -1434,6 +1449,7 @@ def openai_router(ctx: "ServerContext") -> APIRouter:
                 tail=tail,
                 usage=(lambda outs: {**chunk(0, {}, None), "choices": [], "usage": _usage(outs, len(ids), job.n, counted)})
                 if include_usage else None,
+                continuous_usage=include_usage and req.stream_options.continuous_usage_stats,  # type: ignore[union-attr]
             )
         outs = await _run_blocking(job, request)
         answers = [message(out) for out in outs]
