@@ -41,6 +41,31 @@ def make_tiny(folder: Path, *, model_type: str = "llama", seed: int = 0, max_pos
     return folder
 
 
+def draft_renaming(folder: Path, renamed: dict[str, str], *, special: bool | None = None, template: str | None = None) -> Path:
+    """A copy of the bundled draft model in ``folder`` whose tokenizer calls some of its unused added
+    tokens by other names (same ids, same vocabulary): a stand-in for a model that has those tokens
+    (Mistral's tool-call markers, reasoning tags, fill-in-the-middle markers).  ``special``: the
+    renamed tokens' flag (None: as they were); ``template``: a chat template to use instead."""
+    import json
+
+    src = DATA_DIR / "smollm2-135m-draft"
+    folder.mkdir(parents=True, exist_ok=True)
+    for path in src.iterdir():
+        if path.name != "tokenizer.json":
+            shutil.copy(path, folder / path.name)
+    spec = json.loads((src / "tokenizer.json").read_text())
+    for entry in spec["added_tokens"]:
+        if entry["content"] in renamed:
+            entry["content"] = renamed[entry["content"]]
+            if special is not None:
+                entry["special"] = special
+    spec["model"]["vocab"] = {renamed.get(k, k): v for k, v in spec["model"]["vocab"].items()}
+    (folder / "tokenizer.json").write_text(json.dumps(spec))
+    if template is not None:
+        (folder / "chat_template.jinja").write_text(template)
+    return folder
+
+
 def tiny_native(*, vocab: int = 64, max_length: int = 4096, seed: int = 0) -> NativeCausalLM:
     """A 2-layer native Llama with random weights (real KV cache, no files), batch-invariant like a target."""
     from specdec.models.native import NativeCausalLM, NativeConfig

@@ -255,6 +255,10 @@ def build_parser() -> argparse.ArgumentParser:
     gen.add_argument("text", nargs="?", metavar="PROMPT", help="the prompt, as a plain argument (the same as --prompt)")
     gen.add_argument("--prompt", "-p", help="the prompt text ('-' reads stdin); required unless --interactive")
     gen.add_argument("--chat", action="store_true", help="wrap the prompt in the model's chat template")
+    gen.add_argument("--suffix", metavar="TEXT",
+                     help="fill in the middle: the prompt is the code before a gap, TEXT the code after it, and the output "
+                          "is what fills the gap (code models with fill-in-the-middle tokens: Qwen2.5-Coder, StarCoder2, "
+                          "DeepSeek-Coder, CodeGemma; the model closing the file ends it)")
     gen.add_argument("--system", help="system message for --chat / --interactive")
     gen.add_argument("--interactive", "-i", action="store_true",
                      help="multi-turn chat in the terminal: each line you type is a user turn, the history is kept (empty line or Ctrl-D ends); with --remote, drafted here and verified on the server")
@@ -384,6 +388,11 @@ def _cmd_generate(args: argparse.Namespace) -> int:
         raise SpecdecError("--interactive prints text as it comes; drop --json")
     if args.system is not None and not (args.chat or args.interactive):
         raise SpecdecError("--system needs --chat or --interactive")
+    if args.suffix is not None:
+        clash = [flag for flag, given in (("--chat", args.chat), ("--interactive", args.interactive), ("--remote", args.remote)) if given]
+        if clash:
+            raise SpecdecError(f"--suffix fills a gap in plain text, locally; drop {', '.join(clash)}")
+        _text_arg(args.suffix, "--suffix")
     prompt = _stdin_text("the prompt on stdin") if args.prompt == "-" else _text_arg(args.prompt or "", "--prompt")
     if args.system is not None:
         _text_arg(args.system, "--system")
@@ -397,7 +406,7 @@ def _cmd_generate(args: argparse.Namespace) -> int:
         rule = get_rule(args.method)
         if rule.greedy_only and not sampling.greedy:
             raise SpecdecError(f"--method {args.method} needs --temperature 0")
-    if not prompt.strip() and not args.interactive:
+    if not prompt.strip() and not args.interactive and not (args.suffix or "").strip():  # a gap at a file's start has no prefix
         raise SpecdecError("the prompt is empty")
     if args.logprobs is not None:
         if not 0 <= args.logprobs <= 20:
@@ -434,6 +443,15 @@ def _cmd_generate(args: argparse.Namespace) -> int:
 
         return chat_loop(turn, args.system, sampling, first=prompt.strip() or None)
     ids = engine.encode_messages(_messages(args.system, [prompt])) if args.chat else prompt
+    if args.suffix is not None:
+        from dataclasses import replace
+
+        from specdec import fim
+
+        style = fim.require_style(engine.target.tokenizer)
+        ids = fim.prompt_ids(engine.target.tokenizer, prompt, args.suffix, style)
+        ends = set(sampling.stop_token_ids) | set(fim.end_ids(engine.target.tokenizer, style))  # the model closing the file
+        sampling = replace(sampling, stop_token_ids=tuple(sorted(ends)))
     out = engine.generate(ids, sampling, method=args.method, gamma=gamma, on_text=on_text,
                           min_confidence=args.min_confidence, tree=tree, tree_min_prob=args.tree_min_prob,
                           logprobs=args.logprobs)
@@ -463,7 +481,7 @@ def _generate_batch(args: argparse.Namespace) -> int:
     if args.prompt is not None:
         raise SpecdecError("give the prompts either in --prompts-file or as PROMPT / --prompt, not both")
     given = [flag for flag, on in (("--interactive", args.interactive), ("--remote", args.remote), ("--json", args.json),
-                                   ("--rounds", args.rounds)) if on]
+                                   ("--rounds", args.rounds), ("--suffix", args.suffix is not None)) if on]
     if given:
         raise SpecdecError(f"--prompts-file writes JSON lines locally; drop {', '.join(given)}")
     speculative = [flag for flag, on in (

@@ -169,21 +169,9 @@ def tagged_client(tmp_path_factory):
     """A server of the bundled draft model whose tokenizer calls two of its unused tokens ``<think>``
     (id 3) and ``</think>`` (id 4), not special (as Qwen3's): the parser turns on by itself
     (``auto``), and structured output holds after the thinking's closing token."""
-    import shutil
+    from tiny import draft_renaming
 
-    from specdec.models.registry import DATA_DIR
-
-    src, folder = DATA_DIR / "smollm2-135m-draft", tmp_path_factory.mktemp("thinking")
-    for path in src.iterdir():
-        if path.name != "tokenizer.json":
-            shutil.copy(path, folder / path.name)
-    spec = json.loads((src / "tokenizer.json").read_text())
-    renamed = {"<repo_name>": rs.OPEN, "<reponame>": rs.CLOSE}
-    for entry in spec["added_tokens"]:
-        if entry["content"] in renamed:
-            entry["content"], entry["special"] = renamed[entry["content"]], False
-    spec["model"]["vocab"] = {renamed.get(k, k): v for k, v in spec["model"]["vocab"].items()}
-    (folder / "tokenizer.json").write_text(json.dumps(spec))
+    folder = draft_renaming(tmp_path_factory.mktemp("thinking"), {"<repo_name>": rs.OPEN, "<reponame>": rs.CLOSE}, special=False)
     with ServerProcess.cli("--target", str(folder), "--draft", str(folder), "--dtype", "float32", "--gamma", "4") as srv, \
             srv.openai() as c:
         yield c, folder.name

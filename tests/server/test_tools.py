@@ -4,7 +4,6 @@ the grammar that holds a required call, and both kinds of chat template."""
 from __future__ import annotations
 
 import json
-import shutil
 
 import openai
 import pytest
@@ -577,18 +576,10 @@ MISTRAL_TEMPLATE = """{%- for message in messages %}
 def mistral_client(tmp_path_factory):
     """A server of the bundled draft model whose tokenizer calls two of its unused special tokens
     ``[TOOL_CALLS]`` and ``[ARGS]`` (same ids, same vocabulary) under a Mistral-style template."""
-    from specdec.models.registry import DATA_DIR
+    from tiny import draft_renaming
 
-    src, folder = DATA_DIR / "smollm2-135m-draft", tmp_path_factory.mktemp("mistral-like")
-    for name in ("config.json", "generation_config.json", "model.safetensors", "tokenizer_config.json"):
-        shutil.copy(src / name, folder / name)
-    spec = json.loads((src / "tokenizer.json").read_text())
-    renamed = {"<repo_name>": tc.MISTRAL_OPEN, "<reponame>": tc.MISTRAL_ARGS}
-    for entry in spec["added_tokens"]:
-        entry["content"] = renamed.get(entry["content"], entry["content"])
-    spec["model"]["vocab"] = {renamed.get(k, k): v for k, v in spec["model"]["vocab"].items()}
-    (folder / "tokenizer.json").write_text(json.dumps(spec))
-    (folder / "chat_template.jinja").write_text(MISTRAL_TEMPLATE)
+    folder = draft_renaming(tmp_path_factory.mktemp("mistral-like"), {"<repo_name>": tc.MISTRAL_OPEN, "<reponame>": tc.MISTRAL_ARGS},
+                            template=MISTRAL_TEMPLATE)
     with ServerProcess.cli("--target", str(folder), "--draft", str(folder), "--dtype", "float32", "--gamma", "4") as srv, \
             srv.openai() as c:
         yield c, folder

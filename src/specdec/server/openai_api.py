@@ -3,8 +3,10 @@
 Served by speculative decoding on the server itself (:class:`specdec.engine.Engine` with a local
 drafter from the app's drafter factory).  Fields this server does not know are accepted and
 ignored, as vLLM does: they are named in the ``X-Specdec-Ignored-Fields`` response header and in
-the server log.  Fields whose *semantics* it cannot honour (audio, ``suffix``, tools on
-completions, ...) are refused with a 400 that names them, never silently dropped.  Chat takes
+the server log.  Fields whose *semantics* it cannot honour (audio, tools on completions, a
+``suffix`` for a model without fill-in-the-middle tokens, ...) are refused with a 400 that names
+them, never silently dropped.  A ``suffix`` on a code model that has them (:mod:`specdec.fim`)
+makes the prompt the code before a gap and the answer what fills it.  Chat takes
 ``tools``, ``tool_choice`` and ``parallel_tool_calls`` (:mod:`specdec.server.tools`).  Extensions: ``top_k``, ``min_p``,
 ``repetition_penalty``, ``ignore_eos``, ``method`` (verification rule), ``gamma`` and vLLM's
 ``prompt_logprobs``, ``min_tokens``, ``stop_token_ids``, ``include_stop_str_in_output``,
@@ -29,7 +31,7 @@ from fastapi import APIRouter, Request
 from fastapi.responses import JSONResponse, StreamingResponse
 from pydantic import BaseModel, ConfigDict, Field, model_validator
 
-from specdec import defaults
+from specdec import defaults, fim
 from specdec.engine import Engine, TextPiece, TextResult, default_method, make_gamma, parse_gamma, parse_tree
 from specdec.gamma import CappedGamma, CostGamma
 from specdec.errors import SpecdecError
@@ -1190,8 +1192,17 @@ def openai_router(ctx: "ServerContext") -> APIRouter:
         ranked = req.best_of is not None and req.best_of > keep  # candidates generated, the best n returned
         if ranked and req.stream:
             raise ApiError(400, "best_of greater than n cannot be streamed (as in OpenAI's API)")
+        fill = None  # a suffix: the prompt is the code before a gap, the answer what fills it
         if req.suffix:
-            raise ApiError(400, "suffix is not supported by this server")
+            if req.echo:
+                raise ApiError(400, "echo cannot be combined with suffix: the model reads a fill-in-the-middle prompt, "
+                                    "not the prompt as sent")
+            try:
+                fill = fim.require_style(tokenizer())
+            except SpecdecError as exc:
+                raise ApiError(400, str(exc)) from None
+            ends = set(req.stop_token_ids or ()) | set(fim.end_ids(tokenizer(), fill))  # the model closing the file
+            req = req.model_copy(update={"stop_token_ids": sorted(ends)})
         if req.max_tokens == 0 and not req.echo:
             raise ApiError(400, "max_tokens 0 needs echo (the prompt echoed, and scored with logprobs; nothing generated)")
         raw = req.prompt
@@ -1200,7 +1211,12 @@ def openai_router(ctx: "ServerContext") -> APIRouter:
         prompts: list[list[int]] = []
         texts: list[str] = []
         for item in items:
-            if isinstance(item, str):
+            if fill is not None:  # an empty prefix is a gap at the file's start
+                try:
+                    ids = fim.prompt_ids(tokenizer(), item if isinstance(item, str) else list(item), req.suffix or "", fill)
+                except SpecdecError as exc:
+                    raise ApiError(400, str(exc)) from None
+            elif isinstance(item, str):
                 if not item:
                     raise ApiError(400, "the prompt is empty")
                 ids = list(tokenizer().encode(item, add_special_tokens=False))

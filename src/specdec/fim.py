@@ -1,0 +1,80 @@
+"""Fill-in-the-middle prompts: the code before a gap and the code after it, in the order a code
+model was trained to fill the gap (OpenAI's ``suffix`` on completions, ``generate --suffix``).
+
+Code models mark the two parts with tokens of their own and then write the middle.  Each style
+here is prefix-suffix-middle: ``<PRE> prefix <SUF> suffix <MID>``, the middle generated after the
+last marker.  The style is read off the tokenizer (its added tokens), never guessed from a name.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any
+
+from specdec.errors import ConfigError
+
+
+@dataclass(frozen=True)
+class FimStyle:
+    """One family's marker tokens (by their text) and the tokens that end a filled middle besides
+    end-of-sequence (a model may close the file or start the next one instead)."""
+
+    name: str
+    prefix: str
+    suffix: str
+    middle: str
+    ends: tuple[str, ...] = ()
+
+
+STYLES = (
+    # Qwen2.5-Coder, CodeGemma
+    FimStyle("qwen", "<|fim_prefix|>", "<|fim_suffix|>", "<|fim_middle|>",
+             ("<|fim_pad|>", "<|file_sep|>", "<|repo_name|>", "<|file_separator|>", "<|endoftext|>")),
+    # StarCoder / StarCoder2 and the tokenizers derived from them
+    FimStyle("starcoder", "<fim_prefix>", "<fim_suffix>", "<fim_middle>", ("<fim_pad>", "<file_sep>", "<|endoftext|>")),
+    # DeepSeek-Coder: begin, hole, end
+    FimStyle("deepseek", "<｜fim▁begin｜>", "<｜fim▁hole｜>", "<｜fim▁end｜>", ("<｜end▁of▁sentence｜>",)),
+)
+
+
+def _added(tokenizer: Any) -> dict[str, int]:
+    added = getattr(tokenizer, "get_added_vocab", None)
+    return dict(added()) if added is not None else {}
+
+
+def style_of(tokenizer: Any) -> FimStyle | None:
+    """The first style whose three markers are all added tokens of ``tokenizer``; None if none is."""
+    vocab = _added(tokenizer)
+    for style in STYLES:
+        if all(mark in vocab for mark in (style.prefix, style.suffix, style.middle)):
+            return style
+    return None
+
+
+def require_style(tokenizer: Any) -> FimStyle:
+    """:func:`style_of`, or a :class:`ConfigError` saying which models have one."""
+    style = style_of(tokenizer)
+    if style is None:
+        raise ConfigError("this model has no fill-in-the-middle tokens, so a suffix cannot be filled in "
+                          "(code models have them: Qwen2.5-Coder, StarCoder2, DeepSeek-Coder, CodeGemma)")
+    return style
+
+
+def prompt_ids(tokenizer: Any, prefix: str | list[int], suffix: str, style: FimStyle | None = None) -> list[int]:
+    """The token ids of a fill-in-the-middle prompt: ``prefix`` (text, or ids already encoded) and
+    ``suffix`` between the style's markers, each part encoded alone (no special tokens added), so a
+    marker always is the model's own token.  An empty prefix or suffix is allowed (a gap at the
+    start or the end of a file); both empty is not a prompt."""
+    style = style or require_style(tokenizer)
+    vocab = _added(tokenizer)
+    before = list(prefix) if isinstance(prefix, list) else list(tokenizer.encode(prefix, add_special_tokens=False)) if prefix else []
+    after = list(tokenizer.encode(suffix, add_special_tokens=False)) if suffix else []
+    if not before and not after:
+        raise ConfigError("the prompt is empty: a fill-in-the-middle request needs a prefix or a suffix")
+    return [vocab[style.prefix], *before, vocab[style.suffix], *after, vocab[style.middle]]
+
+
+def end_ids(tokenizer: Any, style: FimStyle) -> tuple[int, ...]:
+    """The ids of ``style``'s ending tokens that ``tokenizer`` has (stop tokens for the middle)."""
+    vocab = _added(tokenizer)
+    return tuple(sorted({vocab[name] for name in style.ends if name in vocab}))

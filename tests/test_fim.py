@@ -1,0 +1,44 @@
+"""Fill-in-the-middle prompts (``specdec.fim``): the style read off the tokenizer, the prompt's ids."""
+
+from __future__ import annotations
+
+import pytest
+
+from specdec import fim
+from specdec.errors import ConfigError
+
+
+@pytest.fixture
+def tok():
+    from transformers import AutoTokenizer
+
+    from specdec.models.registry import DATA_DIR
+
+    return AutoTokenizer.from_pretrained(str(DATA_DIR / "smollm2-135m-draft"))
+
+
+@pytest.mark.parametrize("style", fim.STYLES, ids=lambda s: s.name)
+def test_the_prompt_is_prefix_suffix_middle_in_the_models_own_tokens(tok, style):
+    """Each style's markers as added tokens: the prompt is marker, prefix, marker, suffix, marker,
+    each part encoded alone; the ends the tokenizer has are its stop tokens."""
+    assert fim.style_of(tok) is None
+    tok.add_tokens([style.prefix, style.suffix, style.middle, *style.ends[:1]], special_tokens=True)
+    assert fim.style_of(tok) == style
+    ids = {name: tok.convert_tokens_to_ids(name) for name in (style.prefix, style.suffix, style.middle)}
+    before, after = "def add(a, b):\n    ", "\n\nprint(add(1, 2))\n"
+    enc = lambda text: tok.encode(text, add_special_tokens=False)  # noqa: E731
+    expected = [ids[style.prefix], *enc(before), ids[style.suffix], *enc(after), ids[style.middle]]
+    assert fim.prompt_ids(tok, before, after) == expected
+    assert fim.prompt_ids(tok, enc(before), after) == expected  # a prefix given as ids
+    assert fim.prompt_ids(tok, "", after) == [ids[style.prefix], ids[style.suffix], *enc(after), ids[style.middle]]
+    ends = fim.end_ids(tok, style)  # SmolLM2's tokenizer has <|endoftext|> and <file_sep> already
+    assert tok.convert_tokens_to_ids(style.ends[0]) in ends and {tok.convert_ids_to_tokens(i) for i in ends} <= set(style.ends)
+    with pytest.raises(ConfigError, match="empty"):
+        fim.prompt_ids(tok, "", "")
+
+
+def test_a_model_without_the_markers_is_a_clear_error(tok):
+    tok.add_tokens(["<|fim_prefix|>", "<|fim_suffix|>"])  # two of three: not a style
+    assert fim.style_of(tok) is None
+    with pytest.raises(ConfigError, match="no fill-in-the-middle tokens"):
+        fim.prompt_ids(tok, "a", "b")
