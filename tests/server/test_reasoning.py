@@ -20,19 +20,29 @@ ANSWERS = [("<think>a b</think>Answer", False, ("a b", "Answer")),
            ("<think>x</think>", False, ("x", None)), ("<thin", False, (None, "<thin")), ("", False, (None, ""))]
 
 
+def _in(tags: rs.Tags, text: str | None) -> str | None:
+    """An answer of :data:`ANSWERS` written with ``tags`` (whole tags, then the cut-off pieces)."""
+    if text is None:
+        return None
+    return text.replace("</think>", tags.close).replace("<think>", tags.open).replace("</thi", tags.close[:5]).replace(
+        "<thin", tags.open[:5])
+
+
+@pytest.mark.parametrize("tags", [rs.THINK, rs.MISTRAL], ids=["think", "mistral"])
 @pytest.mark.parametrize("text, opened, expected", ANSWERS)
-def test_thinking_is_split_from_the_answer_streamed_or_not(text, opened, expected):
+def test_thinking_is_split_from_the_answer_streamed_or_not(text, opened, expected, tags):
     """The split of a finished answer, and the same answer streamed in pieces of 1, 2, 3 and all of
     its characters: the pieces add up to the same reasoning and content, and no piece of a tag that
-    may still be written goes out as thinking."""
-    assert rs.split(text, opened) == expected
+    may still be written goes out as thinking.  Both pairs of tags (Mistral's ``[THINK]``)."""
+    text, expected = _in(tags, text), tuple(_in(tags, e) for e in expected)
+    assert rs.split(text, opened, tags) == expected
     for step in (1, 2, 3, max(1, len(text))):
-        stream = rs.StreamedReasoning(opened)
+        stream = rs.StreamedReasoning(opened, tags)
         pieces = [stream.feed(text[i:i + step]) for i in range(0, len(text), step)] + [stream.finish()]
         thought, content = "".join(p[0] for p in pieces), "".join(p[1] for p in pieces)
         assert (thought or None, content or None) == (expected[0] or None, expected[1] or None), step
-        if "</think>" in text:
-            assert not any("<" in p[0] for p in pieces[:-1]), pieces  # "</thi..." waited until it was known
+        if tags.close in text:
+            assert not any(tags.close[0] in p[0] for p in pieces[:-1]), pieces  # "</thi..." waited until it was known
 
 
 def test_the_parser_is_on_where_the_tokenizer_has_both_tags():
@@ -51,6 +61,24 @@ def test_the_parser_is_on_where_the_tokenizer_has_both_tags():
     assert rs.thinking_tokens(tok, answer[:3], tok.decode(answer[:3]), False) == 3  # cut off while thinking: all of it
     plain = tok.encode("no thinking", add_special_tokens=False)
     assert rs.thinking_tokens(tok, plain, "no thinking", False) == 0 and rs.thinking_tokens(tok, plain, "no thinking", True) == 2
+
+
+def test_mistral_tags_are_read_off_the_tokenizer():
+    """``[THINK]`` / ``[/THINK]`` as special tokens: Mistral's pair, the parser on by itself, and a
+    text without special tokens would lose them; ``<think>`` as plain added tokens keeps the usual pair."""
+    from transformers import AutoTokenizer
+
+    from specdec.models.registry import DATA_DIR
+
+    tok = AutoTokenizer.from_pretrained(str(DATA_DIR / "smollm2-135m-draft"))
+    assert rs.tags_of(tok) == rs.THINK and not rs.special_tags(tok, rs.THINK)
+    tok.add_tokens([rs.MISTRAL.open, rs.MISTRAL.close], special_tokens=True)
+    assert rs.tags_of(tok) == rs.MISTRAL and rs.parser_on("auto", tok) and rs.special_tags(tok, rs.MISTRAL)
+    ids = tok.encode("<|im_start|>assistant\n[THINK]", add_special_tokens=False)
+    assert rs.prompt_opens(tok, ids, rs.MISTRAL) and not rs.prompt_opens(tok, ids[:-1], rs.MISTRAL)
+    plain = AutoTokenizer.from_pretrained(str(DATA_DIR / "smollm2-135m-draft"))
+    plain.add_tokens([rs.OPEN, rs.CLOSE])
+    assert rs.tags_of(plain) == rs.THINK and rs.tag_ids(plain) is not None and not rs.special_tags(plain, rs.THINK)
 
 
 def tok():
@@ -215,3 +243,38 @@ def test_structured_output_holds_after_the_thinking(tagged_client):
                                    extra_body={"logit_bias": THINK_AT_ONCE})
     assert said.usage.output_tokens_details.reasoning_tokens == 2  # an empty block: no reasoning item
     assert [i.type for i in said.output] == ["function_call"] and said.output[0].arguments == call.function.arguments
+
+
+@pytest.fixture(scope="module")
+def mistral_thinking(tmp_path_factory):
+    """The bundled draft whose special tokens 3 and 4 are renamed ``[THINK]`` and ``[/THINK]`` (as
+    Magistral's tokenizer has them): the parser turns on by itself with Mistral's tags."""
+    from tiny import draft_renaming
+
+    folder = draft_renaming(tmp_path_factory.mktemp("magistral"), {"<repo_name>": rs.MISTRAL.open, "<reponame>": rs.MISTRAL.close})
+    with ServerProcess.cli("--target", str(folder), "--draft", str(folder), "--dtype", "float32", "--gamma", "4") as srv, \
+            srv.openai() as c:
+        yield c, folder.name
+
+
+def test_mistral_thinking_is_split_on_its_special_tokens(mistral_thinking):
+    """A block the prompt opened with ``[THINK]`` and never closed is all reasoning; closed at once
+    (the bias), the rest is content, streamed or not, though both tags are special tokens (the text
+    keeps them for the split); structured output holds after ``[/THINK]``."""
+    client, model = mistral_thinking
+    ask = [{"role": "user", "content": "Capital of France?"}]
+    opened = dict(model=model, messages=ask + [{"role": "assistant", "content": "[THINK]"}], max_tokens=12, temperature=0,
+                  extra_body={"continue_final_message": True, "add_generation_prompt": False})
+    out = client.chat.completions.create(**opened)
+    assert out.choices[0].message.model_extra["reasoning"] and out.choices[0].message.content is None
+    assert out.usage.completion_tokens_details.reasoning_tokens == out.usage.completion_tokens
+    fmt = {"type": "json_schema", "json_schema": {"name": "count", "schema": COUNT}}
+    shut = dict(opened, logit_bias={"4": 100}, response_format=fmt)  # closed at once, then JSON (no more [/THINK] fits)
+    closed = client.chat.completions.create(**shut).choices[0]
+    assert not closed.message.model_extra.get("reasoning") and json.loads(closed.message.content)["n"] in (2, 4, 6, 8)
+    chunks = [c.choices[0] for c in client.chat.completions.create(**shut, stream=True) if c.choices]
+    assert "".join(c.delta.content or "" for c in chunks) == closed.message.content
+    said = client.chat.completions.create(model=model, messages=ask, max_tokens=30, temperature=0, response_format=fmt,
+                                          logit_bias=THINK_AT_ONCE, extra_body={"return_token_ids": True})
+    assert said.choices[0].model_extra["token_ids"][:2] == [3, 4] and said.usage.completion_tokens_details.reasoning_tokens == 2
+    assert json.loads(said.choices[0].message.content)["n"] in (2, 4, 6, 8)

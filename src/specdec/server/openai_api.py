@@ -983,27 +983,31 @@ def _chat_ids(tok: Any, messages: list[ChatMessage], opts: _ChatTemplating | Non
     return list(tok.encode(text, add_special_tokens=False))
 
 
-def _thinks(ctx: Any, tok: Any, ids: list[int]) -> tuple[bool, bool]:
-    """(whether a chat answer's ``<think>`` block goes to its reasoning, whether the prompt ``ids``
-    opened that block already: R1's template does)."""
+def _thinks(ctx: Any, tok: Any, ids: list[int], req: Any) -> tuple[bool, bool, reasoning.Tags]:
+    """(whether a chat answer's thinking block goes to its reasoning, whether the prompt ``ids``
+    opened that block already: R1's template does, the block's tags).  Where the tags are special
+    tokens (Mistral's ``[THINK]``) the request's text keeps special tokens, as for Mistral's calls."""
     thinks = bool(ctx.reasoning_on)
-    return thinks, thinks and reasoning.prompt_opens(tok, ids)
+    tags = reasoning.tags_of(tok) if thinks else reasoning.THINK
+    if thinks and reasoning.special_tags(tok, tags):
+        req.skip_special_tokens = False
+    return thinks, thinks and reasoning.prompt_opens(tok, ids, tags), tags
 
 
-def _after_thinking(tok: Any, thinks: bool, opened: bool) -> tuple[int, int, bool] | None:
-    """Where the parser is on and ``<think>`` / ``</think>`` are tokens of their own: their ids and
-    whether the prompt opened the block, so a structured output (a forced call, ``response_format``,
-    a guided grammar) holds after the thinking, as vLLM's does; None otherwise (from the first token)."""
-    tags = reasoning.tag_ids(tok) if thinks else None
-    return None if tags is None else (*tags, opened)
+def _after_thinking(tok: Any, thinks: bool, opened: bool, tags: reasoning.Tags) -> tuple[int, int, bool] | None:
+    """Where the parser is on and the block's tags are tokens of their own: their ids and whether
+    the prompt opened the block, so a structured output (a forced call, ``response_format``, a
+    guided grammar) holds after the thinking, as vLLM's does; None otherwise (from the first token)."""
+    ids = reasoning.tag_ids(tok, tags) if thinks else None
+    return None if ids is None else (*ids, opened)
 
 
-def _first_call(fmt: tool_calls.CallFormat, thinks: bool, opened: bool) -> Callable[[str], bool]:
+def _first_call(fmt: tool_calls.CallFormat, thinks: bool, opened: bool, tags: reasoning.Tags) -> Callable[[str], bool]:
     """``parallel_tool_calls: false``'s stop: the first call closed, looked for after any thinking."""
     stop = tool_calls.stop_at_first_call(fmt)
     if not thinks:
         return stop
-    return lambda text: stop(reasoning.split(text, opened)[1] or "")
+    return lambda text: stop(reasoning.split(text, opened, tags)[1] or "")
 
 
 def _thinking(thought: str | None) -> dict[str, str]:
@@ -1347,13 +1351,13 @@ def openai_router(ctx: "ServerContext") -> APIRouter:
         if not ids:
             raise ApiError(400, "the conversation encodes to no tokens")
         fmt = _call_format(tok, req, shown)
-        thinks, opened = _thinks(ctx, tok, ids)
+        thinks, opened, tags = _thinks(ctx, tok, ids, req)
         max_tokens = req.max_completion_tokens if req.max_completion_tokens is not None else req.max_tokens
         job = _Job(ctx, req, [ids], max_tokens, logprobs=(req.top_logprobs or 0) if req.logprobs else None, endpoint="chat",
                    owner=_owner(request),
                    tool_grammar=tool_calls.grammar(shown, forced, several=req.parallel_tool_calls is not False, tokenizer=tok, fmt=fmt),
-                   stop_when=_first_call(fmt, thinks, opened) if shown and req.parallel_tool_calls is False else None,
-                   after_thinking=_after_thinking(tok, thinks, opened))
+                   stop_when=_first_call(fmt, thinks, opened, tags) if shown and req.parallel_tool_calls is False else None,
+                   after_thinking=_after_thinking(tok, thinks, opened, tags))
         cid, created = f"chatcmpl-{secrets.token_hex(12)}", int(time.time())
         metrics.completions.labels("chat", str(req.stream).lower()).inc()
         named = names(req)
@@ -1371,7 +1375,7 @@ def openai_router(ctx: "ServerContext") -> APIRouter:
             """The answer's message and finish reason: with tools shown, its calls parsed out (the
             first with ``call_ids``); ``tool_calls`` unless the answer was cut off."""
             finish = _finish_reason(out.stats.finish_reason)
-            thought, text = reasoning.split(out.text, opened) if thinks else (None, out.text)
+            thought, text = reasoning.split(out.text, opened, tags) if thinks else (None, out.text)
             said = {"role": "assistant", **_thinking(thought if req.include_reasoning else None)}
             if not shown:
                 return {**said, "content": text}, finish
@@ -1382,7 +1386,7 @@ def openai_router(ctx: "ServerContext") -> APIRouter:
             return {**said, "content": content, "tool_calls": calls}, "length" if finish == "length" else "tool_calls"
 
         def thought_tokens(out: TextResult) -> int:
-            return reasoning.thinking_tokens(tok, out.token_ids, out.text, opened, skip_special_tokens=req.skip_special_tokens)
+            return reasoning.thinking_tokens(tok, out.token_ids, out.text, opened, skip_special_tokens=req.skip_special_tokens, tags=tags)
 
         counted = thought_tokens if thinks else None  # usage's reasoning_tokens
 
@@ -1416,7 +1420,7 @@ def openai_router(ctx: "ServerContext") -> APIRouter:
                 text, token_ids = piece.text, piece.token_ids
                 said: list[dict[str, Any]] = []
                 if thinks:  # its thinking first, with the piece's entries and ids; the rest as content
-                    thought, text = thinking.setdefault(index, reasoning.StreamedReasoning(opened)).feed(text)
+                    thought, text = thinking.setdefault(index, reasoning.StreamedReasoning(opened, tags)).feed(text)
                     if thought and req.include_reasoning:
                         said.append(chunk(index, _thinking(thought), None, lps, token_ids))
                         lps, token_ids = None, []
@@ -1443,10 +1447,10 @@ def openai_router(ctx: "ServerContext") -> APIRouter:
                 ends = []
                 text = out.text
                 if thinks:  # what the split still held back
-                    thought, held = thinking.pop(index, reasoning.StreamedReasoning(opened)).finish()
+                    thought, held = thinking.pop(index, reasoning.StreamedReasoning(opened, tags)).finish()
                     ends += [chunk(index, _thinking(thought), None)] if thought and req.include_reasoning else []
                     ends += [chunk(index, {"content": held}, None)] if held and not shown else []
-                    text = reasoning.split(out.text, opened)[1] or ""
+                    text = reasoning.split(out.text, opened, tags)[1] or ""
                 if not shown:
                     return [*ends, chunk(index, {}, message(out)[1])]
                 writer = writers.pop(index, None) or tool_calls.StreamedCalls(most_calls, fmt)

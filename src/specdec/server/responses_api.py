@@ -281,11 +281,11 @@ def responses_router(ctx: "ServerContext") -> APIRouter:
         tok = ctx.tokenizer
         ids = _chat_ids(tok, chat.messages, chat, tools=shown, trust_template=ctx.settings.trust_request_chat_template)
         fmt = _call_format(tok, chat, shown)  # Mistral's calls: the text keeps special tokens
-        thinks, opened = _thinks(ctx, tok, ids)  # the answer's <think> block: a reasoning item
+        thinks, opened, tags = _thinks(ctx, tok, ids, chat)  # the answer's <think> block: a reasoning item
         job = _Job(ctx, chat, [ids], req.max_output_tokens, logprobs=(req.top_logprobs or 0) if logprobs else None,
                    endpoint="responses", owner=owner, tool_grammar=tool_calls.grammar(shown, forced, several=parallel, tokenizer=tok, fmt=fmt),
-                   stop_when=_first_call(fmt, thinks, opened) if shown and not parallel else None,
-                   after_thinking=_after_thinking(tok, thinks, opened))
+                   stop_when=_first_call(fmt, thinks, opened, tags) if shown and not parallel else None,
+                   after_thinking=_after_thinking(tok, thinks, opened, tags))
         job.ignored = sorted(job.ignored + ignored)
         named = _Names(tok, ctx.token_bytes, left_out=None if chat.skip_special_tokens else text_left_out(chat, ctx.eos_ids))
         # on a scale-out replica the id names it (as session ids do), so the gateway routes to its store
@@ -302,7 +302,7 @@ def responses_router(ctx: "ServerContext") -> APIRouter:
         def answer(out: TextResult) -> tuple[str | None, list[dict[str, Any]]]:
             """(the message's text, None for none; the calls) of an answer: with tools shown, its calls
             parsed out; where it thinks, of what follows its thinking."""
-            text = reasoning.split(out.text, opened)[1] if thinks else out.text
+            text = reasoning.split(out.text, opened, tags)[1] if thinks else out.text
             if not shown:
                 return text, []
             if parsed[0] is not out:
@@ -318,7 +318,7 @@ def responses_router(ctx: "ServerContext") -> APIRouter:
             """The output items: the thinking (where there was some), the message (unless the model
             only thought or made calls), then each call."""
             content, calls = answer(out)
-            thought = reasoning.split(out.text, opened)[0] if thinks else None
+            thought = reasoning.split(out.text, opened, tags)[0] if thinks else None
             items = [_reasoning_item(rsid, thought, "completed")] if thought else []
             items += [] if content is None else [_message(mid, status_of(out), _part(content, named, out, logprobs))]
             return items + [_function_call(call, "completed") for call in calls]
@@ -343,7 +343,7 @@ def responses_router(ctx: "ServerContext") -> APIRouter:
                 "top_logprobs": req.top_logprobs, "top_p": 1.0 if chat.top_p is None else chat.top_p,
                 "truncation": "disabled", "user": None, "metadata": {},
                 "usage": None if out is None else _usage(out, len(ids), reasoning.thinking_tokens(
-                    tok, out.token_ids, out.text, opened, skip_special_tokens=chat.skip_special_tokens) if thinks else 0),
+                    tok, out.token_ids, out.text, opened, skip_special_tokens=chat.skip_special_tokens, tags=tags) if thinks else 0),
             }
 
         def finished(out: TextResult, stats: dict[str, Any]) -> dict[str, Any]:
@@ -364,7 +364,7 @@ def responses_router(ctx: "ServerContext") -> APIRouter:
             gate = tool_calls.HeldContent(fmt)  # with tools shown, text stops where a call may begin
             message = {"opened": False, "closed": False}  # the message item: went out (with its first text), finished
             seen: list[Any] = []  # with logprobs: the entries of the text sent
-            splitter = reasoning.StreamedReasoning(opened) if thinks else None
+            splitter = reasoning.StreamedReasoning(opened, tags) if thinks else None
             thought = {"text": "", "opened": False, "closed": False}  # the reasoning item, as the message's
 
             def thinking(text: str) -> list[dict[str, Any]]:
@@ -466,7 +466,7 @@ def responses_router(ctx: "ServerContext") -> APIRouter:
                     ends += text_event(held, None) if held and not shown else []
                     ends += thought_done()
                 if shown and not message["closed"]:
-                    rest, entries, _ = gate.rest(reasoning.split(out.text, opened)[1] or "" if thinks else out.text, bool(calls))
+                    rest, entries, _ = gate.rest(reasoning.split(out.text, opened, tags)[1] or "" if thinks else out.text, bool(calls))
                     if (rest or entries) and (content is not None or message["opened"]):
                         ends += text_event(rest, entries)
                 if content is not None and not message["closed"]:
