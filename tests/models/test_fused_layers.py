@@ -7,7 +7,7 @@ bit — otherwise a pass on one and a pass on the other would score the same tok
 so every test here compares the fused call with the TorchScript loop on the same weights and
 cache: logits and every key and value written, for 1-17 rows after a prompt, token trees and
 batched passes of several sequences, for
-Llama and Qwen2 (biased query/key/value) layouts, 4-bit and int8 layers (with SmoothQuant
+Llama, Qwen2 (biased query/key/value) and Qwen3 (query and key head norms) layouts, 4-bit and int8 layers (with SmoothQuant
 factors), and for the layer subsets self-speculative drafts run (skipped sub-layers, their own
 cache slots).  Batch invariance of the fused call itself (a block = its tokens one by one) is
 ``test_quantized.py``'s block test, which now runs on it for 4-bit and int8 models.
@@ -29,7 +29,7 @@ pytestmark = pytest.mark.skipif(not (kernels.q4_available() and w8a8_available()
 
 # q6: the 4-bit target with its value projections and one down projection from Q6_K blocks
 MODELS = [("llama", 32, "q4"), ("qwen2", 32, "q4"), ("llama", 128, "q4"), ("llama", 32, "int8"), ("qwen2", 128, "int8"),
-          ("qwen2", 256, "q6")]
+          ("qwen2", 256, "q6"), ("qwen3", 64, "q4"), ("qwen3", 128, "int8")]
 
 
 @pytest.fixture(scope="module", params=MODELS, ids=[f"{a}-d{h // 4}-{q}" for a, h, q in MODELS])

@@ -129,7 +129,7 @@ def test_mixed_kernel_thresholds_and_choice(monkeypatch):
         int8_kernel("mixed")
 
 
-@pytest.fixture(scope="module", params=["llama", "qwen2"])
+@pytest.fixture(scope="module", params=["llama", "qwen2", "qwen3"])
 def tiny_folder(request, tmp_path_factory):
     return make_tiny(tmp_path_factory.mktemp(request.param), model_type=request.param)
 

@@ -27,8 +27,12 @@ def folder(tmp_path_factory):
 
 def test_the_layout_is_read_and_its_norms_are_per_layer(folder):
     model = NativeCausalLM.from_folder(folder)
-    assert model.cfg.model_type == "qwen3" and model.cfg.qk_norm and model.scripted is None
+    assert model.cfg.model_type == "qwen3" and model.cfg.qk_norm
     assert all(layer.q_norm is not None and layer.k_norm is not None for layer in model.layers)
+    from specdec.models.scripted import compiled_layers
+
+    if compiled_layers() is not None:  # the compiled loop has the norms too (bitwise: test_quantized, test_fused_layers)
+        assert model.scripted is not None and sorted(model.scripted.head_norms) == list(range(len(model.layers)))
     assert not NativeCausalLM.from_folder(make_tiny(folder.parent / "llama", hidden=64)).cfg.qk_norm
 
 

@@ -179,8 +179,11 @@ def _rows(x: Tensor, rows: list[int]) -> Tensor:  # x: [n, ...] -> [len(rows), .
 
 
 def _head_norm(x: Tensor, gain: Tensor, eps: Tensor) -> Tensor:  # x: [n, h, d]; gain: [d] -> [n, h, d]
-    """RMS norm of each head's vector (Qwen3's query and key norms): ``x / sqrt(mean(x^2) + eps) * gain``."""
-    return x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + eps) * gain
+    """RMS norm of each head's vector (Qwen3's query and key norms): ``x / sqrt(mean(x^2) + eps) * gain``,
+    the inverse RMS computed as the layer norms' is (a vector norm, one multiply-add, rsqrt), which
+    the compiled loops (``scripted._head_norm``, csrc/layers.cpp) reproduce bit for bit."""
+    norm = torch.linalg.vector_norm(x, dim=-1, keepdim=True)  # [n, h, 1]
+    return x * torch.rsqrt(torch.addcmul(eps, norm, norm, value=1.0 / x.shape[-1])) * gain
 
 
 def _rotate(x: Tensor, cos: Tensor, sin: Tensor) -> Tensor:  # x: [n, h, d]; cos/sin: [n, 1, d]
@@ -660,8 +663,7 @@ class NativeCausalLM:
                 self.lm_head = Int8Linear(rows * final_g) if int8_head else linear(rows * final_g)
         if build is not None:
             build.settle_head()
-        # (Qwen3's query and key norms are not in the compiled loops: its layers run this module's Python loop)
-        if os.environ.get("SPECDEC_SCRIPTED", "1") != "0" and compiled_layers() is not None and not cfg.qk_norm:
+        if os.environ.get("SPECDEC_SCRIPTED", "1") != "0" and compiled_layers() is not None:
             self.scripted = ScriptedLayers(self.layers)
 
     def quantised_state(self) -> dict[str, Tensor] | None:

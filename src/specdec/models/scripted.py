@@ -66,6 +66,7 @@ class Weights(NamedTuple):
     attend: bool  # exact attention on the compiled kernel (kernels.attention_kernel), else ATen ops
     q4: Dict[int, List[Tensor]]  # Q4Linear layers (see Q4) ...
     n_out: Dict[int, int]  # output features of the Q4 and F32 layers
+    head_norms: Dict[int, List[Tensor]]  # layer -> [query norm's gain, key norm's gain] (Qwen3), [d] each
 
 
 def _linear(
@@ -166,6 +167,20 @@ def _inv_rms(x: Tensor, eps: Tensor, width: int) -> Tensor:  # [n, D] -> [n, 1]
     return torch.rsqrt(torch.addcmul(eps, norm, norm, value=1.0 / width))
 
 
+def _head_norm(x: Tensor, gain: Tensor, eps: Tensor) -> Tensor:  # [n, h, d] -> [n, h, d]
+    """native._head_norm: each head's RMS norm, its inverse RMS as _inv_rms computes it."""
+    norm = torch.linalg.vector_norm(x, 2.0, [-1], True)
+    return x * torch.rsqrt(torch.addcmul(eps, norm, norm, value=1.0 / x.shape[-1])) * gain
+
+
+def _normed(qk: Tensor, li: int, hq: int, eps: Tensor, w: Weights) -> Tensor:  # [n, H + Hkv, d]
+    """native.NativeCausalLM._normed: Qwen3's query and key head norms where layer ``li`` has them."""
+    if li not in w.head_norms:
+        return qk
+    g = w.head_norms[li]
+    return torch.cat([_head_norm(qk[:, :hq], g[0], eps), _head_norm(qk[:, hq:], g[1], eps)], 1)
+
+
 def _rows(x: Tensor, rows: List[int]) -> Tensor:
     """native._rows: ``x[rows]`` as a slice (one row) or index_select."""
     if len(rows) == 1:
@@ -253,7 +268,7 @@ def _layers(
                 tapped.append(x)
             continue
         qkv = _linear(lin, x, _inv_rms(x, eps, width), w)
-        qk = qkv[:, :qk_size].view(n, hq + hk, d)
+        qk = _normed(qkv[:, :qk_size].view(n, hq + hk, d), li, hq, eps, w)
         qk = torch.addcmul(qk * cos, qk.roll(d // 2, -1), sin)
         k_cache = k_all[step_[3]]
         v_cache = v_all[step_[3]]
@@ -334,7 +349,7 @@ def _layers_batch(
     for li in range(len(w.kinds) // 4):
         lin = 4 * li
         qkv = _linear(lin, x, _inv_rms(x, eps, width), w)
-        qk = qkv[:, :qk_size].view(total, hq + hk, d)
+        qk = _normed(qkv[:, :qk_size].view(total, hq + hk, d), li, hq, eps, w)
         qk = torch.addcmul(qk * cos, qk.roll(d // 2, -1), sin)
         parts: List[Tensor] = []
         o = 0
@@ -433,6 +448,9 @@ class ScriptedLayers:
         self.vnni: dict[int, list[Tensor]] = {}  # W8A8 layers' few-row kernel packing (linear.vnni_packing)
         self.q4: dict[int, list[Tensor]] = {}  # Q4Linear layers (see Q4)
         self.n_out: dict[int, int] = {}  # Q4 and F32 layers' output features
+        #: Qwen3's query and key norms by layer ([q gain (the attention scale folded in), k gain])
+        self.head_norms: dict[int, list[Tensor]] = {
+            li: [layer.q_norm, layer.k_norm] for li, layer in enumerate(layers) if getattr(layer, "q_norm", None) is not None}
         self._w8a8_at: dict[int, W8A8Linear] = {}  # the W8A8 layers by index
         self._q8_few = -1  # the few-row setting self.q8 was made for (see _fbgemm)
         self.reduce_range = False
@@ -502,6 +520,9 @@ class ScriptedLayers:
             # one object, checked once: passed as a list, the tensors cost ~50 µs of dispatch a call
             self.fused = torch.classes.specdec.FusedWeights(
                 [4 if k == Q4 else 0 for k in self.kinds], weights, [self.n_out.get(i, 0) for i in range(len(self.kinds))])
+            if self.head_norms:  # [q gain, k gain] per layer, float32 [d] each (empty: none)
+                self.fused.set_head_norms([t.float().contiguous() for li in range(len(self.kinds) // 4)
+                                           for t in self.head_norms.get(li, [empty, empty])])
             self._q8_fused = W8A8 in self.kinds
 
     def _fuses(self, x: Tensor) -> bool:
@@ -534,7 +555,7 @@ class ScriptedLayers:
         few = linear_mod.few_rows(self.reduce_range)
         return Weights(self.kinds, self._fbgemm(few), self.staging, self.reduce_range, self.chunks, self.bounds, self.dense,  # type: ignore[arg-type]
                        self.bias, self.smooth, self.wide, self.wide_rows, self.vnni, few,
-                       kernels.attention_kernel(), self.q4, self.n_out)
+                       kernels.attention_kernel(), self.q4, self.n_out, self.head_norms)
 
     def __call__(
         self, x: Tensor, cos: Tensor, sin: Tensor, cache, start: int, cfg, eps: Tensor, *,

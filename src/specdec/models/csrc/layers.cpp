@@ -16,6 +16,9 @@
 //                    of value * t1 and t2; rsqrt is a correctly rounded 1 / sqrt)
 //   4-bit product y = q4_linear(x); y.mul_(s) -> y * s;  addcmul(bias, y, s) -> fma(y, s, bias);  y + bias
 //   W8A8 product  (y, t) = q8_linear(x); t * s where rows are scaled; then y * t or fma(y, t, bias)
+//   head norms    (Qwen3, before the rotation) x * rsqrt(addcmul(eps, norm, norm, value=1/d)) * gain per
+//                 query and key head, norm = linalg_vector_norm over the head -> the norm from ATen on
+//                 the same views, then (x * (1 / sqrt(fma(float(1/d) * norm, norm, eps)))) * gain
 //   rotary        addcmul(qk * cos, qk.roll(d/2, -1), sin) -> fma(rolled, sin, qk * cos)
 //   SiLU          F.silu(gate) -> ATen's silu (its exp is ATen's), then * up
 //   residuals     x + y
@@ -43,7 +46,8 @@
 //       (4-bit: gain, col, packed, packed6 (the Q6_K columns, empty: none), bias) or 0 (W8A8 few-row: smooth, col, packed, comp, bias),
 //       five tensors per linear layer in `tensors` (an empty tensor: none); n_out: the 4-bit
 //       layers' output features.  W8A8 layers only for at most 16 rows (the few-row kernel's range, as in
-//       scripted._linear).
+//       scripted._linear).  FusedWeights.set_head_norms(tensors[]): Qwen3's query and key norms' gains,
+//       two per layer (float32 [d] each, the query's with the attention scale folded in; empty: none).
 
 #include <ATen/ATen.h>
 #include <torch/custom_class.h>
@@ -64,7 +68,35 @@ struct Net {
   const std::vector<int64_t>& kinds;
   const std::vector<at::Tensor>& w;  // five per linear layer (see the header)
   const std::vector<int64_t>& n_out;
+  const std::vector<at::Tensor>& norms;  // two per layer (query, key head norm gains), or none at all
 };
+
+// [M, Hq + Hkv, d]: the query and key heads of qkv [M, (Hq + 2 Hkv) d] after their RMS norms (Qwen3),
+// as scripted._head_norm computes them on the views native._normed takes (norms from ATen on them)
+at::Tensor head_norms(const at::Tensor& qkv, int64_t hq, int64_t hk, int64_t d, const at::Tensor& gq,
+                      const at::Tensor& gk, float eps) {
+  const int64_t m = qkv.size(0), qkv_w = qkv.size(1), heads = hq + hk;
+  at::Tensor out = at::empty({m, heads, d}, qkv.options());
+  const float value = static_cast<float>(1.0 / static_cast<double>(d));  // addcmul's value, as a float
+  const float* src = qkv.data_ptr<float>();
+  float* dst = out.data_ptr<float>();
+  for (int part = 0; part < 2; ++part) {
+    const int64_t h0 = part == 0 ? 0 : hq, nh = part == 0 ? hq : hk;
+    const at::Tensor norm = at::linalg_vector_norm(qkv.narrow(1, h0 * d, nh * d).view({m, nh, d}), 2.0,
+                                                   at::IntArrayRef{-1}, true).contiguous();  // [M, nh, 1]
+    const float* np = norm.data_ptr<float>();
+    const float* g = (part == 0 ? gq : gk).data_ptr<float>();
+    for (int64_t r = 0; r < m; ++r)
+      for (int64_t h = 0; h < nh; ++h) {
+        const float nr = np[r * nh + h];
+        const float inv = 1.0f / std::sqrt(std::fma(value * nr, nr, eps));
+        const float* a = src + r * qkv_w + (h0 + h) * d;
+        float* o = dst + (r * heads + h0 + h) * d;
+        for (int64_t j = 0; j < d; ++j) o[j] = (a[j] * inv) * g[j];
+      }
+  }
+  return out;
+}
 
 // [n, 1]: 1 / RMS of each row of x [n, D], as scripted._inv_rms computes it
 at::Tensor inv_rms(const at::Tensor& x, float eps, float value) {
@@ -148,9 +180,20 @@ struct FusedWeights : torch::CustomClassHolder {
   std::vector<int64_t> kinds;
   std::vector<at::Tensor> w;
   std::vector<int64_t> n_out;
+  std::vector<at::Tensor> norms;  // Qwen3's head norms: two per layer, or none
   FusedWeights(std::vector<int64_t> kinds_, std::vector<at::Tensor> w_, std::vector<int64_t> n_out_)
       : kinds(std::move(kinds_)), w(std::move(w_)), n_out(std::move(n_out_)) {
     check_weights(kinds, w, n_out);
+  }
+  void set_head_norms(std::vector<at::Tensor> gains) {
+    TORCH_CHECK(gains.size() == kinds.size() / 2, "fused_layers: two head norms per layer (query, key)");
+    for (size_t i = 0; i < gains.size(); i += 2) {
+      TORCH_CHECK((gains[i].numel() > 0) == (gains[i + 1].numel() > 0), "fused_layers: a layer's query and key norms go together");
+      for (size_t j = i; j < i + 2; ++j)
+        TORCH_CHECK(gains[j].numel() == 0 || (gains[j].dim() == 1 && gains[j].scalar_type() == at::kFloat && gains[j].is_contiguous()),
+                    "fused_layers: head norm gains must be contiguous float32 [d]");
+    }
+    norms = std::move(gains);
   }
 };
 
@@ -214,11 +257,16 @@ at::Tensor run(const at::Tensor& x_in, const at::Tensor& cos_in, const at::Tenso
       const int64_t qkv_w = qkv.size(1);
       const float* src = qkv.data_ptr<float>();
       float* dst = qk.data_ptr<float>();
+      // the heads the rotation reads: qkv's own, or (Qwen3) after their norms, [M, Hq + Hkv, d]
+      const bool normed = !w.norms.empty() && w.norms[2 * li].numel() > 0;
+      const at::Tensor nq = normed ? head_norms(qkv, hq, hk, d, w.norms[2 * li], w.norms[2 * li + 1], eps) : at::Tensor();
+      const float* heads = normed ? nq.data_ptr<float>() : src;
+      const int64_t heads_w = normed ? qk_heads * d : qkv_w;
       for (int64_t r = 0; r < m; ++r) {
         const float* c = cp + r * d;
         const float* sn = sp + r * d;
         for (int64_t h = 0; h < qk_heads; ++h) {
-          const float* a = src + r * qkv_w + h * d;
+          const float* a = heads + r * heads_w + h * d;
           float* o = dst + (r * qk_heads + h) * d;
           for (int64_t j = 0; j < d; ++j) {
             const float rolled = a[j < half ? j + half : j - half];
@@ -286,7 +334,7 @@ at::Tensor fused_layers(const at::Tensor& x, const at::Tensor& cos, const at::Te
                         const c10::intrusive_ptr<FusedWeights>& weights, std::vector<int64_t> plan, bool final_norm,
                         int64_t tree_start, const c10::optional<at::Tensor>& paths, std::vector<int64_t> taps,
                         const c10::optional<at::Tensor>& tap_out) {
-  const Net w{weights->kinds, weights->w, weights->n_out};
+  const Net w{weights->kinds, weights->w, weights->n_out, weights->norms};
   return run(x, cos, sin, {Segment{0, x.size(0), start, k_all, v_all}}, hq, hk, d, eps, w, std::move(plan), final_norm,
              tree_start, paths, taps, tap_out);
 }
@@ -304,7 +352,7 @@ at::Tensor fused_layers_batch(const at::Tensor& x, const at::Tensor& cos, const 
     row += sizes[i];
   }
   TORCH_CHECK(row == x.size(0), "fused_layers_batch: the sizes must add up to x's rows");
-  const Net w{weights->kinds, weights->w, weights->n_out};
+  const Net w{weights->kinds, weights->w, weights->n_out, weights->norms};
   return run(x, cos, sin, segs, hq, hk, d, eps, w, {}, true, -1, c10::nullopt);
 }
 
@@ -315,7 +363,8 @@ TORCH_LIBRARY_FRAGMENT(specdec, m) {
       .def(torch::init<std::vector<int64_t>, std::vector<at::Tensor>, std::vector<int64_t>>())
       .def("parts", [](const c10::intrusive_ptr<FusedWeights>& self) {  // (kinds, tensors, n_out), as made
         return std::make_tuple(self->kinds, self->w, self->n_out);
-      });
+      })
+      .def("set_head_norms", &FusedWeights::set_head_norms);
   m.def("fused_layers(Tensor x, Tensor cos, Tensor sin, Tensor k_all, Tensor v_all, int start, int n_heads, "
         "int n_kv_heads, int head_dim, Tensor eps, __torch__.torch.classes.specdec.FusedWeights weights, int[] plan, "
         "bool final_norm, int tree_start=-1, Tensor? paths=None, int[] taps=[], Tensor(a!)? tap_out=None) -> Tensor");
