@@ -9,7 +9,6 @@ import json
 import pytest
 import torch
 
-from specdec.errors import ConfigError
 from specdec.models.linear import w8a8_available
 from specdec.models.native import NativeCausalLM
 from specdec.tree import paths
@@ -73,23 +72,32 @@ def test_blocks_trees_and_batches_are_scored_as_token_by_token(folder, quant):
         assert (p - r).abs().sum(-1).max() < 0.3  # total variation per position
 
 
-def test_a_saved_quantised_model_is_never_used_for_qwen3(folder, monkeypatch, tmp_path):
-    """A saved quantised model holds no head norms: Qwen3 is built from its weights each start, and
-    handing it saved layers is refused."""
+@pytest.mark.parametrize("quant", ["int8", "q4"])
+def test_a_saved_quantised_qwen3_reads_its_head_norms_from_the_weights(folder, monkeypatch, tmp_path, quant):
+    """A saved quantised model holds the linear layers; a Qwen3 one is read back with its head norms
+    from the safetensors (next to the embedding), and scores bit for bit as the model built from
+    the weights (whose compiled loops have the norms too)."""
     from specdec.models import quantised_cache
 
     if not w8a8_available():
         pytest.skip("no int8 kernel")
     monkeypatch.setattr(quantised_cache, "cache_dir", lambda: tmp_path)
-    first = NativeCausalLM.from_folder(folder, quant="int8")
-    again = NativeCausalLM.from_folder(folder, quant="int8")
-    assert not any(p.is_file() for p in tmp_path.rglob("*"))  # nothing saved
+    read: list[bool] = []  # per start: whether it read a saved model
+    load = quantised_cache.load
+
+    def spied(*args):  # noqa: ANN002, ANN202
+        state = load(*args)
+        read.append(state is not None)
+        return state
+
+    monkeypatch.setattr(quantised_cache, "load", spied)
+    built = NativeCausalLM.from_folder(folder, quant=quant)
+    assert any(p.is_file() for p in tmp_path.rglob("*"))  # saved
+    saved = NativeCausalLM.from_folder(folder, quant=quant)
+    assert all(layer.q_norm is not None for layer in saved.layers) and read == [False, True]
+    assert all(torch.equal(a.q_norm, b.q_norm) and torch.equal(a.k_norm, b.k_norm) for a, b in zip(built.layers, saved.layers))
     ids = torch.arange(9)
-    assert torch.equal(first.forward(ids, first.new_cache(16)), again.forward(ids, again.new_cache(16)))
-    cfg = first.cfg
-    with pytest.raises(ConfigError, match="norms"):
-        NativeCausalLM(cfg, {"model.embed_tokens.weight": torch.zeros(cfg.vocab_size, cfg.hidden_size)}, quant="int8",
-                       int8_kernel="fbgemm", quantised={})
+    assert torch.equal(built.forward(ids, built.new_cache(16)), saved.forward(ids, saved.new_cache(16)))
 
 
 def test_speculative_greedy_decoding_equals_plain_on_qwen3(folder, tmp_path, capsys):

@@ -317,6 +317,15 @@ def _cache_parts(cfg: NativeConfig, sources: list[Path], calibration: str, *, dt
     }
 
 
+def saved_model_weights(cfg: NativeConfig, files: list[Path]) -> dict[str, Tensor]:
+    """The float weights a saved quantised model does not hold, read from the safetensors ``files``:
+    the embedding, and Qwen3's query and key head norms (tiny; the saved layers are linear ones)."""
+    names = ["model.embed_tokens.weight"]
+    if cfg.qk_norm:
+        names += [f"model.layers.{i}.self_attn.{x}_norm.weight" for i in range(cfg.n_layers) for x in "qk"]
+    return {name: _read_tensor(files, name) for name in names}
+
+
 def _read_tensor(files: list[Path], name: str) -> Tensor:
     """One tensor from whichever of the safetensors ``files`` holds it, without reading the others."""
     from safetensors import safe_open
@@ -486,12 +495,10 @@ class NativeCausalLM:
         were read from, which lets the calibration's ranges be kept on disk for later starts
         (:mod:`specdec.models.calibration_cache`).  ``quantised`` (``quant="int8"`` or ``"q4"``): the
         quantised layers as :meth:`quantised_state` gave them, which then stand for every weight but
-        the embedding (``weights`` holds that alone), with ``int8_kernel`` already resolved; no
-        calibration runs (:mod:`specdec.models.quantised_cache`)."""
+        the embedding and Qwen3's head norms (``weights`` holds those alone, :func:`saved_model_weights`),
+        with ``int8_kernel`` already resolved; no calibration runs (:mod:`specdec.models.quantised_cache`)."""
         if quant not in (None, "int8", "q4"):
             raise ConfigError(f"unknown quantisation {quant!r}; the native backend offers int8 and q4")
-        if cfg.qk_norm and quantised is not None:
-            raise ConfigError("a saved quantised model holds no query and key norms (Qwen3): build it from the weights")
         self.cfg = cfg
         #: "int8": every linear layer and the LM head as W8A8Linear (int8 weights per output
         #: channel, int8 activations per row, exact int32 accumulation; batch-invariant)
@@ -571,6 +578,11 @@ class NativeCausalLM:
         #: run by the 4-bit product as shipped instead of re-quantised to int8
         shipped_head = (quant == "q4" and self._subset is None and not cfg.tie_embeddings and "lm_head.weight" in weights
                         and isinstance(blocks.get("lm_head.weight"), (Q4Blocks, Q6Blocks)))
+        norms: list[tuple[Tensor, Tensor]] = []  # Qwen3's per-head norms, by layer
+        if cfg.qk_norm:  # the attention scale goes into the query norm's weight instead of the query rows
+            norms = [(w(f"model.layers.{i}.self_attn.q_norm.weight") * q_scale, w(f"model.layers.{i}.self_attn.k_norm.weight"))
+                     for i in range(cfg.n_layers)]
+            q_scale = 1.0
         if quantised is not None:
             if quant not in ("int8", "q4") or int8_kernel not in ("fbgemm", "mixed"):
                 raise ConfigError("a saved model needs quant='int8' or 'q4' and its resolved int8 kernel (fbgemm or mixed)")
@@ -589,7 +601,8 @@ class NativeCausalLM:
                 return W8A8Linear.from_state(fields, shapes[name][1], wide=int8_kernel == "mixed")
 
             for i in range(cfg.n_layers):
-                self.layers.append(_Layer(**{name: stored(f"layers.{i}.{name}") for name in LAYER_LINEARS}))
+                self.layers.append(_Layer(**{name: stored(f"layers.{i}.{name}") for name in LAYER_LINEARS},
+                                          **(dict(zip(("q_norm", "k_norm"), norms[i])) if norms else {})))
         elif quant is not None:
             shapes = _linear_shapes(cfg, head_rows)
             self.int8_kernel = _layer_kernel(int8_kernel, shapes)
@@ -603,11 +616,6 @@ class NativeCausalLM:
                                            int8_head=int8_head, quant=quant, int8_kernel=self.int8_kernel,
                                            q4_blocks=[n for n in blocks if n not in used], vocab_subset=vocab_subset)
             build = _LayerByLayer.start(self, calibration, cache_parts, shapes)
-        norms: list[tuple[Tensor, Tensor]] = []  # Qwen3's per-head norms, by layer
-        if cfg.qk_norm:  # the attention scale goes into the query norm's weight instead of the query rows
-            norms = [(w(f"model.layers.{i}.self_attn.q_norm.weight") * q_scale, w(f"model.layers.{i}.self_attn.k_norm.weight"))
-                     for i in range(cfg.n_layers)]
-            q_scale = 1.0
         for i in range(cfg.n_layers if quantised is None else 0):  # (a saved model's layers: built above)
             p = f"model.layers.{i}."
             attn_g, mlp_g = w(p + "input_layernorm.weight"), w(p + "post_attention_layernorm.weight")  # [D]
@@ -709,9 +717,7 @@ class NativeCausalLM:
         # from disk instead of made (the float weights are then never read but for the embedding,
         # nor a GGUF's blocks, nor the calibration text tokenised)
         entry = None
-        # (Qwen3's head norms are not in a saved model's layers: it is built from the weights each time)
-        source = (calibration_source(folder) if quant is not None and quantised_cache.cache_dir() is not None
-                  and not cfg.qk_norm else None)
+        source = calibration_source(folder) if quant is not None and quantised_cache.cache_dir() is not None else None
         if source is not None:
             head_rows = cfg.vocab_size if vocab_subset is None else vocab_subset.numel()
             shapes = _linear_shapes(cfg, head_rows)
@@ -722,8 +728,7 @@ class NativeCausalLM:
             entry = calibration_cache.digest({**parts, "entry": quantised_cache.FORMAT})
             state = quantised_cache.load(entry, shapes) if kernel in ("fbgemm", "mixed") else None
             if state is not None:
-                embed = {"model.embed_tokens.weight": _read_tensor(files, "model.embed_tokens.weight")}
-                return cls(cfg, embed, dtype=dtype, batch_invariant=batch_invariant, int8_head=int8_head, quant=quant,
+                return cls(cfg, saved_model_weights(cfg, files), dtype=dtype, batch_invariant=batch_invariant, int8_head=int8_head, quant=quant,
                            int8_kernel=kernel, vocab_subset=vocab_subset, quantised=state)
         weights: dict[str, Tensor] = {}
         for f in files:
