@@ -97,6 +97,25 @@ def test_continuous_usage_in_every_chunk(client):
     assert all(c.usage is None for c in plain[:-1])  # only with continuous_usage_stats
 
 
+def test_truncate_prompt_tokens_reads_the_prompts_last_tokens(client, local):
+    """vLLM's ``truncate_prompt_tokens``: only the last k prompt tokens are read, as if they were the
+    prompt (echo shows them); -1 keeps what the context holds; 0 and more than the context are 400s."""
+    text = "The quick brown fox jumps over the lazy dog. " * 3
+    full = local.target.tokenizer.encode(text, add_special_tokens=False)
+    kw = dict(model=MODEL, max_tokens=8, temperature=0)
+    cut = client.completions.create(prompt=text, **kw, extra_body={"truncate_prompt_tokens": 5, "return_token_ids": True})
+    assert cut.choices[0].model_extra["prompt_token_ids"] == full[-5:] and cut.usage.prompt_tokens == 5
+    assert cut.choices[0].text == client.completions.create(prompt=full[-5:], **kw).choices[0].text
+    echoed = client.completions.create(prompt=text, echo=True, **kw, extra_body={"truncate_prompt_tokens": 5})
+    assert echoed.choices[0].text == local.target.tokenizer.decode(full[-5:]) + cut.choices[0].text
+    assert client.completions.create(prompt=text, **kw, extra_body={"truncate_prompt_tokens": -1}).usage.prompt_tokens == len(full)
+    said = client.chat.completions.create(messages=[{"role": "user", "content": text}], **kw, extra_body={"truncate_prompt_tokens": 4})
+    assert said.usage.prompt_tokens == 4
+    for bad in (0, local.target.model.max_length + 1):
+        with pytest.raises(openai.BadRequestError, match="truncate_prompt_tokens"):
+            client.completions.create(prompt=text, **kw, extra_body={"truncate_prompt_tokens": bad})
+
+
 def test_sampling_options_stop_and_seed(client):
     kw = dict(model=MODEL, prompt=PROMPT, max_tokens=24, temperature=0.9, top_p=0.95, seed=7)
     a = client.completions.create(**kw).choices[0].text

@@ -65,8 +65,7 @@ IGNORED_HEADER = "X-Specdec-Ignored-Fields"
 #: fields clients send whose meaning this server cannot honour: a 400 when they ask for something
 _REFUSED = ("tools", "functions", "audio", "prediction", "web_search_options",
             # vLLM's sampling extensions this server does not implement: each would change the output
-            "use_beam_search", "logits_processors", "guided_whitespace_pattern",
-            "truncate_prompt_tokens")
+            "use_beam_search", "logits_processors", "guided_whitespace_pattern")
 #: fields that are accepted and have no effect here (listed in the ignored-fields header)
 _NO_EFFECT = ("user", "store", "metadata", "service_tier", "reasoning_effort", "modalities")
 
@@ -124,6 +123,8 @@ class _Request(BaseModel):
     tree: Annotated[int, Field(ge=1, le=defaults.MAX_TREE_NODES)] | Literal["chain", "auto"] | None = None
     # vLLM's: each prompt token's log-probability, rank and this many most likely tokens (not streamed)
     prompt_logprobs: Annotated[int, Field(ge=0, le=20)] | None = None
+    # vLLM's: only the prompt's last k tokens are read (-1: as many as the model's context holds)
+    truncate_prompt_tokens: Annotated[int, Field(ge=-1, le=1 << 24)] | None = None
     # vLLM's: logprobs name each token ``token_id:N`` instead of its text (its bytes stay the token's own)
     return_tokens_as_token_ids: bool = False
     # vLLM's: the prompt's token ids and each choice's generated ids alongside the text
@@ -145,6 +146,19 @@ class _Request(BaseModel):
         if self.stream_options is not None:
             names += [f"stream_options.{k}" for k in sorted(self.stream_options.model_extra or {})]
         return names
+
+
+def _truncated(req: _Request, ids: list[int], max_length: int) -> list[int]:
+    """vLLM's ``truncate_prompt_tokens``: the prompt's last k tokens (left truncation; -1: the
+    model's context); the prompt as it is without it, or where it is short enough already."""
+    k = req.truncate_prompt_tokens
+    if k is None:
+        return ids
+    if k == 0:
+        raise ApiError(400, "truncate_prompt_tokens must be at least 1 (or -1: the model's context)")
+    if k > max_length:
+        raise ApiError(400, f"truncate_prompt_tokens ({k}) is more than the model's context ({max_length} tokens)")
+    return ids[-(max_length if k == -1 else k):]
 
 
 def _stop_token_ids(req: _Request, vocab_size: int) -> tuple[int, ...]:
@@ -1228,8 +1242,9 @@ def openai_router(ctx: "ServerContext") -> APIRouter:
                 ids = list(item)
             if not ids:
                 raise ApiError(400, "the prompt is empty")
-            prompts.append(ids)
-            texts.append(item if isinstance(item, str) else "")
+            kept = _truncated(req, ids, ctx.model.max_length)
+            prompts.append(kept)
+            texts.append(item if isinstance(item, str) and len(kept) == len(ids) else "")  # echo: the prompt as read
         job = _Job(ctx, req, prompts, req.max_tokens if req.max_tokens is not None else 16,
                    logprobs=0 if ranked and req.logprobs is None else req.logprobs,  # best_of ranks by them
                    echo_logprobs=req.logprobs if req.echo else None, owner=_owner(request))
@@ -1350,6 +1365,7 @@ def openai_router(ctx: "ServerContext") -> APIRouter:
         ids = _chat_ids(tok, req.messages, req, tools=shown, trust_template=ctx.settings.trust_request_chat_template)
         if not ids:
             raise ApiError(400, "the conversation encodes to no tokens")
+        ids = _truncated(req, ids, ctx.model.max_length)
         fmt = _call_format(tok, req, shown)
         thinks, opened, tags = _thinks(ctx, tok, ids, req)
         max_tokens = req.max_completion_tokens if req.max_completion_tokens is not None else req.max_tokens
