@@ -389,9 +389,9 @@ def _cmd_generate(args: argparse.Namespace) -> int:
     if args.system is not None and not (args.chat or args.interactive):
         raise SpecdecError("--system needs --chat or --interactive")
     if args.suffix is not None:
-        clash = [flag for flag, given in (("--chat", args.chat), ("--interactive", args.interactive), ("--remote", args.remote)) if given]
+        clash = [flag for flag, given in (("--chat", args.chat), ("--interactive", args.interactive)) if given]
         if clash:
-            raise SpecdecError(f"--suffix fills a gap in plain text, locally; drop {', '.join(clash)}")
+            raise SpecdecError(f"--suffix fills a gap in plain text; drop {', '.join(clash)}")
         _text_arg(args.suffix, "--suffix")
     prompt = _stdin_text("the prompt on stdin") if args.prompt == "-" else _text_arg(args.prompt or "", "--prompt")
     if args.system is not None:
@@ -443,15 +443,10 @@ def _cmd_generate(args: argparse.Namespace) -> int:
 
         return chat_loop(turn, args.system, sampling, first=prompt.strip() or None)
     ids = engine.encode_messages(_messages(args.system, [prompt])) if args.chat else prompt
-    if args.suffix is not None:
-        from dataclasses import replace
-
+    if args.suffix is not None:  # the model closing the file ends the middle
         from specdec import fim
 
-        style = fim.require_style(engine.target.tokenizer)
-        ids = fim.prompt_ids(engine.target.tokenizer, prompt, args.suffix, style)
-        ends = set(sampling.stop_token_ids) | set(fim.end_ids(engine.target.tokenizer, style))  # the model closing the file
-        sampling = replace(sampling, stop_token_ids=tuple(sorted(ends)))
+        ids, sampling = fim.fill_request(engine.target.tokenizer, prompt, args.suffix, sampling)
     out = engine.generate(ids, sampling, method=args.method, gamma=gamma, on_text=on_text,
                           min_confidence=args.min_confidence, tree=tree, tree_min_prob=args.tree_min_prob,
                           logprobs=args.logprobs)

@@ -8,7 +8,7 @@ last marker.  The style is read off the tokenizer (its added tokens), never gues
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import Any
 
 from specdec.errors import ConfigError
@@ -78,3 +78,11 @@ def end_ids(tokenizer: Any, style: FimStyle) -> tuple[int, ...]:
     """The ids of ``style``'s ending tokens that ``tokenizer`` has (stop tokens for the middle)."""
     vocab = _added(tokenizer)
     return tuple(sorted({vocab[name] for name in style.ends if name in vocab}))
+
+
+def fill_request(tokenizer: Any, prefix: str, suffix: str, sampling: Any) -> tuple[list[int], Any]:
+    """A fill-in-the-middle generation's prompt ids and its sampling settings: ``sampling`` with the
+    model's end-of-file tokens added to its stop tokens (``generate --suffix``, locally or at the edge)."""
+    style = require_style(tokenizer)
+    ends = set(sampling.stop_token_ids) | set(end_ids(tokenizer, style))
+    return prompt_ids(tokenizer, prefix, suffix, style), replace(sampling, stop_token_ids=tuple(sorted(ends)))

@@ -21,7 +21,7 @@ def filling(tmp_path_factory):
     folder = draft_renaming(tmp_path_factory.mktemp("fim"), QWEN_MARKERS)
     with ServerProcess.cli("--target", str(folder), "--draft", str(folder), "--dtype", "float32", "--gamma", "4") as srv, \
             srv.openai() as c:
-        yield c, folder
+        yield c, folder, srv.url
 
 
 def test_a_suffix_fills_the_gap_between_prefix_and_suffix(filling):
@@ -31,7 +31,7 @@ def test_a_suffix_fills_the_gap_between_prefix_and_suffix(filling):
     from specdec.engine import Engine, EngineConfig
     from specdec.sampling import SamplingConfig
 
-    client, folder = filling
+    client, folder, _ = filling
     kw = dict(model=folder.name, prompt=BEFORE, suffix=AFTER, max_tokens=16, temperature=0)
     out = client.completions.create(**kw, extra_body={"return_token_ids": True}).choices[0]
     local = Engine.build(EngineConfig(target=str(folder), draft="none", dtype="float32"))
@@ -57,17 +57,20 @@ def test_a_suffix_on_a_model_without_markers_is_refused(client):
 
 
 def test_generate_fills_a_gap_from_the_command_line(filling, capsys):
-    """``generate --suffix``: the same prompt as the server's, speculative = plain greedy; clashing
-    options and a model without markers are clear errors (exit 2, no traceback)."""
+    """``generate --suffix``: speculative = plain greedy, locally and drafted at the edge against the
+    server; clashing options and a model without markers are clear errors (exit 2, no traceback)."""
     from specdec.cli import main
 
-    _, folder = filling
+    _, folder, url = filling
     base = ["generate", "-p", BEFORE, "--suffix", AFTER, "--target", str(folder), "-n", "12", "-t", "0", "--json"]
     outs = []
     for extra in (["--draft", "none"], ["--draft", str(folder)]):
         assert main(base + extra) == 0
         outs.append(__import__("json").loads(capsys.readouterr().out))
-    assert outs[0]["token_ids"] == outs[1]["token_ids"] and outs[0]["stats"]["prompt_tokens"] == outs[1]["stats"]["prompt_tokens"]
+    assert main(base + ["--remote", url, "--draft", str(folder)]) == 0  # drafted here, verified on the server
+    outs.append(__import__("json").loads(capsys.readouterr().out))
+    assert outs[0]["token_ids"] == outs[1]["token_ids"] == outs[2]["token_ids"]
+    assert outs[0]["stats"]["prompt_tokens"] == outs[1]["stats"]["prompt_tokens"]
     for extra in (["--chat"], ["--interactive"]):
         assert main(base[:-1] + extra) == 2
         assert "--suffix" in capsys.readouterr().err

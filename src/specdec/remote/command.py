@@ -157,7 +157,13 @@ def run_generate(args: argparse.Namespace, prompt: str, sampling: SamplingConfig
         return _chat(args, prompt, sampling, remote, drafter, draft, dict(
             drafter_name=name, tokenizer=tokenizer, gamma=gamma, tree=tree, tree_min_prob=args.tree_min_prob,
             eos_ids=eos, q_top_k=args.q_top_k, gate=gate, on_text=on_text))
-    ids = encode_prompt(tokenizer, prompt, chat=args.chat, system=args.system)
+    suffix = getattr(args, "suffix", None)
+    if suffix is None:
+        ids = encode_prompt(tokenizer, prompt, chat=args.chat, system=args.system)
+    else:  # fill in the middle: the edge builds the prompt from its tokenizer (the target's), the server verifies as ever
+        from specdec import fim
+
+        ids, sampling = fim.fill_request(tokenizer, prompt, suffix, sampling)
     out = generate_remote(
         ids, sampling, remote, drafter=drafter, drafter_name=name, tokenizer=tokenizer, gamma=gamma, tree=tree,
         tree_min_prob=args.tree_min_prob, eos_ids=eos, q_top_k=args.q_top_k, gate=gate, on_text=on_text,
