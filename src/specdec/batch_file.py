@@ -1,8 +1,10 @@
 """``specdec generate --prompts-file``: a JSON-lines file of prompts in, a JSON-lines file of results out.
 
 Input: one JSON value per line (blank lines skipped) — a string (the prompt), or an object with
-``"prompt"`` (a string; ``"system"`` optional, for ``--chat``) or ``"messages"`` (a chat: a list of
-``{"role", "content"}``, always through the chat template).  Output: one object per prompt, in
+``"prompt"`` (a string; ``"system"`` optional, for ``--chat``; or ``"suffix"``: fill in the middle,
+the prompt the code before a gap and the suffix the code after it, as ``generate --suffix``) or
+``"messages"`` (a chat: a list of ``{"role", "content"}``, always through the chat template).  Where
+any line has a suffix, the model's end-of-file tokens end every line's output.  Output: one object per prompt, in
 input order, written as soon as it and every prompt before it are done, so an interrupted job keeps
 what it finished; run the same command again with the same ``--out`` and it goes on from there.
 """
@@ -52,8 +54,11 @@ def parse_prompt_lines(text: str, source: str) -> list[PromptLine]:
         if not isinstance(value, dict) or ("prompt" in value) == ("messages" in value):
             raise _bad(where, "neither a string nor an object with exactly one of \"prompt\" and \"messages\"")
         if "prompt" in value:
-            if not isinstance(value["prompt"], str) or not isinstance(value.get("system", ""), str):
-                raise _bad(where, "\"prompt\" and \"system\" must be strings")
+            if not isinstance(value["prompt"], str) or not isinstance(value.get("system", ""), str) \
+                    or not isinstance(value.get("suffix", ""), str):
+                raise _bad(where, "\"prompt\", \"system\" and \"suffix\" must be strings")
+            if "suffix" in value and "system" in value:
+                raise _bad(where, "a \"suffix\" fills a gap in plain text: it takes no \"system\"")
             out.append(PromptLine(value, value["prompt"], None))
             continue
         msgs = value["messages"]
@@ -85,9 +90,20 @@ def read_prompts(path: str) -> list[PromptLine]:
     return prompts
 
 
+def fills(p: PromptLine) -> bool:
+    """Whether the line fills in the middle (has a ``"suffix"``)."""
+    return isinstance(p.value, dict) and "suffix" in p.value
+
+
 def encode(engine: Any, p: PromptLine, *, chat: bool, system: str | None) -> list[int]:
     if p.messages is not None:
         return engine.encode_messages(p.messages)
+    if fills(p):
+        from specdec import fim
+
+        if chat:
+            raise SpecdecError("a \"suffix\" fills a gap in plain text; drop --chat")
+        return fim.prompt_ids(engine.target.tokenizer, p.text or "", p.value["suffix"])
     own = isinstance(p.value, dict) and "system" in p.value  # a line's own system message implies the template
     return engine.encode(p.text or "", chat=chat or own, system=p.value["system"] if own else system)
 
@@ -176,6 +192,13 @@ def run(engine: Any, job: Job, args: Any, sampling: Any, log: Callable[[str], No
             raise SpecdecError(f"prompt {i} (counting from 0) has {len(x)} tokens but the model's context is {context}")
         ids.append(x)
     tok = engine.target.tokenizer
+    if any(fills(prompts[i]) for i in todo):  # the model closing the file ends a filled middle
+        from dataclasses import replace
+
+        from specdec import fim
+
+        ends = set(sampling.stop_token_ids) | set(fim.end_ids(tok, fim.require_style(tok)))
+        sampling = replace(sampling, stop_token_ids=tuple(sorted(ends)))
 
     def row(res: Any) -> dict:
         r = {"text": res.text, "token_ids": res.token_ids, "finish_reason": res.finish_reason,

@@ -279,7 +279,8 @@ def build_parser() -> argparse.ArgumentParser:
     b = gen.add_argument_group("many prompts at once")
     b.add_argument("--prompts-file", metavar="FILE",
                    help="batch generation: the prompts of a JSON-lines FILE ('-' reads stdin), one per line: a string, "
-                        "{\"prompt\": ...} (with --chat, or its own \"system\", through the chat template) or "
+                        "{\"prompt\": ...} (with --chat, or its own \"system\", through the chat template; with a \"suffix\", filled in "
+                        "the middle as with --suffix) or "
                         "{\"messages\": [...]}. Results are JSON lines in input order (text, token_ids, finish_reason, "
                         "seed, ...) on stdout or in --out. Up to --batch sequences decode together (continuous batching), "
                         "without a drafter: a batched pass is compute-bound on a CPU, where drafting does not pay. Prompt "
