@@ -135,6 +135,19 @@ def test_output_law_with_ngram_drafter_and_auto_gamma(method):
     assert chi_square_pvalue(_samples(method, cfg, drafter=NgramDrafter(), gamma=gamma), law) > ALPHA
 
 
+def test_output_law_with_a_prediction_in_front_of_the_draft_model():
+    """OpenAI's Predicted Outputs: free, deterministic drafts from a fixed guess at the answer (here
+    one the target often follows, and often not), the draft model where the guess has nothing.
+    Same N and threshold as the other law tests; block verification, γ auto."""
+    from specdec.drafters.predicted import Predicted
+
+    cfg = SamplingConfig(temperature=1.0, top_p=0.9)
+    law = exact_law(TARGET, PROMPT, cfg, N_NEW)
+    drafter = Predicted([3, 1, 3, 2, 3], ModelDrafter(DRAFT))
+    assert chi_square_pvalue(_samples("block", cfg, drafter=drafter, gamma=CostGamma(start=2)), law) > ALPHA
+    assert drafter.proposed > N_SAMPLES and drafter.accepted > 0  # the prediction did draft
+
+
 @pytest.mark.parametrize("method", ["lossy_resample_p", "lossy_strict_residual", "lossy_ratio_threshold"])
 def test_negative_control_lossy_rules_are_detected(method):
     cfg = OPTIONS["temperature"]

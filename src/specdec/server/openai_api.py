@@ -37,6 +37,7 @@ from specdec.gamma import CappedGamma, CostGamma
 from specdec.errors import SpecdecError
 from specdec.models.registry import LoadedModel
 from specdec.sampling import SamplingConfig, checked_bias, offset_seed
+from specdec.drafters.predicted import Predicted, predicted_ids
 from specdec.session import score_prompt
 from specdec.text import TextStream
 from specdec.token_filter import MAX_BAD_WORDS, constraint_factory
@@ -63,7 +64,7 @@ log = logging.getLogger("specdec.server")
 #: response header naming the request fields that were accepted and ignored
 IGNORED_HEADER = "X-Specdec-Ignored-Fields"
 #: fields clients send whose meaning this server cannot honour: a 400 when they ask for something
-_REFUSED = ("tools", "functions", "audio", "prediction", "web_search_options",
+_REFUSED = ("tools", "functions", "audio", "web_search_options",
             # vLLM's sampling extensions this server does not implement: each would change the output
             "use_beam_search", "logits_processors", "guided_whitespace_pattern")
 #: fields that are accepted and have no effect here (listed in the ignored-fields header)
@@ -129,6 +130,8 @@ class _Request(BaseModel):
     return_tokens_as_token_ids: bool = False
     # vLLM's: the prompt's token ids and each choice's generated ids alongside the text
     return_token_ids: bool = False
+    # OpenAI's Predicted Outputs: text much of the answer is expected to repeat, drafted for free
+    prediction: dict[str, Any] | None = None
 
     def ignored_fields(self) -> list[str]:
         """Names of the fields accepted without effect (unknown ones and known no-ops)."""
@@ -453,6 +456,15 @@ class _Job:
         model = ctx.model
         _served(ctx, req.model)
         self.ignored = req.ignored_fields()
+        #: OpenAI's Predicted Outputs as token ids: free drafts for every choice (None: none given)
+        self.predicted: list[int] | None = None
+        if req.prediction is not None:
+            if ctx.tokenizer is None:
+                raise ApiError(400, "prediction needs the server's tokenizer")
+            try:
+                self.predicted = predicted_ids(ctx.tokenizer, req.prediction)
+            except ValueError as exc:
+                raise ApiError(400, str(exc)) from None
         if req.prompt_logprobs is not None and req.stream:
             raise ApiError(400, "prompt_logprobs cannot be streamed (as in vLLM): send the request without stream")
         for ids in prompts:
@@ -616,8 +628,11 @@ class _Job:
             pace.start(index)
         try:
             drafter = ctx.drafter_factory() if ctx.drafter_factory is not None else None
+            name = ctx.drafter_name if drafter is not None else "none"
+            if self.predicted:  # the caller's prediction drafts first, the server's drafter where it has nothing
+                drafter, name = Predicted(self.predicted, drafter), "prediction" if drafter is None else f"prediction+{name}"
             target = LoadedModel(ctx.settings.model_name, ctx.model, ctx.tokenizer, None, "server", ctx.eos_ids)
-            engine = Engine(target, drafter, ctx.drafter_name if drafter is not None else "none")
+            engine = Engine(target, drafter, name)
             started = time.perf_counter()
             if self._score_top is not None:
                 self.score(index)  # before any text streams (the echoed prompt's chunk carries it)

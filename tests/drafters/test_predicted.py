@@ -1,0 +1,85 @@
+"""OpenAI's Predicted Outputs as a drafter (``specdec.drafters.predicted``): where its drafts come from.
+
+The output law with a prediction in front of the draft model is a chi-square test in
+``tests/test_decoder.py``; the server's answers with and without one in ``tests/server/test_openai.py``.
+"""
+
+from __future__ import annotations
+
+from types import SimpleNamespace
+
+import torch
+
+from specdec.drafters.predicted import Predicted, predicted_ids
+from specdec.verify import Verdict
+
+ROOM = SimpleNamespace(room=None)  # a sampler as the prediction reads it: no server cap
+
+
+def _verdict(accepted: int) -> Verdict:
+    return Verdict(num_accepted=accepted, tokens=torch.zeros(accepted + 1, dtype=torch.long))
+
+
+def test_drafts_follow_the_answer_through_the_prediction():
+    """From the prediction's start; after a partial acceptance, from where the answer's last tokens
+    occur at or after the last draft's end (not an earlier copy of the same n-gram); nothing where
+    the answer left the prediction and there is no drafter behind it."""
+    predicted = [5, 6, 7, 5, 6, 8, 9, 10]
+    d = Predicted(predicted)
+    prompt = torch.tensor([1, 2, 3])
+    d.prepare(prompt)
+    first = d.propose(prompt, 4, ROOM)
+    assert first.tokens.tolist() == predicted[:first.tokens.numel()] and first.free and first.probs is None
+    d.commit(_verdict(3))
+    d.update_free(gamma=first.tokens.numel(), accepted=3, draft_s=0.0, target_s=0.01, other_s=0.0)
+    context = torch.tensor([1, 2, 3, 5, 6, 7, 5, 6])  # the answer so far: 5 6 7 5 6 (its last two occur twice)
+    again = d.propose(context, 4, ROOM)
+    assert again.tokens.tolist()[0] == 8  # the later "5 6", the one at or after where the last draft ended
+    d.commit(_verdict(0))
+    off = d.propose(torch.tensor([1, 2, 3, 5, 6, 7, 5, 6, 4, 4]), 4, ROOM)
+    assert off.tokens.numel() == 0 and d.proposed == first.tokens.numel() and d.accepted == 3
+
+
+def test_the_inner_drafter_drafts_where_the_prediction_has_nothing():
+    class Inner:
+        def __init__(self) -> None:
+            self.calls, self.commits = 0, 0
+
+        def prepare(self, prompt) -> None:  # noqa: ANN001
+            pass
+
+        def propose(self, context, gamma, sampler):  # noqa: ANN001, ANN201
+            self.calls += 1
+            return SimpleNamespace(tokens=torch.tensor([42]), probs=None, free=False)
+
+        def commit(self, verdict) -> None:  # noqa: ANN001
+            self.commits += 1
+
+    inner = Inner()
+    d = Predicted([5, 6], inner)
+    d.prepare(torch.tensor([1]))
+    d.propose(torch.tensor([1]), 2, ROOM)
+    d.commit(_verdict(2))  # the prediction's round: the inner drafter is not told
+    assert inner.calls == 0 and inner.commits == 0
+    assert d.propose(torch.tensor([1, 5, 6, 3]), 2, ROOM).tokens.tolist() == [42]
+    d.commit(_verdict(1))
+    assert inner.calls == 1 and inner.commits == 1
+    assert d.propose(torch.tensor([1, 5, 6, 3, 4]), 0, ROOM).tokens.numel() == 0  # γ 0: the inner drafter is not asked
+    assert inner.calls == 1
+
+
+def test_the_request_field_is_read_as_openai_sends_it():
+    from transformers import AutoTokenizer
+
+    from specdec.models.registry import DATA_DIR
+
+    tok = AutoTokenizer.from_pretrained(str(DATA_DIR / "smollm2-135m-draft"))
+    whole = predicted_ids(tok, {"type": "content", "content": "def add(a, b):"})
+    parts = predicted_ids(tok, {"type": "content", "content": [{"type": "text", "text": "def add"}, {"type": "text", "text": "(a, b):"}]})
+    assert whole == parts == tok.encode("def add(a, b):", add_special_tokens=False)
+    for bad in ({"type": "text", "content": "x"}, {"type": "content", "content": 3}, {"type": "content", "content": [{"text": "x"}]}):
+        try:
+            predicted_ids(tok, bad)
+        except ValueError:
+            continue
+        raise AssertionError(f"{bad} was accepted")
