@@ -25,16 +25,28 @@ def free_port() -> int:
         return s.getsockname()[1]
 
 
+class PortTaken(RuntimeError):
+    """The server could not listen: its port was taken between :func:`free_port` and its start."""
+
+
 class ServerProcess:
-    """``argv`` is the command after ``python``; ``{port}`` in it is replaced by the port."""
+    """``argv`` is the command after ``python``; ``{port}`` in it is replaced by the port.  Without
+    ``port`` a free one is picked, and picked again if another process takes it before the server
+    listens (a free port is only free when asked: an outgoing connection of any process may be
+    given it next, and a server takes seconds to start)."""
 
     def __init__(self, argv: list[str], *, port: int | None = None, ready_timeout: float = 120.0,
                  capture_stdout: bool = False) -> None:
         self.capture_stdout = capture_stdout
-        self.port = port or free_port()
-        self.argv = [a.replace("{port}", str(self.port)) for a in argv]
+        self._template = argv
+        self._chosen = port is not None
+        self._place(port or free_port())
         self.ready_timeout = ready_timeout
         self.proc: subprocess.Popen | None = None
+
+    def _place(self, port: int) -> None:
+        self.port = port
+        self.argv = [a.replace("{port}", str(port)) for a in self._template]
 
     @classmethod
     def toy(cls, *extra: str, **kw) -> "ServerProcess":
@@ -61,18 +73,29 @@ class ServerProcess:
 
     def start(self, *, wait: bool = True) -> "ServerProcess":
         env = dict(os.environ, OMP_NUM_THREADS="1", TOKENIZERS_PARALLELISM="false")
-        self.proc = subprocess.Popen([sys.executable, *self.argv], env=env,
-                                     stdout=subprocess.PIPE if self.capture_stdout else subprocess.DEVNULL,
-                                     stderr=subprocess.PIPE, text=True)
-        if wait:
-            self.wait_ready()
+        for attempt in range(3):
+            self.proc = subprocess.Popen([sys.executable, *self.argv], env=env,
+                                         stdout=subprocess.PIPE if self.capture_stdout else subprocess.DEVNULL,
+                                         stderr=subprocess.PIPE, text=True)
+            if not wait:
+                return self
+            try:
+                self.wait_ready()
+                return self
+            except PortTaken:
+                self.stop()
+                if self._chosen or attempt == 2:
+                    raise
+                self._place(free_port())
         return self
 
     def wait_ready(self) -> None:
         deadline = time.monotonic() + self.ready_timeout
         while time.monotonic() < deadline:
             if self.proc is not None and self.proc.poll() is not None:
-                raise RuntimeError(f"server exited with {self.proc.returncode}: {self.proc.stderr.read()[-2000:]}")
+                err = self.proc.stderr.read()[-2000:]
+                kind = PortTaken if "address already in use" in err.lower() else RuntimeError
+                raise kind(f"server exited with {self.proc.returncode}: {err}")
             try:
                 if httpx.get(self.url + "/health", timeout=1.0).status_code == 200:
                     return
