@@ -197,8 +197,7 @@ def run(engine: Any, job: Job, args: Any, sampling: Any, log: Callable[[str], No
 
         from specdec import fim
 
-        ends = set(sampling.stop_token_ids) | set(fim.end_ids(tok, fim.require_style(tok)))
-        sampling = replace(sampling, stop_token_ids=tuple(sorted(ends)))
+        sampling = replace(sampling, stop_token_ids=fim.stop_ids(tok, fim.require_style(tok), sampling.stop_token_ids))
 
     def row(res: Any) -> dict:
         r = {"text": res.text, "token_ids": res.token_ids, "finish_reason": res.finish_reason,

@@ -9,9 +9,10 @@ last marker.  The style is read off the tokenizer (its added tokens), never gues
 from __future__ import annotations
 
 from dataclasses import dataclass, replace
-from typing import Any
+from typing import Any, Sequence
 
 from specdec.errors import ConfigError
+from specdec.tokenizer import added_vocab
 
 
 @dataclass(frozen=True)
@@ -37,14 +38,9 @@ STYLES = (
 )
 
 
-def _added(tokenizer: Any) -> dict[str, int]:
-    added = getattr(tokenizer, "get_added_vocab", None)
-    return dict(added()) if added is not None else {}
-
-
 def style_of(tokenizer: Any) -> FimStyle | None:
     """The first style whose three markers are all added tokens of ``tokenizer``; None if none is."""
-    vocab = _added(tokenizer)
+    vocab = added_vocab(tokenizer)
     for style in STYLES:
         if all(mark in vocab for mark in (style.prefix, style.suffix, style.middle)):
             return style
@@ -66,7 +62,7 @@ def prompt_ids(tokenizer: Any, prefix: str | list[int], suffix: str, style: FimS
     marker always is the model's own token.  An empty prefix or suffix is allowed (a gap at the
     start or the end of a file); both empty is not a prompt."""
     style = style or require_style(tokenizer)
-    vocab = _added(tokenizer)
+    vocab = added_vocab(tokenizer)
     before = list(prefix) if isinstance(prefix, list) else list(tokenizer.encode(prefix, add_special_tokens=False)) if prefix else []
     after = list(tokenizer.encode(suffix, add_special_tokens=False)) if suffix else []
     if not before and not after:
@@ -75,14 +71,18 @@ def prompt_ids(tokenizer: Any, prefix: str | list[int], suffix: str, style: FimS
 
 
 def end_ids(tokenizer: Any, style: FimStyle) -> tuple[int, ...]:
-    """The ids of ``style``'s ending tokens that ``tokenizer`` has (stop tokens for the middle)."""
-    vocab = _added(tokenizer)
+    """The ids of ``style``'s ending tokens that ``tokenizer`` has."""
+    vocab = added_vocab(tokenizer)
     return tuple(sorted({vocab[name] for name in style.ends if name in vocab}))
 
 
+def stop_ids(tokenizer: Any, style: FimStyle, given: Sequence[int] = ()) -> tuple[int, ...]:
+    """``given`` stop tokens and :func:`end_ids`: the model closing the file ends the middle."""
+    return tuple(sorted(set(given) | set(end_ids(tokenizer, style))))
+
+
 def fill_request(tokenizer: Any, prefix: str, suffix: str, sampling: Any) -> tuple[list[int], Any]:
-    """A fill-in-the-middle generation's prompt ids and its sampling settings: ``sampling`` with the
-    model's end-of-file tokens added to its stop tokens (``generate --suffix``, locally or at the edge)."""
+    """A fill-in-the-middle generation's prompt ids and its sampling settings (``sampling`` with
+    :func:`stop_ids`): ``generate --suffix``, locally or at the edge."""
     style = require_style(tokenizer)
-    ends = set(sampling.stop_token_ids) | set(end_ids(tokenizer, style))
-    return prompt_ids(tokenizer, prefix, suffix, style), replace(sampling, stop_token_ids=tuple(sorted(ends)))
+    return prompt_ids(tokenizer, prefix, suffix, style), replace(sampling, stop_token_ids=stop_ids(tokenizer, style, sampling.stop_token_ids))

@@ -162,8 +162,11 @@ class AfterThinking:
             if not generated or generated[0] != self.open_id:
                 return 0  # no block: the answer is all of it
             start = 1
-        tail = list(generated[start:])
-        return start + tail.index(self.close_id) + 1 if self.close_id in tail else None
+        seq = generated if isinstance(generated, (list, tuple)) else list(generated)
+        try:
+            return seq.index(self.close_id, start) + 1  # one scan, no copy of the history
+        except ValueError:
+            return None
 
     def allowed(self, generated: Sequence[int], vocab_size: int) -> Tensor:  # -> [V] bool
         start = self.answer_start(generated)

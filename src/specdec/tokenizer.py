@@ -76,6 +76,12 @@ REBUILT: dict[str, dict[str, Any]] = {
 }
 
 
+def added_vocab(tokenizer: Any) -> dict[str, int]:
+    """A tokenizer's added tokens by their text (``get_added_vocab``; empty for a tokenizer without one)."""
+    added = getattr(tokenizer, "get_added_vocab", None)
+    return dict(added()) if added is not None else {}
+
+
 @functools.lru_cache(maxsize=4)
 def parsed(tokenizer_json: bytes, normalizer: str | None = None) -> Any:
     """The ``tokenizers`` library's ``Tokenizer`` for these tokenizer.json bytes, parsed once per

@@ -82,19 +82,23 @@ class HFCausalLM:
 
         return HFCache(cache=DynamicCache(config=self.model.config))
 
-    @torch.inference_mode()
-    def forward(self, tokens: Tensor, cache: HFCache, *, last_only: bool = False) -> Tensor:
-        n = tokens.numel()
-        positions = torch.arange(cache.length, cache.length + n, device=self.device)
+    def _call(self, tokens: Tensor, cache: HFCache, **extra: Any) -> Tensor:  # tokens: [n] -> [n | 1, V]
+        """One transformers pass of ``tokens`` after the cache (its slots advance by n); ``extra``:
+        the model's own arguments (a mask, positions, logits_to_keep)."""
+        end = cache.length + tokens.numel()
         out = self.model(
             input_ids=tokens.to(self.device).unsqueeze(0),
             **{self._cache_arg: cache.cache},
             use_cache=True,
-            cache_position=positions,
-            logits_to_keep=1 if last_only else 0,
+            cache_position=torch.arange(cache.length, end, device=self.device),
+            **extra,
         )
-        cache.length += n
+        cache.length = end
         return out.logits[0].float().cpu()
+
+    @torch.inference_mode()
+    def forward(self, tokens: Tensor, cache: HFCache, *, last_only: bool = False) -> Tensor:
+        return self._call(tokens, cache, logits_to_keep=1 if last_only else 0)
 
     @torch.inference_mode()
     def _forward_tree(self, tokens: Tensor, parents: Tensor, cache: HFCache, *, prefix: int | None = None) -> Tensor:
@@ -114,16 +118,8 @@ class HFCausalLM:
         mask = torch.zeros((n, end), dtype=dtype)  # [n, T] additive: 0 attends
         mask[:, start:] = torch.where(sees, 0.0, torch.finfo(dtype).min)
         positions = (start + depths(parents)[m - n :]).to(self.device)  # [n]: prefix + depth
-        out = self.model(
-            input_ids=tokens.to(self.device).unsqueeze(0),
-            attention_mask=mask[None, None].to(self.device),  # [1, 1, n, T]
-            position_ids=positions.unsqueeze(0),
-            **{self._cache_arg: cache.cache},
-            use_cache=True,
-            cache_position=torch.arange(cache.length, end, device=self.device),
-        )
-        cache.length = end
-        return out.logits[0].float().cpu()
+        return self._call(tokens, cache, attention_mask=mask[None, None].to(self.device),  # [1, 1, n, T]
+                          position_ids=positions.unsqueeze(0))
 
 
 def full_attention(config: Any) -> bool:

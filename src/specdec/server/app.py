@@ -124,6 +124,13 @@ class ServerContext:
 
         return self.tokenizer is not None and parser_on(self.settings.reasoning_parser, self.tokenizer)
 
+    @functools.cached_property
+    def reasoning_tags(self) -> Any:
+        """The thinking block's tags, read off the tokenizer once (:func:`specdec.server.reasoning.tags_of`)."""
+        from specdec.server.reasoning import THINK, tags_of
+
+        return tags_of(self.tokenizer) if self.tokenizer is not None else THINK
+
     def _evicted(self, reason: str) -> None:
         self.metrics.sessions_evicted.labels(reason).inc()
 

@@ -1017,7 +1017,7 @@ def _thinks(ctx: Any, tok: Any, ids: list[int], req: Any) -> tuple[bool, bool, r
     opened that block already: R1's template does, the block's tags).  Where the tags are special
     tokens (Mistral's ``[THINK]``) the request's text keeps special tokens, as for Mistral's calls."""
     thinks = bool(ctx.reasoning_on)
-    tags = reasoning.tags_of(tok) if thinks else reasoning.THINK
+    tags = ctx.reasoning_tags if thinks else reasoning.THINK
     if thinks and reasoning.special_tags(tok, tags):
         req.skip_special_tokens = False
     return thinks, thinks and reasoning.prompt_opens(tok, ids, tags), tags
@@ -1234,8 +1234,7 @@ def openai_router(ctx: "ServerContext") -> APIRouter:
                 fill = fim.require_style(tokenizer())
             except SpecdecError as exc:
                 raise ApiError(400, str(exc)) from None
-            ends = set(req.stop_token_ids or ()) | set(fim.end_ids(tokenizer(), fill))  # the model closing the file
-            req = req.model_copy(update={"stop_token_ids": sorted(ends)})
+            req = req.model_copy(update={"stop_token_ids": list(fim.stop_ids(tokenizer(), fill, req.stop_token_ids or ()))})
         if req.max_tokens == 0 and not req.echo:
             raise ApiError(400, "max_tokens 0 needs echo (the prompt echoed, and scored with logprobs; nothing generated)")
         raw = req.prompt

@@ -20,6 +20,8 @@ from __future__ import annotations
 
 from typing import Any, NamedTuple
 
+from specdec.tokenizer import added_vocab
+
 
 class Tags(NamedTuple):
     """A thinking block's opening and closing tags, as text."""
@@ -37,14 +39,9 @@ OPEN, CLOSE = THINK
 PARSERS = ("auto", "think", "none")
 
 
-def _added(tokenizer: Any) -> dict[str, int]:
-    added = getattr(tokenizer, "get_added_vocab", None)
-    return added() if added is not None else {}
-
-
 def tags_of(tokenizer: Any) -> Tags:
     """Mistral's tags where the tokenizer has both as tokens, else ``<think>`` / ``</think>``."""
-    vocab = _added(tokenizer)
+    vocab = added_vocab(tokenizer)
     return MISTRAL if MISTRAL.open in vocab and MISTRAL.close in vocab else THINK
 
 
@@ -66,7 +63,7 @@ def tag_ids(tokenizer: Any, tags: Tags = THINK) -> tuple[int, int] | None:
     """The ids of ``tags`` where each is one token of the tokenizer's own (R1's distillations,
     Qwen3, Magistral), else None: structured output then starts after the thinking's last token
     (:class:`specdec.grammar.AfterThinking`); without them it holds from the first token."""
-    vocab = _added(tokenizer)
+    vocab = added_vocab(tokenizer)
     if tags.open not in vocab or tags.close not in vocab:
         return None
     return int(vocab[tags.open]), int(vocab[tags.close])

@@ -64,6 +64,7 @@ from typing import Annotated, Any, Literal
 from pydantic import BaseModel, ConfigDict, Field
 
 from specdec.server.errors import ApiError
+from specdec.tokenizer import added_vocab
 
 OPEN, CLOSE = "<tool_call>", "</tool_call>"
 #: a block's start up to its arguments' opening brace: ``{"name": "<name>", "arguments": `` then ``{``
@@ -114,8 +115,7 @@ HERMES = CallFormat()
 def call_format(tokenizer: Any) -> CallFormat:
     """The call format of the model behind ``tokenizer``: Mistral's where ``[TOOL_CALLS]`` is one of
     its added tokens, by name and ``[ARGS]`` where that is one too; else Hermes-style blocks."""
-    added = getattr(tokenizer, "get_added_vocab", None)
-    vocab = added() if added is not None else {}
+    vocab = added_vocab(tokenizer)
     if MISTRAL_OPEN in vocab:
         return CallFormat(MISTRAL_OPEN, args=MISTRAL_ARGS in vocab)
     return HERMES
@@ -190,8 +190,7 @@ def _tag(tag: str, tokenizer: Any) -> str:
     text it decodes to; a name outside angle brackets, Mistral's ``[TOOL_CALLS]``, by its id),
     else the literal text."""
     if tokenizer is not None and len(tokenizer.encode(tag, add_special_tokens=False)) == 1:
-        added = getattr(tokenizer, "get_added_vocab", None)
-        vocab = added() if added is not None else {}
+        vocab = added_vocab(tokenizer)
         if tag in vocab:
             return tag if tag.startswith("<") and tag.endswith(">") else f"<[{vocab[tag]}]>"
     return json.dumps(tag)
