@@ -127,8 +127,9 @@ def test_a_prediction_drafts_for_free_and_changes_no_token(client):
     answer = plain.choices[0].message.content
     guessed = client.chat.completions.create(**kw, extra_body={"prediction": {"type": "content", "content": answer}})
     assert guessed.choices[0].message.content == answer and guessed.model_extra["specdec"]["drafter"].startswith("prediction+")
-    # (this server's drafter is the target itself, accepted whole: the prediction's longer free drafts still beat it)
-    assert guessed.model_extra["specdec"]["target_calls"] < plain.model_extra["specdec"]["target_calls"]
+    # (this server's drafter is the target itself, accepted whole; how long the free drafts are is the
+    # cost controller's and the server's load cap's call, which read timings: never more calls, often fewer)
+    assert guessed.model_extra["specdec"]["target_calls"] <= plain.model_extra["specdec"]["target_calls"]
     parts = {"type": "content", "content": [{"type": "text", "text": "Nothing like "}, {"type": "text", "text": "the answer."}]}
     assert client.chat.completions.create(**kw, extra_body={"prediction": parts}).choices[0].message.content == answer
     seeded = dict(kw, temperature=1.0, seed=11)
