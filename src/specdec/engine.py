@@ -446,6 +446,9 @@ class TextResult:
     result: GenerationResult = field(repr=False)
     #: per generated token: (log-probability, [(id, log-probability) of the most likely]) or None
     logprobs: list[tuple[float, list[tuple[int, float]]]] | None = field(default=None, repr=False)
+    #: with a prediction drafting (OpenAI's Predicted Outputs): its tokens the answer took and the rest
+    #: (:meth:`specdec.drafters.predicted.Predicted.taken`); None without one
+    prediction_tokens: tuple[int, int] | None = None
 
     @property
     def stats(self):

@@ -40,6 +40,34 @@ def test_drafts_follow_the_answer_through_the_prediction():
     assert off.tokens.numel() == 0 and d.proposed == first.tokens.numel() and d.accepted == 3
 
 
+def test_usage_counts_the_prediction_tokens_the_answer_took():
+    """OpenAI's ``accepted_prediction_tokens``: each accepted draft token, plus the round's own target
+    token where the prediction has it next; ``rejected_prediction_tokens``: the rest of the prediction.
+    A prediction position taken twice (an n-gram met again) counts once; ``prepare`` starts afresh."""
+    predicted = [5, 6, 7, 8, 9, 10, 11, 12]
+    d = Predicted(predicted)
+    prompt = torch.tensor([1, 2])
+    d.prepare(prompt)
+    first = d.propose(prompt, 3, ROOM)
+    n = first.tokens.numel()
+    d.commit(Verdict(num_accepted=n, tokens=torch.tensor(predicted[:n + 1])))  # all kept, the target's token is the next one
+    assert d.taken() == (n + 1, len(predicted) - n - 1)
+    d.propose(torch.tensor([1, 2, *predicted[:n + 1]]), 2, ROOM)
+    d.commit(Verdict(num_accepted=0, tokens=torch.tensor([99])))  # turned down at once, the target's token is elsewhere
+    assert d.taken() == (n + 1, len(predicted) - n - 1)
+    d.prepare(prompt)
+    d.propose(prompt, 3, ROOM)
+    d.commit(Verdict(num_accepted=1, tokens=torch.tensor([5, 7])))  # one kept; the target's token skips the prediction's 6
+    assert d.taken() == (1, len(predicted) - 1)
+    d.propose(torch.tensor([1, 2, 5, 7]), 3, ROOM)  # nothing found for "5 7": not a prediction round
+    d.prepare(prompt)
+    d.propose(prompt, 3, ROOM)
+    d.commit(Verdict(num_accepted=2, tokens=torch.tensor([5, 6, 7])))
+    d.propose(torch.tensor([1, 2, 5, 6, 7, 5, 6]), 3, ROOM)  # the answer repeats "5 6": drafted from 7 again
+    d.commit(Verdict(num_accepted=1, tokens=torch.tensor([7, 8])))
+    assert d.taken() == (4, len(predicted) - 4)  # positions 0-3, position 2 taken twice
+
+
 def test_the_inner_drafter_drafts_where_the_prediction_has_nothing():
     class Inner:
         def __init__(self) -> None:

@@ -116,7 +116,7 @@ def test_truncate_prompt_tokens_reads_the_prompts_last_tokens(client, local):
             client.completions.create(prompt=text, **kw, extra_body={"truncate_prompt_tokens": bad})
 
 
-def test_a_prediction_drafts_for_free_and_changes_no_token(client):
+def test_a_prediction_drafts_for_free_and_changes_no_token(client, local):
     """OpenAI's Predicted Outputs: with the answer itself as the prediction, a greedy chat answer
     comes in fewer target calls, token for token the same; a wrong prediction changes
     nothing either; seeded sampling gives plain seeded sampling's tokens whatever the prediction;
@@ -130,8 +130,17 @@ def test_a_prediction_drafts_for_free_and_changes_no_token(client):
     # (this server's drafter is the target itself, accepted whole; how long the free drafts are is the
     # cost controller's and the server's load cap's call, which read timings: never more calls, often fewer)
     assert guessed.model_extra["specdec"]["target_calls"] <= plain.model_extra["specdec"]["target_calls"]
+    # usage: the prediction's tokens the answer took, and the rest of it (none asked: no such fields)
+    size = len(local.target.tokenizer.encode(answer, add_special_tokens=False))
+    took = guessed.usage.completion_tokens_details
+    assert took.accepted_prediction_tokens + took.rejected_prediction_tokens == size
+    assert took.accepted_prediction_tokens >= size - 2, took  # the answer is the prediction (its text re-tokenised)
+    assert plain.usage.completion_tokens_details is None or plain.usage.completion_tokens_details.accepted_prediction_tokens is None
     parts = {"type": "content", "content": [{"type": "text", "text": "Nothing like "}, {"type": "text", "text": "the answer."}]}
-    assert client.chat.completions.create(**kw, extra_body={"prediction": parts}).choices[0].message.content == answer
+    wrong = client.chat.completions.create(**kw, extra_body={"prediction": parts})
+    assert wrong.choices[0].message.content == answer
+    assert wrong.usage.completion_tokens_details.accepted_prediction_tokens == 0
+    assert wrong.usage.completion_tokens_details.rejected_prediction_tokens > 0
     seeded = dict(kw, temperature=1.0, seed=11)
     sampled = client.chat.completions.create(**seeded).choices[0].message.content
     again = client.chat.completions.create(**seeded, extra_body={"prediction": {"type": "content", "content": answer}})

@@ -40,13 +40,21 @@ class Predicted:
         for n, table in self.index.items():
             for k in range(n, len(self.predicted)):
                 table.setdefault(tuple(self.predicted[k - n:k]), []).append(k)
-        #: prediction tokens proposed and accepted, over the sequences since made (OpenAI's usage
-        #: counts ``accepted_prediction_tokens``; the rest of the prediction is its rejected part)
+        #: prediction tokens proposed and accepted as drafts, over the sequences since made
         self.proposed = 0
         self.accepted = 0
         self._fresh(0)
 
+    def taken(self) -> tuple[int, int]:
+        """OpenAI's usage details for the sequence since :meth:`prepare`: (``accepted_prediction_tokens``,
+        ``rejected_prediction_tokens``).  Accepted are the prediction's tokens the answer took in a
+        prediction round: each accepted draft token, and the round's own target token where it is
+        the prediction's next one too.  Rejected are the rest of the prediction, as OpenAI counts them
+        (tokens of the prediction that do not appear in the answer)."""
+        return len(self._taken), len(self.predicted) - len(self._taken)
+
     def _fresh(self, start: int) -> None:
+        self._taken: set[int] = set()  # the prediction's positions the answer took (see :meth:`taken`)
         self._start = start  # the prompt's length: the answer starts there
         self._at = 0  # where the last prediction draft left off in the prediction
         self._from: int | None = None  # this round's prediction draft starts there (None: not a prediction round)
@@ -130,7 +138,12 @@ class Predicted:
             if self._inner_round:
                 self.inner.commit(verdict)
             return
-        self._at = self._from + verdict.num_accepted
+        kept, at = verdict.tokens.tolist(), self._from
+        took = 0  # the accepted drafts, then the target's own token where the prediction has it next
+        while took < len(kept) and at + took < len(self.predicted) and kept[took] == self.predicted[at + took]:
+            took += 1
+        self._taken.update(range(at, at + took))
+        self._at = at + verdict.num_accepted
         self.accepted += verdict.num_accepted
 
     def update_free(self, *, gamma: int, accepted: int, draft_s: float, target_s: float, other_s: float) -> None:

@@ -366,12 +366,17 @@ def _finish_reason(reason: str) -> str:
 def _usage(outs: list[TextResult], prompt_tokens: int, n: int = 1, thinking: Callable[[TextResult], int] | None = None) -> dict[str, Any]:
     """Token counts; ``prompt_tokens_details.cached_tokens``: prompt tokens the prefix cache served
     (each prompt counted once, by its first choice: ``n`` choices per prompt); with ``thinking`` (a
-    choice's thinking tokens), ``completion_tokens_details.reasoning_tokens``."""
+    choice's thinking tokens), ``completion_tokens_details.reasoning_tokens``; with a prediction,
+    ``accepted_prediction_tokens`` and ``rejected_prediction_tokens`` there too (OpenAI's Predicted
+    Outputs: the prediction's tokens the answer took, and the rest of it)."""
     completion = sum(len(o.token_ids) for o in outs)
     cached = sum(o.stats.cached_prompt_tokens for o in outs[::n])
-    details = {"completion_tokens_details": {"reasoning_tokens": sum(thinking(o) for o in outs)}} if thinking is not None else {}
+    details = {"reasoning_tokens": sum(thinking(o) for o in outs)} if thinking is not None else {}
+    predicted = [o.prediction_tokens for o in outs if o.prediction_tokens is not None]
+    if predicted:
+        details.update(accepted_prediction_tokens=sum(a for a, _ in predicted), rejected_prediction_tokens=sum(r for _, r in predicted))
     return {"prompt_tokens": prompt_tokens, "completion_tokens": completion, "total_tokens": prompt_tokens + completion,
-            "prompt_tokens_details": {"cached_tokens": cached}, **details}
+            "prompt_tokens_details": {"cached_tokens": cached}, **({"completion_tokens_details": details} if details else {})}
 
 
 def _best(outs: list[TextResult], candidates: int, keep: int) -> list[int]:
@@ -655,6 +660,8 @@ class _Job:
                                   stop_when=self.stop_when)
             if auto is not None:
                 ctx.gamma_memory.keep(memory_key, auto)
+            if isinstance(drafter, Predicted):
+                out.prediction_tokens = drafter.taken()
         except SchedulerCancelled:
             raise _Cancelled from None
         finally:
