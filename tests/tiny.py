@@ -13,10 +13,11 @@ TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "chat_template.jin
 
 
 def make_tiny(folder: Path, *, model_type: str = "llama", seed: int = 0, max_positions: int = 256,
-              layers: int = 2, hidden: int = 32, vocab: int = 49152, tied: bool = True) -> Path:
-    """Save a tiny random ``model_type`` (llama | qwen2 | qwen3) model with the 49,152-token tokenizer
-    (``tied``: the LM head is the embedding)."""
-    from transformers import AutoModelForCausalLM, LlamaConfig, Qwen2Config, Qwen3Config
+              layers: int = 2, hidden: int = 32, vocab: int = 49152, tied: bool = True, window: int | None = None) -> Path:
+    """Save a tiny random ``model_type`` (llama | qwen2 | qwen3 | mistral | gemma3) model with the
+    49,152-token tokenizer (``tied``: the LM head is the embedding).  ``window``: sliding-window
+    attention of that window (qwen2, mistral: every layer; gemma3: every other layer, from the first)."""
+    from transformers import AutoModelForCausalLM, Gemma3TextConfig, LlamaConfig, MistralConfig, Qwen2Config, Qwen3Config
 
     torch.manual_seed(seed)
     common = dict(
@@ -24,7 +25,14 @@ def make_tiny(folder: Path, *, model_type: str = "llama", seed: int = 0, max_pos
         num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=max_positions,
         tie_word_embeddings=tied, bos_token_id=1, eos_token_id=2, rope_theta=10000.0,
     )
-    configs = {"llama": LlamaConfig, "qwen2": Qwen2Config, "qwen3": lambda **kw: Qwen3Config(head_dim=hidden // 4, **kw)}
+    if window is not None and model_type == "qwen2":
+        common.update(use_sliding_window=True, sliding_window=window, max_window_layers=0)
+    kinds = ["sliding_attention" if i % 2 == 0 else "full_attention" for i in range(layers)]
+    configs = {
+        "llama": LlamaConfig, "qwen2": Qwen2Config, "qwen3": lambda **kw: Qwen3Config(head_dim=hidden // 4, **kw),
+        "mistral": lambda **kw: MistralConfig(sliding_window=window, **kw),
+        "gemma3": lambda **kw: Gemma3TextConfig(head_dim=hidden // 4, sliding_window=window or 4096, layer_types=kinds, **kw),
+    }
     cfg = configs[model_type](**common)
     model = AutoModelForCausalLM.from_config(cfg, dtype=torch.float32)
     with torch.no_grad():  # make attention biases non-zero so Qwen2's bias path is exercised

@@ -254,7 +254,7 @@ class TargetSession:
         check_parents(parents, n)
         forward_tree = getattr(self.model, "forward_tree", None)
         if forward_tree is None:
-            raise ConfigError("token trees need tree attention, which this target's backend lacks (on the hf backend, a model with sliding-window layers has none)")
+            raise ConfigError("token trees need tree attention, which this target's backend lacks (on the hf backend, a model with layers other than full or sliding-window attention, such as chunked or linear attention, has none)")
         if self._tree_rule is None:
             self._tree_rule = get_tree_rule(self.rule.name)
         rule = self._tree_rule

@@ -1,4 +1,5 @@
-"""The Hugging Face backend's token trees: a custom attention mask per pass, a cache kept on one path."""
+"""The Hugging Face backend's token trees: custom attention masks per pass (one per layer kind
+where some layers are windowed), a cache kept on one path."""
 
 from __future__ import annotations
 
@@ -7,7 +8,7 @@ import json
 import pytest
 import torch
 
-from specdec.models.hf import HFCausalLM, full_attention
+from specdec.models.hf import HFCausalLM, sliding_window, tree_attention
 from specdec.tree import paths
 from tiny import make_tiny
 
@@ -15,9 +16,15 @@ from tiny import make_tiny
 PARENTS = torch.tensor([-1, -1, 0, 0, 1, 2, 4])
 
 
-@pytest.fixture(scope="module", params=["llama", "qwen2", "qwen3"])
+#: (model type, sliding window): a window of 4 is shorter than the 7-token prompt plus a tree's depth,
+#: so windowed layers must drop keys the full ones keep
+MODELS = [("llama", None), ("qwen2", None), ("qwen3", None), ("gemma3", 4), ("qwen2", 4), ("mistral", 4)]
+
+
+@pytest.fixture(scope="module", params=MODELS, ids=[f"{kind}-w{window}" if window else kind for kind, window in MODELS])
 def hf(request, tmp_path_factory):
-    return HFCausalLM.from_folder(str(make_tiny(tmp_path_factory.mktemp(request.param), model_type=request.param)))
+    kind, window = request.param
+    return HFCausalLM.from_folder(str(make_tiny(tmp_path_factory.mktemp(kind), model_type=kind, window=window)))
 
 
 def _alone(hf: HFCausalLM, ids: torch.Tensor) -> torch.Tensor:  # -> [V] the last row of ``ids`` scored afresh
@@ -47,11 +54,24 @@ def test_each_tree_node_is_scored_as_its_own_path(hf):
         hf.forward_tree(tokens[:2], PARENTS[:3], cache)
 
 
-def test_models_with_sliding_window_layers_have_no_tree_pass():
-    """One mask serves every layer of a pass, so a model with sliding-window layers (Gemma 3, a
-    windowed Qwen2 or Mistral) gets no ``forward_tree``: drafters and sessions keep to chains, and a
-    tree asked of it is a clear error."""
-    from transformers import Gemma3TextConfig, LlamaConfig, MistralConfig, Qwen2Config, Qwen2ForCausalLM
+def test_a_windowed_cache_rolls_back_past_its_window(hf):
+    """Rejected drafts are cut from the cache whatever its length: past a sliding window too
+    (transformers' own windowed cache layer cannot be cut once full), and what follows is scored as
+    if only the kept tokens had been fed."""
+    ids = torch.randint(0, 49152, (12,), generator=torch.Generator().manual_seed(1))
+    cache = hf.new_cache()
+    hf.forward(ids, cache)
+    cache.truncate(9)
+    assert torch.allclose(hf.forward(ids[9:10], cache)[-1], _alone(hf, ids[:10]), atol=1e-4)
+
+
+def test_which_models_get_a_tree_pass():
+    """Full and sliding-window layers get tree masks; a model with other layer kinds (chunked or
+    linear attention) gets no ``forward_tree``: drafters and sessions keep to chains, and a tree
+    asked of it is a clear error."""
+    from types import SimpleNamespace
+
+    from transformers import Gemma3TextConfig, LlamaConfig, MistralConfig, Qwen2Config
 
     from specdec.drafters.base import Draft
     from specdec.errors import ConfigError
@@ -59,23 +79,30 @@ def test_models_with_sliding_window_layers_have_no_tree_pass():
     from specdec.session import TargetSession
     from specdec.verify import get_rule
 
-    assert full_attention(LlamaConfig()) and full_attention(MistralConfig(sliding_window=None))
-    assert not full_attention(MistralConfig(sliding_window=4096)) and not full_attention(Gemma3TextConfig())
+    assert sliding_window(LlamaConfig()) is None and sliding_window(MistralConfig(sliding_window=None)) is None
+    assert sliding_window(MistralConfig(sliding_window=4096)) == 4096 and sliding_window(Gemma3TextConfig(sliding_window=512)) == 512
+    assert sliding_window(Qwen2Config(sliding_window=4096)) is None  # Qwen2 windows no layer unless asked
+    assert all(tree_attention(c) for c in (LlamaConfig(), MistralConfig(sliding_window=4096), Gemma3TextConfig()))
+    assert not tree_attention(SimpleNamespace(layer_types=["sliding_attention", "chunked_attention"]))
     tiny = dict(vocab_size=64, hidden_size=32, intermediate_size=64, num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2)
-    assert full_attention(Qwen2Config(**tiny)) and hasattr(HFCausalLM(Qwen2ForCausalLM(Qwen2Config(**tiny))), "forward_tree")
-    windowed = HFCausalLM(Qwen2ForCausalLM(Qwen2Config(**tiny, use_sliding_window=True, sliding_window=8, max_window_layers=0)))
-    assert not hasattr(windowed, "forward_tree")
-    session = TargetSession(windowed, [1, 2], SamplingConfig(temperature=0.0), get_rule("greedy"), seed=0)
-    with pytest.raises(ConfigError, match="sliding-window"):
+    from transformers import Qwen2ForCausalLM
+
+    model = HFCausalLM(Qwen2ForCausalLM(Qwen2Config(**tiny)))
+    del model.forward_tree  # as for a model with chunked attention
+    session = TargetSession(model, [1, 2], SamplingConfig(temperature=0.0), get_rule("greedy"), seed=0)
+    with pytest.raises(ConfigError, match="tree attention"):
         session.verify(Draft(tokens=torch.tensor([1, 2]), probs=None, parents=torch.tensor([-1, -1])))
 
 
-def test_greedy_trees_on_the_hf_backend_equal_plain_decoding(tmp_path, capsys):
+@pytest.mark.parametrize("kind, window", [("llama", None), ("gemma3", 4)], ids=["llama", "gemma3-w4"])
+def test_greedy_trees_on_the_hf_backend_equal_plain_decoding(tmp_path, capsys, kind, window):
     """Through the command line on the hf backend (a tiny target, a second tiny model as draft):
-    fixed and auto trees give plain greedy decoding's tokens, and trees were played."""
+    fixed and auto trees give plain greedy decoding's tokens, and trees were played; on a target
+    with sliding-window layers too, whose 4-token window the 32 tokens pass (windowed masks, and
+    rejected drafts cut past the window)."""
     from specdec.cli import main
 
-    target = make_tiny(tmp_path / "target", layers=2, hidden=64)
+    target = make_tiny(tmp_path / "target", model_type=kind, layers=2, hidden=64, window=window)
     draft = make_tiny(tmp_path / "draft", layers=1, hidden=64, seed=1)
     base = ["generate", "-p", "def add(a, b):", "--target", str(target), "--backend", "hf", "-n", "32", "--json", "-t", "0"]
     outs, rounds = [], []

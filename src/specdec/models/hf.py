@@ -2,9 +2,13 @@
 
 Slower than the native path (framework overhead per call) but covers every architecture
 transformers knows.  Truncation uses ``DynamicCache.crop``, which is O(1) in memory moves.
-Token trees are scored with a custom 4-D attention mask (each node sees the cached prefix and its
-own path, at position prefix + depth), on models whose every layer attends to the whole context:
-a sliding-window layer would need a mask of its own, which transformers takes only one of.
+Token trees are scored with custom 4-D attention masks (each node sees the cached prefix and its
+own path, at position prefix + depth; on sliding-window layers only the keys less than a window
+behind the node's position), on models whose layers are full or sliding-window attention.
+
+Sliding-window layers keep their whole history here (transformers' windowed cache layer drops what
+falls out of the window and so cannot be rolled back past it once full; the window then lives in
+the mask alone, as transformers builds it over absolute positions).
 """
 
 from __future__ import annotations
@@ -67,7 +71,13 @@ class HFCausalLM:
         #: the forward's name for the KV cache: ``cache`` from transformers 5.x (which warns that
         #: ``past_key_values`` goes in 5.40), ``past_key_values`` before
         self._cache_arg = "cache" if "cache" in inspect.signature(model.forward).parameters else "past_key_values"
-        if full_attention(cfg):  # token trees (one mask for every layer); absent: drafters and sessions keep to chains
+        text = getattr(cfg, "get_text_config", lambda: cfg)()
+        kinds = getattr(text, "layer_types", None)
+        #: the layer kinds the model reads a mask per kind for (None: one mask for every layer)
+        self._kinds = sorted(set(kinds)) if kinds is not None else None
+        #: the sliding window of windowed layers (None: none has one)
+        self._window = sliding_window(cfg)
+        if tree_attention(cfg):  # token trees; absent: drafters and sessions keep to chains
             self.forward_tree = self._forward_tree
 
     @classmethod
@@ -79,8 +89,12 @@ class HFCausalLM:
 
     def new_cache(self, max_length: int | None = None) -> HFCache:
         from transformers import DynamicCache
+        from transformers.cache_utils import DynamicLayer
 
-        return HFCache(cache=DynamicCache(config=self.model.config))
+        cache = DynamicCache(config=self.model.config)
+        # a windowed layer keeps its whole history, so rejected drafts can be cut whatever the length
+        cache.layers = [DynamicLayer() if getattr(layer, "is_sliding", False) else layer for layer in cache.layers]
+        return HFCache(cache=cache)
 
     def _call(self, tokens: Tensor, cache: HFCache, **extra: Any) -> Tensor:  # tokens: [n] -> [n | 1, V]
         """One transformers pass of ``tokens`` after the cache (its slots advance by n); ``extra``:
@@ -113,20 +127,36 @@ class HFCausalLM:
         m = end - start
         if parents.numel() != m or not 0 <= start <= cache.length:
             raise ValueError(f"expected {m} tree parents for the region [{start}, {end}); got {parents.numel()}")
-        sees = ancestor_mask(parents)[m - n :]  # [n, m]: each new node's region path
+        sees = torch.ones((n, end), dtype=torch.bool)  # [n, T]: the prefix, and each new node's region path
+        sees[:, start:] = ancestor_mask(parents)[m - n :]
+        at = torch.cat([torch.arange(start), start + depths(parents)])  # [T]: each key's position (prefix + depth)
+        positions = at[end - n :]  # [n]
         dtype = next(self.model.parameters()).dtype
-        mask = torch.zeros((n, end), dtype=dtype)  # [n, T] additive: 0 attends
-        mask[:, start:] = torch.where(sees, 0.0, torch.finfo(dtype).min)
-        positions = (start + depths(parents)[m - n :]).to(self.device)  # [n]: prefix + depth
-        return self._call(tokens, cache, attention_mask=mask[None, None].to(self.device),  # [1, 1, n, T]
-                          position_ids=positions.unsqueeze(0))
+        lowest = torch.finfo(dtype).min
+
+        def additive(seen: Tensor) -> Tensor:  # [n, T] bool -> [1, 1, n, T]: 0 attends
+            return torch.where(seen, 0.0, lowest).to(dtype)[None, None].to(self.device)
+
+        full = additive(sees)
+        mask: Any = full  # one mask for every layer, or one per layer kind
+        if self._window is not None:  # a windowed layer sees only keys less than a window behind (transformers' rule)
+            windowed = additive(sees & (positions[:, None] - at[None, :] < self._window))
+            mask = {kind: windowed if kind == "sliding_attention" else full for kind in self._kinds} if self._kinds else windowed
+        return self._call(tokens, cache, attention_mask=mask, position_ids=positions.unsqueeze(0).to(self.device))
 
 
-def full_attention(config: Any) -> bool:
-    """Whether every layer of ``config``'s model attends to the whole context (no sliding window),
-    so one tree mask serves them all."""
+def sliding_window(config: Any) -> int | None:
+    """The window of ``config``'s sliding-window layers (None: every layer sees the whole context)."""
     cfg = getattr(config, "get_text_config", lambda: config)()
     kinds = getattr(cfg, "layer_types", None)
-    if kinds is not None:
-        return all(kind == "full_attention" for kind in kinds)
-    return getattr(cfg, "sliding_window", None) is None or getattr(cfg, "use_sliding_window", True) is False
+    windowed = "sliding_attention" in kinds if kinds is not None else getattr(cfg, "use_sliding_window", True) is not False
+    window = getattr(cfg, "sliding_window", None)
+    return int(window) if windowed and window is not None else None
+
+
+def tree_attention(config: Any) -> bool:
+    """Whether a tree mask can be made for every layer of ``config``'s model: each is full or
+    sliding-window attention (not chunked, linear or recurrent)."""
+    cfg = getattr(config, "get_text_config", lambda: config)()
+    kinds = getattr(cfg, "layer_types", None)
+    return kinds is None or all(kind in ("full_attention", "sliding_attention") for kind in kinds)

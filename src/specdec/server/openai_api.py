@@ -522,7 +522,7 @@ class _Job:
         except SpecdecError as exc:
             raise ApiError(400, str(exc)) from None
         if self.tree != "chain" and getattr(model, "forward_tree", None) is None:
-            raise ApiError(400, "token trees need tree attention, which this target's backend lacks (on the hf backend, a model with sliding-window layers has none)")
+            raise ApiError(400, "token trees need tree attention, which this target's backend lacks (on the hf backend, a model with layers other than full or sliding-window attention, such as chunked or linear attention, has none)")
         self.grammar = _structured(req)
         if tool_grammar is not None:  # tool_choice required or named: exactly one call
             if self.grammar is not None:
