@@ -13,10 +13,12 @@ TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "chat_template.jin
 
 
 def make_tiny(folder: Path, *, model_type: str = "llama", seed: int = 0, max_positions: int = 256,
-              layers: int = 2, hidden: int = 32, vocab: int = 49152, tied: bool = True, window: int | None = None) -> Path:
+              layers: int = 2, hidden: int = 32, vocab: int = 49152, tied: bool = True, window: int | None = None,
+              norms: bool = False) -> Path:
     """Save a tiny random ``model_type`` (llama | qwen2 | qwen3 | mistral | gemma3) model with the
     49,152-token tokenizer (``tied``: the LM head is the embedding).  ``window``: sliding-window
-    attention of that window (qwen2, mistral: every layer; gemma3: every other layer, from the first)."""
+    attention of that window (qwen2, mistral: every layer; gemma3: every other layer, from the first);
+    ``norms``: every RMSNorm's weight drawn at random instead of all ones."""
     from transformers import AutoModelForCausalLM, Gemma3TextConfig, LlamaConfig, MistralConfig, Qwen2Config, Qwen3Config
 
     torch.manual_seed(seed)
@@ -39,8 +41,8 @@ def make_tiny(folder: Path, *, model_type: str = "llama", seed: int = 0, max_pos
         for name, p in model.named_parameters():
             if name.endswith("bias"):
                 p.normal_(0, 0.5)
-            elif name.endswith(("q_norm.weight", "k_norm.weight")):  # ... and Qwen3's head norms not all ones
-                p.uniform_(0.5, 1.5)
+            elif name.endswith(("q_norm.weight", "k_norm.weight")) or (norms and name.endswith("norm.weight")):
+                p.uniform_(0.5, 1.5)  # ... and Qwen3's head norms (or, asked, every norm) not all ones
     model.save_pretrained(folder)
     for name in TOKENIZER_FILES:
         src = DATA_DIR / "smollm2-135m-draft" / name

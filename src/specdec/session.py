@@ -21,7 +21,7 @@ from torch import Tensor
 from specdec import defaults
 from specdec.drafters.base import Draft
 from specdec.errors import ConfigError, ContextLengthError
-from specdec.models.base import LanguageModel
+from specdec.models.base import LanguageModel, layer_count
 from specdec.sampling import (
     Constraint,
     PenaltyState,
@@ -80,9 +80,9 @@ def check_features(model: LanguageModel, taps: tuple[int, ...] | None) -> None:
     if getattr(model, "forward_features", None) is None:
         raise ConfigError(
             "this drafter reads the target's hidden states, which this target backend does not expose"
-            " (use the native backend: a Llama / Qwen2 target with --backend native or auto)"
+            " (use the native or hf backend)"
         )
-    n_layers = getattr(getattr(model, "cfg", None), "n_layers", None)
+    n_layers = layer_count(model)
     if n_layers is not None and any(not 0 <= k <= n_layers for k in taps):
         raise ConfigError(f"the drafter reads layers {list(taps)} but the target has {n_layers} layers")
 

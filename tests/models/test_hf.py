@@ -113,3 +113,43 @@ def test_greedy_trees_on_the_hf_backend_equal_plain_decoding(tmp_path, capsys, k
         rounds.append(out["stats"].get("tree_rounds", 0))
     assert all(out == outs[0] for out in outs[1:]) and len(outs[0]) == 32
     assert rounds[1] > 0 and rounds[2] > 0
+
+
+def test_features_match_the_native_backend(tmp_path):
+    """``forward_features`` on the hf backend hands out what the native backend's does for the same
+    weights (float rounding apart; every norm's weight random): the embeddings (tap 0), each layer's
+    residual (tap 2 is the last layer's, read through a hook on the final norm) and the final hidden
+    state over its RMS without the norm's weight, for a chain pass and a tree pass; and the pass's
+    logits are the plain pass's."""
+    from specdec.models.native import NativeCausalLM
+
+    folder = make_tiny(tmp_path / "llama", layers=2, hidden=32, norms=True)
+    ours, theirs = NativeCausalLM.from_folder(str(folder)), HFCausalLM.from_folder(str(folder))
+    assert theirs.n_layers == 2 and torch.equal(theirs.embed, ours.embed)
+    ids = torch.randint(0, 49152, (7,), generator=torch.Generator().manual_seed(2))
+    tree = torch.randint(0, 49152, (PARENTS.numel(),), generator=torch.Generator().manual_seed(3))
+    taps = (0, 1, 2)
+    a, b = ours.new_cache(), theirs.new_cache()
+    for kw in ({"tokens": ids}, {"tokens": tree, "parents": PARENTS}):
+        (la, fa), (lb, fb) = ours.forward_features(cache=a, taps=taps, **kw), theirs.forward_features(cache=b, taps=taps, **kw)
+        assert fb.shape == (kw["tokens"].numel(), len(taps) + 1, 32)
+        assert torch.allclose(fa, fb, atol=1e-4) and torch.allclose(la, lb, atol=1e-4)
+    assert not torch.allclose(fb[:, 2], fb[:, 3], atol=1e-2)  # the last layer's residual is not the normed state
+    plain = theirs.new_cache()
+    last, feats = theirs.forward_features(ids, plain, (1,), last_only=True)
+    assert last.shape == (1, 49152) and feats.shape == (7, 2, 32)
+    assert torch.allclose(last[0], _alone(theirs, ids), atol=1e-5)
+    with pytest.raises(ValueError, match="outside"):
+        theirs.forward_features(ids[:1], plain, (3,))
+
+
+def test_features_of_a_gemma3_start_from_its_scaled_embeddings(tmp_path):
+    """Gemma scales its embeddings by sqrt(D) inside the embedding module: ``embed`` (what a head
+    reads) and tap 0 are the scaled rows the first layer receives."""
+    gemma = HFCausalLM.from_folder(str(make_tiny(tmp_path / "gemma3", model_type="gemma3", window=4)))
+    ids = torch.tensor([5, 9, 11])
+    rows = gemma.embed[ids]
+    assert torch.allclose(rows, gemma.model.get_input_embeddings()(ids), atol=1e-6)
+    assert not torch.allclose(rows, gemma.model.get_input_embeddings().weight[ids], atol=1e-3)
+    _, feats = gemma.forward_features(ids, gemma.new_cache(), (0, 2))
+    assert torch.allclose(feats[:, 0], rows, atol=1e-6)

@@ -41,7 +41,7 @@ from specdec.drafters.tree_builder import TreeSpec, build_tree
 from specdec.errors import ConfigError
 from specdec.heads.modules import KINDS, MTP, Eagle, HeadConfig, Medusa
 from specdec.heads.runtime import LayerCache, input_rows, run_layer, stored_layout
-from specdec.models.base import full_vocab
+from specdec.models.base import full_vocab, layer_count
 from specdec.verify import Verdict
 
 _EMPTY = Draft(tokens=torch.empty(0, dtype=torch.long), probs=None)
@@ -360,7 +360,7 @@ def target_embeddings(target: Any) -> Tensor:
     if not isinstance(embed, Tensor):
         raise ConfigError(
             "target-aware drafters need the target's embeddings and hidden states: the native backend"
-            " (a Llama / Qwen2 target with --backend native or auto)"
+            " (a Llama / Qwen2 target) or the hf backend (--backend hf)"
         )
     return embed if embed.dtype == torch.float32 else embed.float()
 
@@ -475,7 +475,7 @@ def _pack(module: torch.nn.Module, make: Callable[[torch.nn.Linear], torch.nn.Mo
 
 def build(ref: Path, target: Any, *, label: str | None = None, int8_head: bool = False,
           dtype: torch.dtype = torch.float32, quant: str | None = None) -> tuple[HeadDrafter, str]:
-    """The drafter for the head in folder ``ref`` on ``target`` (a native model), and its name;
+    """The drafter for the head in folder ``ref`` on ``target`` (a native or hf model), and its name;
     ``quant="int8"`` runs every linear layer of the head (its LM head too) on the w8a8 product,
     as ``--draft-dtype w8a8`` does for a draft model (heads have no 4-bit path: ``auto`` and ``q4``
     give them this too, wherever fbgemm runs); otherwise
@@ -483,8 +483,8 @@ def build(ref: Path, target: Any, *, label: str | None = None, int8_head: bool =
     ``dtype`` bfloat16 its other linear layers in bfloat16 (where the CPU has native bf16)."""
     embed = target_embeddings(target)
     if getattr(target, "forward_features", None) is None:
-        raise ConfigError("target-aware drafters need a target that exposes its hidden states (the native backend)")
-    n_layers = getattr(getattr(target, "cfg", None), "n_layers", None)
+        raise ConfigError("target-aware drafters need a target that exposes its hidden states (the native or hf backend)")
+    n_layers = layer_count(target)
     try:
         head = load_any(ref, target_layers=n_layers)
     except (OSError, ValueError, KeyError, RuntimeError, TypeError) as exc:

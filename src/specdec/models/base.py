@@ -38,6 +38,13 @@ class LanguageModel(Protocol):
     def forward(self, tokens: Tensor, cache: Cache, *, last_only: bool = False) -> Tensor: ...
 
 
+def layer_count(model: object) -> int | None:
+    """How many decoder layers ``model`` has (the native backend's ``cfg.n_layers``, the hf
+    backend's ``n_layers``), or None where it does not say."""
+    n = getattr(model, "n_layers", None)
+    return n if n is not None else getattr(getattr(model, "cfg", None), "n_layers", None)
+
+
 def full_vocab(logits: Tensor, ids: Tensor, vocab: int) -> Tensor:  # [m, Vd] -> [m, V] float32
     """Logits over a draft vocabulary (target ids ``ids``, sorted) as rows over the target's whole
     vocabulary, ``-inf`` elsewhere: the draft gives zero probability to every other token (lossless:

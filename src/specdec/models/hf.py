@@ -6,6 +6,11 @@ Token trees are scored with custom 4-D attention masks (each node sees the cache
 own path, at position prefix + depth; on sliding-window layers only the keys less than a window
 behind the node's position), on models whose layers are full or sliding-window attention.
 
+Target-aware drafters (EAGLE, Medusa, MTP heads) read the model's hidden states through
+:meth:`HFCausalLM.forward_features` (transformers' ``output_hidden_states``, plus a hook on the
+final norm for the residual after the last layer and the final state without the norm's weight)
+and its token embeddings through ``embed``.
+
 Sliding-window layers keep their whole history here (transformers' windowed cache layer drops what
 falls out of the window and so cannot be rolled back past it once full; the window then lives in
 the mask alone, as transformers builds it over absolute positions).
@@ -15,6 +20,7 @@ from __future__ import annotations
 
 import inspect
 from dataclasses import dataclass
+from collections.abc import Sequence
 from typing import Any
 
 import torch
@@ -77,6 +83,8 @@ class HFCausalLM:
         self._kinds = sorted(set(kinds)) if kinds is not None else None
         #: the sliding window of windowed layers (None: none has one)
         self._window = sliding_window(cfg)
+        #: decoder layers (a drafter's feature taps count them)
+        self.n_layers = int(text.num_hidden_layers)
         if tree_attention(cfg):  # token trees; absent: drafters and sessions keep to chains
             self.forward_tree = self._forward_tree
 
@@ -96,9 +104,18 @@ class HFCausalLM:
         cache.layers = [DynamicLayer() if getattr(layer, "is_sliding", False) else layer for layer in cache.layers]
         return HFCache(cache=cache)
 
-    def _call(self, tokens: Tensor, cache: HFCache, **extra: Any) -> Tensor:  # tokens: [n] -> [n | 1, V]
+    @property
+    def embed(self) -> Tensor:  # [V, D]
+        """The token embeddings as the first layer receives them (Gemma's scale applied), which
+        target-aware drafters read."""
+        module = self.model.get_input_embeddings()
+        scale = getattr(module, "embed_scale", None)
+        weight = module.weight.detach()
+        return weight if scale is None else weight * scale.to(weight.dtype)
+
+    def _run(self, tokens: Tensor, cache: HFCache, **extra: Any) -> Any:
         """One transformers pass of ``tokens`` after the cache (its slots advance by n); ``extra``:
-        the model's own arguments (a mask, positions, logits_to_keep)."""
+        the model's own arguments (a mask, positions, logits_to_keep, output_hidden_states)."""
         end = cache.length + tokens.numel()
         out = self.model(
             input_ids=tokens.to(self.device).unsqueeze(0),
@@ -108,11 +125,47 @@ class HFCausalLM:
             **extra,
         )
         cache.length = end
-        return out.logits[0].float().cpu()
+        return out
+
+    def _call(self, tokens: Tensor, cache: HFCache, **extra: Any) -> Tensor:  # tokens: [n] -> [n | 1, V]
+        return self._run(tokens, cache, **extra).logits[0].float().cpu()
 
     @torch.inference_mode()
     def forward(self, tokens: Tensor, cache: HFCache, *, last_only: bool = False) -> Tensor:
         return self._call(tokens, cache, logits_to_keep=1 if last_only else 0)
+
+    @torch.inference_mode()
+    def forward_features(
+        self, tokens: Tensor, cache: HFCache, taps: Sequence[int], *, last_only: bool = False,
+        parents: Tensor | None = None, prefix: int | None = None,
+    ) -> tuple[Tensor, Tensor]:  # tokens: [n] -> (logits [n|1, V], features [n, len(taps) + 1, D])
+        """:meth:`forward` (or, with ``parents``, the tree pass) plus what a target-aware drafter
+        reads, as the native backend's ``forward_features`` stacks them: per position the residual
+        stream after each of ``taps`` layers (0: the embeddings as the first layer receives them),
+        then the final hidden state divided by its RMS (the final norm without its weight, which the
+        native backend folds into the LM head; heads are trained on that)."""
+        if any(not 0 <= k <= self.n_layers for k in taps):
+            raise ValueError(f"feature taps {list(taps)} are outside the model's {self.n_layers} layers")
+        if parents is not None and getattr(self, "forward_tree", None) is None:
+            raise ValueError("this model has no tree pass (a layer kind other than full or sliding-window attention)")
+        norm = getattr(self.model.get_decoder(), "norm", None)
+        eps = getattr(norm, "variance_epsilon", getattr(norm, "eps", None))
+        if norm is None or eps is None:
+            raise ValueError("cannot read this model's final hidden state (no final RMS norm named `norm`)")
+        extra = self._tree_args(tokens.numel(), parents, cache, prefix) if parents is not None else {}
+        last: list[Tensor] = []  # the residual after the last layer: the final norm's input
+        hook = norm.register_forward_pre_hook(lambda _module, args: last.append(args[0]))
+        try:
+            out = self._run(tokens, cache, output_hidden_states=True, **extra)
+        finally:
+            hook.remove()
+        states = out.hidden_states  # L + 1 of [1, n, D]: the embeddings, after each layer (the last one normed)
+        x = last[0][0].float()  # [n, D]
+        final = x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + float(eps))
+        rows = [x if k == self.n_layers else states[k][0].float() for k in taps] + [final]
+        feats = torch.stack(rows, dim=1).cpu()  # [n, R, D]
+        logits = out.logits[0, -1:] if last_only else out.logits[0]
+        return logits.float().cpu(), feats
 
     @torch.inference_mode()
     def _forward_tree(self, tokens: Tensor, parents: Tensor, cache: HFCache, *, prefix: int | None = None) -> Tensor:
@@ -122,7 +175,11 @@ class HFCausalLM:
         land in node order; keep one path afterwards with ``cache.compact``.  Each node's row is its
         path scored token by token, up to float rounding (transformers' passes are not
         batch-invariant)."""
-        n, end = tokens.numel(), cache.length + tokens.numel()
+        return self._call(tokens, cache, **self._tree_args(tokens.numel(), parents, cache, prefix))
+
+    def _tree_args(self, n: int, parents: Tensor, cache: HFCache, prefix: int | None) -> dict[str, Any]:
+        """The attention mask(s) and positions of a tree pass of ``n`` new nodes (see :meth:`_forward_tree`)."""
+        end = cache.length + n
         start = cache.length if prefix is None else prefix
         m = end - start
         if parents.numel() != m or not 0 <= start <= cache.length:
@@ -142,7 +199,7 @@ class HFCausalLM:
         if self._window is not None:  # a windowed layer sees only keys less than a window behind (transformers' rule)
             windowed = additive(sees & (positions[:, None] - at[None, :] < self._window))
             mask = {kind: windowed if kind == "sliding_attention" else full for kind in self._kinds} if self._kinds else windowed
-        return self._call(tokens, cache, attention_mask=mask, position_ids=positions.unsqueeze(0).to(self.device))
+        return {"attention_mask": mask, "position_ids": positions.unsqueeze(0).to(self.device)}
 
 
 def sliding_window(config: Any) -> int | None:
