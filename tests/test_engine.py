@@ -200,3 +200,56 @@ def test_with_prefix_cache_only_where_it_is_exact(tmp_path):
     assert cached.target.model.inner is exact.target.model and cached.target.tokenizer is exact.target.tokenizer
     fast = Engine.build(EngineConfig(target=folder, draft="none", batch_invariant=False))
     assert fast.with_prefix_cache() is fast
+
+
+def test_a_model_the_native_backend_cannot_run_loads_in_float(tmp_path, monkeypatch):
+    """``--dtype auto`` quantises only what the native backend runs (read off a folder's config or a
+    GGUF's header, nothing converted): a Gemma 3 folder or GGUF runs in float32 on the hf backend,
+    and asking for int8 / q4 there is refused before anything loads; a Llama still gets its
+    quantised target."""
+    import gguf
+    from tiny import make_tiny
+
+    from specdec.engine import target_dtype
+    from specdec.models import registry
+
+    monkeypatch.setattr(linear, "w8a8_available", lambda: True)
+    gemma, llama = make_tiny(tmp_path / "gemma", model_type="gemma3"), make_tiny(tmp_path / "llama")
+    files = {}
+    for arch in ("gemma3", "llama"):
+        files[arch] = tmp_path / f"{arch}.gguf"
+        writer = gguf.GGUFWriter(str(files[arch]), arch)
+        writer.write_header_to_file()
+        writer.write_kv_data_to_file()
+        writer.close()
+    (tmp_path / "junk.gguf").write_bytes(b"not a gguf")
+    bare = tmp_path / "bare"
+    bare.mkdir()
+    (bare / "config.json").write_text((llama / "config.json").read_text())  # no weights: not native
+    runs = {ref: registry.native_runs(str(ref)) for ref in (gemma, llama, bare, files["gemma3"], files["llama"],
+                                                             tmp_path / "junk.gguf", tmp_path / "missing")}
+    assert list(runs.values()) == [False, True, False, False, True, None, None]
+    assert registry.native_runs("smollm2-135m") and registry.native_runs("someorg/some-model") is False
+    for ref in (gemma, files["gemma3"]):
+        assert target_dtype(EngineConfig(target=str(ref))) == (torch.float32, None)
+        for quant in ("int8", "q4"):
+            with pytest.raises(ConfigError, match="needs the native backend"):
+                target_dtype(EngineConfig(target=str(ref), dtype=quant))
+    assert target_dtype(EngineConfig(target=str(llama)))[1] in ("int8", "q4")
+
+
+def test_the_default_drafter_falls_back_to_lookup_on_another_tokenizer(tmp_path):
+    """With no --draft given, a target whose vocabulary the default draft model does not share
+    drafts by prompt lookup (and says so) instead of failing; a draft asked for by name still fails."""
+    from tiny import make_tiny
+
+    from specdec import defaults
+    from specdec.engine import Engine
+    from specdec.errors import SpecdecError
+
+    target = str(make_tiny(tmp_path / "wide", vocab=49_280))  # the same tokens, more rows: not the draft's ids
+    said: list[str] = []
+    engine = Engine.build(EngineConfig(target=target, draft=defaults.DEFAULT_DRAFT, dtype="float32"), progress=said.append)
+    assert engine.drafter_name == "ngram" and any("prompt lookup" in line for line in said)
+    with pytest.raises(SpecdecError, match="vocabulary"):
+        Engine.build(EngineConfig(target=target, draft=defaults.DEFAULT_DRAFT_MODEL, dtype="float32"))

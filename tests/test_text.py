@@ -204,3 +204,18 @@ def test_special_tokens_kept_in_the_text_except_the_one_that_ends_it(tok):
                           (SamplingConfig(stop=("<|im_start|>user",), skip_special_tokens=False), ids.index(start) + 2)):
         stop = output_stop(tok, sampling)
         assert next((k for i in range(1, len(ids) + 1) if (k := stop(ids[:i])) is not None), None) == cut
+
+
+def test_a_plain_prompt_gets_the_tokenizers_bos_and_a_chat_one_only_the_templates(tok):
+    """A tokenizer that puts a BOS in front of a text (Gemma, Llama 3, Mistral) gets it on a plain
+    prompt, as Hugging Face and vLLM encode one; a chat prompt's template writes its own, so the
+    conversation is encoded without another (the same ids as a tokenizer that adds none)."""
+    from tokenizers.processors import TemplateProcessing
+    from transformers import PreTrainedTokenizerFast
+
+    inner = tok.backend_tokenizer.__class__.from_str(tok.backend_tokenizer.to_str())
+    inner.post_processor = TemplateProcessing(single="<|im_start|> $A", special_tokens=[("<|im_start|>", 1)])
+    bos = PreTrainedTokenizerFast(tokenizer_object=inner, chat_template=tok.chat_template)
+    assert bos.encode("x = 1")[0] == 1  # the premise: this tokenizer adds a BOS
+    assert encode_prompt(bos, "x = 1", chat=False) == [1, *tok.encode("x = 1", add_special_tokens=False)]
+    assert encode_prompt(bos, "Hi!", chat=True) == encode_prompt(tok, "Hi!", chat=True)

@@ -86,7 +86,8 @@ def target_dtype(cfg: EngineConfig) -> tuple[torch.dtype, str | None]:
     if cfg.dtype == "auto":
         from specdec.models.linear import w8a8_available
 
-        native = cfg.backend != "hf" and not registry.is_hub_ref(cfg.target)
+        # a model the native backend cannot run (a Gemma, say) loads on the hf backend, in float
+        native = cfg.backend != "hf" and registry.native_runs(cfg.target) is not False
         if not (native and w8a8_available()):
             return target_dtype(replace(cfg, dtype="float32"))
         from specdec.models import kernels
@@ -98,6 +99,9 @@ def target_dtype(cfg: EngineConfig) -> tuple[torch.dtype, str | None]:
     if cfg.dtype in QUANTS:
         if cfg.backend == "hf":
             raise ConfigError(f"--dtype {cfg.dtype} needs the native backend (not --backend hf)")
+        if registry.native_runs(cfg.target) is False:
+            raise ConfigError(f"--dtype {cfg.dtype} needs the native backend, which runs Llama, Qwen2, Mistral and"
+                              f" Qwen3 models; {cfg.target} is not one: use --dtype float32 (the hf backend)")
         from specdec.models.linear import w8a8_available
 
         if not w8a8_available():
@@ -517,7 +521,17 @@ class Engine:
         if progress:
             progress(f"loading draft {base}")
         draft = load_draft(cfg, base, target=target)
-        check_compatible(target, draft)
+        try:
+            check_compatible(target, draft)
+        except SpecdecError:
+            if cfg.draft != defaults.DEFAULT_DRAFT:
+                raise
+            # the default drafter, on a target whose tokenizer its draft model does not share: drafts
+            # from the prompt and the answer alone instead of refusing a run nobody chose a draft for
+            if progress:
+                progress(f"{defaults.DEFAULT_DRAFT_MODEL} does not share {target.name}'s tokenizer: drafting by prompt"
+                         " lookup alone (--draft ngram); choose another draft with --draft")
+            return cls(target, NgramDrafter(max_ngram=defaults.NGRAM_MAX, min_ngram=defaults.NGRAM_MIN), "ngram")
         return cls(target, *model_drafter(cfg, draft, lookup=lookup), draft)
 
     def with_prefix_cache(self, max_bytes: int = defaults.SERVER_PREFIX_CACHE_BYTES) -> "Engine":

@@ -15,7 +15,16 @@ def encode_prompt(tokenizer: Any, prompt: str, *, chat: bool, system: str | None
     if chat:
         messages = ([{"role": "system", "content": system}] if system else []) + [{"role": "user", "content": prompt}]
         return encode_messages(tokenizer, messages)
-    return list(tokenizer.encode(prompt, add_special_tokens=False))
+    return encode_text(tokenizer, prompt)
+
+
+def encode_text(tokenizer: Any, text: str) -> list[int]:
+    """Token ids of a plain (not chat) prompt with the special tokens the model's tokenizer puts
+    around a text: a BOS where it adds one (Llama 3, Gemma, Mistral; none for SmolLM2 or Qwen), as
+    Hugging Face and vLLM encode a completion's prompt.  Models trained with a BOS in front of every
+    text wander without it (Gemma 3 loops on its first word).  A chat template writes its own
+    special tokens, so its text is encoded without them (:func:`encode_messages`)."""
+    return list(tokenizer.encode(text))
 
 
 def encode_messages(tokenizer: Any, messages: list[dict[str, str]]) -> list[int]:

@@ -65,6 +65,14 @@ class _Header(NamedTuple):
     tensors: list[tuple[str, list[int], int, int]]  # (name, dims (inner first), ggml type, offset)
 
 
+def gguf_architecture(path: str | Path) -> str:
+    """The ``general.architecture`` a GGUF file declares (``llama``, ``qwen2``, ``gemma3``, ...)."""
+    try:
+        return _read_header(path).arch
+    except (struct.error, UnicodeDecodeError) as exc:
+        raise ValueError(f"{path} is not a readable GGUF file ({type(exc).__name__})") from None
+
+
 def _read_header(path: str | Path) -> _Header:
     """The metadata and tensor table of a GGUF file (what GGUFReader parses, without building
     an array per tensor and per vocabulary entry), parsed once per process for each version of

@@ -243,6 +243,32 @@ def convert_gguf(gguf: Path, out_dir: Path) -> Path:
     return out_dir
 
 
+def native_runs(ref: str) -> bool | None:
+    """Whether the native backend can run the model ``ref`` (a Llama, Qwen2, Mistral or Qwen3 with
+    safetensors weights, or a GGUF of one), read without converting or loading anything: every
+    registry model; a folder by its ``config.json``; a ``.gguf`` file by its header's architecture.
+    None where ``ref`` does not resolve (loading it reports why); False for a hub id."""
+    from specdec.models.native import SUPPORTED
+
+    name = ref.strip()
+    if name.lower() in REGISTRY:
+        return True
+    if is_hub_ref(name):
+        return False
+    path = Path(name).expanduser()
+    try:
+        if _is_hf_folder(path):
+            model_type = json.loads((path / "config.json").read_text()).get("model_type")
+            return model_type in SUPPORTED and any(path.glob("*.safetensors"))
+        if path.is_file() and path.suffix.lower() == ".gguf":
+            from specdec.models.gguf_blocks import gguf_architecture
+
+            return gguf_architecture(path) in SUPPORTED
+    except (OSError, ValueError):
+        return None
+    return None
+
+
 def _is_hf_folder(path: Path) -> bool:
     return path.is_dir() and (path / "config.json").is_file()
 

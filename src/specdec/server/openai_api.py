@@ -39,7 +39,7 @@ from specdec.models.registry import LoadedModel
 from specdec.sampling import SamplingConfig, checked_bias, offset_seed
 from specdec.drafters.predicted import Predicted, predicted_ids
 from specdec.session import score_prompt
-from specdec.text import TextStream
+from specdec.text import TextStream, encode_text
 from specdec.token_filter import MAX_BAD_WORDS, constraint_factory
 from specdec.tokenizer import TokenBytes
 from specdec.server.draft_cap import CAPPED_WIRES, LOOKUP_WIRE_SUFFIX, RequestPace
@@ -1258,7 +1258,7 @@ def openai_router(ctx: "ServerContext") -> APIRouter:
             elif isinstance(item, str):
                 if not item:
                     raise ApiError(400, "the prompt is empty")
-                ids = list(tokenizer().encode(item, add_special_tokens=False))
+                ids = encode_text(tokenizer(), item)
             else:
                 ids = list(item)
             if not ids:
