@@ -83,8 +83,9 @@ class HFCausalLM:
         self._kinds = sorted(set(kinds)) if kinds is not None else None
         #: the sliding window of windowed layers (None: none has one)
         self._window = sliding_window(cfg)
-        #: decoder layers (a drafter's feature taps count them)
-        self.n_layers = int(text.num_hidden_layers)
+        #: decoder layers (a drafter's feature taps count them; None where the config does not say)
+        layers = getattr(text, "num_hidden_layers", None)
+        self.n_layers = int(layers) if layers is not None else None
         if tree_attention(cfg):  # token trees; absent: drafters and sessions keep to chains
             self.forward_tree = self._forward_tree
 
@@ -144,7 +145,7 @@ class HFCausalLM:
         stream after each of ``taps`` layers (0: the embeddings as the first layer receives them),
         then the final hidden state divided by its RMS (the final norm without its weight, which the
         native backend folds into the LM head; heads are trained on that)."""
-        if any(not 0 <= k <= self.n_layers for k in taps):
+        if self.n_layers is None or any(not 0 <= k <= self.n_layers for k in taps):
             raise ValueError(f"feature taps {list(taps)} are outside the model's {self.n_layers} layers")
         if parents is not None and getattr(self, "forward_tree", None) is None:
             raise ValueError("this model has no tree pass (a layer kind other than full or sliding-window attention)")
