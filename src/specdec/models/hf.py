@@ -145,7 +145,9 @@ class HFCausalLM:
         stream after each of ``taps`` layers (0: the embeddings as the first layer receives them),
         then the final hidden state divided by its RMS (the final norm without its weight, which the
         native backend folds into the LM head; heads are trained on that)."""
-        if self.n_layers is None or any(not 0 <= k <= self.n_layers for k in taps):
+        if self.n_layers is None:
+            raise ValueError("this model's config does not say how many layers it has, so no layer can be tapped")
+        if any(not 0 <= k <= self.n_layers for k in taps):
             raise ValueError(f"feature taps {list(taps)} are outside the model's {self.n_layers} layers")
         if parents is not None and getattr(self, "forward_tree", None) is None:
             raise ValueError("this model has no tree pass (a layer kind other than full or sliding-window attention)")
