@@ -253,3 +253,21 @@ def test_the_default_drafter_falls_back_to_lookup_on_another_tokenizer(tmp_path)
     assert engine.drafter_name == "ngram" and any("prompt lookup" in line for line in said)
     with pytest.raises(SpecdecError, match="vocabulary"):
         Engine.build(EngineConfig(target=target, draft=defaults.DEFAULT_DRAFT_MODEL, dtype="float32"))
+
+
+def test_a_windowed_model_on_the_native_backend_says_how_far_it_runs(tmp_path):
+    """A model with a sliding window runs natively up to it; loading it says so, and how to run it
+    to its full length (a model without one says nothing)."""
+    from tiny import make_tiny
+
+    from specdec.engine import Engine
+
+    for kind, window in (("mistral", 4), ("llama", None)):
+        said: list[str] = []
+        folder = str(make_tiny(tmp_path / kind, model_type=kind, window=window))
+        engine = Engine.build(EngineConfig(target=folder, draft="none", dtype="float32"), progress=said.append)
+        notes = [line for line in said if "sliding window" in line]
+        if window:
+            assert engine.target.model.max_length == 4 and len(notes) == 1 and "--backend hf runs its full 256" in notes[0]
+        else:
+            assert engine.target.model.max_length == 256 and not notes

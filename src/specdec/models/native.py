@@ -88,7 +88,7 @@ class NativeConfig:
             intermediate_size=cfg["intermediate_size"],
             rms_eps=float(cfg.get("rms_norm_eps", 1e-6)),
             rope_theta=float(theta),
-            max_length=int(cfg.get("max_position_embeddings", 2048)),
+            max_length=context_length(cfg),
             tie_embeddings=bool(cfg.get("tie_word_embeddings", False)),
             attention_bias=model_type == "qwen2" or bool(cfg.get("attention_bias", False)),
             qk_norm=model_type == "qwen3",
@@ -109,6 +109,22 @@ class _Layer:
     #: not in the query rows: the norm would undo it); None for the other layouts
     q_norm: Tensor | None = None
     k_norm: Tensor | None = None
+
+
+def context_length(cfg: dict) -> int:
+    """The longest context the native backend runs the model of config ``cfg`` exactly: its
+    ``max_position_embeddings``, or its sliding window where it has one (Mistral 7B v0.1's 4,096, a
+    Qwen2 with ``use_sliding_window``).  The native attention sees every earlier key; up to the
+    window that is what the windowed layers see too (a key is dropped once it is a window or more
+    behind), past it the model would differ, so the context stops there (``--backend hf`` runs such
+    a model to its full length)."""
+    from types import SimpleNamespace
+
+    from specdec.models.hf import sliding_window
+
+    longest = int(cfg.get("max_position_embeddings", 2048))
+    window = sliding_window(SimpleNamespace(**cfg))
+    return min(longest, window) if window is not None else longest
 
 
 def _rope_tables(cfg: NativeConfig, length: int) -> tuple[Tensor, Tensor]:
