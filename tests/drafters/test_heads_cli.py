@@ -45,18 +45,20 @@ def test_generate_with_a_head_folder_equals_plain_greedy(capsys, folders, backen
 
 
 def test_heads_are_listed_and_refused_where_features_cannot_go(capsys, folders):
+    """Over the wire the features stay on the server: the edge refuses a head in one line."""
     target, head = folders
     code, out, _ = _run(capsys, "models", "--json")
     names = {r["name"] for r in json.loads(out)}
     assert {"smollm2-135m-eagle3", "smollm2-135m-eagle1", "smollm2-135m-medusa", "smollm2-135m-mtp"} <= names
     code, _, err = _run(capsys, "generate", "-p", "x", "--remote", "http://127.0.0.1:9", "--draft", head)
     assert code == 2 and "does not send" in err and "Traceback" not in err
-    code, _, err = _run(capsys, "serve", "--target", target, "--draft", head, "--port", "0")
-    assert code == 2 and "--no-batching" in err
 
 
-def test_serialised_server_runs_a_head(folders):
-    """`specdec serve --no-batching --draft HEAD`: OpenAI completions with the head = plain greedy."""
+@pytest.mark.parametrize("batching", [False, True], ids=["serialised", "batching"])
+def test_server_runs_a_head(folders, batching):
+    """`specdec serve --draft HEAD`, serialised or batching (the head's verification passes then
+    carry its features through the scheduler's batches, several requests' rows in one pass):
+    OpenAI completions with the head, four choices side by side, chains and trees, = plain greedy."""
     import httpx
 
     from serverproc import ServerProcess
@@ -65,14 +67,29 @@ def test_serialised_server_runs_a_head(folders):
 
     target, head = folders
     key = "k-heads"
-    ref = Engine.build(EngineConfig(target=target, draft="none", dtype="float32")).generate(
-        "def f(x):", SamplingConfig(temperature=0.0, max_new_tokens=12))
-    with ServerProcess.cli("--target", target, "--draft", head, "--no-batching", "--dtype", "float32", "--api-key", key,
+    prompts = ["def f(x):", "import os\n", "class A:", "x = [1, 2"]
+    engine = Engine.build(EngineConfig(target=target, draft="none", dtype="float32"))
+    refs = [engine.generate(p, SamplingConfig(temperature=0.0, max_new_tokens=12)).text for p in prompts]
+    extra = [] if batching else ["--no-batching"]
+    with ServerProcess.cli("--target", target, "--draft", head, *extra, "--dtype", "float32", "--api-key", key,
                            "--gamma", "3") as srv:
         with httpx.Client(base_url=srv.url, headers={"Authorization": f"Bearer {key}"}, timeout=60) as client:
             model = client.get("/v1/models").json()["data"][0]["id"]
-            r = client.post("/v1/completions", json={"model": model, "prompt": "def f(x):", "max_tokens": 12, "temperature": 0})
-    assert r.status_code == 200, r.text
-    body = r.json()
-    assert body["choices"][0]["text"] == ref.text
-    assert body["specdec"]["draft_tokens_proposed"] > 0
+            bodies = []
+            for tree in (None, 8):
+                payload = {"model": model, "prompt": prompts, "max_tokens": 12, "temperature": 0}
+                if tree is not None:
+                    payload["tree"] = tree
+                r = client.post("/v1/completions", json=payload)
+                assert r.status_code == 200, r.text
+                bodies.append(r.json())
+            metrics = client.get("/metrics").text
+    for body in bodies:
+        assert [c["text"] for c in sorted(body["choices"], key=lambda c: c["index"])] == refs
+        assert body["specdec"]["draft_tokens_proposed"] > 0
+    if batching:  # some pass held more than one sequence
+        sizes = [line for line in metrics.splitlines()
+                 if line.startswith("specdec_scheduler_batch_size_bucket") and 'model="target"' in line and 'le="1.0"' in line]
+        count = [line for line in metrics.splitlines()
+                 if line.startswith("specdec_scheduler_batch_size_count") and 'model="target"' in line]
+        assert sizes and count and float(sizes[0].split()[-1]) < float(count[0].split()[-1])

@@ -189,6 +189,40 @@ def test_fused_passes_with_feature_taps_are_bitwise_the_scripted_loop(q4_model):
             assert torch.equal(fused[0], model.forward(block, cache))
 
 
+@pytest.mark.parametrize("taps", [(1,), (0, 2), (1, 2, 3)], ids=["one", "embedding", "last-layer"])
+def test_batched_passes_with_feature_taps_are_each_sequences_own_features(q4_model, taps):
+    """A batching server's pass that carries feature drafters' sequences (``forward_batch`` with
+    ``taps``): each such sequence gets logits and features bitwise what ``forward_features`` gives it
+    alone, the others plain logits; fused and TorchScript loops alike (tap 3 = the last layer's
+    output, which the fused call does not copy out: that pass runs the Python loop)."""
+    model = q4_model
+    g = torch.Generator().manual_seed(7)
+    prompts = [torch.randint(0, 1000, (n,), generator=g) for n in (5, 33, 17)]
+    blocks = [torch.randint(0, 1000, (n,), generator=g) for n in (1, 4, 9)]
+    asked = [taps, None, taps[:1]]
+
+    def caches() -> list:
+        out = [model.new_cache(64) for _ in prompts]
+        for p, c in zip(prompts, out):
+            model.forward(p, c)
+        return out
+
+    def run() -> list:
+        return model.forward_batch([(b, c, last) for b, c, last in zip(blocks, caches(), (False, False, True))],
+                                   taps=asked)
+
+    alone = []
+    for b, c, t, last in zip(blocks, caches(), asked, (False, False, True)):
+        alone.append(model.forward(b, c, last_only=last) if t is None
+                     else model.forward_features(b, c, t, last_only=last))
+    for got in (run(), _unfused(model, run)):
+        assert isinstance(got[1], torch.Tensor) and torch.equal(got[1], alone[1])
+        for i in (0, 2):
+            logits, feats = got[i]
+            assert feats.shape == (blocks[i].numel(), len(asked[i]) + 1, model.cfg.hidden_size)
+            assert torch.equal(logits, alone[i][0]) and torch.equal(feats, alone[i][1]), i
+
+
 def test_fused_call_refuses_a_cache_too_short():
     with pytest.raises(RuntimeError, match="beyond the cache"):
         k = torch.zeros(1, 1, 4, 8)

@@ -145,3 +145,27 @@ def test_q4_fused_loop_records_the_taps_bitwise(q4_target):
     finally:
         del m.scripted._fuses
     assert torch.equal(fused, scripted)
+
+
+def test_q4_batched_pass_hands_each_feature_sequence_its_own_features(q4_target):
+    """A batching server's pass on the real 4-bit weights (``forward_batch`` with ``taps``: an
+    EAGLE-3 head's sequences beside a plain one, in the compiled loop's one call): each feature
+    sequence's logits and features (taps 2 / 15 / 27 and the final state) are bitwise its
+    ``forward_features`` alone; the plain one's logits bitwise its ``forward``."""
+    m = q4_target.model
+    g = torch.Generator().manual_seed(11)
+    prompts = [torch.randint(0, 49152, (n,), generator=g) for n in (30, 9, 14)]
+    blocks = [torch.randint(0, 49152, (n,), generator=g) for n in (4, 1, 3)]
+    taps = [(2, 15, 27), None, (2, 15, 27)]
+
+    def caches():
+        out = [m.new_cache(128) for _ in prompts]
+        for p, c in zip(prompts, out):
+            m.forward(p, c, last_only=True)
+        return out
+
+    alone = [m.forward(b, c) if t is None else m.forward_features(b, c, t) for b, c, t in zip(blocks, caches(), taps)]
+    got = m.forward_batch([(b, c, False) for b, c in zip(blocks, caches())], taps=taps)
+    assert torch.equal(got[1], alone[1])
+    for i in (0, 2):
+        assert torch.equal(got[i][0], alone[i][0]) and torch.equal(got[i][1], alone[i][1]), i

@@ -84,6 +84,10 @@ def test_calibration_times_the_model_alone():
     assert curve.rows == (1, 2, 4, 24) and curve.seconds[0] > 0
     assert all(b >= a for a, b in zip(curve.seconds, curve.seconds[1:]))
     assert calibrate(ToyLM(VOCAB, order=1, seed=0)) is None  # no batched forward: the live fit is used
+    # a model of a 64-token context (the first version prefilled 64 tokens and crashed the server's start)
+    short = calibrate(tiny_native(max_length=64), rows=(1, 2, 24), reps=1)
+    assert short is not None and short.rows == (1, 2, 24)
+    assert calibrate(tiny_native(max_length=8), rows=(1, 2), reps=1) is None  # no room for a sequence's rows
 
 
 def test_calibration_prefills_once_and_times_long_passes_fewer_times():

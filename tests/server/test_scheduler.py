@@ -136,6 +136,62 @@ def test_batched_logits_are_bitwise_solo_tiny_native():
     assert max(p.sequences for p in passes) > 1 and max(p.tokens for p in passes) <= 64  # chunked, batched
 
 
+@pytest.mark.parametrize("with_taps", [(0, 1, 2), (1,)], ids=["every-layer", "one"])
+def test_feature_passes_batch_with_plain_ones_bitwise_solo_tiny_native(with_taps):
+    """A target-aware drafter's passes (``BatchedModel.forward_features``) share the batches with
+    plain ones: the logits and features of each (a 40-token prompt's prefill in chunks of 16, its
+    features over every row; then a block) are bitwise what ``forward_features`` gives alone, and
+    some pass held feature and plain sequences together."""
+    model = tiny_native()
+    g = torch.Generator().manual_seed(3)
+    prompts = [torch.randint(0, 64, (n,), generator=g) for n in (40, 3, 17, 1)]
+    blocks = [torch.randint(0, 64, (k,), generator=g) for k in (5, 1, 3, 2)]
+    taps = [with_taps, None, with_taps, None]
+    solo = []
+    for p, b, t in zip(prompts, blocks, taps):
+        c = model.new_cache(1024)
+        if t is None:
+            solo.append((model.forward(p, c, last_only=True), model.forward(b, c)))
+        else:
+            solo.append((model.forward_features(p, c, t, last_only=True), model.forward_features(b, c, t)))
+    mixed = []
+    forward_batch = model.forward_batch
+
+    def recording(items, compact=None, **kw):
+        asked = kw.get("taps") or []
+        mixed.append(any(t is not None for t in asked) and any(t is None for t in asked))
+        return forward_batch(items, compact, **kw)
+
+    model.forward_batch = recording
+    scheduler, passes = _recording_scheduler(model, max_tokens=64, chunk=16)
+    batched = BatchedModel(model, scheduler, initial_length=8)
+    results: list = [None] * len(prompts)
+    gate = threading.Barrier(len(prompts))
+
+    def run(i: int) -> None:
+        c = batched.new_cache(1024)
+        gate.wait()
+        if taps[i] is None:
+            results[i] = (batched.forward(prompts[i], c, last_only=True), batched.forward(blocks[i], c))
+        else:
+            results[i] = (batched.forward_features(prompts[i], c, taps[i], last_only=True),
+                          batched.forward_features(blocks[i], c, taps[i]))
+
+    threads = [threading.Thread(target=run, args=(i,)) for i in range(len(prompts))]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    for i, (want, got) in enumerate(zip(solo, results)):
+        if taps[i] is None:
+            assert all(torch.equal(a, b) for a, b in zip(want, got)), i
+        else:
+            for (wl, wf), (gl, gf) in zip(want, got):
+                assert torch.equal(wl, gl) and torch.equal(wf, gf), i
+    assert results[0][0][1].shape == (40, len(with_taps) + 1, 32) and results[0][0][0].shape[0] == 1
+    assert any(mixed) and max(p.sequences for p in passes) > 1
+
+
 def test_concurrent_sessions_give_solo_tokens_tiny_native():
     """Greedy and coupled sessions run together give the tokens each gives alone."""
     model = tiny_native(vocab=64)

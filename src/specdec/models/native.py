@@ -15,7 +15,7 @@ import math
 import os
 from dataclasses import dataclass
 from pathlib import Path
-from typing import NamedTuple, Sequence
+from typing import Any, NamedTuple, Sequence
 
 import torch
 import torch.nn.functional as F
@@ -898,9 +898,12 @@ class NativeCausalLM:
         return self._logits(h[-1:] if last_only else h), feats
 
     @torch.inference_mode()
-    def forward_batch(self, items: list[tuple[Tensor, KVCache, bool]], compact: list[bool] | None = None) -> list[Tensor]:
+    def forward_batch(self, items: list[tuple[Tensor, KVCache, bool]], compact: list[bool] | None = None,
+                      taps: list[Sequence[int] | None] | None = None) -> list[Any]:
         """Logits of several sequences in one pass: ``items`` are ``(tokens [n_i], cache_i, last_only_i)``;
-        ``compact[i]``: item i's rows over a reduced draft vocabulary as they are (see :meth:`_logits`).
+        ``compact[i]``: item i's rows over a reduced draft vocabulary as they are (see :meth:`_logits`);
+        ``taps[i]`` (a target-aware drafter's sequence): item i gets ``(logits, features [n_i,
+        len(taps[i]) + 1, D])`` as :meth:`forward_features` returns them, bitwise.
 
         Continuous batching (Orca, Yu et al. 2022): the rows of all sequences are concatenated for
         the linear layers (one pass over the weights), attention runs per sequence against its own
@@ -918,14 +921,14 @@ class NativeCausalLM:
                 cache.reserve(n)
                 if starts[-1] + n > self._cos.shape[0]:
                     raise ValueError(f"position {starts[-1] + n} is past the model's context of {self._cos.shape[0]}")
-            return self._forward_batch(items, sizes, starts, compact)
+            return self._forward_batch(items, sizes, starts, compact, taps)
         except BaseException:
             for (_, cache, _), a in zip(items, starts):
                 cache.length = min(cache.length, a)  # undo this pass's reservations
             raise
 
     def _forward_batch(self, items: list[tuple[Tensor, KVCache, bool]], sizes: list[int], starts: list[int],
-                       compact: list[bool] | None = None) -> list[Tensor]:
+                       compact: list[bool] | None = None, taps: list[Sequence[int] | None] | None = None) -> list[Any]:
         cfg = self.cfg
         tokens = torch.cat([t.reshape(-1) for t, _, _ in items])  # [M]
         x = self.embed.index_select(0, tokens)  # [M, D]
@@ -934,24 +937,37 @@ class NativeCausalLM:
         offsets = [0]
         for n in sizes:
             offsets.append(offsets[-1] + n)
+        wanted = taps if taps is not None and any(t is not None for t in taps) else None
+        # the residual streams the feature drafters among the items read, over all M rows
+        found: dict[int, Tensor] | None = {k: x for t in wanted if t is not None for k in t} if wanted else None
         h = None
         if self.scripted is not None:  # the same ops from TorchScript (bitwise the loop below)
             h = self.scripted.batch(x, cos, sin, [c for _, c, _ in items], starts, sizes, cfg, self._eps,
-                                    exact=self.batch_invariant)
+                                    exact=self.batch_invariant, taps=found)
         if h is None:
-            h = self._layers_batch_eager(x, cos, sin, items, sizes, starts, offsets)
+            h = self._layers_batch_eager(x, cos, sin, items, sizes, starts, offsets, taps=found)
         rows = [torch.arange(o + n - 1, o + n) if last else torch.arange(o, o + n)
                 for (_, _, last), n, o in zip(items, sizes, offsets)]
         counts = [r.numel() for r in rows]
         if self._subset is None or not compact or not any(compact):
-            return list(self._logits(h[torch.cat(rows)]).split(counts))  # [R, V]
-        parts = self._logits(h[torch.cat(rows)], compact=True).split(counts)  # [R, Vd], then scattered where asked
-        return [p if c else full_vocab(p, self._subset, self.vocab_size) for p, c in zip(parts, compact)]
+            out: list[Any] = list(self._logits(h[torch.cat(rows)]).split(counts))  # [R, V]
+        else:
+            parts = self._logits(h[torch.cat(rows)], compact=True).split(counts)  # [R, Vd], then scattered where asked
+            out = [p if c else full_vocab(p, self._subset, self.vocab_size) for p, c in zip(parts, compact)]
+        if wanted and found is not None:
+            for i, (t, n, o) in enumerate(zip(wanted, sizes, offsets)):
+                if t is not None:  # [n_i, len(t) + 1, D], every row (forward_features' last_only cuts the logits only)
+                    out[i] = (out[i], torch.stack([found[k][o : o + n] for k in t] + [h[o : o + n]], dim=1))
+        return out
 
     def _layers_batch_eager(self, x: Tensor, cos: Tensor, sin: Tensor, items: list[tuple[Tensor, KVCache, bool]],
-                            sizes: list[int], starts: list[int], offsets: list[int]) -> Tensor:  # [M, D] -> [M, D]
-        """The batched pass's layer loop in Python (the reference the scripted loop mirrors)."""
+                            sizes: list[int], starts: list[int], offsets: list[int],
+                            taps: dict[int, Tensor] | None = None) -> Tensor:  # [M, D] -> [M, D]
+        """The batched pass's layer loop in Python (the reference the scripted loop mirrors);
+        ``taps`` filled as :meth:`hidden` fills them, over all M rows."""
         cfg = self.cfg
+        if taps is not None and 0 in taps:
+            taps[0] = x
         total = x.shape[0]
         hq, hk, d = cfg.n_heads, cfg.n_kv_heads, cfg.head_dim
         qk_size = self._q_size + self._kv_size
@@ -968,6 +984,8 @@ class NativeCausalLM:
             x = x + layer.out(attn)
             gate, up = layer.gate_up.scaled(x, self._inv_rms(x)).chunk(2, dim=-1)
             x = x + layer.down(F.silu(gate) * up)
+            if taps is not None and li + 1 in taps:
+                taps[li + 1] = x
         return x * self._inv_rms(x)  # [M, D] the LM head's input
 
     def _attend_rows(self, li: int, q: Tensor, cache: KVCache, start: int) -> Tensor:  # q: [n, H, d] -> [n, H d]

@@ -606,12 +606,27 @@ class ScriptedLayers:
         return out
 
     def batch(self, x: Tensor, cos: Tensor, sin: Tensor, caches: list, starts: list[int], sizes: list[int], cfg,
-              eps: Tensor, *, exact: bool) -> Tensor | None:  # x: [M, D] -> [M, D]
-        """:meth:`NativeCausalLM.forward_batch`'s layers (None where the batched loop did not compile)."""
-        if exact and self._fuses(x):  # the same ops in one compiled call (csrc/layers.cpp)
-            return torch.ops.specdec.fused_layers_batch(
+              eps: Tensor, *, exact: bool, taps: dict[int, Tensor] | None = None) -> Tensor | None:  # x: [M, D] -> [M, D]
+        """:meth:`NativeCausalLM.forward_batch`'s layers (None where the batched loop did not compile,
+        or where ``taps`` are asked of a pass the fused call does not run: the Python loop records them).
+        ``taps`` as :meth:`__call__` fills them, over all M rows."""
+        n_layers = len(self.kinds) // 4
+        if exact and self._fuses(x) and (not taps or all(0 <= k < n_layers for k in taps)):
+            # the same ops in one compiled call (csrc/layers.cpp), which copies the tapped residual
+            # streams out as it goes
+            inner = sorted(k for k in taps if k > 0) if taps else []
+            out = x.new_empty(len(inner), x.shape[0], x.shape[1]) if inner else None  # [taps, M, D]
+            y = torch.ops.specdec.fused_layers_batch(
                 x, cos, sin, [c.k for c in caches], [c.v for c in caches], starts, sizes, cfg.n_heads, cfg.n_kv_heads,
-                cfg.head_dim, eps, self.fused)
+                cfg.head_dim, eps, self.fused, inner, out)
+            if taps:
+                if 0 in taps:
+                    taps[0] = x
+                for j, k in enumerate(inner):
+                    taps[k] = out[j]  # type: ignore[index]
+            return y
+        if taps:
+            return None
         fn = compiled_batch_layers()
         if fn is None:
             return None

@@ -249,13 +249,6 @@ def settings_from_args(args: argparse.Namespace) -> dict[str, Any]:
     from specdec.engine import parse_temperature_factor
 
     parse_temperature_factor(getattr(args, "draft_temperature_factor", "auto"))
-    from specdec.drafters.heads import resolve_head
-
-    if not args.no_batching and resolve_head(args.draft) is not None:
-        raise ConfigError(
-            f"draft {args.draft!r} reads the target's hidden states, which the batching scheduler does not hand out;"
-            " serve it with --no-batching"
-        )
     if args.port and not getattr(args, "ray", False):  # last: every other setting is checked first
         _check_port(args.host, args.port)
     return settings_kw

@@ -183,8 +183,9 @@ def calibrate(model: Any, *, rows: tuple[int, ...] = defaults.DRAFT_CAP_CALIBRAT
 
     from specdec.models.native import NativeCausalLM
 
-    if not isinstance(model, NativeCausalLM):
+    if not isinstance(model, NativeCausalLM) or model.max_length <= per_sequence:
         return None
+    context = min(context, model.max_length - per_sequence)  # a model of a short context: a shorter prefill
     gen = torch.Generator().manual_seed(0)
     first = model.new_cache(context + per_sequence + 64)
     model.forward(torch.randint(0, model.vocab_size, (context,), generator=gen), first, last_only=True)

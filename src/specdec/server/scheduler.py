@@ -44,7 +44,7 @@ from torch import Tensor
 
 from specdec import defaults
 from specdec.errors import ConfigError
-from specdec.server.compute import COMPUTE, ComputeThread
+from specdec.server.compute import COMPUTE, ComputeThread, one_openmp_thread
 from specdec.server.served import ServedModel, compact_kw
 
 
@@ -83,9 +83,11 @@ class _Item:
     last_only: bool
     cancelled: threading.Event
     compact: bool = False  # rows over a reduced draft vocabulary as they are
+    taps: tuple[int, ...] | None = None  # a feature drafter's sequence: its features too (forward_features)
     done: threading.Event = field(default_factory=threading.Event)
     offset: int = 0  # rows already run
     parts: list[Tensor] = field(default_factory=list)  # logits of the chunks run so far
+    features: list[Tensor] = field(default_factory=list)  # with taps: every chunk's [rows, taps + 1, D]
     error: BaseException | None = None
 
     @property
@@ -147,13 +149,19 @@ class Scheduler:
         event = getattr(self._local, "cancelled", None)
         return event if event is not None else threading.Event()
 
-    def forward(self, tokens: Tensor, cache: Any, *, last_only: bool = False, compact: bool = False) -> Tensor:
+    def forward(self, tokens: Tensor, cache: Any, *, last_only: bool = False, compact: bool = False,
+                taps: tuple[int, ...] | None = None) -> Any:
         """Run one sequence's forward pass in the next batch; blocks until its logits are ready
-        (tokens: [n] -> [n|1, V], or [n|1, Vd] with ``compact``: a reduced draft vocabulary's rows)."""
+        (tokens: [n] -> [n|1, V], or [n|1, Vd] with ``compact``: a reduced draft vocabulary's rows).
+        With ``taps`` (a target-aware drafter's verifier): ``(logits, features [n, len(taps) + 1, D])``
+        as the model's ``forward_features`` returns them."""
         tokens = tokens.reshape(-1)
         if self.compute.on_it():  # a pass asking for a pass: run it here (waiting would never end)
+            if taps is not None:
+                return self.alone(self.model.forward_features, tokens, cache, taps, last_only=last_only)
             return self.alone(self.model.forward, tokens, cache, last_only=last_only, **compact_kw(compact))
-        item = _Item(tokens=tokens, cache=cache, last_only=last_only, cancelled=self._cancel_event(), compact=compact)
+        item = _Item(tokens=tokens, cache=cache, last_only=last_only, cancelled=self._cancel_event(), compact=compact,
+                     taps=taps)
         with self._mutex:
             if len(self._queue) >= self.config.max_queue:
                 if self.metrics is not None:
@@ -166,7 +174,10 @@ class Scheduler:
         item.done.wait()
         if item.error is not None:
             raise item.error
-        return item.parts[0] if len(item.parts) == 1 else torch.cat(item.parts)
+        logits = item.parts[0] if len(item.parts) == 1 else torch.cat(item.parts)
+        if taps is None:
+            return logits
+        return logits, item.features[0] if len(item.features) == 1 else torch.cat(item.features)
 
     def alone(self, fn: Callable[..., Any], *args: Any, **kw: Any) -> Any:
         """``fn(*args, **kw)`` (a pass of this model the batching loop does not run, e.g. a token
@@ -249,19 +260,28 @@ class Scheduler:
             # every chunk of a last_only forward asks for its last row only (the final one is kept)
             work.append((item.tokens[item.offset : item.offset + take], item.cache, item.last_only))
         compact = [item.compact for item, _ in batch]
+        taps = [item.taps for item, _ in batch]
         kw = [compact_kw(c) for c in compact]
+
+        def alone(item: _Item, t: Tensor, c: Any, last: bool, k: dict[str, bool]) -> Any:
+            if item.taps is not None:
+                return self.model.forward_features(t, c, item.taps, last_only=last)
+            return self.model.forward(t, c, last_only=last, **k)
+
         try:
             if self.batched and len(work) > 1:
-                outs = self.model.forward_batch(work, compact) if any(compact) else self.model.forward_batch(work)
+                extra: dict[str, Any] = {"taps": taps} if any(t is not None for t in taps) else {}
+                outs = self.model.forward_batch(work, compact, **extra) if any(compact) or extra \
+                    else self.model.forward_batch(work)
             else:
-                outs = [self.model.forward(t, c, last_only=last, **k) for (t, c, last), k in zip(work, kw)]
+                outs = [alone(item, t, c, last, k) for (item, _), (t, c, last), k in zip(batch, work, kw)]
         except Exception:  # noqa: BLE001 - isolate the failing item: rerun them one by one
             outs = None
         if outs is None:
             outs = []
             for (item, _), (t, c, last), k in zip(batch, work, kw):
                 try:
-                    outs.append(self.model.forward(t, c, last_only=last, **k))
+                    outs.append(alone(item, t, c, last, k))
                 except Exception as exc:  # noqa: BLE001 - handed to the waiting request
                     item.error = exc
                     outs.append(None)
@@ -269,6 +289,9 @@ class Scheduler:
             if item.error is not None:
                 continue
             item.offset += take
+            if item.taps is not None:  # features of every row, logits as asked
+                out, feats = out
+                item.features.append(feats)
             if item.last_only:
                 if item.left == 0:
                     item.parts = [out]
@@ -291,9 +314,18 @@ class BatchedModel(ServedModel):
         """Between the scheduler's batches (a token tree's pass: an edge's tree round)."""
         return self.scheduler.alone(fn, *args, **kw)
 
-    def forward_features(self, *args: Any, **kw: Any) -> Any:
-        """Batched passes return logits only: target-aware drafters need the serialised server."""
-        raise ConfigError("this drafter reads the target's hidden states; serve it with --no-batching")
+    def forward_features(self, tokens: Tensor, cache: Any, taps: Any, *, last_only: bool = False,
+                         parents: Tensor | None = None, prefix: int | None = None) -> tuple[Tensor, Tensor]:
+        """A target-aware drafter's verification pass (tokens: [n] -> (logits [n|1, V], features
+        [n, len(taps) + 1, D])): a chain's in the next batch with everyone else's rows, a tree's
+        alone between batches (as every tree pass)."""
+        fn = getattr(self.inner, "forward_features", None)
+        if fn is None:
+            raise ConfigError("this drafter reads the target's hidden states, which this target backend does not expose")
+        one_openmp_thread()
+        if parents is not None:
+            return self._alone(fn, tokens, cache, taps, last_only=last_only, parents=parents, prefix=prefix)
+        return self.scheduler.forward(tokens.reshape(-1), cache, last_only=last_only, taps=tuple(taps))
 
 
 class SchedulerMetrics:

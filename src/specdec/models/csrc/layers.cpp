@@ -37,10 +37,12 @@
 //       machine).  paths [n, E] (a token tree: each node's ancestors-or-self as cache slots, -1 padded) with tree_start (the prefix every node sees)
 //       as torch.ops.specdec.attend takes them; the nodes' keys and values go to start .. start + n.
 //   torch.ops.specdec.fused_layers_batch(x [M, D], cos, sin [M, 1, d], k_caches[], v_caches[], starts[],
-//       sizes[], n_heads, n_kv_heads, head_dim, eps, weights) -> [M, D]: a
+//       sizes[], n_heads, n_kv_heads, head_dim, eps, weights, taps[], tap_out) -> [M, D]: a
 //       batching server's pass (scripted._layers_batch with exact attention): the rows of several
 //       sequences concatenated, the linear layers over all of them, each sequence's attention
-//       against its own cache from its own start; every layer, then the final norm.
+//       against its own cache from its own start; every layer, then the final norm.  taps[] and
+//       tap_out [len(taps), M, D] as fused_layers takes them (target-aware drafters served in
+//       batches: every row's residual stream after those layer counts).
 //   torch.classes.specdec.FusedWeights(kinds[], tensors[], n_out[]): a model's layer weights, made
 //       (and checked) once.  Four linear layers per layer (qkv, out, gate_up, down), each of kind 4
 //       (4-bit: gain, col, packed, packed6 (the Q6_K columns, empty: none), bias) or 0 (W8A8 few-row: smooth, col, packed, comp, bias),
@@ -342,7 +344,8 @@ at::Tensor fused_layers(const at::Tensor& x, const at::Tensor& cos, const at::Te
 at::Tensor fused_layers_batch(const at::Tensor& x, const at::Tensor& cos, const at::Tensor& sin,
                               std::vector<at::Tensor> k_caches, std::vector<at::Tensor> v_caches,
                               std::vector<int64_t> starts, std::vector<int64_t> sizes, int64_t hq, int64_t hk, int64_t d,
-                              const at::Tensor& eps, const c10::intrusive_ptr<FusedWeights>& weights) {
+                              const at::Tensor& eps, const c10::intrusive_ptr<FusedWeights>& weights,
+                              std::vector<int64_t> taps, const c10::optional<at::Tensor>& tap_out) {
   TORCH_CHECK(k_caches.size() == sizes.size() && v_caches.size() == sizes.size() && starts.size() == sizes.size(),
               "fused_layers_batch: one cache, start and size per sequence");
   std::vector<Segment> segs;
@@ -353,7 +356,7 @@ at::Tensor fused_layers_batch(const at::Tensor& x, const at::Tensor& cos, const 
   }
   TORCH_CHECK(row == x.size(0), "fused_layers_batch: the sizes must add up to x's rows");
   const Net w{weights->kinds, weights->w, weights->n_out, weights->norms};
-  return run(x, cos, sin, segs, hq, hk, d, eps, w, {}, true, -1, c10::nullopt);
+  return run(x, cos, sin, segs, hq, hk, d, eps, w, {}, true, -1, c10::nullopt, taps, tap_out);
 }
 
 }  // namespace
@@ -370,7 +373,7 @@ TORCH_LIBRARY_FRAGMENT(specdec, m) {
         "bool final_norm, int tree_start=-1, Tensor? paths=None, int[] taps=[], Tensor(a!)? tap_out=None) -> Tensor");
   m.def("fused_layers_batch(Tensor x, Tensor cos, Tensor sin, Tensor[] k_caches, Tensor[] v_caches, int[] starts, "
         "int[] sizes, int n_heads, int n_kv_heads, int head_dim, Tensor eps, "
-        "__torch__.torch.classes.specdec.FusedWeights weights) -> Tensor");
+        "__torch__.torch.classes.specdec.FusedWeights weights, int[] taps=[], Tensor(a!)? tap_out=None) -> Tensor");
 }
 
 TORCH_LIBRARY_IMPL(specdec, CPU, m) {
