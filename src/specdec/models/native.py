@@ -937,9 +937,10 @@ class NativeCausalLM:
         offsets = [0]
         for n in sizes:
             offsets.append(offsets[-1] + n)
-        wanted = taps if taps is not None and any(t is not None for t in taps) else None
         # the residual streams the feature drafters among the items read, over all M rows
-        found: dict[int, Tensor] | None = {k: x for t in wanted if t is not None for k in t} if wanted else None
+        found: dict[int, Tensor] | None = None
+        if taps is not None and any(t is not None for t in taps):
+            found = {k: x for t in taps if t is not None for k in t}
         h = None
         if self.scripted is not None:  # the same ops from TorchScript (bitwise the loop below)
             h = self.scripted.batch(x, cos, sin, [c for _, c, _ in items], starts, sizes, cfg, self._eps,
@@ -954,8 +955,8 @@ class NativeCausalLM:
         else:
             parts = self._logits(h[torch.cat(rows)], compact=True).split(counts)  # [R, Vd], then scattered where asked
             out = [p if c else full_vocab(p, self._subset, self.vocab_size) for p, c in zip(parts, compact)]
-        if wanted and found is not None:
-            for i, (t, n, o) in enumerate(zip(wanted, sizes, offsets)):
+        if taps is not None and found is not None:
+            for i, (t, n, o) in enumerate(zip(taps, sizes, offsets)):
                 if t is not None:  # [n_i, len(t) + 1, D], every row (forward_features' last_only cuts the logits only)
                     out[i] = (out[i], torch.stack([found[k][o : o + n] for k in t] + [h[o : o + n]], dim=1))
         return out

@@ -263,25 +263,30 @@ class Scheduler:
         taps = [item.taps for item, _ in batch]
         kw = [compact_kw(c) for c in compact]
 
-        def alone(item: _Item, t: Tensor, c: Any, last: bool, k: dict[str, bool]) -> Any:
+        def solo(item: _Item, t: Tensor, c: Any, last: bool, k: dict[str, bool]) -> Any:
             if item.taps is not None:
                 return self.model.forward_features(t, c, item.taps, last_only=last)
             return self.model.forward(t, c, last_only=last, **k)
 
         try:
             if self.batched and len(work) > 1:
-                extra: dict[str, Any] = {"taps": taps} if any(t is not None for t in taps) else {}
-                outs = self.model.forward_batch(work, compact, **extra) if any(compact) or extra \
-                    else self.model.forward_batch(work)
+                # only what some item asks for: models without reduced vocabularies or features need
+                # not take the arguments
+                asked: dict[str, Any] = {}
+                if any(compact):
+                    asked["compact"] = compact
+                if any(t is not None for t in taps):
+                    asked["taps"] = taps
+                outs = self.model.forward_batch(work, **asked)
             else:
-                outs = [alone(item, t, c, last, k) for (item, _), (t, c, last), k in zip(batch, work, kw)]
+                outs = [solo(item, t, c, last, k) for (item, _), (t, c, last), k in zip(batch, work, kw)]
         except Exception:  # noqa: BLE001 - isolate the failing item: rerun them one by one
             outs = None
         if outs is None:
             outs = []
             for (item, _), (t, c, last), k in zip(batch, work, kw):
                 try:
-                    outs.append(alone(item, t, c, last, k))
+                    outs.append(solo(item, t, c, last, k))
                 except Exception as exc:  # noqa: BLE001 - handed to the waiting request
                     item.error = exc
                     outs.append(None)
@@ -319,9 +324,7 @@ class BatchedModel(ServedModel):
         """A target-aware drafter's verification pass (tokens: [n] -> (logits [n|1, V], features
         [n, len(taps) + 1, D])): a chain's in the next batch with everyone else's rows, a tree's
         alone between batches (as every tree pass)."""
-        fn = getattr(self.inner, "forward_features", None)
-        if fn is None:
-            raise ConfigError("this drafter reads the target's hidden states, which this target backend does not expose")
+        fn = self._features_fn()
         one_openmp_thread()
         if parents is not None:
             return self._alone(fn, tokens, cache, taps, last_only=last_only, parents=parents, prefix=prefix)

@@ -6,6 +6,7 @@ import inspect
 from functools import partial
 from typing import Any, Callable
 
+from specdec.errors import ConfigError
 from specdec.server.compute import one_openmp_thread
 from specdec.server.prefix_cache import prefill, supports_prefix_cache
 
@@ -71,6 +72,14 @@ class ServedModel:
         """``fn(*args, **kw)``, a pass of the wrapped model that ``_forward`` does not run, with no
         other pass of that model running (a model object runs one forward at a time)."""
         raise NotImplementedError
+
+    def _features_fn(self) -> Callable[..., Any]:
+        """The wrapped model's ``forward_features`` (a target-aware drafter's verification pass), or a
+        clear error where its backend exposes no hidden states."""
+        fn = getattr(self.inner, "forward_features", None)
+        if fn is None:
+            raise ConfigError("this drafter reads the target's hidden states, which this target backend does not expose")
+        return fn
 
     @property
     def forward_tree(self) -> Callable[..., Any]:

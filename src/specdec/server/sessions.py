@@ -22,7 +22,7 @@ import torch
 from torch import Tensor
 
 from specdec.drafters.base import Draft
-from specdec.errors import ConfigError, SpecdecError
+from specdec.errors import SpecdecError
 from specdec.models.base import LanguageModel
 from specdec.remote.protocol import (
     CreateSessionRequest,
@@ -72,10 +72,7 @@ class SerializedModel(ServedModel):
         return COMPUTE.run_locked(self.lock, fn, *args, **kw)
 
     def forward_features(self, tokens: Tensor, cache: Any, taps: Any, **kw: Any) -> tuple[Tensor, Tensor]:
-        fn = getattr(self.inner, "forward_features", None)
-        if fn is None:
-            raise ConfigError("this drafter reads the target's hidden states, which this target backend does not expose")
-        return self._alone(fn, tokens, cache, taps, **kw)
+        return self._alone(self._features_fn(), tokens, cache, taps, **kw)
 
 
 def serialized(model: LanguageModel, lock: threading.Lock = FORWARD_LOCK, *, initial_length: int | None = None,
