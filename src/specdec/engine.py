@@ -482,10 +482,6 @@ class Engine:
             progress(f"loading target {cfg.target}" + (f" ({quant})" if quant else ""))
         target = load(cfg.target, backend=cfg.backend, dtype=dtype, batch_invariant=cfg.batch_invariant, quant=quant,
                       int8_kernel=cfg.int8_kernel)
-        full = registry.window_cap(target)
-        if full is not None and progress:
-            progress(f"{target.name} has a {target.model.max_length}-token sliding window: the native backend runs it up to"
-                     f" that many tokens (--backend hf runs its full {full})")
         return cls.attach(target, cfg, progress=progress)
 
     @classmethod

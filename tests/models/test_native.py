@@ -149,19 +149,3 @@ def test_a_chain_shaped_tree_is_scored_by_the_chain_pass(tiny_folder, monkeypatc
     run(lambda c, base: torch.cat([model.forward_tree(nodes[:3], branched[:3], c),
                                    model.forward_tree(nodes[3:], branched, c, prefix=base)]))
     assert built == [5, 3, 5]
-
-
-@pytest.mark.parametrize("kind", ["mistral", "qwen2"])
-def test_a_sliding_window_model_runs_natively_up_to_its_window(tmp_path, kind):
-    """The native attention sees every earlier key, which is what a windowed layer sees only while
-    the context fits in the window: a model with a sliding window (4 here) runs natively up to it,
-    equal to transformers there, and a longer context is refused (the hf backend runs it)."""
-    folder = make_tiny(tmp_path / kind, model_type=kind, window=4)
-    native, hf = NativeCausalLM.from_folder(str(folder)), HFCausalLM.from_folder(str(folder))
-    assert native.max_length == 4 and NativeCausalLM.from_folder(str(make_tiny(tmp_path / "full", model_type=kind))).max_length == 256
-    ids = torch.tensor([5, 17, 300, 9])
-    assert torch.allclose(native.forward(ids, native.new_cache()), hf.forward(ids, hf.new_cache()), atol=1e-4)
-    cache = native.new_cache()
-    native.forward(ids, cache)
-    with pytest.raises(ValueError, match="full"):
-        native.forward(ids[:1], cache)

@@ -65,6 +65,11 @@ class NativeConfig:
     attention_bias: bool
     #: Qwen3's RMS norm of each query and key head (over head_dim, a weight per layer) before the rotation
     qk_norm: bool = False
+    #: the sliding window of the layers that have one (a query at position p sees keys p - W + 1 .. p),
+    #: None where every layer sees the whole context
+    sliding_window: int | None = None
+    #: per layer, whether it is a sliding-window layer (empty: none is)
+    windowed: tuple[bool, ...] = ()
 
     @classmethod
     def from_hf(cls, cfg: dict) -> "NativeConfig":
@@ -77,6 +82,7 @@ class NativeConfig:
             raise ConfigError(f"rope scaling {rope_type!r} is not supported by the native backend")
         theta = rope.get("rope_theta", cfg.get("rope_theta", 10000.0)) if rope else cfg.get("rope_theta", 10000.0)
         heads = cfg["num_attention_heads"]
+        window, windowed = layer_windows(cfg)
         return cls(
             model_type=model_type,
             vocab_size=cfg["vocab_size"],
@@ -92,6 +98,8 @@ class NativeConfig:
             tie_embeddings=bool(cfg.get("tie_word_embeddings", False)),
             attention_bias=model_type == "qwen2" or bool(cfg.get("attention_bias", False)),
             qk_norm=model_type == "qwen3",
+            sliding_window=window,
+            windowed=windowed,
         )
 
 
@@ -109,22 +117,45 @@ class _Layer:
     #: not in the query rows: the norm would undo it); None for the other layouts
     q_norm: Tensor | None = None
     k_norm: Tensor | None = None
+    #: a sliding-window layer's window (a query at position p sees keys p - W + 1 .. p), else None
+    window: int | None = None
 
 
 def context_length(cfg: dict) -> int:
-    """The longest context the native backend runs the model of config ``cfg`` exactly: its
-    ``max_position_embeddings``, or its sliding window where it has one (Mistral 7B v0.1's 4,096, a
-    Qwen2 with ``use_sliding_window``).  The native attention sees every earlier key; up to the
-    window that is what the windowed layers see too (a key is dropped once it is a window or more
-    behind), past it the model would differ, so the context stops there (``--backend hf`` runs such
-    a model to its full length)."""
-    from types import SimpleNamespace
+    """The longest context the native backend runs the model of config ``cfg``: its
+    ``max_position_embeddings`` (sliding-window layers included: see :func:`layer_windows`)."""
+    return int(cfg.get("max_position_embeddings", 2048))
 
-    from specdec.models.hf import sliding_window
 
-    longest = int(cfg.get("max_position_embeddings", 2048))
-    window = sliding_window(SimpleNamespace(**cfg))
-    return min(longest, window) if window is not None else longest
+def layer_windows(cfg: dict) -> tuple[int | None, tuple[bool, ...]]:
+    """(window, per layer whether it is a sliding-window layer) for a Hugging Face config dict, as
+    transformers reads it: the config's ``layer_types`` where it lists them; else Mistral windows
+    every layer when ``sliding_window`` is set, Qwen2 / Qwen3 the layers from ``max_window_layers``
+    on when ``use_sliding_window`` is true too.  ``(None, ())`` where no layer has a window."""
+    n = int(cfg["num_hidden_layers"])
+    kind = cfg.get("model_type")
+    window = cfg.get("sliding_window")
+    if kind in ("qwen2", "qwen3") and not cfg.get("use_sliding_window"):
+        window = None  # (their configs carry a window the model does not use unless asked)
+    kinds = cfg.get("layer_types")
+    if window is None or kind == "llama":  # (a Llama's attention has no window, whatever its config says)
+        return None, ()
+    if kinds is not None:
+        other = sorted(set(kinds) - {"full_attention", "sliding_attention"})
+        if other:
+            raise ConfigError(f"the native backend runs full and sliding-window attention layers, not {', '.join(other)};"
+                              " use --backend hf")
+        windowed = tuple(t == "sliding_attention" for t in kinds)
+    elif kind in ("qwen2", "qwen3"):
+        first = int(cfg.get("max_window_layers", n) or 0)
+        windowed = tuple(i >= first for i in range(n))
+    else:  # Mistral: every layer
+        windowed = (True,) * n
+    if not any(windowed):
+        return None, ()
+    if int(window) < 1:
+        raise ConfigError(f"a sliding window must hold at least one position, got {window}")
+    return int(window), windowed
 
 
 def _rope_tables(cfg: NativeConfig, length: int) -> tuple[Tensor, Tensor]:
@@ -189,6 +220,52 @@ def _attend_rows_aten(q: Tensor, k: Tensor, v: Tensor, start: int) -> Tensor:  #
     return outs[0] if len(outs) == 1 else torch.cat(outs)
 
 
+def _attend_seen(q: Tensor, k: Tensor, v: Tensor) -> Tensor:  # q: [1, H, d]; k, v: [Hkv, m, d] -> [1, H d]
+    """Attention of one (pre-scaled) query row over exactly the ``m`` keys it sees, in position
+    order (its own last), computed as :func:`_attend_rows` computes a row at position ``m - 1``
+    over a cache holding those keys from slot 0: the bits depend on the keys' values alone, not on
+    where they lie, so a row past a sliding window (its keys a slice of the cache) and a tree node
+    (its keys gathered from the prefix and its path) get what that function gives the same keys."""
+    m = k.shape[1]
+    if q.dtype == torch.float32 and kernels.attention_kernel():
+        return torch.ops.specdec.attend(q, k, v, m - 1, None)
+    if q.dtype != torch.float32:
+        return _attend(q[0], k, v)
+    padded = -(-m // ATTENTION_BLOCK) * ATTENTION_BLOCK  # the aten rows read whole blocks
+    kb = k.new_zeros(k.shape[0], padded, k.shape[2])  # [Hkv, P, d]
+    vb = v.new_zeros(v.shape[0], padded, v.shape[2])
+    kb[:, :m], vb[:, :m] = k, v
+    return _attend_rows_aten(q, kb, vb, m - 1)
+
+
+def _attend_rows_windowed(q: Tensor, k: Tensor, v: Tensor, start: int, window: int | None
+                          ) -> Tensor:  # q: [n, H, d]; k, v: [Hkv, C, d] -> [n, H d]
+    """:func:`_attend_rows` for a layer with a sliding window ``window`` (None: none): a row at a
+    position below the window sees every earlier key, as a full-attention row does; a row at
+    position ``p >= window`` sees keys ``p - window + 1 .. p`` alone (:func:`_attend_seen`).
+    Which function a row takes depends on its position only, so each row is bitwise the same in
+    any pass, as without a window."""
+    n = q.shape[0]
+    inside = n if window is None else max(0, min(n, window - start))  # rows at positions < window
+    if inside == n:
+        return _attend_rows(q, k, v, start)
+    outs = [_attend_rows(q[:inside], k, v, start)] if inside else []
+    for j in range(inside, n):
+        lo = start + j - window + 1
+        outs.append(_attend_seen(q[j : j + 1], k[:, lo : start + j + 1], v[:, lo : start + j + 1]))
+    return outs[0] if len(outs) == 1 else torch.cat(outs)
+
+
+def _window_mask(mask: Tensor, positions: Tensor, window: int, key_positions: Tensor | None = None
+                 ) -> Tensor:  # mask: [n, T]; positions: [n] -> [n, T]
+    """An additive attention mask with each row's keys before its sliding window masked too: keys
+    at positions below ``position - window + 1``.  ``key_positions`` [T]: each cache slot's
+    position (a token tree's region holds its nodes at their depths), default the slot itself."""
+    keys = torch.arange(mask.shape[1]) if key_positions is None else key_positions
+    early = keys.unsqueeze(0) < (positions.unsqueeze(1) - window + 1)  # [n, T]
+    return mask.masked_fill(early, -math.inf)
+
+
 def _rows(x: Tensor, rows: list[int]) -> Tensor:  # x: [n, ...] -> [len(rows), ...]
     """``x[rows]`` (a slice for one row; index_select, not advanced indexing: see ``hidden``)."""
     return x[rows[0] : rows[0] + 1] if len(rows) == 1 else x.index_select(0, torch.tensor(rows, dtype=torch.long))
@@ -224,6 +301,10 @@ class _TreeLayout:
     #: exact mode with the attention kernel: node j's ancestors-or-self as absolute cache slots in
     #: path order, -1 padded [n, max depth + 1] (it reads them in place after the prefix [0, start))
     paths: Tensor | None = None
+    #: node j's ancestors-or-self as absolute cache slots, root first (sliding-window layers)
+    node_slots: tuple[tuple[int, ...], ...] = ()
+    #: [end] each slot's position: itself below the region, the node's depth past ``start`` in it
+    slot_positions: Tensor | None = None
 
     @classmethod
     def build(
@@ -238,7 +319,8 @@ class _TreeLayout:
             raise ValueError(f"expected {m} tree parents for the region [{s}, {end}); got {parents.numel()}")
         mask = perm = paths = None
         schedule: tuple[tuple[int, int, tuple[tuple[int, int], ...]], ...] = ()
-        scored = tree_paths(parents)[m - n :]  # each scored node's region path, root first
+        region = tree_paths(parents)  # each region node's path, root first
+        scored = region[m - n :]  # the scored nodes'
         if exact and dtype == torch.float32 and kernels.attention_kernel():
             width = max(len(p) for p in scored)  # path order = ascending slot (parents precede children)
             paths = torch.tensor([[s + k for k in p] + [-1] * (width - len(p)) for p in scored], dtype=torch.long)
@@ -251,7 +333,10 @@ class _TreeLayout:
             mask[:, s:] = -math.inf
             mask[[j for j, p in enumerate(scored) for _ in p], [s + k for p in scored for k in p]] = 0.0
         positions = torch.tensor([s + len(p) - 1 for p in scored], dtype=torch.long)  # start + depth
-        return cls(s, end, positions, schedule, mask, perm, paths)
+        slot_positions = torch.arange(end)
+        slot_positions[s:] = torch.tensor([s + len(p) - 1 for p in region], dtype=torch.long)
+        node_slots = tuple(tuple(s + k for k in p) for p in scored)
+        return cls(s, end, positions, schedule, mask, perm, paths, node_slots, slot_positions)
 
     def scripted_steps(self) -> tuple[list[list[int]], Tensor]:
         """The schedule flattened for the TorchScript loop: per step ``[j, attended length,
@@ -298,6 +383,18 @@ class _TreeLayout:
             v_cache[:, s : s + m] = v_new
         rows = outs[0] if len(outs) == 1 else torch.cat(outs)  # [n, H d] in visiting order
         return rows.index_select(0, self.visit_perm)
+
+    def attend_windowed(self, q: Tensor, cache: KVCache, li: int, window: int) -> Tensor:  # q: [n, H, d] -> [n, H d]
+        """:meth:`attend_invariant` for a sliding-window layer: node j over the keys its path would
+        see decoded token by token -- the last ``window`` of the prefix and its path -- gathered
+        in position order (:func:`_attend_seen`, bitwise :func:`_attend_rows_windowed`'s row)."""
+        k_cache, v_cache = cache.k[li], cache.v[li]  # [Hkv, T, d]
+        outs = []
+        for j, path in enumerate(self.node_slots):
+            lo = max(0, self.start + len(path) - window)  # the first position node j sees
+            slots = torch.cat([torch.arange(min(lo, self.start), self.start), torch.tensor(path[max(0, lo - self.start):])])  # [m]
+            outs.append(_attend_seen(q[j : j + 1], k_cache.index_select(1, slots), v_cache.index_select(1, slots)))
+        return torch.cat(outs)  # [n, H d]
 
 
 
@@ -687,6 +784,8 @@ class NativeCausalLM:
                 self.lm_head = Int8Linear(rows * final_g) if int8_head else linear(rows * final_g)
         if build is not None:
             build.settle_head()
+        for layer, windowed in zip(self.layers, cfg.windowed):
+            layer.window = cfg.sliding_window if windowed else None
         if os.environ.get("SPECDEC_SCRIPTED", "1") != "0" and compiled_layers() is not None:
             self.scripted = ScriptedLayers(self.layers)
 
@@ -773,6 +872,13 @@ class NativeCausalLM:
         return KVCache(self.cfg.n_layers, self.cfg.n_kv_heads, self.cfg.head_dim, length,
                        initial_length=initial_length, dtype=self.dtype)
 
+    def _past_window(self, end: int) -> bool:
+        """Whether a pass writing slots up to ``end`` may hold a row past a sliding window (a row at
+        position ``window`` or later), which the Python layer loop alone computes: the compiled
+        loops attend to every earlier key, which is what a windowed layer sees below its window."""
+        window = self.cfg.sliding_window
+        return window is not None and end > window
+
     def _inv_rms(self, x: Tensor) -> Tensor:  # x: [n, D] -> [n, 1] = 1 / sqrt(mean(x^2) + eps)
         norm = torch.linalg.vector_norm(x, dim=-1, keepdim=True)
         return torch.rsqrt(torch.addcmul(self._eps, norm, norm, value=1.0 / self.cfg.hidden_size))
@@ -841,11 +947,16 @@ class NativeCausalLM:
             mask = torch.full((n, end), -math.inf, dtype=x.dtype).triu_(start + 1)  # [n, T]
         if taps is not None and 0 in taps:
             taps[0] = x
-        if self.scripted is not None:  # the same ops from TorchScript (bitwise this loop's result)
+        if self.scripted is not None and not self._past_window(end):  # the same ops from TorchScript (bitwise this loop's result)
             if self.batch_invariant:
                 return self.scripted(x, cos, sin, cache, start, cfg, self._eps, tree=tree, taps=taps)
             return self.scripted(x, cos, sin, cache, start, cfg, self._eps, mask=mask, taps=taps)
         qk_size = self._q_size + self._kv_size
+        window_mask = None  # the sliding-window layers' mask (fast mode)
+        if mask is not None and self._past_window(end):
+            positions = tree.positions if tree is not None else torch.arange(start, end)
+            window_mask = _window_mask(mask, positions, cfg.sliding_window,  # type: ignore[arg-type]
+                                       tree.slot_positions if tree is not None else None)
         for li, layer in enumerate(self.layers):
             qkv = layer.qkv.scaled(x, self._inv_rms(x))  # [n, (H + 2 Hkv) d]
             qk = _rotate(self._normed(layer, qkv[:, :qk_size].view(n, hq + hk, d)), cos, sin)  # q and k heads in one op
@@ -853,17 +964,20 @@ class NativeCausalLM:
             k_cache[:, start:end] = qk[:, hq:].transpose(0, 1)
             v_cache[:, start:end] = qkv[:, qk_size:].view(n, hk, d).transpose(0, 1)
             if tree is not None and self.batch_invariant:
-                attn = tree.attend_invariant(qk[:, :hq], cache, li)  # [n, H d]
+                if layer.window is not None and self._past_window(end):
+                    attn = tree.attend_windowed(qk[:, :hq], cache, li, layer.window)  # [n, H d]
+                else:
+                    attn = tree.attend_invariant(qk[:, :hq], cache, li)  # [n, H d]
             elif tree is None and (n == 1 or self.batch_invariant):
                 # each row bitwise what single-token decoding computes for it
-                attn = _attend_rows(qk[:, :hq], k_cache, v_cache, start)  # [n, H d]
+                attn = _attend_rows_windowed(qk[:, :hq], k_cache, v_cache, start, layer.window)  # [n, H d]
             else:
                 q = qk[:, :hq].transpose(0, 1).unsqueeze(0)  # [1, H, n, d], pre-scaled
                 attn = F.scaled_dot_product_attention(
                     q,
                     k_cache[:, :end].unsqueeze(0),  # [1, Hkv, T, d]
                     v_cache[:, :end].unsqueeze(0),
-                    attn_mask=mask,
+                    attn_mask=window_mask if layer.window is not None and window_mask is not None else mask,
                     enable_gqa=hq != hk,
                     scale=1.0,
                 )[0].transpose(0, 1).reshape(n, self._q_size)  # [n, H d]
@@ -942,7 +1056,8 @@ class NativeCausalLM:
         if taps is not None and any(t is not None for t in taps):
             found = {k: x for t in taps if t is not None for k in t}
         h = None
-        if self.scripted is not None:  # the same ops from TorchScript (bitwise the loop below)
+        if self.scripted is not None and not any(self._past_window(a + n) for a, n in zip(starts, sizes)):
+            # the same ops from TorchScript (bitwise the loop below)
             h = self.scripted.batch(x, cos, sin, [c for _, c, _ in items], starts, sizes, cfg, self._eps,
                                     exact=self.batch_invariant, taps=found)
         if h is None:
@@ -993,10 +1108,13 @@ class NativeCausalLM:
         """Attention of one sequence's ``n`` new rows, with the shapes :meth:`hidden` uses alone."""
         n = q.shape[0]
         k_cache, v_cache = cache.k[li], cache.v[li]  # [Hkv, T, d]
+        window = self.layers[li].window
         if n == 1 or self.batch_invariant:
-            return _attend_rows(q, k_cache, v_cache, start)
+            return _attend_rows_windowed(q, k_cache, v_cache, start, window)
         end = start + n
         mask = torch.full((n, end), -math.inf, dtype=q.dtype).triu_(start + 1)  # [n, T]
+        if window is not None and end > window:
+            mask = _window_mask(mask, torch.arange(start, end), window)
         attn = F.scaled_dot_product_attention(
             q.transpose(0, 1).unsqueeze(0), k_cache[:, :end].unsqueeze(0), v_cache[:, :end].unsqueeze(0),
             attn_mask=mask, enable_gqa=self.cfg.n_heads != self.cfg.n_kv_heads, scale=1.0,
@@ -1099,7 +1217,8 @@ class NativeCausalLM:
             mask[:, ctx:].fill_diagonal_(0.0)
         else:
             mask = torch.full((n, end), -math.inf, dtype=x.dtype).triu_(start + 1) if n > 1 else None  # [n, T]
-        if self.scripted is not None and steps and not as_drafted:  # the same ops from TorchScript (bitwise this loop)
+        if self.scripted is not None and steps and not as_drafted and not self._past_window(end):
+            # the same ops from TorchScript (bitwise this loop)
             plan = [[li, int(a), int(m), li if slots is None else slots[i]] for i, (li, a, m) in enumerate(steps)]
             fast = mask if not self.batch_invariant else None
             return self.scripted(x, cos, sin, cache, start, cfg, self._eps, mask=fast, plan=plan)
@@ -1144,8 +1263,10 @@ class NativeCausalLM:
         k_cache[:, start:end] = k.transpose(0, 1)
         v_cache[:, start:end] = v.transpose(0, 1)
         if n == 1 or self.batch_invariant:  # exactly the rows hidden() computes
-            attn = _attend_rows(q, k_cache, v_cache, start)  # [n, H d]
+            attn = _attend_rows_windowed(q, k_cache, v_cache, start, layer.window)  # [n, H d]
         else:
+            if layer.window is not None and mask is not None and end > layer.window:
+                mask = _window_mask(mask, torch.arange(start, end), layer.window)
             attn = F.scaled_dot_product_attention(
                 q.transpose(0, 1).unsqueeze(0), k_cache[:, :end].unsqueeze(0), v_cache[:, :end].unsqueeze(0),
                 attn_mask=mask, enable_gqa=self.cfg.n_heads != self.cfg.n_kv_heads, scale=1.0,
@@ -1163,6 +1284,10 @@ class NativeCausalLM:
         q, k, v = self._project(layer, x, cos, sin)
         keys = torch.cat([cache.k[slot, :, :ctx], k.transpose(0, 1)], dim=1)  # [Hkv, ctx + n, d]
         values = torch.cat([cache.v[slot, :, :ctx], v.transpose(0, 1)], dim=1)
+        if layer.window is not None and mask is not None and start + n > layer.window:
+            # column c < ctx holds position c, column ctx + i row i's own key (position start + i)
+            key_positions = torch.cat([torch.arange(ctx), torch.arange(start, start + n)])
+            mask = _window_mask(mask, torch.arange(start, start + n), layer.window, key_positions)
         attn = F.scaled_dot_product_attention(
             q.transpose(0, 1).unsqueeze(0), keys.unsqueeze(0), values.unsqueeze(0),
             attn_mask=mask, enable_gqa=self.cfg.n_heads != self.cfg.n_kv_heads, scale=1.0,

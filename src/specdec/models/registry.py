@@ -522,15 +522,6 @@ def load(
     return LoadedModel(resolved.name, model, tokenizer, folder, kind, _eos_ids(folder, tokenizer, cfg))
 
 
-def window_cap(model: LoadedModel) -> int | None:
-    """The model's full context where the native backend runs it shorter (up to its sliding window,
-    see :func:`specdec.models.native.context_length`), else None."""
-    if model.backend != "native" or model.folder is None:
-        return None
-    full = int(json.loads((model.folder / "config.json").read_text()).get("max_position_embeddings", 0) or 0)
-    return full if full > model.model.max_length else None
-
-
 def _source_gguf(ref: str, resolved: ResolvedModel) -> Path | None:
     """The GGUF file a model was converted from (its 4-bit blocks are used as shipped), or None."""
     src = resolved.spec.source if resolved.spec is not None else None
