@@ -204,9 +204,11 @@ def test_with_prefix_cache_only_where_it_is_exact(tmp_path):
 
 def test_a_model_the_native_backend_cannot_run_loads_in_float(tmp_path, monkeypatch):
     """``--dtype auto`` quantises only what the native backend runs (read off a folder's config or a
-    GGUF's header, nothing converted): a Gemma 3 folder or GGUF runs in float32 on the hf backend,
-    and asking for int8 / q4 there is refused before anything loads; a Llama still gets its
-    quantised target."""
+    GGUF's header, nothing converted): a GPT-2 folder or GGUF runs in float32 on the hf backend,
+    and asking for int8 / q4 there is refused before anything loads; a Llama and a Gemma 3 (folder
+    or GGUF) still get their quantised target."""
+    import json
+
     import gguf
     from tiny import make_tiny
 
@@ -215,8 +217,12 @@ def test_a_model_the_native_backend_cannot_run_loads_in_float(tmp_path, monkeypa
 
     monkeypatch.setattr(linear, "w8a8_available", lambda: True)
     gemma, llama = make_tiny(tmp_path / "gemma", model_type="gemma3"), make_tiny(tmp_path / "llama")
+    gpt2 = tmp_path / "gpt2"
+    gpt2.mkdir()
+    (gpt2 / "config.json").write_text(json.dumps({"model_type": "gpt2"}))
+    (gpt2 / "model.safetensors").write_bytes((llama / "model.safetensors").read_bytes())
     files = {}
-    for arch in ("gemma3", "llama"):
+    for arch in ("gpt2", "gemma3", "llama"):
         files[arch] = tmp_path / f"{arch}.gguf"
         writer = gguf.GGUFWriter(str(files[arch]), arch)
         writer.write_header_to_file()
@@ -226,16 +232,17 @@ def test_a_model_the_native_backend_cannot_run_loads_in_float(tmp_path, monkeypa
     bare = tmp_path / "bare"
     bare.mkdir()
     (bare / "config.json").write_text((llama / "config.json").read_text())  # no weights: not native
-    runs = {ref: registry.native_runs(str(ref)) for ref in (gemma, llama, bare, files["gemma3"], files["llama"],
-                                                             tmp_path / "junk.gguf", tmp_path / "missing")}
-    assert list(runs.values()) == [False, True, False, False, True, None, None]
+    refs = (gpt2, gemma, llama, bare, files["gpt2"], files["gemma3"], files["llama"], tmp_path / "junk.gguf", tmp_path / "missing")
+    runs = {ref: registry.native_runs(str(ref)) for ref in refs}
+    assert list(runs.values()) == [False, True, True, False, False, True, True, None, None]
     assert registry.native_runs("smollm2-135m") and registry.native_runs("someorg/some-model") is False
-    for ref in (gemma, files["gemma3"]):
+    for ref in (gpt2, files["gpt2"]):
         assert target_dtype(EngineConfig(target=str(ref))) == (torch.float32, None)
         for quant in ("int8", "q4"):
             with pytest.raises(ConfigError, match="needs the native backend"):
                 target_dtype(EngineConfig(target=str(ref), dtype=quant))
-    assert target_dtype(EngineConfig(target=str(llama)))[1] in ("int8", "q4")
+    for ref in (llama, gemma):
+        assert target_dtype(EngineConfig(target=str(ref)))[1] in ("int8", "q4")
 
 
 def test_the_default_drafter_falls_back_to_lookup_on_another_tokenizer(tmp_path):

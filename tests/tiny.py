@@ -33,7 +33,11 @@ def make_tiny(folder: Path, *, model_type: str = "llama", seed: int = 0, max_pos
     configs = {
         "llama": LlamaConfig, "qwen2": Qwen2Config, "qwen3": lambda **kw: Qwen3Config(head_dim=hidden // 4, **kw),
         "mistral": lambda **kw: MistralConfig(sliding_window=window, **kw),
-        "gemma3": lambda **kw: Gemma3TextConfig(head_dim=hidden // 4, sliding_window=window or 4096, layer_types=kinds, **kw),
+        # (the sliding layers' rotary base differs from the full ones', as in the real models)
+        "gemma3": lambda **kw: Gemma3TextConfig(
+            head_dim=hidden // 4, sliding_window=window or 4096, layer_types=kinds, **kw,
+            rope_parameters={"full_attention": {"rope_type": "default", "rope_theta": 1_000_000.0},
+                             "sliding_attention": {"rope_type": "default", "rope_theta": 10_000.0}}),
     }
     cfg = configs[model_type](**common)
     model = AutoModelForCausalLM.from_config(cfg, dtype=torch.float32)

@@ -203,7 +203,7 @@ def _add_models(p: argparse.ArgumentParser) -> None:
                    "with verification), 'self-skip' (a searched set of skipped sub-layers; 'self-skip:FILE' from `specdec train skip`), "
                    "'swift' (skip set adapted while generating), 'kangaroo' (first layers + a trained adapter, drafting "
                    "stopped when unsure; 'kangaroo:FILE' from `specdec train kangaroo`)")
-    g.add_argument("--backend", default="auto", choices=["auto", "native", "hf"], help="native = specdec's fast Llama/Qwen2 path; hf = transformers")
+    g.add_argument("--backend", default="auto", choices=["auto", "native", "hf"], help="native = specdec's fast path (Llama, Qwen2, Qwen3, Mistral, Gemma 3); hf = transformers")
     g.add_argument("--dtype", "--target-dtype", dest="dtype", default="auto",
                    choices=["auto", "float32", "bfloat16", "float16", "int8", "q4"],
                    help="target precision (default auto, where torch has fbgemm, its int8 library for x86 CPUs: q4 for a model shipped as a"

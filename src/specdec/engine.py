@@ -86,7 +86,7 @@ def target_dtype(cfg: EngineConfig) -> tuple[torch.dtype, str | None]:
     if cfg.dtype == "auto":
         from specdec.models.linear import w8a8_available
 
-        # a model the native backend cannot run (a Gemma, say) loads on the hf backend, in float
+        # a model the native backend cannot run (a GPT-2, say) loads on the hf backend, in float
         native = cfg.backend != "hf" and registry.native_runs(cfg.target) is not False
         if not (native and w8a8_available()):
             return target_dtype(replace(cfg, dtype="float32"))
@@ -100,8 +100,8 @@ def target_dtype(cfg: EngineConfig) -> tuple[torch.dtype, str | None]:
         if cfg.backend == "hf":
             raise ConfigError(f"--dtype {cfg.dtype} needs the native backend (not --backend hf)")
         if registry.native_runs(cfg.target) is False:
-            raise ConfigError(f"--dtype {cfg.dtype} needs the native backend, which runs Llama, Qwen2, Mistral and"
-                              f" Qwen3 models; {cfg.target} is not one: use --dtype float32 (the hf backend)")
+            raise ConfigError(f"--dtype {cfg.dtype} needs the native backend, which runs Llama, Qwen2, Mistral, Qwen3 and"
+                              f" Gemma 3 text models; {cfg.target} is not one: use --dtype float32 (the hf backend)")
         from specdec.models.linear import w8a8_available
 
         if not w8a8_available():
@@ -404,12 +404,16 @@ def make_tree(tree: str | int, gamma: GammaController, *, min_prob: float | None
 def draft_for_target(target: str, draft: str) -> str:
     """``draft``, unless it is the default drafter and ``target`` is a registry model with a draft
     of its own (the Qwen pair's 0.5B, whose tokenizer the default SmolLM2 draft does not share):
-    then that draft, with prompt lookup in front as the default has it."""
+    then that draft, with prompt lookup in front as the default has it; or a model-free drafter
+    where the registry names one (Gemma 3, which no draft model shares a tokenizer with: prompt
+    lookup, without loading a draft model only to find that out)."""
     if draft != defaults.DEFAULT_DRAFT:
         return draft
     spec = registry.REGISTRY.get(target.strip().lower())
     if spec is None or not spec.default_draft or spec.default_draft == defaults.DEFAULT_DRAFT_MODEL:
         return draft
+    if spec.default_draft in MODEL_FREE_DRAFTS:
+        return spec.default_draft
     return spec.default_draft + LOOKUP_SUFFIX
 
 

@@ -22,7 +22,7 @@ IDS = torch.randint(0, 1000, (30,), generator=torch.Generator().manual_seed(8))
 STEP = torch.tensor([17, 4, 933, 5])  # a 4-row pass after the prefill: the multi-row products too
 
 
-@pytest.fixture(scope="module", params=["llama", "qwen2"])
+@pytest.fixture(scope="module", params=["llama", "qwen2", "gemma3"])
 def folder(request, tmp_path_factory):
     return make_tiny(tmp_path_factory.mktemp(request.param), model_type=request.param)
 

@@ -1,4 +1,4 @@
-"""Sliding-window layers on the native backend (Mistral, a windowed Qwen2): a row at position
+"""Sliding-window layers on the native backend (Mistral, a windowed Qwen2, Gemma 3): a row at position
 ``p >= window`` sees keys ``p - window + 1 .. p`` alone.
 
 The models are tiny and random with a 4-token window, so every pass below crosses it: equal to
@@ -31,13 +31,14 @@ WINDOW = 4
 KINDS = {
     "mistral": ("mistral", None),  # every layer windowed
     "qwen2-mixed": ("qwen2", ["full_attention", "sliding_attention", "sliding_attention"]),
+    "gemma3": ("gemma3", None),  # sliding, full, sliding (its own layer layout: see test_gemma3.py)
 }
 
 
 @pytest.fixture(scope="module", params=sorted(KINDS))
 def windowed_folder(request, tmp_path_factory):
     model_type, kinds = KINDS[request.param]
-    folder = make_tiny(tmp_path_factory.mktemp(request.param), model_type=model_type, window=WINDOW, layers=3)
+    folder = make_tiny(tmp_path_factory.mktemp(request.param), model_type=model_type, window=WINDOW, layers=3, norms=True)
     if kinds is not None:
         path = folder / "config.json"
         cfg = json.loads(path.read_text())

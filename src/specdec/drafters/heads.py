@@ -360,7 +360,7 @@ def target_embeddings(target: Any) -> Tensor:
     if not isinstance(embed, Tensor):
         raise ConfigError(
             "target-aware drafters need the target's embeddings and hidden states: the native backend"
-            " (a Llama / Qwen2 target) or the hf backend (--backend hf)"
+            " (a Llama, Qwen2, Qwen3, Mistral or Gemma 3 target) or the hf backend (--backend hf)"
         )
     return embed if embed.dtype == torch.float32 else embed.float()
 

@@ -140,7 +140,7 @@ class LayerView:
         view drafts through (its reduced vocabulary's rows alone), or None for the whole head."""
         if not hasattr(target, "run_layers"):
             raise ConfigError(
-                "self-speculative drafters need the native backend (a Llama / Qwen2 target loaded with --backend native or auto)"
+                "self-speculative drafters need the native backend (a Llama, Qwen2, Qwen3, Mistral or Gemma 3 target loaded with --backend native or auto)"
             )
         if plan.n_layers != target.cfg.n_layers:
             raise ConfigError(f"the layer plan is for {plan.n_layers} layers, the target has {target.cfg.n_layers}")

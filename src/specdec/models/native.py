@@ -1,10 +1,14 @@
-"""Native Llama / Qwen2 decoder: plain tensors, a static KV cache, no framework overhead.
+"""Native Llama / Qwen2 / Qwen3 / Mistral / Gemma 3 decoder: plain tensors, a static KV cache, no
+framework overhead.
 
 This is the fast path for the model families the registry ships (SmolLM2 is Llama, the
-Qwen2.5-Coder pair is Qwen2).  It reads a Hugging Face folder (``config.json`` +
-``*.safetensors``) and reproduces ``LlamaForCausalLM`` / ``Qwen2ForCausalLM`` (checked against
-them in ``tests/models/test_native.py``).  Structure follows gpt-fast's model.py in spirit: one
-function per block, fused QKV and gate/up projections, and the cache as a preallocated buffer.
+Qwen2.5-Coder pair is Qwen2, Gemma-3-270M is Gemma 3's text model).  It reads a Hugging Face folder
+(``config.json`` + ``*.safetensors``) and reproduces ``LlamaForCausalLM`` / ``Qwen2ForCausalLM`` /
+``Gemma3ForCausalLM`` (checked against them in ``tests/models/test_native.py`` and
+``test_windowed.py``), sliding-window layers included.  Structure follows gpt-fast's model.py in
+spirit: one function per block, fused QKV and gate/up projections, and the cache as a preallocated
+buffer.  Gemma 3's layer (output norms, a tanh-GELU gate, two rotary bases) runs in the Python layer
+loop; the compiled loops (models/scripted.py, csrc/layers.cpp) run the Llama layout.
 """
 
 from __future__ import annotations
@@ -45,7 +49,9 @@ from specdec.tree import paths as tree_paths
 
 AnyLinear = Linear | W8A8Linear | W8A8OneDNNLinear | Q4Linear
 
-SUPPORTED = ("llama", "qwen2", "mistral", "qwen3")
+SUPPORTED = ("llama", "qwen2", "mistral", "qwen3", "gemma3_text")
+#: GGUF architectures whose files convert to a model of :data:`SUPPORTED` (a Gemma 3 GGUF's text model)
+GGUF_SUPPORTED = ("llama", "qwen2", "mistral", "qwen3", "gemma3")
 
 
 @dataclass(frozen=True)
@@ -70,6 +76,15 @@ class NativeConfig:
     sliding_window: int | None = None
     #: per layer, whether it is a sliding-window layer (empty: none is)
     windowed: tuple[bool, ...] = ()
+    #: Gemma 3's layout: RMS norms of the attention and MLP outputs before each residual add, a
+    #: tanh-GELU gate, norm weights stored as offsets from one (gain = 1 + w), token embeddings
+    #: scaled by sqrt(hidden_size), a query scale of query_pre_attn_scalar^-1/2, and the sliding
+    #: layers' own rotary base (:attr:`local_rope_theta`)
+    gemma: bool = False
+    #: the attention scale (None: 1 / sqrt(head_dim))
+    query_scale: float | None = None
+    #: the rotary base of the sliding-window layers where it differs from :attr:`rope_theta`
+    local_rope_theta: float | None = None
 
     @classmethod
     def from_hf(cls, cfg: dict) -> "NativeConfig":
@@ -77,10 +92,30 @@ class NativeConfig:
         if model_type not in SUPPORTED:
             raise ConfigError(f"native backend supports {SUPPORTED}, not {model_type!r}; use --backend hf")
         rope = cfg.get("rope_parameters") or cfg.get("rope_scaling") or {}
-        rope_type = rope.get("rope_type", rope.get("type", "default")) if rope else "default"
-        if rope_type not in ("default", None):
-            raise ConfigError(f"rope scaling {rope_type!r} is not supported by the native backend")
-        theta = rope.get("rope_theta", cfg.get("rope_theta", 10000.0)) if rope else cfg.get("rope_theta", 10000.0)
+        gemma = model_type == "gemma3_text"
+        local_theta = None
+        if gemma:  # rotary parameters by layer kind ({"full_attention": {...}, "sliding_attention": {...}})
+            by_kind = rope if rope and all(isinstance(v, dict) or v is None for v in rope.values()) else {}
+            full, local = by_kind.get("full_attention") or {}, by_kind.get("sliding_attention") or {}
+            for part in (full, local):
+                if part.get("rope_type", part.get("type", "default")) not in ("default", None):
+                    raise ConfigError(f"rope scaling {part.get('rope_type', part.get('type'))!r} is not supported by the native backend")
+            if not by_kind and rope:
+                raise ConfigError("rope scaling is not supported by the native backend for Gemma 3")
+            theta = full.get("rope_theta", cfg.get("rope_theta", 1_000_000.0))
+            local_theta = float(local.get("rope_theta", cfg.get("rope_local_base_freq", 10_000.0)))
+            for name in ("final_logit_softcapping", "attn_logit_softcapping"):
+                if cfg.get(name) is not None:
+                    raise ConfigError(f"{name} is not supported by the native backend; use --backend hf")
+            if cfg.get("use_bidirectional_attention"):
+                raise ConfigError("bidirectional attention is not supported by the native backend; use --backend hf")
+            if cfg.get("hidden_activation", "gelu_pytorch_tanh") != "gelu_pytorch_tanh":
+                raise ConfigError(f"activation {cfg.get('hidden_activation')!r} is not supported by the native backend")
+        else:
+            rope_type = rope.get("rope_type", rope.get("type", "default")) if rope else "default"
+            if rope_type not in ("default", None):
+                raise ConfigError(f"rope scaling {rope_type!r} is not supported by the native backend")
+            theta = rope.get("rope_theta", cfg.get("rope_theta", 10000.0)) if rope else cfg.get("rope_theta", 10000.0)
         heads = cfg["num_attention_heads"]
         window, windowed = layer_windows(cfg)
         return cls(
@@ -97,9 +132,12 @@ class NativeConfig:
             max_length=context_length(cfg),
             tie_embeddings=bool(cfg.get("tie_word_embeddings", False)),
             attention_bias=model_type == "qwen2" or bool(cfg.get("attention_bias", False)),
-            qk_norm=model_type == "qwen3",
+            qk_norm=model_type in ("qwen3", "gemma3_text"),
             sliding_window=window,
             windowed=windowed,
+            gemma=gemma,
+            query_scale=float(cfg.get("query_pre_attn_scalar", 256)) ** -0.5 if gemma else None,
+            local_rope_theta=local_theta if local_theta is not None and local_theta != float(theta) else None,
         )
 
 
@@ -119,6 +157,11 @@ class _Layer:
     k_norm: Tensor | None = None
     #: a sliding-window layer's window (a query at position p sees keys p - W + 1 .. p), else None
     window: int | None = None
+    #: Gemma 3's norms of the attention and MLP outputs: their gains [D] (1 + w), else None
+    post_attn: Tensor | None = None
+    post_mlp: Tensor | None = None
+    #: the rotary table the layer's queries and keys turn by: 0 the model's, 1 the sliding layers' own
+    rope: int = 0
 
 
 def context_length(cfg: dict) -> int:
@@ -158,9 +201,9 @@ def layer_windows(cfg: dict) -> tuple[int | None, tuple[bool, ...]]:
     return int(window), windowed
 
 
-def _rope_tables(cfg: NativeConfig, length: int) -> tuple[Tensor, Tensor]:
-    """cos/sin ``[length, head_dim]`` in Hugging Face's rotate-half layout."""
-    inv_freq = 1.0 / (cfg.rope_theta ** (torch.arange(0, cfg.head_dim, 2, dtype=torch.int64).float() / cfg.head_dim))
+def _rope_tables(theta: float, head_dim: int, length: int) -> tuple[Tensor, Tensor]:
+    """cos/sin ``[length, head_dim]`` of rotary base ``theta`` in Hugging Face's rotate-half layout."""
+    inv_freq = 1.0 / (theta ** (torch.arange(0, head_dim, 2, dtype=torch.int64).float() / head_dim))
     freqs = torch.outer(torch.arange(length, dtype=torch.float32), inv_freq)  # [T, d/2]
     emb = torch.cat([freqs, freqs], dim=-1)  # [T, d]
     return emb.cos(), emb.sin()
@@ -432,10 +475,14 @@ def _cache_parts(cfg: NativeConfig, sources: list[Path], calibration: str, *, dt
 
 def saved_model_weights(cfg: NativeConfig, files: list[Path]) -> dict[str, Tensor]:
     """The float weights a saved quantised model does not hold, read from the safetensors ``files``:
-    the embedding, and Qwen3's query and key head norms (tiny; the saved layers are linear ones)."""
+    the embedding, Qwen3's and Gemma 3's query and key head norms and Gemma 3's output norms (tiny;
+    the saved layers are linear ones)."""
     names = ["model.embed_tokens.weight"]
     if cfg.qk_norm:
         names += [f"model.layers.{i}.self_attn.{x}_norm.weight" for i in range(cfg.n_layers) for x in "qk"]
+    if cfg.gemma:
+        names += [f"model.layers.{i}.{x}.weight" for i in range(cfg.n_layers)
+                  for x in ("post_attention_layernorm", "post_feedforward_layernorm")]
     return {name: _read_tensor(files, name) for name in names}
 
 
@@ -531,7 +578,7 @@ class _LayerByLayer:
         n = ids.numel()
         self.cache = self.model.new_cache(n)
         self.cache.reserve(n)
-        self.x = self.model.embed.index_select(0, ids)  # [n, D]
+        self.x = self.model._embed_rows(ids)  # [n, D]
 
     def settle_layer(self, i: int) -> None:
         """Layer ``i`` (just built): its ranges read or measured, then its float linears quantised."""
@@ -662,11 +709,23 @@ class NativeCausalLM:
         def b(name: str) -> Tensor | None:
             return weights.pop(name).to(dtype) if name in weights else None
 
+        def gain(name: str) -> Tensor:  # a norm's gain (Gemma stores it as an offset from one)
+            return w(name) + 1.0 if cfg.gemma else w(name)
+
         self.embed = w("model.embed_tokens.weight")  # [V, D]
+        #: Gemma's scale of the token embeddings (sqrt(hidden_size), rounded to the model's dtype as
+        #: transformers rounds it); None for the other layouts
+        self._embed_scale = torch.tensor(cfg.hidden_size ** 0.5).to(dtype) if cfg.gemma else None
         self._eps = torch.tensor([cfg.rms_eps], dtype=dtype)
-        cos, sin = _rope_tables(cfg, cfg.max_length)
+        cos, sin = _rope_tables(cfg.rope_theta, cfg.head_dim, cfg.max_length)
         sin[:, : cfg.head_dim // 2] *= -1  # signed for _rotate
         self._cos, self._sin = cos.to(dtype), sin.to(dtype)
+        #: the sliding-window layers' own rotary table (Gemma 3), signed likewise; None where they share the model's
+        self._local_rope: tuple[Tensor, Tensor] | None = None
+        if cfg.local_rope_theta is not None:
+            cos_l, sin_l = _rope_tables(cfg.local_rope_theta, cfg.head_dim, cfg.max_length)
+            sin_l[:, : cfg.head_dim // 2] *= -1
+            self._local_rope = (cos_l.to(dtype), sin_l.to(dtype))
         self._q_size = cfg.n_heads * cfg.head_dim
         self._kv_size = cfg.n_kv_heads * cfg.head_dim
         #: the layer loop compiled with TorchScript (bitwise the same ops; see models/scripted.py),
@@ -684,17 +743,27 @@ class NativeCausalLM:
         head_rows = cfg.vocab_size if vocab_subset is None else vocab_subset.numel()
         #: the int8 kernel the linear layers run on ("fbgemm" | "onednn" | "mixed"), None when not quantised
         self.int8_kernel = None
-        q_scale = 1.0 / math.sqrt(cfg.head_dim)  # exact (a power of two) for head_dim 64
+        q_scale = cfg.query_scale if cfg.query_scale is not None else 1.0 / math.sqrt(cfg.head_dim)  # exact for head_dim 64
         self.layers: list[_Layer] = []
         build: _LayerByLayer | None = None
         #: an untied LM head from the GGUF's own blocks (a target's, q4: Qwen2.5-Coder's Q6_K head),
         #: run by the 4-bit product as shipped instead of re-quantised to int8
         shipped_head = (quant == "q4" and self._subset is None and not cfg.tie_embeddings and "lm_head.weight" in weights
                         and isinstance(blocks.get("lm_head.weight"), (Q4Blocks, Q6Blocks)))
-        norms: list[tuple[Tensor, Tensor]] = []  # Qwen3's per-head norms, by layer
-        if cfg.qk_norm:  # the attention scale goes into the query norm's weight instead of the query rows
-            norms = [(w(f"model.layers.{i}.self_attn.q_norm.weight") * q_scale, w(f"model.layers.{i}.self_attn.k_norm.weight"))
-                     for i in range(cfg.n_layers)]
+        # per layer, the norms no linear layer takes in: Qwen3's and Gemma 3's per-head ones (the
+        # attention scale goes into the query norm's gain instead of the query rows) and Gemma 3's
+        # output norms
+        extras: list[dict[str, Any]] = [{} for _ in range(cfg.n_layers)]
+        for i, extra in enumerate(extras):
+            p = f"model.layers.{i}."
+            if cfg.qk_norm:
+                extra.update(q_norm=gain(p + "self_attn.q_norm.weight") * q_scale, k_norm=gain(p + "self_attn.k_norm.weight"))
+            if cfg.gemma:
+                extra.update(post_attn=gain(p + "post_attention_layernorm.weight"),
+                             post_mlp=gain(p + "post_feedforward_layernorm.weight"))
+            if cfg.local_rope_theta is not None and cfg.windowed and cfg.windowed[i]:
+                extra.update(rope=1)
+        if cfg.qk_norm:
             q_scale = 1.0
         if quantised is not None:
             if quant not in ("int8", "q4") or int8_kernel not in ("fbgemm", "mixed"):
@@ -714,8 +783,7 @@ class NativeCausalLM:
                 return W8A8Linear.from_state(fields, shapes[name][1], wide=int8_kernel == "mixed")
 
             for i in range(cfg.n_layers):
-                self.layers.append(_Layer(**{name: stored(f"layers.{i}.{name}") for name in LAYER_LINEARS},
-                                          **(dict(zip(("q_norm", "k_norm"), norms[i])) if norms else {})))
+                self.layers.append(_Layer(**{name: stored(f"layers.{i}.{name}") for name in LAYER_LINEARS}, **extras[i]))
         elif quant is not None:
             shapes = _linear_shapes(cfg, head_rows)
             self.int8_kernel = _layer_kernel(int8_kernel, shapes)
@@ -731,7 +799,10 @@ class NativeCausalLM:
             build = _LayerByLayer.start(self, calibration, cache_parts, shapes)
         for i in range(cfg.n_layers if quantised is None else 0):  # (a saved model's layers: built above)
             p = f"model.layers.{i}."
-            attn_g, mlp_g = w(p + "input_layernorm.weight"), w(p + "post_attention_layernorm.weight")  # [D]
+            # the norms feeding the attention and the MLP ([D]; Llama's post-attention norm is the MLP's
+            # input norm, Gemma's normalises the attention's output: see extras)
+            attn_g = gain(p + "input_layernorm.weight")
+            mlp_g = gain(p + ("pre_feedforward_layernorm.weight" if cfg.gemma else "post_attention_layernorm.weight"))
             biases = [b(p + f"self_attn.{x}_proj.bias") for x in "qkv"]
             qkv_b = torch.cat([biases[0] * q_scale, *biases[1:]]) if all(x is not None for x in biases) else None
             if quant == "q4":
@@ -742,7 +813,7 @@ class NativeCausalLM:
                         out=q4([p + "self_attn.o_proj.weight"]),
                         gate_up=q4([p + "mlp.gate_proj.weight", p + "mlp.up_proj.weight"], None, mlp_g),
                         down=q4([p + "mlp.down_proj.weight"]),
-                        **(dict(zip(("q_norm", "k_norm"), norms[i])) if norms else {}),
+                        **extras[i],
                     )
                 )
             else:
@@ -757,12 +828,12 @@ class NativeCausalLM:
                         out=linear(w(p + "self_attn.o_proj.weight")),
                         gate_up=linear(gate_up_w.mul_(mlp_g)),
                         down=linear(w(p + "mlp.down_proj.weight")),
-                        **(dict(zip(("q_norm", "k_norm"), norms[i])) if norms else {}),
+                        **extras[i],
                     )
                 )
             if build is not None:  # its ranges measured (or read), then quantised: one float layer at a time
                 build.settle_layer(i)
-        final_g = w("model.norm.weight") if quantised is None else None  # [D]
+        final_g = gain("model.norm.weight") if quantised is None else None  # [D]
         #: the final norm's weight where the LM head is the float embedding it was folded into (a
         #: tied float head: what :meth:`reduced_head` rebuilds rows from), else None
         self._tied_gain = final_g if quant is None and self._subset is None and (
@@ -786,7 +857,8 @@ class NativeCausalLM:
             build.settle_head()
         for layer, windowed in zip(self.layers, cfg.windowed):
             layer.window = cfg.sliding_window if windowed else None
-        if os.environ.get("SPECDEC_SCRIPTED", "1") != "0" and compiled_layers() is not None:
+        # (the compiled loops run Llama's layer; Gemma 3's runs this module's Python loop)
+        if os.environ.get("SPECDEC_SCRIPTED", "1") != "0" and compiled_layers() is not None and not cfg.gemma:
             self.scripted = ScriptedLayers(self.layers)
 
     def quantised_state(self) -> dict[str, Tensor] | None:
@@ -879,6 +951,33 @@ class NativeCausalLM:
         window = self.cfg.sliding_window
         return window is not None and end > window
 
+    def _embed_rows(self, tokens: Tensor) -> Tensor:  # tokens: [n] -> [n, D]
+        """The token embeddings the first layer receives (Gemma's scale applied).  index_select, not
+        embed[tokens]: advanced indexing's parallel kernel was measured at 0.3-4.5 ms for 17 rows
+        while the other core was busy (it waits for it), 3 us this way."""
+        x = self.embed.index_select(0, tokens.reshape(-1))
+        return x if self._embed_scale is None else x * self._embed_scale
+
+    def _local_rows(self, index: Tensor | slice) -> tuple[Tensor, Tensor] | None:  # -> cos/sin [n, 1, d] each
+        """The sliding-window layers' own rotary rows at positions ``index`` (Gemma 3), else None."""
+        if self._local_rope is None:
+            return None
+        cos, sin = self._local_rope
+        return cos[index].unsqueeze(1), sin[index].unsqueeze(1)
+
+    def _mlp(self, layer: _Layer, x: Tensor) -> Tensor:  # x: [n, D] residual stream -> [n, D] after the MLP's add
+        """The MLP sub-layer and its residual add: SwiGLU (tanh-GELU gate and output norm for Gemma 3)."""
+        gate, up = layer.gate_up.scaled(x, self._inv_rms(x)).chunk(2, dim=-1)
+        if layer.post_mlp is None:
+            return x + layer.down(F.silu(gate) * up)
+        h = layer.down(F.gelu(gate, approximate="tanh") * up)
+        return x + h * self._inv_rms(h) * layer.post_mlp
+
+    def _attn_out(self, layer: _Layer, attn: Tensor) -> Tensor:  # attn: [n, H d] -> [n, D] what the residual adds
+        """The attention sub-layer's output projection (and Gemma 3's norm of it)."""
+        h = layer.out(attn)
+        return h if layer.post_attn is None else h * self._inv_rms(h) * layer.post_attn
+
     def _inv_rms(self, x: Tensor) -> Tensor:  # x: [n, D] -> [n, 1] = 1 / sqrt(mean(x^2) + eps)
         norm = torch.linalg.vector_norm(x, dim=-1, keepdim=True)
         return torch.rsqrt(torch.addcmul(self._eps, norm, norm, value=1.0 / self.cfg.hidden_size))
@@ -921,9 +1020,7 @@ class NativeCausalLM:
         end = start + n
         if end > self._cos.shape[0]:
             raise ValueError(f"position {end} is past the model's context of {self._cos.shape[0]}")
-        # index_select, not embed[tokens]: advanced indexing's parallel kernel was measured at
-        # 0.3-4.5 ms for 17 rows while the other core was busy (it waits for it), 3 us this way
-        x = self.embed.index_select(0, tokens.reshape(-1))  # [n, D]
+        x = self._embed_rows(tokens)  # [n, D]
         tree = None
         if parents is not None and is_chain(parents) and (prefix is None or end - prefix == parents.numel()):
             # a chain-shaped tree region (a floored tree that kept no sibling): node j sits in slot
@@ -935,9 +1032,11 @@ class NativeCausalLM:
         if tree is not None:
             cos = self._cos[tree.positions].unsqueeze(1)  # [n, 1, d]
             sin = self._sin[tree.positions].unsqueeze(1)
+            local = self._local_rows(tree.positions)
         else:
             cos = self._cos[start:end].unsqueeze(1)  # [n, 1, d]
             sin = self._sin[start:end].unsqueeze(1)
+            local = self._local_rows(slice(start, end))
         hq, hk, d = cfg.n_heads, cfg.n_kv_heads, cfg.head_dim
         mask = None
         if tree is not None:
@@ -959,7 +1058,8 @@ class NativeCausalLM:
                                        tree.slot_positions if tree is not None else None)
         for li, layer in enumerate(self.layers):
             qkv = layer.qkv.scaled(x, self._inv_rms(x))  # [n, (H + 2 Hkv) d]
-            qk = _rotate(self._normed(layer, qkv[:, :qk_size].view(n, hq + hk, d)), cos, sin)  # q and k heads in one op
+            turn = (cos, sin) if layer.rope == 0 else local
+            qk = _rotate(self._normed(layer, qkv[:, :qk_size].view(n, hq + hk, d)), *turn)  # q and k heads in one op
             k_cache, v_cache = cache.k[li], cache.v[li]  # [Hkv, T, d]
             k_cache[:, start:end] = qk[:, hq:].transpose(0, 1)
             v_cache[:, start:end] = qkv[:, qk_size:].view(n, hk, d).transpose(0, 1)
@@ -981,9 +1081,7 @@ class NativeCausalLM:
                     enable_gqa=hq != hk,
                     scale=1.0,
                 )[0].transpose(0, 1).reshape(n, self._q_size)  # [n, H d]
-            x = x + layer.out(attn)
-            gate, up = layer.gate_up.scaled(x, self._inv_rms(x)).chunk(2, dim=-1)
-            x = x + layer.down(F.silu(gate) * up)
+            x = self._mlp(layer, x + self._attn_out(layer, attn))
             if taps is not None and li + 1 in taps:
                 taps[li + 1] = x
         return x * self._inv_rms(x)
@@ -1045,9 +1143,10 @@ class NativeCausalLM:
                        compact: list[bool] | None = None, taps: list[Sequence[int] | None] | None = None) -> list[Any]:
         cfg = self.cfg
         tokens = torch.cat([t.reshape(-1) for t, _, _ in items])  # [M]
-        x = self.embed.index_select(0, tokens)  # [M, D]
+        x = self._embed_rows(tokens)  # [M, D]
         cos = torch.cat([self._cos[a : a + n] for a, n in zip(starts, sizes)]).unsqueeze(1)  # [M, 1, d]
         sin = torch.cat([self._sin[a : a + n] for a, n in zip(starts, sizes)]).unsqueeze(1)
+        local = self._local_rows(torch.cat([torch.arange(a, a + n) for a, n in zip(starts, sizes)]))
         offsets = [0]
         for n in sizes:
             offsets.append(offsets[-1] + n)
@@ -1061,7 +1160,7 @@ class NativeCausalLM:
             h = self.scripted.batch(x, cos, sin, [c for _, c, _ in items], starts, sizes, cfg, self._eps,
                                     exact=self.batch_invariant, taps=found)
         if h is None:
-            h = self._layers_batch_eager(x, cos, sin, items, sizes, starts, offsets, taps=found)
+            h = self._layers_batch_eager(x, cos, sin, items, sizes, starts, offsets, taps=found, local=local)
         rows = [torch.arange(o + n - 1, o + n) if last else torch.arange(o, o + n)
                 for (_, _, last), n, o in zip(items, sizes, offsets)]
         counts = [r.numel() for r in rows]
@@ -1078,7 +1177,8 @@ class NativeCausalLM:
 
     def _layers_batch_eager(self, x: Tensor, cos: Tensor, sin: Tensor, items: list[tuple[Tensor, KVCache, bool]],
                             sizes: list[int], starts: list[int], offsets: list[int],
-                            taps: dict[int, Tensor] | None = None) -> Tensor:  # [M, D] -> [M, D]
+                            taps: dict[int, Tensor] | None = None, local: tuple[Tensor, Tensor] | None = None
+                            ) -> Tensor:  # [M, D] -> [M, D]
         """The batched pass's layer loop in Python (the reference the scripted loop mirrors);
         ``taps`` filled as :meth:`hidden` fills them, over all M rows."""
         cfg = self.cfg
@@ -1089,7 +1189,8 @@ class NativeCausalLM:
         qk_size = self._q_size + self._kv_size
         for li, layer in enumerate(self.layers):
             qkv = layer.qkv.scaled(x, self._inv_rms(x))  # [M, (H + 2 Hkv) d]
-            qk = _rotate(self._normed(layer, qkv[:, :qk_size].view(total, hq + hk, d)), cos, sin)  # [M, H + Hkv, d]
+            turn = (cos, sin) if layer.rope == 0 else local
+            qk = _rotate(self._normed(layer, qkv[:, :qk_size].view(total, hq + hk, d)), *turn)  # [M, H + Hkv, d]
             parts = []
             for (_, cache, _), start, n, o in zip(items, starts, sizes, offsets):
                 end = start + n
@@ -1097,9 +1198,7 @@ class NativeCausalLM:
                 cache.v[li, :, start:end] = qkv[o : o + n, qk_size:].view(n, hk, d).transpose(0, 1)
                 parts.append(self._attend_rows(li, qk[o : o + n, :hq], cache, start))
             attn = torch.cat(parts)  # [M, H d]
-            x = x + layer.out(attn)
-            gate, up = layer.gate_up.scaled(x, self._inv_rms(x)).chunk(2, dim=-1)
-            x = x + layer.down(F.silu(gate) * up)
+            x = self._mlp(layer, x + self._attn_out(layer, attn))
             if taps is not None and li + 1 in taps:
                 taps[li + 1] = x
         return x * self._inv_rms(x)  # [M, D] the LM head's input
@@ -1152,7 +1251,7 @@ class NativeCausalLM:
     # in ``hidden``, so a row computed here is bitwise what ``hidden`` computes for it.
 
     def embed_tokens(self, tokens: Tensor) -> Tensor:  # tokens: [n] -> [n, D]
-        return self.embed.index_select(0, tokens.reshape(-1)).view(*tokens.shape, -1)
+        return self._embed_rows(tokens).view(*tokens.shape, -1)
 
     def head(self, x: Tensor) -> Tensor:  # x: [n, D] residual stream -> [n, V] float32 logits
         """Final norm + LM head of a residual stream (an early exit uses it after any layer)."""
@@ -1210,6 +1309,7 @@ class NativeCausalLM:
             raise ValueError(f"position {end} is past the model's context of {self._cos.shape[0]}")
         cos = self._cos[start:end].unsqueeze(1)  # [n, 1, d]
         sin = self._sin[start:end].unsqueeze(1)
+        local = self._local_rows(slice(start, end))
         if as_drafted:  # row i sees cache columns < start + i, then its own key (column end - 1 + i)
             ctx = end - 1
             mask = torch.full((n, ctx + n), -math.inf, dtype=x.dtype)  # [n, ctx + n]
@@ -1227,10 +1327,10 @@ class NativeCausalLM:
             if attn_on:
                 slot = li if slots is None else slots[i]
                 attend = self._attention_as_drafted if as_drafted else self._attention
-                x = x + attend(layer, x, cache, slot, start=start, cos=cos, sin=sin, mask=mask)
+                turn = (cos, sin) if layer.rope == 0 else local
+                x = x + attend(layer, x, cache, slot, start=start, cos=turn[0], sin=turn[1], mask=mask)  # type: ignore[index]
             if mlp_on:
-                gate, up = layer.gate_up.scaled(x, self._inv_rms(x)).chunk(2, dim=-1)
-                x = x + layer.down(F.silu(gate) * up)
+                x = self._mlp(layer, x)
         return x
 
     def _project(self, layer: _Layer, x: Tensor, cos: Tensor, sin: Tensor) -> tuple[Tensor, Tensor, Tensor]:
@@ -1271,7 +1371,7 @@ class NativeCausalLM:
                 q.transpose(0, 1).unsqueeze(0), k_cache[:, :end].unsqueeze(0), v_cache[:, :end].unsqueeze(0),
                 attn_mask=mask, enable_gqa=self.cfg.n_heads != self.cfg.n_kv_heads, scale=1.0,
             )[0].transpose(0, 1).reshape(n, self._q_size)  # [n, H d]
-        return layer.out(attn)
+        return self._attn_out(layer, attn)
 
     def _attention_as_drafted(
         self, layer: _Layer, x: Tensor, cache: KVCache, slot: int, *, start: int, cos: Tensor, sin: Tensor,
@@ -1292,4 +1392,4 @@ class NativeCausalLM:
             q.transpose(0, 1).unsqueeze(0), keys.unsqueeze(0), values.unsqueeze(0),
             attn_mask=mask, enable_gqa=self.cfg.n_heads != self.cfg.n_kv_heads, scale=1.0,
         )[0].transpose(0, 1).reshape(n, self._q_size)  # [n, H d]
-        return layer.out(attn)
+        return self._attn_out(layer, attn)

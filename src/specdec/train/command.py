@@ -358,7 +358,7 @@ def _skip(args: argparse.Namespace) -> int:
     dtype, quant = target_dtype(EngineConfig(target=args.target))
     target = load(args.target, dtype=dtype, quant=quant, batch_invariant=False)
     if not hasattr(target.model, "run_layers"):
-        raise ConfigError("the skip search needs the native backend (a Llama / Qwen2 target)")
+        raise ConfigError("the skip search needs the native backend (a Llama, Qwen2, Qwen3, Mistral or Gemma 3 target)")
     state: dict = json.loads(state_path.read_text()) if state_path.is_file() else {}
     if state and state.get("target") != target.name:
         state = {}
@@ -475,7 +475,7 @@ def _data(args: argparse.Namespace) -> int:
         sampler, precision = load(cfg.sampler, dtype=torch.float32, batch_invariant=False), "float32"
         check_compatible(target, sampler)
     if not hasattr(sampler.model, "forward_batch"):
-        raise ConfigError("training data needs the native backend (a Llama / Qwen2 model)")
+        raise ConfigError("training data needs the native backend (a Llama, Qwen2, Qwen3, Mistral or Gemma 3 model)")
     if cfg.features and max(cfg.taps) > target.model.cfg.n_layers:
         raise ConfigError(f"--taps must be <= the target's {target.model.cfg.n_layers} layers")
     bar = tqdm(total=cfg.sequences, desc="sequences", unit="seq")
@@ -545,7 +545,7 @@ def _kangaroo(args: argparse.Namespace) -> int:
     target = load(args.target, batch_invariant=False)
     model = target.model
     if not hasattr(model, "run_layers"):
-        raise ConfigError("kangaroo needs the native backend (a Llama / Qwen2 target)")
+        raise ConfigError("kangaroo needs the native backend (a Llama, Qwen2, Qwen3, Mistral or Gemma 3 target)")
     k = args.layers if args.layers is not None else model.cfg.n_layers // 2
     adapter = kt.new_adapter(model, k, seed=args.seed)  # checks K
     key = {"target": target.name, "layers": k, "prompts": args.prompts, "new_tokens": args.new_tokens,
