@@ -178,3 +178,26 @@ def test_the_tree_floor_reaches_the_worker_and_the_report(tmp_path):
         report.write(result, tmp_path / str(floor), make_plots=False)
         assert f"tree probability floor {floor:g}" in (tmp_path / str(floor) / "README.md").read_text()
     assert 0 < proposed[0.9] < proposed[0.0]
+
+
+def test_chat_prompts_on_a_model_with_no_chat_template_say_what_to_do(tmp_path):
+    """A base model (Gemma-3-270M has no chat template) with the built-in chat prompts: the run
+    stops with a message naming both ways out, not the generic one of `generate`; the code
+    prompts alone run."""
+    import json
+
+    from tiny import make_tiny
+
+    from specdec.errors import SpecdecError
+
+    folder = make_tiny(tmp_path / "base")
+    (folder / "chat_template.jinja").unlink(missing_ok=True)
+    config = folder / "tokenizer_config.json"
+    config.write_text(json.dumps({k: v for k, v in json.loads(config.read_text()).items() if k != "chat_template"}))
+    chat = next(p for p in BUILTIN if p.chat)
+    cfg = runner.BenchConfig(target=str(folder), draft="none", prompts=(BUILTIN[0], chat), modes=("plain",),
+                             temperatures=(0.0,), max_new_tokens=4, threads=1)
+    with pytest.raises(SpecdecError, match=r"no chat template.*--categories code.*\"chat\": false"):
+        runner.run(cfg, progress=False)
+    result = runner.run(dataclasses.replace(cfg, prompts=(BUILTIN[0],)), progress=False)
+    assert [s["generated_tokens"] for s in result["samples"]] == [4]

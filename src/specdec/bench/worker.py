@@ -18,7 +18,7 @@ import torch
 
 from specdec.bench.report import PAIRED_COUPLED
 from specdec.bench.runner import ERROR_MARK, draft_arms
-from specdec.bench.workloads import Prompt
+from specdec.bench.workloads import Prompt, check_chat
 from specdec.errors import SpecdecError
 from specdec.sampling import SamplingConfig
 
@@ -146,6 +146,7 @@ def run_engine(job: Job, prompts: list[Prompt]) -> None:
         engines = [engine]
     tag = len(engines) > 1  # rows say which drafter made them only when there is a choice
     plain = Engine(engine.target, None, "none")
+    check_chat(prompts, engine.target.tokenizer, job.target)
     encoded = {p.id: engine.encode(p.text, chat=p.chat) for p in prompts}
     llama = _llamacpp_runner(job, engine.target.eos_ids) if job.llamacpp else None
     for temperature in job.temperatures:
@@ -249,6 +250,7 @@ def run_hf(job: Job, prompts: list[Prompt]) -> None:
 
         assistant = AutoModelForCausalLM.from_pretrained(str(resolve(split_lookup(job.draft)[0]).folder), dtype=torch.float32).eval()
     eos = [i for i in {target.config.eos_token_id, tokenizer.eos_token_id} if i is not None]
+    check_chat(prompts, tokenizer, job.target)
     encoded = {p.id: encode_prompt(tokenizer, p.text, chat=p.chat) for p in prompts}
 
     def generate(ids: list[int], temperature: float, seed: int, max_new: int):
@@ -326,6 +328,7 @@ def run_llamacpp(job: Job, prompts: list[Prompt]) -> None:
     tokenizer = load_tokenizer(folder)
     eos = _eos_ids(folder, tokenizer, _json.loads((folder / "config.json").read_text()))
     llama = _llamacpp_runner(job, eos)
+    check_chat(prompts, tokenizer, job.target)
     encoded = {p.id: encode_prompt(tokenizer, p.text, chat=p.chat) for p in prompts}
     for temperature in job.temperatures:
         _llamacpp_warmup(job, llama, encoded[prompts[0].id], temperature)

@@ -22,6 +22,16 @@ class Prompt:
     chat: bool
 
 
+def check_chat(prompts: list[Prompt], tokenizer: object, target: str) -> None:
+    """A clear error, before any prompt runs, where chat prompts meet a model with no chat template
+    (a base model such as Gemma-3-270M): say how to run the rest, or the chat prompts as plain text."""
+    if any(p.chat for p in prompts) and not getattr(tokenizer, "chat_template", None):
+        raise ConfigError(
+            f"{target} has no chat template, which the chat prompts need: keep the others with --categories code,"
+            ' or pass --prompts FILE whose chat prompts say "chat": false (their text as a plain prompt)'
+        )
+
+
 _CODE = [
     ("merge_intervals", '''def merge_intervals(intervals):
     """Merge overlapping closed intervals.
