@@ -344,18 +344,21 @@ class _TreeLayout:
     #: exact mode with the attention kernel: node j's ancestors-or-self as absolute cache slots in
     #: path order, -1 padded [n, max depth + 1] (it reads them in place after the prefix [0, start))
     paths: Tensor | None = None
-    #: node j's ancestors-or-self as absolute cache slots, root first (sliding-window layers)
+    #: (``windowed`` only: a pass with rows past a sliding window) node j's ancestors-or-self as
+    #: absolute cache slots, root first, and [end] each slot's position (itself below the region, the
+    #: node's depth past ``start`` in it)
     node_slots: tuple[tuple[int, ...], ...] = ()
-    #: [end] each slot's position: itself below the region, the node's depth past ``start`` in it
     slot_positions: Tensor | None = None
 
     @classmethod
     def build(
-        cls, parents: Tensor, start: int, end: int, dtype: torch.dtype, prefix: int | None = None, *, exact: bool = True
+        cls, parents: Tensor, start: int, end: int, dtype: torch.dtype, prefix: int | None = None, *, exact: bool = True,
+        windowed: bool = False,
     ) -> "_TreeLayout":
         """``parents`` covers the tree region ``[prefix, end)`` (default: just the new nodes);
         the last ``end - start`` entries are the nodes being scored now.  ``exact``: the schedule
-        of per-node attention (batch-invariant models), else the mask of one masked call."""
+        of per-node attention (batch-invariant models), else the mask of one masked call;
+        ``windowed``: the nodes' slots and positions too, which sliding-window layers read."""
         s = start if prefix is None else prefix
         n, m = end - start, end - s
         if parents.numel() != m:
@@ -376,6 +379,8 @@ class _TreeLayout:
             mask[:, s:] = -math.inf
             mask[[j for j, p in enumerate(scored) for _ in p], [s + k for p in scored for k in p]] = 0.0
         positions = torch.tensor([s + len(p) - 1 for p in scored], dtype=torch.long)  # start + depth
+        if not windowed:
+            return cls(s, end, positions, schedule, mask, perm, paths)
         slot_positions = torch.arange(end)
         slot_positions[s:] = torch.tensor([s + len(p) - 1 for p in region], dtype=torch.long)
         node_slots = tuple(tuple(s + k for k in p) for p in scored)
@@ -1028,7 +1033,8 @@ class NativeCausalLM:
             # (the fused loop) computes it; exact models give both the token-by-token bits
             parents = None
         if parents is not None:
-            tree = _TreeLayout.build(parents, start, end, x.dtype, prefix, exact=self.batch_invariant)
+            tree = _TreeLayout.build(parents, start, end, x.dtype, prefix, exact=self.batch_invariant,
+                                     windowed=self._past_window(end))
         if tree is not None:
             cos = self._cos[tree.positions].unsqueeze(1)  # [n, 1, d]
             sin = self._sin[tree.positions].unsqueeze(1)
@@ -1146,7 +1152,8 @@ class NativeCausalLM:
         x = self._embed_rows(tokens)  # [M, D]
         cos = torch.cat([self._cos[a : a + n] for a, n in zip(starts, sizes)]).unsqueeze(1)  # [M, 1, d]
         sin = torch.cat([self._sin[a : a + n] for a, n in zip(starts, sizes)]).unsqueeze(1)
-        local = self._local_rows(torch.cat([torch.arange(a, a + n) for a, n in zip(starts, sizes)]))
+        local = None if self._local_rope is None else self._local_rows(
+            torch.cat([torch.arange(a, a + n) for a, n in zip(starts, sizes)]))
         offsets = [0]
         for n in sizes:
             offsets.append(offsets[-1] + n)
