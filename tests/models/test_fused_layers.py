@@ -7,8 +7,9 @@ bit — otherwise a pass on one and a pass on the other would score the same tok
 so every test here compares the fused call with the TorchScript loop on the same weights and
 cache: logits and every key and value written, for 1-17 rows after a prompt, token trees and
 batched passes of several sequences, for
-Llama, Qwen2 (biased query/key/value) and Qwen3 (query and key head norms) layouts, 4-bit and int8 layers (with SmoothQuant
-factors), and for the layer subsets self-speculative drafts run (skipped sub-layers, their own
+Llama, Qwen2 (biased query/key/value), Qwen3 (query and key head norms) and Gemma 3 (output norms,
+tanh-GELU, a second rotary table; its reference is the Python loop) layouts, 4-bit and int8 layers
+(with SmoothQuant factors), and for the layer subsets self-speculative drafts run (skipped sub-layers, their own
 cache slots).  Batch invariance of the fused call itself (a block = its tokens one by one) is
 ``test_quantized.py``'s block test, which now runs on it for 4-bit and int8 models.
 """
@@ -29,7 +30,7 @@ pytestmark = pytest.mark.skipif(not (kernels.q4_available() and w8a8_available()
 
 # q6: the 4-bit target with its value projections and one down projection from Q6_K blocks
 MODELS = [("llama", 32, "q4"), ("qwen2", 32, "q4"), ("llama", 128, "q4"), ("llama", 32, "int8"), ("qwen2", 128, "int8"),
-          ("qwen2", 256, "q6"), ("qwen3", 64, "q4"), ("qwen3", 128, "int8")]
+          ("qwen2", 256, "q6"), ("qwen3", 64, "q4"), ("qwen3", 128, "int8"), ("gemma3", 64, "q4"), ("gemma3", 128, "int8")]
 
 
 @pytest.fixture(scope="module", params=MODELS, ids=[f"{a}-d{h // 4}-{q}" for a, h, q in MODELS])
@@ -37,7 +38,9 @@ def q4_model(request, tmp_path_factory):
     arch, hidden, quant = request.param
     if quant == "int8" and not vnni_available():
         pytest.skip("the int8 few-row kernel needs 512-bit VNNI, or AVX2 on a CPU without VNNI")
-    folder = make_tiny(tmp_path_factory.mktemp(f"{arch}{hidden}"), model_type=arch, hidden=hidden, layers=3)
+    # (Gemma 3: random norm gains, so its output norms' gains are not all the same)
+    folder = make_tiny(tmp_path_factory.mktemp(f"{arch}{hidden}"), model_type=arch, hidden=hidden, layers=3,
+                       norms=arch == "gemma3")
     gguf = None
     if quant == "q6":
         from tests.models.test_q6 import write_q6_gguf
@@ -60,7 +63,8 @@ def _every_row_count_on_the_int8_kernel(monkeypatch):
 
 
 def _unfused(model, run):
-    """``run()`` with the fused call switched off: the TorchScript loop (the reference)."""
+    """``run()`` with the fused call switched off: the TorchScript loop (the reference), or for
+    Gemma 3, whose layer only the fused call compiles, the Python loop."""
     saved, model.scripted.fused = model.scripted.fused, None
     try:
         return run()

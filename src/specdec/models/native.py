@@ -7,8 +7,9 @@ Qwen2.5-Coder pair is Qwen2, Gemma-3-270M is Gemma 3's text model).  It reads a 
 ``Gemma3ForCausalLM`` (checked against them in ``tests/models/test_native.py`` and
 ``test_windowed.py``), sliding-window layers included.  Structure follows gpt-fast's model.py in
 spirit: one function per block, fused QKV and gate/up projections, and the cache as a preallocated
-buffer.  Gemma 3's layer (output norms, a tanh-GELU gate, two rotary bases) runs in the Python layer
-loop; the compiled loops (models/scripted.py, csrc/layers.cpp) run the Llama layout.
+buffer.  The compiled loops (models/scripted.py, csrc/layers.cpp) run the Llama layout; Gemma 3's
+layer (output norms, a tanh-GELU gate, two rotary bases) runs on the fused call where a quantised
+model's pass takes it, and in the Python layer loop otherwise.
 """
 
 from __future__ import annotations
@@ -862,9 +863,12 @@ class NativeCausalLM:
             build.settle_head()
         for layer, windowed in zip(self.layers, cfg.windowed):
             layer.window = cfg.sliding_window if windowed else None
-        # (the compiled loops run Llama's layer; Gemma 3's runs this module's Python loop)
-        if os.environ.get("SPECDEC_SCRIPTED", "1") != "0" and compiled_layers() is not None and not cfg.gemma:
+        if os.environ.get("SPECDEC_SCRIPTED", "1") != "0" and compiled_layers() is not None:
             self.scripted = ScriptedLayers(self.layers)
+            if cfg.gemma and self.scripted.fused is None:
+                # Gemma 3's layer runs on the fused call alone (the TorchScript loop is Llama's):
+                # a float32 Gemma runs this module's Python loop throughout
+                self.scripted = None
 
     def quantised_state(self) -> dict[str, Tensor] | None:
         """A quantised model's layers as tensors, ``LAYER.FIELD`` (``layers.I.NAME``, ``lm_head``; the
@@ -1052,10 +1056,13 @@ class NativeCausalLM:
             mask = torch.full((n, end), -math.inf, dtype=x.dtype).triu_(start + 1)  # [n, T]
         if taps is not None and 0 in taps:
             taps[0] = x
-        if self.scripted is not None and not self._past_window(end):  # the same ops from TorchScript (bitwise this loop's result)
+        if self.scripted is not None and not self._past_window(end):  # the same ops compiled (bitwise this loop's result)
             if self.batch_invariant:
-                return self.scripted(x, cos, sin, cache, start, cfg, self._eps, tree=tree, taps=taps)
-            return self.scripted(x, cos, sin, cache, start, cfg, self._eps, mask=mask, taps=taps)
+                out = self.scripted(x, cos, sin, cache, start, cfg, self._eps, tree=tree, taps=taps, local=local)
+            else:
+                out = self.scripted(x, cos, sin, cache, start, cfg, self._eps, mask=mask, taps=taps, local=local)
+            if out is not None:  # (None: a Gemma 3 pass the fused call does not take)
+                return out
         qk_size = self._q_size + self._kv_size
         window_mask = None  # the sliding-window layers' mask (fast mode)
         if mask is not None and self._past_window(end):
@@ -1165,7 +1172,7 @@ class NativeCausalLM:
         if self.scripted is not None and not any(self._past_window(a + n) for a, n in zip(starts, sizes)):
             # the same ops from TorchScript (bitwise the loop below)
             h = self.scripted.batch(x, cos, sin, [c for _, c, _ in items], starts, sizes, cfg, self._eps,
-                                    exact=self.batch_invariant, taps=found)
+                                    exact=self.batch_invariant, taps=found, local=local)
         if h is None:
             h = self._layers_batch_eager(x, cos, sin, items, sizes, starts, offsets, taps=found, local=local)
         rows = [torch.arange(o + n - 1, o + n) if last else torch.arange(o, o + n)
@@ -1328,7 +1335,9 @@ class NativeCausalLM:
             # the same ops from TorchScript (bitwise this loop)
             plan = [[li, int(a), int(m), li if slots is None else slots[i]] for i, (li, a, m) in enumerate(steps)]
             fast = mask if not self.batch_invariant else None
-            return self.scripted(x, cos, sin, cache, start, cfg, self._eps, mask=fast, plan=plan)
+            out = self.scripted(x, cos, sin, cache, start, cfg, self._eps, mask=fast, plan=plan, local=local)
+            if out is not None:  # (None: a Gemma 3 pass the fused call does not take)
+                return out
         for i, (li, attn_on, mlp_on) in enumerate(steps):
             layer = self.layers[li]
             if attn_on:

@@ -451,6 +451,9 @@ class ScriptedLayers:
         #: Qwen3's query and key norms by layer ([q gain (the attention scale folded in), k gain])
         self.head_norms: dict[int, list[Tensor]] = {
             li: [layer.q_norm, layer.k_norm] for li, layer in enumerate(layers) if getattr(layer, "q_norm", None) is not None}
+        #: Gemma 3's layer (output norms, tanh-GELU, two rotary tables): only the fused call runs
+        #: it; the passes it does not take return None, and the caller runs the Python loop
+        self.gemma = any(getattr(layer, "post_attn", None) is not None for layer in layers)
         self._w8a8_at: dict[int, W8A8Linear] = {}  # the W8A8 layers by index
         self._q8_few = -1  # the few-row setting self.q8 was made for (see _fbgemm)
         self.reduce_range = False
@@ -523,6 +526,9 @@ class ScriptedLayers:
             if self.head_norms:  # [q gain, k gain] per layer, float32 [d] each (empty: none)
                 self.fused.set_head_norms([t.float().contiguous() for li in range(len(self.kinds) // 4)
                                            for t in self.head_norms.get(li, [empty, empty])])
+            if self.gemma:  # output norms' gains (attention's, MLP's) and rotary table per layer
+                self.fused.set_gemma([g.float().contiguous() for layer in layers for g in (layer.post_attn, layer.post_mlp)],
+                                     [int(layer.rope) for layer in layers])
             self._q8_fused = W8A8 in self.kinds
 
     def _fuses(self, x: Tensor) -> bool:
@@ -560,23 +566,26 @@ class ScriptedLayers:
     def __call__(
         self, x: Tensor, cos: Tensor, sin: Tensor, cache, start: int, cfg, eps: Tensor, *,
         mask: Tensor | None = None, tree=None, taps: dict[int, Tensor] | None = None,
-        plan: list[list[int]] | None = None,
-    ) -> Tensor:
+        plan: list[list[int]] | None = None, local: tuple[Tensor, Tensor] | None = None,
+    ) -> Tensor | None:
         """``mask``: fast-mode attention (one masked call per layer); ``tree``: a
         ``native._TreeLayout`` for exact per-node tree attention; neither: per-row attention.
         ``taps`` (layer count -> filled with the residual stream after that many layers, [n, D])
         as in :meth:`NativeCausalLM.hidden`.  ``plan``: run only these ``[layer, attention on,
         MLP on, cache slot]`` steps and return the raw residual stream (no final norm), as
-        :meth:`NativeCausalLM.run_layers` does."""
+        :meth:`NativeCausalLM.run_layers` does.  ``local``: the sliding layers' own rotary rows
+        (Gemma 3), cos / sin [n, 1, d].  None where the pass is Gemma 3's and the fused call does
+        not take it (the caller's Python loop runs it)."""
         n_layers = len(self.kinds) // 4
         if mask is None and (tree is None or tree.paths is not None) and self._fuses(x) \
                 and (not taps or plan is None and all(0 <= k < n_layers for k in taps)):
             tree_start, paths = (-1, None) if tree is None else (tree.start, tree.paths)
-
+            cos_l, sin_l = (None, None) if local is None else local
             if not taps:
                 return torch.ops.specdec.fused_layers(
                     x, cos, sin, cache.k, cache.v, start, cfg.n_heads, cfg.n_kv_heads, cfg.head_dim, eps, self.fused,
-                    [v for step in plan for v in step] if plan else [], plan is None, tree_start, paths)
+                    [v for step in plan for v in step] if plan else [], plan is None, tree_start, paths,
+                    cos_local=cos_l, sin_local=sin_l)
             # a feature drafter's pass: the call copies the residual stream after each tapped layer
             # count into ``out`` as it goes (one call per stretch between taps cost ~0.25-0.5 ms a tap)
             if 0 in taps:
@@ -585,10 +594,12 @@ class ScriptedLayers:
             out = x.new_empty(len(inner), x.shape[0], x.shape[1])  # [taps, n, D]
             y = torch.ops.specdec.fused_layers(
                 x, cos, sin, cache.k, cache.v, start, cfg.n_heads, cfg.n_kv_heads, cfg.head_dim, eps, self.fused,
-                [], True, tree_start, paths, inner, out if inner else None)
+                [], True, tree_start, paths, inner, out if inner else None, cos_local=cos_l, sin_local=sin_l)
             for j, k in enumerate(inner):
                 taps[k] = out[j]
             return y
+        if self.gemma:
+            return None
         self._ensure(x.shape[0])
         tree_start, steps, perm, paths = -1, [], None, None
         if tree is not None:
@@ -606,10 +617,12 @@ class ScriptedLayers:
         return out
 
     def batch(self, x: Tensor, cos: Tensor, sin: Tensor, caches: list, starts: list[int], sizes: list[int], cfg,
-              eps: Tensor, *, exact: bool, taps: dict[int, Tensor] | None = None) -> Tensor | None:  # x: [M, D] -> [M, D]
+              eps: Tensor, *, exact: bool, taps: dict[int, Tensor] | None = None,
+              local: tuple[Tensor, Tensor] | None = None) -> Tensor | None:  # x: [M, D] -> [M, D]
         """:meth:`NativeCausalLM.forward_batch`'s layers (None where the batched loop did not compile,
-        or where ``taps`` are asked of a pass the fused call does not run: the Python loop records them).
-        ``taps`` as :meth:`__call__` fills them, over all M rows."""
+        where ``taps`` are asked of a pass the fused call does not run, or where Gemma 3's pass is not
+        the fused call's: the Python loop runs those).  ``taps`` and ``local`` as :meth:`__call__`
+        takes them, over all M rows."""
         n_layers = len(self.kinds) // 4
         if exact and self._fuses(x) and (not taps or all(0 <= k < n_layers for k in taps)):
             # the same ops in one compiled call (csrc/layers.cpp), which copies the tapped residual
@@ -618,14 +631,15 @@ class ScriptedLayers:
             out = x.new_empty(len(inner), x.shape[0], x.shape[1]) if inner else None  # [taps, M, D]
             y = torch.ops.specdec.fused_layers_batch(
                 x, cos, sin, [c.k for c in caches], [c.v for c in caches], starts, sizes, cfg.n_heads, cfg.n_kv_heads,
-                cfg.head_dim, eps, self.fused, inner, out)
+                cfg.head_dim, eps, self.fused, inner, out, cos_local=None if local is None else local[0],
+                sin_local=None if local is None else local[1])
             if taps:
                 if 0 in taps:
                     taps[0] = x
                 for j, k in enumerate(inner):
                     taps[k] = out[j]  # type: ignore[index]
             return y
-        if taps:
+        if taps or self.gemma:
             return None
         fn = compiled_batch_layers()
         if fn is None:

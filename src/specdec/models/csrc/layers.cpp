@@ -21,6 +21,9 @@
 //                 the same views, then (x * (1 / sqrt(fma(float(1/d) * norm, norm, eps)))) * gain
 //   rotary        addcmul(qk * cos, qk.roll(d/2, -1), sin) -> fma(rolled, sin, qk * cos)
 //   SiLU          F.silu(gate) -> ATen's silu (its exp is ATen's), then * up
+//   GELU (Gemma 3) F.gelu(gate, approximate="tanh") -> ATen's gelu on the same view, then * up
+//   output norms  (Gemma 3, on the attention's and the MLP's outputs before each residual add)
+//                 h * inv_rms(h) * gain -> (h * (1 / sqrt(fma(float(1/D) * norm, norm, eps)))) * gain
 //   residuals     x + y
 //
 // Every step is per row, so a row's result depends on that row alone (batch invariance).
@@ -29,7 +32,7 @@
 //   torch.ops.specdec.fused_layers(x [n, D], cos [n, 1, d], sin [n, 1, d] (signed), k_all, v_all
 //       [L, Hkv, T, d], start, n_heads, n_kv_heads, head_dim, eps [1], weights (a FusedWeights),
 //       plan[] (flattened [layer, attention on, MLP on, cache slot] steps; empty = every layer),
-//       final_norm, tree_start, paths, taps[], tap_out) -> [n, D]: the residual stream after the
+//       final_norm, tree_start, paths, taps[], tap_out, cos_local, sin_local) -> [n, D]: the residual stream after the
 //       steps, times its inverse RMS when final_norm (the LM head's input).  taps[] (increasing
 //       step counts, 1 .. steps) with tap_out [len(taps), n, D] float32: tap_out[j] receives the
 //       residual stream after the first taps[j] steps (a target-aware drafter's features, in the
@@ -37,7 +40,7 @@
 //       machine).  paths [n, E] (a token tree: each node's ancestors-or-self as cache slots, -1 padded) with tree_start (the prefix every node sees)
 //       as torch.ops.specdec.attend takes them; the nodes' keys and values go to start .. start + n.
 //   torch.ops.specdec.fused_layers_batch(x [M, D], cos, sin [M, 1, d], k_caches[], v_caches[], starts[],
-//       sizes[], n_heads, n_kv_heads, head_dim, eps, weights, taps[], tap_out) -> [M, D]: a
+//       sizes[], n_heads, n_kv_heads, head_dim, eps, weights, taps[], tap_out, cos_local, sin_local) -> [M, D]: a
 //       batching server's pass (scripted._layers_batch with exact attention): the rows of several
 //       sequences concatenated, the linear layers over all of them, each sequence's attention
 //       against its own cache from its own start; every layer, then the final norm.  taps[] and
@@ -50,6 +53,11 @@
 //       layers' output features.  W8A8 layers only for at most 16 rows (the few-row kernel's range, as in
 //       scripted._linear).  FusedWeights.set_head_norms(tensors[]): Qwen3's query and key norms' gains,
 //       two per layer (float32 [d] each, the query's with the attention scale folded in; empty: none).
+//       FusedWeights.set_gemma(gains[], local[]): Gemma 3's layer -- the output norms' gains, two per
+//       layer (attention's, MLP's; float32 [D]), the tanh-GELU gate, and local[li] = 1 for the layers
+//       that turn by the sliding layers' own rotary table, which the calls then take as cos_local /
+//       sin_local [n, 1, d] (rows as cos / sin).  Only below the sliding window: a pass whose rows
+//       reach it runs native.py's Python loop, which alone windows the attention.
 
 #include <ATen/ATen.h>
 #include <torch/custom_class.h>
@@ -71,6 +79,9 @@ struct Net {
   const std::vector<at::Tensor>& w;  // five per linear layer (see the header)
   const std::vector<int64_t>& n_out;
   const std::vector<at::Tensor>& norms;  // two per layer (query, key head norm gains), or none at all
+  const std::vector<at::Tensor>& post;  // Gemma 3: two per layer (attention output's, MLP output's norm gain), or none
+  const std::vector<int64_t>& local;  // Gemma 3: per layer, 1 = turns by the local rotary table; or none
+  bool gelu;  // Gemma 3's tanh-GELU gate instead of SiLU
 };
 
 // [M, Hq + Hkv, d]: the query and key heads of qkv [M, (Hq + 2 Hkv) d] after their RMS norms (Qwen3),
@@ -148,6 +159,17 @@ at::Tensor linear(const Net& net, int64_t i, const at::Tensor& x, const float* r
   return y;
 }
 
+// y [n, D] := y * inv_rms(y) * gain (Gemma 3's norm of a sub-layer's output), as native._attn_out / _mlp compute it
+void post_norm(at::Tensor& y, const at::Tensor& gain, float eps, float value) {
+  const at::Tensor rs = inv_rms(y, eps, value);
+  const int64_t n = y.size(0), width = y.size(1);
+  const float* rp = rs.data_ptr<float>();
+  const float* g = gain.data_ptr<float>();
+  float* yp = y.data_ptr<float>();
+  for (int64_t r = 0; r < n; ++r)
+    for (int64_t j = 0; j < width; ++j) yp[r * width + j] = (yp[r * width + j] * rp[r]) * g[j];
+}
+
 void add_into(at::Tensor& x, const at::Tensor& y) {  // x += y, both contiguous [n, D]
   float* xp = x.data_ptr<float>();
   const float* yp = y.data_ptr<float>();
@@ -183,6 +205,9 @@ struct FusedWeights : torch::CustomClassHolder {
   std::vector<at::Tensor> w;
   std::vector<int64_t> n_out;
   std::vector<at::Tensor> norms;  // Qwen3's head norms: two per layer, or none
+  std::vector<at::Tensor> post;  // Gemma 3's output norms: two per layer, or none
+  std::vector<int64_t> local;  // Gemma 3: per layer, 1 = the local rotary table; or none
+  bool gelu = false;
   FusedWeights(std::vector<int64_t> kinds_, std::vector<at::Tensor> w_, std::vector<int64_t> n_out_)
       : kinds(std::move(kinds_)), w(std::move(w_)), n_out(std::move(n_out_)) {
     check_weights(kinds, w, n_out);
@@ -197,13 +222,27 @@ struct FusedWeights : torch::CustomClassHolder {
     }
     norms = std::move(gains);
   }
+  void set_gemma(std::vector<at::Tensor> gains, std::vector<int64_t> local_layers) {
+    const size_t n_layers = kinds.size() / 4;
+    TORCH_CHECK(gains.size() == 2 * n_layers && local_layers.size() == n_layers,
+                "fused_layers: Gemma 3's layer takes two output norms and a rotary table per layer");
+    for (const at::Tensor& g : gains)
+      TORCH_CHECK(g.dim() == 1 && g.scalar_type() == at::kFloat && g.is_contiguous(),
+                  "fused_layers: output norm gains must be contiguous float32 [D]");
+    for (int64_t t : local_layers) TORCH_CHECK(t == 0 || t == 1, "fused_layers: a layer's rotary table is 0 or 1");
+    post = std::move(gains);
+    local = std::move(local_layers);
+    gelu = true;
+  }
 };
 
 // The layer loop over the segments' rows x [M, D] (see the header); tree (paths) for one segment only.
 at::Tensor run(const at::Tensor& x_in, const at::Tensor& cos_in, const at::Tensor& sin_in, const std::vector<Segment>& segs,
                int64_t hq, int64_t hk, int64_t d, const at::Tensor& eps_t, const Net& w, std::vector<int64_t> plan,
                bool final_norm, int64_t tree_start, const c10::optional<at::Tensor>& paths,
-               const std::vector<int64_t>& taps = {}, const c10::optional<at::Tensor>& tap_out = c10::nullopt) {
+               const std::vector<int64_t>& taps = {}, const c10::optional<at::Tensor>& tap_out = c10::nullopt,
+               const c10::optional<at::Tensor>& cos_local = c10::nullopt,
+               const c10::optional<at::Tensor>& sin_local = c10::nullopt) {
   TORCH_CHECK(x_in.dim() == 2 && x_in.scalar_type() == at::kFloat, "fused_layers: x must be float32 [n, D]");
   const int64_t m = x_in.size(0), width = x_in.size(1), n_lin = static_cast<int64_t>(w.kinds.size());
   TORCH_CHECK(plan.size() % 4 == 0, "fused_layers: plan steps are [layer, attention, mlp, slot]");
@@ -230,6 +269,16 @@ at::Tensor run(const at::Tensor& x_in, const at::Tensor& cos_in, const at::Tenso
   TORCH_CHECK(!tree || segs.size() == 1, "fused_layers: a tree pass is one sequence");
   const at::Tensor cos = cos_in.contiguous(), sin = sin_in.contiguous();
   TORCH_CHECK(cos.numel() == m * d && sin.numel() == m * d, "fused_layers: cos / sin must be [n, 1, d]");
+  const bool any_local = std::find(w.local.begin(), w.local.end(), int64_t{1}) != w.local.end();
+  at::Tensor cos_l, sin_l;  // the sliding layers' own rotary rows (Gemma 3)
+  if (any_local) {
+    TORCH_CHECK(cos_local.has_value() && cos_local->defined() && sin_local.has_value() && sin_local->defined() &&
+                    cos_local->numel() == m * d && sin_local->numel() == m * d &&
+                    cos_local->scalar_type() == at::kFloat && sin_local->scalar_type() == at::kFloat,
+                "fused_layers: this model's sliding layers need cos_local / sin_local [n, 1, d]");
+    cos_l = cos_local->contiguous();
+    sin_l = sin_local->contiguous();
+  }
   const float eps = eps_t.item<float>();
   const float value = static_cast<float>(1.0 / static_cast<double>(width));  // addcmul's value, as a float
   if (plan.empty())
@@ -249,6 +298,9 @@ at::Tensor run(const at::Tensor& x_in, const at::Tensor& cos_in, const at::Tenso
   const int64_t qk_heads = hq + hk, half = d / 2;
   const float* cp = cos.data_ptr<float>();
   const float* sp = sin.data_ptr<float>();
+  const float* clp = any_local ? cos_l.data_ptr<float>() : cp;
+  const float* slp = any_local ? sin_l.data_ptr<float>() : sp;
+  const bool post = !w.post.empty();
   at::Tensor x = x_in.contiguous().clone();  // [M, D], the residual stream (the caller's x untouched)
   at::Tensor qk = at::empty({m, qk_heads, d}, x.options());  // rotated q and k heads
   for (size_t s = 0; s < plan.size(); s += 4) {
@@ -264,9 +316,10 @@ at::Tensor run(const at::Tensor& x_in, const at::Tensor& cos_in, const at::Tenso
       const at::Tensor nq = normed ? head_norms(qkv, hq, hk, d, w.norms[2 * li], w.norms[2 * li + 1], eps) : at::Tensor();
       const float* heads = normed ? nq.data_ptr<float>() : src;
       const int64_t heads_w = normed ? qk_heads * d : qkv_w;
+      const bool turn_local = !w.local.empty() && w.local[li] == 1;
       for (int64_t r = 0; r < m; ++r) {
-        const float* c = cp + r * d;
-        const float* sn = sp + r * d;
+        const float* c = (turn_local ? clp : cp) + r * d;
+        const float* sn = (turn_local ? slp : sp) + r * d;
         for (int64_t h = 0; h < qk_heads; ++h) {
           const float* a = heads + r * heads_w + h * d;
           float* o = dst + (r * qk_heads + h) * d;
@@ -306,18 +359,23 @@ at::Tensor run(const at::Tensor& x_in, const at::Tensor& cos_in, const at::Tenso
                                           sg.k.stride(1), sg.start, sg.row, sg.n, nullptr, 0});
         specdec::attend_seqs_op(q.data_ptr<float>(), attn.data_ptr<float>(), hq, hk, d, seqs);
       }
-      add_into(x, linear(w, lin + 1, attn, nullptr));
+      at::Tensor out = linear(w, lin + 1, attn, nullptr);  // [M, D]
+      if (post) post_norm(out, w.post[2 * li], eps, value);
+      add_into(x, out);
     }
     if (plan[s + 2]) {
       const at::Tensor rs = inv_rms(x, eps, value);
       const at::Tensor gate_up = linear(w, lin + 2, x, rs.data_ptr<float>());  // [M, 2 I]
       const int64_t inter = gate_up.size(1) / 2;
-      at::Tensor h = at::silu(gate_up.narrow(1, 0, inter));  // [M, I], ATen's silu on the same view
+      // [M, I], ATen's silu (Gemma 3: tanh-GELU) on the same view
+      at::Tensor h = w.gelu ? at::gelu(gate_up.narrow(1, 0, inter), "tanh") : at::silu(gate_up.narrow(1, 0, inter));
       float* hp = h.data_ptr<float>();
       const float* gp = gate_up.data_ptr<float>();
       for (int64_t r = 0; r < m; ++r)
         for (int64_t j = 0; j < inter; ++j) hp[r * inter + j] = hp[r * inter + j] * gp[r * 2 * inter + inter + j];
-      add_into(x, linear(w, lin + 3, h, nullptr));
+      at::Tensor down = linear(w, lin + 3, h, nullptr);  // [M, D]
+      if (post) post_norm(down, w.post[2 * li + 1], eps, value);
+      add_into(x, down);
     }
     if (next_tap < n_taps && taps[next_tap] == static_cast<int64_t>(s / 4) + 1)
       tap_out->select(0, next_tap++).copy_(x);
@@ -335,17 +393,19 @@ at::Tensor fused_layers(const at::Tensor& x, const at::Tensor& cos, const at::Te
                         const at::Tensor& v_all, int64_t start, int64_t hq, int64_t hk, int64_t d, const at::Tensor& eps,
                         const c10::intrusive_ptr<FusedWeights>& weights, std::vector<int64_t> plan, bool final_norm,
                         int64_t tree_start, const c10::optional<at::Tensor>& paths, std::vector<int64_t> taps,
-                        const c10::optional<at::Tensor>& tap_out) {
-  const Net w{weights->kinds, weights->w, weights->n_out, weights->norms};
+                        const c10::optional<at::Tensor>& tap_out, const c10::optional<at::Tensor>& cos_local,
+                        const c10::optional<at::Tensor>& sin_local) {
+  const Net w{weights->kinds, weights->w, weights->n_out, weights->norms, weights->post, weights->local, weights->gelu};
   return run(x, cos, sin, {Segment{0, x.size(0), start, k_all, v_all}}, hq, hk, d, eps, w, std::move(plan), final_norm,
-             tree_start, paths, taps, tap_out);
+             tree_start, paths, taps, tap_out, cos_local, sin_local);
 }
 
 at::Tensor fused_layers_batch(const at::Tensor& x, const at::Tensor& cos, const at::Tensor& sin,
                               std::vector<at::Tensor> k_caches, std::vector<at::Tensor> v_caches,
                               std::vector<int64_t> starts, std::vector<int64_t> sizes, int64_t hq, int64_t hk, int64_t d,
                               const at::Tensor& eps, const c10::intrusive_ptr<FusedWeights>& weights,
-                              std::vector<int64_t> taps, const c10::optional<at::Tensor>& tap_out) {
+                              std::vector<int64_t> taps, const c10::optional<at::Tensor>& tap_out,
+                              const c10::optional<at::Tensor>& cos_local, const c10::optional<at::Tensor>& sin_local) {
   TORCH_CHECK(k_caches.size() == sizes.size() && v_caches.size() == sizes.size() && starts.size() == sizes.size(),
               "fused_layers_batch: one cache, start and size per sequence");
   std::vector<Segment> segs;
@@ -355,8 +415,8 @@ at::Tensor fused_layers_batch(const at::Tensor& x, const at::Tensor& cos, const 
     row += sizes[i];
   }
   TORCH_CHECK(row == x.size(0), "fused_layers_batch: the sizes must add up to x's rows");
-  const Net w{weights->kinds, weights->w, weights->n_out, weights->norms};
-  return run(x, cos, sin, segs, hq, hk, d, eps, w, {}, true, -1, c10::nullopt, taps, tap_out);
+  const Net w{weights->kinds, weights->w, weights->n_out, weights->norms, weights->post, weights->local, weights->gelu};
+  return run(x, cos, sin, segs, hq, hk, d, eps, w, {}, true, -1, c10::nullopt, taps, tap_out, cos_local, sin_local);
 }
 
 }  // namespace
@@ -367,13 +427,14 @@ TORCH_LIBRARY_FRAGMENT(specdec, m) {
       .def("parts", [](const c10::intrusive_ptr<FusedWeights>& self) {  // (kinds, tensors, n_out), as made
         return std::make_tuple(self->kinds, self->w, self->n_out);
       })
-      .def("set_head_norms", &FusedWeights::set_head_norms);
+      .def("set_head_norms", &FusedWeights::set_head_norms)
+      .def("set_gemma", &FusedWeights::set_gemma);
   m.def("fused_layers(Tensor x, Tensor cos, Tensor sin, Tensor k_all, Tensor v_all, int start, int n_heads, "
         "int n_kv_heads, int head_dim, Tensor eps, __torch__.torch.classes.specdec.FusedWeights weights, int[] plan, "
-        "bool final_norm, int tree_start=-1, Tensor? paths=None, int[] taps=[], Tensor(a!)? tap_out=None) -> Tensor");
+        "bool final_norm, int tree_start=-1, Tensor? paths=None, int[] taps=[], Tensor(a!)? tap_out=None, Tensor? cos_local=None, Tensor? sin_local=None) -> Tensor");
   m.def("fused_layers_batch(Tensor x, Tensor cos, Tensor sin, Tensor[] k_caches, Tensor[] v_caches, int[] starts, "
         "int[] sizes, int n_heads, int n_kv_heads, int head_dim, Tensor eps, "
-        "__torch__.torch.classes.specdec.FusedWeights weights, int[] taps=[], Tensor(a!)? tap_out=None) -> Tensor");
+        "__torch__.torch.classes.specdec.FusedWeights weights, int[] taps=[], Tensor(a!)? tap_out=None, Tensor? cos_local=None, Tensor? sin_local=None) -> Tensor");
 }
 
 TORCH_LIBRARY_IMPL(specdec, CPU, m) {
