@@ -4,7 +4,8 @@
 The models are tiny and random with a 4-token window, so every pass below crosses it: equal to
 transformers to rounding, and, on a batch-invariant model, every row bitwise what decoding it alone
 computes -- in a chain pass, a batched pass, a token tree deeper than the window, and a pass that
-starts below the window (the compiled layer loops) and ends past it (the Python loop)."""
+starts below the window and ends past it; and the fused layer call, which windows steps, chain and
+batched passes itself, bitwise the Python loop there."""
 
 from __future__ import annotations
 
@@ -124,6 +125,38 @@ def test_each_row_is_bitwise_as_decoded_alone_in_every_pass(windowed_folder, qua
     model.forward(others[1][:5], caches[2])
     got = model.forward_batch([(ids[9:], caches[0], False), (others[0], caches[1], False), (others[1][5:], caches[2], False)])
     assert torch.equal(got[0], alone[9:]) and torch.equal(got[1], solo[0]) and torch.equal(got[2], solo[1][5:])
+
+
+@pytest.mark.parametrize("quant", ["int8", "q4"])
+def test_fused_passes_past_the_window_are_bitwise_the_python_loop(windowed_folder, quant):
+    """The fused layer call windows a row's keys itself: decoding steps across the window, a chain
+    pass past it and a batched pass of sequences below, across and past it give the logits, keys
+    and values of the Python layer loop (the reference; the model without its compiled loops)."""
+    model = _quantised(windowed_folder, quant)
+    if model.scripted is None or model.scripted.fused is None:
+        pytest.skip("the fused layer call is not available here")
+    ids = _ids(20, seed=4)
+
+    def run() -> list[torch.Tensor]:
+        cache, below, across = model.new_cache(64), model.new_cache(64), model.new_cache(64)
+        out = [model.forward(ids[:3], cache)]
+        out += [model.forward(ids[i : i + 1], cache) for i in range(3, 8)]  # steps across the window
+        out.append(model.forward(ids[8:13], cache))  # a chain pass past it
+        model.forward(ids[:1], below)
+        model.forward(ids[:2], across)
+        out += model.forward_batch([(ids[13:16], cache, False), (ids[1:3], below, False), (ids[2:6], across, False)])
+        return out + [c.k[:, :, : c.length].clone() for c in (cache, below, across)] + \
+            [c.v[:, :, : c.length].clone() for c in (cache, below, across)]
+
+    fused = run()
+    saved, model.scripted = model.scripted, None
+    try:
+        reference = run()
+    finally:
+        model.scripted = saved
+    assert len(fused) == len(reference)
+    for i, (a, b) in enumerate(zip(fused, reference)):
+        assert torch.equal(a, b), i
 
 
 @pytest.mark.parametrize("quant", [None, "q4"])

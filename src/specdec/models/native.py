@@ -955,8 +955,9 @@ class NativeCausalLM:
 
     def _past_window(self, end: int) -> bool:
         """Whether a pass writing slots up to ``end`` may hold a row past a sliding window (a row at
-        position ``window`` or later), which the Python layer loop alone computes: the compiled
-        loops attend to every earlier key, which is what a windowed layer sees below its window."""
+        position ``window`` or later).  Below it a windowed layer sees every earlier key, as the
+        compiled loops compute it; past it only the fused call (steps, chain and batched passes)
+        and the Python layer loop (everything else) window the attention."""
         window = self.cfg.sliding_window
         return window is not None and end > window
 
@@ -1056,11 +1057,14 @@ class NativeCausalLM:
             mask = torch.full((n, end), -math.inf, dtype=x.dtype).triu_(start + 1)  # [n, T]
         if taps is not None and 0 in taps:
             taps[0] = x
-        if self.scripted is not None and not self._past_window(end):  # the same ops compiled (bitwise this loop's result)
+        past = self._past_window(end)
+        if self.scripted is not None and not (past and tree is not None):  # the same ops compiled (bitwise this loop's result)
             if self.batch_invariant:
-                out = self.scripted(x, cos, sin, cache, start, cfg, self._eps, tree=tree, taps=taps, local=local)
+                out = self.scripted(x, cos, sin, cache, start, cfg, self._eps, tree=tree, taps=taps, local=local,
+                                    past_window=past)
             else:
-                out = self.scripted(x, cos, sin, cache, start, cfg, self._eps, mask=mask, taps=taps, local=local)
+                out = self.scripted(x, cos, sin, cache, start, cfg, self._eps, mask=mask, taps=taps, local=local,
+                                    past_window=past)
             if out is not None:  # (None: a Gemma 3 pass the fused call does not take)
                 return out
         qk_size = self._q_size + self._kv_size
@@ -1169,10 +1173,10 @@ class NativeCausalLM:
         if taps is not None and any(t is not None for t in taps):
             found = {k: x for t in taps if t is not None for k in t}
         h = None
-        if self.scripted is not None and not any(self._past_window(a + n) for a, n in zip(starts, sizes)):
-            # the same ops from TorchScript (bitwise the loop below)
+        if self.scripted is not None:  # the same ops compiled (bitwise the loop below)
             h = self.scripted.batch(x, cos, sin, [c for _, c, _ in items], starts, sizes, cfg, self._eps,
-                                    exact=self.batch_invariant, taps=found, local=local)
+                                    exact=self.batch_invariant, taps=found, local=local,
+                                    past_window=any(self._past_window(a + n) for a, n in zip(starts, sizes)))
         if h is None:
             h = self._layers_batch_eager(x, cos, sin, items, sizes, starts, offsets, taps=found, local=local)
         rows = [torch.arange(o + n - 1, o + n) if last else torch.arange(o, o + n)

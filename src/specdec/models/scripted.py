@@ -529,6 +529,9 @@ class ScriptedLayers:
             if self.gemma:  # output norms' gains (attention's, MLP's) and rotary table per layer
                 self.fused.set_gemma([g.float().contiguous() for layer in layers for g in (layer.post_attn, layer.post_mlp)],
                                      [int(layer.rope) for layer in layers])
+            windows = [int(getattr(layer, "window", None) or 0) for layer in layers]
+            if any(windows):  # sliding-window layers: rows past the window attend to it alone
+                self.fused.set_windows(windows)
             self._q8_fused = W8A8 in self.kinds
 
     def _fuses(self, x: Tensor) -> bool:
@@ -566,7 +569,7 @@ class ScriptedLayers:
     def __call__(
         self, x: Tensor, cos: Tensor, sin: Tensor, cache, start: int, cfg, eps: Tensor, *,
         mask: Tensor | None = None, tree=None, taps: dict[int, Tensor] | None = None,
-        plan: list[list[int]] | None = None, local: tuple[Tensor, Tensor] | None = None,
+        plan: list[list[int]] | None = None, local: tuple[Tensor, Tensor] | None = None, past_window: bool = False,
     ) -> Tensor | None:
         """``mask``: fast-mode attention (one masked call per layer); ``tree``: a
         ``native._TreeLayout`` for exact per-node tree attention; neither: per-row attention.
@@ -574,9 +577,12 @@ class ScriptedLayers:
         as in :meth:`NativeCausalLM.hidden`.  ``plan``: run only these ``[layer, attention on,
         MLP on, cache slot]`` steps and return the raw residual stream (no final norm), as
         :meth:`NativeCausalLM.run_layers` does.  ``local``: the sliding layers' own rotary rows
-        (Gemma 3), cos / sin [n, 1, d].  None where the pass is Gemma 3's and the fused call does
-        not take it (the caller's Python loop runs it)."""
+        (Gemma 3), cos / sin [n, 1, d].  ``past_window``: some row at or past a sliding window,
+        which only the fused call windows (not in a tree).  None where the pass is Gemma 3's or
+        past a window and the fused call does not take it (the caller's Python loop runs it)."""
         n_layers = len(self.kinds) // 4
+        if past_window and (mask is not None or tree is not None or not self._fuses(x)):
+            return None
         if mask is None and (tree is None or tree.paths is not None) and self._fuses(x) \
                 and (not taps or plan is None and all(0 <= k < n_layers for k in taps)):
             tree_start, paths = (-1, None) if tree is None else (tree.start, tree.paths)
@@ -598,7 +604,7 @@ class ScriptedLayers:
             for j, k in enumerate(inner):
                 taps[k] = out[j]
             return y
-        if self.gemma:
+        if self.gemma or past_window:
             return None
         self._ensure(x.shape[0])
         tree_start, steps, perm, paths = -1, [], None, None
@@ -618,11 +624,12 @@ class ScriptedLayers:
 
     def batch(self, x: Tensor, cos: Tensor, sin: Tensor, caches: list, starts: list[int], sizes: list[int], cfg,
               eps: Tensor, *, exact: bool, taps: dict[int, Tensor] | None = None,
-              local: tuple[Tensor, Tensor] | None = None) -> Tensor | None:  # x: [M, D] -> [M, D]
+              local: tuple[Tensor, Tensor] | None = None, past_window: bool = False,
+              ) -> Tensor | None:  # x: [M, D] -> [M, D]
         """:meth:`NativeCausalLM.forward_batch`'s layers (None where the batched loop did not compile,
         where ``taps`` are asked of a pass the fused call does not run, or where Gemma 3's pass is not
-        the fused call's: the Python loop runs those).  ``taps`` and ``local`` as :meth:`__call__`
-        takes them, over all M rows."""
+        the fused call's: the Python loop runs those).  ``taps``, ``local`` and ``past_window`` as
+        :meth:`__call__` takes them, over all M rows."""
         n_layers = len(self.kinds) // 4
         if exact and self._fuses(x) and (not taps or all(0 <= k < n_layers for k in taps)):
             # the same ops in one compiled call (csrc/layers.cpp), which copies the tapped residual
@@ -639,7 +646,7 @@ class ScriptedLayers:
                 for j, k in enumerate(inner):
                     taps[k] = out[j]  # type: ignore[index]
             return y
-        if taps or self.gemma:
+        if taps or self.gemma or past_window:
             return None
         fn = compiled_batch_layers()
         if fn is None:

@@ -56,8 +56,12 @@
 //       FusedWeights.set_gemma(gains[], local[]): Gemma 3's layer -- the output norms' gains, two per
 //       layer (attention's, MLP's; float32 [D]), the tanh-GELU gate, and local[li] = 1 for the layers
 //       that turn by the sliding layers' own rotary table, which the calls then take as cos_local /
-//       sin_local [n, 1, d] (rows as cos / sin).  Only below the sliding window: a pass whose rows
-//       reach it runs native.py's Python loop, which alone windows the attention.
+//       sin_local [n, 1, d] (rows as cos / sin).
+//       FusedWeights.set_windows(windows[]): per layer its sliding window W (0: none).  A row at
+//       position p >= W of such a layer attends to keys p - W + 1 .. p alone, as attend_op computes a
+//       row at position W - 1 over those keys (native._attend_seen); rows below W as before
+//       (native._attend_rows_windowed).  Tree passes reaching a window are refused: native.py's
+//       Python loop runs them.
 
 #include <ATen/ATen.h>
 #include <torch/custom_class.h>
@@ -82,6 +86,7 @@ struct Net {
   const std::vector<at::Tensor>& post;  // Gemma 3: two per layer (attention output's, MLP output's norm gain), or none
   const std::vector<int64_t>& local;  // Gemma 3: per layer, 1 = turns by the local rotary table; or none
   bool gelu;  // Gemma 3's tanh-GELU gate instead of SiLU
+  const std::vector<int64_t>& windows;  // per layer its sliding window (0: none), or none at all
 };
 
 // [M, Hq + Hkv, d]: the query and key heads of qkv [M, (Hq + 2 Hkv) d] after their RMS norms (Qwen3),
@@ -208,6 +213,7 @@ struct FusedWeights : torch::CustomClassHolder {
   std::vector<at::Tensor> post;  // Gemma 3's output norms: two per layer, or none
   std::vector<int64_t> local;  // Gemma 3: per layer, 1 = the local rotary table; or none
   bool gelu = false;
+  std::vector<int64_t> windows;  // per layer its sliding window (0: none), or none at all
   FusedWeights(std::vector<int64_t> kinds_, std::vector<at::Tensor> w_, std::vector<int64_t> n_out_)
       : kinds(std::move(kinds_)), w(std::move(w_)), n_out(std::move(n_out_)) {
     check_weights(kinds, w, n_out);
@@ -234,7 +240,33 @@ struct FusedWeights : torch::CustomClassHolder {
     local = std::move(local_layers);
     gelu = true;
   }
+  void set_windows(std::vector<int64_t> per_layer) {
+    TORCH_CHECK(per_layer.size() == kinds.size() / 4, "fused_layers: one sliding window (0: none) per layer");
+    for (int64_t win : per_layer) TORCH_CHECK(win >= 0, "fused_layers: a sliding window is a positive size, or 0");
+    windows = std::move(per_layer);
+  }
 };
+
+// [M, Hq d]: attention of every segment's rows in a layer with sliding window win, some row at or
+// past it (native._attend_rows_windowed per sequence): rows below win over every earlier key, a row
+// at p >= win over keys p - win + 1 .. p as a row at position win - 1 over those keys alone
+at::Tensor windowed_rows(const at::Tensor& qk, const std::vector<Segment>& segs, int64_t slot, int64_t hq, int64_t win) {
+  const int64_t m = qk.size(0), d = qk.size(2);
+  at::Tensor out = at::empty({m, hq * d}, qk.options());
+  const at::Tensor q = qk.narrow(1, 0, hq);  // [M, Hq, d]
+  for (const Segment& sg : segs) {
+    const at::Tensor k = sg.k.select(0, slot), v = sg.v.select(0, slot);  // [Hkv, T, d]
+    const int64_t inside = std::max<int64_t>(0, std::min(sg.n, win - sg.start));  // rows at positions < win
+    if (inside > 0)
+      out.narrow(0, sg.row, inside).copy_(specdec::attend_op(q.narrow(0, sg.row, inside), k, v, sg.start, c10::nullopt));
+    for (int64_t j = inside; j < sg.n; ++j) {
+      const int64_t lo = sg.start + j - win + 1;
+      out.narrow(0, sg.row + j, 1).copy_(
+          specdec::attend_op(q.narrow(0, sg.row + j, 1), k.narrow(1, lo, win), v.narrow(1, lo, win), win - 1, c10::nullopt));
+    }
+  }
+  return out;
+}
 
 // The layer loop over the segments' rows x [M, D] (see the header); tree (paths) for one segment only.
 at::Tensor run(const at::Tensor& x_in, const at::Tensor& cos_in, const at::Tensor& sin_in, const std::vector<Segment>& segs,
@@ -344,7 +376,13 @@ at::Tensor run(const at::Tensor& x_in, const at::Tensor& cos_in, const at::Tenso
         }
       }
       at::Tensor attn;  // [M, Hq d]
-      if (segs.size() == 1) {
+      const int64_t win = w.windows.empty() ? 0 : w.windows[li];
+      bool past = false;  // some row at or past this layer's sliding window
+      for (const Segment& sg : segs) past = past || (win > 0 && sg.start + sg.n > win);
+      TORCH_CHECK(!(past && tree), "fused_layers: a tree pass reaching a sliding window is not compiled");
+      if (past) {
+        attn = windowed_rows(qk, segs, slot, hq, win);
+      } else if (segs.size() == 1) {
         const Segment& sg = segs[0];
         attn = specdec::attend_op(qk.narrow(1, 0, hq), sg.k.select(0, slot), sg.v.select(0, slot),
                                   tree ? tree_start : sg.start, tree ? paths : c10::optional<at::Tensor>());
@@ -395,7 +433,8 @@ at::Tensor fused_layers(const at::Tensor& x, const at::Tensor& cos, const at::Te
                         int64_t tree_start, const c10::optional<at::Tensor>& paths, std::vector<int64_t> taps,
                         const c10::optional<at::Tensor>& tap_out, const c10::optional<at::Tensor>& cos_local,
                         const c10::optional<at::Tensor>& sin_local) {
-  const Net w{weights->kinds, weights->w, weights->n_out, weights->norms, weights->post, weights->local, weights->gelu};
+  const Net w{weights->kinds, weights->w, weights->n_out, weights->norms, weights->post, weights->local, weights->gelu,
+              weights->windows};
   return run(x, cos, sin, {Segment{0, x.size(0), start, k_all, v_all}}, hq, hk, d, eps, w, std::move(plan), final_norm,
              tree_start, paths, taps, tap_out, cos_local, sin_local);
 }
@@ -415,7 +454,8 @@ at::Tensor fused_layers_batch(const at::Tensor& x, const at::Tensor& cos, const 
     row += sizes[i];
   }
   TORCH_CHECK(row == x.size(0), "fused_layers_batch: the sizes must add up to x's rows");
-  const Net w{weights->kinds, weights->w, weights->n_out, weights->norms, weights->post, weights->local, weights->gelu};
+  const Net w{weights->kinds, weights->w, weights->n_out, weights->norms, weights->post, weights->local, weights->gelu,
+              weights->windows};
   return run(x, cos, sin, segs, hq, hk, d, eps, w, {}, true, -1, c10::nullopt, taps, tap_out, cos_local, sin_local);
 }
 
@@ -428,7 +468,8 @@ TORCH_LIBRARY_FRAGMENT(specdec, m) {
         return std::make_tuple(self->kinds, self->w, self->n_out);
       })
       .def("set_head_norms", &FusedWeights::set_head_norms)
-      .def("set_gemma", &FusedWeights::set_gemma);
+      .def("set_gemma", &FusedWeights::set_gemma)
+      .def("set_windows", &FusedWeights::set_windows);
   m.def("fused_layers(Tensor x, Tensor cos, Tensor sin, Tensor k_all, Tensor v_all, int start, int n_heads, "
         "int n_kv_heads, int head_dim, Tensor eps, __torch__.torch.classes.specdec.FusedWeights weights, int[] plan, "
         "bool final_norm, int tree_start=-1, Tensor? paths=None, int[] taps=[], Tensor(a!)? tap_out=None, Tensor? cos_local=None, Tensor? sin_local=None) -> Tensor");
