@@ -4,8 +4,8 @@
 The models are tiny and random with a 4-token window, so every pass below crosses it: equal to
 transformers to rounding, and, on a batch-invariant model, every row bitwise what decoding it alone
 computes -- in a chain pass, a batched pass, a token tree deeper than the window, and a pass that
-starts below the window and ends past it; and the fused layer call, which windows steps, chain and
-batched passes itself, bitwise the Python loop there."""
+starts below the window and ends past it; and the fused layer call, which windows steps, chain, tree
+and batched passes itself, bitwise the Python loop there."""
 
 from __future__ import annotations
 
@@ -130,8 +130,9 @@ def test_each_row_is_bitwise_as_decoded_alone_in_every_pass(windowed_folder, qua
 @pytest.mark.parametrize("quant", ["int8", "q4"])
 def test_fused_passes_past_the_window_are_bitwise_the_python_loop(windowed_folder, quant):
     """The fused layer call windows a row's keys itself: decoding steps across the window, a chain
-    pass past it and a batched pass of sequences below, across and past it give the logits, keys
-    and values of the Python layer loop (the reference; the model without its compiled loops)."""
+    pass past it, a token tree deeper than the window (whole and grown in two calls) and a batched
+    pass of sequences below, across and past it give the logits, keys and values of the Python
+    layer loop (the reference; the model without its compiled loops)."""
     model = _quantised(windowed_folder, quant)
     if model.scripted is None or model.scripted.fused is None:
         pytest.skip("the fused layer call is not available here")
@@ -142,6 +143,12 @@ def test_fused_passes_past_the_window_are_bitwise_the_python_loop(windowed_folde
         out = [model.forward(ids[:3], cache)]
         out += [model.forward(ids[i : i + 1], cache) for i in range(3, 8)]  # steps across the window
         out.append(model.forward(ids[8:13], cache))  # a chain pass past it
+        base, parents = cache.length, torch.tensor([-1, 0, 0, 1, 3, -1])  # a tree 4 deep past it, whole ...
+        out.append(model.forward_tree(ids[13:19], parents, cache))
+        cache.truncate(base)
+        out.append(model.forward_tree(ids[13:15], parents[:2], cache))  # ... and grown in two calls
+        out.append(model.forward_tree(ids[15:19], parents, cache, prefix=base))
+        cache.truncate(base)
         model.forward(ids[:1], below)
         model.forward(ids[:2], across)
         out += model.forward_batch([(ids[13:16], cache, False), (ids[1:3], below, False), (ids[2:6], across, False)])

@@ -956,8 +956,8 @@ class NativeCausalLM:
     def _past_window(self, end: int) -> bool:
         """Whether a pass writing slots up to ``end`` may hold a row past a sliding window (a row at
         position ``window`` or later).  Below it a windowed layer sees every earlier key, as the
-        compiled loops compute it; past it only the fused call (steps, chain and batched passes)
-        and the Python layer loop (everything else) window the attention."""
+        compiled loops compute it; past it only the fused call (steps, chain, exact tree and
+        batched passes) and the Python layer loop (everything else) window the attention."""
         window = self.cfg.sliding_window
         return window is not None and end > window
 
@@ -1058,7 +1058,7 @@ class NativeCausalLM:
         if taps is not None and 0 in taps:
             taps[0] = x
         past = self._past_window(end)
-        if self.scripted is not None and not (past and tree is not None):  # the same ops compiled (bitwise this loop's result)
+        if self.scripted is not None:  # the same ops compiled (bitwise this loop's result)
             if self.batch_invariant:
                 out = self.scripted(x, cos, sin, cache, start, cfg, self._eps, tree=tree, taps=taps, local=local,
                                     past_window=past)

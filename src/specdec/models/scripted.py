@@ -578,10 +578,10 @@ class ScriptedLayers:
         MLP on, cache slot]`` steps and return the raw residual stream (no final norm), as
         :meth:`NativeCausalLM.run_layers` does.  ``local``: the sliding layers' own rotary rows
         (Gemma 3), cos / sin [n, 1, d].  ``past_window``: some row at or past a sliding window,
-        which only the fused call windows (not in a tree).  None where the pass is Gemma 3's or
+        which only the fused call windows.  None where the pass is Gemma 3's or
         past a window and the fused call does not take it (the caller's Python loop runs it)."""
         n_layers = len(self.kinds) // 4
-        if past_window and (mask is not None or tree is not None or not self._fuses(x)):
+        if past_window and (mask is not None or (tree is not None and tree.paths is None) or not self._fuses(x)):
             return None
         if mask is None and (tree is None or tree.paths is not None) and self._fuses(x) \
                 and (not taps or plan is None and all(0 <= k < n_layers for k in taps)):

@@ -60,8 +60,9 @@
 //       FusedWeights.set_windows(windows[]): per layer its sliding window W (0: none).  A row at
 //       position p >= W of such a layer attends to keys p - W + 1 .. p alone, as attend_op computes a
 //       row at position W - 1 over those keys (native._attend_seen); rows below W as before
-//       (native._attend_rows_windowed).  Tree passes reaching a window are refused: native.py's
-//       Python loop runs them.
+//       (native._attend_rows_windowed).  In a tree pass reaching the window (tree_start + n > W, as
+//       native._TreeLayout.attend_windowed decides) each node attends to the last W keys of the
+//       prefix and its path, gathered in position order, as attend_op computes a row over them.
 
 #include <ATen/ATen.h>
 #include <torch/custom_class.h>
@@ -268,6 +269,34 @@ at::Tensor windowed_rows(const at::Tensor& qk, const std::vector<Segment>& segs,
   return out;
 }
 
+// [n, Hq d]: a tree pass's nodes in a layer with sliding window win (native._TreeLayout.attend_windowed):
+// node j, at position tree_start + len(path) - 1, over the keys decoding its path token by token
+// would see -- the prefix's from position max(0, tree_start + len(path) - win) on, then its path's
+// slots from there -- gathered in position order
+at::Tensor windowed_tree(const at::Tensor& qk, const Segment& sg, int64_t slot, int64_t hq, int64_t win, int64_t tree_start,
+                         const at::Tensor& paths) {
+  const int64_t m = qk.size(0), d = qk.size(2), width = paths.size(1);
+  at::Tensor out = at::empty({m, hq * d}, qk.options());
+  const at::Tensor q = qk.narrow(1, 0, hq);  // [n, Hq, d]
+  const at::Tensor k = sg.k.select(0, slot), v = sg.v.select(0, slot);  // [Hkv, T, d]
+  const at::Tensor pc = paths.to(at::kLong).contiguous();
+  const int64_t* pp = pc.data_ptr<int64_t>();
+  for (int64_t j = 0; j < m; ++j) {
+    const int64_t* path = pp + j * width;
+    int64_t len = 0;
+    while (len < width && path[len] >= 0) ++len;
+    const int64_t lo = std::max<int64_t>(0, tree_start + len - win);  // the first position node j sees
+    std::vector<int64_t> slots;
+    for (int64_t t = std::min(lo, tree_start); t < tree_start; ++t) slots.push_back(t);
+    for (int64_t i = std::max<int64_t>(0, lo - tree_start); i < len; ++i) slots.push_back(path[i]);
+    const int64_t seen = static_cast<int64_t>(slots.size());
+    const at::Tensor idx = at::from_blob(slots.data(), {seen}, at::kLong).clone();
+    out.narrow(0, j, 1).copy_(
+        specdec::attend_op(q.narrow(0, j, 1), k.index_select(1, idx), v.index_select(1, idx), seen - 1, c10::nullopt));
+  }
+  return out;
+}
+
 // The layer loop over the segments' rows x [M, D] (see the header); tree (paths) for one segment only.
 at::Tensor run(const at::Tensor& x_in, const at::Tensor& cos_in, const at::Tensor& sin_in, const std::vector<Segment>& segs,
                int64_t hq, int64_t hk, int64_t d, const at::Tensor& eps_t, const Net& w, std::vector<int64_t> plan,
@@ -379,8 +408,9 @@ at::Tensor run(const at::Tensor& x_in, const at::Tensor& cos_in, const at::Tenso
       const int64_t win = w.windows.empty() ? 0 : w.windows[li];
       bool past = false;  // some row at or past this layer's sliding window
       for (const Segment& sg : segs) past = past || (win > 0 && sg.start + sg.n > win);
-      TORCH_CHECK(!(past && tree), "fused_layers: a tree pass reaching a sliding window is not compiled");
-      if (past) {
+      if (past && tree) {
+        attn = windowed_tree(qk, segs[0], slot, hq, win, tree_start, *paths);
+      } else if (past) {
         attn = windowed_rows(qk, segs, slot, hq, win);
       } else if (segs.size() == 1) {
         const Segment& sg = segs[0];
