@@ -55,6 +55,16 @@ def make_tiny(folder: Path, *, model_type: str = "llama", seed: int = 0, max_pos
     return folder
 
 
+def on_python_loop(model, run):
+    """``run()`` with ``model``'s compiled layer loops switched off: the Python layer loop, the
+    reference they must equal bit for bit."""
+    saved, model.scripted = model.scripted, None
+    try:
+        return run()
+    finally:
+        model.scripted = saved
+
+
 def draft_renaming(folder: Path, renamed: dict[str, str], *, special: bool | None = None, template: str | None = None) -> Path:
     """A copy of the bundled draft model in ``folder`` whose tokenizer calls some of its unused added
     tokens by other names (same ids, same vocabulary): a stand-in for a model that has those tokens

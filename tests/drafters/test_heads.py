@@ -29,7 +29,7 @@ from specdec.models.toy import ToyLM
 from specdec.sampling import SamplingConfig
 from specdec.verify import get_rule
 from stats import ALPHA, chi_square_pvalue, exact_law
-from tiny import random_head, tiny_native
+from tiny import on_python_loop, random_head, tiny_native
 
 KINDS = ("eagle1", "eagle3", "medusa", "mtp")
 TREE_KINDS = ("eagle1", "eagle3", "medusa")
@@ -95,12 +95,7 @@ def test_scripted_loop_records_the_python_loops_taps(native):
             taps.append(torch.stack([found[k] for k in (0, 1, 2)]))
         return torch.cat(outs), torch.cat(taps, dim=1)
 
-    scripted = run()
-    saved, native.scripted = native.scripted, None
-    try:
-        python = run()
-    finally:
-        native.scripted = saved
+    scripted, python = run(), on_python_loop(native, run)
     assert torch.equal(scripted[0], python[0]) and torch.equal(scripted[1], python[1])
     plain = native.forward(ids, native.new_cache(32))
     logits, feats = native.forward_features(ids, native.new_cache(32), (1,))

@@ -25,7 +25,7 @@ from specdec.models.native import NativeCausalLM, NativeConfig, layer_windows
 from specdec.sampling import SamplingConfig
 from specdec.drafters.tree_builder import TreeSpec
 from specdec.verify import get_rule
-from tiny import make_tiny
+from tiny import make_tiny, on_python_loop
 
 WINDOW = 4
 #: (model type, the layers' kinds written into the config: None keeps what transformers wrote)
@@ -155,12 +155,7 @@ def test_fused_passes_past_the_window_are_bitwise_the_python_loop(windowed_folde
         return out + [c.k[:, :, : c.length].clone() for c in (cache, below, across)] + \
             [c.v[:, :, : c.length].clone() for c in (cache, below, across)]
 
-    fused = run()
-    saved, model.scripted = model.scripted, None
-    try:
-        reference = run()
-    finally:
-        model.scripted = saved
+    fused, reference = run(), on_python_loop(model, run)
     assert len(fused) == len(reference)
     for i, (a, b) in enumerate(zip(fused, reference)):
         assert torch.equal(a, b), i
