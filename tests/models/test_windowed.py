@@ -130,9 +130,10 @@ def test_each_row_is_bitwise_as_decoded_alone_in_every_pass(windowed_folder, qua
 @pytest.mark.parametrize("quant", ["int8", "q4"])
 def test_fused_passes_past_the_window_are_bitwise_the_python_loop(windowed_folder, quant):
     """The fused layer call windows a row's keys itself: decoding steps across the window, a chain
-    pass past it, a token tree deeper than the window (whole and grown in two calls) and a batched
-    pass of sequences below, across and past it give the logits, keys and values of the Python
-    layer loop (the reference; the model without its compiled loops)."""
+    pass past it, a token tree deeper than the window (whole and grown in two calls), a batched
+    pass of sequences below, across and past it, and a layer subset's rows across it give the
+    logits, keys and values of the Python layer loop (the reference; the model without its
+    compiled loops)."""
     model = _quantised(windowed_folder, quant)
     if model.scripted is None or model.scripted.fused is None:
         pytest.skip("the fused layer call is not available here")
@@ -152,8 +153,17 @@ def test_fused_passes_past_the_window_are_bitwise_the_python_loop(windowed_folde
         model.forward(ids[:1], below)
         model.forward(ids[:2], across)
         out += model.forward_batch([(ids[13:16], cache, False), (ids[1:3], below, False), (ids[2:6], across, False)])
-        return out + [c.k[:, :, : c.length].clone() for c in (cache, below, across)] + \
-            [c.v[:, :, : c.length].clone() for c in (cache, below, across)]
+        # a self-speculative draft's layer subset (a skipped MLP, its own cache slots) past the window
+        steps, sub = [(0, True, True), (2, True, False)], model.new_cache(64)
+        sub.reserve(3)
+        x = model.run_layers(torch.randn(3, model.cfg.hidden_size, generator=torch.Generator().manual_seed(5)), sub,
+                             steps, start=0, slots=[0, 1])
+        for i in range(3, 8):
+            sub.reserve(1)
+            x = torch.cat([x, model.run_layers(x[-1:], sub, steps, start=i, slots=[0, 1])])
+        out.append(x)
+        return out + [c.k[:, :, : c.length].clone() for c in (cache, below, across, sub)] + \
+            [c.v[:, :, : c.length].clone() for c in (cache, below, across, sub)]
 
     fused, reference = run(), on_python_loop(model, run)
     assert len(fused) == len(reference)

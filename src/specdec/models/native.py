@@ -957,7 +957,8 @@ class NativeCausalLM:
         """Whether a pass writing slots up to ``end`` may hold a row past a sliding window (a row at
         position ``window`` or later).  Below it a windowed layer sees every earlier key, as the
         compiled loops compute it; past it only the fused call (steps, chain, exact tree and
-        batched passes) and the Python layer loop (everything else) window the attention."""
+        batched passes, layer subsets) and the Python layer loop (everything else) window the
+        attention."""
         window = self.cfg.sliding_window
         return window is not None and end > window
 
@@ -1335,12 +1336,13 @@ class NativeCausalLM:
             mask[:, ctx:].fill_diagonal_(0.0)
         else:
             mask = torch.full((n, end), -math.inf, dtype=x.dtype).triu_(start + 1) if n > 1 else None  # [n, T]
-        if self.scripted is not None and steps and not as_drafted and not self._past_window(end):
-            # the same ops from TorchScript (bitwise this loop)
+        if self.scripted is not None and steps and not as_drafted:
+            # the same ops compiled (bitwise this loop)
             plan = [[li, int(a), int(m), li if slots is None else slots[i]] for i, (li, a, m) in enumerate(steps)]
             fast = mask if not self.batch_invariant else None
-            out = self.scripted(x, cos, sin, cache, start, cfg, self._eps, mask=fast, plan=plan, local=local)
-            if out is not None:  # (None: a Gemma 3 pass the fused call does not take)
+            out = self.scripted(x, cos, sin, cache, start, cfg, self._eps, mask=fast, plan=plan, local=local,
+                                past_window=self._past_window(end))
+            if out is not None:  # (None: a Gemma 3 pass, or one past a window, that the fused call does not take)
                 return out
         for i, (li, attn_on, mlp_on) in enumerate(steps):
             layer = self.layers[li]
