@@ -1066,7 +1066,7 @@ class NativeCausalLM:
             else:
                 out = self.scripted(x, cos, sin, cache, start, cfg, self._eps, mask=mask, taps=taps, local=local,
                                     past_window=past)
-            if out is not None:  # (None: a Gemma 3 pass the fused call does not take)
+            if out is not None:  # (None: a Gemma 3 pass, or one past a window, that the fused call does not take)
                 return out
         qk_size = self._q_size + self._kv_size
         window_mask = None  # the sliding-window layers' mask (fast mode)
