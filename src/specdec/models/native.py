@@ -1031,6 +1031,7 @@ class NativeCausalLM:
         end = start + n
         if end > self._cos.shape[0]:
             raise ValueError(f"position {end} is past the model's context of {self._cos.shape[0]}")
+        past = self._past_window(end)  # some row past a sliding window
         x = self._embed_rows(tokens)  # [n, D]
         tree = None
         if parents is not None and is_chain(parents) and (prefix is None or end - prefix == parents.numel()):
@@ -1040,7 +1041,7 @@ class NativeCausalLM:
             parents = None
         if parents is not None:
             tree = _TreeLayout.build(parents, start, end, x.dtype, prefix, exact=self.batch_invariant,
-                                     windowed=self._past_window(end))
+                                     windowed=past)
         if tree is not None:
             cos = self._cos[tree.positions].unsqueeze(1)  # [n, 1, d]
             sin = self._sin[tree.positions].unsqueeze(1)
@@ -1058,7 +1059,6 @@ class NativeCausalLM:
             mask = torch.full((n, end), -math.inf, dtype=x.dtype).triu_(start + 1)  # [n, T]
         if taps is not None and 0 in taps:
             taps[0] = x
-        past = self._past_window(end)
         if self.scripted is not None:  # the same ops compiled (bitwise this loop's result)
             if self.batch_invariant:
                 out = self.scripted(x, cos, sin, cache, start, cfg, self._eps, tree=tree, taps=taps, local=local,
@@ -1070,7 +1070,7 @@ class NativeCausalLM:
                 return out
         qk_size = self._q_size + self._kv_size
         window_mask = None  # the sliding-window layers' mask (fast mode)
-        if mask is not None and self._past_window(end):
+        if mask is not None and past:
             positions = tree.positions if tree is not None else torch.arange(start, end)
             window_mask = _window_mask(mask, positions, cfg.sliding_window,  # type: ignore[arg-type]
                                        tree.slot_positions if tree is not None else None)
@@ -1082,7 +1082,7 @@ class NativeCausalLM:
             k_cache[:, start:end] = qk[:, hq:].transpose(0, 1)
             v_cache[:, start:end] = qkv[:, qk_size:].view(n, hk, d).transpose(0, 1)
             if tree is not None and self.batch_invariant:
-                if layer.window is not None and self._past_window(end):
+                if layer.window is not None and past:
                     attn = tree.attend_windowed(qk[:, :hq], cache, li, layer.window)  # [n, H d]
                 else:
                     attn = tree.attend_invariant(qk[:, :hq], cache, li)  # [n, H d]

@@ -79,15 +79,61 @@ namespace {
 
 constexpr int64_t kQ8 = 0, kQ4 = 4;  // scripted.W8A8 / scripted.Q4
 
-struct Net {
-  const std::vector<int64_t>& kinds;
-  const std::vector<at::Tensor>& w;  // five per linear layer (see the header)
-  const std::vector<int64_t>& n_out;
-  const std::vector<at::Tensor>& norms;  // two per layer (query, key head norm gains), or none at all
-  const std::vector<at::Tensor>& post;  // Gemma 3: two per layer (attention output's, MLP output's norm gain), or none
-  const std::vector<int64_t>& local;  // Gemma 3: per layer, 1 = turns by the local rotary table; or none
-  bool gelu;  // Gemma 3's tanh-GELU gate instead of SiLU
-  const std::vector<int64_t>& windows;  // per layer its sliding window (0: none), or none at all
+void check_weights(const std::vector<int64_t>& kinds, const std::vector<at::Tensor>& weights,
+                   const std::vector<int64_t>& n_out) {
+  const int64_t n_lin = static_cast<int64_t>(kinds.size());
+  TORCH_CHECK(n_lin % 4 == 0 && weights.size() == 5 * kinds.size() && n_out.size() == kinds.size(),
+              "fused_layers: four linear layers per layer, five tensors and an output size each");
+  for (int64_t i = 0; i < n_lin; ++i) {
+    TORCH_CHECK(kinds[i] == kQ4 || kinds[i] == kQ8, "fused_layers: a linear layer of an unknown kind");
+    for (int64_t j : {1, 4})
+      TORCH_CHECK(weights[5 * i + j].numel() == 0 || (weights[5 * i + j].scalar_type() == at::kFloat &&
+                                                      weights[5 * i + j].is_contiguous()),
+                  "fused_layers: column factors and biases must be contiguous float32");
+  }
+}
+
+// A model's layer weights, checked once and handed to every call as one object: passed as a list,
+// the ~600 tensors of a 30-layer model cost ~50 us of dispatcher work per call (boxing each one,
+// computing the dispatch keys over all of them) -- ~1 % of a decoding step on two cores.
+struct FusedWeights : torch::CustomClassHolder {
+  std::vector<int64_t> kinds;
+  std::vector<at::Tensor> w;
+  std::vector<int64_t> n_out;
+  std::vector<at::Tensor> norms;  // Qwen3's head norms: two per layer, or none
+  std::vector<at::Tensor> post;  // Gemma 3's output norms: two per layer (with them, the tanh-GELU gate), or none
+  std::vector<int64_t> local;  // Gemma 3: per layer, 1 = the local rotary table; or none
+  std::vector<int64_t> windows;  // per layer its sliding window (0: none), or none at all
+  FusedWeights(std::vector<int64_t> kinds_, std::vector<at::Tensor> w_, std::vector<int64_t> n_out_)
+      : kinds(std::move(kinds_)), w(std::move(w_)), n_out(std::move(n_out_)) {
+    check_weights(kinds, w, n_out);
+  }
+  void set_head_norms(std::vector<at::Tensor> gains) {
+    TORCH_CHECK(gains.size() == kinds.size() / 2, "fused_layers: two head norms per layer (query, key)");
+    for (size_t i = 0; i < gains.size(); i += 2) {
+      TORCH_CHECK((gains[i].numel() > 0) == (gains[i + 1].numel() > 0), "fused_layers: a layer's query and key norms go together");
+      for (size_t j = i; j < i + 2; ++j)
+        TORCH_CHECK(gains[j].numel() == 0 || (gains[j].dim() == 1 && gains[j].scalar_type() == at::kFloat && gains[j].is_contiguous()),
+                    "fused_layers: head norm gains must be contiguous float32 [d]");
+    }
+    norms = std::move(gains);
+  }
+  void set_gemma(std::vector<at::Tensor> gains, std::vector<int64_t> local_layers) {
+    const size_t n_layers = kinds.size() / 4;
+    TORCH_CHECK(gains.size() == 2 * n_layers && local_layers.size() == n_layers,
+                "fused_layers: Gemma 3's layer takes two output norms and a rotary table per layer");
+    for (const at::Tensor& g : gains)
+      TORCH_CHECK(g.dim() == 1 && g.scalar_type() == at::kFloat && g.is_contiguous(),
+                  "fused_layers: output norm gains must be contiguous float32 [D]");
+    for (int64_t t : local_layers) TORCH_CHECK(t == 0 || t == 1, "fused_layers: a layer's rotary table is 0 or 1");
+    post = std::move(gains);
+    local = std::move(local_layers);
+  }
+  void set_windows(std::vector<int64_t> per_layer) {
+    TORCH_CHECK(per_layer.size() == kinds.size() / 4, "fused_layers: one sliding window (0: none) per layer");
+    for (int64_t win : per_layer) TORCH_CHECK(win >= 0, "fused_layers: a sliding window is a positive size, or 0");
+    windows = std::move(per_layer);
+  }
 };
 
 // [M, Hq + Hkv, d]: the query and key heads of qkv [M, (Hq + 2 Hkv) d] after their RMS norms (Qwen3),
@@ -126,7 +172,7 @@ at::Tensor inv_rms(const at::Tensor& x, float eps, float value) {
 }
 
 // [n, out] = linear layer i of x [n, in]; rows scaled by rs [n] when given (scripted._linear)
-at::Tensor linear(const Net& net, int64_t i, const at::Tensor& x, const float* rs) {
+at::Tensor linear(const FusedWeights& net, int64_t i, const at::Tensor& x, const float* rs) {
   const at::Tensor* t = net.w.data() + 5 * i;
   const at::Tensor& b = t[4];
   const bool has_bias = b.numel() > 0;
@@ -189,64 +235,6 @@ struct Segment {
   at::Tensor k, v;
 };
 
-void check_weights(const std::vector<int64_t>& kinds, const std::vector<at::Tensor>& weights,
-                   const std::vector<int64_t>& n_out) {
-  const int64_t n_lin = static_cast<int64_t>(kinds.size());
-  TORCH_CHECK(n_lin % 4 == 0 && weights.size() == 5 * kinds.size() && n_out.size() == kinds.size(),
-              "fused_layers: four linear layers per layer, five tensors and an output size each");
-  for (int64_t i = 0; i < n_lin; ++i) {
-    TORCH_CHECK(kinds[i] == kQ4 || kinds[i] == kQ8, "fused_layers: a linear layer of an unknown kind");
-    for (int64_t j : {1, 4})
-      TORCH_CHECK(weights[5 * i + j].numel() == 0 || (weights[5 * i + j].scalar_type() == at::kFloat &&
-                                                      weights[5 * i + j].is_contiguous()),
-                  "fused_layers: column factors and biases must be contiguous float32");
-  }
-}
-
-// A model's layer weights, checked once and handed to every call as one object: passed as a list,
-// the ~600 tensors of a 30-layer model cost ~50 us of dispatcher work per call (boxing each one,
-// computing the dispatch keys over all of them) -- ~1 % of a decoding step on two cores.
-struct FusedWeights : torch::CustomClassHolder {
-  std::vector<int64_t> kinds;
-  std::vector<at::Tensor> w;
-  std::vector<int64_t> n_out;
-  std::vector<at::Tensor> norms;  // Qwen3's head norms: two per layer, or none
-  std::vector<at::Tensor> post;  // Gemma 3's output norms: two per layer, or none
-  std::vector<int64_t> local;  // Gemma 3: per layer, 1 = the local rotary table; or none
-  bool gelu = false;
-  std::vector<int64_t> windows;  // per layer its sliding window (0: none), or none at all
-  FusedWeights(std::vector<int64_t> kinds_, std::vector<at::Tensor> w_, std::vector<int64_t> n_out_)
-      : kinds(std::move(kinds_)), w(std::move(w_)), n_out(std::move(n_out_)) {
-    check_weights(kinds, w, n_out);
-  }
-  void set_head_norms(std::vector<at::Tensor> gains) {
-    TORCH_CHECK(gains.size() == kinds.size() / 2, "fused_layers: two head norms per layer (query, key)");
-    for (size_t i = 0; i < gains.size(); i += 2) {
-      TORCH_CHECK((gains[i].numel() > 0) == (gains[i + 1].numel() > 0), "fused_layers: a layer's query and key norms go together");
-      for (size_t j = i; j < i + 2; ++j)
-        TORCH_CHECK(gains[j].numel() == 0 || (gains[j].dim() == 1 && gains[j].scalar_type() == at::kFloat && gains[j].is_contiguous()),
-                    "fused_layers: head norm gains must be contiguous float32 [d]");
-    }
-    norms = std::move(gains);
-  }
-  void set_gemma(std::vector<at::Tensor> gains, std::vector<int64_t> local_layers) {
-    const size_t n_layers = kinds.size() / 4;
-    TORCH_CHECK(gains.size() == 2 * n_layers && local_layers.size() == n_layers,
-                "fused_layers: Gemma 3's layer takes two output norms and a rotary table per layer");
-    for (const at::Tensor& g : gains)
-      TORCH_CHECK(g.dim() == 1 && g.scalar_type() == at::kFloat && g.is_contiguous(),
-                  "fused_layers: output norm gains must be contiguous float32 [D]");
-    for (int64_t t : local_layers) TORCH_CHECK(t == 0 || t == 1, "fused_layers: a layer's rotary table is 0 or 1");
-    post = std::move(gains);
-    local = std::move(local_layers);
-    gelu = true;
-  }
-  void set_windows(std::vector<int64_t> per_layer) {
-    TORCH_CHECK(per_layer.size() == kinds.size() / 4, "fused_layers: one sliding window (0: none) per layer");
-    for (int64_t win : per_layer) TORCH_CHECK(win >= 0, "fused_layers: a sliding window is a positive size, or 0");
-    windows = std::move(per_layer);
-  }
-};
 
 // [M, Hq d]: attention of every segment's rows in a layer with sliding window win, some row at or
 // past it (native._attend_rows_windowed per sequence): rows below win over every earlier key, a row
@@ -269,18 +257,16 @@ at::Tensor windowed_rows(const at::Tensor& qk, const std::vector<Segment>& segs,
   return out;
 }
 
-// [n, Hq d]: a tree pass's nodes in a layer with sliding window win (native._TreeLayout.attend_windowed):
-// node j, at position tree_start + len(path) - 1, over the keys decoding its path token by token
-// would see -- the prefix's from position max(0, tree_start + len(path) - win) on, then its path's
-// slots from there -- gathered in position order
-at::Tensor windowed_tree(const at::Tensor& qk, const Segment& sg, int64_t slot, int64_t hq, int64_t win, int64_t tree_start,
-                         const at::Tensor& paths) {
-  const int64_t m = qk.size(0), d = qk.size(2), width = paths.size(1);
-  at::Tensor out = at::empty({m, hq * d}, qk.options());
-  const at::Tensor q = qk.narrow(1, 0, hq);  // [n, Hq, d]
-  const at::Tensor k = sg.k.select(0, slot), v = sg.v.select(0, slot);  // [Hkv, T, d]
+// Per tree node, the cache slots it sees in a layer with sliding window win (native._TreeLayout.attend_windowed):
+// node j, at position tree_start + len(path) - 1, sees the keys decoding its path token by token
+// would -- the prefix's from position max(0, tree_start + len(path) - win) on, then its path's
+// slots from there -- in position order.  The same for every layer of that window: made once a pass.
+std::vector<at::Tensor> tree_window_slots(const at::Tensor& paths, int64_t tree_start, int64_t win) {
+  const int64_t m = paths.size(0), width = paths.size(1);
   const at::Tensor pc = paths.to(at::kLong).contiguous();
   const int64_t* pp = pc.data_ptr<int64_t>();
+  std::vector<at::Tensor> out;
+  out.reserve(m);
   for (int64_t j = 0; j < m; ++j) {
     const int64_t* path = pp + j * width;
     int64_t len = 0;
@@ -289,17 +275,30 @@ at::Tensor windowed_tree(const at::Tensor& qk, const Segment& sg, int64_t slot, 
     std::vector<int64_t> slots;
     for (int64_t t = std::min(lo, tree_start); t < tree_start; ++t) slots.push_back(t);
     for (int64_t i = std::max<int64_t>(0, lo - tree_start); i < len; ++i) slots.push_back(path[i]);
-    const int64_t seen = static_cast<int64_t>(slots.size());
-    const at::Tensor idx = at::from_blob(slots.data(), {seen}, at::kLong).clone();
+    out.push_back(at::from_blob(slots.data(), {static_cast<int64_t>(slots.size())}, at::kLong).clone());
+  }
+  return out;
+}
+
+// [n, Hq d]: a tree pass's nodes in a windowed layer, node j over the keys at seen[j] gathered in
+// that order (tree_window_slots), as attend_op computes a row over them
+at::Tensor windowed_tree(const at::Tensor& qk, const Segment& sg, int64_t slot, int64_t hq,
+                         const std::vector<at::Tensor>& seen) {
+  const int64_t m = qk.size(0), d = qk.size(2);
+  at::Tensor out = at::empty({m, hq * d}, qk.options());
+  const at::Tensor q = qk.narrow(1, 0, hq);  // [n, Hq, d]
+  const at::Tensor k = sg.k.select(0, slot), v = sg.v.select(0, slot);  // [Hkv, T, d]
+  for (int64_t j = 0; j < m; ++j) {
+    const at::Tensor& idx = seen[j];
     out.narrow(0, j, 1).copy_(
-        specdec::attend_op(q.narrow(0, j, 1), k.index_select(1, idx), v.index_select(1, idx), seen - 1, c10::nullopt));
+        specdec::attend_op(q.narrow(0, j, 1), k.index_select(1, idx), v.index_select(1, idx), idx.numel() - 1, c10::nullopt));
   }
   return out;
 }
 
 // The layer loop over the segments' rows x [M, D] (see the header); tree (paths) for one segment only.
 at::Tensor run(const at::Tensor& x_in, const at::Tensor& cos_in, const at::Tensor& sin_in, const std::vector<Segment>& segs,
-               int64_t hq, int64_t hk, int64_t d, const at::Tensor& eps_t, const Net& w, std::vector<int64_t> plan,
+               int64_t hq, int64_t hk, int64_t d, const at::Tensor& eps_t, const FusedWeights& w, std::vector<int64_t> plan,
                bool final_norm, int64_t tree_start, const c10::optional<at::Tensor>& paths,
                const std::vector<int64_t>& taps = {}, const c10::optional<at::Tensor>& tap_out = c10::nullopt,
                const c10::optional<at::Tensor>& cos_local = c10::nullopt,
@@ -362,6 +361,8 @@ at::Tensor run(const at::Tensor& x_in, const at::Tensor& cos_in, const at::Tenso
   const float* clp = any_local ? cos_l.data_ptr<float>() : cp;
   const float* slp = any_local ? sin_l.data_ptr<float>() : sp;
   const bool post = !w.post.empty();
+  std::vector<at::Tensor> tree_seen;  // a tree pass past a window: each node's slots (tree_window_slots) ...
+  int64_t tree_seen_win = 0;  // ... for this window
   at::Tensor x = x_in.contiguous().clone();  // [M, D], the residual stream (the caller's x untouched)
   at::Tensor qk = at::empty({m, qk_heads, d}, x.options());  // rotated q and k heads
   for (size_t s = 0; s < plan.size(); s += 4) {
@@ -409,7 +410,11 @@ at::Tensor run(const at::Tensor& x_in, const at::Tensor& cos_in, const at::Tenso
       bool past = false;  // some row at or past this layer's sliding window
       for (const Segment& sg : segs) past = past || (win > 0 && sg.start + sg.n > win);
       if (past && tree) {
-        attn = windowed_tree(qk, segs[0], slot, hq, win, tree_start, *paths);
+        if (tree_seen_win != win) {
+          tree_seen = tree_window_slots(*paths, tree_start, win);
+          tree_seen_win = win;
+        }
+        attn = windowed_tree(qk, segs[0], slot, hq, tree_seen);
       } else if (past) {
         attn = windowed_rows(qk, segs, slot, hq, win);
       } else if (segs.size() == 1) {
@@ -436,7 +441,7 @@ at::Tensor run(const at::Tensor& x_in, const at::Tensor& cos_in, const at::Tenso
       const at::Tensor gate_up = linear(w, lin + 2, x, rs.data_ptr<float>());  // [M, 2 I]
       const int64_t inter = gate_up.size(1) / 2;
       // [M, I], ATen's silu (Gemma 3: tanh-GELU) on the same view
-      at::Tensor h = w.gelu ? at::gelu(gate_up.narrow(1, 0, inter), "tanh") : at::silu(gate_up.narrow(1, 0, inter));
+      at::Tensor h = post ? at::gelu(gate_up.narrow(1, 0, inter), "tanh") : at::silu(gate_up.narrow(1, 0, inter));
       float* hp = h.data_ptr<float>();
       const float* gp = gate_up.data_ptr<float>();
       for (int64_t r = 0; r < m; ++r)
@@ -463,9 +468,7 @@ at::Tensor fused_layers(const at::Tensor& x, const at::Tensor& cos, const at::Te
                         int64_t tree_start, const c10::optional<at::Tensor>& paths, std::vector<int64_t> taps,
                         const c10::optional<at::Tensor>& tap_out, const c10::optional<at::Tensor>& cos_local,
                         const c10::optional<at::Tensor>& sin_local) {
-  const Net w{weights->kinds, weights->w, weights->n_out, weights->norms, weights->post, weights->local, weights->gelu,
-              weights->windows};
-  return run(x, cos, sin, {Segment{0, x.size(0), start, k_all, v_all}}, hq, hk, d, eps, w, std::move(plan), final_norm,
+  return run(x, cos, sin, {Segment{0, x.size(0), start, k_all, v_all}}, hq, hk, d, eps, *weights, std::move(plan), final_norm,
              tree_start, paths, taps, tap_out, cos_local, sin_local);
 }
 
@@ -484,9 +487,7 @@ at::Tensor fused_layers_batch(const at::Tensor& x, const at::Tensor& cos, const 
     row += sizes[i];
   }
   TORCH_CHECK(row == x.size(0), "fused_layers_batch: the sizes must add up to x's rows");
-  const Net w{weights->kinds, weights->w, weights->n_out, weights->norms, weights->post, weights->local, weights->gelu,
-              weights->windows};
-  return run(x, cos, sin, segs, hq, hk, d, eps, w, {}, true, -1, c10::nullopt, taps, tap_out, cos_local, sin_local);
+  return run(x, cos, sin, segs, hq, hk, d, eps, *weights, {}, true, -1, c10::nullopt, taps, tap_out, cos_local, sin_local);
 }
 
 }  // namespace
