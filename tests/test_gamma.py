@@ -1,7 +1,7 @@
 from specdec import defaults
 from specdec.engine import make_gamma, parse_gamma
 from specdec.errors import ConfigError
-from specdec.gamma import CostGamma, FixedGamma, GuideGamma, best_gamma, expected_tokens
+from specdec.gamma import CostGamma, FixedGamma, GammaMemory, GuideGamma, best_gamma, expected_tokens
 
 import pytest
 
@@ -396,6 +396,35 @@ def test_outliers_are_clipped_and_the_cost_curve_never_falls_with_rows():
     assert ctrl._target_cost(1) == pytest.approx(0.7 * 0.003 + 0.3 * 0.0045)
     ctrl.observe_cost(2, 0.0031)
     assert ctrl._target_cost(1) == pytest.approx(0.0031)  # not dearer than the two-row pass
+
+
+def test_one_stalled_first_round_does_not_keep_a_paying_drafter_backed_off():
+    """A first round stalled as a whole (its draft and its two-row pass 300 ms against ~0.1 and
+    ~12 ms) used to set the two-row cost for good: probes found drafting hopeless, thinned out to
+    one in 128 rounds, each took off only 30 % of the excess, and the successors carried it, so a
+    drafter accepted 3 times in 4 drafted one token per sequence for seven sequences (seen in a
+    `specdec bench` run of Gemma-3-270M with prompt lookup).  A reading below the estimate / 1.5
+    now replaces it.  8 sequences of 128 rounds, acceptance drawn at 0.75 a position (seed 0)."""
+    import random
+
+    rng, memory, drafted = random.Random(0), GammaMemory(), []
+    for seq in range(8):
+        ctrl, tokens = memory.next("greedy"), 0
+        for r in range(128):
+            g = ctrl.next_gamma()
+            acc = 0
+            while acc < g and rng.random() < 0.75:
+                acc += 1
+            target, draft = 0.0114 + 0.0006 * g, 0.0001 * g
+            if seq == r == 0:
+                target, draft, acc = 0.3, 0.3, 0
+            ctrl.update(gamma=g, accepted=acc, draft_s=draft, target_s=target, other_s=0.0003)
+            tokens += g
+        memory.keep("greedy", ctrl)
+        drafted.append(tokens)
+    # each sequence drafts hundreds of tokens (before the fix: 2, 1, 1, 1, 1, 1, 1, 1)
+    assert min(drafted) >= 300, drafted
+    assert ctrl._target_cost(2) == pytest.approx(0.0126, rel=0.1)
 
 
 def test_a_successor_stays_backed_off_only_for_a_drafter_that_cannot_pay():

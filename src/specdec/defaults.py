@@ -41,6 +41,7 @@ COST_GAMMA_PRIOR_WEIGHT = 6.0
 #: one pass slowed down by something else on the machine (a 6.7 ms one-row pass against ~2.9 ms,
 #: seen on a 2-core Zen 5) otherwise lifted the one-row estimate by a third, and since drafting
 #: rounds never measure it again, kept a drafter that does not pay drafting for dozens of rounds
+#: one reading below the estimate divided by this replaces it: the estimate was the disturbed one
 COST_GAMMA_OUTLIER = 1.5
 #: an engine's next sequence with γ auto starts backed off where the last one ended backed off and
 #: its drafter would lose even at this acceptance at every position (a drafted token costing more

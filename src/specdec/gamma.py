@@ -330,7 +330,15 @@ class CostGamma:
         """A verification pass over ``n`` positions took ``target_s`` (whatever drafted it)."""
         t = target_s + self.extra_target_s
         old = self._target_s.get(n)
-        self._target_s[n] = t if old is None else 0.7 * old + 0.3 * min(t, self.outlier * old)
+        if old is None or t * self.outlier < old:
+            # a first reading, or one far below the estimate: a pass is never much faster than it
+            # is, so the estimate was a disturbed pass's (a first round stalled at 300 ms against
+            # ~15 ms had set the two-row cost; each probe took off only 30 % of the excess while
+            # probes thinned out to one in 128 rounds, and γ auto drafted one token a prompt for
+            # seven prompts)
+            self._target_s[n] = t
+        else:
+            self._target_s[n] = 0.7 * old + 0.3 * min(t, self.outlier * old)
 
     def update(self, *, gamma: int, accepted: int, draft_s: float, target_s: float, other_s: float) -> None:
         d = self.decay
