@@ -37,7 +37,7 @@ from typing import Any
 #: ``add_prefix_space``, ``clean_up_tokenization_spaces`` set true, ... — keeps transformers' tokenizer.
 PLAIN_KEYS = frozenset({
     "backend", "tokenizer_class", "is_local", "local_files_only", "model_max_length", "bos_token", "eos_token",
-    "pad_token", "unk_token", "added_tokens_decoder", "chat_template", "clean_up_tokenization_spaces",
+    "pad_token", "unk_token", "mask_token", "added_tokens_decoder", "chat_template", "clean_up_tokenization_spaces",
     "model_input_names", "padding_side", "truncation_side", "name_or_path",
 })
 #: files besides tokenizer.json and tokenizer_config.json that would feed transformers' tokenizer
@@ -73,6 +73,15 @@ REBUILT: dict[str, dict[str, Any]] = {
         "model": {"type": "BPE", "dropout": None, "unk_token": None, "continuing_subword_prefix": "",
                   "end_of_word_suffix": "", "fuse_unk": False, "byte_fallback": False, "ignore_merges": False},
     },
+    # Gemma's (SentencePiece-style BPE: spaces as "▁", bytes for what the vocabulary lacks)
+    "GemmaTokenizer": {
+        "normalizer": {"type": "Replace", "pattern": {"String": " "}, "content": "\u2581"},
+        "pre_tokenizer": {"type": "Split", "pattern": {"String": " "}, "behavior": "MergedWithPrevious", "invert": False},
+        "decoder": {"type": "Sequence", "decoders": [{"type": "Replace", "pattern": {"String": "\u2581"}, "content": " "},
+                                                     {"type": "ByteFallback"}, {"type": "Fuse"}]},
+        "model": {"type": "BPE", "dropout": None, "unk_token": "<unk>", "continuing_subword_prefix": None,
+                  "end_of_word_suffix": None, "fuse_unk": True, "byte_fallback": True, "ignore_merges": False},
+    },
 }
 
 
@@ -103,6 +112,8 @@ def _normalizer(spec: dict) -> Any:
 
     if spec == {"type": "NFC"}:
         return normalizers.NFC()
+    if spec.get("type") == "Replace" and set(spec) == {"type", "pattern", "content"} and set(spec["pattern"]) == {"String"}:
+        return normalizers.Replace(spec["pattern"]["String"], spec["content"])
     raise ValueError(f"no normaliser for {spec}")
 
 

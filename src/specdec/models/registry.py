@@ -556,7 +556,7 @@ _TOKENIZER_FILES = ("tokenizer.json", "tokenizer.model", "vocab.json", "tokenize
 #: which ``AutoTokenizer`` keeps for llama, and ``Qwen2Tokenizer``, the class it gives every qwen2
 #: folder (see :data:`specdec.tokenizer.REBUILT`).  A test checks the premise against the installed
 #: transformers and that both loaders give the same tokenizer.
-DIRECT_TOKENIZER_TYPES: dict[str, str] = {"llama": "TokenizersBackend", "qwen2": "Qwen2Tokenizer"}
+DIRECT_TOKENIZER_TYPES: dict[str, str] = {"llama": "TokenizersBackend", "qwen2": "Qwen2Tokenizer", "gemma3_text": "GemmaTokenizer"}
 
 
 def direct_tokenizer(folder: Path) -> bool:
