@@ -106,7 +106,7 @@ def main() -> int:
     ap.add_argument("--processes", type=int, default=6, help="fresh processes per arm and command")
     ap.add_argument("--max-new-tokens", type=int, default=32)
     ap.add_argument("--threads", type=int, default=2)
-    ap.add_argument("--llamacpp", action="store_true", help="add llama-cpp-python's cold start on the same GGUF")
+    ap.add_argument("--llamacpp", action="store_true", help="add llama-cpp-python's cold start on the target's GGUF")
     ap.add_argument("--chat", action="store_true", help="generate with --chat (the prompt in the chat template, as the demo does)")
     ap.add_argument("--target", help="generate with this target instead of the default (e.g. qwen2.5-coder-1.5b)")
     ap.add_argument("--draft", help="generate with this drafter instead of the default (e.g. none)")
@@ -117,8 +117,6 @@ def main() -> int:
     if any("=" not in kv for kv in args.env):
         ap.error("--env takes KEY=VALUE")
     extra_env = dict(kv.split("=", 1) for kv in args.env)
-    if args.llamacpp and args.target:
-        ap.error("--llamacpp times llama.cpp on the default target's GGUF; leave --target out with it")
     py = sys.executable
     cli = [py, "-m", "specdec.cli"]
     models = [*(["--target", args.target] if args.target else []), *(["--draft", args.draft] if args.draft else [])]
@@ -128,7 +126,10 @@ def main() -> int:
     if args.llamacpp:
         from specdec.models.registry import gguf_file
 
-        gguf = str(gguf_file("smollm2-135m"))
+        try:  # the target's own GGUF file (a target shipped as a folder has none)
+            gguf = str(gguf_file(args.target or "smollm2-135m"))
+        except Exception as exc:  # noqa: BLE001 - reported as a usage error
+            ap.error(f"--llamacpp needs a target made from a GGUF file ({exc})")
     with tempfile.TemporaryDirectory() as tmp:
         arms: dict[str, Path | None] = {"base": _export(args.base, Path(tmp)), "this": ROOT / "src"}
         runs: list[dict] = []
