@@ -172,3 +172,16 @@ class NativeOracle:
 
     def logits_for(self, history: list[int]) -> torch.Tensor:  # -> [V]
         return self.model.forward(torch.tensor(history), self.model.new_cache(32))[-1].double()
+
+
+def assert_tokenizers_agree(tok, ref, texts) -> None:
+    """``tok`` (specdec's) and ``ref`` (transformers') give the same vocabulary, size and
+    end-of-sequence id, and the same encodings (with and without special tokens) and decodings
+    (skipping them or not) of every text."""
+    assert tok.get_vocab() == ref.get_vocab() and len(tok) == len(ref) and tok.eos_token_id == ref.eos_token_id
+    for text in texts:
+        for special in (True, False):
+            ids = tok.encode(text, add_special_tokens=special)
+            assert ids == ref.encode(text, add_special_tokens=special), text
+            for skip in (True, False):
+                assert tok.decode(ids, skip_special_tokens=skip) == ref.decode(ids, skip_special_tokens=skip), text
