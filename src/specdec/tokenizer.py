@@ -37,7 +37,7 @@ from typing import Any
 #: ``add_prefix_space``, ``clean_up_tokenization_spaces`` set true, ... — keeps transformers' tokenizer.
 PLAIN_KEYS = frozenset({
     "backend", "tokenizer_class", "is_local", "local_files_only", "model_max_length", "bos_token", "eos_token",
-    "pad_token", "unk_token", "mask_token", "added_tokens_decoder", "chat_template", "clean_up_tokenization_spaces",
+    "pad_token", "unk_token", "added_tokens_decoder", "chat_template", "clean_up_tokenization_spaces",
     "model_input_names", "padding_side", "truncation_side", "name_or_path",
 })
 #: files besides tokenizer.json and tokenizer_config.json that would feed transformers' tokenizer
@@ -147,8 +147,10 @@ def plain_config(folder: Path) -> dict | None:
     if not isinstance(config, dict) or not (folder / "tokenizer.json").is_file():
         return None
     keys = set(config) - PLAIN_KEYS
-    if config.get("tokenizer_class") in REBUILT and config.get("add_prefix_space") in (None, False):
-        keys.discard("add_prefix_space")  # what such a class builds its pre-tokenizer with (checked by load)
+    if config.get("tokenizer_class") in REBUILT:
+        if config.get("add_prefix_space") in (None, False):
+            keys.discard("add_prefix_space")  # what such a class builds its pre-tokenizer with (checked by load)
+        keys.discard("mask_token")  # a special token's name, which load checks the file has (Gemma's)
     if keys or config.get("clean_up_tokenization_spaces") or any((folder / f).exists() for f in _OTHER_SOURCES):
         return None
     if "chat_template" in config and (folder / "chat_template.jinja").exists():  # which one wins is transformers' call

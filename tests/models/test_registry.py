@@ -490,6 +490,26 @@ def test_a_gemma3_folder_loads_without_autotokenizer_as_gemmatokenizer_makes_it(
     assert type(tok.hf).__name__ == "GemmaTokenizer"
 
 
+def test_a_mask_token_name_is_plain_only_for_a_class_that_checks_it(tmp_path):
+    """``mask_token`` in tokenizer_config.json: plain for GemmaTokenizer, whose load checks that the
+    file has it as a special token; a folder declaring TokenizersBackend keeps transformers (which
+    would add a missing one)."""
+    import json
+    import shutil
+
+    from specdec.tokenizer import plain_config
+
+    assert plain_config(_gemma_folder(tmp_path / "gemma")) is not None
+    llama = tmp_path / "llama"
+    llama.mkdir()
+    for name in ("tokenizer.json", "tokenizer_config.json", "config.json"):
+        shutil.copy(registry.DATA_DIR / "smollm2-135m-draft" / name, llama / name)
+    assert plain_config(llama) is not None
+    declared = json.loads((llama / "tokenizer_config.json").read_text())
+    (llama / "tokenizer_config.json").write_text(json.dumps({**declared, "mask_token": "<mask>"}))
+    assert plain_config(llama) is None
+
+
 @pytest.mark.parametrize("change", ["decoder", "no byte fallback", "add_bos_token", "mask not in the file"])
 def test_a_gemma3_folder_gemmatokenizer_would_change_keeps_transformers(tmp_path, change):
     """A decoder or model options other than GemmaTokenizer's, an ``add_bos_token`` setting, or a
