@@ -13,7 +13,7 @@ the first time something asks for it.
 Only folders whose ``tokenizer_config.json`` says nothing that would make transformers change the
 ``tokenizers`` object or post-process its output get one (:func:`plain_config`); the others load
 transformers' tokenizer as before.  A folder that declares one of the classes in :data:`REBUILT`
-(Qwen2's) gets what that class makes of the file — its vocabulary, merges, post-processor and added
+(Qwen2's, Gemma's) gets what that class makes of the file — its vocabulary, merges, post-processor and added
 tokens, the rest of the pipeline the class's own — where the file already has that rest, the
 normaliser aside, which is then set as the class sets it (:meth:`FastTokenizer.load`).  Tested against transformers' on the shipped folders: encodings
 with and without special tokens, decodings with and without them, the vocabulary, its size, the

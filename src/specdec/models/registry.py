@@ -553,8 +553,8 @@ _TOKENIZER_FILES = ("tokenizer.json", "tokenizer.model", "vocab.json", "tokenize
 #: model type -> the tokenizer class a folder of that type must declare for its tokenizer to be
 #: loaded without ``AutoTokenizer``, which first builds the model's config class (~1.3 s of imports on a
 #: 2-core CPU, most of a ``specdec generate``'s start-up after torch itself): ``TokenizersBackend``,
-#: which ``AutoTokenizer`` keeps for llama, and ``Qwen2Tokenizer``, the class it gives every qwen2
-#: folder (see :data:`specdec.tokenizer.REBUILT`).  A test checks the premise against the installed
+#: which ``AutoTokenizer`` keeps for llama, and ``Qwen2Tokenizer`` and ``GemmaTokenizer``, the classes
+#: it gives every qwen2 and gemma3_text folder (see :data:`specdec.tokenizer.REBUILT`).  A test checks the premise against the installed
 #: transformers and that both loaders give the same tokenizer.
 DIRECT_TOKENIZER_TYPES: dict[str, str] = {"llama": "TokenizersBackend", "qwen2": "Qwen2Tokenizer", "gemma3_text": "GemmaTokenizer"}
 
