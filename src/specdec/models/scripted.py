@@ -581,8 +581,6 @@ class ScriptedLayers:
         which only the fused call windows.  None where the pass is Gemma 3's or
         past a window and the fused call does not take it (the caller's Python loop runs it)."""
         n_layers = len(self.kinds) // 4
-        if past_window and (mask is not None or (tree is not None and tree.paths is None) or not self._fuses(x)):
-            return None
         if mask is None and (tree is None or tree.paths is not None) and self._fuses(x) \
                 and (not taps or plan is None and all(0 <= k < n_layers for k in taps)):
             tree_start, paths = (-1, None) if tree is None else (tree.start, tree.paths)
