@@ -690,3 +690,64 @@ def test_keep_special_tokens_from_the_command_line(capsys, tiny_pair, tmp_path):
     assert code == 0, err
     row = json.loads((tmp_path / "out.jsonl").read_text().splitlines()[0])
     assert special in row["token_ids"] and row["text"] == tok.decode(row["token_ids"], skip_special_tokens=False)
+
+
+TEMPLATE = "{% for m in messages %}<{{ m.role }}>{{ m.content }}\n{% endfor %}<assistant>"
+
+
+def test_chat_on_a_model_with_no_chat_template_fails_before_it_loads_or_takes_one(capsys, tmp_path, monkeypatch):
+    """A base model (no chat template in its files) with --chat, --interactive or a prompts file's
+    chat lines: one line naming both ways out, before any model loads.  --chat-template gives it one,
+    and the prompt is then exactly the template's text: the same tokens as that text given plainly."""
+    from tiny import without_chat_template
+
+    from specdec.engine import Engine
+
+    folder = str(without_chat_template(make_tiny(tmp_path / "base", max_positions=64)))
+    build = Engine.build
+    monkeypatch.setattr(Engine, "build", classmethod(lambda cls, *a, **k: pytest.fail("a model loaded")))
+    base = ["generate", "--target", folder, "--draft", "none", "-n", "4"]
+    for flags, flag in ((["--chat", "-p", "hi"], "--chat"), (["-i"], "--interactive")):
+        code, _, err = _run(capsys, *base, *flags)
+        assert code == 2 and f"has no chat template, which {flag} needs: drop {flag}, or give one with --chat-template" in err
+    lines = tmp_path / "prompts.jsonl"
+    lines.write_text('"plain"\n{"messages": [{"role": "user", "content": "hi"}]}\n')
+    code, _, err = _run(capsys, "generate", "--target", folder, "--prompts-file", str(lines), "--out", str(tmp_path / "o.jsonl"))
+    assert code == 2 and "has no chat template, which the prompts file's chat prompts need" in err
+    code, _, err = _run(capsys, *base, "-p", "hi", "--chat-template", TEMPLATE)
+    assert code == 2 and "--chat-template renders chat prompts, and none is asked for: add --chat" in err
+    code, _, err = _run(capsys, *base, "--chat", "-p", "hi", "--chat-template", "{% for m in messages %}")
+    assert code == 2 and "the chat template does not compile" in err
+    monkeypatch.setattr(Engine, "build", build)
+    code, chat, err = _run(capsys, *base, "--json", "--chat", "-p", "hi", "--chat-template", TEMPLATE)
+    assert code == 0, err
+    code, plain, _ = _run(capsys, *base, "--json", "-p", "<user>hi\n<assistant>")
+    chat, plain = json.loads(chat), json.loads(plain)
+    assert chat["token_ids"] == plain["token_ids"] and chat["stats"]["prompt_tokens"] == plain["stats"]["prompt_tokens"]
+    code, _, err = _run(capsys, "generate", "--target", folder, "--prompts-file", str(lines), "--out", str(tmp_path / "o.jsonl"),
+                        "-n", "4", "--chat-template", TEMPLATE)
+    rows = [json.loads(line) for line in (tmp_path / "o.jsonl").read_text().splitlines()]
+    assert code == 0 and len(rows) == 2, err
+
+
+def test_chat_template_known_reads_the_files_a_tokenizer_reads(tmp_path):
+    """``chat_template_known`` says what the loaded tokenizer would say (True / False), and None where
+    the files cannot tell without loading: a hub id, a folder with no tokenizer config."""
+    from tiny import without_chat_template
+
+    folder = make_tiny(tmp_path / "chat", max_positions=64)
+    assert registry.chat_template_known(str(folder)) is True
+    assert registry.load_tokenizer(folder).chat_template
+    without_chat_template(folder)
+    assert registry.chat_template_known(str(folder)) is False
+    assert not getattr(registry.load_tokenizer(folder), "chat_template", None)
+    (folder / "chat_template.json").write_text(json.dumps({"chat_template": TEMPLATE}))  # a processor's file
+    assert registry.chat_template_known(str(folder)) is False
+    assert not getattr(registry.load_tokenizer(folder), "chat_template", None)
+    (folder / "chat_template.jinja").write_text(TEMPLATE)
+    assert registry.chat_template_known(str(folder)) is True
+    assert registry.load_tokenizer(folder).chat_template == TEMPLATE
+    (folder / "chat_template.jinja").unlink()
+    (folder / "tokenizer_config.json").unlink()
+    assert registry.chat_template_known(str(folder)) is None
+    assert registry.chat_template_known("some-org/some-model") is None

@@ -65,6 +65,16 @@ def on_python_loop(model, run):
         model.scripted = saved
 
 
+def without_chat_template(folder: Path) -> Path:
+    """``folder`` (a model folder) with its chat template removed: a stand-in for a base model."""
+    import json
+
+    (folder / "chat_template.jinja").unlink(missing_ok=True)
+    config = folder / "tokenizer_config.json"
+    config.write_text(json.dumps({k: v for k, v in json.loads(config.read_text()).items() if k != "chat_template"}))
+    return folder
+
+
 def draft_renaming(folder: Path, renamed: dict[str, str], *, special: bool | None = None, template: str | None = None) -> Path:
     """A copy of the bundled draft model in ``folder`` whose tokenizer calls some of its unused added
     tokens by other names (same ids, same vocabulary): a stand-in for a model that has those tokens

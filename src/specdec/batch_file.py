@@ -95,6 +95,13 @@ def fills(p: PromptLine) -> bool:
     return isinstance(p.value, dict) and "suffix" in p.value
 
 
+def needs_chat(p: PromptLine, *, chat: bool) -> bool:
+    """Whether the line goes through the chat template (as :func:`encode` encodes it)."""
+    if p.messages is not None:
+        return True
+    return not fills(p) and (chat or (isinstance(p.value, dict) and "system" in p.value))
+
+
 def encode(engine: Any, p: PromptLine, *, chat: bool, system: str | None) -> list[int]:
     if p.messages is not None:
         return engine.encode_messages(p.messages)

@@ -255,6 +255,9 @@ def build_parser() -> argparse.ArgumentParser:
     gen.add_argument("text", nargs="?", metavar="PROMPT", help="the prompt, as a plain argument (the same as --prompt)")
     gen.add_argument("--prompt", "-p", help="the prompt text ('-' reads stdin); required unless --interactive")
     gen.add_argument("--chat", action="store_true", help="wrap the prompt in the model's chat template")
+    gen.add_argument("--chat-template", metavar="PATH|TEMPLATE",
+                     help="render --chat / --interactive conversations with this Jinja template (a file, or the template"
+                          " itself) instead of the model's; a base model without one needs it for chat")
     gen.add_argument("--suffix", metavar="TEXT",
                      help="fill in the middle: the prompt is the code before a gap, TEXT the code after it, and the output "
                           "is what fills the gap (code models with fill-in-the-middle tokens: Qwen2.5-Coder, StarCoder2, "
@@ -416,15 +419,19 @@ def _cmd_generate(args: argparse.Namespace) -> int:
             raise SpecdecError("--logprobs needs --json (the log-probabilities are part of the JSON output)")
     grammar = _grammar_from(args)  # a bad schema, pattern or file fails here, before any model loads
     _check_filter(args)
+    flag = "--chat" if args.chat else "--interactive"
+    template = _chat_template(args, args.chat or args.interactive, None if args.remote else args.target,
+                              need=f"which {flag} needs", instead=f"drop {flag}")
     if args.remote:  # edge-cloud: draft here, verify on a `specdec serve` server
         from specdec.remote.command import run_generate
 
-        return run_generate(args, prompt, sampling, gamma, tree, grammar)
+        return run_generate(args, prompt, sampling, gamma, tree, grammar, chat_template=template)
     quiet = args.json
     log = (lambda msg: None) if quiet else (lambda msg: print(f"[specdec] {msg}", file=sys.stderr, flush=True))
     engine = Engine.build(EngineConfig(target=args.target, draft=args.draft, backend=args.backend, dtype=args.dtype, draft_dtype=args.draft_dtype, draft_vocab=args.draft_vocab,
                                        draft_temperature_factor=args.draft_temperature_factor, batch_invariant=not args.fast_attention,
                                        int8_kernel=args.int8_kernel), progress=log)
+    _set_chat_template(engine, template)
     if tree != "chain" and engine.drafter is not None and not getattr(engine.drafter, "supports_trees", False):
         log(f"the drafter {engine.drafter_name} has no tree pass: it drafts chains, gamma {gamma} (--tree {tree} is not used)")
     on_text = None if quiet else (lambda text: (sys.stdout.write(text), sys.stdout.flush()))
@@ -506,14 +513,44 @@ def _generate_batch(args: argparse.Namespace) -> int:
     from specdec import batch_file
 
     job = batch_file.plan(args.prompts_file, args.out)  # a bad prompts file or --out fails before any model loads
+    template = _chat_template(args, any(batch_file.needs_chat(p, chat=args.chat) for p in job.prompts),
+                              args.target, need="which the prompts file's chat prompts need",
+                              instead="drop --chat and give those prompts as plain text")
     log = lambda msg: print(f"[specdec] {msg}", file=sys.stderr, flush=True)  # noqa: E731
     if job.start == len(job.prompts):
         log(f"all {job.start} results are already in {job.out}; nothing to do")
         return 0
     engine = Engine.build(EngineConfig(target=args.target, draft="none", backend=args.backend, dtype=args.dtype,
                                        batch_invariant=not args.fast_attention, int8_kernel=args.int8_kernel), progress=log)
+    _set_chat_template(engine, template)
     constraint = _constraints(args, engine, grammar)  # one grammar matcher per sequence: each follows its own history
     return batch_file.run(engine, job, args, sampling, log, constraint=constraint)
+
+
+def _chat_template(args: argparse.Namespace, chat: bool, target: str | None, *, need: str, instead: str) -> str | None:
+    """``--chat-template``'s text, checked to compile, or None.  Without one, a ``target`` whose files
+    show no chat template fails here where ``chat`` prompts need one, before any model loads (``need``
+    says what asks for it, ``instead`` the way round it); a remote target (None) is not looked at."""
+    from specdec.tokenizer import read_chat_template
+
+    if args.chat_template is not None:
+        if not chat:
+            raise SpecdecError("--chat-template renders chat prompts, and none is asked for: add --chat")
+        return read_chat_template(args.chat_template)
+    if chat and target is not None:
+        from specdec.models.registry import chat_template_known
+
+        if chat_template_known(target) is False:
+            raise SpecdecError(f"{target} has no chat template, {need}: {instead}, or give one with"
+                               " --chat-template PATH|TEMPLATE")
+    return None
+
+
+def _set_chat_template(engine: Any, template: str | None) -> None:
+    if template is not None:
+        from specdec.tokenizer import set_chat_template
+
+        set_chat_template(engine.target.tokenizer, template)
 
 
 def summary_line(st) -> str:  # noqa: ANN001 - GenerationStats

@@ -30,7 +30,7 @@ def encode_text(tokenizer: Any, text: str) -> list[int]:
 def encode_messages(tokenizer: Any, messages: list[dict[str, str]]) -> list[int]:
     """Token ids of a conversation in the model's chat template, ending where the assistant answers."""
     if not getattr(tokenizer, "chat_template", None):
-        raise ConfigError("this model has no chat template; drop --chat")
+        raise ConfigError("this model has no chat template; drop --chat, or give one with --chat-template")
     if not any(m["content"].strip() for m in messages if m["role"] == "user"):
         raise ConfigError("the prompt is empty")
     text = tokenizer.apply_chat_template(messages, tokenize=False, add_generation_prompt=True)

@@ -184,16 +184,11 @@ def test_chat_prompts_on_a_model_with_no_chat_template_say_what_to_do(tmp_path):
     """A base model (Gemma-3-270M has no chat template) with the built-in chat prompts: the run
     stops with a message naming both ways out, not the generic one of `generate`; the code
     prompts alone run."""
-    import json
-
-    from tiny import make_tiny
+    from tiny import make_tiny, without_chat_template
 
     from specdec.errors import SpecdecError
 
-    folder = make_tiny(tmp_path / "base")
-    (folder / "chat_template.jinja").unlink(missing_ok=True)
-    config = folder / "tokenizer_config.json"
-    config.write_text(json.dumps({k: v for k, v in json.loads(config.read_text()).items() if k != "chat_template"}))
+    folder = without_chat_template(make_tiny(tmp_path / "base"))
     chat = next(p for p in BUILTIN if p.chat)
     cfg = runner.BenchConfig(target=str(folder), draft="none", prompts=(BUILTIN[0], chat), modes=("plain",),
                              temperatures=(0.0,), max_new_tokens=4, threads=1)

@@ -114,6 +114,22 @@ def test_remote_logprobs_equal_local(server, capsys):
         assert [t["id"] for t in mine["top"]] == [t["id"] for t in theirs["top"]]
 
 
+def test_remote_chat_with_its_own_template_equals_local(server, capsys):
+    """--chat --chat-template with --remote: the edge renders the conversation with the given
+    template (not the model's), so the tokens equal local decoding's with the same template."""
+    template = "{% for m in messages %}[{{ m.role }}] {{ m.content }}\n{% endfor %}[assistant]"
+    common = ["-p", "Name a colour.", "--chat", "--chat-template", template, "-n", "10", "--gamma", "3", "--json"]
+    code, local, err = _run(capsys, "generate", "--target", MODEL, "--draft", "none", *common)
+    assert code == 0, err
+    code, plain, err = _run(capsys, "generate", "--target", MODEL, "--draft", "none", *common[5:], "-p",
+                            "[user] Name a colour.\n[assistant]")
+    assert code == 0, err
+    code, remote, err = _run(capsys, "generate", "--remote", server.url, "--api-key", KEY, "--draft", MODEL, *common)
+    assert code == 0, err
+    assert remote["token_ids"] == local["token_ids"] == plain["token_ids"]
+    assert remote["stats"]["prompt_tokens"] == local["stats"]["prompt_tokens"]
+
+
 def test_sparse_q_gating_and_env_key(server, capsys, monkeypatch):
     monkeypatch.setenv("SPECDEC_API_KEY", KEY)
     base = ["generate", "--remote", server.url, "--draft", MODEL, "-p", "It costs $25 on March 3 and", "-n", "10", "--json"]

@@ -547,6 +547,30 @@ def _source_gguf(ref: str, resolved: ResolvedModel) -> Path | None:
     return None
 
 
+def chat_template_known(ref: str) -> bool | None:
+    """Whether the model ``ref`` names has a chat template, read from its folder's files without
+    loading or converting anything, so ``--chat`` on a base model fails before its weights load.
+    None where the files cannot tell yet: a hub id, a model not converted yet, an unreadable config.
+    Read where a tokenizer reads it: ``chat_template.jinja``, else the tokenizer config's
+    ``chat_template`` (``chat_template.json`` is a processor's, not the tokenizer's); a folder of
+    named templates is left to the tokenizer (None)."""
+    try:
+        folder = resolve(ref, convert=False).folder
+    except SpecdecError:
+        return None
+    if folder is None:
+        return None
+    if (folder / "chat_template.jinja").is_file():
+        return True
+    if (folder / "additional_chat_templates").exists():
+        return None
+    try:
+        config = json.loads((folder / "tokenizer_config.json").read_text(encoding="utf-8"))
+    except (OSError, ValueError):
+        return None
+    return bool(config.get("chat_template")) if isinstance(config, dict) else None
+
+
 _TOKENIZER_FILES = ("tokenizer.json", "tokenizer.model", "vocab.json", "tokenizer_config.json")
 
 

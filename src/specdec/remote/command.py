@@ -81,9 +81,9 @@ def _gate(args: argparse.Namespace, tokenizer: Any, draft_model: Any, vocab_size
 
 
 def run_generate(args: argparse.Namespace, prompt: str, sampling: SamplingConfig, gamma: str | int,
-                 tree: str | int = "chain", grammar: str | None = None) -> int:
-    """The ``generate --remote`` command body (prompt, sampling, γ and the output options' llguidance
-    ``grammar`` already parsed by the CLI)."""
+                 tree: str | int = "chain", grammar: str | None = None, chat_template: str | None = None) -> int:
+    """The ``generate --remote`` command body (prompt, sampling, γ, the output options' llguidance
+    ``grammar`` and ``--chat-template``'s text already parsed by the CLI)."""
     from transformers import AutoTokenizer
 
     from specdec import defaults
@@ -139,6 +139,10 @@ def run_generate(args: argparse.Namespace, prompt: str, sampling: SamplingConfig
         draft = load_draft(cfg)
         tokenizer, eos = draft.tokenizer, draft.eos_ids
         drafter, name = model_drafter(cfg, draft, lookup=lookup)  # NAME+lookup: prompt lookup first
+    if chat_template is not None:  # the edge renders the conversation: its tokenizer is the target's
+        from specdec.tokenizer import set_chat_template
+
+        set_chat_template(tokenizer, chat_template)
     vocab = draft.vocab_size if draft is not None else len(tokenizer)
     gate = _gate(args, tokenizer, draft.model if draft is not None else None, vocab)
     # the grammar masks the drafts here and the server reads it with its own tokenizer; the bad words
