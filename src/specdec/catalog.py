@@ -78,6 +78,28 @@ def adapter_targets() -> list[str]:
     return sorted(p.name.removesuffix(".safetensors") for p in ADAPTERS_DIR.glob("*.safetensors")) if ADAPTERS_DIR.is_dir() else []
 
 
+def check_shipped(name: str, target_name: str) -> None:
+    """Fail where the self-speculative drafter ``name`` takes a file that ships per target and none
+    ships for ``target_name``: ``self-skip`` a searched skip set, ``kangaroo`` an adapter (``swift``
+    starts from an empty set instead; ``NAME:FILE`` brings its own).  Readable from the names alone,
+    so a registry target is checked before it loads."""
+    parsed = parse_self_spec(name)
+    if parsed is None or parsed[1]:
+        return
+    family = parsed[0]
+    if family == "self-skip" and target_name not in skip_set_targets():
+        raise ConfigError(
+            f"no searched skip set ships for {target_name!r} (shipped: {', '.join(skip_set_targets()) or 'none'}); "
+            f"run `specdec train skip --target {target_name} --out skip.json` and use --draft self-skip:skip.json"
+        )
+    if family == "kangaroo" and target_name not in adapter_targets():
+        raise ConfigError(
+            f"no kangaroo adapter ships for {target_name!r} (shipped: {', '.join(adapter_targets()) or 'none'}); "
+            f"run `specdec train kangaroo --target {target_name} --out kangaroo.safetensors` and use "
+            "--draft kangaroo:kangaroo.safetensors"
+        )
+
+
 def is_eagle3_checkpoint(raw: dict) -> bool:
     """A ``config.json`` of an EAGLE-3 head in the speculators or EAGLE / SpecForge format."""
     if raw.get("speculators_model_type") == "eagle3":

@@ -16,7 +16,7 @@ import torch
 
 from specdec import defaults
 from specdec.batch import BatchResult, generate_batch
-from specdec.catalog import CALIBRATION_FILE, MODEL_FREE_DRAFTS, NON_MODEL_DRAFTS, calibrated_factor  # noqa: F401 - re-exported
+from specdec.catalog import CALIBRATION_FILE, MODEL_FREE_DRAFTS, NON_MODEL_DRAFTS, calibrated_factor, check_shipped  # noqa: F401 - re-exported
 from specdec.decoder import GenerationResult, SpeculativeDecoder
 from specdec.drafters import ModelDrafter, NgramDrafter
 from specdec.drafters import self_spec
@@ -479,8 +479,11 @@ class Engine:
     @classmethod
     def build(cls, cfg: EngineConfig, *, progress: Callable[[str], None] | None = None) -> "Engine":
         cfg = replace(cfg, draft=draft_for_target(cfg.target, cfg.draft))
-        check_draft_name(cfg.draft)  # a bad draft name fails before the target loads
+        base, _, _ = check_draft_name(cfg.draft)  # a bad draft name fails before the target loads
         registry.check_name(cfg.target)
+        spec = registry.REGISTRY.get(cfg.target.strip().lower())
+        if spec is not None:  # ... and a self-speculative draft with nothing shipped for a registry target
+            check_shipped(base, spec.name)
         dtype, quant = target_dtype(cfg)
         if progress:
             progress(f"loading target {cfg.target}" + (f" ({quant})" if quant else ""))

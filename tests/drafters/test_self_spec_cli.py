@@ -96,6 +96,21 @@ def test_bad_self_spec_names(capsys, tiny_target, draft, needle):
     assert code == 2 and needle in _one_error_line(err)
 
 
+@pytest.mark.parametrize("draft,needle", [("self-skip", "no searched skip set ships for 'gemma-3-270m'"),
+                                           ("kangaroo", "no kangaroo adapter ships for 'gemma-3-270m'")])
+def test_nothing_shipped_for_a_registry_target_fails_before_it_loads(capsys, monkeypatch, draft, needle):
+    """A registry target with no shipped skip set / adapter: refused from the names alone (the target
+    is never loaded, and need not be installed); a target that has one is let through to its load."""
+    import specdec.engine as engine_mod
+
+    monkeypatch.setattr(engine_mod, "load", lambda *a, **k: pytest.fail("the target loaded"))
+    code, _, err = _run(capsys, "generate", "-p", "hi", "--target", "gemma-3-270m", "--draft", draft, "-n", "4")
+    assert code == 2 and needle in _one_error_line(err)
+    monkeypatch.setattr(engine_mod, "load", lambda *a, **k: (_ for _ in ()).throw(RuntimeError("loading")))
+    with pytest.raises(RuntimeError, match="loading"):
+        engine_mod.Engine.build(engine_mod.EngineConfig(target="smollm2-135m", draft=draft))
+
+
 def test_hf_backend_refuses_clearly(capsys, tiny_target):
     code, _, err = _run(capsys, "generate", "-p", "hi", "--target", tiny_target, "--backend", "hf", "--draft", "layerskip:1")
     errors = [line for line in err.splitlines() if "specdec: error:" in line]  # after transformers' progress bar

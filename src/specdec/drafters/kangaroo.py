@@ -29,7 +29,7 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
 
-from specdec.catalog import ADAPTERS_DIR, adapter_targets
+from specdec.catalog import ADAPTERS_DIR, adapter_targets, check_shipped
 from specdec.drafters.base import Draft, DraftSampler
 from specdec.drafters.self_spec import LayerPlan, LayerView, SelfSpecDrafter, ViewCache
 from specdec.errors import ConfigError
@@ -164,11 +164,6 @@ def load_adapter(path: str | Path, *, dtype: torch.dtype = torch.float32) -> tup
     return adapter, json.loads(meta.get("card", "{}"))
 
 
-def shipped_adapter(target_name: str) -> Path | None:
-    path = ADAPTERS_DIR / f"{target_name}.safetensors"
-    return path if path.is_file() else None
-
-
 shipped_targets = adapter_targets
 
 
@@ -294,13 +289,7 @@ def build(arg: str, target: Any, target_name: str, *, stop_below: float, reduced
     if arg:
         path, label = Path(arg), f"kangaroo:{Path(arg).name}"
     else:
-        found = shipped_adapter(target_name)
-        if found is None:
-            raise ConfigError(
-                f"no kangaroo adapter ships for {target_name!r} (shipped: {', '.join(shipped_targets()) or 'none'}); "
-                f"run `specdec train kangaroo --target {target_name} --out kangaroo.safetensors` and use "
-                "--draft kangaroo:kangaroo.safetensors"
-            )
-        path, label = found, "kangaroo"
+        check_shipped("kangaroo", target_name)
+        path, label = ADAPTERS_DIR / f"{target_name}.safetensors", "kangaroo"  # check_shipped found it there
     adapter, _ = load_adapter(path, dtype=target.dtype)
     return KangarooDrafter(KangarooView(target, adapter, reduced=reduced), stop_below=stop_below), label

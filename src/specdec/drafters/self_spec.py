@@ -31,7 +31,8 @@ import torch
 from torch import Tensor
 
 from specdec.bench.theory import best_chain_speedup
-from specdec.catalog import SKIP_SETS_DIR, describe_families, parse_self_spec, skip_set_targets  # noqa: F401 - re-exported
+from specdec.catalog import (SKIP_SETS_DIR, check_shipped, describe_families, parse_self_spec,  # noqa: F401 - re-exported
+                             skip_set_targets)
 from specdec.drafters.base import Draft, DraftSampler
 from specdec.drafters.model import ModelDrafter
 from specdec.errors import ConfigError
@@ -522,13 +523,9 @@ def build(name: str, target: Any, target_name: str, *, vocab: Tensor | None = No
         plan = load_plan(arg)
         label = f"{family}:{Path(arg).name}"
     else:
+        check_shipped(family, target_name)
         plan = shipped_plan(target_name)
-        if plan is None:
-            if family == "self-skip":
-                raise ConfigError(
-                    f"no searched skip set ships for {target_name!r} (shipped: {', '.join(shipped_targets()) or 'none'}); "
-                    f"run `specdec train skip --target {target_name} --out skip.json` and use --draft self-skip:skip.json"
-                )
+        if plan is None:  # swift: start from no skipped sub-layer
             plan = LayerPlan.skipping(n_layers, set(), set())
         label = family
     if family == "swift":
