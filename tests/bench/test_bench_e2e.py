@@ -180,10 +180,11 @@ def test_the_tree_floor_reaches_the_worker_and_the_report(tmp_path):
     assert 0 < proposed[0.9] < proposed[0.0]
 
 
-def test_chat_prompts_on_a_model_with_no_chat_template_say_what_to_do(tmp_path):
+def test_chat_prompts_on_a_model_with_no_chat_template_say_what_to_do(tmp_path, monkeypatch):
     """A base model (Gemma-3-270M has no chat template) with the built-in chat prompts: the run
-    stops with a message naming both ways out, not the generic one of `generate`; the code
-    prompts alone run."""
+    stops with a message naming both ways out, not the generic one of `generate`, before any worker
+    starts (read off the folder's files); the code prompts alone run.  A target whose files do not
+    tell is stopped the same way by the worker, once its tokenizer loads."""
     from tiny import make_tiny, without_chat_template
 
     from specdec.errors import SpecdecError
@@ -192,7 +193,13 @@ def test_chat_prompts_on_a_model_with_no_chat_template_say_what_to_do(tmp_path):
     chat = next(p for p in BUILTIN if p.chat)
     cfg = runner.BenchConfig(target=str(folder), draft="none", prompts=(BUILTIN[0], chat), modes=("plain",),
                              temperatures=(0.0,), max_new_tokens=4, threads=1)
-    with pytest.raises(SpecdecError, match=r"no chat template.*--categories code.*\"chat\": false"):
-        runner.run(cfg, progress=False)
+    with monkeypatch.context() as m:
+        m.setattr(runner, "_run_worker", lambda *a, **k: pytest.fail("a worker started"))
+        with pytest.raises(SpecdecError, match=r"no chat template.*--categories code.*\"chat\": false"):
+            runner.run(cfg, progress=False)
+    with monkeypatch.context() as m:  # the files cannot tell: the worker's check, after the load
+        m.setattr(runner, "check_chat_files", lambda *a: None)
+        with pytest.raises(SpecdecError, match=r"no chat template.*--categories code.*\"chat\": false"):
+            runner.run(cfg, progress=False)
     result = runner.run(dataclasses.replace(cfg, prompts=(BUILTIN[0],)), progress=False)
     assert [s["generated_tokens"] for s in result["samples"]] == [4]

@@ -26,7 +26,7 @@ from pathlib import Path
 
 from specdec import defaults
 from specdec.bench import network
-from specdec.bench.workloads import Prompt
+from specdec.bench.workloads import Prompt, check_chat_files
 from specdec.errors import SpecdecError
 
 #: how a worker marks a user-facing error on its last stderr line (the runner shows that line alone)
@@ -207,6 +207,7 @@ def run(cfg: BenchConfig, *, progress: bool = True) -> dict:
     for mode in cfg.modes:
         if mode not in MODES:
             raise SpecdecError(f"unknown bench mode {mode!r}; choose from {', '.join(MODES)}")
+    check_chat_files(list(cfg.prompts), cfg.target)  # a base model with chat prompts fails before any worker starts
     total = sum(_count(cfg, m) for m in cfg.modes)
     samples: list[dict] = []
     processes: dict[str, dict] = {}

@@ -26,10 +26,24 @@ def check_chat(prompts: list[Prompt], tokenizer: object, target: str) -> None:
     """A clear error, before any prompt runs, where chat prompts meet a model with no chat template
     (a base model such as Gemma-3-270M): say how to run the rest, or the chat prompts as plain text."""
     if any(p.chat for p in prompts) and not getattr(tokenizer, "chat_template", None):
-        raise ConfigError(
-            f"{target} has no chat template, which the chat prompts need: keep the others with --categories code,"
-            ' or pass --prompts FILE whose chat prompts say "chat": false (their text as a plain prompt)'
-        )
+        raise _no_chat_template(target)
+
+
+def check_chat_files(prompts: list[Prompt], target: str) -> None:
+    """:func:`check_chat` before any model loads, read off the target's files
+    (:func:`specdec.models.registry.chat_template_known`); a target whose files cannot tell (a hub
+    id, a model not converted yet) is checked by :func:`check_chat` once its tokenizer loads."""
+    from specdec.models.registry import chat_template_known
+
+    if any(p.chat for p in prompts) and chat_template_known(target) is False:
+        raise _no_chat_template(target)
+
+
+def _no_chat_template(target: str) -> ConfigError:
+    return ConfigError(
+        f"{target} has no chat template, which the chat prompts need: keep the others with --categories code,"
+        ' or pass --prompts FILE whose chat prompts say "chat": false (their text as a plain prompt)'
+    )
 
 
 _CODE = [
