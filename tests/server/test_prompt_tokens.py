@@ -27,3 +27,6 @@ def test_a_text_prompt_gets_the_tokenizers_bos_and_ids_are_kept():
     bare = app.post("/v1/completions", json={"prompt": [0, 1, 2], "max_tokens": 2, "temperature": 0}).json()
     assert text["usage"]["prompt_tokens"] == 4 and bare["usage"]["prompt_tokens"] == 3
     assert text["choices"][0]["text"] == ids["choices"][0]["text"]
+    # /tokenize counts what /v1/completions reads (lm-evaluation-harness sizes requests with it), as in vLLM
+    assert app.post("/tokenize", json={"prompt": "abc"}).json()["tokens"] == [BOS, 0, 1, 2]
+    assert app.post("/tokenize", json={"prompt": "abc", "add_special_tokens": False}).json()["tokens"] == [0, 1, 2]

@@ -323,7 +323,9 @@ class TokenizeRequest(_ChatTemplating):
     model: Annotated[str, Field(max_length=256)] | None = None
     prompt: Annotated[str, Field(max_length=1 << 22)] | None = None
     messages: Annotated[list[ChatMessage], Field(min_length=1, max_length=1024)] | None = None
-    add_special_tokens: bool = False  # as /v1/completions encodes a prompt (vLLM's default is true)
+    #: a prompt's special tokens (a BOS where the tokenizer adds one), as /v1/completions encodes a text
+    #: prompt and as vLLM's default has it; chat messages get only their template's
+    add_special_tokens: bool = True
     return_token_strs: bool = False
 
 
