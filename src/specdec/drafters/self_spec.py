@@ -31,8 +31,7 @@ import torch
 from torch import Tensor
 
 from specdec.bench.theory import best_chain_speedup
-from specdec.catalog import (SKIP_SETS_DIR, check_shipped, describe_families, parse_self_spec,  # noqa: F401 - re-exported
-                             skip_set_targets)
+from specdec.catalog import SKIP_SETS_DIR, check_shipped, describe_families, parse_self_spec  # noqa: F401 - re-exported
 from specdec.drafters.base import Draft, DraftSampler
 from specdec.drafters.model import ModelDrafter
 from specdec.errors import ConfigError
@@ -488,9 +487,6 @@ def load_plan(path: str | Path) -> LayerPlan:
 def shipped_plan(target_name: str) -> LayerPlan | None:
     path = SKIP_SETS_DIR / f"{target_name}.json"
     return load_plan(path) if path.is_file() else None
-
-
-shipped_targets = skip_set_targets
 
 
 def build(name: str, target: Any, target_name: str, *, vocab: Tensor | None = None) -> tuple[SelfSpecDrafter, str]:
