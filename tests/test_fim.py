@@ -42,3 +42,42 @@ def test_a_model_without_the_markers_is_a_clear_error(tok):
     assert fim.style_of(tok) is None
     with pytest.raises(ConfigError, match="no fill-in-the-middle tokens"):
         fim.prompt_ids(tok, "a", "b")
+
+
+def test_tokenizer_files_without_any_styles_markers_are_told_apart_before_a_load(tmp_path):
+    """``absent_from`` says absent for the bundled draft's files (no style complete there, and the
+    loaded tokenizer has none), and never where the markers are written, raw or escaped as JSON
+    escapes them (DeepSeek's are not ASCII), so a tokenizer with a style is never refused."""
+    import json
+
+    from tiny import draft_renaming
+
+    from specdec.models.registry import DATA_DIR, load_tokenizer
+
+    draft = DATA_DIR / "smollm2-135m-draft"
+    files = [draft / n for n in ("tokenizer.json", "tokenizer_config.json")]
+    assert fim.absent_from(files) and fim.style_of(load_tokenizer(draft)) is None
+    renamed = draft_renaming(tmp_path / "qwen", {"<repo_name>": "<|fim_prefix|>", "<reponame>": "<|fim_suffix|>",
+                                                 "<file_sep>": "<|fim_middle|>"})
+    assert not fim.absent_from([renamed / "tokenizer.json"])
+    assert fim.style_of(load_tokenizer(renamed)) is not None
+    deepseek = fim.STYLES[2]
+    escaped = tmp_path / "tokenizer.json"
+    escaped.write_text(json.dumps({"added_tokens": [{"content": m} for m in (deepseek.prefix, deepseek.suffix, deepseek.middle)]}))
+    assert "\\u" in escaped.read_text() and not fim.absent_from([escaped])
+    assert not fim.absent_from([tmp_path / "missing.json"])  # unreadable: "maybe", left to the load
+
+
+def test_a_suffix_on_a_model_without_markers_fails_before_it_loads(tmp_path, monkeypatch, capsys):
+    """``generate --suffix`` and a prompts file's suffix lines on such a model: the one-line error
+    before any model loads."""
+    from specdec.cli import main
+    from specdec.engine import Engine
+
+    monkeypatch.setattr(Engine, "build", classmethod(lambda cls, *a, **k: pytest.fail("a model loaded")))
+    assert main(["generate", "-p", "def f(", "--suffix", ")", "--target", "smollm2-135m-draft", "-n", "4"]) == 2
+    assert "no fill-in-the-middle tokens" in capsys.readouterr().err
+    lines = tmp_path / "prompts.jsonl"
+    lines.write_text('"plain"\n{"prompt": "def f(", "suffix": ")"}\n')
+    assert main(["generate", "--prompts-file", str(lines), "--target", "smollm2-135m-draft", "-n", "4"]) == 2
+    assert "no fill-in-the-middle tokens" in capsys.readouterr().err

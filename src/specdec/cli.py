@@ -419,6 +419,8 @@ def _cmd_generate(args: argparse.Namespace) -> int:
             raise SpecdecError("--logprobs needs --json (the log-probabilities are part of the JSON output)")
     grammar = _grammar_from(args)  # a bad schema, pattern or file fails here, before any model loads
     _check_filter(args)
+    if args.suffix is not None and not args.remote:
+        _check_fill(args.target)
     flag = "--chat" if args.chat else "--interactive"
     template = _chat_template(args, args.chat or args.interactive, None if args.remote else args.target,
                               need=f"which {flag} needs", instead=f"drop {flag}")
@@ -516,6 +518,8 @@ def _generate_batch(args: argparse.Namespace) -> int:
     template = _chat_template(args, any(batch_file.needs_chat(p, chat=args.chat) for p in job.prompts),
                               args.target, need="which the prompts file's chat prompts need",
                               instead="drop --chat and give those prompts as plain text")
+    if any(batch_file.fills(p) for p in job.prompts):
+        _check_fill(args.target)
     log = lambda msg: print(f"[specdec] {msg}", file=sys.stderr, flush=True)  # noqa: E731
     if job.start == len(job.prompts):
         log(f"all {job.start} results are already in {job.out}; nothing to do")
@@ -544,6 +548,17 @@ def _chat_template(args: argparse.Namespace, chat: bool, target: str | None, *, 
             raise SpecdecError(f"{target} has no chat template, {need}: {instead}, or give one with"
                                " --chat-template PATH|TEMPLATE")
     return None
+
+
+def _check_fill(target: str) -> None:
+    """A suffix to fill in on a model whose tokenizer files hold no fill-in-the-middle markers fails
+    here, before the model loads (files that may hold them are left to the loaded tokenizer)."""
+    from specdec import fim
+    from specdec.models.registry import tokenizer_files
+
+    files = tokenizer_files(target)
+    if files and fim.absent_from(files):
+        raise SpecdecError(fim.NO_STYLE)
 
 
 def _set_chat_template(engine: Any, template: str | None) -> None:

@@ -8,7 +8,9 @@ last marker.  The style is read off the tokenizer (its added tokens), never gues
 
 from __future__ import annotations
 
+import json
 from dataclasses import dataclass, replace
+from pathlib import Path
 from typing import Any, Sequence
 
 from specdec.errors import ConfigError
@@ -47,13 +49,34 @@ def style_of(tokenizer: Any) -> FimStyle | None:
     return None
 
 
+NO_STYLE = ("this model has no fill-in-the-middle tokens, so a suffix cannot be filled in "
+            "(code models have them: Qwen2.5-Coder, StarCoder2, DeepSeek-Coder, CodeGemma)")
+
+
 def require_style(tokenizer: Any) -> FimStyle:
     """:func:`style_of`, or a :class:`ConfigError` saying which models have one."""
     style = style_of(tokenizer)
     if style is None:
-        raise ConfigError("this model has no fill-in-the-middle tokens, so a suffix cannot be filled in "
-                          "(code models have them: Qwen2.5-Coder, StarCoder2, DeepSeek-Coder, CodeGemma)")
+        raise ConfigError(NO_STYLE)
     return style
+
+
+def absent_from(files: Sequence[Path]) -> bool:
+    """Whether no style's three markers are all written in the tokenizer ``files`` (as UTF-8, or
+    escaped as JSON writes them): a tokenizer read from them then has no style, so a suffix can be
+    refused before a model loads.  False only says "maybe": the loaded tokenizer decides."""
+    texts = []
+    for path in files:
+        try:
+            texts.append(path.read_bytes())
+        except OSError:
+            return False
+
+    def written(mark: str) -> bool:
+        forms = {mark.encode("utf-8"), json.dumps(mark).strip('"').encode("ascii")}
+        return any(form in text for text in texts for form in forms)
+
+    return not any(all(written(m) for m in (s.prefix, s.suffix, s.middle)) for s in STYLES)
 
 
 def prompt_ids(tokenizer: Any, prefix: str | list[int], suffix: str, style: FimStyle | None = None) -> list[int]:

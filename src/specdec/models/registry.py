@@ -605,6 +605,18 @@ _TOKENIZER_SOURCES = ("tokenizer.json", "tokenizer.model", "vocab.json", "merges
                       "special_tokens_map.json", "added_tokens.json", "chat_template.jinja", "chat_template.json")
 
 
+def tokenizer_files(ref: str) -> list[Path] | None:
+    """The files the tokenizer of the model ``ref`` names is read from, found without converting or
+    loading anything; None where that cannot be told yet (a hub id, a model not converted yet)."""
+    try:
+        folder = resolve(ref, convert=False).folder
+    except SpecdecError:
+        return None
+    if folder is None:
+        return None
+    return [folder / name for name in _TOKENIZER_SOURCES if (folder / name).is_file()]
+
+
 def same_tokenizer(a: Path, b: Path) -> bool:
     """Whether folders ``a`` and ``b`` load the same tokenizer: each tokenizer file present in both
     or in neither and byte for byte the same, the same model type (``AutoTokenizer`` may choose the
