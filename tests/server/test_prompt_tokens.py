@@ -30,3 +30,6 @@ def test_a_text_prompt_gets_the_tokenizers_bos_and_ids_are_kept():
     # /tokenize counts what /v1/completions reads (lm-evaluation-harness sizes requests with it), as in vLLM
     assert app.post("/tokenize", json={"prompt": "abc"}).json()["tokens"] == [BOS, 0, 1, 2]
     assert app.post("/tokenize", json={"prompt": "abc", "add_special_tokens": False}).json()["tokens"] == [0, 1, 2]
+    # a model without a chat template (a base model): chat is a 400 that names the way to serve it
+    chat = app.post("/v1/chat/completions", json={"messages": [{"role": "user", "content": "abc"}], "max_tokens": 2})
+    assert chat.status_code == 400 and "--chat-template" in chat.json()["error"]["message"]

@@ -47,3 +47,19 @@ def test_names_context_limit_and_chat_template(tmp_path):
             with pytest.raises(openai.BadRequestError, match="chat template rejected"):
                 client.chat.completions.create(model="alpha", messages=[{"role": "user", "content": "hi"}], max_tokens=2,
                                                extra_body={"chat_template": "{% for m in messages %}"})
+
+
+def test_a_model_without_a_chat_template_says_so_at_start_and_on_chat(tmp_path):
+    """A base model (no chat template): the start-up log says chat gets a 400 and how to serve it,
+    a chat request's 400 names --chat-template, and plain completions are served."""
+    from tiny import make_tiny, without_chat_template
+
+    folder = without_chat_template(make_tiny(tmp_path / "base", max_positions=64))
+    with ServerProcess.cli("--target", str(folder), "--draft", "none", "--dtype", "float32") as srv:
+        with srv.openai() as client:
+            with pytest.raises(openai.BadRequestError, match="--chat-template"):
+                client.chat.completions.create(model=folder.name, messages=[{"role": "user", "content": "hi"}], max_tokens=2)
+            assert client.completions.create(model=folder.name, prompt="abc", max_tokens=2).usage.completion_tokens == 2
+        srv.proc.terminate()
+        err = srv.proc.stderr.read()
+    assert "this model has no chat template: chat requests get a 400 (start with --chat-template" in err

@@ -342,6 +342,10 @@ def run(args: argparse.Namespace) -> int:
     numerics = precision(app.state.ctx.model)
     _log(f"serving {settings.model_name}{f' ({numerics})' if numerics else ''} (draft {app.state.ctx.drafter_name})"
          f" on http://{args.host}:{args.port} ({auth})")
+    tokenizer = app.state.ctx.tokenizer
+    if tokenizer is not None and not getattr(tokenizer, "chat_template", None):
+        _log("this model has no chat template: chat requests get a 400 (start with --chat-template PATH|TEMPLATE to"
+             " serve them); /v1/completions serves plain prompts")
     try:
         serve(app, host=args.host, port=args.port, log_level=args.log_level, header_timeout_s=args.header_timeout,
               limit_concurrency=args.max_connections)

@@ -991,7 +991,8 @@ def _chat_ids(tok: Any, messages: list[ChatMessage], opts: _ChatTemplating | Non
                             " to let requests bring their own)")
     template = opts.chat_template or getattr(tok, "chat_template", None)
     if not template:
-        raise ApiError(400, "this model has no chat template; use /v1/completions")
+        raise ApiError(400, "this model has no chat template; use /v1/completions, or start the server with"
+                            " --chat-template PATH|TEMPLATE")
     if opts.continue_final_message and opts.add_generation_prompt:
         raise ApiError(400, "continue_final_message needs add_generation_prompt false (as in vLLM): the reply continues"
                             " the last message instead of starting a new one")
