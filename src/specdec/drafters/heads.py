@@ -354,14 +354,9 @@ def drafter_for(head: Any, embed: Tensor, *, name: str = "") -> HeadDrafter:
     raise ConfigError(f"no drafter for a head of type {type(head).__name__}")
 
 
-def target_embeddings(target: Any) -> Any:
-    """The target's token embeddings ``[V, D]`` (float32), which every head reads: a tensor, or a
-    native model's int8 block table (:class:`specdec.models.embedding.BlockTable`: the same rows)."""
-    from specdec.models.embedding import BlockTable
-
+def target_embeddings(target: Any) -> Tensor:
+    """The target's token embeddings ``[V, D]`` (float32), which every head reads."""
     embed = getattr(target, "embed", None)
-    if isinstance(embed, BlockTable):
-        return embed
     if not isinstance(embed, Tensor):
         raise ConfigError(
             "target-aware drafters need the target's embeddings and hidden states: the native backend"

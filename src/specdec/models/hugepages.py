@@ -173,9 +173,7 @@ def adopt_model(model: Any) -> Arena | None:
     """:func:`adopt` for a loaded native model: its layers and head, not its embedding table (of
     which a pass reads one row a token)."""
     embed = getattr(model, "embed", None)
-    if isinstance(embed, Tensor):
-        return adopt(model, skip=(embed,))
-    return adopt(model, skip=tuple(t for t in getattr(embed, "state", dict)().values()))  # a block table's tensors
+    return adopt(model, skip=(embed,) if isinstance(embed, Tensor) else ())
 
 
 def huge_bytes() -> int | None:

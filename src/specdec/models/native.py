@@ -41,7 +41,6 @@ from specdec.models.linear import (
     int8_kernel as resolve_int8_kernel,
     quantize_q4_1,
 )
-from specdec.models.embedding import BlockTable, exact_blocks
 from specdec.models.quantize import RangeRecorder, calibration_ids, calibration_source, smoothing
 from specdec.models.scripted import ATTENTION_BLOCK, ScriptedLayers, compiled_layers
 from specdec.models.scripted import BLOCK_MASK as _BLOCK_MASK
@@ -450,8 +449,6 @@ class _TreeLayout:
 
 #: the linear layers of each decoder layer, in the order they run
 LAYER_LINEARS = ("qkv", "out", "gate_up", "down")
-#: a saved model's embedding fields, where it holds the table as int8 blocks
-EMBED_PREFIX = quantised_cache.EMBED_PREFIX
 
 
 def _linear_shapes(cfg: NativeConfig, head_rows: int) -> dict[str, tuple[int, int]]:
@@ -482,11 +479,11 @@ def _cache_parts(cfg: NativeConfig, sources: list[Path], calibration: str, *, dt
     }
 
 
-def saved_model_weights(cfg: NativeConfig, files: list[Path], *, embed: bool = True) -> dict[str, Tensor]:
+def saved_model_weights(cfg: NativeConfig, files: list[Path]) -> dict[str, Tensor]:
     """The float weights a saved quantised model does not hold, read from the safetensors ``files``:
-    the embedding (unless ``embed`` is false: the saved model holds it as blocks), Qwen3's and Gemma 3's
-    query and key head norms and Gemma 3's output norms (tiny; the saved layers are linear ones)."""
-    names = ["model.embed_tokens.weight"] if embed else []
+    the embedding, Qwen3's and Gemma 3's query and key head norms and Gemma 3's output norms (tiny;
+    the saved layers are linear ones)."""
+    names = ["model.embed_tokens.weight"]
     if cfg.qk_norm:
         names += [f"model.layers.{i}.self_attn.{x}_norm.weight" for i in range(cfg.n_layers) for x in "qk"]
     if cfg.gemma:
@@ -721,11 +718,7 @@ class NativeCausalLM:
         def gain(name: str) -> Tensor:  # a norm's gain (Gemma stores it as an offset from one)
             return w(name) + 1.0 if cfg.gemma else w(name)
 
-        #: [V, D] float32 (or the model's dtype), or where a saved model holds it so, the same rows as
-        #: int8 blocks (:class:`~specdec.models.embedding.BlockTable`, read by ``index_select`` / ``[ids]``)
-        self.embed: Tensor | BlockTable = (
-            BlockTable(quantised["embed.values"], quantised["embed.scales"]) if quantised is not None and "embed.values" in quantised
-            else w("model.embed_tokens.weight"))
+        self.embed = w("model.embed_tokens.weight")  # [V, D]
         #: Gemma's scale of the token embeddings (sqrt(hidden_size), rounded to the model's dtype as
         #: transformers rounds it); None for the other layouts
         self._embed_scale = torch.tensor(cfg.hidden_size ** 0.5).to(dtype) if cfg.gemma else None
@@ -786,8 +779,6 @@ class NativeCausalLM:
 
             by_layer: dict[str, dict[str, Tensor]] = {}  # LAYER -> FIELD -> tensor
             for key, t in quantised.items():
-                if key.startswith(EMBED_PREFIX):
-                    continue
                 layer_name, _, field = key.rpartition(".")
                 by_layer.setdefault(layer_name, {})[field] = t
 
@@ -893,20 +884,7 @@ class NativeCausalLM:
             if state is None:
                 return None
             out.update({f"{name}.{field}": t for field, t in state.items()})
-        if isinstance(self.embed, BlockTable):
-            out.update({EMBED_PREFIX + field: t for field, t in self.embed.state().items()})
         return out
-
-    def embed_as_blocks(self) -> bool:
-        """Hold the embedding table as int8 blocks where that is exactly the float32 table (a GGUF's
-        Q8_0 embedding: see :mod:`specdec.models.embedding`), a quarter of its memory; a saved model
-        then stores the blocks and later starts read them instead of the float table.  True where it
-        now is blocks."""
-        if isinstance(self.embed, Tensor):
-            table = exact_blocks(self.embed)
-            if table is not None:
-                self.embed = table
-        return isinstance(self.embed, BlockTable)
 
     # ------------------------------------------------------------------ loading
 
@@ -946,10 +924,7 @@ class NativeCausalLM:
             entry = calibration_cache.digest({**parts, "entry": quantised_cache.FORMAT})
             state = quantised_cache.load(entry, shapes) if kernel in ("fbgemm", "mixed") else None
             if state is not None:
-                if "embed.values" in state and tuple(state["embed.values"].shape) != (cfg.vocab_size, cfg.hidden_size):
-                    state = {k: t for k, t in state.items() if not k.startswith(EMBED_PREFIX)}  # not this model's: read the float one
-                return cls(cfg, saved_model_weights(cfg, files, embed="embed.values" not in state), dtype=dtype,
-                           batch_invariant=batch_invariant, int8_head=int8_head, quant=quant,
+                return cls(cfg, saved_model_weights(cfg, files), dtype=dtype, batch_invariant=batch_invariant, int8_head=int8_head, quant=quant,
                            int8_kernel=kernel, vocab_subset=vocab_subset, quantised=state)
         weights: dict[str, Tensor] = {}
         for f in files:
@@ -965,7 +940,6 @@ class NativeCausalLM:
                     calibration=calibration, int8_kernel=kernel if source is not None else int8_kernel,
                     q4_blocks=blocks, vocab_subset=vocab_subset, sources=sources)
         if entry is not None:
-            model.embed_as_blocks()  # once, where the model is saved: later starts read the blocks
             state = model.quantised_state()
             if state is not None:
                 quantised_cache.save(entry, state)

@@ -15,9 +15,7 @@ one safetensors file: per int8 layer the kernel's packing, the float64 weight sc
 and smoothing where there are any (:meth:`specdec.models.linear.W8A8Linear.state`), per 4-bit layer
 the 4-bit kernel's packing, its input gain, output factors and bias (:meth:`~specdec.models.linear.Q4Linear.state`).
 A later start reads that and the float embedding alone (``safe_open``'s tensors are views of the
-mapped files, not copies), and rebuilds bitwise the same model.  Where the embedding table is
-exactly int8 blocks (a GGUF's Q8_0 embedding: :mod:`specdec.models.embedding`), the entry holds
-those too (:data:`EMBED_PREFIX`), and a later start reads them instead of the float table.
+mapped files, not copies), and rebuilds bitwise the same model.
 
 Only models whose every layer has its kernel's packing are stored (an int8 layer held in fbgemm's
 packed form alone cannot be saved; oneDNN-packed ``--int8-kernel onednn`` models are not either).
@@ -51,9 +49,6 @@ REQUIRED = {
 }
 OPTIONAL = {"w8a8": {"bias": torch.float32, "inv_smooth": torch.float32},
             "q4": {"bias": torch.float32, "q6_packed": torch.uint8}}
-#: the embedding table's fields where the entry holds it as int8 blocks
-#: (:class:`specdec.models.embedding.BlockTable`: ``values`` [V, D] int8, ``scales`` [V, D / 32] float32)
-EMBED_PREFIX = "embed."
 
 
 def kind(fields: dict[str, Tensor]) -> str:
@@ -68,25 +63,11 @@ def cache_dir() -> Path | None:
     return caches.quantised_dir()
 
 
-def _embed_fits(fields: dict[str, Tensor]) -> bool:
-    """Whether an entry's embedding fields are none, or a whole block table (see :data:`EMBED_PREFIX`)."""
-    if not fields:
-        return True
-    values, scales = fields.get("values"), fields.get("scales")
-    return (set(fields) == {"values", "scales"} and values.dtype == torch.int8 and values.dim() == 2
-            and values.shape[1] % 32 == 0 and scales.dtype == torch.float32
-            and tuple(scales.shape) == (values.shape[0], values.shape[1] // 32))
-
-
 def _fits(state: dict[str, Tensor], shapes: dict[str, tuple[int, int]]) -> bool:
     """Whether ``state`` holds exactly the layers ``shapes`` names (layer -> (outputs, inputs)),
     each with the fields of its kind, no unknown one, the right dtypes and sizes that match its shape."""
     layers: dict[str, dict[str, Tensor]] = {}
-    if not _embed_fits({k[len(EMBED_PREFIX):]: t for k, t in state.items() if k.startswith(EMBED_PREFIX)}):
-        return False
     for name, t in state.items():
-        if name.startswith(EMBED_PREFIX):
-            continue
         layer, _, field = name.rpartition(".")
         layers.setdefault(layer, {})[field] = t
     if set(layers) != set(shapes):
