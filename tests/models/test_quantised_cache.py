@@ -157,18 +157,24 @@ def test_off_writes_nothing(folder, builds, tmp_path, monkeypatch):
     assert builds[0] == 2 and not (tmp_path / "quantised").exists()
 
 
-def test_only_the_most_recent_entries_are_kept_and_a_full_disk_gets_none(tmp_path, monkeypatch):
+def test_only_the_most_recently_used_entries_are_kept_and_a_full_disk_gets_none(tmp_path, monkeypatch):
+    """Eviction goes by last use: an entry read since is kept over one written after it."""
     monkeypatch.setenv("SPECDEC_QUANTISED_CACHE", str(tmp_path))
     monkeypatch.setattr(quantised_cache, "KEEP", 2)
-    state = {"lm_head.scales": torch.ones(4, dtype=torch.float64)}
+    state = {"lm_head.packed": torch.zeros(1, 2, 4, 4, dtype=torch.int8), "lm_head.comp": torch.zeros(4, dtype=torch.int32),
+             "lm_head.col": torch.ones(4), "lm_head.scales": torch.ones(4, dtype=torch.float64)}  # a 4 x 8 int8 layer
     for i in range(3):
         assert quantised_cache.save(f"entry{i}", state)
         os.utime(tmp_path / f"entry{i}.safetensors", ns=(i * 10**9, i * 10**9))  # written in this order
     assert quantised_cache.save("entry3", state)
     assert sorted(p.stem for p in tmp_path.glob("*.safetensors")) == ["entry2", "entry3"]
+    os.utime(tmp_path / "entry3.safetensors", ns=(10 * 10**9, 10 * 10**9))  # written after entry2 ...
+    assert quantised_cache.load("entry2", {"lm_head": (4, 8)}) is not None  # ... which is used after it
+    assert quantised_cache.save("entry4", state)
+    assert sorted(p.stem for p in tmp_path.glob("*.safetensors")) == ["entry2", "entry4"]
     monkeypatch.setattr(quantised_cache, "FREE_MARGIN", 1 << 62)  # more than any disk has free
     assert not quantised_cache.save("entry4", state)
-    assert sorted(p.stem for p in tmp_path.glob("*")) == ["entry2", "entry3"]  # no temporary file left
+    assert sorted(p.stem for p in tmp_path.glob("*")) == ["entry2", "entry4"]  # no temporary file left
 
 
 def test_a_layer_rebuilt_from_its_state_is_the_layer(tmp_path):

@@ -22,8 +22,8 @@ packed form alone cannot be saved; oneDNN-packed ``--int8-kernel onednn`` models
 An entry that does not name exactly the layers and fields the model expects, with their dtypes
 and sizes, is not used; anything unreadable is a miss (the model is built and the entry
 rewritten); writes go through a temporary file and a rename.  Entries are large (the int8 weights:
-~1.5 GB for a 1.5B model), so only :data:`KEEP` are kept and none is written where the disk would
-be left with less than :data:`FREE_MARGIN` bytes.  ``SPECDEC_QUANTISED_CACHE=off`` turns it off.
+~1.5 GB for a 1.5B model), so only the :data:`KEEP` most recently used are kept (a read marks its
+entry used) and none is written where the disk would be left with less than :data:`FREE_MARGIN` bytes.  ``SPECDEC_QUANTISED_CACHE=off`` turns it off.
 """
 
 from __future__ import annotations
@@ -35,8 +35,9 @@ from pathlib import Path
 import torch
 from torch import Tensor
 
-#: entries kept (the most recently written)
-KEEP = 3
+#: entries kept (the most recently used): the registry's two pairs and Gemma 3 with room to spare, so
+#: switching between models does not rebuild one (a pair is two entries)
+KEEP = 6
 #: free bytes a write must leave on the disk
 FREE_MARGIN = 2 << 30
 #: the file's format, in its metadata: an entry of another format is a miss
@@ -101,19 +102,27 @@ def load(name: str, shapes: dict[str, tuple[int, int]]) -> dict[str, Tensor] | N
         return None
     from safetensors import safe_open
 
+    path = folder / f"{name}.safetensors"
     try:
-        with safe_open(str(folder / f"{name}.safetensors"), framework="pt") as f:
+        with safe_open(str(path), framework="pt") as f:
             if (f.metadata() or {}).get("format") != FORMAT:
                 return None
             state = {k: f.get_tensor(k) for k in f.keys()}
     except Exception:  # noqa: BLE001 - missing, truncated, or not ours: build the model again
         return None
-    return state if _fits(state, shapes) else None
+    if not _fits(state, shapes):
+        return None
+    try:
+        os.utime(path)  # used now: the last to go when a new entry needs the room
+    except OSError:
+        pass
+    return state
 
 
 def save(name: str, state: dict[str, Tensor]) -> bool:
     """Store ``state`` as entry ``name`` (best effort: a full or read-only disk only costs the next
-    start), keeping the :data:`KEEP` most recently written entries.  True when it was written."""
+    start), keeping the :data:`KEEP` most recently used entries (written, or read by :func:`load`).
+    True when it was written."""
     folder = cache_dir()
     if folder is None:
         return False
