@@ -137,7 +137,8 @@ REGISTRY: dict[str, ModelSpec] = {
         ),
         ModelSpec(
             "gemma-3-270m",
-            "Gemma-3-270M (Gemma 3 text model, 18 layers, every sixth with full attention, the others a 512-token "
+            "Gemma-3-270M, the base model (no chat template: --chat takes one with --chat-template) "
+            "(Gemma 3 text model, 18 layers, every sixth with full attention, the others a 512-token "
             "sliding window; vocab 262,144), Q4_K_M GGUF (4 chunk packages), dequantised once; by default int8 "
             "(most of its matrices are Q5_0, which the 4-bit kernel does not run as shipped). No draft model shares "
             "its tokenizer: it drafts by prompt lookup unless --draft says otherwise",
