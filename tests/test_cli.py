@@ -719,6 +719,8 @@ def test_chat_on_a_model_with_no_chat_template_fails_before_it_loads_or_takes_on
     code, _, err = _run(capsys, *base, "--chat", "-p", "hi", "--chat-template", "{% for m in messages %}")
     assert code == 2 and "the chat template does not compile" in err
     monkeypatch.setattr(Engine, "build", build)
+    code, _, err = _run(capsys, *base, "--chat", "-p", "hi", "--chat-template", "{{ raise_exception('no user role') }}")
+    assert code == 2 and err.strip().splitlines()[-1] == "specdec: error: the chat template rejected the conversation: no user role"
     code, chat, err = _run(capsys, *base, "--json", "--chat", "-p", "hi", "--chat-template", TEMPLATE)
     assert code == 0, err
     code, plain, _ = _run(capsys, *base, "--json", "-p", "<user>hi\n<assistant>")

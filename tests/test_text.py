@@ -219,3 +219,25 @@ def test_a_plain_prompt_gets_the_tokenizers_bos_and_a_chat_one_only_the_template
     assert bos.encode("x = 1")[0] == 1  # the premise: this tokenizer adds a BOS
     assert encode_prompt(bos, "x = 1", chat=False) == [1, *tok.encode("x = 1", add_special_tokens=False)]
     assert encode_prompt(bos, "Hi!", chat=True) == encode_prompt(tok, "Hi!", chat=True)
+
+
+def test_a_template_that_rejects_the_conversation_is_a_clear_error():
+    """A chat template that raises (``raise_exception``, as Gemma's and Mistral's do on a system
+    message; or a bad index) gives a one-line ConfigError naming it, with specdec's tokenizer and
+    with transformers'."""
+    from transformers import AutoTokenizer
+
+    from specdec.errors import ConfigError
+    from specdec.models.registry import load_tokenizer
+    from specdec.text import encode_messages
+    from specdec.tokenizer import set_chat_template
+
+    messages = [{"role": "system", "content": "Be brief."}, {"role": "user", "content": "hi"}]
+    for tokenizer in (load_tokenizer(DATA_DIR / "smollm2-135m-draft"), AutoTokenizer.from_pretrained(str(DATA_DIR / "smollm2-135m-draft"))):
+        set_chat_template(tokenizer, "{% if messages[0].role == 'system' %}{{ raise_exception('no system role') }}{% endif %}x")
+        with pytest.raises(ConfigError, match=r"^the chat template rejected the conversation: no system role$"):
+            encode_messages(tokenizer, messages)
+        assert encode_messages(tokenizer, messages[1:]) == tokenizer.encode("x", add_special_tokens=False)
+        set_chat_template(tokenizer, "{{ messages[5].content }}")
+        with pytest.raises(ConfigError, match="the chat template rejected the conversation: .*5"):
+            encode_messages(tokenizer, messages)

@@ -33,7 +33,11 @@ def encode_messages(tokenizer: Any, messages: list[dict[str, str]]) -> list[int]
         raise ConfigError("this model has no chat template; drop --chat, or give one with --chat-template")
     if not any(m["content"].strip() for m in messages if m["role"] == "user"):
         raise ConfigError("the prompt is empty")
-    text = tokenizer.apply_chat_template(messages, tokenize=False, add_generation_prompt=True)
+    try:
+        text = tokenizer.apply_chat_template(messages, tokenize=False, add_generation_prompt=True)
+    except Exception as exc:  # noqa: BLE001 - a template that rejects the conversation (raise_exception, a bad index)
+        detail = (str(exc).strip().splitlines() or [type(exc).__name__])[0]
+        raise ConfigError(f"the chat template rejected the conversation: {detail}") from None
     return list(tokenizer.encode(text, add_special_tokens=False))
 
 
