@@ -548,6 +548,15 @@ def _source_gguf(ref: str, resolved: ResolvedModel) -> Path | None:
     return None
 
 
+def _prepared_folder(ref: str) -> Path | None:
+    """The folder the model ``ref`` names, where it is one already (nothing converted or loaded);
+    None for a hub id, a model not converted yet, or a name that names nothing."""
+    try:
+        return resolve(ref, convert=False).folder
+    except SpecdecError:
+        return None
+
+
 def chat_template_known(ref: str) -> bool | None:
     """Whether the model ``ref`` names has a chat template, read from its folder's files without
     loading or converting anything, so ``--chat`` on a base model fails before its weights load.
@@ -555,10 +564,7 @@ def chat_template_known(ref: str) -> bool | None:
     Read where a tokenizer reads it: ``chat_template.jinja``, else the tokenizer config's
     ``chat_template`` (``chat_template.json`` is a processor's, not the tokenizer's); a folder of
     named templates is left to the tokenizer (None)."""
-    try:
-        folder = resolve(ref, convert=False).folder
-    except SpecdecError:
-        return None
+    folder = _prepared_folder(ref)
     if folder is None:
         return None
     if (folder / "chat_template.jinja").is_file():
@@ -609,10 +615,7 @@ _TOKENIZER_SOURCES = ("tokenizer.json", "tokenizer.model", "vocab.json", "merges
 def tokenizer_files(ref: str) -> list[Path] | None:
     """The files the tokenizer of the model ``ref`` names is read from, found without converting or
     loading anything; None where that cannot be told yet (a hub id, a model not converted yet)."""
-    try:
-        folder = resolve(ref, convert=False).folder
-    except SpecdecError:
-        return None
+    folder = _prepared_folder(ref)
     if folder is None:
         return None
     return [folder / name for name in _TOKENIZER_SOURCES if (folder / name).is_file()]
