@@ -234,6 +234,25 @@ def test_system_prompt_and_interactive_chat(capsys, tiny_pair, monkeypatch):
     assert code == 0 and len(summaries) == 2  # the -p turn, then one typed turn; the empty line ends the chat
 
 
+def test_an_interactive_turn_that_fails_is_dropped_and_the_conversation_goes_on(capsys, tiny_pair, monkeypatch):
+    """A message the chat template refuses: one error line, that message dropped (the next turn's
+    conversation does not hold it), the chat goes on; the exit status says whether the last
+    message failed."""
+    import io
+
+    target, draft = tiny_pair
+    template = ("{% for m in messages %}{% if 'boom' in m.content %}{{ raise_exception('boom refused') }}{% endif %}"
+                "<{{ m.role }}>{{ m.content }}{% endfor %}<assistant>")
+    base = ["generate", "--target", target, "--draft", draft, "-n", "3", "-i", "-p", "hi", "--chat-template", template]
+    monkeypatch.setattr("sys.stdin", io.StringIO("boom\nand then?\n\n"))
+    code, _, err = _run(capsys, *base)
+    assert code == 0 and len([line for line in err.splitlines() if "tokens in" in line]) == 2, err
+    assert "specdec: error: the chat template rejected the conversation: boom refused; that message is dropped" in err
+    monkeypatch.setattr("sys.stdin", io.StringIO("boom\n\n"))
+    code, _, err = _run(capsys, *base)
+    assert code == 2 and len([line for line in err.splitlines() if "tokens in" in line]) == 1
+
+
 def test_interactive_chat_reuses_earlier_turns_and_decodes_the_same(capsys, tiny_pair, monkeypatch):
     """--interactive puts a prefix cache in front of the (batch-invariant) target's prefills, and
     another in front of the (batch-invariant) draft's: from the second turn on, a prompt starts with

@@ -603,6 +603,7 @@ def chat_loop(turn: Callable[[list[dict[str, str]], SamplingConfig], tuple[str, 
     turns: list[str] = []
     pending = first
     n = 0
+    failed = False  # the last message's turn failed: the exit status says so
     while True:
         if pending is None:
             try:
@@ -621,13 +622,20 @@ def chat_loop(turn: Callable[[list[dict[str, str]], SamplingConfig], tuple[str, 
         pending = None
         # with a seed, turn k uses seed + k: reproducible conversations, not a repeated noise stream
         turn_sampling = replace(sampling, seed=offset_seed(sampling.seed, n)) if sampling.seed is not None else sampling
-        text, summary = turn(_messages(system, turns), turn_sampling)
+        try:
+            text, summary = turn(_messages(system, turns), turn_sampling)
+        except SpecdecError as exc:  # e.g. a template that rejects this message: drop it, keep the conversation
+            turns.pop()
+            print(f"specdec: error: {exc}; that message is dropped, the conversation goes on", file=sys.stderr)
+            failed = True
+            continue
+        failed = False
         sys.stdout.write("\n")
         sys.stdout.flush()
         print(summary, file=sys.stderr)
         turns.append(text)
         n += 1
-    return 0
+    return 2 if failed else 0
 
 
 def _calibrated_factor(spec, status: str) -> float | None:  # noqa: ANN001 - a registry ModelSpec
