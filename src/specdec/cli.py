@@ -432,8 +432,7 @@ def _cmd_generate(args: argparse.Namespace) -> int:
     log = (lambda msg: None) if quiet else (lambda msg: print(f"[specdec] {msg}", file=sys.stderr, flush=True))
     engine = Engine.build(EngineConfig(target=args.target, draft=args.draft, backend=args.backend, dtype=args.dtype, draft_dtype=args.draft_dtype, draft_vocab=args.draft_vocab,
                                        draft_temperature_factor=args.draft_temperature_factor, batch_invariant=not args.fast_attention,
-                                       int8_kernel=args.int8_kernel), progress=log)
-    _set_chat_template(engine, template)
+                                       int8_kernel=args.int8_kernel, chat_template=template), progress=log)
     if tree != "chain" and engine.drafter is not None and not getattr(engine.drafter, "supports_trees", False):
         log(f"the drafter {engine.drafter_name} has no tree pass: it drafts chains, gamma {gamma} (--tree {tree} is not used)")
     on_text = None if quiet else (lambda text: (sys.stdout.write(text), sys.stdout.flush()))
@@ -525,8 +524,8 @@ def _generate_batch(args: argparse.Namespace) -> int:
         log(f"all {job.start} results are already in {job.out}; nothing to do")
         return 0
     engine = Engine.build(EngineConfig(target=args.target, draft="none", backend=args.backend, dtype=args.dtype,
-                                       batch_invariant=not args.fast_attention, int8_kernel=args.int8_kernel), progress=log)
-    _set_chat_template(engine, template)
+                                       batch_invariant=not args.fast_attention, int8_kernel=args.int8_kernel,
+                                       chat_template=template), progress=log)
     constraint = _constraints(args, engine, grammar)  # one grammar matcher per sequence: each follows its own history
     return batch_file.run(engine, job, args, sampling, log, constraint=constraint)
 
@@ -559,13 +558,6 @@ def _check_fill(target: str) -> None:
     files = tokenizer_files(target)
     if files and fim.absent_from(files):
         raise SpecdecError(fim.NO_STYLE)
-
-
-def _set_chat_template(engine: Any, template: str | None) -> None:
-    if template is not None:
-        from specdec.tokenizer import set_chat_template
-
-        set_chat_template(engine.target.tokenizer, template)
 
 
 def summary_line(st) -> str:  # noqa: ANN001 - GenerationStats

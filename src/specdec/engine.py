@@ -70,6 +70,8 @@ class EngineConfig:
     batch_invariant: bool = True
     #: the int8 target's matmul kernel: auto | fbgemm | onednn | mixed (see :func:`specdec.models.linear.int8_kernel`)
     int8_kernel: str = "auto"
+    #: a chat template (its text) to render conversations with in place of the target's own (None: the model's)
+    chat_template: str | None = None
     #: the draft samples at this factor x the request's temperature (never affects exactness, only
     #: acceptance; greedy decoding is untouched): "auto" = the value its folder ships
     #: (``draft_calibration.json``, measured by ``specdec train calibrate``), else 1; or a number
@@ -489,6 +491,10 @@ class Engine:
             progress(f"loading target {cfg.target}" + (f" ({quant})" if quant else ""))
         target = load(cfg.target, backend=cfg.backend, dtype=dtype, batch_invariant=cfg.batch_invariant, quant=quant,
                       int8_kernel=cfg.int8_kernel)
+        if cfg.chat_template is not None:
+            from specdec.tokenizer import set_chat_template
+
+            set_chat_template(target.tokenizer, cfg.chat_template)
         return cls.attach(target, cfg, progress=progress)
 
     @classmethod

@@ -288,18 +288,17 @@ def _build_app(args: argparse.Namespace, settings_kw: dict[str, Any]) -> Any:
     from specdec.engine import Engine, EngineConfig
     from specdec.server.app import create_app
     from specdec.server.settings import ServerSettings
+    from specdec.tokenizer import read_chat_template
 
+    template = getattr(args, "chat_template", None)
     engine = Engine.build(
         EngineConfig(target=args.target, draft=args.draft, backend=args.backend, dtype=args.dtype,
                      draft_dtype=args.draft_dtype, draft_vocab=getattr(args, "draft_vocab", "auto"),
-                     draft_temperature_factor=getattr(args, "draft_temperature_factor", "auto"), int8_kernel=getattr(args, "int8_kernel", "auto")),
+                     draft_temperature_factor=getattr(args, "draft_temperature_factor", "auto"), int8_kernel=getattr(args, "int8_kernel", "auto"),
+                     chat_template=read_chat_template(template) if template is not None else None),
         progress=_log,
     )
     settings = ServerSettings(**{"model_name": engine.target.name, **settings_kw})
-    if getattr(args, "chat_template", None) is not None:
-        from specdec.tokenizer import read_chat_template, set_chat_template
-
-        set_chat_template(engine.target.tokenizer, read_chat_template(args.chat_template))
     draft = draft_server_model(engine, batching=settings.batching, prefix_cache_bytes=settings.prefix_cache_bytes)
     return create_app(
         engine.target.model,
