@@ -165,6 +165,10 @@ def add_parser(sub) -> None:  # noqa: ANN001 - argparse's subparsers action
     o.add_argument("--head-lr", type=float, default=5e-4, help="the heads' learning rate (AdamW)")
     o.add_argument("--init-heads", default="", help="an earlier run's --out: the heads continue from its <kind>/ folders "
                    "and keep their draft vocabulary (copy its data.pt into --out to train on the same sequences)")
+    o.add_argument("--fed", type=int, default=0, help="also train a feature-fed draft over this many draft steps: the "
+                   "draft with the target's features projected into its input, written to --out/fed (0: none)")
+    o.add_argument("--fed-lr", default="0.001", help="comma list: the fed draft's learning rate for its projection, "
+                   "one fed draft per value (--out/fed-<lr> when several)")
     o.add_argument("--max-minutes", type=float, help="pause training after about this long (rerun to resume)")
     o.add_argument("--bundle", help="write the inputs to this folder instead of training (for a torch-only machine)")
     o.add_argument("--seed", type=int, default=0, help="seed of the prompts' order, the sampling and the batches")
@@ -731,7 +735,8 @@ def _online_command(args: argparse.Namespace) -> str:
 
     opts = ("out", "target", "draft", "device", "chat_prompts", "code_prompts", "temperatures", "code_repeats",
             "sequences", "gen_seconds", "gen_batch", "max_new_chat", "max_new_code", "steps", "train_seconds",
-            "batch_tokens", "lr", "add_layers", "heads", "head_vocab", "head_depth", "head_lr", "init_heads", "seed")
+            "batch_tokens", "lr", "add_layers", "heads", "head_vocab", "head_depth", "head_lr", "init_heads", "fed", "fed_lr",
+            "seed")
     return "specdec train online " + " ".join(f"--{o.replace('_', '-')} {shlex.quote(str(getattr(args, o)))}" for o in opts)
 
 
@@ -751,8 +756,11 @@ def _online(args: argparse.Namespace) -> int:
         raise ConfigError(f"--heads {args.heads!r}: distinct kinds among {', '.join(KINDS)}")
     if min(args.head_vocab, args.head_depth) < 1 or args.head_lr <= 0:
         raise ConfigError("--head-vocab, --head-depth and --head-lr must be positive")
-    if not add and not heads:
-        raise ConfigError("--add-layers none trains no draft: give --heads")
+    fed_lr = _floats(args.fed_lr, "--fed-lr")
+    if args.fed < 0 or any(x <= 0 for x in fed_lr) or len(set(fed_lr)) != len(fed_lr):
+        raise ConfigError("--fed must be >= 0 and --fed-lr distinct positive values")
+    if not add and not heads and not args.fed:
+        raise ConfigError("--add-layers none trains no draft: give --heads or --fed")
     if args.init_heads and not all((Path(args.init_heads) / k / "model.safetensors").is_file() for k in heads):
         raise ConfigError(f"--init-heads {args.init_heads}: needs a <kind>/model.safetensors for each of --heads")
     if len(set(add)) != len(add):
@@ -790,7 +798,8 @@ def _online(args: argparse.Namespace) -> int:
         max_new_chat=args.max_new_chat, max_new_code=args.max_new_code,
         code_repeats=args.code_repeats, steps=args.steps, train_seconds=args.train_seconds,
         batch_tokens=args.batch_tokens, lr=args.lr, add_layers=add, heads=heads, head_vocab=args.head_vocab,
-        head_depth=args.head_depth, head_lr=args.head_lr, init_heads=args.init_heads, seed=args.seed)
+        head_depth=args.head_depth, head_lr=args.head_lr, init_heads=args.init_heads, fed=args.fed, fed_lr=fed_lr,
+        seed=args.seed)
     out = Path(args.out)
 
     def log(msg: str) -> None:

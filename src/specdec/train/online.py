@@ -75,6 +75,11 @@ class OnlineConfig:
     head_depth: int = 3  # EAGLE's training-time-test steps, Medusa's heads, MTP's modules
     head_lr: float = 5e-4
     init_heads: str = ""  # a folder with <kind>/ head folders (an earlier run's --out): heads continue from them, their draft vocabulary kept
+    #: > 0: also train a feature-fed copy of the draft (the target's taps projected into its input,
+    #: see :func:`fed_streams`) with this many training-time-test streams (draft steps)
+    fed: int = 0
+    #: the fed draft's projection and null vector (its other weights take ``lr``): one fed draft per value
+    fed_lr: tuple[float, ...] = (1e-3,)
     held_out_every: int = 20
     ckpt_every: int = 200
     seed: int = 0
@@ -121,15 +126,19 @@ def rope_tables(pos: Tensor, shape: Shape, dtype: torch.dtype) -> tuple[Tensor, 
 
 
 def hidden(shape: Shape, w: dict[str, Tensor], ids: Tensor, pos: Tensor, mask: Tensor | None,
-           cache: dict[str, Tensor] | None = None, at: int = 0, taps: dict[int, Tensor] | None = None) -> Tensor:
+           cache: dict[str, Tensor] | None = None, at: int = 0, taps: dict[int, Tensor] | None = None,
+           extra: Tensor | None = None) -> Tensor:
     """The final-normed hidden states [B, T, D] of ``ids`` [B, T] at positions ``pos`` [B, T].
 
     ``mask`` [B, 1, T, S] (True: attend) over the cache slots ``0 .. at + T``; None means plain
     causal attention over these T tokens alone (training).  With ``cache`` ({"k", "v"}: [L, B,
     Hkv, S_max, hd]) the tokens' keys and values are written at slots ``at .. at + T``.  ``taps``:
     a dict whose keys are layer counts k in 0..L; each is set to the residual stream after the
-    first k layers [B, T, D] (what the native target's ``hidden(taps=...)`` gives a draft head)."""
+    first k layers [B, T, D] (what the native target's ``hidden(taps=...)`` gives a draft head).
+    ``extra`` [B, T, D]: added to the token embeddings (a fed draft's projected features)."""
     x = w["model.embed_tokens.weight"][ids]
+    if extra is not None:
+        x = x + extra
     if taps is not None and 0 in taps:
         taps[0] = x
     b, t, _ = x.shape
@@ -408,6 +417,8 @@ class Student:
     w: dict[str, Tensor]
     opt: torch.optim.Optimizer | None = None
     losses: list[float] | None = None
+    fed: int = 0  # > 0: a fed draft (:func:`fed_streams`) trained over this many draft steps
+    fed_lr: float = 0.0  # a fed draft's learning rate for its projection and null vector
 
 
 @dataclass
@@ -476,27 +487,100 @@ def kl(logp: Tensor, logq: Tensor) -> Tensor:  # forward KL(p || q), mean over r
     return (logp.exp() * (logp - logq)).sum(-1).mean()
 
 
+# ----------------------------------------------------------------------------- the feature-fed draft
+#
+# A fed draft is the small draft whose input at position t is its token's embedding plus a
+# projection of the target's features at position t - 1 (each tap divided by its RMS, then all
+# concatenated) where the target has computed them, and a learned null vector where it has not.
+# In decoding the target has computed features for every committed token but the last (the
+# bonus or corrected token, which it has not seen yet) and for none of the drafted ones, so draft
+# step k's row and the k - 1 rows before it have none.  Training reproduces that on teacher-forced
+# text with ``depth`` streams of the same tokens in one pass (:func:`fed_streams`): stream 0 has
+# every feature (draft step 1); stream s's row t reads stream 0's rows up to t - s, which have
+# theirs, and stream r's row t - s + r for r = 1 .. s, which have none (draft step s + 1).  This
+# is EAGLE's training-time test with the draft's own tokens replaced by the target's, which is
+# exact for greedy acceptance: step k is only reached when the tokens before it were accepted,
+# that is, equal to the target's.
+
+FED_PROJ, FED_NULL = "fed.proj.weight", "fed.null"
+
+
+def fed_streams(t: int, depth: int, device: torch.device) -> tuple[Tensor, Tensor]:
+    """(mask [depth T, depth T], True: attend; positions [depth T]) of ``depth`` streams of T tokens."""
+    i = torch.arange(t, device=device)
+    mask = torch.zeros(depth * t, depth * t, dtype=torch.bool, device=device)
+    mask[:t, :t] = i[:, None] >= i[None, :]
+    for s in range(1, depth):
+        mask[s * t : (s + 1) * t, :t] = i[None, :] <= i[:, None] - s
+        for r in range(1, s + 1):
+            j = i - s + r  # the row of stream r that stream s's row i reads
+            ok = j >= 0
+            mask[s * t + i[ok], r * t + j[ok]] = True
+    return mask, i.repeat(depth)
+
+
+def fed_input(feats: Tensor) -> Tensor:  # [..., K, D] taps + final state -> [..., K D], each divided by its RMS
+    f = feats.float()
+    return (f * torch.rsqrt(f.pow(2).mean(-1, keepdim=True) + 1e-6)).flatten(-2) / math.sqrt(f.shape[-2] * f.shape[-1])
+
+
+def fed_extra(w: dict[str, Tensor], feats: Tensor, depth: int) -> Tensor:  # feats [B, T, K, Dt] -> [B, depth T, D]
+    """What :func:`hidden` adds to each stream's embeddings: stream 0's row t the projected features
+    of row t - 1 (row 0: the null vector), every other stream's rows the null vector."""
+    proj = fed_input(feats) @ w[FED_PROJ].T.to(feats.dtype)  # [B, T, D]
+    b, t, d = proj.shape
+    null = w[FED_NULL].to(proj.dtype)
+    first = torch.cat([null.expand(b, 1, d), proj[:, :-1]], 1)
+    return torch.cat([first, null.expand(b, (depth - 1) * t, d)], 1)
+
+
+def fed_weights(w: dict[str, Tensor], target_hidden: int, n_feats: int) -> dict[str, Tensor]:
+    """The draft's weights plus a zero projection and null vector: it computes what the draft does."""
+    d = w["model.embed_tokens.weight"].shape[1]
+    dev = w["model.embed_tokens.weight"].device
+    return {**{k: v.clone() for k, v in w.items()}, FED_PROJ: torch.zeros(d, n_feats * target_hidden, device=dev),
+            FED_NULL: torch.zeros(d, device=dev)}
+
+
+def _fed_laws(s: "Student", ids: Tensor, rows: Tensor, feats: Tensor, bf16: bool) -> list[Tensor]:
+    """Per draft step k = 1 .. depth: log q [N, V] at the reply rows, teacher-forced."""
+    b, t = ids.shape
+    mask, pos = fed_streams(t, s.fed, ids.device)
+    with torch.autocast(ids.device.type, dtype=torch.bfloat16, enabled=bf16):
+        hs = hidden(s.shape, s.w, ids.repeat(1, s.fed), pos[None].expand(b, -1), mask[None, None],
+                    extra=fed_extra(s.w, feats, s.fed)).view(b, s.fed, t, -1)
+        return [torch.log_softmax((hs[:, k][rows] @ head(s.w).T).float(), -1) for k in range(s.fed)]
+
+
+def _reached(rows: Tensor, k: int) -> Tensor:  # [N] bool: reply rows at index >= k (a round can start k rows back)
+    return torch.nonzero(rows)[:, 1] >= k
+
+
 @torch.no_grad()
 def held_out(shape_t: Shape, wt: dict[str, Tensor], students: list[Student], data: list[Sequence], index: list[int],
              batch_tokens: int, bf16: bool) -> dict[str, dict[str, dict[str, float]]]:
     """Per student, per kind (and ``all``): arg-max agreement (T = 0 acceptance) and mean
-    ``sum min(p, q)`` (T = 1 acceptance), teacher-forced at every reply position held out."""
-    sums: dict[str, dict[str, list[float]]] = {s.name: {} for s in students}
+    ``sum min(p, q)`` (T = 1 acceptance), teacher-forced at every reply position held out.  A fed
+    draft is scored per draft step k, as ``<name>-step<k>`` (step k > 1: the rows a round can reach)."""
+    sums: dict[str, dict[str, list[float]]] = {}
     dev = wt["model.norm.weight"].device
+    taps = default_taps(shape_t.layers) if any(s.fed for s in students) else None
     for kind in sorted({data[i].kind for i in index}):
         for group in batches(data, [i for i in index if data[i].kind == kind], batch_tokens, random.Random(0)):
             ids, rows = collate(data, group, dev)
-            logp, _ = _target_pass(shape_t, wt, ids, rows)
-            n = float(rows.sum())
+            logp, feats = _target_pass(shape_t, wt, ids, rows, taps)
             for s in students:
-                logq = _draft_law(s, ids, rows, bf16)
-                agree = float((logp.argmax(-1) == logq.argmax(-1)).float().sum())
-                accept = float(torch.minimum(logp.exp(), logq.exp()).sum())
-                for key in (kind, "all"):
-                    acc = sums[s.name].setdefault(key, [0.0, 0.0, 0.0])
-                    acc[0] += agree
-                    acc[1] += accept
-                    acc[2] += n
+                laws = [(s.name, _draft_law(s, ids, rows, bf16), None)] if not s.fed else \
+                    [(f"{s.name}-step{k + 1}", q, _reached(rows, k)) for k, q in enumerate(_fed_laws(s, ids, rows, feats, bf16))]
+                for name, logq, keep in laws:
+                    p, q = (logp, logq) if keep is None else (logp[keep], logq[keep])
+                    agree = float((p.argmax(-1) == q.argmax(-1)).float().sum())
+                    accept = float(torch.minimum(p.exp(), q.exp()).sum())
+                    for key in (kind, "all"):
+                        acc = sums.setdefault(name, {}).setdefault(key, [0.0, 0.0, 0.0])
+                        acc[0] += agree
+                        acc[1] += accept
+                        acc[2] += p.shape[0]
     return {name: {k: {"greedy": round(a / n, 4), "t1": round(c / n, 4), "positions": int(n)}
                    for k, (a, c, n) in per.items()} for name, per in sums.items()}
 
@@ -533,9 +617,13 @@ def train(shape_t: Shape, wt: dict[str, Tensor], students: list[Student], data: 
     halves the batch."""
     dev = wt["model.norm.weight"].device
     for s in students:
-        s.opt = torch.optim.AdamW([t.requires_grad_(True) for t in s.w.values()], lr=cfg.lr,
-                                  weight_decay=cfg.weight_decay, betas=(0.9, 0.95))
+        fed = [k for k in s.w if k.startswith("fed.")]
+        groups = [{"params": [t.requires_grad_(True) for k, t in s.w.items() if k not in fed], "base_lr": cfg.lr}]
+        if fed:
+            groups.append({"params": [s.w[k].requires_grad_(True) for k in fed], "base_lr": s.fed_lr})
+        s.opt = torch.optim.AdamW(groups, lr=cfg.lr, weight_decay=cfg.weight_decay, betas=(0.9, 0.95))
         s.losses = []
+    taps = heads.taps if heads is not None else default_taps(shape_t.layers) if any(s.fed for s in students) else None
     from specdec.train.heads import TrainConfig, loss_fn
 
     hs = heads.students if heads is not None else []
@@ -571,16 +659,20 @@ def train(shape_t: Shape, wt: dict[str, Tensor], students: list[Student], data: 
         group = order.pop()
         try:
             ids, rows = collate(data, group, dev)
-            logp, feats = _target_pass(shape_t, wt, ids, rows, heads.taps if heads is not None else None,
-                                       law=bool(students))
+            logp, feats = _target_pass(shape_t, wt, ids, rows, taps, law=bool(students))
             lr_factor = warmup_cosine(step, total or 10**9, cfg.warmup)
             for s in students:
                 for g in s.opt.param_groups:
-                    g["lr"] = cfg.lr * lr_factor
-                loss = kl(logp, _draft_law(s, ids, rows, bf16))
+                    g["lr"] = g.get("base_lr", cfg.lr) * lr_factor
+                if s.fed:  # every draft step weighs the same
+                    laws = _fed_laws(s, ids, rows, feats, bf16)
+                    loss = sum(kl(logp[keep], q[keep]) for q, keep in ((q, _reached(rows, k)) for k, q in enumerate(laws))) / s.fed
+                else:
+                    loss = kl(logp, _draft_law(s, ids, rows, bf16))
                 s.opt.zero_grad(set_to_none=True)
                 loss.backward()
-                torch.nn.utils.clip_grad_norm_(list(s.w.values()), 1.0)
+                for g in s.opt.param_groups:  # a fed draft's projection apart: its draft weights move as a plain draft's
+                    torch.nn.utils.clip_grad_norm_(g["params"], 1.0)
                 s.opt.step()
                 s.losses.append(round(float(loss.detach()), 5))
             if hs:
@@ -724,6 +816,10 @@ def run(gguf: Path, target_config: dict, draft: Path, prompts: dict, cfg: Online
         sh, w = grow(shape_s, ws, add) if add else (shape_s, ws)
         name = "draft" if len(cfg.add_layers) == 1 else f"draft-{sh.layers}l"
         students.append(Student(name, sh, {k: v.clone() for k, v in w.items()}))
+    n_feats = len(default_taps(shape_t.layers)) + 1
+    for lr in cfg.fed_lr if cfg.fed else ():
+        name = "fed" if len(cfg.fed_lr) == 1 else f"fed-{lr:g}"
+        students.append(Student(name, shape_s, fed_weights(ws, shape_t.hidden, n_feats), fed=cfg.fed, fed_lr=lr))
     heads = _make_heads(shape_t, wt, data, train_idx, prompts, cfg, out) if cfg.heads else None
     stats = train(shape_t, wt, students, data, train_idx, cfg, out / "ckpt.pt", log, bf16, pause, heads)
     if not stats["finished"]:
@@ -731,12 +827,18 @@ def run(gguf: Path, target_config: dict, draft: Path, prompts: dict, cfg: Online
         (out / "report.json").write_text(json.dumps(report, indent=1) + "\n")
         return report
     after = held_out(shape_t, wt, students, data, held_idx, cfg.batch_tokens, bf16)
+    steps = {s.name: [after[f"{s.name}-step{k + 1}"] for k in range(s.fed)] for s in students if s.fed}
     for s in students:
-        log(f"held-out, {s.name}: {after[s.name]}")
+        if s.fed:  # its step-1 score is the one to set beside a plain draft's
+            after[s.name] = steps[s.name][0]
+        log(f"held-out, {s.name}: {after[s.name]}" + (f"; steps 2..: {steps[s.name][1:]}" if s.fed else ""))
         (out / s.name).mkdir(exist_ok=True)
         save_file({k: v.detach().to("cpu", torch.float16).contiguous() for k, v in s.w.items()},
                   str(out / s.name / "model.safetensors"), metadata={"format": "pt"})
-        (out / s.name / "config.json").write_text(json.dumps(dict(draft_cfg, num_hidden_layers=s.shape.layers), indent=1) + "\n")
+        fed = {"specdec_fed": {"taps": list(default_taps(shape_t.layers)), "target_hidden": shape_t.hidden,
+                               "steps": s.fed}} if s.fed else {}
+        (out / s.name / "config.json").write_text(json.dumps(dict(draft_cfg, num_hidden_layers=s.shape.layers, **fed),
+                                                             indent=1) + "\n")
     head_reports = {}
     if heads is not None:
         from specdec.heads.modules import save_head
@@ -767,7 +869,9 @@ def run(gguf: Path, target_config: dict, draft: Path, prompts: dict, cfg: Online
         "generate_seconds": gen_seconds, "train": stats,
         "held_out_before": before,
         "students": {s.name: {"layers": s.shape.layers, "added_layers": s.shape.layers - shape_s.layers,
-                              "held_out_after": after[s.name], "loss_first": s.losses[:10], "loss_last": s.losses[-10:]}
+                              "held_out_after": after[s.name], "loss_first": s.losses[:10], "loss_last": s.losses[-10:],
+                              **({"fed_steps": s.fed, "fed_lr": s.fed_lr, "taps": list(default_taps(shape_t.layers)),
+                                  "held_out_per_step": steps[s.name]} if s.fed else {})}
                      for s in students},
         "heads": head_reports,
         "total_seconds": round(time.perf_counter() - t_start, 1),
@@ -831,18 +935,20 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--gguf", required=True, help="the target's GGUF file (checked against the bundle's sha256)")
     ap.add_argument("--out", required=True, help="output folder: a rerun with the same folder resumes")
     ap.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
-    special = ("temperatures", "add_layers", "bf16", "heads")
+    special = ("temperatures", "add_layers", "bf16", "heads", "fed_lr")
     for f in OnlineConfig.__dataclass_fields__.values():
         if f.name not in special:
             ap.add_argument("--" + f.name.replace("_", "-"), type=type(f.default), default=f.default)
     ap.add_argument("--temperatures", default="0,1,0.7")
     ap.add_argument("--add-layers", default="0", help="comma list: one student per entry (none: train heads only)")
     ap.add_argument("--heads", default="", help="comma list of head kinds trained beside the students (eagle3, ...)")
+    ap.add_argument("--fed-lr", default="0.001", help="comma list: one fed draft per value (with --fed N)")
     a = ap.parse_args(argv)
     cfg = OnlineConfig(**{k: getattr(a, k) for k in OnlineConfig.__dataclass_fields__ if k not in special},
                        temperatures=tuple(float(x) for x in a.temperatures.split(",")),
                        add_layers=() if a.add_layers == "none" else tuple(int(x) for x in a.add_layers.split(",")),
-                       heads=tuple(x for x in a.heads.split(",") if x))
+                       heads=tuple(x for x in a.heads.split(",") if x),
+                       fed_lr=tuple(float(x) for x in a.fed_lr.split(",")))
     bundle = Path(a.bundle)
     want = (bundle / "target.sha256").read_text().strip()
     got = sha256(Path(a.gguf))
@@ -938,8 +1044,13 @@ def model_card(report: dict, name: str, target: str, source: str) -> str:
         "| draft | kind | greedy | t1 | positions |",
         "|---|---|---|---|---|",
         *rows(f"before (`{source}`)", report["held_out_before"]),
-        *rows("after", st["held_out_after"]),
+        *rows("after" if "held_out_per_step" not in st else "after, draft step 1", st["held_out_after"]),
+        *[line for k, acc in enumerate(st.get("held_out_per_step", [])[1:], 2) for line in rows(f"after, draft step {k}", acc)],
         "",
+        *([f"This is a fed draft: its input at each position adds a projection of the target's features at the "
+           f"position before (taps {', '.join(map(str, st.get('taps', [])))} and the final state), where the target has "
+           "computed them; draft step k has none for its own row and the k - 1 before it.", ""]
+          if "held_out_per_step" in st else []),
     ])
 
 
