@@ -52,19 +52,19 @@ def main() -> int:
         folder = resolve(ref).folder
         if folder is None:
             raise SystemExit(f"{ref}: not a local model folder")
-        sh, w, _ = on.load_folder(Path(folder))
-        students.append(on.Student(ref, sh, w))
+        sh, w, cfg = on.load_folder(Path(folder))  # a fed draft (`train online --fed`) is scored per draft step
+        students.append(on.Student(ref, sh, w, fed=int((cfg.get("specdec_fed") or {}).get("steps", 0))))
     res = on.held_out(shape, wt, students, data, list(range(len(data))), 4096, False)
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
     (out / "agreement.json").write_text(json.dumps({"command": "python scripts/draft_agreement.py " + " ".join(sys.argv[1:]),
                                                     "results": res}, indent=1) + "\n")
-    kinds = sorted(k for k in res[students[0].name] if k != "all")
+    first = next(iter(res.values()))
+    kinds = sorted(k for k in first if k != "all")
     lines = ["| draft | " + " | ".join(kinds) + " | all |", "|---|" + "---|" * (len(kinds) + 1)]
-    for s in students:
-        r = res[s.name]
-        lines.append(f"| {s.name} | " + " | ".join(f"{r[k]['greedy']:.3f} / {r[k]['t1']:.3f}" for k in kinds + ["all"]) + " |")
-    positions = ", ".join(f"{k}: {res[students[0].name][k]['positions']}" for k in kinds)
+    for name, r in res.items():  # a fed draft's rows are <name>-step<k>
+        lines.append(f"| {name} | " + " | ".join(f"{r[k]['greedy']:.3f} / {r[k]['t1']:.3f}" for k in kinds + ["all"]) + " |")
+    positions = ", ".join(f"{k}: {first[k]['positions']}" for k in kinds)
     text = ("Teacher-forced on the target's continuations of the benchmark prompts: arg-max agreement / "
             f"sum min(p, q) per position (positions: {positions}).\n\n" + "\n".join(lines) + "\n")
     (out / "agreement.md").write_text(text)

@@ -102,7 +102,15 @@ def draft_renaming(folder: Path, renamed: dict[str, str], *, special: bool | Non
 
 def tiny_native(*, vocab: int = 64, max_length: int = 4096, seed: int = 0) -> NativeCausalLM:
     """A 2-layer native Llama with random weights (real KV cache, no files), batch-invariant like a target."""
-    from specdec.models.native import NativeCausalLM, NativeConfig
+    from specdec.models.native import NativeCausalLM
+
+    cfg, w = tiny_llama_weights(vocab=vocab, max_length=max_length, seed=seed)
+    return NativeCausalLM(cfg, w, batch_invariant=True)
+
+
+def tiny_llama_weights(*, vocab: int = 64, max_length: int = 4096, seed: int = 0):
+    """(NativeConfig, Hugging Face-named weights) of :func:`tiny_native`'s model."""
+    from specdec.models.native import NativeConfig
 
     g = torch.Generator().manual_seed(seed)
     d, inter, heads, kv = 32, 64, 4, 2
@@ -122,7 +130,7 @@ def tiny_native(*, vocab: int = 64, max_length: int = 4096, seed: int = 0) -> Na
               p + "input_layernorm.weight": torch.ones(d), p + "post_attention_layernorm.weight": torch.ones(d),
               p + "mlp.gate_proj.weight": r(inter, d), p + "mlp.up_proj.weight": r(inter, d),
               p + "mlp.down_proj.weight": r(d, inter)}
-    return NativeCausalLM(cfg, w, batch_invariant=True)
+    return cfg, w
 
 
 def random_head(kind: str, *, hidden: int, vocab: int, draft_vocab: int, taps: tuple[int, ...] = (1,), heads: int = 2,

@@ -23,6 +23,7 @@ from specdec.drafters import self_spec
 from specdec.drafters.hybrid import LOOKUP_SUFFIX, LookupThenModel, split_lookup
 from specdec.drafters.lookahead import LookaheadDrafter
 from specdec.drafters.base import Drafter, check_temperature_factor, feature_taps
+from specdec.drafters.fed import FedDrafter, fed_config, load_projection
 from specdec.errors import ConfigError, SpecdecError
 from specdec.drafters.tree_builder import TreeSpec
 from specdec.gamma import CostGamma, FixedGamma, GammaController, GammaMemory, GuideGamma, ObservedGamma, TreeBudget
@@ -303,7 +304,15 @@ def draft_temperature_factor(cfg: EngineConfig, folder: Path | None) -> float:
 def model_drafter(cfg: EngineConfig, draft: LoadedModel, *, lookup: bool) -> tuple[Drafter, str]:
     """(drafter, name) over a loaded draft model, sampling at its :func:`draft_temperature_factor`,
     with prompt lookup in front where asked (``NAME+lookup``); a fresh one per sequence stream."""
-    drafter = ModelDrafter(draft.model, temperature_factor=draft_temperature_factor(cfg, draft.folder))
+    factor = draft_temperature_factor(cfg, draft.folder)
+    fed = fed_config(draft.folder)
+    if fed is not None:  # a fed draft reads the target's features (specdec.drafters.fed)
+        if not hasattr(draft.model, "hidden"):
+            raise ConfigError(f"{draft.name}: a fed draft runs on the native backend")
+        proj, null = load_projection(draft.folder)  # type: ignore[arg-type]
+        drafter: ModelDrafter = FedDrafter(draft.model, proj, null, tuple(fed["taps"]), temperature_factor=factor)
+    else:
+        drafter = ModelDrafter(draft.model, temperature_factor=factor)
     return (LookupThenModel(drafter), draft.name + LOOKUP_SUFFIX) if lookup else (drafter, draft.name)
 
 

@@ -109,7 +109,7 @@ class ModelDrafter:
             # stops at low draft confidence, or at a gate (specdec.remote.gating) at a hard token
             if not chain.add(drawn, sampler) or j + 1 == gamma:
                 break
-            logits = self.model.forward(torch.tensor(chain.tokens[-1:]), self.cache, **kw)
+            logits = self._forward(torch.tensor(chain.tokens[-1:]), **kw)
             self._fed += 1
         return chain.draft()
 
@@ -133,7 +133,7 @@ class ModelDrafter:
                 region.append(slots[parents[v]] if parents[v] >= 0 else -1)
                 slots[v] = len(slots)
             new = torch.tensor([tokens[v] for v in nodes], dtype=torch.long)
-            return self.model.forward_tree(new, torch.tensor(region, dtype=torch.long), self.cache, prefix=length, **kw)
+            return self._forward_tree(new, torch.tensor(region, dtype=torch.long), prefix=length, **kw)
 
         draft, grown = build_tree(
             logits, expand, spec, sampler, position=length, budget=budget, max_depth=max_depth, ids=ids,
@@ -155,9 +155,16 @@ class ModelDrafter:
         upto = context.numel() - 1
         if upto - self.cache.length >= defaults.DRAFT_CATCH_UP_SPLIT:
             t0 = time.perf_counter()
-            self.model.forward(context[self.cache.length : upto], self.cache, last_only=True, **kw)
+            self._forward(context[self.cache.length : upto], last_only=True, **kw)
             self.catch_up_s = time.perf_counter() - t0
-        return self.model.forward(context[self.cache.length :], self.cache, last_only=True, **kw)
+        return self._forward(context[self.cache.length :], last_only=True, **kw)
+
+    def _forward(self, tokens: Tensor, **kw: bool) -> Tensor:  # tokens: [n] -> logits
+        """The draft model over ``tokens`` at the end of its cache (a fed draft adds its features)."""
+        return self.model.forward(tokens, self.cache, **kw)
+
+    def _forward_tree(self, tokens: Tensor, parents: Tensor, *, prefix: int, **kw: bool) -> Tensor:  # -> [n, V]
+        return self.model.forward_tree(tokens, parents, self.cache, prefix=prefix, **kw)
 
     def commit(self, verdict: Verdict) -> None:
         if self.cache is None:

@@ -1012,7 +1012,7 @@ class NativeCausalLM:
     @torch.inference_mode()
     def hidden(
         self, tokens: Tensor, cache: KVCache, *, parents: Tensor | None = None, prefix: int | None = None,
-        taps: dict[int, Tensor] | None = None,
+        taps: dict[int, Tensor] | None = None, extra: Tensor | None = None,
     ) -> Tensor:  # tokens: [n] -> [n, D]
         """The LM head's input for the new positions: the final hidden states divided by their
         RMS (the final norm's weight is folded into the head).
@@ -1024,6 +1024,9 @@ class NativeCausalLM:
 
         ``parents`` [n] (a token tree, see :mod:`specdec.tree`): node j sits at position
         ``start + depth(j)`` and attends to the cache and its own ancestors only.
+
+        ``extra`` [n, D]: added to the token embeddings (a fed draft's projected target features,
+        see :mod:`specdec.drafters.fed`).
         """
         cfg = self.cfg
         n = tokens.numel()
@@ -1033,6 +1036,8 @@ class NativeCausalLM:
             raise ValueError(f"position {end} is past the model's context of {self._cos.shape[0]}")
         past = self._past_window(end)  # some row past a sliding window
         x = self._embed_rows(tokens)  # [n, D]
+        if extra is not None:
+            x = x + extra
         tree = None
         if parents is not None and is_chain(parents) and (prefix is None or end - prefix == parents.numel()):
             # a chain-shaped tree region (a floored tree that kept no sibling): node j sits in slot
@@ -1105,10 +1110,11 @@ class NativeCausalLM:
         return x * self._inv_rms(x)
 
     @torch.inference_mode()
-    def forward(self, tokens: Tensor, cache: KVCache, *, last_only: bool = False, compact: bool = False) -> Tensor:
+    def forward(self, tokens: Tensor, cache: KVCache, *, last_only: bool = False, compact: bool = False,
+                extra: Tensor | None = None) -> Tensor:
         """Logits ``[n, V]`` (or ``[1, V]`` with ``last_only``) for ``tokens`` [n] int64;
-        ``compact``: see :meth:`_logits`."""
-        h = self.hidden(tokens, cache)
+        ``compact``: see :meth:`_logits`; ``extra``: see :meth:`hidden`."""
+        h = self.hidden(tokens, cache, extra=extra)
         if last_only:
             h = h[-1:]
         return self._logits(h, compact)
@@ -1242,6 +1248,7 @@ class NativeCausalLM:
     @torch.inference_mode()
     def forward_tree(
         self, tokens: Tensor, parents: Tensor, cache: KVCache, *, prefix: int | None = None, compact: bool = False,
+        extra: Tensor | None = None,
     ) -> Tensor:
         """Logits ``[n, V]`` of a token tree scored in one pass (tree attention).
 
@@ -1253,7 +1260,7 @@ class NativeCausalLM:
         and ``parents`` for the whole region ``[prefix, cache.length + n)``.  ``compact``: see
         :meth:`_logits`.
         """
-        return self._logits(self.hidden(tokens, cache, parents=parents, prefix=prefix), compact)
+        return self._logits(self.hidden(tokens, cache, parents=parents, prefix=prefix, extra=extra), compact)
 
     @property
     def n_params(self) -> int:

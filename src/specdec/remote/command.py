@@ -6,6 +6,7 @@ import argparse
 import json
 import os
 import sys
+from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 from specdec.errors import ConfigError, SpecdecError
@@ -122,7 +123,7 @@ def run_generate(args: argparse.Namespace, prompt: str, sampling: SamplingConfig
     elif kind == "self" or self_spec.parse_name(split_lookup(args.draft)[0]) is not None:
         raise ConfigError(f"--draft {args.draft} drafts with the target's own layers, which stay on the server;"
                           " with --remote pick a draft model, ngram or none")
-    elif _is_head(args.draft):
+    elif _is_head(args.draft) or _is_fed(split_lookup(args.draft)[0]):
         raise ConfigError(
             f"--draft {args.draft} reads the target's hidden states, which a remote target does not send;"
             " with --remote pick a draft model, ngram or none"
@@ -229,6 +230,14 @@ def _chat(args: argparse.Namespace, prompt: str, sampling: "SamplingConfig", rem
 
 
 __all__ = ["add_remote_args", "run_generate", "SpecdecError"]
+
+
+def _is_fed(ref: str) -> bool:
+    """A fed draft (``specdec train online --fed``): a folder whose config reads target features."""
+    from specdec.drafters.fed import fed_config
+
+    path = Path(ref).expanduser()
+    return path.is_dir() and fed_config(path) is not None
 
 
 def _is_head(ref: str) -> bool:

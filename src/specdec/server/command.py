@@ -166,6 +166,12 @@ def _fresh_drafter(engine: Any, draft_model: Any | None) -> Callable[[], Any] | 
     if engine.drafter is None:
         return None
     if engine.draft_model is not None:
+        from specdec.drafters.fed import FedDrafter
+
+        inner = engine.drafter.model if isinstance(engine.drafter, LookupThenModel) else engine.drafter
+        if isinstance(inner, FedDrafter):
+            raise ConfigError(f"--draft {engine.drafter_name}: a fed draft runs with generate and bench; the server's "
+                              "batched draft passes do not carry its features")
         model = draft_model if draft_model is not None else serialized(engine.draft_model.model)
         if isinstance(engine.drafter, LookupThenModel):  # DRAFT+lookup
             return lambda: LookupThenModel(ModelDrafter(model, lazy_prefill=True))

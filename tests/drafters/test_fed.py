@@ -1,0 +1,98 @@
+"""The fed draft (``specdec.drafters.fed``): its rows are training's streams, its output is exact.
+
+Tiny random native models (2 layers, width 32, 64 tokens); the draft's projection and null vector
+random, so a row that reads the wrong features, or none where it should, changes the logits.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from specdec.decoder import SpeculativeDecoder
+from specdec.drafters.fed import FedDrafter
+from specdec.drafters.tree_builder import TreeSpec
+from specdec.gamma import FixedGamma
+from specdec.models.native import NativeCausalLM
+from specdec.sampling import SamplingConfig
+from specdec.train import online as on
+from specdec.verify import get_rule
+from tiny import tiny_llama_weights, tiny_native
+
+TAPS = (1,)
+
+
+def _fed(seed: int = 2):
+    """(draft model, its weights with a random projection and null vector for the functional Llama)."""
+    cfg, w = tiny_llama_weights(seed=1)
+    g = torch.Generator().manual_seed(seed)
+    w = {**w, on.FED_PROJ: torch.randn(32, (len(TAPS) + 1) * 32, generator=g),
+         on.FED_NULL: torch.randn(32, generator=g) * 0.5}
+    return NativeCausalLM(cfg, {k: v for k, v in w.items() if not k.startswith("fed.")}, batch_invariant=True), w
+
+
+def _features(target, seq):  # [T, len(TAPS) + 1, D]: what the verifier hands a feature drafter
+    found = {k: torch.empty(0) for k in TAPS}
+    final = target.hidden(seq, target.new_cache(64), taps=found)
+    return torch.stack([found[k] for k in TAPS] + [final], dim=1)
+
+
+class Forced:
+    """Returns given tokens, records the rows it was shown."""
+
+    compact = False
+    stop_requested = False
+
+    def __init__(self, tokens: list[int]) -> None:
+        self.tokens, self.rows = tokens, []
+
+    def __call__(self, logits, position):
+        self.rows.append(logits[0])
+        return self.tokens[len(self.rows) - 1], None
+
+
+def test_each_drafted_row_is_trainings_stream():
+    """Draft step k of a round after L committed tokens is stream k - 1 of ``train online``'s
+    training pass at row L - 2 + k (the same weights and features); the next round, its drafted
+    rows dropped and the accepted ones fed again with their features, is stream 0 again."""
+    target = tiny_native(seed=0)
+    draft, w = _fed()
+    shape = on.Shape(layers=2, hidden=32, heads=4, kv_heads=2, head_dim=8, eps=1e-6, theta=10000.0, vocab=64)
+    seq = torch.tensor([5, 9, 3, 3, 17, 40, 2, 8, 11, 30, 7, 7, 21, 4])
+    feats = _features(target, seq)
+    student = on.Student("fed", shape, w, fed=3)
+    laws = on._fed_laws(student, seq[None], torch.ones(1, seq.numel(), dtype=torch.bool), feats[None], False)
+    d = FedDrafter(draft, w[on.FED_PROJ], w[on.FED_NULL], TAPS)
+    length = 6
+    d.prepare(seq[:length])
+    d.add_features(feats[: length - 1])
+    s = Forced(seq[length : length + 3].tolist())
+    d.propose(seq[:length], 3, s)
+    for k, row in enumerate(s.rows):
+        assert torch.allclose(torch.log_softmax(row, -1), laws[k][length - 1 + k], atol=1e-4), k
+
+    class Kept:
+        num_accepted, path = 2, None
+
+    d.commit(Kept())
+    assert d.cache.length == length  # the accepted drafted rows are dropped too
+    d.add_features(feats[length - 1 : length + 2])  # the pending token and the two accepted
+    s = Forced(seq[length + 3 : length + 4].tolist())
+    d.propose(seq[: length + 3], 1, s)
+    assert torch.allclose(torch.log_softmax(s.rows[0], -1), laws[0][length + 2], atol=1e-4)
+
+
+def test_greedy_equals_plain_greedy():
+    """Chains and trees, with and without a repetition penalty: the target's greedy tokens."""
+    target = tiny_native(seed=0)
+    draft, w = _fed()
+    prompt = torch.tensor([7, 3, 3, 8])
+    for cfg in (SamplingConfig(temperature=0.0, max_new_tokens=24),
+                SamplingConfig(temperature=0.0, max_new_tokens=24, repetition_penalty=1.3)):
+        plain = SpeculativeDecoder(target, None, get_rule("greedy")).generate(prompt, cfg).tokens
+        for tree in (None, TreeSpec()):
+            d = FedDrafter(draft, w[on.FED_PROJ], w[on.FED_NULL], TAPS)
+            out = SpeculativeDecoder(target, d, get_rule("greedy"), gamma=FixedGamma(6 if tree else 3),
+                                     tree=tree).generate(prompt, cfg)
+            assert out.tokens == plain, tree
+            assert out.stats.draft_tokens_proposed > 0 and (out.stats.tree_rounds > 0) == (tree is not None)
+            assert d._n_feats == len(prompt) + len(plain) - 1 or d._n_feats == len(prompt) + len(plain) - 2
