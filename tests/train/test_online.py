@@ -369,11 +369,20 @@ def test_command_writes_a_draft_that_loads_and_a_rerun_resumes(tmp_path: Path, c
     out = tmp_path / "run"
     argv = ["train", "online", "--out", str(out), "--chat-prompts", "15", "--code-prompts", "5", "--temperatures", "0",
             "--code-repeats", "1", "--sequences", "20", "--max-new-chat", "6", "--max-new-code", "6", "--gen-batch", "20",
-            "--steps", "2", "--batch-tokens", "512", "--add-layers", "0,1", "--heads", "eagle3", "--head-vocab", "1024"]
+            "--steps", "2", "--batch-tokens", "512", "--add-layers", "0,1", "--heads", "eagle3", "--head-vocab", "1024",
+            "--fed", "2"]
     assert cli.main(argv) == 0
     report = json.loads((out / "report.json").read_text())
     assert report["finished"] and report["sequences"] == 20 and report["train"]["steps"] == 2
-    assert set(report["students"]) == {"draft-4l", "draft-5l"}
+    assert set(report["students"]) == {"draft-4l", "draft-5l", "fed"}
+    assert len(report["students"]["fed"]["held_out_per_step"]) == 2 and "draft step 2" in (out / "fed" / "README.md").read_text()
+    from specdec.drafters.fed import FedDrafter
+    from specdec.engine import EngineConfig, load_draft, model_drafter
+
+    fed = load_draft(EngineConfig(draft=str(out / "fed")))
+    assert fed.model.vocab_ids is not None  # the source draft's reduced vocabulary came along
+    drafter, _ = model_drafter(EngineConfig(draft=str(out / "fed")), fed, lookup=False)
+    assert isinstance(drafter, FedDrafter) and drafter.feature_taps == (2, 15, 27) and float(drafter.proj.abs().max()) > 0
     assert "specdec train online --out" in report["command"]
     deep = load(str(out / "draft-5l"), batch_invariant=False)
     assert deep.model.cfg.n_layers == 5

@@ -1055,12 +1055,15 @@ def model_card(report: dict, name: str, target: str, source: str) -> str:
 
 
 def finish_folder(folder: Path, source: Path, card: str) -> None:
-    """Make a student's folder a model folder ``--draft`` loads: the source draft's tokenizer and
-    chat template beside the weights, and the model card."""
+    """Make a student's folder a model folder ``--draft`` loads: the source draft's tokenizer, chat
+    template and reduced draft vocabulary (the target's frequent reply tokens, the same for the
+    student) beside the weights, and the model card.  A temperature calibration is the source's
+    own and is not copied."""
     import shutil
 
+    keep = ("chat_template.jinja", "generation_config.json", "draft_vocab.json")
     for f in source.iterdir():
-        if f.is_file() and (f.name.startswith("tokenizer") or f.name in ("chat_template.jinja", "generation_config.json")):
+        if f.is_file() and (f.name.startswith("tokenizer") or f.name in keep):
             shutil.copy(f, folder / f.name)
     (folder / "README.md").write_text(card)
 
