@@ -6,6 +6,7 @@ random, so a row that reads the wrong features, or none where it should, changes
 
 from __future__ import annotations
 
+import pytest
 import torch
 
 from specdec.decoder import SpeculativeDecoder
@@ -53,7 +54,8 @@ class Forced:
 def test_each_drafted_row_is_trainings_stream():
     """Draft step k of a round after L committed tokens is stream k - 1 of ``train online``'s
     training pass at row L - 2 + k (the same weights and features); the next round, its drafted
-    rows dropped and the accepted ones fed again with their features, is stream 0 again."""
+    rows dropped and the accepted ones fed again with their features, is stream 0 again; a tree's
+    path of two nodes is streams 1 and 2."""
     target = tiny_native(seed=0)
     draft, w = _fed()
     shape = on.Shape(layers=2, hidden=32, heads=4, kv_heads=2, head_dim=8, eps=1e-6, theta=10000.0, vocab=64)
@@ -80,6 +82,15 @@ def test_each_drafted_row_is_trainings_stream():
     d.propose(seq[: length + 3], 1, s)
     assert torch.allclose(torch.log_softmax(s.rows[0], -1), laws[0][length + 2], atol=1e-4)
 
+    # a tree's nodes are drafted rows: a two-level path is streams 1 and 2
+    t = FedDrafter(draft, w[on.FED_PROJ], w[on.FED_NULL], TAPS)
+    t.prepare(seq[:length])
+    t.add_features(feats[: length - 1])
+    t._after(seq[:length], {})
+    rows = t._forward_tree(seq[length : length + 2], torch.tensor([-1, 0]), prefix=length)
+    for k in (1, 2):
+        assert torch.allclose(torch.log_softmax(rows[k - 1], -1), laws[k][length - 1 + k], atol=1e-4), k
+
 
 def test_greedy_equals_plain_greedy():
     """Chains and trees, with and without a repetition penalty: the target's greedy tokens."""
@@ -96,3 +107,50 @@ def test_greedy_equals_plain_greedy():
             assert out.tokens == plain, tree
             assert out.stats.draft_tokens_proposed > 0 and (out.stats.tree_rounds > 0) == (tree is not None)
             assert d._n_feats == len(prompt) + len(plain) - 1 or d._n_feats == len(prompt) + len(plain) - 2
+
+
+def test_a_fed_folder_through_the_command_line(tmp_path, capsys):
+    """A folder written as `train online --fed` writes it (tiny models): `generate --draft FOLDER`
+    equals plain greedy (chains and trees) and drafts; `--remote` refuses it in one line, and the
+    server's drafter factory with a ConfigError (`serve` prints it as one line)."""
+    import json
+
+    from safetensors.torch import load_file, save_file
+
+    from specdec.cli import main
+    from tiny import make_tiny
+
+    target = make_tiny(tmp_path / "target", seed=0, max_positions=64)
+    fed = make_tiny(tmp_path / "fed", seed=1, max_positions=64)
+    w = load_file(str(fed / "model.safetensors"))
+    g = torch.Generator().manual_seed(3)
+    taps = on.default_taps(2)
+    w[on.FED_PROJ] = torch.randn(32, (len(taps) + 1) * 32, generator=g)
+    w[on.FED_NULL] = torch.randn(32, generator=g) * 0.5
+    save_file(w, str(fed / "model.safetensors"))
+    cfg = json.loads((fed / "config.json").read_text())
+    (fed / "config.json").write_text(json.dumps(dict(cfg, specdec_fed={"taps": list(taps), "target_hidden": 32, "steps": 3})))
+
+    def run(*argv):
+        code = main(list(argv))
+        out, err = capsys.readouterr()
+        return code, out, err
+
+    common = ["generate", "-p", "def f(x):", "--target", str(target), "-n", "12", "--json", "-t", "0"]
+    code, out, err = run(*common, "--draft", "none")
+    assert code == 0, err
+    plain = json.loads(out)["token_ids"]
+    for extra in ([], ["--tree", "6", "--tree-min-prob", "0"]):
+        code, out, err = run(*common, "--draft", str(fed), "-g", "3", *extra)
+        assert code == 0, err
+        payload = json.loads(out)
+        assert payload["token_ids"] == plain and payload["stats"]["draft_tokens_proposed"] > 0
+    code, _, err = run("generate", "-p", "x", "--remote", "http://127.0.0.1:9", "--draft", str(fed))
+    assert code == 2 and "does not send" in err and "Traceback" not in err
+    from specdec.engine import Engine, EngineConfig
+    from specdec.errors import ConfigError
+    from specdec.server.command import _fresh_drafter
+
+    engine = Engine.build(EngineConfig(target=str(target), draft=str(fed)))  # what `serve` makes its drafters from
+    with pytest.raises(ConfigError, match="fed draft"):
+        _fresh_drafter(engine, None)
