@@ -21,3 +21,18 @@ def toy_drafter(kind: str, drafts: dict[str, Any]) -> Any:
     if kind == "sharp":
         return ModelDrafter(drafts["close"], temperature_factor=0.6)
     return ModelDrafter(drafts[kind])
+
+
+class Forced:
+    """A draft sampler that returns given tokens (q None) and records the rows it was shown: a
+    drafter's logits at each step, teacher-forced."""
+
+    compact = False  # rows over the target's whole vocabulary
+    stop_requested = False
+
+    def __init__(self, tokens: list[int]) -> None:
+        self.tokens, self.rows = tokens, []
+
+    def __call__(self, logits, position):
+        self.rows.append(logits[0])
+        return self.tokens[len(self.rows) - 1], None

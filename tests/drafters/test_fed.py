@@ -18,6 +18,7 @@ from specdec.sampling import SamplingConfig
 from specdec.train import online as on
 from specdec.verify import get_rule
 from tiny import tiny_llama_weights, tiny_native
+from toy_drafters import Forced
 
 TAPS = (1,)
 
@@ -35,20 +36,6 @@ def _features(target, seq):  # [T, len(TAPS) + 1, D]: what the verifier hands a 
     found = {k: torch.empty(0) for k in TAPS}
     final = target.hidden(seq, target.new_cache(64), taps=found)
     return torch.stack([found[k] for k in TAPS] + [final], dim=1)
-
-
-class Forced:
-    """Returns given tokens, records the rows it was shown."""
-
-    compact = False
-    stop_requested = False
-
-    def __init__(self, tokens: list[int]) -> None:
-        self.tokens, self.rows = tokens, []
-
-    def __call__(self, logits, position):
-        self.rows.append(logits[0])
-        return self.tokens[len(self.rows) - 1], None
 
 
 def test_each_drafted_row_is_trainings_stream():

@@ -30,6 +30,7 @@ from specdec.sampling import SamplingConfig
 from specdec.verify import get_rule
 from stats import ALPHA, chi_square_pvalue, exact_law
 from tiny import on_python_loop, random_head, tiny_native
+from toy_drafters import Forced
 
 KINDS = ("eagle1", "eagle3", "medusa", "mtp")
 TREE_KINDS = ("eagle1", "eagle3", "medusa")
@@ -100,19 +101,6 @@ def test_scripted_loop_records_the_python_loops_taps(native):
     plain = native.forward(ids, native.new_cache(32))
     logits, feats = native.forward_features(ids, native.new_cache(32), (1,))
     assert torch.equal(plain, logits) and torch.equal(feats[:, 0], python[1][1])
-
-
-class Forced:
-    """A sampler that returns given tokens and records the rows it was shown."""
-
-    stop_requested = False
-
-    def __init__(self, tokens: list[int]) -> None:
-        self.tokens, self.rows = tokens, []
-
-    def __call__(self, logits, position):
-        self.rows.append(logits[0])
-        return self.tokens[len(self.rows) - 1], None
 
 
 def _teacher(native, seq, taps=(1,)):

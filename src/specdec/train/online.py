@@ -49,6 +49,10 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor
 
+from specdec.drafters.fed import CONFIG_KEY as FED_CONFIG_KEY
+from specdec.drafters.fed import NULL as FED_NULL
+from specdec.drafters.fed import PROJ as FED_PROJ
+from specdec.drafters.fed import fed_input  # the features' layout, shared with the drafter
 from specdec.train.common import length_batches, split, warmup_cosine
 
 
@@ -502,7 +506,6 @@ def kl(logp: Tensor, logq: Tensor) -> Tensor:  # forward KL(p || q), mean over r
 # exact for greedy acceptance: step k is only reached when the tokens before it were accepted,
 # that is, equal to the target's.
 
-FED_PROJ, FED_NULL = "fed.proj.weight", "fed.null"
 
 
 def fed_streams(t: int, depth: int, device: torch.device) -> tuple[Tensor, Tensor]:
@@ -517,11 +520,6 @@ def fed_streams(t: int, depth: int, device: torch.device) -> tuple[Tensor, Tenso
             ok = j >= 0
             mask[s * t + i[ok], r * t + j[ok]] = True
     return mask, i.repeat(depth)
-
-
-def fed_input(feats: Tensor) -> Tensor:  # [..., K, D] taps + final state -> [..., K D], each divided by its RMS
-    f = feats.float()
-    return (f * torch.rsqrt(f.pow(2).mean(-1, keepdim=True) + 1e-6)).flatten(-2) / math.sqrt(f.shape[-2] * f.shape[-1])
 
 
 def fed_extra(w: dict[str, Tensor], feats: Tensor, depth: int) -> Tensor:  # feats [B, T, K, Dt] -> [B, depth T, D]
@@ -835,7 +833,7 @@ def run(gguf: Path, target_config: dict, draft: Path, prompts: dict, cfg: Online
         (out / s.name).mkdir(exist_ok=True)
         save_file({k: v.detach().to("cpu", torch.float16).contiguous() for k, v in s.w.items()},
                   str(out / s.name / "model.safetensors"), metadata={"format": "pt"})
-        fed = {"specdec_fed": {"taps": list(default_taps(shape_t.layers)), "target_hidden": shape_t.hidden,
+        fed = {FED_CONFIG_KEY: {"taps": list(default_taps(shape_t.layers)), "target_hidden": shape_t.hidden,
                                "steps": s.fed}} if s.fed else {}
         (out / s.name / "config.json").write_text(json.dumps(dict(draft_cfg, num_hidden_layers=s.shape.layers, **fed),
                                                              indent=1) + "\n")
