@@ -141,3 +141,17 @@ def test_a_fed_folder_through_the_command_line(tmp_path, capsys):
     engine = Engine.build(EngineConfig(target=str(target), draft=str(fed)))  # what `serve` makes its drafters from
     with pytest.raises(ConfigError, match="fed draft"):
         _fresh_drafter(engine, None)
+
+
+def test_a_fed_draft_for_another_targets_width_is_a_config_error():
+    """Features of another width (a target the draft was not trained for) stop with a one-line
+    ConfigError at the first features, not a shape error inside a matrix product."""
+    from specdec.errors import ConfigError
+
+    draft, w = _fed()
+    d = FedDrafter(draft, w[on.FED_PROJ], w[on.FED_NULL], TAPS)
+    d.prepare(torch.tensor([1, 2, 3]))
+    with pytest.raises(ConfigError, match="another target"):
+        d.add_features(torch.zeros(2, len(TAPS) + 1, 48))
+    assert d.spawn(lambda m: m).model is draft and d.spawn().feature_taps == TAPS
+

@@ -22,11 +22,13 @@ from __future__ import annotations
 import json
 import math
 from pathlib import Path
+from typing import Any, Callable
 
 import torch
 from torch import Tensor
 
 from specdec.drafters.model import ModelDrafter
+from specdec.errors import ConfigError
 from specdec.models.base import LanguageModel
 from specdec.verify import Verdict
 
@@ -72,8 +74,9 @@ class FedDrafter(ModelDrafter):
         return FedDrafter(model, self.proj, self.null, self.feature_taps, max_length=self.max_length,
                           temperature_factor=self.temperature_factor)
 
-    def spawn(self) -> "FedDrafter":
-        return self.with_model(self.model)
+    def spawn(self, wrap: Callable[[Any], Any] = lambda m: m) -> "FedDrafter":
+        """A fresh drafter (per-request state) over the same draft model, wrapped by ``wrap``."""
+        return self.with_model(wrap(self.model))
 
     def reset(self, expected: int = 0) -> None:
         super().reset(expected)
@@ -86,6 +89,9 @@ class FedDrafter(ModelDrafter):
     def add_features(self, features: Tensor) -> None:  # [k, K, Dt]
         if features is None or features.shape[0] == 0:
             return
+        if features.shape[1] * features.shape[2] != self.proj.shape[1]:
+            raise ConfigError(f"this fed draft reads {self.proj.shape[1]} feature values a position; the target hands "
+                              f"{features.shape[1]} x {features.shape[2]}: it was trained for another target")
         self._pf.append(fed_input(features) @ self.proj.T)  # [k, D]
         self._n_feats += int(features.shape[0])
 
