@@ -52,8 +52,9 @@ def test_each_drafted_row_is_trainings_stream():
     laws = on._fed_laws(student, seq[None], torch.ones(1, seq.numel(), dtype=torch.bool), feats[None], False)
     d = FedDrafter(draft, w[on.FED_PROJ], w[on.FED_NULL], TAPS)
     length = 6
-    d.prepare(seq[:length])
-    d.add_features(feats[: length - 1])
+    d.prepare(seq[:2])  # room for two positions' features: the second chunk below grows the buffer
+    d.add_features(feats[:2])
+    d.add_features(feats[2 : length - 1])
     s = Forced(seq[length : length + 3].tolist())
     d.propose(seq[:length], 3, s)
     for k, row in enumerate(s.rows):

@@ -67,7 +67,7 @@ class FedDrafter(ModelDrafter):
         self.null = null  # [D]
         #: the target's taps this drafter reads (then its final hidden state)
         self.feature_taps = tuple(taps)
-        self._pf: list[Tensor] = []  # chunks of projected features, positions 0 .. n_feats - 1: [k, D]
+        self._pf = torch.empty(0, proj.shape[0])  # projected features of positions 0 .. n_feats - 1 (and room): [cap, D]
         self._n_feats = 0
 
     def with_model(self, model: LanguageModel) -> "FedDrafter":
@@ -80,7 +80,7 @@ class FedDrafter(ModelDrafter):
 
     def reset(self, expected: int = 0) -> None:
         super().reset(expected)
-        self._pf = []
+        self._pf = torch.empty(expected, self.proj.shape[0])
         self._n_feats = 0
 
     def prepare(self, prompt: Tensor) -> None:  # the prompt's rows wait for their features
@@ -92,17 +92,20 @@ class FedDrafter(ModelDrafter):
         if features.shape[1] * features.shape[2] != self.proj.shape[1]:
             raise ConfigError(f"this fed draft reads {self.proj.shape[1]} feature values a position; the target hands "
                               f"{features.shape[1]} x {features.shape[2]}: it was trained for another target")
-        self._pf.append(fed_input(features) @ self.proj.T)  # [k, D]
-        self._n_feats += int(features.shape[0])
+        k, n = int(features.shape[0]), self._n_feats
+        if n + k > self._pf.shape[0]:  # grown by doubling: a round appends a few rows, never copies them all
+            grown = torch.empty(max(2 * self._pf.shape[0], n + k, 64), self._pf.shape[1])
+            grown[:n] = self._pf[:n]
+            self._pf = grown
+        self._pf[n : n + k] = fed_input(features) @ self.proj.T  # [k, D]
+        self._n_feats = n + k
 
     def _extra(self, start: int, n: int) -> Tensor:  # -> [n, D] what rows start .. start + n - 1 add
         """Row r reads position r - 1's projected features where they have arrived, else the null vector."""
-        if len(self._pf) > 1:
-            self._pf = [torch.cat(self._pf)]
         rows = self.null.expand(n, -1).clone()
         lo, hi = max(start, 1), min(start + n, self._n_feats + 1)  # rows with features: 1 .. n_feats
         if hi > lo:
-            rows[lo - start : hi - start] = self._pf[0][lo - 1 : hi - 1]
+            rows[lo - start : hi - start] = self._pf[lo - 1 : hi - 1]
         return rows
 
     def _forward(self, tokens: Tensor, **kw: bool) -> Tensor:

@@ -507,7 +507,6 @@ def kl(logp: Tensor, logq: Tensor) -> Tensor:  # forward KL(p || q), mean over r
 # that is, equal to the target's.
 
 
-
 def fed_streams(t: int, depth: int, device: torch.device) -> tuple[Tensor, Tensor]:
     """(mask [depth T, depth T], True: attend; positions [depth T]) of ``depth`` streams of T tokens."""
     i = torch.arange(t, device=device)
@@ -814,7 +813,8 @@ def run(gguf: Path, target_config: dict, draft: Path, prompts: dict, cfg: Online
         sh, w = grow(shape_s, ws, add) if add else (shape_s, ws)
         name = "draft" if len(cfg.add_layers) == 1 else f"draft-{sh.layers}l"
         students.append(Student(name, sh, {k: v.clone() for k, v in w.items()}))
-    n_feats = len(default_taps(shape_t.layers)) + 1
+    taps = default_taps(shape_t.layers)  # what a fed draft reads (as the heads do)
+    n_feats = len(taps) + 1
     for lr in cfg.fed_lr if cfg.fed else ():
         name = "fed" if len(cfg.fed_lr) == 1 else f"fed-{lr:g}"
         students.append(Student(name, shape_s, fed_weights(ws, shape_t.hidden, n_feats), fed=cfg.fed, fed_lr=lr))
@@ -833,7 +833,7 @@ def run(gguf: Path, target_config: dict, draft: Path, prompts: dict, cfg: Online
         (out / s.name).mkdir(exist_ok=True)
         save_file({k: v.detach().to("cpu", torch.float16).contiguous() for k, v in s.w.items()},
                   str(out / s.name / "model.safetensors"), metadata={"format": "pt"})
-        fed = {FED_CONFIG_KEY: {"taps": list(default_taps(shape_t.layers)), "target_hidden": shape_t.hidden,
+        fed = {FED_CONFIG_KEY: {"taps": list(taps), "target_hidden": shape_t.hidden,
                                "steps": s.fed}} if s.fed else {}
         (out / s.name / "config.json").write_text(json.dumps(dict(draft_cfg, num_hidden_layers=s.shape.layers, **fed),
                                                              indent=1) + "\n")
@@ -868,7 +868,7 @@ def run(gguf: Path, target_config: dict, draft: Path, prompts: dict, cfg: Online
         "held_out_before": before,
         "students": {s.name: {"layers": s.shape.layers, "added_layers": s.shape.layers - shape_s.layers,
                               "held_out_after": after[s.name], "loss_first": s.losses[:10], "loss_last": s.losses[-10:],
-                              **({"fed_steps": s.fed, "fed_lr": s.fed_lr, "taps": list(default_taps(shape_t.layers)),
+                              **({"fed_steps": s.fed, "fed_lr": s.fed_lr, "taps": list(taps),
                                   "held_out_per_step": steps[s.name]} if s.fed else {})}
                      for s in students},
         "heads": head_reports,
