@@ -233,11 +233,7 @@ class TargetSession:
         if self.logprobs is not None:  # the target's law at each emitted position, never the draft's
             logp = target_logprobs(logits[:k], cfg, self.penalties, draft.tokens)  # [k, V]
             self.emitted_logprobs.extend(top_logprobs(logp, verdict.tokens, self.logprobs))
-        self._ctx[self._n : self._n + k] = verdict.tokens
-        self._n += k
-        if self.penalties is not None:
-            self.penalties.append(verdict.tokens)
-            self._settle()
+        self._append(verdict.tokens)
         kept = feats[: 1 + verdict.num_accepted] if feats is not None else None
         return Outcome(verdict=verdict, target_s=t1 - t0, verify_s=time.perf_counter() - t1, features=kept,
                        node_argmax=argmax_last(logits) if draft.wants_argmax else None)
@@ -289,14 +285,19 @@ class TargetSession:
         if self.logprobs is not None:  # the kept path's rows, each with the path before it as history: a chain's
             logp = target_logprobs(logits[keep[:k]], self.cfg, self.penalties, tokens[list(tv.path)])  # [k, V]
             self.emitted_logprobs.extend(top_logprobs(logp, verdict.tokens, self.logprobs))
-        self._ctx[self._n : self._n + k] = verdict.tokens
-        self._n += k
-        if self.penalties is not None:
-            self.penalties.append(verdict.tokens)
-            self._settle()
+        self._append(verdict.tokens)
         return Outcome(verdict=verdict, target_s=t1 - t0, verify_s=time.perf_counter() - t1, metrics={"tree_nodes": n},
                        features=feats[keep] if feats is not None else None,
                        node_argmax=argmax_last(logits) if draft.wants_argmax else None)
+
+    def _append(self, tokens: Tensor) -> None:  # tokens: [k]
+        """Commits a round's emitted tokens to the context (and the penalties' history)."""
+        k = tokens.numel()
+        self._ctx[self._n : self._n + k] = tokens
+        self._n += k
+        if self.penalties is not None:
+            self.penalties.append(tokens)
+            self._settle()
 
     def _settle(self) -> None:
         """A min_tokens floor that was passed leaves the config (:func:`~specdec.sampling.settled`)."""
