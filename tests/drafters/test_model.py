@@ -659,3 +659,39 @@ def test_the_vocabulary_script_reads_tagged_texts_and_balances_its_sources(tiny_
     balanced = top("--texts", str(code), "--tagged", str(prose), "--balance")
     assert not elephant & set(by_size)  # 500 code tokens crowd out 10 prose words
     assert elephant & set(balanced) and not tag & set(balanced) - elephant
+
+
+# ----------------------------------------------------------------------------- a draft whose context is shorter
+
+
+ROOM = 24  # the draft's context; the target's is 4,096
+
+
+@pytest.mark.parametrize("tree", [False, True], ids=["chain", "tree"])
+@pytest.mark.parametrize("lazy", [False, True], ids=["eager", "lazy"])
+@pytest.mark.parametrize("prompt_len", [6, ROOM + 6], ids=["fits", "beyond"])
+def test_a_draft_with_a_shorter_context_stops_drafting_at_its_end(tree, lazy, prompt_len):
+    """Past the draft model's context (SmolLM2's draft holds 2,048 positions, its target 8,192) the
+    drafter drafts nothing, never asks its cache for more, and the output stays plain decoding's:
+    greedy, and seeded coupled sampling at T = 1 (which gives plain seeded sampling's tokens)."""
+    from tiny import tiny_native
+
+    from specdec.drafters.tree_builder import TreeSpec
+
+    target, draft = tiny_native(max_length=4096), tiny_native(max_length=ROOM)  # the same weights
+    prompt = [(7 * i) % 60 + 1 for i in range(prompt_len)]
+    for rule, temperature in (("greedy", 0.0), ("coupled", 1.0)):
+        cfg = SamplingConfig(temperature=temperature, max_new_tokens=40, seed=5)
+        plain = SpeculativeDecoder(target, None, get_rule(rule)).generate(prompt, cfg)
+        drafter = ModelDrafter(draft, lazy_prefill=lazy)
+        spec = SpeculativeDecoder(target, drafter, get_rule(rule), gamma=FixedGamma(3),
+                                  tree=TreeSpec() if tree else None).generate(prompt, cfg)
+        assert spec.tokens == plain.tokens, rule
+        assert drafter.cache is not None and drafter.cache.length <= ROOM
+        context = prompt_len
+        for r in spec.rounds:  # drafted tokens only while the draft's cache could hold the round
+            if r.gamma:
+                assert context + (r.gamma if tree else r.gamma - 1) <= ROOM, (context, r.gamma)
+            context += r.emitted
+        assert (spec.stats.draft_tokens_proposed > 0) == (prompt_len < ROOM), spec.stats.draft_tokens_proposed
+        assert any(r.gamma == 0 for r in spec.rounds)  # the end reached: rounds without a draft

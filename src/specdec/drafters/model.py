@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import inspect
+import sys
 import time
 
 import torch
@@ -73,12 +74,28 @@ class ModelDrafter:
         else:
             self.cache = self.model.new_cache(self.max_length)
 
+    @property
+    def room(self) -> int:
+        """Positions the draft's cache can hold: the draft model's context, or the ``max_length``
+        asked for if shorter.  A draft's context may be shorter than its target's (SmolLM2's draft:
+        2,048 against 8,192); past it the drafter drafts nothing, and a round without a draft is a
+        plain round, so the output is unchanged."""
+        return min(getattr(self.model, "max_length", None) or sys.maxsize, self.max_length or sys.maxsize)
+
+    def _no_room(self) -> Draft:
+        """An empty draft for a context the draft's cache cannot hold; :meth:`commit` keeps the cache."""
+        self._round_start = self.cache.length if self.cache is not None else 0
+        self._fed = 0
+        self._slots = None
+        self.catch_up_s = 0.0
+        return Draft(tokens=torch.empty(0, dtype=torch.long), probs=None)
+
     def prepare(self, prompt: Tensor) -> None:  # prompt: [L]
         """Prefill the draft cache with all but the last prompt token (outside the timed rounds),
-        unless the prefill is lazy."""
-        self.reset(prompt.numel())
+        unless the prefill is lazy or the prompt leaves the draft no room to draft."""
+        self.reset(min(prompt.numel(), self.room))
         assert self.cache is not None
-        if prompt.numel() > 1 and not self.lazy_prefill:
+        if 1 < prompt.numel() <= self.room and not self.lazy_prefill:
             self.model.forward(prompt[:-1], self.cache, last_only=True)
 
     def _compact_ids(self, sampler: DraftSampler) -> Tensor | None:
@@ -88,16 +105,17 @@ class ModelDrafter:
         return ids if ids is not None and sampler.compact else None
 
     def propose(self, context: Tensor, gamma: int, sampler: DraftSampler) -> Draft:  # context: [L]
+        length = context.numel()
+        gamma = min(gamma, self.room - length + 1)  # the cache ends holding the context and γ - 1 drafted tokens
+        if gamma <= 0:
+            return self._no_room()
         if self.cache is None:
             self.reset()
         assert self.cache is not None
-        length = context.numel()
         self._round_start = length
         self._fed = 0
         self._slots = None
         self.catch_up_s = 0.0
-        if gamma <= 0:
-            return Draft(tokens=torch.empty(0, dtype=torch.long), probs=None)
         ids = self._compact_ids(sampler)
         kw = {} if ids is None else {"compact": True}  # rows over the draft vocabulary: [1, Vd]
         logits = self._after(context, kw)  # [1, V]
@@ -116,10 +134,13 @@ class ModelDrafter:
     def propose_tree(self, context: Tensor, budget: int, sampler: DraftSampler, spec: TreeSpec, *, max_depth: int) -> Draft:
         """A token tree of at most ``budget`` nodes; each level's expanded nodes go through the
         draft model in one pass with tree attention (``forward_tree`` over the tree region)."""
+        length = context.numel()
+        budget = min(budget, self.room - length)  # the cache ends holding the context and the fed nodes
+        if budget <= 0:
+            return self._no_room()
         if self.cache is None:
             self.reset()
         assert self.cache is not None
-        length = context.numel()
         self._round_start = length
         self._fed = 0
         ids = self._compact_ids(sampler)
