@@ -8,6 +8,7 @@ honoured by every round, idle sessions swept on a timer, and an access log witho
 
 from __future__ import annotations
 
+import json
 import asyncio
 import logging
 import socket
@@ -405,3 +406,35 @@ def test_completion_stops_when_its_client_goes_away(caplog):
     finally:
         server.should_exit = True
         thread.join(timeout=10)
+
+
+@pytest.mark.parametrize("failure", ["internal", "client"])
+def test_a_completion_failing_after_its_stream_began_says_whose_fault_it_was(monkeypatch, failure):
+    """A failure after the first streamed piece arrives as an error event with the status it would
+    have had: 500 / server_error for a bug, 400 / invalid_request_error for a SpecdecError (the
+    stream's 200 is already sent).  A bug in a non-streamed completion is a 500 that does not speak
+    of a session it never had."""
+    from specdec.engine import TextPiece
+    from specdec.errors import SpecdecError
+    from specdec.server import openai_api
+
+    def failing(job, on_piece, cancelled, on_done=None):
+        piece = on_piece(0)
+        if piece is not None:
+            piece(TextPiece(text="ab", token_ids=[0, 1]))
+        raise RuntimeError("a bug") if failure == "internal" else SpecdecError("the sequence would exceed its context")
+
+    monkeypatch.setattr(openai_api, "_run_choices", failing)
+    app = create_app(ToyLM(6, order=1, seed=0), tokenizer=LetterTokenizer(), settings=ServerSettings())
+    client = TestClient(app, base_url="http://localhost", raise_server_exceptions=False)
+    body = {"prompt": "abc", "max_tokens": 4, "temperature": 0}
+    streamed = client.post("/v1/completions", json={**body, "stream": True})
+    events = [json.loads(line[6:]) for line in streamed.text.splitlines() if line.startswith("data: {")]
+    error = events[-1]["error"]
+    assert streamed.status_code == 200 and events[0]["choices"][0]["text"] == "ab"
+    if failure == "internal":
+        assert (error["code"], error["type"]) == (500, "server_error") and "RuntimeError" in error["message"]
+        plain = client.post("/v1/completions", json=body)
+        assert plain.status_code == 500 and "session" not in plain.json()["error"]["message"], plain.text
+    else:
+        assert (error["code"], error["type"]) == (400, "invalid_request_error") and "context" in error["message"]

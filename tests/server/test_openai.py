@@ -743,6 +743,9 @@ def test_structured_output_parses_and_matches_the_schema_under_speculation(clien
             assert len(choice.text) == 5 and choice.text[0] == " " and set(choice.text[1:]) <= set("02468"), choice.text
     with pytest.raises(openai.BadRequestError, match="invalid"):
         client.completions.create(model=MODEL, prompt="x", extra_body={"response_format": {"type": "grammar", "grammar": "start: ("}})
+    for spec in ("abc", [1], None):  # a json_schema that is not an object: a 400, not an AttributeError's 500
+        with pytest.raises(openai.BadRequestError, match="json_schema"):
+            client.completions.create(model=MODEL, prompt="x", extra_body={"response_format": {"type": "json_schema", "json_schema": spec}})
 
 
 def test_vllm_guided_decoding_fields(client):

@@ -162,8 +162,9 @@ def test_tool_choice_picks_the_tools_and_the_grammar():
     assert tc.chosen(tools, None) == (tools, None) and tc.chosen(tools, "auto") == (tools, None)
     assert tc.chosen(tools, "none") == ([], None) and tc.chosen(tools, "required") == (tools, "")
     assert tc.chosen(tools, {"type": "function", "function": {"name": "add"}}) == (tools, "add")
-    for bad in ({"type": "function", "function": {"name": "nope"}}, "sometimes"):
-        with pytest.raises(ApiError):
+    for bad in ({"type": "function", "function": {"name": "nope"}}, "sometimes",
+                {"type": "function", "function": "add"}, {"type": "function", "function": ["add"]}):
+        with pytest.raises(ApiError):  # a 400, not an AttributeError's 500
             tc.chosen(tools, bad)
     with pytest.raises(ApiError, match="needs tools"):
         tc.chosen([], "required")
@@ -172,7 +173,8 @@ def test_tool_choice_picks_the_tools_and_the_grammar():
         assert tc.chosen(tools, subset) == (tools[1:], name)
     for bad in ({"type": "allowed_tools", "allowed_tools": {"mode": "sometimes", "tools": [WEATHER]}},
                 {"type": "allowed_tools", "allowed_tools": {"mode": "auto", "tools": []}},
-                {"type": "allowed_tools", "allowed_tools": {"mode": "auto", "tools": [{"type": "function", "function": {"name": "nope"}}]}}):
+                {"type": "allowed_tools", "allowed_tools": {"mode": "auto", "tools": [{"type": "function", "function": {"name": "nope"}}]}},
+                {"type": "allowed_tools", "allowed_tools": {"mode": "auto", "tools": [{"type": "function", "function": "add"}]}}):
         with pytest.raises(ApiError, match="allowed_tools"):
             tc.chosen(tools, bad)
     assert tc.grammar(tools, None) is None and tc.grammar(tools, "") and tc.grammar(tools, "add")

@@ -360,7 +360,9 @@ def create_app(
 
     @app.exception_handler(Exception)
     async def _bug(request: Request, exc: Exception) -> JSONResponse:  # pragma: no cover - a bug
-        return error_response(500, f"internal error ({type(exc).__name__}); the session is unchanged", "server_error", metrics)
+        # a failed session round leaves its session as it was (:meth:`EdgeSession.verify` commits last)
+        after = "; the session is unchanged" if request.url.path.startswith("/v1/sessions") else ""
+        return error_response(500, f"internal error ({type(exc).__name__}){after}", "server_error", metrics)
 
     def owner(request: Request) -> str:
         """The caller's owner id, set by :class:`Guard` from its key (checked before the body was read)."""

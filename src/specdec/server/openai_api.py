@@ -188,7 +188,8 @@ def _grammar(fmt: dict[str, Any] | None) -> str | None:
         if kind == "json_object":
             return grammar_for("json_object", None)
         if kind == "json_schema":
-            schema = (fmt.get("json_schema") or {}).get("schema")  # type: ignore[union-attr]
+            spec = fmt.get("json_schema")  # type: ignore[union-attr]
+            schema = spec.get("schema") if isinstance(spec, dict) else None
             if not isinstance(schema, dict):
                 raise ApiError(400, "response_format json_schema needs json_schema.schema (an object)")
             return grammar_for("json_schema", schema)
@@ -878,11 +879,11 @@ def _stream(
         except _Cancelled:
             return
         except SpecdecError as exc:
-            put("error", str(exc))
+            put("error", (str(exc), 400, "invalid_request_error"))
             return
         except Exception as exc:  # noqa: BLE001 - reported to the client as an error event
             log.exception("streamed completion failed")  # the client sees the type only: the log keeps the rest
-            put("error", f"internal error ({type(exc).__name__})")
+            put("error", (f"internal error ({type(exc).__name__})", 500, "server_error"))
             return
         put("end", None)
 
@@ -947,7 +948,8 @@ def _stream(
                         yield _sse(finish(last, outs) if finish is not None else {**last, "specdec": _stats(outs)}, named)
                     break
                 else:
-                    yield _sse({"error": {"message": value, "type": "invalid_request_error", "code": 400}})
+                    message, status, kind = value  # after the stream began, an error event with the status it would have had
+                    yield _sse({"error": {"message": message, "type": kind, "code": status}})
                     break
             if not named:
                 yield _sse("[DONE]")

@@ -165,7 +165,8 @@ def chosen(tools: list[ToolDef] | None, tool_choice: Any) -> tuple[list[ToolDef]
     if tool_choice == "required":
         return tools, ""
     if isinstance(tool_choice, dict) and tool_choice.get("type") == "function":
-        name = (tool_choice.get("function") or {}).get("name")
+        function = tool_choice.get("function")
+        name = function.get("name") if isinstance(function, dict) else None
         if not any(t.function.name == name for t in tools):
             raise ApiError(400, f"tool_choice names {name!r}, which is not among the tools")
         return tools, name
@@ -175,7 +176,8 @@ def chosen(tools: list[ToolDef] | None, tool_choice: Any) -> tuple[list[ToolDef]
         listed = allowed.get("tools") if isinstance(allowed, dict) else None
         if mode not in ("auto", "required") or not isinstance(listed, list) or not listed:
             raise ApiError(400, "tool_choice allowed_tools needs a mode ('auto' or 'required') and a list of tools")
-        names = [(t.get("function") or {}).get("name") if isinstance(t, dict) else None for t in listed]
+        names = [t["function"].get("name") if isinstance(t, dict) and isinstance(t.get("function"), dict) else None
+                 for t in listed]
         unknown = [n for n in names if not any(t.function.name == n for t in tools)]
         if unknown:
             raise ApiError(400, f"tool_choice allowed_tools names {unknown[0]!r}, which is not among the tools")
