@@ -54,7 +54,7 @@ def test_results_in_input_order_equal_single_prompt_generation(capsys, target, t
     assert json.loads(alone)["token_ids"] == rows[4]["token_ids"] and json.loads(alone)["text"] == rows[4]["text"]
 
 
-def test_out_file_resumes_after_the_results_it_holds(capsys, target, tmp_path):
+def test_out_file_resumes_after_the_results_it_holds(capsys, target, tmp_path, monkeypatch):
     prompts = tmp_path / "p.jsonl"
     prompts.write_text("\n".join(LINES))
     out = tmp_path / "r.jsonl"
@@ -68,11 +68,35 @@ def test_out_file_resumes_after_the_results_it_holds(capsys, target, tmp_path):
     code, stdout, err = _run(capsys, *argv)
     assert code == 0 and stdout == "" and "first 2 of 5" in err and "3 prompts" in err
     assert out.read_text() == whole  # prompt i keeps seed + i: the same results
-    code, stdout, err = _run(capsys, *argv[:4], "no-such-model", *argv[5:])  # all done: no model is even loaded
+    for changed in (["-t", "0.5"], ["-n", "9"], ["--seed", "8"], ["--chat"]):  # results another run would not make
+        code, _, err = _run(capsys, *argv, *changed)
+        assert code == 2 and "made with other options (line 1" in err and out.read_text() == whole, changed
+    with monkeypatch.context() as m:  # all done: no model is even loaded
+        m.setattr("specdec.engine.Engine.build", lambda *a, **k: pytest.fail("a model was loaded"))
+        code, stdout, err = _run(capsys, *argv, "--batch", "3")  # batching never changes a result
     assert code == 0 and stdout == "" and "all 5 results are already in" in err and out.read_text() == whole
     prompts.write_text('"something else"\n' + "\n".join(LINES[1:]))
     code, _, err = _run(capsys, *argv)
     assert code == 2 and "holds results for other prompts (line 1)" in err and out.read_text() == whole
+
+
+@pytest.mark.parametrize("content", ["# My notes\n\nkeep me\n", "\n" + "{}\n", "one line, no newline",
+                                     '{"index": 0, "prompt": "def add(a, b):"}\nnot json\n'])
+def test_an_out_file_that_is_not_a_results_file_is_never_overwritten(capsys, target, tmp_path, content):
+    prompts = tmp_path / "p.jsonl"
+    prompts.write_text("\n".join(LINES))
+    out = tmp_path / "notes.md"
+    out.write_text(content)
+    code, stdout, err = _run(capsys, "generate", "--prompts-file", str(prompts), "--target", target, "-n", "4",
+                             "--out", str(out))
+    assert code == 2 and "is not a results file" in err and "Traceback" not in err and out.read_text() == content, err
+
+
+def test_a_results_file_that_takes_no_writes_is_a_one_line_error(capsys, target, tmp_path):
+    prompts = tmp_path / "p.jsonl"
+    prompts.write_text('"hi"\n')
+    code, _, err = _run(capsys, "generate", "--prompts-file", str(prompts), "--target", target, "-n", "4", "--out", "/dev/full")
+    assert code == 2 and "cannot write" in err and "Traceback" not in err, err
 
 
 def test_structured_output_gives_each_prompt_its_own_matcher(capsys, target, tmp_path):

@@ -115,10 +115,29 @@ def encode(engine: Any, p: PromptLine, *, chat: bool, system: str | None) -> lis
     return engine.encode(p.text or "", chat=chat or own, system=p.value["system"] if own else system)
 
 
-def done_lines(path: Path, prompts: list[PromptLine]) -> tuple[int, int]:
+#: the ``generate`` options that shape a result: a rerun with another value of any of them does not
+#: go on after results it would not have made (``--batch`` is not among them: batching never
+#: changes an output)
+SHAPING = ("target", "dtype", "backend", "fast_attention", "chat", "system", "method", "preset", "temperature",
+           "top_k", "top_p", "min_p", "repetition_penalty", "frequency_penalty", "presence_penalty", "seed",
+           "max_new_tokens", "stop", "stop_token_id", "include_stop", "keep_special_tokens", "min_tokens",
+           "json_object", "json_schema", "regex", "grammar", "choice", "allowed_token_id", "bad_word", "logprobs")
+
+
+def settings_key(args: Any) -> str:
+    """A short fingerprint of the options in :data:`SHAPING` (each result line carries it)."""
+    import hashlib
+
+    shaping = {name: getattr(args, name, None) for name in SHAPING}
+    return hashlib.sha1(json.dumps(shaping, sort_keys=True, default=str).encode()).hexdigest()[:12]
+
+
+def done_lines(path: Path, prompts: list[PromptLine], settings: str | None = None) -> tuple[int, int]:
     """(results already in ``path`` for the first prompts, the byte length of those lines): a
-    rerun goes on after them; a last line cut short by an interruption is not counted."""
-    if not path.exists():
+    rerun goes on after them; a last line cut short by an interruption is not counted.  Anything
+    else in ``path`` — a file that is not a results file, results for other prompts or made with
+    other ``settings`` — is an error: the rerun would overwrite it."""
+    if not path.is_file():  # nothing yet, or a device or pipe (/dev/null, /dev/stdout): written, never read
         return 0, 0
     try:
         data = path.read_bytes()
@@ -126,15 +145,21 @@ def done_lines(path: Path, prompts: list[PromptLine]) -> tuple[int, int]:
         raise SpecdecError(f"cannot read {path}: {exc.strerror or exc}") from None
     n = size = 0
     for line in data.splitlines(keepends=True):
-        if not line.endswith(b"\n"):
+        if not line.endswith(b"\n") and line.startswith(b'{"index": '):
             break  # written in part when the job stopped
         try:
             row = json.loads(line)
         except ValueError:
-            break
-        if not isinstance(row, dict) or row.get("index") != n or n >= len(prompts) or row.get("prompt") != prompts[n].value:
+            row = None
+        if not isinstance(row, dict) or "index" not in row:
+            raise SpecdecError(f"{path} is not a results file (line {n + 1}); choose another --out, or delete it"
+                               " to start again")
+        if row.get("index") != n or n >= len(prompts) or row.get("prompt") != prompts[n].value:
             raise SpecdecError(f"{path} holds results for other prompts (line {n + 1}); choose another --out, or delete it"
                                " to start again")
+        if settings is not None and row.get("settings", settings) != settings:
+            raise SpecdecError(f"{path} holds results made with other options (line {n + 1}: the model, sampling or"
+                               " output options differ); rerun with the same options, choose another --out, or delete it")
         n += 1
         size += len(line)
     return n, size
@@ -152,8 +177,11 @@ class OrderedWriter:
         while self.next in self.waiting:
             res = self.waiting.pop(self.next)
             payload = {"index": self.next, "prompt": self.prompts[self.next].value, **self.row(res)}
-            self.stream.write(json.dumps(payload, ensure_ascii=False) + "\n")
-            self.stream.flush()
+            try:
+                self.stream.write(json.dumps(payload, ensure_ascii=False) + "\n")
+                self.stream.flush()
+            except OSError as exc:  # a full disk, a file that takes no writes: what was written stays
+                raise SpecdecError(f"cannot write result {self.next}: {exc.strerror or exc}") from None
             self.next += 1
 
 
@@ -165,16 +193,17 @@ class Job:
     out: Path | None
     start: int  # results already in ``out``: generation goes on from this prompt
     size: int  # their bytes (``out`` is cut there: a half-written last line goes)
+    settings: str | None = None  # :func:`settings_key` of the options, written in each result line
 
 
-def plan(prompts_file: str, out: str | None) -> Job:
+def plan(prompts_file: str, out: str | None, settings: str | None = None) -> Job:
     """Read the prompts and what ``out`` already holds; every problem with either is a one-line error."""
     prompts = read_prompts(prompts_file)
     out_path = Path(out) if out else None
     if out_path is not None and out_path.is_dir():
         raise SpecdecError(f"--out {out_path} is a folder; give a file")
-    start, size = done_lines(out_path, prompts) if out_path is not None else (0, 0)
-    return Job(prompts, out_path, start, size)
+    start, size = done_lines(out_path, prompts, settings) if out_path is not None else (0, 0)
+    return Job(prompts, out_path, start, size, settings)
 
 
 def run(engine: Any, job: Job, args: Any, sampling: Any, log: Callable[[str], None], *,
@@ -210,17 +239,22 @@ def run(engine: Any, job: Job, args: Any, sampling: Any, log: Callable[[str], No
         r = {"text": res.text, "token_ids": res.token_ids, "finish_reason": res.finish_reason,
              "prompt_tokens": res.prompt_tokens, "generated_tokens": len(res.token_ids),
              "seed": None if sampling.greedy else res.seed, "method": res.method}  # greedy draws nothing
+        if job.settings is not None:
+            r["settings"] = job.settings
         if res.logprobs is not None:
             r["logprobs"] = logprob_rows(tok, res.token_ids, res.logprobs)
         return r
 
     if out_path is not None:
         try:
-            stream = open(out_path, "r+" if out_path.exists() else "w", encoding="utf-8")
+            if out_path.is_file():  # cut after the results it holds (a half-written last line goes)
+                stream = open(out_path, "r+", encoding="utf-8")
+                stream.truncate(size)
+                stream.seek(size, os.SEEK_SET)
+            else:
+                stream = open(out_path, "w", encoding="utf-8")
         except OSError as exc:
             raise SpecdecError(f"cannot write {out_path}: {exc.strerror or exc}") from None
-        stream.truncate(size)
-        stream.seek(size, os.SEEK_SET)
     else:
         stream = sys.stdout
     writer = OrderedWriter(stream, prompts, start, row)
@@ -247,7 +281,10 @@ def run(engine: Any, job: Job, args: Any, sampling: Any, log: Callable[[str], No
     finally:
         bar.close()
         if stream is not sys.stdout:
-            stream.close()
+            try:
+                stream.close()
+            except OSError:
+                pass  # each line was flushed as it was written: a failed write has already been reported
     wall = time.perf_counter() - t0
     log(f"{len(todo)} prompts, {tokens} tokens in {wall:.2f} s = {tokens / wall if wall > 0 else 0.0:.1f} tok/s "
         f"(continuous batching of up to {args.batch} sequences, plain decoding)"
@@ -255,4 +292,4 @@ def run(engine: Any, job: Job, args: Any, sampling: Any, log: Callable[[str], No
     return 0
 
 
-__all__ = ["Job", "PromptLine", "done_lines", "parse_prompt_lines", "plan", "read_prompts", "run"]
+__all__ = ["Job", "PromptLine", "SHAPING", "done_lines", "parse_prompt_lines", "plan", "read_prompts", "run", "settings_key"]

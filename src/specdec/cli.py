@@ -292,7 +292,8 @@ def build_parser() -> argparse.ArgumentParser:
                    help=f"with --prompts-file: sequences decoded together (default {defaults.BATCH_SEQUENCES})")
     b.add_argument("--out", metavar="FILE",
                    help="with --prompts-file: write the results to FILE, each line as soon as it and those before it are "
-                        "done; run the same command again and it goes on after the results FILE holds")
+                        "done; run the same command again and it goes on after the results FILE holds (a FILE "
+                        "that is not a results file, or holds results of other prompts or options, is refused)")
     _add_sampling(gen)
     _add_output(gen)
     from specdec.remote.command import add_remote_args
@@ -513,7 +514,8 @@ def _generate_batch(args: argparse.Namespace) -> int:
             raise SpecdecError(f"--method {args.method} needs --temperature 0")
     from specdec import batch_file
 
-    job = batch_file.plan(args.prompts_file, args.out)  # a bad prompts file or --out fails before any model loads
+    # a bad prompts file or --out fails before any model loads
+    job = batch_file.plan(args.prompts_file, args.out, batch_file.settings_key(args))
     template = _chat_template(args, any(batch_file.needs_chat(p, chat=args.chat) for p in job.prompts),
                               args.target, need="which the prompts file's chat prompts need",
                               instead="drop --chat and give those prompts as plain text")
