@@ -349,10 +349,30 @@ def test_bench_refuses_bad_drafter_lists(capsys, draft, modes, says):
     (["--draft-vocab", "small"], "--draft-vocab takes auto, full or both"),
     (["--draft-vocab", "auto,auto"], "lists a vocabulary twice"),
     (["--draft-vocab", "auto,full", "--modes", "speculative,edge_only"], "--draft-vocab auto,full runs with --modes plain,speculative only"),
+    (["--temperatures", ""], "--temperatures is empty"),
+    (["--modes", ","], "--modes is empty"),
+    (["--methods", ""], "--methods is empty"),
+    (["--gammas", "", "--modes", "speculative"], "--gammas (with --trees) is empty"),
+    (["--top-p", "2"], "--top-p must be in (0, 1]"),
+    (["--repetition-penalty", "0"], "--repetition-penalty must be > 0"),
+    (["--seed", "-1"], "--seed must be >= 0"),
 ])
 def test_bench_refuses_bad_settings_before_running(capsys, args, says):
     code, out, err = _run(capsys, "bench", *args, "--out", "unused")
     assert code == 2 and says in _one_error_line(err) and out == ""
+
+
+def test_bench_refuses_an_out_it_cannot_write_before_running(capsys, tmp_path, monkeypatch):
+    """Checked before any mode runs (it used to fail writing the report, every result lost)."""
+    monkeypatch.setattr("specdec.bench.runner.run", lambda *a, **k: pytest.fail("a mode ran"))
+    taken = tmp_path / "results"
+    taken.write_text("mine")
+    blocked = tmp_path / "blocked"
+    blocked.write_text("a file where a folder would go")
+    for out, says in ((taken, "is a file; give a folder"), (blocked / "run", "cannot write to --out")):
+        code, stdout, err = _run(capsys, "bench", "--modes", "plain", "--limit", "1", "--out", str(out))
+        assert code == 2 and says in _one_error_line(err) and stdout == "", err
+    assert taken.read_text() == "mine"
 
 
 SCHEMA = {"type": "object", "properties": {"color": {"enum": ["red", "green", "blue"]}, "size": {"type": "integer"}},

@@ -107,6 +107,18 @@ def run(args: argparse.Namespace, argv: list[str] | None = None) -> int:
             get_rule(m)
     if args.max_new_tokens < 1 or args.repeats < 1:
         raise ConfigError("--max-new-tokens and --repeats must be >= 1")
+    modes = _csv(args.modes)
+    for name, listed in (("--modes", modes), ("--temperatures", temps), ("--methods", methods)):
+        if not listed:
+            raise ConfigError(f"{name} is empty: nothing would run")
+    if "speculative" in modes and not gammas:
+        raise ConfigError("--gammas (with --trees) is empty: the speculative mode would run no setting")
+    if args.top_p is not None and not 0.0 < args.top_p <= 1.0:
+        raise ConfigError(f"--top-p must be in (0, 1], got {args.top_p}")
+    if args.repetition_penalty is not None and not args.repetition_penalty > 0.0:
+        raise ConfigError(f"--repetition-penalty must be > 0, got {args.repetition_penalty}")
+    if args.seed < 0:
+        raise ConfigError(f"--seed must be >= 0, got {args.seed}")
     rtts, wires = _network_args(args, temps)
     llamacpp = _llamacpp_args(args)
     from specdec.drafters.heads import resolve_head
@@ -163,6 +175,7 @@ def run(args: argparse.Namespace, argv: list[str] | None = None) -> int:
         llamacpp=tuple(llamacpp), llamacpp_draft_max=args.llamacpp_draft_max, llamacpp_p_min=args.llamacpp_p_min,
     )
     out = args.out or f"benchmarks/run-{time.strftime('%Y%m%d-%H%M%S')}"
+    _check_out(Path(out))  # a bad --out fails now, not after every mode has run
     result = runner.run(cfg)
     written = report.write(result, out, make_plots=not args.no_plots)
     print(f"[specdec] wrote {written['dir']}/README.md, results.json and {len(written['plots'])} plots", file=sys.stderr)
@@ -176,6 +189,19 @@ def run(args: argparse.Namespace, argv: list[str] | None = None) -> int:
         print(f"[specdec] {n.label} γ={n.gamma or '–'} T={n.temperature:g} RTT {n.rtt_ms:g} ms: {n.tokens_per_s_median:.1f} tok/s, "
               f"×{(n.speedup_vs_streaming or 0):.2f} cloud_streaming", file=sys.stderr)
     return 0
+
+
+def _check_out(folder: Path) -> None:
+    """``folder`` exists as a folder (made now if missing) that takes files, or a ConfigError."""
+    if folder.exists() and not folder.is_dir():
+        raise ConfigError(f"--out {folder} is a file; give a folder")
+    try:
+        folder.mkdir(parents=True, exist_ok=True)
+        probe = folder / f".specdec-write-check-{os.getpid()}"
+        probe.write_bytes(b"")
+        probe.unlink()
+    except OSError as exc:
+        raise ConfigError(f"cannot write to --out {folder}: {exc.strerror or exc}") from None
 
 
 def _rerender(args: argparse.Namespace) -> int:
