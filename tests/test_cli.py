@@ -792,3 +792,28 @@ def test_chat_template_known_reads_the_files_a_tokenizer_reads(tmp_path):
     (folder / "tokenizer_config.json").unlink()
     assert registry.chat_template_known(str(folder)) is None
     assert registry.chat_template_known("some-org/some-model") is None
+
+
+def test_a_broken_model_file_or_folder_is_a_one_line_error(capsys, tmp_path, tiny_pair):
+    """Not a GGUF, a GGUF cut short, a folder whose config.json is not JSON: as target or draft, a
+    one-line error and exit 2 (each was a traceback), and no half-converted folder left behind."""
+    from specdec.models.registry import cache_root
+
+    fake = tmp_path / "fake.gguf"
+    fake.write_bytes(b"hello, not a model")
+    cut = tmp_path / f"specdec-test-cut-{tmp_path.name}.gguf"  # its conversion folder's name is the file's stem
+    cut.write_bytes(b"GGUF" + (3).to_bytes(4, "little") + (5).to_bytes(8, "little") + (9).to_bytes(8, "little") + b"\x07\x00")
+    broken = tmp_path / "broken"
+    broken.mkdir()
+    (broken / "config.json").write_text("{bad")
+    listed = tmp_path / "listed"
+    listed.mkdir()
+    (listed / "config.json").write_text("[1, 2]")
+    target, _ = tiny_pair
+    for path, says in ((fake, "is not a GGUF file"), (cut, "is the file complete?"), (broken, "config.json is not valid JSON"),
+                       (listed, "config.json is not a JSON object")):
+        for role in ("--target", "--draft"):
+            extra = ["--target", target] if role == "--draft" else ["--draft", "none"]
+            code, out, err = _run(capsys, "generate", *extra, role, str(path), "-p", "hi", "-n", "2")
+            assert code == 2 and says in _one_error_line(err) and out == "", (path, role, err)
+    assert not list((cache_root() / "models").glob(f"{cut.stem}-*"))

@@ -25,7 +25,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 from specdec import caches, catalog
-from specdec.errors import MissingPackageError, ModelNotFoundError, SpecdecError
+from specdec.errors import ConfigError, MissingPackageError, ModelNotFoundError, SpecdecError
 
 if TYPE_CHECKING:  # torch is imported where a model loads: `specdec models` and `setup`'s checks need none of it
     import torch
@@ -242,11 +242,24 @@ def convert_gguf(gguf: Path, out_dir: Path) -> Path:
     from safetensors.torch import save_file
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
+    try:
+        with open(gguf, "rb") as f:
+            magic = f.read(4)
+    except OSError as exc:
+        raise ConfigError(f"cannot read {gguf}: {exc.strerror or exc}") from None
+    if magic != b"GGUF":
+        raise ConfigError(f"{gguf} is not a GGUF file (it does not start with the bytes 'GGUF')")
     tmp = out_dir.with_name(out_dir.name + ".converting")
     shutil.rmtree(tmp, ignore_errors=True)
     tmp.mkdir(parents=True)
-    tok = AutoTokenizer.from_pretrained(str(gguf.parent), gguf_file=gguf.name)
-    model = AutoModelForCausalLM.from_pretrained(str(gguf.parent), gguf_file=gguf.name, dtype=torch.float32)
+    try:
+        tok = AutoTokenizer.from_pretrained(str(gguf.parent), gguf_file=gguf.name)
+        model = AutoModelForCausalLM.from_pretrained(str(gguf.parent), gguf_file=gguf.name, dtype=torch.float32)
+    except Exception as exc:  # noqa: BLE001 - a truncated or foreign file fails deep in the reader, in many ways
+        shutil.rmtree(tmp, ignore_errors=True)
+        first = (str(exc).strip().splitlines() or [""])[0][:200]
+        raise ConfigError(f"cannot read {gguf} as a model ({type(exc).__name__}{': ' + first if first else ''});"
+                          " is the file complete?") from None
     cfg = model.config.to_dict()
     cfg.pop("quantization_config", None)
     (tmp / "config.json").write_text(json.dumps(cfg, indent=2))
@@ -276,7 +289,7 @@ def native_runs(ref: str) -> bool | None:
     path = Path(name).expanduser()
     try:
         if _is_hf_folder(path):
-            model_type = json.loads((path / "config.json").read_text()).get("model_type")
+            model_type = read_config(path).get("model_type")
             return model_type in SUPPORTED and any(path.glob("*.safetensors"))
         if path.is_file() and path.suffix.lower() == ".gguf":
             from specdec.models.gguf_blocks import gguf_architecture
@@ -285,6 +298,20 @@ def native_runs(ref: str) -> bool | None:
     except (OSError, ValueError):
         return None
     return None
+
+
+def read_config(folder: Path) -> dict:
+    """A model folder's ``config.json``, or a one-line ConfigError where it is not a JSON object."""
+    path = folder / "config.json"
+    try:
+        cfg = json.loads(path.read_text(encoding="utf-8"))
+    except OSError as exc:
+        raise ConfigError(f"cannot read {path}: {exc.strerror or exc}") from None
+    except ValueError as exc:
+        raise ConfigError(f"{path} is not valid JSON ({exc})") from None
+    if not isinstance(cfg, dict):
+        raise ConfigError(f"{path} is not a JSON object")
+    return cfg
 
 
 def _is_hf_folder(path: Path) -> bool:
@@ -516,7 +543,7 @@ def load(
         cfg = model.model.config.to_dict()
         return LoadedModel(resolved.name, model, tokenizer, None, "hf", _eos_ids(None, tokenizer, cfg))
     folder = resolved.folder
-    cfg = json.loads((folder / "config.json").read_text())
+    cfg = read_config(folder)
     if tokenizer_of is not None and tokenizer_of.folder is not None and same_tokenizer(folder, tokenizer_of.folder):
         tokenizer = tokenizer_of.tokenizer
     else:
@@ -595,7 +622,7 @@ def direct_tokenizer(folder: Path) -> bool:
     the one :data:`DIRECT_TOKENIZER_TYPES` names for its model type, without remote code."""
     try:
         declared = json.loads((folder / "tokenizer_config.json").read_text())
-        model_type = json.loads((folder / "config.json").read_text()).get("model_type")
+        model_type = read_config(folder).get("model_type")
     except (OSError, ValueError, AttributeError):
         return False
     return (
@@ -634,7 +661,7 @@ def same_tokenizer(a: Path, b: Path) -> bool:
         if fa.is_file() and (fa.stat().st_size != fb.stat().st_size or fa.read_bytes() != fb.read_bytes()):
             return False
     try:
-        types = [json.loads((f / "config.json").read_text()).get("model_type") for f in (a, b)]
+        types = [read_config(f).get("model_type") for f in (a, b)]
     except (OSError, ValueError, AttributeError):
         return False
     return types[0] == types[1]
