@@ -153,7 +153,7 @@ def test_the_command_writes_the_file_that_auto_reads(capsys, tiny_folder, tmp_pa
     (["--prompts", "0"], "--prompts must be 1-144"),
     (["--draft", "ngram"], "calibrate measures a draft model"),
     (["--draft", "layerskip:1"], "calibrate measures a draft model"),
-    (["--out", "TMP/a-file/sub"], "cannot make that folder"),
+    (["--out", "TMP/a-file/sub"], "cannot write to --out"),
 ])
 def test_the_command_refuses_bad_input(capsys, tiny_folder, tmp_path, argv, says):
     (tmp_path / "a-file").write_text("x")

@@ -11,6 +11,7 @@ from pathlib import Path
 
 from specdec import defaults
 from specdec.errors import ConfigError
+from specdec.outputs import check_folder
 
 
 def _csv(text: str) -> list[str]:
@@ -175,7 +176,7 @@ def run(args: argparse.Namespace, argv: list[str] | None = None) -> int:
         llamacpp=tuple(llamacpp), llamacpp_draft_max=args.llamacpp_draft_max, llamacpp_p_min=args.llamacpp_p_min,
     )
     out = args.out or f"benchmarks/run-{time.strftime('%Y%m%d-%H%M%S')}"
-    _check_out(Path(out))  # a bad --out fails now, not after every mode has run
+    check_folder(Path(out))  # a bad --out fails now, not after every mode has run
     result = runner.run(cfg)
     written = report.write(result, out, make_plots=not args.no_plots)
     print(f"[specdec] wrote {written['dir']}/README.md, results.json and {len(written['plots'])} plots", file=sys.stderr)
@@ -189,19 +190,6 @@ def run(args: argparse.Namespace, argv: list[str] | None = None) -> int:
         print(f"[specdec] {n.label} γ={n.gamma or '–'} T={n.temperature:g} RTT {n.rtt_ms:g} ms: {n.tokens_per_s_median:.1f} tok/s, "
               f"×{(n.speedup_vs_streaming or 0):.2f} cloud_streaming", file=sys.stderr)
     return 0
-
-
-def _check_out(folder: Path) -> None:
-    """``folder`` exists as a folder (made now if missing) that takes files, or a ConfigError."""
-    if folder.exists() and not folder.is_dir():
-        raise ConfigError(f"--out {folder} is a file; give a folder")
-    try:
-        folder.mkdir(parents=True, exist_ok=True)
-        probe = folder / f".specdec-write-check-{os.getpid()}"
-        probe.write_bytes(b"")
-        probe.unlink()
-    except OSError as exc:
-        raise ConfigError(f"cannot write to --out {folder}: {exc.strerror or exc}") from None
 
 
 def _rerender(args: argparse.Namespace) -> int:

@@ -237,6 +237,13 @@ class _WithDefaults(argparse.HelpFormatter):
 
 
 def run(args: argparse.Namespace) -> int:
+    from specdec.outputs import check_file, check_folder
+
+    # where the results go is checked before anything loads or trains (it used to fail at the end)
+    if getattr(args, "out", None):
+        (check_file if args.train_command in ("skip", "kangaroo") else check_folder)(Path(args.out))
+    if getattr(args, "bundle", None):
+        check_folder(Path(args.bundle), "--bundle")
     if args.train_command in ("eagle", "medusa", "mtp"):
         return _head(args)
     if args.train_command == "data":
@@ -273,11 +280,7 @@ def _calibrate(args: argparse.Namespace) -> int:
         else list(defaults.CALIBRATION_FACTORS)
     if not 1 <= args.prompts <= 144 or args.new_tokens < 1:
         raise ConfigError("--prompts must be 1-144 and --new-tokens >= 1")
-    out = Path(args.out)
-    try:  # before anything loads
-        out.mkdir(parents=True, exist_ok=True)
-    except OSError as exc:
-        raise ConfigError(f"--out {args.out}: cannot make that folder ({exc.strerror or exc})") from None
+    out = Path(args.out)  # made, and checked, before anything loads (see run)
     base, lookup, head = check_draft_name(args.draft)
     if lookup or head is not None or base.strip().lower() in NON_MODEL_DRAFTS or self_spec.parse_name(base) is not None:
         raise ConfigError(f"calibrate measures a draft model (a registry name or folder), not --draft {args.draft}")
