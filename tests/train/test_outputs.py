@@ -37,3 +37,24 @@ def test_a_bundle_folder_that_cannot_be_written_fails_first(capsys, tmp_path):
     taken.write_text("mine")
     code, err = _train(capsys, "online", "--out", str(tmp_path / "run"), "--bundle", str(taken))
     assert code == 2 and "--bundle" in err and "is a file; give a folder" in err and taken.read_text() == "mine"
+
+
+@pytest.mark.parametrize("command", ["distill", "eagle"])
+@pytest.mark.parametrize("damage", ["config", "shard"])
+def test_damaged_training_data_is_a_one_line_error(capsys, tmp_path, command, damage):
+    """A data folder whose config.json is not JSON, or whose shard is not a shard: one line, exit 2."""
+    import json
+
+    from tiny import make_tiny
+
+    data = tmp_path / "data"
+    data.mkdir()
+    (data / "config.json").write_text("{bad" if damage == "config" else json.dumps({"features": True}))
+    (data / "shard-00000.pt").write_bytes(b"not a torch file" if damage == "shard" else b"")
+    target = make_tiny(tmp_path / "target", seed=0, max_positions=64)
+    model = ["--target", str(target)] if command == "eagle" else ["--draft", str(target)]
+    code = main(["train", command, "--data", str(data), *model, "--out", str(tmp_path / "out"), "--steps", "1"])
+    err = capsys.readouterr().err
+    says = "config.json is not valid JSON" if damage == "config" else "is not a shard written by `specdec train data`"
+    errors = [piece for piece in err.replace("\r", "\n").splitlines() if "specdec: error:" in piece]
+    assert code == 2 and len(errors) == 1 and says in errors[0] and "Traceback" not in err, err

@@ -12,6 +12,7 @@ from pathlib import Path
 
 from specdec import defaults
 from specdec.errors import ConfigError
+from specdec.models.registry import read_config
 
 
 def add_parser(sub) -> None:  # noqa: ANN001 - argparse's subparsers action
@@ -280,7 +281,7 @@ def _calibrate(args: argparse.Namespace) -> int:
         else list(defaults.CALIBRATION_FACTORS)
     if not 1 <= args.prompts <= 144 or args.new_tokens < 1:
         raise ConfigError("--prompts must be 1-144 and --new-tokens >= 1")
-    out = Path(args.out)  # made, and checked, before anything loads (see run)
+    out = Path(args.out)  # checked before anything loads (see run)
     base, lookup, head = check_draft_name(args.draft)
     if lookup or head is not None or base.strip().lower() in NON_MODEL_DRAFTS or self_spec.parse_name(base) is not None:
         raise ConfigError(f"calibrate measures a draft model (a registry name or folder), not --draft {args.draft}")
@@ -305,6 +306,7 @@ def _calibrate(args: argparse.Namespace) -> int:
                "new_tokens": args.new_tokens, "seed": args.seed, "seconds": round(time.perf_counter() - t0, 1),
                "torch": torch.__version__}
     try:
+        out.mkdir(parents=True, exist_ok=True)
         (out / CALIBRATION_FILE).write_text(json.dumps(payload, indent=1) + "\n")
     except OSError as exc:
         raise ConfigError(f"cannot write {out / CALIBRATION_FILE}: {exc.strerror or exc}") from None
@@ -505,12 +507,12 @@ def _head(args: argparse.Namespace) -> int:
     data = Path(args.data)
     if not (data / "config.json").is_file() or not any(data.glob("shard-*.pt")):
         raise ConfigError(f"{args.data!r} holds no training data; run `specdec train data --out {args.data}` first")
-    if not json.loads((data / "config.json").read_text()).get("features", True):
+    if not read_config(data).get("features", True):
         raise ConfigError(f"{args.data!r} holds tokens only (--no-features); heads need `specdec train data` with features")
     resolved = resolve(args.target)
     if resolved.folder is None:
         raise ConfigError("training a head needs a local target (a registry name or a folder)")
-    cfg_json = json.loads((resolved.folder / "config.json").read_text())
+    cfg_json = read_config(resolved.folder)
     eos = _eos_ids(resolved.folder, load_tokenizer(resolved.folder), cfg_json)
     target = TargetHead.from_folder(resolved.folder, resolved.name, eos)
     cfg = TrainConfig(kind=kind, steps=args.steps, batch_tokens=args.batch_tokens, lr=args.lr, draft_vocab=args.draft_vocab,
@@ -645,7 +647,7 @@ def _distill(args: argparse.Namespace) -> int:
     data_dir, out = Path(args.data), Path(args.out)
     if not (data_dir / "config.json").is_file() or not any(data_dir.glob("shard-*.pt")):
         raise ConfigError(f"{args.data!r} holds no training data; run `specdec train data --no-features --out {args.data}` first")
-    data_cfg = json.loads((data_dir / "config.json").read_text())
+    data_cfg = read_config(data_dir)
     source = resolve(args.draft).folder
     if source is None:
         raise ConfigError("distillation needs a local draft (a registry name or a folder)")
@@ -785,7 +787,7 @@ def _online(args: argparse.Namespace) -> int:
         raise ConfigError("online distillation needs a local draft folder (config.json + model.safetensors)")
     target = load(args.target, batch_invariant=False)
     check_compatible(target, load(str(source), batch_invariant=False))
-    cfg_json = json.loads((target.folder / "config.json").read_text())
+    cfg_json = read_config(target.folder)
     if cfg_json.get("model_type") != "llama":
         raise ConfigError(f"{args.target!r} is a {cfg_json.get('model_type')} model; online distillation reads Llama targets")
     gguf = gguf_file(args.target)

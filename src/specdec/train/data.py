@@ -27,6 +27,7 @@ import torch
 from torch import Tensor
 
 from specdec.errors import ConfigError
+from specdec.models.registry import read_config
 from specdec.text import encode_prompt
 
 
@@ -86,9 +87,13 @@ class Shard:
 def load_shards(folder: Path) -> Shard:
     out = Shard()
     for path in sorted(folder.glob("shard-*.pt")):
-        part = torch.load(path, weights_only=True)
-        for key in ("tokens", "prompt_len", "temperature", "kind", "feats"):
-            getattr(out, key).extend(part[key])
+        try:
+            part = torch.load(path, weights_only=True)
+            for key in ("tokens", "prompt_len", "temperature", "kind", "feats"):
+                getattr(out, key).extend(part[key])
+        except Exception as exc:  # noqa: BLE001 - a damaged or foreign file fails inside torch's unpickler, in many ways
+            raise ConfigError(f"{path} is not a shard written by `specdec train data` ({type(exc).__name__}); "
+                              "delete it, or make the data again") from None
     return out
 
 
@@ -142,7 +147,7 @@ def generate(
     settings = json.loads(json.dumps(asdict(cfg)))  # as config.json holds them (tuples as lists)
     shards = sorted(out.glob("shard-*.pt"))
     if shards and (out / "config.json").is_file():
-        before = {"sampler": "target", **json.loads((out / "config.json").read_text())}  # older folders lack it
+        before = {"sampler": "target", **read_config(out)}  # older folders lack it
         changed = sorted(k for k in settings if before.get(k) != settings[k])
         if changed:
             raise ConfigError(f"{out} holds sequences generated with other settings ({', '.join(changed)}); "

@@ -30,6 +30,7 @@ import torch.nn.functional as F
 from torch import Tensor, nn
 
 from specdec.heads.modules import MTP, Eagle, HeadConfig, Medusa, build, frozen_head_rows, rope_tables, save_head, ttt_mask
+from specdec.models.registry import read_config
 from specdec.train.common import length_batches, warmup_cosine
 from specdec.train.data import Shard, load_shards
 
@@ -68,7 +69,7 @@ class TargetHead:
 
         from specdec.models.native import NativeConfig
 
-        cfg = NativeConfig.from_hf(json.loads((folder / "config.json").read_text()))
+        cfg = NativeConfig.from_hf(read_config(folder))
         w: dict[str, Tensor] = {}
         for f in sorted(folder.glob("*.safetensors")):
             w.update(load_file(str(f)))
@@ -297,7 +298,7 @@ def train(
     data = load_shards(data_dir)
     if not data.tokens:
         raise ValueError(f"{data_dir} holds no training shards (run `specdec train data` first)")
-    data_cfg = json.loads((data_dir / "config.json").read_text())
+    data_cfg = read_config(data_dir)
     taps = tuple(data_cfg["taps"])
     held = [i for i in range(len(data.tokens)) if i % 20 == 0]
     train_idx = [i for i in range(len(data.tokens)) if i % 20 != 0]

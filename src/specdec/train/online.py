@@ -53,6 +53,7 @@ from specdec.drafters.fed import CONFIG_KEY as FED_CONFIG_KEY
 from specdec.drafters.fed import NULL as FED_NULL
 from specdec.drafters.fed import PROJ as FED_PROJ
 from specdec.drafters.fed import fed_input  # the features' layout, shared with the drafter
+from specdec.models.registry import read_config
 from specdec.train.common import length_batches, split, warmup_cosine
 
 
@@ -249,7 +250,7 @@ def load_folder(folder: Path) -> tuple[Shape, dict[str, Tensor], dict]:
     """A Hugging Face Llama folder (config.json + safetensors) as float32 weights."""
     from safetensors.torch import load_file
 
-    cfg = json.loads((folder / "config.json").read_text())
+    cfg = read_config(folder)
     w: dict[str, Tensor] = {}
     for f in sorted(folder.glob("*.safetensors")):
         w.update({k: v.float() for k, v in load_file(str(f)).items()})
