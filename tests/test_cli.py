@@ -93,6 +93,9 @@ def test_greedy_default_and_plain_match(capsys, tiny_pair):
         (["--gate", "shape", "--q-top-k", "4"], "--q-top-k, --gate apply only"),
         (["--draft", "no-such-draft"], "as --draft also: none, ngram"),
         (["--allowed-token-id", "99999999"], "outside the vocabulary"),
+        (["--stop", ""], "--stop needs a non-empty string"),
+        (["--draft", "none", "--gamma", "5"], "--gamma shapes drafts, and --draft none drafts nothing"),
+        (["--draft", "none", "--tree", "4", "--min-confidence", "0.5"], "--tree, --min-confidence shape drafts"),
     ],
 )
 def test_bad_input_one_line_exit_2(capsys, tiny_pair, args, needle):

@@ -96,6 +96,8 @@ def _check_filter(args: argparse.Namespace) -> None:
     bad = [t for t in args.allowed_token_ids if t < 0]
     if bad:
         raise SpecdecError(f"--allowed-token-id must be >= 0, got {bad[0]}")
+    if any(not stop for stop in args.stop):
+        raise SpecdecError("--stop needs a non-empty string (an empty one would stop before any text)")
     for word in args.bad_words:
         _text_arg(word, "--bad-word")
         if not word.strip():
@@ -389,6 +391,13 @@ def _cmd_generate(args: argparse.Namespace) -> int:
         raise SpecdecError("--rounds adds per-round stats to the JSON output; add --json")
     parse_min_confidence(args.min_confidence)
     parse_temperature_factor(args.draft_temperature_factor)
+    if str(args.draft).strip().lower() == "none" and not args.remote:  # plain decoding: nothing to shape
+        shaping = [flag for flag, given in (("--gamma", str(args.gamma) != str(defaults.DEFAULT_GAMMA)),
+                                            ("--tree", str(args.tree) != str(defaults.DEFAULT_TREE)),
+                                            ("--min-confidence", args.min_confidence is not None)) if given]
+        if shaping:
+            raise SpecdecError(f"{', '.join(shaping)} {'shape' if len(shaping) > 1 else 'shapes'} drafts, and --draft none"
+                               " drafts nothing: choose a drafter, or drop it")
     if args.interactive and args.json:
         raise SpecdecError("--interactive prints text as it comes; drop --json")
     if args.system is not None and not (args.chat or args.interactive):
