@@ -58,3 +58,15 @@ def test_damaged_training_data_is_a_one_line_error(capsys, tmp_path, command, da
     says = "config.json is not valid JSON" if damage == "config" else "is not a shard written by `specdec train data`"
     errors = [piece for piece in err.replace("\r", "\n").splitlines() if "specdec: error:" in piece]
     assert code == 2 and len(errors) == 1 and says in errors[0] and "Traceback" not in err, err
+
+
+@pytest.mark.parametrize("command, argv, says", [
+    ("data", ["--max-new-code", "-1"], "--max-new-chat and --max-new-code must be >= 1"),
+    ("data", ["--max-new-chat", "0"], "--max-new-chat and --max-new-code must be >= 1"),
+    ("online", ["--max-new-chat", "0"], "--max-new-chat and --max-new-code must be >= 1"),
+    ("online", ["--chat-prompts", "999999"], "built-in chat instructions"),  # was capped in silence
+])
+def test_out_of_range_counts_fail_before_anything_loads(capsys, tmp_path, monkeypatch, command, argv, says):
+    monkeypatch.setattr("specdec.models.registry.load", lambda *a, **k: pytest.fail("a model was loaded"))
+    code, err = _train(capsys, command, "--out", str(tmp_path / "run"), *argv)
+    assert code == 2 and says in err and "Traceback" not in err and not (tmp_path / "run").exists(), err

@@ -462,6 +462,8 @@ def _data(args: argparse.Namespace) -> int:
     temps = _floats(args.temperatures, "--temperatures")
     if args.sequences < 1 or args.batch < 1 or not 0.0 <= args.chat_share <= 1.0:
         raise ConfigError("--sequences and --batch must be >= 1 and --chat-share in [0, 1]")
+    if min(args.max_new_chat, args.max_new_code) < 1:
+        raise ConfigError("--max-new-chat and --max-new-code must be >= 1")
     cfg = DataConfig(target=args.target, sequences=args.sequences, chat_share=args.chat_share, temperatures=temps,
                      max_new_chat=args.max_new_chat, max_new_code=args.max_new_code, batch=args.batch,
                      taps=_int_list(args.taps, "--taps"), seed=args.seed, features=not args.no_features,
@@ -775,6 +777,13 @@ def _online(args: argparse.Namespace) -> int:
         raise ConfigError("counts must be >= 0, --gen-batch, --batch-tokens and --lr positive")
     if args.chat_prompts + args.code_prompts == 0:
         raise ConfigError("nothing to answer: --chat-prompts and --code-prompts are both 0")
+    if min(args.max_new_chat, args.max_new_code) < 1:
+        raise ConfigError("--max-new-chat and --max-new-code must be >= 1")
+    from specdec.train.prompts import chat_prompts
+
+    available = len(chat_prompts(args.chat_prompts))
+    if available < args.chat_prompts:
+        raise ConfigError(f"--chat-prompts {args.chat_prompts}: there are {available:,} built-in chat instructions")
     if args.sequences == 0 and args.gen_seconds <= 0 or args.steps == 0 and args.train_seconds <= 0:
         raise ConfigError("give --sequences or a positive --gen-seconds, and --steps or a positive --train-seconds")
     device = args.device if args.device != "auto" else ("cuda" if torch.cuda.is_available() else "cpu")
@@ -792,6 +801,9 @@ def _online(args: argparse.Namespace) -> int:
         raise ConfigError(f"{args.target!r} is a {cfg_json.get('model_type')} model; online distillation reads Llama targets")
     gguf = gguf_file(args.target)
     prompts = online.tokenised_prompts(target.tokenizer, args.chat_prompts, args.code_prompts, target.eos_ids, args.seed)
+    if len(prompts["code"]) < args.code_prompts:
+        raise ConfigError(f"--code-prompts {args.code_prompts}: this Python's standard library has {len(prompts['code']):,}"
+                          " function headers to continue")
     prompts["target_name"] = args.target
     if args.bundle:
         online.write_bundle(Path(args.bundle), gguf=gguf, target_config=cfg_json, draft=source, prompts=prompts)
