@@ -94,6 +94,9 @@ def test_greedy_default_and_plain_match(capsys, tiny_pair):
         (["--draft", "no-such-draft"], "as --draft also: none, ngram"),
         (["--allowed-token-id", "99999999"], "outside the vocabulary"),
         (["--stop", ""], "--stop needs a non-empty string"),
+        (["--regex", "(["], "regex parse error: unclosed character class"),  # the cause, not a cut-off line
+        (["--grammar", "."], "is a folder; give a Lark grammar file"),
+        (["--remote", "http://127.0.0.1:9", "--remote-timeout", "-5"], "--remote-timeout must be > 0 seconds"),
         (["--draft", "none", "--gamma", "5"], "--gamma shapes drafts, and --draft none drafts nothing"),
         (["--draft", "none", "--tree", "4", "--min-confidence", "0.5"], "--tree, --min-confidence shape drafts"),
     ],

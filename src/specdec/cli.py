@@ -141,6 +141,8 @@ def _grammar_spec(args: argparse.Namespace) -> tuple[str | None, object]:
         return "lark", choice_lark(args.choice)
     if args.grammar is not None:
         path = Path(args.grammar)
+        if path.is_dir():
+            raise SpecdecError(f"--grammar {args.grammar!r} is a folder; give a Lark grammar file")
         if not path.is_file():
             raise SpecdecError(f"--grammar: no such file {args.grammar!r}")
         return "lark", path.read_text()
@@ -387,6 +389,8 @@ def _cmd_generate(args: argparse.Namespace) -> int:
     if stray:
         raise SpecdecError(f"{', '.join(stray)} {'apply' if len(stray) > 1 else 'applies'} only to edge-cloud generation:"
                            f" add --remote URL, or drop {'them' if len(stray) > 1 else 'it'}")
+    if args.remote and not args.remote_timeout > 0:
+        raise SpecdecError(f"--remote-timeout must be > 0 seconds, got {args.remote_timeout:g}")
     if args.rounds and not args.json:
         raise SpecdecError("--rounds adds per-round stats to the JSON output; add --json")
     parse_min_confidence(args.min_confidence)

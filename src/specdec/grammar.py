@@ -190,11 +190,21 @@ def check_grammar(grammar: str) -> str:
     return grammar
 
 
+def _one_line(message: str) -> str:
+    """The engine's message on one line: its first, and the ``error: …`` line of a regex
+    parser's report (whose middle lines draw a caret under the pattern)."""
+    lines = [line.strip() for line in message.strip().splitlines() if line.strip()]
+    if not lines:
+        return ""
+    cause = next((line[len("error:"):].strip() for line in lines[1:] if line.startswith("error:")), "")
+    return f"{lines[0]} {cause}" if cause else lines[0]
+
+
 def _validate(llg: Any, grammar: str) -> tuple[bool, str]:
     try:
         result = llg.LLMatcher.validate_grammar(grammar)
     except Exception as exc:  # noqa: BLE001 - the engine's own message is the useful part
-        return False, str(exc).splitlines()[0]
+        return False, _one_line(str(exc))
     if isinstance(result, str):
-        return (not result), (result.strip().splitlines() or [""])[0]
+        return (not result), _one_line(result)
     return True, ""
