@@ -97,8 +97,6 @@ def test_greedy_default_and_plain_match(capsys, tiny_pair):
         (["--regex", "(["], "regex parse error: unclosed character class"),  # the cause, not a cut-off line
         (["--grammar", "."], "is a folder; give a Lark grammar file"),
         (["--remote", "http://127.0.0.1:9", "--remote-timeout", "-5"], "--remote-timeout must be > 0 seconds"),
-        (["--draft", "none", "--gamma", "5"], "--gamma shapes drafts, and --draft none drafts nothing"),
-        (["--draft", "none", "--tree", "4", "--min-confidence", "0.5"], "--tree, --min-confidence shape drafts"),
     ],
 )
 def test_bad_input_one_line_exit_2(capsys, tiny_pair, args, needle):
@@ -823,3 +821,15 @@ def test_a_broken_model_file_or_folder_is_a_one_line_error(capsys, tmp_path, tin
             code, out, err = _run(capsys, "generate", *extra, role, str(path), "-p", "hi", "-n", "2")
             assert code == 2 and says in _one_error_line(err) and out == "", (path, role, err)
     assert not list((cache_root() / "models").glob(f"{cut.stem}-*"))
+
+
+def test_draft_settings_with_no_drafter_are_named_as_ignored(capsys, tiny_pair):
+    """--gamma / --tree / --min-confidence with --draft none: a note on stderr, not an error (the
+    same command with another --draft is how runs are compared), and plain decoding's tokens."""
+    target, _ = tiny_pair
+    base = ["generate", "-p", "hi", "--target", target, "--draft", "none", "-n", "4", "--json"]
+    code, plain, err = _run(capsys, *base)
+    assert code == 0 and "note:" not in err
+    code, out, err = _run(capsys, *base, "--gamma", "5", "--tree", "4", "--min-confidence", "0.5")
+    assert code == 0 and "note: --gamma, --tree, --min-confidence shape drafts" in err and "ignored" in err
+    assert json.loads(out)["token_ids"] == json.loads(plain)["token_ids"]

@@ -399,9 +399,9 @@ def _cmd_generate(args: argparse.Namespace) -> int:
         shaping = [flag for flag, given in (("--gamma", str(args.gamma) != str(defaults.DEFAULT_GAMMA)),
                                             ("--tree", str(args.tree) != str(defaults.DEFAULT_TREE)),
                                             ("--min-confidence", args.min_confidence is not None)) if given]
-        if shaping:
-            raise SpecdecError(f"{', '.join(shaping)} {'shape' if len(shaping) > 1 else 'shapes'} drafts, and --draft none"
-                               " drafts nothing: choose a drafter, or drop it")
+        if shaping:  # a note, not an error: the same command with another --draft is how runs are compared
+            print(f"[specdec] note: {', '.join(shaping)} {'shape' if len(shaping) > 1 else 'shapes'} drafts, and --draft"
+                  f" none drafts nothing: {'they are' if len(shaping) > 1 else 'it is'} ignored", file=sys.stderr)
     if args.interactive and args.json:
         raise SpecdecError("--interactive prints text as it comes; drop --json")
     if args.system is not None and not (args.chat or args.interactive):
