@@ -391,8 +391,11 @@ class RemoteVerifier:
     def _exchange(self, method: str, path: str, payload: dict[str, Any] | None, timeout: float) -> httpx.Response:
         """One HTTP exchange, counted in bytes (payload and estimated on-the-wire)."""
         body = json.dumps(payload, separators=(",", ":")).encode() if payload is not None else b""
+        # (connect, read, write, pool) as a tuple: a client of another httpx build (Starlette's test
+        # client on httpx2) refuses this module's httpx.Timeout, and both take the tuple
+        limits = (min(timeout, self.cfg.connect_timeout_s), timeout, timeout, timeout)
         req = self._http.build_request(method, self._base + path, content=body or None, headers=self._headers,
-                                       timeout=httpx.Timeout(timeout, connect=min(timeout, self.cfg.connect_timeout_s)))
+                                       timeout=limits)
         self.stats.bytes_up += len(body)
         self.stats.wire_bytes_up += _head_bytes_request(req) + len(body)
         resp = self._http.send(req)
