@@ -54,7 +54,20 @@ def test_llamacpp_speculative_rows_keep_plain_greedy_output(draft, ids):
         assert rows["lookup"]["tokens_sha1"] == rows["plain"]["tokens_sha1"]
         assert rows["spec"]["tokens_per_target_call"] > 1.2  # the converted draft really drafts
         assert rows["spec"]["draft_tokens_proposed"] >= rows["spec"]["draft_tokens_accepted"] > 0
-    # seeded sampling is reproducible
+    # seeded sampling is reproducible (below: prompts past the binding's 512-row logits buffer)
     a = runner.generate("plain", ids[1], temperature=1.0, seed=3, max_new=32)
     b = runner.generate("plain", ids[1], temperature=1.0, seed=3, max_new=32)
     assert a["tokens_sha1"] == b["tokens_sha1"]
+
+
+def test_llamacpp_speculative_rows_run_past_512_positions(draft, ids):
+    # the binding sized its buffer of every position's logits (which a draft model turns on) by
+    # n_batch, 512 rows: a prompt and reply past that failed inside eval
+    long = (ids[0] * 60)[:600]  # [600] token ids
+    assert len(long) == 600
+    runner = LlamaCppRunner.load(gguf_file("smollm2-135m"), ["plain", "spec", "lookup"], draft="smollm2-135m-draft",
+                                 eos_ids=draft.eos_ids, threads=1)
+    rows = {v: runner.generate(v, long, temperature=0.0, seed=0, max_new=32) for v in ("plain", "spec", "lookup")}
+    assert rows["plain"]["generated_tokens"] > 0
+    assert rows["spec"]["tokens_sha1"] == rows["plain"]["tokens_sha1"]
+    assert rows["lookup"]["tokens_sha1"] == rows["plain"]["tokens_sha1"]

@@ -179,3 +179,13 @@ def test_llamacpp_variants_take_turns_with_specdecs_runs():
     assert names(4, 0) == names(0, 0) and names(0, 1) == names(1, 0)  # and one place on at the next repeat
     assert {names(i, 0)[0] for i in range(4)} == {"plain", "spec", "plain_paired", "draft"}
     assert worker._in_turn([], 3, 1) == []
+
+
+def test_llamacpp_context_holds_the_longest_prompt_its_reply_and_one_draft():
+    from specdec.bench.llamacpp import N_CTX, context_for
+
+    assert context_for(40, 128) == N_CTX  # short prompts keep the smallest context
+    assert context_for(1_900, 128, 16) == 2_048  # 1,900 + 128 + 16 + 1 = 2,045 fits
+    assert context_for(1_950, 128, 16) == 2_304  # 2,095, rounded up to 256
+    n = context_for(3_000, 256, 16)
+    assert n % 256 == 0 and n >= 3_000 + 256 + 16 + 1 and n - 256 < 3_000 + 256 + 16 + 1

@@ -46,7 +46,15 @@ def tokens_sha1(tokens: list[int]) -> str:
 VARIANTS = ("plain", "spec", "lookup")
 DRAFT_MAX = 16  # llama.cpp's default --draft-max
 DRAFT_P_MIN = 0.75  # llama.cpp's default --draft-p-min
-N_CTX = 2048
+N_CTX = 2048  # the smallest context a runner gets (see :func:`context_for`)
+
+
+def context_for(longest_prompt: int, max_new: int, draft_max: int = DRAFT_MAX) -> int:
+    """The llama.cpp context a job needs: its longest prompt, every token it may generate and one
+    speculative call's ``[last] + draft`` past the end, rounded up to 256, and never below
+    :data:`N_CTX`."""
+    need = longest_prompt + max_new + draft_max + 1
+    return max(N_CTX, -(-need // 256) * 256)
 
 
 def require() -> Any:
@@ -151,12 +159,20 @@ class LlamaCppRunner:
 
     @classmethod
     def load(cls, target_gguf: Path, variants: list[str], *, draft: str, eos_ids: frozenset[int], threads: int,
-             draft_max: int = DRAFT_MAX, p_min: float = DRAFT_P_MIN, flash_attn: bool = True) -> "LlamaCppRunner":
+             draft_max: int = DRAFT_MAX, p_min: float = DRAFT_P_MIN, flash_attn: bool = True,
+             n_ctx: int = N_CTX) -> "LlamaCppRunner":
+        """``n_ctx``: the context of every llama.cpp model loaded (see :func:`context_for`)."""
         llama_cpp = require()
         from llama_cpp.llama_speculative import LlamaPromptLookupDecoding
 
         counting = _counting_llama(llama_cpp)
-        common = dict(n_ctx=N_CTX, n_threads=threads, n_threads_batch=threads, verbose=False, flash_attn=flash_attn)
+        common = dict(n_ctx=n_ctx, n_threads=threads, n_threads_batch=threads, verbose=False, flash_attn=flash_attn)
+        # With a draft model the binding scores every position (logits_all) but sizes its buffer
+        # of them by the logits_all *argument*: n_batch rows (512) when it is left False, so a
+        # prompt plus its reply past 512 tokens failed in eval ("could not broadcast input array").
+        # Passing True sizes it by n_ctx; the work done is the same, since the binding turns
+        # logits_all on for a draft model anyway.
+        spec_ctx = dict(common, logits_all=True)
         llms: dict[str, Any] = {}
         gdraft = lookup = None
         draft_path = None
@@ -168,10 +184,10 @@ class LlamaCppRunner:
 
                 draft_path = draft_gguf(draft, target_gguf)
                 gdraft = GGUFDraft(llama_cpp.Llama(model_path=str(draft_path), **common), draft_max=draft_max, p_min=p_min)
-                llms[v] = counting(model_path=str(target_gguf), draft_model=gdraft, **common)
+                llms[v] = counting(model_path=str(target_gguf), draft_model=gdraft, **spec_ctx)
             elif v == "lookup":
                 lookup = LlamaPromptLookupDecoding()
-                llms[v] = counting(model_path=str(target_gguf), draft_model=lookup, **common)
+                llms[v] = counting(model_path=str(target_gguf), draft_model=lookup, **spec_ctx)
             else:
                 raise ValueError(f"unknown llama.cpp variant {v!r}; choose from {', '.join(VARIANTS)}")
         return cls(llms, gdraft, lookup, eos_ids, threads, target_gguf, draft_path)

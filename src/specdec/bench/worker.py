@@ -148,7 +148,7 @@ def run_engine(job: Job, prompts: list[Prompt]) -> None:
     plain = Engine(engine.target, None, "none")
     check_chat(prompts, engine.target.tokenizer, job.target)
     encoded = {p.id: engine.encode(p.text, chat=p.chat) for p in prompts}
-    llama = _llamacpp_runner(job, engine.target.eos_ids) if job.llamacpp else None
+    llama = _llamacpp_runner(job, engine.target.eos_ids, encoded) if job.llamacpp else None
     for temperature in job.temperatures:
         settings = list(_settings(job, temperature))
         # coupled rows at T > 0 get their own plain reference: plain decoding with a seed draws by
@@ -286,14 +286,16 @@ def run_hf(job: Job, prompts: list[Prompt]) -> None:
                 })
 
 
-def _llamacpp_runner(job: Job, eos_ids: frozenset[int]):
-    """llama.cpp on the GGUF file the target is made from, with the variants of ``job.llamacpp``."""
-    from specdec.bench.llamacpp import LlamaCppRunner
+def _llamacpp_runner(job: Job, eos_ids: frozenset[int], encoded: dict[str, list[int]]):
+    """llama.cpp on the GGUF file the target is made from, with the variants of ``job.llamacpp``,
+    its context sized for the longest of the ``encoded`` prompts."""
+    from specdec.bench.llamacpp import LlamaCppRunner, context_for
     from specdec.models.registry import gguf_file
 
+    n_ctx = context_for(max(map(len, encoded.values())), job.max_new_tokens, job.llamacpp_draft_max)
     return LlamaCppRunner.load(gguf_file(job.target), list(job.llamacpp), draft=job.draft, eos_ids=eos_ids,
                                threads=job.threads or torch.get_num_threads(), draft_max=job.llamacpp_draft_max,
-                               p_min=job.llamacpp_p_min)
+                               p_min=job.llamacpp_p_min, n_ctx=n_ctx)
 
 
 def _llamacpp_warmup(job: Job, llama, ids: list[int], temperature: float) -> None:  # noqa: ANN001
@@ -327,9 +329,9 @@ def run_llamacpp(job: Job, prompts: list[Prompt]) -> None:
     folder = resolve(job.target).folder
     tokenizer = load_tokenizer(folder)
     eos = _eos_ids(folder, tokenizer, _json.loads((folder / "config.json").read_text()))
-    llama = _llamacpp_runner(job, eos)
     check_chat(prompts, tokenizer, job.target)
     encoded = {p.id: encode_prompt(tokenizer, p.text, chat=p.chat) for p in prompts}
+    llama = _llamacpp_runner(job, eos, encoded)
     for temperature in job.temperatures:
         _llamacpp_warmup(job, llama, encoded[prompts[0].id], temperature)
         for rep in range(job.repeats):
