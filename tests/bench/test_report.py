@@ -48,6 +48,22 @@ def test_aggregate_speedups_and_engine_metrics():
     assert spec.cost_ratio_c == pytest.approx(1 / 18)
     ideal_tps = 2.0 / (4 * 0.001 + 0.020)
     assert spec.ideal_speedup == pytest.approx(ideal_tps * 0.018)
+    assert spec.speedup_decode is None  # no prompt pass recorded: efficiency from the wall-clock ratio
+    assert spec.efficiency == pytest.approx(2.0 / spec.ideal_speedup)
+
+
+def test_efficiency_leaves_the_prompt_pass_out_as_the_ideal_does():
+    # a long prompt: each run spends 0.2 s on it; decoding alone is 2x, 2x, 1x faster, wall clock less
+    rows = []
+    for s in _samples():
+        if s["mode"] in ("plain", "speculative"):
+            decode = s["generated_tokens"] / s["tokens_per_s"]  # the wall time above, now decoding only
+            wall = decode + 0.2
+            rows.append({**s, "prefill_s": 0.2, "wall_s": wall, "tokens_per_s": s["generated_tokens"] / wall})
+    stats = {(g.mode, g.method): g for g in report.aggregate(rows)}
+    spec = stats[("speculative", "block")]
+    assert spec.speedup_decode == pytest.approx(2.0)  # median of 2, 2, 1
+    assert spec.speedup_vs_cloud == pytest.approx((0.4 + 0.2) / (0.2 + 0.2))  # 20 tokens: 0.4 s vs 0.2 s decoding
     assert spec.efficiency == pytest.approx(2.0 / spec.ideal_speedup)
 
 

@@ -87,6 +87,9 @@ class GroupStats:
     ttft_median_s: float
     generated_tokens_mean: float
     speedup_vs_cloud: float | None = None  # median over prompts of the per-prompt ratio
+    #: the same ratio of decode tokens/s (the prompt's forward pass left out of both runs), where
+    #: the rows record it: what the theory's ideal, a decoding loop without its prompt, compares with
+    speedup_decode: float | None = None
     speedup_vs_hf_assisted: float | None = None
     speedup_vs_hf_plain: float | None = None
     speedup_vs_llamacpp: float | None = None  # against llama.cpp plain decoding of the same GGUF
@@ -144,6 +147,19 @@ def _ratios(samples: list[dict], reference: dict[tuple, dict]) -> list[tuple[str
     return out
 
 
+def _decode_ratio(samples: list[dict], reference: dict[tuple, dict]) -> float | None:
+    """Median over prompts of decode tok/s against the reference's (:func:`_decode_tps`); None
+    unless every sample and its reference record their prompt's forward pass."""
+    out = []
+    for s in samples:
+        ref = reference.get(pair_key(s))
+        a, b = _decode_tps(s), (_decode_tps(ref) if ref else None)
+        if a is None or not b:
+            return None
+        out.append(a / b)
+    return statistics.median(out) if out else None
+
+
 #: mode names of older results.json files -> today's
 _OLD_MODES = {"cloud_only": "plain"}
 
@@ -197,6 +213,7 @@ def aggregate(samples: list[dict], processes: dict | None = None) -> list[GroupS
             if ratios:
                 setattr(g, attr, statistics.median(r for _, r in ratios))
                 if attr == "speedup_vs_cloud":
+                    g.speedup_decode = _decode_ratio(rows, refs[ref_mode])
                     g.speedup_by_category = {c: statistics.median(r for cc, r in ratios if cc == c) for c in cats if any(cc == c for cc, _ in ratios)}
         g.rss_peak_bytes = (processes.get(mode) or {}).get("rss_peak_bytes") or max((r.get("rss_peak_bytes") or 0) for r in rows) or None
         if mode in ENGINE_MODES:
@@ -321,8 +338,9 @@ def _engine_metrics(g: GroupStats, rows: list[dict], cloud_step_s: float | None)
     g.optimal_gamma_iid = theory.optimal_gamma(g.alpha_iid, g.cost_ratio_c)
     ideal_tps = theory.ideal_tokens_per_s(tpc, gamma, g.draft_step_ms / 1e3, g.verify_ms / 1e3)
     g.ideal_speedup = ideal_tps * cloud_step_s
-    if g.speedup_vs_cloud:
-        g.efficiency = g.speedup_vs_cloud / g.ideal_speedup
+    measured = g.speedup_decode or g.speedup_vs_cloud  # the ideal has no prompt pass: leave it out here too
+    if measured:
+        g.efficiency = measured / g.ideal_speedup
         g.overhead_share = 1.0 - g.efficiency
 
 
@@ -407,7 +425,7 @@ def _fmt(x, nd: int = 2, pct: bool = False) -> str:
     if x is None or (isinstance(x, float) and math.isnan(x)):
         return "–"
     if pct:
-        return f"{100 * x:.0f}%"
+        return f"{round(100 * x) + 0:.0f}%"  # + 0: no "-0%" for a value that rounds to zero
     return f"{x:.{nd}f}"
 
 
@@ -503,14 +521,17 @@ def _local_tables(stats: list[GroupStats], bvt: list[BlockVsToken]) -> list[str]
         lines += ["", "## Theory vs measurement", "",
                   "α (i.i.d. fit to tokens/call), c = draft step / plain target step; predicted = Leviathan et al. "
                   "E/(γc+1); ideal = this run's tokens/round over (mean γ · draft step + verify time), relative to "
-                  "plain decoding's target step; efficiency = measured / ideal speed-up.", "",
-                  "| method | γ | T | α | c | draft step ms | verify ms | predicted ×(iid) | optimal γ (iid) | ideal × | measured × | efficiency | overhead share |",
-                  "|---|---|---|---|---|---|---|---|---|---|---|---|---|"]
+                  "plain decoding's target step; measured × counts the prompt's forward pass (as tok/s above), "
+                  "decode × leaves it out of both runs, as the ideal does; efficiency = decode × / ideal "
+                  "(measured × / ideal where the rows do not record the prompt's pass).", "",
+                  "| method | γ | T | α | c | draft step ms | verify ms | predicted ×(iid) | optimal γ (iid) | ideal × | measured × | decode × | efficiency | overhead share |",
+                  "|---|---|---|---|---|---|---|---|---|---|---|---|---|---|"]
         for g in spec:
             lines.append(
                 f"| {g.what} | {g.gamma} | {g.temperature:g} | {_fmt(g.alpha_iid)} | {_fmt(g.cost_ratio_c, 3)} | {_fmt(g.draft_step_ms)} "
                 f"| {_fmt(g.verify_ms)} | {_fmt(g.predicted_speedup_iid)} | {g.optimal_gamma_iid if g.optimal_gamma_iid is not None else '–'} "
-                f"| {_fmt(g.ideal_speedup)} | {_fmt(g.speedup_vs_cloud)} | {_fmt(g.efficiency, pct=True)} | {_fmt(g.overhead_share, pct=True)} |"
+                f"| {_fmt(g.ideal_speedup)} | {_fmt(g.speedup_vs_cloud)} | {_fmt(g.speedup_decode)} "
+                f"| {_fmt(g.efficiency, pct=True)} | {_fmt(g.overhead_share, pct=True)} |"
             )
         lines += ["", "## Acceptance per draft position (P(accepted ≥ k | drafted ≥ k))", "",
                   "| method | γ | T | " + " | ".join(f"k={k}" for k in range(1, 13)) + " |",
