@@ -91,6 +91,37 @@ def test_a_new_cache_supersedes_the_old_one(setup):
         target.forward(torch.tensor(ids[0][:2]), old)
 
 
+def _long_ids(ids, n):  # [n] token ids: the prompts repeated
+    out = (ids[0] + ids[1]) * (n // (len(ids[0]) + len(ids[1])) + 1)
+    return out[:n]
+
+
+@pytest.mark.parametrize("prefix", [300, 700])
+def test_one_thread_scores_blocks_invariantly_past_256_positions(setup, prefix):
+    target, _, ids = setup  # one thread (the fixture)
+    seq = _long_ids(ids, prefix + 9)
+    together = _score(target, seq[:prefix], seq[prefix:], split=False)
+    assert torch.equal(together, _score(target, seq[:prefix], seq[prefix:], split=True))
+
+
+def test_two_threads_cap_the_context_where_block_scoring_stops_being_invariant(setup):
+    from specdec.errors import SpecdecError
+    from specdec.models.llamacpp import INVARIANT_POSITIONS
+
+    _, _, ids = setup
+    two = LlamaCppLM(gguf_file("smollm2-135m"), LlamaCppConfig(n_ctx=1024, n_threads=2))
+    assert two.max_length == INVARIANT_POSITIONS == 256
+    seq = _long_ids(ids, INVARIANT_POSITIONS + 1)
+    # up to the cap a block's logits are the token-by-token ones ...
+    together = _score(two, seq[:251], seq[251:256], split=False)
+    assert torch.equal(together, _score(two, seq[:251], seq[251:256], split=True))
+    # ... one position more is refused, saying why
+    cache = two.new_cache()
+    two.forward(torch.tensor(seq[:256]), cache, last_only=True)
+    with pytest.raises(SpecdecError, match="not be exact.*n_threads=1"):
+        two.forward(torch.tensor(seq[256:]), cache)
+
+
 def _generate(target, drafter, method, cfg, prompt, gamma=None, eos=frozenset()):
     dec = SpeculativeDecoder(target, drafter, get_rule(method), gamma=gamma or FixedGamma(4), eos_ids=eos)
     return dec.generate(prompt, cfg)

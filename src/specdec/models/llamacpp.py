@@ -8,6 +8,11 @@ llama.cpp's CPU forward pass turned out to be batch-invariant for the block size
 verification pass uses (see NOTES.md, "llama.cpp as a backend", for what was measured and the
 settings it depends on).
 
+With more than one thread that holds only while a sequence is at most
+:data:`INVARIANT_POSITIONS` long (measured: past it llama.cpp's attention reduces a one-token
+pass's keys in pieces per thread, a block's in one, and the logits differ by up to ~1.6), so such
+a model's context is capped there; one thread is invariant at every length measured.
+
 Limits of this prototype: one llama.cpp context per model, one live sequence at a time (a new
 cache invalidates the previous one), CPU only.  It reaches into two private attributes of the
 pinned binding version (the context and batch wrappers of ``llama_cpp.Llama``).
@@ -24,6 +29,11 @@ import torch
 from torch import Tensor
 
 from specdec.errors import MissingPackageError, SpecdecError
+
+
+#: with more than one thread, block scoring is bitwise batch-invariant while the sequence holds at
+#: most this many positions (llama-cpp-python 0.3.36, CPU, flash attention on; NOTES.md)
+INVARIANT_POSITIONS = 256
 
 
 @dataclass(frozen=True)
@@ -75,6 +85,9 @@ class LlamaCppLM:
         self.cfg = cfg
         self.vocab_size = int(self.llm.n_vocab())
         self.max_length = int(self.llm.n_ctx())
+        self.threads = threads
+        if threads > 1:  # past this, a block's logits are not the token-by-token ones (module docstring)
+            self.max_length = min(self.max_length, INVARIANT_POSITIONS)
         meta = self.llm.metadata
         arch = meta.get("general.architecture", "llama")
         layers = int(meta.get(f"{arch}.block_count", 0))
@@ -99,6 +112,11 @@ class LlamaCppLM:
         if n == 0:
             raise ValueError("forward needs at least one token")
         if cache.length + n > self.max_length:
+            if self.threads > 1 and self.max_length == INVARIANT_POSITIONS:
+                raise SpecdecError(
+                    f"the sequence would pass {INVARIANT_POSITIONS} positions, beyond which llama.cpp on {self.threads} "
+                    "threads scores a block of tokens differently from one token at a time, so speculative decoding "
+                    "on it would not be exact; use LlamaCppConfig(n_threads=1) for longer sequences")
             raise SpecdecError(f"the sequence would exceed the llama.cpp context of {self.max_length} positions")
         step = self.cfg.n_batch
         out: list[Tensor] = []
