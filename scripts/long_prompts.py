@@ -7,7 +7,7 @@ prompt's length, which the built-in prompts (~40 tokens each) never show.
 * ``chat/<section>-<n>``: "Summarise ..." over a section of NOTES.md cut the same way, through the
   chat template.
 
-    python scripts/long_prompts.py --out benchmarks/long-prompts-l/prompts.jsonl
+    python scripts/long_prompts.py --out benchmarks/long-prompts-m/prompts.jsonl
 
 The file is committed with the runs that use it, so a later change to the sources does not change
 what those runs measured.
