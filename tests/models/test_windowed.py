@@ -75,6 +75,50 @@ def test_the_windows_are_read_as_transformers_reads_them():
                        "layer_types": ["chunked_attention", "full_attention", "full_attention"]})
 
 
+def test_specdecs_own_window_key_windows_every_layer_of_any_model():
+    from specdec.errors import ConfigError
+    from specdec.models.native import OWN_WINDOW_KEY
+
+    n = {"num_hidden_layers": 3}
+    # a Llama has no window in transformers' reading; specdec's own key gives it one
+    assert layer_windows({**n, "model_type": "llama", OWN_WINDOW_KEY: 512}) == (512, (True, True, True))
+    assert layer_windows({**n, "model_type": "llama", "sliding_window": 8, OWN_WINDOW_KEY: 16}) == (16, (True, True, True))
+    for bad in (0, -3, 2.5, "512", True):
+        with pytest.raises(ConfigError, match=OWN_WINDOW_KEY):
+            layer_windows({**n, "model_type": "llama", OWN_WINDOW_KEY: bad})
+
+
+def test_the_shipped_draft_attends_to_its_last_512_positions():
+    from specdec.models.native import OWN_WINDOW_KEY
+    from specdec.models.registry import read_config, resolve
+
+    cfg = read_config(resolve("smollm2-135m-draft").folder)
+    assert cfg[OWN_WINDOW_KEY] == 512 and cfg["model_type"] == "llama"
+    assert layer_windows(cfg) == (512, (True,) * cfg["num_hidden_layers"])
+    # with no distance past 512 seen, it drafts through the whole of its target's context
+    assert cfg["max_position_embeddings"] == read_config(resolve("smollm2-135m").folder)["max_position_embeddings"]
+
+
+def test_a_llama_with_the_own_key_is_the_same_model_as_mistral_with_that_window(tmp_path):
+    """The key changes nothing but the window: a tiny Llama given it scores 23 positions through a
+    4-token window bitwise as the same weights loaded as a Mistral with that window, and differs from
+    the Llama without it past the window."""
+    from specdec.models.native import OWN_WINDOW_KEY
+
+    folder = make_tiny(tmp_path / "llama", model_type="llama", layers=3, norms=True)
+    path = folder / "config.json"
+    plain = json.loads(path.read_text())
+    ids = _ids(23, seed=2)
+    full = NativeCausalLM.from_folder(folder, batch_invariant=True).forward(ids, NativeCausalLM.from_folder(folder).new_cache(64))
+    path.write_text(json.dumps({**plain, OWN_WINDOW_KEY: WINDOW}))
+    own = NativeCausalLM.from_folder(folder, batch_invariant=True)
+    got = own.forward(ids, own.new_cache(64))
+    path.write_text(json.dumps({**plain, "model_type": "mistral", "sliding_window": WINDOW}))
+    mistral = NativeCausalLM.from_folder(folder, batch_invariant=True)
+    assert torch.equal(got, mistral.forward(ids, mistral.new_cache(64)))
+    assert torch.equal(got[:WINDOW], full[:WINDOW]) and not torch.allclose(got[WINDOW:], full[WINDOW:])
+
+
 @pytest.mark.parametrize("invariant", [False, True], ids=["fast", "invariant"])
 def test_matches_transformers_past_the_window(windowed_folder, invariant):
     """The whole context (not the window) is the native model's, and 23 positions through a 4-token
