@@ -9,9 +9,10 @@ verification pass uses (see NOTES.md, "llama.cpp as a backend", for what was mea
 settings it depends on).
 
 With more than one thread that holds only while a sequence is at most
-:data:`INVARIANT_POSITIONS` long (measured: past it llama.cpp's attention reduces a one-token
-pass's keys in pieces per thread, a block's in one, and the logits differ by up to ~1.6), so such
-a model's context is capped there; one thread is invariant at every length measured.
+:data:`INVARIANT_POSITIONS` long (measured: past it a block's logits differ from the
+token-by-token ones by up to ~1.6, while on one thread they are equal at every length measured, so
+how the attention's work is split over threads is the likely cause), so such a model's context is
+capped there.
 
 Limits of this prototype: one llama.cpp context per model, one live sequence at a time (a new
 cache invalidates the previous one), CPU only.  It reaches into two private attributes of the
