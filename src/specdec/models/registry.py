@@ -301,7 +301,8 @@ def native_runs(ref: str) -> bool | None:
 
 
 def read_config(folder: Path) -> dict:
-    """A model folder's ``config.json``, or a one-line ConfigError where it is not a JSON object."""
+    """A folder's ``config.json`` (a model's, or training data's from ``specdec train data``), or a
+    one-line ConfigError where it cannot be read or is not a JSON object."""
     path = folder / "config.json"
     try:
         cfg = json.loads(path.read_text(encoding="utf-8"))
