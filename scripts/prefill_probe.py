@@ -1,12 +1,14 @@
 """Time to score a prompt: specdec's target against llama.cpp on the same GGUF, by prompt length.
 
-Each length scores the same random token ids (seed 0) in one pass into an empty cache, the best
-of ``--repeats`` runs: specdec's model ``forward`` (the batch-invariant target, as `generate`
-loads it) and llama-cpp-python's ``eval`` (flash attention on, ``n_batch`` = the length,
+Each length scores the same random token ids (seed 0) into an empty cache, the best of
+``--repeats`` runs: specdec's model ``forward`` (the batch-invariant target, as `generate` loads
+it; a prompt longer than ``PROMPT_PASS_CHUNK`` rows goes in passes of that many, bitwise one
+pass's rows) and llama-cpp-python's ``eval`` (flash attention on, ``n_batch`` = the length,
 ``n_ubatch`` 512, the same threads). Also timed: specdec's exact attention alone over the same
-number of rows, summed over the layers, so its share of the pass shows.
+rows in the same pieces, summed over the layers, so its share of the pass shows; and, with
+``--one-pass``, specdec's pass over the whole prompt at once, as it ran before the pieces.
 
-    python scripts/prefill_probe.py --lengths 64,400,800,1600 --out benchmarks/prefill-m
+    python scripts/prefill_probe.py --lengths 400,800,1600,3200,6000 --one-pass --out benchmarks/prefill-pieces-m
 """
 
 from __future__ import annotations
@@ -37,11 +39,13 @@ def main() -> None:
     ap.add_argument("--repeats", type=int, default=3)
     ap.add_argument("--threads", type=int, default=2)
     ap.add_argument("--no-llamacpp", action="store_true", help="leave llama.cpp out")
+    ap.add_argument("--one-pass", action="store_true", help="also time specdec's pass over the whole prompt at once")
     ap.add_argument("--out", required=True, help="folder for results.json and README.md")
     args = ap.parse_args()
     torch.set_num_threads(args.threads)
     lengths = [int(x) for x in args.lengths.split(",")]
 
+    from specdec import defaults
     from specdec.engine import EngineConfig, target_dtype
     from specdec.models import kernels, registry
 
@@ -62,13 +66,23 @@ def main() -> None:
         with torch.inference_mode():
             target.forward(tokens[:8], target.new_cache(16), last_only=True)  # warm-up
             ours = best_of(lambda: target.forward(tokens, target.new_cache(n + 8), last_only=True), args.repeats)
+            whole = None
+            if args.one_pass:
+                piece, defaults.PROMPT_PASS_CHUNK = defaults.PROMPT_PASS_CHUNK, n
+                try:
+                    whole = best_of(lambda: target.forward(tokens, target.new_cache(n + 8), last_only=True), args.repeats)
+                finally:
+                    defaults.PROMPT_PASS_CHUNK = piece
             attn = None  # (the compiled exact attention is what the pass runs where it is built)
             if kernels.attention_kernel():
                 q = torch.randn(n, cfg.n_heads, cfg.head_dim)  # [n, H, d]
                 k = torch.randn(cfg.n_kv_heads, n, cfg.head_dim)  # [Hkv, n, d]
                 v = torch.randn(cfg.n_kv_heads, n, cfg.head_dim)
-                attn = cfg.n_layers * best_of(lambda: torch.ops.specdec.attend(q, k, v, 0, None), args.repeats)
-        row = {"tokens": n, "specdec_s": ours, "specdec_tok_s": n / ours, "attention_s": attn,
+                step = defaults.PROMPT_PASS_CHUNK
+                attn = cfg.n_layers * best_of(lambda: [torch.ops.specdec.attend(q[a : a + step], k, v, a, None)
+                                                       for a in range(0, n, step)], args.repeats)
+        row = {"tokens": n, "specdec_s": ours, "specdec_tok_s": n / ours, "one_pass_s": whole,
+               "pieces_of": defaults.PROMPT_PASS_CHUNK, "attention_s": attn,
                "attention_share": attn / ours if attn is not None else None}
         if llm is not None:
             def run_llama() -> None:
@@ -82,18 +96,21 @@ def main() -> None:
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
     command = "python scripts/prefill_probe.py " + " ".join(
-        f"--{k.replace('_', '-')} {v}" for k, v in vars(args).items() if k not in ("no_llamacpp",) and v is not None
-    ) + (" --no-llamacpp" if args.no_llamacpp else "")
+        f"--{k.replace('_', '-')} {v}" for k, v in vars(args).items() if k not in ("no_llamacpp", "one_pass") and v is not None
+    ) + (" --no-llamacpp" if args.no_llamacpp else "") + (" --one-pass" if args.one_pass else "")
     meta = {"command": command, "machine": platform.processor() or platform.machine(), "torch": torch.__version__,
             "threads": args.threads, "target": args.target, "rows": rows}
     (out / "results.json").write_text(json.dumps(meta, indent=1) + "\n")
     lines = ["# Prompt scoring time by length", "", f"Command: `{command}`", "",
-             "| tokens | specdec s | specdec tok/s | of which attention | llama.cpp s | llama.cpp tok/s | ×llama.cpp |",
-             "|---|---|---|---|---|---|---|"]
+             f"specdec's pass runs a prompt in pieces of {defaults.PROMPT_PASS_CHUNK} rows; \"one pass\" is the "
+             "whole prompt at once, as before the pieces.", "",
+             "| tokens | specdec s | specdec tok/s | one pass s | of which attention | llama.cpp s | llama.cpp tok/s | ×llama.cpp |",
+             "|---|---|---|---|---|---|---|---|"]
     for r in rows:
         lc = (f"{r['llamacpp_s']:.3f} | {r['llamacpp_tok_s']:.0f} | ×{r['ratio']:.2f}" if "llamacpp_s" in r else "– | – | –")
         share = f"{100 * r['attention_share']:.0f} %" if r["attention_share"] is not None else "–"
-        lines.append(f"| {r['tokens']} | {r['specdec_s']:.3f} | {r['specdec_tok_s']:.0f} | {share} | {lc} |")
+        whole = f"{r['one_pass_s']:.3f}" if r["one_pass_s"] is not None else "–"
+        lines.append(f"| {r['tokens']} | {r['specdec_s']:.3f} | {r['specdec_tok_s']:.0f} | {whole} | {share} | {lc} |")
     (out / "README.md").write_text("\n".join(lines) + "\n")
 
 

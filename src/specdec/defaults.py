@@ -184,6 +184,13 @@ SCHEDULER_MAX_QUEUE = 1024
 #: prompt positions scored per forward pass for the prompt's log-probabilities (``echo`` with
 #: ``logprobs``): the logits of a piece are [chunk, vocabulary] floats, 50 MB at 256 for SmolLM2
 PROMPT_SCORE_CHUNK = 256
+#: a batch-invariant native model scores a longer run of new positions (a long prompt) in passes
+#: of this many rows: each row's bits are the same in any pass.  On machine M (a 2-core Zen 4) a
+#: 6,000-token prompt took 12.2 s in passes of 1,024 (12.1-12.7 in passes of 512) against 18.1 s in
+#: one, 3,200 tokens 4.7 against 5.5 s: the linear layers' activations stay in cache (the MLP's
+#: gate and up product 7.1 against 13.2 us a row), and the causal attention's work splits evenly
+#: between the threads.  Up to ~1,600 tokens pieces and one pass were level within the noise.
+PROMPT_PASS_CHUNK = 1024
 #: before a pass, wait for the sequences the last pass finished to come back (their request threads
 #: sample, check stops and resubmit in turn), while they keep arriving: at most this long after the
 #: last arrival, never longer than the last pass took, and never while other compute work waits.

@@ -149,3 +149,47 @@ def test_a_chain_shaped_tree_is_scored_by_the_chain_pass(tiny_folder, monkeypatc
     run(lambda c, base: torch.cat([model.forward_tree(nodes[:3], branched[:3], c),
                                    model.forward_tree(nodes[3:], branched, c, prefix=base)]))
     assert built == [5, 3, 5]
+
+
+@pytest.mark.parametrize("window", [None, 4])
+def test_a_long_run_of_new_rows_is_scored_in_pieces_bitwise(tmp_path, monkeypatch, window):
+    """An exact model scores more than ``PROMPT_PASS_CHUNK`` new positions (a long prompt) in
+    several passes: the logits, the cache and the tapped features are bitwise one pass's, each
+    piece is at most the chunk, and a piece that fails leaves the cache as it was.  With a 4-token
+    sliding window (Mistral) the pieces cross it."""
+    from specdec import defaults
+
+    folder = make_tiny(tmp_path / "m", model_type="llama" if window is None else "mistral", window=window, layers=3)
+    model = NativeCausalLM.from_folder(folder, batch_invariant=True)
+    ids = torch.randint(0, 49152, (11,), generator=torch.Generator().manual_seed(4))
+    extra = torch.randn(11, model.cfg.hidden_size, generator=torch.Generator().manual_seed(5))
+    one_cache = model.new_cache(32)
+    model.forward(ids[:2], one_cache)
+    one_taps = {1: torch.empty(0), 3: torch.empty(0)}
+    one = model.hidden(ids[2:], one_cache, taps=one_taps, extra=extra[2:])  # [9, D], one pass
+    seen: list[int] = []
+    hidden = model.hidden
+
+    def spy(tokens, cache, **kw):
+        seen.append(tokens.numel())
+        return hidden(tokens, cache, **kw)
+
+    monkeypatch.setattr(defaults, "PROMPT_PASS_CHUNK", 4)
+    monkeypatch.setattr(model, "hidden", spy)
+    cache = model.new_cache(32)
+    model.forward(ids[:2], cache)
+    taps = {1: torch.empty(0), 3: torch.empty(0)}
+    pieces = model.hidden(ids[2:], cache, taps=taps, extra=extra[2:])
+    assert seen == [2, 9, 4, 4, 1]
+    assert torch.equal(pieces, one)
+    assert all(torch.equal(taps[k], one_taps[k]) for k in taps)
+    for li in range(model.cfg.n_layers):
+        assert torch.equal(cache.k[li][:, :11], one_cache.k[li][:, :11])
+        assert torch.equal(cache.v[li][:, :11], one_cache.v[li][:, :11])
+    small = model.new_cache(9)  # room for the first two pieces, not the third
+    model.forward(ids[:1], small)
+    with pytest.raises(ValueError, match="full"):
+        model.forward(ids[1:], small)
+    assert small.length == 1
+    with pytest.raises(ValueError, match="context"):
+        model.forward(torch.zeros(300, dtype=torch.long), model.new_cache())

@@ -110,6 +110,30 @@ def test_coupled_equals_plain_seeded_sampling(pair):
             assert _generate(target, ModelDrafter(draft.model), "coupled", cfg, prompt, FixedGamma(5)).tokens == plain
 
 
+@pytest.mark.parametrize("quant", ["float32", "int8", "q4"])
+def test_a_prompt_scored_in_pieces_is_bitwise_one_pass(pair, quant, request, monkeypatch):
+    """A long prompt's pass runs in pieces of ``PROMPT_PASS_CHUNK`` rows (1,024; 16 here, so this
+    prompt takes several): every row's logits and the whole cache equal one pass's, bitwise."""
+    from specdec import defaults
+
+    target = pair[0] if quant == "float32" else request.getfixturevalue(f"{quant}_target")
+    m = target.model
+    x = torch.tensor(pair[2][0] + pair[2][1] + pair[2][2])
+    one = m.new_cache(256)
+    whole = m.forward(x, one)
+    monkeypatch.setattr(defaults, "PROMPT_PASS_CHUNK", 16)
+    seen: list[int] = []
+    hidden = m.hidden
+    monkeypatch.setattr(m, "hidden", lambda tokens, cache, **kw: seen.append(tokens.numel()) or hidden(tokens, cache, **kw))
+    cache = m.new_cache(256)
+    assert torch.equal(m.forward(x, cache), whole)
+    n = x.numel()
+    assert n > 3 * 16 and seen[1:] == [16] * (n // 16) + [n % 16] * (n % 16 > 0)
+    assert cache.length == n
+    assert all(torch.equal(cache.k[i][:, :n], one.k[i][:, :n]) and torch.equal(cache.v[i][:, :n], one.v[i][:, :n])
+               for i in range(m.cfg.n_layers))
+
+
 @pytest.mark.parametrize("quant", ["int8", "q4"])
 def test_quantized_target_exactness(pair, quant, request):
     """A quantised target is a model of its own; speculation must reproduce *it* exactly:

@@ -26,6 +26,7 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor
 
+from specdec import defaults
 from specdec.errors import ConfigError
 from specdec.kv_cache import KVCache
 from specdec.models.base import full_vocab
@@ -1043,6 +1044,8 @@ class NativeCausalLM:
         """
         cfg = self.cfg
         n = tokens.numel()
+        if parents is None and self.batch_invariant and n > defaults.PROMPT_PASS_CHUNK:
+            return self._hidden_in_pieces(tokens, cache, taps, extra)
         start = cache.reserve(n)
         end = start + n
         if end > self._cos.shape[0]:
@@ -1121,6 +1124,33 @@ class NativeCausalLM:
             if taps is not None and li + 1 in taps:
                 taps[li + 1] = x
         return x * self._inv_rms(x)
+
+    def _hidden_in_pieces(self, tokens: Tensor, cache: KVCache, taps: dict[int, Tensor] | None,
+                          extra: Tensor | None) -> Tensor:  # tokens: [n] -> [n, D]
+        """:meth:`hidden` over a long run of new positions (a prompt) in passes of
+        :data:`defaults.PROMPT_PASS_CHUNK` rows, each after the last in the cache.  Exact models
+        only: a row's bits do not depend on the other rows of its pass, so the result is bitwise one
+        pass's, and each pass's activations stay in cache (see the default's note).  A failure
+        leaves the cache as it was."""
+        n, step, start = tokens.numel(), defaults.PROMPT_PASS_CHUNK, cache.length
+        if start + n > self._cos.shape[0]:
+            raise ValueError(f"position {start + n} is past the model's context of {self._cos.shape[0]}")
+        parts: list[Tensor] = []  # [<= step, D] each
+        found: list[dict[int, Tensor]] = []
+        try:
+            for a in range(0, n, step):
+                piece = None if taps is None else dict.fromkeys(taps, torch.empty(0))
+                parts.append(self.hidden(tokens[a : a + step], cache, taps=piece,
+                                         extra=None if extra is None else extra[a : a + step]))
+                if piece is not None:
+                    found.append(piece)
+        except BaseException:
+            cache.length = min(cache.length, start)
+            raise
+        if taps is not None:
+            for k in taps:
+                taps[k] = torch.cat([piece[k] for piece in found])  # [n, D]
+        return torch.cat(parts)
 
     @torch.inference_mode()
     def forward(self, tokens: Tensor, cache: KVCache, *, last_only: bool = False, compact: bool = False,
