@@ -474,6 +474,10 @@ def _cmd_generate(args: argparse.Namespace) -> int:
                           min_confidence=args.min_confidence, tree=tree, tree_min_prob=args.tree_min_prob,
                           logprobs=args.logprobs)
     st = out.stats
+    if st.finish_reason == "length" and st.generated_tokens < sampling.max_new_tokens:
+        print(f"[specdec] the reply stopped at the model's context of {engine.target.model.max_length} positions: "
+              f"{st.generated_tokens} of the {sampling.max_new_tokens} tokens asked (the prompt holds {st.prompt_tokens})",
+              file=sys.stderr, flush=True)
     if args.json:
         payload = {"text": out.text, "token_ids": out.token_ids, "stats": st.to_dict()}
         payload["stats"].update(target=engine.target.name, temperature=sampling.temperature, seed=sampling.seed)
