@@ -186,8 +186,8 @@ SCHEDULER_MAX_QUEUE = 1024
 PROMPT_SCORE_CHUNK = 256
 #: a batch-invariant native model scores a longer run of new positions (a long prompt) in passes
 #: of this many rows: each row's bits are the same in any pass.  On machine M (a 2-core Zen 4) a
-#: 6,000-token prompt took 12.2 s in passes of 1,024 (12.1-12.7 in passes of 512) against 18.1 s in
-#: one, 3,200 tokens 4.7 against 5.5 s: the linear layers' activations stay in cache (the MLP's
+#: 6,000-token prompt took 13.0 s in passes of 1,024 against 16.6 s in one, 3,200 tokens 4.7
+#: against 6.2 s (passes of 512 within ~5 %): the linear layers' activations stay in cache (the MLP's
 #: gate and up product 7.1 against 13.2 us a row), and the causal attention's work splits evenly
 #: between the threads.  Up to ~1,600 tokens pieces and one pass were level within the noise.
 PROMPT_PASS_CHUNK = 1024
