@@ -87,8 +87,11 @@ class LlamaCppLM:
         self.vocab_size = int(self.llm.n_vocab())
         self.max_length = int(self.llm.n_ctx())
         self.threads = threads
-        if threads > 1:  # past this, a block's logits are not the token-by-token ones (module docstring)
-            self.max_length = min(self.max_length, INVARIANT_POSITIONS)
+        #: whether the thread count capped the context (past the cap a block's logits are not the
+        #: token-by-token ones: module docstring)
+        self.capped = threads > 1 and self.max_length > INVARIANT_POSITIONS
+        if self.capped:
+            self.max_length = INVARIANT_POSITIONS
         meta = self.llm.metadata
         arch = meta.get("general.architecture", "llama")
         layers = int(meta.get(f"{arch}.block_count", 0))
@@ -113,7 +116,7 @@ class LlamaCppLM:
         if n == 0:
             raise ValueError("forward needs at least one token")
         if cache.length + n > self.max_length:
-            if self.threads > 1 and self.max_length == INVARIANT_POSITIONS:
+            if self.capped:
                 raise SpecdecError(
                     f"the sequence would pass {INVARIANT_POSITIONS} positions, beyond which llama.cpp on {self.threads} "
                     "threads scores a block of tokens differently from one token at a time, so speculative decoding "
