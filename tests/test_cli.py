@@ -847,3 +847,28 @@ def test_draft_settings_with_no_drafter_are_named_as_ignored(capsys, tiny_pair):
     code, out, err = _run(capsys, *base, "--gamma", "5", "--tree", "4", "--min-confidence", "0.5")
     assert code == 0 and "note: --gamma, --tree, --min-confidence shape drafts" in err and "ignored" in err
     assert json.loads(out)["token_ids"] == json.loads(plain)["token_ids"]
+
+
+def test_kv_dtype_float16_decodes_exactly_or_says_why_not(capsys, tiny_pair):
+    """``--kv-dtype float16``: a float16 cache, greedy speculative output equal to plain greedy
+    output over it; with a target that cannot hold one (``--fast-attention``, a bfloat16 target)
+    one clear error line and exit 2, before the target loads."""
+    from specdec.models import kernels
+
+    target, draft = tiny_pair
+    if not kernels.load():
+        code, out, err = _run(capsys, "generate", "-p", "Hi", "--target", target, "--draft", "none", "--kv-dtype", "float16")
+        assert code == 2 and "compiled kernel" in err
+        return
+    outs = []
+    for d in (draft, "none"):
+        code, out, err = _run(capsys, "generate", "-p", "def f(x):", "--target", target, "--draft", d, "-n", "24",
+                              "--json", "-t", "0", "--kv-dtype", "float16")
+        assert code == 0, err
+        outs.append(json.loads(out)["token_ids"])
+    assert outs[0] == outs[1] and len(outs[0]) == 24
+    for bad, says in ((["--fast-attention"], "drop --fast-attention"), (["--dtype", "bfloat16"], "not --dtype bfloat16")):
+        code, out, err = _run(capsys, "generate", "-p", "Hi", "--target", target, "--draft", "none", "--kv-dtype", "float16", *bad)
+        assert code == 2 and says in err and "Traceback" not in err and "loading target" not in err, err
+    code, out, err = _run(capsys, "generate", "-p", "Hi", "--remote", "http://127.0.0.1:9", "--kv-dtype", "float16")
+    assert code == 2 and "start `specdec serve` with it" in err  # the server holds the target's cache

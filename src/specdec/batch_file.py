@@ -129,6 +129,8 @@ def settings_key(args: Any) -> str:
     import hashlib
 
     shaping = {name: getattr(args, name, None) for name in SHAPING}
+    if getattr(args, "kv_dtype", "auto") != "auto":  # only where set: files written before the option keep their key
+        shaping["kv_dtype"] = args.kv_dtype
     return hashlib.sha1(json.dumps(shaping, sort_keys=True, default=str).encode()).hexdigest()[:12]
 
 

@@ -8,6 +8,10 @@ DEFAULT_DRAFT_MODEL = "smollm2-135m-draft"
 DEFAULT_DRAFT = DEFAULT_DRAFT_MODEL + "+lookup"
 #: the target's precision: "auto" = int8 (W8A8) where torch has fbgemm, else float32
 TARGET_DTYPE = "auto"
+#: the target's key/value cache: "auto" = its float dtype (float32 for int8 / q4 targets);
+#: "float16" halves the cache (a long context's decoding step reads it whole), a slightly different
+#: target, exact relative to itself (see ``EngineConfig.kv_dtype``)
+KV_DTYPE = "auto"
 
 # γ: a simple dynamic rule (start 6, range 3-12, ±1 on the accepted/γ ratio)
 GUIDE_GAMMA_START = 6

@@ -8,7 +8,8 @@ AVX-512 machine would otherwise never run) and for baseline ``x86-64`` (the port
 child processes (``SPECDEC_MARCH``), and every case is compared bit for bit with this process's
 build: 4-bit products of 1-8 rows with padded blocks, partial column groups, a gain and column
 factors (and the AVX2 build's few-row int8 product against fbgemm with 7-bit activations); attention of head sizes 64 (the vector paths), 48 and 40 (the generic path with a
-tail), one row and a verification pass, a tree's paths; a draw from a row of weights and token
+tail), one row and a verification pass, a tree's paths, over float32 and float16 caches (the
+portable build widens float16 in software, the others with F16C instructions); a draw from a row of weights and token
 verification of a chain (``csrc/rules.cpp``); seeded sampling's Gumbel-max draw, over a whole row and a
 compact one (``csrc/keyed.cpp``).
 """
@@ -73,6 +74,10 @@ def cases():
         paths = torch.tensor([[60, -1, -1], [60, 61, -1], [60, 62, -1], [60, 61, 63]])
         q = torch.randn(4, 9, d, generator=g) * d ** -0.5
         out[f"attend d {d} tree"] = ops.attend(q, k, v, 60, paths)
+        kh, vh = (k * 300).half(), v.half()  # a float16 cache, subnormal and large values among its keys
+        kh[0, 0, :5] = torch.tensor([6e-8, -3e-6, 1e-5, 6e4, -0.0])
+        out[f"attend d {d} float16 cache"] = ops.attend(q[:3] / 300, kh, vh, 41, None)
+        out[f"attend d {d} float16 cache tree"] = ops.attend(q / 300, kh, vh, 60, paths)
     for width in (7, 16, 49152):  # arg-max rows: random, ties, a NaN after the maximum, signed zeros
         x = torch.randn(4, width, generator=g)
         x[1] = torch.randint(-2, 2, (width,), generator=g).float()

@@ -69,6 +69,8 @@ def add_parser(sub) -> None:  # noqa: ANN001 - argparse's subparsers action
                    help="target precision for specdec's rows (default auto; see specdec generate --help)."
                         " The Hugging Face rows always run the float32 weights")
     p.add_argument("--fast-attention", action="store_true", help="target without batch invariance (see specdec generate --help; default off)")
+    p.add_argument("--kv-dtype", default=defaults.KV_DTYPE, choices=["auto", "float16"],
+                   help="the target's key/value cache for specdec's rows (default auto; see specdec generate --help)")
     p.add_argument("--threads", type=int, help="torch threads per worker (default: torch's choice; network modes: the server and each edge process get this many, default 1)")
     g = p.add_argument_group("llama.cpp mode (llamacpp; needs the llamacpp extra)")
     g.add_argument("--llamacpp", default="plain,spec",
@@ -171,7 +173,7 @@ def run(args: argparse.Namespace, argv: list[str] | None = None) -> int:
         repetition_penalty=args.repetition_penalty, draft_dtype=args.draft_dtype, draft_vocab=",".join(vocabs), dtype=args.dtype,
         draft_temperature_factor=args.draft_temperature_factor,
         tree_min_prob=defaults.TREE_MIN_PROB if args.tree_min_prob is None else args.tree_min_prob,
-        batch_invariant=not args.fast_attention, threads=args.threads, command=command,
+        batch_invariant=not args.fast_attention, kv_dtype=args.kv_dtype, threads=args.threads, command=command,
         rtts=tuple(rtts), wires=tuple(wires), rtt_emulation=args.rtt_emulation, q_top_k=args.q_top_k,
         llamacpp=tuple(llamacpp), llamacpp_draft_max=args.llamacpp_draft_max, llamacpp_p_min=args.llamacpp_p_min,
     )

@@ -144,7 +144,7 @@ class CloudServer:
     """``specdec serve`` in its own process (inside the cloud namespace under netem)."""
 
     def __init__(self, target: str, draft: str, *, threads: int, emulation: Emulation, draft_dtype: str = "auto",
-                 draft_vocab: str = "auto", draft_temperature_factor: str = "auto") -> None:
+                 draft_vocab: str = "auto", draft_temperature_factor: str = "auto", kv_dtype: str = "auto") -> None:
         self.api_key = secrets.token_urlsafe(24)
         self.port = free_port()
         self.emulation = emulation
@@ -152,7 +152,7 @@ class CloudServer:
         prefix = ["ip", "netns", "exec", NETEM_CLOUD_NS] if emulation.kind == "netem" else []
         self.argv = [*prefix, sys.executable, "-m", "specdec.cli", "serve", "--host", self.host, "--port", str(self.port),
                      "--target", target, "--draft", draft, "--draft-dtype", draft_dtype, "--draft-vocab", draft_vocab,
-                     "--draft-temperature-factor", draft_temperature_factor, "--max-sessions", "256"]
+                     "--draft-temperature-factor", draft_temperature_factor, "--kv-dtype", kv_dtype, "--max-sessions", "256"]
         self.env = dict(thread_env(threads), SPECDEC_API_KEY=self.api_key)  # the key stays off the command line
         self.proc: subprocess.Popen | None = None
         self._log = tempfile.TemporaryFile(mode="w+")
@@ -272,6 +272,7 @@ def run_group(
     draft_dtype: str,
     draft_vocab: str = "auto",
     draft_temperature_factor: str = "auto",
+    kv_dtype: str = "auto",
     threads: int,
     rtts: list[float],
     emulation: Emulation,
@@ -286,7 +287,7 @@ def run_group(
     mode = "+".join(modes)
     served = server_draft(modes, draft)
     server = CloudServer(target, served, threads=threads, emulation=emulation, draft_dtype=draft_dtype, draft_vocab=draft_vocab,
-                         draft_temperature_factor=factor_for(served, draft_temperature_factor))
+                         draft_temperature_factor=factor_for(served, draft_temperature_factor), kv_dtype=kv_dtype)
     if emulation.kind == "netem":
         subprocess.run(["bash", str(emulation.script), "up", "0"], check=True, capture_output=True, text=True)
     server_started = time.perf_counter()

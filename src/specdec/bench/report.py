@@ -452,7 +452,7 @@ def markdown(result: dict, stats: list[GroupStats], bvt: list[BlockVsToken], plo
         f"{len(cfg['prompts'])} prompts ({', '.join(sorted({p['category'] for p in cfg['prompts']}))}), "
         f"{cfg['max_new_tokens']} new tokens, repeats {cfg['repeats']}, seed {cfg['seed']}, "
         f"top-p {cfg['top_p']}, repetition penalty {cfg['repetition_penalty']}, "
-        f"batch-invariant target {cfg['batch_invariant']}{_tree_floor(cfg)}.",
+        f"batch-invariant target {cfg['batch_invariant']}{_kv_dtype(cfg)}{_tree_floor(cfg)}.",
         "",
         f"Machine: {machine_line(result.get('machine', {}))}.",
         "",
@@ -731,6 +731,12 @@ def _target_dtype(cfg: dict) -> str:
     """``auto = q4``: the target dtype asked for, and what it resolved to where the run recorded it."""
     asked, resolved = cfg.get("dtype", "float32"), cfg.get("target_precision")
     return asked if not resolved or resolved == asked else f"{asked} = {resolved}"
+
+
+def _kv_dtype(cfg: dict) -> str:
+    """", key/value cache float16" where the run asked for a cache other than the target's own dtype."""
+    kv = cfg.get("kv_dtype", "auto")
+    return "" if kv == "auto" else f", key/value cache {kv}"
 
 
 def _tree_floor(cfg: dict) -> str:

@@ -56,6 +56,7 @@ class BenchConfig:
     dtype: str = "auto"  # the target's precision for specdec's rows
     tree_min_prob: float = defaults.TREE_MIN_PROB  # the probability floor of greedy / coupled trees
     batch_invariant: bool = True
+    kv_dtype: str = defaults.KV_DTYPE  # the target's key/value cache (see EngineConfig.kv_dtype)
     threads: int | None = None
     command: str = ""
     extra: dict = field(default_factory=dict)
@@ -88,7 +89,8 @@ def _job(cfg: BenchConfig, mode: str) -> dict:
         "max_new_tokens": cfg.max_new_tokens, "repeats": cfg.repeats, "seed": cfg.seed,
         "top_p": cfg.top_p, "repetition_penalty": cfg.repetition_penalty,
         "draft_dtype": cfg.draft_dtype, "draft_vocab": cfg.draft_vocab,
-        "draft_temperature_factor": cfg.draft_temperature_factor, "dtype": cfg.dtype, "tree_min_prob": cfg.tree_min_prob, "batch_invariant": cfg.batch_invariant, "threads": cfg.threads,
+        "draft_temperature_factor": cfg.draft_temperature_factor, "dtype": cfg.dtype, "tree_min_prob": cfg.tree_min_prob, "batch_invariant": cfg.batch_invariant,
+        "kv_dtype": cfg.kv_dtype, "threads": cfg.threads,
         **({"wires": list(cfg.wires), "q_top_k": cfg.q_top_k} if mode in network.NETWORK_MODES else {}),
         **llama,
     }
@@ -235,7 +237,7 @@ def run(cfg: BenchConfig, *, progress: bool = True) -> dict:
             bar.set_postfix_str("+".join(group))
             network.run_group(
                 group, target=cfg.target, draft=cfg.draft, draft_dtype=cfg.draft_dtype, draft_vocab=cfg.draft_vocab,
-                draft_temperature_factor=cfg.draft_temperature_factor, threads=cfg.threads or 1,
+                draft_temperature_factor=cfg.draft_temperature_factor, kv_dtype=cfg.kv_dtype, threads=cfg.threads or 1,
                 rtts=list(cfg.rtts), emulation=emulation, job=_job(cfg, group[0]),
                 run_worker=lambda job, wenv, prefix, name: _run_worker(job, wenv, prefix, name, on_sample),
                 record=record, processes=processes,

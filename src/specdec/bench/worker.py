@@ -43,6 +43,7 @@ class Job:
     dtype: str = "auto"  # the target's precision (as `specdec generate --dtype`)
     tree_min_prob: float | None = None  # None = the default floor
     batch_invariant: bool = True
+    kv_dtype: str = "auto"  # the target's key/value cache (as `specdec generate --kv-dtype`)
     threads: int | None = None
     # network modes (specdec.bench.network): one RTT per worker
     net_modes: list[str] = field(default_factory=list)  # run interleaved, prompt by prompt
@@ -133,11 +134,12 @@ def run_engine(job: Job, prompts: list[Prompt]) -> None:
         draft = load_draft(EngineConfig(draft=job.draft, draft_dtype=job.draft_dtype, draft_vocab=job.draft_vocab))
         engine = Engine(draft, None, "none")
     elif job.mode == "plain":
-        engine = Engine.build(EngineConfig(target=job.target, draft="none", dtype=job.dtype, batch_invariant=job.batch_invariant))
+        engine = Engine.build(EngineConfig(target=job.target, draft="none", dtype=job.dtype, batch_invariant=job.batch_invariant,
+                                           kv_dtype=job.kv_dtype))
     else:
         cfgs = [EngineConfig(target=job.target, draft=d, dtype=job.dtype, draft_dtype=job.draft_dtype, draft_vocab=v,
                              draft_temperature_factor=factor_for(d, job.draft_temperature_factor),
-                             batch_invariant=job.batch_invariant) for _, d, v in runs]
+                             batch_invariant=job.batch_invariant, kv_dtype=job.kv_dtype) for _, d, v in runs]
         engine = Engine.build(cfgs[0])
         # several drafters share the one loaded target; each is decoded on every prompt beside the
         # same plain_paired run, so their speed-ups are paired with the same reference

@@ -112,8 +112,9 @@ class Adapter(nn.Module):
         end = start + n
         q = self.store(x, k_cache, v_cache, start)
         mask = torch.full((n, end), -math.inf, dtype=x.dtype).triu_(start + 1) if n > 1 else None  # [n, T]
-        attn = F.scaled_dot_product_attention(q.transpose(0, 1).unsqueeze(0), k_cache[:, :end].unsqueeze(0),
-                                              v_cache[:, :end].unsqueeze(0), attn_mask=mask, enable_gqa=True)
+        # a float16 cache (``--kv-dtype float16``) widened for this draft-only layer
+        attn = F.scaled_dot_product_attention(q.transpose(0, 1).unsqueeze(0), k_cache[:, :end].to(q.dtype).unsqueeze(0),
+                                              v_cache[:, :end].to(q.dtype).unsqueeze(0), attn_mask=mask, enable_gqa=True)
         return self._finish(x, attn[0].transpose(0, 1).reshape(n, -1))  # [n, D]
 
     def store(self, x: Tensor, k_cache: Tensor, v_cache: Tensor, start: int) -> Tensor:  # x: [n, D] -> q [n, H, d]
@@ -191,7 +192,7 @@ class KangarooView(LayerView):
         cfg = self.target.cfg
         length = min(max_length or self.max_length, self.max_length)
         return ViewCache(self.plan.exit_after + 1, cfg.n_kv_heads, cfg.head_dim, length, dtype=self.target.dtype,
-                         hidden_size=cfg.hidden_size, initial_length=initial_length)
+                         hidden_size=cfg.hidden_size, initial_length=initial_length, kv_dtype=self.target.kv_dtype)
 
     def forward(self, tokens: Tensor, cache: ViewCache, *, last_only: bool = False, compact: bool = False
                 ) -> Tensor:  # [n] -> [n|1, V], or [n|1, Vd] with ``compact``
@@ -264,7 +265,7 @@ class KangarooDrafter(SelfSpecDrafter):
         if cache.resid is not None:
             cache.resid[have:upto] = rows
         with torch.inference_mode():
-            self.view.adapter.store(rows.to(cache.k.dtype), cache.k[k], cache.v[k], have)  # type: ignore[attr-defined]
+            self.view.adapter.store(rows.to(self.view.target.dtype), cache.k[k], cache.v[k], have)  # type: ignore[attr-defined]
 
     def propose(self, context: Tensor, gamma: int, sampler: DraftSampler) -> Draft:  # context: [L]
         sampler.min_confidence = max(sampler.min_confidence, self.stop_below)

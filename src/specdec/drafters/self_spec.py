@@ -99,11 +99,15 @@ class LayerPlan:
 class ViewCache(KVCache):
     """A draft cache for a :class:`LayerView`: keys/values of the layers the view runs, plus
     (for cache sharing) the residual stream leaving the view's last layer and the token at
-    every position.  Like :class:`KVCache` it may start short (``initial_length``) and grow."""
+    every position.  Like :class:`KVCache` it may start short (``initial_length``) and grow.
+    ``kv_dtype``: the keys' and values' dtype where it is not the residuals' ``dtype`` (the
+    target's own, :meth:`NativeCausalLM.set_kv_dtype`): the view's layers must see the rounded
+    keys and values the target's passes see, or what it shares with them would not be theirs."""
 
     def __init__(self, n_layers: int, n_kv_heads: int, head_dim: int, max_length: int, *, dtype: torch.dtype,
-                 hidden_size: int = 0, initial_length: int | None = None) -> None:
-        super().__init__(max(n_layers, 1), n_kv_heads, head_dim, max_length, dtype=dtype, initial_length=initial_length)
+                 hidden_size: int = 0, initial_length: int | None = None, kv_dtype: torch.dtype | None = None) -> None:
+        super().__init__(max(n_layers, 1), n_kv_heads, head_dim, max_length, dtype=kv_dtype or dtype,
+                         initial_length=initial_length)
         cap = self.capacity
         self.resid: Tensor | None = torch.zeros(cap, hidden_size, dtype=dtype) if hidden_size else None  # [C, D]
         self.tokens = torch.full((cap,), -1, dtype=torch.long)  # [C]
@@ -158,7 +162,8 @@ class LayerView:
         cfg = self.target.cfg
         length = min(max_length or self.max_length, self.max_length)
         return ViewCache(len(self.plan.attention_layers), cfg.n_kv_heads, cfg.head_dim, length, dtype=self.target.dtype,
-                         hidden_size=cfg.hidden_size if self.keep_hidden else 0, initial_length=initial_length)
+                         hidden_size=cfg.hidden_size if self.keep_hidden else 0, initial_length=initial_length,
+                         kv_dtype=self.target.kv_dtype)
 
     def _layers(self, tokens: Tensor, cache: ViewCache) -> tuple[Tensor, int]:  # [n] -> ([n, D], start)
         """Run the plan's layers for ``tokens`` on ``cache`` (recording tokens and residuals)."""

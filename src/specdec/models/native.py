@@ -690,6 +690,8 @@ class NativeCausalLM:
         self.vocab_size = cfg.vocab_size
         self.max_length = cfg.max_length
         self.dtype = dtype
+        #: the caches' dtype where it is not ``dtype`` (:meth:`set_kv_dtype`)
+        self.kv_dtype: torch.dtype | None = None
 
         mode = "invariant" if batch_invariant else "fast"
 
@@ -965,7 +967,23 @@ class NativeCausalLM:
         """A cache for up to ``max_length`` positions; ``initial_length`` allocates fewer and grows on demand."""
         length = min(max_length or self.max_length, self.max_length)
         return KVCache(self.cfg.n_layers, self.cfg.n_kv_heads, self.cfg.head_dim, length,
-                       initial_length=initial_length, dtype=self.dtype)
+                       initial_length=initial_length, dtype=self.kv_dtype or self.dtype)
+
+    def set_kv_dtype(self, dtype: torch.dtype | None) -> None:
+        """Hold the keys and values of caches made from now on in ``dtype`` (None: the model's
+        own).  ``torch.float16`` needs a float32, batch-invariant model on the compiled attention
+        kernel, which widens each cached value back to float32 exactly as it reads it: every pass
+        then computes on the rounded values, so a row's bits are still the same alone or in a
+        block (the rounding happens once, when the row's keys and values are written)."""
+        if dtype in (None, self.dtype):
+            self.kv_dtype = None
+            return
+        if dtype != torch.float16:
+            raise ValueError(f"a key/value cache in {dtype} is not supported (float16, or the model's own dtype)")
+        if self.dtype != torch.float32 or not self.batch_invariant or not kernels.attention_kernel():
+            raise ValueError("a float16 key/value cache needs a float32, int8 or q4 target with exact attention on"
+                             " specdec's compiled kernel (not --fast-attention, not SPECDEC_ATTENTION=0)")
+        self.kv_dtype = dtype
 
     def _past_window(self, end: int) -> bool:
         """Whether a pass writing slots up to ``end`` may hold a row past a sliding window (a row at

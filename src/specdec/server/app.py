@@ -242,12 +242,15 @@ def serving_model(model: LanguageModel, settings: ServerSettings, metrics: Serve
 
 
 def precision(model: Any) -> str | None:
-    """How the served target computes: "int8 (KERNEL)" for an int8 native target, else its dtype."""
+    """How the served target computes: "int8 (KERNEL)" for an int8 native target, else its dtype;
+    ", float16 cache" after it where its keys and values are held in float16 (``--kv-dtype``)."""
     quant, kernel = getattr(model, "quant", None), getattr(model, "int8_kernel", None)
+    kv = getattr(model, "kv_dtype", None)
+    cache = f", {str(kv).removeprefix('torch.')} cache" if kv is not None and str(kv).startswith("torch.") else ""
     if quant:
-        return f"{quant} ({kernel})" if kernel else str(quant)
+        return (f"{quant} ({kernel})" if kernel else str(quant)) + cache
     dtype = getattr(model, "dtype", None)
-    return str(dtype).removeprefix("torch.") if dtype is not None else None
+    return str(dtype).removeprefix("torch.") + cache if dtype is not None else None
 
 
 def create_app(

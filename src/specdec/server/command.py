@@ -301,6 +301,7 @@ def _build_app(args: argparse.Namespace, settings_kw: dict[str, Any]) -> Any:
         EngineConfig(target=args.target, draft=args.draft, backend=args.backend, dtype=args.dtype,
                      draft_dtype=args.draft_dtype, draft_vocab=getattr(args, "draft_vocab", "auto"),
                      draft_temperature_factor=getattr(args, "draft_temperature_factor", "auto"), int8_kernel=getattr(args, "int8_kernel", "auto"),
+                     kv_dtype=getattr(args, "kv_dtype", "auto"),
                      chat_template=read_chat_template(template) if template is not None else None),
         progress=_log,
     )

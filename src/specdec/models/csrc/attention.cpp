@@ -3,7 +3,9 @@
 //   torch.ops.specdec.attend(q, k, v, start, paths) -> [n, Hq * d]
 //
 //   q      [n, Hq, d] float32, pre-scaled query rows (Hq a multiple of Hkv: grouped-query heads)
-//   k, v   [Hkv, T, d] float32 cache buffers (their last dimension contiguous)
+//   k, v   [Hkv, T, d] float32 or float16 cache buffers (their last dimension contiguous, both of
+//          one dtype).  A float16 key or value is widened to float32 exactly as it is read, so a
+//          row's bits over a float16 cache are those over a float32 cache holding the same values.
 //   start  without paths: row r sees keys [0, start + r] — what token-by-token decoding had cached
 //          when it scored that position;
 //          with paths: every row sees the prefix [0, start), then the cache slots paths[r, :] in
@@ -67,6 +69,70 @@ inline v16 load(const float* p) {
 }
 
 inline void store(float* p, v16 x) { std::memcpy(p, &x, sizeof(x)); }
+
+// A float16 cache's values (IEEE binary16 bits) widened to float32: exact, so every path below
+// computes on the same floats whichever instruction widened them.
+using half_t = uint16_t;
+
+inline float half_to_float(half_t h) {  // the portable widening (subnormals and inf / NaN kept)
+  const uint32_t sign = static_cast<uint32_t>(h & 0x8000u) << 16, exp = (h >> 10) & 0x1Fu, man = h & 0x3FFu;
+  uint32_t bits;
+  if (exp == 0x1F) {
+    bits = sign | 0x7F800000u | (man << 13);
+  } else if (exp != 0) {
+    bits = sign | ((exp + 112u) << 23) | (man << 13);
+  } else if (man == 0) {
+    bits = sign;
+  } else {  // subnormal: man x 2^-24, exact in float32
+    float f = static_cast<float>(man) * 5.9604644775390625e-8f;
+    std::memcpy(&bits, &f, sizeof(bits));
+    bits |= sign;
+  }
+  float f;
+  std::memcpy(&f, &bits, sizeof(f));
+  return f;
+}
+
+inline float to_f(float x) { return x; }
+inline float to_f(half_t x) {
+#if defined(__F16C__)
+  return _cvtsh_ss(x);
+#else
+  return half_to_float(x);
+#endif
+}
+
+inline v16 load(const half_t* p) {
+#if defined(__AVX512F__)
+  const __m512 x = _mm512_cvtph_ps(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(p)));
+  v16 r;
+  std::memcpy(&r, &x, sizeof(r));
+  return r;
+#elif defined(__F16C__)
+  __m256 x[2] = {_mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p))),
+                 _mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p + 8)))};
+  v16 r;
+  std::memcpy(&r, x, sizeof(r));
+  return r;
+#else
+  v16 r;
+  for (int l = 0; l < kLanes; ++l) r[l] = half_to_float(p[l]);
+  return r;
+#endif
+}
+
+// n (<= 16) values into floats (a tail of features)
+template <class KV>
+inline void widen(float* out, const KV* p, int64_t n) {
+  for (int64_t i = 0; i < n; ++i) out[i] = to_f(p[i]);
+}
+
+#if defined(__AVX__)
+inline __m256 load8(const float* p) { return _mm256_loadu_ps(p); }
+#if defined(__F16C__)
+inline __m256 load8(const half_t* p) { return _mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p))); }
+#endif
+#endif
 
 // exp(x) for x <= 0 (x = s - max), flushed to 0 below -87: Cody-Waite reduction by ln 2 and a
 // degree-6 polynomial (the classic single-precision coefficients).  One template for a float and
@@ -234,8 +300,8 @@ inline float softmax_inplace(float* sh, int64_t nk) {
 }
 
 // q . k with feature c in lane c mod 16 (the tail's missing features add exact zeros), not yet summed.
-template <int NV>
-inline v16 dot_lanes(const float* q, const float* k, int64_t d) {
+template <int NV, class KV>
+inline v16 dot_lanes(const float* q, const KV* k, int64_t d) {
   v16 acc{};
   if constexpr (NV > 0) {
     for (int c = 0; c < NV; ++c) acc = fma16(load(q + 16 * c), load(k + 16 * c), acc);
@@ -245,7 +311,7 @@ inline v16 dot_lanes(const float* q, const float* k, int64_t d) {
     if (c < d) {
       float qt[kLanes] = {0}, kt[kLanes] = {0};
       std::memcpy(qt, q + c, sizeof(float) * (d - c));
-      std::memcpy(kt, k + c, sizeof(float) * (d - c));
+      widen(kt, k + c, d - c);
       acc = fma16(load(qt), load(kt), acc);
     }
   }
@@ -253,22 +319,22 @@ inline v16 dot_lanes(const float* q, const float* k, int64_t d) {
 }
 
 // lane_sum(dot_lanes<NV>(q, k, d)): one key's score.
-#if !defined(__AVX512F__) && defined(__AVX__) && defined(__FMA__)
+#if !defined(__AVX512F__) && defined(__AVX__) && defined(__FMA__) && defined(__F16C__)
 // On AVX2 the 16 lanes are two 8-lane registers: the same fused multiply-adds, lane by lane, and
 // the same tree of additions, without the round trips through memory that GCC's lowering of
 // 16-lane vectors costs here.
-template <int NV>
-inline float dot_sum(const float* q, const float* k, int64_t d) {
+template <int NV, class KV>
+inline float dot_sum(const float* q, const KV* k, int64_t d) {
   __m256 lo = _mm256_setzero_ps(), hi = _mm256_setzero_ps();
   int64_t c = 0;
   for (; c + kLanes <= (NV > 0 ? 16 * NV : d); c += kLanes) {
-    lo = _mm256_fmadd_ps(_mm256_loadu_ps(q + c), _mm256_loadu_ps(k + c), lo);
-    hi = _mm256_fmadd_ps(_mm256_loadu_ps(q + c + 8), _mm256_loadu_ps(k + c + 8), hi);
+    lo = _mm256_fmadd_ps(_mm256_loadu_ps(q + c), load8(k + c), lo);
+    hi = _mm256_fmadd_ps(_mm256_loadu_ps(q + c + 8), load8(k + c + 8), hi);
   }
   if (NV == 0 && c < d) {  // the tail: zeros for the missing features, as dot_lanes pads
     alignas(32) float qt[kLanes] = {0}, kt[kLanes] = {0};
     std::memcpy(qt, q + c, sizeof(float) * (d - c));
-    std::memcpy(kt, k + c, sizeof(float) * (d - c));
+    widen(kt, k + c, d - c);
     lo = _mm256_fmadd_ps(_mm256_load_ps(qt), _mm256_load_ps(kt), lo);
     hi = _mm256_fmadd_ps(_mm256_load_ps(qt + 8), _mm256_load_ps(kt + 8), hi);
   }
@@ -278,8 +344,8 @@ inline float dot_sum(const float* q, const float* k, int64_t d) {
   return _mm_cvtss_f32(_mm_add_ss(h2, _mm_shuffle_ps(h2, h2, 1)));
 }
 #else
-template <int NV>
-inline float dot_sum(const float* q, const float* k, int64_t d) {
+template <int NV, class KV>
+inline float dot_sum(const float* q, const KV* k, int64_t d) {
   return lane_sum(dot_lanes<NV>(q, k, d));
 }
 #endif
@@ -324,15 +390,15 @@ struct Rows {
 
 // sum_j w[t][j] v_j for NP (row, head) pairs over the same keys 0 .. n-1, one fused
 // multiply-add per key and feature in key order; the sums stay in registers, v_j is read once.
-template <int NV, int NP>
-inline void pv_tile(const float* const* w, const float* v, int64_t key_stride, int64_t n, v16 (*acc)[NV]) {
+template <int NV, int NP, class KV>
+inline void pv_tile(const float* const* w, const KV* v, int64_t key_stride, int64_t n, v16 (*acc)[NV]) {
   v16 a[NP][NV];
 #pragma GCC unroll 16
   for (int t = 0; t < NP; ++t)
 #pragma GCC unroll 16
     for (int c = 0; c < NV; ++c) a[t][c] = v16{};
   for (int64_t jj = 0; jj < n; ++jj) {
-    const float* vj = v + jj * key_stride;
+    const KV* vj = v + jj * key_stride;
     v16 x[NV];
 #pragma GCC unroll 16
     for (int c = 0; c < NV; ++c) x[c] = load(vj + 16 * c);
@@ -349,15 +415,15 @@ inline void pv_tile(const float* const* w, const float* v, int64_t key_stride, i
 
 #if !defined(__AVX512F__) && defined(__AVX__) && defined(__FMA__)
 // pv_tile in 8-lane registers (AVX2): the same fused multiply-add per key, lane and pair.
-template <int NV, int NP>
-inline void pv_tile_avx2(const float* const* w, const float* v, int64_t key_stride, int64_t n, v16 (*acc)[NV]) {
+template <int NV, int NP, class KV>
+inline void pv_tile_avx2(const float* const* w, const KV* v, int64_t key_stride, int64_t n, v16 (*acc)[NV]) {
   __m256 a[NP][2 * NV];
   for (int t = 0; t < NP; ++t)
     for (int c = 0; c < 2 * NV; ++c) a[t][c] = _mm256_setzero_ps();
   for (int64_t jj = 0; jj < n; ++jj) {
-    const float* vj = v + jj * key_stride;
+    const KV* vj = v + jj * key_stride;
     __m256 x[2 * NV];
-    for (int c = 0; c < 2 * NV; ++c) x[c] = _mm256_loadu_ps(vj + 8 * c);
+    for (int c = 0; c < 2 * NV; ++c) x[c] = load8(vj + 8 * c);
     for (int t = 0; t < NP; ++t) {
       const __m256 wt = _mm256_set1_ps(w[t][jj]);
       for (int c = 0; c < 2 * NV; ++c) a[t][c] = _mm256_fmadd_ps(wt, x[c], a[t][c]);
@@ -367,21 +433,21 @@ inline void pv_tile_avx2(const float* const* w, const float* v, int64_t key_stri
 }
 #endif
 
-template <int NV, int NP>
-void pv_dispatch(int np, const float* const* w, const float* v, int64_t key_stride, int64_t n, v16 (*acc)[NV]) {
+template <int NV, int NP, class KV>
+void pv_dispatch(int np, const float* const* w, const KV* v, int64_t key_stride, int64_t n, v16 (*acc)[NV]) {
   if constexpr (NP > 1) {
     if (np < NP) return pv_dispatch<NV, NP - 1>(np, w, v, key_stride, n, acc);
   }
-#if !defined(__AVX512F__) && defined(__AVX__) && defined(__FMA__)
+#if !defined(__AVX512F__) && defined(__AVX__) && defined(__FMA__) && defined(__F16C__)
   pv_tile_avx2<NV, NP>(w, v, key_stride, n, acc);
 #else
   pv_tile<NV, NP>(w, v, key_stride, n, acc);
 #endif
 }
 
-template <int NV>
-void attend_rows(const Rows& rows, int64_t g, int64_t d, const float* k, const float* v, int64_t key_stride,
-                 std::vector<float>& buf) {
+template <int NV, class KV>
+void attend_rows_typed(const Rows& rows, int64_t g, int64_t d, const KV* k, const KV* v, int64_t key_stride,
+                       std::vector<float>& buf) {
   const int64_t R = rows.count;
   int64_t max_pre = 0, total = 0;
   std::vector<int64_t> off(static_cast<size_t>(R + 1));
@@ -461,7 +527,7 @@ void attend_rows(const Rows& rows, int64_t g, int64_t d, const float* k, const f
         v16 sum[NV];
         for (int c = 0; c < NV; ++c) sum[c] = acc[t][c];
         for (int64_t jj = common; jj < n_keys(p / g); ++jj) {  // the rest of this pair's keys, in order
-          const float* vj = v + slot(p, jj) * key_stride;
+          const KV* vj = v + slot(p, jj) * key_stride;
           const v16 w = v16{} + wp[jj];
           for (int c = 0; c < NV; ++c) sum[c] = fma16(w, load(vj + 16 * c), sum[c]);
         }
@@ -476,16 +542,26 @@ void attend_rows(const Rows& rows, int64_t g, int64_t d, const float* k, const f
       for (int64_t c = 0; c < d; ++c) a[c] = 0.0f;
       const float* wp = weights(p);
       for (int64_t jj = 0; jj < n_keys(p / g); ++jj) {
-        const float* vj = v + slot(p, jj) * key_stride;
+        const KV* vj = v + slot(p, jj) * key_stride;
         const float w = wp[jj];
-        for (int64_t c = 0; c < d; ++c) a[c] = std::fma(w, vj[c], a[c]);
+        for (int64_t c = 0; c < d; ++c) a[c] = std::fma(w, to_f(vj[c]), a[c]);
       }
       finish(p, a.data());
     }
   }
 }
 
-using RowsFn = void (*)(const Rows&, int64_t, int64_t, const float*, const float*, int64_t, std::vector<float>&);
+// attend_rows_typed over a cache of either dtype (k and v untyped, elements of `half` ? 2 : 4 bytes)
+template <int NV>
+void attend_rows(const Rows& rows, int64_t g, int64_t d, const void* k, const void* v, bool half, int64_t key_stride,
+                 std::vector<float>& buf) {
+  if (half)
+    attend_rows_typed<NV>(rows, g, d, static_cast<const half_t*>(k), static_cast<const half_t*>(v), key_stride, buf);
+  else
+    attend_rows_typed<NV>(rows, g, d, static_cast<const float*>(k), static_cast<const float*>(v), key_stride, buf);
+}
+
+using RowsFn = void (*)(const Rows&, int64_t, int64_t, const void*, const void*, bool, int64_t, std::vector<float>&);
 
 RowsFn rows_fn(int64_t d) {
   switch (d) {
@@ -569,7 +645,9 @@ void attend_seqs(const float* qp, float* op, int64_t hq, int64_t hk, int64_t d,
           }
           const int64_t h0 = h * g + j0, at_row = sq.row + r0;
           const Rows rows{qp + (at_row * hq + h0) * d, hq * d, op + (at_row * hq + h0) * d, pre, extra, n_extra, count};
-          fn(rows, gt, d, sq.k + h * sq.head_stride, sq.v + h * sq.head_stride, sq.key_stride, buf);
+          const int64_t skip = h * sq.head_stride * (sq.half ? 2 : 4);  // bytes to KV head h
+          fn(rows, gt, d, static_cast<const char*>(sq.k) + skip, static_cast<const char*>(sq.v) + skip, sq.half,
+             sq.key_stride, buf);
           u += count * gt;
         }
       }
@@ -580,8 +658,9 @@ void attend_seqs(const float* qp, float* op, int64_t hq, int64_t hk, int64_t d,
 at::Tensor attend(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v, int64_t start,
                   const c10::optional<at::Tensor>& paths) {
   TORCH_CHECK(q.dim() == 3 && k.dim() == 3 && v.dim() == 3, "attend: q [n, Hq, d], k and v [Hkv, T, d]");
-  TORCH_CHECK(q.scalar_type() == at::kFloat && k.scalar_type() == at::kFloat && v.scalar_type() == at::kFloat,
-              "attend: float32 only");
+  TORCH_CHECK(q.scalar_type() == at::kFloat, "attend: q must be float32");
+  TORCH_CHECK((k.scalar_type() == at::kFloat || k.scalar_type() == at::kHalf) && v.scalar_type() == k.scalar_type(),
+              "attend: k and v must both be float32 or both float16");
   TORCH_CHECK(k.sizes() == v.sizes() && k.strides() == v.strides(), "attend: k and v must have one layout");
   TORCH_CHECK(k.stride(2) == 1, "attend: the cache's last dimension must be contiguous");
   const at::Tensor qc = q.contiguous();
@@ -609,12 +688,11 @@ at::Tensor attend(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v,
   }
   at::Tensor out = at::empty({n, hq * d}, qc.options());
   const float* qp = qc.data_ptr<float>();
-  const float* kp = k.data_ptr<float>();
-  const float* vp = v.data_ptr<float>();
+  const bool half = k.scalar_type() == at::kHalf;
   float* op = out.data_ptr<float>();
   const int64_t* pp = tree ? pc.data_ptr<int64_t>() : nullptr;
   const int64_t ks = k.stride(1), hs = k.stride(0);
-  attend_seqs(qp, op, hq, hk, d, {specdec::AttnSeq{kp, vp, ks, hs, start, 0, n, pp, e}});
+  attend_seqs(qp, op, hq, hk, d, {specdec::AttnSeq{k.data_ptr(), v.data_ptr(), ks, hs, start, 0, n, pp, e, half}});
   return out;
 }
 
@@ -634,13 +712,14 @@ at::Tensor attend_batch(const at::Tensor& q, const std::vector<at::Tensor>& k, c
   int64_t row = 0;
   for (size_t i = 0; i < sizes.size(); ++i) {
     TORCH_CHECK(k[i].dim() == 3 && k[i].sizes() == v[i].sizes() && k[i].strides() == v[i].strides() &&
-                    k[i].scalar_type() == at::kFloat && v[i].scalar_type() == at::kFloat && k[i].stride(2) == 1,
-                "attend_batch: k and v must be float32 [Hkv, T, d] of one layout, features contiguous");
+                    (k[i].scalar_type() == at::kFloat || k[i].scalar_type() == at::kHalf) &&
+                    v[i].scalar_type() == k[i].scalar_type() && k[i].stride(2) == 1,
+                "attend_batch: k and v must be float32 or float16 [Hkv, T, d] of one layout and dtype, features contiguous");
     TORCH_CHECK(k[i].size(0) == hk && k[i].size(2) == d, "attend_batch: head layout mismatch");
     TORCH_CHECK(sizes[i] >= 0 && starts[i] >= 0 && starts[i] + sizes[i] <= k[i].size(1),
                 "attend_batch: rows beyond the cache");
-    seqs.push_back(specdec::AttnSeq{k[i].data_ptr<float>(), v[i].data_ptr<float>(), k[i].stride(1), k[i].stride(0),
-                                    starts[i], row, sizes[i], nullptr, 0});
+    seqs.push_back(specdec::AttnSeq{k[i].data_ptr(), v[i].data_ptr(), k[i].stride(1), k[i].stride(0),
+                                    starts[i], row, sizes[i], nullptr, 0, k[i].scalar_type() == at::kHalf});
     row += sizes[i];
   }
   TORCH_CHECK(row == m, "attend_batch: the sizes must add up to q's rows");

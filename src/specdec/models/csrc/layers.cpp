@@ -312,8 +312,9 @@ at::Tensor run(const at::Tensor& x_in, const at::Tensor& cos_in, const at::Tenso
   for (size_t g = 0; g < segs.size(); ++g) {
     const Segment& sg = segs[g];
     TORCH_CHECK(sg.k.dim() == 4 && sg.k.sizes() == sg.v.sizes() && sg.k.stride(3) == 1 && sg.v.stride(3) == 1 &&
-                    sg.k.scalar_type() == at::kFloat && sg.v.scalar_type() == at::kFloat,
-                "fused_layers: caches must be float32 [L, Hkv, T, d] with contiguous features");
+                    (sg.k.scalar_type() == at::kFloat || sg.k.scalar_type() == at::kHalf) &&
+                    sg.v.scalar_type() == sg.k.scalar_type() && sg.k.scalar_type() == segs[0].k.scalar_type(),
+                "fused_layers: caches must be float32 or float16 [L, Hkv, T, d] (one dtype) with contiguous features");
     TORCH_CHECK(sg.k.size(1) == hk && sg.k.size(3) == d, "fused_layers: head layout mismatch");
     TORCH_CHECK(sg.k.strides() == sg.v.strides(), "fused_layers: a cache's keys and values must have one layout");
     TORCH_CHECK(sg.start >= 0 && sg.start + sg.n <= sg.k.size(2), "fused_layers: rows beyond the cache");
@@ -392,16 +393,24 @@ at::Tensor run(const at::Tensor& x_in, const at::Tensor& cos_in, const at::Tenso
         }
         const Segment& sg = segs[owner[r]];
         const int64_t pos = sg.start + (r - sg.row);
-        float* kb = sg.k.data_ptr<float>() + slot * sg.k.stride(0) + pos * sg.k.stride(2);
-        float* vb = sg.v.data_ptr<float>() + slot * sg.v.stride(0) + pos * sg.v.stride(2);
+        const int64_t at = slot * sg.k.stride(0) + pos * sg.k.stride(2);
         for (int64_t h = 0; h < hk; ++h) {  // this row's keys and values into its cache
-          float* kd = kb + h * sg.k.stride(1);
-          float* vd = vb + h * sg.v.stride(1);
           const float* ks = dst + (r * qk_heads + hq + h) * d;
           const float* vs = src + r * qkv_w + (qk_heads + h) * d;
-          for (int64_t j = 0; j < d; ++j) {
-            kd[j] = ks[j];
-            vd[j] = vs[j];
+          if (sg.k.scalar_type() == at::kHalf) {  // rounded to nearest, ties to even: what torch's copy_ writes
+            at::Half* kd = sg.k.data_ptr<at::Half>() + at + h * sg.k.stride(1);
+            at::Half* vd = sg.v.data_ptr<at::Half>() + at + h * sg.v.stride(1);
+            for (int64_t j = 0; j < d; ++j) {
+              kd[j] = at::Half(ks[j]);
+              vd[j] = at::Half(vs[j]);
+            }
+          } else {
+            float* kd = sg.k.data_ptr<float>() + at + h * sg.k.stride(1);
+            float* vd = sg.v.data_ptr<float>() + at + h * sg.v.stride(1);
+            for (int64_t j = 0; j < d; ++j) {
+              kd[j] = ks[j];
+              vd[j] = vs[j];
+            }
           }
         }
       }
@@ -426,10 +435,11 @@ at::Tensor run(const at::Tensor& x_in, const at::Tensor& cos_in, const at::Tenso
         attn = at::empty({m, hq * d}, x.options());
         std::vector<specdec::AttnSeq> seqs;
         seqs.reserve(segs.size());
-        for (const Segment& sg : segs)
-          seqs.push_back(specdec::AttnSeq{sg.k.data_ptr<float>() + slot * sg.k.stride(0),
-                                          sg.v.data_ptr<float>() + slot * sg.v.stride(0), sg.k.stride(2),
-                                          sg.k.stride(1), sg.start, sg.row, sg.n, nullptr, 0});
+        for (const Segment& sg : segs) {
+          const at::Tensor k = sg.k.select(0, slot), v = sg.v.select(0, slot);  // [Hkv, T, d]
+          seqs.push_back(specdec::AttnSeq{k.data_ptr(), v.data_ptr(), sg.k.stride(2), sg.k.stride(1), sg.start, sg.row,
+                                          sg.n, nullptr, 0, sg.k.scalar_type() == at::kHalf});
+        }
         specdec::attend_seqs_op(q.data_ptr<float>(), attn.data_ptr<float>(), hq, hk, d, seqs);
       }
       at::Tensor out = linear(w, lin + 1, attn, nullptr);  // [M, D]

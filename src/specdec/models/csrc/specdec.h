@@ -22,17 +22,18 @@ at::Tensor attend_op(const at::Tensor& q, const at::Tensor& k, const at::Tensor&
                      const c10::optional<at::Tensor>& paths);
 
 // One sequence of a batched attention call: its cache's keys and values for one layer ([Hkv, T, d],
-// features contiguous, k and v of one layout) and its rows of q / out (see attend_seqs_op)
+// features contiguous, k and v of one layout and dtype) and its rows of q / out (see attend_seqs_op)
 struct AttnSeq {
-  const float* k;
-  const float* v;
-  int64_t key_stride;    // floats between consecutive keys
-  int64_t head_stride;   // floats between consecutive KV heads
+  const void* k;         // float32, or float16 where `half`
+  const void* v;
+  int64_t key_stride;    // elements between consecutive keys
+  int64_t head_stride;   // elements between consecutive KV heads
   int64_t start;         // row r sees keys [0, start + r] (without paths), or the prefix [0, start)
   int64_t row;           // its first row in q and out
   int64_t n;             // its rows
   const int64_t* paths;  // [n, e] slot lists of tree nodes, or null
   int64_t e;
+  bool half = false;     // the cache holds float16 (IEEE binary16) values
 };
 
 // csrc/attention.cpp: the rows of several sequences, each against its own cache, in one parallel
