@@ -132,9 +132,10 @@ def main() -> None:
 
     fig, ax = plt.subplots(figsize=(6.4, 4))
     xs = [r["context"] for r in rows]
-    for kind, style in (("float32", "o-"), ("float16", "s-")):
-        ax.plot(xs, [r[f"{kind}_step_ms"] for r in rows], style, label=f"{kind} cache, one-token step")
-        ax.plot(xs, [r[f"{kind}_pass4_ms"] for r in rows], style, alpha=0.45, label=f"{kind} cache, 4-row pass")
+    for kind, style, color in (("float32", "o-", "tab:blue"), ("float16", "s-", "tab:green")):
+        ax.plot(xs, [r[f"{kind}_step_ms"] for r in rows], style, color=color, label=f"{kind} cache, one-token step")
+        ax.plot(xs, [r[f"{kind}_pass4_ms"] for r in rows], style + "-", color=color, alpha=0.4,
+                label=f"{kind} cache, 4-row pass")
     ax.set_xlabel("context (tokens)")
     ax.set_ylabel("ms")
     ax.set_title(f"{args.target} ({quant or dtype}), {args.threads} threads")
