@@ -81,9 +81,10 @@ class EngineConfig:
     draft_temperature_factor: str | float = "auto"
     #: the target's key/value cache: "auto" = its float dtype (float32 for int8 / q4 targets), or
     #: "float16" (native backend, exact attention): half the bytes a long context's decoding step
-    #: reads and holds (~1.4x faster steps at 5,500 tokens of SmolLM2; llama.cpp's cache is float16
-    #: too).  Keys and values rounded to float16 make a slightly different target, and exactness
-    #: holds relative to it: plain and speculative decoding both run it
+    #: reads and holds (plain steps ~1.5x faster at 4,000-6,000 tokens of SmolLM2, verification
+    #: passes ~1.1x: their rows' attention is compute; llama.cpp's cache is float16 too).  Keys and
+    #: values rounded to float16 make a slightly different target, and exactness holds relative to
+    #: it: plain and speculative decoding both run it
     kv_dtype: str = defaults.KV_DTYPE
 
 

@@ -31,7 +31,8 @@
 //
 //   torch.ops.specdec.fused_layers(x [n, D], cos [n, 1, d], sin [n, 1, d] (signed), k_all, v_all
 //       [L, Hkv, T, d] (float32, or float16: each row's keys and values rounded to nearest even as
-//       they are written, as torch's copy_ rounds them; attend widens them back exactly), start, n_heads, n_kv_heads, head_dim, eps [1], weights (a FusedWeights),
+//       they are written, as torch's copy_ rounds them; attend widens them back exactly), start,
+//       n_heads, n_kv_heads, head_dim, eps [1], weights (a FusedWeights),
 //       plan[] (flattened [layer, attention on, MLP on, cache slot] steps; empty = every layer),
 //       final_norm, tree_start, paths, taps[], tap_out, cos_local, sin_local) -> [n, D]: the residual stream after the
 //       steps, times its inverse RMS when final_norm (the LM head's input).  taps[] (increasing
