@@ -35,8 +35,10 @@ def test_attention_over_a_float16_cache_is_attention_over_its_values_widened(hq:
     the generic path with a feature tail."""
     rng = random.Random(hq * 100 + d)
     torch.manual_seed(d)
-    for _ in range(20):
-        start, n = rng.randint(0, 200), rng.randint(1, 20)
+    for case in range(20):
+        # from 32 rows a call widens the keys and values it sees once, up front: rows alone read
+        # them as float16, so "together = alone" compares the two ways too
+        start, n = rng.randint(0, 200), (rng.randint(1, 20) if case % 4 else rng.randint(32, 48))
         k, v = torch.randn(hk, start + n + 40, d) * 3, torch.randn(hk, start + n + 40, d)
         q = torch.randn(n, hq + hk, d)[:, :hq] * d**-0.5  # a strided view, as the models pass it
         kh, vh = k.half(), v.half()
@@ -45,10 +47,24 @@ def test_attention_over_a_float16_cache_is_attention_over_its_values_widened(hq:
         alone = torch.cat([torch.ops.specdec.attend(q[j : j + 1], kh, vh, start + j, None) for j in range(n)])
         assert torch.equal(got, alone)
     paths = torch.tensor([[60, -1, -1], [60, 61, -1], [60, 62, -1], [60, 61, 63]])
-    k, v = torch.randn(hk, 96, d), torch.randn(hk, 96, d)
+    k, v = torch.randn(hk, 140, d), torch.randn(hk, 140, d)
     q = torch.randn(4, hq, d) * d**-0.5
     assert torch.equal(torch.ops.specdec.attend(q, k.half(), v.half(), 60, paths),
                        torch.ops.specdec.attend(q, _widened(k), _widened(v), 60, paths))
+    # a 40-node tree (widened up front, up to its highest slot) against each node alone
+    parents = [-1] + [rng.randrange(j) for j in range(1, 40)]
+    table = torch.full((40, 40), -1, dtype=torch.long)
+    for j in range(40):
+        path, p = [], j
+        while p >= 0:
+            path.append(60 + p)
+            p = parents[p]
+        table[j, : len(path)] = torch.tensor(path[::-1])
+    q = torch.randn(40, hq, d) * d**-0.5
+    got = torch.ops.specdec.attend(q, k.half(), v.half(), 60, table)
+    assert torch.equal(got, torch.ops.specdec.attend(q, _widened(k), _widened(v), 60, table))
+    alone = torch.cat([torch.ops.specdec.attend(q[j : j + 1], k.half(), v.half(), 60, table[j : j + 1]) for j in range(40)])
+    assert torch.equal(got, alone)
 
 
 @pytest.mark.parametrize("threads", [1, 2])
@@ -106,29 +122,30 @@ def _half_model(folder, quant=None) -> NativeCausalLM:
 
 @pytest.mark.parametrize("quant", [None, "q4"])
 def test_a_float16_cache_model_scores_a_block_as_its_rows_one_by_one(folder, quant) -> None:
-    """A 20-token prompt, then 9 tokens in one pass against the same 9 one at a time (past the
-    Mistral model's 6-token window): the logits and the whole cache are bitwise equal, and the
+    """A 40-token prompt (a pass that widens its keys and values up front), then 9 tokens in one
+    pass against the same 9 one at a time (past the Mistral model's 6-token window): the logits
+    and the whole cache are bitwise equal, and the
     cache is float16.  Layer 0's keys and values are the float32 model's rounded to float16 (the
     fused loop rounds as torch does); the logits differ from the float32 model's (a different
     target) but stay close."""
     model = _half_model(folder, quant)
-    ids = torch.randint(0, 49152, (29,), generator=torch.Generator().manual_seed(2))
+    ids = torch.randint(0, 49152, (49,), generator=torch.Generator().manual_seed(2))
     block, steps = model.new_cache(64), model.new_cache(64)
-    model.forward(ids[:20], block)
-    model.forward(ids[:20], steps)
+    prompt = model.forward(ids[:40], block)
+    assert torch.equal(prompt[-1], torch.cat([model.forward(ids[i : i + 1], steps) for i in range(40)])[-1])
     assert block.k.dtype == torch.float16 and block.v.dtype == torch.float16
-    got = model.forward(ids[20:], block)
-    want = torch.cat([model.forward(ids[i : i + 1], steps) for i in range(20, 29)])
+    got = model.forward(ids[40:], block)
+    want = torch.cat([model.forward(ids[i : i + 1], steps) for i in range(40, 49)])
     assert torch.equal(got, want)
-    assert torch.equal(block.k[:, :, :29], steps.k[:, :, :29]) and torch.equal(block.v[:, :, :29], steps.v[:, :, :29])
+    assert torch.equal(block.k[:, :, :49], steps.k[:, :, :49]) and torch.equal(block.v[:, :, :49], steps.v[:, :, :49])
     full = NativeCausalLM.from_folder(folder, batch_invariant=True, quant=quant)
     ref_cache = full.new_cache(64)
     ref = full.forward(ids, ref_cache)
     assert ref_cache.k.dtype == torch.float32
-    assert torch.equal(block.k[0, :, :29], ref_cache.k[0, :, :29].half())
-    assert torch.equal(block.v[0, :, :29], ref_cache.v[0, :, :29].half())
-    assert not torch.equal(got, ref[20:])
-    assert torch.allclose(got, ref[20:], atol=2e-2, rtol=0)
+    assert torch.equal(block.k[0, :, :49], ref_cache.k[0, :, :49].half())
+    assert torch.equal(block.v[0, :, :49], ref_cache.v[0, :, :49].half())
+    assert not torch.equal(got, ref[40:])
+    assert torch.allclose(got, ref[40:], atol=2e-2, rtol=0)
 
 
 def test_a_float16_cache_tree_node_is_its_path_scored_token_by_token(folder) -> None:
