@@ -92,20 +92,32 @@ class EngineConfig:
 KV_DTYPES = {"auto": None, "float16": torch.float16}
 
 
-def apply_kv_dtype(target: "LoadedModel", kv_dtype: str) -> None:
-    """Set ``target``'s cache dtype (see :attr:`EngineConfig.kv_dtype`), or raise a ConfigError that says why not."""
-    if kv_dtype not in KV_DTYPES:
-        raise ConfigError(f"--kv-dtype must be one of {', '.join(KV_DTYPES)}, got {kv_dtype!r}")
-    dtype = KV_DTYPES[kv_dtype]
-    if dtype is None:
+def check_kv_dtype(cfg: EngineConfig, dtype: torch.dtype) -> torch.dtype | None:
+    """The cache dtype ``cfg.kv_dtype`` asks for (None: the target's own), or a ConfigError, before
+    the target (of float dtype ``dtype``) loads, where its settings already say it cannot hold it."""
+    if cfg.kv_dtype not in KV_DTYPES:
+        raise ConfigError(f"--kv-dtype must be one of {', '.join(KV_DTYPES)}, got {cfg.kv_dtype!r}")
+    kv = KV_DTYPES[cfg.kv_dtype]
+    if kv is not None and not cfg.batch_invariant:
+        raise ConfigError(f"--kv-dtype {cfg.kv_dtype} needs exact attention: drop --fast-attention")
+    if kv is not None and dtype != torch.float32:
+        raise ConfigError(f"--kv-dtype {cfg.kv_dtype} needs a float32, int8 or q4 target with exact attention"
+                          f" (not --dtype {cfg.dtype})")
+    return kv
+
+
+def apply_kv_dtype(target: "LoadedModel", kv_dtype: torch.dtype | None, name: str) -> None:
+    """Set the loaded ``target``'s cache dtype (:func:`check_kv_dtype`'s answer, ``name`` as asked),
+    or raise a ConfigError that says why the model cannot hold it."""
+    if kv_dtype is None:
         return
     setter = getattr(target.model, "set_kv_dtype", None)
     if setter is None:
-        raise ConfigError(f"--kv-dtype {kv_dtype} needs the native backend (this target runs on {target.backend})")
+        raise ConfigError(f"--kv-dtype {name} needs the native backend (this target runs on {target.backend})")
     try:
-        setter(dtype)
+        setter(kv_dtype)
     except ValueError as e:
-        raise ConfigError(f"--kv-dtype {kv_dtype}: {e}") from None
+        raise ConfigError(f"--kv-dtype {name}: {e}") from None
 
 
 def target_dtype(cfg: EngineConfig) -> tuple[torch.dtype, str | None]:
@@ -523,17 +535,12 @@ class Engine:
         if spec is not None:  # ... and a self-speculative draft with nothing shipped for a registry target
             check_shipped(base, spec.name)
         dtype, quant = target_dtype(cfg)
-        if cfg.kv_dtype not in KV_DTYPES:  # what can be told before the target loads
-            raise ConfigError(f"--kv-dtype must be one of {', '.join(KV_DTYPES)}, got {cfg.kv_dtype!r}")
-        if KV_DTYPES[cfg.kv_dtype] is not None and (not cfg.batch_invariant or dtype != torch.float32):
-            raise ConfigError(f"--kv-dtype {cfg.kv_dtype} needs a float32, int8 or q4 target with exact attention"
-                              f" (not --fast-attention, not --dtype {cfg.dtype})" if cfg.batch_invariant else
-                              f"--kv-dtype {cfg.kv_dtype} needs exact attention: drop --fast-attention")
+        kv_dtype = check_kv_dtype(cfg, dtype)  # what can be told before the target loads
         if progress:
             progress(f"loading target {cfg.target}" + (f" ({quant})" if quant else ""))
         target = load(cfg.target, backend=cfg.backend, dtype=dtype, batch_invariant=cfg.batch_invariant, quant=quant,
                       int8_kernel=cfg.int8_kernel)
-        apply_kv_dtype(target, cfg.kv_dtype)
+        apply_kv_dtype(target, kv_dtype, cfg.kv_dtype)
         if cfg.chat_template is not None:
             from specdec.tokenizer import set_chat_template
 
