@@ -138,7 +138,8 @@ def describe_families() -> list[dict[str, Any]]:
          f"skipped (shipped for: {shipped}; self-skip:FILE from `specdec train skip`). Extra memory: a KV cache of the "
          "layers whose attention runs" + head, "default_draft": None, "install": none, "license": "", "status": "bundled"},
         {"name": "swift", "description": "SWIFT: a skip set adapted while generating (starts from the shipped set, or "
-         "swift:FILE). Extra memory: as self-skip", "default_draft": None, "install": none, "license": "", "status": "bundled"},
+         f"swift:FILE; its scorings of candidate sets take at most {defaults.SWIFT_SCORING_BUDGET:.0%} of the decoding "
+         "time, so it adapts over long replies). Extra memory: as self-skip", "default_draft": None, "install": none, "license": "", "status": "bundled"},
         {"name": "kangaroo", "description": "Kangaroo: the target's first K layers + a small trained adapter (one "
          "attention block) + its LM head, drafting stopped when its confidence drops; the verification pass reuses the "
          f"K layers' keys/values (adapter shipped for: {kangaroo_shipped}; kangaroo:FILE from `specdec train kangaroo`). "

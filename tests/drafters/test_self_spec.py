@@ -16,7 +16,7 @@ import torch
 
 from specdec import defaults
 from specdec.decoder import SpeculativeDecoder
-from specdec.drafters.base import DraftSampler
+from specdec.drafters.base import Draft, DraftSampler
 from specdec.drafters.self_spec import LayerPlan, LayerView, SelfSpecDrafter, SwiftDrafter, build, load_plan, parse_name
 from specdec.errors import ConfigError
 from specdec.gamma import FixedGamma
@@ -221,7 +221,7 @@ def test_a_view_of_the_whole_target_is_not_drafted_from_under_gamma_auto():
 def test_swift_adapts_its_skip_set_and_stays_exact():
     cfg = SamplingConfig(temperature=0.0, max_new_tokens=40)
     plain = SpeculativeDecoder(TARGET, None, get_rule("greedy")).generate(PROMPT, cfg).tokens
-    drafter = SwiftDrafter(TARGET, LayerPlan.skipping(3, {0, 1, 2}, {0, 1, 2}), every=2, window=6, tries=4)
+    drafter = SwiftDrafter(TARGET, LayerPlan.skipping(3, {0, 1, 2}, {0, 1, 2}), every=2, window=6, tries=4, budget=None)
     out = SpeculativeDecoder(TARGET, drafter, get_rule("greedy"), gamma=FixedGamma(2)).generate(PROMPT, cfg)
     assert out.tokens == plain
     assert drafter.switches >= 1  # a draft that skips everything is a poor one: it moved
@@ -231,7 +231,7 @@ def test_swift_rescores_ever_more_rarely_while_its_set_holds():
     """Each scoring runs 1 + tries passes over the window: the interval doubles while the set
     holds (capped at every x max_backoff, carried into the next sequence) and falls back to
     ``every`` after a switch."""
-    drafter = SwiftDrafter(TARGET, SKIP, every=2, window=4, tries=1, max_backoff=4)
+    drafter = SwiftDrafter(TARGET, SKIP, every=2, window=4, tries=1, max_backoff=4, budget=None)
     switch_at: set[int] = set()
     drafter._speedup = lambda plan, context: 1.0 + (plan != SKIP and drafter.scorings in switch_at)  # type: ignore[method-assign]
     context = torch.tensor([1, 3, 0, 4, 2, 2, 1])
@@ -255,13 +255,73 @@ def test_swift_rescores_ever_more_rarely_while_its_set_holds():
     assert drafter.scorings == 7  # every 2 rounds again
 
 
+class _Clock:
+    """A time source the test moves by hand."""
+
+    def __init__(self) -> None:
+        self.t = 0.0
+
+    def __call__(self) -> float:
+        return self.t
+
+
+def _budget_run(budget: float | None, monkeypatch) -> tuple[SwiftDrafter, list[tuple[int, float, float]]]:
+    """A SWIFT drafter over 400 rounds of 0.1 s of decoding each, nothing drafted in the first 100
+    and one token (0.01 s) a round after them, a scoring costing 0.5 s, its clock moved by hand;
+    returns it and (scorings, scoring time, time seen) after every round."""
+    clock = _Clock()
+    drafter = SwiftDrafter(TARGET, SKIP, every=2, window=4, tries=1, max_backoff=4, budget=budget, clock=clock)
+
+    def speedup(plan, context):
+        clock.t += 0.25  # each of the 1 + tries sets scored: 0.5 s a scoring
+        return 1.0
+
+    def draft(self, context, gamma, sampler):
+        clock.t += 0.01 * gamma
+        return Draft(tokens=torch.zeros(gamma, dtype=torch.long), probs=None)
+
+    drafter._speedup = speedup  # type: ignore[method-assign]
+    monkeypatch.setattr(SelfSpecDrafter, "propose", draft)
+    context = torch.tensor([1, 3, 0, 4, 2, 2, 1])
+    sampler = DraftSampler(SamplingConfig(temperature=0.0), "multinomial", penalties=None, generator=torch.Generator())
+    trace = []
+    for r in range(400):
+        if r % 100 == 0:
+            drafter.reset()  # a new sequence: the gap before it (10 s here) is not decoding time
+            clock.t += 10.0
+        drafter.propose(context, 0 if r < 100 else 1, sampler)
+        trace.append((drafter.scorings, drafter.scoring_s, drafter.seen_s))
+        clock.t += 0.1
+    return drafter, trace
+
+
+def test_swift_keeps_its_scorings_within_its_time_budget(monkeypatch):
+    """A scoring costs at most ``budget`` of the decoding time seen since the last one (gaps
+    between sequences excluded, the last scoring's own time too), the first waiting for a
+    measured draft step to bound its cost: no burst of scorings spends time banked while none
+    could run.  Within that SWIFT still scores.  400 rounds of a hand-moved clock; without the
+    budget the same run spends more than that share on scoring (the control)."""
+    drafter, trace = _budget_run(0.25, monkeypatch)
+    assert all(scoring <= 0.25 * seen + 1e-9 for _, scoring, seen in trace)
+    at = [r for r in range(1, 400) if trace[r][0] > trace[r - 1][0]]  # the rounds that scored
+    # the first waited for a draft step (round 100) to bound its cost by 2 x 3 x 0.01 s
+    assert at[0] == 101
+    # then each one for 0.5 s / 0.25 of decoding after the last: ~18 rounds of 0.11 s
+    seen = [trace[r][2] for r in at]  # when each was decided (its own time counts from the next call)
+    assert all(b - a - 0.5 >= 2.0 - 1e-9 for a, b in zip(seen, seen[1:]))
+    assert 14 <= len(at) <= 18
+    assert drafter.seen_s <= 400 * 0.11 + drafter.scoring_s  # the 10 s before each sequence left out
+    free, trace = _budget_run(None, monkeypatch)
+    assert free.scorings > drafter.scorings and trace[-1][1] > 0.25 * trace[-1][2]
+
+
 def test_swift_moving_to_a_set_with_other_attention_layers_copies_those_layers_keys():
     """A switch that skips an attention layer changes which of the target's layers the view's
     cache holds: after it, the committed positions hold the new set's layers (the first version
     kept the old map and crashed on the smaller cache).  Greedy output stays plain greedy's."""
     cfg = SamplingConfig(temperature=0.0, max_new_tokens=30)
     plain = SpeculativeDecoder(TARGET, None, get_rule("greedy")).generate(PROMPT, cfg).tokens
-    drafter = SwiftDrafter(TARGET, LayerPlan.skipping(3, set(), set()), every=2, window=6, tries=4)
+    drafter = SwiftDrafter(TARGET, LayerPlan.skipping(3, set(), set()), every=2, window=6, tries=4, budget=None)
     wanted = LayerPlan.skipping(3, {1}, set())
     drafter._neighbour = lambda plan: wanted  # type: ignore[method-assign]
     drafter._speedup = lambda plan, context: 2.0 if plan == wanted else 1.0  # type: ignore[method-assign]

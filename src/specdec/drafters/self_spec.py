@@ -23,6 +23,7 @@ is an ordinary chain drafter (:class:`~specdec.drafters.model.ModelDrafter` over
 from __future__ import annotations
 
 import json
+import time
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Callable
@@ -30,6 +31,7 @@ from typing import Any, Callable
 import torch
 from torch import Tensor
 
+from specdec import defaults
 from specdec.bench.theory import best_chain_speedup
 from specdec.catalog import SKIP_SETS_DIR, check_shipped, describe_families, parse_self_spec  # noqa: F401 - re-exported
 from specdec.drafters.base import Draft, DraftSampler
@@ -391,12 +393,34 @@ class SwiftDrafter(SelfSpecDrafter):
     steps a token.  So the interval doubles after each scoring that keeps the set (up to
     ``every * max_backoff`` rounds, carried from sequence to sequence) and falls back to ``every``
     when the set changes: a set that has settled is rescored ever more rarely.
+
+    Scorings are also held to a time budget: a scoring runs only if its cost is at most ``budget``
+    (default :data:`defaults.SWIFT_SCORING_BUDGET`) of the decoding time the drafter has seen since
+    the last one (None: no budget), so they take at most that share of any stretch of decoding, not
+    only of the total.  Decoding time seen is the time from each of the drafter's calls to the next
+    within a sequence, sequences added up.  A scoring's cost is the last scoring's measured time,
+    or before the first an upper bound from the cheapest draft step measured, ``(1 + tries)``
+    passes of ``window - 1`` rows each at most as dear as that many one-row steps.  With no draft
+    step measured yet there is no bound, and no scoring.  On replies of a few dozen tokens a scoring
+    costs more than it can return, so there SWIFT drafts with the set it started from; over long
+    ones it adapts.  ``clock``: the time source (tests pass their own).
     """
 
     def __init__(self, target: Any, plan: LayerPlan, *, every: int = 12, window: int = 48, tries: int = 3,
-                 seed: int = 0, reduced: Any = None, max_backoff: int = 16) -> None:
+                 seed: int = 0, reduced: Any = None, max_backoff: int = 16,
+                 budget: float | None = defaults.SWIFT_SCORING_BUDGET,
+                 clock: Callable[[], float] = time.perf_counter) -> None:
         super().__init__(LayerView(target, plan, reduced=reduced))
+        if budget is not None and not budget >= 0:
+            raise ConfigError(f"SWIFT's scoring budget must be a share >= 0 of the decoding time, got {budget!r}")
         self.every, self.window, self.tries, self.max_backoff = every, window, tries, max_backoff
+        self.budget, self._clock = budget, clock
+        self.seen_s = 0.0  # decoding time seen: from each call to the next within a sequence
+        self._since_s = 0.0  # ... since the last scoring
+        self.scoring_s = 0.0  # time all scorings took
+        self._called: float | None = None  # this sequence's last call (None: none yet)
+        self._step_s: float | None = None  # the cheapest one-token draft step measured
+        self._scoring_cost: float | None = None  # the last scoring's measured time
         self._interval = every  # rounds until the next scoring: doubles while the set holds
         self._wrap: Callable[[Any], Any] = lambda m: m
         self._rng = torch.Generator().manual_seed(seed)
@@ -409,6 +433,18 @@ class SwiftDrafter(SelfSpecDrafter):
     def reset(self, expected: int = 0) -> None:
         super().reset(expected)
         self._rounds = 0
+        self._called = None  # the gap before the next sequence is not decoding time
+
+    def _affordable(self) -> bool:
+        """Whether a scoring now costs at most ``budget`` of the decoding time seen since the last."""
+        if self.budget is None:
+            return True
+        cost = self._scoring_cost
+        if cost is None:  # before the first: a pass of n rows costs at most n one-row steps
+            if self._step_s is None:
+                return False
+            cost = (1 + self.tries) * (self.window - 1) * self._step_s
+        return cost <= self.budget * self._since_s
 
     def _agreement(self, plan: LayerPlan, context: Tensor) -> float:  # context: [L]
         """The first draft token's greedy acceptance over the last ``window`` committed tokens:
@@ -434,7 +470,8 @@ class SwiftDrafter(SelfSpecDrafter):
 
     def spawn(self, wrap: Callable[[Any], Any] = lambda m: m) -> "SwiftDrafter":
         fresh = SwiftDrafter(self.view.target, self.view.plan, every=self.every, window=self.window, tries=self.tries,
-                             reduced=self.view.reduced, max_backoff=self.max_backoff)
+                             reduced=self.view.reduced, max_backoff=self.max_backoff, budget=self.budget,
+                             clock=self._clock)
         fresh._wrap = wrap
         fresh.model = wrap(fresh.view)
         fresh.lazy_prefill = True  # as SelfSpecDrafter.spawn: no prefill for a request that never drafts
@@ -449,8 +486,13 @@ class SwiftDrafter(SelfSpecDrafter):
         return LayerPlan.skipping(n, attn, mlp)
 
     def propose(self, context: Tensor, gamma: int, sampler: DraftSampler) -> Draft:  # context: [L]
+        now = self._clock()
+        if self._called is not None:
+            self.seen_s += now - self._called
+            self._since_s += now - self._called
+        self._called = now
         self._rounds += 1
-        if self._rounds >= self._interval and context.numel() > self.window:
+        if self._rounds >= self._interval and context.numel() > self.window and self._affordable():
             self._rounds = 0
             self._interval = min(2 * self._interval, self.every * self.max_backoff)
             self.scorings += 1
@@ -465,9 +507,18 @@ class SwiftDrafter(SelfSpecDrafter):
                 self._use_view(LayerView(self.view.target, best_plan, reduced=self.view.reduced))
                 self.model = self._wrap(self.view)
                 self.reset()
+                self._called = now  # (reset is for a new sequence; this one goes on)
                 self._rounds, self._interval = 1, self.every
                 self.switches += 1
-        return super().propose(context, gamma, sampler)
+            self._scoring_cost = self._clock() - now
+            self.scoring_s += self._scoring_cost
+            self._since_s = -self._scoring_cost  # the gap to the next call holds this scoring
+        drafting = self._clock()
+        draft = super().propose(context, gamma, sampler)
+        if draft.tokens.numel():
+            step = (self._clock() - drafting) / draft.tokens.numel()
+            self._step_s = step if self._step_s is None else min(self._step_s, step)
+        return draft
 
 
 # ----------------------------------------------------------------------------- names
