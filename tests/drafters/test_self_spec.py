@@ -315,6 +315,12 @@ def test_swift_keeps_its_scorings_within_its_time_budget(monkeypatch):
     assert free.scorings > drafter.scorings and trace[-1][1] > 0.25 * trace[-1][2]
 
 
+@pytest.mark.parametrize("budget", [-0.1, float("nan")])
+def test_swift_refuses_a_scoring_budget_that_is_no_share(budget):
+    with pytest.raises(ConfigError, match="scoring budget"):
+        SwiftDrafter(TARGET, SKIP, budget=budget)
+
+
 def test_swift_moving_to_a_set_with_other_attention_layers_copies_those_layers_keys():
     """A switch that skips an attention layer changes which of the target's layers the view's
     cache holds: after it, the committed positions hold the new set's layers (the first version
