@@ -416,7 +416,7 @@ class SwiftDrafter(SelfSpecDrafter):
         self.every, self.window, self.tries, self.max_backoff = every, window, tries, max_backoff
         self.budget, self._clock = budget, clock
         self.seen_s = 0.0  # decoding time seen: from each call to the next within a sequence
-        self._since_s = 0.0  # ... since the last scoring
+        self._scored_at = 0.0  # seen_s where the last scoring's own time ends
         self.scoring_s = 0.0  # time all scorings took
         self._called: float | None = None  # this sequence's last call (None: none yet)
         self._step_s: float | None = None  # the cheapest one-token draft step measured
@@ -444,7 +444,7 @@ class SwiftDrafter(SelfSpecDrafter):
             if self._step_s is None:
                 return False
             cost = (1 + self.tries) * (self.window - 1) * self._step_s
-        return cost <= self.budget * self._since_s
+        return cost <= self.budget * (self.seen_s - self._scored_at)
 
     def _agreement(self, plan: LayerPlan, context: Tensor) -> float:  # context: [L]
         """The first draft token's greedy acceptance over the last ``window`` committed tokens:
@@ -489,7 +489,6 @@ class SwiftDrafter(SelfSpecDrafter):
         now = self._clock()
         if self._called is not None:
             self.seen_s += now - self._called
-            self._since_s += now - self._called
         self._called = now
         self._rounds += 1
         if self._rounds >= self._interval and context.numel() > self.window and self._affordable():
@@ -512,7 +511,7 @@ class SwiftDrafter(SelfSpecDrafter):
                 self.switches += 1
             self._scoring_cost = self._clock() - now
             self.scoring_s += self._scoring_cost
-            self._since_s = -self._scoring_cost  # the gap to the next call holds this scoring
+            self._scored_at = self.seen_s + self._scoring_cost  # the gap to the next call holds this scoring
         drafting = self._clock()
         draft = super().propose(context, gamma, sampler)
         if draft.tokens.numel():
