@@ -24,7 +24,7 @@ from pathlib import Path
 import torch
 
 import paired
-from library_ab import _BaseOps, build_base
+from library_ab import _Ops, build_base
 from specdec.engine import Engine, EngineConfig
 from specdec.models import kernels
 
@@ -45,7 +45,8 @@ def main() -> int:
         return 1
     with tempfile.TemporaryDirectory() as tmp:
         torch.ops.load_library(str(build_base(args.base, Path(tmp))))
-    ops = {"base": _BaseOps(torch.ops.specdec_base, "specdec_base"), "this": torch.ops.specdec}
+    ops = {"base": _Ops(torch.ops.specdec_base, "specdec_base", convert=True),
+           "this": _Ops(torch.ops.specdec, "specdec", convert=False)}
     cfg, weights = model.cfg, model.scripted.fused
     cache = model.new_cache(8)
     x = torch.randn(1, cfg.hidden_size)

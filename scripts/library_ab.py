@@ -107,8 +107,8 @@ class _Ops:
             at = 10 if name == "fused_layers" else 11  # the weights' position in the call
             weights = self._weights
 
-            def call(*args):
-                return op(*args[:at], *weights(args[at]), *args[at + 1:])
+            def call(*args, **kwargs):
+                return op(*args[:at], *weights(args[at]), *args[at + 1:], **kwargs)
             setattr(self, name, call)
             return call
         setattr(self, name, op)

@@ -39,3 +39,33 @@ def test_every_benchmark_the_documents_name_exists():
             if not (BENCH / path).exists():
                 missing.append(f"{doc.name}: benchmarks/{path}")
     assert missing == []
+
+
+def test_every_script_imports():
+    """The scripts that made the committed benchmarks still import against the package (a renamed
+    helper once broke one silently).  Run in a child process with ``scripts/`` on the path, as
+    ``python scripts/NAME.py`` would have it; a third-party package missing here is not a failure."""
+    import subprocess
+    import sys
+
+    code = r"""
+import importlib, pathlib, sys, traceback
+scripts = pathlib.Path(sys.argv[1])
+sys.path.insert(0, str(scripts))
+names = sorted(p.stem for p in scripts.glob("*.py"))
+print("count", len(names))
+for name in names:
+    try:
+        importlib.import_module(name)
+    except ModuleNotFoundError as e:
+        if e.name and (e.name.split(".")[0] == "specdec" or (scripts / (e.name + ".py")).exists()):
+            print("FAIL", name, repr(e))
+    except Exception as e:
+        print("FAIL", name, "".join(traceback.format_exception_only(e)).strip())
+"""
+    out = subprocess.run([sys.executable, "-c", code, str(ROOT / "scripts")], capture_output=True, text=True,
+                         timeout=600, cwd=ROOT)
+    assert out.returncode == 0, out.stderr[-3000:]
+    lines = out.stdout.splitlines()
+    assert lines and lines[0].startswith("count ") and int(lines[0].split()[1]) > 30
+    assert [line for line in lines if line.startswith("FAIL")] == []
