@@ -1,6 +1,7 @@
 """The repository's own references hold: every benchmark folder is indexed in
-``benchmarks/README.md`` and every ``benchmarks/NAME`` the documents name exists (a renamed or
-dropped result would otherwise leave a figure nobody can check)."""
+``benchmarks/README.md``, every ``benchmarks/NAME`` the documents name exists (a renamed or
+dropped result would otherwise leave a figure nobody can check), and every script that made one
+still imports."""
 
 from __future__ import annotations
 
