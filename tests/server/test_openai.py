@@ -211,12 +211,29 @@ def test_logprobs_are_the_targets_processed_law(client, local):
     lp = out.choices[0].logprobs
     assert out.choices[0].text == ref.text and len(lp.token_logprobs) == len(ref.token_ids)
     assert lp.token_logprobs == pytest.approx([max(v, -9999.0) for v, _ in ref.logprobs], abs=1e-9)
-    assert all(len(top) == 3 for top in lp.top_logprobs)
+    # the sampled token's entry is always there, as OpenAI's legacy completions report it (up to logprobs + 1)
+    assert all(3 <= len(top) <= 4 and top[t] == v for top, t, v in zip(lp.top_logprobs, lp.tokens, lp.token_logprobs))
+    assert any(len(top) == 4 for top in lp.top_logprobs)  # T = 0.7: a token outside the best three was drawn
+    one = client.completions.create(model=MODEL, prompt=PROMPT, max_tokens=12, temperature=0.7, seed=5, logprobs=0,
+                                    extra_body={"top_k": 40}).choices[0].logprobs
+    assert one.top_logprobs == [{t: v} for t, v in zip(one.tokens, one.token_logprobs)]  # logprobs 0: the token alone
     chat = client.chat.completions.create(model=MODEL, messages=[{"role": "user", "content": "Say hi."}], max_tokens=6,
                                           temperature=0, logprobs=True, top_logprobs=2)
     content = chat.choices[0].logprobs.content
     assert "".join(c.token for c in content) == chat.choices[0].message.content  # the end-of-turn token left out
     assert all(len(c.top_logprobs) == 2 and c.logprob == pytest.approx(c.top_logprobs[0].logprob) for c in content)  # greedy
+
+
+def test_text_offsets_count_characters_where_tokens_hold_parts_of_them(client):
+    """``text_offset`` with characters that several tokens spell (emoji, CJK): each token's offset is
+    the character its bytes start in, so the offsets never run backwards nor past the text, echoed
+    prompt and answer alike (they had counted each partial token's U+FFFD as a character)."""
+    for prompt in ("Emojis: \U0001F600\U0001F389\U0001F525\U0001F680", "\u4f60\u597d\u4e16\u754c\uff0c\u4eca\u5929"):
+        for echo in (True, False):
+            choice = client.completions.create(model=MODEL, prompt=prompt, max_tokens=6, temperature=0, logprobs=1,
+                                               echo=echo).choices[0]
+            offsets = choice.logprobs.text_offset
+            assert offsets == sorted(offsets) and offsets[-1] < len(choice.text), (prompt, echo, offsets, choice.text)
 
 
 def test_streamed_logprobs_come_with_their_text(client):
@@ -427,6 +444,10 @@ def test_vllms_prompt_logprobs_on_completions_and_chat(client, local):
     check(chat.model_extra["prompt_logprobs"], local.encode_messages(messages))
     with pytest.raises(openai.BadRequestError, match="prompt_logprobs cannot be streamed"):
         client.completions.create(stream=True, extra_body={"prompt_logprobs": 1}, **kw)
+    with pytest.raises(openai.BadRequestError, match="stream_options is only allowed with stream"):  # as OpenAI answers
+        client.completions.create(stream_options={"include_usage": True}, **kw)
+    with pytest.raises(openai.BadRequestError, match="stream_options is only allowed with stream"):
+        client.chat.completions.create(model=MODEL, messages=messages, max_tokens=2, stream_options={"include_usage": True})
 
 
 def test_best_of_returns_the_n_candidates_with_the_best_mean_logprob(client):
@@ -569,6 +590,10 @@ def test_tokenizer_endpoints_answer_as_vllms_do(server, client, local):
         assert c.post("/tokenize", json={"model": "gpt-4", "prompt": "x"}).status_code == 404
         bad = c.post("/detokenize", json={"tokens": [1, 10**9]})
         assert bad.status_code == 400 and "outside the vocabulary" in bad.json()["error"]["message"]
+        for path, body in (("/detokenize", {"tokens": [-1]}), ("/tokenize", {"prompt": 5})):  # schema errors: 400, not 422
+            bad = c.post(path, json=body)
+            assert bad.status_code == 400 and bad.json()["error"]["type"] == "invalid_request_error", (path, bad.text)
+        assert c.post("/tokenize", content=b"{", headers={"Content-Type": "application/json"}).status_code == 400
     assert httpx.post(server.url + "/tokenize", json={"prompt": "x"}, timeout=30).status_code == 401  # keys hold here too
 
 

@@ -349,9 +349,9 @@ def create_app(
 
     @app.exception_handler(RequestValidationError)
     async def _invalid(request: Request, exc: RequestValidationError) -> JSONResponse:
-        # the OpenAI endpoints answer a bad request as OpenAI and vLLM do (400: an OpenAI client's
-        # BadRequestError); the edge-cloud session API keeps its documented 422
-        status = 400 if request.url.path in ("/v1/completions", "/v1/chat/completions", "/v1/responses") else 422
+        # the OpenAI endpoints (and vLLM's /tokenize, /detokenize) answer a bad request as OpenAI and
+        # vLLM do (400: an OpenAI client's BadRequestError); the edge-cloud session API keeps its documented 422
+        status = 422 if request.url.path.startswith("/v1/sessions") else 400
         return error_response(status, _validation_message(exc), "invalid_request_error", metrics)
 
     @app.exception_handler(StarletteHTTPException)

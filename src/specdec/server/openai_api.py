@@ -19,6 +19,7 @@ carry a ``specdec`` object with the run's speculative stats (the last stream chu
 from __future__ import annotations
 
 import asyncio
+import codecs
 import json
 import logging
 import secrets
@@ -475,6 +476,8 @@ class _Job:
                 raise ApiError(400, str(exc)) from None
         if req.prompt_logprobs is not None and req.stream:
             raise ApiError(400, "prompt_logprobs cannot be streamed (as in vLLM): send the request without stream")
+        if req.stream_options is not None and not req.stream:
+            raise ApiError(400, "stream_options is only allowed with stream: true (as in OpenAI's API and vLLM)")
         for ids in prompts:
             for i, tok in enumerate(ids):
                 if tok >= model.vocab_size:
@@ -1103,6 +1106,9 @@ class _Names:
     def bytes(self, token: int) -> list[int]:
         return list(self._bytes(token))
 
+    def bytes_of(self, token: int) -> bytes:
+        return bytes(self._bytes(token))
+
 
 def text_left_out(req: Any, eos_ids: frozenset[int]) -> frozenset[int]:
     """With special tokens kept in the text, the tokens it still leaves out: the end-of-sequence or
@@ -1138,15 +1144,26 @@ def _completion_logprobs(names: _Names, token_ids: list[int], logprobs: list | N
     if logprobs is None:
         return None
     tokens, offsets = [], []
+    # a token that holds part of a character (its text alone reads U+FFFD) counts the characters its
+    # bytes complete, so the offsets never run backwards nor past the text: the token that starts a
+    # character is at that character, the one that ends it moves past it
+    utf8 = codecs.getincrementaldecoder("utf-8")("replace")
     for token in token_ids:
         offsets.append(offset)
         text = names.text(token)
         tokens.append(f"token_id:{token}" if names.as_ids else text)
-        offset += len(text)
+        offset += len(utf8.decode(names.bytes_of(token))) if "\ufffd" in text or utf8.getstate()[0] else len(text)
+    # as OpenAI's legacy completions report them: the sampled token's log-probability is always
+    # among its position's alternatives (up to logprobs + 1 of them; logprobs 0: that one alone)
+    tops = []
+    for token, entry in zip(token_ids, logprobs):
+        top = {names.label(i): max(v, -9999.0) for i, v in entry[1]}
+        top.setdefault(names.label(token), max(entry[0], -9999.0))
+        tops.append(top)
     return {
         "tokens": tokens,
         "token_logprobs": [max(entry[0], -9999.0) for entry in logprobs],
-        "top_logprobs": [{names.label(i): max(v, -9999.0) for i, v in entry[1]} for entry in logprobs],
+        "top_logprobs": tops,
         "text_offset": offsets,
     }
 
