@@ -35,8 +35,22 @@ def test_answers_depend_on_the_history_only(tok):
         assert ended.nonzero().flatten().tolist() == [tok.eos_token_id]
     assert fresh[0].any() and not fresh[0].all()
     assert fresh[-1].nonzero().flatten().tolist() == [tok.eos_token_id]  # complete: only the end
-    with pytest.raises(ConfigError, match="breaks the grammar"):
+    with pytest.raises(ConfigError, match="breaks the grammar") as broken:
         shared.allowed(tok.encode("hello", add_special_tokens=False), V)
+    assert "\n" not in str(broken.value) and "<state>" not in str(broken.value)  # one line, no matcher dump
+
+
+def test_a_grammar_the_matcher_gives_up_on_is_one_line_not_its_state(tok):
+    """A regex that compiles but whose lexer runs out of budget while matching: the error is
+    llguidance's first line, not the matcher's state and grammar dump (kilobytes) that follow it."""
+    grammar = grammar_for("regex", "(a{1000}){1000}")
+    constraint = GrammarConstraint(tok, grammar, V)
+    a = tok.encode("aaaa", add_special_tokens=False)
+    with pytest.raises(ConfigError) as gave_up:
+        for k in range(1, 40):
+            constraint.allowed(a * k, V)
+    message = str(gave_up.value)
+    assert "\n" not in message and "<state>" not in message and "<grammar>" not in message and len(message) < 300, message
 
 
 def test_bad_grammars_are_config_errors(tok):

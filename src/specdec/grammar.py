@@ -74,6 +74,13 @@ def choice_lark(choices: list[str]) -> str:
     return "start: " + " | ".join(json.dumps(c, ensure_ascii=False) for c in choices)
 
 
+def _first_line(error: str | None) -> str:
+    """llguidance's error without the matcher's state dump that follows it (the lexer's tokens, its
+    costs and the whole grammar as JSON: nothing a caller can act on, and long)."""
+    line = (error or "").split("\n", 1)[0].strip()
+    return line.split("<state>", 1)[0].strip() or "the matcher stopped"
+
+
 class GrammarConstraint:
     """Tokens a grammar allows after a generated history (a :class:`specdec.sampling.Constraint`)."""
 
@@ -105,7 +112,7 @@ class GrammarConstraint:
             self._matcher, self._consumed, k = self._new(), [], 0
         for token in generated[k:]:
             if not self._matcher.consume_token(int(token)):
-                raise ConfigError(f"token {token} breaks the grammar ({self._matcher.get_error()})")
+                raise ConfigError(f"token {token} breaks the grammar ({_first_line(self._matcher.get_error())})")
             self._consumed.append(int(token))
 
     def _fill(self) -> None:
