@@ -403,6 +403,9 @@ def test_metrics_count_the_draft_models_passes_too():
     passes = [line for line in text.splitlines() if line.startswith('specdec_scheduler_passes_total{model="draft"}')]
     assert passes and float(passes[0].split()[-1]) >= 1
     assert 'specdec_scheduler_passes_total{model="target"}' in text
+    # idle again: neither queue reads the pass that was running when its gauge was last set
+    assert 'specdec_scheduler_queue_length{model="draft"} 0.0' in text
+    assert 'specdec_scheduler_queue_length{model="target"} 0.0' in text
 
 
 class _Letters:

@@ -398,9 +398,10 @@ def create_app(
         prefix = getattr(ctx.model, "prefix_cache", None)
         if prefix is not None:
             metrics.prefix_bytes.set(prefix.bytes)
-        scheduler = getattr(ctx.model, "scheduler", None)
-        if scheduler is not None:
-            scheduler.metrics.queue.labels("target").set(len(scheduler))
+        for model in (ctx.model, ctx.draft_model):  # what is queued now, not as the last pass began
+            scheduler = getattr(model, "scheduler", None)
+            if scheduler is not None and getattr(scheduler, "metrics", None) is not None:
+                scheduler.metrics.queue.labels(scheduler.name).set(len(scheduler))
         return Response(content=metrics.render(), media_type=metrics.content_type)
 
     @app.post("/v1/sessions", dependencies=guarded, response_model=CreateSessionResponse, status_code=201, responses=_ERRORS)
