@@ -192,6 +192,9 @@ def test_unknown_fields_are_accepted_ignored_and_named(client):
     ignored = {f.strip() for f in raw.headers["x-specdec-ignored-fields"].split(",")}
     assert {"store", "parallel_tool_calls", "user", "metadata", "frobnicate"} <= ignored
     assert raw.parse().choices[0].message.content is not None
+    # a field this server refuses, sent empty on completions (no tools there): accepted, and named too
+    raw = client.completions.with_raw_response.create(model=MODEL, prompt=PROMPT, max_tokens=2, extra_body={"tools": []})
+    assert "tools" in {f.strip() for f in raw.headers["x-specdec-ignored-fields"].split(",")}
 
 
 def test_a_seed_repeats_itself_with_gamma_auto_and_equals_plain_sampling(client, local):

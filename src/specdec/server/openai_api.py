@@ -137,16 +137,20 @@ class _Request(BaseModel):
     def ignored_fields(self) -> list[str]:
         """Names of the fields accepted without effect (unknown ones and known no-ops)."""
         extra = dict(self.model_extra or {})
+        empty = []  # refused fields sent empty ("tools": []): accepted, and named as ignored
         for name in _REFUSED:
-            value = extra.pop(name, None)
+            if name not in extra:
+                continue
+            value = extra.pop(name)
             if value not in (None, [], {}, False):
                 raise ApiError(400, f"{name} is not supported by this server")
+            empty.append(name)
         for name in ("tool_choice", "function_call"):
             if name == "tool_choice" and "tools" in type(self).model_fields:
                 continue  # an endpoint with tools checks it with them (server/tools.py)
             if getattr(self, name) not in (None, "none", "auto"):
                 raise ApiError(400, f"{name} is not supported by this server (no tools)")
-        names = sorted(extra)
+        names = sorted([*extra, *empty])
         if self.stream_options is not None:
             names += [f"stream_options.{k}" for k in sorted(self.stream_options.model_extra or {})]
         return names
