@@ -228,6 +228,19 @@ def test_real_process_exit_code_and_no_traceback():
     assert proc.returncode == 0 and "generate" in proc.stdout
 
 
+def test_a_reader_that_stops_reading_ends_generation_quietly():
+    """``specdec generate ... | head -c 5``: once the pipe's reader has gone, the next streamed write
+    fails; the command stops with the shell's SIGPIPE status (141) and no traceback."""
+    proc = subprocess.Popen([sys.executable, "-m", "specdec.cli", "generate", "-p", "def fibonacci(n):",
+                             "--max-new-tokens", "200", "--draft", "none"],
+                            stdout=subprocess.PIPE, stderr=subprocess.PIPE)
+    assert proc.stdout is not None and proc.stderr is not None
+    assert len(proc.stdout.read(5)) == 5  # the text has begun to stream
+    proc.stdout.close()
+    err = proc.stderr.read().decode()
+    assert proc.wait(timeout=120) == 141 and "Traceback" not in err, err
+
+
 def test_plain_decoding_summary_says_plain(capsys, tiny_pair):
     target, _ = tiny_pair
     code, _, err = _run(capsys, "generate", "-p", "Hello", "--target", target, "--draft", "none", "-n", "4")
