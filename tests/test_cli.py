@@ -381,6 +381,10 @@ def test_bench_refuses_bad_drafter_lists(capsys, draft, modes, says):
     (["--draft-vocab", "auto,auto"], "lists a vocabulary twice"),
     (["--draft-vocab", "auto,full", "--modes", "speculative,edge_only"], "--draft-vocab auto,full runs with --modes plain,speculative only"),
     (["--temperatures", ""], "--temperatures is empty"),
+    (["--temperatures", "nan"], "temperature must be >= 0"),  # refused before a worker loads the model
+    (["--temperatures", "0,inf"], "temperature must be >= 0"),
+    (["--modes", "plain,plain"], "--modes lists plain more than once"),  # its x plain read against itself
+    (["--temperatures", "0,1,0"], "--temperatures lists 0.0 more than once"),
     (["--modes", ","], "--modes is empty"),
     (["--methods", ""], "--methods is empty"),
     (["--gammas", "", "--modes", "speculative"], "--gammas (with --trees) is empty"),

@@ -359,6 +359,21 @@ def test_command_errors_are_one_line(capsys) -> None:
         assert words in err and "Traceback" not in err, err
 
 
+def test_a_learning_rate_that_is_not_a_positive_number_is_refused(capsys, tmp_path: Path) -> None:
+    """``--lr nan`` passed ``lr <= 0`` and a kangaroo run started training; every subcommand with a
+    learning rate refuses NaN and infinity as it refuses -1 (and head-lr on train online)."""
+    from specdec import cli
+
+    runs = [["kangaroo", "--out", str(tmp_path / "k.safetensors")], ["distill", "--data", str(tmp_path), "--out", str(tmp_path / "d")],
+            ["eagle", "--data", str(tmp_path), "--out", str(tmp_path / "e")], ["online", "--out", str(tmp_path / "o")]]
+    for sub in runs:
+        for flag in ("--lr",) + (("--head-lr",) if sub[0] == "online" else ()):
+            for value in ("nan", "inf", "-1"):
+                assert cli.main(["train", *sub, flag, value]) == 2, (sub, flag, value)
+                err = capsys.readouterr().err
+                assert flag in err and "Traceback" not in err, (sub, flag, value, err)
+
+
 def test_command_writes_a_draft_that_loads_and_a_rerun_resumes(tmp_path: Path, capsys) -> None:
     """The real target and shipped draft, a few sequences and two steps: the folder loads as a
     draft, the report and card are written, and a rerun reuses the data and the finished state."""

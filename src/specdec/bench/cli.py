@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import argparse
+import math
 import os
 import shlex
 import sys
@@ -114,6 +115,9 @@ def run(args: argparse.Namespace, argv: list[str] | None = None) -> int:
     for name, listed in (("--modes", modes), ("--temperatures", temps), ("--methods", methods)):
         if not listed:
             raise ConfigError(f"{name} is empty: nothing would run")
+        twice = sorted({str(x) for x in listed if listed.count(x) > 1})
+        if twice:  # a mode run twice is two samples per prompt, and its own "×plain" reads against itself
+            raise ConfigError(f"{name} lists {', '.join(twice)} more than once")
     if "speculative" in modes and not gammas:
         raise ConfigError("--gammas (with --trees) is empty: the speculative mode would run no setting")
     if args.top_p is not None and not 0.0 < args.top_p <= 1.0:
@@ -224,7 +228,7 @@ def _non_negative(text: str, not_number: str, negative: str) -> list[float]:
             values.append(float(item))
         except ValueError:
             raise ConfigError(f"{not_number}, got {item!r}") from None
-        if values[-1] < 0:
+        if not math.isfinite(values[-1]) or values[-1] < 0:  # NaN and infinity too, before any worker starts
             raise ConfigError(f"{negative}, got {item}")
     return values
 

@@ -504,7 +504,7 @@ def _head(args: argparse.Namespace) -> int:
     from specdec.train.heads import TargetHead, TrainConfig, train
 
     kind = args.variant if args.train_command == "eagle" else args.train_command
-    if args.steps < 1 or args.batch_tokens < 16 or args.depth < 1 or args.draft_vocab < 2 or args.lr <= 0:
+    if args.steps < 1 or args.batch_tokens < 16 or args.depth < 1 or args.draft_vocab < 2 or not 0 < args.lr < float("inf"):
         raise ConfigError("--steps, --depth >= 1, --batch-tokens >= 16, --draft-vocab >= 2 and --lr > 0 are required")
     data = Path(args.data)
     if not (data / "config.json").is_file() or not any(data.glob("shard-*.pt")):
@@ -547,7 +547,7 @@ def _kangaroo(args: argparse.Namespace) -> int:
     from specdec.text import encode_prompt
     from specdec.train import kangaroo as kt
 
-    if min(args.prompts, args.new_tokens, args.steps, args.batch, args.positions, args.top_k) < 1 or args.lr <= 0:
+    if min(args.prompts, args.new_tokens, args.steps, args.batch, args.positions, args.top_k) < 1 or not 0 < args.lr < float("inf"):
         raise ConfigError("--prompts, --new-tokens, --steps, --batch, --positions, --top-k and --lr must be positive")
     t0 = time.perf_counter()
     out = Path(args.out)
@@ -644,7 +644,7 @@ def _distill(args: argparse.Namespace) -> int:
     from specdec.train import distill as ds
     from specdec.train.data import load_shards
 
-    if min(args.steps, args.batch, args.positions, args.top_k) < 1 or args.lr <= 0:
+    if min(args.steps, args.batch, args.positions, args.top_k) < 1 or not 0 < args.lr < float("inf"):
         raise ConfigError("--steps, --batch, --positions, --top-k and --lr must be positive")
     data_dir, out = Path(args.data), Path(args.out)
     if not (data_dir / "config.json").is_file() or not any(data_dir.glob("shard-*.pt")):
@@ -761,7 +761,7 @@ def _online(args: argparse.Namespace) -> int:
     heads = tuple(x.strip() for x in args.heads.split(",") if x.strip())
     if any(k not in KINDS for k in heads) or len(set(heads)) != len(heads):
         raise ConfigError(f"--heads {args.heads!r}: distinct kinds among {', '.join(KINDS)}")
-    if min(args.head_vocab, args.head_depth) < 1 or args.head_lr <= 0:
+    if min(args.head_vocab, args.head_depth) < 1 or not 0 < args.head_lr < float("inf"):
         raise ConfigError("--head-vocab, --head-depth and --head-lr must be positive")
     fed_lr = _floats(args.fed_lr, "--fed-lr")
     if args.fed < 0 or any(x <= 0 for x in fed_lr) or len(set(fed_lr)) != len(fed_lr):
@@ -773,7 +773,7 @@ def _online(args: argparse.Namespace) -> int:
     if len(set(add)) != len(add):
         raise ConfigError("--add-layers needs distinct values (one draft is trained per value)")
     if min(args.chat_prompts, args.code_prompts, args.sequences, args.steps, args.code_repeats) < 0 \
-            or min(args.gen_batch, args.batch_tokens) < 1 or args.lr <= 0:
+            or min(args.gen_batch, args.batch_tokens) < 1 or not 0 < args.lr < float("inf"):
         raise ConfigError("counts must be >= 0, --gen-batch, --batch-tokens and --lr positive")
     if args.chat_prompts + args.code_prompts == 0:
         raise ConfigError("nothing to answer: --chat-prompts and --code-prompts are both 0")
