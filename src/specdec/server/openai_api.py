@@ -1110,9 +1110,6 @@ class _Names:
     def bytes(self, token: int) -> list[int]:
         return list(self._bytes(token))
 
-    def bytes_of(self, token: int) -> bytes:
-        return bytes(self._bytes(token))
-
 
 def text_left_out(req: Any, eos_ids: frozenset[int]) -> frozenset[int]:
     """With special tokens kept in the text, the tokens it still leaves out: the end-of-sequence or
@@ -1156,7 +1153,7 @@ def _completion_logprobs(names: _Names, token_ids: list[int], logprobs: list | N
         offsets.append(offset)
         text = names.text(token)
         tokens.append(f"token_id:{token}" if names.as_ids else text)
-        offset += len(utf8.decode(names.bytes_of(token))) if "\ufffd" in text or utf8.getstate()[0] else len(text)
+        offset += len(utf8.decode(bytes(names.bytes(token)))) if "\ufffd" in text or utf8.getstate()[0] else len(text)
     # as OpenAI's legacy completions report them: the sampled token's log-probability is always
     # among its position's alternatives (up to logprobs + 1 of them; logprobs 0: that one alone)
     tops = []
