@@ -49,7 +49,8 @@ def from_schema(schema: dict[str, Any], root: dict[str, Any], depth: int = 0) ->
             exclude_max=hi is not None and "exclusiveMaximum" in schema, allow_nan=False, allow_infinity=False,
         )
     if kind == "string":
-        return st.text(min_size=schema.get("minLength", 0), max_size=min(schema.get("maxLength", 30), 30))
+        low = schema.get("minLength", 0)
+        return st.text(min_size=low, max_size=max(low, min(schema.get("maxLength", 30), 30)))
     if kind == "array":
         items = schema.get("items", {})
         max_items = min(schema.get("maxItems", 8), 8 if depth < 3 else 2)

@@ -213,6 +213,41 @@ def test_cli_errors_are_one_line(server, capsys, monkeypatch, extra, message):
     assert code == 2 and err[-1].startswith("specdec: error:") and message in err[-1]
 
 
+def test_a_tokenizer_other_than_the_servers_is_refused_before_any_round(server, capsys, tmp_path):
+    """An edge tokenizer that gives two ids to each other's tokens (same size, same files otherwise)
+    is refused when the session opens, before a round: its drafts and its text would mean other
+    tokens.  The server's own tokenizer files pass, and /health reports the digest they share."""
+    import shutil
+
+    import httpx
+
+    from specdec.models.registry import load_tokenizer, resolve
+    from specdec.tokenizer import vocab_digest
+
+    folder = resolve(MODEL).folder
+    same, swapped = tmp_path / "same", tmp_path / "swapped"
+    for dest in (same, swapped):
+        dest.mkdir()
+        for f in folder.iterdir():
+            if f.name.startswith(("tokenizer", "special_tokens", "vocab", "merges")) or f.name == "config.json":
+                shutil.copy(f, dest / f.name)
+    data = json.loads((swapped / "tokenizer.json").read_text())
+    vocab = data["model"]["vocab"]
+    a, b = (tok for tok, i in vocab.items() if i in (1000, 1001))
+    vocab[a], vocab[b] = vocab[b], vocab[a]
+    (swapped / "tokenizer.json").write_text(json.dumps(data))
+    health = httpx.get(server.url + "/health").json()
+    assert health["vocab_digest"] == vocab_digest(load_tokenizer(same)) != vocab_digest(load_tokenizer(swapped))
+    argv = ["generate", "--remote", server.url, "--api-key", KEY, "--draft", "ngram", "-p", PROMPT, "-n", "4", "--json"]
+    code, payload, err = _run(capsys, *argv, "--tokenizer", str(same))
+    assert code == 0 and payload["token_ids"], err
+    code, _, err = _run(capsys, *argv, "--tokenizer", str(swapped))
+    assert code == 2, err
+    last = err.strip().splitlines()[-1]
+    assert last.startswith("specdec: error:") and "tokenizer is not this server's" in last
+    assert "Traceback" not in err
+
+
 @pytest.mark.slow
 def test_real_smollm2_pair(capsys):
     """The real SmolLM2-135M target in the cloud, the distilled draft on the edge: greedy = local."""

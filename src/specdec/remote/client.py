@@ -227,7 +227,10 @@ class RemoteVerifier:
         local_commit: Callable[[Draft], bool] | None = None,
         floor_ids: frozenset[int] = frozenset(),
         logprobs: int | None = None,
+        vocab_digest: str | None = None,
     ) -> None:
+        """``vocab_digest``: the edge tokenizer's :func:`specdec.tokenizer.vocab_digest`; the server
+        refuses the session when its own tokenizer's differs (None: not checked)."""
         if sampling.seed is None:
             raise ConfigError("a remote session needs a fixed seed (the edge and the cloud must share it)")
         self.cfg = cfg
@@ -240,6 +243,8 @@ class RemoteVerifier:
                 raise ConfigError("logprobs come from the server's target, which never scores tokens committed"
                                   " without it: no lossy local commits with logprobs")
             self._options["logprobs"] = logprobs
+        if vocab_digest is not None:
+            self._options["vocab_digest"] = vocab_digest
         #: each committed token's (log-probability, [(id, log-probability)] best) from the server's
         #: target (-9999.0 for a removed token), when created with ``logprobs``
         self.emitted_logprobs: list[tuple[float, list[tuple[int, float]]]] = []

@@ -24,6 +24,7 @@ from specdec.remote.client import RemoteConfig, RemoteTarget, RemoteVerifier
 from specdec.remote.gating import Gate, GatedDrafter
 from specdec.sampling import SamplingConfig, floor_stops
 from specdec.text import output_sink, output_stop
+from specdec.tokenizer import vocab_digest
 
 #: default truncation of q in sparse-q mode (the drafter samples from its top-k and sends exactly that)
 DEFAULT_Q_TOP_K = 16
@@ -90,7 +91,9 @@ def generate_remote(
     ``logprobs`` (0-20): each token's log-probability under the server target's processed law and
     that many best alternatives, sent with each verdict (:attr:`EdgeResult.logprobs`).
 
-    A missing ``sampling.seed`` is drawn here, so the edge and the cloud share it.
+    A missing ``sampling.seed`` is drawn here, so the edge and the cloud share it.  ``tokenizer``
+    (the edge's, which encoded ``prompt_ids``) decodes the text, and its vocabulary's digest goes
+    with the session's creation: a server whose tokenizer differs refuses it before any round.
     ``q_top_k`` applies to the sparse-q wire mode only.  ``tree`` (``chain``, ``auto`` or a node
     count) sends token trees: ids + parent indices (+ sparse q rows where the rule reads q); under
     ``auto`` the tree controller's measured seconds per round include the round trip, so it
@@ -116,6 +119,7 @@ def generate_remote(
     verifier = RemoteVerifier(
         remote, prompt_ids, sampling, max_new_tokens=sampling.max_new_tokens, client=client, local_commit=local_commit,
         floor_ids=stops, logprobs=logprobs,
+        vocab_digest=vocab_digest(tokenizer) if hasattr(tokenizer, "get_vocab") else None,
     )
     try:
         target = RemoteTarget(vocab_size=verifier.vocab_size, max_length=verifier.max_context)

@@ -116,6 +116,9 @@ class CreateSessionRequest(SamplingFields):
     logprobs: Annotated[int, Field(strict=True, ge=0, le=20)] | None = None
     #: tokens the edge may still generate (bounds the session's context); default: the model's context
     max_new_tokens: Annotated[int, Field(strict=True, ge=1, le=MAX_PROMPT_TOKENS)] | None = None
+    #: the edge tokenizer's ``vocab_digest`` (SHA-256 hex of its vocabulary): a server whose own
+    #: tokenizer's digest differs refuses the session (400) before the prompt's pass
+    vocab_digest: Annotated[str, Field(min_length=64, max_length=64, pattern="^[0-9a-f]+$")] | None = None
 
     @model_validator(mode="after")
     def _one_prompt(self) -> "CreateSessionRequest":
@@ -297,6 +300,9 @@ class Health(_Body):
     #: the target's numerics as it runs, e.g. "int8 (onednn)" or "float32": an edge that checks
     #: outputs against a local copy of the target must load it the same way
     precision: str | None = None
+    #: the server tokenizer's ``vocab_digest`` (SHA-256 hex of its vocabulary; None without a
+    #: tokenizer): an edge tokenizer with another digest maps ids to other tokens
+    vocab_digest: str | None = None
     #: what the OpenAI endpoints draft with on the server ("none": plain decoding), as
     #: ``specdec models`` names it; edge sessions draft on the edge whatever this says
     drafter: str = "none"

@@ -61,7 +61,7 @@ from specdec.server.draft_cap import CAPPED_WIRES, DraftCap, calibrate
 from specdec.server.prefix_cache import PrefixCache, supports_prefix_cache
 from specdec.server.scheduler import BatchedModel, Overloaded, PassStats, Scheduler, SchedulerMetrics
 from specdec.server.compute import one_openmp_thread
-from specdec.server.sessions import FORWARD_LOCK, SerializedModel, SessionStore, create_session, growth_bytes
+from specdec.server.sessions import FORWARD_LOCK, SerializedModel, SessionStore, create_session, growth_bytes, served_digest
 from specdec.server.settings import ServerSettings
 
 _ERRORS: dict[int | str, dict[str, Any]] = {
@@ -92,6 +92,8 @@ class ServerContext:
 
     def __post_init__(self) -> None:
         self.store = SessionStore(self.settings, on_evict=self._evicted)
+        #: the tokenizer's vocabulary fingerprint, computed once here (edge sessions are checked against it)
+        self.vocab_digest = served_digest(self.tokenizer)
         #: generation slots of the OpenAI endpoints and the worker threads that run them
         self.active = threading.BoundedSemaphore(self.settings.max_active_requests)
         #: of those, the ones a request's further choices may take (half: a request with many prompts
@@ -381,7 +383,7 @@ def create_app(
     def health() -> Health:
         store.sweep()
         return Health(model=settings.model_name, vocab_size=ctx.model.vocab_size, max_context=ctx.model.max_length,
-                      sessions=len(store), precision=precision(ctx.model),
+                      sessions=len(store), precision=precision(ctx.model), vocab_digest=ctx.vocab_digest,
                       drafter=ctx.drafter_name if ctx.drafter_factory is not None else "none")
 
     @app.get("/version")

@@ -354,6 +354,11 @@ def create_session(
     from specdec.text import encode_prompt
 
     vocab = model.vocab_size
+    ours = served_digest(tokenizer)
+    if req.vocab_digest is not None and ours is not None and req.vocab_digest != ours:
+        raise ApiError(400, f"the edge's tokenizer is not this server's ({settings.model_name}): its vocabulary gives"
+                            " the same ids to other tokens; draft with the target's tokenizer (a draft model of the"
+                            " target's family, or --tokenizer naming the target)")
     if req.prompt_ids is not None:
         prompt = list(req.prompt_ids)
     else:
@@ -430,6 +435,16 @@ def create_session(
         cached_prompt_tokens=target.cached_prompt_tokens,
     )
     return session, reply
+
+
+def served_digest(tokenizer: Any | None) -> str | None:
+    """The server tokenizer's :func:`specdec.tokenizer.vocab_digest` (None: no tokenizer, or one
+    without a vocabulary to read, e.g. a test's toy)."""
+    if tokenizer is None or not hasattr(tokenizer, "get_vocab"):
+        return None
+    from specdec.tokenizer import vocab_digest
+
+    return vocab_digest(tokenizer)
 
 
 # ----------------------------------------------------------------------------- the store
