@@ -157,6 +157,28 @@ def test_the_prompt_as_a_plain_argument(capsys, tiny_pair):
 def test_setup_refuses_a_drafter_name(capsys):
     code, _, err = _run(capsys, "setup", "layerskip:4")
     assert code == 2 and "needs no setup" in _one_error_line(err)
+    code, _, err = _run(capsys, "setup", "smollm2-135m-eagle3")  # a shipped head: was "unknown model"
+    assert code == 2 and "draft head shipped in the package: it needs no setup" in _one_error_line(err)
+
+
+def test_setup_and_generate_refuse_a_damaged_folder(capsys, tmp_path, tiny_pair):
+    """setup called a folder with a broken config.json "ready"; a folder without weights fell through
+    to transformers' loader and ended in its OSError traceback.  Both are one-line errors now."""
+    import shutil
+
+    target, _ = tiny_pair
+    broken, bare = tmp_path / "broken", tmp_path / "bare"
+    shutil.copytree(target, broken)
+    (broken / "config.json").write_text("{bad")
+    shutil.copytree(target, bare)
+    for weights in list(bare.glob("*.safetensors")) + list(bare.glob("pytorch_model*.bin")):
+        weights.unlink()
+    for folder, says in ((broken, "config.json is not valid JSON"), (bare, "holds no weights")):
+        for argv in (["setup", str(folder)], ["generate", "-p", "hi", "-n", "2", "--target", str(folder), "--draft", "none"]):
+            code, out, err = _run(capsys, *argv)
+            assert code == 2 and says in _one_error_line(err) and "ready" not in err and "Traceback" not in err, err
+    code, _, err = _run(capsys, "setup", str(target))
+    assert code == 0 and "ready" in err, err
 
 
 def test_empty_prompt_and_prompt_too_long(capsys, tiny_pair):
@@ -408,6 +430,37 @@ def test_bench_refuses_an_out_it_cannot_write_before_running(capsys, tmp_path, m
         code, stdout, err = _run(capsys, "bench", "--modes", "plain", "--limit", "1", "--out", str(out))
         assert code == 2 and says in _one_error_line(err) and stdout == "", err
     assert taken.read_text() == "mine"
+
+
+def test_bench_refuses_to_replace_files_another_tool_wrote(capsys, tmp_path, monkeypatch):
+    """A run replaces --out's README.md and results.json: a folder whose README has no bench result
+    beside it (a project's root) or whose results.json is not a bench result is refused before any
+    mode runs, its files untouched; a folder an earlier bench run wrote is run again."""
+    class Reached(Exception):
+        pass
+
+    def run(cfg):
+        ran.append(cfg)
+        raise Reached
+
+    ran = []
+    monkeypatch.setattr("specdec.bench.runner.run", run)
+    project, other = tmp_path / "project", tmp_path / "other"
+    project.mkdir()
+    other.mkdir()
+    (project / "README.md").write_text("# my project")
+    (other / "results.json").write_text('{"accuracy": 0.9}')
+    for out, says in ((project, "README.md was not written by specdec bench"), (other, "is not a specdec bench result")):
+        code, stdout, err = _run(capsys, "bench", "--modes", "plain", "--limit", "1", "--out", str(out))
+        assert code == 2 and says in _one_error_line(err) and stdout == "", err
+    assert (project / "README.md").read_text() == "# my project" and not ran
+    earlier = tmp_path / "earlier"
+    earlier.mkdir()
+    (earlier / "README.md").write_text("# an earlier run")
+    (earlier / "results.json").write_text('{"config": {}, "samples": []}')
+    with pytest.raises(Reached):
+        _run(capsys, "bench", "--modes", "plain", "--limit", "1", "--out", str(earlier))
+    assert len(ran) == 1
 
 
 SCHEMA = {"type": "object", "properties": {"color": {"enum": ["red", "green", "blue"]}, "size": {"type": "integer"}},

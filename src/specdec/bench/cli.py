@@ -183,6 +183,7 @@ def run(args: argparse.Namespace, argv: list[str] | None = None) -> int:
     )
     out = args.out or f"benchmarks/run-{time.strftime('%Y%m%d-%H%M%S')}"
     check_folder(Path(out))  # a bad --out fails now, not after every mode has run
+    check_not_foreign(Path(out))
     result = runner.run(cfg)
     written = report.write(result, out, make_plots=not args.no_plots)
     print(f"[specdec] wrote {written['dir']}/README.md, results.json and {len(written['plots'])} plots", file=sys.stderr)
@@ -196,6 +197,30 @@ def run(args: argparse.Namespace, argv: list[str] | None = None) -> int:
         print(f"[specdec] {n.label} γ={n.gamma or '–'} T={n.temperature:g} RTT {n.rtt_ms:g} ms: {n.tokens_per_s_median:.1f} tok/s, "
               f"×{(n.speedup_vs_streaming or 0):.2f} cloud_streaming", file=sys.stderr)
     return 0
+
+
+def _bench_result(path: Path) -> bool:
+    """Whether ``path`` holds a bench result (a JSON object with 'config' and 'samples')."""
+    import json
+
+    try:
+        result = json.loads(path.read_text())
+    except (OSError, ValueError):
+        return False
+    return isinstance(result, dict) and "samples" in result and "config" in result
+
+
+def check_not_foreign(out: Path) -> None:
+    """The run replaces ``out``'s README.md and results.json: refuse a folder where those files are
+    something else's (a project's README, another tool's results), which a run would overwrite.
+    A folder an earlier bench run wrote (its results.json is a bench result) is run again."""
+    results, readme = out / "results.json", out / "README.md"
+    if results.exists() and not _bench_result(results):
+        raise ConfigError(f"--out {out}: {results} is not a specdec bench result and the run would replace it;"
+                          " give another folder")
+    if readme.exists() and not results.exists():
+        raise ConfigError(f"--out {out}: {readme} was not written by specdec bench (no results.json beside it)"
+                          " and the run would replace it; give another folder")
 
 
 def _rerender(args: argparse.Namespace) -> int:
