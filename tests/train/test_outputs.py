@@ -32,6 +32,23 @@ def test_an_out_that_cannot_be_written_fails_first(capsys, tmp_path, monkeypatch
     assert taken.read_text() == "mine"
 
 
+@pytest.mark.parametrize("command", FILE_OUT)
+def test_a_file_out_under_missing_folders_gets_them_before_anything_loads(capsys, tmp_path, monkeypatch, command):
+    """skip and kangaroo write their resumable state beside --out as they go; under folders that
+    were not there, that write used to fail with a traceback after the target had run for minutes."""
+
+    class Loaded(Exception):
+        pass
+
+    def load(*args, **kwargs):
+        assert (tmp_path / "new" / "sub").is_dir(), "the model loaded before --out's folder was made"
+        raise Loaded
+
+    monkeypatch.setattr("specdec.models.registry.load", load)
+    with pytest.raises(Loaded):
+        _train(capsys, command, "--out", str(tmp_path / "new" / "sub" / "result.json"))
+
+
 def test_a_bundle_folder_that_cannot_be_written_fails_first(capsys, tmp_path):
     taken = tmp_path / "taken"
     taken.write_text("mine")

@@ -242,7 +242,13 @@ def run(args: argparse.Namespace) -> int:
 
     # where the results go is checked before anything loads or trains (it used to fail at the end)
     if getattr(args, "out", None):
-        (check_file if args.train_command in ("skip", "kangaroo") else check_folder)(Path(args.out))
+        if args.train_command in ("skip", "kangaroo"):
+            check_file(Path(args.out))
+            # their resumable state (.state.json, .data.pt, .ckpt.pt) is written beside --out from the
+            # first minutes on: the folder must be there then, not only when the result is written
+            Path(args.out).parent.mkdir(parents=True, exist_ok=True)
+        else:
+            check_folder(Path(args.out))
     if getattr(args, "bundle", None):
         check_folder(Path(args.bundle), "--bundle")
     if args.train_command in ("eagle", "medusa", "mtp"):
