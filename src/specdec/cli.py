@@ -697,15 +697,20 @@ def _cmd_models(args: argparse.Namespace) -> int:
 
 
 def _cmd_setup(args: argparse.Namespace) -> int:
-    from specdec.catalog import NON_MODEL_DRAFTS, parse_self_spec  # torch-free: ready models answer at once
-    from specdec.models.registry import REGISTRY, resolve
+    from specdec.catalog import HEADS, NON_MODEL_DRAFTS, parse_self_spec  # torch-free: ready models answer at once
+    from specdec.models.registry import REGISTRY, check_model_folder, resolve
 
     for name in args.names:
         kind = name.strip().lower()
         if kind not in REGISTRY and (kind in NON_MODEL_DRAFTS or parse_self_spec(kind) is not None):
             raise SpecdecError(f"{name!r} is a drafter, not a model: it needs no setup (set up the target it runs on)")
+        if kind in HEADS:
+            raise SpecdecError(f"{name!r} is a draft head shipped in the package: it needs no setup"
+                               " (set up the target it reads, e.g. `specdec setup smollm2-135m`)")
         print(f"[specdec] preparing {name} ...", file=sys.stderr, flush=True)
         resolved = resolve(name)
+        if resolved.folder is not None:  # what a load will read: a damaged folder is not "ready"
+            check_model_folder(resolved.folder)
         print(f"[specdec] {name}: ready ({resolved.folder})", file=sys.stderr)
     return 0
 

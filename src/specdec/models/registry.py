@@ -315,6 +315,23 @@ def read_config(folder: Path) -> dict:
     return cfg
 
 
+#: the weight files a model folder is loaded from (safetensors, or PyTorch's pickles), shards included
+_WEIGHT_GLOBS = ("*.safetensors", "pytorch_model*.bin")
+
+
+def check_model_folder(folder: Path) -> dict:
+    """A model folder's config, after checking what loading it needs is there (config.json as a JSON
+    object, weights, tokenizer files), or a one-line error naming what is missing."""
+    cfg = read_config(folder)
+    if not any(any(folder.glob(pattern)) for pattern in _WEIGHT_GLOBS):
+        raise ModelNotFoundError(f"{folder} holds no weights (model.safetensors or pytorch_model.bin); copy the model's"
+                                 " weights there")
+    if not any((folder / name).is_file() for name in _TOKENIZER_FILES):
+        raise ModelNotFoundError(f"{folder} has no tokenizer files ({', '.join(_TOKENIZER_FILES)}); copy the model's"
+                                 " tokenizer there")
+    return cfg
+
+
 def _is_hf_folder(path: Path) -> bool:
     return path.is_dir() and (path / "config.json").is_file()
 
@@ -544,7 +561,7 @@ def load(
         cfg = model.model.config.to_dict()
         return LoadedModel(resolved.name, model, tokenizer, None, "hf", _eos_ids(None, tokenizer, cfg))
     folder = resolved.folder
-    cfg = read_config(folder)
+    cfg = check_model_folder(folder)
     if tokenizer_of is not None and tokenizer_of.folder is not None and same_tokenizer(folder, tokenizer_of.folder):
         tokenizer = tokenizer_of.tokenizer
     else:
