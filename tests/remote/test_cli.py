@@ -203,6 +203,11 @@ def test_an_interactive_remote_chat_reuses_each_turn_on_both_sides(server, capsy
         (["--method", "coupled", "--wire", "sparse-q", "-t", "1"], "not available in wire mode"),
         (["--draft", "kangaroo+lookup"], "drafts with the target's own layers, which stay on the server"),
         (["--draft", "layerskip:2"], "drafts with the target's own layers, which stay on the server"),
+        (["--gate", "shape", "--gate-entropy-bits", "nan"], "T_H (entropy bits) must be a finite number >= 0, got nan"),
+        (["--gate", "shape", "--gate-margin", "-0.1"], "T_margin must be in [0, 1], got -0.1"),
+        (["--gate", "shape", "--gate-rare-max-count", "-1"], "rare-token count must be >= 0"),
+        (["--gate-margin", "0.5"], "--gate-margin tunes the edge gate, which is off"),  # was ignored in silence
+        (["--gate-r-hard", "0.5", "--gate-rules", "none"], "--gate-r-hard, --gate-rules tune the edge gate, which is off"),
     ],
 )
 def test_cli_errors_are_one_line(server, capsys, monkeypatch, extra, message):

@@ -134,6 +134,12 @@ def test_local_commit_decision():
     assert GateConfig().lossless and not cfg.lossless
     with pytest.raises(ConfigError, match="unknown gate rules"):
         GateConfig(rules=frozenset({"weather"}))
+    # a NaN threshold compared false with everything: no token was ever hard, in silence
+    for bad in ({"t_entropy_bits": float("nan")}, {"t_entropy_bits": -1.0}, {"t_margin": 1.5}, {"t_margin": float("nan")},
+                {"t_nll_bits": float("inf")}, {"t_mc_var": -0.1}, {"rare_max_count": -1}, {"r_hard": float("nan")}):
+        with pytest.raises(ConfigError, match="must be"):
+            GateConfig(**bad)
+    GateConfig(t_entropy_bits=0.0, t_margin=1.0, t_nll_bits=12.0, t_mc_var=0.0)  # the bounds themselves are fine
 
 
 def test_mc_dropout_only_where_the_draft_has_dropout():

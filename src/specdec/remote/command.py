@@ -59,14 +59,20 @@ def wire_for(method: str | None, temperature: float) -> str | None:
                       + ", ".join(m.replace("_", "-") for ms in WIRE_METHODS.values() for m in ms))
 
 
-def _gate(args: argparse.Namespace, tokenizer: Any, draft_model: Any, vocab_size: int) -> Any:
-    from specdec.remote.gating import Gate, GateConfig, RuleTriggers, token_frequency
+def _gate_config(args: argparse.Namespace) -> Any:
+    """The edge gate's checked configuration (None: the gate is off), before anything loads."""
+    from specdec.remote.gating import GateConfig
 
     if args.gate == "off":
+        ignored = [flag for flag in remote_only_given(args) if flag.startswith("--gate-")]
+        if ignored:
+            raise ConfigError(f"{', '.join(ignored)} tune{'s' if len(ignored) == 1 else ''} the edge gate, which is off;"
+                              " add --gate shape (or lossy-local-commit), or drop "
+                              + ("it" if len(ignored) == 1 else "them"))
         return None
     rules_text = args.gate_rules.strip().lower()
     rules = frozenset() if rules_text in ("", "none") else frozenset(r.strip() for r in rules_text.split(",") if r.strip())
-    cfg = GateConfig(
+    return GateConfig(
         policy=args.gate,
         t_entropy_bits=args.gate_entropy_bits,
         t_margin=args.gate_margin,
@@ -76,8 +82,16 @@ def _gate(args: argparse.Namespace, tokenizer: Any, draft_model: Any, vocab_size
         rules=rules,
         rare_max_count=args.gate_rare_max_count,
     )
+
+
+def _gate(cfg: Any, args: argparse.Namespace, tokenizer: Any, draft_model: Any, vocab_size: int) -> Any:
+    """The edge gate of ``cfg`` (:func:`_gate_config`; None: off) over the edge's tokenizer and draft."""
+    from specdec.remote.gating import Gate, RuleTriggers, token_frequency
+
+    if cfg is None:
+        return None
     freq = token_frequency(args.gate_freq, tokenizer=tokenizer, vocab_size=vocab_size) if args.gate_freq else None
-    triggers = RuleTriggers(tokenizer, rules=rules, frequency=freq, rare_max_count=args.gate_rare_max_count)
+    triggers = RuleTriggers(tokenizer, rules=cfg.rules, frequency=freq, rare_max_count=cfg.rare_max_count)
     return Gate(cfg, triggers=triggers, draft_model=draft_model)
 
 
@@ -96,6 +110,7 @@ def run_generate(args: argparse.Namespace, prompt: str, sampling: SamplingConfig
     from specdec.remote.edge import generate_remote
     from specdec.text import encode_prompt
 
+    gate_cfg = _gate_config(args)  # bad thresholds fail before the draft loads
     key = args.api_key if args.api_key is not None else os.environ.get(API_KEY_ENV) or None
     wire = args.wire or wire_for(args.method, sampling.temperature)
     remote = RemoteConfig(
@@ -145,7 +160,7 @@ def run_generate(args: argparse.Namespace, prompt: str, sampling: SamplingConfig
 
         set_chat_template(tokenizer, chat_template)
     vocab = draft.vocab_size if draft is not None else len(tokenizer)
-    gate = _gate(args, tokenizer, draft.model if draft is not None else None, vocab)
+    gate = _gate(gate_cfg, args, tokenizer, draft.model if draft is not None else None, vocab)
     # the grammar masks the drafts here and the server reads it with its own tokenizer; the bad words
     # travel as the edge's token sequences (its tokenizer is the target's); the server checks its vocabulary
     from specdec.token_filter import constraint_factory

@@ -70,6 +70,13 @@ class GateConfig:
             raise ConfigError(f"unknown gate rules {sorted(unknown)}; choose from {', '.join(RULE_NAMES)}")
         if not 0.0 <= self.r_hard <= 1.0:
             raise ConfigError(f"R_hard must be in [0, 1], got {self.r_hard}")
+        for name, value, high in (("T_H (entropy bits)", self.t_entropy_bits, math.inf), ("T_margin", self.t_margin, 1.0),
+                                  ("T_nll (bits)", self.t_nll_bits, math.inf), ("T_var", self.t_mc_var, math.inf)):
+            if value is not None and not (0.0 <= value <= high and math.isfinite(value)):
+                bound = "a finite number >= 0" if high == math.inf else f"in [0, {high:g}]"
+                raise ConfigError(f"the gate's {name} must be {bound}, got {value}")
+        if self.rare_max_count < 0:
+            raise ConfigError(f"the rare-token count must be >= 0, got {self.rare_max_count}")
         if self.min_draft < 1 or self.mc_passes < 2 or self.max_local_rounds < 1:
             raise ConfigError("min_draft and max_local_rounds must be >= 1, mc_passes >= 2")
 
