@@ -96,6 +96,13 @@ def test_edges_and_bad_input(engines):
         plain.generate_batch(["Hi"], greedy, batch=0)
     with pytest.raises(ConfigError, match="constraint factory"):
         plain.generate_batch(["Hi"], replace(greedy, constraint=object()))
+    vocab = plain.target.model.vocab_size
+    for engine in engines:  # a stop id past the vocabulary was accepted and ended nothing
+        with pytest.raises(ConfigError, match=rf"stop token ids \[{vocab}\] are outside the vocabulary"):
+            engine.generate("Hi", replace(greedy, stop_token_ids=(3, vocab)))
+    with pytest.raises(ConfigError, match="outside the vocabulary"):
+        plain.generate_batch(["Hi"], replace(greedy, stop_token_ids=(vocab + 7,)))
+    assert plain.generate_batch(["Hi"], replace(greedy, stop_token_ids=(vocab - 1,)))[0].token_ids
 
 
 def test_chat_prompts_go_through_the_template(engines):

@@ -32,7 +32,7 @@ from torch import Tensor
 from specdec import defaults
 from specdec.decoder import _fresh_seed, cut_at_eos
 from specdec.errors import ConfigError
-from specdec.sampling import SamplingConfig, floor_stops, offset_seed
+from specdec.sampling import SamplingConfig, check_stop_token_ids, floor_stops, offset_seed
 from specdec.session import TargetSession
 from specdec.text import StopStrings, TextSink, output_sink, output_stop
 from specdec.verify import get_rule
@@ -98,6 +98,7 @@ def generate_batch(
                           " sequence needs its own matcher, one shared one would replay every history at every step")
     rule = get_rule(method or default_method(sampling))
     model, tokenizer = target.model, target.tokenizer
+    check_stop_token_ids(sampling, model.vocab_size)
     stops = (frozenset() if ignore_eos else target.eos_ids) | frozenset(sampling.stop_token_ids)
     forward_batch = getattr(model, "forward_batch", None)
     pending = deque(enumerate(prompts))

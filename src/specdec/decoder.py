@@ -21,7 +21,7 @@ from specdec.errors import ConfigError
 from specdec.drafters.tree_builder import TreeSpec
 from specdec.gamma import FixedGamma, GammaController
 from specdec.models.base import LanguageModel
-from specdec.sampling import PenaltyState, SamplingConfig, floor_stops, settled
+from specdec.sampling import PenaltyState, SamplingConfig, check_stop_token_ids, floor_stops, settled
 from specdec.session import TargetSession, Verifier, check_rule
 from specdec.verify import Rule
 
@@ -158,6 +158,7 @@ class SpeculativeDecoder:
         """
         rule = self.rule
         check_rule(rule, cfg)
+        check_stop_token_ids(cfg, self.target.vocab_size)
         stops = self.stop_ids(cfg)
         if cfg.min_tokens:
             if verifier is not None:  # its law must mask the stop tokens too: it was built from cfg

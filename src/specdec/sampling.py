@@ -318,6 +318,15 @@ def penalise_with_extra(
     return logits
 
 
+def check_stop_token_ids(cfg: SamplingConfig, vocab_size: int) -> None:
+    """``cfg.stop_token_ids`` are ids of a vocabulary of ``vocab_size``, or a one-line ConfigError
+    (an id past it would be accepted and never end anything)."""
+    past = sorted({t for t in cfg.stop_token_ids if t >= vocab_size})
+    if past:
+        raise ConfigError(f"stop token ids {past} are outside the vocabulary [0, {vocab_size}):"
+                          " no token could end the output there")
+
+
 def _apply_bias(logits: Tensor, bias: tuple[tuple[int, float], ...]) -> Tensor:  # [n, V] -> [n, V]
     vocab = logits.shape[-1]
     ids = torch.tensor([t for t, _ in bias], dtype=torch.long)  # [b]
