@@ -78,7 +78,18 @@ def test_serve_refuses_an_open_public_address(capsys, monkeypatch):
     assert capsys.readouterr().err.strip() == "specdec: error: tree node count must be between 1 and 64, got 0"
     assert main(["serve", "--prefix-cache-mib", "-1"]) == 2
     err = capsys.readouterr().err.strip()
-    assert err == "specdec: error: --prefix-cache-mib must be >= 0 (0 turns prefix caching off), got -1"
+    assert err == "specdec: error: --prefix-cache-mib must be a finite number >= 0 (0 turns prefix caching off), got -1"
+    # NaN / infinite sizes ended in a conversion traceback; zero limits named internals (a repr, bytes)
+    for argv, says in ((["--max-kv-mib", "nan"], "--max-kv-mib must be a finite number > 0, got nan"),
+                       (["--max-kv-mib", "inf"], "--max-kv-mib must be a finite number > 0, got inf"),
+                       (["--max-kv-mib", "-1"], "--max-kv-mib must be a finite number > 0, got -1"),
+                       (["--prefix-cache-mib", "nan"], "--prefix-cache-mib must be a finite number >= 0"),
+                       (["--max-tokens-per-pass", "0"], "the tokens per pass must be >= 1, got 0"),
+                       (["--prefill-chunk", "0"], "the prefill chunk must be >= 1, got 0"),
+                       (["--max-queue", "0"], "the queue length must be >= 1, got 0")):
+        assert main(["serve", *argv]) == 2
+        err = capsys.readouterr().err.strip()
+        assert err.startswith("specdec: error: " + says) and "\n" not in err, err
     with pytest.raises(ValueError, match="prefix cache"):
         ServerSettings(prefix_cache_bytes=-1)
 

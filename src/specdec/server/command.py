@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import argparse
 import ipaddress
+import math
 import os
 import sys
 from typing import Any, Callable
@@ -209,6 +210,11 @@ def settings_from_args(args: argparse.Namespace) -> dict[str, Any]:
     from specdec.engine import parse_gamma, parse_tree
     from specdec.server.settings import ServerSettings
 
+    # sizes in MiB become bytes below: a NaN or infinite one would fail that conversion with a traceback
+    for flag, mib, low in (("--max-kv-mib", args.max_kv_mib, "> 0"), ("--prefix-cache-mib", args.prefix_cache_mib, ">= 0")):
+        if not math.isfinite(mib) or mib < 0 or (low == "> 0" and int(mib * 2**20) < 1):
+            raise ConfigError(f"{flag} must be a finite number {low}" + (" (0 turns prefix caching off)" if low == ">= 0" else "")
+                              + f", got {mib:g}")
     settings_kw: dict[str, Any] = dict(
         api_key=key,
         max_sessions=args.max_sessions,
@@ -243,8 +249,6 @@ def settings_from_args(args: argparse.Namespace) -> dict[str, Any]:
         from specdec.tokenizer import read_chat_template
 
         read_chat_template(args.chat_template)  # a bad template fails before any model loads
-    if args.prefix_cache_mib < 0:
-        raise ConfigError(f"--prefix-cache-mib must be >= 0 (0 turns prefix caching off), got {args.prefix_cache_mib:g}")
     if args.max_connections < 1:
         raise ConfigError(f"max connections must be >= 1, got {args.max_connections}")
     if getattr(args, "replicas", 1) < 1:

@@ -68,8 +68,10 @@ class SchedulerConfig:
     gather_gap: float = defaults.SCHEDULER_GATHER_GAP_S
 
     def __post_init__(self) -> None:
-        if self.max_tokens < 1 or self.chunk < 1 or self.max_queue < 1:
-            raise ConfigError(f"scheduler limits must be >= 1, got {self}")
+        for what, value in (("the tokens per pass", self.max_tokens), ("the prefill chunk", self.chunk),
+                            ("the queue length", self.max_queue)):
+            if value < 1:
+                raise ConfigError(f"{what} must be >= 1, got {value}")
         if not self.gather_gap >= 0:
             raise ConfigError(f"the gathering gap must be >= 0 ms, got {self.gather_gap * 1e3:g} ms")
         if self.chunk > self.max_tokens:

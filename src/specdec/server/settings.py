@@ -108,7 +108,7 @@ class ServerSettings:
         if not re.fullmatch(r"[A-Za-z0-9_.-]{0,64}", self.session_id_prefix):
             raise ConfigError(f"a session id prefix may hold only letters, digits, '_', '-' and '.', got {self.session_id_prefix!r}")
         if self.max_kv_bytes < 1:
-            raise ConfigError(f"max KV bytes must be >= 1, got {self.max_kv_bytes}")
+            raise ConfigError(f"the key/value budget must be >= 1 byte, got {self.max_kv_bytes}")
         if self.prefix_cache_bytes < 0:
             raise ConfigError(f"the prefix cache size must be >= 0 bytes, got {self.prefix_cache_bytes}")
         if self.kv_initial_length < 1:
