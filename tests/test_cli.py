@@ -161,6 +161,16 @@ def test_setup_refuses_a_drafter_name(capsys):
     assert code == 2 and "draft head shipped in the package: it needs no setup" in _one_error_line(err)
 
 
+def test_an_int8_kernel_for_a_float_target_is_named_unused(capsys, tiny_pair):
+    """--int8-kernel picks an int8 (or q4) target's matmul kernel; for a float target it was ignored in silence."""
+    target, _ = tiny_pair
+    base = ["generate", "-p", "hi", "-n", "2", "--target", target, "--draft", "none", "--dtype", "float32"]
+    code, _, err = _run(capsys, *base, "--int8-kernel", "fbgemm")
+    assert code == 0 and "--int8-kernel fbgemm is not used: the target runs in float32" in err, err
+    code, _, err = _run(capsys, *base)
+    assert code == 0 and "--int8-kernel" not in err, err
+
+
 def test_setup_and_generate_refuse_a_damaged_folder(capsys, tmp_path, tiny_pair):
     """setup called a folder with a broken config.json "ready"; a folder without weights fell through
     to transformers' loader and ended in its OSError traceback.  Both are one-line errors now."""

@@ -536,6 +536,9 @@ class Engine:
             check_shipped(base, spec.name)
         dtype, quant = target_dtype(cfg)
         kv_dtype = check_kv_dtype(cfg, dtype)  # what can be told before the target loads
+        if progress and quant is None and cfg.int8_kernel != "auto":  # asked for, and nothing reads it
+            progress(f"--int8-kernel {cfg.int8_kernel} is not used: the target runs in {str(dtype).removeprefix('torch.')},"
+                     " and the kernel is an int8 (or q4) target's")
         if progress:
             progress(f"loading target {cfg.target}" + (f" ({quant})" if quant else ""))
         target = load(cfg.target, backend=cfg.backend, dtype=dtype, batch_invariant=cfg.batch_invariant, quant=quant,
