@@ -11,6 +11,8 @@ bitwise (it changes no logit, so it cannot change the law) on a batch-invariant 
 
 from __future__ import annotations
 
+import re
+
 import pytest
 import torch
 
@@ -470,6 +472,15 @@ def test_names_and_bad_input(tmp_path):
     path.write_text('{"n_layers": 3, "skip_attn": [7]}')
     with pytest.raises(ConfigError, match="0..2"):
         load_plan(path)
+    # a missing count read "KeyError: 'n_layers'"; a fractional index was cut to a whole one
+    for text, says in (('{}', "it has no 'n_layers'"), ('{"plan": []}', "expected a JSON object, got list"),
+                       ('{"n_layers": 3, "skip_attn": [1.7]}', "each index in skip_attn must be a whole number, got 1.7"),
+                       ('{"n_layers": 3, "skip_mlp": 1}', "skip_mlp must be a list of layer indices, got 1"),
+                       ('{"n_layers": "3"}', 'n_layers must be a whole number, got "3"'),
+                       ('{"n_layers": 3, "exit_after": true}', "exit_after must be a whole number, got true")):
+        path.write_text(text)
+        with pytest.raises(ConfigError, match=re.escape("not a layer plan: " + says)):
+            load_plan(path)
     path.write_text('{"n_layers": 30}')
     with pytest.raises(ConfigError, match="30 layers"):
         build(f"self-skip:{path}", TARGET, "tiny")

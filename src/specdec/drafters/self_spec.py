@@ -90,12 +90,26 @@ class LayerPlan:
 
     @classmethod
     def from_json(cls, obj: dict[str, Any]) -> "LayerPlan":
-        try:
-            n = int(obj["n_layers"])
-            return cls(n, int(obj.get("exit_after", n)), frozenset(int(i) for i in obj.get("skip_attn", ())),
-                       frozenset(int(i) for i in obj.get("skip_mlp", ())))
-        except (KeyError, TypeError, ValueError) as exc:
-            raise ConfigError(f"not a layer plan ({type(exc).__name__}: {exc})") from None
+        """The plan a skip-set file holds (``specdec train skip`` writes them), or a one-line
+        ConfigError naming what is wrong: every count and index a JSON integer (1.7 was cut to 1)."""
+        if not isinstance(obj, dict):
+            raise ConfigError(f"not a layer plan: expected a JSON object, got {type(obj).__name__}")
+        if "n_layers" not in obj:
+            raise ConfigError("not a layer plan: it has no 'n_layers' (the target's layer count)")
+
+        def whole(value: Any, what: str) -> int:
+            if isinstance(value, bool) or not isinstance(value, int):
+                raise ConfigError(f"not a layer plan: {what} must be a whole number, got {json.dumps(value)}")
+            return value
+
+        def indices(key: str) -> frozenset[int]:
+            values = obj.get(key, [])
+            if not isinstance(values, list):
+                raise ConfigError(f"not a layer plan: {key} must be a list of layer indices, got {json.dumps(values)}")
+            return frozenset(whole(v, f"each index in {key}") for v in values)
+
+        n = whole(obj["n_layers"], "n_layers")
+        return cls(n, whole(obj.get("exit_after", n), "exit_after"), indices("skip_attn"), indices("skip_mlp"))
 
 
 class ViewCache(KVCache):
