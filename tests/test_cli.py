@@ -161,6 +161,30 @@ def test_setup_refuses_a_drafter_name(capsys):
     assert code == 2 and "draft head shipped in the package: it needs no setup" in _one_error_line(err)
 
 
+@pytest.mark.parametrize("argv, names", [
+    (["generate", "-p", "hi", "--bogus"], "(see specdec generate --help)"),
+    (["train", "skip", "--out", "x.json", "--bogus"], "(see specdec train skip --help)"),
+    (["serve", "--bogus", "1"], "(see specdec serve --help)"),
+    (["--bogus"], "(see specdec --help)"),
+])
+def test_an_unknown_option_points_to_its_commands_help(capsys, argv, names):
+    """It pointed to `specdec --help`, which does not list a command's options."""
+    with pytest.raises(SystemExit) as exit_:
+        main(argv)
+    out, err = capsys.readouterr()
+    unknown = " ".join(a for a in argv if a.startswith("--bogus") or a == "1")
+    assert exit_.value.code == 2 and out == "" and err.strip() == f"specdec: error: unrecognized arguments: {unknown} {names}"
+
+
+def test_the_help_states_the_largest_draft_and_tree(capsys):
+    for command in ("generate", "serve"):
+        with pytest.raises(SystemExit):
+            main([command, "--help"])
+        text = " ".join(capsys.readouterr().out.split())
+        assert "node count N from 1 to 64" in text, command
+    assert "an integer from 1 to 64" in text
+
+
 def test_an_int8_kernel_for_a_float_target_is_named_unused(capsys, tiny_pair):
     """--int8-kernel picks an int8 (or q4) target's matmul kernel; for a float target it was ignored in silence."""
     target, _ = tiny_pair
@@ -731,6 +755,7 @@ def test_cache_clear_removes_the_named_parts_own_files_only(capsys, cache_root):
     (("cache", "clear", "bogus"), "unknown cache part 'bogus'"),
     (("cache", "clear"), "name the parts to clear"),
     (("cache", "list", "quantised"), "lists every part"),
+    (("cache", "bogus"), "unknown cache action 'bogus'"),  # read "argument action: invalid choice"
 ])
 def test_cache_refuses_bad_input_in_one_line(capsys, cache_root, argv, message):
     code, out, err = _run(capsys, *argv)

@@ -277,8 +277,8 @@ def build_parser() -> argparse.ArgumentParser:
                      help="multi-turn chat in the terminal: each line you type is a user turn, the history is kept (empty line or Ctrl-D ends); with --remote, drafted here and verified on the server")
     _add_models(gen)
     gen.add_argument("--method", "-m", help=f"verification rule: {', '.join(m.replace('_', '-') for m in defaults.VERIFICATION_METHODS)} (default: greedy at temperature 0; coupled with --seed; block otherwise)")
-    gen.add_argument("--gamma", "-g", default=defaults.DEFAULT_GAMMA, help="draft length: an integer >= 1, 'auto' (cost-based, default) or 'guide' (start 6, range 3-12)")
-    gen.add_argument("--tree", default=defaults.DEFAULT_TREE, help="token trees: 'chain' (default: one candidate per position), 'auto' (node budget chosen per round from measured cost and acceptance; falls back to a chain or to no drafting) or a node count N")
+    gen.add_argument("--gamma", "-g", default=defaults.DEFAULT_GAMMA, help=f"draft length: an integer from 1 to {defaults.MAX_GAMMA}, 'auto' (cost-based, default) or 'guide' (start 6, range 3-12)")
+    gen.add_argument("--tree", default=defaults.DEFAULT_TREE, help=f"token trees: 'chain' (default: one candidate per position), 'auto' (node budget chosen per round from measured cost and acceptance; falls back to a chain or to no drafting) or a node count N from 1 to {defaults.MAX_TREE_NODES}")
     gen.add_argument("--tree-min-prob", type=float, default=None, metavar="P",
                      help=f"greedy and coupled trees: leave out nodes whose cumulative draft probability is below P, so a "
                           f"round verifies only the candidates likely to pay for their row (default {defaults.TREE_MIN_PROB:g}; "
@@ -327,7 +327,7 @@ def build_parser() -> argparse.ArgumentParser:
                                        "calibration ranges and quantised layers, with their sizes. `specdec cache clear "
                                        "PART...` removes parts; each is rebuilt on its next use, so clearing costs only "
                                        "time.")
-    cache.add_argument("action", nargs="?", choices=("list", "clear"), default="list", help="list (default) or clear")
+    cache.add_argument("action", nargs="?", metavar="{list,clear}", default="list", help="list (default) or clear")
     cache.add_argument("parts", nargs="*", metavar="PART",
                        help="with clear: the parts to remove (models, gguf, kernels, calibration, quantised) or all")
     cache.add_argument("--json", action="store_true", help="print one JSON list instead of text")
@@ -719,6 +719,9 @@ def _cmd_cache(args: argparse.Namespace) -> int:
     from specdec import caches
 
     parts = {p.name: p for p in caches.parts()}
+    if args.action not in ("list", "clear"):
+        raise SpecdecError(f"unknown cache action {args.action!r}: `specdec cache` lists the cache,"
+                           " `specdec cache clear PART...` removes parts")
     if args.action == "list" and args.parts:
         raise SpecdecError("`specdec cache` lists every part; to remove some, use `specdec cache clear PART...`")
     if args.action == "clear":
@@ -756,10 +759,22 @@ COMMANDS = {"generate": _cmd_generate, "models": _cmd_models, "setup": _cmd_setu
             "serve": _cmd_serve, "bench": _cmd_bench, "train": _cmd_train}
 
 
+def _innermost(parser: argparse.ArgumentParser, args: argparse.Namespace) -> argparse.ArgumentParser:
+    """The (sub)command parser ``args`` were parsed by: ``specdec train skip``'s for ``train skip``."""
+    while True:
+        subs = [a for a in parser._actions if isinstance(a, argparse._SubParsersAction)]
+        name = getattr(args, subs[0].dest, None) if subs else None
+        if name not in (subs[0].choices if subs else {}):
+            return parser
+        parser = subs[0].choices[name]
+
+
 def main(argv: Sequence[str] | None = None) -> int:
     os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
     parser = build_parser()
-    args = parser.parse_args(argv)
+    args, extra = parser.parse_known_args(argv)
+    if extra:  # named by the command that did not know them, whose --help lists what it takes
+        _innermost(parser, args).error(f"unrecognized arguments: {' '.join(extra)}")
     #: the arguments as given (a command that records how to reproduce its output writes them)
     args.argv = list(sys.argv[1:] if argv is None else argv)
     if not args.command:

@@ -69,10 +69,10 @@ def add_parser(sub: Any) -> None:
     g.add_argument("--session-ttl", type=float, default=900.0, help="seconds an idle session is kept (default 900)")
     g.add_argument("--max-body-bytes", type=int, default=1 << 20, help="largest request body accepted (default 1 MiB)")
     g.add_argument("--max-gamma", type=int, default=defaults.MAX_GAMMA, help=f"longest draft verified in one round (default {defaults.MAX_GAMMA})")
-    g.add_argument("--gamma", default=defaults.DEFAULT_GAMMA, help="draft length for the OpenAI endpoints: integer, 'auto' or 'guide' (default auto)")
+    g.add_argument("--gamma", default=defaults.DEFAULT_GAMMA, help=f"draft length for the OpenAI endpoints: an integer from 1 to {defaults.MAX_GAMMA}, 'auto' or 'guide' (default auto)")
     g.add_argument("--tree", default=defaults.DEFAULT_TREE,
                    help="token trees for the OpenAI endpoints (a request's 'tree' field overrides it): 'chain' (default: one "
-                        "candidate per position), 'auto' (node budget from measured cost and acceptance) or a node count N. "
+                        f"candidate per position), 'auto' (node budget from measured cost and acceptance) or a node count N from 1 to {defaults.MAX_TREE_NODES}. "
                         "A tree's target pass runs between the batched passes, not inside them: for a lightly loaded server")
     g.add_argument("--default-max-tokens", type=int, default=256, help="max_tokens of a chat request that gives none (default 256)")
     g.add_argument("--max-kv-mib", type=float, default=defaults.SERVER_MAX_KV_BYTES / 2**20,
