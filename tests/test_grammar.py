@@ -40,17 +40,33 @@ def test_answers_depend_on_the_history_only(tok):
     assert "\n" not in str(broken.value) and "<state>" not in str(broken.value)  # one line, no matcher dump
 
 
-def test_a_grammar_the_matcher_gives_up_on_is_one_line_not_its_state(tok):
-    """A regex that compiles but whose lexer runs out of budget while matching: the error is
-    llguidance's first line, not the matcher's state and grammar dump (kilobytes) that follow it."""
+def test_a_grammar_the_matcher_gives_up_on_is_refused_up_front_in_one_line(tok, monkeypatch):
+    """A regex that compiles but whose lexer runs out of budget on its first token is refused when
+    the constraint is made (before any text: a server answers 400, not an error mid-stream), in
+    one line; where the matcher gives up only further on (here: the walk ahead turned off), the
+    error mid-generation is llguidance's first line, not its state and grammar dump (kilobytes)."""
     grammar = grammar_for("regex", "(a{1000}){1000}")
+    with pytest.raises(ConfigError, match="the grammar is too complex for the matcher") as refused:
+        GrammarConstraint(tok, grammar, V)
+    messages = [str(refused.value)]
+    monkeypatch.setattr("specdec.defaults.GRAMMAR_PROBE_TOKENS", 0)
     constraint = GrammarConstraint(tok, grammar, V)
     a = tok.encode("aaaa", add_special_tokens=False)
     with pytest.raises(ConfigError) as gave_up:
         for k in range(1, 40):
             constraint.allowed(a * k, V)
-    message = str(gave_up.value)
-    assert "\n" not in message and "<state>" not in message and "<grammar>" not in message and len(message) < 300, message
+    messages.append(str(gave_up.value))
+    for message in messages:
+        assert "\n" not in message and "<state>" not in message and "<grammar>" not in message and len(message) < 300, message
+
+
+def test_the_walk_ahead_passes_grammars_that_work(tok):
+    """Grammars the matcher handles are not refused by the walk ahead, whatever they end with:
+    complete after one token, a long repetition, a schema."""
+    for kind, spec in (("regex", "[0-9]"), ("regex", "[a-z]{1,500}x"), ("lark", 'start: "yes" | "no"'),
+                       ("json_schema", '{"type": "object", "properties": {"n": {"type": "integer"}}, "required": ["n"]}')):
+        constraint = GrammarConstraint(tok, grammar_for(kind, spec), V)
+        assert constraint.allowed([], V).any(), spec
 
 
 def test_bad_grammars_are_config_errors(tok):

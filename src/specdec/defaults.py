@@ -221,3 +221,8 @@ RAY_REPLICA_CPUS = 1.0
 RAY_MAX_ONGOING_REQUESTS = 256
 #: times the gateway runs a request again on another replica when its replica died before answering
 RAY_GATEWAY_RETRIES = 4
+
+# ----------------------------------------------------------------------------- structured output
+#: tokens a new grammar is walked ahead (the first token each step allows) before generation, so a
+#: grammar whose matcher gives up at once (a lexer over its budget) is refused before any text
+GRAMMAR_PROBE_TOKENS = 4

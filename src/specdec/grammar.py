@@ -99,6 +99,35 @@ class GrammarConstraint:
         self._shifts = torch.arange(32, dtype=torch.int32)
         self._consumed: list[int] = []
         self._lock = threading.Lock()
+        probed = tokenizer.__dict__.setdefault("_specdec_llg_probed", set())
+        if (vocab_size, grammar) not in probed:  # each grammar once per tokenizer (a request's choices share it)
+            self._probe(vocab_size)
+            if len(probed) >= 256:
+                probed.clear()
+            probed.add((vocab_size, grammar))
+
+    def _probe(self, vocab_size: int) -> None:
+        """Walk a copy of the matcher :data:`defaults.GRAMMAR_PROBE_TOKENS` tokens ahead, taking the
+        first token each step allows, and refuse the grammar where the matcher gives up on the way
+        (e.g. ``(a{1000}){1000}``: its lexer runs out of budget on the first token).  A grammar
+        that gives up only further on is still refused then, mid-generation; this only moves the
+        common case, one that fails at once, before any text is produced."""
+        from specdec import defaults
+
+        matcher = self._matcher.deep_copy()
+        bits = torch.full_like(self._bits, -1)
+        for _ in range(defaults.GRAMMAR_PROBE_TOKENS):
+            matcher.unsafe_compute_mask_ptr(bits.data_ptr(), bits.numel() * bits.element_size())
+            if matcher.is_error():
+                break
+            words = bits[0].unsqueeze(-1)  # [W, 1]
+            allowed = ((words >> self._shifts) & 1).bool().reshape(-1)[:vocab_size].nonzero().flatten()  # [k]
+            allowed = allowed[allowed != self._eos] if self._eos is not None else allowed
+            if allowed.numel() == 0 or not matcher.consume_token(int(allowed[0])):
+                break
+        if matcher.is_error():
+            raise ConfigError(f"the grammar is too complex for the matcher ({_first_line(matcher.get_error())});"
+                              " simplify it (smaller repetition counts, fewer nested alternatives)")
 
     def _sync(self, generated: Sequence[int]) -> None:
         k = 0
