@@ -42,11 +42,47 @@ def test_guide_preset():
         ({"min_tokens": 5, "max_new_tokens": 4}, "min tokens"),
         ({"min_tokens": -1}, "min tokens"),
         ({"stop_token_ids": (3, -1)}, "stop token ids"),
+        # values of the wrong kind were accepted and failed inside generation with a TypeError
+        ({"seed": 1.5}, "seed must be an integer, got 1.5"),
+        ({"seed": True}, "seed must be an integer, got True"),
+        ({"top_k": 2.5}, "top-k must be an integer"),
+        ({"max_new_tokens": 2.5}, "max new tokens must be an integer"),
+        ({"max_new_tokens": math.nan}, "max new tokens must be an integer, got nan"),
+        ({"min_tokens": 1.5}, "min tokens must be an integer"),
+        ({"temperature": "1"}, "temperature must be a number, got '1'"),
+        ({"top_p": "0.9"}, "top-p must be a number"),
+        ({"stop": None}, "stop must be a list or tuple, got None"),
+        ({"stop": [1]}, "stop strings must be non-empty strings"),
+        ({"stop": ("",)}, "stop strings must be non-empty strings"),
+        ({"stop_token_ids": (2.5,)}, "a stop token id must be an integer"),
+        ({"skip_special_tokens": "false"}, "skip_special_tokens must be True or False"),
+        ({"include_stop": 1}, "include_stop must be True or False"),
+        ({"logit_bias": ((1, 1.0), (1, 2.0))}, "logit bias gives token 1 twice"),
+        ({"logit_bias": ((1, 1.0, 3),)}, r"logit bias takes \(token id, bias\) pairs"),
+        ({"logit_bias": {1: "x"}}, "a logit bias must be a number"),
+        # past float32's range once multiplied by a count or divided by a temperature: NaN laws
+        ({"frequency_penalty": 1e308}, "frequency penalty must be between -10000 and 10000"),
+        ({"presence_penalty": -1e5}, "presence penalty must be between"),
+        ({"logit_bias": ((100, 1e36),)}, "logit bias needs token ids >= 0 and values between"),
     ],
 )
 def test_validation(kwargs, message):
     with pytest.raises(ConfigError, match=message):
         SamplingConfig(**kwargs)
+
+
+def test_accepted_forms_are_kept_as_the_config_keeps_them():
+    """One stop string is one stop (it was read as one stop per character: "Berlin" stopped at the
+    first "r"), lists become tuples, a {token: bias} mapping sorted pairs, numpy integers Python's."""
+    import numpy as np
+
+    assert SamplingConfig(stop="Berlin").stop == ("Berlin",)
+    assert SamplingConfig(stop=["a", "b"], stop_token_ids=[4, 2]).stop == ("a", "b")
+    assert SamplingConfig(stop_token_ids=[4, 2]).stop_token_ids == (4, 2)
+    assert SamplingConfig(logit_bias={5: 1, 2: -1.5}).logit_bias == ((2, -1.5), (5, 1.0))
+    cfg = SamplingConfig(top_k=np.int64(3), seed=np.int32(7), temperature=np.float32(0.5))
+    assert (cfg.top_k, cfg.seed) == (3, 7) and type(cfg.top_k) is int and type(cfg.temperature) is float
+    assert SamplingConfig(temperature=0).greedy and SamplingConfig(stop="x") == SamplingConfig(stop=("x",))
 
 
 def test_greedy_is_one_hot_of_argmax():

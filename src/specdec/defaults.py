@@ -142,6 +142,9 @@ CALIBRATION_FACTORS = tuple(round(0.5 + 0.05 * i, 2) for i in range(15))
 #: repetition penalty bounds (1 = off)
 MIN_REPETITION_PENALTY = 1e-3
 MAX_REPETITION_PENALTY = 1e3
+#: the largest |frequency penalty|, |presence penalty| and |logit bias| (the wire protocol's bound;
+#: times a count of 8,192 over the smallest temperature still far inside float32)
+MAX_PENALTY = 1e4
 
 # batch generation (`specdec generate --prompts-file`, `Engine.generate_batch`)
 #: sequences decoded together: on two cores a 16-row pass of the 4-bit SmolLM2 target gives ~3x the

@@ -23,8 +23,9 @@ from __future__ import annotations
 
 import functools
 import math
+import numbers
 from dataclasses import dataclass, field, replace
-from typing import Protocol, Sequence
+from typing import Mapping, Protocol, Sequence
 
 import torch
 from torch import Tensor
@@ -181,6 +182,8 @@ class SamplingConfig:
     constraint: Constraint | None = field(default=None, compare=False, repr=False)
 
     def __post_init__(self) -> None:
+        for name, value in _normalised(self).items():  # a str stop, lists, a bias mapping, numpy ints
+            object.__setattr__(self, name, value)
         validate(self)
 
     @property
@@ -204,6 +207,64 @@ class SamplingConfig:
     def truncates(self) -> bool:
         """True when some tokens may get probability exactly zero (top-k / top-p / min-p)."""
         return self.top_k is not None or self.top_p is not None or self.min_p is not None
+
+
+def _normalised(cfg: SamplingConfig) -> dict[str, object]:
+    """The fields of ``cfg`` given in another accepted form, as :class:`SamplingConfig` keeps them:
+    one stop string as a 1-tuple (a bare string was read as one stop per character), lists as
+    tuples, a ``{token: bias}`` mapping as sorted pairs, integers and reals of other types (numpy's)
+    as Python's; a value of the wrong kind is a one-line :class:`ConfigError`."""
+
+    def whole(name: str, value: object) -> int:
+        if isinstance(value, bool) or not isinstance(value, numbers.Integral):
+            raise ConfigError(f"{name} must be an integer, got {value!r}")
+        return int(value)
+
+    def real(name: str, value: object) -> float:
+        if isinstance(value, bool) or not isinstance(value, numbers.Real):
+            raise ConfigError(f"{name} must be a number, got {value!r}")
+        return float(value)
+
+    def flag(name: str, value: object) -> bool:
+        if not isinstance(value, bool):
+            raise ConfigError(f"{name} must be True or False, got {value!r}")
+        return value
+
+    def items(name: str, value: object) -> tuple:
+        if isinstance(value, (str, bytes)) or not isinstance(value, Sequence):
+            raise ConfigError(f"{name} must be a list or tuple, got {value!r}")
+        return tuple(value)
+
+    out: dict[str, object] = {}
+    for name in ("temperature", "repetition_penalty", "frequency_penalty", "presence_penalty"):
+        out[name] = real(name.replace("_", " "), getattr(cfg, name))
+    for name in ("top_p", "min_p"):
+        if getattr(cfg, name) is not None:
+            out[name] = real(name.replace("_", "-"), getattr(cfg, name))
+    for name in ("top_k", "seed"):
+        if getattr(cfg, name) is not None:
+            out[name] = whole(name.replace("_", "-"), getattr(cfg, name))
+    out["max_new_tokens"] = whole("max new tokens", cfg.max_new_tokens)
+    out["min_tokens"] = whole("min tokens", cfg.min_tokens)
+    out["include_stop"] = flag("include_stop", cfg.include_stop)
+    out["skip_special_tokens"] = flag("skip_special_tokens", cfg.skip_special_tokens)
+    stop = (cfg.stop,) if isinstance(cfg.stop, str) else items("stop", cfg.stop)
+    if not all(isinstance(text, str) and text for text in stop):
+        raise ConfigError(f"stop strings must be non-empty strings, got {list(stop)!r}")
+    out["stop"] = stop
+    out["stop_token_ids"] = tuple(whole("a stop token id", t) for t in items("stop_token_ids", cfg.stop_token_ids))
+    bias = cfg.logit_bias
+    pairs = tuple(bias.items()) if isinstance(bias, Mapping) else items("logit_bias", bias)
+    checked: dict[int, float] = {}
+    for pair in pairs:
+        if isinstance(pair, (str, bytes)) or not isinstance(pair, Sequence) or len(pair) != 2:
+            raise ConfigError(f"logit bias takes (token id, bias) pairs, got {pair!r}")
+        token = whole("a logit bias token id", pair[0])
+        if token in checked:
+            raise ConfigError(f"logit bias gives token {token} twice")
+        checked[token] = real("a logit bias", pair[1])
+    out["logit_bias"] = tuple(sorted(checked.items())) if isinstance(bias, Mapping) else tuple(checked.items())
+    return {name: value for name, value in out.items() if value is not getattr(cfg, name)}
 
 
 def validate(cfg: SamplingConfig) -> None:
@@ -231,8 +292,10 @@ def validate(cfg: SamplingConfig) -> None:
         )
     for name in ("frequency_penalty", "presence_penalty"):
         value = getattr(cfg, name)
-        if not math.isfinite(value):
-            raise ConfigError(f"{name.replace('_', ' ')} must be finite, got {value}")
+        if not (math.isfinite(value) and abs(value) <= defaults.MAX_PENALTY):
+            # past it, penalty times count overflows float32 and the law turns to NaN
+            raise ConfigError(f"{name.replace('_', ' ')} must be between -{defaults.MAX_PENALTY:g} and"
+                              f" {defaults.MAX_PENALTY:g}, got {value}")
     if cfg.max_new_tokens < 1:
         raise ConfigError(f"max new tokens must be >= 1, got {cfg.max_new_tokens}")
     if not 0 <= cfg.min_tokens <= cfg.max_new_tokens:
@@ -242,8 +305,9 @@ def validate(cfg: SamplingConfig) -> None:
     if cfg.seed is not None and not 0 <= cfg.seed <= defaults.MAX_SEED:
         raise ConfigError(f"the seed must be between 0 and 2^63 - 1 ({defaults.MAX_SEED}), got {cfg.seed}")
     for token, bias in cfg.logit_bias:
-        if token < 0 or not math.isfinite(bias):
-            raise ConfigError(f"logit bias needs token ids >= 0 and finite values, got {token}: {bias}")
+        if token < 0 or not (math.isfinite(bias) and abs(bias) <= defaults.MAX_PENALTY):
+            raise ConfigError(f"logit bias needs token ids >= 0 and values between -{defaults.MAX_PENALTY:g} and"
+                              f" {defaults.MAX_PENALTY:g}, got {token}: {bias}")
 
 
 #: A common preset: temperature 1.0, top-p 0.9, repetition penalty 1.1.
