@@ -97,6 +97,24 @@ def test_edges_and_bad_input(engines):
     with pytest.raises(ConfigError, match="constraint factory"):
         plain.generate_batch(["Hi"], replace(greedy, constraint=object()))
     vocab = plain.target.model.vocab_size
+    # token ids are checked before anything is decoded: one past the vocabulary failed inside the
+    # model (IndexError) after the prompts before it were decoded and lost; floats were cut to ints
+    got = []
+    for bad, says in (([vocab], rf"prompt 1: token 0 = {vocab} is outside the vocabulary"),
+                      ([-5, 3], "prompt 1: token 0 = -5 is outside the vocabulary"),
+                      ([1.7], "prompt 1: token 0 must be an integer id, got 1.7"),
+                      (b"hi", "prompt 1 must be text or a list of token ids, got bytes")):
+        with pytest.raises(ConfigError, match=says):
+            plain.generate_batch(["Hi", bad], greedy, on_result=got.append)
+        with pytest.raises(ConfigError, match=says.replace("prompt 1", "the prompt")):
+            plain.generate(bad, greedy)
+    assert got == []  # refused before the first prompt ran
+    import torch
+
+    assert plain.generate(torch.tensor([5, 6, 7]), greedy).token_ids == plain.generate([5, 6, 7], greedy).token_ids
+    for gamma in (2.5, True):
+        with pytest.raises(ConfigError, match="gamma must be an integer >= 1"):
+            engines[1].generate("Hi", greedy, gamma=gamma)
     for engine in engines:  # a stop id past the vocabulary was accepted and ended nothing
         with pytest.raises(ConfigError, match=rf"stop token ids \[{vocab}\] are outside the vocabulary"):
             engine.generate("Hi", replace(greedy, stop_token_ids=(3, vocab)))

@@ -241,3 +241,21 @@ def test_a_template_that_rejects_the_conversation_is_a_clear_error():
         set_chat_template(tokenizer, "{{ messages[5].content }}")
         with pytest.raises(ConfigError, match="the chat template rejected the conversation: .*5"):
             encode_messages(tokenizer, messages)
+
+
+@pytest.mark.parametrize("messages, says", [
+    ([{"role": "user"}], "user message 0 needs a 'content' string, got None"),  # was KeyError: 'content'
+    ([{"content": "hi"}], "message 0 needs a 'role' string, got {'content': 'hi'}"),
+    (["hi"], "message 0 needs a 'role' string, got 'hi'"),
+    ([{"role": "Human", "content": "hi"}], "no message has the role 'user' (roles given: 'Human')"),  # was "the prompt is empty"
+    ([{"role": "user", "content": "  "}], "the prompt is empty"),
+])
+def test_a_conversation_without_a_usable_user_turn_is_named(messages, says):
+    from specdec.errors import ConfigError
+    from specdec.models.registry import load_tokenizer
+    from specdec.text import encode_messages
+
+    tokenizer = load_tokenizer(DATA_DIR / "smollm2-135m-draft")
+    with pytest.raises(ConfigError) as refused:
+        encode_messages(tokenizer, messages)
+    assert str(refused.value) == says

@@ -34,7 +34,7 @@ from specdec.decoder import _fresh_seed, cut_at_eos
 from specdec.errors import ConfigError
 from specdec.sampling import SamplingConfig, check_stop_token_ids, floor_stops, offset_seed
 from specdec.session import TargetSession
-from specdec.text import StopStrings, TextSink, output_sink, output_stop
+from specdec.text import StopStrings, TextSink, output_sink, output_stop, prompt_ids
 from specdec.verify import get_rule
 
 
@@ -101,6 +101,11 @@ def generate_batch(
     check_stop_token_ids(sampling, model.vocab_size)
     stops = (frozenset() if ignore_eos else target.eos_ids) | frozenset(sampling.stop_token_ids)
     forward_batch = getattr(model, "forward_batch", None)
+    # every prompt checked before the first is decoded: a bad one late in the list lost the results before it
+    prompts = [prompt_ids(ids, model.vocab_size, f"prompt {i}") for i, ids in enumerate(prompts)]
+    empty = next((i for i, ids in enumerate(prompts) if not ids), None)
+    if empty is not None:
+        raise ConfigError(f"prompt {empty} is empty")
     pending = deque(enumerate(prompts))
     running: list[_Running] = []
     results: list[BatchResult | None] = [None] * len(prompts)
@@ -117,9 +122,6 @@ def generate_batch(
     while pending or running:
         while pending and len(running) < batch:  # admit: each prompt's own prefill
             i, ids = pending.popleft()
-            ids = list(ids)
-            if not ids:
-                raise ConfigError(f"prompt {i} is empty")
             own = replace(sampling, constraint=constraint()) if constraint is not None else sampling
             own = floor_stops(own, stops)  # min_tokens: the stop tokens masked while too few were generated
             session = TargetSession(model, ids, own, rule, seed=seed_for(sampling, i), logprobs=logprobs)

@@ -31,7 +31,7 @@ from specdec.models import registry
 from specdec.models.registry import LoadedModel, check_compatible, load
 from specdec.sampling import SamplingConfig, floor_stops
 from specdec.session import TargetSession
-from specdec.text import StopWhen, encode_messages, encode_prompt, first_stop, output_sink, output_stop
+from specdec.text import StopWhen, encode_messages, encode_prompt, first_stop, output_sink, output_stop, prompt_ids
 from specdec.verify import Rule, get_rule
 
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
@@ -382,6 +382,8 @@ def default_method(cfg: SamplingConfig) -> str:
 
 def parse_gamma(value: str | int) -> str | int:
     """``auto`` (cost-based), ``guide`` (the simple dynamic rule of :class:`GuideGamma`) or an integer >= 1."""
+    if isinstance(value, bool):
+        raise ConfigError(f"gamma must be an integer >= 1, 'auto' or 'guide', got {value!r}")
     if isinstance(value, int):
         g = value
     else:
@@ -399,8 +401,10 @@ def parse_gamma(value: str | int) -> str | int:
 
 def make_gamma(spec: str | int | GammaController, *, extra_target_s: float = 0.0) -> GammaController:
     """The controller for a γ spec (a controller passed in is used as it is)."""
-    if not isinstance(spec, (str, int)):
-        return spec
+    if hasattr(spec, "next_gamma"):
+        return spec  # a controller (or one of the same shape)
+    if isinstance(spec, bool) or not isinstance(spec, (str, int)):
+        raise ConfigError(f"gamma must be an integer >= 1, 'auto', 'guide' or a controller, got {spec!r}")
     spec = parse_gamma(spec)
     if spec == "auto":
         return CostGamma(extra_target_s=extra_target_s)
@@ -687,7 +691,8 @@ class Engine:
         token that makes it true, that token's text kept (:class:`~specdec.text.StopWhen`).  (The
         prompt's own log-probabilities: :func:`~specdec.session.score_prompt`.)"""
         rule = get_rule(method or default_method(sampling))
-        ids = self.encode(prompt, chat=chat) if isinstance(prompt, str) else list(prompt)
+        vocab = self.target.model.vocab_size
+        ids = self.encode(prompt, chat=chat) if isinstance(prompt, str) else prompt_ids(prompt, vocab)
         if not ids:
             raise ConfigError("the prompt is empty")
         session = None
@@ -733,6 +738,8 @@ class Engine:
         used: a batched pass is compute-bound on a CPU, see :mod:`specdec.batch`).  Prompt i uses
         seed + i when ``sampling.seed`` is set; each result is what :meth:`generate` gives for that
         prompt alone with that seed.  Returns :class:`specdec.batch.BatchResult` in input order."""
-        ids = [self.encode(p, chat=chat) if isinstance(p, str) else list(p) for p in prompts]
+        vocab = self.target.model.vocab_size
+        ids = [self.encode(p, chat=chat) if isinstance(p, str) else prompt_ids(p, vocab, f"prompt {i}")
+               for i, p in enumerate(prompts)]
         return generate_batch(self.target, ids, sampling, batch=batch, method=method, logprobs=logprobs,
                               ignore_eos=ignore_eos, constraint=constraint, on_result=on_result)

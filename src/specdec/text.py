@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import numbers
 from bisect import bisect_right
 from typing import Any
 
@@ -31,6 +32,14 @@ def encode_messages(tokenizer: Any, messages: list[dict[str, str]]) -> list[int]
     """Token ids of a conversation in the model's chat template, ending where the assistant answers."""
     if not getattr(tokenizer, "chat_template", None):
         raise ConfigError("this model has no chat template; drop --chat, or give one with --chat-template")
+    for i, m in enumerate(messages):
+        if not isinstance(m, dict) or not isinstance(m.get("role"), str):
+            raise ConfigError(f"message {i} needs a 'role' string, got {m!r}"[:300])
+        if m["role"] == "user" and not isinstance(m.get("content"), str):
+            raise ConfigError(f"user message {i} needs a 'content' string, got {m.get('content')!r}"[:300])
+    if not any(m["role"] == "user" for m in messages):
+        roles = ", ".join(sorted({repr(m["role"]) for m in messages})) or "none"
+        raise ConfigError(f"no message has the role 'user' (roles given: {roles})")
     if not any(m["content"].strip() for m in messages if m["role"] == "user"):
         raise ConfigError("the prompt is empty")
     try:
@@ -39,6 +48,21 @@ def encode_messages(tokenizer: Any, messages: list[dict[str, str]]) -> list[int]
         detail = (str(exc).strip().splitlines() or [type(exc).__name__])[0]
         raise ConfigError(f"the chat template rejected the conversation: {detail}") from None
     return list(tokenizer.encode(text, add_special_tokens=False))
+
+
+def prompt_ids(prompt: Any, vocab_size: int, what: str = "the prompt") -> list[int]:
+    """``prompt`` (a sequence of token ids) as a list, each id checked: an integer (not a float,
+    which was cut silently, nor bytes, read as ids) inside the vocabulary (an id past it failed
+    inside the model with an IndexError); a one-line ConfigError naming ``what`` otherwise."""
+    if isinstance(prompt, (bytes, bytearray)) or not hasattr(prompt, "__iter__"):
+        raise ConfigError(f"{what} must be text or a list of token ids, got {type(prompt).__name__}")
+    ids = prompt.tolist() if hasattr(prompt, "tolist") else list(prompt)  # a tensor's or array's ids as ints
+    for i, token in enumerate(ids):
+        if isinstance(token, bool) or not isinstance(token, numbers.Integral):
+            raise ConfigError(f"{what}: token {i} must be an integer id, got {token!r}")
+        if not 0 <= token < vocab_size:
+            raise ConfigError(f"{what}: token {i} = {token} is outside the vocabulary [0, {vocab_size})")
+    return [int(t) for t in ids]
 
 
 class TextStream:
