@@ -31,9 +31,17 @@ def test_prompt_lines_parse_and_bad_lines_name_their_number():
     assert [p.text for p in got] == ["def add(a, b):", "Hello there", None, "The weather", "Once upon"]
     assert got[2].messages == [{"role": "user", "content": "What is 2+2?"}]
     for bad, why in [('{"prompt": 3}', "must be strings"), ("[1, 2]", "neither a string"), ("{oops", "not JSON"),
-                     ('{"prompt": "a", "messages": []}', "exactly one"), ('{"messages": [{"role": "user"}]}', "non-empty list")]:
+                     ('{"prompt": "a", "messages": []}', "exactly one"), ('{"messages": [{"role": "user"}]}', "non-empty list"),
+                     # a misspelt field was ignored (the prompt ran without its system message)
+                     ('{"prompt": "Hi", "sytem": "be terse"}', "unknown field 'sytem'"),
+                     ('{"messages": [{"role": "user", "content": "Hi"}], "system": "a pirate"}', "take no \"system\""),
+                     ('{"messages": [{"role": "user", "content": "Hi"}], "suffix": "x"}', "take no \"system\" or \"suffix\"")]:
         with pytest.raises(SpecdecError, match=f"f line 2: .*{why}"):
             parse_prompt_lines('"fine"\n' + bad, "f")
+    kept = parse_prompt_lines('{"prompt": "Hi", "id": 7, "metadata": {"k": 1}}', "f")  # echoed back, not refused
+    assert kept[0].text == "Hi" and kept[0].value["id"] == 7
+    # U+2028 / U+0085 inside a string (json.dumps(..., ensure_ascii=False) writes them raw): one line
+    assert [p.text for p in parse_prompt_lines('"a\u2028b\u0085c"\r\n"d"', "f")] == ["a\u2028b\u0085c", "d"]
 
 
 def test_results_in_input_order_equal_single_prompt_generation(capsys, target, tmp_path):

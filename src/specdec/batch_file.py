@@ -37,10 +37,15 @@ def _bad(where: str, what: str) -> SpecdecError:
                         "\"messages\" (a list of {\"role\", \"content\"} objects)")
 
 
+#: the fields a prompts file's object line takes ("id" and "metadata" only travel to the results)
+LINE_FIELDS = ("prompt", "system", "suffix", "messages", "id", "metadata")
+
+
 def parse_prompt_lines(text: str, source: str) -> list[PromptLine]:
     """The prompts of a JSON-lines text; a line that is not one names its number."""
     out = []
-    for number, line in enumerate(text.splitlines(), start=1):
+    # lines end at "\n" alone: a JSON string may hold U+2028 or U+0085, where str.splitlines() cuts too
+    for number, line in enumerate(text.split("\n"), start=1):
         if not line.strip():
             continue
         where = f"{source} line {number}"
@@ -53,6 +58,10 @@ def parse_prompt_lines(text: str, source: str) -> list[PromptLine]:
             continue
         if not isinstance(value, dict) or ("prompt" in value) == ("messages" in value):
             raise _bad(where, "neither a string nor an object with exactly one of \"prompt\" and \"messages\"")
+        unknown = sorted(set(value) - set(LINE_FIELDS))
+        if unknown:  # a misspelt "sytem" was ignored, the prompt run without its system message
+            raise _bad(where, f"unknown field {unknown[0]!r} (a line takes {', '.join(LINE_FIELDS)}; \"id\" and"
+                              " \"metadata\" are echoed back untouched)")
         if "prompt" in value:
             if not isinstance(value["prompt"], str) or not isinstance(value.get("system", ""), str) \
                     or not isinstance(value.get("suffix", ""), str):
@@ -61,6 +70,8 @@ def parse_prompt_lines(text: str, source: str) -> list[PromptLine]:
                 raise _bad(where, "a \"suffix\" fills a gap in plain text: it takes no \"system\"")
             out.append(PromptLine(value, value["prompt"], None))
             continue
+        if "system" in value or "suffix" in value:  # a system message goes in the list; messages fill no gap
+            raise _bad(where, "\"messages\" take no \"system\" or \"suffix\" (put a system message in the list)")
         msgs = value["messages"]
         if not isinstance(msgs, list) or not msgs or not all(
                 isinstance(m, dict) and isinstance(m.get("role"), str) and isinstance(m.get("content"), str) for m in msgs):

@@ -1,6 +1,7 @@
 """Metric computation on synthetic samples (no timing involved)."""
 
 import json
+import re
 
 import pytest
 
@@ -136,6 +137,21 @@ def test_workloads(tmp_path):
         load_jsonl(f)
     with pytest.raises(ConfigError, match="does not exist"):
         load_jsonl(tmp_path / "missing.jsonl")
+    # rows pair by id, so a repeated id ran one prompt in the other's place; "false" read as chat on
+    for text, says in (('{"prompt": "a", "id": "p"}\n{"prompt": "b", "id": "p"}', ":2: id 'p' repeats line 1's"),
+                       ('{"prompt": "a"}\n{"prompt": "b", "id": "line1"}', ":2: id 'line1' repeats line 1's"),
+                       ('{"prompt": "a", "chat": "false"}', ':1: \'chat\' must be true or false, got "false"'),
+                       ('{"prompt": "a", "catgory": "chat"}', ":1: unknown field 'catgory'"),
+                       ('{"prompt": "a", "category": ["x"]}', ":1: 'category' must be a string")):
+        f.write_text(text)
+        with pytest.raises(ConfigError, match=re.escape(says)):
+            load_jsonl(f)
+    f.write_bytes(b'\xff\xfe{"prompt": "a"}')
+    with pytest.raises(ConfigError, match="is not valid UTF-8"):
+        load_jsonl(f)
+    # json.dumps(..., ensure_ascii=False) writes U+2028 as it is: one line, not two
+    f.write_text(json.dumps({"prompt": "a\u2028b\u0085c"}, ensure_ascii=False) + "\r\n", encoding="utf-8")
+    assert [p.text for p in load_jsonl(f)] == ["a\u2028b\u0085c"]
 
 
 def test_speculative_rows_use_the_paired_plain_run_when_present():

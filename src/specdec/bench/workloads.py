@@ -114,14 +114,28 @@ BUILTIN: tuple[Prompt, ...] = tuple(
 )
 
 
+#: the fields a prompt file's line takes (see :func:`load_jsonl`)
+PROMPT_FIELDS = ("prompt", "id", "category", "chat")
+
+
 def load_jsonl(path: str | Path) -> list[Prompt]:
-    """Prompts from a JSONL file: one object per line with ``prompt`` and optional ``id``,
-    ``category`` (default "custom") and ``chat`` (default false)."""
+    """Prompts from a JSONL file: one object per line with ``prompt`` and optional ``id`` (unique;
+    default "lineN"), ``category`` (default "custom") and ``chat`` (a JSON boolean, default false).
+    Anything else is a one-line ConfigError naming the line: runs pair their rows by id, so a
+    repeated id ran one prompt twice in the other's place, and a misspelt field was ignored."""
     path = Path(path)
     if not path.is_file():
         raise ConfigError(f"prompt file {path} does not exist")
-    prompts = []
-    for n, line in enumerate(path.read_text().splitlines(), start=1):
+    try:
+        text = path.read_text(encoding="utf-8")
+    except UnicodeDecodeError as exc:
+        raise ConfigError(f"{path} is not valid UTF-8 (byte {exc.start})") from None
+    except OSError as exc:
+        raise ConfigError(f"cannot read the prompt file {path}: {exc.strerror or exc}") from None
+    prompts: list[Prompt] = []
+    first: dict[str, int] = {}
+    # lines end at "\n" alone: a JSON string may hold U+2028 or U+0085, where str.splitlines() cuts too
+    for n, line in enumerate(text.removeprefix("\ufeff").split("\n"), start=1):
         if not line.strip():
             continue
         try:
@@ -130,7 +144,19 @@ def load_jsonl(path: str | Path) -> list[Prompt]:
             raise ConfigError(f"{path}:{n}: not valid JSON ({exc.msg})") from None
         if not isinstance(row, dict) or not isinstance(row.get("prompt"), str) or not row["prompt"].strip():
             raise ConfigError(f"{path}:{n}: each line needs a non-empty string field 'prompt'")
-        prompts.append(Prompt(str(row.get("id", f"line{n}")), str(row.get("category", "custom")), row["prompt"], bool(row.get("chat", False))))
+        unknown = sorted(set(row) - set(PROMPT_FIELDS))
+        if unknown:
+            raise ConfigError(f"{path}:{n}: unknown field {unknown[0]!r} (a line takes {', '.join(PROMPT_FIELDS)})")
+        if not isinstance(row.get("chat", False), bool):
+            raise ConfigError(f"{path}:{n}: 'chat' must be true or false, got {json.dumps(row['chat'])}")
+        for name in ("id", "category"):
+            if name in row and (not isinstance(row[name], (str, int)) or isinstance(row[name], bool)):
+                raise ConfigError(f"{path}:{n}: '{name}' must be a string, got {json.dumps(row[name])}")
+        pid = str(row.get("id", f"line{n}"))
+        if pid in first:
+            raise ConfigError(f"{path}:{n}: id {pid!r} repeats line {first[pid]}'s (rows are paired by id)")
+        first[pid] = n
+        prompts.append(Prompt(pid, str(row.get("category", "custom")), row["prompt"], row.get("chat", False)))
     if not prompts:
         raise ConfigError(f"{path} holds no prompts")
     return prompts
