@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import re
+
 import pytest
 import torch
 
@@ -278,3 +280,19 @@ def test_a_windowed_model_runs_natively_to_its_full_context(tmp_path):
         assert engine.target.backend == backend and engine.target.model.max_length == 256
         runs[backend] = engine.generate([1, 2, 3, 4, 5, 6], cfg).token_ids
     assert runs["native"] == runs["hf"] and len(runs["native"]) == 40
+
+
+@pytest.mark.parametrize("kwargs, says", [
+    ({"target": None}, "target must be a string, got None"),  # was AttributeError: 'NoneType' ... 'strip'
+    ({"draft": 3}, "draft must be a string, got 3"),
+    ({"backend": "bogus"}, "unknown backend 'bogus'; choose auto, native or hf"),  # was an int8 message
+    ({"batch_invariant": "yes"}, "batch_invariant must be True or False"),
+    ({"chat_template": b"x"}, "chat_template must be a string, got bytes"),
+])
+def test_engine_config_refuses_values_of_the_wrong_kind(kwargs, says):
+    with pytest.raises(ConfigError, match=re.escape(says)):
+        EngineConfig(**kwargs)
+
+
+def test_engine_config_takes_a_folder_as_a_path(tmp_path):
+    assert EngineConfig(target=tmp_path, draft=tmp_path / "d") == EngineConfig(target=str(tmp_path), draft=str(tmp_path / "d"))

@@ -87,6 +87,21 @@ class EngineConfig:
     #: it: plain and speculative decoding both run it
     kv_dtype: str = defaults.KV_DTYPE
 
+    def __post_init__(self) -> None:
+        # a value of the wrong kind failed later inside a loader (EngineConfig(target=None): AttributeError: strip)
+        for name in ("target", "draft"):  # a folder may come as a Path
+            if isinstance(getattr(self, name), os.PathLike):
+                object.__setattr__(self, name, os.fspath(getattr(self, name)))
+        for name in ("target", "draft", "backend", "dtype", "draft_dtype", "draft_vocab", "int8_kernel", "kv_dtype"):
+            if not isinstance(getattr(self, name), str):
+                raise ConfigError(f"{name} must be a string, got {getattr(self, name)!r}")
+        if self.backend not in ("auto", "native", "hf"):
+            raise ConfigError(f"unknown backend {self.backend!r}; choose auto, native or hf")
+        if not isinstance(self.batch_invariant, bool):
+            raise ConfigError(f"batch_invariant must be True or False, got {self.batch_invariant!r}")
+        if self.chat_template is not None and not isinstance(self.chat_template, str):
+            raise ConfigError(f"chat_template must be a string, got {type(self.chat_template).__name__}")
+
 
 #: --kv-dtype's choices
 KV_DTYPES = {"auto": None, "float16": torch.float16}
