@@ -128,6 +128,46 @@ def test_command_writes_a_draft_that_loads_and_resumes(setup, capsys) -> None:
     assert "resuming from step 4" in capsys.readouterr().err
 
 
+def test_a_run_continues_with_more_steps_and_refuses_other_settings(setup, capsys, monkeypatch) -> None:
+    """A larger --steps continues the checkpoint (it restarted from step 0 and overwrote the draft);
+    another --lr is refused in one line, the finished draft untouched; a run paused by
+    --max-minutes between two checkpoints keeps its steps (it saved none below 25); a cut-short
+    checkpoint is a one-line error naming it, not a torch traceback."""
+    from specdec import cli
+
+    root, _, draft_dir, _ = setup
+    out = root / "grow"
+    base = ["train", "distill", "--data", str(root / "data"), "--out", str(out), "--target", str(root / "target"),
+            "--draft", str(draft_dir), "--batch", "4", "--positions", "32", "--top-k", "8"]
+    assert cli.main([*base, "--steps", "3"]) == 0
+    capsys.readouterr()
+    assert cli.main([*base, "--steps", "5"]) == 0
+    err = capsys.readouterr().err
+    report = json.loads((out / "report.json").read_text())
+    assert "resuming from step 3" in err and report["finished"] and report["steps"] == 5
+    assert len(report["last_losses"]) == 2  # steps 4 and 5 only
+    weights = (out / "draft" / "model.safetensors").read_bytes()
+    assert cli.main([*base, "--steps", "5", "--lr", "0.5"]) == 2
+    err = capsys.readouterr().err
+    assert "was saved by a run with lr = 0.0001, this one asks for 0.5" in err and "Traceback" not in err
+    assert (out / "draft" / "model.safetensors").read_bytes() == weights
+    # paused after 2 steps by the time budget (a clock that jumps a minute a step)
+    import specdec.train.distill as ds_module
+
+    clock = iter(range(0, 10**6, 60))
+    monkeypatch.setattr(ds_module.time, "perf_counter", lambda: float(next(clock)))
+    paused = root / "paused"
+    argv = [*base[:4], "--out", str(paused), *base[6:], "--steps", "100", "--max-minutes", "2.5"]
+    assert cli.main(argv) == 0
+    monkeypatch.undo()
+    first = torch.load(paused / "ckpt.pt", weights_only=False)["state"]["step"]
+    assert 0 < first < 25 and f"paused at step {first} of 100" in capsys.readouterr().err
+    (paused / "ckpt.pt").write_bytes((paused / "ckpt.pt").read_bytes()[:100])
+    assert cli.main(argv) == 2
+    err = capsys.readouterr().err
+    assert "ckpt.pt cannot be read" in err and "delete it to redo that part" in err and "Traceback" not in err
+
+
 def test_command_without_data_is_a_clear_error(tmp_path: Path, capsys) -> None:
     from specdec import cli
 

@@ -3,6 +3,9 @@
 from __future__ import annotations
 
 import json
+import re
+import shutil
+from dataclasses import replace
 from pathlib import Path
 
 import pytest
@@ -167,6 +170,33 @@ def test_resume_gives_the_same_head(tmp_path: Path) -> None:
     b = torch.load(tmp_path / "split" / "ckpt.pt", weights_only=False)["model"]
     for key in a:
         assert torch.equal(a[key], b[key]), key
+
+
+def test_a_checkpoint_of_another_head_or_data_is_refused_not_continued(tmp_path: Path, capsys) -> None:
+    """A folder's checkpoint is continued only by the run that made it (a larger step count
+    extends it): a Medusa run on an EAGLE-3 folder trained the EAGLE head on and wrote a card
+    calling it Medusa; other data (another target's taps) mixed in silently."""
+    from specdec.errors import ConfigError
+
+    target, data = _toy_data(tmp_path / "data", sequences=24)
+    cfg = TrainConfig(kind="eagle3", steps=4, batch_tokens=128, lr=1e-3, draft_vocab=V, depth=2, eval_every=1000, warmup=2)
+    train(cfg, data, tmp_path / "out", target)
+    report = train(replace(cfg, steps=6), data, tmp_path / "out", target)  # continues
+    assert report["steps"] == 6 and "resuming from step 4" in capsys.readouterr().err
+    card = (tmp_path / "out" / "README.md").read_text()
+    for other, says in ((replace(cfg, kind="medusa"), 'kind = "eagle3", this one asks for "medusa"'),
+                        (replace(cfg, lr=0.1), "lr = 0.001, this one asks for 0.1")):
+        with pytest.raises(ConfigError, match=re.escape(says)):
+            train(other, data, tmp_path / "out", target)
+    other_data = tmp_path / "data2"
+    shutil.copytree(data, other_data)
+    (other_data / "config.json").write_text(json.dumps({"taps": [1, 2]}))
+    with pytest.raises(ConfigError, match="was saved by a run with data ="):
+        train(cfg, other_data, tmp_path / "out", target)
+    assert (tmp_path / "out" / "README.md").read_text() == card
+    (tmp_path / "out" / "ckpt.pt").write_bytes(b"not a checkpoint")
+    with pytest.raises(ConfigError, match="ckpt.pt cannot be read .* delete it to redo that part"):
+        train(cfg, data, tmp_path / "out", target)
 
 
 def test_save_load_round_trip(tmp_path: Path) -> None:

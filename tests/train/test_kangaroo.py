@@ -275,3 +275,31 @@ def test_prompt_lookup_in_front_passes_the_tap_through():
     out = SpeculativeDecoder(INVARIANT, hybrid, get_rule("greedy"), gamma=_Pattern([0, 0, 3])).generate(prompt, run)
     assert out.tokens == SpeculativeDecoder(INVARIANT, None, get_rule("greedy")).generate(prompt, run).tokens
     assert fed and max(fed) == 1, fed
+
+
+def test_the_command_continues_with_more_steps_and_refuses_other_settings(tmp_path, capsys):
+    """`specdec train kangaroo` on a tiny target: a larger --steps continues the checkpoint (it
+    restarted from step 0 and overwrote the adapter), another --lr is refused in one line before any
+    data is made, the adapter untouched; a cut-short data file is a one-line error naming it."""
+    from specdec.cli import main
+    from tiny import make_tiny
+
+    target = make_tiny(tmp_path / "target", seed=0, layers=4, max_positions=256)
+    out = tmp_path / "k" / "adapter.safetensors"
+    base = ["train", "kangaroo", "--target", str(target), "--out", str(out), "--prompts", "4", "--new-tokens", "6",
+            "--batch", "2", "--positions", "16", "--top-k", "8"]
+    assert main([*base, "--steps", "25"]) == 0
+    capsys.readouterr()
+    assert main([*base, "--steps", "30"]) == 0
+    assert "resuming from step 25" in capsys.readouterr().err
+    assert torch.load(out.with_name(out.name + ".ckpt.pt"), weights_only=False)["state"]["step"] == 30
+    weights = out.read_bytes()
+    assert main([*base, "--steps", "30", "--lr", "0.5"]) == 2
+    err = capsys.readouterr().err
+    assert "was saved by a run with lr = 0.002, this one asks for 0.5" in err and "Traceback" not in err
+    assert out.read_bytes() == weights
+    data = out.with_name(out.name + ".data.pt")
+    data.write_bytes(data.read_bytes()[:64])
+    assert main([*base, "--steps", "30"]) == 2
+    err = capsys.readouterr().err
+    assert "adapter.safetensors.data.pt cannot be read" in err and "Traceback" not in err

@@ -413,6 +413,12 @@ def test_command_writes_a_draft_that_loads_and_a_rerun_resumes(tmp_path: Path, c
     capsys.readouterr()
     assert cli.main(argv) == 0
     assert "loaded 20 sequences" in capsys.readouterr().err
+    # other settings on the same folder: refused (its data.pt and checkpoint were reused whatever they
+    # were made with, and the card then named the new settings)
+    changed = [*argv, "--max-new-chat", "12", "--lr", "0.01"]
+    assert cli.main(changed) == 2
+    err = capsys.readouterr().err
+    assert "run.json was saved by a run with lr = 0.0002, this one asks for 0.01" in err and "Traceback" not in err
 
 
 def test_a_bundle_runs_with_the_module_alone(tmp_path: Path) -> None:

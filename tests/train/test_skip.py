@@ -157,3 +157,26 @@ def test_local_search_ends_where_no_single_toggle_pays(data):
     assert order is not None and sorted(order) == sorted([("attn", i) for i in range(n)] + [("mlp", i) for i in range(n)])
     assert singles_order({}, n) is None
     assert local_search(MODEL, data, COST, greedy.plan, order=order).objective >= greedy.objective
+
+
+def test_the_command_starts_over_on_other_calibration_prompts(tmp_path, capsys):
+    """The search state beside --out holds scores of one calibration set: a rerun with other prompts
+    or another token count reused them (a different search, recorded as the new command); it now
+    says so and starts over. A cut-short state file is a one-line error naming it."""
+    from specdec.cli import main
+    from tiny import make_tiny
+
+    target = make_tiny(tmp_path / "target", seed=0, layers=2, max_positions=256)
+    out = tmp_path / "s" / "plan.json"
+    base = ["train", "skip", "--target", str(target), "--out", str(out), "--cost", "params", "--max-steps", "1"]
+    assert main([*base, "--prompts", "2", "--new-tokens", "4"]) == 0
+    capsys.readouterr()
+    assert main([*base, "--prompts", "2", "--new-tokens", "4"]) == 0  # the same: resumed, nothing said
+    assert "starting over" not in capsys.readouterr().err
+    assert main([*base, "--prompts", "3", "--new-tokens", "4"]) == 0
+    assert "holds a search on another target or other calibration prompts: starting over" in capsys.readouterr().err
+    state = out.with_name(out.name + ".state.json")
+    state.write_text(state.read_text()[:20])
+    assert main([*base, "--prompts", "3", "--new-tokens", "4"]) == 2
+    err = capsys.readouterr().err
+    assert "plan.json.state.json cannot be read" in err and "Traceback" not in err

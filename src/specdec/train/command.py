@@ -351,6 +351,7 @@ def _load_prompts(args: argparse.Namespace) -> list[tuple[str, bool]]:
 
 def _skip(args: argparse.Namespace) -> int:
     import dataclasses
+    import hashlib
 
     from tqdm.auto import tqdm
 
@@ -374,10 +375,16 @@ def _skip(args: argparse.Namespace) -> int:
     target = load(args.target, dtype=dtype, quant=quant, batch_invariant=False)
     if not hasattr(target.model, "run_layers"):
         raise ConfigError("the skip search needs the native backend (a Llama, Qwen2, Qwen3, Mistral or Gemma 3 target)")
-    state: dict = json.loads(state_path.read_text()) if state_path.is_file() else {}
-    if state and state.get("target") != target.name:
+    from specdec.train import state as saved_state
+
+    state: dict = saved_state.load_json(state_path) or {}
+    # the scores it holds are of these prompts, this many tokens, this target: anything else starts over
+    calibration = hashlib.sha256(json.dumps([prompts, args.new_tokens]).encode()).hexdigest()[:16]
+    if state and (state.get("target") != target.name or state.get("calibration", calibration) != calibration):
+        print(f"[specdec] {state_path} holds a search on another target or other calibration prompts: starting over",
+              file=sys.stderr)
         state = {}
-    state["target"] = target.name
+    state["target"], state["calibration"] = target.name, calibration
     ids = [encode_prompt(target.tokenizer, text, chat=chat) for text, chat in prompts]
     print(f"[specdec] calibration: {len(ids)} prompts x {args.new_tokens} target tokens", file=sys.stderr)
     data = skip.build_calibration(target.model, ids, new_tokens=args.new_tokens)
@@ -385,7 +392,7 @@ def _skip(args: argparse.Namespace) -> int:
     reduced = target.model.reduced_head(vocab) if vocab is not None else None
     head = "full" if reduced is None else int(reduced.ids.numel())
     if state.get("draft_vocab", "full") != head:  # scores and costs of another head
-        state = {"target": target.name}
+        state = {"target": target.name, "calibration": calibration}
     state["draft_vocab"] = head
     if reduced is not None:
         print(f"[specdec] the view drafts over a reduced vocabulary of {head:,} tokens", file=sys.stderr)
@@ -408,7 +415,7 @@ def _skip(args: argparse.Namespace) -> int:
     def progress(what: str, best: skip.SearchResult) -> None:
         bar.update(1)
         bar.set_postfix_str(f"{what}: best ×{best.objective:.3f} (α0 {best.alpha0:.2f}, c {best.draft_cost:.2f})")
-        state_path.write_text(json.dumps(state))
+        saved_state.write_text(state_path, json.dumps(state))
 
     if start is not None:
         result = skip.score(target.model, start, data, cost, 0, reduced)
@@ -542,6 +549,14 @@ def _head(args: argparse.Namespace) -> int:
     return 0
 
 
+def _without_steps(cfg: object) -> dict:
+    """A training config's fields but the step count (a larger --steps continues a run)."""
+    import dataclasses
+
+    fields = dataclasses.asdict(cfg) if dataclasses.is_dataclass(cfg) else dict(cfg or {})  # type: ignore[arg-type]
+    return {k: v for k, v in fields.items() if k != "steps"}
+
+
 def _kangaroo(args: argparse.Namespace) -> int:
     import time
 
@@ -552,6 +567,7 @@ def _kangaroo(args: argparse.Namespace) -> int:
     from specdec.models.registry import load
     from specdec.text import encode_prompt
     from specdec.train import kangaroo as kt
+    from specdec.train import state
 
     if min(args.prompts, args.new_tokens, args.steps, args.batch, args.positions, args.top_k) < 1 or not 0 < args.lr < float("inf"):
         raise ConfigError("--prompts, --new-tokens, --steps, --batch, --positions, --top-k and --lr must be positive")
@@ -567,7 +583,14 @@ def _kangaroo(args: argparse.Namespace) -> int:
     adapter = kt.new_adapter(model, k, seed=args.seed)  # checks K
     key = {"target": target.name, "layers": k, "prompts": args.prompts, "new_tokens": args.new_tokens,
            "top_k": args.top_k, "seed": args.seed}
-    saved = torch.load(data_path, weights_only=False) if data_path.is_file() else None
+    cfg = kt.TrainConfig(steps=args.steps, batch=args.batch, positions=args.positions, lr=args.lr, seed=args.seed)
+    # a checkpoint of other settings is refused before the data is made (it was restarted in silence
+    # and its adapter overwritten); a larger --steps continues it
+    ck = state.load(ckpt_path)
+    if ck is not None:
+        state.check_resume(ckpt_path, {"key": ck.get("key"), **_without_steps(ck.get("train"))},
+                           {"key": key, **_without_steps(cfg)})
+    saved = state.load(data_path)
     if saved is not None and saved.get("key") == key:
         train_data, held_data = saved["train"], saved["held_out"]
         print(f"[specdec] data: {len(train_data)} sequences from {data_path}", file=sys.stderr)
@@ -590,28 +613,25 @@ def _kangaroo(args: argparse.Namespace) -> int:
             held_data.append(kt.features(model, seq, len(ids) - 1, k, top_k=args.top_k))
             feats.update(1)
         feats.close()
-        torch.save({"key": key, "train": train_data, "held_out": held_data}, data_path)
+        state.save({"key": key, "train": train_data, "held_out": held_data}, data_path)
     tokens = sum(f.tokens.numel() for f in train_data)
     print(f"[specdec] {len(train_data)} training sequences ({tokens} tokens), {len(held_data)} held out; "
           f"adapter after {k} of {model.cfg.n_layers} layers, {sum(p.numel() for p in adapter.parameters())} parameters",
           file=sys.stderr)
-    cfg = kt.TrainConfig(steps=args.steps, batch=args.batch, positions=args.positions, lr=args.lr, seed=args.seed)
-    state = None
-    if ckpt_path.is_file():
-        ck = torch.load(ckpt_path, weights_only=False)
-        if ck.get("key") == key and ck.get("train") == cfg:
-            state = ck["state"]
-            print(f"[specdec] resuming from step {state['step']} ({ckpt_path})", file=sys.stderr)
+    resumed = None
+    if ck is not None:
+        resumed = ck["state"]
+        print(f"[specdec] resuming from step {resumed['step']} ({ckpt_path})", file=sys.stderr)
     w_head = kt.head_weight(model)
-    bar = tqdm(total=cfg.steps, initial=state["step"] if state else 0, desc="kangaroo", unit="step", leave=False)
+    bar = tqdm(total=cfg.steps, initial=resumed["step"] if resumed else 0, desc="kangaroo", unit="step", leave=False)
 
     def on_step(step: int, loss: float, st: dict) -> None:
         bar.update(1)
         bar.set_postfix_str(f"loss {loss:.3f}")
         if step % 25 == 0 or step == cfg.steps:
-            torch.save({"key": key, "train": cfg, "state": st}, ckpt_path)
+            state.save({"key": key, "train": cfg, "state": st}, ckpt_path)
 
-    losses = kt.train(adapter, train_data, w_head, cfg, state=state, on_step=on_step)
+    losses = kt.train(adapter, train_data, w_head, cfg, state=resumed, on_step=on_step)
     bar.close()
     rep = kt.report(model, adapter, held_data)
     tail = losses[-20:]
@@ -621,7 +641,7 @@ def _kangaroo(args: argparse.Namespace) -> int:
             "seed": args.seed, "final_loss": round(sum(tail) / max(len(tail), 1), 4),
             "wall_s_this_run": round(time.perf_counter() - t0, 1), "held_out": rep}
     save_adapter(adapter, out, card=card)
-    out.with_name(out.stem + ".json").write_text(json.dumps(card, indent=1) + "\n")
+    state.write_text(out.with_name(out.stem + ".json"), json.dumps(card, indent=1) + "\n")
     ls = rep[f"layerskip:{k}"]
     print(f"[specdec] {out}: loss {card['final_loss']:.3f}; held-out acceptance kangaroo α0 {rep['kangaroo']['alpha_t0']:.3f} "
           f"α1 {rep['kangaroo']['alpha_t1']:.3f} vs layerskip:{k} α0 {ls['alpha_t0']:.3f} α1 {ls['alpha_t1']:.3f} "
@@ -648,6 +668,7 @@ def _distill(args: argparse.Namespace) -> int:
     from specdec.engine import EngineConfig, target_dtype
     from specdec.models.registry import check_compatible, load, resolve
     from specdec.train import distill as ds
+    from specdec.train import state
     from specdec.train.data import load_shards
 
     if min(args.steps, args.batch, args.positions, args.top_k) < 1 or not 0 < args.lr < float("inf"):
@@ -659,14 +680,20 @@ def _distill(args: argparse.Namespace) -> int:
     source = resolve(args.draft).folder
     if source is None:
         raise ConfigError("distillation needs a local draft (a registry name or a folder)")
-    t0 = time.perf_counter()
     out.mkdir(parents=True, exist_ok=True)
     cfg = ds.DistillConfig(steps=args.steps, batch=args.batch, positions=args.positions, lr=args.lr, top_k=args.top_k,
                            loss=args.loss, seed=args.seed)
     shards = load_shards(data_dir)
     key = {"data": data_cfg, "sequences": len(shards.tokens), "target": args.target, "top_k": cfg.top_k}
-    labels_path = out / "labels.pt"
-    saved = torch.load(labels_path, weights_only=False) if labels_path.is_file() else None
+    labels_path, ckpt_path = out / "labels.pt", out / "ckpt.pt"
+    # a checkpoint of other settings is refused before anything is computed (it was restarted in
+    # silence and its finished draft overwritten); a larger --steps continues it
+    run_key = {**{k: v for k, v in ds.config_dict(cfg).items() if k != "steps"}, "key": key, "source": str(source)}
+    ck = state.load(ckpt_path)
+    if ck is not None:
+        state.check_resume(ckpt_path, {**{k: v for k, v in ck.get("cfg", {}).items() if k != "steps"},
+                                       "key": ck.get("key"), "source": ck.get("source")}, run_key)
+    saved = state.load(labels_path)
     if saved is not None and saved.get("key") == key:
         labels = saved["labels"]
     else:
@@ -680,7 +707,7 @@ def _distill(args: argparse.Namespace) -> int:
             bar.update(1)
         bar.close()
         del target
-        torch.save({"key": key, "labels": labels}, labels_path)
+        state.save({"key": key, "labels": labels}, labels_path)
     train_ix, held_ix = ds.split(len(labels), cfg.held_out_every)
     train_data, held = [labels[i] for i in train_ix], [labels[i] for i in held_ix]
     if not train_data or not held:
@@ -689,38 +716,40 @@ def _distill(args: argparse.Namespace) -> int:
     print(f"[specdec] {len(train_data)} training sequences ({positions} reply positions), {len(held)} held out",
           file=sys.stderr)
     student = AutoModelForCausalLM.from_pretrained(str(source), dtype=torch.float32)
-    ckpt_path = out / "ckpt.pt"
-    state, before = None, None
-    ck = torch.load(ckpt_path, weights_only=False) if ckpt_path.is_file() else None
-    if ck is not None and ck.get("key") == key and ck.get("cfg") == ds.config_dict(cfg) and ck.get("source") == str(source):
+    st_now, before, train_s = None, None, 0.0
+    if ck is not None:
         student.load_state_dict(ck["student"])
-        state, before = ck["state"], ck["before"]
-        print(f"[specdec] resuming from step {state['step']} ({ckpt_path})", file=sys.stderr)
+        st_now, before, train_s = ck["state"], ck["before"], ck.get("train_seconds", 0.0)
+        print(f"[specdec] resuming from step {st_now['step']} ({ckpt_path})", file=sys.stderr)
     if before is None:
         before = ds.held_out_acceptance(student, held)
-    bar = tqdm(total=cfg.steps, initial=state["step"] if state else 0, desc=f"distill ({cfg.loss})", unit="step")
+    bar = tqdm(total=cfg.steps, initial=st_now["step"] if st_now else 0, desc=f"distill ({cfg.loss})", unit="step")
+    run_started = time.perf_counter()
 
     def save(st: dict) -> None:
-        tmp = ckpt_path.with_suffix(".tmp")
-        torch.save({"key": key, "cfg": ds.config_dict(cfg), "source": str(source), "student": student.state_dict(),
-                    "state": st, "before": before}, tmp)
-        tmp.replace(ckpt_path)
+        spent = train_s + time.perf_counter() - run_started  # training time across resumed runs
+        state.save({"key": key, "cfg": ds.config_dict(cfg), "source": str(source), "student": student.state_dict(),
+                    "state": st, "before": before, "train_seconds": spent}, ckpt_path)
+
+    last: list[dict] = []
 
     def on_step(step: int, loss: float, st: dict) -> None:
         bar.update(1)
         bar.set_postfix_str(f"loss {loss:.4f}")
+        last[:] = [st]
         if step % 25 == 0 or step == cfg.steps:
             save(st)
 
     max_s = args.max_minutes * 60 if args.max_minutes else None
-    losses = ds.train(student, train_data, cfg, state=state, on_step=on_step, max_seconds=max_s)
+    losses = ds.train(student, train_data, cfg, state=st_now, on_step=on_step, max_seconds=max_s)
     bar.close()
-    ck = torch.load(ckpt_path, weights_only=False) if ckpt_path.is_file() else None
+    if last and last[0]["step"] < cfg.steps:  # paused by --max-minutes between two checkpoints: keep the steps
+        save(last[0])
+    ck = state.load(ckpt_path)
     done = ck is not None and ck["state"]["step"] >= cfg.steps
     step = ck["state"]["step"] if ck is not None else 0
+    train_s = ck.get("train_seconds", 0.0) if ck is not None else 0.0
     report_path = out / "report.json"
-    prior = json.loads(report_path.read_text()) if report_path.is_file() else {}
-    train_s = prior.get("train_seconds", 0.0) + (time.perf_counter() - t0)
     report = {"finished": done, "steps": step, "train_seconds": round(train_s, 1), "held_out_before": before,
               "last_losses": [round(x, 4) for x in losses[-20:]]}
     if done:
@@ -731,7 +760,7 @@ def _distill(args: argparse.Namespace) -> int:
                 "steps": step, "train_seconds": round(train_s, 1), "machine": platform.processor() or platform.machine(),
                 "command": _distill_command(args), "held_out_before": before, "held_out_after": after}
         ds.save_draft(student, Path(source), out / "draft", card)
-    report_path.write_text(json.dumps(report, indent=1) + "\n")
+    state.write_text(report_path, json.dumps(report, indent=1) + "\n")
     if done:
         b, a = before["all"], report["held_out_after"]["all"]
         print(f"[specdec] {out / 'draft'}: held-out greedy agreement {b['greedy']:.3f} -> {a['greedy']:.3f}, "

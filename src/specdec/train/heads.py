@@ -20,6 +20,7 @@ from __future__ import annotations
 
 import json
 import random
+import sys
 import time
 from dataclasses import asdict, dataclass, replace
 from pathlib import Path
@@ -31,6 +32,7 @@ from torch import Tensor, nn
 
 from specdec.heads.modules import MTP, Eagle, HeadConfig, Medusa, build, frozen_head_rows, rope_tables, save_head, ttt_mask
 from specdec.models.registry import read_config
+from specdec.train import state
 from specdec.train.common import length_batches, warmup_cosine
 from specdec.train.data import Shard, load_shards
 
@@ -304,8 +306,13 @@ def train(
     train_idx = [i for i in range(len(data.tokens)) if i % 20 != 0]
     out.mkdir(parents=True, exist_ok=True)
     ckpt_path = out / "ckpt.pt"
-    ckpt = torch.load(ckpt_path, weights_only=False) if ckpt_path.is_file() else None
+    ckpt = state.load(ckpt_path)
+    # what the checkpoint must have been made with to be continued (a larger --steps extends it;
+    # how often it evaluates and saves changes nothing learnt)
+    run_key = {**{k: v for k, v in asdict(cfg).items() if k not in ("steps", "eval_every", "ckpt_every")},
+               "data": data_cfg, "target": target.name}
     if ckpt is not None:
+        state.check_resume(ckpt_path, {**ckpt.get("train", {}), **ckpt.get("run", {})}, run_key)
         d2t = ckpt["d2t"]
         hcfg = HeadConfig.from_json(ckpt["head_config"])
     else:
@@ -325,16 +332,16 @@ def train(
         model.load_state_dict(ckpt["model"])
         opt.load_state_dict(ckpt["opt"])
         step, seconds, epoch, cursor, history = ckpt["step"], ckpt["seconds"], ckpt["epoch"], ckpt["cursor"], ckpt["history"]
+        print(f"[specdec] resuming from step {step} ({ckpt_path})", file=sys.stderr)
     model.train()
 
     def schedule(s: int) -> float:
         return warmup_cosine(s, cfg.steps, cfg.warmup)
 
     def save_ckpt() -> None:
-        tmp = ckpt_path.with_suffix(".tmp")
-        torch.save({"model": model.state_dict(), "opt": opt.state_dict(), "step": step, "seconds": seconds, "epoch": epoch,
-                    "cursor": cursor, "history": history, "d2t": d2t, "head_config": hcfg.to_json(), "train": asdict(cfg)}, tmp)
-        tmp.replace(ckpt_path)
+        state.save({"model": model.state_dict(), "opt": opt.state_dict(), "step": step, "seconds": seconds, "epoch": epoch,
+                    "cursor": cursor, "history": history, "d2t": d2t, "head_config": hcfg.to_json(), "train": asdict(cfg),
+                    "run": run_key}, ckpt_path)
 
     started = time.perf_counter()
     order = batches(data, train_idx, cfg.batch_tokens, random.Random(cfg.seed + epoch))
@@ -385,8 +392,8 @@ def train(
     report["held_out"]["chain_tokens_per_call_t1_estimate"] = expected_tokens_per_call(rates1)
     save_head(model, out)
     report["history"] = history
-    (out / "report.json").write_text(json.dumps(report, indent=1))
-    (out / "README.md").write_text(model_card(report))
+    state.write_text(out / "report.json", json.dumps(report, indent=1))
+    state.write_text(out / "README.md", model_card(report))
     return report
 
 

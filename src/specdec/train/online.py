@@ -54,7 +54,13 @@ from specdec.drafters.fed import NULL as FED_NULL
 from specdec.drafters.fed import PROJ as FED_PROJ
 from specdec.drafters.fed import fed_input  # the features' layout, shared with the drafter
 from specdec.models.registry import read_config
+from specdec.train import state
 from specdec.train.common import length_batches, split, warmup_cosine
+
+
+#: settings a run may change between its resumed parts (how long, in steps or seconds; how many
+#: sequences a generation pass holds; how often it saves): every other one must match the folder's run
+RESUMABLE = ("steps", "train_seconds", "gen_seconds", "gen_batch", "ckpt_every", "bf16")
 
 
 @dataclass(frozen=True)
@@ -347,7 +353,7 @@ def generate_all(shape: Shape, w: dict[str, Tensor], prompts: dict, cfg: OnlineC
     out: list[Sequence] = []
     spent, tokens = 0.0, 0
     if partial is not None and partial.exists():
-        st = torch.load(partial, weights_only=False)
+        st = state.load(partial)
         out, spent = [Sequence(**x) for x in st["sequences"]], st["seconds"]
         gen.set_state(st["gen"])
         tokens = sum(len(x.tokens) - x.prompt_len for x in out)
@@ -632,7 +638,7 @@ def train(shape_t: Shape, wt: dict[str, Tensor], students: list[Student], data: 
         h.losses = []
     step, total, epoch, tokens, batch_tokens = 0, cfg.steps, 0, 0, cfg.batch_tokens
     if ckpt is not None and ckpt.exists():
-        st = torch.load(ckpt, weights_only=False, map_location=dev)
+        st = state.load(ckpt, map_location=dev)
         for s in students:
             with torch.no_grad():
                 for k, t in s.w.items():
@@ -644,10 +650,15 @@ def train(shape_t: Shape, wt: dict[str, Tensor], students: list[Student], data: 
             h.opt.load_state_dict(st["heads"][h.name]["optim"])
             h.losses = st["heads"][h.name]["losses"]
         step, total, epoch, tokens, batch_tokens = st["step"], st["total"], st["epoch"], st["tokens"], st["batch_tokens"]
+        earlier_s = st.get("seconds", 0.0)
+        if cfg.steps and cfg.steps != total:  # --steps names the run's length: a larger one continues it
+            log(f"train: {cfg.steps} steps asked for, the checkpoint planned {total}: going to {max(cfg.steps, step)}")
+            total = max(cfg.steps, step)
         order: list[list[int]] = st["order"]
         log(f"resumed at step {step} of {total}")
     else:
         order = []
+        earlier_s = 0.0
     t0 = time.perf_counter()
     warm_t = 0.0
     while total == 0 or step < total:
@@ -714,7 +725,7 @@ def train(shape_t: Shape, wt: dict[str, Tensor], students: list[Student], data: 
                         "heads": {h.name: {"model": h.model.state_dict(), "optim": h.opt.state_dict(), "losses": h.losses}
                                   for h in hs},
                         "step": step, "total": total, "epoch": epoch, "tokens": tokens, "batch_tokens": batch_tokens,
-                        "order": order}, tmp)
+                        "order": order, "seconds": earlier_s + time.perf_counter() - t0}, tmp)
             tmp.replace(ckpt)
         if paused:
             log(f"train: paused at step {step} of {total}")
@@ -725,8 +736,9 @@ def train(shape_t: Shape, wt: dict[str, Tensor], students: list[Student], data: 
         s.opt = None
     for h in hs:
         h.opt = None
-    return {"finished": step == total, "steps": step, "seconds": round(time.perf_counter() - t0, 1), "tokens": tokens,
-            "batch_tokens": batch_tokens}
+    # seconds: training time across resumed runs (the card's wall time)
+    return {"finished": step == total, "steps": step, "seconds": round(earlier_s + time.perf_counter() - t0, 1),
+            "tokens": tokens, "batch_tokens": batch_tokens}
 
 
 # ----------------------------------------------------------------------------- bundle and run
@@ -786,10 +798,19 @@ def run(gguf: Path, target_config: dict, draft: Path, prompts: dict, cfg: Online
     ws = {k: v.to(device) for k, v in ws.items()}
     log(f"loaded target ({shape_t.layers} layers) and draft ({shape_s.layers} layers) in {time.perf_counter() - t_start:.0f} s")
 
+    # a folder holds one run: its data, checkpoint and models are of these settings (a larger
+    # --steps, or another time budget, continues it; anything else is refused, not mixed in)
+    run_key = {**{k: v for k, v in asdict(cfg).items() if k not in RESUMABLE}, "target_sha256": sha256(gguf),
+               "draft_sha256": sha256(draft / "model.safetensors")}
+    saved_key = state.load_json(out / "run.json")
+    if saved_key is not None:
+        state.check_resume(out / "run.json", saved_key, run_key, restart=f"give another --out (or empty {out})")
+    else:
+        state.write_text(out / "run.json", json.dumps(run_key, indent=1) + "\n")
     data_path = out / "data.pt"
     t_gen = time.perf_counter()
     if data_path.exists():
-        data = [Sequence(**x) for x in torch.load(data_path, weights_only=False)]
+        data = [Sequence(**x) for x in state.load(data_path)]
         gen_seconds = None
         log(f"loaded {len(data)} sequences from {data_path}")
     else:
@@ -889,16 +910,16 @@ def _make_heads(shape_t: Shape, wt: dict[str, Tensor], data: list[Sequence], tra
     from specdec.train.heads import reply_counts, top_tokens
 
     counts = reply_counts(((torch.tensor(data[i].tokens), data[i].prompt_len) for i in train_idx), shape_t.vocab)
-    torch.save(counts, out / "token_counts.pt")
+    state.save(counts, out / "token_counts.pt")
     d2t = top_tokens(counts, cfg.head_vocab, tuple(prompts["eos"]))
     init: dict[str, dict[str, Tensor]] = {}
     if cfg.init_heads:  # a continued head keeps its draft vocabulary, whatever the new data's counts
         from safetensors.torch import load_file
 
         for kind in cfg.heads:
-            state = init[kind] = load_file(str(Path(cfg.init_heads) / kind / "model.safetensors"))
-            if state["d2t"].numel() != cfg.head_vocab:
-                raise ValueError(f"{cfg.init_heads}/{kind}: its draft vocabulary has {state['d2t'].numel()} tokens,"
+            weights = init[kind] = load_file(str(Path(cfg.init_heads) / kind / "model.safetensors"))
+            if weights["d2t"].numel() != cfg.head_vocab:
+                raise ValueError(f"{cfg.init_heads}/{kind}: its draft vocabulary has {weights['d2t'].numel()} tokens,"
                                  f" not --head-vocab {cfg.head_vocab}")
     dev = wt["model.norm.weight"].device
     taps = default_taps(shape_t.layers)

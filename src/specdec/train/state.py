@@ -1,0 +1,89 @@
+"""Saved training state: checkpoints and caches a rerun resumes from.
+
+Every training command resumes after an interruption by reading what it saved beside its output.
+Three rules keep that honest:
+
+* a state file is written whole or not at all (a temporary file, then a rename), so a Ctrl-C in
+  the middle of a write never leaves a cut-short file behind;
+* a file that cannot be read (cut short by a crash elsewhere, or not this command's) is a one-line
+  error naming it, not a traceback from deep inside torch or json;
+* a state made with other settings is not resumed in silence: :func:`check_resume` names the first
+  setting that differs and how to go on.  The step count is the exception: a larger ``--steps``
+  continues a run (the commands' help says steps count across resumed runs).
+"""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from specdec.errors import ConfigError
+
+
+def _unreadable(path: Path, exc: Exception) -> ConfigError:
+    detail = (str(exc).strip().splitlines() or [type(exc).__name__])[0][:200]
+    return ConfigError(f"{path} cannot be read ({type(exc).__name__}: {detail}); it was cut short or is not this"
+                       " command's: delete it to redo that part")
+
+
+def load(path: Path, *, map_location: Any = None) -> Any | None:
+    """The torch object saved at ``path``, None where there is no file, or a one-line ConfigError."""
+    if not path.is_file():
+        return None
+    try:
+        return torch.load(path, weights_only=False, map_location=map_location)
+    except Exception as exc:  # noqa: BLE001 - any failure to unpickle is a damaged file here
+        raise _unreadable(path, exc) from None
+
+
+def load_json(path: Path) -> dict | None:
+    """The JSON object at ``path``, None where there is no file, or a one-line ConfigError."""
+    if not path.is_file():
+        return None
+    try:
+        value = json.loads(path.read_text(encoding="utf-8"))
+    except (OSError, ValueError) as exc:
+        raise _unreadable(path, exc) from None
+    if not isinstance(value, dict):
+        raise _unreadable(path, ValueError("not a JSON object"))
+    return value
+
+
+def save(obj: Any, path: Path) -> None:
+    """``torch.save`` whole or not at all."""
+    tmp = path.with_name(path.name + ".tmp")
+    torch.save(obj, tmp)
+    tmp.replace(path)
+
+
+def write_text(path: Path, text: str) -> None:
+    """A text file written whole or not at all."""
+    tmp = path.with_name(path.name + ".tmp")
+    tmp.write_text(text, encoding="utf-8")
+    tmp.replace(path)
+
+
+def check_resume(path: Path, saved: dict, wanted: dict, *, restart: str | None = None) -> None:
+    """Refuse to resume the state at ``path`` where a setting in ``wanted`` differs from the one it
+    was saved with (``saved``; settings it did not record are not compared).  ``restart``: how to
+    start over instead (default: another --out, or deleting the file)."""
+    for key in sorted(set(saved) & set(wanted)):
+        if _plain(saved[key]) != _plain(wanted[key]):
+            raise ConfigError(
+                f"{path} was saved by a run with {key} = {_show(saved[key])}, this one asks for {_show(wanted[key])}:"
+                " rerun with the same settings to resume it (a larger --steps continues it), or "
+                + (restart or f"give another --out (or delete {path.name})") + " to start over"
+            )
+
+
+def _plain(value: Any) -> Any:
+    """``value`` as JSON would hold it (tuples as lists), so a setting read back compares equal."""
+    return json.loads(json.dumps(value, default=str))
+
+
+def _show(value: Any) -> str:
+    text = json.dumps(_plain(value))
+    return text if len(text) <= 80 else text[:77] + "..."
