@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import os
 import subprocess
 import sys
 
@@ -295,6 +296,18 @@ def test_a_reader_that_stops_reading_ends_generation_quietly():
     proc.stdout.close()
     err = proc.stderr.read().decode()
     assert proc.wait(timeout=120) == 141 and "Traceback" not in err, err
+
+
+@pytest.mark.skipif(not os.path.exists("/dev/full"), reason="needs /dev/full (Linux)")
+def test_a_full_disk_under_stdout_is_one_line():
+    """``specdec models > /dev/full``: the write fails with ENOSPC; one line and status 1, where it
+    printed an OSError traceback."""
+    with open("/dev/full", "w") as full:
+        proc = subprocess.run([sys.executable, "-m", "specdec.cli", "models"], stdout=full, stderr=subprocess.PIPE,
+                              timeout=120)
+    err = proc.stderr.decode()
+    assert proc.returncode == 1 and "Traceback" not in err, err
+    assert err.strip() == "specdec: error: cannot write the output: No space left on device"
 
 
 def test_plain_decoding_summary_says_plain(capsys, tiny_pair):

@@ -7,6 +7,7 @@ print one line ``specdec: error: ...`` to stderr and exit with status 2, never a
 from __future__ import annotations
 
 import argparse
+import errno
 import json
 import os
 import sys
@@ -793,11 +794,27 @@ def main(argv: Sequence[str] | None = None) -> int:
         print("\nspecdec: interrupted", file=sys.stderr)
         return 130
     except BrokenPipeError:  # the reader of stdout went away (`specdec generate ... | head`): stop quietly
-        # what is still buffered for the closed pipe would fail again when Python flushes at exit
-        devnull = os.open(os.devnull, os.O_WRONLY)
-        os.dup2(devnull, sys.stdout.fileno())
-        os.close(devnull)
+        _quiet_stdout()
         return 141  # 128 + SIGPIPE, what a shell reports for a writer whose pipe closed
+    except OSError as exc:
+        if exc.errno not in (errno.ENOSPC, errno.EDQUOT):  # anything else is not the user's disk: a traceback
+            raise
+        where = f" {exc.filename}" if exc.filename else " the output"
+        print(f"specdec: error: cannot write{where}: {exc.strerror}", file=sys.stderr)
+        _quiet_stdout()
+        return 1
+
+
+def _quiet_stdout() -> None:
+    """Point stdout at /dev/null: what is still buffered for a stdout that failed (a closed pipe, a
+    full disk) would fail again when Python flushes at exit, with a second message."""
+    try:
+        sys.stdout.flush()
+    except OSError:
+        pass
+    devnull = os.open(os.devnull, os.O_WRONLY)
+    os.dup2(devnull, sys.stdout.fileno())
+    os.close(devnull)
 
 
 if __name__ == "__main__":
