@@ -158,8 +158,8 @@ def test_the_prompt_as_a_plain_argument(capsys, tiny_pair):
 def test_setup_refuses_a_drafter_name(capsys):
     code, _, err = _run(capsys, "setup", "layerskip:4")
     assert code == 2 and "needs no setup" in _one_error_line(err)
-    code, _, err = _run(capsys, "setup", "smollm2-135m-eagle3")  # a shipped head: was "unknown model"
-    assert code == 2 and "draft head shipped in the package: it needs no setup" in _one_error_line(err)
+    code, _, err = _run(capsys, "setup", "smollm2-135m-eagle3")  # a registry head: was "unknown model"
+    assert code == 2 and "is a draft head, not a model: it needs no setup" in _one_error_line(err)
 
 
 @pytest.mark.parametrize("argv, names", [
@@ -275,6 +275,8 @@ def test_models_lists_registry(capsys):
     code, out, _ = _run(capsys, "models", "--json")
     names = {row["name"] for row in json.loads(out)}
     assert {"smollm2-135m", "smollm2-135m-draft", "qwen2.5-coder-1.5b", "qwen2.5-coder-0.5b"} <= names
+    # the drafters without a model of their own, which the command's help promises (they were missing)
+    assert {"ngram", "lookahead", "none", "layerskip:K", "self-skip", "swift", "kangaroo"} <= names
 
 
 def test_real_process_exit_code_and_no_traceback():

@@ -145,7 +145,19 @@ def describe_families() -> list[dict[str, Any]]:
          f"K layers' keys/values (adapter shipped for: {kangaroo_shipped}; kangaroo:FILE from `specdec train kangaroo`). "
          "Extra memory: the adapter's weights and a (K+1)-layer KV cache" + head, "default_draft": None,
          "install": "none: a view of the target (native backend) plus an adapter file", "license": "", "status": "bundled"},
+        *({"name": name, "description": text, "default_draft": None, "install": "none: no weights", "license": "",
+           "status": "bundled"} for name, text in MODEL_FREE_ROWS),
     ]
+
+
+#: ``specdec models`` rows of the drafters that need no model at all
+MODEL_FREE_ROWS = (
+    ("ngram", "prompt lookup: continuations of the text's own earlier n-grams (the prompt and what was generated);"
+              " free where the text repeats itself, as code does; NAME+lookup puts it in front of a draft model"),
+    ("lookahead", "Lookahead decoding: a Jacobi window of the target's own parallel guesses feeding an n-gram pool,"
+                  " verified as a tree in the same pass (best with --tree N)"),
+    ("none", "plain decoding: the target alone, one token a pass"),
+)
 
 
 def describe_heads(folder: Path = DATA_DIR) -> list[dict[str, Any]]:

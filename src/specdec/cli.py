@@ -706,8 +706,8 @@ def _cmd_setup(args: argparse.Namespace) -> int:
         if kind not in REGISTRY and (kind in NON_MODEL_DRAFTS or parse_self_spec(kind) is not None):
             raise SpecdecError(f"{name!r} is a drafter, not a model: it needs no setup (set up the target it runs on)")
         if kind in HEADS:
-            raise SpecdecError(f"{name!r} is a draft head shipped in the package: it needs no setup"
-                               " (set up the target it reads, e.g. `specdec setup smollm2-135m`)")
+            raise SpecdecError(f"{name!r} is a draft head, not a model: it needs no setup (heads are trained with"
+                               " `specdec train eagle|medusa|mtp`; set up the target it reads: `specdec setup smollm2-135m`)")
         print(f"[specdec] preparing {name} ...", file=sys.stderr, flush=True)
         resolved = resolve(name)
         if resolved.folder is not None:  # what a load will read: a damaged folder is not "ready"
