@@ -288,6 +288,8 @@ def test_a_windowed_model_runs_natively_to_its_full_context(tmp_path):
     ({"backend": "bogus"}, "unknown backend 'bogus'; choose auto, native or hf"),  # was an int8 message
     ({"batch_invariant": "yes"}, "batch_invariant must be True or False"),
     ({"chat_template": b"x"}, "chat_template must be a string, got bytes"),
+    ({"chat_template": "{% for m in messages %}{{ m.content }}"}, "the chat template does not compile"),  # was: at the first chat
+    ({"chat_template": " "}, "the chat template is empty"),  # was: "this model has no chat template"
 ])
 def test_engine_config_refuses_values_of_the_wrong_kind(kwargs, says):
     with pytest.raises(ConfigError, match=re.escape(says)):

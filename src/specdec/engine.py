@@ -99,8 +99,12 @@ class EngineConfig:
             raise ConfigError(f"unknown backend {self.backend!r}; choose auto, native or hf")
         if not isinstance(self.batch_invariant, bool):
             raise ConfigError(f"batch_invariant must be True or False, got {self.batch_invariant!r}")
-        if self.chat_template is not None and not isinstance(self.chat_template, str):
-            raise ConfigError(f"chat_template must be a string, got {type(self.chat_template).__name__}")
+        if self.chat_template is not None:
+            if not isinstance(self.chat_template, str):
+                raise ConfigError(f"chat_template must be a string, got {type(self.chat_template).__name__}")
+            from specdec.tokenizer import check_chat_template
+
+            check_chat_template(self.chat_template)  # a broken one failed only at the first chat
 
 
 #: --kv-dtype's choices

@@ -484,6 +484,16 @@ def read_chat_template(value: str) -> str:
             raise ConfigError(f"cannot read the chat template {value}: {exc}") from None
     else:
         raise ConfigError(f"--chat-template: {value!r} is neither a file nor a Jinja template (no '{{{{' or '{{%')")
+    return check_chat_template(text)
+
+
+def check_chat_template(text: str) -> str:
+    """``text`` if it compiles as a chat template (in the sandbox conversations render in), else a
+    one-line ConfigError: a broken template fails when it is given, not at the first chat."""
+    from specdec.errors import ConfigError
+
+    if not text.strip():
+        raise ConfigError("the chat template is empty")
     import jinja2
 
     try:
@@ -508,4 +518,4 @@ def hf_tokenizer(tokenizer: Any) -> Any:
 
 
 __all__ = ["FastTokenizer", "PLAIN_KEYS", "REBUILT", "TokenBytes", "hf_tokenizer", "parsed", "plain_config",
-           "read_chat_template", "set_chat_template"]
+           "check_chat_template", "read_chat_template", "set_chat_template"]
