@@ -97,8 +97,6 @@ def _check_filter(args: argparse.Namespace) -> None:
     bad = [t for t in args.allowed_token_ids if t < 0]
     if bad:
         raise SpecdecError(f"--allowed-token-id must be >= 0, got {bad[0]}")
-    if any(not stop for stop in args.stop):
-        raise SpecdecError("--stop needs a non-empty string (an empty one would stop before any text)")
     for word in args.bad_words:
         _text_arg(word, "--bad-word")
         if not word.strip():
@@ -178,6 +176,8 @@ def _text_arg(text: str, what: str) -> str:
 
 
 def _sampling_from(args: argparse.Namespace) -> SamplingConfig:
+    if any(not stop for stop in args.stop or ()):
+        raise SpecdecError("--stop needs a non-empty string (an empty one would stop before any text)")
     from specdec.sampling import PRESETS, SamplingConfig, with_overrides
 
     base = PRESETS[args.preset] if args.preset else SamplingConfig(temperature=0.0)

@@ -109,7 +109,8 @@ class GrammarConstraint:
     def _probe(self, vocab_size: int) -> None:
         """Walk a copy of the matcher :data:`defaults.GRAMMAR_PROBE_TOKENS` tokens ahead, taking the
         first token each step allows, and refuse the grammar where the matcher gives up on the way
-        (e.g. ``(a{1000}){1000}``: its lexer runs out of budget on the first token).  A grammar
+        (e.g. ``(a{1000}){1000}``: its lexer runs out of budget on the first token; or a grammar
+        that allows a token it then refuses, as text tags do where the tokenizer has them as tokens).  A grammar
         that gives up only further on is still refused then, mid-generation; this only moves the
         common case, one that fails at once, before any text is produced."""
         from specdec import defaults
@@ -126,8 +127,10 @@ class GrammarConstraint:
             if allowed.numel() == 0 or not matcher.consume_token(int(allowed[0])):
                 break
         if matcher.is_error():
-            raise ConfigError(f"the grammar is too complex for the matcher ({_first_line(matcher.get_error())});"
-                              " simplify it (smaller repetition counts, fewer nested alternatives)")
+            why = _first_line(matcher.get_error())
+            hint = ("; simplify it (smaller repetition counts, fewer nested alternatives)" if "lexer" in why.lower()
+                    else "")
+            raise ConfigError(f"the grammar cannot be followed: its matcher fails on a token it allows ({why}){hint}")
 
     def _sync(self, generated: Sequence[int]) -> None:
         k = 0

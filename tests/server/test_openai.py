@@ -805,6 +805,6 @@ def test_vllm_guided_decoding_fields(client):
                           ({"guided_regex": "a", "response_format": {"type": "json_object"}}, "response_format and guided_regex"),
                           ({"guided_choice": []}, "non-empty strings"), ({"guided_choice": ["a", ""]}, "non-empty strings"),
                           ({"guided_json": "{bad"}, "invalid guided_json"), ({"guided_json": "[1]"}, "a JSON Schema"),
-                          ({"guided_regex": "("}, "invalid"), ({"guided_regex": "(a{1000}){1000}"}, "too complex for the matcher"), ({"guided_grammar": 'root ::= "yes"'}, "invalid grammar"), ({"structured_outputs": {"structural_tag": "x"}}, "structural_tag")):
+                          ({"guided_regex": "("}, "invalid"), ({"guided_regex": "(a{1000}){1000}"}, "the grammar cannot be followed"), ({"guided_grammar": 'root ::= "yes"'}, "invalid grammar"), ({"structured_outputs": {"structural_tag": "x"}}, "structural_tag")):
         with pytest.raises(openai.BadRequestError, match=message):
             client.completions.create(model=MODEL, prompt=prompt, max_tokens=4, extra_body=body)
