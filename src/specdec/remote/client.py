@@ -26,6 +26,8 @@ Lossy options (off by default, counted as unverified tokens in every stat):
 from __future__ import annotations
 
 import json
+import math
+import re
 import threading
 import time
 from dataclasses import dataclass, field
@@ -161,10 +163,47 @@ def _head_bytes_response(resp: httpx.Response) -> int:
 
 
 def _error_message(resp: httpx.Response) -> str:
+    """The server's error message, made safe to print: on one line, without control characters (a
+    message holding terminal escapes could rewrite the line it is printed on) or HTML tags, short."""
     try:
-        return str(resp.json()["error"]["message"])
+        text = str(resp.json()["error"]["message"])
     except Exception:  # noqa: BLE001 - not our server, or not JSON
-        return resp.text[:200] or resp.reason_phrase
+        text = re.sub(r"<[^>]*>", " ", resp.text[:2000])
+    text = " ".join(re.sub(r"[\x00-\x1f\x7f-\x9f]", " ", text).split())
+    return (text[:297] + "...") if len(text) > 300 else text or resp.reason_phrase
+
+
+#: the largest reply body the edge reads (a verdict is a few kilobytes; logprobs add a few more)
+MAX_REPLY_BYTES = 64 << 20
+
+
+def _reply(resp: httpx.Response, what: str) -> dict[str, Any]:
+    """A 200 reply's JSON object, or a RemoteError saying it is not one."""
+    try:
+        data = resp.json()
+    except ValueError:
+        raise RemoteError(f"the server's reply to {what} is not JSON ({len(resp.content)} bytes)") from None
+    if not isinstance(data, dict):
+        raise RemoteError(f"the server's reply to {what} is not a JSON object")
+    return data
+
+
+def _whole(data: dict[str, Any], key: str, what: str, lo: int = 0, hi: int = 1 << 62) -> int:
+    """``data[key]`` as a JSON integer in [lo, hi] (not a bool, a float or a numeric string, which
+    ``int()`` would have turned into some integer), or a RemoteError naming it."""
+    value = data.get(key)
+    if isinstance(value, bool) or not isinstance(value, int) or not lo <= value <= hi:
+        raise RemoteError(f"the server's reply to {what} has a bad {key!r}: {json.dumps(value)[:80]}")
+    return value
+
+
+def _millis(data: dict[str, Any], key: str, what: str) -> float:
+    """A timing figure of a reply (0 when absent): a finite number >= 0, or a RemoteError (a NaN one
+    made the edge's --json output invalid JSON)."""
+    value = data.get(key, 0.0)
+    if isinstance(value, bool) or not isinstance(value, (int, float)) or not 0.0 <= value < float("inf"):
+        raise RemoteError(f"the server's reply to {what} has a bad {key!r}: {json.dumps(value)[:80]}")
+    return float(value)
 
 
 def derived_seed(seed: int, committed: int) -> int:
@@ -228,9 +267,13 @@ class RemoteVerifier:
         floor_ids: frozenset[int] = frozenset(),
         logprobs: int | None = None,
         vocab_digest: str | None = None,
+        edge_vocab: int | None = None,
     ) -> None:
         """``vocab_digest``: the edge tokenizer's :func:`specdec.tokenizer.vocab_digest`; the server
-        refuses the session when its own tokenizer's differs (None: not checked)."""
+        refuses the session when its own tokenizer's differs (None: not checked).  ``edge_vocab``:
+        the ids the edge can draft and decode (its draft model's vocabulary, else its tokenizer's);
+        a token the server sends past it is an error (None: the server's vocabulary bounds them)."""
+        self.edge_vocab = edge_vocab
         if sampling.seed is None:
             raise ConfigError("a remote session needs a fixed seed (the edge and the cloud must share it)")
         self.cfg = cfg
@@ -359,7 +402,7 @@ class RemoteVerifier:
                 continue
             status = resp.status_code
             if status == 200:
-                return self._apply(resp.json(), drafted, started, parents)
+                return self._apply(_reply(resp, f"round {self._seq}"), drafted, started, parents)
             if status == 404 and self._session is not None:
                 lost += 1
                 if lost > 3:
@@ -403,7 +446,23 @@ class RemoteVerifier:
                                        timeout=limits)
         self.stats.bytes_up += len(body)
         self.stats.wire_bytes_up += _head_bytes_request(req) + len(body)
-        resp = self._http.send(req)
+        # httpx's read timeout bounds each read, not the reply: a server that drips a byte a second
+        # never hit it, and --remote-timeout did not hold. The body is read against one deadline.
+        deadline = time.perf_counter() + timeout
+        resp = self._http.send(req, stream=True)
+        try:
+            chunks, size = [], 0
+            for chunk in resp.iter_bytes():
+                chunks.append(chunk)
+                size += len(chunk)
+                if size > MAX_REPLY_BYTES:
+                    raise RemoteError(f"the server's reply is larger than {MAX_REPLY_BYTES >> 20} MiB")
+                if time.perf_counter() > deadline:
+                    raise httpx.ReadTimeout(f"the reply took longer than {timeout:.3g} s", request=req)
+        finally:
+            resp.close()
+        headers = [(k, v) for k, v in resp.headers.raw if k.lower() not in (b"content-encoding", b"transfer-encoding")]
+        resp = httpx.Response(resp.status_code, headers=headers, content=b"".join(chunks), request=req)
         self.stats.bytes_down += len(resp.content)
         self.stats.wire_bytes_down += _head_bytes_response(resp) + len(resp.content)
         return resp
@@ -480,22 +539,48 @@ class RemoteVerifier:
                 self._wait(attempts, started, RemoteError(f"HTTP {resp.status_code}"))
                 continue
             raise RemoteError(f"the server refused the session: HTTP {resp.status_code}: {_error_message(resp)}")
-        data = resp.json()
+        what = "the session's creation"
+        data = _reply(resp, what)
         if data.get("prompt_ids") != self._prompt:
             raise RemoteError("the server's session does not hold the prompt the edge sent")
-        self._session = str(data["session_id"])
+        sid = data.get("session_id")
+        if not isinstance(sid, str) or not 0 < len(sid) <= 256 or not sid.isprintable() or "/" in sid:
+            raise RemoteError(f"the server's reply to {what} has a bad 'session_id': {json.dumps(sid)[:80]}")
+        # the session must be the one asked for: its rule decides exactness (a lossy one the edge did
+        # not ask for was reported lossless), its seed reproducibility
+        if _whole(data, "seed", what) != seed:
+            raise RemoteError(f"the server's session samples with seed {data['seed']}, not the {seed} the edge sent")
+        try:
+            same_rule = data.get("wire") == self.wire and get_rule(str(data.get("method"))).name == self.rule.name
+        except (ValueError, SpecdecError):
+            same_rule = False
+        if not same_rule or data.get("lossless") is not self.rule.lossless:
+            raise RemoteError(f"the server's session verifies with wire {data.get('wire')!r} and rule"
+                              f" {data.get('method')!r} (lossless: {data.get('lossless')!r}), not the {self.wire} /"
+                              f" {self.rule.name} the edge asked for")
+        vocab = _whole(data, "vocab_size", what, lo=1)
+        max_context = _whole(data, "max_context", what, lo=1)
+        max_gamma = _whole(data, "max_gamma", what, lo=1)
+        max_length = _whole(data, "max_length", what, lo=len(self._prompt) + len(committed) + 1, hi=1 << 24)
+        prefill_ms = _millis(data, "prefill_ms", what)
+        cached = data.get("cached_prompt_tokens", 0)
+        cached = _whole(data, "cached_prompt_tokens", what) if cached else 0
+        self._session = sid
         self._seq = 0
         self._pending = []
         self.stats.session_creates += 1
-        self.stats.session_prefill_ms += float(data.get("prefill_ms", 0.0))
-        self.stats.session_cached_tokens += int(data.get("cached_prompt_tokens", 0))
+        self.stats.session_prefill_ms += prefill_ms
+        self.stats.session_cached_tokens += cached
         if not resume:
-            self.vocab_size = int(data["vocab_size"])
-            self.max_context = int(data["max_context"])
-            self.server_max_gamma = int(data["max_gamma"])
-            self.seed = int(data["seed"])
-            self.model_name = str(data.get("model", "remote"))
-            self._max_length = int(data["max_length"])
+            self.vocab_size = vocab
+            # ids the edge accepts: inside the server's vocabulary and its own (an id past the edge's
+            # was printed as no text, or failed in the draft's embedding)
+            self._token_bound = min(vocab, self.edge_vocab) if self.edge_vocab is not None else vocab
+            self.max_context = max_context
+            self.server_max_gamma = max_gamma
+            self.seed = seed
+            self.model_name = str(data.get("model", "remote"))[:256]
+            self._max_length = max_length
             self._ctx = torch.empty(self._max_length, dtype=torch.long)
             self._ctx[: len(self._prompt)] = torch.tensor(self._prompt, dtype=torch.long)
             self._n = len(self._prompt)
@@ -540,11 +625,19 @@ class RemoteVerifier:
         self._n += k
 
     def _apply(self, data: dict[str, Any], drafted: list[int], started: float, parents: list[int] | None = None) -> Outcome:
-        n, tokens = int(data["num_accepted"]), [int(t) for t in data["tokens"]]
+        what = f"round {self._seq}"
+        n = _whole(data, "num_accepted", what, hi=len(drafted))  # a negative count looped for ever
+        raw_tokens = data.get("tokens")
+        if not isinstance(raw_tokens, list) or any(isinstance(t, bool) or not isinstance(t, int) for t in raw_tokens):
+            raise RemoteError(f"the server's reply to {what} has a bad 'tokens': {json.dumps(raw_tokens)[:80]}")
+        tokens = list(raw_tokens)
+        m = data.get("metrics", {})
+        if not isinstance(m, dict):
+            raise RemoteError(f"the server's reply to {what} has a bad 'metrics': {json.dumps(m)[:80]}")
         path: tuple[int, ...] | None = None
         if parents is not None:  # a tree: the accepted nodes must form a root path of the draft
             raw = data.get("path")
-            path = tuple(int(i) for i in raw) if isinstance(raw, list) else None
+            path = tuple(raw) if isinstance(raw, list) and all(type(i) is int for i in raw) else None
             ok = path is not None and len(path) == n and all(0 <= i < len(drafted) for i in path) and all(
                 parents[i] == (path[j - 1] if j else -1) for j, i in enumerate(path)
             )
@@ -556,37 +649,46 @@ class RemoteVerifier:
             or len(tokens) != n + 1
             or expected is None
             or tokens[:n] != expected
-            or not all(0 <= t < self.vocab_size for t in tokens)
         ):
             raise RemoteError(f"the server's verdict for round {self._seq} is inconsistent with the draft")
+        past = next((t for t in tokens if not 0 <= t < self._token_bound), None)
+        if past is not None:
+            raise RemoteError(f"the server sent token id {past} in round {self._seq}, outside the vocabulary"
+                              f" [0, {self._token_bound}) the edge decodes")
         if self.logprobs is not None:
             rows = data.get("logprobs")
             if not isinstance(rows, list) or len(rows) != len(tokens):
                 raise RemoteError(f"the server sent no log-probabilities for round {self._seq}'s {len(tokens)} tokens")
-            self.emitted_logprobs += [(float(r["logprob"]), [(int(i), float(v)) for i, v in r.get("top", [])])
-                                      for r in rows]
+            try:
+                got = [(float(r["logprob"]), [(int(i), float(v)) for i, v in r.get("top", [])]) for r in rows]
+            except (KeyError, TypeError, ValueError, AttributeError):
+                raise RemoteError(f"the server's log-probabilities for round {self._seq} are malformed") from None
+            if not all(math.isfinite(lp) and all(math.isfinite(v) for _, v in top) for lp, top in got):
+                raise RemoteError(f"the server's log-probabilities for round {self._seq} are malformed")
+            self.emitted_logprobs += got
         self._seq += 1
         self._pending = []
         self._append(tokens)
-        committed = data.get("metrics", {}).get("committed")
+        committed = m.get("committed")
         if committed is not None and committed != self._n - len(self._prompt):
             raise RemoteError(
                 f"the server's session holds {committed} committed tokens but the edge has {self._n - len(self._prompt)}"
             )
         rtt = time.perf_counter() - started
-        m = data.get("metrics", {})
+        target_ms, server_ms, verify_ms = (_millis(m, key, what) for key in ("target_ms", "server_ms", "verify_ms"))
         if parents is None:
-            self.gamma_limit = int(m.get("gamma", 0)) + 1 if m.get("capped_from") is not None else None
+            capped = m.get("capped_from") is not None
+            self.gamma_limit = _whole(m, "gamma", what, hi=1 << 16) + 1 if capped else None
         self.stats.verify_calls += 1
         self.stats.rtt_s.append(rtt)
-        self.stats.cloud_target_ms += float(m.get("target_ms", 0.0))
-        self.stats.cloud_server_ms += float(m.get("server_ms", 0.0))
+        self.stats.cloud_target_ms += target_ms
+        self.stats.cloud_server_ms += server_ms
         verdict = Verdict(num_accepted=n, tokens=torch.tensor(tokens, dtype=torch.long), path=path)
         up, down, wire_up, wire_down, retries = self._round_start
         metrics = {  # this round's figures
             "rtt_ms": rtt * 1e3,
-            "cloud_prefill_ms": float(m.get("target_ms", 0.0)),
-            "server_ms": float(m.get("server_ms", 0.0)),
+            "cloud_prefill_ms": target_ms,
+            "server_ms": server_ms,
             "bytes_up": self.stats.bytes_up - up,
             "bytes_down": self.stats.bytes_down - down,
             "wire_bytes_up": self.stats.wire_bytes_up - wire_up,
@@ -594,7 +696,7 @@ class RemoteVerifier:
             "retries": self.stats.retries - retries,
             "unverified": 0,
         }
-        return Outcome(verdict=verdict, target_s=rtt, verify_s=float(m.get("verify_ms", 0.0)) / 1e3, metrics=metrics)
+        return Outcome(verdict=verdict, target_s=rtt, verify_s=verify_ms / 1e3, metrics=metrics)
 
     def _commit_unverified(self, tokens: Tensor, started: float, reason: str) -> Outcome:  # tokens: [k]
         """Lossy: keep ``tokens`` without the cloud (the last one plays the 'next token')."""

@@ -176,7 +176,7 @@ def run_generate(args: argparse.Namespace, prompt: str, sampling: SamplingConfig
     if args.interactive:
         return _chat(args, prompt, sampling, remote, drafter, draft, dict(
             drafter_name=name, tokenizer=tokenizer, gamma=gamma, tree=tree, tree_min_prob=args.tree_min_prob,
-            eos_ids=eos, q_top_k=args.q_top_k, gate=gate, on_text=on_text))
+            eos_ids=eos, q_top_k=args.q_top_k, gate=gate, on_text=on_text, vocab_size=vocab))
     suffix = getattr(args, "suffix", None)
     if suffix is None:
         ids = encode_prompt(tokenizer, prompt, chat=args.chat, system=args.system)
@@ -187,7 +187,7 @@ def run_generate(args: argparse.Namespace, prompt: str, sampling: SamplingConfig
     out = generate_remote(
         ids, sampling, remote, drafter=drafter, drafter_name=name, tokenizer=tokenizer, gamma=gamma, tree=tree,
         tree_min_prob=args.tree_min_prob, eos_ids=eos, q_top_k=args.q_top_k, gate=gate, on_text=on_text,
-        logprobs=getattr(args, "logprobs", None),
+        logprobs=getattr(args, "logprobs", None), vocab_size=vocab,
     )
     stats = out.summary()
     if args.json:

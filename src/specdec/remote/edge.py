@@ -85,6 +85,7 @@ def generate_remote(
     on_tokens: Callable[[list[int]], None] | None = None,
     client: httpx.Client | None = None,
     logprobs: int | None = None,
+    vocab_size: int | None = None,
 ) -> EdgeResult:
     """Generate after ``prompt_ids`` with ``drafter`` here and the target behind ``remote``.
 
@@ -94,6 +95,8 @@ def generate_remote(
     A missing ``sampling.seed`` is drawn here, so the edge and the cloud share it.  ``tokenizer``
     (the edge's, which encoded ``prompt_ids``) decodes the text, and its vocabulary's digest goes
     with the session's creation: a server whose tokenizer differs refuses it before any round.
+    ``vocab_size``: the ids the edge drafts and decodes (its draft model's vocabulary; default the
+    tokenizer's length): a token id the server sends past it is an error.
     ``q_top_k`` applies to the sparse-q wire mode only.  ``tree`` (``chain``, ``auto`` or a node
     count) sends token trees: ids + parent indices (+ sparse q rows where the rule reads q); under
     ``auto`` the tree controller's measured seconds per round include the round trip, so it
@@ -120,6 +123,7 @@ def generate_remote(
         remote, prompt_ids, sampling, max_new_tokens=sampling.max_new_tokens, client=client, local_commit=local_commit,
         floor_ids=stops, logprobs=logprobs,
         vocab_digest=vocab_digest(tokenizer) if hasattr(tokenizer, "get_vocab") else None,
+        edge_vocab=vocab_size if vocab_size is not None else (len(tokenizer) if tokenizer is not None else None),
     )
     try:
         target = RemoteTarget(vocab_size=verifier.vocab_size, max_length=verifier.max_context)
