@@ -105,6 +105,12 @@ def _run(url: str, tokenizer, mode: str, budget: float = 5.0):
 def test_a_correct_server_is_followed(fake, tokenizer):
     out = _run(fake, tokenizer, "ok")
     assert out.token_ids == [5, 5, 5] and out.remote["lossless"]
+    _Fake.mode = "ok"  # the largest seed there is comes back as it went
+    cfg = RemoteConfig(url=fake, timeout_s=5.0, retry_budget_s=5.0)
+    seed = (1 << 63) - 1
+    out = generate_remote([1, 2, 3], SamplingConfig(temperature=1.0, max_new_tokens=2, seed=seed), cfg, drafter=None,
+                          tokenizer=tokenizer)
+    assert out.remote["seed"] == seed
 
 
 @pytest.mark.parametrize("mode, says", [

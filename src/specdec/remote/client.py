@@ -188,7 +188,7 @@ def _reply(resp: httpx.Response, what: str) -> dict[str, Any]:
     return data
 
 
-def _whole(data: dict[str, Any], key: str, what: str, lo: int = 0, hi: int = 1 << 62) -> int:
+def _whole(data: dict[str, Any], key: str, what: str, lo: int = 0, hi: int = (1 << 63) - 1) -> int:
     """``data[key]`` as a JSON integer in [lo, hi] (not a bool, a float or a numeric string, which
     ``int()`` would have turned into some integer), or a RemoteError naming it."""
     value = data.get(key)
