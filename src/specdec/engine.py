@@ -757,8 +757,6 @@ class Engine:
         used: a batched pass is compute-bound on a CPU, see :mod:`specdec.batch`).  Prompt i uses
         seed + i when ``sampling.seed`` is set; each result is what :meth:`generate` gives for that
         prompt alone with that seed.  Returns :class:`specdec.batch.BatchResult` in input order."""
-        vocab = self.target.model.vocab_size
-        ids = [self.encode(p, chat=chat) if isinstance(p, str) else prompt_ids(p, vocab, f"prompt {i}")
-               for i, p in enumerate(prompts)]
+        ids = [self.encode(p, chat=chat) if isinstance(p, str) else p for p in prompts]  # ids: checked by generate_batch
         return generate_batch(self.target, ids, sampling, batch=batch, method=method, logprobs=logprobs,
                               ignore_eos=ignore_eos, constraint=constraint, on_result=on_result)

@@ -121,8 +121,7 @@ class GrammarConstraint:
             matcher.unsafe_compute_mask_ptr(bits.data_ptr(), bits.numel() * bits.element_size())
             if matcher.is_error():
                 break
-            words = bits[0].unsqueeze(-1)  # [W, 1]
-            allowed = ((words >> self._shifts) & 1).bool().reshape(-1)[:vocab_size].nonzero().flatten()  # [k]
+            allowed = self._unpack(bits)[:vocab_size].nonzero().flatten()  # [k]
             allowed = allowed[allowed != self._eos] if self._eos is not None else allowed
             if allowed.numel() == 0 or not matcher.consume_token(int(allowed[0])):
                 break
@@ -147,6 +146,10 @@ class GrammarConstraint:
                 raise ConfigError(f"token {token} breaks the grammar ({_first_line(self._matcher.get_error())})")
             self._consumed.append(int(token))
 
+    def _unpack(self, bits: Tensor) -> Tensor:  # [1, W] int32 -> [W * 32] bool
+        """llguidance's token bitmask (bit j of word w: token 32 w + j) as one bool per token."""
+        return ((bits[0].unsqueeze(-1) >> self._shifts) & 1).bool().reshape(-1)
+
     def _fill(self) -> None:
         """The matcher's mask into :attr:`_bits` (what llguidance.torch's ``fill_next_token_bitmask`` does)."""
         self._matcher.unsafe_compute_mask_ptr(self._bits.data_ptr(), self._bits.numel() * self._bits.element_size())
@@ -169,8 +172,7 @@ class GrammarConstraint:
                 self._fill()
                 if self._matcher.is_error():
                     raise ConfigError(f"the grammar engine failed: {self._matcher.get_error().splitlines()[0]}")
-            words = self._bits[0].unsqueeze(-1)  # [W, 1]
-            mask = ((words >> self._shifts) & 1).bool().reshape(-1)  # [W * 32]
+            mask = self._unpack(self._bits)  # [W * 32]
         if mask.numel() < vocab_size:  # ids past the tokenizer's (a padded embedding) are never allowed
             mask = torch.cat([mask, mask.new_zeros(vocab_size - mask.numel())])
         return mask[:vocab_size]

@@ -199,15 +199,19 @@ def run(args: argparse.Namespace, argv: list[str] | None = None) -> int:
     return 0
 
 
+def _is_bench_result(result: object) -> bool:
+    """Whether a parsed results.json is a bench result (a JSON object with 'config' and 'samples')."""
+    return isinstance(result, dict) and "samples" in result and "config" in result
+
+
 def _bench_result(path: Path) -> bool:
-    """Whether ``path`` holds a bench result (a JSON object with 'config' and 'samples')."""
+    """Whether ``path`` holds a bench result."""
     import json
 
     try:
-        result = json.loads(path.read_text())
+        return _is_bench_result(json.loads(path.read_text()))
     except (OSError, ValueError):
         return False
-    return isinstance(result, dict) and "samples" in result and "config" in result
 
 
 def check_not_foreign(out: Path) -> None:
@@ -238,7 +242,7 @@ def _rerender(args: argparse.Namespace) -> int:
         raise ConfigError(f"{path} does not exist") from None
     except (OSError, ValueError) as exc:
         raise ConfigError(f"cannot read {path}: {exc}") from None
-    if not isinstance(result, dict) or "samples" not in result or "config" not in result:
+    if not _is_bench_result(result):
         raise ConfigError(f"{path} is not a specdec bench result (no 'config' / 'samples')")
     written = report.write(result, args.out, make_plots=not args.no_plots)
     print(f"[specdec] re-rendered {written['dir']}/README.md and {len(written['plots'])} plots", file=sys.stderr)

@@ -688,11 +688,11 @@ def _distill(args: argparse.Namespace) -> int:
     labels_path, ckpt_path = out / "labels.pt", out / "ckpt.pt"
     # a checkpoint of other settings is refused before anything is computed (it was restarted in
     # silence and its finished draft overwritten); a larger --steps continues it
-    run_key = {**{k: v for k, v in ds.config_dict(cfg).items() if k != "steps"}, "key": key, "source": str(source)}
+    run_key = {**_without_steps(cfg), "key": key, "source": str(source)}
     ck = state.load(ckpt_path)
     if ck is not None:
-        state.check_resume(ckpt_path, {**{k: v for k, v in ck.get("cfg", {}).items() if k != "steps"},
-                                       "key": ck.get("key"), "source": ck.get("source")}, run_key)
+        state.check_resume(ckpt_path, {**_without_steps(ck.get("cfg")), "key": ck.get("key"), "source": ck.get("source")},
+                           run_key)
     saved = state.load(labels_path)
     if saved is not None and saved.get("key") == key:
         labels = saved["labels"]
