@@ -412,3 +412,46 @@ def test_attention_schedule_lays_out_each_path_with_few_writes(parents, n):
         assert all(len(w) <= 1 for _, _, w in steps)
     if is_chain(par):
         assert total == 0
+
+
+# ----------------------------------------------------------------------------- the end of the target's context
+
+
+@pytest.mark.parametrize("kind", ["model", "lookahead", "eagle3"])
+@pytest.mark.parametrize("prompt_len", [20, 42])
+def test_trees_run_to_the_end_of_the_targets_context_as_plain_decoding_does(kind, prompt_len):
+    """A 16-node tree needs 16 rows of the target's cache, and a model draft feeds up to 16 x 4 of
+    its nodes through its own: near the end of a 48-position context both used to overflow (a
+    "KV cache full" traceback, or "the sequence would exceed its context") where plain decoding
+    simply stops at the context's end. Each round's tree now takes at most the rows the context
+    has left, and a draft model expands no more nodes than its cache holds; the output is plain
+    decoding's, greedy and seeded coupled at T = 1."""
+    from tiny import random_head, tiny_native
+
+    from specdec.drafters.heads import drafter_for
+    from specdec.drafters.lookahead import LookaheadDrafter
+
+    ctx = 48
+    target = tiny_native(max_length=ctx)
+    prompt = [(7 * i) % 60 + 1 for i in range(prompt_len)]
+    spec = TreeSpec(min_prob=0.0)
+    for rule, temperature in (("greedy", 0.0), ("coupled", 1.0)):
+        cfg = SamplingConfig(temperature=temperature, max_new_tokens=40, seed=5)
+        plain = SpeculativeDecoder(target, None, get_rule(rule)).generate(prompt, cfg)
+        assert len(plain.tokens) == ctx - prompt_len - 1  # the context's end, not max_new_tokens, stops it
+        if kind == "model":
+            drafter = ModelDrafter(tiny_native(max_length=ctx, seed=1))
+        elif kind == "lookahead":
+            drafter = LookaheadDrafter(window=3, ngram=3, candidates=2)
+        else:
+            head = random_head("eagle3", hidden=target.cfg.hidden_size, vocab=target.vocab_size, draft_vocab=40, taps=(1,))
+            drafter = drafter_for(head, target.embed)
+        out = SpeculativeDecoder(target, drafter, get_rule(rule), gamma=FixedGamma(16), tree=spec).generate(prompt, cfg)
+        assert out.tokens == plain.tokens, (kind, rule)
+        assert out.stats.tree_rounds > 0
+        context = prompt_len
+        for r in out.rounds:  # each tree within the rows the context had left
+            assert r.gamma <= ctx - context, (context, r.gamma)
+            context += r.emitted
+        if kind == "model":
+            assert drafter.cache is not None and drafter.cache.length <= ctx

@@ -211,7 +211,10 @@ class SpeculativeDecoder:
             remaining = max_new - len(generated)
             t0 = time.perf_counter()
             tree = self.tree if self.tree is not None and getattr(self.gamma, "tree_round", True) else None
-            limit = defaults.MAX_TREE_NODES if tree is not None else min(remaining - 1, defaults.MAX_GAMMA)
+            if tree is not None:  # every node takes a row of the target's cache: at most what the context has left
+                limit = min(defaults.MAX_TREE_NODES, verifier.max_length - verifier.context.numel())
+            else:
+                limit = min(remaining - 1, defaults.MAX_GAMMA)
             advised = getattr(verifier, "gamma_limit", None)  # a busy remote verifier's draft cap
             if advised is not None and tree is None:
                 limit = min(limit, advised)

@@ -166,6 +166,18 @@ def test_context_full_is_a_400(api):
     assert api.post(f"/v1/sessions/{sid}/verify", json={"seq": 0, "draft_tokens": [1] * 6}).status_code == 200
 
 
+def test_a_tree_wider_than_the_room_left_is_context_full(api):
+    """Every node of a tree takes a row of the target's cache, however shallow the tree: 7 nodes
+    two deep are refused with the 6 positions the session has left, the bound its edge drafts to.
+    They used to pass the depth check; where the cache ends with the model's context the pass
+    then failed with another message."""
+    sid = _create(api, prompt_ids=[1] * (MAX_LENGTH - 6), temperature=0.0, wire="greedy")["session_id"]
+    wide = {"seq": 0, "draft_tokens": [0, 1, 2, 3, 1, 2, 3], "parents": [-1, -1, -1, -1, 0, 0, 0]}
+    assert "this round needs 7 more positions" in _error(api.post(f"/v1/sessions/{sid}/verify", json=wide), 400)
+    fits = {"seq": 0, "draft_tokens": [0, 1, 2, 3, 1, 2], "parents": [-1, -1, -1, -1, 0, 0]}
+    assert api.post(f"/v1/sessions/{sid}/verify", json=fits).status_code == 200
+
+
 def _greedy_next(history: list[int], cfg: SamplingConfig, prompt_len: int) -> int:
     from specdec.sampling import PenaltyState
 

@@ -77,9 +77,9 @@ class ModelDrafter:
     @property
     def room(self) -> int:
         """Positions the draft's cache can hold: the draft model's context, or the ``max_length``
-        asked for if shorter.  A draft's context may be shorter than its target's (SmolLM2's draft:
-        2,048 against 8,192); past it the drafter drafts nothing, and a round without a draft is a
-        plain round, so the output is unchanged."""
+        asked for if shorter.  A draft's context may be shorter than its target's; past it the
+        drafter drafts nothing, and a round without a draft is a plain round, so the output is
+        unchanged."""
         return min(getattr(self.model, "max_length", None) or sys.maxsize, self.max_length or sys.maxsize)
 
     def _no_room(self) -> Draft:
@@ -135,8 +135,8 @@ class ModelDrafter:
         """A token tree of at most ``budget`` nodes; each level's expanded nodes go through the
         draft model in one pass with tree attention (``forward_tree`` over the tree region)."""
         length = context.numel()
-        budget = min(budget, self.room - length)  # the cache ends holding the context and the fed nodes
-        if budget <= 0:
+        fed_room = self.room - length  # the cache ends holding the context and the fed (expanded) nodes
+        if fed_room <= 0:
             return self._no_room()
         if self.cache is None:
             self.reset()
@@ -158,7 +158,7 @@ class ModelDrafter:
 
         draft, grown = build_tree(
             logits, expand, spec, sampler, position=length, budget=budget, max_depth=max_depth, ids=ids,
-            vocab=self.model.vocab_size if ids is not None else None,
+            vocab=self.model.vocab_size if ids is not None else None, max_fed=fed_room,
         )
         self._slots = {new: slots[old] for new, old in enumerate(grown) if old in slots}
         return draft

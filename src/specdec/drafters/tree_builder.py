@@ -163,6 +163,7 @@ def build_tree(
     early_stop: bool = True,
     ids: Tensor | None = None,  # [Vd]: the logits are compact rows over these target ids
     vocab: int | None = None,  # the whole vocabulary's size (compact rows drawn from q: q is reported over it)
+    max_fed: int | None = None,  # most nodes handed to ``expand`` in all (a draft cache's free rows)
 ) -> tuple[Draft, list[int]]:
     """Grow a token tree level by level (see the module docstring).
 
@@ -171,7 +172,8 @@ def build_tree(
     growing once no node of the next expansion can enter the best ``budget`` (the same tree,
     fewer draft passes).  Deterministic trees leave out nodes whose cumulative draft probability
     is below ``spec.min_prob`` (such a tree may be empty) and expand only nodes at or above
-    ``spec.min_prob / spec.expand_child``.
+    ``spec.min_prob / spec.expand_child``.  ``max_fed``: once that many nodes were expanded, the
+    tree grows no deeper (a level's most probable nodes are expanded first).
     """
     if ids is not None and not sampler.compact:
         raise ValueError("compact draft rows need arg-max or Gumbel drafting or q reported, with no bias, penalty or constraint")
@@ -189,6 +191,7 @@ def build_tree(
     if sampled and spec.sample_expand > 0:
         expand_floor = math.log(spec.sample_expand)
     level: list[int] = [-1]
+    fed = 0  # nodes handed to ``expand`` so far
     paths: list[list[int]] = []  # each node's tokens from the root down (a constraint's history)
     dists = sampler.tree_rows(root_logits, [[]])  # [1, V]
     for d in range(depth):
@@ -224,6 +227,11 @@ def build_tree(
         if early_stop and prune and len(toks) >= budget and max(score[i] for i in level) <= sorted(score, reverse=True)[budget - 1]:
             break  # no descendant can enter the best N (a child never outscores its parent; ties
             # go to the earlier node): the pruned tree is the same, one draft pass cheaper
+        if max_fed is not None:
+            level = level[: max_fed - fed]  # the best first: ``level`` is in score order here
+            if not level:
+                break
+        fed += len(level)
         level.sort()
         dists = sampler.tree_rows(expand(level, toks, pars), [paths[i] for i in level])  # [len(level), V]
     keep = list(range(len(toks)))

@@ -282,10 +282,12 @@ class EdgeSession:
         room = self.target.max_length - self.target.context.numel()
         parents = torch.tensor(req.parents, dtype=torch.long) if req.parents is not None else None
         length = gamma if parents is None or gamma == 0 else int(depths(parents).max()) + 1  # a tree's deepest path
-        if n_forced + length + 1 > room:
+        # a tree's every node also takes a row of the target's cache, which has the context's room or more
+        need = n_forced + max(length + 1, gamma if parents is not None else 0)
+        if need > room:
             raise ApiError(
                 400,
-                f"context full: this round needs {n_forced + length + 1} more positions but the session has {room} left"
+                f"context full: this round needs {need} more positions but the session has {room} left"
                 f" (its context is {self.target.max_length} tokens)",
             )
         tokens = torch.tensor(req.draft_tokens, dtype=torch.long)  # [γ]
