@@ -992,3 +992,78 @@ def test_kv_dtype_float16_decodes_exactly_or_says_why_not(capsys, tiny_pair):
         assert code == 2 and says in err and "Traceback" not in err and "loading target" not in err, err
     code, out, err = _run(capsys, "generate", "-p", "Hi", "--remote", "http://127.0.0.1:9", "--kv-dtype", "float16")
     assert code == 2 and "start `specdec serve` with it" in err  # the server holds the target's cache
+
+
+def test_ctrl_c_during_an_interactive_reply_stops_the_reply_not_the_chat(capsys, monkeypatch):
+    """Ctrl-C while a reply streams drops that message and goes back to the prompt (the chat goes
+    on with the conversation before it); Ctrl-C at the prompt ends the chat; SIGTERM ends it."""
+    import io
+
+    from specdec.cli import chat_loop
+    from specdec.errors import Terminated
+    from specdec.sampling import SamplingConfig
+
+    seen: list[list[str]] = []
+
+    def turn(messages, sampling):
+        seen.append([m["content"] for m in messages])
+        if messages[-1]["content"] == "stop me":
+            raise KeyboardInterrupt
+        return f"re:{messages[-1]['content']}", "summary"
+
+    sampling = SamplingConfig(temperature=0.0, max_new_tokens=4)
+    monkeypatch.setattr("sys.stdin", io.StringIO("stop me\nagain\n\n"))
+    try:
+        assert chat_loop(turn, None, sampling, first="hi") == 0
+    except KeyboardInterrupt:  # (not let through: pytest would take it as its own Ctrl-C and stop)
+        pytest.fail("Ctrl-C during a reply ended the chat")
+    assert seen == [["hi"], ["hi", "re:hi", "stop me"], ["hi", "re:hi", "again"]]
+    assert "reply stopped; that message is dropped" in capsys.readouterr().err
+
+    def interrupted(what, *, line=False):  # Ctrl-C at the prompt
+        raise KeyboardInterrupt
+
+    monkeypatch.setattr("specdec.cli._stdin_text", interrupted)
+    assert chat_loop(turn, None, sampling, first="hi") == 0
+
+    def terminated(messages, sampling):
+        raise Terminated
+
+    with pytest.raises(Terminated):
+        chat_loop(terminated, None, sampling, first="hi")
+
+
+def test_sigterm_unwinds_a_command_as_ctrl_c_does_and_exits_143(capsys, monkeypatch):
+    """SIGTERM (a scheduler, ``kill``) raises in the command, so its ``finally`` blocks run (bench
+    stops its workers, training saves its state); the exit status is 143 and the handler that was
+    there before is put back."""
+    import os
+    import signal
+    import time
+
+    from specdec import cli
+
+    cleaned: list[bool] = []
+
+    def command(args):
+        try:
+            os.kill(os.getpid(), signal.SIGTERM)
+            time.sleep(5)  # the signal arrives before this ends
+            return 0
+        finally:
+            cleaned.append(True)
+
+    class Unhandled(Exception):
+        pass
+
+    def unhandled(signum, frame):  # what the test process does with a SIGTERM main leaves alone
+        raise Unhandled
+
+    monkeypatch.setitem(cli.COMMANDS, "models", command)
+    before = signal.signal(signal.SIGTERM, unhandled)
+    try:
+        assert cli.main(["models"]) == 143
+        assert cleaned == [True] and "specdec: terminated" in capsys.readouterr().err
+        assert signal.getsignal(signal.SIGTERM) is unhandled
+    finally:
+        signal.signal(signal.SIGTERM, before)

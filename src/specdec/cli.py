@@ -10,11 +10,13 @@ import argparse
 import errno
 import json
 import os
+import signal
 import sys
+import threading
 from typing import TYPE_CHECKING, Any, Callable, Sequence
 
 from specdec import __version__, defaults
-from specdec.errors import SpecdecError
+from specdec.errors import SpecdecError, Terminated
 
 if TYPE_CHECKING:  # torch loads only once a command runs, not for --help
     from specdec.sampling import SamplingConfig
@@ -631,7 +633,10 @@ def chat_loop(turn: Callable[[list[dict[str, str]], SamplingConfig], tuple[str, 
                 sys.stderr.write("> ")
                 sys.stderr.flush()
                 line = _stdin_text("that line", line=True)
-            except KeyboardInterrupt:
+            except Terminated:
+                raise
+            except KeyboardInterrupt:  # Ctrl-C at the prompt ends the chat, as Ctrl-D does
+                sys.stderr.write("\n")
                 break
             except SpecdecError as exc:  # a line that is not UTF-8: say so, keep the conversation
                 print(f"specdec: error: {exc}; type it again", file=sys.stderr)
@@ -649,6 +654,15 @@ def chat_loop(turn: Callable[[list[dict[str, str]], SamplingConfig], tuple[str, 
             turns.pop()
             print(f"specdec: error: {exc}; that message is dropped, the conversation goes on", file=sys.stderr)
             failed = True
+            continue
+        except Terminated:
+            raise
+        except KeyboardInterrupt:  # Ctrl-C during a reply stops the reply, not the chat (as llama.cpp's does)
+            turns.pop()
+            sys.stdout.write("\n")
+            sys.stdout.flush()
+            print("[specdec] reply stopped; that message is dropped, the conversation goes on (Ctrl-C at the"
+                  " prompt or Ctrl-D ends it)", file=sys.stderr)
             continue
         failed = False
         sys.stdout.write("\n")
@@ -785,11 +799,15 @@ def main(argv: Sequence[str] | None = None) -> int:
         from specdec.engine import draft_for_target
 
         args.draft = draft_for_target(args.target, args.draft)  # a target's own draft when --draft is left alone
+    restore = _raise_on_sigterm()
     try:
         return COMMANDS[args.command](args)
     except SpecdecError as exc:
         print(f"specdec: error: {exc}", file=sys.stderr)
         return EXIT_USAGE
+    except Terminated:
+        print("\nspecdec: terminated", file=sys.stderr)
+        return 143  # 128 + SIGTERM
     except KeyboardInterrupt:
         print("\nspecdec: interrupted", file=sys.stderr)
         return 130
@@ -803,6 +821,23 @@ def main(argv: Sequence[str] | None = None) -> int:
         print(f"specdec: error: cannot write{where}: {exc.strerror}", file=sys.stderr)
         _quiet_stdout()
         return 1
+    finally:
+        restore()
+
+
+def _raise_on_sigterm() -> Callable[[], None]:
+    """SIGTERM raises :class:`Terminated` in the main thread (a command unwinds as on Ctrl-C: its
+    ``finally`` blocks stop child processes, training saves its state); returns what puts the
+    previous handler back (nothing to do where ``main`` runs in another thread)."""
+    if threading.current_thread() is not threading.main_thread():
+        return lambda: None
+
+    def terminated(signum: int, frame: Any) -> None:
+        raise Terminated()
+
+    previous = signal.getsignal(signal.SIGTERM)
+    signal.signal(signal.SIGTERM, terminated)
+    return lambda: signal.signal(signal.SIGTERM, previous if previous is not None else signal.SIG_DFL)
 
 
 def _quiet_stdout() -> None:

@@ -185,6 +185,10 @@ DRAFT_CAP_CALIBRATION_ROWS = (1, 2, 4, 8, 16, 32, 96)
 #: seconds a client may take to send its request headers / each part of its body
 SERVER_HEADER_TIMEOUT_S = 10.0
 SERVER_BODY_TIMEOUT_S = 30.0
+#: seconds a stopping server (Ctrl-C, SIGTERM) gives requests in flight before it ends them with an error
+SERVER_SHUTDOWN_TIMEOUT_S = 10.0
+#: then how long the ended requests' handlers get to send their last event
+SERVER_SHUTDOWN_FLUSH_S = 2.0
 #: Retry-After (seconds) on 429 / 503 answers
 SERVER_RETRY_AFTER_S = 1
 #: connections (and requests in flight) one server process serves at once; more get a 503

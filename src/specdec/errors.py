@@ -19,3 +19,8 @@ class MissingPackageError(SpecdecError):
 
 class ContextLengthError(SpecdecError):
     """The prompt does not fit in the model's context window."""
+
+
+class Terminated(KeyboardInterrupt):
+    """SIGTERM (a job scheduler, ``kill``, a container stopping), raised in the main thread while
+    ``specdec`` runs, so that it unwinds as Ctrl-C does: children stopped, state saved, exit 143."""

@@ -6,8 +6,27 @@ from __future__ import annotations
 
 import os
 from pathlib import Path
+from typing import Callable
 
 from specdec.errors import ConfigError
+
+
+def write_whole(path: Path, write: Callable[[Path], None]) -> None:
+    """``write`` the file at ``path`` whole or not at all: it writes a temporary file beside it,
+    renamed into place once complete, and removed if the write fails or is interrupted (a Ctrl-C
+    or SIGTERM mid-write leaves neither a cut-short file nor a stray temporary one)."""
+    tmp = path.with_name(path.name + ".tmp")
+    try:
+        write(tmp)
+        tmp.replace(path)
+    except BaseException:
+        tmp.unlink(missing_ok=True)
+        raise
+
+
+def write_text(path: Path, text: str) -> None:
+    """A UTF-8 text file written whole or not at all (:func:`write_whole`)."""
+    write_whole(path, lambda tmp: tmp.write_text(text, encoding="utf-8"))
 
 
 def check_folder(folder: Path, flag: str = "--out") -> None:

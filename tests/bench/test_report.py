@@ -263,3 +263,30 @@ def test_a_worker_killed_by_a_signal_is_named_in_the_error():
         _run_worker({"mode": "llamacpp"}, dict(os.environ), crash, "llamacpp", lambda row: None)
     with pytest.raises(SpecdecError, match=r"killed by SIGSEGV \(a crash in native code\)"):
         _run_worker({"mode": "plain"}, dict(os.environ), crash, "plain", lambda row: None)
+
+
+def test_an_interrupted_bench_stops_its_worker(monkeypatch):
+    """Ctrl-C or SIGTERM while a worker runs (here: the first sample's handling is interrupted):
+    the worker is stopped, not left running on its own (it used to keep a core busy until its
+    next write failed, minutes with a slow model)."""
+    import os
+    import subprocess
+
+    from specdec.bench import runner
+
+    started: list[subprocess.Popen] = []
+    real = subprocess.Popen
+
+    def popen(*args, **kwargs):
+        started.append(real(*args, **kwargs))
+        return started[-1]
+
+    monkeypatch.setattr(runner.subprocess, "Popen", popen)
+    slow = ["sh", "-c", "echo '{\"sample\": 1}'; exec sleep 60", "sh"]  # one sample, then a long run
+
+    def interrupted(row):
+        raise KeyboardInterrupt
+
+    with pytest.raises(KeyboardInterrupt):
+        runner._run_worker({"mode": "plain"}, dict(os.environ), slow, "plain", interrupted)
+    assert len(started) == 1 and started[0].poll() is not None  # stopped, and reaped

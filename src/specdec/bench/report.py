@@ -13,6 +13,7 @@ from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
 from specdec.bench import netreport, theory
+from specdec.outputs import write_text
 
 #: plain decoding with the coupled rule (seeded Gumbel-max sampling) in the speculative worker: the
 #: reference of the coupled rows at T > 0, whose tokens must equal it
@@ -717,13 +718,15 @@ def write(result: dict, out_dir: str | Path, *, make_plots: bool = True) -> dict
     bvt = block_vs_token(result["samples"])
     net = netreport.aggregate_network(result["samples"])
     per_wire = netreport.bytes_by_wire(result["samples"])
-    plots = (plot(stats, bvt, out) + plot_drafters(drafters_by_category(result["samples"]), out)
-             + netreport.plot(net, per_wire, out, _save)) if make_plots else []
     result = {**result, "groups": [asdict(g) for g in stats], "block_vs_token": [asdict(b) for b in bvt],
               "network_groups": [{**asdict(g), "label": g.label} for g in net],
               "bytes_per_token_by_wire": [asdict(b) for b in per_wire]}
-    (out / "results.json").write_text(json.dumps(result, indent=1))
-    (out / "README.md").write_text(markdown(result, stats, bvt, plots, net))
+    # the results first, each file whole: a run stopped while writing leaves its results.json
+    # (`bench --report-only` writes the rest from it) or the last run's, never a cut-short one
+    write_text(out / "results.json", json.dumps(result, indent=1))
+    plots = (plot(stats, bvt, out) + plot_drafters(drafters_by_category(result["samples"]), out)
+             + netreport.plot(net, per_wire, out, _save)) if make_plots else []
+    write_text(out / "README.md", markdown(result, stats, bvt, plots, net))
     return {"stats": stats, "block_vs_token": bvt, "network": net, "plots": plots, "dir": str(out)}
 
 

@@ -162,6 +162,18 @@ def _count(cfg: BenchConfig, mode: str) -> int:
     return n
 
 
+def stop_process(proc: subprocess.Popen, timeout_s: float = 5.0) -> None:
+    """End ``proc`` if it still runs: SIGTERM, then SIGKILL after ``timeout_s`` seconds."""
+    if proc.poll() is not None:
+        return
+    proc.terminate()
+    try:
+        proc.wait(timeout=timeout_s)
+    except subprocess.TimeoutExpired:
+        proc.kill()
+        proc.wait()
+
+
 def _run_worker(job: dict, env: dict[str, str], prefix: list[str], name: str, on_sample) -> dict:  # noqa: ANN001
     """One worker process: send ``job``, pass each sample to ``on_sample``, return its final ``done`` row."""
     proc = subprocess.Popen(
@@ -175,14 +187,17 @@ def _run_worker(job: dict, env: dict[str, str], prefix: list[str], name: str, on
     except BrokenPipeError:  # the worker died before reading its job: reported below
         pass
     done = None
-    for line in proc.stdout:
-        row = json.loads(line)
-        if row.get("done"):
-            done = row
-            continue
-        on_sample(row)
-    err = proc.stderr.read() if proc.stderr else ""
-    rc = proc.wait()
+    try:
+        for line in proc.stdout:
+            row = json.loads(line)
+            if row.get("done"):
+                done = row
+                continue
+            on_sample(row)
+        err = proc.stderr.read() if proc.stderr else ""
+        rc = proc.wait()
+    finally:  # interrupted (Ctrl-C, SIGTERM) or failed here: the worker must not run on without us
+        stop_process(proc)
     if rc != 0 or done is None:
         lines = err.strip().splitlines()
         if lines and lines[-1].startswith(ERROR_MARK):  # the worker's own one-line error

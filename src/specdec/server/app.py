@@ -111,6 +111,17 @@ class ServerContext:
 
         #: the Responses API's stored responses (``store``, ``previous_response_id``)
         self.responses = ResponseStore()
+        #: requests in flight on the OpenAI endpoints: each one's way to end early (see :meth:`abort_requests`)
+        self.live: set[Callable[[], None]] = set()
+
+    def abort_requests(self) -> int:
+        """End every request in flight: its generation stops, a stream sends an error event and
+        [DONE], a plain request answers 503 (a stopping server's grace period is over).  Returns
+        how many there were.  Runs on the event loop's thread."""
+        aborts = list(self.live)
+        for abort in aborts:
+            abort()
+        return len(aborts)
 
     @functools.cached_property
     def token_bytes(self) -> Any:

@@ -85,6 +85,10 @@ def add_parser(sub: Any) -> None:
                    help=f"seconds a client may take to send its request headers (default {defaults.SERVER_HEADER_TIMEOUT_S:g})")
     g.add_argument("--body-timeout", type=float, default=defaults.SERVER_BODY_TIMEOUT_S,
                    help=f"seconds a client may pause while sending a body (default {defaults.SERVER_BODY_TIMEOUT_S:g})")
+    g.add_argument("--shutdown-timeout", type=float, default=defaults.SERVER_SHUTDOWN_TIMEOUT_S,
+                   help="on Ctrl-C or SIGTERM the server takes no new connections and gives requests in flight this"
+                        " many seconds to finish; then each ends with an error (a stream: an error event and [DONE]);"
+                        f" a second signal stops at once (default {defaults.SERVER_SHUTDOWN_TIMEOUT_S:g})")
     g.add_argument("--max-connections", type=int, default=defaults.SERVER_MAX_CONNECTIONS,
                    help=f"connections served at once; more are answered 503 (default {defaults.SERVER_MAX_CONNECTIONS})")
     b = p.add_argument_group("batching")
@@ -229,6 +233,7 @@ def settings_from_args(args: argparse.Namespace) -> dict[str, Any]:
         prefix_cache_bytes=int(args.prefix_cache_mib * 2**20),
         header_timeout_s=args.header_timeout,
         body_timeout_s=args.body_timeout,
+        shutdown_timeout_s=args.shutdown_timeout,
         allowed_hosts=tuple(args.allowed_host),
         batching=not args.no_batching,
         draft_cap=not args.no_draft_cap,

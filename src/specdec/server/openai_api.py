@@ -61,6 +61,8 @@ Finite = Annotated[float, Field(allow_inf_nan=False)]
 
 
 log = logging.getLogger("specdec.server")
+#: what a request still in flight when a stopping server's grace period ends is told
+SHUTTING_DOWN = "the server is shutting down; the request was ended before it finished"
 
 #: response header naming the request fields that were accepted and ignored
 IGNORED_HEADER = "X-Specdec-Ignored-Fields"
@@ -811,7 +813,9 @@ async def _run_blocking(job: _Job, request: Request | None = None) -> list[TextR
         if cancelled.is_set():
             raise _Cancelled
 
+    aborted = threading.Event()
     _admit(job)
+    job.ctx.live.add(aborted.set)
     future = _submit(job, lambda: _run_choices(job, lambda index: on_piece, cancelled))
     # a client that leaves abandons the future, which then ends in _Cancelled: retrieve that here,
     # or asyncio logs it with a traceback ("Future exception was never retrieved")
@@ -821,6 +825,8 @@ async def _run_blocking(job: _Job, request: Request | None = None) -> list[TextR
             done, _ = await asyncio.wait({future}, timeout=0.1)
             if done:
                 return future.result()
+            if aborted.is_set():
+                raise ApiError(503, SHUTTING_DOWN, kind="server_shutdown")
             if request is not None and await request.is_disconnected():
                 cancelled.set()
                 raise ApiError(499, "the client closed the connection", kind="client_closed")
@@ -829,6 +835,7 @@ async def _run_blocking(job: _Job, request: Request | None = None) -> list[TextR
     except _Cancelled:
         raise ApiError(499, "the client closed the connection", kind="client_closed") from None
     finally:
+        job.ctx.live.discard(aborted.set)
         cancelled.set()  # also when this handler is cancelled
 
 
@@ -912,6 +919,12 @@ def _stream(
             prompt, done = len(job.prompt_of(index)), made.get(index, 0)
             return {**chunk, "usage": {"prompt_tokens": prompt, "completion_tokens": done, "total_tokens": prompt + done}}
 
+        def abort() -> None:  # the server is stopping: the decode stops at its next piece, the client is told
+            cancelled.set()
+            queue.put_nowait(("error", (SHUTTING_DOWN, 503, "server_shutdown")))
+
+        job.ctx.live.add(abort)
+
         def opening(index: int) -> list[str]:
             if index in opened:
                 return []
@@ -961,6 +974,7 @@ def _stream(
             if not named:
                 yield _sse("[DONE]")
         finally:
+            job.ctx.live.discard(abort)
             cancelled.set()
 
     body = events()

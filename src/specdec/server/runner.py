@@ -13,9 +13,11 @@ from __future__ import annotations
 import asyncio
 import logging
 import re
+import sys
 from pathlib import Path
 from typing import Any
 
+from specdec import defaults
 from specdec.errors import ConfigError
 
 _SESSION_PATH = re.compile(r"(/v1/sessions/)[^/?\s]+")
@@ -95,14 +97,36 @@ def header_timeout_protocol(timeout_s: float) -> type:
 
 
 def serve(app: Any, *, host: str, port: int, log_level: str = "warning", header_timeout_s: float = 10.0,
-          limit_concurrency: int | None = None) -> None:
-    """Run ``app`` with uvicorn: header deadline, redacted access log, bounded connections."""
+          limit_concurrency: int | None = None, shutdown_timeout_s: float | None = None) -> None:
+    """Run ``app`` with uvicorn: header deadline, redacted access log, bounded connections.
+
+    On Ctrl-C or SIGTERM the server takes no new connections and says so on stderr (whatever the
+    log level); the requests in flight get ``shutdown_timeout_s`` (default: the app's setting) to
+    finish, then each ends with an error (``ServerContext.abort_requests``) and the server exits.
+    A second signal stops it at once."""
     import uvicorn
+
+    ctx = app.state.ctx
+    grace = ctx.settings.shutdown_timeout_s if shutdown_timeout_s is None else shutdown_timeout_s
+
+    class Server(uvicorn.Server):
+        def handle_exit(self, sig: int, frame: Any) -> None:
+            if self.should_exit:  # a second signal, SIGTERM too (uvicorn's own: a second SIGINT only)
+                self._captured_signals.append(sig)
+                self.force_exit = True
+                return
+            super().handle_exit(sig, frame)
+            print(f"specdec serve: stopping: no new connections; {len(ctx.live)} request(s) in flight get {grace:g} s"
+                  " to finish (signal again to stop at once)", file=sys.stderr, flush=True)
+            loop = asyncio.get_running_loop()  # a signal handler runs on the loop's (main) thread
+            loop.call_soon_threadsafe(loop.call_later, grace, ctx.abort_requests)
 
     config = uvicorn.Config(
         app, host=host, port=port, log_level=log_level, timeout_keep_alive=75,
         http=header_timeout_protocol(header_timeout_s), limit_concurrency=limit_concurrency,
+        # after the grace period the aborted requests' handlers need a moment to send their last event
+        timeout_graceful_shutdown=grace + defaults.SERVER_SHUTDOWN_FLUSH_S,
     )
-    server = uvicorn.Server(config)
+    server = Server(config)
     install_log_redaction()
     server.run()

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import math
 import re
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
@@ -47,6 +48,8 @@ class ServerSettings:
     #: slow clients: time to send the request headers, and to send each part of the body
     header_timeout_s: float = defaults.SERVER_HEADER_TIMEOUT_S
     body_timeout_s: float = defaults.SERVER_BODY_TIMEOUT_S
+    #: on Ctrl-C / SIGTERM: how long requests in flight may go on before they end with an error (0: at once)
+    shutdown_timeout_s: float = defaults.SERVER_SHUTDOWN_TIMEOUT_S
     #: continuous batching (one forward pass for the pending work of all requests); False = one
     #: request's forward pass at a time under a lock (the serialised server, for comparisons)
     batching: bool = True
@@ -127,3 +130,5 @@ class ServerSettings:
         for name in ("sweep_interval_s", "header_timeout_s", "body_timeout_s"):
             if not getattr(self, name) > 0:
                 raise ConfigError(f"{name.removesuffix('_s').replace('_', ' ')} must be > 0 seconds, got {getattr(self, name)}")
+        if not 0 <= self.shutdown_timeout_s < math.inf:
+            raise ConfigError(f"shutdown timeout must be >= 0 seconds, got {self.shutdown_timeout_s}")

@@ -625,13 +625,17 @@ def _kangaroo(args: argparse.Namespace) -> int:
     w_head = kt.head_weight(model)
     bar = tqdm(total=cfg.steps, initial=resumed["step"] if resumed else 0, desc="kangaroo", unit="step", leave=False)
 
+    signals = state.BetweenSteps()  # Ctrl-C / SIGTERM: the step in progress ends, then its state is saved
+
     def on_step(step: int, loss: float, st: dict) -> None:
         bar.update(1)
         bar.set_postfix_str(f"loss {loss:.3f}")
-        if step % 25 == 0 or step == cfg.steps:
+        if step % 25 == 0 or step == cfg.steps or signals.pending is not None:
             state.save({"key": key, "train": cfg, "state": st}, ckpt_path)
+        signals.stop_if_pending(step, ckpt_path)
 
-    losses = kt.train(adapter, train_data, w_head, cfg, state=resumed, on_step=on_step)
+    with signals:
+        losses = kt.train(adapter, train_data, w_head, cfg, state=resumed, on_step=on_step)
     bar.close()
     rep = kt.report(model, adapter, held_data)
     tail = losses[-20:]
@@ -733,15 +737,19 @@ def _distill(args: argparse.Namespace) -> int:
 
     last: list[dict] = []
 
+    signals = state.BetweenSteps()  # Ctrl-C / SIGTERM: the step in progress ends, then its state is saved
+
     def on_step(step: int, loss: float, st: dict) -> None:
         bar.update(1)
         bar.set_postfix_str(f"loss {loss:.4f}")
         last[:] = [st]
-        if step % 25 == 0 or step == cfg.steps:
+        if step % 25 == 0 or step == cfg.steps or signals.pending is not None:
             save(st)
+        signals.stop_if_pending(step, ckpt_path)
 
     max_s = args.max_minutes * 60 if args.max_minutes else None
-    losses = ds.train(student, train_data, cfg, state=st_now, on_step=on_step, max_seconds=max_s)
+    with signals:
+        losses = ds.train(student, train_data, cfg, state=st_now, on_step=on_step, max_seconds=max_s)
     bar.close()
     if last and last[0]["step"] < cfg.steps:  # paused by --max-minutes between two checkpoints: keep the steps
         save(last[0])

@@ -346,36 +346,41 @@ def train(
     started = time.perf_counter()
     order = batches(data, train_idx, cfg.batch_tokens, random.Random(cfg.seed + epoch))
     tokens_seen = 0
-    while step < cfg.steps:
-        if max_minutes is not None and time.perf_counter() - started > 60 * max_minutes:
-            break
-        if stop_after is not None and step >= stop_after:
-            break
-        if cursor >= len(order):
-            epoch, cursor = epoch + 1, 0
-            order = batches(data, train_idx, cfg.batch_tokens, random.Random(cfg.seed + epoch))
-        t0 = time.perf_counter()
-        batch = collate(data, order[cursor])
-        cursor += 1
-        for g in opt.param_groups:
-            g["lr"] = cfg.lr * schedule(step)
-        loss, parts = loss_fn(model, batch, target.embed, w_draft, cfg)
-        opt.zero_grad(set_to_none=True)
-        loss.backward()
-        torch.nn.utils.clip_grad_norm_(params, cfg.clip)
-        opt.step()
-        step += 1
-        tokens_seen += int(batch.length.sum())
-        seconds += time.perf_counter() - t0
-        value = float(loss.detach())
-        if step % 10 == 0 or step == 1:
-            history.append({"step": step, "loss": value, "ce": parts, "epoch": epoch})
-        if progress is not None:
-            progress(step, value, parts)
-        if step % cfg.ckpt_every == 0:
-            save_ckpt()
-        if step % cfg.eval_every == 0:
-            history.append({"step": step, "eval": evaluate(model, data, held, target, d2t, cfg.batch_tokens)})
+    signals = state.BetweenSteps()  # Ctrl-C / SIGTERM: the step in progress ends, then its state is saved
+    with signals:
+        while step < cfg.steps:
+            if max_minutes is not None and time.perf_counter() - started > 60 * max_minutes:
+                break
+            if stop_after is not None and step >= stop_after:
+                break
+            if cursor >= len(order):
+                epoch, cursor = epoch + 1, 0
+                order = batches(data, train_idx, cfg.batch_tokens, random.Random(cfg.seed + epoch))
+            t0 = time.perf_counter()
+            batch = collate(data, order[cursor])
+            cursor += 1
+            for g in opt.param_groups:
+                g["lr"] = cfg.lr * schedule(step)
+            loss, parts = loss_fn(model, batch, target.embed, w_draft, cfg)
+            opt.zero_grad(set_to_none=True)
+            loss.backward()
+            torch.nn.utils.clip_grad_norm_(params, cfg.clip)
+            opt.step()
+            step += 1
+            tokens_seen += int(batch.length.sum())
+            seconds += time.perf_counter() - t0
+            value = float(loss.detach())
+            if step % 10 == 0 or step == 1:
+                history.append({"step": step, "loss": value, "ce": parts, "epoch": epoch})
+            if progress is not None:
+                progress(step, value, parts)
+            if step % cfg.ckpt_every == 0:
+                save_ckpt()
+            if step % cfg.eval_every == 0:
+                history.append({"step": step, "eval": evaluate(model, data, held, target, d2t, cfg.batch_tokens)})
+            if signals.pending is not None:
+                save_ckpt()
+                signals.stop_if_pending(step, ckpt_path)
     save_ckpt()
     report = {
         "kind": hcfg.kind, "target": target.name, "steps": step, "train_seconds": round(seconds, 1), "epochs": epoch,

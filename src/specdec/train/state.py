@@ -15,12 +15,18 @@ Three rules keep that honest:
 from __future__ import annotations
 
 import json
+import signal
+import sys
+import threading
 from pathlib import Path
 from typing import Any
 
 import torch
 
-from specdec.errors import ConfigError
+from specdec.errors import ConfigError, Terminated
+from specdec.outputs import write_text, write_whole
+
+__all__ = ["BetweenSteps", "check_resume", "load", "load_json", "save", "write_text"]
 
 
 def _unreadable(path: Path, exc: Exception) -> ConfigError:
@@ -54,16 +60,7 @@ def load_json(path: Path) -> dict | None:
 
 def save(obj: Any, path: Path) -> None:
     """``torch.save`` whole or not at all."""
-    tmp = path.with_name(path.name + ".tmp")
-    torch.save(obj, tmp)
-    tmp.replace(path)
-
-
-def write_text(path: Path, text: str) -> None:
-    """A text file written whole or not at all."""
-    tmp = path.with_name(path.name + ".tmp")
-    tmp.write_text(text, encoding="utf-8")
-    tmp.replace(path)
+    write_whole(path, lambda tmp: torch.save(obj, tmp))
 
 
 def check_resume(path: Path, saved: dict, wanted: dict, *, restart: str | None = None) -> None:
@@ -87,3 +84,43 @@ def _plain(value: Any) -> Any:
 def _show(value: Any) -> str:
     text = json.dumps(_plain(value))
     return text if len(text) <= 80 else text[:77] + "..."
+
+
+class BetweenSteps:
+    """Ctrl-C and SIGTERM held back while a training loop runs, so that a step is never cut in two:
+    the first one is noted (:attr:`pending`) and the loop, at the end of the step in progress,
+    saves its state and calls :meth:`stop`; a second one stops at once.  Outside the main thread
+    (where signals cannot be caught) nothing is held back."""
+
+    def __init__(self) -> None:
+        self.pending: int | None = None
+        self._previous: dict[int, Any] = {}
+
+    def __enter__(self) -> "BetweenSteps":
+        if threading.current_thread() is threading.main_thread():
+            self._previous = {s: signal.getsignal(s) for s in (signal.SIGINT, signal.SIGTERM)}
+            for s in self._previous:
+                signal.signal(s, self._note)
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        for s, handler in self._previous.items():
+            signal.signal(s, handler if handler is not None else signal.SIG_DFL)
+        self._previous = {}
+
+    def _note(self, signum: int, frame: Any) -> None:
+        if self.pending is not None:
+            self.pending = signum
+            self.stop()
+        self.pending = signum
+        print("\n[specdec] stopping after this step, its state saved (again to stop at once)", file=sys.stderr, flush=True)
+
+    def stop_if_pending(self, step: int, path: Path) -> None:
+        """Stop if a signal came: called once the loop has saved step ``step`` at ``path``."""
+        if self.pending is not None:
+            print(f"[specdec] saved at step {step} ({path}): the same command resumes there", file=sys.stderr)
+            self.stop()
+
+    def stop(self) -> None:
+        """Raise what the signal noted would have raised (SIGTERM: :class:`Terminated`)."""
+        raise Terminated() if self.pending == signal.SIGTERM else KeyboardInterrupt()
