@@ -298,3 +298,18 @@ def test_engine_config_refuses_values_of_the_wrong_kind(kwargs, says):
 
 def test_engine_config_takes_a_folder_as_a_path(tmp_path):
     assert EngineConfig(target=tmp_path, draft=tmp_path / "d") == EngineConfig(target=str(tmp_path), draft=str(tmp_path / "d"))
+
+
+@pytest.mark.parametrize("ids", [[1.9, 2.5, 7.2], [1, 2.0, 3], [True, 5], [1, 2**70]])
+def test_a_draft_vocabulary_of_floats_or_booleans_is_refused(tmp_path, ids):
+    """``torch.tensor(..., dtype=long)`` used to truncate them to other token ids without a word."""
+    import json
+
+    from specdec.engine import draft_vocabulary
+
+    (tmp_path / "config.json").write_text("{}")
+    (tmp_path / "draft_vocab.json").write_text(json.dumps({"ids": ids}))
+    with pytest.raises(ConfigError, match="not a draft vocabulary"):
+        draft_vocabulary(EngineConfig(), str(tmp_path))
+    (tmp_path / "draft_vocab.json").write_text(json.dumps({"ids": [1, 5, 9]}))
+    assert draft_vocabulary(EngineConfig(), str(tmp_path)).tolist() == [1, 5, 9]

@@ -292,8 +292,11 @@ def draft_vocabulary(cfg: EngineConfig, ref: str) -> torch.Tensor | None:
     if path is None or not path.is_file():
         return None
     try:
-        ids = torch.tensor(json.loads(path.read_text())["ids"], dtype=torch.long)
-    except (ValueError, KeyError, TypeError) as exc:
+        raw = json.loads(path.read_text())["ids"]
+        if not isinstance(raw, list) or not all(isinstance(i, int) and not isinstance(i, bool) for i in raw):
+            raise TypeError("the ids must be whole numbers")  # (a float or a bool would be truncated to one)
+        ids = torch.tensor(raw, dtype=torch.long)
+    except (ValueError, KeyError, TypeError, OverflowError) as exc:
         raise ConfigError(f"{path}: not a draft vocabulary ({type(exc).__name__}: {exc})".splitlines()[0]) from None
     if ids.ndim != 1 or ids.numel() == 0 or not bool((ids[1:] > ids[:-1]).all()) or int(ids[0]) < 0:
         raise ConfigError(f"{path}: the ids must be a non-empty, sorted list of distinct token ids")

@@ -204,3 +204,80 @@ def test_registry_names_and_errors(tmp_path, monkeypatch):
                 return ToyLM(4).new_cache()
 
         TargetSession(NoFeatures(), [1, 2], SamplingConfig(temperature=0.0), get_rule("greedy"), seed=0, feature_taps=())
+
+
+def _rewrite(folder, **changes):
+    """The checkpoint in ``folder`` with tensors replaced (None: removed) or config keys changed."""
+    from safetensors.torch import load_file, save_file
+
+    w = load_file(str(folder / "model.safetensors"))
+    for key, value in changes.get("tensors", {}).items():
+        if value is None:
+            w.pop(key)
+        else:
+            w[key] = value.contiguous()
+    save_file(w, str(folder / "model.safetensors"))
+    cfg = json.loads((folder / "config.json").read_text())
+    cfg["transformer_layer_config"].update(changes.get("layer", {}))
+    (folder / "config.json").write_text(json.dumps(cfg))
+
+
+@pytest.mark.parametrize("name, change, says", [
+    ("past_vocab", lambda w, ids: {"d2t": w["d2t"] + 1000}, "d2t must hold strictly increasing token ids in 0..63"),
+    ("negative", lambda w, ids: {"d2t": w["d2t"] - ids[0] - 1}, "strictly increasing"),
+    ("duplicates", lambda w, ids: {"d2t": -torch.arange(VD)}, "strictly increasing"),  # every index -> token 0
+    ("float", lambda w, ids: {"d2t": w["d2t"].float() + 0.7}, "integer offsets"),
+    ("short", lambda w, ids: {"d2t": w["d2t"][:-1]}, "integer offsets"),
+    ("t2d_count", lambda w, ids: {"t2d": torch.ones(V, dtype=torch.bool)},
+     r"t2d does not mark exactly its d2t's 20 target ids \(64 marked\)"),
+    ("t2d_other_ids", lambda w, ids: {"t2d": w["t2d"].roll(1)}, r"t2d does not mark exactly its d2t's 20 target ids \(20 marked\)"),
+    ("t2d_short", lambda w, ids: {"t2d": w["t2d"][:-1]}, "t2d must be a 0/1 mask"),
+    ("fc_shape", lambda w, ids: {"fc.weight": w["fc.weight"][:, :-1]},
+     r"fc.weight has shape \[32, 95\], its config implies \[32, 96\]"),
+    ("q_shape", lambda w, ids: {"layers.0.self_attn.q_proj.weight": w["layers.0.self_attn.q_proj.weight"][:-8]},
+     r"layers.0.self_attn.q_proj.weight has shape \[24, 64\]"),
+])
+def test_an_inconsistent_eagle3_checkpoint_is_a_one_line_error(tmp_path, name, change, says):
+    """A d2t that maps draft indices past the target's vocabulary, below 0 or twice to one token, of
+    floats, or a t2d that disagrees with it, used to load and fail (or silently mis-map) mid-generation;
+    a tensor of the wrong shape gave only "Error(s) in loading state_dict"."""
+    w, ids = _shared_checkpoint(tmp_path / name, layout="speculators")
+    _rewrite(tmp_path / name, tensors=change(w, ids))
+    with pytest.raises(ConfigError, match=says):
+        load_eagle3(tmp_path / name)
+    with pytest.raises(ConfigError, match="cannot load the draft head .*" + says) as err:
+        build(tmp_path / name, tiny_native())
+    assert "\n" not in str(err.value)
+
+
+def test_a_head_with_no_attention_heads_or_a_damaged_file_is_a_one_line_error(tmp_path):
+    _shared_checkpoint(tmp_path / "zero", layout="speculators")
+    _rewrite(tmp_path / "zero", layer={"num_attention_heads": 0})
+    _shared_checkpoint(tmp_path / "garbage", layout="speculators")
+    (tmp_path / "garbage" / "model.safetensors").write_bytes(b"\xff" * 8 + b"not a header")
+    for name, says in (("zero", "num_attention_heads must be at least 1"), ("garbage", "not a readable safetensors file")):
+        with pytest.raises(ConfigError, match=says):
+            load_eagle3(tmp_path / name)
+        with pytest.raises(ConfigError, match=says) as err:
+            build(tmp_path / name, tiny_native())
+        assert "\n" not in str(err.value)
+
+
+def test_our_format_checks_its_draft_vocabulary_too(tmp_path):
+    from safetensors.torch import load_file, save_file
+
+    from specdec.heads.modules import load_head
+
+    save_head(random_head("medusa", hidden=D, vocab=V, draft_vocab=VD), tmp_path / "m", dtype=torch.float32)
+    assert load_head(tmp_path / "m").d2t.numel() == VD
+    w = load_file(str(tmp_path / "m" / "model.safetensors"))
+    save_file(w | {"d2t": w["d2t"].flip(0)}, str(tmp_path / "m" / "model.safetensors"))
+    with pytest.raises(ConfigError, match="strictly increasing"):
+        load_head(tmp_path / "m")
+    (tmp_path / "m" / "model.safetensors").write_bytes(b"garbage!")
+    with pytest.raises(ConfigError, match="not a readable safetensors file"):
+        load_head(tmp_path / "m")
+    bad = random_head("medusa", hidden=D, vocab=V, draft_vocab=VD)
+    bad.d2t[-1] = V  # past the target's rows
+    with pytest.raises(ConfigError, match="strictly increasing token ids in 0..63"):
+        drafter_for(bad, tiny_native().embed)

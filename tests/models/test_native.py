@@ -2,12 +2,15 @@
 
 from __future__ import annotations
 
+import dataclasses
+
 import pytest
 import torch
 
+from specdec.errors import ConfigError
 from specdec.models.hf import HFCausalLM
 from specdec.models.linear import Int8Linear, int8_available, w8a8_available
-from specdec.models.native import NativeCausalLM
+from specdec.models.native import NativeCausalLM, NativeConfig
 from tiny import make_tiny
 
 
@@ -193,3 +196,66 @@ def test_a_long_run_of_new_rows_is_scored_in_pieces_bitwise(tmp_path, monkeypatc
     assert small.length == 1
     with pytest.raises(ValueError, match="context"):
         model.forward(torch.zeros(300, dtype=torch.long), model.new_cache())
+
+
+# ----------------------------------------------------------------------------- malformed configs and weights
+
+#: SmolLM2-135M's and Qwen2.5-Coder-0.5B's configs as their converted folders hold them (trimmed)
+SMOLLM2 = {"model_type": "llama", "vocab_size": 49152, "hidden_size": 576, "num_hidden_layers": 30, "num_attention_heads": 9,
+           "num_key_value_heads": 3, "head_dim": 64, "intermediate_size": 1536, "rms_norm_eps": 9.999999747378752e-06,
+           "rope_parameters": {"rope_theta": 100000.0, "rope_type": "default"}, "max_position_embeddings": 8192,
+           "tie_word_embeddings": True}
+QWEN = {"model_type": "qwen2", "vocab_size": 151936, "hidden_size": 896, "num_hidden_layers": 24, "num_attention_heads": 14,
+        "num_key_value_heads": 2, "intermediate_size": 4864, "rms_norm_eps": 9.999999974752427e-07,
+        "rope_parameters": {"rope_theta": 1000000.0, "rope_type": "default"}, "max_position_embeddings": 32768,
+        "sliding_window": None, "use_sliding_window": False, "max_window_layers": 28, "tie_word_embeddings": False}
+
+
+def test_the_shipped_configs_are_read():
+    assert NativeConfig.from_hf(SMOLLM2).head_dim == 64 and NativeConfig.from_hf(QWEN).head_dim == 64
+    older = {k: v for k, v in QWEN.items() if k != "rope_parameters"} | {"rope_theta": 1e6, "rope_scaling": None,
+                                                                          "num_key_value_heads": None, "head_dim": None}
+    cfg = NativeConfig.from_hf(older)
+    assert (cfg.rope_theta, cfg.n_kv_heads, cfg.head_dim) == (1e6, 14, 64)
+
+
+@pytest.mark.parametrize("change, field", [
+    ({"num_hidden_layers": 0}, "num_hidden_layers"), ({"num_hidden_layers": -1}, "num_hidden_layers"),
+    ({"num_hidden_layers": "2"}, "num_hidden_layers"), ({"num_hidden_layers": 2.5}, "num_hidden_layers"),
+    ({"num_hidden_layers": True}, "num_hidden_layers"), ({"hidden_size": "32"}, "hidden_size"),
+    ({"vocab_size": 0}, "vocab_size"), ({"intermediate_size": None}, "intermediate_size"),
+    ({"num_attention_heads": 0}, "num_attention_heads"), ({"num_key_value_heads": 0}, "num_key_value_heads"),
+    ({"num_key_value_heads": 2}, "num_key_value_heads"),  # 9 heads in groups of 2
+    ({"num_attention_heads": 7, "num_key_value_heads": 7, "head_dim": None}, "hidden_size"),  # 576 / 7
+    ({"head_dim": 7}, "head_dim"), ({"head_dim": 0}, "head_dim"),
+    ({"rms_norm_eps": -1e-6}, "rms_norm_eps"), ({"rms_norm_eps": float("nan")}, "rms_norm_eps"),
+    ({"rms_norm_eps": "x"}, "rms_norm_eps"),
+    ({"rope_parameters": {"rope_theta": 0.0}}, "rope_theta"), ({"rope_parameters": {"rope_theta": -1e4}}, "rope_theta"),
+    ({"rope_parameters": {"rope_theta": float("inf")}}, "rope_theta"), ({"rope_parameters": {"rope_theta": "abc"}}, "rope_theta"),
+    ({"rope_parameters": {"rope_theta": 10**400}}, "rope_theta"),
+    ({"rope_parameters": [1, 2]}, "rope_parameters"), ({"rope_scaling": "linear"}, "rope_scaling"),
+    ({"max_position_embeddings": 0}, "max_position_embeddings"), ({"max_position_embeddings": -5}, "max_position_embeddings"),
+    ({"max_position_embeddings": "8192"}, "max_position_embeddings"),
+])
+def test_a_malformed_config_is_refused_in_one_line_naming_the_field(change, field):
+    with pytest.raises(ConfigError, match=field) as err:
+        NativeConfig.from_hf({**SMOLLM2, **change})
+    assert "\n" not in str(err.value)
+
+
+def test_weights_of_layers_the_config_does_not_declare_are_refused():
+    """A config declaring fewer layers than the weights hold would run another model without a word
+    (the rest dropped); one declaring more, a KeyError.  A GGUF's leftover 4-bit blocks count too."""
+    from specdec.models.linear import quantize_q4_1
+    from tiny import tiny_llama_weights
+
+    cfg, w = tiny_llama_weights()
+    extra = {k.replace("layers.1.", "layers.2."): v.clone() for k, v in w.items() if ".layers.1." in k}
+    with pytest.raises(ConfigError, match=r"declares 2 layers but the weights hold layers 0\.\.2"):
+        NativeCausalLM(cfg, {**w, **extra})
+    with pytest.raises(ConfigError, match=r"declares 3 layers but the weights hold layers 0\.\.1"):
+        NativeCausalLM(dataclasses.replace(cfg, n_layers=3), dict(w))
+    blocks = {"model.layers.2.mlp.up_proj.weight": quantize_q4_1(w["model.layers.1.mlp.up_proj.weight"])}
+    with pytest.raises(ConfigError, match=r"declares 2 layers but the weights hold layers 0\.\.2"):
+        NativeCausalLM(cfg, dict(w), quant="q4", q4_blocks=blocks)
+    NativeCausalLM(cfg, dict(w))  # as declared: fine

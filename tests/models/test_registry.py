@@ -698,3 +698,27 @@ def test_the_tokenizer_and_the_calibration_share_one_parse_of_tokenizer_json(tmp
     ref = TokenizersBackend.from_pretrained(str(tmp_path))
     assert tok.encode(quantize.CALIBRATION_TEXT) == ref.encode(quantize.CALIBRATION_TEXT)  # neither truncates
     assert len(tok.encode(quantize.CALIBRATION_TEXT)) > 7
+
+
+def test_a_tokenizer_with_ids_past_the_models_vocabulary_is_refused(tmp_path):
+    """Such an id (a 1000-row model beside the 49,152-token tokenizer; an added token past the
+    embedding) used to end in an IndexError traceback at the first prompt that held it."""
+    import json
+
+    from tiny import make_tiny
+
+    from specdec.errors import ConfigError
+
+    folder = make_tiny(tmp_path / "m", layers=1, hidden=16)
+    assert registry.load(str(folder)).vocab_size == 49152  # as made: fits
+    spec = json.loads((folder / "tokenizer.json").read_text())
+    spec["added_tokens"].append({"id": 49152, "content": "<|zz|>", "single_word": False, "lstrip": False, "rstrip": False,
+                                 "normalized": False, "special": True})
+    (folder / "tokenizer.json").write_text(json.dumps(spec))
+    with pytest.raises(ConfigError, match="ids up to 49152, past the model's vocabulary of 49152"):
+        registry.load(str(folder))
+    config = json.loads((folder / "config.json").read_text())
+    (folder / "config.json").write_text(json.dumps(config | {"vocab_size": 1000}))
+    with pytest.raises(ConfigError, match="ids up to 49152, past the model's vocabulary of 1000") as err:
+        registry.load(str(folder))
+    assert "\n" not in str(err.value)

@@ -9,6 +9,9 @@ loss and resumes from a checkpoint to the very same weights.
 
 from __future__ import annotations
 
+import json
+from dataclasses import asdict
+
 import pytest
 import torch
 
@@ -110,6 +113,26 @@ def test_report_and_file_round_trip(tmp_path):
         self_spec.build(f"kangaroo:{tmp_path / 'bad.safetensors'}", MODEL, "tiny")
     with pytest.raises(ConfigError, match="another shape"):
         KangarooView(tiny_native(vocab=11, layers=3), back)
+
+
+def test_a_damaged_adapter_card_or_shape_is_a_one_line_error(tmp_path):
+    """A card that is not a JSON object used to end in a JSONDecodeError traceback; a file of another
+    shape in "Error(s) in loading state_dict", its tensors on further lines."""
+    from safetensors.torch import load_file, save_file
+
+    adapter = kt.new_adapter(MODEL, 2, seed=1)
+    save_adapter(adapter, tmp_path / "a.safetensors")
+    tensors = load_file(str(tmp_path / "a.safetensors"))
+    meta = {"format": "specdec-kangaroo-adapter", "config": json.dumps(asdict(adapter.cfg))}
+    save_file(tensors, str(tmp_path / "card.safetensors"), metadata=meta | {"card": "{not json"})
+    save_file(tensors, str(tmp_path / "list.safetensors"), metadata=meta | {"card": "[1]"})
+    wide = json.dumps(asdict(adapter.cfg) | {"n_heads": 2 * adapter.cfg.n_heads})
+    save_file(tensors, str(tmp_path / "wide.safetensors"), metadata=meta | {"config": wide})
+    for name, says in (("card", "Expecting property name"), ("list", "card is not a JSON object"),
+                       ("wide", "size mismatch for qkv: copying a param with shape")):
+        with pytest.raises(ConfigError, match=says) as err:
+            load_adapter(tmp_path / f"{name}.safetensors")
+        assert "\n" not in str(err.value)
 
 
 SAMPLING = [

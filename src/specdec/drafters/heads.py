@@ -39,7 +39,7 @@ from specdec.catalog import HEADS, is_head_folder  # noqa: F401 - re-exported
 from specdec.drafters.base import Draft, DraftChain, DraftSampler
 from specdec.drafters.tree_builder import TreeSpec, build_tree
 from specdec.errors import ConfigError
-from specdec.heads.modules import KINDS, MTP, Eagle, HeadConfig, Medusa
+from specdec.heads.modules import KINDS, MTP, Eagle, HeadConfig, Medusa, check_vocab_map
 from specdec.heads.runtime import LayerCache, input_rows, run_layer, stored_layout
 from specdec.models.base import full_vocab, layer_count
 from specdec.verify import Verdict
@@ -345,6 +345,7 @@ class MTPDrafter(HeadDrafter):
 
 
 def drafter_for(head: Any, embed: Tensor, *, name: str = "") -> HeadDrafter:
+    check_vocab_map(head.d2t, head.cfg.draft_vocab, int(embed.shape[0]))  # its ids index this target's rows
     if isinstance(head, Eagle):
         return EagleDrafter(head, embed, name=name)
     if isinstance(head, Medusa):
@@ -485,9 +486,11 @@ def build(ref: Path, target: Any, *, label: str | None = None, int8_head: bool =
     if getattr(target, "forward_features", None) is None:
         raise ConfigError("target-aware drafters need a target that exposes its hidden states (the native or hf backend)")
     n_layers = layer_count(target)
+    from safetensors import SafetensorError
+
     try:
         head = load_any(ref, target_layers=n_layers)
-    except (OSError, ValueError, KeyError, RuntimeError, TypeError) as exc:
+    except (OSError, ValueError, KeyError, RuntimeError, TypeError, ZeroDivisionError, SafetensorError) as exc:
         raise ConfigError(f"cannot load the draft head in {ref}: {type(exc).__name__}: {exc}".splitlines()[0]) from None
     from specdec.models.linear import bf16_fast, int8_available
 

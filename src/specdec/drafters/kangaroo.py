@@ -157,12 +157,16 @@ def load_adapter(path: str | Path, *, dtype: torch.dtype = torch.float32) -> tup
         if meta.get("format") != "specdec-kangaroo-adapter":
             raise ValueError("not written by `specdec train kangaroo`")
         cfg = AdapterConfig(**json.loads(meta["config"]))
+        card = json.loads(meta.get("card", "{}"))
+        if not isinstance(card, dict):
+            raise ValueError("its card is not a JSON object")
         adapter = Adapter(cfg)
         adapter.load_state_dict({k: v.to(torch.float32) for k, v in tensors.items()})
     except (OSError, ValueError, KeyError, TypeError, RuntimeError, SafetensorError) as exc:
-        raise ConfigError(f"cannot read kangaroo adapter {str(p)!r}: {exc}") from None
+        detail = " ".join(str(exc).split())  # one line (a state_dict mismatch lists its tensors on lines of their own)
+        raise ConfigError(f"cannot read kangaroo adapter {str(p)!r}: {detail}") from None
     adapter.to(dtype).eval().requires_grad_(False)
-    return adapter, json.loads(meta.get("card", "{}"))
+    return adapter, card
 
 
 shipped_targets = adapter_targets

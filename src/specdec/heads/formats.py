@@ -38,7 +38,8 @@ import torch
 from torch import Tensor, nn
 
 from specdec.catalog import is_eagle3_checkpoint  # noqa: F401 - the format's test, torch-free
-from specdec.heads.modules import Eagle, HeadConfig
+from specdec.errors import ConfigError
+from specdec.heads.modules import Eagle, HeadConfig, check_vocab_map, load_state, read_safetensors
 
 _LAYER = {  # our parameter name -> theirs, inside the decoder layer
     "layer.attn.q.weight": "self_attn.q_proj.weight",
@@ -75,13 +76,11 @@ class SharedEagle3(Eagle):
 
 
 def _read_tensors(folder: Path) -> dict[str, Tensor]:
-    from safetensors.torch import load_file
-
     files = sorted(folder.glob("*.safetensors"))
     state: dict[str, Tensor] = {}
     if files:
         for f in files:
-            state.update(load_file(str(f)))
+            state.update(read_safetensors(f))
     elif (folder / "pytorch_model.bin").is_file():
         state = torch.load(folder / "pytorch_model.bin", map_location="cpu", weights_only=True)
     else:
@@ -97,6 +96,8 @@ def load_eagle3(folder: Path, *, target_layers: int | None = None) -> Eagle:
     prefix = "layers.0." if any(k.startswith("layers.0.") for k in state) else "midlayer."
     d = int(layer_cfg["hidden_size"])
     heads = int(layer_cfg["num_attention_heads"])
+    if heads < 1:
+        raise ConfigError(f"the head's num_attention_heads must be at least 1, got {heads}")
     lm = state["lm_head.weight"]
     draft_vocab = int(raw.get("draft_vocab_size") or lm.shape[0])
     vocab = int(layer_cfg.get("vocab_size") or raw.get("vocab_size"))
@@ -129,8 +130,14 @@ def load_eagle3(folder: Path, *, target_layers: int | None = None) -> Eagle:
         mine["fc.bias"] = state["fc.bias"]
     offsets = state.get("d2t")
     base = torch.arange(draft_vocab)
+    if offsets is not None and (offsets.is_floating_point() or offsets.dtype == torch.bool
+                                or tuple(offsets.shape) != (draft_vocab,)):
+        raise ConfigError(f"the head's d2t must be {draft_vocab} integer offsets,"
+                          f" got {offsets.dtype} of shape {list(offsets.shape)}")
     mine["d2t"] = base + offsets.long() if offsets is not None else base
-    head.load_state_dict({k: (v.float() if v.is_floating_point() else v) for k, v in mine.items()})
+    check_vocab_map(mine["d2t"], draft_vocab, vocab, state.get("t2d"))
+    names = {ours: prefix + theirs for ours, theirs in _LAYER.items()}
+    load_state(head, {k: (v.float() if v.is_floating_point() else v) for k, v in mine.items()}, names)
     return head.eval()
 
 

@@ -36,6 +36,7 @@ import torch.nn.functional as F
 from torch import Tensor, nn
 
 from specdec.catalog import HEAD_KINDS
+from specdec.errors import ConfigError
 
 KINDS = HEAD_KINDS  # the kinds specdec trains and runs (one list, in the torch-free catalog)
 
@@ -65,6 +66,14 @@ class HeadConfig:
     def __post_init__(self) -> None:
         if self.kind not in KINDS:
             raise ValueError(f"unknown head kind {self.kind!r}; choose one of {', '.join(KINDS)}")
+        for name in ("hidden_size", "n_heads", "n_kv_heads", "head_dim", "intermediate_size", "target_vocab", "draft_vocab",
+                     "depth"):
+            value = getattr(self, name)
+            if not isinstance(value, int) or isinstance(value, bool) or value < 1:
+                raise ConfigError(f"a head's {name} must be a whole number, at least 1; got {value!r}")
+        if self.n_heads % self.n_kv_heads or self.head_dim % 2:
+            raise ConfigError(f"a head's n_heads ({self.n_heads}) must be a multiple of n_kv_heads ({self.n_kv_heads})"
+                              f" and its head_dim ({self.head_dim}) even")
 
     def to_json(self) -> str:
         return json.dumps(asdict(self), indent=1)
@@ -286,13 +295,61 @@ def save_head(module: nn.Module, folder: Path, *, dtype: torch.dtype = torch.flo
 
 
 def load_head(folder: Path) -> nn.Module:
-    from safetensors.torch import load_file
-
     cfg = HeadConfig.from_json((folder / "config.json").read_text())
     module = build(cfg)
-    state = {k: v.float() if v.is_floating_point() else v for k, v in load_file(str(folder / "model.safetensors")).items()}
-    module.load_state_dict(state)
+    state = read_safetensors(folder / "model.safetensors")
+    if "d2t" in state:
+        check_vocab_map(state["d2t"], cfg.draft_vocab, cfg.target_vocab)
+    load_state(module, {k: v.float() if v.is_floating_point() else v for k, v in state.items()})
     return module.eval()
+
+
+def read_safetensors(path: Path) -> dict[str, Tensor]:
+    """The tensors of ``path``; a damaged file is a one-line :class:`ConfigError`."""
+    from safetensors import SafetensorError
+    from safetensors.torch import load_file
+
+    try:
+        return load_file(str(path))
+    except SafetensorError as exc:
+        raise ConfigError(f"{path} is not a readable safetensors file ({exc})".splitlines()[0]) from None
+
+
+def check_vocab_map(d2t: Tensor, draft_vocab: int, vocab: int, t2d: Tensor | None = None) -> None:
+    """A head's draft vocabulary ``d2t`` (draft index -> target id) must be ``draft_vocab`` integer
+    ids, strictly increasing, in ``0 .. vocab - 1``; a ``t2d`` mask (the shared format's), where
+    given, marks exactly those ids among ``vocab``."""
+    if d2t.is_floating_point() or d2t.is_complex() or d2t.dtype == torch.bool or tuple(d2t.shape) != (draft_vocab,):
+        raise ConfigError(f"a head's d2t must be {draft_vocab} integer token ids, got {d2t.dtype} of shape {list(d2t.shape)}")
+    ids = d2t.long()
+    if draft_vocab and (int(ids.min()) < 0 or int(ids.max()) >= vocab or not bool((ids[1:] > ids[:-1]).all())):
+        raise ConfigError(f"a head's d2t must hold strictly increasing token ids in 0..{vocab - 1},"
+                          f" got ids from {int(ids.min())} to {int(ids.max())}")
+    if t2d is not None:
+        if t2d.dim() != 1 or t2d.numel() != vocab or not bool(((t2d == 0) | (t2d == 1)).all()):
+            raise ConfigError(f"a head's t2d must be a 0/1 mask over the {vocab} target ids,"
+                              f" got {t2d.dtype} of shape {list(t2d.shape)}")
+        mask = t2d.bool()
+        if int(mask.sum()) != draft_vocab or not bool(mask[ids].all()):
+            raise ConfigError(f"a head's t2d does not mark exactly its d2t's {draft_vocab} target ids"
+                              f" ({int(mask.sum())} marked)")
+
+
+def load_state(module: nn.Module, state: dict[str, Tensor], names: dict[str, str] | None = None) -> None:
+    """``module.load_state_dict(state)``, with a one-line error naming the first tensor missing, extra
+    or of the wrong shape (``names``: a tensor's name in the file, by the module's name, where they differ)."""
+    own = module.state_dict()
+    named = (names or {}).get
+    for key, want in own.items():
+        if key not in state:
+            raise ConfigError(f"the head's file lacks the tensor {named(key, key)}")
+        if tuple(state[key].shape) != tuple(want.shape):
+            raise ConfigError(f"the head's tensor {named(key, key)} has shape {list(state[key].shape)},"
+                              f" its config implies {list(want.shape)}")
+    extra = sorted(set(state) - set(own))
+    if extra:
+        raise ConfigError(f"the head's file holds a tensor its config has no place for: {named(extra[0], extra[0])}")
+    module.load_state_dict(state)
 
 
 def param_count(module: nn.Module) -> int:

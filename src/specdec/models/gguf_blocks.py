@@ -69,8 +69,12 @@ def gguf_architecture(path: str | Path) -> str:
     """The ``general.architecture`` a GGUF file declares (``llama``, ``qwen2``, ``gemma3``, ...)."""
     try:
         return _read_header(path).arch
-    except (struct.error, UnicodeDecodeError) as exc:
+    except _DAMAGED as exc:
         raise ValueError(f"{path} is not a readable GGUF file ({type(exc).__name__})") from None
+
+
+#: what parsing a damaged or hostile GGUF raises (a count past the file, nesting, a bad field)
+_DAMAGED = (struct.error, UnicodeDecodeError, OverflowError, RecursionError, ValueError, RuntimeError, MemoryError)
 
 
 def _read_header(path: str | Path) -> _Header:
@@ -92,14 +96,18 @@ def _parse_header(path: str, size: int, mtime_ns: int) -> _Header:  # size, mtim
             pos += struct.calcsize("<" + fmt)
             return value
 
-        def string() -> str:
+        def skip(n: int) -> None:  # past n bytes that the file must hold
             nonlocal pos
-            n = unpack("Q")
+            if n > len(buf) - pos:
+                raise ValueError(f"{path}: the GGUF header runs past the end of the file")
             pos += n
+
+        def string() -> str:
+            n = unpack("Q")
+            skip(n)
             return buf[pos - n : pos].decode("utf-8", "replace")
 
-        def value(kind: int):
-            nonlocal pos
+        def value(kind: int, nested: bool = False):
             if kind in _SCALARS:
                 return unpack(_SCALARS[kind])
             if kind == 8:
@@ -107,14 +115,20 @@ def _parse_header(path: str, size: int, mtime_ns: int) -> _Header:  # size, mtim
             if kind == 9:
                 inner, count = unpack("I"), unpack("Q")
                 if inner in _SCALARS:  # skipped whole
-                    pos += count * struct.calcsize(_SCALARS[inner])
+                    skip(count * struct.calcsize(_SCALARS[inner]))
                 elif inner == 8:  # strings (a vocabulary, merges): skipped, never decoded
                     length = struct.Struct("<Q").unpack_from
+                    if count > (len(buf) - pos) // 8:
+                        raise ValueError(f"{path}: a GGUF array holds more strings than the file has room for")
                     for _ in range(count):
-                        pos += 8 + length(buf, pos)[0]
-                else:
+                        skip(8 + length(buf, pos)[0])
+                elif inner == 9 and nested:
+                    raise ValueError(f"{path}: GGUF arrays nested more than one deep")
+                else:  # arrays of arrays: each at least 12 bytes
+                    if count > (len(buf) - pos) // 12:
+                        raise ValueError(f"{path}: a GGUF array holds more entries than the file has room for")
                     for _ in range(count):
-                        value(inner)
+                        value(inner, nested=True)
                 return None
             raise ValueError(f"unknown GGUF value type {kind}")
 
@@ -123,6 +137,9 @@ def _parse_header(path: str, size: int, mtime_ns: int) -> _Header:  # size, mtim
         pos = 4
         unpack("I")  # version
         n_tensors, n_kv = unpack("Q"), unpack("Q")
+        # a key-value record takes at least 13 bytes (key length, type, a one-byte value), a tensor's 24
+        if n_kv > len(buf) // 13 or n_tensors > len(buf) // 24:
+            raise ValueError(f"{path}: the GGUF header counts more records than the file has room for")
         meta = {}
         for _ in range(n_kv):
             key = string()
@@ -132,7 +149,9 @@ def _parse_header(path: str, size: int, mtime_ns: int) -> _Header:  # size, mtim
             name = string()
             dims = [unpack("Q") for _ in range(unpack("I"))]
             tensors.append((name, dims, unpack("I"), unpack("Q")))
-        alignment = int(meta.get("general.alignment") or 32)
+        alignment = meta.get("general.alignment") or 32
+        if not isinstance(alignment, int) or isinstance(alignment, bool) or alignment < 1:
+            raise ValueError(f"{path}: general.alignment must be a positive whole number, got {alignment!r}")
         data_start = -(-pos // alignment) * alignment
     return _Header(str(meta.get("general.architecture") or ""), alignment, data_start, tensors)
 
@@ -159,7 +178,7 @@ def ships_q4(ref: str) -> bool:
         return False
     try:
         header = _read_header(path)
-    except (OSError, ValueError, struct.error, UnicodeDecodeError):
+    except (OSError, *_DAMAGED):
         return False  # an unreadable file is reported when it is loaded
     sizes = [(kind, math.prod(dims)) for name, dims, kind, _ in header.tensors if _layer_name(name)]
     total = sum(n for _, n in sizes)
@@ -170,7 +189,20 @@ def read_q4_blocks(path: str | Path, n_heads: int, n_kv_heads: int, *, q6: bool 
     """Every Q4_0 / Q4_1 / Q4_K layer matrix of the GGUF at ``path``, by Hugging Face weight name
     (Q4_K as Q4_1 blocks: see :func:`q4_k_blocks`), and with ``q6`` every Q6_K one (as
     :class:`Q6Blocks`: see :func:`q6_k_blocks`) and an untied LM head of any of those types
-    (``output.weight``, as ``lm_head.weight``)."""
+    (``output.weight``, as ``lm_head.weight``).  A damaged file is a one-line :class:`ConfigError`."""
+    from specdec.errors import ConfigError
+
+    try:
+        return _read_blocks(path, n_heads, n_kv_heads, q6=q6)
+    except _DAMAGED as exc:
+        raise ConfigError(f"cannot read the 4-bit blocks of {path} ({type(exc).__name__}: {exc})".splitlines()[0]) from None
+
+
+#: inputs per block and bytes per block of the block types read here
+_BLOCK_BYTES = {2: (32, 18), 3: (32, 20), _Q4_K: (256, _Q4_K_BYTES), _Q6_K: (256, _Q6_K_BYTES)}
+
+
+def _read_blocks(path: str | Path, n_heads: int, n_kv_heads: int, *, q6: bool) -> dict[str, Q4Blocks | Q6Blocks]:
     header = _read_header(path)
     data = np.memmap(path, dtype=np.uint8, mode="r")
     out: dict[str, Q4Blocks | Q6Blocks] = {}
@@ -179,8 +211,11 @@ def read_q4_blocks(path: str | Path, n_heads: int, n_kv_heads: int, *, q6: bool 
         hf = "lm_head.weight" if q6 and name == "output.weight" else _layer_name(name)
         if hf is None or kind not in kinds:
             continue
-        k, n = dims[0], math.prod(dims[1:])  # inputs (inner), outputs
+        k, n = (dims or [0])[0], math.prod(dims[1:])  # inputs (inner), outputs
         start = header.data_start + offset
+        per_block, block_bytes = _BLOCK_BYTES[kind]
+        if k < 1 or k % per_block or start + n * (k // per_block) * block_bytes > len(data):
+            raise ValueError(f"tensor {name} of {dims} does not fit whole blocks inside the file")
         if kind == _Q6_K:
             raw = np.array(data[start : start + n * (k // 256) * _Q6_K_BYTES])
             b = q6_k_blocks(torch.from_numpy(raw).view(n, k // 256, _Q6_K_BYTES))

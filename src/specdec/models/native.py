@@ -93,6 +93,9 @@ class NativeConfig:
         model_type = cfg.get("model_type", "")
         if model_type not in SUPPORTED:
             raise ConfigError(f"native backend supports {SUPPORTED}, not {model_type!r}; use --backend hf")
+        for key in ("rope_parameters", "rope_scaling"):
+            if cfg.get(key) is not None and not isinstance(cfg[key], dict):
+                raise ConfigError(f"config.json: {key} must be an object, got {cfg[key]!r}")
         rope = cfg.get("rope_parameters") or cfg.get("rope_scaling") or {}
         gemma = model_type == "gemma3_text"
         local_theta = None
@@ -105,7 +108,8 @@ class NativeConfig:
             if not by_kind and rope:
                 raise ConfigError("rope scaling is not supported by the native backend for Gemma 3")
             theta = full.get("rope_theta", cfg.get("rope_theta", 1_000_000.0))
-            local_theta = float(local.get("rope_theta", cfg.get("rope_local_base_freq", 10_000.0)))
+            local_theta = _number("rope_local_base_freq", local.get("rope_theta", cfg.get("rope_local_base_freq", 10_000.0)),
+                                  positive=True)
             for name in ("final_logit_softcapping", "attn_logit_softcapping"):
                 if cfg.get(name) is not None:
                     raise ConfigError(f"{name} is not supported by the native backend; use --backend hf")
@@ -118,19 +122,30 @@ class NativeConfig:
             if rope_type not in ("default", None):
                 raise ConfigError(f"rope scaling {rope_type!r} is not supported by the native backend")
             theta = rope.get("rope_theta", cfg.get("rope_theta", 10000.0)) if rope else cfg.get("rope_theta", 10000.0)
-        heads = cfg["num_attention_heads"]
+        theta = _number("rope_theta", theta, positive=True)
+        hidden, heads = _count(cfg, "hidden_size"), _count(cfg, "num_attention_heads")
+        kv_heads = _count(cfg, "num_key_value_heads", heads)
+        if heads % kv_heads:
+            raise ConfigError(f"config.json: num_attention_heads ({heads}) must be a multiple of num_key_value_heads ({kv_heads})")
+        if cfg.get("head_dim") is None and hidden % heads:
+            raise ConfigError(f"config.json: hidden_size ({hidden}) must be a multiple of num_attention_heads ({heads})"
+                              " where head_dim is not given")
+        head_dim = _count(cfg, "head_dim", hidden // heads)
+        if head_dim % 2:
+            raise ConfigError(f"config.json: head_dim must be even (the rotary embedding turns pairs), got {head_dim}")
+        n_layers = _count(cfg, "num_hidden_layers")
         window, windowed = layer_windows(cfg)
         return cls(
             model_type=model_type,
-            vocab_size=cfg["vocab_size"],
-            hidden_size=cfg["hidden_size"],
-            n_layers=cfg["num_hidden_layers"],
+            vocab_size=_count(cfg, "vocab_size"),
+            hidden_size=hidden,
+            n_layers=n_layers,
             n_heads=heads,
-            n_kv_heads=cfg.get("num_key_value_heads", heads),
-            head_dim=cfg.get("head_dim") or cfg["hidden_size"] // heads,
-            intermediate_size=cfg["intermediate_size"],
-            rms_eps=float(cfg.get("rms_norm_eps", 1e-6)),
-            rope_theta=float(theta),
+            n_kv_heads=kv_heads,
+            head_dim=head_dim,
+            intermediate_size=_count(cfg, "intermediate_size"),
+            rms_eps=_number("rms_norm_eps", cfg.get("rms_norm_eps", 1e-6), positive=False),
+            rope_theta=theta,
             max_length=context_length(cfg),
             tie_embeddings=bool(cfg.get("tie_word_embeddings", False)),
             attention_bias=model_type == "qwen2" or bool(cfg.get("attention_bias", False)),
@@ -138,9 +153,32 @@ class NativeConfig:
             sliding_window=window,
             windowed=windowed,
             gemma=gemma,
-            query_scale=float(cfg.get("query_pre_attn_scalar", 256)) ** -0.5 if gemma else None,
-            local_rope_theta=local_theta if local_theta is not None and local_theta != float(theta) else None,
+            query_scale=(_number("query_pre_attn_scalar", cfg.get("query_pre_attn_scalar", 256), positive=True) ** -0.5
+                         if gemma else None),
+            local_rope_theta=local_theta if local_theta is not None and local_theta != theta else None,
         )
+
+
+def _count(cfg: dict, key: str, default: Any = None) -> int:
+    """``cfg[key]`` (``default`` where it is absent or null) as a whole number of at least 1, or a
+    one-line error naming the field (a bool is not a count)."""
+    value = cfg.get(key)
+    value = default if value is None else value
+    if not isinstance(value, int) or isinstance(value, bool) or value < 1:
+        raise ConfigError(f"config.json: {key} must be a whole number, at least 1; got {value!r}")
+    return value
+
+
+def _number(key: str, value: Any, *, positive: bool) -> float:
+    """``value`` (the config field ``key``) as a finite float, above zero where ``positive``, else
+    at least zero; or a one-line error naming the field."""
+    try:
+        number = float(value) if isinstance(value, (int, float)) and not isinstance(value, bool) else math.nan
+    except OverflowError:  # an integer past float's range
+        number = math.inf
+    if not math.isfinite(number) or number < 0 or (positive and number == 0):
+        raise ConfigError(f"config.json: {key} must be a finite number {'above' if positive else 'of at least'} 0; got {value!r}")
+    return number
 
 
 @dataclass
@@ -169,7 +207,7 @@ class _Layer:
 def context_length(cfg: dict) -> int:
     """The longest context the native backend runs the model of config ``cfg``: its
     ``max_position_embeddings`` (sliding-window layers included: see :func:`layer_windows`)."""
-    return int(cfg.get("max_position_embeddings", 2048))
+    return _count(cfg, "max_position_embeddings", 2048)
 
 
 #: a config key of specdec's own (Hugging Face ignores it): a sliding window over every layer. The
@@ -646,6 +684,15 @@ class _LayerByLayer:
         return W8A8Linear(weight, rec.bias, smooth=smoothing(rec.absmax, weight), wide=kernel == "mixed")
 
 
+def _check_layer_count(cfg: NativeConfig, names: list[str], *, complete: bool) -> None:
+    """Refuse weights (or a GGUF's blocks) of layers past the config's count, which would be dropped
+    without a word, and, where ``names`` are the whole model's (``complete``), a last layer missing."""
+    held = [int(n.split(".")[2]) for n in names if n.startswith("model.layers.") and n.split(".")[2].isdigit()]
+    last = max(held, default=-1)
+    if last >= cfg.n_layers or (complete and held and last < cfg.n_layers - 1):
+        raise ConfigError(f"config.json declares {cfg.n_layers} layers but the weights hold layers 0..{last}")
+
+
 class NativeCausalLM:
     """A Llama-family causal LM implementing :class:`specdec.models.base.LanguageModel`."""
 
@@ -679,6 +726,7 @@ class NativeCausalLM:
         with ``int8_kernel`` already resolved; no calibration runs (:mod:`specdec.models.quantised_cache`)."""
         if quant not in (None, "int8", "q4"):
             raise ConfigError(f"unknown quantisation {quant!r}; the native backend offers int8 and q4")
+        _check_layer_count(cfg, [*weights, *(q4_blocks or {})], complete=quantised is None)
         self.cfg = cfg
         #: "int8": every linear layer and the LM head as W8A8Linear (int8 weights per output
         #: channel, int8 activations per row, exact int32 accumulation; batch-invariant)

@@ -567,6 +567,7 @@ def load(
                 " check the id and the network, or with no network set HF_HUB_OFFLINE=1 to read the local cache only"
             ) from None
         cfg = model.model.config.to_dict()
+        check_tokenizer_fits(resolved.name, tokenizer, model.vocab_size)
         return LoadedModel(resolved.name, model, tokenizer, None, "hf", _eos_ids(None, tokenizer, cfg))
     folder = resolved.folder
     cfg = check_model_folder(folder)
@@ -574,6 +575,8 @@ def load(
         tokenizer = tokenizer_of.tokenizer
     else:
         tokenizer = load_tokenizer(folder)
+    if isinstance(cfg.get("vocab_size"), int):  # before the model is built: a quantised one encodes calibration text
+        check_tokenizer_fits(resolved.name, tokenizer, cfg["vocab_size"])
     has_safetensors = any(folder.glob("*.safetensors"))
     use_native = backend == "native" or (backend == "auto" and cfg.get("model_type") in SUPPORTED and has_safetensors)
     if use_native:
@@ -590,7 +593,20 @@ def load(
         kind = "hf"
     else:
         raise SpecdecError(f"unknown backend {backend!r}; choose auto, native or hf")
+    check_tokenizer_fits(resolved.name, tokenizer, model.vocab_size)
     return LoadedModel(resolved.name, model, tokenizer, folder, kind, _eos_ids(folder, tokenizer, cfg))
+
+
+def check_tokenizer_fits(name: str, tokenizer: Any, vocab_size: int) -> None:
+    """Refuse a tokenizer whose ids reach past the model's ``vocab_size`` rows (a smaller tokenizer,
+    as Qwen's beside its padded embedding, is fine).  Its largest id is taken as its size less one or
+    its largest added token's, whichever is larger: at most a few ms, where reading the whole vocabulary
+    costs 0.1-0.25 s for the shipped models (an id past the size inside the base vocabulary is missed)."""
+    added = tokenizer.get_added_vocab() if hasattr(tokenizer, "get_added_vocab") else {}
+    largest = max(len(tokenizer) - 1, *added.values()) if added else len(tokenizer) - 1
+    if largest >= vocab_size:
+        raise ConfigError(f"{name}: its tokenizer has ids up to {largest}, past the model's vocabulary of {vocab_size}"
+                          " (vocab_size in config.json); the tokenizer is not this model's")
 
 
 def _source_gguf(ref: str, resolved: ResolvedModel) -> Path | None:

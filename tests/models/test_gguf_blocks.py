@@ -1,0 +1,79 @@
+"""The GGUF header reader that runs before conversion (:mod:`specdec.models.gguf_blocks`) on damaged
+or hostile files: counts past the file, deep nesting, data past the end.  Each gives the outcome the
+function gives for a damaged header (a ValueError, False, a one-line ConfigError), never a crash,
+and reads at most what the file holds."""
+
+from __future__ import annotations
+
+import struct
+
+import pytest
+
+from specdec.errors import ConfigError
+from specdec.models.gguf_blocks import gguf_architecture, read_q4_blocks, ships_q4
+
+
+def _s(text: bytes) -> bytes:  # a GGUF string: length, bytes
+    return struct.pack("<Q", len(text)) + text
+
+
+def _gguf(records: bytes, *, n_kv: int, n_tensors: int = 0, tensors: bytes = b"") -> bytes:
+    return b"GGUF" + struct.pack("<IQQ", 3, n_tensors, n_kv) + records + tensors
+
+
+ARCH = _s(b"general.architecture") + struct.pack("<I", 8) + _s(b"llama")
+
+
+def _nested(depth: int) -> bytes:
+    """A key whose value is arrays of arrays ``depth`` deep, the innermost holding one uint32."""
+    body = struct.pack("<IQ", 4, 1) + struct.pack("<I", 7)
+    for _ in range(depth - 1):
+        body = struct.pack("<IQ", 9, 1) + body
+    return _s(b"x") + struct.pack("<I", 9) + body
+
+
+#: a string whose length runs far past any file (and past a C ssize_t once added to the position)
+HUGE = struct.pack("<Q", 2**64 - 1)
+
+
+DAMAGED = [
+    ("n_kv_huge", _gguf(ARCH + _s(b"k") + struct.pack("<I", 8) + HUGE + b"\0" * 64, n_kv=2**63)),
+    ("n_tensors_huge", _gguf(ARCH, n_kv=1, n_tensors=2**63, tensors=HUGE + b"\0" * 64)),
+    ("string_past_the_end", _gguf(HUGE + b"abc", n_kv=1)),
+    ("strings_past_the_end", _gguf(ARCH + _s(b"v") + struct.pack("<IIQ", 9, 8, 2**63) + HUGE + b"\0" * 80, n_kv=2)),
+    ("scalars_past_the_end", _gguf(ARCH + _s(b"v") + struct.pack("<IIQ", 9, 4, 2**61) + b"\0" * 80, n_kv=2)),
+    ("nested_deep", _gguf(ARCH + _nested(100_000), n_kv=2)),
+    ("nested_two_deep", _gguf(ARCH + _nested(3), n_kv=2)),
+    ("alignment_negative", _gguf(ARCH + _s(b"general.alignment") + struct.pack("<Ii", 5, -32), n_kv=2)),
+]
+
+
+@pytest.mark.parametrize("name, data", DAMAGED, ids=[name for name, _ in DAMAGED])
+def test_a_damaged_header_is_refused_cleanly(tmp_path, name, data):
+    path = tmp_path / f"{name}.gguf"
+    path.write_bytes(data)
+    with pytest.raises(ValueError, match="not a readable GGUF file"):
+        gguf_architecture(path)
+    assert ships_q4(str(path)) is False
+
+
+def test_arrays_one_deep_are_read(tmp_path):
+    path = tmp_path / "ok.gguf"
+    path.write_bytes(_gguf(_nested(2) + ARCH, n_kv=2))
+    assert gguf_architecture(path) == "llama"
+
+
+def test_blocks_past_the_end_of_the_file_are_a_one_line_config_error(tmp_path):
+    """A Q4_1 layer matrix whose data the file does not hold (truncated): the reader used to fail
+    in numpy / torch (``RuntimeError``) with a traceback."""
+    tensor = _s(b"blk.0.ffn_up.weight") + struct.pack("<I", 2) + struct.pack("<QQ", 64, 4) + struct.pack("<IQ", 3, 0)
+    header = _gguf(ARCH, n_kv=1, n_tensors=1, tensors=tensor)
+    pad = -len(header) % 32
+    whole = 4 * 2 * 20  # 4 rows of two 20-byte Q4_1 blocks
+    path = tmp_path / "short.gguf"
+    path.write_bytes(header + b"\0" * (pad + whole))
+    assert set(read_q4_blocks(path, 4, 2)) == {"model.layers.0.mlp.up_proj.weight"}  # whole: read
+    path.write_bytes(header + b"\0" * (pad + whole - 30))
+    with pytest.raises(ConfigError, match="blocks of") as err:
+        read_q4_blocks(path, 4, 2)
+    assert "\n" not in str(err.value)
