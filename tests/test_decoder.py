@@ -480,3 +480,25 @@ def test_free_drafts_that_leave_the_grammar_keep_greedy_exact():
             dec = SpeculativeDecoder(target, NgramDrafter(), get_rule(method), gamma=FixedGamma(4))
             res = dec.generate(prompt, cfg)
             assert res.tokens == ref and res.stats.draft_tokens_proposed > 0
+
+
+@pytest.mark.parametrize("temperature", [0.0, 1.0])
+def test_a_target_whose_logits_are_not_finite_is_refused_not_decoded(temperature):
+    """A NaN weight (or a negative rms_norm_eps, a zero rope_theta) makes every logit NaN; greedy
+    decoding then emitted token 0 and sampling noise, with no error. Plain, chain and tree rounds
+    refuse it in one line; a sound model is untouched by the check."""
+    from tiny import tiny_native
+
+    from specdec.drafters.tree_builder import TreeSpec
+    from specdec.errors import ModelError
+
+    cfg = SamplingConfig(temperature=temperature, max_new_tokens=6, seed=3)
+    rule = get_rule("greedy" if temperature == 0 else "block")
+    sound = tiny_native()
+    assert len(SpeculativeDecoder(sound, None, rule).generate([1, 2, 3], cfg).tokens) == 6
+    broken = tiny_native()
+    broken.embed.fill_(float("nan"))
+    for drafter, tree in ((None, None), (ModelDrafter(tiny_native(seed=1)), None), (ModelDrafter(tiny_native(seed=1)), TreeSpec(min_prob=0.0))):
+        dec = SpeculativeDecoder(broken, drafter, rule, gamma=FixedGamma(3), tree=tree)
+        with pytest.raises(ModelError, match="the target.s logits are not finite .NaN or infinite. at position 3:"):
+            dec.generate([1, 2, 3], cfg)

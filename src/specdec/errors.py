@@ -21,6 +21,10 @@ class ContextLengthError(SpecdecError):
     """The prompt does not fit in the model's context window."""
 
 
+class ModelError(SpecdecError):
+    """A model that loaded but computes nonsense: its weights or its config are broken."""
+
+
 class Terminated(KeyboardInterrupt):
     """SIGTERM (a job scheduler, ``kill``, a container stopping), raised in the main thread while
     ``specdec`` runs, so that it unwinds as Ctrl-C does: children stopped, state saved, exit 143."""

@@ -20,7 +20,7 @@ from torch import Tensor
 
 from specdec import defaults
 from specdec.drafters.base import Draft
-from specdec.errors import ConfigError, ContextLengthError
+from specdec.errors import ConfigError, ContextLengthError, ModelError
 from specdec.models.base import LanguageModel, layer_count
 from specdec.sampling import (
     Constraint,
@@ -71,6 +71,16 @@ class Verifier(Protocol):
     def verify(self, draft: Draft) -> Outcome: ...
 
     def close(self) -> None: ...
+
+
+def check_finite(logits: Tensor, tokens: Tensor, position: int) -> None:  # logits: [n, V] raw, row 0 the root
+    """Refuse a target whose logits are not finite: NaN weights, or a config such as a negative
+    ``rms_norm_eps`` or a zero ``rope_theta``, make every row NaN, and decoding then emitted token 0
+    (or noise) with no error.  Row 0's logit of the round's first token is read, one number: such a
+    model's rows are NaN throughout, and a sound model's raw logits are always finite."""
+    if not math.isfinite(logits[0, int(tokens[0])].item()):
+        raise ModelError(f"the target's logits are not finite (NaN or infinite) at position {position}: its weights or"
+                         " its config.json are broken (a NaN or infinite weight, a negative rms_norm_eps, a zero rope_theta)")
 
 
 def check_features(model: LanguageModel, taps: tuple[int, ...] | None) -> None:
@@ -228,6 +238,7 @@ class TargetSession:
         verdict: Verdict = rule.fn(draft.tokens, draft.probs, scores, generator=self.generator, **extra)
         if max_tokens is not None and verdict.tokens.numel() > max_tokens:
             verdict = replace(verdict, num_accepted=max_tokens - 1, tokens=verdict.tokens[:max_tokens].clone())
+        check_finite(logits, verdict.tokens, self._n)
         self.cache.truncate(base + 1 + verdict.num_accepted)
         k = verdict.tokens.numel()
         if self.logprobs is not None:  # the target's law at each emitted position, never the draft's
@@ -275,6 +286,7 @@ class TargetSession:
         tv = rule.fn(tokens, parents, draft.probs, scores, generator=self.generator, **extra)
         if max_tokens is not None and tv.tokens.numel() > max_tokens:  # a length limit, as for chains
             tv = replace(tv, path=tuple(tv.path[: max_tokens - 1]), tokens=tv.tokens[:max_tokens].clone())
+        check_finite(logits, tv.tokens, self._n)
         keep = torch.tensor([0, *(1 + i for i in tv.path)], dtype=torch.long)  # [k+1] rows of the pass
         if bool((keep == torch.arange(keep.numel())).all()):
             self.cache.truncate(base + keep.numel())  # the path is a prefix of the node order
