@@ -38,3 +38,20 @@ def test_a_stream_in_flight_ends_with_an_error_event_when_the_server_stops(sig, 
     assert 1.0 <= ended < 10.0, ended  # the grace period, not the 4,000 tokens
     assert "stopping: no new connections; 1 request(s) in flight get 1 s to finish" in err
     assert "Traceback" not in err
+
+
+def test_a_second_signal_stops_the_server_at_once_without_a_traceback():
+    with ServerProcess.draft_model("--shutdown-timeout", "60") as srv:
+        body = {"prompt": "Once upon a time", "max_tokens": 4000, "min_tokens": 4000, "stream": True}
+        with pytest.raises(httpx.HTTPError):  # the stream is cut: no grace period is left for it
+            with httpx.stream("POST", srv.url + "/v1/completions", json=body, timeout=60) as reply:
+                for n, _ in enumerate(reply.iter_lines()):
+                    if n == 3:
+                        srv.proc.send_signal(signal.SIGTERM)
+                        time.sleep(0.5)
+                        srv.proc.send_signal(signal.SIGTERM)
+                        stopped = time.monotonic()
+        assert srv.proc.wait(timeout=30) == 143
+        assert time.monotonic() - stopped < 10  # not the 60 s grace period
+        err = srv.proc.stderr.read()
+    assert "Traceback" not in err and err.strip().splitlines()[-1] == "specdec: terminated"

@@ -97,25 +97,27 @@ def header_timeout_protocol(timeout_s: float) -> type:
 
 
 def serve(app: Any, *, host: str, port: int, log_level: str = "warning", header_timeout_s: float = 10.0,
-          limit_concurrency: int | None = None, shutdown_timeout_s: float | None = None) -> None:
+          limit_concurrency: int | None = None) -> None:
     """Run ``app`` with uvicorn: header deadline, redacted access log, bounded connections.
 
     On Ctrl-C or SIGTERM the server takes no new connections and says so on stderr (whatever the
-    log level); the requests in flight get ``shutdown_timeout_s`` (default: the app's setting) to
-    finish, then each ends with an error (``ServerContext.abort_requests``) and the server exits.
+    log level); the requests in flight get the app's ``shutdown_timeout_s`` to finish, then each
+    ends with an error (``ServerContext.abort_requests``) and the server exits.
     A second signal stops it at once."""
     import uvicorn
 
     ctx = app.state.ctx
-    grace = ctx.settings.shutdown_timeout_s if shutdown_timeout_s is None else shutdown_timeout_s
+    grace = ctx.settings.shutdown_timeout_s
 
     class Server(uvicorn.Server):
         def handle_exit(self, sig: int, frame: Any) -> None:
-            if self.should_exit:  # a second signal, SIGTERM too (uvicorn's own: a second SIGINT only)
-                self._captured_signals.append(sig)
-                self.force_exit = True
-                return
+            first = not self.should_exit
             super().handle_exit(sig, frame)
+            if not first:  # a second signal, SIGTERM too (uvicorn's own: a second SIGINT only)
+                self.force_exit = True
+                # the tasks still running are cancelled as the loop ends: not errors worth a traceback
+                logging.getLogger("uvicorn.error").setLevel(logging.CRITICAL)
+                return
             print(f"specdec serve: stopping: no new connections; {len(ctx.live)} request(s) in flight get {grace:g} s"
                   " to finish (signal again to stop at once)", file=sys.stderr, flush=True)
             loop = asyncio.get_running_loop()  # a signal handler runs on the loop's (main) thread
