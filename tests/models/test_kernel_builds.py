@@ -207,3 +207,22 @@ def test_loading_a_built_library_imports_no_build_tools() -> None:
             "print(sorted(m for m in ('torch.utils.cpp_extension', 'setuptools') if m in sys.modules))\n")
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True, env=os.environ.copy())
     assert out.stdout.strip() == "[]", out.stdout + out.stderr
+
+
+def test_an_interrupted_compile_leaves_no_half_written_library(tmp_path, monkeypatch):
+    """Ctrl-C or SIGTERM while the kernels compile: the compiler is stopped and its partial output
+    removed (it stayed in the cache for ever, named by the process id)."""
+    from pathlib import Path
+
+    from specdec.models import kernels
+
+    monkeypatch.setenv("SPECDEC_CACHE", str(tmp_path))
+
+    def interrupted(cmd, **kwargs):
+        Path(cmd[cmd.index("-o") + 1]).write_bytes(b"half a library")
+        raise KeyboardInterrupt
+
+    monkeypatch.setattr(kernels.subprocess, "run", interrupted)
+    with pytest.raises(KeyboardInterrupt):
+        kernels._build("c++")
+    assert sorted(p.suffix for p in (tmp_path / "kernels").iterdir()) == [".lock"]

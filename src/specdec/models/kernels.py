@@ -138,8 +138,11 @@ def _build(cxx: str) -> Path:
                f"-I{sysconfig.get_paths()['include']}", *map(str, _SOURCES), "-o", str(tmp),
                *(f"-L{p}" for p in cpp_extension.library_paths()), "-lc10", "-ltorch_cpu", "-ltorch"]
         print("[specdec] compiling the float32, int8, 4-bit and attention kernels for this CPU (once, ~30 s) ...", file=sys.stderr)
-        subprocess.run(cmd, check=True, capture_output=True, text=True)
-        tmp.replace(lib)
+        try:
+            subprocess.run(cmd, check=True, capture_output=True, text=True)  # (interrupted: the compiler is killed)
+            tmp.replace(lib)
+        finally:
+            tmp.unlink(missing_ok=True)  # a half-written library left by an interrupted or failed compile
     return lib
 
 
