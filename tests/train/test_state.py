@@ -43,3 +43,9 @@ def test_a_signal_waits_for_the_step_and_a_second_one_does_not(capsys) -> None:
             held.stop_if_pending(4, Path("ckpt.pt"))
     assert "saved at step 4 (ckpt.pt)" in capsys.readouterr().err
     assert {s: signal.getsignal(s) for s in before} == before
+
+
+def test_a_signal_after_the_loops_last_check_is_not_lost() -> None:
+    with pytest.raises(KeyboardInterrupt):
+        with BetweenSteps():
+            os.kill(os.getpid(), signal.SIGINT)  # noted; the block ends without asking

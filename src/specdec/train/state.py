@@ -103,10 +103,12 @@ class BetweenSteps:
                 signal.signal(s, self._note)
         return self
 
-    def __exit__(self, *exc: object) -> None:
+    def __exit__(self, kind: object, *exc: object) -> None:
         for s, handler in self._previous.items():
             signal.signal(s, handler if handler is not None else signal.SIG_DFL)
         self._previous = {}
+        if kind is None and self.pending is not None:  # one that came after the loop's last check is not lost
+            self.stop()
 
     def _note(self, signum: int, frame: Any) -> None:
         if self.pending is not None:
@@ -122,5 +124,6 @@ class BetweenSteps:
             self.stop()
 
     def stop(self) -> None:
-        """Raise what the signal noted would have raised (SIGTERM: :class:`Terminated`)."""
-        raise Terminated() if self.pending == signal.SIGTERM else KeyboardInterrupt()
+        """Raise what the signal noted would have raised (SIGTERM: :class:`Terminated`), once."""
+        signum, self.pending = self.pending, None
+        raise Terminated() if signum == signal.SIGTERM else KeyboardInterrupt()
