@@ -208,6 +208,8 @@ PROMPT_SCORE_CHUNK = 256
 #: gate and up product 7.1 against 13.2 us a row), and the causal attention's work splits evenly
 #: between the threads.  Up to ~1,600 tokens pieces and one pass were level within the noise.
 PROMPT_PASS_CHUNK = 1024
+#: positions the native backend's rotary tables cover when a model is built; they double as a sequence needs more
+ROPE_TABLE_INITIAL = 4096
 #: before a pass, wait for the sequences the last pass finished to come back (their request threads
 #: sample, check stops and resubmit in turn), while they keep arriving: at most this long after the
 #: last arrival, never longer than the last pass took, and never while other compute work waits.

@@ -259,3 +259,42 @@ def test_weights_of_layers_the_config_does_not_declare_are_refused():
     with pytest.raises(ConfigError, match=r"declares 2 layers but the weights hold layers 0\.\.2"):
         NativeCausalLM(cfg, dict(w), quant="q4", q4_blocks=blocks)
     NativeCausalLM(cfg, dict(w))  # as declared: fine
+
+
+@pytest.mark.parametrize("model_type", ["llama", "gemma3"])
+def test_rotary_tables_grow_on_demand_with_the_same_bits(tmp_path, monkeypatch, model_type):
+    """The rotary tables cover the first 4,096 positions and double as a sequence needs more (a
+    context of 10^5-10^6 positions cost 10^8 bytes of tables up front, and an absurd one gigabytes):
+    with tables of 8 rows to start, prefill, steps, a tree pass and a batched pass give the bits of
+    a model built with the whole context's tables (Gemma 3: its sliding layers' own tables too),
+    and a position past the context is still refused."""
+    from tiny import make_tiny
+
+    from specdec import defaults
+    from specdec.engine import Engine, EngineConfig
+
+    folder = str(make_tiny(tmp_path / model_type, model_type=model_type, max_positions=64, window=4 if model_type == "gemma3" else None,
+                           norms=True))
+
+    def model(initial: int):
+        monkeypatch.setattr(defaults, "ROPE_TABLE_INITIAL", initial)
+        return Engine.build(EngineConfig(target=folder, draft="none", dtype="float32")).target.model
+
+    grown, whole = model(8), model(4096)
+    assert grown._cos.shape[0] == 8 and whole._cos.shape[0] == 64
+    ids = torch.tensor([(7 * i) % 50 + 3 for i in range(60)])
+    outs = []
+    for m in (grown, whole):
+        cache = m.new_cache(64)
+        prefill = m.forward(ids[:20], cache)
+        steps = [m.forward(ids[i : i + 1], cache) for i in range(20, 50)]
+        tree = m.forward_tree(ids[50:55], torch.tensor([-1, 0, 0, 1, 1]), cache)
+        other = m.new_cache(64)
+        m.forward(ids[:30], other)
+        batched = m.forward_batch([(ids[30:33], other, False), (ids[55:57], m.new_cache(64), False)])
+        outs.append([prefill, *steps, tree, *batched])
+        with pytest.raises(ValueError, match="past the model's context of 64"):
+            m._rope_rows(65)
+    assert grown._cos.shape[0] == 64
+    for a, b in zip(*outs):
+        assert torch.equal(a, b)

@@ -787,15 +787,10 @@ class NativeCausalLM:
         #: transformers rounds it); None for the other layouts
         self._embed_scale = torch.tensor(cfg.hidden_size ** 0.5).to(dtype) if cfg.gemma else None
         self._eps = torch.tensor([cfg.rms_eps], dtype=dtype)
-        cos, sin = _rope_tables(cfg.rope_theta, cfg.head_dim, cfg.max_length)
-        sin[:, : cfg.head_dim // 2] *= -1  # signed for _rotate
-        self._cos, self._sin = cos.to(dtype), sin.to(dtype)
-        #: the sliding-window layers' own rotary table (Gemma 3), signed likewise; None where they share the model's
-        self._local_rope: tuple[Tensor, Tensor] | None = None
-        if cfg.local_rope_theta is not None:
-            cos_l, sin_l = _rope_tables(cfg.local_rope_theta, cfg.head_dim, cfg.max_length)
-            sin_l[:, : cfg.head_dim // 2] *= -1
-            self._local_rope = (cos_l.to(dtype), sin_l.to(dtype))
+        #: the rotary tables [T, d] (sin signed for _rotate) and the sliding-window layers' own
+        #: (Gemma 3; None where they share the model's), for the first T positions: grown on demand
+        #: (:meth:`_rope_rows`), since a context of 10^5-10^6 positions would cost 10^8 bytes up front
+        self._cos, self._sin, self._local_rope = self._rope(min(cfg.max_length, defaults.ROPE_TABLE_INITIAL))
         self._q_size = cfg.n_heads * cfg.head_dim
         self._kv_size = cfg.n_kv_heads * cfg.head_dim
         #: the layer loop compiled with TorchScript (bitwise the same ops; see models/scripted.py),
@@ -1049,6 +1044,28 @@ class NativeCausalLM:
         x = self.embed.index_select(0, tokens.reshape(-1))
         return x if self._embed_scale is None else x * self._embed_scale
 
+    def _rope(self, length: int) -> tuple[Tensor, Tensor, tuple[Tensor, Tensor] | None]:
+        """The rotary tables of the first ``length`` positions (each row's bits do not depend on
+        ``length``: a longer table's first rows are a shorter one's)."""
+        cfg, dtype = self.cfg, self.dtype
+
+        def signed(theta: float) -> tuple[Tensor, Tensor]:
+            cos, sin = _rope_tables(theta, cfg.head_dim, length)
+            sin[:, : cfg.head_dim // 2] *= -1  # signed for _rotate
+            return cos.to(dtype), sin.to(dtype)
+
+        cos, sin = signed(cfg.rope_theta)
+        return cos, sin, signed(cfg.local_rope_theta) if cfg.local_rope_theta is not None else None
+
+    def _rope_rows(self, end: int) -> None:
+        """Make the rotary tables cover positions ``< end`` (doubling, up to the context), or a
+        ValueError past the model's context."""
+        if end <= self._cos.shape[0]:
+            return
+        if end > self.max_length:
+            raise ValueError(f"position {end} is past the model's context of {self.max_length}")
+        self._cos, self._sin, self._local_rope = self._rope(min(self.max_length, max(end, 2 * self._cos.shape[0])))
+
     def _local_rows(self, index: Tensor | slice) -> tuple[Tensor, Tensor] | None:  # -> cos/sin [n, 1, d] each
         """The sliding-window layers' own rotary rows at positions ``index`` (Gemma 3), else None."""
         if self._local_rope is None:
@@ -1114,8 +1131,7 @@ class NativeCausalLM:
             return self._hidden_in_pieces(tokens, cache, taps, extra)
         start = cache.reserve(n)
         end = start + n
-        if end > self._cos.shape[0]:
-            raise ValueError(f"position {end} is past the model's context of {self._cos.shape[0]}")
+        self._rope_rows(end)
         past = self._past_window(end)  # some row past a sliding window
         x = self._embed_rows(tokens)  # [n, D]
         if extra is not None:
@@ -1199,8 +1215,7 @@ class NativeCausalLM:
         pass's, and each pass's activations stay in cache (see the default's note).  A failure
         leaves the cache as it was."""
         n, step, start = tokens.numel(), defaults.PROMPT_PASS_CHUNK, cache.length
-        if start + n > self._cos.shape[0]:
-            raise ValueError(f"position {start + n} is past the model's context of {self._cos.shape[0]}")
+        self._rope_rows(start + n)
         parts: list[Tensor] = []  # [<= step, D] each
         found: list[dict[int, Tensor]] = []
         try:
@@ -1264,8 +1279,7 @@ class NativeCausalLM:
             for (_, cache, _), n in zip(items, sizes):
                 starts.append(cache.length)
                 cache.reserve(n)
-                if starts[-1] + n > self._cos.shape[0]:
-                    raise ValueError(f"position {starts[-1] + n} is past the model's context of {self._cos.shape[0]}")
+                self._rope_rows(starts[-1] + n)
             return self._forward_batch(items, sizes, starts, compact, taps)
         except BaseException:
             for (_, cache, _), a in zip(items, starts):
@@ -1440,8 +1454,7 @@ class NativeCausalLM:
         cfg = self.cfg
         n = x.shape[0]
         end = start + n
-        if end > self._cos.shape[0]:
-            raise ValueError(f"position {end} is past the model's context of {self._cos.shape[0]}")
+        self._rope_rows(end)
         cos = self._cos[start:end].unsqueeze(1)  # [n, 1, d]
         sin = self._sin[start:end].unsqueeze(1)
         local = self._local_rows(slice(start, end))
