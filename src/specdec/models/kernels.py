@@ -62,6 +62,7 @@ from pathlib import Path
 import torch
 
 from specdec import caches
+from specdec.outputs import write_whole
 
 _SOURCES = tuple(Path(__file__).parent / "csrc" / name for name in ("q8.cpp", "q4.cpp", "f32.cpp", "attention.cpp", "layers.cpp", "keyed.cpp", "rules.cpp"))
 _HEADERS = (Path(__file__).parent / "csrc" / "specdec.h",)
@@ -133,16 +134,14 @@ def _build(cxx: str) -> Path:
         # imported only to compile: it brings setuptools in, ~0.25 s of every start-up on a cache hit
         from torch.utils import cpp_extension
 
-        tmp = lib.with_suffix(f".{os.getpid()}.tmp")
-        cmd = [cxx, *_FLAGS, march, *(f"-I{p}" for p in cpp_extension.include_paths()),
-               f"-I{sysconfig.get_paths()['include']}", *map(str, _SOURCES), "-o", str(tmp),
-               *(f"-L{p}" for p in cpp_extension.library_paths()), "-lc10", "-ltorch_cpu", "-ltorch"]
+        def compile_to(tmp: Path) -> None:  # (interrupted: subprocess.run kills the compiler)
+            cmd = [cxx, *_FLAGS, march, *(f"-I{p}" for p in cpp_extension.include_paths()),
+                   f"-I{sysconfig.get_paths()['include']}", *map(str, _SOURCES), "-o", str(tmp),
+                   *(f"-L{p}" for p in cpp_extension.library_paths()), "-lc10", "-ltorch_cpu", "-ltorch"]
+            subprocess.run(cmd, check=True, capture_output=True, text=True)
+
         print("[specdec] compiling the float32, int8, 4-bit and attention kernels for this CPU (once, ~30 s) ...", file=sys.stderr)
-        try:
-            subprocess.run(cmd, check=True, capture_output=True, text=True)  # (interrupted: the compiler is killed)
-            tmp.replace(lib)
-        finally:
-            tmp.unlink(missing_ok=True)  # a half-written library left by an interrupted or failed compile
+        write_whole(lib, compile_to)  # under the lock; an interrupted or failed compile leaves no half-written library
     return lib
 
 

@@ -575,8 +575,9 @@ def load(
         tokenizer = tokenizer_of.tokenizer
     else:
         tokenizer = load_tokenizer(folder)
-    if isinstance(cfg.get("vocab_size"), int):  # before the model is built: a quantised one encodes calibration text
-        check_tokenizer_fits(resolved.name, tokenizer, cfg["vocab_size"])
+    declared = cfg.get("vocab_size")
+    if isinstance(declared, int):  # before the model is built: a quantised one encodes calibration text
+        check_tokenizer_fits(resolved.name, tokenizer, declared)
     has_safetensors = any(folder.glob("*.safetensors"))
     use_native = backend == "native" or (backend == "auto" and cfg.get("model_type") in SUPPORTED and has_safetensors)
     if use_native:
@@ -593,7 +594,8 @@ def load(
         kind = "hf"
     else:
         raise SpecdecError(f"unknown backend {backend!r}; choose auto, native or hf")
-    check_tokenizer_fits(resolved.name, tokenizer, model.vocab_size)
+    if not isinstance(declared, int):  # (else checked above, against the same count)
+        check_tokenizer_fits(resolved.name, tokenizer, model.vocab_size)
     return LoadedModel(resolved.name, model, tokenizer, folder, kind, _eos_ids(folder, tokenizer, cfg))
 
 
