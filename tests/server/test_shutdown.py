@@ -35,7 +35,9 @@ def test_a_stream_in_flight_ends_with_an_error_event_when_the_server_stops(sig, 
     error = json.loads(events[-2])["error"]
     assert error["code"] == 503 and error["type"] == "server_shutdown" and "shutting down" in error["message"]
     assert all("choices" in json.loads(e) for e in events[:-2])  # text until the grace period ended
-    assert 1.0 <= ended < 10.0, ended  # the grace period, not the 4,000 tokens
+    # the grace period, not the 4,000 tokens; the lower bound has slack because the event loop's
+    # timers count from the time it cached at the start of its iteration (CI once measured 0.99985 s)
+    assert 0.9 <= ended < 10.0, ended
     assert "stopping: no new connections; 1 request(s) in flight get 1 s to finish" in err
     assert "Traceback" not in err
 
