@@ -489,7 +489,7 @@ def test_bench_refuses_to_replace_files_another_tool_wrote(capsys, tmp_path, mon
     class Reached(Exception):
         pass
 
-    def run(cfg):
+    def run(cfg, **kwargs):
         ran.append(cfg)
         raise Reached
 

@@ -11,6 +11,7 @@ import time
 from pathlib import Path
 
 from specdec import defaults
+from specdec.bench.journal import Journal
 from specdec.errors import ConfigError
 from specdec.outputs import check_folder
 
@@ -89,6 +90,10 @@ def add_parser(sub) -> None:  # noqa: ANN001 - argparse's subparsers action
                    help="auto = tc netem in network namespaces where scripts/netem.sh finds it, else the asyncio delay proxy (default auto)")
     g.add_argument("--q-top-k", type=int, default=16, help="sparse-q: top-k truncation of q (default 16)")
     p.add_argument("--out", help="output folder (default benchmarks/run-<date>)")
+    p.add_argument("--resume", action="store_true",
+                   help="go on with the run that was stopped (Ctrl-C, SIGTERM, a failing worker) in --out: repeat its "
+                        "command with --resume; the prompts its local modes finished (kept in OUT/partial.jsonl while "
+                        "a run goes on) are not run again, edge-cloud modes run again from their start (default off)")
     p.add_argument("--no-plots", action="store_true", help="skip the PNG plots (default: draw them)")
     p.add_argument("--report-only", action="store_true",
                    help="run nothing: re-render README.md and the plots of --out from its results.json (default off)")
@@ -100,7 +105,11 @@ def run(args: argparse.Namespace, argv: list[str] | None = None) -> int:
     from specdec.verify import get_rule
 
     if args.report_only:
+        if args.resume:
+            raise ConfigError("--resume runs the rest of a run; --report-only runs nothing: give one of them")
         return _rerender(args)
+    if args.resume and not args.out:
+        raise ConfigError("--resume needs --out: the folder of the run to go on with")
     temps = _non_negative(args.temperatures, "temperatures must be numbers", "temperature must be >= 0")
     gammas = [str(parse_gamma(g)) for g in _csv(args.gammas)]
     gammas += [f"tree-{parse_tree(t)}" for t in _csv(args.trees) if str(parse_tree(t)) != "chain"]
@@ -184,8 +193,19 @@ def run(args: argparse.Namespace, argv: list[str] | None = None) -> int:
     out = args.out or f"benchmarks/run-{time.strftime('%Y%m%d-%H%M%S')}"
     check_folder(Path(out))  # a bad --out fails now, not after every mode has run
     check_not_foreign(Path(out))
-    result = runner.run(cfg)
+    journal = Journal.open(Path(out), runner.config_dict(cfg), resume=args.resume)
+    if journal.kept.parts:
+        print(f"[specdec] resuming {out}: {len(journal.kept.samples)} generations kept", file=sys.stderr)
+    try:
+        result = runner.run(cfg, journal=journal)
+    except BaseException:  # Ctrl-C, SIGTERM (a KeyboardInterrupt), a failing worker, ...
+        kept = journal.stop()
+        if kept:
+            print(f"[specdec] stopped: {out}/{journal.path.name} keeps {kept} generation{'s' * (kept != 1)}; the same"
+                  f" command with --resume{'' if args.out else f' --out {out}'} goes on from there", file=sys.stderr)
+        raise
     written = report.write(result, out, make_plots=not args.no_plots)
+    journal.remove()
     print(f"[specdec] wrote {written['dir']}/README.md, results.json and {len(written['plots'])} plots", file=sys.stderr)
     for g in written["stats"]:
         if g.mode == "speculative":

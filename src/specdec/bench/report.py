@@ -457,6 +457,7 @@ def markdown(result: dict, stats: list[GroupStats], bvt: list[BlockVsToken], plo
         "",
         f"Machine: {machine_line(result.get('machine', {}))}.",
         "",
+        *_resumed(result.get("resumed"), cfg),
         "Speed-ups are medians over prompts of the per-prompt ratio against the same prompt and seed "
         "in the reference mode; for the speculative rows, \"×plain\" uses plain_paired: plain "
         "decoding of the same prompt in the same process, seconds apart (plain runs in its own "
@@ -486,7 +487,8 @@ def markdown(result: dict, stats: list[GroupStats], bvt: list[BlockVsToken], plo
     if procs:
         lines += ["", "## Processes (one per mode)", "", "| mode | peak RSS MiB | seconds |", "|---|---|---|"]
         for mode, p in procs.items():
-            lines.append(f"| {mode} | {_mib(p.get('rss_peak_bytes'))} | {p.get('seconds', 0):.0f} |")
+            workers = f" ({p['workers']} workers)" if p.get("workers", 1) > 1 else ""
+            lines.append(f"| {mode}{workers} | {_mib(p.get('rss_peak_bytes'))} | {p.get('seconds', 0):.0f} |")
     if plots:
         lines += ["", "## Plots", ""] + [f"![{Path(p).stem}]({Path(p).name})" for p in plots]
     return "\n".join(lines) + "\n"
@@ -728,6 +730,17 @@ def write(result: dict, out_dir: str | Path, *, make_plots: bool = True) -> dict
              + netreport.plot(net, per_wire, out, _save)) if make_plots else []
     write_text(out / "README.md", markdown(result, stats, bvt, plots, net))
     return {"stats": stats, "block_vs_token": bvt, "network": net, "plots": plots, "dir": str(out)}
+
+
+def _resumed(parts: int | None, cfg: dict) -> list[str]:
+    """The line saying a run was stopped and resumed (``bench --resume``), or none."""
+    if not parts:
+        return []
+    times = "once" if parts == 1 else f"{parts} times"
+    network = any(m in netreport.NETWORK_MODES for m in cfg.get("modes", ()))
+    return [f"This run was stopped and resumed {times} (`--resume`): a prompt's rows in a local mode all come from one "
+            "worker process (so paired ratios stay paired), but different prompts' rows may come from different ones"
+            + ("; the edge-cloud modes ran again from their start." if network else "."), ""]
 
 
 def _target_dtype(cfg: dict) -> str:

@@ -26,6 +26,7 @@ from pathlib import Path
 
 from specdec import defaults
 from specdec.bench import network
+from specdec.bench.journal import Journal, Kept
 from specdec.bench.workloads import Prompt, check_chat_files
 from specdec.errors import SpecdecError
 
@@ -174,8 +175,10 @@ def stop_process(proc: subprocess.Popen, timeout_s: float = 5.0) -> None:
         proc.wait()
 
 
-def _run_worker(job: dict, env: dict[str, str], prefix: list[str], name: str, on_sample) -> dict:  # noqa: ANN001
-    """One worker process: send ``job``, pass each sample to ``on_sample``, return its final ``done`` row."""
+def _run_worker(job: dict, env: dict[str, str], prefix: list[str], name: str, on_sample, on_unit=None) -> dict:  # noqa: ANN001
+    """One worker process: send ``job``, pass each sample to ``on_sample`` and each finished unit's
+    key (``[temperature, repeat, prompt id]``, after its samples) to ``on_unit``; return its final
+    ``done`` row."""
     proc = subprocess.Popen(
         [*prefix, sys.executable, "-m", "specdec.bench.worker"],
         stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=env,
@@ -192,8 +195,11 @@ def _run_worker(job: dict, env: dict[str, str], prefix: list[str], name: str, on
             row = json.loads(line)
             if row.get("done"):
                 done = row
-                continue
-            on_sample(row)
+            elif "unit" in row:
+                if on_unit is not None:
+                    on_unit(row["unit"])
+            else:
+                on_sample(row)
         err = proc.stderr.read() if proc.stderr else ""
         rc = proc.wait()
     finally:  # interrupted (Ctrl-C, SIGTERM) or failed here: the worker must not run on without us
@@ -216,9 +222,21 @@ def _run_worker(job: dict, env: dict[str, str], prefix: list[str], name: str, on
     return done
 
 
-def run(cfg: BenchConfig, *, progress: bool = True) -> dict:
+def config_dict(cfg: BenchConfig) -> dict:
+    """``cfg`` as the run's results record it (prompts as objects)."""
+    config = asdict(cfg)
+    config["prompts"] = [asdict(p) for p in cfg.prompts]
+    return config
+
+
+def run(cfg: BenchConfig, *, progress: bool = True, journal: Journal | None = None) -> dict:
     """Run every mode; returns ``{"config": ..., "samples": [...], "processes": {...}}``
-    (and ``"network"``: the RTT emulation, proxy byte totals, server peak RSS, when a network mode ran)."""
+    (and ``"network"``: the RTT emulation, proxy byte totals, server peak RSS, when a network mode ran).
+
+    With a ``journal`` (:mod:`specdec.bench.journal`) each local mode's finished units are recorded
+    as they end, and what the journal kept from an interrupted run is not run again: its rows come
+    first in ``samples``, each local worker leaves its finished units out, a mode whose worker
+    ended is skipped; ``"resumed"`` counts the runs before this one."""
     from tqdm.auto import tqdm
 
     for mode in cfg.modes:
@@ -226,9 +244,10 @@ def run(cfg: BenchConfig, *, progress: bool = True) -> dict:
             raise SpecdecError(f"unknown bench mode {mode!r}; choose from {', '.join(MODES)}")
     check_chat_files(list(cfg.prompts), cfg.target)  # a base model with chat prompts fails before any worker starts
     total = sum(_count(cfg, m) for m in cfg.modes)
-    samples: list[dict] = []
-    processes: dict[str, dict] = {}
-    bar = tqdm(total=total, desc="bench", unit="gen", disable=not progress)
+    kept = journal.kept if journal is not None else Kept()
+    samples: list[dict] = list(kept.samples)
+    processes: dict[str, dict] = {m: p for m, p in kept.finished.items() if m in LOCAL_MODES}
+    bar = tqdm(total=total, initial=len(samples), desc="bench", unit="gen", disable=not progress)
 
     def on_sample(row: dict) -> None:
         samples.append(row)
@@ -244,10 +263,10 @@ def run(cfg: BenchConfig, *, progress: bool = True) -> dict:
         for mode in cfg.modes:
             if mode in network.NETWORK_MODES or (mode == "llamacpp" and _llamacpp_host(cfg) != "llamacpp"):
                 continue
+            if mode in processes:  # its worker ended in a run this one resumes
+                continue
             bar.set_postfix_str(mode)
-            started = time.perf_counter()
-            done = _run_worker(_job(cfg, mode), env, [], mode, on_sample)
-            processes[mode] = {"rss_peak_bytes": done["rss_peak_bytes"], "seconds": time.perf_counter() - started}
+            processes[mode] = _run_local(cfg, mode, env, kept, journal, samples, bar)
         for group in network.groups(net_modes):
             bar.set_postfix_str("+".join(group))
             network.run_group(
@@ -259,14 +278,47 @@ def run(cfg: BenchConfig, *, progress: bool = True) -> dict:
             )
     finally:
         bar.close()
-    config = asdict(cfg)
-    config["prompts"] = [asdict(p) for p in cfg.prompts]
+    config = config_dict(cfg)
     config["draft_precision"] = _draft_precision(cfg.draft_dtype)  # what the draft dtype resolved to here
     config["target_precision"] = _target_precision(cfg.target, cfg.dtype)  # ... and the target's
     result = {"config": config, "samples": samples, "processes": processes, "machine": machine_info()}
     if record is not None:
         result["network"] = record.to_dict()
+    if kept.parts:
+        result["resumed"] = kept.parts
     return result
+
+
+def _run_local(cfg: BenchConfig, mode: str, env: dict[str, str], kept: Kept, journal: Journal | None,
+               samples: list[dict], bar) -> dict:  # noqa: ANN001 - a tqdm bar
+    """One local mode's worker, less the units ``kept`` has; each unit's rows reach ``samples`` (and
+    the journal) when the worker says the unit is finished. Returns the mode's process record."""
+    started = last = time.perf_counter()
+    rows: list[dict] = []
+
+    def on_sample(row: dict) -> None:
+        rows.append(row)
+        bar.update(1)
+
+    def on_unit(unit: list) -> None:
+        nonlocal last
+        now = time.perf_counter()
+        if journal is not None:
+            journal.unit(mode, unit, now - last, rows)
+        samples.extend(rows)
+        rows.clear()
+        last = now
+
+    skip = sorted(kept.units.get(mode, ()), key=json.dumps)
+    done = _run_worker({**_job(cfg, mode), "skip": [list(u) for u in skip]}, env, [], mode, on_sample, on_unit)
+    samples.extend(rows)  # none: every row belongs to a unit
+    process = {"rss_peak_bytes": done["rss_peak_bytes"], "seconds": time.perf_counter() - started + kept.seconds.get(mode, 0.0)}
+    if mode in kept.units:  # its rows came from several workers, one per run
+        process["rss_peak_bytes"] = max(process["rss_peak_bytes"], kept.rss_peak_bytes.get(mode, 0))
+        process["workers"] = 1 + kept.workers[mode]
+    if journal is not None:
+        journal.finished(mode, process)
+    return process
 
 
 def machine_info() -> dict:

@@ -57,6 +57,8 @@ class Job:
     llamacpp: list[str] = field(default_factory=list)
     llamacpp_draft_max: int = 16
     llamacpp_p_min: float = 0.75
+    # a resumed run (specdec.bench.journal): the (temperature, repeat, prompt id) units it already has
+    skip: list[list] = field(default_factory=list)
 
 
 def tokens_sha1(tokens: list[int]) -> str:
@@ -73,6 +75,25 @@ def _peak_rss() -> int:
 def _emit(row: dict) -> None:
     sys.stdout.write(json.dumps(row) + "\n")
     sys.stdout.flush()
+
+
+def _left(job: Job, prompts: list[Prompt], temperature: float) -> bool:
+    """Whether any unit of ``temperature`` is still to run (a resumed run may have them all)."""
+    skip = {tuple(u) for u in job.skip}
+    return any((temperature, rep, p.id) not in skip for rep in range(job.repeats) for p in prompts)
+
+
+def _units(job: Job, prompts: list[Prompt], temperature: float):
+    """``(repeat, seed, index, prompt)`` for the units of ``temperature`` still to run, each followed,
+    once the caller's loop body has made its rows, by ``{"unit": [temperature, repeat, prompt id]}``
+    (the runner journals a unit's rows then; a unit cut short by an interruption announces nothing)."""
+    skip = {tuple(u) for u in job.skip}
+    for rep in range(job.repeats):
+        for i, p in enumerate(prompts):
+            if (temperature, rep, p.id) in skip:
+                continue
+            yield rep, job.seed + rep, i, p
+            _emit({"unit": [temperature, rep, p.id]})
 
 
 def _sampling(job: Job, temperature: float, seed: int) -> SamplingConfig:
@@ -152,6 +173,8 @@ def run_engine(job: Job, prompts: list[Prompt]) -> None:
     encoded = {p.id: engine.encode(p.text, chat=p.chat) for p in prompts}
     llama = _llamacpp_runner(job, engine.target.eos_ids, encoded) if job.llamacpp else None
     for temperature in job.temperatures:
+        if not _left(job, prompts, temperature):
+            continue
         settings = list(_settings(job, temperature))
         # coupled rows at T > 0 get their own plain reference: plain decoding with a seed draws by
         # Gumbel-max as coupled speculation does, not by the block rule's cheaper inverse-CDF draw
@@ -171,25 +194,23 @@ def run_engine(job: Job, prompts: list[Prompt]) -> None:
             refs = [("plain_paired", "greedy" if temperature == 0 else "block")] + ([(PAIRED_COUPLED, "coupled")] if coupled else [])
         arms = _arms(job.llamacpp if llama is not None else [], refs,
                      [(eng, draft, method, gamma) for eng, draft in zip(engines, drafts) for method, gamma in settings])
-        for rep in range(job.repeats):
-            seed = job.seed + rep
-            for i, p in enumerate(prompts):
-                cfg = _sampling(job, temperature, seed)
-                for arm in _in_turn(arms, i, rep):
-                    if arm.kind == "llamacpp":  # llama.cpp on the same prompt, seconds from specdec's runs
-                        _llamacpp_rows(job, llama, p, encoded[p.id], temperature, seed, [arm.name])
-                    elif arm.kind == "reference":  # a plain reference: name is its mode, method its rule
-                        _emit(_row(job, arm.name, arm.name, None, temperature, p, seed,
-                                   plain.decoder(get_rule(arm.method)).generate(encoded[p.id], cfg)))
-                    else:
-                        eng, method, gamma = arm.engine, arm.method, arm.gamma
-                        rule = get_rule("block" if method == "sample" else method)
-                        res = _decoder(eng, rule, gamma, job.tree_min_prob).generate(encoded[p.id], cfg)
-                        name = method if job.mode == "speculative" else job.mode
-                        row = _row(job, job.mode, name, gamma, temperature, p, seed, res)
-                        if eng.draft_model is not None:  # a draft model: the tokens it could propose
-                            row["draft_vocab_size"] = getattr(eng.draft_model.model, "proposal_vocab", None)
-                        _emit({**row, "draft": arm.name} if tag else row)
+        for rep, seed, i, p in _units(job, prompts, temperature):
+            cfg = _sampling(job, temperature, seed)
+            for arm in _in_turn(arms, i, rep):
+                if arm.kind == "llamacpp":  # llama.cpp on the same prompt, seconds from specdec's runs
+                    _llamacpp_rows(job, llama, p, encoded[p.id], temperature, seed, [arm.name])
+                elif arm.kind == "reference":  # a plain reference: name is its mode, method its rule
+                    _emit(_row(job, arm.name, arm.name, None, temperature, p, seed,
+                               plain.decoder(get_rule(arm.method)).generate(encoded[p.id], cfg)))
+                else:
+                    eng, method, gamma = arm.engine, arm.method, arm.gamma
+                    rule = get_rule("block" if method == "sample" else method)
+                    res = _decoder(eng, rule, gamma, job.tree_min_prob).generate(encoded[p.id], cfg)
+                    name = method if job.mode == "speculative" else job.mode
+                    row = _row(job, job.mode, name, gamma, temperature, p, seed, res)
+                    if eng.draft_model is not None:  # a draft model: the tokens it could propose
+                        row["draft_vocab_size"] = getattr(eng.draft_model.model, "proposal_vocab", None)
+                    _emit({**row, "draft": arm.name} if tag else row)
 
 
 class _Arm(NamedTuple):
@@ -273,19 +294,19 @@ def run_hf(job: Job, prompts: list[Prompt]) -> None:
         return out[0, x.shape[1]:].tolist(), wall, (timer.first - start) if timer.first else wall
 
     for temperature in job.temperatures:
+        if not _left(job, prompts, temperature):
+            continue
         generate(encoded[prompts[0].id], temperature, 0, 16)  # warm-up
-        for rep in range(job.repeats):
-            for p in prompts:
-                seed = job.seed + rep
-                tokens, wall, ttft = generate(encoded[p.id], temperature, seed, job.max_new_tokens)
-                n = len(tokens)
-                _emit({
-                    "mode": job.mode, "method": job.mode, "gamma": None, "temperature": temperature,
-                    "prompt_id": p.id, "category": p.category, "seed": seed, "generated_tokens": n,
-                    "wall_s": wall, "tokens_per_s": n / wall if wall > 0 else 0.0, "ttft_s": ttft,
-                    "lossless": True, "rss_peak_bytes": _peak_rss(),
-                    "hf_num_assistant_tokens": getattr(assistant.generation_config, "num_assistant_tokens", None) if assistant else None,
-                })
+        for _, seed, _, p in _units(job, prompts, temperature):
+            tokens, wall, ttft = generate(encoded[p.id], temperature, seed, job.max_new_tokens)
+            n = len(tokens)
+            _emit({
+                "mode": job.mode, "method": job.mode, "gamma": None, "temperature": temperature,
+                "prompt_id": p.id, "category": p.category, "seed": seed, "generated_tokens": n,
+                "wall_s": wall, "tokens_per_s": n / wall if wall > 0 else 0.0, "ttft_s": ttft,
+                "lossless": True, "rss_peak_bytes": _peak_rss(),
+                "hf_num_assistant_tokens": getattr(assistant.generation_config, "num_assistant_tokens", None) if assistant else None,
+            })
 
 
 def _llamacpp_runner(job: Job, eos_ids: frozenset[int], encoded: dict[str, list[int]]):
@@ -335,10 +356,11 @@ def run_llamacpp(job: Job, prompts: list[Prompt]) -> None:
     encoded = {p.id: encode_prompt(tokenizer, p.text, chat=p.chat) for p in prompts}
     llama = _llamacpp_runner(job, eos, encoded)
     for temperature in job.temperatures:
+        if not _left(job, prompts, temperature):
+            continue
         _llamacpp_warmup(job, llama, encoded[prompts[0].id], temperature)
-        for rep in range(job.repeats):
-            for p in prompts:
-                _llamacpp_rows(job, llama, p, encoded[p.id], temperature, job.seed + rep)
+        for _, seed, _, p in _units(job, prompts, temperature):
+            _llamacpp_rows(job, llama, p, encoded[p.id], temperature, seed)
 
 
 def main() -> int:

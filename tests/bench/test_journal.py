@@ -1,0 +1,151 @@
+"""`specdec bench --resume`: a run stopped by Ctrl-C, SIGTERM or a failing worker keeps the units
+(temperature, repeat, prompt) its local modes finished in OUT/partial.jsonl; the same command with
+--resume runs only the rest, and the result has every row once. The end-to-end test runs real
+worker processes on the bundled 15.7 M-parameter draft as the target, 3 prompts, 4 tokens."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+
+from specdec.bench import journal as jr
+from specdec.bench import report, runner
+from specdec.bench.workloads import BUILTIN
+from specdec.cli import main
+from specdec.errors import ConfigError
+
+MODEL = "smollm2-135m-draft"
+CONFIG = {"target": "t", "max_new_tokens": 8, "prompts": [{"id": "a"}], "command": "specdec bench"}
+
+
+def _row(prompt: str, mode: str = "plain") -> dict:
+    return {"mode": mode, "prompt_id": prompt, "rss_peak_bytes": 100}
+
+
+def test_the_journal_keeps_finished_units_and_drops_a_line_cut_short(tmp_path):
+    j = jr.Journal.open(tmp_path, CONFIG, resume=False)
+    j.unit("plain", [0.0, 0, "a"], 2.0, [_row("a")])
+    j.unit("plain", [0.0, 0, "b"], 1.0, [_row("b")])
+    j.finished("plain", {"rss_peak_bytes": 7, "seconds": 3.0})
+    j.unit("speculative", [0.0, 0, "a"], 4.0, [_row("a", "plain_paired"), _row("a", "speculative")])
+    j.close()
+    path = tmp_path / jr.NAME
+    whole = path.read_bytes()
+    path.write_bytes(whole + b'{"mode": "speculative", "unit": [0.0, 0, "b"], "sam')  # stopped mid-write
+    # another command line (--resume added) is the same run; the settings are not
+    j = jr.Journal.open(tmp_path, {**CONFIG, "command": "specdec bench --resume"}, resume=True)
+    kept = j.kept
+    assert [(r["mode"], r["prompt_id"]) for r in kept.samples] == [
+        ("plain", "a"), ("plain", "b"), ("plain_paired", "a"), ("speculative", "a")]
+    assert kept.units == {"plain": {(0.0, 0, "a"), (0.0, 0, "b")}, "speculative": {(0.0, 0, "a")}}
+    assert kept.finished == {"plain": {"rss_peak_bytes": 7, "seconds": 3.0}} and kept.seconds["plain"] == 3.0
+    assert kept.parts == 1 and kept.workers == {"plain": 1, "speculative": 1}
+    j.unit("speculative", [0.0, 0, "b"], 4.0, [_row("b", "speculative")])
+    j.close()
+    # the cut line went before this run appended: the file reads whole, the unit once
+    assert path.read_bytes().startswith(whole) and b'"sam\n' not in path.read_bytes()
+    kept = jr.read(path, jr.config_key(CONFIG))
+    assert kept.parts == 2 and kept.units["speculative"] == {(0.0, 0, "a"), (0.0, 0, "b")}
+    assert kept.workers == {"plain": 1, "speculative": 2}
+
+
+def test_the_journal_refuses_what_it_cannot_resume_and_loses_nothing(tmp_path):
+    with pytest.raises(ConfigError, match="holds no interrupted run"):
+        jr.Journal.open(tmp_path, CONFIG, resume=True)
+    jr.Journal.open(tmp_path, CONFIG, resume=False).close()
+    path = tmp_path / jr.NAME
+    before = path.read_bytes()
+    with pytest.raises(ConfigError, match="holds an interrupted run .* pass --resume"):  # its rows would be lost
+        jr.Journal.open(tmp_path, CONFIG, resume=False)
+    with pytest.raises(ConfigError, match=r"had other settings \(max_new_tokens\)"):
+        jr.Journal.open(tmp_path, {**CONFIG, "max_new_tokens": 16}, resume=True)
+    assert path.read_bytes() == before
+    path.write_bytes(before + b"not json\n" + b'{"resumed": 1}\n')
+    with pytest.raises(ConfigError, match="damaged at line 2"):
+        jr.Journal.open(tmp_path, CONFIG, resume=True)
+    path.write_bytes(b'{"accuracy": 0.9}\n')
+    with pytest.raises(ConfigError, match="not a specdec bench journal"):
+        jr.Journal.open(tmp_path, CONFIG, resume=True)
+
+
+def test_a_run_stopped_before_its_first_unit_leaves_nothing_behind(tmp_path):
+    out = tmp_path / "runs" / "one"
+    j = jr.Journal.open(out, CONFIG, resume=False)
+    assert (out / jr.NAME).is_file()
+    assert j.stop() == 0 and not (tmp_path / "runs").exists()
+
+
+def test_a_stopped_bench_resumes_where_it_stopped_with_every_row_once(tmp_path, monkeypatch):
+    """Stopped (KeyboardInterrupt, as Ctrl-C or SIGTERM raise) after the speculative worker's second
+    prompt: the resumed run skips the plain mode (its worker had ended) and those two prompts, and
+    returns each (mode, prompt) row once, the kept rows as they were."""
+    a, b, c = BUILTIN[0], BUILTIN[1], BUILTIN[2]
+    cfg = runner.BenchConfig(target=MODEL, draft=MODEL, prompts=(a, b, c), modes=("plain", "speculative"),
+                             temperatures=(0.0,), max_new_tokens=4, threads=1)
+    config = runner.config_dict(cfg)
+    real_unit = jr.Journal.unit
+
+    def stop_after_two(self, mode, unit, seconds, samples):
+        real_unit(self, mode, unit, seconds, samples)
+        if mode == "speculative" and len(self.units_lengths) == 5:  # plain's 3, speculative's 2
+            raise KeyboardInterrupt
+
+    monkeypatch.setattr(jr.Journal, "unit", stop_after_two)
+    journal = jr.Journal.open(tmp_path, config, resume=False)
+    with pytest.raises(KeyboardInterrupt):
+        runner.run(cfg, progress=False, journal=journal)
+    assert journal.stop() == 3 + 2 * 2  # plain's rows, and plain_paired + speculative for a and b
+    monkeypatch.setattr(jr.Journal, "unit", real_unit)
+
+    journal = jr.Journal.open(tmp_path, config, resume=True)
+    kept = [dict(r) for r in journal.kept.samples]
+    spawned = []
+    real_worker = runner._run_worker
+
+    def worker(job, *args, **kwargs):
+        spawned.append((job["mode"], job["skip"]))
+        return real_worker(job, *args, **kwargs)
+
+    monkeypatch.setattr(runner, "_run_worker", worker)
+    result = runner.run(cfg, progress=False, journal=journal)
+    journal.remove()
+    assert spawned == [("speculative", [[0.0, 0, a.id], [0.0, 0, b.id]])]  # plain's worker had ended
+    rows = [(s["mode"], s["prompt_id"]) for s in result["samples"]]
+    assert sorted(rows) == sorted((m, p.id) for m in ("plain", "plain_paired", "speculative") for p in (a, b, c))
+    assert result["samples"][:len(kept)] == kept and result["resumed"] == 1
+    spec = {s["prompt_id"]: s for s in result["samples"] if s["mode"] == "speculative"}
+    paired = {s["prompt_id"]: s for s in result["samples"] if s["mode"] == "plain_paired"}
+    assert all(spec[p]["tokens_sha1"] == paired[p]["tokens_sha1"] for p in spec)  # greedy = plain, both parts
+    assert result["processes"]["speculative"]["workers"] == 2 and "workers" not in result["processes"]["plain"]
+    assert not (tmp_path / jr.NAME).exists()
+    md = report.markdown(result, report.aggregate(result["samples"], result["processes"]), [], [])
+    assert "This run was stopped and resumed once (`--resume`)" in md and "| speculative (2 workers) |" in md
+
+
+def _bench(capsys, *args: str) -> tuple[int, str]:
+    code = main(["bench", "--modes", "plain", "--limit", "1", "--temperatures", "0", *args])
+    return code, capsys.readouterr().err
+
+
+def test_bench_resume_says_what_it_needs_and_what_it_kept(capsys, tmp_path, monkeypatch):
+    code, err = _bench(capsys, "--resume")
+    assert code == 2 and "--resume needs --out" in err and "Traceback" not in err
+    code, err = _bench(capsys, "--resume", "--report-only", "--out", str(tmp_path))
+    assert code == 2 and "give one of them" in err
+    code, err = _bench(capsys, "--resume", "--out", str(tmp_path))
+    assert code == 2 and "holds no interrupted run" in err
+
+    def stopped(cfg, *, progress=True, journal=None):  # one unit finished, then Ctrl-C
+        journal.unit("plain", [0.0, 0, cfg.prompts[0].id], 1.0, [_row(cfg.prompts[0].id)])
+        raise KeyboardInterrupt
+
+    monkeypatch.setattr(runner, "run", stopped)
+    code, err = _bench(capsys, "--out", str(tmp_path))
+    assert code == 130 and f"{tmp_path}/partial.jsonl keeps 1 generation; the same command with --resume goes on" in err
+    code, err = _bench(capsys, "--out", str(tmp_path), "--max-new-tokens", "9")
+    assert code == 2 and "pass --resume to go on from it" in err  # not started over: the kept row stays
+    code, err = _bench(capsys, "--out", str(tmp_path), "--max-new-tokens", "9", "--resume")
+    assert code == 2 and "had other settings (max_new_tokens)" in err
+    path = tmp_path / jr.NAME
+    assert len(jr.read(path, json.loads(path.read_text().splitlines()[0])["config"]).samples) == 1
