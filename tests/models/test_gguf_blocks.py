@@ -77,3 +77,31 @@ def test_blocks_past_the_end_of_the_file_are_a_one_line_config_error(tmp_path):
     with pytest.raises(ConfigError, match="blocks of") as err:
         read_q4_blocks(path, 4, 2)
     assert "\n" not in str(err.value)
+
+
+def _layers_gguf(declared: int, layers: int) -> bytes:
+    """A GGUF header declaring ``declared`` layers (llama.block_count) whose tensor table holds
+    one matrix in each of ``layers`` layers."""
+    count = _s(b"llama.block_count") + struct.pack("<II", 4, declared)
+    tensors = b"".join(_s(f"blk.{i}.ffn_up.weight".encode()) + struct.pack("<IQQIQ", 2, 64, 4, 0, 0)
+                       for i in range(layers))
+    return _gguf(ARCH + count, n_kv=2, n_tensors=layers, tensors=tensors)
+
+
+@pytest.mark.parametrize("declared, layers", [(1, 2), (3, 2)], ids=["layers_past_the_count", "last_layer_missing"])
+def test_a_gguf_whose_layers_disagree_with_its_block_count_is_refused_before_conversion(tmp_path, declared, layers):
+    """A lowered ``block_count`` made the float32 conversion (transformers) drop the layers past it
+    and run another model in silence; a raised one, a model missing its last layer."""
+    from specdec.models.gguf_blocks import check_block_count
+    from specdec.models.registry import convert_gguf
+
+    path = tmp_path / "edited.gguf"
+    path.write_bytes(_layers_gguf(2, 2))
+    check_block_count(path)  # as written: no complaint
+    path.write_bytes(_layers_gguf(declared, layers))
+    says = f"llama.block_count declares {declared} layers but the file holds layers 0..{layers - 1}"
+    with pytest.raises(ConfigError, match=says):
+        check_block_count(path)
+    with pytest.raises(ConfigError, match=says):  # refused before the converter reads the file
+        convert_gguf(path, tmp_path / "converted")
+    assert not list(tmp_path.glob("converted*"))

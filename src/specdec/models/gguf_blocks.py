@@ -63,6 +63,7 @@ class _Header(NamedTuple):
     alignment: int
     data_start: int  # file offset of the tensor data section
     tensors: list[tuple[str, list[int], int, int]]  # (name, dims (inner first), ggml type, offset)
+    block_count: object = None  # the ``<arch>.block_count`` it declares (its layers), as written
 
 
 def gguf_architecture(path: str | Path) -> str:
@@ -153,7 +154,28 @@ def _parse_header(path: str, size: int, mtime_ns: int) -> _Header:  # size, mtim
         if not isinstance(alignment, int) or isinstance(alignment, bool) or alignment < 1:
             raise ValueError(f"{path}: general.alignment must be a positive whole number, got {alignment!r}")
         data_start = -(-pos // alignment) * alignment
-    return _Header(str(meta.get("general.architecture") or ""), alignment, data_start, tensors)
+    arch = str(meta.get("general.architecture") or "")
+    return _Header(arch, alignment, data_start, tensors, meta.get(f"{arch}.block_count"))
+
+
+def check_block_count(path: str | Path) -> None:
+    """Refuse a GGUF whose layer tensors (``blk.N.*``) do not match the layer count it declares
+    (``<arch>.block_count``): layers past it would be dropped without a word, and a missing last
+    layer makes another model. A ConfigError naming both; a header this reader cannot parse is
+    left to the converter, which reports it."""
+    from specdec.errors import ConfigError
+
+    try:
+        header = _read_header(path)
+    except (OSError, *_DAMAGED):
+        return
+    held = {int(p[1]) for p in (name.split(".") for name, *_ in header.tensors) if p[0] == "blk" and len(p) > 2 and p[1].isdigit()}
+    declared = header.block_count
+    if not held or not isinstance(declared, int) or isinstance(declared, bool):
+        return
+    if max(held) != declared - 1:
+        raise ConfigError(f"{path}: {header.arch}.block_count declares {declared} layers but the file holds "
+                          f"layers 0..{max(held)}; the file is damaged or edited")
 
 
 def _layer_name(name: str) -> str | None:

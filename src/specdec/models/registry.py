@@ -246,6 +246,8 @@ def convert_gguf(gguf: Path, out_dir: Path) -> Path:
     from safetensors.torch import save_file
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
+    from specdec.models.gguf_blocks import check_block_count
+
     try:
         with open(gguf, "rb") as f:
             magic = f.read(4)
@@ -253,6 +255,7 @@ def convert_gguf(gguf: Path, out_dir: Path) -> Path:
         raise ConfigError(f"cannot read {gguf}: {exc.strerror or exc}") from None
     if magic != b"GGUF":
         raise ConfigError(f"{gguf} is not a GGUF file (it does not start with the bytes 'GGUF')")
+    check_block_count(gguf)  # the converter would drop layers past the count without a word
     tmp = out_dir.with_name(out_dir.name + ".converting")
     shutil.rmtree(tmp, ignore_errors=True)
     tmp.mkdir(parents=True)
