@@ -264,6 +264,21 @@ def test_draft_vocabulary_smaller_than_the_targets(capsys, tiny_pair, tmp_path):
     assert code == 2 and "its tokenizer has ids up to 49151, past the model's vocabulary of 49000" in _one_error_line(err)
 
 
+def test_a_tokenizer_id_moved_past_the_models_rows_is_refused_in_one_line(capsys, tmp_path):
+    """One base-vocabulary token's id moved past the embedding's rows: the check made as the model
+    loads sees the tokenizer's size and added tokens only, so it passes; the prompt that holds the
+    token is refused as its pass starts (it was an IndexError inside the model)."""
+    folder = make_tiny(tmp_path / "moved", seed=2, layers=1)
+    spec = json.loads((folder / "tokenizer.json").read_text())
+    spec["model"]["vocab"]["Ġcat"] = 60000
+    (folder / "tokenizer.json").write_text(json.dumps(spec))
+    base = ["generate", "-n", "2", "--target", str(folder), "--draft", "none", "--dtype", "float32", "-p"]
+    code, _, err = _run(capsys, *base, "the dog")
+    assert code == 0, err  # the token is not in this prompt
+    code, _, err = _run(capsys, *base, "the cat")
+    assert code == 2 and "the prompt holds token id 60000, outside the target's vocabulary [0, 49152)" in _one_error_line(err)
+
+
 def test_missing_package_names_the_pip_command(capsys, monkeypatch):
     spec = registry.ModelSpec("ghost-model", "test", registry.PackagedGGUF("specdec-no-such-dist", "1.0", "x/y.gguf"))
     monkeypatch.setitem(registry.REGISTRY, "ghost-model", spec)

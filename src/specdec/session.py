@@ -131,6 +131,10 @@ class TargetSession:
             raise ConfigError("the prompt is empty")
         if n >= model.max_length:
             raise ContextLengthError(f"the prompt has {n} tokens but the model's context is {model.max_length}")
+        low, high = int(prompt_t.min()), int(prompt_t.max())  # ~2 µs: an id past the rows failed in the model
+        if low < 0 or high >= model.vocab_size:
+            raise ConfigError(f"the prompt holds token id {high if high >= model.vocab_size else low}, outside the "
+                              f"target's vocabulary [0, {model.vocab_size}) (is the tokenizer this model's?)")
         self.model = model
         self.cfg = cfg
         self.rule = rule
