@@ -394,9 +394,12 @@ def test_the_gamma_controller_does_not_see_a_drafters_catch_up(hybrid):
     out = SpeculativeDecoder(TARGET, drafter, get_rule("greedy"), gamma=spy).generate(
         PROMPT, SamplingConfig(temperature=0.0, max_new_tokens=8))
     drafted = [s for g, s in spy.seen if g > 0]
-    assert drafted and all(s < pause / 2 for s in drafted)  # the pause taken off each drafted round
     model_rounds = [r for r in out.rounds if r.gamma > 0 and not r.free]
-    assert len(model_rounds) == len(drafted) and all(r.draft_ms >= pause * 1e3 for r in model_rounds)
+    assert drafted and len(model_rounds) == len(drafted) and all(r.draft_ms >= pause * 1e3 for r in model_rounds)
+    # the pause taken off each drafted round, exactly: the controller sees the round's own draft
+    # time less the catch-up (a bound on what is left, "< pause / 2", was a race with the machine:
+    # a loaded CI box oversleeps and preempts inside the round, and 33 ms was measured)
+    assert all(s == pytest.approx(r.draft_ms / 1e3 - pause, abs=1e-9) for s, r in zip(drafted, model_rounds))
 
 
 class _CountingFloor(StopFloor):
