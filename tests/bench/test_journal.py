@@ -69,6 +69,18 @@ def test_the_journal_refuses_what_it_cannot_resume_and_loses_nothing(tmp_path):
         jr.Journal.open(tmp_path, CONFIG, resume=True)
 
 
+def test_a_run_is_resumed_only_on_the_machine_and_software_it_ran_on(tmp_path):
+    """Rows measured on two CPUs (or torch builds) would be compared as if from one run."""
+    here = {"cpu": "AMD EPYC 9R14", "cpu_count": 2, "torch": "2.13.0", "platform": "Linux-6.1"}
+    jr.Journal.open(tmp_path, CONFIG, resume=False, machine=here).close()
+    rebooted = {**here, "platform": "Linux-6.2"}  # the OS release alone: the same machine
+    jr.Journal.open(tmp_path, CONFIG, resume=True, machine=rebooted).close()
+    for other, says in (({**here, "cpu": "Intel Xeon 8488C"}, "cpu: AMD EPYC 9R14 there, Intel Xeon 8488C here"),
+                        ({**here, "torch": "2.12.0"}, "torch: 2.13.0 there, 2.12.0 here")):
+        with pytest.raises(ConfigError, match=f"ran on another machine or software \\({says}\\)"):
+            jr.Journal.open(tmp_path, CONFIG, resume=True, machine=other)
+
+
 def test_a_run_stopped_before_its_first_unit_leaves_nothing_behind(tmp_path):
     out = tmp_path / "runs" / "one"
     j = jr.Journal.open(out, CONFIG, resume=False)

@@ -193,7 +193,7 @@ def run(args: argparse.Namespace, argv: list[str] | None = None) -> int:
     out = args.out or f"benchmarks/run-{time.strftime('%Y%m%d-%H%M%S')}"
     check_folder(Path(out))  # a bad --out fails now, not after every mode has run
     check_not_foreign(Path(out))
-    journal = Journal.open(Path(out), runner.config_dict(cfg), resume=args.resume)
+    journal = Journal.open(Path(out), runner.config_dict(cfg), resume=args.resume, machine=runner.machine_info())
     if journal.kept.parts:
         print(f"[specdec] resuming {out}: {len(journal.kept.samples)} generations kept", file=sys.stderr)
     try:

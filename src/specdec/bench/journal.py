@@ -56,14 +56,16 @@ class Journal:
         self._made = made or []  # the folders opening it made, innermost first
 
     @classmethod
-    def open(cls, out: Path, config: dict, *, resume: bool) -> Journal:
+    def open(cls, out: Path, config: dict, *, resume: bool, machine: dict | None = None) -> Journal:
         """Start ``out``'s journal, or with ``resume`` read the one an interrupted run left there.
+        ``machine``: what the run reports of the machine (``runner.machine_info``).
 
         Refused (ConfigError, nothing touched): ``resume`` with no journal in ``out``, a journal
-        whose run had other settings, a damaged one, or a journal there without ``resume`` (its rows
-        would be lost)."""
+        whose run had other settings or ran on another machine or software (rows of the two would
+        not compare), a damaged one, or a journal there without ``resume`` (its rows would be lost)."""
         path = out / NAME
         key = config_key(config)
+        where = machine_key(machine or {})
         if not resume:
             if path.exists():
                 raise ConfigError(f"--out {out} holds an interrupted run ({path}): pass --resume to go on from it, "
@@ -71,11 +73,11 @@ class Journal:
             made = [f for f in (out, *out.parents) if not f.exists()]
             out.mkdir(parents=True, exist_ok=True)
             journal = cls(path, path.open("wb"), Kept(), made)
-            journal._write({"journal": FORMAT, "config": key})
+            journal._write({"journal": FORMAT, "config": key, "machine": where})
             return journal
         if not path.is_file():
             raise ConfigError(f"--resume: {out} holds no interrupted run (no {NAME}; a finished run removes it)")
-        kept = read(path, key)
+        kept = read(path, key, where)
         handle = path.open("r+b")
         handle.truncate(kept.size)  # a line cut short goes: its unit runs again
         handle.seek(kept.size)
@@ -124,8 +126,14 @@ class Journal:
         return self.kept_count
 
 
-def read(path: Path, key: dict) -> Kept:
-    """The journal at ``path``, checked against the settings ``key`` of the run that resumes it."""
+def machine_key(machine: dict) -> dict:
+    """What a resumed run's machine must repeat: all it reports but the OS release (a reboot)."""
+    return json.loads(json.dumps({k: v for k, v in machine.items() if k != "platform"}))
+
+
+def read(path: Path, key: dict, machine: dict | None = None) -> Kept:
+    """The journal at ``path``, checked against the settings ``key`` and the ``machine``
+    (:func:`machine_key`) of the run that resumes it."""
     try:
         data = path.read_bytes()
     except OSError as exc:
@@ -147,6 +155,12 @@ def read(path: Path, key: dict) -> Kept:
         differ = sorted(k for k in before.keys() | key.keys() if before.get(k) != key.get(k))
         raise ConfigError(f"--resume: the interrupted run in {path.parent} had other settings ({', '.join(differ)});"
                           " repeat its command with --resume, or remove " f"{path} to start over")
+    there = entries[0].get("machine") or {}
+    if machine is not None and there != machine:
+        differ = sorted(k for k in there.keys() | machine.keys() if there.get(k) != machine.get(k))
+        raise ConfigError(f"--resume: the interrupted run in {path.parent} ran on another machine or software "
+                          f"({', '.join(f'{k}: {there.get(k)} there, {machine.get(k)} here' for k in differ)}); "
+                          f"its rows and this run's would not compare: remove {path} to start over")
     kept = Kept(parts=1)
     parts: dict[str, set[int]] = {}
     for entry in entries[1:]:
@@ -167,4 +181,4 @@ def read(path: Path, key: dict) -> Kept:
     return kept
 
 
-__all__ = ["Journal", "Kept", "NAME", "config_key", "read"]
+__all__ = ["Journal", "Kept", "NAME", "config_key", "machine_key", "read"]
