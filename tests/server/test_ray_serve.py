@@ -158,11 +158,20 @@ def test_serve_ray_refuses_bad_replica_options():
     assert proc.returncode == 2 and "specdec: error: replicas must be >= 1" in proc.stderr and "Traceback" not in proc.stderr
 
 
-def test_a_serve_proxy_slower_than_serves_own_timeout_is_waited_for(monkeypatch):
-    """Serve gives its HTTP proxy 60 s to report ready; past that ``start`` waits for the port
-    (the proxy up a little later, as seen once on a loaded two-core machine) and joins the running
-    controller, instead of failing.  Faked: Serve's start times out once, the port opens 0.5 s
-    later; with nothing ever listening the wait ends in a clear TimeoutError."""
+def _proxy_killed() -> Exception:
+    import ray
+
+    return ray.exceptions.ActorDiedError()
+
+
+@pytest.mark.parametrize("failure", [lambda: TimeoutError("HTTP proxies not available after 60s."), _proxy_killed],
+                         ids=["timed_out", "proxy_killed"])
+def test_a_serve_proxy_slower_than_serves_own_timeout_is_waited_for(monkeypatch, failure):
+    """Serve gives its HTTP proxy 60 s to report ready, and its controller kills a proxy that misses
+    its ready checks and starts another (both seen on a loaded two-core machine); either way
+    ``start`` waits for the port and joins the running controller, instead of failing.  Faked:
+    Serve's start fails once, the port opens 0.5 s later; with nothing ever listening the wait
+    ends in a clear TimeoutError."""
     import socket
 
     import ray
@@ -180,7 +189,7 @@ def test_a_serve_proxy_slower_than_serves_own_timeout_is_waited_for(monkeypatch)
             if not timers:  # the port opens once, 0.5 s after the first
                 timers.append(threading.Timer(0.5, server.listen))
                 timers[0].start()
-            raise TimeoutError("HTTP proxies not available after 60s.")
+            raise failure()
 
     monkeypatch.setattr(ray, "is_initialized", lambda: True)
     monkeypatch.setattr(ray, "get_runtime_context", lambda: type("Ctx", (), {"gcs_address": "fake:6379"})())

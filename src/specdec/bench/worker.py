@@ -77,23 +77,20 @@ def _emit(row: dict) -> None:
     sys.stdout.flush()
 
 
-def _left(job: Job, prompts: list[Prompt], temperature: float) -> bool:
-    """Whether any unit of ``temperature`` is still to run (a resumed run may have them all)."""
+def _todo(job: Job, prompts: list[Prompt], temperature: float) -> list[tuple[int, int, Prompt]]:
+    """``(repeat, index, prompt)`` of the units of ``temperature`` still to run (a resumed run
+    leaves out those in ``job.skip``; it may have them all)."""
     skip = {tuple(u) for u in job.skip}
-    return any((temperature, rep, p.id) not in skip for rep in range(job.repeats) for p in prompts)
+    return [(rep, i, p) for rep in range(job.repeats) for i, p in enumerate(prompts) if (temperature, rep, p.id) not in skip]
 
 
 def _units(job: Job, prompts: list[Prompt], temperature: float):
-    """``(repeat, seed, index, prompt)`` for the units of ``temperature`` still to run, each followed,
-    once the caller's loop body has made its rows, by ``{"unit": [temperature, repeat, prompt id]}``
-    (the runner journals a unit's rows then; a unit cut short by an interruption announces nothing)."""
-    skip = {tuple(u) for u in job.skip}
-    for rep in range(job.repeats):
-        for i, p in enumerate(prompts):
-            if (temperature, rep, p.id) in skip:
-                continue
-            yield rep, job.seed + rep, i, p
-            _emit({"unit": [temperature, rep, p.id]})
+    """``(repeat, seed, index, prompt)`` for :func:`_todo`'s units, each followed, once the caller's
+    loop body has made its rows, by ``{"unit": [temperature, repeat, prompt id]}`` (the runner
+    journals a unit's rows then; a unit cut short by an interruption announces nothing)."""
+    for rep, i, p in _todo(job, prompts, temperature):
+        yield rep, job.seed + rep, i, p
+        _emit({"unit": [temperature, rep, p.id]})
 
 
 def _sampling(job: Job, temperature: float, seed: int) -> SamplingConfig:
@@ -173,7 +170,7 @@ def run_engine(job: Job, prompts: list[Prompt]) -> None:
     encoded = {p.id: engine.encode(p.text, chat=p.chat) for p in prompts}
     llama = _llamacpp_runner(job, engine.target.eos_ids, encoded) if job.llamacpp else None
     for temperature in job.temperatures:
-        if not _left(job, prompts, temperature):
+        if not _todo(job, prompts, temperature):
             continue
         settings = list(_settings(job, temperature))
         # coupled rows at T > 0 get their own plain reference: plain decoding with a seed draws by
@@ -294,7 +291,7 @@ def run_hf(job: Job, prompts: list[Prompt]) -> None:
         return out[0, x.shape[1]:].tolist(), wall, (timer.first - start) if timer.first else wall
 
     for temperature in job.temperatures:
-        if not _left(job, prompts, temperature):
+        if not _todo(job, prompts, temperature):
             continue
         generate(encoded[prompts[0].id], temperature, 0, 16)  # warm-up
         for _, seed, _, p in _units(job, prompts, temperature):
@@ -356,7 +353,7 @@ def run_llamacpp(job: Job, prompts: list[Prompt]) -> None:
     encoded = {p.id: encode_prompt(tokenizer, p.text, chat=p.chat) for p in prompts}
     llama = _llamacpp_runner(job, eos, encoded)
     for temperature in job.temperatures:
-        if not _left(job, prompts, temperature):
+        if not _todo(job, prompts, temperature):
             continue
         _llamacpp_warmup(job, llama, encoded[prompts[0].id], temperature)
         for _, seed, _, p in _units(job, prompts, temperature):

@@ -387,9 +387,11 @@ def start(build: Callable[[str], Any], *, replicas: int, host: str, port: int, a
         log(f"Ray cluster at {ray.get_runtime_context().gcs_address}")
     try:
         serve.start(http_options={"host": host, "port": port})
-    except TimeoutError:
+    except (TimeoutError, ray.exceptions.ActorDiedError):
         # Serve gives its HTTP proxy 60 s to report ready (missed once on a loaded two-core machine,
-        # the controller and proxy up a little later): wait for the port, then join the running controller
+        # the controller and proxy up a little later), and its controller kills a proxy that misses
+        # its 5 s ready checks and starts another (seen under load: ActorDiedError, "killed by
+        # ray.kill"): either way, wait for the port, then join the running controller
         if log is not None:
             log(f"Ray Serve's HTTP proxy is slow to start; waiting up to {PROXY_WAIT_S:g} s more for port {port}")
         wait_for_port("127.0.0.1" if host in ("0.0.0.0", "::", "") else host, port, PROXY_WAIT_S)
