@@ -1,7 +1,8 @@
 """`specdec bench --resume`: a run stopped by Ctrl-C, SIGTERM or a failing worker keeps the units
-(temperature, repeat, prompt) its local modes finished in OUT/partial.jsonl; the same command with
---resume runs only the rest, and the result has every row once. The end-to-end test runs real
-worker processes on the bundled 15.7 M-parameter draft as the target, 3 prompts, 4 tokens."""
+(temperature, repeat, prompt) its workers finished in OUT/partial.jsonl; the same command with
+--resume runs only the rest, and the result has every row once. The end-to-end tests run real
+worker processes (and, for the edge-cloud modes, a server and delay proxies) on the bundled
+15.7 M-parameter draft as the target, 2-3 prompts, 4 tokens."""
 
 from __future__ import annotations
 
@@ -132,8 +133,67 @@ def test_a_stopped_bench_resumes_where_it_stopped_with_every_row_once(tmp_path, 
     assert result["processes"]["speculative"]["workers"] == 2 and "workers" not in result["processes"]["plain"]
     assert not (tmp_path / jr.NAME).exists()
     md = report.markdown(result, report.aggregate(result["samples"], result["processes"]), [], [])
-    assert "This run was stopped and resumed once (`--resume`)" in md and "| speculative (2 workers) |" in md
+    assert "This run was stopped and resumed once (`--resume`)" in md and "| speculative (2 processes) |" in md
 
+
+
+def test_a_stopped_edge_cloud_run_resumes_at_the_rtt_and_prompt_it_stopped(tmp_path, monkeypatch):
+    """Edge-cloud modes over the delay proxy, RTTs 0 and 30 ms, 2 prompts, stopped after the 30 ms
+    worker's first prompt: the resumed run starts one server and one edge worker (the 30 ms one,
+    skipping that prompt), returns each (RTT, mode, prompt) row once, and adds up what the two
+    runs' servers and proxies reported (each wrote its totals to the journal when it stopped)."""
+    a, b = BUILTIN[0], BUILTIN[1]
+    cfg = runner.BenchConfig(target=MODEL, draft=MODEL, prompts=(a, b), modes=("edge_cloud", "cloud_streaming"),
+                             temperatures=(0.0,), wires=("greedy",), rtts=(0.0, 30.0), max_new_tokens=4,
+                             rtt_emulation="proxy", threads=1)
+    config = runner.config_dict(cfg)
+    leg0, leg30, server = ("cloud_streaming+edge_cloud" + s for s in ("@0ms", "@30ms", ":server"))
+    real_unit = jr.Journal.unit
+
+    def stop_in_the_second_rtt(self, mode, unit, seconds, samples):
+        real_unit(self, mode, unit, seconds, samples)
+        if mode == leg30:
+            raise KeyboardInterrupt
+
+    monkeypatch.setattr(jr.Journal, "unit", stop_in_the_second_rtt)
+    journal = jr.Journal.open(tmp_path, config, resume=False)
+    with pytest.raises(KeyboardInterrupt):
+        runner.run(cfg, progress=False, journal=journal)
+    assert journal.stop() == 3 * 2  # two rows a prompt: 0 ms's two prompts and 30 ms's first
+    monkeypatch.setattr(jr.Journal, "unit", real_unit)
+
+    journal = jr.Journal.open(tmp_path, config, resume=True)
+    first = journal.kept
+    assert set(first.finished) == {leg0} and set(first.totals) == {leg0, leg30, server}  # stopped ones report too
+    spawned, servers = [], []
+    real_worker, real_server = runner._run_worker, runner.network.CloudServer.start
+
+    def worker(job, *args, **kwargs):
+        spawned.append((job["rtt_ms"], job["skip"]))
+        return real_worker(job, *args, **kwargs)
+
+    def start(self):
+        servers.append(self)
+        return real_server(self)
+
+    monkeypatch.setattr(runner, "_run_worker", worker)
+    monkeypatch.setattr(runner.network.CloudServer, "start", start)
+    result = runner.run(cfg, progress=False, journal=journal)
+    assert spawned == [(30.0, [[0.0, 0, a.id]])] and len(servers) == 1
+    rows = sorted((s["rtt_ms"], s["mode"], s["prompt_id"]) for s in result["samples"])
+    assert rows == sorted((r, m, p.id) for r in (0.0, 30.0) for m in ("edge_cloud", "cloud_streaming") for p in (a, b))
+    text = {(s["rtt_ms"], s["mode"], s["prompt_id"]): s["text_sha1"] for s in result["samples"]}
+    assert all(text[(r, "edge_cloud", p.id)] == text[(r, "cloud_streaming", p.id)] for r in (0.0, 30.0) for p in (a, b))
+    both = jr.read(tmp_path / jr.NAME, jr.config_key(config)).totals  # the two runs' reports
+    assert len(both[leg30]) == len(both[server]) == 2 and len(both[leg0]) == 1
+    net, procs = result["network"], result["processes"]
+    assert net["proxy_totals"][leg0] == both[leg0][0]
+    assert net["proxy_totals"][leg30] == {k: both[leg30][0][k] + both[leg30][1][k] for k in both[leg30][0]}
+    assert procs[leg0] == first.finished[leg0] and procs[leg30]["workers"] == 2 and "workers" not in procs[leg0]
+    assert procs[server]["workers"] == 2
+    assert procs[server]["seconds"] == pytest.approx(sum(t["seconds"] for t in both[server]))
+    assert net["servers"]["cloud_streaming+edge_cloud"]["rss_peak_bytes"] == max(t["rss_peak_bytes"] for t in both[server])
+    journal.remove()
 
 def _bench(capsys, *args: str) -> tuple[int, str]:
     code = main(["bench", "--modes", "plain", "--limit", "1", "--temperatures", "0", *args])

@@ -92,8 +92,8 @@ def add_parser(sub) -> None:  # noqa: ANN001 - argparse's subparsers action
     p.add_argument("--out", help="output folder (default benchmarks/run-<date>)")
     p.add_argument("--resume", action="store_true",
                    help="go on with the run that was stopped (Ctrl-C, SIGTERM, a failing worker) in --out: repeat its "
-                        "command with --resume; the prompts its local modes finished (kept in OUT/partial.jsonl while "
-                        "a run goes on) are not run again, edge-cloud modes run again from their start (default off)")
+                        "command with --resume; the prompts each mode finished (kept in OUT/partial.jsonl while a run goes "
+                        "on; edge-cloud modes: at each RTT) are not run again (default off)")
     p.add_argument("--no-plots", action="store_true", help="skip the PNG plots (default: draw them)")
     p.add_argument("--report-only", action="store_true",
                    help="run nothing: re-render README.md and the plots of --out from its results.json (default off)")

@@ -238,9 +238,11 @@ def interleaved_settings(modes: list[str], temperature: float, wires: list[str],
 
 
 def run_network(job: Any, prompts: list[Prompt], emit: Callable[[dict], None], sampling_for: Callable,
-                peak_rss: Callable[[], int]) -> None:
+                peak_rss: Callable[[], int], todo: Callable, units: Callable) -> None:
     """Every (mode, wire, γ) of ``job.net_modes`` at each temperature and ``job.rtt_ms``, interleaved
-    prompt by prompt (so that compared runs are seconds apart); one ``emit`` per generation."""
+    prompt by prompt (so that compared runs are seconds apart); one ``emit`` per generation.
+    ``todo(job, prompts, t)`` lists the units left at ``t`` (a resumed run has some), ``units``
+    walks them (``(repeat, seed, index, prompt)``), announcing each when its rows are out."""
     limits = httpx.Limits(max_keepalive_connections=2, keepalive_expiry=300.0)
     with httpx.Client(timeout=httpx.Timeout(300.0, connect=10.0), limits=limits) as client:
         wait_ready(client, job.url)
@@ -249,18 +251,18 @@ def run_network(job: Any, prompts: list[Prompt], emit: Callable[[dict], None], s
         encode = next(iter(runners.values()))[0]
         encoded = {p.id: encode(p.text, p.chat) for p in prompts}
         for t in job.temperatures:
+            if not todo(job, prompts, t):
+                continue
             settings = interleaved_settings(job.net_modes, t, job.wires, job.gammas)
             warm = replace(sampling_for(job, t, 0), max_new_tokens=WARMUP_TOKENS)
             for mode, wire, gamma in settings:  # warm-up, not recorded
                 runners[mode][1](encoded[prompts[0].id], warm, wire, gamma)
             ping = ping_ms(client, job.url)
-            for rep in range(job.repeats):
-                seed = job.seed + rep
-                for p in prompts:
-                    for mode, wire, gamma in settings:
-                        row = runners[mode][1](encoded[p.id], sampling_for(job, t, seed), wire, gamma)
-                        emit({
-                            "mode": mode, "method": wire or mode, "wire": wire, "gamma": gamma, "temperature": t,
-                            "prompt_id": p.id, "category": p.category, "seed": seed, "rtt_ms": job.rtt_ms,
-                            "emulation": job.emulation, "ping_ms": ping, **row, "rss_peak_bytes": peak_rss(),
-                        })
+            for _, seed, _, p in units(job, prompts, t):
+                for mode, wire, gamma in settings:
+                    row = runners[mode][1](encoded[p.id], sampling_for(job, t, seed), wire, gamma)
+                    emit({
+                        "mode": mode, "method": wire or mode, "wire": wire, "gamma": gamma, "temperature": t,
+                        "prompt_id": p.id, "category": p.category, "seed": seed, "rtt_ms": job.rtt_ms,
+                        "emulation": job.emulation, "ping_ms": ping, **row, "rss_peak_bytes": peak_rss(),
+                    })

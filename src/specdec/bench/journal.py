@@ -2,13 +2,16 @@
 so that a run stopped by Ctrl-C, SIGTERM or a failing worker goes on with ``--resume``.
 
 One JSON object per line: first ``{"journal": 1, "config": ...}`` (the run's settings, which a
-resumed run must repeat), then one line per finished *unit* of a local mode: a (temperature,
-repeat, prompt) with every row the mode's worker made for it (``{"mode", "unit", "seconds",
-"samples"}``: each of a prompt's rows comes from one process, so the paired ratios stay paired), and
-``{"mode", "finished": {...}}`` when a mode's worker ends. A resumed run keeps those rows and gives
-each local worker the units to leave out. The edge-cloud modes keep no units: they run again from
-their start. A line cut short by the interruption is dropped (its unit runs again). A finished run
-removes the file once results.json is written.
+resumed run must repeat), then one line per finished *unit* of a worker: a (temperature, repeat,
+prompt) with every row the worker made for it (``{"mode", "unit", "seconds", "samples"}``: each of
+a prompt's rows comes from one process, so the paired ratios stay paired), and ``{"mode",
+"finished": {...}}`` when a worker ends. A worker is a local mode's, or an edge-cloud group's at
+one RTT (``mode`` is then ``"<group>@<rtt>ms"``). A resumed run keeps those rows and gives each
+worker the units to leave out. The edge-cloud runs' other processes, the cloud server and the delay
+proxy, write ``{"mode", "totals": {...}}`` whenever they stop, finished or not (peak memory and
+seconds; bytes forwarded): a resumed run adds up every part's. A line cut short by the
+interruption is dropped (its unit runs again). A finished run removes the file once results.json is
+written.
 """
 
 from __future__ import annotations
@@ -26,8 +29,9 @@ FORMAT = 1
 
 @dataclass
 class Kept:
-    """What earlier parts of a run left: rows in the order they came, each local mode's finished
-    units ((temperature, repeat, prompt id)), and the modes whose worker ended ({mode: process info})."""
+    """What earlier parts of a run left: rows in the order they came, each worker's finished units
+    ((temperature, repeat, prompt id)), the workers that ended ({mode: process info}), and the
+    totals each server or proxy reported when it stopped."""
 
     samples: list[dict] = field(default_factory=list)
     units: dict[str, set[tuple]] = field(default_factory=dict)
@@ -35,6 +39,7 @@ class Kept:
     rss_peak_bytes: dict[str, int] = field(default_factory=dict)  # the highest its rows saw, per mode
     workers: dict[str, int] = field(default_factory=dict)  # the runs whose worker made units kept, per mode
     finished: dict[str, dict] = field(default_factory=dict)
+    totals: dict[str, list[dict]] = field(default_factory=dict)  # a server's or proxy's totals, one per run it ran in
     parts: int = 0  # how many runs wrote this journal before this one
     size: int = 0  # the journal's bytes up to its last whole line
 
@@ -93,6 +98,10 @@ class Journal:
 
     def finished(self, mode: str, process: dict) -> None:
         self._write({"mode": mode, "finished": process})
+
+    def totals(self, name: str, totals: dict) -> None:
+        """A cloud server or delay proxy of this run stopped (finished or interrupted) with ``totals``."""
+        self._write({"mode": name, "totals": totals})
 
     def _write(self, line: dict) -> None:
         self._handle.write(json.dumps(line).encode() + b"\n")  # one line per write: a cut can only end the file
@@ -176,6 +185,8 @@ def read(path: Path, key: dict, machine: dict | None = None) -> Kept:
             parts.setdefault(mode, set()).add(kept.parts)
         elif "finished" in entry:
             kept.finished[entry["mode"]] = entry["finished"]
+        elif "totals" in entry:
+            kept.totals.setdefault(entry["mode"], []).append(entry["totals"])
     kept.workers = {mode: len(p) for mode, p in parts.items()}
     kept.size = len(whole)
     return kept

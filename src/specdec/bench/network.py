@@ -34,6 +34,7 @@ from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any, Callable
 
+from specdec.bench.journal import Journal, Kept
 from specdec.errors import SpecdecError
 
 NETWORK_MODES = ("edge_cloud", "cloud_streaming", "cloud_streaming_spec")
@@ -264,6 +265,24 @@ def groups(modes: list[str]) -> list[list[str]]:
     return [g for g in (shared, [m for m in modes if m == "cloud_streaming_spec"]) if g]
 
 
+def add_totals(parts: list[dict]) -> dict[str, int]:
+    """One proxy's totals over the runs of a resumed bench (bytes and connections add up)."""
+    out: dict[str, int] = {}
+    for part in parts:
+        for k, v in part.items():
+            out[k] = out.get(k, 0) + v
+    return out
+
+
+def server_process(parts: list[dict]) -> dict[str, Any]:
+    """A group's cloud server over the runs it ran in: the highest peak, the seconds added up."""
+    peaks = [p["rss_peak_bytes"] for p in parts if p.get("rss_peak_bytes")]
+    out: dict[str, Any] = {"rss_peak_bytes": max(peaks) if peaks else None, "seconds": sum(p["seconds"] for p in parts)}
+    if len(parts) > 1:
+        out["workers"] = len(parts)
+    return out
+
+
 def run_group(
     modes: list[str],
     *,
@@ -280,38 +299,69 @@ def run_group(
     run_worker: Callable[[dict[str, Any], dict[str, str], list[str], str], dict],
     record: NetworkRun,
     processes: dict[str, dict],
+    kept: Kept | None = None,
+    journal: Journal | None = None,
 ) -> None:
-    """One server for ``modes``; per RTT a link and one edge worker (``run_worker(job, env, prefix, name)``)."""
+    """One server for ``modes``; per RTT a link and one edge worker, ``run_worker(job, env, prefix,
+    name)``, which returns the worker's process record.
+
+    Resuming (``kept``, :class:`specdec.bench.journal.Kept`): an RTT whose worker ended is not run
+    again, and a server none of whose RTTs is left is not started. Each server and proxy writes its
+    totals to ``journal`` whenever it stops, interrupted or not, and the record adds up every run's."""
     from specdec.engine import factor_for
 
     mode = "+".join(modes)
     served = server_draft(modes, draft)
-    server = CloudServer(target, served, threads=threads, emulation=emulation, draft_dtype=draft_dtype, draft_vocab=draft_vocab,
-                         draft_temperature_factor=factor_for(served, draft_temperature_factor), kv_dtype=kv_dtype)
-    if emulation.kind == "netem":
-        subprocess.run(["bash", str(emulation.script), "up", "0"], check=True, capture_output=True, text=True)
-    server_started = time.perf_counter()
-    try:
-        server.start()
-        for rtt in rtts:
-            link = Link(server, rtt).start()
-            name = f"{mode}@{rtt:g}ms"
-            started = time.perf_counter()
-            try:
-                edge_job = dict(job, mode=mode, net_modes=modes, url=link.url, api_key=server.api_key, rtt_ms=rtt,
-                                emulation=emulation.kind)
-                try:
-                    done = run_worker(edge_job, thread_env(threads), link.edge_prefix, name)
-                except SpecdecError as exc:
-                    raise SpecdecError(server.failure() or str(exc)) from None
-            finally:
-                totals = link.stop()
-            if totals:
-                record.proxy_totals[name] = totals
-            processes[name] = {"rss_peak_bytes": done["rss_peak_bytes"], "seconds": time.perf_counter() - started}
-    finally:
-        info = server.stop()
+    server_name = f"{mode}:server"
+    kept_totals: dict[str, list[dict]] = kept.totals if kept is not None else {}
+    finished: dict[str, dict] = kept.finished if kept is not None else {}
+
+    def stopped(name: str, totals: dict) -> None:
+        if journal is not None and totals:
+            journal.totals(name, totals)
+
+    def proxy(name: str, totals: dict | None = None) -> None:
+        summed = add_totals([*kept_totals.get(name, []), *([totals] if totals else [])])
+        if summed:
+            record.proxy_totals[name] = summed
+
+    left = []
+    for rtt in rtts:
+        name = f"{mode}@{rtt:g}ms"
+        if name in finished:  # its worker ended in a run this one resumes
+            processes[name] = finished[name]
+            proxy(name)
+        else:
+            left.append((rtt, name))
+    servers = list(kept_totals.get(server_name, []))
+    if left:
+        server = CloudServer(target, served, threads=threads, emulation=emulation, draft_dtype=draft_dtype,
+                             draft_vocab=draft_vocab, draft_temperature_factor=factor_for(served, draft_temperature_factor),
+                             kv_dtype=kv_dtype)
         if emulation.kind == "netem":
-            subprocess.run(["bash", str(emulation.script), "down"], capture_output=True, text=True)
-    record.servers[mode] = {"draft": server_draft(modes, draft), **info}
-    processes[f"{mode}:server"] = {"rss_peak_bytes": info["rss_peak_bytes"], "seconds": time.perf_counter() - server_started}
+            subprocess.run(["bash", str(emulation.script), "up", "0"], check=True, capture_output=True, text=True)
+        server_started = time.perf_counter()
+        try:
+            server.start()
+            for rtt, name in left:
+                link = Link(server, rtt).start()
+                totals: dict = {}
+                try:
+                    edge_job = dict(job, mode=mode, net_modes=modes, url=link.url, api_key=server.api_key, rtt_ms=rtt,
+                                    emulation=emulation.kind)
+                    try:
+                        processes[name] = run_worker(edge_job, thread_env(threads), link.edge_prefix, name)
+                    except SpecdecError as exc:
+                        raise SpecdecError(server.failure() or str(exc)) from None
+                finally:
+                    totals = link.stop()
+                    stopped(name, totals)
+                proxy(name, totals)
+        finally:
+            info = {**server.stop(), "seconds": time.perf_counter() - server_started}
+            if emulation.kind == "netem":
+                subprocess.run(["bash", str(emulation.script), "down"], capture_output=True, text=True)
+            stopped(server_name, info)
+        servers.append(info)
+    processes[server_name] = server_process(servers)
+    record.servers[mode] = {"draft": served, "rss_peak_bytes": processes[server_name]["rss_peak_bytes"]}

@@ -487,7 +487,7 @@ def markdown(result: dict, stats: list[GroupStats], bvt: list[BlockVsToken], plo
     if procs:
         lines += ["", "## Processes (one per mode)", "", "| mode | peak RSS MiB | seconds |", "|---|---|---|"]
         for mode, p in procs.items():
-            workers = f" ({p['workers']} workers)" if p.get("workers", 1) > 1 else ""
+            workers = f" ({p['workers']} processes)" if p.get("workers", 1) > 1 else ""
             lines.append(f"| {mode}{workers} | {_mib(p.get('rss_peak_bytes'))} | {p.get('seconds', 0):.0f} |")
     if plots:
         lines += ["", "## Plots", ""] + [f"![{Path(p).stem}]({Path(p).name})" for p in plots]
@@ -738,9 +738,10 @@ def _resumed(parts: int | None, cfg: dict) -> list[str]:
         return []
     times = "once" if parts == 1 else f"{parts} times"
     network = any(m in netreport.NETWORK_MODES for m in cfg.get("modes", ()))
-    return [f"This run was stopped and resumed {times} (`--resume`): a prompt's rows in a local mode all come from one "
+    return [f"This run was stopped and resumed {times} (`--resume`): a prompt's rows in a mode all come from one "
             "worker process (so paired ratios stay paired), but different prompts' rows may come from different ones"
-            + ("; the edge-cloud modes ran again from their start." if network else "."), ""]
+            + ("; an edge-cloud server's peak memory is the highest of its processes, the proxies' bytes are "
+               "every run's added up." if network else "."), ""]
 
 
 def _target_dtype(cfg: dict) -> str:

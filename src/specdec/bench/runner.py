@@ -233,10 +233,11 @@ def run(cfg: BenchConfig, *, progress: bool = True, journal: Journal | None = No
     """Run every mode; returns ``{"config": ..., "samples": [...], "processes": {...}}``
     (and ``"network"``: the RTT emulation, proxy byte totals, server peak RSS, when a network mode ran).
 
-    With a ``journal`` (:mod:`specdec.bench.journal`) each local mode's finished units are recorded
-    as they end, and what the journal kept from an interrupted run is not run again: its rows come
-    first in ``samples``, each local worker leaves its finished units out, a mode whose worker
-    ended is skipped; ``"resumed"`` counts the runs before this one."""
+    With a ``journal`` (:mod:`specdec.bench.journal`) each worker's finished units are recorded as
+    they end, and what the journal kept from an interrupted run is not run again: its rows come
+    first in ``samples``, each worker (a local mode's, an edge-cloud group's at one RTT) leaves its
+    finished units out, a worker that ended is skipped (and a cloud server whose workers all
+    ended is not started); ``"resumed"`` counts the runs before this one."""
     from tqdm.auto import tqdm
 
     for mode in cfg.modes:
@@ -248,10 +249,6 @@ def run(cfg: BenchConfig, *, progress: bool = True, journal: Journal | None = No
     samples: list[dict] = list(kept.samples)
     processes: dict[str, dict] = {m: p for m, p in kept.finished.items() if m in LOCAL_MODES}
     bar = tqdm(total=total, initial=len(samples), desc="bench", unit="gen", disable=not progress)
-
-    def on_sample(row: dict) -> None:
-        samples.append(row)
-        bar.update(1)
 
     env = dict(os.environ, TOKENIZERS_PARALLELISM="false")
     net_modes = [m for m in cfg.modes if m in network.NETWORK_MODES]
@@ -273,8 +270,8 @@ def run(cfg: BenchConfig, *, progress: bool = True, journal: Journal | None = No
                 group, target=cfg.target, draft=cfg.draft, draft_dtype=cfg.draft_dtype, draft_vocab=cfg.draft_vocab,
                 draft_temperature_factor=cfg.draft_temperature_factor, kv_dtype=cfg.kv_dtype, threads=cfg.threads or 1,
                 rtts=list(cfg.rtts), emulation=emulation, job=_job(cfg, group[0]),
-                run_worker=lambda job, wenv, prefix, name: _run_worker(job, wenv, prefix, name, on_sample),
-                record=record, processes=processes,
+                run_worker=lambda job, wenv, prefix, name: _run_journaled(job, wenv, prefix, name, kept, journal, samples, bar),
+                record=record, processes=processes, kept=kept, journal=journal,
             )
     finally:
         bar.close()
@@ -291,8 +288,15 @@ def run(cfg: BenchConfig, *, progress: bool = True, journal: Journal | None = No
 
 def _run_local(cfg: BenchConfig, mode: str, env: dict[str, str], kept: Kept, journal: Journal | None,
                samples: list[dict], bar) -> dict:  # noqa: ANN001 - a tqdm bar
-    """One local mode's worker, less the units ``kept`` has; each unit's rows reach ``samples`` (and
-    the journal) when the worker says the unit is finished. Returns the mode's process record."""
+    """One local mode's worker (see :func:`_run_journaled`)."""
+    return _run_journaled(_job(cfg, mode), env, [], mode, kept, journal, samples, bar)
+
+
+def _run_journaled(job: dict, env: dict[str, str], prefix: list[str], name: str, kept: Kept, journal: Journal | None,
+                   samples: list[dict], bar) -> dict:  # noqa: ANN001 - a tqdm bar
+    """The worker ``name`` (a local mode, or an edge-cloud group at one RTT), less the units ``kept``
+    has; each unit's rows reach ``samples`` (and the journal) when the worker says the unit is
+    finished. Returns the worker's process record, earlier runs' share included."""
     started = last = time.perf_counter()
     rows: list[dict] = []
 
@@ -304,20 +308,20 @@ def _run_local(cfg: BenchConfig, mode: str, env: dict[str, str], kept: Kept, jou
         nonlocal last
         now = time.perf_counter()
         if journal is not None:
-            journal.unit(mode, unit, now - last, rows)
+            journal.unit(name, unit, now - last, rows)
         samples.extend(rows)
         rows.clear()
         last = now
 
-    skip = sorted(kept.units.get(mode, ()), key=json.dumps)
-    done = _run_worker({**_job(cfg, mode), "skip": [list(u) for u in skip]}, env, [], mode, on_sample, on_unit)
+    skip = sorted(kept.units.get(name, ()), key=json.dumps)
+    done = _run_worker({**job, "skip": [list(u) for u in skip]}, env, prefix, name, on_sample, on_unit)
     samples.extend(rows)  # none: every row belongs to a unit
-    process = {"rss_peak_bytes": done["rss_peak_bytes"], "seconds": time.perf_counter() - started + kept.seconds.get(mode, 0.0)}
-    if mode in kept.units:  # its rows came from several workers, one per run
-        process["rss_peak_bytes"] = max(process["rss_peak_bytes"], kept.rss_peak_bytes.get(mode, 0))
-        process["workers"] = 1 + kept.workers[mode]
+    process = {"rss_peak_bytes": done["rss_peak_bytes"], "seconds": time.perf_counter() - started + kept.seconds.get(name, 0.0)}
+    if name in kept.units:  # its rows came from several workers, one per run
+        process["rss_peak_bytes"] = max(process["rss_peak_bytes"], kept.rss_peak_bytes.get(name, 0))
+        process["workers"] = 1 + kept.workers[name]
     if journal is not None:
-        journal.finished(mode, process)
+        journal.finished(name, process)
     return process
 
 

@@ -369,7 +369,7 @@ def main() -> int:
     if job.url is not None:
         from specdec.bench.edge_worker import run_network
 
-        run_network(job, prompts, _emit, _sampling, _peak_rss)
+        run_network(job, prompts, _emit, _sampling, _peak_rss, _todo, _units)
     elif job.mode.startswith("hf_"):
         run_hf(job, prompts)
     elif job.mode == "llamacpp":
