@@ -263,7 +263,7 @@ def run(cfg: BenchConfig, *, progress: bool = True, journal: Journal | None = No
             if mode in processes:  # its worker ended in a run this one resumes
                 continue
             bar.set_postfix_str(mode)
-            processes[mode] = _run_local(cfg, mode, env, kept, journal, samples, bar)
+            processes[mode] = _run_journaled(_job(cfg, mode), env, [], mode, kept, journal, samples, bar)
         for group in network.groups(net_modes):
             bar.set_postfix_str("+".join(group))
             network.run_group(
@@ -284,12 +284,6 @@ def run(cfg: BenchConfig, *, progress: bool = True, journal: Journal | None = No
     if kept.parts:
         result["resumed"] = kept.parts
     return result
-
-
-def _run_local(cfg: BenchConfig, mode: str, env: dict[str, str], kept: Kept, journal: Journal | None,
-               samples: list[dict], bar) -> dict:  # noqa: ANN001 - a tqdm bar
-    """One local mode's worker (see :func:`_run_journaled`)."""
-    return _run_journaled(_job(cfg, mode), env, [], mode, kept, journal, samples, bar)
 
 
 def _run_journaled(job: dict, env: dict[str, str], prefix: list[str], name: str, kept: Kept, journal: Journal | None,
