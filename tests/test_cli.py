@@ -1083,3 +1083,24 @@ def test_sigterm_unwinds_a_command_as_ctrl_c_does_and_exits_143(capsys, monkeypa
         assert signal.getsignal(signal.SIGTERM) is unhandled
     finally:
         signal.signal(signal.SIGTERM, before)
+
+
+def test_a_missing_extra_is_named_in_one_line_before_any_work(capsys, tmp_path, monkeypatch):
+    """`generate --remote` needs the 'serve' extra (httpx), `serve` too (fastapi, uvicorn), and
+    `bench`'s plots the 'bench' extra (matplotlib): each says which, in one line, exit 2, before it
+    loads a model or runs a mode (a bench that failed at its report kept a journal that blocked a rerun)."""
+    import sys
+
+    monkeypatch.setitem(sys.modules, "httpx", None)  # import httpx now raises ImportError
+    code, out, err = _run(capsys, "generate", "-p", "hi", "-n", "2", "--remote", "http://127.0.0.1:9")
+    assert code == 2 and "--remote needs the 'serve' extra (httpx is missing)" in err and "Traceback" not in err
+    monkeypatch.setitem(sys.modules, "fastapi", None)
+    code, out, err = _run(capsys, "serve", "--port", "0")
+    assert code == 2 and "serving needs the 'serve' extra (fastapi is missing)" in err
+    monkeypatch.setitem(sys.modules, "matplotlib", None)
+    out_dir = tmp_path / "run"
+    code, out, err = _run(capsys, "bench", "--modes", "plain", "--limit", "1", "--out", str(out_dir))
+    assert code == 2 and "plots need the 'bench' extra (matplotlib is missing)" in err and "--no-plots" in err
+    assert not out_dir.exists()  # refused before the run: no journal left behind
+    code, out, err = _run(capsys, "bench", "--report-only", "--out", "benchmarks/smollm2-vs-llamacpp-m")
+    assert code == 2 and "plots need the 'bench' extra" in err

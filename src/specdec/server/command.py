@@ -36,7 +36,7 @@ def add_parser(sub: Any) -> None:
         description=(
             "Serve the target: edges create sessions and send drafts to /v1/sessions/{id}/verify; OpenAI "
             "clients use /v1/completions, /v1/chat/completions and /v1/responses (the last two with tools too; speculative decoding with the local "
-            f"--draft). Every endpoint but /health, /version and /metrics (see --metrics-need-key) needs 'Authorization: Bearer KEY' when a key is set "
+            f"--draft). Every endpoint but /health, /version, /metrics (see --metrics-need-key), /openapi.json and /docs needs 'Authorization: Bearer KEY' when a key is set "
             f"(--api-key or ${API_KEY_ENV}); a non-loopback --host needs a key."
         ),
     )

@@ -42,10 +42,10 @@ def add_parser(sub) -> None:  # noqa: ANN001 - argparse's subparsers action
                    "for a busy machine)")
     s.add_argument("--polish", type=int, default=0, metavar="N",
                    help="then up to N passes of local search: toggle each sub-layer in turn, keep it where the expected "
-                   "speed-up rises; stops after a pass that changes nothing (default 0: none)")
+                   "speed-up rises; stops after a pass that changes nothing (default 0: none; 3 with --from)")
     s.add_argument("--from", dest="start", metavar="FILE",
-                   help="start the local search from this skip-set file instead of the greedy search (with --polish, "
-                   "default 3 passes)")
+                   help="start the local search from this skip-set file instead of the greedy search (3 passes "
+                   "unless --polish says otherwise)")
     s.add_argument("--draft-vocab", choices=("auto", "full"), default="auto",
                    help="the vocabulary the view drafts over, as `generate --draft-vocab` gives it: auto = the reduced "
                    "one shipped for the target or its default draft, where the target's head can be cut to it (a "
