@@ -621,3 +621,22 @@ def test_quantised_tensors_print_no_deprecation_warning():
     done = subprocess.run([sys.executable, "-W", "always", "-c", code], capture_output=True, text=True, timeout=120)
     assert done.returncode == 0, done.stderr
     assert "deprecated" not in done.stderr, done.stderr
+
+
+@needs_w8a8
+def test_a_staging_buffer_grown_under_inference_mode_is_written_outside_it():
+    """The row-staging buffer grows on demand; grown by a pass under ``torch.inference_mode`` it
+    was an inference tensor, and the next pass of that size or less outside that mode failed
+    ("Inplace update to inference tensor"): seen with a target shared by two drafters, one
+    verifying a 65-row draft in inference mode, the other's cache-sharing head call not. Rows past
+    the few-row kernel take the staging path; the product must not depend on the mode."""
+    from specdec.models.linear import few_rows
+
+    torch.manual_seed(0)
+    lin = W8A8Linear(torch.randn(64, 32))
+    n = few_rows(not _has_vnni()) + 40
+    x = torch.randn(n, 32)
+    with torch.inference_mode():
+        grown = lin(x)
+    for m in (n, n - 1):  # the view it made, and a new view of the grown buffer
+        assert torch.equal(lin(x[:m]), grown[:m])

@@ -430,11 +430,15 @@ class W8A8Linear:
     def _staged(self, n: int) -> tuple[Tensor, Tensor]:
         views = self._views.get(n)
         if views is None:
-            if n > self._buf.shape[0]:
-                self._buf = self._staging(max(n, 2 * self._buf.shape[0]))
-                self._views.clear()
-            staged = self._buf[:n]
-            views = self._views[n] = (staged, staged[:, : self.in_features])
+            # made as normal tensors whatever the caller's mode: a buffer or view made under
+            # inference mode could not be written outside it by a later pass ("Inplace update to
+            # inference tensor"), and the passes of a target shared by several drafters run both ways
+            with torch.inference_mode(False):
+                if n > self._buf.shape[0]:
+                    self._buf = self._staging(max(n, 2 * self._buf.shape[0]))
+                    self._views.clear()
+                staged = self._buf[:n]
+                views = self._views[n] = (staged, staged[:, : self.in_features])
         return views
 
     def __call__(self, x: Tensor) -> Tensor:  # x: [n, in] float32 -> [n, out] float32
