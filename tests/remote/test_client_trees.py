@@ -13,6 +13,7 @@ from __future__ import annotations
 import httpx
 import pytest
 
+from serverproc import ServerProcess
 from specdec.decoder import SpeculativeDecoder
 from specdec.drafters import ModelDrafter, NgramDrafter
 from specdec.drafters.tree_builder import TreeSpec
@@ -26,6 +27,7 @@ from specdec.sampling import SamplingConfig
 from specdec.verify import get_rule
 from stats import ALPHA, chi_square_pvalue, exact_law
 
+from .conftest import API_KEY
 from .test_client import DRAFT, TARGET, _cfg, _Flaky, _local, _MisreportedQ
 
 
@@ -119,3 +121,17 @@ def test_tree_options_that_cannot_work_are_refused(toy_server):
     gate = Gate(GateConfig(policy="shape"))
     with pytest.raises(ConfigError, match="--tree chain"):
         generate_remote([1, 2], cfg, _cfg(toy_server.url), drafter=ModelDrafter(DRAFT), tree=4, gate=gate)
+
+
+def test_the_edge_drafts_no_more_than_the_servers_max_gamma():
+    """A server started with ``--max-gamma 2`` refuses a longer draft (a 400 that ended the edge's
+    run mid-reply); the edge reads the bound from the session's reply and drafts no more, chains
+    and trees alike, so asking for γ 6 or 8-node trees still gives plain greedy's tokens."""
+    cfg = SamplingConfig(temperature=0.0, max_new_tokens=30)
+    plain = _local([2, 3, 0], cfg, "greedy", drafter=None)
+    with ServerProcess.toy("--api-key", API_KEY, "--vocab", "4", "--order", "2", "--seed", "0", "--max-gamma", "2") as srv:
+        for tree in ("chain", 8, "auto"):
+            out = generate_remote([2, 3, 0], cfg, _cfg(srv.url), drafter=ModelDrafter(DRAFT), gamma=6, tree=tree)
+            assert out.token_ids == plain, tree
+            drafted = [r.gamma for r in out.result.rounds]
+            assert max(drafted) == 2 and sum(drafted) > 10, (tree, drafted)  # drafted up to the bound, never past it

@@ -577,7 +577,9 @@ class RemoteVerifier:
             # was printed as no text, or failed in the draft's embedding)
             self._token_bound = min(vocab, self.edge_vocab) if self.edge_vocab is not None else vocab
             self.max_context = max_context
-            self.server_max_gamma = max_gamma
+            #: the longest draft (chain tokens or tree nodes) the server verifies in one round
+            #: (its --max-gamma); the decoder drafts no more, since a longer one is refused
+            self.max_draft = max_gamma
             self.seed = seed
             self.model_name = str(data.get("model", "remote"))[:256]
             self._max_length = max_length
