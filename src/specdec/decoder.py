@@ -215,9 +215,9 @@ class SpeculativeDecoder:
                 limit = min(defaults.MAX_TREE_NODES, verifier.max_length - verifier.context.numel())
             else:
                 limit = min(remaining - 1, defaults.MAX_GAMMA)
-            ceiling = getattr(verifier, "max_draft", None)  # a remote server's longest draft a round (--max-gamma)
-            if ceiling is not None:
-                limit = min(limit, ceiling)
+            bound = getattr(verifier, "max_draft", None)  # a remote server's longest draft a round (--max-gamma)
+            if bound is not None:
+                limit = min(limit, bound)
             advised = getattr(verifier, "gamma_limit", None)  # a busy remote verifier's draft cap
             if advised is not None and tree is None:
                 limit = min(limit, advised)
