@@ -206,6 +206,7 @@ class SpeculativeDecoder:
         free_limit = getattr(self.gamma, "free_limit", None) if free_drafts else None
         free_update = getattr(self.gamma, "update_free", None) if free_drafts else None
         observe_pass = getattr(drafter, "observe_pass", None)  # ... whose lookup controller learns pass costs
+        bound = getattr(verifier, "max_draft", None)  # a remote server's longest draft a round (--max-gamma)
         draft_cfg = draft_config(cfg, temperature_factor(drafter))  # the drafter samples at its factor x T
         while len(generated) < max_new:
             remaining = max_new - len(generated)
@@ -215,7 +216,6 @@ class SpeculativeDecoder:
                 limit = min(defaults.MAX_TREE_NODES, verifier.max_length - verifier.context.numel())
             else:
                 limit = min(remaining - 1, defaults.MAX_GAMMA)
-            bound = getattr(verifier, "max_draft", None)  # a remote server's longest draft a round (--max-gamma)
             if bound is not None:
                 limit = min(limit, bound)
             advised = getattr(verifier, "gamma_limit", None)  # a busy remote verifier's draft cap
