@@ -124,6 +124,7 @@ class SpeculativeDecoder:
         q_top_k: int | None = None,
         min_confidence: float = 0.0,
         tree: TreeSpec | None = None,
+        max_draft: int | None = None,
     ) -> None:
         self.target = target
         self.drafter = drafter
@@ -136,6 +137,7 @@ class SpeculativeDecoder:
         #: token trees: how the drafter grows them (the γ controller's number is then the node
         #: budget); drafters without tree support keep drafting chains
         self.tree = tree if tree is not None and getattr(drafter, "supports_trees", False) else None
+        self.max_draft = max_draft  # the most tokens (tree nodes) a round drafts: a server's --max-gamma
 
     def stop_ids(self, cfg: SamplingConfig) -> frozenset[int]:
         """The tokens that end a sequence under ``cfg``: end-of-sequence (unless ignored) and its
@@ -206,7 +208,8 @@ class SpeculativeDecoder:
         free_limit = getattr(self.gamma, "free_limit", None) if free_drafts else None
         free_update = getattr(self.gamma, "update_free", None) if free_drafts else None
         observe_pass = getattr(drafter, "observe_pass", None)  # ... whose lookup controller learns pass costs
-        bound = getattr(verifier, "max_draft", None)  # a remote server's longest draft a round (--max-gamma)
+        # the longest draft a round: this decoder's own bound and a remote server's (both --max-gamma)
+        bound = min((b for b in (self.max_draft, getattr(verifier, "max_draft", None)) if b is not None), default=None)
         draft_cfg = draft_config(cfg, temperature_factor(drafter))  # the drafter samples at its factor x T
         while len(generated) < max_new:
             remaining = max_new - len(generated)

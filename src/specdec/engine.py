@@ -655,8 +655,10 @@ class Engine:
         tree: str | int = defaults.DEFAULT_TREE,
         tree_min_prob: float | None = None,
         tree_observe: Callable[[int, int], None] | None = None,
+        max_draft: int | None = None,
     ) -> SpeculativeDecoder:
-        """``tree_observe(nodes, accepted)``: told of every tree round's budget controller update."""
+        """``tree_observe(nodes, accepted)``: told of every tree round's budget controller update;
+        ``max_draft``: the most tokens (a tree's nodes) any round drafts, whatever γ or the tree asks."""
         spec, controller = make_tree(tree, self._gamma(rule, gamma), min_prob=tree_min_prob, drafter=self.drafter)
         if spec is not None and tree_observe is not None:
             controller = ObservedGamma(controller, tree_observe)
@@ -669,6 +671,7 @@ class Engine:
             eos_ids=frozenset() if ignore_eos else self.target.eos_ids,
             drafter_name=self.drafter_name,
             min_confidence=defaults.MIN_CONFIDENCE if min_confidence is None else parse_min_confidence(min_confidence),
+            max_draft=max_draft,
         )
 
     def _gamma(self, rule: Rule, gamma: str | int | GammaController) -> GammaController:
@@ -703,6 +706,7 @@ class Engine:
         on_piece: Callable[[TextPiece], None] | None = None,
         tree_observe: Callable[[int, int], None] | None = None,
         stop_when: Callable[[str], bool] | None = None,
+        max_draft: int | None = None,
     ) -> TextResult:
         """Decode ``prompt``; ``logprobs`` (k >= 0) records each emitted token's log-probability
         under the target's processed law and the k most likely alternatives; ``ignore_eos``
@@ -710,7 +714,8 @@ class Engine:
         decided; ``on_piece`` the same pieces with their tokens and log-probabilities
         (:class:`TextPiece`), the last one carrying whatever tokens are left.  ``tree_observe``: see
         :meth:`decoder`.  ``stop_when``: a test of the text so far that ends generation at the first
-        token that makes it true, that token's text kept (:class:`~specdec.text.StopWhen`).  (The
+        token that makes it true, that token's text kept (:class:`~specdec.text.StopWhen`).  ``max_draft``: see
+        :meth:`decoder`.  (The
         prompt's own log-probabilities: :func:`~specdec.session.score_prompt`.)"""
         rule = get_rule(method or default_method(sampling))
         vocab = self.target.model.vocab_size
@@ -729,7 +734,7 @@ class Engine:
         stop = first_stop(output_stop(tokenizer, sampling), StopWhen(tokenizer, stop_when, skip_special_tokens=sampling.skip_special_tokens)
                           if stop_when is not None else None)
         decoder = self.decoder(rule, gamma, min_confidence=min_confidence, ignore_eos=ignore_eos, tree=tree,
-                               tree_min_prob=tree_min_prob, tree_observe=tree_observe)
+                               tree_min_prob=tree_min_prob, tree_observe=tree_observe, max_draft=max_draft)
         sampling = floor_stops(sampling, decoder.stop_ids(sampling))  # min_tokens: the session's law and the draft's
         if logprobs is not None:  # the decoder and the session must share the seed
             if sampling.seed is None:

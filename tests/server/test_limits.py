@@ -64,6 +64,10 @@ def test_bad_settings_are_refused():
         ServerSettings(max_gamma=65)
     with pytest.raises(ValueError, match="tree must be 'chain', 'auto' or a node count"):
         ServerSettings(tree="bushy")
+    for kw in ({"gamma": 5}, {"tree": 5}):  # the server's own drafts keep to its bound too
+        with pytest.raises(ValueError, match=r"\(5\) drafts more than its max gamma \(4\)"):
+            ServerSettings(max_gamma=4, **kw)
+    ServerSettings(max_gamma=4, gamma=4, tree=4)
 
 
 def test_serve_refuses_an_open_public_address(capsys, monkeypatch):

@@ -65,3 +65,57 @@ def test_a_servers_requests_continue_gamma_autos_controller_per_rule():
     # constrained output keeps a controller of its own: it drafts afresh, and free text's stays
     assert ask(allowed_token_ids=list(range(VOCAB)))["specdec"]["draft_tokens_proposed"] > 0
     assert memory._last["greedy"] is kept and isinstance(memory._last["greedy+constrained"], CostGamma)
+
+
+class _Counting(ModelDrafter):
+    """The toy draft, keeping each round's draft length (a tree's: its node count)."""
+
+    def __init__(self, model, drafted: list[int]) -> None:
+        super().__init__(model)
+        self.drafted = drafted
+
+    def propose(self, context, gamma, sampler):
+        draft = super().propose(context, gamma, sampler)
+        self.drafted.append(len(draft.tokens))
+        return draft
+
+    def propose_tree(self, context, budget, sampler, spec, *, max_depth):
+        draft = super().propose_tree(context, budget, sampler, spec, max_depth=max_depth)
+        self.drafted.append(len(draft.tokens))
+        return draft
+
+
+def test_the_openai_endpoints_draft_no_more_than_the_servers_max_gamma():
+    """``--max-gamma`` bounds the server's own drafts too: a request's γ or tree above it is a 400
+    that names the flag; γ guide (which grows past 2 on this easy toy when unbounded), γ auto and
+    tree auto (timing-driven, so only bounded here) stay at or below it, with greedy output equal
+    to the unbounded server's."""
+    target = ToyLM(VOCAB, order=2, seed=3)
+    draft = target.perturbed(0.05, seed=1)
+    drafted: list[int] = []
+
+    def client(bound: int) -> TestClient:
+        app = create_app(target, tokenizer=LetterTokenizer(), settings=ServerSettings(max_gamma=bound),
+                         drafter_factory=lambda: _Counting(draft, drafted), drafter_name="toy")
+        return TestClient(app, base_url="http://localhost")
+
+    def ask(c: TestClient, **kw) -> str:
+        r = c.post("/v1/completions", json={"prompt": "abcab", "max_tokens": 40, "temperature": 0, **kw})
+        assert r.status_code == 200, r.text
+        return r.json()["choices"][0]["text"]
+
+    free, bounded = client(64), client(2)
+    for kw in ({"gamma": "guide"}, {"gamma": 2}, {"tree": 2}, {"gamma": "auto"}, {"tree": "auto"}):
+        drafted.clear()
+        want = ask(free, **kw)
+        grew = max(drafted)
+        drafted.clear()
+        assert ask(bounded, **kw) == want, kw
+        assert max(drafted) <= 2, (kw, drafted)
+        if "auto" not in kw.values():
+            assert max(drafted) == 2 and sum(drafted) > 10, (kw, drafted)  # drafted up to the bound
+        if kw == {"gamma": "guide"}:
+            assert grew > 2, grew  # unbounded, the same request drafts more: the bound is what held it
+    for kw, what in (({"gamma": 3}, "gamma 3"), ({"tree": 4}, "tree 4")):
+        r = bounded.post("/v1/completions", json={"prompt": "abcab", "max_tokens": 4, "temperature": 0, **kw})
+        assert r.status_code == 400 and what in r.text and "--max-gamma" in r.text, r.text

@@ -68,10 +68,10 @@ def add_parser(sub: Any) -> None:
     g.add_argument("--max-sessions", type=int, default=64, help="edge sessions held at once; the least recently used idle one is evicted past this (default 64)")
     g.add_argument("--session-ttl", type=float, default=900.0, help="seconds an idle session is kept (default 900)")
     g.add_argument("--max-body-bytes", type=int, default=1 << 20, help="largest request body accepted (default 1 MiB)")
-    g.add_argument("--max-gamma", type=int, default=defaults.MAX_GAMMA, help="longest draft (tokens, or tree nodes) an edge client may send for one verification round "
-                   "through the session API; `specdec generate --remote` drafts no more. The OpenAI endpoints draft "
-                   f"with the server's own drafter and take a request's gamma / tree up to {defaults.MAX_GAMMA} "
-                   f"(default {defaults.MAX_GAMMA})")
+    g.add_argument("--max-gamma", type=int, default=defaults.MAX_GAMMA, help="longest draft (tokens, or tree nodes) of one verification round, from 1 to "
+                   f"{defaults.MAX_GAMMA}: what an edge client may send through the session API (`specdec generate --remote` "
+                   "drafts no more), and what the OpenAI endpoints draft: a request's gamma or tree above it is a 400, "
+                   f"gamma and tree 'auto' stay at or below it (default {defaults.MAX_GAMMA})")
     g.add_argument("--gamma", default=defaults.DEFAULT_GAMMA, help=f"draft length for the OpenAI endpoints: an integer from 1 to {defaults.MAX_GAMMA}, 'auto' or 'guide' (default auto)")
     g.add_argument("--tree", default=defaults.DEFAULT_TREE,
                    help="token trees for the OpenAI endpoints (a request's 'tree' field overrides it): 'chain' (default: one "

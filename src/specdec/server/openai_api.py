@@ -533,6 +533,10 @@ class _Job:
             self.tree = parse_tree(req.tree if req.tree is not None else ctx.settings.tree)
         except SpecdecError as exc:
             raise ApiError(400, str(exc)) from None
+        bound = ctx.settings.max_gamma
+        for name, value, what in (("gamma", self.gamma, "tokens"), ("tree", self.tree, "tree nodes")):
+            if isinstance(value, int) and value > bound:
+                raise ApiError(400, f"{name} {value} asks for more than this server drafts in a round: at most {bound} {what} (--max-gamma)")
         if self.tree != "chain" and getattr(model, "forward_tree", None) is None:
             raise ApiError(400, "token trees need tree attention, which this target's backend lacks (on the hf backend, a model with layers other than full or sliding-window attention, such as chunked or linear attention, has none)")
         self.grammar = _structured(req)
@@ -669,7 +673,7 @@ class _Job:
             out = engine.generate(self.prompt_of(index), sampling, method=self.method,
                                   gamma=self._gamma(drafter, index, pace, auto) if chain else self.gamma, on_piece=on_piece,
                                   logprobs=self.logprobs, ignore_eos=self.ignore_eos, tree=self.tree, tree_observe=nodes,
-                                  stop_when=self.stop_when)
+                                  stop_when=self.stop_when, max_draft=ctx.settings.max_gamma)
             if auto is not None:
                 ctx.gamma_memory.keep(memory_key, auto)
             if isinstance(drafter, Predicted):

@@ -101,6 +101,9 @@ class ServerSettings:
         from specdec.engine import parse_tree
 
         parse_tree(self.tree)  # ConfigError with the accepted spellings
+        for name, value in (("gamma", self.gamma), ("tree", self.tree)):
+            if isinstance(value, int) and value > self.max_gamma:
+                raise ConfigError(f"the server's {name} ({value}) drafts more than its max gamma ({self.max_gamma}) allows in a round")
         if self.default_max_tokens < 1:
             raise ConfigError(f"default max tokens must be >= 1, got {self.default_max_tokens}")
         if self.api_key is not None and not self.api_key.strip():
