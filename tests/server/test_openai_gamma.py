@@ -89,13 +89,13 @@ def test_the_openai_endpoints_draft_no_more_than_the_servers_max_gamma():
     """``--max-gamma`` bounds the server's own drafts too: a request's γ or tree above it is a 400
     that names the flag; γ guide (which grows past 2 on this easy toy when unbounded), γ auto and
     tree auto (timing-driven, so only bounded here) stay at or below it, with greedy output equal
-    to the unbounded server's."""
+    to the unbounded server's (the load-driven draft cap is off: only the bound may cut a draft)."""
     target = ToyLM(VOCAB, order=2, seed=3)
     draft = target.perturbed(0.05, seed=1)
     drafted: list[int] = []
 
     def client(bound: int) -> TestClient:
-        app = create_app(target, tokenizer=LetterTokenizer(), settings=ServerSettings(max_gamma=bound),
+        app = create_app(target, tokenizer=LetterTokenizer(), settings=ServerSettings(max_gamma=bound, draft_cap=False),
                          drafter_factory=lambda: _Counting(draft, drafted), drafter_name="toy")
         return TestClient(app, base_url="http://localhost")
 
