@@ -370,7 +370,11 @@ class _Letters:
         return "".join(chr(97 + int(i)) for i in ids)
 
 
-def test_completion_stops_when_its_client_goes_away(caplog):
+@pytest.mark.parametrize("how", ["timeout", "stream cut"])
+def test_completion_stops_when_its_client_goes_away(caplog, how):
+    """A client that stops waiting (a timeout) or drops a stream after a few chunks ends its
+    completion: generation stops long before its 1500 tokens, and the request's slot and KV claim
+    are given back."""
     import gc
 
     import uvicorn
@@ -380,6 +384,8 @@ def test_completion_stops_when_its_client_goes_away(caplog):
     model = _SlowModel()
     model.max_length = 2048
     app = create_app(model, tokenizer=_Letters(), settings=ServerSettings())
+    ctx = app.state.ctx
+    ctx.kv_per_position = 64  # a toy cache has no byte size: give it one, so that the request claims KV bytes
     port = free_port()
     server = uvicorn.Server(uvicorn.Config(app, host="127.0.0.1", port=port, log_level="warning"))
     thread = threading.Thread(target=server.run, daemon=True)
@@ -388,9 +394,19 @@ def test_completion_stops_when_its_client_goes_away(caplog):
         deadline = time.monotonic() + 30
         while not server.started and time.monotonic() < deadline:
             time.sleep(0.05)
-        with pytest.raises(httpx.TimeoutException):
-            httpx.post(f"http://127.0.0.1:{port}/v1/completions", timeout=0.5,
-                       json={"prompt": [1, 2], "max_tokens": 1500, "temperature": 0})
+        body = {"prompt": [1, 2], "max_tokens": 1500, "temperature": 0}
+        if how == "timeout":
+            with pytest.raises(httpx.TimeoutException):
+                httpx.post(f"http://127.0.0.1:{port}/v1/completions", timeout=0.5, json=body)
+        else:
+            with httpx.stream("POST", f"http://127.0.0.1:{port}/v1/completions", json={**body, "stream": True}, timeout=30) as r:
+                chunks = 0
+                for line in r.iter_lines():
+                    chunks += line.startswith("data: ")
+                    if chunks == 3:
+                        assert ctx.store.claimed_bytes > 0 and ctx.active._value == ctx.settings.max_active_requests - 1
+                        break
+            assert chunks == 3
         # wait until generation has stood still for 0.5 s (a loaded machine may notice the
         # disconnect late), then check it stopped long before its 1500 tokens
         first, deadline = model.calls, time.monotonic() + 20
@@ -401,6 +417,7 @@ def test_completion_stops_when_its_client_goes_away(caplog):
             first = model.calls
             assert time.monotonic() < deadline, "generation went on after the client disconnected"
         assert first < 1000, "generation went on after the client disconnected"
+        assert ctx.store.claimed_bytes == 0 and ctx.active._value == ctx.settings.max_active_requests
         gc.collect()  # an abandoned future whose exception nobody retrieved is logged when collected
         assert not [r for r in caplog.records if "never retrieved" in r.getMessage()], "a traceback in the log"
     finally:
