@@ -104,13 +104,17 @@ def test_our_eagle3_round_trips_through_the_shared_format(tmp_path):
         assert type(back).__name__ == "Eagle" and back.cfg.taps == (0, 1, 2)
         for (k1, v1), (k2, v2) in zip(sorted(ours.state_dict().items()), sorted(back.state_dict().items())):
             assert k1 == k2 and torch.equal(v1, v2), k1
-    # a shared head saved again keeps its own fusion (no rms flag)
+    # a shared head saved again keeps its own fusion (no rms flag) and its norm placement, in either layout
     _shared_checkpoint(tmp_path / "theirs", layout="speculators")
     shared = load_eagle3(tmp_path / "theirs")
-    save_eagle3(shared, tmp_path / "again", dtype=torch.float32)
-    assert "specdec_fuse" not in json.loads((tmp_path / "again" / "config.json").read_text())
-    again = load_eagle3(tmp_path / "again")
-    assert all(torch.equal(a, b) for a, b in zip(shared.state_dict().values(), again.state_dict().values()))
+    for layout in ("speculators", "eagle"):
+        for norm_first in (False, True):
+            shared.norm_before_residual = norm_first
+            save_eagle3(shared, tmp_path / f"again-{layout}-{norm_first}", layout=layout, dtype=torch.float32)
+            assert "specdec_fuse" not in json.loads((tmp_path / f"again-{layout}-{norm_first}" / "config.json").read_text())
+            again = load_eagle3(tmp_path / f"again-{layout}-{norm_first}")
+            assert again.norm_before_residual is norm_first, layout
+            assert all(torch.equal(a, b) for a, b in zip(shared.state_dict().values(), again.state_dict().values()))
 
 
 def test_heads_load_as_draft_folders_and_decode(tmp_path):

@@ -170,10 +170,11 @@ def save_eagle3(head: Eagle, folder: Path, *, layout: str = "speculators", dtype
         "vocab_size": cfg.target_vocab, "num_hidden_layers": 1, "hidden_act": "silu", "attention_bias": False,
         "tie_word_embeddings": False,
     }
-    raw: dict = {"draft_vocab_size": cfg.draft_vocab, "eagle_aux_hidden_state_layer_ids": list(cfg.taps)}
+    # norm_before_residual: read from the top level in either layout (SpecForge writes it there too)
+    raw: dict = {"draft_vocab_size": cfg.draft_vocab, "eagle_aux_hidden_state_layer_ids": list(cfg.taps),
+                 "norm_before_residual": bool(getattr(head, "norm_before_residual", False))}
     if layout == "speculators":
         raw |= {"architectures": ["Eagle3Speculator"], "speculators_model_type": "eagle3", "transformer_layer_config": layer,
-                "norm_before_residual": bool(getattr(head, "norm_before_residual", False)),
                 "speculators_config": {"algorithm": "eagle3", "default_proposal_method": "greedy",
                                        "proposal_methods": [{"proposal_type": "greedy", "speculative_tokens": max(cfg.depth, 1)}],
                                        "verifier": {"name_or_path": cfg.target, "architectures": ["LlamaForCausalLM"]}}}
