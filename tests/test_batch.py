@@ -87,8 +87,10 @@ def test_without_a_seed_each_prompt_gets_its_own_and_reports_it(engines):
 def test_edges_and_bad_input(engines):
     plain, _ = engines
     greedy = SamplingConfig(temperature=0.0, max_new_tokens=8)
-    long = plain.generate_batch([[5] * 255, "Hi"], greedy, batch=2)  # the first fills the context: nothing to add
-    assert long[0].token_ids == [] and long[0].finish_reason == "length" and len(long[1].token_ids) == 8
+    # the first leaves one position of the 256-token context: one token, the one plain decoding gives
+    long = plain.generate_batch([[5] * 255, "Hi"], greedy, batch=2)
+    assert len(long[0].token_ids) == 1 and long[0].finish_reason == "length" and len(long[1].token_ids) == 8
+    assert long[0].token_ids == plain.generate([5] * 255, greedy).token_ids
     assert plain.generate_batch([], greedy) == []
     with pytest.raises(ConfigError, match="prompt 1 is empty"):
         plain.generate_batch(["Hi", []], greedy)

@@ -225,18 +225,25 @@ def test_empty_prompt_and_prompt_too_long(capsys, tiny_pair):
     assert code == 2 and "context" in err and len(errors) == 1
 
 
-def test_a_reply_cut_short_by_the_context_says_so(capsys, tiny_pair):
+def test_a_reply_cut_short_by_the_context_says_so(capsys, tiny_pair, monkeypatch):
     """A prompt that leaves less room than --max-new-tokens asks for: the reply stops at the
-    model's context (64 positions here), and stderr says how many tokens it holds."""
+    model's context (64 positions here, its last one taken too), and stderr says how many tokens
+    it holds, in an interactive chat too."""
+    import io
+
     target, draft = tiny_pair
     code, out, err = _run(capsys, "generate", "-p", "word " * 20, "--target", target, "--draft", draft,
                           "-n", "60", "--json")
     st = json.loads(out)["stats"]
-    assert code == 0 and st["finish_reason"] == "length" and st["prompt_tokens"] + st["generated_tokens"] <= 64
+    assert code == 0 and st["finish_reason"] == "length" and st["prompt_tokens"] + st["generated_tokens"] == 64
     assert f"{st['generated_tokens']} of the 60 tokens asked (the prompt holds {st['prompt_tokens']})" in err
     assert "context of 64 positions" in err
     code, out, err = _run(capsys, "generate", "-p", "word " * 20, "--target", target, "--draft", draft, "-n", "3")
     assert code == 0 and "tokens asked" not in err
+    # an interactive turn cut by the context says so under its summary line (its next turn no longer fits)
+    monkeypatch.setattr("sys.stdin", io.StringIO("more\n\n"))
+    code, out, err = _run(capsys, "generate", "-i", "-p", "word " * 12, "--target", target, "--draft", draft, "-n", "60")
+    assert "context of 64 positions" in err and "of the 60 tokens asked" in err, err
 
 
 def _one_error_line(err: str) -> str:

@@ -438,7 +438,7 @@ def test_trees_run_to_the_end_of_the_targets_context_as_plain_decoding_does(kind
     for rule, temperature in (("greedy", 0.0), ("coupled", 1.0)):
         cfg = SamplingConfig(temperature=temperature, max_new_tokens=40, seed=5)
         plain = SpeculativeDecoder(target, None, get_rule(rule)).generate(prompt, cfg)
-        assert len(plain.tokens) == ctx - prompt_len - 1  # the context's end, not max_new_tokens, stops it
+        assert len(plain.tokens) == ctx - prompt_len  # the context's end (its last position too), not max_new_tokens, stops it
         if kind == "model":
             drafter = ModelDrafter(tiny_native(max_length=ctx, seed=1))
         elif kind == "lookahead":

@@ -127,7 +127,7 @@ def generate_batch(
             session = TargetSession(model, ids, own, rule, seed=seed_for(sampling, i), logprobs=logprobs)
             r = _Running(i, len(ids), session,
                          output_sink(tokenizer, sampling, eos_ids=stops), output_stop(tokenizer, sampling),
-                         min(sampling.max_new_tokens, session.max_length - len(ids) - 1), [])
+                         min(sampling.max_new_tokens, session.max_length - len(ids)), [])
             if r.max_new <= 0:
                 finish(r)
             else:

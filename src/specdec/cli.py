@@ -474,7 +474,8 @@ def _cmd_generate(args: argparse.Namespace) -> int:
             out = chat.generate(chat.encode_messages(messages), turn_sampling, method=args.method, gamma=gamma,
                                 on_text=on_text, min_confidence=args.min_confidence, tree=tree,
                                 tree_min_prob=args.tree_min_prob)
-            return out.text, summary_line(out.stats)
+            note = context_note(out.stats, turn_sampling.max_new_tokens, engine.target.model.max_length)
+            return out.text, summary_line(out.stats) + ("" if note is None else "\n" + note)
 
         return chat_loop(turn, args.system, sampling, first=prompt.strip() or None)
     ids = engine.encode_messages(_messages(args.system, [prompt])) if args.chat else prompt
@@ -486,10 +487,9 @@ def _cmd_generate(args: argparse.Namespace) -> int:
                           min_confidence=args.min_confidence, tree=tree, tree_min_prob=args.tree_min_prob,
                           logprobs=args.logprobs)
     st = out.stats
-    if st.finish_reason == "length" and st.generated_tokens < sampling.max_new_tokens:
-        print(f"[specdec] the reply stopped at the model's context of {engine.target.model.max_length} positions: "
-              f"{st.generated_tokens} of the {sampling.max_new_tokens} tokens asked (the prompt holds {st.prompt_tokens})",
-              file=sys.stderr, flush=True)
+    note = context_note(st, sampling.max_new_tokens, engine.target.model.max_length)
+    if note is not None:
+        print(note, file=sys.stderr, flush=True)
     if args.json:
         payload = {"text": out.text, "token_ids": out.token_ids, "stats": st.to_dict()}
         payload["stats"].update(target=engine.target.name, temperature=sampling.temperature, seed=sampling.seed)
@@ -610,6 +610,15 @@ def _messages(system: str | None, turns: list[str]) -> list[dict[str, str]]:
     """Chat messages: [system], then user / assistant turns alternating (``turns`` starts with a user turn)."""
     msgs = [{"role": "system", "content": system}] if system else []
     return msgs + [{"role": "user" if i % 2 == 0 else "assistant", "content": t} for i, t in enumerate(turns)]
+
+
+def context_note(stats: Any, asked: int, max_length: int) -> str | None:
+    """The line that says a reply ended at the model's context rather than where it was asked to
+    (None where it did not): ``stats`` a :class:`~specdec.decoder.GenerationStats`."""
+    if stats.finish_reason != "length" or stats.generated_tokens >= asked:
+        return None
+    return (f"[specdec] the reply stopped at the model's context of {max_length} positions: {stats.generated_tokens} "
+            f"of the {asked} tokens asked (the prompt holds {stats.prompt_tokens})")
 
 
 def chat_loop(turn: Callable[[list[dict[str, str]], SamplingConfig], tuple[str, str]], system: str | None,

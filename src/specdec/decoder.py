@@ -180,7 +180,8 @@ class SpeculativeDecoder:
                 " (a remote target sends none over the wire): run it locally, or draft with a model or ngram"
             )
         n_prompt = prompt_t.numel()
-        max_new = min(cfg.max_new_tokens, verifier.max_length - n_prompt - 1)
+        # the context's last position can take a token: that token's own row is never fed
+        max_new = min(cfg.max_new_tokens, verifier.max_length - n_prompt)
         draft_gen = torch.Generator().manual_seed(seed + defaults.DRAFT_SEED_OFFSET)
         # the drafter's own view of the penalties (the verifier keeps its own)
         penalties = PenaltyState.start(prompt_t, self.target.vocab_size) if cfg.needs_state else None

@@ -160,6 +160,21 @@ def test_sparse_q_gating_and_env_key(server, capsys, monkeypatch):
     assert code == 0 and "LOSSY" in captured.err and captured.out.strip()
 
 
+def test_a_remote_reply_runs_to_the_servers_context_and_says_so(capsys):
+    """Against a server whose context is 64 positions (``--max-model-len``), a reply that asks for
+    more than the prompt leaves stops at the context's last position, drafted or not, and stderr
+    says it stopped there (as a local run's does)."""
+    with ServerProcess.cli("--target", MODEL, "--draft", "none", "--api-key", KEY, "--max-model-len", "64") as srv:
+        common = ["--remote", srv.url, "--api-key", KEY, "-p", "word " * 20, "-n", "60", "--json"]
+        code, plain, err = _run(capsys, "generate", "--draft", "none", "--tokenizer", MODEL, *common)
+        assert code == 0, err
+        st = plain["stats"]
+        assert st["prompt_tokens"] + st["generated_tokens"] == 64 and st["finish_reason"] == "length"
+        assert f"context of 64 positions: {st['generated_tokens']} of the 60 tokens asked" in err
+        code, drafted, err = _run(capsys, "generate", "--draft", MODEL, "--gamma", "6", *common)
+        assert code == 0 and drafted["token_ids"] == plain["token_ids"], err
+
+
 def test_an_interactive_remote_chat_reuses_each_turn_on_both_sides(server, capsys, monkeypatch):
     """``generate --remote URL --interactive``: every turn's reply equals the local interactive chat's
     (greedy), and from the second turn on the server copies the conversation so far from the session

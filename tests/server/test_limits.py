@@ -125,3 +125,53 @@ def test_serve_refuses_bad_names_lengths_and_templates_before_loading(capsys, tm
         assert main(["serve", "--target", "definitely-not-loaded", *argv]) == 2, argv
         err = capsys.readouterr().err.strip()
         assert err.startswith("specdec: error:") and message in err and "\n" not in err, err
+
+
+def test_a_request_may_fill_the_context_to_its_last_position():
+    """prompt + max_tokens <= the context, as in vLLM (a request with max_tokens = context - prompt
+    was a 400 that named one token less): such a request gets every token plain decoding gives,
+    speculative or not; one more is a 400; a request without max_tokens gets what is left of its
+    endpoint's default; ``truncate_prompt_tokens: -1`` keeps as many as leave room for max_tokens;
+    a prompt that fills the context is a 400 that says so; an edge session commits up to the
+    context's last position too."""
+    from specdec.drafters import ModelDrafter
+
+    from toy_server import LetterTokenizer
+
+    target = ToyLM(6, order=2, seed=3)
+    target.max_length = 24
+    draft = target.perturbed(0.05, seed=1)
+
+    def client(drafter: bool) -> TestClient:
+        app = create_app(target, tokenizer=LetterTokenizer(), settings=ServerSettings(draft_cap=False),
+                         drafter_factory=(lambda: ModelDrafter(draft)) if drafter else None, drafter_name="toy")
+        return TestClient(app, base_url="http://localhost")
+
+    plain, spec = client(False), client(True)
+    prompt = "abcabcabcabcabcabcab"  # 20 tokens: room for 4
+
+    def ask(c: TestClient, **kw):
+        return c.post("/v1/completions", json={"prompt": prompt, "temperature": 0, "ignore_eos": True, **kw})
+
+    want = ask(plain, max_tokens=4).json()
+    assert want["usage"]["completion_tokens"] == 4 and want["choices"][0]["finish_reason"] == "length"
+    for kw in ({"gamma": 6}, {"tree": 8}, {"gamma": "auto"}):
+        got = ask(spec, max_tokens=4, **kw).json()
+        assert got["choices"][0]["text"] == want["choices"][0]["text"], kw
+    r = ask(plain, max_tokens=5)
+    assert r.status_code == 400 and "at most 4" in r.text, r.text
+    assert ask(plain).json()["usage"]["completion_tokens"] == 4  # the default 16, cut to the room left
+    long = prompt * 3
+    r = plain.post("/v1/completions", json={"prompt": long, "max_tokens": 3, "temperature": 0, "truncate_prompt_tokens": -1})
+    assert r.status_code == 200 and r.json()["usage"]["prompt_tokens"] == 21, r.text
+    r = plain.post("/v1/completions", json={"prompt": long[:24], "max_tokens": 1, "temperature": 0})
+    assert r.status_code == 400 and "fill the model's context of 24" in r.text, r.text
+    sid = plain.post("/v1/sessions", json={"prompt_ids": list(range(1, 6)) * 4, "temperature": 0.0}).json()["session_id"]
+    committed = 0
+    for seq in range(4):
+        r = plain.post(f"/v1/sessions/{sid}/verify", json={"seq": seq})
+        assert r.status_code == 200, r.text
+        committed += len(r.json()["tokens"])
+    assert committed == 4
+    r = plain.post(f"/v1/sessions/{sid}/verify", json={"seq": 4})
+    assert r.status_code == 400, r.text

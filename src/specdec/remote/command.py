@@ -193,6 +193,9 @@ def run_generate(args: argparse.Namespace, prompt: str, sampling: SamplingConfig
         tree_min_prob=args.tree_min_prob, eos_ids=eos, q_top_k=args.q_top_k, gate=gate, on_text=on_text,
         logprobs=getattr(args, "logprobs", None), vocab_size=vocab,
     )
+    note = _context_note(out, sampling.max_new_tokens)
+    if note is not None:
+        print(note, file=sys.stderr, flush=True)
     stats = out.summary()
     if args.json:
         stats.update(target=out.remote.get("model", "remote"), temperature=sampling.temperature, seed=out.remote["seed"])
@@ -210,6 +213,12 @@ def run_generate(args: argparse.Namespace, prompt: str, sampling: SamplingConfig
         sys.stdout.write("\n")
         print(_summary_line(out), file=sys.stderr)
     return 0
+
+
+def _context_note(out: Any, asked: int) -> str | None:  # an EdgeResult, and the tokens asked for
+    from specdec.cli import context_note
+
+    return context_note(out.result.stats, asked, out.remote["max_context"])
 
 
 def _summary_line(out: Any) -> str:  # an EdgeResult
@@ -243,7 +252,8 @@ def _chat(args: argparse.Namespace, prompt: str, sampling: "SamplingConfig", rem
     def turn(messages: list[dict[str, str]], turn_sampling: "SamplingConfig") -> tuple[str, str]:
         out = generate_remote(encode_messages(options["tokenizer"], messages), turn_sampling, remote, drafter=drafter,
                               **options)
-        return out.text, _summary_line(out)
+        note = _context_note(out, turn_sampling.max_new_tokens)
+        return out.text, _summary_line(out) + ("" if note is None else "\n" + note)
 
     return chat_loop(turn, args.system, sampling, first=prompt.strip() or None)
 

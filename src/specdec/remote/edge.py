@@ -167,6 +167,7 @@ def generate_remote(
         seed=sampling.seed,
         q_top_k=q_top_k if verifier.wire == "sparse-q" else None,
         lossy_timeout_commit_ms=remote.lossy_timeout_commit_ms,
+        max_context=verifier.max_context,
     )
     return EdgeResult(
         text=text,

@@ -66,6 +66,8 @@ SHUTTING_DOWN = "the server is shutting down; the request was ended before it fi
 
 #: response header naming the request fields that were accepted and ignored
 IGNORED_HEADER = "X-Specdec-Ignored-Fields"
+#: /v1/completions' max_tokens where a request gives none (OpenAI's and vLLM's), cut to the room the prompt leaves
+COMPLETION_MAX_TOKENS = 16
 #: fields clients send whose meaning this server cannot honour: a 400 when they ask for something
 _REFUSED = ("tools", "functions", "audio", "web_search_options",
             # vLLM's sampling extensions this server does not implement: each would change the output
@@ -158,17 +160,18 @@ class _Request(BaseModel):
         return names
 
 
-def _truncated(req: _Request, ids: list[int], max_length: int) -> list[int]:
-    """vLLM's ``truncate_prompt_tokens``: the prompt's last k tokens (left truncation; -1: the
-    model's context); the prompt as it is without it, or where it is short enough already."""
+def _truncated(req: _Request, ids: list[int], max_length: int, answer: int) -> list[int]:
+    """vLLM's ``truncate_prompt_tokens``: the prompt's last k tokens (left truncation; -1: as many
+    as leave room in the model's context for ``answer`` tokens, the max_tokens the request will
+    ask for, and at least one); the prompt as it is without it, or where it is short enough already."""
     k = req.truncate_prompt_tokens
     if k is None:
         return ids
     if k == 0:
-        raise ApiError(400, "truncate_prompt_tokens must be at least 1 (or -1: the model's context)")
+        raise ApiError(400, "truncate_prompt_tokens must be at least 1 (or -1: as many as the context holds beside the answer)")
     if k > max_length:
         raise ApiError(400, f"truncate_prompt_tokens ({k}) is more than the model's context ({max_length} tokens)")
-    return ids[-(max_length if k == -1 else k):]
+    return ids[-(max(1, max_length - max(answer, 1)) if k == -1 else k):]
 
 
 def _stop_token_ids(req: _Request, vocab_size: int) -> tuple[int, ...]:
@@ -460,10 +463,12 @@ class _Job:
     def __init__(self, ctx: "ServerContext", req: _Request, prompts: list[list[int]], max_tokens: int | None,
                  *, logprobs: int | None = None, echo_logprobs: int | None = None, endpoint: str = "completions",
                  owner: str = "", tool_grammar: str | None = None, stop_when: Callable[[str], bool] | None = None,
-                 after_thinking: tuple[int, int, bool] | None = None) -> None:
+                 after_thinking: tuple[int, int, bool] | None = None, default_max_tokens: int | None = None) -> None:
         """``stop_when``: a test of the text that ends each choice where it turns true, the text kept
         (``parallel_tool_calls: false``: the first call's block closed).  ``after_thinking``: a
-        reasoning model's tags and whether the prompt opened the block (:func:`_after_thinking`)."""
+        reasoning model's tags and whether the prompt opened the block (:func:`_after_thinking`).
+        ``default_max_tokens``: the endpoint's max_tokens where the request gives none (None: the
+        server's ``--default-max-tokens``), cut to the room the prompt leaves."""
         self.ctx = ctx
         self.stop_when = stop_when
         self.endpoint = endpoint
@@ -489,11 +494,12 @@ class _Job:
                 if tok >= model.vocab_size:
                     raise ApiError(400, f"prompt token {i} = {tok} is outside the vocabulary [0, {model.vocab_size})")
         longest = max(len(ids) for ids in prompts)
-        room = model.max_length - longest - 1
-        if room < (0 if max_tokens == 0 else 1):  # scoring alone needs no room to generate in
-            raise ApiError(400, f"the prompt has {longest} tokens but the model's context is {model.max_length}")
+        room = model.max_length - longest  # prompt + max_tokens <= the context, as in vLLM
+        if room < 1:  # the prompt fills the context (scoring it alone, echo with max_tokens 0, needs a row as well)
+            raise ApiError(400, f"the prompt has {longest} tokens, which fill the model's context of {model.max_length}: no room"
+                                " for an answer (truncate_prompt_tokens: -1 keeps as many as leave room for it)")
         if max_tokens is None:
-            max_tokens = min(ctx.settings.default_max_tokens, room)
+            max_tokens = min(default_max_tokens if default_max_tokens is not None else ctx.settings.default_max_tokens, room)
         if max_tokens > room:
             raise ApiError(
                 400,
@@ -1304,10 +1310,10 @@ def openai_router(ctx: "ServerContext") -> APIRouter:
                 ids = list(item)
             if not ids:
                 raise ApiError(400, "the prompt is empty")
-            kept = _truncated(req, ids, ctx.model.max_length)
+            kept = _truncated(req, ids, ctx.model.max_length, req.max_tokens if req.max_tokens is not None else COMPLETION_MAX_TOKENS)
             prompts.append(kept)
             texts.append(item if isinstance(item, str) and len(kept) == len(ids) else "")  # echo: the prompt as read
-        job = _Job(ctx, req, prompts, req.max_tokens if req.max_tokens is not None else 16,
+        job = _Job(ctx, req, prompts, req.max_tokens, default_max_tokens=COMPLETION_MAX_TOKENS,
                    logprobs=0 if ranked and req.logprobs is None else req.logprobs,  # best_of ranks by them
                    echo_logprobs=req.logprobs if req.echo else None, owner=_owner(request))
         tok = tokenizer()  # the text of the answer needs it
@@ -1427,10 +1433,10 @@ def openai_router(ctx: "ServerContext") -> APIRouter:
         ids = _chat_ids(tok, req.messages, req, tools=shown, trust_template=ctx.settings.trust_request_chat_template)
         if not ids:
             raise ApiError(400, "the conversation encodes to no tokens")
-        ids = _truncated(req, ids, ctx.model.max_length)
+        max_tokens = req.max_completion_tokens if req.max_completion_tokens is not None else req.max_tokens
+        ids = _truncated(req, ids, ctx.model.max_length, max_tokens if max_tokens is not None else ctx.settings.default_max_tokens)
         fmt = _call_format(tok, req, shown)
         thinks, opened, tags = _thinks(ctx, tok, ids, req)
-        max_tokens = req.max_completion_tokens if req.max_completion_tokens is not None else req.max_tokens
         job = _Job(ctx, req, [ids], max_tokens, logprobs=(req.top_logprobs or 0) if req.logprobs else None, endpoint="chat",
                    owner=_owner(request),
                    tool_grammar=tool_calls.grammar(shown, forced, several=req.parallel_tool_calls is not False, tokenizer=tok, fmt=fmt),

@@ -401,7 +401,7 @@ def create_session(
         cfg = floor_stops(replace(cfg, min_tokens=req.min_tokens), frozenset(req.floor_ids))
     except (ValueError, SpecdecError) as exc:
         raise ApiError(400, str(exc)) from None
-    budget = model.max_length - n - 1
+    budget = model.max_length - n  # up to the context's last position, as plain decoding
     if req.max_new_tokens is not None:
         budget = min(budget, req.max_new_tokens)
     seed = req.seed if req.seed is not None else fresh_seed()
