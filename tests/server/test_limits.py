@@ -175,3 +175,8 @@ def test_a_request_may_fill_the_context_to_its_last_position():
     assert committed == 4
     r = plain.post(f"/v1/sessions/{sid}/verify", json={"seq": 4})
     assert r.status_code == 400, r.text
+    # a session resumed with generated_ids that fill the context: the message counts both parts
+    r = plain.post("/v1/sessions", json={"prompt_ids": [1] * 20, "generated_ids": [2] * 4, "temperature": 0.0})
+    assert r.status_code == 400 and "20 + 4 = 24 tokens, which fill the model's context of 24" in r.text, r.text
+    r = plain.post("/v1/sessions", json={"prompt_ids": [1] * 20, "generated_ids": [2] * 3, "temperature": 0.0})
+    assert r.status_code == 201, r.text

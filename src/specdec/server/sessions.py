@@ -379,7 +379,9 @@ def create_session(
                 raise ApiError(400, f"{name}[{i}] = {tok} is outside the vocabulary [0, {vocab})")
     n = len(prompt) + len(generated)
     if n >= model.max_length:
-        raise ApiError(400, f"the prompt has {n} tokens but the model's context is {model.max_length}")
+        held = f"the prompt has {n} tokens" if not generated else \
+            f"the prompt and generated_ids hold {len(prompt)} + {len(generated)} = {n} tokens"
+        raise ApiError(400, f"{held}, which fill the model's context of {model.max_length}: no room to generate")
     wire = req.wire or default_wire(req.temperature)
     try:
         method = wire_method(wire, req.method)
