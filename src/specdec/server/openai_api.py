@@ -49,6 +49,7 @@ from specdec.server import reasoning
 from specdec.server import tools as tool_calls
 from specdec.server.tools import ToolCall, ToolDef
 from specdec.server.scheduler import Cancelled as SchedulerCancelled
+from specdec.server.settings import past_bound
 from specdec.verify import get_rule
 
 #: the wire label of the OpenAI endpoints' rounds (metrics, draft cap)
@@ -540,9 +541,10 @@ class _Job:
         except SpecdecError as exc:
             raise ApiError(400, str(exc)) from None
         bound = ctx.settings.max_gamma
-        for name, value, what in (("gamma", self.gamma, "tokens"), ("tree", self.tree, "tree nodes")):
-            if isinstance(value, int) and value > bound:
-                raise ApiError(400, f"{name} {value} asks for more than this server drafts in a round: at most {bound} {what} (--max-gamma)")
+        over = past_bound(bound, gamma=self.gamma, tree=self.tree)
+        if over is not None:
+            what = "tokens" if over[0] == "gamma" else "tree nodes"
+            raise ApiError(400, f"{over[0]} {over[1]} asks for more than this server drafts in a round: at most {bound} {what} (--max-gamma)")
         if self.tree != "chain" and getattr(model, "forward_tree", None) is None:
             raise ApiError(400, "token trees need tree attention, which this target's backend lacks (on the hf backend, a model with layers other than full or sliding-window attention, such as chunked or linear attention, has none)")
         self.grammar = _structured(req)

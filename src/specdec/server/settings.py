@@ -14,6 +14,16 @@ if TYPE_CHECKING:
     from specdec.server.scheduler import SchedulerConfig
 
 
+def past_bound(bound: int, *, gamma: str | int, tree: str | int) -> tuple[str, int] | None:
+    """The first of a γ and a tree node count that drafts more than ``bound`` tokens a round (the
+    server's --max-gamma), as (its name, its value); None where neither does ('auto', 'guide' and
+    'chain' stay within it)."""
+    for name, value in (("gamma", gamma), ("tree", tree)):
+        if isinstance(value, int) and value > bound:
+            return name, value
+    return None
+
+
 @dataclass(frozen=True)
 class ServerSettings:
     #: bearer token every endpoint but /health (and the OpenAPI document) requires; None = open
@@ -101,9 +111,9 @@ class ServerSettings:
         from specdec.engine import parse_tree
 
         parse_tree(self.tree)  # ConfigError with the accepted spellings
-        for name, value in (("gamma", self.gamma), ("tree", self.tree)):
-            if isinstance(value, int) and value > self.max_gamma:
-                raise ConfigError(f"the server's {name} ({value}) drafts more than its max gamma ({self.max_gamma}) allows in a round")
+        over = past_bound(self.max_gamma, gamma=self.gamma, tree=self.tree)
+        if over is not None:
+            raise ConfigError(f"the server's {over[0]} ({over[1]}) drafts more than its max gamma ({self.max_gamma}) allows in a round")
         if self.default_max_tokens < 1:
             raise ConfigError(f"default max tokens must be >= 1, got {self.default_max_tokens}")
         if self.api_key is not None and not self.api_key.strip():
