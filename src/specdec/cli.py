@@ -380,7 +380,7 @@ _EXTRA_COMMANDS: list = [_add_serve, _add_bench, _add_train]
 
 
 def _cmd_generate(args: argparse.Namespace) -> int:
-    from specdec.engine import (Engine, EngineConfig, parse_gamma, parse_min_confidence, parse_temperature_factor, parse_tree,
+    from specdec.engine import (Engine, EngineConfig, drafts_chains_only, parse_gamma, parse_min_confidence, parse_temperature_factor, parse_tree,
                                 parse_tree_min_prob)
     from specdec.remote.command import remote_only_given
 
@@ -459,7 +459,7 @@ def _cmd_generate(args: argparse.Namespace) -> int:
     engine = Engine.build(EngineConfig(target=args.target, draft=args.draft, backend=args.backend, dtype=args.dtype, draft_dtype=args.draft_dtype, draft_vocab=args.draft_vocab,
                                        draft_temperature_factor=args.draft_temperature_factor, batch_invariant=not args.fast_attention,
                                        int8_kernel=args.int8_kernel, chat_template=template, kv_dtype=args.kv_dtype), progress=log)
-    if tree != "chain" and engine.drafter is not None and not getattr(engine.drafter, "supports_trees", False):
+    if tree != "chain" and drafts_chains_only(engine.drafter):
         log(f"the drafter {engine.drafter_name} has no tree pass: it drafts chains, gamma {gamma} (--tree {tree} is not used)")
     on_text = None if quiet else (lambda text: (sys.stdout.write(text), sys.stdout.flush()))
     constraint = _constraints(args, engine, grammar)

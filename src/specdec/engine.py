@@ -463,13 +463,19 @@ def parse_min_confidence(value: float | None) -> float | None:
     return value
 
 
+def drafts_chains_only(drafter: object) -> bool:
+    """True for a drafter without a tree pass (self-speculative views, MTP heads, a fed draft): a
+    tree asked of it is drafted as a chain (the output is the same; only the speedup differs)."""
+    return drafter is not None and not getattr(drafter, "supports_trees", False)
+
+
 def make_tree(tree: str | int, gamma: GammaController, *, min_prob: float | None = None,
               drafter: object = None) -> tuple[TreeSpec | None, GammaController]:
     """The tree spec and the controller for a ``--tree`` value (``chain`` keeps ``gamma``, and so
     does a ``drafter`` with no tree pass: it drafts chains under the γ asked for, not under the
     tree's node count); ``min_prob``: the deterministic trees' probability floor (None = the default)."""
     tree = parse_tree(tree)
-    if tree == "chain" or (drafter is not None and not getattr(drafter, "supports_trees", False)):
+    if tree == "chain" or drafts_chains_only(drafter):
         return None, gamma
     spec = TreeSpec() if min_prob is None else TreeSpec(min_prob=min_prob)
     if tree == "auto":

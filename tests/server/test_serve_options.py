@@ -63,3 +63,22 @@ def test_a_model_without_a_chat_template_says_so_at_start_and_on_chat(tmp_path):
         srv.proc.terminate()
         err = srv.proc.stderr.read()
     assert "this model has no chat template: chat requests get a 400 (start with --chat-template" in err
+
+
+def test_a_drafter_without_a_tree_pass_says_so_at_start_and_drafts_chains(tmp_path):
+    """``serve --tree 4`` with a self-speculative view (no tree pass): the start-up log says it
+    drafts chains, as ``generate --tree`` says, and a request's own tree is drafted as a chain
+    whose greedy output is a ``tree: chain`` request's."""
+    from tiny import make_tiny
+
+    folder = make_tiny(tmp_path / "m", layers=4, max_positions=64)
+    with ServerProcess.cli("--target", str(folder), "--draft", "layerskip:2", "--dtype", "float32", "--tree", "4") as srv:
+        with srv.openai() as client:
+            answers = [client.completions.create(model=folder.name, prompt="abc abc abc", max_tokens=12, temperature=0,
+                                                 extra_body={"tree": tree, "gamma": 3}) for tree in (8, "chain")]
+        srv.proc.terminate()
+        err = srv.proc.stderr.read()
+    assert "the drafter layerskip:2 has no tree pass: it drafts chains (--tree 4 is not used), and so do requests" in err, err
+    tree, chain = (a.model_extra["specdec"] for a in answers)
+    assert tree["tree_rounds"] == 0 and tree["draft_tokens_proposed"] > 0, tree
+    assert answers[0].choices[0].text == answers[1].choices[0].text and answers[0].usage.completion_tokens == 12

@@ -303,7 +303,7 @@ def build_app(args: argparse.Namespace, settings_kw: dict[str, Any]) -> Any:
 
 
 def _build_app(args: argparse.Namespace, settings_kw: dict[str, Any]) -> Any:
-    from specdec.engine import Engine, EngineConfig
+    from specdec.engine import Engine, EngineConfig, drafts_chains_only
     from specdec.server.app import create_app
     from specdec.server.settings import ServerSettings
     from specdec.tokenizer import read_chat_template
@@ -318,6 +318,9 @@ def _build_app(args: argparse.Namespace, settings_kw: dict[str, Any]) -> Any:
         progress=_log,
     )
     settings = ServerSettings(**{"model_name": engine.target.name, **settings_kw})
+    if drafts_chains_only(engine.drafter):  # as `generate --tree` says it; a request's tree would be silently a chain
+        asked = f" (--tree {args.tree} is not used)" if settings.tree != "chain" else ""
+        _log(f"the drafter {engine.drafter_name} has no tree pass: it drafts chains{asked}, and so do requests that ask for a tree")
     draft = draft_server_model(engine, batching=settings.batching, prefix_cache_bytes=settings.prefix_cache_bytes)
     return create_app(
         engine.target.model,
