@@ -250,6 +250,11 @@ def test_stops_and_stats():
     # max tokens: never more than asked, and γ is capped so nothing is drafted past the end
     res = dec.generate([1, 2], SamplingConfig(temperature=0.0, max_new_tokens=7))
     assert len(res.tokens) <= 7 and all(r.gamma <= 7 for r in res.rounds)
+    # ... exactly: with the target drafting for itself (every draft kept), each round's γ drafts
+    # and its own token fit in what is left (4 + 1, then 1 + 1): no draft the cut would throw away
+    dec_self = SpeculativeDecoder(target, ModelDrafter(target), get_rule("greedy"), gamma=FixedGamma(4))
+    res = dec_self.generate([1, 2], SamplingConfig(temperature=0.0, max_new_tokens=7))
+    assert [(r.gamma, r.emitted) for r in res.rounds] == [(4, 5), (1, 2)] and res.stats.draft_tokens_proposed == 5
     # a stop check that keeps 2 tokens
     dec = SpeculativeDecoder(target, ModelDrafter(target.perturbed(0.5)), get_rule("block"), gamma=FixedGamma(4))
     res = dec.generate([1, 2], SamplingConfig(temperature=0.0, max_new_tokens=50), stop=lambda toks: 2 if len(toks) >= 2 else None)
