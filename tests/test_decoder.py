@@ -259,6 +259,12 @@ def test_stops_and_stats():
     dec = SpeculativeDecoder(target, ModelDrafter(target.perturbed(0.5)), get_rule("block"), gamma=FixedGamma(4))
     res = dec.generate([1, 2], SamplingConfig(temperature=0.0, max_new_tokens=50), stop=lambda toks: 2 if len(toks) >= 2 else None)
     assert len(res.tokens) == 2 and res.stats.finish_reason == "stop"
+    # ... inside a round that emitted 5 tokens (the target drafting for itself): what was streamed
+    # stops where the result does
+    seen = []
+    res = dec_self.generate([1, 2], SamplingConfig(temperature=0.0, max_new_tokens=50), on_tokens=seen.extend,
+                            stop=lambda toks: 2 if len(toks) >= 2 else None)
+    assert res.rounds[0].emitted == 5 and len(res.tokens) == 2 and seen == res.tokens
 
 
 def test_plain_decoding_goes_through_the_same_loop():

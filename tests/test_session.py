@@ -69,3 +69,22 @@ def test_a_round_cut_by_max_tokens_leaves_the_session_where_plain_decoding_is(ta
     assert torch.equal(out.features, teacher[len(PROMPT) + 3 : len(PROMPT) + 3 + cut])
     for i in range(4 + cut, 14):  # rounds without a draft carry on as plain decoding
         assert sess.verify(Draft(tokens=torch.tensor([], dtype=torch.long), probs=None)).verdict.tokens.tolist() == [plain[i]]
+
+
+@pytest.mark.parametrize("tree", [False, True], ids=["chain", "tree"])
+def test_a_draft_that_would_run_past_the_context_is_refused_and_leaves_the_session(tree):
+    """12 of 16 positions used: 3 drafts + 1 fill the context, 4 (a chain, or a tree whose deepest
+    path is 4 nodes) would not, and is refused as the context's limit, nothing committed."""
+    from specdec.errors import ContextLengthError
+
+    small = tiny_native(max_length=16)
+    prompt = list(range(3, 15))  # 12 tokens
+    cont = SpeculativeDecoder(small, None, get_rule("greedy")).generate(prompt, GREEDY).tokens  # 4: the context's end
+    assert len(cont) == 4
+    sess = TargetSession(small, prompt, GREEDY, get_rule("greedy"), seed=0)
+    ids = torch.tensor(cont + [0])
+    with pytest.raises(ContextLengthError, match="context of 16"):
+        sess.verify(Draft(tokens=ids[:4], probs=None, parents=torch.tensor([-1, 0, 1, 2]) if tree else None))
+    assert sess.context.tolist() == prompt and sess.cache.length == len(prompt) - 1
+    out = sess.verify(Draft(tokens=ids[:3], probs=None, parents=torch.tensor([-1, 0, 1]) if tree else None))
+    assert out.verdict.tokens.tolist() == cont and sess.context.numel() == 16
