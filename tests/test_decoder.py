@@ -255,6 +255,7 @@ def test_stops_and_stats():
     dec_self = SpeculativeDecoder(target, ModelDrafter(target), get_rule("greedy"), gamma=FixedGamma(4))
     res = dec_self.generate([1, 2], SamplingConfig(temperature=0.0, max_new_tokens=7))
     assert [(r.gamma, r.emitted) for r in res.rounds] == [(4, 5), (1, 2)] and res.stats.draft_tokens_proposed == 5
+    assert res.stats.acceptance_per_position == [1.0] * 4 and res.stats.proposed_per_position == [2, 1, 1, 1]
     # a stop check that keeps 2 tokens
     dec = SpeculativeDecoder(target, ModelDrafter(target.perturbed(0.5)), get_rule("block"), gamma=FixedGamma(4))
     res = dec.generate([1, 2], SamplingConfig(temperature=0.0, max_new_tokens=50), stop=lambda toks: 2 if len(toks) >= 2 else None)

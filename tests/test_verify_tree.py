@@ -686,6 +686,11 @@ def test_contract_paths_shapes_and_reproducibility(rule, siblings):
             assert v.tokens[:-1].tolist() == [tokens[i] for i in v.path]
             assert v.tokens.tolist() == again.tokens.tolist() and v.path == again.path
             assert (v.alpha_mean is None) == (n == 0)
+            if n:  # each node's min(1, p/q) reads p from its parent's row (row 0: the root's), q from its own
+                p_x = torch.tensor([float(p[j + 1, t]) for t, j in zip(tokens, parents)], dtype=torch.float64)
+                q_x = torch.tensor([float(q[i, t]) for i, t in enumerate(tokens)], dtype=torch.float64)
+                want = (p_x / q_x).clamp(max=1.0) if dp is not None else p_x.clamp(max=1.0)
+                assert v.alpha_mean == pytest.approx(float(want.mean()), rel=1e-9)
 
 
 @pytest.mark.parametrize("rule", ["token", "traversal"])
