@@ -309,6 +309,7 @@ class SpeculativeDecoder:
                     if cut > 0:
                         new = new[: max(0, len(new) - cut)]
                         del generated[keep:]
+                        rounds[-1] = replace(rounds[-1], emitted=len(new))  # what the round appended after the cut
                     finish = "stop"
             if on_tokens is not None and new:
                 on_tokens(new)
