@@ -137,6 +137,33 @@ def test_greedy_lookahead_equals_plain_greedy(budget):
     assert out.stats.tokens_per_target_call > 1.0  # a 5-token model repeats itself: the pool pays
 
 
+class _Spy(LookaheadDrafter):
+    """Records, at each ``observe``, whether the window is still the one its tree was built from."""
+
+    def __init__(self, **kw) -> None:
+        super().__init__(**kw)
+        self.built: list[list[int]] | None = None
+        self.seen: list[bool] = []
+
+    def propose_tree(self, *args, **kw):
+        draft = super().propose_tree(*args, **kw)
+        self.built = [list(row) for row in self.levels]
+        return draft
+
+    def observe(self, node_argmax):
+        self.seen.append([list(row) for row in self.levels] == self.built)
+        super().observe(node_argmax)
+
+
+def test_the_decoder_hands_over_the_arg_maxes_before_it_commits():
+    """The Jacobi step reads the window that built the tree; a commit first slides it, and the pool
+    then learns n-grams from the wrong diagonals (the output stays exact, acceptance moves)."""
+    spy = _Spy(window=3, ngram=3, candidates=2)
+    SpeculativeDecoder(INVARIANT, spy, get_rule("greedy"), gamma=FixedGamma(10), tree=SPEC).generate(
+        PROMPT, SamplingConfig(temperature=0.0, max_new_tokens=30))
+    assert len(spy.seen) >= 5 and all(spy.seen), spy.seen
+
+
 def _samples(method: str, cfg: SamplingConfig) -> list[tuple[int, ...]]:
     dec = SpeculativeDecoder(TARGET, LookaheadDrafter(window=3, ngram=3, candidates=2), get_rule(method),
                              gamma=FixedGamma(10), tree=SPEC)
