@@ -464,7 +464,7 @@ def parse_min_confidence(value: float | None) -> float | None:
 
 
 def drafts_chains_only(drafter: object) -> bool:
-    """True for a drafter without a tree pass (self-speculative views, MTP heads, a fed draft): a
+    """True for a drafter without a tree pass (self-speculative views, MTP heads): a
     tree asked of it is drafted as a chain (the output is the same; only the speedup differs)."""
     return drafter is not None and not getattr(drafter, "supports_trees", False)
 
