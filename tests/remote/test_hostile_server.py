@@ -15,7 +15,9 @@ import time
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 
 import pytest
+import torch
 
+from specdec.drafters.base import Draft
 from specdec.models.registry import DATA_DIR, load_tokenizer
 from specdec.remote.client import RemoteConfig, RemoteError
 from specdec.remote.edge import generate_remote
@@ -72,12 +74,20 @@ class _Fake(BaseHTTPRequestHandler):
         tokens = [60000] if mode == "huge_vocab" else [5]
         reply = {"seq": req["seq"], "num_accepted": 0, "tokens": tokens, "next_token": tokens[-1],
                  "metrics": {"target_ms": 1.0, "server_ms": 1.0, "verify_ms": 1.0}}
+        if req.get("parents") is not None:
+            reply["path"] = []  # a tree round: the accepted nodes (none)
         if mode == "negative":
             reply.update(num_accepted=-1, tokens=[])  # len(tokens) == n + 1 held, and the loop never moved
         elif mode == "bool_token":
             reply.update(tokens=[True], next_token=True)
         elif mode == "nan":
             reply["metrics"]["target_ms"] = float("nan")
+        elif mode == "committed":
+            reply["metrics"]["committed"] = 99
+        elif mode == "wrong_accepted" and req.get("draft_tokens"):  # "accepts" a token the edge did not draft
+            reply.update(num_accepted=1, tokens=[req["draft_tokens"][0] + 1, 5])
+        elif mode == "bad_path" and req.get("parents"):  # node 1 alone: its parent, node 0, is not on the path
+            reply.update(num_accepted=1, tokens=[req["draft_tokens"][1], 5], path=[1])
         return self._send(200, json.dumps(reply).encode())
 
 
@@ -95,11 +105,32 @@ def tokenizer():
     return load_tokenizer(DATA_DIR / "smollm2-135m-draft")
 
 
-def _run(url: str, tokenizer, mode: str, budget: float = 5.0):
+class _Fixed:
+    """Drafts 7 then 8 every round: a chain, or a tree of node 7 with its child 8."""
+
+    supports_trees = True
+
+    def prepare(self, prompt) -> None:
+        pass
+
+    def reset(self) -> None:
+        pass
+
+    def commit(self, verdict) -> None:
+        pass
+
+    def propose(self, context, gamma, sampler):
+        return Draft(tokens=torch.tensor([7, 8][:gamma]), probs=None)
+
+    def propose_tree(self, context, budget, sampler, spec, *, max_depth):
+        return Draft(tokens=torch.tensor([7, 8]), probs=None, parents=torch.tensor([-1, 0]))
+
+
+def _run(url: str, tokenizer, mode: str, budget: float = 5.0, **drafting):
     _Fake.mode = mode
     cfg = RemoteConfig(url=url, timeout_s=budget, retry_budget_s=budget, backoff_s=0.01)
-    return generate_remote([1, 2, 3], SamplingConfig(temperature=0.0, max_new_tokens=3, seed=7), cfg, drafter=None,
-                           tokenizer=tokenizer)
+    return generate_remote([1, 2, 3], SamplingConfig(temperature=0.0, max_new_tokens=3, seed=7), cfg,
+                           drafter=_Fixed() if drafting else None, tokenizer=tokenizer, **drafting)
 
 
 def test_a_correct_server_is_followed(fake, tokenizer):
@@ -122,11 +153,23 @@ def test_a_correct_server_is_followed(fake, tokenizer):
     ("bool_token", "has a bad 'tokens': [true]"),
     ("nan", "has a bad 'target_ms': NaN"),
     ("not_json", "the server's reply to the session's creation is not JSON"),
+    ("committed", "the server's session holds 99 committed tokens but the edge has 1"),
 ])
 def test_a_wrong_reply_is_an_error_naming_it(fake, tokenizer, mode, says):
     with pytest.raises(RemoteError) as refused:
         _run(fake, tokenizer, mode)
     assert says in str(refused.value)
+
+
+@pytest.mark.parametrize("mode, drafting", [
+    ("wrong_accepted", {"gamma": 2}),  # a chain's accepted prefix that is not the draft's
+    ("bad_path", {"gamma": 2, "tree": 2}),  # a tree path that does not start at the root
+])
+def test_a_verdict_that_does_not_fit_the_draft_is_an_error(fake, tokenizer, mode, drafting):
+    out = _run(fake, tokenizer, "ok", **drafting)  # the same drafter, answered correctly (nothing accepted)
+    assert out.token_ids == [5, 5, 5]
+    with pytest.raises(RemoteError, match="the server's verdict for round 0 is inconsistent with the draft"):
+        _run(fake, tokenizer, mode, **drafting)
 
 
 def test_a_reply_that_drips_is_bounded_by_the_round_budget(fake, tokenizer):
