@@ -23,7 +23,7 @@ def test_streaming_wire_byte_count_matches_the_bytes_forwarded():
     body = {"prompt": "def add(a, b):", "max_tokens": 8, "temperature": 0, "stream": True,
             "stream_options": {"include_usage": True}}
     with ServerProcess.cli("--target", MODEL, "--draft", "none", "--api-key", KEY) as srv:
-        with ThreadedProxy("127.0.0.1", srv.port, 0.0) as proxy, httpx.Client() as client:
+        with ThreadedProxy("127.0.0.1", srv.port, 0.0) as proxy, httpx.Client(timeout=60) as client:
             res = stream_completion(client, proxy.url, {"Authorization": f"Bearer {KEY}"}, body)
             assert res.tokens == 8 and res.finish_reason == "length" and res.text
             assert 0 < res.ttft_s <= res.wall_s

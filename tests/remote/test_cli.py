@@ -256,7 +256,7 @@ def test_a_tokenizer_other_than_the_servers_is_refused_before_any_round(server, 
     a, b = (tok for tok, i in vocab.items() if i in (1000, 1001))
     vocab[a], vocab[b] = vocab[b], vocab[a]
     (swapped / "tokenizer.json").write_text(json.dumps(data))
-    health = httpx.get(server.url + "/health").json()
+    health = httpx.get(server.url + "/health", timeout=60).json()
     assert health["vocab_digest"] == vocab_digest(load_tokenizer(same)) != vocab_digest(load_tokenizer(swapped))
     argv = ["generate", "--remote", server.url, "--api-key", KEY, "--draft", "ngram", "-p", PROMPT, "-n", "4", "--json"]
     code, payload, err = _run(capsys, *argv, "--tokenizer", str(same))

@@ -50,7 +50,7 @@ def _local(prompt: list[int], cfg: SamplingConfig, method: str, *, gamma: int = 
 
 
 def test_remote_greedy_equals_local_greedy(toy_server):
-    with httpx.Client() as client:
+    with httpx.Client(timeout=60) as client:
         for penalty in (1.0, 1.5):
             cfg = SamplingConfig(temperature=0.0, repetition_penalty=penalty, max_new_tokens=30)
             for prompt in ([1], [2, 3, 0], [3, 3, 1, 0]):
@@ -71,7 +71,7 @@ def test_remote_greedy_equals_local_greedy(toy_server):
 
 def test_remote_coupled_equals_local_seeded_sampling(toy_server):
     """Same seed => the same tokens as the target sampling alone, whatever the drafter and γ."""
-    with httpx.Client() as client:
+    with httpx.Client(timeout=60) as client:
         for seed in range(6):
             cfg = SamplingConfig(temperature=1.0, top_p=0.95, repetition_penalty=1.2, seed=seed, max_new_tokens=30)
             plain = _local([1, 2], cfg, "coupled", drafter=None)
@@ -84,7 +84,7 @@ def test_remote_coupled_equals_local_seeded_sampling(toy_server):
 @pytest.mark.parametrize("method", ["block", "token"])
 def test_remote_sparse_q_equals_local_truncated_drafting(toy_server, method):
     """Same seed => the same tokens as local speculative decoding with the same top-k truncation."""
-    with httpx.Client() as client:
+    with httpx.Client(timeout=60) as client:
         for seed in range(12):
             cfg = SamplingConfig(temperature=0.9, min_p=0.05, seed=seed, max_new_tokens=20)
             out = _remote(toy_server.url, [1, 2], cfg, gamma=3, q_top_k=2, wire="sparse-q", method=method, client=client)
@@ -107,7 +107,7 @@ def test_remote_bias_min_tokens_and_filters_equal_local(toy_server):
     eos = frozenset({0})
     options = dict(logit_bias=((2, 1.5), (0, -1.0)), min_tokens=5, constraint=FILTER)
     changed = 0
-    with httpx.Client() as client:
+    with httpx.Client(timeout=60) as client:
         for temperature, seeds in ((0.0, (0,)), (1.0, range(8))):
             for seed in seeds:
                 cfg = SamplingConfig(temperature=temperature, seed=seed, max_new_tokens=24, **options)
@@ -146,7 +146,7 @@ def test_logprobs_over_the_wire_are_the_targets(toy_server):
     the verdicts, equal to a local target session's (a removed token as -9999.0), chains and trees."""
     from specdec.session import TargetSession
 
-    with httpx.Client() as client:
+    with httpx.Client(timeout=60) as client:
         for seed, tree in ((0, "chain"), (1, "chain"), (2, 4)):
             cfg = SamplingConfig(temperature=1.0, top_k=3, seed=seed, max_new_tokens=20, constraint=FILTER)
             rule = get_rule("coupled")
@@ -188,7 +188,7 @@ class _MisreportedQ(RemoteVerifier):
 def _law_samples(url: str, wire: str, *, q_top_k: int | None, verifier_cls=RemoteVerifier,
                  n: int = N_LAW) -> list[tuple[int, ...]]:
     out = []
-    with httpx.Client() as client:
+    with httpx.Client(timeout=60) as client:
         for i in range(n):
             cfg = SamplingConfig(temperature=1.0, seed=i, max_new_tokens=3)
             v = verifier_cls(_cfg(url, wire=wire), [1, 2], cfg, client=client)
@@ -237,7 +237,7 @@ class _Flaky(httpx.HTTPTransport):
 def test_a_lost_response_is_retried_with_the_same_seq(toy_server):
     cfg = SamplingConfig(temperature=1.0, seed=5, max_new_tokens=40)
     transport = _Flaky(every=3)
-    with httpx.Client(transport=transport) as client:
+    with httpx.Client(transport=transport, timeout=60) as client:
         out = _remote(toy_server.url, [1, 2], cfg, gamma=3, client=client, wire="sparse-q")
     assert transport.lost >= 3 and out.remote["retries"] == transport.lost
     # the server answered each retry from its stored verdict, so the run is the undisturbed one
@@ -291,7 +291,7 @@ class _Slow(httpx.HTTPTransport):
 
 def test_lossy_timeout_fallback_commits_the_first_draft_token_and_is_counted(toy_server):
     cfg = SamplingConfig(temperature=0.0, max_new_tokens=40)
-    with httpx.Client(transport=_Slow({2, 5})) as client:
+    with httpx.Client(transport=_Slow({2, 5}), timeout=60) as client:
         # 1.5 s: the deadline bounds every verify call, and on a loaded test machine a toy server's
         # answer can take more than the 0.3 s this test used to allow
         out = _remote(toy_server.url, [1, 2], cfg, gamma=4, client=client, lossy_timeout_commit_ms=1500)
@@ -301,7 +301,7 @@ def test_lossy_timeout_fallback_commits_the_first_draft_token_and_is_counted(toy
     assert not out.lossless and out.summary()["lossless"] is False and "lossy_timeout_commit" in r["lossy_options"]
     assert len(out.token_ids) == 40
     # without the fallback the same slow calls are simply retried: exact output
-    with httpx.Client(transport=_Slow({2, 5})) as client:
+    with httpx.Client(transport=_Slow({2, 5}), timeout=60) as client:
         out = _remote(toy_server.url, [1, 2], cfg, gamma=4, client=client, timeout_s=0.1)
     assert out.lossless and out.token_ids == _local([1, 2], cfg, "greedy", drafter=None)
 
@@ -380,7 +380,7 @@ def test_the_timeout_bounds_the_whole_retry_window(toy_server, monkeypatch):
 
     cfg = SamplingConfig(temperature=0.0, seed=1, max_new_tokens=20)
     transport = _Silent(clock)
-    with httpx.Client(transport=transport) as client:
+    with httpx.Client(transport=transport, timeout=60) as client:
         verifier = RemoteVerifier(_cfg(toy_server.url, timeout_s=5, retry_budget_s=5), [1, 2], cfg, client=client)
         monkeypatch.setattr(time, "perf_counter", lambda: clock[0])
         monkeypatch.setattr(time, "sleep", sleep)
@@ -433,7 +433,7 @@ def test_auto_gamma_accounts_for_the_round_trip(toy_server):
     mean_gamma = {}
     for delay in (0.0, 0.3):
         ctrl = ModelledCostGamma(draft_token_s=0.02, pass_s=0.003 + delay, row_s=0.0)
-        with httpx.Client(transport=_Latency(delay)) as client:
+        with httpx.Client(transport=_Latency(delay), timeout=60) as client:
             out = generate_remote([1, 2], cfg, _cfg(toy_server.url), drafter=ModelDrafter(DRAFT), gamma=ctrl, client=client)
         assert out.token_ids == _local([1, 2], cfg, "greedy", drafter=None)
         assert len(ctrl.seen) == out.stats.target_calls and min(ctrl.seen) >= delay

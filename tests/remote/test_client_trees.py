@@ -43,7 +43,7 @@ def _local_tree(prompt: list[int], cfg: SamplingConfig, method: str, nodes: int,
 
 
 def test_greedy_tree_rounds_equal_plain_greedy(toy_server):
-    with httpx.Client() as client:
+    with httpx.Client(timeout=60) as client:
         cfg = SamplingConfig(temperature=0.0, repetition_penalty=1.3, max_new_tokens=30)
         for prompt in ([1], [2, 3, 0]):
             plain = _local(prompt, cfg, "greedy", drafter=None)
@@ -57,7 +57,7 @@ def test_greedy_tree_rounds_equal_plain_greedy(toy_server):
 
 
 def test_coupled_tree_rounds_equal_plain_seeded_sampling(toy_server):
-    with httpx.Client() as client:
+    with httpx.Client(timeout=60) as client:
         for seed in range(4):
             cfg = SamplingConfig(temperature=1.0, top_p=0.95, seed=seed, max_new_tokens=25)
             plain = _local([1, 2], cfg, "coupled", drafter=None)
@@ -69,7 +69,7 @@ def test_coupled_tree_rounds_equal_plain_seeded_sampling(toy_server):
 def test_sparse_q_tree_rounds_equal_local_tree_decoding(toy_server, method):
     """Sampled trees (siblings drawn from q, reported as sparse rows): the cloud runs the same tree
     rule with the same seed as local tree decoding with the same q truncation."""
-    with httpx.Client() as client:
+    with httpx.Client(timeout=60) as client:
         for seed in range(8):
             cfg = SamplingConfig(temperature=0.9, seed=seed, max_new_tokens=20)
             out = _remote_tree(toy_server.url, [1, 2], cfg, 6, wire="sparse-q", method=method, client=client)
@@ -85,7 +85,7 @@ N_CONTROL = 1000
 def _law_samples(url: str, verifier_cls=RemoteVerifier, n: int = N_LAW) -> list[tuple[int, ...]]:
     out = []
     spec, _ = make_tree(6, FixedGamma(6))
-    with httpx.Client() as client:
+    with httpx.Client(timeout=60) as client:
         for i in range(n):
             cfg = SamplingConfig(temperature=1.0, seed=i, max_new_tokens=3)
             v = verifier_cls(_cfg(url, wire="sparse-q", method="token"), [1, 2], cfg, client=client)
@@ -108,7 +108,7 @@ def test_negative_control_a_misreported_tree_q_fails_the_law_test(toy_server):
 def test_a_lost_tree_response_is_retried_with_the_same_seq(toy_server):
     cfg = SamplingConfig(temperature=1.0, seed=7, max_new_tokens=30)
     transport = _Flaky(every=3)
-    with httpx.Client(transport=transport) as client:
+    with httpx.Client(transport=transport, timeout=60) as client:
         out = _remote_tree(toy_server.url, [1, 2], cfg, 6, wire="sparse-q", method="block", client=client)
     assert transport.lost >= 2 and out.remote["retries"] == transport.lost
     assert out.token_ids == _local_tree([1, 2], cfg, "block", 6, q_top_k=2)

@@ -140,7 +140,7 @@ def test_cli_proxies_http_and_reports_bytes(toy_server):
         assert proc.stdout is not None
         hello = json.loads(proc.stdout.readline())
         url = f"http://127.0.0.1:{hello['listening']}"
-        with httpx.Client() as client:
+        with httpx.Client(timeout=60) as client:
             client.get(url + "/health").raise_for_status()  # connection set-up
             for _ in range(3):
                 start = time.perf_counter()

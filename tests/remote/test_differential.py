@@ -86,7 +86,7 @@ def _local(run: dict) -> tuple[list[int], list | None]:
 def test_edges_under_random_options_give_the_local_targets_tokens(toy_server):
     rng = random.Random(20261201)
     trees = drafted = 0
-    with httpx.Client() as client:
+    with httpx.Client(timeout=60) as client:
         for _ in range(N_RUNS):
             run = _draw(rng)
             want, want_lp = _local(run)

@@ -70,7 +70,7 @@ def servers():
 def _vocabulary_sample(url: str) -> list[int]:
     """Token ids of a short English and Python text (what allowed_token_ids may name)."""
     text = " ".join(PROMPTS) + " the a an is of and to in it"
-    r = httpx.post(url + "/tokenize", json={"prompt": text}, headers={"Authorization": f"Bearer {KEY}"})
+    r = httpx.post(url + "/tokenize", json={"prompt": text}, headers={"Authorization": f"Bearer {KEY}"}, timeout=60)
     r.raise_for_status()
     return sorted(set(r.json()["tokens"]))
 
@@ -239,5 +239,5 @@ def test_speculating_servers_answer_what_plain_decoding_answers(servers):
 def test_a_bad_tree_is_a_400(servers):
     for tree in (0, 65, "bushy"):
         r = httpx.post(servers[1] + "/v1/completions", json={"prompt": "a", "max_tokens": 2, "tree": tree},
-                       headers={"Authorization": f"Bearer {KEY}"})
+                       headers={"Authorization": f"Bearer {KEY}"}, timeout=60)
         assert r.status_code == 400 and "tree" in r.json()["error"]["message"], (tree, r.text)

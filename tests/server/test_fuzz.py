@@ -29,7 +29,7 @@ _json = st.recursive(
 
 @pytest.fixture(scope="module")
 def spec(toy_server) -> dict:
-    return httpx.get(toy_server.url + "/openapi.json").json()
+    return httpx.get(toy_server.url + "/openapi.json", timeout=60).json()
 
 
 @pytest.fixture(scope="module")

@@ -332,8 +332,8 @@ def test_slow_bodies_are_cut_off(strict_server):
 
 def test_server_access_log_has_no_secrets(strict_server):
     h = {"Authorization": "Bearer k"}
-    sid = httpx.post(strict_server.url + "/v1/sessions", json={"prompt_ids": [1], "temperature": 0.0}, headers=h).json()["session_id"]
-    assert httpx.post(f"{strict_server.url}/v1/sessions/{sid}/verify?api_key=topsecret", json={"seq": 0}, headers=h).status_code == 200
+    sid = httpx.post(strict_server.url + "/v1/sessions", json={"prompt_ids": [1], "temperature": 0.0}, headers=h, timeout=60).json()["session_id"]
+    assert httpx.post(f"{strict_server.url}/v1/sessions/{sid}/verify?api_key=topsecret", json={"seq": 0}, headers=h, timeout=60).status_code == 200
     strict_server.proc.terminate()
     strict_server.proc.wait(timeout=10)
     log = strict_server.proc.stderr.read() + strict_server.proc.stdout.read()

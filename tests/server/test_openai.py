@@ -37,7 +37,7 @@ def test_models(client, server, local):
 
     from specdec import __version__
 
-    assert httpx.get(server.url + "/version").json() == {"version": __version__}  # open, as /health is
+    assert httpx.get(server.url + "/version", timeout=60).json() == {"version": __version__}  # open, as /health is
 
 
 def test_completion_plain_and_streaming(client, local):

@@ -247,7 +247,7 @@ def _local(prompt: list[int], cfg: SamplingConfig) -> list[int]:
 
 
 def _edge(url: str, prompt: list[int], cfg: SamplingConfig, hook: Replicas, on_tokens=None):
-    with httpx.Client(event_hooks={"response": [hook]}) as client:
+    with httpx.Client(event_hooks={"response": [hook]}, timeout=60) as client:
         return generate_remote(prompt, cfg, RemoteConfig(url=url, api_key=KEY, retry_budget_s=120.0),
                                drafter=ModelDrafter(DRAFT), gamma=3, client=client, on_tokens=on_tokens)
 
@@ -306,7 +306,7 @@ def test_requests_are_balanced_over_both_replicas_and_sessions_stay_on_theirs(cl
         text = "".join(json.loads(e)["choices"][0]["text"] for e in events[:-1])
         assert text == answers[0].json()["choices"][0]["text"]
         # auth is the replica's own: no key, no session
-        assert httpx.post(cluster + "/v1/sessions", json={"prompt_ids": [1]}).status_code == 401
+        assert httpx.post(cluster + "/v1/sessions", json={"prompt_ids": [1]}, timeout=60).status_code == 401
 
 
 def test_edge_sessions_through_the_gateway_are_exact_and_pinned(cluster):

@@ -76,7 +76,7 @@ def test_a_stream_is_openais_event_sequence(client, server):
     assert events[0].response.status == "in_progress" and events[0].response.output == []
     assert len({e.item_id for e in events if hasattr(e, "item_id")}) == 1
     with httpx.stream("POST", server.url + "/v1/responses", json={**kw, "stream": True},
-                      headers={"Authorization": f"Bearer {KEY}"}) as r:  # each event named, no [DONE]
+                      headers={"Authorization": f"Bearer {KEY}"}, timeout=60) as r:  # each event named, no [DONE]
         lines = [line for line in r.iter_lines() if line]
     assert lines[0] == "event: response.created" and lines[-2] == f"event: {end}" and "[DONE]" not in lines[-1]
 
@@ -131,7 +131,7 @@ def test_text_format_and_logprobs(client):
 
 def test_bad_requests_are_400s(client, server):
     def post(body: dict) -> httpx.Response:
-        return httpx.post(server.url + "/v1/responses", json=body, headers={"Authorization": f"Bearer {KEY}"})
+        return httpx.post(server.url + "/v1/responses", json=body, headers={"Authorization": f"Bearer {KEY}"}, timeout=60)
 
     for body, message in (({"input": "x", "tools": [{"type": "web_search"}]}, "only function tools"),
                           ({"input": "x", "tools": [{"type": "function", "name": "bad name!"}]}, "tools[0]"),

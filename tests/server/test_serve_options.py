@@ -29,17 +29,17 @@ def test_names_context_limit_and_chat_template(tmp_path):
                 client.completions.create(model=MODEL, prompt="x", max_tokens=2)  # the target's own name is not served
             with pytest.raises(openai.BadRequestError, match="context is 48 tokens"):
                 client.completions.create(model="alpha", prompt="def add(a, b):", max_tokens=60)
-            assert httpx.get(srv.url + "/health").json()["max_context"] == 48
-            ids = httpx.post(srv.url + "/tokenize", json={"messages": [{"role": "user", "content": "hi"}]}).json()["tokens"]
-            text = httpx.post(srv.url + "/detokenize", json={"tokens": ids}).json()["prompt"]
+            assert httpx.get(srv.url + "/health", timeout=60).json()["max_context"] == 48
+            ids = httpx.post(srv.url + "/tokenize", json={"messages": [{"role": "user", "content": "hi"}]}, timeout=60).json()["tokens"]
+            text = httpx.post(srv.url + "/detokenize", json={"tokens": ids}, timeout=60).json()["prompt"]
             assert text == "<user>hi\n<assistant>"  # the template given, not the model's
             chat = client.chat.completions.create(model="alpha", messages=[{"role": "user", "content": "hi"}], max_tokens=4,
                                                   temperature=0)
             assert chat.usage.prompt_tokens == len(ids)
             # a request's own template renders its conversation instead (the server trusts requests' templates)
             own = {"chat_template": "{% for m in messages %}[{{ m.content }}]{% endfor %}{% if add_generation_prompt %}={% endif %}"}
-            ids = httpx.post(srv.url + "/tokenize", json={"messages": [{"role": "user", "content": "def f():"}], **own}).json()["tokens"]
-            assert httpx.post(srv.url + "/detokenize", json={"tokens": ids}).json()["prompt"] == "[def f():]="
+            ids = httpx.post(srv.url + "/tokenize", json={"messages": [{"role": "user", "content": "def f():"}], **own}, timeout=60).json()["tokens"]
+            assert httpx.post(srv.url + "/detokenize", json={"tokens": ids}, timeout=60).json()["prompt"] == "[def f():]="
             chat = client.chat.completions.create(model="alpha", messages=[{"role": "user", "content": "def f():"}], max_tokens=6,
                                                   temperature=0, extra_body=own)
             plain = client.completions.create(model="alpha", prompt="[def f():]=", max_tokens=6, temperature=0)

@@ -48,12 +48,12 @@ def _error(r: httpx.Response, status: int | tuple[int, ...]) -> str:
 
 
 def test_health_is_open_everything_else_needs_the_key(toy_server):
-    assert httpx.get(toy_server.url + "/health").json()["vocab_size"] == VOCAB
+    assert httpx.get(toy_server.url + "/health", timeout=60).json()["vocab_size"] == VOCAB
     for headers in ({}, {"Authorization": "Bearer wrong"}, {"Authorization": API_KEY}, {"Authorization": f"Basic {API_KEY}"}):
-        r = httpx.post(toy_server.url + "/v1/sessions", json={"prompt_ids": [1]}, headers=headers)
+        r = httpx.post(toy_server.url + "/v1/sessions", json={"prompt_ids": [1]}, headers=headers, timeout=60)
         assert "API key" in _error(r, 401)
         assert r.headers["www-authenticate"] == "Bearer"
-    assert httpx.get(toy_server.url + "/metrics").status_code == 200  # scrapers need no key by default
+    assert httpx.get(toy_server.url + "/metrics", timeout=60).status_code == 200  # scrapers need no key by default
 
 
 def test_retry_of_the_last_seq_returns_the_stored_verdict(api):
