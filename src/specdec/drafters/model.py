@@ -90,6 +90,15 @@ class ModelDrafter:
         self.catch_up_s = 0.0
         return Draft(tokens=torch.empty(0, dtype=torch.long), probs=None)
 
+    def _begin_round(self, length: int) -> None:
+        """A round drafted after ``length`` context tokens: nothing fed yet, no tree slots (a
+        tree round sets them once drafted); :meth:`_after` times the catch-up."""
+        if self.cache is None:
+            self.reset()
+        self._round_start = length
+        self._fed = 0
+        self._slots = None
+
     def prepare(self, prompt: Tensor) -> None:  # prompt: [L]
         """Prefill the draft cache with all but the last prompt token (outside the timed rounds),
         unless the prefill is lazy or the prompt leaves the draft no room to draft."""
@@ -109,13 +118,7 @@ class ModelDrafter:
         gamma = min(gamma, self.room - length + 1)  # the cache ends holding the context and γ - 1 drafted tokens
         if gamma <= 0:
             return self._no_room()
-        if self.cache is None:
-            self.reset()
-        assert self.cache is not None
-        self._round_start = length
-        self._fed = 0
-        self._slots = None
-        self.catch_up_s = 0.0
+        self._begin_round(length)
         ids = self._compact_ids(sampler)
         kw = {} if ids is None else {"compact": True}  # rows over the draft vocabulary: [1, Vd]
         logits = self._after(context, kw)  # [1, V]
@@ -138,11 +141,7 @@ class ModelDrafter:
         fed_room = self.room - length  # the cache ends holding the context and the fed (expanded) nodes
         if fed_room <= 0:
             return self._no_room()
-        if self.cache is None:
-            self.reset()
-        assert self.cache is not None
-        self._round_start = length
-        self._fed = 0
+        self._begin_round(length)
         ids = self._compact_ids(sampler)
         kw = {} if ids is None else {"compact": True}  # rows over the draft vocabulary: [m, Vd]
         logits = self._after(context, kw)  # [1, V]
