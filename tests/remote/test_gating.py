@@ -10,6 +10,7 @@ import torch
 
 from specdec.decoder import SpeculativeDecoder
 from specdec.drafters import ModelDrafter
+from specdec.drafters.base import Draft
 from specdec.errors import ConfigError
 from specdec.gamma import FixedGamma
 from specdec.models.registry import DATA_DIR
@@ -19,8 +20,10 @@ from specdec.remote.gating import (
     GateConfig,
     GatedDrafter,
     RuleTriggers,
+    TokenSignals,
     calibrate_nll,
     has_dropout,
+    is_hard,
     mc_dropout_variance,
     token_frequency,
     uncertainty,
@@ -160,3 +163,38 @@ def test_mc_dropout_only_where_the_draft_has_dropout():
     assert var is not None and var.shape == (2,) and bool((var >= 0).all()) and float(var.sum()) > 0
     assert not model.model.training  # back in eval mode
     assert Gate(GateConfig(t_mc_var=0.01), draft_model=model).mc_status == "on"
+
+
+def _signals(hard: list[bool]) -> list[TokenSignals]:
+    return [TokenSignals(1.0, 1.0, 0.5, None, (), h) for h in hard]
+
+
+def test_a_small_margin_is_hard_and_a_large_one_is_not():
+    cfg = GateConfig(t_entropy_bits=None, t_margin=0.2)
+    assert is_hard(cfg, 0.0, 0.0, 0.1, None) and not is_hard(cfg, 0.0, 0.0, 0.5, None)
+
+
+def test_shape_never_cuts_below_min_draft():
+    gate = Gate(GateConfig(policy="shape", min_draft=3))
+    out = gate.finish_block(torch.tensor([1, 2]), Draft(tokens=torch.arange(5), probs=None), _signals([True] * 5), 5)
+    assert out.tokens.tolist() == [0, 1, 2] and gate.last.stopped_early
+
+
+def test_a_hard_ratio_equal_to_r_hard_stays_local_and_the_streak_is_bounded():
+    gate = Gate(GateConfig(policy="lossy-local-commit", r_hard=0.25, max_local_rounds=2, rules=frozenset()))
+    commits = []
+    for _ in range(4):
+        draft = gate.finish_block(torch.tensor([1, 2]), Draft(tokens=torch.arange(4), probs=None), _signals([True, False, False, False]), 4)
+        assert gate.last.hard_ratio == 0.25 and not gate.last.escalate  # escalates only above R_hard
+        commits.append(gate.local_commit(draft))
+    assert commits == [True, True, False, True]  # at most max_local_rounds local blocks in a row
+    gate.finish_block(torch.tensor([1, 2]), Draft(tokens=torch.arange(4), probs=None), _signals([True, True, False, False]), 4)
+    assert gate.last.escalate
+
+
+def test_only_the_block_just_gated_may_stay_local():
+    gate = Gate(GateConfig(policy="lossy-local-commit", rules=frozenset()))
+    gate.finish_block(torch.tensor([1, 2]), Draft(tokens=torch.tensor([3, 4]), probs=None), _signals([False, False]), 2)
+    assert not gate.last.escalate
+    assert not gate.local_commit(Draft(tokens=torch.tensor([3, 5]), probs=None))  # not what the gate judged
+    assert gate.local_commit(Draft(tokens=torch.tensor([3, 4]), probs=None))

@@ -9,6 +9,7 @@ from pydantic import ValidationError
 
 from specdec import defaults
 from specdec.remote.protocol import (
+    ROW_SUM_SLACK,
     CreateSessionRequest,
     SparseRow,
     VerifyRequest,
@@ -86,3 +87,33 @@ def test_wire_defaults():
     assert wire_method("lossy-scalar", "lossy-strict-residual") == "lossy_strict_residual"
     with pytest.raises(ValueError, match="not available"):
         wire_method("greedy", "block")
+
+
+@pytest.mark.parametrize(
+    "body, fragment",
+    [
+        ({"seq": 0, "draft_tokens": [1, 2], "parents": [-1, 1]}, "earlier draft token"),  # its own parent
+        ({"seq": 0, "draft_tokens": [1], "parents": [0]}, "earlier draft token"),
+        ({"seq": 0, "draft_tokens": [1], "q": [{"ids": [1, 2], "probs": [0.5, 0.5 + 2 * ROW_SUM_SLACK]}]}, "sums to"),
+    ],
+)
+def test_bad_verify_bodies_at_the_edge_are_rejected(body, fragment):
+    with pytest.raises(ValidationError) as err:
+        VerifyRequest.model_validate(body)
+    assert fragment in str(err.value)
+
+
+def test_a_row_within_the_slack_and_sparse_row_objects_parse():
+    ok = VerifyRequest.model_validate({"seq": 0, "draft_tokens": [1], "q": [{"ids": [1, 2], "probs": [0.5, 0.5 + ROW_SUM_SLACK / 2]}]})
+    assert isinstance(ok.q[0], SparseRow)
+    # built in Python with SparseRow objects (as a Python edge may): still rows, not scalars
+    req = VerifyRequest(seq=0, draft_tokens=[1, 2], q=[SparseRow(ids=[1], probs=[1.0]), SparseRow(ids=[2, 3], probs=[0.5, 0.5])])
+    assert all(isinstance(row, SparseRow) for row in req.q)
+    assert VerifyRequest.model_validate_json(req.model_dump_json()) == req
+
+
+def test_generated_ids_need_prompt_ids():
+    with pytest.raises(ValidationError) as err:
+        CreateSessionRequest.model_validate({"prompt": "hello", "generated_ids": [1, 2]})
+    assert "'generated_ids' needs 'prompt_ids'" in str(err.value)
+    assert CreateSessionRequest.model_validate({"prompt_ids": [3], "generated_ids": [1, 2]}).generated_ids == [1, 2]

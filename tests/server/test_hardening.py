@@ -28,6 +28,7 @@ from specdec.models.toy import ToyLM
 from specdec.sampling import SamplingConfig, process_logits
 from specdec.server import ServerSettings, create_app
 from specdec.server.runner import AccessLogRedactor, read_key_file
+from specdec.server.sessions import SessionStore
 
 
 def _session(client: TestClient, **body) -> str:
@@ -455,3 +456,15 @@ def test_a_completion_failing_after_its_stream_began_says_whose_fault_it_was(mon
         assert plain.status_code == 500 and "session" not in plain.json()["error"]["message"], plain.text
     else:
         assert (error["code"], error["type"]) == (400, "invalid_request_error") and "context" in error["message"]
+
+
+def test_a_claim_fits_the_kv_cap_exactly_and_not_one_byte_more():
+    cap = 1 << 20
+    store = SessionStore(ServerSettings(max_kv_bytes=cap))
+    assert not store.try_claim(cap + 1) and store.claimed_bytes == 0
+    assert store.try_claim(cap - 10) and store.claimed_bytes == cap - 10
+    assert not store.try_claim(11) and store.claimed_bytes == cap - 10  # refused: nothing held for it
+    assert store.try_claim(10) and store.claimed_bytes == cap  # the last bytes
+    assert not store.try_claim(1)
+    store.release(cap)
+    assert store.claimed_bytes == 0 and store.try_claim(cap)

@@ -5,6 +5,7 @@ In-process (the app object directly): these are about the store's bookkeeping, n
 
 from __future__ import annotations
 
+import threading
 import time
 
 import pytest
@@ -180,3 +181,30 @@ def test_a_request_may_fill_the_context_to_its_last_position():
     assert r.status_code == 400 and "20 + 4 = 24 tokens, which fill the model's context of 24" in r.text, r.text
     r = plain.post("/v1/sessions", json={"prompt_ids": [1] * 20, "generated_ids": [2] * 3, "temperature": 0.0})
     assert r.status_code == 201, r.text
+
+
+def test_the_sweep_never_drops_a_busy_session():
+    client = _client(session_ttl_s=60.0)
+    sid = _new(client)
+    store = client.app.state.ctx.store
+    session = store.get(sid)
+    session.last_used -= 3600.0  # idle far past the TTL, without waiting for it
+    held, done = threading.Event(), threading.Event()
+
+    def verify_in_progress() -> None:  # a round holds the session's lock until the sweep is over
+        with session.lock:
+            held.set()
+            done.wait(10.0)  # a guard against a sweep that waits for this lock: it must not hang the test
+
+    worker = threading.Thread(target=verify_in_progress)
+    worker.start()
+    held.wait(30.0)
+    try:
+        assert store.sweep() == 0
+        assert len(store) == 1
+    finally:
+        done.set()
+        worker.join()
+    assert client.get(f"/v1/sessions/{sid}").status_code == 200  # still there (and used just now)
+    session.last_used -= 3600.0
+    assert store.sweep() == 1 and len(store) == 0  # idle and free: swept

@@ -14,7 +14,7 @@ from fastapi.testclient import TestClient
 
 from specdec.models.toy import ToyLM
 from specdec.server import ServerSettings, create_app
-from specdec.server.prefix_cache import PrefixCache, PrefixCached, common_prefix, supports_prefix_cache
+from specdec.server.prefix_cache import SEEN_BLOCK, PrefixCache, PrefixCached, block_hashes, common_prefix, prefill, supports_prefix_cache
 from specdec.server.scheduler import BatchedModel, Scheduler
 from specdec.server.sessions import SerializedModel
 from tiny import tiny_native
@@ -430,3 +430,67 @@ def test_an_ended_edge_session_is_kept_for_the_edges_next_sequence(batching, end
     rounds, cached = run(64 << 20)
     assert cached == len(prompt) + sum(len(r["tokens"]) for r in rounds[:4]) - 1
     assert (rounds, 0) == run(0)
+
+
+def _served(max_positions: int):
+    model = tiny_native(vocab=VOCAB)
+    per_position = model.new_cache(1).bytes_per_position
+    pc = PrefixCache(max_positions * per_position)
+    return model, per_position, pc, SerializedModel(model, threading.Lock(), prefix_cache=pc)
+
+
+def test_a_prompt_of_whole_blocks_is_stored_whole():
+    """A prompt whose length is a multiple of SEEN_BLOCK: its last block is a whole block too."""
+    assert len(block_hashes(torch.arange(3 * SEEN_BLOCK))) == 3
+    assert len(block_hashes(torch.arange(3 * SEEN_BLOCK - 1))) == 2
+    model, per_position, pc, served = _served(200)
+    prompt = _prompt(1, 3 * SEEN_BLOCK)
+    for _ in range(2):
+        served.forward(prompt, served.new_cache(512), last_only=True)
+    assert len(pc) == 1 and pc.bytes == 3 * SEEN_BLOCK * per_position
+    assert pc.restore(torch.cat([prompt, _prompt(2, 5)]), model.new_cache(128)) == 3 * SEEN_BLOCK
+
+
+def test_copying_exactly_half_of_a_kept_sequence_proves_it():
+    model, per_position, pc, _ = _served(400)
+    seq = _prompt(1, 60)
+    pc.keep(seq, _filled(model, seq))
+    assert pc.unproven_bytes == 60 * per_position
+    assert pc.restore(torch.cat([seq[:29], _prompt(2, 10)]), model.new_cache(64)) == 29  # under half: still unproven
+    assert pc.unproven_bytes == 60 * per_position
+    assert pc.restore(torch.cat([seq[:30], _prompt(3, 10)]), model.new_cache(64)) == 30  # half: a next turn
+    assert pc.unproven_bytes == 0
+
+
+def test_a_prefill_that_copied_from_an_entry_makes_it_the_most_recently_used():
+    model, per_position, pc, served = _served(100)
+    a, b, c = _prompt(1, 48), _prompt(2, 48), _prompt(3, 48)
+    for prompt in (a, b):
+        for _ in range(2):  # seen twice: stored
+            served.forward(prompt, served.new_cache(512), last_only=True)
+    assert len(pc) == 2
+    assert pc.restore(torch.cat([a, _prompt(4, 5)]), model.new_cache(64)) == 48  # a is used again
+    for _ in range(2):  # 144 > 100 positions: the least recently used entry (b) goes
+        served.forward(c, served.new_cache(512), last_only=True)
+    assert len(pc) == 2
+    assert pc.restore(torch.cat([a, _prompt(5, 5)]), model.new_cache(64)) == 48
+    assert pc.restore(torch.cat([b, _prompt(6, 5)]), model.new_cache(64)) == 0
+
+
+def test_a_prefill_that_fails_after_copying_leaves_the_cache_empty():
+    """A pass that fails (e.g. its request was cancelled) after the stored rows were copied: the
+    cache is as it was, empty, so a retry on it prefills from scratch, bitwise as a fresh one."""
+    model, _, pc, _ = _served(200)
+    prompt = _prompt(1, 40)
+    pc.keep(prompt, _filled(model, prompt))
+
+    def failing(tokens, cache, *, last_only):
+        raise RuntimeError("cancelled")
+
+    cache = model.new_cache(512)
+    with pytest.raises(RuntimeError, match="cancelled"):
+        prefill(failing, pc, prompt, cache, True)
+    assert cache.length == 0
+    logits = prefill(model.forward, pc, prompt, cache, True)  # the retry: copies 39 rows, runs the last
+    first, _, fresh = _fresh(model, prompt, [])
+    assert torch.equal(logits, first) and _same_cache(cache, fresh)

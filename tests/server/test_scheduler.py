@@ -18,6 +18,7 @@ from fastapi.testclient import TestClient
 
 from specdec.decoder import SpeculativeDecoder
 from specdec.drafters import ModelDrafter
+from specdec.errors import ConfigError
 from specdec.gamma import FixedGamma
 from specdec.models.toy import ToyLM
 from specdec.sampling import SamplingConfig
@@ -325,6 +326,25 @@ def test_long_prefill_does_not_stall_a_short_round():
     assert max(p.tokens for p in passes) <= 64
 
 
+def test_the_queue_is_served_first_come_first_served():
+    """Four one-token rounds queued in a known order behind a pass, two per pass (the token
+    budget): they are served in the order they came, so no request waits behind later ones."""
+    model = _Gate(6, order=1, seed=0)
+    scheduler, _ = _recording_scheduler(model, max_tokens=2, chunk=2, gather_gap=0.0)
+    blocker = threading.Thread(target=lambda: scheduler.forward(torch.full((1,), 5, dtype=torch.long), model.new_cache()))
+    blocker.start()
+    assert model.waiting.wait(30)  # the loop waits inside its first pass
+    threads = []
+    for tok in (1, 2, 3, 4):
+        threads.append(threading.Thread(target=lambda t=tok: scheduler.forward(torch.full((1,), t, dtype=torch.long), model.new_cache())))
+        threads[-1].start()
+        _until(lambda n=tok: len(scheduler) == n + 1)  # queued before the next one starts
+    model.gate.set()
+    for t in threads + [blocker]:
+        t.join()
+    assert model.log == [[(5, 1)], [(1, 1), (2, 1)], [(3, 1), (4, 1)]]
+
+
 def test_full_queue_is_refused_and_a_503_with_retry_after():
     model = _Gate(6, order=1, seed=0)
     scheduler = Scheduler(model, SchedulerConfig(max_queue=1))
@@ -600,7 +620,36 @@ def test_gathering_never_holds_a_pass_for_what_will_not_come(case):
 
 
 def test_gathering_gap_must_not_be_negative():
-    from specdec.errors import ConfigError
-
     with pytest.raises(ConfigError, match="gathering gap"):
         SchedulerConfig(gather_gap=-0.001)
+
+
+def test_the_token_budget_holds_with_several_long_prefills_queued():
+    model = _Gate(6, order=1, seed=0)
+    scheduler, passes = _recording_scheduler(model, max_tokens=64, chunk=40)
+    prompts = [torch.randint(0, 6, (100,), generator=torch.Generator().manual_seed(i)) for i in range(3)]
+    out: dict[int, torch.Tensor] = {}
+
+    def prefill(i: int) -> None:
+        out[i] = scheduler.forward(prompts[i], model.new_cache(), last_only=True)
+
+    blocker = threading.Thread(target=lambda: scheduler.forward(torch.ones(1, dtype=torch.long), model.new_cache()))
+    blocker.start()
+    assert model.waiting.wait(30)  # the loop waits inside its first pass while the prefills queue up
+    threads = [threading.Thread(target=prefill, args=(i,)) for i in range(3)]
+    for t in threads:
+        t.start()
+    _until(lambda: len(scheduler) == 4)
+    model.gate.set()
+    for t in threads + [blocker]:
+        t.join()
+    assert max(p.tokens for p in passes) <= 64  # a chunk and part of the next one: cut to the budget
+    assert sum(p.tokens for p in passes) == 1 + 300
+    for i, prompt in enumerate(prompts):  # chunked and shared, yet the logits of the prompt alone
+        assert torch.equal(out[i], ToyLM.forward(model, prompt, ToyLM.new_cache(model), last_only=True))
+
+
+def test_a_chunk_larger_than_the_token_budget_is_refused():
+    with pytest.raises(ConfigError, match="cannot exceed the tokens per pass"):
+        SchedulerConfig(max_tokens=16, chunk=17)
+    assert SchedulerConfig(max_tokens=16, chunk=16).chunk == 16

@@ -251,3 +251,57 @@ def test_tree_rounds_over_the_wire(api):
     # a chain round afterwards still lines up with plain greedy
     r = api.post(f"/v1/sessions/{sid}/verify", json={"seq": 1, "draft_tokens": []})
     assert r.json()["tokens"] == [int(TARGET.logits_for(hist + best + [third]).argmax())] and r.json()["path"] is None
+
+
+def test_an_id_equal_to_the_vocabulary_size_is_a_400_and_changes_nothing(api: httpx.Client):
+    """``VOCAB`` itself is the first id outside [0, VOCAB): in a draft, in the unverified tokens and
+    in a sparse q row (each checked alone: no other field holds a bad id to give the 400)."""
+    greedy = _create(api, temperature=0.0, wire="greedy")["session_id"]
+    before = _info(api, greedy)
+    url = f"/v1/sessions/{greedy}/verify"
+    assert "draft_tokens[1] = 6 is outside the vocabulary" in _error(api.post(url, json={"seq": 0, "draft_tokens": [1, VOCAB]}), 400)
+    assert "unverified_tokens[0] = 6 is outside the vocabulary" in _error(
+        api.post(url, json={"seq": 0, "unverified_tokens": [VOCAB]}), 400)
+    assert _info(api, greedy) == before
+    sparse = _create(api)["session_id"]
+    before = _info(api, sparse)
+    row = {"ids": [1, VOCAB], "probs": [0.5, 0.5]}  # the drafted token is fine, its q row is not
+    r = api.post(f"/v1/sessions/{sparse}/verify", json={"seq": 0, "draft_tokens": [1], "q": [row]})
+    assert "q row id 6 is outside the vocabulary" in _error(r, 400)
+    assert _info(api, sparse) == before
+    for sid in (greedy, sparse):  # still usable at seq 0
+        body = {"seq": 0, "draft_tokens": [1]}
+        if sid == sparse:
+            body["q"] = [{"ids": [1], "probs": [1.0]}]
+        assert api.post(f"/v1/sessions/{sid}/verify", json=body).status_code == 200
+
+
+def test_a_logprobs_session_refuses_unverified_tokens(api: httpx.Client):
+    """The target never scores unverified tokens, so a session that reports logprobs takes none."""
+    sid = _create(api, temperature=0.0, wire="greedy", logprobs=2)["session_id"]
+    before = _info(api, sid)
+    r = api.post(f"/v1/sessions/{sid}/verify", json={"seq": 0, "draft_tokens": [1], "unverified_tokens": [2, 3]})
+    assert "takes no unverified tokens" in _error(r, 400)
+    assert _info(api, sid) == before and before["unverified"] == 0 and before["lossless"] is True
+    r = api.post(f"/v1/sessions/{sid}/verify", json={"seq": 0, "draft_tokens": [1]})
+    assert r.status_code == 200 and len(r.json()["logprobs"]) == len(r.json()["tokens"])
+
+
+def test_a_resumed_sessions_constraints_see_its_generated_ids(api: httpx.Client):
+    """min_tokens counts the resumed tokens, and a bad word may span the resume point: the
+    session's constraint history holds generated_ids as if it had generated them itself."""
+    prompt, generated = [1, 2, 3], [4, 5, 1]
+    best = int(TARGET.logits_for(prompt + generated).argmax())  # greedy's next token, nothing masked
+    greedy = {"temperature": 0.0, "wire": "greedy", "prompt_ids": prompt, "generated_ids": generated}
+
+    def next_token(**fields) -> int:
+        sid = _create(api, **greedy, **fields)["session_id"]
+        r = api.post(f"/v1/sessions/{sid}/verify", json={"seq": 0, "draft_tokens": []})
+        assert r.status_code == 200, r.text
+        return r.json()["tokens"][0]
+
+    assert next_token() == best
+    assert next_token(min_tokens=3, floor_ids=[best]) == best  # 3 generated already: the floor is over
+    assert next_token(min_tokens=4, floor_ids=[best]) != best  # one more to go: still masked
+    assert next_token(bad_token_ids=[[generated[-1], best]]) != best  # completes a bad word across the resume
+    assert next_token(bad_token_ids=[[generated[-2], best]]) == best  # does not
