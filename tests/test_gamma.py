@@ -1,7 +1,7 @@
 from specdec import defaults
 from specdec.engine import make_gamma, parse_gamma
 from specdec.errors import ConfigError
-from specdec.gamma import CostGamma, FixedGamma, GammaMemory, GuideGamma, best_gamma, expected_tokens
+from specdec.gamma import CappedGamma, CostGamma, FixedGamma, GammaMemory, GuideGamma, best_gamma, expected_tokens
 
 import pytest
 
@@ -518,3 +518,76 @@ def test_an_observed_tree_budget_plays_as_the_budget_and_reports_each_update():
         played.append(arm)
         wrapped.update(gamma=wrapped.next_gamma(), accepted=int(n) - 1, draft_s=0.3 * s, target_s=0.7 * s, other_s=0.0)
     assert played == bare_played and len(seen) == 200 and wrapped.name == TreeBudget().name
+
+
+def test_guide_rule_grows_at_exactly_the_up_ratio():
+    """+1 when accepted / γ >= 0.8: 4 of 5 accepted is exactly 0.8 and grows γ; 2 of 5 (0.4) shrinks it."""
+    g = GuideGamma(gamma=5)
+    g.update(gamma=5, accepted=4, draft_s=0, target_s=0, other_s=0)
+    assert g.next_gamma() == 6
+    g = GuideGamma(gamma=5)
+    g.update(gamma=5, accepted=2, draft_s=0, target_s=0, other_s=0)
+    assert g.next_gamma() == 4
+
+
+def test_capped_gamma_only_lowers_the_inner_choice():
+    """The cap is a ceiling: a cap above the inner γ leaves it alone; one below it wins; no cap, no change."""
+    assert CappedGamma(FixedGamma(3), cap=lambda g: 10).next_gamma() == 3
+    assert CappedGamma(FixedGamma(3), cap=lambda g: 2).next_gamma() == 2
+    assert CappedGamma(FixedGamma(3), cap=lambda g: None).next_gamma() == 3
+    assert CappedGamma(FixedGamma(3), cap=lambda g: -1).next_gamma() == 0
+
+
+def test_a_moderately_cheaper_pass_is_smoothed_in_not_taken_at_once():
+    """Only a reading far below the estimate (by more than the outlier factor) replaces it; a
+    reading somewhat below is smoothed in like any other."""
+    ctrl = CostGamma()
+    ctrl.observe_cost(2, 0.010)
+    ctrl.observe_cost(2, 0.008)  # 0.008 * 1.5 = 0.012 >= 0.010: smoothed
+    assert ctrl._target_cost(2) == pytest.approx(0.7 * 0.010 + 0.3 * 0.008)
+    ctrl.observe_cost(2, 0.005)  # 0.005 * 1.5 < 0.0094: taken at once
+    assert ctrl._target_cost(2) == pytest.approx(0.005)
+
+
+def test_a_known_round_trip_is_added_to_every_pass_cost():
+    """``extra_target_s`` (a network round trip) counts in each verification pass's cost, so a
+    remote target makes drafting pay sooner: here a drafter that loses locally drafts remotely."""
+    local, remote = CostGamma(), CostGamma(extra_target_s=0.1)
+    for ctrl in (local, remote):
+        ctrl.observe_cost(1, 0.010)
+    assert local._target_cost(1) == pytest.approx(0.010)
+    assert remote._target_cost(1) == pytest.approx(0.110)
+    # a token costs 0.009 s, a plain round 0.010 s, half the drafts accepted: locally not worth it
+    for ctrl in (local, remote):
+        for _ in range(30):
+            g = max(ctrl.next_gamma(), 1)
+            ctrl.update(gamma=g, accepted=g // 2, draft_s=0.009 * g, target_s=0.010, other_s=0.0)
+    assert remote.next_gamma() > local.next_gamma()
+
+
+def test_probe_interval_never_exceeds_its_maximum():
+    """A drafter that loses (every draft rejected) but is not hopeless (a token at 0.4 of a plain
+    round): the interval between probes doubles up to ``max_probe_every`` and stays there (500 rounds)."""
+    ctrl = CostGamma(probe_every=2, max_probe_every=16)
+    drafted = []
+    for i in range(500):
+        g = ctrl.next_gamma()
+        if g:
+            drafted.append(i)
+        ctrl.update(gamma=g, accepted=0, draft_s=0.008 * g, target_s=0.02 + 0.002 * g, other_s=0.0)
+    gaps = [b - a for a, b in zip(drafted, drafted[1:])]
+    assert max(gaps) <= 16, gaps
+    assert gaps[-5:] == [16] * 5, gaps  # a probe every 16 rounds at the end
+
+
+def test_tree_budget_probes_right_after_its_warmup():
+    """The chain is measured for exactly ``warmup`` rounds before the first tree probe."""
+    from specdec.gamma import TreeBudget
+
+    budget = TreeBudget(warmup=4, probe_every=2, max_probe_every=8)
+    trees = []
+    for i in range(8):
+        trees.append(budget.tree_round)
+        g = budget.next_gamma()
+        budget.update(gamma=g, accepted=0, draft_s=0.001 * g, target_s=0.02, other_s=0.0)
+    assert trees.index(True) == 4, trees

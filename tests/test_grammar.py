@@ -177,3 +177,13 @@ def test_a_json_grammar_after_thinking_through_llguidance(tok):
             assert torch.equal(after.allowed(doc[:k], V), fresh[k]), k
     opened = AfterThinking(GrammarConstraint(tok, grammar, V), think, done, opened=True)
     assert bool(opened.allowed([], V).all()) and torch.equal(opened.allowed(thought[1:] + doc[:4], V), fresh[4])
+
+
+def test_ids_past_the_grammars_vocabulary_are_never_allowed(tok):
+    """Asked about a larger vocabulary (a padded embedding) than it was made for, the constraint
+    allows none of the extra ids, whatever the grammar allows."""
+    constraint = GrammarConstraint(tok, grammar_for("json_object", None), V)
+    base = constraint.allowed([], V)
+    wide = constraint.allowed([], V + 100)
+    assert wide.shape == (V + 100,)
+    assert torch.equal(wide[:V], base) and not bool(wide[V:].any())

@@ -8,14 +8,19 @@ from collections import Counter
 import pytest
 import torch
 
+from specdec import defaults
 from specdec.errors import ConfigError
 from specdec.sampling import (
     GUIDE_PRESET,
     PenaltyState,
     SamplingConfig,
+    StopFloor,
+    checked_bias,
     _top_p_mask,
     gumbel_sample,
     keyed_uniform,
+    offset_seed,
+    path_masks,
     penalised_logits,
     process_logits,
     sample_categorical,
@@ -464,3 +469,90 @@ def test_sample_categorical_compiled_and_torch_paths_give_the_same_draws(monkeyp
     w = torch.zeros(1025, dtype=torch.float64)  # across the search's 512-entry chunks
     w[511], w[512], w[1000] = 1.0, 1.0, 2.0
     assert [int(real(w, u)) for u in (0.0, 0.2, 0.25, 0.3, 0.49, 0.5, 0.99)] == [511, 511, 512, 512, 512, 1000, 1000]
+
+
+def test_top_p_stops_once_the_mass_reaches_top_p_exactly():
+    """The nucleus is the smallest set whose mass reaches top_p: a set reaching it exactly is enough
+    (mass strictly before a token must be below top_p); dyadic probabilities make the sums exact."""
+    probs = torch.tensor([[0.5, 0.25, 0.1875, 0.0625]], dtype=torch.float64)
+    assert _top_p_mask(probs, 0.5).tolist() == [[True, False, False, False]]
+    assert _top_p_mask(probs, 0.75).tolist() == [[True, True, False, False]]
+    assert _top_p_mask(probs, 0.76).tolist() == [[True, True, True, False]]
+    out = process_logits(probs.log(), SamplingConfig(top_p=0.75))
+    assert torch.allclose(out, torch.tensor([[2 / 3, 1 / 3, 0.0, 0.0]], dtype=torch.float64))
+
+
+def test_min_p_keeps_tokens_at_the_threshold():
+    """min-p keeps p >= min_p * max p: with min_p = 1 the tied maxima stay (not an all-zero, NaN row)."""
+    logits = torch.tensor([[1.0, 1.0, 0.0], [0.0, 2.0, 2.0]])
+    out = process_logits(logits, SamplingConfig(min_p=1.0))
+    assert out.tolist() == [[0.5, 0.5, 0.0], [0.0, 0.5, 0.5]]
+
+
+def test_greedy_takes_the_argmax_of_the_biased_and_penalised_logits():
+    """Temperature 0 is the arg-max after logit bias and penalties, not of the raw logits."""
+    logits = torch.tensor([[3.0, 2.0, 1.0, 0.0]])
+    biased = process_logits(logits, SamplingConfig(temperature=0.0, logit_bias={2: 5.0}))
+    assert biased.tolist() == [[0.0, 0.0, 1.0, 0.0]]
+    state = PenaltyState.start(torch.tensor([0]), 4)  # token 0 in the prompt: 3 / 2 = 1.5 < 2
+    penalised = process_logits(logits, SamplingConfig(temperature=0.0, repetition_penalty=2.0), state)
+    assert penalised.tolist() == [[0.0, 1.0, 0.0, 0.0]]
+
+
+def test_stop_floor_gives_way_where_the_inner_constraint_allows_only_stops():
+    """min_tokens never leaves an empty law: where the inner constraint (a complete grammar)
+    allows only the stop token, the stop token stays allowed below the floor."""
+
+    class OnlyStop:
+        def allowed(self, generated, vocab_size):
+            return torch.tensor([True, False, False])
+
+    floor = StopFloor(frozenset({0}), 5, OnlyStop())
+    assert floor.allowed([1, 2], 3).tolist() == [True, False, False]
+    free = StopFloor(frozenset({0}), 2)
+    assert free.allowed([1], 3).tolist() == [False, True, True]
+    assert free.allowed([1, 1], 3).tolist() == [True, True, True]  # floor reached at exactly n tokens
+
+
+def test_checked_bias_refuses_the_first_id_past_the_vocabulary():
+    assert checked_bias([(9, 1.0), (0, -2)], 10) == ((0, -2.0), (9, 1.0))
+    with pytest.raises(ConfigError, match="outside the vocabulary"):
+        checked_bias([(10, 1.0)], 10)
+
+
+def test_offset_seed_wraps_into_the_seed_range():
+    """Seeds run 0 .. MAX_SEED: the k-th seed after MAX_SEED - 1 is MAX_SEED, then 0."""
+    top = defaults.MAX_SEED
+    assert offset_seed(top - 1, 1) == top
+    assert offset_seed(top, 1) == 0
+    assert offset_seed(5, 3) == 8
+
+
+def test_min_tokens_may_equal_max_new_tokens():
+    """vLLM accepts min_tokens == max_tokens (the output is then exactly that long)."""
+    cfg = SamplingConfig(min_tokens=4, max_new_tokens=4)
+    assert (cfg.min_tokens, cfg.max_new_tokens) == (4, 4)
+
+
+def test_top_k_one_below_the_vocabulary_still_truncates():
+    """top-k = V - 1 removes the least likely token; only top-k >= V keeps every token."""
+    logits = torch.tensor([[2.0, 1.0, 0.0, 3.0]])
+    out = process_logits(logits, SamplingConfig(top_k=3))
+    assert out[0, 2] == 0.0 and bool((out[0, [0, 1, 3]] > 0).all())
+    assert bool((process_logits(logits, SamplingConfig(top_k=4)) > 0).all())
+
+
+def test_path_masks_stop_at_a_token_the_constraint_forbids():
+    """A path whose last token its parent's mask forbids gets None, as does everything below it,
+    and the constraint is never asked about such a history (a grammar cannot follow it)."""
+    asked = []
+
+    class NoTwo:  # token 2 is never allowed
+        def allowed(self, generated, vocab_size):
+            assert 2 not in generated, "asked about a history the constraint forbids"
+            asked.append(tuple(generated))
+            return torch.tensor([True, True, False, True])
+
+    out = path_masks(NoTwo(), [1], [[], [0], [2], [2, 0], [0, 3]], 4)
+    assert [m is None for m in out] == [False, False, True, True, False]
+    assert asked == [(1,), (1, 0), (1, 0, 3)]

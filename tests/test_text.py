@@ -5,7 +5,7 @@ from transformers import AutoTokenizer
 
 from specdec.errors import ConfigError
 from specdec.models.registry import DATA_DIR
-from specdec.text import StopStrings, TextSink, encode_prompt, trim_at_stop
+from specdec.text import StopStrings, TextSink, TextStream, encode_prompt, trim_at_stop
 
 
 @pytest.fixture(scope="module")
@@ -259,3 +259,51 @@ def test_a_conversation_without_a_usable_user_turn_is_named(messages, says):
     with pytest.raises(ConfigError) as refused:
         encode_messages(tokenizer, messages)
     assert str(refused.value) == says
+
+
+def test_the_earliest_stop_string_wins_whatever_the_order_given():
+    assert trim_at_stop("abc STOP def", ("de", "STOP")) == "abc "
+    assert trim_at_stop("abc STOP def", ("de", "STOP"), keep=True) == "abc STOP"
+
+
+def test_a_stop_string_inside_the_min_tokens_text_does_not_end_the_output_early(tok):
+    """With min_tokens, the kept prefix is the shortest whose text *after the floor* holds a stop
+    string: a stop string in the first min_tokens tokens' text must not cut it short."""
+    ids = tok.encode("one. two three. four", add_special_tokens=False)
+    floor = len(tok.decode(ids[:2]))
+    assert tok.decode(ids[:2]) == "one."  # the first stop lies inside the floor
+    keep = StopStrings(tok, (".",), min_tokens=2)(ids)
+    assert keep is not None and "." in tok.decode(ids[:keep])[floor:]
+    assert "." not in tok.decode(ids[: keep - 1])[floor:]
+    assert tok.decode(ids[:keep]).endswith("three.")
+
+
+def test_a_token_is_handed_over_with_the_text_that_completes_it(tok):
+    """Without stop strings every pushed token's text is out at once, so each push's span holds
+    that token (not a later one)."""
+    ids = tok.encode("alpha beta gamma delta", add_special_tokens=False)
+    spans = []
+    sink = TextSink(tok, (), None, lambda text, a, b: spans.append((text, a, b)))
+    for i, t in enumerate(ids):
+        sink.push([t])
+        assert spans[-1][1:] == (i, i + 1), spans
+    assert sink.finish(ids) == "alpha beta gamma delta"
+
+
+class _SlowTokenizer:
+    """The tokenizer without its fast backend: TextStream decodes the whole output at each push."""
+
+    def __init__(self, tok):
+        self._tok = tok
+
+    def decode(self, tokens, skip_special_tokens=True):
+        return self._tok.decode(tokens, skip_special_tokens=skip_special_tokens)
+
+
+def test_the_full_decode_stream_never_shows_half_a_character(tok):
+    text = "naïve café — ok ✓"
+    ids = tok.encode(text, add_special_tokens=False)
+    stream = TextStream(_SlowTokenizer(tok))
+    assert stream._incremental is None
+    pieces = [stream.push([t]) for t in ids]
+    assert "".join(pieces) == text and all("\ufffd" not in p for p in pieces)

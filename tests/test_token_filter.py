@@ -164,3 +164,17 @@ def test_greedy_speculation_equals_plain_greedy_under_the_filter(allowed, banned
                 dec = SpeculativeDecoder(target, ModelDrafter(draft), get_rule(method), gamma=FixedGamma(gamma))
                 assert dec.generate(prompt, cfg).tokens == ref
     assert changed == 3
+
+
+def test_one_token_bad_words_give_way_too_when_nothing_is_left():
+    """Where the masks leave nothing, *all* the bad words give way (one-token words included),
+    before the allowed ids do; an inner constraint still holds."""
+    f = TokenFilter(4, allowed_ids=(1, 2, 3), banned=((3,), (1, 1), (1, 2)))
+    assert f.allowed([], 4).tolist() == [False, True, True, False]  # 3 is a bad word
+    assert f.allowed([1], 4).tolist() == [False, True, True, True]  # nothing left: the bad words give way
+
+    class NotZero:
+        def allowed(self, generated, vocab_size):
+            return torch.tensor([False, True, True, True])
+
+    assert f.over(NotZero()).allowed([1], 4).tolist() == [False, True, True, True]
