@@ -193,10 +193,11 @@ def test_negative_control_lookup_reported_with_a_wrong_q_fails(monkeypatch):
     law = exact_law(Oracle(TARGET), PROMPT, cfg, N_NEW)
     assert chi_square_pvalue(_samples("token", cfg, _Counting()), law) < ALPHA
 
-@pytest.mark.parametrize("ceiling", [0, 2, None])
+@pytest.mark.parametrize("ceiling", [0, 1, 2, None])
 def test_a_busy_servers_ceiling_for_free_drafts(ceiling):
     """A capped γ policy (a batching server's) also bounds prompt lookup's drafts: its ceiling 0
-    stops them (with the model's γ 0 nothing is drafted at all), k keeps them at k tokens; every
+    stops them (with the model's γ 0 nothing is drafted at all), k keeps them at k tokens (1 too: one
+    free token still drafts); every
     lookup round is reported to the server; the tokens are plain greedy decoding's either way."""
     from specdec.gamma import CappedGamma
 
@@ -275,3 +276,15 @@ def test_a_hybrid_around_a_self_speculative_view_spawns_per_request():
     plain = SpeculativeDecoder(INVARIANT, None, get_rule("greedy")).generate(PROMPT, cfg)
     out = SpeculativeDecoder(INVARIANT, h, get_rule("greedy"), gamma=FixedGamma(3)).generate(PROMPT, cfg)
     assert out.tokens == plain.tokens and h.rounds["lookup"] > 0 and h.rounds["model"] > 0
+
+
+SAMPLER = DraftSampler(SamplingConfig(temperature=0.0), "argmax", penalties=None, generator=None)
+
+
+def test_a_tree_rounds_lookup_draft_has_the_lookup_length():
+    ctx = torch.tensor([1, 3, 0, 2, 4, 1, 3, 0, 2, 4, 1, 3])  # "4 1 3" seen before: 0 2 4 1 3 ...
+    for tokens in (1, 2, 3):
+        d = LookupThenModel(ModelDrafter(DRAFT), min_ngram=2, max_ngram=4, lookup_tokens=tokens)
+        d.prepare(ctx)
+        draft = d.propose_tree(ctx, 16, SAMPLER, TreeSpec(), max_depth=8)
+        assert draft.free and draft.tokens.tolist() == [0, 2, 4][:tokens]

@@ -15,6 +15,7 @@ import pytest
 import torch
 
 import specdec.verify_tree as vt
+from specdec import defaults
 from specdec.decoder import SpeculativeDecoder
 from specdec.drafters.base import DraftSampler
 from specdec.drafters.lookahead import LookaheadDrafter
@@ -183,3 +184,49 @@ def test_negative_control_over_accepting_rule_fails(monkeypatch):
     cfg = SamplingConfig(temperature=1.0)
     law = exact_law(Oracle(TARGET), PROMPT, cfg, N_NEW)
     assert chi_square_pvalue(_samples("token", cfg), law) < ALPHA
+
+
+def test_the_prompt_seeds_the_pool_with_each_of_its_ngrams():
+    d = LookaheadDrafter(window=3, ngram=3, candidates=2)
+    d.prepare(torch.tensor(PROMPT))
+    assert dict(d.pool) == {1: [(3, 0)], 3: [(0, 1)], 0: [(1, 3)]}  # the last n-gram (0 1 3) too
+    assert list(d.pool) == [1, 3, 0]
+
+
+def test_a_chain_round_proposes_the_most_recent_continuation():
+    d = LookaheadDrafter(window=3, ngram=3, candidates=2)
+    d.prepare(torch.tensor(PROMPT))
+    d.pool.clear()
+    for gram in ((3, 4, 4), (3, 2, 1), (3, 4, 2)):
+        d._add(gram)
+    assert d.propose(torch.tensor(PROMPT), 2, _sampler()).tokens.tolist() == [4, 2]
+    assert d.propose(torch.tensor(PROMPT), 1, _sampler()).tokens.tolist() == [4]
+
+
+def test_the_pool_keeps_the_latest_continuations_per_key_and_drops_the_stalest_key():
+    d = LookaheadDrafter(window=2, ngram=2, candidates=1, pool_size=2)
+    d.prepare(torch.tensor([0]))
+    per_key = defaults.LOOKAHEAD_PER_KEY
+    for t in range(per_key + 3):
+        d._add((5, t))
+    assert d.pool[5] == [(t,) for t in range(3, per_key + 3)]
+    d.pool.clear()
+    d._add((1, 9))
+    d._add((2, 9))
+    d._add((1, 8))  # refreshes key 1: key 2 is now the least recently refreshed
+    d._add((3, 9))
+    assert list(d.pool) == [1, 3] and d.pool[1] == [(9,), (8,)]
+
+
+def test_the_window_leaves_room_for_the_candidates():
+    """Budget 8, 2 window rows, a window of 5: 8 // 2 - 1 = 3 columns (6 nodes), the other 2
+    nodes for the most recent pool continuation of the last token."""
+    d = LookaheadDrafter(window=5, ngram=3, candidates=1)
+    d.prepare(torch.tensor(PROMPT))
+    d.pool.clear()
+    d._add((3, 4, 2))
+    draft = d.propose_tree(torch.tensor(PROMPT), 8, _sampler(), TreeSpec(), max_depth=8)
+    assert [len(r) for r in d._window_nodes] == [3, 3] and draft.tokens.numel() == 8
+    window = {n for row in d._window_nodes for n in row}
+    cand = [(int(t), int(p)) for i, (t, p) in enumerate(zip(draft.tokens, draft.parents)) if i not in window]
+    assert cand == [(4, -1), (2, 0)]

@@ -19,7 +19,7 @@ import torch
 from specdec import defaults
 from specdec.decoder import SpeculativeDecoder
 from specdec.drafters.base import Draft, DraftSampler
-from specdec.drafters.self_spec import LayerPlan, LayerView, SelfSpecDrafter, SwiftDrafter, build, load_plan, parse_name
+from specdec.drafters.self_spec import LayerPlan, LayerView, SelfSpecDrafter, SwiftDrafter, build, load_plan, param_shares, parse_name
 from specdec.errors import ConfigError
 from specdec.gamma import FixedGamma
 from specdec.models.native import NativeCausalLM, NativeConfig
@@ -577,3 +577,50 @@ def test_the_servers_fresh_drafters_keep_the_temperature_factor():
         assert fresh is not engine.drafter and fresh.temperature_factor == want
     plain = SimpleNamespace(drafter=ModelDrafter(INVARIANT), draft_model=SimpleNamespace(model=INVARIANT))
     assert drafter_factory(plain)().temperature_factor == 1.0
+
+
+FULL = LayerPlan.skipping(3, set(), set())
+
+
+def _greedy_context(n: int) -> torch.Tensor:  # [3 + n]: the prompt and the target's greedy continuation
+    cfg = SamplingConfig(temperature=0.0, max_new_tokens=n)
+    out = SpeculativeDecoder(TARGET, None, get_rule("greedy")).generate([1, 3, 0], cfg)
+    return torch.tensor([1, 3, 0] + out.tokens)
+
+
+def test_agreement_is_the_share_of_window_rows_whose_argmax_is_the_next_token():
+    """Unbound (no target cache), a set is scored over the last ``window`` tokens alone: for a plan
+    that skips nothing that is the target's arg-max after each of the window's first w - 1
+    tokens against the token that follows it."""
+    ctx = _greedy_context(4)  # a prompt, the target's continuation, then mixed tokens
+    ctx = torch.cat([ctx, torch.tensor([2, 0, 3, 1, 2, 4, 0, 3, 1, 1])])
+    w = 10
+    drafter = SwiftDrafter(TARGET, SKIP, window=w, budget=None)
+    recent = ctx[-w:]
+    with torch.inference_mode():
+        top = TARGET.forward(recent[:-1], TARGET.new_cache(32)).argmax(-1)  # [w - 1]
+    want = float((top == recent[1:]).float().mean())
+    assert 0.0 < want < 1.0
+    assert drafter._agreement(FULL, ctx) == want
+
+
+def test_the_speedup_charges_each_skipped_sub_layer_its_own_cost():
+    """At equal agreement, skipping the dearer sub-layer (by parameter count) is the faster set."""
+    drafter = SwiftDrafter(TARGET, SKIP, budget=None)
+    drafter._agreement = lambda plan, context: 0.99  # type: ignore[method-assign]
+    attn, mlp, _ = param_shares(TARGET.cfg)
+    assert attn != mlp
+    no_attn = drafter._speedup(LayerPlan.skipping(3, {0, 1, 2}, set()), torch.zeros(1))
+    no_mlp = drafter._speedup(LayerPlan.skipping(3, set(), {0, 1, 2}), torch.zeros(1))
+    assert no_attn > 1.0 and no_mlp > 1.0 and (no_mlp > no_attn) == (mlp > attn)
+
+
+def test_a_neighbour_toggles_exactly_one_attention_or_mlp_sub_layer():
+    drafter = SwiftDrafter(TARGET, SKIP, seed=3, budget=None)
+    kinds = set()
+    for _ in range(40):
+        n = drafter._neighbour(SKIP)
+        da, dm = n.skip_attn ^ SKIP.skip_attn, n.skip_mlp ^ SKIP.skip_mlp
+        assert len(da) + len(dm) == 1
+        kinds.add("attn" if da else "mlp")
+    assert kinds == {"attn", "mlp"}
