@@ -196,9 +196,9 @@ def test_negative_control_lookup_reported_with_a_wrong_q_fails(monkeypatch):
 @pytest.mark.parametrize("ceiling", [0, 1, 2, None])
 def test_a_busy_servers_ceiling_for_free_drafts(ceiling):
     """A capped γ policy (a batching server's) also bounds prompt lookup's drafts: its ceiling 0
-    stops them (with the model's γ 0 nothing is drafted at all), k keeps them at k tokens (1 too: one
-    free token still drafts); every
-    lookup round is reported to the server; the tokens are plain greedy decoding's either way."""
+    stops them (with the model's γ 0 nothing is drafted at all), k keeps them at k tokens (a
+    ceiling of 1 still drafts one); every lookup round is reported to the server; the tokens are
+    plain greedy decoding's either way."""
     from specdec.gamma import CappedGamma
 
     cfg = SamplingConfig(temperature=0.0, max_new_tokens=48)
