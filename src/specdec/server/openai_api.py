@@ -1164,22 +1164,28 @@ def _chat_logprobs(names: _Names, token_ids: list[int], logprobs: list | None) -
     ], "refusal": None}
 
 
-def _completion_logprobs(names: _Names, token_ids: list[int], logprobs: list | None, offset: int) -> dict[str, Any] | None:
-    """Legacy completions ``logprobs`` of ``token_ids`` (a whole answer or a streamed piece of it,
-    whose first token's text starts at character ``offset`` of the choice's text): tokens,
-    token_logprobs, top_logprobs, text_offset (characters of the text, whatever the tokens' labels)."""
-    if logprobs is None:
-        return None
+def _tokens_and_offsets(names: _Names, token_ids: list[int], offset: int) -> tuple[list[str], list[int]]:
+    """Each token's name in legacy logprobs and the character of the text it starts at, the first
+    at ``offset``.  A token that holds part of a character (its text alone reads U+FFFD) counts the
+    characters its bytes complete, so the offsets never run backwards nor past the text: the token
+    that starts a character is at that character, the one that ends it moves past it."""
     tokens, offsets = [], []
-    # a token that holds part of a character (its text alone reads U+FFFD) counts the characters its
-    # bytes complete, so the offsets never run backwards nor past the text: the token that starts a
-    # character is at that character, the one that ends it moves past it
     utf8 = codecs.getincrementaldecoder("utf-8")("replace")
     for token in token_ids:
         offsets.append(offset)
         text = names.text(token)
         tokens.append(f"token_id:{token}" if names.as_ids else text)
         offset += len(utf8.decode(bytes(names.bytes(token)))) if "\ufffd" in text or utf8.getstate()[0] else len(text)
+    return tokens, offsets
+
+
+def _completion_logprobs(names: _Names, token_ids: list[int], logprobs: list | None, offset: int) -> dict[str, Any] | None:
+    """Legacy completions ``logprobs`` of ``token_ids`` (a whole answer or a streamed piece of it,
+    whose first token's text starts at character ``offset`` of the choice's text): tokens,
+    token_logprobs, top_logprobs, text_offset (characters of the text, whatever the tokens' labels)."""
+    if logprobs is None:
+        return None
+    tokens, offsets = _tokens_and_offsets(names, token_ids, offset)
     # as OpenAI's legacy completions report them: the sampled token's log-probability is always
     # among its position's alternatives (up to logprobs + 1 of them; logprobs 0: that one alone)
     tops = []
@@ -1201,13 +1207,15 @@ def _echo_logprobs(names: _Names, prompt_ids: list[int], prompt_logprobs: list |
     tokens before it; offsets from the start of the choice's text."""
     if prompt_logprobs is None:
         return None
-    first, *rest = prompt_ids
-    scored = _completion_logprobs(names, rest, prompt_logprobs, len(names.text(first)))
+    # the offsets run over the whole prompt (its first token may hold part of a character, which
+    # the tokens after it complete), not from the second token on
+    _, offsets = _tokens_and_offsets(names, prompt_ids, 0)
+    scored = _completion_logprobs(names, prompt_ids[1:], prompt_logprobs, 0)
     assert scored is not None
-    return {"tokens": [names.label(first), *scored["tokens"]],
+    return {"tokens": [names.label(prompt_ids[0]), *scored["tokens"]],
             "token_logprobs": [None, *scored["token_logprobs"]],
             "top_logprobs": [None, *scored["top_logprobs"]],
-            "text_offset": [0, *scored["text_offset"]]}
+            "text_offset": offsets}
 
 
 def _vllm_prompt_logprobs(tok: Any, prompt_ids: list[int], scores: list | None) -> list[dict[str, Any] | None] | None:
