@@ -8,6 +8,7 @@ import pytest
 
 from specdec.batch_file import parse_prompt_lines
 from specdec.cli import main
+from specdec.engine import Engine, EngineConfig
 from specdec.errors import SpecdecError
 from tiny import make_tiny
 
@@ -175,3 +176,24 @@ def test_greedy_results_name_no_seed_and_repeat_byte_for_byte(capsys, target, tm
     prompts.write_text("\n".join(LINES))
     runs = [_run(capsys, "generate", "--prompts-file", str(prompts), "--target", target, "-n", "6")[1] for _ in range(2)]
     assert runs[0] == runs[1] and all(json.loads(line)["seed"] is None for line in runs[0].splitlines())
+
+
+def test_a_prompt_that_fills_the_context_exactly_is_refused(capsys, target, tmp_path):
+    tok = Engine.build(EngineConfig(target=target, draft="none", dtype="float32")).target.tokenizer
+    ids = tok.encode("word " * 400, add_special_tokens=False)[:256]
+    text = tok.decode(ids)
+    assert len(tok.encode(text, add_special_tokens=False)) == 256  # the context, to the token
+    prompts = tmp_path / "p.jsonl"
+    prompts.write_text(json.dumps(text) + "\n")
+    out = tmp_path / "r.jsonl"
+    code, _, err = _run(capsys, "generate", "--prompts-file", str(prompts), "--target", target, "-n", "4", "--out", str(out))
+    assert code == 2 and "prompt 0 (counting from 0) has 256 tokens" in err and "Traceback" not in err, err
+    assert not out.exists()
+
+
+def test_generated_tokens_is_each_results_token_count(capsys, target, tmp_path):
+    prompts = tmp_path / "p.jsonl"
+    prompts.write_text('"def add(a, b):"\n"Once upon"\n')
+    code, out, _ = _run(capsys, "generate", "--prompts-file", str(prompts), "--target", target, "-n", "6", "--seed", "1")
+    rows = [json.loads(line) for line in out.splitlines()]
+    assert code == 0 and len(rows) == 2 and all(r["generated_tokens"] == len(r["token_ids"]) > 0 for r in rows)

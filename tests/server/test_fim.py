@@ -105,3 +105,13 @@ def test_a_prompts_file_fills_gaps_line_by_line(filling, tmp_path, capsys):
     src.write_text(json.dumps({"prompt": BEFORE, "suffix": AFTER, "system": "x"}) + "\n")
     assert main(["generate", "--prompts-file", str(src), *common]) == 2
     assert "suffix" in capsys.readouterr().err
+
+
+def test_a_suffix_keeps_the_requests_own_stop_token_ids(filling):
+    client, folder, _ = filling
+    kw = dict(model=folder.name, prompt=BEFORE, suffix=AFTER, max_tokens=16, temperature=0)
+    free = client.completions.create(**kw, extra_body={"return_token_ids": True}).choices[0]
+    ids = free.model_extra["token_ids"]
+    at = next(i for i in range(1, len(ids)) if ids[i] not in ids[:i])  # a token's first appearance, not the first
+    cut = client.completions.create(**kw, extra_body={"stop_token_ids": [ids[at]], "return_token_ids": True}).choices[0]
+    assert cut.finish_reason == "stop" and cut.model_extra["token_ids"] == ids[:at + 1]

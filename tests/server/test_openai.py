@@ -808,3 +808,99 @@ def test_vllm_guided_decoding_fields(client):
                           ({"guided_regex": "("}, "invalid"), ({"guided_regex": "(a{1000}){1000}"}, "the grammar cannot be followed"), ({"guided_grammar": 'root ::= "yes"'}, "invalid grammar"), ({"structured_outputs": {"structural_tag": "x"}}, "structural_tag")):
         with pytest.raises(openai.BadRequestError, match=message):
             client.completions.create(model=MODEL, prompt=prompt, max_tokens=4, extra_body=body)
+
+
+def test_openais_bounds_on_n_best_of_and_logprobs_are_400s(client, local):
+    """n and best_of at most 16 (vLLM's and this server's bound), logprobs and top_logprobs at most 20
+    (OpenAI's), top_logprobs only with logprobs, stop_token_ids inside the vocabulary: one past
+    each bound is a 400, never an answer."""
+    kw = dict(model=MODEL, prompt=PROMPT, max_tokens=1, temperature=0)
+    for bad in ({"n": 17}, {"best_of": 17}, {"logprobs": 21}):
+        with pytest.raises(openai.BadRequestError):
+            client.completions.create(**kw, **bad)
+    assert len(client.completions.create(**kw, n=16).choices) == 16  # the bound itself is fine
+    assert len(client.completions.create(**kw, logprobs=20).choices[0].logprobs.top_logprobs[0]) >= 20
+    chat = dict(model=MODEL, messages=[{"role": "user", "content": "hi"}], max_tokens=1, temperature=0)
+    with pytest.raises(openai.BadRequestError):
+        client.chat.completions.create(**chat, logprobs=True, top_logprobs=21)
+    with pytest.raises(openai.BadRequestError, match="top_logprobs needs logprobs"):
+        client.chat.completions.create(**chat, top_logprobs=2)
+    vocab = local.target.model.vocab_size
+    with pytest.raises(openai.BadRequestError, match="outside the vocabulary"):
+        client.completions.create(**kw, extra_body={"stop_token_ids": [vocab]})
+    assert client.completions.create(**kw, extra_body={"stop_token_ids": [vocab - 1]}).choices
+
+
+def test_usage_counts_every_prompt_and_streamed_chat_counts_the_conversation(client, local):
+    """A list of prompts: usage.prompt_tokens is all of their tokens; a streamed chat's usage chunk
+    has the same counts as the answer without a stream."""
+    prompts = [PROMPT, "The capital of France is a city"]
+    out = client.completions.create(model=MODEL, prompt=prompts, max_tokens=4, temperature=0)
+    want = sum(len(local.encode(p, chat=False)) for p in prompts)
+    assert out.usage.prompt_tokens == want and len(local.encode(prompts[0], chat=False)) != want
+    assert out.usage.total_tokens == want + out.usage.completion_tokens
+    messages = [{"role": "user", "content": "Write a Python hello world."}]
+    kw = dict(model=MODEL, messages=messages, max_tokens=8, temperature=0)
+    said = client.chat.completions.create(**kw)
+    chunks = list(client.chat.completions.create(**kw, stream=True, stream_options={"include_usage": True}))
+    assert chunks[-1].choices == [] and chunks[-1].usage.prompt_tokens == said.usage.prompt_tokens == len(
+        local.encode_messages(messages))
+    assert chunks[-1].usage.completion_tokens == said.usage.completion_tokens
+    assert chunks[-1].usage.total_tokens == said.usage.total_tokens
+
+
+def test_every_stop_string_of_a_list_stops_the_answer(client):
+    """``stop`` as a list: whichever of its strings comes first ends the answer (left out of the
+    text), not only the first string of the list."""
+    kw = dict(model=MODEL, prompt=PROMPT, max_tokens=40, temperature=0)
+    free = client.completions.create(**kw).choices[0].text
+    assert "\n" in free  # the greedy answer runs on to a second line
+    out = client.completions.create(**kw, stop=["never-written-xyz", "\n"]).choices[0]
+    assert out.finish_reason == "stop" and out.text == free[:free.index("\n")]
+
+
+def test_echoed_text_offsets_are_where_each_token_starts(client, local):
+    """``echo`` with ``logprobs``: text_offset of every token (the prompt's, then the answer's) is
+    the character where its text starts in the choice's text (ASCII here: the running sum of the
+    tokens' lengths), streamed or not."""
+    kw = dict(model=MODEL, prompt=PROMPT, max_tokens=6, temperature=0, logprobs=1, echo=True)
+    lp = client.completions.create(**kw).choices[0].logprobs
+    starts, at = [], 0
+    for token in lp.tokens:
+        starts.append(at)
+        at += len(token)
+    assert lp.text_offset == starts and len(local.encode(PROMPT, chat=False)) > 1
+    streamed = [c.choices[0] for c in client.completions.create(**kw, stream=True) if c.choices]
+    assert [o for c in streamed if c.logprobs for o in c.logprobs.text_offset] == starts
+
+
+def test_truncate_to_the_context_leaves_room_for_a_long_answer(client, local):
+    """``truncate_prompt_tokens: -1`` keeps as many of the prompt's last tokens as leave room for
+    max_tokens in the context: prompt + max_tokens fills it exactly, no 400."""
+    context = local.target.model.max_length
+    ids = local.encode("The quick brown fox jumps over the lazy dog. " * 3, chat=False)
+    eos = "2"  # SmolLM2's <|im_end|>, forced: the long answer ends at once
+    out = client.completions.create(model=MODEL, prompt=[ids], max_tokens=context - 10, temperature=0,
+                                    logit_bias={eos: 100}, extra_body={"truncate_prompt_tokens": -1, "return_token_ids": True})
+    assert out.usage.prompt_tokens == 10 and out.choices[0].model_extra["prompt_token_ids"] == ids[-10:]
+
+
+def test_include_stop_str_keeps_the_end_of_turn_in_the_logprobs_too(client, local):
+    """vLLM's ``include_stop_str_in_output`` with ``skip_special_tokens: false``: the end-of-turn
+    token that ends a chat answer stays in its text, and so in its log-probabilities' entries, which
+    join to the content."""
+    chat = dict(model=MODEL, messages=[{"role": "user", "content": "Say hi."}], max_tokens=60, temperature=0, logprobs=True)
+    out = client.chat.completions.create(**chat, extra_body={"skip_special_tokens": False, "include_stop_str_in_output": True,
+                                                             "return_token_ids": True}).choices[0]
+    assert out.finish_reason == "stop" and out.model_extra["token_ids"][-1] in local.target.eos_ids
+    assert out.message.content.endswith("<|im_end|>")
+    assert "".join(e.token for e in out.logprobs.content) == out.message.content
+
+
+def test_echoed_offsets_where_the_first_token_holds_part_of_a_character(client):
+    prompt = "\U0001F600 hi"  # three tokens spell the emoji, then " hi"
+    choice = client.completions.create(model=DRAFT_MODEL, prompt=prompt, max_tokens=1, temperature=0, logprobs=1,
+                                       echo=True).choices[0]
+    lp = choice.logprobs
+    at = lp.tokens.index(" hi")
+    assert lp.text_offset[at] == choice.text.index(" hi") == 1

@@ -494,3 +494,24 @@ def test_a_prefill_that_fails_after_copying_leaves_the_cache_empty():
     logits = prefill(model.forward, pc, prompt, cache, True)  # the retry: copies 39 rows, runs the last
     first, _, fresh = _fresh(model, prompt, [])
     assert torch.equal(logits, first) and _same_cache(cache, fresh)
+
+
+def test_cached_tokens_count_each_prompt_once_with_n_choices():
+    from specdec.drafters import ModelDrafter
+    from specdec.server.command import served_draft
+    from toy_server import LetterTokenizer
+
+    model, draft = tiny_native(vocab=26), tiny_native(vocab=26, seed=1)
+    served = served_draft(draft, model, batching=False, prefix_cache_bytes=64 << 20)
+    app = create_app(model, tokenizer=LetterTokenizer(), drafter_factory=lambda: ModelDrafter(served), drafter_name="tiny",
+                     draft_model=served, settings=ServerSettings(batching=False, prefix_cache_bytes=64 << 20, max_active_requests=8))
+    client = TestClient(app, base_url="http://localhost")
+    prompt = "thequickbrownfoxjumpsoverthelazydog"
+    first = client.post("/v1/completions", json={"prompt": prompt, "max_tokens": 8, "temperature": 0})
+    assert first.status_code == 200, first.text
+    again = prompt + first.json()["choices"][0]["text"] + "xyz"
+    r = client.post("/v1/completions", json={"prompt": again, "max_tokens": 4, "temperature": 1.0, "seed": 3, "n": 3})
+    assert r.status_code == 200, r.text
+    usage = r.json()["usage"]
+    assert usage["prompt_tokens"] == len(again)
+    assert 0 < usage["prompt_tokens_details"]["cached_tokens"] <= usage["prompt_tokens"]

@@ -278,3 +278,13 @@ def test_mistral_thinking_is_split_on_its_special_tokens(mistral_thinking):
                                           logit_bias=THINK_AT_ONCE, extra_body={"return_token_ids": True})
     assert said.choices[0].model_extra["token_ids"][:2] == [3, 4] and said.usage.completion_tokens_details.reasoning_tokens == 2
     assert json.loads(said.choices[0].message.content)["n"] in (2, 4, 6, 8)
+
+
+def test_a_held_back_start_of_a_tag_is_content_at_the_end_of_a_stream(client):
+    kw = dict(model=DRAFT_MODEL, messages=[{"role": "user", "content": "Capital of France?"}], max_tokens=10,
+              temperature=0, extra_body={"guided_regex": r"<thi"})
+    out = client.chat.completions.create(**kw).choices[0]
+    assert out.message.content == "<thi" and "reasoning" not in (out.message.model_extra or {})
+    chunks = [c.choices[0] for c in client.chat.completions.create(**kw, stream=True) if c.choices]
+    assert "".join(c.delta.content or "" for c in chunks) == "<thi"
+    assert not any(c.delta.model_extra.get("reasoning") for c in chunks)

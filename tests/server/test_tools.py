@@ -623,3 +623,31 @@ def test_a_mistral_model_makes_forced_calls_in_its_own_format(mistral_client):
                                        tool_choice="required")
     [item] = [i for i in response.output if i.type == "function_call"]
     assert item.name == "get_weather" and json.loads(item.arguments)["city"] in ("Paris", "Rome") and len(item.call_id) == 9
+
+
+def test_an_untagged_object_with_arguments_and_parameters_is_no_call():
+    text = '{"name": "get_weather", "arguments": {"city": "Paris"}, "parameters": {"city": "Rome"}}'
+    assert tc.parse(text, names=["get_weather"]) == (text, [])
+    content, calls = tc.parse('{"name": "get_weather", "parameters": {"city": "Rome"}}', names=["get_weather"])
+    assert content is None and [c["function"]["name"] for c in calls] == ["get_weather"]
+
+
+TWO_CITIES = [{"role": "user", "content": "What is the weather in Paris and in Rome?"}]
+#: two untagged calls in one list (held to that shape by a regex): no closing tag for the first-call stop to see
+TWO = r'\[\{"name": "get_weather", "arguments": \{"city": "Paris"\}\}, \{"name": "get_weather", "arguments": \{"city": "Rome"\}\}\]'
+
+
+@pytest.mark.usefixtures("single_thread")
+def test_parallel_tool_calls_false_keeps_one_of_several_untagged_calls(client):
+    """OpenAI's ``parallel_tool_calls: false``: an answer that lists two untagged calls gives the
+    first alone, on chat and on the Responses API; with it on, both."""
+    kw = dict(model=DRAFT_MODEL, messages=TWO_CITIES, tools=[WEATHER], max_tokens=60, temperature=0, extra_body={"guided_regex": TWO})
+    both = client.chat.completions.create(**kw).choices[0].message.tool_calls
+    assert [json.loads(c.function.arguments)["city"] for c in both] == ["Paris", "Rome"]
+    one = client.chat.completions.create(**kw, parallel_tool_calls=False).choices[0]
+    assert [json.loads(c.function.arguments)["city"] for c in one.message.tool_calls] == ["Paris"]
+    assert one.finish_reason == "tool_calls"
+    resp = client.responses.create(model=DRAFT_MODEL, input=TWO_CITIES[0]["content"], max_output_tokens=60, temperature=0,
+                                   tools=[{"type": "function", **WEATHER["function"]}], parallel_tool_calls=False,
+                                   extra_body={"guided_regex": TWO})
+    assert [json.loads(o.arguments)["city"] for o in resp.output if o.type == "function_call"] == ["Paris"]
