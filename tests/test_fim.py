@@ -35,6 +35,15 @@ def test_the_prompt_is_prefix_suffix_middle_in_the_models_own_tokens(tok, style)
     assert tok.convert_tokens_to_ids(style.ends[0]) in ends and {tok.convert_ids_to_tokens(i) for i in ends} <= set(style.ends)
     with pytest.raises(ConfigError, match="empty"):
         fim.prompt_ids(tok, "", "")
+    # at most k tokens: the prefix loses its first tokens (the code farthest from the gap), never a
+    # marker nor the suffix; a suffix too long for k is an error
+    fixed = len(enc(after)) + 3
+    for k in (fixed, fixed + 2, len(expected), len(expected) + 5):
+        cut = fim.prompt_ids(tok, before, after, at_most=k)
+        assert cut == [expected[0], *enc(before)[len(expected) - min(k, len(expected)):], *expected[-fixed + 1:]]
+        assert len(cut) == min(k, len(expected))
+    with pytest.raises(ConfigError, match="suffix and the markers alone take"):
+        fim.prompt_ids(tok, before, after, at_most=fixed - 1)
 
 
 def test_a_model_without_the_markers_is_a_clear_error(tok):

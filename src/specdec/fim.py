@@ -79,17 +79,25 @@ def absent_from(files: Sequence[Path]) -> bool:
     return not any(all(written(m) for m in (s.prefix, s.suffix, s.middle)) for s in STYLES)
 
 
-def prompt_ids(tokenizer: Any, prefix: str | list[int], suffix: str, style: FimStyle | None = None) -> list[int]:
+def prompt_ids(tokenizer: Any, prefix: str | list[int], suffix: str, style: FimStyle | None = None, *,
+               at_most: int | None = None) -> list[int]:
     """The token ids of a fill-in-the-middle prompt: ``prefix`` (text, or ids already encoded) and
     ``suffix`` between the style's markers, each part encoded alone (no special tokens added), so a
     marker always is the model's own token.  An empty prefix or suffix is allowed (a gap at the
-    start or the end of a file); both empty is not a prompt."""
+    start or the end of a file); both empty is not a prompt.  With ``at_most``, a longer prompt
+    loses the prefix's first tokens (the code farthest from the gap), never a marker nor the suffix."""
     style = style or require_style(tokenizer)
     vocab = added_vocab(tokenizer)
     before = list(prefix) if isinstance(prefix, list) else list(tokenizer.encode(prefix, add_special_tokens=False)) if prefix else []
     after = list(tokenizer.encode(suffix, add_special_tokens=False)) if suffix else []
     if not before and not after:
         raise ConfigError("the prompt is empty: a fill-in-the-middle request needs a prefix or a suffix")
+    if at_most is not None:
+        fixed = len(after) + 3  # the three markers and the suffix
+        if fixed > at_most:
+            raise ConfigError(f"the suffix and the markers alone take {fixed} tokens, more than the {at_most} "
+                              "the prompt may keep")
+        before = before[max(0, len(before) - (at_most - fixed)):]
     return [vocab[style.prefix], *before, vocab[style.suffix], *after, vocab[style.middle]]
 
 

@@ -115,3 +115,20 @@ def test_a_suffix_keeps_the_requests_own_stop_token_ids(filling):
     at = next(i for i in range(1, len(ids)) if ids[i] not in ids[:i])  # a token's first appearance, not the first
     cut = client.completions.create(**kw, extra_body={"stop_token_ids": [ids[at]], "return_token_ids": True}).choices[0]
     assert cut.finish_reason == "stop" and cut.model_extra["token_ids"] == ids[:at + 1]
+
+
+def test_a_truncated_fill_in_the_middle_prompt_keeps_its_markers_and_suffix(filling):
+    """``truncate_prompt_tokens`` with a suffix: the prompt loses the prefix's first tokens, never a
+    marker nor the suffix (cut from the left as it stands, the model would read no prefix marker);
+    a limit the suffix and markers alone exceed is a 400."""
+    client, folder, _ = filling
+    kw = dict(model=folder.name, prompt=BEFORE, suffix=AFTER, max_tokens=4, temperature=0)
+    whole = client.completions.create(**kw, extra_body={"return_token_ids": True}).choices[0].model_extra["prompt_token_ids"]
+    prefix_marker, suffix_at = whole[0], whole.index(4)
+    assert prefix_marker == 3 and suffix_at > 3
+    k = len(whole) - 2
+    cut = client.completions.create(**kw, extra_body={"return_token_ids": True, "truncate_prompt_tokens": k})
+    ids = cut.choices[0].model_extra["prompt_token_ids"]
+    assert ids == [3, *whole[3:]] and cut.usage.prompt_tokens == k
+    with pytest.raises(openai.BadRequestError, match="suffix and the markers alone"):
+        client.completions.create(**kw, extra_body={"truncate_prompt_tokens": len(whole) - suffix_at})

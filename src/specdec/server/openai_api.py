@@ -161,18 +161,25 @@ class _Request(BaseModel):
         return names
 
 
-def _truncated(req: _Request, ids: list[int], max_length: int, answer: int) -> list[int]:
-    """vLLM's ``truncate_prompt_tokens``: the prompt's last k tokens (left truncation; -1: as many
-    as leave room in the model's context for ``answer`` tokens, the max_tokens the request will
-    ask for, and at least one); the prompt as it is without it, or where it is short enough already."""
+def _kept_tokens(req: _Request, max_length: int, answer: int) -> int | None:
+    """vLLM's ``truncate_prompt_tokens``: how many of the prompt's tokens are read, at most (k; -1:
+    as many as leave room in the model's context for ``answer`` tokens, the max_tokens the request
+    will ask for, and at least one); None without it."""
     k = req.truncate_prompt_tokens
     if k is None:
-        return ids
+        return None
     if k == 0:
         raise ApiError(400, "truncate_prompt_tokens must be at least 1 (or -1: as many as the context holds beside the answer)")
     if k > max_length:
         raise ApiError(400, f"truncate_prompt_tokens ({k}) is more than the model's context ({max_length} tokens)")
-    return ids[-(max(1, max_length - max(answer, 1)) if k == -1 else k):]
+    return max(1, max_length - max(answer, 1)) if k == -1 else k
+
+
+def _truncated(req: _Request, ids: list[int], max_length: int, answer: int) -> list[int]:
+    """The prompt's last :func:`_kept_tokens` tokens (left truncation); the prompt as it is without
+    ``truncate_prompt_tokens``, or where it is short enough already."""
+    k = _kept_tokens(req, max_length, answer)
+    return ids if k is None else ids[-k:]
 
 
 def _stop_token_ids(req: _Request, vocab_size: int) -> tuple[int, ...]:
@@ -1306,10 +1313,12 @@ def openai_router(ctx: "ServerContext") -> APIRouter:
         items: list[Any] = list(raw) if many else [raw]  # type: ignore[arg-type]
         prompts: list[list[int]] = []
         texts: list[str] = []
+        answer = req.max_tokens if req.max_tokens is not None else COMPLETION_MAX_TOKENS
         for item in items:
             if fill is not None:  # an empty prefix is a gap at the file's start
-                try:
-                    ids = fim.prompt_ids(tokenizer(), item if isinstance(item, str) else list(item), req.suffix or "", fill)
+                try:  # truncated, it loses the code farthest before the gap, never a marker
+                    ids = fim.prompt_ids(tokenizer(), item if isinstance(item, str) else list(item), req.suffix or "", fill,
+                                         at_most=_kept_tokens(req, ctx.model.max_length, answer))
                 except SpecdecError as exc:
                     raise ApiError(400, str(exc)) from None
             elif isinstance(item, str):
@@ -1320,7 +1329,7 @@ def openai_router(ctx: "ServerContext") -> APIRouter:
                 ids = list(item)
             if not ids:
                 raise ApiError(400, "the prompt is empty")
-            kept = _truncated(req, ids, ctx.model.max_length, req.max_tokens if req.max_tokens is not None else COMPLETION_MAX_TOKENS)
+            kept = _truncated(req, ids, ctx.model.max_length, answer)
             prompts.append(kept)
             texts.append(item if isinstance(item, str) and len(kept) == len(ids) else "")  # echo: the prompt as read
         job = _Job(ctx, req, prompts, req.max_tokens, default_max_tokens=COMPLETION_MAX_TOKENS,
