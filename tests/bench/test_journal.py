@@ -12,7 +12,8 @@ import pytest
 
 from specdec.bench import journal as jr
 from specdec.bench import report, runner
-from specdec.bench.workloads import BUILTIN
+from specdec.bench.worker import Job, _FirstTokenTimer, _todo
+from specdec.bench.workloads import BUILTIN, Prompt
 from specdec.cli import main
 from specdec.errors import ConfigError
 
@@ -221,3 +222,35 @@ def test_bench_resume_says_what_it_needs_and_what_it_kept(capsys, tmp_path, monk
     assert code == 2 and "had other settings (max_new_tokens)" in err
     path = tmp_path / jr.NAME
     assert len(jr.read(path, json.loads(path.read_text().splitlines()[0])["config"]).samples) == 1
+
+
+def test_a_resumed_run_stopped_again_before_a_new_unit_keeps_the_earlier_rows(tmp_path):
+    j = jr.Journal.open(tmp_path, CONFIG, resume=False)
+    j.unit("plain", [0.0, 0, "a"], 1.0, [{"mode": "plain", "prompt_id": "a"}])
+    assert j.stop() == 1
+    j = jr.Journal.open(tmp_path, CONFIG, resume=True)
+    assert j.kept_count == 1  # the first run's row, none of this one's yet
+    assert j.stop() == 1 and (tmp_path / jr.NAME).is_file()  # not removed: its row would be lost
+    j = jr.Journal.open(tmp_path, CONFIG, resume=True)
+    j.unit("plain", [0.0, 0, "b"], 1.0, [{"mode": "plain", "prompt_id": "b"}])
+    assert j.stop() == 2
+
+
+def test_a_resumed_worker_skips_exactly_the_kept_units_of_each_repeat():
+    a, b = Prompt("a", "code", "x", False), Prompt("b", "code", "y", False)
+    job = Job(mode="plain", target="t", draft="d", prompts=[], temperatures=[0.0, 1.0], repeats=2,
+              skip=[[0.0, 0, "a"], [0.0, 1, "b"], [1.0, 0, "b"]])
+    # (repeat, index, prompt): T = 0 leaves out repeat 0 of a and repeat 1 of b; T = 1 repeat 0 of b
+    assert _todo(job, [a, b], 0.0) == [(0, 1, b), (1, 0, a)]
+    assert _todo(job, [a, b], 1.0) == [(0, 0, a), (1, 0, a), (1, 1, b)]
+
+
+def test_hf_first_token_time_is_taken_at_the_first_generated_token_not_the_prompt():
+    timer = _FirstTokenTimer()
+    timer.put("prompt ids")  # transformers' streamer gets the prompt first
+    assert timer.first is None
+    timer.put("token 1")
+    first = timer.first
+    assert first is not None
+    timer.put("token 2")
+    assert timer.first == first

@@ -152,3 +152,17 @@ def test_write_network_only_report(tmp_path):
     assert saved["network"]["rtt_emulation"] == "proxy" and len(saved["network_groups"]) == len(out["network"]) == 5
     names = {p.split("/")[-1] for p in out["plots"]}
     assert names == {"edge_cloud_tokens_per_s_vs_rtt.png", "edge_cloud_bytes_per_token.png"}
+
+
+def test_same_text_is_only_counted_at_temperature_zero():
+    rows = [{**_stream("a", 10.0, t=1.0), "text_sha1": "x"}, {**_edge("a", 20.0, t=1.0), "text_sha1": "x"}]
+    [edge] = [g for g in netreport.aggregate_network(rows) if g.mode == "edge_cloud"]
+    assert edge.speedup_vs_streaming == pytest.approx(2.0)
+    assert edge.same_text is None and edge.compared is None  # sampled text need not match
+
+
+def test_measured_rtts_are_medians_over_generations():
+    # net RTT 10, 20, 60 ms: median 20 (mean 30); rounds are net + 5: median 25; pings 21, 22, 90: median 22
+    rows = [_edge(p, 20.0, net=net, ping=ping) for p, net, ping in (("a", 10.0, 21.0), ("b", 20.0, 22.0), ("c", 60.0, 90.0))]
+    [g] = netreport.aggregate_network(rows)
+    assert g.net_rtt_ms == pytest.approx(20.0) and g.round_ms == pytest.approx(25.0) and g.ping_ms == pytest.approx(22.0)
