@@ -500,6 +500,9 @@ def _local_tables(stats: list[GroupStats], bvt: list[BlockVsToken]) -> list[str]
         "",
         "## Summary",
         "",
+        "Tokens/call ± SE: the mean over prompts of each prompt's generated tokens / target calls, and its standard "
+        "error across prompts (the theory and drafter tables below pool them: all generated tokens / all target calls).",
+        "",
         "| mode | γ | T | tok/s median [IQR] | ×plain | ×HF assisted | ×HF plain | tokens/call ± SE | acceptance | mean γ | TTFT ms | p50 / p95 s | draft / target share | cloud calls/token | RSS MiB | KV MiB |",
         "|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|",
     ]
@@ -522,7 +525,7 @@ def _local_tables(stats: list[GroupStats], bvt: list[BlockVsToken]) -> list[str]
     spec = [g for g in stats if g.mode == "speculative"]
     if spec:
         lines += ["", "## Theory vs measurement", "",
-                  "α (i.i.d. fit to tokens/call), c = draft step / plain target step; predicted = Leviathan et al. "
+                  "α (i.i.d. fit to the pooled tokens/call), c = draft step / plain target step; predicted = Leviathan et al. "
                   "E/(γc+1); ideal = this run's tokens/round over (mean γ · draft step + verify time), relative to "
                   "plain decoding's target step; measured × counts the prompt's forward pass (as tok/s above), "
                   "decode × leaves it out of both runs, as the ideal does; efficiency = decode × / ideal "
