@@ -54,3 +54,17 @@ def test_a_cache_grown_or_made_under_inference_mode_takes_writes_outside_it(made
     assert c.length == 62 and c.k[0, 0, 58:62, 0].tolist() == [58.0, 59.0, 70.0, 99.0]
     c.reserve(1)
     c.k[0, 0, 62, 0] = 1.0  # an ordinary write outside inference mode, as a drafter's catch-up makes
+
+
+def test_compact_keeps_a_path_of_keys_and_values_in_every_layer():
+    c = KVCache(2, 2, 3, 16)
+    c.reserve(9)
+    g = torch.Generator().manual_seed(0)
+    c.k[:, :, :9] = torch.randn(2, 2, 9, 3, generator=g)
+    c.v[:, :, :9] = torch.randn(2, 2, 9, 3, generator=g)
+    k, v = c.k.clone(), c.v.clone()
+    keep = torch.tensor([4, 6, 8])  # a root-to-leaf path of a tree region starting at slot 3
+    c.compact(keep, start=3)
+    assert c.length == 6
+    assert torch.equal(c.k[:, :, :3], k[:, :, :3]) and torch.equal(c.v[:, :, :3], v[:, :, :3])
+    assert torch.equal(c.k[:, :, 3:6], k[:, :, keep]) and torch.equal(c.v[:, :, 3:6], v[:, :, keep])

@@ -5,10 +5,12 @@ transformers and their bitwise invariance past the sliding window are in test_wi
 from __future__ import annotations
 
 import pytest
+import torch
 
 from specdec.errors import ConfigError
 from specdec.models import registry
-from specdec.models.native import NativeConfig
+from specdec.models.native import NativeCausalLM, NativeConfig
+from tiny import make_tiny
 
 #: the real Gemma-3-270M's config, as transformers 5 writes it (trimmed)
 REAL = {
@@ -65,3 +67,16 @@ def test_the_engine_runs_a_gemma3_folder_natively_as_transformers_decodes_it(tmp
         assert engine.target.backend == ("native" if backend == "auto" else "hf")
         runs[backend] = engine.generate([2, 5, 6, 7, 8, 9], cfg).token_ids
     assert runs["auto"] == runs["hf"] and len(runs["auto"]) == 40
+
+
+def test_bfloat16_embeddings_are_scaled_as_transformers_scales_them(tmp_path):
+    from transformers import AutoModelForCausalLM
+
+    folder = make_tiny(tmp_path / "gemma3", model_type="gemma3", hidden=40, layers=2)  # sqrt(40) is not a bfloat16
+    ids = torch.randint(0, 49152, (24,), generator=torch.Generator().manual_seed(0))
+    ref = AutoModelForCausalLM.from_pretrained(folder, dtype=torch.bfloat16).eval()
+    native = NativeCausalLM.from_folder(folder, dtype=torch.bfloat16)
+    with torch.no_grad():
+        want = ref.model.embed_tokens(ids.unsqueeze(0))[0]
+    got = native.embed_tokens(ids)
+    assert got.dtype == torch.bfloat16 and torch.equal(got, want)

@@ -11,7 +11,7 @@ from specdec.errors import ConfigError
 from specdec.models.hf import HFCausalLM
 from specdec.models.linear import Int8Linear, int8_available, w8a8_available
 from specdec.models.native import NativeCausalLM, NativeConfig
-from tiny import make_tiny
+from tiny import make_tiny, tiny_native
 
 
 @pytest.fixture(scope="module", params=["llama", "qwen2", "qwen3"])
@@ -298,3 +298,21 @@ def test_rotary_tables_grow_on_demand_with_the_same_bits(tmp_path, monkeypatch, 
     assert grown._cos.shape[0] == 64
     for a, b in zip(*outs):
         assert torch.equal(a, b)
+
+
+def test_a_failed_batched_pass_undoes_every_sequences_reservation():
+    """The second sequence's cache is full: the pass raises, and the first sequence's cache, reserved
+    already, is back at its length, so the same pass (with room) then gives what it gives alone."""
+    model = tiny_native()
+    ids = torch.arange(1, 9)
+    roomy, full = model.new_cache(32), model.new_cache(4)
+    model.forward(ids[:3], roomy)
+    model.forward(ids[:3], full)
+    with pytest.raises(ValueError, match="full"):
+        model.forward_batch([(ids[3:6], roomy, False), (ids[3:6], full, False)])
+    assert roomy.length == 3 and full.length == 3
+    alone = model.new_cache(32)
+    model.forward(ids[:3], alone)
+    want = model.forward(ids[3:6], alone)
+    (got,) = model.forward_batch([(ids[3:6], roomy, False)])
+    assert torch.equal(got, want) and roomy.length == 6
