@@ -695,3 +695,28 @@ def test_a_draft_with_a_shorter_context_stops_drafting_at_its_end(tree, lazy, pr
             context += r.emitted
         assert (spec.stats.draft_tokens_proposed > 0) == (prompt_len < ROOM), spec.stats.draft_tokens_proposed
         assert any(r.gamma == 0 for r in spec.rounds)  # the end reached: rounds without a draft
+
+
+@pytest.mark.parametrize("mode, compact", [("argmax", False), ("argmax", True), ("gumbel", False), ("gumbel", True),
+                                           ("multinomial", False), ("multinomial", True)])
+def test_the_confidence_stop_reads_the_drawn_tokens_own_q(mode, compact):
+    """Every way of drawing a draft token (arg-max, keyed Gumbel, multinomial; whole rows or rows
+    over a reduced draft vocabulary) asks to stop exactly where the drawn token's q is below
+    ``min_confidence``: q = (0.7, 0.3) on two ids of a vocabulary of 8, 0.5 the bar, so token 0
+    goes on and token 1 stops (arg-max reads the top q, 0.7, and goes on; a bar of 0.8 stops it).
+    40 seeded draws a case; both tokens are drawn by the sampled modes."""
+    vocab, ids = 8, torch.tensor([2, 5])
+    row = torch.tensor([[math.log(0.7), math.log(0.3)]])  # [1, 2] over ids
+    full = torch.full((1, vocab), -math.inf)
+    full[0, ids] = row[0]
+    cfg = SamplingConfig(temperature=0.0 if mode == "argmax" else 1.0)
+    seen = {}
+    for seed in range(40):
+        for bar in (0.5, 0.8):
+            sampler = DraftSampler(cfg, mode, penalties=None, generator=torch.Generator().manual_seed(seed),
+                                   noise_seed=seed, min_confidence=bar)
+            token, _ = sampler(row, seed, ids, vocab) if compact else sampler(full, seed)
+            q = 0.7 if token == 2 else 0.3
+            assert token in (2, 5) and sampler.stop_requested == (q < bar), (seed, bar, token)
+            seen[token] = seen.get(token, 0) + 1
+    assert set(seen) == ({2} if mode == "argmax" else {2, 5})
