@@ -1193,19 +1193,19 @@ def _completion_logprobs(names: _Names, token_ids: list[int], logprobs: list | N
     if logprobs is None:
         return None
     tokens, offsets = _tokens_and_offsets(names, token_ids, offset)
-    # as OpenAI's legacy completions report them: the sampled token's log-probability is always
-    # among its position's alternatives (up to logprobs + 1 of them; logprobs 0: that one alone)
+    return {"tokens": tokens, **_legacy_scores(names, token_ids, logprobs), "text_offset": offsets}
+
+
+def _legacy_scores(names: _Names, token_ids: list[int], logprobs: list) -> dict[str, list]:
+    """token_logprobs and top_logprobs as OpenAI's legacy completions report them: the sampled
+    token's log-probability is always among its position's alternatives (up to logprobs + 1 of
+    them; logprobs 0: that one alone)."""
     tops = []
     for token, entry in zip(token_ids, logprobs):
         top = {names.label(i): max(v, -9999.0) for i, v in entry[1]}
         top.setdefault(names.label(token), max(entry[0], -9999.0))
         tops.append(top)
-    return {
-        "tokens": tokens,
-        "token_logprobs": [max(entry[0], -9999.0) for entry in logprobs],
-        "top_logprobs": tops,
-        "text_offset": offsets,
-    }
+    return {"token_logprobs": [max(entry[0], -9999.0) for entry in logprobs], "top_logprobs": tops}
 
 
 def _echo_logprobs(names: _Names, prompt_ids: list[int], prompt_logprobs: list | None) -> dict[str, Any] | None:
@@ -1216,10 +1216,9 @@ def _echo_logprobs(names: _Names, prompt_ids: list[int], prompt_logprobs: list |
         return None
     # the offsets run over the whole prompt (its first token may hold part of a character, which
     # the tokens after it complete), not from the second token on
-    _, offsets = _tokens_and_offsets(names, prompt_ids, 0)
-    scored = _completion_logprobs(names, prompt_ids[1:], prompt_logprobs, 0)
-    assert scored is not None
-    return {"tokens": [names.label(prompt_ids[0]), *scored["tokens"]],
+    tokens, offsets = _tokens_and_offsets(names, prompt_ids, 0)
+    scored = _legacy_scores(names, prompt_ids[1:], prompt_logprobs)
+    return {"tokens": [names.label(prompt_ids[0]), *tokens[1:]],
             "token_logprobs": [None, *scored["token_logprobs"]],
             "top_logprobs": [None, *scored["top_logprobs"]],
             "text_offset": offsets}
