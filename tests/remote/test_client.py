@@ -28,6 +28,8 @@ from clock import ModelledCostGamma
 from stats import ALPHA, chi_square_pvalue, exact_law
 
 from .conftest import API_KEY
+import json
+from specdec.remote.client import derived_seed
 
 TARGET = ToyLM(4, order=2, seed=0)  # the server's model
 DRAFT = TARGET.perturbed(1.0, seed=1)
@@ -505,3 +507,375 @@ def test_the_edges_next_turn_reuses_its_ended_session():
     for prompt, out in ((first_prompt, first), (second_prompt, second)):
         plain = SpeculativeDecoder(target, None, get_rule("greedy")).generate(prompt, cfg).tokens
         assert out.token_ids == plain
+
+
+class _Forgetful(httpx.HTTPTransport):
+    """Deletes the session on the server just before verify call number ``forget`` (1-based), so the
+    server answers it 404 and the edge must re-create the session; records every creation body."""
+
+    def __init__(self, forget: int) -> None:
+        super().__init__()
+        self.forget = forget
+        self.calls = 0
+        self.creations: list[dict] = []
+
+    def handle_request(self, request: httpx.Request) -> httpx.Response:
+        path = request.url.path
+        if path == "/v1/sessions" and request.method == "POST":
+            self.creations.append(json.loads(request.content))
+        elif path.endswith("/verify"):
+            self.calls += 1
+            if self.calls == self.forget:
+                gone = httpx.Request("DELETE", request.url.copy_with(path=path.removesuffix("/verify")),
+                                     headers={"Authorization": f"Bearer {API_KEY}"}, extensions=request.extensions)
+                super().handle_request(gone).close()
+        return super().handle_request(request)
+
+
+@pytest.mark.parametrize("wire, multinomial", [("sparse-q", True), ("coupled", False)])
+def test_a_recreated_session_gets_a_derived_seed_and_the_remaining_budget(toy_server, wire, multinomial):
+    """token/block verification restarts the server's generator on re-creation, so its seed must be
+    derived from the session seed and the committed length (not the first seed, whose uniforms it
+    would replay); coupled keeps the seed (its verdicts are a pure function of it). The re-created
+    session is asked for what is left of the budget, not the whole of it."""
+    cfg = SamplingConfig(temperature=1.0, seed=11, max_new_tokens=30)
+    transport = _Forgetful(forget=4)
+    with httpx.Client(transport=transport, timeout=60) as client:
+        out = generate_remote([1, 2], cfg, _cfg(toy_server.url, wire=wire), drafter=ModelDrafter(DRAFT), gamma=3,
+                              q_top_k=2, client=client)
+    assert out.remote["session_recreates"] == 1 and len(transport.creations) == 2
+    first, again = transport.creations
+    committed = len(again["generated_ids"])
+    assert first["seed"] == 11 and first["generated_ids"] == [] and first["max_new_tokens"] == 30
+    assert 0 < committed < 30 and again["generated_ids"] == out.token_ids[:committed]
+    assert again["seed"] == (derived_seed(11, committed) if multinomial else 11)
+    assert again["seed"] != 11 or not multinomial
+    assert again["max_new_tokens"] == 30 - committed
+    assert out.lossless and len(out.token_ids) == 30
+
+
+class _Busy(httpx.HTTPTransport):
+    """Answers verify call number ``busy`` (1-based) with ``status`` without forwarding it (a busy or
+    restarting proxy in front of the server): the edge must retry the same round."""
+
+    def __init__(self, busy: int, status: int) -> None:
+        super().__init__()
+        self.busy, self.status = busy, status
+        self.calls = 0
+
+    def handle_request(self, request: httpx.Request) -> httpx.Response:
+        if request.url.path.endswith("/verify"):
+            self.calls += 1
+            if self.calls == self.busy:
+                return httpx.Response(self.status, json={"error": {"message": "busy"}}, request=request)
+        return super().handle_request(request)
+
+
+@pytest.mark.parametrize("status", [429, 502, 503, 504])
+def test_a_busy_verify_reply_is_retried_with_the_same_seq(toy_server, status):
+    cfg = SamplingConfig(temperature=0.0, max_new_tokens=20)
+    with httpx.Client(timeout=60) as client:
+        plain = generate_remote([1, 2], cfg, _cfg(toy_server.url), drafter=ModelDrafter(DRAFT), gamma=3, client=client)
+    with httpx.Client(transport=_Busy(2, status), timeout=60) as client:
+        out = generate_remote([1, 2], cfg, _cfg(toy_server.url, backoff_s=0.001), drafter=ModelDrafter(DRAFT), gamma=3,
+                              client=client)
+    assert out.remote["retries"] == 1 and out.remote["session_recreates"] == 0
+    assert out.token_ids == plain.token_ids and out.lossless
+
+
+class _Counting(httpx.HTTPTransport):
+    """Counts the JSON bodies of the session API's POSTs both ways, as they cross the transport."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.up = self.down = 0
+
+    def handle_request(self, request: httpx.Request) -> httpx.Response:
+        response = super().handle_request(request)
+        if request.method == "POST":
+            self.up += len(request.read())
+            self.down += len(response.read())
+        return response
+
+
+def test_bytes_up_and_down_are_the_json_bodies_sent_and_received(toy_server):
+    cfg = SamplingConfig(temperature=1.0, seed=3, max_new_tokens=20)
+    transport = _Counting()
+    with httpx.Client(transport=transport, timeout=60) as client:
+        out = generate_remote([1, 2], cfg, _cfg(toy_server.url, wire="sparse-q"), drafter=ModelDrafter(DRAFT), gamma=3,
+                              q_top_k=2, client=client)
+    r = out.remote
+    assert transport.up > 0 and (r["bytes_up"], r["bytes_down"]) == (transport.up, transport.down)
+    assert out.summary()["bytes_up"] == transport.up and out.summary()["bytes_down"] == transport.down
+
+
+def test_remote_stats_summary_figures():
+    from specdec.remote.client import RemoteStats
+
+    st = RemoteStats(verify_calls=3, rtt_s=[0.004, 0.001, 0.003, 0.002], cloud_target_ms=30.0, unverified_tokens=0)
+    s = st.summary()
+    assert s["rtt_ms"] == pytest.approx(2.5)
+    assert s["rtt_ms_p50"] == pytest.approx(3.0) and s["rtt_ms_p95"] == pytest.approx(4.0)
+    assert s["cloud_prefill_ms"] == pytest.approx(10.0) and s["cloud_prefill_ms_total"] == pytest.approx(30.0)
+    assert st.lossless
+    one = RemoteStats(rtt_s=[0.005]).summary()
+    assert one["rtt_ms_p50"] == pytest.approx(5.0) and one["rtt_ms_p95"] == pytest.approx(5.0)
+    assert RemoteStats().summary()["rtt_ms_p95"] == 0.0 and RemoteStats().summary()["cloud_prefill_ms"] == 0.0
+    assert not RemoteStats(unverified_tokens=1).lossless
+
+
+def test_local_commits_stop_at_the_pending_limit_inclusive(toy_server, monkeypatch):
+    """Locally committed tokens wait for the next cloud call up to MAX_PENDING_UNVERIFIED of them
+    (inclusive); a block that would pass the limit goes to the cloud, which takes the pending ones."""
+    import torch
+
+    from specdec.drafters.base import Draft
+
+    monkeypatch.setattr("specdec.remote.client.MAX_PENDING_UNVERIFIED", 6)
+    cfg = SamplingConfig(temperature=0.0, seed=1, max_new_tokens=40)
+    with RemoteVerifier(_cfg(toy_server.url), [1, 2], cfg, local_commit=lambda draft: True) as v:
+        outcomes = [v.verify(Draft(tokens=torch.tensor([1, 2, 3]), probs=None)) for _ in range(3)]
+        assert [o.metrics.get("local_commit", False) for o in outcomes] == [True, True, False]
+        assert v.stats.local_commits == 2 and v.stats.unverified_tokens == 6 and v.stats.verify_calls == 1
+        assert v._pending == []  # the cloud round took them
+        assert v.context.tolist()[:8] == [1, 2, 1, 2, 3, 1, 2, 3]
+
+
+def test_a_session_lost_with_local_commits_pending_is_recreated_with_them_once(toy_server):
+    """The re-created session holds the locally committed tokens as generated ids, so they must not
+    travel again as unverified tokens (the server would append them twice)."""
+    import torch
+
+    from specdec.drafters.base import Draft
+
+    cfg = SamplingConfig(temperature=0.0, seed=1, max_new_tokens=40)
+    answers = iter([True])
+    transport = _Forgetful(forget=1)
+    with httpx.Client(transport=transport, timeout=60) as client:
+        with RemoteVerifier(_cfg(toy_server.url), [1, 2], cfg, client=client,
+                            local_commit=lambda draft: next(answers, False)) as v:
+            local = v.verify(Draft(tokens=torch.tensor([3, 1]), probs=None))
+            cloud = v.verify(Draft(tokens=torch.tensor([2]), probs=None))
+            assert local.metrics["local_commit"] and "local_commit" not in cloud.metrics
+            assert v.stats.session_recreates == 1 and v.stats.verify_calls == 1
+            assert transport.creations[1]["generated_ids"] == [3, 1]
+            assert v.context.tolist()[:4] == [1, 2, 3, 1] and v.context.numel() == 4 + cloud.verdict.tokens.numel()
+
+
+class _Recording(httpx.HTTPTransport):
+    """Keeps every verify body the edge sends."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.verify_bodies: list[dict] = []
+
+    def handle_request(self, request: httpx.Request) -> httpx.Response:
+        if request.url.path.endswith("/verify"):
+            self.verify_bodies.append(json.loads(request.read()))
+        return super().handle_request(request)
+
+
+def test_q_crosses_the_wire_as_the_drafts_own_probabilities(toy_server):
+    """lossy-scalar sends q(x_i) of each draft token; sparse-q sends each row's non-zero ids and probabilities."""
+    import torch
+
+    from specdec.drafters.base import Draft
+
+    probs = torch.tensor([[0.1, 0.2, 0.3, 0.4], [0.0, 0.25, 0.0, 0.75]])
+    draft = Draft(tokens=torch.tensor([0, 1]), probs=probs)
+    cfg = SamplingConfig(temperature=1.0, seed=4, max_new_tokens=20)
+    for wire in ("lossy-scalar", "sparse-q"):
+        transport = _Recording()
+        with httpx.Client(transport=transport, timeout=60) as client:
+            with RemoteVerifier(_cfg(toy_server.url, wire=wire), [1, 2], cfg, client=client) as v:
+                v.verify(draft)
+        (body,) = transport.verify_bodies
+        assert body["draft_tokens"] == [0, 1]
+        if wire == "lossy-scalar":
+            assert body["q"] == pytest.approx([0.1, 0.25])
+        else:
+            assert [row["ids"] for row in body["q"]] == [[0, 1, 2, 3], [1, 3]]
+            assert body["q"][0]["probs"] == pytest.approx([0.1, 0.2, 0.3, 0.4])
+            assert body["q"][1]["probs"] == pytest.approx([0.25, 0.75])
+
+
+class _SlowOnce(httpx.HTTPTransport):
+    """Verify call 1 gets no answer within its read timeout; later ones need 20 ms of it (a server on
+    a real network: an attempt given less times out)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.calls = 0
+
+    def handle_request(self, request: httpx.Request) -> httpx.Response:
+        if request.url.path.endswith("/verify"):
+            self.calls += 1
+            read = float(request.extensions["timeout"]["read"])
+            if self.calls == 1 or read < 0.02:
+                time.sleep(read if self.calls == 1 else 0.0)
+                raise httpx.ReadTimeout("no answer in time", request=request)
+        return super().handle_request(request)
+
+
+def _empty_round_under_lossy_timeout(url: str):
+    import torch
+
+    from specdec.drafters.base import Draft
+    from specdec.remote.client import RemoteError
+
+    cfg = SamplingConfig(temperature=0.0, seed=1, max_new_tokens=10)
+    # each attempt waits 0.3 s, the lossy deadline's length: the first one times out, the second is answered
+    remote = _cfg(url, lossy_timeout_commit_ms=300, timeout_s=0.3, retry_budget_s=2.0, backoff_s=0.01)
+    with httpx.Client(transport=_SlowOnce(), timeout=60) as client:
+        with RemoteVerifier(remote, [1, 2], cfg, client=client) as v:
+            try:
+                outcome = v.verify(Draft(tokens=torch.tensor([], dtype=torch.long), probs=None))
+            except RemoteError:
+                outcome = None
+            return v, outcome
+
+
+def test_an_empty_draft_is_never_committed_by_the_lossy_timeout(toy_server):
+    """The timeout fallback commits the first draft token; a round that drafted nothing has none to
+    commit, so it must not count a timeout commit nor abandon the session."""
+    v, _ = _empty_round_under_lossy_timeout(toy_server.url)
+    assert v.stats.timeout_commits == 0 and v.stats.unverified_tokens == 0 and v.stats.lossless
+
+
+def test_an_empty_round_past_the_lossy_deadline_is_retried_with_a_real_timeout(toy_server):
+    v, outcome = _empty_round_under_lossy_timeout(toy_server.url)
+    assert outcome is not None and outcome.verdict.tokens.numel() == 1 and v.stats.retries == 1
+
+
+class _Hiccups(_Forgetful):
+    """The first creation is answered 503 (a proxy in front of a server still loading); verify call
+    ``forget`` finds its session gone; the re-creation's first attempt finds nothing listening."""
+
+    def __init__(self, forget: int) -> None:
+        super().__init__(forget)
+        self.refused = 0
+
+    def handle_request(self, request: httpx.Request) -> httpx.Response:
+        if request.url.path == "/v1/sessions" and request.method == "POST":
+            if not self.creations:
+                self.creations.append(json.loads(request.content))
+                return httpx.Response(503, json={"error": {"message": "loading"}}, request=request)
+            if self.calls >= self.forget and not self.refused:
+                self.refused += 1
+                raise httpx.ConnectError("connection refused", request=request)
+        return super().handle_request(request)
+
+
+def test_creation_retries_are_counted_and_a_refused_recreation_is_retried(toy_server):
+    """Only the very first connection fails at once when refused; a re-creation (the server
+    restarting) waits for it, and every retried attempt is counted."""
+    cfg = SamplingConfig(temperature=0.0, max_new_tokens=20)
+    with httpx.Client(timeout=60) as client:
+        plain = generate_remote([1, 2], cfg, _cfg(toy_server.url), drafter=ModelDrafter(DRAFT), gamma=3, client=client)
+    transport = _Hiccups(forget=3)
+    with httpx.Client(transport=transport, timeout=60) as client:
+        out = generate_remote([1, 2], cfg, _cfg(toy_server.url, backoff_s=0.001), drafter=ModelDrafter(DRAFT), gamma=3,
+                              client=client)
+    assert transport.refused == 1
+    r = out.remote
+    assert r["retries"] == 2 and r["session_creates"] == 2 and r["session_recreates"] == 1
+    assert out.token_ids == plain.token_ids and out.lossless
+
+
+def test_a_retry_is_cut_to_what_is_left_of_the_retry_window(toy_server, monkeypatch):
+    """As test_the_timeout_bounds_the_whole_retry_window, with a per-request timeout shorter than the
+    window: the second attempt may only have the window's rest (on a fake clock)."""
+    import torch
+
+    from specdec.drafters.base import Draft
+    from specdec.remote.client import RemoteError
+
+    from .test_client import _Silent
+
+    clock = [0.0]
+
+    def sleep(seconds: float) -> None:
+        clock[0] += seconds
+
+    cfg = SamplingConfig(temperature=0.0, seed=1, max_new_tokens=20)
+    transport = _Silent(clock)
+    with httpx.Client(transport=transport, timeout=60) as client:
+        verifier = RemoteVerifier(_cfg(toy_server.url, timeout_s=4, retry_budget_s=5), [1, 2], cfg, client=client)
+        monkeypatch.setattr(time, "perf_counter", lambda: clock[0])
+        monkeypatch.setattr(time, "sleep", sleep)
+        with pytest.raises(RemoteError, match="did not answer within 5 s"):
+            verifier.verify(Draft(tokens=torch.tensor([1, 2]), probs=None))
+    assert clock[0] <= 5.0 and transport.attempts >= 2
+
+
+def _local_lossy(prompt: list[int], cfg: SamplingConfig, method: str, *, gamma: int = 3) -> list[int]:
+    from specdec.decoder import SpeculativeDecoder
+    from specdec.gamma import FixedGamma
+    from specdec.verify import get_rule
+
+    dec = SpeculativeDecoder(TARGET, ModelDrafter(DRAFT), get_rule(method), gamma=FixedGamma(gamma))
+    return dec.generate(prompt, cfg).tokens
+
+
+def test_q_top_k_truncates_only_sparse_q_drafts(toy_server):
+    """``q_top_k`` is the sparse-q mode's: over lossy-scalar the edge drafts from its whole q, as a local
+    run of the same lossy rule with the same seed does (token for token), and reports no top-k."""
+    with httpx.Client(timeout=60) as client:
+        for seed in (1, 2, 3):
+            cfg = SamplingConfig(temperature=1.0, seed=seed, max_new_tokens=30)
+            out = generate_remote([1, 2], cfg, _cfg(toy_server.url, wire="lossy-scalar"), drafter=ModelDrafter(DRAFT),
+                                  gamma=3, q_top_k=1, client=client)
+            assert out.token_ids == _local_lossy([1, 2], cfg, "lossy_resample_p")
+            assert out.remote["q_top_k"] is None and out.remote["wire"] == "lossy-scalar"
+            coupled = generate_remote([1, 2], cfg, _cfg(toy_server.url), drafter=ModelDrafter(DRAFT), gamma=3, q_top_k=1,
+                                      client=client)
+            assert coupled.remote["q_top_k"] is None and coupled.remote["wire"] == "coupled"
+
+
+@pytest.mark.parametrize("kwargs, says", [
+    ({"q_top_k": 0}, "q top-k must be >= 1, got 0"),
+    ({"prompt": []}, "the prompt is empty"),
+])
+def test_bad_edge_arguments_fail_before_the_server_is_asked(kwargs, says):
+    from specdec.errors import ConfigError
+
+    prompt = kwargs.pop("prompt", [1, 2])
+    with pytest.raises(ConfigError, match=says):  # nothing listens on port 9: asking it would be a RemoteError
+        generate_remote(prompt, SamplingConfig(temperature=0.0, max_new_tokens=5), RemoteConfig(url="http://127.0.0.1:9"),
+                        drafter=ModelDrafter(DRAFT), **kwargs)
+
+
+def test_only_a_lossy_gate_is_reported_as_a_lossy_option(toy_server):
+    from specdec.remote.gating import Gate, GateConfig
+
+    cfg = SamplingConfig(temperature=0.0, max_new_tokens=12)
+    shape = Gate(GateConfig(policy="shape", rules=frozenset()))
+    out = generate_remote([1, 2], cfg, _cfg(toy_server.url), drafter=ModelDrafter(DRAFT), gamma=3, gate=shape)
+    assert out.remote["lossy_options"] == [] and out.lossless and out.gate["policy"] == "shape"
+    local = Gate(GateConfig(policy="lossy-local-commit", t_entropy_bits=None, t_margin=None, rules=frozenset()))
+    out = generate_remote([1, 2], cfg, _cfg(toy_server.url), drafter=ModelDrafter(DRAFT), gamma=3, gate=local)
+    assert out.remote["lossy_options"] == ["lossy_local_commit"]
+
+
+def test_tree_min_prob_shapes_the_edges_trees(toy_server):
+    cfg = SamplingConfig(temperature=0.0, max_new_tokens=20)
+    with httpx.Client(timeout=60) as client:
+        wide = generate_remote([1, 2], cfg, _cfg(toy_server.url), drafter=ModelDrafter(DRAFT), tree=8, tree_min_prob=0.0,
+                               client=client)
+        narrow = generate_remote([1, 2], cfg, _cfg(toy_server.url), drafter=ModelDrafter(DRAFT), tree=8,
+                                 tree_min_prob=0.6, client=client)
+    assert wide.token_ids == narrow.token_ids  # greedy: the same tokens whatever the trees
+    assert max(r.gamma for r in wide.result.rounds) == 8 and max(r.gamma for r in narrow.result.rounds) == 1
+
+
+@pytest.mark.parametrize("wire, method", [
+    ("sparse-q", "block"), ("sparse-q", "token"), ("lossy-scalar", "lossy-resample-p"),
+    ("lossy-scalar", "lossy-strict-residual"), ("lossy-scalar", "lossy-ratio-threshold"),
+    ("lossy-scalar", "lossy-p-threshold"),
+])
+def test_every_wire_rule_runs_over_the_wire(toy_server, wire, method):
+    cfg = SamplingConfig(temperature=1.0, seed=2, max_new_tokens=8)
+    out = generate_remote([1, 2], cfg, _cfg(toy_server.url, wire=wire, method=method), drafter=ModelDrafter(DRAFT),
+                          gamma=3, q_top_k=2)
+    assert out.remote["wire"] == wire and out.remote["method"] == method.replace("-", "_")
+    assert out.lossless is (wire == "sparse-q") and len(out.token_ids) == 8

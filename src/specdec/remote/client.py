@@ -377,7 +377,9 @@ class RemoteVerifier:
         if q is not None:
             payload["q"] = q
         lossy_s = self.cfg.lossy_timeout_commit_ms / 1e3 if self.cfg.lossy_timeout_commit_ms else None
-        deadline = started + lossy_s if lossy_s is not None else None
+        # the lossy deadline only where there is a drafted token to commit at it: an empty round has
+        # nothing to fall back on, and cutting its retries to the passed deadline left each 1 ms
+        deadline = started + lossy_s if lossy_s is not None and gamma > 0 else None
         attempts = 0
         lost = 0
         while True:
@@ -394,7 +396,7 @@ class RemoteVerifier:
             except (httpx.TransportError, _DeadlinePassed) as exc:
                 attempts += 1
                 self.stats.retries += 1
-                if deadline is not None and gamma > 0 and time.perf_counter() >= deadline:
+                if deadline is not None and time.perf_counter() >= deadline:
                     self.stats.timeout_commits += 1
                     self._abandon_session()
                     return self._commit_unverified(draft.tokens[:1], started, "timeout_commit")
