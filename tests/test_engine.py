@@ -1,4 +1,5 @@
-"""Engine configuration: how the draft's precision is chosen (it never affects exactness)."""
+"""The engine: how the draft's precision is chosen (it never affects exactness), which options reach the
+decoder, and the bounds it puts on them."""
 
 from __future__ import annotations
 
@@ -8,8 +9,14 @@ import pytest
 import torch
 
 import specdec.models.linear as linear
-from specdec.engine import EngineConfig, draft_dtype, draft_int8_head
+from specdec.decoder import SpeculativeDecoder
+from specdec.drafters import ModelDrafter
+from specdec.engine import Engine, EngineConfig, draft_dtype, draft_int8_head, make_gamma
 from specdec.errors import ConfigError
+from specdec.models.registry import LoadedModel
+from specdec.models.toy import ToyLM
+from specdec.sampling import SamplingConfig
+from specdec.verify import get_rule
 
 
 @pytest.mark.parametrize(
@@ -313,3 +320,185 @@ def test_a_draft_vocabulary_of_floats_or_booleans_is_refused(tmp_path, ids):
         draft_vocabulary(EngineConfig(), str(tmp_path))
     (tmp_path / "draft_vocab.json").write_text(json.dumps({"ids": [1, 5, 9]}))
     assert draft_vocabulary(EngineConfig(), str(tmp_path)).tolist() == [1, 5, 9]
+
+
+TARGET = ToyLM(4, order=2, seed=0)
+DRAFT = TARGET.perturbed(1.0, seed=1)
+EOS = frozenset({3})
+
+
+class _Tok:
+    """Enough of a tokenizer for the text sink: token 3 (the end of sequence) reads "<e>" where
+    special tokens are kept."""
+
+    all_special_ids = [3]
+    eos_token_id = 3
+
+    def decode(self, ids, skip_special_tokens=False, **kw):
+        return "".join("abc"[i] if i != 3 else ("" if skip_special_tokens else "<e>") for i in ids)
+
+    def __len__(self):
+        return 4
+
+
+class _ChainOnly(ModelDrafter):
+    """A model drafter without a tree pass (as self-speculative views and MTP heads)."""
+
+    supports_trees = False
+
+
+def _engine(drafter=None, tokenizer=None) -> Engine:
+    return Engine(LoadedModel("toy", TARGET, tokenizer, None, "toy", EOS), drafter or ModelDrafter(DRAFT), "toy")
+
+
+def test_ignore_eos_keeps_the_end_of_sequence_text_where_special_tokens_are_kept():
+    """Past an ignored end of sequence the text goes on, and with special tokens kept shows each one."""
+    eng = _engine(tokenizer=_Tok())
+    kept = eng.generate([1, 2], SamplingConfig(temperature=0.0, max_new_tokens=10, skip_special_tokens=False), gamma=3,
+                        ignore_eos=True)
+    assert kept.token_ids == [1, 3, 2, 1, 3, 2, 1, 3, 2, 1] and kept.text == "b<e>cb<e>cb<e>cb"
+    last = eng.generate([1, 2], SamplingConfig(temperature=0.0, max_new_tokens=8, skip_special_tokens=False), gamma=3,
+                        ignore_eos=True)  # an ignored end of sequence as the last token: still shown
+    assert last.token_ids[-1] == 3 and last.text == "b<e>cb<e>cb<e>"
+    skipped = eng.generate([1, 2], SamplingConfig(temperature=0.0, max_new_tokens=10), gamma=3, ignore_eos=True)
+    assert skipped.text == "bcbcbcb"
+    ended = eng.generate([1, 2], SamplingConfig(temperature=0.0, max_new_tokens=10, skip_special_tokens=False), gamma=3)
+    assert ended.token_ids == [1, 3] and ended.text == "b"
+
+
+def test_ignore_eos_reaches_the_decoder():
+    cfg = SamplingConfig(temperature=0.0, max_new_tokens=20)
+    stopped = _engine().generate([1, 2], cfg, gamma=3)
+    assert stopped.token_ids[-1] in EOS and len(stopped.token_ids) < 20
+    plain = SpeculativeDecoder(TARGET, None, get_rule("greedy")).generate([1, 2], cfg).tokens  # no eos at all
+    out = _engine().generate([1, 2], cfg, gamma=3, ignore_eos=True)
+    assert out.token_ids == plain and len(out.token_ids) == 20
+    assert _engine().decoder(get_rule("greedy"), ignore_eos=True).eos_ids == frozenset()
+    assert _engine().decoder(get_rule("greedy")).eos_ids == EOS
+
+
+def test_max_draft_and_min_confidence_reach_the_decoder():
+    rule = get_rule("greedy")
+    dec = _engine().decoder(rule, 6, max_draft=2, min_confidence=0.25)
+    assert dec.max_draft == 2 and dec.min_confidence == 0.25
+    out = _engine().generate([1, 2], SamplingConfig(temperature=0.0, max_new_tokens=30), gamma=6, max_draft=2, ignore_eos=True)
+    assert out.result.rounds and max(r.gamma for r in out.result.rounds) <= 2
+    assert max(r.gamma for r in _engine().generate([1, 2], SamplingConfig(temperature=0.0, max_new_tokens=30), gamma=6,
+                                                   ignore_eos=True).result.rounds) > 2
+
+
+def test_tree_options_reach_the_decoder():
+    rule = get_rule("greedy")
+    observed: list[tuple[int, int]] = []
+    dec = _engine().decoder(rule, 2, tree=6, tree_min_prob=0.3, tree_observe=lambda n, a: observed.append((n, a)))
+    assert dec.tree is not None and dec.tree.min_prob == 0.3
+    out = _engine().generate([1, 2], SamplingConfig(temperature=0.0, max_new_tokens=20), tree=6, tree_min_prob=0.3,
+                             tree_observe=lambda n, a: observed.append((n, a)), ignore_eos=True)
+    assert out.result.stats.tree_rounds > 0 and observed  # told of every tree round
+    # the probability floor shapes the trees generate() drafts (here: 0 keeps every node of 8, 0.6 one)
+    cfg = SamplingConfig(temperature=0.0, max_new_tokens=20)
+    wide = _engine().generate([1, 2], cfg, tree=8, tree_min_prob=0.0, ignore_eos=True).result.rounds
+    narrow = _engine().generate([1, 2], cfg, tree=8, tree_min_prob=0.6, ignore_eos=True).result.rounds
+    assert max(r.gamma for r in wide) == 8 and max(r.gamma for r in narrow) == 1
+    # a drafter without a tree pass drafts chains under the γ asked for, not under the tree's node count
+    chain = _engine(_ChainOnly(DRAFT)).generate([1, 2], SamplingConfig(temperature=0.0, max_new_tokens=20), gamma=2,
+                                                tree=6, ignore_eos=True)
+    assert chain.result.stats.tree_rounds == 0 and max(r.gamma for r in chain.result.rounds) <= 2
+
+
+def test_logprobs_are_one_per_emitted_token():
+    """The session scores a round's tokens past max_new_tokens too; the result keeps one per token."""
+    eng = _engine()
+    for n in range(1, 9):
+        cfg = SamplingConfig(temperature=1.0, seed=n, max_new_tokens=n)
+        out = eng.generate([1, 2], cfg, gamma=4, logprobs=1, ignore_eos=True)
+        assert len(out.token_ids) == n and len(out.logprobs) == n
+
+
+def test_auto_gamma_takes_the_known_extra_target_time():
+    assert make_gamma("auto", extra_target_s=0.25).extra_target_s == 0.25
+    assert make_gamma("auto").extra_target_s == 0.0
+
+
+def test_min_tokens_with_logprobs_hold_off_the_end_of_sequence():
+    """min_tokens floors the end of sequence in the session's law too (the logprobs' session)."""
+    eng = _engine()
+    for temperature in (0.0, 1.0):
+        cfg = SamplingConfig(temperature=temperature, seed=4, max_new_tokens=12, min_tokens=6)
+        plain = eng.generate([1, 2], cfg, gamma=3)
+        out = eng.generate([1, 2], cfg, gamma=3, logprobs=1)
+        assert out.token_ids == plain.token_ids and len(out.logprobs) == len(out.token_ids)
+        assert not EOS & set(out.token_ids[:6])
+
+
+def test_gamma_tree_and_confidence_bounds():
+    from specdec import defaults
+    from specdec.engine import parse_gamma, parse_min_confidence, parse_tree
+    from specdec.errors import ConfigError
+
+    assert parse_gamma(defaults.MAX_GAMMA) == defaults.MAX_GAMMA and parse_gamma("1") == 1
+    assert parse_tree(defaults.MAX_TREE_NODES) == defaults.MAX_TREE_NODES and parse_tree("1") == 1
+    assert parse_min_confidence(1.0) == 1.0 and parse_min_confidence(0.0) == 0.0
+    for bad in (0, defaults.MAX_GAMMA + 1):
+        with pytest.raises(ConfigError, match="gamma must be between"):
+            parse_gamma(bad)
+    for bad in (0, defaults.MAX_TREE_NODES + 1):
+        with pytest.raises(ConfigError, match="tree node count must be between"):
+            parse_tree(bad)
+    for bad in (-0.1, 1.1):
+        with pytest.raises(ConfigError, match="min-confidence"):
+            parse_min_confidence(bad)
+
+
+def test_generate_batch_passes_ignore_eos():
+    eng = _engine()
+    cfg = SamplingConfig(temperature=0.0, max_new_tokens=10)
+    assert [r.token_ids for r in eng.generate_batch([[1, 2], [2, 1]], cfg)] == [[1, 3], [3]]
+    long = eng.generate_batch([[1, 2], [2, 1]], cfg, ignore_eos=True)
+    assert [r.token_ids for r in long] == [eng.generate(p, cfg, ignore_eos=True).token_ids for p in ([1, 2], [2, 1])]
+    assert all(len(r.token_ids) == 10 for r in long)
+
+
+def test_a_registry_targets_model_free_default_draft_has_no_lookup_suffix():
+    from specdec import defaults
+    from specdec.engine import check_draft_name, draft_for_target
+
+    draft = draft_for_target("gemma-3-270m", defaults.DEFAULT_DRAFT)
+    assert draft == "ngram" and check_draft_name(draft) == ("ngram", False, None)  # "ngram+lookup" is refused
+
+
+def test_kv_dtype_float16_needs_exact_attention():
+    import torch
+
+    from specdec.engine import EngineConfig, check_kv_dtype
+    from specdec.errors import ConfigError
+
+    assert check_kv_dtype(EngineConfig(kv_dtype="float16"), torch.float32) == torch.float16
+    with pytest.raises(ConfigError, match="needs exact attention"):
+        check_kv_dtype(EngineConfig(kv_dtype="float16", batch_invariant=False), torch.float32)
+
+
+def test_a_factor_of_one_is_allowed_for_a_model_free_drafter():
+    from specdec.engine import check_factor_applies
+    from specdec.errors import ConfigError
+
+    for value in ("auto", 1.0, "1"):
+        check_factor_applies("ngram", value)
+    with pytest.raises(ConfigError, match="drafts without a model's distribution"):
+        check_factor_applies("ngram", 0.5)
+
+
+def test_a_draft_vocabulary_must_be_distinct_and_is_unused_on_the_hf_backend(tmp_path):
+    import json
+
+    from specdec.engine import EngineConfig, draft_vocabulary
+    from specdec.errors import ConfigError
+
+    (tmp_path / "config.json").write_text("{}")
+    (tmp_path / "draft_vocab.json").write_text(json.dumps({"ids": [1, 5, 5, 9]}))
+    with pytest.raises(ConfigError, match="sorted list of distinct token ids"):
+        draft_vocabulary(EngineConfig(), str(tmp_path))
+    (tmp_path / "draft_vocab.json").write_text(json.dumps({"ids": [1, 5, 9]}))
+    assert draft_vocabulary(EngineConfig(), str(tmp_path)).tolist() == [1, 5, 9]
+    assert draft_vocabulary(EngineConfig(backend="hf"), str(tmp_path)) is None  # the hf backend has no reduced head
+    assert draft_vocabulary(EngineConfig(draft_vocab="full"), str(tmp_path)) is None

@@ -280,3 +280,81 @@ def test_real_smollm2_pair(capsys):
     assert remote["stats"]["target"] == "smollm2-135m"
     assert remote["token_ids"] == local["token_ids"]
     assert remote["stats"]["acceptance_rate"] > 0 and remote["stats"]["lossless"] is True
+
+
+class _Called(Exception):
+    pass
+
+
+@pytest.fixture
+def edge(monkeypatch):
+    """The arguments of the command's generate_remote call."""
+    import specdec.remote.edge as edge_mod
+
+    seen: dict = {}
+
+    def stub(prompt_ids, sampling, remote, **kwargs):
+        seen.update(kwargs, prompt_ids=prompt_ids, sampling=sampling, remote=remote)
+        raise _Called
+
+    monkeypatch.setattr(edge_mod, "generate_remote", stub)
+    monkeypatch.delenv("SPECDEC_API_KEY", raising=False)
+
+    def run(*argv: str) -> dict:
+        seen.clear()
+        with pytest.raises(_Called):
+            main(["generate", "--remote", "http://127.0.0.1:9", "-p", "def f(x):", "-n", "5", *argv])
+        return dict(seen)
+
+    return run
+
+
+def test_the_remote_timeout_bounds_the_whole_round(edge):
+    remote = edge("--draft", "ngram", "--tokenizer", MODEL, "--remote-timeout", "7.5")["remote"]
+    assert remote.timeout_s == 7.5 and remote.retry_budget_s == 7.5
+
+
+def test_the_api_key_comes_from_the_environment_unless_given(edge, monkeypatch):
+    assert edge("--draft", "ngram", "--tokenizer", MODEL)["remote"].api_key is None
+    monkeypatch.setenv("SPECDEC_API_KEY", "from-env")
+    assert edge("--draft", "ngram", "--tokenizer", MODEL)["remote"].api_key == "from-env"
+    assert edge("--draft", "ngram", "--tokenizer", MODEL, "--api-key", "given")["remote"].api_key == "given"
+
+
+@pytest.mark.parametrize("method, wire", [("lossy-resample-p", "lossy-scalar"), ("lossy_p_threshold", "lossy-scalar"),
+                                          ("token", "sparse-q"), ("coupled", "coupled")])
+def test_a_method_picks_its_wire_mode(edge, method, wire):
+    remote = edge("--draft", "ngram", "--tokenizer", MODEL, "-t", "1", "--seed", "1", "--method", method)["remote"]
+    assert remote.wire == wire
+
+
+def test_a_model_free_drafter_ends_at_its_tokenizers_eos(edge):
+    from specdec.models.registry import load_tokenizer, resolve
+
+    eos = load_tokenizer(resolve(MODEL).folder).eos_token_id
+    got = edge("--draft", "ngram", "--tokenizer", MODEL)
+    assert eos is not None and got["eos_ids"] == frozenset({eos}) and got["drafter_name"] == "ngram"
+
+
+def test_tree_min_prob_and_output_constraints_reach_the_edge(edge):
+    got = edge("--draft", "ngram", "--tokenizer", MODEL, "--tree", "6", "--tree-min-prob", "0.4",
+               "--allowed-token-id", "1", "--allowed-token-id", "2", "--allowed-token-id", "3")
+    assert got["tree"] == 6 and got["tree_min_prob"] == 0.4
+    constraint = got["sampling"].constraint
+    assert constraint is not None and tuple(constraint.allowed_ids) == (1, 2, 3)
+
+
+def test_the_gate_gets_the_thresholds_given(edge):
+    gate = edge("--draft", MODEL, "--gate", "shape", "--gate-entropy-bits", "1.5", "--gate-margin", "0.05",
+                "--gate-rules", "none")["gate"]
+    assert gate.cfg.t_entropy_bits == 1.5 and gate.cfg.t_margin == 0.05 and gate.cfg.rules == frozenset()
+
+
+def test_the_edge_vocabulary_is_the_draft_models(edge, tmp_path):
+    """A draft model whose embedding is padded past its tokenizer (49,216 rows, 49,152 tokens) drafts
+    those ids too: the edge's bound is the model's vocabulary, not the tokenizer's length."""
+    from tiny import make_tiny
+
+    folder = make_tiny(tmp_path / "padded", layers=1, vocab=49216)
+    got = edge("--draft", str(folder), "--draft-dtype", "float32")
+    assert got["vocab_size"] == 49216 and len(got["tokenizer"]) == 49152

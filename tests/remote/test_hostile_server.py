@@ -22,6 +22,7 @@ from specdec.models.registry import DATA_DIR, load_tokenizer
 from specdec.remote.client import RemoteConfig, RemoteError
 from specdec.remote.edge import generate_remote
 from specdec.sampling import SamplingConfig
+import io
 
 VOCAB = 49152
 
@@ -189,3 +190,63 @@ def test_an_error_page_is_printed_on_one_line_without_escapes(fake, tokenizer):
     message = str(refused.value)
     # the tags and control characters gone, the rest on one line (the escapes' printable tails stay)
     assert message == "the server refused the session: HTTP 500: 500 [2K [32mall good [0m", message
+
+
+class _Spoilt(_Fake):
+    """_Fake, with its JSON replies changed after the fact (``spoil``: a mode name of this class)."""
+
+    spoil: str | None = None
+
+    def _send(self, status: int, body: bytes, content_type: str = "application/json") -> None:
+        spoil = type(self).spoil
+        if spoil is not None and content_type == "application/json" and body != b"{}":
+            reply = json.loads(body)
+            if "session_id" in reply:
+                if spoil == "other_prompt":
+                    reply["prompt_ids"] = reply["prompt_ids"][:-1] + [reply["prompt_ids"][-1] + 1]
+                elif spoil == "lossless_lie":  # the rule asked for, but said to be lossy
+                    reply["lossless"] = False
+            elif spoil == "float_path" and reply.get("path") is not None and "parents" in self._last:
+                reply.update(num_accepted=1, tokens=[7, 5], path=[0.0])
+            elif spoil == "negative_token":
+                reply.update(tokens=[-1], next_token=-1)
+            elif spoil == "accepts_past_the_draft":
+                reply.update(num_accepted=3, tokens=[7, 8, 9, 5])
+            body = json.dumps(reply).encode()
+        super()._send(status, body, content_type)
+
+    def do_POST(self) -> None:  # noqa: N802 - remembers the request's keys for _send
+        length = int(self.headers["Content-Length"])
+        raw = self.rfile.read(length)
+        self._last = json.loads(raw or b"{}")
+        self.rfile = io.BytesIO(raw)
+        super().do_POST()
+
+
+@pytest.fixture(scope="module")
+def spoilt():
+    server = ThreadingHTTPServer(("127.0.0.1", 0), _Spoilt)
+    thread = threading.Thread(target=server.serve_forever, daemon=True)
+    thread.start()
+    yield f"http://127.0.0.1:{server.server_address[1]}"
+    server.shutdown()
+    _Spoilt.spoil = None
+
+
+@pytest.mark.parametrize("spoil, drafting, says", [
+    ("other_prompt", {}, "the server's session does not hold the prompt the edge sent"),
+    ("lossless_lie", {}, "(lossless: False), not the greedy / greedy the edge asked for"),
+    ("float_path", {"gamma": 2, "tree": 2}, "the server's verdict for round 0 is inconsistent with the draft"),
+    ("accepts_past_the_draft", {"gamma": 2}, "has a bad 'num_accepted': 3"),
+    ("negative_token", {}, "sent token id -1 in round 0, outside the vocabulary"),
+])
+def test_a_reply_spoilt_after_the_fact_is_an_error_naming_it(spoilt, tokenizer, spoil, drafting, says):
+    _Spoilt.spoil = None
+    assert _run(spoilt, tokenizer, "ok", **drafting).token_ids == [5, 5, 5]  # unspoilt: followed
+    _Spoilt.spoil = spoil
+    try:
+        with pytest.raises(RemoteError) as refused:
+            _run(spoilt, tokenizer, "ok", **drafting)
+    finally:
+        _Spoilt.spoil = None
+    assert says in str(refused.value)
