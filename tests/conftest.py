@@ -21,6 +21,16 @@ os.environ["SPECDEC_QUANTISED_CACHE"] = "off"
 torch.set_num_threads(1 if os.environ.get("PYTEST_XDIST_WORKER") else max(1, min(2, os.cpu_count() or 1)))
 
 
+def pytest_report_header(config):
+    # whether the compiled kernels built: where they did not, every test of them skips, and the run's
+    # header (and the warning above it) is where that shows
+    from specdec.models import kernels
+
+    if kernels.load():
+        return f"specdec kernels: {kernels.library()}"
+    return "specdec kernels: NOT BUILT (no C++ compiler, or the build failed): the tests of them skip"
+
+
 def pytest_collection_modifyitems(config, items):
     # an empty run is a failure of the set-up, never a pass
     if not items:

@@ -27,6 +27,7 @@ from specdec.sampling import (
     target_logprobs,
 )
 from stats import ALPHA, chi_square_pvalue
+from specdec.models import kernels
 
 
 def test_guide_preset():
@@ -556,3 +557,41 @@ def test_path_masks_stop_at_a_token_the_constraint_forbids():
     out = path_masks(NoTwo(), [1], [[], [0], [2], [2, 0], [0, 3]], 4)
     assert [m is None for m in out] == [False, False, True, True, False]
     assert asked == [(1,), (1, 0), (1, 0, 3)]
+
+
+# The compiled Gumbel-max draw answers only when the largest r = p / (-log u) leads every other by a
+# relative margin of 1e-9 (so its token is torch's whatever logarithm torch used); the rows above
+# never put a runner-up within that margin, so neither the margin's size nor the screen that skips
+# ids whose bound p / (1 - u) is below the best r shrunk by it was pinned.  These rows hold two
+# candidates a relative 5e-10 apart: in one block, and in the next block behind the screen with a
+# uniform within 1.5e-10 of 1 (found once by search), where -log u and 1 - u differ by less than the gap.
+KEY, FAR_ID = 49, 11_536_339  # keyed_uniform(49)[11_536_339] = 1 - 1.475e-10
+
+
+VOCAB = FAR_ID + 1
+
+
+def _u(key: int, ids: list[int]) -> list[float]:
+    return torch.ops.specdec.keyed_uniform(key, torch.tensor(ids), VOCAB).tolist()
+
+
+def _row(second_at: int, second_id: int, gap: float) -> tuple[torch.Tensor, torch.Tensor]:
+    """A compact float64 row: id 0 at column 0 with p = 0.5, id second_id at column second_at with r
+    a relative gap below id 0's, every other column p = 0 (distinct ids)."""
+    ids = torch.arange(1, 1025)
+    ids[0], ids[second_at] = 0, second_id
+    u0, u1 = _u(KEY, [0, second_id])
+    r0 = 0.5 / -math.log(u0)
+    p = torch.zeros(1024, dtype=torch.float64)
+    p[0], p[second_at] = 0.5, r0 * (1 - gap) * -math.log(u1)
+    return p, ids
+
+
+@pytest.mark.skipif(not kernels.load(), reason="the kernels did not build here")
+@pytest.mark.parametrize("second_at,second_id", [(7, 8), (512, FAR_ID)], ids=["same-block", "next-block-u-near-1"])
+def test_the_compiled_gumbel_draw_declines_a_runner_up_within_the_margin(second_at, second_id):
+    assert 1 - _u(KEY, [FAR_ID])[0] < 2e-10  # the search's find still holds
+    p, ids = _row(second_at, second_id, 5e-10)
+    assert torch.ops.specdec.gumbel_argmax(p, KEY, ids, VOCAB) == -1  # within 1e-9: torch decides
+    p, ids = _row(second_at, second_id, 1e-6)
+    assert torch.ops.specdec.gumbel_argmax(p, KEY, ids, VOCAB) == 0  # a clear lead: answered

@@ -23,6 +23,7 @@ from specdec.verify import (
     token_verify,
 )
 from stats import ALPHA, chi_square_pvalue
+from specdec.models import kernels
 
 # ----------------------------------------------------------------------------- the paper's example
 # Sun et al. 2024, §2: two tokens, M_b(A) = 1/3, M_s(A) = 2/3, i.i.d. positions, γ = 2.
@@ -331,3 +332,19 @@ def test_compiled_chain_rule_law(rule):
         outputs.append(tuple(out + fill[i][: gamma + 1 - len(out)]))
     law = _iid_law(p1.double(), gamma + 1)
     assert chi_square_pvalue(outputs, {k: v for k, v in law.items() if v > 0}) > ALPHA
+
+
+@pytest.mark.skipif(not kernels.load(), reason="the kernels did not build here")
+@pytest.mark.parametrize("block", [False, True])
+def test_a_uniform_equal_to_the_acceptance_ratio_rejects(block):
+    """The compiled chain rule keeps a draft token while eta_i < min(1, p_i(x_i) / q_i(x_i)): a uniform
+    equal to the ratio rejects (random uniforms, as in the comparison with the torch rule, never land
+    on a ratio exactly)."""
+    p = torch.tensor([[0.25, 0.75], [0.5, 0.5]])  # target rows for position 1 and the bonus
+    q = torch.tensor([[0.5, 0.5]])
+    tokens = torch.tensor([0])  # p / q = 0.5 exactly (block: h_1 = w_1 = 0.5 too)
+    n, emitted, alpha = torch.ops.specdec.chain_rule(p, q, tokens, torch.tensor([0.5, 0.0], dtype=torch.float64), block)
+    assert n == 0 and alpha == 0.5
+    assert emitted.tolist() == [1]  # the residual max(0, p - q) = [0, 0.25]: token 1
+    n, emitted, _ = torch.ops.specdec.chain_rule(p, q, tokens, torch.tensor([0.4999999, 0.0], dtype=torch.float64), block)
+    assert n == 1 and emitted.tolist() == [0, 0]  # just below: accepted, the bonus from p_1

@@ -93,3 +93,23 @@ def test_a_linears_byte_count_follows_the_form_its_weight_lives_in(monkeypatch):
     packed = Linear(w, bias)
     if packed.packed is not None:  # oneDNN packs float32 here
         assert packed.weight is None and packed.nbytes >= dense + 200 * 4
+
+
+def _front_to_back(x: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
+    y = torch.zeros(x.shape[0], w.shape[0])
+    for c in range(x.shape[1]):
+        y = y + x[:, c : c + 1] * w[:, c]  # one float32 product, then one float32 sum, per term
+    return y
+
+
+@needs_f32
+@pytest.mark.parametrize("shape", [(200, 37), (64, 16), (7, 5), (130, 96)])
+def test_each_row_is_summed_front_to_back_with_separate_roundings(shape):
+    n_out, k = shape
+    g = torch.Generator().manual_seed(n_out * 31 + k)
+    w = torch.randn(n_out, k, generator=g)
+    x = torch.randn(9, k, generator=g) * (torch.rand(9, 1, generator=g) * 50 + 1e-3)
+    packed = torch.ops.specdec.f32_pack(w)
+    want = _front_to_back(x, w)
+    for n in (1, 2, 3, 4, 5, 9):  # every register block (1-4 rows) and a remainder
+        assert torch.equal(torch.ops.specdec.f32_linear(x[:n], packed, n_out), want[:n]), n

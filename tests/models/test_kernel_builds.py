@@ -11,7 +11,9 @@ factors (and the AVX2 build's few-row int8 product against fbgemm with 7-bit act
 tail), one row and a verification pass, a tree's paths, over float32 and float16 caches (the
 portable build widens float16 in software, the others with F16C instructions); a draw from a row of weights and token
 verification of a chain (``csrc/rules.cpp``); seeded sampling's Gumbel-max draw, over a whole row and a
-compact one (``csrc/keyed.cpp``).
+compact one (``csrc/keyed.cpp``); the float32 target's product (``csrc/f32.cpp``: an AVX-512
+path and a portable one, which AVX2 machines run too), 1-9 rows with partial column groups; 4-bit
+activations exactly half way between two 8-bit codes.
 """
 
 from __future__ import annotations
@@ -99,6 +101,24 @@ def cases():
                 kept, emitted, alpha_mean = ops.chain_rule(p, qd, tokens, uniforms, False)
                 out[f"token rule {n} gamma {gamma} u {float(uniforms.sum()):.3f}"] = torch.cat(
                     [emitted.double(), torch.tensor([kept, alpha_mean], dtype=torch.float64)])
+    g = torch.Generator().manual_seed(3)
+    for n_out, k in ((200, 37), (64, 16), (7, 5), (130, 96)):  # float32: partial 64-column groups, 1-9 rows
+        w = torch.randn(n_out, k, generator=g)
+        x = torch.randn(9, k, generator=g) * (torch.rand(9, 1, generator=g) * 50 + 1e-3)
+        packed = ops.f32_pack(w)
+        for rows in (1, 2, 3, 4, 5, 9):
+            out[f"f32 {n_out}x{k} rows {rows}"] = ops.f32_linear(x[:rows], packed, n_out)
+    # 4-bit: blocks whose step is exactly 1 (max |x| = 127), every other value half way between two
+    # codes (rounded half to even on every path: a portable std::round would round it away from zero)
+    n_out, k = 40, 64
+    qs = torch.randint(0, 256, (n_out, 2, 16), dtype=torch.uint8, generator=g)
+    d = (torch.rand(n_out, 2, generator=g) * 0.02).half()
+    m = (-torch.rand(n_out, 2, generator=g) * 0.02).half()
+    packed = ops.q4_pack(qs, d, m)
+    x = (torch.randint(-120, 120, (7, k), generator=g) + 0.5).float()
+    x[:, 0], x[:, 32] = 127.0, -127.0
+    for rows in (1, 3, 7):
+        out[f"q4 ties rows {rows}"] = ops.q4_linear(x[:rows], torch.empty(0), packed, n_out, torch.empty(0))
     return out
 """
 

@@ -302,3 +302,28 @@ def test_the_same_quantised_target_with_and_without_the_kernel(tmp_path):
         on, _ = _child(folder)
         assert on["logits"] != off["logits"]
         assert torch.allclose(torch.tensor(on["logits"]), torch.tensor(off["logits"]), rtol=1e-4, atol=1e-4)
+
+
+needs_q8 = pytest.mark.skipif(not kernels.q8_available(), reason="the few-row int8 product needs 512-bit VNNI")
+
+
+@needs_q8
+def test_an_all_zero_row_gets_the_clamped_factor_and_fbgemms_product():
+    """The op's own outputs for an all-zero row: the factor is max(max |x|, 1e-30) and the product
+    fbgemm's for the staged row.  Through W8A8Linear an unclamped factor (0: NaN codes) still gives
+    zeros, since the factor multiplies the product, so only the op's contract shows it."""
+    g = torch.Generator().manual_seed(5)
+    n_out, k = 70, 37
+    w = torch.randn(n_out, k + 2, generator=g) * 0.05
+    w[:, k:] = 0.0  # the two pinned columns' weights
+    scales = (w.abs().amax(1).clamp_min(1e-12) / 127.0).double()
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        qw = torch.quantize_per_channel(w, scales, torch.zeros(n_out, dtype=torch.long), 0, torch.qint8)
+    packed = torch.ops.quantized.linear_prepack(qw, None)
+    x = torch.randn(3, k, generator=g)
+    x[1] = 0.0
+    got, s = torch.ops.specdec.q8_linear(x, None, *vnni_packing(qw.int_repr()[:, :k], scales))
+    assert s[1, 0] == torch.tensor(1e-30, dtype=torch.float32)
+    staged = torch.cat([x / s, torch.ones(3, 1), -torch.ones(3, 1)], 1)
+    assert torch.equal(got, torch.ops.quantized.linear_dynamic(staged, packed, False))  # 8-bit activations with VNNI)
