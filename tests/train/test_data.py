@@ -13,6 +13,9 @@ from specdec.bench.workloads import BUILTIN
 from specdec.train.data import DataConfig, generate, load_shards, plan
 from specdec.train.prompts import chat_prompts, code_prompts
 from tests.tiny import make_tiny
+import json
+from specdec.errors import ConfigError
+from specdec.train.data import Shard
 
 
 def test_chat_prompts_are_distinct_deterministic_and_not_the_benchmarks() -> None:
@@ -101,3 +104,91 @@ def test_prompt_file_replaces_the_templates(tiny_target, tmp_path: Path) -> None
         assert max_new == (9 if row["chat"] else 5)
     assert len(seen) == 3  # 7 sequences over 3 prompts: all of them used
     assert plan(cfg, tok) == items  # deterministic in the seed
+
+
+def test_the_plan_cycles_the_temperatures_and_keeps_the_chat_share(tiny_target) -> None:
+    tok = tiny_target.tokenizer
+    items = plan(DataConfig(sequences=12, chat_share=0.25, temperatures=(0.0, 1.0, 0.5)), tok)
+    assert [t for _, _, t, _ in items] == [0.0, 1.0, 0.5] * 4
+    assert sum(kind == "chat" for _, kind, _, _ in items) == 3
+    assert sum(kind == "chat" for _, kind, _, _ in plan(DataConfig(sequences=12, chat_share=1.0), tok)) == 12
+
+
+def test_a_prompt_files_order_depends_on_the_seed(tiny_target, tmp_path: Path) -> None:
+    path = tmp_path / "prompts.jsonl"
+    path.write_text("".join(json.dumps({"prompt": f"Question number {i}?", "chat": True}) + "\n" for i in range(12)))
+    tok = tiny_target.tokenizer
+    a = [ids for ids, *_ in plan(DataConfig(sequences=12, prompt_file=str(path), seed=0), tok)]
+    b = [ids for ids, *_ in plan(DataConfig(sequences=12, prompt_file=str(path), seed=1), tok)]
+    assert sorted(a) == sorted(b) and a != b
+
+
+class _Counting:
+    """The model, with the widest batch it was handed."""
+
+    def __init__(self, model) -> None:
+        self.model, self.widest = model, 0
+
+    def forward_batch(self, items):
+        self.widest = max(self.widest, len(items))
+        return self.model.forward_batch(items)
+
+    def __getattr__(self, name):
+        return getattr(self.model, name)
+
+
+def test_generation_decodes_at_most_batch_sequences_together(tiny_target, tmp_path: Path) -> None:
+    spy = _Counting(tiny_target.model)
+    cfg = DataConfig(sequences=7, batch=3, shard_size=4, max_new_chat=4, max_new_code=4, features=False)
+    assert generate(cfg, spy, tiny_target.tokenizer, frozenset(), tmp_path / "data") == 7
+    assert spy.widest == 3
+
+
+def test_a_rerun_keeps_the_shards_on_disk_and_refuses_other_settings(tiny_target, tmp_path: Path) -> None:
+    lm = tiny_target
+    out = tmp_path / "data"
+    cfg = DataConfig(sequences=4, batch=2, shard_size=2, max_new_chat=3, max_new_code=3, features=False)
+    assert generate(cfg, lm.model, lm.tokenizer, frozenset(), out) == 4
+    first = torch.load(out / "shard-00000.pt", weights_only=True)
+    first["temperature"] = [99.0, 99.0]  # a mark: a rerun that regenerated this shard would lose it
+    torch.save(first, out / "shard-00000.pt")
+    (out / "shard-00001.pt").unlink()
+    seen = []
+    assert generate(cfg, lm.model, lm.tokenizer, frozenset(), out, progress=seen.append) == 4
+    assert seen[0] == 2  # the sequences already on disk, counted once
+    assert load_shards(out).temperature[:2] == [99.0, 99.0] and len(load_shards(out).tokens) == 4
+    with pytest.raises(ConfigError, match=r"other settings \(max_new_chat\)"):
+        generate(DataConfig(sequences=4, batch=2, shard_size=2, max_new_chat=5, max_new_code=3, features=False),
+                 lm.model, lm.tokenizer, frozenset(), out)
+
+
+def test_an_interrupted_shard_write_leaves_the_shard_as_it_was(tmp_path: Path, monkeypatch) -> None:
+    path = tmp_path / "shard-00000.pt"
+    Shard(kind=["chat"]).save(path)
+    before = path.read_bytes()
+
+    def cut_short(obj, f, *args, **kwargs):  # a write killed half-way
+        Path(f).write_bytes(before[:50])
+        raise KeyboardInterrupt
+
+    monkeypatch.setattr(torch, "save", cut_short)
+    with pytest.raises(KeyboardInterrupt):
+        Shard(kind=["code"]).save(path)
+    monkeypatch.undo()
+    assert path.read_bytes() == before and load_shards(tmp_path).kind == ["chat"]
+
+
+def test_a_shard_deleted_in_the_middle_is_generated_again(tiny_target, tmp_path: Path) -> None:
+    """A rerun resumes at the first missing shard (a damaged one deleted, as load_shards' error
+    advises), not after as many shards as are on disk: with shard 0 of 3 gone it counted all six
+    sequences done and left four on disk."""
+    lm = tiny_target
+    out = tmp_path / "data"
+    cfg = DataConfig(sequences=6, batch=3, shard_size=2, max_new_chat=3, max_new_code=3, features=False)
+    assert generate(cfg, lm.model, lm.tokenizer, frozenset(), out) == 6
+    (out / "shard-00000.pt").unlink()
+    seen = []
+    assert generate(cfg, lm.model, lm.tokenizer, frozenset(), out, progress=seen.append) == 6
+    assert seen[0] == 0  # nothing before the gap
+    assert sorted(p.name for p in out.glob("shard-*.pt")) == [f"shard-{i:05d}.pt" for i in range(3)]
+    assert len(load_shards(out).tokens) == 6

@@ -154,7 +154,11 @@ def generate(
                               "rerun with the same options to resume, or write to a new folder")
     (out / "config.json").write_text(json.dumps(settings, indent=1))
     todo = plan(cfg, tokenizer)
-    done = len(shards) * cfg.shard_size
+    # the shards on disk from the first one without a gap: a shard deleted in the middle (as
+    # load_shards' error advises for a damaged one) is generated again, with every one after it
+    have = {p.name for p in shards}
+    kept = next(i for i in range(len(shards) + 1) if f"shard-{i:05d}.pt" not in have)
+    done = kept * cfg.shard_size
     if progress is not None:
         progress(min(done, len(todo)))
     if done >= len(todo):
@@ -162,7 +166,7 @@ def generate(
     gen = torch.Generator().manual_seed(cfg.seed * 1_000_003 + done)
     pending = list(range(done, len(todo)))
     finished: dict[int, _Slot] = {}
-    next_shard = len(shards)
+    next_shard = kept
     active: list[_Slot] = []
 
     def start(i: int) -> _Slot:

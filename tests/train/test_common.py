@@ -1,0 +1,41 @@
+"""The pieces the training commands share: the held-out split, the learning-rate schedule, length batches."""
+
+from __future__ import annotations
+
+import random
+
+import pytest
+
+from specdec.train.common import length_batches, split, warmup_cosine
+
+
+def test_every_nth_sequence_is_held_out_and_the_rest_trained_on() -> None:
+    assert split(10, 5) == ([0, 1, 2, 3, 5, 6, 7, 8], [4, 9])
+    train, held = split(47, 20)
+    assert held == [19, 39] and sorted(train + held) == list(range(47)) and not set(train) & set(held)
+    assert split(19, 20) == (list(range(19)), [])  # fewer than `every`: nothing held out (the commands refuse it)
+
+
+def test_warmup_then_cosine_to_zero() -> None:
+    assert [warmup_cosine(s, 10, 4) for s in range(4)] == [0.25, 0.5, 0.75, 1.0]  # the first step already learns
+    assert warmup_cosine(4, 10, 4) == 1.0
+    assert warmup_cosine(7, 10, 4) == pytest.approx(0.5)  # half-way through the cosine
+    assert warmup_cosine(10, 10, 4) == pytest.approx(0.0) and warmup_cosine(50, 10, 4) == pytest.approx(0.0)
+    assert warmup_cosine(0, 10, 0) == 1.0 and warmup_cosine(5, 10, 0) == pytest.approx(0.5)
+
+
+def test_length_batches_cover_each_sequence_once_within_the_token_budget() -> None:
+    rng = random.Random(0)
+    lengths = [rng.randint(1, 40) for _ in range(200)]
+    index = list(range(0, 200, 3)) + [7]
+    groups = length_batches(lengths, index, 64, random.Random(1))
+    assert sorted(i for g in groups for i in g) == sorted(index)
+    for g in groups:  # about batch_tokens padded tokens: never over, unless one sequence alone is
+        assert max(lengths[i] for i in g) * len(g) <= 64 or len(g) == 1
+    # full: no group could have taken the next-longer sequence of the order without passing the budget
+    assert sum(max(lengths[i] for i in g) * len(g) for g in groups) > 0.6 * 64 * len(groups)
+    again = length_batches(lengths, index, 64, random.Random(1))
+    assert again == groups  # deterministic in the rng
+    longest = [max(lengths[i] for i in g) for g in groups]
+    assert longest != sorted(longest)  # the groups come in a shuffled order, not shortest first
+    assert [len(g) for g in length_batches([5] * 8, list(range(8)), 20, random.Random(0))] == [4, 4]
