@@ -1111,3 +1111,82 @@ def test_a_missing_extra_is_named_in_one_line_before_any_work(capsys, tmp_path, 
     assert not out_dir.exists()  # refused before the run: no journal left behind
     code, out, err = _run(capsys, "bench", "--report-only", "--out", "benchmarks/smollm2-vs-llamacpp-m")
     assert code == 2 and "plots need the 'bench' extra" in err
+
+
+@pytest.mark.parametrize("value", ["0", "20"])
+def test_logprobs_at_either_end_of_its_range_is_accepted(capsys, value):
+    """--logprobs 0 and 20 pass the range check: the run gets as far as loading the target
+    (here one that does not exist), not a refusal of the count."""
+    pytest.importorskip("llguidance")
+    code, out, err = _run(capsys, "generate", "-p", "hi", "--target", "no-such-model", "--json", "--logprobs", value)
+    assert code == 2 and "between 0 and 20" not in err and "no-such-model" in err, err
+
+
+@pytest.mark.parametrize("value", ["0", "-3"])
+def test_prompts_file_batch_below_one_is_refused_before_the_file_is_read(capsys, tmp_path, value):
+    code, out, err = _run(capsys, "generate", "--prompts-file", str(tmp_path / "missing.jsonl"), "--target", "no-such-model",
+                          "--batch", value)
+    lines = [line for line in err.strip().splitlines() if line]
+    assert code == 2 and len(lines) == 1 and f"--batch must be >= 1, got {value}" in lines[0] and "Traceback" not in err, err
+
+
+def test_every_sampling_option_reaches_the_sampling_config():
+    from specdec import cli
+
+    args = cli.build_parser().parse_args([
+        "generate", "-p", "hi", "--temperature", "0.7", "--top-k", "5", "--top-p", "0.9", "--min-p", "0.05",
+        "--repetition-penalty", "1.1", "--frequency-penalty", "0.3", "--presence-penalty", "0.2", "--seed", "7",
+        "-n", "9", "--stop", "END", "--stop", "FIN", "--stop-token-id", "3", "--stop-token-id", "4", "--include-stop",
+        "--min-tokens", "2", "--keep-special-tokens"])
+    s = cli._sampling_from(args)
+    assert (s.temperature, s.top_k, s.top_p, s.min_p) == (0.7, 5, 0.9, 0.05)
+    assert (s.repetition_penalty, s.frequency_penalty, s.presence_penalty, s.seed, s.max_new_tokens) == (1.1, 0.3, 0.2, 7, 9)
+    assert s.stop == ("END", "FIN") and s.stop_token_ids == (3, 4) and s.include_stop and s.min_tokens == 2
+    assert s.skip_special_tokens is False
+    plain = cli._sampling_from(cli.build_parser().parse_args(["generate", "-p", "hi"]))
+    assert (plain.temperature, plain.stop, plain.stop_token_ids, plain.include_stop, plain.min_tokens) == (0.0, (), (), False, 0)
+    assert plain.skip_special_tokens is True
+
+
+def test_the_model_options_reach_the_engine(monkeypatch, capsys, tmp_path):
+    """What ``generate`` builds its engine with: every model option as given (stopped at Engine.build)."""
+    from specdec import engine
+
+    class Stop(Exception):
+        pass
+
+    seen = []
+
+    def build(cfg, progress=None):
+        seen.append(cfg)
+        raise Stop
+
+    monkeypatch.setattr(engine.Engine, "build", build)
+    with pytest.raises(Stop):
+        main(["generate", "-p", "hi", "--target", "some-target", "--draft", "some-draft", "--backend", "native",
+              "--dtype", "float32", "--draft-dtype", "float32", "--draft-vocab", "full", "--draft-temperature-factor", "0.8",
+              "--fast-attention", "--int8-kernel", "onednn", "--kv-dtype", "float16"])
+    cfg = seen[-1]
+    assert (cfg.target, cfg.draft, cfg.backend, cfg.dtype, cfg.draft_dtype, cfg.draft_vocab) == \
+        ("some-target", "some-draft", "native", "float32", "float32", "full")
+    assert (cfg.batch_invariant, cfg.int8_kernel, cfg.kv_dtype) == (False, "onednn", "float16")
+    assert float(cfg.draft_temperature_factor) == 0.8
+    with pytest.raises(Stop):
+        main(["generate", "-p", "hi", "--target", "some-target", "--draft", "some-draft"])
+    assert seen[-1].batch_invariant is True
+    with pytest.raises(Stop):  # --prompts-file: the batch engine gets its options too (no drafter)
+        import json
+
+        folder = tmp_path
+        (folder / "p.jsonl").write_text(json.dumps({"prompt": "hi"}) + "\n")
+        main(["generate", "--prompts-file", str(folder / "p.jsonl"), "--out", str(folder / "o.jsonl"), "--target", "t",
+              "--fast-attention", "--kv-dtype", "float16", "--int8-kernel", "onednn", "--dtype", "float32"])
+    cfg = seen[-1]
+    assert (cfg.target, cfg.draft, cfg.batch_invariant, cfg.kv_dtype, cfg.int8_kernel, cfg.dtype) == \
+        ("t", "none", False, "float16", "onednn", "float32")
+
+
+def test_a_remote_timeout_of_zero_is_refused(capsys):
+    code, out, err = _run(capsys, "generate", "-p", "hi", "--remote", "http://127.0.0.1:9", "--remote-timeout", "0")
+    lines = [line for line in err.strip().splitlines() if line and not line.startswith("[specdec]")]
+    assert code == 2 and len(lines) == 1 and "--remote-timeout must be > 0 seconds, got 0" in lines[0], err

@@ -29,16 +29,6 @@ class _Parser(argparse.ArgumentParser):
         self.exit(EXIT_USAGE, f"specdec: error: {message} (see {self.prog} --help)\n")
 
 
-def _positive_int(text: str) -> int:
-    try:
-        value = int(text)
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"expected an integer, got {text!r}") from None
-    if value < 1:
-        raise argparse.ArgumentTypeError(f"must be >= 1, got {value}")
-    return value
-
-
 def _add_sampling(p: argparse.ArgumentParser) -> None:
     g = p.add_argument_group("sampling (applied identically to draft and target)")
     g.add_argument("--preset", choices=sorted(defaults.SAMPLING_PRESETS), help="start from a preset (the options below override it): 'guide' = T 1.0, top-p 0.9, repetition penalty 1.1; 'greedy' = T 0")

@@ -19,6 +19,7 @@ from transformers import AutoModelForCausalLM
 from specdec.train import distill as ds
 from specdec.train.data import DataConfig, generate, load_shards
 from tests.tiny import make_tiny
+import shutil
 
 
 def _peaked(folder: Path) -> Path:
@@ -232,3 +233,36 @@ def test_on_policy_data_is_the_drafts_own_samples(setup, capsys) -> None:
     assert len(labels) == 20 and labels[0].start == shards.prompt_len[0] - 1
     card = json.loads((run / "report.json").read_text())
     assert card["finished"] and f"`{draft_dir}`-generated (on-policy) sequences" in (run / "draft" / "README.md").read_text()
+
+
+def _base(root, draft, out):
+    return ["train", "distill", "--data", str(root / "data"), "--out", str(out), "--target", str(root / "target"),
+            "--draft", str(draft), "--batch", "4", "--positions", "32"]
+
+
+def test_a_checkpoint_of_another_source_draft_is_refused(setup, capsys) -> None:
+    from specdec import cli
+
+    root, _, draft_dir, _ = setup
+    out = root / "source"
+    assert cli.main([*_base(root, draft_dir, out), "--top-k", "8", "--steps", "1"]) == 0
+    other = root / "other-draft"
+    shutil.copytree(draft_dir, other)
+    capsys.readouterr()
+    assert cli.main([*_base(root, other, out), "--top-k", "8", "--steps", "2"]) == 2
+    err = capsys.readouterr().err
+    assert "was saved by a run with source = " in err and "Traceback" not in err
+
+
+def test_labels_of_other_settings_are_made_again_not_reused(setup, capsys) -> None:
+    """labels.pt holds top-k probabilities for one --top-k: with the checkpoint gone, a run with
+    another --top-k labels the data again (it used to train on the old labels)."""
+    from specdec import cli
+
+    root, _, draft_dir, _ = setup
+    out = root / "relabel"
+    assert cli.main([*_base(root, draft_dir, out), "--top-k", "8", "--steps", "1"]) == 0
+    (out / "ckpt.pt").unlink()
+    assert cli.main([*_base(root, draft_dir, out), "--top-k", "4", "--steps", "1"]) == 0
+    saved = torch.load(out / "labels.pt", weights_only=False)
+    assert saved["key"]["top_k"] == 4 and all(x.top_p.shape[-1] == 4 for x in saved["labels"])

@@ -326,3 +326,22 @@ def test_the_command_continues_with_more_steps_and_refuses_other_settings(tmp_pa
     assert main([*base, "--steps", "30"]) == 2
     err = capsys.readouterr().err
     assert "adapter.safetensors.data.pt cannot be read" in err and "Traceback" not in err
+
+
+def test_the_command_refuses_a_checkpoint_of_other_data(tmp_path, capsys):
+    """--top-k (like --prompts, --new-tokens, --layers) makes other training data: a checkpoint
+    trained on the old data is refused in one line, naming the setting, not continued."""
+    from specdec.cli import main
+    from tiny import make_tiny
+
+    target = make_tiny(tmp_path / "target", seed=0, layers=4, max_positions=256)
+    out = tmp_path / "k" / "adapter.safetensors"
+    base = ["train", "kangaroo", "--target", str(target), "--out", str(out), "--prompts", "2", "--new-tokens", "4",
+            "--batch", "2", "--positions", "8", "--steps", "1"]
+    assert main([*base, "--top-k", "8"]) == 0
+    weights = out.read_bytes()
+    capsys.readouterr()
+    assert main([*base, "--top-k", "4"]) == 2
+    err = capsys.readouterr().err
+    assert "was saved by a run with key = " in err and "Traceback" not in err
+    assert out.read_bytes() == weights

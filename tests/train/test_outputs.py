@@ -87,3 +87,60 @@ def test_out_of_range_counts_fail_before_anything_loads(capsys, tmp_path, monkey
     monkeypatch.setattr("specdec.models.registry.load", lambda *a, **k: pytest.fail("a model was loaded"))
     code, err = _train(capsys, command, "--out", str(tmp_path / "run"), *argv)
     assert code == 2 and says in err and "Traceback" not in err and not (tmp_path / "run").exists(), err
+
+
+class Loaded(Exception):
+    """The command got past its checks: it loads a model."""
+
+
+def _no_load(monkeypatch):
+    def load(*args, **kwargs):
+        raise Loaded
+
+    monkeypatch.setattr("specdec.models.registry.load", load)
+
+
+@pytest.mark.parametrize("command, argv, says", [
+    ("data", ["--sequences", "0"], "--sequences and --batch must be >= 1"),
+    ("data", ["--batch", "0"], "--sequences and --batch must be >= 1"),
+    ("data", ["--chat-share", "1.5"], "--chat-share in [0, 1]"),
+    ("data", ["--chat-share", "-0.1"], "--chat-share in [0, 1]"),
+    ("data", ["--taps", "2,-1"], "--taps must be a non-empty comma list of non-negative integers"),
+    ("data", ["--temperatures", "0,-1"], "--temperatures needs at least one value >= 0"),
+    ("data", ["--temperatures", "x"], "--temperatures must be a comma list of numbers"),
+    ("eagle", ["--batch-tokens", "15"], "--batch-tokens >= 16"),
+    ("medusa", ["--draft-vocab", "1"], "--draft-vocab >= 2"),
+    ("online", ["--add-layers", "0,0"], "--add-layers needs distinct values"),
+    ("online", ["--add-layers", "0,-2"], "--add-layers must be a non-empty comma list of non-negative integers"),
+    ("online", ["--sequences", "0", "--gen-seconds", "0"], "give --sequences or a positive --gen-seconds"),
+    ("skip", ["--polish", "-1"], "--polish must be >= 0, got -1"),
+    ("skip", ["--prompts", "0"], "--prompts and --new-tokens must be >= 1"),
+    ("calibrate", ["--temperatures", "0"], "--temperatures must be positive numbers"),
+])
+def test_out_of_range_settings_fail_before_anything_loads(capsys, tmp_path, monkeypatch, command, argv, says):
+    _no_load(monkeypatch)
+    out = tmp_path / ("run.json" if command == "skip" else "run")
+    code, err = _train(capsys, command, "--out", str(out), *argv)
+    lines = [line for line in err.strip().splitlines() if not line.startswith("[specdec]")]
+    assert code == 2 and len(lines) == 1 and says in lines[0] and "Traceback" not in err, err
+
+
+@pytest.mark.parametrize("argv", [["--chat-share", "0"], ["--chat-share", "1"], ["--temperatures", "0"], ["--taps", "0"],
+                                  ["--sequences", "1", "--batch", "1"]])
+def test_data_settings_at_the_edge_of_their_range_are_accepted(capsys, tmp_path, monkeypatch, argv):
+    _no_load(monkeypatch)
+    with pytest.raises(Loaded):
+        _train(capsys, "data", "--out", str(tmp_path / "run"), *argv)
+
+
+def test_data_taps_up_to_the_targets_last_layer(capsys, tmp_path):
+    """A tap may name the last layer (layer count n); n + 1 is refused in one line."""
+    from tiny import make_tiny
+
+    target = make_tiny(tmp_path / "target", seed=0, layers=2, hidden=32, max_positions=128)
+    base = ["train", "data", "--target", str(target), "--sequences", "2", "--batch", "2", "--max-new-chat", "2",
+            "--max-new-code", "2"]
+    assert main([*base, "--out", str(tmp_path / "ok"), "--taps", "0,2"]) == 0
+    capsys.readouterr()
+    assert main([*base, "--out", str(tmp_path / "no"), "--taps", "3"]) == 2
+    assert "--taps must be <= the target's 2 layers" in capsys.readouterr().err

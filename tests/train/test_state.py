@@ -10,6 +10,8 @@ import pytest
 
 from specdec.errors import Terminated
 from specdec.train.state import BetweenSteps, save, write_text
+from specdec.errors import ConfigError
+from specdec.train.state import check_resume, load_json
 
 
 def test_a_file_is_written_whole_or_not_at_all(tmp_path: Path) -> None:
@@ -49,3 +51,41 @@ def test_a_signal_after_the_loops_last_check_is_not_lost() -> None:
     with pytest.raises(KeyboardInterrupt):
         with BetweenSteps():
             os.kill(os.getpid(), signal.SIGINT)  # noted; the block ends without asking
+
+
+def test_a_state_file_that_is_json_but_not_an_object_is_a_one_line_error(tmp_path: Path) -> None:
+    """A JSON list or number where a state object goes is not this command's file: a ConfigError
+    naming it (it used to reach the caller, whose ``state.get`` then failed with a traceback)."""
+    path = tmp_path / "run.json"
+    assert load_json(path) is None  # no file: nothing to resume
+    write_text(path, '{"a": 1}')
+    assert load_json(path) == {"a": 1}
+    for text in ("[1, 2]", "3", '"x"', "null"):
+        write_text(path, text)
+        with pytest.raises(ConfigError) as exc:
+            load_json(path)
+        assert str(path) in str(exc.value) and "not a JSON object" in str(exc.value)
+
+
+def test_check_resume_compares_settings_as_json_holds_them(tmp_path: Path) -> None:
+    """A setting read back from JSON (a list) equals the tuple this run asks for; settings only one
+    side recorded are not compared; a real difference names the setting, both values, and the
+    caller's way to start over."""
+    path = tmp_path / "run.json"
+    check_resume(path, {"temperatures": [0.0, 1.0], "add_layers": [0], "old": 1},
+                 {"temperatures": (0.0, 1.0), "add_layers": (0,), "new": 2})
+    with pytest.raises(ConfigError) as exc:
+        check_resume(path, {"temperatures": [0.0, 1.0]}, {"temperatures": (0.0, 0.7)}, restart="empty the folder")
+    text = str(exc.value)
+    assert "temperatures = [0.0, 1.0], this one asks for [0.0, 0.7]" in text and "empty the folder to start over" in text
+    with pytest.raises(ConfigError) as exc:
+        check_resume(path, {"lr": 0.1}, {"lr": 0.2})
+    assert "give another --out (or delete run.json) to start over" in str(exc.value)
+
+
+def test_check_resume_compares_the_runs_key_too(tmp_path: Path) -> None:
+    """The commands put the data's identity under ``key``: a checkpoint of other data is refused."""
+    path = tmp_path / "ckpt.pt"
+    check_resume(path, {"key": {"target": "a", "layers": 2}}, {"key": {"target": "a", "layers": 2}})
+    with pytest.raises(ConfigError, match="was saved by a run with key = "):
+        check_resume(path, {"key": {"target": "a", "layers": 2}}, {"key": {"target": "a", "layers": 3}})
