@@ -10,6 +10,7 @@ import torch
 
 from specdec import defaults
 from specdec.errors import ConfigError
+from specdec.models import kernels
 from specdec.sampling import (
     GUIDE_PRESET,
     PenaltyState,
@@ -27,7 +28,6 @@ from specdec.sampling import (
     target_logprobs,
 )
 from stats import ALPHA, chi_square_pvalue
-from specdec.models import kernels
 
 
 def test_guide_preset():

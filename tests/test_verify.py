@@ -8,6 +8,7 @@ import pytest
 import torch
 
 from specdec.errors import ConfigError
+from specdec.models import kernels
 from specdec.models.toy import ToyLM
 from specdec.sampling import gumbel_sample
 from specdec.verify import (
@@ -23,7 +24,6 @@ from specdec.verify import (
     token_verify,
 )
 from stats import ALPHA, chi_square_pvalue
-from specdec.models import kernels
 
 # ----------------------------------------------------------------------------- the paper's example
 # Sun et al. 2024, §2: two tokens, M_b(A) = 1/3, M_s(A) = 2/3, i.i.d. positions, γ = 2.

@@ -7,6 +7,7 @@ arithmetic), and a chi-square test of the output law in sparse-q mode with two n
 
 from __future__ import annotations
 
+import json
 import time
 
 import httpx
@@ -19,7 +20,7 @@ from specdec.drafters.hybrid import LookupThenModel
 from specdec.errors import ConfigError
 from specdec.gamma import FixedGamma
 from specdec.models.toy import ToyLM
-from specdec.remote.client import RemoteConfig, RemoteError, RemoteTarget, RemoteVerifier
+from specdec.remote.client import RemoteConfig, RemoteError, RemoteTarget, RemoteVerifier, derived_seed
 from specdec.remote.edge import generate_remote
 from specdec.sampling import SamplingConfig
 from specdec.token_filter import TokenFilter
@@ -28,8 +29,6 @@ from clock import ModelledCostGamma
 from stats import ALPHA, chi_square_pvalue, exact_law
 
 from .conftest import API_KEY
-import json
-from specdec.remote.client import derived_seed
 
 TARGET = ToyLM(4, order=2, seed=0)  # the server's model
 DRAFT = TARGET.perturbed(1.0, seed=1)
@@ -374,7 +373,10 @@ class _Silent(httpx.HTTPTransport):
         return super().handle_request(request)
 
 
-def test_the_timeout_bounds_the_whole_retry_window(toy_server, monkeypatch):
+@pytest.mark.parametrize("timeout_s, attempts", [(5, 1), (4, 2)])
+def test_the_timeout_bounds_the_whole_retry_window(toy_server, monkeypatch, timeout_s, attempts):
+    """On a fake clock, with a per-request timeout as long as the retry window or shorter: a retry
+    may only have what is left of the window."""
     clock = [0.0]
 
     def sleep(seconds: float) -> None:
@@ -383,14 +385,15 @@ def test_the_timeout_bounds_the_whole_retry_window(toy_server, monkeypatch):
     cfg = SamplingConfig(temperature=0.0, seed=1, max_new_tokens=20)
     transport = _Silent(clock)
     with httpx.Client(transport=transport, timeout=60) as client:
-        verifier = RemoteVerifier(_cfg(toy_server.url, timeout_s=5, retry_budget_s=5), [1, 2], cfg, client=client)
+        verifier = RemoteVerifier(_cfg(toy_server.url, timeout_s=timeout_s, retry_budget_s=5), [1, 2], cfg,
+                                  client=client)
         monkeypatch.setattr(time, "perf_counter", lambda: clock[0])
         monkeypatch.setattr(time, "sleep", sleep)
         from specdec.drafters.base import Draft
 
         with pytest.raises(RemoteError, match="did not answer within 5 s"):
             verifier.verify(Draft(tokens=torch.tensor([1, 2]), probs=None))
-    assert clock[0] <= 5.0 and transport.attempts >= 1
+    assert clock[0] <= 5.0 and transport.attempts >= attempts
 
 
 def test_concurrent_edges_get_independent_sessions(toy_server):
@@ -780,32 +783,6 @@ def test_creation_retries_are_counted_and_a_refused_recreation_is_retried(toy_se
     r = out.remote
     assert r["retries"] == 2 and r["session_creates"] == 2 and r["session_recreates"] == 1
     assert out.token_ids == plain.token_ids and out.lossless
-
-
-def test_a_retry_is_cut_to_what_is_left_of_the_retry_window(toy_server, monkeypatch):
-    """As test_the_timeout_bounds_the_whole_retry_window, with a per-request timeout shorter than the
-    window: the second attempt may only have the window's rest (on a fake clock)."""
-    import torch
-
-    from specdec.drafters.base import Draft
-    from specdec.remote.client import RemoteError
-
-    from .test_client import _Silent
-
-    clock = [0.0]
-
-    def sleep(seconds: float) -> None:
-        clock[0] += seconds
-
-    cfg = SamplingConfig(temperature=0.0, seed=1, max_new_tokens=20)
-    transport = _Silent(clock)
-    with httpx.Client(transport=transport, timeout=60) as client:
-        verifier = RemoteVerifier(_cfg(toy_server.url, timeout_s=4, retry_budget_s=5), [1, 2], cfg, client=client)
-        monkeypatch.setattr(time, "perf_counter", lambda: clock[0])
-        monkeypatch.setattr(time, "sleep", sleep)
-        with pytest.raises(RemoteError, match="did not answer within 5 s"):
-            verifier.verify(Draft(tokens=torch.tensor([1, 2]), probs=None))
-    assert clock[0] <= 5.0 and transport.attempts >= 2
 
 
 def _local_lossy(prompt: list[int], cfg: SamplingConfig, method: str, *, gamma: int = 3) -> list[int]:

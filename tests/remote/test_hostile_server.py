@@ -9,6 +9,8 @@ a lossy rule reported lossless; another seed reported as the one sent).  Each mu
 
 from __future__ import annotations
 
+import contextlib
+import io
 import json
 import threading
 import time
@@ -22,7 +24,6 @@ from specdec.models.registry import DATA_DIR, load_tokenizer
 from specdec.remote.client import RemoteConfig, RemoteError
 from specdec.remote.edge import generate_remote
 from specdec.sampling import SamplingConfig
-import io
 
 VOCAB = 49152
 
@@ -92,13 +93,20 @@ class _Fake(BaseHTTPRequestHandler):
         return self._send(200, json.dumps(reply).encode())
 
 
+@contextlib.contextmanager
+def _served(handler: type[_Fake]):
+    server = ThreadingHTTPServer(("127.0.0.1", 0), handler)
+    threading.Thread(target=server.serve_forever, daemon=True).start()
+    try:
+        yield f"http://127.0.0.1:{server.server_address[1]}"
+    finally:
+        server.shutdown()
+
+
 @pytest.fixture(scope="module")
 def fake():
-    server = ThreadingHTTPServer(("127.0.0.1", 0), _Fake)
-    thread = threading.Thread(target=server.serve_forever, daemon=True)
-    thread.start()
-    yield f"http://127.0.0.1:{server.server_address[1]}"
-    server.shutdown()
+    with _served(_Fake) as url:
+        yield url
 
 
 @pytest.fixture(scope="module")
@@ -225,11 +233,8 @@ class _Spoilt(_Fake):
 
 @pytest.fixture(scope="module")
 def spoilt():
-    server = ThreadingHTTPServer(("127.0.0.1", 0), _Spoilt)
-    thread = threading.Thread(target=server.serve_forever, daemon=True)
-    thread.start()
-    yield f"http://127.0.0.1:{server.server_address[1]}"
-    server.shutdown()
+    with _served(_Spoilt) as url:
+        yield url
     _Spoilt.spoil = None
 
 

@@ -4,18 +4,17 @@ stored features are the target's, and a stopped run resumes."""
 from __future__ import annotations
 
 import ast
+import json
 from pathlib import Path
 
 import pytest
 import torch
 
 from specdec.bench.workloads import BUILTIN
-from specdec.train.data import DataConfig, generate, load_shards, plan
+from specdec.errors import ConfigError
+from specdec.train.data import DataConfig, Shard, generate, load_shards, plan
 from specdec.train.prompts import chat_prompts, code_prompts
 from tests.tiny import make_tiny
-import json
-from specdec.errors import ConfigError
-from specdec.train.data import Shard
 
 
 def test_chat_prompts_are_distinct_deterministic_and_not_the_benchmarks() -> None:

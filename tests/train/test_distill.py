@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import copy
 import json
+import shutil
 from pathlib import Path
 
 import pytest
@@ -19,7 +20,6 @@ from transformers import AutoModelForCausalLM
 from specdec.train import distill as ds
 from specdec.train.data import DataConfig, generate, load_shards
 from tests.tiny import make_tiny
-import shutil
 
 
 def _peaked(folder: Path) -> Path:

@@ -8,10 +8,8 @@ from pathlib import Path
 
 import pytest
 
-from specdec.errors import Terminated
-from specdec.train.state import BetweenSteps, save, write_text
-from specdec.errors import ConfigError
-from specdec.train.state import check_resume, load_json
+from specdec.errors import ConfigError, Terminated
+from specdec.train.state import BetweenSteps, check_resume, load_json, save, write_text
 
 
 def test_a_file_is_written_whole_or_not_at_all(tmp_path: Path) -> None:
