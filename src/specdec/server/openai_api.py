@@ -1181,7 +1181,7 @@ def _tokens_and_offsets(names: _Names, token_ids: list[int], offset: int) -> tup
     for token in token_ids:
         offsets.append(offset)
         text = names.text(token)
-        tokens.append(f"token_id:{token}" if names.as_ids else text)
+        tokens.append(names.label(token))
         offset += len(utf8.decode(bytes(names.bytes(token)))) if "\ufffd" in text or utf8.getstate()[0] else len(text)
     return tokens, offsets
 
@@ -1218,7 +1218,7 @@ def _echo_logprobs(names: _Names, prompt_ids: list[int], prompt_logprobs: list |
     # the tokens after it complete), not from the second token on
     tokens, offsets = _tokens_and_offsets(names, prompt_ids, 0)
     scored = _legacy_scores(names, prompt_ids[1:], prompt_logprobs)
-    return {"tokens": [names.label(prompt_ids[0]), *tokens[1:]],
+    return {"tokens": tokens,
             "token_logprobs": [None, *scored["token_logprobs"]],
             "top_logprobs": [None, *scored["top_logprobs"]],
             "text_offset": offsets}
