@@ -9,7 +9,7 @@ from pathlib import Path
 import pytest
 
 from specdec.errors import ConfigError, Terminated
-from specdec.train.state import BetweenSteps, check_resume, load_json, save, write_text
+from specdec.train.state import BetweenSteps, check_resume, load, load_json, save, write_text
 
 
 def test_a_file_is_written_whole_or_not_at_all(tmp_path: Path) -> None:
@@ -63,6 +63,18 @@ def test_a_state_file_that_is_json_but_not_an_object_is_a_one_line_error(tmp_pat
         with pytest.raises(ConfigError) as exc:
             load_json(path)
         assert str(path) in str(exc.value) and "not a JSON object" in str(exc.value)
+
+
+def test_a_folder_where_a_state_file_goes_is_a_one_line_error(tmp_path: Path) -> None:
+    """A folder standing at a state file's path is refused on reading, naming it: read as "no
+    state" it let a run start over and fail only at its first save, with a traceback."""
+    for reader in (load, load_json):
+        path = tmp_path / f"{reader.__name__}.state"
+        assert reader(path) is None
+        path.mkdir()
+        with pytest.raises(ConfigError) as exc:
+            reader(path)
+        assert str(path) in str(exc.value) and "not a file" in str(exc.value)
 
 
 def test_check_resume_compares_settings_as_json_holds_them(tmp_path: Path) -> None:

@@ -35,9 +35,19 @@ def _unreadable(path: Path, exc: Exception) -> ConfigError:
                        " command's: delete it to redo that part")
 
 
+def _present(path: Path) -> bool:
+    """Whether a state file is at ``path``; anything else standing there (a folder) is a one-line
+    ConfigError now, not a crash when the run first saves there, maybe hours later."""
+    if path.is_file():
+        return True
+    if path.exists():
+        raise ConfigError(f"{path} is not a file: move it away, or give another --out")
+    return False
+
+
 def load(path: Path, *, map_location: Any = None) -> Any | None:
     """The torch object saved at ``path``, None where there is no file, or a one-line ConfigError."""
-    if not path.is_file():
+    if not _present(path):
         return None
     try:
         return torch.load(path, weights_only=False, map_location=map_location)
@@ -47,7 +57,7 @@ def load(path: Path, *, map_location: Any = None) -> Any | None:
 
 def load_json(path: Path) -> dict | None:
     """The JSON object at ``path``, None where there is no file, or a one-line ConfigError."""
-    if not path.is_file():
+    if not _present(path):
         return None
     try:
         value = json.loads(path.read_text(encoding="utf-8"))
