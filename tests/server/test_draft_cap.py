@@ -20,6 +20,7 @@ def test_cap_counts_leading_positions_above_the_threshold():
     assert cap_from([0.5, 0.3, 0.1, 0.4], 0.25) == 2  # stops at the first position below
     assert cap_from([0.5, 0.3], 0.6) == 0
     assert cap_from([0.9, 0.8], 0.0) == 2
+    assert cap_from([0.5, 0.25, 0.4], 0.25) == 1  # a position at the threshold exactly does not pay
 
 
 def test_row_costs_fit_a_line_and_refuse_a_constant_batch():
@@ -135,8 +136,9 @@ def test_a_cost_curve_reads_each_rows_own_marginal_cost():
 
     assert threshold(curve, 2) < 0.1 * threshold(line, 2)  # a single user: rows nearly free
     assert threshold(curve, 96) == pytest.approx(threshold(line, 96), rel=0.1)  # a busy server: alike
-    with pytest.raises(ValueError):
-        RowCosts((4, 2), (0.1, 0.2))
+    for rows in ((4, 2), (2, 2, 4)):  # falling, or a row count twice (a piece of zero width)
+        with pytest.raises(ValueError):
+            RowCosts(rows, (0.1, 0.2, 0.3)[: len(rows)])
 
 
 def test_positions_never_drafted_are_not_cut_and_cut_ones_are_probed():
@@ -180,6 +182,27 @@ def test_a_cap_that_does_not_bind_is_not_counted_towards_a_probe():
     assert got[0] == 1 and set(got[1:6]) == {1}
     assert cap.cap("greedy", wanted=3) == 2  # the fourth binding cap probes position 2
     assert cap.cap("greedy", wanted=3) == 1
+
+
+def test_a_probe_never_asks_past_the_longest_tracked_position():
+    """A wire that no position cuts is capped at ``max_positions``, probes included (a probe is one
+    position past the cut, and there is no position past the last one)."""
+    cap = DraftCap(CapConfig(window_s=1e9, min_passes=1, min_rounds=1, max_positions=3, probe_every=1),
+                   costs=(0.002, 0.001))
+    cap.observe_pass(3, 0.005)
+    cap.observe_tokens(2)
+    cap.observe_round("greedy", 3, 3)
+    assert [cap.cap("greedy") for _ in range(3)] == [3, 3, 3]
+
+
+def test_the_marginal_share_of_a_row_is_at_most_one():
+    """m = b / (T / R) is clamped to [0, 1]: a fitted line with a negative intercept (noise at
+    small row counts) would read one more row as dearer than an average one."""
+    cap = DraftCap(CapConfig(window_s=1e9, min_passes=1, min_rounds=1), costs=(-0.01, 0.002))
+    cap.observe_pass(10, 0.01)  # the line: 0.01 s at 10 rows, slope 0.002: m = 0.02 / 0.01 = 2
+    cap.observe_tokens(4)
+    cap.observe_round("greedy", 2, 1)
+    assert cap.estimate("greedy")[0] == pytest.approx(4 / 10)  # m ρ with m = 1
 
 
 def test_no_cap_before_enough_passes():
@@ -369,6 +392,20 @@ def test_the_window_forgets_what_it_trims():
     new, _ = cap.estimate("openai", server_drafted=True)
     # m = 0.04 / 0.05 = 0.8, T/R = 0.1 / 40, draft 0.05 s per drafted token (kept), E = 20
     assert new == pytest.approx((0.8 * 0.1 / 40 + 0.025) * 20 / 0.1) and new != old
+
+
+def test_a_window_emptied_by_the_trim_sums_to_exact_zeros():
+    """Float sums that lose every entry are set back to 0 rather than left at the rounding residue
+    of adding and removing them (0.1 + 0.2 - 0.1 - 0.2 is 2.8e-17, not 0)."""
+    from specdec.server.draft_cap import _Window
+
+    window = _Window(1)
+    window.add(0.0, 0.1)
+    window.add(0.0, 0.2)
+    window.trim(1.0)
+    assert len(window) == 0 and window.sums == [0]
+    window.add(2.0, 0.3)
+    assert window.sums == [0.3]
 
 
 def test_capped_gamma_takes_the_ceiling_and_reports_rounds():
