@@ -3,10 +3,11 @@
 from __future__ import annotations
 
 import json
+from types import SimpleNamespace
 
 import pytest
 
-from specdec.batch_file import parse_prompt_lines
+from specdec.batch_file import SHAPING, done_lines, needs_chat, parse_prompt_lines, settings_key
 from specdec.cli import main
 from specdec.engine import Engine, EngineConfig
 from specdec.errors import SpecdecError
@@ -36,13 +37,46 @@ def test_prompt_lines_parse_and_bad_lines_name_their_number():
                      # a misspelt field was ignored (the prompt ran without its system message)
                      ('{"prompt": "Hi", "sytem": "be terse"}', "unknown field 'sytem'"),
                      ('{"messages": [{"role": "user", "content": "Hi"}], "system": "a pirate"}', "take no \"system\""),
-                     ('{"messages": [{"role": "user", "content": "Hi"}], "suffix": "x"}', "take no \"system\" or \"suffix\"")]:
+                     ('{"messages": [{"role": "user", "content": "Hi"}], "suffix": "x"}', "take no \"system\" or \"suffix\""),
+                     ('{"id": 3}', "exactly one"), ('{"messages": []}', "non-empty list"),
+                     ('{"prompt": "a", "suffix": 3}', "must be strings"),
+                     ('{"prompt": "a", "suffix": "b", "system": "c"}', "takes no \"system\"")]:
         with pytest.raises(SpecdecError, match=f"f line 2: .*{why}"):
             parse_prompt_lines('"fine"\n' + bad, "f")
+    assert [p.text for p in parse_prompt_lines('"a"\n   \n\t\n"b"', "f")] == ["a", "b"]  # blank: whitespace too
     kept = parse_prompt_lines('{"prompt": "Hi", "id": 7, "metadata": {"k": 1}}', "f")  # echoed back, not refused
     assert kept[0].text == "Hi" and kept[0].value["id"] == 7
     # U+2028 / U+0085 inside a string (json.dumps(..., ensure_ascii=False) writes them raw): one line
     assert [p.text for p in parse_prompt_lines('"a\u2028b\u0085c"\r\n"d"', "f")] == ["a\u2028b\u0085c", "d"]
+
+
+def test_which_lines_need_the_chat_template():
+    """Messages always, a line with its own system message always, a plain line with --chat, and a
+    line that fills a gap never (it is plain text: with --chat it is refused for that, not for a
+    model's missing template)."""
+    got = parse_prompt_lines("\n".join(LINES[:2] + LINES[3:4] + ['{"prompt": "def f(", "suffix": ")"}']), "f")
+    assert [needs_chat(p, chat=False) for p in got] == [False, True, True, False]
+    assert [needs_chat(p, chat=True) for p in got] == [True, True, True, False]
+
+
+def test_the_settings_key_leaves_the_default_cache_type_out():
+    """Results written before ``--kv-dtype`` existed keep their key: the option counts only where
+    it is set to something other than ``auto``."""
+    args = SimpleNamespace(**{name: None for name in SHAPING})
+    key = settings_key(args)
+    assert settings_key(SimpleNamespace(**vars(args), kv_dtype="auto")) == key
+    assert settings_key(SimpleNamespace(**vars(args), kv_dtype="float16")) != key
+    assert settings_key(SimpleNamespace(**{**vars(args), "seed": 1})) != key
+
+
+def test_more_results_than_prompts_is_a_file_for_other_prompts(tmp_path):
+    prompts = parse_prompt_lines('"a"\n"b"', "f")
+    out = tmp_path / "r.jsonl"
+    out.write_text("".join(json.dumps({"index": i, "prompt": p}) + "\n" for i, p in enumerate(["a", "b", "c"])))
+    with pytest.raises(SpecdecError, match="other prompts \\(line 3\\)"):
+        done_lines(out, prompts)
+    out.write_text("".join(json.dumps({"index": i, "prompt": p}) + "\n" for i, p in enumerate(["a", "b"])))
+    assert done_lines(out, prompts) == (2, len(out.read_bytes()))
 
 
 def test_results_in_input_order_equal_single_prompt_generation(capsys, target, tmp_path):

@@ -81,13 +81,14 @@ def test_generate_fills_a_gap_from_the_command_line(filling, capsys):
 def test_a_prompts_file_fills_gaps_line_by_line(filling, tmp_path, capsys):
     """``--prompts-file`` lines with a ``"suffix"``: each result is what ``generate --suffix`` gives
     for that line alone (greedy), a plain line beside them what ``generate`` gives; a suffix with a
-    system message is a clear error."""
+    system message is a clear error.  The plain line comes first: the end-of-file stop applies
+    wherever any line fills a gap, not only where the first one does."""
     import json
 
     from specdec.cli import main
 
     _, folder, _ = filling
-    lines = [{"prompt": BEFORE, "suffix": AFTER}, {"prompt": "", "suffix": AFTER}, "def mul(a, b):"]
+    lines = ["def mul(a, b):", {"prompt": BEFORE, "suffix": AFTER}, {"prompt": "", "suffix": AFTER}]
     src = tmp_path / "prompts.jsonl"
     src.write_text("\n".join(json.dumps(x) for x in lines) + "\n")
     common = ["--target", str(folder), "-n", "10", "-t", "0"]
@@ -98,7 +99,7 @@ def test_a_prompts_file_fills_gaps_line_by_line(filling, tmp_path, capsys):
         argv = ["-p", line] if isinstance(line, str) else ["-p", line["prompt"], "--suffix", line["suffix"]]
         assert main(["generate", *argv, *common, "--draft", "none", "--json"]) == 0
         alone.append(json.loads(capsys.readouterr().out)["token_ids"])
-    assert [r["token_ids"] for r in rows] == alone and rows[0]["prompt_tokens"] > rows[1]["prompt_tokens"]
+    assert [r["token_ids"] for r in rows] == alone and rows[1]["prompt_tokens"] > rows[2]["prompt_tokens"]
     assert main(["generate", "--prompts-file", str(src), *common, "--allowed-token-id", "6"]) == 0  # <|fim_pad|> only
     rows = [json.loads(x) for x in capsys.readouterr().out.splitlines()]
     assert all(r["finish_reason"] != "length" and r["generated_tokens"] == 1 and r["text"] == "" for r in rows)
