@@ -1,11 +1,14 @@
 """Prompts, streaming detokenisation and stop strings (with SmolLM2's real tokenizer)."""
 
+import json
+
 import pytest
 from transformers import AutoTokenizer
 
 from specdec.errors import ConfigError
 from specdec.models.registry import DATA_DIR
-from specdec.text import StopStrings, TextSink, TextStream, encode_prompt, trim_at_stop
+from specdec.text import (StopStrings, TextSink, TextStream, encode_prompt, logprob_rows, output_stop, prompt_ids, stop_cut,
+                          trim_at_stop)
 
 
 @pytest.fixture(scope="module")
@@ -307,3 +310,100 @@ def test_the_full_decode_stream_never_shows_half_a_character(tok):
     assert stream._incremental is None
     pieces = [stream.push([t]) for t in ids]
     assert "".join(pieces) == text and all("\ufffd" not in p for p in pieces)
+
+
+def test_a_chat_prompt_carries_the_system_message(tok):
+    """``encode_prompt(..., chat=True, system=...)`` (``--system``) puts the system turn in the
+    conversation the template renders; without it the template's default system turn (if any)
+    stands instead."""
+    with_system = tok.decode(encode_prompt(tok, "Hi!", chat=True, system="Answer like a pirate."))
+    assert "<|im_start|>system\nAnswer like a pirate.<|im_end|>" in with_system
+    assert "Answer like a pirate." not in tok.decode(encode_prompt(tok, "Hi!", chat=True))
+
+
+def test_a_boolean_is_not_a_token_id():
+    """``True`` is an ``int`` subclass; read as id 1 it would silently change the prompt."""
+    assert prompt_ids([0, 5, 9], 10) == [0, 5, 9]
+    for bad in ([True, 5], [5, False]):
+        with pytest.raises(ConfigError, match="must be an integer id, got (True|False)"):
+            prompt_ids(bad, 10)
+
+
+def test_a_stop_string_at_the_very_start_of_the_text_is_found():
+    """A stop string at index 0 cuts the whole text (``find`` returns 0, a falsy hit and cut)."""
+    assert stop_cut("STOP abc", ("STOP",)) == 0
+    assert stop_cut("STOP abc", ("STOP",), keep=True) == 4
+    assert trim_at_stop("STOP abc", ("STOP",)) == ""
+    assert trim_at_stop("STOP abc", ("STOP",), keep=True) == "STOP"
+
+
+def test_output_stop_applies_min_tokens(tok):
+    """The decoder's stop check built from sampling options honours ``min_tokens``: a stop string
+    inside the first ``min_tokens`` tokens' text does not end the output."""
+    from specdec.sampling import SamplingConfig
+
+    ids = tok.encode("one. two three. four", add_special_tokens=False)
+    assert tok.decode(ids[:2]) == "one."  # the premise: the first stop lies in the first two tokens
+    stop = output_stop(tok, SamplingConfig(stop=(".",), min_tokens=2))
+    keep = stop(ids)
+    assert keep == StopStrings(tok, (".",), min_tokens=2)(ids)
+    assert tok.decode(ids[:keep]).endswith("three.")
+
+
+def test_logprob_rows_write_minus_infinity_as_minus_9999(tok):
+    """A token the processing removed has log-probability -inf; JSON has no infinity, so the rows
+    carry OpenAI's -9999.0 (both for the chosen token and its alternatives)."""
+    rows = logprob_rows(tok, [5], [(float("-inf"), [(7, -0.5), (9, float("-inf"))])])
+    assert rows[0]["logprob"] == -9999.0 and [t["logprob"] for t in rows[0]["top"]] == [-0.5, -9999.0]
+    json.dumps(rows, allow_nan=False)  # valid strict JSON
+    assert rows[0]["token"] == tok.decode([5]) and rows[0]["top"][1]["id"] == 9
+
+
+class _RewritingTokenizer:
+    """A slow tokenizer whose decode rewrites earlier text once more tokens come (as clean-up of
+    tokenization spaces does: ``"a ."`` -> ``"a."``)."""
+
+    def decode(self, tokens, skip_special_tokens=True):
+        text = "".join({1: "a", 2: " ", 3: "."}[t] for t in tokens)
+        return text.replace(" .", ".")
+
+
+def test_the_full_decode_stream_shows_nothing_where_earlier_text_was_rewritten():
+    """Where the whole output's decode no longer starts with what was shown, the push shows
+    nothing (text already out cannot be taken back) instead of a slice from the wrong place."""
+    stream = TextStream(_RewritingTokenizer())
+    assert stream.push([1]) == "a" and stream.push([2]) == " "
+    assert stream.push([3, 1]) == ""  # "a.a" does not extend "a ": no slice of it is new text
+    assert stream.text == "a.a"
+
+
+class _CleaningTokenizer:
+    """A fast tokenizer (it has a ``_tokenizer`` backend) whose decode cleans up tokenization
+    spaces, as transformers does for WordPiece ones: ``"a ,"`` -> ``"a,"``."""
+
+    clean_up_tokenization_spaces = True
+
+    def __init__(self, tok):
+        self._tok = tok
+        self._tokenizer = tok.backend_tokenizer
+
+    def decode(self, tokens, skip_special_tokens=True):
+        text = self._tok.decode(tokens, skip_special_tokens=skip_special_tokens)
+        for before, after in ((" ,", ","), (" .", "."), (" !", "!"), (" 's", "'s")):
+            text = text.replace(before, after)
+        return text
+
+
+def test_a_tokenizer_that_cleans_up_spaces_is_streamed_by_full_decodes(tok):
+    """``clean_up_tokenization_spaces`` rewrites text across token boundaries, which the
+    incremental ``DecodeStream`` does not: such a tokenizer's stream decodes the whole output, so
+    the streamed text is the cleaned-up full decode."""
+    clean = _CleaningTokenizer(tok)
+    ids = tok.encode("Hello , world . It 's fine !", add_special_tokens=False)
+    want = clean.decode(ids)
+    assert want == "Hello, world. It's fine!"  # the premise: clean-up changes this text
+    stream = TextStream(clean)
+    assert stream._incremental is None
+    for t in ids:
+        stream.push([t])
+    assert stream.text == want

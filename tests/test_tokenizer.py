@@ -73,3 +73,34 @@ def test_added_tokens_and_the_serialised_backend_are_transformers(smollm2):
     by text; the backend llguidance reads) is what transformers' tokenizer answers."""
     assert smollm2.get_added_vocab() == smollm2.hf.get_added_vocab() and len(smollm2.get_added_vocab()) > 10
     assert smollm2.backend_json() == smollm2.hf.backend_tokenizer.to_str()
+
+
+class _Wrapped:  # what a transformers fast tokenizer holds
+    def __init__(self, backend):
+        self._tokenizer = backend
+
+    def decode(self, ids: list[int]) -> str:
+        return self._tokenizer.decode(ids)
+
+
+def test_a_non_ascii_added_token_is_its_texts_utf8(smollm2):
+    """An added token is its text in UTF-8, not read through the byte-level alphabet: "é" and "ú"
+    are byte-level stand-ins for the single bytes 0xE9 / 0xFA, which would give Latin-1 bytes."""
+    backend = smollm2._tokenizer.__class__.from_str(smollm2._tokenizer.to_str())
+    backend.add_tokens(["<café>", "ñandú"])
+    own = TokenBytes(_Wrapped(backend))
+    for text in ("<café>", "ñandú"):
+        assert own(backend.token_to_id(text)) == text.encode("utf-8")
+
+
+def test_only_a_whole_byte_token_is_read_as_its_byte():
+    """In a byte-fallback vocabulary only ``<0xNN>`` is a byte token; a six-character piece that
+    merely starts with ``<0x`` is text like any other."""
+    from tokenizers import Tokenizer, decoders, models
+
+    vocab = {"<unk>": 0, "<0x41": 1, "<0x41!": 2, **{f"<0x{b:02X}>": 3 + b for b in range(256)}}
+    backend = Tokenizer(models.BPE(vocab, [], unk_token="<unk>", byte_fallback=True))
+    backend.decoder = decoders.Sequence([decoders.Replace("\u2581", " "), decoders.ByteFallback(), decoders.Fuse()])
+    own = TokenBytes(_Wrapped(backend))
+    assert own(3 + 0x41) == b"A"  # a byte token
+    assert own(2) == b"<0x41!"

@@ -105,3 +105,20 @@ def test_a_gguf_whose_layers_disagree_with_its_block_count_is_refused_before_con
     with pytest.raises(ConfigError, match=says):  # refused before the converter reads the file
         convert_gguf(path, tmp_path / "converted")
     assert not list(tmp_path.glob("converted*"))
+
+
+def test_a_matrix_whose_rows_are_not_whole_blocks_is_a_one_line_config_error(tmp_path):
+    """A Q4_1 matrix of 48 inputs a row (one and a half 32-input blocks), the file holding all its
+    bytes: refused, not read as one block a row with the rest of each row taken for the next."""
+    def file(k: int) -> bytes:
+        tensor = _s(b"blk.0.ffn_up.weight") + struct.pack("<I", 2) + struct.pack("<QQ", k, 4) + struct.pack("<IQ", 3, 0)
+        header = _gguf(ARCH, n_kv=1, n_tensors=1, tensors=tensor)
+        return header + b"\0" * (-len(header) % 32 + 4 * 2 * 20)  # room for 4 rows of two Q4_1 blocks
+
+    path = tmp_path / "odd.gguf"
+    path.write_bytes(file(64))
+    assert read_q4_blocks(path, 4, 2)["model.layers.0.mlp.up_proj.weight"].qs.shape[:2] == (4, 2)  # whole blocks: read
+    path.write_bytes(file(48))
+    with pytest.raises(ConfigError, match="does not fit whole blocks") as err:
+        read_q4_blocks(path, 4, 2)
+    assert "\n" not in str(err.value)

@@ -15,7 +15,7 @@ import specdec.models.linear as linear_mod
 from specdec.models.linear import (W8A8Linear, W8A8OneDNNLinear, _has_vnni, mixed_available, onednn_int8_available,
                                    w8a8_available)
 from specdec.models.native import NativeCausalLM
-from specdec.models.quantize import calibration_ids, smoothing
+from specdec.models.quantize import RangeRecorder, calibration_ids, smoothing
 from specdec.models.scripted import compiled_layers
 from tiny import make_tiny
 
@@ -640,3 +640,59 @@ def test_a_staging_buffer_grown_under_inference_mode_is_written_outside_it():
         grown = lin(x)
     for m in (n, n - 1):  # the view it made, and a new view of the grown buffer
         assert torch.equal(lin(x[:m]), grown[:m])
+
+
+class _Linear:
+    """A float linear layer as the calibration pass wraps it (``__call__`` and ``scaled``)."""
+
+    def __init__(self, weight: torch.Tensor) -> None:
+        self.weight, self.bias = weight, None
+
+    def __call__(self, x: torch.Tensor) -> torch.Tensor:
+        return x @ self.weight.t()
+
+    def scaled(self, x: torch.Tensor, row_scale: torch.Tensor) -> torch.Tensor:
+        return (x * row_scale) @ self.weight.t()
+
+
+def test_the_range_recorder_keeps_each_channels_largest_magnitude_over_every_pass():
+    """Per input channel the largest |x| over every call (a negative input counts by its size; a
+    later, smaller pass does not lower it); ``scaled`` records the rows as the layer sees them
+    (times their scale); the wrapped layer's product is returned unchanged."""
+    w = torch.arange(6, dtype=torch.float32).reshape(2, 3)
+    rec = RangeRecorder(_Linear(w))
+    x1 = torch.tensor([[-5.0, 1.0, 0.5], [2.0, -0.25, 0.0]])
+    assert torch.equal(rec(x1), x1 @ w.t())
+    assert torch.equal(rec.absmax, torch.tensor([5.0, 1.0, 0.5]))
+    rec(torch.tensor([[1.0, -3.0, 0.25]]))
+    assert torch.equal(rec.absmax, torch.tensor([5.0, 3.0, 0.5]))
+    out = rec.scaled(torch.tensor([[0.5, 0.5, -0.5]]), torch.tensor([[4.0]]))
+    assert torch.equal(out, torch.tensor([[2.0, 2.0, -2.0]]) @ w.t())
+    assert torch.equal(rec.absmax, torch.tensor([5.0, 3.0, 2.0]))
+
+
+def test_smoothing_is_smoothquants_formula_for_any_strength():
+    """``s_j = max|X_j|^a / max|W_j|^(1-a)``, clamped to [0.01, 100]: at a = 0.5 the two exponents
+    coincide, so another strength is what tells them apart."""
+    absmax = torch.tensor([16.0, 1.0, 4.0])
+    weight = torch.tensor([[1.0, -2.0, 0.5], [-4.0, 1.0, 0.25]])  # column max |w|: 4, 2, 0.5
+    for alpha in (0.25, 0.5, 0.75):
+        want = absmax.pow(alpha) / torch.tensor([4.0, 2.0, 0.5]).pow(1 - alpha)
+        assert torch.allclose(smoothing(absmax, weight, alpha), want, rtol=1e-6), alpha
+    assert smoothing(None, weight) is None
+
+
+def test_the_calibration_source_digest_covers_the_calibration_text(tmp_path, monkeypatch):
+    """The calibration cache's key changes with the text the ranges are measured on: an edited
+    CALIBRATION_TEXT must not read back ranges measured on the old one."""
+    import shutil
+
+    from specdec.models import quantize
+    from specdec.models.registry import DATA_DIR
+
+    shutil.copy(DATA_DIR / "smollm2-135m-draft" / "tokenizer.json", tmp_path / "tokenizer.json")
+    before = quantize.calibration_source(tmp_path)
+    assert before is not None and quantize.calibration_source(tmp_path) == before
+    monkeypatch.setattr(quantize, "CALIBRATION_TEXT", quantize.CALIBRATION_TEXT + "One more line.\n")
+    assert quantize.calibration_source(tmp_path) != before
+    assert quantize.calibration_source(tmp_path / "nowhere") is None

