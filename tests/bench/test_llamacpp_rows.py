@@ -1,5 +1,9 @@
-"""The llama.cpp rows of ``specdec bench``: planning, metrics and report on synthetic samples, and
-the GGUF export's tensor layout (none of this needs llama.cpp itself)."""
+"""The llama.cpp rows of ``specdec bench``: planning, metrics and report on synthetic samples, the
+GGUF export's tensor layout, and the runner and its draft against a scripted stand-in for the
+binding (none of this needs llama.cpp itself)."""
+
+import sys
+import types
 
 import numpy as np
 import pytest
@@ -187,5 +191,111 @@ def test_llamacpp_context_holds_the_longest_prompt_its_reply_and_one_draft():
     assert context_for(40, 128) == N_CTX  # short prompts keep the smallest context
     assert context_for(1_900, 128, 16) == 2_048  # 1,900 + 128 + 16 + 1 = 2,045 fits
     assert context_for(1_950, 128, 16) == 2_304  # 2,095, rounded up to 256
+    assert context_for(1_904, 128, 16) == 2_304  # 1,904 + 128 + 16 = 2,048, and the draft's call one more
     n = context_for(3_000, 256, 16)
     assert n % 256 == 0 and n >= 3_000 + 256 + 16 + 1 and n - 256 < 3_000 + 256 + 16 + 1
+
+
+class _FakeLlama:
+    """A scripted stand-in for ``llama_cpp.Llama``: ``eval`` appends to the sequence (from
+    ``n_tokens``, as the binding does), the next-token logits are ``LOGITS[last token]``, and
+    ``generate`` evaluates the prompt, then one token a call, each the logits' arg-max."""
+
+    LOGITS: dict[int, list[float]] = {}
+    made: list["_FakeLlama"] = []
+
+    def __init__(self, model_path: str, **kwargs) -> None:
+        self.kwargs, self.evals, self.seed, self.generate_kwargs = kwargs, [], None, None
+        self.input_ids, self.n_tokens = np.zeros(64, dtype=np.intc), 0
+        _FakeLlama.made.append(self)
+
+    def eval(self, tokens) -> None:
+        self.evals.append(list(tokens))
+        self.input_ids[self.n_tokens:self.n_tokens + len(tokens)] = tokens
+        self.n_tokens += len(tokens)
+        _CLOCK[0] += len(tokens)  # a token scored costs one (fake) second
+
+    def reset(self) -> None:
+        self.n_tokens = 0
+
+    def set_seed(self, seed: int) -> None:
+        self.seed = seed
+
+    def last_logits(self) -> np.ndarray:
+        return np.asarray(self.LOGITS[int(self.input_ids[self.n_tokens - 1])], dtype=np.float32)
+
+    def generate(self, ids, **kwargs):
+        self.generate_kwargs = kwargs
+        self.eval(ids)
+        while True:
+            tok = int(np.argmax(self.last_logits()))
+            yield tok
+            self.eval([tok])
+
+
+_CLOCK = [0.0]
+
+
+@pytest.fixture
+def fake_binding(monkeypatch):
+    """``llama_cpp`` (and its ``llama_speculative``) as the scripted stand-in, on a fake clock."""
+    from specdec.bench import llamacpp
+
+    module = types.SimpleNamespace(Llama=_FakeLlama)
+    speculative = types.SimpleNamespace(LlamaPromptLookupDecoding=lambda: "lookup drafter")
+    monkeypatch.setitem(sys.modules, "llama_cpp", module)
+    monkeypatch.setitem(sys.modules, "llama_cpp.llama_speculative", speculative)
+    monkeypatch.setattr(llamacpp, "_last_logits", lambda llm: llm.last_logits())
+    monkeypatch.setattr(llamacpp, "time", types.SimpleNamespace(perf_counter=lambda: _CLOCK[0]))
+    monkeypatch.setattr("specdec.bench.gguf_export.draft_gguf", lambda draft, target: target.with_name("draft.gguf"))
+    _FakeLlama.made.clear()
+    inf = -np.inf  # next tokens: 1 -> 2 (p = 0.5 exactly, tied with 6), 2 -> 3 (p ~0.90), 3 -> 4 (~0.22),
+    _FakeLlama.LOGITS = {1: [inf, inf, 0, inf, inf, inf, 0], 2: [0, 0, 0, 4, 0, 0, 0],  # 4 -> 5, 5 -> 6 (~1),
+                         3: [0, 0, 0, 0, 0.5, 0, 0], 4: [0, 0, 0, 0, 0, 9, 0],  # 6 -> 0 (~0.22)
+                         5: [0, 0, 0, 0, 0, 0, 9], 6: [0.5, 0, 0, 0, 0, 0, 0]}
+    return llamacpp
+
+
+def test_the_gguf_draft_keeps_its_cache_in_step_and_stops_below_p_min(fake_binding):
+    """The draft model drafts greedily while its top probability is at least ``p_min`` (0.5 exactly
+    goes on, as llama.cpp's ``p < p_min`` test does), stops after the first token below it, and does
+    not feed its last token back; the next call keeps the common prefix and always re-scores one
+    token, so its logits are fresh."""
+    llm = _FakeLlama("draft.gguf")
+    draft = fake_binding.GGUFDraft(llm, draft_max=8, p_min=0.5)
+    assert draft(np.asarray([1], dtype=np.intc)).tolist() == [2, 3, 4]  # 4 came at p ~0.27: the last
+    assert llm.evals == [[1], [2], [3]] and llm.n_tokens == 3
+    assert draft(np.asarray([1, 2, 3], dtype=np.intc)).tolist() == [4]  # the whole prefix kept: [3] again
+    assert llm.evals[3:] == [[3]]
+    assert draft(np.asarray([1, 2, 6], dtype=np.intc)).tolist() == [0]  # 6 follows 2: from there
+    assert llm.evals[4:] == [[6]] and (draft.calls, draft.proposed) == (3, 5)
+    short = fake_binding.GGUFDraft(_FakeLlama("draft.gguf"), draft_max=2, p_min=0.0)
+    assert short(np.asarray([3], dtype=np.intc)).tolist() == [4, 5] and short.llm.evals == [[3], [4]]
+    draft.reset()
+    assert (draft.calls, draft.proposed, draft.seconds, llm.n_tokens) == (0, 0, 0.0, 0)
+
+
+def test_the_runner_loads_each_variant_and_counts_one_generations_calls(fake_binding, tmp_path):
+    """Every model gets the job's context, threads and flash attention; the speculative ones score
+    every position (``logits_all``, sized by the context); a row counts the target's calls, the
+    tokens they scored and the prompt's pass of the generation it describes, passes the sampler
+    llama.cpp's settings (top-k and min-p off), the seed and the penalty, and stops at
+    ``max_new`` or an end-of-sequence token."""
+    runner = fake_binding.LlamaCppRunner.load(tmp_path / "t.gguf", ["plain", "spec", "lookup"], draft="d",
+                                              eos_ids=frozenset({0}), threads=3, n_ctx=4096)
+    target, draft_llm, spec, lookup = _FakeLlama.made
+    for llm in _FakeLlama.made:
+        assert llm.kwargs["n_ctx"] == 4096 and llm.kwargs["n_threads"] == llm.kwargs["n_threads_batch"] == 3
+        assert llm.kwargs["flash_attn"] is True
+    assert not target.kwargs.get("logits_all") and not draft_llm.kwargs.get("logits_all")
+    assert spec.kwargs["logits_all"] and lookup.kwargs["logits_all"] and lookup.kwargs["draft_model"] == "lookup drafter"
+    assert spec.kwargs["draft_model"] is runner.draft and runner.draft.llm is draft_llm
+    assert runner.draft_gguf == tmp_path / "draft.gguf"
+    row = runner.generate("plain", [1, 1, 1, 2], temperature=0.7, seed=11, max_new=3, top_p=0.9, repetition_penalty=1.2)
+    assert target.seed == 11 and target.generate_kwargs == dict(temp=0.7, top_k=0, top_p=0.9, min_p=0.0, typical_p=1.0,
+                                                                repeat_penalty=1.2)
+    assert (row["generated_tokens"], row["finish_reason"]) == (3, "length")  # 3, 4, 5
+    assert (row["target_calls"], row["target_tokens_scored"], row["prefill_s"]) == (3, 6, 4.0)
+    row = runner.generate("plain", [5], temperature=0.0, seed=1, max_new=10)  # 6, then 0: the end
+    assert (row["generated_tokens"], row["finish_reason"], row["target_calls"], row["target_tokens_scored"]) == (2, "eos", 2, 2)
+    assert row["prefill_s"] == 1.0 and target.generate_kwargs["repeat_penalty"] == 1.0
