@@ -285,3 +285,157 @@ def test_our_format_checks_its_draft_vocabulary_too(tmp_path):
     bad.d2t[-1] = V  # past the target's rows
     with pytest.raises(ConfigError, match="strictly increasing token ids in 0..63"):
         drafter_for(bad, tiny_native().embed)
+
+
+def _one_row_logits(head, feats, emb):
+    """One committed row through the loaded head (as the format test does)."""
+    from specdec.heads.modules import rope_tables
+
+    with torch.no_grad():
+        g = head.fuse(feats[None, None])
+        a, r = head.layer_input(g, emb[None, None])
+        cos, sin = rope_tables(torch.tensor([0]), head.cfg.head_dim, head.cfg.rope_theta)
+        q, k, v = head.layer.attn.project(a, cos, sin)
+        o = head.layer.finish(r, head.layer.attn.attend(q, k, v, None))
+        return head.logits(o)[0, 0]
+
+
+def test_norm_before_residual_makes_the_normalised_fused_feature_the_residual(tmp_path):
+    """``norm_before_residual: true`` (vLLM / SpecForge heads trained that way): the layer's residual
+    is ``hidden_norm(fc(taps))``, not the raw fused feature.  The format test only loads heads with
+    the flag off, so ignoring it at inference went unnoticed (the round trip only checks the attribute)."""
+    w, _ = _shared_checkpoint(tmp_path / "h", layout="speculators", seed=4)
+    cfg = json.loads((tmp_path / "h" / "config.json").read_text())
+    (tmp_path / "h" / "config.json").write_text(json.dumps(cfg | {"norm_before_residual": True}))
+    head = load_eagle3(tmp_path / "h")
+    feats = torch.randn(3, D, generator=torch.Generator().manual_seed(1))
+    emb = torch.randn(D, generator=torch.Generator().manual_seed(2))
+    # the reference with the residual normalised: fold hidden_norm into the fused feature the
+    # residual adds, i.e. residual = rms(h) * g_h
+    pre = "layers.0."
+    rms = lambda x, g: x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + 1e-6) * g  # noqa: E731
+    h = feats.flatten() @ w["fc.weight"].T
+    x = torch.cat([rms(emb, w[pre + "input_layernorm.weight"]), rms(h, w[pre + "hidden_norm.weight"])])
+    v = x @ w[pre + "self_attn.v_proj.weight"].T
+    attn = v.view(KV, HD).repeat_interleave(HEADS_N // KV, 0).flatten() @ w[pre + "self_attn.o_proj.weight"].T
+    y = rms(h, w[pre + "hidden_norm.weight"]) + attn
+    z = rms(y, w[pre + "post_attention_layernorm.weight"])
+    y = y + (torch.nn.functional.silu(z @ w[pre + "mlp.gate_proj.weight"].T) * (z @ w[pre + "mlp.up_proj.weight"].T)) @ w[pre + "mlp.down_proj.weight"].T
+    want = rms(y, w["norm.weight"]) @ w["lm_head.weight"].T
+    torch.testing.assert_close(_one_row_logits(head, feats, emb), want, rtol=1e-4, atol=1e-4)
+
+
+def test_model_prefixed_tensor_names_load_the_same_head(tmp_path):
+    """Some exports keep the ``model.`` prefix on every tensor name; the loader strips it, so the head
+    is the same as from the unprefixed file (without the strip, nothing is found under ``layers.0.``,
+    the loader guesses ``midlayer.`` and fails)."""
+    from safetensors.torch import load_file, save_file
+
+    w, ids = _shared_checkpoint(tmp_path / "h", layout="speculators")
+    plain = load_eagle3(tmp_path / "h")
+    state = load_file(str(tmp_path / "h" / "model.safetensors"))
+    save_file({"model." + k: v for k, v in state.items()}, str(tmp_path / "h" / "model.safetensors"))
+    prefixed = load_eagle3(tmp_path / "h")
+    assert torch.equal(prefixed.d2t, ids)
+    for (k1, v1), (k2, v2) in zip(sorted(plain.state_dict().items()), sorted(prefixed.state_dict().items())):
+        assert k1 == k2 and torch.equal(v1, v2), k1
+
+
+def test_default_taps_follow_vllm_for_an_odd_layer_count(tmp_path):
+    """Without ``eagle_aux_hidden_state_layer_ids`` the taps are vLLM's ``(2, L // 2, L - 3)``; the
+    format test uses L = 30 only, where ``L // 2`` and ``(L + 1) // 2`` agree."""
+    _shared_checkpoint(tmp_path / "h", layout="eagle")
+    assert load_eagle3(tmp_path / "h", target_layers=31).cfg.taps == (2, 15, 28)
+
+
+def test_layer_shape_is_read_from_the_layer_config(tmp_path):
+    """In the speculators layout the layer's ``head_dim``, ``rms_norm_eps`` and ``rope_theta`` live in
+    ``transformer_layer_config``; reading the top level (or deriving ``head_dim`` as D / heads) loads
+    a head that computes something else.  Non-default values, so a wrong source shows."""
+    from safetensors.torch import load_file, save_file
+
+    _shared_checkpoint(tmp_path / "h", layout="speculators")
+    cfg = json.loads((tmp_path / "h" / "config.json").read_text())
+    cfg["transformer_layer_config"] |= {"head_dim": 2 * HD, "rms_norm_eps": 1e-3, "rope_theta": 500000.0}
+    (tmp_path / "h" / "config.json").write_text(json.dumps(cfg))
+    w = load_file(str(tmp_path / "h" / "model.safetensors"))  # attention sized for head_dim 2 * HD
+    g = torch.Generator().manual_seed(3)
+    for name, rows, cols in (("q_proj", HEADS_N * 2 * HD, 2 * D), ("k_proj", KV * 2 * HD, 2 * D),
+                             ("v_proj", KV * 2 * HD, 2 * D), ("o_proj", D, HEADS_N * 2 * HD)):
+        w[f"layers.0.self_attn.{name}.weight"] = torch.randn(rows, cols, generator=g) * 0.2
+    save_file(w, str(tmp_path / "h" / "model.safetensors"))
+    head = load_eagle3(tmp_path / "h")
+    assert (head.cfg.head_dim, head.cfg.rms_eps, head.cfg.rope_theta) == (2 * HD, 1e-3, 500000.0)
+    assert head.norm.eps == 1e-3 and head.layer.post_norm.eps == 1e-3
+
+
+def test_missing_kv_head_count_means_multi_head_attention(tmp_path):
+    """A layer config without ``num_key_value_heads`` is plain multi-head attention (Hkv = H), as in
+    a Llama config; the fixture always writes the key."""
+    from safetensors.torch import load_file, save_file
+
+    _shared_checkpoint(tmp_path / "h", layout="speculators")
+    cfg = json.loads((tmp_path / "h" / "config.json").read_text())
+    del cfg["transformer_layer_config"]["num_key_value_heads"]
+    (tmp_path / "h" / "config.json").write_text(json.dumps(cfg))
+    w = load_file(str(tmp_path / "h" / "model.safetensors"))
+    g = torch.Generator().manual_seed(3)
+    for name in ("k_proj", "v_proj"):
+        w[f"layers.0.self_attn.{name}.weight"] = torch.randn(HEADS_N * HD, 2 * D, generator=g) * 0.2
+    save_file(w, str(tmp_path / "h" / "model.safetensors"))
+    assert load_eagle3(tmp_path / "h").cfg.n_kv_heads == HEADS_N
+
+
+def test_a_head_that_reads_the_final_hidden_state_has_no_shared_format(tmp_path):
+    """The shared formats fuse the three taps only; one of our EAGLE-3 heads that also reads the
+    final hidden state (``random_head``'s default inputs) must be refused rather than written as a
+    file whose ``fc`` other runtimes would feed the wrong rows."""
+    head = random_head("eagle3", hidden=D, vocab=V, draft_vocab=VD, taps=(0, 1, 2), heads=HEADS_N, kv_heads=KV,
+                       head_dim=HD, inter=INTER)
+    assert head.cfg.inputs == (0, 1, 2, 3)
+    with pytest.raises(ValueError, match="final hidden state"):
+        save_eagle3(head, tmp_path / "h")
+    assert not (tmp_path / "h").exists()
+
+
+def test_a_shared_head_with_an_fc_bias_round_trips_with_it(tmp_path):
+    """A SpecForge head with an ``fc`` bias, saved again, keeps the bias: the round-trip test saves
+    only bias-free heads, so a writer that dropped ``fc.bias`` produced a file that refuses to load
+    as the same head (or, elsewhere, silently computes without the bias)."""
+    _shared_checkpoint(tmp_path / "theirs", layout="speculators", bias=True)
+    shared = load_eagle3(tmp_path / "theirs")
+    for layout in ("speculators", "eagle"):
+        save_eagle3(shared, tmp_path / layout, layout=layout, dtype=torch.float32)
+        again = load_eagle3(tmp_path / layout)
+        assert again.fc.bias is not None and torch.equal(again.fc.bias, shared.fc.bias), layout
+
+
+def test_the_tap_layers_round_trip_through_the_shared_format(tmp_path):
+    """``eagle_aux_hidden_state_layer_ids`` records the target layers the head reads (``cfg.taps``),
+    not which stored rows it fuses (``cfg.inputs``); the round-trip test uses taps (0, 1, 2), where
+    the two coincide."""
+    from specdec.heads.modules import HeadConfig, build
+
+    head = random_head("eagle3", hidden=D, vocab=V, draft_vocab=VD, taps=(3, 5, 7), heads=HEADS_N, kv_heads=KV,
+                       head_dim=HD, inter=INTER)
+    ours = build(HeadConfig(**{**head.cfg.__dict__, "inputs": (0, 1, 2)}))
+    save_eagle3(ours, tmp_path / "h", layout="speculators", dtype=torch.float32)
+    assert json.loads((tmp_path / "h" / "config.json").read_text())["eagle_aux_hidden_state_layer_ids"] == [3, 5, 7]
+    assert load_eagle3(tmp_path / "h").cfg.taps == (3, 5, 7)
+
+
+def test_our_format_refuses_a_config_with_a_zero_size_or_an_odd_head_dim(tmp_path):
+    """``HeadConfig`` (what ``config.json`` of our format holds) refuses sizes below 1 and an odd
+    ``head_dim`` (rotary embeddings rotate pairs) with a one-line ConfigError, before any tensor is
+    read; the loaders' tests only damage the shared formats' configs."""
+    from specdec.heads.modules import HeadConfig, load_head, save_head
+
+    save_head(random_head("mtp", hidden=D, vocab=V, draft_vocab=VD), tmp_path / "m", dtype=torch.float32)
+    good = json.loads((tmp_path / "m" / "config.json").read_text())
+    assert HeadConfig.from_json(json.dumps(good)).depth == good["depth"]
+    for change, says in (({"depth": 0}, "depth must be a whole number, at least 1"),
+                         ({"n_heads": 0}, "n_heads must be a whole number, at least 1"),
+                         ({"head_dim": 7, "n_heads": 1, "n_kv_heads": 1}, "head_dim \\(7\\) even")):
+        (tmp_path / "m" / "config.json").write_text(json.dumps(good | change))
+        with pytest.raises(ConfigError, match=says):
+            load_head(tmp_path / "m")

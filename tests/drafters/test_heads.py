@@ -18,8 +18,9 @@ from dataclasses import replace
 import pytest
 import torch
 
+import specdec.drafters.heads as dh
 from specdec.decoder import SpeculativeDecoder
-from specdec.drafters.base import Draft
+from specdec.drafters.base import Draft, DraftSampler
 from specdec.drafters.heads import EagleDrafter, drafter_for
 from specdec.drafters.tree_builder import TreeSpec
 from specdec.gamma import FixedGamma
@@ -296,3 +297,233 @@ def test_a_constraint_outside_the_draft_vocabulary_stops_the_draft(method):
     assert out.tokens == outside * 6
     if method != "coupled":  # q is undefined (no allowed token in the draft vocabulary): no draft at all
         assert out.stats.draft_tokens_proposed == 0
+
+
+def _tree_rows(drafter, context, spec, budget, monkeypatch):
+    """Every node ``propose_tree`` expanded: (its token path from the root, its logits row)."""
+    seen = []
+    real = dh.build_tree
+
+    def spy(root, expand, spec_, sampler, **kw):
+        def recording(nodes, tokens, parents):
+            out = expand(nodes, tokens, parents)
+            for j, v in enumerate(nodes):
+                path, u = [], v
+                while u >= 0:
+                    path.append(tokens[u])
+                    u = parents[u]
+                seen.append((path[::-1], out[j].clone()))
+            return out
+
+        return real(root, recording, spec_, sampler, **kw)
+
+    monkeypatch.setattr(dh, "build_tree", spy)
+    greedy = DraftSampler(SamplingConfig(temperature=0.0), "argmax", penalties=None, generator=None)
+    drafter.propose_tree(context, budget, greedy, spec, max_depth=4)
+    monkeypatch.setattr(dh, "build_tree", real)
+    return seen
+
+
+@pytest.mark.parametrize("kind", ["eagle1", "eagle3", "medusa"])
+def test_tree_nodes_see_what_a_chain_along_their_path_sees(native, kind, monkeypatch):
+    """EAGLE-2 trees run each level's nodes in one pass with tree attention; a node's logits must be
+    those of a chain drafted along its path (same rotary positions, the whole committed context
+    visible, its ancestors and nothing else).  Medusa's static tree: a depth-d node's children come
+    from head d + 1, as the chain's token d + 1 does.  Greedy output equality cannot see a wrong
+    position, mask or head (the drafter is only a proposal), and the whole-sequence test covers
+    chains only."""
+    seq = torch.randint(0, 64, (12,), generator=torch.Generator().manual_seed(2))
+    p = 7
+    drafter = drafter_for(_head(kind, native), native.embed)
+    feats = _teacher(native, seq, taps=drafter.feature_taps)  # the rows the verifier hands this drafter
+    drafter.prepare(seq[: p + 1])
+    drafter.add_features(feats[:p])
+    context = seq[: p + 1]
+    seen = _tree_rows(drafter, context, TreeSpec(width=3, depth=4, min_prob=0.0), 12, monkeypatch)
+    assert len({len(path) for path, _ in seen}) >= 2 and len(seen) >= 4  # two levels, siblings
+    for path, row in seen:
+        forced = Forced(path + [0])
+        drafter.propose(context, len(path) + 1, forced)
+        torch.testing.assert_close(forced.rows[len(path)], row, rtol=1e-5, atol=1e-5)
+
+
+def test_medusa_drafts_from_the_newest_committed_feature(native):
+    """Medusa's heads read the final hidden state of the *newest* committed position (the last row
+    of the newest feature chunk); the drafts' rows are the module on that row.  Greedy equality
+    cannot see a stale row."""
+    seq = torch.randint(0, 64, (12,), generator=torch.Generator().manual_seed(2))
+    feats = _teacher(native, seq, taps=())  # Medusa reads the final hidden state only: no tap
+    p = 7
+    drafter = drafter_for(_head("medusa", native), native.embed)
+    assert drafter.feature_taps == ()
+    drafter.prepare(seq[: p + 1])
+    drafter.add_features(feats[:4])
+    drafter.add_features(feats[4:p])  # two chunks: the newest row is the last of the second
+    forced = Forced([0, 0, 0])
+    drafter.propose(seq[: p + 1], 3, forced)
+    with torch.no_grad():
+        want = drafter.head(feats[p - 1, -1][None])[:, 0]  # [K, Vd]
+    assert len(forced.rows) == 3
+    for k, got in enumerate(forced.rows):
+        torch.testing.assert_close(got[drafter.d2t], want[k], rtol=1e-5, atol=1e-5)
+
+
+def test_a_head_layer_cache_that_grows_computes_what_a_large_one_does():
+    """``LayerCache`` starts at 256 rows and grows on demand (keys/values copied over, rotary tables
+    extended); the tests' sequences never pass 256 rows, so growth is exercised here on a cache of
+    2 rows: one row at a time through ``run_layer``, bitwise the outputs of a cache that never grows.
+    ``truncate`` only shortens."""
+    from specdec.heads.runtime import LayerCache, run_layer
+
+    head = random_head("eagle1", hidden=16, vocab=32, draft_vocab=8, seed=1)
+    cfg = head.cfg
+    x = torch.randn(9, 16, generator=torch.Generator().manual_seed(0))
+    outs = {}
+    for capacity in (2, 256):
+        cache = LayerCache(cfg, capacity=capacity)
+        with torch.no_grad():
+            rows = [run_layer(head.layer, cfg, x[:3], x[:3], torch.arange(3), cache)]
+            rows += [run_layer(head.layer, cfg, x[t : t + 1], x[t : t + 1], torch.tensor([t]), cache) for t in range(3, 9)]
+        outs[capacity] = torch.cat(rows)
+        assert cache.length == 9
+        cache.truncate(20)
+        assert cache.length == 9
+        cache.truncate(5)
+        assert cache.length == 5
+    assert torch.equal(outs[2], outs[256])
+
+
+def test_a_head_for_another_vocabulary_size_is_refused(native):
+    """A head records its target's vocabulary size; on a target of another size it is refused even
+    when its draft ids happen to fit (its embeddings' rows would be another token's)."""
+    from specdec.errors import ConfigError
+
+    head = _head("eagle1", native)
+    head.cfg = replace(head.cfg, target_vocab=native.vocab_size + 16)
+    with pytest.raises(ConfigError, match=f"vocabulary of {native.vocab_size + 16} tokens"):
+        drafter_for(head, native.embed)
+
+
+def test_spawn_keeps_the_drafters_name(native):
+    """The server spawns one drafter per request; the spawned one keeps the name the drafter was
+    built with (``--draft`` label in stats and logs), not the head kind."""
+    for kind in ("eagle3", "medusa", "mtp"):
+        drafter = drafter_for(_head(kind, native), native.embed, name="my-head")
+        fresh = drafter.spawn()
+        assert type(fresh) is type(drafter) and fresh.name == "my-head" and fresh.head is drafter.head
+
+
+def test_a_tap_after_the_last_layer_is_allowed_and_one_past_it_refused(native, tmp_path):
+    """Taps count layers: ``k`` is the residual stream after ``k`` layers, so ``0 .. n_layers`` are
+    all real streams (``n_layers``: after the last layer, before the final norm); only taps past
+    that are refused."""
+    from specdec.errors import ConfigError
+    from specdec.heads.modules import save_head
+
+    n = native.cfg.n_layers
+    for taps, ok in (((0, n), True), ((0, n + 1), False)):
+        folder = tmp_path / f"h{taps[-1]}"
+        save_head(random_head("eagle3", hidden=native.cfg.hidden_size, vocab=native.vocab_size, draft_vocab=20, taps=taps),
+                  folder, dtype=torch.float32)
+        if ok:
+            drafter, _ = dh.build(folder, native)
+            assert drafter.feature_taps == taps
+        else:
+            with pytest.raises(ConfigError, match="reads the target's layers"):
+                dh.build(folder, native)
+
+
+def test_received_feature_rows_land_where_the_head_reads_them():
+    """``input_rows`` asks the target only for the taps a head reads; ``stored_layout`` puts each
+    received row back at its stored index (other rows zero).  The whole-sequence test builds its
+    reference through ``stored_layout`` itself, so a layout that copied the wrong received row
+    would pass it; pinned here on a head reading tap 5 and the final state but not tap 3."""
+    from specdec.heads.modules import HeadConfig
+    from specdec.heads.runtime import input_rows, stored_layout
+
+    cfg = HeadConfig(kind="eagle3", hidden_size=4, n_heads=1, n_kv_heads=1, head_dim=4, intermediate_size=8,
+                     target_vocab=10, draft_vocab=5, taps=(3, 5), inputs=(1, 2))
+    taps, source = input_rows(cfg)
+    assert taps == (5,) and source == [0, 1]  # received rows: (tap 5, final)
+    received = torch.arange(2 * 2 * 4, dtype=torch.float32).view(2, 2, 4)  # [n, R', D]
+    out = stored_layout(cfg, received, source)  # [1, n, 3, D]: (tap 3, tap 5, final)
+    assert torch.equal(out[0, :, 0], torch.zeros(2, 4))
+    assert torch.equal(out[0, :, 1], received[:, 0]) and torch.equal(out[0, :, 2], received[:, 1])
+    dup = HeadConfig(**{**cfg.__dict__, "taps": (5, 5), "inputs": (0, 1, 2)})  # one layer tapped twice
+    assert input_rows(dup) == ((5,), [0, 0, 1])
+
+
+def test_the_heads_rotary_embedding_is_the_llama_convention():
+    """Head layers rotate (q, k) pairs as Llama does: ``x * cos + rotate_half(x) * sin`` with
+    ``rotate_half(x) = [-x2, x1]``, i.e. the pair (a, b) at angle w becomes
+    (a cos w - b sin w, b cos w + a sin w).  Training and drafting share the helpers, and the format
+    test's one row sits at position 0 (no rotation), so a flipped sign passed every test while
+    changing what a trained or shared (vLLM / SGLang) head computes."""
+    from specdec.heads.modules import _rotate, rope_tables
+
+    positions = torch.tensor([0, 1, 5])
+    cos, sin = rope_tables(positions, 2, 10000.0)  # head_dim 2: one pair, angle = position
+    x = torch.tensor([0.3, 0.7]).expand(1, 1, 3, 2)  # [B, h, T, d]
+    got = _rotate(x, cos, sin)[0, 0]
+    w = positions.float()
+    want = torch.stack([0.3 * w.cos() - 0.7 * w.sin(), 0.7 * w.cos() + 0.3 * w.sin()], dim=-1)
+    torch.testing.assert_close(got, want, rtol=1e-6, atol=1e-6)
+    cos4, _ = rope_tables(positions, 4, 10000.0)  # pair i turns at theta ** (-2 i / head_dim)
+    torch.testing.assert_close(cos4[:, 1], (w * 10000.0 ** -0.5).cos(), rtol=1e-6, atol=1e-6)
+    torch.testing.assert_close(cos4[:, 3], cos4[:, 1])  # halves share the angles (rotate_half layout)
+
+
+def test_the_head_modules_compute_the_papers_formulas():
+    """Training and drafting share the modules' small formulas, so the drafts-equal-training tests
+    cannot see a change made to both; each is written out here from its parameters (the module
+    docstring's definitions): MTP ``proj([rms(h); rms(e)])`` and ``lm_head(norm(h))``; Medusa
+    ``lm_head(f + silu(W f + b))``; EAGLE-1 ``fc([e; f])``; EAGLE-3 ``fc([rms(h_a); rms(h_b); ...])``."""
+    from specdec.heads.modules import rms
+
+    g = torch.Generator().manual_seed(0)
+    h, e = torch.randn(3, 16, generator=g), torch.randn(3, 16, generator=g)
+    norm = lambda x, m: rms(x, m.eps) * m.weight  # noqa: E731
+    with torch.no_grad():
+        mtp = random_head("mtp", hidden=16, vocab=32, draft_vocab=8, seed=1)
+        mtp.norm.weight.copy_(1 + torch.randn(16, generator=g))
+        x = torch.cat([rms(h), rms(e)], -1) @ mtp.proj[1].weight.T
+        attn_in, resid = mtp.module_input(1, h, e)
+        torch.testing.assert_close(resid, x)
+        torch.testing.assert_close(attn_in, norm(x, mtp.input_norms[1]))
+        torch.testing.assert_close(mtp.logits(h), norm(h, mtp.norm) @ mtp.lm_head.weight.T)
+        medusa = random_head("medusa", hidden=16, vocab=32, draft_vocab=8, seed=1)
+        blk = medusa.blocks[2]
+        want = (h + torch.nn.functional.silu(h @ blk.weight.T + blk.bias)) @ medusa.lm_head.weight.T
+        torch.testing.assert_close(medusa(h)[2], want)
+        eagle1 = random_head("eagle1", hidden=16, vocab=32, draft_vocab=8, seed=1)
+        x = torch.cat([e, h], -1) @ eagle1.fc.weight.T
+        attn_in, resid = eagle1.layer_input(h, e)
+        torch.testing.assert_close(resid, x)
+        torch.testing.assert_close(attn_in, norm(x, eagle1.input_norm))
+        eagle3 = random_head("eagle3", hidden=16, vocab=32, draft_vocab=8, taps=(1, 2), seed=1)
+        rows = torch.randn(1, 3, 3, 16, generator=g)  # [B, T, (taps..., final), D]
+        want = torch.cat([rms(rows[0, :, i]) for i in eagle3.cfg.inputs], -1) @ eagle3.fc.weight.T
+        torch.testing.assert_close(eagle3.fuse(rows)[0], want)
+
+
+def test_mtp_drafts_do_not_depend_on_how_the_features_arrive(native):
+    """Each verification pass hands over as many feature rows as it committed (often 2: one accepted
+    token and the bonus).  MTP keeps every module's output at every committed row, so a catch-up
+    chunk must be causal whatever its size; the drafts after chunks of 3, 2 and 2 rows equal those
+    after one chunk of 7.  (The whole-sequence test's chunks are 4 and 3 rows.)"""
+    seq = torch.randint(0, 64, (12,), generator=torch.Generator().manual_seed(2))
+    feats = _teacher(native, seq, taps=())
+    p = 7
+    rows = {}
+    for chunks in ((7,), (3, 2, 2)):
+        drafter = drafter_for(_head("mtp", native), native.embed)
+        drafter.prepare(seq[: p + 1])
+        start = 0
+        for n in chunks:
+            drafter.add_features(feats[start : start + n])
+            start += n
+            forced = Forced([int(x) for x in seq[start + 1 : start + 4]])
+            drafter.propose(seq[: start + 1], 3, forced)
+            drafter.commit(None)
+        rows[chunks] = torch.stack(forced.rows)
+    torch.testing.assert_close(rows[(3, 2, 2)], rows[(7,)], rtol=1e-5, atol=1e-5)

@@ -345,3 +345,93 @@ def test_the_command_refuses_a_checkpoint_of_other_data(tmp_path, capsys):
     err = capsys.readouterr().err
     assert "was saved by a run with key = " in err and "Traceback" not in err
     assert out.read_bytes() == weights
+
+
+def test_the_adapter_scales_the_residual_sum_per_channel():
+    """Kangaroo §3.1 as the module docstring states it: RMSNorm → attention → residual add → a
+    learned per-channel scale, i.e. ``(x + attn(x)) * scale``.  Training and drafting share
+    ``_finish``, so the existing tests (drafting == training) cannot see which of the two the
+    scale multiplies; this writes one position out by hand (one key: attention returns v)."""
+    adapter = kt.new_adapter(MODEL, 2, seed=1)
+    cfg = adapter.cfg
+    g = torch.Generator().manual_seed(0)
+    with torch.no_grad():
+        adapter.out.copy_(torch.randn(adapter.out.shape, generator=g) * 0.3)
+        adapter.out_scale.copy_(1 + torch.randn(adapter.out_scale.shape, generator=g))
+        adapter.in_norm.copy_(1 + 0.1 * torch.randn(adapter.in_norm.shape, generator=g))
+        x = torch.randn(1, 1, cfg.hidden_size, generator=g)
+        got = adapter(x)[0, 0]
+    xn = x[0, 0] * torch.rsqrt(x[0, 0].pow(2).mean() + cfg.rms_eps) * adapter.in_norm
+    h, hk, d = cfg.n_heads, cfg.n_kv_heads, cfg.head_dim
+    v = (xn @ adapter.qkv.T)[(h + hk) * d :].view(hk, d).repeat_interleave(h // hk, 0).flatten()
+    want = (x[0, 0] + v @ adapter.out.T) * adapter.out_scale
+    torch.testing.assert_close(got, want.detach(), rtol=1e-5, atol=1e-5)
+
+
+def test_an_exit_at_or_past_the_last_layer_is_refused():
+    """Kangaroo exits *early*: ``1 <= layers < n_layers``.  Exiting after every layer would make the
+    draft the target itself plus an adapter (no speedup, a cache slot past the target's); the
+    existing tests only build adapters at K = 2 of 4."""
+    n = MODEL.cfg.n_layers
+    assert AdapterConfig.for_target(MODEL.cfg, n - 1).exit_after == n - 1
+    for bad in (0, n, n + 1):
+        with pytest.raises(ConfigError, match="kangaroo needs 1 <= layers"):
+            AdapterConfig.for_target(MODEL.cfg, bad)
+
+
+def test_a_stopping_threshold_of_one_is_refused():
+    """``stop_below`` is a probability threshold in [0, 1): at 1 every draft would stop after its
+    first token whatever the draft's confidence (q < 1 almost always), which is a misconfiguration."""
+    view = KangarooView(INVARIANT, kt.new_adapter(INVARIANT, 2, seed=1))
+    assert KangarooDrafter(view, stop_below=0.999).stop_below == 0.999
+    for bad in (1.0, -0.1):
+        with pytest.raises(ConfigError, match="stopping threshold"):
+            KangarooDrafter(view, stop_below=bad)
+
+
+def test_the_decoders_own_min_confidence_is_kept_when_higher():
+    """Kangaroo's threshold never *lowers* the decoder's ``min_confidence``: with ``stop_below=0``
+    and a sampler asking for 0.999, drafts still stop early (the existing early-stopping test only
+    raises the threshold from the sampler's default)."""
+    drafter = KangarooDrafter(KangarooView(INVARIANT, _trained(INVARIANT)), stop_below=0.0)
+    context = torch.tensor([1, 2, 3])
+    drafter.prepare(context)
+    sampler = DraftSampler(SamplingConfig(temperature=0.0), "argmax", penalties=None, generator=None)
+    assert drafter.propose(context, 6, sampler).tokens.numel() == 6  # as in the early-stopping test
+    drafter.prepare(context)
+    cautious = DraftSampler(SamplingConfig(temperature=0.0), "argmax", penalties=None, generator=None)
+    cautious.min_confidence = 0.999
+    assert drafter.propose(context, 6, cautious).tokens.numel() < 6
+    assert cautious.min_confidence == 0.999
+
+
+def test_a_file_not_written_by_the_trainer_is_refused(tmp_path):
+    """``load_adapter`` checks the ``format`` tag: a safetensors file carrying the same tensors and
+    config but another (or no) format tag is not taken for an adapter.  The damaged-file test keeps
+    the tag on every file it writes."""
+    from safetensors.torch import load_file, save_file
+
+    adapter = kt.new_adapter(MODEL, 2, seed=1)
+    save_adapter(adapter, tmp_path / "a.safetensors")
+    assert load_adapter(tmp_path / "a.safetensors")[0].cfg == adapter.cfg
+    tensors = load_file(str(tmp_path / "a.safetensors"))
+    save_file(tensors, str(tmp_path / "other.safetensors"),
+              metadata={"format": "pt", "config": json.dumps(asdict(adapter.cfg)), "card": "{}"})
+    with pytest.raises(ConfigError, match="not written by `specdec train kangaroo`"):
+        load_adapter(tmp_path / "other.safetensors")
+
+
+def test_the_adapters_rotary_embedding_is_the_llama_convention():
+    """The adapter's rotary embedding is Llama's ``x * cos + rotate_half(x) * sin`` with
+    ``rotate_half(x) = [-x2, x1]`` (the target's and the heads' convention).  Training and drafting
+    share ``_rope``, so a flipped sign would pass every drafting == training test while changing
+    what a shipped adapter computes; pinned against the heads' own rotary helpers."""
+    from specdec.heads.modules import _rotate, rope_tables
+
+    adapter = kt.new_adapter(MODEL, 2, seed=1)
+    cfg = adapter.cfg
+    x = torch.randn(5, cfg.n_heads, cfg.head_dim, generator=torch.Generator().manual_seed(0))  # [T, h, d]
+    positions = torch.arange(3, 8)
+    cos, sin = rope_tables(positions, cfg.head_dim, cfg.rope_theta)  # [T, d]
+    want = _rotate(x.transpose(0, 1), cos, sin).transpose(0, 1)  # _rotate takes [h, T, d]
+    torch.testing.assert_close(adapter._rope(x, positions), want, rtol=1e-6, atol=1e-6)
