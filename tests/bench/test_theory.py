@@ -35,6 +35,8 @@ def test_best_chain_speedup_with_a_growing_verification_pass():
     assert g == 7 and best == pytest.approx(2.6006, abs=1e-4)
     brute = max((theory.expected_tokens(0.9, k) / (k * 0.05 + 1 + 0.12 * k), k) for k in range(1, 9))
     assert (best, g) == pytest.approx(brute)
+    # a γ that only breaks even (every γ gives exactly ×1 here) is not worth drafting for
+    assert theory.best_chain_speedup(0.0, 0.0, verify_slope=0.0) == (1.0, 0)
 
 
 def test_alpha_inverts_expected_tokens():
@@ -48,3 +50,5 @@ def test_ideal_and_overhead():
     ideal = theory.ideal_tokens_per_s(2.7, 3, 0.001, 0.02)
     assert ideal == pytest.approx(2.7 / 0.023)
     assert theory.overhead_share(0.9 * ideal, ideal) == pytest.approx(0.1)
+    # a run with no measured time (nothing drafted or verified) has no ideal, and no overhead
+    assert theory.ideal_tokens_per_s(1.0, 0, 0.0, 0.0) == 0.0 and theory.overhead_share(5.0, 0.0) == 0.0
