@@ -10,7 +10,7 @@ import pytest
 import torch
 
 from specdec.bench import report, runner
-from specdec.bench.gguf_export import gguf_name, rope_halves_to_pairs
+from specdec.bench.gguf_export import export_llama, gguf_name, rope_halves_to_pairs
 from specdec.bench.workloads import BUILTIN
 from specdec.errors import SpecdecError
 
@@ -163,6 +163,45 @@ def test_gguf_names_and_bad_inputs():
         gguf_name("model.layers.0.self_attn.q_norm.weight")
     with pytest.raises(SpecdecError):
         rope_halves_to_pairs(np.zeros((10, 4)), 4)
+
+
+def test_an_exported_draft_reads_back_as_the_same_weights(tmp_path):
+    """The draft llama.cpp runs is specdec's draft written as a GGUF: a tiny Llama exported in
+    float32 and converted back (transformers' GGUF reader undoes the rotary reordering) has every
+    tensor bitwise the original's, the tied LM head written once, the shape fields of its config and
+    the target GGUF's tokenizer verbatim.  (The live test, which runs it through llama.cpp, skips
+    where llama-cpp-python is not installed.)"""
+    import gguf
+    from safetensors.torch import load_file
+
+    from specdec.models import registry
+    from tiny import make_tiny
+
+    from safetensors.torch import save_file
+
+    folder = make_tiny(tmp_path / "tiny", seed=3, layers=2)  # 4 heads, 2 key/value heads, tied
+    want = load_file(str(folder / "model.safetensors"))
+    # a tied checkpoint that stores its LM head anyway (some exports do): written once, as the embedding
+    save_file(want | {"lm_head.weight": want["model.embed_tokens.weight"].clone()}, str(folder / "model.safetensors"))
+    ref = registry.gguf_file("smollm2-135m")
+    out = export_llama(folder, tmp_path / "tiny.gguf", tokenizer_from=ref, dtype="float32")
+    back = registry.convert_gguf(out, tmp_path / "back")
+    got = load_file(str(back / "model.safetensors"))
+    assert sorted(got) == sorted(want) and all(torch.equal(got[k], want[k]) for k in want)
+    reader = gguf.GGUFReader(str(out))
+    values = {k: reader.fields[f"llama.{k}"].contents() for k in (
+        "block_count", "attention.head_count", "attention.head_count_kv", "rope.freq_base", "embedding_length",
+        "context_length", "attention.layer_norm_rms_epsilon")}
+    assert values == {"block_count": 2, "attention.head_count": 4, "attention.head_count_kv": 2,
+                      "rope.freq_base": 10000.0, "embedding_length": 32, "context_length": 256,
+                      "attention.layer_norm_rms_epsilon": pytest.approx(1e-6)}
+    assert "output.weight" not in {t.name for t in reader.tensors}
+    tokens = gguf.GGUFReader(str(ref)).fields["tokenizer.ggml.tokens"].contents()
+    assert reader.fields["tokenizer.ggml.tokens"].contents() == tokens and not list(tmp_path.glob("*.partial"))
+    half = gguf.GGUFReader(str(export_llama(folder, tmp_path / "half.gguf", tokenizer_from=ref)))  # float16
+    kinds = {t.name: t.tensor_type.name for t in half.tensors}
+    assert kinds["blk.0.attn_norm.weight"] == kinds["output_norm.weight"] == "F32"  # norms: llama.cpp wants float32
+    assert kinds["blk.0.attn_q.weight"] == kinds["token_embd.weight"] == "F16"
 
 
 def test_llamacpp_variants_take_turns_with_specdecs_runs():
