@@ -12,7 +12,8 @@ import pytest
 import torch
 
 from specdec.heads.modules import Eagle, HeadConfig, build, load_head, rope_tables, save_head, ttt_mask
-from specdec.train.data import Shard
+from specdec.train import heads as th
+from specdec.train.data import Shard, load_shards
 from specdec.train.heads import (
     Batch,
     TargetHead,
@@ -20,6 +21,9 @@ from specdec.train.heads import (
     draft_vocabulary,
     evaluate,
     expected_tokens_per_call,
+    loss_fn,
+    reply_mask,
+    score,
     step_outputs,
     train,
 )
@@ -133,7 +137,6 @@ def test_training_improves_held_out_acceptance(tmp_path: Path, kind: str) -> Non
     head = load_head(tmp_path / "out")
     assert head.cfg.kind == kind
     # an untrained head of the same shape does clearly worse on the same held-out rows
-    from specdec.train.data import load_shards
 
     shards = load_shards(data)
     fresh = build(head.cfg)
@@ -245,3 +248,228 @@ def test_ctrl_c_saves_the_step_in_progress_and_the_run_resumes_there(tmp_path: P
     b = torch.load(tmp_path / "split" / "ckpt.pt", weights_only=False)["model"]
     for key in a:
         assert torch.equal(a[key], b[key]), key
+
+
+def test_reply_mask_keeps_every_label_of_a_reply_token_and_only_those() -> None:
+    """Row t (label offset o) is the target's law at t + o, predicting token t + o + 1: it counts
+    exactly when that token is a reply token (the last prompt position predicts the first reply
+    token) and the position exists; ``first`` drops the rows an EAGLE step s has no input for."""
+    batch = Batch(torch.zeros(2, 7, dtype=torch.long), torch.zeros(2, 7, 1, 2), torch.tensor([6, 7]), torch.tensor([3, 1]))
+    m = reply_mask(batch, 0, 7).int().tolist()
+    assert m == [[0, 0, 1, 1, 1, 1, 0], [1, 1, 1, 1, 1, 1, 1]]
+    m = reply_mask(batch, 1, 6).int().tolist()  # row t: law at t + 1
+    assert m == [[0, 1, 1, 1, 1, 0], [1, 1, 1, 1, 1, 1]]
+    m = reply_mask(batch, 1, 6, first=2).int().tolist()
+    assert m == [[0, 0, 1, 1, 1, 0], [0, 0, 1, 1, 1, 1]]
+    # EAGLE step s masks its first s rows (their input feature is padding, not a drafted one)
+    torch.manual_seed(0)
+    head = build(_cfg("eagle3")).eval()
+    b = Batch(torch.randint(0, V, (1, 10)), torch.randn(1, 10, 4, D), torch.tensor([10]), torch.tensor([1]))
+    with torch.no_grad():
+        masks = [mask[0].int().tolist() for _, _, mask, _ in step_outputs(head, b, torch.randn(V, D))]
+    assert masks == [[1] * 9, [0] + [1] * 8, [0, 0] + [1] * 7]
+
+
+def _batch(seed: int = 0) -> tuple[Batch, torch.Tensor, torch.Tensor]:
+    g = torch.Generator().manual_seed(seed)
+    n = 10
+    batch = Batch(torch.randint(0, V, (2, n), generator=g), torch.randn(2, n, 4, D, generator=g), torch.tensor([n, 8]),
+                  torch.tensor([2, 3]))
+    return batch, torch.randn(V, D, generator=g), torch.randn(V, D, generator=g)
+
+
+@pytest.mark.parametrize("kind", ["eagle3", "medusa", "mtp"])
+def test_the_loss_weighs_draft_step_k_by_step_decay_to_the_k(kind: str) -> None:
+    """The loss is Σ_k step_decay^k · CE_k (the later steps count less, as the config says)."""
+    torch.manual_seed(0)
+    batch, embed, w = _batch()
+    model = build(_cfg(kind))
+    cfg = TrainConfig(kind=kind, depth=3, step_decay=0.5)
+    loss, parts = loss_fn(model, batch, embed, w, cfg)
+    assert len(parts) == 3
+    assert float(loss.detach()) == pytest.approx(sum(0.5**k * c for k, c in enumerate(parts)), rel=1e-5)
+
+
+def test_eagle1_loss_is_the_feature_regression_plus_a_tenth_of_the_cross_entropy() -> None:
+    """EAGLE-1: per step ``regression · smooth-L1(o_t, f_{t+1}) + 0.1 · CE``: the predicted feature of
+    row t is compared with the target's feature at t + 1 (the position whose law row t's logits
+    are scored against), on the masked rows only."""
+    torch.manual_seed(0)
+    batch, embed, w = _batch()
+    model = build(_cfg("eagle1"))
+    loss0, parts = loss_fn(model, batch, embed, w, TrainConfig(kind="eagle1", depth=3, regression=0.0))
+    assert float(loss0.detach()) == pytest.approx(0.1 * sum(0.8**k * c for k, c in enumerate(parts)), rel=1e-5)
+    loss, parts = loss_fn(model, batch, embed, w, TrainConfig(kind="eagle1", depth=3, regression=2.0))
+    expect = 0.0
+    for k, (_, off, mask, o) in enumerate(step_outputs(model, batch, embed)):
+        n = o.shape[1]
+        want = batch.feats[:, 1 : 1 + n, -1]  # the feature at t + 1
+        per = torch.nn.functional.smooth_l1_loss(o, want, reduction="none").mean(-1)
+        reg = float(((per * mask).sum() / mask.sum()).detach())
+        expect += 0.8**k * (2.0 * reg + 0.1 * parts[k])
+    assert float(loss.detach()) == pytest.approx(expect, rel=1e-5)
+
+
+def test_held_out_scores_map_the_draft_vocabulary_to_target_ids(monkeypatch) -> None:
+    """A draft that is the target's own law renormalised over a reduced draft vocabulary (odd ids):
+    its E[min(p, q)] is the target's mass on that vocabulary, its top-1 agrees exactly where the
+    target's argmax is in the vocabulary (draft index → target id through d2t), and vocab_mass is
+    that mass, not 1."""
+    batch, _, head = _batch(1)
+    head = head * 3  # peaked laws, so that the argmax is in and out of the vocabulary
+    d2t = torch.arange(1, V, 2)
+    f = batch.feats[:, :, -1]
+    n = batch.tokens.shape[1] - 1
+    mask = reply_mask(batch, 1, n)
+    logits = f[:, 1 : 1 + n] @ head[d2t].T  # the target's logits restricted to the draft vocabulary
+    monkeypatch.setattr(th, "step_outputs", lambda model, b, embed: [(logits, 1, mask, None)])
+    sums: dict[int, list[float]] = {}
+    score(None, batch, torch.zeros(V, D), head, d2t, sums)
+    accept, agree, mass, count = sums[0]
+    rows = mask.nonzero(as_tuple=True)
+    p = torch.softmax(f[:, 1 : 1 + n][rows] @ head.T, -1)
+    in_vocab = torch.isin(p.argmax(-1), d2t)
+    assert 0 < int(in_vocab.sum()) < int(in_vocab.numel())  # the case is not degenerate
+    assert count == in_vocab.numel()
+    assert mass == pytest.approx(float(p[:, d2t].sum()), rel=1e-5) and mass < count - 1
+    assert accept == pytest.approx(mass, rel=1e-4)
+    assert agree == int(in_vocab.sum())
+
+
+def test_held_out_sequences_are_never_trained_on(tmp_path: Path, monkeypatch) -> None:
+    """Every 20th sequence is held out: the training batches hold every other sequence (over
+    enough steps for an epoch) and none of the held-out ones, so the held-out report is not
+    scored on what was learnt."""
+    target, data = _toy_data(tmp_path / "data")
+    shards = load_shards(data)
+    seen: set[tuple[int, ...]] = set()
+    real = th.loss_fn
+
+    def spy(model, batch, embed, w, cfg):
+        for row, n in zip(batch.tokens, batch.length):
+            seen.add(tuple(row[: int(n)].tolist()))
+        return real(model, batch, embed, w, cfg)
+
+    monkeypatch.setattr(th, "loss_fn", spy)
+    cfg = TrainConfig(kind="medusa", steps=30, batch_tokens=128, lr=1e-3, draft_vocab=V, depth=1, eval_every=1000, warmup=2)
+    report = train(cfg, data, tmp_path / "out", target)
+    held = {tuple(shards.tokens[i].tolist()) for i in range(len(shards.tokens)) if i % 20 == 0}
+    rest = {tuple(shards.tokens[i].tolist()) for i in range(len(shards.tokens)) if i % 20 != 0}
+    assert seen == rest and not (seen & held)
+    assert report["train_sequences"] == 38 and report["held_out_sequences"] == 2
+
+
+@pytest.mark.parametrize("kind", ["eagle1", "medusa", "mtp"])
+def test_the_targets_lm_head_rows_stay_frozen(tmp_path: Path, kind: str) -> None:
+    """Every kind but EAGLE-3 drafts through the target's own LM-head rows: training leaves them
+    the target's exactly and does not count them as trained parameters."""
+    target, data = _toy_data(tmp_path / "data", sequences=24)
+    cfg = TrainConfig(kind=kind, steps=3, batch_tokens=128, lr=1e-2, draft_vocab=V, depth=2, eval_every=1000, warmup=1)
+    report = train(cfg, data, tmp_path / "out", target)
+    model = torch.load(tmp_path / "out" / "ckpt.pt", weights_only=False)["model"]
+    assert torch.equal(model["lm_head.weight"], target.head[model["d2t"]])
+    assert report["params_trained"] == report["params_total"] - V * D
+
+
+def test_a_run_that_dies_keeps_its_last_periodic_checkpoint(tmp_path: Path) -> None:
+    """``ckpt_every``: a run killed by an error (not a signal) at step 6 leaves the checkpoint of step 4."""
+    target, data = _toy_data(tmp_path / "data", sequences=24)
+    cfg = TrainConfig(kind="eagle3", steps=8, batch_tokens=128, lr=1e-3, draft_vocab=V, depth=2, eval_every=1000,
+                      warmup=2, ckpt_every=4)
+
+    def progress(step, loss, parts):
+        if step == 6:
+            raise RuntimeError("out of memory")
+
+    with pytest.raises(RuntimeError):
+        train(cfg, data, tmp_path / "out", target, progress=progress)
+    assert torch.load(tmp_path / "out" / "ckpt.pt", weights_only=False)["step"] == 4
+
+
+def test_medusa_head_k_scores_the_law_k_plus_one_ahead_on_reply_rows() -> None:
+    """Medusa head k, row t: the target's law at t + k + 1 (predicting token t + k + 2), so the
+    row counts where that position exists (padding rows do not) and that token is a reply token."""
+    torch.manual_seed(0)
+    head = build(_cfg("medusa", depth=2)).eval()
+    b = Batch(torch.randint(0, V, (2, 7)), torch.randn(2, 7, 4, D), torch.tensor([7, 5]), torch.tensor([3, 4]))
+    with torch.no_grad():
+        outs = step_outputs(head, b, torch.randn(V, D))
+    assert [off for _, off, _, _ in outs] == [1, 2]
+    assert outs[0][2].int().tolist() == [[0, 1, 1, 1, 1, 1], [0, 0, 1, 1, 0, 0]]
+    assert outs[1][2].int().tolist() == [[1, 1, 1, 1, 1], [0, 1, 1, 0, 0]]
+
+
+def test_the_draft_vocabulary_counts_reply_tokens_only_and_always_keeps_eos() -> None:
+    """The last prompt token is context, not a reply token (9 here, twice, would beat 1); the
+    end-of-sequence id is kept even where the most frequent reply token would tie with it."""
+    shard = Shard(tokens=[torch.tensor([9, 1, 5, 5], dtype=torch.int32), torch.tensor([9, 5], dtype=torch.int32)],
+                  prompt_len=[1, 1], temperature=[0.0, 0.0], kind=["chat", "chat"], feats=[torch.zeros(4, 1, 2), torch.zeros(2, 1, 2)])
+    assert draft_vocabulary(shard, 3, 16, always=(7,)).tolist() == [1, 5, 7]
+    assert draft_vocabulary(shard, 1, 16, always=(0,)).tolist() == [0]  # eos (never seen) beats 5 (3 times), not ties it
+
+
+def test_step_s_trains_at_the_schedules_rate_for_s_across_a_resume(tmp_path: Path, monkeypatch) -> None:
+    """Step s (0-based) of the run trains at ``warmup_cosine(s)``: the first at the warm-up's first
+    rate, none skipped or repeated where a run stops and resumes."""
+    target, data = _toy_data(tmp_path / "data", sequences=24)
+    asked: list[int] = []
+    real = th.warmup_cosine
+    monkeypatch.setattr(th, "warmup_cosine", lambda s, total, warmup: asked.append(s) or real(s, total, warmup))
+    cfg = TrainConfig(kind="medusa", steps=6, batch_tokens=128, lr=1e-3, draft_vocab=V, depth=1, eval_every=1000, warmup=3)
+    first = train(cfg, data, tmp_path / "out", target, stop_after=2)
+    assert first["steps"] == 2 and first["finished"] is False
+    report = train(cfg, data, tmp_path / "out", target)
+    assert asked == [0, 1, 2, 3, 4, 5]
+    assert report["steps"] == 6 and report["finished"] is True
+
+
+@pytest.mark.parametrize("kind", ["eagle3", "medusa"])
+def test_padding_rows_do_not_enter_the_loss(kind: str) -> None:
+    """The loss is the mean over the masked (reply, in-sequence) rows: what the padding of a
+    shorter sequence holds changes nothing."""
+    torch.manual_seed(0)
+    batch, embed, w = _batch()
+    model = build(_cfg(kind))
+    cfg = TrainConfig(kind=kind, depth=2)
+    other = Batch(batch.tokens.clone(), batch.feats.clone(), batch.length, batch.prompt_len)
+    other.tokens[1, 8:] = torch.tensor([5, 6])
+    other.feats[1, 8:] = 10 * torch.randn(2, 4, D)
+    a, _ = loss_fn(model, batch, embed, w, cfg)
+    b, _ = loss_fn(model, other, embed, w, cfg)
+    assert float(a.detach()) == pytest.approx(float(b.detach()), rel=1e-6)
+
+
+def test_a_resume_past_an_epoch_gives_the_same_head(tmp_path: Path) -> None:
+    """Each epoch is shuffled by seed + epoch: a run stopped in its second epoch and resumed
+    continues with that epoch's order, so it ends where an uninterrupted run does."""
+    target, data = _toy_data(tmp_path / "data", sequences=24)
+    cfg = TrainConfig(kind="medusa", steps=14, batch_tokens=128, lr=1e-3, draft_vocab=V, depth=1, eval_every=1000, warmup=2)
+    whole = train(cfg, data, tmp_path / "whole", target)
+    assert whole["epochs"] >= 2
+    train(cfg, data, tmp_path / "split", target, stop_after=9)
+    assert torch.load(tmp_path / "split" / "ckpt.pt", weights_only=False)["epoch"] >= 1
+    train(cfg, data, tmp_path / "split", target)
+    a = torch.load(tmp_path / "whole" / "ckpt.pt", weights_only=False)["model"]
+    b = torch.load(tmp_path / "split" / "ckpt.pt", weights_only=False)["model"]
+    for key in a:
+        assert torch.equal(a[key], b[key]), key
+
+
+def test_rate_table_divides_each_count_by_the_positions() -> None:
+    from specdec.train.heads import rate_table
+
+    rep = rate_table({"chat": {0: [2.0, 3.0, 4.0, 8.0]}, "code": {0: [1.0, 1.0, 2.0, 2.0]}})
+    assert rep["steps"] == [{"step": 1, "accept_t1": 0.3, "top1": 0.4, "vocab_mass": 0.6, "positions": 10}]
+    assert rep["by_kind"]["chat"] == [{"step": 1, "accept_t1": 0.25, "top1": 0.375, "vocab_mass": 0.5, "positions": 8}]
+
+
+@pytest.mark.parametrize("kind", ["eagle1", "medusa", "mtp"])
+def test_heads_but_eagle3_read_the_final_feature(tmp_path: Path, kind: str) -> None:
+    """The data holds the taps' features then the final one; every head but EAGLE-3 is trained on
+    the final one (``feats[..., -1]``), so its config must name that index for drafting."""
+    from specdec.train.heads import head_config
+
+    target, _ = _toy_data(tmp_path / "data", sequences=2)
+    hc = head_config(kind, target, torch.arange(V), (1, 2, 3), TrainConfig(kind=kind))
+    assert hc.inputs == (3,)
+    assert head_config("eagle3", target, torch.arange(V), (1, 2, 3), TrainConfig(kind="eagle3")).inputs == (0, 1, 2)

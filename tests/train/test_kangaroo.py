@@ -10,6 +10,7 @@ loss and resumes from a checkpoint to the very same weights.
 from __future__ import annotations
 
 import json
+import math
 from dataclasses import asdict
 
 import pytest
@@ -435,3 +436,74 @@ def test_the_adapters_rotary_embedding_is_the_llama_convention():
     cos, sin = rope_tables(positions, cfg.head_dim, cfg.rope_theta)  # [T, d]
     want = _rotate(x.transpose(0, 1), cos, sin).transpose(0, 1)  # _rotate takes [h, T, d]
     torch.testing.assert_close(adapter._rope(x, positions), want, rtol=1e-6, atol=1e-6)
+
+
+def test_the_loss_is_the_mean_cross_entropy_against_the_renormalised_top_k() -> None:
+    """With every sequence and every position picked, the loss is the mean over positions with a
+    next token of ``-Σ_k p̂_k log q(i_k)``, p̂ the target's top-k probabilities renormalised to 1."""
+    data, w = _data(), kt.head_weight(MODEL)
+    adapter = kt.new_adapter(MODEL, 2, seed=1)
+    cfg = kt.TrainConfig(batch=len(data), positions=10_000)
+    with torch.no_grad():
+        got = float(kt.batch_loss(adapter, data, w, torch.Generator().manual_seed(0), cfg))
+        per = []
+        for f in data:
+            logq = kt.draft_log_probs(adapter, adapter(f.hidden[None])[0], w)[:-1]  # rows with a next token
+            p = f.top_p[:-1] / f.top_p[:-1].sum(-1, keepdim=True)
+            per.append(-(p * logq.gather(1, f.top_i[:-1])).sum(-1))
+    assert float(data[0].top_p.sum(-1).min()) < 0.999  # top-5 of 11 is not all the mass: renormalising matters
+    assert got == pytest.approx(float(torch.cat(per).mean()), rel=1e-5)
+
+
+def test_learning_rate_warms_up_from_the_first_step_then_decays_to_zero() -> None:
+    cfg = kt.TrainConfig(steps=10, warmup=4, lr=1.0)
+    assert kt.lr_at(0, cfg) == pytest.approx(0.25 * 0.5 * (1 + math.cos(0.0)))
+    assert kt.lr_at(5, cfg) == pytest.approx(0.5)  # warm, half way down the cosine
+    assert kt.lr_at(10, cfg) == pytest.approx(0.0, abs=1e-12)
+
+
+def test_each_step_draws_its_own_batch(monkeypatch) -> None:
+    """Batches come from a generator seeded by the step: the steps see different sequences."""
+    data, w = _data(), kt.head_weight(MODEL)
+    picks = []
+    real = kt.batch_loss
+
+    def spy(adapter, d, w_head, gen, cfg):
+        probe = torch.Generator()
+        probe.set_state(gen.get_state())
+        picks.append(tuple(torch.randperm(len(d), generator=probe)[: cfg.batch].tolist()))
+        return real(adapter, d, w_head, gen, cfg)
+
+    monkeypatch.setattr(kt, "batch_loss", spy)
+    kt.train(kt.new_adapter(MODEL, 2, seed=1), data, w, kt.TrainConfig(steps=6, batch=2, positions=8, warmup=1))
+    assert len(picks) == 6 and len(set(picks)) > 1
+
+
+def test_prompt_i_is_continued_at_temperature_i_across_batches() -> None:
+    """Prompt i is continued at ``temperatures[i % len]`` whatever batch it falls in: with batches
+    of 3, the greedy prompts (even i) continue as a greedy decode alone does, the others not."""
+    out = kt.continue_batched(MODEL, PROMPTS, new_tokens=6, temperatures=(0.0, 5.0), batch=3, seed=3)
+    same = []
+    for i, p in enumerate(PROMPTS):
+        alone = kt.continue_batched(MODEL, [p], new_tokens=6, temperatures=(0.0,), batch=1)[0]
+        same.append(torch.equal(out[i], alone))
+    assert same[0::2] == [True, True, True]
+    assert not any(same[1::2])  # (at T = 5 this seed's samples leave the greedy path)
+
+
+def test_a_continuation_stops_at_an_end_of_sequence_token() -> None:
+    greedy = kt.continue_batched(MODEL, PROMPTS[:2], new_tokens=6, temperatures=(0.0,))
+    eos = int(greedy[0][len(PROMPTS[0])])  # prompt 0's first greedy token
+    out = kt.continue_batched(MODEL, PROMPTS[:2], new_tokens=6, temperatures=(0.0,), eos_ids=frozenset({eos}))
+    assert out[0].tolist() == PROMPTS[0] + [eos]
+    cut = greedy[1].tolist()
+    stop = next((j + 1 for j in range(len(PROMPTS[1]), len(cut)) if cut[j] == eos), len(cut))
+    assert out[1].tolist() == cut[:stop]
+
+
+def test_held_out_scores_of_the_target_itself_are_one() -> None:
+    """A view running every layer drafts the target's own law: α₀ = α₁ = 1 over the continuation
+    positions (the draft's and the target's laws at the same positions)."""
+    full = LayerView(MODEL, LayerPlan.skipping(MODEL.cfg.n_layers, set(), set()))
+    rep = kt.held_out_acceptance(MODEL, {"full": full}, _data()[:3])
+    assert rep["full"] == {"alpha_t0": 1.0, "alpha_t1": 1.0}

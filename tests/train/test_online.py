@@ -436,3 +436,31 @@ def test_a_bundle_runs_with_the_module_alone(tmp_path: Path) -> None:
     wrong.write_bytes(b"GGUF")
     with pytest.raises(SystemExit, match="sha256"):
         on.main(["--bundle", str(bundle), "--gguf", str(wrong), "--out", str(tmp_path / "o")])
+
+
+def test_collate_marks_the_rows_that_predict_a_reply_token() -> None:
+    """Row t predicts token t + 1: the last prompt position through the second-to-last token (the
+    last token predicts nothing), none of the padding."""
+    data = [on.Sequence([1, 5, 6, 7, 8, 9], 3, "chat", 0.0), on.Sequence([1, 2, 3, 4], 2, "code", 1.0)]
+    ids, rows = on.collate(data, [0, 1], torch.device("cpu"))
+    assert ids.tolist() == [[1, 5, 6, 7, 8, 9], [1, 2, 3, 4, 0, 0]]
+    assert rows.int().tolist() == [[0, 0, 1, 1, 1, 0], [0, 1, 1, 0, 0, 0]]
+
+
+def test_the_loss_is_the_forward_kl_from_the_target() -> None:
+    """``kl(log p, log q)`` = Σ p (log p − log q), the mean over rows: mass the target puts where
+    the draft has little costs most (the reverse KL would be another number)."""
+    logp = torch.log_softmax(torch.tensor([[4.0, 0.0, 0.0], [0.0, 1.0, 2.0]]), -1)
+    logq = torch.log_softmax(torch.tensor([[0.0, 0.0, 3.0], [0.0, 0.0, 0.0]]), -1)
+    want = (logp.exp() * (logp - logq)).sum(-1).mean()
+    reverse = (logq.exp() * (logq - logp)).sum(-1).mean()
+    assert abs(float(want - reverse)) > 0.1
+    assert float(on.kl(logp, logq)) == pytest.approx(float(want))
+
+
+def test_a_fed_drafts_step_k_reaches_reply_rows_at_index_k_or_later() -> None:
+    """Draft step k + 1 starts a round k rows back, so only reply rows at index >= k are scored."""
+    rows = torch.tensor([[0, 1, 1, 1, 0], [1, 1, 0, 0, 0]], dtype=torch.bool)
+    assert on._reached(rows, 0).tolist() == [True] * 5
+    assert on._reached(rows, 1).tolist() == [True, True, True, False, True]
+    assert on._reached(rows, 2).tolist() == [False, True, True, False, False]

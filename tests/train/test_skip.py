@@ -5,7 +5,9 @@ from __future__ import annotations
 import pytest
 
 from specdec.drafters.self_spec import LayerPlan
-from specdec.train.skip import CostModel, acceptance, build_calibration, expected_speedup, greedy_search, score
+from specdec.train import skip as sk
+from specdec.train.skip import (CostModel, SearchResult, acceptance, build_calibration, expected_speedup, greedy_search,
+                                local_search, score)
 from drafters.test_self_spec import tiny_native
 
 MODEL = tiny_native(layers=3, batch_invariant=False)
@@ -180,3 +182,151 @@ def test_the_command_starts_over_on_other_calibration_prompts(tmp_path, capsys):
     assert main([*base, "--prompts", "3", "--new-tokens", "4"]) == 2
     err = capsys.readouterr().err
     assert "plan.json.state.json cannot be read" in err and "Traceback" not in err
+
+
+N = MODEL.cfg.n_layers  # 3
+
+
+#: acceptance lost when a sub-layer is skipped alone, at T = 0 and T = 1: by their mean the order is
+#: mlp0, attn0, attn1, mlp1, attn2, mlp2 (by T = 0 alone it would start attn1, attn0)
+HARM0 = {"attn0": 0.05, "attn1": 0.01, "attn2": 0.3, "mlp0": 0.05, "mlp1": 0.2, "mlp2": 0.4}
+HARM1 = {"attn0": 0.05, "attn1": 0.2, "attn2": 0.3, "mlp0": 0.0, "mlp1": 0.2, "mlp2": 0.4}
+
+
+def _names(plan: LayerPlan) -> frozenset[str]:
+    return frozenset({f"attn{i}" for i in plan.skip_attn} | {f"mlp{i}" for i in plan.skip_mlp})
+
+
+def _fake_score(objective, tilt=lambda s: 0.0):
+    """A score whose α's come from HARM0/HARM1 and whose T = 0 / T = 1 speed-ups are
+    objective(set) ± tilt(set) (so the search's objective, their mean, is objective(set))."""
+    def fake(target, plan, data, cost, evaluations=0, reduced=None):
+        s = _names(plan)
+        a0 = 1 - sum(HARM0[k] for k in s)
+        a1 = 1 - sum(HARM1[k] for k in s)
+        x, d = objective(s), tilt(s)
+        return SearchResult(plan, a0, a1, 0.0, x + d, x - d, 1, 1, evaluations, cost)
+
+    return fake
+
+
+def test_greedy_search_grows_the_harmless_first_keeps_the_best_prefix_and_prunes_it(monkeypatch) -> None:
+    """Order: by the mean of α₀ and α₁ lost alone, most harmless first; the objective dips at one
+    skip, peaks at two (a tie at three is not better), and `patience` misses after the peak end
+    the growth (the fifth prefix, better still, is never tried); the removal pass then finds that
+    running mlp0 again pays.  Under ``max_steps`` there is no removal pass."""
+    by_size = {0: 1.0, 1: 0.9, 2: 1.3, 3: 1.3, 4: 1.2, 5: 1.5, 6: 1.5}
+    objective = lambda s: 1.4 if s == {"attn0"} else by_size[len(s)]  # noqa: E731
+    tilt = lambda s: 0.6 if s == {"mlp0"} else 0.0  # noqa: E731  (T = 0 alone would keep {mlp0})
+    monkeypatch.setattr(sk, "score", _fake_score(objective, tilt))
+    seen: list[str] = []
+    res = greedy_search(MODEL, None, COST, patience=2, progress=lambda what, best: seen.append(what))
+    assert seen[:6] == [f"alone {k}{i}" for k in ("attn", "mlp") for i in range(N)]
+    assert seen[6:] == ["add mlp0", "add attn0", "add attn1", "add mlp1", "drop attn0", "drop mlp0"]
+    assert _names(res.plan) == {"attn0"} and res.objective == pytest.approx(1.4)
+    assert res.evaluations == 6 + 4 + 2
+    short = greedy_search(MODEL, None, COST, max_steps=2, patience=2)
+    assert _names(short.plan) == {"mlp0", "attn0"}
+
+
+def test_influence_ranking_orders_by_influence_per_unit_of_cost_saved(monkeypatch) -> None:
+    """``rank="influence"``: the least influence per unit of draft cost saved goes first (attention
+    and MLP sub-layers cost differently)."""
+    inf = {"attn0": 0.1, "attn1": 0.3, "attn2": 0.5, "mlp0": 0.2, "mlp1": 0.05, "mlp2": 0.8}
+    monkeypatch.setattr(sk, "influence", lambda target, data: dict(inf))
+    monkeypatch.setattr(sk, "score", _fake_score(lambda s: float(len(s))))  # every skip pays: all six are added
+    seen: list[str] = []
+    cost = CostModel(attn=0.1, mlp=0.2, fixed=0.25)
+    greedy_search(MODEL, None, cost, rank="influence", progress=lambda what, best: seen.append(what))
+    # influence / cost: mlp1 0.25, attn0 1, mlp0 1, attn1 3, mlp2 4, attn2 5
+    assert [w for w in seen if w.startswith("add")] == [f"add {k}" for k in ("mlp1", "attn0", "mlp0", "attn1", "mlp2", "attn2")]
+
+
+def test_local_search_passes_toggle_each_sub_layer_once_and_stop_after_a_quiet_pass(monkeypatch) -> None:
+    """A pass toggles each of the 2n sub-layers once, keeping only strict improvements (a tie is
+    not taken); the search stops after the first pass that changes nothing, or after ``passes``."""
+    monkeypatch.setattr(sk, "score", _fake_score(lambda s: 2.0 if s == {"mlp1"} else 1.0))
+    start = LayerPlan.skipping(N, set(), set())
+    res = local_search(MODEL, None, COST, start, passes=5)
+    assert _names(res.plan) == {"mlp1"} and res.evaluations == 1 + 2 * (2 * N)  # one pass that pays, one quiet one
+    one = local_search(MODEL, None, COST, start, passes=1)
+    assert _names(one.plan) == {"mlp1"} and one.evaluations == 1 + 2 * N
+    monkeypatch.setattr(sk, "score", _fake_score(lambda s: 1.0))  # everything ties: nothing is ever kept
+    flat = local_search(MODEL, None, COST, start, passes=5)
+    assert _names(flat.plan) == frozenset() and flat.evaluations == 1 + 2 * N
+
+
+def test_a_score_reports_the_losing_speed_up_unfloored() -> None:
+    """The search climbs on the best γ >= 1 even where it loses: a score of a draft that costs
+    more than the target step reports that speed-up (< 1) and its γ, not ×1 at γ = 0."""
+    dear = CostModel(attn=0.3, mlp=0.3, fixed=0.25, verify_slope=0.1)
+    data = sk.build_calibration(MODEL, [[1, 2, 3], [0, 4]], new_tokens=4)
+    res = score(MODEL, LayerPlan.skipping(N, set(), set()), data, dear)
+    assert res.alpha0 == 1.0
+    assert res.gamma0 >= 1 and res.gamma1 >= 1
+    assert res.speedup0 < 1.0 and res.speedup1 < 1.0
+
+
+def test_measured_costs_are_per_sub_layer_shares_of_a_target_step(monkeypatch) -> None:
+    """On a clock where a step costs 0.2 fixed + 0.1 per attention + 0.15 per MLP sub-layer (two
+    layers: 0.7) and a 5-position verification 1.4 steps: each attention costs 0.1 / 0.7 of a
+    target step, each MLP 0.15 / 0.7, the rest 0.2 / 0.7, and v(γ) = 1 + 0.1 γ."""
+    from types import SimpleNamespace
+
+    from specdec.train.skip import measure_costs
+
+    clock = [0.0]
+
+    class Cache:
+        def truncate(self, n):
+            pass
+
+    def step(plan_steps):
+        return 0.2 + sum(0.1 * a + 0.15 * m for _, a, m in plan_steps)
+
+    class Target:
+        cfg = SimpleNamespace(n_layers=2)
+        max_length, vocab_size = 256, 50
+
+        def new_cache(self, n):
+            return Cache()
+
+        def forward(self, tokens, cache):
+            clock[0] += step([(i, True, True) for i in range(2)]) * (1.0 if tokens.numel() == 1 else 1.4)
+
+    class View:
+        def __init__(self, target, plan, reduced=None):
+            self.plan = plan
+
+        def new_cache(self, n):
+            return Cache()
+
+        def forward(self, tokens, cache):
+            clock[0] += step(self.plan.steps)
+
+    monkeypatch.setattr(sk, "LayerView", View)
+    monkeypatch.setattr(sk, "time", SimpleNamespace(perf_counter=lambda: clock[0]))
+    cost = measure_costs(Target(), repeats=3, context=8)
+    assert cost.attn == pytest.approx(0.1 / 0.7) and cost.mlp == pytest.approx(0.15 / 0.7)
+    assert cost.fixed == pytest.approx(0.2 / 0.7) and cost.verify_slope == pytest.approx(0.1)
+
+
+def test_influence_is_measured_on_the_stream_each_sub_layer_receives(data) -> None:
+    """ShortGPT's block influence of the last MLP sub-layer: 1 − cos between the residual stream
+    entering it (after every sub-layer before it) and leaving it, averaged over all positions."""
+    import torch
+
+    from specdec.train.skip import influence
+
+    got = influence(MODEL, data)["mlp2"]
+    total = count = 0.0
+    with torch.inference_mode():
+        for seq in data.sequences:
+            cache = MODEL.new_cache(seq.numel())
+            cache.reserve(seq.numel())
+            before = [(i, True, True) for i in range(N - 1)] + [(N - 1, True, False)]
+            x = MODEL.run_layers(MODEL.embed_tokens(seq), cache, before, start=0)
+            y = MODEL.run_layers(x, cache, ((N - 1, False, True),), start=0)
+            total += float((1.0 - torch.cosine_similarity(x, y, dim=-1)).sum())
+            count += seq.numel()
+    assert got == pytest.approx(total / count, rel=1e-4)
