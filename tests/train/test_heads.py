@@ -162,6 +162,14 @@ def test_training_improves_held_out_acceptance(tmp_path: Path, kind: str) -> Non
     assert trained > 2 * baseline and trained > baseline + 0.02, (trained, baseline)
 
 
+def _assert_same_head(one: Path, other: Path) -> None:
+    """The heads the runs in ``one`` and ``other`` saved are bitwise equal."""
+    a = torch.load(one / "ckpt.pt", weights_only=False)["model"]
+    b = torch.load(other / "ckpt.pt", weights_only=False)["model"]
+    for key in a:
+        assert torch.equal(a[key], b[key]), key
+
+
 def test_resume_gives_the_same_head(tmp_path: Path) -> None:
     target, data = _toy_data(tmp_path / "data", sequences=24)
     cfg = TrainConfig(kind="eagle3", steps=12, batch_tokens=128, lr=1e-3, draft_vocab=V, depth=2, eval_every=1000,
@@ -169,10 +177,7 @@ def test_resume_gives_the_same_head(tmp_path: Path) -> None:
     train(cfg, data, tmp_path / "whole", target)
     train(cfg, data, tmp_path / "split", target, stop_after=5)
     train(cfg, data, tmp_path / "split", target)
-    a = torch.load(tmp_path / "whole" / "ckpt.pt", weights_only=False)["model"]
-    b = torch.load(tmp_path / "split" / "ckpt.pt", weights_only=False)["model"]
-    for key in a:
-        assert torch.equal(a[key], b[key]), key
+    _assert_same_head(tmp_path / "whole", tmp_path / "split")
 
 
 def test_a_checkpoint_of_another_head_or_data_is_refused_not_continued(tmp_path: Path, capsys) -> None:
@@ -244,10 +249,7 @@ def test_ctrl_c_saves_the_step_in_progress_and_the_run_resumes_there(tmp_path: P
     assert "saved at step 5" in capsys.readouterr().err
     assert signal.getsignal(signal.SIGINT) is before  # put back
     train(cfg, data, tmp_path / "split", target)
-    a = torch.load(tmp_path / "whole" / "ckpt.pt", weights_only=False)["model"]
-    b = torch.load(tmp_path / "split" / "ckpt.pt", weights_only=False)["model"]
-    for key in a:
-        assert torch.equal(a[key], b[key]), key
+    _assert_same_head(tmp_path / "whole", tmp_path / "split")
 
 
 def test_reply_mask_keeps_every_label_of_a_reply_token_and_only_those() -> None:
@@ -449,10 +451,7 @@ def test_a_resume_past_an_epoch_gives_the_same_head(tmp_path: Path) -> None:
     train(cfg, data, tmp_path / "split", target, stop_after=9)
     assert torch.load(tmp_path / "split" / "ckpt.pt", weights_only=False)["epoch"] >= 1
     train(cfg, data, tmp_path / "split", target)
-    a = torch.load(tmp_path / "whole" / "ckpt.pt", weights_only=False)["model"]
-    b = torch.load(tmp_path / "split" / "ckpt.pt", weights_only=False)["model"]
-    for key in a:
-        assert torch.equal(a[key], b[key]), key
+    _assert_same_head(tmp_path / "whole", tmp_path / "split")
 
 
 def test_rate_table_divides_each_count_by_the_positions() -> None:
