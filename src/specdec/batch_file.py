@@ -167,7 +167,7 @@ def done_lines(path: Path, prompts: list[PromptLine], settings: str | None = Non
         if not isinstance(row, dict) or "index" not in row:
             raise SpecdecError(f"{path} is not a results file (line {n + 1}); choose another --out, or delete it"
                                " to start again")
-        if row.get("index") != n or row.get("prompt") != prompts[n].value:
+        if row.get("index") != n or n >= len(prompts) or row.get("prompt") != prompts[n].value:
             raise SpecdecError(f"{path} holds results for other prompts (line {n + 1}); choose another --out, or delete it"
                                " to start again")
         if settings is not None and row.get("settings", settings) != settings:
