@@ -132,6 +132,11 @@ def features(model: Any, ids: Tensor, taps: tuple[int, ...]) -> Tensor:  # ids: 
     return torch.stack([found[k] for k in taps] + [final], dim=1).to(torch.float16)
 
 
+def _shard_name(index: int) -> str:
+    """The file name of shard ``index`` (written, and looked for on a resume)."""
+    return f"shard-{index:05d}.pt"
+
+
 @torch.inference_mode()
 def generate(
     cfg: DataConfig,
@@ -157,7 +162,7 @@ def generate(
     # the shards on disk from the first one without a gap: a shard deleted in the middle (as
     # load_shards' error advises for a damaged one) is generated again, with every one after it
     have = {p.name for p in shards}
-    kept = next(i for i in range(len(shards) + 1) if f"shard-{i:05d}.pt" not in have)
+    kept = next(i for i in range(len(shards) + 1) if _shard_name(i) not in have)
     done = kept * cfg.shard_size
     if progress is not None:
         progress(min(done, len(todo)))
@@ -198,7 +203,7 @@ def generate(
             shard.kind.append(s.kind)
             if cfg.features:
                 shard.feats.append(features(model, ids, cfg.taps))
-        shard.save(out / f"shard-{next_shard:05d}.pt")
+        shard.save(out / _shard_name(next_shard))
         next_shard += 1
 
     while pending or active:
