@@ -408,6 +408,20 @@ def test_a_window_emptied_by_the_trim_sums_to_exact_zeros():
     assert window.sums == [0.3]
 
 
+def test_a_pass_exactly_the_window_old_still_counts():
+    """The window is closed at its far end: a pass ``window_s`` old stays in the fit, one any older
+    leaves it."""
+    clock = _Clock()
+    cap = DraftCap(CapConfig(window_s=10.0, min_passes=2, min_rounds=1), clock=clock)
+    cap.observe_pass(10, 0.01)
+    clock.t = 10.0
+    cap.observe_pass(30, 0.03)
+    assert len(cap._passes) == 2 and cap._passes.sums[0] == 40
+    clock.t = 10.5
+    cap.observe_pass(20, 0.02)
+    assert len(cap._passes) == 2 and cap._passes.sums[0] == 50
+
+
 def test_capped_gamma_takes_the_ceiling_and_reports_rounds():
     from specdec.gamma import CappedGamma, FixedGamma
 
