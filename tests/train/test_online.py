@@ -464,3 +464,86 @@ def test_a_fed_drafts_step_k_reaches_reply_rows_at_index_k_or_later() -> None:
     assert on._reached(rows, 0).tolist() == [True] * 5
     assert on._reached(rows, 1).tolist() == [True, True, True, False, True]
     assert on._reached(rows, 2).tolist() == [False, True, True, False, False]
+
+
+def _made(n: int, seed: int) -> list[on.Sequence]:
+    """``n`` hand-made sequences: a prompt of 1, 2 or 3 tokens, the rest a reply (no target generation)."""
+    return [on.Sequence(p, 1 + i % 3, "chat" if i % 2 else "code", 1.0) for i, p in enumerate(_prompts(n, seed))]
+
+
+def test_a_fed_drafts_held_out_step_k_scores_the_rows_it_reaches(tiny) -> None:
+    """Held out, step k + 1 of a fed draft counts the reply rows at index >= k only, and its
+    agreement and E[min(p, q)] are over exactly those rows (5 hand-made sequences, 3 steps)."""
+    shape_t, wt, s = _fed(tiny, seed=1)
+    data = _made(5, 11)
+    got = on.held_out(shape_t, wt, [s], data, list(range(5)), 4096, False)
+    sums = {k: [0.0, 0.0, 0] for k in range(3)}
+    for x in data:
+        ids, rows = on.collate([x], [0], torch.device("cpu"))
+        logp, feats = on._target_pass(shape_t, wt, ids, rows, on.default_taps(shape_t.layers))
+        for k, q in enumerate(on._fed_laws(s, ids, rows, feats, False)):
+            keep = on._reached(rows, k)
+            p, q = logp[keep], q[keep]
+            sums[k][0] += float((p.argmax(-1) == q.argmax(-1)).sum())
+            sums[k][1] += float(torch.minimum(p.exp(), q.exp()).sum())
+            sums[k][2] += p.shape[0]
+    assert sums[0][2] > sums[1][2] > sums[2][2] > 0
+    for k, (a, c, n) in sums.items():
+        row = got[f"fed-step{k + 1}"]["all"]
+        assert row["positions"] == n
+        assert row["greedy"] == pytest.approx(a / n, abs=1e-4) and row["t1"] == pytest.approx(c / n, abs=1e-4)
+
+
+def test_a_fed_drafts_loss_is_the_mean_over_its_steps_of_the_kl_on_the_rows_each_reaches(tiny) -> None:
+    """The first step's recorded loss (one batch of 4 hand-made sequences, a random projection so
+    the steps differ) is (1/depth) Σ_k KL(p || q_k) over the rows step k reaches."""
+    shape_t, wt, s = _fed(tiny, seed=2)
+    data = _made(4, 12)
+    ids, rows = on.collate(data, [0, 1, 2, 3], torch.device("cpu"))
+    logp, feats = on._target_pass(shape_t, wt, ids, rows, on.default_taps(shape_t.layers))
+    with torch.no_grad():
+        laws = on._fed_laws(s, ids, rows, feats, False)
+    terms = [float(on.kl(logp[on._reached(rows, k)], q[on._reached(rows, k)])) for k, q in enumerate(laws)]
+    assert max(terms) - min(terms) > 1e-3
+    on.train(shape_t, wt, [s], data, [0, 1, 2, 3], on.OnlineConfig(steps=1, batch_tokens=4096, warmup=0),
+             None, lambda msg: None, False)
+    assert s.losses[0] == pytest.approx(sum(terms) / 3, abs=1e-4)
+
+
+def test_a_fed_drafts_projection_takes_its_own_learning_rate(tiny) -> None:
+    """One step with the draft's rate 0 moves only the projection and null vector; with the
+    projection's rate 0, only the draft's own weights (both start from random values)."""
+    data = _made(4, 13)
+    for lr, fed_lr in ((0.0, 1e-2), (1e-2, 0.0)):
+        shape_t, wt, s = _fed(tiny, seed=3)
+        s.fed_lr = fed_lr
+        before = {k: t.clone() for k, t in s.w.items()}
+        on.train(shape_t, wt, [s], data, [0, 1, 2, 3],
+                 on.OnlineConfig(steps=1, batch_tokens=4096, warmup=0, lr=lr, weight_decay=0.0),
+                 None, lambda msg: None, False)
+        moved = {k for k, t in s.w.items() if not torch.equal(t, before[k])}
+        fed = {k for k in s.w if k.startswith("fed.")}
+        assert moved == (fed if lr == 0 else set(s.w) - fed), (lr, fed_lr, sorted(moved))
+
+
+def test_each_epoch_is_reshuffled_by_the_seed_and_the_epoch(tiny) -> None:
+    """With every rate 0 the weights stay put, so the losses read the order of the batches: epoch
+    e's order is ``batches(..., Random(seed · 7919 + e))`` taken from its end, and two epochs'
+    orders differ (16 hand-made sequences in 6 batches)."""
+    _, target, draft = tiny
+    shape_t, wt, _ = on.load_folder(target)
+    s = _student(draft)
+    data = _made(16, 14)
+    index = list(range(16))
+    orders = [on.batches(data, index, 24, random.Random(5 * 7919 + e)) for e in range(2)]
+    assert len(orders[0]) == len(orders[1]) == 6 and orders[0] != orders[1]
+    cfg = on.OnlineConfig(steps=12, batch_tokens=24, lr=0.0, warmup=0, seed=5)
+    on.train(shape_t, wt, [s], data, index, cfg, None, lambda msg: None, False)
+    want = []
+    for order in orders:
+        for group in reversed(order):
+            ids, rows = on.collate(data, group, torch.device("cpu"))
+            logp, _ = on._target_pass(shape_t, wt, ids, rows, None)
+            with torch.no_grad():
+                want.append(float(on.kl(logp, on._draft_law(s, ids, rows, False))))
+    assert s.losses == pytest.approx(want, abs=1e-4)
