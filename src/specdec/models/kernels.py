@@ -117,6 +117,17 @@ def _march() -> str:
     return "-march=native" if platform.machine() in ("x86_64", "AMD64") else "-mcpu=native"
 
 
+def compile_command(cxx: str, sources, out: Path) -> list[str]:
+    """The command that compiles ``sources`` into the shared library ``out`` against the installed
+    torch: the kernels' build, and the tests' probe of the toolchain with a one-op source."""
+    # imported only to compile: it brings setuptools in, ~0.25 s of every start-up on a cache hit
+    from torch.utils import cpp_extension
+
+    return [cxx, *_FLAGS, _march(), *(f"-I{p}" for p in cpp_extension.include_paths()),
+            f"-I{sysconfig.get_paths()['include']}", *map(str, sources), "-o", str(out),
+            *(f"-L{p}" for p in cpp_extension.library_paths()), "-lc10", "-ltorch_cpu", "-ltorch"]
+
+
 def _build(cxx: str) -> Path:
     src = b"\0".join(p.read_bytes() for p in (*_SOURCES, *_HEADERS))
     march = _march()
@@ -131,14 +142,8 @@ def _build(cxx: str) -> Path:
         fcntl.flock(lock, fcntl.LOCK_EX)  # one compile when several processes start at once
         if lib.is_file():
             return lib
-        # imported only to compile: it brings setuptools in, ~0.25 s of every start-up on a cache hit
-        from torch.utils import cpp_extension
-
         def compile_to(tmp: Path) -> None:  # (interrupted: subprocess.run kills the compiler)
-            cmd = [cxx, *_FLAGS, march, *(f"-I{p}" for p in cpp_extension.include_paths()),
-                   f"-I{sysconfig.get_paths()['include']}", *map(str, _SOURCES), "-o", str(tmp),
-                   *(f"-L{p}" for p in cpp_extension.library_paths()), "-lc10", "-ltorch_cpu", "-ltorch"]
-            subprocess.run(cmd, check=True, capture_output=True, text=True)
+            subprocess.run(compile_command(cxx, _SOURCES, tmp), check=True, capture_output=True, text=True)
 
         print("[specdec] compiling the float32, int8, 4-bit and attention kernels for this CPU (once, ~30 s) ...", file=sys.stderr)
         write_whole(lib, compile_to)  # under the lock; an interrupted or failed compile leaves no half-written library
@@ -171,7 +176,8 @@ def load() -> bool:
                 ok = True
             except (OSError, RuntimeError, subprocess.CalledProcessError) as e:
                 detail = (getattr(e, "stderr", "") or str(e)).strip().splitlines()
-                print(f"[specdec] warning: the kernels did not build ({detail[-1][:200] if detail else e}); "
+                detail = [line for line in detail if "error" in line][:1] or detail[-1:]  # the first error, not a caret line
+                print(f"[specdec] warning: the kernels did not build ({detail[0][:200] if detail else e}); "
                       "int8 products and attention stay on ATen ops (slower)", file=sys.stderr)
     if not ok:
         _declare()
