@@ -8,8 +8,8 @@ honoured by every round, idle sessions swept on a timer, and an access log witho
 
 from __future__ import annotations
 
-import json
 import asyncio
+import json
 import logging
 import socket
 import threading
@@ -27,6 +27,9 @@ from specdec.errors import ConfigError
 from specdec.models.toy import ToyLM
 from specdec.sampling import SamplingConfig, process_logits
 from specdec.server import ServerSettings, create_app
+from specdec.server.app import BodyLimit
+from specdec.server.guard import host_name
+from specdec.server.metrics import ServerMetrics
 from specdec.server.runner import AccessLogRedactor, read_key_file
 from specdec.server.sessions import SessionStore
 
@@ -346,7 +349,6 @@ def test_server_access_log_has_no_secrets(strict_server):
 
 class _SlowModel:
     """A toy target whose forward passes take 10 ms and are counted."""
-
     def __init__(self) -> None:
         self.inner = ToyLM(6, order=1, seed=0)
         self.vocab_size, self.max_length = self.inner.vocab_size, self.inner.max_length
@@ -363,7 +365,6 @@ class _SlowModel:
 
 class _Letters:
     """A tokenizer for toy vocabularies: token i is the letter chr(97 + i)."""
-
     def encode(self, text, add_special_tokens=False):
         return [ord(c) - 97 for c in text]
 
@@ -468,3 +469,164 @@ def test_a_claim_fits_the_kv_cap_exactly_and_not_one_byte_more():
     assert not store.try_claim(1)
     store.release(cap)
     assert store.claimed_bytes == 0 and store.try_claim(cap)
+
+
+def _app(**settings):
+    return create_app(ToyLM(6, order=1, seed=0), settings=ServerSettings(**settings))
+
+
+def test_host_name_strips_ports_and_brackets_only():
+    """A Host header's name: the port and IPv6 brackets go, a bare IPv6 address stays whole."""
+    assert host_name("[::1]:8000") == "::1"
+    assert host_name("localhost:80") == "localhost"
+    assert host_name("::1") == "::1"
+    assert host_name("Example.com") == "Example.com"
+
+
+def test_allowed_hosts_are_matched_without_case():
+    """A keyless server answers to an --allowed-host name whatever its case, in the setting or the header."""
+    client = TestClient(_app(allowed_hosts=("Box.LAN",)), base_url="http://127.0.0.1")
+    for host in ("box.lan", "BOX.lan:8000"):
+        assert client.get("/v1/models", headers={"Host": host}).status_code == 200, host
+    r = client.get("/v1/models", headers={"Host": "other.lan"})
+    assert r.status_code == 403
+
+
+def test_bearer_scheme_is_case_insensitive_and_the_token_trimmed():
+    """'bearer k' and 'Bearer  k' (an extra space) authenticate as 'Bearer k' does."""
+    client = TestClient(_app(api_key="k"), base_url="http://localhost")
+    for value in ("Bearer k", "bearer k", "BEARER k", "Bearer  k"):
+        assert client.get("/v1/models", headers={"Authorization": value}).status_code == 200, value
+    assert client.get("/v1/models", headers={"Authorization": "Bearer kk"}).status_code == 401
+
+
+def test_a_401_names_the_bearer_scheme_and_is_counted():
+    """A refused key: 401 with 'WWW-Authenticate: Bearer', counted in specdec_http_errors_total."""
+    client = TestClient(_app(api_key="k"), base_url="http://localhost")
+    r = client.get("/v1/models")
+    assert r.status_code == 401 and r.headers["www-authenticate"] == "Bearer"
+    assert 'specdec_http_errors_total{status="401"} 1.0' in client.get("/metrics").text
+
+
+def test_a_bad_host_403_is_counted():
+    """A keyless server's Host refusal is counted in specdec_http_errors_total."""
+    app = _app()
+    assert TestClient(app, base_url="http://evil.example").get("/v1/models").status_code == 403
+    text = TestClient(app, base_url="http://localhost").get("/metrics").text
+    assert 'specdec_http_errors_total{status="403"} 1.0' in text
+
+
+def test_version_is_open_without_a_key():
+    """/version is public, as /health is, on a server with a key."""
+    client = TestClient(_app(api_key="k"), base_url="http://localhost")
+    assert client.get("/version").status_code == 200
+
+
+def test_a_body_of_exactly_the_limit_is_read():
+    """A Content-Length equal to --max-body-bytes is served; one byte more is a 413."""
+    client = TestClient(_app(max_body_bytes=1024), base_url="http://localhost")
+    prompt = {"prompt_ids": [1], "temperature": 0.0}
+    body = json.dumps(prompt).encode()
+    exact = body[:-1] + b" " * (1024 - len(body)) + b"}"
+    assert len(exact) == 1024
+    r = client.post("/v1/sessions", content=exact, headers={"content-type": "application/json"})
+    assert r.status_code == 201, r.text
+    r = client.post("/v1/sessions", content=exact + b" ", headers={"content-type": "application/json"})
+    assert r.status_code == 413
+
+
+def test_a_body_without_content_length_is_cut_at_the_limit():
+    """A streamed body (no Content-Length) one byte past the limit is a 413 before the app sees it."""
+    seen: list[dict] = []
+
+    async def inner(scope, receive, send):  # pragma: no cover - must not run
+        seen.append(scope)
+
+    sent: list[dict] = []
+    parts = iter([b"x" * 1000, b"y" * 25])
+
+    async def receive():
+        chunk = next(parts)
+        return {"type": "http.request", "body": chunk, "more_body": chunk.startswith(b"x")}
+
+    async def send(message):
+        sent.append(message)
+
+    limit = BodyLimit(inner, max_bytes=1024, metrics=ServerMetrics())
+    asyncio.run(limit({"type": "http", "headers": []}, receive, send))
+    assert sent[0]["status"] == 413 and not seen
+
+
+def test_a_validation_error_names_three_problems_and_counts_the_rest():
+    """A request with four bad fields: the 400/422 message lists three of them and '(and 1 more)'."""
+    client = TestClient(_app(), base_url="http://localhost")
+    r = client.post("/v1/sessions", json={"prompt_ids": "x", "temperature": "hot", "top_p": "x", "top_k": "x"})
+    assert r.status_code == 422
+    message = r.json()["error"]["message"]
+    assert message.count("; ") == 2 and message.endswith("(and 1 more)"), message
+
+
+def test_a_max_model_len_past_the_models_context_is_refused():
+    """max_model_len longer than the model's own context is a ConfigError naming both."""
+    model = ToyLM(6, order=1, seed=0)
+    with pytest.raises(ConfigError, match=f"--max-model-len {model.max_length + 1} is longer than the model's context"):
+        create_app(model, settings=ServerSettings(max_model_len=model.max_length + 1))
+    create_app(model, settings=ServerSettings(max_model_len=model.max_length))
+
+
+def test_health_says_none_without_a_drafter_factory():
+    """/health names no drafter where the server has no drafter factory, whatever name it was given."""
+    app = create_app(ToyLM(6, order=1, seed=0), settings=ServerSettings(), drafter_name="ignored")
+    assert TestClient(app, base_url="http://localhost").get("/health").json()["drafter"] == "none"
+
+
+def test_delete_answers_the_id_and_deleted():
+    """DELETE /v1/sessions/{id} answers exactly {session_id, deleted: true}."""
+    client = TestClient(_app(), base_url="http://localhost")
+    sid = client.post("/v1/sessions", json={"prompt_ids": [1]}).json()["session_id"]
+    assert client.delete(f"/v1/sessions/{sid}").json() == {"session_id": sid, "deleted": True}
+
+
+def _read_response(sock) -> bytes:
+    """One whole HTTP/1.1 response (its headers and its Content-Length body) off ``sock``; b"" if closed."""
+    data = b""
+    while b"\r\n\r\n" not in data:
+        chunk = sock.recv(4096)
+        if not chunk:
+            return data
+        data += chunk
+    head, _, body = data.partition(b"\r\n\r\n")
+    length = next(int(line.split(b":", 1)[1]) for line in head.split(b"\r\n") if line.lower().startswith(b"content-length:"))
+    while len(body) < length:
+        chunk = sock.recv(4096)
+        if not chunk:
+            break
+        body += chunk
+    return head + b"\r\n\r\n" + body
+
+
+def test_the_header_deadline_ends_once_the_headers_arrive():
+    """A keep-alive connection whose first request's headers came in time is not cut when the
+    header deadline passes later: its next request, sent after the deadline, is answered."""
+    with ServerProcess.toy("--header-timeout", "0.5") as srv:
+        with socket.create_connection(("127.0.0.1", srv.port)) as s:
+            s.settimeout(10)
+            request = b"GET /health HTTP/1.1\r\nHost: 127.0.0.1\r\n\r\n"
+            s.sendall(request)
+            assert _read_response(s).startswith(b"HTTP/1.1 200")
+            time.sleep(1.0)  # past the first deadline, idle between requests (keep-alive)
+            s.sendall(request)
+            assert _read_response(s).startswith(b"HTTP/1.1 200")
+
+
+def test_a_new_session_reserves_its_first_allocation_under_the_kv_cap():
+    """A one-token session still allocates kv_initial_length positions: where that is past the KV
+    cap it is refused (503), and the cap is never exceeded."""
+    model = tiny_native()
+    per_position = model.new_cache(1).bytes_per_position
+    cap = per_position * 200
+    app = create_app(model, settings=ServerSettings(max_kv_bytes=cap, kv_initial_length=256))
+    client = TestClient(app, base_url="http://localhost")
+    r = client.post("/v1/sessions", json={"prompt_ids": [1], "temperature": 0.0})
+    assert r.status_code == 503, r.text
+    assert app.state.ctx.store.kv_bytes() <= cap

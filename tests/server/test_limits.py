@@ -5,6 +5,7 @@ In-process (the app object directly): these are about the store's bookkeeping, n
 
 from __future__ import annotations
 
+import math
 import threading
 import time
 
@@ -208,3 +209,37 @@ def test_the_sweep_never_drops_a_busy_session():
     assert client.get(f"/v1/sessions/{sid}").status_code == 200  # still there (and used just now)
     session.last_used -= 3600.0
     assert store.sweep() == 1 and len(store) == 0  # idle and free: swept
+
+
+def test_served_model_names_are_at_most_256_characters():
+    """A 256-character served model name is accepted, 257 characters are refused."""
+    ServerSettings(model_name="m" * 256)
+    with pytest.raises(ValueError, match="served model name must be 1 to 256 characters"):
+        ServerSettings(model_name="m" * 257)
+
+
+@pytest.mark.parametrize("kw, says", [
+    ({"max_body_bytes": 1023}, "max body size must be >= 1024 bytes"),
+    ({"default_max_tokens": 0}, "default max tokens must be >= 1"),
+    ({"api_keys": ("good", "  ")}, "an API key is empty"),
+    ({"body_timeout_s": 0.0}, "body timeout must be > 0 seconds"),
+    ({"shutdown_timeout_s": math.inf}, "shutdown timeout must be >= 0 seconds"),
+    ({"max_active_requests": 0}, "max active requests must be >= 1"),
+    ({"session_ttl_s": 0.0}, "session TTL must be > 0 seconds"),
+])
+def test_out_of_range_settings_are_refused(kw, says):
+    """Each setting just past its bound is a ConfigError naming it."""
+    with pytest.raises(ValueError, match=says):
+        ServerSettings(**kw)
+
+
+def test_smallest_accepted_settings():
+    """The bounds themselves are accepted (1024-byte bodies, 1 token, 1 request, a 0 s shutdown)."""
+    ServerSettings(max_body_bytes=1024, default_max_tokens=1, max_active_requests=1, shutdown_timeout_s=0.0)
+
+
+def test_names_and_keys_are_listed_once():
+    """An alias equal to the model name, and a key file repeating --api-key, are not listed twice."""
+    s = ServerSettings(model_name="a", model_aliases=("a", "b"), api_key="k1", api_keys=("k1", "k2"))
+    assert s.model_names == ("a", "b")
+    assert s.keys == ("k1", "k2")

@@ -293,3 +293,21 @@ def test_a_calls_output_continues_the_conversation(client):
     assert continued.output_text == sent.output_text == expected
     assert continued.usage.input_tokens == sent.usage.input_tokens == chat.usage.prompt_tokens
     assert client.responses.retrieve(first.id).output[0].arguments == call.arguments  # a call's response is stored
+
+
+def test_the_response_echoes_its_temperature_and_top_p(client):
+    """A response carries the temperature and top_p the request gave (1.0 each where it gave none)."""
+    resp = client.responses.create(model=MODEL, input="hi", max_output_tokens=2, temperature=0.5, top_p=0.9, store=False)
+    assert resp.temperature == 0.5 and resp.top_p == 0.9
+    plain = client.responses.create(model=MODEL, input="hi", max_output_tokens=2, store=False)
+    assert plain.temperature == 1.0 and plain.top_p == 1.0
+
+
+def test_a_deleted_response_frees_its_characters():
+    """Deleting a stored response gives its characters back: later responses that fit are all kept."""
+    store = ResponseStore(capacity=10, chars=10)
+    store.put("a", "o", [], {"id": "a"}, 8)
+    store.delete("a", "o")
+    store.put("b", "o", [], {"id": "b"}, 8)
+    store.put("c", "o", [], {"id": "c"}, 2)  # 8 + 2 = 10 characters: both fit
+    assert store.get("b", "o")[1] == {"id": "b"} and store.get("c", "o")[1] == {"id": "c"}

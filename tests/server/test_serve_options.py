@@ -8,6 +8,9 @@ import openai
 import pytest
 
 from serverproc import DRAFT_MODEL, ServerProcess
+from specdec.cli import build_parser
+from specdec.errors import ConfigError
+from specdec.server.command import is_loopback, settings_from_args
 
 MODEL = DRAFT_MODEL
 TEMPLATE = "{% for m in messages %}<{{ m.role }}>{{ m.content }}\n{% endfor %}{% if add_generation_prompt %}<assistant>{% endif %}"
@@ -82,3 +85,56 @@ def test_a_drafter_without_a_tree_pass_says_so_at_start_and_drafts_chains(tmp_pa
     tree, chain = (a.model_extra["specdec"] for a in answers)
     assert tree["tree_rounds"] == 0 and tree["draft_tokens_proposed"] > 0, tree
     assert answers[0].choices[0].text == answers[1].choices[0].text and answers[0].usage.completion_tokens == 12
+
+
+@pytest.fixture(autouse=True)
+def _no_env_key(monkeypatch):
+    monkeypatch.delenv("SPECDEC_API_KEY", raising=False)
+
+
+def _settings(*argv: str) -> dict:
+    # port 0: no port is bound by the check
+    return settings_from_args(build_parser().parse_args(["serve", "--port", "0", *argv]))
+
+
+def test_loopback_names_are_case_insensitive():
+    """'LOCALHOST' is a loopback name as 'localhost' is (no key needed to listen there)."""
+    assert is_loopback("LOCALHOST") and is_loopback(" Localhost ")
+
+
+def test_port_above_65535_is_refused():
+    """--port 65536 is refused before anything loads; 65535 is the largest port."""
+    args = build_parser().parse_args(["serve", "--port", "65536"])
+    with pytest.raises(ConfigError, match="port must be between 0 and 65535, got 65536"):
+        settings_from_args(args)
+
+
+def test_key_file_alone_makes_a_public_address_allowed(tmp_path):
+    """With --api-key-file and no --api-key, the file's first key is the server's key: a
+    non-loopback --host is then allowed."""
+    keys = tmp_path / "keys"
+    keys.write_text("# ops\nk-one\nk-two\n")
+    kw = _settings("--host", "0.0.0.0", "--api-key-file", str(keys))
+    assert kw["api_key"] == "k-one" and kw["api_keys"] == ("k-two",)
+
+
+def test_zero_kv_budget_is_refused_in_the_flags_own_words():
+    """--max-kv-mib 0 is refused naming the flag (not the settings' internal byte budget)."""
+    with pytest.raises(ConfigError, match=r"--max-kv-mib must be a finite number > 0, got 0"):
+        _settings("--max-kv-mib", "0")
+
+
+def test_zero_max_connections_is_refused():
+    """--max-connections 0 is refused before any model loads; 1 is accepted."""
+    with pytest.raises(ConfigError, match="max connections must be >= 1, got 0"):
+        _settings("--max-connections", "0")
+    _settings("--max-connections", "1")
+
+
+def test_options_reach_the_settings():
+    """--allowed-host, --metrics-need-key and --gather-gap-ms (ms -> s) are passed on to the settings."""
+    kw = _settings("--allowed-host", "box.lan", "--allowed-host", "other.lan", "--metrics-need-key", "--gather-gap-ms", "5")
+    assert kw["allowed_hosts"] == ("box.lan", "other.lan")
+    assert kw["metrics_need_key"] is True
+    assert kw["gather_gap_s"] == pytest.approx(0.005)
+    assert _settings()["metrics_need_key"] is False

@@ -3,12 +3,15 @@
 from __future__ import annotations
 
 import json
+from types import SimpleNamespace
 
 import httpx
+import pytest
 import torch
 
 from specdec.models.toy import ToyLM
 from specdec.sampling import SamplingConfig, process_logits
+from specdec.server.metrics import ServerMetrics
 
 from .conftest import API_KEY, MAX_GAMMA, MAX_LENGTH, VOCAB
 
@@ -305,3 +308,64 @@ def test_a_resumed_sessions_constraints_see_its_generated_ids(api: httpx.Client)
     assert next_token(min_tokens=4, floor_ids=[best]) != best  # one more to go: still masked
     assert next_token(bad_token_ids=[[generated[-1], best]]) != best  # completes a bad word across the resume
     assert next_token(bad_token_ids=[[generated[-2], best]]) == best  # does not
+
+
+def _value(m: ServerMetrics, name: str, **labels: str):
+    return m.registry.get_sample_value(name, labels)
+
+
+def test_a_verify_round_counts_what_it_drafted_accepted_and_emitted():
+    """gamma 3, 1 accepted, 2 emitted, 2 unverified: each counter gets its own number."""
+    m = ServerMetrics()
+    m.observe_verify(wire="greedy", lossless=False, gamma=3, accepted=1, emitted=2, seconds=0.01, unverified=2)
+    assert _value(m, "specdec_draft_tokens_proposed_total", wire="greedy") == 3
+    assert _value(m, "specdec_draft_tokens_accepted_total", wire="greedy") == 1
+    assert _value(m, "specdec_tokens_emitted_total", wire="greedy") == 2
+    assert _value(m, "specdec_tokens_per_call_sum", wire="greedy") == 2
+    assert _value(m, "specdec_unverified_tokens_total") == 2
+    assert _value(m, "specdec_verify_calls_total", wire="greedy", lossless="false") == 1
+    assert _value(m, "specdec_draft_position_accepted_total", wire="greedy", position="1") == 1
+    assert _value(m, "specdec_draft_position_accepted_total", wire="greedy", position="2") is None
+
+
+def test_the_acceptance_gauge_is_since_start_not_the_last_round():
+    """4 of 4 then 0 of 4 accepted: the gauge reads 0.5."""
+    m = ServerMetrics()
+    for accepted in (4, 0):
+        m.observe_verify(wire="greedy", lossless=True, gamma=4, accepted=accepted, emitted=accepted + 1, seconds=0.0,
+                         unverified=0)
+    assert _value(m, "specdec_acceptance_rate", wire="greedy") == pytest.approx(0.5)
+
+
+def test_positions_past_16_are_pooled_into_the_last_label():
+    """A 20-token draft: positions 16 to 20 are counted under position 16, no label past it."""
+    m = ServerMetrics()
+    m.observe_verify(wire="greedy", lossless=True, gamma=20, accepted=0, emitted=1, seconds=0.0, unverified=0)
+    assert _value(m, "specdec_draft_position_proposed_total", wire="greedy", position="16") == 5
+    assert _value(m, "specdec_draft_position_proposed_total", wire="greedy", position="17") is None
+
+
+def _stats(**kw):
+    base = dict(lossless=True, target_calls=5, draft_tokens_proposed=100, draft_tokens_accepted=29, generated_tokens=3,
+                prompt_tokens=7, proposed_per_position=[100], acceptance_per_position=[0.29], ttft_s=0.2, wall_s=1.0)
+    return SimpleNamespace(**{**base, **kw})
+
+
+def test_a_completion_counts_its_target_calls_tokens_and_positions():
+    """One OpenAI completion: target calls, tokens emitted, per-position acceptance (rounded, not
+    truncated) and the mean inter-token time (after the first token) as its stats give them."""
+    m = ServerMetrics()
+    m.observe_generation("chat", _stats())
+    assert _value(m, "specdec_verify_calls_total", wire="openai", lossless="true") == 5
+    assert _value(m, "specdec_tokens_emitted_total", wire="openai") == 3
+    assert _value(m, "specdec_draft_position_accepted_total", wire="openai", position="1") == 29  # 0.29 * 100
+    assert _value(m, "specdec_inter_token_seconds_sum", endpoint="chat") == pytest.approx((1.0 - 0.2) / 2)
+    assert _value(m, "specdec_prompt_tokens_total", endpoint="chat") == 7
+
+
+def test_a_one_token_completion_has_no_inter_token_time():
+    """A completion of one token observes a first-token time but no inter-token time."""
+    m = ServerMetrics()
+    m.observe_generation("completions", _stats(generated_tokens=1))
+    assert _value(m, "specdec_time_to_first_token_seconds_count", endpoint="completions") == 1
+    assert not _value(m, "specdec_inter_token_seconds_count", endpoint="completions")
