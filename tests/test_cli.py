@@ -486,8 +486,10 @@ def test_bench_refuses_bad_drafter_lists(capsys, draft, modes, says):
     (["--repetition-penalty", "0"], "--repetition-penalty must be > 0"),
     (["--seed", "-1"], "--seed must be >= 0"),
 ])
-def test_bench_refuses_bad_settings_before_running(capsys, args, says):
-    code, out, err = _run(capsys, "bench", *args, "--out", "unused")
+def test_bench_refuses_bad_settings_before_running(capsys, tmp_path, monkeypatch, args, says):
+    # a check that lets its case through fails here at once (it ran a whole bench before)
+    monkeypatch.setattr("specdec.bench.runner.run", lambda *a, **k: pytest.fail("a mode ran"))
+    code, out, err = _run(capsys, "bench", *args, "--out", str(tmp_path / "unused"))
     assert code == 2 and says in _one_error_line(err) and out == ""
 
 
@@ -958,7 +960,7 @@ def test_chat_template_known_reads_the_files_a_tokenizer_reads(tmp_path):
 def test_a_broken_model_file_or_folder_is_a_one_line_error(capsys, tmp_path, tiny_pair):
     """Not a GGUF, a GGUF cut short, a folder whose config.json is not JSON: as target or draft, a
     one-line error and exit 2 (each was a traceback), and no half-converted folder left behind."""
-    from specdec.models.registry import cache_root
+    from specdec.models.registry import cache_root  # (a fixture of this module has the name)
 
     fake = tmp_path / "fake.gguf"
     fake.write_bytes(b"hello, not a model")
@@ -1060,7 +1062,6 @@ def test_sigterm_unwinds_a_command_as_ctrl_c_does_and_exits_143(capsys, monkeypa
     """SIGTERM (a scheduler, ``kill``) raises in the command, so its ``finally`` blocks run (bench
     stops its workers, training saves its state); the exit status is 143 and the handler that was
     there before is put back."""
-    import os
     import signal
     import time
 
@@ -1096,8 +1097,6 @@ def test_a_missing_extra_is_named_in_one_line_before_any_work(capsys, tmp_path, 
     """`generate --remote` needs the 'serve' extra (httpx), `serve` too (fastapi, uvicorn), and
     `bench`'s plots the 'bench' extra (matplotlib): each says which, in one line, exit 2, before it
     loads a model or runs a mode (a bench that failed at its report kept a journal that blocked a rerun)."""
-    import sys
-
     monkeypatch.setitem(sys.modules, "httpx", None)  # import httpx now raises ImportError
     code, out, err = _run(capsys, "generate", "-p", "hi", "-n", "2", "--remote", "http://127.0.0.1:9")
     assert code == 2 and "--remote needs the 'serve' extra (httpx is missing)" in err and "Traceback" not in err
@@ -1175,8 +1174,6 @@ def test_the_model_options_reach_the_engine(monkeypatch, capsys, tmp_path):
         main(["generate", "-p", "hi", "--target", "some-target", "--draft", "some-draft"])
     assert seen[-1].batch_invariant is True
     with pytest.raises(Stop):  # --prompts-file: the batch engine gets its options too (no drafter)
-        import json
-
         folder = tmp_path
         (folder / "p.jsonl").write_text(json.dumps({"prompt": "hi"}) + "\n")
         main(["generate", "--prompts-file", str(folder / "p.jsonl"), "--out", str(folder / "o.jsonl"), "--target", "t",
@@ -1190,3 +1187,55 @@ def test_a_remote_timeout_of_zero_is_refused(capsys):
     code, out, err = _run(capsys, "generate", "-p", "hi", "--remote", "http://127.0.0.1:9", "--remote-timeout", "0")
     lines = [line for line in err.strip().splitlines() if line and not line.startswith("[specdec]")]
     assert code == 2 and len(lines) == 1 and "--remote-timeout must be > 0 seconds, got 0" in lines[0], err
+
+
+class Reached(Exception):
+    pass
+
+
+@pytest.fixture
+def ran(monkeypatch):
+    """The BenchConfig `specdec bench` hands the runner (no mode runs: the runner is replaced)."""
+    seen = []
+
+    def run(cfg, **kwargs):
+        seen.append(cfg)
+        raise Reached
+
+    monkeypatch.setattr("specdec.bench.runner.run", run)
+    return seen
+
+
+def _bench(tmp_path, *args):
+    with pytest.raises(Reached):
+        main(["bench", "--modes", "plain", "--limit", "1", "--no-plots", "--out", str(tmp_path / "run"), *args])
+
+
+def test_bench_passes_seed_top_p_penalty_and_batch_invariance_to_the_run(tmp_path, ran):
+    """--seed, --top-p, --repetition-penalty, --fast-attention and --kv-dtype reach the BenchConfig the workers get."""
+    _bench(tmp_path, "--seed", "7", "--top-p", "0.9", "--repetition-penalty", "1.1", "--fast-attention", "--kv-dtype", "float16")
+    cfg = ran[0]
+    assert cfg.seed == 7 and cfg.top_p == 0.9 and cfg.repetition_penalty == 1.1 and cfg.batch_invariant is False
+    assert cfg.kv_dtype == "float16"
+    _bench(tmp_path)
+    assert ran[1].seed == 0 and ran[1].top_p is None and ran[1].batch_invariant is True
+
+
+def test_bench_accepts_top_p_of_one(tmp_path, ran):
+    """--top-p 1 (no truncation) is inside (0, 1] and runs."""
+    _bench(tmp_path, "--top-p", "1")
+    assert ran[0].top_p == 1.0
+
+
+def test_bench_refuses_zero_repeats_before_running(capsys, tmp_path, ran):
+    """--repeats 0 would run no seed: refused with one line, exit 2, no mode run."""
+    code = main(["bench", "--modes", "plain", "--limit", "1", "--repeats", "0", "--out", str(tmp_path / "run")])
+    err = capsys.readouterr().err
+    assert code == 2 and "--max-new-tokens and --repeats must be >= 1" in err and not ran
+
+
+def test_bench_renames_the_old_cloud_only_mode_to_plain(tmp_path, ran):
+    """--modes cloud_only (the old name of plain decoding) runs the plain mode."""
+    with pytest.raises(Reached):
+        main(["bench", "--modes", "cloud_only", "--limit", "1", "--no-plots", "--out", str(tmp_path / "run")])
+    assert ran[0].modes == ("plain",)

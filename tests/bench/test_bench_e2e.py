@@ -6,10 +6,11 @@ the report says what the run was."""
 from __future__ import annotations
 
 import dataclasses
+from types import SimpleNamespace
 
 import pytest
 
-from specdec.bench import report, runner
+from specdec.bench import report, runner, worker
 from specdec.bench.workloads import BUILTIN
 
 MODEL = "smollm2-135m-draft"
@@ -203,3 +204,60 @@ def test_chat_prompts_on_a_model_with_no_chat_template_say_what_to_do(tmp_path, 
             runner.run(cfg, progress=False)
     result = runner.run(dataclasses.replace(cfg, prompts=(BUILTIN[0],)), progress=False)
     assert [s["generated_tokens"] for s in result["samples"]] == [4]
+
+
+def test_every_worker_job_carries_the_runs_sampling_and_cache_settings():
+    """seed, top-p, repetition penalty and the key/value cache dtype go to each mode's worker as set."""
+    cfg = runner.BenchConfig(target="t", draft="d", prompts=(BUILTIN[0],), modes=("plain", "speculative"),
+                             seed=11, top_p=0.8, repetition_penalty=1.2, kv_dtype="float16", repeats=2)
+    for mode in cfg.modes:
+        job = runner._job(cfg, mode)
+        assert (job["seed"], job["top_p"], job["repetition_penalty"], job["kv_dtype"], job["repeats"]) == (11, 0.8, 1.2, "float16", 2)
+        assert job["mode"] == mode and [p["id"] for p in job["prompts"]] == [BUILTIN[0].id]
+
+
+def _job(**kw):
+    kw.setdefault("temperatures", [0.0])
+    return worker.Job(mode=kw.pop("mode", "speculative"), target="t", draft="d", prompts=[], **kw)
+
+
+def test_each_repeat_runs_at_its_own_seed(monkeypatch):
+    """Repeat r of a prompt runs at seed + r (--repeats: seed, seed+1, ...), announcing its unit after its rows."""
+    p = BUILTIN[0]
+    emitted = []
+    monkeypatch.setattr(worker, "_emit", emitted.append)
+    got = [(rep, seed) for rep, seed, _, _ in worker._units(_job(temperatures=[0.0], repeats=3, seed=5), [p], 0.0)]
+    assert got == [(0, 5), (1, 6), (2, 7)]
+    assert emitted == [{"unit": [0.0, r, p.id]} for r in range(3)]
+
+
+def test_sampling_settings_follow_the_job():
+    """top-p applies at T > 0 only; the repetition penalty applies as set (1.0 when off); the seed is the unit's."""
+    job = _job(top_p=0.9, repetition_penalty=1.3, max_new_tokens=7)
+    hot, cold = worker._sampling(job, 0.7, 3), worker._sampling(job, 0.0, 3)
+    assert (hot.top_p, hot.repetition_penalty, hot.seed, hot.max_new_tokens) == (0.9, 1.3, 3, 7)
+    assert cold.top_p is None and worker._sampling(_job(), 0.7, 0).repetition_penalty == 1.0
+
+
+def test_greedy_runs_at_temperature_zero_only():
+    """--methods greedy,block: greedy at T = 0 only; at any T > 0 (0.5 too) only the sampling rule runs."""
+    job = _job(methods=["greedy", "block"], gammas=["4"])
+    assert list(worker._settings(job, 0.0)) == [("greedy", "4"), ("block", "4")]
+    assert list(worker._settings(job, 0.5)) == [("block", "4")]
+
+
+def test_the_order_turns_from_repeat_to_repeat_on_one_prompt():
+    """A prompt's runs start one place further on in each repeat, not in the same order every repeat."""
+    arms = ["a", "b", "c"]
+    assert [worker._in_turn(arms, 0, rep)[0] for rep in range(3)] == ["a", "b", "c"]
+    assert worker._in_turn(arms, 1, 1) == ["c", "a", "b"]
+
+
+def test_a_row_carries_its_prompts_category():
+    """Each row is labelled with its prompt's category, mode, method, γ, T and seed."""
+    chat = next(p for p in BUILTIN if p.category == "chat")
+    res = SimpleNamespace(tokens=[1, 2], stats=SimpleNamespace(method="block", to_dict=lambda: {"method": "block", "generated_tokens": 2}))
+    row = worker._row(_job(), "speculative", "block", "4", 1.0, chat, 9, res)
+    assert (row["category"], row["prompt_id"], row["mode"], row["method"], row["gamma"], row["temperature"], row["seed"]) == (
+        "chat", chat.id, "speculative", "block", "4", 1.0, 9)
+    assert row["rule"] == "block" and row["generated_tokens"] == 2

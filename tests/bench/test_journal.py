@@ -254,3 +254,44 @@ def test_hf_first_token_time_is_taken_at_the_first_generated_token_not_the_promp
     assert first is not None
     timer.put("token 2")
     assert timer.first == first
+
+
+def test_the_kept_peak_memory_is_the_highest_of_every_row_of_a_unit(tmp_path):
+    """A unit's rows each report their worker's peak RSS: the journal keeps the highest, not the first."""
+    j = jr.Journal.open(tmp_path, CONFIG, resume=False)
+    j.unit("speculative", [0.0, 0, "a"], 1.0, [{"mode": "plain_paired", "rss_peak_bytes": 100},
+                                               {"mode": "speculative", "rss_peak_bytes": 300}])
+    j.close()
+    assert jr.read(tmp_path / jr.NAME, jr.config_key(CONFIG)).rss_peak_bytes == {"speculative": 300}
+
+
+def test_a_journal_that_recorded_no_machine_is_not_resumed_on_a_machine(tmp_path):
+    """A journal whose first line names no machine does not match the machine of the resuming run."""
+    jr.Journal.open(tmp_path, CONFIG, resume=False).close()  # no machine recorded
+    with pytest.raises(ConfigError, match="ran on another machine or software"):
+        jr.Journal.open(tmp_path, CONFIG, resume=True, machine={"cpu": "AMD EPYC 9R14", "cpu_count": 2})
+
+
+class _Bar:
+    def update(self, n):
+        pass
+
+
+def test_a_resumed_workers_record_adds_the_earlier_parts_time_and_keeps_their_peak(monkeypatch):
+    """A resumed worker's process record: seconds = this part's + the kept units', peak RSS = the
+    higher of this worker's and the kept rows', workers = 1 + the earlier ones; it skips the kept units."""
+    seen = {}
+
+    def worker(job, env, prefix, name, on_sample, on_unit=None):
+        seen["skip"] = job["skip"]
+        on_sample({"mode": "plain", "prompt_id": "b"})
+        on_unit([0.0, 0, "b"])
+        return {"done": True, "rss_peak_bytes": 200}
+
+    monkeypatch.setattr(runner, "_run_worker", worker)
+    kept = jr.Kept(units={"plain": {(0.0, 0, "a")}}, seconds={"plain": 50.0}, rss_peak_bytes={"plain": 900},
+                   workers={"plain": 1}, parts=1)
+    samples = []
+    process = runner._run_journaled({"mode": "plain"}, {}, [], "plain", kept, None, samples, _Bar())
+    assert seen["skip"] == [[0.0, 0, "a"]] and samples == [{"mode": "plain", "prompt_id": "b"}]
+    assert process["seconds"] >= 50.0 and process["rss_peak_bytes"] == 900 and process["workers"] == 2

@@ -290,3 +290,104 @@ def test_an_interrupted_bench_stops_its_worker(monkeypatch):
     with pytest.raises(KeyboardInterrupt):
         runner._run_worker({"mode": "plain"}, dict(os.environ), slow, "plain", interrupted)
     assert len(started) == 1 and started[0].poll() is not None  # stopped, and reaped
+
+
+def _spec(prompt, tps, **kw):
+    return _engine("speculative", "block", prompt, tps, gamma="4", prop=40, acc=10, draft_s=0.04, target_s=0.2, **kw)
+
+
+def _group(samples, mode="speculative"):
+    return next(g for g in report.aggregate(samples) if g.mode == mode)
+
+
+def test_tokens_per_call_is_the_mean_of_the_prompts_ratios():
+    """tokens/call ± SE is the mean (not the median) of each prompt's generated / calls."""
+    rows = [_spec("a", 100.0, calls=20, gen=20), _spec("b", 100.0, calls=20, gen=20), _spec("c", 100.0, calls=5, gen=20)]
+    g = _group(rows)
+    assert g.tokens_per_call == pytest.approx(2.0)  # mean of 1, 1, 4 (the median would be 1)
+
+
+def test_ttft_and_category_figures_are_medians():
+    """TTFT, tok/s by category and ×plain by category are medians over the prompts, not means."""
+    rows = []
+    for p, tps, ttft in (("a", 60.0, 0.01), ("b", 60.0, 0.02), ("c", 150.0, 0.30)):
+        rows.append(_engine("plain", "plain", p, 30.0, calls=20))
+        rows.append({**_spec(p, tps), "ttft_s": ttft})
+    g = _group(rows)
+    assert g.ttft_median_s == pytest.approx(0.02)
+    assert g.tokens_per_s_by_category == {"code": pytest.approx(60.0)}
+    assert g.speedup_by_category == {"code": pytest.approx(2.0)}
+
+
+def test_a_reference_run_with_zero_tokens_per_second_is_left_out_of_the_ratios():
+    """A plain run at 0 tok/s (nothing generated) gives no ratio: the speed-up is the other prompts'."""
+    rows = [_engine("plain", "plain", "a", 50.0, calls=20), {**_engine("plain", "plain", "b", 50.0, calls=20), "tokens_per_s": 0.0},
+            _spec("a", 100.0), _spec("b", 100.0)]
+    assert _group(rows).speedup_vs_cloud == pytest.approx(2.0)
+
+
+def test_a_row_whose_wall_time_is_all_prompt_pass_has_no_decode_rate():
+    """wall_s == prefill_s leaves no decoding time: no decode tok/s (None), no division by zero."""
+    row = {**_spec("a", 100.0), "prefill_s": 0.2}
+    row["wall_s"] = 0.2
+    assert report._decode_tps(row) is None
+    assert _group([row]).decode_tokens_per_s_median is None
+
+
+def test_one_lossy_row_marks_the_group_lossy_in_the_summary():
+    """A group is lossless only if every row is; the summary labels a lossy group "(LOSSY)"."""
+    rows = [_spec("a", 100.0), {**_spec("b", 100.0), "lossless": False}]
+    g = _group(rows)
+    assert g.lossless is False
+    md = "\n".join(report._local_tables([g], []))
+    assert "| speculative/block (LOSSY) | 4 |" in md
+
+
+def test_target_share_and_kv_peak_use_the_right_fields():
+    """target share = Σ target_s / Σ wall_s (not verify_s); KV peak is the largest row's."""
+    rows = [_spec("a", 100.0), {**_spec("b", 100.0), "kv_peak_bytes": 5000}]
+    g = _group(rows)
+    assert g.target_share == pytest.approx(1.0)  # 0.2 s of each 0.2 s row
+    assert g.verify_share == pytest.approx(0.02 / 0.4)
+    assert g.kv_peak_bytes == 5000
+
+
+def test_block_vs_token_pairs_only_the_prompts_both_ran():
+    """A token row with no block row of the same prompt and seed is left out (not a KeyError)."""
+    rows = [_engine("speculative", "token", "a", 10.0, gamma="4", calls=10), _engine("speculative", "block", "a", 10.0, gamma="4", calls=5),
+            _engine("speculative", "token", "b", 10.0, gamma="4", calls=10)]
+    (b,) = report.block_vs_token(rows)
+    assert b.n_pairs == 1 and b.token_tpc == pytest.approx(2.0) and b.block_tpc == pytest.approx(4.0)
+
+
+def test_drafter_table_draft_step_is_per_drafted_token():
+    """The drafter table's draft step = draft time / drafted tokens (not / target calls)."""
+    rows = [_engine("plain_paired", "plain", "a", 50.0),
+            {**_spec("a", 100.0), "draft": "x"}, {**_spec("a", 100.0), "draft": "y"}]
+    by = {r.draft: r for r in report.drafters_by_category(rows)}
+    assert by["x"].draft_step_ms == pytest.approx(1.0)  # 40 ms over 40 drafted tokens
+    assert by["x"].speedup == pytest.approx(2.0)
+
+
+def test_summary_puts_hf_assisted_and_hf_plain_in_their_columns():
+    """The summary's ×HF assisted and ×HF plain cells hold those two ratios, in the header's order."""
+    rows = [_engine("hf_assisted", "hf_assisted", "a", 25.0), _engine("hf_plain", "hf_plain", "a", 20.0), _spec("a", 100.0)]
+    md = "\n".join(report._local_tables(report.aggregate(rows), []))
+    header = next(line for line in md.splitlines() if line.startswith("| mode |"))
+    row = next(line for line in md.splitlines() if line.startswith("| speculative/block"))
+    cells = dict(zip([c.strip() for c in header.split("|")], [c.strip() for c in row.split("|")]))
+    assert cells["×HF assisted"] == "4.00" and cells["×HF plain"] == "5.00"
+
+
+def test_select_keeps_only_the_categories_asked_for():
+    """--categories chat keeps the chat prompts alone (in their order), with --limit per category."""
+    chosen = select(BUILTIN, categories=["chat"], limit=2)
+    assert [p.category for p in chosen] == ["chat", "chat"]
+    assert [p.id for p in chosen] == [p.id for p in BUILTIN if p.category == "chat"][:2]
+
+
+def test_a_prompt_without_an_id_is_named_by_its_line_in_the_file(tmp_path):
+    """A prompt with no id is "lineN", N its line in the file (blank lines counted), so it names the line to edit."""
+    path = tmp_path / "p.jsonl"
+    path.write_text('{"prompt": "x"}\n\n{"prompt": "y"}\n')
+    assert [p.id for p in load_jsonl(path)] == ["line1", "line3"]
