@@ -73,8 +73,6 @@ COMPLETION_MAX_TOKENS = 16
 _REFUSED = ("tools", "functions", "audio", "web_search_options",
             # vLLM's sampling extensions this server does not implement: each would change the output
             "use_beam_search", "logits_processors", "guided_whitespace_pattern")
-#: fields that are accepted and have no effect here (listed in the ignored-fields header)
-_NO_EFFECT = ("user", "store", "metadata", "service_tier", "reasoning_effort", "modalities")
 
 
 class StreamOptions(BaseModel):
