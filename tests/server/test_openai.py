@@ -6,12 +6,16 @@ with itself as drafter; greedy answers must equal local speculative decoding wit
 
 from __future__ import annotations
 
+import json
+
+import httpx
 import openai
 import pytest
 import torch
 
 from serverproc import DRAFT_MODEL, OPENAI_KEY
 from specdec.engine import Engine, EngineConfig
+from specdec.models import registry
 from specdec.sampling import SamplingConfig
 
 MODEL = DRAFT_MODEL
@@ -33,7 +37,6 @@ def test_models(client, server, local):
     assert card.id == MODEL and card.model_extra["max_model_len"] == local.target.model.max_length
     with pytest.raises(openai.NotFoundError, match="not served here"):
         client.models.retrieve("gpt-4")
-    import httpx
 
     from specdec import __version__
 
@@ -569,8 +572,6 @@ def test_tokenizer_endpoints_answer_as_vllms_do(server, client, local):
     """/tokenize, /detokenize and /tokenizer_info (what lm-evaluation-harness's remote tokenizer
     calls): a prompt's ids are those /v1/completions generates after, messages' those
     /v1/chat/completions does, and ids come back to the text; bad requests are 4xx."""
-    import httpx
-
     tok = local.target.tokenizer
     with httpx.Client(base_url=server.url, headers={"Authorization": f"Bearer {KEY}"}, timeout=60) as c:
         got = c.post("/tokenize", json={"model": MODEL, "prompt": PROMPT, "return_token_strs": True}).json()
@@ -605,8 +606,6 @@ def test_chat_continues_the_final_message_and_takes_template_options(server, cli
     text ends right after that message's content), add_generation_prompt and chat_template_kwargs
     (the template's own variables); /tokenize gives the ids the chat generates after; the options
     that would contradict each other, echo and chat_template are 400s."""
-    import httpx
-
     tok = local.target.tokenizer
     messages = [{"role": "user", "content": "Count from one to ten."}, {"role": "assistant", "content": "One, two,"}]
     rendered = tok.apply_chat_template(messages, tokenize=False, add_generation_prompt=False)
@@ -642,7 +641,6 @@ def test_streams_carry_n_choices_and_the_stats_on_the_last_chunk(client):
 
 
 def test_near_valid_completion_requests_never_get_a_5xx(server):
-    import httpx
     from hypothesis import HealthCheck, given, settings
     from hypothesis import strategies as st
 
@@ -682,8 +680,6 @@ def test_the_event_loop_stays_responsive_during_a_generation(server, client):
     import threading
     import time
 
-    import httpx
-
     done = threading.Event()
     produced: list[int] = []
 
@@ -709,8 +705,6 @@ def test_the_event_loop_stays_responsive_during_a_generation(server, client):
 
 
 def test_openai_requests_update_the_speculative_counters_and_latency_histograms(client, server):
-    import httpx
-
     client.chat.completions.create(model=MODEL, messages=[{"role": "user", "content": "hi"}], max_tokens=8, temperature=0)
     text = httpx.get(server.url + "/metrics", timeout=30).text  # no key needed to scrape
     for name in (
@@ -742,8 +736,6 @@ def _matches(value) -> bool:
 
 
 def test_structured_output_parses_and_matches_the_schema_under_speculation(client):
-    import json
-
     messages = [{"role": "user", "content": "Describe a ball as JSON."}]
     fmt = {"type": "json_schema", "json_schema": {"name": "ball", "schema": SCHEMA}}
     out = client.chat.completions.create(model=MODEL, messages=messages, max_tokens=60, temperature=1.0, seed=4, n=4,
@@ -779,8 +771,6 @@ def test_structured_output_parses_and_matches_the_schema_under_speculation(clien
 def test_vllm_guided_decoding_fields(client):
     """vLLM's guided_choice / _regex / _json / _grammar and structured_outputs make the same grammar
     response_format does: the output obeys it under speculation, greedy and sampled."""
-    import json
-
     choices = ["positive", "negative", "not sure"]
     prompt = "Review: the food was cold and late.\nSentiment:"
     bodies = [{"guided_choice": choices}, {"structured_outputs": {"choice": choices}},
@@ -904,3 +894,168 @@ def test_echoed_offsets_where_the_first_token_holds_part_of_a_character(client):
     lp = choice.logprobs
     at = lp.tokens.index(" hi")
     assert lp.text_offset[at] == choice.text.index(" hi") == 1
+
+
+@pytest.fixture(scope="module")
+def http(server):
+    with httpx.Client(base_url=server.url, headers={"Authorization": f"Bearer {OPENAI_KEY}"}, timeout=60) as c:
+        yield c
+
+
+def _events(r: httpx.Response) -> list[str]:
+    return [line[len("data: "):] for line in r.text.splitlines() if line.startswith("data: ")]
+
+
+def test_streams_end_with_done(http):
+    """Every stream (completions and chat) ends with the ``data: [DONE]`` event, after the usage chunk."""
+    for path, body in (("/v1/completions", {"prompt": PROMPT}),
+                       ("/v1/chat/completions", {"messages": [{"role": "user", "content": "hi"}]})):
+        r = http.post(path, json={"model": MODEL, "max_tokens": 3, "temperature": 0, "stream": True,
+                                  "stream_options": {"include_usage": True}, **body})
+        assert r.status_code == 200, r.text
+        events = _events(r)
+        assert events[-1] == "[DONE]" and events.count("[DONE]") == 1
+        assert json.loads(events[-2])["choices"] == [] and json.loads(events[-2])["usage"]["completion_tokens"] >= 1
+
+
+def test_max_completion_tokens_wins_over_max_tokens(client):
+    """With both sent, ``max_completion_tokens`` (OpenAI's current name) bounds the answer, not ``max_tokens``."""
+    out = client.chat.completions.create(model=MODEL, messages=[{"role": "user", "content": "Write a long story."}],
+                                         temperature=0, max_tokens=30, max_completion_tokens=2, extra_body={"ignore_eos": True})
+    assert out.usage.completion_tokens == 2 and out.choices[0].finish_reason == "length"
+
+
+def test_stream_chunks_name_their_object_and_open_with_the_role(http):
+    """Streamed chat chunks are ``chat.completion.chunk`` (the first the role), streamed completions' ``text_completion``."""
+    r = http.post("/v1/chat/completions", json={"model": MODEL, "messages": [{"role": "user", "content": "hi"}],
+                                                "max_tokens": 3, "temperature": 0, "stream": True})
+    chunks = [json.loads(e) for e in _events(r)[:-1]]
+    assert chunks and {c["object"] for c in chunks} == {"chat.completion.chunk"}
+    assert chunks[0]["choices"][0]["delta"]["role"] == "assistant"
+    r = http.post("/v1/completions", json={"model": MODEL, "prompt": PROMPT, "max_tokens": 3, "temperature": 0, "stream": True})
+    chunks = [json.loads(e) for e in _events(r)[:-1]]
+    assert chunks and {c["object"] for c in chunks} == {"text_completion"}
+
+
+def test_chat_logprobs_carry_content_and_a_null_refusal(http):
+    """Chat ``logprobs`` is OpenAI's object of ``content`` entries and ``refusal`` (null), streamed or not."""
+    body = {"model": MODEL, "messages": [{"role": "user", "content": "hi"}], "max_tokens": 3, "temperature": 0,
+            "logprobs": True, "top_logprobs": 2}
+    lp = http.post("/v1/chat/completions", json=body).json()["choices"][0]["logprobs"]
+    assert set(lp) == {"content", "refusal"} and lp["refusal"] is None and len(lp["content"]) >= 1
+    r = http.post("/v1/chat/completions", json={**body, "stream": True})
+    streamed = [c["choices"][0]["logprobs"] for c in map(json.loads, _events(r)[:-1]) if c["choices"][0]["logprobs"]]
+    assert streamed and all(set(s) == {"content", "refusal"} and s["refusal"] is None for s in streamed)
+
+
+def test_an_unknown_response_format_type_is_a_400(http):
+    """A ``response_format`` type the server cannot honour is refused with a 400 naming it, never ignored."""
+    r = http.post("/v1/chat/completions", json={"model": MODEL, "messages": [{"role": "user", "content": "hi"}],
+                                                "max_tokens": 2, "response_format": {"type": "xml"}})
+    assert r.status_code == 400 and "'xml' is not supported" in r.json()["error"]["message"]
+    assert r.json()["error"]["type"] == "invalid_request_error"
+
+
+def test_completions_accept_tool_choice_auto_and_none_but_refuse_a_required_call(http):
+    """/v1/completions (no tools) accepts ``tool_choice`` none or auto as no-ops; asking for a call is a 400."""
+    body = {"model": MODEL, "prompt": PROMPT, "max_tokens": 2, "temperature": 0}
+    for choice in ("auto", "none"):
+        assert http.post("/v1/completions", json={**body, "tool_choice": choice}).status_code == 200
+    r = http.post("/v1/completions", json={**body, "tool_choice": "required"})
+    assert r.status_code == 400 and "tool_choice is not supported" in r.json()["error"]["message"]
+
+
+def test_refused_fields_are_400s_not_ignored(http):
+    """``audio`` (output this server cannot make) is refused with a 400 that names it."""
+    r = http.post("/v1/chat/completions", json={"model": MODEL, "messages": [{"role": "user", "content": "hi"}],
+                                                "max_tokens": 2, "audio": {"voice": "alloy", "format": "wav"}})
+    assert r.status_code == 400 and "audio is not supported" in r.json()["error"]["message"]
+
+
+def test_each_prompts_n_seeded_choices_use_seed_plus_their_rank(client):
+    """With several prompts, ``n`` and a seed, choice j of each prompt samples with seed + j (not seed + its index)."""
+    prompts = [PROMPT, "Once upon a time"]
+    kw = dict(model=MODEL, max_tokens=8, temperature=1.0)
+    many = client.completions.create(prompt=prompts, n=2, seed=11, **kw).choices
+    assert [c.index for c in many] == [0, 1, 2, 3]
+    for p, prompt in enumerate(prompts):
+        for j in range(2):
+            alone = client.completions.create(prompt=prompt, seed=11 + j, **kw).choices[0]
+            assert many[2 * p + j].text == alone.text
+
+
+def test_streamed_logprobs_keep_tokens_that_bring_no_text(client):
+    """A streamed completion token that adds no text (the end-of-sequence token) still sends its logprobs."""
+    eos = registry.load_tokenizer(registry.resolve(MODEL).folder).eos_token_id
+    kw = dict(model=MODEL, prompt=PROMPT, max_tokens=4, temperature=0, logprobs=1, logit_bias={str(eos): 100})
+    whole = client.completions.create(**kw).choices[0]
+    assert whole.finish_reason == "stop" and whole.text == "" and len(whole.logprobs.tokens) == 1
+    chunks = [c for c in client.completions.create(**kw, stream=True) if c.choices]
+    parts = [c.choices[0].logprobs for c in chunks if c.choices[0].logprobs is not None]
+    assert [t for p in parts for t in p.tokens] == whole.logprobs.tokens
+    assert [v for p in parts for v in p.token_logprobs] == whole.logprobs.token_logprobs
+
+
+def test_an_empty_model_name_is_not_served_here(http):
+    """``model: ""`` names no served model: a 404 (only a missing model field means the served one)."""
+    r = http.post("/v1/completions", json={"model": "", "prompt": PROMPT, "max_tokens": 2})
+    assert r.status_code == 404 and "not served here" in r.json()["error"]["message"]
+    assert http.post("/v1/completions", json={"prompt": PROMPT, "max_tokens": 2}).status_code == 200
+
+
+def test_a_streamed_end_of_turn_sends_no_empty_logprobs_chunk(http):
+    """A streamed chat's end-of-turn token brings no chunk of empty content and empty logprobs."""
+    body = {"model": MODEL, "messages": [{"role": "user", "content": "Say hi."}], "max_tokens": 40, "temperature": 0,
+            "logprobs": True}
+    assert http.post("/v1/chat/completions", json=body).json()["choices"][0]["finish_reason"] == "stop"
+    chunks = [json.loads(e)["choices"][0] for e in _events(http.post("/v1/chat/completions", json={**body, "stream": True}))[:-1]]
+    assert chunks[-1]["finish_reason"] == "stop"
+    assert all(c["logprobs"]["content"] for c in chunks if c["logprobs"] is not None)
+    assert all(c["delta"].get("content") or c["delta"].get("role") for c in chunks[:-1])
+
+
+def test_a_developer_message_is_rendered_as_a_system_message(http):
+    """OpenAI's ``developer`` role reaches the chat template as ``system``: the same prompt tokens."""
+    def tokens(role: str) -> list[int]:
+        r = http.post("/tokenize", json={"model": MODEL, "messages": [{"role": role, "content": "Be terse."},
+                                                                     {"role": "user", "content": "hi"}]})
+        assert r.status_code == 200, r.text
+        return r.json()["tokens"]
+
+    assert tokens("developer") == tokens("system")
+
+
+def test_streamed_chat_logprobs_keep_a_stop_tokens_entry(http):
+    """Streamed chat sends the logprobs entry of a stop token that adds no content, as the unstreamed answer has it."""
+    hello = 19556  # an ordinary token of the served tokenizer, forced and made the stop token
+    body = {"model": MODEL, "messages": [{"role": "user", "content": "Say hi."}], "max_tokens": 4, "temperature": 0,
+            "logprobs": True, "logit_bias": {str(hello): 100}, "stop_token_ids": [hello]}
+    whole = http.post("/v1/chat/completions", json=body).json()["choices"][0]
+    assert whole["finish_reason"] == "stop"
+    chunks = [json.loads(e)["choices"][0] for e in _events(http.post("/v1/chat/completions", json={**body, "stream": True}))[:-1]]
+    streamed = [e for c in chunks if c["logprobs"] is not None for e in c["logprobs"]["content"]]
+    assert [e["token"] for e in streamed] == [e["token"] for e in whole["logprobs"]["content"]]
+
+
+def test_a_stream_names_its_ignored_fields_and_stream_options(http):
+    """A streamed response names the ignored fields in its header, unknown ``stream_options`` keys as ``stream_options.<key>``."""
+    body = {"model": MODEL, "messages": [{"role": "user", "content": "hi"}], "max_tokens": 2, "stream": True,
+            "stream_options": {"include_usage": True, "frob": 1}, "user": "me"}
+    r = http.post("/v1/chat/completions", json=body)
+    assert r.status_code == 200
+    ignored = {f.strip() for f in r.headers["x-specdec-ignored-fields"].split(",")}
+    assert {"stream_options.frob", "user"} <= ignored
+
+
+def test_parallel_tool_calls_is_named_ignored_when_tool_choice_none_hides_the_tools(http):
+    """``parallel_tool_calls`` with ``tool_choice: none`` (no tools shown) is named as ignored; with tools shown it is not."""
+    add = {"type": "function", "function": {"name": "add", "parameters": {"type": "object"}}}
+    body = {"model": MODEL, "messages": [{"role": "user", "content": "hi"}], "max_tokens": 2, "temperature": 0,
+            "tools": [add], "parallel_tool_calls": False}
+
+    def ignored(choice: str) -> set[str]:
+        r = http.post("/v1/chat/completions", json={**body, "tool_choice": choice})
+        assert r.status_code == 200, r.text
+        return {f.strip() for f in r.headers.get("x-specdec-ignored-fields", "").split(",")}
+
+    assert "parallel_tool_calls" in ignored("none") and "parallel_tool_calls" not in ignored("auto")

@@ -9,6 +9,9 @@ import openai
 import pytest
 
 from serverproc import DRAFT_MODEL, ServerProcess
+from specdec.errors import ConfigError
+from specdec.grammar import GrammarConstraint
+from specdec.models import registry
 from specdec.server import tools as tc
 from specdec.server.errors import ApiError
 from specdec.server.openai_api import ChatMessage, _chat_ids
@@ -187,8 +190,6 @@ def test_a_tokenizer_that_has_the_tags_as_tokens_gets_them_in_the_grammar():
     SmolLM2 tokenizer given the two tags as added tokens stands in for Qwen2.5's."""
     from transformers import AutoTokenizer
 
-    from specdec.errors import ConfigError
-    from specdec.grammar import GrammarConstraint
     from specdec.models.registry import DATA_DIR
 
     tok = AutoTokenizer.from_pretrained(str(DATA_DIR / "smollm2-135m-draft"))
@@ -209,10 +210,6 @@ def test_a_tokenizer_that_has_the_tags_as_tokens_gets_them_in_the_grammar():
 def test_required_allows_several_calls_unless_parallel_calls_are_off():
     """``required`` is OpenAI's "one or more calls": its grammar takes a second block after the
     first; with ``parallel_tool_calls: false``, or a named function, the first block ends the answer."""
-    from specdec.errors import ConfigError
-    from specdec.grammar import GrammarConstraint
-    from specdec.models import registry
-
     tok = registry.load_tokenizer(registry.resolve(MODEL).folder)
     tools = [tc.ToolDef.model_validate(ADD), tc.ToolDef.model_validate(WEATHER)]
     one = '<tool_call>\n{"name":"add","arguments":{"a":1,"b":2}}\n</tool_call>'
@@ -233,8 +230,6 @@ def test_required_allows_several_calls_unless_parallel_calls_are_off():
 def test_a_template_without_tools_gets_them_in_a_system_message():
     """SmolLM2's template renders no tools: they go into a system message, earlier calls into
     the assistant's text as blocks, and a tool's result into a user turn."""
-    from specdec.models import registry
-
     tok = registry.load_tokenizer(registry.resolve(MODEL).folder)
     assert not tc.template_renders_tools(tok.chat_template)
     call = {"id": "call_1", "type": "function", "function": {"name": "add", "arguments": '{"a": 1, "b": 2}'}}
@@ -250,8 +245,6 @@ def test_a_template_without_tools_gets_them_in_a_system_message():
 def test_a_template_with_tools_renders_them_itself():
     """Qwen2.5's template renders tools, calls and results itself (arguments as objects, not
     strings written twice)."""
-    from specdec.models import registry
-
     try:
         folder = registry.resolve("qwen2.5-coder-0.5b").folder
     except Exception:  # noqa: BLE001 - the Qwen models are an optional install
@@ -524,9 +517,6 @@ def _mistral_tokenizer(args: bool):
 def test_mistral_grammars_hold_a_forced_call_to_its_form():
     """A forced call's grammar writes the marker (and ``[ARGS]``) as the tokenizer's own special
     tokens: a list of calls, or each call by name; one call, or several where allowed."""
-    from specdec.errors import ConfigError
-    from specdec.grammar import GrammarConstraint
-
     tools = [tc.ToolDef.model_validate(ADD), tc.ToolDef.model_validate(WEATHER)]
     for args, one, two in ((False, '[TOOL_CALLS] [{"name":"add","arguments":{"a":1,"b":2}}]',
                             '[TOOL_CALLS] [{"name":"add","arguments":{"a":1,"b":2}}, {"name":"get_weather","arguments":{"city":"Rome"}}]'),
@@ -651,3 +641,16 @@ def test_parallel_tool_calls_false_keeps_one_of_several_untagged_calls(client):
                                    tools=[{"type": "function", **WEATHER["function"]}], parallel_tool_calls=False,
                                    extra_body={"guided_regex": TWO})
     assert [json.loads(o.arguments)["city"] for o in resp.output if o.type == "function_call"] == ["Paris"]
+
+
+def test_a_named_function_is_called_once_even_with_parallel_calls_allowed():
+    """A named ``tool_choice`` holds the answer to exactly one call of that function, parallel calls allowed or not."""
+    tok = registry.load_tokenizer(registry.resolve(MODEL).folder)
+    tools = [tc.ToolDef.model_validate(ADD)]
+    one = '<tool_call>\n{"name":"add","arguments":{"a":1,"b":2}}\n</tool_call>'
+    vocab = len(tok)
+    grammar = tc.grammar(tools, "add", several=True)
+    ends = GrammarConstraint(tok, grammar, vocab).allowed(tok.encode(one, add_special_tokens=False), vocab)
+    assert bool(ends[tok.eos_token_id])
+    with pytest.raises(ConfigError, match="breaks the grammar"):
+        GrammarConstraint(tok, grammar, vocab).allowed(tok.encode(one + "\n" + one, add_special_tokens=False), vocab)
