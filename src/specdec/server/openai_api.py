@@ -1155,7 +1155,9 @@ def _chat_logprobs(names: _Names, token_ids: list[int], logprobs: list | None) -
     """OpenAI chat ``logprobs`` of ``token_ids`` (a whole answer or a streamed piece of it): the
     target's processed law at each emitted position whose token is part of the message; special
     tokens (the end of the turn) are left out where the message's text leaves them out
-    (:attr:`_Names.left_out`), so the entries' tokens join to the content."""
+    (:attr:`_Names.left_out`), so the entries' tokens join to the content.  An ordinary token
+    that ends the answer as one of ``stop_token_ids`` keeps its entry, as in vLLM, though the
+    content leaves its text out."""
     if logprobs is None:
         return None
     special = names.left_out
