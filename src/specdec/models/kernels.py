@@ -142,6 +142,7 @@ def _build(cxx: str) -> Path:
         fcntl.flock(lock, fcntl.LOCK_EX)  # one compile when several processes start at once
         if lib.is_file():
             return lib
+
         def compile_to(tmp: Path) -> None:  # (interrupted: subprocess.run kills the compiler)
             subprocess.run(compile_command(cxx, _SOURCES, tmp), check=True, capture_output=True, text=True)
 
