@@ -34,6 +34,11 @@ from specdec.server.runner import AccessLogRedactor, read_key_file
 from specdec.server.sessions import SessionStore
 
 
+def _app(**settings):
+    """The server on a 6-token toy model with these settings."""
+    return create_app(ToyLM(6, order=1, seed=0), settings=ServerSettings(**settings))
+
+
 def _session(client: TestClient, **body) -> str:
     r = client.post("/v1/sessions", json={"prompt_ids": [1, 2, 3], "temperature": 0.0, **body})
     assert r.status_code == 201, r.text
@@ -117,7 +122,7 @@ def test_numerically_unsafe_values_are_refused(field):
         SamplingConfig(**{field: 1e-300})
     with pytest.raises(ConfigError):
         SamplingConfig(**{field: 1e300})
-    client = TestClient(create_app(ToyLM(6, order=1, seed=0), settings=ServerSettings()), base_url="http://localhost")
+    client = TestClient(_app(), base_url="http://localhost")
     r = client.post("/v1/sessions", json={"prompt_ids": [1], field: 1e-300})
     assert r.status_code == 400 and field.replace("_", " ") in r.json()["error"]["message"]
     r = client.post("/v1/completions", json={"prompt": [1, 2], field: 1e-300, "max_tokens": 2})
@@ -160,7 +165,7 @@ def test_max_new_tokens_bounds_every_round():
 
 
 def test_sessions_are_bound_to_the_key_that_made_them():
-    app = create_app(ToyLM(6, order=1, seed=0), settings=ServerSettings(api_keys=("key-a", "key-b")))
+    app = _app(api_keys=("key-a", "key-b"))
     a = TestClient(app, headers={"Authorization": "Bearer key-a"})
     b = TestClient(app, headers={"Authorization": "Bearer key-b"})
     sid = _session(a)
@@ -173,7 +178,7 @@ def test_sessions_are_bound_to_the_key_that_made_them():
 
 
 def test_another_key_cannot_evict_a_session():
-    app = create_app(ToyLM(6, order=1, seed=0), settings=ServerSettings(api_keys=("key-a", "key-b"), max_sessions=1))
+    app = _app(api_keys=("key-a", "key-b"), max_sessions=1)
     a = TestClient(app, headers={"Authorization": "Bearer key-a"})
     b = TestClient(app, headers={"Authorization": "Bearer key-b"})
     sid = _session(a)
@@ -195,7 +200,7 @@ def test_key_file(tmp_path):
 
 def test_unauthenticated_body_is_never_read():
     """The key is checked from the headers; a client without one cannot make the server buffer a body."""
-    app = create_app(ToyLM(6, order=1, seed=0), settings=ServerSettings(api_key="secret"))
+    app = _app(api_key="secret")
     reads = 0
     sent: list[dict] = []
 
@@ -218,7 +223,7 @@ def test_unauthenticated_body_is_never_read():
 
 
 def test_keyless_server_checks_host_and_origin():
-    app = create_app(ToyLM(6, order=1, seed=0), settings=ServerSettings())
+    app = _app()
     ok = TestClient(app, base_url="http://127.0.0.1:8000")
     assert ok.get("/v1/models").status_code == 200
     assert TestClient(app, base_url="http://localhost").get("/v1/models").status_code == 200
@@ -228,8 +233,7 @@ def test_keyless_server_checks_host_and_origin():
     r = ok.post("/v1/sessions", json={"prompt_ids": [1]}, headers={"Origin": "https://evil.example"})
     assert r.status_code == 403 and "Origin" in r.json()["error"]["message"]
     assert ok.get("/v1/models", headers={"Origin": "http://localhost:3000"}).status_code == 200
-    keyed = TestClient(create_app(ToyLM(6, order=1, seed=0), settings=ServerSettings(api_key="k")),
-                       base_url="http://example.com", headers={"Authorization": "Bearer k"})
+    keyed = TestClient(_app(api_key="k"), base_url="http://example.com", headers={"Authorization": "Bearer k"})
     assert keyed.get("/v1/models").status_code == 200  # a key is the protection there
 
 
@@ -237,7 +241,7 @@ def test_keyless_server_checks_host_and_origin():
 
 
 def test_idle_sessions_are_swept_without_requests():
-    app = create_app(ToyLM(6, order=1, seed=0), settings=ServerSettings(session_ttl_s=0.2, sweep_interval_s=0.05))
+    app = _app(session_ttl_s=0.2, sweep_interval_s=0.05)
     with TestClient(app, base_url="http://localhost") as client:
         _session(client)
         store = app.state.ctx.store
@@ -256,7 +260,7 @@ def test_each_sweep_hands_free_heap_memory_back(monkeypatch):
 
     calls = []
     monkeypatch.setattr(memory, "release_free_memory", lambda: calls.append(1) or True)
-    app = create_app(ToyLM(6, order=1, seed=0), settings=ServerSettings(sweep_interval_s=0.05))
+    app = _app(sweep_interval_s=0.05)
     with TestClient(app, base_url="http://localhost"):
         deadline = time.monotonic() + 5
         while len(calls) < 2 and time.monotonic() < deadline:
@@ -274,7 +278,7 @@ def test_release_free_memory_runs_where_glibc_is():
 
 
 def test_health_is_not_stale():
-    app = create_app(ToyLM(6, order=1, seed=0), settings=ServerSettings(session_ttl_s=0.2, sweep_interval_s=60))
+    app = _app(session_ttl_s=0.2, sweep_interval_s=60)
     client = TestClient(app, base_url="http://localhost")
     _session(client)
     time.sleep(0.3)
@@ -285,7 +289,7 @@ def test_health_names_the_servers_drafter():
     """/health says what the OpenAI endpoints speculate with, and "none" for plain decoding."""
     from specdec.drafters.model import ModelDrafter
 
-    plain = TestClient(create_app(ToyLM(6, order=1, seed=0), settings=ServerSettings()), base_url="http://localhost")
+    plain = TestClient(_app(), base_url="http://localhost")
     assert plain.get("/health").json()["drafter"] == "none"
     draft = ToyLM(6, order=1, seed=1)
     app = create_app(ToyLM(6, order=1, seed=0), settings=ServerSettings(),
@@ -469,10 +473,6 @@ def test_a_claim_fits_the_kv_cap_exactly_and_not_one_byte_more():
     assert not store.try_claim(1)
     store.release(cap)
     assert store.claimed_bytes == 0 and store.try_claim(cap)
-
-
-def _app(**settings):
-    return create_app(ToyLM(6, order=1, seed=0), settings=ServerSettings(**settings))
 
 
 def test_host_name_strips_ports_and_brackets_only():
