@@ -898,7 +898,7 @@ def test_echoed_offsets_where_the_first_token_holds_part_of_a_character(client):
 
 @pytest.fixture(scope="module")
 def http(server):
-    with httpx.Client(base_url=server.url, headers={"Authorization": f"Bearer {OPENAI_KEY}"}, timeout=60) as c:
+    with httpx.Client(base_url=server.url, headers={"Authorization": f"Bearer {KEY}"}, timeout=60) as c:
         yield c
 
 
