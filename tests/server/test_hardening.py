@@ -566,6 +566,24 @@ def test_a_validation_error_names_three_problems_and_counts_the_rest():
     assert message.count("; ") == 2 and message.endswith("(and 1 more)"), message
 
 
+def test_every_error_body_has_openais_four_fields_and_names_the_field_at_fault():
+    """Each way an error is answered (a schema error, a check in the handler, an unknown path, the
+    key guard before the app) sends ``message``, ``type``, ``param`` and ``code``; ``param`` is the
+    field at fault where there is one, else null."""
+    client = TestClient(_app(api_key="k"), base_url="http://localhost", headers={"Authorization": "Bearer k"})
+    bad_type = client.post("/v1/completions", json={"prompt": [1, 2], "temperature": "hot"})
+    out_of_vocab = client.post("/v1/completions", json={"prompt": [1, 2], "stop_token_ids": [6]})
+    nested = client.post("/v1/chat/completions", json={"messages": [{"role": "robot", "content": "x"}]})
+    unknown = client.get("/v1/nothing")
+    no_key = client.get("/v1/models", headers={"Authorization": "Bearer wrong"})
+    answers = [(bad_type, 400, "temperature"), (out_of_vocab, 400, "stop_token_ids"), (nested, 400, "messages.0.role"),
+               (unknown, 404, None), (no_key, 401, None)]
+    for r, status, param in answers:
+        error = r.json()["error"]
+        assert r.status_code == status and set(error) == {"message", "type", "param", "code"}, r.text
+        assert (error["param"], error["code"]) == (param, status), r.text
+
+
 def test_a_max_model_len_past_the_models_context_is_refused():
     """max_model_len longer than the model's own context is a ConfigError naming both."""
     model = ToyLM(6, order=1, seed=0)

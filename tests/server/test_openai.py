@@ -167,8 +167,9 @@ def test_sampling_options_stop_and_seed(client):
 
 
 def test_errors_come_back_as_openai_errors(client, server):
-    with pytest.raises(openai.BadRequestError, match="best_of"):
+    with pytest.raises(openai.BadRequestError, match="best_of") as caught:
         client.completions.create(model=MODEL, prompt=PROMPT, n=3, best_of=2)
+    assert (caught.value.param, caught.value.code) == ("best_of", "400")  # as the client reads them
     with pytest.raises(openai.BadRequestError, match="cannot be streamed"):
         client.completions.create(model=MODEL, prompt=PROMPT, n=1, best_of=3, stream=True)
     with pytest.raises(openai.BadRequestError, match="context"):
@@ -180,8 +181,9 @@ def test_errors_come_back_as_openai_errors(client, server):
                                        functions=[{"name": "f", "parameters": {"type": "object"}}])
     with pytest.raises(openai.BadRequestError, match="logit_bias token"):
         client.completions.create(model=MODEL, prompt=PROMPT, logit_bias={"99999999": 5})
-    with pytest.raises(openai.BadRequestError, match="temperature"):  # 400, as OpenAI answers it
+    with pytest.raises(openai.BadRequestError, match="temperature") as caught:  # 400, as OpenAI answers it
         client.completions.create(model=MODEL, prompt=PROMPT, temperature=2.5)  # OpenAI's bound is 2
+    assert caught.value.param == "temperature"
     with openai.OpenAI(base_url=server.url + "/v1", api_key="wrong", max_retries=0) as bad:
         with pytest.raises(openai.AuthenticationError, match="API key"):
             bad.models.list()

@@ -17,7 +17,7 @@ belongs to the key that created it; a keyless server answers only to loopback Ho
 * ``GET /metrics`` (Prometheus text format)
 * ``GET /v1/models``, ``POST /v1/completions``, ``POST /v1/chat/completions`` (``stream`` via SSE)
 
-Every error is a JSON body ``{"error": {"message", "type", "code"}}`` with a 4xx status for bad
+Every error is a JSON body ``{"error": {"message", "type", "param", "code"}}`` with a 4xx status for bad
 input; a bad request never changes a session.
 """
 
@@ -53,7 +53,7 @@ from specdec.remote.protocol import (
     VerifyResponse,
 )
 from specdec.errors import ConfigError
-from specdec.server.errors import ApiError
+from specdec.server.errors import ApiError, error_body
 from specdec.server.metrics import ServerMetrics
 from specdec.server.guard import OWNER, Guard
 from specdec.server import memory
@@ -149,11 +149,17 @@ class ServerContext:
 
 
 def error_response(status: int, message: str, kind: str, metrics: ServerMetrics | None = None,
-                   headers: dict[str, str] | None = None) -> JSONResponse:
+                   headers: dict[str, str] | None = None, param: str | None = None) -> JSONResponse:
     if metrics is not None:
         metrics.http_errors.labels(str(status)).inc()
-    body = {"error": {"message": message, "type": kind, "code": status}}
-    return JSONResponse(body, status_code=status, headers=headers)
+    return JSONResponse(error_body(message, kind, status, param), status_code=status, headers=headers)
+
+
+def _validation_param(exc: RequestValidationError) -> str | None:
+    """The field the first schema error is about (``"temperature"``, ``"messages.0.role"``), if any."""
+    errors = exc.errors()
+    loc = ".".join(str(x) for x in errors[0].get("loc", ()) if x != "body") if errors else ""
+    return loc or None
 
 
 def _validation_message(exc: RequestValidationError) -> str:
@@ -353,7 +359,7 @@ def create_app(
 
     @app.exception_handler(ApiError)
     async def _api_error(request: Request, exc: ApiError) -> JSONResponse:
-        return error_response(exc.status, exc.message, exc.kind, metrics, exc.headers)
+        return error_response(exc.status, exc.message, exc.kind, metrics, exc.headers, exc.param)
 
     @app.exception_handler(Overloaded)
     async def _overloaded(request: Request, exc: Overloaded) -> JSONResponse:
@@ -365,7 +371,8 @@ def create_app(
         # the OpenAI endpoints (and vLLM's /tokenize, /detokenize) answer a bad request as OpenAI and
         # vLLM do (400: an OpenAI client's BadRequestError); the edge-cloud session API keeps its documented 422
         status = 422 if request.url.path.startswith("/v1/sessions") else 400
-        return error_response(status, _validation_message(exc), "invalid_request_error", metrics)
+        return error_response(status, _validation_message(exc), "invalid_request_error", metrics,
+                              param=_validation_param(exc))
 
     @app.exception_handler(StarletteHTTPException)
     async def _http(request: Request, exc: StarletteHTTPException) -> JSONResponse:

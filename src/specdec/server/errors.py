@@ -8,11 +8,13 @@ from specdec import defaults
 class ApiError(Exception):
     """An HTTP error with a one-line message that says what is wrong (and what to do)."""
 
-    def __init__(self, status: int, message: str, *, kind: str | None = None, retry_after: int | None = None) -> None:
+    def __init__(self, status: int, message: str, *, kind: str | None = None, retry_after: int | None = None,
+                 param: str | None = None) -> None:
         super().__init__(message)
         self.status = status
         self.message = message
         self.kind = kind or _default_kind(status)
+        self.param = param  # the request field at fault, where one is
         if retry_after is None and status in (429, 503):
             retry_after = defaults.SERVER_RETRY_AFTER_S
         self.retry_after = retry_after
@@ -25,6 +27,12 @@ class ApiError(Exception):
         if self.retry_after is not None:
             headers["Retry-After"] = str(self.retry_after)
         return headers or None
+
+
+def error_body(message: str, kind: str, status: int, param: str | None = None) -> dict:
+    """The error object every endpoint answers with, in OpenAI's shape: ``param`` names the request
+    field at fault where one is (else ``null``), ``code`` is the HTTP status (as vLLM sends it)."""
+    return {"error": {"message": message, "type": kind, "param": param, "code": status}}
 
 
 def _default_kind(status: int) -> str:

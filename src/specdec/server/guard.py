@@ -17,6 +17,7 @@ from typing import Any, Awaitable, Callable
 from urllib.parse import urlsplit
 
 from specdec.server.command import is_loopback
+from specdec.server.errors import error_body
 
 #: paths anyone may read (no key): health checks, the version and the API description
 PUBLIC_PATHS = frozenset({"/health", "/version", "/openapi.json", "/docs", "/docs/oauth2-redirect", "/redoc"})
@@ -39,7 +40,7 @@ def host_name(value: str) -> str:
 
 async def _send_error(send: Callable[..., Awaitable[None]], status: int, message: str, kind: str,
                       headers: dict[str, str] | None = None) -> None:
-    body = json.dumps({"error": {"message": message, "type": kind, "code": status}}).encode()
+    body = json.dumps(error_body(message, kind, status)).encode()
     raw = [(b"content-type", b"application/json"), (b"content-length", str(len(body)).encode())]
     raw += [(k.lower().encode(), v.encode()) for k, v in (headers or {}).items()]
     await send({"type": "http.response.start", "status": status, "headers": raw})

@@ -44,7 +44,7 @@ from specdec.text import TextStream, encode_text
 from specdec.token_filter import MAX_BAD_WORDS, constraint_factory
 from specdec.tokenizer import TokenBytes
 from specdec.server.draft_cap import CAPPED_WIRES, LOOKUP_WIRE_SUFFIX, RequestPace
-from specdec.server.errors import ApiError
+from specdec.server.errors import ApiError, error_body
 from specdec.server import reasoning
 from specdec.server import tools as tool_calls
 from specdec.server.tools import ToolCall, ToolDef
@@ -146,13 +146,13 @@ class _Request(BaseModel):
                 continue
             value = extra.pop(name)
             if value not in (None, [], {}, False):
-                raise ApiError(400, f"{name} is not supported by this server")
+                raise ApiError(400, f"{name} is not supported by this server", param=name)
             empty.append(name)
         for name in ("tool_choice", "function_call"):
             if name == "tool_choice" and "tools" in type(self).model_fields:
                 continue  # an endpoint with tools checks it with them (server/tools.py)
             if getattr(self, name) not in (None, "none", "auto"):
-                raise ApiError(400, f"{name} is not supported by this server (no tools)")
+                raise ApiError(400, f"{name} is not supported by this server (no tools)", param=name)
         names = sorted([*extra, *empty])
         if self.stream_options is not None:
             names += [f"stream_options.{k}" for k in sorted(self.stream_options.model_extra or {})]
@@ -167,9 +167,11 @@ def _kept_tokens(req: _Request, max_length: int, answer: int) -> int | None:
     if k is None:
         return None
     if k == 0:
-        raise ApiError(400, "truncate_prompt_tokens must be at least 1 (or -1: as many as the context holds beside the answer)")
+        raise ApiError(400, "truncate_prompt_tokens must be at least 1 (or -1: as many as the context holds beside the answer)",
+                       param="truncate_prompt_tokens")
     if k > max_length:
-        raise ApiError(400, f"truncate_prompt_tokens ({k}) is more than the model's context ({max_length} tokens)")
+        raise ApiError(400, f"truncate_prompt_tokens ({k}) is more than the model's context ({max_length} tokens)",
+                       param="truncate_prompt_tokens")
     return max(1, max_length - max(answer, 1)) if k == -1 else k
 
 
@@ -185,7 +187,7 @@ def _stop_token_ids(req: _Request, vocab_size: int) -> tuple[int, ...]:
     ids = tuple(req.stop_token_ids or ())
     bad = [t for t in ids if t >= vocab_size]
     if bad:
-        raise ApiError(400, f"stop_token_ids {bad} are outside the vocabulary (size {vocab_size})")
+        raise ApiError(400, f"stop_token_ids {bad} are outside the vocabulary (size {vocab_size})", param="stop_token_ids")
     return ids
 
 
@@ -207,18 +209,21 @@ def _grammar(fmt: dict[str, Any] | None) -> str | None:
             spec = fmt.get("json_schema")  # type: ignore[union-attr]
             schema = spec.get("schema") if isinstance(spec, dict) else None
             if not isinstance(schema, dict):
-                raise ApiError(400, "response_format json_schema needs json_schema.schema (an object)")
+                raise ApiError(400, "response_format json_schema needs json_schema.schema (an object)",
+                               param="response_format")
             return grammar_for("json_schema", schema)
         if kind in ("regex", "grammar"):
             value = fmt.get(kind)  # type: ignore[union-attr]
             if not isinstance(value, str) or not value:
-                raise ApiError(400, f"response_format {kind} needs a non-empty string field {kind!r}")
+                raise ApiError(400, f"response_format {kind} needs a non-empty string field {kind!r}",
+                               param="response_format")
             return grammar_for("regex" if kind == "regex" else "lark", value)
     except SpecdecError as exc:
-        raise ApiError(400, str(exc)) from None
+        raise ApiError(400, str(exc), param="response_format") from None
     except ValueError as exc:  # the engine's own parse errors
-        raise ApiError(400, f"invalid response_format: {str(exc).splitlines()[0]}") from None
-    raise ApiError(400, f"response_format {kind!r} is not supported: text, json_object, json_schema, regex or grammar")
+        raise ApiError(400, f"invalid response_format: {str(exc).splitlines()[0]}", param="response_format") from None
+    raise ApiError(400, f"response_format {kind!r} is not supported: text, json_object, json_schema, regex or grammar",
+                   param="response_format")
 
 
 #: vLLM's guided-decoding fields -> the kind of grammar each asks for
@@ -244,7 +249,8 @@ def _structured(req: _Request) -> str | None:
             if value:
                 asked.append((f"structured_outputs.{key}", "json_object", None))
         elif key not in _BACKEND_ONLY and value not in (None, False, "", [], {}):
-            raise ApiError(400, f"structured_outputs.{key} is not supported by this server")
+            raise ApiError(400, f"structured_outputs.{key} is not supported by this server",
+                           param=f"structured_outputs.{key}")
     if not asked:
         return None
     if len(asked) > 1:
@@ -260,19 +266,19 @@ def _structured(req: _Request) -> str | None:
         if kind == "json":
             schema = json.loads(spec) if isinstance(spec, str) else spec
             if not isinstance(schema, dict):
-                raise ApiError(400, f"{name} must be a JSON Schema (an object)")
+                raise ApiError(400, f"{name} must be a JSON Schema (an object)", param=name)
             return grammar_for("json_schema", schema)
         if kind == "choice":
             if not isinstance(spec, list) or not spec or not all(isinstance(c, str) and c for c in spec):
-                raise ApiError(400, f"{name} must be a list of non-empty strings")
+                raise ApiError(400, f"{name} must be a list of non-empty strings", param=name)
             return grammar_for("lark", choice_lark(spec))
         if not isinstance(spec, str) or not spec:
-            raise ApiError(400, f"{name} must be a non-empty string")
+            raise ApiError(400, f"{name} must be a non-empty string", param=name)
         return grammar_for("regex" if kind == "regex" else "lark", spec)
     except SpecdecError as exc:
-        raise ApiError(400, str(exc)) from None
+        raise ApiError(400, str(exc), param=name) from None
     except ValueError as exc:  # a schema that is not JSON, the engine's own parse errors
-        raise ApiError(400, f"invalid {name}: {str(exc).splitlines()[0]}") from None
+        raise ApiError(400, f"invalid {name}: {str(exc).splitlines()[0]}", param=name) from None
 
 
 class CompletionRequest(_Request):
@@ -455,7 +461,7 @@ def _logit_bias(req: _Request, vocab: int) -> tuple[tuple[int, float], ...]:
         try:
             pairs.append((int(key), float(value)))
         except ValueError:
-            raise ApiError(400, f"logit_bias keys must be token ids, got {key!r}") from None
+            raise ApiError(400, f"logit_bias keys must be token ids, got {key!r}", param="logit_bias") from None
     try:
         return checked_bias(pairs, vocab)
     except SpecdecError as exc:
@@ -492,9 +498,11 @@ class _Job:
             except ValueError as exc:
                 raise ApiError(400, str(exc)) from None
         if req.prompt_logprobs is not None and req.stream:
-            raise ApiError(400, "prompt_logprobs cannot be streamed (as in vLLM): send the request without stream")
+            raise ApiError(400, "prompt_logprobs cannot be streamed (as in vLLM): send the request without stream",
+                           param="prompt_logprobs")
         if req.stream_options is not None and not req.stream:
-            raise ApiError(400, "stream_options is only allowed with stream: true (as in OpenAI's API and vLLM)")
+            raise ApiError(400, "stream_options is only allowed with stream: true (as in OpenAI's API and vLLM)",
+                           param="stream_options")
         for ids in prompts:
             for i, tok in enumerate(ids):
                 if tok >= model.vocab_size:
@@ -518,7 +526,7 @@ class _Job:
         self.kv_bytes = positions * (ctx.kv_per_position + ctx.draft_kv_per_position)
         stops = (req.stop,) if isinstance(req.stop, str) else tuple(req.stop or ())
         if (req.min_tokens or 0) > max_tokens:
-            raise ApiError(400, f"min_tokens ({req.min_tokens}) must not exceed max_tokens ({max_tokens})")
+            raise ApiError(400, f"min_tokens ({req.min_tokens}) must not exceed max_tokens ({max_tokens})", param="min_tokens")
         try:
             self.sampling = SamplingConfig(
                 temperature=1.0 if req.temperature is None else req.temperature,
@@ -986,7 +994,7 @@ def _stream(
                     break
                 else:
                     message, status, kind = value  # after the stream began, an error event with the status it would have had
-                    yield _sse({"error": {"message": message, "type": kind, "code": status}})
+                    yield _sse(error_body(message, kind, status))
                     break
             if not named:
                 yield _sse("[DONE]")
@@ -1291,7 +1299,7 @@ def openai_router(ctx: "ServerContext") -> APIRouter:
     async def completions(req: CompletionRequest, request: Request) -> Any:
         keep = req.n or 1
         if req.best_of is not None and req.best_of < keep:
-            raise ApiError(400, f"best_of ({req.best_of}) must be at least n ({keep})")
+            raise ApiError(400, f"best_of ({req.best_of}) must be at least n ({keep})", param="best_of")
         ranked = req.best_of is not None and req.best_of > keep  # candidates generated, the best n returned
         if ranked and req.stream:
             raise ApiError(400, "best_of greater than n cannot be streamed (as in OpenAI's API)")

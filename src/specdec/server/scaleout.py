@@ -32,6 +32,7 @@ from typing import Any, AsyncIterator, Callable
 
 from specdec import defaults
 from specdec.errors import MissingPackageError
+from specdec.server.errors import error_body
 
 #: response header naming the replica that answered (load-balancing and affinity are visible)
 REPLICA_HEADER = "x-specdec-replica"
@@ -282,13 +283,10 @@ class Gateway:
                 if not _lost(exc):
                     raise
                 if replica is not None:
-                    return JSONResponse(
-                        {"error": {"message": "unknown session or stored response: the replica holding it is gone;"
-                                              " create a new one",
-                                   "type": "invalid_request_error", "code": 404}}, status_code=404)
+                    return JSONResponse(error_body("unknown session or stored response: the replica holding it is gone;"
+                                                   " create a new one", "invalid_request_error", 404), status_code=404)
                 if attempt == self.retries:
-                    return JSONResponse({"error": {"message": "no verifier replica answered; retry later",
-                                                   "type": "server_error", "code": 503}},
+                    return JSONResponse(error_body("no verifier replica answered; retry later", "server_error", 503),
                                         status_code=503, headers={"Retry-After": str(defaults.SERVER_RETRY_AFTER_S)})
                 await asyncio.sleep(0.2 * (attempt + 1))  # nothing was answered: run it again elsewhere
         extra = [(RETRIES_HEADER, str(attempt))] if attempt else []
