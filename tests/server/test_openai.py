@@ -31,6 +31,12 @@ def local():
     return Engine.build(EngineConfig(target=MODEL, draft=MODEL, dtype="float32"))
 
 
+@pytest.fixture(scope="module")
+def http(server):
+    with httpx.Client(base_url=server.url, headers={"Authorization": f"Bearer {KEY}"}, timeout=60) as c:
+        yield c
+
+
 def test_models(client, server, local):
     assert [m.id for m in client.models.list().data] == [MODEL]
     card = client.models.retrieve(MODEL)
@@ -570,40 +576,39 @@ def test_vllm_allowed_token_ids_and_bad_words(client, local):
             client.completions.create(extra_body=body, **greedy)
 
 
-def test_tokenizer_endpoints_answer_as_vllms_do(server, client, local):
+def test_tokenizer_endpoints_answer_as_vllms_do(http, server, client, local):
     """/tokenize, /detokenize and /tokenizer_info (what lm-evaluation-harness's remote tokenizer
     calls): a prompt's ids are those /v1/completions generates after, messages' those
     /v1/chat/completions does, and ids come back to the text; bad requests are 4xx."""
     tok = local.target.tokenizer
-    with httpx.Client(base_url=server.url, headers={"Authorization": f"Bearer {KEY}"}, timeout=60) as c:
-        got = c.post("/tokenize", json={"model": MODEL, "prompt": PROMPT, "return_token_strs": True}).json()
-        ids = tok.encode(PROMPT, add_special_tokens=False)
-        assert got["tokens"] == ids and got["count"] == len(ids) and got["max_model_len"] == local.target.model.max_length
-        assert got["token_strs"] == tok.convert_ids_to_tokens(ids)
-        greedy = dict(model=MODEL, max_tokens=6, temperature=0)
-        assert client.completions.create(prompt=got["tokens"], **greedy).choices[0].text == \
-            client.completions.create(prompt=PROMPT, **greedy).choices[0].text
-        messages = [{"role": "user", "content": "Say hi."}]
-        chat = c.post("/tokenize", json={"messages": messages}).json()["tokens"]
-        assert chat == local.encode_messages(messages)
-        assert client.completions.create(prompt=chat, **greedy).choices[0].text == \
-            client.chat.completions.create(messages=messages, **greedy).choices[0].message.content
-        assert c.post("/detokenize", json={"tokens": ids}).json() == {"prompt": PROMPT}
-        info = c.get("/tokenizer_info").json()
-        assert info["eos_token"] == "<|im_end|>" and "im_start" in info["chat_template"]
-        assert c.post("/tokenize", json={"prompt": PROMPT, "messages": messages}).status_code == 400
-        assert c.post("/tokenize", json={}).status_code == 400
-        assert c.post("/tokenize", json={"model": "gpt-4", "prompt": "x"}).status_code == 404
-        bad = c.post("/detokenize", json={"tokens": [1, 10**9]})
-        assert bad.status_code == 400 and "outside the vocabulary" in bad.json()["error"]["message"]
-        for path, body in (("/detokenize", {"tokens": [-1]}), ("/tokenize", {"prompt": 5})):  # schema errors: 400, not 422
-            bad = c.post(path, json=body)
-            assert bad.status_code == 400 and bad.json()["error"]["type"] == "invalid_request_error", (path, bad.text)
-        assert c.post("/tokenize", content=b"{", headers={"Content-Type": "application/json"}).status_code == 400
+    got = http.post("/tokenize", json={"model": MODEL, "prompt": PROMPT, "return_token_strs": True}).json()
+    ids = tok.encode(PROMPT, add_special_tokens=False)
+    assert got["tokens"] == ids and got["count"] == len(ids) and got["max_model_len"] == local.target.model.max_length
+    assert got["token_strs"] == tok.convert_ids_to_tokens(ids)
+    greedy = dict(model=MODEL, max_tokens=6, temperature=0)
+    assert client.completions.create(prompt=got["tokens"], **greedy).choices[0].text == \
+        client.completions.create(prompt=PROMPT, **greedy).choices[0].text
+    messages = [{"role": "user", "content": "Say hi."}]
+    chat = http.post("/tokenize", json={"messages": messages}).json()["tokens"]
+    assert chat == local.encode_messages(messages)
+    assert client.completions.create(prompt=chat, **greedy).choices[0].text == \
+        client.chat.completions.create(messages=messages, **greedy).choices[0].message.content
+    assert http.post("/detokenize", json={"tokens": ids}).json() == {"prompt": PROMPT}
+    info = http.get("/tokenizer_info").json()
+    assert info["eos_token"] == "<|im_end|>" and "im_start" in info["chat_template"]
+    assert http.post("/tokenize", json={"prompt": PROMPT, "messages": messages}).status_code == 400
+    assert http.post("/tokenize", json={}).status_code == 400
+    assert http.post("/tokenize", json={"model": "gpt-4", "prompt": "x"}).status_code == 404
+    bad = http.post("/detokenize", json={"tokens": [1, 10**9]})
+    assert bad.status_code == 400 and "outside the vocabulary" in bad.json()["error"]["message"]
+    for path, body in (("/detokenize", {"tokens": [-1]}), ("/tokenize", {"prompt": 5})):  # schema errors: 400, not 422
+        bad = http.post(path, json=body)
+        assert bad.status_code == 400 and bad.json()["error"]["type"] == "invalid_request_error", (path, bad.text)
+    assert http.post("/tokenize", content=b"{", headers={"Content-Type": "application/json"}).status_code == 400
     assert httpx.post(server.url + "/tokenize", json={"prompt": "x"}, timeout=30).status_code == 401  # keys hold here too
 
 
-def test_chat_continues_the_final_message_and_takes_template_options(server, client, local):
+def test_chat_continues_the_final_message_and_takes_template_options(http, client, local):
     """vLLM's continue_final_message (the reply continues the caller's start of it: the rendered
     text ends right after that message's content), add_generation_prompt and chat_template_kwargs
     (the template's own variables); /tokenize gives the ids the chat generates after; the options
@@ -621,8 +626,7 @@ def test_chat_continues_the_final_message_and_takes_template_options(server, cli
     closed = client.chat.completions.create(model=MODEL, messages=messages, max_tokens=8, temperature=0,
                                             extra_body={"add_generation_prompt": False})
     assert closed.usage.prompt_tokens == len(tok.encode(rendered, add_special_tokens=False))
-    with httpx.Client(base_url=server.url, headers={"Authorization": f"Bearer {KEY}"}, timeout=60) as c:
-        assert c.post("/tokenize", json={"messages": messages, **body}).json()["tokens"] == ids
+    assert http.post("/tokenize", json={"messages": messages, **body}).json()["tokens"] == ids
     kw = client.chat.completions.create(model=MODEL, messages=messages[:1], max_tokens=8, temperature=0,
                                         extra_body={"chat_template_kwargs": {"enable_thinking": False}})
     plain = client.chat.completions.create(model=MODEL, messages=messages[:1], max_tokens=8, temperature=0)
@@ -642,7 +646,7 @@ def test_streams_carry_n_choices_and_the_stats_on_the_last_chunk(client):
     assert stats["method"] == "coupled" and stats["target_calls"] >= 1 and stats["lossless"] is True
 
 
-def test_near_valid_completion_requests_never_get_a_5xx(server):
+def test_near_valid_completion_requests_never_get_a_5xx(http):
     from hypothesis import HealthCheck, given, settings
     from hypothesis import strategies as st
 
@@ -659,22 +663,20 @@ def test_near_valid_completion_requests_never_get_a_5xx(server):
         },
     )
 
-    with httpx.Client(base_url=server.url, headers={"Authorization": f"Bearer {KEY}"}, timeout=60) as c:
+    @settings(max_examples=25, deadline=None, database=None, derandomize=True, suppress_health_check=list(HealthCheck))
+    @given(body=body)
+    def run(body):
+        r = http.post("/v1/completions", json=body)
+        assert r.status_code < 500, r.text
+        if r.status_code != 200:
+            assert r.json()["error"]["message"]
+        elif body.get("stream"):
+            events = [line for line in r.text.splitlines() if line.startswith("data: ")]
+            assert events[-1] == "data: [DONE]"
+        else:
+            assert r.json()["usage"]["completion_tokens"] <= body.get("max_tokens", 16)
 
-        @settings(max_examples=25, deadline=None, database=None, derandomize=True, suppress_health_check=list(HealthCheck))
-        @given(body=body)
-        def run(body):
-            r = c.post("/v1/completions", json=body)
-            assert r.status_code < 500, r.text
-            if r.status_code != 200:
-                assert r.json()["error"]["message"]
-            elif body.get("stream"):
-                events = [line for line in r.text.splitlines() if line.startswith("data: ")]
-                assert events[-1] == "data: [DONE]"
-            else:
-                assert r.json()["usage"]["completion_tokens"] <= body.get("max_tokens", 16)
-
-        run()
+    run()
 
 
 def test_the_event_loop_stays_responsive_during_a_generation(server, client):
@@ -896,12 +898,6 @@ def test_echoed_offsets_where_the_first_token_holds_part_of_a_character(client):
     lp = choice.logprobs
     at = lp.tokens.index(" hi")
     assert lp.text_offset[at] == choice.text.index(" hi") == 1
-
-
-@pytest.fixture(scope="module")
-def http(server):
-    with httpx.Client(base_url=server.url, headers={"Authorization": f"Bearer {KEY}"}, timeout=60) as c:
-        yield c
 
 
 def _events(r: httpx.Response) -> list[str]:
