@@ -129,8 +129,13 @@ def test_gateway_runs_a_request_again_when_its_replica_died_before_answering():
 def test_gateway_answers_404_for_a_session_whose_replica_died_and_503_when_none_answers():
     resp, calls = _gateway_call(["dead", "ok"], "/v1/sessions/abc12345.XyZ/verify")
     assert resp.status_code == 404 and calls == ["abc12345"]  # the edge re-creates it; never run elsewhere
+    error = json.loads(resp.body)["error"]
+    assert error == {"message": error["message"], "type": "invalid_request_error", "param": None, "code": 404}
+    assert "replica holding it is gone" in error["message"]
     resp, calls = _gateway_call(["dead"] * 3, "/v1/completions", retries=2)
     assert resp.status_code == 503 and resp.headers["retry-after"] == "1" and len(calls) == 3
+    error = json.loads(resp.body)["error"]
+    assert (error["type"], error["param"], error["code"]) == ("server_error", None, 503) and "retry later" in error["message"]
 
 
 def test_serve_config_file_entry_point_builds_the_replicas_from_serve_options():
