@@ -154,3 +154,73 @@ def test_tensors_without_a_storage_of_their_own_are_left_alone(on):
     assert [id(t) for t in hugepages.tensors_of(holder, _everything)] == [id(dense)]
     arena = hugepages.adopt(holder, enter=_everything)
     assert arena is not None and arena.tensors == 1 and _inside(dense, arena)
+
+
+@pytest.mark.parametrize("word", ["0", "false", "no", "off", " off "])
+def test_every_spelling_of_off_turns_it_off(word, monkeypatch, tmp_path):
+    setting = tmp_path / "enabled"
+    setting.write_text("[always] madvise never\n")
+    monkeypatch.setattr(hugepages, "_SETTING", setting)
+    monkeypatch.setenv("SPECDEC_HUGE_PAGES", word)
+    assert not hugepages.available()
+
+
+def test_the_kernels_always_setting_allows_it(monkeypatch, tmp_path):
+    setting = tmp_path / "enabled"
+    setting.write_text("[always] madvise never\n")
+    monkeypatch.setattr(hugepages, "_SETTING", setting)
+    monkeypatch.delenv("SPECDEC_HUGE_PAGES", raising=False)
+    assert hugepages.thp_setting() == "always"
+    assert hugepages.available() == hasattr(mmap, "MADV_HUGEPAGE")
+
+
+def test_a_storage_of_exactly_the_threshold_moves_and_one_byte_less_stays(on):
+    at = torch.ones(1024, dtype=torch.uint8)
+    below = torch.ones(1023, dtype=torch.uint8)
+    arena = hugepages.adopt([at, below], min_bytes=1024, enter=_everything)
+    assert arena is not None and arena.tensors == 1 and arena.moved_bytes == 1024
+    lo = arena.buffer.data_ptr()
+    assert lo <= at.data_ptr() < lo + arena.buffer.numel()
+    assert not lo <= below.data_ptr() < lo + arena.buffer.numel()
+
+
+def test_many_small_storages_each_get_a_page_aligned_place(on):
+    """A thousand storages of a few bytes (more than the mapping's spare 2 MiB would hold at a
+    page each): every copy starts on a page, the first on a 2 MiB boundary, values kept."""
+    ts = [torch.full((3,), float(i)) for i in range(1000)]
+    arena = hugepages.adopt(ts, min_bytes=1, enter=_everything)
+    assert arena is not None and arena.storages == 1000 and arena.tensors == 1000
+    ptrs = sorted(t.data_ptr() for t in ts)
+    assert ptrs[0] % hugepages.HUGE_PAGE == 0
+    assert all(p % hugepages.ALIGN == 0 for p in ptrs)
+    assert all(torch.equal(t, torch.full((3,), float(i))) for i, t in enumerate(ts))
+
+
+def test_the_arena_counts_storages_and_tensors_apart(on):
+    base = torch.zeros(100_000)
+    views = [base[:10], base[10:20], base.view(1000, 100)]
+    other = torch.ones(100_000)
+    arena = hugepages.adopt([views, other], enter=_everything)
+    assert arena is not None and arena.storages == 2 and arena.tensors == 4
+    assert arena.moved_bytes == 2 * 100_000 * 4
+
+
+def test_huge_bytes_reads_kilobytes(monkeypatch, tmp_path):
+    rollup = tmp_path / "smaps_rollup"
+    rollup.write_text("Rss:    10000 kB\nAnonHugePages:     4096 kB\n")
+    real = hugepages.Path
+    monkeypatch.setattr(hugepages, "Path", lambda p: rollup if p == "/proc/self/smaps_rollup" else real(p))
+    assert hugepages.huge_bytes() == 4096 * 1024
+
+
+def test_a_parameter_and_its_detached_view_keep_sharing_their_memory(on):
+    """A storage that a tensor requiring grad views stays where it is, with every other tensor
+    viewing it, in either order (a model being trained keeps its parameters' memory shared)."""
+    for order in ("grad first", "grad last"):
+        p = torch.nn.Parameter(torch.randn(100_000))
+        d = p.detach()
+        moved = torch.ones(100_000)
+        holders = [p, d, moved] if order == "grad first" else [d, moved, p]
+        arena = hugepages.adopt(holders, enter=_everything)
+        assert arena is not None and arena.storages == 1 and _inside(moved, arena), order
+        assert d.data_ptr() == p.data_ptr() and not _inside(d, arena), order

@@ -6,7 +6,9 @@ writes none onto a nearly full disk."""
 from __future__ import annotations
 
 import os
+from collections import namedtuple
 
+import numpy as np
 import pytest
 import torch
 
@@ -238,3 +240,123 @@ def test_an_entry_that_cannot_be_written_never_fails_the_load(folder, builds, tm
     model = _load(folder)
     assert model.quantised_state() is not None and not _entries(tmp_path)
     assert not list((tmp_path / "quantised").glob("*.tmp"))
+
+
+@pytest.fixture
+def cache(tmp_path, monkeypatch):
+    monkeypatch.setenv("SPECDEC_QUANTISED_CACHE", str(tmp_path))
+    return tmp_path
+
+
+def _int8(out=4, k=8, *, packed=None, smooth=None):
+    """An int8 layer's fields (4 x 8 unless told: one group of 4 columns, two steps of 4 inputs)."""
+    state = {"packed": torch.zeros(1, 2, 4, 4, dtype=torch.int8) if packed is None else packed,
+             "comp": torch.zeros(out, dtype=torch.int32), "col": torch.ones(out),
+             "scales": torch.ones(out, dtype=torch.float64)}
+    if smooth is not None:
+        state["inv_smooth"] = torch.ones(smooth)
+    return state
+
+
+def _q4(blocks=2, *, gain=0, col=0, packed=None):
+    """A 4-bit layer's fields for 32 outputs (one group) and 64 inputs (two blocks)."""
+    return {"q4_packed": torch.zeros(1, blocks, 640, dtype=torch.uint8) if packed is None else packed,
+            "q4_gain": torch.ones(gain), "q4_col": torch.ones(col)}
+
+
+def _roundtrip(layers: dict[str, dict], shapes: dict[str, tuple[int, int]]):
+    state = {f"{name}.{field}": t for name, fields in layers.items() for field, t in fields.items()}
+    assert quantised_cache.save("entry", state)
+    return quantised_cache.load("entry", shapes)
+
+
+def test_an_entry_with_a_layer_more_than_asked_for_is_not_used(cache):
+    assert _roundtrip({"lm_head": _int8()}, {"lm_head": (4, 8)}) is not None
+    assert _roundtrip({"lm_head": _int8(), "layers.0.qkv": _int8()}, {"lm_head": (4, 8)}) is None
+
+
+@pytest.mark.parametrize("case", ["last dimension", "too few columns", "too few inputs"])
+def test_an_int8_packing_that_does_not_cover_its_layer_is_not_used(cache, case):
+    if case == "last dimension":
+        layer, shape = _int8(packed=torch.zeros(1, 4, 4, 2, dtype=torch.int8)), (4, 8)
+    elif case == "too few columns":
+        layer, shape = _int8(out=8), (8, 8)  # one group of 4 columns for 8 outputs
+    else:
+        layer, shape = _int8(), (4, 12)  # two steps of 4 inputs for 12
+    assert _roundtrip({"lm_head": layer}, {"lm_head": shape}) is None
+
+
+def test_a_field_of_no_kind_is_not_used_even_with_the_layers_size(cache):
+    layer = _int8()
+    layer["extra"] = torch.zeros(4)  # as many as the outputs, float32 as the column factors
+    assert _roundtrip({"lm_head": layer}, {"lm_head": (4, 8)}) is None
+
+
+def test_smoothing_is_sized_by_the_inputs(cache):
+    assert _roundtrip({"lm_head": _int8(smooth=8)}, {"lm_head": (4, 8)}) is not None
+    assert _roundtrip({"lm_head": _int8(smooth=4)}, {"lm_head": (4, 8)}) is None
+
+
+def test_a_4bit_layer_fits_with_its_blocks_gain_and_column_factors(cache):
+    """Gain and column factors empty or sized by inputs and outputs; exactly the blocks of 32
+    inputs the layer has; an empty packing only where Q6_K columns follow."""
+    shapes = {"layers.0.down": (32, 64)}
+    for fields in (_q4(), _q4(gain=64), _q4(col=32), _q4(gain=64, col=32)):
+        assert _roundtrip({"layers.0.down": fields}, shapes) is not None
+    for fields in (_q4(gain=32), _q4(col=64), _q4(blocks=3), _q4(blocks=1),
+                   _q4(packed=torch.empty(0, dtype=torch.uint8))):
+        assert _roundtrip({"layers.0.down": fields}, shapes) is None
+
+
+def test_a_write_that_fails_half_way_leaves_no_temporary_file(cache, monkeypatch):
+    import safetensors.torch
+
+    real = safetensors.torch.save_file
+
+    def half(tensors, filename, metadata=None):
+        real(tensors, filename, metadata=metadata)
+        raise OSError("disk full")
+
+    monkeypatch.setattr(safetensors.torch, "save_file", half)
+    assert not quantised_cache.save("entry", {f"lm_head.{k}": v for k, v in _int8().items()})
+    assert list(cache.iterdir()) == []
+
+
+def test_the_free_space_check_counts_bytes(cache, monkeypatch):
+    """An entry whose bytes (not elements) would eat into the margin is not written."""
+    state = {"lm_head.scales": torch.ones(1000, dtype=torch.float64)}  # 8,000 bytes
+    usage = namedtuple("usage", "total used free")
+    monkeypatch.setattr(quantised_cache.shutil, "disk_usage",
+                        lambda _: usage(1 << 40, 0, quantised_cache.FREE_MARGIN + 4000))
+    assert not quantised_cache.save("entry", state)
+    monkeypatch.setattr(quantised_cache.shutil, "disk_usage",
+                        lambda _: usage(1 << 40, 0, quantised_cache.FREE_MARGIN + 9000))
+    assert quantised_cache.save("entry", state)
+
+
+def test_nothing_is_read_when_the_cache_is_off(monkeypatch):
+    monkeypatch.setenv("SPECDEC_QUANTISED_CACHE", "off")
+    assert quantised_cache.load("entry", {"lm_head": (4, 8)}) is None
+
+
+@pytest.mark.parametrize("shape", [(70, 0, 64), (0, 40, 256), (64, 40, 256), (32, 7, 768)])
+def test_a_4bit_packing_is_used_only_for_the_outputs_and_byte_width_it_was_made_for(cache, shape):
+    """A real layer's packings (4-bit columns alone with a padded last group, Q6_K alone, both)
+    fit its own shape; the same bytes for 32 outputs more or fewer, or cut to fewer bytes a
+    block, are not used."""
+    from specdec.models.linear import Q4Linear, Q6Blocks, quantize_q4_1
+    from tests.models.test_q6 import _blocks, _q6_k_raw
+
+    n4, n6, k = shape
+    g = torch.Generator().manual_seed(k)
+    b4 = quantize_q4_1(torch.randn(n4, k, generator=g)) if n4 else None
+    b6: Q6Blocks | None = _blocks(_q6_k_raw(np.random.default_rng(k), n6, k)) if n6 else None
+    fields = {f: t.clone() for f, t in Q4Linear(b4, blocks6=b6).state().items()}
+    out = n4 + n6
+    assert _roundtrip({"lm_head": fields}, {"lm_head": (out, k)}) is not None
+    for wrong in (out + 32, out - 32):
+        assert _roundtrip({"lm_head": fields}, {"lm_head": (wrong, k)}) is None, wrong
+    for field in ("q4_packed", "q6_packed"):
+        if fields.get(field, torch.empty(0)).numel():
+            cut = {**fields, field: fields[field][..., :-64].contiguous()}
+            assert _roundtrip({"lm_head": cut}, {"lm_head": (out, k)}) is None, field

@@ -120,7 +120,8 @@ def adopt(root: Any, *, min_bytes: int = MIN_BYTES, skip: Sequence[Tensor] = (),
     its own offset, size and strides.  Returns the arena (also kept on ``root`` as
     ``_huge_pages`` when ``root`` takes attributes), or None when nothing moved: huge pages are
     not available (:func:`available`), the kernel refused the advice, or no tensor is that large.
-    Tensors that require grad are left alone (a model being trained), and so are the storages of
+    Storages that a tensor requiring grad views are left alone, whole (a model being trained: a
+    non-grad view of a parameter must keep sharing its memory), and so are the storages of
     ``skip`` (tables a pass reads a few rows of, such as the embedding: copying them costs start-up
     time and buys nothing).
     """
@@ -133,7 +134,10 @@ def adopt(root: Any, *, min_bytes: int = MIN_BYTES, skip: Sequence[Tensor] = (),
         st = t.untyped_storage()
         if st.data_ptr() in cold or any(lo <= st.data_ptr() < hi for lo, hi in placed):  # skipped, or moved already
             continue
-        if st.nbytes() >= min_bytes and not t.requires_grad:
+        if t.requires_grad:
+            cold.add(st.data_ptr())
+            groups.pop(st.data_ptr(), None)
+        elif st.nbytes() >= min_bytes:
             groups.setdefault(st.data_ptr(), []).append(t)
     if not groups:
         return None

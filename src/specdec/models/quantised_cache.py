@@ -64,6 +64,23 @@ def cache_dir() -> Path | None:
     return caches.quantised_dir()
 
 
+#: bytes per group of 32 columns and block of 32 inputs in the 4-bit kernel's packings (``csrc/q4.cpp``)
+_GROUP_BYTES = {"q4_packed": 640, "q6_packed": 896}
+
+
+def _covers(field: str, groups: int, fields: dict[str, Tensor], out: int) -> bool:
+    """Whether ``groups`` groups of 32 columns in ``field`` are what a layer of ``out`` outputs
+    packs there: the 4-bit columns come first in whole groups (all of them, the last group padded,
+    where there are no Q6_K ones), the Q6_K columns after them."""
+    if "q6_packed" not in fields:
+        return groups == -(-out // 32)
+    if field == "q4_packed":
+        return True  # checked with the Q6_K packing's, which must cover the columns after these
+    q4 = fields["q4_packed"]  # (a kind "q4" layer always has it: empty where every column is Q6_K)
+    n4 = 32 * q4.shape[0] if q4.dim() == 3 else 0
+    return groups == -(-(out - n4) // 32)
+
+
 def _fits(state: dict[str, Tensor], shapes: dict[str, tuple[int, int]]) -> bool:
     """Whether ``state`` holds exactly the layers ``shapes`` names (layer -> (outputs, inputs)),
     each with the fields of its kind, no unknown one, the right dtypes and sizes that match its shape."""
@@ -85,7 +102,8 @@ def _fits(state: dict[str, Tensor], shapes: dict[str, tuple[int, int]]) -> bool:
             elif field == "q4_packed" and "q6_packed" in fields and t.numel() == 0:
                 ok = True  # every column Q6_K
             elif field in ("q4_packed", "q6_packed"):  # [column groups, in / 32, bytes per group and block]
-                ok = t.dim() == 3 and t.shape[0] > 0 and t.shape[1] * 32 >= k > (t.shape[1] - 1) * 32
+                ok = (t.dim() == 3 and t.shape[2] == _GROUP_BYTES[field] and _covers(field, t.shape[0], fields, out)
+                      and t.shape[1] * 32 >= k > (t.shape[1] - 1) * 32)
             elif field in ("q4_gain", "q4_col"):  # empty where there is none
                 ok = t.dim() == 1 and t.numel() in (0, k if field == "q4_gain" else out)
             else:
