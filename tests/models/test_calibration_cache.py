@@ -9,6 +9,7 @@ import os
 import pytest
 import torch
 
+from specdec.models import calibration_cache, kernels
 from specdec.models.native import NativeCausalLM, _LayerByLayer
 from specdec.models.linear import w8a8_available
 from tiny import make_tiny
@@ -105,7 +106,6 @@ def test_off_writes_nothing(folder, passes, tmp_path, monkeypatch):
 
 
 def test_only_the_most_recent_entries_are_kept(tmp_path, monkeypatch):
-    from specdec.models import calibration_cache
 
     monkeypatch.setenv("SPECDEC_CALIBRATION_CACHE", str(tmp_path))
     monkeypatch.setattr(calibration_cache, "KEEP", 3)
@@ -115,3 +115,88 @@ def test_only_the_most_recent_entries_are_kept(tmp_path, monkeypatch):
     calibration_cache.save("entry5", {"lm_head": torch.zeros(4)})
     assert sorted(p.stem for p in tmp_path.glob("*.pt")) == ["entry3", "entry4", "entry5"]
     assert torch.equal(calibration_cache.load("entry4", {"lm_head": (4,)})["lm_head"], torch.full((4,), 4.0))
+
+
+@pytest.fixture
+def cache(tmp_path, monkeypatch):
+    monkeypatch.setenv("SPECDEC_CALIBRATION_CACHE", str(tmp_path))
+    return tmp_path
+
+
+@pytest.mark.parametrize("change", ["threads", "torch", "attention", "library"])
+def test_the_process_that_would_run_the_pass_is_in_the_digest(change, monkeypatch):
+    """The thread count, torch's version, the attention kernel and the compiled library's build
+    each change the digest of the same parts."""
+    parts = {"model": "m"}
+    monkeypatch.setattr(kernels, "load", lambda: True)
+    monkeypatch.setattr(kernels, "library", lambda: "build-a")
+    before = calibration_cache.digest(parts)
+    if change == "threads":
+        threads = torch.get_num_threads() + 7
+        monkeypatch.setattr(torch, "get_num_threads", lambda: threads)
+    elif change == "torch":
+        monkeypatch.setattr(torch, "__version__", torch.__version__ + "+other")
+    elif change == "attention":
+        monkeypatch.setattr(kernels, "attention_kernel", lambda: "some-other-attention")
+    else:
+        monkeypatch.setattr(kernels, "library", lambda: "build-b")
+    assert calibration_cache.digest(parts) != before
+    assert calibration_cache.digest({"model": "n"}) != calibration_cache.digest(parts)
+
+
+def test_the_code_digest_covers_every_source_below_the_package_and_its_name(tmp_path, monkeypatch):
+    """A source in a subpackage, and a source's name (the same bytes under another name), are in
+    the code digest."""
+    package = tmp_path / "pkg"
+    (package / "models").mkdir(parents=True)
+    (package / "__init__.py").write_text("top = 1\n")
+    (package / "models" / "deep.py").write_text("x = 1\n")
+    monkeypatch.setattr(calibration_cache, "__file__", str(package / "models" / "calibration_cache.py"))
+    calibration_cache._code_digest.cache_clear()
+    try:
+        first = calibration_cache._code_digest()
+        calibration_cache._code_digest.cache_clear()
+        (package / "models" / "deep.py").write_text("x = 2\n")
+        edited = calibration_cache._code_digest()
+        calibration_cache._code_digest.cache_clear()
+        (package / "models" / "deep.py").rename(package / "models" / "other.py")
+        renamed = calibration_cache._code_digest()
+    finally:
+        calibration_cache._code_digest.cache_clear()
+    assert len({first, edited, renamed}) == 3
+
+
+def test_a_weight_file_of_another_size_with_the_same_time_is_another_identity(tmp_path):
+    weights = tmp_path / "model.safetensors"
+    weights.write_bytes(b"a" * 10)
+    st = weights.stat()
+    before = calibration_cache.file_identity([weights])
+    weights.write_bytes(b"a" * 11)
+    os.utime(weights, ns=(st.st_atime_ns, st.st_mtime_ns))  # the same modification time
+    assert calibration_cache.file_identity([weights]) != before
+
+
+def test_the_key_is_none_when_the_cache_is_off(monkeypatch):
+    monkeypatch.setenv("SPECDEC_CALIBRATION_CACHE", "off")
+    assert calibration_cache.key({"model": "m"}) is None
+
+
+def test_an_entry_with_another_dtype_or_an_extra_recorder_is_not_used(cache):
+    calibration_cache.save("double", {"lm_head": torch.ones(4, dtype=torch.float64)})
+    assert calibration_cache.load("double", {"lm_head": (4,)}) is None
+    calibration_cache.save("extra", {"lm_head": torch.ones(4), "layers.9.qkv": torch.ones(4)})
+    assert calibration_cache.load("extra", {"lm_head": (4,)}) is None
+    calibration_cache.save("exact", {"lm_head": torch.ones(4)})
+    assert torch.equal(calibration_cache.load("exact", {"lm_head": (4,)})["lm_head"], torch.ones(4))
+
+
+def test_a_write_that_fails_half_way_leaves_no_temporary_file(cache, monkeypatch):
+    real = torch.save
+
+    def half(obj, f, *args, **kwargs):
+        real(obj, f, *args, **kwargs)
+        raise OSError("disk full")
+
+    monkeypatch.setattr(torch, "save", half)
+    calibration_cache.save("entry", {"lm_head": torch.ones(4)})
+    assert list(cache.iterdir()) == []

@@ -14,7 +14,7 @@ import pytest
 import torch
 
 from specdec.models import linear as linear_mod
-from specdec.models.linear import Linear, f32_kernel_available
+from specdec.models.linear import MAX_INVARIANT_K, Linear, _onednn_available, f32_kernel_available
 
 needs_f32 = pytest.mark.skipif(not f32_kernel_available(), reason="the float32 kernel needs a C++ compiler")
 
@@ -113,3 +113,18 @@ def test_each_row_is_summed_front_to_back_with_separate_roundings(shape):
     want = _front_to_back(x, w)
     for n in (1, 2, 3, 4, 5, 9):  # every register block (1-4 rows) and a remainder
         assert torch.equal(torch.ops.specdec.f32_linear(x[:n], packed, n_out), want[:n]), n
+
+
+@pytest.mark.skipif(not _onednn_available(), reason="needs oneDNN's packed float32 linear")
+def test_a_chunked_product_adds_its_bias_once(monkeypatch):
+    monkeypatch.setenv("SPECDEC_F32_KERNEL", "0")  # oneDNN's packing, not the compiled kernel's
+    g = torch.Generator().manual_seed(1)
+    k = 2 * MAX_INVARIANT_K + 100
+    w, bias = torch.randn(24, k, generator=g) * 0.05, torch.randn(24, generator=g) * 10
+    lin = Linear(w, bias)
+    assert lin.packed is not None and len(lin.packed) == 3
+    x = torch.randn(5, k, generator=g)
+    want = x.double() @ w.double().T + bias.double()
+    assert torch.allclose(lin(x).double(), want, atol=1e-3)
+    scale = torch.rand(5, 1, generator=g) + 0.5
+    assert torch.allclose(lin.scaled(x, scale).double(), (want - bias.double()) * scale.double() + bias.double(), atol=1e-3)

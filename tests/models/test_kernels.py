@@ -327,3 +327,20 @@ def test_an_all_zero_row_gets_the_clamped_factor_and_fbgemms_product():
     assert s[1, 0] == torch.tensor(1e-30, dtype=torch.float32)
     staged = torch.cat([x / s, torch.ones(3, 1), -torch.ones(3, 1)], 1)
     assert torch.equal(got, torch.ops.quantized.linear_dynamic(staged, packed, False))  # 8-bit activations with VNNI)
+
+
+@pytest.mark.skipif(not (w8a8_available() and vnni_available()), reason="needs fbgemm and the few-row int8 kernel")
+def test_the_aten_quantisation_is_the_kernels_for_negative_extremes(monkeypatch):
+    g = torch.Generator().manual_seed(6)
+    w = torch.randn(77, 37, generator=g) * 0.05
+    w[3] = -w[3].abs() * 20  # a row whose largest magnitude is negative
+    w[10, 5] = -3.0
+    smooth = torch.rand(37, generator=g) + 0.5
+    kernel = W8A8Linear(w, smooth=smooth)
+    monkeypatch.setattr(linear_mod, "vnni_available", lambda *args: False)
+    aten = W8A8Linear(w, smooth=smooth)
+    assert kernel.vnni is not None and aten.vnni is None
+    qa, _ = torch.ops.quantized.linear_unpack(kernel.packed)
+    qb, _ = torch.ops.quantized.linear_unpack(aten.packed)
+    assert torch.equal(qa.int_repr(), qb.int_repr())
+    assert torch.equal(qa.q_per_channel_scales(), qb.q_per_channel_scales())

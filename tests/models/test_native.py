@@ -268,8 +268,6 @@ def test_rotary_tables_grow_on_demand_with_the_same_bits(tmp_path, monkeypatch, 
     with tables of 8 rows to start, prefill, steps, a tree pass and a batched pass give the bits of
     a model built with the whole context's tables (Gemma 3: its sliding layers' own tables too),
     and a position past the context is still refused."""
-    from tiny import make_tiny
-
     from specdec import defaults
     from specdec.engine import Engine, EngineConfig
 
@@ -316,3 +314,13 @@ def test_a_failed_batched_pass_undoes_every_sequences_reservation():
     want = model.forward(ids[3:6], alone)
     (got,) = model.forward_batch([(ids[3:6], roomy, False)])
     assert torch.equal(got, want) and roomy.length == 6
+
+
+@pytest.mark.skipif(not int8_available(), reason="this torch build has no int8 engine")
+def test_an_int8_linear_adds_its_bias():
+    g = torch.Generator().manual_seed(4)
+    w, bias = torch.randn(40, 64, generator=g) * 0.05, torch.randn(40, generator=g) * 5
+    x = torch.randn(3, 64, generator=g)
+    got = Int8Linear(w, bias)(x)
+    assert torch.allclose(got, x @ w.T + bias, atol=0.05)
+    assert torch.allclose(Int8Linear(w)(x), x @ w.T, atol=0.05)

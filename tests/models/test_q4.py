@@ -350,3 +350,10 @@ def test_engine_and_cli_accept_q4():
         assert target_dtype(EngineConfig(dtype="q4")) == (torch.float32, "q4")
     with pytest.raises(ConfigError, match="native"):
         target_dtype(EngineConfig(dtype="q4", backend="hf"))
+
+
+def test_codes_past_the_top_of_a_block_saturate_at_15():
+    w = torch.linspace(100.03, 100.04, 32).reshape(1, 32)  # m = float16(100.03) = 100.0: far below
+    b = quantize_q4_1(w)
+    assert float(b.m[0, 0]) == 100.0
+    assert torch.equal(b.codes(), torch.full((1, 1, 32), 15, dtype=torch.uint8))

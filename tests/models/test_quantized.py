@@ -12,8 +12,10 @@ import pytest
 import torch
 
 import specdec.models.linear as linear_mod
-from specdec.models.linear import (W8A8Linear, W8A8OneDNNLinear, _has_vnni, mixed_available, onednn_int8_available,
-                                   w8a8_available)
+from specdec.errors import ConfigError
+from specdec.models import kernels
+from specdec.models.linear import (W8A8Linear, W8A8OneDNNLinear, _has_vnni, int8_kernel, mixed_available, mixed_pays,
+                                   onednn_int8_available, tensor_bytes, vnni_available, w8a8_available)
 from specdec.models.native import NativeCausalLM
 from specdec.models.quantize import RangeRecorder, calibration_ids, smoothing
 from specdec.models.scripted import compiled_layers
@@ -98,9 +100,6 @@ def test_fbgemm_is_packed_only_where_some_row_count_runs_on_it(monkeypatch):
 
 def test_onednn_is_refused_without_vnni(monkeypatch):
     """Without VNNI oneDNN's u8 x s8 pair sums saturate: the kernel is refused, fbgemm stays."""
-    from specdec.errors import ConfigError
-    from specdec.models.linear import int8_kernel
-
     monkeypatch.setattr(linear_mod, "onednn_int8_available", lambda: True)
     monkeypatch.setattr(linear_mod, "cpu_has", lambda *flags: False)
     with pytest.raises(ConfigError, match="VNNI"):
@@ -111,7 +110,6 @@ def test_onednn_is_refused_without_vnni(monkeypatch):
 
 @needs_mixed
 def test_mixed_kernel_thresholds_and_choice(monkeypatch):
-    from specdec.errors import ConfigError
     from specdec.models.linear import int8_kernel, wide_rows
 
     monkeypatch.setattr(linear_mod, "WIDE_WEIGHTS", 7_000_000)
@@ -364,7 +362,6 @@ def test_layer_by_layer_calibration_records_a_whole_float_pass(tiny_folder, tmp_
 
     from safetensors.torch import load_file, save_file
 
-    from specdec.models.quantize import RangeRecorder
 
     folder = tmp_path / "model"
     shutil.copytree(tiny_folder, folder)
@@ -446,7 +443,6 @@ def test_calibration_needs_a_tokenizer(tmp_path):
 
 
 def test_unknown_quantisation_is_a_config_error(tiny_folder):
-    from specdec.errors import ConfigError
 
     with pytest.raises(ConfigError, match="int8"):
         NativeCausalLM.from_folder(tiny_folder, quant="int3")
@@ -454,7 +450,6 @@ def test_unknown_quantisation_is_a_config_error(tiny_folder):
 
 def test_engine_target_dtype():
     from specdec.engine import EngineConfig, target_dtype
-    from specdec.errors import ConfigError
 
     assert target_dtype(EngineConfig(dtype="float32")) == (torch.float32, None)
     if w8a8_available():
@@ -557,8 +552,6 @@ def test_auto_takes_the_mixed_kernel_only_for_models_whose_matrices_switch_early
     """`auto` on an AMX CPU: mixed when the layer matrices' weight-weighted median switch row is at
     most WIDE_AUTO_ROWS (Qwen2.5-Coder-1.5B-sized layers), fbgemm for small ones (SmolLM2's);
     asking for mixed by name always gives mixed."""
-    from specdec.models.linear import mixed_pays
-
     monkeypatch.setattr(linear_mod, "WIDE_WEIGHTS", 7_000_000)
     monkeypatch.setattr(linear_mod, "WIDE_MIN_ROWS", 3)
     assert not mixed_pays([(960, 576), (576, 576), (3072, 576), (576, 1536)] * 30)  # SmolLM2-135M
@@ -624,17 +617,18 @@ def test_quantised_tensors_print_no_deprecation_warning():
 
 
 @needs_w8a8
-def test_a_staging_buffer_grown_under_inference_mode_is_written_outside_it():
+def test_a_staging_buffer_grown_under_inference_mode_is_written_outside_it(monkeypatch):
     """The row-staging buffer grows on demand; grown by a pass under ``torch.inference_mode`` it
     was an inference tensor, and the next pass of that size or less outside that mode failed
     ("Inplace update to inference tensor"): seen with a target shared by two drafters, one
     verifying a 65-row draft in inference mode, the other's cache-sharing head call not. Rows past
-    the few-row kernel take the staging path; the product must not depend on the mode."""
-    from specdec.models.linear import few_rows
-
+    the few-row kernel take the staging path (the kernel's AVX2 build takes every row count, so
+    here it is told to stop at 16); the product must not depend on the mode."""
+    monkeypatch.setattr(linear_mod, "AVX2_ROWS", 16)
+    monkeypatch.setattr(linear_mod, "VNNI_ROWS", 16)
     torch.manual_seed(0)
     lin = W8A8Linear(torch.randn(64, 32))
-    n = few_rows(not _has_vnni()) + 40
+    n = 16 + 40
     x = torch.randn(n, 32)
     with torch.inference_mode():
         grown = lin(x)
@@ -696,3 +690,81 @@ def test_the_calibration_source_digest_covers_the_calibration_text(tmp_path, mon
     monkeypatch.setattr(quantize, "CALIBRATION_TEXT", quantize.CALIBRATION_TEXT + "One more line.\n")
     assert quantize.calibration_source(tmp_path) != before
     assert quantize.calibration_source(tmp_path / "nowhere") is None
+
+
+needs_kernel = pytest.mark.skipif(not (w8a8_available() and vnni_available()),
+                                  reason="needs fbgemm and the few-row int8 kernel")
+
+
+@pytest.fixture
+def thresholds(monkeypatch):
+    monkeypatch.setattr(linear_mod, "WIDE_WEIGHTS", 7_000_000)
+    monkeypatch.setattr(linear_mod, "WIDE_MIN_ROWS", 3)
+    monkeypatch.setattr(linear_mod, "WIDE_AUTO_ROWS", 4)
+
+
+def test_mixed_pays_at_a_median_of_exactly_the_auto_rows(thresholds):
+    assert linear_mod.wide_rows(3000, 1000) == 4
+    assert mixed_pays([(3000, 1000)])
+    assert not mixed_pays([(1750, 1000)])  # switches at 5 rows
+
+
+def test_mixed_pays_takes_the_first_matrix_that_reaches_half_the_weights(thresholds):
+    """Half the weights switch at 3 rows, half at 5: the weighted median is the lower one."""
+    assert mixed_pays([(1750, 1000), (3500, 1000), (1750, 1000)])
+
+
+def test_the_setting_overrides_auto_and_unknown_kernels_are_refused(monkeypatch):
+    monkeypatch.setattr(linear_mod, "onednn_int8_available", lambda: True)
+    monkeypatch.setattr(linear_mod, "cpu_has", lambda *flags: "avx512_vnni" in flags)
+    monkeypatch.setenv("SPECDEC_INT8_KERNEL", "onednn")
+    assert int8_kernel("auto") == "onednn"
+    assert int8_kernel("fbgemm") == "fbgemm"  # a choice by name is not overridden
+    monkeypatch.setenv("SPECDEC_INT8_KERNEL", "fastest")
+    with pytest.raises(ConfigError, match="unknown int8 kernel 'fastest'"):
+        int8_kernel("auto")
+    monkeypatch.delenv("SPECDEC_INT8_KERNEL")
+    with pytest.raises(ConfigError, match="unknown int8 kernel"):
+        int8_kernel("int4")
+
+
+def test_7bit_activations_name_the_avx2_build_and_8bit_the_vnni_one(monkeypatch):
+    monkeypatch.setattr(kernels, "q8_zero", lambda: 64)
+    assert vnni_available(True) and not vnni_available(False)
+    monkeypatch.setattr(kernels, "q8_zero", lambda: 128)
+    assert vnni_available(False) and not vnni_available(True)
+
+
+@needs_kernel
+def test_a_cut_of_an_int8_head_keeps_its_columns_scales_and_fbgemms_products(monkeypatch):
+    g = torch.Generator().manual_seed(11)
+    w = torch.randn(333, 96, generator=g) * 0.05
+    w[5] *= 25
+    x = torch.randn(6, 96, generator=g)
+    whole = W8A8Linear(w, torch.randn(333, generator=g))
+    ids = torch.tensor([332, 5, 0, 17, 200])
+    cut = whole.select_outputs(ids)
+    assert torch.equal(cut.state()["scales"], whole.state()["scales"][ids])
+    monkeypatch.setattr(linear_mod, "AVX2_ROWS", 0)  # every row count on fbgemm
+    monkeypatch.setattr(linear_mod, "VNNI_ROWS", 0)
+    assert torch.equal(cut(x), whole(x)[:, ids])
+
+
+@needs_kernel
+def test_the_byte_count_includes_fbgemms_packing_with_its_pinned_columns(monkeypatch):
+    monkeypatch.setattr(linear_mod, "AVX2_ROWS", 3)  # some row counts on fbgemm: packed when built
+    monkeypatch.setattr(linear_mod, "VNNI_ROWS", 3)
+    lin = W8A8Linear(torch.randn(70, 52, generator=torch.Generator().manual_seed(2)))
+    assert lin._packed is not None
+    assert lin.nbytes == tensor_bytes(*lin.vnni, lin._scales) + 70 * (52 + 2)
+
+
+@pytest.mark.skipif(not w8a8_available(), reason="this torch build has no fbgemm int8 engine")
+@pytest.mark.parametrize("rows", [1, 5, 40])
+def test_a_scaled_product_applies_its_row_factors_before_the_bias(rows):
+    """``W8A8Linear.scaled(x, r)`` is ``r * (x @ W.T) + b`` (to rounding), not the plain product."""
+    g = torch.Generator().manual_seed(9)
+    w, bias = torch.randn(70, 52, generator=g) * 0.05, torch.randn(70, generator=g)
+    lin = W8A8Linear(w, bias, smooth=torch.rand(52, generator=g) + 0.5)
+    x, r = torch.randn(rows, 52, generator=g), torch.rand(rows, 1, generator=g) + 2.0
+    assert torch.allclose(lin.scaled(x, r), r * (lin(x) - bias) + bias, rtol=1e-5, atol=1e-5)
