@@ -23,7 +23,7 @@ from specdec.models import kernels
 from specdec.models import linear as linear_mod
 from specdec.models.linear import vnni_available, w8a8_available
 from specdec.models.native import NativeCausalLM
-from tiny import make_tiny
+from tiny import make_tiny, on_python_loop, tiny_llama_weights
 
 pytestmark = pytest.mark.skipif(not (kernels.q4_available() and w8a8_available()),
                                 reason="the quantised targets need the kernel library and fbgemm")
@@ -245,3 +245,32 @@ def test_fused_weights_are_checked_once_when_made():
     with pytest.raises(RuntimeError, match="contiguous float32"):
         torch.classes.specdec.FusedWeights([4] * 4, [torch.empty(0), torch.zeros(3, dtype=torch.float64)] + [torch.empty(0)] * 18,
                                            [8] * 4)
+
+
+@pytest.fixture(scope="module")
+def fast_q4():
+    """A 4-bit model in fast mode (a draft's: masked attention for multi-row passes)."""
+    cfg, w = tiny_llama_weights()
+    model = NativeCausalLM(cfg, w, quant="q4")
+    if model.scripted is None or model.scripted.fused is None:
+        pytest.skip("the fused layer call needs the compiled kernels")
+    return model
+
+
+def test_fast_mode_passes_of_a_fused_model_are_bitwise_the_python_loop(fast_q4):
+    """A fast-mode model's multi-row passes (a prefill, a draft's tree, a batched pass) take one
+    masked attention call per layer, not the fused call's exact rows: bitwise the Python loop's."""
+    model = fast_q4
+    ids = torch.arange(3, 15)
+
+    def passes():
+        cache = model.new_cache(64)
+        prefill = model.forward(ids[:7], cache)
+        tree = model.forward_tree(ids[7:12], torch.tensor([-1, 0, 0, 1, 1]), cache)
+        a, b = model.new_cache(64), model.new_cache(64)
+        model.forward(ids[:3], a)
+        batched = model.forward_batch([(ids[3:8], a, False), (ids[:4], b, False)])
+        return [prefill, tree, *batched]
+
+    for got, want in zip(passes(), on_python_loop(model, passes)):
+        assert torch.equal(got, want)

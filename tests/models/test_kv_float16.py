@@ -18,7 +18,7 @@ import torch
 
 from specdec.models import kernels
 from specdec.models.native import NativeCausalLM
-from tiny import make_tiny
+from tiny import make_tiny, tiny_native
 
 pytestmark = pytest.mark.skipif(not kernels.load(), reason="a float16 cache needs the compiled attention kernel")
 
@@ -199,3 +199,12 @@ def test_set_kv_dtype_refuses_what_it_cannot_keep_exact(tmp_path) -> None:
     model.set_kv_dtype(torch.float16)
     model.set_kv_dtype(None)  # back to the model's own
     assert model.new_cache(8).k.dtype == torch.float32
+
+
+def test_naming_the_models_own_dtype_goes_back_to_it():
+    """set_kv_dtype(the model's own dtype) is accepted as None is: the caches made next hold it."""
+    model = tiny_native()
+    model.set_kv_dtype(torch.float16)
+    assert model.new_cache(8).k.dtype == torch.float16
+    model.set_kv_dtype(torch.float32)
+    assert model.kv_dtype is None and model.new_cache(8).k.dtype == torch.float32

@@ -8,10 +8,11 @@ import pytest
 import torch
 
 from specdec.errors import ConfigError
+from specdec.models import kernels
 from specdec.models.hf import HFCausalLM
 from specdec.models.linear import Int8Linear, int8_available, w8a8_available
 from specdec.models.native import NativeCausalLM, NativeConfig
-from tiny import make_tiny, tiny_native
+from tiny import make_tiny, on_python_loop, tiny_native
 
 
 @pytest.fixture(scope="module", params=["llama", "qwen2", "qwen3"])
@@ -324,3 +325,150 @@ def test_an_int8_linear_adds_its_bias():
     got = Int8Linear(w, bias)(x)
     assert torch.allclose(got, x @ w.T + bias, atol=0.05)
     assert torch.allclose(Int8Linear(w)(x), x @ w.T, atol=0.05)
+
+
+TREE = torch.tensor([-1, 0, 0, 1, 1, 2, 5])  # branches, then a chain below node 2
+
+
+def test_exact_tree_passes_on_aten_attention_are_bitwise_the_python_loop(monkeypatch):
+    """Without the attention kernel, an exact model's tree pass runs the TorchScript loop's own
+    per-node schedule (runs of nodes extending one another): its logits and the cache it leaves
+    (the region back in node order) bitwise the Python loop's, and each node bitwise its path
+    scored token by token."""
+    monkeypatch.setattr(kernels, "attention_kernel", lambda: False)
+    model = tiny_native()
+    assert model.scripted is not None
+    ids = torch.arange(3, 13)
+    nodes = ids[3:10]
+
+    def tree():
+        cache = model.new_cache(64)
+        model.forward(ids[:3], cache)
+        return model.forward_tree(nodes, TREE, cache), cache.k[:, :, :10].clone(), cache.v[:, :, :10].clone()
+
+    got, k, v = tree()
+    want, want_k, want_v = on_python_loop(model, tree)
+    assert torch.equal(got, want) and torch.equal(k, want_k) and torch.equal(v, want_v)
+    for j, path in ((4, [0, 1, 4]), (6, [0, 2, 5, 6])):
+        cache = model.new_cache(64)
+        model.forward(ids[:3], cache)
+        rows = model.forward(nodes[path], cache)
+        assert torch.equal(got[j], rows[-1])
+
+
+def test_a_cache_never_holds_more_than_the_models_context():
+    """new_cache clamps a longer request to the model's context, and keeps a shorter one."""
+    model = tiny_native(max_length=128)
+    assert model.new_cache(1000).max_length == 128
+    assert model.new_cache().max_length == 128
+    assert model.new_cache(40).max_length == 40
+
+
+def test_n_params_counts_every_layer_matrix_and_the_embedding_once_when_tied():
+    """n_params is the weights' element count but for the norms' gains: q, k, v (two KV heads
+    each), o, gate, up, down per layer and the embedding, which a tied head does not repeat."""
+    from tiny import tiny_llama_weights
+
+    model = tiny_native()
+    _, w = tiny_llama_weights()
+    assert model.n_params == sum(t.numel() for name, t in w.items() if not name.endswith("norm.weight"))
+
+
+#: a small Llama config (SmolLM2's layout, trimmed)
+LLAMA = {"model_type": "llama", "vocab_size": 64, "hidden_size": 32, "num_hidden_layers": 2, "num_attention_heads": 4,
+         "num_key_value_heads": 2, "intermediate_size": 64, "rms_norm_eps": 1e-5, "max_position_embeddings": 512,
+         "rope_parameters": {"rope_theta": 100000.0, "rope_type": "default"}}
+
+
+@pytest.mark.parametrize("key", ["rope_parameters", "rope_scaling"])
+@pytest.mark.parametrize("field", ["rope_type", "type"])
+def test_rope_scaling_is_refused_by_name(key, field):
+    """A scaled rotary embedding (linear, YaRN, Llama 3's) is refused naming its type, under either
+    key and either spelling of the type's field; the default type is read."""
+
+    cfg = {k: v for k, v in LLAMA.items() if k != "rope_parameters"}
+    with pytest.raises(ConfigError, match="rope scaling 'yarn' is not supported"):
+        NativeConfig.from_hf({**cfg, key: {field: "yarn", "factor": 4.0, "rope_theta": 1e4}})
+    assert NativeConfig.from_hf({**cfg, key: {field: "default", "rope_theta": 1e4}}).rope_theta == 1e4
+
+
+def test_a_config_without_a_context_length_gets_2048_positions():
+    """max_position_embeddings absent (or null) reads as transformers' Llama default, 2048."""
+
+    cfg = {k: v for k, v in LLAMA.items() if k != "max_position_embeddings"}
+    assert NativeConfig.from_hf(cfg).max_length == 2048
+    assert NativeConfig.from_hf({**cfg, "max_position_embeddings": None}).max_length == 2048
+    assert NativeConfig.from_hf(LLAMA).max_length == 512
+
+
+@pytest.mark.parametrize("invariant", [True, False])
+def test_layer_subset_plans_are_bitwise_the_python_loop(invariant):
+    """run_layers with skipped sub-layers and cache slots other than the layer index: the compiled
+    loop's raw residual stream (no final norm) and the keys it writes to each slot are bitwise the
+    Python loop's, and a layer whose attention is skipped writes nothing."""
+    from tiny import tiny_llama_weights
+
+
+    cfg, w = tiny_llama_weights()
+    model = NativeCausalLM(cfg, w, batch_invariant=invariant)
+    assert model.scripted is not None
+    steps = [(1, True, False), (0, False, True), (1, False, True)]
+    x = model.embed_tokens(torch.arange(5, 10))
+
+    def run():
+        cache = model.new_cache(64)
+        cache.reserve(2)
+        first = model.run_layers(x[:2], cache, steps, start=0, slots=[0, 1, 1])
+        cache.reserve(3)
+        rest = model.run_layers(x[2:], cache, steps, start=2, slots=[0, 1, 1])
+        return torch.cat([first, rest]), cache.k[:, :, :5].clone(), cache.v[:, :, :5].clone()
+
+    got, k, v = run()
+    want, want_k, want_v = on_python_loop(model, run)
+    assert torch.equal(got, want) and torch.equal(k, want_k) and torch.equal(v, want_v)
+    assert not torch.equal(got, model.final_norm(got))  # the raw residual stream
+    assert k[0].any() and not k[1].any() and not v[1].any()  # slot 1: only skipped attention, nothing written
+
+
+def test_a_pass_as_drafted_writes_nothing_to_the_cache():
+    """run_layers(as_drafted=True) reads the cache's keys and values and writes none of its own."""
+    model = tiny_native()
+    cache = model.new_cache(64)
+    model.forward(torch.arange(3, 9), cache)
+    k, v = cache.k.clone(), cache.v.clone()
+    x = model.embed_tokens(torch.arange(4, 8))
+    model.run_layers(x, cache, [(0, True, True), (1, True, True)], start=3, as_drafted=True)
+    assert torch.equal(cache.k, k) and torch.equal(cache.v, v)
+
+
+def test_a_chain_of_parents_not_covering_the_grown_region_is_refused():
+    """forward_tree with ``prefix``: ``parents`` must cover the region [prefix, end), a chain too
+    (a chain that does not is refused, not scored as if it started at the new rows)."""
+    model = tiny_native()
+    cache = model.new_cache(64)
+    model.forward(torch.arange(3, 8), cache)
+    with pytest.raises(ValueError, match="expected 4 tree parents"):
+        model.forward_tree(torch.arange(8, 10), torch.tensor([-1, 0]), cache, prefix=3)
+    fresh = model.new_cache(64)
+    model.forward(torch.arange(3, 8), fresh)
+    model.forward_tree(torch.arange(8, 10), torch.tensor([-1, 0, 1, 2]), fresh, prefix=3)  # covering it: fine
+
+
+@pytest.mark.parametrize("invariant", [True, False])
+@pytest.mark.parametrize("parents", [[-1, 0, 1], [-1, 5], [-1, 1], [-2, 0]])
+def test_a_refused_tree_pass_leaves_the_cache_as_it_was(invariant, parents):
+    """Parents of the wrong count, past the tree, pointing at a node itself or below the root level
+    are a ValueError that says so, and the cache keeps its length: the next pass scores as if the
+    refused one had never been asked for."""
+    from tiny import tiny_llama_weights
+
+
+    cfg, w = tiny_llama_weights()
+    model = NativeCausalLM(cfg, w, batch_invariant=invariant)
+    cache, plain = model.new_cache(64), model.new_cache(64)
+    model.forward(torch.arange(3, 8), cache)
+    model.forward(torch.arange(3, 8), plain)
+    with pytest.raises(ValueError, match="tree parents"):
+        model.forward_tree(torch.arange(8, 10), torch.tensor(parents), cache)
+    assert cache.length == 5
+    assert torch.equal(model.forward(torch.arange(8, 10), cache), model.forward(torch.arange(8, 10), plain))

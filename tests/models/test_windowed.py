@@ -15,6 +15,7 @@ import pytest
 import torch
 
 from specdec.decoder import SpeculativeDecoder
+from specdec.errors import ConfigError
 from specdec.drafters import NgramDrafter
 from specdec.drafters.self_spec import LayerPlan, LayerView, SelfSpecDrafter
 from specdec.gamma import FixedGamma
@@ -68,7 +69,6 @@ def test_the_windows_are_read_as_transformers_reads_them():
     assert layer_windows({**n, "model_type": "qwen2", "sliding_window": 8, "use_sliding_window": True,
                           "layer_types": ["sliding_attention", "full_attention", "full_attention"]}) == (8, (True, False, False))
     assert layer_windows({**n, "model_type": "llama", "sliding_window": 8}) == (None, ())
-    from specdec.errors import ConfigError
 
     with pytest.raises(ConfigError, match="chunked_attention"):
         layer_windows({**n, "model_type": "mistral", "sliding_window": 8,
@@ -76,7 +76,6 @@ def test_the_windows_are_read_as_transformers_reads_them():
 
 
 def test_specdecs_own_window_key_windows_every_layer_of_any_model():
-    from specdec.errors import ConfigError
     from specdec.models.native import OWN_WINDOW_KEY
 
     n = {"num_hidden_layers": 3}
@@ -297,3 +296,74 @@ def test_a_config_without_windows_keeps_none():
                                 "num_attention_heads": 2, "intermediate_size": 16, "sliding_window": 32768,
                                 "max_window_layers": 2, "use_sliding_window": False, "max_position_embeddings": 32768})
     assert cfg.sliding_window is None and cfg.windowed == () and cfg.max_length == 32768
+
+
+@pytest.mark.parametrize("window", [0, -3, "16", 4.7, True, "x"])
+def test_a_sliding_window_of_no_whole_positions_is_refused(window):
+    """A Mistral config whose sliding_window is not a whole number of at least one position (a
+    string, a float, a bool) is refused in one line naming the field, as every other count is (a
+    window of 0 would mask every key of a row past it; 4.7 was read as 4, True as 1)."""
+    cfg = {"model_type": "mistral", "vocab_size": 8, "hidden_size": 8, "num_hidden_layers": 2,
+           "num_attention_heads": 2, "intermediate_size": 16, "sliding_window": window}
+    with pytest.raises(ConfigError, match="sliding_window must be a whole number, at least 1"):
+        layer_windows(cfg)
+    with pytest.raises(ConfigError, match="sliding_window must be a whole number, at least 1"):
+        NativeConfig.from_hf(cfg)
+
+
+@pytest.mark.parametrize("first", [-1, 1.5, "1"])
+def test_a_qwen_window_start_that_is_no_layer_count_is_refused(first):
+    """Qwen2's max_window_layers (0 windows every layer) must be a whole number of at least 0."""
+    cfg = {"model_type": "qwen2", "vocab_size": 8, "hidden_size": 8, "num_hidden_layers": 2, "num_attention_heads": 2,
+           "intermediate_size": 16, "sliding_window": 4, "use_sliding_window": True, "max_window_layers": first}
+    with pytest.raises(ConfigError, match="max_window_layers must be a whole number, at least 0"):
+        layer_windows(cfg)
+    assert layer_windows({**cfg, "max_window_layers": 0}) == (4, (True, True))
+
+
+@pytest.mark.parametrize("extra", [
+    {"model_type": "qwen2", "use_sliding_window": True, "max_window_layers": 2},  # the window starts past the last layer
+    {"model_type": "mistral", "layer_types": ["full_attention", "full_attention"]},
+])
+def test_a_window_no_layer_uses_is_no_window(extra):
+    """A config naming a window that no layer takes reads as no window at all (so no pass is sent
+    to the Python loop for being past it)."""
+    cfg = {"vocab_size": 8, "hidden_size": 8, "num_hidden_layers": 2, "num_attention_heads": 2,
+           "intermediate_size": 16, "sliding_window": 4, **extra}
+    assert layer_windows(cfg) == (None, ())
+    read = NativeConfig.from_hf(cfg)
+    assert read.sliding_window is None and read.windowed == ()
+
+
+def _windowed_tiny(invariant: bool = True):
+    """tiny_native's weights as a Mistral with a 4-position window over both layers."""
+    import dataclasses
+
+    from tiny import tiny_llama_weights
+
+    cfg, w = tiny_llama_weights()
+    cfg = dataclasses.replace(cfg, model_type="mistral", sliding_window=4, windowed=(True, True))
+    return NativeCausalLM(cfg, w, batch_invariant=invariant)
+
+
+@pytest.mark.parametrize("first", [1, 3, 4])
+def test_passes_reaching_past_the_window_are_bitwise_the_python_loop(first):
+    """Chain, batched and single-row passes whose last row sits at or past the window (position 4:
+    the first that sees fewer keys than its position) give the Python loop's bits: the compiled
+    TorchScript loops, which do not window, must hand such passes back to it."""
+
+    model = _windowed_tiny()
+    assert model.scripted is not None
+    ids = torch.arange(3, 12)
+
+    def passes():
+        cache = model.new_cache(64)
+        out = [model.forward(ids[:first], cache), model.forward(ids[first:5], cache)]
+        out += [model.forward(ids[i : i + 1], cache) for i in range(5, 7)]
+        a, b = model.new_cache(64), model.new_cache(64)
+        model.forward(ids[:first], a)
+        out += model.forward_batch([(ids[first:5], a, False), (ids[:5], b, False)])
+        return out
+
+    for got, want in zip(passes(), on_python_loop(model, passes)):
+        assert torch.equal(got, want)

@@ -159,13 +159,13 @@ class NativeConfig:
         )
 
 
-def _count(cfg: dict, key: str, default: Any = None) -> int:
-    """``cfg[key]`` (``default`` where it is absent or null) as a whole number of at least 1, or a
-    one-line error naming the field (a bool is not a count)."""
+def _count(cfg: dict, key: str, default: Any = None, *, least: int = 1) -> int:
+    """``cfg[key]`` (``default`` where it is absent or null) as a whole number of at least
+    ``least``, or a one-line error naming the field (a bool is not a count)."""
     value = cfg.get(key)
     value = default if value is None else value
-    if not isinstance(value, int) or isinstance(value, bool) or value < 1:
-        raise ConfigError(f"config.json: {key} must be a whole number, at least 1; got {value!r}")
+    if not isinstance(value, int) or isinstance(value, bool) or value < least:
+        raise ConfigError(f"config.json: {key} must be a whole number, at least {least}; got {value!r}")
     return value
 
 
@@ -223,7 +223,7 @@ def layer_windows(cfg: dict) -> tuple[int | None, tuple[bool, ...]]:
     :data:`OWN_WINDOW_KEY` where it is set; else as transformers reads it: the config's ``layer_types`` where it lists them; else Mistral windows
     every layer when ``sliding_window`` is set, Qwen2 / Qwen3 the layers from ``max_window_layers``
     on when ``use_sliding_window`` is true too.  ``(None, ())`` where no layer has a window."""
-    n = int(cfg["num_hidden_layers"])
+    n = _count(cfg, "num_hidden_layers")
     own = cfg.get(OWN_WINDOW_KEY)
     if own is not None:  # specdec's own key: every layer attends to its last ``own`` positions
         if not isinstance(own, int) or isinstance(own, bool) or own < 1:
@@ -243,15 +243,13 @@ def layer_windows(cfg: dict) -> tuple[int | None, tuple[bool, ...]]:
                               " use --backend hf")
         windowed = tuple(t == "sliding_attention" for t in kinds)
     elif kind in ("qwen2", "qwen3"):
-        first = int(cfg.get("max_window_layers", n) or 0)
+        first = _count(cfg, "max_window_layers", n, least=0)
         windowed = tuple(i >= first for i in range(n))
     else:  # Mistral: every layer
         windowed = (True,) * n
     if not any(windowed):
         return None, ()
-    if int(window) < 1:
-        raise ConfigError(f"a sliding window must hold at least one position, got {window}")
-    return int(window), windowed
+    return _count(cfg, "sliding_window"), windowed  # (at least one position)
 
 
 def _rope_tables(theta: float, head_dim: int, length: int) -> tuple[Tensor, Tensor]:
@@ -416,6 +414,8 @@ class _TreeLayout:
         n, m = end - start, end - s
         if parents.numel() != m:
             raise ValueError(f"expected {m} tree parents for the region [{s}, {end}); got {parents.numel()}")
+        if m and (int(parents.min()) < -1 or bool((parents >= torch.arange(m)).any())):
+            raise ValueError("tree parents must be -1 (the region's root level) or the index of an earlier node")
         mask = perm = paths = None
         schedule: tuple[tuple[int, int, tuple[tuple[int, int], ...]], ...] = ()
         region = tree_paths(parents)  # each region node's path, root first
@@ -1124,7 +1124,20 @@ class NativeCausalLM:
 
         ``extra`` [n, D]: added to the token embeddings (a fed draft's projected target features,
         see :mod:`specdec.drafters.fed`).
+
+        A pass that fails (a tree's parents that do not fit, an interrupted pass) leaves the cache
+        as it found it.
         """
+        start = cache.length
+        try:
+            return self._hidden(tokens, cache, parents, prefix, taps, extra)
+        except BaseException:
+            cache.length = min(cache.length, start)  # forget what the failed pass reserved
+            raise
+
+    def _hidden(self, tokens: Tensor, cache: KVCache, parents: Tensor | None, prefix: int | None,
+                taps: dict[int, Tensor] | None, extra: Tensor | None) -> Tensor:  # tokens: [n] -> [n, D]
+        """:meth:`hidden`'s pass (which undoes its reservation where it fails)."""
         cfg = self.cfg
         n = tokens.numel()
         if parents is None and self.batch_invariant and n > defaults.PROMPT_PASS_CHUNK:
@@ -1137,7 +1150,7 @@ class NativeCausalLM:
         if extra is not None:
             x = x + extra
         tree = None
-        if parents is not None and is_chain(parents) and (prefix is None or end - prefix == parents.numel()):
+        if parents is not None and is_chain(parents) and parents.numel() == end - (start if prefix is None else prefix):
             # a chain-shaped tree region (a floored tree that kept no sibling): node j sits in slot
             # region start + j at that position and sees what a chain row sees, so the chain pass
             # (the fused loop) computes it; exact models give both the token-by-token bits
@@ -1213,21 +1226,17 @@ class NativeCausalLM:
         :data:`defaults.PROMPT_PASS_CHUNK` rows, each after the last in the cache.  Exact models
         only: a row's bits do not depend on the other rows of its pass, so the result is bitwise one
         pass's, and each pass's activations stay in cache (see the default's note).  A failure
-        leaves the cache as it was."""
-        n, step, start = tokens.numel(), defaults.PROMPT_PASS_CHUNK, cache.length
-        self._rope_rows(start + n)
+        leaves the cache as it was (:meth:`hidden` undoes every piece's reservation)."""
+        n, step = tokens.numel(), defaults.PROMPT_PASS_CHUNK
+        self._rope_rows(cache.length + n)
         parts: list[Tensor] = []  # [<= step, D] each
         found: list[dict[int, Tensor]] = []
-        try:
-            for a in range(0, n, step):
-                piece = None if taps is None else dict.fromkeys(taps, torch.empty(0))
-                parts.append(self.hidden(tokens[a : a + step], cache, taps=piece,
-                                         extra=None if extra is None else extra[a : a + step]))
-                if piece is not None:
-                    found.append(piece)
-        except BaseException:
-            cache.length = min(cache.length, start)
-            raise
+        for a in range(0, n, step):
+            piece = None if taps is None else dict.fromkeys(taps, torch.empty(0))
+            parts.append(self.hidden(tokens[a : a + step], cache, taps=piece,
+                                     extra=None if extra is None else extra[a : a + step]))
+            if piece is not None:
+                found.append(piece)
         if taps is not None:
             for k in taps:
                 taps[k] = torch.cat([piece[k] for piece in found])  # [n, D]
