@@ -90,3 +90,64 @@ def test_a_suffix_on_a_model_without_markers_fails_before_it_loads(tmp_path, mon
     lines.write_text('"plain"\n{"prompt": "def f(", "suffix": ")"}\n')
     assert main(["generate", "--prompts-file", str(lines), "--target", "smollm2-135m-draft", "-n", "4"]) == 2
     assert "no fill-in-the-middle tokens" in capsys.readouterr().err
+
+
+#: (style, the markers in prompt order: before the prefix, before the suffix, before the middle, the ends)
+LAYOUTS = {
+    "qwen": (("<|fim_prefix|>", "<|fim_suffix|>", "<|fim_middle|>"),
+             {"<|fim_pad|>", "<|file_sep|>", "<|repo_name|>", "<|file_separator|>", "<|endoftext|>"}),
+    "starcoder": (("<fim_prefix>", "<fim_suffix>", "<fim_middle>"), {"<fim_pad>", "<file_sep>", "<|endoftext|>"}),
+    "deepseek": (("<｜fim▁begin｜>", "<｜fim▁hole｜>", "<｜fim▁end｜>"), {"<｜end▁of▁sentence｜>"}),
+}
+
+
+@pytest.mark.parametrize("name", list(LAYOUTS))
+def test_each_family_gets_its_own_marker_layout_and_ends(tok, name):
+    """Prefix after the family's first marker, suffix after its second (DeepSeek: the hole), the
+    middle generated after its third (DeepSeek: end); every end token the tokenizer has stops it."""
+    (pre, suf, mid), ends = LAYOUTS[name]
+    tok.add_tokens([pre, suf, mid, *sorted(ends)], special_tokens=True)
+    style = fim.style_of(tok)
+    assert style is not None and style.name == name
+    ids = fim.prompt_ids(tok, "x = 1", "y = 2")
+    tokens = tok.convert_ids_to_tokens(ids)
+    enc = lambda text: tok.encode(text, add_special_tokens=False)  # noqa: E731
+    assert tokens[0] == pre and tokens[-1] == mid
+    assert ids == [ids[0], *enc("x = 1"), tok.convert_tokens_to_ids(suf), *enc("y = 2"), ids[-1]]
+    assert {tok.convert_ids_to_tokens(i) for i in fim.end_ids(tok, style)} == ends
+    assert set(fim.stop_ids(tok, style, (7,))) == {7, *fim.end_ids(tok, style)}
+
+
+def test_tokenizer_files_with_only_part_of_a_style_are_told_apart_before_a_load(tmp_path):
+    """Two of a style's three markers written (and one of another's): no style is complete, so the
+    loaded tokenizer would have none and a suffix is refused before the load."""
+    import json
+
+    path = tmp_path / "tokenizer.json"
+    path.write_text(json.dumps({"added_tokens": [{"content": m} for m in ("<|fim_prefix|>", "<|fim_suffix|>", "<fim_middle>")]}))
+    assert fim.absent_from([path])
+
+
+class _BosTokenizer:
+    """A tokenizer that puts a BOS (id 1) in front unless told not to, as DeepSeek-Coder's does."""
+
+    def get_added_vocab(self) -> dict[str, int]:
+        return {"<｜fim▁begin｜>": 100, "<｜fim▁hole｜>": 101, "<｜fim▁end｜>": 102, "<｜end▁of▁sentence｜>": 103}
+
+    def encode(self, text: str, add_special_tokens: bool = True) -> list[int]:
+        return ([1] if add_special_tokens else []) + [ord(c) for c in text]
+
+
+def test_each_part_is_encoded_without_the_tokenizers_special_tokens():
+    """A tokenizer that adds a BOS: no BOS inside the prompt, before the prefix nor the suffix."""
+    assert fim.prompt_ids(_BosTokenizer(), "ab", "c") == [100, 97, 98, 101, 99, 102]
+
+
+def test_generate_suffix_keeps_the_given_stop_tokens_beside_the_style_ends():
+    """``fill_request`` (``generate --suffix``, locally or at the edge): the sampling's own stop
+    tokens stay, the style's ends join them, and the prompt is the style's layout."""
+    from specdec.sampling import SamplingConfig
+
+    ids, sampling = fim.fill_request(_BosTokenizer(), "ab", "c", SamplingConfig(stop_token_ids=(7,)))
+    assert ids == [100, 97, 98, 101, 99, 102]
+    assert sampling.stop_token_ids == (7, 103)

@@ -77,10 +77,13 @@ def _own_files(part: Part) -> list[Path]:
 
 
 def usage(part: Part) -> tuple[int, int]:
-    """(entries, bytes) of a part's own files."""
+    """(entries, bytes) of a part's own files (a link counts as an entry of no bytes: clearing
+    removes the link alone, never what it points at)."""
     entries = _own_files(part)
     size = 0
     for p in entries:
+        if p.is_symlink():
+            continue
         if p.is_dir():
             size += sum(f.stat().st_size for f in p.rglob("*") if f.is_file() and not f.is_symlink())
         elif p.is_file():

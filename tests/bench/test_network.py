@@ -3,12 +3,15 @@
 from __future__ import annotations
 
 import json
+from types import SimpleNamespace
 
+import httpx
 import pytest
 
-from specdec.bench import netreport, network, report
+from specdec.bench import edge_worker, netreport, network, report
 from specdec.bench.edge_worker import chunked_wire_bytes, interleaved_settings
 from specdec.errors import SpecdecError
+from specdec.remote.client import _head_bytes_response
 
 WIRES = ["greedy", "coupled", "sparse-q", "lossy-scalar"]
 
@@ -166,3 +169,130 @@ def test_measured_rtts_are_medians_over_generations():
     rows = [_edge(p, 20.0, net=net, ping=ping) for p, net, ping in (("a", 10.0, 21.0), ("b", 20.0, 22.0), ("c", 60.0, 90.0))]
     [g] = netreport.aggregate_network(rows)
     assert g.net_rtt_ms == pytest.approx(20.0) and g.round_ms == pytest.approx(25.0) and g.ping_ms == pytest.approx(22.0)
+
+
+def _row(mode, prompt, tps, *, t=0.0, rtt=20.0, text="same", lossless=True, ttft=0.1, gamma=None, seed=0):
+    method = "greedy" if mode == "edge_cloud" else mode
+    return {"mode": mode, "method": method, "wire": None, "gamma": gamma, "temperature": t, "prompt_id": prompt,
+            "seed": seed, "rtt_ms": rtt, "emulation": "proxy", "ping_ms": 20.0, "generated_tokens": 20,
+            "tokens_per_s": tps, "ttft_s": ttft, "cloud_calls": 20, "bytes_up": 100, "bytes_down": 200,
+            "wire_bytes_up": 300, "wire_bytes_down": 400, "lossless": lossless, "text_sha1": text}
+
+
+def _by_mode(rows):
+    return {g.mode: g for g in netreport.aggregate_network(rows)}
+
+
+def test_the_speedup_and_ttft_are_medians_over_prompts():
+    rows = [_row("cloud_streaming", p, 10.0) for p in "abc"]
+    rows += [_row("edge_cloud", "a", 10.0, ttft=0.1), _row("edge_cloud", "b", 10.0, ttft=0.1),
+             _row("edge_cloud", "c", 40.0, ttft=1.0)]
+    edge = _by_mode(rows)["edge_cloud"]
+    assert edge.speedup_vs_streaming == pytest.approx(1.0)  # median of 1, 1, 4 (the mean is 2)
+    assert edge.ttft_median_s == pytest.approx(0.1)
+
+
+def test_a_baseline_that_produced_nothing_is_left_out_of_the_speedup():
+    rows = [_row("cloud_streaming", "a", 0.0), _row("cloud_streaming", "b", 10.0),
+            _row("edge_cloud", "a", 10.0), _row("edge_cloud", "b", 30.0)]
+    assert _by_mode(rows)["edge_cloud"].speedup_vs_streaming == pytest.approx(3.0)
+
+
+def test_same_text_is_counted_for_lossless_modes_only_and_never_for_the_baseline():
+    """At T = 0: a lossy wire's text need not match (not compared); one lossy row makes its group
+    lossy; the baseline is not compared with itself."""
+    rows = [_row("cloud_streaming", p, 10.0, text=f"t{p}") for p in "ab"]
+    rows += [_row("edge_cloud", "a", 20.0, text="ta", lossless=False), _row("edge_cloud", "b", 20.0, text="x")]
+    stats = _by_mode(rows)
+    edge, base = stats["edge_cloud"], stats["cloud_streaming"]
+    assert not edge.lossless and "(LOSSY)" in edge.label
+    assert (edge.same_text, edge.compared) == (None, None)
+    assert (base.same_text, base.compared) == (None, None)
+    rows[2]["lossless"] = True
+    assert (_by_mode(rows)["edge_cloud"].same_text, _by_mode(rows)["edge_cloud"].compared) == (1, 2)
+
+
+def test_gammas_sort_numerically_then_the_policies_and_rtts_ascend():
+    assert sorted(["auto", "10", "4", "guide", "2"], key=netreport.gamma_order) == ["2", "4", "10", "auto", "guide"]
+    rows = [_row("cloud_streaming", "a", 10.0, rtt=rtt) for rtt in (100.0, 5.0, 20.0)]
+    rows += [_row("edge_cloud", "a", 10.0, gamma=g) for g in ("auto", "10", "4")]
+    stats = netreport.aggregate_network(rows)
+    assert [(g.mode, g.gamma, g.rtt_ms) for g in stats] == [
+        ("edge_cloud", "4", 20.0), ("edge_cloud", "10", 20.0), ("edge_cloud", "auto", 20.0),
+        ("cloud_streaming", None, 5.0), ("cloud_streaming", None, 20.0), ("cloud_streaming", None, 100.0)]
+
+
+def test_the_report_prints_ttft_in_ms_and_the_proxys_bytes_each_way():
+    rows = [_row("cloud_streaming", "a", 10.0, ttft=0.25), _row("edge_cloud", "a", 20.0, ttft=0.25)]
+    lines = netreport.markdown(netreport.aggregate_network(rows), {
+        "rtt_emulation": "proxy", "proxy_totals": {"edge": {"connections": 3, "bytes_up": 111, "bytes_down": 222}}})
+    edge_line = next(line for line in lines if line.startswith("| edge_cloud/greedy"))
+    assert "| 250 |" in edge_line and "| 2.00 |" in edge_line
+    assert "| edge | 3 | 111 | 222 |" in lines
+    assert [b.label for b in netreport.bytes_by_wire(rows)] == ["cloud_streaming", "edge_cloud/greedy"]
+
+
+EVENTS = [b'data: {"choices":[{"text":"","finish_reason":null}]}\n\n',
+          b'data: {"choices":[{"text":"He","finish_reason":null}]}\n\n',
+          b'data: {"choices":[{"text":"","finish_reason":null}]}\n\n',
+          b'data: {"choices":[{"text":"llo","finish_reason":null}]}\n\n',
+          b'data: {"choices":[{"text":"","finish_reason":"length"}],"usage":{"completion_tokens":2}}\n\n',
+          b"data: [DONE]\n\n"]
+
+
+def test_a_streamed_completion_is_read_timed_and_counted_as_sent(monkeypatch):
+    """Events split across reads are put together; the text, tokens and finish reason are read off
+    them; TTFT is the arrival of the first non-empty text (not of an empty event before it, not of
+    the last text), wall time that of the finish; payload and wire bytes both ways."""
+    raw = b"".join(EVENTS)
+    cut = len(EVENTS[0])  # three reads: an event without text; "He" and part of "llo"; the rest and the finish
+    cut2 = cut + len(EVENTS[1]) + len(EVENTS[2]) + 10
+    seen = {}
+
+    def handler(request: httpx.Request) -> httpx.Response:
+        seen["body"] = request.read()
+        return httpx.Response(200, headers={"content-type": "text/event-stream"}, content=iter([raw[:cut], raw[cut:cut2], raw[cut2:]]))
+
+    ticks = iter(range(1000))
+    monkeypatch.setattr(edge_worker, "time", SimpleNamespace(perf_counter=lambda: float(next(ticks))))
+    body = {"prompt": [1, 2], "max_tokens": 2, "stream": True}
+    hooks = {"response": [lambda resp: seen.update(resp=resp)]}
+    with httpx.Client(transport=httpx.MockTransport(handler), event_hooks=hooks) as client:
+        res = edge_worker.stream_completion(client, "http://cloud", {"Authorization": "Bearer k"}, body)
+    assert (res.text, res.tokens, res.finish_reason) == ("Hello", 2, "length")
+    assert (res.ttft_s, res.wall_s) == (2.0, 3.0)  # clock ticks: the start, then one per read
+    assert res.bytes_up == len(seen["body"]) == len(json.dumps(body, separators=(",", ":")))
+    sizes = [len(ev) for ev in EVENTS]
+    assert res.bytes_down == sum(sizes)
+    assert res.wire_bytes_down == _head_bytes_response(seen["resp"]) + edge_worker.chunked_wire_bytes(sizes)
+
+
+@pytest.mark.parametrize("plain", [True, False])
+def test_the_streaming_baselines_send_gamma_as_a_number_and_count_calls_only_for_the_plain_server(plain):
+    """``cloud_streaming`` (plain server): one cloud call per token; ``cloud_streaming_spec``: calls
+    not reported (None); a numeric γ goes out as a number, a policy name as it is."""
+    from specdec.sampling import SamplingConfig
+
+    bodies = []
+
+    def handler(request: httpx.Request) -> httpx.Response:
+        bodies.append(json.loads(request.read()))
+        return httpx.Response(200, headers={"content-type": "text/event-stream"}, content=iter(EVENTS))
+
+    job = SimpleNamespace(draft="smollm2-135m-draft", api_key="k", url="http://cloud")
+    with httpx.Client(transport=httpx.MockTransport(handler)) as client:
+        _, generate = edge_worker._stream_runner(job, client, plain)
+        sampling = SamplingConfig(temperature=0.0, seed=3, max_new_tokens=2)
+        row = generate([1, 2], sampling, None, "4")
+        generate([1, 2], sampling, None, "auto")
+    assert [b["gamma"] for b in bodies] == [4, "auto"] and "top_p" not in bodies[0]
+    assert row["generated_tokens"] == 2 and row["text_sha1"] == edge_worker.text_sha1("Hello")
+    assert (row["cloud_calls"], row["tokens_per_call"]) == ((2, 1.0) if plain else (None, None))
+
+
+def test_the_measured_ping_is_the_median_round_trip(monkeypatch):
+    """Three ``GET /health`` round trips of 1, 1 and 10 (fake) seconds: 1000 ms, not the mean."""
+    ticks = iter([0.0, 1.0, 1.0, 2.0, 2.0, 12.0])
+    monkeypatch.setattr(edge_worker, "time", SimpleNamespace(perf_counter=lambda: next(ticks)))
+    with httpx.Client(transport=httpx.MockTransport(lambda request: httpx.Response(200, json={}))) as client:
+        assert edge_worker.ping_ms(client, "http://cloud") == pytest.approx(1000.0)

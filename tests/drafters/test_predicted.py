@@ -111,3 +111,89 @@ def test_the_request_field_is_read_as_openai_sends_it():
         except ValueError:
             continue
         raise AssertionError(f"{bad} was accepted")
+
+
+class Inner:
+    """A drafter behind the prediction that records what it is asked and told."""
+
+    free_drafts = True
+    catch_up_s = 0.5
+
+    def __init__(self) -> None:
+        self.calls, self.free_updates = 0, []
+
+    def prepare(self, prompt) -> None:  # noqa: ANN001
+        pass
+
+    def propose(self, context, gamma, sampler):  # noqa: ANN001, ANN201
+        self.calls += 1
+        return SimpleNamespace(tokens=torch.tensor([42]), probs=None, free=True)
+
+    def commit(self, verdict) -> None:  # noqa: ANN001
+        pass
+
+    def update_free(self, **kw) -> None:  # noqa: ANN003
+        self.free_updates.append(kw)
+
+
+def test_the_longest_matching_ngram_decides_where_the_answer_goes_on():
+    """The answer ends "1 2 3": the prediction goes on after its "1 2 3" (9), not after the first
+    "2 3" (8) a shorter n-gram would find."""
+    d = Predicted([4, 2, 3, 8, 1, 2, 3, 9])
+    d.prepare(torch.tensor([0]))
+    assert d.propose(torch.tensor([0, 1, 2, 3]), 4, ROOM).tokens.tolist()[0] == 9
+
+
+def test_an_occurrence_ending_where_the_last_draft_left_off_counts_as_at_or_after_it():
+    """Two drafts kept of the prediction 5 6 7 5 6 8 (it left off at 2); the answer then ends "5 6":
+    the occurrence ending at 2 is "at" where it left off, so the draft goes on with 7."""
+    d = Predicted([5, 6, 7, 5, 6, 8])
+    prompt = torch.tensor([1])
+    d.prepare(prompt)
+    d.propose(prompt, 4, ROOM)
+    d.commit(Verdict(num_accepted=2, tokens=torch.tensor([5, 6, 9])))
+    assert d.propose(torch.tensor([1, 5, 6, 9, 5, 6]), 4, ROOM).tokens.tolist()[0] == 7
+
+
+def test_an_ngram_met_only_before_the_last_draft_is_still_followed():
+    """The answer left the prediction and came back to an n-gram found only before where the last
+    draft left off, and the prediction's last tokens repeat it with nothing after: the draft goes
+    on from the earlier occurrence (anywhere), not from the end (nothing)."""
+    d = Predicted([5, 6, 7, 5, 6])
+    prompt = torch.tensor([1])
+    d.prepare(prompt)
+    d.propose(prompt, 4, ROOM)
+    d.commit(Verdict(num_accepted=3, tokens=torch.tensor([5, 6, 7, 9])))
+    assert d.propose(torch.tensor([1, 5, 6, 7, 9, 5, 6]), 4, ROOM).tokens.tolist()[:1] == [7]
+
+
+def test_a_prediction_draft_keeps_within_the_room_and_gamma():
+    """The server's room (or γ where there is no cap) bounds the prediction draft; room 0 or γ 0
+    proposes nothing; a tree round drafts a chain no deeper than ``max_depth``."""
+    d = Predicted(list(range(10, 30)))
+    prompt = torch.tensor([1])
+    d.prepare(prompt)
+    assert d.propose(prompt, 4, SimpleNamespace(room=2)).tokens.numel() == 2
+    assert d.propose(prompt, 1, ROOM).tokens.numel() == 1
+    assert d.propose(prompt, 4, SimpleNamespace(room=0)).tokens.numel() == 0
+    assert d.propose(prompt, 0, ROOM).tokens.numel() == 0
+    assert d.propose_tree(prompt, 10, ROOM, None, max_depth=2).tokens.tolist() == [10, 11]
+
+
+def test_a_free_drafter_behind_the_prediction_is_asked_at_gamma_zero_and_learns_its_rounds():
+    """Prompt lookup behind the prediction (free drafts, ``update_free``): asked even at γ 0 where
+    the prediction has nothing, told its own free rounds' outcomes, and its catch-up time is
+    charged only in its own rounds; the wrapper's drafts are all free."""
+    inner = Inner()
+    d = Predicted([5, 6], inner)
+    assert d.free_drafts
+    d.prepare(torch.tensor([1]))
+    d.propose(torch.tensor([1]), 2, ROOM)  # a prediction round
+    assert d.catch_up_s == 0.0
+    d.commit(Verdict(num_accepted=2, tokens=torch.tensor([5, 6, 3])))
+    d.update_free(gamma=2, accepted=2, draft_s=0.0, target_s=0.01, other_s=0.0)
+    assert inner.free_updates == [] and d.proposed == 2
+    assert d.propose(torch.tensor([1, 5, 6, 3, 4]), 0, ROOM).tokens.tolist() == [42] and inner.calls == 1
+    assert d.catch_up_s == 0.5
+    d.update_free(gamma=1, accepted=0, draft_s=0.0, target_s=0.01, other_s=0.0)
+    assert [u["gamma"] for u in inner.free_updates] == [1] and d.proposed == 2

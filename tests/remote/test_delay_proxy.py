@@ -173,3 +173,49 @@ def test_client_wire_byte_estimate_matches_the_bytes_on_the_wire(toy_server):
             assert (proxy.stats.bytes_up, proxy.stats.bytes_down) == (st.wire_bytes_up, st.wire_bytes_down)
         finally:
             verifier.close()
+
+
+async def _reply_at_eof(reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+    """Read the whole request (to end of stream), answer with its length, close."""
+    data = await reader.read()
+    writer.write(f"{len(data)}".encode())
+    await writer.drain()
+    writer.close()
+
+
+def test_each_way_takes_half_the_rtt():
+    assert DelayProxy("127.0.0.1", 1, 100.0).one_way_s == pytest.approx(0.05)
+    assert DelayProxy("127.0.0.1", 1, 0.0).one_way_s == 0.0  # no delay at all is allowed
+
+
+def test_connections_and_bytes_each_way_are_counted_and_end_of_stream_is_passed_on():
+    """Two connections, each a request ended by a half-close that the server must see to answer."""
+
+    async def run() -> tuple[list[bytes], tuple[int, int, int]]:
+        server = await asyncio.start_server(_reply_at_eof, "127.0.0.1", 0)
+        proxy = await DelayProxy("127.0.0.1", server.sockets[0].getsockname()[1], 0.0).start()
+        try:
+            answers = []
+            for msg in (b"x" * 1000, b"y" * 234):
+                reader, writer = await asyncio.open_connection("127.0.0.1", proxy.port)
+                writer.write(msg)
+                writer.write_eof()
+                answers.append(await asyncio.wait_for(reader.read(), 5.0))
+                writer.close()
+            s = proxy.stats
+            return answers, (s.connections, s.bytes_up, s.bytes_down)
+        finally:
+            await proxy.close()
+            server.close()
+            await server.wait_closed()
+
+    answers, counts = asyncio.run(run())
+    assert answers == [b"1000", b"234"] and counts == (2, 1234, 7)
+
+
+def test_addresses_take_any_port_up_to_65535():
+    assert parse_address("0") == ("127.0.0.1", 0) and parse_address("host:65535") == ("host", 65535)
+    assert parse_address(":8000") == ("127.0.0.1", 8000)
+    for bad in ("65536", "h:99999", "h:-1", "h:"):
+        with pytest.raises(ValueError, match="expected HOST:PORT"):
+            parse_address(bad)

@@ -174,3 +174,26 @@ def test_a_factor_for_a_drafter_without_a_model_is_refused(capsys, tiny_folder):
     code = main(["generate", "-p", "hi", "--target", str(tiny_folder), "--draft", "ngram", "-n", "2",
                  "--draft-temperature-factor", "0.8"])
     assert code != 0 and "drafts without a model" in _err_line(capsys.readouterr()[1])
+
+
+def test_the_factor_is_the_best_mean_over_temperatures_not_the_best_single_one():
+    """Factor 0.8 is best at T = 1 alone (0.9), but 1.0 has the higher mean (0.55 against 0.5)."""
+    c = choose([1.0, 0.7], [0.8, 1.0], torch.tensor([[0.9, 0.5], [0.1, 0.6]]), [1, 1])
+    assert c.factor == 1.0
+
+
+@pytest.mark.parametrize("temperature, factor", [(0.0, 1.0), (1.0, 0.0), (-1.0, 1.0)])
+def test_a_temperature_or_factor_that_is_not_positive_is_refused(temperature, factor):
+    logits = torch.zeros(2, 4)
+    with pytest.raises(ValueError, match="must be positive"):
+        overlap(logits, logits, temperature, factor)
+    with pytest.raises(ValueError, match="must be positive"):
+        coupled_agreement(logits, logits, temperature, factor)
+
+
+def test_a_sequence_without_a_continuation_is_skipped_but_counted():
+    target = ToyLM(6, order=2, seed=5, scale=3.0)
+    seqs = [(torch.arange(6) % 6, 6, 0), (torch.arange(8) % 6, 3, 0)]
+    ticks = []
+    c = calibrate(target, target, seqs, [1.0], (0.9, 1.0), ticks.append)
+    assert c.positions == {"1": 5} and c.sequences == 2 and sum(ticks) == 2 and c.factor == 1.0

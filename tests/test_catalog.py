@@ -1,0 +1,84 @@
+"""What ships besides code (``specdec.catalog``): the draft temperature factor's range, a draft
+folder's calibration file, the self-speculative names and shipped files, head folders, and the
+rows ``specdec models`` prints for them."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+
+from specdec import catalog
+from specdec.errors import ConfigError
+
+
+def test_the_temperature_factor_range_is_open_at_zero_and_closed_at_the_maximum():
+    assert catalog.check_temperature_factor(100) == 100.0 and catalog.check_temperature_factor(1e-6) == 1e-6
+    for bad in (0, -1, 100.5, float("nan"), float("inf")):
+        with pytest.raises(ConfigError, match=r"must be in \(0, 100\]"):
+            catalog.check_temperature_factor(bad)
+
+
+def test_a_draft_folders_calibration_file_is_read_or_refused_in_one_line(tmp_path):
+    assert catalog.calibrated_factor(None) is None and catalog.calibrated_factor(tmp_path) is None
+    path = tmp_path / catalog.CALIBRATION_FILE
+    path.write_text(json.dumps({"temperature_factor": 0.85}))
+    assert catalog.calibrated_factor(tmp_path) == 0.85
+    for text, says in (("{}", "KeyError"), ("[1]", "TypeError"), ("{", "JSONDecodeError"),
+                       ('{"temperature_factor": 0}', "ConfigError")):
+        path.write_text(text)
+        with pytest.raises(ConfigError, match=f"not a draft calibration \\({says}") as info:
+            catalog.calibrated_factor(tmp_path)
+        assert "\n" not in str(info.value)
+
+
+def test_self_speculative_names_are_read_whatever_their_case():
+    assert catalog.parse_self_spec(" SWIFT: skip.json ") == ("swift", "skip.json")
+    assert catalog.parse_self_spec("Kangaroo") == ("kangaroo", "")
+    assert catalog.parse_self_spec("LayerSkip:8") == ("layerskip", "8")
+    assert catalog.parse_self_spec("smollm2-135m-draft") is None
+
+
+def test_a_shipped_file_is_required_only_where_none_is_given():
+    """``self-skip`` and ``kangaroo`` need a shipped file for the target; given their own file, or
+    ``swift``, they do not; the shipped targets pass."""
+    assert "smollm2-135m" in catalog.skip_set_targets() and catalog.adapter_targets() == ["smollm2-135m"]
+    with pytest.raises(ConfigError, match="no searched skip set ships for 'other'"):
+        catalog.check_shipped("self-skip", "other")
+    with pytest.raises(ConfigError, match="no kangaroo adapter ships for 'other'"):
+        catalog.check_shipped("kangaroo", "other")
+    for name in ("self-skip:mine.json", "kangaroo:mine.safetensors", "swift", "layerskip:4", "ngram"):
+        catalog.check_shipped(name, "other")
+    catalog.check_shipped("self-skip", "smollm2-135m")
+    catalog.check_shipped("kangaroo", "smollm2-135m")
+
+
+@pytest.mark.parametrize("config, head", [
+    ({"kind": "medusa"}, True),
+    ({"speculators_model_type": "eagle3"}, True),
+    ({"architectures": ["LlamaForCausalLMEagle3"]}, True),
+    ({"kind": "lora"}, False),
+    ([], False),
+    ("{not json", False),
+])
+def test_a_head_folder_is_told_by_its_config(tmp_path, config, head):
+    (tmp_path / "config.json").write_text(config if isinstance(config, str) else json.dumps(config))
+    assert catalog.is_head_folder(tmp_path) is head
+
+
+def test_the_head_rows_say_which_are_bundled_and_how_to_train_each(tmp_path):
+    (tmp_path / "smollm2-135m-medusa").mkdir()
+    (tmp_path / "smollm2-135m-medusa" / "config.json").write_text('{"kind": "medusa"}')
+    rows = {r["name"]: r for r in catalog.describe_heads(tmp_path)}
+    assert {n: r["status"] for n, r in rows.items()} == {
+        "smollm2-135m-eagle3": "missing", "smollm2-135m-eagle1": "missing", "smollm2-135m-medusa": "bundled",
+        "smollm2-135m-mtp": "missing"}
+    assert "specdec train eagle --data data --out HEAD --variant eagle1," in rows["smollm2-135m-eagle1"]["install"]
+    assert "specdec train eagle --data data --out HEAD," in rows["smollm2-135m-eagle3"]["install"]
+    assert "specdec train medusa --data data --out HEAD," in rows["smollm2-135m-medusa"]["install"]
+
+
+def test_the_family_rows_name_every_drafter_without_a_model_of_its_own():
+    rows = catalog.describe_families()
+    assert [r["name"] for r in rows] == ["layerskip:K", "self-skip", "swift", "kangaroo", "ngram", "lookahead", "none"]
+    assert "shipped for: qwen2.5-coder-1.5b, smollm2-135m" in rows[1]["description"]
