@@ -39,6 +39,10 @@ def test_groups_share_a_plain_server_and_interleave_baseline_first():
     assert network.server_draft(["cloud_streaming_spec"], "d") == "d"
     assert interleaved_settings(["cloud_streaming", "edge_cloud"], 1.0, ["greedy", "coupled"], ["auto"]) == [
         ("cloud_streaming", None, None), ("edge_cloud", "coupled", "auto")]
+    # the caller's order of modes (its baseline first), not sorted
+    assert [m for m, _, _ in interleaved_settings(["cloud_streaming", "edge_cloud", "cloud_streaming_spec"], 1.0,
+                                                  ["coupled"], ["auto"])] == ["cloud_streaming", "edge_cloud",
+                                                                              "cloud_streaming_spec"]
 
 
 def test_chunked_wire_bytes():

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import asyncio
 import json
+import socket
 import subprocess
 import sys
 import time
@@ -16,7 +17,7 @@ import time
 import httpx
 import pytest
 
-from specdec.remote.delay_proxy import DelayProxy, ThreadedProxy, parse_address
+from specdec.remote.delay_proxy import DelayProxy, ThreadedProxy, main, parse_address
 
 SLACK_S = 1.5
 
@@ -219,3 +220,15 @@ def test_addresses_take_any_port_up_to_65535():
     for bad in ("65536", "h:99999", "h:-1", "h:"):
         with pytest.raises(ValueError, match="expected HOST:PORT"):
             parse_address(bad)
+
+
+def test_a_port_already_taken_is_one_line_and_exit_code_1(capsys):
+    """The proxy's command on a port another socket holds: exit code 1 and one line naming the
+    address, no traceback."""
+    with socket.socket() as taken:
+        taken.bind(("127.0.0.1", 0))
+        taken.listen()
+        port = taken.getsockname()[1]
+        assert main(["--listen", f"127.0.0.1:{port}", "--to", "127.0.0.1:1", "--rtt-ms", "1"]) == 1
+    err = capsys.readouterr().err
+    assert err.startswith(f"delay proxy: cannot listen on 127.0.0.1:{port}") and err.count("\n") == 1, err
