@@ -68,21 +68,42 @@ def test_usage_counts_the_prediction_tokens_the_answer_took():
     assert d.taken() == (4, len(predicted) - 4)  # positions 0-3, position 2 taken twice
 
 
+class Inner:
+    """A drafter behind the prediction that counts what it is asked and told (a model draft's:
+    its drafts are not free)."""
+
+    free = False
+
+    def __init__(self) -> None:
+        self.calls, self.commits = 0, 0
+
+    def prepare(self, prompt) -> None:  # noqa: ANN001
+        pass
+
+    def propose(self, context, gamma, sampler):  # noqa: ANN001, ANN201
+        self.calls += 1
+        return SimpleNamespace(tokens=torch.tensor([42]), probs=None, free=self.free)
+
+    def commit(self, verdict) -> None:  # noqa: ANN001
+        self.commits += 1
+
+
+class FreeInner(Inner):
+    """Prompt lookup's shape behind the prediction: free drafts, a catch-up pass, and told the
+    outcomes of its free rounds."""
+
+    free = free_drafts = True
+    catch_up_s = 0.5
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.free_updates: list[dict] = []
+
+    def update_free(self, **kw) -> None:  # noqa: ANN003
+        self.free_updates.append(kw)
+
+
 def test_the_inner_drafter_drafts_where_the_prediction_has_nothing():
-    class Inner:
-        def __init__(self) -> None:
-            self.calls, self.commits = 0, 0
-
-        def prepare(self, prompt) -> None:  # noqa: ANN001
-            pass
-
-        def propose(self, context, gamma, sampler):  # noqa: ANN001, ANN201
-            self.calls += 1
-            return SimpleNamespace(tokens=torch.tensor([42]), probs=None, free=False)
-
-        def commit(self, verdict) -> None:  # noqa: ANN001
-            self.commits += 1
-
     inner = Inner()
     d = Predicted([5, 6], inner)
     d.prepare(torch.tensor([1]))
@@ -111,29 +132,6 @@ def test_the_request_field_is_read_as_openai_sends_it():
         except ValueError:
             continue
         raise AssertionError(f"{bad} was accepted")
-
-
-class Inner:
-    """A drafter behind the prediction that records what it is asked and told."""
-
-    free_drafts = True
-    catch_up_s = 0.5
-
-    def __init__(self) -> None:
-        self.calls, self.free_updates = 0, []
-
-    def prepare(self, prompt) -> None:  # noqa: ANN001
-        pass
-
-    def propose(self, context, gamma, sampler):  # noqa: ANN001, ANN201
-        self.calls += 1
-        return SimpleNamespace(tokens=torch.tensor([42]), probs=None, free=True)
-
-    def commit(self, verdict) -> None:  # noqa: ANN001
-        pass
-
-    def update_free(self, **kw) -> None:  # noqa: ANN003
-        self.free_updates.append(kw)
 
 
 def test_the_longest_matching_ngram_decides_where_the_answer_goes_on():
@@ -184,7 +182,7 @@ def test_a_free_drafter_behind_the_prediction_is_asked_at_gamma_zero_and_learns_
     """Prompt lookup behind the prediction (free drafts, ``update_free``): asked even at γ 0 where
     the prediction has nothing, told its own free rounds' outcomes, and its catch-up time is
     charged only in its own rounds; the wrapper's drafts are all free."""
-    inner = Inner()
+    inner = FreeInner()
     d = Predicted([5, 6], inner)
     assert d.free_drafts
     d.prepare(torch.tensor([1]))
