@@ -68,3 +68,25 @@ def test_compact_keeps_a_path_of_keys_and_values_in_every_layer():
     assert c.length == 6
     assert torch.equal(c.k[:, :, :3], k[:, :, :3]) and torch.equal(c.v[:, :, :3], v[:, :, :3])
     assert torch.equal(c.k[:, :, 3:6], k[:, :, keep]) and torch.equal(c.v[:, :, 3:6], v[:, :, keep])
+
+
+def test_cache_length_is_the_asked_positions_within_the_limit_and_refuses_none():
+    from specdec.kv_cache import cache_length
+    assert cache_length(None, 256) == 256
+    assert cache_length(1, 256) == 1
+    assert cache_length(300, 256) == 256
+    for bad in (0, -5):  # 0 used to read as "not given" and made a cache for the whole context
+        with pytest.raises(ValueError, match="at least one position"):
+            cache_length(bad, 256)
+
+
+def test_models_and_views_size_their_caches_through_cache_length():
+    from specdec.drafters.self_spec import LayerPlan, LayerView
+    from tests.tiny import tiny_native
+    model = tiny_native(max_length=256)
+    view = LayerView(model, LayerPlan.early_exit(model.cfg.n_layers, 1))
+    for make in (model.new_cache, view.new_cache):
+        assert make(7).max_length == 7
+        assert make(None).max_length == 256
+        with pytest.raises(ValueError, match="at least one position"):
+            make(0)

@@ -19,6 +19,16 @@ from torch import Tensor
 GROW_STEP = 64
 
 
+def cache_length(max_length: int | None, limit: int) -> int:
+    """The positions a new cache holds: ``max_length`` (None: the model's whole ``limit``), never
+    past ``limit``.  0 or fewer is refused: a cache with no position could not hold the prompt."""
+    if max_length is None:
+        return limit
+    if max_length < 1:
+        raise ValueError(f"a cache needs at least one position, not max_length {max_length}")
+    return min(max_length, limit)
+
+
 def _blocks(n: int) -> int:
     """``n`` rounded up to whole :data:`GROW_STEP` blocks."""
     return -(-n // GROW_STEP) * GROW_STEP

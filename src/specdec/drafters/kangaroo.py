@@ -33,6 +33,7 @@ from specdec.catalog import ADAPTERS_DIR, adapter_targets, check_shipped
 from specdec.drafters.base import Draft, DraftSampler
 from specdec.drafters.self_spec import LayerPlan, LayerView, SelfSpecDrafter, ViewCache
 from specdec.errors import ConfigError
+from specdec.kv_cache import cache_length
 
 
 @dataclass(frozen=True)
@@ -194,7 +195,7 @@ class KangarooView(LayerView):
 
     def new_cache(self, max_length: int | None = None, *, initial_length: int | None = None) -> ViewCache:
         cfg = self.target.cfg
-        length = min(max_length or self.max_length, self.max_length)
+        length = cache_length(max_length, self.max_length)
         return ViewCache(self.plan.exit_after + 1, cfg.n_kv_heads, cfg.head_dim, length, dtype=self.target.dtype,
                          hidden_size=cfg.hidden_size, initial_length=initial_length, kv_dtype=self.target.kv_dtype)
 

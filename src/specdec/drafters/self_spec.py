@@ -37,7 +37,7 @@ from specdec.catalog import SKIP_SETS_DIR, check_shipped, describe_families, par
 from specdec.drafters.base import Draft, DraftSampler
 from specdec.drafters.model import ModelDrafter
 from specdec.errors import ConfigError
-from specdec.kv_cache import KVCache
+from specdec.kv_cache import KVCache, cache_length
 
 
 @dataclass(frozen=True)
@@ -176,7 +176,7 @@ class LayerView:
 
     def new_cache(self, max_length: int | None = None, *, initial_length: int | None = None) -> ViewCache:
         cfg = self.target.cfg
-        length = min(max_length or self.max_length, self.max_length)
+        length = cache_length(max_length, self.max_length)
         return ViewCache(len(self.plan.attention_layers), cfg.n_kv_heads, cfg.head_dim, length, dtype=self.target.dtype,
                          hidden_size=cfg.hidden_size if self.keep_hidden else 0, initial_length=initial_length,
                          kv_dtype=self.target.kv_dtype)

@@ -28,7 +28,7 @@ from torch import Tensor
 
 from specdec import defaults
 from specdec.errors import ConfigError
-from specdec.kv_cache import KVCache
+from specdec.kv_cache import KVCache, cache_length
 from specdec.models.base import full_vocab
 from specdec.models import calibration_cache, kernels, quantised_cache
 from specdec.models.linear import (
@@ -1008,7 +1008,7 @@ class NativeCausalLM:
 
     def new_cache(self, max_length: int | None = None, *, initial_length: int | None = None) -> KVCache:
         """A cache for up to ``max_length`` positions; ``initial_length`` allocates fewer and grows on demand."""
-        length = min(max_length or self.max_length, self.max_length)
+        length = cache_length(max_length, self.max_length)
         return KVCache(self.cfg.n_layers, self.cfg.n_kv_heads, self.cfg.head_dim, length,
                        initial_length=initial_length, dtype=self.kv_dtype or self.dtype)
 
