@@ -17,7 +17,13 @@ def check_parents(parents: Tensor, n: int) -> None:
     """Raise :class:`ConfigError` unless ``parents`` is a valid topological tree of ``n`` nodes."""
     if parents.dim() != 1 or parents.numel() != n:
         raise ConfigError(f"a tree needs one parent per draft token: {parents.numel()} parents for {n} tokens")
-    if n and (parents.min() < -1 or bool((parents >= torch.arange(n)).any())):
+    check_order(parents)
+
+
+def check_order(parents: Tensor) -> None:  # parents: [N]
+    """Raise :class:`ConfigError` unless every parent is -1 or an earlier node's index."""
+    n = parents.numel()
+    if n and (int(parents.min()) < -1 or bool((parents >= torch.arange(n)).any())):
         raise ConfigError("tree parents must be -1 (root level) or the index of an earlier node")
 
 

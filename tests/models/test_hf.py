@@ -153,3 +153,100 @@ def test_features_of_a_gemma3_start_from_its_scaled_embeddings(tmp_path):
     assert not torch.allclose(rows, gemma.model.get_input_embeddings().weight[ids], atol=1e-3)
     _, feats = gemma.forward_features(ids, gemma.new_cache(), (0, 2))
     assert torch.allclose(feats[:, 0], rows, atol=1e-6)
+
+
+@pytest.fixture(scope="module")
+def llama(tmp_path_factory):
+    """One small llama for the bookkeeping tests below (no window, so one layer kind)."""
+    return HFCausalLM.from_folder(str(make_tiny(tmp_path_factory.mktemp("llama"), layers=2, hidden=32)))
+
+
+def test_a_block_after_a_cached_prefix_is_scored_causally(llama):
+    """A chain verification pass: k tokens after the cached prompt, each row its own prefix scored
+    afresh (no row sees a later token of the block)."""
+    ids = torch.randint(0, 49152, (9,), generator=torch.Generator().manual_seed(4))
+    cache = llama.new_cache()
+    llama.forward(ids[:5], cache)
+    rows = llama.forward(ids[5:], cache)
+    assert rows.shape == (4, llama.vocab_size) and cache.length == 9
+    for j in range(4):
+        assert torch.allclose(rows[j], _alone(llama, ids[: 6 + j]), atol=1e-4), j
+
+
+def test_last_only_returns_one_row(llama):
+    ids = torch.tensor([5, 6, 7, 8])
+    out = llama.forward(ids, llama.new_cache(), last_only=True)
+    assert out.shape == (1, llama.vocab_size)
+    assert torch.allclose(out[0], _alone(llama, ids), atol=1e-5)
+
+
+def test_truncating_to_the_current_length_keeps_the_cache(llama):
+    ids = torch.tensor([5, 6, 7, 8])
+    cache = llama.new_cache()
+    llama.forward(ids, cache)
+    cache.truncate(4)
+    assert cache.length == 4 and cache.cache.get_seq_length() == 4
+    got = llama.forward(torch.tensor([9]), cache)[-1]
+    assert torch.allclose(got, _alone(llama, torch.tensor([5, 6, 7, 8, 9])), atol=1e-4)
+
+
+def test_compact_refuses_positions_outside_the_region(llama):
+    cache = llama.new_cache()
+    llama.forward(torch.tensor([5, 6, 7, 8, 9, 10]), cache)
+    for keep, start in (([2, 5], 3), ([4, 6], 3)):  # below start; at the cache's length
+        with pytest.raises(ValueError, match="cannot keep positions"):
+            cache.compact(torch.tensor(keep), start)
+        assert cache.length == 6 and cache.cache.get_seq_length() == 6
+
+
+def test_a_tree_region_starting_past_the_cache_is_refused(llama):
+    cache = llama.new_cache()
+    llama.forward(torch.tensor([5, 6, 7, 8]), cache)
+    with pytest.raises(ValueError, match="tree parents"):
+        llama.forward_tree(torch.tensor([3, 4]), torch.tensor([-1]), cache, prefix=5)
+    assert cache.length == 4 and cache.cache.get_seq_length() == 4
+
+
+def test_features_of_a_tree_need_a_tree_pass(tmp_path):
+    """A model without tree attention (here: its tree pass removed, as for chunked layers) refuses a
+    tree asked of forward_features instead of scoring it with a plain causal mask."""
+    model = HFCausalLM.from_folder(str(make_tiny(tmp_path, layers=2, hidden=32)))
+    del model.forward_tree
+    with pytest.raises(ValueError, match="no tree pass"):
+        model.forward_features(torch.tensor([3, 4, 5]), model.new_cache(), (1,), parents=PARENTS[:3])
+
+
+def test_a_failed_pass_leaves_the_cache_as_it_found_it(llama):
+    """As the native backend promises: a pass that fails part-way (here interrupted in layer 1, after
+    layer 0 appended its keys) leaves the cache as it was, and the next pass is scored as if the
+    failed one had never run (layer 0 had kept the 2 stale keys, and every later pass attended to
+    them)."""
+    ids = torch.tensor([5, 6, 7, 8])
+    cache = llama.new_cache()
+    llama.forward(ids, cache)
+
+    def interrupt(_module, _args):
+        raise KeyboardInterrupt
+
+    hook = llama.model.model.layers[1].register_forward_pre_hook(interrupt)
+    try:
+        with pytest.raises(KeyboardInterrupt):
+            llama.forward(torch.tensor([9, 10]), cache)
+    finally:
+        hook.remove()
+    assert cache.length == 4
+    assert [layer.keys.shape[-2] for layer in cache.cache.layers] == [4, 4]
+    got = llama.forward(torch.tensor([9]), cache)[-1]
+    assert torch.allclose(got, _alone(llama, torch.tensor([5, 6, 7, 8, 9])), atol=1e-4)
+
+
+@pytest.mark.parametrize("parents", [[-5, 0], [1, -1], [0, -1]], ids=["below -1", "a later node", "itself"])
+def test_bad_tree_parents_are_refused_with_a_value_error_and_nothing_cached(llama, parents):
+    """As ``NativeCausalLM.forward_tree`` (whose behaviour the docstring promises): parents must be -1
+    or an earlier node (-5 had been taken as a root in silence, a forward reference had failed
+    with a bare IndexError)."""
+    cache = llama.new_cache()
+    llama.forward(torch.tensor([5, 6, 7, 8]), cache)
+    with pytest.raises(ValueError, match="tree parents"):
+        llama.forward_tree(torch.tensor([3, 4]), torch.tensor(parents), cache)
+    assert cache.length == 4 and cache.cache.get_seq_length() == 4

@@ -26,7 +26,7 @@ from typing import Any
 import torch
 from torch import Tensor
 
-from specdec.tree import ancestor_mask, depths
+from specdec.tree import ancestor_mask, check_order, depths
 
 
 @dataclass
@@ -41,6 +41,15 @@ class HFCache:
             # a negative argument means "remove this many" in every transformers version
             self.cache.crop(length - self.length)
         self.length = length
+
+    def drop_past_length(self) -> None:
+        """Cut every layer back to ``length`` positions: what a pass that failed part way (an error,
+        an interrupt) appended to the layers it reached, which every later pass would attend to.
+        (transformers' ``crop`` refuses to cut more than a layer holds, so each layer is sliced.)"""
+        for layer in self.cache.layers:
+            if getattr(layer, "keys", None) is not None and layer.keys.shape[-2] > self.length:
+                layer.keys = layer.keys[..., : self.length, :]
+                layer.values = layer.values[..., : self.length, :]
 
     def compact(self, keep: Tensor, start: int) -> None:  # keep: [m] int64 ascending positions >= start
         """Keep positions ``keep`` at ``start, start+1, ...`` (one path of a token tree), in every layer."""
@@ -118,13 +127,17 @@ class HFCausalLM:
         """One transformers pass of ``tokens`` after the cache (its slots advance by n); ``extra``:
         the model's own arguments (a mask, positions, logits_to_keep, output_hidden_states)."""
         end = cache.length + tokens.numel()
-        out = self.model(
-            input_ids=tokens.to(self.device).unsqueeze(0),
-            **{self._cache_arg: cache.cache},
-            use_cache=True,
-            cache_position=torch.arange(cache.length, end, device=self.device),
-            **extra,
-        )
+        try:
+            out = self.model(
+                input_ids=tokens.to(self.device).unsqueeze(0),
+                **{self._cache_arg: cache.cache},
+                use_cache=True,
+                cache_position=torch.arange(cache.length, end, device=self.device),
+                **extra,
+            )
+        except BaseException:
+            cache.drop_past_length()  # layers the failed pass reached hold its keys: cut them off
+            raise
         cache.length = end
         return out
 
@@ -187,6 +200,7 @@ class HFCausalLM:
         m = end - start
         if parents.numel() != m or not 0 <= start <= cache.length:
             raise ValueError(f"expected {m} tree parents for the region [{start}, {end}); got {parents.numel()}")
+        check_order(parents)
         sees = torch.ones((n, end), dtype=torch.bool)  # [n, T]: the prefix, and each new node's region path
         sees[:, start:] = ancestor_mask(parents)[m - n :]
         at = torch.cat([torch.arange(start), start + depths(parents)])  # [T]: each key's position (prefix + depth)

@@ -46,7 +46,7 @@ from specdec.models.quantize import RangeRecorder, calibration_ids, calibration_
 from specdec.models.scripted import ATTENTION_BLOCK, ScriptedLayers, compiled_layers
 from specdec.models.scripted import BLOCK_MASK as _BLOCK_MASK
 
-from specdec.tree import attention_schedule, is_chain
+from specdec.tree import attention_schedule, check_order, is_chain
 from specdec.tree import paths as tree_paths
 
 AnyLinear = Linear | W8A8Linear | W8A8OneDNNLinear | Q4Linear
@@ -414,8 +414,7 @@ class _TreeLayout:
         n, m = end - start, end - s
         if parents.numel() != m:
             raise ValueError(f"expected {m} tree parents for the region [{s}, {end}); got {parents.numel()}")
-        if m and (int(parents.min()) < -1 or bool((parents >= torch.arange(m)).any())):
-            raise ValueError("tree parents must be -1 (the region's root level) or the index of an earlier node")
+        check_order(parents)
         mask = perm = paths = None
         schedule: tuple[tuple[int, int, tuple[tuple[int, int], ...]], ...] = ()
         region = tree_paths(parents)  # each region node's path, root first
