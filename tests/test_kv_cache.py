@@ -1,7 +1,7 @@
 import pytest
 import torch
 
-from specdec.kv_cache import KVCache
+from specdec.kv_cache import GROW_STEP, KVCache
 
 
 def test_reserve_truncate_bounds():
@@ -90,3 +90,50 @@ def test_models_and_views_size_their_caches_through_cache_length():
         assert make(None).max_length == 256
         with pytest.raises(ValueError, match="at least one position"):
             make(0)
+
+
+def test_an_initial_length_below_one_still_allocates_one_block():
+    assert KVCache(1, 1, 1, 500, initial_length=0).capacity == GROW_STEP
+
+
+def test_a_reservation_that_exactly_fills_the_buffer_does_not_grow_it():
+    c = KVCache(1, 1, 1, 512, initial_length=64)
+    assert c.growth_bytes(64) == 0
+    ptr = c.k.data_ptr()
+    c.reserve(64)
+    assert c.capacity == 64 and c.k.data_ptr() == ptr  # no reallocation, no copy
+
+
+def test_growth_is_by_at_least_half_and_never_past_the_maximum():
+    c = KVCache(1, 1, 1, 4096, initial_length=256)
+    c.reserve(257)
+    assert c.capacity == 384  # 256 + 128 (amortised O(1)), not just the 257 asked for rounded up
+    capped = KVCache(1, 1, 1, 300, initial_length=256)
+    capped.reserve(257)
+    assert capped.capacity == 320  # 384 would pass max_length's whole blocks
+
+
+def test_growth_bytes_forecasts_the_added_bytes_up_to_the_last_position():
+    c = KVCache(1, 1, 1, 128, initial_length=64)
+    bpp = c.bytes_per_position
+    assert c.growth_bytes(65) == 64 * bpp  # what grows: 64 -> 128, not the whole new buffer
+    assert c.growth_bytes(128) == 64 * bpp  # filling the context to its last position still grows
+    assert c.growth_bytes(129) == 0  # past max_length: reserve refuses it, nothing grows
+
+
+def test_truncating_to_a_negative_length_is_refused():
+    c = KVCache(1, 1, 1, 8)
+    c.reserve(4)
+    with pytest.raises(ValueError):
+        c.truncate(-1)
+    assert c.length == 4
+
+
+def test_growing_keeps_the_values_too():
+    c = KVCache(1, 1, 1, 512, initial_length=64)
+    c.reserve(64)
+    c.k[0, 0, :64, 0] = torch.arange(64.0)
+    c.v[0, 0, :64, 0] = -torch.arange(64.0)
+    c.reserve(10)  # grows
+    assert c.capacity > 64
+    assert torch.equal(c.k[0, 0, :64, 0], torch.arange(64.0)) and torch.equal(c.v[0, 0, :64, 0], -torch.arange(64.0))

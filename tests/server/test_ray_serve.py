@@ -108,6 +108,22 @@ def test_session_paths_name_their_replica():
     assert scaleout.bound_replica("GET", "/v1/sessions/abc12345.XyZ", b"") == "abc12345"
 
 
+def test_only_the_first_separator_splits_a_session_or_response_id():
+    assert scaleout.session_replica("/v1/sessions/abc12345.x.y/verify") == "abc12345"
+    assert scaleout.response_replica("resp_abc12345.x.y") == "abc12345"
+
+
+def test_a_stored_response_id_must_start_with_resp():
+    assert scaleout.response_replica("abc12345.ff00") is None
+    assert scaleout.bound_replica("GET", "/v1/responses/abcdefgh.ff00", b"") is None
+
+
+def test_only_a_post_continues_a_stored_response():
+    body = b'{"previous_response_id": "resp_abc12345.ff00"}'
+    assert scaleout.bound_replica("POST", "/v1/responses", body) == "abc12345"
+    assert scaleout.bound_replica("GET", "/v1/responses", body) is None
+
+
 def test_session_id_prefix_is_checked():
     from specdec.errors import ConfigError
     from specdec.server import ServerSettings
