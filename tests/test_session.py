@@ -15,6 +15,8 @@ import torch
 
 from specdec.decoder import SpeculativeDecoder
 from specdec.drafters.base import Draft
+from specdec.errors import ConfigError, ContextLengthError
+from specdec.models.toy import ToyLM
 from specdec.sampling import SamplingConfig
 from specdec.session import TargetSession
 from specdec.verify import get_rule
@@ -88,3 +90,80 @@ def test_a_draft_that_would_run_past_the_context_is_refused_and_leaves_the_sessi
     assert sess.context.tolist() == prompt and sess.cache.length == len(prompt) - 1
     out = sess.verify(Draft(tokens=ids[:3], probs=None, parents=torch.tensor([-1, 0, 1]) if tree else None))
     assert out.verdict.tokens.tolist() == cont and sess.context.numel() == 16
+
+
+SHORT_GREEDY = SamplingConfig(temperature=0.0, max_new_tokens=10)
+SAMPLED = SamplingConfig(temperature=1.0, max_new_tokens=10)
+
+
+def _toy(max_length: int = 1 << 20) -> ToyLM:
+    m = ToyLM(6, order=2, seed=1)
+    m.max_length = max_length
+    return m
+
+
+def test_the_constructor_refuses_ids_outside_the_vocabulary_and_nothing_else():
+    """Ids 0 and V-1 are fine; V and -1 are refused with the offending id named."""
+    TargetSession(_toy(), [0, 5, 3], SHORT_GREEDY, get_rule("greedy"), seed=0)
+    with pytest.raises(ConfigError, match="token id 6, outside"):
+        TargetSession(_toy(), [0, 6, 3], SHORT_GREEDY, get_rule("greedy"), seed=0)
+    with pytest.raises(ConfigError, match="token id -1, outside"):
+        TargetSession(_toy(), [0, -1, 3], SHORT_GREEDY, get_rule("greedy"), seed=0)
+
+
+def test_the_constructor_refuses_a_prompt_that_fills_the_context():
+    """A prompt of max_length - 1 tokens leaves room for one token; one of max_length does not."""
+    sess = TargetSession(_toy(8), [1] * 7, SHORT_GREEDY, get_rule("greedy"), seed=0)
+    out = sess.verify(Draft(tokens=torch.tensor([], dtype=torch.long), probs=None))
+    assert out.verdict.tokens.numel() == 1 and sess.context.numel() == 8
+    with pytest.raises(ContextLengthError, match="8 tokens"):
+        TargetSession(_toy(8), [1] * 8, SHORT_GREEDY, get_rule("greedy"), seed=0)
+    with pytest.raises(ConfigError, match="empty"):
+        TargetSession(_toy(8), [], SHORT_GREEDY, get_rule("greedy"), seed=0)
+
+
+def test_a_greedy_only_rule_is_refused_at_a_temperature():
+    with pytest.raises(ConfigError, match="needs temperature 0"):
+        TargetSession(_toy(), [1, 2], SAMPLED, get_rule("greedy"), seed=0)
+    TargetSession(_toy(), [1, 2], SAMPLED, get_rule("token"), seed=0)  # the others are fine
+
+
+def test_the_tree_round_hands_the_drafts_sibling_mode_to_the_rule(monkeypatch):
+    """A sampled tree drafted without replacement must be verified as such: the session passes
+    ``draft.siblings`` on to the tree rule (a rule told 'iid' is biased)."""
+    import specdec.verify_tree as vt
+
+    seen = []
+    real = vt.tree_token
+
+    def spy(*args, **kwargs):
+        seen.append(kwargs.get("siblings"))
+        return real(*args, **kwargs)
+
+    monkeypatch.setitem(vt.TREE_RULES, "tree_token", vt.TreeRule(**{**vt.TREE_RULES["tree_token"].__dict__, "fn": spy}))
+    sess = TargetSession(_toy(), [1, 2], SAMPLED, get_rule("token"), seed=0)
+    q = torch.full((2, 6), 1 / 6)
+    for mode in ("without_replacement", "iid"):
+        sess.verify(Draft(tokens=torch.tensor([3, 4]), probs=q, parents=torch.tensor([-1, -1]), siblings=mode))
+    assert seen == ["without_replacement", "iid"]
+
+
+def test_a_scored_prompt_token_tied_with_others_ranks_by_the_strictly_more_likely_ones():
+    """``score_prompt``'s rank is 1 + the number of tokens strictly more likely: a token tied with
+    others (a flat row) ranks 1, not after its ties."""
+    from specdec.session import score_prompt
+
+    class Flat:
+        max_length = 64
+        vocab_size = 4
+
+        def new_cache(self, n):
+            return None
+
+        def forward(self, tokens, cache):
+            rows = torch.zeros(tokens.numel(), 4)
+            rows[:, 3] = 1.0  # token 3 most likely; tokens 0, 1, 2 tied below it
+            return rows
+
+    scored = score_prompt(Flat(), [0, 1, 3, 2], 1)
+    assert [rank for _, _, rank in scored] == [2, 1, 2]

@@ -455,3 +455,22 @@ def test_trees_run_to_the_end_of_the_targets_context_as_plain_decoding_does(kind
             context += r.emitted
         if kind == "model":
             assert drafter.cache is not None and drafter.cache.length <= ctx
+
+
+def test_check_parents_refuses_a_count_that_is_not_one_per_token():
+    """One parent per draft token: too few or too many is a ConfigError saying so; an empty tree
+    of zero tokens is fine; a parent below -1 is refused."""
+    check_parents(torch.tensor([], dtype=torch.long), 0)
+    for parents, n in (([-1, 0], 3), ([-1, 0, 1], 2), ([-1], 0)):
+        with pytest.raises(ConfigError, match="one parent per draft token"):
+            check_parents(torch.tensor(parents), n)
+    with pytest.raises(ConfigError, match="-1"):
+        check_parents(torch.tensor([-1, -2]), 2)
+
+
+def test_with_root_and_is_chain_on_edge_trees():
+    """A child of node 0 hangs below node 1 once the pending token is node 0; a chain is only the
+    exact chain (a tree whose first edge looks like one is not)."""
+    assert with_root(torch.tensor([-1, 0, 0, 1])).tolist() == [-1, 0, 1, 1, 2]
+    assert is_chain(torch.tensor([], dtype=torch.long)) and is_chain(torch.tensor([-1]))
+    assert not is_chain(torch.tensor([-1, 0, 0])) and not is_chain(torch.tensor([-1, -1]))

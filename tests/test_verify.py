@@ -19,6 +19,7 @@ from specdec.verify import (
     coupled_verify,
     get_rule,
     greedy_verify,
+    lossy_ratio_threshold,
     lossy_resample_p,
     token_plan,
     token_verify,
@@ -348,3 +349,102 @@ def test_a_uniform_equal_to_the_acceptance_ratio_rejects(block):
     assert emitted.tolist() == [1]  # the residual max(0, p - q) = [0, 0.25]: token 1
     n, emitted, _ = torch.ops.specdec.chain_rule(p, q, tokens, torch.tensor([0.4999999, 0.0], dtype=torch.float64), block)
     assert n == 1 and emitted.tolist() == [0, 0]  # just below: accepted, the bonus from p_1
+
+
+@pytest.mark.parametrize("rule", [token_verify, block_verify])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float64])
+def test_a_draft_distribution_of_the_wrong_shape_is_refused(rule, dtype):
+    """q must be [γ, V]: a row too many, a word too many or one row for all positions is a
+    ValueError naming draft_probs (float32 rows would otherwise reach the compiled rule)."""
+    p = torch.full((3, 5), 0.2, dtype=dtype)
+    draft = torch.tensor([1, 2])
+    for shape in ((3, 5), (2, 6), (1, 5), (2, 4)):
+        with pytest.raises(ValueError, match="draft_probs"):
+            rule(draft, torch.full(shape, 1 / shape[1], dtype=dtype), p, generator=torch.Generator().manual_seed(0))
+
+
+@pytest.mark.parametrize("rule", [token_verify, block_verify])
+def test_a_residual_that_rounds_to_zero_falls_back_to_the_rejected_positions_target(rule):
+    """Rows that do not sum exactly to 1 can leave max(0, p_0 - q_0) = 0 after a rejection (here
+    p_0 <= q_0 everywhere, p_0(x) / q_0(x) = 0.8).  The next token then comes from p_0 itself --
+    never from another position's row (p_1 puts all its mass on token 2, which p_0 forbids).
+    200 seeds, float64 rows (the torch rule); about 20% of them reject."""
+    q = torch.tensor([[0.5, 0.5, 0.0]], dtype=torch.float64)
+    p = torch.tensor([[0.4, 0.5, 0.0], [0.0, 0.0, 1.0]], dtype=torch.float64)
+    rejected = 0
+    for s in range(200):
+        v = rule(torch.tensor([0]), q, p, generator=torch.Generator().manual_seed(s))
+        if v.num_accepted == 0:
+            rejected += 1
+            assert int(v.tokens[0]) in (0, 1)
+        else:
+            assert v.tokens.tolist() == [0, 2]
+    assert 10 < rejected < 80
+
+
+def test_get_rule_passes_its_parameters_on():
+    """``get_rule(name, threshold=...)`` binds the parameter: with p/q = 0.5 at the first position
+    the default threshold 1.0 rejects, 0.4 accepts."""
+    q = torch.tensor([[0.5, 0.5]], dtype=torch.float64)
+    p = torch.tensor([[0.25, 0.75], [1.0, 0.0]], dtype=torch.float64)
+    draft = torch.tensor([0])
+    assert get_rule("lossy-ratio-threshold").fn(draft, q, p).num_accepted == 0
+    assert get_rule("lossy-ratio-threshold", threshold=0.4).fn(draft, q, p).num_accepted == 1
+    assert get_rule(" Token ").name == "token"
+
+
+def test_lossy_ratio_threshold_accepts_at_the_threshold():
+    """'accept deterministically while p/q >= threshold': a ratio exactly at the threshold is kept."""
+    q = torch.tensor([[0.5, 0.5], [0.5, 0.5]], dtype=torch.float64)
+    p = torch.tensor([[0.25, 0.75], [0.5, 0.5], [1.0, 0.0]], dtype=torch.float64)
+    v = lossy_ratio_threshold(torch.tensor([0, 1]), q, p, threshold=0.5)
+    assert v.num_accepted == 2 and v.tokens.tolist() == [0, 1, 0]
+    assert v.alpha_mean == pytest.approx(0.75)
+
+
+@pytest.mark.parametrize("rule", [token_verify, block_verify])
+def test_mixed_precision_laws_take_the_torch_rule_even_with_the_kernels_loaded(rule):
+    """The compiled chain rule takes float32 p and q only; a float32 target with a float64 draft
+    (or the reverse) runs the torch rule, which computes in float64: the verdict is the all-float64
+    verdict for the same generator state (50 seeds)."""
+    from specdec.models import kernels
+
+    if not kernels.load():
+        pytest.skip("the kernels did not build here")
+    g = torch.Generator().manual_seed(0)
+    p = torch.softmax(torch.randn(4, 6, generator=g) * 2, -1)  # float32
+    q = torch.softmax(torch.randn(3, 6, generator=g, dtype=torch.float64) * 2, -1)
+    draft = torch.tensor([1, 4, 2])
+    for s in range(50):
+        want = rule(draft, q, p.double(), generator=torch.Generator().manual_seed(s))
+        for pp, qq in ((p, q), (p.double(), q.float())):
+            if qq.dtype == torch.float32:
+                want = rule(draft, qq.double(), pp, generator=torch.Generator().manual_seed(s))
+            got = rule(draft, qq, pp, generator=torch.Generator().manual_seed(s))
+            assert got.tokens.tolist() == want.tokens.tolist(), s
+
+
+def test_coupled_verify_reads_each_scored_position_it_is_given():
+    """``positions`` are the absolute positions of the scored rows, not necessarily consecutive
+    (the rule must read positions[i], not positions[0] + i)."""
+    from specdec.sampling import gumbel_sample
+    from specdec.verify import coupled_verify
+
+    p = torch.softmax(torch.randn(3, 20, generator=torch.Generator().manual_seed(2)) * 0.5, -1)
+    positions = torch.tensor([10, 25, 40])
+    own = [gumbel_sample(p[i], 7, int(positions[i])) for i in range(3)]
+    v = coupled_verify(torch.tensor(own[:2]), None, p, seed=7, positions=positions)
+    assert v.num_accepted == 2 and v.tokens.tolist() == own
+
+
+def test_the_lossy_strict_residual_leaves_the_target_rows_untouched():
+    """Even the lossy rules are pure functions of their inputs: the 'strict' residual is built on
+    a copy of p_j (float64 rows, 50 seeds with rejections)."""
+    from specdec.verify import lossy_strict_residual
+
+    q = torch.tensor([[0.9, 0.1]], dtype=torch.float64)
+    p = torch.tensor([[0.3, 0.7], [0.5, 0.5]], dtype=torch.float64)
+    before = p.clone()
+    for s in range(50):
+        lossy_strict_residual(torch.tensor([0]), q, p, generator=torch.Generator().manual_seed(s))
+    assert torch.equal(p, before)

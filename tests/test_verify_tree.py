@@ -775,3 +775,84 @@ def test_tree_rule_registry():
     assert rule.fn(_t([1, 0]), _t([-1, -1]), torch.tensor([[0.5, 0.5], [0.5, 0.5]]), p).path == (0,)
     with pytest.raises(ConfigError, match="no tree verification rule"):
         get_tree_rule("lossy_resample_p")
+
+
+def test_every_tree_rule_refuses_a_malformed_tree():
+    """greedy and coupled validate the tree as token and traversal do; traversal checks its
+    sibling mode as token does (an unknown mode must not silently mean i.i.d.)."""
+    p = torch.full((3, 4), 0.25)
+    for bad in (_t([-1, 1]), _t([-1, 2]), _t([-2, 0])):  # a parent that is not earlier / below -1
+        with pytest.raises(ValueError, match="parents"):
+            tree_greedy(_t([1, 2]), bad, None, p)
+        with pytest.raises(ValueError, match="parents"):
+            tree_coupled(_t([1, 2]), bad, None, p, seed=0, base_position=0)
+    with pytest.raises(ValueError, match="target_probs"):
+        tree_greedy(_t([1, 2]), _t([-1, 0]), None, p[:2])
+    with pytest.raises(ValueError, match="parents"):  # one parent too many
+        tree_token(_t([1, 2]), _t([-1, 0, 1]), None, p)
+    with pytest.raises(ValueError, match="siblings"):
+        tree_traversal(_t([1, 2]), _t([-1, 0]), None, p, siblings="sorted")
+
+
+@pytest.mark.parametrize("rule", [tree_token, tree_traversal])
+@pytest.mark.parametrize("siblings", ["iid", "without_replacement"])
+def test_a_token_both_laws_give_zero_is_never_accepted(rule, siblings):
+    """A node whose token has p = 0 and q = 0 (a degenerate draft row) must be rejected, never
+    accepted as 'q = 0 < p' (200 seeds): the target cannot emit it."""
+    p = torch.tensor([[0.0, 0.5, 0.5], [0.2, 0.4, 0.4], [0.3, 0.3, 0.4]], dtype=torch.float64)
+    q = torch.tensor([[0.0, 0.5, 0.5], [0.0, 0.5, 0.5]], dtype=torch.float64)
+    for s in range(200):
+        v = rule(_t([0, 0]), _t([-1, -1]), q, p, generator=torch.Generator().manual_seed(s), siblings=siblings)
+        assert v.path == () and int(v.tokens[0]) in (1, 2)
+        assert v.alpha_mean == 0.0  # min(1, p/q) with p = 0 counts 0 for both nodes, never NaN
+
+
+@pytest.mark.parametrize("rule", [tree_token, tree_traversal])
+@pytest.mark.parametrize("siblings", ["iid", "without_replacement"])
+def test_the_rules_leave_their_float64_inputs_untouched(rule, siblings):
+    """The rules are pure functions: float64 rows (where ``.double()`` is no copy) come back as
+    they went in, for sampled nodes and for deterministic candidates (whose rejection removes
+    tokens from the row)."""
+    g = torch.Generator().manual_seed(0)
+    tokens, parents = _t([0, 1, 2, 0, 1]), _t([-1, -1, -1, 0, 0])
+    for trial in range(30):
+        p = torch.softmax(torch.randn(6, 4, generator=g, dtype=torch.float64) * 2, -1)
+        q = torch.softmax(torch.randn(5, 4, generator=g, dtype=torch.float64) * 2, -1)
+        for dp in (q, None):
+            p0, q0 = p.clone(), q.clone()
+            v = rule(tokens, parents, dp, p, generator=torch.Generator().manual_seed(trial), siblings=siblings)
+            assert torch.equal(p, p0) and torch.equal(q, q0), (trial, dp is None, v.path)
+
+
+def test_node_target_sample_weights_exclude_removed_tokens():
+    """After deterministic candidates were rejected, the emitted token is drawn from the row with
+    them removed: the weights give them zero (and the rest in proportion)."""
+    t = NodeTarget(torch.tensor([0.1, 0.2, 0.3, 0.4]))
+    t.remove(3)
+    t.remove(1)
+    w = t.sample_weights()
+    assert w[1] == 0.0 and w[3] == 0.0
+    assert float(w[2] / w[0]) == pytest.approx(3.0)
+    assert t.prob(2) == pytest.approx(0.75) and t.prob(3) == 0.0
+
+
+@pytest.mark.parametrize("rule", [tree_token, tree_traversal])
+def test_rejected_candidates_are_never_emitted_after_them(rule):
+    """Deterministic candidates at the root, all rejected (p puts most mass elsewhere): the
+    emitted token is never one of them (2,000 seeds; each seed's candidates are rejected with
+    probability >= 0.35)."""
+    p = torch.tensor([[0.3, 0.3, 0.05, 0.35], [0.0, 1.0, 0.0, 0.0], [0.0, 1.0, 0.0, 0.0]])
+    seen = set()
+    for s in range(2000):
+        v = rule(_t([0, 1]), _t([-1, -1]), None, p, generator=torch.Generator().manual_seed(s))
+        if v.path == ():
+            seen.add(int(v.tokens[0]))
+    assert seen == {2, 3}
+
+
+def test_get_tree_rule_normalises_a_chain_rules_name():
+    """A chain rule's name maps to its tree rule however it is spelled (case, spaces)."""
+    from specdec.verify_tree import get_tree_rule
+
+    assert get_tree_rule(" Block ").name == "tree_traversal"
+    assert get_tree_rule("TOKEN").name == "tree_token"
