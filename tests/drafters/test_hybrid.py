@@ -20,9 +20,10 @@ import torch
 from specdec import defaults
 from specdec.decoder import SpeculativeDecoder
 from specdec.drafters.base import Draft, DraftSampler
-from specdec.drafters.hybrid import LookupThenModel
+from specdec.drafters.hybrid import LookupThenModel, split_lookup
 from specdec.drafters.model import ModelDrafter
 from specdec.drafters.tree_builder import TreeSpec
+from specdec.errors import ConfigError
 from specdec.gamma import CostGamma, FixedGamma
 from specdec.sampling import SamplingConfig
 from specdec.verify import Verdict, get_rule
@@ -288,3 +289,71 @@ def test_a_tree_rounds_lookup_draft_has_the_lookup_length():
         d.prepare(ctx)
         draft = d.propose_tree(ctx, 16, SAMPLER, TreeSpec(), max_depth=8)
         assert draft.free and draft.tokens.tolist() == [0, 2, 4][:tokens]
+
+
+@pytest.mark.parametrize("text, want", [("smollm2-135m-draft+lookup", ("smollm2-135m-draft", True)),
+                                        ("tiny+LOOKUP", ("tiny", True)),
+                                        (" tiny +lookup ", ("tiny", True)),
+                                        ("tiny", ("tiny", False))])
+def test_the_lookup_suffix_is_read_whatever_its_case_and_spacing(text, want):
+    assert split_lookup(text) == want
+
+
+def test_a_lookup_suffix_alone_is_a_config_error():
+    with pytest.raises(ConfigError):
+        split_lookup(" +lookup")
+
+
+class _Stub:
+    """Just enough of a model drafter for the hybrid's copies."""
+
+    supports_trees = False
+
+    def spawn(self, wrap=lambda m: m):
+        return _Stub()
+
+    def with_model(self, model):
+        return _Stub()
+
+
+def test_copies_of_a_hybrid_keep_its_lookup_settings():
+    from specdec.drafters.hybrid import LookupThenModel, split_lookup
+
+    h = LookupThenModel(_Stub(), min_ngram=3, max_ngram=5, lookup_tokens=2)  # type: ignore[arg-type]
+    for copy in (h.spawn(), h.with_model(object())):
+        assert (copy.lookup.min_ngram, copy.lookup.max_ngram, copy.lookup_tokens) == (3, 5, 2)
+        assert copy.length.next_gamma() == 2  # the fixed lookup length
+
+
+def test_reset_forgets_the_last_sequences_text():
+    """After ``reset`` the lookup index holds nothing of the previous sequence: a new, longer
+    context whose suffix "1 3" occurred only in the old text is not looked up there."""
+    import torch
+
+    from specdec.drafters.base import DraftSampler
+    from specdec.drafters.hybrid import LookupThenModel, split_lookup
+    from specdec.sampling import SamplingConfig
+
+    class Resettable(_Stub):
+        def reset(self):
+            pass
+
+    sampler = DraftSampler(SamplingConfig(temperature=0.0), "argmax", penalties=None, generator=None, room=4)
+    h = LookupThenModel(Resettable(), min_ngram=2, max_ngram=4, lookup_tokens=4)  # type: ignore[arg-type]
+    old = torch.tensor([4, 1, 3, 0, 2, 2, 4, 1, 3])
+    assert h.propose(old, 0, sampler).tokens.tolist() == [0, 2, 2, 4]  # a lookup round on the old text
+    h.reset()
+    new = torch.tensor([7] * 9 + [1, 3])
+    assert h.propose(new, 0, sampler).tokens.numel() == 0
+
+
+def test_the_temperature_factor_is_the_model_drafters():
+    """Setting the hybrid's temperature factor sets its model drafter's (a server's per-request
+    drafters read it there)."""
+    from specdec.drafters.hybrid import LookupThenModel, split_lookup
+
+    model = _Stub()
+    model.temperature_factor = 1.0  # type: ignore[attr-defined]
+    h = LookupThenModel(model)  # type: ignore[arg-type]
+    h.temperature_factor = 0.5
+    assert model.temperature_factor == 0.5 and h.temperature_factor == 0.5  # type: ignore[attr-defined]

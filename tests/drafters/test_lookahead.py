@@ -230,3 +230,76 @@ def test_the_window_leaves_room_for_the_candidates():
     window = {n for row in d._window_nodes for n in row}
     cand = [(int(t), int(p)) for i, (t, p) in enumerate(zip(draft.tokens, draft.parents)) if i not in window]
     assert cand == [(4, -1), (2, 0)]
+
+
+@pytest.mark.parametrize("kw", [dict(ngram=1), dict(window=0), dict(candidates=-1), dict(pool_size=0)])
+def test_refuses_settings_without_a_window_or_an_ngram(kw):
+    with pytest.raises(ValueError):
+        LookaheadDrafter(**kw)
+
+
+def _depths(parents: list[int]) -> list[int]:
+    out: list[int] = []
+    for p in parents:
+        out.append(1 if p < 0 else out[p] + 1)
+    return out
+
+
+def test_the_seed_picks_the_windows_initial_guesses_from_the_prompt():
+    """The window starts as seeded draws from the prompt's tokens: the same seed gives the same
+    window, another seed another one (prompt of 8 distinct tokens, 2 x 5 guesses)."""
+    prompt = torch.tensor([11, 12, 13, 14, 15, 16, 17, 18])
+    windows = []
+    for seed in (0, 0, 1):
+        d = LookaheadDrafter(window=5, ngram=3, candidates=1, seed=seed)
+        d.prepare(prompt)
+        assert all(t in prompt.tolist() for row in d.levels for t in row)
+        windows.append(d.levels)
+    assert windows[0] == windows[1] and windows[0] != windows[2]
+    assert len({t for row in windows[0] for t in row}) > 1
+
+
+def test_no_node_is_deeper_than_max_depth():
+    """max_depth 1 (one token left to generate): pool candidates and window alike stay at depth 1."""
+    d = LookaheadDrafter(window=3, ngram=3, candidates=2)
+    d.prepare(torch.tensor(PROMPT))
+    d.pool.clear()
+    d._add((3, 4, 2))
+    draft = d.propose_tree(torch.tensor(PROMPT), 16, _sampler(), TreeSpec(), max_depth=1)
+    assert draft.tokens.numel() > 0
+    assert max(_depths(draft.parents.tolist())) == 1
+    assert draft.tokens.tolist()[0] == 4  # the candidate's first token is still proposed
+
+
+def test_a_tree_without_a_window_does_not_ask_for_arg_maxes():
+    """A budget too small for a window column (budget 2, 2 rows, a candidate): no window nodes,
+    so the draft does not ask the verifier for the target's arg-max after each node."""
+    d = LookaheadDrafter(window=3, ngram=3, candidates=1)
+    d.prepare(torch.tensor(PROMPT))
+    draft = d.propose_tree(torch.tensor(PROMPT), 2, _sampler(), TreeSpec(), max_depth=8)
+    assert d._window_nodes == [] and not draft.wants_argmax
+    assert draft.tokens.numel() == 2  # the pool's continuation of 3: (0, 1)
+
+
+def test_columns_the_budget_left_out_keep_their_newest_guess():
+    """Window 5 but room for 3 columns (budget 8): after the Jacobi step the new newest row's
+    columns 3 and 4 are the old newest row's (its guesses there were not refreshed)."""
+    d = LookaheadDrafter(window=5, ngram=3, candidates=1)
+    d.prepare(torch.tensor(PROMPT))
+    d.levels = [[10, 11, 12, 13, 14], [20, 21, 22, 23, 24]]
+    d.pool.clear()
+    d._add((3, 4, 2))
+    draft = d.propose_tree(torch.tensor(PROMPT), 8, _sampler(), TreeSpec(), max_depth=8)
+    assert [len(r) for r in d._window_nodes] == [3, 3]
+    d.observe(torch.full((draft.tokens.numel() + 1,), 7, dtype=torch.long))
+    assert d.levels == [[20, 21, 22, 23, 24], [7, 7, 7, 23, 24]]
+
+
+def test_a_round_committing_more_than_the_window_keeps_every_row_window_wide():
+    """5 tokens committed past a window of 3: every row is 3 fresh guesses, no longer."""
+    from specdec.verify import Verdict
+
+    d = LookaheadDrafter(window=3, ngram=3, candidates=1)
+    d.prepare(torch.tensor(PROMPT))
+    d.commit(Verdict(num_accepted=4, tokens=torch.tensor([1, 3, 0, 1, 3])))
+    assert [len(row) for row in d.levels] == [3, 3]

@@ -1,3 +1,4 @@
+import pytest
 import torch
 
 from specdec.drafters import NgramDrafter
@@ -90,3 +91,9 @@ def test_tree_falls_back_to_the_shortest_ngram():
     # only the 1-gram "3" matches: what followed it
     toks, pars = _tree([1, 2, 3, 9, 3], 8, TreeSpec(depth=1), max_ngram=3, min_ngram=1)
     assert toks == [9, 3] and pars == [-1, 0]
+
+
+@pytest.mark.parametrize("kw", [dict(max_ngram=2, min_ngram=3), dict(max_ngram=3, min_ngram=0)])
+def test_refuses_an_empty_or_inverted_ngram_range(kw):
+    with pytest.raises(ValueError):
+        NgramDrafter(**kw)
