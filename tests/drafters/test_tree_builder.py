@@ -434,3 +434,20 @@ def test_a_level_is_handed_to_expand_in_tree_order_not_score_order():
     spec = TreeSpec(shape="dynamic", width=2, depth=3, min_prob=0.0)
     build_tree(row(()).unsqueeze(0), expand, spec, GREEDY, position=0, budget=100, max_depth=8)
     assert calls[1] == [(1, 3), (2, 5)]
+
+
+def test_a_sampled_tree_reports_each_nodes_q_as_it_was_drawn_from():
+    """The reported q of every node is the row its token was drawn from, bit for bit, even where
+    the expanded levels' rows come in another dtype than the root's (float64 below a float32 root:
+    q must not be rounded to float32, or a rule would verify against another law than the draw's)."""
+    g = torch.Generator().manual_seed(5)
+    root = torch.randn(1, SMALL_V, generator=g)  # float32
+    below = torch.randn(1, SMALL_V, generator=g, dtype=torch.float64)
+    spec = TreeSpec(sample_branching=(2, 1), sample_width=2, sibling_stop=0.0)
+    draft, _ = build_tree(root, lambda n, t, p: below.expand(len(n), SMALL_V), spec, _multinomial(2), position=0,
+                          budget=8, max_depth=2)
+    depth = [0 if p < 0 else 1 for p in draft.parents.tolist()]
+    assert 1 in depth
+    for i, d in enumerate(depth):
+        law = torch.softmax(below[0], -1) if d else torch.softmax(root[0], -1).double()  # the float32 root row, widened
+        assert torch.equal(draft.probs[i], law.to(draft.probs.dtype)) and draft.probs.dtype == torch.float64, i

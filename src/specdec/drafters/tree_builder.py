@@ -240,7 +240,9 @@ def build_tree(
         remap = {old: new for new, old in enumerate(keep)}
         toks = [toks[i] for i in keep]
         pars = [remap[pars[i]] if pars[i] >= 0 else -1 for i in keep]
-    probs = torch.stack(rows).to(root_logits.dtype) if sampled and rows else None  # [n, V] or [n, Vd]
+    # q as drawn from, row for row: casting it (to the root logits' dtype) would report a rounded
+    # copy of the law a node was sampled from where a level's rows came in another dtype
+    probs = torch.stack(rows) if sampled and rows else None  # [n, V] or [n, Vd]
     if probs is not None and ids is not None:
         if vocab is None:
             raise ValueError("compact draft rows drawn from q need the whole vocabulary's size")
