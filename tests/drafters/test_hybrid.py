@@ -357,3 +357,14 @@ def test_the_temperature_factor_is_the_model_drafters():
     h = LookupThenModel(model)  # type: ignore[arg-type]
     h.temperature_factor = 0.5
     assert model.temperature_factor == 0.5 and h.temperature_factor == 0.5  # type: ignore[attr-defined]
+
+
+def test_a_model_rounds_pass_teaches_the_lookup_length_its_cost():
+    """The decoder hands every model round's verification pass to ``observe_pass``: the lookup
+    length's cost controller learns the target's cost curve from it (a pass is the target's,
+    whoever drafted), so lookup lengths are weighed against measured costs."""
+    h = _hybrid(lookup_tokens=None)  # the lookup length chosen by cost
+    h.prepare(torch.tensor([1, 2, 3]))
+    assert isinstance(h.length, CostGamma)
+    h.observe_pass(3, 0.25)
+    assert h.length._target_s == {3: 0.25}
