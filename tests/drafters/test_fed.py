@@ -10,7 +10,7 @@ import pytest
 import torch
 
 from specdec.decoder import SpeculativeDecoder
-from specdec.drafters.fed import FedDrafter
+from specdec.drafters.fed import FedDrafter, fed_input
 from specdec.drafters.tree_builder import TreeSpec
 from specdec.gamma import FixedGamma
 from specdec.models.native import NativeCausalLM
@@ -156,3 +156,57 @@ def test_a_fed_draft_for_another_targets_width_is_a_config_error():
         d.add_features(torch.zeros(2, len(TAPS) + 1, 48))
     assert d.spawn(lambda m: m).model is draft and d.spawn().feature_taps == TAPS
 
+
+def test_features_longer_than_the_doubled_buffer_all_land():
+    """A chunk of features larger than twice the buffer (and than 64 rows) still lands whole:
+    the buffer grows to at least what it must hold, and every row reads its projection."""
+    draft, w = _fed()
+    d = FedDrafter(draft, w[on.FED_PROJ], w[on.FED_NULL], TAPS)
+    d.prepare(torch.tensor([1, 2]))  # room for two positions' features
+    g = torch.Generator().manual_seed(0)
+    feats = torch.randn(100, len(TAPS) + 1, 32, generator=g)
+    d.add_features(feats[:1])
+    d.add_features(feats[1:])
+    assert d._n_feats == 100
+    want = fed_input(feats) @ w[on.FED_PROJ].T
+    assert torch.allclose(d._pf[:100], want, atol=1e-5)
+    # row r reads position r - 1's features; row 0 the null vector
+    rows = d._extra(0, 101)
+    assert torch.equal(rows[0], w[on.FED_NULL]) and torch.allclose(rows[1:], want, atol=1e-5)
+
+
+def test_a_spawned_or_rebuilt_fed_drafter_keeps_its_settings():
+    """``with_model``/``spawn``: the same projection, taps, max_length and temperature factor."""
+    draft, w = _fed()
+    d = FedDrafter(draft, w[on.FED_PROJ], w[on.FED_NULL], TAPS, max_length=40, temperature_factor=0.6)
+    for fresh in (d.spawn(), d.with_model(draft)):
+        assert fresh is not d and fresh.temperature_factor == 0.6 and fresh.max_length == 40
+        assert fresh.feature_taps == TAPS and fresh.proj is d.proj and fresh.null is d.null
+
+
+def test_a_new_sequence_forgets_the_last_ones_features():
+    """``prepare`` for the next sequence starts with no features: until the verifier hands this
+    sequence's, every row reads the null vector (not the last sequence's feature count over a
+    fresh, uninitialised buffer)."""
+    draft, w = _fed()
+    d = FedDrafter(draft, w[on.FED_PROJ], w[on.FED_NULL], TAPS)
+    d.prepare(torch.tensor([1, 2, 3, 4, 5, 6]))
+    d.add_features(torch.randn(5, len(TAPS) + 1, 32, generator=torch.Generator().manual_seed(1)))
+    d.prepare(torch.tensor([7, 8, 9, 10, 11, 12]))
+    assert d._n_feats == 0
+    assert torch.equal(d._extra(0, 6), w[on.FED_NULL].expand(6, -1))
+
+
+def test_fed_input_is_each_tap_over_its_rms_concatenated_at_unit_norm():
+    """Training's layout (a trained projection reads exactly this): per row, each tap divided by
+    its own RMS, the taps concatenated, the whole scaled to unit L2 norm."""
+    g = torch.Generator().manual_seed(3)
+    feats = torch.randn(4, 3, 16, generator=g) * torch.tensor([1.0, 5.0, 0.5])[None, :, None]  # taps of unlike scales
+    got = fed_input(feats)  # [4, 48]
+    assert got.shape == (4, 48)
+    assert torch.allclose(got.norm(dim=-1), torch.ones(4), atol=1e-3)
+    for t in range(3):  # every tap's block has the same norm: each was divided by its own RMS
+        block = got[:, 16 * t : 16 * (t + 1)]
+        assert torch.allclose(block.norm(dim=-1), torch.full((4,), 3 ** -0.5), atol=1e-3)
+        assert torch.allclose(block / block.norm(dim=-1, keepdim=True),
+                              feats[:, t] / feats[:, t].norm(dim=-1, keepdim=True), atol=1e-5)

@@ -2,6 +2,7 @@ import torch
 
 from specdec.drafters import ModelDrafter
 from specdec.drafters.base import DraftSampler
+from specdec.drafters.tree_builder import TreeSpec
 from specdec.models.toy import ToyLM
 from specdec.sampling import PenaltyState, SamplingConfig, process_logits
 from specdec.verify import Verdict
@@ -720,3 +721,97 @@ def test_the_confidence_stop_reads_the_drawn_tokens_own_q(mode, compact):
             assert token in (2, 5) and sampler.stop_requested == (q < bar), (seed, bar, token)
             seen[token] = seen.get(token, 0) + 1
     assert set(seen) == ({2} if mode == "argmax" else {2, 5})
+
+
+def _argmax() -> DraftSampler:
+    return DraftSampler(SamplingConfig(temperature=0.0), "argmax", penalties=None, generator=None)
+
+
+def test_a_prompt_that_exactly_fills_the_draft_context_is_still_prefilled():
+    """``prepare`` prefills all but the last prompt token whenever the prompt fits the draft's
+    room (``<=``, not ``<``): a prompt of exactly ``max_length`` tokens is prefilled up front,
+    and the round after it feeds only the last token (no catch-up pass)."""
+    model = ToyLM(7, order=2, seed=5)
+    ctx = torch.tensor([1, 4, 2, 6, 3])
+    d = ModelDrafter(model, max_length=ctx.numel())
+    d.prepare(ctx)
+    assert d.cache.length == ctx.numel() - 1
+    draft = d.propose(ctx, 3, _argmax())
+    assert draft.tokens.numel() == 1  # room for one drafted token: the cache ends full
+    assert d.cache.length == ctx.numel()
+
+
+def test_a_round_without_room_keeps_the_cache_on_commit():
+    """A round past the draft's context drafts nothing, and its commit keeps the draft cache as
+    it was (``_no_room`` starts the round at the cache's length, not at 0)."""
+    model = ToyLM(7, order=2, seed=5)
+    ctx = torch.tensor([1, 4, 2, 6, 3])
+    d = ModelDrafter(model, max_length=6)
+    d.prepare(ctx)
+    d.propose(ctx, 3, _argmax())
+    d.commit(Verdict(2, torch.tensor([0, 1, 2])))  # the two drafted tokens kept, one more
+    kept = d.cache.length
+    assert kept == ctx.numel() + 1
+    longer = torch.cat([ctx, torch.tensor([0, 1, 2])])  # 8 tokens: past the draft's 6
+    assert d.propose(longer, 3, _argmax()).tokens.numel() == 0
+    d.commit(Verdict(0, torch.tensor([5])))
+    assert d.cache.length == kept
+
+
+def test_with_model_keeps_the_temperature_factor():
+    """``with_model`` is a drafter of the same settings: the temperature factor too."""
+    d = ModelDrafter(ToyLM(5, seed=1), max_length=32, temperature_factor=0.6, lazy_prefill=True)
+    fresh = d.with_model(ToyLM(5, seed=2))
+    assert fresh.temperature_factor == 0.6 and fresh.max_length == 32 and fresh.lazy_prefill
+
+
+def test_a_tree_feeds_no_more_nodes_than_the_draft_cache_has_rows_left():
+    """``propose_tree`` hands the tree builder the cache's free rows (``max_fed``): two rows left
+    after the context, a tree of up to 10 nodes feeds at most two of them and the cache ends at
+    its ``max_length`` (the decoder's own budget does not cap this: the drafter must)."""
+    from tiny import tiny_native
+
+    room = 24
+    d = ModelDrafter(tiny_native(max_length=room))
+    ctx = torch.tensor([(7 * i) % 60 + 1 for i in range(room - 2)])
+    d.prepare(ctx)
+    draft = d.propose_tree(ctx, 10, _argmax(), TreeSpec(min_prob=0.0), max_depth=6)
+    assert draft.tokens.numel() > 2  # the last level is drawn, not fed
+    assert d.cache.length <= room
+
+
+def test_a_tree_commit_keeps_the_accepted_paths_fed_nodes_as_a_plain_pass_computes_them():
+    """After a tree round, ``commit`` keeps the context and the accepted path's fed (expanded)
+    nodes, compacted after the context: their keys/values are what one plain pass over the
+    context and the path's tokens computes (each node attended to its own ancestors in the tree
+    pass, and is kept at its slot after ``round_start``).  A 2-layer model, so a depth-2 node's
+    layer-1 keys depend on its parent."""
+    from tiny import tiny_native
+
+    model = tiny_native()
+    d = ModelDrafter(model)
+    ctx = torch.tensor([5, 9, 3, 3, 17, 40])
+    d.prepare(ctx)
+    draft = d.propose_tree(ctx, 12, _argmax(), TreeSpec(min_prob=0.0, width=2, depth=4), max_depth=4)
+    parents = draft.parents.tolist()
+
+    def depth(v):
+        return 0 if parents[v] < 0 else 1 + depth(parents[v])
+
+    leaf = max(range(len(parents)), key=lambda v: (depth(v), -v))
+    path = [leaf]
+    while parents[path[0]] >= 0:
+        path.insert(0, parents[path[0]])
+    assert len(path) >= 3
+    fed = 0
+    while fed < len(path) and path[fed] in d._slots:
+        fed += 1
+    assert fed >= 2  # at least a root-level node and its child were fed
+    tokens = draft.tokens[path]
+    d.commit(Verdict(len(path), torch.cat([tokens, torch.tensor([1])]), path=tuple(path)))
+    n = ctx.numel() + fed
+    assert d.cache.length == n
+    ref = model.new_cache(64)
+    model.forward(torch.cat([ctx, tokens[:fed]]), ref)
+    assert torch.allclose(d.cache.k[:, :, :n], ref.k[:, :, :n], atol=1e-5)
+    assert torch.allclose(d.cache.v[:, :, :n], ref.v[:, :, :n], atol=1e-5)

@@ -624,3 +624,179 @@ def test_a_neighbour_toggles_exactly_one_attention_or_mlp_sub_layer():
         assert len(da) + len(dm) == 1
         kinds.add("attn" if da else "mlp")
     assert kinds == {"attn", "mlp"}
+
+
+
+def _argmax() -> DraftSampler:
+    return DraftSampler(SamplingConfig(temperature=0.0), "argmax", penalties=None, generator=None)
+
+
+def test_shared_layers_are_not_reused_for_tokens_the_draft_did_not_feed():
+    """Cache sharing reuses the draft's rows only for the tokens it fed: a verification pass over
+    other tokens (the draft's first token replaced) gets None (the caller runs its plain pass)
+    or exactly the plain pass's logits, never logits built on the draft's rows of other tokens."""
+    cfg = SamplingConfig(temperature=0.0)
+    drafter = SelfSpecDrafter(LayerView(INVARIANT, LayerPlan.early_exit(3, 2), keep_hidden=True), share=True)
+    session = TargetSession(INVARIANT, PROMPT + [2, 4], cfg, get_rule("greedy"), seed=0)
+    plain = TargetSession(INVARIANT, PROMPT + [2, 4], cfg, get_rule("greedy"), seed=0)
+    drafter.prepare(session.context)
+    draft = drafter.propose(session.context, 3, _argmax())
+    assert draft.reuse is not None and draft.tokens.numel() == 3
+    other = draft.tokens.clone()
+    other[0] = (int(other[0]) + 1) % 5
+    feed = torch.cat([session.context[-1:], other])
+    got = draft.reuse.forward(INVARIANT, feed, session.cache)
+    want = INVARIANT.forward(feed, plain.cache)
+    assert got is None or torch.equal(got, want)
+
+
+def test_a_target_cache_holding_the_last_context_token_leaves_it_to_the_view():
+    """Bound to a target cache that already holds every context position (the last one too), the
+    view copies only up to the last context token and runs that one itself, whose logits drafting
+    needs: it drafts what the unbound view drafts over the same (early-exit) layers."""
+    ctx = torch.tensor(PROMPT + [2, 4, 1, 1])
+    cache = INVARIANT.new_cache(32)
+    INVARIANT.forward(ctx, cache)  # all of the context, its last token included
+    plan = LayerPlan.early_exit(3, 2)
+    bound = SelfSpecDrafter(LayerView(INVARIANT, plan))
+    bound.bind_target(INVARIANT, cache)
+    bound.prepare(ctx)
+    unbound = SelfSpecDrafter(LayerView(INVARIANT, plan))
+    unbound.prepare(ctx)
+    got, want = bound.propose(ctx, 3, _argmax()), unbound.propose(ctx, 3, _argmax())
+    assert torch.equal(got.tokens, want.tokens) and got.tokens.numel() == 3
+    assert bound.cache.length == ctx.numel() + 2
+
+
+def test_a_view_takes_no_keys_from_another_models_cache():
+    """``bind_target`` binds only the view's own target (or a wrapper whose ``inner`` is it): a
+    cache of another model (other weights) is ignored, and the view drafts what the unbound view
+    drafts instead of copying that model's keys and values."""
+    other = tiny_native(layers=3, seed=7)
+    ctx = torch.tensor(PROMPT + [2, 4, 1, 1])
+    cache = other.new_cache(32)
+    other.forward(ctx[:-1], cache)
+    bound = SelfSpecDrafter(LayerView(INVARIANT, LayerPlan.early_exit(3, 2)))
+    bound.bind_target(other, cache)
+    bound.prepare(ctx)
+    unbound = SelfSpecDrafter(LayerView(INVARIANT, LayerPlan.early_exit(3, 2)))
+    unbound.prepare(ctx)
+    assert torch.equal(bound.cache.k[:, :, :6], unbound.cache.k[:, :, :6])
+    assert torch.equal(bound.propose(ctx, 3, _argmax()).tokens, unbound.propose(ctx, 3, _argmax()).tokens)
+
+
+def test_swift_scores_over_the_window_alone_when_the_targets_cache_lacks_it():
+    """SWIFT scores a set over the target's keys only where the target's cache holds the window's
+    positions; bound to a cache that holds only the first few tokens, it scores as an unbound
+    drafter does (over a cache of the window alone), not over keys the target never computed."""
+    seq = torch.tensor([1, 3, 0, 4, 2, 2, 1, 0, 3, 4, 0, 1])  # [L]
+    cache = TARGET.new_cache(seq.numel())
+    TARGET.forward(seq[:3], cache)  # only 3 of the 11 committed positions
+    plan = LayerPlan.skipping(3, {2}, {2})
+    bound = SwiftDrafter(TARGET, SKIP, window=8, budget=None)
+    bound.bind_target(TARGET, cache)
+    alone = SwiftDrafter(TARGET, SKIP, window=8, budget=None)
+    assert bound._agreement(plan, seq) == alone._agreement(plan, seq)
+
+
+
+def _switching(drafter: SwiftDrafter, wanted: LayerPlan) -> SwiftDrafter:
+    """Make every scoring move to ``wanted`` (as test_swift_adapts_its_skip_set_and_stays_exact)."""
+    drafter._neighbour = lambda plan: wanted  # type: ignore[method-assign]
+    drafter._speedup = lambda plan, context: 2.0 if plan == wanted else 1.0  # type: ignore[method-assign]
+    return drafter
+
+
+def test_swift_moving_to_another_set_keeps_drafting_over_the_reduced_vocabulary():
+    """A SWIFT drafter over a reduced draft vocabulary keeps it when it moves to another skip set:
+    the new view's drafts come from those rows alone."""
+    reduced = TIED.reduced_head(KEEP)
+    wanted = LayerPlan.skipping(3, {1}, set())
+    d = _switching(SwiftDrafter(TIED, SKIP, every=1, window=4, reduced=reduced, budget=None), wanted)
+    ctx = torch.tensor([1, 3, 0, 4, 2, 2, 1, 0])
+    d.prepare(ctx)
+    sampler = DraftSampler(SamplingConfig(temperature=1.0), "multinomial", penalties=None,
+                           generator=torch.Generator().manual_seed(0))
+    draft = d.propose(ctx, 4, sampler)
+    assert d.switches == 1 and d.view.plan == wanted
+    assert d.view.reduced is reduced
+    assert set(draft.tokens.tolist()) <= set(KEEP.tolist())
+
+
+def test_a_served_swift_drafter_stays_wrapped_after_moving_to_another_set():
+    """A request's SWIFT drafter (``spawn(wrap)``: the server's serialised view) drafts through
+    the wrapper also after it moves to another skip set, never through the bare view."""
+    from specdec.server.sessions import SerializedModel, serialized
+
+    wanted = LayerPlan.skipping(3, {1}, set())
+    served = _switching(SwiftDrafter(TARGET, SKIP, every=1, window=4, budget=None).spawn(serialized), wanted)
+    assert isinstance(served.model, SerializedModel)
+    ctx = torch.tensor([1, 3, 0, 4, 2, 2, 1, 0])
+    served.prepare(ctx)
+    served.propose(ctx, 2, _argmax())
+    assert served.switches == 1 and served.view.plan == wanted
+    assert isinstance(served.model, SerializedModel)
+
+
+def test_a_target_that_is_not_batch_invariant_gets_no_shared_layers():
+    """Cache sharing is bitwise only on a batch-invariant target: over a fast-attention target an
+    early-exit view asked to share drafts without ``reuse`` (the verifier runs its plain pass)."""
+    ctx = torch.tensor(PROMPT + [2, 4])
+    for target, shares in ((TARGET, False), (INVARIANT, True)):
+        d = SelfSpecDrafter(LayerView(target, LayerPlan.early_exit(3, 2), keep_hidden=True), share=True)
+        d.prepare(ctx)
+        draft = d.propose(ctx, 2, _argmax())
+        assert draft.tokens.numel() == 2 and (draft.reuse is not None) == shares
+
+
+def test_cache_sharing_refuses_any_skipped_sub_layer():
+    """Sharing needs a pure early-exit plan: a skipped MLP is refused like a skipped attention."""
+    import pytest
+
+    from specdec.errors import ConfigError
+
+    for plan in (LayerPlan.skipping(3, {1}, set()), LayerPlan.skipping(3, set(), {1})):
+        with pytest.raises(ConfigError, match="pure early-exit"):
+            SelfSpecDrafter(LayerView(INVARIANT, plan, keep_hidden=True), share=True)
+
+
+def test_neighbours_reach_every_attention_and_mlp_sub_layer():
+    """Each of the 2 x n_layers sub-layers can be toggled: 300 seeded draws of a neighbour of a
+    3-layer plan hit all 6 (attention 0..2 and MLP 0..2, the MLP of layer 0 included)."""
+    d = SwiftDrafter(TARGET, SKIP, seed=1, budget=None)
+    seen = set()
+    for _ in range(300):
+        n = d._neighbour(SKIP)
+        seen |= {("attn", i) for i in n.skip_attn ^ SKIP.skip_attn} | {("mlp", i) for i in n.skip_mlp ^ SKIP.skip_mlp}
+    assert seen == {(kind, i) for kind in ("attn", "mlp") for i in range(3)}
+
+
+
+def test_a_built_early_exit_view_hands_its_layers_to_the_verification_pass():
+    """``layerskip:K`` is built to share: its drafts carry layers the verification pass really
+    reuses (logits, not None), bitwise the plain pass's, on a batch-invariant target."""
+    drafter, _ = build("layerskip:2", INVARIANT, "tiny")
+    cfg = SamplingConfig(temperature=0.0)
+    session = TargetSession(INVARIANT, PROMPT + [2, 4], cfg, get_rule("greedy"), seed=0)
+    plain = TargetSession(INVARIANT, PROMPT + [2, 4], cfg, get_rule("greedy"), seed=0)
+    drafter.prepare(session.context)
+    draft = drafter.propose(session.context, 3, _argmax())
+    feed = torch.cat([session.context[-1:], draft.tokens])
+    got = draft.reuse.forward(INVARIANT, feed, session.cache)
+    assert got is not None and torch.equal(got, INVARIANT.forward(feed, plain.cache))
+
+
+
+def _neighbours(drafter: SwiftDrafter, n: int = 12) -> list[LayerPlan]:
+    return [drafter._neighbour(SKIP) for _ in range(n)]
+
+
+def test_a_spawned_swift_drafter_keeps_the_seed_it_was_built_with():
+    """SWIFT's neighbours are "seeded, so runs are reproducible": a request's fresh copy (``spawn``,
+    what the server hands each request) must draw the neighbours the drafter it copies was seeded
+    for, not restart at seed 0 whatever ``seed`` was given.  (12 draws of 6 possible neighbours:
+    two seeds giving the same 12 is odd 6**-12; checked below that seeds 0 and 5 differ here.)"""
+    seeded = SwiftDrafter(TARGET, SKIP, seed=5, budget=None)
+    want = _neighbours(SwiftDrafter(TARGET, SKIP, seed=5, budget=None))
+    assert want != _neighbours(SwiftDrafter(TARGET, SKIP, seed=0, budget=None))  # the seed matters here
+    assert _neighbours(seeded.spawn()) == want

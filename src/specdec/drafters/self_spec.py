@@ -437,6 +437,7 @@ class SwiftDrafter(SelfSpecDrafter):
         self._scoring_cost: float | None = None  # the last scoring's measured time
         self._interval = every  # rounds until the next scoring: doubles while the set holds
         self._wrap: Callable[[Any], Any] = lambda m: m
+        self.seed = seed  # a spawned copy draws the neighbours this drafter was seeded for
         self._rng = torch.Generator().manual_seed(seed)
         self._rounds = 0
         # the view's head: its reduced rows alone
@@ -485,7 +486,7 @@ class SwiftDrafter(SelfSpecDrafter):
     def spawn(self, wrap: Callable[[Any], Any] = lambda m: m) -> "SwiftDrafter":
         fresh = SwiftDrafter(self.view.target, self.view.plan, every=self.every, window=self.window, tries=self.tries,
                              reduced=self.view.reduced, max_backoff=self.max_backoff, budget=self.budget,
-                             clock=self._clock)
+                             seed=self.seed, clock=self._clock)
         fresh._wrap = wrap
         fresh.model = wrap(fresh.view)
         fresh.lazy_prefill = True  # as SelfSpecDrafter.spawn: no prefill for a request that never drafts
