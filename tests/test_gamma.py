@@ -591,3 +591,22 @@ def test_tree_budget_probes_right_after_its_warmup():
         g = budget.next_gamma()
         budget.update(gamma=g, accepted=0, draft_s=0.001 * g, target_s=0.02, other_s=0.0)
     assert trees.index(True) == 4, trees
+
+
+def test_a_probe_scheduled_as_a_sequence_ends_is_the_next_sequences_first_round():
+    """A backed-off controller whose last round scheduled a probe (γ = probe_gamma for the next
+    round) has not gone back to drafting: its successor carries the costs and runs that probe
+    first, then judges it as a probe (it had been read as "still drafting" and started afresh)."""
+    import random
+
+    ctrl = CostGamma()
+    rng = random.Random(3)
+    _losing_drafter(ctrl, 200, rng)
+    while not (ctrl._probing and ctrl.next_gamma() > 0):  # rounds until the last one schedules a probe
+        _losing_drafter(ctrl, 1, rng)
+    nxt = ctrl.successor()
+    assert nxt._target_s == ctrl._target_s and nxt._draft_s == ctrl._draft_s  # carried, not fresh
+    assert nxt.next_gamma() == ctrl.probe_gamma
+    interval = nxt._interval
+    _losing_drafter(nxt, 1, random.Random(0))  # the probe loses: the interval doubles, back off
+    assert nxt.next_gamma() == 0 and nxt._interval == min(2 * interval, nxt.max_probe_every)

@@ -282,7 +282,7 @@ class CostGamma:
                         probe_gamma=self.probe_gamma, max_probe_every=self.max_probe_every,
                         prior_accept=self.prior_accept, prior_weight=self.prior_weight, outlier=self.outlier,
                         extra_target_s=self.extra_target_s)
-        if self._draft_s is None or self._gamma > 0:  # nothing measured about drafting, or still drafting
+        if self._draft_s is None or (self._gamma > 0 and not self._probing):  # nothing measured, or still drafting
             return nxt
         costs = self._costs()
         hoped = [defaults.COST_GAMMA_CARRY_ACCEPT ** (k + 1) for k in range(self.max_gamma)]
@@ -296,7 +296,10 @@ class CostGamma:
         nxt._draft_min = self._draft_min
         nxt._target_s = dict(self._target_s)
         nxt._other_s = self._other_s
-        nxt._gamma = 0
+        # backed off; a probe the last round scheduled (the sequence ended before it ran) is the
+        # next sequence's first round, not read as "still drafting" and started afresh
+        nxt._gamma = self._gamma if self._probing else 0
+        nxt._probing = self._probing
         nxt._interval = max(self._interval, self.probe_every)
         nxt._since_draft = self._since_draft  # the probe schedule runs on across sequences: with a
         # fresh count, sequences shorter than the interval would never probe, and costs carried
