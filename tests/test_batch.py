@@ -6,6 +6,7 @@ from __future__ import annotations
 from dataclasses import replace
 
 import pytest
+import torch
 
 from specdec.engine import Engine, EngineConfig
 from specdec.errors import ConfigError
@@ -159,3 +160,107 @@ def test_a_target_without_batched_passes_runs_one_pass_per_sequence(tmp_path):
     got = hf.generate_batch(PROMPTS[:3], sampling, batch=2)
     for i, (prompt, res) in enumerate(zip(PROMPTS, got)):
         assert res.token_ids == hf.generate(prompt, replace(sampling, seed=4 + i)).token_ids, i
+
+
+FOUR_PROMPTS = ["def add(a, b):", "The weather today", "Once upon a time there was a", "Hello"]
+GREEDY = SamplingConfig(temperature=0.0, max_new_tokens=8)
+
+
+@pytest.fixture(scope="module")
+def plain(tmp_path_factory):
+    return Engine.build(EngineConfig(target=str(make_tiny(tmp_path_factory.mktemp("t"), seed=0, max_positions=128)),
+                                     draft="none"))
+
+
+def _same_as_alone(engine, prompts, sampling, **kw):
+    got = engine.generate_batch(prompts, sampling, batch=2, **kw)
+    for p, res in zip(prompts, got):
+        alone = engine.generate(p, replace(sampling, seed=res.seed), **kw)
+        assert (res.token_ids, res.text, res.finish_reason) == (alone.token_ids, alone.text, alone.stats.finish_reason), p
+        if "logprobs" in kw:
+            assert res.logprobs == alone.logprobs and len(res.logprobs) == len(res.token_ids)
+    return got
+
+
+def test_stop_token_ids_end_a_sequence_where_generating_it_alone_does(plain):
+    """A stop token id (not the model's end of sequence) ends the sequence there, as alone."""
+    free = plain.generate_batch(FOUR_PROMPTS, GREEDY)
+    stop = free[0].token_ids[2]
+    got = _same_as_alone(plain, FOUR_PROMPTS, replace(GREEDY, stop_token_ids=(stop,)))
+    assert len(got[0].token_ids) <= 3 and got[0].token_ids[-1] == stop and got[0].finish_reason != "length"
+
+
+def test_min_tokens_masks_the_stop_ids_while_too_few_were_generated(plain):
+    free = plain.generate_batch(FOUR_PROMPTS, GREEDY)
+    stop = free[0].token_ids[0]  # would end prompt 0 at once
+    got = _same_as_alone(plain, FOUR_PROMPTS, replace(GREEDY, stop_token_ids=(stop,), min_tokens=3))
+    assert len(got[0].token_ids) >= 3 and stop not in got[0].token_ids[:3]
+
+
+def test_a_stop_string_cuts_tokens_and_their_log_probabilities_alike(plain):
+    """Stop strings drop the tokens past the stop; the log-probabilities drop the same ones."""
+    free = plain.generate_batch(FOUR_PROMPTS, GREEDY)
+    c = next(ch for ch in free[0].text[1:] if ch.strip())
+    got = _same_as_alone(plain, FOUR_PROMPTS, replace(GREEDY, stop=(c,)), logprobs=1)
+    assert got[0].finish_reason == "stop"
+
+
+def test_no_pass_holds_more_than_batch_sequences(plain):
+    model = plain.target.model
+    sizes = []
+    real = model.forward_batch
+    model.forward_batch = lambda items, *a, **k: (sizes.append(len(items)), real(items, *a, **k))[1]
+    try:
+        plain.generate_batch(FOUR_PROMPTS, GREEDY, batch=3)
+    finally:
+        del model.forward_batch
+    assert max(sizes) == 3
+
+
+def test_every_finished_sequence_is_closed_and_handed_to_a_target_that_keeps_them(plain):
+    """A target with ``keep_sequence`` (a prefix cache) gets each finished sequence, as the decoder gives it."""
+    model = plain.target.model
+    kept = []
+    model.keep_sequence = lambda ids, cache: kept.append(ids.tolist())
+    try:
+        got = plain.generate_batch(FOUR_PROMPTS, GREEDY, batch=2)
+    finally:
+        del model.keep_sequence
+    assert len(kept) == len(FOUR_PROMPTS)
+    assert sorted(kept) == sorted((plain.encode(p, chat=False) + r.token_ids)[:-1] for p, r in zip(FOUR_PROMPTS, got))
+
+
+class _Only:
+    """A constraint: only the token ids in ``ids`` may come next."""
+
+    made = 0
+
+    def __init__(self, ids):
+        self.ids = list(ids)
+        _Only.made += 1
+
+    def allowed(self, generated, vocab_size):
+        mask = torch.zeros(vocab_size, dtype=torch.bool)
+        mask[self.ids] = True
+        return mask
+
+
+def test_a_constraint_factory_gives_each_sequence_its_own_constraint_and_it_is_applied(plain):
+    _Only.made = 0
+    got = plain.generate_batch(FOUR_PROMPTS, GREEDY, constraint=lambda: _Only([5, 6, 7]))
+    assert _Only.made == len(FOUR_PROMPTS)
+    assert all(set(r.token_ids) <= {5, 6, 7} for r in got)
+
+
+def test_an_empty_first_prompt_is_refused(plain):
+    with pytest.raises(ConfigError, match="prompt 0 is empty"):
+        plain.generate_batch([[], "Hi"], GREEDY)
+
+
+def test_end_of_sequence_text_is_left_out_where_special_tokens_are_kept(plain):
+    """With ``skip_special_tokens=False`` an end-of-sequence token ends the output and its text is
+    left out of the reply, as generating the prompt alone does."""
+    free = plain.generate_batch(FOUR_PROMPTS, GREEDY)
+    eos = Engine(replace(plain.target, eos_ids=frozenset({free[0].token_ids[2]})), None, "none")
+    got = _same_as_alone(eos, FOUR_PROMPTS, replace(GREEDY, skip_special_tokens=False))
+    assert got[0].finish_reason == "eos"

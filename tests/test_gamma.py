@@ -1,9 +1,10 @@
+import pytest
+
 from specdec import defaults
 from specdec.engine import make_gamma, parse_gamma
 from specdec.errors import ConfigError
-from specdec.gamma import CappedGamma, CostGamma, FixedGamma, GammaMemory, GuideGamma, best_gamma, expected_tokens
-
-import pytest
+from specdec.gamma import (CappedGamma, CostGamma, FixedGamma, GammaMemory, GuideGamma, TreeBudget, best_gamma,
+                           expected_tokens)
 
 
 def test_guide_rule():
@@ -195,8 +196,6 @@ def test_parse_gamma():
 def _simulate(ctl, arms: dict[int, tuple[float, float]], rounds: int, *, switch_at: int | None = None,
               after: dict[int, tuple[float, float]] | None = None) -> tuple[list[int], float, float]:
     """Play ``rounds`` rounds; returns the arm of each round, total tokens and total seconds."""
-    from specdec.gamma import TreeBudget
-
     assert isinstance(ctl, TreeBudget)
     played, tokens, seconds = [], 0.0, 0.0
     for r in range(rounds):
@@ -217,8 +216,6 @@ PAY = {0: (2, 0.020), 4: (3, 0.025), 8: (3, 0.020), 16: (4, 0.030), 32: (5, 0.05
 
 
 def test_tree_budget_falls_back_to_the_chain_when_trees_do_not_pay():
-    from specdec.gamma import TreeBudget
-
     played, tokens, seconds = _simulate(TreeBudget(), NO_PAY, 300)
     assert played[:8] == [0] * 8  # the chain is measured first
     trees = [a for a in played if a]
@@ -228,8 +225,6 @@ def test_tree_budget_falls_back_to_the_chain_when_trees_do_not_pay():
 
 
 def test_tree_budget_grows_trees_while_they_beat_the_chain():
-    from specdec.gamma import TreeBudget
-
     played, tokens, seconds = _simulate(TreeBudget(), PAY, 300)
     first = {a: played.index(a) for a in set(played)}
     assert first[4] < first[8] < first[16]  # a larger tree only after the smaller one won
@@ -239,16 +234,12 @@ def test_tree_budget_grows_trees_while_they_beat_the_chain():
 
 
 def test_tree_budget_returns_to_the_chain_when_trees_stop_paying():
-    from specdec.gamma import TreeBudget
-
     played, _, _ = _simulate(TreeBudget(), PAY, 300, switch_at=100, after=NO_PAY)
     assert played[99] == 8
     assert played[110:].count(0) >= 0.95 * 190  # back on the chain within a few rounds
 
 
 def test_tree_budget_margin_keeps_the_chain_on_near_ties():
-    from specdec.gamma import TreeBudget
-
     near_tie = {0: (2, 0.020), 4: (2, 0.0196), 8: (2, 0.030), 16: (2, 0.04), 32: (2, 0.05)}  # tree 4: +2%
     played, _, _ = _simulate(TreeBudget(), near_tie, 200)
     assert played.count(0) >= 0.95 * 200
@@ -257,8 +248,6 @@ def test_tree_budget_margin_keeps_the_chain_on_near_ties():
 
 
 def test_tree_budget_rejects_bad_settings():
-    from specdec.gamma import TreeBudget
-
     for bad in (dict(sizes=()), dict(margin=0.9), dict(probe_every=0), dict(probe_every=8, max_probe_every=4), dict(outlier=1.0)):
         with pytest.raises(ValueError):
             TreeBudget(**bad)
@@ -267,8 +256,6 @@ def test_tree_budget_rejects_bad_settings():
 def test_tree_budget_is_not_thrown_off_by_one_preempted_round():
     """One chain round slowed 4x (another process took the core) must not hand the game to a
     tree that is slower than the chain."""
-    from specdec.gamma import TreeBudget
-
     ctl = TreeBudget()
     played = []
     for r in range(120):
@@ -466,8 +453,6 @@ def test_a_successor_judges_a_drafter_by_its_cheapest_token():
     its probes after plain rounds read 2.6 ms a token (the draft catching up on what it missed), so
     its running estimate ends dear enough to lose even at an acceptance of 0.5.  The next sequence
     still starts afresh: judged by the cheapest token measured, it could pay on another prompt."""
-    from specdec.gamma import best_gamma
-
     ctrl, drafted_last = CostGamma(), True  # the first round follows the prefill: nothing to catch up
     for i in range(300):
         g = ctrl.next_gamma()
@@ -582,8 +567,6 @@ def test_probe_interval_never_exceeds_its_maximum():
 
 def test_tree_budget_probes_right_after_its_warmup():
     """The chain is measured for exactly ``warmup`` rounds before the first tree probe."""
-    from specdec.gamma import TreeBudget
-
     budget = TreeBudget(warmup=4, probe_every=2, max_probe_every=8)
     trees = []
     for i in range(8):
@@ -610,3 +593,213 @@ def test_a_probe_scheduled_as_a_sequence_ends_is_the_next_sequences_first_round(
     interval = nxt._interval
     _losing_drafter(nxt, 1, random.Random(0))  # the probe loses: the interval doubles, back off
     assert nxt.next_gamma() == 0 and nxt._interval == min(2 * interval, nxt.max_probe_every)
+
+
+def test_pass_costs_outside_the_measured_sizes_follow_the_line_through_the_nearest_two():
+    """Below the smallest measured size, the line through the two smallest; above the largest,
+    the line through the two largest (measured: 2 rows 10 ms, 3 rows 11 ms, 5 rows 20 ms)."""
+    c = CostGamma()
+    for n, t in ((2, 0.010), (3, 0.011), (5, 0.020)):
+        c.observe_cost(n, t)
+    assert c._target_cost(1) == pytest.approx(0.009)  # 10 - (11 - 10): the (2, 3) line
+    assert c._target_cost(6) == pytest.approx(0.0245)  # 20 + (20 - 11) / 2: the (3, 5) line
+    assert c._target_cost(4) == pytest.approx(0.0155)  # between 3 and 5
+
+
+def test_a_successor_of_a_controller_that_never_drafted_starts_afresh():
+    """A controller started idle (start_idle) that ended before its first probe measured nothing
+    about drafting: its successor is a fresh controller (no error, no carried state)."""
+    idle = CostGamma()
+    idle.start_idle()
+    for _ in range(3):
+        idle.update(gamma=0, accepted=0, draft_s=0.0, target_s=0.02, other_s=0.0)
+    nxt = idle.successor()
+    assert nxt.next_gamma() == defaults.COST_GAMMA_START and nxt._draft_s is None
+
+
+def _paying_at_gamma_one() -> CostGamma:
+    """max_gamma 1: a drafted token at 6 ms against a 10 ms pass, every draft accepted (it pays:
+    2 tokens in 16 ms), though at the hoped-for acceptance of 0.5 it would not (1.5 in 16 ms)."""
+    c = CostGamma(max_gamma=1)
+    for _ in range(10):
+        c.update(gamma=1, accepted=1, draft_s=0.006, target_s=0.010, other_s=0.0)
+    return c
+
+
+def test_a_successor_of_a_controller_still_drafting_one_token_starts_afresh():
+    """Only a controller that ended backed off (γ = 0) passes on its costs; one drafting at γ = 1 does not."""
+    c = _paying_at_gamma_one()
+    assert c.next_gamma() == 1
+    nxt = c.successor()
+    assert nxt.next_gamma() == defaults.COST_GAMMA_START and nxt._draft_s is None
+
+
+def _backed_off(step_s: float) -> CostGamma:
+    """max_gamma 1, accepted only in the first round, 10 ms passes: backs off; then 3 plain rounds."""
+    c = CostGamma(max_gamma=1)
+    for i in range(20):
+        g = c.next_gamma()
+        c.update(gamma=g, accepted=g if i == 0 else 0, draft_s=g * step_s, target_s=0.010, other_s=0.001)
+        if g == 0 and c.next_gamma() == 0 and c._since_draft >= 3:
+            break
+    assert c.next_gamma() == 0
+    return c
+
+
+def test_a_successor_hopes_for_an_acceptance_of_one_half_at_the_first_position():
+    """A drafted token at 4 ms against a 10 ms pass (+1 ms overhead) pays at an acceptance of 0.5
+    (1.5 tokens in 15 ms beat 1 in 11 ms): the next sequence starts afresh even though this one
+    ended backed off.  At 8 ms a token it would not (1.5 in 19 ms): the next one stays backed off."""
+    fresh = _backed_off(0.004).successor()
+    assert fresh._draft_s is None and fresh.next_gamma() == defaults.COST_GAMMA_START
+    carried = _backed_off(0.008).successor()
+    assert carried._draft_s is not None and carried.next_gamma() == 0
+
+
+def test_a_carried_successor_keeps_the_rest_of_a_round_and_scales_hits_and_tries_alike():
+    c = _backed_off(0.008)
+    nxt = c.successor()
+    assert nxt._other_s == c._other_s > 0
+    carry = defaults.COST_GAMMA_CARRY
+    assert c._hits[0] > 0
+    assert nxt._hits == pytest.approx([carry * h for h in c._hits])
+    assert nxt._tries == pytest.approx([carry * t for t in c._tries])
+    assert nxt.accept_profile()[0] <= 1.0
+
+
+def test_a_successor_keeps_every_setting():
+    """The settings (a known round trip, the outlier factor, ...) belong to the drafter and the
+    machine: a fresh or a carried successor has the same ones."""
+    settings = dict(max_gamma=7, start=2, decay=0.8, probe_every=4, probe_gamma=2, max_probe_every=16,
+                    prior_accept=0.6, prior_weight=3.0, outlier=2.0, extra_target_s=0.05)
+    nxt = CostGamma(**settings).successor()
+    assert {k: getattr(nxt, k) for k in settings} == settings
+    nxt.observe_cost(1, 0.01)
+    assert nxt._target_cost(1) == pytest.approx(0.06)  # the round trip is added to its passes too
+
+
+def test_hopeless_judges_by_the_cheaper_of_the_estimate_and_the_round_just_measured():
+    """A running estimate of 30 ms a token (a plain round: 20 ms) is hopeless; a round just measured
+    at 1 ms a token says it is not."""
+    c = CostGamma()
+    c.update(gamma=1, accepted=1, draft_s=0.03, target_s=0.02, other_s=0.0)
+    c.observe_cost(1, 0.02)
+    assert c.hopeless(0.03) and not c.hopeless(0.001)
+
+
+def test_a_pass_exactly_one_outlier_factor_cheaper_is_smoothed_in():
+    """Only a reading *below* estimate / outlier replaces the estimate; one exactly at it is smoothed
+    in (0.7 old + 0.3 new).  Powers of two keep the arithmetic exact: 0.5 * 1.5 == 0.75."""
+    c = CostGamma(outlier=1.5)
+    c.observe_cost(2, 0.75)
+    c.observe_cost(2, 0.5)
+    assert c._target_s[2] == pytest.approx(0.7 * 0.75 + 0.3 * 0.5)
+    c.observe_cost(2, 0.1)  # far below: taken at once
+    assert c._target_s[2] == pytest.approx(0.1)
+
+
+def test_rounds_that_drafted_nothing_keep_the_start_value():
+    """Before anything about drafting is measured (a drafter that proposed nothing yet), γ stays at
+    its start value however many plain rounds pass (only a start_idle controller probes then)."""
+    c = CostGamma(start=3, probe_every=2)
+    for _ in range(10):
+        c.update(gamma=0, accepted=0, draft_s=0.0, target_s=0.02, other_s=0.0)
+    assert c.next_gamma() == 3
+
+
+def test_the_rest_of_a_round_is_smoothed_in_at_three_tenths():
+    """other_s is a running estimate: 0.7 of the old one plus 0.3 of the new reading."""
+    c = CostGamma(max_gamma=1)
+    c.update(gamma=1, accepted=1, draft_s=0.001, target_s=0.01, other_s=0.01)
+    assert c._other_s == pytest.approx(0.003)
+    c.update(gamma=1, accepted=1, draft_s=0.001, target_s=0.01, other_s=0.0)
+    assert c._other_s == pytest.approx(0.0021)
+
+
+def test_a_probe_that_wins_resets_the_probe_interval():
+    """Probes of a dear drafter thin out to the longest interval (64); once drafting pays again the
+    interval is the shortest (4) again, so when it stops paying the first probe comes 4 rounds
+    after its last drafting round, not 64."""
+    c = CostGamma(probe_every=4, max_probe_every=64)
+    for _ in range(200):
+        g = c.next_gamma()
+        c.update(gamma=g, accepted=0, draft_s=g * 0.03, target_s=0.02, other_s=0.0)
+    assert c._interval == 64
+    for _ in range(200):
+        g = c.next_gamma()
+        c.update(gamma=g, accepted=g, draft_s=g * 0.0005, target_s=0.02, other_s=0.0)
+    gammas = []
+    for _ in range(40):
+        g = c.next_gamma()
+        gammas.append(g)
+        c.update(gamma=g, accepted=0, draft_s=g * 0.01, target_s=0.02, other_s=0.0)
+    last = gammas.index(0) - 1  # its update chose γ = 0 and counted the first round of the interval
+    probe = next(i for i in range(last + 1, 40) if gammas[i] > 0)
+    assert probe - last == 4, gammas
+
+
+def test_a_plain_round_that_chooses_drafting_restarts_the_probe_count():
+    """Backed off 3 rounds into a probe interval, a plain round whose overhead makes drafting pay
+    (1 s of other work a round) resumes drafting, and the count towards the next probe starts over."""
+    c = CostGamma(max_gamma=1)
+    for _ in range(40):
+        g = c.next_gamma()
+        c.update(gamma=g, accepted=0, draft_s=g * 0.002, target_s=0.01, other_s=0.0)
+        if g == 0 and c.next_gamma() == 0 and c._since_draft >= 3:
+            break
+    assert c.next_gamma() == 0 and c._since_draft == 3
+    c.update(gamma=0, accepted=0, draft_s=0.0, target_s=0.01, other_s=1.0)
+    assert c.next_gamma() == 1 and c._since_draft == 0
+
+
+# ---- TreeBudget
+
+
+def test_tree_budget_rejects_a_zero_node_budget_and_accepts_equal_probe_intervals():
+    with pytest.raises(ValueError, match="positive"):
+        TreeBudget(sizes=(0, 4))
+    assert TreeBudget(probe_every=8, max_probe_every=8)._interval == 8  # a fixed interval is fine
+
+
+def test_tree_budget_arms_are_the_sorted_distinct_sizes_and_it_probes_the_smallest_first():
+    tb = TreeBudget(sizes=(16, 4, 8, 4))
+    assert tb.arms == [0, 4, 8, 16]
+    assert tb._probe_target() == 4  # best is the chain: the smallest tree
+
+
+@pytest.mark.parametrize("best, targets", [(8, [0, 16, 4, 0, 16, 4]), (4, [0, 8, 0, 8]), (16, [0, 8, 0, 8])])
+def test_tree_budget_probes_the_chain_then_the_next_larger_then_the_next_smaller_tree(best, targets):
+    """With a tree best, probes take the chain, the next larger and the next smaller tree in turn
+    (the chain counted once, never again as the 'smaller' neighbour of the smallest tree)."""
+    tb = TreeBudget(sizes=(4, 8, 16))
+    tb._best = best
+    got = []
+    for p in range(len(targets)):
+        tb._probes = p
+        got.append(tb._probe_target())
+    assert got == targets
+
+
+def _chain_round(tb: TreeBudget, seconds: float) -> None:
+    tb.update(gamma=1, accepted=0, draft_s=0.0, target_s=seconds, other_s=0.0)
+
+
+def test_tree_budget_counts_an_arms_first_two_rounds_in_full_and_clamps_from_the_third():
+    """The outlier clamp (at most ``outlier`` times the arm's mean round) needs two rounds of
+    reference: the second round counts in full, the third is clamped."""
+    tb = TreeBudget(warmup=100, decay=1.0, outlier=2.0)  # no probes: chain rounds only
+    _chain_round(tb, 1.0)
+    _chain_round(tb, 10.0)  # in full: the mean of one round is no reference
+    assert tb._seconds[0] == pytest.approx(11.0)
+    _chain_round(tb, 100.0)  # clamped to 2 * 11 / 2
+    assert tb._seconds[0] == pytest.approx(22.0)
+
+
+def test_tree_budget_plays_a_tree_only_when_it_beats_the_chain_by_more_than_the_margin():
+    """Exactly margin times the chain's rate is a tie the chain keeps (exact binary fractions)."""
+    tb = TreeBudget(sizes=(4,), margin=2.0, warmup=1, probe_every=1, max_probe_every=1)
+    tb.update(gamma=1, accepted=0, draft_s=0.25, target_s=0.5, other_s=0.25)  # chain: 1 token / s
+    assert tb.tree_round  # the probe of the tree
+    tb.update(gamma=4, accepted=1, draft_s=0.25, target_s=0.5, other_s=0.25)  # tree: 2 tokens / s
+    assert tb.rate(4) == 2.0 * tb.rate(0)
+    assert tb.best_arm() == 0
