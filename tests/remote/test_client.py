@@ -856,3 +856,141 @@ def test_every_wire_rule_runs_over_the_wire(toy_server, wire, method):
                           gamma=3, q_top_k=2)
     assert out.remote["wire"] == wire and out.remote["method"] == method.replace("-", "_")
     assert out.lossless is (wire == "sparse-q") and len(out.token_ids) == 8
+
+
+def test_min_tokens_holds_back_the_stop_token_ids_too(toy_server):
+    """min_tokens masks the end-of-sequence ids *and* ``stop_token_ids`` until then, on both ends:
+    the edge's tokens are the local target's, which never stop early at a stop id (greedy and
+    coupled, seeds 0-5)."""
+    eos = frozenset({0})
+    early = 0
+    for temperature, seeds in ((0.0, (0,)), (1.0, range(6))):
+        for seed in seeds:
+            cfg = SamplingConfig(temperature=temperature, seed=seed, max_new_tokens=12, min_tokens=6, stop_token_ids=(2,))
+            method = "greedy" if temperature == 0 else "coupled"
+            plain = SpeculativeDecoder(TARGET, None, get_rule(method), eos_ids=eos).generate([1, 2], cfg).tokens
+            free = SpeculativeDecoder(TARGET, None, get_rule(method), eos_ids=eos).generate(
+                [1, 2], SamplingConfig(temperature=temperature, seed=seed, max_new_tokens=12, stop_token_ids=(2,))).tokens
+            early += len(free) < 6  # without the floor this seed stops before min_tokens
+            assert 2 not in plain[:6] and 0 not in plain[:6]
+            out = generate_remote([1, 2], cfg, _cfg(toy_server.url), drafter=ModelDrafter(DRAFT), gamma=3, eos_ids=eos)
+            assert out.token_ids == plain, (temperature, seed)
+    assert early >= 1  # the floor mattered in at least one run
+
+
+# ----------------------------------------------------------------------------- without a server
+
+
+def test_a_derived_seed_is_never_the_session_seed_it_came_from():
+    """A re-created token/block session must not replay the first generator's uniforms, even for
+    seed 0 re-created before anything was committed."""
+    for seed in (0, 1, 7, (1 << 63) - 1):
+        for committed in (0, 1, 5):
+            assert derived_seed(seed, committed) != seed
+    assert derived_seed(0, 0) != derived_seed(0, 1)
+
+
+def _created(**spoil):
+    """A mock server whose session creation reply is correct but for ``spoil``."""
+
+    def handler(request: httpx.Request) -> httpx.Response:
+        body = json.loads(request.content)
+        reply = {"session_id": "s1", "model": "fake", "wire": body["wire"], "method": body["method"], "lossless": True,
+                 "seed": body["seed"], "vocab_size": 8, "max_context": 64, "max_gamma": 8, "max_length": 64,
+                 "prompt_ids": body["prompt_ids"], "prefill_ms": 1.0}
+        reply.update(spoil)
+        return httpx.Response(200, json=reply)
+
+    return httpx.Client(transport=httpx.MockTransport(handler))
+
+
+@pytest.mark.parametrize("sid", ["a/b", "s\x1b[2K", ""])
+def test_a_session_id_that_cannot_go_in_a_url_or_a_terminal_is_refused(sid):
+    with _created(session_id=sid) as client, pytest.raises(RemoteError, match="bad 'session_id'"):
+        RemoteVerifier(RemoteConfig(url="http://edge.test"), [1, 2], SamplingConfig(temperature=0.0, seed=1), client=client)
+    with _created() as client:  # unspoilt: accepted
+        RemoteVerifier(RemoteConfig(url="http://edge.test"), [1, 2], SamplingConfig(temperature=0.0, seed=1), client=client)
+
+
+@pytest.mark.parametrize("row", [{"logprob": float("nan")}, {"logprob": -0.5, "top": [[3, float("-inf")]]}])
+def test_a_log_probability_that_is_not_finite_is_refused(row):
+    """A NaN or infinite log-probability would make the edge's --json output invalid JSON."""
+    from specdec.drafters.base import Draft
+    import torch
+
+    def handler(request: httpx.Request) -> httpx.Response:
+        body = json.loads(request.content)
+        if request.url.path == "/v1/sessions":
+            return httpx.Response(200, json={
+                "session_id": "s1", "model": "fake", "wire": body["wire"], "method": body["method"], "lossless": True,
+                "seed": body["seed"], "vocab_size": 8, "max_context": 64, "max_gamma": 8, "max_length": 64,
+                "prompt_ids": body["prompt_ids"], "prefill_ms": 1.0})
+        reply = {"seq": 0, "num_accepted": 0, "tokens": [3], "next_token": 3,
+                 "metrics": {"gamma": 0, "committed": 1}, "logprobs": [row]}
+        return httpx.Response(200, content=json.dumps(reply).encode(),  # NaN / -Infinity, as a lax server writes them
+                              headers={"Content-Type": "application/json"})
+
+    with httpx.Client(transport=httpx.MockTransport(handler)) as client:
+        verifier = RemoteVerifier(RemoteConfig(url="http://edge.test"), [1, 2], SamplingConfig(temperature=0.0, seed=1),
+                                  client=client, logprobs=1)
+        with pytest.raises(RemoteError, match="malformed"):
+            verifier.verify(Draft(tokens=torch.empty(0, dtype=torch.long), probs=None))
+
+
+def _mock(verify_reply, **created):
+    """A mock server: a correct session creation (changed by ``created``), then ``verify_reply(body)``."""
+    calls = {"create": 0, "verify": 0}
+
+    def handler(request: httpx.Request) -> httpx.Response:
+        body = json.loads(request.content) if request.content else {}
+        if request.url.path == "/v1/sessions":
+            calls["create"] += 1
+            reply = {"session_id": "s1", "model": "fake", "wire": body["wire"], "method": body["method"], "lossless": True,
+                     "seed": body["seed"], "vocab_size": 8, "max_context": 64, "max_gamma": 8, "max_length": 64,
+                     "prompt_ids": body["prompt_ids"], "prefill_ms": 1.0, **created}
+            return httpx.Response(200, json=reply)
+        if request.method == "DELETE":
+            return httpx.Response(200, json={})
+        calls["verify"] += 1
+        status, reply = verify_reply(body)
+        return httpx.Response(status, json=reply)
+
+    return httpx.Client(transport=httpx.MockTransport(handler)), calls
+
+
+def _greedy(client, **kw):
+    return RemoteVerifier(RemoteConfig(url="http://edge.test", backoff_s=0.001), [1, 2],
+                          SamplingConfig(temperature=0.0, seed=1), client=client, **kw)
+
+
+@pytest.mark.parametrize("cached", [-3, "5", 1.5])
+def test_a_bad_cached_prompt_token_count_is_refused(cached):
+    client, _ = _mock(lambda body: (500, {}), cached_prompt_tokens=cached)
+    with client, pytest.raises(RemoteError, match="bad 'cached_prompt_tokens'"):
+        _greedy(client)
+
+
+def test_a_tree_path_with_a_negative_index_is_inconsistent():
+    """Root children 5 and 6 (parents -1, -1): a 'path' of [-1] names node 1 Python's way, not a node."""
+    from specdec.drafters.base import Draft
+    import torch
+
+    client, _ = _mock(lambda body: (200, {"seq": 0, "num_accepted": 1, "tokens": [6, 3], "next_token": 3, "path": [-1],
+                                         "metrics": {"gamma": 2, "committed": 2}}))
+    with client:
+        verifier = _greedy(client)
+        draft = Draft(tokens=torch.tensor([5, 6]), probs=None, parents=torch.tensor([-1, -1]))
+        with pytest.raises(RemoteError, match="inconsistent with the draft"):
+            verifier.verify(draft)
+
+
+def test_a_server_that_keeps_losing_the_session_is_given_up_after_three_recreations():
+    from specdec.drafters.base import Draft
+    import torch
+
+    client, calls = _mock(lambda body: (404, {"error": {"message": "no such session"}}))
+    with client:
+        verifier = _greedy(client)
+        with pytest.raises(RemoteError, match="keeps losing the session"):
+            verifier.verify(Draft(tokens=torch.empty(0, dtype=torch.long), probs=None))
+    assert calls["create"] == 4 and calls["verify"] == 4 and verifier.stats.session_recreates == 3

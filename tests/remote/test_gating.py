@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import json
 import math
+from types import SimpleNamespace
 
 import pytest
 import torch
@@ -11,6 +12,7 @@ import torch
 from specdec.decoder import SpeculativeDecoder
 from specdec.drafters import ModelDrafter
 from specdec.drafters.base import Draft
+from specdec.drafters.hybrid import LookupThenModel
 from specdec.errors import ConfigError
 from specdec.gamma import FixedGamma
 from specdec.models.registry import DATA_DIR
@@ -21,6 +23,7 @@ from specdec.remote.gating import (
     GatedDrafter,
     RuleTriggers,
     TokenSignals,
+    _GateSampler,
     calibrate_nll,
     has_dropout,
     is_hard,
@@ -165,8 +168,8 @@ def test_mc_dropout_only_where_the_draft_has_dropout():
     assert Gate(GateConfig(t_mc_var=0.01), draft_model=model).mc_status == "on"
 
 
-def _signals(hard: list[bool]) -> list[TokenSignals]:
-    return [TokenSignals(1.0, 1.0, 0.5, None, (), h) for h in hard]
+def _signals(hard: list[bool], triggers: tuple[str, ...] = ()) -> list[TokenSignals]:
+    return [TokenSignals(1.0, 1.0, 0.5, None, triggers, h) for h in hard]
 
 
 def test_a_small_margin_is_hard_and_a_large_one_is_not():
@@ -198,3 +201,194 @@ def test_only_the_block_just_gated_may_stay_local():
     assert not gate.last.escalate
     assert not gate.local_commit(Draft(tokens=torch.tensor([3, 5]), probs=None))  # not what the gate judged
     assert gate.local_commit(Draft(tokens=torch.tensor([3, 4]), probs=None))
+
+
+
+
+class _WordTokenizer:
+    """decode(ids) joins a fixed word list: enough for the text rules."""
+
+    words = [" the", " Alice", ".", "5", " paid"]
+
+    def decode(self, ids):
+        return "".join(self.words[i] for i in ids)
+
+
+def test_a_signal_exactly_at_its_threshold_is_not_hard():
+    """hard means nll > T_nll, H > T_H, margin < T_margin, var > T_var: the thresholds themselves are easy."""
+    cfg = GateConfig(t_nll_bits=3.0, t_entropy_bits=2.0, t_margin=0.25, t_mc_var=0.5)
+    assert not is_hard(cfg, 3.0, 2.0, 0.25, 0.5)
+    assert is_hard(cfg, 3.5, 2.0, 0.25, 0.5)
+    assert is_hard(cfg, 3.0, 2.5, 0.25, 0.5)
+    assert is_hard(cfg, 3.0, 2.0, 0.125, 0.5)
+    assert is_hard(cfg, 3.0, 2.0, 0.25, 0.75) and not is_hard(cfg, 3.0, 2.0, 0.25, 0.25)
+
+
+def test_a_sure_token_has_margin_one_and_zero_entropy():
+    """One token in the vocabulary (or every other one at -inf): no doubt at all, finite numbers."""
+    nll, entropy, margin = uncertainty(torch.tensor([3.0]), 0)
+    assert (nll, entropy, margin) == (0.0, 0.0, 1.0)
+    nll, entropy, margin = uncertainty(torch.tensor([0.0, -math.inf, -math.inf]), 0)
+    assert nll == 0.0 and entropy == 0.0 and margin == pytest.approx(1.0)
+    assert not is_hard(GateConfig(), nll, entropy, margin, None)
+
+
+def test_shape_cuts_right_after_the_first_hard_token_and_cuts_q_alike():
+    gate = Gate(GateConfig(policy="shape"))
+    probs = torch.full((4, 3), 1 / 3)
+    out = gate.finish_block(torch.tensor([1]), Draft(tokens=torch.tensor([0, 1, 2, 0]), probs=probs),
+                            _signals([False, True, False, False]), 4)
+    assert out.tokens.tolist() == [0, 1]  # the hard token itself is kept
+    assert out.probs is not None and out.probs.shape == (2, 3)
+    assert gate.last.stopped_early and gate.last.hard_ratio == 0.5
+
+
+def test_a_block_without_signals_always_escalates_and_is_not_an_early_stop():
+    """A deterministic drafter gives no signals: nothing to judge, so the cloud is asked, and a short
+    draft is not counted as the gate's early stop."""
+    gate = Gate(GateConfig(policy="lossy-local-commit", rules=frozenset()))
+    draft = gate.finish_block(torch.tensor([1]), Draft(tokens=torch.tensor([3, 4]), probs=None), [], 5)
+    assert gate.last.escalate and not gate.last.stopped_early
+    assert gate.summary()["early_stops"] == 0 and gate.summary()["escalations"] == 1
+    assert not gate.local_commit(draft)
+
+
+def test_a_fired_rule_escalates_even_when_no_token_is_hard():
+    gate = Gate(GateConfig(policy="lossy-local-commit", r_hard=1.0))
+    draft = gate.finish_block(torch.tensor([1]), Draft(tokens=torch.tensor([3, 4]), probs=None),
+                              _signals([False, False], triggers=("number",)), 2)
+    assert gate.last.escalate and gate.last.triggered == ("number",)
+    assert not gate.local_commit(draft)
+
+
+def test_gate_stats_count_local_commits_and_the_mean_hard_ratio():
+    gate = Gate(GateConfig(policy="lossy-local-commit", r_hard=0.5, rules=frozenset()))
+    assert gate.summary()["cloud_call_ratio"] == 1.0 and gate.summary()["mean_hard_ratio"] == 0.0  # no rounds yet
+    draft = gate.finish_block(torch.tensor([1]), Draft(tokens=torch.arange(4), probs=None),
+                              _signals([True, False, False, False]), 4)
+    assert gate.local_commit(draft)
+    s = gate.summary()
+    assert s["local_commits"] == 1 and s["cloud_call_ratio"] == 0.0
+    assert s["mean_hard_ratio"] == 0.25 and s["hard_tokens"] == 1 and s["rounds"] == 1
+
+
+def test_the_draft_sampler_stops_at_the_first_hard_token_once_min_draft_is_reached():
+    def inner(logits, position):
+        return 0, None
+
+    uniform = torch.zeros(1, 4)  # margin 0: hard
+    spy = _GateSampler(inner, Gate(GateConfig(policy="shape", min_draft=1)), "")
+    spy(uniform, 0)
+    assert spy.stop_requested
+    spy = _GateSampler(inner, Gate(GateConfig(policy="shape", min_draft=2)), "")
+    spy(uniform, 0)
+    assert not spy.stop_requested
+    spy(uniform, 1)
+    assert spy.stop_requested
+
+
+def test_the_draft_sampler_carries_the_text_so_far_into_the_rules():
+    """' Alice' after ' the' (drafted in the same block) is a name inside a sentence."""
+    tokens = iter([0, 1])
+
+    def inner(logits, position):
+        return next(tokens), None
+
+    gate = Gate(GateConfig(policy="shape", t_entropy_bits=None, t_margin=None),
+                triggers=RuleTriggers(_WordTokenizer(), rules=frozenset({"name"})))
+    spy = _GateSampler(inner, gate, "")
+    sure = torch.tensor([[9.0, 0.0, 0.0, 0.0, 0.0]])
+    spy(sure, 0)
+    spy(sure, 1)
+    assert [s.triggers for s in spy.signals] == [(), ("name",)]
+
+
+def test_an_amount_after_a_currency_sign_a_few_characters_back():
+    triggers = RuleTriggers(_WordTokenizer(), rules=frozenset({"amount"}))
+    assert triggers.check("it costs $ ", 3) == ("amount",)  # '5' after '$ '
+    assert triggers.check("it costs  ", 3) == ()
+
+
+def test_a_token_past_the_frequency_table_is_rare():
+    triggers = RuleTriggers(None, rules=frozenset({"rare"}), frequency=torch.tensor([5, 5]), rare_max_count=0)
+    assert triggers.check("", 1) == () and triggers.check("", 2) == ("rare",) and triggers.check("", 7) == ("rare",)
+
+
+def test_a_json_frequency_table_ignores_ids_past_the_vocabulary(tmp_path):
+    table = tmp_path / "freq.json"
+    table.write_text(json.dumps({"1": 3, "4": 9, "5": 2}))
+    assert token_frequency(table, tokenizer=None, vocab_size=4).tolist() == [0, 3, 0, 0]
+
+
+@pytest.mark.parametrize("bad", [{"min_draft": 0}, {"mc_passes": 1}, {"max_local_rounds": 0}, {"r_hard": 1.5}, {"r_hard": -0.1}])
+def test_out_of_range_gate_settings_are_refused(bad):
+    with pytest.raises(ConfigError):
+        GateConfig(**bad)
+
+
+class _Out:
+    def __init__(self, logits):
+        self.logits = logits
+
+
+class _DropoutAtOnePosition(torch.nn.Module):
+    """logits [1, L, V]: constant everywhere but at position ``noisy``, where dropout shakes them."""
+
+    def __init__(self, vocab: int, noisy: int) -> None:
+        super().__init__()
+        self.vocab, self.noisy = vocab, noisy
+        self.drop = torch.nn.Dropout(0.5)
+        self.config = SimpleNamespace(attention_dropout=0.0)
+
+    def forward(self, input_ids):
+        n = input_ids.shape[1]
+        logits = torch.zeros(1, n, self.vocab)
+        logits[0, self.noisy] = self.drop(torch.arange(self.vocab, dtype=torch.float32))
+        return _Out(logits)
+
+
+def test_mc_dropout_reads_the_position_that_predicts_each_drafted_token():
+    """context [L] then tokens [γ]: tokens[0] is predicted at position L-1 (the last context token)."""
+    torch.manual_seed(0)
+    model = SimpleNamespace(model=_DropoutAtOnePosition(vocab=4, noisy=2))  # context of 3: position 2
+    assert has_dropout(model)
+    var = mc_dropout_variance(model, torch.tensor([1, 2, 3]), torch.tensor([3]), passes=16)
+    assert var is not None and var.shape == (1,) and float(var[0]) > 0
+    model.model.noisy = 3  # the position after tokens[0]: not read for a one-token draft
+    assert float(mc_dropout_variance(model, torch.tensor([1, 2, 3]), torch.tensor([3]), passes=16)[0]) == 0.0
+
+
+def test_a_zero_dropout_rate_in_the_config_is_no_dropout():
+    module = torch.nn.Linear(2, 2)
+    module.config = SimpleNamespace(attention_dropout=0.0, hidden_dropout=0, dropout=0.0)
+    assert not has_dropout(SimpleNamespace(model=module))
+    module.config = SimpleNamespace(attention_dropout=0.1)
+    assert has_dropout(SimpleNamespace(model=module))
+
+
+def test_policy_off_leaves_the_inner_drafter_and_the_stats_alone():
+    seen = []
+
+    class _Inner:
+        def propose(self, context, gamma, sampler):
+            seen.append(sampler)
+            return Draft(tokens=torch.tensor([1, 2]), probs=None)
+
+    gate = Gate(GateConfig(policy="off"))
+    sampler = object()
+    draft = GatedDrafter(_Inner(), gate).propose(torch.tensor([0]), 2, sampler)  # type: ignore[arg-type]
+    assert draft.tokens.tolist() == [1, 2] and seen == [sampler]
+    assert gate.summary()["rounds"] == 0 and gate.last is None
+
+
+SMALL_TARGET = ToyLM(4, order=2, seed=0)
+SMALL_DRAFT = SMALL_TARGET.perturbed(1.0, seed=1)
+
+
+def test_a_gated_hybrid_drafter_decodes_like_the_plain_one():
+    prompt = [1, 2, 3, 1, 2, 3, 1, 2, 3, 1, 2]  # repeats: the lookup half drafts
+    cfg = SamplingConfig(temperature=0.0, seed=0, max_new_tokens=30)
+    plain = SpeculativeDecoder(SMALL_TARGET, LookupThenModel(ModelDrafter(SMALL_DRAFT)), get_rule("greedy"), gamma=FixedGamma(3))
+    gated = SpeculativeDecoder(SMALL_TARGET, GatedDrafter(LookupThenModel(ModelDrafter(SMALL_DRAFT)), Gate(GateConfig(policy="shape"))),
+                               get_rule("greedy"), gamma=FixedGamma(3))
+    assert gated.generate(prompt, cfg).tokens == plain.generate(prompt, cfg).tokens

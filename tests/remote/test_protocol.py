@@ -117,3 +117,63 @@ def test_generated_ids_need_prompt_ids():
         CreateSessionRequest.model_validate({"prompt": "hello", "generated_ids": [1, 2]})
     assert "'generated_ids' needs 'prompt_ids'" in str(err.value)
     assert CreateSessionRequest.model_validate({"prompt_ids": [3], "generated_ids": [1, 2]}).generated_ids == [1, 2]
+
+
+@pytest.mark.parametrize(
+    "body, fragment",
+    [
+        # a tree needs one parent per draft token: fewer parents than tokens is refused too
+        ({"seq": 0, "draft_tokens": [1, 2], "parents": [-1]}, "1 parents for 2 draft tokens"),
+        # -1 is the only parent below 0 (the last committed token)
+        ({"seq": 0, "draft_tokens": [1], "parents": [-2]}, "greater than or equal to -1"),
+        # q rows with no draft tokens are as wrong as a missing row
+        ({"seq": 0, "draft_tokens": [], "q": [0.5]}, "1 rows but there are 0"),
+        ({"seq": 0, "draft_tokens": [], "q": [{"ids": [1], "probs": [1.0]}]}, "1 rows but there are 0"),
+    ],
+)
+def test_more_bad_verify_bodies_are_rejected(body, fragment):
+    with pytest.raises(ValidationError) as err:
+        VerifyRequest.model_validate(body)
+    assert fragment in str(err.value)
+
+
+def test_unverified_tokens_are_bounded():
+    bound = defaults.MAX_GAMMA * 8
+    assert len(VerifyRequest.model_validate({"seq": 0, "unverified_tokens": [1] * bound}).unverified_tokens) == bound
+    with pytest.raises(ValidationError, match="at most"):
+        VerifyRequest.model_validate({"seq": 0, "unverified_tokens": [1] * (bound + 1)})
+
+
+def test_a_full_tree_of_max_tree_nodes_parses():
+    n = defaults.MAX_TREE_NODES
+    req = VerifyRequest.model_validate({"seq": 0, "draft_tokens": [1] * n, "parents": [-1] * n})
+    assert len(req.parents) == n
+
+
+@pytest.mark.parametrize(
+    "body, fragment",
+    [
+        ({"prompt_ids": [1], "logprobs": 21}, "less than or equal to 20"),
+        ({"prompt_ids": [1], "top_k": 0}, "greater than or equal to 1"),
+        ({"prompt_ids": [1], "max_new_tokens": 0}, "greater than or equal to 1"),
+        # the digest is lower-case hex (as hashlib's hexdigest writes it)
+        ({"prompt_ids": [1], "vocab_digest": "A" * 64}, "pattern"),
+        # an empty allow list or an empty bad word is a mistake, not "nothing" / "no word"
+        ({"prompt_ids": [1], "allowed_token_ids": []}, "at least 1"),
+        ({"prompt_ids": [1], "bad_token_ids": [[]]}, "at least 1"),
+        # JSON integers only, as everywhere else
+        ({"prompt_ids": [1], "min_tokens": "5"}, "valid integer"),
+        ({"prompt_ids": [1], "seed": defaults.MAX_SEED + 1}, "less than or equal to"),
+    ],
+)
+def test_more_bad_session_bodies_are_rejected(body, fragment):
+    with pytest.raises(ValidationError) as err:
+        CreateSessionRequest.model_validate(body)
+    assert fragment in str(err.value)
+
+
+def test_the_bounds_themselves_parse():
+    ok = CreateSessionRequest.model_validate(
+        {"prompt_ids": [1], "logprobs": 20, "top_k": 1, "max_new_tokens": 1, "vocab_digest": "0a" * 32}
+    )
+    assert ok.logprobs == 20 and ok.top_k == 1 and ok.max_new_tokens == 1

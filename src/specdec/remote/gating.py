@@ -439,3 +439,10 @@ class GatedDrafter:
 
     def commit(self, verdict: Verdict) -> None:
         self.inner.commit(verdict)
+
+    def __getattr__(self, name: str) -> Any:
+        """The inner drafter's other hooks (a hybrid's ``update_free``, ``finish``, ...), but not its
+        trees: the gate judges chain drafts token by token."""
+        if name in ("inner", "supports_trees", "propose_tree"):
+            raise AttributeError(name)
+        return getattr(self.inner, name)
