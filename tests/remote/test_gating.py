@@ -392,3 +392,12 @@ def test_a_gated_hybrid_drafter_decodes_like_the_plain_one():
     gated = SpeculativeDecoder(SMALL_TARGET, GatedDrafter(LookupThenModel(ModelDrafter(SMALL_DRAFT)), Gate(GateConfig(policy="shape"))),
                                get_rule("greedy"), gamma=FixedGamma(3))
     assert gated.generate(prompt, cfg).tokens == plain.generate(prompt, cfg).tokens
+
+
+def test_a_gated_drafter_hands_on_hooks_but_not_trees_or_ungated_copies():
+    """The gate forwards what the decoder asks of a drafter (a hybrid's update_free, the
+    temperature factor), never a tree pass it could not judge, nor a copy that would draft ungated."""
+    gated = GatedDrafter(LookupThenModel(ModelDrafter(SMALL_DRAFT)), Gate(GateConfig(policy="shape")))
+    assert callable(gated.update_free) and gated.temperature_factor == gated.inner.temperature_factor
+    for name in ("supports_trees", "propose_tree", "spawn", "with_model"):
+        assert hasattr(gated.inner, name) and not hasattr(gated, name), name

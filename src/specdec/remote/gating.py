@@ -442,7 +442,8 @@ class GatedDrafter:
 
     def __getattr__(self, name: str) -> Any:
         """The inner drafter's other hooks (a hybrid's ``update_free``, ``finish``, ...), but not its
-        trees: the gate judges chain drafts token by token."""
-        if name in ("inner", "supports_trees", "propose_tree"):
+        trees (the gate judges chain drafts token by token), nor its copies (``spawn``,
+        ``with_model``: they would be ungated)."""
+        if name in ("inner", "supports_trees", "propose_tree", "spawn", "with_model"):
             raise AttributeError(name)
         return getattr(self.inner, name)
