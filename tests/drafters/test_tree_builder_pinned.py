@@ -5,10 +5,12 @@ from __future__ import annotations
 
 import math
 
+import pytest
 import torch
 
 from specdec.drafters.base import DraftSampler
 from specdec.drafters.tree_builder import TreeSpec, build_tree
+from specdec.errors import ConfigError
 from specdec.sampling import SamplingConfig
 
 V = 8
@@ -45,8 +47,8 @@ def _expand(calls: list[list[tuple[int, ...]]]):
     return expand
 
 
-def _tree(spec: TreeSpec, budget: int, max_depth: int = 8, calls: list | None = None):
-    draft, _ = build_tree(_row(()).unsqueeze(0), _expand(calls if calls is not None else []), spec, GREEDY,
+def _tree(spec: TreeSpec, budget: int, max_depth: int = 8, calls: list | None = None, sampler=GREEDY):
+    draft, _ = build_tree(_row(()).unsqueeze(0), _expand(calls if calls is not None else []), spec, sampler,
                           position=0, budget=budget, max_depth=max_depth)
     toks, pars = draft.tokens.tolist(), draft.parents.tolist()
     assert all(p < i for i, p in enumerate(pars))  # topological
@@ -126,3 +128,209 @@ def test_a_sampled_tree_expands_its_sample_width_best_nodes():
                               position=0, budget=16, max_depth=2)
         toks, pars = draft.tokens.tolist(), draft.parents.tolist()
         assert sorted(_path(v, toks, pars) for v in range(len(toks))) == [(1,), (1, 7), (2,), (3,)]
+
+
+def test_levels_past_the_branching_tuple_use_its_last_factor():
+    """branching (2, 1), depth 3: the third level repeats the last factor (1 child), not the first."""
+    spec = TreeSpec(shape="static", width=4, depth=3, branching=(2, 1), min_prob=0.0)
+    assert [spec.children(d) for d in range(4)] == [2, 1, 1, 1]
+    assert _tree(spec, budget=100) == [(1,), (2,), (1, 3), (2, 5), (1, 3, 7), (2, 5, 7)]
+
+
+def _multinomial(seed: int) -> DraftSampler:
+    return DraftSampler(SamplingConfig(temperature=1.0), "multinomial", penalties=None,
+                        generator=torch.Generator().manual_seed(seed))
+
+
+def _siblings(q: list[float], spec: TreeSpec, sampler: DraftSampler):
+    """A one-level sampled tree under a root whose draft law is ``q`` (the other tokens: 0)."""
+    row = torch.zeros(1, V)
+    row[0, : len(q)] = torch.tensor(q)
+    draft, _ = build_tree(row.log(), lambda n, t, p: row.log().expand(len(n), V), spec, sampler, position=0, budget=8,
+                          max_depth=1)
+    return draft
+
+
+def test_sibling_stop_counts_a_token_drawn_twice_once():
+    """iid siblings (200 trees, q = (.3, .7), stop .5, 3 siblings): drawing token 0 twice still
+    leaves .7 of q uncovered, so a third sibling is drawn; only distinct tokens cover q."""
+    q = [0.3, 0.7]
+    spec = TreeSpec(sample_branching=(3,), sample_width=1, siblings="iid", sibling_stop=0.5)
+    sampler = _multinomial(3)
+    repeated = 0
+    for _ in range(200):
+        toks = _siblings(q, spec, sampler).tokens.tolist()
+        want = 1
+        while want < 3 and 1.0 - sum(q[t] for t in set(toks[:want])) >= 0.5 - 1e-12:
+            want += 1
+        assert len(toks) == want, toks
+        repeated += toks[:2] == [0, 0]
+    assert repeated > 0
+
+
+def test_sibling_stop_is_inclusive_when_exactly_the_stop_is_left():
+    """q = (.5, .5), stop .5 (40 trees): after the first draw exactly .5 of q is uncovered, which
+    is not below the stop, so the second sibling is drawn too (both tokens, without replacement)."""
+    spec = TreeSpec(sample_branching=(2,), sample_width=1, sibling_stop=0.5)
+    sampler = _multinomial(0)
+    for _ in range(40):
+        assert sorted(_siblings([0.5, 0.5], spec, sampler).tokens.tolist()) == [0, 1]
+
+
+def test_iid_siblings_may_repeat_and_the_draft_says_iid():
+    """siblings='iid' draws with replacement (q = (.9, .1), 3 siblings, 30 trees: some tree repeats
+    a token) and the draft carries the mode, which the verification rule needs."""
+    spec = TreeSpec(sample_branching=(3,), sample_width=1, siblings="iid", sibling_stop=0.0)
+    sampler = _multinomial(1)
+    repeats = 0
+    for _ in range(30):
+        draft = _siblings([0.9, 0.1], spec, sampler)
+        assert draft.siblings == "iid"
+        toks = draft.tokens.tolist()
+        assert len(toks) == 3
+        repeats += len(set(toks)) < 3
+    assert repeats > 0
+
+
+def test_without_replacement_trees_say_so_in_the_draft():
+    """The sibling mode the tree was drawn with travels with the draft (the rule reads it)."""
+    spec = TreeSpec(sample_branching=(3,), sample_width=1, siblings="without_replacement", sibling_stop=0.0)
+    draft = _siblings([0.5, 0.3, 0.2], spec, _multinomial(0))
+    assert draft.siblings == "without_replacement" and sorted(draft.tokens.tolist()) == [0, 1, 2]
+
+
+def test_multinomial_drafting_without_reported_q_builds_the_deterministic_top_k_tree():
+    """A multinomial sampler that reports no q (``want_probs`` False) cannot use a sampled tree:
+    its tree is the deterministic top-k one (the greedy tree's shape here) with no probs."""
+    spec = TreeSpec(shape="static", width=4, depth=2, branching=(2, 1), min_prob=0.0)
+    sampler = DraftSampler(SamplingConfig(temperature=1.0), "multinomial", penalties=None,
+                           generator=torch.Generator().manual_seed(0), want_probs=False)
+    draft, _ = build_tree(_row(()).unsqueeze(0), _expand([]), spec, sampler, position=0, budget=100, max_depth=8)
+    assert draft.probs is None
+    toks, pars = draft.tokens.tolist(), draft.parents.tolist()
+    assert [_path(v, toks, pars) for v in range(len(toks))] == [(1,), (2,), (1, 3), (2, 5)]
+
+
+def test_a_gumbel_tree_keys_each_level_by_its_own_position():
+    """Gumbel trees (keyed noise, coupled verification): a depth-d node's first child is the
+    Gumbel draw at position ``position + d`` (what the target's coupled draw at that position
+    reads), checked for 12 seeds over a flat 8-token row."""
+    from specdec.sampling import gumbel_column
+
+    flat = torch.zeros(1, V)  # every token q = 1/8
+    spec = TreeSpec(shape="static", width=1, depth=3, branching=(1,), min_prob=0.0)
+    for seed in range(12):
+        sampler = DraftSampler(SamplingConfig(temperature=1.0), "gumbel", penalties=None, generator=None, noise_seed=seed)
+        q = sampler.tree_rows(flat)[0]
+        draft, _ = build_tree(flat, lambda n, t, p: flat.expand(len(n), V), spec, sampler, position=5, budget=8, max_depth=3)
+        assert draft.tokens.tolist() == [gumbel_column(q, seed, 5 + d) for d in range(3)]
+        assert draft.parents.tolist() == [-1, 0, 1]
+
+
+def test_a_sampled_tree_never_grows_past_max_depth():
+    """A sampled tree of ``sample_branching`` (2, 1, 1) under max_depth 1 (the round's room) is
+    its root level alone (10 trees)."""
+    spec = TreeSpec(sample_branching=(2, 1, 1), sample_width=2, sibling_stop=0.0, sample_expand=0.0)
+    sampler = _multinomial(0)
+    for _ in range(10):
+        draft, _ = build_tree(_row(()).unsqueeze(0), _expand([]), spec, sampler, position=0, budget=16, max_depth=1)
+        assert draft.parents.tolist() == [-1, -1]
+
+
+class _Recording(DraftSampler):
+    """A greedy sampler that records the root paths (a constraint's histories) it is asked about."""
+
+    def __init__(self) -> None:
+        super().__init__(SamplingConfig(temperature=0.0), "argmax", penalties=None, generator=None)
+        self.histories: list = []
+
+    def tree_rows(self, logits, histories=None):
+        self.histories.append([tuple(h) for h in histories])
+        return super().tree_rows(logits, histories)
+
+
+def test_each_expanded_node_is_handed_to_the_sampler_with_its_whole_root_path():
+    """A constraint masks a node's children by what it allows after the node's whole path from
+    the root (not just its own token)."""
+    spec = TreeSpec(shape="static", width=4, depth=3, branching=(2, 1), min_prob=0.0)
+    sampler = _Recording()
+    build_tree(_row(()).unsqueeze(0), _expand([]), spec, sampler, position=0, budget=100, max_depth=8)
+    assert sampler.histories == [[()], [(1,), (2,)], [(1, 3), (2, 5)]]
+
+
+def test_of_tied_nodes_the_earlier_one_is_expanded():
+    """Two root candidates of equal q and width 1: the node that came first (node 0) gets the
+    children, a deterministic tie-break."""
+    root = torch.full((1, V), -math.inf)
+    root[0, 4] = 0.0
+    root[0, 6] = 0.0
+    calls: list = []
+    spec = TreeSpec(shape="static", width=1, depth=2, branching=(2, 1), min_prob=0.0)
+    draft, _ = build_tree(root, _expand(calls), spec, GREEDY, position=0, budget=100, max_depth=8)
+    first = draft.tokens.tolist()[0]
+    assert calls == [[(first,)]]
+    assert draft.parents.tolist() == [-1, -1, 0]
+
+
+def test_max_fed_caps_the_nodes_handed_to_expand_over_all_levels():
+    """``max_fed`` 3 (a draft cache with 3 free rows): the first level feeds 2 nodes, the second
+    only the best 1, then the tree grows no deeper."""
+    calls: list = []
+    spec = TreeSpec(shape="dynamic", width=2, depth=4, min_prob=0.0)
+    draft, _ = build_tree(_row(()).unsqueeze(0), _expand(calls), spec, GREEDY, position=0, budget=100, max_depth=8,
+                          max_fed=3)
+    assert calls == [[(1,), (2,)], [(1, 3)]]
+    toks, pars = draft.tokens.tolist(), draft.parents.tolist()
+    assert max(len(_path(v, toks, pars)) for v in range(len(toks))) == 3
+
+
+@pytest.mark.parametrize("bad", [dict(min_prob=1.0), dict(sample_width=0), dict(branching=(2, 0)),
+                                 dict(sample_branching=(0,)), dict(width=0), dict(depth=0), dict(expand_child=0.0)])
+def test_a_tree_spec_refuses_settings_that_leave_no_tree(bad):
+    with pytest.raises(ConfigError):
+        TreeSpec(**bad)
+
+
+def test_expand_child_one_is_allowed():
+    """``expand_child`` 1 (expand every node that made it into the tree) is a valid setting."""
+    assert TreeSpec(expand_child=1.0).expand_child == 1.0
+
+
+def test_a_level_is_handed_to_expand_in_tree_order_not_score_order():
+    """Level 2 scores (2,5) .4 above (1,3) .3 and (1,4) .24; width 2 expands (2,5) and (1,3),
+    handed over in tree (node index) order: (1,3) first."""
+    table = {(): {1: 0.6, 2: 0.4}, (1,): {3: 0.5, 4: 0.4}, (2,): {5: 1.0}}
+
+    def row(path):
+        q = torch.zeros(V, dtype=torch.float64)
+        for t, p in table.get(path, DEFAULT).items():
+            q[t] = p
+        return q.log().float()
+
+    calls: list = []
+
+    def expand(nodes, tokens, parents):
+        paths = [_path(v, tokens, parents) for v in nodes]
+        calls.append(paths)
+        return torch.stack([row(p) for p in paths])
+
+    spec = TreeSpec(shape="dynamic", width=2, depth=3, min_prob=0.0)
+    build_tree(row(()).unsqueeze(0), expand, spec, GREEDY, position=0, budget=100, max_depth=8)
+    assert calls[1] == [(1, 3), (2, 5)]
+
+
+def test_a_sampled_tree_reports_each_nodes_q_as_it_was_drawn_from():
+    """The reported q of every node is the row its token was drawn from, bit for bit, even where
+    the expanded levels' rows come in another dtype than the root's (float64 below a float32 root:
+    q must not be rounded to float32, or a rule would verify against another law than the draw's)."""
+    g = torch.Generator().manual_seed(5)
+    root = torch.randn(1, V, generator=g)  # float32
+    below = torch.randn(1, V, generator=g, dtype=torch.float64)
+    spec = TreeSpec(sample_branching=(2, 1), sample_width=2, sibling_stop=0.0)
+    draft, _ = build_tree(root, lambda n, t, p: below.expand(len(n), V), spec, _multinomial(2), position=0,
+                          budget=8, max_depth=2)
+    depth = [0 if p < 0 else 1 for p in draft.parents.tolist()]
+    assert 1 in depth
+    for i, d in enumerate(depth):
+        law = torch.softmax(below[0], -1) if d else torch.softmax(root[0], -1).double()  # the float32 root row, widened
+        assert torch.equal(draft.probs[i], law.to(draft.probs.dtype)) and draft.probs.dtype == torch.float64, i
