@@ -187,3 +187,16 @@ def test_ids_past_the_grammars_vocabulary_are_never_allowed(tok):
     wide = constraint.allowed([], V + 100)
     assert wide.shape == (V + 100,)
     assert torch.equal(wide[:V], base) and not bool(wide[V:].any())
+
+
+def test_anything_after_the_end_token_allows_only_the_end(tok):
+    """A draft may run on past end-of-sequence with other tokens: the sequence has ended wherever
+    the end token is in the history, not only when it is the last token, and the matcher is not
+    fed it (no error, later answers unharmed)."""
+    constraint = GrammarConstraint(tok, grammar_for("json_object", None), V)
+    doc = tok.encode("{}", add_special_tokens=False)
+    eos = tok.eos_token_id
+    fresh = constraint.allowed([], V)
+    for tail in ([eos], [eos, doc[0]], [eos, doc[0], doc[-1]]):
+        assert constraint.allowed(doc + tail, V).nonzero().flatten().tolist() == [eos], tail
+    assert torch.equal(constraint.allowed([], V), fresh)

@@ -18,6 +18,7 @@ from specdec.sampling import (
     StopFloor,
     checked_bias,
     _top_p_mask,
+    floor_stops,
     gumbel_sample,
     keyed_uniform,
     offset_seed,
@@ -595,3 +596,94 @@ def test_the_compiled_gumbel_draw_declines_a_runner_up_within_the_margin(second_
     assert torch.ops.specdec.gumbel_argmax(p, KEY, ids, VOCAB) == -1  # within 1e-9: torch decides
     p, ids = _row(second_at, second_id, 1e-6)
     assert torch.ops.specdec.gumbel_argmax(p, KEY, ids, VOCAB) == 0  # a clear lead: answered
+
+
+def test_the_documented_bounds_are_accepted():
+    """Every inclusive bound the validation states is itself accepted: top-p = 1, min-p = 0,
+    stop token id 0, the largest seed, the largest penalty and bias."""
+    top = defaults.MAX_PENALTY
+    cfg = SamplingConfig(top_p=1.0, min_p=0.0, stop_token_ids=(0,), seed=defaults.MAX_SEED,
+                         frequency_penalty=top, presence_penalty=-top, logit_bias={0: top})
+    assert (cfg.top_p, cfg.min_p, cfg.stop_token_ids, cfg.seed) == (1.0, 0.0, (0,), defaults.MAX_SEED)
+
+
+def test_truncates_names_each_truncation():
+    assert not SamplingConfig().truncates
+    assert all(SamplingConfig(**kw).truncates for kw in ({"top_k": 2}, {"top_p": 0.5}, {"min_p": 0.1}))
+
+
+def test_presence_penalty_alone_is_applied():
+    """A presence penalty with no other penalty still subtracts once per generated token seen."""
+    state = PenaltyState.start(torch.tensor([0]), 4)
+    state.append(torch.tensor([2, 2]))
+    out = penalised_logits(torch.zeros(1, 4), SamplingConfig(presence_penalty=0.5), state)
+    assert out.tolist() == [[0.0, 0.0, -0.5, 0.0]]
+
+
+def test_logit_bias_comes_before_the_repetition_penalty_and_with_it():
+    """Step 0 before step 1: token 1 (in the prompt) gets bias 2 then the penalty halves it to 1;
+    the bias is not dropped when penalties are on, nor added after them (that would give 2)."""
+    state = PenaltyState.start(torch.tensor([1]), 4)
+    cfg = SamplingConfig(logit_bias={1: 2.0}, repetition_penalty=2.0)
+    assert penalised_logits(torch.zeros(1, 4), cfg, state).tolist() == [[0.0, 1.0, 0.0, 0.0]]
+
+
+def test_a_logit_bias_id_equal_to_the_vocabulary_size_is_a_config_error():
+    with pytest.raises(ConfigError, match="outside the vocabulary"):
+        process_logits(torch.zeros(1, 4), SamplingConfig(logit_bias={4: 1.0}))
+
+
+def test_checked_bias_refuses_negative_ids():
+    with pytest.raises(ConfigError, match="outside the vocabulary"):
+        checked_bias([(-1, 1.0)], 10)
+
+
+def test_floor_stops_without_stop_ids_clears_min_tokens():
+    """With nothing to mask, min_tokens is simply dropped (a second call must change nothing)."""
+    out = floor_stops(SamplingConfig(min_tokens=3, max_new_tokens=5), frozenset())
+    assert out.min_tokens == 0 and out.constraint is None
+
+
+def test_stop_floor_ignores_stop_ids_outside_a_smaller_vocabulary():
+    """A stop id equal to the vocabulary size (a draft's smaller vocabulary) is skipped, not an IndexError."""
+    floor = StopFloor(frozenset({1, 4}), 3)
+    assert floor.allowed([], 4).tolist() == [True, False, True, True]
+
+
+def test_a_row_the_constraint_leaves_empty_is_a_config_error():
+    """Every row must keep a token: here row 0 (history []) is fine, row 1 (after draft token 1)
+    has none; an all-(-inf) row would turn the law to NaN."""
+
+    class NothingAfterOne:
+        def allowed(self, generated, vocab_size):
+            return torch.tensor([bool(not generated)] * vocab_size)
+
+    cfg = SamplingConfig(constraint=NothingAfterOne())
+    state = PenaltyState.start(torch.tensor([0]), 4)
+    with pytest.raises(ConfigError, match="allows no token"):
+        process_logits(torch.zeros(2, 4), cfg, state, torch.tensor([1]))
+
+
+def test_top_p_one_keeps_every_token_with_mass():
+    """top-p = 1 is no truncation: a float32 tail whose mass before it rounds to 1.0 is kept
+    (a nucleus cut at top-p = 1 would zero it)."""
+    logits = torch.tensor([[0.0, -30.0]])
+    out = process_logits(logits, SamplingConfig(top_p=1.0))
+    assert torch.equal(out, torch.softmax(logits, -1)) and float(out[0, 1]) > 0
+
+
+def test_sample_categorical_never_draws_a_leading_zero_weight(monkeypatch):
+    """u = 0 (a possible draw) lands on the first token of positive weight, not a zero before it."""
+    from specdec.models import kernels
+
+    monkeypatch.setattr(kernels, "loaded", lambda: False)
+    monkeypatch.setattr(torch, "rand", lambda *a, **k: torch.zeros(1, dtype=torch.float64))
+    assert sample_categorical(torch.tensor([0.0, 0.0, 1.0, 1.0]), None) == 2
+
+
+def test_a_penalty_state_copy_is_independent():
+    state = PenaltyState.start(torch.tensor([0]), 4)
+    twin = state.copy()
+    twin.append(torch.tensor([3]))
+    assert state.seen.tolist() == [True, False, False, False]
+    assert state.counts.tolist() == [0.0] * 4 and state.generated == []

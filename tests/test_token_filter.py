@@ -23,7 +23,7 @@ from specdec.errors import ConfigError
 from specdec.gamma import FixedGamma
 from specdec.models.toy import ToyLM
 from specdec.sampling import SamplingConfig, StopFloor
-from specdec.token_filter import TokenFilter, bad_word_ids
+from specdec.token_filter import MAX_BAD_WORDS, TokenFilter, bad_word_ids, constraint_factory
 from specdec.verify import get_rule
 from stats import ALPHA, chi_square_pvalue
 
@@ -178,3 +178,45 @@ def test_one_token_bad_words_give_way_too_when_nothing_is_left():
             return torch.tensor([False, True, True, True])
 
     assert f.over(NotZero()).allowed([1], 4).tolist() == [False, True, True, True]
+
+
+class _OneIdPerWord:
+    """A stand-in tokenizer: each distinct text (leading space kept) is its own one-token id."""
+
+    def __init__(self) -> None:
+        self.ids: dict[str, int] = {}
+
+    def encode(self, text, add_special_tokens=False):
+        return [self.ids.setdefault(text, len(self.ids))]
+
+
+def test_exactly_max_bad_words_are_accepted():
+    """The limit is inclusive: MAX_BAD_WORDS words are fine, one more is refused."""
+    words = [f"w{i}" for i in range(MAX_BAD_WORDS)]
+    assert len(bad_word_ids(_OneIdPerWord(), words)) == 2 * MAX_BAD_WORDS
+    with pytest.raises(ConfigError, match="at most"):
+        bad_word_ids(_OneIdPerWord(), [*words, "one more"])
+
+
+def test_a_one_token_bad_word_past_a_smaller_vocabulary_is_ignored():
+    """A one-token word whose id equals the vocabulary asked about cannot be sampled there: no ban, no IndexError."""
+    f = TokenFilter(banned=((4,), (1,)))
+    assert f.allowed([], 4).tolist() == [True, False, True, True]
+
+
+def test_a_filter_over_a_grammar_keeps_the_grammar():
+    """allowed_token_ids together with a grammar: each sequence's constraint is the filter over its
+    own grammar, so a filter that allows every id leaves exactly the grammar's mask."""
+    pytest.importorskip("llguidance")
+    from transformers import AutoTokenizer
+
+    from specdec.grammar import GrammarConstraint, grammar_for
+    from specdec.models.registry import DATA_DIR
+
+    tok = AutoTokenizer.from_pretrained(str(DATA_DIR / "smollm2-135m-draft"))
+    vocab = 49152
+    grammar = grammar_for("json_object", None)
+    make = constraint_factory(tok, vocab, grammar=grammar, allowed_ids=range(vocab))
+    want = GrammarConstraint(tok, grammar, vocab).allowed([], vocab)
+    assert not bool(want.all())
+    assert torch.equal(make().allowed([], vocab), want)
