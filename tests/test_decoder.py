@@ -17,10 +17,12 @@ import torch
 from specdec.decoder import SpeculativeDecoder
 from specdec.drafters import ModelDrafter, NgramDrafter
 from specdec.drafters.hybrid import LookupThenModel
+from specdec.drafters.tree_builder import TreeSpec
 from specdec.errors import ConfigError, ContextLengthError
 from specdec.gamma import CostGamma, FixedGamma
 from specdec.models.toy import ToyLM
 from specdec.sampling import SamplingConfig, StopFloor
+from specdec.session import TargetSession
 from specdec.verify import get_rule
 from stats import ALPHA, chi_square_pvalue, exact_law
 
@@ -67,8 +69,6 @@ def _samples(method: str, cfg: SamplingConfig, *, drafter=None, gamma=None, n: i
 
 def test_negative_control_constraint_on_the_draft_only_is_detected():
     """The constraint applied to q but not to p: the output follows the unconstrained target."""
-    from specdec.session import TargetSession
-
     cfg = OPTIONS["constraint"]
     free = SamplingConfig(temperature=1.0)
     law = exact_law(TARGET, PROMPT, cfg, N_NEW)
@@ -198,7 +198,6 @@ def test_min_tokens_and_stop_token_ids_greedy_equal_plain(method):
         end = next(i for i, t in enumerate(ref) if t in (2, stop_at))  # end-of-sequence may come first
         assert res.tokens == ref[: end + 1] and res.stats.finish_reason == "eos"
     with pytest.raises(ConfigError, match="min_tokens"):  # a verifier built elsewhere would not mask the stops
-        from specdec.session import TargetSession
 
         cfg = SamplingConfig(temperature=0.0, max_new_tokens=4, min_tokens=2)
         spec.generate([1], cfg, verifier=TargetSession(target, [1], cfg, get_rule(method), seed=0))
@@ -508,7 +507,6 @@ def test_a_target_whose_logits_are_not_finite_is_refused_not_decoded(temperature
     refuse it in one line; a sound model is untouched by the check."""
     from tiny import tiny_native
 
-    from specdec.drafters.tree_builder import TreeSpec
     from specdec.errors import ModelError
 
     cfg = SamplingConfig(temperature=temperature, max_new_tokens=6, seed=3)
@@ -521,3 +519,367 @@ def test_a_target_whose_logits_are_not_finite_is_refused_not_decoded(temperature
         dec = SpeculativeDecoder(broken, drafter, rule, gamma=FixedGamma(3), tree=tree)
         with pytest.raises(ModelError, match="the target.s logits are not finite .NaN or infinite. at position 3:"):
             dec.generate([1, 2, 3], cfg)
+
+
+GREEDY = get_rule("greedy")
+#: repeats itself, so prompt lookup always finds a continuation
+REPEATING = [3, 3, 1, 2, 3, 3, 1, 2, 3, 3, 1, 2]
+
+
+def _small(max_length: int) -> ToyLM:
+    target = ToyLM(4, order=2, seed=0)
+    target.max_length = max_length
+    return target
+
+
+def test_the_context_last_position_takes_a_token():
+    """A prompt of 3 in a context of 8 leaves room for 5 new tokens, the last one included (its
+    own row is never fed), whatever max_new_tokens asks."""
+    out = SpeculativeDecoder(_small(8), None, GREEDY).generate([1, 2, 3], SamplingConfig(temperature=0.0, max_new_tokens=100))
+    assert len(out.tokens) == 5 and out.stats.finish_reason == "length"
+
+
+def test_tree_rounds_draft_no_more_nodes_than_the_context_has_rows_left():
+    """Every node of a token tree takes a row of the target's cache: a round whose context holds
+    c tokens of a context of L drafts at most L - c nodes (min_prob 0 fills the tree)."""
+    target = _small(12)
+    dec = SpeculativeDecoder(target, ModelDrafter(target.perturbed(0.3, seed=2)), GREEDY, gamma=FixedGamma(8),
+                             tree=TreeSpec(min_prob=0.0))
+    out = dec.generate([1, 2], SamplingConfig(temperature=0.0, max_new_tokens=100))
+    assert len(out.tokens) == 10
+    context = 2
+    binding = 0
+    for r in out.rounds:
+        assert r.gamma <= 12 - context, (r, context)
+        binding += r.gamma == 12 - context
+        context += r.emitted
+    assert binding  # the bound was reached in some round (else this test would show nothing)
+
+
+def test_a_tree_is_not_drafted_for_the_last_token():
+    """With one token left no draft can be kept: the round is a plain step, trees included (prompt
+    lookup in front of the model would otherwise draft a token even at depth 0)."""
+    for tree in (None, TreeSpec(min_prob=0.0)):
+        for drafter in (ModelDrafter(DRAFT), LookupThenModel(ModelDrafter(DRAFT))):
+            dec = SpeculativeDecoder(TARGET, drafter, GREEDY, gamma=FixedGamma(4), tree=tree)
+            out = dec.generate(REPEATING, SamplingConfig(temperature=0.0, max_new_tokens=1))
+            assert [(r.gamma, r.emitted) for r in out.rounds] == [(0, 1)]
+
+
+class _Advising(TargetSession):
+    """A verifier that advises a draft cap (as a busy remote server does)."""
+    gamma_limit = 1
+
+
+def test_a_verifiers_advised_cap_bounds_chains_not_trees():
+    cfg = SamplingConfig(temperature=0.0, max_new_tokens=30)
+    chain = SpeculativeDecoder(TARGET, ModelDrafter(TARGET), GREEDY, gamma=FixedGamma(4))
+    out = chain.generate([1, 2], cfg, verifier=_Advising(TARGET, [1, 2], cfg, GREEDY, seed=0))
+    assert max(r.gamma for r in out.rounds) == 1
+    tree = SpeculativeDecoder(TARGET, ModelDrafter(TARGET), GREEDY, gamma=FixedGamma(4), tree=TreeSpec(min_prob=0.0))
+    out = tree.generate([1, 2], cfg, verifier=_Advising(TARGET, [1, 2], cfg, GREEDY, seed=0))
+    assert max(r.gamma for r in out.rounds) == 4 and out.stats.tree_rounds > 0
+
+
+class _FreeCeiling(FixedGamma):
+    """A γ whose free-draft ceiling (a server's draft cap) is far above what is left."""
+    def free_limit(self):
+        return 50
+
+
+def test_free_drafts_stay_inside_what_is_left_of_max_new_tokens():
+    """A free (prompt lookup) draft is bounded by the round's limit (remaining - 1) as well as by
+    the controller's ceiling: nothing is drafted that the cut at max_new_tokens would throw away."""
+    for n in (3, 6):
+        drafter = LookupThenModel(ModelDrafter(DRAFT), lookup_tokens=40)
+        dec = SpeculativeDecoder(TARGET, drafter, GREEDY, gamma=_FreeCeiling(2))
+        out = dec.generate(REPEATING, SamplingConfig(temperature=0.0, max_new_tokens=n))
+        left = n
+        assert any(r.free for r in out.rounds)
+        for r in out.rounds:
+            assert r.gamma <= left - 1, (n, out.rounds)
+            left -= r.emitted
+
+
+def test_a_lookup_draft_is_not_asked_for_the_last_token_of_a_tree_decoder():
+    """Trees bound a round by the context's rows, not by what is left: at the last token neither
+    the model nor prompt lookup drafts (a free draft there could never be kept)."""
+    drafter = LookupThenModel(NgramDrafter(), lookup_tokens=4)
+    assert drafter.supports_trees
+    dec = SpeculativeDecoder(TARGET, drafter, GREEDY, gamma=FixedGamma(0), tree=TreeSpec(min_prob=0.0))
+    out = dec.generate(REPEATING, SamplingConfig(temperature=0.0, max_new_tokens=1))
+    assert [(r.gamma, r.emitted) for r in out.rounds] == [(0, 1)]
+
+
+def test_lookahead_is_told_the_targets_arg_max_at_its_tree_nodes_before_the_commit():
+    """A drafter that asks for them (``wants_node_argmax``: lookahead decoding) is handed the
+    target's arg-max at the root and after each node of the tree just scored, before the round
+    commits (its Jacobi window and n-gram pool grow from them); the tokens are plain greedy
+    decoding's."""
+    from specdec.drafters.lookahead import LookaheadDrafter
+
+    events: list[tuple[str, int]] = []
+
+    class Spy(LookaheadDrafter):
+        def observe(self, node_argmax):
+            events.append(("observe", node_argmax.numel()))
+            super().observe(node_argmax)
+
+        def commit(self, verdict):
+            events.append(("commit", 0))
+            super().commit(verdict)
+
+    target = ToyLM(6, order=3, seed=7)
+    cfg = SamplingConfig(temperature=0.0, max_new_tokens=40)
+    plain = SpeculativeDecoder(target, None, GREEDY).generate([1, 2], cfg).tokens
+    drafter = Spy(window=3, ngram=3, candidates=3, pool_size=8)
+    out = SpeculativeDecoder(target, drafter, GREEDY, gamma=FixedGamma(16), tree=TreeSpec()).generate([1, 2], cfg)
+    assert out.tokens == plain and out.stats.tree_rounds > 0
+    observed = [i for i, (what, _) in enumerate(events) if what == "observe"]
+    assert observed and all(events[i + 1][0] == "commit" for i in observed)
+    tree_sizes = [r.gamma + 1 for r in out.rounds if r.tree]
+    assert [n for what, n in events if what == "observe"] == tree_sizes[: len(observed)]
+
+
+class _Alternating(FixedGamma):
+    """γ 2, 0, 2, 0, ...: every other round plain."""
+    def __init__(self) -> None:
+        super().__init__(2)
+        self.calls = 0
+
+    def next_gamma(self) -> int:
+        self.calls += 1
+        return 2 if self.calls % 2 else 0
+
+
+class _Recording(ModelDrafter):
+    def __init__(self, model) -> None:
+        super().__init__(model)
+        self.proposed = self.committed = 0
+
+    def propose(self, context, gamma, sampler):
+        self.proposed += 1
+        return super().propose(context, gamma, sampler)
+
+    def commit(self, verdict):
+        self.committed += 1
+        super().commit(verdict)
+
+
+def test_a_drafter_commits_only_the_rounds_it_drafted():
+    """``commit`` tells a drafter what the target kept of *its last draft*: rounds it was not
+    asked to draft (γ 0) are not committed to it (it catches up from the context instead)."""
+    drafter = _Recording(TARGET)
+    out = SpeculativeDecoder(TARGET, drafter, GREEDY, gamma=_Alternating()).generate(
+        [1, 2], SamplingConfig(temperature=0.0, max_new_tokens=20))
+    plain_rounds = sum(1 for r in out.rounds if r.gamma == 0)
+    assert plain_rounds and drafter.proposed == drafter.committed == len(out.rounds) - plain_rounds
+    assert out.stats.acceptance_rate == 1.0  # the target drafting for itself
+
+
+def test_timings_on_a_modelled_clock(monkeypatch):
+    """On a clock that moves only while the drafter drafts (100 s a round), the round's draft
+    time is the draft's and its verification overhead excludes it, the γ controller is told the
+    same, and the time to first token ends with the first round (not a later one)."""
+    import types
+
+    import specdec.decoder as decoder_module
+
+    now = [0.0]
+    monkeypatch.setattr(decoder_module, "time", types.SimpleNamespace(perf_counter=lambda: now[0]))
+
+    class Slow(ModelDrafter):
+        def propose(self, context, gamma, sampler):
+            now[0] += 100.0
+            return super().propose(context, gamma, sampler)
+
+    class Spy(FixedGamma):
+        seen: list[dict]
+
+        def update(self, **kw):
+            self.seen.append(kw)
+
+    spy = Spy(2)
+    spy.seen = []
+    out = SpeculativeDecoder(TARGET, Slow(TARGET), GREEDY, gamma=spy).generate(
+        [1, 2], SamplingConfig(temperature=0.0, max_new_tokens=12))
+    assert [r.gamma for r in out.rounds] == [2, 2, 2, 2]  # every round drafted (and took 100 s)
+    st = out.stats
+    assert st.ttft_s == pytest.approx(100.0, abs=1.0)
+    assert st.wall_s == pytest.approx(400.0, abs=1.0) and st.tokens_per_s == pytest.approx(12 / st.wall_s)
+    assert st.draft_s == pytest.approx(400.0, abs=1.0)
+    for r in out.rounds:
+        assert r.draft_ms == pytest.approx(100e3, abs=1.0) and abs(r.verify_ms) < 1e3
+    assert len(spy.seen) == 4
+    for kw in spy.seen:
+        assert kw["draft_s"] == pytest.approx(100.0, abs=1e-3) and abs(kw["other_s"]) < 1.0
+
+
+def test_cumulative_acceptance_is_over_all_rounds_so_far():
+    out = SpeculativeDecoder(TARGET, ModelDrafter(DRAFT), GREEDY, gamma=FixedGamma(3)).generate(
+        [1, 2], SamplingConfig(temperature=0.0, max_new_tokens=40))
+    proposed = accepted = 0
+    per_round = set()
+    for r in out.rounds:
+        proposed += r.gamma
+        accepted += r.accepted
+        assert r.cumulative_acceptance == pytest.approx(accepted / proposed if proposed else 0.0)
+        per_round.add(r.accept_ratio)
+    assert len(per_round) > 1  # the rounds differ, so a per-round ratio would show
+
+
+class _SeesFree(FixedGamma):
+    """Records which of its two updates each round reached."""
+    def __init__(self, gamma: int) -> None:
+        super().__init__(gamma)
+        self.model_rounds: list[int] = []
+        self.free_rounds: list[int] = []
+
+    def update(self, *, gamma, accepted, draft_s, target_s, other_s):
+        self.model_rounds.append(gamma)
+
+    def update_free(self, *, gamma, accepted, draft_s, target_s, other_s):
+        self.free_rounds.append(gamma)
+
+
+class _SeesPasses(LookupThenModel):
+    def __init__(self, model) -> None:
+        super().__init__(model)
+        self.passes: list[int] = []
+        self.free_updates: list[int] = []
+
+    def observe_pass(self, rows, target_s):
+        self.passes.append(rows)
+        super().observe_pass(rows, target_s)
+
+    def update_free(self, *, gamma, **kw):
+        self.free_updates.append(gamma)
+        super().update_free(gamma=gamma, **kw)
+
+
+def test_free_rounds_and_model_rounds_reach_their_own_controllers():
+    """A lookup round (free) is learnt by the hybrid's lookup controller and the γ controller's
+    ``update_free`` (a server's cap), never by γ's ``update``; a model round by γ's ``update``, and
+    its verification pass (drafted + 1 rows) by the lookup controller's cost curve."""
+    gamma = _SeesFree(2)
+    drafter = _SeesPasses(ModelDrafter(DRAFT))
+    out = SpeculativeDecoder(TARGET, drafter, GREEDY, gamma=gamma).generate(
+        [0, 1, 2, 0, 1, 2, 3], SamplingConfig(temperature=0.0, max_new_tokens=40))
+    free = [r.gamma for r in out.rounds if r.free]
+    model = [r.gamma for r in out.rounds if not r.free]
+    assert free and model
+    assert gamma.free_rounds == free == drafter.free_updates
+    assert gamma.model_rounds == model
+    assert drafter.passes == [g + 1 for g in model]
+
+
+def test_a_stop_that_cuts_a_whole_round_streams_nothing_for_it():
+    """``on_tokens`` is called with the tokens a round appended, never with an empty list."""
+    calls: list[list[int]] = []
+    dec = SpeculativeDecoder(TARGET, None, GREEDY)
+    out = dec.generate([1, 2], SamplingConfig(temperature=0.0, max_new_tokens=20), on_tokens=calls.append,
+                       stop=lambda toks: 1 if len(toks) >= 3 else None)
+    assert out.tokens == calls[0][:1] and out.stats.finish_reason == "stop"
+    assert all(calls)
+
+
+def test_seed_zero_is_a_seed():
+    """``seed=0`` fixes the output like any other seed (not a fresh random one)."""
+    dec = SpeculativeDecoder(TARGET, ModelDrafter(DRAFT), get_rule("block"), gamma=FixedGamma(3))
+    cfg = SamplingConfig(temperature=1.0, seed=0, max_new_tokens=40)
+    first = dec.generate([1, 2], cfg).tokens
+    assert all(dec.generate([1, 2], cfg).tokens == first for _ in range(3))
+
+
+class _IdleSpy(FixedGamma):
+    def __init__(self) -> None:
+        super().__init__(2)
+        self.idled = 0
+
+    def start_idle(self):
+        self.idled += 1
+
+
+def test_only_a_drafter_that_costs_a_target_step_starts_the_controller_idle():
+    spy = _IdleSpy()
+    SpeculativeDecoder(TARGET, ModelDrafter(DRAFT), GREEDY, gamma=spy).generate([1, 2], SamplingConfig(temperature=0.0, max_new_tokens=4))
+    assert spy.idled == 0
+
+    class WholeTarget(ModelDrafter):
+        whole_target = True
+
+    SpeculativeDecoder(TARGET, WholeTarget(DRAFT), GREEDY, gamma=spy).generate([1, 2], SamplingConfig(temperature=0.0, max_new_tokens=4))
+    assert spy.idled == 1
+
+
+class _Keeping(ToyLM):
+    """A target that keeps finished sequences (as a prefix cache does): records what it is handed."""
+    def __init__(self) -> None:
+        super().__init__(4, order=2, seed=0)
+        self.kept: list[list[int]] = []
+
+    def keep_sequence(self, tokens, cache):
+        self.kept.append(tokens.tolist())
+
+
+def test_the_decoder_closes_its_own_session_and_not_a_callers():
+    """The session the decoder opened is closed at the end (a prefix cache keeps the sequence); a
+    verifier passed in stays the caller's to close."""
+    target = _Keeping()
+    cfg = SamplingConfig(temperature=0.0, max_new_tokens=6)
+    dec = SpeculativeDecoder(target, ModelDrafter(DRAFT), GREEDY, gamma=FixedGamma(2))
+    out = dec.generate([1, 2], cfg)
+    assert target.kept == [[1, 2] + out.tokens[:-1]]  # every committed token but the last
+    session = TargetSession(target, [1, 2], cfg, GREEDY, seed=0)
+    dec.generate([1, 2], cfg, verifier=session)
+    assert len(target.kept) == 1
+    session.close()
+    assert len(target.kept) == 2
+
+
+def test_the_drafter_is_told_the_sequence_finished():
+    seen: list[list[int]] = []
+
+    class Finishing(ModelDrafter):
+        def finish(self, context):
+            seen.append(context.tolist())
+
+    out = SpeculativeDecoder(TARGET, Finishing(DRAFT), GREEDY, gamma=FixedGamma(2)).generate(
+        [1, 2], SamplingConfig(temperature=0.0, max_new_tokens=7))
+    assert seen == [[1, 2] + out.tokens]
+
+
+def test_min_tokens_holds_off_the_stop_token_ids_too():
+    """min_tokens floors every token that would end the sequence: end of sequence and the
+    request's stop_token_ids alike."""
+    ref = SpeculativeDecoder(TARGET, None, GREEDY).generate([1, 2], SamplingConfig(temperature=0.0, max_new_tokens=20)).tokens
+    stop_at = ref[1]
+    dec = SpeculativeDecoder(TARGET, ModelDrafter(DRAFT), GREEDY, gamma=FixedGamma(3), eos_ids=frozenset({0}) - {stop_at})
+    out = dec.generate([1, 2], SamplingConfig(temperature=0.0, max_new_tokens=20, min_tokens=6, stop_token_ids=(stop_at,)))
+    assert stop_at not in out.tokens[:6]
+
+
+def test_a_stop_that_keeps_everything_still_ends_the_generation():
+    """A stop check that returns how many tokens to keep ends generation even when it keeps them
+    all (a stop string that ends exactly at the round's last token)."""
+    dec = SpeculativeDecoder(TARGET, None, GREEDY)
+    out = dec.generate([1, 2], SamplingConfig(temperature=0.0, max_new_tokens=20), stop=lambda toks: len(toks) if len(toks) >= 3 else None)
+    assert len(out.tokens) == 3 and out.stats.finish_reason == "stop"
+
+
+def test_generation_stats_summarise_the_rounds():
+    """The histogram of kept draft lengths runs to the longest kept; mean γ is drafted tokens per
+    round; plain decoding reports γ policy "none"; free tokens are those kept from free rounds."""
+    out = SpeculativeDecoder(TARGET, LookupThenModel(ModelDrafter(DRAFT)), GREEDY, gamma=FixedGamma(3)).generate(
+        REPEATING, SamplingConfig(temperature=0.0, max_new_tokens=40))
+    st, rounds = out.stats, out.rounds
+    longest = max(r.accepted for r in rounds)
+    assert st.accepted_histogram == [sum(1 for r in rounds if r.accepted == k) for k in range(longest + 1)]
+    assert sum(st.accepted_histogram) == len(rounds)
+    assert st.mean_gamma == pytest.approx(sum(r.gamma for r in rounds) / len(rounds))
+    assert st.mean_gamma != pytest.approx(st.draft_tokens_accepted / len(rounds))  # some draft was rejected
+    assert st.free_tokens_accepted == sum(r.accepted for r in rounds if r.free)
+    assert 0 < st.free_tokens_accepted < st.draft_tokens_accepted  # model rounds kept drafts too
+    assert st.gamma_policy == "fixed(3)"
+    plain = SpeculativeDecoder(TARGET, None, GREEDY, gamma=FixedGamma(3)).generate([1, 2], SamplingConfig(temperature=0.0, max_new_tokens=5))
+    assert plain.stats.gamma_policy == "none" and plain.stats.accepted_histogram == [5]

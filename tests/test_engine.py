@@ -9,10 +9,13 @@ import pytest
 import torch
 
 import specdec.models.linear as linear
+from specdec import defaults
 from specdec.decoder import SpeculativeDecoder
 from specdec.drafters import ModelDrafter
+from specdec.drafters.hybrid import LookupThenModel
 from specdec.engine import Engine, EngineConfig, draft_dtype, draft_int8_head, make_gamma
 from specdec.errors import ConfigError
+from specdec.gamma import CostGamma, FixedGamma, TreeBudget
 from specdec.models.registry import LoadedModel
 from specdec.models.toy import ToyLM
 from specdec.sampling import SamplingConfig
@@ -150,8 +153,6 @@ def test_draft_precision_in_words(monkeypatch):
 
 
 def test_attach_puts_several_drafters_on_one_loaded_target(tmp_path):
-    from specdec.engine import Engine
-    from specdec.sampling import SamplingConfig
     from tiny import make_tiny
 
     target = str(make_tiny(tmp_path / "t", seed=0))
@@ -173,8 +174,6 @@ def test_the_package_exports_the_library_entry_points_lazily():
     import sys
 
     import specdec
-    from specdec.engine import Engine, EngineConfig
-    from specdec.sampling import SamplingConfig
 
     assert (specdec.Engine, specdec.EngineConfig, specdec.SamplingConfig) == (Engine, EngineConfig, SamplingConfig)
     with pytest.raises(AttributeError, match="no attribute 'Nope'"):
@@ -200,7 +199,6 @@ def test_with_prefix_cache_only_where_it_is_exact(tmp_path):
     (--fast-attention) is left as it is."""
     from tiny import make_tiny
 
-    from specdec.engine import Engine
 
     folder = str(make_tiny(tmp_path, layers=1))
     exact = Engine.build(EngineConfig(target=folder, draft="none"))
@@ -259,8 +257,6 @@ def test_the_default_drafter_falls_back_to_lookup_on_another_tokenizer(tmp_path)
     drafts by prompt lookup (and says so) instead of failing; a draft asked for by name still fails."""
     from tiny import make_tiny
 
-    from specdec import defaults
-    from specdec.engine import Engine
     from specdec.errors import SpecdecError
 
     target = str(make_tiny(tmp_path / "wide", vocab=49_280))  # the same tokens, more rows: not the draft's ids
@@ -276,8 +272,6 @@ def test_a_windowed_model_runs_natively_to_its_full_context(tmp_path):
     context, and greedy decoding ten windows long gives the hf backend's tokens."""
     from tiny import make_tiny
 
-    from specdec.engine import Engine
-    from specdec.sampling import SamplingConfig
 
     folder = str(make_tiny(tmp_path / "mistral", model_type="mistral", window=4))
     cfg = SamplingConfig(temperature=0.0, max_new_tokens=40)
@@ -432,9 +426,7 @@ def test_min_tokens_with_logprobs_hold_off_the_end_of_sequence():
 
 
 def test_gamma_tree_and_confidence_bounds():
-    from specdec import defaults
     from specdec.engine import parse_gamma, parse_min_confidence, parse_tree
-    from specdec.errors import ConfigError
 
     assert parse_gamma(defaults.MAX_GAMMA) == defaults.MAX_GAMMA and parse_gamma("1") == 1
     assert parse_tree(defaults.MAX_TREE_NODES) == defaults.MAX_TREE_NODES and parse_tree("1") == 1
@@ -460,7 +452,6 @@ def test_generate_batch_passes_ignore_eos():
 
 
 def test_a_registry_targets_model_free_default_draft_has_no_lookup_suffix():
-    from specdec import defaults
     from specdec.engine import check_draft_name, draft_for_target
 
     draft = draft_for_target("gemma-3-270m", defaults.DEFAULT_DRAFT)
@@ -468,10 +459,8 @@ def test_a_registry_targets_model_free_default_draft_has_no_lookup_suffix():
 
 
 def test_kv_dtype_float16_needs_exact_attention():
-    import torch
 
     from specdec.engine import EngineConfig, check_kv_dtype
-    from specdec.errors import ConfigError
 
     assert check_kv_dtype(EngineConfig(kv_dtype="float16"), torch.float32) == torch.float16
     with pytest.raises(ConfigError, match="needs exact attention"):
@@ -480,7 +469,6 @@ def test_kv_dtype_float16_needs_exact_attention():
 
 def test_a_factor_of_one_is_allowed_for_a_model_free_drafter():
     from specdec.engine import check_factor_applies
-    from specdec.errors import ConfigError
 
     for value in ("auto", 1.0, "1"):
         check_factor_applies("ngram", value)
@@ -492,7 +480,6 @@ def test_a_draft_vocabulary_must_be_distinct_and_is_unused_on_the_hf_backend(tmp
     import json
 
     from specdec.engine import EngineConfig, draft_vocabulary
-    from specdec.errors import ConfigError
 
     (tmp_path / "config.json").write_text("{}")
     (tmp_path / "draft_vocab.json").write_text(json.dumps({"ids": [1, 5, 5, 9]}))
@@ -502,3 +489,210 @@ def test_a_draft_vocabulary_must_be_distinct_and_is_unused_on_the_hf_backend(tmp
     assert draft_vocabulary(EngineConfig(), str(tmp_path)).tolist() == [1, 5, 9]
     assert draft_vocabulary(EngineConfig(backend="hf"), str(tmp_path)) is None  # the hf backend has no reduced head
     assert draft_vocabulary(EngineConfig(draft_vocab="full"), str(tmp_path)) is None
+
+
+def _loaded() -> LoadedModel:
+    return LoadedModel("toy", TARGET, None, None, "toy", EOS)
+
+
+def test_gamma_refuses_a_boolean():
+    """``True`` is an int in Python: it must not pass for γ = 1."""
+    from specdec.engine import parse_gamma
+
+    for bad in (True, False):
+        with pytest.raises(ConfigError, match="gamma must be"):
+            parse_gamma(bad)
+
+
+def test_tree_and_factor_names_are_read_case_and_space_blind():
+    from specdec.engine import parse_temperature_factor, parse_tree
+
+    assert parse_tree(" Auto ") == "auto" and parse_tree("CHAIN") == "chain" and parse_tree(" 7 ") == 7
+    assert parse_temperature_factor(" AUTO ") == "auto" and parse_temperature_factor(" 0.5 ") == 0.5
+
+
+def test_a_decoders_min_confidence_is_checked():
+    rule = get_rule("greedy")
+    assert _engine().decoder(rule, 2, min_confidence=0.3).min_confidence == 0.3
+    assert _engine().decoder(rule, 2).min_confidence == defaults.MIN_CONFIDENCE
+    for bad in (-0.5, 1.5):
+        with pytest.raises(ConfigError, match="min-confidence"):
+            _engine().decoder(rule, 2, min_confidence=bad)
+
+
+def test_gamma_auto_follows_the_last_sequence_of_the_same_rule(monkeypatch):
+    """γ auto: each new decoder's controller is the successor of the engine's last one for the
+    same rule (:class:`GammaMemory`), and another rule's controllers are not mixed in."""
+    asked: list[CostGamma] = []
+    real = CostGamma.successor
+
+    def successor(self):
+        asked.append(self)
+        return real(self)
+
+    monkeypatch.setattr(CostGamma, "successor", successor)
+    eng = _engine()
+    greedy, block = get_rule("greedy"), get_rule("block")
+    first = eng.decoder(greedy, "auto").gamma
+    assert isinstance(first, CostGamma) and asked == []
+    second = eng.decoder(greedy, " AUTO ").gamma
+    assert asked == [first] and second is not first
+    eng.decoder(block, "auto")
+    assert asked == [first]  # a fresh controller for another rule
+    eng.decoder(greedy, "auto")
+    assert asked == [first, second]
+    fixed = eng.decoder(greedy, 3).gamma  # a fixed γ is not remembered, nor follows anything
+    assert isinstance(fixed, FixedGamma) and fixed.gamma == 3 and len(asked) == 2
+
+
+def test_make_tree_auto_budgets_nodes_and_a_number_fixes_them():
+    from specdec.engine import make_tree
+
+    spec, controller = make_tree("auto", FixedGamma(2), drafter=ModelDrafter(DRAFT))
+    assert spec is not None and isinstance(controller, TreeBudget)
+    spec, controller = make_tree(5, FixedGamma(2), drafter=ModelDrafter(DRAFT))
+    assert spec is not None and isinstance(controller, FixedGamma) and controller.gamma == 5
+    chain = FixedGamma(2)
+    assert make_tree("chain", chain, drafter=ModelDrafter(DRAFT)) == (None, chain)
+
+
+def test_tree_observe_hears_only_tree_rounds():
+    """``tree_observe`` is told of the tree's budget controller; a chain decoder does not wrap
+    its γ controller with it."""
+    heard: list[tuple[int, int]] = []
+    dec = _engine().decoder(get_rule("greedy"), 2, tree="chain", tree_observe=lambda n, a: heard.append((n, a)))
+    assert dec.tree is None and isinstance(dec.gamma, FixedGamma)
+    dec.generate([1, 2], SamplingConfig(temperature=0.0, max_new_tokens=10))
+    assert heard == []
+
+
+def test_the_default_method_under_seed_zero_is_coupled():
+    """A seed fixes the output (coupled), seed 0 included."""
+    from specdec.engine import default_method
+
+    assert default_method(SamplingConfig(temperature=1.0, seed=0)) == "coupled"
+    assert default_method(SamplingConfig(temperature=1.0)) == "block"
+    assert default_method(SamplingConfig(temperature=0.0, seed=0)) == "greedy"
+
+
+def test_logprobs_without_a_seed_draw_one():
+    """With logprobs the decoder and its scoring session must share a seed: one is drawn when the
+    request has none."""
+    out = _engine().generate([1, 2], SamplingConfig(temperature=1.0, max_new_tokens=6), logprobs=1, ignore_eos=True)
+    assert len(out.token_ids) == 6 and len(out.logprobs) == 6
+
+
+def test_min_tokens_with_ignore_eos_floors_only_the_stop_tokens():
+    """With the end of sequence ignored, min_tokens masks nothing of it: the output is that of the
+    same request without min_tokens (the floor is over the decoder's stop ids, not the model's
+    eos ids), with logprobs or without."""
+    eng = _engine()
+    for logprobs in (None, 1):
+        base = SamplingConfig(temperature=0.0, max_new_tokens=12)
+        free = eng.generate([1, 2], base, ignore_eos=True, logprobs=logprobs).token_ids
+        floored = eng.generate([1, 2], SamplingConfig(temperature=0.0, max_new_tokens=12, min_tokens=8), ignore_eos=True,
+                               logprobs=logprobs).token_ids
+        assert 3 in free[:8] and floored == free
+
+
+def test_kv_dtype_checks():
+    from specdec.engine import check_kv_dtype
+
+    assert check_kv_dtype(EngineConfig(), torch.float32) is None
+    with pytest.raises(ConfigError, match="--kv-dtype must be one of"):
+        check_kv_dtype(EngineConfig(kv_dtype="int8"), torch.float32)
+    with pytest.raises(ConfigError, match="needs a float32, int8 or q4 target"):
+        check_kv_dtype(EngineConfig(kv_dtype="float16", dtype="bfloat16"), torch.bfloat16)
+
+
+def test_apply_kv_dtype_explains_a_model_that_cannot_hold_it():
+    from specdec.engine import apply_kv_dtype
+
+    apply_kv_dtype(_loaded(), None, "auto")  # nothing asked: nothing needed
+    with pytest.raises(ConfigError, match="needs the native backend"):
+        apply_kv_dtype(_loaded(), torch.float16, "float16")
+
+    class Refuses(ToyLM):
+        def set_kv_dtype(self, dtype):
+            raise ValueError("no room for it")
+
+    with pytest.raises(ConfigError, match="--kv-dtype float16: no room for it"):
+        apply_kv_dtype(LoadedModel("toy", Refuses(4), None, None, "toy", EOS), torch.float16, "float16")
+
+
+def test_target_dtype_refusals(monkeypatch):
+    from specdec.engine import target_dtype
+
+    monkeypatch.setattr(linear, "w8a8_available", lambda: True)
+    with pytest.raises(ConfigError, match="not --backend hf"):
+        target_dtype(EngineConfig(dtype="int8", backend="hf"))
+    with pytest.raises(ConfigError, match="dtype must be auto or one of"):
+        target_dtype(EngineConfig(dtype="float64"))
+    assert target_dtype(EngineConfig(dtype="float16")) == (torch.float16, None)
+    monkeypatch.setattr(linear, "w8a8_available", lambda: False)
+    with pytest.raises(ConfigError, match="fbgemm"):
+        target_dtype(EngineConfig(dtype="q4"))
+
+
+def test_auto_draft_dtype_is_float_on_the_hf_backend_even_with_fast_bf16(monkeypatch):
+
+    monkeypatch.setattr(linear, "bf16_fast", lambda: True)
+    assert draft_dtype(EngineConfig(backend="hf")) == torch.float32
+    assert draft_dtype(EngineConfig()) == torch.bfloat16
+
+
+def test_a_quantised_draft_asked_for_on_the_hf_backend_is_refused(monkeypatch):
+    from specdec.engine import draft_quant
+
+    monkeypatch.setattr(linear, "w8a8_available", lambda: True)
+    for asked in ("w8a8", "q4"):
+        with pytest.raises(ConfigError, match="needs the native backend"):
+            draft_quant(EngineConfig(draft_dtype=asked, backend="hf"))
+
+
+def test_a_draft_vocabulary_with_a_negative_id_or_an_unknown_mode_is_refused(tmp_path):
+    import json
+
+    from specdec.engine import draft_vocabulary
+
+    (tmp_path / "config.json").write_text("{}")
+    (tmp_path / "draft_vocab.json").write_text(json.dumps({"ids": [-1, 5, 9]}))
+    with pytest.raises(ConfigError, match="sorted list of distinct token ids"):
+        draft_vocabulary(EngineConfig(), str(tmp_path))
+    with pytest.raises(ConfigError, match="draft vocabulary must be auto or full"):
+        draft_vocabulary(EngineConfig(draft_vocab="reduced"), str(tmp_path))
+
+
+def test_attach_self_and_ngram_on_a_loaded_target():
+    """``self`` drafts with the target at the configured factor (``+lookup`` puts prompt lookup in
+    front); ``ngram`` gets the default n-gram lengths."""
+    eng = Engine.attach(_loaded(), EngineConfig(target="toy", draft="self", draft_temperature_factor=0.5))
+    assert isinstance(eng.drafter, ModelDrafter) and eng.drafter.model is TARGET and eng.drafter.temperature_factor == 0.5
+    assert eng.drafter_name == "self"
+    hybrid = Engine.attach(_loaded(), EngineConfig(target="toy", draft="self+lookup", draft_temperature_factor=" 0.75"))
+    assert isinstance(hybrid.drafter, LookupThenModel) and hybrid.drafter_name == "self+lookup"
+    assert hybrid.drafter.temperature_factor == 0.75
+    plain = Engine.attach(_loaded(), EngineConfig(target="toy", draft="self"))
+    assert plain.drafter.temperature_factor == 1.0  # auto, nothing calibrated
+    ngram = Engine.attach(_loaded(), EngineConfig(target="toy", draft="ngram"))
+    assert (ngram.drafter.max_ngram, ngram.drafter.min_ngram) == (defaults.NGRAM_MAX, defaults.NGRAM_MIN)
+
+
+def test_a_registry_targets_own_draft_model_gets_prompt_lookup_in_front():
+    from specdec.engine import draft_for_target
+
+    assert draft_for_target("qwen2.5-coder-1.5b", defaults.DEFAULT_DRAFT) == "qwen2.5-coder-0.5b+lookup"
+    assert draft_for_target("qwen2.5-coder-1.5b", "ngram") == "ngram"  # asked for: kept
+    assert draft_for_target("smollm2-135m", defaults.DEFAULT_DRAFT) == defaults.DEFAULT_DRAFT
+
+
+def test_auto_draft_temperature_factor_reads_the_folders_calibration(tmp_path):
+    import json
+
+    from specdec.catalog import CALIBRATION_FILE
+    from specdec.engine import draft_temperature_factor
+
+    assert draft_temperature_factor(EngineConfig(), tmp_path) == 1.0  # nothing calibrated
+    (tmp_path / CALIBRATION_FILE).write_text(json.dumps({"temperature_factor": 0.85}))
+    assert draft_temperature_factor(EngineConfig(), tmp_path) == 0.85
+    assert draft_temperature_factor(EngineConfig(draft_temperature_factor=0.5), tmp_path) == 0.5  # a number wins
