@@ -540,7 +540,7 @@ def test_serialised_views_of_the_target_never_overlap_its_batches():
 class _Slow(BatchToy):
     """A toy whose passes take as long as a real model's do relative to a request thread's own work."""
 
-    PASS_S = 0.04
+    PASS_S = 0.1
 
     def forward_batch(self, items):
         time.sleep(self.PASS_S)
@@ -552,8 +552,10 @@ class _Slow(BatchToy):
 
 
 def _staggered_pass_sizes(gather_gap: float) -> list[int]:
-    """Four sequences, each decoding six tokens; after each pass its request thread works 1 / 5 / 9 /
-    13 ms before it resubmits (sampling, stops, text: a real thread's time under the GIL)."""
+    """Four sequences, each decoding six tokens; after each pass its request thread works 2.5 / 12.5 /
+    22.5 / 32.5 ms before it resubmits (sampling, stops, text: a real thread's time under the GIL).
+    The times are generous (a pass 100 ms, arrivals 10 ms apart, a gap of 50 ms) so that a loaded
+    machine's scheduling delays stay well inside them."""
     model = _Slow(6, order=1, seed=0)
     scheduler, passes = _recording_scheduler(model, gather_gap=gather_gap)
 
@@ -561,7 +563,7 @@ def _staggered_pass_sizes(gather_gap: float) -> list[int]:
         cache = model.new_cache()
         for _ in range(6):
             scheduler.forward(torch.ones(1, dtype=torch.long), cache)
-            time.sleep(0.001 + 0.004 * w)
+            time.sleep(0.0025 + 0.01 * w)
 
     threads = [threading.Thread(target=worker, args=(w,)) for w in range(4)]
     for t in threads:
@@ -577,7 +579,7 @@ def test_passes_gather_the_sequences_the_last_pass_finished():
     sequences settle into small passes taking turns; with it, every pass but the first and the last
     holds all four (24 sequence-steps; the first pass holds those that arrived before it started,
     the last the rest of them; the negative control, gap 0, must fragment)."""
-    gathered = _staggered_pass_sizes(0.02)
+    gathered = _staggered_pass_sizes(0.05)
     assert gathered[1:-1].count(4) == len(gathered) - 2, gathered
     at_once = _staggered_pass_sizes(0.0)
     assert at_once.count(4) <= len(at_once) // 3, at_once
