@@ -156,6 +156,8 @@ class EdgeSession:
     last_reply: VerifyResponse | None = None
     last_fingerprint: bytes = b""
     last_used: float = field(default_factory=time.monotonic)
+    #: why no round can follow (a round failed after committing its unverified tokens), or None
+    broken: str | None = None
 
     @property
     def lossless(self) -> bool:
@@ -197,6 +199,8 @@ class EdgeSession:
                 )
             reply = self.last_reply
             return reply.model_copy(update={"metrics": reply.metrics.model_copy(update={"replayed": True})})
+        if self.broken is not None:
+            raise ApiError(409, self.broken)
         if req.seq != self.next_seq:
             expected = f"seq {self.next_seq}" + (f" (or {self.next_seq - 1} to repeat the last round)" if self.next_seq else "")
             raise ApiError(409, f"out-of-order seq {req.seq}: this session expects {expected}")
@@ -211,7 +215,15 @@ class EdgeSession:
             self.unverified += forced.numel()
         left = self.limit - self.target.context.numel()  # >= 1, checked
         scored = len(self.target.emitted_logprobs)
-        outcome = self._guarded(lambda: self.target.verify(draft, max_tokens=left))
+        try:
+            outcome = self._guarded(lambda: self.target.verify(draft, max_tokens=left))
+        except Exception:
+            if forced is not None:  # they stay committed, so the round cannot be repeated as sent
+                self.broken = (
+                    f"round {req.seq} failed after its {forced.numel()} unverified token(s) were committed, so this"
+                    " session cannot go on; create a new one with generated_ids to resume the sequence"
+                )
+            raise
         verdict = outcome.verdict
         tokens = verdict.tokens.tolist()
         logprobs = None
@@ -577,8 +589,10 @@ class SessionStore:
             self._on_evict("lru" if full else "kv_bytes")
 
     def add(self, session: EdgeSession) -> None:
+        """Store a prefilled session: its cache's bytes must fit beside what is held now (another
+        session may have taken the room :meth:`reserve` saw), evicting the owner's idle sessions, or 503."""
         with self._lock:
-            self._make_room(session.owner, 0, count=True)
+            self._make_room(session.owner, cache_bytes(session.target.cache), count=True)
             self._sessions[session.id] = session
 
     def get(self, session_id: str, owner: str | None = None) -> EdgeSession:
