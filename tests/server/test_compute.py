@@ -183,3 +183,80 @@ def test_one_openmp_thread_is_per_thread(two_threads):
     one_openmp_thread()
     assert got == {"limited": 1, "plain": 2}
     assert torch.get_num_threads() == 2
+
+
+def test_calls_queued_behind_a_failing_posted_call_still_run():
+    """Whatever a posted call raises (here a ValueError), the calls queued behind it run: the
+    thread is held on a gate while all three are queued, so none can start a new thread."""
+    compute = ComputeThread(name="test-compute-extra")
+    gate = threading.Event()
+    after: Future = Future()
+    compute.post(gate.wait)
+    compute.post(lambda: (_ for _ in ()).throw(ValueError("a posted call's bug")))
+    compute.post(lambda: after.set_result("ran"))
+    gate.set()
+    assert after.result(timeout=30) == "ran"  # (a stopped thread: a time-out)
+
+
+class _Stop(BaseException):
+    """Not an Exception (as KeyboardInterrupt or SystemExit)."""
+
+
+def test_a_base_exception_of_a_call_is_raised_in_the_caller():
+    compute = ComputeThread(name="test-compute-extra")
+    got: Future = Future()
+
+    def ask() -> None:
+        try:
+            compute.run(lambda: (_ for _ in ()).throw(_Stop()))
+            got.set_result("returned")
+        except _Stop:
+            got.set_result("raised")
+
+    threading.Thread(target=ask, daemon=True).start()
+    assert got.result(timeout=30) == "raised"  # (swallowed on the compute thread: a time-out)
+    assert compute.run(lambda: 7) == 7
+
+
+def test_the_compute_thread_keeps_its_openmp_team(two_threads):  # noqa: F811
+    """one_openmp_thread() asked on the compute thread (a wrapper's pass running there) leaves its
+    team alone: it is the one thread that runs the passes."""
+    compute = ComputeThread(name="test-compute-extra")
+
+    def inside() -> int:
+        one_openmp_thread()
+        return torch.get_num_threads()
+
+    assert compute.run(inside) == 2
+
+
+def test_pending_tells_whether_calls_wait_behind_the_running_one():
+    """pending(): calls queued behind the one running (what the schedulers' gathering looks at, so
+    that another model's pass is never held up)."""
+    compute = ComputeThread(name="test-compute-extra")
+    gate, running = threading.Event(), threading.Event()
+    compute.post(lambda: (running.set(), gate.wait()))
+    assert running.wait(30)
+    assert not compute.pending()  # the running call does not count
+    done: Future = Future()
+    compute.post(lambda: done.set_result(compute.pending()))
+    assert compute.pending()
+    gate.set()
+    assert done.result(timeout=30) is False  # the last call, running: nothing waits behind it
+
+
+def test_run_locked_holds_the_lock_around_the_call():
+    compute = ComputeThread(name="test-compute-extra")
+    lock = threading.Lock()
+    assert compute.run_locked(lock, lambda: lock.locked()) is True
+    assert not lock.locked()
+
+
+def test_one_openmp_thread_leaves_the_main_thread_alone(two_threads, monkeypatch):  # noqa: F811
+    """On the main thread (a script's or a test's) it changes nothing, even as its first call there
+    (a fresh thread-local state, so no earlier call in this process hides it)."""
+    from specdec.server import compute as compute_mod
+
+    monkeypatch.setattr(compute_mod, "_local", threading.local())
+    one_openmp_thread()
+    assert torch.get_num_threads() == 2

@@ -7,6 +7,7 @@ The reference for every check is the same model prefilling the whole prompt itse
 from __future__ import annotations
 
 import threading
+from types import SimpleNamespace
 
 import pytest
 import torch
@@ -14,7 +15,17 @@ from fastapi.testclient import TestClient
 
 from specdec.models.toy import ToyLM
 from specdec.server import ServerSettings, create_app
-from specdec.server.prefix_cache import SEEN_BLOCK, PrefixCache, PrefixCached, block_hashes, common_prefix, prefill, supports_prefix_cache
+from specdec.server import prefix_cache as pc_mod
+from specdec.server.prefix_cache import (
+    SEEN_BLOCK,
+    PrefixCache,
+    PrefixCached,
+    block_hashes,
+    common_prefix,
+    draft_prefix_cache,
+    prefill,
+    supports_prefix_cache,
+)
 from specdec.server.scheduler import BatchedModel, Scheduler
 from specdec.server.sessions import SerializedModel
 from tiny import tiny_native
@@ -515,3 +526,228 @@ def test_cached_tokens_count_each_prompt_once_with_n_choices():
     usage = r.json()["usage"]
     assert usage["prompt_tokens"] == len(again)
     assert 0 < usage["prompt_tokens_details"]["cached_tokens"] <= usage["prompt_tokens"]
+
+
+def test_seen_blocks_are_forgotten_least_recently_seen_first(monkeypatch):
+    """With room for 4 remembered blocks: A (2 blocks) and B (2 blocks) seen, A seen again (stored,
+    and now the most recently seen), then C: B's blocks are the ones forgotten, so C seen again is
+    stored and B seen again is not."""
+    monkeypatch.setattr(pc_mod, "SEEN_BLOCKS", 4)
+    model = tiny_native(vocab=VOCAB)
+    pc = PrefixCache(1 << 30)
+    a, b, c = (_prompt(s, 2 * SEEN_BLOCK) for s in (1, 2, 3))
+    caches = {id(t): _filled(model, t) for t in (a, b, c)}
+    for t in (a, b, a, c):
+        pc.store(t, caches[id(t)])
+    assert len(pc) == 1  # A (seen twice)
+    pc.store(c, caches[id(c)])  # C's blocks are remembered: stored
+    assert len(pc) == 2
+    pc.store(b, caches[id(b)])  # B's were forgotten (least recently seen): not stored
+    assert len(pc) == 2
+
+
+def test_stored_rows_do_not_follow_later_writes_to_the_cache():
+    """A kept sequence's rows are a copy: the cache it came from, reused for another prompt, leaves
+    them as they were, so the next turn still prefills bitwise as a fresh one."""
+    model = tiny_native(vocab=VOCAB)
+    pc = PrefixCache(1 << 30)
+    seq, other = _prompt(1, 40), _prompt(2, 40)
+    cache = _filled(model, seq)
+    pc.keep(seq, cache)
+    cache.truncate(0)
+    model.forward(other, cache)  # the same buffers now hold another sequence's rows
+    turn = torch.cat([seq, _prompt(3, 5)])
+    got = model.new_cache(512)
+    assert pc.restore(turn, got) == 40
+    model.forward(turn[40:], got, last_only=True)
+    _, _, fresh = _fresh(model, turn, [])
+    assert _same_cache(got, fresh)
+
+
+class _Racing:
+    """A cache whose rows, when the store copies them, are first stored by "another thread"."""
+
+    def __init__(self, pc: PrefixCache, tokens: torch.Tensor, cache) -> None:
+        self._pc, self._tokens, self._cache, self._raced = pc, tokens, cache, False
+        self.bytes_per_position = cache.bytes_per_position
+        self.v = cache.v
+
+    @property
+    def k(self):
+        if not self._raced:
+            self._raced = True
+            self._pc.store(self._tokens, self._cache)
+        return self._cache.k
+
+
+def test_a_prompt_another_thread_stored_meanwhile_is_not_stored_twice():
+    model = tiny_native(vocab=VOCAB)
+    per_position = model.new_cache(1).bytes_per_position
+    pc = PrefixCache(1 << 30)
+    prompt = _prompt(1, 48)
+    cache = _filled(model, prompt)
+    pc.store(prompt, cache)  # seen once
+    pc.store(prompt, _Racing(pc, prompt, cache))  # seen twice; the copy races a store of the same prompt
+    assert len(pc) == 1 and pc.bytes == 48 * per_position
+
+
+def test_a_sequence_of_exactly_min_tokens_is_kept_and_copied():
+    """MIN_TOKENS is the shortest stored sequence (shorter ones are not): one of exactly that length
+    is kept, and a longer prompt starting with it copies all of it."""
+    model = tiny_native(vocab=VOCAB)
+    pc = PrefixCache(1 << 30, min_tokens=16)
+    seq = _prompt(1, 16)
+    pc.keep(seq, _filled(model, seq))
+    assert len(pc) == 1
+    assert pc.restore(torch.cat([seq, _prompt(2, 3)]), model.new_cache(64)) == 16
+
+
+def test_a_prompt_as_large_as_the_whole_budget_is_stored():
+    """The byte budget is inclusive: a prompt seen twice whose rows fill it exactly is stored."""
+    model = tiny_native(vocab=VOCAB)
+    per_position = model.new_cache(1).bytes_per_position
+    pc = PrefixCache(48 * per_position)
+    prompt = _prompt(1, 48)
+    for _ in range(2):
+        pc.store(prompt, _filled(model, prompt))
+    assert len(pc) == 1 and pc.bytes == pc.max_bytes
+
+
+def test_storing_a_prompt_already_covered_makes_it_the_most_recently_used():
+    """A kept sequence that a stored entry already covers refreshes that entry, so the next
+    eviction takes the other, least recently used one."""
+    model = tiny_native(vocab=VOCAB)
+    per_position = model.new_cache(1).bytes_per_position
+    pc = PrefixCache(100 * per_position)
+    a, b, c = _prompt(1, 48), _prompt(2, 48), _prompt(3, 48)
+    for t in (a, b):
+        for _ in range(2):
+            pc.store(t, _filled(model, t))  # seen twice: stored (proven)
+    assert len(pc) == 2
+    pc.keep(a[:40], _filled(model, a))  # inside a: a is used again
+    for _ in range(2):
+        pc.store(c, _filled(model, c))  # 144 > 100 positions: the least recently used (b) goes
+    assert pc.restore(torch.cat([a, _prompt(4, 3)]), model.new_cache(64)) == 48
+    assert pc.restore(torch.cat([b, _prompt(5, 3)]), model.new_cache(64)) == 0
+
+
+def test_the_index_forgets_dropped_entries():
+    """Evicted entries leave no trace in the index (it would otherwise grow with every distinct prompt)."""
+    model = tiny_native(vocab=VOCAB)
+    per_position = model.new_cache(1).bytes_per_position
+    pc = PrefixCache(60 * per_position)
+    for s in range(6):
+        t = _prompt(s, 48)
+        for _ in range(2):
+            pc.store(t, _filled(model, t))
+    assert len(pc) == 1 and len(pc._index) == 1
+
+
+def _fake(per_position: int):
+    return SimpleNamespace(batch_invariant=True, new_cache=lambda n: SimpleNamespace(bytes_per_position=per_position))
+
+
+def test_the_draft_prefix_cache_holds_as_many_positions_as_the_targets():
+    target, draft = _fake(45 * 1024), _fake(4 * 1024)
+    pcd = draft_prefix_cache(target, draft, 45 * 1024 * 100)
+    assert pcd is not None and pcd.max_bytes == 4 * 1024 * 100
+    assert draft_prefix_cache(target, draft, 0) is None  # the target has no prefix cache: neither has the draft
+
+
+def test_prefix_cached_hands_pass_options_on():
+    """PrefixCached.forward passes the wrapped model's options (e.g. compact draft rows) on, with
+    and without the prefix cache in front."""
+    inner = tiny_native(vocab=VOCAB)
+    seen = []
+
+    class Recording:
+        batch_invariant = True
+
+        def new_cache(self, n=512):
+            return inner.new_cache(n)
+
+        def forward(self, tokens, cache, *, last_only=False, compact=False):
+            seen.append(compact)
+            return inner.forward(tokens, cache, last_only=last_only)
+
+    wrapped = PrefixCached(Recording(), PrefixCache(1 << 30))
+    wrapped.forward(_prompt(1, 40), wrapped.new_cache(512), last_only=True, compact=True)
+    wrapped.forward(_prompt(1, 40), wrapped.new_cache(512), compact=True)
+    assert seen == [True, True]
+
+
+def test_only_a_prefix_seen_before_counts_not_blocks_seen_elsewhere():
+    """Blocks are remembered by chained hashes: a prompt [a, d] after [a, c] and [e, d] shares only
+    its first block with what was seen (d was seen after another block), so 16 tokens are stored."""
+    model = tiny_native(vocab=VOCAB)
+    per_position = model.new_cache(1).bytes_per_position
+    pc = PrefixCache(1 << 30)
+    a, c, d, e = (_prompt(s, SEEN_BLOCK) for s in (1, 2, 3, 4))
+    for t in (torch.cat([a, c]), torch.cat([e, d]), torch.cat([a, d])):
+        pc.store(t, _filled(model, t))
+    assert len(pc) == 1 and pc.bytes == SEEN_BLOCK * per_position
+
+
+def test_a_stored_prompt_does_not_follow_the_callers_tensor():
+    """The stored tokens are a copy: a caller reusing its token buffer afterwards changes nothing."""
+    model = tiny_native(vocab=VOCAB)
+    pc = PrefixCache(1 << 30)
+    seq = _prompt(1, 40)
+    buf = seq.clone()
+    pc.keep(buf, _filled(model, seq))
+    buf[:] = _prompt(2, 40)  # the caller's buffer now holds another prompt
+    assert pc.restore(torch.cat([buf, _prompt(3, 3)]), model.new_cache(64)) == 0
+    assert pc.restore(torch.cat([seq, _prompt(3, 3)]), model.new_cache(64)) == 40
+
+
+def test_unproven_entries_may_fill_exactly_their_share():
+    """UNPROVEN_SHARE is inclusive: kept sequences of 30 + 20 positions under a 100-position budget
+    (a 50-position share) both stay."""
+    model = tiny_native(vocab=VOCAB)
+    per_position = model.new_cache(1).bytes_per_position
+    pc = PrefixCache(100 * per_position)
+    a, b = _prompt(1, 30), _prompt(2, 20)
+    pc.keep(a, _filled(model, a))
+    pc.keep(b, _filled(model, b))
+    assert len(pc) == 2 and pc.unproven_bytes == 50 * per_position
+
+
+def test_a_prompt_too_short_to_copy_from_is_not_a_lookup():
+    """A prefill of exactly MIN_TOKENS tokens can copy nothing (its last token always runs): it is
+    not counted as a lookup (the hit rate's denominator)."""
+    model = tiny_native(vocab=VOCAB)
+    pc = PrefixCache(1 << 30, min_tokens=16)
+    seq = _prompt(1, 40)
+    pc.keep(seq, _filled(model, seq))
+    assert pc.restore(seq[:16], model.new_cache(64)) == 0
+    assert pc.lookups == 0
+
+
+def test_a_prompt_that_only_shares_the_start_of_an_entry_does_not_replace_it():
+    """Storing replaces only an entry the new prompt extends: one that shares a 20-token system
+    message with a stored prompt is stored beside it, and both stay reusable."""
+    model = tiny_native(vocab=VOCAB)
+    pc = PrefixCache(1 << 30)
+    x = _prompt(1, 48)
+    t = torch.cat([x[:20], _prompt(2, 28)])
+    for prompt in (x, x, t, t):
+        pc.store(prompt, _filled(model, prompt))
+    assert len(pc) == 2
+    assert pc.restore(torch.cat([x, _prompt(3, 3)]), model.new_cache(64)) == 48
+    assert pc.restore(torch.cat([t, _prompt(3, 3)]), model.new_cache(64)) == 48
+
+
+def test_a_last_only_pass_on_a_filled_cache_is_not_a_prefill():
+    """Only a prefill of an empty cache copies stored rows: a last_only pass of 40 tokens appended to
+    a cache that already holds 20 (a draft catching up) runs them all, although a stored sequence
+    starts with those 40 tokens (its rows belong at positions 0..39, not 20..59)."""
+    model = tiny_native(vocab=VOCAB)
+    pc = PrefixCache(1 << 30)
+    head, q = _prompt(1, 20), _prompt(2, 40)
+    pc.keep(q, _filled(model, q))
+    cache, ref = model.new_cache(512), model.new_cache(512)
+    model.forward(head, cache)
+    model.forward(head, ref)
+    got = PrefixCached(model, pc).forward(q, cache, last_only=True)
+    want = model.forward(q, ref, last_only=True)
+    assert torch.equal(got, want) and _same_cache(cache, ref)

@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import threading
 import time
+from concurrent.futures import Future
 
 import pytest
 import torch
@@ -23,6 +24,8 @@ from specdec.gamma import FixedGamma
 from specdec.models.toy import ToyLM
 from specdec.sampling import SamplingConfig
 from specdec.server import ServerSettings, create_app
+from specdec.server import scheduler as scheduler_mod
+from specdec.server.compute import ComputeThread
 from specdec.server.scheduler import BatchedModel, Overloaded, PassStats, Scheduler, SchedulerConfig
 from specdec.session import TargetSession
 from specdec.verify import get_rule
@@ -655,3 +658,233 @@ def test_a_chunk_larger_than_the_token_budget_is_refused():
     with pytest.raises(ConfigError, match="cannot exceed the tokens per pass"):
         SchedulerConfig(max_tokens=16, chunk=17)
     assert SchedulerConfig(max_tokens=16, chunk=16).chunk == 16
+
+
+class _ByHand:
+    """A compute thread that runs nothing: the test calls ``scheduler._pass()`` itself."""
+
+    def on_it(self) -> bool:
+        return False
+
+    def pending(self) -> bool:
+        return False
+
+    def post(self, fn) -> None:  # noqa: ANN001
+        pass
+
+
+class _Kw(BatchToy):
+    """Records the keyword arguments every pass gets (compact rows of a reduced draft vocabulary)."""
+
+    def __init__(self, *a, **kw) -> None:
+        super().__init__(*a, **kw)
+        self.kw_seen: list[tuple[str, object]] = []
+
+    def forward(self, tokens, cache, *, last_only=False, compact=False):
+        self.kw_seen.append(("forward", compact))
+        return ToyLM.forward(self, tokens, cache, last_only=last_only)
+
+    def forward_batch(self, items, compact=None):
+        self.kw_seen.append(("batch", compact))
+        return [ToyLM.forward(self, t, c, last_only=last) for t, c, last in items]
+
+
+def _submit(scheduler: Scheduler, tokens: torch.Tensor, cache, **kw) -> tuple[threading.Thread, Future]:
+    out: Future = Future()
+
+    def run() -> None:
+        try:
+            out.set_result(scheduler.forward(tokens, cache, **kw))
+        except BaseException as exc:  # noqa: BLE001
+            out.set_exception(exc)
+
+    t = threading.Thread(target=run, daemon=True)
+    t.start()
+    return t, out
+
+
+@pytest.mark.parametrize("field", ["max_tokens", "chunk", "max_queue"])
+def test_a_zero_budget_chunk_or_queue_is_refused(field):
+    """0 tokens per pass, a 0-row chunk or a 0-place queue would never run anything: refused."""
+    kw = {"max_tokens": 8, "chunk": 8, "max_queue": 8, field: 0}
+    with pytest.raises(ConfigError, match=">= 1"):
+        SchedulerConfig(**kw)
+
+
+def test_compact_is_handed_to_a_pass_asked_from_the_compute_thread():
+    """A pass asked from the compute thread runs there at once, with the compact rows it asked for."""
+    compute = ComputeThread(name="test-compute-extra")
+    model = _Kw(6, order=1, seed=0)
+    scheduler = Scheduler(model, compute=compute)
+    done: Future = Future()
+    compute.post(lambda: done.set_result(scheduler.forward(torch.tensor([1, 2]), model.new_cache(), compact=True)))
+    done.result(timeout=30)
+    assert model.kw_seen == [("forward", True)]
+
+
+def test_compact_is_handed_on_through_a_batched_model_and_a_shared_pass():
+    """BatchedModel.forward(compact=True) reaches the model, alone and batched beside a plain sequence
+    (forward_batch gets one flag per item)."""
+    model = _Kw(6, order=1, seed=0)
+    scheduler = Scheduler(model, SchedulerConfig(gather_gap=0.0), compute=_ByHand())
+    served = BatchedModel(model, scheduler)
+    t1, f1 = _submit(served, torch.tensor([1, 2]), model.new_cache(), compact=True)
+    _until(lambda: len(scheduler) == 1)
+    t2, f2 = _submit(scheduler, torch.tensor([3]), model.new_cache())
+    _until(lambda: len(scheduler) == 2)
+    scheduler._pass()
+    t1.join(30)
+    t2.join(30)
+    f1.result(0)
+    f2.result(0)
+    assert model.kw_seen == [("batch", [True, False])]
+    t3, f3 = _submit(served, torch.tensor([4, 5]), model.new_cache(), compact=True)
+    _until(lambda: len(scheduler) == 1)
+    scheduler._pass()
+    t3.join(30)
+    f3.result(0)
+    assert model.kw_seen[-1] == ("forward", True)
+
+
+class _FailsOn(BatchToy):
+    """Fails every pass of a sequence starting with token 5 (e.g. a cache that ran out of room)."""
+
+    def forward(self, tokens, cache, *, last_only=False):
+        if int(tokens[0]) == 5:
+            raise RuntimeError("no room")
+        return super().forward(tokens, cache, last_only=last_only)
+
+
+def test_gathering_counts_the_sequences_that_come_back():
+    """A sequence whose pass fails fails alone (its neighbours in the pass get their logits); after
+    the pass, the loop waits for the sequences that pass finished (they come back) and those still
+    queued (a prefill's next chunk), not for the failed one (its request is gone)."""
+    model = _FailsOn(6, order=1, seed=0)
+    scheduler = Scheduler(model, SchedulerConfig(max_tokens=8, chunk=4, gather_gap=0.0), compute=_ByHand())
+    ok, failed, long = torch.tensor([1, 2]), torch.tensor([5, 1]), torch.ones(10, dtype=torch.long)
+    threads = []
+    for tokens in (ok, failed, long):
+        threads.append(_submit(scheduler, tokens, model.new_cache(), last_only=True))
+        _until(lambda n=len(threads): len(scheduler) == n)
+    scheduler._pass()  # ok (2 rows), failed (2 rows), long's first chunk (4 rows)
+    for t, _ in threads[:2]:
+        t.join(30)
+    threads[0][1].result(0)
+    with pytest.raises(RuntimeError, match="no room"):
+        threads[1][1].result(0)
+    assert len(scheduler) == 1  # the long prefill keeps its place
+    assert scheduler._returning == 1 + 1  # ok comes back, long is still queued; failed never comes back
+    while len(scheduler):
+        scheduler._pass()
+    threads[2][0].join(30)
+    assert torch.equal(threads[2][1].result(0), ToyLM.forward(model, long, ToyLM.new_cache(model), last_only=True))
+
+
+class _Clock:
+    """A fake ``time`` for the scheduler module: perf_counter() reads ``now``; passes advance it."""
+
+    def __init__(self) -> None:
+        self.now = 100.0
+
+    def perf_counter(self) -> float:
+        return self.now
+
+
+def test_gathering_is_bounded_by_the_last_pass_time(monkeypatch):
+    """The wait for the sequences a pass finished never lasts longer in all than that pass took:
+    the loop notes each pass's own time (here 0.25 s on a fake clock)."""
+    clock = _Clock()
+    monkeypatch.setattr(scheduler_mod, "time", clock)
+
+    class Ticking(BatchToy):
+        def forward(self, tokens, cache, *, last_only=False):
+            clock.now += 0.25
+            return super().forward(tokens, cache, last_only=last_only)
+
+    model = Ticking(6, order=1, seed=0)
+    scheduler = Scheduler(model, SchedulerConfig(gather_gap=0.0), compute=_ByHand())
+    t, f = _submit(scheduler, torch.tensor([1, 2]), model.new_cache())
+    _until(lambda: len(scheduler) == 1)
+    scheduler._pass()
+    t.join(30)
+    f.result(0)
+    assert scheduler._last_pass_s == pytest.approx(0.25)
+
+
+def test_a_refused_forward_is_counted_and_passes_report_the_whole_queue():
+    """The Prometheus figures: a forward refused by a full queue increments ``rejected``; a pass
+    reports the forwards waiting or running when it started (3 here, of which it ran 2)."""
+    from prometheus_client import CollectorRegistry
+
+    from specdec.server.scheduler import Overloaded, SchedulerMetrics
+
+    model = BatchToy(6, order=1, seed=0)
+    registry = CollectorRegistry()
+    metrics = SchedulerMetrics(registry)
+    scheduler = Scheduler(model, SchedulerConfig(max_tokens=2, chunk=2, max_queue=3, gather_gap=0.0),
+                          on_pass=metrics.observer("target"), compute=_ByHand())
+    scheduler.metrics = metrics
+    threads = []
+    for tok in (1, 2, 3):
+        threads.append(_submit(scheduler, torch.full((1,), tok, dtype=torch.long), model.new_cache()))
+        _until(lambda n=tok: len(scheduler) == n)
+    with pytest.raises(Overloaded):
+        scheduler.forward(torch.ones(1, dtype=torch.long), model.new_cache())
+    assert registry.get_sample_value("specdec_scheduler_rejected_total", {"model": "target"}) == 1
+    scheduler._pass()  # two of the three (the token budget)
+    assert registry.get_sample_value("specdec_scheduler_queue_length", {"model": "target"}) == 3
+    scheduler._pass()
+    for t, f in threads:
+        t.join(30)
+        f.result(0)
+    assert registry.get_sample_value("specdec_scheduler_queue_length", {"model": "target"}) == 1
+
+
+def test_every_pass_of_the_model_holds_its_pass_lock():
+    """The loop's passes and alone()'s hold the pass lock (shared with other users of the same
+    model object, e.g. the server's forward lock), whichever thread runs them."""
+    lock = threading.Lock()
+    held: list[tuple[str, bool]] = []
+
+    class Locked(BatchToy):
+        def forward(self, tokens, cache, *, last_only=False):
+            held.append(("forward", lock.locked()))
+            return super().forward(tokens, cache, last_only=last_only)
+
+    model = Locked(6, order=1, seed=0)
+    scheduler = Scheduler(model, SchedulerConfig(gather_gap=0.0), lock=lock, compute=ComputeThread(name="test-compute-extra"))
+    scheduler.forward(torch.tensor([1, 2]), model.new_cache())
+    scheduler.alone(lambda: held.append(("alone", lock.locked())))
+    assert held == [("forward", True), ("alone", True)]
+
+
+def test_a_gathering_gap_that_is_not_a_number_is_refused():
+    """NaN compares false with everything: the check must refuse it, not let it through."""
+    with pytest.raises(ConfigError, match="gathering gap"):
+        SchedulerConfig(gather_gap=float("nan"))
+
+
+class _Counting(_ByHand):
+    def __init__(self) -> None:
+        self.posts = 0
+
+    def post(self, fn) -> None:  # noqa: ANN001
+        self.posts += 1
+
+
+def test_one_pass_is_queued_on_the_compute_thread_however_many_forwards_wait():
+    """Forwards arriving while this scheduler's pass is queued join it rather than queueing passes of
+    their own (which would also read as "other work waits" and cut the gathering short)."""
+    model = BatchToy(6, order=1, seed=0)
+    compute = _Counting()
+    scheduler = Scheduler(model, SchedulerConfig(gather_gap=0.0), compute=compute)
+    threads = []
+    for n in (1, 2, 3):
+        threads.append(_submit(scheduler, torch.ones(1, dtype=torch.long), model.new_cache()))
+        _until(lambda n=n: len(scheduler) == n)
+    assert compute.posts == 1
+    scheduler._pass()
+    for t, f in threads:
+        t.join(30)
+        f.result(0)
+    assert compute.posts == 1  # nothing left: no next pass queued
