@@ -439,3 +439,159 @@ def test_our_format_refuses_a_config_with_a_zero_size_or_an_odd_head_dim(tmp_pat
         (tmp_path / "m" / "config.json").write_text(json.dumps(good | change))
         with pytest.raises(ConfigError, match=says):
             load_head(tmp_path / "m")
+
+
+def _edit_config(folder, fn):
+    cfg = json.loads((folder / "config.json").read_text())
+    fn(cfg)
+    (folder / "config.json").write_text(json.dumps(cfg))
+
+
+def test_a_draft_vocab_size_that_disagrees_with_the_tensors_is_refused(tmp_path):
+    """``draft_vocab_size`` is the config's promise; a checkpoint whose ``lm_head`` / ``d2t`` hold
+    another number of rows is inconsistent and must be a ConfigError, not silently loaded with the
+    rows the tensors happen to have (reading the size off ``lm_head`` alone hides the mismatch)."""
+    _shared_checkpoint(tmp_path / "h", layout="speculators")
+    _edit_config(tmp_path / "h", lambda c: c.update(draft_vocab_size=VD + 4))
+    with pytest.raises(ConfigError):
+        load_eagle3(tmp_path / "h")
+
+
+def test_the_target_vocabulary_is_the_layer_configs_in_the_speculators_layout(tmp_path):
+    """In the speculators layout ``transformer_layer_config.vocab_size`` is the target's vocabulary;
+    a top-level ``vocab_size`` (some exports write the draft vocabulary there) must not override it."""
+    _, ids = _shared_checkpoint(tmp_path / "h", layout="speculators")
+    _edit_config(tmp_path / "h", lambda c: c.update(vocab_size=VD))
+    head = load_eagle3(tmp_path / "h")
+    assert head.cfg.target_vocab == V and torch.equal(head.d2t, ids)
+
+
+def test_taps_nested_under_eagle_config_are_read(tmp_path):
+    """SpecForge / EAGLE exports may keep ``eagle_aux_hidden_state_layer_ids`` inside an
+    ``eagle_config`` block; those are the head's taps (not vLLM's default)."""
+    _shared_checkpoint(tmp_path / "h", layout="eagle")
+    _edit_config(tmp_path / "h", lambda c: c.update(eagle_config={"eagle_aux_hidden_state_layer_ids": [1, 4, 6]}))
+    assert load_eagle3(tmp_path / "h", target_layers=30).cfg.taps == (1, 4, 6)
+
+
+def test_the_verifier_name_round_trips_through_the_speculators_format(tmp_path):
+    """``speculators_config.verifier.name_or_path`` names the target a head was trained for; it is
+    written from ``cfg.target`` and read back into it (what a head records about its target)."""
+    from dataclasses import replace
+
+    from specdec.heads.formats import save_eagle3
+    from specdec.heads.modules import build
+    from tiny import random_head
+
+    head = random_head("eagle3", hidden=D, vocab=V, draft_vocab=VD, taps=(0, 1, 2), heads=HEADS_N, kv_heads=KV,
+                       head_dim=HD, inter=INTER)
+    ours = build(replace(head.cfg, inputs=(0, 1, 2), target="org/some-target"))
+    save_eagle3(ours, tmp_path / "h", layout="speculators", dtype=torch.float32)
+    raw = json.loads((tmp_path / "h" / "config.json").read_text())
+    assert raw["speculators_config"]["verifier"]["name_or_path"] == "org/some-target"
+    assert load_eagle3(tmp_path / "h").cfg.target == "org/some-target"
+
+
+def _our_eagle3(inputs=(0, 1, 2)):
+    from dataclasses import replace
+
+    from specdec.heads.modules import build
+    from tiny import random_head
+
+    head = random_head("eagle3", hidden=D, vocab=V, draft_vocab=VD, taps=(0, 1, 2), heads=HEADS_N, kv_heads=KV,
+                       head_dim=HD, inter=INTER)
+    ours = build(replace(head.cfg, inputs=inputs))
+    return ours
+
+
+def test_a_head_reading_the_final_state_by_a_negative_index_has_no_shared_format(tmp_path):
+    """``cfg.inputs`` indexes ``(taps..., final)`` modulo its width (``runtime.input_rows``), so -1 is
+    the final hidden state too; the writer must refuse it as it refuses index ``len(taps)``."""
+    from specdec.heads.formats import save_eagle3
+
+    with pytest.raises(ValueError, match="final hidden state"):
+        save_eagle3(_our_eagle3(inputs=(0, 1, -1)), tmp_path / "h")
+    assert not (tmp_path / "h").exists()
+
+
+def test_each_layout_writes_its_own_tensor_names(tmp_path):
+    """vLLM (speculators) reads the layer under ``layers.0.``, SGLang (EAGLE / SpecForge) under
+    ``midlayer.``; our loader accepts either, so the round trip alone cannot see a writer that used
+    the other layout's names."""
+    from safetensors.torch import load_file
+
+    from specdec.heads.formats import save_eagle3
+
+    for layout, prefix in (("speculators", "layers.0."), ("eagle", "midlayer.")):
+        save_eagle3(_our_eagle3(), tmp_path / layout, layout=layout, dtype=torch.float32)
+        names = set(load_file(str(tmp_path / layout / "model.safetensors")))
+        assert prefix + "self_attn.q_proj.weight" in names and prefix + "hidden_norm.weight" in names, layout
+        assert not any(n.startswith(("layers.", "midlayer.")) and not n.startswith(prefix) for n in names), layout
+
+
+def test_the_shared_writer_stores_weights_in_the_dtype_asked_for(tmp_path):
+    """``save_eagle3(dtype=...)`` (bfloat16 by default, what the shared formats ship) applies to every
+    weight; ``d2t`` stays integer offsets and ``t2d`` a bool mask."""
+    from safetensors.torch import load_file
+
+    from specdec.heads.formats import save_eagle3
+
+    save_eagle3(_our_eagle3(), tmp_path / "h")
+    w = load_file(str(tmp_path / "h" / "model.safetensors"))
+    assert {v.dtype for k, v in w.items() if k not in ("d2t", "t2d")} == {torch.bfloat16}
+    assert w["d2t"].dtype == torch.int64 and w["t2d"].dtype == torch.bool
+
+
+def test_the_layer_config_round_trips_through_the_shared_format(tmp_path):
+    """The writer's ``transformer_layer_config`` (or the flat EAGLE config) carries every field the
+    loader reads: a head whose ``head_dim`` is not D / heads and whose ``rms_eps`` / ``rope_theta`` are
+    not the loader's defaults comes back with the same config.  The round-trip test's head has
+    head_dim = D / heads, so a writer that omitted a field or misnamed it went unseen."""
+    from dataclasses import replace
+
+    from specdec.heads.formats import save_eagle3
+    from specdec.heads.modules import build
+
+    cfg = replace(_our_eagle3().cfg, head_dim=2 * HD, rms_eps=1e-5, rope_theta=500000.0, depth=5)
+    head = build(cfg)
+    for layout in ("speculators", "eagle"):
+        save_eagle3(head, tmp_path / layout, layout=layout, dtype=torch.float32)
+        back = load_eagle3(tmp_path / layout).cfg
+        assert (back.head_dim, back.rms_eps, back.rope_theta) == (2 * HD, 1e-5, 500000.0), layout
+        assert (back.n_heads, back.n_kv_heads, back.intermediate_size) == (HEADS_N, KV, INTER), layout
+    raw = json.loads((tmp_path / "speculators" / "config.json").read_text())
+    assert raw["speculators_config"]["proposal_methods"][0]["speculative_tokens"] == 5  # the steps trained
+
+
+def test_a_t2d_that_is_not_a_0_1_mask_is_refused(tmp_path):
+    """``t2d`` must be a 0/1 mask: an integer t2d holding a 2 at one of the draft ids is damaged even
+    though, read as bool, it marks the right ids."""
+    w, ids = _shared_checkpoint(tmp_path / "h", layout="speculators")
+    from safetensors.torch import save_file
+
+    t2d = w["t2d"].long()
+    t2d[ids[0]] = 2
+    save_file(w | {"t2d": t2d}, str(tmp_path / "h" / "model.safetensors"))
+    with pytest.raises(ConfigError, match="t2d must be a 0/1 mask"):
+        load_eagle3(tmp_path / "h")
+
+
+def test_a_sharded_or_pickled_checkpoint_loads_the_same_head(tmp_path):
+    """Exports split across several ``*.safetensors`` files are read whole (every shard), and a folder
+    with only ``pytorch_model.bin`` loads the same tensors: both give the head of the one-file checkpoint."""
+    from safetensors.torch import load_file, save_file
+
+    _shared_checkpoint(tmp_path / "one", layout="speculators")
+    plain = load_eagle3(tmp_path / "one")
+    w = load_file(str(tmp_path / "one" / "model.safetensors"))
+    names = sorted(w)
+    for folder in ("sharded", "pickled"):
+        (tmp_path / folder).mkdir()
+        (tmp_path / folder / "config.json").write_text((tmp_path / "one" / "config.json").read_text())
+    save_file({k: w[k] for k in names[::2]}, str(tmp_path / "sharded" / "model-00001-of-00002.safetensors"))
+    save_file({k: w[k] for k in names[1::2]}, str(tmp_path / "sharded" / "model-00002-of-00002.safetensors"))
+    torch.save(w, tmp_path / "pickled" / "pytorch_model.bin")
+    for folder in ("sharded", "pickled"):
+        head = load_eagle3(tmp_path / folder)
+        for (k1, v1), (k2, v2) in zip(sorted(plain.state_dict().items()), sorted(head.state_dict().items())):
+            assert k1 == k2 and torch.equal(v1, v2), (folder, k1)

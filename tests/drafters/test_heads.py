@@ -527,3 +527,115 @@ def test_mtp_drafts_do_not_depend_on_how_the_features_arrive(native):
             drafter.commit(None)
         rows[chunks] = torch.stack(forced.rows)
     torch.testing.assert_close(rows[(3, 2, 2)], rows[(7,)], rtol=1e-4, atol=1e-4)  # other chunk shapes: not bitwise
+
+
+def test_the_parameter_free_rms_uses_eps_1e_6():
+    """``rms`` (EAGLE-3's per-tap norm, MTP's input norms) is ``x / sqrt(mean(x^2) + 1e-6)``: trained
+    heads were fitted with that eps, and the formula test builds its reference from ``rms`` itself,
+    so a changed default passed it.  Rows of magnitude 1e-3 make eps visible (1e-5 gives 0.30, not 0.71)."""
+    from specdec.heads.modules import rms
+
+    x = torch.full((2, 4), 1e-3)
+    torch.testing.assert_close(rms(x), torch.full((2, 4), 1e-3 / (1e-6 + 1e-6) ** 0.5), rtol=1e-5, atol=0)
+    eagle3 = random_head("eagle3", hidden=4, vocab=16, draft_vocab=8, taps=(1,), seed=1)
+    rows = torch.full((1, 1, 2, 4), 1e-3)  # [B, T, (tap, final), D]
+    want = torch.full((8,), 1e-3 / (2e-6) ** 0.5) @ eagle3.fc.weight.T
+    torch.testing.assert_close(eagle3.fuse(rows)[0, 0], want, rtol=1e-5, atol=1e-6)
+
+
+def test_a_freshly_built_head_starts_as_the_targets_own_prediction():
+    """Training starts from "the target's feature passes through" (module docstring of ``Eagle`` /
+    ``Medusa``): EAGLE's ``fc`` picks the last (highest) input row, its layer's residual branches
+    (``attn.o``, ``mlp.down``) start at zero, and every Medusa block starts as the identity (zero
+    weight and bias).  Every other test loads random weights over these, so the start went unpinned."""
+    from specdec.heads.modules import HeadConfig, build, rms
+
+    cfg = HeadConfig(kind="eagle3", hidden_size=8, n_heads=2, n_kv_heads=1, head_dim=4, intermediate_size=16,
+                     target_vocab=16, draft_vocab=8, inputs=(0, 1, 2), taps=(1, 2, 3), depth=1)
+    eagle = build(cfg)
+    g = torch.Generator().manual_seed(0)
+    rows = torch.randn(1, 3, 4, 8, generator=g)  # [B, T, (taps..., final), D]
+    with torch.no_grad():
+        torch.testing.assert_close(eagle.fuse(rows), rms(rows[:, :, 2]))  # the highest input, normalised
+        resid = torch.randn(1, 3, 8, generator=g)
+        attn = eagle.layer.attn.o(torch.randn(1, 3, 8, generator=g))
+        assert torch.equal(attn, torch.zeros_like(attn))
+        assert torch.equal(eagle.layer.finish(resid, attn), resid)
+    medusa = build(HeadConfig(kind="medusa", hidden_size=8, n_heads=2, n_kv_heads=1, head_dim=4, intermediate_size=16,
+                              target_vocab=16, draft_vocab=8, depth=3))
+    f = torch.randn(5, 8, generator=g)
+    with torch.no_grad():
+        want = medusa.lm_head(f)
+        for k in range(3):
+            torch.testing.assert_close(medusa(f)[k], want)
+
+
+def test_our_format_round_trips_the_config_and_the_weight_dtype(tmp_path):
+    """``save_head`` writes weights in ``dtype`` (float16 by default) and ``d2t`` as int64; ``load_head``
+    gives back a config equal to the saved one (``inputs`` / ``taps`` as tuples: a list compares
+    unequal to the tuple the head was built with)."""
+    from safetensors.torch import load_file
+
+    from specdec.heads.modules import load_head, save_head
+
+    head = random_head("mtp", hidden=16, vocab=32, draft_vocab=8, taps=(1, 2), seed=1)
+    save_head(head, tmp_path / "m")
+    w = load_file(str(tmp_path / "m" / "model.safetensors"))
+    assert {v.dtype for k, v in w.items() if k != "d2t"} == {torch.float16} and w["d2t"].dtype == torch.int64
+    back = load_head(tmp_path / "m")
+    assert back.cfg == head.cfg and isinstance(back.cfg.inputs, tuple) and isinstance(back.cfg.taps, tuple)
+    assert torch.equal(back.d2t, head.d2t)
+
+
+def test_our_format_refuses_a_floating_point_draft_vocabulary(tmp_path):
+    """``d2t`` holds integer token ids; a file whose ``d2t`` is floats (even whole-valued) is damaged and
+    refused with a one-line ConfigError rather than cast into the integer buffer."""
+    import pytest
+    from safetensors.torch import load_file, save_file
+
+    from specdec.errors import ConfigError
+    from specdec.heads.modules import load_head, save_head
+
+    save_head(random_head("medusa", hidden=16, vocab=32, draft_vocab=8), tmp_path / "m", dtype=torch.float32)
+    w = load_file(str(tmp_path / "m" / "model.safetensors"))
+    save_file(w | {"d2t": w["d2t"].float()}, str(tmp_path / "m" / "model.safetensors"))
+    with pytest.raises(ConfigError, match="integer token ids"):
+        load_head(tmp_path / "m")
+
+
+def test_eagle1_scores_its_output_through_the_target_rows_without_a_norm():
+    """EAGLE-1's output ``o`` regresses the target's (already normalised) feature, so its draft logits
+    are ``lm_head(o)`` with no final norm (EAGLE-3 normalises first); lossless decoding hides a
+    changed draft law, so it is pinned here from the parameters."""
+    eagle1 = random_head("eagle1", hidden=16, vocab=32, draft_vocab=8, seed=1)
+    o = torch.randn(3, 16, generator=torch.Generator().manual_seed(0)) * 3
+    with torch.no_grad():
+        eagle1.norm.weight.copy_(torch.linspace(0.5, 2.0, 16))  # a norm, were it applied, would show
+        torch.testing.assert_close(eagle1.logits(o), o @ eagle1.lm_head.weight.T)
+
+
+def test_a_head_layer_cache_grows_past_twice_its_capacity_in_one_step():
+    """``LayerCache.reserve(n)`` makes room for ``n`` rows even when that is more than double the current
+    capacity (a long prompt's catch-up chunk arriving at a fresh cache), and keeps the rows it had."""
+    from specdec.heads.modules import HeadConfig
+    from specdec.heads.runtime import LayerCache
+
+    cfg = HeadConfig(kind="eagle3", hidden_size=8, n_heads=2, n_kv_heads=1, head_dim=4, intermediate_size=16,
+                     target_vocab=16, draft_vocab=8, inputs=(0,), taps=(1,), depth=1)
+    cache = LayerCache(cfg, capacity=2)
+    assert cache.reserve(1) == 0
+    cache.k[:, 0] = 7.0
+    assert cache.reserve(10) == 1 and cache.length == 11
+    assert cache.k.shape[1] >= 11 and cache.v.shape[1] >= 11
+    assert torch.equal(cache.k[:, 0], torch.full((1, 4), 7.0))
+
+
+def test_a_head_layer_caches_bytes_count_its_keys_and_values():
+    """``LayerCache.nbytes`` (what memory accounting reads) counts both the key and the value tensors."""
+    from specdec.heads.modules import HeadConfig
+    from specdec.heads.runtime import LayerCache
+
+    cfg = HeadConfig(kind="mtp", hidden_size=8, n_heads=2, n_kv_heads=1, head_dim=4, intermediate_size=16,
+                     target_vocab=16, draft_vocab=8, depth=1)
+    cache = LayerCache(cfg, capacity=5)
+    assert cache.nbytes == cache.k.numel() * cache.k.element_size() + cache.v.numel() * cache.v.element_size() == 160
