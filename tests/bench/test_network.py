@@ -3,6 +3,9 @@
 from __future__ import annotations
 
 import json
+import os
+import resource
+import sys
 from types import SimpleNamespace
 
 import httpx
@@ -300,3 +303,138 @@ def test_the_measured_ping_is_the_median_round_trip(monkeypatch):
     monkeypatch.setattr(edge_worker, "time", SimpleNamespace(perf_counter=lambda: next(ticks)))
     with httpx.Client(transport=httpx.MockTransport(lambda request: httpx.Response(200, json={}))) as client:
         assert edge_worker.ping_ms(client, "http://cloud") == pytest.approx(1000.0)
+
+
+def test_the_netem_check_detail_is_its_last_stdout_line(tmp_path):
+    """netem.sh check may print progress first and warnings on stderr: its answer is stdout's last line."""
+    script = tmp_path / "netem.sh"
+    script.write_text('#!/usr/bin/env bash\necho "probing tc"\necho "netem unavailable: no qdisc" \n'
+                      'echo "a warning" >&2\nexit 3\n')
+    em = network.detect("auto", script)
+    assert (em.kind, em.detail) == ("proxy", "netem unavailable: no qdisc")
+
+
+@pytest.mark.skipif(not sys.platform.startswith("linux"), reason="reads /proc")
+def test_peak_rss_is_in_bytes():
+    """VmHWM is in kB (1024 bytes): the peak agrees with getrusage's ru_maxrss (kB on Linux) to 1 %."""
+    peak = network.peak_rss(os.getpid())
+    maxrss = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024
+    assert peak is not None and abs(peak - maxrss) <= 0.01 * maxrss
+    assert network.peak_rss(2 ** 22 + 12345) is None  # no such process
+
+
+def test_thread_env_limits_every_pool():
+    env = network.thread_env(3)
+    assert (env["OMP_NUM_THREADS"], env["MKL_NUM_THREADS"], env["TOKENIZERS_PARALLELISM"]) == ("3", "3", "false")
+
+
+NETEM = network.Emulation("netem", "ok", "/x/netem.sh")
+PROXY = network.Emulation("proxy", "asked for")
+
+
+def _server(emulation, **kw):
+    server = network.CloudServer("t", "d", threads=2, emulation=emulation, **kw)
+    server._log.close()
+    return server
+
+
+def test_the_cloud_server_gets_every_option_and_runs_in_the_cloud_namespace_under_netem():
+    server = _server(NETEM, draft_dtype="bf16", draft_vocab="map", draft_temperature_factor="0.8", kv_dtype="int8")
+    argv = server.argv
+    assert argv[:4] == ["ip", "netns", "exec", network.NETEM_CLOUD_NS] and server.host == network.NETEM_CLOUD_IP
+    opts = dict(zip(argv[argv.index("--host"):][::2], argv[argv.index("--host") + 1:][::2]))
+    assert opts["--host"] == network.NETEM_CLOUD_IP and opts["--port"] == str(server.port)
+    assert (opts["--target"], opts["--draft"], opts["--draft-dtype"], opts["--draft-vocab"]) == ("t", "d", "bf16", "map")
+    assert (opts["--draft-temperature-factor"], opts["--kv-dtype"]) == ("0.8", "int8")
+    assert server.env["SPECDEC_API_KEY"] == server.api_key and server.api_key not in argv
+    local = _server(PROXY)
+    assert local.argv[0] == sys.executable and local.host == "127.0.0.1" and local.url.startswith("http://127.0.0.1:")
+
+
+def test_the_edge_runs_in_the_edge_namespace_under_netem_only():
+    assert network.Link(_server(NETEM), 20.0).edge_prefix == ["ip", "netns", "exec", network.NETEM_EDGE_NS]
+    assert network.Link(_server(PROXY), 20.0).edge_prefix == []
+
+
+def test_a_stopped_proxys_totals_are_its_last_stopped_line_without_the_marker():
+    link = network.Link(_server(PROXY), 20.0)
+    out = '{"listening": 1}\nnot json\n{"stopped": true, "bytes_up": 5, "bytes_down": 7, "connections": 1}\n'
+    link.proc = SimpleNamespace(send_signal=lambda sig: None, communicate=lambda timeout: (out, ""))
+    assert link.stop() == {"bytes_up": 5, "bytes_down": 7, "connections": 1}
+
+
+def test_only_the_speculative_streaming_server_drafts():
+    assert network.server_draft(["cloud_streaming"], "d") == "none"
+    assert network.server_draft(["edge_cloud"], "d") == "none"
+    assert network.server_draft(["cloud_streaming_spec"], "d") == "d"
+
+
+def test_a_server_record_counts_workers_only_when_it_ran_more_than_once():
+    one = network.server_process([{"rss_peak_bytes": 5, "seconds": 2.0}])
+    assert one == {"rss_peak_bytes": 5, "seconds": 2.0}
+    two = network.server_process([{"rss_peak_bytes": 9, "seconds": 2.0}, {"rss_peak_bytes": 5, "seconds": 1.0}])
+    assert two == {"rss_peak_bytes": 9, "seconds": 3.0, "workers": 2}
+
+
+@pytest.fixture
+def fake_processes(monkeypatch):
+    """CloudServer and Link that start nothing: what run_group hands them is recorded."""
+    seen = {"servers": []}
+
+    def start(self):
+        seen["servers"].append(self)
+        return self
+
+    def stop(self):
+        self._log.close()
+        return {"rss_peak_bytes": 11}
+
+    monkeypatch.setattr(network.CloudServer, "start", start)
+    monkeypatch.setattr(network.CloudServer, "stop", stop)
+    monkeypatch.setattr(network.Link, "start", lambda self: self)
+    monkeypatch.setattr(network.Link, "stop", lambda self: {"bytes_up": int(self.rtt_ms)})
+    return seen
+
+
+def _run_group(run_worker, journal=None, **kw):
+    record = network.NetworkRun("proxy", "asked for", [0.0, 30.0])
+    processes: dict = {}
+    args = dict(target="t", draft="d", draft_dtype="auto", draft_temperature_factor="0.9", threads=2,
+                rtts=[0.0, 30.0], emulation=PROXY, job={"k": 1}, run_worker=run_worker, record=record,
+                processes=processes, journal=journal)
+    network.run_group(["cloud_streaming", "edge_cloud"], **{**args, **kw})
+    return record, processes
+
+
+def test_run_group_passes_each_rtt_and_the_thread_limit_on(fake_processes):
+    """Each RTT's worker gets that RTT, the link's URL, the server's key and ``threads`` threads; the
+    plain server (no drafter) gets no draft temperature factor; each proxy and the server report
+    their totals to the journal when they stop."""
+    calls, totals = [], []
+
+    def worker(job, env, prefix, name):
+        calls.append((job["rtt_ms"], job["url"], job["api_key"], env["OMP_NUM_THREADS"], prefix, name))
+        return {"done": True}
+
+    journal = SimpleNamespace(totals=lambda name, t: totals.append((name, t)))
+    record, processes = _run_group(worker, journal=journal)
+    [server] = fake_processes["servers"]
+    assert [c[0] for c in calls] == [0.0, 30.0] and all(c[1] == server.url and c[2] == server.api_key for c in calls)
+    assert {c[3] for c in calls} == {"2"} and all(c[4] == [] for c in calls)
+    argv = server.argv
+    assert argv[argv.index("--draft") + 1] == "none" and argv[argv.index("--draft-temperature-factor") + 1] == "auto"
+    assert record.servers["cloud_streaming+edge_cloud"] == {"draft": "none", "rss_peak_bytes": 11}
+    assert record.proxy_totals == {"cloud_streaming+edge_cloud@0ms": {"bytes_up": 0}, "cloud_streaming+edge_cloud@30ms": {"bytes_up": 30}}
+    names = [n for n, _ in totals]
+    assert names == ["cloud_streaming+edge_cloud@0ms", "cloud_streaming+edge_cloud@30ms", "cloud_streaming+edge_cloud:server"]
+
+
+def test_a_failing_worker_reports_why_the_server_exited(fake_processes, monkeypatch):
+    """A worker that fails because the server died: the error is the server's last words."""
+    monkeypatch.setattr(network.CloudServer, "failure", lambda self: "the cloud server exited with 1: out of memory")
+
+    def worker(job, env, prefix, name):
+        raise SpecdecError("connection refused")
+
+    with pytest.raises(SpecdecError, match="out of memory"):
+        _run_group(worker)

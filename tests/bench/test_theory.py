@@ -52,3 +52,28 @@ def test_ideal_and_overhead():
     assert theory.overhead_share(0.9 * ideal, ideal) == pytest.approx(0.1)
     # a run with no measured time (nothing drafted or verified) has no ideal, and no overhead
     assert theory.ideal_tokens_per_s(1.0, 0, 0.0, 0.0) == 0.0 and theory.overhead_share(5.0, 0.0) == 0.0
+
+
+def test_optimal_gamma_does_not_speculate_when_every_gamma_only_breaks_even():
+    """α = 0 and free drafting: every γ gives exactly ×1 (E = 1, cost 1), so γ = 0 (do not
+    speculate), as best_chain_speedup decides a break-even γ; the smallest γ wins a tie."""
+    assert all(theory.speedup(0.0, g, 0.0) == 1.0 for g in range(17))
+    assert theory.optimal_gamma(0.0, 0.0) == 0
+
+
+def test_alpha_of_gamma_zero_is_exactly_zero():
+    """No drafted tokens: no acceptance to infer, α is 0.0 exactly (not a bisection's residue)."""
+    assert theory.alpha_from_block_efficiency(1.0, 0) == 0.0
+    assert theory.alpha_from_block_efficiency(3.0, 0) == 0.0
+
+
+def test_alpha_reaches_one_when_every_draft_is_accepted():
+    """E = γ + 1 (all drafts accepted) inverts to α = 1; α close to 1 is recovered too."""
+    assert theory.alpha_from_block_efficiency(7.0, 6) == pytest.approx(1.0, abs=1e-8)
+    e = theory.expected_tokens(0.995, 6)
+    assert theory.alpha_from_block_efficiency(e, 6) == pytest.approx(0.995, abs=1e-8)
+
+
+def test_optimal_gamma_searches_up_to_16_by_default():
+    """The documented default range is [0, 16]: free drafting at α 0.9 drafts 16 tokens."""
+    assert theory.optimal_gamma(0.9, 0.0) == 16

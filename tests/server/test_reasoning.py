@@ -288,3 +288,76 @@ def test_a_held_back_start_of_a_tag_is_content_at_the_end_of_a_stream(client):
     chunks = [c.choices[0] for c in client.chat.completions.create(**kw, stream=True) if c.choices]
     assert "".join(c.delta.content or "" for c in chunks) == "<thi"
     assert not any(c.delta.model_extra.get("reasoning") for c in chunks)
+
+
+def _streamed(text: str, opened: bool, step: int = 1) -> tuple[str, str]:
+    stream = rs.StreamedReasoning(opened)
+    pieces = [stream.feed(text[i:i + step]) for i in range(0, len(text), step)] + [stream.finish()]
+    return "".join(p[0] for p in pieces), "".join(p[1] for p in pieces)
+
+
+def test_the_first_closing_tag_ends_the_thinking():
+    """A second ``</think>`` is part of the answer, finished or streamed."""
+    text = "<think>a</think>b</think>c"
+    assert rs.split(text, False) == ("a", "b</think>c")
+    assert _streamed(text, False) == ("a", "b</think>c")
+
+
+@pytest.mark.parametrize("text, opened, expected", [
+    ("  plain answer", False, (None, "  plain answer")),  # no block: the content is the text as it is
+    ("  still thinking", True, ("  still thinking", None)),  # the prompt opened the block: all of it
+])
+def test_leading_whitespace_is_kept_outside_a_tag(text, opened, expected):
+    """Only whitespace before an opening tag is dropped; otherwise no character is lost, streamed or not."""
+    assert rs.split(text, opened) == expected
+    for step in (1, 3, len(text)):
+        thought, content = _streamed(text, opened, step)
+        assert (thought or None, content or None) == expected, step
+
+
+@pytest.fixture(scope="module")
+def tokenizer_factory():
+    from transformers import AutoTokenizer
+
+    from specdec.models.registry import DATA_DIR
+
+    return lambda: AutoTokenizer.from_pretrained(str(DATA_DIR / "smollm2-135m-draft"))
+
+
+def test_tags_need_both_tokens(tokenizer_factory):
+    """One of a pair is not the pair: only ``[THINK]`` is not Mistral's tags, and only ``<think>``
+    turns nothing on (no ids, parser off under auto); with both, the ids are (open, close)."""
+    tok = tokenizer_factory()
+    tok.add_tokens([rs.MISTRAL.open], special_tokens=True)
+    assert rs.tags_of(tok) == rs.THINK
+    tok = tokenizer_factory()
+    tok.add_tokens([rs.OPEN])
+    assert rs.tag_ids(tok) is None and not rs.parser_on("auto", tok)
+    tok.add_tokens([rs.CLOSE])
+    assert rs.tag_ids(tok) == (tok.convert_tokens_to_ids(rs.OPEN), tok.convert_tokens_to_ids(rs.CLOSE))
+
+
+def test_one_special_tag_is_enough_to_need_special_tokens_kept(tokenizer_factory):
+    """A text without special tokens would lose ``[THINK]`` when only it is special: keep them."""
+    tok = tokenizer_factory()
+    tok.add_tokens([rs.MISTRAL.open], special_tokens=True)
+    tok.add_tokens([rs.MISTRAL.close], special_tokens=False)
+    assert rs.special_tags(tok, rs.MISTRAL)
+
+
+def test_thinking_tokens_stop_at_the_closing_tag_even_before_trailing_special_tokens(tokenizer_factory):
+    """``<think>hm</think>`` then an end-of-text token (decoded to nothing): the thinking ends at
+    ``</think>``'s token, not at the last token; Mistral's special tags are found in a text that keeps them."""
+    tok = tokenizer_factory()
+    tok.add_tokens([rs.OPEN, rs.CLOSE])
+    ids = tok.encode("<think>hm</think>", add_special_tokens=False) + [tok.eos_token_id]
+    close_at = ids.index(tok.convert_tokens_to_ids(rs.CLOSE)) + 1
+    assert close_at < len(ids)
+    assert rs.thinking_tokens(tok, ids, tok.decode(ids, skip_special_tokens=True), False) == close_at
+    mistral = tokenizer_factory()
+    mistral.add_tokens([rs.MISTRAL.open, rs.MISTRAL.close], special_tokens=True)
+    ids = mistral.encode("[THINK]hm[/THINK]ok", add_special_tokens=False)
+    text = mistral.decode(ids, skip_special_tokens=False)
+    k = ids.index(mistral.convert_tokens_to_ids(rs.MISTRAL.close)) + 1
+    assert k < len(ids)
+    assert rs.thinking_tokens(mistral, ids, text, False, skip_special_tokens=False, tags=rs.MISTRAL) == k

@@ -2,9 +2,14 @@
 
 from __future__ import annotations
 
+import sys
+from pathlib import Path
+
 import pytest
 
 from specdec.cli import main
+from specdec.errors import ConfigError
+from specdec.outputs import check_file, check_folder
 
 FOLDER_OUT = ["data", "distill", "eagle", "medusa", "mtp", "online", "calibrate"]
 FILE_OUT = ["kangaroo", "skip"]
@@ -144,3 +149,36 @@ def test_data_taps_up_to_the_targets_last_layer(capsys, tmp_path):
     capsys.readouterr()
     assert main([*base, "--out", str(tmp_path / "no"), "--taps", "3"]) == 2
     assert "--taps must be <= the target's 2 layers" in capsys.readouterr().err
+
+
+def test_checking_a_folder_leaves_no_probe_file_behind(tmp_path):
+    """The write check's probe file is removed: the folder (and the one a run would make under it)
+    is as it was."""
+    (tmp_path / "kept.txt").write_text("x")
+    check_folder(tmp_path)
+    check_folder(tmp_path / "new" / "sub")
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["kept.txt"]
+
+
+def test_a_path_under_a_file_names_the_file_in_the_way(tmp_path):
+    """``--out taken/x/y`` where ``taken`` is a file: the one line says which part is not a folder."""
+    taken = tmp_path / "taken"
+    taken.write_text("mine")
+    with pytest.raises(ConfigError, match=f"cannot write to --out .*: {taken} is not a folder"):
+        check_folder(taken / "x" / "y")
+    assert taken.read_text() == "mine"
+
+
+def test_check_file_passes_its_flag_on_to_the_folder_check(tmp_path):
+    """A file path whose folders cannot be made is reported under the flag the caller named."""
+    taken = tmp_path / "taken"
+    taken.write_text("mine")
+    with pytest.raises(ConfigError, match="--bundle"):
+        check_file(taken / "x" / "state.json", "--bundle")
+
+
+@pytest.mark.skipif(not sys.platform.startswith("linux") or not Path("/proc/self").is_dir(), reason="needs Linux /proc")
+def test_any_os_error_of_the_write_check_is_a_config_error():
+    """Not only a permission error: /proc takes no new files (ENOENT), still a one-line ConfigError."""
+    with pytest.raises(ConfigError, match="cannot write to --out /proc"):
+        check_folder(Path("/proc"))
