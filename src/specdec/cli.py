@@ -509,7 +509,7 @@ def _generate_batch(args: argparse.Namespace) -> int:
     if given:
         raise SpecdecError(f"--prompts-file writes JSON lines locally; drop {', '.join(given)}")
     speculative = [flag for flag, on in (
-        ("--draft", args.draft not in (defaults.DEFAULT_DRAFT, "none")), ("--gamma", str(args.gamma) != str(defaults.DEFAULT_GAMMA)),
+        ("--draft", args.draft_given and args.draft != "none"), ("--gamma", str(args.gamma) != str(defaults.DEFAULT_GAMMA)),
         ("--tree", str(args.tree) != str(defaults.DEFAULT_TREE)), ("--tree-min-prob", args.tree_min_prob is not None),
         ("--min-confidence", args.min_confidence is not None)) if on] + remote_only_given(args)
     if speculative:
@@ -797,6 +797,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     if isinstance(getattr(args, "draft", None), str) and isinstance(getattr(args, "target", None), str):
         from specdec.engine import draft_for_target
 
+        args.draft_given = args.draft != defaults.DEFAULT_DRAFT  # before a target's own draft takes its place
         args.draft = draft_for_target(args.target, args.draft)  # a target's own draft when --draft is left alone
     restore = _raise_on_sigterm()
     try:
