@@ -1239,3 +1239,369 @@ def test_bench_renames_the_old_cloud_only_mode_to_plain(tmp_path, ran):
     with pytest.raises(Reached):
         main(["bench", "--modes", "cloud_only", "--limit", "1", "--no-plots", "--out", str(tmp_path / "run")])
     assert ran[0].modes == ("plain",)
+
+
+def _one_error(code, err, needle):
+    """Exit 2 and exactly one ``specdec: error:`` line (progress lines aside) holding ``needle``."""
+    lines = [line for line in err.strip().splitlines() if line and not line.startswith("[specdec]")]
+    assert code == 2, err
+    assert len(lines) == 1 and lines[0].startswith("specdec: error:") and needle in lines[0], err
+    assert "Traceback" not in err
+
+
+class Stop(Exception):
+    pass
+
+
+@pytest.fixture
+def built(monkeypatch):
+    """The EngineConfigs `generate` builds engines with (stopped at Engine.build: no model loads)."""
+    from specdec import engine
+
+    seen = []
+
+    def build(cfg, progress=None):
+        seen.append(cfg)
+        raise Stop
+
+    monkeypatch.setattr(engine.Engine, "build", build)
+    return seen
+
+
+@pytest.fixture
+def calls(monkeypatch):
+    """The keyword arguments every Engine.generate call of the command got (the call still runs)."""
+    from specdec import engine
+
+    seen = []
+    original = engine.Engine.generate
+
+    def generate(self, prompt, sampling, **kwargs):
+        seen.append(dict(kwargs, prompt=prompt, sampling=sampling))
+        return original(self, prompt, sampling, **kwargs)
+
+    monkeypatch.setattr(engine.Engine, "generate", generate)
+    return seen
+
+
+# ------------------------------------------------------------------ validation before any model loads
+
+def test_a_bad_word_of_white_space_only_is_refused(capsys):
+    """--bad-word '  ' names no word: refused in one line (not silently a no-op mask)."""
+    code, _, err = _run(capsys, "generate", "-p", "hi", "--target", "no-such-model", "--bad-word", "   ")
+    _one_error(code, err, "--bad-word needs a character other than white space")
+
+
+def test_a_json_schema_file_that_does_not_exist_is_one_line(capsys, tmp_path):
+    """--json-schema PATH.json that is missing: one line naming the file, exit 2, no traceback."""
+    code, _, err = _run(capsys, "generate", "-p", "hi", "--target", "no-such-model",
+                        "--json-schema", str(tmp_path / "nope.json"))
+    _one_error(code, err, "--json-schema: no such file")
+
+
+@pytest.mark.parametrize("schema", ["[1, 2]", "3", '"a string"'])
+def test_a_json_schema_that_is_not_an_object_is_refused(capsys, schema):
+    """JSON that parses but is no JSON Schema object: one line, exit 2, before the model loads."""
+    code, _, err = _run(capsys, "generate", "-p", "hi", "--target", "no-such-model", "--json-schema", schema)
+    _one_error(code, err, "--json-schema must be a JSON object")
+
+
+def test_the_prompt_on_stdin_gets_its_old_mac_newlines_as_text_mode_gives_them():
+    """A lone \\r (old Mac line ends) becomes \\n, as text-mode stdin reads it."""
+    from specdec.cli import _read_text
+
+    assert _read_text(b"a\rb", "x") == "a\nb"
+
+
+def test_batch_without_a_prompts_file_is_refused(capsys):
+    """--batch N only applies to --prompts-file: one prompt with it is a one-line error."""
+    code, _, err = _run(capsys, "generate", "-p", "hi", "--target", "no-such-model", "--batch", "4")
+    _one_error(code, err, "--batch and --out go with --prompts-file")
+
+
+def test_interactive_with_json_is_refused(capsys):
+    code, _, err = _run(capsys, "generate", "-i", "--json", "--target", "no-such-model")
+    _one_error(code, err, "--interactive prints text as it comes; drop --json")
+
+
+def test_suffix_with_interactive_is_refused(capsys):
+    code, _, err = _run(capsys, "generate", "-i", "--suffix", "x", "--target", "no-such-model")
+    _one_error(code, err, "--suffix fills a gap in plain text; drop --interactive")
+
+
+def test_suffix_with_chat_and_interactive_names_both(capsys):
+    code, _, err = _run(capsys, "generate", "-p", "a", "--chat", "-i", "--suffix", "x", "--target", "no-such-model")
+    _one_error(code, err, "drop --chat, --interactive")
+
+
+@pytest.mark.parametrize("prompt", ["   ", "\n\t "])
+def test_a_prompt_of_white_space_only_is_empty(capsys, prompt):
+    code, _, err = _run(capsys, "generate", "-p", prompt, "--target", "no-such-model")
+    _one_error(code, err, "the prompt is empty")
+
+
+@pytest.mark.parametrize("value", ["21", "-1"])
+def test_logprobs_just_outside_its_range_is_refused(capsys, value):
+    code, _, err = _run(capsys, "generate", "-p", "hi", "--json", "--target", "no-such-model", "--logprobs", value)
+    _one_error(code, err, "--logprobs must be between 0 and 20")
+
+
+def test_logprobs_without_json_is_refused(capsys):
+    code, _, err = _run(capsys, "generate", "-p", "hi", "--target", "no-such-model", "--logprobs", "2")
+    _one_error(code, err, "--logprobs needs --json")
+
+
+def test_system_with_interactive_alone_is_accepted(capsys):
+    """--system goes with --interactive too (not only --chat): the run gets as far as the model."""
+    code, _, err = _run(capsys, "generate", "-i", "--system", "be brief", "--target", "no-such-model")
+    assert code == 2 and "--system needs" not in err and "no-such-model" in err, err
+
+
+def test_draft_none_is_recognised_whatever_its_case(capsys, built):
+    """--draft NONE is plain decoding too: shaping options given with it are named as ignored."""
+    with pytest.raises(Stop):
+        main(["generate", "-p", "hi", "--target", "t", "--draft", "NONE", "-g", "4"])
+    err = capsys.readouterr().err
+    assert "--gamma shapes drafts, and --draft none drafts nothing: it is ignored" in err, err
+
+
+# ------------------------------------------------------------------ options that must reach the library
+
+def test_a_preset_is_the_base_the_options_override():
+    """--preset guide gives T 1.0, top-p 0.9, repetition penalty 1.1; an option beside it overrides it."""
+    from specdec import cli
+
+    s = cli._sampling_from(cli.build_parser().parse_args(["generate", "-p", "hi", "--preset", "guide"]))
+    assert (s.temperature, s.top_p, s.repetition_penalty) == (1.0, 0.9, 1.1)
+    s = cli._sampling_from(cli.build_parser().parse_args(["generate", "-p", "hi", "--preset", "guide", "--top-p", "0.5"]))
+    assert (s.temperature, s.top_p) == (1.0, 0.5)
+
+
+def test_json_output_is_one_json_object_and_nothing_else(capsys, tiny_pair):
+    """--json: stdout holds exactly one JSON object (no streamed text before it), stderr no summary."""
+    target, draft = tiny_pair
+    code, out, err = _run(capsys, "generate", "-p", "abc abc", "--target", target, "--draft", draft, "-n", "6", "--json")
+    assert code == 0, err
+    assert out.count("\n") == 1 and json.loads(out)["stats"]["generated_tokens"] >= 1
+    assert "tok/s" not in err and "[specdec]" not in err
+
+
+def test_json_stats_carry_the_seed_and_rounds_are_listed(capsys, tiny_pair):
+    """--json --rounds: stats name the seed given, and 'rounds' holds one entry per target call."""
+    target, draft = tiny_pair
+    code, out, err = _run(capsys, "generate", "-p", "abc abc", "--target", target, "--draft", draft, "-n", "6",
+                          "--json", "--rounds", "-t", "1", "--seed", "11")
+    assert code == 0, err
+    payload = json.loads(out)
+    assert payload["stats"]["seed"] == 11 and payload["stats"]["temperature"] == 1.0
+    assert isinstance(payload["rounds"], list) and len(payload["rounds"]) == payload["stats"]["target_calls"] >= 1
+    code, out, err = _run(capsys, "generate", "-p", "abc abc", "--target", target, "--draft", draft, "-n", "6", "--json")
+    assert "rounds" not in json.loads(out)  # only with --rounds
+
+
+def test_streamed_text_ends_with_a_newline_and_equals_the_json_text(capsys, tiny_pair):
+    """Text mode streams the text, then one newline (a shell prompt starts on its own line)."""
+    target, draft = tiny_pair
+    argv = ["generate", "-p", "abc abc", "--target", target, "--draft", draft, "-n", "6"]
+    code, out, err = _run(capsys, *argv)
+    assert code == 0 and out.endswith("\n"), (out, err)
+    code, js, _ = _run(capsys, *argv, "--json")
+    assert out == json.loads(js)["text"] + "\n"
+
+
+def test_shaping_options_method_and_logprobs_reach_engine_generate(capsys, tiny_pair, calls):
+    """--method, --gamma, --tree, --tree-min-prob, --min-confidence, --logprobs reach Engine.generate as given."""
+    pytest.importorskip("llguidance")
+    target, draft = tiny_pair
+    code, out, err = _run(capsys, "generate", "-p", "abc abc", "--target", target, "--draft", draft, "-n", "4",
+                          "--json", "-m", "token", "-t", "1", "--seed", "1", "-g", "3", "--tree", "5",
+                          "--tree-min-prob", "0.25", "--min-confidence", "0.2", "--logprobs", "2")
+    assert code == 0, err
+    kw = calls[-1]
+    assert (kw["method"], kw["gamma"], kw["tree"], kw["tree_min_prob"], kw["min_confidence"], kw["logprobs"]) == \
+        ("token", 3, 5, 0.25, 0.2, 2)
+    assert json.loads(out)["stats"]["method"] == "token"
+
+
+def test_an_interactive_chat_passes_its_tree_and_offsets_the_seed_per_turn(capsys, tiny_pair, monkeypatch, calls):
+    """--interactive: each turn gets --tree / --tree-min-prob / --min-confidence, turn k seed + k,
+    the system message first and user / assistant turns alternating."""
+    import io
+
+    from specdec import engine as engine_mod
+
+    target, draft = tiny_pair
+    seen_messages = []
+    original = engine_mod.Engine.encode_messages
+
+    def encode_messages(self, messages):
+        seen_messages.append([dict(m) for m in messages])
+        return original(self, messages)
+
+    monkeypatch.setattr(engine_mod.Engine, "encode_messages", encode_messages)
+    monkeypatch.setattr("sys.stdin", io.StringIO("second\n\n"))
+    code, _, err = _run(capsys, "generate", "--target", target, "--draft", draft, "-n", "3", "-i", "-p", "first",
+                        "--system", "Be brief.", "-t", "1", "--seed", "40", "--tree", "4", "--tree-min-prob", "0.3",
+                        "--min-confidence", "0.1")
+    assert code == 0, err
+    assert [c["sampling"].seed for c in calls] == [40, 41]
+    assert all((c["tree"], c["tree_min_prob"], c["min_confidence"]) == (4, 0.3, 0.1) for c in calls)
+    last = seen_messages[-1]
+    assert [m["role"] for m in last] == ["system", "user", "assistant", "user"]
+    assert last[0]["content"] == "Be brief." and last[1]["content"] == "first" and last[3]["content"] == "second"
+
+
+def test_a_line_of_white_space_ends_an_interactive_chat(capsys, tiny_pair, monkeypatch):
+    """A line of spaces ends the chat as an empty one does (no turn for it)."""
+    import io
+
+    target, draft = tiny_pair
+    monkeypatch.setattr("sys.stdin", io.StringIO("   \nnever read\n"))
+    code, _, err = _run(capsys, "generate", "--target", target, "--draft", draft, "-n", "2", "-i", "-p", "hi")
+    assert code == 0 and len([line for line in err.splitlines() if "tokens in" in line]) == 1, err
+
+
+def test_a_reply_that_got_all_it_asked_has_no_context_note():
+    """context_note: a 'length' finish at exactly the tokens asked is not cut by the context."""
+    from types import SimpleNamespace
+
+    from specdec.cli import context_note
+
+    st = SimpleNamespace(finish_reason="length", generated_tokens=8, prompt_tokens=3)
+    assert context_note(st, 8, 64) is None
+    assert "7 of the 8 tokens asked" in context_note(SimpleNamespace(finish_reason="length", generated_tokens=7,
+                                                                       prompt_tokens=3), 8, 64)
+
+
+# ------------------------------------------------------------------ --prompts-file combinations
+
+@pytest.mark.parametrize("extra, message", [
+    (["--rounds"], "drop --rounds"),
+    (["--suffix", "x"], "drop --suffix"),
+    (["--tree-min-prob", "0.2"], "--tree-min-prob applies to one prompt's speculative decoding"),
+    (["--min-confidence", "0.2"], "--min-confidence applies to one prompt's speculative decoding"),
+    (["--q-top-k", "4"], "--q-top-k applies to one prompt's speculative decoding"),
+    (["--logprobs", "21"], "--logprobs must be between 0 and 20"),
+    (["-m", "greedy", "-t", "1"], "--method greedy needs --temperature 0"),
+])
+def test_prompts_file_refuses_options_it_cannot_honour_in_one_line(capsys, tmp_path, extra, message):
+    """Each option --prompts-file cannot apply is one error line, exit 2, before any model loads."""
+    prompts = tmp_path / "p.jsonl"
+    prompts.write_text('"hi"\n')
+    code, out, err = _run(capsys, "generate", "--prompts-file", str(prompts), "--target", "no-such-model", *extra)
+    _one_error(code, err, message)
+    assert out == ""
+
+
+def test_prompts_file_system_with_chat_is_accepted(capsys, tmp_path, built):
+    """--system with --chat is fine for --prompts-file (the run gets as far as building the engine)."""
+    prompts = tmp_path / "p.jsonl"
+    prompts.write_text('"hi"\n')
+    with pytest.raises(Stop):
+        main(["generate", "--prompts-file", str(prompts), "--out", str(tmp_path / "o.jsonl"), "--target", "t",
+              "--chat", "--system", "be brief"])
+
+
+# ------------------------------------------------------------------ chat templates
+
+def test_a_chat_template_without_chat_is_refused_before_any_model_loads(capsys, built):
+    code, _, err = _run(capsys, "generate", "-p", "hi", "--target", "t", "--chat-template", "{{ messages }}")
+    _one_error(code, err, "--chat-template renders chat prompts, and none is asked for: add --chat")
+    assert not built
+
+
+def test_chat_on_a_target_whose_template_is_unknown_goes_on_to_the_load(capsys, built, monkeypatch):
+    """chat_template_known answers None (cannot tell before loading, e.g. a hub id): --chat is not
+    refused then; only a known absence (False) is."""
+    from specdec.models import registry
+
+    monkeypatch.setattr(registry, "chat_template_known", lambda target: None)
+    with pytest.raises(Stop):
+        main(["generate", "-p", "hi", "--chat", "--target", "some/hub-id", "--draft", "none"])
+    assert built[-1].target == "some/hub-id"
+
+
+# ------------------------------------------------------------------ exit codes and the top level
+
+def test_no_command_prints_the_help_and_exits_2(capsys):
+    code, out, _ = _run(capsys)
+    assert code == 2 and "generate" in out
+
+
+def test_cache_clear_all_beside_a_part_name_clears_every_part(capsys, tmp_path, monkeypatch):
+    """'all' anywhere among the parts means every part."""
+    monkeypatch.setenv("SPECDEC_CACHE", str(tmp_path / "cache"))
+    code, out, err = _run(capsys, "cache", "clear", "gguf", "all", "--json")
+    assert code == 0, err
+    assert [r["part"] for r in json.loads(out)] == ["models", "gguf", "kernels", "calibration", "quantised"]
+
+
+def test_a_full_disk_under_a_command_is_one_line_exit_1(capsys, monkeypatch):
+    """ENOSPC (and EDQUOT) out of a command: one line naming what could not be written, exit 1."""
+    import errno
+
+    from specdec import cli
+
+    for number in (errno.ENOSPC, errno.EDQUOT):
+        def command(args, number=number):
+            raise OSError(number, os.strerror(number), "/tmp/results.jsonl")
+
+        monkeypatch.setitem(cli.COMMANDS, "models", command)
+        monkeypatch.setattr(cli, "_quiet_stdout", lambda: None)  # keep pytest's stdout as it is
+        code, _, err = _run(capsys, "models")
+        assert code == 1 and err.strip() == f"specdec: error: cannot write /tmp/results.jsonl: {os.strerror(number)}"
+
+
+def test_ctrl_c_exits_130_and_a_closed_pipe_141(capsys, monkeypatch):
+    from specdec import cli
+
+    def interrupted(args):
+        raise KeyboardInterrupt
+
+    def closed(args):
+        raise BrokenPipeError
+
+    monkeypatch.setattr(cli, "_quiet_stdout", lambda: None)
+    monkeypatch.setitem(cli.COMMANDS, "models", interrupted)
+    assert _run(capsys, "models")[0] == 130
+    monkeypatch.setitem(cli.COMMANDS, "models", closed)
+    code, _, err = _run(capsys, "models")
+    assert code == 141 and err == ""
+
+
+@pytest.mark.parametrize("args, needle", [
+    (["--tree", "4", "--tree-min-prob", "1"], "minimum node probability"),
+    (["--min-confidence", "2"], "min-confidence"),
+    (["-m", "greedy", "-t", "1"], "--method greedy needs --temperature 0"),
+])
+def test_shaping_values_are_refused_before_any_model_loads(capsys, built, args, needle):
+    """A bad --tree-min-prob, --min-confidence or a greedy-only --method at T > 0 is refused by the
+    command itself, before Engine.build (not by the engine once models have loaded)."""
+    code, _, err = _run(capsys, "generate", "-p", "hi", "--target", "t", "--draft", "d", *args)
+    _one_error(code, err, needle)
+    assert not built
+
+
+@pytest.mark.parametrize("target", ["qwen2.5-coder-1.5b", "gemma-3-270m"])
+def test_prompts_file_on_a_target_with_a_draft_of_its_own_is_not_refused_for_a_draft_never_given(
+        capsys, tmp_path, monkeypatch, target):
+    """--prompts-file decodes without a drafter and refuses an explicit --draft.  main() swaps the
+    default --draft for a registry target's own draft (qwen2.5-coder-0.5b+lookup, ngram) before the
+    check, so `generate --prompts-file F --target qwen2.5-coder-1.5b` (no --draft at all) was refused
+    with "--draft applies to one prompt's speculative decoding".  It must reach the engine, draft none."""
+    from specdec import engine
+
+    seen = []
+
+    def build(cfg, progress=None):
+        seen.append(cfg)
+        raise Stop
+
+    monkeypatch.setattr(engine.Engine, "build", build)
+    prompts = tmp_path / "p.jsonl"
+    prompts.write_text('"def f(x):"\n')
+    code = None
+    with pytest.raises(Stop):
+        code = main(["generate", "--prompts-file", str(prompts), "--out", str(tmp_path / "o.jsonl"), "--target", target])
+    assert code is None, capsys.readouterr().err
+    assert seen[-1].target == target and seen[-1].draft == "none"
