@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import ast
 import random
+import re
 import sysconfig
 from pathlib import Path
 
@@ -163,7 +164,10 @@ def chat_prompts(n: int, *, seed: int = 0) -> list[str]:
 def code_prompts(n: int, *, seed: int = 0, root: Path | None = None) -> list[str]:
     """``n`` completion prompts: a standard-library function's header + docstring, body removed."""
     root = root or Path(sysconfig.get_paths()["stdlib"])
-    bench_names = {p.id.split("/", 1)[1] for p in BUILTIN if p.category == "code"}
+    bench_names = set()  # the benchmark's ids and the functions its prompts define (code/read_csv_rows: read_rows)
+    for p in BUILTIN:
+        if p.category == "code":
+            bench_names |= {p.id.split("/", 1)[1], *re.findall(r"^\s*(?:async\s+)?def\s+(\w+)", p.text, re.M)}
     files = sorted(p for p in root.glob("*.py"))
     rng = random.Random(seed)
     rng.shuffle(files)
