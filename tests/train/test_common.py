@@ -39,3 +39,21 @@ def test_length_batches_cover_each_sequence_once_within_the_token_budget() -> No
     longest = [max(lengths[i] for i in g) for g in groups]
     assert longest != sorted(longest)  # the groups come in a shuffled order, not shortest first
     assert [len(g) for g in length_batches([5] * 8, list(range(8)), 20, random.Random(0))] == [4, 4]
+
+
+def test_a_warmup_as_long_as_the_run_does_not_divide_by_zero() -> None:
+    """total == warmup leaves no cosine steps: past the warm-up the factor is 0, not a ZeroDivisionError."""
+    assert warmup_cosine(3, 4, 4) == 1.0
+    assert warmup_cosine(5, 4, 4) == pytest.approx(0.0) and warmup_cosine(9, 4, 4) == pytest.approx(0.0)
+    assert 0.0 <= warmup_cosine(4, 4, 4) <= 1.0
+
+
+def test_sequences_of_equal_length_are_grouped_at_random() -> None:
+    """Ties in length are broken by the rng, so equal-length sequences do not always share a batch
+    with the same neighbours (10 seeds, 8 sequences of one length, 4 per batch)."""
+    seen = set()
+    for seed in range(10):
+        groups = length_batches([5] * 8, list(range(8)), 20, random.Random(seed))
+        assert sorted(i for g in groups for i in g) == list(range(8))
+        seen.update(frozenset(g) for g in groups)
+    assert len(seen) > 2

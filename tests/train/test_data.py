@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import ast
 import json
+import re
 from pathlib import Path
 
 import pytest
@@ -12,6 +13,8 @@ import torch
 
 from specdec.bench.workloads import BUILTIN
 from specdec.errors import ConfigError
+from specdec.text import encode_prompt
+from specdec.train import prompts as pr
 from specdec.train.data import DataConfig, Shard, generate, load_shards, plan
 from specdec.train.prompts import chat_prompts, code_prompts
 from tests.tiny import make_tiny
@@ -191,3 +194,197 @@ def test_a_shard_deleted_in_the_middle_is_generated_again(tiny_target, tmp_path:
     assert seen[0] == 0  # nothing before the gap
     assert sorted(p.name for p in out.glob("shard-*.pt")) == [f"shard-{i:05d}.pt" for i in range(3)]
     assert len(load_shards(out).tokens) == 6
+
+
+def _greedy(model, prompt: list[int], n: int) -> list[int]:
+    cache = model.new_cache(len(prompt) + n + 1)
+    logits = model.forward(torch.tensor(prompt), cache, last_only=True)
+    seq = list(prompt)
+    for _ in range(n):
+        seq.append(int(logits[0].argmax()))
+        logits = model.forward(torch.tensor(seq[-1:]), cache)
+    return seq
+
+
+def test_code_prompts_are_planned_without_the_chat_template(tiny_target) -> None:
+    """Code completions are raw text (chat=False), chat instructions go through the chat template."""
+    tok = tiny_target.tokenizer
+    items = plan(DataConfig(sequences=10, chat_share=0.5), tok)
+    code = {tuple(encode_prompt(tok, c, chat=False)) for c in pr.code_prompts(5, seed=0)}
+    chat = {tuple(encode_prompt(tok, c, chat=True)) for c in pr.chat_prompts(5, seed=0)}
+    for ids, kind, _, _ in items:
+        assert tuple(ids) in (code if kind == "code" else chat), kind
+
+
+def test_the_plan_interleaves_chat_and_code(tiny_target) -> None:
+    """The sequences come shuffled (seeded), not all chats first: a partial run or the held-out
+    split sees both kinds."""
+    tok = tiny_target.tokenizer
+    kinds = [k for _, k, _, _ in plan(DataConfig(sequences=20, chat_share=0.5), tok)]
+    assert kinds.count("chat") == 10 and kinds != sorted(kinds) and kinds != sorted(kinds, reverse=True)
+    assert kinds != [k for _, k, _, _ in plan(DataConfig(sequences=20, chat_share=0.5, seed=1), tok)]
+
+
+def test_a_finished_folder_reports_its_sequence_count(tiny_target, tmp_path: Path) -> None:
+    """5 sequences in shards of 2: a rerun reports 5 done, not the 6 that three full shards would hold."""
+    cfg = DataConfig(sequences=5, batch=3, shard_size=2, max_new_chat=2, max_new_code=2, features=False)
+    out = tmp_path / "data"
+    assert generate(cfg, tiny_target.model, tiny_target.tokenizer, frozenset(), out) == 5
+    seen: list[int] = []
+    assert generate(cfg, tiny_target.model, tiny_target.tokenizer, frozenset(), out, progress=seen.append) == 5
+    assert seen == [5]
+
+
+def _one_prompt(tmp_path: Path) -> str:
+    path = tmp_path / "one.jsonl"
+    path.write_text(json.dumps({"prompt": "Tell me about rivers.", "chat": True}) + "\n")
+    return str(path)
+
+
+def test_sampling_follows_the_seed_and_repeats_with_it(tiny_target, tmp_path: Path) -> None:
+    """T = 1 replies to one prompt: the same seed writes the same tokens (the sampler's generator is
+    seeded, not torch's global one), another seed other tokens (2 sequences x 4 tokens each)."""
+    lm = tiny_target
+
+    def run(seed: int, name: str) -> list[list[int]]:
+        cfg = DataConfig(sequences=2, batch=2, shard_size=2, max_new_chat=4, temperatures=(1.0,), features=False,
+                         prompt_file=_one_prompt(tmp_path), seed=seed)
+        generate(cfg, lm.model, lm.tokenizer, frozenset(), tmp_path / name)
+        return [t.tolist() for t in load_shards(tmp_path / name).tokens]
+
+    a = run(0, "a")
+    torch.manual_seed(123)  # the global generator moves between the runs
+    assert run(0, "b") == a
+    assert run(1, "c") != a
+
+
+def test_a_low_temperature_samples_the_greedy_reply(tiny_target, tmp_path: Path) -> None:
+    """The temperature divides the logits: at T = 1e-4 sampling is (in practice) the arg-max, where
+    T = 1 over a 49k vocabulary is not (2 sequences x 6 tokens)."""
+    lm = tiny_target
+    cfg = DataConfig(sequences=2, batch=2, shard_size=2, max_new_chat=6, max_new_code=6, temperatures=(1e-4,),
+                     features=False)
+    generate(cfg, lm.model, lm.tokenizer, frozenset(), tmp_path / "d")
+    data = load_shards(tmp_path / "d")
+    for ids, n0 in zip(data.tokens, data.prompt_len):
+        assert ids.tolist() == _greedy(lm.model, ids[:n0].tolist(), 6)
+
+
+def test_a_sequence_ends_at_an_end_of_sequence_token(tiny_target, tmp_path: Path) -> None:
+    """With its first greedy reply token made an EOS, each sequence stops right after the first
+    EOS it produces (and is the greedy reply up to there)."""
+    lm = tiny_target
+    cfg = DataConfig(sequences=4, batch=2, shard_size=4, max_new_chat=6, max_new_code=6, temperatures=(0.0,),
+                     features=False)
+    generate(cfg, lm.model, lm.tokenizer, frozenset(), tmp_path / "free")
+    free = load_shards(tmp_path / "free")
+    eos = int(free.tokens[0][free.prompt_len[0]])
+    generate(cfg, lm.model, lm.tokenizer, frozenset({eos}), tmp_path / "eos")
+    stopped = load_shards(tmp_path / "eos")
+    assert stopped.tokens[0].numel() == stopped.prompt_len[0] + 1
+    for a, b, n0 in zip(free.tokens, stopped.tokens, stopped.prompt_len):
+        reply = b[n0:].tolist()
+        assert b.tolist() == a[: b.numel()].tolist()
+        assert eos not in reply[:-1] and (reply[-1] == eos or len(reply) == 6)
+
+
+class _Spy:
+    """The model, counting prompt passes (``forward``) and raising after ``stop_after`` finished sequences."""
+
+    def __init__(self, model) -> None:
+        self.model, self.prompts = model, 0
+
+    def forward(self, *args, **kwargs):
+        self.prompts += 1
+        return self.model.forward(*args, **kwargs)
+
+    def __getattr__(self, name):
+        return getattr(self.model, name)
+
+
+def test_a_resume_decodes_only_the_missing_sequences(tiny_target, tmp_path: Path) -> None:
+    """Shard 1 of 2 lost: the rerun prefills 2 prompts, not 4, and counts 2 + 2 in its progress."""
+    lm = tiny_target
+    out = tmp_path / "data"
+    cfg = DataConfig(sequences=4, batch=2, shard_size=2, max_new_chat=3, max_new_code=3, features=False)
+    generate(cfg, lm.model, lm.tokenizer, frozenset(), out)
+    (out / "shard-00001.pt").unlink()
+    spy, seen = _Spy(lm.model), []
+    assert generate(cfg, spy, lm.tokenizer, frozenset(), out, progress=seen.append) == 4
+    assert spy.prompts == 2 and seen == [2, 1, 1]
+
+
+def test_shards_are_written_as_they_fill(tiny_target, tmp_path: Path) -> None:
+    """Sequences are started in plan order, so a run stopped after 4 of 6 sequences (batch 2) has
+    the first shard on disk already, and the rerun finishes from there."""
+    lm = tiny_target
+    out = tmp_path / "data"
+    cfg = DataConfig(sequences=6, batch=2, shard_size=2, max_new_chat=3, max_new_code=3, features=False)
+    done = []
+
+    def stop_at_four(n: int) -> None:
+        done.append(n)
+        if len(done) == 5:  # the first call reports what was on disk (0), then one per finished sequence
+            raise KeyboardInterrupt
+
+    with pytest.raises(KeyboardInterrupt):
+        generate(cfg, lm.model, lm.tokenizer, frozenset(), out, progress=stop_at_four)
+    assert (out / "shard-00000.pt").is_file()
+    assert generate(cfg, lm.model, lm.tokenizer, frozenset(), out) == 6 and len(load_shards(out).tokens) == 6
+
+
+def test_features_are_stored_as_float16(tiny_target, tmp_path: Path) -> None:
+    """A position's features are float16 on disk (half the size of float32)."""
+    lm = tiny_target
+    cfg = DataConfig(sequences=1, batch=1, shard_size=1, max_new_chat=2, max_new_code=2, taps=(1,))
+    generate(cfg, lm.model, lm.tokenizer, frozenset(), tmp_path / "d")
+    assert load_shards(tmp_path / "d").feats[0].dtype == torch.float16
+
+
+def test_a_folder_from_before_the_sampler_setting_resumes(tiny_target, tmp_path: Path) -> None:
+    """Older folders' config.json lacks ``sampler`` (they were all target-sampled): they resume."""
+    lm = tiny_target
+    out = tmp_path / "data"
+    cfg = DataConfig(sequences=4, batch=2, shard_size=2, max_new_chat=2, max_new_code=2, features=False)
+    generate(cfg, lm.model, lm.tokenizer, frozenset(), out)
+    old = json.loads((out / "config.json").read_text())
+    del old["sampler"]
+    (out / "config.json").write_text(json.dumps(old))
+    (out / "shard-00001.pt").unlink()
+    assert generate(cfg, lm.model, lm.tokenizer, frozenset(), out) == 4
+    with pytest.raises(ConfigError, match="sampler"):  # but a draft-sampled run does not resume it
+        generate(DataConfig(**{**cfg.__dict__, "sampler": "draft"}), lm.model, lm.tokenizer, frozenset(), out)
+
+
+def test_a_folder_without_shards_starts_over_with_new_settings(tiny_target, tmp_path: Path) -> None:
+    """A run stopped before its first shard left only config.json: nothing to protect, so a rerun
+    with other settings goes ahead (and records them)."""
+    lm = tiny_target
+    out = tmp_path / "data"
+    out.mkdir()
+    old = DataConfig(sequences=2, max_new_chat=9, features=False)
+    (out / "config.json").write_text(json.dumps(json.loads(json.dumps(old.__dict__))))
+    cfg = DataConfig(sequences=2, batch=2, shard_size=2, max_new_chat=2, max_new_code=2, features=False)
+    assert generate(cfg, lm.model, lm.tokenizer, frozenset(), out) == 2
+    assert json.loads((out / "config.json").read_text())["max_new_chat"] == 2
+
+
+def test_chat_prompts_leave_out_the_benchmarks_even_when_the_tables_would_make_them(monkeypatch) -> None:
+    """The filters work on whatever the tables produce: a benchmark prompt spelled out exactly, or a
+    benchmark topic word inside a prompt, never reaches the training data."""
+    monkeypatch.setattr(pr, "_TASKS", ("{t}", "Write about {t}."))
+    monkeypatch.setattr(pr, "_TOPICS", ("What are the main strengths of Python compared with C?", "lighthouses", "owls"))
+    got = pr.chat_prompts(10)
+    assert sorted(got) == ["Write about What are the main strengths of Python compared with C?.", "Write about owls.", "owls"]
+
+
+def test_code_prompts_leave_out_the_benchmarks_function_names(tmp_path: Path) -> None:
+    names = set()
+    for p in BUILTIN:
+        if p.category == "code":
+            names |= set(re.findall(r"^def (\w+)", p.text, re.M))
+    assert {"read_rows", "retry"} <= names
+    body = '    """{} the thing given, with a docstring long enough to be a prompt."""\n    return None\n\n\n'
+    (tmp_path / "lib.py").write_text("".join(f"def {n}(x):\n" + body.format(n) for n in sorted(names) + ["keep_me"]))
+    got = code_prompts(20, root=tmp_path)
+    assert [ast.parse(t + "    pass\n").body[-1].name for t in got] == ["keep_me"]

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import copy
 import json
+import math
 import shutil
 from pathlib import Path
 
@@ -266,3 +267,147 @@ def test_labels_of_other_settings_are_made_again_not_reused(setup, capsys) -> No
     assert cli.main([*_base(root, draft_dir, out), "--top-k", "4", "--steps", "1"]) == 0
     saved = torch.load(out / "labels.pt", weights_only=False)
     assert saved["key"]["top_k"] == 4 and all(x.top_p.shape[-1] == 4 for x in saved["labels"])
+
+
+@pytest.fixture(scope="module")
+def student_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    return make_tiny(tmp_path_factory.mktemp("student"), seed=1, max_positions=128)
+
+
+def _student(folder: Path):
+    return AutoModelForCausalLM.from_pretrained(str(folder), dtype=torch.float32)
+
+
+def _labels(n: int = 6, k: int = 4, seed: int = 0) -> list[ds.Labels]:
+    g = torch.Generator().manual_seed(seed)
+    out = []
+    for i in range(n):
+        length, start = 8 + (i % 3) * 3, 2 + i % 2  # different lengths: the batch is right-padded
+        rows = length - 1 - start
+        tokens = torch.randint(0, 500, (length,), generator=g)
+        p = torch.softmax(torch.randn(rows, k, generator=g) * 2, -1).sort(-1, descending=True).values * 0.9
+        idx = torch.stack([torch.randperm(500, generator=g)[:k] for _ in range(rows)])
+        out.append(ds.Labels(tokens, start, p, idx, "chat" if i % 2 else "code"))
+    return out
+
+
+def test_the_losses_are_forward_kl_and_tvd_on_the_renormalised_top_k() -> None:
+    """KL(p || q) with p renormalised to its top-k support (not KL(q || p), not unnormalised p), and
+    TVD = 1 - sum min(p, q) with q's own probabilities (its mass outside the support counts against it)."""
+    logq = torch.log_softmax(torch.tensor([[2.0, 1.0, 0.5, -1.0, 0.0], [0.0, 0.1, 0.2, 0.3, 3.0]]), -1)
+    p = torch.tensor([[0.3, 0.2, 0.1], [0.5, 0.25, 0.05]])  # 60% and 80% of the mass: renormalised
+    idx = torch.tensor([[0, 1, 2], [4, 3, 2]])
+    pn = p / p.sum(-1, keepdim=True)
+    lq = logq.gather(1, idx)
+    kl = (pn * (pn.log() - lq)).sum(-1).mean()
+    tvd = (1 - torch.minimum(pn, lq.exp()).sum(-1)).mean()
+    torch.testing.assert_close(ds.loss_of(logq, p, idx, "kl"), kl)
+    torch.testing.assert_close(ds.loss_of(logq, p, idx, "tvd"), tvd)
+    # q equal to the renormalised p on the support: KL 0, TVD 0
+    same = torch.full((1, 5), -30.0)
+    same[0, :3] = pn[0].log()
+    assert float(ds.loss_of(same, p[:1], idx[:1], "kl")) == pytest.approx(0.0, abs=1e-5)
+    assert float(ds.loss_of(same, p[:1], idx[:1], "tvd")) == pytest.approx(0.0, abs=1e-5)
+    with pytest.raises(ValueError, match="unknown loss"):
+        ds.loss_of(logq, p, idx, "js")
+
+
+def test_the_draft_is_read_where_it_predicts_each_reply_token(student_dir) -> None:
+    """Row r of a sequence is the draft's law after tokens[: start + r + 1], as the sequence alone
+    (no padding) gives it: the batch's padding changes nothing."""
+    student = _student(student_dir).eval()
+    items = _labels(3)
+    rows = ds._all_rows(items)
+    with torch.no_grad():
+        got = ds.draft_log_probs(student, items, rows)
+        alone = [torch.log_softmax(student(x.tokens[None]).logits[0].float(), -1) for x in items]
+        for (b, r), row in zip(rows.tolist(), got):
+            want = alone[b][items[b].start + r]
+            torch.testing.assert_close(row, want, atol=1e-4, rtol=1e-4)
+
+
+def test_a_step_samples_exactly_positions_distinct_rows() -> None:
+    items = _labels(4)
+    total = sum(x.top_p.shape[0] for x in items)
+    g = torch.Generator().manual_seed(0)
+    rows = ds._rows(items, 10, g)
+    assert rows.shape == (10, 2) and len({tuple(r) for r in rows.tolist()}) == 10
+    assert ds._rows(items, 10 * total, g).shape == (total, 2)  # fewer rows than asked: all of them
+
+
+def _train(folder: Path, cfg: ds.DistillConfig, **kw):
+    student = _student(folder)
+    losses = ds.train(student, _labels(), cfg, **kw)
+    return student, losses
+
+
+def test_the_seed_decides_the_training_run(student_dir) -> None:
+    cfg = ds.DistillConfig(steps=1, batch=2, positions=4, lr=1e-3, warmup=1, top_k=4)
+    a, _ = _train(student_dir, cfg)
+    b, _ = _train(student_dir, cfg)
+    c, _ = _train(student_dir, ds.DistillConfig(**{**cfg.__dict__, "seed": 1}))
+    wa, wb, wc = (m.model.layers[0].mlp.up_proj.weight for m in (a, b, c))
+    assert torch.equal(wa, wb) and not torch.equal(wa, wc)
+
+
+def test_each_step_uses_the_warmup_cosine_rate(student_dir) -> None:
+    """Step s (0-based) trains at lr * min(1, (s+1)/warmup) * (1 + cos(pi s / steps)) / 2: the first
+    step already learns, the rate is the one for the step being taken."""
+    cfg = ds.DistillConfig(steps=5, batch=2, positions=4, lr=1e-2, warmup=2, top_k=4)
+    rates = {}
+    _train(student_dir, cfg, on_step=lambda step, loss, st: rates.update({step: st["optim"]["param_groups"][0]["lr"]}))
+    for step, lr in rates.items():
+        s = step - 1
+        assert lr == pytest.approx(1e-2 * min(1.0, (s + 1) / 2) * 0.5 * (1 + math.cos(math.pi * s / 5))), step
+
+
+def test_gradients_are_clipped_to_norm_one_every_step(student_dir, monkeypatch) -> None:
+    calls = []
+    real = torch.nn.utils.clip_grad_norm_
+
+    def spy(params, max_norm, *a, **k):
+        calls.append(max_norm)
+        return real(params, max_norm, *a, **k)
+
+    monkeypatch.setattr(torch.nn.utils, "clip_grad_norm_", spy)
+    _train(student_dir, ds.DistillConfig(steps=3, batch=2, positions=4, lr=1e-3, warmup=1, top_k=4))
+    assert calls == [1.0, 1.0, 1.0]
+
+
+def test_training_ends_in_eval_mode_and_evaluation_keeps_the_mode(student_dir) -> None:
+    student, _ = _train(student_dir, ds.DistillConfig(steps=1, batch=2, positions=4, top_k=4))
+    assert not student.training
+    student.train()
+    ds.held_out_acceptance(student, _labels(2))
+    assert student.training
+    student.eval()
+    ds.held_out_acceptance(student, _labels(2))
+    assert not student.training
+
+
+def test_held_out_acceptance_is_greedy_agreement_and_sum_min(student_dir) -> None:
+    """greedy: arg-max q equals the target's top-1; t1_lower: sum over the target's top-k of
+    min(p, q), q the draft's full-vocabulary probability; per kind and for all."""
+    student = _student(student_dir).eval()
+    items = _labels(4)
+    with torch.no_grad():
+        logq = ds.draft_log_probs(student, items, ds._all_rows(items))
+    # make the target's top-1 the draft's arg-max on the first row of each sequence: greedy is not 0
+    rows = ds._all_rows(items).tolist()
+    for (b, r), lq in zip(rows, logq):
+        if r == 0:
+            items[b].top_i[0, 0] = int(lq.argmax())
+    sums: dict[str, list[float]] = {}
+    for (b, r), lq in zip(rows, logq):
+        x = items[b]
+        g = float(int(lq.argmax()) == int(x.top_i[r, 0]))
+        t = float(sum(min(float(x.top_p[r, j]), math.exp(float(lq[x.top_i[r, j]]))) for j in range(x.top_i.shape[1])))
+        for key in (x.kind, "all"):
+            s = sums.setdefault(key, [0.0, 0.0, 0])
+            s[0], s[1], s[2] = s[0] + g, s[1] + t, s[2] + 1
+    got = ds.held_out_acceptance(student, items, batch=3)
+    assert set(got) == {"chat", "code", "all"}
+    for key, (g, t, n) in sums.items():
+        assert got[key]["positions"] == n
+        assert got[key]["greedy"] == pytest.approx(g / n, abs=1e-4) and got[key]["greedy"] > 0
+        assert got[key]["t1_lower"] == pytest.approx(t / n, abs=1e-4)

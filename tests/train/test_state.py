@@ -7,6 +7,7 @@ import signal
 from pathlib import Path
 
 import pytest
+import torch
 
 from specdec.errors import ConfigError, Terminated
 from specdec.train.state import BetweenSteps, check_resume, load, load_json, save, write_text
@@ -99,3 +100,49 @@ def test_check_resume_compares_the_runs_key_too(tmp_path: Path) -> None:
     check_resume(path, {"key": {"target": "a", "layers": 2}}, {"key": {"target": "a", "layers": 2}})
     with pytest.raises(ConfigError, match="was saved by a run with key = "):
         check_resume(path, {"key": {"target": "a", "layers": 2}}, {"key": {"target": "a", "layers": 3}})
+
+
+def test_load_reads_back_the_objects_a_command_saves(tmp_path: Path) -> None:
+    """Checkpoints and label caches hold more than tensors (distill's Labels, a generator state):
+    load gives them back as saved, not a weights-only refusal."""
+    from specdec.train.distill import Labels
+
+    x = Labels(torch.arange(5), 1, torch.rand(3, 2), torch.zeros(3, 2, dtype=torch.long), "chat")
+    path = tmp_path / "labels.pt"
+    save({"labels": [x], "gen": torch.Generator().manual_seed(3).get_state(), "note": Path("a")}, path)
+    back = load(path)
+    assert isinstance(back["labels"][0], Labels) and back["labels"][0].kind == "chat"
+    assert torch.equal(back["labels"][0].top_p, x.top_p) and back["note"] == Path("a")
+
+
+def test_a_cut_short_torch_file_is_a_one_line_error(tmp_path: Path) -> None:
+    """A checkpoint cut short by a crash fails inside torch (not with an OSError): still a ConfigError naming it."""
+    path = tmp_path / "ckpt.pt"
+    save({"step": 3, "w": torch.zeros(100)}, path)
+    path.write_bytes(path.read_bytes()[:100])
+    with pytest.raises(ConfigError) as exc:
+        load(path)
+    assert str(path) in str(exc.value) and "delete it to redo that part" in str(exc.value)
+
+
+@pytest.mark.parametrize("content", [b'{"step": ', b"\xff\xfe not text"])
+def test_a_damaged_json_state_is_a_one_line_error(tmp_path: Path, content: bytes) -> None:
+    """Cut-short JSON (JSONDecodeError) or bytes that are not UTF-8 (UnicodeDecodeError): a ConfigError naming the file."""
+    path = tmp_path / "run.json"
+    path.write_bytes(content)
+    with pytest.raises(ConfigError) as exc:
+        load_json(path)
+    assert str(path) in str(exc.value) and "cannot be read" in str(exc.value)
+
+
+def test_an_error_in_the_step_is_not_replaced_by_a_pending_signal() -> None:
+    """A step that fails while a Ctrl-C waits raises its own error: the held-back signal must not
+    mask it with a KeyboardInterrupt on the way out."""
+    caught: BaseException | None = None
+    try:
+        with BetweenSteps():
+            os.kill(os.getpid(), signal.SIGINT)  # noted
+            raise ValueError("the step failed")
+    except BaseException as exc:  # noqa: BLE001 - which one arrives is the point
+        caught = exc
+    assert isinstance(caught, ValueError), repr(caught)
