@@ -507,3 +507,22 @@ def test_held_out_scores_of_the_target_itself_are_one() -> None:
     full = LayerView(MODEL, LayerPlan.skipping(MODEL.cfg.n_layers, set(), set()))
     rep = kt.held_out_acceptance(MODEL, {"full": full}, _data()[:3])
     assert rep["full"] == {"alpha_t0": 1.0, "alpha_t1": 1.0}
+
+
+def test_every_step_clips_the_adapters_gradients_to_norm_one(monkeypatch) -> None:
+    """Each optimiser step first clips the gradient of all the adapter's parameters (and only
+    those: the target stays frozen) to a total norm of 1."""
+    adapter = kt.new_adapter(MODEL, 2, seed=1)
+    calls = []
+    real = torch.nn.utils.clip_grad_norm_
+
+    def spy(params, max_norm, *a, **k):
+        params = list(params)
+        calls.append((max_norm, {id(p) for p in params}))
+        real(params, max_norm, *a, **k)
+        assert torch.linalg.vector_norm(torch.stack([p.grad.norm() for p in params])) <= max_norm + 1e-5
+
+    monkeypatch.setattr(torch.nn.utils, "clip_grad_norm_", spy)
+    kt.train(adapter, _data(), kt.head_weight(MODEL), kt.TrainConfig(steps=3, batch=2, positions=8, warmup=1))
+    mine = {id(p) for p in adapter.parameters()}
+    assert [(n, ids == mine) for n, ids in calls] == [(1.0, True)] * 3
