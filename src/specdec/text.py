@@ -130,7 +130,9 @@ class StopStrings:
         text = self.tokenizer.decode(tokens, skip_special_tokens=self.skip)
         longest = max(len(s) for s in self.stops)
         window_start = max(self._floor, self._checked_chars - longest)
-        self._checked_chars = len(text)
+        # a half-arrived character may decode as several U+FFFDs (one per byte with byte fallback)
+        # that become one character later: the next search starts before them
+        self._checked_chars = len(text.rstrip("\ufffd"))
         if not any(s in text[window_start:] for s in self.stops):
             return None
         # shortest token prefix whose text (after the floor) contains a stop string
