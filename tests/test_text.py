@@ -2,13 +2,14 @@
 
 import json
 
+import numpy as np
 import pytest
 from transformers import AutoTokenizer
 
 from specdec.errors import ConfigError
 from specdec.models.registry import DATA_DIR
-from specdec.text import (StopStrings, TextSink, TextStream, encode_prompt, logprob_rows, output_stop, prompt_ids, stop_cut,
-                          trim_at_stop)
+from specdec.text import (StopStrings, TextSink, TextStream, encode_messages, encode_prompt, logprob_rows, output_stop, prompt_ids,
+                          stop_cut, trim_at_stop)
 
 
 @pytest.fixture(scope="module")
@@ -407,3 +408,248 @@ def test_a_tokenizer_that_cleans_up_spaces_is_streamed_by_full_decodes(tok):
     for t in ids:
         stream.push([t])
     assert stream.text == want
+
+
+def test_a_conversation_with_one_empty_user_turn_among_others_is_not_empty(tok):
+    """"the prompt is empty" only where every user turn is blank: one blank turn in a longer
+    conversation is rendered like the rest."""
+    messages = [{"role": "user", "content": " "}, {"role": "assistant", "content": "ok"}, {"role": "user", "content": "hi"}]
+    assert "hi" in tok.decode(encode_messages(tok, messages))
+
+
+def test_token_ids_must_lie_inside_the_vocabulary_at_both_ends():
+    """The vocabulary is [0, vocab_size): vocab_size itself and -1 are refused, 0 and vocab_size - 1 kept."""
+    assert prompt_ids([0, 9], 10) == [0, 9]
+    for bad in ([10], [-1]):
+        with pytest.raises(ConfigError, match=r"outside the vocabulary \[0, 10\)"):
+            prompt_ids(bad, 10)
+
+
+def test_bytes_are_not_read_as_token_ids():
+    """``b"hi"`` iterates as ints (104, 105); it must be refused, not read as ids."""
+    for bad in (b"\x01\x02", bytearray(b"\x01")):
+        with pytest.raises(ConfigError, match="must be text or a list of token ids"):
+            prompt_ids(bad, 1000)
+
+
+def test_numpy_integer_ids_are_ids_and_come_back_as_python_ints():
+    """Any integral id (numpy's too) is accepted, and the list holds plain ints."""
+    ids = prompt_ids([np.int64(3), np.int32(4)], 10)
+    assert ids == [3, 4] and all(type(t) is int for t in ids)
+    assert prompt_ids(np.array([1, 2]), 10) == [1, 2]
+
+
+class _ByteFallback:
+    """A SentencePiece-style tokenizer (Llama 2's, Gemma's kind) with no vocabulary beyond "b":
+    every other character is spelled as ``<0xNN>`` byte tokens, and an incomplete character decodes
+    as one U+FFFD per byte (the ByteFallback decoder), so the text *shrinks* once it completes."""
+
+    def __init__(self):
+        from tokenizers import Tokenizer, decoders, models, normalizers
+
+        vocab = {"<unk>": 0, "b": 2, **{f"<0x{b:02X}>": 3 + b for b in range(256)}, "\u2581": 259}
+        self._tokenizer = Tokenizer(models.BPE(vocab, [], unk_token="<unk>", byte_fallback=True))
+        self._tokenizer.normalizer = normalizers.Sequence([normalizers.Prepend("\u2581"), normalizers.Replace(" ", "\u2581")])
+        self._tokenizer.decoder = decoders.Sequence([decoders.Replace("\u2581", " "), decoders.ByteFallback(), decoders.Fuse()])
+
+    def encode(self, text):
+        return self._tokenizer.encode(text).ids
+
+    def decode(self, ids, skip_special_tokens=True):
+        return self._tokenizer.decode(list(ids), skip_special_tokens=skip_special_tokens)
+
+
+def test_a_stop_string_straddling_a_completed_byte_fallback_character_is_found_in_that_round():
+    """The stop check looks again at the last ``len(stop)`` characters already checked: a stop
+    string that starts with a character whose bytes only now complete (the text was "...���", 3
+    U+FFFDs, and is now "...😀 a") is found in the round that completes it."""
+    bf = _ByteFallback()
+    ids = bf.encode("ab 😀 ab")
+    assert bf.decode(ids[:7]) == " ab \ufffd\ufffd\ufffd" and bf.decode(ids[:10]) == " ab 😀 a"  # the premise
+    stop = StopStrings(bf, ("😀 a",))
+    assert stop(ids[:7]) is None
+    assert stop(ids[:10]) == 10
+
+
+def test_an_empty_stop_string_never_stops_the_decoder(tok):
+    """StopStrings ignores ``""`` (which every text contains), as TextSink does; with a real stop
+    beside it, only the real one counts."""
+    ids = tok.encode("alpha beta gamma", add_special_tokens=False)
+    assert all(StopStrings(tok, ("",))(ids[:i]) is None for i in range(1, len(ids) + 1))
+    assert StopStrings(tok, ("", "gamma"))(ids) == len(ids)
+
+
+def test_a_stop_token_stays_in_the_streams_ids(tok):
+    """A hidden stop token (vLLM's stop_token_ids) leaves the text but not the ids: the engine reads
+    a span's token ids from ``sink.stream.tokens``, so they line up with the spans' indices."""
+    ids = tok.encode("alpha beta gamma", add_special_tokens=False)
+    spans = []
+    sink = TextSink(tok, (), None, lambda text, a, b: spans.append((a, b)), hidden=frozenset({ids[-1]}))
+    for t in ids:
+        sink.push([t])
+    sink.finish(ids)
+    assert sink.stream.tokens == ids and spans[-1][1] == len(ids)
+
+
+def _push_each(sink, ids):
+    for t in ids:
+        sink.push([t])
+
+
+def test_with_include_stop_the_stop_string_is_streamed_when_found_not_only_at_finish(tok):
+    """``keep_stop``: once a push brings the stop string, the text through it is out already
+    (what is streamed before ``finish`` is the final text, not the text before the stop)."""
+    ids = tok.encode("Hello there, general. END of the story", add_special_tokens=False)
+    keep = StopStrings(tok, ("END",))(ids)
+    shown: list[str] = []
+    sink = TextSink(tok, ("END",), shown.append, keep_stop=True)
+    _push_each(sink, ids[:keep])
+    assert "".join(shown) == "Hello there, general. END"
+    assert sink.finish(ids[:keep]) == "Hello there, general. END" == "".join(shown)
+
+
+def test_a_stop_string_inside_the_min_tokens_text_does_not_hold_the_stream(tok):
+    """With ``min_tokens`` a stop string in the first tokens' text does not count while streaming
+    either: the text up to the real stop is out before ``finish``."""
+    ids = tok.encode("one. two three. four", add_special_tokens=False)
+    assert tok.decode(ids[:2]) == "one."  # the premise
+    keep = StopStrings(tok, (".",), min_tokens=2)(ids)
+    shown: list[str] = []
+    sink = TextSink(tok, (".",), shown.append, min_tokens=2)
+    _push_each(sink, ids[:keep])
+    assert "".join(shown) == "one. two three"
+
+
+def test_text_before_min_tokens_is_streamed_at_once(tok):
+    """Nothing in the first ``min_tokens`` tokens' text can be cut, so it is streamed as it comes,
+    however long a stop string is held back for."""
+    ids = tok.encode("alpha beta gamma delta", add_special_tokens=False)
+    long_stop = ("z" * 40,)
+    shown: list[str] = []
+    sink = TextSink(tok, long_stop, shown.append, min_tokens=len(ids))
+    sink.push(ids[:2])
+    assert "".join(shown) == tok.decode(ids[:2])
+    shown.clear()
+    sink = TextSink(tok, long_stop, shown.append, min_tokens=len(ids) - 1)
+    sink.push(ids)  # one round crosses the floor: the text up to it is out
+    assert "".join(shown) == tok.decode(ids[:-1])
+
+
+def test_finish_hands_over_no_empty_span_once_everything_is_out(tok):
+    """Where every token and its text is out before ``finish`` (no stop strings), ``finish`` has
+    nothing to hand over: no extra span with no text and no tokens (an empty streamed piece)."""
+    ids = tok.encode("alpha beta gamma", add_special_tokens=False)
+    spans = []
+    sink = TextSink(tok, (), None, lambda text, a, b: spans.append((text, a, b)))
+    _push_each(sink, ids)
+    before = list(spans)
+    assert sink.finish(ids) == "alpha beta gamma"
+    assert spans == before and all(text or b > a for text, a, b in spans)
+
+
+def test_stop_strings_starting_at_the_same_place_cut_the_same_whatever_their_order():
+    """Two stop strings found at the same index: with ``keep`` the text ends after the shorter one
+    (the decoder's shortest prefix holds it first), whichever order they were given in."""
+    for stops in (("STOP", "ST"), ("ST", "STOP")):
+        assert stop_cut("abc STOP def", stops, keep=True) == len("abc ST"), stops
+        assert stop_cut("abc STOP def", stops) == len("abc "), stops
+
+
+def test_output_sink_applies_min_tokens_and_stop_token_ids(tok):
+    """The sink built from sampling options honours ``min_tokens`` (a stop inside the first
+    tokens' text does not cut) and ``stop_token_ids`` (such a token's text is left out)."""
+    from specdec.sampling import SamplingConfig
+    from specdec.text import output_sink
+
+    ids = tok.encode("one. two three. four", add_special_tokens=False)
+    assert tok.decode(ids[:2]) == "one."  # the premise
+    sink = output_sink(tok, SamplingConfig(stop=(".",), min_tokens=2))
+    sink.push(ids)
+    assert sink.finish(ids) == "one. two three"
+    words = tok.encode("alpha beta gamma", add_special_tokens=False)
+    sink = output_sink(tok, SamplingConfig(stop_token_ids=(words[-1],)))
+    sink.push(words)
+    assert sink.finish(words) == tok.decode(words[:-1])
+
+
+def test_a_template_error_is_reported_by_its_first_line():
+    """A template's multi-line error becomes a one-line ConfigError holding its first line (the
+    message itself, not a trailing detail)."""
+    from specdec.models.registry import load_tokenizer
+    from specdec.tokenizer import set_chat_template
+
+    tokenizer = load_tokenizer(DATA_DIR / "smollm2-135m-draft")
+    set_chat_template(tokenizer, "{{ raise_exception('no system role\\nsee the model card') }}")
+    with pytest.raises(ConfigError, match=r"^the chat template rejected the conversation: no system role$"):
+        encode_messages(tokenizer, [{"role": "user", "content": "hi"}])
+
+
+def test_an_empty_stop_string_cuts_nothing():
+    """``stop_cut`` / ``trim_at_stop`` ignore ``""`` (found everywhere) beside real stop strings."""
+    assert stop_cut("abc", ("",)) is None
+    assert stop_cut("abc", ("", "b")) == 1
+
+
+def test_a_first_check_over_many_tokens_looks_at_all_their_text(tok):
+    """The first call (nothing checked yet) searches the whole text, not only its tail."""
+    ids = tok.encode("Hello there, general. END of the story", add_special_tokens=False)
+    assert StopStrings(tok, ("Hello",))(ids) == 1
+
+
+def test_a_stop_token_at_the_end_of_a_many_token_round_is_not_streamed(tok):
+    """A round of several tokens ending in a hidden stop token: its text is not streamed either."""
+    ids = tok.encode("alpha beta gamma", add_special_tokens=False)
+    shown: list[str] = []
+    sink = TextSink(tok, (), shown.append, hidden=frozenset({ids[-1]}))
+    sink.push(ids)
+    assert "".join(shown) == tok.decode(ids[:-1])
+    assert sink.finish(ids) == tok.decode(ids[:-1]) == "".join(shown)
+
+
+def test_stop_when_sees_each_tokens_text_once(tok):
+    """StopWhen decodes only the new tokens of each call: the text it tests is the output's text,
+    never the earlier text repeated (a test it can never pass must never stop it)."""
+    from specdec.text import StopWhen
+
+    ids = tok.encode("alpha beta gamma delta", add_special_tokens=False)
+    stop = StopWhen(tok, lambda text: text.count("alpha") >= 2)
+    assert all(stop(ids[:i]) is None for i in range(1, len(ids) + 1))
+    assert stop.stream.text == "alpha beta gamma delta"
+
+
+def test_a_token_holding_half_a_character_is_handed_over_only_with_its_text(tok):
+    """Emoji and CJK characters take several byte-level tokens: a span never ends inside such a
+    character (the tokens it hands over decode to whole characters)."""
+    ids = tok.encode("ok 😀 你好世界 done", add_special_tokens=False)
+    assert any("\ufffd" in tok.decode(ids[:i]) for i in range(1, len(ids)))  # the premise
+    for size in (1, 2, 3):  # rounds of one, two, three tokens
+        spans = []
+        sink = TextSink(tok, (), None, lambda text, a, b: spans.append((text, a, b)))
+        for i in range(0, len(ids), size):
+            sink.push(ids[i : i + size])
+        assert sink.finish(ids) == "ok 😀 你好世界 done"
+        assert all("\ufffd" not in tok.decode(ids[:b]) for _, _, b in spans), (size, spans)
+        assert [i for _, a, b in spans for i in range(a, b)] == list(range(len(ids)))
+
+
+def test_a_stop_string_ending_in_a_byte_fallback_character_is_found_in_the_round_that_completes_it():
+    """With a byte-fallback tokenizer (Llama 2, Gemma) a half-arrived character decodes as one
+    U+FFFD per byte, so the text gets shorter once the character completes ("ab ���" -> "ab 😀").
+    StopStrings starts its next search ``len(stop)`` characters before the *old* (longer) length,
+    past the completed character, and misses a stop string that ends in it: here "😀" arrives in
+    a round that also brings " ab"; the check answers None instead of 8 (the shortest prefix
+    holding "😀").  If that round is the generation's last (max tokens), the stop is never seen."""
+    bf = _ByteFallback()
+    ids = bf.encode("ab 😀 ab")
+    assert bf.decode(ids[:7]) == " ab \ufffd\ufffd\ufffd" and bf.decode(ids[:8]) == " ab 😀"  # the premise
+    stop = StopStrings(bf, ("😀",))
+    assert stop(ids[:7]) is None
+    assert stop(ids) == 8
+
+
+def test_the_same_stop_one_token_at_a_time_is_found_at_its_token():
+    bf = _ByteFallback()
+    ids = bf.encode("ab 😀 ab")
+    stop = StopStrings(bf, ("😀",))
+    found = next(i for i in range(1, len(ids) + 1) if stop(ids[:i]) is not None)
+    assert found == 8  # currently 9: one round late

@@ -2,10 +2,13 @@
 
 from __future__ import annotations
 
+import hashlib
+import json
+
 import pytest
 
 from specdec.models import registry
-from specdec.tokenizer import TokenBytes
+from specdec.tokenizer import TokenBytes, vocab_digest
 
 #: text whose characters SmolLM2's byte-level BPE splits over several tokens (emoji, CJK), and
 #: bytes it spells with stand-in characters (space, tab, newline, a soft hyphen)
@@ -104,3 +107,160 @@ def test_only_a_whole_byte_token_is_read_as_its_byte():
     own = TokenBytes(_Wrapped(backend))
     assert own(3 + 0x41) == b"A"  # a byte token
     assert own(2) == b"<0x41!"
+
+
+class _Vocab:
+    def __init__(self, vocab):
+        self._vocab = vocab
+
+    def get_vocab(self):
+        return dict(self._vocab)
+
+
+def test_the_vocab_digest_is_the_sha256_of_the_pairs_in_id_order():
+    """The digest goes over the wire (an edge and a server of other versions compare it), so its
+    definition is fixed: SHA-256 of the JSON list of [token, id] in id order, non-ASCII written
+    as itself (UTF-8), as hex."""
+    vocab = {"b": 0, "a": 1, "é": 2, "<s>": 3}  # id order differs from the tokens' order
+    want = hashlib.sha256(json.dumps([["b", 0], ["a", 1], ["é", 2], ["<s>", 3]], ensure_ascii=False).encode()).hexdigest()
+    assert want == "3e2ee2f7dd72c3c57bba7cec5cf8fce5f31b1b8978ab1b251b9ae4481859e048"
+    assert vocab_digest(_Vocab(vocab)) == want
+
+
+def _fresh():
+    """A FastTokenizer of the bundled draft of its own (set_chat_template changes it)."""
+    from specdec.tokenizer import FastTokenizer, plain_config
+
+    folder = registry.resolve("smollm2-135m-draft").folder
+    return FastTokenizer(folder, plain_config(folder))
+
+
+def test_decode_takes_a_single_id_and_keeps_special_tokens_by_default(smollm2):
+    """As transformers' decode: an int is one token, and special tokens stay unless asked."""
+    eos = smollm2.eos_token_id
+    ids = smollm2.encode("hi", add_special_tokens=False) + [eos]
+    assert smollm2.decode(eos) == smollm2.decode([eos]) == smollm2.hf.decode([eos]) == "<|im_end|>"
+    assert smollm2.decode(ids) == smollm2.hf.decode(ids) == "hi<|im_end|>"
+    assert smollm2.decode(ids, skip_special_tokens=True) == "hi"
+
+
+def test_a_tokenized_chat_is_what_transformers_returns(smollm2):
+    """``tokenize=True`` is transformers' call (its ids), never the rendered text."""
+    messages = [{"role": "user", "content": "hi"}]
+    ours = smollm2.apply_chat_template(messages, add_generation_prompt=True)
+    assert not isinstance(ours, str)
+    assert ours == smollm2.hf.apply_chat_template(messages, add_generation_prompt=True)
+
+
+def test_a_message_key_set_to_none_is_dropped_as_transformers_drops_it():
+    """OpenAI's ``content: null`` (or any None-valued key) is left out of the message the template
+    sees, as transformers leaves it out: ``m.get('name', 'anon')`` renders the default."""
+    tok = _fresh()
+    tok.set_chat_template("{% for m in messages %}{{ m.get('name', 'anon') }}:{{ m.content }};{% endfor %}")
+    messages = [{"role": "user", "content": "hi", "name": None}]
+    assert tok.apply_chat_template(messages, tokenize=False) == "anon:hi;" == tok.hf.apply_chat_template(messages, tokenize=False)
+
+
+def test_an_empty_conversation_is_transformers_error():
+    tok = _fresh()
+    with pytest.raises(ValueError, match="empty conversation"):
+        tok.apply_chat_template([], tokenize=False)
+
+
+def test_a_chat_template_set_reaches_transformers_tokenizer_before_and_after_it_loads():
+    """``--chat-template`` must hold for every path, also the calls handed to transformers: set
+    after transformers' tokenizer loaded, set before it loads, and kept across pickling."""
+    import pickle
+
+    template = "T{{ messages[0].content }}"
+    loaded_first = _fresh()
+    loaded_first.hf
+    loaded_first.set_chat_template(template)
+    assert loaded_first.hf.chat_template == template
+    set_first = _fresh()
+    set_first.set_chat_template(template)
+    assert set_first.hf.chat_template == template
+    copied = pickle.loads(pickle.dumps(_set(template)))
+    assert copied.chat_template == template and copied.hf.chat_template == template
+
+
+def _set(template):
+    tok = _fresh()
+    tok.set_chat_template(template)
+    return tok
+
+
+def test_hf_tokenizer_is_the_transformers_one_behind_ours(smollm2):
+    from specdec.tokenizer import hf_tokenizer
+
+    assert hf_tokenizer(smollm2) is smollm2.hf and hf_tokenizer(smollm2.hf) is smollm2.hf
+
+
+def test_chat_template_values_are_checked_and_read(tmp_path):
+    """``--chat-template``: inline text (``{{`` or ``{%``) is the template; a file is read; a
+    blank, uncompilable or unreadable one is a one-line ConfigError, and a folder is no file."""
+    from specdec.errors import ConfigError
+    from specdec.tokenizer import check_chat_template, read_chat_template
+
+    assert read_chat_template("{% if true %}x{% endif %}") == "{% if true %}x{% endif %}"
+    path = tmp_path / "t.jinja"
+    path.write_text("{{ messages }}")
+    assert read_chat_template(str(path)) == "{{ messages }}"
+    with pytest.raises(ConfigError, match="empty"):
+        check_chat_template("  \n")
+    with pytest.raises(ConfigError, match="does not compile"):
+        check_chat_template("{% if %}")
+    with pytest.raises(ConfigError, match="neither a file nor a Jinja template"):
+        read_chat_template(str(tmp_path))
+
+
+@pytest.mark.parametrize("field", ["reasoning_content", "thinking"])
+def test_a_reasoning_field_reaches_the_template_under_transformers_aliases(field):
+    """transformers copies a message's ``reasoning_content`` to ``thinking`` and back before
+    rendering; such conversations render as transformers renders them (both names set)."""
+    tok = _fresh()
+    tok.set_chat_template("{% for m in messages %}{{ m.thinking|default('-') }}|{{ m.reasoning_content|default('-') }};{% endfor %}")
+    messages = [{"role": "user", "content": "hi"}, {"role": "assistant", "content": "ok", field: "R"}]
+    assert tok.apply_chat_template(messages, tokenize=False) == "-|-;R|R;" == tok.hf.apply_chat_template(messages, tokenize=False)
+
+
+@pytest.mark.parametrize("template", ["{% set ns = namespace(_x=1) %}{{ ns._x }}",
+                                      "{% set ns = namespace(a=1) %}{% set ns._x = 2 %}x"])
+def test_a_namespace_refuses_underscore_names_as_transformers_does(template):
+    """The sandbox's ``namespace`` refuses underscore-prefixed names, made or set, as transformers'
+    does (a way out of the sandbox otherwise)."""
+    import jinja2
+
+    tok = _fresh()
+    tok.set_chat_template(template)
+    for who in (tok, tok.hf):
+        with pytest.raises(jinja2.exceptions.SecurityError, match="underscore-prefixed"):
+            who.apply_chat_template([{"role": "user", "content": "hi"}], tokenize=False)
+
+
+def test_tojson_honours_sort_keys_as_transformers_does():
+    tok = _fresh()
+    tok.set_chat_template("{{ messages[0] | tojson(sort_keys=True) }}")
+    messages = [{"role": "user", "content": "hi"}]
+    assert tok.apply_chat_template(messages, tokenize=False) == '{"content": "hi", "role": "user"}' == tok.hf.apply_chat_template(messages, tokenize=False)
+
+
+def test_the_vocabulary_and_its_size_include_the_added_tokens_as_transformers_counts_them(tmp_path):
+    """``len`` and ``get_vocab`` count an added token past the model's vocabulary (as Qwen2's
+    special tokens are), as transformers' do, so the vocabulary digest of both loaders agrees."""
+    import shutil
+
+    from tokenizers import Tokenizer
+
+    from specdec.tokenizer import FastTokenizer, plain_config
+
+    folder = registry.resolve("smollm2-135m-draft").folder
+    backend = Tokenizer.from_file(str(folder / "tokenizer.json"))
+    backend.add_special_tokens(["<extra_added>"])
+    backend.save(str(tmp_path / "tokenizer.json"))
+    shutil.copy(folder / "tokenizer_config.json", tmp_path / "tokenizer_config.json")
+    tok = FastTokenizer(tmp_path, plain_config(tmp_path))
+    new_id = tok.get_vocab()["<extra_added>"]
+    assert len(tok) == len(tok.hf) == new_id + 1
+    assert tok.get_vocab() == tok.hf.get_vocab()
+    assert vocab_digest(tok) == vocab_digest(tok.hf)
