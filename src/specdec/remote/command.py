@@ -129,6 +129,7 @@ def run_generate(args: argparse.Namespace, prompt: str, sampling: SamplingConfig
     quiet = args.json
     log = (lambda msg: None) if quiet else (lambda msg: print(f"[specdec] {msg}", file=sys.stderr, flush=True))
     kind = args.draft.strip().lower()
+    base = split_lookup(args.draft)[0]  # the drafter named, without a "+lookup"
     draft = None
     if kind in ("ngram", "none"):
         check_factor_applies(kind, getattr(args, "draft_temperature_factor", "auto"))
@@ -139,10 +140,10 @@ def run_generate(args: argparse.Namespace, prompt: str, sampling: SamplingConfig
         eos = frozenset({tokenizer.eos_token_id} if tokenizer.eos_token_id is not None else set())
         drafter = NgramDrafter(max_ngram=defaults.NGRAM_MAX, min_ngram=defaults.NGRAM_MIN) if kind == "ngram" else None
         name = kind
-    elif kind == "self" or self_spec.parse_name(split_lookup(args.draft)[0]) is not None:
+    elif kind == "self" or self_spec.parse_name(base) is not None:
         raise ConfigError(f"--draft {args.draft} drafts with the target's own layers, which stay on the server;"
                           " with --remote pick a draft model, ngram or none")
-    elif _is_head(args.draft) or _is_fed(split_lookup(args.draft)[0]):
+    elif _is_head(base) or _is_fed(base):
         raise ConfigError(
             f"--draft {args.draft} reads the target's hidden states, which a remote target does not send;"
             " with --remote pick a draft model, ngram or none"
