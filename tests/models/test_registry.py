@@ -876,3 +876,189 @@ def test_a_local_gguf_is_converted_again_once_it_changes(tmp_path, monkeypatch):
     st = gguf.stat()
     os.utime(gguf, ns=(st.st_atime_ns, st.st_mtime_ns + 10**9))
     assert registry.resolve(str(gguf)).folder != first and len(converted) == 2
+
+
+def test_check_name_accepts_an_existing_path(tmp_path):
+    """A local folder or file is a valid model reference: check_name must not call it unknown."""
+    folder = tmp_path / "my-model"
+    folder.mkdir()
+    registry.check_name(str(folder))
+    registry.check_name("  SmolLM2-135M-Draft ")  # a registry name, any case, padded
+    with pytest.raises(ModelNotFoundError, match="unknown model"):
+        registry.check_name(str(tmp_path / "nothing-here"))
+
+
+def test_native_runs_takes_registry_names_in_any_case_and_needs_safetensors(tmp_path):
+    assert registry.native_runs("SmolLM2-135M-Draft") is True
+    folder = tmp_path / "m"
+    folder.mkdir()
+    (folder / "config.json").write_text(json.dumps({"model_type": "llama"}))
+    (folder / "pytorch_model.bin").write_bytes(b"x")
+    assert registry.native_runs(str(folder)) is False  # a Llama, but only PyTorch pickles
+    (folder / "model.safetensors").write_bytes(b"x")
+    assert registry.native_runs(str(folder)) is True
+
+
+def test_an_existing_owner_slash_name_folder_is_a_local_path_not_a_hub_id(tmp_path, monkeypatch):
+    monkeypatch.chdir(tmp_path)
+    (tmp_path / "owner" / "name").mkdir(parents=True)
+    (tmp_path / "owner" / "name" / "config.json").write_text("{}")
+    assert not registry.is_hub_ref("owner/name")
+    got = registry.resolve("owner/name")
+    assert got.hub_id is None and got.folder == (tmp_path / "owner" / "name").resolve()
+
+
+def test_an_unconverted_gguf_is_not_converted_when_convert_is_false(tmp_path, monkeypatch):
+    """resolve(convert=False) (used to peek at a model's files) never converts: an unconverted
+    .gguf is a ModelNotFoundError, and chat_template_known says it cannot tell (None)."""
+    converted = []
+    monkeypatch.setenv("SPECDEC_CACHE", str(tmp_path / "cache"))
+    monkeypatch.setattr(registry, "convert_gguf", lambda gguf, out: converted.append(out))
+    gguf = tmp_path / "m.gguf"
+    gguf.write_bytes(b"GGUF" + bytes(60))
+    with pytest.raises(ModelNotFoundError, match="not converted yet"):
+        registry.resolve(str(gguf), convert=False)
+    assert registry.chat_template_known(str(gguf)) is None and registry.tokenizer_files(str(gguf)) is None
+    assert converted == []
+
+
+def _ghost(monkeypatch, tmp_path, sha256=None):
+    spec = registry.ModelSpec("ghost-gguf", "x", registry.PackagedGGUF("ghost-dist", "1.0", "g/model.gguf"), sha256=sha256)
+    monkeypatch.setitem(registry.REGISTRY, "ghost-gguf", spec)
+    monkeypatch.setenv("SPECDEC_CACHE", str(tmp_path / "cache"))
+    return spec
+
+
+def test_a_half_converted_registry_folder_is_not_taken_as_prepared(tmp_path, monkeypatch):
+    """A cache folder with config.json but no model.safetensors (an interrupted conversion) is
+    not "ready": without conversion it is reported as not prepared, not handed to the loader."""
+    _ghost(monkeypatch, tmp_path)
+    out = tmp_path / "cache" / "models" / "ghost-gguf"
+    out.mkdir(parents=True)
+    (out / "config.json").write_text("{}")
+    with pytest.raises(ModelNotFoundError, match="not prepared yet"):
+        registry.resolve("ghost-gguf", convert=False)
+    assert registry.install_status(registry.REGISTRY["ghost-gguf"]) != "ready"
+
+
+def test_a_registry_gguf_is_sha256_checked_before_it_is_converted(tmp_path, monkeypatch):
+    """A corrupt registry GGUF is refused before conversion (the digest check runs first)."""
+    _ghost(monkeypatch, tmp_path, sha256=hashlib.sha256(b"the real bytes").hexdigest())
+    bad = tmp_path / "model.gguf"
+    bad.write_bytes(b"corrupt bytes")
+    converted = []
+    monkeypatch.setattr(registry, "_locate", lambda dist, rel, pip, model: bad)
+    monkeypatch.setattr(registry, "convert_gguf", lambda gguf, out: converted.append(out))
+    with pytest.raises(SpecdecError, match="the download is corrupt"):
+        registry.resolve("ghost-gguf")
+    assert converted == []
+
+
+def test_load_applies_the_dtype_and_the_backend_asked_for(tmp_path):
+    """dtype reaches the weights; backend="hf" loads with transformers even where native could."""
+    import torch
+    from tiny import make_tiny
+
+    folder = make_tiny(tmp_path / "m", layers=1, hidden=16)
+    assert registry.load(str(folder)).model.dtype == torch.float32  # the default
+    assert registry.load(str(folder), dtype=torch.bfloat16).model.dtype == torch.bfloat16
+    assert registry.load(str(folder), backend="hf").backend == "hf"
+
+
+def test_quantisation_without_the_native_backend_and_an_unknown_backend_are_refused(tmp_path):
+    from tiny import make_tiny
+
+    folder = make_tiny(tmp_path / "m", layers=1, hidden=16)
+    with pytest.raises(SpecdecError, match=r"quantised \(int8\) targets need the native backend"):
+        registry.load(str(folder), backend="hf", quant="int8")
+    with pytest.raises(SpecdecError, match="unknown backend 'bogus'"):
+        registry.load(str(folder), backend="bogus")
+
+
+def test_a_draft_with_a_smaller_vocabulary_is_refused():
+    """check_compatible refuses a draft whose vocabulary differs either way, not only a larger one."""
+    from types import SimpleNamespace
+
+    tok = object()
+
+    def model(name, vocab):
+        return registry.LoadedModel(name, SimpleNamespace(vocab_size=vocab), tok, None, "native", frozenset())
+
+    with pytest.raises(SpecdecError, match=r"draft vocabulary \(90\) is smaller than the target's \(100\)"):
+        registry.check_compatible(model("t", 100), model("d", 90))
+    registry.check_compatible(model("t", 100), model("d", 100))
+
+
+def test_tokenizer_files_of_the_same_size_but_other_bytes_are_not_shared(tmp_path):
+    from tiny import make_tiny
+
+    a, b = make_tiny(tmp_path / "a", layers=1), make_tiny(tmp_path / "b", layers=1)
+    assert registry.same_tokenizer(a, b)
+    text = (b / "tokenizer_config.json").read_text()
+    i = text.index('"')  # change one character, keep the size
+    (b / "tokenizer_config.json").write_text(text[:i] + "'" + text[i + 1:])
+    assert (a / "tokenizer_config.json").stat().st_size == (b / "tokenizer_config.json").stat().st_size
+    assert not registry.same_tokenizer(a, b)
+
+
+def test_broken_folders_are_one_line_errors(tmp_path):
+    """No weights, a config that is not an object, an unreadable tokenizer: each a one-line
+    SpecdecError naming the problem, never a traceback from deep inside a loader."""
+    from tiny import make_tiny
+
+    from specdec.errors import ConfigError
+
+    folder = make_tiny(tmp_path / "m", layers=1, hidden=16)
+    for f in folder.glob("*.safetensors"):
+        f.unlink()
+    with pytest.raises(ModelNotFoundError, match="holds no weights"):
+        registry.load(str(folder))
+    (tmp_path / "list").mkdir()
+    (tmp_path / "list" / "config.json").write_text("[1, 2]")
+    with pytest.raises(ConfigError, match="is not a JSON object"):
+        registry.read_config(tmp_path / "list")
+    broken = tmp_path / "broken"
+    broken.mkdir()
+    (broken / "config.json").write_text(json.dumps({"model_type": "llama"}))
+    (broken / "tokenizer.json").write_text("{ not json")
+    with pytest.raises(ModelNotFoundError, match="could not load the tokenizer") as err:
+        registry.load_tokenizer(broken)
+    assert "\n" not in str(err.value)
+
+
+def test_gguf_file_of_a_bundled_model_and_of_a_file_that_is_not_gguf(tmp_path):
+    from specdec.errors import ConfigError
+
+    with pytest.raises(ModelNotFoundError, match="ships as a Hugging Face folder, not as a GGUF file"):
+        registry.gguf_file("smollm2-135m-draft")
+    fake = tmp_path / "fake.gguf"
+    fake.write_bytes(b"PK\x03\x04" + bytes(60))
+    with pytest.raises(ConfigError, match="is not a GGUF file"):
+        registry.convert_gguf(fake, tmp_path / "out")
+
+
+def test_install_status_reports_missing_packages_and_a_missing_bundled_folder(tmp_path, monkeypatch):
+    spec = _ghost(monkeypatch, tmp_path)
+    assert registry.install_status(spec) == "missing"
+    assert registry.install_status(registry.REGISTRY["smollm2-135m-draft"]) == "bundled"
+    monkeypatch.setattr(registry, "DATA_DIR", tmp_path / "no-data")
+    assert registry.install_status(registry.REGISTRY["smollm2-135m-draft"]) == "missing"
+
+
+def test_a_draft_with_another_vocabulary_of_the_same_size_is_refused():
+    """check_compatible compares the vocabularies themselves, not only their sizes."""
+    from types import SimpleNamespace
+
+    class Tok:
+        def __init__(self, vocab):
+            self.vocab = vocab
+
+        def get_vocab(self):
+            return self.vocab
+
+    def model(name, vocab):
+        return registry.LoadedModel(name, SimpleNamespace(vocab_size=2), Tok(vocab), None, "native", frozenset())
+
+    with pytest.raises(SpecdecError, match="use different tokenizers"):
+        registry.check_compatible(model("t", {"a": 0, "b": 1}), model("d", {"a": 1, "b": 0}))
+    registry.check_compatible(model("t", {"a": 0, "b": 1}), model("d", {"a": 0, "b": 1}))

@@ -358,3 +358,142 @@ def test_the_edge_vocabulary_is_the_draft_models(edge, tmp_path):
     folder = make_tiny(tmp_path / "padded", layers=1, vocab=49216)
     got = edge("--draft", str(folder), "--draft-dtype", "float32")
     assert got["vocab_size"] == 49216 and len(got["tokenizer"]) == 49152
+
+
+NGRAM = ("--draft", "ngram", "--tokenizer", MODEL)
+
+
+def test_every_gate_threshold_reaches_the_gate(edge):
+    """--gate-nll-bits, --gate-mc-var, --gate-r-hard and --gate-rare-max-count each reach the gate's
+    configuration (and the rule triggers), not just the entropy and margin thresholds."""
+    gate = edge("--draft", MODEL, "--gate", "shape", "--gate-nll-bits", "3.5", "--gate-mc-var", "0.25",
+                "--gate-r-hard", "0.75", "--gate-rare-max-count", "4", "--gate-rules", "number,rare")["gate"]
+    cfg = gate.cfg
+    assert cfg.t_nll_bits == 3.5 and cfg.t_mc_var == 0.25 and cfg.r_hard == 0.75 and cfg.rare_max_count == 4
+    assert cfg.rules == frozenset({"number", "rare"}) and cfg.policy == "shape"
+    assert gate.triggers.rules == cfg.rules and gate.triggers.rare_max_count == 4
+    assert gate.draft_model is not None  # the draft model, for MC-dropout
+
+
+def test_the_lossy_timeout_and_method_reach_the_client(edge):
+    """--lossy-timeout-commit-ms and --method travel in the RemoteConfig."""
+    remote = edge(*NGRAM, "-t", "1", "--seed", "1", "--method", "lossy-resample-p",
+                  "--lossy-timeout-commit-ms", "250")["remote"]
+    assert remote.lossy_timeout_commit_ms == 250 and remote.method == "lossy-resample-p"
+    assert edge(*NGRAM)["remote"].lossy_timeout_commit_ms is None
+
+
+def test_an_empty_api_key_variable_means_no_key(edge, monkeypatch):
+    """SPECDEC_API_KEY set but empty sends no bearer token (None), not an empty one."""
+    monkeypatch.setenv("SPECDEC_API_KEY", "")
+    assert edge(*NGRAM)["remote"].api_key is None
+
+
+def test_q_top_k_reaches_the_edge(edge):
+    assert edge(*NGRAM, "-t", "1", "--seed", "1", "--wire", "sparse-q", "--q-top-k", "5")["q_top_k"] == 5
+    assert edge(*NGRAM)["q_top_k"] == 16
+
+
+def test_ngram_drafts_with_an_ngram_drafter_and_none_with_nothing(edge):
+    from specdec import defaults
+    from specdec.drafters import NgramDrafter
+
+    got = edge(*NGRAM)
+    assert isinstance(got["drafter"], NgramDrafter)
+    assert got["drafter"].max_ngram == defaults.NGRAM_MAX and got["drafter"].min_ngram == defaults.NGRAM_MIN
+    got = edge("--draft", "none", "--tokenizer", MODEL)
+    assert got["drafter"] is None and got["drafter_name"] == "none"
+
+
+def test_a_temperature_factor_with_a_model_free_drafter_is_one_error_line(capsys):
+    """--draft ngram has no distribution to scale: --draft-temperature-factor 0.5 with it is refused in
+    one line (exit 2) with --remote, as without it."""
+    code = main(["generate", "--remote", "http://127.0.0.1:9", "-p", "hi", "-n", "2", *NGRAM,
+                 "--draft-temperature-factor", "0.5"])
+    err = capsys.readouterr().err.strip().splitlines()
+    assert code == 2 and err[-1].startswith("specdec: error:") and "draft temperature factor" in err[-1]
+
+
+def test_the_draft_options_reach_the_draft_loader(edge, monkeypatch):
+    """--backend, --dtype, --draft-dtype, --draft-vocab and --draft-temperature-factor reach the
+    EngineConfig the edge's draft is loaded with."""
+    import specdec.engine as engine
+
+    configs = []
+    real = engine.load_draft
+
+    def spy(cfg, *a, **k):
+        configs.append(cfg)
+        return real(cfg, *a, **k)
+
+    monkeypatch.setattr(engine, "load_draft", spy)
+    edge("--draft", MODEL, "--backend", "native", "--dtype", "bfloat16", "--draft-dtype", "float32",
+         "--draft-vocab", "full", "--draft-temperature-factor", "0.7", "-t", "1", "--seed", "1")
+    (cfg,) = configs
+    assert cfg.draft == MODEL and cfg.backend == "native" and cfg.dtype == "bfloat16"
+    assert cfg.draft_dtype == "float32" and cfg.draft_vocab == "full" and float(cfg.draft_temperature_factor) == 0.7
+
+
+@pytest.mark.parametrize("draft, message", [
+    ("self", "drafts with the target's own layers, which stay on the server"),
+    ("smollm2-135m-eagle3", "reads the target's hidden states, which a remote target does not send"),
+])
+def test_drafters_that_need_the_target_are_refused_at_the_edge(capsys, monkeypatch, draft, message):
+    """Self-speculation and draft heads need the target's layers or features, which stay on the
+    server: one error line, exit 2, before anything is sent."""
+    monkeypatch.delenv("SPECDEC_API_KEY", raising=False)
+    code = main(["generate", "--remote", "http://127.0.0.1:9", "-p", "hi", "-n", "2", "--draft", draft])
+    err = capsys.readouterr().err.strip().splitlines()
+    assert code == 2 and err[-1].startswith("specdec: error:") and message in err[-1], err
+
+
+def test_a_suffix_at_the_edge_fills_in_the_middle_with_the_edges_tokenizer(capsys, monkeypatch):
+    """--suffix with --remote builds the fill-in-the-middle prompt at the edge: a tokenizer without
+    FIM markers (the shipped draft's) is refused in one line instead of sending a plain prompt."""
+    monkeypatch.delenv("SPECDEC_API_KEY", raising=False)
+    code = main(["generate", "--remote", "http://127.0.0.1:9", "-p", "def f(", "--suffix", "\n    return x", "-n", "2", *NGRAM])
+    err = capsys.readouterr().err.strip().splitlines()
+    assert code == 2 and err[-1].startswith("specdec: error:") and "fill" in err[-1].lower(), err
+
+
+def test_an_interactive_remote_chat_passes_the_same_options_each_turn(edge, monkeypatch):
+    """--interactive: each turn's generate_remote gets the command's gamma, tree options, q_top_k,
+    eos ids and vocabulary, as the one-shot run does."""
+    import specdec.cli as cli
+
+    def one_turn(turn, system, sampling, first=None):
+        return turn([{"role": "user", "content": first or "hi"}], sampling)
+
+    monkeypatch.setattr(cli, "chat_loop", one_turn)
+    got = edge(*NGRAM, "-i", "-t", "1", "--seed", "1", "--wire", "sparse-q", "--q-top-k", "5", "--gamma", "3",
+               "--tree", "4", "--tree-min-prob", "0.3")
+    once = edge(*NGRAM, "-t", "1", "--seed", "1", "--wire", "sparse-q", "--q-top-k", "5", "--gamma", "3",
+                "--tree", "4", "--tree-min-prob", "0.3")
+    assert got["q_top_k"] == 5 and got["gamma"] == 3 and got["tree"] == 4 and got["tree_min_prob"] == 0.3
+    for key in ("q_top_k", "gamma", "tree", "tree_min_prob", "eos_ids", "vocab_size", "drafter_name"):
+        assert got[key] == once[key], key
+
+
+def test_bad_words_reach_the_edges_constraint(edge):
+    """--bad-word builds the edge's constraint (banned token sequences from the edge's tokenizer,
+    the target's): without it the edge would draft, and send, the banned word's tokens."""
+    from specdec.models.registry import load_tokenizer, resolve
+    from specdec.token_filter import bad_word_ids
+
+    constraint = edge(*NGRAM, "--bad-word", "hello")["sampling"].constraint
+    assert constraint is not None
+    tok = load_tokenizer(resolve(MODEL).folder)
+    expected = {tuple(s) for s in bad_word_ids(tok, ["hello"])}
+    assert expected and expected <= set(constraint.banned)
+
+
+def test_a_head_with_lookup_is_refused_as_a_head_at_the_edge(capsys, monkeypatch):
+    """``--draft HEAD+lookup --remote URL``: _is_head is asked about the whole value
+    (``smollm2-135m-medusa+lookup``) instead of its base, so the head is not recognised, the edge tries
+    to load 'smollm2-135m-medusa' as a draft model, and the error says "unknown model" (after logging
+    "loading draft ...") instead of saying a head needs the target's hidden states."""
+    monkeypatch.delenv("SPECDEC_API_KEY", raising=False)
+    code = main(["generate", "--remote", "http://127.0.0.1:9", "-p", "hi", "-n", "2", "--draft", "smollm2-135m-medusa+lookup"])
+    err = capsys.readouterr().err.strip().splitlines()
+    assert code == 2 and err[-1].startswith("specdec: error:")
+    assert "reads the target's hidden states" in err[-1] and "unknown model" not in err[-1], err
