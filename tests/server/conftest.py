@@ -1,10 +1,12 @@
 """Server processes shared by the server tests: a toy model (vocab 6, order 2, max γ 8, context 512), and
-the bundled draft model behind `specdec serve` for the OpenAI endpoints (one per test module)."""
+the bundled draft model behind `specdec serve` for the OpenAI endpoints (one per test module); and a
+test's OpenMP thread count."""
 
 from __future__ import annotations
 
 import httpx
 import pytest
+import torch
 
 from serverproc import OPENAI_KEY, ServerProcess
 
@@ -40,3 +42,12 @@ def client(server):
     """An ``openai`` client of :func:`server`."""
     with server.openai(OPENAI_KEY) as c:
         yield c
+
+
+@pytest.fixture
+def two_threads():
+    """Two OpenMP threads for the test (the count a request thread's passes must not inherit)."""
+    before = torch.get_num_threads()
+    torch.set_num_threads(2)
+    yield
+    torch.set_num_threads(before)

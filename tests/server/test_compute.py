@@ -43,14 +43,6 @@ class _Threads(ToyLM):
         return super().forward_tree(tokens, parents, cache, prefix=prefix)
 
 
-@pytest.fixture
-def two_threads():
-    before = torch.get_num_threads()
-    torch.set_num_threads(2)
-    yield
-    torch.set_num_threads(before)
-
-
 def test_every_pass_of_the_wrappers_runs_on_the_compute_thread(two_threads):
     """Batched passes of two models, token trees between batches and lock-serialised passes,
     asked for from eight threads at once, all run on the one compute thread; the asking threads
@@ -218,7 +210,7 @@ def test_a_base_exception_of_a_call_is_raised_in_the_caller():
     assert compute.run(lambda: 7) == 7
 
 
-def test_the_compute_thread_keeps_its_openmp_team(two_threads):  # noqa: F811
+def test_the_compute_thread_keeps_its_openmp_team(two_threads):
     """one_openmp_thread() asked on the compute thread (a wrapper's pass running there) leaves its
     team alone: it is the one thread that runs the passes."""
     compute = ComputeThread(name="test-compute-extra")
@@ -252,7 +244,7 @@ def test_run_locked_holds_the_lock_around_the_call():
     assert not lock.locked()
 
 
-def test_one_openmp_thread_leaves_the_main_thread_alone(two_threads, monkeypatch):  # noqa: F811
+def test_one_openmp_thread_leaves_the_main_thread_alone(two_threads, monkeypatch):
     """On the main thread (a script's or a test's) it changes nothing, even as its first call there
     (a fresh thread-local state, so no earlier call in this process hides it)."""
     from specdec.server import compute as compute_mod

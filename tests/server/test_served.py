@@ -170,14 +170,6 @@ def test_a_new_cache_whose_signature_cannot_be_read_is_called_without_initial_le
     assert inner.new_cache.calls == [64]
 
 
-@pytest.fixture
-def two_threads():
-    before = torch.get_num_threads()
-    torch.set_num_threads(2)
-    yield
-    torch.set_num_threads(before)
-
-
 def test_a_request_thread_that_only_makes_a_cache_runs_one_openmp_thread(two_threads):
     """new_cache on a request thread sets that thread to one OpenMP thread (its own operations run
     without an OpenMP team), before any pass."""
