@@ -129,7 +129,7 @@ def run_generate(args: argparse.Namespace, prompt: str, sampling: SamplingConfig
     quiet = args.json
     log = (lambda msg: None) if quiet else (lambda msg: print(f"[specdec] {msg}", file=sys.stderr, flush=True))
     kind = args.draft.strip().lower()
-    base = split_lookup(args.draft)[0]  # the drafter named, without a "+lookup"
+    base, lookup = split_lookup(args.draft)  # the drafter named, and whether "+lookup" put prompt lookup first
     draft = None
     if kind in ("ngram", "none"):
         check_factor_applies(kind, getattr(args, "draft_temperature_factor", "auto"))
@@ -149,7 +149,6 @@ def run_generate(args: argparse.Namespace, prompt: str, sampling: SamplingConfig
             " with --remote pick a draft model, ngram or none"
         )
     else:
-        base, lookup = split_lookup(args.draft)
         if lookup and args.gate != "off":  # the default drafter has lookup in front: drop it, and say so
             log(f"the edge gate judges the draft model's tokens one by one: drafting with {base} alone")
             lookup = False
