@@ -253,6 +253,22 @@ def test_tree_budget_rejects_bad_settings():
             TreeBudget(**bad)
 
 
+@pytest.mark.parametrize("bad", [dict(max_gamma=0), dict(start=-1), dict(max_gamma=2, start=3),
+                                 dict(probe_gamma=0), dict(max_gamma=2, probe_gamma=4), dict(probe_every=0),
+                                 dict(probe_every=8, max_probe_every=4), dict(decay=0.0), dict(decay=1.5),
+                                 dict(outlier=1.0)])
+def test_cost_gamma_rejects_bad_settings(bad):
+    """Settings it cannot run with are refused when it is built, not found out rounds later (a
+    probe longer than max_gamma used to fail with an IndexError on its 128th round)."""
+    with pytest.raises(ValueError, match="γ controller"):
+        CostGamma(**bad)
+
+
+def test_cost_gamma_takes_its_boundary_settings():
+    CostGamma(max_gamma=1, start=0, probe_gamma=1, probe_every=4, max_probe_every=4, decay=1.0)
+    CostGamma(max_gamma=3, start=3, probe_gamma=3)
+
+
 def test_tree_budget_is_not_thrown_off_by_one_preempted_round():
     """One chain round slowed 4x (another process took the core) must not hand the game to a
     tree that is slower than the chain."""
@@ -803,3 +819,109 @@ def test_tree_budget_plays_a_tree_only_when_it_beats_the_chain_by_more_than_the_
     tb.update(gamma=4, accepted=1, draft_s=0.25, target_s=0.5, other_s=0.25)  # tree: 2 tokens / s
     assert tb.rate(4) == 2.0 * tb.rate(0)
     assert tb.best_arm() == 0
+
+
+def test_capped_gamma_reports_free_rounds_only_to_the_free_observer():
+    """A free draft's round (prompt lookup's) goes to ``observe_free``, never to ``observe`` (the
+    server tracks the two on different wires); a chain round goes to ``observe`` only."""
+    chain, free = [], []
+    g = CappedGamma(FixedGamma(3), cap=lambda g: None, observe=lambda g, a: chain.append((g, a)),
+                    observe_free=lambda g, a: free.append((g, a)))
+    g.update_free(gamma=4, accepted=2, draft_s=0.0, target_s=0.01, other_s=0.0)
+    assert free == [(4, 2)] and chain == []
+    g.update(gamma=3, accepted=1, draft_s=0.0, target_s=0.01, other_s=0.0)
+    assert free == [(4, 2)] and chain == [(3, 1)]
+
+
+def test_a_successor_hopes_for_an_iid_acceptance_of_one_half_not_one_half_at_every_depth():
+    """The successor's test hopes for P(accepted >= k) = 0.5 ** k (i.i.d. one half), not 0.5 at
+    every depth: with a 2-row pass twice a 1-row one, no dearer beyond, and drafted tokens almost
+    free, the i.i.d. hope gives at most 2 tokens for 2 s (a loss), so the backed-off controller's
+    successor stays backed off; a flat 0.5 would hope for 7 tokens at γ = 12 and start afresh."""
+    c = CostGamma()
+    c.observe_cost(1, 1.0)
+    c.observe_cost(13, 2.0)
+    for _ in range(4):  # drafted tokens always rejected
+        c.update(gamma=1, accepted=0, draft_s=0.001, target_s=2.0, other_s=0.0)
+    assert c.next_gamma() == 0 and not c._probing  # backed off
+    nxt = c.successor()
+    assert nxt._draft_s == c._draft_s and nxt.next_gamma() == 0  # carried, still backed off
+
+
+def test_a_controller_that_measured_nothing_is_not_hopeless():
+    """hopeless() is a judgement on measured draft costs: before any drafted round it says False."""
+    assert CostGamma().hopeless(1.0) is False
+
+
+def test_a_winning_probe_of_one_token_resets_the_probe_interval():
+    """A probe wins when the best γ after it is > 0, including exactly 1 (here max_gamma = 1): the
+    interval goes back to probe_every instead of doubling."""
+    c = CostGamma(max_gamma=1, probe_every=4, max_probe_every=64)
+    for _ in range(200):  # a dear drafter: probes thin out
+        g = c.next_gamma()
+        c.update(gamma=g, accepted=0, draft_s=g * 0.03, target_s=0.02, other_s=0.0)
+    assert c._interval == 64
+    for _ in range(200):  # the drafter becomes cheap and always accepted: the next probe wins
+        g = c.next_gamma()
+        c.update(gamma=g, accepted=g, draft_s=g * 0.0005, target_s=0.02, other_s=0.0)
+    assert c.next_gamma() == 1 and c._interval == 4
+
+
+def test_a_probe_capped_to_no_draft_doubles_the_interval_and_does_not_jump_to_the_longest():
+    """A probe round that drafted nothing (a server's cap cut it to γ = 0) measured no drafted
+    token, so it cannot show drafting hopeless: it loses like any probe and the interval doubles
+    (pass cost exactly proportional to rows, no overhead: a free drafted token would only tie)."""
+    c = CostGamma(probe_every=2, max_probe_every=128)
+    c.update(gamma=1, accepted=0, draft_s=2.0, target_s=2.0, other_s=0.0)
+    assert c.next_gamma() == 0
+    c.update(gamma=0, accepted=0, draft_s=0.0, target_s=1.0, other_s=0.0)  # completes the interval
+    assert c.next_gamma() == c.probe_gamma and c._probing  # a probe is scheduled
+    c.update(gamma=0, accepted=0, draft_s=0.0, target_s=1.0, other_s=0.0)  # ... and capped to 0
+    assert c._interval == 4
+
+
+@pytest.mark.parametrize("idle", [False, True])
+def test_probes_draft_probe_gamma_tokens(idle):
+    """A probe drafts ``probe_gamma`` tokens (here 2), after backing off and after start_idle."""
+    c = CostGamma(probe_gamma=2, probe_every=4, max_probe_every=4)
+    if idle:
+        c.start_idle()
+    seen = []
+    for _ in range(40):
+        g = c.next_gamma()
+        seen.append(g)
+        c.update(gamma=g, accepted=0, draft_s=g * 0.03, target_s=0.02, other_s=0.0)
+    probes = [g for g in seen[1:] if g > 0]  # (a fresh controller's first round drafts ``start``)
+    assert probes and probes[0] == 2 and set(probes) == {2}, seen
+
+
+def test_tree_budget_on_the_chain_drafts_the_chains_gamma():
+    """On the chain arm the budget's γ is its cost controller's (a fresh one starts at 1, not 0)."""
+    budget = TreeBudget(chain=CostGamma(start=3))
+    assert not budget.tree_round and budget.next_gamma() == 3
+
+
+def test_tree_rounds_do_not_teach_the_chain_controller():
+    """Only chain rounds update the chain's γ controller: a tree round's accepted length and costs
+    belong to the tree arm (a tree of 4 nodes fully accepted must not raise the chain's acceptance)."""
+    budget = TreeBudget(warmup=1, probe_every=1, max_probe_every=1)
+    budget.update(gamma=budget.next_gamma(), accepted=0, draft_s=0.001, target_s=0.02, other_s=0.0)
+    assert budget.tree_round  # the probe of the smallest tree
+    before = (list(budget.chain._tries), list(budget.chain._hits), budget.chain._target_s.copy(), budget.chain._draft_s)
+    budget.update(gamma=budget.next_gamma(), accepted=4, draft_s=0.004, target_s=0.03, other_s=0.0)
+    after = (list(budget.chain._tries), list(budget.chain._hits), budget.chain._target_s.copy(), budget.chain._draft_s)
+    assert after == before
+
+
+def test_a_carried_probe_is_judged_as_a_probe_by_the_successor():
+    """A successor that inherits a scheduled probe judges that round as a probe: a losing probe
+    moves the probe interval on (here from 2: a drafted token at a whole plain pass's cost is
+    hopeless, so to the longest); not judged, the interval would stay at 2."""
+    c = CostGamma(probe_every=2, max_probe_every=128)
+    c.update(gamma=1, accepted=0, draft_s=2.0, target_s=2.0, other_s=0.0)
+    c.update(gamma=0, accepted=0, draft_s=0.0, target_s=1.0, other_s=0.0)
+    assert c._probing and c._interval == 2
+    nxt = c.successor()
+    assert nxt._draft_s == c._draft_s and nxt.next_gamma() == c.probe_gamma  # carried, probe first
+    nxt.update(gamma=1, accepted=0, draft_s=2.0, target_s=2.0, other_s=0.0)
+    assert not nxt._probing and nxt._interval > 2

@@ -186,6 +186,10 @@ class CostGamma:
     last_rates: list[float] = field(default_factory=list)
 
     def __post_init__(self) -> None:
+        if not (self.max_gamma >= 1 and 0 <= self.start <= self.max_gamma and 1 <= self.probe_gamma <= self.max_gamma):
+            raise ValueError("γ controller: max_gamma >= 1, 0 <= start <= max_gamma and 1 <= probe_gamma <= max_gamma")
+        if not (1 <= self.probe_every <= self.max_probe_every and 0.0 < self.decay <= 1.0 and self.outlier > 1.0):
+            raise ValueError("γ controller: 1 <= probe_every <= max_probe_every, 0 < decay <= 1 and outlier > 1")
         self._hits = [0.0] * self.max_gamma
         self._tries = [0.0] * self.max_gamma
         self._gamma = self.start

@@ -10,7 +10,7 @@ from fastapi.testclient import TestClient
 from specdec.models.toy import ToyLM
 from specdec.remote.protocol import VerifyRequest
 from specdec.server import ServerSettings, create_app
-from specdec.server.draft_cap import CapConfig, DraftCap, cap_from, row_costs
+from specdec.server.draft_cap import CapConfig, DraftCap, RowCosts, cap_from, row_costs
 from toy_server import FixedCap
 
 VOCAB = 8
@@ -116,8 +116,6 @@ def test_a_cost_curve_reads_each_rows_own_marginal_cost():
     single user's ~2 rows per pass is the small one, and there the threshold m ρ is far below the
     one a straight line through the curve's ends gives; a loaded server's ~100 rows read the steep
     piece.  Timings that fall with rows (noise) are raised to the smaller row count's."""
-    from specdec.server.draft_cap import RowCosts
-
     curve = RowCosts.measured((1, 2, 4, 8, 96), (0.0027, 0.00285, 0.0028, 0.0045, 0.047))
     assert curve.seconds == (0.0027, 0.00285, 0.00285, 0.0045, 0.047)
     assert curve.slope(1.5) == pytest.approx(0.00015) and curve.slope(3) == 0.0
@@ -619,3 +617,97 @@ def test_acceptance_estimates_forget_old_rounds_geometrically(monkeypatch, resca
     _, p = cap.estimate("greedy")
     assert p == pytest.approx([a / q for a, q in zip(acc, prop)], rel=1e-9)
     assert min(p) > 0.98  # the first half's rejections are all but forgotten (weight e^-4 by now)
+
+
+def test_a_cost_curve_of_one_measured_row_count_is_refused():
+    """A curve needs two row counts for a slope: one alone is a ValueError, not a curve whose
+    slope reads outside its own data."""
+    with pytest.raises(ValueError):
+        RowCosts((1,), (0.1,))
+    with pytest.raises(ValueError):
+        RowCosts.measured((4,), (0.1,))
+
+
+def _served(cap: DraftCap, rows: int = 3, seconds: float = 0.005, passes: int = 10) -> None:
+    for _ in range(passes):
+        cap.observe_pass(rows, seconds)
+        cap.observe_tokens(2)
+
+
+def test_min_rounds_counts_rounds_not_drafted_tokens():
+    """A wire's acceptance is trusted after ``min_rounds`` verified rounds, however long each was:
+    three rounds of 4 tokens are 3 rounds, not 12 (no estimate yet at min_rounds = 4)."""
+    cap = DraftCap(CapConfig(window_s=1e9, min_passes=1, min_rounds=4, max_positions=4), costs=(0.002, 0.001))
+    _served(cap)
+    for _ in range(3):
+        cap.observe_round("greedy", 4, 1)
+    assert cap.estimate("greedy") is None and cap.cap("greedy") is None
+    cap.observe_round("greedy", 4, 1)
+    assert cap.estimate("greedy") is not None
+
+
+def test_no_cap_while_the_passes_in_the_window_took_no_time():
+    """Passes timed at 0 s (nothing measured about their cost) give no estimate, even with a cost
+    curve from start-up: the threshold's E / T has no denominator."""
+    cap = DraftCap(CapConfig(window_s=1e9, min_passes=1, min_rounds=1, max_positions=4), costs=(0.002, 0.001))
+    _served(cap, seconds=0.0)
+    cap.observe_round("greedy", 2, 0)
+    assert cap.estimate("greedy") is None and cap.cap("greedy") is None
+
+
+def test_a_falling_cost_curve_reads_as_free_rows_not_negative_ones():
+    """m = b / (T / R) is clamped below at 0: a curve whose slope reads negative (noise) makes rows
+    free (threshold 0), so a position never accepted is still cut (p = 0 is not > 0), where a
+    negative threshold would keep every position."""
+    cap = DraftCap(CapConfig(window_s=1e9, min_passes=1, min_rounds=1, max_positions=4), costs=(0.02, -0.001))
+    _served(cap)
+    for _ in range(8):
+        cap.observe_round("greedy", 2, 1)  # position 1 always kept, position 2 never
+    threshold, p = cap.estimate("greedy")
+    assert threshold == 0.0 and p[:2] == [1.0, 0.0]
+    assert cap.cap("greedy", wanted=2) == 1
+
+
+def test_tokens_reported_for_a_finished_choice_do_not_bring_it_back():
+    """Only running choices count: tokens added for a choice after its finish (or before its start)
+    are ignored, so a finished choice neither counts among the k running nor sets the slowest."""
+    from specdec.server.draft_cap import RequestPace
+
+    pace = RequestPace()
+    for c in range(3):
+        pace.start(c)
+    pace.add(0, 10)
+    pace.add(1, 5)
+    pace.add(2, 1)
+    pace.finish(2)
+    pace.add(2, 1)  # a late report of the finished choice
+    pace.add(7, 1)  # ... and one of a choice never started
+    assert pace.value(0) == pytest.approx(1 / 2)
+    assert pace.value(1) == 1.0  # the slowest still running
+
+
+def test_calibration_times_exactly_the_rows_asked_for_when_they_do_not_split_evenly():
+    """13 rows over sequences of up to 8 are two sequences of 7 and 6 rows: a pass of 13 rows, not
+    of 2 x 6 (the remainder is spread over the first sequences, never dropped)."""
+    from specdec.server.draft_cap import calibrate
+    from tiny import tiny_native
+
+    model = tiny_native()
+    passes = []
+    forward_batch = model.forward_batch
+    model.forward_batch = lambda items: passes.append(sorted(len(i[0]) for i in items)) or forward_batch(items)
+    curve = calibrate(model, rows=(1, 13, 17), reps=1)
+    assert curve.rows == (1, 13, 17)
+    assert passes == [[1], [6, 7], [5, 6, 6]]
+
+
+def test_the_cost_curve_is_read_at_the_mean_rows_per_pass_unrounded():
+    """m = b R / T(R) at the mean rows per pass R, a fraction here (1 and 2 rows alternately: 1.5),
+    with the start-up line T(R) = 10 ms + 1 ms per row: m = 1.5 / 11.5, threshold m · E / rows."""
+    cap = DraftCap(CapConfig(window_s=1e9, min_passes=1, min_rounds=1, max_positions=4), costs=(0.01, 0.001))
+    for rows in (1, 2) * 5:
+        cap.observe_pass(rows, 0.01 + 0.001 * rows)
+        cap.observe_tokens(1)
+    cap.observe_round("greedy", 2, 1)
+    threshold, _ = cap.estimate("greedy")
+    assert threshold == pytest.approx((0.0015 / 0.0115) * 10 / 15)
