@@ -26,6 +26,7 @@ from specdec.sampling import (
     penalised_logits,
     process_logits,
     sample_categorical,
+    settled,
     target_logprobs,
 )
 from stats import ALPHA, chi_square_pvalue
@@ -687,3 +688,51 @@ def test_a_penalty_state_copy_is_independent():
     twin.append(torch.tensor([3]))
     assert state.seen.tolist() == [True, False, False, False]
     assert state.counts.tolist() == [0.0] * 4 and state.generated == []
+
+
+def test_min_p_zero_is_no_truncation_bit_for_bit():
+    """min_p = 0 keeps every token and must not renormalise: the law equals min_p=None exactly."""
+    gen = torch.Generator().manual_seed(0)
+    logits = torch.randn(4, 3000, generator=gen) * 3
+    assert torch.equal(process_logits(logits, SamplingConfig(min_p=0.0)), process_logits(logits, SamplingConfig()))
+
+
+def test_top_p_widens_past_the_first_candidates_when_their_mass_is_just_below_top_p():
+    """The partial sort's first 256 candidates hold 0.8995 < top_p = 0.9: the search must widen,
+    and the nucleus is 256 + 4 tokens (the rest have 0.1005 / 744 ~ 1.35e-4 each), as a full sort gives."""
+    head = torch.full((256,), 0.8995 / 256, dtype=torch.float64)
+    tail = torch.full((744,), 0.1005 / 744, dtype=torch.float64)
+    probs = torch.cat([head, tail]).unsqueeze(0)
+    keep = _top_p_mask(probs, 0.9)
+    assert int(keep.sum()) == 260
+    assert bool(keep[0, :256].all())
+
+
+def test_top_p_full_sort_keeps_the_lowest_ids_among_tied_tokens():
+    """A nucleus over more than 4096 tokens is cut from a stable full sort: among 5000 tied tokens
+    top_p = 0.9 keeps exactly ids 0..4499 (the same ids for p and q, whatever the sort's threads)."""
+    probs = torch.full((1, 5000), 1 / 5000, dtype=torch.float64)
+    keep = _top_p_mask(probs, 0.9)
+    n = int(keep.sum())
+    assert 4499 <= n <= 4501
+    assert bool(keep[0, :n].all())
+
+
+def test_logit_bias_is_added_to_the_logit_not_put_in_its_place():
+    """OpenAI semantics: a bias is added (logit 2 + bias 1 = 3), it does not replace the logit."""
+
+    out = penalised_logits(torch.tensor([[1.0, 2.0, 3.0]]), SamplingConfig(logit_bias={1: 1.0}), None)
+    assert out.tolist() == [[1.0, 3.0, 3.0]]
+
+
+def test_a_temperature_below_one_sharpens_the_law():
+    """Temperature 0.5 divides the logits by 0.5 (not only temperatures above 1 are applied)."""
+    logits = torch.tensor([[0.0, 1.0, 2.0]])
+    out = process_logits(logits, SamplingConfig(temperature=0.5))
+    assert torch.allclose(out, torch.softmax(logits / 0.5, -1))
+
+
+def test_settled_drops_a_stop_floor_once_the_floor_is_reached():
+    """At exactly n generated tokens the floor no longer masks anything: settled() returns the inner constraint."""
+
+    assert settled(StopFloor(frozenset({3}), 2, None), [1, 2]) is None

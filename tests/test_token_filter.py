@@ -220,3 +220,16 @@ def test_a_filter_over_a_grammar_keeps_the_grammar():
     want = GrammarConstraint(tok, grammar, vocab).allowed([], vocab)
     assert not bool(want.all())
     assert torch.equal(make().allowed([], vocab), want)
+
+
+def test_without_an_inner_constraint_a_bad_word_gives_way_to_the_allowed_ids():
+    """Only id 2 is allowed and the bad word [1, 2] bans it after 1: with no grammar underneath,
+    the bad word gives way and the allowed ids' mask is returned (not an error, not an empty row)."""
+    f = TokenFilter(5, allowed_ids=[2], banned=[[1, 2]])
+    assert f.allowed([1], 5).tolist() == [False, False, True, False, False]
+
+
+def test_a_bad_word_ending_in_the_last_id_of_the_vocabulary_is_banned():
+    """The last id (vocab_size - 1) is inside the vocabulary: [1, 4] bans 4 right after 1 when V = 5."""
+    f = TokenFilter(5, banned=[[1, 4]])
+    assert f.allowed([1], 5).tolist() == [True, True, True, True, False]

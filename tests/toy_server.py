@@ -57,6 +57,16 @@ class LetterTokenizer:
         return "".join(chr(ord("a") + int(i)) for i in ids)
 
 
+class ChatLetters(LetterTokenizer):
+    """The letter tokenizer with a chat template: a conversation is its messages' letters."""
+
+    chat_template = "letters"
+
+    def apply_chat_template(self, messages: Any, tokenize: bool = False, add_generation_prompt: bool = True,
+                            **_: Any) -> str:
+        return "".join(m["content"] for m in messages)
+
+
 @dataclass(frozen=True)
 class ToyApp:
     """Builds the toy serving app (picklable: the Ray Serve tests hand it to every replica)."""

@@ -14,7 +14,7 @@ from specdec import defaults
 from specdec.server import ServerSettings, create_app
 from specdec.drafters import ModelDrafter
 from tiny import tiny_native
-from toy_server import LetterTokenizer
+from toy_server import ChatLetters, LetterTokenizer
 
 PROMPTS = ["abc", "de", "fghi", "jk", "l", "mno"]
 VOCAB = 26
@@ -142,7 +142,7 @@ def test_streamed_choices_run_side_by_side_and_stream_what_a_plain_request_retur
     assert order != sorted(order)  # interleaved, not one choice after another
     ctx = side.app.state.ctx
     assert ctx.store.claimed_bytes == 0 and ctx.active._value == 6 and ctx.spare._value == 3  # all given back
-    chat = TestClient(create_app(model, tokenizer=_ChatLetters(), settings=ServerSettings(max_active_requests=6),
+    chat = TestClient(create_app(model, tokenizer=ChatLetters(), settings=ServerSettings(max_active_requests=6),
                                  drafter_factory=lambda: ModelDrafter(draft), drafter_name="tiny"), base_url="http://localhost")
     body = {"messages": [{"role": "user", "content": "abc"}], "max_tokens": 12, "n": 3, **sampling}
     r = chat.post("/v1/chat/completions", json=body)
@@ -150,12 +150,3 @@ def test_streamed_choices_run_side_by_side_and_stream_what_a_plain_request_retur
     texts, finish, _, _, order = _streamed(chat, "/v1/chat/completions", body)
     assert [texts[i] for i in range(3)] == [c["message"]["content"] for c in r.json()["choices"]]
     assert order != sorted(order) and finish == {i: c["finish_reason"] for i, c in enumerate(r.json()["choices"])}
-
-
-class _ChatLetters(LetterTokenizer):
-    """The letter tokenizer with a chat template: a conversation is its messages' letters."""
-
-    chat_template = "letters"
-
-    def apply_chat_template(self, messages, tokenize=False, add_generation_prompt=True, **_):
-        return "".join(m["content"] for m in messages)
