@@ -16,7 +16,7 @@ import pytest
 from serverproc import DRAFT_MODEL, OPENAI_KEY
 from tests.server.test_tools import TWO_CALLS
 from specdec.server.errors import ApiError
-from specdec.server.responses_api import ResponseStore
+from specdec.server.responses_api import InputMessage, ResponsesRequest, ResponseStore, _chars, _format, _tool_choice, _turns
 
 MODEL = DRAFT_MODEL
 KEY = OPENAI_KEY
@@ -311,3 +311,64 @@ def test_a_deleted_response_frees_its_characters():
     store.put("b", "o", [], {"id": "b"}, 8)
     store.put("c", "o", [], {"id": "c"}, 2)  # 8 + 2 = 10 characters: both fit
     assert store.get("b", "o")[1] == {"id": "b"} and store.get("c", "o")[1] == {"id": "c"}
+
+
+def _items(*items: dict) -> list:
+    return ResponsesRequest.model_validate({"input": list(items)}).input
+
+
+def test_an_item_without_a_type_is_a_message_and_its_parts_are_joined_as_they_are():
+    """OpenAI's EasyInputMessage has no ``type``: it is a message; its text parts are one text, joined with nothing."""
+    [item] = _items({"role": "user", "content": [{"type": "input_text", "text": "Hel"}, {"type": "input_text", "text": "lo"}]})
+    assert isinstance(item, InputMessage)
+    assert _turns([item]) == [{"role": "user", "content": "Hello"}]
+
+
+def test_calls_join_the_assistant_turn_before_them():
+    """A function_call after the assistant's text joins that turn (the text it said first), and
+    calls in a row are one turn's calls, in order; a call's output is a tool turn."""
+    items = _items({"role": "user", "content": "1 + 2 and 3 + 4?"}, {"role": "assistant", "content": "Let me add."},
+                   {"type": "function_call", "call_id": "c1", "name": "add", "arguments": '{"a": 1, "b": 2}'},
+                   {"type": "function_call", "call_id": "c2", "name": "add", "arguments": '{"a": 3, "b": 4}'},
+                   {"type": "function_call_output", "call_id": "c1", "output": "3"})
+    turns = _turns(items)
+    assert [t["role"] for t in turns] == ["user", "assistant", "tool"]
+    assert turns[1]["content"] == "Let me add." and [c["id"] for c in turns[1]["tool_calls"]] == ["c1", "c2"]
+    assert turns[1]["tool_calls"][1]["function"] == {"name": "add", "arguments": '{"a": 3, "b": 4}'}
+    assert turns[2] == {"role": "tool", "tool_call_id": "c1", "content": "3"}
+
+
+def test_a_turns_size_counts_its_calls_arguments():
+    """The store's size of a turn: its text and its calls' arguments."""
+    turn = {"role": "assistant", "content": "ab", "tool_calls": [{"function": {"name": "f", "arguments": '{"x": 1}'}}]}
+    assert _chars(turn) == 2 + len('{"x": 1}')
+
+
+def test_tool_choice_is_translated_to_the_chat_spelling():
+    """required passes as it is; allowed_tools (flat here) keeps its mode and names, nested."""
+    assert [_tool_choice(c) for c in (None, "none", "auto", "required")] == [None, "none", "auto", "required"]
+    assert _tool_choice({"type": "function", "name": "add"}) == {"type": "function", "function": {"name": "add"}}
+    assert _tool_choice({"type": "allowed_tools", "mode": "required", "tools": [{"type": "function", "name": "add"}]}) == {
+        "type": "allowed_tools", "allowed_tools": {"mode": "required", "tools": [{"type": "function", "function": {"name": "add"}}]}}
+
+
+def test_a_text_format_that_is_no_object_is_a_400():
+    with pytest.raises(ApiError) as err:
+        _format({"format": "json"})
+    assert err.value.status == 400 and "text.format" in str(err.value)
+
+
+def test_the_store_keeps_a_lone_response_bigger_than_its_characters():
+    """The characters' bound drops older responses, never the one just stored."""
+    store = ResponseStore(capacity=10, chars=10)
+    store.put("big", "o", [], {"id": "big"}, 25)
+    assert store.get("big", "o")[1] == {"id": "big"}
+
+
+def test_an_evicted_response_gives_its_characters_back():
+    """Responses dropped for the count free their characters: later ones that fit stay."""
+    store = ResponseStore(capacity=2, chars=20)
+    for rid in "abc":  # a is dropped for the count
+        store.put(rid, "o", [], {"id": rid}, 10)
+    store.put("d", "o", [], {"id": "d"}, 10)  # b dropped for the count; c + d = 20 characters fit
+    assert store.get("c", "o")[1] == {"id": "c"} and store.get("d", "o")[1] == {"id": "d"}

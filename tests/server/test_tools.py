@@ -654,3 +654,93 @@ def test_a_named_function_is_called_once_even_with_parallel_calls_allowed():
     assert bool(ends[tok.eos_token_id])
     with pytest.raises(ConfigError, match="breaks the grammar"):
         GrammarConstraint(tok, grammar, vocab).allowed(tok.encode(one + "\n" + one, add_special_tokens=False), vocab)
+
+
+class MistralVocab:
+    """A tokenizer stand-in whose added tokens include Mistral's ``[TOOL_CALLS]``."""
+
+    def get_added_vocab(self) -> dict[str, int]:
+        return {tc.MISTRAL_OPEN: 5}
+
+
+def test_mistral_ids_shorter_than_nine_are_derived_too():
+    """Only an id of exactly nine letters and digits stays: a shorter one is refused by Mistral's
+    templates as surely as a longer one, so it is turned into nine too."""
+    for short in ("abc", "call1", "abcDEF12"):
+        derived = LISTED.template_id(short)
+        assert len(derived) == 9 and derived.isalnum() and derived != short
+
+
+def _ends(tok, grammar: str, text: str) -> bool:
+    vocab = len(tok)
+    return bool(GrammarConstraint(tok, grammar, vocab).allowed(tok.encode(text, add_special_tokens=False), vocab)[tok.eos_token_id])
+
+
+@pytest.mark.parametrize("call", ['{"name":"add","arguments":{"a":1,"b":2},"x":1}',  # a key besides the call's two
+                                  '{"name":"add"}'])  # no arguments at all
+def test_a_forced_calls_grammar_holds_the_call_object_to_name_and_arguments(call):
+    """A required call's object is exactly ``name`` and ``arguments``: no other key, neither left out."""
+    tok = registry.load_tokenizer(registry.resolve(MODEL).folder)
+    tools = [tc.ToolDef.model_validate(ADD), tc.ToolDef.model_validate(WEATHER)]
+    grammar = tc.grammar(tools, "")
+    assert _ends(tok, grammar, '<tool_call>\n{"name":"add","arguments":{"a":1,"b":2}}\n</tool_call>')
+    with pytest.raises(ConfigError, match="breaks the grammar"):
+        _ends(tok, grammar, f"<tool_call>\n{call}\n</tool_call>")
+
+
+def test_a_template_that_renders_no_tools_reads_hermes_blocks_even_for_mistral():
+    """The format answers are read in is the model's own only where its template renders the tools;
+    else the system message asks for Hermes blocks, and those are what is read."""
+    assert tc.format_for(MistralVocab(), "{{ tools }}") == LISTED
+    assert tc.format_for(MistralVocab(), "{{ messages }}") == tc.HERMES
+    assert tc.format_for(MistralVocab(), None) == tc.HERMES
+
+
+def test_only_an_assistant_turn_carries_earlier_thinking():
+    """Earlier thinking goes to the template with the assistant's turn alone; a user's or tool's
+    message that carries a ``reasoning`` field does not get one."""
+    for message in ({"role": "user", "content": "hi", "reasoning": "x"},
+                    {"role": "tool", "tool_call_id": "c", "content": "3", "reasoning_content": "x"}):
+        out = tc.turn(ChatMessage.model_validate(message), message["content"], True)
+        assert "reasoning" not in out and "reasoning_content" not in out
+    said = tc.turn(ChatMessage.model_validate({"role": "assistant", "content": "ok", "reasoning": "t"}), "ok", True)
+    assert said["reasoning"] == said["reasoning_content"] == "t"
+
+
+def test_a_block_in_another_shape_is_no_call_until_it_closes():
+    """A block not in the streamable shape (``arguments`` before ``name``) is read once it closes:
+    cut off before its closing tag it is no call, even where its JSON is complete."""
+    text = '<tool_call>{"arguments": {"a": 1}, "name": "add"}'
+    assert tc.parse(text) == (text, [])
+    assert [c["function"]["name"] for c in tc.parse(text + "</tool_call>")[1]] == ["add"]
+
+
+def test_the_whole_opening_tag_but_its_last_character_is_held_back():
+    """Streamed text stops before any suffix that may still become ``<tool_call>``: the longest is
+    the tag less its ``>``."""
+    assert tc.held_back("Sure <tool_call") == len("Sure ")
+    assert tc.held_back("<tool_call") == 0
+
+
+def test_a_mistral_call_after_an_unreadable_marker_streams_at_once():
+    """While streaming, a marker followed by no readable call does not hold up the calls after
+    the next marker."""
+    writer = tc.StreamedCalls(fmt=NAMED)
+    events = writer.feed('[TOOL_CALLS] oops [TOOL_CALLS]add[ARGS]{"a": 1}')
+    assert ("added", 0, writer.ids[0], "add") in events and ("done", 0, '{"a": 1}') in events
+
+
+def test_a_closed_mistral_call_ends_a_single_call_answer():
+    """``parallel_tool_calls: false``: generation stops once Mistral's first call is closed."""
+    assert tc.first_call_closed('[TOOL_CALLS]add[ARGS]{"a": 1}', NAMED)
+    assert not tc.first_call_closed('[TOOL_CALLS]add[ARGS]{"a": 1', NAMED)
+    assert tc.first_call_closed('[TOOL_CALLS] [{"name": "add", "arguments": {"a": 1}}]', LISTED)
+
+
+def test_streamed_calls_keep_to_their_most():
+    """A stream that keeps one call (``parallel_tool_calls: false``) announces the first alone."""
+    writer = tc.StreamedCalls(most=1)
+    two = ('<tool_call>{"name": "add", "arguments": {"a": 1}}</tool_call>\n'
+           '<tool_call>{"name": "get_weather", "arguments": {"city": "Rome"}}</tool_call>')
+    events = writer.feed(two)
+    assert {e[1] for e in events} == {0} and writer.ids == writer.ids[:1] and len(writer.ids) == 1
