@@ -242,6 +242,18 @@ def test_a_template_without_tools_gets_them_in_a_system_message():
     assert "<|im_start|>user\n<tool_response>\n3\n</tool_response>" in text
 
 
+def test_an_assistants_text_before_its_calls_stays_in_front_of_the_blocks():
+    """A template that renders no tools gets an assistant turn's text and then its calls as blocks,
+    one per line; a turn with calls and no text is the blocks alone."""
+    call = {"id": "call_1", "type": "function", "function": {"name": "add", "arguments": '{"a": 1, "b": 2}'}}
+    other = {"id": "call_2", "type": "function", "function": {"name": "add", "arguments": '{"a": 3, "b": 4}'}}
+    said = ChatMessage.model_validate({"role": "assistant", "content": "Let me add.", "tool_calls": [call, other]})
+    first, second = tc.block("add", {"a": 1, "b": 2}), tc.block("add", {"a": 3, "b": 4})
+    assert tc.turn(said, "Let me add.", False) == {"role": "assistant", "content": f"Let me add.\n{first}\n{second}"}
+    bare = ChatMessage.model_validate({"role": "assistant", "content": None, "tool_calls": [call]})
+    assert tc.turn(bare, "", False) == {"role": "assistant", "content": first}
+
+
 def test_a_template_with_tools_renders_them_itself():
     """Qwen2.5's template renders tools, calls and results itself (arguments as objects, not
     strings written twice)."""
