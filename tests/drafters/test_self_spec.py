@@ -626,7 +626,6 @@ def test_a_neighbour_toggles_exactly_one_attention_or_mlp_sub_layer():
     assert kinds == {"attn", "mlp"}
 
 
-
 def _argmax() -> DraftSampler:
     return DraftSampler(SamplingConfig(temperature=0.0), "argmax", penalties=None, generator=None)
 
@@ -697,7 +696,6 @@ def test_swift_scores_over_the_window_alone_when_the_targets_cache_lacks_it():
     bound.bind_target(TARGET, cache)
     alone = SwiftDrafter(TARGET, SKIP, window=8, budget=None)
     assert bound._agreement(plan, seq) == alone._agreement(plan, seq)
-
 
 
 def _switching(drafter: SwiftDrafter, wanted: LayerPlan) -> SwiftDrafter:
@@ -771,7 +769,6 @@ def test_neighbours_reach_every_attention_and_mlp_sub_layer():
     assert seen == {(kind, i) for kind in ("attn", "mlp") for i in range(3)}
 
 
-
 def test_a_built_early_exit_view_hands_its_layers_to_the_verification_pass():
     """``layerskip:K`` is built to share: its drafts carry layers the verification pass really
     reuses (logits, not None), bitwise the plain pass's, on a batch-invariant target."""
@@ -784,7 +781,6 @@ def test_a_built_early_exit_view_hands_its_layers_to_the_verification_pass():
     feed = torch.cat([session.context[-1:], draft.tokens])
     got = draft.reuse.forward(INVARIANT, feed, session.cache)
     assert got is not None and torch.equal(got, INVARIANT.forward(feed, plain.cache))
-
 
 
 def _neighbours(drafter: SwiftDrafter, n: int = 12) -> list[LayerPlan]:
@@ -800,3 +796,77 @@ def test_a_spawned_swift_drafter_keeps_the_seed_it_was_built_with():
     want = _neighbours(SwiftDrafter(TARGET, SKIP, seed=5, budget=None))
     assert want != _neighbours(SwiftDrafter(TARGET, SKIP, seed=0, budget=None))  # the seed matters here
     assert _neighbours(seeded.spawn()) == want
+
+
+def test_a_skipped_index_must_name_one_of_the_targets_layers():
+    """A skip set names layers 0 .. n-1: index n (one past the last) is refused as a one-line
+    ConfigError, in either group, not silently ignored by the plan's steps."""
+    for attn, mlp in (({3}, set()), (set(), {3})):
+        with pytest.raises(ConfigError, match="0..2"):
+            LayerPlan.skipping(3, attn, mlp)
+    assert LayerPlan.skipping(3, {2}, {2}).steps == ((0, True, True), (1, True, True))
+
+
+def test_a_layer_plan_file_names_its_index_lists_as_lists(tmp_path):
+    """A skip set's ``skip_attn`` / ``skip_mlp`` must be JSON lists: a string or an object there is
+    refused with the message naming the key (not read character by character or key by key)."""
+    path = tmp_path / "s.json"
+    for value in ('"12"', '{"1": 0}'):
+        path.write_text('{"n_layers": 3, "skip_attn": %s}' % value)
+        with pytest.raises(ConfigError, match="skip_attn must be a list of layer indices"):
+            load_plan(path)
+
+
+def test_a_skip_set_file_that_is_not_json_is_a_config_error(tmp_path):
+    """Malformed JSON in a skip-set file is a one-line ConfigError naming the file, not a traceback."""
+    path = tmp_path / "broken.json"
+    path.write_text('{"n_layers": 3,')
+    with pytest.raises(ConfigError, match="cannot read skip-set file"):
+        load_plan(path)
+
+
+def _swift(**kw):
+    return SwiftDrafter(tiny_native(layers=3, batch_invariant=False), LayerPlan.skipping(3, {1}, {2}), **kw)
+
+
+def test_swift_affords_a_scoring_exactly_up_to_its_budget():
+    """Before the first scoring its cost is bounded by (1 + tries) passes of window - 1 one-row
+    draft steps, and it runs when that is at most ``budget`` of the decoding time seen (the
+    boundary included); with no draft step measured there is no bound and no scoring.  Values
+    chosen to be exact in binary floating point: cost 2 x 2 x 0.25 = 1.0, budget 0.5."""
+    d = _swift(tries=1, window=3, budget=0.5)
+    d.seen_s = 100.0
+    assert not d._affordable()  # no draft step measured yet
+    d._step_s = 0.25
+    d.seen_s = 2.0
+    assert d._affordable()  # 1.0 <= 0.5 x 2.0: at the budget is within it
+    d.seen_s = 1.999
+    assert not d._affordable()
+    d._scoring_cost, d._scored_at, d.seen_s = 0.5, 1.0, 2.0  # after one: its measured cost, since then
+    assert d._affordable()
+    d.seen_s = 1.99
+    assert not d._affordable()
+
+
+def test_a_spawned_swift_drafter_keeps_every_setting():
+    """A server's per-request copy scores and budgets as the drafter it was spawned from."""
+    d = _swift(every=5, window=9, tries=2, max_backoff=3, budget=0.125, seed=7)
+    s = d.spawn()
+    assert (s.every, s.window, s.tries, s.max_backoff, s.budget, s.seed) == (5, 9, 2, 3, 0.125, 7)
+    assert s.view.plan == d.view.plan and s.view.reduced is d.view.reduced
+    assert _swift(budget=None).spawn().budget is None
+
+
+def test_swift_scores_only_once_the_context_is_longer_than_its_window():
+    """A scoring needs ``window`` committed tokens plus the one before them: with a context of
+    exactly ``window`` tokens it does not score (it would score one row fewer than promised)."""
+    d = _swift(every=1, window=7, tries=1, budget=None)
+    sampler = DraftSampler(SamplingConfig(temperature=0.0), "argmax", penalties=None, generator=None)
+    ctx = torch.tensor([1, 3, 0, 4, 2, 2, 1])
+    d.prepare(ctx)
+    for _ in range(3):
+        d.propose(ctx, 0, sampler)
+    assert d.scorings == 0
+    longer = torch.cat([ctx, torch.tensor([0])])
+    d.propose(longer, 0, sampler)
+    assert d.scorings == 1

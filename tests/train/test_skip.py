@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+from types import SimpleNamespace
+
 import pytest
 
 from specdec.drafters.self_spec import LayerPlan
@@ -330,3 +332,59 @@ def test_influence_is_measured_on_the_stream_each_sub_layer_receives(data) -> No
             total += float((1.0 - torch.cosine_similarity(x, y, dim=-1)).sum())
             count += seq.numel()
     assert got == pytest.approx(total / count, rel=1e-4)
+
+
+def _fake_costs(monkeypatch, fixed: float, attn: float, mlp: float, verify: float = 1.4, view_fixed: float | None = None,
+                reduced=None):
+    """measure_costs on a hand-moved clock: a step costs ``fixed`` + ``attn`` per attention +
+    ``mlp`` per MLP sub-layer (two layers), a 5-position verification ``verify`` steps."""
+    clock = [0.0]
+
+    class Cache:
+        def truncate(self, n):
+            pass
+
+    def step(plan_steps):
+        return fixed + sum(attn * a + mlp * m for _, a, m in plan_steps)
+
+    class Target:
+        cfg = SimpleNamespace(n_layers=2)
+        max_length, vocab_size = 256, 50
+
+        def new_cache(self, n):
+            return Cache()
+
+        def forward(self, tokens, cache):
+            clock[0] += step([(i, True, True) for i in range(2)]) * (1.0 if tokens.numel() == 1 else verify)
+
+    class View:
+        def __init__(self, target, plan, reduced=None):
+            self.plan = plan
+
+        def new_cache(self, n):
+            return Cache()
+
+        def forward(self, tokens, cache):
+            clock[0] += step(self.plan.steps) + ((view_fixed - fixed) if view_fixed is not None else 0.0)
+
+    monkeypatch.setattr(sk, "LayerView", View)
+    monkeypatch.setattr(sk, "time", SimpleNamespace(perf_counter=lambda: clock[0]))
+    return sk.measure_costs(Target(), repeats=3, context=8, reduced=reduced)
+
+
+def test_a_measured_fixed_cost_is_floored_at_two_percent_of_a_step(monkeypatch) -> None:
+    """Where the sub-layers account for the whole step (no time left for the head and overhead),
+    the fixed cost is floored at 0.02 of a target step, so a draft that skips everything is never
+    free (a free draft would make the search's objective run away to the longest γ)."""
+    cost = _fake_costs(monkeypatch, fixed=0.0, attn=0.125, mlp=0.25)
+    assert cost.attn == pytest.approx(0.125 / 0.75) and cost.mlp == pytest.approx(0.25 / 0.75)
+    assert cost.fixed == pytest.approx(0.02)
+
+
+def test_a_reduced_heads_fixed_cost_is_timed_through_the_views_head(monkeypatch) -> None:
+    """With a reduced vocabulary the views' steps are timed through its (cheaper) head: the
+    sub-layer shares come from view steps alone, and the fixed cost is the view's head and
+    overhead (0.125 here) against the target's whole step (0.25 + 2 x (0.125 + 0.25) = 1.0)."""
+    cost = _fake_costs(monkeypatch, fixed=0.25, attn=0.125, mlp=0.25, view_fixed=0.125, reduced=object())
+    assert cost.attn == pytest.approx(0.125) and cost.mlp == pytest.approx(0.25)
+    assert cost.fixed == pytest.approx(0.125)
