@@ -3,11 +3,13 @@
 from __future__ import annotations
 
 import json
+from dataclasses import dataclass
 from types import SimpleNamespace
 
 import pytest
 
-from specdec.batch_file import SHAPING, done_lines, needs_chat, parse_prompt_lines, settings_key
+from specdec import batch_file, fim
+from specdec.batch_file import SHAPING, Job, done_lines, needs_chat, parse_prompt_lines, settings_key
 from specdec.cli import main
 from specdec.engine import Engine, EngineConfig
 from specdec.errors import SpecdecError
@@ -231,3 +233,53 @@ def test_generated_tokens_is_each_results_token_count(capsys, target, tmp_path):
     code, out, _ = _run(capsys, "generate", "--prompts-file", str(prompts), "--target", target, "-n", "6", "--seed", "1")
     rows = [json.loads(line) for line in out.splitlines()]
     assert code == 0 and len(rows) == 2 and all(r["generated_tokens"] == len(r["token_ids"]) > 0 for r in rows)
+
+
+@pytest.mark.parametrize("name, a, b", [("top_p", 0.9, 1.0), ("top_k", 5, 0), ("min_p", 0.1, 0.0), ("temperature", 0.0, 1.0),
+                                        ("seed", 1, 2), ("max_new_tokens", 8, 9), ("stop", ["x"], None), ("logprobs", 2, None),
+                                        ("repetition_penalty", 1.2, 1.0), ("regex", "[0-9]", None), ("target", "a", "b")])
+def test_every_sampling_and_output_option_changes_the_settings_key(name, a, b):
+    """A rerun with another top_p (etc.) must not go on after results made with the old one: each
+    option that shapes a result is in SHAPING and changes the key."""
+    assert name in SHAPING
+    base = {n: None for n in SHAPING}
+    assert settings_key(SimpleNamespace(**{**base, name: a})) != settings_key(SimpleNamespace(**{**base, name: b}))
+
+
+@dataclass(frozen=True)
+class _Sampling:
+    stop_token_ids: tuple = ()
+    seed: int | None = None
+    greedy: bool = True
+
+
+def test_one_filled_line_makes_the_end_of_file_tokens_end_every_lines_output(monkeypatch, tmp_path):
+    """Where ANY line has a suffix (not only where all do), the model's end-of-file tokens are stop
+    tokens for the whole job (module docstring).  Fake engine and FIM style: only the sampling
+    handed to generate_batch is looked at."""
+    monkeypatch.setattr(fim, "require_style", lambda tok: "style")
+    monkeypatch.setattr(fim, "stop_ids", lambda tok, style, given: tuple(sorted(set(given) | {99})))
+    monkeypatch.setattr(fim, "prompt_ids", lambda tok, prefix, suffix, style=None: [1, 2, 3])
+    seen = {}
+
+    class FakeEngine:
+        target = SimpleNamespace(model=SimpleNamespace(max_length=64), tokenizer=object())
+
+        def encode(self, text, chat, system):
+            return [5, 6]
+
+        def generate_batch(self, ids, sampling, **kw):
+            seen["stop"] = sampling.stop_token_ids
+
+    prompts = parse_prompt_lines('"plain"\n{"prompt": "def f(", "suffix": ")"}', "f")
+    job = Job(prompts, tmp_path / "out.jsonl", 0, 0)
+    args = SimpleNamespace(chat=False, system=None, batch=2, method=None, logprobs=None)
+    batch_file.run(FakeEngine(), job, args, _Sampling(stop_token_ids=(7,)), lambda m: None)
+    assert seen["stop"] == (7, 99)
+
+
+@pytest.mark.parametrize("line", ["3", "null", "true", "1.5"])
+def test_a_json_line_that_is_neither_string_nor_object_names_its_line(line):
+    """A number / null / boolean line is a one-line SpecdecError naming the line, not a TypeError."""
+    with pytest.raises(SpecdecError, match="f line 2: neither a string nor an object"):
+        parse_prompt_lines('"ok"\n' + line, "f")

@@ -82,3 +82,33 @@ def test_the_family_rows_name_every_drafter_without_a_model_of_its_own():
     rows = catalog.describe_families()
     assert [r["name"] for r in rows] == ["layerskip:K", "self-skip", "swift", "kangaroo", "ngram", "lookahead", "none"]
     assert "shipped for: qwen2.5-coder-1.5b, smollm2-135m" in rows[1]["description"]
+
+
+def test_kangaroo_asks_for_an_adapter_not_a_skip_set():
+    """A target with a shipped skip set but no shipped adapter: ``kangaroo`` is refused (it needs an
+    adapter), ``self-skip`` is not."""
+    target = next(t for t in catalog.skip_set_targets() if t not in catalog.adapter_targets())
+    catalog.check_shipped("self-skip", target)
+    with pytest.raises(ConfigError, match=f"no kangaroo adapter ships for {target!r}"):
+        catalog.check_shipped("kangaroo", target)
+
+
+def test_a_folder_named_like_the_calibration_file_is_no_calibration(tmp_path):
+    """Only a file is a calibration: a folder of that name is ignored (None), not a crash."""
+    (tmp_path / catalog.CALIBRATION_FILE).mkdir()
+    assert catalog.calibrated_factor(tmp_path) is None
+
+
+def test_a_head_folder_without_a_head_config_is_missing(tmp_path):
+    """A folder under the head's registry name is 'bundled' only where it holds a head's config."""
+    (tmp_path / "smollm2-135m-medusa").mkdir()
+    (tmp_path / "smollm2-135m-mtp").mkdir()
+    (tmp_path / "smollm2-135m-mtp" / "config.json").write_text('{"kind": "lora"}')
+    rows = {r["name"]: r["status"] for r in catalog.describe_heads(tmp_path)}
+    assert rows["smollm2-135m-medusa"] == "missing" and rows["smollm2-135m-mtp"] == "missing"
+
+
+def test_a_config_with_null_architectures_is_no_head(tmp_path):
+    """``"architectures": null`` (as some exported configs write) is simply not a head, not a crash."""
+    (tmp_path / "config.json").write_text('{"architectures": null}')
+    assert catalog.is_head_folder(tmp_path) is False

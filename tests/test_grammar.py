@@ -10,7 +10,7 @@ pytest.importorskip("llguidance")
 from transformers import AutoTokenizer  # noqa: E402
 
 from specdec.errors import ConfigError  # noqa: E402
-from specdec.grammar import GrammarConstraint, grammar_for  # noqa: E402
+from specdec.grammar import GrammarConstraint, choice_lark, grammar_for  # noqa: E402
 from specdec.models.registry import DATA_DIR  # noqa: E402
 
 V = 49152
@@ -200,3 +200,37 @@ def test_anything_after_the_end_token_allows_only_the_end(tok):
     for tail in ([eos], [eos, doc[0]], [eos, doc[0], doc[-1]]):
         assert constraint.allowed(doc + tail, V).nonzero().flatten().tolist() == [eos], tail
     assert torch.equal(constraint.allowed([], V), fresh)
+
+
+def _walk(tok, constraint, text):
+    """Feed ``text``'s tokens one at a time, each checked against the mask; the final mask."""
+    ids = tok.encode(text, add_special_tokens=False)
+    for k, t in enumerate(ids):
+        assert bool(constraint.allowed(ids[:k], V)[t]), (text, k)
+    return constraint.allowed(ids, V)
+
+
+def test_json_grammars_are_compact_no_whitespace_between_tokens(tok):
+    """json_object / json_schema grammars allow no whitespace where JSON would (small models
+    spiral into it): after '{"a":' no allowed token starts with whitespace."""
+    for kind, spec in (("json_object", None), ("json_schema", {"type": "object", "properties": {"a": {"type": "integer"}}})):
+        c = GrammarConstraint(tok, grammar_for(kind, spec), V)
+        mask = _walk(tok, c, '{"a":')
+        allowed = mask.nonzero().flatten().tolist()
+        assert allowed and not any(tok.decode([i])[:1].isspace() for i in allowed if i != tok.eos_token_id), kind
+
+
+def test_a_choice_list_allows_exactly_its_strings_quotes_and_backslashes_included(tok):
+    """choice_lark escapes each string: a choice holding '"' or '\\' is allowed as written, and
+    once a choice is complete only the end token may follow."""
+    choices = ['say "hi"', "back\\slash", "plain"]
+    grammar = choice_lark(choices)
+    for text in choices:
+        end = _walk(tok, GrammarConstraint(tok, grammar, V), text)
+        assert end.nonzero().flatten().tolist() == [tok.eos_token_id], text
+
+
+@pytest.mark.parametrize("bad", [[], ["yes", ""], ["yes", 3]])
+def test_a_choice_list_must_hold_non_empty_strings(bad):
+    with pytest.raises(ConfigError, match="one or more non-empty strings"):
+        choice_lark(bad)

@@ -6,6 +6,7 @@ test runs last because it leaves the deployment with one fresh replica.  Skipped
 
 from __future__ import annotations
 
+import asyncio
 import json
 import os
 import threading
@@ -28,6 +29,7 @@ from specdec.remote.edge import generate_remote  # noqa: E402
 from specdec.sampling import SamplingConfig  # noqa: E402
 from specdec.server import scaleout  # noqa: E402
 from specdec.verify import get_rule  # noqa: E402
+from starlette.requests import Request  # noqa: E402
 from toy_server import ToyApp  # noqa: E402
 
 # one worker runs the whole module (with `pytest -n 2 --dist loadgroup`): one Ray instance, not two
@@ -75,8 +77,6 @@ class _FakeHandle:
 
 def _gateway_call(outcomes: list[str], path: str, retries: int = 2):
     import asyncio
-
-    from starlette.requests import Request
 
     scope = {"type": "http", "method": "POST", "path": path, "query_string": b"", "headers": [(b"host", b"127.0.0.1")],
              "client": ("127.0.0.1", 5), "server": ("127.0.0.1", 80), "scheme": "http", "root_path": ""}
@@ -404,3 +404,75 @@ def test_a_killed_replica_loses_no_request_and_changes_no_output(cluster):
     # the re-created sessions live on a replica that is not the dead one
     late = [sid for sid in hook.by_session if not sid.startswith(victim + scaleout.SEPARATOR)]
     assert late
+
+
+def test_an_empty_replica_part_pins_to_no_replica():
+    """'/v1/sessions/.x' and 'resp_.x' name no replica (None, not ''): the gateway then treats
+    the request as unbound (retried elsewhere, never a 404 for a 'gone' replica)."""
+    assert scaleout.session_replica("/v1/sessions/.XyZ/verify") is None
+    assert scaleout.response_replica("resp_.ff00") is None
+    assert scaleout.bound_replica("GET", "/v1/responses/resp_.ff00", b"") is None
+
+
+class _Raising:
+    """A verifier handle whose call fails with ``exc`` (not a lost replica)."""
+
+    def __init__(self, exc: BaseException) -> None:
+        self.exc, self.calls, self.request = exc, 0, self
+
+    def options(self, **_: object) -> "_Raising":
+        return self
+
+    def remote(self, req: dict, replica: str | None = None):
+        self.calls += 1
+        exc = self.exc
+
+        async def gen():
+            raise exc
+            yield  # pragma: no cover
+
+        return gen()
+
+
+def test_an_error_that_is_not_a_lost_replica_is_not_retried_or_hidden():
+    """Only a dead replica is retried / answered 404 or 503: any other failure propagates at once."""
+    scope = {"type": "http", "method": "POST", "path": "/v1/completions", "query_string": b"", "headers": [],
+             "client": ("127.0.0.1", 5), "server": ("127.0.0.1", 80), "scheme": "http", "root_path": ""}
+
+    async def receive():
+        return {"type": "http.request", "body": b"{}", "more_body": False}
+
+    handle = _Raising(ValueError("boom"))
+    with pytest.raises(ValueError, match="boom"):
+        asyncio.run(scaleout.Gateway(handle, retries=2)(Request(scope, receive)))
+    assert handle.calls == 1
+
+
+def test_a_failed_lifespan_startup_does_not_hang_the_replica():
+    """An app whose lifespan start-up fails ('lifespan.startup.failed') still lets start() return
+    (requests then reach the app), instead of every request waiting forever."""
+
+    async def app(scope, receive, send):
+        if scope["type"] == "lifespan":
+            await receive()
+            await send({"type": "lifespan.startup.failed", "message": "no"})
+
+    async def main():
+        host = scaleout.AsgiHost(app)
+        await asyncio.wait_for(host.start(), timeout=10)
+
+    asyncio.run(main())
+
+
+def test_a_false_option_in_a_serve_config_is_left_out():
+    """Serve config files give flags as booleans: False means 'not set', never '--flag False'."""
+    app = scaleout.app_builder({"replicas": 2, "api_key": "k", "fast-attention": False, "target": "smollm2-135m"})
+    build = app._bound_deployment.init_args[0]._bound_deployment.init_args[0]
+    assert build.args.fast_attention is False and build.args.replicas == 2
+
+
+def test_a_responses_body_that_is_not_an_object_pins_to_no_replica():
+    """A POST /v1/responses body that is JSON but not an object (mentioning previous_response_id)
+    is bound to no replica (the replica answers the bad body), not a gateway crash."""
+    assert scaleout.bound_replica("POST", "/v1/responses", b'["previous_response_id", "resp_abc.x"]') is None
+    assert scaleout.bound_replica("POST", "/v1/responses", b'"previous_response_id"') is None
