@@ -547,3 +547,166 @@ def test_each_epoch_is_reshuffled_by_the_seed_and_the_epoch(tiny) -> None:
             with torch.no_grad():
                 want.append(float(on.kl(logp, on._draft_law(s, ids, rows, False))))
     assert s.losses == pytest.approx(want, abs=1e-4)
+
+
+def _quiet(msg: str) -> None:
+    pass
+
+
+def test_a_resumed_run_reports_the_tokens_of_an_uninterrupted_one(tiny, tmp_path: Path) -> None:
+    """The resumed weights and losses are an uninterrupted run's (Adam's moments restored); ``tokens`` is the reply positions trained on across resumed parts (the checkpoint carries it),
+    and counts reply rows only (16 hand-made sequences, 6 steps of 24 padded tokens, paused at 2)."""
+    _, target, draft = tiny
+    shape_t, wt, _ = on.load_folder(target)
+    data = _made(16, 21)
+    index = list(range(16))
+    cfg = on.OnlineConfig(steps=6, batch_tokens=24, lr=1e-3, warmup=1, ckpt_every=100)
+    a, b = _student(draft), _student(draft)
+    straight = on.train(shape_t, wt, [a], data, index, cfg, None, _quiet, False)
+    first = on.train(shape_t, wt, [_student(draft)], data, index, cfg, tmp_path / "c.pt", _quiet, False,
+                     pause=lambda step: step == 2)
+    assert not first["finished"] and first["steps"] == 2
+    second = on.train(shape_t, wt, [b], data, index, cfg, tmp_path / "c.pt", _quiet, False)
+    assert b.losses == a.losses and all(torch.equal(t, b.w[k]) for k, t in a.w.items())  # the optimiser's state came back
+    assert second["finished"] and second["steps"] == 6 and second["tokens"] == straight["tokens"]
+    assert second["batch_tokens"] == 24
+    # the straight run's count is the reply rows of the batches it took (one epoch is 16 sequences)
+    order = on.batches(data, index, 24, on.random.Random(0))
+    reply_rows = [int(on.collate(data, g, torch.device("cpu"))[1].sum()) for g in reversed(order)]
+    assert straight["tokens"] == sum(reply_rows[:6])
+
+
+def test_a_smaller_steps_on_resume_stops_where_the_checkpoint_is(tiny, tmp_path: Path) -> None:
+    """Paused at step 3 of 5, rerun asking for 2 steps: nothing more is trained and the run is
+    finished at step 3 (``--steps`` below the checkpoint's step cannot undo steps)."""
+    _, target, draft = tiny
+    shape_t, wt, _ = on.load_folder(target)
+    data = _made(8, 22)
+    cfg = on.OnlineConfig(steps=5, batch_tokens=24, lr=1e-3, warmup=1)
+    ckpt = tmp_path / "c.pt"
+    on.train(shape_t, wt, [_student(draft)], data, list(range(8)), cfg, ckpt, _quiet, False, pause=lambda s: s == 3)
+    s = _student(draft)
+    stats = on.train(shape_t, wt, [s], data, list(range(8)), on.OnlineConfig(steps=2, batch_tokens=24, lr=1e-3, warmup=1),
+                     ckpt, _quiet, False)
+    assert stats["finished"] and stats["steps"] == 3 and len(s.losses) == 3
+
+
+def test_a_time_bounded_rerun_keeps_the_checkpoints_step_count(tiny, tmp_path: Path) -> None:
+    """A checkpoint records the step count a run planned; a rerun without --steps (steps 0) goes on
+    to it rather than stopping where the checkpoint is."""
+    _, target, draft = tiny
+    shape_t, wt, _ = on.load_folder(target)
+    data = _made(8, 23)
+    ckpt = tmp_path / "c.pt"
+    on.train(shape_t, wt, [_student(draft)], data, list(range(8)), on.OnlineConfig(steps=4, batch_tokens=24),
+             ckpt, _quiet, False, pause=lambda s: s == 2)
+    stats = on.train(shape_t, wt, [_student(draft)], data, list(range(8)), on.OnlineConfig(steps=0, batch_tokens=24),
+                     ckpt, _quiet, False)
+    assert stats["finished"] and stats["steps"] == 4
+
+
+def test_checkpoints_are_written_every_ckpt_every_steps(tiny, tmp_path: Path) -> None:
+    """With ``ckpt_every`` 2 a run of 5 steps stopped by an error at step 4 leaves the checkpoint of step 4."""
+    _, target, draft = tiny
+    shape_t, wt, _ = on.load_folder(target)
+    data = _made(8, 24)
+    ckpt = tmp_path / "c.pt"
+
+    def stop(step: int) -> bool:
+        if step == 4:
+            raise KeyboardInterrupt
+        return False
+
+    with pytest.raises(KeyboardInterrupt):
+        on.train(shape_t, wt, [_student(draft)], data, list(range(8)),
+                 on.OnlineConfig(steps=5, batch_tokens=24, ckpt_every=2), ckpt, _quiet, False, pause=stop)
+    assert torch.load(ckpt, weights_only=False)["step"] == 2  # step 4's is written after pause() is asked
+    with pytest.raises(KeyboardInterrupt):
+        on.train(shape_t, wt, [_student(draft)], data, list(range(8)),
+                 on.OnlineConfig(steps=7, batch_tokens=24, ckpt_every=2), tmp_path / "d.pt", _quiet, False,
+                 pause=lambda s: (_ for _ in ()).throw(KeyboardInterrupt) if s == 5 else False)
+    assert torch.load(tmp_path / "d.pt", weights_only=False)["step"] == 4
+
+
+def test_a_pause_at_the_last_generation_batch_is_a_finished_generation(tiny) -> None:
+    """``pause()`` is only asked while sequences remain: 4 sequences in one batch are finished."""
+    _, target, _ = tiny
+    shape, w, _ = on.load_folder(target)
+    prompts = {"chat": _prompts(2, 31), "code": _prompts(2, 32), "eos": [2]}
+    cfg = on.OnlineConfig(sequences=4, gen_batch=8, max_new_chat=3, max_new_code=3, temperatures=(0.0,), code_repeats=1)
+    seqs, finished = on.generate_all(shape, w, prompts, cfg, _quiet, None, lambda: True)
+    assert finished and len(seqs) == 4
+
+
+def test_the_plan_repeats_code_prompts_at_positive_temperatures_only() -> None:
+    """Each prompt once per temperature; code prompts ``code_repeats`` times at each T > 0; the
+    order is shuffled by the seed (3 chat, 2 code prompts, T = 0 and 1, 3 repeats: 6 + 2 + 6 = 14)."""
+    prompts = {"chat": [[1, i] for i in range(3)], "code": [[2, i] for i in range(2)]}
+    cfg = on.OnlineConfig(temperatures=(0.0, 1.0), code_repeats=3)
+    items = on.plan(prompts, cfg)
+    assert len(items) == 14
+    assert sum(1 for x in items if x[1] == "code" and x[2] == 0.0) == 2
+    assert sum(1 for x in items if x[1] == "code" and x[2] == 1.0) == 6
+    other = on.plan(prompts, on.OnlineConfig(temperatures=(0.0, 1.0), code_repeats=3, seed=1))
+    assert sorted(map(str, other)) == sorted(map(str, items)) and other != items
+    assert on.plan(prompts, cfg) == items
+
+
+def test_the_learning_rate_schedule_reaches_students_and_heads(tiny, monkeypatch, tmp_path: Path) -> None:
+    """A schedule factor of 0 at every step leaves every student and head where it started."""
+    _, target, draft = tiny
+    shape_t, wt, _ = on.load_folder(target)
+    data = _made(8, 25)
+    monkeypatch.setattr(on, "warmup_cosine", lambda step, total, warmup: 0.0)
+    cfg = on.OnlineConfig(steps=2, batch_tokens=4096, heads=("eagle3",), head_vocab=256, head_depth=2, lr=1e-2, head_lr=1e-2)
+    heads = on._make_heads(shape_t, wt, data, list(range(8)), {"eos": [2]}, cfg, tmp_path)
+    s = _student(draft)
+    before_s = {k: t.clone() for k, t in s.w.items()}
+    before_h = {k: t.clone() for k, t in heads.students[0].model.state_dict().items()}
+    on.train(shape_t, wt, [s], data, list(range(8)), cfg, None, _quiet, False, heads=heads)
+    assert all(torch.equal(t, before_s[k]) for k, t in s.w.items())
+    assert all(torch.equal(t, before_h[k]) for k, t in heads.students[0].model.state_dict().items())
+
+
+def test_held_out_scores_each_kind_and_all(tiny) -> None:
+    """Per kind and ``all``: positions add up, and ``all`` is the position-weighted mean of the kinds
+    (6 hand-made sequences, half chat, half code)."""
+    _, target, draft = tiny
+    shape_t, wt, _ = on.load_folder(target)
+    data = _made(6, 26)
+    got = on.held_out(shape_t, wt, [_student(draft)], data, list(range(6)), 4096, False)["s"]
+    assert set(got) == {"chat", "code", "all"}
+    n = {k: got[k]["positions"] for k in got}
+    assert n["all"] == n["chat"] + n["code"] == sum(len(x.tokens) - max(x.prompt_len, 1) for x in data)
+    for key in ("greedy", "t1"):
+        mean = (got["chat"][key] * n["chat"] + got["code"][key] * n["code"]) / n["all"]
+        assert got["all"][key] == pytest.approx(mean, abs=2e-4)
+
+
+def test_a_time_bounded_run_resumed_before_its_step_count_is_measured_uses_its_budget(tiny, tmp_path: Path,
+                                                                                      monkeypatch) -> None:
+    """``steps`` 0: the step count is measured from 20 steps' speed, 10 to 30 steps into a part of
+    the run.  A run paused at step 11 and resumed never passed step 10 again, so it measured its
+    speed from the clock's origin and stopped at step 31 whatever its budget.  On a fake clock
+    advancing 1 s a step with a 40 s budget the resumed part measures steps 21..41 and, its budget
+    spent by then (11 s before the pause, 29 s after), stops at step 42."""
+    _, target, draft = tiny
+    shape_t, wt, _ = on.load_folder(target)
+    data = _made(8, 27)
+    now = [1000.0]
+    monkeypatch.setattr(on.time, "perf_counter", lambda: now[0])
+
+    def tick(stop_at: int | None):
+        def pause(step: int) -> bool:
+            now[0] += 1.0
+            return step == stop_at
+        return pause
+
+    cfg = on.OnlineConfig(steps=0, train_seconds=40.0, batch_tokens=64, lr=1e-3, warmup=1)
+    ckpt = tmp_path / "c.pt"
+    first = on.train(shape_t, wt, [_student(draft)], data, list(range(8)), cfg, ckpt, lambda m: None, False,
+                     pause=tick(11))
+    assert first["steps"] == 11 and not first["finished"]
+    second = on.train(shape_t, wt, [_student(draft)], data, list(range(8)), cfg, ckpt, lambda m: None, False,
+                      pause=tick(None))
+    assert second["finished"] and second["steps"] >= 40, second

@@ -661,6 +661,7 @@ def train(shape_t: Shape, wt: dict[str, Tensor], students: list[Student], data: 
         earlier_s = 0.0
     t0 = time.perf_counter()
     warm_t = 0.0
+    first = step  # a resumed time-bounded run measures its speed from its own steps
     while total == 0 or step < total:
         if not order:
             order = batches(data, index, batch_tokens, random.Random(cfg.seed * 7919 + epoch))
@@ -708,11 +709,12 @@ def train(shape_t: Shape, wt: dict[str, Tensor], students: list[Student], data: 
             continue
         step += 1
         tokens += int(rows.sum())
-        if total == 0 and step == 10:
+        if total == 0 and step == first + 10:
             warm_t = time.perf_counter()
-        if total == 0 and step == 30:  # the step count that fits the budget, from steps 10..30's speed
+        if total == 0 and step == first + 30:  # the step count that fits the budget, from 20 steps' speed
             per = (time.perf_counter() - warm_t) / 20
-            total = max(step + 1, int((cfg.train_seconds - (time.perf_counter() - t0)) / per) + step)
+            left = cfg.train_seconds - earlier_s - (time.perf_counter() - t0)  # the earlier parts' time counts too
+            total = max(step + 1, int(left / per) + step)
             log(f"train: {per * 1000:.0f} ms a step -> {total} steps")
         if step % 100 == 0 or step == total:
             losses = " ".join(f"{s.name} {sum(s.losses[-100:]) / len(s.losses[-100:]):.4f}" for s in [*students, *hs])
