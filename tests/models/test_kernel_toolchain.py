@@ -6,15 +6,22 @@ longer compiles, which would then pass CI unseen.  So a failed build is told apa
 extension is compiled with the same compiler, flags, include and library paths; if that builds and
 the kernels do not, the fault is in the kernels' sources, and the test fails with the compiler's
 last lines.
+
+The loader's answers are pinned here too, without compiling anything (a fresh process state and a
+faked compiler): what each kernel reports with and without the library, the switches, the
+compiler's choice and the build cache's key (sources, header and target CPU).
 """
 
 from __future__ import annotations
 
 import os
+import shutil
 import subprocess
 from pathlib import Path
+from types import SimpleNamespace
 
 import pytest
+import torch
 
 from specdec.models import kernels
 
@@ -78,3 +85,106 @@ def test_a_failed_build_is_reported_by_its_first_error(monkeypatch, capsys) -> N
     monkeypatch.delenv("SPECDEC_KERNELS", raising=False)
     assert kernels.load() is False
     assert "did not build (q4.cpp:3:1: error: 'x' was not declared)" in capsys.readouterr().err
+
+
+@pytest.fixture
+def fresh(monkeypatch):
+    """A process-state as if nothing were loaded yet; ``set(ok)`` makes load() answer ``ok``."""
+    state: dict = {}
+    monkeypatch.setattr(kernels, "_state", state)
+
+    def set_loaded(ok: bool) -> dict:
+        state["loaded"] = ok
+        return state
+
+    return set_loaded
+
+
+def test_without_the_library_every_kernel_answers_absent(fresh, monkeypatch):
+    """No library: no q8 product (zero point 0), no 4-bit kernel, ATen attention, not loaded, no name;
+    switching the attention kernel on cannot turn it on."""
+    fresh(False)
+    monkeypatch.delenv("SPECDEC_ATTENTION", raising=False)
+    assert kernels.loaded() is False and kernels.library() is None
+    assert kernels.q8_zero() == 0 and kernels.q8_available() is False
+    assert kernels.q4_available() is False and kernels.q4_fast() is False
+    assert kernels.attention_kernel() is False
+    kernels.set_attention_kernel(True)
+    assert kernels.attention_kernel() is False
+
+
+def test_loaded_does_not_assume_a_load(fresh):
+    """Before any load() in the process, loaded() is False (it never loads or compiles)."""
+    assert kernels.loaded() is False and kernels.library() is None
+
+
+def test_the_library_name_is_reported_only_when_loaded(fresh):
+    state = fresh(False)
+    state["library"] = "specdec-0123.so"
+    assert kernels.library() is None
+    state["loaded"] = True
+    assert kernels.library() == "specdec-0123.so"
+
+
+@pytest.mark.skipif(not kernels.load(), reason="needs the compiled kernels (a C++ compiler)")
+def test_availability_follows_the_loaded_library(fresh, monkeypatch):
+    """With the library: attention on unless SPECDEC_ATTENTION=0; q4_fast is 'not portable'."""
+    fresh(True)
+    monkeypatch.delenv("SPECDEC_ATTENTION", raising=False)
+    assert kernels.attention_kernel() is True
+    assert kernels.q4_fast() == (str(torch.ops.specdec.q4_isa()) != "portable")
+    assert kernels.q8_zero() == int(torch.ops.specdec.q8_zero())
+    fresh(True).clear()
+    fresh(True)
+    monkeypatch.setenv("SPECDEC_ATTENTION", "0")
+    assert kernels.attention_kernel() is False
+
+
+def test_cxx_is_the_first_choice_of_compiler(monkeypatch):
+    monkeypatch.setenv("CXX", "sh")  # any program on PATH: it is only looked up
+    assert kernels._compiler() == shutil.which("sh")
+
+
+def _fake_builds(monkeypatch, tmp_path) -> list[list[str]]:
+    """_build with a 'compiler' that writes an empty library: the commands it was given."""
+    monkeypatch.setenv("SPECDEC_CACHE", str(tmp_path))
+    commands: list[list[str]] = []
+
+    def run(cmd, **kwargs):
+        commands.append(cmd)
+        Path(cmd[cmd.index("-o") + 1]).write_bytes(b"")
+
+    monkeypatch.setattr(kernels.subprocess, "run", run)
+    return commands
+
+
+def test_each_target_cpu_flag_gets_its_own_library(monkeypatch, tmp_path):
+    """SPECDEC_MARCH reaches the compiler and the cache key: an x86-64 build never answers for a native one."""
+    commands = _fake_builds(monkeypatch, tmp_path)
+    monkeypatch.setenv("SPECDEC_MARCH", "x86-64")
+    portable = kernels._build("c++")
+    assert "-march=x86-64" in commands[-1]
+    monkeypatch.setenv("SPECDEC_MARCH", "x86-64-v3")
+    avx2 = kernels._build("c++")
+    assert "-march=x86-64-v3" in commands[-1]
+    assert portable != avx2 and len(commands) == 2
+    assert kernels._build("c++") == avx2 and len(commands) == 2  # cached: not compiled again
+
+
+def test_a_changed_header_is_a_new_library(monkeypatch, tmp_path):
+    """The cache key covers the shared header as well as the sources."""
+    _fake_builds(monkeypatch, tmp_path / "cache")
+    header = tmp_path / "specdec.h"
+    header.write_text("// one\n")
+    monkeypatch.setattr(kernels, "_HEADERS", (header,))
+    first = kernels._build("c++")
+    header.write_text("// two\n")
+    assert kernels._build("c++") != first
+
+
+def test_a_loaded_library_without_the_few_row_int8_product_reports_none(fresh, monkeypatch):
+    """q8_available() is the library loaded AND its q8_supported(): a build without VNNI says no."""
+    ops = SimpleNamespace(q8_supported=lambda: False, q8_zero=lambda: 0, q4_isa=lambda: "portable")
+    monkeypatch.setattr(kernels, "torch", SimpleNamespace(ops=SimpleNamespace(specdec=ops)))
+    fresh(True)
+    assert kernels.q8_available() is False and kernels.q4_fast() is False and kernels.q8_zero() == 0

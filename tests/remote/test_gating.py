@@ -203,15 +203,21 @@ def test_only_the_block_just_gated_may_stay_local():
     assert gate.local_commit(Draft(tokens=torch.tensor([3, 4]), probs=None))
 
 
-
-
 class _WordTokenizer:
-    """decode(ids) joins a fixed word list: enough for the text rules."""
+    """decode(ids) joins a fixed word list; encode splits on '|' (enough for the text rules)."""
 
-    words = [" the", " Alice", ".", "5", " paid"]
+    def __init__(self, words=(" the", " Alice", ".", "5", " paid")):
+        self.words = list(words)
 
     def decode(self, ids):
         return "".join(self.words[i] for i in ids)
+
+    def encode(self, text, add_special_tokens=False):
+        return [int(t) for t in text.split("|") if t]
+
+
+#: a word list for the amount rules: a currency sign, a space, a digit, words
+MONEY = ("$", " ", "5", " the", "Alice", " percent", " paid", ".")
 
 
 def test_a_signal_exactly_at_its_threshold_is_not_hard():
@@ -401,3 +407,113 @@ def test_a_gated_drafter_hands_on_hooks_but_not_trees_or_ungated_copies():
     assert callable(gated.update_free) and gated.temperature_factor == gated.inner.temperature_factor
     for name in ("supports_trees", "propose_tree", "spawn", "with_model"):
         assert hasattr(gated.inner, name) and not hasattr(gated, name), name
+
+
+def test_the_closed_ends_of_the_gate_settings_are_accepted():
+    """R_hard in [0, 1] is a closed range: 0 (never keep a block with a hard token) is a valid setting."""
+    assert GateConfig(r_hard=0.0).r_hard == 0.0
+    GateConfig(r_hard=1.0)
+    GateConfig(rare_max_count=0, min_draft=1, mc_passes=2, max_local_rounds=1)
+
+
+def test_calibrate_nll_takes_the_quantile_it_is_given():
+    assert calibrate_nll([0.0, 1.0, 2.0, 3.0, 4.0], 0.5) == pytest.approx(2.0)
+    assert calibrate_nll([0.0, 1.0, 2.0, 3.0, 4.0], 1.0) == pytest.approx(4.0)
+
+
+class _Alternating(torch.nn.Module):
+    """A 'dropout' model whose logits alternate between two fixed rows pass by pass (deterministic)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.drop = torch.nn.Dropout(0.5)
+        self.config = SimpleNamespace()
+        self.n = 0
+
+    def forward(self, input_ids):
+        row = torch.tensor([0.0, 0.0]) if self.n % 2 == 0 else torch.tensor([0.0, 100.0])  # q(1) = 0.5 or ~1
+        self.n += 1
+        return SimpleNamespace(logits=row.expand(1, input_ids.shape[1], 2).clone())
+
+
+def test_mc_dropout_variance_is_the_unbiased_sample_variance_and_restores_the_mode():
+    """Two passes with q(x) = 0.5 and 1.0: the (n-1) sample variance is 0.125; the module's
+    train / eval mode is what it was before."""
+    module = _Alternating().eval()
+    var = mc_dropout_variance(SimpleNamespace(model=module), torch.tensor([0, 1]), torch.tensor([1]), passes=2)
+    assert var is not None and float(var[0]) == pytest.approx(0.125)
+    assert not module.training
+    module.train()
+    mc_dropout_variance(SimpleNamespace(model=module), torch.tensor([0, 1]), torch.tensor([1]), passes=2)
+    assert module.training
+
+
+def test_an_amount_word_after_a_number_and_a_space():
+    """'5 ' then 'percent': the number before the word counts even with a space after it."""
+    triggers = RuleTriggers(_WordTokenizer(MONEY), rules=frozenset({"amount"}))
+    assert triggers.check("it is 5 ", 5) == ("amount",)
+    assert triggers.check("it is a ", 5) == ()
+
+
+def test_a_currency_sign_before_a_word_without_digits_is_no_amount():
+    """A currency sign a few characters back fires only for a token with digits."""
+    triggers = RuleTriggers(_WordTokenizer(MONEY), rules=frozenset({"amount"}))
+    assert triggers.check("a $ ", 2) == ("amount",)
+    assert triggers.check("a $ ", 3) == ()
+
+
+def test_a_name_after_a_space_in_the_prefix_fires():
+    """'Alice' (no leading space) after 'met ' is a word start inside a sentence; after 'met' it is not."""
+    triggers = RuleTriggers(_WordTokenizer(MONEY), rules=frozenset({"name"}))
+    assert triggers.check("we met ", 4) == ("name",)
+    assert triggers.check("we met", 4) == ()
+
+
+def test_a_text_corpus_frequency_table_skips_ids_past_the_vocabulary(tmp_path):
+    corpus = tmp_path / "corpus.txt"
+    corpus.write_text("1|2|2|9|")
+    assert token_frequency(corpus, tokenizer=_WordTokenizer(MONEY), vocab_size=4).tolist() == [0, 1, 2, 0]
+
+
+def test_the_lossy_policy_drafts_the_whole_block_through_hard_tokens():
+    """Only ``shape`` stops the drafter at a hard token; ``lossy-local-commit`` drafts the whole block."""
+    def inner(logits, position):
+        return 0, None
+
+    uniform = torch.zeros(1, 4)  # margin 0: hard
+    spy = _GateSampler(inner, Gate(GateConfig(policy="lossy-local-commit")), "")
+    spy(uniform, 0)
+    assert spy.signals[0].hard and not spy.stop_requested
+
+
+class _Recording:
+    """An inner drafter that drafts token 2 ('5') once, through the sampler it is given."""
+
+    def propose(self, context, gamma, sampler):
+        token, _ = sampler(torch.tensor([[0.0, 0.0, 9.0, 0.0, 0.0, 0.0, 0.0, 0.0]]), 0)
+        return Draft(tokens=torch.tensor([token]), probs=None)
+
+
+def test_the_gated_drafter_reads_the_last_context_tokens_as_text():
+    """The rules see the context's last ``context_tokens`` tokens: '$', ' ' then a drafted '5' is an amount."""
+    gate = Gate(GateConfig(policy="shape", t_entropy_bits=None, t_margin=None),
+                triggers=RuleTriggers(_WordTokenizer(MONEY), rules=frozenset({"amount"})))
+    drafter = GatedDrafter(_Recording(), gate)
+
+    def sampler(logits, position):
+        return int(logits.argmax()), None
+
+    drafter.propose(torch.tensor([3, 0, 1]), 1, sampler)
+    assert gate.last.triggered == ("amount",)
+
+
+def test_a_fresh_gate_reports_every_round_as_a_cloud_call():
+    summary = Gate(GateConfig()).summary()
+    assert summary["rounds"] == 0 and summary["cloud_call_ratio"] == 1.0 and summary["mean_hard_ratio"] == 0.0
+
+
+def test_a_full_length_draft_is_not_an_early_stop():
+    gate = Gate(GateConfig(policy="shape"))
+    gate.finish_block(torch.tensor([1]), Draft(tokens=torch.tensor([0, 1]), probs=None),
+                      [TokenSignals(0.1, 0.1, 0.9, None, (), False)] * 2, 2)
+    assert not gate.last.stopped_early and gate.summary()["early_stops"] == 0
