@@ -275,7 +275,12 @@ def test_gate_stats_count_local_commits_and_the_mean_hard_ratio():
     assert gate.local_commit(draft)
     s = gate.summary()
     assert s["local_commits"] == 1 and s["cloud_call_ratio"] == 0.0
-    assert s["mean_hard_ratio"] == 0.25 and s["hard_tokens"] == 1 and s["rounds"] == 1
+    assert s["mean_hard_ratio"] == 0.25 and s["hard_tokens"] == 1 and s["rounds"] == 1 and s["gated_tokens"] == 4
+    gate.finish_block(torch.tensor([1]), Draft(tokens=torch.arange(3), probs=None), _signals([True, True, False]), 3)
+    s = gate.summary()
+    assert s["gated_tokens"] == 7 and s["hard_tokens"] == 3 and s["rounds"] == 2
+    gate.finish_block(torch.tensor([1]), Draft(tokens=torch.arange(2), probs=None), [], 2)  # nothing to judge
+    assert gate.summary()["gated_tokens"] == 7 and gate.summary()["rounds"] == 3
 
 
 def test_the_draft_sampler_stops_at_the_first_hard_token_once_min_draft_is_reached():

@@ -287,6 +287,7 @@ class GateStats:
             "policy": cfg.policy,
             "lossless": cfg.lossless,
             "rounds": self.rounds,
+            "gated_tokens": self.tokens,  # the drafted tokens the gate judged; hard_tokens of them hard
             "hard_tokens": self.hard_tokens,
             "mean_hard_ratio": self.hard_ratio_sum / self.rounds if self.rounds else 0.0,
             "early_stops": self.early_stops,
