@@ -5,12 +5,14 @@ letter 'a' + i), so each test takes well under a second."""
 from __future__ import annotations
 
 import json
+from types import SimpleNamespace
 
 import pytest
 from fastapi.testclient import TestClient
 
 from specdec.drafters import ModelDrafter
 from specdec.server import ServerSettings, create_app
+from specdec.server.openai_api import _best, _usage
 from tiny import tiny_native
 from toy_server import ChatLetters
 
@@ -277,3 +279,25 @@ def test_continuous_usage_counts_tokens_not_pieces(same):
         seen += len(lp["tokens"]) if lp else 0
         assert c["usage"]["completion_tokens"] == seen and c["usage"]["prompt_tokens"] == 3
     assert seen == 12 and any(len(c["choices"][0]["logprobs"]["tokens"]) > 1 for c in chunks if c["choices"][0]["logprobs"])
+
+
+def _result(logprobs=(), cached=0, tokens=()):
+    """The parts of a TextResult that best_of's ranking and the usage read."""
+    return SimpleNamespace(logprobs=[(lp, {}) for lp in logprobs], token_ids=list(tokens), prediction_tokens=None,
+                           stats=SimpleNamespace(cached_prompt_tokens=cached))
+
+
+def test_best_of_ranks_a_candidate_without_tokens_last():
+    """A candidate that produced no token has no mean log-probability: it ranks below every other
+    (however unlikely their tokens), not as a mean of 0, which would beat them all."""
+    outs = [_result(), _result([-5.0, -7.0]), _result([-0.5])]
+    assert _best(outs, candidates=3, keep=3) == [2, 1, 0]
+    assert _best(outs + [_result([-1.0]), _result(), _result([-2.0])], candidates=3, keep=1) == [2, 3]
+
+
+def test_cached_prompt_tokens_count_once_per_prompt_not_per_choice():
+    """With n choices per prompt each choice's run reports the same cached prefix: usage counts it
+    once per prompt (the first choice of each), as prompt_tokens are."""
+    outs = [_result(cached=8, tokens=[1]), _result(cached=8, tokens=[2, 3]), _result(cached=4), _result(cached=4)]
+    usage = _usage(outs, prompt_tokens=20, n=2)
+    assert usage["prompt_tokens_details"]["cached_tokens"] == 12 and usage["completion_tokens"] == 3
