@@ -22,7 +22,6 @@ from specdec.drafters.base import Draft, DraftSampler
 from specdec.drafters.self_spec import LayerPlan, LayerView, SelfSpecDrafter, SwiftDrafter, build, load_plan, param_shares, parse_name
 from specdec.errors import ConfigError
 from specdec.gamma import FixedGamma
-from specdec.models.native import NativeCausalLM, NativeConfig
 from specdec.models.toy import ToyLM
 from specdec.sampling import SamplingConfig
 from specdec.session import TargetSession
@@ -870,3 +869,211 @@ def test_swift_scores_only_once_the_context_is_longer_than_its_window():
     longer = torch.cat([ctx, torch.tensor([0])])
     d.propose(longer, 0, sampler)
     assert d.scorings == 1
+
+
+PROMPT = [1, 3, 0]
+INVARIANT = tiny_native(layers=3)  # batch-invariant: cache sharing is on
+
+
+def test_a_verification_pass_over_rows_the_draft_fed_runs_no_lower_layer(monkeypatch):
+    """SharedLayers reuses the draft's layers < k for EVERY row the draft fed: verifying exactly
+    those rows (the last context token and the draft's first γ - 1 tokens) runs only layers >= k,
+    over all of them, and gives bitwise the plain pass's logits; the one row the draft did not feed
+    (its last token) is the only one that goes through layers < k."""
+    cfg = SamplingConfig(temperature=0.0)
+    drafter = SelfSpecDrafter(LayerView(INVARIANT, LayerPlan.early_exit(3, 2), keep_hidden=True), share=True)
+    session = TargetSession(INVARIANT, PROMPT + [2, 4], cfg, get_rule("greedy"), seed=0)
+    plain = TargetSession(INVARIANT, PROMPT + [2, 4], cfg, get_rule("greedy"), seed=0)
+    drafter.prepare(session.context)
+    draft = drafter.propose(session.context, 3, _argmax())
+    assert draft.reuse is not None and draft.tokens.numel() == 3
+    calls: list[tuple[int, tuple[int, ...]]] = []
+    real = INVARIANT.run_layers
+
+    def spy(x, cache, steps, **kw):
+        calls.append((x.shape[0], tuple(li for li, _, _ in steps)))
+        return real(x, cache, steps, **kw)
+
+    fed = torch.cat([session.context[-1:], draft.tokens[:-1]])  # the 3 rows the draft ran itself
+    monkeypatch.setattr(INVARIANT, "run_layers", spy)
+    got = draft.reuse.forward(INVARIANT, fed, session.cache)
+    monkeypatch.undo()
+    assert calls == [(3, (2,))]  # layers >= 2 only, for all 3 rows; none of layers 0, 1
+    assert got is not None and torch.equal(got, INVARIANT.forward(fed, plain.cache))
+    # the whole feed: exactly the draft's unfed last token runs layers < k
+    session.cache.truncate(session.cache.length - 3)
+    plain.cache.truncate(plain.cache.length - 3)
+    calls.clear()
+    feed = torch.cat([session.context[-1:], draft.tokens])
+    monkeypatch.setattr(INVARIANT, "run_layers", spy)
+    got = draft.reuse.forward(INVARIANT, feed, session.cache)
+    monkeypatch.undo()
+    assert calls == [(1, (0, 1)), (4, (2,))]
+    assert torch.equal(got, INVARIANT.forward(feed, plain.cache))
+
+
+def _bound_early_exit(ctx: torch.Tensor) -> SelfSpecDrafter:
+    cache = INVARIANT.new_cache(32)
+    INVARIANT.forward(ctx[:-1], cache)  # the target's cache: every committed position but the last
+    drafter = SelfSpecDrafter(LayerView(INVARIANT, LayerPlan.early_exit(3, 2), keep_hidden=True), share=True)
+    drafter.bind_target(INVARIANT, cache)
+    drafter.prepare(ctx)
+    return drafter
+
+
+def test_a_round_that_drafts_nothing_copies_no_keys_into_the_view():
+    """Bound to the target's cache, the view copies committed keys/values only in a round that
+    drafts (γ > 0): rounds at γ = 0 leave its cache empty (a request that never drafts holds no
+    copy of the target's keys: extra_bytes stays 0), and the first drafting round copies them."""
+    ctx = torch.tensor(PROMPT + [2, 4, 1, 1])
+    drafter = _bound_early_exit(ctx)
+    for _ in range(3):
+        assert drafter.propose(ctx, 0, _argmax()).tokens.numel() == 0
+    assert drafter.cache.length == 0 and drafter.extra_bytes() == 0
+    draft = drafter.propose(ctx, 2, _argmax())
+    assert draft.tokens.numel() == 2 and drafter.cache.length == ctx.numel() + 1
+
+
+def test_an_empty_draft_carries_no_shared_layers():
+    """A sharing early-exit drafter hands the verifier layers to reuse only with drafted tokens:
+    a round at γ = 0 (nothing drafted) gives a Draft whose ``reuse`` is None, so the verifier runs
+    its plain one-token pass instead of consulting the view's cache."""
+    ctx = torch.tensor(PROMPT + [2, 4, 1, 1])
+    drafter = _bound_early_exit(ctx)
+    assert drafter.propose(ctx, 2, _argmax()).reuse is not None
+    empty = drafter.propose(ctx, 0, _argmax())
+    assert empty.tokens.numel() == 0 and empty.reuse is None
+
+
+TARGET = tiny_native(layers=3, batch_invariant=False)
+SKIP = LayerPlan.skipping(3, {1}, {2})
+
+
+def test_swift_scores_over_the_targets_cache_when_it_holds_just_the_keys_the_window_needs():
+    """The window's rows (the last ``window`` committed tokens but the last) are scored over the
+    target's keys before each row's position: a target cache of L - 2 positions already holds all
+    of them, so SWIFT scores over it — the same score as over a cache of L - 1 positions, not the
+    window-alone score an unbound drafter gets (they differ on this sequence)."""
+    seq = torch.tensor([1, 3, 0, 4, 2, 2, 1, 0, 3, 4, 0, 1])  # [L]
+    plan = LayerPlan.skipping(3, {2}, {2})
+    scores = []
+    for held in (seq.numel() - 1, seq.numel() - 2):
+        cache = TARGET.new_cache(seq.numel())
+        TARGET.forward(seq[:held], cache)
+        bound = SwiftDrafter(TARGET, SKIP, window=8, budget=None)
+        bound.bind_target(TARGET, cache)
+        scores.append(bound._agreement(plan, seq))
+    alone = SwiftDrafter(TARGET, SKIP, window=8, budget=None)._agreement(plan, seq)
+    assert scores[0] == scores[1] != alone
+
+
+def _swift_switching_once(**kw):
+    """A SWIFT drafter (every 3 rounds, 1 try) whose first scoring moves it to another set and
+    whose later ones keep it; ``kw``: more settings (a clock)."""
+    wanted = LayerPlan.skipping(3, {1}, set())
+    d = SwiftDrafter(TARGET, SKIP, every=3, window=4, tries=1, max_backoff=4, budget=None, **kw)
+    d._neighbour = lambda plan: wanted  # type: ignore[method-assign]
+    d._speedup = lambda plan, context: 2.0 if plan == wanted and d.scorings == 1 else 1.0  # type: ignore[method-assign]
+    return d
+
+
+def test_after_a_switch_swift_counts_the_switching_round_into_the_next_interval():
+    """A scoring that switches sets the interval back to ``every`` with the switching round as its
+    first round: with every = 3, scorings at rounds 3 (switch), 5 (keeps: the interval doubles
+    to 6) and 11 — over 12 rounds of a single sequence."""
+    d = _swift_switching_once()
+    ctx = torch.tensor([1, 3, 0, 4, 2, 2, 1, 0])
+    d.prepare(ctx)
+    at = []
+    for r in range(1, 13):
+        before = d.scorings
+        d.propose(ctx, 0, _argmax())  # the rounds count; nothing drafted
+        if d.scorings > before:
+            at.append(r)
+    assert at == [3, 5, 11] and d.switches == 1
+
+
+def test_a_switch_does_not_drop_the_gap_to_the_next_call_from_the_decoding_time_seen():
+    """Moving to another set rebuilds the draft cache (a reset) but the sequence goes on: the time
+    from the switching call to the next is decoding time seen like any other gap — 6 calls 0.1 s
+    apart (the clock moved by hand; the third switches) see 0.5 s."""
+    clock = _Clock()
+    d = _swift_switching_once(clock=clock)
+    ctx = torch.tensor([1, 3, 0, 4, 2, 2, 1, 0])
+    d.prepare(ctx)
+    for _ in range(6):
+        d.propose(ctx, 0, _argmax())
+        clock.t += 0.1
+    assert d.switches == 1
+    assert abs(d.seen_s - 0.5) < 1e-9
+
+
+def test_shared_layers_give_the_targets_features_for_their_own_tap_alone():
+    """A target-aware drafter's verification pass through SharedLayers (taps == (k,)): logits and
+    features [n, 2, D] (the stream after k layers, the final hidden state after the final norm)
+    bitwise those of the target's own ``forward_features``; any other taps (another layer, or k
+    with a second one) get None, so the caller runs its plain pass."""
+    cfg = SamplingConfig(temperature=0.0)
+    drafter = SelfSpecDrafter(LayerView(INVARIANT, LayerPlan.early_exit(3, 2), keep_hidden=True), share=True)
+    session = TargetSession(INVARIANT, PROMPT + [2, 4], cfg, get_rule("greedy"), seed=0)
+    plain = TargetSession(INVARIANT, PROMPT + [2, 4], cfg, get_rule("greedy"), seed=0)
+    drafter.prepare(session.context)
+    draft = drafter.propose(session.context, 3, _argmax())
+    feed = torch.cat([session.context[-1:], draft.tokens])
+    for taps in ((1,), (3,), (2, 1)):
+        assert draft.reuse.forward_features(INVARIANT, feed, session.cache, taps) is None
+    got = draft.reuse.forward_features(INVARIANT, feed, session.cache, (2,))
+    want = INVARIANT.forward_features(feed, plain.cache, (2,))
+    assert got is not None and torch.equal(got[0], want[0]) and torch.equal(got[1], want[1])
+
+
+def test_swift_bounds_its_first_scoring_by_the_cheapest_draft_step_measured(monkeypatch):
+    """Before its first scoring SWIFT bounds the cost by the cheapest one-token draft step seen so
+    far: a cheap round (0.01 s a token) then a dear one (0.1 s a token) leave the bound at
+    (1 + tries) x (window - 1) x 0.01 s, not at the last step's 0.1 s."""
+    clock = _Clock()
+    d = SwiftDrafter(TARGET, SKIP, every=1000, window=4, tries=1, budget=0.5, clock=clock)
+    costs = iter([0.01, 0.1])
+
+    def draft(self, context, gamma, sampler):
+        clock.t += next(costs) * gamma
+        return Draft(tokens=torch.zeros(gamma, dtype=torch.long), probs=None)
+
+    monkeypatch.setattr(SelfSpecDrafter, "propose", draft)
+    ctx = torch.tensor([1, 3, 0, 4, 2, 2, 1, 0])
+    for _ in range(2):
+        d.propose(ctx, 2, _argmax())
+    assert abs(d._step_s - 0.01) < 1e-9
+    bound = (1 + 1) * (4 - 1) * 0.01  # 0.06 s: affordable once 0.12 s of decoding is seen
+    d.seen_s = d._scored_at + bound / 0.5
+    assert d._affordable()
+
+
+def test_a_skip_set_view_holds_the_targets_keys_for_committed_positions_in_every_sequence():
+    """A skip-set view bound to the target's cache (the decoder binds it) replaces the keys/values
+    it computed itself by the target's once committed — in a second sequence too, whose 1-token
+    prompt leaves nothing to copy in its first round: what the last sequence copied is forgotten
+    at the new sequence, so every synced position of the view's cache holds the target's keys of
+    the layers whose attention the view runs (0 and 2 here), not the view's own."""
+
+    cfg = SamplingConfig(temperature=0.0, max_new_tokens=10)
+    drafter = SelfSpecDrafter(LayerView(INVARIANT, SKIP))
+    dec = SpeculativeDecoder(INVARIANT, drafter, get_rule("greedy"), gamma=FixedGamma(2))
+    dec.generate([1, 3, 0, 2, 4, 1, 1, 3, 2, 0, 4, 2], cfg)  # a long first sequence: many synced positions
+    out = dec.generate([3], cfg)
+    committed = torch.tensor([3] + out.tokens)
+    ref = INVARIANT.new_cache(64)
+    INVARIANT.forward(committed, ref)
+    s = drafter._synced
+    assert 2 <= s <= committed.numel()
+    layers = torch.tensor(SKIP.attention_layers)
+    assert torch.equal(drafter.cache.k[:, :, :s], ref.k[:, :, :s].index_select(0, layers))
+    assert torch.equal(drafter.cache.v[:, :, :s], ref.v[:, :, :s].index_select(0, layers))
+
+
+def test_a_view_that_skips_only_mlp_sub_layers_is_not_the_whole_target():
+    """``whole_target`` (drafting cannot pay; no prefill up front) is only the view running every
+    sub-layer: a skipped MLP alone, or a skipped attention alone, or an early exit makes it cheaper."""
+    assert SelfSpecDrafter(LayerView(TARGET, LayerPlan.skipping(3, set(), set()))).whole_target
+    for plan in (LayerPlan.skipping(3, set(), {1}), LayerPlan.skipping(3, {1}, set()), LayerPlan.early_exit(3, 2)):
+        assert not SelfSpecDrafter(LayerView(TARGET, plan)).whole_target, plan

@@ -388,3 +388,131 @@ def test_a_reduced_heads_fixed_cost_is_timed_through_the_views_head(monkeypatch)
     cost = _fake_costs(monkeypatch, fixed=0.25, attn=0.125, mlp=0.25, view_fixed=0.125, reduced=object())
     assert cost.attn == pytest.approx(0.125) and cost.mlp == pytest.approx(0.25)
     assert cost.fixed == pytest.approx(0.125)
+
+
+def _table(values: dict, default: float = 0.5):
+    return lambda s: values.get(frozenset(s), default)
+
+
+def test_the_removal_pass_drops_from_the_set_it_has_kept_so_far(monkeypatch):
+    """Growth keeps {mlp0, attn0, attn1} (order mlp0, attn0, attn1, ...; patience 1); the removal
+    pass then drops attn0 (better), and each later drop is tried from that smaller set: dropping
+    mlp0 from {mlp0, attn1} leaves {attn1}, the best of all — not from the grown set."""
+    values = {frozenset(): 1.0, frozenset({"mlp0"}): 1.1, frozenset({"mlp0", "attn0"}): 1.2,
+              frozenset({"mlp0", "attn0", "attn1"}): 1.3, frozenset({"mlp0", "attn1"}): 1.5,
+              frozenset({"attn1"}): 1.6}
+    monkeypatch.setattr(sk, "score", _fake_score(_table(values)))
+    seen: list[str] = []
+    res = greedy_search(MODEL, None, COST, patience=1, progress=lambda what, best: seen.append(what))
+    assert [w for w in seen if w.startswith("drop")] == ["drop attn0", "drop attn1", "drop mlp0"]
+    assert _names(res.plan) == {"attn1"} and res.objective == pytest.approx(1.6)
+
+
+def test_the_removal_pass_keeps_a_sub_layer_skipped_on_a_tie(monkeypatch):
+    """Running a skipped sub-layer again is kept only where the objective strictly rises: a drop
+    that ties the grown set's objective leaves the set as grown."""
+    values = {frozenset(): 1.0, frozenset({"mlp0"}): 1.1, frozenset({"mlp0", "attn0"}): 1.3,
+              frozenset({"attn0"}): 1.3}
+    monkeypatch.setattr(sk, "score", _fake_score(_table(values)))
+    res = greedy_search(MODEL, None, COST, patience=1)
+    assert _names(res.plan) == {"mlp0", "attn0"}
+
+
+def test_from_params_keeps_the_verification_slope_it_is_given():
+    """``--cost params`` with a measured or chosen slope: v(γ) = 1 + slope·γ carries that slope."""
+    assert CostModel.from_params(MODEL.cfg, verify_slope=0.3).verify_slope == 0.3
+    assert CostModel.from_params(MODEL.cfg).verify_slope == 0.12
+
+
+class _Cache:
+    def truncate(self, n):
+        pass
+
+
+def _costs(monkeypatch, *, max_length: int = 256, context: int = 8, repeats: int = 3):
+    """measure_costs on a hand-moved clock: a step is 0.25 fixed + 0.125 per attention + 0.25 per
+    MLP sub-layer (two layers: 1.0); the second timed one-token target step is an outlier at half
+    its time.  Returns the costs and the prefill lengths the target and views were run over."""
+    clock = [0.0]
+    prefills: list[int] = []
+    target_steps = [0]
+
+    def step(plan_steps):
+        return 0.25 + sum(0.125 * a + 0.25 * m for _, a, m in plan_steps)
+
+    class Target:
+        cfg = SimpleNamespace(n_layers=2)
+        vocab_size = 50
+
+        def __init__(self):
+            self.max_length = max_length
+
+        def new_cache(self, n):
+            return _Cache()
+
+        def forward(self, tokens, cache):
+            if tokens.numel() == 1:
+                target_steps[0] += 1
+                clock[0] += 0.5 if target_steps[0] == 2 else 1.0
+            elif tokens.numel() == 5:
+                clock[0] += 1.4
+            else:
+                prefills.append(tokens.numel())
+
+    class View:
+        def __init__(self, target, plan, reduced=None):
+            self.plan = plan
+
+        def new_cache(self, n):
+            return _Cache()
+
+        def forward(self, tokens, cache):
+            if tokens.numel() == 1:
+                clock[0] += step(self.plan.steps)
+            else:
+                prefills.append(tokens.numel())
+
+    monkeypatch.setattr(sk, "LayerView", View)
+    monkeypatch.setattr(sk, "time", SimpleNamespace(perf_counter=lambda: clock[0]))
+    return sk.measure_costs(Target(), repeats=repeats, context=context), prefills
+
+
+def test_a_measured_step_is_the_median_of_its_repeats_not_the_fastest(monkeypatch):
+    """Each step time is the median of ``repeats`` (3 here): one outlier at half the time (a
+    fluke, not the step's cost) does not halve the target step every share is measured against."""
+    cost, _ = _costs(monkeypatch)
+    assert cost.attn == pytest.approx(0.125) and cost.mlp == pytest.approx(0.25)
+    assert cost.fixed == pytest.approx(0.25) and cost.verify_slope == pytest.approx(0.1)
+
+
+def test_costs_are_measured_at_a_context_within_half_the_targets_length(monkeypatch):
+    """The timing context is capped at half the target's ``max_length`` (room for the timed
+    tokens): asked for 64 positions on a 20-position target, every model is prefilled with 10."""
+    _, prefills = _costs(monkeypatch, max_length=20, context=64)
+    assert prefills and set(prefills) == {10}
+
+
+def test_local_search_climbs_from_the_set_it_is_given(monkeypatch):
+    """``local_search`` starts at ``start``: a start that no single toggle improves on comes back
+    as it is (one pass of 2n toggles), even where climbing from nothing skipped would stop at an
+    empty set (every single skip there scores the same)."""
+    monkeypatch.setattr(sk, "score", _fake_score(_table({frozenset({"attn2", "mlp1"}): 3.0}, default=1.0)))
+    start = LayerPlan.skipping(3, {2}, {1})
+    res = sk.local_search(MODEL, None, COST, start, passes=3)
+    assert _names(res.plan) == {"attn2", "mlp1"} and res.evaluations == 1 + 6
+
+
+def test_an_influence_search_reuses_the_influence_its_state_holds(monkeypatch):
+    """A resumed ``rank="influence"`` search takes the block influences from ``state`` (a
+    checkpoint) instead of measuring them again, and orders by them."""
+    inf = {"attn0": 0.1, "attn1": 0.3, "attn2": 0.5, "mlp0": 0.2, "mlp1": 0.05, "mlp2": 0.8}
+
+    def measure(target, data):
+        raise AssertionError("influence measured again")
+
+    monkeypatch.setattr(sk, "influence", measure)
+    monkeypatch.setattr(sk, "score", _fake_score(lambda s: float(len(s))))
+    seen: list[str] = []
+    greedy_search(MODEL, None, CostModel(attn=0.1, mlp=0.2, fixed=0.25), rank="influence", state={"influence": dict(inf)},
+                  progress=lambda what, best: seen.append(what))
+    assert [w for w in seen if w.startswith("add")][:2] == ["add mlp1", "add attn0"]
