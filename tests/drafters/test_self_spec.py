@@ -629,10 +629,9 @@ def _argmax() -> DraftSampler:
     return DraftSampler(SamplingConfig(temperature=0.0), "argmax", penalties=None, generator=None)
 
 
-def test_shared_layers_are_not_reused_for_tokens_the_draft_did_not_feed():
-    """Cache sharing reuses the draft's rows only for the tokens it fed: a verification pass over
-    other tokens (the draft's first token replaced) gets None (the caller runs its plain pass)
-    or exactly the plain pass's logits, never logits built on the draft's rows of other tokens."""
+def _shared_round():
+    """One greedy round of an early-exit drafter sharing its layers < 2: its 3-token draft (with the
+    shared layers), the session it drafted for, and a plain session over the same context."""
     cfg = SamplingConfig(temperature=0.0)
     drafter = SelfSpecDrafter(LayerView(INVARIANT, LayerPlan.early_exit(3, 2), keep_hidden=True), share=True)
     session = TargetSession(INVARIANT, PROMPT + [2, 4], cfg, get_rule("greedy"), seed=0)
@@ -640,6 +639,14 @@ def test_shared_layers_are_not_reused_for_tokens_the_draft_did_not_feed():
     drafter.prepare(session.context)
     draft = drafter.propose(session.context, 3, _argmax())
     assert draft.reuse is not None and draft.tokens.numel() == 3
+    return draft, session, plain
+
+
+def test_shared_layers_are_not_reused_for_tokens_the_draft_did_not_feed():
+    """Cache sharing reuses the draft's rows only for the tokens it fed: a verification pass over
+    other tokens (the draft's first token replaced) gets None (the caller runs its plain pass)
+    or exactly the plain pass's logits, never logits built on the draft's rows of other tokens."""
+    draft, session, plain = _shared_round()
     other = draft.tokens.clone()
     other[0] = (int(other[0]) + 1) % 5
     feed = torch.cat([session.context[-1:], other])
@@ -880,13 +887,7 @@ def test_a_verification_pass_over_rows_the_draft_fed_runs_no_lower_layer(monkeyp
     those rows (the last context token and the draft's first γ - 1 tokens) runs only layers >= k,
     over all of them, and gives bitwise the plain pass's logits; the one row the draft did not feed
     (its last token) is the only one that goes through layers < k."""
-    cfg = SamplingConfig(temperature=0.0)
-    drafter = SelfSpecDrafter(LayerView(INVARIANT, LayerPlan.early_exit(3, 2), keep_hidden=True), share=True)
-    session = TargetSession(INVARIANT, PROMPT + [2, 4], cfg, get_rule("greedy"), seed=0)
-    plain = TargetSession(INVARIANT, PROMPT + [2, 4], cfg, get_rule("greedy"), seed=0)
-    drafter.prepare(session.context)
-    draft = drafter.propose(session.context, 3, _argmax())
-    assert draft.reuse is not None and draft.tokens.numel() == 3
+    draft, session, plain = _shared_round()
     calls: list[tuple[int, tuple[int, ...]]] = []
     real = INVARIANT.run_layers
 
@@ -1013,12 +1014,7 @@ def test_shared_layers_give_the_targets_features_for_their_own_tap_alone():
     features [n, 2, D] (the stream after k layers, the final hidden state after the final norm)
     bitwise those of the target's own ``forward_features``; any other taps (another layer, or k
     with a second one) get None, so the caller runs its plain pass."""
-    cfg = SamplingConfig(temperature=0.0)
-    drafter = SelfSpecDrafter(LayerView(INVARIANT, LayerPlan.early_exit(3, 2), keep_hidden=True), share=True)
-    session = TargetSession(INVARIANT, PROMPT + [2, 4], cfg, get_rule("greedy"), seed=0)
-    plain = TargetSession(INVARIANT, PROMPT + [2, 4], cfg, get_rule("greedy"), seed=0)
-    drafter.prepare(session.context)
-    draft = drafter.propose(session.context, 3, _argmax())
+    draft, session, plain = _shared_round()
     feed = torch.cat([session.context[-1:], draft.tokens])
     for taps in ((1,), (3,), (2, 1)):
         assert draft.reuse.forward_features(INVARIANT, feed, session.cache, taps) is None

@@ -269,71 +269,6 @@ def test_a_score_reports_the_losing_speed_up_unfloored() -> None:
     assert res.speedup0 < 1.0 and res.speedup1 < 1.0
 
 
-def test_measured_costs_are_per_sub_layer_shares_of_a_target_step(monkeypatch) -> None:
-    """On a clock where a step costs 0.2 fixed + 0.1 per attention + 0.15 per MLP sub-layer (two
-    layers: 0.7) and a 5-position verification 1.4 steps: each attention costs 0.1 / 0.7 of a
-    target step, each MLP 0.15 / 0.7, the rest 0.2 / 0.7, and v(γ) = 1 + 0.1 γ."""
-    from types import SimpleNamespace
-
-    from specdec.train.skip import measure_costs
-
-    clock = [0.0]
-
-    class Cache:
-        def truncate(self, n):
-            pass
-
-    def step(plan_steps):
-        return 0.2 + sum(0.1 * a + 0.15 * m for _, a, m in plan_steps)
-
-    class Target:
-        cfg = SimpleNamespace(n_layers=2)
-        max_length, vocab_size = 256, 50
-
-        def new_cache(self, n):
-            return Cache()
-
-        def forward(self, tokens, cache):
-            clock[0] += step([(i, True, True) for i in range(2)]) * (1.0 if tokens.numel() == 1 else 1.4)
-
-    class View:
-        def __init__(self, target, plan, reduced=None):
-            self.plan = plan
-
-        def new_cache(self, n):
-            return Cache()
-
-        def forward(self, tokens, cache):
-            clock[0] += step(self.plan.steps)
-
-    monkeypatch.setattr(sk, "LayerView", View)
-    monkeypatch.setattr(sk, "time", SimpleNamespace(perf_counter=lambda: clock[0]))
-    cost = measure_costs(Target(), repeats=3, context=8)
-    assert cost.attn == pytest.approx(0.1 / 0.7) and cost.mlp == pytest.approx(0.15 / 0.7)
-    assert cost.fixed == pytest.approx(0.2 / 0.7) and cost.verify_slope == pytest.approx(0.1)
-
-
-def test_influence_is_measured_on_the_stream_each_sub_layer_receives(data) -> None:
-    """ShortGPT's block influence of the last MLP sub-layer: 1 − cos between the residual stream
-    entering it (after every sub-layer before it) and leaving it, averaged over all positions."""
-    import torch
-
-    from specdec.train.skip import influence
-
-    got = influence(MODEL, data)["mlp2"]
-    total = count = 0.0
-    with torch.inference_mode():
-        for seq in data.sequences:
-            cache = MODEL.new_cache(seq.numel())
-            cache.reserve(seq.numel())
-            before = [(i, True, True) for i in range(N - 1)] + [(N - 1, True, False)]
-            x = MODEL.run_layers(MODEL.embed_tokens(seq), cache, before, start=0)
-            y = MODEL.run_layers(x, cache, ((N - 1, False, True),), start=0)
-            total += float((1.0 - torch.cosine_similarity(x, y, dim=-1)).sum())
-            count += seq.numel()
-    assert got == pytest.approx(total / count, rel=1e-4)
-
-
 def _fake_costs(monkeypatch, fixed: float, attn: float, mlp: float, verify: float = 1.4, view_fixed: float | None = None,
                 reduced=None):
     """measure_costs on a hand-moved clock: a step costs ``fixed`` + ``attn`` per attention +
@@ -370,6 +305,36 @@ def _fake_costs(monkeypatch, fixed: float, attn: float, mlp: float, verify: floa
     monkeypatch.setattr(sk, "LayerView", View)
     monkeypatch.setattr(sk, "time", SimpleNamespace(perf_counter=lambda: clock[0]))
     return sk.measure_costs(Target(), repeats=3, context=8, reduced=reduced)
+
+
+def test_measured_costs_are_per_sub_layer_shares_of_a_target_step(monkeypatch) -> None:
+    """On a clock where a step costs 0.2 fixed + 0.1 per attention + 0.15 per MLP sub-layer (two
+    layers: 0.7) and a 5-position verification 1.4 steps: each attention costs 0.1 / 0.7 of a
+    target step, each MLP 0.15 / 0.7, the rest 0.2 / 0.7, and v(γ) = 1 + 0.1 γ."""
+    cost = _fake_costs(monkeypatch, fixed=0.2, attn=0.1, mlp=0.15)
+    assert cost.attn == pytest.approx(0.1 / 0.7) and cost.mlp == pytest.approx(0.15 / 0.7)
+    assert cost.fixed == pytest.approx(0.2 / 0.7) and cost.verify_slope == pytest.approx(0.1)
+
+
+def test_influence_is_measured_on_the_stream_each_sub_layer_receives(data) -> None:
+    """ShortGPT's block influence of the last MLP sub-layer: 1 − cos between the residual stream
+    entering it (after every sub-layer before it) and leaving it, averaged over all positions."""
+    import torch
+
+    from specdec.train.skip import influence
+
+    got = influence(MODEL, data)["mlp2"]
+    total = count = 0.0
+    with torch.inference_mode():
+        for seq in data.sequences:
+            cache = MODEL.new_cache(seq.numel())
+            cache.reserve(seq.numel())
+            before = [(i, True, True) for i in range(N - 1)] + [(N - 1, True, False)]
+            x = MODEL.run_layers(MODEL.embed_tokens(seq), cache, before, start=0)
+            y = MODEL.run_layers(x, cache, ((N - 1, False, True),), start=0)
+            total += float((1.0 - torch.cosine_similarity(x, y, dim=-1)).sum())
+            count += seq.numel()
+    assert got == pytest.approx(total / count, rel=1e-4)
 
 
 def test_a_measured_fixed_cost_is_floored_at_two_percent_of_a_step(monkeypatch) -> None:
