@@ -314,6 +314,24 @@ def test_the_draft_sampler_carries_the_text_so_far_into_the_rules():
     assert [s.triggers for s in spy.signals] == [(), ("name",)]
 
 
+def test_the_draft_sampler_carries_more_than_the_last_few_characters():
+    """The text carried between drafted tokens keeps its last 64 characters: ' Alice' after ' the'
+    and a run of eight spaces is still a name inside a sentence (the rule looks back past the
+    spaces), not the start of a text."""
+    tokens = iter([0, 1, 2])
+
+    def inner(logits, position):
+        return next(tokens), None
+
+    gate = Gate(GateConfig(policy="shape", t_entropy_bits=None, t_margin=None),
+                triggers=RuleTriggers(_WordTokenizer((" the", " " * 8, " Alice")), rules=frozenset({"name"})))
+    spy = _GateSampler(inner, gate, "")
+    sure = torch.tensor([[9.0, 0.0, 0.0]])
+    for position in range(3):
+        spy(sure, position)
+    assert [s.triggers for s in spy.signals] == [(), (), ("name",)]
+
+
 def test_an_amount_after_a_currency_sign_a_few_characters_back():
     triggers = RuleTriggers(_WordTokenizer(), rules=frozenset({"amount"}))
     assert triggers.check("it costs $ ", 3) == ("amount",)  # '5' after '$ '
