@@ -269,49 +269,69 @@ def test_a_score_reports_the_losing_speed_up_unfloored() -> None:
     assert res.speedup0 < 1.0 and res.speedup1 < 1.0
 
 
-def _fake_costs(monkeypatch, fixed: float, attn: float, mlp: float, verify: float = 1.4, view_fixed: float | None = None,
-                reduced=None):
-    """measure_costs on a hand-moved clock: a step costs ``fixed`` + ``attn`` per attention +
-    ``mlp`` per MLP sub-layer (two layers), a 5-position verification ``verify`` steps."""
-    clock = [0.0]
+class _Cache:
+    def truncate(self, n):
+        pass
 
-    class Cache:
-        def truncate(self, n):
-            pass
+
+def _fake_costs(monkeypatch, *, fixed: float = 0.25, attn: float = 0.125, mlp: float = 0.25, verify: float = 1.4,
+                view_fixed: float | None = None, reduced=None, max_length: int = 256, context: int = 8,
+                repeats: int = 3, outlier_at: int | None = None):
+    """measure_costs on a hand-moved clock: a one-token step costs ``fixed`` + ``attn`` per attention
+    + ``mlp`` per MLP sub-layer (two layers), a view's ``view_fixed`` in place of ``fixed`` where
+    given, a 5-position verification ``verify`` target steps, and the ``outlier_at``-th one-token
+    target step half its time.  Returns the costs and the prefill lengths the target and views ran."""
+    clock = [0.0]
+    prefills: list[int] = []
+    target_steps = [0]
 
     def step(plan_steps):
         return fixed + sum(attn * a + mlp * m for _, a, m in plan_steps)
 
+    full = step([(i, True, True) for i in range(2)])
+
     class Target:
         cfg = SimpleNamespace(n_layers=2)
-        max_length, vocab_size = 256, 50
+        vocab_size = 50
+
+        def __init__(self):
+            self.max_length = max_length
 
         def new_cache(self, n):
-            return Cache()
+            return _Cache()
 
         def forward(self, tokens, cache):
-            clock[0] += step([(i, True, True) for i in range(2)]) * (1.0 if tokens.numel() == 1 else verify)
+            if tokens.numel() == 1:
+                target_steps[0] += 1
+                clock[0] += full * (0.5 if target_steps[0] == outlier_at else 1.0)
+            elif tokens.numel() == 5:
+                clock[0] += full * verify
+            else:
+                prefills.append(tokens.numel())
 
     class View:
         def __init__(self, target, plan, reduced=None):
             self.plan = plan
 
         def new_cache(self, n):
-            return Cache()
+            return _Cache()
 
         def forward(self, tokens, cache):
-            clock[0] += step(self.plan.steps) + ((view_fixed - fixed) if view_fixed is not None else 0.0)
+            if tokens.numel() == 1:
+                clock[0] += step(self.plan.steps) + ((view_fixed - fixed) if view_fixed is not None else 0.0)
+            else:
+                prefills.append(tokens.numel())
 
     monkeypatch.setattr(sk, "LayerView", View)
     monkeypatch.setattr(sk, "time", SimpleNamespace(perf_counter=lambda: clock[0]))
-    return sk.measure_costs(Target(), repeats=3, context=8, reduced=reduced)
+    return sk.measure_costs(Target(), repeats=repeats, context=context, reduced=reduced), prefills
 
 
 def test_measured_costs_are_per_sub_layer_shares_of_a_target_step(monkeypatch) -> None:
     """On a clock where a step costs 0.2 fixed + 0.1 per attention + 0.15 per MLP sub-layer (two
     layers: 0.7) and a 5-position verification 1.4 steps: each attention costs 0.1 / 0.7 of a
     target step, each MLP 0.15 / 0.7, the rest 0.2 / 0.7, and v(γ) = 1 + 0.1 γ."""
-    cost = _fake_costs(monkeypatch, fixed=0.2, attn=0.1, mlp=0.15)
+    cost, _ = _fake_costs(monkeypatch, fixed=0.2, attn=0.1, mlp=0.15)
     assert cost.attn == pytest.approx(0.1 / 0.7) and cost.mlp == pytest.approx(0.15 / 0.7)
     assert cost.fixed == pytest.approx(0.2 / 0.7) and cost.verify_slope == pytest.approx(0.1)
 
@@ -341,7 +361,7 @@ def test_a_measured_fixed_cost_is_floored_at_two_percent_of_a_step(monkeypatch) 
     """Where the sub-layers account for the whole step (no time left for the head and overhead),
     the fixed cost is floored at 0.02 of a target step, so a draft that skips everything is never
     free (a free draft would make the search's objective run away to the longest γ)."""
-    cost = _fake_costs(monkeypatch, fixed=0.0, attn=0.125, mlp=0.25)
+    cost, _ = _fake_costs(monkeypatch, fixed=0.0, attn=0.125, mlp=0.25)
     assert cost.attn == pytest.approx(0.125 / 0.75) and cost.mlp == pytest.approx(0.25 / 0.75)
     assert cost.fixed == pytest.approx(0.02)
 
@@ -350,7 +370,7 @@ def test_a_reduced_heads_fixed_cost_is_timed_through_the_views_head(monkeypatch)
     """With a reduced vocabulary the views' steps are timed through its (cheaper) head: the
     sub-layer shares come from view steps alone, and the fixed cost is the view's head and
     overhead (0.125 here) against the target's whole step (0.25 + 2 x (0.125 + 0.25) = 1.0)."""
-    cost = _fake_costs(monkeypatch, fixed=0.25, attn=0.125, mlp=0.25, view_fixed=0.125, reduced=object())
+    cost, _ = _fake_costs(monkeypatch, view_fixed=0.125, reduced=object())
     assert cost.attn == pytest.approx(0.125) and cost.mlp == pytest.approx(0.25)
     assert cost.fixed == pytest.approx(0.125)
 
@@ -389,63 +409,10 @@ def test_from_params_keeps_the_verification_slope_it_is_given():
     assert CostModel.from_params(MODEL.cfg).verify_slope == 0.12
 
 
-class _Cache:
-    def truncate(self, n):
-        pass
-
-
-def _costs(monkeypatch, *, max_length: int = 256, context: int = 8, repeats: int = 3):
-    """measure_costs on a hand-moved clock: a step is 0.25 fixed + 0.125 per attention + 0.25 per
-    MLP sub-layer (two layers: 1.0); the second timed one-token target step is an outlier at half
-    its time.  Returns the costs and the prefill lengths the target and views were run over."""
-    clock = [0.0]
-    prefills: list[int] = []
-    target_steps = [0]
-
-    def step(plan_steps):
-        return 0.25 + sum(0.125 * a + 0.25 * m for _, a, m in plan_steps)
-
-    class Target:
-        cfg = SimpleNamespace(n_layers=2)
-        vocab_size = 50
-
-        def __init__(self):
-            self.max_length = max_length
-
-        def new_cache(self, n):
-            return _Cache()
-
-        def forward(self, tokens, cache):
-            if tokens.numel() == 1:
-                target_steps[0] += 1
-                clock[0] += 0.5 if target_steps[0] == 2 else 1.0
-            elif tokens.numel() == 5:
-                clock[0] += 1.4
-            else:
-                prefills.append(tokens.numel())
-
-    class View:
-        def __init__(self, target, plan, reduced=None):
-            self.plan = plan
-
-        def new_cache(self, n):
-            return _Cache()
-
-        def forward(self, tokens, cache):
-            if tokens.numel() == 1:
-                clock[0] += step(self.plan.steps)
-            else:
-                prefills.append(tokens.numel())
-
-    monkeypatch.setattr(sk, "LayerView", View)
-    monkeypatch.setattr(sk, "time", SimpleNamespace(perf_counter=lambda: clock[0]))
-    return sk.measure_costs(Target(), repeats=repeats, context=context), prefills
-
-
 def test_a_measured_step_is_the_median_of_its_repeats_not_the_fastest(monkeypatch):
     """Each step time is the median of ``repeats`` (3 here): one outlier at half the time (a
     fluke, not the step's cost) does not halve the target step every share is measured against."""
-    cost, _ = _costs(monkeypatch)
+    cost, _ = _fake_costs(monkeypatch, outlier_at=2)
     assert cost.attn == pytest.approx(0.125) and cost.mlp == pytest.approx(0.25)
     assert cost.fixed == pytest.approx(0.25) and cost.verify_slope == pytest.approx(0.1)
 
@@ -453,7 +420,7 @@ def test_a_measured_step_is_the_median_of_its_repeats_not_the_fastest(monkeypatc
 def test_costs_are_measured_at_a_context_within_half_the_targets_length(monkeypatch):
     """The timing context is capped at half the target's ``max_length`` (room for the timed
     tokens): asked for 64 positions on a 20-position target, every model is prefilled with 10."""
-    _, prefills = _costs(monkeypatch, max_length=20, context=64)
+    _, prefills = _fake_costs(monkeypatch, max_length=20, context=64)
     assert prefills and set(prefills) == {10}
 
 
