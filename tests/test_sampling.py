@@ -682,6 +682,29 @@ def test_sample_categorical_never_draws_a_leading_zero_weight(monkeypatch):
     assert sample_categorical(torch.tensor([0.0, 0.0, 1.0, 1.0]), None) == 2
 
 
+def test_sample_categorical_never_draws_a_trailing_zero_weight(monkeypatch):
+    """u < 1 keeps u * total below any normal float64 total, but a subnormal total absorbs the
+    difference: with u the largest double below 1, u * 5e-324 == 5e-324 and no prefix sum exceeds
+    it.  The draw must still land on the last token of positive weight, not on the zeros after it,
+    on both paths (the torch search and the compiled one)."""
+    from specdec.models import kernels
+
+    w = torch.tensor([0.0, 5e-324, 0.0, 5e-324, 0.0, 0.0], dtype=torch.float64)
+    u = math.nextafter(1.0, 0.0)
+    assert u * 1e-323 == 1e-323 and u * 1.0 < 1.0
+    with monkeypatch.context() as m:
+        m.setattr(kernels, "loaded", lambda: False)
+        m.setattr(torch, "rand", lambda *a, **k: torch.tensor([u], dtype=torch.float64))
+        assert sample_categorical(w, None) == 3
+        assert sample_categorical(torch.zeros(3), None) == 2  # all zeros: the last index, as before
+    if kernels.load():
+        assert int(torch.ops.specdec.sample_weights(w, u)) == 3
+        assert int(torch.ops.specdec.sample_weights(torch.zeros(3), u)) == 2
+        big = torch.zeros(1500, dtype=torch.float64)  # past the search's 512-entry chunks
+        big[700] = big[1100] = 5e-324
+        assert int(torch.ops.specdec.sample_weights(big, u)) == 1100
+
+
 def test_a_penalty_state_copy_is_independent():
     state = PenaltyState.start(torch.tensor([0]), 4)
     twin = state.copy()

@@ -589,6 +589,11 @@ def sample_categorical(weights: Tensor, generator: torch.Generator | None) -> in
         return int(torch.ops.specdec.sample_weights(weights, float(u)))  # the same bits in one pass (tested)
     cdf = weights.double().cumsum(0)
     idx = int(torch.searchsorted(cdf, u * cdf[-1], right=True))
+    if idx == cdf.numel() and cdf[-1] > 0:
+        # u * total rounded up to the total: only for a subnormal float64 total (u < 1 keeps the
+        # product below any normal total).  The last token that adds to the sum, never a zero
+        # weight after it.  All-zero or NaN weights fall through to the last index.
+        idx = int(torch.searchsorted(cdf, cdf[-1]))
     return min(idx, weights.numel() - 1)
 
 

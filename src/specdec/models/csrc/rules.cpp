@@ -7,8 +7,9 @@
 //   torch.ops.specdec.sample_weights(w, u) -> int
 //       One draw from w / sum(w) by inverting the float64 CDF with the uniform u: bitwise
 //       specdec.sampling.sample_categorical's ``min(searchsorted(w.double().cumsum(0),
-//       u * cdf[-1], right=True), V - 1)`` (the CDF is the same sequential float64 sum; torch's
-//       CPU cumsum is sequential too, tested).  w: float32 or float64 [V], contiguous.
+//       u * cdf[-1], right=True), V - 1)`` and its fallback where u * cdf[-1] rounds up to a
+//       subnormal total (the CDF is the same sequential float64 sum; torch's CPU cumsum is
+//       sequential too, tested).  w: float32 or float64 [V], contiguous.
 //
 //   torch.ops.specdec.draw_scattered(q, ids, vocab, u) -> (int token, Tensor q_full)
 //       A draft token drawn from a row over a reduced draft vocabulary, and that row over the
@@ -85,7 +86,14 @@ int64_t draw(int64_t n, double u, F f) {
     }
     start = ends[c];
   }
-  return n - 1;  // searchsorted found no cdf > x (x = total, or NaN): the last index, as min(idx, V - 1)
+  if (acc > 0.0) {  // x rounded up to the total (a subnormal total): the first index whose sum reaches it
+    double run = 0.0;
+    for (int64_t i = 0; i < n; ++i) {
+      run += f(i);
+      if (run >= acc) return i;
+    }
+  }
+  return n - 1;  // all zeros, or NaN: the last index, as min(idx, V - 1)
 }
 
 int64_t sample_weights(const at::Tensor& w, double u) {
