@@ -303,3 +303,51 @@ def test_a_round_committing_more_than_the_window_keeps_every_row_window_wide():
     d.prepare(torch.tensor(PROMPT))
     d.commit(Verdict(num_accepted=4, tokens=torch.tensor([1, 3, 0, 1, 3])))
     assert [len(row) for row in d.levels] == [3, 3]
+
+
+def test_without_candidates_the_whole_budget_goes_to_the_window():
+    """candidates=0: no pool continuation enters the tree (even though the pool has one for the
+    last token), and the window is not shrunk to leave room for one: budget 7, 2 rows -> 3 columns,
+    and the node left over stays unused."""
+    d = LookaheadDrafter(window=5, ngram=3, candidates=0)
+    d.prepare(torch.tensor(PROMPT))
+    assert d.pool.get(3)  # the prompt's "3 0 1" is in the pool
+    draft = d.propose_tree(torch.tensor(PROMPT), 7, _sampler(), TreeSpec(), max_depth=8)
+    assert [len(r) for r in d._window_nodes] == [3, 3]
+    window = {n for row in d._window_nodes for n in row}
+    assert draft.tokens.numel() == 6 and window == set(range(6))  # every node is a window node
+
+
+def test_a_chain_round_forgets_the_last_trees_window_nodes():
+    """After a chain round (no window in the draft) the arg-maxes the verifier hands over (if
+    any) must not be read against the previous tree's window: the window is left as it was."""
+    d = LookaheadDrafter(window=3, ngram=3, candidates=1)
+    d.prepare(torch.tensor(PROMPT))
+    d.propose_tree(torch.tensor(PROMPT), 12, _sampler(), TreeSpec(), max_depth=8)
+    assert d._window_nodes
+    before = [row[:] for row in d.levels]
+    d.propose(torch.tensor(PROMPT), 2, _sampler())
+    d.observe(torch.full((3,), 4, dtype=torch.long))
+    assert d.levels == before
+
+
+def test_a_shorter_context_replaces_the_remembered_one():
+    """A context shorter than the one seen last (a new request without ``prepare``) is taken as
+    it is: the chain round continues its last token (0 -> the pool's (1, 3)), not the old one's."""
+    d = LookaheadDrafter(window=3, ngram=3, candidates=1)
+    d.prepare(torch.tensor(PROMPT))
+    assert d.propose(torch.tensor([3, 0]), 2, _sampler()).tokens.tolist() == [1, 3]
+
+
+def test_the_most_recent_pool_continuation_gets_the_room_first():
+    """Two continuations of the last token, room for one (budget 8: 6 window nodes + 2): the more
+    recent one, (5, 6), is proposed, not the older (4, 2)."""
+    d = LookaheadDrafter(window=5, ngram=3, candidates=2)
+    d.prepare(torch.tensor(PROMPT))
+    d.pool.clear()
+    d._add((3, 4, 2))
+    d._add((3, 5, 6))
+    draft = d.propose_tree(torch.tensor(PROMPT), 8, _sampler(), TreeSpec(), max_depth=8)
+    window = {n for row in d._window_nodes for n in row}
+    cand = [(int(t), int(p)) for i, (t, p) in enumerate(zip(draft.tokens, draft.parents)) if i not in window]
+    assert cand == [(5, -1), (6, 0)]

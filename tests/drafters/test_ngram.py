@@ -97,3 +97,16 @@ def test_tree_falls_back_to_the_shortest_ngram():
 def test_refuses_an_empty_or_inverted_ngram_range(kw):
     with pytest.raises(ValueError):
         NgramDrafter(**kw)
+
+
+def test_a_shorter_context_than_the_last_one_starts_the_index_afresh():
+    """A context shorter than what the drafter has seen (a new request without ``prepare``, or a
+    rollback) must not reuse the old tokens: the draft equals a fresh drafter's."""
+    d = NgramDrafter(max_ngram=2)
+    d.prepare(torch.tensor([1, 2, 3, 4, 5, 6, 7, 8, 9, 1, 2]))
+    short = torch.tensor([5, 6, 9, 5, 6])
+    fresh = NgramDrafter(max_ngram=2)
+    fresh.prepare(short)
+    assert d.propose(short, 3, SAMPLER).tokens.tolist() == fresh.propose(short, 3, SAMPLER).tokens.tolist() == [9, 5, 6]
+    toks = d.propose_tree(short, 8, SAMPLER, TreeSpec(depth=2), max_depth=8).tokens.tolist()
+    assert toks == fresh.propose_tree(short, 8, SAMPLER, TreeSpec(depth=2), max_depth=8).tokens.tolist()

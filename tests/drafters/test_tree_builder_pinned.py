@@ -285,8 +285,12 @@ def test_max_fed_caps_the_nodes_handed_to_expand_over_all_levels():
 
 
 @pytest.mark.parametrize("bad", [dict(min_prob=1.0), dict(sample_width=0), dict(branching=(2, 0)),
-                                 dict(sample_branching=(0,)), dict(width=0), dict(depth=0), dict(expand_child=0.0)])
+                                 dict(sample_branching=(0,)), dict(width=0), dict(depth=0), dict(expand_child=0.0),
+                                 dict(sibling_stop=1.0), dict(sample_expand=1.0), dict(sibling_stop=-0.1),
+                                 dict(sample_expand=-0.1), dict(min_prob=-0.1), dict(shape="bushy")])
 def test_a_tree_spec_refuses_settings_that_leave_no_tree(bad):
+    """sibling_stop / sample_expand 1.0 would stop every sampled tree at one child / expand none:
+    their ranges are [0, 1) like min_prob's; an unknown shape is refused, not taken as static."""
     with pytest.raises(ConfigError):
         TreeSpec(**bad)
 
@@ -334,3 +338,68 @@ def test_a_sampled_tree_reports_each_nodes_q_as_it_was_drawn_from():
     for i, d in enumerate(depth):
         law = torch.softmax(below[0], -1) if d else torch.softmax(root[0], -1).double()  # the float32 root row, widened
         assert torch.equal(draft.probs[i], law.to(draft.probs.dtype)) and draft.probs.dtype == torch.float64, i
+
+
+def test_compact_rows_drawn_from_q_without_the_vocabulary_size_are_refused():
+    """A sampled tree over reduced-vocabulary rows reports q over the whole vocabulary: without
+    ``vocab`` it must say so (ValueError), not hand back q over the reduced columns."""
+    ids = torch.tensor([1, 2, 3])
+    row = torch.tensor([0.5, 0.3, 0.2]).log()
+    sampler = _multinomial(0)
+    spec = TreeSpec(sample_branching=(2,), sibling_stop=0.0, sample_expand=0.0)
+    with pytest.raises(ValueError, match="vocabulary"):
+        build_tree(row.unsqueeze(0), lambda n, t, p: row.expand(len(n), 3), spec, sampler,
+                   position=0, budget=4, max_depth=1, ids=ids)
+    draft, _ = build_tree(row.unsqueeze(0), lambda n, t, p: row.expand(len(n), 3), spec, sampler,
+                          position=0, budget=4, max_depth=1, ids=ids, vocab=V)
+    assert draft.probs.shape == (draft.tokens.numel(), V)
+
+
+def test_compact_rows_are_refused_for_a_sampler_that_must_see_every_logit():
+    """A logit bias reads tokens outside the reduced vocabulary: compact rows are refused."""
+    ids = torch.tensor([1, 2, 3])
+    row = torch.tensor([0.5, 0.3, 0.2]).log()
+    sampler = DraftSampler(SamplingConfig(temperature=0.0, logit_bias=((5, 100.0),)), "argmax", penalties=None,
+                           generator=None)
+    assert not sampler.compact
+    with pytest.raises(ValueError, match="compact"):
+        build_tree(row.unsqueeze(0), lambda n, t, p: row.expand(len(n), 3), TreeSpec(depth=1), sampler,
+                   position=0, budget=4, max_depth=1, ids=ids, vocab=V)
+
+
+def _dynamic(budget: int, depth: int):  # -> (root paths in the draft's order, the growth indices kept)
+    spec = TreeSpec(shape="dynamic", width=2, depth=depth, min_prob=0.0)
+    draft, keep = build_tree(_row(()).unsqueeze(0), _expand([]), spec, GREEDY, position=0, budget=budget, max_depth=8)
+    toks, pars = draft.tokens.tolist(), draft.parents.tolist()
+    return [_path(v, toks, pars) for v in range(len(toks))], keep
+
+
+def test_a_pruned_dynamic_tree_keeps_its_nodes_in_growth_order():
+    """Budget 3 of 6 grown nodes: the best three are (1) .6, (1,3) .54, (2) .4; they keep the order
+    they were grown in (level by level), not score order, and ``keep`` lists their growth indices."""
+    assert _dynamic(budget=3, depth=2) == ([(1,), (2,), (1, 3)], [0, 1, 2])
+
+
+def test_a_dynamic_tree_one_node_over_its_budget_is_pruned():
+    """Depth 1, width 2, budget 1: two root children grown, only the best (token 1) is kept."""
+    assert _dynamic(budget=1, depth=1) == ([(1,)], [0])
+
+
+def test_a_static_tree_that_fills_its_budget_asks_for_no_further_level():
+    """branching (2, 2), budget 2: the two root children fill the tree, so ``expand`` (a draft
+    pass) is never called."""
+    calls: list = []
+    spec = TreeSpec(shape="static", width=4, depth=2, branching=(2, 2), min_prob=0.0)
+    assert _tree(spec, budget=2, calls=calls) == [(1,), (2,)] and calls == []
+
+
+def test_a_sampled_trees_depth_is_its_sample_branching_length_not_depth():
+    """Sampled (T = 1, q reported): ``sample_branching`` (1, 1) grows two levels even with
+    ``depth`` 1 (depth is the deterministic trees' setting)."""
+    q = torch.zeros(V)
+    q[3] = 1.0
+    spec = TreeSpec(depth=1, sample_branching=(1, 1), sample_width=1, sibling_stop=0.0, sample_expand=0.0)
+    draft, _ = build_tree(q.log().unsqueeze(0), lambda n, t, p: q.log().expand(len(n), V), spec, _multinomial(0),
+                          position=0, budget=8, max_depth=8)
+    toks, pars = draft.tokens.tolist(), draft.parents.tolist()
+    assert [_path(v, toks, pars) for v in range(len(toks))] == [(3,), (3, 3)]
