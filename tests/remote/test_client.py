@@ -16,11 +16,12 @@ import torch
 
 from specdec.decoder import SpeculativeDecoder
 from specdec.drafters import ModelDrafter, NgramDrafter
+from specdec.drafters.base import Draft
 from specdec.drafters.hybrid import LookupThenModel
 from specdec.errors import ConfigError
 from specdec.gamma import FixedGamma
 from specdec.models.toy import ToyLM
-from specdec.remote.client import RemoteConfig, RemoteError, RemoteTarget, RemoteVerifier, derived_seed
+from specdec.remote.client import RemoteConfig, RemoteError, RemoteTarget, RemoteVerifier, _error_message, derived_seed
 from specdec.remote.edge import generate_remote
 from specdec.sampling import SamplingConfig
 from specdec.token_filter import TokenFilter
@@ -389,7 +390,6 @@ def test_the_timeout_bounds_the_whole_retry_window(toy_server, monkeypatch, time
                                   client=client)
         monkeypatch.setattr(time, "perf_counter", lambda: clock[0])
         monkeypatch.setattr(time, "sleep", sleep)
-        from specdec.drafters.base import Draft
 
         with pytest.raises(RemoteError, match="did not answer within 5 s"):
             verifier.verify(Draft(tokens=torch.tensor([1, 2]), probs=None))
@@ -446,12 +446,7 @@ def test_auto_gamma_accounts_for_the_round_trip(toy_server):
     assert mean_gamma[0.3] > mean_gamma[0.0] + 0.5, mean_gamma
 
 
-
 def test_outcome_metrics_are_per_round(toy_server):
-    import torch
-
-    from specdec.drafters.base import Draft
-
     cfg = SamplingConfig(temperature=0.0, seed=1, max_new_tokens=20)
     with RemoteVerifier(_cfg(toy_server.url), [1, 2], cfg) as v:
         created_up = v.stats.bytes_up  # the session's creation request
@@ -630,9 +625,6 @@ def test_remote_stats_summary_figures():
 def test_local_commits_stop_at_the_pending_limit_inclusive(toy_server, monkeypatch):
     """Locally committed tokens wait for the next cloud call up to MAX_PENDING_UNVERIFIED of them
     (inclusive); a block that would pass the limit goes to the cloud, which takes the pending ones."""
-    import torch
-
-    from specdec.drafters.base import Draft
 
     monkeypatch.setattr("specdec.remote.client.MAX_PENDING_UNVERIFIED", 6)
     cfg = SamplingConfig(temperature=0.0, seed=1, max_new_tokens=40)
@@ -647,9 +639,6 @@ def test_local_commits_stop_at_the_pending_limit_inclusive(toy_server, monkeypat
 def test_a_session_lost_with_local_commits_pending_is_recreated_with_them_once(toy_server):
     """The re-created session holds the locally committed tokens as generated ids, so they must not
     travel again as unverified tokens (the server would append them twice)."""
-    import torch
-
-    from specdec.drafters.base import Draft
 
     cfg = SamplingConfig(temperature=0.0, seed=1, max_new_tokens=40)
     answers = iter([True])
@@ -680,9 +669,6 @@ class _Recording(httpx.HTTPTransport):
 
 def test_q_crosses_the_wire_as_the_drafts_own_probabilities(toy_server):
     """lossy-scalar sends q(x_i) of each draft token; sparse-q sends each row's non-zero ids and probabilities."""
-    import torch
-
-    from specdec.drafters.base import Draft
 
     probs = torch.tensor([[0.1, 0.2, 0.3, 0.4], [0.0, 0.25, 0.0, 0.75]])
     draft = Draft(tokens=torch.tensor([0, 1]), probs=probs)
@@ -721,11 +707,6 @@ class _SlowOnce(httpx.HTTPTransport):
 
 
 def _empty_round_under_lossy_timeout(url: str):
-    import torch
-
-    from specdec.drafters.base import Draft
-    from specdec.remote.client import RemoteError
-
     cfg = SamplingConfig(temperature=0.0, seed=1, max_new_tokens=10)
     # each attempt waits 0.3 s, the lossy deadline's length: the first one times out, the second is answered
     remote = _cfg(url, lossy_timeout_commit_ms=300, timeout_s=0.3, retry_budget_s=2.0, backoff_s=0.01)
@@ -786,10 +767,6 @@ def test_creation_retries_are_counted_and_a_refused_recreation_is_retried(toy_se
 
 
 def _local_lossy(prompt: list[int], cfg: SamplingConfig, method: str, *, gamma: int = 3) -> list[int]:
-    from specdec.decoder import SpeculativeDecoder
-    from specdec.gamma import FixedGamma
-    from specdec.verify import get_rule
-
     dec = SpeculativeDecoder(TARGET, ModelDrafter(DRAFT), get_rule(method), gamma=FixedGamma(gamma))
     return dec.generate(prompt, cfg).tokens
 
@@ -814,8 +791,6 @@ def test_q_top_k_truncates_only_sparse_q_drafts(toy_server):
     ({"prompt": []}, "the prompt is empty"),
 ])
 def test_bad_edge_arguments_fail_before_the_server_is_asked(kwargs, says):
-    from specdec.errors import ConfigError
-
     prompt = kwargs.pop("prompt", [1, 2])
     with pytest.raises(ConfigError, match=says):  # nothing listens on port 9: asking it would be a RemoteError
         generate_remote(prompt, SamplingConfig(temperature=0.0, max_new_tokens=5), RemoteConfig(url="http://127.0.0.1:9"),
@@ -890,72 +865,53 @@ def test_a_derived_seed_is_never_the_session_seed_it_came_from():
     assert derived_seed(0, 0) != derived_seed(0, 1)
 
 
-def _created(**spoil):
-    """A mock server whose session creation reply is correct but for ``spoil``."""
-
-    def handler(request: httpx.Request) -> httpx.Response:
-        body = json.loads(request.content)
-        reply = {"session_id": "s1", "model": "fake", "wire": body["wire"], "method": body["method"], "lossless": True,
-                 "seed": body["seed"], "vocab_size": 8, "max_context": 64, "max_gamma": 8, "max_length": 64,
-                 "prompt_ids": body["prompt_ids"], "prefill_ms": 1.0}
-        reply.update(spoil)
-        return httpx.Response(200, json=reply)
-
-    return httpx.Client(transport=httpx.MockTransport(handler))
-
-
 @pytest.mark.parametrize("sid", ["a/b", "s\x1b[2K", ""])
 def test_a_session_id_that_cannot_go_in_a_url_or_a_terminal_is_refused(sid):
-    with _created(session_id=sid) as client, pytest.raises(RemoteError, match="bad 'session_id'"):
-        RemoteVerifier(RemoteConfig(url="http://edge.test"), [1, 2], SamplingConfig(temperature=0.0, seed=1), client=client)
-    with _created() as client:  # unspoilt: accepted
-        RemoteVerifier(RemoteConfig(url="http://edge.test"), [1, 2], SamplingConfig(temperature=0.0, seed=1), client=client)
+    with _mock(session_id=sid)[0] as client, pytest.raises(RemoteError, match="bad 'session_id'"):
+        _greedy(client)
+    with _mock()[0] as client:  # unspoilt: accepted
+        _greedy(client)
 
 
 @pytest.mark.parametrize("row", [{"logprob": float("nan")}, {"logprob": -0.5, "top": [[3, float("-inf")]]}])
 def test_a_log_probability_that_is_not_finite_is_refused(row):
     """A NaN or infinite log-probability would make the edge's --json output invalid JSON."""
-    from specdec.drafters.base import Draft
-    import torch
 
-    def handler(request: httpx.Request) -> httpx.Response:
-        body = json.loads(request.content)
-        if request.url.path == "/v1/sessions":
-            return httpx.Response(200, json={
-                "session_id": "s1", "model": "fake", "wire": body["wire"], "method": body["method"], "lossless": True,
-                "seed": body["seed"], "vocab_size": 8, "max_context": 64, "max_gamma": 8, "max_length": 64,
-                "prompt_ids": body["prompt_ids"], "prefill_ms": 1.0})
-        reply = {"seq": 0, "num_accepted": 0, "tokens": [3], "next_token": 3,
-                 "metrics": {"gamma": 0, "committed": 1}, "logprobs": [row]}
-        return httpx.Response(200, content=json.dumps(reply).encode(),  # NaN / -Infinity, as a lax server writes them
-                              headers={"Content-Type": "application/json"})
-
-    with httpx.Client(transport=httpx.MockTransport(handler)) as client:
-        verifier = RemoteVerifier(RemoteConfig(url="http://edge.test"), [1, 2], SamplingConfig(temperature=0.0, seed=1),
-                                  client=client, logprobs=1)
+    reply = {"seq": 0, "num_accepted": 0, "tokens": [3], "next_token": 3,
+             "metrics": {"gamma": 0, "committed": 1}, "logprobs": [row]}  # NaN / -Infinity, as a lax server writes them
+    with _mock(lambda body: (200, reply))[0] as client:
+        verifier = _greedy(client, logprobs=1)
         with pytest.raises(RemoteError, match="malformed"):
             verifier.verify(Draft(tokens=torch.empty(0, dtype=torch.long), probs=None))
 
 
-def _mock(verify_reply, **created):
-    """A mock server: a correct session creation (changed by ``created``), then ``verify_reply(body)``."""
-    calls = {"create": 0, "verify": 0}
+def _mock(verify_reply=None, **created):
+    """A mock session API: a correct session creation, changed by ``created`` (a callable value is
+    called with the creation's number, from 1), then ``verify_reply(body)`` -> (status, reply).
+    Returns the client and what it was sent: request bodies by kind, and every request.  Replies
+    are written with json.dumps, not json=: a lax server writes Infinity / NaN, which json= refuses."""
+    seen: dict[str, list] = {"create": [], "verify": [], "requests": []}
+
+    def answer(status: int, reply: dict) -> httpx.Response:
+        return httpx.Response(status, content=json.dumps(reply).encode(), headers={"Content-Type": "application/json"})
 
     def handler(request: httpx.Request) -> httpx.Response:
+        seen["requests"].append(request)
         body = json.loads(request.content) if request.content else {}
+        if request.method == "DELETE":
+            return answer(200, {})
         if request.url.path == "/v1/sessions":
-            calls["create"] += 1
+            seen["create"].append(body)
+            n = len(seen["create"])
             reply = {"session_id": "s1", "model": "fake", "wire": body["wire"], "method": body["method"], "lossless": True,
                      "seed": body["seed"], "vocab_size": 8, "max_context": 64, "max_gamma": 8, "max_length": 64,
-                     "prompt_ids": body["prompt_ids"], "prefill_ms": 1.0, **created}
-            return httpx.Response(200, json=reply)
-        if request.method == "DELETE":
-            return httpx.Response(200, json={})
-        calls["verify"] += 1
-        status, reply = verify_reply(body)
-        return httpx.Response(status, json=reply)
+                     "prompt_ids": body["prompt_ids"], "prefill_ms": 1.0}
+            reply.update({k: v(n) if callable(v) else v for k, v in created.items()})
+            return answer(200, reply)
+        seen["verify"].append(body)
+        return answer(*verify_reply(body))
 
-    return httpx.Client(transport=httpx.MockTransport(handler)), calls
+    return httpx.Client(transport=httpx.MockTransport(handler)), seen
 
 
 def _greedy(client, **kw):
@@ -972,8 +928,6 @@ def test_a_bad_cached_prompt_token_count_is_refused(cached):
 
 def test_a_tree_path_with_a_negative_index_is_inconsistent():
     """Root children 5 and 6 (parents -1, -1): a 'path' of [-1] names node 1 Python's way, not a node."""
-    from specdec.drafters.base import Draft
-    import torch
 
     client, _ = _mock(lambda body: (200, {"seq": 0, "num_accepted": 1, "tokens": [6, 3], "next_token": 3, "path": [-1],
                                          "metrics": {"gamma": 2, "committed": 2}}))
@@ -985,12 +939,250 @@ def test_a_tree_path_with_a_negative_index_is_inconsistent():
 
 
 def test_a_server_that_keeps_losing_the_session_is_given_up_after_three_recreations():
-    from specdec.drafters.base import Draft
-    import torch
-
     client, calls = _mock(lambda body: (404, {"error": {"message": "no such session"}}))
     with client:
         verifier = _greedy(client)
         with pytest.raises(RemoteError, match="keeps losing the session"):
             verifier.verify(Draft(tokens=torch.empty(0, dtype=torch.long), probs=None))
-    assert calls["create"] == 4 and calls["verify"] == 4 and verifier.stats.session_recreates == 3
+    assert len(calls["create"]) == 4 and len(calls["verify"]) == 4 and verifier.stats.session_recreates == 3
+
+
+GREEDY = SamplingConfig(temperature=0.0, seed=1, max_new_tokens=100)
+EMPTY = Draft(tokens=torch.empty(0, dtype=torch.long), probs=None)
+
+
+@pytest.mark.parametrize("field", ["timeout_s", "connect_timeout_s", "retry_budget_s"])
+@pytest.mark.parametrize("value", [0.0, -1.0])
+def test_every_timeout_must_be_positive(field, value):
+    """A zero or negative timeout (or retry window) is a ConfigError naming it, not a client that
+    gives up at once or never."""
+    with pytest.raises(ConfigError, match=f"{field} must be > 0"):
+        RemoteConfig(url="http://edge.test", **{field: value})
+
+
+def test_a_zero_lossy_timeout_is_refused():
+    """0 ms would commit every round unverified before the cloud could answer."""
+    with pytest.raises(ConfigError, match="lossy timeout must be > 0 ms"):
+        RemoteConfig(url="http://edge.test", lossy_timeout_commit_ms=0.0)
+    RemoteConfig(url="http://edge.test", lossy_timeout_commit_ms=0.5)  # any positive value is fine
+
+
+def _resp(text: str) -> httpx.Response:
+    return httpx.Response(500, json={"error": {"message": text}})
+
+
+def test_error_messages_are_cut_past_300_characters_only():
+    """A 300-character message is printed whole; a 301-character one is cut to 297 + '...'."""
+    assert _error_message(_resp("x" * 300)) == "x" * 300
+    cut = _error_message(_resp("x" * 301))
+    assert cut == "x" * 297 + "..." and len(cut) == 300
+
+
+def test_c1_control_characters_are_removed_from_error_messages():
+    """U+009B is the one-character CSI: a terminal may read it as an escape sequence too."""
+    assert _error_message(_resp("a\x9b2Kb\x85c")) == "a 2Kb c"
+
+
+def test_twenty_logprobs_are_allowed_and_twenty_one_refused():
+    client, seen = _mock()
+    with client:
+        RemoteVerifier(RemoteConfig(url="http://edge.test"), [1, 2], GREEDY, client=client, logprobs=20)
+        assert seen["create"][0]["logprobs"] == 20
+        with pytest.raises(ConfigError, match="between 0 and 20"):
+            RemoteVerifier(RemoteConfig(url="http://edge.test"), [1, 2], GREEDY, client=client, logprobs=21)
+
+
+def test_the_max_new_tokens_argument_is_the_sessions_budget():
+    """``max_new_tokens=`` overrides the sampling config's budget in the creation body."""
+    client, seen = _mock()
+    with client:
+        RemoteVerifier(RemoteConfig(url="http://edge.test"), [1, 2], GREEDY, client=client, max_new_tokens=7)
+        RemoteVerifier(RemoteConfig(url="http://edge.test"), [1, 2], GREEDY, client=client)
+    assert [b["max_new_tokens"] for b in seen["create"]] == [7, 100]
+
+
+def test_min_tokens_without_stop_ids_sends_no_floor():
+    """min_tokens masks only the given stop ids: with none there is nothing to hold back, and the
+    session body carries no (empty) floor."""
+    from specdec.remote.client import wire_options
+
+    assert "min_tokens" not in wire_options(SamplingConfig(temperature=0.0, min_tokens=3), frozenset())
+    assert wire_options(SamplingConfig(temperature=0.0, min_tokens=3), frozenset({2})) == {"min_tokens": 3,
+                                                                                            "floor_ids": [2]}
+
+
+def test_backoff_starts_at_backoff_s_doubles_and_never_sleeps_past_the_retry_window(monkeypatch):
+    """On a fake clock, a server that is always busy (503): the edge sleeps 0.25 s, then 0.5 s, and
+    gives up rather than sleep 1 s past its 1 s retry window."""
+
+    clock, sleeps = [0.0], []
+    monkeypatch.setattr(time, "perf_counter", lambda: clock[0])
+
+    def sleep(s: float) -> None:
+        sleeps.append(s)
+        clock[0] += s
+
+    monkeypatch.setattr(time, "sleep", sleep)
+    client, _ = _mock(lambda body: (503, {"error": {"message": "busy"}}))
+    cfg = RemoteConfig(url="http://edge.test", backoff_s=0.25, max_backoff_s=1.0, retry_budget_s=1.0, timeout_s=1.0)
+    with client:
+        v = RemoteVerifier(cfg, [1, 2], GREEDY, client=client)
+        with pytest.raises(RemoteError, match="did not answer within 1 s"):
+            v.verify(Draft(tokens=torch.tensor([3]), probs=None))
+    assert sleeps == [0.25, 0.5] and v.stats.retries == 3
+
+
+def test_the_connect_timeout_is_cut_to_the_attempts_timeout():
+    """A 2 s request timeout bounds the connect too, though connect_timeout_s is 5 s."""
+    client, seen = _mock()
+    with client:
+        RemoteVerifier(RemoteConfig(url="http://edge.test", timeout_s=2.0, connect_timeout_s=5.0), [1, 2], GREEDY,
+                       client=client)
+    timeout = seen["requests"][0].extensions["timeout"]
+    assert timeout["connect"] == pytest.approx(2.0, abs=0.1) and timeout["read"] == pytest.approx(2.0, abs=0.1)
+
+
+def _verdict(token: int, committed: int):
+    return 200, {"seq": 0, "num_accepted": 0, "tokens": [token], "next_token": token,
+                 "metrics": {"gamma": 0, "committed": committed}}
+
+
+def test_a_server_behind_the_edge_on_committed_tokens_is_an_error():
+    """The server says it holds 0 committed tokens after a round that committed 1: the mirror and
+    the session disagree, which must be an error (not only when the server is ahead)."""
+    client, _ = _mock(lambda body: _verdict(3, 0))
+    with client:
+        v = RemoteVerifier(RemoteConfig(url="http://edge.test"), [1, 2], GREEDY, client=client)
+        with pytest.raises(RemoteError, match="holds 0 committed tokens but the edge has 1"):
+            v.verify(EMPTY)
+
+
+def test_a_sequence_past_the_sessions_max_length_is_a_remote_error():
+    """max_length 3 holds prompt [1, 2] and one token; a second round's token does not fit: a
+    RemoteError, not a tensor shape error."""
+    replies = iter([_verdict(3, 1), (200, {"seq": 1, "num_accepted": 0, "tokens": [4], "next_token": 4,
+                                           "metrics": {"gamma": 0, "committed": 2}})])
+    client, _ = _mock(lambda body: next(replies), max_length=3)
+    with client:
+        v = RemoteVerifier(RemoteConfig(url="http://edge.test"), [1, 2], GREEDY, client=client)
+        v.verify(EMPTY)
+        with pytest.raises(RemoteError, match="outgrew the session's context"):
+            v.verify(EMPTY)
+
+
+def test_a_recreated_session_without_room_for_the_committed_tokens_is_refused():
+    """After one committed token the session is lost (404); a re-created session whose max_length
+    holds the prompt but not the committed token is refused by name."""
+    answers = iter([_verdict(3, 1), (404, {"error": {"message": "gone"}})])
+    client, _ = _mock(lambda body: next(answers, _verdict(4, 2)), session_id=lambda n: f"s{n}",
+                      max_length=lambda n: 64 if n == 1 else 3)  # the second: prompt (2) + 1, no room for more
+    with client:
+        v = RemoteVerifier(RemoteConfig(url="http://edge.test"), [1, 2], GREEDY, client=client)
+        v.verify(EMPTY)
+        with pytest.raises(RemoteError, match="bad 'max_length'"):
+            v.verify(EMPTY)
+
+
+class _Draft34:
+    """Drafts 3, 4 every round (a chain)."""
+
+    def prepare(self, prompt) -> None:
+        pass
+
+    def reset(self) -> None:
+        pass
+
+    def commit(self, verdict) -> None:
+        pass
+
+    def propose(self, context, gamma, sampler):
+        return Draft(tokens=torch.tensor([3, 4][:gamma]), probs=None)
+
+
+def _accept_all(body):
+    """Accepts every drafted token and adds 5, with a log-probability row per token."""
+    tokens = body["draft_tokens"] + [5]
+    return 200, {"seq": body["seq"], "num_accepted": len(body["draft_tokens"]), "tokens": tokens, "next_token": 5,
+                 "metrics": {"gamma": len(body["draft_tokens"])},
+                 "logprobs": [{"logprob": -0.5, "top": [[t, -0.5]]} for t in tokens]}
+
+
+def test_logprobs_stop_with_the_output_when_the_last_round_overshoots():
+    """A round of 3 tokens [3, 4, 5] with 4 an end-of-sequence id: the output stops at 4 and the
+    log-probabilities with it (one per output token, not one per token the server sent)."""
+
+    client, _ = _mock(_accept_all)
+    with client:
+        out = generate_remote([1, 2], SamplingConfig(temperature=0.0, seed=1, max_new_tokens=4),
+                              RemoteConfig(url="http://edge.test"), drafter=_Draft34(), gamma=2, client=client,
+                              logprobs=1, eos_ids=frozenset({4}))
+    assert out.token_ids == [3, 4] and len(out.logprobs) == 2
+
+
+def test_the_vocab_size_argument_bounds_the_ids_the_edge_accepts():
+    """``vocab_size=4`` (the edge's draft vocabulary) under a server of 8 ids: the server's token 4
+    is refused, though the server's vocabulary holds it."""
+
+    client, _ = _mock(_accept_all)
+    with client, pytest.raises(RemoteError, match=r"token id 4 in round 0, outside the vocabulary \[0, 4\)"):
+        generate_remote([1, 2], SamplingConfig(temperature=0.0, seed=1, max_new_tokens=4),
+                        RemoteConfig(url="http://edge.test"), drafter=_Draft34(), gamma=2, client=client, vocab_size=4)
+
+
+def test_a_verdict_with_more_tokens_than_accepted_plus_one_is_inconsistent():
+    """num_accepted 0 with tokens [3, 4]: the extra token would be committed as if verified."""
+    client, _ = _mock(lambda body: (200, {"seq": 0, "num_accepted": 0, "tokens": [3, 4], "next_token": 4,
+                                            "metrics": {"gamma": 0}}))
+    with client:
+        v = RemoteVerifier(RemoteConfig(url="http://edge.test"), [1, 2], GREEDY, client=client)
+        with pytest.raises(RemoteError, match="inconsistent with the draft"):
+            v.verify(EMPTY)
+        assert v.context.tolist() == [1, 2]
+
+
+def test_more_logprob_rows_than_tokens_are_refused():
+    """Two rows for one token would shift every later token's log-probability."""
+    row = {"logprob": -0.5, "top": []}
+    client, _ = _mock(lambda body: (200, {"seq": 0, "num_accepted": 0, "tokens": [3], "next_token": 3,
+                                            "metrics": {"gamma": 0}, "logprobs": [row, row]}))
+    with client:
+        v = RemoteVerifier(RemoteConfig(url="http://edge.test"), [1, 2], GREEDY, client=client, logprobs=0)
+        with pytest.raises(RemoteError, match="no log-probabilities"):
+            v.verify(EMPTY)
+
+
+def test_a_session_id_of_256_characters_is_accepted_and_257_refused():
+    client, _ = _mock(session_id="s" * 256)
+    with client:
+        RemoteVerifier(RemoteConfig(url="http://edge.test"), [1, 2], GREEDY, client=client)
+    client, _ = _mock(session_id="s" * 257)
+    with client, pytest.raises(RemoteError, match="bad 'session_id'"):
+        RemoteVerifier(RemoteConfig(url="http://edge.test"), [1, 2], GREEDY, client=client)
+
+
+def test_an_infinite_prefill_time_is_refused():
+    """Infinity (which Python's json writes and reads) would make the edge's --json output invalid."""
+    client, _ = _mock(prefill_ms=float("inf"))
+    with client, pytest.raises(RemoteError, match="bad 'prefill_ms'"):
+        RemoteVerifier(RemoteConfig(url="http://edge.test"), [1, 2], GREEDY, client=client)
+
+
+def test_prefill_and_cached_tokens_add_up_over_recreated_sessions():
+    """The session is lost once (404) and re-created: both creations' prefill_ms and cached prompt
+    tokens count in the stats (totals over the session's life)."""
+    answers = iter([(404, {"error": {"message": "gone"}})])
+    client, seen = _mock(lambda body: next(answers, _verdict(3, 1)), cached_prompt_tokens=1, prefill_ms=2.0)
+    with client:
+        v = RemoteVerifier(RemoteConfig(url="http://edge.test"), [1, 2], GREEDY, client=client)
+        v.verify(EMPTY)
+    assert len(seen["create"]) == 2 and v.stats.session_recreates == 1
+    assert v.stats.session_prefill_ms == 4.0 and v.stats.session_cached_tokens == 2
+
+
+def test_a_local_commit_reports_every_unverified_token_in_its_metrics():
+    client, _ = _mock(lambda body: _verdict(3, 4))
+    with client:
+        v = RemoteVerifier(RemoteConfig(url="http://edge.test"), [1, 2], GREEDY, client=client,
+                           local_commit=lambda draft: True)
+        out = v.verify(Draft(tokens=torch.tensor([3, 4, 5]), probs=None))
+    assert out.metrics == {"unverified": 3, "local_commit": True} and v.stats.unverified_tokens == 3
