@@ -122,3 +122,96 @@ def test_a_matrix_whose_rows_are_not_whole_blocks_is_a_one_line_config_error(tmp
     with pytest.raises(ConfigError, match="does not fit whole blocks") as err:
         read_q4_blocks(path, 4, 2)
     assert "\n" not in str(err.value)
+
+
+def test_a_header_whose_last_string_ends_at_the_end_of_the_file_is_read(tmp_path):
+    """Nothing after the architecture string: every byte the header needs is there."""
+    path = tmp_path / "bare.gguf"
+    path.write_bytes(_gguf(ARCH, n_kv=1))
+    assert gguf_architecture(path) == "llama"
+
+
+def test_an_alignment_written_as_a_bool_is_a_damaged_header(tmp_path):
+    """GGUF value type 7 is a bool: ``true`` is not an alignment of 1."""
+    path = tmp_path / "bool.gguf"
+    path.write_bytes(_gguf(ARCH + _s(b"general.alignment") + struct.pack("<IB", 7, 1), n_kv=2))
+    with pytest.raises(ValueError, match="not a readable GGUF file"):
+        gguf_architecture(path)
+
+
+def test_the_block_count_check_leaves_files_it_cannot_judge_to_the_converter(tmp_path):
+    """No layer tensors at all (nothing to compare), or no file: no complaint here (the
+    converter reports what is wrong), and never a bare ValueError / OSError."""
+    from specdec.models.gguf_blocks import check_block_count
+
+    path = tmp_path / "nolayers.gguf"
+    path.write_bytes(_gguf(ARCH + _s(b"llama.block_count") + struct.pack("<II", 4, 2), n_kv=2))
+    assert check_block_count(path) is None
+    assert check_block_count(tmp_path / "missing.gguf") is None
+
+
+def test_ships_q4_at_exactly_half_and_not_without_layer_matrices(tmp_path):
+    """"Mostly" 4-bit includes exactly half the layer weights; a GGUF with no layer matrix at all
+    (only an embedding) does not ship 4-bit layers."""
+    import numpy as np
+
+    from tests.models.test_q4 import _write_gguf
+
+    rng = np.random.default_rng(4)
+    w = rng.standard_normal((64, 96)).astype(np.float32)
+    half = tmp_path / "half.gguf"
+    _write_gguf(half, {"blk.0.ffn_up.weight": (w, "Q4_0"), "blk.0.ffn_gate.weight": (w, "F32")})
+    assert ships_q4(str(half))
+    none = tmp_path / "none.gguf"
+    _write_gguf(none, {"token_embd.weight": (w, "Q4_0")})
+    assert not ships_q4(str(none))
+
+
+def test_the_lm_head_is_returned_only_with_q6(tmp_path):
+    """An untied ``output.weight`` in 4-bit blocks comes back as ``lm_head.weight`` only when
+    ``q6`` is asked for (without it the loader builds the head as before)."""
+    import numpy as np
+
+    from tests.models.test_q4 import _write_gguf
+
+    rng = np.random.default_rng(5)
+    path = tmp_path / "head.gguf"
+    _write_gguf(path, {"blk.0.ffn_up.weight": (rng.standard_normal((64, 96)).astype(np.float32), "Q4_0"),
+                       "output.weight": (rng.standard_normal((128, 96)).astype(np.float32), "Q4_0")})
+    assert set(read_q4_blocks(path, 4, 2)) == {"model.layers.0.mlp.up_proj.weight"}
+    assert set(read_q4_blocks(path, 4, 2, q6=True)) == {"model.layers.0.mlp.up_proj.weight", "lm_head.weight"}
+
+
+def test_ships_q4_counts_q4_k_layers_and_ignores_biases(tmp_path):
+    """Q4_K layer matrices are 4-bit as shipped; a layer's bias (``blk.N.attn_q.bias``) is not
+    a layer matrix and does not tip a file that is exactly half 4-bit."""
+    import numpy as np
+
+    from tests.models.test_q4 import _q4_k_raw, _write_gguf, _write_raw_gguf
+
+    rng = np.random.default_rng(6)
+    q4k = tmp_path / "q4k.gguf"
+    _write_raw_gguf(q4k, {"blk.0.ffn_up.weight": (_q4_k_raw(rng, 64, 256, True), "Q4_K")}, "qwen2")
+    assert ships_q4(str(q4k))
+    w = rng.standard_normal((64, 96)).astype(np.float32)
+    biased = tmp_path / "biased.gguf"
+    _write_gguf(biased, {"blk.0.ffn_up.weight": (w, "Q4_0"), "blk.0.ffn_gate.weight": (w, "F32"),
+                         "blk.0.attn_q.bias": (rng.standard_normal(64).astype(np.float32), "F32")})
+    assert ships_q4(str(biased))
+
+
+def _gguf_with_layers(declared: int, layers: list[int]) -> bytes:
+    count = _s(b"llama.block_count") + struct.pack("<II", 4, declared)
+    tensors = b"".join(_s(f"blk.{i}.ffn_up.weight".encode()) + struct.pack("<IQQIQ", 2, 64, 4, 0, 0) for i in layers)
+    return _gguf(ARCH + count, n_kv=2, n_tensors=len(layers), tensors=tensors)
+
+
+def test_a_gguf_missing_a_middle_layer_is_refused(tmp_path):
+    from specdec.models.gguf_blocks import check_block_count
+
+    path = tmp_path / "cut.gguf"
+    path.write_bytes(_gguf_with_layers(4, [0, 1, 2, 3]))
+    check_block_count(path)  # whole: no complaint
+    path.write_bytes(_gguf_with_layers(4, [0, 1, 3]))
+    with pytest.raises(ConfigError, match="llama.block_count declares 4 layers"):
+        check_block_count(path)

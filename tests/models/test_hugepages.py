@@ -224,3 +224,50 @@ def test_a_parameter_and_its_detached_view_keep_sharing_their_memory(on):
         arena = hugepages.adopt(holders, enter=_everything)
         assert arena is not None and arena.storages == 1 and _inside(moved, arena), order
         assert d.data_ptr() == p.data_ptr() and not _inside(d, arena), order
+
+
+def test_a_second_adopt_of_the_same_tensors_moves_nothing(on):
+    """The tensors already in an arena stay there: adopting them again gives None, same pointers."""
+    ts = [torch.ones(100_000), torch.zeros(50_000)]
+    arena = hugepages.adopt(ts, enter=_everything)
+    assert arena is not None and all(_inside(t, arena) for t in ts)
+    ptrs = [t.data_ptr() for t in ts]
+    assert hugepages.adopt(ts, enter=_everything) is None
+    assert [t.data_ptr() for t in ts] == ptrs
+
+
+class _WithTable:
+    TABLE = torch.ones(100_000)  # the class's, shared by every instance
+
+    def __init__(self) -> None:
+        self.w = torch.ones(100_000)
+
+
+def test_a_class_held_as_a_value_is_not_entered():
+    """Classes are not entered (an object holding a class, e.g. a factory, does not hand over the
+    class's own tensors): only what objects hold themselves."""
+    obj = _WithTable()
+    obj.factory = _WithTable
+    assert [id(t) for t in hugepages.tensors_of(obj, _everything)] == [id(obj.w)]
+
+
+def test_nothing_large_enough_gives_no_arena(on):
+    assert hugepages.adopt([torch.ones(8), torch.ones(16)], enter=_everything) is None
+
+
+def test_the_arena_kept_on_a_model_is_not_one_of_its_tensors(on):
+    """``adopt`` keeps the arena on the model (``_huge_pages``); walking the model afterwards
+    finds the model's own tensors, not the arena's whole-mapping buffer."""
+    module = torch.nn.Linear(300, 300).requires_grad_(False)  # inference weights: moved
+    arena = hugepages.adopt(module)
+    assert arena is not None and module._huge_pages is arena
+    assert {id(t) for t in hugepages.tensors_of(module)} == {id(module.weight), id(module.bias)}
+
+
+@pytest.mark.parametrize("word", ["OFF", "False", "No", " Off "])
+def test_off_in_any_case_turns_huge_pages_off(word, monkeypatch, tmp_path):
+    setting = tmp_path / "enabled"
+    setting.write_text("[always] madvise never\n")
+    monkeypatch.setattr(hugepages, "_SETTING", setting)
+    monkeypatch.setenv("SPECDEC_HUGE_PAGES", word)
+    assert not hugepages.available()

@@ -173,9 +173,11 @@ def check_block_count(path: str | Path) -> None:
     declared = header.block_count
     if not held or not isinstance(declared, int) or isinstance(declared, bool):
         return
-    if max(held) != declared - 1:
+    if held != set(range(declared)):
+        top = max(held)
+        holds = f"layers 0..{top}" if held == set(range(top + 1)) else "layers " + ", ".join(map(str, sorted(held)))
         raise ConfigError(f"{path}: {header.arch}.block_count declares {declared} layers but the file holds "
-                          f"layers 0..{max(held)}; the file is damaged or edited")
+                          f"{holds}; the file is damaged or edited")
 
 
 def _layer_name(name: str) -> str | None:

@@ -50,7 +50,7 @@ def thp_setting() -> str | None:
 def available() -> bool:
     """Whether :func:`adopt` would move anything here: ``MADV_HUGEPAGE`` exists, the kernel's
     setting allows it, and ``SPECDEC_HUGE_PAGES`` is not ``0``."""
-    if os.environ.get("SPECDEC_HUGE_PAGES", "1").strip() in ("0", "false", "no", "off"):
+    if os.environ.get("SPECDEC_HUGE_PAGES", "1").strip().lower() in ("0", "false", "no", "off"):
         return False
     return hasattr(mmap, "MADV_HUGEPAGE") and thp_setting() in ("always", "madvise")
 
