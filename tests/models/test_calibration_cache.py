@@ -106,7 +106,6 @@ def test_off_writes_nothing(folder, passes, tmp_path, monkeypatch):
 
 
 def test_only_the_most_recent_entries_are_kept(tmp_path, monkeypatch):
-
     monkeypatch.setenv("SPECDEC_CALIBRATION_CACHE", str(tmp_path))
     monkeypatch.setattr(calibration_cache, "KEEP", 3)
     for i in range(5):
@@ -200,3 +199,68 @@ def test_a_write_that_fails_half_way_leaves_no_temporary_file(cache, monkeypatch
     monkeypatch.setattr(torch, "save", half)
     calibration_cache.save("entry", {"lm_head": torch.ones(4)})
     assert list(cache.iterdir()) == []
+
+
+@pytest.mark.parametrize("name", ["SPECDEC_HUGE_PAGES", "SPECDEC_CACHE", "SPECDEC_API_KEY"])
+def test_a_setting_that_cannot_change_the_pass_is_not_in_the_digest(name, monkeypatch):
+    monkeypatch.delenv(name, raising=False)
+    before = calibration_cache.digest({"model": "m"})
+    monkeypatch.setenv(name, "0")
+    assert calibration_cache.digest({"model": "m"}) == before
+
+
+def test_a_setting_that_could_change_the_pass_is_in_the_digest(monkeypatch):
+    monkeypatch.delenv("SPECDEC_SOMETHING_NEW", raising=False)
+    before = calibration_cache.digest({"model": "m"})
+    monkeypatch.setenv("SPECDEC_SOMETHING_NEW", "1")
+    assert calibration_cache.digest({"model": "m"}) != before
+
+
+def test_a_weight_file_named_relative_or_absolute_is_one_identity(tmp_path, monkeypatch):
+    weights = tmp_path / "model.safetensors"
+    weights.write_bytes(b"a" * 10)
+    monkeypatch.chdir(tmp_path)
+    assert calibration_cache.file_identity([weights]) == calibration_cache.file_identity([weights.name])
+
+
+def test_an_entry_missing_a_recorder_is_not_used(cache):
+    calibration_cache.save("fewer", {"lm_head": torch.ones(4)})
+    assert calibration_cache.load("fewer", {"lm_head": (4,), "layers.0.qkv": (4,)}) is None
+
+
+def test_a_range_of_another_shape_is_not_used(cache):
+    calibration_cache.save("wide", {"lm_head": torch.ones(5)})
+    assert calibration_cache.load("wide", {"lm_head": (4,)}) is None
+    calibration_cache.save("square", {"lm_head": torch.ones(2, 2)})
+    assert calibration_cache.load("square", {"lm_head": (4,)}) is None
+
+
+def test_a_range_that_views_a_larger_tensor_is_stored_alone(cache):
+    """``save`` stores each range by value: a view of a large tensor does not write its whole storage."""
+    big = torch.ones(1_000_000)
+    calibration_cache.save("view", {"lm_head": big[:4]})
+    assert os.path.getsize(cache / "view.pt") < 100_000
+    assert torch.equal(calibration_cache.load("view", {"lm_head": (4,)})["lm_head"], torch.ones(4))
+
+
+CALLED: list[str] = []
+
+
+def _record(what: str) -> str:
+    CALLED.append(what)
+    return what
+
+
+class _Runs:
+    """Unpickling this calls :func:`_record`: what a hostile entry in the cache folder could do."""
+
+    def __reduce__(self):
+        return (_record, ("unpickled",))
+
+
+def test_an_entry_is_read_without_running_its_pickled_code(cache):
+    """Entries are read with ``weights_only``: a pickle that calls code is refused, not run."""
+    CALLED.clear()
+    torch.save({"lm_head": _Runs()}, cache / "hostile.pt")
+    assert calibration_cache.load("hostile", {"lm_head": (4,)}) is None
+    assert CALLED == []

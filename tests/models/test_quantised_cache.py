@@ -360,3 +360,77 @@ def test_a_4bit_packing_is_used_only_for_the_outputs_and_byte_width_it_was_made_
         if fields.get(field, torch.empty(0)).numel():
             cut = {**fields, field: fields[field][..., :-64].contiguous()}
             assert _roundtrip({"lm_head": cut}, {"lm_head": (out, k)}) is None, field
+
+
+def test_a_q6_packing_of_whole_groups_is_used_only_for_its_outputs(cache):
+    """32 Q6_K columns are exactly one group: that packing fits 32 outputs, not 64 (nor 0)."""
+    from tests.models.test_q6 import _blocks, _q6_k_raw
+
+    b6 = _blocks(_q6_k_raw(np.random.default_rng(3), 32, 256))
+    fields = {f: t.clone() for f, t in Q4Linear(None, blocks6=b6).state().items()}
+    assert _roundtrip({"lm_head": fields}, {"lm_head": (32, 256)}) is not None
+    assert _roundtrip({"lm_head": fields}, {"lm_head": (64, 256)}) is None
+
+
+def test_an_entry_missing_a_layer_is_not_used(cache):
+    """Every layer the model expects must be in the entry: one layer fewer is a miss."""
+    shapes = {"lm_head": (4, 8), "layers.0.qkv": (4, 8)}
+    assert _roundtrip({"lm_head": _int8(), "layers.0.qkv": _int8()}, shapes) is not None
+    assert _roundtrip({"lm_head": _int8()}, shapes) is None
+
+
+@pytest.mark.parametrize("field", ["comp", "col", "scales", "packed"])
+def test_an_int8_layer_missing_a_required_field_is_not_used(cache, field):
+    layer = _int8()
+    del layer[field]
+    assert _roundtrip({"lm_head": layer}, {"lm_head": (4, 8)}) is None
+
+
+@pytest.mark.parametrize("field, dtype", [("scales", torch.float32), ("comp", torch.int64), ("col", torch.float64)])
+def test_a_field_of_another_dtype_is_not_used(cache, field, dtype):
+    layer = _int8()
+    layer[field] = layer[field].to(dtype)
+    assert _roundtrip({"lm_head": layer}, {"lm_head": (4, 8)}) is None
+
+
+@pytest.mark.parametrize("case", ["q4_gain", "q4_col", "inv_smooth", "col"])
+def test_a_vector_field_of_the_right_size_but_two_dimensions_is_not_used(cache, case):
+    """Gain, column factors and smoothing are vectors: the same number of elements as a
+    [n, 1] matrix is not the layer's state."""
+    if case == "q4_gain":
+        layers, shapes = {"l": {**_q4(), "q4_gain": torch.ones(64, 1)}}, {"l": (32, 64)}
+    elif case == "q4_col":
+        layers, shapes = {"l": {**_q4(), "q4_col": torch.ones(32, 1)}}, {"l": (32, 64)}
+    elif case == "inv_smooth":
+        layers, shapes = {"l": {**_int8(), "inv_smooth": torch.ones(8, 1)}}, {"l": (4, 8)}
+    else:
+        layers, shapes = {"l": {**_int8(), "col": torch.ones(4, 1)}}, {"l": (4, 8)}
+    assert _roundtrip(layers, shapes) is None
+
+
+def test_a_write_that_leaves_exactly_the_margin_is_made(cache, monkeypatch):
+    """None is written where the disk would be left with *less than* FREE_MARGIN bytes: exactly
+    the margin left is fine."""
+    state = {"lm_head.scales": torch.ones(1000, dtype=torch.float64)}  # 8,000 bytes
+    usage = namedtuple("usage", "total used free")
+    monkeypatch.setattr(quantised_cache.shutil, "disk_usage",
+                        lambda _: usage(1 << 40, 0, quantised_cache.FREE_MARGIN + 8000))
+    assert quantised_cache.save("entry", state)
+
+
+def test_a_state_of_strided_views_is_written_and_read_back(cache):
+    """A layer's state may hold views (a transposed or sliced tensor): they are stored by value."""
+    packed = torch.arange(2 * 4 * 4 * 4 * 2, dtype=torch.int8).reshape(4, 2, 4, 4, 2)[..., 0].permute(1, 0, 2, 3)
+    assert not packed.is_contiguous()
+    layer = {**_int8(), "packed": packed[:1]}
+    got = _roundtrip({"lm_head": layer}, {"lm_head": (4, 8)})
+    assert got is not None and torch.equal(got["lm_head.packed"], packed[:1])
+
+
+def test_a_file_without_the_format_in_its_metadata_is_not_used(cache):
+    """Only an entry that says it is of FORMAT is read: a safetensors file with the right layers
+    but no metadata (another writer's) is a miss."""
+    from safetensors.torch import save_file
+
+    save_file({f"lm_head.{k}": v for k, v in _int8().items()}, str(cache / "entry.safetensors"))
+    assert quantised_cache.load("entry", {"lm_head": (4, 8)}) is None

@@ -362,7 +362,6 @@ def test_layer_by_layer_calibration_records_a_whole_float_pass(tiny_folder, tmp_
 
     from safetensors.torch import load_file, save_file
 
-
     folder = tmp_path / "model"
     shutil.copytree(tiny_folder, folder)
     st = load_file(folder / "model.safetensors")
@@ -443,7 +442,6 @@ def test_calibration_needs_a_tokenizer(tmp_path):
 
 
 def test_unknown_quantisation_is_a_config_error(tiny_folder):
-
     with pytest.raises(ConfigError, match="int8"):
         NativeCausalLM.from_folder(tiny_folder, quant="int3")
 
@@ -768,3 +766,59 @@ def test_a_scaled_product_applies_its_row_factors_before_the_bias(rows):
     lin = W8A8Linear(w, bias, smooth=torch.rand(52, generator=g) + 0.5)
     x, r = torch.randn(rows, 52, generator=g), torch.rand(rows, 1, generator=g) + 2.0
     assert torch.allclose(lin.scaled(x, r), r * (lin(x) - bias) + bias, rtol=1e-5, atol=1e-5)
+
+
+def test_a_silent_channel_and_a_zero_weight_column_are_floored_at_1e_5():
+    """An input channel never seen (range 0) and a weight column of zeros both count as 1e-5,
+    so neither gives 0 or infinity before the clamp."""
+    weight = torch.tensor([[1e-4, 0.0, 1.0], [-1e-4, 0.0, 1.0]])  # column max |w|: 1e-4, 0, 1
+    absmax = torch.tensor([0.0, 1e-4, 1.0])
+    want = torch.tensor([(1e-5 / 1e-4) ** 0.5, (1e-4 / 1e-5) ** 0.5, 1.0])
+    assert torch.allclose(smoothing(absmax, weight, 0.5), want, rtol=1e-5)
+
+
+def test_factors_are_clamped_to_one_hundredth_and_one_hundred():
+    weight = torch.tensor([[1e-4, 1e4, 1.0]])
+    absmax = torch.tensor([1e6, 1e-4, 1.0])  # unclamped: 1e5, 1e-4, 1
+    assert torch.equal(smoothing(absmax, weight, 0.5), torch.tensor([100.0, 0.01, 1.0]))
+
+
+def test_a_negative_column_gain_counts_by_its_size():
+    """``weight * column_gain`` for a gain of either sign: its column maxima are |w| times |g|."""
+    absmax = torch.tensor([16.0, 1.0, 4.0])
+    weight = torch.tensor([[1.0, -2.0, 0.5], [-4.0, 1.0, 0.25]])
+    gain = torch.tensor([-0.5, 2.0, -4.0])
+    want = smoothing(absmax, weight * gain, 0.5)
+    assert torch.equal(smoothing(absmax, weight, 0.5, column_gain=gain), want)
+    assert torch.equal(smoothing(absmax, weight, 0.5, column_gain=gain.abs()), want)
+
+
+def test_the_default_strength_is_smoothquants_one_half():
+    absmax = torch.tensor([16.0, 1.0, 4.0])
+    weight = torch.tensor([[1.0, -2.0, 0.5], [-4.0, 1.0, 0.25]])
+    assert torch.equal(smoothing(absmax, weight), smoothing(absmax, weight, 0.5))
+
+
+def test_the_calibration_source_digest_covers_the_tokenizers_version(tmp_path, monkeypatch):
+    """Another ``tokenizers`` release may split the text differently: the digest changes with it."""
+    import importlib.metadata as md
+    import shutil
+
+    from specdec.models import quantize
+    from specdec.models.registry import DATA_DIR
+
+    shutil.copy(DATA_DIR / "smollm2-135m-draft" / "tokenizer.json", tmp_path / "tokenizer.json")
+    before = quantize.calibration_source(tmp_path)
+    real = md.version
+    monkeypatch.setattr(md, "version", lambda name: real(name) + ".post1" if name == "tokenizers" else real(name))
+    assert quantize.calibration_source(tmp_path) != before
+
+
+def test_column_absmax_of_a_weight_that_is_not_float32_is_its_exact_column_maximum():
+    """The compiled shortcut is for float32 weights; any other dtype gets the plain maximum."""
+    from specdec.models.quantize import column_absmax
+
+    for dtype in (torch.bfloat16, torch.float16, torch.float64):
+        w = (torch.randn(5, 7, generator=torch.Generator().manual_seed(1)) * 3).to(dtype)
+        got = column_absmax(w)
+        assert got.dtype == dtype and torch.equal(got, w.abs().amax(0)), dtype
