@@ -12,6 +12,7 @@ from specdec.engine import Engine, EngineConfig
 from specdec.errors import ConfigError
 from specdec.sampling import SamplingConfig
 from tiny import make_tiny
+from specdec.batch import seed_for
 
 PROMPTS = ["def add(a, b):", "The weather today", "Once upon a time there was a", "1, 2, 3,",
            "import os\nimport sys\n\ndef main():\n    print(", "Hello", "A list of fruits: apple, pear,"]
@@ -112,7 +113,6 @@ def test_edges_and_bad_input(engines):
         with pytest.raises(ConfigError, match=says.replace("prompt 1", "the prompt")):
             plain.generate(bad, greedy)
     assert got == []  # refused before the first prompt ran
-    import torch
 
     assert plain.generate(torch.tensor([5, 6, 7]), greedy).token_ids == plain.generate([5, 6, 7], greedy).token_ids
     for gamma in (2.5, True):
@@ -264,3 +264,62 @@ def test_end_of_sequence_text_is_left_out_where_special_tokens_are_kept(plain):
     eos = Engine(replace(plain.target, eos_ids=frozenset({free[0].token_ids[2]})), None, "none")
     got = _same_as_alone(eos, FOUR_PROMPTS, replace(GREEDY, skip_special_tokens=False))
     assert got[0].finish_reason == "eos"
+
+
+def test_ignore_eos_still_stops_at_stop_token_ids(plain):
+    """``ignore_eos`` drops the model's end-of-sequence ids only: a stop token id still ends the
+    sequence where generating the prompt alone (with ``ignore_eos``) ends it."""
+    free = plain.generate_batch(FOUR_PROMPTS, GREEDY)
+    stop = free[0].token_ids[2]
+    sampling = replace(GREEDY, stop_token_ids=(stop,))
+    got = plain.generate_batch(FOUR_PROMPTS, sampling, batch=2, ignore_eos=True)
+    for p, res in zip(FOUR_PROMPTS, got):
+        alone = plain.generate(p, sampling, ignore_eos=True)
+        assert (res.token_ids, res.finish_reason) == (alone.token_ids, alone.stats.finish_reason), p
+    assert len(got[0].token_ids) <= 3 and got[0].token_ids[-1] == stop and got[0].finish_reason == "eos"
+
+
+def test_ignore_eos_with_special_tokens_kept_shows_the_eos_text_as_alone(plain):
+    """With ``ignore_eos`` an end-of-sequence token is ordinary output: where special tokens are
+    kept its text is in the reply, as generating the prompt alone gives it."""
+    free = plain.generate_batch(FOUR_PROMPTS, GREEDY)
+    eos_tok = free[0].token_ids[2]
+    eos = Engine(replace(plain.target, eos_ids=frozenset({eos_tok})), None, "none")
+    sampling = replace(GREEDY, skip_special_tokens=False)
+    got = eos.generate_batch(FOUR_PROMPTS, sampling, batch=2, ignore_eos=True)
+    for p, res in zip(FOUR_PROMPTS, got):
+        alone = eos.generate(p, sampling, ignore_eos=True)
+        assert (res.token_ids, res.text) == (alone.token_ids, alone.text), p
+    assert eos_tok in got[0].token_ids and got[0].finish_reason == "length"
+
+
+def test_seed_for_wraps_into_the_seed_range():
+    """Prompt i's seed is seed + i wrapped into the seed range (as ``offset_seed``): the last seed
+    plus one is 0, so ``--seed`` on the command line reproduces it."""
+    top = SamplingConfig(seed=2**63 - 1)
+    assert seed_for(top, 0) == 2**63 - 1
+    assert seed_for(top, 1) == 0 and seed_for(top, 3) == 2
+
+
+def test_each_result_reports_the_rule_generating_alone_would_use(plain):
+    """Without ``method`` each result names the engine's default rule for its sampling (greedy at
+    T = 0, coupled with a seed), so ``--method`` from the result reproduces it."""
+    from specdec.engine import default_method
+
+    for sampling in (GREEDY, SamplingConfig(temperature=1.0, max_new_tokens=4, seed=3)):
+        got = plain.generate_batch(FOUR_PROMPTS[:2], sampling)
+        assert [r.method for r in got] == [default_method(sampling)] * 2
+
+
+def test_free_slots_are_filled_at_once(plain):
+    """Continuous batching: with ``batch`` >= the number of prompts every prompt is admitted before
+    the first pass, so the first pass holds all of them."""
+    model = plain.target.model
+    sizes = []
+    real = model.forward_batch
+    model.forward_batch = lambda items, *a, **k: (sizes.append(len(items)), real(items, *a, **k))[1]
+    try:
+        plain.generate_batch(FOUR_PROMPTS, GREEDY, batch=4)
+    finally:
+        del model.forward_batch
+    assert sizes[0] == 4

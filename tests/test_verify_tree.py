@@ -852,7 +852,96 @@ def test_rejected_candidates_are_never_emitted_after_them(rule):
 
 def test_get_tree_rule_normalises_a_chain_rules_name():
     """A chain rule's name maps to its tree rule however it is spelled (case, spaces)."""
-    from specdec.verify_tree import get_tree_rule
 
     assert get_tree_rule(" Block ").name == "tree_traversal"
     assert get_tree_rule("TOKEN").name == "tree_token"
+
+
+def test_removing_a_token_twice_removes_its_mass_once():
+    """Two duplicate deterministic candidates carry the same token: rejecting the second must not
+    take the token's mass off the row a second time (the rest stay in proportion)."""
+    t = NodeTarget(torch.tensor([0.1, 0.2, 0.3, 0.4]))
+    t.remove(3)
+    t.remove(3)
+    assert t.prob(3) == 0.0
+    assert t.prob(2) == pytest.approx(0.5) and t.prob(0) == pytest.approx(1 / 6)
+
+
+def test_duplicate_deterministic_candidates_keep_the_residual_law():
+    """tree_token with candidates [0, 0] at the root of p = [0.5, 0.25, 0.25]: after rejecting
+    token 0 the residual is [0, 0.5, 0.5]; the second duplicate is rejected (p(0) = 0) and must
+    leave it so, hence a bonus token 1 or 2 each with probability 1/2 of the rejections and the
+    path (0,) with probability 1/2.  Checked exactly through NodeTarget's probabilities."""
+    t = NodeTarget(torch.tensor([0.5, 0.25, 0.25], dtype=torch.float64))
+    t.remove(0)
+    t.remove(0)
+    assert t.prob(1) == pytest.approx(0.5) and t.prob(2) == pytest.approx(0.5)
+    p = torch.tensor([[0.5, 0.25, 0.25], [1.0, 0.0, 0.0], [1.0, 0.0, 0.0]], dtype=torch.float64)
+    for s in range(100):  # 100 seeds: only valid verdicts
+        v = tree_token(_t([0, 0]), _t([-1, -1]), None, p, generator=torch.Generator().manual_seed(s))
+        assert v.path in ((), (0,)) and (v.path or int(v.tokens[0]) in (1, 2))
+
+
+def test_dense_then_removed_row_stays_normalised():
+    """A NodeTarget whose row was made dense (a sampled sibling's residual) and then loses a token
+    gives normalised probabilities: p without the token, renormalised."""
+    t = NodeTarget(torch.tensor([0.1, 0.2, 0.3, 0.4], dtype=torch.float64))
+    t.set_dense(torch.tensor([0.0, 0.5, 0.25, 0.25], dtype=torch.float64))
+    t.remove(1)
+    assert t.prob(2) == pytest.approx(0.5) and t.prob(3) == pytest.approx(0.5) and t.prob(1) == 0.0
+    assert float(t.dense().sum()) == pytest.approx(1.0)
+
+
+def test_greedy_follows_the_first_duplicate_row():
+    """Two root children carry the same token; when their rows disagree (they should not: same
+    context) the first one's row decides, as the docstring of ``_follow`` says."""
+    logits = torch.tensor([[0.0, 9.0], [9.0, 0.0], [0.0, 9.0]])  # root -> 1; node 0 -> 0; node 1 -> 1
+    v = tree_greedy(_t([1, 1]), _t([-1, -1]), None, logits)
+    assert v.path == (0,) and v.tokens.tolist() == [1, 0]
+
+
+def test_rules_that_compare_probabilities_ask_for_the_draft_rows():
+    """token and traversal read q (a drafter must hand its rows over, or sampled nodes would be
+    taken for point masses); greedy and coupled do not, and only greedy is greedy-only."""
+    assert {n: r.needs_draft_probs for n, r in TREE_RULES.items()} == {
+        "tree_greedy": False, "tree_token": True, "tree_traversal": True, "tree_coupled": False}
+    assert {n: r.draft_sampling for n, r in TREE_RULES.items()} == {
+        "tree_greedy": "argmax", "tree_token": "multinomial", "tree_traversal": "multinomial",
+        "tree_coupled": "gumbel"}
+    assert get_tree_rule("block", siblings="without_replacement").fn.keywords == {"siblings": "without_replacement"}
+
+
+def test_token_emits_from_the_residual_after_a_sampled_child_is_rejected():
+    """p = [0.5, 0.5] at the root, one child drawn from q = [0, 1] (token 1): on rejection the
+    residual norm(max(0, p - q)) = [1, 0], so the emitted token is always 0 (200 seeds; the
+    rejection happens with probability 1/2)."""
+
+    p = torch.tensor([[0.5, 0.5], [0.5, 0.5]], dtype=torch.float64)
+    q = torch.tensor([[0.0, 1.0]], dtype=torch.float64)
+    rejected = 0
+    for s in range(200):
+        v = tree_token(_t([1]), _t([-1]), q, p, generator=torch.Generator().manual_seed(s))
+        if v.path == ():
+            rejected += 1
+            assert v.tokens.tolist() == [0], s
+    assert rejected > 0
+
+
+def test_traversal_node_whose_residual_is_empty_is_deleted():
+    """Chain root -> node 0 (token 0 from q = [1, 0], weight 1/2) -> node 1 (token 0 from q = [1, 0],
+    target there [1, 0], weight 1/2).  Deleting node 1 leaves node 0 the residual
+    max(0, 1/2 [1, 0] - [1, 0]) = 0: weight 0, so node 0 is deleted too and the root emits token 1
+    (its residual [0, 1]).  That happens with probability 1/2; over 200 seeds it must happen, and
+    the root never emits token 0."""
+
+    p = torch.tensor([[0.5, 0.5], [1.0, 0.0], [1.0, 0.0]], dtype=torch.float64)
+    q = torch.tensor([[1.0, 0.0], [1.0, 0.0]], dtype=torch.float64)
+    at_root = 0
+    for s in range(200):
+        v = tree_traversal(_t([0, 0]), _t([-1, 0]), q, p, generator=torch.Generator().manual_seed(s))
+        if v.path == ():
+            at_root += 1
+            assert v.tokens.tolist() == [1], s
+        else:
+            assert v.path == (0, 1), (s, v.path)
+    assert at_root > 0
