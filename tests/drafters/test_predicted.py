@@ -8,9 +8,11 @@ from __future__ import annotations
 
 from types import SimpleNamespace
 
+import pytest
 import torch
 
 from specdec.drafters.predicted import Predicted, predicted_ids
+from specdec.gamma import FixedGamma
 from specdec.verify import Verdict
 
 ROOM = SimpleNamespace(room=None)  # a sampler as the prediction reads it: no server cap
@@ -69,20 +71,28 @@ def test_usage_counts_the_prediction_tokens_the_answer_took():
 
 
 class Inner:
-    """A drafter behind the prediction that counts what it is asked and told (a model draft's:
-    its drafts are not free)."""
+    """A drafter behind the prediction that records what it is handed, asked and told (a model
+    draft's: its drafts are not free, and it drafts trees too)."""
 
     free = False
+    supports_trees = True
 
     def __init__(self) -> None:
-        self.calls, self.commits = 0, 0
+        self.calls, self.commits, self.resets = 0, 0, 0
+        self.prepared: list[list[int]] = []
 
     def prepare(self, prompt) -> None:  # noqa: ANN001
-        pass
+        self.prepared.append(prompt.tolist())
+
+    def reset(self) -> None:
+        self.resets += 1
 
     def propose(self, context, gamma, sampler):  # noqa: ANN001, ANN201
         self.calls += 1
         return SimpleNamespace(tokens=torch.tensor([42]), probs=None, free=self.free)
+
+    def propose_tree(self, context, budget, sampler, spec, *, max_depth):  # noqa: ANN001, ANN201
+        return self.propose(context, budget, sampler)
 
     def commit(self, verdict) -> None:  # noqa: ANN001
         self.commits += 1
@@ -195,3 +205,106 @@ def test_a_free_drafter_behind_the_prediction_is_asked_at_gamma_zero_and_learns_
     assert d.catch_up_s == 0.5
     d.update_free(gamma=1, accepted=0, draft_s=0.0, target_s=0.01, other_s=0.0)
     assert [u["gamma"] for u in inner.free_updates] == [1] and d.proposed == 2
+
+
+def test_the_inner_drafter_is_prepared_with_the_prompt():
+    inner = Inner()
+    d = Predicted([5, 6], inner)
+    d.prepare(torch.tensor([1, 2, 3]))
+    assert inner.prepared == [[1, 2, 3]]
+
+
+def test_a_tree_round_of_the_inner_drafter_is_committed_to_it():
+    """Where the prediction has nothing, a tree round is the inner drafter's: its verdict goes to it
+    (else its cache keeps the round's rejected nodes)."""
+    inner = Inner()
+    d = Predicted([5, 6], inner)
+    d.prepare(torch.tensor([1]))
+    d.propose_tree(torch.tensor([1, 9, 9]), 4, ROOM, None, max_depth=3)  # "9 9" is not in the prediction
+    d.commit(Verdict(num_accepted=0, tokens=torch.tensor([3])))
+    assert inner.commits == 1
+
+
+def test_a_prediction_round_proposes_at_least_one_token():
+    """Its length controller at 0 still drafts one prediction token (a probe that costs no model step)."""
+    d = Predicted([5, 6, 7])
+    d.prepare(torch.tensor([1]))
+    d.length = FixedGamma(0)
+    assert d.propose(torch.tensor([1]), 4, ROOM).tokens.tolist() == [5]
+
+
+def test_reset_forgets_the_last_sequences_progress():
+    """``reset`` (no prompt): nothing of the prediction taken yet, and the answer starts at 0."""
+    inner = Inner()
+    d = Predicted([5, 6, 7, 8], inner)
+    d.prepare(torch.tensor([1, 2]))
+    d.propose(torch.tensor([1, 2]), 2, ROOM)
+    d.commit(Verdict(num_accepted=2, tokens=torch.tensor([5, 6, 7])))
+    assert d.taken() == (3, 1)
+    d.reset()
+    assert inner.resets == 1 and d.taken() == (0, 4)
+    assert d.propose(torch.tensor([5, 6]), 1, ROOM).tokens.tolist() == [7]  # "5 6" is the answer itself now
+
+
+def test_trees_and_free_drafts_without_a_drafter_behind_the_prediction():
+    """No inner drafter: no trees (chains only), and every round is free."""
+    d = Predicted([5, 6])
+    assert d.supports_trees is False and d.free_drafts is True
+    assert Predicted([5, 6], Inner()).supports_trees is True
+
+
+class _BosTokenizer:
+    def encode(self, text: str, add_special_tokens: bool = True) -> list[int]:
+        return ([1] if add_special_tokens else []) + [ord(c) for c in text]
+
+
+def test_the_prediction_is_encoded_without_special_tokens():
+    """A tokenizer that adds a BOS: the prediction's ids are its text alone (a BOS would never match the answer)."""
+    assert predicted_ids(_BosTokenizer(), {"type": "content", "content": "ab"}) == [97, 98]
+    assert predicted_ids(_BosTokenizer(), {"type": "content", "content": ""}) == []
+
+
+def test_a_round_the_inner_drafter_sat_out_is_not_committed_to_it():
+    """γ 0 where the prediction has nothing: a model draft behind it is not asked, so the round's
+    verdict is not its to commit (its cache holds nothing of that round)."""
+    inner = Inner()
+    inner.propose = lambda *a: pytest.fail("asked at γ 0")  # noqa: E731
+    d = Predicted([5, 6], inner)
+    d.prepare(torch.tensor([1]))
+    assert d.propose(torch.tensor([1, 9, 9]), 0, ROOM).tokens.numel() == 0
+    d.commit(Verdict(num_accepted=0, tokens=torch.tensor([3])))
+    assert inner.commits == 0
+
+
+def test_a_four_token_match_outranks_an_earlier_three_token_one():
+    """The answer ends "1 2 3 4": the prediction goes on after its "1 2 3 4" (8), not after the first
+    "2 3 4" (7): n-grams up to four tokens long are looked up, longest first."""
+    d = Predicted([9, 2, 3, 4, 7, 1, 2, 3, 4, 8])
+    d.prepare(torch.tensor([0]))
+    assert d.propose(torch.tensor([0, 1, 2, 3, 4]), 4, ROOM).tokens.tolist()[0] == 8
+
+
+def test_the_prediction_length_controller_learns_each_rounds_acceptance():
+    """Ten prediction rounds all turned down at once (γ 4 each): the controller's estimate that a
+    prediction draft's first token is kept falls well below even odds (deterministic, 10 rounds)."""
+    d = Predicted(list(range(10, 30)))
+    d.prepare(torch.tensor([1]))
+    for _ in range(10):
+        draft = d.propose(torch.tensor([1]), 4, ROOM)
+        d.commit(Verdict(num_accepted=0, tokens=torch.tensor([99])))
+        d.update_free(gamma=draft.tokens.numel(), accepted=0, draft_s=0.0, target_s=0.01, other_s=0.0)
+    assert d.length.accept_profile()[0] < 0.5
+
+
+def test_the_next_draft_starts_after_the_target_token_the_prediction_had_next():
+    """Prediction 7 8 7 7 7 7 7 7 8; the answer so far 8 7 follows it at position 3; four drafts
+    (7 7 7 7) are kept and the target's own token is 7, the prediction's next one too: the answer
+    has taken positions 1 .. 7, so the prediction goes on with its 8 (position 8), not with
+    another 7 (position 7, which the answer has already taken)."""
+    d = Predicted([7, 8, 7, 7, 7, 7, 7, 7, 8])
+    d.prepare(torch.tensor([1]))
+    first = d.propose(torch.tensor([1, 8, 7]), 4, ROOM)
+    assert first.tokens.tolist() == [7, 7, 7, 7]
+    d.commit(Verdict(num_accepted=4, tokens=torch.tensor([7, 7, 7, 7, 7])))
+    assert d.taken()[0] == 5  # positions 3 .. 7 taken, the target's token included
+    assert d.propose(torch.tensor([1, 8, 7, 7, 7, 7, 7, 7]), 4, ROOM).tokens.tolist()[0] == 8

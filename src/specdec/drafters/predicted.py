@@ -56,7 +56,7 @@ class Predicted:
     def _fresh(self, start: int) -> None:
         self._taken: set[int] = set()  # the prediction's positions the answer took (see :meth:`taken`)
         self._start = start  # the prompt's length: the answer starts there
-        self._at = 0  # where the last prediction draft left off in the prediction
+        self._at = 0  # where the answer left the prediction after its last prediction round
         self._from: int | None = None  # this round's prediction draft starts there (None: not a prediction round)
         self._inner_round = False  # the inner drafter proposed this round
         self.length = CostGamma(max_gamma=defaults.HYBRID_LOOKUP_MAX, start=defaults.HYBRID_LOOKUP_START,
@@ -143,7 +143,7 @@ class Predicted:
         while took < len(kept) and at + took < len(self.predicted) and kept[took] == self.predicted[at + took]:
             took += 1
         self._taken.update(range(at, at + took))
-        self._at = at + verdict.num_accepted
+        self._at = at + took  # past the target's own token too where the prediction had it next (took >= accepted)
         self.accepted += verdict.num_accepted
 
     def update_free(self, *, gamma: int, accepted: int, draft_s: float, target_s: float, other_s: float) -> None:
