@@ -87,3 +87,47 @@ def test_a_linked_entry_counts_no_bytes_and_clearing_it_frees_none(cache_root, t
     assert caches.usage(_part("models")) == (2, 0)
     assert caches.clear(_part("models")) == 0
     assert (outside / "big.bin").stat().st_size == 1000 and not list((cache_root / "models").iterdir())
+
+
+def test_an_empty_part_setting_turns_it_off(cache_root, monkeypatch):
+    """``SPECDEC_QUANTISED_CACHE=`` (set, but empty) is one of the values that turn a part off."""
+    monkeypatch.setenv("SPECDEC_QUANTISED_CACHE", "")
+    assert caches.quantised_dir() is None and _part("quantised").folder is None
+
+
+def test_an_empty_cache_root_setting_means_the_default_root(monkeypatch, tmp_path):
+    """``SPECDEC_CACHE=`` (empty) falls back to ``~/.cache/specdec``, never the working directory."""
+    monkeypatch.setenv("HOME", str(tmp_path / "home"))
+    monkeypatch.setenv("SPECDEC_CACHE", "")
+    assert caches.root() == tmp_path / "home" / ".cache" / "specdec"
+
+
+def test_a_turned_off_part_counts_nothing_and_clears_nothing(cache_root, monkeypatch):
+    """A part turned off (no folder) is listed with no entries; clearing it frees nothing."""
+    monkeypatch.setenv("SPECDEC_CALIBRATION_CACHE", "off")
+    part = _part("calibration")
+    assert part.folder is None
+    assert caches.usage(part) == (0, 0) and caches.clear(part) == 0
+
+
+def test_clearing_removes_a_parts_leftover_temporary_files_too(cache_root):
+    """The calibration and quantised parts own their ``*.tmp`` files (an interrupted write)."""
+    for name, own in (("calibration", "a.pt"), ("quantised", "l.safetensors")):
+        folder = cache_root / name
+        folder.mkdir(parents=True)
+        (folder / own).write_bytes(b"x" * 10)
+        (folder / "half.tmp").write_bytes(b"x" * 5)
+        assert caches.usage(_part(name)) == (2, 15), name
+        assert caches.clear(_part(name)) == 15 and not list(folder.iterdir()), name
+
+
+def test_clearing_the_quantised_part_leaves_files_that_are_not_its_own(cache_root):
+    """A user may point ``SPECDEC_QUANTISED_CACHE`` at a folder that holds other files: only the
+    packed layers (``*.safetensors``) and temporaries are the part's."""
+    folder = cache_root / "quantised"
+    folder.mkdir(parents=True)
+    (folder / "l.safetensors").write_bytes(b"x" * 8)
+    (folder / "readme.md").write_bytes(b"x" * 3)
+    assert caches.usage(_part("quantised")) == (1, 8)
+    assert caches.clear(_part("quantised")) == 8
+    assert [p.name for p in folder.iterdir()] == ["readme.md"]

@@ -151,3 +151,10 @@ def test_generate_suffix_keeps_the_given_stop_tokens_beside_the_style_ends():
     ids, sampling = fim.fill_request(_BosTokenizer(), "ab", "c", SamplingConfig(stop_token_ids=(7,)))
     assert ids == [100, 97, 98, 101, 99, 102]
     assert sampling.stop_token_ids == (7, 103)
+
+
+def test_a_budget_of_no_tokens_is_refused_not_ignored():
+    """``at_most=0`` is a budget (the markers alone do not fit), not "no budget"."""
+    with pytest.raises(ConfigError, match="suffix and the markers alone take 4 tokens, more than the 0"):
+        fim.prompt_ids(_BosTokenizer(), "ab", "c", at_most=0)
+    assert fim.prompt_ids(_BosTokenizer(), "ab", "c", at_most=5) == [100, 98, 101, 99, 102]

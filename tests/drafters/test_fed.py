@@ -6,11 +6,13 @@ random, so a row that reads the wrong features, or none where it should, changes
 
 from __future__ import annotations
 
+import json
+
 import pytest
 import torch
 
 from specdec.decoder import SpeculativeDecoder
-from specdec.drafters.fed import FedDrafter, fed_input
+from specdec.drafters.fed import FedDrafter, fed_config, fed_input
 from specdec.drafters.tree_builder import TreeSpec
 from specdec.gamma import FixedGamma
 from specdec.models.native import NativeCausalLM
@@ -101,7 +103,6 @@ def test_a_fed_folder_through_the_command_line(tmp_path, capsys):
     """A folder written as `train online --fed` writes it (tiny models): `generate --draft FOLDER`
     equals plain greedy (chains and trees) and drafts; `--remote` refuses it in one line, and the
     server's drafter factory with a ConfigError (`serve` prints it as one line)."""
-    import json
 
     from safetensors.torch import load_file, save_file
 
@@ -210,3 +211,74 @@ def test_fed_input_is_each_tap_over_its_rms_concatenated_at_unit_norm():
         assert torch.allclose(block.norm(dim=-1), torch.full((4,), 3 ** -0.5), atol=1e-3)
         assert torch.allclose(block / block.norm(dim=-1, keepdim=True),
                               feats[:, t] / feats[:, t].norm(dim=-1, keepdim=True), atol=1e-5)
+
+
+def test_fed_config_reads_the_block_and_is_none_without_a_config(tmp_path):
+    """A folder without config.json (a GGUF folder, say) is not a fed draft: None, not an error."""
+    assert fed_config(None) is None and fed_config(tmp_path) is None
+    (tmp_path / "config.json").write_text(json.dumps({"specdec_fed": {"taps": [1], "target_hidden": 32, "steps": 3}}))
+    assert fed_config(tmp_path) == {"taps": [1], "target_hidden": 32, "steps": 3}
+
+
+def test_spawn_wraps_the_draft_model():
+    """``spawn(wrap)`` (the server's per-request drafters) drafts with ``wrap(model)``, not the bare model."""
+    draft, w = _fed()
+    d = FedDrafter(draft, w[on.FED_PROJ], w[on.FED_NULL], TAPS)
+    wrapped = object()
+    assert d.spawn(lambda m: wrapped if m is draft else None).model is wrapped
+
+
+def test_extra_bytes_counts_the_projection_and_the_null_vector_as_float32():
+    draft, w = _fed()
+    d = FedDrafter(draft, w[on.FED_PROJ], w[on.FED_NULL], TAPS)
+    assert d.extra_bytes() == (32 * 64 + 32) * 4
+
+
+def test_fed_input_keeps_trainings_epsilon_for_small_features():
+    """Drafts trained with ``train online --fed`` read rows divided by sqrt(mean square + 1e-6):
+    at feature scales near that epsilon the exact value matters, so it is pinned."""
+    g = torch.Generator().manual_seed(5)
+    feats = torch.randn(3, 2, 16, generator=g) * 1e-3  # mean square ~1e-6, as large as the epsilon
+    want = (feats * torch.rsqrt(feats.pow(2).mean(-1, keepdim=True) + 1e-6)).flatten(-2) / (2 * 16) ** 0.5
+    assert torch.allclose(fed_input(feats), want, rtol=1e-5, atol=1e-7)
+
+
+def test_a_projection_stored_in_bfloat16_loads_as_float32(tmp_path):
+    """A fed folder whose projection and null vector were saved in bfloat16 still drafts: the
+    drafter's features are float32, so ``load_projection`` hands float32 back."""
+    from safetensors.torch import save_file
+
+    from specdec.drafters.fed import NULL, PROJ, load_projection
+
+    save_file({PROJ: torch.ones(4, 6, dtype=torch.bfloat16), NULL: torch.ones(4, dtype=torch.bfloat16)},
+              str(tmp_path / "model.safetensors"))
+    proj, null = load_projection(tmp_path)
+    assert proj.dtype == null.dtype == torch.float32 and proj.shape == (4, 6) and null.shape == (4,)
+
+
+def test_a_tree_pass_passes_its_options_on_to_the_draft_model():
+    """``_forward_tree(..., compact=True)`` (a reduced draft vocabulary) reaches the model's
+    ``forward_tree`` with the option and the null vector for every node; so does a chain pass's."""
+    draft, w = _fed()
+    d = FedDrafter(draft, w[on.FED_PROJ], w[on.FED_NULL], TAPS)
+    d.prepare(torch.tensor([5, 9, 3]))
+    d._after(torch.tensor([5, 9, 3]), {})
+    seen = {}
+    draft.forward_tree = lambda tokens, parents, cache, *, prefix, extra, **kw: seen.update(tree=(kw, extra.clone()))
+    draft.forward = lambda tokens, cache, *, extra, **kw: seen.update(chain=kw)
+    d._forward_tree(torch.tensor([1, 2]), torch.tensor([-1, 0]), prefix=3, compact=True)
+    assert seen["tree"][0] == {"compact": True} and torch.equal(seen["tree"][1], w[on.FED_NULL].expand(2, -1))
+    d._forward(torch.tensor([1]), compact=True)
+    assert seen["chain"] == {"compact": True}
+
+
+def test_bfloat16_features_are_read_in_float32():
+    """A bfloat16 target hands bfloat16 features: they are normalised and projected in float32
+    (the projection's dtype), as the same values in float32 would be."""
+    draft, w = _fed()
+    d = FedDrafter(draft, w[on.FED_PROJ], w[on.FED_NULL], TAPS)
+    d.prepare(torch.tensor([1, 2, 3]))
+    feats = torch.randn(2, len(TAPS) + 1, 32, generator=torch.Generator().manual_seed(4)).to(torch.bfloat16)
+    d.add_features(feats)
+    assert d._pf.dtype == torch.float32
+    assert torch.allclose(d._pf[:2], fed_input(feats.float()) @ w[on.FED_PROJ].T, atol=1e-5)
