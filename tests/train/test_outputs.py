@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import json
 import sys
 from pathlib import Path
 
@@ -65,7 +66,6 @@ def test_a_bundle_folder_that_cannot_be_written_fails_first(capsys, tmp_path):
 @pytest.mark.parametrize("damage", ["config", "shard"])
 def test_damaged_training_data_is_a_one_line_error(capsys, tmp_path, command, damage):
     """A data folder whose config.json is not JSON, or whose shard is not a shard: one line, exit 2."""
-    import json
 
     from tiny import make_tiny
 
@@ -182,3 +182,77 @@ def test_any_os_error_of_the_write_check_is_a_config_error():
     """Not only a permission error: /proc takes no new files (ENOENT), still a one-line ConfigError."""
     with pytest.raises(ConfigError, match="cannot write to --out /proc"):
         check_folder(Path("/proc"))
+
+
+def _head_data(tmp_path):  # -> (a tiny target's folder, a training-data folder that passes the command's checks)
+    from tiny import make_tiny
+
+    folder = make_tiny(tmp_path / "m", seed=3, max_positions=64)
+    data = tmp_path / "data"
+    data.mkdir()
+    (data / "config.json").write_text(json.dumps({"taps": [1], "features": True}))
+    (data / "shard-00000.pt").write_bytes(b"")
+    return folder, data
+
+
+def test_kangaroo_refuses_a_top_k_below_one_before_anything_loads(capsys, tmp_path, monkeypatch):
+    """--top-k 0 would keep no target probability to distil: one line, exit 2, no model loaded."""
+    _no_load(monkeypatch)
+    code = main(["train", "kangaroo", "--out", str(tmp_path / "a.safetensors"), "--top-k", "0"])
+    err = capsys.readouterr().err
+    assert code == 2 and "--top-k" in err and "must be positive" in err and "Traceback" not in err
+
+
+def test_calibrate_accepts_all_144_built_in_prompts(capsys, tmp_path, monkeypatch):
+    """--prompts is "at most 144": 144 itself gets past the checks (to the model load)."""
+    from tiny import make_tiny
+
+    folder = make_tiny(tmp_path / "m", seed=3, max_positions=64)
+    _no_load(monkeypatch)
+    with pytest.raises(Loaded):
+        main(["train", "calibrate", "--target", str(folder), "--draft", str(folder), "--out", str(tmp_path / "o"),
+              "--prompts", "144"])
+    assert main(["train", "calibrate", "--target", str(folder), "--draft", str(folder), "--out", str(tmp_path / "o"),
+                 "--prompts", "145"]) == 2
+    assert "--prompts must be 1-144" in capsys.readouterr().err
+
+
+def test_head_training_gets_every_option_it_was_given(tmp_path, monkeypatch):
+    """`specdec train medusa` passes --eval-every (and the other settings) on to the trainer."""
+    from specdec.train import heads as th
+
+    folder, data = _head_data(tmp_path)
+    got = {}
+
+    def fake_train(cfg, data_dir, out, target, **kw):
+        got["cfg"], got["kw"] = cfg, kw
+        return {"held_out": {"steps": []}, "finished": True, "steps": cfg.steps, "train_seconds": 0.0}
+
+    monkeypatch.setattr(th, "train", fake_train)
+    code = main(["train", "medusa", "--data", str(data), "--out", str(tmp_path / "out"), "--target", str(folder),
+                 "--steps", "7", "--batch-tokens", "64", "--lr", "0.01", "--draft-vocab", "5", "--depth", "2",
+                 "--eval-every", "3", "--max-minutes", "1.5"])
+    assert code == 0
+    cfg = got["cfg"]
+    assert (cfg.kind, cfg.steps, cfg.batch_tokens, cfg.lr, cfg.draft_vocab, cfg.depth, cfg.eval_every) == \
+        ("medusa", 7, 64, 0.01, 5, 2, 3)
+    assert got["kw"]["max_minutes"] == 1.5
+
+
+@pytest.mark.parametrize("value", ["0", "-5"])
+def test_head_training_refuses_an_eval_every_below_one_before_training(capsys, tmp_path, monkeypatch, value):
+    """--eval-every 0 used to train a step and then die with ZeroDivisionError (step % 0) in the
+    training loop; a negative one evaluated at odd steps. It is a one-line error, exit 2, first,
+    and a library caller's TrainConfig refuses it too."""
+    from specdec.train import heads as th
+
+    folder, data = _head_data(tmp_path)
+    monkeypatch.setattr(th, "train", lambda *a, **k: pytest.fail("training started"))
+    code = main(["train", "medusa", "--data", str(data), "--out", str(tmp_path / "out"), "--target", str(folder),
+                 "--eval-every", value])
+    err = capsys.readouterr().err
+    assert code == 2 and "--eval-every" in err and "Traceback" not in err, err
+    with pytest.raises(ConfigError, match="eval_every"):
+        th.TrainConfig(kind="medusa", eval_every=int(value))
+    with pytest.raises(ConfigError, match="ckpt_every"):
+        th.TrainConfig(kind="medusa", ckpt_every=int(value))

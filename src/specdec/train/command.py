@@ -517,8 +517,9 @@ def _head(args: argparse.Namespace) -> int:
     from specdec.train.heads import TargetHead, TrainConfig, train
 
     kind = args.variant if args.train_command == "eagle" else args.train_command
-    if args.steps < 1 or args.batch_tokens < 16 or args.depth < 1 or args.draft_vocab < 2 or not 0 < args.lr < float("inf"):
-        raise ConfigError("--steps, --depth >= 1, --batch-tokens >= 16, --draft-vocab >= 2 and --lr > 0 are required")
+    if (args.steps < 1 or args.batch_tokens < 16 or args.depth < 1 or args.draft_vocab < 2 or not 0 < args.lr < float("inf")
+            or args.eval_every < 1):
+        raise ConfigError("--steps, --depth, --eval-every >= 1, --batch-tokens >= 16, --draft-vocab >= 2 and --lr > 0 are required")
     data = Path(args.data)
     if not (data / "config.json").is_file() or not any(data.glob("shard-*.pt")):
         raise ConfigError(f"{args.data!r} holds no training data; run `specdec train data --out {args.data}` first")

@@ -30,6 +30,7 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
 
+from specdec.errors import ConfigError
 from specdec.heads.modules import MTP, Eagle, HeadConfig, Medusa, build, frozen_head_rows, rope_tables, save_head, ttt_mask
 from specdec.models.registry import read_config
 from specdec.train import state
@@ -53,6 +54,10 @@ class TrainConfig:
     eval_every: int = 500
     ckpt_every: int = 100
     seed: int = 0
+
+    def __post_init__(self) -> None:
+        if self.eval_every < 1 or self.ckpt_every < 1:  # both are taken modulo the step
+            raise ConfigError(f"eval_every and ckpt_every must be >= 1, not {self.eval_every} and {self.ckpt_every}")
 
 
 @dataclass
