@@ -11,7 +11,7 @@ import torch
 from specdec.cli import main
 from specdec.engine import CALIBRATION_FILE, Engine, EngineConfig
 from specdec.models.toy import ToyLM
-from specdec.train.calibrate import FACTORS, calibrate, choose, coupled_agreement, overlap
+from specdec.train.calibrate import FACTORS, calibrate, choose, coupled_agreement, coupled_agreements, overlap
 from tiny import make_tiny
 
 
@@ -197,3 +197,41 @@ def test_a_sequence_without_a_continuation_is_skipped_but_counted():
     ticks = []
     c = calibrate(target, target, seqs, [1.0], (0.9, 1.0), ticks.append)
     assert c.positions == {"1": 5} and c.sequences == 2 and sum(ticks) == 2 and c.factor == 1.0
+
+
+def test_a_tie_up_to_rounding_noise_still_goes_to_the_factor_nearest_one():
+    """The means 0.1 + 0.2 + 0.3 and 0.3 + 0.2 + 0.1 are equal, but not bitwise in float: the
+    comparison is rounded, so the tie still breaks towards factor 1, not to the float noise."""
+    sums = torch.tensor([[0.3, 0.1], [0.2, 0.2], [0.1, 0.3]], dtype=torch.float64)  # factor 1.0 | factor 1.2
+    noisy = sums.mean(0)
+    assert float(noisy[0]) != float(noisy[1])  # the float noise this test is about
+    c = choose([1.0, 0.8, 0.6], [1.0, 1.2], sums, [1, 1, 1])
+    assert c.factor == 1.0
+
+
+def test_the_coupled_table_divides_each_temperature_by_its_own_positions():
+    """Sequences at T = 1 and T = 0.7 of different lengths (21 and 9 scored positions each):
+    the coupled agreement of a draft equal to its target is 1 at factor 1 for both temperatures."""
+    target = ToyLM(6, order=2, seed=5, scale=3.0)
+    gen = torch.Generator().manual_seed(0)
+    seqs = [(torch.randint(0, 6, (24,), generator=gen), 3, 0), (torch.randint(0, 6, (12,), generator=gen), 3, 1)]
+    c = calibrate(target, target, seqs, [1.0, 0.7], (0.9, 1.0), coupled=True)
+    assert c.positions == {"1": 21, "0.7": 9}
+    for t in ("1", "0.7"):
+        assert c.mean_coupled_agreement[t][1] == pytest.approx(1.0, abs=1e-5), t
+        assert all(0.0 <= a <= 1.0 + 1e-9 for a in c.mean_coupled_agreement[t])
+
+
+def test_any_factor_that_is_not_positive_is_refused_among_several():
+    """One bad factor in a list (not only a list of bad ones) is a ValueError, not inf / nan."""
+    logits = torch.zeros(2, 4)
+    with pytest.raises(ValueError, match="must be positive"):
+        coupled_agreements(logits, logits, 1.0, [1.0, 0.0])
+    with pytest.raises(ValueError, match="must be positive"):
+        coupled_agreements(logits, logits, 1.0, [-0.5, 1.0])
+
+
+def test_one_temperature_without_positions_is_refused_even_if_others_have_some():
+    """A temperature with no scored position has no mean: a ValueError, not a nan in the table."""
+    with pytest.raises(ValueError, match="at least one scored position"):
+        choose([1.0, 0.7], [1.0], torch.tensor([[2.0], [0.0]]), [4, 0])

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import random
 import re
 import shutil
 from dataclasses import replace
@@ -472,3 +473,43 @@ def test_heads_but_eagle3_read_the_final_feature(tmp_path: Path, kind: str) -> N
     hc = head_config(kind, target, torch.arange(V), (1, 2, 3), TrainConfig(kind=kind))
     assert hc.inputs == (3,)
     assert head_config("eagle3", target, torch.arange(V), (1, 2, 3), TrainConfig(kind="eagle3")).inputs == (0, 1, 2)
+
+
+def test_held_out_evaluations_are_recorded_every_eval_every_steps_and_a_resume_may_change_it(tmp_path: Path) -> None:
+    """--eval-every 2 over 4 steps: evaluations at steps 2 and 4 in the history; how often a run
+    evaluates changes nothing learnt, so a resume with another --eval-every continues."""
+    target, data = _toy_data(tmp_path / "data", sequences=24)
+    cfg = TrainConfig(kind="medusa", steps=4, batch_tokens=128, lr=1e-3, draft_vocab=V, depth=1, eval_every=2, warmup=2)
+    report = train(cfg, data, tmp_path / "out", target)
+    assert [h["step"] for h in report["history"] if "eval" in h] == [2, 4]
+    assert report["finished"] is True and report["steps"] == 4
+    shard = th.load_shards(data)  # the card's counts are of the training sequences only (every 20th is held out)
+    train_idx = [i for i in range(24) if i % 20]
+    assert report["train_tokens"] == sum(shard.tokens[i].numel() for i in train_idx)
+    assert report["reply_tokens"] == sum(shard.tokens[i].numel() - shard.prompt_len[i] for i in train_idx)
+    again = train(replace(cfg, steps=6, eval_every=3), data, tmp_path / "out", target)
+    assert again["steps"] == 6 and [h["step"] for h in again["history"] if "eval" in h] == [2, 4, 6]
+
+
+def test_each_epoch_is_shuffled_anew(tmp_path: Path, monkeypatch) -> None:
+    """Batches are reshuffled by seed + epoch: the second epoch does not replay the first's order."""
+    target, data = _toy_data(tmp_path / "data", sequences=24)
+    seen: list[tuple[int, ...]] = []
+    real = th.collate
+    monkeypatch.setattr(th, "collate", lambda d, group: seen.append(tuple(group)) or real(d, group))
+    cfg = TrainConfig(kind="medusa", steps=1, batch_tokens=128, lr=1e-3, draft_vocab=V, depth=1, eval_every=1000, warmup=1)
+    order0 = th.batches(th.load_shards(data), [i for i in range(24) if i % 20], 128, random.Random(0))  # epoch 0, seed 0
+    steps = 2 * len(order0)  # two full epochs
+    train(replace(cfg, steps=steps), data, tmp_path / "out", target)
+    trained = seen[:steps]
+    assert trained[: len(order0)] == [tuple(g) for g in order0]
+    assert trained[len(order0):] != trained[: len(order0)]
+
+
+def test_a_short_batch_has_no_empty_draft_step() -> None:
+    """A batch of 2 positions gives Medusa head 1 only (head 2 has no label there): no empty step
+    whose zero-position scores would enter the report."""
+    model = build(_cfg("medusa", depth=3))
+    batch = Batch(torch.tensor([[1, 2]]), torch.randn(1, 2, 4, 32), torch.tensor([2]), torch.tensor([0]))
+    outs = th.step_outputs(model, batch, torch.randn(V, 32))
+    assert len(outs) == 1 and outs[0][0].shape[1] == 1

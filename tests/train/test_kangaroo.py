@@ -526,3 +526,63 @@ def test_every_step_clips_the_adapters_gradients_to_norm_one(monkeypatch) -> Non
     kt.train(adapter, _data(), kt.head_weight(MODEL), kt.TrainConfig(steps=3, batch=2, positions=8, warmup=1))
     mine = {id(p) for p in adapter.parameters()}
     assert [(n, ids == mine) for n, ids in calls] == [(1.0, True)] * 3
+
+
+def test_all_144_built_in_prompts_are_distinct_and_interleaved():
+    """--prompts allows up to 144: the 128 chat prompts and 16 code headers, chat and code
+    alternating while both last, every prompt once."""
+    prompts = kt.training_prompts(144)
+    assert len(prompts) == 144 and len(set(prompts)) == 144
+    assert sum(not chat for _, chat in prompts) == 16
+    assert [chat for _, chat in prompts[:4]] == [True, False, True, False]
+    assert kt.training_prompts(10) == prompts[:10]
+
+
+def test_the_seed_decides_the_adapters_initial_weights():
+    """--seed is the seed "of the data order and the initialisation": new_adapter passes it on."""
+    model = tiny_native(vocab=11, layers=4, batch_invariant=False)
+    a, b, c = kt.new_adapter(model, 2, seed=1), kt.new_adapter(model, 2, seed=1), kt.new_adapter(model, 2, seed=2)
+    assert all(torch.equal(x, y) for x, y in zip(a.parameters(), b.parameters()))
+    assert not all(torch.equal(x, z) for x, z in zip(a.parameters(), c.parameters()))
+
+
+def test_the_command_scores_every_continuation_position_of_train_and_held_out_sequences(tmp_path, capsys):
+    """Each sequence's features start at its last prompt token (the position whose law is the first
+    continuation token), for the training and the held-out prompts alike, so the held-out report
+    counts every continuation token."""
+    from specdec.cli import main
+    from specdec.models.registry import load_tokenizer
+    from specdec.text import encode_prompt
+    from tiny import make_tiny
+
+    target = make_tiny(tmp_path / "target", seed=0, layers=4, max_positions=256)
+    out = tmp_path / "k" / "adapter.safetensors"
+    assert main(["train", "kangaroo", "--target", str(target), "--out", str(out), "--prompts", "2", "--new-tokens", "4",
+                 "--batch", "2", "--positions", "8", "--steps", "1", "--top-k", "4"]) == 0
+    capsys.readouterr()
+    saved = torch.load(out.with_name(out.name + ".data.pt"), weights_only=False)
+    tok = load_tokenizer(target)
+    for feats, prompts in ((saved["train"], kt.training_prompts(2)), (saved["held_out"], kt.HELD_OUT)):
+        assert len(feats) == len(prompts)
+        for f, (text, chat) in zip(feats, prompts):
+            ids = encode_prompt(tok, text, chat=chat)
+            assert f.start == len(ids) - 1 and f.tokens[: len(ids)].tolist() == list(ids)
+
+
+def test_the_command_refuses_a_checkpoint_made_on_other_new_tokens(tmp_path, capsys):
+    """--new-tokens makes other training data (longer continuations): the old data is not reused
+    and the old checkpoint is refused in one line, not continued."""
+    from specdec.cli import main
+    from tiny import make_tiny
+
+    target = make_tiny(tmp_path / "target", seed=0, layers=4, max_positions=256)
+    out = tmp_path / "k" / "adapter.safetensors"
+    base = ["train", "kangaroo", "--target", str(target), "--out", str(out), "--prompts", "2", "--batch", "2",
+            "--positions", "8", "--steps", "1", "--top-k", "4"]
+    assert main([*base, "--new-tokens", "4"]) == 0
+    weights = out.read_bytes()
+    capsys.readouterr()
+    assert main([*base, "--new-tokens", "5"]) == 2
+    err = capsys.readouterr().err
+    assert "was saved by a run with key = " in err and "Traceback" not in err
+    assert out.read_bytes() == weights
