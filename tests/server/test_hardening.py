@@ -28,6 +28,7 @@ from specdec.models.toy import ToyLM
 from specdec.sampling import SamplingConfig, process_logits
 from specdec.server import ServerSettings, create_app
 from specdec.server.app import BodyLimit
+from specdec.server.errors import ApiError
 from specdec.server.guard import host_name
 from specdec.server.metrics import ServerMetrics
 from specdec.server.runner import AccessLogRedactor, read_key_file
@@ -648,3 +649,132 @@ def test_a_new_session_reserves_its_first_allocation_under_the_kv_cap():
     r = client.post("/v1/sessions", json={"prompt_ids": [1], "temperature": 0.0})
     assert r.status_code == 503, r.text
     assert app.state.ctx.store.kv_bytes() <= cap
+
+
+def test_only_a_401_names_the_bearer_scheme():
+    """'WWW-Authenticate: Bearer' goes with a 401 (a missing/bad key) only: a 403 (a forbidden Host,
+    a session of another key) is not a request to authenticate.  Break: the header on 403 too."""
+    assert ApiError(401, "no key").headers == {"WWW-Authenticate": "Bearer"}
+    assert ApiError(403, "forbidden").headers is None
+    assert ApiError(403, "forbidden").kind == "authentication_error"
+
+
+def test_an_out_of_order_seq_is_a_409_conflict_error():
+    """A verify whose seq is not the one the session expects is a 409 of type 'conflict_error' (a
+    client retries or resyncs on it, unlike an invalid request).  Break: 409 typed as invalid_request_error."""
+    client = TestClient(_app(), base_url="http://localhost")
+    sid = _session(client)
+    r = client.post(f"/v1/sessions/{sid}/verify", json={"seq": 5})
+    assert r.status_code == 409, r.text
+    error = r.json()["error"]
+    assert (error["type"], error["code"]) == ("conflict_error", 409) and "out-of-order seq 5" in error["message"]
+
+
+def test_each_status_gets_its_openai_error_type():
+    """ApiError's default ``type`` per status, as OpenAI clients branch on it (some of these statuses
+    are raised by no handler today, so only this pins them).  Breaks: 413/500/403 mapped to another type."""
+    kinds = {400: "invalid_request_error", 401: "authentication_error", 403: "authentication_error",
+             404: "not_found_error", 409: "conflict_error", 413: "request_too_large", 429: "rate_limit_error",
+             500: "server_error", 502: "server_error", 503: "overloaded_error"}
+    for status, kind in kinds.items():
+        assert ApiError(status, "x").kind == kind, status
+    assert ApiError(400, "x", kind="custom").kind == "custom"  # a kind given wins
+
+
+def test_a_full_scheduler_queue_is_a_503_with_retry_after(monkeypatch):
+    """A pass refused by a full scheduler queue (Overloaded) is a 503 'overloaded_error' with a
+    Retry-After header, as every 503 of the server is.  Break: the handler drops the headers."""
+    import specdec.server.app as app_module
+    from specdec.server.scheduler import Overloaded
+
+    def full(*args, **kwargs):
+        raise Overloaded("the scheduler queue is full")
+
+    client = TestClient(_app(), base_url="http://localhost")
+    monkeypatch.setattr(app_module, "create_session", full)
+    r = client.post("/v1/sessions", json={"prompt_ids": [1], "temperature": 0.0})
+    assert r.status_code == 503 and r.json()["error"]["type"] == "overloaded_error", r.text
+    assert r.headers["Retry-After"] and "retry later" in r.json()["error"]["message"]
+
+
+def test_a_deleted_session_leaves_the_active_sessions_gauge():
+    """DELETE updates specdec_active_sessions at once.  Break: the gauge left at the old count."""
+    client = TestClient(_app(), base_url="http://localhost")
+    sid = _session(client)
+    _session(client)
+    assert client.delete(f"/v1/sessions/{sid}").status_code == 200
+    ctx = client.app.state.ctx
+    assert ctx.metrics.active_sessions._value.get() == 1  # read before /metrics (which sets it again)
+
+
+def test_a_retried_round_counts_as_a_replay_not_a_verify():
+    """A verify sent twice with the same seq is answered from the stored verdict: it counts in
+    specdec_verify_replays_total and not again in the verify calls.  Break: the replay not counted."""
+    client = TestClient(_app(), base_url="http://localhost")
+    sid = _session(client)
+    first = client.post(f"/v1/sessions/{sid}/verify", json={"seq": 0, "draft_tokens": [1, 2]})
+    again = client.post(f"/v1/sessions/{sid}/verify", json={"seq": 0, "draft_tokens": [1, 2]})
+    assert first.status_code == again.status_code == 200 and first.json()["tokens"] == again.json()["tokens"]
+    text = client.get("/metrics").text
+    assert "specdec_verify_replays_total 1.0" in text, text
+    assert 'specdec_verify_calls_total{lossless="true",wire="greedy"} 1.0' in text, text
+
+
+def test_a_given_retry_after_wins_over_the_default():
+    """ApiError(429/503, retry_after=N) sends 'Retry-After: N'; only a missing one gets the server's
+    default.  Break: the default always used for 429/503."""
+    from specdec import defaults
+
+    assert ApiError(429, "busy", retry_after=7).headers == {"Retry-After": "7"}
+    assert ApiError(503, "full").headers == {"Retry-After": str(defaults.SERVER_RETRY_AFTER_S)}
+    assert ApiError(400, "bad").headers is None
+
+
+def test_max_model_len_is_the_context_the_server_states():
+    """With max_model_len below the model's context, /health states it as max_context (requests and
+    sessions size themselves from it).  Break: the served model's max_length left at the model's."""
+    for batching in (True, False):
+        client = TestClient(_app(max_model_len=40, batching=batching), base_url="http://localhost")
+        assert client.get("/health").json()["max_context"] == 40
+
+
+def test_the_batched_target_shares_the_forward_lock():
+    """The target's scheduler runs its passes under the server's forward lock (or a serialised
+    model's own lock), so serialised views of the same weights never overlap its batches.
+    Break: the lock not passed on (the scheduler then makes a private one)."""
+    from specdec.server.sessions import FORWARD_LOCK, SerializedModel
+
+    assert _app().state.ctx.model.scheduler.pass_lock is FORWARD_LOCK
+
+    model = SerializedModel(ToyLM(6, order=1, seed=0), threading.Lock())
+    app = create_app(model, settings=ServerSettings())
+    assert app.state.ctx.model.scheduler.pass_lock is model.lock
+
+
+def test_an_unknown_path_names_the_method_and_path():
+    """A 404 for a path no endpoint serves says which (method and path), not Starlette's bare
+    'Not Found'.  Break: the detail passed through unchanged."""
+    client = TestClient(_app(), base_url="http://localhost")
+    r = client.post("/v1/nothing/here")
+    assert r.status_code == 404 and r.json()["error"]["message"] == "no such endpoint: POST /v1/nothing/here"
+
+
+def test_further_choices_get_half_the_generation_slots():
+    """A request's further choices may take at most half the slots (at least one), so one request with
+    many prompts never takes the slots other requests are admitted to.  Break: all of them."""
+    for active, spare in ((8, 4), (5, 2), (1, 1)):
+        ctx = _app(max_active_requests=active).state.ctx
+        taken = 0
+        while ctx.spare.acquire(blocking=False):
+            taken += 1
+        assert taken == spare, active
+
+
+def test_a_declared_body_over_the_limit_is_refused_naming_its_size():
+    """A Content-Length over --max-body-bytes is refused from the header, naming the declared size,
+    before the body is read.  Break: the header not checked (the body read up to the limit, and the
+    413 says only 'of more')."""
+    client = TestClient(_app(max_body_bytes=1024), base_url="http://localhost")
+    r = client.post("/v1/sessions", content=b" " * 2000, headers={"content-type": "application/json"})
+    assert r.status_code == 413
+    assert r.json()["error"]["message"] == "request body of 2000 bytes is over this server's limit of 1024 bytes"

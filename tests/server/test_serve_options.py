@@ -138,3 +138,77 @@ def test_options_reach_the_settings():
     assert kw["metrics_need_key"] is True
     assert kw["gather_gap_s"] == pytest.approx(0.005)
     assert _settings()["metrics_need_key"] is False
+
+
+def test_a_bracketed_ipv6_loopback_is_loopback():
+    """'[::1]' (an IPv6 address as URLs spell it) is loopback, as '::1' is: it may run without a key.
+    Break: the brackets not stripped."""
+    assert is_loopback("[::1]") and is_loopback("::1")
+    assert not is_loopback("[2001:db8::1]")
+    _settings("--host", "[::1]")  # no key needed
+
+
+def test_a_blank_api_key_is_refused_before_the_other_options():
+    """A blank --api-key is named as such, ahead of any other bad option.  Break: only '' counted as
+    blank (a key of spaces then slips to a later check, and another option's error is reported)."""
+    with pytest.raises(ConfigError, match="the API key is empty"):
+        _settings("--api-key", "  ", "--max-connections", "0")
+
+
+def test_a_zero_prefix_cache_turns_it_off_and_is_accepted():
+    """--prefix-cache-mib 0 is the documented way to turn prefix caching off: accepted, 0 bytes.
+    Break: 0 refused as --max-kv-mib 0 is."""
+    assert _settings("--prefix-cache-mib", "0")["prefix_cache_bytes"] == 0
+
+
+def test_a_kv_budget_under_one_mib_is_accepted():
+    """--max-kv-mib takes fractions: 0.5 is 512 KiB (only a budget under one byte is refused).
+    Break: anything under 1 MiB refused."""
+    assert _settings("--max-kv-mib", "0.5")["max_kv_bytes"] == 1 << 19
+
+
+def test_more_options_reach_the_settings():
+    """--default-max-tokens, --no-draft-cap and --served-model-name's further names (the aliases,
+    without the first) are passed on.  Breaks: an option dropped, the first name also an alias."""
+    kw = _settings("--default-max-tokens", "7", "--no-draft-cap", "--served-model-name", "alpha", "beta", "gamma")
+    assert kw["default_max_tokens"] == 7 and kw["draft_cap"] is False
+    assert kw["model_name"] == "alpha" and kw["model_aliases"] == ("beta", "gamma")
+    assert _settings()["draft_cap"] is True
+
+
+@pytest.mark.parametrize("argv, says", [(["--replicas", "0"], "replicas must be >= 1, got 0"),
+                                        (["--replica-cpus", "0"], "replica CPUs must be > 0, got 0")])
+def test_zero_ray_replicas_or_cpus_are_refused(argv, says):
+    """--replicas 0 and --replica-cpus 0 are refused before anything starts.  Breaks: the bound loosened to 0."""
+    with pytest.raises(ConfigError, match=says):
+        _settings(*argv)
+
+
+def test_with_ray_the_port_is_not_bound_here():
+    """With --ray the gateway listens in Ray Serve, not in this process: a port that this process
+    could not bind is no reason to refuse (no bind is tried).  Break: the port check run with --ray too."""
+    import socket
+
+    with socket.socket() as taken:
+        taken.bind(("127.0.0.1", 0))
+        taken.listen()
+        port = str(taken.getsockname()[1])
+        with pytest.raises(ConfigError, match="cannot listen on"):
+            _settings("--port", port)
+        assert _settings("--port", port, "--ray")["api_key"] is None
+
+
+def test_timeouts_template_trust_and_reasoning_reach_the_settings():
+    """--session-ttl, --body-timeout, --trust-request-chat-template and --reasoning-parser are passed
+    on (each was dropped by one break, leaving the settings' default)."""
+    kw = _settings("--session-ttl", "12.5", "--body-timeout", "3", "--trust-request-chat-template",
+                   "--reasoning-parser", "none")
+    assert kw["session_ttl_s"] == 12.5 and kw["body_timeout_s"] == 3.0
+    assert kw["trust_request_chat_template"] is True and kw["reasoning_parser"] == "none"
+
+
+def test_a_chat_template_that_does_not_compile_is_refused_by_the_option_check():
+    """A --chat-template that does not compile is refused by the option check itself, before any
+    model loads.  Break: the template read only when the models load."""
+    with pytest.raises(ConfigError, match="does not compile"):
+        _settings("--chat-template", "{% for m in messages %}")
