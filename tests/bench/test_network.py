@@ -438,3 +438,124 @@ def test_a_failing_worker_reports_why_the_server_exited(fake_processes, monkeypa
 
     with pytest.raises(SpecdecError, match="out of memory"):
         _run_group(worker)
+
+
+def test_the_tokens_per_s_quartiles_interpolate_linearly():
+    """tok/s 10, 20, 40, 80: q25 at position 0.75 -> 17.5, q75 at 2.25 -> 50 (numpy's default),
+    not the mirrored interpolation (which agrees on three evenly spaced values)."""
+    rows = [_edge(p, tps) for p, tps in zip("abcd", (10.0, 20.0, 40.0, 80.0))]
+    [g] = netreport.aggregate_network(rows)
+    assert g.tokens_per_s_q25 == pytest.approx(17.5) and g.tokens_per_s_q75 == pytest.approx(50.0)
+
+
+def test_a_group_that_generated_no_tokens_has_no_per_token_figures():
+    """Every generation stopped at once (0 tokens): the per-token ratios are None, not a ZeroDivisionError."""
+    rows = [{**_edge(p, 10.0), "generated_tokens": 0} for p in "ab"]
+    [g] = netreport.aggregate_network(rows)
+    assert g.cloud_calls_per_token is None and g.bytes_up_per_token is None and g.wire_bytes_down_per_token is None
+    assert g.tokens_per_call == pytest.approx(0.0)
+    [b] = netreport.bytes_by_wire(rows)
+    assert b.payload_up is None and b.wire_down is None
+
+
+def test_a_measured_round_trip_of_zero_ms_counts_in_the_median():
+    """Loopback without emulation: net RTTs 0, 0, 5 ms -> median 0 (a 0.0 is a measurement, not a missing one)."""
+    rows = [_edge(p, 20.0, net=net, ping=ping) for p, net, ping in (("a", 0.0, 0.0), ("b", 0.0, 0.0), ("c", 5.0, 9.0))]
+    [g] = netreport.aggregate_network(rows)
+    assert g.net_rtt_ms == 0.0 and g.ping_ms == 0.0 and g.round_ms == pytest.approx(5.0)
+
+
+def test_a_figure_missing_from_one_row_is_missing_for_the_group():
+    """One row without wire bytes or cloud calls (None): the group's figure is None ('–'), not the
+    other rows' sum spread over every row's tokens."""
+    rows = [_edge("a", 10.0), {**_edge("b", 10.0), "wire_bytes_up": None, "cloud_calls": None}]
+    [g] = netreport.aggregate_network(rows)
+    assert g.wire_bytes_up_per_token is None and g.cloud_calls_per_token is None and g.tokens_per_call is None
+    assert g.bytes_up_per_token == pytest.approx(20.0)  # the others still count: 800 B / 40 tokens
+    [b] = netreport.bytes_by_wire(rows)
+    assert b.wire_up is None and b.payload_up == pytest.approx(20.0)
+
+
+def test_rows_that_do_not_record_lossless_are_lossless():
+    """Older rows without a 'lossless' field: lossless (no '(LOSSY)' label) and their text compared."""
+    rows = [{k: v for k, v in r.items() if k != "lossless"}
+            for r in (_row("cloud_streaming", "a", 10.0), _row("edge_cloud", "a", 20.0))]
+    edge = {g.mode: g for g in netreport.aggregate_network(rows)}["edge_cloud"]
+    assert edge.lossless and "LOSSY" not in edge.label
+    assert (edge.same_text, edge.compared) == (1, 1)
+
+
+def test_a_group_that_drafted_nothing_has_no_acceptance():
+    """No draft tokens proposed (0, not missing): acceptance is None, not a ZeroDivisionError."""
+    [g] = netreport.aggregate_network([_edge("a", 10.0, prop=0, acc=0)])
+    assert g.acceptance is None
+
+
+def test_gammas_sort_before_rtts_within_a_mode():
+    """Within a mode and wire, rows sort by γ (numbers, then policies) and then by RTT ascending."""
+    rows = [{**_row("edge_cloud", "a", 10.0, gamma=g, rtt=rtt)} for g in ("auto", "4") for rtt in (100.0, 20.0)]
+    assert [(g.gamma, g.rtt_ms) for g in netreport.aggregate_network(rows)] == [
+        ("4", 20.0), ("4", 100.0), ("auto", 20.0), ("auto", 100.0)]
+
+
+def test_groups_sort_by_temperature_first_then_mode():
+    """All of T = 0 (edge_cloud before the baselines) comes before any row of T = 1."""
+    rows = [_row(m, "a", 10.0, t=t) for t in (1.0, 0.0) for m in ("cloud_streaming", "edge_cloud")]
+    assert [(g.temperature, g.mode) for g in netreport.aggregate_network(rows)] == [
+        (0.0, "edge_cloud"), (0.0, "cloud_streaming"), (1.0, "edge_cloud"), (1.0, "cloud_streaming")]
+
+
+def test_same_text_compares_only_prompts_whose_baseline_recorded_its_text():
+    """A baseline row without a text digest (None) is not a comparison the edge row failed."""
+    rows = [_row("cloud_streaming", "a", 10.0, text="ta"), _row("cloud_streaming", "b", 10.0, text=None),
+            _row("edge_cloud", "a", 20.0, text="ta"), _row("edge_cloud", "b", 20.0, text="tb")]
+    edge = {g.mode: g for g in netreport.aggregate_network(rows)}["edge_cloud"]
+    assert (edge.same_text, edge.compared) == (1, 1)
+
+
+def test_bytes_by_wire_leaves_the_local_modes_out_and_sorts_by_temperature_first():
+    """Only the network rows are pooled (a local row has no bytes); T = 0 before T = 1, then mode."""
+    local = {"mode": "speculative", "method": "block", "temperature": 0.0, "generated_tokens": 20}
+    rows = [local] + [_row(m, "a", 10.0, t=t) for t in (1.0, 0.0) for m in ("edge_cloud", "cloud_streaming")]
+    assert [(b.label, b.temperature) for b in netreport.bytes_by_wire(rows)] == [
+        ("cloud_streaming", 0.0), ("edge_cloud/greedy", 0.0), ("cloud_streaming", 1.0), ("edge_cloud/greedy", 1.0)]
+
+
+def test_no_network_rows_no_edge_cloud_section():
+    """A run without the network modes gets no edge-cloud section, even with network info recorded."""
+    assert netreport.markdown([], {"rtt_emulation": "proxy", "servers": {"x": {"draft": "none"}}}) == []
+
+
+def test_the_servers_peak_rss_is_printed_in_mib():
+    rows = [_row("cloud_streaming", "a", 10.0)]
+    lines = netreport.markdown(netreport.aggregate_network(rows), {
+        "servers": {"cloud_streaming+edge_cloud": {"draft": "none", "rss_peak_bytes": 3 * 2**20},
+                    "cloud_streaming_spec": {"draft": "d", "rss_peak_bytes": None}}})
+    assert "| cloud_streaming+edge_cloud | none | 3 |" in lines and "| cloud_streaming_spec | d | – |" in lines
+
+
+def _cells(lines, label):
+    header = next(line for line in lines if line.startswith("| mode |"))
+    row = next(line for line in lines if line.startswith(f"| {label}"))
+    return dict(zip([c.strip() for c in header.split("|")], [c.strip() for c in row.split("|")]))
+
+
+def test_each_figure_is_printed_in_its_own_column():
+    """tokens/call, calls/token and the down bytes (payload and wire) land under their headers;
+    a same-text comparison with nothing to compare prints '–', not 0/0."""
+    rows = [_row("cloud_streaming", "a", 10.0, text=None),
+            {**_row("edge_cloud", "a", 20.0), "cloud_calls": 5, "wire_bytes_up": 700}]
+    cells = _cells(netreport.markdown(netreport.aggregate_network(rows), None), "edge_cloud/greedy")
+    assert cells["tokens/call"] == "4.00" and cells["cloud calls/token"] == "0.250"
+    assert cells["B up/token payload (wire)"] == "5.0 (35.0)" and cells["B down/token payload (wire)"] == "10.0 (20.0)"
+    assert cells["same text"] == "–"
+
+
+def test_the_speculative_server_is_compared_too_and_generated_tokens_are_a_mean():
+    """At T = 0 cloud_streaming_spec is a lossless mode like edge_cloud: its text is compared with
+    the baseline's.  generated_tokens_mean is the mean (10, 10, 40 -> 20), not the median."""
+    rows = [_row("cloud_streaming", "a", 10.0, text="ta"), _row("cloud_streaming_spec", "a", 20.0, text="ta")]
+    spec = {g.mode: g for g in netreport.aggregate_network(rows)}["cloud_streaming_spec"]
+    assert (spec.same_text, spec.compared) == (1, 1)
+    [g] = netreport.aggregate_network([{**_edge(p, 10.0), "generated_tokens": n} for p, n in zip("abc", (10, 10, 40))])
+    assert g.generated_tokens_mean == pytest.approx(20.0)

@@ -11,13 +11,13 @@ from specdec.errors import ConfigError
 
 
 def _engine(mode, method, prompt, tps, *, gamma=None, t=0.0, seed=0, calls=10, gen=20, prop=0, acc=0,
-            per_pos=(), prop_pos=(), draft_s=0.0, target_s=0.5, cat="code"):
+            per_pos=(), prop_pos=(), draft_s=0.0, target_s=0.5, cat="code", **extra):
     return {
         "mode": mode, "method": method, "gamma": gamma, "temperature": t, "prompt_id": prompt, "category": cat,
         "seed": seed, "tokens_per_s": tps, "wall_s": gen / tps, "ttft_s": 0.05, "generated_tokens": gen,
         "target_calls": calls, "tokens_per_target_call": gen / calls, "draft_tokens_proposed": prop,
         "draft_tokens_accepted": acc, "acceptance_per_position": list(per_pos), "proposed_per_position": list(prop_pos),
-        "draft_s": draft_s, "target_s": target_s, "verify_s": 0.01, "kv_peak_bytes": 1000, "lossless": True,
+        "draft_s": draft_s, "target_s": target_s, "verify_s": 0.01, "kv_peak_bytes": 1000, "lossless": True, **extra,
     }
 
 
@@ -292,8 +292,9 @@ def test_an_interrupted_bench_stops_its_worker(monkeypatch):
     assert len(started) == 1 and started[0].poll() is not None  # stopped, and reaped
 
 
-def _spec(prompt, tps, **kw):
-    return _engine("speculative", "block", prompt, tps, gamma="4", prop=40, acc=10, draft_s=0.04, target_s=0.2, **kw)
+def _spec(prompt, tps, **kw):  # a block-rule speculative row; kw overrides its defaults too
+    kw = {"gamma": "4", "prop": 40, "acc": 10, "draft_s": 0.04, "target_s": 0.2, **kw}
+    return _engine("speculative", "block", prompt, tps, **kw)
 
 
 def _group(samples, mode="speculative"):
@@ -391,3 +392,123 @@ def test_a_prompt_without_an_id_is_named_by_its_line_in_the_file(tmp_path):
     path = tmp_path / "p.jsonl"
     path.write_text('{"prompt": "x"}\n\n{"prompt": "y"}\n')
     assert [p.id for p in load_jsonl(path)] == ["line1", "line3"]
+
+
+def test_groups_sort_by_gamma_then_temperature_within_a_method():
+    """Within a mode and method: γ (numbers, then policies) first, then temperature."""
+    rows = [_spec("a", 100.0, gamma=g, t=t) for t in (1.0, 0.0) for g in ("8", "4")]
+    assert [(g.gamma, g.temperature) for g in report.aggregate(rows)] == [
+        ("4", 0.0), ("4", 1.0), ("8", 0.0), ("8", 1.0)]
+
+
+def test_drafters_keep_the_order_the_run_listed_them():
+    """``--draft z,a``: z's rows come before a's, in the summary and the drafter table."""
+    rows = [{**_spec("a", 100.0), "draft": d} for d in ("z", "a")]
+    assert [g.draft for g in report.aggregate(rows)] == ["z", "a"]
+    assert [r.draft for r in report.drafters_by_category(rows)] == ["z", "a"]
+
+
+def test_peak_rss_and_kv_are_the_largest_rows_without_a_process_record():
+    """No process record: peak RSS is the largest row's; the KV peak is the largest row's too (whatever the order)."""
+    rows = [{**_spec("a", 100.0), "rss_peak_bytes": 100, "kv_peak_bytes": 5000},
+            {**_spec("b", 100.0), "rss_peak_bytes": 300, "kv_peak_bytes": 1000}]
+    g = report.aggregate(rows)[0]
+    assert g.rss_peak_bytes == 300 and g.kv_peak_bytes == 5000
+
+
+def test_the_drafter_table_and_block_vs_token_take_the_right_rows():
+    """Rows of a run of one drafter (draft None) are not in the drafter table; rows of a run that
+    compared drafters are not in the block-vs-token pairs (those pair one drafter's rows)."""
+    single = [{**_engine("speculative", m, "a", 10.0, gamma="4"), "draft": None} for m in ("token", "block")]
+    assert report.drafters_by_category(single) == []
+    assert len(report.block_vs_token(single)) == 1
+    multi = [{**r, "draft": "x"} for r in single]
+    assert report.block_vs_token(multi) == []
+
+
+def test_greedy_identity_pairs_by_seed_and_uses_only_greedy_references():
+    """The reference is the plain run at T = 0 of the same prompt *and seed*; a plain row at T > 0
+    is never a reference; drafters get their own rows."""
+    rows = [
+        {"mode": "plain_paired", "temperature": 0, "prompt_id": "a", "seed": 0, "tokens_sha1": "x0"},
+        {"mode": "plain_paired", "temperature": 0, "prompt_id": "a", "seed": 1, "tokens_sha1": "x1"},
+        {"mode": "plain_paired", "temperature": 1.0, "prompt_id": "a", "seed": 1, "tokens_sha1": "sampled"},
+    ]
+    for seed in (0, 1):
+        for d in ("d1", "d2"):
+            rows.append({"mode": "speculative", "method": "greedy", "gamma": "4", "temperature": 0, "prompt_id": "a",
+                         "seed": seed, "draft": d, "tokens_sha1": f"x{seed}"})
+    assert report.greedy_identity(rows) == [("speculative greedy · d1 γ=4", 2, 2), ("speculative greedy · d2 γ=4", 2, 2)]
+
+
+def test_the_header_helpers_say_what_the_run_resolved():
+    assert report._resumed(1, {})[0].startswith("This run was stopped and resumed once (`--resume`)")
+    assert "3 times" in report._resumed(3, {})[0]
+    assert "the proxies' bytes are every run's added up" in report._resumed(2, {"modes": ["plain", "edge_cloud"]})[0]
+    assert "proxies" not in report._resumed(2, {"modes": ["plain"]})[0]
+    assert report._target_dtype({"dtype": "auto", "target_precision": "q4"}) == "auto = q4"
+    assert report._target_dtype({"dtype": "q4", "target_precision": "q4"}) == "q4"
+    assert report._kv_dtype({"kv_dtype": "float16"}) == ", key/value cache float16" and report._kv_dtype({}) == ""
+    assert report._tree_floor({"gammas": ["4"], "tree_min_prob": 0.1}) == ""  # no trees drafted: no floor applies
+    assert report._tree_floor({"gammas": ["4", "tree-8"], "tree_min_prob": 0.1}) == ", tree probability floor 0.1"
+    assert report._draft_vocab({"draft_vocab": "auto, full"}) == ", its own and the full vocabulary side by side"
+    assert report._draft_vocab({"draft_vocab": "full"}) == ", full vocabulary" and report._draft_vocab({}) == ""
+
+
+def _cfg():
+    return {"target": "t", "draft": "d", "draft_dtype": "auto", "prompts": [{"category": "code"}], "max_new_tokens": 20,
+            "repeats": 1, "seed": 0, "top_p": None, "repetition_penalty": None, "batch_invariant": True}
+
+
+def test_write_uses_the_process_records_and_names_multi_process_modes(tmp_path):
+    """write() passes the per-mode process records on (peak RSS of the speculative group), and the
+    processes table says '(N processes)' only for a mode that ran in more than one."""
+    procs = {"speculative": {"rss_peak_bytes": 4 * 2**20, "seconds": 3, "workers": 2}, "plain": {"rss_peak_bytes": 2**20, "seconds": 1, "workers": 1}}
+    report.write({"config": _cfg(), "samples": _samples(), "processes": procs, "machine": {}}, tmp_path, make_plots=False)
+    groups = {g["mode"]: g for g in json.loads((tmp_path / "results.json").read_text())["groups"]}
+    assert groups["speculative"]["rss_peak_bytes"] == 4 * 2**20
+    md = (tmp_path / "README.md").read_text()
+    assert "| speculative (2 processes) | 4 | 3 |" in md and "| plain | 1 | 1 |" in md
+
+
+def test_the_accepted_histogram_shows_at_most_16_columns():
+    rows = [_spec("a", 100.0, accepted_histogram=[1] * 20)]
+    lines = report._local_tables(report.aggregate(rows), [])
+    assert "| method | γ | T | tokens/call | " + " | ".join(str(k) for k in range(16)) + " |" in lines
+
+
+def test_greedy_agreement_with_llamacpp_skips_prompts_whose_reference_has_no_digest():
+    """A llama.cpp plain row without a tokens digest is not a prompt the other row disagreed on."""
+    from .test_llamacpp_rows import _row
+
+    rows = [_row("llamacpp_plain", "a", 100.0, sha="pa"), _row("llamacpp_plain", "b", 100.0, sha=None),
+            _row("llamacpp_spec", "a", 150.0, sha="pa"), _row("llamacpp_spec", "b", 150.0, sha="pb")]
+    spec = next(g for g in report.aggregate(rows) if g.mode == "llamacpp_spec")
+    assert spec.same_tokens_as_llamacpp == (1, 1)
+
+
+def test_the_llamacpp_table_leaves_out_the_hf_and_edge_only_rows():
+    """Against llama.cpp: specdec's own rows and llama.cpp's, not HF's nor the draft-only edge_only row."""
+    from .test_llamacpp_rows import _row
+
+    rows = [_row("llamacpp_plain", "a", 100.0)]
+    rows += [{**_engine(m, m, "a", 50.0), "tokens_sha1": "x"} for m in ("edge_only", "hf_plain", "plain")]
+    lines = report._llamacpp_table(report.aggregate(rows))
+    modes = [line.split("|")[1].strip() for line in lines if line.startswith("| ") and not line.startswith("| mode")]
+    assert modes == ["llamacpp_plain", "plain"]
+
+
+def test_partial_records_give_no_decode_rate_and_no_ratio_for_an_unpaired_category():
+    """One row without its prompt pass: no decode tok/s for the group (not the others' median);
+    a category whose prompts have no plain reference gets no ×plain entry (the others still do)."""
+    rows = [{**_spec("a", 100.0), "prefill_s": 0.01}, _spec("b", 100.0)]
+    assert report.aggregate(rows)[0].decode_tokens_per_s_median is None
+    rows = [_engine("plain", "plain", "a", 50.0), _spec("a", 100.0), _spec("b", 100.0, cat="chat")]
+    spec = next(g for g in report.aggregate(rows) if g.mode == "speculative")
+    assert spec.speedup_by_category == {"code": pytest.approx(2.0)}
+
+
+def test_a_draft_temperature_factor_of_one_is_not_mentioned():
+    """Rows that record factor 1.0 (the default) at T > 0 sampled the draft at T: nothing to say."""
+    assert report._draft_temperature([{"draft_temperature_factor": 1.0, "temperature": 1.0}]) == ""
+    assert report._draft_temperature([{"draft_temperature_factor": 0.85, "temperature": 1.0}]) == ", sampled at 0.85 × T"

@@ -6,21 +6,7 @@ import pytest
 
 from specdec.bench import report, theory
 
-
-def _engine(mode, method, prompt, tps, *, gamma=None, t=0.0, seed=0, calls=10, gen=20, prop=0, acc=0,
-            per_pos=(), prop_pos=(), draft_s=0.0, target_s=0.5, cat="code", **extra):
-    return {
-        "mode": mode, "method": method, "gamma": gamma, "temperature": t, "prompt_id": prompt, "category": cat,
-        "seed": seed, "tokens_per_s": tps, "wall_s": gen / tps, "ttft_s": 0.05, "generated_tokens": gen,
-        "target_calls": calls, "tokens_per_target_call": gen / calls, "draft_tokens_proposed": prop,
-        "draft_tokens_accepted": acc, "acceptance_per_position": list(per_pos), "proposed_per_position": list(prop_pos),
-        "draft_s": draft_s, "target_s": target_s, "verify_s": 0.01, "kv_peak_bytes": 1000, "lossless": True, **extra,
-    }
-
-
-def _spec(prompt, tps, **kw):
-    kw = {"gamma": "4", "prop": 40, "acc": 10, "draft_s": 0.04, "target_s": 0.2, **kw}
-    return _engine("speculative", "block", prompt, tps, **kw)
+from .test_report import _engine, _spec
 
 
 def test_speedups_pair_with_the_plain_run_of_the_same_temperature_and_seed():
