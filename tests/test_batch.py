@@ -205,16 +205,20 @@ def test_a_stop_string_cuts_tokens_and_their_log_probabilities_alike(plain):
     assert got[0].finish_reason == "stop"
 
 
-def test_no_pass_holds_more_than_batch_sequences(plain):
-    model = plain.target.model
+def _pass_sizes(engine, batch: int) -> list[int]:  # how many sequences each batched pass held
+    model = engine.target.model
     sizes = []
     real = model.forward_batch
     model.forward_batch = lambda items, *a, **k: (sizes.append(len(items)), real(items, *a, **k))[1]
     try:
-        plain.generate_batch(FOUR_PROMPTS, GREEDY, batch=3)
+        engine.generate_batch(FOUR_PROMPTS, GREEDY, batch=batch)
     finally:
         del model.forward_batch
-    assert max(sizes) == 3
+    return sizes
+
+
+def test_no_pass_holds_more_than_batch_sequences(plain):
+    assert max(_pass_sizes(plain, 3)) == 3
 
 
 def test_every_finished_sequence_is_closed_and_handed_to_a_target_that_keeps_them(plain):
@@ -314,12 +318,4 @@ def test_each_result_reports_the_rule_generating_alone_would_use(plain):
 def test_free_slots_are_filled_at_once(plain):
     """Continuous batching: with ``batch`` >= the number of prompts every prompt is admitted before
     the first pass, so the first pass holds all of them."""
-    model = plain.target.model
-    sizes = []
-    real = model.forward_batch
-    model.forward_batch = lambda items, *a, **k: (sizes.append(len(items)), real(items, *a, **k))[1]
-    try:
-        plain.generate_batch(FOUR_PROMPTS, GREEDY, batch=4)
-    finally:
-        del model.forward_batch
-    assert sizes[0] == 4
+    assert _pass_sizes(plain, 4)[0] == 4

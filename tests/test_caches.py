@@ -35,14 +35,17 @@ def test_a_parts_own_folder_may_start_with_a_tilde(cache_root, monkeypatch, tmp_
     assert caches.calibration_dir() == tmp_path / "home" / "ranges"
 
 
-def test_clearing_the_calibration_part_leaves_files_that_are_not_its_own(cache_root):
-    folder = cache_root / "calibration"
+@pytest.mark.parametrize("name, own, other", [("calibration", "a.pt", "notes.txt"), ("quantised", "l.safetensors", "readme.md")])
+def test_clearing_a_part_leaves_files_that_are_not_its_own(cache_root, name, own, other):
+    """A user may point a part's setting at a folder that holds other files: only the part's own
+    entries (ranges ``*.pt``, packed layers ``*.safetensors``) and temporaries are its."""
+    folder = cache_root / name
     folder.mkdir(parents=True)
-    (folder / "a.pt").write_bytes(b"x" * 40)
-    (folder / "notes.txt").write_bytes(b"x" * 11)
-    assert caches.usage(_part("calibration")) == (1, 40)
-    assert caches.clear(_part("calibration")) == 40
-    assert sorted(p.name for p in folder.iterdir()) == ["notes.txt"]
+    (folder / own).write_bytes(b"x" * 40)
+    (folder / other).write_bytes(b"x" * 11)
+    assert caches.usage(_part(name)) == (1, 40)
+    assert caches.clear(_part(name)) == 40
+    assert sorted(p.name for p in folder.iterdir()) == [other]
 
 
 def test_an_entrys_nested_files_are_counted_and_cleared(cache_root):
@@ -119,15 +122,3 @@ def test_clearing_removes_a_parts_leftover_temporary_files_too(cache_root):
         (folder / "half.tmp").write_bytes(b"x" * 5)
         assert caches.usage(_part(name)) == (2, 15), name
         assert caches.clear(_part(name)) == 15 and not list(folder.iterdir()), name
-
-
-def test_clearing_the_quantised_part_leaves_files_that_are_not_its_own(cache_root):
-    """A user may point ``SPECDEC_QUANTISED_CACHE`` at a folder that holds other files: only the
-    packed layers (``*.safetensors``) and temporaries are the part's."""
-    folder = cache_root / "quantised"
-    folder.mkdir(parents=True)
-    (folder / "l.safetensors").write_bytes(b"x" * 8)
-    (folder / "readme.md").write_bytes(b"x" * 3)
-    assert caches.usage(_part("quantised")) == (1, 8)
-    assert caches.clear(_part("quantised")) == 8
-    assert [p.name for p in folder.iterdir()] == ["readme.md"]

@@ -4,7 +4,10 @@ from __future__ import annotations
 
 from typing import Any
 
+import torch
+
 from specdec.drafters import ModelDrafter, NgramDrafter
+from specdec.drafters.base import Draft
 from specdec.drafters.hybrid import LookupThenModel
 from specdec.drafters.lookahead import LookaheadDrafter
 
@@ -36,3 +39,28 @@ class Forced:
     def __call__(self, logits, position):
         self.rows.append(logits[0])
         return self.tokens[len(self.rows) - 1], None
+
+
+class FixedDrafter:
+    """Drafts the same tokens every round: a chain (cut to γ), or a tree that is one path of them."""
+
+    supports_trees = True
+
+    def __init__(self, tokens: tuple[int, ...]) -> None:
+        self.tokens = list(tokens)
+
+    def prepare(self, prompt) -> None:  # noqa: ANN001
+        pass
+
+    def reset(self) -> None:
+        pass
+
+    def commit(self, verdict) -> None:  # noqa: ANN001
+        pass
+
+    def propose(self, context, gamma, sampler):  # noqa: ANN001, ANN201
+        return Draft(tokens=torch.tensor(self.tokens[:gamma], dtype=torch.long), probs=None)
+
+    def propose_tree(self, context, budget, sampler, spec, *, max_depth):  # noqa: ANN001, ANN201
+        return Draft(tokens=torch.tensor(self.tokens, dtype=torch.long), probs=None,
+                     parents=torch.arange(len(self.tokens)) - 1)

@@ -28,6 +28,7 @@ from specdec.token_filter import TokenFilter
 from specdec.verify import get_rule
 from clock import ModelledCostGamma
 from stats import ALPHA, chi_square_pvalue, exact_law
+from toy_drafters import FixedDrafter
 
 from .conftest import API_KEY
 
@@ -1083,22 +1084,6 @@ def test_a_recreated_session_without_room_for_the_committed_tokens_is_refused():
             v.verify(EMPTY)
 
 
-class _Draft34:
-    """Drafts 3, 4 every round (a chain)."""
-
-    def prepare(self, prompt) -> None:
-        pass
-
-    def reset(self) -> None:
-        pass
-
-    def commit(self, verdict) -> None:
-        pass
-
-    def propose(self, context, gamma, sampler):
-        return Draft(tokens=torch.tensor([3, 4][:gamma]), probs=None)
-
-
 def _accept_all(body):
     """Accepts every drafted token and adds 5, with a log-probability row per token."""
     tokens = body["draft_tokens"] + [5]
@@ -1114,7 +1099,7 @@ def test_logprobs_stop_with_the_output_when_the_last_round_overshoots():
     client, _ = _mock(_accept_all)
     with client:
         out = generate_remote([1, 2], SamplingConfig(temperature=0.0, seed=1, max_new_tokens=4),
-                              RemoteConfig(url="http://edge.test"), drafter=_Draft34(), gamma=2, client=client,
+                              RemoteConfig(url="http://edge.test"), drafter=FixedDrafter((3, 4)), gamma=2, client=client,
                               logprobs=1, eos_ids=frozenset({4}))
     assert out.token_ids == [3, 4] and len(out.logprobs) == 2
 
@@ -1126,7 +1111,7 @@ def test_the_vocab_size_argument_bounds_the_ids_the_edge_accepts():
     client, _ = _mock(_accept_all)
     with client, pytest.raises(RemoteError, match=r"token id 4 in round 0, outside the vocabulary \[0, 4\)"):
         generate_remote([1, 2], SamplingConfig(temperature=0.0, seed=1, max_new_tokens=4),
-                        RemoteConfig(url="http://edge.test"), drafter=_Draft34(), gamma=2, client=client, vocab_size=4)
+                        RemoteConfig(url="http://edge.test"), drafter=FixedDrafter((3, 4)), gamma=2, client=client, vocab_size=4)
 
 
 def test_a_verdict_with_more_tokens_than_accepted_plus_one_is_inconsistent():

@@ -17,13 +17,12 @@ import time
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 
 import pytest
-import torch
 
-from specdec.drafters.base import Draft
 from specdec.models.registry import DATA_DIR, load_tokenizer
 from specdec.remote.client import RemoteConfig, RemoteError
 from specdec.remote.edge import generate_remote
 from specdec.sampling import SamplingConfig
+from toy_drafters import FixedDrafter
 
 VOCAB = 49152
 
@@ -114,32 +113,11 @@ def tokenizer():
     return load_tokenizer(DATA_DIR / "smollm2-135m-draft")
 
 
-class _Fixed:
-    """Drafts 7 then 8 every round: a chain, or a tree of node 7 with its child 8."""
-
-    supports_trees = True
-
-    def prepare(self, prompt) -> None:
-        pass
-
-    def reset(self) -> None:
-        pass
-
-    def commit(self, verdict) -> None:
-        pass
-
-    def propose(self, context, gamma, sampler):
-        return Draft(tokens=torch.tensor([7, 8][:gamma]), probs=None)
-
-    def propose_tree(self, context, budget, sampler, spec, *, max_depth):
-        return Draft(tokens=torch.tensor([7, 8]), probs=None, parents=torch.tensor([-1, 0]))
-
-
 def _run(url: str, tokenizer, mode: str, budget: float = 5.0, **drafting):
     _Fake.mode = mode
     cfg = RemoteConfig(url=url, timeout_s=budget, retry_budget_s=budget, backoff_s=0.01)
     return generate_remote([1, 2, 3], SamplingConfig(temperature=0.0, max_new_tokens=3, seed=7), cfg,
-                           drafter=_Fixed() if drafting else None, tokenizer=tokenizer, **drafting)
+                           drafter=FixedDrafter((7, 8)) if drafting else None, tokenizer=tokenizer, **drafting)
 
 
 def test_a_correct_server_is_followed(fake, tokenizer):

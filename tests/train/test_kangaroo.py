@@ -329,20 +329,22 @@ def test_the_command_continues_with_more_steps_and_refuses_other_settings(tmp_pa
     assert "adapter.safetensors.data.pt cannot be read" in err and "Traceback" not in err
 
 
-def test_the_command_refuses_a_checkpoint_of_other_data(tmp_path, capsys):
-    """--top-k (like --prompts, --new-tokens, --layers) makes other training data: a checkpoint
-    trained on the old data is refused in one line, naming the setting, not continued."""
+@pytest.mark.parametrize("setting, first, then", [("--top-k", "8", "4"), ("--new-tokens", "4", "5")])
+def test_the_command_refuses_a_checkpoint_of_other_data(tmp_path, capsys, setting, first, then):
+    """--top-k and --new-tokens (like --prompts, --layers) make other training data: the old data is
+    not reused, and a checkpoint trained on it is refused in one line, naming the setting, not
+    continued."""
     from specdec.cli import main
     from tiny import make_tiny
 
     target = make_tiny(tmp_path / "target", seed=0, layers=4, max_positions=256)
     out = tmp_path / "k" / "adapter.safetensors"
-    base = ["train", "kangaroo", "--target", str(target), "--out", str(out), "--prompts", "2", "--new-tokens", "4",
-            "--batch", "2", "--positions", "8", "--steps", "1"]
-    assert main([*base, "--top-k", "8"]) == 0
+    base = {"--prompts": "2", "--new-tokens": "4", "--batch": "2", "--positions": "8", "--steps": "1", "--top-k": "4"}
+    argv = ["train", "kangaroo", "--target", str(target), "--out", str(out)]
+    assert main([*argv, *(x for k, v in {**base, setting: first}.items() for x in (k, v))]) == 0
     weights = out.read_bytes()
     capsys.readouterr()
-    assert main([*base, "--top-k", "4"]) == 2
+    assert main([*argv, *(x for k, v in {**base, setting: then}.items() for x in (k, v))]) == 2
     err = capsys.readouterr().err
     assert "was saved by a run with key = " in err and "Traceback" not in err
     assert out.read_bytes() == weights
@@ -568,21 +570,3 @@ def test_the_command_scores_every_continuation_position_of_train_and_held_out_se
             ids = encode_prompt(tok, text, chat=chat)
             assert f.start == len(ids) - 1 and f.tokens[: len(ids)].tolist() == list(ids)
 
-
-def test_the_command_refuses_a_checkpoint_made_on_other_new_tokens(tmp_path, capsys):
-    """--new-tokens makes other training data (longer continuations): the old data is not reused
-    and the old checkpoint is refused in one line, not continued."""
-    from specdec.cli import main
-    from tiny import make_tiny
-
-    target = make_tiny(tmp_path / "target", seed=0, layers=4, max_positions=256)
-    out = tmp_path / "k" / "adapter.safetensors"
-    base = ["train", "kangaroo", "--target", str(target), "--out", str(out), "--prompts", "2", "--batch", "2",
-            "--positions", "8", "--steps", "1", "--top-k", "4"]
-    assert main([*base, "--new-tokens", "4"]) == 0
-    weights = out.read_bytes()
-    capsys.readouterr()
-    assert main([*base, "--new-tokens", "5"]) == 2
-    err = capsys.readouterr().err
-    assert "was saved by a run with key = " in err and "Traceback" not in err
-    assert out.read_bytes() == weights
