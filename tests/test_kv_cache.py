@@ -137,3 +137,60 @@ def test_growing_keeps_the_values_too():
     c.reserve(10)  # grows
     assert c.capacity > 64
     assert torch.equal(c.k[0, 0, :64, 0], torch.arange(64.0)) and torch.equal(c.v[0, 0, :64, 0], -torch.arange(64.0))
+
+
+def test_a_reservation_past_one_and_a_half_times_the_buffer_grows_to_hold_it():
+    """Growth is by at least half *or to what is asked*, whichever is more: a prefill of 500
+    positions into a 64-position buffer must get >= 500 positions (and keep them writable)."""
+    c = KVCache(1, 1, 1, 4096, initial_length=64)
+    assert c.reserve(500) == 0
+    assert c.capacity == 512
+    c.k[0, 0, :500, 0] = torch.arange(500.0)  # every reserved position is in the buffer
+    assert c.growth_bytes(12) == 0 and c.growth_bytes(13) > 0
+
+
+def test_an_initial_length_past_the_maximum_allocates_only_the_maximums_blocks():
+    """initial_length is clamped to max_length: asking for 1000 initial positions of a 100-position
+    cache allocates 2 blocks (128 positions), not 1024."""
+    c = KVCache(1, 1, 1, 100, initial_length=1000)
+    assert c.capacity == 2 * GROW_STEP
+    assert c.nbytes == 2 * 2 * GROW_STEP * 4
+
+
+def test_used_bytes_of_zero_positions_is_zero_not_the_peak():
+    """used_bytes(length) with an explicit 0 is the bytes of 0 positions; only None means the peak."""
+    c = KVCache(1, 1, 2, 16)
+    c.reserve(5)
+    assert c.used_bytes(0) == 0
+    assert c.used_bytes() == 5 * c.bytes_per_position and c.used_bytes(3) == 3 * c.bytes_per_position
+
+
+def test_growth_bytes_counts_from_the_current_length():
+    """growth_bytes(n) forecasts a reservation of n *more* positions on top of those held: with 60
+    of 64 held, 5 more grow the buffer, and 69 more pass max_length (nothing grows: it is refused)."""
+    c = KVCache(1, 1, 1, 128, initial_length=64)
+    c.reserve(60)
+    bpp = c.bytes_per_position
+    assert c.growth_bytes(4) == 0
+    assert c.growth_bytes(5) == 64 * bpp
+    assert c.growth_bytes(69) == 0
+
+
+def test_a_cache_made_under_inference_mode_and_never_grown_compacts_outside_it():
+    """A cache created inside inference mode whose buffers never grew (inference tensors) must
+    still take a tree round's compaction made outside inference mode."""
+    with torch.inference_mode():
+        c = KVCache(1, 1, 1, 64)
+        c.reserve(6)
+        c.k[0, 0, :6, 0] = torch.arange(6.0)
+    c.compact(torch.tensor([3, 5]), start=2)
+    assert c.length == 4 and c.k[0, 0, :4, 0].tolist() == [0.0, 1.0, 3.0, 5.0]
+
+
+def test_growing_a_half_precision_cache_keeps_its_dtype_and_byte_counts():
+    """A float16 cache stays float16 when it grows, and its byte figures use 2-byte elements."""
+    c = KVCache(2, 1, 4, 512, initial_length=64, dtype=torch.float16)
+    assert c.bytes_per_position == 2 * 2 * 1 * 4 * 2
+    c.reserve(100)  # grows
+    assert c.k.dtype == torch.float16 and c.v.dtype == torch.float16
+    assert c.nbytes == 2 * 2 * 1 * c.capacity * 4 * 2 and c.used_bytes() == 100 * c.bytes_per_position

@@ -945,3 +945,24 @@ def test_traversal_node_whose_residual_is_empty_is_deleted():
         else:
             assert v.path == (0, 1), (s, v.path)
     assert at_root > 0
+
+
+@pytest.mark.parametrize("rule", [tree_token, tree_traversal])
+def test_draft_rows_over_another_vocabulary_are_refused(rule):
+    """draft_probs must be [N, V] with the target's V: one row per node but a different width
+    (a drafter with another vocabulary) is a ValueError naming draft_probs, not silently used."""
+    p = torch.full((3, 4), 0.25)
+    for q in (torch.full((2, 5), 0.2), torch.full((2, 3), 1 / 3)):
+        with pytest.raises(ValueError, match="draft_probs"):
+            rule(_t([1, 2]), _t([-1, 0]), q, p)
+
+
+def test_a_row_whose_mass_was_all_removed_gives_every_token_probability_zero():
+    """NodeTarget.prob is the current normalised probability: once the candidates holding all of
+    the row's mass were removed, no token left (all of mass 0) may read as probable; an
+    all-zero row likewise gives 0 (a token of target probability 0 is never accepted)."""
+    t = NodeTarget(torch.tensor([0.5, 0.5, 0.0], dtype=torch.float64))
+    t.remove(0)
+    t.remove(1)
+    assert t.prob(2) == 0.0
+    assert NodeTarget(torch.zeros(3, dtype=torch.float64)).prob(1) == 0.0
