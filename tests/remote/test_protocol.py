@@ -9,8 +9,11 @@ from pydantic import ValidationError
 
 from specdec import defaults
 from specdec.remote.protocol import (
+    MAX_SEQ,
+    MAX_TOKEN_ID,
     ROW_SUM_SLACK,
     CreateSessionRequest,
+    CreateSessionResponse,
     SparseRow,
     VerifyRequest,
     default_wire,
@@ -177,3 +180,72 @@ def test_the_bounds_themselves_parse():
         {"prompt_ids": [1], "logprobs": 20, "top_k": 1, "max_new_tokens": 1, "vocab_digest": "0a" * 32}
     )
     assert ok.logprobs == 20 and ok.top_k == 1 and ok.max_new_tokens == 1
+
+
+def test_method_names_are_trimmed_and_case_insensitive():
+    assert wire_method("sparse-q", " Token ") == "token"
+
+
+def test_default_wire_is_greedy_only_at_exactly_zero():
+    assert default_wire(1e-9) == "coupled"
+
+
+@pytest.mark.parametrize("body", [
+    {"seq": 0, "draft_tokens": [1], "q": [{"ids": [1, 2], "probs": [0.5, 0.502]}]},  # 1.002 > 1 + slack
+    {"seq": MAX_SEQ + 1},
+    {"seq": 0, "draft_tokens": [MAX_TOKEN_ID + 1]},
+    {"seq": 0, "draft_tokens": [1], "siblings": "bogus"},
+])
+def test_verify_bodies_past_other_bounds_are_rejected(body):
+    with pytest.raises(ValidationError):
+        VerifyRequest.model_validate(body)
+
+
+@pytest.mark.parametrize("extra", [
+    {"repetition_penalty": 0.0},
+    {"chat": "true"},  # JSON booleans only
+    {"chat": 1},
+    {"vocab_digest": "ab"},  # a SHA-256 hex digest is 64 characters
+    {"grammar": ""},
+    {"min_p": 1.5},
+    {"temperature": 1e5},
+    {"floor_ids": [1] * 1025},
+])
+def test_session_bodies_past_other_bounds_are_rejected(extra):
+    with pytest.raises(ValidationError):
+        CreateSessionRequest.model_validate({"prompt_ids": [1], **extra})
+
+
+def test_logprobs_zero_means_the_chosen_token_only():
+    assert CreateSessionRequest.model_validate({"prompt_ids": [1], "logprobs": 0}).logprobs == 0
+
+
+def test_bodies_are_frozen():
+    req = VerifyRequest.model_validate({"seq": 0})
+    with pytest.raises(ValidationError):
+        req.seq = 1
+
+
+def test_a_create_reply_without_cached_prompt_tokens_parses():
+    """An older server's reply (no cached_prompt_tokens) still parses, as 0."""
+    body = {"session_id": "s", "model": "m", "wire": "greedy", "method": "greedy", "lossless": True, "seed": 0,
+            "vocab_size": 4, "max_context": 8, "max_length": 8, "max_gamma": 4, "prompt_ids": [1], "prefill_ms": 0.0}
+    assert CreateSessionResponse.model_validate(body).cached_prompt_tokens == 0
+
+
+def test_an_empty_method_is_refused_not_taken_as_the_default():
+    """method "" is a mistake (a 400 naming the choices), not "use the mode's default" (null does that)."""
+    with pytest.raises(ValueError, match="not available"):
+        wire_method("sparse-q", "")
+
+
+def test_a_q_row_with_more_probs_than_ids_is_refused():
+    with pytest.raises(ValidationError, match="1 ids but 2 probs"):
+        VerifyRequest.model_validate({"seq": 0, "draft_tokens": [1], "q": [{"ids": [1], "probs": [0.5, 0.5]}]})
+
+
+def test_generated_ids_are_bounded_like_the_prompt():
+    from specdec.remote.protocol import MAX_PROMPT_TOKENS
+
+    with pytest.raises(ValidationError, match="at most"):
+        CreateSessionRequest.model_validate({"prompt_ids": [1], "generated_ids": [1] * (MAX_PROMPT_TOKENS + 1)})

@@ -13,6 +13,7 @@ import pytest
 from fastapi.testclient import TestClient
 
 from specdec.cli import main
+from specdec.errors import ConfigError
 from specdec.models.toy import ToyLM
 from specdec.server import ServerSettings, create_app
 from specdec.server.command import is_loopback
@@ -226,16 +227,32 @@ def test_served_model_names_are_at_most_256_characters():
     ({"shutdown_timeout_s": math.inf}, "shutdown timeout must be >= 0 seconds"),
     ({"max_active_requests": 0}, "max active requests must be >= 1"),
     ({"session_ttl_s": 0.0}, "session TTL must be > 0 seconds"),
+    ({"model_aliases": ("beta", " ")}, "served model name"),  # aliases are checked as the first name is
+    ({"model_aliases": ("b" * 257,)}, "served model name"),
+    ({"session_ttl_s": math.nan}, "session TTL must be > 0 seconds"),
+    ({"max_gamma": 0}, "max gamma must be between 1 and"),
+    ({"api_key": "  "}, "the API key is empty"),  # blank, not only ""
+    ({"sweep_interval_s": 0.0}, "sweep interval must be > 0 seconds"),
+    ({"header_timeout_s": 0.0}, "header timeout must be > 0 seconds"),
+    ({"body_timeout_s": math.nan}, "body timeout must be > 0 seconds"),
+    ({"shutdown_timeout_s": math.nan}, "shutdown timeout must be >= 0 seconds"),
+    ({"max_kv_bytes": 0}, "key/value budget must be >= 1 byte"),
+    ({"kv_initial_length": 0}, "initial KV length must be >= 1"),
 ])
 def test_out_of_range_settings_are_refused(kw, says):
-    """Each setting just past its bound is a ConfigError naming it."""
-    with pytest.raises(ValueError, match=says):
+    """Each setting just past its bound (or NaN) is a ConfigError naming it."""
+    with pytest.raises(ConfigError, match=says):
         ServerSettings(**kw)
 
 
 def test_smallest_accepted_settings():
-    """The bounds themselves are accepted (1024-byte bodies, 1 token, 1 request, a 0 s shutdown)."""
+    """The bounds themselves are accepted: 1024-byte bodies, 1 token, 1 request, a 0 s shutdown, a
+    2-token context, max gamma 1, prefix caching off (0 bytes), a 1-byte KV budget, a 1-position
+    initial KV cache."""
     ServerSettings(max_body_bytes=1024, default_max_tokens=1, max_active_requests=1, shutdown_timeout_s=0.0)
+    s = ServerSettings(max_model_len=2, max_gamma=1, gamma=1, tree="chain", prefix_cache_bytes=0, max_kv_bytes=1,
+                       kv_initial_length=1)
+    assert s.max_model_len == 2 and s.prefix_cache_bytes == 0
 
 
 def test_names_and_keys_are_listed_once():
@@ -243,3 +260,10 @@ def test_names_and_keys_are_listed_once():
     s = ServerSettings(model_name="a", model_aliases=("a", "b"), api_key="k1", api_keys=("k1", "k2"))
     assert s.model_names == ("a", "b")
     assert s.keys == ("k1", "k2")
+
+
+
+def test_the_batching_options_reach_the_scheduler_config():
+    """--max-tokens-per-pass, --prefill-chunk, --max-queue and --gather-gap-ms are passed on."""
+    cfg = ServerSettings(max_tokens_per_pass=32, prefill_chunk=16, max_queue=7, gather_gap_s=0.0).scheduler_config()
+    assert (cfg.max_tokens, cfg.chunk, cfg.max_queue, cfg.gather_gap) == (32, 16, 7, 0.0)

@@ -369,3 +369,70 @@ def test_a_one_token_completion_has_no_inter_token_time():
     m.observe_generation("completions", _stats(generated_tokens=1))
     assert _value(m, "specdec_time_to_first_token_seconds_count", endpoint="completions") == 1
     assert not _value(m, "specdec_inter_token_seconds_count", endpoint="completions")
+
+
+def test_a_completion_counts_drafted_accepted_acceptance_and_latency():
+    """One completion: proposed / accepted draft tokens, the acceptance gauge (29/100) and the
+    end-to-end time (wall_s, not the first-token time) as its stats give them."""
+    m = ServerMetrics()
+    m.observe_generation("chat", _stats())
+    assert _value(m, "specdec_draft_tokens_proposed_total", wire="openai") == 100
+    assert _value(m, "specdec_draft_tokens_accepted_total", wire="openai") == 29
+    assert _value(m, "specdec_acceptance_rate", wire="openai") == pytest.approx(0.29)
+    assert _value(m, "specdec_request_seconds_sum", endpoint="chat") == pytest.approx(1.0)
+    assert _value(m, "specdec_time_to_first_token_seconds_sum", endpoint="chat") == pytest.approx(0.2)
+
+
+def test_a_lossy_completion_is_labelled_lossless_false():
+    m = ServerMetrics()
+    m.observe_generation("completions", _stats(lossless=False))
+    assert _value(m, "specdec_verify_calls_total", wire="openai", lossless="false") == 5
+    assert _value(m, "specdec_verify_calls_total", wire="openai", lossless="true") is None
+
+
+def test_an_empty_completion_observes_no_first_token_time():
+    """Zero tokens generated: no first-token time is observed (there was no first token)."""
+    m = ServerMetrics()
+    m.observe_generation("completions", _stats(generated_tokens=0))
+    assert not _value(m, "specdec_time_to_first_token_seconds_count", endpoint="completions")
+    assert _value(m, "specdec_request_seconds_count", endpoint="completions") == 1
+
+
+def test_first_token_times_up_to_60_s_have_buckets():
+    """The first-token histogram has 25 s and 60 s buckets past the latency ones."""
+    m = ServerMetrics()
+    m.observe_generation("chat", _stats(ttft_s=30.0, wall_s=40.0))
+    assert _value(m, "specdec_time_to_first_token_seconds_bucket", endpoint="chat", le="60.0") == 1
+    assert _value(m, "specdec_time_to_first_token_seconds_bucket", endpoint="chat", le="25.0") == 0
+
+
+def test_a_verify_round_observes_its_latency_and_one_unverified_token():
+    m = ServerMetrics()
+    m.observe_verify(wire="greedy", lossless=False, gamma=2, accepted=1, emitted=2, seconds=0.3, unverified=1)
+    assert _value(m, "specdec_verify_latency_seconds_sum", wire="greedy") == pytest.approx(0.3)
+    assert _value(m, "specdec_unverified_tokens_total") == 1
+
+
+def test_the_acceptance_gauge_is_kept_per_wire():
+    """coupled 0/4, then greedy 4/4: each wire's gauge counts only its own rounds."""
+    m = ServerMetrics()
+    m.observe_verify(wire="coupled", lossless=True, gamma=4, accepted=0, emitted=1, seconds=0.0, unverified=0)
+    m.observe_verify(wire="greedy", lossless=True, gamma=4, accepted=4, emitted=5, seconds=0.0, unverified=0)
+    assert _value(m, "specdec_acceptance_rate", wire="greedy") == 1.0
+    assert _value(m, "specdec_acceptance_rate", wire="coupled") == 0.0
+
+
+def test_positions_never_drafted_have_no_series_and_no_created_series():
+    """A position drafted in no round gets no series (not a 0); the output has no *_created series."""
+    m = ServerMetrics()
+    m.observe_generation("chat", _stats(proposed_per_position=[100, 0], acceptance_per_position=[0.29, 0.0]))
+    assert _value(m, "specdec_draft_position_proposed_total", wire="openai", position="2") is None
+    names = {line.split("{")[0].split(" ")[0] for line in m.render().decode().splitlines() if not line.startswith("#")}
+    assert not [n for n in names if n.endswith("_created")], names
+
+
+def test_a_two_token_completion_has_an_inter_token_time():
+    """Two tokens: one gap after the first, observed as wall - ttft."""
+    m = ServerMetrics()
+    m.observe_generation("chat", _stats(generated_tokens=2))
+    assert _value(m, "specdec_inter_token_seconds_sum", endpoint="chat") == pytest.approx(0.8)
