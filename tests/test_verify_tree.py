@@ -22,7 +22,7 @@ import specdec.verify_tree as vt
 from specdec.errors import ConfigError
 from specdec.models.toy import ToyLM
 from specdec.sampling import gumbel_sample, sample_categorical
-from specdec.verify import block_plan, block_verify, coupled_verify, greedy_verify, token_plan
+from specdec.verify import block_plan, coupled_verify, greedy_verify, token_plan
 from specdec.verify_tree import (
     CHAIN_TO_TREE,
     TREE_RULES,
