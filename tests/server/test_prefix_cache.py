@@ -751,3 +751,23 @@ def test_a_last_only_pass_on_a_filled_cache_is_not_a_prefill():
     got = PrefixCached(model, pc).forward(q, cache, last_only=True)
     want = model.forward(q, ref, last_only=True)
     assert torch.equal(got, want) and _same_cache(cache, ref)
+
+
+def test_a_scrape_reports_the_prefix_cache_bytes_and_queue_held_now():
+    """/metrics sets the prefix cache's bytes and each scheduler's queue length as they are at the
+    scrape, not as a pass last left them: gauges set to stale values (as a pass sets the queue
+    length when it begins) read the current ones after a scrape."""
+    app = create_app(tiny_native(vocab=VOCAB), settings=ServerSettings(prefix_cache_bytes=64 << 20))
+    client = TestClient(app, base_url="http://localhost")
+    prompt = [int(t) for t in _prompt(9, 48)]
+    for _ in range(2):  # the second session stores the prompt's whole blocks
+        assert client.post("/v1/sessions", json={"prompt_ids": prompt, "temperature": 0.0}).status_code == 201
+    ctx = app.state.ctx
+    held = ctx.model.prefix_cache.bytes
+    assert held > 0
+    scheduler = ctx.model.scheduler
+    ctx.metrics.prefix_bytes.set(1)
+    scheduler.metrics.queue.labels(scheduler.name).set(5)
+    text = client.get("/metrics").text
+    assert f"specdec_prefix_cache_bytes {float(held)}" in text, text
+    assert f'specdec_scheduler_queue_length{{model="{scheduler.name}"}} {float(len(scheduler))}' in text, text
