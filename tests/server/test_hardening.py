@@ -558,6 +558,30 @@ def test_a_body_without_content_length_is_cut_at_the_limit():
     assert sent[0]["status"] == 413 and not seen
 
 
+def test_a_body_that_stops_arriving_is_a_408_that_closes_the_connection():
+    """No part of the body within ``timeout_s``: a 408 'timeout' error with ``Connection: close``
+    (the connection holds an unread body, so it cannot serve another request), and the app never
+    sees the request."""
+    seen: list[dict] = []
+
+    async def inner(scope, receive, send):  # pragma: no cover - must not run
+        seen.append(scope)
+
+    sent: list[dict] = []
+
+    async def receive():
+        await asyncio.sleep(10)  # never in time
+
+    async def send(message):
+        sent.append(message)
+
+    limit = BodyLimit(inner, max_bytes=1024, metrics=ServerMetrics(), timeout_s=0.01)
+    asyncio.run(limit({"type": "http", "headers": []}, receive, send))
+    headers = {k.decode().lower(): v.decode() for k, v in sent[0]["headers"]}
+    assert sent[0]["status"] == 408 and headers["connection"] == "close" and not seen
+    assert b"did not arrive within 0.01 s" in sent[1]["body"]
+
+
 def test_a_validation_error_names_three_problems_and_counts_the_rest():
     """A request with four bad fields: the 400/422 message lists three of them and '(and 1 more)'."""
     client = TestClient(_app(), base_url="http://localhost")
