@@ -27,7 +27,6 @@ from specdec.server import ServerSettings, create_app
 from specdec.server import scheduler as scheduler_mod
 from specdec.server.compute import ComputeThread
 from specdec.server.scheduler import BatchedModel, Overloaded, PassStats, Scheduler, SchedulerConfig
-from specdec.session import TargetSession
 from specdec.verify import get_rule
 from stats import ALPHA, chi_square_pvalue, exact_law
 from tiny import tiny_native
@@ -781,10 +780,12 @@ def test_gathering_counts_the_sequences_that_come_back():
 
 
 class _Clock:
-    """A fake ``time`` for the scheduler module: perf_counter() reads ``now``; passes advance it."""
+    """A fake ``time`` for the scheduler module: perf_counter() reads ``now``; passes (and waits on
+    the arrival condition, in ``_gathering``) advance it; ``waits`` records those waits' timeouts."""
 
     def __init__(self) -> None:
         self.now = 100.0
+        self.waits: list[float] = []
 
     def perf_counter(self) -> float:
         return self.now
@@ -888,3 +889,70 @@ def test_one_pass_is_queued_on_the_compute_thread_however_many_forwards_wait():
         t.join(30)
         f.result(0)
     assert compute.posts == 1  # nothing left: no next pass queued
+
+
+def _gathering(monkeypatch, *, gap: float, last_pass_s: float, returning: int, queued: int) -> _Clock:
+    """Run one ``_gather`` on a fake clock where nothing arrives; returns the clock (its waits)."""
+    clock = _Clock()
+    monkeypatch.setattr(scheduler_mod, "time", clock)
+    scheduler = Scheduler(BatchToy(6, order=1, seed=0), SchedulerConfig(gather_gap=gap), compute=_ByHand())
+    scheduler._returning, scheduler._last_pass_s = returning, last_pass_s
+    scheduler._queue.extend(object() for _ in range(queued))
+
+    class Arrived:
+        def wait(self, timeout: float) -> None:  # nothing arrives: the timeout passes on the fake clock
+            clock.waits.append(timeout)
+            clock.now += timeout
+
+    scheduler._arrived = Arrived()
+    scheduler._gather()
+    return clock
+
+
+def test_gathering_ends_at_the_last_pass_time_even_with_a_longer_gap(monkeypatch):
+    """The wait lasts at most the last pass's own time (0.25 s), however long the gap (10 s)."""
+    clock = _gathering(monkeypatch, gap=10.0, last_pass_s=0.25, returning=3, queued=0)
+    assert clock.now - 100.0 == pytest.approx(0.25)
+
+
+def test_gathering_does_not_wait_once_every_returning_sequence_is_queued(monkeypatch):
+    """With as many forwards queued as the last pass finished, the pass starts at once: no wait."""
+    clock = _gathering(monkeypatch, gap=10.0, last_pass_s=5.0, returning=2, queued=2)
+    assert clock.waits == []
+
+
+def test_a_queued_forward_is_noted_as_the_latest_arrival():
+    """forward() notes its arrival time: gathering measures its gap from the latest arrival."""
+    model = BatchToy(6, order=1, seed=0)
+    scheduler = Scheduler(model, SchedulerConfig(gather_gap=0.0), compute=_ByHand())
+    assert scheduler._last_arrival == 0.0
+    t, f = _submit(scheduler, torch.tensor([1]), model.new_cache())
+    _until(lambda: len(scheduler) == 1)
+    assert scheduler._last_arrival > 0.0
+    scheduler._pass()
+    t.join(30)
+    f.result(0)
+
+class _Features(BatchToy):
+    """Records the last_only of every feature pass (a target-aware drafter's verifier)."""
+
+    def __init__(self, *a, **kw) -> None:
+        super().__init__(*a, **kw)
+        self.seen: list[bool] = []
+
+    def forward_features(self, tokens, cache, taps, *, last_only=False):
+        self.seen.append(last_only)
+        logits = ToyLM.forward(self, tokens, cache, last_only=last_only)
+        return logits, torch.zeros(tokens.numel(), len(taps) + 1, 4)
+
+
+def test_a_feature_pass_asked_from_the_compute_thread_keeps_last_only():
+    """A pass asked from the compute thread runs there at once with the taps *and* last_only it asked for."""
+    compute = ComputeThread(name="test-compute-extra-a")
+    model = _Features(6, order=1, seed=0)
+    scheduler = Scheduler(model, compute=compute)
+    done: Future = Future()
+    compute.post(lambda: done.set_result(scheduler.forward(torch.tensor([1, 2, 3]), model.new_cache(),
+                                                           last_only=True, taps=(0,))))
+    logits, _ = done.result(timeout=30)
+    assert model.seen == [True] and logits.shape[0] == 1

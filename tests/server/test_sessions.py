@@ -21,6 +21,7 @@ from specdec.remote.protocol import CreateSessionRequest, VerifyRequest
 from specdec.server import ServerSettings
 from specdec.server.errors import ApiError
 from specdec.server.sessions import SessionStore, create_session
+from specdec.server import sessions as sessions_mod
 
 
 def _session(sid: str, *, owner: str = "", nbytes: int = 0, idle_s: float = 0.0, closed: list | None = None):
@@ -195,9 +196,16 @@ VOCAB = 6
 SETTINGS = ServerSettings(max_gamma=8)
 
 
-def _edge(**fields):
+def _model(max_length: int | None = None) -> ToyLM:
+    model = ToyLM(VOCAB, order=2, seed=3)
+    if max_length is not None:
+        model.max_length = max_length
+    return model
+
+
+def _edge(model: ToyLM | None = None, **fields):
     body = {"prompt_ids": [1, 2, 3], "temperature": 0.0, **fields}
-    return create_session(CreateSessionRequest(**body), ToyLM(VOCAB, order=2, seed=3), None, SETTINGS, "sid")
+    return create_session(CreateSessionRequest(**body), model or _model(), None, SETTINGS, "sid")
 
 
 def _verify(session, **body):
@@ -486,3 +494,169 @@ def test_two_sessions_created_at_once_never_hold_more_than_the_kv_cap():
     assert store.kv_bytes() == 600
     store.add(_session("three", owner="a", nbytes=600))  # the owner's own idle session makes room
     assert store.kv_bytes() == 600 and len(store) == 1
+
+
+def _greedy_continuation(prompt: list[int], n: int) -> list[int]:
+    """The toy target's greedy continuation of ``prompt`` (n tokens), one empty round at a time."""
+    twin, _ = _edge(prompt_ids=prompt)
+    return [_verify(twin, seq=seq).next_token for seq in range(n)]
+
+
+# ----------------------------------------------------------------------------- a round's limits
+
+
+def test_unverified_tokens_count_against_max_new_tokens_in_the_same_round():
+    """A round's length limit is what is left after its unverified tokens were appended: with
+    max_new_tokens=3 and 2 unverified tokens, a draft the target accepts in full still commits only
+    1 token, and the session never holds more than prompt + 3."""
+    follow = _greedy_continuation([1, 2, 3, 4, 5], 3)  # what the target would accept after the forced tokens
+    session, _ = _edge(max_new_tokens=3)
+    reply = _verify(session, seq=0, unverified_tokens=[4, 5], draft_tokens=follow)
+    assert len(reply.tokens) == 1 and reply.tokens == follow[:1]
+    assert session.committed == 3 and session.target.context.numel() == session.limit
+
+
+def test_unverified_tokens_and_a_draft_past_the_context_are_refused_before_anything_is_committed():
+    """The room check counts the unverified tokens too: when they and the draft do not fit the
+    context, the round is a 400 "context full" and the session is untouched (not broken: the same
+    seq then runs with a draft that fits)."""
+    session, _ = _edge(_model(24), prompt_ids=[1, 2, 3, 4, 5] * 4)  # 20 of 24: 4 positions left
+    with pytest.raises(ApiError) as err:
+        _verify(session, seq=0, unverified_tokens=[1, 2], draft_tokens=[1, 2])  # 2 + 2 + 1 > 4
+    assert err.value.status == 400 and "context full" in str(err.value)
+    assert session.target.context.numel() == 20 and session.unverified == 0 and session.broken is None
+    assert _verify(session, seq=0, unverified_tokens=[1, 2], draft_tokens=[1]).seq == 0
+
+
+def test_a_chain_shaped_tree_counts_its_depth_plus_the_bonus_token_for_room():
+    """A tree's room is its deepest path plus the bonus token: a tree of depth 2 after one unverified
+    token needs 1 + 3 positions; with 3 left it is a clean 400 "context full" and nothing is
+    committed (the unverified token is not appended, the session stays usable)."""
+    session, _ = _edge(_model(24), prompt_ids=[1, 2, 3, 4, 5] * 4 + [1])  # 21 of 24: 3 positions left
+    with pytest.raises(ApiError) as err:
+        _verify(session, seq=0, unverified_tokens=[4], draft_tokens=[1, 2], parents=[-1, 0])
+    assert err.value.status == 400 and "context full" in str(err.value)
+    assert session.target.context.numel() == 21 and session.broken is None
+    assert _verify(session, seq=0, unverified_tokens=[4], draft_tokens=[1]).seq == 0
+
+
+def test_a_failure_that_is_not_a_specdec_error_still_rolls_the_cache_and_generator_back():
+    """Any exception mid-round (here a RuntimeError, which stays a 500) puts the cache length and
+    the generator back, so a retry of the round scores from the same state."""
+    session, _ = _edge(temperature=1.0, seed=5, wire="coupled")
+    target = session.target
+    length, state = target.cache.length, target.generator.get_state().clone()
+    real = target.verify
+
+    def failing(draft, **kw):
+        real(draft, **kw)
+        torch.rand(4, generator=target.generator)
+        raise RuntimeError("out of memory")
+
+    target.verify = failing
+    with pytest.raises(RuntimeError):
+        _verify(session, seq=0, draft_tokens=[1, 2])
+    assert target.cache.length == length
+    assert torch.equal(target.generator.get_state(), state)
+
+
+def test_a_resumed_sessions_spent_budget_counts_only_this_sessions_tokens():
+    """"max_new_tokens reached: N committed" counts what this session committed, not the resumed
+    sequence's generated_ids (those were the earlier session's)."""
+    session, _ = _edge(generated_ids=[4, 5], max_new_tokens=1)
+    _verify(session, seq=0)
+    with pytest.raises(ApiError) as err:
+        _verify(session, seq=1)
+    assert err.value.status == 400 and "max_new_tokens reached: 1 committed" in str(err.value)
+
+
+# ----------------------------------------------------------------------------- creation
+
+
+def test_a_prompt_exactly_as_long_as_the_context_says_there_is_no_room_to_generate():
+    """A prompt of max_length tokens is refused by the session layer's own message (no room to
+    generate), the boundary included."""
+    with pytest.raises(ApiError) as err:
+        _edge(_model(12), prompt_ids=[1, 2, 3] * 4)
+    assert err.value.status == 400 and "no room to generate" in str(err.value)
+    _edge(_model(12), prompt_ids=[1, 2, 3] * 3 + [1, 2])  # 11 of 12: one position to generate
+
+
+# ----------------------------------------------------------------------------- the store
+
+
+class _HeldLock:
+    """A lock that says it is held (a round running), without blocking the test's own thread."""
+
+    def __init__(self) -> None:
+        self.held = True
+
+    def locked(self) -> bool:
+        return self.held
+
+    def __enter__(self):
+        return self
+
+    def __exit__(self, *exc) -> None:
+        pass
+
+
+def test_the_sweep_never_drops_a_busy_session_however_long_idle():
+    """A session whose lock is held (a round running) is not swept, even idle past the TTL."""
+    store = _store(session_ttl_s=60.0)
+    busy = _session("busy", idle_s=3600.0)
+    busy.lock = _HeldLock()
+    store.add(busy)
+    assert store.sweep() == 0 and len(store) == 1
+    busy.lock.held = False
+    assert store.sweep() == 1  # idle and no longer busy: now it goes
+
+
+def test_a_session_idle_exactly_the_ttl_is_kept(monkeypatch):
+    """Swept only when idle *longer* than the TTL (a fake clock: idle exactly 60 s of a 60 s TTL stays)."""
+    now = [1000.0]
+    monkeypatch.setattr(sessions_mod.time, "monotonic", lambda: now[0])
+    store = _store(session_ttl_s=60.0)
+    s = _session("a")
+    s.last_used = 940.0
+    store.add(s)
+    assert store.sweep() == 0
+    now[0] = 1000.5
+    assert store.sweep() == 1
+
+
+def test_a_claim_sweeps_expired_sessions_before_it_counts_the_bytes():
+    """claim() drops sessions idle past the TTL first: another key's expired session holding the
+    bytes makes room, rather than the claim being refused with a 503."""
+    reasons: list[str] = []
+    store = _store(reasons, max_kv_bytes=1000, session_ttl_s=60.0)
+    store.add(_session("stale", owner="other", nbytes=800, idle_s=3600.0))
+    store.claim("k", 500)
+    assert reasons == ["ttl"] and store.claimed_bytes == 500 and len(store) == 0
+
+
+def test_a_claim_is_not_bound_by_the_session_count():
+    """A completion's claim holds bytes, not a session: with max_sessions sessions stored and room
+    for the bytes, nothing is evicted."""
+    reasons: list[str] = []
+    store = _store(reasons, max_sessions=1, max_kv_bytes=1000)
+    store.add(_session("a", nbytes=100))
+    store.claim("", 100)
+    assert reasons == [] and len(store) == 1 and store.claimed_bytes == 100
+
+
+def test_removing_a_session_waits_for_its_running_round_before_closing_it():
+    """keep_ended() closes a session only once the round running on it ends (its lock is free):
+    the prefix cache never reads rows a round is still writing."""
+    closed: list[str] = []
+    store = _store()
+    s = _session("a", closed=closed)
+    store.add(s)
+    s.lock.acquire()  # a round is running
+    remover = threading.Thread(target=lambda: store.remove("a"))
+    remover.start()
+    remover.join(0.3)
+    assert closed == [] and remover.is_alive()
+    s.lock.release()
+    remover.join(10)
+    assert closed == ["a"]
