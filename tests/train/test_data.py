@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import ast
 import json
+import os
 import re
 from pathlib import Path
 
@@ -84,9 +85,7 @@ def test_generation_features_and_resume(tiny_target, tmp_path: Path) -> None:
 def test_prompt_file_replaces_the_templates(tiny_target, tmp_path: Path) -> None:
     """--prompt-file: every planned sequence answers a prompt of the file (cycled past its length),
     with the chat template where the line says chat and the kind from its category."""
-    import json
 
-    from specdec.text import encode_prompt
 
     lines = [{"prompt": "Write a haiku about rain.", "chat": True},
              {"prompt": "def add(a, b):\n", "chat": False, "category": "code"},
@@ -388,3 +387,113 @@ def test_code_prompts_leave_out_the_benchmarks_function_names(tmp_path: Path) ->
     (tmp_path / "lib.py").write_text("".join(f"def {n}(x):\n" + body.format(n) for n in sorted(names) + ["keep_me"]))
     got = code_prompts(20, root=tmp_path)
     assert [ast.parse(t + "    pass\n").body[-1].name for t in got] == ["keep_me"]
+
+
+def test_chat_prompts_leave_out_benchmark_words_in_any_case(monkeypatch) -> None:
+    """The benchmark-word filter ignores case: "TCP" or "Lighthouse" in a topic is left out too."""
+    monkeypatch.setattr(pr, "_TASKS", ("Write about {t}.",))
+    monkeypatch.setattr(pr, "_TOPICS", ("TCP handshakes", "Lighthouse keepers", "owls"))
+    assert pr.chat_prompts(10) == ["Write about owls."]
+
+
+def test_a_header_of_exactly_forty_characters_is_a_prompt(tmp_path: Path) -> None:
+    """The length bounds are inclusive: 40 characters (header + docstring + newline) is kept, 39 is not."""
+    forty = 'def f():\n    """' + "a" * 20 + '"""\n'
+    thirty_nine = 'def g():\n    """' + "b" * 19 + '"""\n'
+    assert len(forty) == 40 and len(thirty_nine) == 39
+    (tmp_path / "lib.py").write_text(forty + "    return 1\n\n\n" + thirty_nine + "    return 2\n")
+    assert code_prompts(5, root=tmp_path) == [forty]
+
+
+def test_the_chat_share_is_rounded_not_truncated(tiny_target) -> None:
+    """10 sequences at chat_share 0.66 plan round(6.6) = 7 chats, not int(6.6) = 6."""
+    kinds = [k for _, k, _, _ in plan(DataConfig(sequences=10, chat_share=0.66), tiny_target.tokenizer)]
+    assert kinds.count("chat") == 7 and kinds.count("code") == 3
+
+
+def _shard(path: Path, kind: str) -> None:
+    Shard(tokens=[torch.tensor([1, 2], dtype=torch.int32)], prompt_len=[1], temperature=[0.0], kind=[kind]).save(path)
+
+
+def test_shards_are_read_in_name_order_whatever_order_the_folder_lists(tmp_path: Path, monkeypatch) -> None:
+    """load_shards concatenates shard-00000, shard-00001, ... in that order (the held-out split and a
+    resume depend on it), even where the file system lists them otherwise (here: reversed)."""
+    for i in range(3):
+        _shard(tmp_path / f"shard-{i:05d}.pt", f"k{i}")
+    real = Path.glob
+    monkeypatch.setattr(Path, "glob", lambda self, pattern: iter(sorted(real(self, pattern), reverse=True)))
+    assert load_shards(tmp_path).kind == ["k0", "k1", "k2"]
+
+
+class _RunsCode:
+    def __reduce__(self):  # unpickling calls os.getpid(): a file that runs code when loaded
+        return (os.getpid, ())
+
+
+def test_a_shard_that_would_run_code_is_refused(tmp_path: Path) -> None:
+    """Shards are read weights-only: a file with the right keys but a pickled callable inside is a
+    ConfigError, not loaded (and the callable not run)."""
+    torch.save({"tokens": [], "prompt_len": [], "temperature": [], "kind": [], "feats": [], "x": _RunsCode()},
+               tmp_path / "shard-00000.pt")
+    with pytest.raises(ConfigError, match="is not a shard written by"):
+        load_shards(tmp_path)
+
+
+def test_code_prompts_do_not_depend_on_the_order_the_folder_lists(tmp_path: Path, monkeypatch) -> None:
+    """The seed alone decides the code prompts: the library's files are sorted before the seeded
+    shuffle, so a file system that lists them in another order (here: reversed) gives the same prompts."""
+    body = '    """Return {} of the thing given, with a docstring long enough to be a prompt."""\n    return x\n'
+    for i in range(6):
+        (tmp_path / f"mod{i}.py").write_text(f"def func_{i}(x):\n" + body.format(i))
+    want = code_prompts(2, root=tmp_path, seed=5)
+    real = Path.glob
+    monkeypatch.setattr(Path, "glob", lambda self, pattern: iter(sorted(real(self, pattern), reverse=True)))
+    assert code_prompts(2, root=tmp_path, seed=5) == want
+
+
+def test_code_prompts_are_plain_functions_like_the_benchmarks(tmp_path: Path) -> None:
+    """Code prompts have the benchmark's shape, a plain ``def``: an ``async def`` is not one."""
+    body = '    """Return the thing given, with a docstring long enough to be a prompt."""\n    return x\n\n\n'
+    (tmp_path / "lib.py").write_text("async def fetch_it(x):\n" + body + "def keep_me(x):\n" + body)
+    got = code_prompts(5, root=tmp_path)
+    assert [ast.parse(t + "    pass\n").body[-1].name for t in got] == ["keep_me"]
+
+
+def test_a_resumed_run_does_not_repeat_the_samples_already_on_disk(tiny_target, tmp_path: Path) -> None:
+    """The sampler's generator is seeded with the resume point too: with one prompt at T = 1 (4
+    sequences x 4 tokens, shards of 2), the sequences regenerated after shard 1 was lost are not
+    copies of shard 0's (the same seed restarted would draw them again, token for token)."""
+    lm = tiny_target
+    prompt = tmp_path / "one.jsonl"
+    prompt.write_text('{"prompt": "Tell me about rivers.", "chat": true}\n')
+    cfg = DataConfig(sequences=4, batch=2, shard_size=2, max_new_chat=4, temperatures=(1.0,), features=False,
+                     prompt_file=str(prompt))
+    out = tmp_path / "data"
+    generate(cfg, lm.model, lm.tokenizer, frozenset(), out)
+    (out / "shard-00001.pt").unlink()
+    generate(cfg, lm.model, lm.tokenizer, frozenset(), out)
+    tokens = [t.tolist() for t in load_shards(out).tokens]
+    assert len(tokens) == 4 and tokens[2:] != tokens[:2]
+
+
+def test_tokens_are_stored_as_int32(tiny_target, tmp_path: Path) -> None:
+    """A shard's token tensors are int32 on disk (4 bytes a token, as Shard documents), not int64."""
+    lm = tiny_target
+    cfg = DataConfig(sequences=1, batch=1, shard_size=1, max_new_chat=2, max_new_code=2, features=False)
+    generate(cfg, lm.model, lm.tokenizer, frozenset(), tmp_path / "d")
+    assert load_shards(tmp_path / "d").tokens[0].dtype == torch.int32
+
+
+@pytest.mark.parametrize("decorators", ["@functools.cache\n", "@functools.lru_cache(\n    maxsize=None,\n)\n",
+                                        "@functools.cache\n# a comment between\n@staticmethod\n"],
+                         ids=["one_line", "over_lines", "comment_between"])
+def test_a_decorated_functions_prompt_keeps_its_decorators_whole(tmp_path: Path, decorators: str) -> None:
+    """A code prompt is the whole header: every decorator from its first line, the ``def`` line and
+    the docstring. A decorator written over several lines (or a comment among them) was once cut,
+    one line per decorator assumed, leaving a prompt that began with ``)`` and was not Python."""
+    (tmp_path / "lib.py").write_text(
+        f"import functools\n\n\n{decorators}def cached_value(x):\n"
+        '    """Return the cached value for x, with a docstring long enough to be a prompt."""\n    return x\n')
+    [text] = code_prompts(5, root=tmp_path)
+    assert text.startswith(f"{decorators}def cached_value(x):\n")
+    assert isinstance(ast.parse(text + "    pass\n").body[-1], ast.FunctionDef)
