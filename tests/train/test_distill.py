@@ -411,3 +411,77 @@ def test_held_out_acceptance_is_greedy_agreement_and_sum_min(student_dir) -> Non
         assert got[key]["positions"] == n
         assert got[key]["greedy"] == pytest.approx(g / n, abs=1e-4) and got[key]["greedy"] > 0
         assert got[key]["t1_lower"] == pytest.approx(t / n, abs=1e-4)
+
+
+def test_a_zero_target_probability_in_the_top_k_keeps_the_kl_finite() -> None:
+    """Top-k probabilities can underflow to 0 in float32: such a term adds 0 to the KL (0 log 0 = 0), not NaN."""
+    logq = torch.log_softmax(torch.tensor([[2.0, 1.0, 0.5, -1.0]]), -1)
+    p = torch.tensor([[0.7, 0.3, 0.0]])
+    idx = torch.tensor([[0, 1, 2]])
+    got = ds.loss_of(logq, p, idx, "kl")
+    want = ds.loss_of(logq, p[:, :2], idx[:, :2], "kl")
+    assert torch.isfinite(got) and torch.allclose(got, want)
+
+
+def test_the_positions_of_a_step_are_a_random_sample_of_all_rows() -> None:
+    """_rows draws its positions at random from every reply row of the batch, not the first ones:
+    100 draws of 3 rows out of the 4 sequences' rows reach every row at least once."""
+    items = _labels(4)
+    total = ds._all_rows(items).shape[0]
+    g = torch.Generator().manual_seed(0)
+    seen = {tuple(r) for _ in range(100) for r in ds._rows(items, 3, g).tolist()}
+    assert len(seen) == total
+
+
+def test_each_step_trains_on_batch_sequences(student_dir, monkeypatch) -> None:
+    """A step's positions come from ``cfg.batch`` distinct sequences (3 steps, batch 3 of 6)."""
+    seen: list[int] = []
+    real = ds.draft_log_probs
+
+    def spy(student, items, rows):
+        seen.append(len({id(x) for x in items}))
+        return real(student, items, rows)
+
+    monkeypatch.setattr(ds, "draft_log_probs", spy)
+    ds.train(_student(student_dir), _labels(), ds.DistillConfig(steps=3, batch=3, positions=4, warmup=1, top_k=4))
+    assert seen == [3, 3, 3]
+
+
+@pytest.mark.parametrize("decay", [0.0, 0.25])
+def test_the_weight_decay_setting_reaches_the_optimiser(student_dir, decay: float) -> None:
+    """DistillConfig.weight_decay is AdamW's weight_decay (0.0 by default, not AdamW's own 0.01)."""
+    groups = []
+    cfg = ds.DistillConfig(steps=1, batch=2, positions=4, warmup=1, top_k=4, weight_decay=decay)
+    ds.train(_student(student_dir), _labels(), cfg, on_step=lambda step, loss, st: groups.append(st["optim"]["param_groups"]))
+    assert [g["weight_decay"] for g in groups[0]] == [decay] * len(groups[0])
+
+
+def _card(data: dict) -> dict:
+    acc = {"all": {"greedy": 0.1, "t1_lower": 0.2, "positions": 5}}
+    return {"target": "t", "source": "d", "config": ds.config_dict(ds.DistillConfig()), "data": data,
+            "train_sequences": 3, "train_positions": 30, "held_out_sequences": 1, "steps": 1, "train_seconds": 1.0,
+            "machine": "cpu", "command": "specdec train distill", "held_out_before": acc, "held_out_after": acc}
+
+
+def test_the_card_of_data_from_before_the_sampler_setting_says_target_generated() -> None:
+    """Data folders made before ``sampler`` existed were all target-sampled: their card says so
+    (it must not fail on the missing key)."""
+    assert "3 target-generated sequences" in ds.model_card(_card({"sequences": 4}))
+
+
+def test_save_draft_copies_the_chat_template_and_leaves_the_student_in_float32(student_dir, tmp_path: Path) -> None:
+    """The saved draft carries the source's chat template (chat prompts are encoded with it), and the
+    student in memory is float32 again after the float16 save."""
+    student = _student(student_dir)
+    out = ds.save_draft(student, student_dir, tmp_path / "draft", _card({"sampler": "target"}))
+    assert (out / "chat_template.jinja").read_text() == (student_dir / "chat_template.jinja").read_text()
+    assert all(p.dtype == torch.float32 for p in student.parameters())
+
+
+def test_an_unknown_loss_is_refused_before_training_starts(student_dir) -> None:
+    """train() checks --loss up front: even a run with no step left to take (steps=0) refuses it,
+    and the student is not switched into training mode on the way."""
+    student = _student(student_dir).eval()
+    with pytest.raises(ValueError, match="unknown loss 'js'"):
+        ds.train(student, _labels(), ds.DistillConfig(steps=0, loss="js"))
+    assert not student.training

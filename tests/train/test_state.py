@@ -3,13 +3,16 @@
 from __future__ import annotations
 
 import os
+import pickle
 import signal
+import threading
 from pathlib import Path
 
 import pytest
 import torch
 
 from specdec.errors import ConfigError, Terminated
+from specdec.train import state
 from specdec.train.state import BetweenSteps, check_resume, load, load_json, save, write_text
 
 
@@ -146,3 +149,53 @@ def test_an_error_in_the_step_is_not_replaced_by_a_pending_signal() -> None:
     except BaseException as exc:  # noqa: BLE001 - which one arrives is the point
         caught = exc
     assert isinstance(caught, ValueError), repr(caught)
+
+
+def test_check_resume_compares_a_path_setting_as_its_text(tmp_path: Path) -> None:
+    """A setting that JSON cannot hold as such (a Path) is compared as the text a saved run kept:
+    equal text resumes, other text is the usual one-line refusal (not a TypeError from json)."""
+    path = tmp_path / "ckpt.pt"
+    check_resume(path, {"source": "drafts/a"}, {"source": Path("drafts/a")})
+    with pytest.raises(ConfigError, match='source = "drafts/a", this one asks for "drafts/b"'):
+        check_resume(path, {"source": "drafts/a"}, {"source": Path("drafts/b")})
+
+
+def test_outside_the_main_thread_nothing_is_held_back() -> None:
+    """BetweenSteps in a worker thread (where signals cannot be caught) is a no-op, not a ValueError
+    from signal.signal; the main thread's handlers stay as they were."""
+    before = {s: signal.getsignal(s) for s in (signal.SIGINT, signal.SIGTERM)}
+    errors: list[BaseException] = []
+
+    def work() -> None:
+        try:
+            with BetweenSteps() as held:
+                held.stop_if_pending(1, Path("ckpt.pt"))
+        except BaseException as exc:  # noqa: BLE001 - any error is the failure
+            errors.append(exc)
+
+    t = threading.Thread(target=work)
+    t.start()
+    t.join()
+    assert errors == [] and {s: signal.getsignal(s) for s in before} == before
+
+
+def test_load_passes_map_location_on(tmp_path: Path) -> None:
+    """``map_location`` reaches torch.load: tensors come back where the caller asked (here: meta)."""
+    path = tmp_path / "ckpt.pt"
+    save({"w": torch.zeros(3)}, path)
+    assert load(path, map_location="meta")["w"].device.type == "meta"
+    assert load(path)["w"].device.type == "cpu"
+
+
+def test_an_unreadable_file_with_a_message_less_error_is_still_one_line(tmp_path: Path, monkeypatch) -> None:
+    """An unpickling error that carries no message (``UnpicklingError()``) still gives the one-line
+    ConfigError, naming the error type (not an IndexError from an empty message)."""
+    path = tmp_path / "ckpt.pt"
+    save({"step": 1}, path)
+
+    def fail(*args, **kwargs):
+        raise pickle.UnpicklingError()
+
+    monkeypatch.setattr(state.torch, "load", fail)
+    with pytest.raises(ConfigError, match=r"cannot be read \(UnpicklingError: UnpicklingError\)"):
+        load(path)
