@@ -479,9 +479,7 @@ def test_the_verifier_name_round_trips_through_the_speculators_format(tmp_path):
     written from ``cfg.target`` and read back into it (what a head records about its target)."""
     from dataclasses import replace
 
-    from specdec.heads.formats import save_eagle3
     from specdec.heads.modules import build
-    from tiny import random_head
 
     head = random_head("eagle3", hidden=D, vocab=V, draft_vocab=VD, taps=(0, 1, 2), heads=HEADS_N, kv_heads=KV,
                        head_dim=HD, inter=INTER)
@@ -496,7 +494,6 @@ def _our_eagle3(inputs=(0, 1, 2)):
     from dataclasses import replace
 
     from specdec.heads.modules import build
-    from tiny import random_head
 
     head = random_head("eagle3", hidden=D, vocab=V, draft_vocab=VD, taps=(0, 1, 2), heads=HEADS_N, kv_heads=KV,
                        head_dim=HD, inter=INTER)
@@ -507,7 +504,6 @@ def _our_eagle3(inputs=(0, 1, 2)):
 def test_a_head_reading_the_final_state_by_a_negative_index_has_no_shared_format(tmp_path):
     """``cfg.inputs`` indexes ``(taps..., final)`` modulo its width (``runtime.input_rows``), so -1 is
     the final hidden state too; the writer must refuse it as it refuses index ``len(taps)``."""
-    from specdec.heads.formats import save_eagle3
 
     with pytest.raises(ValueError, match="final hidden state"):
         save_eagle3(_our_eagle3(inputs=(0, 1, -1)), tmp_path / "h")
@@ -520,7 +516,6 @@ def test_each_layout_writes_its_own_tensor_names(tmp_path):
     the other layout's names."""
     from safetensors.torch import load_file
 
-    from specdec.heads.formats import save_eagle3
 
     for layout, prefix in (("speculators", "layers.0."), ("eagle", "midlayer.")):
         save_eagle3(_our_eagle3(), tmp_path / layout, layout=layout, dtype=torch.float32)
@@ -534,7 +529,6 @@ def test_the_shared_writer_stores_weights_in_the_dtype_asked_for(tmp_path):
     weight; ``d2t`` stays integer offsets and ``t2d`` a bool mask."""
     from safetensors.torch import load_file
 
-    from specdec.heads.formats import save_eagle3
 
     save_eagle3(_our_eagle3(), tmp_path / "h")
     w = load_file(str(tmp_path / "h" / "model.safetensors"))
@@ -549,7 +543,6 @@ def test_the_layer_config_round_trips_through_the_shared_format(tmp_path):
     head_dim = D / heads, so a writer that omitted a field or misnamed it went unseen."""
     from dataclasses import replace
 
-    from specdec.heads.formats import save_eagle3
     from specdec.heads.modules import build
 
     cfg = replace(_our_eagle3().cfg, head_dim=2 * HD, rms_eps=1e-5, rope_theta=500000.0, depth=5)
@@ -595,3 +588,38 @@ def test_a_sharded_or_pickled_checkpoint_loads_the_same_head(tmp_path):
         head = load_eagle3(tmp_path / folder)
         for (k1, v1), (k2, v2) in zip(sorted(plain.state_dict().items()), sorted(head.state_dict().items())):
             assert k1 == k2 and torch.equal(v1, v2), (folder, k1)
+
+
+def test_a_layer_config_without_eps_or_rope_theta_gets_the_llama_defaults(tmp_path):
+    """``rms_norm_eps`` and ``rope_theta`` absent from the layer config are Llama's defaults
+    (1e-6 and 10000), in either layout."""
+    for layout in ("speculators", "eagle"):
+        folder = tmp_path / layout
+        _shared_checkpoint(folder, layout=layout)
+        raw = json.loads((folder / "config.json").read_text())
+        layer = raw.get("transformer_layer_config") or raw
+        del layer["rms_norm_eps"], layer["rope_theta"]
+        (folder / "config.json").write_text(json.dumps(raw))
+        cfg = load_eagle3(folder).cfg
+        assert (cfg.rms_eps, cfg.rope_theta) == (1e-6, 10000.0), layout
+
+
+def test_a_two_tap_head_without_tap_ids_gets_the_first_two_default_taps(tmp_path):
+    """An ``fc`` over two taps and no ``eagle_aux_hidden_state_layer_ids``: the taps are the first
+    two of vLLM's defaults, whether or not the target's layer count is known yet; the unresolved
+    case is recorded as ``default_taps`` in the config's ``extra``."""
+    from safetensors.torch import load_file, save_file
+
+    folder = tmp_path / "h"
+    _shared_checkpoint(folder, layout="eagle")
+    w = load_file(str(folder / "model.safetensors"))
+    w["fc.weight"] = w["fc.weight"][:, : 2 * D].contiguous()
+    save_file(w, str(folder / "model.safetensors"))
+    unresolved = load_eagle3(folder).cfg
+    assert unresolved.taps == (2, 15) and unresolved.inputs == (0, 1)
+    assert unresolved.extra == {"format": "eagle", "default_taps": True}
+    resolved = load_eagle3(folder, target_layers=30).cfg
+    assert resolved.taps == (2, 15) and resolved.inputs == (0, 1)
+    assert resolved.extra == {"format": "eagle"}
+    feats = torch.randn(1, 1, 3, D)
+    assert load_eagle3(folder).fuse(feats).shape == (1, 1, D)

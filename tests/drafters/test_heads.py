@@ -32,6 +32,8 @@ from specdec.verify import get_rule
 from stats import ALPHA, chi_square_pvalue, exact_law
 from tiny import on_python_loop, random_head, tiny_native
 from toy_drafters import Forced
+from specdec.errors import ConfigError
+from specdec.heads.modules import HeadConfig, check_vocab_map
 
 KINDS = ("eagle1", "eagle3", "medusa", "mtp")
 TREE_KINDS = ("eagle1", "eagle3", "medusa")
@@ -396,7 +398,6 @@ def test_a_head_layer_cache_that_grows_computes_what_a_large_one_does():
 def test_a_head_for_another_vocabulary_size_is_refused(native):
     """A head records its target's vocabulary size; on a target of another size it is refused even
     when its draft ids happen to fit (its embeddings' rows would be another token's)."""
-    from specdec.errors import ConfigError
 
     head = _head("eagle1", native)
     head.cfg = replace(head.cfg, target_vocab=native.vocab_size + 16)
@@ -417,7 +418,6 @@ def test_a_tap_after_the_last_layer_is_allowed_and_one_past_it_refused(native, t
     """Taps count layers: ``k`` is the residual stream after ``k`` layers, so ``0 .. n_layers`` are
     all real streams (``n_layers``: after the last layer, before the final norm); only taps past
     that are refused."""
-    from specdec.errors import ConfigError
     from specdec.heads.modules import save_head
 
     n = native.cfg.n_layers
@@ -438,7 +438,6 @@ def test_received_feature_rows_land_where_the_head_reads_them():
     received row back at its stored index (other rows zero).  The whole-sequence test builds its
     reference through ``stored_layout`` itself, so a layout that copied the wrong received row
     would pass it; pinned here on a head reading tap 5 and the final state but not tap 3."""
-    from specdec.heads.modules import HeadConfig
     from specdec.heads.runtime import input_rows, stored_layout
 
     cfg = HeadConfig(kind="eagle3", hidden_size=4, n_heads=1, n_kv_heads=1, head_dim=4, intermediate_size=8,
@@ -590,10 +589,8 @@ def test_our_format_round_trips_the_config_and_the_weight_dtype(tmp_path):
 def test_our_format_refuses_a_floating_point_draft_vocabulary(tmp_path):
     """``d2t`` holds integer token ids; a file whose ``d2t`` is floats (even whole-valued) is damaged and
     refused with a one-line ConfigError rather than cast into the integer buffer."""
-    import pytest
     from safetensors.torch import load_file, save_file
 
-    from specdec.errors import ConfigError
     from specdec.heads.modules import load_head, save_head
 
     save_head(random_head("medusa", hidden=16, vocab=32, draft_vocab=8), tmp_path / "m", dtype=torch.float32)
@@ -617,7 +614,6 @@ def test_eagle1_scores_its_output_through_the_target_rows_without_a_norm():
 def test_a_head_layer_cache_grows_past_twice_its_capacity_in_one_step():
     """``LayerCache.reserve(n)`` makes room for ``n`` rows even when that is more than double the current
     capacity (a long prompt's catch-up chunk arriving at a fresh cache), and keeps the rows it had."""
-    from specdec.heads.modules import HeadConfig
     from specdec.heads.runtime import LayerCache
 
     cfg = HeadConfig(kind="eagle3", hidden_size=8, n_heads=2, n_kv_heads=1, head_dim=4, intermediate_size=16,
@@ -632,10 +628,76 @@ def test_a_head_layer_cache_grows_past_twice_its_capacity_in_one_step():
 
 def test_a_head_layer_caches_bytes_count_its_keys_and_values():
     """``LayerCache.nbytes`` (what memory accounting reads) counts both the key and the value tensors."""
-    from specdec.heads.modules import HeadConfig
     from specdec.heads.runtime import LayerCache
 
     cfg = HeadConfig(kind="mtp", hidden_size=8, n_heads=2, n_kv_heads=1, head_dim=4, intermediate_size=16,
                      target_vocab=16, draft_vocab=8, depth=1)
     cache = LayerCache(cfg, capacity=5)
     assert cache.nbytes == cache.k.numel() * cache.k.element_size() + cache.v.numel() * cache.v.element_size() == 160
+
+
+CFG = HeadConfig(kind="eagle3", hidden_size=8, n_heads=2, n_kv_heads=1, head_dim=4, intermediate_size=16,
+                 target_vocab=10, draft_vocab=3, inputs=(0,), taps=(1,))
+
+
+def test_a_boolean_size_is_refused():
+    """``True`` is an int in Python, but not a size: a config field of ``True`` is a ConfigError."""
+    with pytest.raises(ConfigError, match="depth must be a whole number"):
+        replace(CFG, depth=True)
+
+
+def test_heads_that_are_not_a_multiple_of_the_kv_heads_are_refused():
+    """Grouped-query attention needs n_heads a multiple of n_kv_heads (3 query heads over 2 kv heads
+    cannot be grouped)."""
+    with pytest.raises(ConfigError, match="multiple of n_kv_heads"):
+        replace(CFG, n_heads=3, n_kv_heads=2)
+    replace(CFG, n_heads=4, n_kv_heads=2)  # a multiple: fine
+
+
+def test_the_draft_vocabulary_must_lie_below_the_target_vocabulary():
+    """Token ids run 0 .. vocab - 1: an id equal to the vocabulary size is refused (the largest
+    allowed id, vocab - 1, is fine)."""
+    check_vocab_map(torch.tensor([0, 4, 9]), 3, 10)
+    with pytest.raises(ConfigError, match="strictly increasing token ids in 0..9"):
+        check_vocab_map(torch.tensor([0, 4, 10]), 3, 10)
+
+
+def test_a_t2d_mask_must_mark_exactly_the_d2t_ids():
+    """The shared format's ``t2d`` must mark the d2t ids and no others, over exactly the target
+    vocabulary: extra marks, the right count at the wrong ids and a wrong length are refused."""
+    d2t = torch.tensor([1, 4, 7])
+    good = torch.zeros(10, dtype=torch.bool)
+    good[d2t] = True
+    check_vocab_map(d2t, 3, 10, good)
+    extra = good.clone()
+    extra[0] = True
+    with pytest.raises(ConfigError, match="does not mark exactly"):
+        check_vocab_map(d2t, 3, 10, extra)
+    moved = torch.zeros(10, dtype=torch.bool)
+    moved[torch.tensor([1, 4, 8])] = True  # three marks, one of them at the wrong id
+    with pytest.raises(ConfigError, match="does not mark exactly"):
+        check_vocab_map(d2t, 3, 10, moved)
+    longer = torch.cat([good, torch.zeros(2, dtype=torch.bool)])  # the right ids, over 12 tokens
+    with pytest.raises(ConfigError, match="0/1 mask over the 10 target ids"):
+        check_vocab_map(d2t, 3, 10, longer)
+
+
+def test_a_tensor_the_config_has_no_place_for_is_a_one_line_config_error():
+    """``load_state`` names the first extra tensor in a ConfigError (by its name in the file),
+    rather than torch's multi-line RuntimeError from ``load_state_dict``."""
+    from specdec.heads.modules import Medusa, load_state
+
+    head = Medusa(replace(CFG, kind="medusa", inputs=(-1,), depth=1))
+    state = dict(head.state_dict()) | {"blocks.7.weight": torch.zeros(8, 8)}
+    with pytest.raises(ConfigError, match="no place for: theirs.blocks.7"):
+        load_state(head, state, {"blocks.7.weight": "theirs.blocks.7"})
+
+
+def test_input_rows_asks_for_each_tap_once_and_reads_the_final_state_by_a_negative_index():
+    """``input_rows``: the taps a head names twice are asked of the target once (the rows are
+    shared), and ``-1`` names the final hidden state, which is not a tap."""
+    from specdec.heads.runtime import input_rows
+
+    cfg = replace(CFG, taps=(2, 5), inputs=(0, 0, 2))
+    assert input_rows(cfg) == ((2,), [0, 0, 1])
+    assert input_rows(replace(CFG, taps=(2, 5), inputs=(-1,))) == ((), [0])

@@ -236,8 +236,6 @@ def test_a_capped_policy_passes_the_ceilings_on():
 
 
 def test_the_server_gives_each_request_its_own_hybrid():
-    from types import SimpleNamespace
-
     from specdec.server.command import drafter_factory
 
     engine = SimpleNamespace(drafter=_hybrid(), draft_model=SimpleNamespace(model=DRAFT))
@@ -317,8 +315,6 @@ class _Stub:
 
 
 def test_copies_of_a_hybrid_keep_its_lookup_settings():
-    from specdec.drafters.hybrid import LookupThenModel, split_lookup
-
     h = LookupThenModel(_Stub(), min_ngram=3, max_ngram=5, lookup_tokens=2)  # type: ignore[arg-type]
     for copy in (h.spawn(), h.with_model(object())):
         assert (copy.lookup.min_ngram, copy.lookup.max_ngram, copy.lookup_tokens) == (3, 5, 2)
@@ -328,11 +324,6 @@ def test_copies_of_a_hybrid_keep_its_lookup_settings():
 def test_reset_forgets_the_last_sequences_text():
     """After ``reset`` the lookup index holds nothing of the previous sequence: a new, longer
     context whose suffix "1 3" occurred only in the old text is not looked up there."""
-    import torch
-
-    from specdec.drafters.base import DraftSampler
-    from specdec.drafters.hybrid import LookupThenModel, split_lookup
-    from specdec.sampling import SamplingConfig
 
     class Resettable(_Stub):
         def reset(self):
@@ -350,7 +341,6 @@ def test_reset_forgets_the_last_sequences_text():
 def test_the_temperature_factor_is_the_model_drafters():
     """Setting the hybrid's temperature factor sets its model drafter's (a server's per-request
     drafters read it there)."""
-    from specdec.drafters.hybrid import LookupThenModel, split_lookup
 
     model = _Stub()
     model.temperature_factor = 1.0  # type: ignore[attr-defined]
@@ -368,3 +358,113 @@ def test_a_model_rounds_pass_teaches_the_lookup_length_its_cost():
     assert isinstance(h.length, CostGamma)
     h.observe_pass(3, 0.25)
     assert h.length._target_s == {3: 0.25}
+
+
+REPEAT = torch.tensor([1, 3, 0, 2, 4, 1, 3, 0, 2, 4, 1, 3])  # "4 1 3" seen before: 0 2 4 1 3 ...
+NOVEL = torch.tensor([4, 1, 3, 0, 2])  # no 2-token suffix seen before: a model round
+
+
+class _Model:
+    """A model drafter that records what the hybrid hands it."""
+
+    supports_trees = True
+    feature_taps = (1, 3)
+    catch_up_s = 0.5
+
+    def __init__(self) -> None:
+        self.calls: list[tuple] = []
+
+    def prepare(self, prompt):
+        self.calls.append(("prepare", prompt.tolist()))
+
+    def reset(self):
+        self.calls.append(("reset",))
+
+    def finish(self, context):
+        self.calls.append(("finish", context.tolist()))
+
+    def bind_target(self, model, cache):
+        self.calls.append(("bind", model, cache))
+
+    def add_features(self, features):
+        self.calls.append(("features", features.shape))
+
+    def propose(self, context, gamma, sampler):
+        self.calls.append(("propose", gamma))
+        return Draft(tokens=torch.tensor([0] * gamma), probs=None)
+
+    def propose_tree(self, context, budget, sampler, spec, *, max_depth):
+        self.calls.append(("propose_tree", budget))
+        return Draft(tokens=torch.tensor([0]), probs=None)
+
+    def commit(self, verdict):
+        self.calls.append(("commit",))
+
+
+def test_a_lookup_length_of_zero_is_refused():
+    """``lookup_tokens`` fixes the lookup draft's length: 0 is no length at all (a ValueError, not a
+    silent one-token draft)."""
+    with pytest.raises(ValueError, match="lookup_tokens"):
+        LookupThenModel(_Model(), lookup_tokens=0)  # type: ignore[arg-type]
+    LookupThenModel(_Model(), lookup_tokens=1)  # type: ignore[arg-type]  # the smallest allowed
+
+
+def test_finish_bind_target_and_features_reach_the_model_drafter():
+    """The hybrid passes on the decoder's per-sequence hooks: ``finish`` (a draft model behind a
+    prefix cache keeps its rows), ``bind_target`` (early exit reads the target's cache), the
+    feature taps and the features (a feature-reading drafter behind the lookup)."""
+    m = _Model()
+    h = LookupThenModel(m, min_ngram=2, max_ngram=4)  # type: ignore[arg-type]
+    assert h.feature_taps == (1, 3)
+    h.finish(torch.tensor([5, 6]))
+    h.bind_target("target", "cache")
+    h.add_features(torch.zeros(2, 3, 4))
+    assert ("finish", [5, 6]) in m.calls
+    assert ("bind", "target", "cache") in m.calls
+    assert ("features", (2, 3, 4)) in m.calls
+
+
+def test_a_lookup_round_after_an_uncommitted_model_round_is_still_free_of_the_model():
+    """A lookup round reports no catch-up pass and does not commit into the model drafter, even when
+    the round before it was the model's and was never committed."""
+    m = _Model()
+    h = LookupThenModel(m, min_ngram=2, max_ngram=4, lookup_tokens=2)  # type: ignore[arg-type]
+    h.prepare(NOVEL)
+    assert not h.propose(NOVEL, 2, _sampler(room=4)).free and h.catch_up_s == 0.5  # the model's round
+    h.prepare(REPEAT)
+    h._model_round = True  # as a model round left it, had it not been committed
+    assert h.propose(REPEAT, 2, _sampler(room=4)).free
+    assert h.catch_up_s == 0.0
+    h.commit(Verdict(2, torch.tensor([0, 2, 1])))
+    assert ("commit",) not in m.calls
+
+
+def test_a_tree_rounds_lookup_draft_is_bounded_by_the_remaining_depth_not_the_budget():
+    """In a tree round the lookup draft (a chain) is at most ``max_depth`` tokens long (what the
+    decoder may still generate), however large the node budget."""
+    h = LookupThenModel(_Model(), min_ngram=2, max_ngram=4, lookup_tokens=8)  # type: ignore[arg-type]
+    h.prepare(REPEAT)
+    draft = h.propose_tree(REPEAT, 16, _sampler(), TreeSpec(), max_depth=2)
+    assert draft.free and draft.tokens.tolist() == [0, 2]
+
+
+def test_a_model_tree_round_commits_into_the_model_drafter():
+    """A tree round the model drafted is committed into the model drafter (its cache must drop the
+    rejected nodes), and reports its catch-up pass."""
+    m = _Model()
+    h = LookupThenModel(m, min_ngram=2, max_ngram=4, lookup_tokens=2)  # type: ignore[arg-type]
+    h.prepare(NOVEL)
+    draft = h.propose_tree(NOVEL, 4, _sampler(), TreeSpec(), max_depth=3)
+    assert not draft.free and h.catch_up_s == 0.5
+    h.commit(Verdict(1, torch.tensor([0, 1])))
+    assert ("commit",) in m.calls
+
+
+def test_reset_and_prepare_reach_the_model_drafter():
+    """``reset`` and ``prepare`` start a new sequence in the model drafter too, not only in the
+    lookup index (a stale draft cache would draft from the previous text)."""
+    m = _Model()
+    h = LookupThenModel(m, min_ngram=2, max_ngram=4)  # type: ignore[arg-type]
+    h.reset()
+    h.prepare(NOVEL)
+    assert ("reset",) in m.calls and ("prepare", NOVEL.tolist()) in m.calls
