@@ -771,3 +771,85 @@ def test_a_scrape_reports_the_prefix_cache_bytes_and_queue_held_now():
     text = client.get("/metrics").text
     assert f"specdec_prefix_cache_bytes {float(held)}" in text, text
     assert f'specdec_scheduler_queue_length{{model="{scheduler.name}"}} {float(len(scheduler))}' in text, text
+
+
+def test_min_tokens_must_be_at_least_one():
+    """A prefix cache keyed by no tokens at all is refused (min_tokens 0 would index every prompt
+    under the empty key and store sequences of no tokens); one token is the smallest allowed."""
+    with pytest.raises(ValueError, match="bad prefix cache limits"):
+        PrefixCache(1 << 20, min_tokens=0)
+    with pytest.raises(ValueError, match="bad prefix cache limits"):
+        PrefixCache(-1)
+    assert PrefixCache(0, min_tokens=1).min_tokens == 1
+
+
+def test_a_model_without_caches_gets_no_prefix_cache():
+    """batch_invariant alone is not enough: the model must also make caches to copy rows into."""
+    assert not supports_prefix_cache(SimpleNamespace(batch_invariant=True))
+    assert supports_prefix_cache(SimpleNamespace(batch_invariant=True, new_cache=lambda n: None))
+
+
+def test_a_prefill_of_exactly_min_tokens_is_remembered_and_stored():
+    """A prompt of exactly MIN_TOKENS tokens copies nothing (its last token runs) but still goes
+    through the cache: seen twice, it is stored, and a longer prompt starting with it copies all of it."""
+    model = tiny_native(vocab=VOCAB)
+    pc = PrefixCache(1 << 30, min_tokens=16)
+    prompt = _prompt(1, 16)
+    for _ in range(2):
+        prefill(model.forward, pc, prompt, model.new_cache(64), True)
+    assert len(pc) == 1
+    assert pc.restore(torch.cat([prompt, _prompt(2, 5)]), model.new_cache(64)) == 16
+
+
+class _Cancelled(BaseException):
+    """Not an Exception (as KeyboardInterrupt, or a cancellation raised into a pass)."""
+
+
+def test_a_prefill_stopped_by_a_base_exception_leaves_the_cache_empty():
+    """Whatever stops the pass after the stored rows were copied, a BaseException included, the
+    cache is left empty (not holding copied rows with no prompt behind them)."""
+    model = tiny_native(vocab=VOCAB)
+    pc = PrefixCache(1 << 30)
+    prompt = _prompt(1, 40)
+    pc.keep(prompt, _filled(model, prompt))
+
+    def stopped(tokens, cache, *, last_only):
+        raise _Cancelled()
+
+    cache = model.new_cache(512)
+    with pytest.raises(_Cancelled):
+        prefill(stopped, pc, prompt, cache, True)
+    assert cache.length == 0
+
+
+def test_every_restore_that_could_copy_is_a_lookup_hit_or_miss():
+    """lookups (a hit rate's denominator) counts each restore long enough to copy from, a miss
+    included; hits counts only the ones that copied."""
+    model = tiny_native(vocab=VOCAB)
+    pc = PrefixCache(1 << 30)
+    seq = _prompt(1, 40)
+    pc.keep(seq, _filled(model, seq))
+    assert pc.restore(torch.cat([seq, _prompt(2, 3)]), model.new_cache(64)) == 40
+    assert pc.restore(_prompt(3, 40), model.new_cache(64)) == 0
+    assert (pc.lookups, pc.hits) == (2, 1)
+
+
+def test_a_failed_prefill_does_not_leave_copied_positions_counted():
+    """A prefill that fails after copying 39 stored rows empties the cache (truncate(0)); its
+    ``restored`` count (what a session reports as usage's cached_tokens) must go back to 0 too, so a
+    retry on that cache that copies nothing (here: the entry is gone) does not report 39 cached tokens."""
+    model = tiny_native(vocab=VOCAB)
+    pc = PrefixCache(1 << 30)
+    prompt = _prompt(1, 40)
+    pc.keep(prompt, _filled(model, prompt))
+
+    def failing(tokens, cache, *, last_only):
+        raise RuntimeError("cancelled")
+
+    cache = model.new_cache(512)
+    with pytest.raises(RuntimeError, match="cancelled"):
+        prefill(failing, pc, prompt, cache, True)
+    assert cache.length == 0
+    assert cache.restored == 0  # nothing copied is held any more
+    prefill(model.forward, PrefixCache(1 << 30), prompt, cache, True)  # the retry: a cache without the entry
+    assert cache.length == 40 and cache.restored == 0

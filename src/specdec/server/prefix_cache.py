@@ -256,6 +256,7 @@ def prefill(run: Any, prefix_cache: PrefixCache | None, tokens: Tensor, cache: A
         logits = run(tokens[reused:], cache, last_only=True)
     except BaseException:
         cache.truncate(0)
+        cache.restored = 0  # nothing copied is held any more
         raise
     prefix_cache.store(tokens, cache)
     return logits
