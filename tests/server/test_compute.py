@@ -4,6 +4,7 @@ serve requests run their own torch operations without an OpenMP team (see
 
 from __future__ import annotations
 
+import io
 import threading
 from concurrent.futures import Future
 from types import SimpleNamespace
@@ -16,6 +17,7 @@ from specdec.drafters import ModelDrafter
 from specdec.models.toy import ToyLM
 from specdec.server import ServerSettings, create_app
 from specdec.server import command
+from specdec.server import compute as compute_mod
 from specdec.server.compute import COMPUTE, ComputeThread, one_openmp_thread
 from specdec.server.scheduler import BatchedModel, Scheduler
 from specdec.server.sessions import SerializedModel
@@ -247,8 +249,67 @@ def test_run_locked_holds_the_lock_around_the_call():
 def test_one_openmp_thread_leaves_the_main_thread_alone(two_threads, monkeypatch):
     """On the main thread (a script's or a test's) it changes nothing, even as its first call there
     (a fresh thread-local state, so no earlier call in this process hides it)."""
-    from specdec.server import compute as compute_mod
 
     monkeypatch.setattr(compute_mod, "_local", threading.local())
     one_openmp_thread()
     assert torch.get_num_threads() == 2
+
+
+def test_one_openmp_thread_sets_a_threads_count_once(monkeypatch):
+    """Once per thread: a request thread calling it before every pass looks the OpenMP runtime up
+    (reading /proc/self/maps) and sets its count only the first time."""
+    looked_up: list[str] = []
+    set_to: list[int] = []
+
+    def lookup():
+        looked_up.append(threading.current_thread().name)
+        return set_to.append
+
+    monkeypatch.setattr(compute_mod, "_omp_set_num_threads", lookup)
+
+    def job():
+        for _ in range(3):
+            one_openmp_thread()
+
+    t = threading.Thread(target=job, name="request")
+    t.start()
+    t.join()
+    assert looked_up == ["request"] and set_to == [1]
+
+
+@pytest.mark.parametrize("lib", ["libgomp-a34b3233.so.1", "libiomp5.so", "libomp.so"])
+def test_the_openmp_runtime_is_found_whichever_torch_loaded(monkeypatch, lib):
+    """GNU's libgomp, Intel's libiomp and LLVM's libomp are each found in /proc/self/maps and asked
+    for omp_set_num_threads."""
+    maps = f"7f00-7f01 r-xp 00000000 08:01 1 /usr/lib/libc.so.6\n7f02-7f03 r-xp 00000000 08:01 2 /opt/torch/lib/{lib}\n"
+    monkeypatch.setattr(compute_mod, "open", lambda path: io.StringIO(maps), raising=False)
+    opened: list[str | None] = []
+
+    def cdll(path):
+        opened.append(path)
+        return SimpleNamespace(omp_set_num_threads="setter")
+
+    monkeypatch.setattr(compute_mod.ctypes, "CDLL", cdll)
+    assert compute_mod._omp_set_num_threads() == "setter"
+    assert opened == [f"/opt/torch/lib/{lib}"]
+
+
+@pytest.mark.filterwarnings("ignore::pytest.PytestUnhandledThreadExceptionWarning")  # the stopped thread's _Stop
+def test_a_compute_thread_stopped_by_a_posted_call_is_started_again():
+    """A posted call that raises a BaseException ends the compute thread (nothing catches it there);
+    the next call starts a new one instead of waiting forever on a dead thread."""
+    compute = ComputeThread(name="test-compute-extra")
+    first = compute.run(threading.current_thread)
+    compute.post(lambda: (_ for _ in ()).throw(_Stop()))
+    first.join(timeout=30)
+    assert not first.is_alive()
+    done = threading.Event()
+    got: list = []
+
+    def ask():
+        got.append(compute.run(threading.current_thread))
+        done.set()
+
+    threading.Thread(target=ask, daemon=True).start()
+    assert done.wait(30)  # (a dead thread never started again: a time-out)
+    assert got[0] is not first and got[0].is_alive()

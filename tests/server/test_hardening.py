@@ -29,7 +29,7 @@ from specdec.sampling import SamplingConfig, process_logits
 from specdec.server import ServerSettings, create_app
 from specdec.server.app import BodyLimit
 from specdec.server.errors import ApiError
-from specdec.server.guard import host_name
+from specdec.server.guard import Guard, host_name
 from specdec.server.metrics import ServerMetrics
 from specdec.server.runner import AccessLogRedactor, read_key_file
 from specdec.server.sessions import SessionStore
@@ -802,3 +802,66 @@ def test_a_declared_body_over_the_limit_is_refused_naming_its_size():
     r = client.post("/v1/sessions", content=b" " * 2000, headers={"content-type": "application/json"})
     assert r.status_code == 413
     assert r.json()["error"]["message"] == "request body of 2000 bytes is over this server's limit of 1024 bytes"
+
+
+def test_a_cross_origin_403_is_counted():
+    """A keyless server's Origin refusal is counted in specdec_http_errors_total, as its Host refusal is."""
+    app = _app()
+    client = TestClient(app, base_url="http://localhost")
+    r = client.get("/v1/models", headers={"Origin": "https://evil.example"})
+    assert r.status_code == 403 and r.json()["error"]["type"] == "permission_error"  # as the Host refusal
+    assert 'specdec_http_errors_total{status="403"} 1.0' in client.get("/metrics").text
+
+
+def test_an_origin_without_a_host_name_is_refused():
+    """An Origin that names no host (empty, or a sandboxed page's 'null') is not a loopback Origin: 403."""
+    client = TestClient(_app(), base_url="http://localhost")
+    for origin in ("", "null"):
+        assert client.get("/v1/models", headers={"Origin": origin}).status_code == 403, repr(origin)
+
+
+def test_a_host_with_an_unclosed_bracket_stays_whole():
+    """A malformed Host ('[box.lan' without its ']') is kept whole, not read as 'box.lan': a keyless
+    server refuses it even though 'box.lan' is an allowed host."""
+    assert host_name("[::1") == "[::1" and host_name("[box.lan") == "[box.lan"
+    client = TestClient(_app(allowed_hosts=("box.lan",)), base_url="http://localhost")
+    assert client.get("/v1/models", headers={"Host": "box.lan"}).status_code == 200
+    assert client.get("/v1/models", headers={"Host": "[box.lan"}).status_code == 403
+
+
+def test_guard_leaves_metrics_open_by_default():
+    """Guard on its own (no open_metrics given) lets a scraper read /metrics without a key, and
+    still asks a key for everything else."""
+
+    reached: list[str] = []
+
+    async def app(scope, receive, send):
+        reached.append(scope["path"])
+
+    sent: list[dict] = []
+
+    async def send(message):
+        sent.append(message)
+
+    guard = Guard(app, keys=("k",))
+    for path in ("/metrics", "/v1/models"):
+        scope = {"type": "http", "path": path, "headers": [(b"host", b"localhost")]}
+        asyncio.run(guard(scope, None, send))
+    assert reached == ["/metrics"] and sent[0]["status"] == 401
+
+
+def test_a_missing_host_is_refused_even_with_an_empty_allowed_host():
+    """A keyless server never answers a request without a Host name, whatever names were allowed
+    (an empty --allowed-host does not open it to Host-less requests)."""
+
+    reached: list[str] = []
+    sent: list[dict] = []
+
+    async def app(scope, receive, send):
+        reached.append(scope["path"])
+
+    async def send(message):
+        sent.append(message)
+
+    asyncio.run(Guard(app, keys=(), allowed_hosts=("",))({"type": "http", "path": "/v1/models", "headers": []}, None, send))
+    assert reached == [] and sent[0]["status"] == 403

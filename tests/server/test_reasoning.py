@@ -361,3 +361,43 @@ def test_thinking_tokens_stop_at_the_closing_tag_even_before_trailing_special_to
     k = ids.index(mistral.convert_tokens_to_ids(rs.MISTRAL.close)) + 1
     assert k < len(ids)
     assert rs.thinking_tokens(mistral, ids, text, False, skip_special_tokens=False, tags=rs.MISTRAL) == k
+
+
+@pytest.fixture(scope="module")
+def plain_tokenizer():
+    """SmolLM2's tokenizer as shipped: ``<think>`` is no token of its own but several pieces."""
+    from transformers import AutoTokenizer
+
+    from specdec.models.registry import DATA_DIR
+
+    return AutoTokenizer.from_pretrained(str(DATA_DIR / "smollm2-135m-draft"))
+
+
+def test_a_prompt_opens_a_block_written_in_several_tokens(plain_tokenizer):
+    """``--reasoning-parser think`` on a tokenizer without a ``<think>`` token: the generation prompt
+    ``<think>\\n`` is several tokens (``<``, ``think``, ``>``, newline), and still opens the block."""
+    tok = plain_tokenizer
+    ids = tok.encode("<|im_start|>assistant\n<think>\n", add_special_tokens=False)
+    assert len(ids) - len(tok.encode("<|im_start|>assistant\n", add_special_tokens=False)) >= 4  # the premise
+    assert rs.prompt_opens(tok, ids)
+    assert not rs.prompt_opens(tok, tok.encode("<|im_start|>assistant\n", add_special_tokens=False))
+
+
+def test_a_prompt_whose_block_is_already_closed_does_not_open_one(plain_tokenizer):
+    """Qwen3's non-thinking generation prompt ends ``<think>\\n\\n</think>\\n\\n``: the block is
+    closed, so the answer starts outside it (all of it is content)."""
+    tok = plain_tokenizer.__class__.from_pretrained(plain_tokenizer.name_or_path)  # a copy: the fixture stays plain
+    tok.add_tokens([rs.OPEN, rs.CLOSE])
+    ids = tok.encode("<|im_start|>assistant\n<think>\n\n</think>\n\n", add_special_tokens=False)
+    assert not rs.prompt_opens(tok, ids)
+    assert rs.prompt_opens(tok, tok.encode("<|im_start|>assistant\n<think>\n", add_special_tokens=False))
+
+
+def test_thinking_ends_at_the_token_that_completes_the_closing_tag_mid_token(plain_tokenizer):
+    """Without a ``</think>`` token the tag is written in pieces, and the piece that completes it
+    may carry more text (``>.`` in SmolLM2's tokens): the thinking still ends at that token."""
+    tok = plain_tokenizer
+    ids = tok.encode("<think>hm</think>.\n", add_special_tokens=False)
+    k = next(k for k in range(1, len(ids) + 1) if rs.CLOSE in tok.decode(ids[:k]))
+    assert not tok.decode(ids[:k]).endswith(rs.CLOSE)  # the premise: that token carries more than the tag's end
+    assert rs.thinking_tokens(tok, ids, tok.decode(ids), False) == k < len(ids)

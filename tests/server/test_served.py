@@ -184,3 +184,73 @@ def test_a_request_thread_that_only_makes_a_cache_runs_one_openmp_thread(two_thr
     t.start()
     t.join()
     assert seen == [1]
+
+
+def test_a_new_cache_whose_signature_lookup_raises_value_error_is_taken_as_fixed():
+    """inspect.signature raises ValueError for a builtin without a signature (and TypeError for
+    other unreadable ones): either way the wrapper is built, and the model's new_cache is called
+    without initial_length."""
+    class CNewCache:
+        @property
+        def __signature__(self):
+            raise ValueError("no signature found for builtin")
+
+        def __init__(self):
+            self.calls = []
+
+        def __call__(self, max_length=None):
+            self.calls.append(max_length)
+            return object()
+
+    class Model:
+        vocab_size, max_length = 6, 64
+
+        def __init__(self):
+            self.new_cache = CNewCache()
+
+    inner = Model()
+    SerializedModel(inner, initial_length=32).new_cache(64)
+    assert inner.new_cache.calls == [64]
+
+
+def test_a_model_without_a_reduced_vocabulary_has_vocab_ids_none():
+    """vocab_ids is None (not an AttributeError) for a wrapped model without a reduced vocabulary:
+    drafters test ``model.vocab_ids is not None``."""
+    from specdec.models.toy import ToyLM
+
+    assert SerializedModel(ToyLM(6, order=1, seed=0)).vocab_ids is None
+
+
+class _Keeper:
+    min_tokens = 1 << 30
+
+    def keep(self, tokens, cache):
+        pass
+
+
+def _threads_after(job) -> int:
+    """The OpenMP thread count of a fresh thread right after ``job()`` ran on it."""
+    seen = []
+
+    def run():
+        job()
+        seen.append(torch.get_num_threads())
+
+    t = threading.Thread(target=run)
+    t.start()
+    t.join()
+    return seen[0]
+
+
+@pytest.mark.parametrize("call", ["forward", "forward_tree", "keep_sequence"])
+def test_each_pass_alone_sets_its_request_thread_to_one_openmp_thread(two_threads, call):
+    """A request thread whose first call into the wrapper is a pass (its cache made elsewhere), or
+    the end of a sequence (a DELETE's or the TTL sweeper's thread), runs with one OpenMP thread."""
+    lock = threading.Lock()
+    inner = _Recorder(lock)
+    inner.batch_invariant = True
+    served = SerializedModel(inner, lock, prefix_cache=_Keeper())
+    jobs = {"forward": lambda: served.forward(torch.tensor([1, 2]), object()),
+            "forward_tree": lambda: served.forward_tree(torch.tensor([1]), torch.tensor([-1]), object()),
+            "keep_sequence": lambda: served.keep_sequence(torch.tensor([1]), object())}
+    assert _threads_after(jobs[call]) == 1
