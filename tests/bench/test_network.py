@@ -5,6 +5,7 @@ from __future__ import annotations
 import json
 import os
 import resource
+import subprocess
 import sys
 from types import SimpleNamespace
 
@@ -13,6 +14,7 @@ import pytest
 
 from specdec.bench import edge_worker, netreport, network, report
 from specdec.bench.edge_worker import chunked_wire_bytes, interleaved_settings
+from specdec.bench.journal import Kept
 from specdec.errors import SpecdecError
 from specdec.remote.client import _head_bytes_response
 
@@ -378,8 +380,9 @@ def test_a_server_record_counts_workers_only_when_it_ran_more_than_once():
 
 @pytest.fixture
 def fake_processes(monkeypatch):
-    """CloudServer and Link that start nothing: what run_group hands them is recorded."""
-    seen = {"servers": []}
+    """CloudServer and Link that start nothing: what run_group hands them is recorded, and netem.sh
+    calls too (recorded, not run)."""
+    seen = {"servers": [], "netem": []}
 
     def start(self):
         seen["servers"].append(self)
@@ -393,6 +396,7 @@ def fake_processes(monkeypatch):
     monkeypatch.setattr(network.CloudServer, "stop", stop)
     monkeypatch.setattr(network.Link, "start", lambda self: self)
     monkeypatch.setattr(network.Link, "stop", lambda self: {"bytes_up": int(self.rtt_ms)})
+    monkeypatch.setattr(network.subprocess, "run", lambda argv, **kw: seen["netem"].append(argv[2:]))
     return seen
 
 
@@ -559,3 +563,327 @@ def test_the_speculative_server_is_compared_too_and_generated_tokens_are_a_mean(
     assert (spec.same_text, spec.compared) == (1, 1)
     [g] = netreport.aggregate_network([{**_edge(p, 10.0), "generated_tokens": n} for p, n in zip("abc", (10, 10, 40))])
     assert g.generated_tokens_mean == pytest.approx(20.0)
+
+
+GROUP = "cloud_streaming+edge_cloud"
+
+
+# ----------------------------------------------------------------------------- network.py
+
+
+def test_a_netem_check_that_hangs_falls_back_to_the_proxy_and_says_why(monkeypatch):
+    """``netem.sh check`` that runs past its timeout is a failed check (auto: the proxy), not a crash."""
+    def run(*args, **kwargs):
+        raise subprocess.TimeoutExpired(args[0], 60)
+
+    monkeypatch.setattr(network.subprocess, "run", run)
+    em = network.detect("auto", network.Path("/x/netem.sh"))
+    assert em.kind == "proxy" and em.detail.startswith("netem.sh check failed")
+
+
+def test_the_cloud_server_accepts_many_sessions():
+    """The bench's server allows 256 sessions (every prompt × wire × RTT opens one; the default is lower)."""
+    argv = _server(PROXY).argv
+    assert argv[argv.index("--max-sessions") + 1] == "256"
+
+
+def test_a_running_server_has_no_failure_and_an_exited_one_shows_its_last_five_log_lines():
+    server = network.CloudServer("t", "d", threads=1, emulation=PROXY)
+    try:
+        server.proc = SimpleNamespace(poll=lambda: None, returncode=None)
+        assert server.failure() is None  # still running: a worker's own error stands
+        server._log.write("\n".join(f"line {i}" for i in range(8)) + "\n")
+        server.proc = SimpleNamespace(poll=lambda: 1, returncode=1)
+        assert server.failure() == "the cloud server exited with 1: " + "\n".join(f"line {i}" for i in range(3, 8))
+    finally:
+        server._log.close()
+
+
+def test_proxy_totals_of_a_resumed_bench_add_up():
+    assert network.add_totals([{"bytes_up": 5, "connections": 1}, {"bytes_up": 7, "bytes_down": 2}]) == \
+        {"bytes_up": 12, "connections": 1, "bytes_down": 2}
+
+
+def test_a_server_whose_peak_was_never_read_has_no_peak():
+    """No peak RSS known (the process had exited): None, not 0 bytes."""
+    assert network.server_process([{"rss_peak_bytes": None, "seconds": 1.0}])["rss_peak_bytes"] is None
+
+
+def _ok(job, env, prefix, name):
+    return {"done": True}
+
+
+def test_run_group_hands_the_draft_vocabulary_and_the_cache_dtype_to_the_server(fake_processes):
+    _run_group(_ok, draft_vocab="full", kv_dtype="float16")
+    argv = fake_processes["servers"][0].argv
+    assert argv[argv.index("--draft-vocab") + 1] == "full" and argv[argv.index("--kv-dtype") + 1] == "float16"
+
+
+def test_each_edge_worker_is_told_the_emulation_and_runs_in_the_edge_namespace_under_netem(fake_processes):
+    """Under netem the namespace is set up before the server starts and torn down after; each edge
+    worker runs inside the edge namespace and records which emulation ran."""
+    calls = []
+
+    def worker(job, env, prefix, name):
+        calls.append((job["emulation"], prefix))
+        return {"done": True}
+
+    _run_group(worker, emulation=NETEM)
+    assert calls == [("netem", ["ip", "netns", "exec", network.NETEM_EDGE_NS])] * 2
+    assert fake_processes["netem"] == [["up", "0"], ["down"]]
+    calls.clear()
+    _run_group(worker)
+    assert calls == [("proxy", [])] * 2
+
+
+def test_a_proxy_that_reported_nothing_writes_no_totals_to_the_journal(fake_processes, monkeypatch):
+    """Under netem there is no proxy (Link.stop gives {}): the journal gets the server's totals only."""
+    monkeypatch.setattr(network.Link, "stop", lambda self: {})
+    written = []
+    journal = SimpleNamespace(totals=lambda name, t: written.append(name))
+    _run_group(_ok, emulation=NETEM, journal=journal)
+    assert written == [f"{GROUP}:server"]
+
+
+def test_a_resumed_group_keeps_the_totals_of_its_finished_rtt_and_of_its_earlier_server(fake_processes):
+    """The RTT whose worker ended in the earlier run is not run again, but its proxy totals and the
+    earlier server's time are kept and added to this run's."""
+    names = []
+
+    def worker(job, env, prefix, name):
+        names.append(name)
+        return {"done": True}
+
+    kept = Kept(finished={f"{GROUP}@0ms": {"rss_peak_bytes": 3, "seconds": 1.0}},
+                totals={f"{GROUP}@0ms": [{"bytes_up": 40}], f"{GROUP}@30ms": [{"bytes_up": 2}],
+                        f"{GROUP}:server": [{"rss_peak_bytes": 50, "seconds": 4.0}]})
+    record, processes = _run_group(worker, kept=kept)
+    assert names == [f"{GROUP}@30ms"]
+    assert record.proxy_totals == {f"{GROUP}@0ms": {"bytes_up": 40}, f"{GROUP}@30ms": {"bytes_up": 32}}
+    server = processes[f"{GROUP}:server"]
+    assert server["rss_peak_bytes"] == 50 and server["workers"] == 2 and server["seconds"] >= 4.0
+
+
+# ----------------------------------------------------------------------------- edge_worker.py
+
+
+def _sse(events, status=200):
+    def handler(request):
+        return httpx.Response(status, headers={"content-type": "text/event-stream"}, content=iter(events))
+
+    with httpx.Client(transport=httpx.MockTransport(handler)) as client:
+        return edge_worker.stream_completion(client, "http://cloud", {}, {"prompt": [1], "stream": True})
+
+
+def _ticks(monkeypatch):
+    ticks = iter(range(1000))
+    monkeypatch.setattr(edge_worker, "time", SimpleNamespace(perf_counter=lambda: float(next(ticks))))
+
+
+def test_usage_is_kept_from_the_event_that_carried_it():
+    """An event after the usage event (no usage of its own) does not erase the token count."""
+    res = _sse([b'data: {"choices":[{"text":"Hi","finish_reason":"stop"}],"usage":{"completion_tokens":3}}\n\n',
+                   b'data: {"choices":[]}\n\n', b"data: [DONE]\n\n"])
+    assert res.tokens == 3 and res.text == "Hi"
+
+
+def test_a_stream_with_no_text_has_its_first_token_time_at_the_finish(monkeypatch):
+    """No event carried text: TTFT is the finish event's arrival (read 2), not the end of the stream (read 3)."""
+    _ticks(monkeypatch)
+    events = [b'data: {"choices":[{"text":"","finish_reason":"length"}],"usage":{"completion_tokens":0}}\n\n',
+              b"data: [DONE]\n\n"]
+
+    def handler(request):
+        return httpx.Response(200, content=iter([events[0], b"", events[1]]))
+
+    with httpx.Client(transport=httpx.MockTransport(handler)) as client:
+        res = edge_worker.stream_completion(client, "http://cloud", {}, {"stream": True})
+    assert res.ttft_s == res.wall_s == 1.0
+
+
+def test_an_error_event_stops_the_stream_with_the_servers_message():
+    with pytest.raises(SpecdecError, match="the server stopped the stream: out of memory"):
+        _sse([b'data: {"error":{"message":"out of memory"}}\n\n'])
+
+
+def test_a_refused_streaming_request_says_the_status_and_why():
+    """A 401 (wrong key) is refused at once, with the server's words, not read as an empty stream."""
+    with pytest.raises(SpecdecError, match="streaming completion refused: HTTP 401: .*bad key"):
+        _sse([b'{"error": "bad key"}'], status=401)
+
+
+def test_waiting_for_the_server_survives_a_health_check_that_times_out(monkeypatch):
+    """A loading server may accept the connection and not answer in time: keep polling."""
+    answers = iter([httpx.ReadTimeout("slow"), httpx.Response(200)])
+    polls = []
+
+    def handler(request):
+        polls.append(request.url.path)
+        a = next(answers)
+        if isinstance(a, Exception):
+            raise a
+        return a
+
+    monkeypatch.setattr(edge_worker, "time", SimpleNamespace(monotonic=lambda: 0.0, sleep=lambda s: None))
+    with httpx.Client(transport=httpx.MockTransport(handler)) as client:
+        edge_worker.wait_ready(client, "http://cloud", timeout_s=10.0)
+    assert polls == ["/health", "/health"]
+
+
+def test_waiting_for_the_server_gives_up_at_the_timeout(monkeypatch):
+    """Never ready: one poll at t=0 (before the deadline), one at t=1.5 (past the 1 s deadline), then the error."""
+    clock = iter([0.0, 0.5, 1.5, 2.5, 3.5, 4.5])
+    polls = []
+
+    def handler(request):
+        polls.append(1)
+        return httpx.Response(503)
+
+    monkeypatch.setattr(edge_worker, "time", SimpleNamespace(monotonic=lambda: next(clock), sleep=lambda s: None))
+    with httpx.Client(transport=httpx.MockTransport(handler)) as client, \
+            pytest.raises(SpecdecError, match="did not answer /health within 1 s"):
+        edge_worker.wait_ready(client, "http://cloud", timeout_s=1.0)
+    assert len(polls) == 2
+
+
+def test_a_failing_health_check_is_not_timed_as_a_round_trip():
+    with httpx.Client(transport=httpx.MockTransport(lambda request: httpx.Response(503))) as client, \
+            pytest.raises(httpx.HTTPStatusError):
+        edge_worker.ping_ms(client, "http://cloud")
+
+
+ONE_EVENT = [b'data: {"choices":[{"text":"Hello","finish_reason":"length"}],"usage":{"completion_tokens":2}}\n\n',
+          b"data: [DONE]\n\n"]
+
+
+def test_the_streaming_baseline_sends_the_runs_sampling_settings():
+    """Seed, temperature, token budget, top-p and repetition penalty go to the server as set."""
+    from specdec.sampling import SamplingConfig
+
+    bodies = []
+
+    def handler(request):
+        bodies.append(json.loads(request.read()))
+        return httpx.Response(200, content=iter(ONE_EVENT))
+
+    job = SimpleNamespace(draft="smollm2-135m-draft", api_key="k", url="http://cloud")
+    with httpx.Client(transport=httpx.MockTransport(handler)) as client:
+        _, generate = edge_worker._stream_runner(job, client, True)
+        generate([1, 2], SamplingConfig(temperature=0.7, seed=9, max_new_tokens=5, top_p=0.9, repetition_penalty=1.2), None, None)
+    [body] = bodies
+    assert (body["seed"], body["temperature"], body["max_tokens"], body["top_p"], body["repetition_penalty"]) == (9, 0.7, 5, 0.9, 1.2)
+    assert "gamma" not in body and body["stream"] is True and body["stream_options"] == {"include_usage": True}
+
+
+def test_the_edge_runner_passes_q_top_k_on_and_times_from_the_first_to_the_last_tokens(monkeypatch):
+    """edge_cloud rows: sparse-q's top-k and γ "auto" (when none is set) reach generate_remote; TTFT is
+    the first batch of tokens (tick 1), wall time the last (tick 2), not the return (tick 3);
+    tokens per call = tokens / verify calls; the network RTT = round time - server time per call."""
+    import specdec.engine
+    import specdec.remote.edge
+    from specdec.sampling import SamplingConfig
+
+    seen = {}
+    draft = SimpleNamespace(tokenizer=None, eos_ids=[0])
+    monkeypatch.setattr(specdec.engine, "load_draft", lambda cfg: draft)
+    monkeypatch.setattr(specdec.engine, "model_drafter", lambda cfg, d, lookup: ("drafter", "name"))
+
+    def generate_remote(ids, sampling, remote, **kw):
+        seen.update(kw, wire=remote.wire)
+        kw["on_tokens"]([5, 6])  # tick 1
+        kw["on_tokens"]([])      # no tokens: no tick
+        kw["on_tokens"]([7, 8])  # tick 2
+        remote_totals = {"verify_calls": 2, "bytes_up": 1, "bytes_down": 1, "wire_bytes_up": 2, "wire_bytes_down": 2,
+                         "rtt_ms": 50.0, "rtt_ms_p50": 50.0, "cloud_server_ms_total": 20.0, "cloud_prefill_ms": 1.0,
+                         "session_prefill_ms": 1.0, "retries": 0, "session_recreates": 0, "unverified_tokens": 0, "method": "sparse-q"}
+        stats = SimpleNamespace(draft_tokens_proposed=4, draft_tokens_accepted=2, acceptance_rate=0.5, mean_gamma=2.0,
+                                draft_s=0.1, draft_temperature_factor=0.85, finish_reason="length")
+        return SimpleNamespace(remote=remote_totals, stats=stats, token_ids=[5, 6, 7, 8], lossless=True, text="abcd")
+
+    monkeypatch.setattr(specdec.remote.edge, "generate_remote", generate_remote)
+    _ticks(monkeypatch)
+    job = SimpleNamespace(draft="smollm2-135m-draft", draft_dtype="auto", draft_vocab="auto", draft_temperature_factor="auto",
+                          url="http://cloud", api_key="k", q_top_k=8)
+    _, generate = edge_worker._edge_runner(job, client=None)
+    row = generate([1, 2], SamplingConfig(temperature=1.0, seed=1), "sparse-q", None)
+    assert (seen["q_top_k"], seen["gamma"], seen["wire"]) == (8, "auto", "sparse-q")
+    assert (row["ttft_s"], row["wall_s"], row["generated_tokens"]) == (1.0, 2.0, 4)
+    assert row["tokens_per_call"] == 2.0 and row["net_rtt_ms"] == 40.0 and row["text_sha1"] == edge_worker.text_sha1("abcd")
+
+
+def test_run_network_skips_finished_temperatures_warms_up_short_and_records_each_units_seed(monkeypatch):
+    """A temperature with no units left is not run (not even its warm-up); the warm-up generations
+    are WARMUP_TOKENS long and unrecorded; each row runs at its unit's seed and records the set RTT."""
+    from specdec.sampling import SamplingConfig
+
+    calls = []
+
+    def runner(mode):
+        def generate(ids, sampling, wire, gamma):
+            calls.append((mode, sampling.temperature, sampling.seed, sampling.max_new_tokens))
+            return {"generated_tokens": 1}
+        return (lambda text, chat: [1]), generate
+
+    monkeypatch.setattr(edge_worker, "wait_ready", lambda client, url: None)
+    monkeypatch.setattr(edge_worker, "ping_ms", lambda client, url: 31.5)
+    monkeypatch.setattr(edge_worker, "_edge_runner", lambda job, client: runner("edge_cloud"))
+    monkeypatch.setattr(edge_worker, "_stream_runner", lambda job, client, plain: runner("cloud_streaming"))
+    job = SimpleNamespace(url="http://cloud", net_modes=["cloud_streaming", "edge_cloud"], temperatures=[0.0, 1.0],
+                          wires=["greedy", "sparse-q"], gammas=["auto"], rtt_ms=30.0, emulation="proxy")
+    p = SimpleNamespace(id="p", text="x", chat=False, category="code")
+    rows = []
+    edge_worker.run_network(job, [p], rows.append,
+                            sampling_for=lambda job, t, seed: SamplingConfig(temperature=t, seed=seed, max_new_tokens=100),
+                            peak_rss=lambda: 1, todo=lambda job, prompts, t: [] if t == 0.0 else [p],
+                            units=lambda job, prompts, t: iter([(0, 7, 0, p)]))
+    w = edge_worker.WARMUP_TOKENS
+    assert calls == [("cloud_streaming", 1.0, 0, w), ("edge_cloud", 1.0, 0, w),
+                     ("cloud_streaming", 1.0, 7, 100), ("edge_cloud", 1.0, 7, 100)]
+    assert [(r["mode"], r["method"], r["seed"], r["rtt_ms"], r["ping_ms"]) for r in rows] == [
+        ("cloud_streaming", "cloud_streaming", 7, 30.0, 31.5), ("edge_cloud", "sparse-q", 7, 30.0, 31.5)]
+
+
+def test_a_resumed_group_whose_rtts_all_ended_starts_no_server(fake_processes):
+    """Every RTT's worker ended in the earlier run: no server (and no worker) starts; the server
+    record is the earlier run's."""
+    def worker(job, env, prefix, name):
+        raise AssertionError("no worker may start")
+
+    kept = Kept(finished={f"{GROUP}@0ms": {"seconds": 1.0}, f"{GROUP}@30ms": {"seconds": 1.0}},
+                totals={f"{GROUP}:server": [{"rss_peak_bytes": 50, "seconds": 4.0}]})
+    record, processes = _run_group(worker, kept=kept)
+    assert fake_processes["servers"] == [] and processes[f"{GROUP}:server"] == {"rss_peak_bytes": 50, "seconds": 4.0}
+    assert record.servers[GROUP] == {"draft": "none", "rss_peak_bytes": 50}
+
+
+def _proxy_script(monkeypatch, script: str) -> None:
+    """Link.start runs ``sh -c script`` instead of the delay proxy."""
+    real = subprocess.Popen
+    monkeypatch.setattr(network.subprocess, "Popen", lambda argv, **kw: real(["sh", "-c", script], **kw))
+
+
+def test_a_proxy_that_writes_much_to_stderr_neither_blocks_nor_hides_its_totals(monkeypatch):
+    """The proxy's stderr is not a pipe nobody reads while it runs: 200 kB of it (past a 64 KiB pipe)
+    before its "listening" line, and the link still starts and stops with its totals. The 30 s join
+    only guards against the hang; nothing here is timed."""
+    import threading
+
+    _proxy_script(monkeypatch, "head -c 200000 /dev/zero | tr '\\0' x >&2; "
+                               "trap 'echo \"{\\\"stopped\\\": true, \\\"bytes_up\\\": 3}\"; exit 0' TERM; "
+                               "echo '{\"listening\": 4321}'; while :; do sleep 0.05; done")
+    link = network.Link(_server(PROXY), 20.0)
+    started = threading.Thread(target=link.start, daemon=True)
+    started.start()
+    started.join(30)
+    hung = started.is_alive()
+    if hung:
+        link.proc.kill()
+    assert not hung, "the proxy blocked on a full stderr pipe"
+    assert link.url == "http://127.0.0.1:4321"
+    assert link.stop() == {"bytes_up": 3}
+
+
+def test_a_proxy_that_did_not_start_says_what_it_wrote_to_stderr(monkeypatch):
+    _proxy_script(monkeypatch, "echo 'delay proxy: cannot listen on 0: denied' >&2; exit 1")
+    with pytest.raises(SpecdecError, match="the delay proxy did not start: delay proxy: cannot listen on 0: denied"):
+        network.Link(_server(PROXY), 20.0).start()

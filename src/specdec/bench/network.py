@@ -194,6 +194,7 @@ class Link:
         self.server = server
         self.rtt_ms = rtt_ms
         self.proc: subprocess.Popen | None = None
+        self._errfile: Any = None  # the proxy's stderr, a temporary file while it runs
         self.url = server.url
 
     @property
@@ -206,18 +207,25 @@ class Link:
         if em.kind == "netem":
             subprocess.run(["bash", str(em.script), "set", f"{self.rtt_ms:g}"], check=True, capture_output=True, text=True)
             return self
+        self._errfile = tempfile.TemporaryFile(mode="w+")
         self.proc = subprocess.Popen(
             [sys.executable, "-m", "specdec.remote.delay_proxy", "--listen", "0", "--to", f"127.0.0.1:{self.server.port}",
              "--rtt-ms", f"{self.rtt_ms:g}"],
-            stdin=subprocess.DEVNULL, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=thread_env(1),
+            # stderr to a file: nothing reads a pipe while the proxy runs, and a full one would block it
+            stdin=subprocess.DEVNULL, stdout=subprocess.PIPE, stderr=self._errfile, text=True, env=thread_env(1),
         )
         assert self.proc.stdout is not None
         line = self.proc.stdout.readline()
         try:
             self.url = f"http://127.0.0.1:{json.loads(line)['listening']}"
         except (ValueError, KeyError):
-            err = self.proc.stderr.read() if self.proc.stderr else ""
-            raise SpecdecError(f"the delay proxy did not start: {line.strip() or err.strip()}") from None
+            try:
+                self.proc.wait(timeout=10)
+            except subprocess.TimeoutExpired:  # a proxy that said something else and runs on
+                self.proc.kill()
+                self.proc.wait()
+            self._errfile.seek(0)
+            raise SpecdecError(f"the delay proxy did not start: {line.strip() or self._errfile.read().strip()}") from None
         return self
 
     def stop(self) -> dict[str, Any]:
@@ -230,6 +238,8 @@ class Link:
         except subprocess.TimeoutExpired:
             self.proc.kill()
             out, _ = self.proc.communicate(timeout=10)
+        if self._errfile is not None:
+            self._errfile.close()
         for line in reversed(out.strip().splitlines()):
             try:
                 row = json.loads(line)

@@ -20,6 +20,7 @@ import json
 import os
 import subprocess
 import sys
+import tempfile
 import time
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
@@ -179,9 +180,12 @@ def _run_worker(job: dict, env: dict[str, str], prefix: list[str], name: str, on
     """One worker process: send ``job``, pass each sample to ``on_sample`` and each finished unit's
     key (``[temperature, repeat, prompt id]``, after its samples) to ``on_unit``; return its final
     ``done`` row."""
+    # stderr goes to a file, not a pipe: a worker that wrote more than a pipe holds (64 KiB) would
+    # block on it while this process waits for its stdout to end, and the bench would hang
+    errfile = tempfile.TemporaryFile(mode="w+")
     proc = subprocess.Popen(
         [*prefix, sys.executable, "-m", "specdec.bench.worker"],
-        stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=env,
+        stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=errfile, text=True, env=env,
     )
     assert proc.stdin is not None and proc.stdout is not None
     try:
@@ -200,10 +204,12 @@ def _run_worker(job: dict, env: dict[str, str], prefix: list[str], name: str, on
                     on_unit(row["unit"])
             else:
                 on_sample(row)
-        err = proc.stderr.read() if proc.stderr else ""
         rc = proc.wait()
+        errfile.seek(0)
+        err = errfile.read()
     finally:  # interrupted (Ctrl-C, SIGTERM) or failed here: the worker must not run on without us
         stop_process(proc)
+        errfile.close()
     if rc != 0 or done is None:
         lines = err.strip().splitlines()
         if lines and lines[-1].startswith(ERROR_MARK):  # the worker's own one-line error
