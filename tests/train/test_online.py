@@ -683,6 +683,14 @@ def test_held_out_scores_each_kind_and_all(tiny) -> None:
         assert got["all"][key] == pytest.approx(mean, abs=2e-4)
 
 
+def _tick(now: list[float], stop_at: int | None):
+    """A pause hook for train(): each step advances the fake clock ``now`` by 1 s; pauses at ``stop_at``."""
+    def pause(step: int) -> bool:
+        now[0] += 1.0
+        return step == stop_at
+    return pause
+
+
 def test_a_time_bounded_run_resumed_before_its_step_count_is_measured_uses_its_budget(tiny, tmp_path: Path,
                                                                                       monkeypatch) -> None:
     """``steps`` 0: the step count is measured from 20 steps' speed, 10 to 30 steps into a part of
@@ -696,17 +704,378 @@ def test_a_time_bounded_run_resumed_before_its_step_count_is_measured_uses_its_b
     now = [1000.0]
     monkeypatch.setattr(on.time, "perf_counter", lambda: now[0])
 
-    def tick(stop_at: int | None):
-        def pause(step: int) -> bool:
-            now[0] += 1.0
-            return step == stop_at
-        return pause
-
     cfg = on.OnlineConfig(steps=0, train_seconds=40.0, batch_tokens=64, lr=1e-3, warmup=1)
     ckpt = tmp_path / "c.pt"
     first = on.train(shape_t, wt, [_student(draft)], data, list(range(8)), cfg, ckpt, lambda m: None, False,
-                     pause=tick(11))
+                     pause=_tick(now, 11))
     assert first["steps"] == 11 and not first["finished"]
     second = on.train(shape_t, wt, [_student(draft)], data, list(range(8)), cfg, ckpt, lambda m: None, False,
-                      pause=tick(None))
-    assert second["finished"] and second["steps"] >= 40, second
+                      pause=_tick(now, None))
+    assert second["finished"] and second["steps"] == 42, second  # not >= 40: a part forgetting the 11 s ran on
+
+
+def test_sequences_cuts_the_plan(tiny) -> None:
+    """``sequences`` 3 of a 6-item plan: exactly the plan's first 3 items are answered."""
+    _, target, _ = tiny
+    shape, w, _ = on.load_folder(target)
+    prompts = {"chat": _prompts(3, 40), "code": _prompts(3, 41), "eos": [2]}
+    cfg = on.OnlineConfig(sequences=3, gen_batch=8, max_new_chat=2, max_new_code=2, temperatures=(0.0,), code_repeats=1)
+    seqs, finished = on.generate_all(shape, w, prompts, cfg, _quiet)
+    assert finished and len(seqs) == 3
+    want = sorted(map(str, (x[0] for x in on.plan(prompts, cfg)[:3])))
+    assert sorted(str(s.tokens[: s.prompt_len]) for s in seqs) == want
+
+
+def test_a_set_sequence_count_ignores_the_time_budget(tiny) -> None:
+    """``gen_seconds`` is the budget only when ``sequences`` is 0: with sequences set and a budget of
+    0 s every asked-for sequence is still generated (2 batches of 2)."""
+    _, target, _ = tiny
+    shape, w, _ = on.load_folder(target)
+    prompts = {"chat": _prompts(2, 42), "code": _prompts(2, 43), "eos": [2]}
+    cfg = on.OnlineConfig(sequences=4, gen_seconds=0.0, gen_batch=2, max_new_chat=2, max_new_code=2,
+                          temperatures=(0.0,), code_repeats=1)
+    seqs, finished = on.generate_all(shape, w, prompts, cfg, _quiet)
+    assert finished and len(seqs) == 4
+
+
+def test_a_resumed_time_bounded_generation_counts_the_time_already_spent(tiny, tmp_path: Path, monkeypatch) -> None:
+    """Fake clock, 10 s a batch of 1, budget 15 s: the first part is paused after batch 1 (10 s
+    spent); the resumed part may start one more batch (10 s < 15 s) but not a third (20 s), so the
+    run holds 2 sequences, not the 3 a fresh budget would allow."""
+    _, target, _ = tiny
+    shape, w, _ = on.load_folder(target)
+    now = [0.0]
+    monkeypatch.setattr(on.time, "perf_counter", lambda: now[0])
+    real = on._generate_fitting
+
+    def slow(*a, **k):
+        now[0] += 10.0
+        return real(*a, **k)
+
+    monkeypatch.setattr(on, "_generate_fitting", slow)
+    prompts = {"chat": _prompts(4, 44), "code": [], "eos": [2]}
+    cfg = on.OnlineConfig(sequences=0, gen_seconds=15.0, gen_batch=1, max_new_chat=2, temperatures=(0.0,))
+    partial = tmp_path / "data.partial.pt"
+    first, finished = on.generate_all(shape, w, prompts, cfg, _quiet, partial, lambda: True)
+    assert not finished and len(first) == 1
+    seqs, finished = on.generate_all(shape, w, prompts, cfg, _quiet, partial)
+    assert finished and len(seqs) == 2
+
+
+def test_the_generator_is_seeded_by_the_seed(tiny) -> None:
+    """One prompt at T = 1 (the plan is then the same for every seed): seeds 0 and 1 sample
+    different replies, seed 0 twice the same one."""
+    _, target, _ = tiny
+    shape, w, _ = on.load_folder(target)
+    prompts = {"chat": _prompts(1, 45), "code": [], "eos": [2]}
+
+    def reply(seed: int) -> list[int]:
+        cfg = on.OnlineConfig(sequences=1, max_new_chat=12, temperatures=(1.0,), seed=seed)
+        return on.generate_all(shape, w, prompts, cfg, _quiet)[0][0].tokens
+
+    assert reply(0) == reply(0) != reply(1)
+
+
+def _fake_generate(limit: int):
+    """A stand-in for :func:`online.generate`: 'out of memory' above ``limit`` prompts, else each
+    prompt's reply is its own first token (so a misaligned reply shows)."""
+    calls = []
+
+    def gen(shape, w, prompts, temps, max_new, eos, g):
+        calls.append(len(prompts))
+        if len(prompts) > limit:
+            raise RuntimeError("CUDA out of memory. Tried to allocate 2 GiB")
+        return [[p[-1]] for p in prompts]
+
+    return gen, calls
+
+
+def test_generation_out_of_memory_halves_and_keeps_each_reply_with_its_prompt(monkeypatch) -> None:
+    """5 prompts, memory for 2: halves (2 + 3 -> 2 + 1 + 2), each reply still beside its prompt."""
+    gen, calls = _fake_generate(2)
+    monkeypatch.setattr(on, "generate", gen)
+    part = [([1, 10 + i], "chat", 0.0) for i in range(5)]
+    got = on._generate_fitting(None, None, part, 4, (2,), None, _quiet)
+    assert got == [[10 + i] for i in range(5)]
+    assert calls[0] == 5
+
+
+def test_generation_out_of_memory_at_one_sequence_is_raised(monkeypatch) -> None:
+    """A single prompt that does not fit cannot be halved: the error is raised, not retried forever."""
+    gen, calls = _fake_generate(0)
+    monkeypatch.setattr(on, "generate", gen)
+    with pytest.raises(RuntimeError, match="out of memory"):
+        on._generate_fitting(None, None, [([1, 5], "chat", 0.0)], 4, (2,), None, _quiet)
+    assert calls == [1]
+
+
+def test_a_generation_error_that_is_not_out_of_memory_is_raised(monkeypatch) -> None:
+    """Any other error is raised at once: not retried in halves, nor logged as out of memory."""
+    calls, logged = [], []
+
+    def broken(*a, **k):
+        calls.append(1)
+        raise RuntimeError("shape mismatch")
+
+    monkeypatch.setattr(on, "generate", broken)
+    with pytest.raises(RuntimeError, match="shape mismatch"):
+        on._generate_fitting(None, None, [([1, 5], "chat", 0.0)] * 4, 4, (2,), None, logged.append)
+    assert len(calls) == 1 and not logged
+
+
+def test_generation_stops_each_row_at_its_first_end_token_and_keeps_it(tiny) -> None:
+    """Greedy, 16 new tokens: with an end token that row a emits within its first 6 tokens and row b
+    never does, row a's reply ends with (and includes) that token and row b still gets its 16
+    tokens (decoding goes on until every row is done, not until the first is)."""
+    _, target, _ = tiny
+    shape, w, _ = on.load_folder(target)
+    prompts = _prompts(6, 60)
+    gen = torch.Generator().manual_seed(0)
+    free = on.generate(shape, w, prompts, [0.0] * 6, 16, (-1,), gen)  # no end token: 16 each
+    assert all(len(r) == 16 for r in free)
+    a, b, tok = next((a, b, t) for a in range(6) for b in range(6) if a != b for t in free[a][:6] if t not in free[b])
+    got = on.generate(shape, w, [prompts[a], prompts[b]], [0.0, 0.0], 16, (tok,), gen)
+    assert got[0] == free[a][: free[a].index(tok) + 1] and got[0][-1] == tok
+    assert got[1] == free[b]
+
+
+# ----------------------------------------------------------------------------- training bookkeeping
+
+
+def _oom_once(monkeypatch, at_calls: set[int]):
+    """``_target_pass`` raises a CUDA out-of-memory error on the given calls (0-based)."""
+    real = on._target_pass
+    n = [0]
+
+    def tp(*a, **k):
+        n[0] += 1
+        if n[0] - 1 in at_calls:
+            raise RuntimeError("CUDA out of memory")
+        return real(*a, **k)
+
+    monkeypatch.setattr(on, "_target_pass", tp)
+
+
+def test_a_training_step_out_of_memory_halves_the_batch_and_replans(tiny, monkeypatch) -> None:
+    """The first step runs out of memory at 2048 padded tokens (128 sequences of 32 tokens: two
+    batches of 64): the batch is halved to 1024 and the epoch re-planned at that size, so every
+    step trained on is a batch of <= 1024 padded tokens (not the other batch of 2048 left over)."""
+    _, target, draft = tiny
+    shape_t, wt, _ = on.load_folder(target)
+    data = [on.Sequence(list(range(1, 5)) + [7] * 28, 4, "chat", 1.0) for _ in range(128)]  # 32 tokens each
+    _oom_once(monkeypatch, {0})
+    sizes = []
+    real = on.collate
+
+    def col(d, group, dev):
+        sizes.append(len(group) * max(len(d[i].tokens) for i in group))
+        return real(d, group, dev)
+
+    monkeypatch.setattr(on, "collate", col)
+    stats = on.train(shape_t, wt, [_student(draft)], data, list(range(128)),
+                     on.OnlineConfig(steps=2, batch_tokens=2048, lr=0.0, warmup=0), None, _quiet, False)
+    assert stats["finished"] and stats["batch_tokens"] == 1024
+    assert sizes[0] > 1024 and all(s <= 1024 for s in sizes[1:]), sizes
+
+
+def test_out_of_memory_below_1024_tokens_is_raised_at_1024_it_halves(tiny, monkeypatch) -> None:
+    _, target, draft = tiny
+    shape_t, wt, _ = on.load_folder(target)
+    data = _made(8, 50)
+    _oom_once(monkeypatch, {0})
+    stats = on.train(shape_t, wt, [_student(draft)], data, list(range(8)),
+                     on.OnlineConfig(steps=1, batch_tokens=1024, lr=0.0, warmup=0), None, _quiet, False)
+    assert stats["batch_tokens"] == 512
+    _oom_once(monkeypatch, {0})
+    with pytest.raises(RuntimeError, match="out of memory"):
+        on.train(shape_t, wt, [_student(draft)], data, list(range(8)),
+                 on.OnlineConfig(steps=1, batch_tokens=512, lr=0.0, warmup=0), None, _quiet, False)
+
+
+def test_a_resumed_run_keeps_the_batch_size_an_out_of_memory_halved(tiny, monkeypatch, tmp_path: Path) -> None:
+    """Halved to 1024 in the first part (paused at step 1): the resumed part trains at 1024 too."""
+    _, target, draft = tiny
+    shape_t, wt, _ = on.load_folder(target)
+    data = _made(8, 51)
+    cfg = on.OnlineConfig(steps=3, batch_tokens=2048, lr=0.0, warmup=0)
+    _oom_once(monkeypatch, {0})
+    first = on.train(shape_t, wt, [_student(draft)], data, list(range(8)), cfg, tmp_path / "c.pt", _quiet, False,
+                     pause=lambda s: s == 1)
+    assert first["batch_tokens"] == 1024 and first["steps"] == 1
+    second = on.train(shape_t, wt, [_student(draft)], data, list(range(8)), cfg, tmp_path / "c.pt", _quiet, False)
+    assert second["finished"] and second["batch_tokens"] == 1024
+
+
+def test_weight_decay_reaches_the_students_optimiser(tiny) -> None:
+    """One step from the same draft with weight decay 0 and 0.5 (lr 1e-2): the weights differ (the
+    option is passed on, not AdamW's default)."""
+    _, target, draft = tiny
+    shape_t, wt, _ = on.load_folder(target)
+    data = _made(4, 52)
+    got = []
+    for wd in (0.0, 0.5):
+        s = _student(draft)
+        on.train(shape_t, wt, [s], data, [0, 1, 2, 3], on.OnlineConfig(steps=1, batch_tokens=4096, warmup=0, lr=1e-2,
+                                                                       weight_decay=wd), None, _quiet, False)
+        got.append(s.w["model.layers.0.mlp.up_proj.weight"].clone())
+    assert not torch.equal(got[0], got[1])
+
+
+def test_weight_decay_reaches_the_heads_optimiser(tiny, tmp_path: Path) -> None:
+    _, target, _ = tiny
+    shape_t, wt, _ = on.load_folder(target)
+    data = _made(4, 53)
+    got = []
+    for wd in (0.0, 0.5):
+        cfg = on.OnlineConfig(steps=1, batch_tokens=4096, warmup=0, heads=("eagle3",), head_vocab=256, head_depth=1,
+                              head_lr=1e-2, weight_decay=wd)
+        heads = on._make_heads(shape_t, wt, data, [0, 1, 2, 3], {"eos": [2]}, cfg, tmp_path)
+        on.train(shape_t, wt, [], data, [0, 1, 2, 3], cfg, None, _quiet, False, heads=heads)
+        got.append({k: t.clone() for k, t in heads.students[0].model.state_dict().items()})
+    assert any(not torch.equal(t, got[1][k]) for k, t in got[0].items() if t.is_floating_point())
+
+
+def test_training_seconds_add_up_across_three_parts(tiny, tmp_path: Path, monkeypatch) -> None:
+    """1 s a step on a fake clock, paused at 2 and 4 and finished at 6: each part's checkpoint and
+    the returned ``seconds`` count the earlier parts' time."""
+    _, target, draft = tiny
+    shape_t, wt, _ = on.load_folder(target)
+    data = _made(8, 54)
+    now = [0.0]
+    monkeypatch.setattr(on.time, "perf_counter", lambda: now[0])
+    cfg = on.OnlineConfig(steps=6, batch_tokens=64, lr=1e-3, warmup=1)
+    ckpt = tmp_path / "c.pt"
+    on.train(shape_t, wt, [_student(draft)], data, list(range(8)), cfg, ckpt, _quiet, False, pause=_tick(now, 2))
+    assert torch.load(ckpt, weights_only=False)["seconds"] == 2.0
+    on.train(shape_t, wt, [_student(draft)], data, list(range(8)), cfg, ckpt, _quiet, False, pause=_tick(now, 4))
+    assert torch.load(ckpt, weights_only=False)["seconds"] == 4.0
+    # (pause() is not asked at the last step, so the clock ticks at step 5 only: 4 + 1 = 5 s)
+    last = on.train(shape_t, wt, [_student(draft)], data, list(range(8)), cfg, ckpt, _quiet, False, pause=_tick(now, None))
+    assert last["finished"] and last["seconds"] == 5.0
+
+
+def test_trained_weights_come_back_without_gradients(tiny) -> None:
+    """After ``train`` the students' weights are plain tensors again (no autograd graph kept)."""
+    _, target, draft = tiny
+    shape_t, wt, _ = on.load_folder(target)
+    s = _student(draft)
+    on.train(shape_t, wt, [s], _made(4, 55), [0, 1, 2, 3], on.OnlineConfig(steps=1, batch_tokens=4096, warmup=0),
+             None, _quiet, False)
+    assert not any(t.requires_grad for t in s.w.values()) and s.opt is None
+
+
+def test_fed_weights_do_not_share_the_drafts_tensors(tiny) -> None:
+    """A fed draft trained in place must leave the draft it was copied from untouched."""
+    _, _, draft = tiny
+    _, w, _ = on.load_folder(draft)
+    fw = on.fed_weights(w, 32, 4)
+    for k, t in w.items():
+        assert fw[k].data_ptr() != t.data_ptr(), k
+
+
+# ----------------------------------------------------------------------------- heads
+
+
+def test_the_heads_target_head_folds_in_the_final_norm(tmp_path: Path) -> None:
+    """A target whose final norm's weight is not all ones: the heads' full head is the LM head times
+    that weight (the features they read are the final state divided by its RMS, unweighted)."""
+    target = make_tiny(tmp_path / "t", seed=3, norms=True)
+    shape_t, wt, _ = on.load_folder(target)
+    assert not torch.equal(wt["model.norm.weight"], torch.ones_like(wt["model.norm.weight"]))
+    cfg = on.OnlineConfig(heads=("medusa",), head_vocab=64, head_depth=1)
+    heads = on._make_heads(shape_t, wt, _made(4, 56), [0, 1, 2, 3], {"eos": [2]}, cfg, tmp_path)
+    assert torch.allclose(heads.head, on.head(wt) * wt["model.norm.weight"])
+
+
+def test_a_time_bounded_run_trains_at_full_rate_before_its_step_count_is_known(tiny) -> None:
+    """``steps`` 0: until the step count is measured the schedule runs over a nominal 10**9 steps,
+    so after the warm-up the rate stays ~``lr`` (not the cosine of a 0-step run, which is 0):
+    steps 2 and 3 still move the weights (lr 1e-2, warm-up 1; paused at 3)."""
+    _, target, draft = tiny
+    shape_t, wt, _ = on.load_folder(target)
+    data = _made(4, 57)
+    cfg = on.OnlineConfig(steps=0, train_seconds=1e6, batch_tokens=4096, lr=1e-2, warmup=1)
+    got = []
+    for stop in (2, 3):
+        s = _student(draft)
+        on.train(shape_t, wt, [s], data, [0, 1, 2, 3], cfg, None, _quiet, False, pause=lambda step, stop=stop: step == stop)
+        got.append(s.w["model.layers.0.mlp.up_proj.weight"].clone())
+    assert not torch.equal(got[0], got[1])
+
+
+def test_a_config_without_optional_fields_takes_the_llama_defaults() -> None:
+    """No ``num_key_value_heads``: multi-head attention (one KV head per query head); no
+    ``head_dim``: hidden / heads; no rope theta: 10000."""
+    s = on.Shape.from_hf({"num_hidden_layers": 2, "hidden_size": 64, "num_attention_heads": 4, "vocab_size": 100})
+    assert (s.kv_heads, s.head_dim, s.theta) == (4, 16, 10000.0)
+    s = on.Shape.from_hf({"num_hidden_layers": 2, "hidden_size": 64, "num_attention_heads": 4, "vocab_size": 100,
+                          "num_key_value_heads": 2, "head_dim": 8, "rope_parameters": {"rope_theta": 5e5}})
+    assert (s.kv_heads, s.head_dim, s.theta) == (2, 8, 5e5)
+    s = on.Shape.from_hf({"num_hidden_layers": 2, "hidden_size": 64, "num_attention_heads": 4, "vocab_size": 100,
+                          "num_key_value_heads": 2})
+    assert (s.kv_heads, s.head_dim) == (2, 16)  # the head width is per query head
+
+
+def test_the_module_entry_point_passes_its_options_on(tmp_path: Path, monkeypatch) -> None:
+    """``python -m specdec.train.online``: the comma lists and the plain options reach the run's
+    config; an empty ``--heads`` is no heads, ``--add-layers none`` no students."""
+    bundle = tmp_path / "b"
+    bundle.mkdir()
+    (bundle / "target.sha256").write_text("abc\n")
+    (bundle / "target_config.json").write_text("{}")
+    torch.save({"chat": [], "code": [], "eos": [2]}, bundle / "prompts.pt")
+    monkeypatch.setattr(on, "sha256", lambda path: "abc")
+    seen = {}
+
+    def fake_run(gguf, target_config, draft, prompts, cfg, out, device, log, command=""):
+        seen["cfg"], seen["prompts"] = cfg, prompts
+        return {}
+
+    monkeypatch.setattr(on, "run", fake_run)
+    base = ["--bundle", str(bundle), "--gguf", str(tmp_path / "t.gguf"), "--out", str(tmp_path / "o"), "--device", "cpu"]
+    assert on.main(base) == 0
+    assert seen["cfg"] == on.OnlineConfig() and seen["prompts"]["target_sha256"] == "abc"
+    assert on.main([*base, "--add-layers", "none", "--heads", "eagle3,medusa", "--fed", "2", "--fed-lr", "0.01,0.1",
+                    "--temperatures", "0.5", "--gen-batch", "7", "--lr", "0.5", "--held-out-every", "5"]) == 0
+    c = seen["cfg"]
+    assert (c.add_layers, c.heads, c.fed, c.fed_lr, c.temperatures, c.gen_batch, c.lr, c.held_out_every) == \
+        ((), ("eagle3", "medusa"), 2, (0.01, 0.1), (0.5,), 7, 0.5, 5)
+
+
+def test_the_first_step_takes_the_first_warm_up_rate(tiny) -> None:
+    """Adam's first update moves each weight with a clear gradient by the step's rate: with lr 1e-2
+    and warm-up 4 that is 1e-2 / 4 (the schedule's step 0), not step 1's 2/4 (4 hand-made sequences)."""
+    _, target, draft = tiny
+    shape_t, wt, _ = on.load_folder(target)
+    s = _student(draft)
+    before = s.w["model.layers.0.mlp.up_proj.weight"].clone()
+    on.train(shape_t, wt, [s], _made(4, 58), [0, 1, 2, 3],
+             on.OnlineConfig(steps=100, batch_tokens=4096, lr=1e-2, warmup=4), None, _quiet, False,
+             pause=lambda step: step == 1)
+    moved = float((s.w["model.layers.0.mlp.up_proj.weight"] - before).abs().max())
+    assert moved == pytest.approx(1e-2 / 4, rel=0.02), moved
+
+
+def test_an_out_of_memory_in_the_second_student_does_not_step_the_first(tiny, monkeypatch) -> None:
+    """Two students, the second's first forward pass runs out of memory (the batch is halved and
+    the step redone): each student then has exactly one loss per step, 2 steps, 2 losses. The first
+    student was once stepped before the second ran out, and kept that step when it was redone."""
+    _, target, draft = tiny
+    shape_t, wt, _ = on.load_folder(target)
+    data = _made(8, 70)
+    a, b = _student(draft, "a"), _student(draft, "b")
+    real = on._draft_law
+    raised = []
+
+    def law(s, *args, **kw):
+        if s.name == "b" and not raised:
+            raised.append(1)
+            raise RuntimeError("CUDA out of memory")
+        return real(s, *args, **kw)
+
+    monkeypatch.setattr(on, "_draft_law", law)
+    stats = on.train(shape_t, wt, [a, b], data, list(range(8)),
+                     on.OnlineConfig(steps=2, batch_tokens=2048, lr=1e-2, warmup=0), None, _quiet, False)
+    assert raised and stats["steps"] == 2 and stats["batch_tokens"] == 1024
+    assert len(b.losses) == 2
+    assert len(a.losses) == 2, a.losses  # once 3: the abandoned step's update and loss were kept

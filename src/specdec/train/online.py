@@ -671,6 +671,8 @@ def train(shape_t: Shape, wt: dict[str, Tensor], students: list[Student], data: 
             ids, rows = collate(data, group, dev)
             logp, feats = _target_pass(shape_t, wt, ids, rows, taps, law=bool(students))
             lr_factor = warmup_cosine(step, total or 10**9, cfg.warmup)
+            stepped = []  # (optimiser, losses, loss): stepped once every student and head has its gradients,
+            # so that running out of memory part-way leaves none of them a step ahead of the others
             for s in students:
                 for g in s.opt.param_groups:
                     g["lr"] = g.get("base_lr", cfg.lr) * lr_factor
@@ -683,8 +685,7 @@ def train(shape_t: Shape, wt: dict[str, Tensor], students: list[Student], data: 
                 loss.backward()
                 for g in s.opt.param_groups:  # a fed draft's projection apart: its draft weights move as a plain draft's
                     torch.nn.utils.clip_grad_norm_(g["params"], 1.0)
-                s.opt.step()
-                s.losses.append(round(float(loss.detach()), 5))
+                stepped.append((s.opt, s.losses, loss.detach()))
             if hs:
                 batch = _head_batch(data, group, ids, feats)
             for h in hs:
@@ -694,8 +695,10 @@ def train(shape_t: Shape, wt: dict[str, Tensor], students: list[Student], data: 
                 h.opt.zero_grad(set_to_none=True)
                 loss.backward()
                 torch.nn.utils.clip_grad_norm_([p for p in h.model.parameters() if p.requires_grad], 1.0)
-                h.opt.step()
-                h.losses.append(round(float(loss.detach()), 5))
+                stepped.append((h.opt, h.losses, loss.detach()))
+            for opt, losses, value in stepped:
+                opt.step()
+                losses.append(round(float(value), 5))
         except RuntimeError as e:  # torch.cuda.OutOfMemoryError is one
             if not _oom(e) or batch_tokens < 1024:
                 raise
