@@ -137,7 +137,6 @@ def test_a_stopped_bench_resumes_where_it_stopped_with_every_row_once(tmp_path, 
     assert "This run was stopped and resumed once (`--resume`)" in md and "| speculative (2 processes) |" in md
 
 
-
 def test_a_stopped_edge_cloud_run_resumes_at_the_rtt_and_prompt_it_stopped(tmp_path, monkeypatch):
     """Edge-cloud modes over the delay proxy, RTTs 0 and 30 ms, 2 prompts, stopped after the 30 ms
     worker's first prompt: the resumed run starts one server and one edge worker (the 30 ms one,
@@ -295,3 +294,88 @@ def test_a_resumed_workers_record_adds_the_earlier_parts_time_and_keeps_their_pe
     process = runner._run_journaled({"mode": "plain"}, {}, [], "plain", kept, None, samples, _Bar())
     assert seen["skip"] == [[0.0, 0, "a"]] and samples == [{"mode": "plain", "prompt_id": "b"}]
     assert process["seconds"] >= 50.0 and process["rss_peak_bytes"] == 900 and process["workers"] == 2
+
+
+HERE = {"cpu": "AMD EPYC 9R14", "cpu_count": 2}
+
+
+def _head(**fields) -> bytes:
+    return json.dumps({"journal": jr.FORMAT, "config": jr.config_key(CONFIG), **fields}).encode() + b"\n"
+
+
+def test_a_resumed_journal_holds_only_whole_lines_even_when_nothing_new_is_written(tmp_path):
+    """The line cut short goes from the file itself (not only from what is read): a resumed run
+    that stops before its next unit leaves a file of whole JSON lines."""
+    j = jr.Journal.open(tmp_path, CONFIG, resume=False)
+    j.unit("plain", [0.0, 0, "a"], 1.0, [{"mode": "plain", "prompt_id": "a"}])
+    j.close()
+    path = tmp_path / jr.NAME
+    path.write_bytes(path.read_bytes() + b'{"mode": "plain", "unit": [0.0, 0, "b"], "seconds": 1.0, "samples": [{"mo')
+    jr.Journal.open(tmp_path, CONFIG, resume=True).stop()
+    data = path.read_bytes()
+    assert data.endswith(b"\n") and all(isinstance(json.loads(x), dict) for x in data.splitlines())
+
+
+@pytest.mark.parametrize("line", [b"[1, 2]", b'"text"', b'{"mode": "plain", "unit": \xff}'])
+def test_a_line_that_is_not_a_json_object_is_damage_not_a_crash(tmp_path, line):
+    """A JSON array or string, or bytes that are not UTF-8, is a damaged journal (ConfigError naming
+    the line), not an AttributeError or UnicodeDecodeError, and not a line silently skipped."""
+    path = tmp_path / jr.NAME
+    path.write_bytes(_head() + line + b"\n")
+    with pytest.raises(ConfigError, match="damaged at line 2"):
+        jr.Journal.open(tmp_path, CONFIG, resume=True)
+
+
+@pytest.mark.parametrize("head", [{"journal": 2, "config": jr.config_key(CONFIG)}, {"journal": 1}])
+def test_a_journal_of_another_format_or_without_settings_is_not_resumed(tmp_path, head):
+    """A first line of another journal format, or with no settings, is not a specdec bench journal
+    (a ConfigError saying so, not a KeyError or a resume of rows written in another format)."""
+    (tmp_path / jr.NAME).write_bytes(json.dumps(head).encode() + b"\n")
+    with pytest.raises(ConfigError, match="not a specdec bench journal"):
+        jr.Journal.open(tmp_path, CONFIG, resume=True)
+
+
+def test_a_journal_that_recorded_a_machine_is_not_resumed_without_one(tmp_path):
+    """The machine a journal recorded must be repeated: a resume that reports none ({}) differs."""
+    jr.Journal.open(tmp_path, CONFIG, resume=False, machine=HERE).close()
+    with pytest.raises(ConfigError, match="ran on another machine or software"):
+        jr.Journal.open(tmp_path, CONFIG, resume=True)
+
+
+def test_a_journal_written_without_a_machine_field_is_compared_as_an_empty_machine(tmp_path):
+    """A first line with no "machine" key reads as {}: resumed where none is reported, and refused
+    with the usual message (not an AttributeError) on a machine."""
+    (tmp_path / jr.NAME).write_bytes(_head())
+    jr.Journal.open(tmp_path, CONFIG, resume=True).close()
+    with pytest.raises(ConfigError, match="ran on another machine or software"):
+        jr.Journal.open(tmp_path, CONFIG, resume=True, machine=HERE)
+
+
+def test_the_kept_peak_memory_is_the_highest_over_every_unit_of_a_mode(tmp_path):
+    """The peak RSS kept for a mode is the highest of all its units' rows, not the last unit's."""
+    j = jr.Journal.open(tmp_path, CONFIG, resume=False)
+    j.unit("plain", [0.0, 0, "a"], 1.0, [{"mode": "plain", "rss_peak_bytes": 500}])
+    j.unit("plain", [0.0, 0, "b"], 1.0, [{"mode": "plain", "rss_peak_bytes": 200}])
+    j.close()
+    assert jr.read(tmp_path / jr.NAME, jr.config_key(CONFIG)).rss_peak_bytes == {"plain": 500}
+
+
+def test_every_stop_of_a_server_or_proxy_is_kept_not_only_the_last(tmp_path):
+    """A server stopped in each of two parts: both totals are kept, in order, to be added up."""
+    j = jr.Journal.open(tmp_path, CONFIG, resume=False)
+    j.totals("g:server", {"seconds": 1.0})
+    j.close()
+    j = jr.Journal.open(tmp_path, CONFIG, resume=True)
+    j.totals("g:server", {"seconds": 2.0})
+    j.close()
+    assert jr.read(tmp_path / jr.NAME, jr.config_key(CONFIG)).totals == {"g:server": [{"seconds": 1.0}, {"seconds": 2.0}]}
+
+
+def test_a_finished_unit_is_on_disk_before_the_journal_closes(tmp_path):
+    """Each line is flushed as it is written: a run killed outright (no close) keeps its finished units."""
+    j = jr.Journal.open(tmp_path, CONFIG, resume=False)
+    j.unit("plain", [0.0, 0, "a"], 1.0, [{"mode": "plain", "prompt_id": "a"}])
+    try:
+        assert jr.read(tmp_path / jr.NAME, jr.config_key(CONFIG)).units == {"plain": {(0.0, 0, "a")}}
+    finally:
+        j.close()

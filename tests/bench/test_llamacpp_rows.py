@@ -2,6 +2,7 @@
 GGUF export's tensor layout, and the runner and its draft against a scripted stand-in for the
 binding (none of this needs llama.cpp itself)."""
 
+import json
 import sys
 import types
 
@@ -9,7 +10,7 @@ import numpy as np
 import pytest
 import torch
 
-from specdec.bench import report, runner
+from specdec.bench import gguf_export, report, runner
 from specdec.bench.gguf_export import export_llama, gguf_name, rope_halves_to_pairs
 from specdec.bench.workloads import BUILTIN
 from specdec.errors import SpecdecError
@@ -338,3 +339,226 @@ def test_the_runner_loads_each_variant_and_counts_one_generations_calls(fake_bin
     row = runner.generate("plain", [5], temperature=0.0, seed=1, max_new=10)  # 6, then 0: the end
     assert (row["generated_tokens"], row["finish_reason"], row["target_calls"], row["target_tokens_scored"]) == (2, "eos", 2, 2)
     assert row["prefill_s"] == 1.0 and target.generate_kwargs["repeat_penalty"] == 1.0
+
+
+def test_context_for_a_need_of_exactly_a_multiple_of_256_is_that_multiple():
+    from specdec.bench.llamacpp import context_for
+
+    assert context_for(2_159, 128, 16) == 2_304  # 2,159 + 128 + 16 + 1 = 2,304 exactly: no extra 256
+
+
+def test_the_runner_passes_draft_max_and_p_min_on_to_its_draft(fake_binding, tmp_path):
+    runner = fake_binding.LlamaCppRunner.load(tmp_path / "t.gguf", ["spec"], draft="d", eos_ids=frozenset({0}),
+                                              threads=1, draft_max=5, p_min=0.3)
+    assert (runner.draft.draft_max, runner.draft.p_min) == (5, 0.3)
+
+
+def test_a_plain_row_times_the_first_token_and_fingerprints_every_token(fake_binding, tmp_path):
+    """On the fake clock (a scored token costs a second): prompt [1, 1, 1, 2] then 3, 4, 5; the first
+    token comes after the prompt's 4 s, the last after 6 s; calls 3; the fingerprint is of all 3 tokens."""
+    runner = fake_binding.LlamaCppRunner.load(tmp_path / "t.gguf", ["plain"], draft="d", eos_ids=frozenset({0}), threads=1)
+    row = runner.generate("plain", [1, 1, 1, 2], temperature=0.0, seed=0, max_new=3)
+    assert (row["ttft_s"], row["wall_s"], row["tokens_per_s"]) == (4.0, 6.0, 0.5)
+    assert (row["prompt_tokens"], row["tokens_per_target_call"]) == (4, 1.0)
+    assert row["tokens_sha1"] == fake_binding.tokens_sha1([3, 4, 5])
+
+
+def test_every_generation_starts_from_an_empty_context(fake_binding, tmp_path, monkeypatch):
+    """No prompt-prefix reuse between generations: the model is reset before each one."""
+    runner = fake_binding.LlamaCppRunner.load(tmp_path / "t.gguf", ["plain"], draft="d", eos_ids=frozenset({0}), threads=1)
+    seen, real = [], _FakeLlama.generate
+
+    def generate(self, ids, **kwargs):
+        seen.append(self.n_tokens)
+        return real(self, ids, **kwargs)
+
+    monkeypatch.setattr(_FakeLlama, "generate", generate)
+    runner.generate("plain", [1, 2], temperature=0.0, seed=0, max_new=2)
+    runner.generate("plain", [1, 2], temperature=0.0, seed=0, max_new=2)
+    assert seen == [0, 0]
+
+
+def _speculative_generate(self, ids, **kwargs):
+    """The binding's loop, scripted: score the prompt, then each time the draft's proposal after the
+    newest token is scored with it in one call (the draft drafts the target's greedy tokens, so all are kept)."""
+    self.generate_kwargs = kwargs
+    seq = list(ids)
+    self.eval(ids)
+    while True:
+        tok = int(np.argmax(self.last_logits()))
+        yield tok
+        seq.append(tok)
+        drafted = self.kwargs["draft_model"](np.asarray(seq, dtype=np.intc)).tolist()
+        self.eval([tok, *drafted])
+        seq.extend(drafted)
+        yield from drafted
+
+
+def test_a_speculative_row_counts_its_own_generations_draft_only(fake_binding, tmp_path, monkeypatch):
+    """Prompt [1]: the target scores [1] -> 2; the draft proposes 3, 4 (4 at p ~0.22 < 0.75 ends it),
+    scored as [2, 3, 4] -> 5; then 6, 0 (the end) scored as [5, 6, 0]: 6 tokens in 3 calls, 4 proposed
+    in 2 draft calls, 6 - 3 = 3 counted accepted (rate 3 / 4); the next generation counts afresh."""
+    monkeypatch.setattr(_FakeLlama, "generate", _speculative_generate)
+    runner = fake_binding.LlamaCppRunner.load(tmp_path / "t.gguf", ["spec"], draft="d", eos_ids=frozenset({0}), threads=1)
+    for _ in range(2):
+        row = runner.generate("spec", [1], temperature=0.0, seed=0, max_new=16)
+        assert (row["generated_tokens"], row["target_calls"], row["finish_reason"]) == (6, 3, "eos")
+        assert (row["draft_tokens_proposed"], row["draft_calls"], row["draft_tokens_accepted"]) == (4, 2, 3)
+        assert row["acceptance_rate"] == 0.75
+
+
+def test_run_rows_passes_the_sampling_settings_on_in_the_order_given(fake_binding, tmp_path):
+    runner = fake_binding.LlamaCppRunner.load(tmp_path / "t.gguf", ["plain", "lookup"], draft="d",
+                                              eos_ids=frozenset({0}), threads=1)
+    rows = fake_binding.run_rows(runner, ["lookup", "plain"], [1, 2], temperature=0.7, seed=3, max_new=2, top_p=0.9,
+                                 repetition_penalty=1.3, make_row=lambda v, stats: v)
+    assert rows == ["lookup", "plain"]
+    for llm in _FakeLlama.made:
+        assert (llm.seed, llm.generate_kwargs["top_p"], llm.generate_kwargs["repeat_penalty"]) == (3, 0.9, 1.3)
+
+
+def test_an_unknown_variant_is_refused_when_loading(fake_binding, tmp_path):
+    with pytest.raises(ValueError, match="unknown llama.cpp variant 'medusa'"):
+        fake_binding.LlamaCppRunner.load(tmp_path / "t.gguf", ["plain", "medusa"], draft="d", eos_ids=frozenset(), threads=1)
+
+
+# ----------------------------------------------------------------------------- GGUF export
+
+
+def test_rope_reordering_refuses_an_odd_head_size():
+    """12 rows in 4 heads is 3 features a head: no halves to pair (a SpecdecError, not numpy's ValueError)."""
+    with pytest.raises(SpecdecError, match="heads of even size"):
+        rope_halves_to_pairs(np.zeros((12, 4)), 4)
+
+
+VOCAB, HIDDEN, HEADS, KV, HEAD_DIM = 16, 16, 2, 1, 4  # head_dim given, not hidden / heads (8)
+
+
+def _reference(path):
+    """A GGUF holding only what export_llama reads of the target's: its vocabulary size and tokenizer."""
+    import gguf
+
+    w = gguf.GGUFWriter(str(path), "llama")
+    w.add_vocab_size(VOCAB)
+    w.add_tokenizer_model("gpt2")
+    w.add_token_list([f"t{i}" for i in range(VOCAB)])
+    w.write_header_to_file()
+    w.write_kv_data_to_file()
+    w.write_tensors_to_file()
+    w.close()
+    return path
+
+
+def _llama(folder, *, tied=True, **config):
+    """A one-layer Llama folder written by hand (config.json + model.safetensors)."""
+    from safetensors.numpy import save_file
+
+    folder.mkdir(parents=True, exist_ok=True)
+    cfg = {"model_type": "llama", "vocab_size": VOCAB, "hidden_size": HIDDEN, "intermediate_size": 2 * HIDDEN,
+           "num_hidden_layers": 1, "num_attention_heads": HEADS, "num_key_value_heads": KV, "head_dim": HEAD_DIM,
+           "rms_norm_eps": 1e-5, "rope_theta": 500000.0, "max_position_embeddings": 128,
+           "tie_word_embeddings": tied, **config}
+    (folder / "config.json").write_text(json.dumps(cfg))
+    rng = np.random.default_rng(0)
+    shapes = {"model.embed_tokens.weight": (VOCAB, HIDDEN), "model.norm.weight": (HIDDEN,),
+              "model.layers.0.input_layernorm.weight": (HIDDEN,), "model.layers.0.post_attention_layernorm.weight": (HIDDEN,),
+              "model.layers.0.self_attn.q_proj.weight": (HEADS * HEAD_DIM, HIDDEN),
+              "model.layers.0.self_attn.k_proj.weight": (KV * HEAD_DIM, HIDDEN),
+              "model.layers.0.self_attn.v_proj.weight": (KV * HEAD_DIM, HIDDEN),
+              "model.layers.0.self_attn.o_proj.weight": (HIDDEN, HEADS * HEAD_DIM),
+              "model.layers.0.mlp.gate_proj.weight": (2 * HIDDEN, HIDDEN),
+              "model.layers.0.mlp.up_proj.weight": (2 * HIDDEN, HIDDEN),
+              "model.layers.0.mlp.down_proj.weight": (HIDDEN, 2 * HIDDEN)}
+    if not tied:
+        shapes["lm_head.weight"] = (VOCAB, HIDDEN)
+    save_file({k: rng.standard_normal(s).astype(np.float32) for k, s in shapes.items()}, str(folder / "model.safetensors"))
+    return folder
+
+
+def test_an_export_writes_the_configs_head_size_rope_base_file_type_and_untied_head(tmp_path):
+    """head_dim from the config (not hidden / heads), the config's rope_theta, the float16 file type,
+    and an untied LM head written as output.weight."""
+    import gguf
+
+    out = export_llama(_llama(tmp_path / "m", tied=False), tmp_path / "m.gguf", tokenizer_from=_reference(tmp_path / "r.gguf"))
+    reader = gguf.GGUFReader(str(out))
+    assert reader.fields["llama.rope.dimension_count"].contents() == HEAD_DIM
+    assert reader.fields["llama.rope.freq_base"].contents() == 500000.0
+    assert reader.fields["general.file_type"].contents() == int(gguf.LlamaFileType.MOSTLY_F16)
+    assert "output.weight" in {t.name for t in reader.tensors}
+
+
+@pytest.mark.parametrize("config, says", [
+    ({"model_type": "mistral"}, "only llama is supported"),
+    ({"vocab_size": VOCAB + 1}, "vocabulary sizes differ"),
+    ({"rope_parameters": {"rope_type": "llama3", "rope_theta": 500000.0}}, "only the default rotary embedding"),
+])
+def test_an_export_refuses_what_llama_cpp_would_run_differently(tmp_path, config, says):
+    with pytest.raises(SpecdecError, match=says):
+        export_llama(_llama(tmp_path / "m", **config), tmp_path / "m.gguf", tokenizer_from=_reference(tmp_path / "r.gguf"))
+    assert not list(tmp_path.glob("m.gguf*"))
+
+
+def test_an_export_stopped_midway_leaves_no_file_at_its_name(tmp_path, monkeypatch):
+    """The GGUF appears under its name only once whole: draft_gguf would reuse a cut file for good."""
+    import gguf
+
+    folder, ref = _llama(tmp_path / "m"), _reference(tmp_path / "r.gguf")
+
+    def fail(self, *a, **k):
+        raise KeyboardInterrupt
+
+    monkeypatch.setattr(gguf.GGUFWriter, "write_tensors_to_file", fail)
+    with pytest.raises(KeyboardInterrupt):
+        export_llama(folder, tmp_path / "m.gguf", tokenizer_from=ref)
+    assert not (tmp_path / "m.gguf").exists()
+
+
+@pytest.fixture
+def cache(tmp_path, monkeypatch):
+    """draft_gguf with the registry and the export scripted: ``calls`` lists each export's (folder, tokenizer, dtype)."""
+    from specdec.models import registry
+
+    folder = tmp_path / "draft"
+    folder.mkdir()
+    (folder / "model.safetensors").write_bytes(b"weights")
+    calls, asked = [], []
+
+    def export(folder, out, *, tokenizer_from, dtype="float16"):
+        calls.append((folder, tokenizer_from, dtype))
+        out.parent.mkdir(parents=True, exist_ok=True)
+        out.write_bytes(b"gguf")
+        return out
+
+    def resolve(ref):
+        asked.append(ref)
+        return types.SimpleNamespace(folder=folder)
+
+    monkeypatch.setattr(registry, "resolve", resolve)
+    monkeypatch.setattr(registry, "cache_root", lambda: tmp_path / "cache")
+    monkeypatch.setattr(gguf_export, "export_llama", export)
+    return types.SimpleNamespace(folder=folder, calls=calls, asked=asked)
+
+
+def test_draft_gguf_converts_once_per_draft_target_and_dtype(cache, tmp_path):
+    """The draft model of ``NAME+lookup`` is NAME; a second call reuses the file; another target's
+    tokenizer, another dtype (passed on) or new weights convert again."""
+    import os
+
+    a, b = tmp_path / "a.gguf", tmp_path / "b.gguf"
+    first = gguf_export.draft_gguf("mine+lookup", a)
+    assert cache.asked == ["mine"] and cache.calls == [(cache.folder, a, "float16")]
+    assert gguf_export.draft_gguf("mine", a) == first and len(cache.calls) == 1
+    assert gguf_export.draft_gguf("mine", b) != first and cache.calls[-1][1] == b
+    assert gguf_export.draft_gguf("mine", a, dtype="float32") != first and cache.calls[-1][2] == "float32"
+    weights = cache.folder / "model.safetensors"
+    st = weights.stat()
+    os.utime(weights, ns=(st.st_atime_ns, st.st_mtime_ns + 10**9))  # retrained: the same size, a later time
+    assert gguf_export.draft_gguf("mine", a) != first and len(cache.calls) == 4
+
+
+def test_draft_gguf_refuses_a_folder_without_weights(cache, tmp_path):
+    (cache.folder / "model.safetensors").unlink()
+    with pytest.raises(SpecdecError, match="has no model.safetensors to convert"):
+        gguf_export.draft_gguf("mine", tmp_path / "a.gguf")
+    assert cache.calls == []

@@ -5,7 +5,7 @@ import re
 
 import pytest
 
-from specdec.bench import report
+from specdec.bench import report, workloads
 from specdec.bench.workloads import BUILTIN, load_jsonl, select
 from specdec.errors import ConfigError
 
@@ -512,3 +512,55 @@ def test_a_draft_temperature_factor_of_one_is_not_mentioned():
     """Rows that record factor 1.0 (the default) at T > 0 sampled the draft at T: nothing to say."""
     assert report._draft_temperature([{"draft_temperature_factor": 1.0, "temperature": 1.0}]) == ""
     assert report._draft_temperature([{"draft_temperature_factor": 0.85, "temperature": 1.0}]) == ", sampled at 0.85 × T"
+
+
+def test_a_prompt_file_saved_with_a_byte_order_mark_reads(tmp_path):
+    """Editors on Windows write UTF-8 with a BOM: the first line still reads as JSON."""
+    f = tmp_path / "p.jsonl"
+    f.write_text('{"prompt": "x", "id": "a"}\n', encoding="utf-8-sig")
+    assert [(p.id, p.text) for p in load_jsonl(f)] == [("a", "x")]
+
+
+@pytest.mark.parametrize("text, says", [
+    ('{"prompt": "   "}', "each line needs a non-empty string field 'prompt'"),  # a blank prompt is no prompt
+    ('{"prompt": "a", "id": true}', "'id' must be a string, got true"),  # a JSON boolean is not an id
+    ('{"prompt": "a", "category": false}', "'category' must be a string, got false"),
+])
+def test_a_prompt_file_refuses_blank_prompts_and_boolean_ids(tmp_path, text, says):
+    f = tmp_path / "p.jsonl"
+    f.write_text(text + "\n")
+    with pytest.raises(ConfigError, match=f":1: {says}"):
+        load_jsonl(f)
+
+
+def test_numeric_ids_and_categories_are_read_as_strings(tmp_path):
+    """An id or category written as a JSON number is kept, as its text (rows pair by the string)."""
+    f = tmp_path / "p.jsonl"
+    f.write_text('{"prompt": "a", "id": 7, "category": 3}\n')
+    assert [(p.id, p.category) for p in load_jsonl(f)] == [("7", "3")]
+
+
+def test_a_prompt_file_of_blank_lines_says_it_holds_no_prompts(tmp_path):
+    f = tmp_path / "p.jsonl"
+    f.write_text("\n  \n")
+    with pytest.raises(ConfigError, match="holds no prompts"):
+        load_jsonl(f)
+
+
+def test_limit_zero_keeps_no_prompt_rather_than_all():
+    """--limit 0 keeps the first 0 prompts of each category: nothing is left (an error), not everything."""
+    with pytest.raises(ConfigError, match="no prompts left"):
+        select(BUILTIN, limit=0)
+
+
+def test_the_early_chat_check_waits_where_the_files_cannot_tell(monkeypatch):
+    """A target whose files cannot tell (chat_template_known is None: a hub id) is not refused
+    before it loads; one whose files say False is."""
+    from specdec.models import registry
+
+    chat = [p for p in BUILTIN if p.chat][:1]
+    monkeypatch.setattr(registry, "chat_template_known", lambda target: None)
+    workloads.check_chat_files(chat, "org/model")  # checked later, once its tokenizer loads
+    monkeypatch.setattr(registry, "chat_template_known", lambda target: False)
+    with pytest.raises(ConfigError, match="has no chat template"):
+        workloads.check_chat_files(chat, "org/model")
