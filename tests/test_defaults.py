@@ -5,11 +5,14 @@ help and README say each default is matches the value."""
 from __future__ import annotations
 
 import inspect
+from dataclasses import replace
 from pathlib import Path
 
 import pytest
 
 from specdec import defaults
+from specdec.errors import ConfigError
+from specdec.sampling import SamplingConfig, validate
 
 README = Path(__file__).resolve().parents[1] / "README.md"
 
@@ -98,3 +101,35 @@ def test_the_guide_gamma_rule_starts_and_stays_where_defaults_say():
         g = ctl.next_gamma()
         ctl.update(gamma=g, accepted=g, draft_s=0.0, target_s=0.0, other_s=0.0)
     assert ctl.next_gamma() == defaults.GUIDE_GAMMA_MAX
+
+
+def test_the_temperature_and_repetition_penalty_bounds_are_inclusive():
+    base = SamplingConfig(temperature=1.0)
+    for t in (1e-3, 1e4):
+        validate(replace(base, temperature=t))
+    for t in (0.9e-3, 1.1e4):
+        with pytest.raises(ConfigError, match="temperature"):
+            validate(replace(base, temperature=t))
+    for p in (1e-3, 1e3):
+        validate(replace(base, repetition_penalty=p))
+    for p in (0.9e-3, 1.1e3):
+        with pytest.raises(ConfigError, match="repetition penalty"):
+            validate(replace(base, repetition_penalty=p))
+
+
+def test_the_calibration_factors_run_from_half_to_one_point_two():
+    assert defaults.CALIBRATION_FACTORS[0] == 0.5 and defaults.CALIBRATION_FACTORS[-1] == 1.2
+    assert len(defaults.CALIBRATION_FACTORS) == 15 and 1.0 in defaults.CALIBRATION_FACTORS
+
+
+def test_the_draft_seed_offset_gives_the_drafter_a_stream_of_its_own():
+    """The drafter's generator is seeded with seed + DRAFT_SEED_OFFSET: an offset of 0 would hand it
+    the verifier's own random stream, and every allowed seed plus the offset must still be a seed
+    torch takes (below 2**64)."""
+    import torch
+
+    assert defaults.DRAFT_SEED_OFFSET != 0
+    for seed in (0, defaults.MAX_SEED):
+        draft = torch.Generator().manual_seed(seed + defaults.DRAFT_SEED_OFFSET)
+        target = torch.Generator().manual_seed(seed)
+        assert not torch.equal(torch.rand(8, generator=draft), torch.rand(8, generator=target))

@@ -188,3 +188,125 @@ def test_a_loaded_library_without_the_few_row_int8_product_reports_none(fresh, m
     monkeypatch.setattr(kernels, "torch", SimpleNamespace(ops=SimpleNamespace(specdec=ops)))
     fresh(True)
     assert kernels.q8_available() is False and kernels.q4_fast() is False and kernels.q8_zero() == 0
+
+
+def test_the_cpu_key_is_the_cpuinfo_flags_line():
+    """A library compiled with -march=native answers only for CPUs with the same flags."""
+    try:
+        text = Path("/proc/cpuinfo").read_text()
+    except OSError:
+        pytest.skip("no /proc/cpuinfo here")
+    flags = [line for line in text.splitlines() if line.startswith("flags")]
+    if not flags:
+        pytest.skip("/proc/cpuinfo has no flags line here")
+    assert kernels._cpu_key() == flags[0]
+
+
+def test_the_cache_key_covers_torch_and_the_compiler(monkeypatch, tmp_path):
+    """Another torch version or another compiler is another library (compiled, not reused)."""
+    commands = _fake_builds(monkeypatch, tmp_path)
+    monkeypatch.delenv("SPECDEC_MARCH", raising=False)
+    first = kernels._build("c++")
+    assert kernels._build("g++") != first
+    monkeypatch.setattr(torch, "__version__", torch.__version__ + "+other")
+    assert kernels._build("c++") != first
+    assert len(commands) == 3
+
+
+def test_the_cache_key_covers_the_cpu(monkeypatch, tmp_path):
+    _fake_builds(monkeypatch, tmp_path)
+    monkeypatch.setattr(kernels, "_cpu_key", lambda: "flags : avx2")
+    first = kernels._build("c++")
+    monkeypatch.setattr(kernels, "_cpu_key", lambda: "flags : avx2 avx512f")
+    assert kernels._build("c++") != first
+
+
+def test_a_library_finished_while_waiting_for_the_lock_is_not_compiled_again(monkeypatch, tmp_path):
+    """Several processes start at once: the ones that waited for the lock find the first one's library."""
+    commands = _fake_builds(monkeypatch, tmp_path)
+    done: list[Path] = []
+
+    def flock(lock, op):  # another process compiles while this one waits
+        lib = Path(lock.name).with_suffix(".so")
+        lib.write_bytes(b"the other process's library")
+        done.append(lib)
+
+    monkeypatch.setattr(kernels.fcntl, "flock", flock)
+    lib = kernels._build("c++")
+    assert done == [lib] and commands == []
+    assert lib.read_bytes() == b"the other process's library"
+
+
+def test_the_target_cpu_flag_is_march_on_x86_and_mcpu_elsewhere(monkeypatch):
+    monkeypatch.delenv("SPECDEC_MARCH", raising=False)
+    monkeypatch.setattr(kernels.platform, "machine", lambda: "x86_64")
+    assert kernels._march() == "-march=native"
+    monkeypatch.setattr(kernels.platform, "machine", lambda: "aarch64")
+    assert kernels._march() == "-mcpu=native"
+    monkeypatch.setenv("SPECDEC_MARCH", "x86-64-v3")
+    assert kernels._march() == "-march=x86-64-v3"
+
+
+@pytest.fixture
+def failing_load(monkeypatch):
+    """A fresh process state whose _declare is recorded, not run (the real schemas are declared already)."""
+    declared: list[bool] = []
+    monkeypatch.setattr(kernels, "_state", {})
+    monkeypatch.setattr(kernels, "_declare", lambda: declared.append(True))
+    monkeypatch.delenv("SPECDEC_KERNELS", raising=False)
+    return declared
+
+
+def test_no_compiler_declares_the_schemas_and_warns(failing_load, monkeypatch, capsys):
+    monkeypatch.setattr(kernels, "_compiler", lambda: None)
+    assert kernels.load() is False and kernels.loaded() is False
+    assert failing_load == [True]
+    assert "no C++ compiler found" in capsys.readouterr().err
+
+
+def test_a_library_that_will_not_load_leaves_the_aten_paths(failing_load, monkeypatch, capsys):
+    """An OSError (the library cannot be opened or the cache cannot be written) is a warning, not a crash."""
+    def broken(cxx: str) -> Path:
+        raise OSError("specdec-0123.so: cannot open shared object file")
+
+    monkeypatch.setattr(kernels, "_compiler", lambda: "c++")
+    monkeypatch.setattr(kernels, "_build", broken)
+    assert kernels.load() is False
+    assert failing_load == [True]
+    assert "did not build (specdec-0123.so: cannot open shared object file)" in capsys.readouterr().err
+
+
+def test_a_failed_compile_declares_the_schemas_and_quotes_the_first_of_several_errors(failing_load, monkeypatch, capsys):
+    def failing(cxx: str) -> Path:
+        raise subprocess.CalledProcessError(1, [cxx], stderr="q4.cpp:3:1: error: 'x' was not declared\n"
+                                            "q4.cpp:9:1: error: 'y' was not declared\n    9 | y\n      | ^\n")
+
+    monkeypatch.setattr(kernels, "_compiler", lambda: "c++")
+    monkeypatch.setattr(kernels, "_build", failing)
+    assert kernels.load() is False
+    assert failing_load == [True]
+    assert "did not build (q4.cpp:3:1: error: 'x' was not declared)" in capsys.readouterr().err
+
+
+def test_only_specdec_attention_0_switches_the_attention_kernel_off(monkeypatch):
+    """With the library loaded, any other value (here 'yes') keeps the kernel on."""
+    monkeypatch.setattr(kernels, "_state", {"loaded": True})
+    monkeypatch.setenv("SPECDEC_ATTENTION", "yes")
+    assert kernels.attention_kernel() is True
+
+
+def test_q8_is_absent_without_the_library_whatever_the_op_would_say(monkeypatch):
+    """q8_available() asks the op only where the library loaded (a declared-only op has no answer)."""
+
+    ops = SimpleNamespace(q8_supported=lambda: True, q8_zero=lambda: 128, q4_isa=lambda: "avx512")
+    monkeypatch.setattr(kernels, "torch", SimpleNamespace(ops=SimpleNamespace(specdec=ops)))
+    monkeypatch.setattr(kernels, "_state", {"loaded": False})
+    assert kernels.q8_available() is False and kernels.q8_zero() == 0 and kernels.q4_fast() is False
+
+
+@pytest.mark.skipif(not kernels.load(), reason="needs the compiled kernels (a C++ compiler)")
+def test_the_reported_library_is_its_file_name():
+    """library() names the file (the hash of sources, torch, compiler, CPU and flags), not a path."""
+    import re
+
+    assert re.fullmatch(r"specdec-[0-9a-f]{16}\.so", kernels.library() or "")
