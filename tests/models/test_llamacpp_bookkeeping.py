@@ -140,6 +140,17 @@ def test_kv_bytes_follow_the_gguf_metadata(fake):
     assert cache.length == 3 and cache.nbytes == 3 * 256
 
 
+@pytest.mark.parametrize("sizes, per_token", [({"key_length": "24"}, 2 * 2 * (24 + 24) * 2),
+                                              ({"key_length": "24", "value_length": "40"}, 2 * 2 * (24 + 40) * 2)])
+def test_kv_bytes_take_the_head_sizes_a_gguf_names(fake, monkeypatch, sizes, per_token):
+    """A GGUF that names its key / value head sizes (Gemma-3's 256 is not its 640 wide embedding over
+    4 heads) is sized by them: layers x kv heads x (key + value size) x 2 bytes; a value size not
+    given is the key size."""
+    for key, value in sizes.items():
+        monkeypatch.setitem(META, f"llama.attention.{key}", value)
+    assert _lm().kv_bytes_per_token == per_token
+
+
 def test_a_block_is_scored_as_the_model_scores_each_position(fake):
     lm = _lm()
     cache = lm.new_cache()

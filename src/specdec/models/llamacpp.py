@@ -97,8 +97,10 @@ class LlamaCppLM:
         layers = int(meta.get(f"{arch}.block_count", 0))
         heads = int(meta.get(f"{arch}.attention.head_count", 1))
         kv_heads = int(meta.get(f"{arch}.attention.head_count_kv", heads))
-        head_dim = int(meta.get(f"{arch}.embedding_length", 0)) // heads
-        self.kv_bytes_per_token = 2 * layers * kv_heads * head_dim * 2  # K and V in float16
+        head_dim = int(meta.get(f"{arch}.embedding_length", 0)) // heads  # unless the file names the sizes
+        key_dim = int(meta.get(f"{arch}.attention.key_length", head_dim))  # Gemma-3: 256, not 640 / 4
+        value_dim = int(meta.get(f"{arch}.attention.value_length", key_dim))
+        self.kv_bytes_per_token = layers * kv_heads * (key_dim + value_dim) * 2  # K and V in float16
         self._epoch = 0
         self._memory = llama_cpp.llama_get_memory(self.llm.ctx)
 
