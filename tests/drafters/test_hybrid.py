@@ -468,3 +468,18 @@ def test_reset_and_prepare_reach_the_model_drafter():
     h.reset()
     h.prepare(NOVEL)
     assert ("reset",) in m.calls and ("prepare", NOVEL.tolist()) in m.calls
+
+
+def test_a_lookup_round_needs_a_repeated_suffix_of_two_tokens_by_default():
+    """By default one repeated token is not enough for a lookup round (a single token repeats too
+    often to predict what follows): "… 3 1" after "1 2 …" is a model round, "… 1 2" after "1 2 3"
+    a lookup round."""
+    h = LookupThenModel(_Model(), lookup_tokens=2)  # type: ignore[arg-type]
+    one = torch.tensor([1, 2, 3, 1])  # only the last token, 1, was seen before
+    h.prepare(one)
+    assert not h.propose(one, 2, _sampler(room=4)).free
+    two = torch.tensor([1, 2, 3, 1, 2])  # "1 2" was seen before, followed by 3
+    h.reset()
+    h.prepare(two)
+    draft = h.propose(two, 2, _sampler(room=4))
+    assert draft.free and draft.tokens.tolist()[:1] == [3]
