@@ -14,7 +14,7 @@ import pytest
 import torch
 
 from specdec.models import linear as linear_mod
-from specdec.models.linear import MAX_INVARIANT_K, Linear, _onednn_available, f32_kernel_available
+from specdec.models.linear import DENSE_BELOW, MAX_INVARIANT_K, Linear, _onednn_available, f32_kernel_available
 
 needs_f32 = pytest.mark.skipif(not f32_kernel_available(), reason="the float32 kernel needs a C++ compiler")
 
@@ -128,3 +128,58 @@ def test_a_chunked_product_adds_its_bias_once(monkeypatch):
     assert torch.allclose(lin(x).double(), want, atol=1e-3)
     scale = torch.rand(5, 1, generator=g) + 0.5
     assert torch.allclose(lin.scaled(x, scale).double(), (want - bias.double()) * scale.double() + bias.double(), atol=1e-3)
+
+
+needs_onednn = pytest.mark.skipif(not _onednn_available(), reason="needs oneDNN's packed float32 linear")
+
+
+@needs_onednn
+def test_fast_mode_keeps_only_weights_below_dense_below_dense():
+    """``mode="fast"``: float32 weights with *fewer* elements than DENSE_BELOW stay dense (MKL);
+    a weight of exactly DENSE_BELOW elements is packed for oneDNN."""
+    assert DENSE_BELOW == 300 * 1000
+    at = Linear(torch.zeros(300, 1000), mode="fast")
+    below = Linear(torch.zeros(299, 1000), mode="fast")
+    assert at.packed is not None and at.weight is None
+    assert below.packed is None and below.weight is not None
+
+
+@needs_onednn
+@pytest.mark.parametrize("k, chunks", [(MAX_INVARIANT_K, 1), (MAX_INVARIANT_K + 1, 2), (2 * MAX_INVARIANT_K, 2),
+                                       (2 * MAX_INVARIANT_K + 1, 3)])
+def test_inputs_are_cut_into_the_fewest_chunks_of_at_most_max_invariant_k(monkeypatch, k, chunks):
+    """oneDNN's packing cuts the inputs into ceil(K / MAX_INVARIANT_K) chunks, none longer than
+    MAX_INVARIANT_K (exact multiples take no extra, empty-ish chunk), and the chunked product is x @ W.T."""
+    monkeypatch.setenv("SPECDEC_F32_KERNEL", "0")  # oneDNN's packing, not the compiled kernel's
+    g = torch.Generator().manual_seed(k)
+    w = torch.randn(8, k, generator=g) * 0.05
+    lin = Linear(w)
+    assert lin.packed is not None and len(lin.packed) == chunks
+    b = lin._bounds
+    assert b[0] == 0 and b[-1] == k and max(hi - lo for lo, hi in zip(b, b[1:])) <= MAX_INVARIANT_K
+    x = torch.randn(3, k, generator=g)
+    assert torch.allclose(lin(x).double(), x.double() @ w.double().T, atol=1e-3)
+
+
+@needs_onednn
+def test_a_chunked_layers_byte_count_covers_every_chunk(monkeypatch):
+    """``nbytes`` of a layer packed in three oneDNN chunks counts them all: at least the dense weight."""
+    monkeypatch.setenv("SPECDEC_F32_KERNEL", "0")
+    k = 2 * MAX_INVARIANT_K + 100
+    lin = Linear(torch.randn(24, k, generator=torch.Generator().manual_seed(1)))
+    assert lin.packed is not None and len(lin.packed) == 3
+    assert lin.nbytes >= 24 * k * 4
+    assert lin.nbytes == linear_mod.tensor_bytes(*lin.packed)
+
+
+def test_the_f32_kernel_is_on_by_default_wherever_the_library_loads(monkeypatch):
+    """Without ``SPECDEC_F32_KERNEL`` in the environment the compiled float32 product is used
+    wherever the kernel library loads (only ``0`` turns it off): a float32 invariant Linear takes it."""
+    from specdec.models import kernels
+
+    monkeypatch.delenv("SPECDEC_F32_KERNEL", raising=False)
+    loaded = bool(kernels.load())
+    assert linear_mod.f32_kernel_available() is loaded
+    assert (Linear(torch.randn(8, 16)).f32 is not None) is loaded
+    monkeypatch.setenv("SPECDEC_F32_KERNEL", "1")
+    assert linear_mod.f32_kernel_available() is loaded

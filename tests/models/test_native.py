@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import dataclasses
+import warnings
 
 import pytest
 import torch
@@ -62,7 +63,6 @@ def test_last_only_and_context_limit(tiny_folder):
 def test_hf_backend_matches_native(tiny_folder):
     """... and calls the model with the cache argument its transformers names now: no deprecation
     warning (transformers 5.x warns that ``past_key_values`` is removed in 5.40)."""
-    import warnings
 
     native = NativeCausalLM.from_folder(tiny_folder)
     hf = HFCausalLM.from_folder(str(tiny_folder))
@@ -472,3 +472,35 @@ def test_a_refused_tree_pass_leaves_the_cache_as_it_was(invariant, parents):
         model.forward_tree(torch.arange(8, 10), torch.tensor(parents), cache)
     assert cache.length == 5
     assert torch.equal(model.forward(torch.arange(8, 10), cache), model.forward(torch.arange(8, 10), plain))
+
+
+needs_int8 = pytest.mark.skipif(not int8_available(), reason="this torch build has no int8 engine")
+
+
+@needs_int8
+def test_an_int8_heads_weights_use_the_whole_int8_range_per_output_channel():
+    """Per-output-channel symmetric quantisation with scale max|w| / 127: every row's largest
+    weight becomes +-127 and the row's scale is exactly max|w| / 127."""
+    g = torch.Generator().manual_seed(5)
+    w = torch.randn(40, 64, generator=g) * (torch.rand(40, 1, generator=g) * 3 + 0.01)
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        qw, _ = torch.ops.quantized.linear_unpack(Int8Linear(w).packed)
+    assert torch.equal(qw.int_repr().abs().amax(1), torch.full((40,), 127, dtype=torch.int8))
+    want = (w.abs().amax(1) / 127.0).double()
+    assert torch.allclose(qw.q_per_channel_scales(), want, rtol=1e-6)
+
+
+@needs_int8
+def test_an_int8_heads_activations_are_quantised_with_reduce_range():
+    """The draft's int8 head quantises activations with fbgemm's ``reduce_range`` (7 bits), which
+    keeps the u8 x s8 pair sums of CPUs without VNNI from saturating int16; inputs are picked so
+    that the 7- and 8-bit results differ (40 x 64 weight, 3 rows)."""
+    g = torch.Generator().manual_seed(4)
+    w = torch.randn(40, 64, generator=g) * 0.05
+    x = torch.randn(3, 64, generator=g)
+    lin = Int8Linear(w)
+    seven = torch.ops.quantized.linear_dynamic(x, lin.packed, True)
+    eight = torch.ops.quantized.linear_dynamic(x, lin.packed, False)
+    assert not torch.equal(seven, eight)
+    assert torch.equal(lin(x), seven)

@@ -357,3 +357,61 @@ def test_codes_past_the_top_of_a_block_saturate_at_15():
     b = quantize_q4_1(w)
     assert float(b.m[0, 0]) == 100.0
     assert torch.equal(b.codes(), torch.full((1, 1, 32), 15, dtype=torch.uint8))
+
+
+@needs_q4
+def test_a_one_input_layers_gain_is_applied_without_the_kernel_too(monkeypatch):
+    """The input gain applies whatever its length: a layer of a single input (gain of one element)
+    gives bitwise the same on the ATen reference as on the kernel (3 rows, 40 outputs)."""
+    g = torch.Generator().manual_seed(3)
+    b = quantize_q4_1(torch.randn(40, 1, generator=g))
+    gain, x = torch.tensor([3.0]), torch.randn(3, 1, generator=g)
+    on = Q4Linear(b, gain=gain, in_features=1)(x)
+    monkeypatch.setattr(kernels, "q4_available", lambda: False)
+    off = Q4Linear(b, gain=gain, in_features=1)
+    assert off.packed is None
+    assert torch.equal(off(x), on)
+    assert not torch.equal(Q4Linear(b, in_features=1)(x), on)  # the gain does change the product
+
+
+@needs_q4
+def test_a_saved_4bit_packing_is_refused_without_the_kernel(monkeypatch):
+    """``Q4Linear.from_state`` needs the kernel that made the packing: without it, a ValueError."""
+    lin = Q4Linear(quantize_q4_1(torch.randn(32, 64, generator=torch.Generator().manual_seed(2))))
+    state = lin.state()
+    monkeypatch.setattr(kernels, "q4_available", lambda: False)
+    with pytest.raises(ValueError, match="needs the 4-bit kernel"):
+        Q4Linear.from_state(state, 32, 64)
+
+
+@pytest.mark.parametrize("kernel", [pytest.param(True, marks=needs_q4), False])
+def test_a_layer_keeps_its_declared_input_count(monkeypatch, kernel):
+    """80 inputs are stored as three blocks of 32 (96, zero-padded); the layer still declares 80."""
+    if not kernel:
+        monkeypatch.setattr(kernels, "q4_available", lambda: False)
+    b = quantize_q4_1(torch.randn(40, 80, generator=torch.Generator().manual_seed(2)))
+    assert b.shape == (40, 96)
+    assert Q4Linear(b, in_features=80).in_features == 80
+    assert Q4Linear(b).in_features == 96
+
+
+@pytest.mark.parametrize("kernel", [pytest.param(True, marks=needs_q4), False])
+def test_a_scaled_product_with_a_bias_applies_the_row_factors_first(monkeypatch, kernel):
+    """``Q4Linear.scaled(x, r)`` with a bias is ``r * product + b`` (one fused step), 4 rows."""
+    if not kernel:
+        monkeypatch.setattr(kernels, "q4_available", lambda: False)
+    g = torch.Generator().manual_seed(6)
+    lin = Q4Linear(quantize_q4_1(torch.randn(40, 64, generator=g)), torch.randn(40, generator=g))
+    x, r = torch.randn(4, 64, generator=g), torch.rand(4, 1, generator=g) + 2.0
+    assert torch.equal(lin.scaled(x, r), torch.addcmul(lin.bias, lin.product(x), r))
+    assert torch.equal(lin.scaled(x, None), lin.product(x) + lin.bias)
+
+
+def test_taking_output_columns_takes_their_scales_and_minima_too():
+    """``Q4Blocks.take(rows)``: codes, scales and minima of the chosen columns, in that order
+    (a permutation, as the loaders apply to llama's q / k rows)."""
+    g = torch.Generator().manual_seed(7)
+    b = quantize_q4_1(torch.randn(40, 64, generator=g))
+    perm = torch.randperm(40, generator=g)
+    assert torch.equal(b.take(perm).dequantize(), b.dequantize()[perm])
+    assert torch.equal(b.take(perm[:5]).dequantize(), b.dequantize()[perm[:5]])

@@ -244,7 +244,6 @@ def test_a_model_runs_its_q6_k_matrices_as_shipped(tmp_path):
     projection a layer of Q6_K columns alone, and the untied head the 4-bit product's Q6_K columns
     with the final norm's weight as its input gain (no calibration: nothing is re-quantised); its
     logits are the dequantised file's within the activations' rounding."""
-    from specdec.models.linear import Q4Linear
     from specdec.models.native import NativeCausalLM
 
     folder, path = _q6_model(tmp_path)
@@ -339,3 +338,51 @@ def test_a_q6_model_is_kept_on_disk_and_read_back_bit_for_bit(tmp_path, monkeypa
         cache = model.new_cache(32)
         outs.append(torch.cat([model.forward(ids[:6], cache), model.forward(ids[6:], cache)]))
     assert torch.equal(outs[0], outs[1])
+
+
+def _q6(n: int, k: int, seed: int) -> Q6Blocks:
+    """Random Q6_K columns [n, k] in the kernel's blocks of 32 inputs."""
+    g = torch.Generator().manual_seed(seed)
+    nb = k // 32
+    return Q6Blocks(torch.randint(0, 64, (n, nb, 32), generator=g).to(torch.uint8),
+                    (torch.rand(n, nb, generator=g) * 0.01 + 1e-3).half(),
+                    torch.randint(-60, 60, (n, nb, 2), generator=g).to(torch.int8))
+
+
+@pytest.mark.parametrize("kernel", [pytest.param(True, marks=needs_q4), False])
+def test_q6_columns_with_other_inputs_than_the_4bit_ones_are_refused(monkeypatch, kernel):
+    """Q6_K columns follow the 4-bit ones over the *same* inputs: 256 4-bit inputs with 512-input
+    Q6_K columns is a ValueError, with or without the kernel."""
+    if not kernel:
+        monkeypatch.setattr(kernels, "q4_available", lambda: False)
+    b4 = quantize_q4_1(torch.randn(32, 256, generator=torch.Generator().manual_seed(1)))
+    with pytest.raises(ValueError, match="same inputs"):
+        Q4Linear(b4, blocks6=_q6(16, 512, 2))
+    Q4Linear(b4, blocks6=_q6(16, 256, 2))  # the same inputs: fine
+
+
+@pytest.mark.parametrize("kernel", [pytest.param(True, marks=needs_q4), False])
+def test_a_cut_with_a_q6_column_before_whole_4bit_groups_is_refused(monkeypatch, kernel):
+    """``select_outputs`` keeps the kernel's order (4-bit groups first, then Q6_K columns): ids
+    asking for a Q6_K column *before* a whole group of 32 4-bit columns get None, not a layer that
+    would give the columns in another order; the same columns in kernel order are cut bitwise."""
+    if not kernel:
+        monkeypatch.setattr(kernels, "q4_available", lambda: False)
+    g = torch.Generator().manual_seed(5)
+    lin = Q4Linear(quantize_q4_1(torch.randn(32, 256, generator=g) * 0.05), blocks6=_q6(16, 256, 6))
+    x = torch.randn(3, 256, generator=g)
+    assert lin.select_outputs(torch.cat([torch.tensor([32 + 1]), torch.arange(32)])) is None
+    ids = torch.cat([torch.arange(32), torch.tensor([32 + 1])])
+    assert torch.equal(lin.select_outputs(ids)(x), lin(x)[:, ids])
+
+
+@needs_q4
+def test_a_layers_byte_count_includes_its_q6_packing():
+    """``nbytes`` of a layer with Q6_K columns counts q6_pack's bytes as well as q4_pack's."""
+    from specdec.models.linear import tensor_bytes
+
+    b4 = quantize_q4_1(torch.randn(32, 256, generator=torch.Generator().manual_seed(1)))
+    lin = Q4Linear(b4, blocks6=_q6(64, 256, 2))
+    assert lin.packed6.numel() > 0
+    assert lin.nbytes == tensor_bytes(lin.packed, lin.packed6)
+    assert lin.nbytes > Q4Linear(b4).nbytes + 64 * 256 * 6 // 8  # at least 6 bits a weight more

@@ -8,6 +8,8 @@
 
 from __future__ import annotations
 
+import io
+
 import pytest
 import torch
 
@@ -822,3 +824,289 @@ def test_column_absmax_of_a_weight_that_is_not_float32_is_its_exact_column_maxim
         w = (torch.randn(5, 7, generator=torch.Generator().manual_seed(1)) * 3).to(dtype)
         got = column_absmax(w)
         assert got.dtype == dtype and torch.equal(got, w.abs().amax(0)), dtype
+
+
+needs_int8_kernel = pytest.mark.skipif(not (kernels.load() and vnni_available()), reason="needs the few-row int8 kernel")
+
+CPUINFO = "processor\t: 0\nflags\t\t: fpu sse2 avx2 {extra} lm\n"
+
+
+def _fake_cpuinfo(monkeypatch, extra: str) -> None:
+    """/proc/cpuinfo as cpu_has reads it, with flags ``extra`` after the common ones."""
+    monkeypatch.setattr(linear_mod, "open", lambda *a, **k: io.StringIO(CPUINFO.format(extra=extra)), raising=False)
+
+
+def test_cpu_has_is_true_when_any_of_the_flags_is_listed(monkeypatch):
+    _fake_cpuinfo(monkeypatch, "avx_vnni")
+    assert linear_mod.cpu_has("avx512_vnni", "avx_vnni")
+    assert linear_mod.cpu_has("avx_vnni")
+    assert not linear_mod.cpu_has("avx512_vnni", "amx_int8")
+    assert not linear_mod.cpu_has("vnni")  # a whole flag, not the tail of one
+
+
+def test_256_bit_vnni_counts_as_vnni(monkeypatch):
+    """A CPU with AVX-VNNI but no AVX512-VNNI has 8-bit fbgemm activations (no reduce_range)."""
+    _fake_cpuinfo(monkeypatch, "avx_vnni")
+    assert linear_mod._has_vnni()
+    _fake_cpuinfo(monkeypatch, "avx512_vnni")
+    assert linear_mod._has_vnni()
+    _fake_cpuinfo(monkeypatch, "avx512f")
+    assert not linear_mod._has_vnni()
+
+
+def _weight(seed: int = 6) -> torch.Tensor:
+    """70 x 52 weights whose largest magnitude is negative in some rows, positive in others."""
+    g = torch.Generator().manual_seed(seed)
+    w = torch.randn(70, 52, generator=g) * 0.05
+    w[::3, 0] = -1.0  # row max |w| is a negative weight
+    w[1::3, 1] = 1.0
+    return w
+
+
+def _no_kernel(monkeypatch) -> None:
+    monkeypatch.setattr(linear_mod, "vnni_available", lambda reduce_range=None: False)
+
+
+@needs_w8a8
+@needs_int8_kernel
+def test_without_the_kernel_a_layer_quantises_its_weights_as_the_kernel_does(monkeypatch):
+    """Where the few-row kernel does not run, the ATen path quantises each output row with scale
+    max|w| / 127 (negative maxima included): the same int8 weights and scales as the kernel's
+    packing, and so bitwise the same products (1-9 rows, with and without smoothing)."""
+    w = _weight()
+    g = torch.Generator().manual_seed(1)
+    smooth = torch.rand(52, generator=g) + 0.5
+    x = torch.randn(9, 52, generator=g)
+    for sm in (None, smooth):
+        on = W8A8Linear(w, smooth=sm)
+        with monkeypatch.context() as m:
+            _no_kernel(m)
+            off = W8A8Linear(w, smooth=sm)
+        assert off.vnni is None
+        assert torch.equal(off._scales, on._scales)
+        qw, _ = torch.ops.quantized.linear_unpack(off.packed)
+        assert torch.equal(qw.int_repr(), on._unpacked().int_repr())
+        for n in (1, 4, 9):
+            assert torch.equal(off(x[:n]), on(x[:n])), n
+
+
+@needs_w8a8
+def test_the_wide_kernel_is_refused_without_vnni(monkeypatch):
+    """``wide=True`` (oneDNN's int8 linear for many rows) needs 8-bit activations: on a CPU
+    without VNNI the layer refuses it with a ValueError naming VNNI."""
+    monkeypatch.setattr(linear_mod, "_has_vnni", lambda: False)
+    with pytest.raises(ValueError, match="VNNI"):
+        W8A8Linear(_weight(), wide=True)
+
+
+@needs_w8a8
+def test_a_head_made_block_by_block_without_the_kernel_keeps_its_smoothing(monkeypatch):
+    """``scaled_rows`` where the kernel does not run falls back to ``W8A8Linear(rows * gain,
+    smooth=smooth)``: the smoothing is kept (same products, 1-5 rows)."""
+    g = torch.Generator().manual_seed(2)
+    rows, gain = torch.randn(70, 52, generator=g), torch.rand(52, generator=g) + 0.5
+    smooth = torch.rand(52, generator=g) * 4 + 0.1
+    x = torch.randn(5, 52, generator=g)
+    x[:, 3] *= 30
+    _no_kernel(monkeypatch)
+    got = W8A8Linear.scaled_rows(rows, gain, smooth=smooth)
+    want = W8A8Linear(rows * gain, smooth=smooth)
+    assert got.inv_smooth is not None and torch.equal(got.inv_smooth, want.inv_smooth)
+    for n in (1, 5):
+        assert torch.equal(got(x[:n]), want(x[:n])), n
+
+
+def _on_fbgemm(monkeypatch) -> None:
+    """Every row count on fbgemm's dynamic linear (neither build of the few-row kernel takes any)."""
+    monkeypatch.setattr(linear_mod, "AVX2_ROWS", 0)
+    monkeypatch.setattr(linear_mod, "VNNI_ROWS", 0)
+
+
+@needs_w8a8
+def test_fbgemm_products_are_batch_invariant_for_rows_of_either_sign():
+    """On fbgemm (the path every row count takes where the kernel is absent), each row is pinned to
+    exactly [-1, 1] by the staging buffer's +1 / -1 columns: a row whose values are all positive
+    (or all negative) gives bitwise the same result alone as beside rows of the other sign, and
+    (where the kernel runs) bitwise what the kernel gives.  12 rows of 52 inputs."""
+    w = _weight()
+    g = torch.Generator().manual_seed(3)
+    x = torch.rand(12, 52, generator=g) + 0.05  # all positive rows
+    x[1::2] *= -3  # all negative rows
+    lin = W8A8Linear(w)
+    kernel = lin(x) if lin.vnni is not None else None
+    with pytest.MonkeyPatch.context() as m:
+        _on_fbgemm(m)
+        alone = torch.cat([lin(x[i : i + 1]) for i in range(12)])
+        assert torch.equal(lin(x), alone)
+        assert torch.equal(lin(x[1:4]), alone[1:4])
+    if kernel is not None:
+        assert torch.equal(kernel, alone)
+
+
+@needs_w8a8
+def test_fbgemm_products_apply_the_smoothing(monkeypatch):
+    """A smoothed layer on fbgemm divides its inputs by the smoothing factors (the weights were
+    multiplied by them): close to x @ W.T and bitwise the kernel's product where the kernel runs."""
+    g = torch.Generator().manual_seed(8)
+    w = torch.randn(70, 52, generator=g) * 0.05
+    smooth = torch.rand(52, generator=g) * 3 + 0.5
+    x = torch.randn(6, 52, generator=g)
+    lin = W8A8Linear(w, smooth=smooth)
+    kernel = lin(x) if lin.vnni is not None else None
+    _on_fbgemm(monkeypatch)
+    got = lin(x)
+    ref = x @ w.T
+    assert (got - ref).norm() / ref.norm() < 0.05
+    if kernel is not None:
+        assert torch.equal(got, kernel)
+
+
+@needs_int8_kernel
+def test_fbgemm_is_unused_and_unpacked_where_the_avx2_kernel_takes_every_row_count():
+    """The AVX2 build of the few-row kernel takes every row count (AVX2_ROWS = ALL_ROWS): fbgemm's
+    weight is never packed when the layer is built, and the byte count holds no copy of it."""
+    if kernels.q8_zero() != 64:
+        pytest.skip("the AVX2 build of the int8 kernel is not the one here")
+    lin = W8A8Linear(_weight())
+    assert lin.fbgemm_unused and lin._packed is None
+    assert lin.nbytes == linear_mod.tensor_bytes(*lin.vnni, lin._scales)
+
+
+@needs_int8_kernel
+def test_fbgemm_unused_follows_the_row_settings(monkeypatch):
+    """``fbgemm_unused``, read off the layer's settings: 7-bit activations (AVX2 build) need
+    AVX2_ROWS >= ALL_ROWS; 8-bit ones (VNNI build) need a wide packing taking over at or below
+    VNNI_ROWS + 1 rows."""
+    lin = W8A8Linear(_weight())
+    lin._reduce_range = True
+    assert lin.fbgemm_unused
+    monkeypatch.setattr(linear_mod, "AVX2_ROWS", linear_mod.ALL_ROWS - 1)
+    assert not lin.fbgemm_unused
+    lin._reduce_range = False
+    lin.wide = [torch.empty(0)]  # any wide packing: only its presence and wide_rows count here
+    lin.wide_rows = linear_mod.VNNI_ROWS + 1
+    assert lin.fbgemm_unused
+    lin.wide_rows = linear_mod.VNNI_ROWS + 2
+    assert not lin.fbgemm_unused
+    lin.wide = None
+    lin.wide_rows = 2
+    assert not lin.fbgemm_unused
+
+
+@needs_int8_kernel
+def test_a_wide_packing_is_counted_as_its_int8_weights():
+    """``nbytes`` counts oneDNN's wide packing as out x in int8 weights (no pinned columns)."""
+    lin = W8A8Linear(_weight())
+    base = lin.nbytes
+    lin.wide = [torch.empty(0)]
+    assert lin.nbytes == base + 70 * 52
+
+
+def test_no_matrices_never_pay_for_the_mixed_kernel():
+    assert linear_mod.mixed_pays([]) is False
+
+
+@pytest.fixture
+def amx_machine(monkeypatch):
+    """A machine as ``int8_kernel`` sees it: fbgemm and oneDNN's int8 linear, VNNI, and AMX (the
+    test may take AMX away); ``SPECDEC_INT8_KERNEL`` unset."""
+    monkeypatch.delenv("SPECDEC_INT8_KERNEL", raising=False)
+    monkeypatch.setattr(linear_mod, "w8a8_available", lambda: True)
+    monkeypatch.setattr(linear_mod, "onednn_int8_available", lambda: True)
+    monkeypatch.setattr(linear_mod, "mixed_available", lambda: True)
+    monkeypatch.setattr(linear_mod, "cpu_has", lambda *flags: True)
+    return monkeypatch
+
+
+def test_auto_takes_the_mixed_kernel_only_with_amx(amx_machine):
+    assert int8_kernel("auto") == "mixed"
+    amx_machine.setattr(linear_mod, "cpu_has", lambda *flags: "amx_int8" not in flags)
+    assert int8_kernel("auto") == "fbgemm"
+
+
+def test_auto_without_shapes_takes_mixed_and_with_shapes_asks_mixed_pays(amx_machine, thresholds):
+    """``shapes=None`` (not known): mixed on AMX; known shapes: only where their median switch row
+    is at most WIDE_AUTO_ROWS (a 576 x 576 matrix switches far later), with the shipped thresholds
+    rather than this file's two-row switch."""
+    assert int8_kernel("auto", None) == "mixed"
+    assert int8_kernel("auto", [(49152, 576)]) == "mixed"
+    assert int8_kernel("auto", [(576, 576)]) == "fbgemm"
+
+
+def test_auto_without_fbgemm_takes_onednn_and_without_either_names_fbgemm(monkeypatch):
+    monkeypatch.delenv("SPECDEC_INT8_KERNEL", raising=False)
+    monkeypatch.setattr(linear_mod, "mixed_available", lambda: False)
+    monkeypatch.setattr(linear_mod, "w8a8_available", lambda: False)
+    monkeypatch.setattr(linear_mod, "onednn_int8_available", lambda: True)
+    assert int8_kernel("auto") == "onednn"
+    monkeypatch.setattr(linear_mod, "onednn_int8_available", lambda: False)
+    assert int8_kernel("auto") == "fbgemm"  # nothing runs int8: fbgemm's name, refused where it is used
+
+
+def test_mixed_by_name_is_refused_where_it_cannot_run(monkeypatch):
+    """``mixed`` needs fbgemm *and* oneDNN's int8 linear *and* VNNI: with fbgemm alone it is refused."""
+    monkeypatch.setattr(linear_mod, "w8a8_available", lambda: True)
+    monkeypatch.setattr(linear_mod, "mixed_available", lambda: False)
+    with pytest.raises(ConfigError, match="mixed int8 kernel needs"):
+        int8_kernel("mixed")
+
+
+def test_onednn_by_name_is_refused_without_onednns_int8_linear(monkeypatch):
+    monkeypatch.setattr(linear_mod, "onednn_int8_available", lambda: False)
+    monkeypatch.setattr(linear_mod, "cpu_has", lambda *flags: True)
+    with pytest.raises(ConfigError, match="qlinear"):
+        int8_kernel("onednn")
+
+
+def test_mixed_is_unavailable_without_vnni(monkeypatch):
+    monkeypatch.setattr(linear_mod, "w8a8_available", lambda: True)
+    monkeypatch.setattr(linear_mod, "onednn_int8_available", lambda: True)
+    monkeypatch.setattr(linear_mod, "_has_vnni", lambda: False)
+    assert not linear_mod.mixed_available()
+    monkeypatch.setattr(linear_mod, "_has_vnni", lambda: True)
+    assert linear_mod.mixed_available()
+
+
+@needs_int8_kernel
+def test_a_saved_int8_packing_is_refused_without_the_kernel(monkeypatch):
+    """``W8A8Linear.from_state`` needs the few-row kernel (its packing is that kernel's): else a ValueError."""
+    state = W8A8Linear(_weight()).state()
+    _no_kernel(monkeypatch)
+    with pytest.raises(ValueError, match="few-row int8 kernel"):
+        W8A8Linear.from_state(state, 52)
+
+
+@needs_int8_kernel
+def test_the_state_keeps_the_float64_weight_scales():
+    lin = W8A8Linear(_weight())
+    scales = lin.state()["scales"]
+    assert scales.dtype == torch.float64 and torch.equal(scales, lin._scales)
+
+
+@needs_int8_kernel
+def test_the_byte_count_includes_the_smoothing_factors():
+    w = _weight()
+    smooth = torch.rand(52, generator=torch.Generator().manual_seed(1)) + 0.5
+    assert W8A8Linear(w, smooth=smooth).nbytes == W8A8Linear(w).nbytes + 52 * 4
+
+
+@needs_w8a8
+def test_a_layer_without_the_kernels_packing_has_no_cut(monkeypatch):
+    """``select_outputs`` of a layer whose weights live only in fbgemm's packing: None."""
+    _no_kernel(monkeypatch)
+    lin = W8A8Linear(_weight())
+    assert lin.vnni is None and lin.select_outputs(torch.tensor([0, 3])) is None
+
+
+@needs_w8a8
+@needs_int8_kernel
+def test_fbgemm_from_the_kernels_packing_with_inputs_not_a_multiple_of_four(monkeypatch):
+    """fbgemm's weight rebuilt from the kernel's packing (whose inputs are padded to a multiple of
+    4) keeps exactly the layer's 37 inputs: the products are bitwise the kernel's, 1-6 rows."""
+    g = torch.Generator().manual_seed(12)
+    w = torch.randn(50, 37, generator=g) * 0.05
+    x = torch.randn(6, 37, generator=g)
+    lin = W8A8Linear(w)
+    want = lin(x)
+    _on_fbgemm(monkeypatch)
+    assert torch.equal(lin(x), want)
