@@ -12,7 +12,7 @@ from fastapi.testclient import TestClient
 
 from specdec.drafters import ModelDrafter
 from specdec.server import ServerSettings, create_app
-from specdec.server.openai_api import _best, _usage
+from specdec.server.openai_api import _best, _stats, _usage
 from tiny import tiny_native
 from toy_server import ChatLetters
 
@@ -301,3 +301,225 @@ def test_cached_prompt_tokens_count_once_per_prompt_not_per_choice():
     outs = [_result(cached=8, tokens=[1]), _result(cached=8, tokens=[2, 3]), _result(cached=4), _result(cached=4)]
     usage = _usage(outs, prompt_tokens=20, n=2)
     assert usage["prompt_tokens_details"]["cached_tokens"] == 12 and usage["completion_tokens"] == 3
+
+
+def test_structured_outputs_json_object_false_asks_for_nothing(api):
+    """structured_outputs {"json_object": false} is free text: the answer is the plain one."""
+    kw = {"prompt": "abc", "max_tokens": 6, "temperature": 0}
+    plain = _ok(api.post("/v1/completions", json=kw))
+    off = _ok(api.post("/v1/completions", json={**kw, "structured_outputs": {"json_object": False}}))
+    assert off["choices"][0]["text"] == plain["choices"][0]["text"]
+
+
+def _stat(**kw):
+    base = dict(target_calls=2, generated_tokens=4, draft_tokens_proposed=4, draft_tokens_accepted=2, tree_rounds=0,
+                wall_s=0.5, method="greedy", lossless=True, drafter="tiny", gamma_policy="fixed")
+    return SimpleNamespace(stats=SimpleNamespace(**{**base, **kw}))
+
+
+def test_the_specdec_stats_sum_every_choices_counters():
+    """The response's ``specdec`` object is the whole request's: counters and wall time summed over
+    its choices, lossless only where every choice was (a pure function of the choices' stats)."""
+    st = _stats([_stat(tree_rounds=1, wall_s=0.25), _stat(tree_rounds=2, wall_s=0.5, lossless=False), _stat(tree_rounds=3)])
+    assert st["tree_rounds"] == 6 and st["wall_s"] == 1.25 and st["lossless"] is False
+    assert st["target_calls"] == 6 and st["draft_tokens_proposed"] == 12 and st["draft_tokens_accepted"] == 6
+    assert st["tokens_per_target_call"] == 2.0 and st["acceptance_rate"] == 0.5
+
+
+def test_echo_logprobs_and_prompt_logprobs_each_get_their_own_count_of_best_tokens(api):
+    """With echo + logprobs 1 and prompt_logprobs 3 the prompt is scored once, keeping the larger
+    count: the echoed logprobs carry 1 best token (+ the prompt's own) per position, prompt_logprobs 3."""
+    out = _ok(api.post("/v1/completions", json={"prompt": "abcdef", "max_tokens": 0, "echo": True, "logprobs": 1,
+                                                  "prompt_logprobs": 3}))
+    choice = out["choices"][0]
+    assert choice["prompt_logprobs"][0] is None
+    assert all(len(at) >= 3 for at in choice["prompt_logprobs"][1:])
+    assert all(1 <= len(top) <= 2 for top in choice["logprobs"]["top_logprobs"][1:])
+
+
+def test_a_refused_option_sent_off_is_accepted_and_named_ignored(api):
+    """vLLM clients send ``use_beam_search: false`` by default: a refused option that asks for
+    nothing (false, null, [] or {}) is accepted and named in the ignored-fields header, not a 400."""
+    kw = {"prompt": "abc", "max_tokens": 2, "temperature": 0}
+    for off in ({"use_beam_search": False}, {"logits_processors": []}, {"audio": None}, {"web_search_options": {}}):
+        r = api.post("/v1/completions", json={**kw, **off})
+        _ok(r)
+        assert list(off) == [f.strip() for f in r.headers["x-specdec-ignored-fields"].split(",")]
+
+
+def _scored(*logprobs):
+    """The part of a TextResult best_of's ranking reads."""
+    return SimpleNamespace(logprobs=[(lp, {}) for lp in logprobs])
+
+
+def test_best_of_breaks_ties_in_run_order():
+    """Candidates with the same mean log-probability keep their run order (the first run wins a tie)."""
+    outs = [_scored(-2.0), _scored(-1.0), _scored(-1.0, -1.0), _scored(-0.5, -1.5)]
+    assert _best(outs, candidates=4, keep=4) == [1, 2, 3, 0]
+    assert _best(outs, candidates=2, keep=1) == [1, 2]
+
+
+def test_the_default_max_tokens_is_cut_to_the_room_the_prompt_leaves(api):
+    """Without max_tokens a completion asks for 16 tokens, or fewer where the prompt leaves less
+    room in the context: an answer to the end of the context, not a 400."""
+    out = _ok(api.post("/v1/completions", json={"prompt": [0] * (CONTEXT - 4), "temperature": 0, "ignore_eos": True}))
+    assert out["usage"]["completion_tokens"] == 4 and out["choices"][0]["finish_reason"] == "length"
+
+
+@pytest.fixture(scope="module")
+def short_default():
+    """The tiny model behind a server whose --default-max-tokens is 8."""
+    model = tiny_native(vocab=VOCAB, max_length=CONTEXT)
+    app = create_app(model, tokenizer=ChatLetters(), settings=ServerSettings(model_name="tiny", default_max_tokens=8),
+                     drafter_factory=lambda: ModelDrafter(model), drafter_name="self")
+    with TestClient(app, base_url="http://localhost") as c:
+        yield c
+
+
+def test_chat_truncation_to_the_context_leaves_room_for_the_default_answer(short_default):
+    """Chat with truncate_prompt_tokens -1 and no max_tokens keeps as much of the conversation as
+    leaves room for the server's default answer (8 tokens here), which is then generated in full."""
+    out = _ok(short_default.post("/v1/chat/completions", json={
+        "messages": [{"role": "user", "content": "b" * (2 * CONTEXT)}], "truncate_prompt_tokens": -1,
+        "temperature": 0, "ignore_eos": True}))
+    assert out["usage"]["prompt_tokens"] == CONTEXT - 8 and out["usage"]["completion_tokens"] == 8
+
+
+def test_continue_final_message_continues_the_last_message_not_an_earlier_copy(api):
+    """continue_final_message cuts the rendered conversation after the *last* message's text, even
+    where an earlier message has the same text (ChatLetters renders a conversation as its letters)."""
+    out = _ok(api.post("/v1/chat/completions", json={
+        "messages": [{"role": "user", "content": "ab"}, {"role": "assistant", "content": "ab"}],
+        "continue_final_message": True, "add_generation_prompt": False, "max_tokens": 1, "temperature": 0}))
+    assert out["usage"]["prompt_tokens"] == 4
+
+
+def test_detokenize_takes_the_last_token_of_the_vocabulary_and_refuses_the_next(api):
+    assert _ok(api.post("/detokenize", json={"tokens": [0, VOCAB - 1]}))["prompt"] == "az"
+    assert "outside the vocabulary" in _bad(api.post("/detokenize", json={"tokens": [0, VOCAB]}))["message"]
+
+
+def test_a_refused_option_with_any_other_value_is_a_400_naming_it(api):
+    """Only null, false, [] and {} count as "not asked for": anything else sent for a refused
+    option (an empty string too) is a 400 that names it, never silently dropped."""
+    for field, value in (("functions", ""), ("use_beam_search", True), ("guided_whitespace_pattern", " ")):
+        r = api.post("/v1/completions", json={"prompt": "abc", "max_tokens": 2, field: value})
+        err = _bad(r)
+        assert err["param"] == field and f"{field} is not supported" in err["message"]
+
+
+def test_a_request_refused_for_kv_room_gives_its_generation_slot_back():
+    """A completion whose KV claim does not fit the server's KV budget is a 503, and the generation
+    slot it took first is given back: on a server of one slot the next (small) request is answered,
+    not refused with a 429."""
+    model = tiny_native(vocab=VOCAB, max_length=1024)
+
+    def app(**settings):
+        return create_app(model, tokenizer=ChatLetters(), settings=ServerSettings(model_name="tiny", **settings),
+                          drafter_factory=lambda: ModelDrafter(model), drafter_name="self")
+
+    ctx = app().state.ctx
+    per_position = ctx.kv_per_position + ctx.draft_kv_per_position  # what a request claims per position
+    assert per_position > 0
+    small = {"prompt": "abc", "max_tokens": 2, "temperature": 0}
+    with TestClient(app(max_active_requests=1, max_kv_bytes=300 * per_position), base_url="http://localhost") as c:
+        for _ in range(2):
+            assert _bad(c.post("/v1/completions", json={**small, "max_tokens": 800}), 503)["message"]
+        _ok(c.post("/v1/completions", json=small))
+
+
+def test_a_prompt_token_one_past_the_vocabulary_is_named_in_the_400(api):
+    """A token-id prompt is checked against the vocabulary before anything runs: the 400 names the
+    token's position and the vocabulary's range."""
+    err = _bad(api.post("/v1/completions", json={"prompt": [0, 1, VOCAB], "max_tokens": 2}))
+    assert f"prompt token 2 = {VOCAB} is outside the vocabulary [0, {VOCAB})" in err["message"]
+    _ok(api.post("/v1/completions", json={"prompt": [0, 1, VOCAB - 1], "max_tokens": 2, "temperature": 0}))
+
+
+def test_chat_logprobs_of_impossible_tokens_are_floored_at_minus_9999(api):
+    """Under top_k 1 every other token's log-probability is -inf: chat logprobs report it as
+    -9999.0 (JSON has no infinity), streamed or not, never an error."""
+    body = {"messages": CHAT, "max_tokens": 3, "temperature": 1.0, "seed": 0, "top_k": 1, "logprobs": True,
+            "top_logprobs": 3}
+    content = _ok(api.post("/v1/chat/completions", json=body))["choices"][0]["logprobs"]["content"]
+    streamed = [e["choices"][0]["logprobs"] for e in _events(api.post("/v1/chat/completions", json={**body, "stream": True}))[:-1]
+                if e["choices"] and e["choices"][0]["logprobs"]]
+    for entries in (content, [x for lp in streamed for x in lp["content"]]):
+        assert len(entries) == 3
+        for e in entries:
+            assert e["logprob"] == 0.0 and [t["logprob"] for t in e["top_logprobs"]][1:] == [-9999.0, -9999.0]
+
+
+def test_min_tokens_past_max_tokens_is_a_400_that_names_min_tokens(api):
+    """min_tokens one past max_tokens is refused by the endpoint itself: OpenAI's error names the
+    field (``param``) and the limit."""
+    err = _bad(api.post("/v1/completions", json={"prompt": "abc", "max_tokens": 4, "min_tokens": 5}))
+    assert err["param"] == "min_tokens" and "must not exceed max_tokens (4)" in err["message"]
+    err = _bad(api.post("/v1/chat/completions", json={"messages": CHAT, "max_completion_tokens": 3, "min_tokens": 4}))
+    assert err["param"] == "min_tokens" and "must not exceed max_tokens (3)" in err["message"]
+
+
+def test_a_spare_slot_without_kv_room_gives_its_generation_slot_back():
+    """On a batching server a request's second choice takes a spare slot only where its KV claim
+    fits; where it does not, the slot it took is given back: on a server of two slots whose KV
+    budget holds one choice, requests of n=2 run one after the other, and once they end both slots are free."""
+    model = tiny_native(vocab=VOCAB, max_length=CONTEXT)
+
+    def app(**settings):
+        return create_app(model, tokenizer=ChatLetters(), settings=ServerSettings(model_name="tiny", **settings),
+                          drafter_factory=lambda: ModelDrafter(model), drafter_name="self")
+
+    ctx = app().state.ctx
+    per_choice = (ctx.kv_per_position + ctx.draft_kv_per_position) * CONTEXT  # a choice's claim: the whole context
+    assert per_choice > 0
+    body = {"prompt": "abc", "max_tokens": 2, "temperature": 0, "n": 2}
+    served = app(max_active_requests=2, max_kv_bytes=per_choice * 3 // 2)
+    with TestClient(served, base_url="http://localhost") as c:
+        for _ in range(4):
+            assert len(_ok(c.post("/v1/completions", json=body))["choices"]) == 2
+        slots = served.state.ctx.active
+        free = [slots.acquire(blocking=False) for _ in range(2)]  # every slot given back
+        for taken in free:
+            if taken:
+                slots.release()
+        assert free == [True, True]
+
+
+def test_a_greedy_only_method_with_sampling_is_refused_before_a_stream_begins(api):
+    """A verification rule that needs temperature 0 (greedy) asked for with sampling is checked
+    with the request: a streamed request gets an HTTP 400 that says so, not a 200 stream whose
+    only event is the error."""
+    for stream in (False, True):
+        r = api.post("/v1/completions", json={"prompt": "abc", "max_tokens": 2, "method": "greedy", "temperature": 1.0,
+                                              "stream": stream})
+        assert "method 'greedy' needs temperature 0" in _bad(r)["message"]
+
+
+def test_streamed_echo_offsets_continue_after_the_echoed_prompt(api):
+    """Streamed with echo and logprobs, the first generated token's text_offset is where the echoed
+    prompt ends (offsets count the choice's whole text), as the non-streamed answer has it."""
+    body = {"prompt": "abcd", "max_tokens": 4, "temperature": 0, "echo": True, "logprobs": 0, "ignore_eos": True}
+    whole = _ok(api.post("/v1/completions", json=body))["choices"][0]["logprobs"]["text_offset"]
+    chunks = [e for e in _events(api.post("/v1/completions", json={**body, "stream": True}))[:-1] if e["choices"]]
+    offsets = [o for c in chunks if c["choices"][0]["logprobs"] for o in c["choices"][0]["logprobs"]["text_offset"]]
+    assert offsets == whole == list(range(8))
+
+
+def test_continuous_usage_counts_each_choices_own_prompt(api):
+    """With several prompts, each chunk's continuous usage counts the prompt of its own choice."""
+    events = _events(api.post("/v1/completions", json={
+        "prompt": ["abc", "de"], "max_tokens": 2, "temperature": 0, "ignore_eos": True, "stream": True,
+        "stream_options": {"include_usage": True, "continuous_usage_stats": True}}))
+    chunks = [e for e in events[:-1] if e["choices"]]
+    assert {c["choices"][0]["index"] for c in chunks} == {0, 1}
+    for c in chunks:
+        assert c["usage"]["prompt_tokens"] == (3 if c["choices"][0]["index"] == 0 else 2)
+
+
+def test_ignored_fields_are_named_in_the_server_log(api, caplog):
+    """Fields accepted without effect are named in the response header and in the server's log."""
+    with caplog.at_level("WARNING", logger="specdec.server"):
+        r = api.post("/v1/completions", json={"prompt": "abc", "max_tokens": 1, "temperature": 0, "frobnicate": 1})
+    _ok(r)
+    assert r.headers["x-specdec-ignored-fields"] == "frobnicate"
+    assert any("ignored request fields: frobnicate" in rec.getMessage() for rec in caplog.records)
