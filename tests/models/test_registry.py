@@ -9,6 +9,7 @@ import torch
 from specdec.errors import MissingPackageError, ModelNotFoundError, SpecdecError
 from specdec.models import registry
 from tiny import assert_tokenizers_agree
+from specdec.errors import ConfigError
 
 
 def test_bundled_draft_is_intact():
@@ -246,8 +247,6 @@ def test_the_fast_tokenizer_renders_a_template_as_transformers_sandbox_does(tmp_
     trimmed blocks renders as transformers renders it, tools and messages of any JSON data too;
     ``raise_exception`` raises for both; a conversation holding something other than JSON data goes
     to transformers."""
-    import json
-    import shutil
 
     import jinja2
     from transformers.tokenization_utils_tokenizers import TokenizersBackend
@@ -289,7 +288,6 @@ def test_the_fast_tokenizer_renders_a_template_as_transformers_sandbox_does(tmp_
 def test_the_fast_tokenizer_passes_template_variables_as_transformers_does(tmp_path):
     """Keywords of ``apply_chat_template`` other than its own are the template's variables (a
     server's ``chat_template_kwargs``): rendered by this class's sandbox, as transformers renders them."""
-    import shutil
 
     from transformers.tokenization_utils_tokenizers import TokenizersBackend
 
@@ -313,8 +311,6 @@ def test_folders_the_fast_tokenizer_might_not_reproduce_keep_transformers(tmp_pa
     """A tokenizer_config.json key outside the known set (one that can make transformers rebuild the
     post-processor), another tokenizer source file, or decoded-space clean-up: transformers'
     tokenizer, as before."""
-    import json
-    import shutil
 
     from transformers.tokenization_utils_tokenizers import TokenizersBackend
 
@@ -401,7 +397,6 @@ def _qwen2_folder(folder, *, normalizer=None, prefix_space=None, pre_tokenizer=N
     """A small qwen2-style tokenizer folder: byte-level BPE trained on a few texts, its file holding
     the pipeline parts Qwen2Tokenizer builds unless given here (the normaliser: none unless given),
     the special tokens added, a tokenizer_config.json declaring Qwen2Tokenizer, a chat template."""
-    import json
 
     from tokenizers import Tokenizer, models, pre_tokenizers, trainers
 
@@ -435,7 +430,6 @@ def _gemma_folder(folder, *, normalizer=None, pre_tokenizer=None, decoder=None, 
     256 byte tokens in its vocabulary (what it lacks falls back to them), a post-processor that puts
     <bos> first, and the pipeline parts GemmaTokenizer builds unless given here; its
     tokenizer_config.json declares GemmaTokenizer and names pad, eos, bos, unk and mask."""
-    import json
 
     from tokenizers import Tokenizer, models, normalizers, pre_tokenizers, processors, trainers
 
@@ -497,8 +491,6 @@ def test_a_mask_token_name_is_plain_only_for_a_class_that_checks_it(tmp_path):
     """``mask_token`` in tokenizer_config.json: plain for GemmaTokenizer, whose load checks that the
     file has it as a special token; a folder declaring TokenizersBackend keeps transformers (which
     would add a missing one)."""
-    import json
-    import shutil
 
     from specdec.tokenizer import plain_config
 
@@ -517,7 +509,6 @@ def test_a_mask_token_name_is_plain_only_for_a_class_that_checks_it(tmp_path):
 def test_a_gemma3_folder_gemmatokenizer_would_change_keeps_transformers(tmp_path, change):
     """A decoder or model options other than GemmaTokenizer's, an ``add_bos_token`` setting, or a
     named special token the file lacks: transformers' tokenizer, as before."""
-    import json
 
     from transformers import AutoTokenizer
 
@@ -579,7 +570,6 @@ def test_a_qwen2_folder_qwen2tokenizer_would_change_keeps_transformers(tmp_path,
     """A pre-tokenizer or decoder other than the ones Qwen2Tokenizer builds, ``add_prefix_space``
     set, or a named special token the file lacks (the class adds it): transformers' tokenizer, as
     before (a direct load of such a file would not be the class's)."""
-    import json
 
     from transformers import AutoTokenizer
 
@@ -604,9 +594,6 @@ def test_a_qwen2_folder_qwen2tokenizer_would_change_keeps_transformers(tmp_path,
 
 @pytest.mark.parametrize("change", ["class", "model_type", "auto_map", "no tokenizer.json", "broken json"])
 def test_other_folders_go_through_autotokenizer(tmp_path, change):
-    import json
-    import shutil
-
     src = registry.DATA_DIR / "smollm2-135m-draft"
     for name in ("tokenizer.json", "tokenizer_config.json", "config.json"):
         shutil.copy(src / name, tmp_path / name)
@@ -630,7 +617,6 @@ def test_a_draft_with_the_targets_tokenizer_files_shares_its_tokenizer(tmp_path)
     """A draft whose tokenizer files are byte for byte the target's gets the target's tokenizer
     object (loaded once) and the two pass the compatibility check; any difference in a tokenizer
     file, or another model type, loads its own."""
-    import json
 
     from tiny import make_tiny
 
@@ -651,8 +637,6 @@ def test_a_draft_with_the_targets_tokenizer_files_shares_its_tokenizer(tmp_path)
 
 
 def test_calibration_ids_are_the_tokenizers_encoding_parsed_once_per_file(tmp_path):
-    import shutil
-
     from tokenizers import Tokenizer
 
     from specdec.models import quantize
@@ -673,8 +657,6 @@ def test_the_tokenizer_and_the_calibration_share_one_parse_of_tokenizer_json(tmp
     """A folder's FastTokenizer and its calibration text's ids come from one parse of tokenizer.json;
     where the file configures truncation, the tokenizer takes its own copy without it (as
     transformers' encodes) and the calibration keeps the file's setting, as a plain parse has it."""
-    import json
-    import shutil
 
     from tokenizers import Tokenizer
 
@@ -706,11 +688,8 @@ def test_the_tokenizer_and_the_calibration_share_one_parse_of_tokenizer_json(tmp
 def test_a_tokenizer_with_ids_past_the_models_vocabulary_is_refused(tmp_path):
     """Such an id (a 1000-row model beside the 49,152-token tokenizer; an added token past the
     embedding) used to end in an IndexError traceback at the first prompt that held it."""
-    import json
 
     from tiny import make_tiny
-
-    from specdec.errors import ConfigError
 
     folder = make_tiny(tmp_path / "m", layers=1, hidden=16)
     assert registry.load(str(folder)).vocab_size == 49152  # as made: fits
@@ -829,7 +808,6 @@ def test_eos_ids_come_from_the_config_the_generation_config_and_the_tokenizer(tm
 def test_an_added_token_past_the_vocabulary_is_refused_even_where_the_size_fits():
     """The largest id is the larger of the size less one and the largest added token's id: an added
     token numbered past a model's rows is refused though ``len(tokenizer)`` fits."""
-    from specdec.errors import ConfigError
 
     class Tok:
         def __len__(self):
@@ -956,7 +934,6 @@ def test_a_registry_gguf_is_sha256_checked_before_it_is_converted(tmp_path, monk
 
 def test_load_applies_the_dtype_and_the_backend_asked_for(tmp_path):
     """dtype reaches the weights; backend="hf" loads with transformers even where native could."""
-    import torch
     from tiny import make_tiny
 
     folder = make_tiny(tmp_path / "m", layers=1, hidden=16)
@@ -1006,8 +983,6 @@ def test_broken_folders_are_one_line_errors(tmp_path):
     SpecdecError naming the problem, never a traceback from deep inside a loader."""
     from tiny import make_tiny
 
-    from specdec.errors import ConfigError
-
     folder = make_tiny(tmp_path / "m", layers=1, hidden=16)
     for f in folder.glob("*.safetensors"):
         f.unlink()
@@ -1027,8 +1002,6 @@ def test_broken_folders_are_one_line_errors(tmp_path):
 
 
 def test_gguf_file_of_a_bundled_model_and_of_a_file_that_is_not_gguf(tmp_path):
-    from specdec.errors import ConfigError
-
     with pytest.raises(ModelNotFoundError, match="ships as a Hugging Face folder, not as a GGUF file"):
         registry.gguf_file("smollm2-135m-draft")
     fake = tmp_path / "fake.gguf"
@@ -1062,3 +1035,141 @@ def test_a_draft_with_another_vocabulary_of_the_same_size_is_refused():
     with pytest.raises(SpecdecError, match="use different tokenizers"):
         registry.check_compatible(model("t", {"a": 0, "b": 1}), model("d", {"a": 1, "b": 0}))
     registry.check_compatible(model("t", {"a": 0, "b": 1}), model("d", {"a": 0, "b": 1}))
+
+
+def test_a_wrong_size_assembly_leaves_no_partial_file(tmp_path, monkeypatch):
+    """An assembled GGUF of the wrong size is refused and its model-sized ``.partial`` removed."""
+    part = tmp_path / "p.bin"
+    part.write_bytes(b"x" * 10)
+    monkeypatch.setattr(registry, "_locate", lambda dist, rel, pip, model: part)
+    spec = registry.ModelSpec("chunky", "x", registry.ChunkedGGUF("d{i}", "1", "r{i}", 2, "out.gguf"), size=21)
+    with pytest.raises(SpecdecError, match="wrong size"):
+        registry._assemble(spec, spec.source, tmp_path / "gguf")
+    assert list((tmp_path / "gguf").iterdir()) == []
+
+
+class _Stop(Exception):
+    pass
+
+
+def test_load_passes_its_options_on_to_the_native_backend(tmp_path, monkeypatch):
+    """``int8_kernel``, ``vocab_subset``, ``batch_invariant``, ``int8_head``, ``quant`` and ``dtype``
+    reach ``NativeCausalLM.from_folder`` as given (none is replaced by its default)."""
+    from tiny import make_tiny
+
+    from specdec.models.native import NativeCausalLM
+
+    seen = {}
+
+    def spy(folder, **kwargs):
+        seen.update(kwargs)
+        raise _Stop
+
+    monkeypatch.setattr(NativeCausalLM, "from_folder", staticmethod(spy))
+    folder = make_tiny(tmp_path / "m", layers=1, hidden=16)
+    subset = torch.tensor([1, 2, 3])
+    with pytest.raises(_Stop):
+        registry.load(str(folder), backend="native", dtype=torch.bfloat16, batch_invariant=False, int8_head=True,
+                      quant="int8", int8_kernel="onednn", vocab_subset=subset)
+    assert seen["int8_kernel"] == "onednn" and seen["vocab_subset"] is subset
+    assert seen["batch_invariant"] is False and seen["int8_head"] is True
+    assert seen["quant"] == "int8" and seen["dtype"] == torch.bfloat16 and seen["gguf"] is None
+
+
+def test_folders_of_other_model_types_never_share_a_tokenizer(tmp_path):
+    """Byte-identical tokenizer files but another ``model_type`` (AutoTokenizer may pick the class
+    by it): not the same tokenizer."""
+    from tiny import make_tiny
+
+    a = make_tiny(tmp_path / "a", layers=1)
+    b = tmp_path / "b"
+    shutil.copytree(a, b)
+    assert registry.same_tokenizer(a, b)
+    config = json.loads((b / "config.json").read_text())
+    (b / "config.json").write_text(json.dumps(config | {"model_type": "mistral"}))
+    assert not registry.same_tokenizer(a, b)
+
+
+def test_native_runs_cannot_tell_for_a_folder_with_a_broken_config(tmp_path):
+    """A folder whose config.json is not JSON: None (loading it reports why), not an exception."""
+    (tmp_path / "config.json").write_text("{ not json")
+    assert registry.native_runs(str(tmp_path)) is None
+
+
+def test_a_null_or_empty_chat_template_is_no_chat_template(tmp_path):
+    (tmp_path / "config.json").write_text("{}")
+    for value in (None, ""):
+        (tmp_path / "tokenizer_config.json").write_text(json.dumps({"chat_template": value}))
+        assert registry.chat_template_known(str(tmp_path)) is False
+    (tmp_path / "tokenizer_config.json").write_text(json.dumps({"chat_template": "{{ messages }}"}))
+    assert registry.chat_template_known(str(tmp_path)) is True
+
+
+def test_a_folder_with_only_pytorch_weights_is_a_model_folder(tmp_path):
+    """``pytorch_model.bin`` counts as weights (the hf backend loads it)."""
+    (tmp_path / "config.json").write_text(json.dumps({"model_type": "llama"}))
+    (tmp_path / "pytorch_model.bin").write_bytes(b"x")
+    (tmp_path / "tokenizer.json").write_text("{}")
+    assert registry.check_model_folder(tmp_path) == {"model_type": "llama"}
+
+
+def test_gguf_file_takes_the_suffix_in_any_case(tmp_path):
+    """``M.GGUF`` is a GGUF file as ``m.gguf`` is (resolve reads the suffix in any case too)."""
+    path = tmp_path / "M.GGUF"
+    path.write_bytes(b"GGUF" + bytes(60))
+    assert registry.gguf_file(str(path)) == path.resolve()
+
+
+def test_an_offline_hub_load_reads_the_model_from_the_cache_only_too(monkeypatch):
+    """With HF_HUB_OFFLINE set, the model (not only the tokenizer) is asked for with
+    ``local_files_only=True``."""
+    from transformers import AutoTokenizer
+
+    from specdec.models.hf import HFCausalLM
+
+    asked = {}
+    monkeypatch.setattr(AutoTokenizer, "from_pretrained", classmethod(lambda cls, name, **kw: asked.setdefault("tok", kw)))
+
+    def model(name, **kwargs):
+        asked["model"] = kwargs
+        raise _Stop("not in the cache")
+
+    monkeypatch.setattr(HFCausalLM, "from_folder", staticmethod(model))
+    monkeypatch.setenv("HF_HUB_OFFLINE", "1")
+    with pytest.raises(SpecdecError):
+        registry.load("someorg/some-model")
+    assert asked["tok"]["local_files_only"] is True and asked["model"]["local_files_only"] is True
+
+
+def test_a_home_relative_path_names_a_local_model(tmp_path, monkeypatch):
+    """``~/models/m`` is the folder under the home directory, for check_name and resolve alike
+    (two slashes: it cannot pass as a hub id either)."""
+    monkeypatch.setenv("HOME", str(tmp_path))
+    (tmp_path / "models" / "m").mkdir(parents=True)
+    (tmp_path / "models" / "m" / "config.json").write_text("{}")
+    registry.check_name("~/models/m")
+    assert registry.resolve("~/models/m").folder == (tmp_path / "models" / "m").resolve()
+
+
+def test_a_relative_folder_resolves_to_an_absolute_path(tmp_path, monkeypatch):
+    """The folder handed on does not depend on the working directory staying put."""
+    monkeypatch.chdir(tmp_path)
+    (tmp_path / "m").mkdir()
+    (tmp_path / "m" / "config.json").write_text("{}")
+    got = registry.resolve("m").folder
+    assert got.is_absolute() and got == (tmp_path / "m").resolve()
+
+
+@pytest.mark.parametrize("text", ["{ not json", "[1, 2]"], ids=["not JSON", "not an object"])
+def test_a_broken_generation_config_is_a_one_line_error_naming_the_file(tmp_path, text):
+    """As config.json (``read_config``): a generation_config.json that is not a JSON object is a
+    one-line ConfigError naming the file, not a bare JSONDecodeError / AttributeError raised by
+    ``load`` after the weights have loaded."""
+    (tmp_path / "generation_config.json").write_text(text)
+
+    class Tok:
+        eos_token_id = 2
+
+    with pytest.raises(ConfigError, match="generation_config.json") as info:
+        registry._eos_ids(tmp_path, Tok(), {})
+    assert "\n" not in str(info.value)

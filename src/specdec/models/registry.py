@@ -311,10 +311,11 @@ def native_runs(ref: str) -> bool | None:
     return None
 
 
-def read_config(folder: Path) -> dict:
-    """A folder's ``config.json`` (a model's, or training data's from ``specdec train data``), or a
-    one-line ConfigError where it cannot be read or is not a JSON object."""
-    path = folder / "config.json"
+def read_config(folder: Path, name: str = "config.json") -> dict:
+    """A folder's ``config.json`` (a model's, or training data's from ``specdec train data``) or
+    another JSON file of it (``generation_config.json``), or a one-line ConfigError where it cannot
+    be read or is not a JSON object."""
+    path = folder / name
     try:
         cfg = json.loads(path.read_text(encoding="utf-8"))
     except OSError as exc:
@@ -504,7 +505,7 @@ def _eos_ids(folder: Path | None, tokenizer: Any, config: dict) -> frozenset[int
         elif isinstance(source, list):
             ids.update(int(x) for x in source)
     if folder is not None and (folder / "generation_config.json").is_file():
-        gen = json.loads((folder / "generation_config.json").read_text()).get("eos_token_id")
+        gen = read_config(folder, "generation_config.json").get("eos_token_id")
         if isinstance(gen, int):
             ids.add(gen)
         elif isinstance(gen, list):
