@@ -112,3 +112,40 @@ def test_a_config_with_null_architectures_is_no_head(tmp_path):
     """``"architectures": null`` (as some exported configs write) is simply not a head, not a crash."""
     (tmp_path / "config.json").write_text('{"architectures": null}')
     assert catalog.is_head_folder(tmp_path) is False
+
+
+def test_the_checked_temperature_factor_is_a_float():
+    """The factor comes back as the float it was checked as (an int or a numeric string given,
+    e.g. a calibration file's JSON integer), not as the object passed in."""
+    for given, want in ((2, 2.0), ("0.5", 0.5)):
+        got = catalog.check_temperature_factor(given)
+        assert type(got) is float and got == want
+
+
+def test_a_calibration_file_read_as_a_float(tmp_path):
+    """A calibration file writing the factor as a JSON integer gives a float factor."""
+    (tmp_path / catalog.CALIBRATION_FILE).write_text(json.dumps({"temperature_factor": 1}))
+    got = catalog.calibrated_factor(tmp_path)
+    assert type(got) is float and got == 1.0
+
+
+def test_a_calibration_error_is_one_line_even_where_the_value_holds_a_newline(tmp_path):
+    """``"0\\n"`` reads as the float 0 (out of range): the error that echoes the value back is
+    still cut to its first line, as every other calibration error is."""
+    (tmp_path / catalog.CALIBRATION_FILE).write_text(json.dumps({"temperature_factor": "0\n"}))
+    with pytest.raises(ConfigError, match="not a draft calibration \\(ConfigError") as info:
+        catalog.calibrated_factor(tmp_path)
+    assert "\n" not in str(info.value)
+
+
+@pytest.mark.parametrize("archs", [[None], [3, "LlamaForCausalLM"]], ids=["null", "a number"])
+def test_a_non_string_architecture_is_no_head_not_a_crash(tmp_path, archs):
+    """An ``architectures`` list with a non-string entry is read as text: not a head, no error."""
+    (tmp_path / "config.json").write_text(json.dumps({"architectures": archs}))
+    assert catalog.is_head_folder(tmp_path) is False
+
+
+def test_a_self_speculative_argument_keeps_its_case():
+    """Only the family name is case-insensitive: the argument (a file path on a case-sensitive file
+    system) is handed on as written, stripped of spaces."""
+    assert catalog.parse_self_spec("Self-Skip: Runs/MySkip.json ") == ("self-skip", "Runs/MySkip.json")

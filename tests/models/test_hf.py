@@ -250,3 +250,79 @@ def test_bad_tree_parents_are_refused_with_a_value_error_and_nothing_cached(llam
     with pytest.raises(ValueError, match="tree parents"):
         llama.forward_tree(torch.tensor([3, 4]), torch.tensor(parents), cache)
     assert cache.length == 4 and cache.cache.get_seq_length() == 4
+
+
+PROMPT = torch.tensor([5, 6, 7, 8])
+
+
+def _cached(llama: HFCausalLM, extra: list[int]):
+    cache = llama.new_cache()
+    llama.forward(torch.cat([PROMPT, torch.tensor(extra, dtype=torch.long)]), cache)
+    return cache
+
+
+def test_compact_may_keep_the_regions_first_position(llama):
+    """Keeping a path that starts at ``start`` itself (the first tree node accepted) is allowed, and
+    the cache then continues as if only that node had been fed."""
+    cache = _cached(llama, [11, 12, 13])
+    cache.compact(torch.tensor([4]), 4)
+    assert cache.length == 5 and cache.cache.get_seq_length() == 5
+    got = llama.forward(torch.tensor([9]), cache)[-1]
+    assert torch.allclose(got, _alone(llama, torch.tensor([5, 6, 7, 8, 11, 9])), atol=1e-4)
+
+
+def test_compact_keeping_nothing_cuts_the_region(llama):
+    """Every drafted node rejected: an empty ``keep`` cuts the cache back to ``start``."""
+    cache = _cached(llama, [11, 12])
+    cache.compact(torch.tensor([], dtype=torch.long), 4)
+    assert cache.length == 4 and cache.cache.get_seq_length() == 4
+    got = llama.forward(torch.tensor([9]), cache)[-1]
+    assert torch.allclose(got, _alone(llama, torch.tensor([5, 6, 7, 8, 9])), atol=1e-4)
+
+
+def test_truncating_to_a_negative_length_is_refused(llama):
+    cache = _cached(llama, [])
+    with pytest.raises(ValueError, match="cannot truncate"):
+        cache.truncate(-1)
+    assert cache.length == 4 and cache.cache.get_seq_length() == 4
+
+
+def test_a_negative_tree_prefix_is_refused_and_nothing_cached(llama):
+    """``prefix`` must lie in ``[0, cache.length]``: -1 (with as many parents as the region it would
+    name) is a ValueError, not a crash deep in the mask code."""
+    cache = _cached(llama, [])
+    with pytest.raises(ValueError, match="tree parents"):
+        llama.forward_tree(torch.tensor([3, 4]), torch.tensor([-1, 0, 1, 2, 3, 4, 5]), cache, prefix=-1)
+    assert cache.length == 4 and cache.cache.get_seq_length() == 4
+
+
+def test_a_negative_feature_tap_is_refused(llama):
+    """Taps count layers from 0 (the embeddings): -1 is outside, not Python's 'the last one'."""
+    with pytest.raises(ValueError, match="outside"):
+        llama.forward_features(PROMPT, llama.new_cache(), (-1,))
+
+
+def test_the_cache_counts_its_keys_and_its_values(llama):
+    cache = _cached(llama, [])
+    want = sum(t.numel() * t.element_size() for layer in cache.cache.layers for t in (layer.keys, layer.values))
+    assert cache.nbytes == want > 0
+
+
+def test_from_folder_passes_the_dtype_and_local_files_only_on(monkeypatch):
+    """``local_files_only`` (an offline hub load reads the local cache only) and ``dtype`` reach
+    transformers' loader."""
+    from transformers import AutoModelForCausalLM
+
+    seen = {}
+
+    class Stop(Exception):
+        pass
+
+    def spy(cls, name, **kwargs):
+        seen.update(kwargs)
+        raise Stop
+
+    monkeypatch.setattr(AutoModelForCausalLM, "from_pretrained", classmethod(spy))
+    with pytest.raises(Stop):
+        HFCausalLM.from_folder("someorg/some-model", dtype=torch.bfloat16, local_files_only=True)
+    assert seen == {"dtype": torch.bfloat16, "local_files_only": True}
