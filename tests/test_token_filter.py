@@ -181,13 +181,15 @@ def test_one_token_bad_words_give_way_too_when_nothing_is_left():
 
 
 class _OneIdPerWord:
-    """A stand-in tokenizer: each distinct text (leading space kept) is its own one-token id."""
+    """A stand-in tokenizer: each distinct text is its own id; with ``add_special_tokens`` (the
+    default of a Hugging Face tokenizer) it puts a BOS id 99 first, as Llama's tokenizers do."""
 
     def __init__(self) -> None:
         self.ids: dict[str, int] = {}
 
-    def encode(self, text, add_special_tokens=False):
-        return [self.ids.setdefault(text, len(self.ids))]
+    def encode(self, text, add_special_tokens=True):
+        ids = [self.ids.setdefault(text, len(self.ids))]
+        return [99, *ids] if add_special_tokens else ids
 
 
 def test_exactly_max_bad_words_are_accepted():
@@ -233,3 +235,73 @@ def test_a_bad_word_ending_in_the_last_id_of_the_vocabulary_is_banned():
     """The last id (vocab_size - 1) is inside the vocabulary: [1, 4] bans 4 right after 1 when V = 5."""
     f = TokenFilter(5, banned=[[1, 4]])
     assert f.allowed([1], 5).tolist() == [True, True, True, True, False]
+
+
+def test_an_allowed_id_equal_to_a_smaller_vocabulary_is_ignored():
+    """A filter built without a vocabulary is asked about each size: an allowed id equal to the size
+    asked about (one past its last id) cannot be sampled there -- ignored, no IndexError."""
+    f = TokenFilter(allowed_ids=(1, 4))
+    assert f.allowed([], 4).tolist() == [False, True, False, False]
+    assert f.allowed([], 5).tolist() == [False, True, False, False, True]
+
+
+def test_a_multi_token_bad_word_ending_at_the_vocabulary_size_is_ignored():
+    """[1, 5] bans id 5 after 1; a vocabulary of 5 has no id 5, so nothing is banned (no IndexError)."""
+    f = TokenFilter(banned=[[1, 5]])
+    assert f.allowed([1], 5).tolist() == [True] * 5
+    assert f.allowed([1], 6).tolist() == [True] * 5 + [False]
+
+
+def test_the_id_minus_one_is_refused():
+    """Every negative id is refused, -1 included (the edge of ``t < 0``)."""
+    with pytest.raises(ConfigError, match=">= 0"):
+        TokenFilter(4, allowed_ids=(-1, 2))
+    with pytest.raises(ConfigError, match=">= 0"):
+        TokenFilter(4, banned=((-1,),))
+
+
+def test_a_bad_word_of_tabs_and_newlines_only_is_refused():
+    """"White space" is any white space, not only the spaces that are stripped from the front."""
+    for word in ("\n", "\t", " \t\n "):
+        with pytest.raises(ConfigError, match="white space"):
+            bad_word_ids(_OneIdPerWord(), [word])
+
+
+def test_bad_words_are_encoded_without_special_tokens():
+    """A tokenizer that puts BOS first by default must not make every bad word start with BOS
+    (then no generated text would ever complete it)."""
+    tok = _OneIdPerWord()
+    seqs = bad_word_ids(tok, ["foo"])
+    assert seqs == ((tok.ids["foo"],), (tok.ids[" foo"],))
+
+
+def test_bad_words_alone_make_a_filter():
+    """constraint_factory with bad words and neither allowed ids nor a grammar still returns a
+    constraint, and it bans the words."""
+    tok = _OneIdPerWord()
+    make = constraint_factory(tok, 4, bad_words=["a"])  # "a" -> 0, " a" -> 1
+    assert make is not None
+    assert make().allowed([], 4).tolist() == [False, False, True, True]
+    assert constraint_factory(tok, 4) is None
+
+
+def test_a_factory_grammar_after_thinking_lets_the_block_open():
+    """constraint_factory passes ``after_thinking`` on: the first token may open the thinking block
+    (the grammar alone would forbid it), and the filter still holds on top."""
+    pytest.importorskip("llguidance")
+    from transformers import AutoTokenizer
+
+    from specdec.grammar import grammar_for
+    from specdec.models.registry import DATA_DIR
+
+    tok = AutoTokenizer.from_pretrained(str(DATA_DIR / "smollm2-135m-draft"))
+    vocab = 49152
+    think, done = tok.convert_tokens_to_ids(["<repo_name>", "<reponame>"])
+    grammar = grammar_for("json_object", None)
+    alone = constraint_factory(tok, vocab, grammar=grammar)().allowed([], vocab)
+    assert not bool(alone[think])
+    make = constraint_factory(tok, vocab, grammar=grammar, after_thinking=(think, done, False))
+    assert bool(make().allowed([], vocab)[think])
+    inside = constraint_factory(tok, vocab, grammar=grammar, after_thinking=(think, done, True),
+                                allowed_ids=[think, done, 5])
+    assert inside().allowed([], vocab).nonzero().flatten().tolist() == sorted([think, done, 5])

@@ -179,3 +179,65 @@ def test_tree_rows_apply_the_requests_temperature_and_truncation():
     logits = torch.tensor([[0.0, math.log(2.0), -0.5, -1.0]])
     rows = sampler.tree_rows(logits)
     assert torch.allclose(rows[0], torch.tensor([0.2, 0.8, 0.0, 0.0]))  # exp(2 x logits) over the top 2
+
+
+def test_a_logit_bias_keeps_whole_rows():
+    """A logit bias changes logits of tokens outside a reduced draft vocabulary: no compact rows."""
+    for temperature, mode in ((0.0, "argmax"), (1.0, "multinomial"), (1.0, "gumbel")):
+        assert not _sampler(SamplingConfig(temperature=temperature, logit_bias=((3, 5.0),)), mode).compact, mode
+        assert _sampler(SamplingConfig(temperature=temperature), mode).compact, mode
+
+
+def test_a_sparse_wire_q_keeps_whole_rows():
+    """q_top_k truncates the whole row's q: a multinomial sampler with it drafts on whole rows."""
+    assert not _sampler(SamplingConfig(temperature=1.0), "multinomial", q_top_k=2).compact
+    assert _sampler(SamplingConfig(temperature=1.0), "gumbel", q_top_k=2).compact  # q_top_k is multinomial's only
+
+
+def test_greedy_drafting_where_the_constraint_allows_nothing_is_undefined():
+    """Arg-max drafting whose row has no token the constraint allows (a reduced draft vocabulary)
+    draws nothing: (0, None), ``undefined`` set, and the penalty state does not move."""
+    sampler = _sampler(SamplingConfig(temperature=0.0, constraint=_Only([3])), "argmax")
+    logits = torch.zeros(1, 8)
+    logits[0, 3] = -math.inf
+    assert sampler(logits, 0) == (0, None) and sampler.undefined
+    assert sampler.penalties.generated == []
+    assert sampler(torch.zeros(1, 8), 0) == (3, None) and not sampler.undefined
+
+
+def test_the_confidence_stop_holds_where_compact_draws_are_compiled():
+    """With the kernels loaded, a compact multinomial draw still asks to stop where the drawn
+    token's q is below ``min_confidence``: q = (0.7, 0.3) on ids 2 and 5 of 8, bar 0.5, 40 seeded
+    draws (both tokens are drawn)."""
+
+    from specdec.models import kernels
+
+    if not kernels.load():
+        pytest.skip("the kernels did not build here")
+    ids, row = torch.tensor([2, 5]), torch.tensor([[math.log(0.7), math.log(0.3)]])
+    seen = set()
+    for seed in range(40):
+        sampler = DraftSampler(SamplingConfig(temperature=1.0), "multinomial", penalties=None,
+                               generator=torch.Generator().manual_seed(seed), min_confidence=0.5)
+        token, q = sampler(row, seed, ids, 8)
+        assert sampler.stop_requested == (token == 5), (seed, token)
+        seen.add(token)
+    assert seen == {2, 5}
+
+
+def test_tree_rows_under_a_constraint_leave_the_callers_logits_alone():
+    """tree_rows masks copies of the rows: the logits handed in (a tree builder may read them
+    again) keep every token, in arg-max and in sampling mode."""
+    for temperature, mode in ((0.0, "argmax"), (1.0, "multinomial")):
+        sampler = _sampler(SamplingConfig(temperature=temperature, constraint=_Only([1, 2])), mode)
+        logits = torch.zeros(2, 8)
+        rows = sampler.tree_rows(logits, [[], [1]])
+        assert torch.equal(logits, torch.zeros(2, 8)), mode
+        assert (rows[0] > (-math.inf if mode == "argmax" else 0)).tolist() == [i in (1, 2) for i in range(8)]
+
+
+def test_greedy_drafting_without_a_confidence_bar_picks_the_logits_arg_max():
+    """Without ``min_confidence`` arg-max drafting reads the logits themselves: two logits 1e-9
+    apart (equal once through a float32 softmax) give the larger one."""
+    sampler = _sampler(SamplingConfig(temperature=0.0), "argmax")
+    assert sampler(torch.tensor([[0.0, 1e-9, -1.0]]), 0) == (1, None)

@@ -70,7 +70,6 @@ def test_a_long_backlog_is_fed_in_a_pass_of_its_own_and_timed_apart():
     drafting) catches up in a pass of its own, whose seconds the round reports as ``catch_up_s``;
     the draft is what one pass over the backlog draws.  Drafting every round (a backlog of one or
     two tokens) runs one pass and reports none; nor does a round that drafts nothing."""
-    from specdec import defaults
 
     calls = []
 
@@ -116,6 +115,7 @@ from specdec.decoder import SpeculativeDecoder  # noqa: E402
 from specdec.gamma import FixedGamma  # noqa: E402
 from specdec.models.native import NativeCausalLM  # noqa: E402
 from specdec.verify import get_rule  # noqa: E402
+from specdec import defaults
 
 
 @pytest.fixture(scope="module")
@@ -192,7 +192,6 @@ def test_compact_draft_rows_propose_what_scattered_rows_propose(tiny_pair, monke
     """Greedy drafting, and seeded drafting by keyed Gumbel noise, over a reduced vocabulary read
     the LM head's rows as they are (no scatter into 49,152 columns): the same chain / tree as the
     scattered rows, and the draft model was really asked for compact rows."""
-    from specdec.drafters.tree_builder import TreeSpec
 
     _, _, draft, ids, prompt, _ = tiny_pair
     asked = _spy_compact(monkeypatch)
@@ -222,7 +221,6 @@ def test_drafting_from_q_reads_compact_rows_and_reports_q_over_the_whole_vocabul
     """At T = 1 the reduced-vocabulary draft is asked for compact rows too; each drafted token
     comes with a q over the whole vocabulary that is zero outside the draft's ids, sums to one
     and gives the token a positive probability (the output law itself: ``tests/test_trees.py``)."""
-    from specdec.drafters.tree_builder import TreeSpec
 
     _, _, draft, ids, prompt, _ = tiny_pair
     asked = _spy_compact(monkeypatch)
@@ -304,7 +302,6 @@ def test_a_draw_from_a_compact_row_reports_its_q_over_the_whole_vocabulary():
     the reported q is exactly the processed compact row scattered into the whole vocabulary (zero
     elsewhere), and the draws follow it (N = 20,000 draws, chi-square at p < 1e-4; the drawn
     column reported as the token fails it)."""
-    from specdec.sampling import process_logits
     from stats import ALPHA
 
     ids = torch.tensor([0, 2, 5, 7])
@@ -394,7 +391,6 @@ def test_the_servers_model_wrappers_pass_compact_rows_through(tiny_pair, monkeyp
     model was asked for compact rows."""
     import threading
 
-    from specdec.drafters.tree_builder import TreeSpec
     from specdec.server.scheduler import BatchedModel, Scheduler
     from specdec.server.sessions import SerializedModel
 
@@ -495,9 +491,7 @@ def test_a_temperature_factor_draws_from_and_reports_the_sharper_q():
 
 
 def test_the_draft_config_keeps_greedy_and_the_temperature_range():
-    import pytest
 
-    from specdec import defaults
     from specdec.drafters.base import check_temperature_factor, draft_config
     from specdec.errors import ConfigError
 
@@ -516,7 +510,6 @@ def test_compact_draws_compiled_and_torch_give_the_same_token_and_q(monkeypatch)
     T > 0) and its scatter into the whole vocabulary are one compiled call: on 600 random rows
     (3 to 24,576 draft ids out of 49,152; temperatures 1 and 0.85) it returns the torch path's
     token and q bit for bit, and leaves the generator where the torch path leaves it."""
-    import pytest
 
     from specdec.models import kernels
 
@@ -677,7 +670,6 @@ def test_a_draft_with_a_shorter_context_stops_drafting_at_its_end(tree, lazy, pr
     greedy, and seeded coupled sampling at T = 1 (which gives plain seeded sampling's tokens)."""
     from tiny import tiny_native
 
-    from specdec.drafters.tree_builder import TreeSpec
 
     target, draft = tiny_native(max_length=4096), tiny_native(max_length=ROOM)  # the same weights
     prompt = [(7 * i) % 60 + 1 for i in range(prompt_len)]
@@ -815,3 +807,39 @@ def test_a_tree_commit_keeps_the_accepted_paths_fed_nodes_as_a_plain_pass_comput
     model.forward(torch.cat([ctx, tokens[:fed]]), ref)
     assert torch.allclose(d.cache.k[:, :, :n], ref.k[:, :, :n], atol=1e-5)
     assert torch.allclose(d.cache.v[:, :, :n], ref.v[:, :, :n], atol=1e-5)
+
+
+def test_a_round_after_a_catch_up_reports_no_catch_up_seconds():
+    """``catch_up_s`` is this round's: a lazy drafter's first round catches up (> 0); the next round,
+    one or two tokens behind, reports 0.0 -- and so does a round that drafts nothing after it."""
+    model = ToyLM(7, order=2, seed=5)
+    n = defaults.DRAFT_CATCH_UP_SPLIT + 5
+    ctx = torch.tensor([(3 * i) % 7 for i in range(n)])
+    for second_gamma in (2, 0):
+        d = ModelDrafter(model, lazy_prefill=True)
+        d.prepare(ctx)
+        draft = d.propose(ctx, 3, _argmax())
+        assert d.catch_up_s > 0.0
+        d.commit(Verdict(3, torch.tensor(draft.tokens.tolist() + [2])))
+        longer = torch.cat([ctx, draft.tokens, torch.tensor([2])])
+        d.propose(longer, second_gamma, _argmax())
+        assert d.catch_up_s == 0.0, second_gamma
+
+
+def test_finish_hands_the_prefix_cache_only_the_tokens_the_draft_cache_holds():
+    """``finish`` gives ``keep_sequence`` the committed tokens whose rows the draft cache holds (not
+    the newest committed token, which was never fed), with the cache itself."""
+    kept = []
+
+    class Keeping(ToyLM):
+        def keep_sequence(self, tokens, cache):
+            kept.append((tokens.tolist(), cache.length))
+
+    d = ModelDrafter(Keeping(7, order=2, seed=5))
+    ctx = torch.tensor([1, 4, 2, 6, 3])
+    d.prepare(ctx)
+    draft = d.propose(ctx, 3, _argmax())
+    d.commit(Verdict(1, torch.tensor([int(draft.tokens[0]), 5])))
+    committed = torch.cat([ctx, draft.tokens[:1], torch.tensor([5])])
+    d.finish(committed)
+    assert kept == [(committed[:6].tolist(), 6)]

@@ -570,3 +570,92 @@ def test_the_command_scores_every_continuation_position_of_train_and_held_out_se
             ids = encode_prompt(tok, text, chat=chat)
             assert f.start == len(ids) - 1 and f.tokens[: len(ids)].tolist() == list(ids)
 
+
+OTHER = tiny_native(vocab=11, layers=4, seed=7)
+
+
+def _adapter():
+    """An adapter whose attention counts (its output projection is not zero)."""
+    adapter = kt.new_adapter(INVARIANT, 2, seed=1)
+    g = torch.Generator().manual_seed(0)
+    with torch.no_grad():
+        adapter.out.copy_(torch.randn(adapter.out.shape, generator=g) * 0.3)
+    return adapter
+
+
+def _argmax() -> DraftSampler:
+    return DraftSampler(SamplingConfig(temperature=0.0), "argmax", penalties=None, generator=None)
+
+
+def _cache_after(drafter: KangarooDrafter, prompt: list[int]):
+    run = SamplingConfig(temperature=0.0, max_new_tokens=12)
+    SpeculativeDecoder(INVARIANT, drafter, get_rule("greedy"), gamma=FixedGamma(3)).generate(prompt, run)
+    c = drafter.cache
+    return c.length, c.k[:, :, : c.length].clone(), c.resid[: c.length].clone()
+
+
+def test_a_drafter_reused_for_a_second_sequence_holds_what_a_fresh_one_holds():
+    """The tapped features are per sequence: after a first generation, a second one (another
+    prompt) leaves the view's cache (keys of every layer, the adapter's included, and the
+    residuals) exactly as a fresh drafter's after that generation alone."""
+    adapter = _adapter()
+    reused = KangarooDrafter(KangarooView(INVARIANT, adapter), stop_below=0.0)
+    assert reused.feature_taps == (2,)
+    _cache_after(reused, [1, 2, 3, 4, 5, 6, 7])
+    n, k, resid = _cache_after(reused, [3, 1, 2])
+    fresh_n, fresh_k, fresh_resid = _cache_after(KangarooDrafter(KangarooView(INVARIANT, adapter), stop_below=0.0), [3, 1, 2])
+    assert n == fresh_n and torch.equal(resid, fresh_resid) and torch.equal(k, fresh_k)
+
+
+def test_spawn_keeps_cache_sharing_off():
+    """``spawn`` keeps every setting: a drafter built with ``share=False`` spawns one without it."""
+    view = KangarooView(INVARIANT, _adapter())
+    assert KangarooDrafter(view, stop_below=0.3).spawn().share
+    off = KangarooDrafter(view, stop_below=0.3, share=False)
+    assert not off.spawn().share
+
+
+def test_no_feature_tap_without_cache_sharing():
+    """The tap is asked for only where the target's pass can reuse the draft's layers (``share``)."""
+    view = KangarooView(INVARIANT, _adapter())
+    assert KangarooDrafter(view, stop_below=0.0).feature_taps == (2,)
+    assert KangarooDrafter(view, stop_below=0.0, share=False).feature_taps is None
+
+
+def test_a_view_takes_nothing_from_another_models_cache():
+    """``bind_target`` binds only the view's own target: with another model's cache (and features)
+    handed over, the view computes the committed positions itself, as an unbound view does."""
+    ctx = torch.tensor([1, 3, 0, 2, 4, 1, 1])
+    cache = OTHER.new_cache(32)
+    OTHER.forward(ctx[:-1], cache)
+    adapter = _adapter()
+    bound = KangarooDrafter(KangarooView(INVARIANT, adapter), stop_below=0.0)
+    bound.bind_target(OTHER, cache)
+    bound.prepare(ctx)
+    bound.add_features(torch.randn(ctx.numel() - 1, 2, INVARIANT.cfg.hidden_size))
+    unbound = KangarooDrafter(KangarooView(INVARIANT, adapter), stop_below=0.0)
+    unbound.prepare(ctx)
+    assert torch.equal(bound.propose(ctx, 3, _argmax()).tokens, unbound.propose(ctx, 3, _argmax()).tokens)
+    n = ctx.numel() - 1
+    assert torch.equal(bound.cache.k[:, :, :n], unbound.cache.k[:, :, :n])
+    assert torch.equal(bound.cache.resid[:n], unbound.cache.resid[:n])
+
+
+def test_an_adapter_file_without_a_config_is_a_config_error(tmp_path):
+    """A tagged file whose metadata lacks the config is refused as a one-line ConfigError."""
+    from safetensors.torch import load_file, save_file
+
+    adapter = kt.new_adapter(INVARIANT, 2, seed=1)
+    save_adapter(adapter, tmp_path / "a.safetensors")
+    save_file(load_file(str(tmp_path / "a.safetensors")), str(tmp_path / "noconfig.safetensors"),
+              metadata={"format": "specdec-kangaroo-adapter", "card": "{}"})
+    with pytest.raises(ConfigError, match="cannot read kangaroo adapter"):
+        load_adapter(tmp_path / "noconfig.safetensors")
+
+
+def test_an_adapter_loads_in_the_dtype_asked_for(tmp_path):
+    """``load_adapter(dtype=...)``: the weights come back in that dtype (a bfloat16 target's)."""
+    save_adapter(kt.new_adapter(INVARIANT, 2, seed=1), tmp_path / "a.safetensors")
+    back, _ = load_adapter(tmp_path / "a.safetensors", dtype=torch.bfloat16)
+    assert {p.dtype for p in back.parameters()} == {torch.bfloat16}
+    assert {p.dtype for p in load_adapter(tmp_path / "a.safetensors")[0].parameters()} == {torch.float32}
