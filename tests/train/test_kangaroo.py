@@ -659,3 +659,15 @@ def test_an_adapter_loads_in_the_dtype_asked_for(tmp_path):
     back, _ = load_adapter(tmp_path / "a.safetensors", dtype=torch.bfloat16)
     assert {p.dtype for p in back.parameters()} == {torch.bfloat16}
     assert {p.dtype for p in load_adapter(tmp_path / "a.safetensors")[0].parameters()} == {torch.float32}
+
+
+def test_a_views_cache_holds_keys_and_values_in_the_targets_kv_dtype():
+    """With ``--kv-dtype float16`` the view's own cache rounds its keys and values as the target's
+    does: the view's layers must see what the target's pass would see for the same tokens."""
+    target = tiny_native(vocab=11, layers=4)
+    try:
+        target.set_kv_dtype(torch.float16)
+    except ValueError:
+        pytest.skip("a float16 key/value cache needs specdec's compiled attention kernel")
+    cache = KangarooView(target, kt.new_adapter(target, 2, seed=1)).new_cache(16)
+    assert cache.k.dtype == cache.v.dtype == torch.float16
