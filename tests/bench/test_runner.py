@@ -154,3 +154,11 @@ def test_a_worker_that_writes_much_to_stderr_does_not_hang_the_bench():
     thread.join(30)
     assert not thread.is_alive(), "the runner deadlocked on a worker's full stderr pipe"
     assert out["done"] == {"done": True, "rss_peak_bytes": 1}
+
+
+def test_a_crashed_worker_whose_stderr_is_not_utf8_is_still_reported():
+    """A native crash may write any bytes to stderr: the failure is still reported (the bytes that
+    are not UTF-8 replaced), not a UnicodeDecodeError."""
+    script = "printf 'bad \\377\\376 bytes\\n' >&2; exit 1"
+    with pytest.raises(SpecdecError, match="bench mode plain failed:\nbad .* bytes"):
+        runner._run_worker({"mode": "plain"}, dict(os.environ), _sh(script), "plain", lambda row: None)

@@ -207,7 +207,7 @@ class Link:
         if em.kind == "netem":
             subprocess.run(["bash", str(em.script), "set", f"{self.rtt_ms:g}"], check=True, capture_output=True, text=True)
             return self
-        self._errfile = tempfile.TemporaryFile(mode="w+")
+        self._errfile = tempfile.TemporaryFile(mode="w+", errors="replace")
         self.proc = subprocess.Popen(
             [sys.executable, "-m", "specdec.remote.delay_proxy", "--listen", "0", "--to", f"127.0.0.1:{self.server.port}",
              "--rtt-ms", f"{self.rtt_ms:g}"],

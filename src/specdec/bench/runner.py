@@ -182,7 +182,7 @@ def _run_worker(job: dict, env: dict[str, str], prefix: list[str], name: str, on
     ``done`` row."""
     # stderr goes to a file, not a pipe: a worker that wrote more than a pipe holds (64 KiB) would
     # block on it while this process waits for its stdout to end, and the bench would hang
-    errfile = tempfile.TemporaryFile(mode="w+")
+    errfile = tempfile.TemporaryFile(mode="w+", errors="replace")  # a native crash may write any bytes
     proc = subprocess.Popen(
         [*prefix, sys.executable, "-m", "specdec.bench.worker"],
         stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=errfile, text=True, env=env,
