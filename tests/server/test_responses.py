@@ -14,9 +14,11 @@ import openai
 import pytest
 
 from serverproc import DRAFT_MODEL, OPENAI_KEY
-from tests.server.test_tools import TWO_CALLS
+from tests.server.test_tools import TWO, TWO_CALLS, TWO_CITIES
+from specdec.server import tools as tc
 from specdec.server.errors import ApiError
-from specdec.server.responses_api import InputMessage, ResponsesRequest, ResponseStore, _chars, _format, _tool_choice, _turns
+from specdec.server.responses_api import (InputMessage, ResponsesRequest, ResponseStore, _chars, _format, _item_id,
+                                          _tool_choice, _tools, _turns)
 
 MODEL = DRAFT_MODEL
 KEY = OPENAI_KEY
@@ -372,3 +374,75 @@ def test_an_evicted_response_gives_its_characters_back():
         store.put(rid, "o", [], {"id": rid}, 10)
     store.put("d", "o", [], {"id": "d"}, 10)  # b dropped for the count; c + d = 20 characters fit
     assert store.get("c", "o")[1] == {"id": "c"} and store.get("d", "o")[1] == {"id": "d"}
+
+
+def test_a_json_schema_format_moves_its_fields_under_json_schema_without_its_type():
+    """``text.format`` of type json_schema becomes the chat endpoint's ``response_format``: the
+    fields beside ``type`` nest under ``json_schema``, ``type`` itself stays outside."""
+    schema = {"type": "object"}
+    assert _format({"format": {"type": "json_schema", "name": "n", "schema": schema, "strict": True}}) == {
+        "type": "json_schema", "json_schema": {"name": "n", "schema": schema, "strict": True}}
+    assert _format(None) is None and _format({"format": {"type": "text"}}) == {"type": "text"}
+
+
+def test_a_tool_without_a_type_is_refused():
+    """Only ``{"type": "function", ...}`` tools are served: a tool that names no type is a 400, not
+    taken for a function."""
+    with pytest.raises(ApiError) as err:
+        _tools([{"name": "add", "parameters": ADD["parameters"]}])
+    assert err.value.status == 400 and "only function tools" in str(err.value)
+
+
+def test_allowed_tools_without_a_mode_is_a_400():
+    """``allowed_tools`` needs its mode: none given is refused, not taken as ``auto``."""
+    defs = _tools([ADD])
+    with pytest.raises(ApiError) as err:
+        tc.chosen(defs, _tool_choice({"type": "allowed_tools", "tools": [{"type": "function", "name": "add"}]}))
+    assert err.value.status == 400 and "mode" in str(err.value)
+
+
+def test_a_function_tool_choice_without_a_name_is_refused_as_malformed():
+    """``{"type": "function"}`` with no ``name`` is a malformed tool_choice (400 naming the accepted shapes)."""
+    with pytest.raises(ApiError) as err:
+        _tool_choice({"type": "function"})
+    assert err.value.status == 400 and "tool_choice must be" in str(err.value)
+
+
+def test_a_function_call_items_id_is_made_from_its_call_id():
+    """A ``function_call`` item's id is ``fc_`` and the call id without its ``call_`` prefix."""
+    assert _item_id("call_abc123") == "fc_abc123" and _item_id("abcDEF123") == "fc_abcDEF123"
+
+
+# --- through a server (the module's one process from tests/server/conftest.py) ---
+
+
+def _post(server, body: dict) -> httpx.Response:
+    return httpx.post(server.url + "/v1/responses", json={"model": DRAFT_MODEL, "max_output_tokens": 2, "store": False, **body},
+                      headers={"Authorization": f"Bearer {OPENAI_KEY}"}, timeout=60)
+
+
+@pytest.mark.usefixtures("single_thread")
+def test_requests_echo_and_name_what_they_did_not_use(server):
+    """Without tools, ``parallel_tool_calls`` has no effect and is named in the ignored-fields
+    header; a response that sent no ``tool_choice`` echoes ``auto``; the chat endpoint's ``n`` is
+    no Responses field (a 400)."""
+    r = _post(server, {"input": "x", "parallel_tool_calls": False})
+    assert r.status_code == 200 and "parallel_tool_calls" in r.headers["x-specdec-ignored-fields"].split(", ")
+    assert r.json()["tool_choice"] == "auto"
+    r = _post(server, {"input": "x", "n": 2})
+    assert r.status_code == 400 and "n is not a Responses API field" in r.json()["error"]["message"]
+
+
+def test_a_streamed_answer_of_untagged_calls_sends_no_message(client):
+    """An answer that is nothing but untagged calls (a JSON list, held to that shape by a regex) is
+    calls and no message: streamed, no ``output_text`` delta and no message item go out, and the
+    calls' items are the finished response's (as not streamed)."""
+    kw = dict(model=DRAFT_MODEL, input=TWO_CITIES[0]["content"], max_output_tokens=60, temperature=0,
+              tools=[WEATHER], extra_body={"guided_regex": TWO})
+    whole = client.responses.create(**kw)
+    assert [o.type for o in whole.output] == ["function_call", "function_call"]
+    events = list(client.responses.create(**kw, stream=True))
+    kinds = [e.type for e in events]
+    added = [e.item.type for e in events if e.type == "response.output_item.added"]
+    assert "response.output_text.delta" not in kinds and added == ["function_call", "function_call"], kinds
+    assert [json.loads(o.arguments)["city"] for o in events[-1].response.output] == ["Paris", "Rome"]
