@@ -756,3 +756,73 @@ def test_streamed_calls_keep_to_their_most():
            '<tool_call>{"name": "get_weather", "arguments": {"city": "Rome"}}</tool_call>')
     events = writer.feed(two)
     assert {e[1] for e in events} == {0} and writer.ids == writer.ids[:1] and len(writer.ids) == 1
+
+
+def test_a_nine_character_id_that_is_not_ascii_is_derived_too():
+    """Mistral's templates take nine ASCII letters and digits only: an id of nine non-ASCII
+    letters (``str.isalnum`` is true for them) is turned into nine ASCII ones like any other."""
+    odd = "ééééééééé"
+    derived = LISTED.template_id(odd)
+    assert derived != odd and len(derived) == 9 and derived.isascii() and derived.isalnum()
+
+
+def test_an_earlier_calls_arguments_that_are_no_json_are_written_as_they_are():
+    """An earlier call's arguments that are not JSON reach the template as the string sent, not
+    replaced by something else."""
+    msg = ChatMessage.model_validate({"role": "assistant", "content": None, "tool_calls": [
+        {"id": "c1", "type": "function", "function": {"name": "add", "arguments": "a=1"}}]})
+    assert tc.turn(msg, "", True)["tool_calls"][0]["function"]["arguments"] == "a=1"
+    assert '"arguments": "a=1"' in tc.turn(msg, "", False)["content"]
+
+
+def test_an_earlier_call_without_arguments_has_an_empty_object():
+    """A call sent back without ``arguments`` is a call with ``{}`` (OpenAI's default), written so."""
+    msg = ChatMessage.model_validate({"role": "assistant", "content": None, "tool_calls": [
+        {"id": "c1", "type": "function", "function": {"name": "add"}}]})
+    assert tc.turn(msg, "", True)["tool_calls"][0]["function"]["arguments"] == {}
+    assert tc.turn(msg, "", False)["content"] == tc.block("add", {})
+
+
+def test_a_name_written_with_json_escapes_is_read_as_its_text():
+    """A block's ``name`` is a JSON string: escapes in it are read (``get\\u005fweather`` is ``get_weather``)."""
+    _, [call] = tc.parse('<tool_call>{"name": "get\\u005fweather", "arguments": {"city": "Rome"}}</tool_call>')
+    assert call["function"] == {"name": "get_weather", "arguments": '{"city": "Rome"}'}
+
+
+def test_a_closed_block_in_another_shape_without_arguments_calls_with_an_empty_object():
+    """A block whose object has a name but no ``arguments`` is a call with ``{}``, not ``null``."""
+    _, [call] = tc.parse('<tool_call>{"id": 1, "name": "add"}</tool_call>')
+    assert call["function"] == {"name": "add", "arguments": "{}"}
+
+
+class _SplitsTheTag:
+    """A tokenizer stand-in that lists ``<tool_call>`` among its added tokens but encodes it as two."""
+
+    def encode(self, text: str, add_special_tokens: bool = True) -> list[int]:
+        return [1, 2]
+
+    def get_added_vocab(self) -> dict[str, int]:
+        return {tc.OPEN: 7}
+
+
+def test_a_tag_the_tokenizer_writes_in_several_tokens_is_literal_text_in_the_grammar():
+    """Only a tag the tokenizer writes as one token is named as that token in a grammar; else it
+    is matched as its text (llguidance could never match a name the encoder does not produce)."""
+    assert tc._tag(tc.OPEN, _SplitsTheTag()) == json.dumps(tc.OPEN)
+
+
+def test_a_mistral_list_left_open_before_the_next_marker_does_not_hold_up_the_calls_after_it():
+    """While streaming, a ``[TOOL_CALLS]`` list that a later marker cuts off (no ``]``) is over: the
+    call after the next marker streams at once, not only when the answer is finished."""
+    writer = tc.StreamedCalls(fmt=NAMED)
+    events = writer.feed('[TOOL_CALLS] [{"name": "add", "arguments": {"a": 1}}[TOOL_CALLS]get_weather[ARGS]{"city": "Rome"}')
+    assert [e[3] for e in events if e[0] == "added"] == ["add", "get_weather"]
+    assert ("done", 1, '{"city": "Rome"}') in events
+
+
+def test_an_answer_that_holds_the_tag_is_not_read_as_an_untagged_call():
+    """Untagged calls are read only from an answer without tags: JSON that holds the ``<tool_call>``
+    text (here in a string) and no readable block stays text, as a stream that held the text at
+    the tag would otherwise disagree with it."""
+    text = '{"name": "add", "arguments": {"note": "<tool_call>"}}'
+    assert tc.parse(text, names=["add"]) == (text, [])
