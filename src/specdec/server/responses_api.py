@@ -410,8 +410,7 @@ def responses_router(ctx: "ServerContext") -> APIRouter:
                 for kind, k, *what in events:
                     item_id = _item_id(writer.ids[k])
                     if kind == "added":
-                        at_tag = gate.text.find(fmt.open)
-                        before = gate.text[:at_tag] if at_tag >= 0 else ""  # untagged calls: the whole answer was calls
+                        before = tool_calls.text_before_calls(gate.text, fmt)
                         if before.strip() and not message["opened"]:  # held while the answer might have been a call
                             out += text_event(before[gate.sent:], None)
                         out += closing(before.strip(), seen, "completed")

@@ -517,7 +517,14 @@ def parse(text: str, names: Collection[str] = (), ids: Collection[str] = (),
         return text, []
     given = list(ids)
     made = [_call(name, arguments, given[k] if k < len(given) else None, fmt) for k, (name, arguments) in enumerate(calls)]
-    return (text[:text.find(fmt.open)].strip() or None) if tagged else None, made
+    return (text_before_calls(text, fmt).strip() or None) if tagged else None, made
+
+
+def text_before_calls(text: str, fmt: CallFormat = HERMES) -> str:
+    """The answer's text before its first call's tag or marker; "" where it holds none (an answer
+    of untagged calls is all calls: no text comes before them)."""
+    at = text.find(fmt.open)
+    return text[:at] if at >= 0 else ""
 
 
 def may_be_whole_call(text: str) -> bool:

@@ -186,7 +186,7 @@ def code_prompts(n: int, *, seed: int = 0, root: Path | None = None) -> list[str
             if not (isinstance(doc, ast.Expr) and isinstance(getattr(doc, "value", None), ast.Constant)
                     and isinstance(doc.value.value, str)) or doc.end_lineno is None:
                 continue
-            first = min([node.lineno, *(d.lineno for d in node.decorator_list)])  # a decorator may span lines
+            first = node.decorator_list[0].lineno if node.decorator_list else node.lineno  # a decorator may span lines
             text = "\n".join(lines[first - 1: doc.end_lineno]) + "\n"
             if 40 <= len(text) <= 1200:
                 out.append(text)
