@@ -75,6 +75,24 @@ def test_the_windows_are_read_as_transformers_reads_them():
                        "layer_types": ["chunked_attention", "full_attention", "full_attention"]})
 
 
+@pytest.mark.parametrize("kind", ["qwen2", "qwen3"])
+@pytest.mark.parametrize("layers", [4, 30])
+@pytest.mark.parametrize("first", [None, 2])
+def test_qwen_windows_match_transformers_with_and_without_max_window_layers(kind, layers, first):
+    """Without ``max_window_layers`` a Qwen config slides from transformers' default layer (28) on:
+    no layer of a 4-layer model, the last two of a 30-layer one (not none of them)."""
+    import transformers
+
+    cfg = {"model_type": kind, "num_hidden_layers": layers, "sliding_window": 8, "use_sliding_window": True}
+    if first is not None:
+        cfg["max_window_layers"] = first
+    config_class = transformers.Qwen2Config if kind == "qwen2" else transformers.Qwen3Config
+    theirs = tuple(t == "sliding_attention" for t in config_class(**cfg).layer_types)
+    expected = (8, theirs) if any(theirs) else (None, ())
+    assert layer_windows(cfg) == expected
+    assert any(theirs) == (first is not None or layers > 28)
+
+
 def test_specdecs_own_window_key_windows_every_layer_of_any_model():
     from specdec.models.native import OWN_WINDOW_KEY
 

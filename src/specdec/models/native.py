@@ -218,6 +218,11 @@ def context_length(cfg: dict) -> int:
 OWN_WINDOW_KEY = "specdec_attention_window"
 
 
+#: transformers' default for a Qwen2 / Qwen3 config without ``max_window_layers``: the layers from
+#: the 29th on slide (none in a model of 28 layers or fewer).
+QWEN_MAX_WINDOW_LAYERS = 28
+
+
 def layer_windows(cfg: dict) -> tuple[int | None, tuple[bool, ...]]:
     """(window, per layer whether it is a sliding-window layer) for a Hugging Face config dict:
     :data:`OWN_WINDOW_KEY` where it is set; else as transformers reads it: the config's ``layer_types`` where it lists them; else Mistral windows
@@ -243,7 +248,7 @@ def layer_windows(cfg: dict) -> tuple[int | None, tuple[bool, ...]]:
                               " use --backend hf")
         windowed = tuple(t == "sliding_attention" for t in kinds)
     elif kind in ("qwen2", "qwen3"):
-        first = _count(cfg, "max_window_layers", n, least=0)
+        first = _count(cfg, "max_window_layers", QWEN_MAX_WINDOW_LAYERS, least=0)
         windowed = tuple(i >= first for i in range(n))
     else:  # Mistral: every layer
         windowed = (True,) * n
