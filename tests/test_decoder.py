@@ -14,6 +14,7 @@ import time
 import pytest
 import torch
 
+from specdec import defaults
 from specdec.decoder import SpeculativeDecoder
 from specdec.drafters import ModelDrafter, NgramDrafter
 from specdec.drafters.hybrid import LookupThenModel
@@ -883,3 +884,110 @@ def test_generation_stats_summarise_the_rounds():
     assert st.gamma_policy == "fixed(3)"
     plain = SpeculativeDecoder(TARGET, None, GREEDY, gamma=FixedGamma(3)).generate([1, 2], SamplingConfig(temperature=0.0, max_new_tokens=5))
     assert plain.stats.gamma_policy == "none" and plain.stats.accepted_histogram == [5]
+
+
+def test_the_decoders_own_max_draft_bounds_every_round():
+    """``max_draft`` (a server's --max-gamma) caps the tokens a round drafts, whatever γ asks,
+    also with a local verifier that has no cap of its own."""
+    dec = SpeculativeDecoder(TARGET, ModelDrafter(TARGET), GREEDY, gamma=FixedGamma(4), max_draft=2)
+    out = dec.generate([1, 2], SamplingConfig(temperature=0.0, max_new_tokens=20))
+    assert max(r.gamma for r in out.rounds) == 2
+
+
+class _SeedSpy(ModelDrafter):
+    seeds: list[int]
+
+    def propose(self, context, gamma, sampler):
+        self.seeds.append(sampler.generator.initial_seed())
+        return super().propose(context, gamma, sampler)
+
+
+def test_the_drafter_samples_from_its_own_stream_seed_plus_offset():
+    """The drafter's generator is seeded with seed + DRAFT_SEED_OFFSET, never the verifier's own
+    seed (the same stream on both sides would correlate draft and acceptance draws)."""
+    drafter = _SeedSpy(DRAFT)
+    drafter.seeds = []
+    SpeculativeDecoder(TARGET, drafter, get_rule("block"), gamma=FixedGamma(2)).generate(
+        [1, 2], SamplingConfig(temperature=1.0, seed=7, max_new_tokens=6))
+    assert drafter.seeds and set(drafter.seeds) == {7 + defaults.DRAFT_SEED_OFFSET}
+
+
+class _ProbSpy(ModelDrafter):
+    probs: list
+
+    def propose(self, context, gamma, sampler):
+        draft = super().propose(context, gamma, sampler)
+        self.probs.append(draft.probs)
+        return draft
+
+
+def test_q_top_k_reaches_the_drafts_sampler():
+    """``q_top_k`` (sparse-q wire mode) truncates the q the drafter samples from and reports:
+    with q_top_k=1 every reported draft row has a single token of non-zero probability."""
+    drafter = _ProbSpy(DRAFT)
+    drafter.probs = []
+    SpeculativeDecoder(TARGET, drafter, get_rule("block"), gamma=FixedGamma(3), q_top_k=1).generate(
+        [1, 2], SamplingConfig(temperature=1.0, seed=3, max_new_tokens=12))
+    rows = [p for p in drafter.probs if p is not None and p.numel()]
+    assert rows and all(bool(((p > 0).sum(-1) == 1).all()) for p in rows)
+
+
+class _NoFreeRoom(FixedGamma):
+    """A γ of 0 whose free-draft ceiling (a busy server's cap) is 0 too."""
+    def free_limit(self):
+        return 0
+
+
+def test_a_free_draft_ceiling_of_zero_asks_the_drafter_nothing():
+    """With γ 0 and a free-draft ceiling of 0 there is no room for any draft: the drafter is not
+    asked (no propose, no commit) and every round is a plain target step."""
+
+    calls = []
+
+    class Counting(LookupThenModel):
+        def propose(self, context, gamma, sampler):
+            calls.append(gamma)
+            return super().propose(context, gamma, sampler)
+
+    dec = SpeculativeDecoder(TARGET, Counting(ModelDrafter(DRAFT)), GREEDY, gamma=_NoFreeRoom(0))
+    out = dec.generate([3, 3, 1, 2, 3, 3, 1, 2], SamplingConfig(temperature=0.0, max_new_tokens=6))
+    assert calls == [] and all(r.gamma == 0 for r in out.rounds)
+
+
+def test_min_confidence_reaches_the_drafts_sampler():
+    """Dynamic draft length: with a confidence floor no toy draft token reaches (0.999), the
+    drafter stops after its first token every round, though γ asks for 4."""
+    dec = SpeculativeDecoder(TARGET, ModelDrafter(DRAFT), GREEDY, gamma=FixedGamma(4), min_confidence=0.999)
+    out = dec.generate([1, 2], SamplingConfig(temperature=0.0, max_new_tokens=20))
+    assert max(r.gamma for r in out.rounds) == 1
+
+
+def test_a_verifier_without_the_drafters_feature_taps_is_refused():
+    """A drafter that reads the target's hidden states (``feature_taps``) cannot run against a
+    verifier that does not provide them (a remote target): a ConfigError naming that, before any
+    round is drafted."""
+
+    class Tapping(ModelDrafter):
+        feature_taps = (1,)
+
+    cfg = SamplingConfig(temperature=0.0, max_new_tokens=4)
+    session = TargetSession(TARGET, [1, 2], cfg, GREEDY, seed=0)
+    with pytest.raises(ConfigError, match="hidden states"):
+        SpeculativeDecoder(TARGET, Tapping(DRAFT), GREEDY, gamma=FixedGamma(2)).generate([1, 2], cfg, verifier=session)
+    session.close()
+
+
+def test_a_tree_spec_is_ignored_for_a_drafter_without_tree_support():
+    """``tree=`` applies only to drafters that can grow trees: one without ``supports_trees``
+    keeps drafting chains (and is never asked for ``propose_tree``)."""
+
+    class ChainOnly(ModelDrafter):
+        supports_trees = False
+
+        def propose_tree(self, *a, **kw):  # pragma: no cover - must not be called
+            raise AssertionError("a chain-only drafter was asked for a tree")
+
+    dec = SpeculativeDecoder(TARGET, ChainOnly(DRAFT), GREEDY, gamma=FixedGamma(3), tree=TreeSpec(min_prob=0.0))
+    assert dec.tree is None
+    out = dec.generate([1, 2], SamplingConfig(temperature=0.0, max_new_tokens=10))
+    assert out.stats.tree_rounds == 0 and len(out.tokens) == 10

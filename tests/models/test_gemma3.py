@@ -53,8 +53,6 @@ def test_what_the_native_layers_do_not_compute_is_refused(change, message):
 def test_the_engine_runs_a_gemma3_folder_natively_as_transformers_decodes_it(tmp_path):
     """A Gemma 3 folder loads on the native backend by itself, and greedy decoding ten sliding
     windows long gives the hf backend's tokens."""
-    from tiny import make_tiny
-
     from specdec.engine import Engine, EngineConfig
     from specdec.sampling import SamplingConfig
 
@@ -80,3 +78,36 @@ def test_bfloat16_embeddings_are_scaled_as_transformers_scales_them(tmp_path):
         want = ref.model.embed_tokens(ids.unsqueeze(0))[0]
     got = native.embed_tokens(ids)
     assert got.dtype == torch.bfloat16 and torch.equal(got, want)
+
+
+MINIMAL = {"model_type": "gemma3_text", "vocab_size": 64, "hidden_size": 32, "intermediate_size": 64,
+           "num_hidden_layers": 2, "num_attention_heads": 2, "num_key_value_heads": 1, "head_dim": 16,
+           "sliding_window": 8, "layer_types": ["sliding_attention", "full_attention"]}
+
+
+def test_gemma3_defaults_are_transformers_defaults():
+    """A Gemma 3 config leaving them out reads transformers' Gemma3TextConfig defaults: a query
+    scale of 256^-1/2, a global rotary base of 10^6 and a local (sliding layers') base of 10^4."""
+    cfg = NativeConfig.from_hf(MINIMAL)
+    assert cfg.query_scale == pytest.approx(256 ** -0.5)
+    assert cfg.rope_theta == 1_000_000.0
+    assert cfg.local_rope_theta == 10_000.0
+    assert NativeConfig.from_hf({**MINIMAL, "query_pre_attn_scalar": 64}).query_scale == pytest.approx(0.125)
+
+
+def test_a_saved_quantised_gemma3_gets_its_output_norms_from_the_weights(tmp_path):
+    """A saved quantised model holds the linear layers only: saved_model_weights must read every
+    other float weight it needs, for Gemma 3 the per-layer attention and MLP output norms too
+    (else building from the saved state fails with a missing key)."""
+    import json
+    from pathlib import Path
+
+    from specdec.models.native import saved_model_weights
+
+    folder = Path(make_tiny(tmp_path / "gemma3", model_type="gemma3", window=4, layers=3, norms=True))
+    cfg = NativeConfig.from_hf(json.loads((folder / "config.json").read_text()))
+    names = set(saved_model_weights(cfg, sorted(folder.glob("*.safetensors"))))
+    for i in range(3):
+        for x in ("post_attention_layernorm", "post_feedforward_layernorm", "self_attn.q_norm", "self_attn.k_norm"):
+            assert f"model.layers.{i}.{x}.weight" in names
+    assert "model.embed_tokens.weight" in names

@@ -12,8 +12,8 @@ from specdec.errors import ConfigError
 from specdec.models import kernels
 from specdec.models.hf import HFCausalLM
 from specdec.models.linear import Int8Linear, int8_available, w8a8_available
-from specdec.models.native import NativeCausalLM, NativeConfig
-from tiny import make_tiny, on_python_loop, tiny_native
+from specdec.models.native import NativeCausalLM, NativeConfig, _attend_rows_aten
+from tiny import make_tiny, on_python_loop, tiny_llama_weights, tiny_native
 
 
 @pytest.fixture(scope="module", params=["llama", "qwen2", "qwen3"])
@@ -248,7 +248,6 @@ def test_weights_of_layers_the_config_does_not_declare_are_refused():
     """A config declaring fewer layers than the weights hold would run another model without a word
     (the rest dropped); one declaring more, a KeyError.  A GGUF's leftover 4-bit blocks count too."""
     from specdec.models.linear import quantize_q4_1
-    from tiny import tiny_llama_weights
 
     cfg, w = tiny_llama_weights()
     extra = {k.replace("layers.1.", "layers.2."): v.clone() for k, v in w.items() if ".layers.1." in k}
@@ -367,7 +366,6 @@ def test_a_cache_never_holds_more_than_the_models_context():
 def test_n_params_counts_every_layer_matrix_and_the_embedding_once_when_tied():
     """n_params is the weights' element count but for the norms' gains: q, k, v (two KV heads
     each), o, gate, up, down per layer and the embedding, which a tied head does not repeat."""
-    from tiny import tiny_llama_weights
 
     model = tiny_native()
     _, w = tiny_llama_weights()
@@ -406,8 +404,6 @@ def test_layer_subset_plans_are_bitwise_the_python_loop(invariant):
     """run_layers with skipped sub-layers and cache slots other than the layer index: the compiled
     loop's raw residual stream (no final norm) and the keys it writes to each slot are bitwise the
     Python loop's, and a layer whose attention is skipped writes nothing."""
-    from tiny import tiny_llama_weights
-
 
     cfg, w = tiny_llama_weights()
     model = NativeCausalLM(cfg, w, batch_invariant=invariant)
@@ -460,8 +456,6 @@ def test_a_refused_tree_pass_leaves_the_cache_as_it_was(invariant, parents):
     """Parents of the wrong count, past the tree, pointing at a node itself or below the root level
     are a ValueError that says so, and the cache keeps its length: the next pass scores as if the
     refused one had never been asked for."""
-    from tiny import tiny_llama_weights
-
 
     cfg, w = tiny_llama_weights()
     model = NativeCausalLM(cfg, w, batch_invariant=invariant)
@@ -504,3 +498,52 @@ def test_an_int8_heads_activations_are_quantised_with_reduce_range():
     eight = torch.ops.quantized.linear_dynamic(x, lin.packed, False)
     assert not torch.equal(seven, eight)
     assert torch.equal(lin(x), seven)
+
+
+def test_an_rms_norm_eps_of_zero_is_read():
+    """rms_norm_eps must be "at least 0" (not above): zero is a valid epsilon, only negatives are refused."""
+    assert NativeConfig.from_hf({**LLAMA, "rms_norm_eps": 0.0}).rms_eps == 0.0
+    assert NativeConfig.from_hf({**LLAMA, "rms_norm_eps": 0}).rms_eps == 0.0
+
+
+def test_a_given_head_dim_frees_hidden_size_from_being_a_multiple_of_the_heads():
+    """hidden_size need divide by the heads only where head_dim is derived from it (Qwen3 and
+    Gemma 3 give head_dim, and their hidden size need not be heads * head_dim)."""
+    cfg = NativeConfig.from_hf({**LLAMA, "num_attention_heads": 7, "num_key_value_heads": 7, "head_dim": 16})
+    assert (cfg.n_heads, cfg.head_dim, cfg.hidden_size) == (7, 16, 32)
+
+
+def test_a_draft_vocabulary_id_equal_to_the_vocab_size_is_refused():
+    """Draft-vocabulary ids lie in 0..V-1: an id of V is refused as a ConfigError naming the range
+    (not an IndexError from deep inside the head's construction)."""
+    cfg, w = tiny_llama_weights(vocab=64)
+    with pytest.raises(ConfigError, match=r"0\.\.63"):
+        NativeCausalLM(cfg, dict(w), vocab_subset=torch.tensor([0, 5, 64]))
+    NativeCausalLM(cfg, dict(w), vocab_subset=torch.tensor([0, 5, 63]))  # the last id: fine
+
+
+def test_a_reduced_head_over_an_id_past_the_vocabulary_is_none():
+    """reduced_head returns None (the draft then drafts over every token) for ids outside 0..V-1,
+    the id V included, rather than failing."""
+    model = tiny_native(vocab=64)
+    assert model.reduced_head(torch.tensor([1, 64])) is None
+    assert model.reduced_head(torch.tensor([-1, 3])) is None
+    assert model.reduced_head(torch.tensor([1, 63])) is not None
+
+
+def test_low_precision_rows_are_causal_attention_over_their_own_key_too():
+    """A bfloat16 row at position p attends to keys 0..p, its own included (a float64 reference;
+    10 random (start, n) cases, bfloat16 accuracy)."""
+    g = torch.Generator().manual_seed(3)
+    for case in range(10):
+        start, n = case * 3, 1 + case % 4
+        k = torch.randn(2, 64, 16, generator=g)
+        v = torch.randn(2, 64, 16, generator=g)
+        q = torch.randn(n, 4, 16, generator=g) * 0.25
+        out = _attend_rows_aten(q.bfloat16(), k.bfloat16(), v.bfloat16(), start).float()
+        kd, vd = k.bfloat16().double(), v.bfloat16().double()
+        for j in range(n):
+            p = start + j
+            s = torch.einsum("hgd,htd->hgt", q[j].bfloat16().double().view(2, 2, 16), kd[:, : p + 1])
+            ref = torch.einsum("hgt,htd->hgd", torch.softmax(s, -1), vd[:, : p + 1]).reshape(-1)
+            assert torch.allclose(out[j].double(), ref, atol=3e-2), (start, j)

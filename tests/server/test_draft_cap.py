@@ -711,3 +711,35 @@ def test_the_cost_curve_is_read_at_the_mean_rows_per_pass_unrounded():
     cap.observe_round("greedy", 2, 1)
     threshold, _ = cap.estimate("greedy")
     assert threshold == pytest.approx((0.0015 / 0.0115) * 10 / 15)
+
+
+def _fed(costs=None, tokens: int | None = 1) -> DraftCap:
+    """4 passes of 10 rows (0.1 s), 4 rounds of γ = 3 all accepted, and ``tokens`` per pass."""
+    clock = _Clock()
+    cap = DraftCap(CapConfig(window_s=100.0, min_passes=2, min_rounds=2, max_positions=4), clock=clock, costs=costs)
+    for _ in range(4):
+        clock.t += 1.0
+        cap.observe_pass(10, 0.1)
+        if tokens:
+            cap.observe_tokens(tokens)
+        cap.observe_round("greedy", 3, 3)
+    return cap
+
+
+def test_no_cap_while_no_token_was_emitted_in_the_window():
+    """Passes ran but nothing reported emitted tokens yet: ρ is unknown, so no cap (not ρ = 0, which
+    would let every position through as if drafting were free)."""
+    cap = _fed(costs=(0.01, 0.009), tokens=None)
+    assert cap.estimate("greedy") is None and cap.cap("greedy") is None
+    assert _fed(costs=(0.01, 0.009)).estimate("greedy") is not None  # the same with tokens: a cap
+
+
+def test_a_cost_curve_of_zero_seconds_makes_rows_free():
+    """A pass costing nothing at the mean rows (whole ≤ 0) reads as m = 0: threshold 0, not ρ."""
+    threshold, p = _fed(costs=(0.0, 0.0), tokens=5).estimate("greedy")
+    assert threshold == 0.0 and p[:3] == [1.0, 1.0, 1.0]
+
+
+def test_a_cost_curve_needs_as_many_times_as_row_counts():
+    with pytest.raises(ValueError, match="row costs"):
+        RowCosts((1, 8, 32), (0.1, 0.2))

@@ -14,6 +14,7 @@ import logging
 import socket
 import threading
 import time
+import types
 
 import httpx
 import pytest
@@ -26,12 +27,12 @@ from toy_server import LetterTokenizer
 from specdec.errors import ConfigError
 from specdec.models.toy import ToyLM
 from specdec.sampling import SamplingConfig, process_logits
-from specdec.server import ServerSettings, create_app
+from specdec.server import ServerSettings, create_app, runner
 from specdec.server.app import BodyLimit
 from specdec.server.errors import ApiError
 from specdec.server.guard import Guard, host_name
 from specdec.server.metrics import ServerMetrics
-from specdec.server.runner import AccessLogRedactor, read_key_file
+from specdec.server.runner import AccessLogRedactor, install_log_redaction, read_key_file
 from specdec.server.sessions import SessionStore
 
 
@@ -308,6 +309,24 @@ def test_access_log_redacts_session_ids_and_query_strings():
     assert redactor.filter(record)
     line = record.getMessage()
     assert "AbC123_-x" not in line and "s3cret" not in line and "/v1/sessions/" in line and "/verify" in line
+
+
+def test_a_record_with_exactly_three_args_has_its_path_redacted():
+    """The path is args[2]: a record of exactly (client, method, path) is redacted too."""
+    record = logging.LogRecord("uvicorn.access", logging.INFO, "", 0, "%s %s %s", ("1.2.3.4", "GET", "/v1/sessions/abc/verify?api_key=x"), None)
+    assert AccessLogRedactor().filter(record)
+    assert record.args == ("1.2.3.4", "GET", "/v1/sessions/…/verify")
+
+
+def test_installing_the_redaction_twice_adds_one_filter():
+    logger = logging.getLogger("uvicorn.access")
+    before = list(logger.filters)
+    try:
+        install_log_redaction()
+        install_log_redaction()
+        assert sum(isinstance(f, AccessLogRedactor) for f in logger.filters) == 1
+    finally:
+        logger.filters[:] = before
 
 
 # ----------------------------------------------------------------------------- real server processes
@@ -865,3 +884,35 @@ def test_a_missing_host_is_refused_even_with_an_empty_allowed_host():
 
     asyncio.run(Guard(app, keys=(), allowed_hosts=("",))({"type": "http", "path": "/v1/models", "headers": []}, None, send))
     assert reached == [] and sent[0]["status"] == 403
+
+
+def test_a_key_file_that_is_a_directory_is_a_config_error(tmp_path):
+    """Any OSError reading the file (here IsADirectoryError, not FileNotFoundError) is a ConfigError."""
+    with pytest.raises(ConfigError, match="cannot read the key file"):
+        read_key_file(tmp_path)
+
+
+def test_serve_hands_uvicorn_the_connection_limit_and_the_grace_plus_flush(monkeypatch):
+    import uvicorn
+
+    from specdec import defaults
+
+    seen = {}
+
+    class Config:
+        def __init__(self, app, **kw):
+            seen.update(kw)
+
+    monkeypatch.setattr(uvicorn, "Config", Config)
+    monkeypatch.setattr(uvicorn.Server, "__init__", lambda self, config: None)
+    monkeypatch.setattr(uvicorn.Server, "run", lambda self: None)
+    ctx = types.SimpleNamespace(settings=types.SimpleNamespace(shutdown_timeout_s=7.0), live=())
+    app = types.SimpleNamespace(state=types.SimpleNamespace(ctx=ctx))
+    logger = logging.getLogger("uvicorn.access")
+    before = list(logger.filters)
+    try:
+        runner.serve(app, host="127.0.0.1", port=1, limit_concurrency=3)
+    finally:
+        logger.filters[:] = before
+    assert seen["limit_concurrency"] == 3
+    assert seen["timeout_graceful_shutdown"] == 7.0 + defaults.SERVER_SHUTDOWN_FLUSH_S

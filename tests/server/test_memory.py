@@ -42,3 +42,11 @@ def test_a_c_library_that_cannot_be_loaded_is_false_not_an_error(monkeypatch, fr
 
     monkeypatch.setattr(ctypes, "CDLL", refuse)
     assert memory.release_free_memory() is False
+
+
+def test_a_c_library_that_dlopen_refuses_is_false_not_an_error(monkeypatch, fresh_lookup):
+    def refuse(name):
+        raise OSError("cannot open shared object file")
+
+    monkeypatch.setattr(ctypes, "CDLL", refuse)
+    assert memory.release_free_memory() is False

@@ -76,8 +76,6 @@ class _FakeHandle:
 
 
 def _gateway_call(outcomes: list[str], path: str, retries: int = 2):
-    import asyncio
-
     scope = {"type": "http", "method": "POST", "path": path, "query_string": b"", "headers": [(b"host", b"127.0.0.1")],
              "client": ("127.0.0.1", 5), "server": ("127.0.0.1", 80), "scheme": "http", "root_path": ""}
 
@@ -476,3 +474,45 @@ def test_a_responses_body_that_is_not_an_object_pins_to_no_replica():
     is bound to no replica (the replica answers the bad body), not a gateway crash."""
     assert scaleout.bound_replica("POST", "/v1/responses", b'["previous_response_id", "resp_abc.x"]') is None
     assert scaleout.bound_replica("POST", "/v1/responses", b'"previous_response_id"') is None
+
+
+def test_only_the_responses_collection_itself_continues_a_stored_response():
+    body = json.dumps({"previous_response_id": "resp_r1.x"}).encode()
+    assert scaleout.bound_replica("POST", "/v1/responses", body) == "r1"
+    assert scaleout.bound_replica("POST", "/v1/responsesx", body) is None
+
+
+def test_hop_by_hop_and_length_headers_are_not_forwarded():
+    headers = [("Content-Length", "3"), ("transfer-encoding", "chunked"), ("Connection", "close"), ("x-a", "1")]
+    assert scaleout._plain(headers) == {"x-a": "1"}
+
+
+def test_the_gateway_takes_as_many_requests_as_all_replicas_together():
+    app = scaleout.application(lambda prefix: None, replicas=3, max_ongoing=5)
+    assert app._bound_deployment.name == "Gateway" and app._bound_deployment.max_ongoing_requests == 15
+
+
+def test_each_replica_builds_its_app_with_its_own_session_id_prefix(monkeypatch):
+    from specdec.server import command
+
+    seen = []
+    monkeypatch.setattr(command, "build_app", lambda args, kw: seen.append(kw))
+    scaleout.EngineApp(object(), {"api_key": "k"})("r7.")
+    assert seen == [{"api_key": "k", "session_id_prefix": "r7."}]
+
+
+def test_start_hands_ray_the_runtime_env_and_cpus_only_for_a_new_instance(monkeypatch):
+    import ray
+    from ray import serve
+
+    inits = []
+    monkeypatch.setattr(ray, "is_initialized", lambda: False)
+    monkeypatch.setattr(ray, "init", lambda **kw: inits.append(kw))
+    monkeypatch.setattr(serve, "start", lambda **kw: None)
+    monkeypatch.setattr(serve, "run", lambda *a, **k: None)
+    monkeypatch.setattr(scaleout, "application", lambda *a, **k: None)
+    env = {"env_vars": {"A": "1"}}
+    scaleout.start(None, replicas=1, host="127.0.0.1", port=1, num_cpus=2, runtime_env=env)
+    scaleout.start(None, replicas=1, host="127.0.0.1", port=1, address="ray://h:1", num_cpus=2, runtime_env=env)
+    assert inits[0]["num_cpus"] == 2 and inits[0]["runtime_env"] == env and inits[0]["address"] is None
+    assert "num_cpus" not in inits[1] and inits[1]["runtime_env"] == env and inits[1]["address"] == "ray://h:1"
