@@ -35,8 +35,10 @@ def check_folder(folder: Path, flag: str = "--out") -> None:
     if folder.exists() and not folder.is_dir():
         raise ConfigError(f"{flag} {folder} is a file; give a folder")
     base = folder
-    while not base.exists():  # the nearest folder that is there: the run makes the rest
+    while not os.path.lexists(base):  # the nearest folder that is there: the run makes the rest
         base = base.parent
+    if base.is_symlink() and not base.exists():  # (the run could not make a folder in its place)
+        raise ConfigError(f"cannot write to {flag} {folder}: {base} is a link to {os.readlink(base)}, which does not exist")
     if not base.is_dir():
         raise ConfigError(f"cannot write to {flag} {folder}: {base} is not a folder")
     probe = base / f".specdec-write-check-{os.getpid()}"

@@ -10,7 +10,7 @@ import pytest
 
 from specdec.cli import main
 from specdec.errors import ConfigError
-from specdec.outputs import check_file, check_folder
+from specdec.outputs import check_file, check_folder, write_whole
 
 FOLDER_OUT = ["data", "distill", "eagle", "medusa", "mtp", "online", "calibrate"]
 FILE_OUT = ["kangaroo", "skip"]
@@ -256,3 +256,45 @@ def test_head_training_refuses_an_eval_every_below_one_before_training(capsys, t
         th.TrainConfig(kind="medusa", eval_every=int(value))
     with pytest.raises(ConfigError, match="ckpt_every"):
         th.TrainConfig(kind="medusa", ckpt_every=int(value))
+
+
+def test_a_failed_write_of_a_file_named_tmp_keeps_the_old_file(tmp_path):
+    """The temporary file is the name + ".tmp", never the file itself: a failed write of
+    ``notes.tmp`` leaves the old ``notes.tmp`` as it was (a temporary ``path.with_suffix(".tmp")``
+    would be the file itself, and removing it on failure would delete the user's file)."""
+    path = tmp_path / "notes.tmp"
+    path.write_text("old")
+
+    def fails(tmp):
+        tmp.write_text("half")
+        raise OSError("disk full")
+
+    with pytest.raises(OSError, match="disk full"):
+        write_whole(path, fails)
+    assert path.read_text() == "old" and sorted(p.name for p in tmp_path.iterdir()) == ["notes.tmp"]
+    write_whole(path, lambda tmp: tmp.write_text("new"))
+    assert path.read_text() == "new" and sorted(p.name for p in tmp_path.iterdir()) == ["notes.tmp"]
+
+
+@pytest.mark.skipif(not sys.platform.startswith("linux") or not Path("/proc/self").is_dir(), reason="needs Linux /proc")
+def test_the_write_check_error_says_why_without_its_probe_file():
+    """The one line gives the OS's reason (its strerror), not the internal probe file's name the
+    check tried to write (``.specdec-write-check-PID``), which the user never asked for."""
+    with pytest.raises(ConfigError) as caught:
+        check_folder(Path("/proc"))
+    message = str(caught.value)
+    assert message.startswith("cannot write to --out /proc: ") and ".specdec-write-check" not in message
+
+
+@pytest.mark.parametrize("under", [False, True])
+def test_an_out_through_a_link_to_nothing_fails_first(tmp_path, under):
+    """``--out LINK`` (or ``LINK/sub``) where LINK is a symbolic link to nothing: the check used to
+    pass (``exists()`` is False for it, so it walked up past it), and the run's
+    ``mkdir(parents=True, exist_ok=True)`` then failed with FileExistsError after all the work."""
+    link = tmp_path / "link"
+    link.symlink_to(tmp_path / "gone")
+    out = link / "sub" if under else link
+    with pytest.raises(ConfigError, match=f"cannot write to --out {out}: {link} is a link to .*gone, which does not exist"):
+        check_folder(out)
+    with pytest.raises(FileExistsError):  # what the run would have met
+        out.mkdir(parents=True, exist_ok=True)
