@@ -3,6 +3,7 @@ decoder, and the bounds it puts on them."""
 
 from __future__ import annotations
 
+import json
 import re
 
 import pytest
@@ -10,8 +11,9 @@ import torch
 
 import specdec.models.linear as linear
 from specdec import defaults
+from specdec import engine as engine_mod
 from specdec.decoder import SpeculativeDecoder
-from specdec.drafters import ModelDrafter
+from specdec.drafters import ModelDrafter, self_spec
 from specdec.drafters.hybrid import LookupThenModel
 from specdec.engine import Engine, EngineConfig, draft_dtype, draft_int8_head, make_gamma
 from specdec.errors import ConfigError
@@ -199,7 +201,6 @@ def test_with_prefix_cache_only_where_it_is_exact(tmp_path):
     (--fast-attention) is left as it is."""
     from tiny import make_tiny
 
-
     folder = str(make_tiny(tmp_path, layers=1))
     exact = Engine.build(EngineConfig(target=folder, draft="none"))
     cached = exact.with_prefix_cache(1 << 20)
@@ -214,7 +215,6 @@ def test_a_model_the_native_backend_cannot_run_loads_in_float(tmp_path, monkeypa
     GGUF's header, nothing converted): a GPT-2 folder or GGUF runs in float32 on the hf backend,
     and asking for int8 / q4 there is refused before anything loads; a Llama and a Gemma 3 (folder
     or GGUF) still get their quantised target."""
-    import json
 
     import gguf
     from tiny import make_tiny
@@ -272,7 +272,6 @@ def test_a_windowed_model_runs_natively_to_its_full_context(tmp_path):
     context, and greedy decoding ten windows long gives the hf backend's tokens."""
     from tiny import make_tiny
 
-
     folder = str(make_tiny(tmp_path / "mistral", model_type="mistral", window=4))
     cfg = SamplingConfig(temperature=0.0, max_new_tokens=40)
     runs = {}
@@ -304,7 +303,6 @@ def test_engine_config_takes_a_folder_as_a_path(tmp_path):
 @pytest.mark.parametrize("ids", [[1.9, 2.5, 7.2], [1, 2.0, 3], [True, 5], [1, 2**70]])
 def test_a_draft_vocabulary_of_floats_or_booleans_is_refused(tmp_path, ids):
     """``torch.tensor(..., dtype=long)`` used to truncate them to other token ids without a word."""
-    import json
 
     from specdec.engine import draft_vocabulary
 
@@ -459,7 +457,6 @@ def test_a_registry_targets_model_free_default_draft_has_no_lookup_suffix():
 
 
 def test_kv_dtype_float16_needs_exact_attention():
-
     from specdec.engine import EngineConfig, check_kv_dtype
 
     assert check_kv_dtype(EngineConfig(kv_dtype="float16"), torch.float32) == torch.float16
@@ -477,8 +474,6 @@ def test_a_factor_of_one_is_allowed_for_a_model_free_drafter():
 
 
 def test_a_draft_vocabulary_must_be_distinct_and_is_unused_on_the_hf_backend(tmp_path):
-    import json
-
     from specdec.engine import EngineConfig, draft_vocabulary
 
     (tmp_path / "config.json").write_text("{}")
@@ -635,7 +630,6 @@ def test_target_dtype_refusals(monkeypatch):
 
 
 def test_auto_draft_dtype_is_float_on_the_hf_backend_even_with_fast_bf16(monkeypatch):
-
     monkeypatch.setattr(linear, "bf16_fast", lambda: True)
     assert draft_dtype(EngineConfig(backend="hf")) == torch.float32
     assert draft_dtype(EngineConfig()) == torch.bfloat16
@@ -651,8 +645,6 @@ def test_a_quantised_draft_asked_for_on_the_hf_backend_is_refused(monkeypatch):
 
 
 def test_a_draft_vocabulary_with_a_negative_id_or_an_unknown_mode_is_refused(tmp_path):
-    import json
-
     from specdec.engine import draft_vocabulary
 
     (tmp_path / "config.json").write_text("{}")
@@ -687,8 +679,6 @@ def test_a_registry_targets_own_draft_model_gets_prompt_lookup_in_front():
 
 
 def test_auto_draft_temperature_factor_reads_the_folders_calibration(tmp_path):
-    import json
-
     from specdec.catalog import CALIBRATION_FILE
     from specdec.engine import draft_temperature_factor
 
@@ -696,3 +686,356 @@ def test_auto_draft_temperature_factor_reads_the_folders_calibration(tmp_path):
     (tmp_path / CALIBRATION_FILE).write_text(json.dumps({"temperature_factor": 0.85}))
     assert draft_temperature_factor(EngineConfig(), tmp_path) == 0.85
     assert draft_temperature_factor(EngineConfig(draft_temperature_factor=0.5), tmp_path) == 0.5  # a number wins
+
+
+class _View:
+    temperature_factor = 1.0
+
+
+def _attach_view(monkeypatch, vocab: torch.Tensor | None, **cfg):
+    """attach() of a self-speculative view, its build replaced by a recorder: (vocab it got, view)."""
+    got = {}
+
+    def build(name, model, target_name, *, vocab=None):
+        got["vocab"] = vocab
+        return got.setdefault("view", _View()), "view"
+
+    monkeypatch.setattr(engine_mod, "view_vocabulary", lambda cfg, target: vocab)
+    monkeypatch.setattr(self_spec, "build", build)
+    Engine.attach(_loaded(), EngineConfig(target="toy", draft="layerskip:1", **cfg))
+    return got["vocab"], got["view"]
+
+
+def test_a_view_drafts_over_a_reduced_vocabulary_only_where_every_id_is_the_targets(monkeypatch):
+    """A reduced vocabulary whose largest id is the target's vocabulary size (one past its last
+    token: another model's) is dropped; one whose ids all lie below it is kept."""
+    vocab, _ = _attach_view(monkeypatch, torch.tensor([1, TARGET.vocab_size]))
+    assert vocab is None
+    vocab, _ = _attach_view(monkeypatch, torch.tensor([1, TARGET.vocab_size - 1]))
+    assert vocab.tolist() == [1, TARGET.vocab_size - 1]
+
+
+def test_a_view_samples_at_the_configured_draft_temperature_factor(monkeypatch):
+    """The self-speculative view gets the configured factor, as ``self`` does."""
+    _, view = _attach_view(monkeypatch, None, draft_temperature_factor=0.5)
+    assert view.temperature_factor == 0.5
+
+
+def test_load_draft_passes_on_its_vocabulary_and_the_targets_tokenizer(tmp_path, monkeypatch):
+    """``load_draft`` of ``FOLDER+lookup`` loads FOLDER over the folder's reduced vocabulary, with
+    the target (for its tokenizer object) and the float dtype asked for."""
+    (tmp_path / "config.json").write_text("{}")
+    (tmp_path / "draft_vocab.json").write_text(json.dumps({"ids": [1, 5, 9]}))
+    seen = {}
+    monkeypatch.setattr(engine_mod, "load", lambda name, **kw: seen.update(name=name, **kw))
+    target = _loaded()
+    engine_mod.load_draft(EngineConfig(draft=f"{tmp_path}+lookup", draft_dtype="float32"), target=target)
+    assert seen["name"] == str(tmp_path) and seen["tokenizer_of"] is target
+    assert seen["vocab_subset"].tolist() == [1, 5, 9] and seen["dtype"] == torch.float32
+
+
+def test_engine_config_refuses_an_int8_kernel_that_is_not_a_string():
+    """Every name-valued setting is checked for its kind up front, ``int8_kernel`` too (it used to
+    reach the loader)."""
+    for bad in (None, 5):
+        with pytest.raises(ConfigError, match="int8_kernel must be a string"):
+            EngineConfig(int8_kernel=bad)
+
+
+def test_a_tree_probability_floor_out_of_range_is_refused_where_it_is_parsed():
+    """``parse_tree_min_prob`` is the CLI's and bench's early check: a floor outside [0, 1) fails
+    there, before any model loads; None (the default floor) and a value inside pass through."""
+    from specdec.engine import parse_tree_min_prob
+
+    assert parse_tree_min_prob(None) is None and parse_tree_min_prob(0.0) == 0.0 and parse_tree_min_prob(0.5) == 0.5
+    for bad in (-0.1, 1.0, 1.5):
+        with pytest.raises(ConfigError):
+            parse_tree_min_prob(bad)
+
+
+def test_factor_for_reads_the_draft_name_as_the_engine_does():
+    """A benchmark's one factor goes to drafters that sample from a model only: ``" NGRAM "`` and
+    ``None``-model drafters get ``auto`` whatever their spelling, a model drafter the value."""
+    from specdec.engine import factor_for
+
+    assert factor_for(" NGRAM ", 0.5) == "auto" and factor_for("Lookahead", 0.5) == "auto"
+    assert factor_for("none", 0.5) == "auto" and factor_for("self", 0.5) == 0.5
+
+
+def test_prompt_lookup_in_front_of_a_trained_head_is_refused(tmp_path, monkeypatch):
+    """``HEAD+lookup``: a head reads the target's features and has no prompt-lookup front; the name
+    is refused before anything loads."""
+    from specdec.drafters import heads
+    from specdec.engine import check_draft_name
+
+    monkeypatch.setattr(heads, "resolve_head", lambda ref: tmp_path if ref == "myhead" else None)
+    assert check_draft_name("myhead") == ("myhead", False, tmp_path)
+    with pytest.raises(ConfigError, match="adds prompt lookup to a drafting model"):
+        check_draft_name("myhead+lookup")
+
+
+def test_a_prompt_id_outside_the_vocabulary_is_a_config_error():
+    """generate() checks token-id prompts against the target's vocabulary (a one-line error, not an
+    IndexError inside the model)."""
+    eng = _engine()
+    with pytest.raises(ConfigError, match="outside the vocabulary"):
+        eng.generate([1, TARGET.vocab_size], SamplingConfig(temperature=0.0, max_new_tokens=4), gamma=2)
+
+
+def test_stop_when_reads_the_text_as_the_request_keeps_special_tokens():
+    """``stop_when`` tests the text the request gets: with special tokens kept it sees the
+    end-of-sequence token's "<e>" and stops there; with them skipped it never does."""
+    eng = _engine(tokenizer=_Tok())
+    seen = lambda text: "<e>" in text  # noqa: E731
+    kept = eng.generate([1, 2], SamplingConfig(temperature=0.0, max_new_tokens=10, skip_special_tokens=False), gamma=3,
+                        ignore_eos=True, stop_when=seen)
+    assert kept.token_ids == [1, 3] and kept.text == "b<e>"
+    skipped = eng.generate([1, 2], SamplingConfig(temperature=0.0, max_new_tokens=10), gamma=3, ignore_eos=True,
+                           stop_when=seen)
+    assert len(skipped.token_ids) == 10
+
+
+def test_auto_target_dtype_on_the_hf_backend_is_float32_even_where_int8_runs(monkeypatch):
+    """``--backend hf`` with dtype auto: float32 (the hf backend has no int8 layers), not int8
+    (which the same function then refuses: "needs the native backend")."""
+    from specdec.engine import target_dtype
+    from specdec.models import registry
+
+    monkeypatch.setattr(linear, "w8a8_available", lambda: True)
+    monkeypatch.setattr(registry, "native_runs", lambda ref: True)
+    assert target_dtype(EngineConfig(backend="hf")) == (torch.float32, None)
+
+
+def test_a_draft_vocabulary_of_a_model_that_cannot_be_found_is_left_to_the_loader(tmp_path):
+    """draft_vocabulary() returns None for a reference that does not resolve (load() then says what
+    is wrong with it) instead of raising the resolver's error itself."""
+    from specdec.engine import draft_vocabulary
+
+    assert draft_vocabulary(EngineConfig(), str(tmp_path / "nothing-here")) is None
+
+
+def test_a_registry_model_without_its_own_draft_vocabulary_gets_the_shipped_one(tmp_path, monkeypatch):
+    """A registry model's folder (converted on setup) without ``draft_vocab.json``: the one shipped
+    under SHIPPED_DRAFT_VOCABS/NAME is used; a file in the folder comes first."""
+    from types import SimpleNamespace
+
+    from specdec.engine import draft_vocabulary
+    from specdec.models import registry
+
+    folder, shipped = tmp_path / "model", tmp_path / "shipped"
+    folder.mkdir()
+    (shipped / "some-model").mkdir(parents=True)
+    (shipped / "some-model" / "draft_vocab.json").write_text(json.dumps({"ids": [2, 4]}))
+    monkeypatch.setattr(engine_mod, "SHIPPED_DRAFT_VOCABS", shipped)
+    monkeypatch.setattr(registry, "resolve", lambda ref: SimpleNamespace(folder=folder, spec=SimpleNamespace(name="some-model")))
+    assert draft_vocabulary(EngineConfig(), "some-model").tolist() == [2, 4]
+    (folder / "draft_vocab.json").write_text(json.dumps({"ids": [1, 3]}))
+    assert draft_vocabulary(EngineConfig(), "some-model").tolist() == [1, 3]
+
+
+def test_a_fed_draft_samples_at_the_configured_draft_temperature_factor(tmp_path, monkeypatch):
+    """model_drafter() gives a fed draft (one that reads the target's features) the configured
+    factor, as it gives a plain draft model; its loading is replaced by recorders here."""
+    from types import SimpleNamespace
+
+    made = {}
+    monkeypatch.setattr(engine_mod, "fed_config", lambda folder: {"taps": [1]})
+    monkeypatch.setattr(engine_mod, "load_projection", lambda folder: (None, None))
+    monkeypatch.setattr(engine_mod, "FedDrafter", lambda *a, **kw: made.setdefault("fed", SimpleNamespace(**kw)))
+    draft = LoadedModel("d", SimpleNamespace(hidden=None), None, tmp_path, "native", frozenset())
+    drafter, name = engine_mod.model_drafter(EngineConfig(draft_temperature_factor=0.5), draft, lookup=False)
+    assert drafter is made["fed"] and drafter.temperature_factor == 0.5 and name == "d"
+
+
+class _KvToy(ToyLM):
+    """A toy target that records the cache dtype it is given."""
+
+    kv_dtype = None
+
+    def set_kv_dtype(self, dtype):
+        self.kv_dtype = dtype
+
+
+def _build(tmp_path, monkeypatch, **cfg):
+    """Engine.build() over a toy target (load() replaced): (engine, load's kwargs, progress lines)."""
+    from types import SimpleNamespace
+
+    (tmp_path / "config.json").write_text("{}")
+    seen, said = {}, []
+
+    def load(name, **kw):
+        seen.update(kw)
+        return LoadedModel("toy", _KvToy(4, order=2, seed=0), SimpleNamespace(chat_template=None), tmp_path, "native",
+                           frozenset({3}))
+
+    monkeypatch.setattr(engine_mod, "load", load)
+    eng = Engine.build(EngineConfig(target=str(tmp_path), draft="none", **cfg), progress=said.append)
+    return eng, seen, said
+
+
+def test_build_applies_the_cache_dtype_and_the_chat_template_asked_for(tmp_path, monkeypatch):
+    """``kv_dtype`` and ``chat_template`` reach the loaded target (its cache dtype, its tokenizer)."""
+    template = "{% for m in messages %}{{ m.content }}{% endfor %}"
+    eng, seen, _ = _build(tmp_path, monkeypatch, dtype="float32", kv_dtype="float16", chat_template=template)
+    assert eng.target.model.kv_dtype == torch.float16 and eng.target.tokenizer.chat_template == template
+    assert seen["dtype"] == torch.float32 and seen["quant"] is None
+    eng, _, _ = _build(tmp_path, monkeypatch, dtype="float32")
+    assert eng.target.model.kv_dtype is None and eng.target.tokenizer.chat_template is None
+
+
+def test_the_int8_kernel_note_is_given_only_where_nothing_reads_the_kernel(tmp_path, monkeypatch):
+    """``--int8-kernel`` with a float target: one progress line says it is unused; with an int8
+    target (which reads it) no such line, and the kernel reaches load()."""
+    from specdec.models import registry
+
+    _, _, said = _build(tmp_path, monkeypatch, dtype="float32", int8_kernel="fbgemm")
+    assert any("--int8-kernel fbgemm is not used" in line for line in said)
+    monkeypatch.setattr(linear, "w8a8_available", lambda: True)
+    monkeypatch.setattr(registry, "native_runs", lambda ref: True)
+    _, seen, said = _build(tmp_path, monkeypatch, dtype="int8", int8_kernel="fbgemm")
+    assert seen["quant"] == "int8" and seen["int8_kernel"] == "fbgemm"
+    assert not any("--int8-kernel" in line for line in said)
+
+
+def test_a_self_speculative_draft_with_nothing_shipped_fails_before_the_target_loads(monkeypatch):
+    """``--draft self-skip`` (no file) for a registry target without a shipped skip set: a
+    ConfigError from the names alone, before the target loads."""
+    from specdec.catalog import skip_set_targets
+    from specdec.models import registry
+
+    target = next((name for name in registry.REGISTRY if name not in skip_set_targets()), None)
+    if target is None:
+        pytest.skip("every registry target ships a skip set")
+    monkeypatch.setattr(engine_mod, "load", lambda *a, **k: pytest.fail("the target was loaded"))
+    with pytest.raises(ConfigError, match="no searched skip set ships"):
+        Engine.build(EngineConfig(target=target, draft="self-skip"))
+
+
+class _Keeps(ToyLM):
+    """A toy target that keeps finished sequences (as the chat's prefix cache does)."""
+
+    def __init__(self, *a, **kw):
+        super().__init__(*a, **kw)
+        self.kept: list[list[int]] = []
+
+    def keep_sequence(self, tokens, cache):
+        self.kept.append([int(t) for t in tokens])
+
+
+def test_a_generation_with_logprobs_hands_its_sequence_to_a_target_that_keeps_them():
+    """With logprobs the engine's scoring session is the verifier, and the engine closes it: a
+    target that keeps finished sequences gets the prompt + reply (all but the last token) once."""
+    model = _Keeps(4, order=2, seed=0)
+    eng = Engine(LoadedModel("toy", model, None, None, "toy", frozenset({3})), ModelDrafter(DRAFT), "toy")
+    out = eng.generate([1, 2], SamplingConfig(temperature=1.0, seed=3, max_new_tokens=6), gamma=3, logprobs=1,
+                       ignore_eos=True)
+    assert model.kept == [[1, 2, *out.token_ids[:-1]]]
+
+
+def test_a_quantised_draft_asked_for_gets_an_int8_lm_head(monkeypatch):
+    """``w8a8`` and ``q4`` drafts run their LM head as an int8 matmul too, as ``int8`` does."""
+
+    monkeypatch.setattr(linear, "int8_available", lambda: True)
+    for asked in ("int8", "w8a8", "q4"):
+        assert draft_int8_head(EngineConfig(draft_dtype=asked)), asked
+    assert not draft_int8_head(EngineConfig(draft_dtype="bfloat16"))
+
+
+def test_a_trained_head_samples_at_its_folders_calibrated_factor(tmp_path, monkeypatch):
+    """Under ``auto`` a target-aware head samples at the factor its own folder ships
+    (``draft_calibration.json``), as a draft model does; a number asked for wins."""
+    from types import SimpleNamespace
+
+    from specdec.catalog import CALIBRATION_FILE
+    from specdec.drafters import heads
+
+    (tmp_path / CALIBRATION_FILE).write_text(json.dumps({"temperature_factor": 0.85}))
+    monkeypatch.setattr(heads, "resolve_head", lambda ref: tmp_path if ref == "myhead" else None)
+    monkeypatch.setattr(heads, "build", lambda ref, target, **kw: (SimpleNamespace(temperature_factor=1.0), "myhead"))
+    eng = Engine.attach(_loaded(), EngineConfig(target="toy", draft="myhead"))
+    assert eng.drafter.temperature_factor == 0.85 and eng.drafter_name == "myhead"
+    eng = Engine.attach(_loaded(), EngineConfig(target="toy", draft="myhead", draft_temperature_factor=0.5))
+    assert eng.drafter.temperature_factor == 0.5
+
+
+def test_with_prefix_cache_gives_a_draft_model_its_own_cache(monkeypatch):
+    """A drafter over a loaded draft model gets that model behind a prefix cache too (its
+    ``with_model``); one with no draft model of its own (``self`` shares the target's) keeps its
+    drafter.  The prefix-cache pieces are replaced by recorders here."""
+    from specdec.server import prefix_cache
+
+    monkeypatch.setattr(prefix_cache, "supports_prefix_cache", lambda model: True)
+    monkeypatch.setattr(prefix_cache, "PrefixCache", lambda max_bytes: ("cache", max_bytes))
+    monkeypatch.setattr(prefix_cache, "PrefixCached", lambda model, cache: ("cached", model, cache))
+    monkeypatch.setattr(prefix_cache, "draft_prefix_cache", lambda target, draft, max_bytes: ("draft cache", max_bytes))
+
+    class Drafter:
+        def __init__(self, model):
+            self.model = model
+
+        def with_model(self, model):
+            return Drafter(model)
+
+    draft_model = ToyLM(4, order=2, seed=5)
+    eng = Engine(_loaded(), Drafter(draft_model), "d", LoadedModel("d", draft_model, None, None, "toy", frozenset()))
+    cached = eng.with_prefix_cache(1000)
+    assert cached.target.model == ("cached", TARGET, ("cache", 1000))
+    assert cached.drafter.model == ("cached", draft_model, ("draft cache", 1000)) and cached.drafter_name == "d"
+    alone = Engine(_loaded(), eng.drafter, "self").with_prefix_cache(1000)
+    assert alone.drafter is eng.drafter
+
+
+def test_the_drafter_name_reaches_the_decoder():
+    """The engine's drafter name is what the decoder reports (stats, the server's drafter field)."""
+
+    eng = Engine(_loaded(), ModelDrafter(DRAFT), "my-draft")
+    assert eng.decoder(get_rule("greedy"), 2).drafter_name == "my-draft"
+
+
+def test_the_logprobs_session_taps_the_features_the_drafter_reads(monkeypatch):
+    """With logprobs the scoring session is the verifier, so it must tap the target's features a
+    feature-reading drafter asks for (its ``feature_taps``); recorded here by a stand-in session
+    that fails the generation right after it is made."""
+    seen = {}
+
+    class Stop(Exception):
+        pass
+
+    def session(*args, **kw):
+        seen.update(kw)
+        raise Stop
+
+    class Tapping(ModelDrafter):
+        feature_taps = (1, 2)
+
+    monkeypatch.setattr(engine_mod, "TargetSession", session)
+    eng = Engine(_loaded(), Tapping(DRAFT), "toy")
+    with pytest.raises(Stop):
+        eng.generate([1, 2], SamplingConfig(temperature=1.0, seed=1, max_new_tokens=4), gamma=2, logprobs=1)
+    assert seen.get("feature_taps") == (1, 2) and seen["logprobs"] == 1 and seen["seed"] == 1
+
+
+def test_self_drafting_reports_the_target_as_its_draft_model():
+    """``self`` drafts with the target: the engine's draft model is the target (the server builds
+    its served draft and the draft's prefix cache from ``draft_model``)."""
+    target = _loaded()
+    for draft in ("self", "self+lookup"):
+        assert Engine.attach(target, EngineConfig(target="toy", draft=draft)).draft_model is target
+
+
+def test_a_draft_model_with_prompt_lookup_in_front_is_named_so():
+    """model_drafter(lookup=True): the lookup front and the ``NAME+lookup`` display name."""
+
+    draft = LoadedModel("d", DRAFT, None, None, "toy", frozenset())
+    drafter, name = engine_mod.model_drafter(EngineConfig(), draft, lookup=True)
+    assert isinstance(drafter, LookupThenModel) and name == "d+lookup"
+    drafter, name = engine_mod.model_drafter(EngineConfig(), draft, lookup=False)
+    assert isinstance(drafter, ModelDrafter) and name == "d"
+
+
+def test_generate_batch_passes_the_method_asked_for():
+    """A rule named for the batch is the one each result reports (not the default for its sampling)."""
+    eng = _engine()
+    cfg = SamplingConfig(temperature=1.0, seed=3, max_new_tokens=6)
+    assert [r.method for r in eng.generate_batch([[1, 2], [2, 1]], cfg)] == ["coupled", "coupled"]
+    assert [r.method for r in eng.generate_batch([[1, 2], [2, 1]], cfg, method="block")] == ["block", "block"]
