@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import pickle
+
 import pytest
 import torch
 
@@ -10,7 +12,8 @@ pytest.importorskip("llguidance")
 from transformers import AutoTokenizer  # noqa: E402
 
 from specdec.errors import ConfigError  # noqa: E402
-from specdec.grammar import GrammarConstraint, choice_lark, grammar_for  # noqa: E402
+from specdec.grammar import AfterThinking, GrammarConstraint, choice_lark, grammar_for  # noqa: E402
+from specdec.models import registry  # noqa: E402
 from specdec.models.registry import DATA_DIR  # noqa: E402
 
 V = 49152
@@ -87,7 +90,6 @@ def test_specdecs_own_tokenizer_gives_llguidance_the_same_view(tok):
     import llguidance.torch
 
     from specdec.grammar import _tokenizer_info
-    from specdec.models import registry
 
     own = registry.load_tokenizer(DATA_DIR / "smollm2-135m-draft")
     assert type(own).__name__ == "FastTokenizer"
@@ -144,7 +146,6 @@ def test_a_grammar_after_thinking_holds_only_past_the_block(opened, history, ask
     """AfterThinking: inside the <think> block every token is allowed and the grammar is not asked;
     past the block's closing token the grammar is asked about what follows it alone; an answer
     that never opened a block is the grammar's from its first token, which may open one instead."""
-    from specdec.grammar import AfterThinking
 
     inner = _Asked()
     mask = AfterThinking(inner, OPEN_ID, CLOSE_ID, opened).allowed(history, 16)
@@ -160,7 +161,6 @@ def test_a_json_grammar_after_thinking_through_llguidance(tok):
     """The real grammar engine under AfterThinking, asked in an order that rolls it back: the masks
     past the block equal a fresh matcher's for the answer alone, the first token may be the grammar's
     or the block's, and thinking allows everything (two unused special tokens stand for the tags)."""
-    from specdec.grammar import AfterThinking
 
     grammar = grammar_for("json_schema", SCHEMA)
     doc = tok.encode('{"a":12,"b":"y"}', add_special_tokens=False)
@@ -234,3 +234,95 @@ def test_a_choice_list_allows_exactly_its_strings_quotes_and_backslashes_include
 def test_a_choice_list_must_hold_non_empty_strings(bad):
     with pytest.raises(ConfigError, match="one or more non-empty strings"):
         choice_lark(bad)
+
+
+class _Cached:
+    """A stand-in inner constraint that answers with one cached mask (as a token filter's or a
+    constraint's cache may): the same tensor every time."""
+
+    def __init__(self, vocab_size: int) -> None:
+        self.mask = torch.zeros(vocab_size, dtype=torch.bool)
+        self.mask[7] = True
+
+    def allowed(self, generated, vocab_size):
+        return self.mask
+
+
+def test_letting_the_first_token_open_the_block_leaves_the_inner_constraints_mask_alone():
+    """AfterThinking adds the opening tag to a copy of the inner mask: the inner constraint's own
+    (possibly cached) tensor is not changed, so a later answer past the block does not allow it."""
+    inner = _Cached(16)
+    after = AfterThinking(inner, open_id=1, close_id=2, opened=False)
+    first = after.allowed([], 16)
+    assert set(first.nonzero().flatten().tolist()) == {1, 7}
+    assert inner.mask.nonzero().flatten().tolist() == [7]
+    assert after.allowed([1, 5, 2], 16).nonzero().flatten().tolist() == [7]  # past the block: the grammar's alone
+
+
+def test_the_last_ids_of_a_vocabulary_that_is_not_a_multiple_of_32_can_be_allowed(tmp_path):
+    """The bitmask has ceil(V / 32) words: where the vocabulary size is not a multiple of 32 (GPT-2's
+    50,257), the ids in the last, partial word are allowed where the grammar allows them.  SmolLM2's
+    tokenizer with 20 added tokens (V = 49,172); the grammar allows only the last one."""
+    import json
+    import shutil
+
+    for name in ("tokenizer.json", "tokenizer_config.json"):
+        shutil.copy(DATA_DIR / "smollm2-135m-draft" / name, tmp_path / name)
+    spec = json.loads((tmp_path / "tokenizer.json").read_text())
+    spec["added_tokens"] += [{"id": 49152 + i, "content": f"zqx{i}", "single_word": False, "lstrip": False, "rstrip": False,
+                              "normalized": False, "special": False} for i in range(20)]
+    (tmp_path / "tokenizer.json").write_text(json.dumps(spec))
+    tok = registry.load_tokenizer(tmp_path)
+    V = len(tok)
+    assert V == 49172 and V % 32
+    mask = GrammarConstraint(tok, grammar_for("regex", "zqx19"), V).allowed([], V)
+    assert mask.shape == (V,) and mask.nonzero().flatten().tolist() == [V - 1]
+
+
+def test_the_walk_ahead_does_not_stop_at_an_end_the_grammar_allows_early(tok):
+    """The walk ahead takes the first allowed token other than end-of-sequence: a grammar that may
+    end after "x" but whose matcher gives up on what may follow it is still refused up front
+    (were the end token taken, the walk would stop at "x" and the failure come mid-generation)."""
+    grammar = grammar_for("lark", 'start: "x" | "x" TAIL\nTAIL: /;(a{1000}){1000}/')
+    with pytest.raises(ConfigError, match="the grammar cannot be followed"):
+        GrammarConstraint(tok, grammar, 49152)
+
+
+def test_a_history_that_broke_the_grammar_does_not_spoil_later_answers(tok):
+    """After a history the grammar refuses (ConfigError), the constraint's answers are still a pure
+    function of the history asked about: a valid history longer than what the matcher had consumed
+    gets a fresh constraint's mask, not a second 'breaks the grammar'."""
+    grammar = grammar_for("json_object", None)
+    doc = tok.encode('{"k":[1,2,3]}', add_special_tokens=False)
+    shared = GrammarConstraint(tok, grammar, V)
+    assert tok.decode(doc[:1]) == '{"'
+    shared.allowed(doc[:3], V)
+    with pytest.raises(ConfigError, match="breaks the grammar"):  # a raw line break inside the key
+        shared.allowed(doc[:1] + tok.encode("\n", add_special_tokens=False), V)
+    assert torch.equal(shared.allowed(doc[:5], V), GrammarConstraint(tok, grammar, V).allowed(doc[:5], V))
+
+
+def test_a_vocabulary_one_larger_than_the_grammars_gets_a_mask_of_its_size(tok):
+    """Asked about one id more than the constraint was made for (a padded embedding of V + 1), the
+    mask has V + 1 entries and the extra id is not allowed."""
+
+    constraint = GrammarConstraint(tok, grammar_for("json_object", None), V)
+    base = constraint.allowed([], V)
+    wide = constraint.allowed([], V + 1)
+    assert wide.shape == (V + 1,) and torch.equal(wide[:V], base) and not bool(wide[V])
+
+
+@pytest.mark.parametrize("own", [True, False], ids=["specdec", "transformers"])
+def test_a_tokenizer_that_served_a_grammar_still_pickles(tok, own):
+    """A tokenizer still pickles after serving a grammar (llguidance's view of it, which does not
+    pickle, is cached beside it, not in it), and its copy gives the same masks."""
+    from specdec.tokenizer import FastTokenizer, plain_config
+
+    folder = registry.resolve("smollm2-135m-draft").folder
+    if own:
+        tok = FastTokenizer(folder, plain_config(folder))
+    grammar = grammar_for("regex", "[0-9]+")
+    before = GrammarConstraint(tok, grammar, V).allowed([], V)
+    copied = pickle.loads(pickle.dumps(tok))
+    assert copied.encode("12") == tok.encode("12")
+    assert torch.equal(GrammarConstraint(copied, grammar, V).allowed([], V), before)

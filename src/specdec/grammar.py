@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import json
 import threading
+import weakref
 from typing import Any, Sequence
 
 import torch
@@ -32,11 +33,27 @@ def _llguidance() -> Any:
     return llguidance
 
 
+#: per tokenizer, held weakly (its caches go with it, and nothing is added to the tokenizer itself,
+#: which must still pickle): llguidance's view of it per vocabulary size, and the (vocabulary size,
+#: grammar) pairs already probed
+_PER_TOKENIZER: weakref.WeakKeyDictionary[Any, tuple[dict[int, Any], set[tuple[int, str]]]] = weakref.WeakKeyDictionary()
+_PER_TOKENIZER_LOCK = threading.Lock()
+
+
+def _caches(tokenizer: Any) -> tuple[dict[int, Any], set[tuple[int, str]]]:
+    """``tokenizer``'s llguidance views and probed grammars (see :data:`_PER_TOKENIZER`)."""
+    with _PER_TOKENIZER_LOCK:
+        found = _PER_TOKENIZER.get(tokenizer)
+        if found is None:
+            found = _PER_TOKENIZER[tokenizer] = ({}, set())
+        return found
+
+
 def _tokenizer_info(tokenizer: Any, vocab_size: int) -> Any:
     """llguidance's view of ``tokenizer`` (built once per tokenizer and vocabulary size: seconds).
     specdec's own tokenizer hands llguidance its tokenizer.json as parsed, as llguidance's
     transformers helper does with transformers' tokenizer, without building that (~2-3 s)."""
-    cache = tokenizer.__dict__.setdefault("_specdec_llg", {})
+    cache = _caches(tokenizer)[0]
     if vocab_size not in cache:
         from specdec.tokenizer import FastTokenizer, hf_tokenizer
 
@@ -99,7 +116,7 @@ class GrammarConstraint:
         self._shifts = torch.arange(32, dtype=torch.int32)
         self._consumed: list[int] = []
         self._lock = threading.Lock()
-        probed = tokenizer.__dict__.setdefault("_specdec_llg_probed", set())
+        probed = _caches(tokenizer)[1]
         if (vocab_size, grammar) not in probed:  # each grammar once per tokenizer (a request's choices share it)
             self._probe(vocab_size)
             if len(probed) >= 256:
