@@ -220,6 +220,32 @@ def test_the_shipped_configs_are_read():
     assert (cfg.rope_theta, cfg.n_kv_heads, cfg.head_dim) == (1e6, 14, 64)
 
 
+@pytest.mark.parametrize("kind", ["llama", "mistral", "qwen2", "qwen3", "gemma3_text"])
+@pytest.mark.parametrize("flags", [{}, {"attention_bias": True}, {"mlp_bias": True}], ids=["none", "attention", "mlp"])
+def test_the_biases_read_are_the_ones_transformers_builds(kind, flags):
+    """Where the native layers take a config, the biases they add (query / key / value, nothing else)
+    are exactly the bias parameters transformers builds for it; where transformers would build
+    others (an output-projection bias from ``attention_bias``, Llama's MLP biases from ``mlp_bias``)
+    the config is refused in one line that points to ``--backend hf``, not run without them."""
+    import transformers
+
+    cfg = {**LLAMA, "model_type": kind, "head_dim": 8, **flags}
+    if kind == "gemma3_text":  # (its rotary parameters are by layer kind: its defaults here)
+        del cfg["rope_parameters"]
+    config = transformers.AutoConfig.for_model(kind, **{k: v for k, v in cfg.items() if k != "model_type"})
+    with torch.device("meta"):
+        model = transformers.AutoModelForCausalLM.from_config(config)
+    built = {name.split(".", 3)[3] for name, _ in model.named_parameters() if name.endswith("bias") and ".layers.0." in name}
+    try:
+        read = NativeConfig.from_hf(cfg)
+    except ConfigError as exc:
+        assert "--backend hf" in str(exc) and "\n" not in str(exc)
+        assert built - {"self_attn.q_proj.bias", "self_attn.k_proj.bias", "self_attn.v_proj.bias"}
+        return
+    expected = {"self_attn.q_proj.bias", "self_attn.k_proj.bias", "self_attn.v_proj.bias"} if read.attention_bias else set()
+    assert built == expected
+
+
 @pytest.mark.parametrize("change, field", [
     ({"num_hidden_layers": 0}, "num_hidden_layers"), ({"num_hidden_layers": -1}, "num_hidden_layers"),
     ({"num_hidden_layers": "2"}, "num_hidden_layers"), ({"num_hidden_layers": 2.5}, "num_hidden_layers"),

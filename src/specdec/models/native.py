@@ -123,6 +123,14 @@ class NativeConfig:
                 raise ConfigError(f"rope scaling {rope_type!r} is not supported by the native backend")
             theta = rope.get("rope_theta", cfg.get("rope_theta", 10000.0)) if rope else cfg.get("rope_theta", 10000.0)
         theta = _number("rope_theta", theta, positive=True)
+        # transformers' biases: Qwen2's query / key / value always, Mistral's none; Llama's, Qwen3's and
+        # Gemma 3's ``attention_bias`` puts one on the output projection too, Llama's ``mlp_bias`` on its
+        # MLP, which these layers do not compute
+        if model_type in ("llama", "qwen3", "gemma3_text") and cfg.get("attention_bias"):
+            raise ConfigError("attention_bias (a bias on the attention's output projection too) is not supported by the"
+                              " native backend; use --backend hf")
+        if model_type == "llama" and cfg.get("mlp_bias"):
+            raise ConfigError("mlp_bias is not supported by the native backend; use --backend hf")
         hidden, heads = _count(cfg, "hidden_size"), _count(cfg, "num_attention_heads")
         kv_heads = _count(cfg, "num_key_value_heads", heads)
         if heads % kv_heads:
@@ -148,7 +156,7 @@ class NativeConfig:
             rope_theta=theta,
             max_length=context_length(cfg),
             tie_embeddings=bool(cfg.get("tie_word_embeddings", False)),
-            attention_bias=model_type == "qwen2" or bool(cfg.get("attention_bias", False)),
+            attention_bias=model_type == "qwen2",
             qk_norm=model_type in ("qwen3", "gemma3_text"),
             sliding_window=window,
             windowed=windowed,
