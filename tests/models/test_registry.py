@@ -800,9 +800,9 @@ def test_eos_ids_come_from_the_config_the_generation_config_and_the_tokenizer(tm
         eos_token_id = 2
 
     (tmp_path / "generation_config.json").write_text(json.dumps({"eos_token_id": [7, 9]}))
-    assert registry._eos_ids(tmp_path, Tok(), {"eos_token_id": 5}) == {2, 5, 7, 9}
+    assert registry.eos_ids(tmp_path, Tok(), {"eos_token_id": 5}) == {2, 5, 7, 9}
     (tmp_path / "generation_config.json").write_text(json.dumps({"eos_token_id": 11}))
-    assert registry._eos_ids(tmp_path, Tok(), {"eos_token_id": [3, 4]}) == {2, 3, 4, 11}
+    assert registry.eos_ids(tmp_path, Tok(), {"eos_token_id": [3, 4]}) == {2, 3, 4, 11}
 
 
 def test_an_added_token_past_the_vocabulary_is_refused_even_where_the_size_fits():
@@ -1171,5 +1171,5 @@ def test_a_broken_generation_config_is_a_one_line_error_naming_the_file(tmp_path
         eos_token_id = 2
 
     with pytest.raises(ConfigError, match="generation_config.json") as info:
-        registry._eos_ids(tmp_path, Tok(), {})
+        registry.eos_ids(tmp_path, Tok(), {})
     assert "\n" not in str(info.value)

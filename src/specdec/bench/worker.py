@@ -258,7 +258,7 @@ def run_hf(job: Job, prompts: list[Prompt]) -> None:
     """Hugging Face ``generate`` on the same weights, plain or with ``assistant_model=``."""
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
-    from specdec.models.registry import resolve
+    from specdec.models.registry import eos_ids, resolve
     from specdec.text import encode_prompt
 
     tfolder = resolve(job.target).folder
@@ -269,7 +269,7 @@ def run_hf(job: Job, prompts: list[Prompt]) -> None:
         from specdec.drafters.hybrid import split_lookup
 
         assistant = AutoModelForCausalLM.from_pretrained(str(resolve(split_lookup(job.draft)[0]).folder), dtype=torch.float32).eval()
-    eos = [i for i in {target.config.eos_token_id, tokenizer.eos_token_id} if i is not None]
+    eos = sorted(eos_ids(tfolder, tokenizer, target.config.to_dict()))  # (as specdec's own rows stop)
     check_chat(prompts, tokenizer, job.target)
     encoded = {p.id: encode_prompt(tokenizer, p.text, chat=p.chat) for p in prompts}
 
@@ -343,12 +343,12 @@ def run_llamacpp(job: Job, prompts: list[Prompt]) -> None:
     """llama.cpp alone (the ``llamacpp`` mode when no speculative worker hosts its rows)."""
     import json as _json
 
-    from specdec.models.registry import _eos_ids, load_tokenizer, resolve
+    from specdec.models.registry import eos_ids, load_tokenizer, resolve
     from specdec.text import encode_prompt
 
     folder = resolve(job.target).folder
     tokenizer = load_tokenizer(folder)
-    eos = _eos_ids(folder, tokenizer, _json.loads((folder / "config.json").read_text()))
+    eos = eos_ids(folder, tokenizer, _json.loads((folder / "config.json").read_text()))
     check_chat(prompts, tokenizer, job.target)
     encoded = {p.id: encode_prompt(tokenizer, p.text, chat=p.chat) for p in prompts}
     llama = _llamacpp_runner(job, eos, encoded)

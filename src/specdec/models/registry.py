@@ -497,7 +497,9 @@ class LoadedModel:
         return self.model.vocab_size
 
 
-def _eos_ids(folder: Path | None, tokenizer: Any, config: dict) -> frozenset[int]:
+def eos_ids(folder: Path | None, tokenizer: Any, config: dict) -> frozenset[int]:
+    """The ids that end a model's generation: ``config``'s ``eos_token_id`` (one id or a list), the
+    folder's ``generation_config.json``'s, and the tokenizer's."""
     ids: set[int] = set()
     for source in (config.get("eos_token_id"),):
         if isinstance(source, int):
@@ -572,7 +574,7 @@ def load(
             ) from None
         cfg = model.model.config.to_dict()
         check_tokenizer_fits(resolved.name, tokenizer, model.vocab_size)
-        return LoadedModel(resolved.name, model, tokenizer, None, "hf", _eos_ids(None, tokenizer, cfg))
+        return LoadedModel(resolved.name, model, tokenizer, None, "hf", eos_ids(None, tokenizer, cfg))
     folder = resolved.folder
     cfg = check_model_folder(folder)
     if tokenizer_of is not None and tokenizer_of.folder is not None and same_tokenizer(folder, tokenizer_of.folder):
@@ -600,7 +602,7 @@ def load(
         raise SpecdecError(f"unknown backend {backend!r}; choose auto, native or hf")
     if not isinstance(declared, int):  # (else checked above, against the same count)
         check_tokenizer_fits(resolved.name, tokenizer, model.vocab_size)
-    return LoadedModel(resolved.name, model, tokenizer, folder, kind, _eos_ids(folder, tokenizer, cfg))
+    return LoadedModel(resolved.name, model, tokenizer, folder, kind, eos_ids(folder, tokenizer, cfg))
 
 
 def check_tokenizer_fits(name: str, tokenizer: Any, vocab_size: int) -> None:

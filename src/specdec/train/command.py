@@ -513,7 +513,7 @@ def _data(args: argparse.Namespace) -> int:
 def _head(args: argparse.Namespace) -> int:
     from tqdm.auto import tqdm
 
-    from specdec.models.registry import _eos_ids, load_tokenizer, resolve
+    from specdec.models.registry import eos_ids, load_tokenizer, resolve
     from specdec.train.heads import TargetHead, TrainConfig, train
 
     kind = args.variant if args.train_command == "eagle" else args.train_command
@@ -529,7 +529,7 @@ def _head(args: argparse.Namespace) -> int:
     if resolved.folder is None:
         raise ConfigError("training a head needs a local target (a registry name or a folder)")
     cfg_json = read_config(resolved.folder)
-    eos = _eos_ids(resolved.folder, load_tokenizer(resolved.folder), cfg_json)
+    eos = eos_ids(resolved.folder, load_tokenizer(resolved.folder), cfg_json)
     target = TargetHead.from_folder(resolved.folder, resolved.name, eos)
     cfg = TrainConfig(kind=kind, steps=args.steps, batch_tokens=args.batch_tokens, lr=args.lr, draft_vocab=args.draft_vocab,
                       depth=args.depth, eval_every=args.eval_every)
