@@ -3,11 +3,13 @@
 from __future__ import annotations
 
 import json
+from types import SimpleNamespace
 
 import pytest
 
 from serverproc import DRAFT_MODEL, ServerProcess
 from specdec.server import reasoning as rs
+from specdec.server.openai_api import _usage
 
 pytestmark = pytest.mark.usefixtures("single_thread")
 
@@ -401,3 +403,110 @@ def test_thinking_ends_at_the_token_that_completes_the_closing_tag_mid_token(pla
     k = next(k for k in range(1, len(ids) + 1) if rs.CLOSE in tok.decode(ids[:k]))
     assert not tok.decode(ids[:k]).endswith(rs.CLOSE)  # the premise: that token carries more than the tag's end
     assert rs.thinking_tokens(tok, ids, tok.decode(ids), False) == k < len(ids)
+
+
+def _result(tokens):
+    return SimpleNamespace(token_ids=list(tokens), prediction_tokens=None, stats=SimpleNamespace(cached_prompt_tokens=0))
+
+
+def test_reasoning_tokens_add_up_over_every_choice_not_only_each_prompts_first():
+    """n = 2 choices per prompt: each choice's thinking counts (cached tokens are the ones counted once per prompt)."""
+    outs = [_result([1, 2]), _result([3, 4, 5]), _result([6]), _result([7, 8])]
+    usage = _usage(outs, prompt_tokens=4, n=2, thinking=lambda o: len(o.token_ids) - 1)
+    assert usage["completion_tokens_details"]["reasoning_tokens"] == 1 + 2 + 0 + 1
+    assert "completion_tokens_details" not in _usage(outs, prompt_tokens=4, n=2)  # no parser: nothing said of thinking
+
+
+def test_only_a_closing_mistral_tag_is_not_mistrals_pair():
+    """A tokenizer with ``[/THINK]`` but no ``[THINK]`` token keeps the ``<think>`` pair (the opening one
+    alone is the mirror case test_reasoning checks)."""
+    from transformers import AutoTokenizer
+
+    from specdec.models.registry import DATA_DIR
+
+    tok = AutoTokenizer.from_pretrained(str(DATA_DIR / "smollm2-135m-draft"))
+    tok.add_tokens([rs.MISTRAL.close], special_tokens=True)
+    assert rs.tags_of(tok) == rs.THINK
+
+
+@pytest.fixture(scope="module")
+def letters():
+    """The in-process tiny app of test_openai_requests (letter tokenizer: no thinking tags, parser auto: off)."""
+    from fastapi.testclient import TestClient
+    from tiny import tiny_native
+    from toy_server import ChatLetters
+
+    from specdec.drafters import ModelDrafter
+    from specdec.server import ServerSettings, create_app
+
+    model, draft = tiny_native(vocab=26, max_length=64), tiny_native(vocab=26, max_length=64, seed=1)
+    app = create_app(model, tokenizer=ChatLetters(), settings=ServerSettings(model_name="tiny"),
+                     drafter_factory=lambda: ModelDrafter(draft), drafter_name="tiny")
+    with TestClient(app, base_url="http://localhost") as c:
+        yield c
+
+
+def test_without_the_parser_usage_has_no_reasoning_tokens(letters):
+    """The parser off (a tokenizer without the tags, ``auto``): no ``reasoning_tokens`` in the usage,
+    not a count of 0 that would claim the answer was looked at for thinking."""
+    r = letters.post("/v1/chat/completions", json={"messages": [{"role": "user", "content": "abc"}], "max_tokens": 4,
+                                                    "temperature": 0})
+    assert r.status_code == 200, r.text
+    usage = r.json()["usage"]
+    assert "reasoning_tokens" not in (usage.get("completion_tokens_details") or {})
+
+
+ASK = [{"role": "user", "content": "Capital of France?"}]
+
+
+def _chunks(client, **kw):
+    return [c.choices[0] for c in client.chat.completions.create(**kw, stream=True) if c.choices]
+
+
+def test_thinking_cut_off_inside_a_closing_tag_stays_hidden_without_include_reasoning(client):
+    """An answer that stops in the middle of ``</think>`` (``</th``, held back while streaming as a
+    tag may follow) is all thinking: with ``include_reasoning: false`` none of it goes out, not
+    even the held-back tail at the end of the stream."""
+    kw = dict(model=DRAFT_MODEL, messages=ASK, max_tokens=20, temperature=0, extra_body={"guided_regex": r"<think>ab</th"})
+    shown = client.chat.completions.create(**kw).choices[0]
+    assert shown.message.model_extra["reasoning"] == "ab</th" and shown.message.content is None  # the premise
+    kw["extra_body"] = {**kw["extra_body"], "include_reasoning": False}
+    chunks = _chunks(client, **kw)
+    assert not any(c.delta.model_extra.get("reasoning") or c.delta.model_extra.get("reasoning_content") for c in chunks)
+    assert "".join(c.delta.content or "" for c in chunks) == ""
+
+
+ADD = {"type": "function", "function": {"name": "add", "parameters": {"type": "object"}}}
+
+
+def test_with_tools_the_thinking_is_never_streamed_as_content(client):
+    """Tools shown: the thinking goes out as reasoning only; the content deltas hold nothing of it."""
+    regex = r'<think>Add them\.</think><tool_call>\n\{"name": "add", "arguments": \{"a": 1\}\}\n</tool_call>'
+    kw = dict(model=DRAFT_MODEL, messages=ASK, tools=[ADD], max_tokens=60, temperature=0, extra_body={"guided_regex": regex})
+    chunks = _chunks(client, **kw)
+    assert "".join(c.delta.model_extra.get("reasoning") or "" for c in chunks) == "Add them."
+    assert "".join(c.delta.content or "" for c in chunks) == ""
+    assert [c.finish_reason for c in chunks if c.finish_reason] == ["tool_calls"]
+
+
+def test_with_tools_a_held_back_start_of_a_tag_is_content_once(client):
+    """``<thi`` (it might have become ``<think>``) is content at the end, sent once, tools shown or not."""
+    kw = dict(model=DRAFT_MODEL, messages=ASK, tools=[ADD], max_tokens=10, temperature=0, extra_body={"guided_regex": r"<thi"})
+    assert client.chat.completions.create(**kw).choices[0].message.content == "<thi"  # the premise
+    chunks = _chunks(client, **kw)
+    assert "".join(c.delta.content or "" for c in chunks) == "<thi"
+
+
+def test_each_streamed_choice_is_split_on_its_own(client):
+    """n = 2 streamed: each choice's reasoning and content deltas add up to that choice's own split."""
+    regex = r"<think>The capital is Paris\.</think>Paris\."
+    kw = dict(model=DRAFT_MODEL, messages=ASK, max_tokens=30, temperature=0, n=2, extra_body={"guided_regex": regex})
+    whole = client.chat.completions.create(**kw).choices
+    assert [c.message.model_extra["reasoning"] for c in whole] == ["The capital is Paris."] * 2  # the premise
+    thought, content = {0: "", 1: ""}, {0: "", 1: ""}
+    for event in client.chat.completions.create(**kw, stream=True):
+        for c in event.choices:
+            thought[c.index] += c.delta.model_extra.get("reasoning") or ""
+            content[c.index] += c.delta.content or ""
+    assert thought == {0: "The capital is Paris.", 1: "The capital is Paris."}
+    assert content == {0: "Paris.", 1: "Paris."}
