@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import io
 import json
 from dataclasses import dataclass
 from types import SimpleNamespace
@@ -9,7 +10,7 @@ from types import SimpleNamespace
 import pytest
 
 from specdec import batch_file, fim
-from specdec.batch_file import SHAPING, Job, done_lines, needs_chat, parse_prompt_lines, settings_key
+from specdec.batch_file import SHAPING, Job, OrderedWriter, done_lines, needs_chat, parse_prompt_lines, settings_key
 from specdec.cli import main
 from specdec.engine import Engine, EngineConfig
 from specdec.errors import SpecdecError
@@ -283,3 +284,110 @@ def test_a_json_line_that_is_neither_string_nor_object_names_its_line(line):
     """A number / null / boolean line is a one-line SpecdecError naming the line, not a TypeError."""
     with pytest.raises(SpecdecError, match="f line 2: neither a string nor an object"):
         parse_prompt_lines('"ok"\n' + line, "f")
+
+
+def _rows(*rows):
+    return "".join(json.dumps(r) + "\n" for r in rows)
+
+
+def test_a_result_whose_index_is_out_of_place_is_a_file_for_other_prompts(tmp_path):
+    """Each line's "index" must be its position: results for the same prompts but numbered otherwise
+    (another file, edited, or two files joined) are not gone on from."""
+    prompts = parse_prompt_lines('"a"\n"a"', "f")
+    out = tmp_path / "r.jsonl"
+    out.write_text(_rows({"index": 0, "prompt": "a"}, {"index": 5, "prompt": "a"}))
+    with pytest.raises(SpecdecError, match="other prompts \\(line 2\\)"):
+        done_lines(out, prompts)
+
+
+def test_results_written_before_the_settings_key_existed_are_gone_on_from(tmp_path):
+    """A result line without "settings" (an older file) is not refused for its settings; one whose
+    settings differ is."""
+    prompts = parse_prompt_lines('"a"\n"b"', "f")
+    out = tmp_path / "r.jsonl"
+    out.write_text(_rows({"index": 0, "prompt": "a"}))
+    assert done_lines(out, prompts, "abc123") == (1, len(out.read_bytes()))
+    out.write_text(_rows({"index": 0, "prompt": "a", "settings": "other"}))
+    with pytest.raises(SpecdecError, match="other options \\(line 1"):
+        done_lines(out, prompts, "abc123")
+
+
+class _Stream(io.StringIO):
+    """A text stream that records what had been written at each flush."""
+
+    def __init__(self):
+        super().__init__()
+        self.flushed: list[str] = []
+
+    def flush(self):
+        self.flushed.append(self.getvalue())
+
+
+def test_results_arriving_out_of_order_are_written_in_input_order_each_line_flushed():
+    """OrderedWriter holds a result until every earlier one is written, then writes all it can at
+    once, flushing after each line (an interrupted job keeps every line it wrote)."""
+    prompts = parse_prompt_lines('"a"\n"b"\n"c"', "f")
+    stream = _Stream()
+    writer = OrderedWriter(stream, prompts, 0, lambda res: {"text": res})
+    writer.add(2, "C")
+    writer.add(1, "B")
+    assert stream.getvalue() == ""  # prompt 0 is not done yet
+    writer.add(0, "A")
+    rows = [json.loads(line) for line in stream.getvalue().splitlines()]
+    assert [(r["index"], r["prompt"], r["text"]) for r in rows] == [(0, "a", "A"), (1, "b", "B"), (2, "c", "C")]
+    assert len(stream.flushed) == 3 and [s.count("\n") for s in stream.flushed] == [1, 2, 3]
+
+
+def test_a_messages_line_keeps_only_each_messages_role_and_content():
+    """A "messages" line's messages reach the template as {"role", "content"} alone, whatever else a
+    message object holds; the line itself is echoed as written."""
+    line = {"messages": [{"role": "user", "content": "Hi", "name": "bob"}]}
+    got = parse_prompt_lines(json.dumps(line), "f")[0]
+    assert got.messages == [{"role": "user", "content": "Hi"}] and got.value == line
+
+
+def test_a_message_whose_content_is_not_a_string_is_refused():
+    with pytest.raises(SpecdecError, match="f line 1: .*non-empty list"):
+        parse_prompt_lines('{"messages": [{"role": "user", "content": 3}]}', "f")
+
+
+def test_a_resumed_job_numbers_its_results_from_where_it_goes_on(tmp_path):
+    """generate_batch numbers the prompts it is given from 0; a job going on after 1 done result
+    writes them as results 1, 2, ... with their own prompts, after the line it kept."""
+    prompts = parse_prompt_lines('"a"\n"b"\n"c"', "f")
+    out = tmp_path / "r.jsonl"
+    kept = _rows({"index": 0, "prompt": "a", "text": "x"})
+    out.write_text(kept)
+
+    class FakeEngine:
+        target = SimpleNamespace(model=SimpleNamespace(max_length=64), tokenizer=object())
+
+        def encode(self, text, chat, system):
+            return [5, 6]
+
+        def generate_batch(self, ids, sampling, on_result, **kw):
+            assert len(ids) == 2
+            for i in (1, 0):
+                on_result(SimpleNamespace(index=i, text=f"t{i}", token_ids=[1] * (i + 1), finish_reason="length",
+                                          prompt_tokens=2, seed=None, method="plain", logprobs=None))
+
+    job = Job(prompts, out, 1, len(kept))
+    args = SimpleNamespace(chat=False, system=None, batch=2, method=None, logprobs=None)
+    batch_file.run(FakeEngine(), job, args, _Sampling(), lambda m: None)
+    rows = [json.loads(line) for line in out.read_text().splitlines()]
+    assert [(r["index"], r["prompt"], r["text"]) for r in rows] == [(0, "a", "x"), (1, "b", "t0"), (2, "c", "t1")]
+    assert [r["generated_tokens"] for r in rows[1:]] == [1, 2]
+
+
+def test_a_last_line_without_a_newline_is_a_cut_result_only_if_it_starts_as_one(tmp_path):
+    """done_lines drops an unterminated last line only where it begins as a result line does
+    (a job stopped while writing it); any other unterminated text is not a results file, so the
+    rerun does not cut it away."""
+    prompts = parse_prompt_lines('"a"\n"b"', "f")
+    out = tmp_path / "r.jsonl"
+    out.write_text("one line, no newline")
+    with pytest.raises(SpecdecError, match="not a results file \\(line 1\\)"):
+        done_lines(out, prompts)
+    kept = _rows({"index": 0, "prompt": "a"})
+    out.write_text(kept + '{"index": 1, "prom')
+    assert done_lines(out, prompts) == (1, len(kept))

@@ -264,3 +264,36 @@ def test_the_vocabulary_and_its_size_include_the_added_tokens_as_transformers_co
     assert len(tok) == len(tok.hf) == new_id + 1
     assert tok.get_vocab() == tok.hf.get_vocab()
     assert vocab_digest(tok) == vocab_digest(tok.hf)
+
+
+def test_a_chat_template_set_after_a_render_replaces_the_compiled_one():
+    """``set_chat_template`` after conversations were already rendered: the next render uses the
+    new template, not the one compiled before."""
+    tok = _fresh()
+    messages = [{"role": "user", "content": "hi"}]
+    before = tok.apply_chat_template(messages, tokenize=False)
+    tok.set_chat_template("T{{ messages[0].content }}")
+    assert before != "Thi" and tok.apply_chat_template(messages, tokenize=False) == "Thi"
+
+
+def test_continue_final_message_is_transformers_option_not_a_template_variable():
+    """``continue_final_message=True`` (an option of transformers' apply_chat_template, which cuts
+    the rendered text after the last message's content) gives transformers' text."""
+    tok = _fresh()
+    messages = [{"role": "user", "content": "hi"}, {"role": "assistant", "content": "The answer is"}]
+    ours = tok.apply_chat_template(messages, tokenize=False, continue_final_message=True)
+    assert ours == tok.hf.apply_chat_template(messages, tokenize=False, continue_final_message=True)
+    assert ours.endswith("The answer is")
+
+
+def test_a_byte_level_piece_only_partly_of_the_byte_alphabet_is_its_decoded_text():
+    """TokenBytes reads a byte-level piece through the byte alphabet only where every character of
+    it is in that alphabet; a piece holding another character ("€", U+20AC, stands for no byte) is
+    its decoded text in UTF-8, not an error."""
+    from tokenizers import Tokenizer, decoders, models
+
+    backend = Tokenizer(models.BPE({"a": 0, "a\u20ac": 1}, []))
+    backend.decoder = decoders.ByteLevel()
+    own = TokenBytes(_Wrapped(backend))
+    assert own(0) == b"a"
+    assert own(1) == backend.decode([1]).encode("utf-8")
