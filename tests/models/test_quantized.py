@@ -21,7 +21,7 @@ from specdec.models.linear import (W8A8Linear, W8A8OneDNNLinear, _has_vnni, int8
 from specdec.models.native import NativeCausalLM
 from specdec.models.quantize import RangeRecorder, calibration_ids, smoothing
 from specdec.models.scripted import compiled_layers
-from tiny import make_tiny
+from tiny import make_tiny, on_python_loop, tiny_native
 
 needs_w8a8 = pytest.mark.skipif(not w8a8_available(), reason="this torch build has no fbgemm int8 engine")
 needs_onednn = pytest.mark.skipif(not (onednn_int8_available() and _has_vnni()),
@@ -1110,3 +1110,79 @@ def test_fbgemm_from_the_kernels_packing_with_inputs_not_a_multiple_of_four(monk
     want = lin(x)
     _on_fbgemm(monkeypatch)
     assert torch.equal(lin(x), want)
+
+
+@pytest.fixture(scope="module")
+def model():
+    m = tiny_native()  # 2 layers, float32, batch-invariant: the TorchScript loop (no fused call)
+    if m.scripted is None:
+        pytest.skip("TorchScript is not available in this torch build")
+    return m
+
+
+@pytest.mark.parametrize("taps", [(2, 1), (2, 0, 1), (1, 2)], ids=["descending", "mixed", "ascending"])
+def test_feature_taps_in_any_order_are_each_the_stream_after_their_layer_count(model, taps):
+    """forward_features with taps in any order (a drafter may list the last layer first): each
+    feature is the residual stream after its own layer count, bitwise the Python loop's -- the
+    compiled loop returns its taps in layer order, so they must be matched back by count -- and
+    the last layer's output (tap 2 = n_layers) is among them."""
+    ids = torch.arange(5, 17)
+
+    def run():
+        cache = model.new_cache(64)
+        model.forward(ids[:8], cache)
+        return model.forward_features(ids[8:], cache, taps)
+
+    logits, feats = run()
+    want_logits, want_feats = on_python_loop(model, run)
+    assert feats.shape == (4, len(taps) + 1, model.cfg.hidden_size)
+    assert torch.equal(logits, want_logits) and torch.equal(feats, want_feats)
+    by_count = dict(zip(taps, feats.unbind(1)))
+    assert not torch.equal(by_count[1], by_count[2])
+
+
+def test_int8_passes_after_the_row_settings_change_use_fbgemm_weights_for_the_new_settings(tmp_path, monkeypatch):
+    """The TorchScript loop's fbgemm weights follow the few-row setting (``linear.few_rows``, read
+    per call): a pass made under one setting, then a pass under a lower one (more rows now go to
+    fbgemm), gives bitwise the Python loop's logits -- the weights are (re)packed for the new
+    setting, not kept from the first pass -- and the staging buffers grow to the 30 rows of the
+    pass (more than the 16 they start with)."""
+    if not linear_mod.w8a8_available():
+        pytest.skip("no fbgemm in this torch build")
+    m = NativeCausalLM.from_folder(make_tiny(tmp_path / "m", layers=2), quant="int8", batch_invariant=True,
+                                   int8_kernel="fbgemm")
+    if m.scripted is None:
+        pytest.skip("TorchScript is not available in this torch build")
+    ids = torch.arange(3, 40)
+    cache = m.new_cache(64)
+    m.forward(ids[:8], cache)
+    m.forward_features(ids[8:10], cache, (m.cfg.n_layers,))  # a tap at the last layer: the TorchScript loop
+    lowered = max(1, min(linear_mod.few_rows(m.scripted.reduce_range), 16) // 2)
+    monkeypatch.setattr(linear_mod, "AVX2_ROWS", lowered)
+    monkeypatch.setattr(linear_mod, "VNNI_ROWS", lowered)
+
+    def run():
+        c = m.new_cache(64)
+        return m.forward(ids[:30], c)
+
+    assert torch.equal(run(), on_python_loop(m, run))
+
+
+def test_without_the_attention_kernel_a_4_bit_model_stays_off_the_fused_call(tmp_path, monkeypatch):
+    """The fused layer call computes attention on the kernel; with the attention kernel off
+    (``SPECDEC_ATTENTION=0``) a 4-bit model's passes must not take it: every pass (a prefill, a
+    step, a block) is bitwise the Python loop's, which then attends with ATen ops."""
+    if not (kernels.q4_available() and linear_mod.w8a8_available()):
+        pytest.skip("the 4-bit target needs the kernel library and fbgemm")
+    monkeypatch.setattr(kernels, "attention_kernel", lambda: False)
+    m = NativeCausalLM.from_folder(make_tiny(tmp_path / "m", layers=2), quant="q4", batch_invariant=True,
+                                   int8_kernel="fbgemm")
+    if m.scripted is None or m.scripted.fused is None:
+        pytest.skip("TorchScript or the fused loop is not available here")
+    ids = torch.arange(3, 40)
+
+    def run():
+        c = m.new_cache(64)
+        return torch.cat([m.forward(ids[:20], c), m.forward(ids[20:21], c), m.forward(ids[21:25], c)])
+
+    assert torch.equal(run(), on_python_loop(m, run))

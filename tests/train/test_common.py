@@ -57,3 +57,16 @@ def test_sequences_of_equal_length_are_grouped_at_random() -> None:
         assert sorted(i for g in groups for i in g) == list(range(8))
         seen.update(frozenset(g) for g in groups)
     assert len(seen) > 2
+
+
+def test_sequences_longer_than_the_budget_get_batches_of_their_own_and_no_batch_is_empty() -> None:
+    """A sequence alone over ``batch_tokens`` still gets a batch (of one), and no batch is ever
+    empty -- even where the shortest sequence is already over budget (an empty group would be a
+    training step over nothing)."""
+    groups = length_batches([60, 70], [0, 1], 50, random.Random(1))
+    assert sorted(groups) == [[0], [1]]
+    lengths = [100, 80, 30, 10, 55]
+    groups = length_batches(lengths, [0, 1, 2, 3, 4], 50, random.Random(0))
+    assert all(groups) and sorted(map(sorted, groups)) == [[0], [1], [2], [3], [4]]
+    groups = length_batches([100, 80, 30, 10], [0, 1, 2, 3], 60, random.Random(0))
+    assert sorted(map(sorted, groups)) == [[0], [1], [2, 3]]

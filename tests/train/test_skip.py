@@ -9,7 +9,7 @@ import pytest
 from specdec.drafters.self_spec import LayerPlan
 from specdec.train import skip as sk
 from specdec.train.skip import (CostModel, SearchResult, acceptance, build_calibration, expected_speedup, greedy_search,
-                                local_search, score)
+                                local_search, score, singles_order)
 from drafters.test_self_spec import tiny_native
 
 MODEL = tiny_native(layers=3, batch_invariant=False)
@@ -144,7 +144,6 @@ def test_local_search_ends_where_no_single_toggle_pays(data):
     """From every sub-layer skipped (a poor set), hill climbing raises the objective and, after a
     pass that changes nothing, no sub-layer toggled alone scores higher; from the greedy search's
     set it never scores lower than that set."""
-    from specdec.train.skip import local_search, singles_order
 
     n = MODEL.cfg.n_layers
     worst = LayerPlan.skipping(n, set(range(n)), set(range(n)))
@@ -448,3 +447,146 @@ def test_an_influence_search_reuses_the_influence_its_state_holds(monkeypatch):
     greedy_search(MODEL, None, CostModel(attn=0.1, mlp=0.2, fixed=0.25), rank="influence", state={"influence": dict(inf)},
                   progress=lambda what, best: seen.append(what))
     assert [w for w in seen if w.startswith("add")][:2] == ["add mlp1", "add attn0"]
+
+
+class _LengthCache:
+    """A cache that only counts its positions, as a KVCache's length moves."""
+
+    def __init__(self):
+        self.length = 0
+
+    def truncate(self, n):
+        self.length = min(self.length, n)
+
+
+def test_every_timed_step_runs_at_the_same_context(monkeypatch) -> None:
+    """measure_costs times ``repeats`` steps at one ``context``-token position: the cache is cut
+    back to ``context`` after each timed step, so no repeat runs at a longer context than the
+    first (nor overruns the ``context + 16`` positions it asked for).  8 repeats, 2 layers."""
+    seen: list[tuple[int, int]] = []  # (tokens, cache length before the step) per timed call
+
+    def forward(tokens, cache):
+        if tokens.numel() != 10:  # not the prefill
+            seen.append((tokens.numel(), cache.length))
+        cache.length += tokens.numel()
+
+    class Target:
+        cfg = SimpleNamespace(n_layers=2)
+        vocab_size = 50
+        max_length = 256
+
+        def new_cache(self, n):
+            return _LengthCache()
+
+        def forward(self, tokens, cache):
+            forward(tokens, cache)
+
+    class View(Target):
+        def __init__(self, target, plan, reduced=None):
+            pass
+
+    monkeypatch.setattr(sk, "LayerView", View)
+    sk.measure_costs(Target(), repeats=8, context=10)
+    assert len(seen) == 8 * 4  # target, no attention, no MLP, a 5-token verification
+    assert {length for _, length in seen} == {10}
+    assert {n for n, _ in seen} == {1, 5}
+
+
+
+
+def _recording_score(objective, seen_reduced: list):
+    """A score whose objective (both speed-ups) is ``objective(names)``, and whose α's make the
+    single-skip order attn0, attn1, attn2, mlp0, mlp1, mlp2; records the ``reduced`` head it is given."""
+    harm = {f"{k}{i}": 0.01 * (j + 1) for j, (k, i) in enumerate([(k, i) for k in ("attn", "mlp") for i in range(N)])}
+
+    def fake(target, plan, data, cost, evaluations=0, reduced=None):
+        seen_reduced.append(reduced)
+        s = _names(plan)
+        a = 1 - sum(harm[k] for k in s)
+        x = objective(s)
+        return SearchResult(plan, a, a, 0.0, x, x, 1, 1, evaluations, cost)
+
+    return fake
+
+
+def test_every_score_of_a_search_goes_through_the_reduced_head(monkeypatch) -> None:
+    """``reduced`` (a reduced vocabulary's head) is passed on to every score: the single skips,
+    the growing prefix, the removal pass (greedy_search) and every toggle (local_search) -- a
+    score through the target's head would search for another draft than the one that runs."""
+    head = object()
+    seen: list = []
+    monkeypatch.setattr(sk, "score", _recording_score(lambda s: 1.0 + 0.1 * len(s) - (0.5 if len(s) > 2 else 0.0), seen))
+    res = greedy_search(MODEL, None, COST, patience=2, reduced=head)
+    assert res.plan.skip_attn  # it kept something, so the removal pass ran
+    assert len(seen) > 2 * N and all(r is head for r in seen)
+    seen.clear()
+    local_search(MODEL, None, COST, LayerPlan.skipping(N, {0}, set()), passes=2, reduced=head)
+    assert len(seen) > 1 and all(r is head for r in seen)
+
+
+def test_progress_reports_the_best_set_so_far_not_the_one_just_tried(monkeypatch) -> None:
+    """The progress callback gets the best result so far (the command shows it as "best"): a
+    prefix that scores below the empty set does not lower what is reported."""
+    seen: list[tuple[str, float]] = []
+    by_size = {0: 1.0, 1: 0.9, 2: 1.3, 3: 1.2, 4: 1.1, 5: 1.0, 6: 0.9}
+    monkeypatch.setattr(sk, "score", _recording_score(lambda s: by_size[len(s)], []))
+    greedy_search(MODEL, None, COST, patience=2, max_steps=4, progress=lambda what, best: seen.append((what, best.objective)))
+    adds = [(w, o) for w, o in seen if w.startswith("add")]
+    assert adds == [("add attn0", pytest.approx(1.0)), ("add attn1", pytest.approx(1.3)),
+                    ("add attn2", pytest.approx(1.3)), ("add mlp0", pytest.approx(1.3))]
+
+
+def test_a_search_cut_short_before_every_single_was_scored_has_no_singles_order() -> None:
+    """singles_order needs every sub-layer's score: a state that holds only some (a search
+    interrupted while scoring them) gives None, not a KeyError."""
+    assert singles_order({"singles": {"attn0": 0.9, "mlp1": 0.8}}, 2) is None
+    full = {"attn0": 0.9, "attn1": 0.7, "mlp0": 0.95, "mlp1": 0.8}
+    assert singles_order({"singles": full}, 2) == [("mlp", 0), ("attn", 0), ("mlp", 1), ("attn", 1)]
+
+
+def test_the_result_file_records_where_the_costs_came_from(tmp_path) -> None:
+    """write_result records the cost source, rank and draft vocabulary it is given (a reader
+    tells a parameter-count estimate from a timed one)."""
+    import json
+
+    plan = LayerPlan.skipping(N, {1}, set())
+    res = SearchResult(plan, 0.9, 0.8, 0.7, 1.5, 1.4, 3, 2, 11, COST)
+    out = tmp_path / "plan.json"
+    sk.write_result(res, out, target="t", prompts=2, new_tokens=4, rank="influence", cost_source="params", draft_vocab=123)
+    got = json.loads(out.read_text())
+    assert got["cost_source"] == "params" and got["rank"] == "influence" and got["draft_vocab"] == 123
+    assert got["evaluations"] == 11 and got["calibration"] == {"prompts": 2, "new_tokens": 4}
+
+
+def test_singles_tied_in_score_come_attention_first_then_by_layer() -> None:
+    """Sub-layers whose single-skip scores tie are ordered as the influence ranking orders its
+    ties (attention before MLP, then by layer), so a resumed search and a fresh one (and the
+    polish pass that takes this order) walk the same path."""
+    tied = {"attn0": 0.5, "attn1": 0.5, "mlp0": 0.5, "mlp1": 0.5}
+    assert singles_order({"singles": tied}, 2) == [("attn", 0), ("attn", 1), ("mlp", 0), ("mlp", 1)]
+
+
+def test_a_cost_model_survives_its_json_round_trip() -> None:
+    """The search state saves the cost model as to_json() and a resumed search rebuilds it with
+    CostModel(**saved): every field, the verification slope included, comes back."""
+    cost = CostModel(attn=0.11, mlp=0.17, fixed=0.3, verify_slope=0.05)
+    assert CostModel(**cost.to_json()) == cost
+
+
+def test_a_search_returns_its_best_sets_figures_each_in_its_place(monkeypatch) -> None:
+    """greedy_search's and local_search's results carry the best set's α's, cost, speed-ups and
+    γ's field for field (T = 0 and T = 1 are not swapped), with their own evaluation count."""
+    def fake(target, plan, data, cost, evaluations=0, reduced=None):
+        k = len(_names(plan))
+        return SearchResult(plan, 0.9 - 0.01 * k, 0.8 - 0.01 * k, 0.5 - 0.05 * k, 1.0 + 0.1 * k, 1.2 + 0.1 * k,
+                            2 + k, 7 + k, evaluations, cost)
+
+    monkeypatch.setattr(sk, "score", fake)
+    for res in (greedy_search(MODEL, None, COST, patience=2),
+                local_search(MODEL, None, COST, LayerPlan.skipping(N, set(), set()), passes=1)):
+        k = len(_names(res.plan))
+        assert k > 0
+        want = fake(None, res.plan, None, COST)
+        assert (res.alpha0, res.alpha1, res.draft_cost, res.speedup0, res.speedup1, res.gamma0, res.gamma1) == \
+            (want.alpha0, want.alpha1, want.draft_cost, want.speedup0, want.speedup1, want.gamma0, want.gamma1)
+        assert res.cost is COST
