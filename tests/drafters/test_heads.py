@@ -23,8 +23,9 @@ from specdec.decoder import SpeculativeDecoder
 from specdec.drafters.base import Draft, DraftSampler
 from specdec.drafters.heads import EagleDrafter, drafter_for
 from specdec.drafters.tree_builder import TreeSpec
+from specdec.errors import ConfigError
 from specdec.gamma import FixedGamma
-from specdec.heads.modules import rope_tables, ttt_mask
+from specdec.heads.modules import HeadConfig, check_vocab_map, rope_tables, ttt_mask
 from specdec.heads.runtime import stored_layout
 from specdec.models.toy import ToyLM
 from specdec.sampling import SamplingConfig
@@ -32,8 +33,6 @@ from specdec.verify import get_rule
 from stats import ALPHA, chi_square_pvalue, exact_law
 from tiny import on_python_loop, random_head, tiny_native
 from toy_drafters import Forced
-from specdec.errors import ConfigError
-from specdec.heads.modules import HeadConfig, check_vocab_map
 
 KINDS = ("eagle1", "eagle3", "medusa", "mtp")
 TREE_KINDS = ("eagle1", "eagle3", "medusa")
@@ -701,3 +700,98 @@ def test_input_rows_asks_for_each_tap_once_and_reads_the_final_state_by_a_negati
     cfg = replace(CFG, taps=(2, 5), inputs=(0, 0, 2))
     assert input_rows(cfg) == ((2,), [0, 0, 1])
     assert input_rows(replace(CFG, taps=(2, 5), inputs=(-1,))) == ((), [0])
+
+
+@pytest.mark.parametrize("kind", ["eagle1", "eagle3"])
+def test_eagle_drafts_do_not_depend_on_how_the_features_arrive(native, kind):
+    """A later feature chunk's rows sit at their absolute positions (rotary): drafts after chunks of
+    3, 2 and 2 rows equal those after one chunk of 7.  Every other EAGLE test feeds one chunk."""
+    seq = torch.randint(0, 64, (12,), generator=torch.Generator().manual_seed(2))
+    feats = _teacher(native, seq)
+    rows = {}
+    for chunks in ((7,), (3, 2, 2)):
+        drafter = drafter_for(_head(kind, native), native.embed)
+        drafter.prepare(seq[:8])
+        start = 0
+        for n in chunks:
+            drafter.add_features(feats[start : start + n])
+            start += n
+            forced = Forced([int(x) for x in seq[start + 1 : start + 4]])
+            drafter.propose(seq[: start + 1], 3, forced)
+            drafter.commit(None)
+        rows[chunks] = torch.stack(forced.rows)
+    torch.testing.assert_close(rows[(3, 2, 2)], rows[(7,)], rtol=1e-4, atol=1e-4)
+
+
+def test_mtp_drafts_as_many_tokens_as_its_modules_have_rows_for_on_a_short_context(native):
+    """With one committed feature (P = 1) module 1 still has a row (row 0 reads draft token 0), so
+    a γ-3 MTP draft proposes 2 tokens; module 2 would need row -1 and stops the chain."""
+    seq = torch.tensor([5, 9, 3, 7])
+    drafter = drafter_for(_head("mtp", native), native.embed)
+    assert drafter.depth >= 3
+    drafter.prepare(seq[:2])
+    drafter.add_features(_teacher(native, seq[:1], taps=()))
+    forced = Forced([1, 2, 3])
+    draft = drafter.propose(seq[:2], 3, forced)
+    assert draft.tokens.tolist() == [1, 2] and len(forced.rows) == 2
+
+
+class _Positions(Forced):
+    def __init__(self, tokens):
+        super().__init__(tokens)
+        self.positions = []
+
+    def __call__(self, logits, position):
+        self.positions.append(position)
+        return super().__call__(logits, position)
+
+
+@pytest.mark.parametrize("kind", ["eagle3", "medusa", "mtp"])
+def test_each_draft_token_is_sampled_at_its_own_absolute_position(native, kind):
+    """The sampler is told each draft token's absolute position (the coupled rule's Gumbel noise and
+    the penalties' state follow it): L, L+1, L+2 for a context of L tokens.  Output equality cannot
+    see a wrong position (the drafter is only a proposal)."""
+    seq = torch.randint(0, 64, (12,), generator=torch.Generator().manual_seed(2))
+    drafter = drafter_for(_head(kind, native), native.embed)
+    drafter.prepare(seq[:8])
+    drafter.add_features(_teacher(native, seq[:7], taps=drafter.feature_taps))
+    sampler = _Positions([1, 2, 3])
+    drafter.propose(seq[:8], 3, sampler)
+    assert sampler.positions == [8, 9, 10]
+
+
+def test_medusa_trees_are_static_whatever_shape_the_spec_asks_for(native):
+    """Medusa's heads do not see the draft tokens, so its tree is always the static sparse tree
+    (``branching`` children per node): a spec asking for a dynamic (EAGLE-2) tree gives the same
+    tree as one asking for a static tree."""
+
+    seq = torch.randint(0, 64, (12,), generator=torch.Generator().manual_seed(2))
+    drafts = []
+    for shape in ("dynamic", "static"):
+        drafter = drafter_for(_head("medusa", native), native.embed)
+        drafter.prepare(seq[:8])
+        drafter.add_features(_teacher(native, seq[:7], taps=()))
+        greedy = DraftSampler(SamplingConfig(temperature=0.0), "argmax", penalties=None, generator=None)
+        spec = TreeSpec(shape=shape, width=2, branching=(4, 1), min_prob=0.0)  # dynamic: 2 children, static: 4 at the root
+        drafts.append(drafter.propose_tree(seq[:8], 12, greedy, spec, max_depth=4))
+    assert drafts[0].tokens.tolist() == drafts[1].tokens.tolist()
+    assert drafts[0].parents.tolist() == drafts[1].parents.tolist()
+    assert drafts[1].parents.tolist().count(-1) == 4  # the static tree's root children
+
+
+def test_a_medusa_tree_is_no_deeper_than_its_heads(native):
+    """A Medusa tree's depth d comes from head d: a spec and a max_depth deeper than the heads give
+    a tree of as many levels as there are heads (no error)."""
+
+    seq = torch.randint(0, 64, (12,), generator=torch.Generator().manual_seed(2))
+    drafter = drafter_for(_head("medusa", native), native.embed)
+    k = len(drafter.head(torch.zeros(1, native.cfg.hidden_size)))  # heads
+    drafter.prepare(seq[:8])
+    drafter.add_features(_teacher(native, seq[:7], taps=()))
+    greedy = DraftSampler(SamplingConfig(temperature=0.0), "argmax", penalties=None, generator=None)
+    draft = drafter.propose_tree(seq[:8], 64, greedy, TreeSpec(shape="static", depth=k + 3, width=2, min_prob=0.0),
+                                 max_depth=k + 3)
+    parents, depth = draft.parents.tolist(), []
+    for p in parents:
+        depth.append(0 if p < 0 else depth[p] + 1)
+    assert max(depth) + 1 == k

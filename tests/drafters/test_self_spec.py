@@ -878,9 +878,6 @@ def test_swift_scores_only_once_the_context_is_longer_than_its_window():
     assert d.scorings == 1
 
 
-PROMPT = [1, 3, 0]
-INVARIANT = tiny_native(layers=3)  # batch-invariant: cache sharing is on
-
 
 def test_a_verification_pass_over_rows_the_draft_fed_runs_no_lower_layer(monkeypatch):
     """SharedLayers reuses the draft's layers < k for EVERY row the draft fed: verifying exactly
@@ -945,9 +942,6 @@ def test_an_empty_draft_carries_no_shared_layers():
     empty = drafter.propose(ctx, 0, _argmax())
     assert empty.tokens.numel() == 0 and empty.reuse is None
 
-
-TARGET = tiny_native(layers=3, batch_invariant=False)
-SKIP = LayerPlan.skipping(3, {1}, {2})
 
 
 def test_swift_scores_over_the_targets_cache_when_it_holds_just_the_keys_the_window_needs():
@@ -1073,3 +1067,17 @@ def test_a_view_that_skips_only_mlp_sub_layers_is_not_the_whole_target():
     assert SelfSpecDrafter(LayerView(TARGET, LayerPlan.skipping(3, set(), set()))).whole_target
     for plan in (LayerPlan.skipping(3, set(), {1}), LayerPlan.skipping(3, {1}, set()), LayerPlan.early_exit(3, 2)):
         assert not SelfSpecDrafter(LayerView(TARGET, plan)).whole_target, plan
+
+
+def test_a_view_caches_bytes_count_its_keys_values_residuals_and_token_ids():
+    """``nbytes`` (what memory accounting reads) is the keys/values buffer plus the residual rows
+    and the int64 token id kept at every slot of the capacity; ``bytes_per_position`` the same per
+    position."""
+    view = LayerView(INVARIANT, LayerPlan.early_exit(3, 2), keep_hidden=True)
+    cache = view.new_cache(16)
+    kv = cache.k.numel() * cache.k.element_size() + cache.v.numel() * cache.v.element_size()
+    resid = cache.resid.numel() * cache.resid.element_size()
+    assert cache.nbytes == kv + resid + 8 * cache.capacity
+    plain = LayerView(INVARIANT, LayerPlan.early_exit(3, 2)).new_cache(16)  # no residual rows
+    assert plain.resid is None
+    assert plain.nbytes == plain.k.numel() * plain.k.element_size() * 2 + 8 * plain.capacity
