@@ -504,17 +504,19 @@ def test_the_head_modules_compute_the_papers_formulas():
         torch.testing.assert_close(eagle3.fuse(rows)[0], want)
 
 
-def test_mtp_drafts_do_not_depend_on_how_the_features_arrive(native):
+@pytest.mark.parametrize("kind", ["mtp", "eagle1", "eagle3"])
+def test_drafts_do_not_depend_on_how_the_features_arrive(native, kind):
     """Each verification pass hands over as many feature rows as it committed (often 2: one accepted
     token and the bonus).  MTP keeps every module's output at every committed row, so a catch-up
-    chunk must be causal whatever its size; the drafts after chunks of 3, 2 and 2 rows equal those
-    after one chunk of 7.  (The whole-sequence test's chunks are 4 and 3 rows.)"""
+    chunk must be causal whatever its size; EAGLE's later chunks' rows must sit at their absolute
+    positions (rotary).  The drafts after chunks of 3, 2 and 2 rows equal those after one chunk of 7.
+    (The whole-sequence test's chunks are 4 and 3 rows.)"""
     seq = torch.randint(0, 64, (12,), generator=torch.Generator().manual_seed(2))
-    feats = _teacher(native, seq, taps=())
+    feats = _teacher(native, seq, taps=() if kind == "mtp" else (1,))
     p = 7
     rows = {}
     for chunks in ((7,), (3, 2, 2)):
-        drafter = drafter_for(_head("mtp", native), native.embed)
+        drafter = drafter_for(_head(kind, native), native.embed)
         drafter.prepare(seq[: p + 1])
         start = 0
         for n in chunks:
@@ -700,27 +702,6 @@ def test_input_rows_asks_for_each_tap_once_and_reads_the_final_state_by_a_negati
     cfg = replace(CFG, taps=(2, 5), inputs=(0, 0, 2))
     assert input_rows(cfg) == ((2,), [0, 0, 1])
     assert input_rows(replace(CFG, taps=(2, 5), inputs=(-1,))) == ((), [0])
-
-
-@pytest.mark.parametrize("kind", ["eagle1", "eagle3"])
-def test_eagle_drafts_do_not_depend_on_how_the_features_arrive(native, kind):
-    """A later feature chunk's rows sit at their absolute positions (rotary): drafts after chunks of
-    3, 2 and 2 rows equal those after one chunk of 7.  Every other EAGLE test feeds one chunk."""
-    seq = torch.randint(0, 64, (12,), generator=torch.Generator().manual_seed(2))
-    feats = _teacher(native, seq)
-    rows = {}
-    for chunks in ((7,), (3, 2, 2)):
-        drafter = drafter_for(_head(kind, native), native.embed)
-        drafter.prepare(seq[:8])
-        start = 0
-        for n in chunks:
-            drafter.add_features(feats[start : start + n])
-            start += n
-            forced = Forced([int(x) for x in seq[start + 1 : start + 4]])
-            drafter.propose(seq[: start + 1], 3, forced)
-            drafter.commit(None)
-        rows[chunks] = torch.stack(forced.rows)
-    torch.testing.assert_close(rows[(3, 2, 2)], rows[(7,)], rtol=1e-4, atol=1e-4)
 
 
 def test_mtp_drafts_as_many_tokens_as_its_modules_have_rows_for_on_a_short_context(native):
