@@ -118,6 +118,8 @@ class NativeConfig:
             if cfg.get("hidden_activation", "gelu_pytorch_tanh") != "gelu_pytorch_tanh":
                 raise ConfigError(f"activation {cfg.get('hidden_activation')!r} is not supported by the native backend")
         else:
+            if cfg.get("hidden_act", "silu") != "silu":
+                raise ConfigError(f"activation {cfg.get('hidden_act')!r} is not supported by the native backend; use --backend hf")
             rope_type = rope.get("rope_type", rope.get("type", "default")) if rope else "default"
             if rope_type not in ("default", None):
                 raise ConfigError(f"rope scaling {rope_type!r} is not supported by the native backend")
@@ -155,7 +157,7 @@ class NativeConfig:
             rms_eps=_number("rms_norm_eps", cfg.get("rms_norm_eps", 1e-6), positive=False),
             rope_theta=theta,
             max_length=context_length(cfg),
-            tie_embeddings=bool(cfg.get("tie_word_embeddings", False)),
+            tie_embeddings=bool(cfg.get("tie_word_embeddings", gemma)),  # (transformers' default: Gemma 3 ties)
             attention_bias=model_type == "qwen2",
             qk_norm=model_type in ("qwen3", "gemma3_text"),
             sliding_window=window,
