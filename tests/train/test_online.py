@@ -48,6 +48,21 @@ def test_hidden_is_the_hugging_face_model(tiny) -> None:
     assert torch.allclose(ref, mine, atol=1e-5, rtol=1e-5)
 
 
+def test_an_untied_folder_whose_config_does_not_say_is_the_hugging_face_model(tmp_path) -> None:
+    """A config without ``tie_word_embeddings`` is untied, as transformers reads a Llama's: the
+    folder's own ``lm_head.weight`` is the head, not the embeddings."""
+    folder = make_tiny(tmp_path / "m", tied=False, vocab=64)
+    cfg = json.loads((folder / "config.json").read_text())
+    del cfg["tie_word_embeddings"]
+    (folder / "config.json").write_text(json.dumps(cfg))
+    shape, w, _ = on.load_folder(folder)
+    hf = AutoModelForCausalLM.from_pretrained(str(folder), dtype=torch.float32)
+    ids = torch.tensor([[1, 5, 9, 3, 7]])
+    with torch.no_grad():
+        mine = on.hidden(shape, w, ids, torch.arange(ids.shape[1])[None], None) @ on.head(w).T
+        assert torch.allclose(hf(ids).logits, mine, atol=1e-5, rtol=1e-5)
+
+
 def test_batched_generation_is_one_at_a_time_generation(tiny) -> None:
     """Left-padded prompts of different lengths decoded together (greedy) give what each gives
     alone and what Hugging Face's greedy generate gives; a sampled row in the batch changes nothing."""

@@ -260,7 +260,7 @@ def load_folder(folder: Path) -> tuple[Shape, dict[str, Tensor], dict]:
     w: dict[str, Tensor] = {}
     for f in sorted(folder.glob("*.safetensors")):
         w.update({k: v.float() for k, v in load_file(str(f)).items()})
-    if cfg.get("tie_word_embeddings", True):
+    if cfg.get("tie_word_embeddings", False):  # (transformers' default for a Llama: not tied)
         w.pop("lm_head.weight", None)
     return Shape.from_hf(cfg), w, cfg
 
