@@ -40,7 +40,6 @@ DRAFT = TARGET.perturbed(1.0, seed=1)
 
 class NoRepeat:
     """A toy grammar: no token twice in a row, and the first generated token is never 0."""
-
     def allowed(self, generated, vocab_size):
         mask = torch.ones(vocab_size, dtype=torch.bool)
         mask[generated[-1] if generated else 0] = False
@@ -325,7 +324,6 @@ def test_greedy_equality_with_dynamic_draft_length():
 
 class _ReportsUnscaledQ(ModelDrafter):
     """Negative control: samples at its factor x T but reports q at T itself (not the q it drew from)."""
-
     def propose(self, context, gamma, sampler):  # noqa: ANN001, ANN201
         from dataclasses import replace as _replace
 
@@ -420,7 +418,6 @@ def test_the_gamma_controller_does_not_see_a_drafters_catch_up(hybrid):
 
 class _CountingFloor(StopFloor):
     """A min_tokens floor that records the history length of every row it is asked about."""
-
     def __init__(self, *args):
         super().__init__(*args)
         self.asked: list[int] = []
@@ -461,7 +458,6 @@ def test_a_passed_min_tokens_floor_leaves_the_config(method):
 class _StrictNoRepeat:
     """:class:`NoRepeat` as a real grammar engine behaves: it cannot follow a history that breaks
     it (asking is an error)."""
-
     def allowed(self, generated, vocab_size):
         if any(a == b for a, b in zip(generated, generated[1:])) or generated[:1] == [0]:
             raise AssertionError(f"the constraint was asked to follow a forbidden history {generated}")
@@ -941,7 +937,6 @@ class _NoFreeRoom(FixedGamma):
 def test_a_free_draft_ceiling_of_zero_asks_the_drafter_nothing():
     """With γ 0 and a free-draft ceiling of 0 there is no room for any draft: the drafter is not
     asked (no propose, no commit) and every round is a plain target step."""
-
     calls = []
 
     class Counting(LookupThenModel):
@@ -966,7 +961,6 @@ def test_a_verifier_without_the_drafters_feature_taps_is_refused():
     """A drafter that reads the target's hidden states (``feature_taps``) cannot run against a
     verifier that does not provide them (a remote target): a ConfigError naming that, before any
     round is drafted."""
-
     class Tapping(ModelDrafter):
         feature_taps = (1,)
 
@@ -980,7 +974,6 @@ def test_a_verifier_without_the_drafters_feature_taps_is_refused():
 def test_a_tree_spec_is_ignored_for_a_drafter_without_tree_support():
     """``tree=`` applies only to drafters that can grow trees: one without ``supports_trees``
     keeps drafting chains (and is never asked for ``propose_tree``)."""
-
     class ChainOnly(ModelDrafter):
         supports_trees = False
 
@@ -991,3 +984,99 @@ def test_a_tree_spec_is_ignored_for_a_drafter_without_tree_support():
     assert dec.tree is None
     out = dec.generate([1, 2], SamplingConfig(temperature=0.0, max_new_tokens=10))
     assert out.stats.tree_rounds == 0 and len(out.tokens) == 10
+
+
+def test_a_greedy_only_rule_is_refused_at_a_temperature_even_with_a_callers_verifier():
+    """The decoder checks the rule against its own config, not only the session it builds: a
+    caller's verifier built for greedy decoding does not let a sampled config through."""
+    session = TargetSession(TARGET, [1, 2], SamplingConfig(temperature=0.0, max_new_tokens=4), GREEDY, seed=0)
+    dec = SpeculativeDecoder(TARGET, ModelDrafter(DRAFT), GREEDY, gamma=FixedGamma(2))
+    with pytest.raises(ConfigError, match="temperature 0"):
+        dec.generate([1, 2], SamplingConfig(temperature=1.0, max_new_tokens=4), verifier=session)
+    session.close()
+
+
+def test_stop_token_ids_outside_the_vocabulary_are_refused():
+    """A stop token id past the vocabulary could never end the output: a ConfigError, not a silent
+    run to max_new_tokens."""
+    dec = SpeculativeDecoder(TARGET, ModelDrafter(DRAFT), GREEDY, gamma=FixedGamma(2))
+    with pytest.raises(ConfigError, match="outside the vocabulary"):
+        dec.generate([1, 2], SamplingConfig(temperature=0.0, max_new_tokens=4, stop_token_ids=(TARGET.vocab_size,)))
+
+
+def test_min_tokens_with_a_callers_verifier_is_refused():
+    """min_tokens must floor the verifier's law too; a verifier passed in was built by the caller, so
+    the decoder refuses rather than floor only its drafts (the message says how to do it)."""
+    session = TargetSession(TARGET, [1, 2], SamplingConfig(temperature=0.0, max_new_tokens=4), GREEDY, seed=0)
+    dec = SpeculativeDecoder(TARGET, ModelDrafter(DRAFT), GREEDY, gamma=FixedGamma(2), eos_ids=frozenset({0}))
+    with pytest.raises(ConfigError, match="min_tokens: build the verifier from floor_stops"):
+        dec.generate([1, 2], SamplingConfig(temperature=0.0, max_new_tokens=4, min_tokens=2), verifier=session)
+    session.close()
+
+
+def test_a_feature_reading_drafter_gets_the_prompts_features_then_every_rounds():
+    """A drafter with ``feature_taps`` is handed the target's features of the prompt before the first
+    round, then those of what each round committed, drafted or not: together one row per context
+    position the target has fed."""
+    seen: list[int] = []
+
+    class Tapping(ModelDrafter):
+        feature_taps = (1,)
+
+        def add_features(self, features):
+            seen.append(int(features.shape[0]))  # [rows, taps, hidden]
+
+    dec = SpeculativeDecoder(TARGET, Tapping(DRAFT), GREEDY, gamma=FixedGamma(2))
+    out = dec.generate([1, 2, 3], SamplingConfig(temperature=0.0, max_new_tokens=7))
+    assert out.rounds[-1].gamma == 0  # the premise: the last token's round drafted nothing
+    assert len(seen) == 1 + len(out.rounds)
+    assert seen[0] == 2  # the prompt's rows but the last (it is fed with the first round)
+    assert seen[1:] == [r.emitted for r in out.rounds]  # each round's committed rows (no stop cut here)
+
+
+def test_a_stop_token_id_ends_the_generation_like_end_of_sequence():
+    """A request's ``stop_token_ids`` end the output at the first such token (kept as the last
+    token, finish reason "eos"), with or without a drafter, though the model's own eos_ids differ."""
+    ref = SpeculativeDecoder(TARGET, None, GREEDY).generate([1, 2], SamplingConfig(temperature=0.0, max_new_tokens=12)).tokens
+    stop_at = ref[3]
+    want = ref[: ref.index(stop_at) + 1]
+    for drafter in (None, ModelDrafter(DRAFT)):
+        dec = SpeculativeDecoder(TARGET, drafter, GREEDY, gamma=FixedGamma(3), eos_ids=frozenset({9}))
+        out = dec.generate([1, 2], SamplingConfig(temperature=0.0, max_new_tokens=12, stop_token_ids=(stop_at,)))
+        assert out.tokens == want and out.stats.finish_reason == "eos"
+
+
+def test_a_stop_that_cuts_back_past_the_round_streams_nothing_more():
+    """A stop check may keep fewer tokens than earlier rounds already appended: the round then
+    streams nothing (what was already streamed cannot be taken back) and appends nothing."""
+    dec = SpeculativeDecoder(TARGET, ModelDrafter(TARGET), GREEDY, gamma=FixedGamma(4))
+    seen: list[int] = []
+    out = dec.generate([1, 2], SamplingConfig(temperature=0.0, max_new_tokens=20), on_tokens=seen.extend,
+                       stop=lambda toks: 3 if len(toks) >= 10 else None)
+    assert [r.emitted for r in out.rounds] == [5, 0]  # the premise: rounds of 5, the second cut back to 3
+    assert len(seen) == 5 and out.tokens == seen[:3]
+
+
+def test_the_stats_report_the_verifiers_kv_peak():
+    """``kv_peak_bytes`` is the target session's peak cache size, not left at 0."""
+    out = SpeculativeDecoder(TARGET, ModelDrafter(DRAFT), GREEDY, gamma=FixedGamma(2)).generate(
+        [1, 2], SamplingConfig(temperature=0.0, max_new_tokens=6))
+    assert out.stats.kv_peak_bytes > 0
+
+
+def test_the_stats_name_the_rule_drafter_and_rate():
+    """The summary names what ran: the rule's lossless flag (a lossy shortcut says so), the
+    drafter's class by default, and a throughput over the measured wall time however short."""
+    lossy = get_rule("lossy-resample-p")
+    assert not lossy.lossless  # the premise
+    out = SpeculativeDecoder(TARGET, ModelDrafter(DRAFT), lossy, gamma=FixedGamma(2)).generate(
+        [1, 2], SamplingConfig(temperature=1.0, seed=0, max_new_tokens=6))
+    st = out.stats
+    assert st.lossless is False and st.drafter == "ModelDrafter"
+    assert st.wall_s > 0 and st.tokens_per_s == pytest.approx(st.generated_tokens / st.wall_s)
+
+
+def test_nothing_reports_the_time_it_was_given():
+    """``nothing`` (a server asked only to echo a prompt) reports the wall time it is handed."""
+    st = SpeculativeDecoder(TARGET, None, GREEDY).nothing(5, wall_s=0.25).stats
+    assert st.wall_s == 0.25 and st.prompt_tokens == 5 and st.generated_tokens == 0 and st.finish_reason == "length"

@@ -8,8 +8,9 @@ from transformers import AutoTokenizer
 
 from specdec.errors import ConfigError
 from specdec.models.registry import DATA_DIR
-from specdec.text import (StopStrings, TextSink, TextStream, encode_messages, encode_prompt, logprob_rows, output_stop, prompt_ids,
-                          stop_cut, trim_at_stop)
+from specdec.sampling import SamplingConfig
+from specdec.text import (StopStrings, StopWhen, TextSink, TextStream, encode_messages, encode_prompt, logprob_rows, output_stop,
+                          prompt_ids, stop_cut, trim_at_stop)
 
 
 @pytest.fixture(scope="module")
@@ -64,8 +65,6 @@ def test_prompts(tok):
 
 
 def test_streaming_detokenisation_is_incremental_and_equals_the_full_decode(tok, monkeypatch):
-    from specdec.text import TextStream
-
     text = "naïve café — 日本語 ✓ <|im_end|> def f(x):\n    return x"
     ids = tok.encode(text, add_special_tokens=False)
     stream = TextStream(tok)
@@ -189,7 +188,6 @@ def test_special_tokens_kept_in_the_text_except_the_one_that_ends_it(tok):
     """vLLM's ``skip_special_tokens: false``: special tokens stay in the text (streamed and final
     alike) and stop strings are looked for in that text; the end-of-sequence token that ends the
     output is still left out (unless the stop is kept), its id kept; by default none shows."""
-    from specdec.sampling import SamplingConfig
     from specdec.text import output_sink, output_stop
 
     start, end = tok.convert_tokens_to_ids("<|im_start|>"), tok.convert_tokens_to_ids("<|im_end|>")
@@ -229,11 +227,8 @@ def test_a_template_that_rejects_the_conversation_is_a_clear_error():
     """A chat template that raises (``raise_exception``, as Gemma's and Mistral's do on a system
     message; or a bad index) gives a one-line ConfigError naming it, with specdec's tokenizer and
     with transformers'."""
-    from transformers import AutoTokenizer
 
-    from specdec.errors import ConfigError
     from specdec.models.registry import load_tokenizer
-    from specdec.text import encode_messages
     from specdec.tokenizer import set_chat_template
 
     messages = [{"role": "system", "content": "Be brief."}, {"role": "user", "content": "hi"}]
@@ -255,9 +250,7 @@ def test_a_template_that_rejects_the_conversation_is_a_clear_error():
     ([{"role": "user", "content": "  "}], "the prompt is empty"),
 ])
 def test_a_conversation_without_a_usable_user_turn_is_named(messages, says):
-    from specdec.errors import ConfigError
     from specdec.models.registry import load_tokenizer
-    from specdec.text import encode_messages
 
     tokenizer = load_tokenizer(DATA_DIR / "smollm2-135m-draft")
     with pytest.raises(ConfigError) as refused:
@@ -296,7 +289,6 @@ def test_a_token_is_handed_over_with_the_text_that_completes_it(tok):
 
 class _SlowTokenizer:
     """The tokenizer without its fast backend: TextStream decodes the whole output at each push."""
-
     def __init__(self, tok):
         self._tok = tok
 
@@ -341,8 +333,6 @@ def test_a_stop_string_at_the_very_start_of_the_text_is_found():
 def test_output_stop_applies_min_tokens(tok):
     """The decoder's stop check built from sampling options honours ``min_tokens``: a stop string
     inside the first ``min_tokens`` tokens' text does not end the output."""
-    from specdec.sampling import SamplingConfig
-
     ids = tok.encode("one. two three. four", add_special_tokens=False)
     assert tok.decode(ids[:2]) == "one."  # the premise: the first stop lies in the first two tokens
     stop = output_stop(tok, SamplingConfig(stop=(".",), min_tokens=2))
@@ -363,7 +353,6 @@ def test_logprob_rows_write_minus_infinity_as_minus_9999(tok):
 class _RewritingTokenizer:
     """A slow tokenizer whose decode rewrites earlier text once more tokens come (as clean-up of
     tokenization spaces does: ``"a ."`` -> ``"a."``)."""
-
     def decode(self, tokens, skip_special_tokens=True):
         text = "".join({1: "a", 2: " ", 3: "."}[t] for t in tokens)
         return text.replace(" .", ".")
@@ -381,7 +370,6 @@ def test_the_full_decode_stream_shows_nothing_where_earlier_text_was_rewritten()
 class _CleaningTokenizer:
     """A fast tokenizer (it has a ``_tokenizer`` backend) whose decode cleans up tokenization
     spaces, as transformers does for WordPiece ones: ``"a ,"`` -> ``"a,"``."""
-
     clean_up_tokenization_spaces = True
 
     def __init__(self, tok):
@@ -443,7 +431,6 @@ class _ByteFallback:
     """A SentencePiece-style tokenizer (Llama 2's, Gemma's kind) with no vocabulary beyond "b":
     every other character is spelled as ``<0xNN>`` byte tokens, and an incomplete character decodes
     as one U+FFFD per byte (the ByteFallback decoder), so the text *shrinks* once it completes."""
-
     def __init__(self):
         from tokenizers import Tokenizer, decoders, models, normalizers
 
@@ -558,7 +545,6 @@ def test_stop_strings_starting_at_the_same_place_cut_the_same_whatever_their_ord
 def test_output_sink_applies_min_tokens_and_stop_token_ids(tok):
     """The sink built from sampling options honours ``min_tokens`` (a stop inside the first
     tokens' text does not cut) and ``stop_token_ids`` (such a token's text is left out)."""
-    from specdec.sampling import SamplingConfig
     from specdec.text import output_sink
 
     ids = tok.encode("one. two three. four", add_special_tokens=False)
@@ -609,8 +595,6 @@ def test_a_stop_token_at_the_end_of_a_many_token_round_is_not_streamed(tok):
 def test_stop_when_sees_each_tokens_text_once(tok):
     """StopWhen decodes only the new tokens of each call: the text it tests is the output's text,
     never the earlier text repeated (a test it can never pass must never stop it)."""
-    from specdec.text import StopWhen
-
     ids = tok.encode("alpha beta gamma delta", add_special_tokens=False)
     stop = StopWhen(tok, lambda text: text.count("alpha") >= 2)
     assert all(stop(ids[:i]) is None for i in range(1, len(ids) + 1))
@@ -653,3 +637,75 @@ def test_the_same_stop_one_token_at_a_time_is_found_at_its_token():
     stop = StopStrings(bf, ("😀",))
     found = next(i for i in range(1, len(ids) + 1) if stop(ids[:i]) is not None)
     assert found == 8  # currently 9: one round late
+
+
+def test_stop_when_decodes_only_the_new_tokens_prefixes_in_the_round_it_stops(tok):
+    """StopWhen's promise: only the round that makes ``done`` true decodes prefixes, and only those
+    ending in that round's new tokens (earlier prefixes were already known not done), so a long
+    output is not decoded again from the start at the end."""
+    ids = tok.encode("one two three four five six seven eight nine END ten", add_special_tokens=False)
+    at = next(k for k in range(1, len(ids) + 1) if "END" in tok.decode(ids[:k]))
+    stop = StopWhen(tok, lambda text: "END" in text)
+    for i in range(1, at - 1):
+        assert stop(ids[:i]) is None
+    decoded: list[int] = []
+    real = stop.stream.decode
+    stop.stream.decode = lambda tokens: (decoded.append(len(tokens)), real(tokens))[1]
+    assert stop(ids[: at + 1]) == at  # this round brings tokens at-1, at, at+1
+    assert decoded and min(decoded) >= at - 1, decoded
+
+
+def test_the_stream_holds_back_only_what_could_still_start_a_stop_string(tok):
+    """With stop string "END" (3 characters) the sink shows, after every push, all of the text but
+    its last 2 characters: no more is held back than a stop string's proper prefix."""
+    ids = tok.encode("Hello there, general kenobi", add_special_tokens=False)
+    shown: list[str] = []
+    sink = TextSink(tok, ("END",), shown.append)
+    for i, t in enumerate(ids):
+        sink.push([t])
+        text = tok.decode(ids[: i + 1])
+        assert "".join(shown) == text[: max(0, len(text) - 2)], i
+
+
+def test_on_text_never_gets_an_empty_piece_when_spans_are_wanted_too(tok):
+    """With both callbacks, ``finish`` hands the hidden stop token over as a span with no text: the
+    text callback is not called with an empty string (a stream would send an empty delta)."""
+    ids = tok.encode("alpha beta gamma", add_special_tokens=False)
+    eos = tok.eos_token_id
+    pieces: list[str] = []
+    spans: list[tuple[str, int, int]] = []
+    sink = TextSink(tok, (), pieces.append, lambda text, a, b: spans.append((text, a, b)), hidden=frozenset({eos}))
+    for t in ids + [eos]:
+        sink.push([t])
+    assert sink.finish(ids + [eos]) == "alpha beta gamma"
+    assert spans[-1][2] == len(ids) + 1  # the premise: the stop token was handed over at finish
+    assert "".join(pieces) == "alpha beta gamma" and all(pieces), pieces
+
+
+def test_output_stop_without_a_tokenizer_is_no_check():
+    """No tokenizer (token-id prompts with no text side): stop strings cannot be looked for, and
+    ``output_stop`` gives no check rather than one that fails on its first call."""
+    assert output_stop(None, SamplingConfig(stop=("END",))) is None
+
+
+def test_a_stop_string_in_the_min_tokens_texts_trailing_space_does_not_hold_the_stream(tok):
+    """The floor is the first ``min_tokens`` tokens' whole text, trailing newlines included: a
+    newline stop string inside it neither cuts nor stalls the stream ("Hi\\n\\n" then "there...")."""
+    ids = tok.encode("Hi\n\nthere we go", add_special_tokens=False)
+    assert tok.decode(ids[:3]) == "Hi\n\n"  # the premise
+    shown: list[str] = []
+    sink = TextSink(tok, ("\n",), shown.append, min_tokens=3)
+    for t in ids:
+        sink.push([t])
+    assert "".join(shown) == "Hi\n\nthere we go"  # all out before finish (a 1-character stop holds nothing)
+    assert sink.finish(ids) == "Hi\n\nthere we go"
+
+
+def test_stop_when_looks_in_the_text_with_special_tokens_where_they_are_kept(tok):
+    """``skip_special_tokens=False``: the text StopWhen tests is the output's text, special tokens
+    included, so a test on a special token's text can pass (and it cannot by default)."""
+    start = tok.convert_tokens_to_ids("<|im_start|>")
+    ids = tok.encode("Hi there", add_special_tokens=False) + [start] + tok.encode("user", add_special_tokens=False)
+    kept = StopWhen(tok, lambda text: "<|im_start|>" in text, skip_special_tokens=False)
+    assert kept(ids) == ids.index(start) + 1
+    assert StopWhen(tok, lambda text: "<|im_start|>" in text)(ids) is None
