@@ -14,6 +14,7 @@
 from __future__ import annotations
 
 from dataclasses import replace
+from types import SimpleNamespace
 
 import pytest
 import torch
@@ -25,7 +26,7 @@ from specdec.drafters.heads import EagleDrafter, drafter_for
 from specdec.drafters.tree_builder import TreeSpec
 from specdec.errors import ConfigError
 from specdec.gamma import FixedGamma
-from specdec.heads.modules import HeadConfig, check_vocab_map, rope_tables, ttt_mask
+from specdec.heads.modules import HeadConfig, check_vocab_map, rope_tables, save_head, ttt_mask
 from specdec.heads.runtime import stored_layout
 from specdec.models.toy import ToyLM
 from specdec.sampling import SamplingConfig
@@ -417,7 +418,6 @@ def test_a_tap_after_the_last_layer_is_allowed_and_one_past_it_refused(native, t
     """Taps count layers: ``k`` is the residual stream after ``k`` layers, so ``0 .. n_layers`` are
     all real streams (``n_layers``: after the last layer, before the final norm); only taps past
     that are refused."""
-    from specdec.heads.modules import save_head
 
     n = native.cfg.n_layers
     for taps, ok in (((0, n), True), ((0, n + 1), False)):
@@ -776,3 +776,97 @@ def test_a_medusa_tree_is_no_deeper_than_its_heads(native):
     for p in parents:
         depth.append(0 if p < 0 else depth[p] + 1)
     assert max(depth) + 1 == k
+
+
+SEQ = torch.randint(0, 64, (12,), generator=torch.Generator().manual_seed(2))
+
+
+@pytest.mark.parametrize("kind", ["eagle1", "eagle3", "medusa", "mtp"])
+def test_a_new_sequence_drafts_nothing_before_its_first_features(native, kind):
+    """``prepare`` starts a new sequence: until its first features arrive the drafter drafts
+    nothing — never from the previous sequence's last feature."""
+    drafter = drafter_for(_head(kind, native), native.embed)
+    drafter.prepare(SEQ[:8])
+    drafter.add_features(_teacher(native, SEQ[:7], taps=drafter.feature_taps))
+    assert drafter.propose(SEQ[:8], 2, Forced([1, 2])).tokens.numel() == 2
+    drafter.commit(None)
+    drafter.prepare(SEQ[8:10])
+    assert drafter.propose(SEQ[8:10], 2, Forced([1, 2])).tokens.numel() == 0
+
+
+@pytest.mark.parametrize("kind", ["eagle1", "eagle3", "medusa", "mtp"])
+def test_a_round_without_new_features_drafts_again_from_the_committed_ones(native, kind):
+    """A round whose verification handed no new feature (say a round rejected by a constraint)
+    still drafts, from the features already committed: the same draft as the round before."""
+    drafter = drafter_for(_head(kind, native), native.embed)
+    drafter.prepare(SEQ[:8])
+    drafter.add_features(_teacher(native, SEQ[:7], taps=drafter.feature_taps))
+    first = Forced([1, 2, 3])
+    drafter.propose(SEQ[:8], 3, first)
+    drafter.commit(None)
+    again = Forced([1, 2, 3])
+    assert drafter.propose(SEQ[:8], 3, again).tokens.numel() > 0
+    assert len(again.rows) == len(first.rows)
+    for a, b in zip(again.rows, first.rows):
+        torch.testing.assert_close(a, b, rtol=1e-5, atol=1e-5)
+
+
+def test_a_heads_extra_bytes_are_its_parameters_bytes(native):
+    """``extra_bytes`` (memory accounting): the head's parameters in bytes — a float32 head 4 bytes
+    each, a bfloat16 copy 2."""
+    head = _head("eagle3", native)
+    numel = sum(p.numel() for p in head.parameters())
+    assert drafter_for(head, native.embed).extra_bytes() == 4 * numel
+    assert drafter_for(head.to(torch.bfloat16), native.embed).extra_bytes() == 2 * numel
+
+
+def _saved(native, tmp_path, kind="medusa"):
+    folder = tmp_path / kind
+    save_head(_head(kind, native), folder, dtype=torch.float32)
+    return folder
+
+
+def test_a_built_head_takes_the_label_asked_for(native, tmp_path):
+    """``build(..., label=...)``: the drafter's name (stats, logs) is the label when one is given,
+    else the folder's name."""
+    folder = _saved(native, tmp_path)
+    assert dh.build(folder, native, label="my-head")[1] == "my-head"
+    assert dh.build(folder, native, label="my-head")[0].name == "my-head"
+    assert dh.build(folder, native)[1] == "medusa"
+
+
+def test_a_target_that_hides_its_hidden_states_is_refused(native, tmp_path):
+    """A target with embeddings but no ``forward_features`` (its hidden states out of reach)
+    cannot feed a head: a one-line ConfigError, not a drafter that never gets a feature."""
+    folder = _saved(native, tmp_path)
+    with pytest.raises(ConfigError, match="exposes its hidden states"):
+        dh.build(folder, SimpleNamespace(embed=native.embed, forward_features=None))
+
+
+def test_a_registry_head_name_is_read_whatever_its_case_and_spacing(native, tmp_path, monkeypatch):
+    """A registry name resolves to its lower-case folder under the heads' data folder, given in
+    any case and with spaces around it (as typed after ``--draft``)."""
+
+    monkeypatch.setattr(dh, "heads_dir", lambda: tmp_path)
+    name = "smollm2-135m-mtp"
+    assert name in dh.HEADS
+    with pytest.raises(ConfigError, match=f"^{name} is not available"):
+        dh.resolve_head(" SmolLM2-135M-MTP ")
+    save_head(_head("mtp", native), tmp_path / name, dtype=torch.float32)
+    assert dh.resolve_head(" SmolLM2-135M-MTP ") == tmp_path / name
+
+
+@pytest.mark.parametrize("kind", ["eagle1", "eagle3"])
+def test_an_eagle_chain_of_gamma_tokens_runs_gamma_minus_one_layer_steps(native, kind):
+    """Drafting γ tokens after the catch-up costs γ - 1 passes of the head's layer (draft token j
+    is read off the output after token j - 1): no pass after the last token, whose output nothing
+    reads."""
+    drafter = drafter_for(_head(kind, native), native.embed)
+    drafter.prepare(SEQ[:8])
+    drafter.add_features(_teacher(native, SEQ[:7], taps=drafter.feature_taps))
+    drafter._catch_up(SEQ[:8])  # the committed rows, before counting
+    steps = []
+    real = drafter._step
+    drafter._step = lambda *a, **k: steps.append(1) or real(*a, **k)  # type: ignore[method-assign]
+    assert drafter.propose(SEQ[:8], 3, Forced([1, 2, 3])).tokens.numel() == 3
+    assert len(steps) == 2

@@ -755,9 +755,6 @@ def test_a_target_that_is_not_batch_invariant_gets_no_shared_layers():
 
 def test_cache_sharing_refuses_any_skipped_sub_layer():
     """Sharing needs a pure early-exit plan: a skipped MLP is refused like a skipped attention."""
-    import pytest
-
-    from specdec.errors import ConfigError
 
     for plan in (LayerPlan.skipping(3, {1}, set()), LayerPlan.skipping(3, set(), {1})):
         with pytest.raises(ConfigError, match="pure early-exit"):
@@ -878,7 +875,6 @@ def test_swift_scores_only_once_the_context_is_longer_than_its_window():
     assert d.scorings == 1
 
 
-
 def test_a_verification_pass_over_rows_the_draft_fed_runs_no_lower_layer(monkeypatch):
     """SharedLayers reuses the draft's layers < k for EVERY row the draft fed: verifying exactly
     those rows (the last context token and the draft's first γ - 1 tokens) runs only layers >= k,
@@ -941,7 +937,6 @@ def test_an_empty_draft_carries_no_shared_layers():
     assert drafter.propose(ctx, 2, _argmax()).reuse is not None
     empty = drafter.propose(ctx, 0, _argmax())
     assert empty.tokens.numel() == 0 and empty.reuse is None
-
 
 
 def test_swift_scores_over_the_targets_cache_when_it_holds_just_the_keys_the_window_needs():
@@ -1081,3 +1076,230 @@ def test_a_view_caches_bytes_count_its_keys_values_residuals_and_token_ids():
     plain = LayerView(INVARIANT, LayerPlan.early_exit(3, 2)).new_cache(16)  # no residual rows
     assert plain.resid is None
     assert plain.nbytes == plain.k.numel() * plain.k.element_size() * 2 + 8 * plain.capacity
+
+
+
+
+def test_an_early_exit_after_no_layer_is_refused(tmp_path):
+    """An early exit runs layers 0 .. K-1 with K in 1 .. n_layers: K = 0 (a "draft" of the
+    embedding straight into the head) is refused, built directly or read from a skip-set file."""
+    with pytest.raises(ConfigError, match="early exit must be after 1 to 3 layers, got 0"):
+        LayerPlan(3, 0)
+    path = tmp_path / "s.json"
+    path.write_text('{"n_layers": 3, "exit_after": 0}')
+    with pytest.raises(ConfigError, match="got 0"):
+        load_plan(path)
+
+
+def test_a_negative_skipped_index_is_refused(tmp_path):
+    """Skipped sub-layers name layers 0 .. n-1: a negative index (Python's "from the end") is
+    refused as a one-line ConfigError, not silently ignored by the plan's steps."""
+    for attn, mlp in (({-1}, set()), (set(), {-1})):
+        with pytest.raises(ConfigError, match=r"0\.\.2"):
+            LayerPlan.skipping(3, attn, mlp)
+    path = tmp_path / "s.json"
+    path.write_text('{"n_layers": 3, "skip_mlp": [-1]}')
+    with pytest.raises(ConfigError, match=r"0\.\.2, got \[-1\]"):
+        load_plan(path)
+
+
+def test_a_views_cache_holds_keys_in_the_targets_kv_dtype_and_sharing_stays_bitwise():
+    """A target whose caches hold float16 keys/values (``set_kv_dtype``): the view's cache holds
+    its keys/values in float16 too (its residual rows in the target's float32), so the layers it
+    shares with the verification pass are the rounded ones the target's own pass computes —
+    the shared pass's logits are bitwise the plain pass's."""
+
+    target = tiny_native(layers=3)
+    target.set_kv_dtype(torch.float16)
+    view = LayerView(target, LayerPlan.early_exit(3, 2), keep_hidden=True)
+    cache = view.new_cache(16)
+    assert cache.k.dtype == torch.float16 and cache.v.dtype == torch.float16 and cache.resid.dtype == torch.float32
+    drafter = SelfSpecDrafter(view, share=True)
+    cfg = SamplingConfig(temperature=0.0)
+    prompt = [1, 3, 0, 2, 4]
+    session = TargetSession(target, prompt, cfg, get_rule("greedy"), seed=0)
+    plain = TargetSession(target, prompt, cfg, get_rule("greedy"), seed=0)
+    drafter.prepare(session.context)
+    draft = drafter.propose(session.context, 3, _argmax())
+    feed = torch.cat([session.context[-1:], draft.tokens])
+    got = draft.reuse.forward(target, feed, session.cache)
+    assert got is not None and torch.equal(got, target.forward(feed, plain.cache))
+
+
+def test_shared_layers_of_a_view_without_residual_rows_are_not_reused():
+    """Cache sharing needs the residual stream the view kept (``keep_hidden``): a sharing
+    early-exit drafter whose view keeps none hands the verifier layers that give None (the caller
+    runs its plain pass), not a crash on the missing rows."""
+
+    target = tiny_native(layers=3)
+    drafter = SelfSpecDrafter(LayerView(target, LayerPlan.early_exit(3, 2)), share=True)
+    cfg = SamplingConfig(temperature=0.0)
+    session = TargetSession(target, [1, 3, 0, 2, 4], cfg, get_rule("greedy"), seed=0)
+    drafter.prepare(session.context)
+    draft = drafter.propose(session.context, 2, _argmax())
+    assert draft.reuse is not None and draft.tokens.numel() == 2
+    feed = torch.cat([session.context[-1:], draft.tokens])
+    assert draft.reuse.forward(target, feed, session.cache) is None
+    assert draft.reuse.forward_features(target, feed, session.cache, (2,)) is None
+
+
+def test_the_cost_model_counts_a_llama_layers_matrices():
+    """``param_shares``: one attention sub-layer reads q, k, v and o ((2 x heads + 2 x kv heads)
+    x head_dim x width), one MLP sub-layer gate, up and down (3 x width x intermediate), the head
+    vocab x width (times the share of its rows a reduced vocabulary computes); each over the
+    weights a whole step reads; on the tiny target (width 16, 2 heads, 1 kv head of 8, MLP 32, 5 tokens)."""
+
+    attn = (2 * 2 + 2 * 1) * 8 * 16  # q [16, 16], k [8, 16], v [8, 16], o [16, 16]
+    mlp = 3 * 16 * 32  # gate [32, 16], up [32, 16], down [16, 32]
+    head = 5 * 16
+    total = 3 * (attn + mlp) + head
+    got = param_shares(TARGET.cfg, head_share=0.6)
+    assert got == pytest.approx((attn / total, mlp / total, head * 0.6 / total), rel=1e-12)
+
+
+def test_swift_scores_over_the_window_alone_when_the_targets_cache_is_three_short():
+    """The window's last row (position L - 2) is scored over the target's keys at positions
+    0 .. L - 3: a target cache holding L - 2 positions has them, one holding only L - 3 lacks
+    one; then SWIFT scores as an unbound drafter does, not over a key the target never wrote."""
+    seq = torch.tensor([1, 3, 0, 4, 2, 2, 1, 0, 3, 4, 0, 1])  # [L]
+    plan = LayerPlan.skipping(3, {2}, {2})
+    cache = TARGET.new_cache(seq.numel())
+    TARGET.forward(seq[: seq.numel() - 3], cache)
+    bound = SwiftDrafter(TARGET, SKIP, window=8, budget=None)
+    bound.bind_target(TARGET, cache)
+    alone = SwiftDrafter(TARGET, SKIP, window=8, budget=None)
+    assert bound._agreement(plan, seq) == alone._agreement(plan, seq)
+
+
+def test_a_spawned_swift_drafter_keeps_its_time_source():
+    """``clock`` is SWIFT's time source ("tests pass their own"): a server's per-request copy
+    (``spawn``) measures decoding time with it too — 2 calls 5 s apart on a hand-moved clock
+    see 5 s, whatever the wall clock did."""
+    clock = _Clock()
+    spawned = SwiftDrafter(TARGET, SKIP, every=1000, window=4, budget=None, clock=clock).spawn()
+    ctx = torch.tensor([1, 3, 0, 4, 2])
+    spawned.prepare(ctx)
+    spawned.propose(ctx, 0, _argmax())
+    clock.t += 5.0
+    spawned.propose(ctx, 0, _argmax())
+    assert spawned.seen_s == 5.0
+
+
+def test_a_bound_view_remembers_how_far_it_holds_the_targets_keys():
+    """Bound to the target's cache, a drafting round copies the committed positions' keys up to
+    the last context token and records that (``_synced``): the next round copies only the
+    positions committed since, not the whole context again (a cost linear in the context per
+    round)."""
+    target = tiny_native(layers=3)
+    ctx = torch.tensor([1, 3, 0, 2, 4, 1, 1])
+    cache = target.new_cache(32)
+    target.forward(ctx[:-1], cache)
+    drafter = SelfSpecDrafter(LayerView(target, LayerPlan.early_exit(3, 2), keep_hidden=True))
+    drafter.bind_target(target, cache)
+    drafter.prepare(ctx)
+    drafter.propose(ctx, 2, _argmax())
+    assert drafter._synced == ctx.numel() - 1
+    drafter.cache.truncate(ctx.numel())  # the round's drafts rejected: its own row of the last token kept
+    longer = torch.cat([ctx, torch.tensor([3, 0])])
+    target.forward(longer[ctx.numel() - 1 : -1], cache)  # the target committed two more positions
+    before = drafter.cache.k[:, :, : ctx.numel() - 1].clone()
+    cache.k[:, :, : ctx.numel() - 1] = 0.0  # earlier positions: a re-copy would be visible
+    drafter.propose(longer, 2, _argmax())
+    assert drafter._synced == longer.numel() - 1
+    assert torch.equal(drafter.cache.k[:, :, : ctx.numel() - 1], before)
+
+
+def test_every_set_swift_tries_is_a_neighbour_of_its_current_set():
+    """A scoring tries ``tries`` random neighbours of the CURRENT set (one sub-layer added or
+    removed), even when an earlier try scored better: with each try scoring above the last (so
+    the best moves at every try), all 4 sets tried differ from the starting set by one toggle."""
+    d = SwiftDrafter(TARGET, SKIP, every=1, window=4, tries=4, budget=None, seed=0)
+    scored: list[LayerPlan] = []
+
+    def speedup(plan, context):
+        scored.append(plan)
+        return float(len(scored))  # every try beats the best so far
+
+    d._speedup = speedup  # type: ignore[method-assign]
+    ctx = torch.tensor([1, 3, 0, 4, 2, 2])
+    d.prepare(ctx)
+    d.propose(ctx, 0, _argmax())
+    assert d.scorings == 1 and len(scored) == 5 and scored[0] == SKIP
+    for trial in scored[1:]:
+        assert len(trial.skip_attn ^ SKIP.skip_attn) + len(trial.skip_mlp ^ SKIP.skip_mlp) == 1, trial
+    assert d.view.plan == scored[-1]  # it moved to the best-scoring try
+
+
+def test_a_skip_set_file_holding_a_json_list_is_a_one_line_config_error(tmp_path):
+    """A skip-set file must hold a JSON object (the plan, or ``{"plan": ...}``): a top-level list
+    is refused naming the file, not an AttributeError traceback."""
+    path = tmp_path / "list.json"
+    path.write_text("[1, 2]")
+    with pytest.raises(ConfigError, match="is not a skip-set file"):
+        load_plan(path)
+
+
+def test_a_skip_set_file_path_may_start_with_the_home_folder(tmp_path, monkeypatch):
+    """``self-skip:~/s.json``: the path is expanded like a shell would."""
+    monkeypatch.setenv("HOME", str(tmp_path))
+    (tmp_path / "s.json").write_text('{"n_layers": 3, "skip_attn": [1]}')
+    assert load_plan("~/s.json") == LayerPlan.skipping(3, {1}, set())
+
+
+def test_a_built_skip_set_view_drafts_over_the_reduced_vocabulary(tmp_path):
+    """``build(..., vocab=...)``: a searched skip set (``self-skip:FILE``) drafts over the reduced
+    vocabulary's rows like ``layerskip:K`` and ``swift`` do, where the target's head can be cut."""
+    tied = tiny_native(layers=3, batch_invariant=False, tied=True)
+    keep = torch.tensor([0, 2, 4])
+    path = tmp_path / "s.json"
+    path.write_text('{"n_layers": 3, "skip_attn": [1], "skip_mlp": [2]}')
+    drafter, _ = build(f"self-skip:{path}", tied, "tiny", vocab=keep)
+    assert drafter.view.vocab_ids is not None and torch.equal(drafter.view.vocab_ids, keep)
+    ctx = torch.tensor([1, 3, 0, 1, 3])
+    drafter.prepare(ctx)
+    draft = drafter.propose(ctx, 4, _argmax())
+    assert draft.tokens.numel() == 4 and set(draft.tokens.tolist()) <= {0, 2, 4}
+
+
+def test_a_new_sequence_starts_swifts_round_count_afresh():
+    """The rounds until the next scoring count within a sequence (the interval itself is carried
+    over): 3 rounds of one sequence and 3 of the next, with a scoring due every 4, score nothing."""
+    d = SwiftDrafter(TARGET, SKIP, every=4, window=4, tries=1, budget=None)
+    d._speedup = lambda plan, context: 1.0  # type: ignore[method-assign]
+    ctx = torch.tensor([1, 3, 0, 4, 2, 2])
+    for _ in range(2):
+        d.prepare(ctx)
+        for _ in range(3):
+            d.propose(ctx, 0, _argmax())
+    assert d.scorings == 0
+    d.propose(ctx, 0, _argmax())  # the 4th round of this sequence
+    assert d.scorings == 1
+
+
+def test_a_views_drafter_holds_to_the_max_length_asked_for():
+    """``SelfSpecDrafter(view, max_length=...)``: the draft cache holds at most that many
+    positions; a longer context gets no draft (a plain round), as for any model drafter."""
+    d = SelfSpecDrafter(LayerView(TARGET, SKIP), max_length=8)
+    assert d.room == 8
+    ctx = torch.tensor([1, 3, 0, 4, 2, 2, 1, 0, 3, 4])
+    d.prepare(ctx)
+    assert d.propose(ctx, 2, _argmax()).tokens.numel() == 0
+
+
+@pytest.mark.parametrize("seed", range(6))
+def test_swift_scores_each_window_row_at_its_own_position_over_the_targets_cache(seed):
+    """Bound to the target's cache, each window row is scored at its own absolute position (the
+    target's keys before it, rotary at it): the score is exactly the share of rows, run as drafted
+    from ``L - window``, whose arg-max is the next committed token (6 seeded 16-token sequences,
+    several plans each)."""
+    seq = torch.randint(0, 5, (16,), generator=torch.Generator().manual_seed(seed))
+    cache = TARGET.new_cache(seq.numel())
+    TARGET.forward(seq[:-1], cache)
+    drafter = SwiftDrafter(TARGET, SKIP, window=10, budget=None)
+    drafter.bind_target(TARGET, cache)
+    start = seq.numel() - 10
+    for plan in (SKIP, LayerPlan.skipping(3, {2}, {2}), LayerPlan.skipping(3, {0}, {1}), LayerPlan.early_exit(3, 1)):
+        with torch.inference_mode():
+            rows = TARGET.head(TARGET.run_layers(TARGET.embed_tokens(seq[start:-1]), cache, plan.steps, start=start,
+                                                 as_drafted=True))
+        assert drafter._agreement(plan, seq) == float((rows.argmax(-1) == seq[start + 1 :]).float().mean()), plan
