@@ -248,13 +248,16 @@ def test_the_biases_read_are_the_ones_transformers_builds(kind, flags):
 
 @pytest.mark.parametrize("kind", ["llama", "mistral", "qwen2", "qwen3", "gemma3_text"])
 def test_what_a_config_leaves_out_reads_as_transformers_defaults(kind):
-    """Tied embeddings where a config does not say (Gemma 3 ties, the others do not), as
-    transformers reads them; an activation other than the one these layers compute is refused."""
+    """Tied embeddings and the head size where a config does not say (Gemma 3 ties, the others do
+    not; Qwen3's heads are 128 wide and Gemma 3's 256, the others' the hidden size over the heads),
+    as transformers reads them; an activation other than the one these layers compute is refused."""
     import transformers
 
     cfg = {k: v for k, v in LLAMA.items() if k not in ("rope_parameters", "tie_word_embeddings")} | {"model_type": kind}
     theirs = transformers.AutoConfig.for_model(kind, **{k: v for k, v in cfg.items() if k != "model_type"})
-    assert NativeConfig.from_hf(cfg).tie_embeddings == theirs.tie_word_embeddings
+    ours = NativeConfig.from_hf(cfg)
+    assert ours.tie_embeddings == theirs.tie_word_embeddings
+    assert ours.head_dim == (getattr(theirs, "head_dim", None) or theirs.hidden_size // theirs.num_attention_heads)
     key = "hidden_activation" if kind == "gemma3_text" else "hidden_act"
     with pytest.raises(ConfigError, match="activation 'relu' is not supported by the native backend"):
         NativeConfig.from_hf(cfg | {key: "relu"})

@@ -137,10 +137,11 @@ class NativeConfig:
         kv_heads = _count(cfg, "num_key_value_heads", heads)
         if heads % kv_heads:
             raise ConfigError(f"config.json: num_attention_heads ({heads}) must be a multiple of num_key_value_heads ({kv_heads})")
-        if cfg.get("head_dim") is None and hidden % heads:
+        fixed_head_dim = QWEN3_HEAD_DIM if model_type == "qwen3" else GEMMA3_HEAD_DIM if gemma else None
+        if cfg.get("head_dim") is None and fixed_head_dim is None and hidden % heads:
             raise ConfigError(f"config.json: hidden_size ({hidden}) must be a multiple of num_attention_heads ({heads})"
                               " where head_dim is not given")
-        head_dim = _count(cfg, "head_dim", hidden // heads)
+        head_dim = _count(cfg, "head_dim", fixed_head_dim or hidden // heads)
         if head_dim % 2:
             raise ConfigError(f"config.json: head_dim must be even (the rotary embedding turns pairs), got {head_dim}")
         n_layers = _count(cfg, "num_hidden_layers")
@@ -227,6 +228,10 @@ def context_length(cfg: dict) -> int:
 #: A drafter's attention never touches exactness.
 OWN_WINDOW_KEY = "specdec_attention_window"
 
+
+#: transformers' head sizes for a Qwen3 / Gemma 3 config without ``head_dim`` (the other model types
+#: divide the hidden size among the heads)
+QWEN3_HEAD_DIM, GEMMA3_HEAD_DIM = 128, 256
 
 #: transformers' default for a Qwen2 / Qwen3 config without ``max_window_layers``: the layers from
 #: the 29th on slide (none in a model of 28 layers or fewer).
