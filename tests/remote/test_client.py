@@ -29,6 +29,7 @@ from specdec.verify import get_rule
 from clock import ModelledCostGamma
 from stats import ALPHA, chi_square_pvalue, exact_law
 from toy_drafters import FixedDrafter
+from toy_server import LetterTokenizer
 
 from .conftest import API_KEY
 
@@ -1171,3 +1172,59 @@ def test_a_local_commit_reports_every_unverified_token_in_its_metrics():
                            local_commit=lambda draft: True)
         out = v.verify(Draft(tokens=torch.tensor([3, 4, 5]), probs=None))
     assert out.metrics == {"unverified": 3, "local_commit": True} and v.stats.unverified_tokens == 3
+
+
+class _EightLetters(LetterTokenizer):
+    """A letter tokenizer of 8 ids (more than the edge's 4-id draft vocabulary)."""
+
+    def __len__(self) -> int:
+        return 8
+
+
+def test_the_vocab_size_argument_wins_over_the_tokenizers_length():
+    """``vocab_size=4`` with a tokenizer of 8 ids (a draft model with a smaller vocabulary than its
+    tokenizer): the edge's bound is 4, so the server's token 4 is refused."""
+    client, _ = _mock(_accept_all)
+    with client, pytest.raises(RemoteError, match=r"token id 4 in round 0, outside the vocabulary \[0, 4\)"):
+        generate_remote([1, 2], SamplingConfig(temperature=0.0, seed=1, max_new_tokens=4),
+                        RemoteConfig(url="http://edge.test"), drafter=FixedDrafter((3, 4)), gamma=2, client=client,
+                        tokenizer=_EightLetters(), vocab_size=4)
+
+
+def _one_token_run():
+    """One round against the mock: no drafter, the server's next token 5 (an end-of-sequence id)."""
+    client, _ = _mock(_accept_all)
+    with client:
+        return generate_remote([1, 2], SamplingConfig(temperature=0.0, seed=1, max_new_tokens=4),
+                               RemoteConfig(url="http://edge.test"), drafter=FixedDrafter((3, 4)), gamma=2,
+                               client=client, eos_ids=frozenset({5}))
+
+
+def test_the_summary_reports_edge_time_in_milliseconds():
+    out = _one_token_run()
+    assert out.stats.draft_s > 0
+    assert out.summary()["edge_time_ms"] == pytest.approx(out.stats.draft_s * 1e3)
+
+
+def test_the_summary_of_a_run_that_generated_nothing_has_no_division_by_zero():
+    """A run that ends before any token (e.g. a stop string at once) still summarises: calls per
+    token divide by at least one token."""
+    from dataclasses import replace
+
+    out = _one_token_run()
+    empty = replace(out, result=replace(out.result, stats=replace(out.stats, generated_tokens=0)))
+    assert empty.summary()["cloud_calls_per_token"] == out.remote["verify_calls"]
+
+
+def test_a_gate_with_a_token_tree_is_refused_before_the_server_is_asked():
+    """The edge gate judges chain drafts token by token: a tree with an active gate is a ConfigError
+    naming the fix, and no request is sent."""
+    from specdec.errors import ConfigError
+    from specdec.remote.gating import Gate, GateConfig
+
+    client, seen = _mock(_accept_all)
+    with client, pytest.raises(ConfigError, match="use --tree chain with --gate"):
+        generate_remote([1, 2], SamplingConfig(temperature=0.0, seed=1, max_new_tokens=4),
+                        RemoteConfig(url="http://edge.test"), drafter=FixedDrafter((3, 4)), tree=4, client=client,
+                        gate=Gate(GateConfig(policy="shape")))
+    assert seen["requests"] == []

@@ -249,3 +249,49 @@ def test_generated_ids_are_bounded_like_the_prompt():
 
     with pytest.raises(ValidationError, match="at most"):
         CreateSessionRequest.model_validate({"prompt_ids": [1], "generated_ids": [1] * (MAX_PROMPT_TOKENS + 1)})
+
+
+def test_a_scalar_q_within_the_row_slack_parses():
+    """A lossy-scalar q may exceed 1 by the same float32 slack as a sparse row (a renormalised top-1)."""
+    req = VerifyRequest.model_validate({"seq": 0, "draft_tokens": [1], "q": [1.0 + ROW_SUM_SLACK / 2]})
+    assert req.q == [1.0 + ROW_SUM_SLACK / 2]
+
+
+def test_the_draft_tokens_own_probability_is_read_from_its_row_not_the_first_entry():
+    """q(x) is looked up at the draft token's id: a row that lists the draft token with probability 0
+    (after another id) says it cannot have been sampled, whatever the row's first probability is."""
+    body = {"seq": 0, "draft_tokens": [1], "q": [{"ids": [2, 1], "probs": [1.0, 0.0]}]}
+    with pytest.raises(ValidationError, match="q = 0"):
+        VerifyRequest.model_validate(body)
+    ok = VerifyRequest.model_validate({"seq": 0, "draft_tokens": [1], "q": [{"ids": [2, 1], "probs": [0.0, 1.0]}]})
+    assert ok.q[0].probs == [0.0, 1.0]
+
+
+def test_a_row_sum_is_exact_not_a_rounded_running_sum():
+    """The row-sum check adds exactly (math.fsum): many tiny probabilities after a row at the bound push
+    it over, although a left-to-right float sum would round each of them away (1001 entries)."""
+    n = 1000
+    probs = [1.0 + ROW_SUM_SLACK] + [1e-17] * n
+    assert sum(probs) <= 1.0 + ROW_SUM_SLACK < math.fsum(probs)  # the premise of this test
+    with pytest.raises(ValidationError, match="sums to"):
+        VerifyRequest.model_validate({"seq": 0, "draft_tokens": [0], "q": [{"ids": list(range(n + 1)), "probs": probs}]})
+
+
+@pytest.mark.parametrize("extra", [
+    {"top_p": 1.5},  # a probability mass
+    {"frequency_penalty": 2e4},  # OpenAI-style penalties are bounded like the others
+    {"frequency_penalty": -2e4},
+    {"presence_penalty": 2e4},
+    {"min_tokens": -1},  # a count
+    {"logit_bias": [[1, math.nan]]},  # a NaN bias would poison the logits
+    {"logit_bias": [[1, math.inf]]},
+])
+def test_sampling_fields_out_of_range_are_refused(extra):
+    with pytest.raises(ValidationError):
+        CreateSessionRequest.model_validate({"prompt_ids": [1], **extra})
+
+
+def test_the_sampling_bounds_themselves_parse():
+    ok = CreateSessionRequest.model_validate({"prompt_ids": [1], "top_p": 1.0, "frequency_penalty": -1e4,
+                                              "presence_penalty": 1e4, "min_tokens": 0, "logit_bias": [[1, -1e4]]})
+    assert ok.top_p == 1.0 and ok.min_tokens == 0

@@ -916,3 +916,103 @@ def test_serve_hands_uvicorn_the_connection_limit_and_the_grace_plus_flush(monke
         logger.filters[:] = before
     assert seen["limit_concurrency"] == 3
     assert seen["timeout_graceful_shutdown"] == 7.0 + defaults.SERVER_SHUTDOWN_FLUSH_S
+
+
+def _metric(client: TestClient, name: str, **labels: str) -> float | None:
+    """A sample of the in-process server's Prometheus registry."""
+    return client.app.state.ctx.metrics.registry.get_sample_value(name, labels)
+
+
+def test_unverified_tokens_are_counted_per_round_not_cumulatively():
+    """specdec_unverified_tokens_total counts the tokens each round appended unverified (2 + 2 = 4),
+    not the session's running total after each round (2 + 4)."""
+    client = TestClient(_app(), base_url="http://localhost")
+    sid = _session(client)
+    for seq in range(2):
+        r = client.post(f"/v1/sessions/{sid}/verify", json={"seq": seq, "unverified_tokens": [1, 2]})
+        assert r.status_code == 200, r.text
+    assert _metric(client, "specdec_unverified_tokens_total") == 4.0
+
+
+def test_accepted_and_emitted_draft_tokens_go_to_their_own_counters():
+    """A round's accepted draft tokens count in specdec_draft_tokens_accepted_total, its emitted ones
+    (accepted + the next token) in specdec_tokens_emitted_total."""
+    client = TestClient(_app(), base_url="http://localhost")
+    sid = _session(client)
+    r = client.post(f"/v1/sessions/{sid}/verify", json={"seq": 0, "draft_tokens": [1, 2, 3]})
+    assert r.status_code == 200, r.text
+    accepted, emitted = r.json()["num_accepted"], len(r.json()["tokens"])
+    assert emitted == accepted + 1
+    assert _metric(client, "specdec_draft_tokens_accepted_total", wire="greedy") == accepted
+    assert _metric(client, "specdec_tokens_emitted_total", wire="greedy") == emitted
+
+
+def test_a_session_is_idle_from_the_end_of_its_last_round_not_its_start(monkeypatch):
+    """The idle clock restarts when a verify round ends: a round that took longer than the TTL does
+    not leave its session to the next sweep.  The round's length is simulated by moving the session's
+    last use (set when the round began) 2 TTLs back while the round runs."""
+    from specdec.server import sessions
+
+    real = sessions.EdgeSession.verify
+
+    def slow_round(self, *args, **kwargs):
+        self.last_used -= 2 * 900.0  # as if this round had run for 2 TTLs
+        return real(self, *args, **kwargs)
+
+    monkeypatch.setattr(sessions.EdgeSession, "verify", slow_round)
+    client = TestClient(_app(session_ttl_s=900.0), base_url="http://localhost")
+    sid = _session(client)
+    assert client.post(f"/v1/sessions/{sid}/verify", json={"seq": 0, "draft_tokens": [1]}).status_code == 200
+    store = client.app.state.ctx.store
+    assert store.sweep() == 0 and len(store) == 1
+    assert client.get(f"/v1/sessions/{sid}").status_code == 200
+
+
+def test_unverified_tokens_count_in_a_rounds_kv_growth_under_the_cap():
+    """A round's KV growth is sized from everything it appends (unverified tokens + draft), so a
+    round whose 200 unverified tokens would grow the cache past the KV cap is refused (503) and the
+    cap holds; sizing it from the draft alone would let the cache grow past the cap."""
+    model = tiny_native()
+    per_position = model.new_cache(1).bytes_per_position
+    cap = per_position * 164  # a new session's first allocation fits, a 200-position growth does not
+    client = TestClient(create_app(model, settings=ServerSettings(max_kv_bytes=cap)), base_url="http://localhost")
+    sid = _session(client)
+    store = client.app.state.ctx.store
+    assert store.kv_bytes() <= cap
+    r = client.post(f"/v1/sessions/{sid}/verify", json={"seq": 0, "unverified_tokens": [1] * 200})
+    assert r.status_code == 503, r.text
+    assert store.kv_bytes() <= cap
+
+
+class _CapRecorder:
+    """Stands in for the server's DraftCap: notes what the verify endpoint tells it and asks it."""
+
+    def __init__(self) -> None:
+        self.calls: list[tuple] = []
+
+    def cap(self, wire, *, wanted=None, **_):
+        self.calls.append(("cap", wire, wanted))
+        return None
+
+    def observe_tokens(self, tokens):
+        self.calls.append(("tokens", tokens))
+
+    def observe_round(self, wire, gamma, accepted, **_):
+        self.calls.append(("round", wire, gamma, accepted))
+
+
+def test_the_draft_cap_learns_emitted_tokens_from_every_round_and_acceptance_from_chains_only():
+    """Each verified round reports all the tokens it emitted (accepted + next) to the draft cap; only a
+    chain round teaches it acceptance per position (a tree's gamma/accepted are no chain's)."""
+    client = TestClient(_app(), base_url="http://localhost")
+    cap = _CapRecorder()
+    client.app.state.ctx.draft_cap = cap
+    sid = _session(client)
+    chain = client.post(f"/v1/sessions/{sid}/verify", json={"seq": 0, "draft_tokens": [1, 2, 3]}).json()
+    assert cap.calls == [("cap", "greedy", 3), ("tokens", len(chain["tokens"])),
+                         ("round", "greedy", 3, chain["num_accepted"])]
+    cap.calls.clear()
+    tree = client.post(f"/v1/sessions/{sid}/verify",
+                       json={"seq": 1, "draft_tokens": [1, 2, 3], "parents": [-1, -1, 0]}).json()
+    assert tree["path"] is not None
+    assert cap.calls == [("tokens", len(tree["tokens"]))]
