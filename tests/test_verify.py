@@ -19,6 +19,7 @@ from specdec.verify import (
     coupled_verify,
     get_rule,
     greedy_verify,
+    lossy_p_threshold,
     lossy_ratio_threshold,
     lossy_resample_p,
     token_plan,
@@ -448,3 +449,43 @@ def test_the_lossy_strict_residual_leaves_the_target_rows_untouched():
     for s in range(50):
         lossy_strict_residual(torch.tensor([0]), q, p, generator=torch.Generator().manual_seed(s))
     assert torch.equal(p, before)
+
+
+@pytest.mark.parametrize("rule", [greedy_verify, token_verify, block_verify])
+def test_a_draft_that_is_not_one_dimensional_is_refused(rule):
+    """draft_tokens must be [γ]: a [1, γ] batch-shaped draft is a ValueError naming draft_tokens,
+    not silently broadcast against the target rows (float64 rows: the torch rules)."""
+    p = torch.full((3, 4), 0.25, dtype=torch.float64)
+    with pytest.raises(ValueError, match="draft_tokens"):
+        rule(torch.tensor([[1, 2]]), None, p, generator=torch.Generator().manual_seed(0))
+
+
+def test_lossy_p_threshold_default_and_its_boundary():
+    """'accept deterministically while p >= T_pass', T_pass = 0.3 by default: p(x) = 0.4 is kept at
+    the default, p(x) = 0.3 exactly is kept too (>=), and 0.5 as a threshold rejects p(x) = 0.4."""
+    q = torch.tensor([[0.5, 0.5]], dtype=torch.float64)
+    draft = torch.tensor([0])
+    p = torch.tensor([[0.4, 0.6], [1.0, 0.0]], dtype=torch.float64)
+    assert lossy_p_threshold(draft, q, p).tokens.tolist() == [0, 0]
+    assert lossy_p_threshold(draft, q, p, threshold=0.5).num_accepted == 0
+    p_at = torch.tensor([[0.3, 0.7], [1.0, 0.0]], dtype=torch.float64)
+    assert lossy_p_threshold(draft, q, p_at).tokens.tolist() == [0, 0]
+
+
+def test_lossy_rules_report_alpha_mean_over_every_draft_position_after_a_rejection():
+    """alpha_mean is the mean of min(1, p/q) over all γ draft positions, also when the draft is
+    rejected at the first position (ratios 0.5 and 1.0: 0.75, not the accepted prefix's)."""
+    q = torch.tensor([[0.5, 0.5], [0.5, 0.5]], dtype=torch.float64)
+    p = torch.tensor([[0.25, 0.75], [0.5, 0.5], [1.0, 0.0]], dtype=torch.float64)
+    v = lossy_ratio_threshold(torch.tensor([0, 1]), q, p)  # threshold 1.0: position 0 rejected
+    assert v.num_accepted == 0 and v.tokens.tolist() == [1]
+    assert v.alpha_mean == pytest.approx(0.75)
+
+
+def test_rules_that_compare_probabilities_ask_for_the_draft_rows():
+    """A rule that reads q must say so (the decoder asks the drafter for its rows only then; block
+    verification handed q = None would treat sampled drafts as one-hot and be biased)."""
+    assert {n: r.needs_draft_probs for n, r in RULES.items()} == {
+        "greedy": False, "token": True, "block": True, "coupled": False,
+        "lossy_resample_p": True, "lossy_strict_residual": True,
+        "lossy_ratio_threshold": True, "lossy_p_threshold": True}

@@ -966,3 +966,36 @@ def test_a_row_whose_mass_was_all_removed_gives_every_token_probability_zero():
     t.remove(1)
     assert t.prob(2) == 0.0
     assert NodeTarget(torch.zeros(3, dtype=torch.float64)).prob(1) == 0.0
+
+
+def test_removing_a_token_from_a_dense_row_leaves_the_row_handed_in_untouched():
+    """NodeTarget.remove on a dense row works on a copy: the tensor given to set_dense (a
+    caller's residual) keeps its values, and the target is p without the token, renormalised."""
+    row = torch.tensor([0.0, 0.5, 0.25, 0.25], dtype=torch.float64)
+    t = NodeTarget(torch.tensor([0.1, 0.2, 0.3, 0.4], dtype=torch.float64))
+    t.set_dense(row)
+    t.remove(1)
+    assert row.tolist() == [0.0, 0.5, 0.25, 0.25]
+    assert t.prob(2) == 0.5 and t.prob(1) == 0.0
+
+
+def test_a_uniform_of_exactly_zero_never_accepts_a_token_the_target_forbids(monkeypatch):
+    """tree_token accepts a child when u < min(1, p/q); torch.rand can return 0.0, and then a
+    child with p(x) = 0 (acceptance probability 0) must still be rejected."""
+    monkeypatch.setattr(vt, "_uniform", lambda generator: 0.0)
+    p = torch.tensor([[0.0, 0.5, 0.5], [1.0, 0.0, 0.0]], dtype=torch.float64)
+    q = torch.tensor([[0.5, 0.25, 0.25]], dtype=torch.float64)
+    v = tree_token(_t([0]), _t([-1]), q, p, generator=torch.Generator().manual_seed(0))
+    assert v.path == () and int(v.tokens[0]) in (1, 2)
+
+
+def test_a_node_of_weight_zero_is_deleted_even_for_a_uniform_of_zero(monkeypatch):
+    """Traversal keeps a node with probability w (u < w): once deleting its child left node 0 with
+    weight 0 (the chain of test_traversal_node_whose_residual_is_empty_is_deleted), a uniform of
+    exactly 0.0 must not keep it; the root then emits token 1, its residual."""
+    uniforms = iter([0.9, 0.0])  # node 1 (w = 1/2) deleted; then node 0 (w = 0) tried
+    monkeypatch.setattr(vt, "_uniform", lambda generator: next(uniforms))
+    p = torch.tensor([[0.5, 0.5], [1.0, 0.0], [1.0, 0.0]], dtype=torch.float64)
+    q = torch.tensor([[1.0, 0.0], [1.0, 0.0]], dtype=torch.float64)
+    v = tree_traversal(_t([0, 0]), _t([-1, 0]), q, p, generator=torch.Generator().manual_seed(0))
+    assert v.path == () and v.tokens.tolist() == [1]
