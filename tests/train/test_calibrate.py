@@ -235,3 +235,10 @@ def test_one_temperature_without_positions_is_refused_even_if_others_have_some()
     """A temperature with no scored position has no mean: a ValueError, not a nan in the table."""
     with pytest.raises(ValueError, match="at least one scored position"):
         choose([1.0, 0.7], [1.0], torch.tensor([[2.0], [0.0]]), [4, 0])
+
+
+def test_the_mean_overlap_table_keeps_six_decimals() -> None:
+    """``mean_overlap`` is sums / positions rounded to 6 places (what the file and the printed table show)."""
+    c = choose([1.0], [0.9, 1.0], torch.tensor([[1.0, 2.0]], dtype=torch.float64), [3])
+    assert c.mean_overlap == {"1": [0.333333, 0.666667]}
+    assert c.positions == {"1": 3}

@@ -12,6 +12,7 @@ from pathlib import Path
 import pytest
 import torch
 
+from specdec.errors import ConfigError
 from specdec.heads.modules import Eagle, HeadConfig, build, load_head, rope_tables, save_head, ttt_mask
 from specdec.train import heads as th
 from specdec.train.data import Shard, load_shards
@@ -513,3 +514,121 @@ def test_a_short_batch_has_no_empty_draft_step() -> None:
     batch = Batch(torch.tensor([[1, 2]]), torch.randn(1, 2, 4, 32), torch.tensor([2]), torch.tensor([0]))
     outs = th.step_outputs(model, batch, torch.randn(V, 32))
     assert len(outs) == 1 and outs[0][0].shape[1] == 1
+
+
+def _train_cfg(**kw) -> TrainConfig:
+    base = dict(kind="medusa", steps=2, batch_tokens=128, lr=1e-3, draft_vocab=V, depth=2, eval_every=1000, warmup=1)
+    return TrainConfig(**(base | kw))
+
+
+def test_weight_decay_and_clip_reach_the_optimiser(tmp_path: Path, monkeypatch) -> None:
+    """``weight_decay`` (AdamW's own default is 0.01, ours 0.0) and ``clip`` are the config's, not defaults."""
+    target, data = _toy_data(tmp_path / "data", sequences=21)
+    norms: list[float] = []
+    real = torch.nn.utils.clip_grad_norm_
+    monkeypatch.setattr(torch.nn.utils, "clip_grad_norm_", lambda p, max_norm, *a, **k: norms.append(max_norm) or real(p, max_norm, *a, **k))
+    train(_train_cfg(clip=0.25), data, tmp_path / "a", target)
+    ck = torch.load(tmp_path / "a" / "ckpt.pt", weights_only=False)
+    assert ck["opt"]["param_groups"][0]["weight_decay"] == 0.0
+    assert norms == [0.25, 0.25]
+    train(_train_cfg(weight_decay=0.3), data, tmp_path / "b", target)
+    assert torch.load(tmp_path / "b" / "ckpt.pt", weights_only=False)["opt"]["param_groups"][0]["weight_decay"] == 0.3
+
+
+def test_a_checkpoint_of_another_target_is_refused(tmp_path: Path) -> None:
+    """The same settings and data but a target of another name: refused, not continued."""
+    target, data = _toy_data(tmp_path / "data", sequences=21)
+    train(_train_cfg(), data, tmp_path / "out", target)
+    other = TargetHead(target.embed, target.head, target.eos_ids, "other-target", target.cfg)
+    with pytest.raises(ConfigError, match=re.escape("was saved by a run with target =")):
+        train(replace(_train_cfg(), steps=3), data, tmp_path / "out", other)
+
+
+def test_the_report_history_estimates_and_kinds(tmp_path: Path) -> None:
+    """The history logs step 1 (then every 10th); the chain estimates come from the top-1 (T = 0) and
+    E[min(p, q)] (T = 1) rates; both held-out kinds (one chat, one code sequence) are scored."""
+    target, data = _toy_data(tmp_path / "data", sequences=40)
+    report = train(_train_cfg(steps=3), data, tmp_path / "out", target)
+    assert [h["step"] for h in report["history"] if "loss" in h] == [1]
+    ho = report["held_out"]
+    assert ho["chain_tokens_per_call_t0_estimate"] == pytest.approx(expected_tokens_per_call([s["top1"] for s in ho["steps"]]))
+    assert ho["chain_tokens_per_call_t1_estimate"] == pytest.approx(expected_tokens_per_call([s["accept_t1"] for s in ho["steps"]]))
+    assert ho["chain_tokens_per_call_t0_estimate"] != pytest.approx(ho["chain_tokens_per_call_t1_estimate"])
+    assert set(ho["by_kind"]) == {"chat", "code"}
+    for k, st in enumerate(ho["steps"]):
+        assert st["positions"] == sum(ho["by_kind"][kind][k]["positions"] for kind in ("chat", "code"))
+
+
+@pytest.mark.parametrize("tied", [True, False])
+def test_the_target_head_folds_the_final_norm_in(tmp_path: Path, tied: bool) -> None:
+    """``TargetHead.from_folder``: head = (lm_head, or the embedding when tied) x the final norm's
+    weight, per hidden channel; the embedding is left as it is."""
+    from safetensors.torch import load_file
+
+    from tiny import make_tiny
+
+    folder = make_tiny(tmp_path / "m", vocab=300, tied=tied, norms=True)
+    w = {}
+    for f in folder.glob("*.safetensors"):
+        w.update(load_file(str(f)))
+    norm = w["model.norm.weight"].float()
+    assert not torch.allclose(norm, torch.ones_like(norm))  # the case is not degenerate
+    t = TargetHead.from_folder(folder, "tiny", frozenset({2}))
+    raw = w["model.embed_tokens.weight"] if tied else w["lm_head.weight"]
+    assert torch.equal(t.embed, w["model.embed_tokens.weight"].float())
+    torch.testing.assert_close(t.head, raw.float() * norm)
+    assert t.eos_ids == (2,)
+
+
+def test_an_evaluation_interval_of_zero_is_a_config_error() -> None:
+    """eval_every and ckpt_every are taken modulo the step: 0 is refused up front, not a ZeroDivisionError later."""
+    for kw in (dict(eval_every=0), dict(ckpt_every=0)):
+        with pytest.raises(ConfigError, match="must be >= 1"):
+            TrainConfig(kind="medusa", **kw)
+
+
+def test_top_tokens_leaves_the_callers_counts_alone() -> None:
+    counts = torch.tensor([5, 0, 3, 1])
+    assert th.top_tokens(counts, 2, (1,)).tolist() == [0, 1]
+    assert counts.tolist() == [5, 0, 3, 1]
+
+
+def test_each_steps_cross_entropy_is_the_mean_over_its_masked_rows() -> None:
+    """``parts[k]`` is -Σ p log q averaged over the reply rows of step k only (not over every row)."""
+    torch.manual_seed(0)
+    batch, embed, w = _batch()
+    model = build(_cfg("medusa", depth=2))
+    _, parts = th.loss_fn(model, batch, embed, w, TrainConfig(kind="medusa", depth=2))
+    logp = th.target_logp(batch, w)
+    for k, (logits, off, mask, _) in enumerate(th.step_outputs(model, batch, embed)):
+        assert not bool(mask.all())  # the case is not degenerate
+        n = logits.shape[1]
+        per = -(logp[:, off : off + n].exp() * torch.log_softmax(logits, -1)).sum(-1)
+        assert parts[k] == pytest.approx(float(per[mask].mean()), rel=1e-5)
+
+
+def test_mtp_module_zero_row_t_reads_the_embedding_of_token_t_plus_one() -> None:
+    """MTP module k, row t: the target's feature at t with the embedding of token t + k + 1 (the
+    token the target's law at t predicted); changing token j moves row j - 1 of module 0 first."""
+    torch.manual_seed(0)
+    model = build(_cfg("mtp", depth=1)).eval()
+    tokens = torch.randint(0, V, (1, 8))
+    feats = torch.randn(1, 8, 4, D)
+    embed = torch.randn(V, D)
+    other = tokens.clone()
+    other[0, 5] = (tokens[0, 5] + 1) % V
+    with torch.no_grad():
+        a = th.step_outputs(model, th.Batch(tokens, feats, torch.tensor([8]), torch.tensor([1])), embed)[0][0]
+        b = th.step_outputs(model, th.Batch(other, feats, torch.tensor([8]), torch.tensor([1])), embed)[0][0]
+    changed = [bool((a[0, t] - b[0, t]).abs().max() > 1e-6) for t in range(a.shape[1])]
+    assert changed == [False] * 4 + [True] * (a.shape[1] - 4)
+
+
+def test_the_held_out_report_scores_the_sequences_kept_out_of_training(tmp_path: Path, monkeypatch) -> None:
+    """The held-out evaluation is given every 20th sequence (0, 20 of 24): the very ones the loop never trains on."""
+    target, data = _toy_data(tmp_path / "data", sequences=24)
+    asked: list[list[int]] = []
+    real = th.evaluate
+    monkeypatch.setattr(th, "evaluate", lambda model, d, index, *a: asked.append(list(index)) or real(model, d, index, *a))
+    train(_train_cfg(steps=1), data, tmp_path / "out", target)
+    assert asked == [[0, 20]]

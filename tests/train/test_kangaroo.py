@@ -11,7 +11,7 @@ from __future__ import annotations
 
 import json
 import math
-from dataclasses import asdict
+from dataclasses import asdict, replace
 
 import pytest
 import torch
@@ -671,3 +671,63 @@ def test_a_views_cache_holds_keys_and_values_in_the_targets_kv_dtype():
         pytest.skip("a float16 key/value cache needs specdec's compiled attention kernel")
     cache = KangarooView(target, kt.new_adapter(target, 2, seed=1)).new_cache(16)
     assert cache.k.dtype == cache.v.dtype == torch.float16
+
+
+def test_the_seed_decides_the_order_of_the_chat_prompts() -> None:
+    """``--seed`` is the seed of the data order: another seed shuffles the chat prompts otherwise
+    (the same 144 prompts, code headers in the same places)."""
+    a, b = kt.training_prompts(144, seed=0), kt.training_prompts(144, seed=1)
+    assert a != b and set(a) == set(b)
+    assert [chat for _, chat in a] == [chat for _, chat in b]
+    assert kt.training_prompts(144, seed=1) == b
+
+
+def test_the_seed_decides_the_batches(monkeypatch) -> None:
+    """Each step's generator is seeded by the config's seed and the step: two seeds draw other batches."""
+    data, w = _data(), kt.head_weight(MODEL)
+    picks: dict[int, list[tuple[int, ...]]] = {}
+    real = kt.batch_loss
+    for seed in (0, 1):
+        def spy(adapter, d, w_head, gen, cfg, seed=seed):
+            probe = torch.Generator()
+            probe.set_state(gen.get_state())
+            picks.setdefault(seed, []).append(tuple(torch.randperm(len(d), generator=probe)[: cfg.batch].tolist()))
+            return real(adapter, d, w_head, gen, cfg)
+
+        monkeypatch.setattr(kt, "batch_loss", spy)
+        kt.train(kt.new_adapter(MODEL, 2, seed=1), data, w, kt.TrainConfig(steps=4, batch=2, positions=8, warmup=1, seed=seed))
+    assert picks[0] != picks[1]
+
+
+def test_weight_decay_reaches_the_optimiser_and_a_resume_leaves_the_callers_state_alone() -> None:
+    """AdamW's own default weight decay is 0.01, the config's 0.0: the optimiser gets the config's.
+    Resuming from a checkpoint dict does not grow that dict's loss list."""
+    data, w = _data(), kt.head_weight(MODEL)
+    states: list[dict] = []
+    cfg = kt.TrainConfig(steps=2, batch=2, positions=8, warmup=1)
+    kt.train(kt.new_adapter(MODEL, 2, seed=1), data, w, cfg, on_step=lambda s, loss, st: states.append(st))
+    assert [g["weight_decay"] for g in states[-1]["optimizer"]["param_groups"]] == [0.0]
+    st = {**states[-1], "losses": list(states[-1]["losses"])}  # the checkpoint of step 2
+    kt.train(kt.new_adapter(MODEL, 2, seed=1), data, w, replace(cfg, steps=3), state=st)
+    assert len(st["losses"]) == 2
+
+
+def test_the_draft_law_uses_the_adapters_own_norm_epsilon_and_training_ends_in_eval_mode() -> None:
+    """``draft_log_probs`` normalises with the adapter config's rms_eps (the target's), not a constant."""
+    cfg = replace(AdapterConfig.for_target(MODEL.cfg, 2), rms_eps=0.5)
+    adapter = Adapter(cfg, seed=0)
+    h = torch.randn(3, cfg.hidden_size) * 0.1
+    w = kt.head_weight(MODEL)
+    want = torch.log_softmax((h * torch.rsqrt(h.pow(2).mean(-1, keepdim=True) + 0.5)) @ w.T, -1)
+    torch.testing.assert_close(kt.draft_log_probs(adapter, h, w), want)
+    a = kt.new_adapter(MODEL, 2, seed=1)
+    kt.train(a, _data(), w, kt.TrainConfig(steps=1, batch=2, positions=8, warmup=1))
+    assert a.training is False
+
+
+def test_the_report_counts_the_continuation_positions_it_scores() -> None:
+    """``held_out_positions`` is the number of positions α is averaged over: L - 1 - start per sequence."""
+    data = _data()[:2]
+    rep = kt.report(MODEL, kt.new_adapter(MODEL, 2, seed=1), data)
+    assert rep["held_out_positions"] == sum(len(f.tokens) - 1 - f.start for f in data)
+    assert rep["held_out_positions"] == sum(f.tokens[f.start:-1].numel() for f in data)
