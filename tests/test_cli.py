@@ -6,9 +6,12 @@ import json
 import os
 import subprocess
 import sys
+import threading
+from types import SimpleNamespace
 
 import pytest
 
+from specdec import cli
 from specdec.cli import main
 from specdec.models import registry
 from tiny import make_tiny
@@ -1065,8 +1068,6 @@ def test_sigterm_unwinds_a_command_as_ctrl_c_does_and_exits_143(capsys, monkeypa
     import signal
     import time
 
-    from specdec import cli
-
     cleaned: list[bool] = []
 
     def command(args):
@@ -1130,8 +1131,6 @@ def test_prompts_file_batch_below_one_is_refused_before_the_file_is_read(capsys,
 
 
 def test_every_sampling_option_reaches_the_sampling_config():
-    from specdec import cli
-
     args = cli.build_parser().parse_args([
         "generate", "-p", "hi", "--temperature", "0.7", "--top-k", "5", "--top-p", "0.9", "--min-p", "0.05",
         "--repetition-penalty", "1.1", "--frequency-penalty", "0.3", "--presence-penalty", "0.2", "--seed", "7",
@@ -1369,7 +1368,6 @@ def test_draft_none_is_recognised_whatever_its_case(capsys, built):
 
 def test_a_preset_is_the_base_the_options_override():
     """--preset guide gives T 1.0, top-p 0.9, repetition penalty 1.1; an option beside it overrides it."""
-    from specdec import cli
 
     s = cli._sampling_from(cli.build_parser().parse_args(["generate", "-p", "hi", "--preset", "guide"]))
     assert (s.temperature, s.top_p, s.repetition_penalty) == (1.0, 0.9, 1.1)
@@ -1463,7 +1461,6 @@ def test_a_line_of_white_space_ends_an_interactive_chat(capsys, tiny_pair, monke
 
 def test_a_reply_that_got_all_it_asked_has_no_context_note():
     """context_note: a 'length' finish at exactly the tokens asked is not cut by the context."""
-    from types import SimpleNamespace
 
     from specdec.cli import context_note
 
@@ -1513,7 +1510,6 @@ def test_a_chat_template_without_chat_is_refused_before_any_model_loads(capsys, 
 def test_chat_on_a_target_whose_template_is_unknown_goes_on_to_the_load(capsys, built, monkeypatch):
     """chat_template_known answers None (cannot tell before loading, e.g. a hub id): --chat is not
     refused then; only a known absence (False) is."""
-    from specdec.models import registry
 
     monkeypatch.setattr(registry, "chat_template_known", lambda target: None)
     with pytest.raises(Stop):
@@ -1540,8 +1536,6 @@ def test_a_full_disk_under_a_command_is_one_line_exit_1(capsys, monkeypatch):
     """ENOSPC (and EDQUOT) out of a command: one line naming what could not be written, exit 1."""
     import errno
 
-    from specdec import cli
-
     for number in (errno.ENOSPC, errno.EDQUOT):
         def command(args, number=number):
             raise OSError(number, os.strerror(number), "/tmp/results.jsonl")
@@ -1553,8 +1547,6 @@ def test_a_full_disk_under_a_command_is_one_line_exit_1(capsys, monkeypatch):
 
 
 def test_ctrl_c_exits_130_and_a_closed_pipe_141(capsys, monkeypatch):
-    from specdec import cli
-
     def interrupted(args):
         raise KeyboardInterrupt
 
@@ -1605,3 +1597,325 @@ def test_prompts_file_on_a_target_with_a_draft_of_its_own_is_not_refused_for_a_d
         code = main(["generate", "--prompts-file", str(prompts), "--out", str(tmp_path / "o.jsonl"), "--target", target])
     assert code is None, capsys.readouterr().err
     assert seen[-1].target == target and seen[-1].draft == "none"
+
+
+@pytest.fixture
+def remote_reached(monkeypatch):
+    """The (prompt, chat_template) `generate --remote` hands the edge client (stopped there: no request)."""
+    from specdec.remote import command
+
+    seen = []
+
+    def run_generate(args, prompt, sampling, gamma, tree="chain", grammar=None, chat_template=None):
+        seen.append((prompt, chat_template))
+        raise Stop
+
+    monkeypatch.setattr(command, "run_generate", run_generate)
+    return seen
+
+
+# ------------------------------------------------------------------ validation before any model loads
+
+def test_an_empty_stop_beside_a_good_one_is_refused(capsys, built):
+    """--stop '' is refused even when another --stop is given: every stop string must be non-empty."""
+    code, _, err = _run(capsys, "generate", "-p", "hi", "--target", "t", "--stop", "END", "--stop", "")
+    _one_error(code, err, "--stop needs a non-empty string")
+    assert not built
+
+
+def test_two_shaping_options_with_draft_none_are_named_in_the_plural(capsys, built):
+    """Two shaping options with --draft none: 'shape' and 'they are ignored' (not 'shapes' / 'it is')."""
+    with pytest.raises(Stop):
+        main(["generate", "-p", "hi", "--target", "t", "--draft", "none", "-g", "4", "--tree", "4"])
+    err = capsys.readouterr().err
+    assert "note: --gamma, --tree shape drafts, and --draft none drafts nothing: they are ignored" in err, err
+
+
+# ------------------------------------------------------------------ --remote leaves the local target alone
+
+def test_remote_suffix_is_not_checked_against_the_local_target(capsys, monkeypatch, remote_reached):
+    """--suffix with --remote: the server's model fills the gap, so the local --target's tokenizer
+    files (here: no fill-in-the-middle markers) are not looked at; without --remote they are."""
+    from pathlib import Path
+
+    from specdec import fim
+
+    monkeypatch.setattr(registry, "tokenizer_files", lambda target: [Path("tokenizer.json")])
+    monkeypatch.setattr(fim, "absent_from", lambda files: True)
+    code, _, err = _run(capsys, "generate", "-p", "def f(", "--suffix", ")", "--target", "t")
+    _one_error(code, err, "fill-in-the-middle")  # the local check does run without --remote
+    with pytest.raises(Stop):
+        main(["generate", "-p", "def f(", "--suffix", ")", "--target", "t", "--remote", "http://127.0.0.1:9"])
+    assert remote_reached[-1][0] == "def f("
+
+
+def test_remote_chat_is_not_checked_against_the_local_targets_template(capsys, monkeypatch, remote_reached):
+    """--chat with --remote: the server renders the conversation, so a local --target known to have
+    no chat template is not a reason to refuse; without --remote it is."""
+
+    monkeypatch.setattr(registry, "chat_template_known", lambda target: False)
+    code, _, err = _run(capsys, "generate", "-p", "hi", "--chat", "--target", "t", "--draft", "none")
+    _one_error(code, err, "has no chat template")
+    with pytest.raises(Stop):
+        main(["generate", "-p", "hi", "--chat", "--target", "t", "--remote", "http://127.0.0.1:9"])
+    assert remote_reached[-1] == ("hi", None)
+
+
+def test_suffix_on_a_hub_id_target_goes_on_to_the_load(capsys, built):
+    """A hub id's tokenizer files cannot be read before the load (tokenizer_files answers None): the
+    fill-in-the-middle check leaves it to the loaded tokenizer, no error and no traceback."""
+    with pytest.raises(Stop):
+        main(["generate", "-p", "def f(", "--suffix", ")", "--target", "some-org/some-model", "--draft", "none"])
+    assert built[-1].target == "some-org/some-model"
+
+
+# ------------------------------------------------------------------ --interactive
+
+def test_an_interactive_prompt_of_white_space_is_no_first_turn(monkeypatch, capsys):
+    """-i -p '   ': the chat starts at the '>' prompt (no first turn of blanks is decoded)."""
+    from specdec import engine
+
+    fake = SimpleNamespace(drafter=None, drafter_name="x", with_prefix_cache=lambda: None,
+                           target=SimpleNamespace(tokenizer=None, model=SimpleNamespace(vocab_size=8, max_length=64)))
+    monkeypatch.setattr(engine.Engine, "build", lambda cfg, progress=None: fake)
+    firsts = []
+    monkeypatch.setattr(cli, "chat_loop", lambda turn, system, sampling, *, first: firsts.append(first) or 0)
+    assert main(["generate", "-i", "-p", "   ", "--target", "t", "--draft", "none"]) == 0
+    assert main(["generate", "-i", "-p", "  hi \n", "--target", "t", "--draft", "none"]) == 0
+    assert firsts == [None, "hi"]
+
+
+# ------------------------------------------------------------------ --prompts-file values at their bounds
+
+def _prompts(tmp_path):
+    path = tmp_path / "p.jsonl"
+    path.write_text('"hi"\n')
+    return ["generate", "--prompts-file", str(path), "--out", str(tmp_path / "o.jsonl"), "--target", "t"]
+
+
+def test_prompts_file_accepts_an_explicit_draft_none(tmp_path, built):
+    """--draft none is what --prompts-file does anyway: given explicitly it is not refused."""
+    with pytest.raises(Stop):
+        main([*_prompts(tmp_path), "--draft", "none"])
+    assert built[-1].draft == "none"
+
+
+@pytest.mark.parametrize("extra", [["--batch", "1"], ["--logprobs", "0"], ["--logprobs", "20", "--batch", "1"]])
+def test_prompts_file_values_at_the_ends_of_their_ranges_are_accepted(tmp_path, built, extra):
+    """--batch 1 (one sequence at a time) and --logprobs 0 / 20 are inside their ranges: the run
+    gets as far as building the engine."""
+    with pytest.raises(Stop):
+        main([*_prompts(tmp_path), *extra])
+    assert built
+
+
+# ------------------------------------------------------------------ models, cache, the top level
+
+def test_a_prepared_models_calibrated_factor_is_listed_and_an_unprepared_ones_is_not(monkeypatch):
+    """_calibrated_factor reads draft_calibration.json for a bundled or prepared ('ready') model; an
+    installed but unprepared or missing one has no folder to read, so it says None."""
+    from specdec import catalog
+
+    monkeypatch.setattr(registry, "resolve", lambda name, convert=False: SimpleNamespace(folder=f"/f/{name}"))
+    monkeypatch.setattr(catalog, "calibrated_factor", lambda folder: 0.85 if folder == "/f/m" else None)
+    spec = SimpleNamespace(name="m")
+    assert cli._calibrated_factor(spec, "bundled") == 0.85
+    assert cli._calibrated_factor(spec, "ready") == 0.85
+    assert cli._calibrated_factor(spec, "installed") is None
+    assert cli._calibrated_factor(spec, "missing") is None
+
+
+def test_cache_clear_names_each_part_once_however_often_it_is_given(capsys, tmp_path, monkeypatch):
+    """`cache clear gguf models gguf`: one row per part, in the order first named, each with the bytes
+    it freed (a part given twice is not cleared a second time and reported as 0 B freed)."""
+    root = tmp_path / "cache"
+    monkeypatch.setenv("SPECDEC_CACHE", str(root))
+    (root / "gguf").mkdir(parents=True)
+    (root / "gguf" / "x.gguf").write_bytes(b"x" * 300)
+    code, out, err = _run(capsys, "cache", "clear", "gguf", "models", "gguf", "--json")
+    assert code == 0, err
+    assert json.loads(out) == [{"part": "gguf", "freed_bytes": 300}, {"part": "models", "freed_bytes": 0}]
+
+
+def test_main_runs_in_a_thread_other_than_the_main_one(monkeypatch):
+    """main() called from a worker thread (an embedding app, a test runner) runs its command: the
+    SIGTERM handler is only installed in the main thread, where Python allows it."""
+    monkeypatch.setitem(cli.COMMANDS, "models", lambda args: 0)
+    result = []
+    worker = threading.Thread(target=lambda: result.append(main(["models"])))
+    worker.start()
+    worker.join(30)
+    assert result == [0]
+
+
+# ------------------------------------------------------------------ text options that are not UTF-8
+
+@pytest.mark.parametrize("argv, needle", [
+    (["-p", "def f(", "--suffix", "\udcff)"], "--suffix is not valid UTF-8"),
+    (["-p", "hi", "--bad-word", "b\udcffad"], "--bad-word is not valid UTF-8"),
+])
+def test_undecodable_suffix_and_bad_word_are_refused_before_any_model_loads(capsys, built, argv, needle):
+    """Python hands undecodable argv bytes over as lone surrogates, which no tokenizer takes: --suffix
+    and --bad-word holding one are one error line, before Engine.build."""
+    code, _, err = _run(capsys, "generate", *argv, "--target", "t", "--draft", "none")
+    _one_error(code, err, needle)
+    assert not built
+
+
+def test_prompts_file_undecodable_system_is_refused_before_any_model_loads(capsys, tmp_path, built):
+    code, _, err = _run(capsys, *_prompts(tmp_path), "--chat", "--system", "be \udcfe brief")
+    _one_error(code, err, "--system is not valid UTF-8")
+    assert not built
+
+
+def test_a_prompt_on_a_text_stdin_that_is_not_utf8_is_refused(capsys, monkeypatch, built):
+    """-p - with a text-mode stdin (no .buffer) holding a lone surrogate: one line, no model loads."""
+    import io
+
+    monkeypatch.setattr("sys.stdin", io.StringIO("ok \udcff then"))
+    code, _, err = _run(capsys, "generate", "-p", "-", "--target", "t", "--draft", "none")
+    _one_error(code, err, "the prompt on stdin is not valid UTF-8")
+    assert not built
+
+
+@pytest.mark.parametrize("value", ["abc", "0"])
+def test_a_bad_draft_temperature_factor_is_refused_before_any_model_loads(capsys, built, value):
+    code, _, err = _run(capsys, "generate", "-p", "hi", "--target", "t", "--draft", "d", "--draft-temperature-factor", value)
+    _one_error(code, err, "temperature factor")
+    assert not built
+
+
+# ------------------------------------------------------------------ chat_loop's bookkeeping (no model)
+
+def _fake_turns(fail_on: str = "boom"):
+    """A turn function that records (messages, seed) and refuses any message holding ``fail_on``."""
+    from specdec.errors import SpecdecError
+
+    seen = []
+
+    def turn(messages, sampling):
+        seen.append(([dict(m) for m in messages], sampling.seed))
+        if fail_on in messages[-1]["content"]:
+            raise SpecdecError("refused")
+        return "reply", "[specdec] summary"
+
+    return turn, seen
+
+
+def test_an_interactive_line_that_is_not_utf8_is_refused_and_the_chat_goes_on(monkeypatch, capsys):
+    """A typed line that is not UTF-8: one error line saying to type it again; the chat goes on to the
+    next line (it is not ended), and no turn is decoded for the bad line."""
+    import io
+
+    from specdec.sampling import SamplingConfig
+
+    class Stdin:  # a binary stdin, as a terminal or pipe gives one
+        buffer = io.BytesIO(b"caf\xe9\nhello\n\n")
+
+    monkeypatch.setattr("sys.stdin", Stdin())
+    turn, seen = _fake_turns()
+    assert cli.chat_loop(turn, None, SamplingConfig(temperature=0.0), first=None) == 0
+    assert [msgs[-1]["content"] for msgs, _ in seen] == ["hello"]
+    assert "is not valid UTF-8" in capsys.readouterr().err
+
+
+def test_a_dropped_interactive_turn_does_not_use_up_a_seed(monkeypatch, capsys):
+    """With --seed S, turn k of the conversation uses S + k, k counting the turns that were kept: a
+    message that fails is dropped as if never sent, so the next turn gets the seed it would have got
+    without it (the conversation reproduces without the failed message)."""
+    import io
+
+    from specdec.sampling import SamplingConfig
+
+    monkeypatch.setattr("sys.stdin", io.StringIO("boom\nsecond\n\n"))
+    turn, seen = _fake_turns()
+    code = cli.chat_loop(turn, "sys", SamplingConfig(temperature=1.0, seed=40), first="first")
+    assert code == 0
+    assert [(msgs[-1]["content"], seed) for msgs, seed in seen] == [("first", 40), ("boom", 41), ("second", 41)]
+    assert [m["role"] for m in seen[-1][0]] == ["system", "user", "assistant", "user"]  # "boom" is not in it
+
+
+# ------------------------------------------------------------------ what --json reports
+
+def test_json_stats_name_the_temperature_the_run_used(capsys, monkeypatch):
+    """stats.temperature is the temperature decoded at: 0.0 when no option sets one (greedy default),
+    the preset's when only --preset sets it (not the unset option's None).  The engine is a stand-in
+    that returns a fixed result (no model loads)."""
+    from specdec import engine
+
+    stats = SimpleNamespace(finish_reason="stop", generated_tokens=1, to_dict=lambda: {"generated_tokens": 1})
+    fake = SimpleNamespace(drafter=None, drafter_name="none",
+                           target=SimpleNamespace(name="t", tokenizer=None, model=SimpleNamespace(vocab_size=8, max_length=64)),
+                           generate=lambda ids, sampling, **kw: SimpleNamespace(text="x", token_ids=[1], stats=stats, logprobs=None))
+    monkeypatch.setattr(engine.Engine, "build", lambda cfg, progress=None: fake)
+    base = ["generate", "-p", "abc", "--target", "t", "--draft", "none", "-n", "2", "--json"]
+    code, out, err = _run(capsys, *base)
+    assert code == 0, err
+    assert json.loads(out)["stats"]["temperature"] == 0.0
+    code, out, err = _run(capsys, *base, "--preset", "guide", "--seed", "1")
+    assert code == 0, err
+    assert json.loads(out)["stats"]["temperature"] == 1.0 and json.loads(out)["stats"]["seed"] == 1
+
+
+@pytest.mark.parametrize("draft", ["NONE", "None", " none"])
+def test_prompts_file_accepts_draft_none_whatever_its_case(capsys, tmp_path, built, draft):
+    """--draft NONE is plain decoding everywhere else (the engine and the single-prompt note read it
+    case-insensitively), so --prompts-file, which decodes without a drafter anyway, must not refuse
+    it with "--draft applies to one prompt's speculative decoding" as it does for a real drafter."""
+    prompts = tmp_path / "p.jsonl"
+    prompts.write_text('"hi"\n')
+    code = None
+    with pytest.raises(Stop):
+        code = main(["generate", "--prompts-file", str(prompts), "--out", str(tmp_path / "o.jsonl"), "--target", "t",
+                     "--draft", draft])
+    assert code is None, capsys.readouterr().err
+    assert built[-1].draft == "none"
+
+
+@pytest.mark.parametrize("flag, name, content", [
+    ("--json-schema", "schema.json", b'{"type": "object", "title": "caf\xe9"}'),  # Latin-1, not UTF-8
+    ("--grammar", "g.lark", b'start: "caf\xe9"\n'),
+])
+def test_a_schema_or_grammar_file_that_is_not_utf8_is_one_line(capsys, tmp_path, built, flag, name, content):
+    """The module's promise: input errors are one ``specdec: error:`` line, exit 2, never a traceback.
+    A --json-schema / --grammar file saved as Latin-1 raised UnicodeDecodeError out of main()
+    (a traceback, exit 1); it must be refused in one line, as a prompt on stdin that is not UTF-8 is."""
+    path = tmp_path / name
+    path.write_bytes(content)
+    code = main(["generate", "-p", "hi", "--target", "t", flag, str(path)])
+    err = capsys.readouterr().err
+    lines = [line for line in err.strip().splitlines() if line]
+    assert code == 2 and len(lines) == 1 and lines[0].startswith("specdec: error:") and "UTF-8" in lines[0], err
+    assert not built
+
+
+@pytest.mark.parametrize("option", [("--draft-temperature-factor", "abc"), ("--draft-temperature-factor", "0.5"),
+                                    ("--draft-dtype", "int8"), ("--draft-vocab", "full")])
+def test_prompts_file_does_not_silently_ignore_a_draft_option(capsys, tmp_path, built, option):
+    """--prompts-file decodes without a drafter and refuses the options only a drafter uses (--draft,
+    --gamma, --tree, ...) in one line before any model loads.  The draft's temperature factor (even a
+    malformed one), precision and vocabulary must not be taken and silently dropped either."""
+    prompts = tmp_path / "p.jsonl"
+    prompts.write_text('"hi"\n')
+    code = main(["generate", "--prompts-file", str(prompts), "--out", str(tmp_path / "o.jsonl"), "--target", "t",
+                 *option])
+    err = capsys.readouterr().err
+    lines = [line for line in err.strip().splitlines() if line]
+    assert code == 2 and len(lines) == 1 and option[0] in lines[0], err
+    assert not built
+
+
+def test_a_schema_file_that_cannot_be_read_is_one_line(capsys, tmp_path, built, monkeypatch):
+    """A --json-schema file that exists but cannot be read (no permission) is refused in one line."""
+    from pathlib import Path
+
+    path = tmp_path / "schema.json"
+    path.write_text("{}")
+
+    def refuse(self):
+        raise PermissionError(13, "Permission denied", str(self))
+
+    monkeypatch.setattr(Path, "read_bytes", refuse)
+    code = main(["generate", "-p", "hi", "--target", "t", "--json-schema", str(path)])
+    _one_error(code, capsys.readouterr().err, "Permission denied")
+    assert not built

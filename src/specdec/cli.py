@@ -19,6 +19,8 @@ from specdec import __version__, defaults
 from specdec.errors import SpecdecError, Terminated
 
 if TYPE_CHECKING:  # torch loads only once a command runs, not for --help
+    from pathlib import Path
+
     from specdec.sampling import SamplingConfig
 
 EXIT_USAGE = 2
@@ -116,7 +118,7 @@ def _grammar_spec(args: argparse.Namespace) -> tuple[str | None, object]:
         if not text.lstrip().startswith("{") and path.suffix == ".json":
             if not path.is_file():
                 raise SpecdecError(f"--json-schema: no such file {text!r}")
-            text = path.read_text()
+            text = _read_file(path, f"--json-schema {text!r}")
         try:
             schema = json.loads(text)
         except json.JSONDecodeError as exc:
@@ -136,7 +138,7 @@ def _grammar_spec(args: argparse.Namespace) -> tuple[str | None, object]:
             raise SpecdecError(f"--grammar {args.grammar!r} is a folder; give a Lark grammar file")
         if not path.is_file():
             raise SpecdecError(f"--grammar: no such file {args.grammar!r}")
-        return "lark", path.read_text()
+        return "lark", _read_file(path, f"--grammar {args.grammar!r}")
     return None, None
 
 
@@ -147,6 +149,15 @@ def _read_text(data: bytes, what: str) -> str:
         return data.decode("utf-8").replace("\r\n", "\n").replace("\r", "\n")
     except UnicodeDecodeError as exc:
         raise SpecdecError(f"{what} is not valid UTF-8 (byte {exc.start}: {data[exc.start:exc.start + 1]!r})") from None
+
+
+def _read_file(path: Path, what: str) -> str:
+    """A file the user named, as :func:`_read_text` reads it; one that cannot be read is refused in one line."""
+    try:
+        data = path.read_bytes()
+    except OSError as exc:
+        raise SpecdecError(f"{what}: cannot read it ({exc.strerror})") from None
+    return _read_text(data, what)
 
 
 def _stdin_text(what: str, *, line: bool = False) -> str:
@@ -509,9 +520,12 @@ def _generate_batch(args: argparse.Namespace) -> int:
     if given:
         raise SpecdecError(f"--prompts-file writes JSON lines locally; drop {', '.join(given)}")
     speculative = [flag for flag, on in (
-        ("--draft", args.draft_given and args.draft != "none"), ("--gamma", str(args.gamma) != str(defaults.DEFAULT_GAMMA)),
+        ("--draft", args.draft_given and str(args.draft).strip().lower() != "none"),
+        ("--gamma", str(args.gamma) != str(defaults.DEFAULT_GAMMA)),
         ("--tree", str(args.tree) != str(defaults.DEFAULT_TREE)), ("--tree-min-prob", args.tree_min_prob is not None),
-        ("--min-confidence", args.min_confidence is not None)) if on] + remote_only_given(args)
+        ("--min-confidence", args.min_confidence is not None), ("--draft-dtype", args.draft_dtype != "auto"),
+        ("--draft-vocab", args.draft_vocab != "auto"),
+        ("--draft-temperature-factor", str(args.draft_temperature_factor).strip().lower() != "auto")) if on] + remote_only_given(args)
     if speculative:
         raise SpecdecError(f"{', '.join(speculative)} {'apply' if len(speculative) > 1 else 'applies'} to one prompt's "
                            "speculative decoding; --prompts-file decodes its batches without a drafter")
