@@ -1,10 +1,12 @@
+import copy
+
 import pytest
 
 from specdec import defaults
 from specdec.engine import make_gamma, parse_gamma
 from specdec.errors import ConfigError
-from specdec.gamma import (CappedGamma, CostGamma, FixedGamma, GammaMemory, GuideGamma, TreeBudget, best_gamma,
-                           expected_tokens)
+from specdec.gamma import (CappedGamma, CostGamma, FixedGamma, GammaMemory, GuideGamma, ObservedGamma, TreeBudget,
+                           best_gamma, expected_tokens)
 
 
 def test_guide_rule():
@@ -925,3 +927,75 @@ def test_a_carried_probe_is_judged_as_a_probe_by_the_successor():
     assert nxt._draft_s == c._draft_s and nxt.next_gamma() == c.probe_gamma  # carried, probe first
     nxt.update(gamma=1, accepted=0, draft_s=2.0, target_s=2.0, other_s=0.0)
     assert not nxt._probing and nxt._interval > 2
+
+
+def test_guide_rule_ignores_a_round_that_drafted_nothing():
+    """A round with γ = 0 (a cap of 0 around the guide rule) says nothing about acceptance: the
+    rule keeps its γ and does not divide by zero."""
+    g = GuideGamma(gamma=5)
+    g.update(gamma=0, accepted=0, draft_s=0, target_s=0, other_s=0)
+    assert g.next_gamma() == 5
+    capped = CappedGamma(GuideGamma(gamma=5), cap=lambda want: 0)
+    assert capped.next_gamma() == 0
+    capped.update(gamma=0, accepted=0, draft_s=0, target_s=0, other_s=0)
+    assert capped.inner.next_gamma() == 5
+
+
+def test_an_observed_controller_can_be_copied():
+    """ObservedGamma forwards unknown attributes to its inner controller, but not while it has none
+    (copy / pickle look attributes up on a bare instance): a copy works and plays the same."""
+    seen = []
+    wrapped = ObservedGamma(FixedGamma(3), lambda gamma, accepted: seen.append((gamma, accepted)))
+    for twin in (copy.copy(wrapped), copy.deepcopy(wrapped)):
+        assert twin.next_gamma() == 3 and twin.name == "fixed(3)"
+
+
+def test_best_gamma_takes_the_shortest_draft_among_equal_rates():
+    """When drafting neither wins nor loses (acceptance 0, free drafting, flat pass cost), the
+    smallest γ is chosen: no drafting, never the longest draft."""
+    g, rates = best_gamma([0.0] * 4, 0.0, [1.0] * 5, 0.0)
+    assert len(set(rates)) == 1 and g == 0
+    g, rates = best_gamma([1.0, 0.0, 0.0], 0.0, [1.0] * 4, 0.0)  # γ 1, 2 and 3 tie: 1 wins
+    assert g == 1
+
+
+def test_rounds_measured_at_zero_seconds_do_not_divide_by_zero():
+    """A coarse clock (or a test's fake timings) can read a whole round as 0 s: the rates are taken
+    over at least 1 ns, so γ is still chosen (by expected tokens), never a ZeroDivisionError."""
+
+    g, rates = best_gamma([0.5, 0.25], 0.0, [0.0, 0.0, 0.0], 0.0)
+    assert g == 2 and rates == pytest.approx([1e9, 1.5e9, 1.75e9])
+    ctrl = CostGamma()
+    for _ in range(5):
+        ctrl.update(gamma=ctrl.next_gamma(), accepted=ctrl.next_gamma(), draft_s=0.0, target_s=0.0, other_s=0.0)
+    assert ctrl.next_gamma() >= 1
+
+
+def test_start_idle_restarts_the_probe_count():
+    """start_idle waits the whole longest interval from the call, whatever count of plain rounds the
+    controller had already run (a successor carries its count; the decoder then starts it idle)."""
+
+    ctrl = CostGamma(max_probe_every=32)
+    ctrl.start_idle()
+    for _ in range(10):  # ten plain rounds already counted towards the first probe
+        assert ctrl.next_gamma() == 0
+        ctrl.update(gamma=0, accepted=0, draft_s=0.0, target_s=0.02, other_s=0.0)
+    ctrl.start_idle()
+    drafted = []
+    for i in range(40):
+        g = ctrl.next_gamma()
+        if g:
+            drafted.append(i)
+        ctrl.update(gamma=g, accepted=g, draft_s=g * 0.03, target_s=0.02, other_s=0.0)
+    assert drafted == [32], drafted
+
+
+def test_a_free_round_does_not_teach_the_inner_controller():
+    """update_free reports a free draft's round (prompt lookup's) to its own observer only: the
+    inner γ controller, which sizes model drafts, does not learn from it."""
+    free = []
+    capped = CappedGamma(GuideGamma(gamma=5), cap=lambda want: None, observe_free=lambda g, a: free.append((g, a)))
+    for _ in range(3):
+        capped.update_free(gamma=5, accepted=5, draft_s=0.0, target_s=0.01, other_s=0.0)  # would grow γ to 8
+    assert capped.next_gamma() == 5 and capped.inner.gamma == 5
+    assert free == [(5, 5)] * 3

@@ -28,6 +28,8 @@ from specdec.sampling import (
     sample_categorical,
     settled,
     target_logprobs,
+    top_logprobs,
+    with_overrides,
 )
 from stats import ALPHA, chi_square_pvalue
 
@@ -222,7 +224,6 @@ def test_keyed_uniform_compiled_and_torch_paths_give_the_same_bits(seed, monkeyp
     """The compiled pass (used once a model has loaded the kernels) and the torch ops give the
     same float64 bits, for the whole vocabulary and for id subsets, and both are the SplitMix64
     construction the docstring states (checked on a few ids with Python integers)."""
-    from specdec.models import kernels
 
     if not kernels.load():
         pytest.skip("the kernels did not build here")
@@ -251,8 +252,6 @@ def test_gumbel_sample_law():
 
 
 def _gumbel_torch(probs, seed, position, monkeypatch):  # gumbel_sample's torch ops alone
-    from specdec.models import kernels
-
     with monkeypatch.context() as m:
         m.setattr(kernels, "loaded", lambda: False)
         return gumbel_sample(probs, seed, position)
@@ -264,7 +263,6 @@ def test_gumbel_compiled_draws_the_torch_token(monkeypatch):
     peaked and top-k-truncated laws, tiny (subnormal float32) entries, seeds beyond 64 bits and
     negative ones, large positions.  It may decline a row (about one in 10^9); here it must answer
     all but a handful, so a broken screen or logarithm shows as mismatches or refusals."""
-    from specdec.models import kernels
     from specdec.sampling import _gumbel_compiled
 
     if not kernels.load():
@@ -298,7 +296,6 @@ def test_gumbel_compiled_declines_what_it_cannot_vouch_for(monkeypatch):
     """Rows where the margin argument does not hold go to the torch ops: two ids whose ratios
     p / (-log u) are equal to the last bits (a near-tie built from the uniforms themselves), a NaN,
     a negative and an infinite entry; gumbel_sample still returns the torch version's token."""
-    from specdec.models import kernels
     from specdec.sampling import _gumbel_compiled
 
     if not kernels.load():
@@ -327,7 +324,6 @@ def test_a_compact_gumbel_row_draws_the_token_its_scattered_row_draws(monkeypatc
     rows of 49,152 and 1,000 words, float32 and float64, top-k-truncated ones among them, with the
     compiled op and with the torch ops.  Keying a column by its index instead of its id, or
     returning the column, fails it."""
-    from specdec.models import kernels
     from specdec.sampling import gumbel_column
 
     if compiled and not kernels.load():
@@ -365,7 +361,6 @@ def test_a_compact_gumbel_row_draws_the_token_its_scattered_row_draws(monkeypatc
 
 def test_the_compiled_compact_gumbel_op_refuses_bad_ids():
     """The op checks what it is given: ids outside the vocabulary, of another length or type."""
-    from specdec.models import kernels
 
     if not kernels.load():
         pytest.skip("the kernels did not build here")
@@ -403,7 +398,6 @@ def test_argmax_last_is_argmax_ties_and_nan_included(monkeypatch, compiled):
     """The fast arg-max every greedy path uses returns exactly what ``argmax(-1)`` returns: the first
     maximal index (the first NaN where a row holds one), on 400 batches of rows (see _argmax_cases),
     with torch's reduction and with the compiled ``argmax_rows`` a model's kernels bring in."""
-    from specdec.models import kernels
     from specdec.sampling import argmax_last
 
     if compiled and not kernels.load():
@@ -425,8 +419,6 @@ def test_argmax_last_is_argmax_ties_and_nan_included(monkeypatch, compiled):
 
 
 def test_the_compiled_argmax_refuses_what_it_cannot_read():
-    from specdec.models import kernels
-
     if not kernels.load():
         pytest.skip("the kernels did not build here")
     for bad in (torch.zeros(4), torch.zeros(2, 4).double(), torch.zeros(4, 2).t(), torch.zeros(2, 0)):
@@ -439,7 +431,6 @@ def test_sample_categorical_compiled_and_torch_paths_give_the_same_draws(monkeyp
     must return the torch version's token for the same generator state, and leave the generator
     where the torch version leaves it: 3,000 rows (float32 and float64; 1 to 49,152 entries; flat,
     sharp, with zeros, a single non-zero entry, all zeros, tiny weights) drawn with both paths."""
-    from specdec.models import kernels
 
     if not kernels.load():
         pytest.skip("the kernels did not build here")
@@ -675,7 +666,6 @@ def test_top_p_one_keeps_every_token_with_mass():
 
 def test_sample_categorical_never_draws_a_leading_zero_weight(monkeypatch):
     """u = 0 (a possible draw) lands on the first token of positive weight, not a zero before it."""
-    from specdec.models import kernels
 
     monkeypatch.setattr(kernels, "loaded", lambda: False)
     monkeypatch.setattr(torch, "rand", lambda *a, **k: torch.zeros(1, dtype=torch.float64))
@@ -687,7 +677,6 @@ def test_sample_categorical_never_draws_a_trailing_zero_weight(monkeypatch):
     difference: with u the largest double below 1, u * 5e-324 == 5e-324 and no prefix sum exceeds
     it.  The draw must still land on the last token of positive weight, not on the zeros after it,
     on both paths (the torch search and the compiled one)."""
-    from specdec.models import kernels
 
     w = torch.tensor([0.0, 5e-324, 0.0, 5e-324, 0.0, 0.0], dtype=torch.float64)
     u = math.nextafter(1.0, 0.0)
@@ -759,3 +748,153 @@ def test_settled_drops_a_stop_floor_once_the_floor_is_reached():
     """At exactly n generated tokens the floor no longer masks anything: settled() returns the inner constraint."""
 
     assert settled(StopFloor(frozenset({3}), 2, None), [1, 2]) is None
+
+
+def test_a_stop_floor_asked_about_two_vocabularies_answers_each_at_its_size():
+    """One StopFloor masks the target's rows and a draft's smaller vocabulary alike: its cached
+    all-True mask must be remade when the vocabulary size changes, not reused at the old size."""
+    floor = StopFloor(frozenset({1}), 3)
+    assert floor.allowed([], 5).tolist() == [True, False, True, True, True]
+    assert floor.allowed([], 3).tolist() == [True, False, True]
+    assert floor.allowed([0, 0, 0], 3).tolist() == [True, True, True]  # floor reached: the free mask itself
+    assert floor.allowed([0, 0, 0], 5).tolist() == [True] * 5
+
+
+def test_a_negative_logit_bias_token_id_is_a_config_error():
+    """A negative token id in logit_bias is refused when the config is made (one-line ConfigError),
+    never indexed from the end of the vocabulary."""
+    with pytest.raises(ConfigError, match="logit bias needs token ids >= 0"):
+        SamplingConfig(logit_bias=((-1, 1.0),))
+    with pytest.raises(ConfigError, match="logit bias needs token ids >= 0"):
+        SamplingConfig(logit_bias={-3: -2.0})
+
+
+def test_rows_up_to_a_draft_token_the_constraint_forbids_are_still_masked():
+    """A free draft (prompt lookup) may leave the constraint: the rows up to and including its
+    first forbidden token's row are masked as usual, the rows after it are left as they are."""
+
+    class NoTwo:  # token 2 is never allowed
+        def allowed(self, generated, vocab_size):
+            assert 2 not in generated, "asked about a history the constraint forbids"
+            return torch.tensor([True, True, False, True])
+
+    cfg = SamplingConfig(constraint=NoTwo())
+    state = PenaltyState.start(torch.tensor([0]), 4)
+    out = process_logits(torch.zeros(4, 4), cfg, state, torch.tensor([1, 2, 0]))
+    third = 1 / 3
+    assert out[0].tolist() == pytest.approx([third, third, 0.0, third])  # history []
+    assert out[1].tolist() == pytest.approx([third, third, 0.0, third])  # history [1]: draft token 2 forbidden here
+    assert out[2].tolist() == pytest.approx([0.25] * 4)  # below the forbidden token: never kept, left as is
+    assert out[3].tolist() == pytest.approx([0.25] * 4)
+
+
+def test_top_logprobs_asked_for_more_than_the_vocabulary_lists_every_token():
+    """The APIs allow up to 20 alternatives; over a smaller vocabulary every token is listed, best
+    first, rather than torch.topk failing."""
+
+    logp = torch.log(torch.tensor([[0.5, 0.2, 0.3]], dtype=torch.float64))
+    [(chosen, top)] = top_logprobs(logp, torch.tensor([2]), 20)
+    assert chosen == pytest.approx(float(logp[0, 2]))
+    assert [t for t, _ in top] == [0, 2, 1]
+    assert [v for _, v in top] == pytest.approx(logp[0, [0, 2, 1]].tolist())
+
+
+def test_greedy_logprobs_are_float64_like_the_sampled_ones():
+    """target_logprobs is float64 at every temperature: at T = 0 the log-softmax of the biased and
+    penalised logits is taken in float64 (a float32 one loses a tail token's digits)."""
+
+    logits = torch.tensor([[0.0, 1.0, -40.0], [2.0, 2.0, 0.5]])
+    greedy = target_logprobs(logits, SamplingConfig(temperature=0.0))
+    sampled = target_logprobs(logits, SamplingConfig())
+    assert greedy.dtype == sampled.dtype == torch.float64
+    assert torch.equal(greedy, torch.log_softmax(logits.double(), dim=-1))
+
+
+@pytest.mark.parametrize("cfg", [SamplingConfig(repetition_penalty=1.1), SamplingConfig(presence_penalty=0.5),
+                                 SamplingConfig(constraint=StopFloor(frozenset({0}), 2))])
+def test_penalties_or_a_constraint_without_a_penalty_state_is_a_clear_error(cfg):
+    """Processing that needs the generated history, called without a PenaltyState, says so (a
+    ValueError naming it), not an AttributeError from deep inside the penalties."""
+
+    with pytest.raises(ValueError, match="need a PenaltyState"):
+        penalised_logits(torch.zeros(1, 4), cfg, None)
+    with pytest.raises(ValueError, match="need a PenaltyState"):
+        process_logits(torch.zeros(1, 4), cfg)
+
+
+def test_min_p_applies_after_top_p_on_the_renormalised_law():
+    """top-p then min-p, each on the law the previous step left: p = (.5, .3, .15, .05), top-p 0.9
+    keeps three tokens, min-p 0.5 then drops the third (0.15 / 0.95 < 0.5 * 0.5 / 0.95)."""
+    logits = torch.log(torch.tensor([[0.5, 0.3, 0.15, 0.05]]))
+    out = process_logits(logits, SamplingConfig(top_p=0.9, min_p=0.5))
+    assert out[0].tolist() == pytest.approx([0.625, 0.375, 0.0, 0.0])
+    assert out[0, 2] == 0.0 and out[0, 3] == 0.0
+    only_top_p = process_logits(logits, SamplingConfig(top_p=0.9))
+    assert only_top_p[0].tolist() == pytest.approx([0.5 / 0.95, 0.3 / 0.95, 0.15 / 0.95, 0.0])
+
+
+def test_the_temperature_and_repetition_penalty_bounds_are_inclusive():
+    """The messages say "between" the documented limits: each limit itself is accepted, a value
+    just past it is refused."""
+
+    for t in (defaults.MIN_TEMPERATURE, defaults.MAX_TEMPERATURE):
+        assert SamplingConfig(temperature=t).temperature == t
+    for r in (defaults.MIN_REPETITION_PENALTY, defaults.MAX_REPETITION_PENALTY):
+        assert SamplingConfig(repetition_penalty=r).repetition_penalty == r
+    with pytest.raises(ConfigError, match="temperature must be 0"):
+        SamplingConfig(temperature=defaults.MAX_TEMPERATURE * 1.001)
+    with pytest.raises(ConfigError, match="repetition penalty must be between"):
+        SamplingConfig(repetition_penalty=defaults.MIN_REPETITION_PENALTY * 0.999)
+
+
+def test_with_overrides_ignores_options_left_unset():
+    """The command line passes every option, None where the user gave none: those keep the
+    config's value (a None temperature or max_new_tokens would be refused), the others replace it."""
+
+    out = with_overrides(GUIDE_PRESET, temperature=None, top_p=None, max_new_tokens=None, top_k=5, seed=0)
+    assert (out.temperature, out.top_p, out.max_new_tokens) == (
+        GUIDE_PRESET.temperature, GUIDE_PRESET.top_p, GUIDE_PRESET.max_new_tokens)
+    assert (out.top_k, out.seed) == (5, 0)
+
+
+def test_path_masks_keeps_each_paths_mask_in_the_cache_it_is_given():
+    """A draft round expands its tree level by level with one cache: a path asked about in an
+    earlier call is answered from the cache, the constraint is asked once per path."""
+
+    asked = []
+
+    class Everything:
+        def allowed(self, generated, vocab_size):
+            asked.append(tuple(generated))
+            return torch.ones(vocab_size, dtype=torch.bool)
+
+    cache: dict = {}
+    path_masks(Everything(), [7], [[], [1]], 4, cache)
+    path_masks(Everything(), [7], [[], [1], [1, 2]], 4, cache)
+    assert asked == [(7,), (7, 1), (7, 1, 2)]
+    assert set(cache) == {(), (1,), (1, 2)}
+
+
+def test_sampled_logprobs_are_the_float64_log_of_the_processed_law():
+    """At T > 0 the reported log-probability is log(p) taken in float64 of the law sampled from
+    (a float32 log cast up loses digits; the tail here is ~1e-30)."""
+
+    gen = torch.Generator().manual_seed(1)
+    logits = torch.randn(3, 50, generator=gen) * 8
+    cfg = SamplingConfig(temperature=0.7, top_k=40)
+    law = process_logits(logits, cfg)
+    assert torch.equal(target_logprobs(logits, cfg), law.double().log())
+
+
+@pytest.mark.parametrize("cfg", [SamplingConfig(temperature=0.0), SamplingConfig(frequency_penalty=0.5),
+                                 SamplingConfig(temperature=0.0, presence_penalty=1.0), SamplingConfig(top_p=0.8)])
+def test_the_processed_law_keeps_the_logits_dtype(cfg):
+    """process_logits returns the logits' dtype whatever the options: a greedy one-hot is float (not
+    int64 indices' dtype), and penalty counts do not promote float32 logits to float64."""
+
+    state = PenaltyState.start(torch.tensor([1]), 5)
+    state.append(torch.tensor([2, 2]))
+    logits = torch.tensor([[0.5, 1.0, 3.0, 0.0, -1.0], [2.0, 0.0, 1.0, 0.5, 0.0]])
+    out = process_logits(logits, cfg, state, torch.tensor([3]))
+    assert out.dtype == torch.float32
+    assert torch.allclose(out.sum(-1), torch.ones(2))
