@@ -806,6 +806,7 @@ def test_only_a_lossy_gate_is_reported_as_a_lossy_option(toy_server):
     shape = Gate(GateConfig(policy="shape", rules=frozenset()))
     out = generate_remote([1, 2], cfg, _cfg(toy_server.url), drafter=ModelDrafter(DRAFT), gamma=3, gate=shape)
     assert out.remote["lossy_options"] == [] and out.lossless and out.gate["policy"] == "shape"
+    assert out.gate["rounds"] > 0 and out.gate["gated_tokens"] > 0  # the drafts went through the gate
     local = Gate(GateConfig(policy="lossy-local-commit", t_entropy_bits=None, t_margin=None, rules=frozenset()))
     out = generate_remote([1, 2], cfg, _cfg(toy_server.url), drafter=ModelDrafter(DRAFT), gamma=3, gate=local)
     assert out.remote["lossy_options"] == ["lossy_local_commit"]
