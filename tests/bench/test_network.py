@@ -887,3 +887,65 @@ def test_a_proxy_that_did_not_start_says_what_it_wrote_to_stderr(monkeypatch):
     _proxy_script(monkeypatch, "echo 'delay proxy: cannot listen on 0: denied' >&2; exit 1")
     with pytest.raises(SpecdecError, match="the delay proxy did not start: delay proxy: cannot listen on 0: denied"):
         network.Link(_server(PROXY), 20.0).start()
+
+
+def test_acceptance_does_not_need_the_cloud_calls():
+    """Rows that record drafted and accepted tokens but no cloud calls still give the acceptance."""
+    [g] = netreport.aggregate_network([_edge("a", 10.0, calls=None, prop=20, acc=15)])
+    assert g.cloud_calls_per_token is None and g.acceptance == pytest.approx(0.75)
+
+
+def test_groups_sort_by_wire_before_gamma():
+    """Within a mode and temperature: the wire (method) first, then γ."""
+    rows = [{**_edge("a", 10.0, wire="greedy"), "gamma": "4"}, {**_edge("a", 10.0, wire="coupled"), "gamma": "8"}]
+    assert [(g.method, g.gamma) for g in netreport.aggregate_network(rows)] == [("coupled", "8"), ("greedy", "4")]
+
+
+def test_a_row_without_an_emulation_record_has_none():
+    """Older rows without "emulation" are not claimed to have used the proxy."""
+    row = {k: v for k, v in _edge("a", 10.0).items() if k != "emulation"}
+    assert netreport.aggregate_network([row])[0].emulation is None
+
+
+def test_a_fractional_rtt_is_printed_as_configured():
+    """RTT 12.5 ms prints as 12.5, not rounded to 12."""
+    lines = netreport.markdown(netreport.aggregate_network([_edge("a", 10.0, rtt=12.5)]), None)
+    assert any(line.startswith("| edge_cloud/greedy | auto | 0 | 12.5 |") for line in lines)
+
+
+def test_an_unrecorded_emulation_is_not_described_as_netem():
+    """A result that did not record its RTT emulation says "?" and is not described as tc netem."""
+    text = "\n".join(netreport.markdown(netreport.aggregate_network(_samples()), None))
+    assert "RTT emulation: **?**" in text and "tc netem" not in text
+
+
+def test_saved_network_groups_carry_their_label(tmp_path):
+    """results.json's network_groups hold each group's label (what the table and plots call it)."""
+    cfg = {"target": "t", "draft": "d", "draft_dtype": "auto", "prompts": [{"category": "code"}], "max_new_tokens": 20,
+           "repeats": 1, "seed": 0, "top_p": None, "repetition_penalty": None, "batch_invariant": True}
+    rows = [_stream("a", 10.0), _edge("a", 20.0)]
+    report.write({"config": cfg, "samples": rows, "processes": {}, "machine": {}}, tmp_path, make_plots=False)
+    saved = json.loads((tmp_path / "results.json").read_text())
+    assert sorted(g["label"] for g in saved["network_groups"]) == ["cloud_streaming (plain server)", "edge_cloud/greedy"]
+
+
+def test_same_text_skips_rows_that_recorded_no_text():
+    """An edge row without a text digest is not a prompt that disagreed: it is not compared."""
+    rows = [{**_stream(p, 10.0), "text_sha1": f"t{p}"} for p in "ab"]
+    rows += [{**_edge("a", 20.0), "text_sha1": "ta"}, _edge("b", 20.0)]
+    edge = {g.mode: g for g in netreport.aggregate_network(rows)}["edge_cloud"]
+    assert (edge.same_text, edge.compared) == (1, 1)
+
+
+def test_same_text_compares_with_a_baseline_that_generated_nothing():
+    """A baseline at 0 tok/s (it stopped at once) has no speed-up to give, but its (empty) text is
+    still what a lossless mode must reproduce: it is compared."""
+    rows = [{**_stream("a", 10.0), "tokens_per_s": 0.0, "text_sha1": "empty"}, {**_edge("a", 20.0), "text_sha1": "empty"}]
+    edge = {g.mode: g for g in netreport.aggregate_network(rows)}["edge_cloud"]
+    assert edge.speedup_vs_streaming is None and (edge.same_text, edge.compared) == (1, 1)
+
+
+def test_a_row_without_a_ping_is_left_out_of_the_median_ping():
+    """Pings 10 and 30 ms and one row that measured none: the median is 20 (not the median of 0, 10, 30)."""
+    rows = [_edge("a", 10.0, ping=10.0), _edge("b", 10.0, ping=30.0), {**_edge("c", 10.0), "ping_ms": None}]
+    assert netreport.aggregate_network(rows)[0].ping_ms == pytest.approx(20.0)

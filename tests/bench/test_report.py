@@ -1,11 +1,12 @@
 """Metric computation on synthetic samples (no timing involved)."""
 
 import json
+import math
 import re
 
 import pytest
 
-from specdec.bench import report, workloads
+from specdec.bench import report, theory, workloads
 from specdec.bench.workloads import BUILTIN, load_jsonl, select
 from specdec.errors import ConfigError
 
@@ -564,3 +565,166 @@ def test_the_early_chat_check_waits_where_the_files_cannot_tell(monkeypatch):
     monkeypatch.setattr(registry, "chat_template_known", lambda target: False)
     with pytest.raises(ConfigError, match="has no chat template"):
         workloads.check_chat_files(chat, "org/model")
+
+
+def test_a_mean_gamma_below_one_half_still_fits_alpha_at_gamma_one():
+    """Mean γ 0.4 (4 drafted tokens over 10 calls) rounds to 0; the i.i.d. fit uses γ >= 1, so
+    12 tokens / 10 calls = E(α, 1) = 1 + α gives α = 0.2 (γ 0 would give α 0 and ×1)."""
+    rows = [_engine("plain", "plain", "a", 50.0, calls=20, gen=20, target_s=0.36),
+            _spec("a", 60.0, calls=10, gen=12, prop=4, acc=2, draft_s=0.004)]
+    g = next(g for g in report.aggregate(rows) if g.mode == "speculative")
+    assert g.mean_gamma == pytest.approx(0.4)
+    assert g.alpha_iid == pytest.approx(0.2, abs=1e-8)
+    assert g.predicted_speedup_iid == pytest.approx(theory.speedup(0.2, 1, g.cost_ratio_c))
+
+
+def test_generated_tokens_is_a_mean_over_the_groups_runs():
+    """generated_tokens_mean is the mean (10, 10, 40 -> 20), not the median (10)."""
+    rows = [_spec(p, 100.0, gen=n) for p, n in zip("abc", (10, 10, 40))]
+    assert report.aggregate(rows)[0].generated_tokens_mean == pytest.approx(20.0)
+
+
+def test_a_position_nobody_drafted_has_no_acceptance_rather_than_zero():
+    """Position 2 recorded with 0 drafted tokens in every row: no rate (NaN, shown "–"), not 0.00."""
+    rows = [_spec("a", 100.0, per_pos=(0.5, 0.0), prop_pos=(10, 0)), _spec("b", 100.0, per_pos=(0.3, 0.0), prop_pos=(10, 0))]
+    [g] = report.aggregate(rows)
+    assert g.acceptance_per_position[0] == pytest.approx(0.4) and math.isnan(g.acceptance_per_position[1])
+    row = next(line for line in report._local_tables([g], []) if line.startswith("| block | 4 | 0 | 0.40 |"))
+    assert row.startswith("| block | 4 | 0 | 0.40 | – |")
+
+
+def test_drafter_table_tokens_per_second_is_a_median():
+    """The drafter table's tok/s is the median over the category's runs (10, 20, 90 -> 20), not the mean."""
+    rows = [{**_spec(p, tps), "draft": "d"} for p, tps in zip("abc", (10.0, 20.0, 90.0))]
+    [r] = report.drafters_by_category(rows)
+    assert r.tokens_per_s_median == pytest.approx(20.0)
+
+
+def test_only_speculative_groups_get_theory_columns():
+    """An edge_only group that records drafted tokens gets engine metrics but no theory (α, c, ideal)."""
+    rows = [_engine("plain", "plain", "a", 50.0, calls=20, gen=20, target_s=0.36),
+            _engine("edge_only", "edge_only", "a", 80.0, calls=10, gen=20, prop=10, acc=5, draft_s=0.01)]
+    g = next(g for g in report.aggregate(rows) if g.mode == "edge_only")
+    assert g.draft_step_ms == pytest.approx(1.0)
+    assert (g.alpha_iid, g.cost_ratio_c, g.ideal_speedup, g.optimal_gamma_iid) == (None, None, None, None)
+
+
+def test_peak_rss_is_none_when_nothing_recorded_it():
+    """No process record and no row with a peak: rss_peak_bytes is None (null in results.json), not 0."""
+    rows = [_spec("a", 100.0), _spec("b", 100.0)]
+    g = report.aggregate(rows)[0]
+    assert g.rss_peak_bytes is None and g.kv_share_of_rss is None
+
+
+def test_a_tree_floor_of_zero_is_still_named():
+    """--tree-min-prob 0 is a floor the run used (it keeps every node): the header says so."""
+    assert report._tree_floor({"gammas": ["tree-8"], "tree_min_prob": 0.0}) == ", tree probability floor 0"
+
+
+def test_a_reference_that_generated_nothing_does_not_break_the_decode_ratio():
+    """Prompt a's plain run generated no token (decode rate 0): no division by zero; the wall-clock
+    speed-up is prompt b's alone."""
+    rows = [{**_engine("plain", "plain", "a", 50.0), "generated_tokens": 0, "tokens_per_s": 0.0, "wall_s": 0.3, "prefill_s": 0.1},
+            {**_engine("plain", "plain", "b", 50.0), "prefill_s": 0.1},
+            {**_spec("a", 100.0), "prefill_s": 0.1}, {**_spec("b", 100.0), "prefill_s": 0.1}]
+    g = next(g for g in report.aggregate(rows) if g.mode == "speculative")
+    assert g.speedup_vs_cloud == pytest.approx(2.0)
+    assert g.speedup_decode is None or g.speedup_decode > 0
+
+
+def test_results_json_is_written_before_the_plots(tmp_path, monkeypatch):
+    """A run stopped (or failing) while plotting still leaves a whole results.json for --report-only."""
+    def broken(*args, **kwargs):
+        raise RuntimeError("plotting failed")
+
+    monkeypatch.setattr(report, "plot", broken)
+    with pytest.raises(RuntimeError, match="plotting failed"):
+        report.write({"config": _cfg(), "samples": _samples(), "processes": {}, "machine": {}}, tmp_path)
+    saved = json.loads((tmp_path / "results.json").read_text())
+    assert saved["groups"] and saved["samples"]
+
+
+def test_write_saves_old_results_under_todays_mode_names(tmp_path):
+    """An old result's cloud_only rows are saved as plain ones (and pair as such in the tables)."""
+    old = [{**s, "mode": "cloud_only", "method": "cloud_only"} if s["mode"] == "plain" else s for s in _samples()]
+    report.write({"config": _cfg(), "samples": old, "processes": {}, "machine": {}}, tmp_path, make_plots=False)
+    saved = json.loads((tmp_path / "results.json").read_text())
+    assert {s["mode"] for s in saved["samples"]} == {"plain", "hf_assisted", "speculative"}
+    assert all(s["method"] != "cloud_only" for s in saved["samples"])
+
+
+def test_seeded_identity_lists_rows_by_temperature_first():
+    """The seeded-identity table is ordered by T, then row label (as the other tables are)."""
+    rows = []
+    for t in (0.5, 1.0):
+        rows.append({**_engine(report.PAIRED_COUPLED, report.PAIRED_COUPLED, "a", 40.0, t=t), "tokens_sha1": "s"})
+        for d in ("b-drafter", "a-drafter"):
+            rows.append({**_spec("a", 60.0, t=t), "method": "coupled", "draft": d, "tokens_sha1": "s"})
+    assert [(label.split("· ")[1].split(" ")[0], t) for label, t, _, _ in report.seeded_identity(rows)] == [
+        ("a-drafter", 0.5), ("b-drafter", 0.5), ("a-drafter", 1.0), ("b-drafter", 1.0)]
+
+
+def test_the_optimal_gamma_is_searched_over_the_full_default_range():
+    """optimal γ (iid) searches [0, 16] whatever γ the run drafted: at 4 tokens per call with γ 4
+    (α ≈ 0.87) and c = 1/18 it lies above 4."""
+    rows = [_engine("plain", "plain", "a", 50.0, calls=20, gen=20, target_s=0.36),
+            _spec("a", 100.0, calls=10, gen=40, prop=40, acc=30)]
+    g = next(g for g in report.aggregate(rows) if g.mode == "speculative")
+    assert g.optimal_gamma_iid == theory.optimal_gamma(g.alpha_iid, g.cost_ratio_c, max_gamma=16)
+    assert g.optimal_gamma_iid > 4
+
+
+def test_kv_share_of_rss_is_given_for_every_engine_group():
+    """Plain decoding's KV cache over its process's peak RSS is reported too, not only speculative's."""
+    rows = [_engine("plain", "plain", "a", 50.0)]
+    [g] = report.aggregate(rows, {"plain": {"rss_peak_bytes": 4000}})
+    assert g.kv_share_of_rss == pytest.approx(0.25)
+
+
+def test_no_llamacpp_section_without_llamacpp_plain():
+    """The "Against llama.cpp" table compares with llama.cpp plain decoding: without it, no table."""
+    from .test_llamacpp_rows import _row
+
+    assert report._llamacpp_table(report.aggregate([_row("llamacpp_spec", "a", 150.0), _engine("plain", "plain", "a", 50.0)])) == []
+
+
+def test_greedy_identity_leaves_out_every_plain_mode():
+    """plain_paired_coupled rows at T = 0 are plain decoding too: not rows to check against plain."""
+    rows = [{"mode": "plain_paired", "temperature": 0, "prompt_id": "a", "seed": 0, "tokens_sha1": "x"},
+            {"mode": report.PAIRED_COUPLED, "method": report.PAIRED_COUPLED, "temperature": 0, "prompt_id": "a", "seed": 0, "tokens_sha1": "x"},
+            {"mode": "speculative", "method": "greedy", "gamma": "4", "temperature": 0, "prompt_id": "a", "seed": 0, "tokens_sha1": "x"}]
+    assert report.greedy_identity(rows) == [("speculative greedy γ=4", 1, 1)]
+
+
+def test_machine_line_of_a_result_that_recorded_no_machine():
+    assert report.machine_line({}) == "?, ? cores, torch ?"
+
+
+def test_draft_share_is_draft_time_over_wall_time():
+    """draft share = Σ draft_s / Σ wall_s (what the summary's "draft / target share" shows), not a
+    share of the model time alone: 0.04 s of drafting in a 0.2 s run is 20%."""
+    [g] = report.aggregate([_spec("a", 100.0), _spec("b", 100.0)])
+    assert g.draft_share == pytest.approx(0.2)
+
+
+def test_a_prompt_pass_timed_at_zero_still_gives_a_decode_rate():
+    """prefill_s = 0.0 is recorded (a pass too short for the clock): decode tok/s = tokens / wall, not None."""
+    row = {**_spec("a", 100.0), "prefill_s": 0.0}
+    assert report._decode_tps(row) == pytest.approx(100.0)
+
+
+def test_decode_speedup_uses_the_same_reference_as_the_wall_clock_speedup():
+    """With plain_paired present, ×plain and decode × both compare with plain_paired (decoding at
+    25 tok/s here), not with plain (50 tok/s, minutes apart): 100 / 25 = 4 for both."""
+    rows = []
+    for mode, tps in (("plain", 50.0), ("plain_paired", 25.0), ("speculative", 100.0)):
+        row = _spec("a", tps) if mode == "speculative" else _engine(mode, mode, "a", tps)
+        rows.append({**row, "wall_s": 0.1 + 20 / tps, "prefill_s": 0.1})
+    g = next(g for g in report.aggregate(rows) if g.mode == "speculative")
+    assert g.speedup_decode == pytest.approx(4.0)
+
+
+def test_a_group_that_generated_nothing_has_no_calls_per_token():
+    """Runs that stopped at once (0 tokens, the prompt's target call made): no cloud calls/token, no crash."""
+    [g] = report.aggregate([{**_spec("a", 100.0, gen=0, calls=1), "wall_s": 0.1}])
+    assert g.cloud_calls_per_token is None

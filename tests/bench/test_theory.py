@@ -77,3 +77,16 @@ def test_alpha_reaches_one_when_every_draft_is_accepted():
 def test_optimal_gamma_searches_up_to_16_by_default():
     """The documented default range is [0, 16]: free drafting at α 0.9 drafts 16 tokens."""
     assert theory.optimal_gamma(0.9, 0.0) == 16
+
+
+def test_best_chain_speedup_searches_up_to_gamma_8_by_default():
+    """The self-speculative drafter ranks skip sets with the default range γ in [1, 8]: perfect
+    acceptance with free drafting and free verification rows drafts 8 tokens (×9), no fewer."""
+    assert theory.best_chain_speedup(1.0, 0.0, verify_slope=0.0) == (9.0, 8)
+
+
+def test_a_non_positive_time_or_ideal_gives_no_ideal_and_no_overhead():
+    """The guards are "> 0", not "!= 0": a negative time (a clock stepped back) or a negative ideal
+    gives 0.0, never a negative rate or an overhead above 100%."""
+    assert theory.ideal_tokens_per_s(2.0, 1, 0.0, -0.01) == 0.0
+    assert theory.overhead_share(5.0, -1.0) == 0.0
