@@ -7,6 +7,7 @@ arithmetic), and a chi-square test of the output law in sparse-q mode with two n
 
 from __future__ import annotations
 
+import gzip
 import json
 import time
 
@@ -21,7 +22,8 @@ from specdec.drafters.hybrid import LookupThenModel
 from specdec.errors import ConfigError
 from specdec.gamma import FixedGamma
 from specdec.models.toy import ToyLM
-from specdec.remote.client import RemoteConfig, RemoteError, RemoteTarget, RemoteVerifier, _error_message, derived_seed
+from specdec.remote.client import (RemoteConfig, RemoteError, RemoteStats, RemoteTarget, RemoteVerifier, _error_message,
+                                   derived_seed)
 from specdec.remote.edge import generate_remote
 from specdec.sampling import SamplingConfig
 from specdec.token_filter import TokenFilter
@@ -610,8 +612,6 @@ def test_bytes_up_and_down_are_the_json_bodies_sent_and_received(toy_server):
 
 
 def test_remote_stats_summary_figures():
-    from specdec.remote.client import RemoteStats
-
     st = RemoteStats(verify_calls=3, rtt_s=[0.004, 0.001, 0.003, 0.002], cloud_target_ms=30.0, unverified_tokens=0)
     s = st.summary()
     assert s["rtt_ms"] == pytest.approx(2.5)
@@ -1220,7 +1220,6 @@ def test_the_summary_of_a_run_that_generated_nothing_has_no_division_by_zero():
 def test_a_gate_with_a_token_tree_is_refused_before_the_server_is_asked():
     """The edge gate judges chain drafts token by token: a tree with an active gate is a ConfigError
     naming the fix, and no request is sent."""
-    from specdec.errors import ConfigError
     from specdec.remote.gating import Gate, GateConfig
 
     client, seen = _mock(_accept_all)
@@ -1229,3 +1228,180 @@ def test_a_gate_with_a_token_tree_is_refused_before_the_server_is_asked():
                         RemoteConfig(url="http://edge.test"), drafter=FixedDrafter((3, 4)), tree=4, client=client,
                         gate=Gate(GateConfig(policy="shape")))
     assert seen["requests"] == []
+
+
+def _seq_verdict(body: dict, committed_before: int) -> tuple[int, dict]:
+    """A correct verdict for an empty draft in round ``body['seq']``: the target's token is 3."""
+    return 200, {"seq": body["seq"], "num_accepted": 0, "tokens": [3], "next_token": 3,
+                 "metrics": {"gamma": 0, "committed": committed_before + 1}}
+
+
+def test_the_rtt_percentiles_index_by_the_whole_count():
+    """p50 of 4 round trips is the 3rd smallest (index int(0.5 * 4)), p95 of 20 is the largest."""
+    four = RemoteStats(rtt_s=[0.001, 0.002, 0.003, 0.004]).summary()
+    assert four["rtt_ms_p50"] == pytest.approx(3.0)
+    twenty = RemoteStats(rtt_s=[i / 1000 for i in range(1, 21)]).summary()
+    assert twenty["rtt_ms_p95"] == pytest.approx(20.0)
+
+
+def test_an_empty_api_key_sends_no_authorization_header():
+    """api_key='' means no key (as an empty SPECDEC_API_KEY does): no 'Bearer ' header with nothing after it."""
+    client, seen = _mock()
+    with client:
+        RemoteVerifier(RemoteConfig(url="http://edge.test", api_key=""), [1, 2], GREEDY, client=client)
+        RemoteVerifier(RemoteConfig(url="http://edge.test", api_key="k"), [1, 2], GREEDY, client=client)
+    assert "authorization" not in seen["requests"][0].headers
+    assert seen["requests"][1].headers["authorization"] == "Bearer k"
+
+
+def test_an_empty_draft_is_never_committed_locally():
+    """A local-commit predicate that says yes to everything still cannot commit a round that drafted
+    nothing (there is no token to keep): the round goes to the cloud."""
+    client, seen = _mock(lambda body: _seq_verdict(body, 0))
+    with client:
+        v = RemoteVerifier(RemoteConfig(url="http://edge.test"), [1, 2], GREEDY, client=client, local_commit=lambda d: True)
+        out = v.verify(EMPTY)
+    assert len(seen["verify"]) == 1 and out.verdict.tokens.tolist() == [3]
+    assert v.stats.local_commits == 0 and v.stats.unverified_tokens == 0 and v.lossless
+
+
+def test_closing_twice_deletes_the_session_once():
+    """close() forgets the session it deleted: a second close (or __exit__ after close) sends nothing."""
+    client, seen = _mock()
+    with client:
+        v = RemoteVerifier(RemoteConfig(url="http://edge.test"), [1, 2], GREEDY, client=client)
+        v.close()
+        v.close()
+    assert [r.method for r in seen["requests"]].count("DELETE") == 1
+
+
+def test_close_leaves_a_client_it_was_given_open():
+    """The caller's httpx client is the caller's: closing the verifier must not close it (a chat
+    reuses one client for every turn's session)."""
+    client, seen = _mock()
+    with client:
+        RemoteVerifier(RemoteConfig(url="http://edge.test"), [1, 2], GREEDY, client=client).close()
+        assert not client.is_closed
+        RemoteVerifier(RemoteConfig(url="http://edge.test"), [1, 2], GREEDY, client=client).close()  # still usable
+    assert len(seen["create"]) == 2
+
+
+def test_a_round_reports_only_its_own_retries():
+    """Outcome.metrics['retries'] is this round's: a busy answer in round 1 is not counted again in round 2."""
+    answers = iter([(503, {"error": {"message": "busy"}})])
+
+    def reply(body):
+        return next(answers, None) or _seq_verdict(body, body["seq"])
+
+    client, _ = _mock(reply)
+    with client:
+        v = RemoteVerifier(RemoteConfig(url="http://edge.test", backoff_s=0.001), [1, 2], GREEDY, client=client)
+        first, second = v.verify(EMPTY), v.verify(EMPTY)
+    assert first.metrics["retries"] == 1 and second.metrics["retries"] == 0 and v.stats.retries == 1
+
+
+def test_a_gzip_encoded_reply_is_read_once():
+    """A server (or a proxy in front of it) that gzips its replies: the edge decodes the body once and
+    must not try to decode the decoded bytes again."""
+
+    def handler(request: httpx.Request) -> httpx.Response:
+        if request.method == "DELETE":
+            return httpx.Response(200, json={})
+        body = json.loads(request.content)
+        reply = {"session_id": "s1", "model": "fake", "wire": body["wire"], "method": body["method"], "lossless": True,
+                 "seed": body["seed"], "vocab_size": 8, "max_context": 64, "max_gamma": 8, "max_length": 64,
+                 "prompt_ids": body["prompt_ids"], "prefill_ms": 1.0}
+        return httpx.Response(200, content=gzip.compress(json.dumps(reply).encode()),
+                              headers={"Content-Type": "application/json", "Content-Encoding": "gzip"})
+
+    with httpx.Client(transport=httpx.MockTransport(handler)) as client:
+        v = RemoteVerifier(RemoteConfig(url="http://edge.test"), [1, 2], GREEDY, client=client)
+        assert v.model_name == "fake" and v.vocab_size == 8
+
+
+def test_an_html_error_page_keeps_its_text_after_long_markup():
+    """A non-JSON error page: tags are stripped from its first 2000 characters, so the words after a
+    long <head> still reach the one-line message."""
+    page = "<html><head>" + "<meta name='x' content='" + "y" * 400 + "'>" + "</head><body>Bad gateway upstream</body></html>"
+    resp = httpx.Response(502, content=page.encode(), headers={"Content-Type": "text/html"})
+    assert _error_message(resp) == "Bad gateway upstream"
+
+
+def test_an_empty_error_body_falls_back_to_the_reason_phrase():
+    """A refusal with no body still says something: the HTTP reason phrase."""
+    assert _error_message(httpx.Response(503, content=b"")) == "Service Unavailable"
+
+
+def test_an_explicit_zero_budget_is_not_the_sampling_configs():
+    """``max_new_tokens=0`` is a budget (of nothing; the session is asked for its minimum of 1), not
+    'unset': the sampling config's 100 must not be used."""
+    client, seen = _mock()
+    with client:
+        RemoteVerifier(RemoteConfig(url="http://edge.test"), [1, 2], GREEDY, client=client, max_new_tokens=0)
+    assert seen["create"][0]["max_new_tokens"] == 1
+
+
+def test_an_empty_sparse_q_round_sends_no_q():
+    """A round that drafted nothing sends no q at all over sparse-q (not an empty list)."""
+
+    client, seen = _mock(lambda body: _seq_verdict(body, 0))
+    with client:
+        v = RemoteVerifier(RemoteConfig(url="http://edge.test", wire="sparse-q"), [1, 2],
+                           SamplingConfig(temperature=1.0, seed=1), client=client)
+        v.verify(Draft(tokens=torch.empty(0, dtype=torch.long), probs=torch.empty(0, 8)))
+    assert "q" not in seen["verify"][0] and seen["verify"][0]["draft_tokens"] == []
+
+
+def test_tokens_committed_without_a_session_do_not_count_as_pending(monkeypatch):
+    """After a lossy timeout commit the session is abandoned: tokens committed while there is none go
+    to the re-created session as generated ids, so they do not use up the pending limit of later
+    local commits (MAX_PENDING_UNVERIFIED set to 3 here)."""
+    monkeypatch.setattr("specdec.remote.client.MAX_PENDING_UNVERIFIED", 3)
+    monkeypatch.setattr(httpx, "request", lambda *a, **kw: None)  # the abandoned session's background DELETE
+
+    def reply(body):
+        raise httpx.ReadTimeout("no answer in time")
+
+    client, seen = _mock(reply)
+    with client:
+        cfg = RemoteConfig(url="http://edge.test", backoff_s=0.001, lossy_timeout_commit_ms=50)
+        answers = iter([False, True])
+        v = RemoteVerifier(cfg, [1, 2], GREEDY, client=client, local_commit=lambda d: next(answers))
+        timed_out = v.verify(Draft(tokens=torch.tensor([3]), probs=None))
+        local = v.verify(Draft(tokens=torch.tensor([4, 5, 6]), probs=None))
+    assert timed_out.metrics.get("timeout_commit") and local.metrics.get("local_commit")
+    assert v.stats.unverified_tokens == 4 and v.context.tolist() == [1, 2, 3, 4, 5, 6]
+
+
+def test_a_busy_recreation_under_the_lossy_timeout_does_not_end_the_run():
+    """With --lossy-timeout-commit-ms, a session lost mid-run is re-created against the round's
+    deadline.  A busy answer (503) to that re-creation must be treated like any other hiccup inside
+    the deadline (retried, or the round falls back to the timeout commit), as it is without the
+    lossy option and as a 503 to a verify call is; it used to end the whole generation with
+    'the server refused the session: HTTP 503'."""
+    state = {"creates": 0, "verifies": 0}
+
+    def handler(request: httpx.Request) -> httpx.Response:
+        if request.method == "DELETE":
+            return httpx.Response(200, json={})
+        body = json.loads(request.content)
+        if request.url.path == "/v1/sessions":
+            state["creates"] += 1
+            if state["creates"] == 2:  # the re-creation's first attempt: the server is busy
+                return httpx.Response(503, json={"error": {"message": "busy"}})
+            return httpx.Response(200, json={
+                "session_id": f"s{state['creates']}", "model": "fake", "wire": body["wire"], "method": body["method"],
+                "lossless": True, "seed": body["seed"], "vocab_size": 8, "max_context": 64, "max_gamma": 8,
+                "max_length": 64, "prompt_ids": body["prompt_ids"], "prefill_ms": 1.0})
+        state["verifies"] += 1
+        if state["verifies"] == 1:  # the first verify finds its session gone (evicted)
+            return httpx.Response(404, json={"error": {"message": "no such session"}})
+        return httpx.Response(200, json={"seq": body["seq"], "num_accepted": 1, "tokens": [3, 4], "next_token": 4,
+                                         "metrics": {"gamma": 1, "committed": 2}})
+
+    cfg = RemoteConfig(url="http://edge.test", backoff_s=0.001, lossy_timeout_commit_ms=10_000)
+    with httpx.Client(transport=httpx.MockTransport(handler)) as client:
+        v = RemoteVerifier(cfg, [1, 2], GREEDY, client=client)
+        out = v.verify(Draft(tokens=torch.tensor([3]), probs=None))
+    assert out.verdict.tokens.tolist() == [3, 4] and v.stats.session_recreates == 1
+    assert v.stats.timeout_commits == 0 and v.lossless  # the deadline was 10 s away: nothing committed unverified

@@ -535,7 +535,7 @@ class RemoteVerifier:
                 continue
             if resp.status_code in (200, 201):
                 break
-            if resp.status_code in (429, 502, 503, 504) and deadline is None:
+            if resp.status_code in (429, 502, 503, 504):  # within the deadline, if any (checked next pass)
                 attempts += 1
                 self.stats.retries += 1
                 self._wait(attempts, started, RemoteError(f"HTTP {resp.status_code}"))
