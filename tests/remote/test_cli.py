@@ -497,3 +497,50 @@ def test_a_head_with_lookup_is_refused_as_a_head_at_the_edge(capsys, monkeypatch
     err = capsys.readouterr().err.strip().splitlines()
     assert code == 2 and err[-1].startswith("specdec: error:")
     assert "reads the target's hidden states" in err[-1] and "unknown model" not in err[-1], err
+
+
+def test_prompt_lookup_stays_in_front_unless_the_gate_is_on(edge, monkeypatch):  # noqa: F811
+    """NAME+lookup drafts with prompt lookup first; only the edge gate (which judges the draft model's
+    tokens one by one) drops the lookup, so with --gate off it must reach the drafter."""
+    import specdec.engine as engine
+
+    lookups = []
+    real = engine.model_drafter
+
+    def spy(cfg, draft, *a, lookup=False, **k):
+        lookups.append(lookup)
+        return real(cfg, draft, *a, lookup=lookup, **k)
+
+    monkeypatch.setattr(engine, "model_drafter", spy)
+    edge("--draft", f"{MODEL}+lookup")
+    edge("--draft", f"{MODEL}+lookup", "--gate", "shape")
+    assert lookups == [True, False]
+
+
+def test_the_gate_frequency_table_reaches_the_rare_rule(edge, tmp_path):  # noqa: F811
+    """--gate-freq loads the table (over the edge's vocabulary) into the rule triggers; without it the
+    rare rule has no table and is off."""
+    table = tmp_path / "freq.json"
+    table.write_text(json.dumps({"7": 3}))
+    triggers = edge(*NGRAM, "--gate", "shape", "--gate-freq", str(table), "--gate-rules", "rare")["gate"].triggers
+    assert triggers.frequency is not None and int(triggers.frequency[7]) == 3 and triggers.frequency.numel() == 49152
+    assert triggers.check("", 8) == ("rare",) and triggers.check("", 7) == ()
+    assert edge(*NGRAM, "--gate", "shape", "--gate-rules", "rare")["gate"].triggers.frequency is None
+
+
+def test_the_summary_line_says_how_many_prompt_tokens_the_server_had_cached():
+    """The stderr summary names the prompt tokens the server's prefix cache copied (a chat's later
+    turns), and says nothing about a cache when there were none."""
+    from types import SimpleNamespace
+
+    from specdec.remote.command import _summary_line
+
+    stats = {"generated_tokens": 5, "wall_s": 1.0, "tokens_per_s": 5.0, "tokens_per_target_call": 2.5,
+             "acceptance_rate": 0.5, "bytes_up": 10, "bytes_down": 20, "rtt_ms": 3.0, "method": "greedy"}
+
+    def out(cached: int):
+        return SimpleNamespace(summary=lambda: stats, lossless=True,
+                               remote={"wire": "greedy", "session_cached_tokens": cached, "unverified_tokens": 0})
+
+    assert "| 12 prompt tokens cached on the server" in _summary_line(out(12))
+    assert "cached" not in _summary_line(out(0))

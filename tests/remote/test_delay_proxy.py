@@ -10,6 +10,7 @@ from __future__ import annotations
 import asyncio
 import json
 import socket
+import struct
 import subprocess
 import sys
 import time
@@ -232,3 +233,57 @@ def test_a_port_already_taken_is_one_line_and_exit_code_1(capsys):
         assert main(["--listen", f"127.0.0.1:{port}", "--to", "127.0.0.1:1", "--rtt-ms", "1"]) == 1
     err = capsys.readouterr().err
     assert err.startswith(f"delay proxy: cannot listen on 127.0.0.1:{port}") and err.count("\n") == 1, err
+
+
+def test_a_connection_the_upstream_refuses_is_still_counted():
+    """ProxyStats.connections counts the clients the proxy accepted, refused upstream or not."""
+
+    async def main() -> int:
+        probe = await asyncio.start_server(lambda r, w: w.close(), "127.0.0.1", 0)
+        port = probe.sockets[0].getsockname()[1]
+        probe.close()
+        await probe.wait_closed()  # nothing listens on `port` any more
+        proxy = await DelayProxy("127.0.0.1", port, 0).start()
+        try:
+            reader, writer = await asyncio.open_connection("127.0.0.1", proxy.port)
+            await asyncio.wait_for(reader.read(), 5)
+            writer.close()
+            return proxy.stats.connections
+        finally:
+            await proxy.close()
+
+    assert asyncio.run(main()) == 1
+
+
+def test_a_client_reset_ends_the_upstream_stream():
+    """A client that resets its connection (RST, not a clean close): the upstream side is sent end of
+    stream (within 5 s here; at once in fact), not left waiting for bytes that will never come."""
+
+    async def main() -> bytes:
+        got: asyncio.Future = asyncio.get_running_loop().create_future()
+
+        async def upstream(reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+            data = b""
+            while chunk := await reader.read(1 << 16):
+                data += chunk
+            if not got.done():
+                got.set_result(data)
+            writer.close()
+
+        server = await asyncio.start_server(upstream, "127.0.0.1", 0)
+        proxy = await DelayProxy("127.0.0.1", server.sockets[0].getsockname()[1], 0.0).start()
+        try:
+            reader, writer = await asyncio.open_connection("127.0.0.1", proxy.port)
+            writer.write(b"hello")
+            await writer.drain()
+            await asyncio.sleep(0.2)  # the bytes reach the upstream first
+            sock = writer.get_extra_info("socket")
+            sock.setsockopt(socket.SOL_SOCKET, socket.SO_LINGER, struct.pack("ii", 1, 0))
+            writer.transport.abort()  # linger 0: the close is a reset
+            return await asyncio.wait_for(got, 5.0)
+        finally:
+            await proxy.close()
+            server.close()
+            await server.wait_closed()
+
+    assert asyncio.run(main()) == b"hello"

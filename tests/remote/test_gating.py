@@ -540,3 +540,61 @@ def test_a_full_length_draft_is_not_an_early_stop():
     gate.finish_block(torch.tensor([1]), Draft(tokens=torch.tensor([0, 1]), probs=None),
                       [TokenSignals(0.1, 0.1, 0.9, None, (), False)] * 2, 2)
     assert not gate.last.stopped_early and gate.summary()["early_stops"] == 0
+
+
+def test_an_early_stop_is_counted_in_the_summary():
+    """A draft the shape policy cut short of the requested γ counts as one early stop in the stats."""
+    gate = Gate(GateConfig(policy="shape"))
+    gate.finish_block(torch.tensor([1]), Draft(tokens=torch.arange(4), probs=None), _signals([False, True, False, False]), 4)
+    gate.finish_block(torch.tensor([1]), Draft(tokens=torch.arange(4), probs=None), _signals([False] * 4), 4)
+    assert gate.summary()["early_stops"] == 1 and gate.summary()["rounds"] == 2
+
+
+def test_signals_past_the_returned_draft_are_not_judged():
+    """A drafter may sample more tokens than it returns (it stopped at an end token, say): only the
+    signals of the tokens in the draft count towards the hard ratio and the escalation."""
+    gate = Gate(GateConfig(policy="lossy-local-commit", r_hard=0.0, rules=frozenset()))
+    draft = gate.finish_block(torch.tensor([1]), Draft(tokens=torch.tensor([3, 4]), probs=None),
+                              _signals([False, False, True, True]), 4)
+    assert gate.last.hard_ratio == 0.0 and not gate.last.escalate and len(gate.last.signals) == 2
+    assert gate.summary()["gated_tokens"] == 2 and gate.summary()["hard_tokens"] == 0
+    assert gate.local_commit(draft)
+
+
+def test_a_dropout_layer_with_rate_zero_is_no_dropout():
+    """torch.nn.Dropout(p=0.0) changes nothing: MC dropout would measure a variance of 0 for the price
+    of its passes, so the draft counts as having no dropout."""
+    module = torch.nn.Sequential(torch.nn.Linear(2, 2), torch.nn.Dropout(0.0))
+    assert not has_dropout(SimpleNamespace(model=module))
+    module = torch.nn.Sequential(torch.nn.Linear(2, 2), torch.nn.Dropout(0.1))
+    assert has_dropout(SimpleNamespace(model=module))
+
+
+def test_a_hidden_dropout_rate_in_the_config_is_dropout():
+    """Every dropout field the docstring's families use counts, hidden_dropout (e.g. Falcon's) too."""
+    module = torch.nn.Linear(2, 2)
+    module.config = SimpleNamespace(hidden_dropout=0.1)
+    assert has_dropout(SimpleNamespace(model=module))
+
+
+class _Words:
+    def __init__(self, words):
+        self.words = list(words)
+
+    def decode(self, ids):
+        return "".join(self.words[i] for i in ids)
+
+
+def test_a_capitalised_word_after_a_colon_or_semicolon_starts_a_sentence():
+    """'Note: Alice' and 'done; Alice' start a new clause: no name rule there, unlike 'met Alice'."""
+    triggers = RuleTriggers(_Words([" Alice"]), rules=frozenset({"name"}))
+    assert triggers.check("Note:", 0) == ()
+    assert triggers.check("done;", 0) == ()
+    assert triggers.check("met", 0) == ("name",)
+
+
+def test_a_capitalised_word_after_a_full_stop_and_spaces_is_no_name():
+    """The sentence end is read before the trailing spaces of the prefix ('end.  ' + 'Alice')."""
+    triggers = RuleTriggers(_Words(["Alice"]), rules=frozenset({"name"}))
+    assert triggers.check("The end.  ", 0) == ()
+    assert triggers.check("met  ", 0) == ("name",)
