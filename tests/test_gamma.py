@@ -154,17 +154,24 @@ def test_cost_gamma_stops_probing_a_drafter_that_loses_even_when_always_accepted
     assert _drafted_rounds(0.016, 0.003, accept=False) == [0, 8, 24, 56, 120]
 
 
+def _idle_start_drafts(ctrl: CostGamma, rounds: int = 40) -> list[int]:
+    """The rounds (of ``rounds``) in which ``ctrl`` drafted, each draft accepted whole at 0.03 s a
+    draft token against a 0.02 s target pass (drafting never pays)."""
+    drafted = []
+    for i in range(rounds):
+        g = ctrl.next_gamma()
+        if g:
+            drafted.append(i)
+        ctrl.update(gamma=g, accepted=g, draft_s=g * 0.03, target_s=0.02, other_s=0.0)
+    return drafted
+
+
 def test_cost_gamma_started_idle_probes_only_after_the_longest_interval():
     """start_idle (a drafter known to cost a target step per token): no drafting until the first
     probe, max_probe_every rounds later."""
     ctrl = CostGamma(max_probe_every=32)
     ctrl.start_idle()
-    drafted = []
-    for i in range(40):
-        g = ctrl.next_gamma()
-        if g:
-            drafted.append(i)
-        ctrl.update(gamma=g, accepted=g, draft_s=g * 0.03, target_s=0.02, other_s=0.0)
+    drafted = _idle_start_drafts(ctrl)
     assert drafted == [32], drafted
     cheap = CostGamma(max_probe_every=32)  # a probe that shows drafting paying ends the idle start
     cheap.start_idle()
@@ -974,19 +981,13 @@ def test_rounds_measured_at_zero_seconds_do_not_divide_by_zero():
 def test_start_idle_restarts_the_probe_count():
     """start_idle waits the whole longest interval from the call, whatever count of plain rounds the
     controller had already run (a successor carries its count; the decoder then starts it idle)."""
-
     ctrl = CostGamma(max_probe_every=32)
     ctrl.start_idle()
     for _ in range(10):  # ten plain rounds already counted towards the first probe
         assert ctrl.next_gamma() == 0
         ctrl.update(gamma=0, accepted=0, draft_s=0.0, target_s=0.02, other_s=0.0)
     ctrl.start_idle()
-    drafted = []
-    for i in range(40):
-        g = ctrl.next_gamma()
-        if g:
-            drafted.append(i)
-        ctrl.update(gamma=g, accepted=g, draft_s=g * 0.03, target_s=0.02, other_s=0.0)
+    drafted = _idle_start_drafts(ctrl)
     assert drafted == [32], drafted
 
 
