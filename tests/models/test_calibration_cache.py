@@ -264,3 +264,35 @@ def test_an_entry_is_read_without_running_its_pickled_code(cache):
     torch.save({"lm_head": _Runs()}, cache / "hostile.pt")
     assert calibration_cache.load("hostile", {"lm_head": (4,)}) is None
     assert CALLED == []
+
+
+@pytest.mark.parametrize("name", ["SPECDEC_CALIBRATION_CACHE", "SPECDEC_QUANTISED_CACHE"])
+def test_where_the_caches_live_is_not_in_the_digest(name, monkeypatch, tmp_path):
+    """Moving either cache's folder cannot change a pass's numbers: the same parts, the same digest."""
+    monkeypatch.setenv(name, str(tmp_path / "a"))
+    before = calibration_cache.digest({"model": "m"})
+    monkeypatch.setenv(name, str(tmp_path / "b"))
+    assert calibration_cache.digest({"model": "m"}) == before
+
+
+def test_the_oldest_written_entry_goes_first_whatever_its_name(tmp_path, monkeypatch):
+    """KEEP = 2: entries named in the opposite order to their write times; the oldest written
+    ("z") is the one removed."""
+    monkeypatch.setenv("SPECDEC_CALIBRATION_CACHE", str(tmp_path))
+    monkeypatch.setattr(calibration_cache, "KEEP", 2)
+    for i, name in enumerate(["z", "y"]):
+        calibration_cache.save(name, {"lm_head": torch.ones(4)})
+        os.utime(tmp_path / f"{name}.pt", ns=(i * 10**9, i * 10**9))
+    calibration_cache.save("a", {"lm_head": torch.ones(4)})  # written now: the newest
+    assert sorted(p.stem for p in tmp_path.glob("*.pt")) == ["a", "y"]
+
+
+def test_parts_that_json_cannot_write_are_digested_by_their_text():
+    """A caller's parts may hold values JSON has no form for (a Path, a dtype): they are digested
+    by their text, not refused, and different values give different digests."""
+    from pathlib import Path
+
+    a = calibration_cache.digest({"model": Path("a"), "dtype": torch.float32})
+    assert a == calibration_cache.digest({"model": Path("a"), "dtype": torch.float32})
+    assert a != calibration_cache.digest({"model": Path("b"), "dtype": torch.float32})
+    assert a != calibration_cache.digest({"model": Path("a"), "dtype": torch.bfloat16})

@@ -10,7 +10,7 @@ import struct
 import pytest
 
 from specdec.errors import ConfigError
-from specdec.models.gguf_blocks import gguf_architecture, read_q4_blocks, ships_q4
+from specdec.models.gguf_blocks import _read_header, check_block_count, gguf_architecture, read_q4_blocks, ships_q4
 
 
 def _s(text: bytes) -> bytes:  # a GGUF string: length, bytes
@@ -45,6 +45,7 @@ DAMAGED = [
     ("nested_deep", _gguf(ARCH + _nested(100_000), n_kv=2)),
     ("nested_two_deep", _gguf(ARCH + _nested(3), n_kv=2)),
     ("alignment_negative", _gguf(ARCH + _s(b"general.alignment") + struct.pack("<Ii", 5, -32), n_kv=2)),
+    ("alignment_zero", _gguf(ARCH + _s(b"general.alignment") + struct.pack("<II", 4, 0), n_kv=2)),
 ]
 
 
@@ -92,7 +93,6 @@ def _layers_gguf(declared: int, layers: int) -> bytes:
 def test_a_gguf_whose_layers_disagree_with_its_block_count_is_refused_before_conversion(tmp_path, declared, layers):
     """A lowered ``block_count`` made the float32 conversion (transformers) drop the layers past it
     and run another model in silence; a raised one, a model missing its last layer."""
-    from specdec.models.gguf_blocks import check_block_count
     from specdec.models.registry import convert_gguf
 
     path = tmp_path / "edited.gguf"
@@ -142,7 +142,6 @@ def test_an_alignment_written_as_a_bool_is_a_damaged_header(tmp_path):
 def test_the_block_count_check_leaves_files_it_cannot_judge_to_the_converter(tmp_path):
     """No layer tensors at all (nothing to compare), or no file: no complaint here (the
     converter reports what is wrong), and never a bare ValueError / OSError."""
-    from specdec.models.gguf_blocks import check_block_count
 
     path = tmp_path / "nolayers.gguf"
     path.write_bytes(_gguf(ARCH + _s(b"llama.block_count") + struct.pack("<II", 4, 2), n_kv=2))
@@ -207,8 +206,6 @@ def _gguf_with_layers(declared: int, layers: list[int]) -> bytes:
 
 
 def test_a_gguf_missing_a_middle_layer_is_refused(tmp_path):
-    from specdec.models.gguf_blocks import check_block_count
-
     path = tmp_path / "cut.gguf"
     path.write_bytes(_gguf_with_layers(4, [0, 1, 2, 3]))
     check_block_count(path)  # whole: no complaint
@@ -224,8 +221,6 @@ def test_the_tensor_data_starts_where_the_gguf_reference_reader_puts_it(tmp_path
     gguf = pytest.importorskip("gguf")
     import numpy as np
 
-    from specdec.models.gguf_blocks import _read_header
-
     for n in range(1, 65, 7):
         path = tmp_path / f"name{n}.gguf"
         writer = gguf.GGUFWriter(str(path), "llama")
@@ -236,3 +231,54 @@ def test_the_tensor_data_starts_where_the_gguf_reference_reader_puts_it(tmp_path
         writer.close()
         expected = gguf.GGUFReader(str(path)).tensors[0].data_offset
         assert _read_header(path).data_start == expected, n
+
+
+def test_a_file_of_exactly_the_smallest_key_value_records_is_read(tmp_path):
+    """Each key-value record takes at least 13 bytes (empty key, type, a uint8): 40 of them and
+    nothing else is a valid header, not "more records than the file has room for"."""
+    n = 40
+    records = (_s(b"") + struct.pack("<IB", 0, 1)) * n
+    path = tmp_path / "kv.gguf"
+    path.write_bytes(_gguf(records, n_kv=n))
+    assert _read_header(path).arch == ""
+
+
+def test_a_string_array_of_empty_strings_ending_the_file_is_read(tmp_path):
+    """Each string of an array takes at least 8 bytes: 40 empty ones ending the file fit exactly."""
+    n = 40
+    records = ARCH + _s(b"tokens") + struct.pack("<IIQ", 9, 8, n) + struct.pack("<Q", 0) * n
+    path = tmp_path / "strings.gguf"
+    path.write_bytes(_gguf(records, n_kv=2))
+    assert gguf_architecture(path) == "llama"
+
+
+def test_an_array_of_empty_arrays_ending_the_file_is_read(tmp_path):
+    """Each inner array takes at least 12 bytes (type, count): 40 empty ones ending the file fit."""
+    n = 40
+    records = ARCH + _s(b"nested") + struct.pack("<IIQ", 9, 9, n) + struct.pack("<IQ", 4, 0) * n
+    path = tmp_path / "arrays.gguf"
+    path.write_bytes(_gguf(records, n_kv=2))
+    assert gguf_architecture(path) == "llama"
+
+
+def test_a_block_count_written_as_a_bool_is_left_to_the_converter(tmp_path):
+    """``llama.block_count`` of GGUF type bool (7) is not a layer count: with two layers held,
+    the check does not complain (True is not "1 layer")."""
+    tensors = b"".join(_s(f"blk.{i}.ffn_up.weight".encode()) + struct.pack("<IQ", 1, 32) + struct.pack("<IQ", 0, 0)
+                       for i in range(2))
+    records = ARCH + _s(b"llama.block_count") + struct.pack("<IB", 7, 1)
+    path = tmp_path / "boolcount.gguf"
+    path.write_bytes(_gguf(records, n_kv=2, n_tensors=2, tensors=tensors))
+    assert [t[0] for t in _read_header(path).tensors] == ["blk.0.ffn_up.weight", "blk.1.ffn_up.weight"]
+    assert check_block_count(path) is None
+
+
+def test_a_blk_tensor_without_a_layer_number_is_not_a_layer(tmp_path):
+    """``blk.x.ffn_up.weight`` (no number) is not counted as a layer: the check compares the
+    numbered ones (0 and 1) with a declared count of 2 and says nothing, never a bare ValueError."""
+    names = ["blk.0.ffn_up.weight", "blk.1.ffn_up.weight", "blk.x.ffn_up.weight"]
+    tensors = b"".join(_s(n.encode()) + struct.pack("<IQ", 1, 32) + struct.pack("<IQ", 0, 0) for n in names)
+    records = ARCH + _s(b"llama.block_count") + struct.pack("<II", 4, 2)
+    path = tmp_path / "named.gguf"
+    path.write_bytes(_gguf(records, n_kv=2, n_tensors=3, tensors=tensors))
+    assert check_block_count(path) is None

@@ -262,3 +262,35 @@ def test_the_arena_kept_on_a_model_is_not_one_of_its_tensors(on):
     arena = hugepages.adopt(module)
     assert arena is not None and module._huge_pages is arena
     assert {id(t) for t in hugepages.tensors_of(module)} == {id(module.weight), id(module.bias)}
+
+
+def test_tensors_in_a_set_or_frozenset_are_reached():
+    """``tensors_of`` walks sets and frozensets as it walks lists and tuples."""
+    a, b = torch.zeros(3), torch.ones(3)
+    found = list(hugepages.tensors_of({"s": {a}, "f": frozenset([b])}))
+    assert any(t is a for t in found) and any(t is b for t in found)
+
+
+def test_an_unreadable_setting_is_not_available(monkeypatch, tmp_path):
+    """Where the kernel's THP setting cannot be read (no THP support), nothing is moved even with
+    SPECDEC_HUGE_PAGES on: only ``always`` and ``madvise`` allow it."""
+    monkeypatch.setattr(hugepages, "_SETTING", tmp_path / "missing")
+    monkeypatch.setenv("SPECDEC_HUGE_PAGES", "1")
+    assert hugepages.thp_setting() is None
+    assert hugepages.available() is False
+
+
+def test_a_setting_path_that_is_not_a_readable_file_is_none(monkeypatch, tmp_path):
+    """Any OSError reading the setting (here: a directory) means "cannot be read", not a crash."""
+    monkeypatch.setattr(hugepages, "_SETTING", tmp_path)
+    assert hugepages.thp_setting() is None
+    assert hugepages.available() is False or not hasattr(mmap, "MADV_HUGEPAGE")
+
+
+def test_huge_bytes_of_a_malformed_rollup_is_none(monkeypatch, tmp_path):
+    """A rollup whose AnonHugePages line is not a number gives None, never a ValueError."""
+    rollup = tmp_path / "smaps_rollup"
+    rollup.write_text("Rss:    10000 kB\nAnonHugePages:     lots kB\n")
+    real = hugepages.Path
+    monkeypatch.setattr(hugepages, "Path", lambda p: rollup if p == "/proc/self/smaps_rollup" else real(p))
+    assert hugepages.huge_bytes() is None

@@ -434,3 +434,23 @@ def test_a_file_without_the_format_in_its_metadata_is_not_used(cache):
 
     save_file({f"lm_head.{k}": v for k, v in _int8().items()}, str(cache / "entry.safetensors"))
     assert quantised_cache.load("entry", {"lm_head": (4, 8)}) is None
+
+
+def test_an_int8_bias_is_sized_by_the_outputs(cache):
+    """4 outputs, 8 inputs: a bias of 4 is the layer's, one of 8 is not."""
+    for bias, fits in ((torch.zeros(4), True), (torch.zeros(8), False)):
+        assert (_roundtrip({"lm_head": {**_int8(), "bias": bias}}, {"lm_head": (4, 8)}) is not None) == fits, bias.numel()
+
+
+def test_a_write_failing_with_any_error_is_a_quiet_miss(cache, monkeypatch):
+    """save_file raising something other than an OSError (safetensors' own errors are not) returns
+    False and leaves no temporary file: a cache must never fail a model's load."""
+    import safetensors.torch
+
+    def boom(tensors, filename, metadata=None):
+        open(filename, "wb").write(b"half")
+        raise RuntimeError("serialisation failed")
+
+    monkeypatch.setattr(safetensors.torch, "save_file", boom)
+    assert quantised_cache.save("entry", {f"lm_head.{k}": v for k, v in _int8().items()}) is False
+    assert list(cache.iterdir()) == []

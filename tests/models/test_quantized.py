@@ -15,7 +15,7 @@ import torch
 
 import specdec.models.linear as linear_mod
 from specdec.errors import ConfigError
-from specdec.models import kernels
+from specdec.models import kernels, quantize
 from specdec.models.linear import (W8A8Linear, W8A8OneDNNLinear, _has_vnni, int8_kernel, mixed_available, mixed_pays,
                                    onednn_int8_available, tensor_bytes, vnni_available, w8a8_available)
 from specdec.models.native import NativeCausalLM
@@ -681,7 +681,6 @@ def test_the_calibration_source_digest_covers_the_calibration_text(tmp_path, mon
     CALIBRATION_TEXT must not read back ranges measured on the old one."""
     import shutil
 
-    from specdec.models import quantize
     from specdec.models.registry import DATA_DIR
 
     shutil.copy(DATA_DIR / "smollm2-135m-draft" / "tokenizer.json", tmp_path / "tokenizer.json")
@@ -806,7 +805,6 @@ def test_the_calibration_source_digest_covers_the_tokenizers_version(tmp_path, m
     import importlib.metadata as md
     import shutil
 
-    from specdec.models import quantize
     from specdec.models.registry import DATA_DIR
 
     shutil.copy(DATA_DIR / "smollm2-135m-draft" / "tokenizer.json", tmp_path / "tokenizer.json")
@@ -1186,3 +1184,13 @@ def test_without_the_attention_kernel_a_4_bit_model_stays_off_the_fused_call(tmp
         return torch.cat([m.forward(ids[:20], c), m.forward(ids[20:21], c), m.forward(ids[21:25], c)])
 
     assert torch.equal(run(), on_python_loop(m, run))
+
+
+def test_the_calibration_source_digest_covers_the_tokenizer_file(tmp_path):
+    """Two folders whose tokenizer.json differ (one byte) give different digests; equal files give
+    equal digests."""
+    for name, text in (("a", '{"x": 1}'), ("b", '{"x": 2}'), ("c", '{"x": 1}')):
+        (tmp_path / name).mkdir()
+        (tmp_path / name / "tokenizer.json").write_text(text)
+    a, b, c = (quantize.calibration_source(tmp_path / n) for n in "abc")
+    assert a == c and a != b

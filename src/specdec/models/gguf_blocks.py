@@ -150,7 +150,7 @@ def _parse_header(path: str, size: int, mtime_ns: int) -> _Header:  # size, mtim
             name = string()
             dims = [unpack("Q") for _ in range(unpack("I"))]
             tensors.append((name, dims, unpack("I"), unpack("Q")))
-        alignment = meta.get("general.alignment") or 32
+        alignment = meta.get("general.alignment", 32)  # 0 is no alignment: refused below, as llama.cpp does
         if not isinstance(alignment, int) or isinstance(alignment, bool) or alignment < 1:
             raise ValueError(f"{path}: general.alignment must be a positive whole number, got {alignment!r}")
         data_start = -(-pos // alignment) * alignment
