@@ -194,3 +194,14 @@ def test_growing_a_half_precision_cache_keeps_its_dtype_and_byte_counts():
     c.reserve(100)  # grows
     assert c.k.dtype == torch.float16 and c.v.dtype == torch.float16
     assert c.nbytes == 2 * 2 * 1 * c.capacity * 4 * 2 and c.used_bytes() == 100 * c.bytes_per_position
+
+
+def test_one_position_at_a_time_past_a_full_buffer_grows_it():
+    """Plain decoding reserves one position per step: the step that crosses the buffer's end must
+    grow it, so every reserved position has room in ``k`` and ``v`` (capacity >= length)."""
+    c = KVCache(1, 1, 2, 4 * GROW_STEP, initial_length=GROW_STEP)
+    for _ in range(GROW_STEP + 1):
+        start = c.reserve(1)
+        assert c.capacity >= c.length
+        c.k[:, :, start] = 1.0  # the reserved position can be written
+    assert c.length == GROW_STEP + 1 and c.capacity > GROW_STEP
