@@ -1039,3 +1039,19 @@ def test_generate_batch_passes_the_method_asked_for():
     cfg = SamplingConfig(temperature=1.0, seed=3, max_new_tokens=6)
     assert [r.method for r in eng.generate_batch([[1, 2], [2, 1]], cfg)] == ["coupled", "coupled"]
     assert [r.method for r in eng.generate_batch([[1, 2], [2, 1]], cfg, method="block")] == ["block", "block"]
+
+
+def test_the_engine_loads_through_the_registrys_load_as_it_is_at_call_time(monkeypatch):
+    """Engine.build calls ``registry.load`` when it runs, not a copy bound when the engine module was
+    first imported: a test (or a tool) that replaces the registry's loader is heard, and one that
+    did so while the engine was first imported leaves no stale loader behind for later callers."""
+
+    class Reached(Exception):
+        pass
+
+    def load(name, **kwargs):
+        raise Reached(name)
+
+    monkeypatch.setattr("specdec.models.registry.load", load)
+    with pytest.raises(Reached, match="smollm2-135m"):
+        Engine.build(EngineConfig(target="smollm2-135m", draft="none"))

@@ -28,7 +28,7 @@ from specdec.errors import ConfigError, SpecdecError
 from specdec.drafters.tree_builder import TreeSpec
 from specdec.gamma import CostGamma, FixedGamma, GammaController, GammaMemory, GuideGamma, ObservedGamma, TreeBudget
 from specdec.models import registry
-from specdec.models.registry import LoadedModel, check_compatible, load
+from specdec.models.registry import LoadedModel, check_compatible
 from specdec.sampling import SamplingConfig, floor_stops
 from specdec.session import TargetSession
 from specdec.text import StopWhen, encode_messages, encode_prompt, first_stop, output_sink, output_stop, prompt_ids
@@ -383,10 +383,10 @@ def load_draft(cfg: EngineConfig, ref: str | None = None, *, target: LoadedModel
     with ``target``, its tokenizer object where the two folders' tokenizer files are the same."""
     quant = draft_quant(cfg)
     name = split_lookup(ref or cfg.draft)[0]
-    return load(name, backend=cfg.backend, dtype=torch.float32 if quant else draft_dtype(cfg),
-                batch_invariant=draft_batch_invariant(quant), int8_head=draft_int8_head(cfg), quant=quant,
-                int8_kernel="fbgemm" if quant else "auto", vocab_subset=draft_vocabulary(cfg, name),
-                tokenizer_of=target)
+    return registry.load(name, backend=cfg.backend, dtype=torch.float32 if quant else draft_dtype(cfg),
+                         batch_invariant=draft_batch_invariant(quant), int8_head=draft_int8_head(cfg), quant=quant,
+                         int8_kernel="fbgemm" if quant else "auto", vocab_subset=draft_vocabulary(cfg, name),
+                         tokenizer_of=target)
 
 
 def default_method(cfg: SamplingConfig) -> str:
@@ -573,8 +573,8 @@ class Engine:
                      " and the kernel is an int8 (or q4) target's")
         if progress:
             progress(f"loading target {cfg.target}" + (f" ({quant})" if quant else ""))
-        target = load(cfg.target, backend=cfg.backend, dtype=dtype, batch_invariant=cfg.batch_invariant, quant=quant,
-                      int8_kernel=cfg.int8_kernel)
+        target = registry.load(cfg.target, backend=cfg.backend, dtype=dtype, batch_invariant=cfg.batch_invariant,
+                               quant=quant, int8_kernel=cfg.int8_kernel)
         apply_kv_dtype(target, kv_dtype, cfg.kv_dtype)
         if cfg.chat_template is not None:
             from specdec.tokenizer import set_chat_template
