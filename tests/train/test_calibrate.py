@@ -242,3 +242,37 @@ def test_the_mean_overlap_table_keeps_six_decimals() -> None:
     c = choose([1.0], [0.9, 1.0], torch.tensor([[1.0, 2.0]], dtype=torch.float64), [3])
     assert c.mean_overlap == {"1": [0.333333, 0.666667]}
     assert c.positions == {"1": 3}
+
+
+def test_each_temperature_is_continued_from_its_own_seed_and_scored_from_its_first_new_token(
+        capsys, tiny_folder, tmp_path, monkeypatch):
+    """Temperature i is sampled with seed --seed + i (its own random stream), each sequence is
+    handed to the scorer with its first continuation position (the prompt's length) and the index
+    of the temperature it was sampled at."""
+    from specdec.train import calibrate as cal
+    from specdec.train import kangaroo as kt
+
+    seeds, got = [], {}
+    real_continue, real_calibrate = kt.continue_batched, cal.calibrate
+
+    def continue_batched(model, prompts, **kw):
+        seeds.append((kw["seed"], tuple(kw["temperatures"])))
+        got.setdefault("prompts", [list(p) for p in prompts])
+        return real_continue(model, prompts, **kw)
+
+    def calibrate(target, draft, seqs, temps, factors, **kw):
+        got["seqs"], got["temps"] = list(seqs), list(temps)
+        return real_calibrate(target, draft, seqs, temps, factors, **kw)
+
+    monkeypatch.setattr(kt, "continue_batched", continue_batched)
+    monkeypatch.setattr(cal, "calibrate", calibrate)
+    code = main(["train", "calibrate", "--target", str(tiny_folder), "--draft", str(tiny_folder),
+                 "--out", str(tmp_path / "o"), "--prompts", "2", "--new-tokens", "3", "--temperatures", "1,0.7",
+                 "--factors", "1", "--seed", "5"])
+    assert code == 0, capsys.readouterr().err
+    assert seeds == [(5, (1.0,)), (6, (0.7,))]
+    prompts, seqs = got["prompts"], got["seqs"]
+    assert [ti for _, _, ti in seqs] == [0, 0, 1, 1]
+    for i, (seq, start, _) in enumerate(seqs):
+        prompt = prompts[i % 2]
+        assert start == len(prompt) and seq[:start].tolist() == prompt and seq.numel() > start

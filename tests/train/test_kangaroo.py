@@ -329,7 +329,17 @@ def test_the_command_continues_with_more_steps_and_refuses_other_settings(tmp_pa
     assert "adapter.safetensors.data.pt cannot be read" in err and "Traceback" not in err
 
 
-@pytest.mark.parametrize("setting, first, then", [("--top-k", "8", "4"), ("--new-tokens", "4", "5")])
+#: a small `specdec train kangaroo` run's settings
+COMMAND_BASE = {"--prompts": "2", "--new-tokens": "4", "--batch": "2", "--positions": "8", "--steps": "1", "--top-k": "4"}
+
+
+def _command(target, out, **over: str) -> list[str]:
+    """The argv of a small kangaroo run, ``over`` (e.g. ``top_k="8"``) replacing its settings."""
+    opts = {**COMMAND_BASE, **{f"--{k.replace('_', '-')}": str(v) for k, v in over.items()}}
+    return ["train", "kangaroo", "--target", str(target), "--out", str(out), *(x for kv in opts.items() for x in kv)]
+
+
+@pytest.mark.parametrize("setting, first, then", [("top_k", "8", "4"), ("new_tokens", "4", "5")])
 def test_the_command_refuses_a_checkpoint_of_other_data(tmp_path, capsys, setting, first, then):
     """--top-k and --new-tokens (like --prompts, --layers) make other training data: the old data is
     not reused, and a checkpoint trained on it is refused in one line, naming the setting, not
@@ -339,15 +349,44 @@ def test_the_command_refuses_a_checkpoint_of_other_data(tmp_path, capsys, settin
 
     target = make_tiny(tmp_path / "target", seed=0, layers=4, max_positions=256)
     out = tmp_path / "k" / "adapter.safetensors"
-    base = {"--prompts": "2", "--new-tokens": "4", "--batch": "2", "--positions": "8", "--steps": "1", "--top-k": "4"}
-    argv = ["train", "kangaroo", "--target", str(target), "--out", str(out)]
-    assert main([*argv, *(x for k, v in {**base, setting: first}.items() for x in (k, v))]) == 0
+    assert main(_command(target, out, **{setting: first})) == 0
     weights = out.read_bytes()
     capsys.readouterr()
-    assert main([*argv, *(x for k, v in {**base, setting: then}.items() for x in (k, v))]) == 2
+    assert main(_command(target, out, **{setting: then})) == 2
     err = capsys.readouterr().err
     assert "was saved by a run with key = " in err and "Traceback" not in err
     assert out.read_bytes() == weights
+
+
+def test_the_commands_settings_reach_the_trainer_and_the_report(tmp_path, capsys):
+    """--positions (and batch, top-k, seed) are the ones the run used, as its JSON report says; without
+    --layers K is half the target's layers (4 -> 2)."""
+    from specdec.cli import main
+    from tiny import make_tiny
+
+    target = make_tiny(tmp_path / "target", seed=0, layers=4, max_positions=256)
+    out = tmp_path / "k" / "adapter.safetensors"
+    assert main(_command(target, out, seed=3)) == 0
+    capsys.readouterr()
+    card = json.loads(out.with_name("adapter.json").read_text())
+    assert (card["positions"], card["batch"], card["top_k"], card["seed"], card["layers"]) == (8, 2, 4, 3, 2)
+    assert torch.load(out.with_name(out.name + ".ckpt.pt"), weights_only=False)["train"].positions == 8
+
+
+def test_the_command_makes_data_of_another_seed_again_not_reused(tmp_path, capsys):
+    """The seed draws the prompts and samples the continuations: with the checkpoint gone, a run with
+    another --seed makes its own data instead of reusing the saved data of the old seed."""
+    from specdec.cli import main
+    from tiny import make_tiny
+
+    target = make_tiny(tmp_path / "target", seed=0, layers=4, max_positions=256)
+    out = tmp_path / "k" / "adapter.safetensors"
+    assert main(_command(target, out, seed=0)) == 0
+    out.with_name(out.name + ".ckpt.pt").unlink()
+    capsys.readouterr()
+    assert main(_command(target, out, seed=1)) == 0
+    assert "sequences from" not in capsys.readouterr().err
+    assert torch.load(out.with_name(out.name + ".data.pt"), weights_only=False)["key"]["seed"] == 1
 
 
 def test_the_adapter_scales_the_residual_sum_per_channel():

@@ -121,13 +121,38 @@ def _no_load(monkeypatch):
     ("skip", ["--polish", "-1"], "--polish must be >= 0, got -1"),
     ("skip", ["--prompts", "0"], "--prompts and --new-tokens must be >= 1"),
     ("calibrate", ["--temperatures", "0"], "--temperatures must be positive numbers"),
+    ("calibrate", ["--new-tokens", "0"], "--new-tokens >= 1"),
+    ("calibrate", ["--draft", "smollm2-135m-draft+lookup"], "calibrate measures a draft model"),
+    ("skip", ["--new-tokens", "0"], "--prompts and --new-tokens must be >= 1"),
+    ("online", ["--fed", "-1"], "--fed must be >= 0"),
+    ("online", ["--fed", "1", "--fed-lr", "0.1,0.1"], "--fed-lr distinct positive values"),
+    ("online", ["--fed", "1", "--fed-lr", "0"], "--fed-lr distinct positive values"),
+    ("online", ["--code-repeats", "-1"], "counts must be >= 0"),
+    ("online", ["--gen-batch", "0"], "--gen-batch, --batch-tokens and --lr positive"),
+    ("eagle", ["--steps", "0"], "--steps, --depth, --eval-every >= 1"),
+    ("medusa", ["--depth", "0"], "--steps, --depth, --eval-every >= 1"),
+    ("kangaroo", ["--positions", "0"], "--positions"),
+    ("distill", ["--top-k", "0"], "--top-k"),
+    ("data", ["--taps", ","], "--taps must be a non-empty comma list"),
 ])
 def test_out_of_range_settings_fail_before_anything_loads(capsys, tmp_path, monkeypatch, command, argv, says):
     _no_load(monkeypatch)
-    out = tmp_path / ("run.json" if command == "skip" else "run")
+    out = tmp_path / {"skip": "run.json", "kangaroo": "run.safetensors"}.get(command, "run")
     code, err = _train(capsys, command, "--out", str(out), *argv)
     lines = [line for line in err.strip().splitlines() if not line.startswith("[specdec]")]
     assert code == 2 and len(lines) == 1 and says in lines[0] and "Traceback" not in err, err
+
+
+def test_online_takes_every_built_in_chat_instruction_and_not_one_more(capsys, tmp_path, monkeypatch):
+    """--chat-prompts may ask for all the built-in instructions; one more is refused in one line."""
+    from specdec.train.prompts import chat_prompts
+
+    available = len(chat_prompts(10**7))
+    _no_load(monkeypatch)
+    with pytest.raises(Loaded):
+        _train(capsys, "online", "--out", str(tmp_path / "all"), "--chat-prompts", str(available))
+    code, err = _train(capsys, "online", "--out", str(tmp_path / "more"), "--chat-prompts", str(available + 1))
+    assert code == 2 and f"there are {available:,} built-in chat instructions" in err, err
 
 
 @pytest.mark.parametrize("argv", [["--chat-share", "0"], ["--chat-share", "1"], ["--temperatures", "0"], ["--taps", "0"],
