@@ -1405,3 +1405,30 @@ def test_a_busy_recreation_under_the_lossy_timeout_does_not_end_the_run():
         out = v.verify(Draft(tokens=torch.tensor([3]), probs=None))
     assert out.verdict.tokens.tolist() == [3, 4] and v.stats.session_recreates == 1
     assert v.stats.timeout_commits == 0 and v.lossless  # the deadline was 10 s away: nothing committed unverified
+
+
+def test_a_server_that_stays_busy_gets_the_lossy_timeout_commit_without_a_wait_past_the_deadline(monkeypatch):
+    """--lossy-timeout-commit-ms 50 against a server that answers every verify call 503 at once: the
+    backoff (here 2 s) never sleeps past the round's deadline, and once the deadline has passed the
+    round commits its first draft token, as it does when the calls time out."""
+    def handler(request: httpx.Request) -> httpx.Response:
+        if request.method == "DELETE":
+            return httpx.Response(200, json={})
+        body = json.loads(request.content)
+        if request.url.path == "/v1/sessions":
+            return httpx.Response(200, json={
+                "session_id": "s1", "model": "fake", "wire": body["wire"], "method": body["method"], "lossless": True,
+                "seed": body["seed"], "vocab_size": 8, "max_context": 64, "max_gamma": 8, "max_length": 64,
+                "prompt_ids": body["prompt_ids"], "prefill_ms": 1.0})
+        return httpx.Response(503, json={"error": {"message": "busy"}})
+
+    slept: list[float] = []
+    real_sleep = time.sleep
+    monkeypatch.setattr(time, "sleep", lambda s: slept.append(s) or real_sleep(s))
+    cfg = RemoteConfig(url="http://edge.test", backoff_s=2.0, max_backoff_s=2.0, retry_budget_s=5.0,
+                       lossy_timeout_commit_ms=50)
+    with httpx.Client(transport=httpx.MockTransport(handler)) as client:
+        v = RemoteVerifier(cfg, [1, 2], GREEDY, client=client)
+        out = v.verify(Draft(tokens=torch.tensor([3, 5]), probs=None))
+    assert out.verdict.tokens.tolist() == [3] and v.stats.timeout_commits == 1 and not v.lossless
+    assert slept and max(slept) <= 0.05, slept

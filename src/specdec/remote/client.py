@@ -394,30 +394,29 @@ class RemoteVerifier:
                     timeout = max(1e-3, min(timeout, deadline - time.perf_counter()))
                 resp = self._exchange("POST", f"/v1/sessions/{self._session}/verify", body, timeout)
             except (httpx.TransportError, _DeadlinePassed) as exc:
-                attempts += 1
-                self.stats.retries += 1
-                if deadline is not None and time.perf_counter() >= deadline:
-                    self.stats.timeout_commits += 1
-                    self._abandon_session()
-                    return self._commit_unverified(draft.tokens[:1], started, "timeout_commit")
-                self._wait(attempts, started, exc)
-                continue
-            status = resp.status_code
-            if status == 200:
-                return self._apply(_reply(resp, f"round {self._seq}"), drafted, started, parents)
-            if status == 404 and self._session is not None:
-                lost += 1
-                if lost > 3:
-                    raise RemoteError(f"the server keeps losing the session: {_error_message(resp)}")
-                self._session = None  # re-created (with everything committed so far) on the next pass
-                self.stats.session_recreates += 1
-                continue
-            if status in (429, 502, 503, 504):
-                attempts += 1
-                self.stats.retries += 1
-                self._wait(attempts, started, RemoteError(f"HTTP {status}"))
-                continue
-            raise RemoteError(f"the server refused round {self._seq}: HTTP {status}: {_error_message(resp)}")
+                failure: Exception = exc
+            else:
+                status = resp.status_code
+                if status == 200:
+                    return self._apply(_reply(resp, f"round {self._seq}"), drafted, started, parents)
+                if status == 404 and self._session is not None:
+                    lost += 1
+                    if lost > 3:
+                        raise RemoteError(f"the server keeps losing the session: {_error_message(resp)}")
+                    self._session = None  # re-created (with everything committed so far) on the next pass
+                    self.stats.session_recreates += 1
+                    continue
+                if status not in (429, 502, 503, 504):
+                    raise RemoteError(f"the server refused round {self._seq}: HTTP {status}: {_error_message(resp)}")
+                failure = RemoteError(f"HTTP {status}")
+            # a lost connection, a busy server or the deadline: retried, or past a lossy deadline committed
+            attempts += 1
+            self.stats.retries += 1
+            if deadline is not None and time.perf_counter() >= deadline:
+                self.stats.timeout_commits += 1
+                self._abandon_session()
+                return self._commit_unverified(draft.tokens[:1], started, "timeout_commit")
+            self._wait(attempts, started, failure, deadline)
 
     def close(self) -> None:
         """Delete the server session (best effort) and close the connection pool if we own it."""
@@ -476,9 +475,12 @@ class RemoteVerifier:
             raise RemoteError(f"the server at {self._base} did not answer within {self.cfg.retry_budget_s:g} s; giving up")
         return min(self.cfg.timeout_s, left)
 
-    def _wait(self, attempts: int, started: float, exc: Exception) -> None:
-        """Back off before the next attempt, or give up if that would leave the retry window."""
+    def _wait(self, attempts: int, started: float, exc: Exception, deadline: float | None = None) -> None:
+        """Back off before the next attempt (never past ``deadline``, a round's own), or give up if
+        that would leave the retry window."""
         delay = min(self.cfg.max_backoff_s, self.cfg.backoff_s * 2 ** (attempts - 1))
+        if deadline is not None:
+            delay = max(0.0, min(delay, deadline - time.perf_counter()))
         waited = time.perf_counter() - started
         if waited + delay >= self.cfg.retry_budget_s:
             raise RemoteError(
@@ -538,7 +540,7 @@ class RemoteVerifier:
             if resp.status_code in (429, 502, 503, 504):  # within the deadline, if any (checked next pass)
                 attempts += 1
                 self.stats.retries += 1
-                self._wait(attempts, started, RemoteError(f"HTTP {resp.status_code}"))
+                self._wait(attempts, started, RemoteError(f"HTTP {resp.status_code}"), deadline)
                 continue
             raise RemoteError(f"the server refused the session: HTTP {resp.status_code}: {_error_message(resp)}")
         what = "the session's creation"
