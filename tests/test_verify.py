@@ -489,3 +489,24 @@ def test_rules_that_compare_probabilities_ask_for_the_draft_rows():
         "greedy": False, "token": True, "block": True, "coupled": False,
         "lossy_resample_p": True, "lossy_strict_residual": True,
         "lossy_ratio_threshold": True, "lossy_p_threshold": True}
+
+
+def test_the_torch_rules_draw_float64_uniforms_and_average_alpha_over_every_position():
+    """float64 rows take the torch rules (the compiled ones take float32 rows). Token verification
+    keeps the leading run of u_i < min(1, p_i(x_i) / q_i(x_i)), its u the first γ float64 uniforms of
+    the generator; both rules report alpha_mean as the mean of min(1, p/q) over all γ positions
+    (40 random rounds of γ 4 over 5 tokens)."""
+    g = torch.Generator().manual_seed(0)
+    gamma, vocab = 4, 5
+    rows = torch.arange(gamma)
+    for seed in range(40):
+        q = torch.softmax(torch.randn(gamma, vocab, generator=g, dtype=torch.float64), -1)
+        p = torch.softmax(torch.randn(gamma + 1, vocab, generator=g, dtype=torch.float64), -1)
+        draft = torch.multinomial(q, 1, generator=g).squeeze(1)
+        ratio = (p[rows, draft] / q[rows, draft]).clamp(max=1.0)
+        u = torch.rand(gamma, generator=torch.Generator().manual_seed(seed), dtype=torch.float64)
+        token = token_verify(draft, q, p, generator=torch.Generator().manual_seed(seed))
+        assert token.num_accepted == int((u < ratio).long().cumprod(0).sum()), seed
+        block = block_verify(draft, q, p, generator=torch.Generator().manual_seed(seed))
+        for v in (token, block):
+            assert v.alpha_mean == pytest.approx(float(ratio.mean()), rel=1e-12), seed
