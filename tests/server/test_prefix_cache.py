@@ -835,3 +835,19 @@ def test_every_restore_that_could_copy_is_a_lookup_hit_or_miss():
     assert pc.restore(torch.cat([seq, _prompt(2, 3)]), model.new_cache(64)) == 40
     assert pc.restore(_prompt(3, 40), model.new_cache(64)) == 0
     assert (pc.lookups, pc.hits) == (2, 1)
+
+
+@pytest.mark.parametrize("batching", [True, False])
+def test_a_prefix_cache_of_zero_bytes_is_none(batching):
+    """``--prefix-cache-bytes 0`` turns the prefix cache off: the served target and the served draft
+    have none (not an empty one in front of every prefill); a positive size gives each one."""
+    from specdec.server.app import serving_model
+    from specdec.server.command import served_draft
+    from specdec.server.metrics import ServerMetrics
+
+    for size, on in ((0, False), (64 << 20, True)):
+        target = tiny_native(vocab=VOCAB)
+        served = serving_model(target, ServerSettings(batching=batching, prefix_cache_bytes=size), ServerMetrics())
+        assert (served.prefix_cache is not None) == on, size
+        draft = served_draft(tiny_native(vocab=VOCAB, seed=1), target, batching=batching, prefix_cache_bytes=size)
+        assert (draft.prefix_cache is not None) == on, size
