@@ -1431,4 +1431,4 @@ def test_a_server_that_stays_busy_gets_the_lossy_timeout_commit_without_a_wait_p
         v = RemoteVerifier(cfg, [1, 2], GREEDY, client=client)
         out = v.verify(Draft(tokens=torch.tensor([3, 5]), probs=None))
     assert out.verdict.tokens.tolist() == [3] and v.stats.timeout_commits == 1 and not v.lossless
-    assert slept and max(slept) <= 0.05, slept
+    assert all(s <= 0.05 for s in slept), slept  # (none at all where the first call alone outlasts 50 ms)
