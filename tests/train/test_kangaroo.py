@@ -389,3 +389,386 @@ def test_the_command_makes_data_of_another_seed_or_layer_again_not_reused(tmp_pa
     assert main(_command(target, out, **{setting: then})) == 0
     assert "sequences from" not in capsys.readouterr().err
     assert torch.load(out.with_name(out.name + ".data.pt"), weights_only=False)["key"][setting] == int(then)
+
+
+def test_the_adapter_scales_the_residual_sum_per_channel():
+    """Kangaroo §3.1 as the module docstring states it: RMSNorm → attention → residual add → a
+    learned per-channel scale, i.e. ``(x + attn(x)) * scale``.  Training and drafting share
+    ``_finish``, so the existing tests (drafting == training) cannot see which of the two the
+    scale multiplies; this writes one position out by hand (one key: attention returns v)."""
+    adapter = kt.new_adapter(MODEL, 2, seed=1)
+    cfg = adapter.cfg
+    g = torch.Generator().manual_seed(0)
+    with torch.no_grad():
+        adapter.out.copy_(torch.randn(adapter.out.shape, generator=g) * 0.3)
+        adapter.out_scale.copy_(1 + torch.randn(adapter.out_scale.shape, generator=g))
+        adapter.in_norm.copy_(1 + 0.1 * torch.randn(adapter.in_norm.shape, generator=g))
+        x = torch.randn(1, 1, cfg.hidden_size, generator=g)
+        got = adapter(x)[0, 0]
+    xn = x[0, 0] * torch.rsqrt(x[0, 0].pow(2).mean() + cfg.rms_eps) * adapter.in_norm
+    h, hk, d = cfg.n_heads, cfg.n_kv_heads, cfg.head_dim
+    v = (xn @ adapter.qkv.T)[(h + hk) * d :].view(hk, d).repeat_interleave(h // hk, 0).flatten()
+    want = (x[0, 0] + v @ adapter.out.T) * adapter.out_scale
+    torch.testing.assert_close(got, want.detach(), rtol=1e-5, atol=1e-5)
+
+
+def test_an_exit_at_or_past_the_last_layer_is_refused():
+    """Kangaroo exits *early*: ``1 <= layers < n_layers``.  Exiting after every layer would make the
+    draft the target itself plus an adapter (no speedup, a cache slot past the target's); the
+    existing tests only build adapters at K = 2 of 4."""
+    n = MODEL.cfg.n_layers
+    assert AdapterConfig.for_target(MODEL.cfg, n - 1).exit_after == n - 1
+    for bad in (0, n, n + 1):
+        with pytest.raises(ConfigError, match="kangaroo needs 1 <= layers"):
+            AdapterConfig.for_target(MODEL.cfg, bad)
+
+
+def test_a_stopping_threshold_of_one_is_refused():
+    """``stop_below`` is a probability threshold in [0, 1): at 1 every draft would stop after its
+    first token whatever the draft's confidence (q < 1 almost always), which is a misconfiguration."""
+    view = KangarooView(INVARIANT, kt.new_adapter(INVARIANT, 2, seed=1))
+    assert KangarooDrafter(view, stop_below=0.999).stop_below == 0.999
+    for bad in (1.0, -0.1):
+        with pytest.raises(ConfigError, match="stopping threshold"):
+            KangarooDrafter(view, stop_below=bad)
+
+
+def test_the_decoders_own_min_confidence_is_kept_when_higher():
+    """Kangaroo's threshold never *lowers* the decoder's ``min_confidence``: with ``stop_below=0``
+    and a sampler asking for 0.999, drafts still stop early (the existing early-stopping test only
+    raises the threshold from the sampler's default)."""
+    drafter = KangarooDrafter(KangarooView(INVARIANT, _trained(INVARIANT)), stop_below=0.0)
+    context = torch.tensor([1, 2, 3])
+    drafter.prepare(context)
+    sampler = DraftSampler(SamplingConfig(temperature=0.0), "argmax", penalties=None, generator=None)
+    assert drafter.propose(context, 6, sampler).tokens.numel() == 6  # as in the early-stopping test
+    drafter.prepare(context)
+    cautious = DraftSampler(SamplingConfig(temperature=0.0), "argmax", penalties=None, generator=None)
+    cautious.min_confidence = 0.999
+    assert drafter.propose(context, 6, cautious).tokens.numel() < 6
+    assert cautious.min_confidence == 0.999
+
+
+def test_a_file_not_written_by_the_trainer_is_refused(tmp_path):
+    """``load_adapter`` checks the ``format`` tag: a safetensors file carrying the same tensors and
+    config but another (or no) format tag is not taken for an adapter.  The damaged-file test keeps
+    the tag on every file it writes."""
+    from safetensors.torch import load_file, save_file
+
+    adapter = kt.new_adapter(MODEL, 2, seed=1)
+    save_adapter(adapter, tmp_path / "a.safetensors")
+    assert load_adapter(tmp_path / "a.safetensors")[0].cfg == adapter.cfg
+    tensors = load_file(str(tmp_path / "a.safetensors"))
+    save_file(tensors, str(tmp_path / "other.safetensors"),
+              metadata={"format": "pt", "config": json.dumps(asdict(adapter.cfg)), "card": "{}"})
+    with pytest.raises(ConfigError, match="not written by `specdec train kangaroo`"):
+        load_adapter(tmp_path / "other.safetensors")
+
+
+def test_the_adapters_rotary_embedding_is_the_llama_convention():
+    """The adapter's rotary embedding is Llama's ``x * cos + rotate_half(x) * sin`` with
+    ``rotate_half(x) = [-x2, x1]`` (the target's and the heads' convention).  Training and drafting
+    share ``_rope``, so a flipped sign would pass every drafting == training test while changing
+    what a shipped adapter computes; pinned against the heads' own rotary helpers."""
+    from specdec.heads.modules import _rotate, rope_tables
+
+    adapter = kt.new_adapter(MODEL, 2, seed=1)
+    cfg = adapter.cfg
+    x = torch.randn(5, cfg.n_heads, cfg.head_dim, generator=torch.Generator().manual_seed(0))  # [T, h, d]
+    positions = torch.arange(3, 8)
+    cos, sin = rope_tables(positions, cfg.head_dim, cfg.rope_theta)  # [T, d]
+    want = _rotate(x.transpose(0, 1), cos, sin).transpose(0, 1)  # _rotate takes [h, T, d]
+    torch.testing.assert_close(adapter._rope(x, positions), want, rtol=1e-6, atol=1e-6)
+
+
+def test_the_loss_is_the_mean_cross_entropy_against_the_renormalised_top_k() -> None:
+    """With every sequence and every position picked, the loss is the mean over positions with a
+    next token of ``-Σ_k p̂_k log q(i_k)``, p̂ the target's top-k probabilities renormalised to 1."""
+    data, w = _data(), kt.head_weight(MODEL)
+    adapter = kt.new_adapter(MODEL, 2, seed=1)
+    cfg = kt.TrainConfig(batch=len(data), positions=10_000)
+    with torch.no_grad():
+        got = float(kt.batch_loss(adapter, data, w, torch.Generator().manual_seed(0), cfg))
+        per = []
+        for f in data:
+            logq = kt.draft_log_probs(adapter, adapter(f.hidden[None])[0], w)[:-1]  # rows with a next token
+            p = f.top_p[:-1] / f.top_p[:-1].sum(-1, keepdim=True)
+            per.append(-(p * logq.gather(1, f.top_i[:-1])).sum(-1))
+    assert float(data[0].top_p.sum(-1).min()) < 0.999  # top-5 of 11 is not all the mass: renormalising matters
+    assert got == pytest.approx(float(torch.cat(per).mean()), rel=1e-5)
+
+
+def test_learning_rate_warms_up_from_the_first_step_then_decays_to_zero() -> None:
+    cfg = kt.TrainConfig(steps=10, warmup=4, lr=1.0)
+    assert kt.lr_at(0, cfg) == pytest.approx(0.25 * 0.5 * (1 + math.cos(0.0)))
+    assert kt.lr_at(5, cfg) == pytest.approx(0.5)  # warm, half way down the cosine
+    assert kt.lr_at(10, cfg) == pytest.approx(0.0, abs=1e-12)
+
+
+def test_each_step_draws_its_own_batch(monkeypatch) -> None:
+    """Batches come from a generator seeded by the step: the steps see different sequences."""
+    data, w = _data(), kt.head_weight(MODEL)
+    picks = []
+    real = kt.batch_loss
+
+    def spy(adapter, d, w_head, gen, cfg):
+        probe = torch.Generator()
+        probe.set_state(gen.get_state())
+        picks.append(tuple(torch.randperm(len(d), generator=probe)[: cfg.batch].tolist()))
+        return real(adapter, d, w_head, gen, cfg)
+
+    monkeypatch.setattr(kt, "batch_loss", spy)
+    kt.train(kt.new_adapter(MODEL, 2, seed=1), data, w, kt.TrainConfig(steps=6, batch=2, positions=8, warmup=1))
+    assert len(picks) == 6 and len(set(picks)) > 1
+
+
+def test_prompt_i_is_continued_at_temperature_i_across_batches() -> None:
+    """Prompt i is continued at ``temperatures[i % len]`` whatever batch it falls in: with batches
+    of 3, the greedy prompts (even i) continue as a greedy decode alone does, the others not."""
+    out = kt.continue_batched(MODEL, PROMPTS, new_tokens=6, temperatures=(0.0, 5.0), batch=3, seed=3)
+    same = []
+    for i, p in enumerate(PROMPTS):
+        alone = kt.continue_batched(MODEL, [p], new_tokens=6, temperatures=(0.0,), batch=1)[0]
+        same.append(torch.equal(out[i], alone))
+    assert same[0::2] == [True, True, True]
+    assert not any(same[1::2])  # (at T = 5 this seed's samples leave the greedy path)
+
+
+def test_a_continuation_stops_at_an_end_of_sequence_token() -> None:
+    greedy = kt.continue_batched(MODEL, PROMPTS[:2], new_tokens=6, temperatures=(0.0,))
+    eos = int(greedy[0][len(PROMPTS[0])])  # prompt 0's first greedy token
+    out = kt.continue_batched(MODEL, PROMPTS[:2], new_tokens=6, temperatures=(0.0,), eos_ids=frozenset({eos}))
+    assert out[0].tolist() == PROMPTS[0] + [eos]
+    cut = greedy[1].tolist()
+    stop = next((j + 1 for j in range(len(PROMPTS[1]), len(cut)) if cut[j] == eos), len(cut))
+    assert out[1].tolist() == cut[:stop]
+
+
+def test_held_out_scores_of_the_target_itself_are_one() -> None:
+    """A view running every layer drafts the target's own law: α₀ = α₁ = 1 over the continuation
+    positions (the draft's and the target's laws at the same positions)."""
+    full = LayerView(MODEL, LayerPlan.skipping(MODEL.cfg.n_layers, set(), set()))
+    rep = kt.held_out_acceptance(MODEL, {"full": full}, _data()[:3])
+    assert rep["full"] == {"alpha_t0": 1.0, "alpha_t1": 1.0}
+
+
+def test_every_step_clips_the_adapters_gradients_to_norm_one(monkeypatch) -> None:
+    """Each optimiser step first clips the gradient of all the adapter's parameters (and only
+    those: the target stays frozen) to a total norm of 1."""
+    adapter = kt.new_adapter(MODEL, 2, seed=1)
+    calls = []
+    real = torch.nn.utils.clip_grad_norm_
+
+    def spy(params, max_norm, *a, **k):
+        params = list(params)
+        calls.append((max_norm, {id(p) for p in params}))
+        real(params, max_norm, *a, **k)
+        assert torch.linalg.vector_norm(torch.stack([p.grad.norm() for p in params])) <= max_norm + 1e-5
+
+    monkeypatch.setattr(torch.nn.utils, "clip_grad_norm_", spy)
+    kt.train(adapter, _data(), kt.head_weight(MODEL), kt.TrainConfig(steps=3, batch=2, positions=8, warmup=1))
+    mine = {id(p) for p in adapter.parameters()}
+    assert [(n, ids == mine) for n, ids in calls] == [(1.0, True)] * 3
+
+
+def test_all_144_built_in_prompts_are_distinct_and_interleaved():
+    """--prompts allows up to 144: the 128 chat prompts and 16 code headers, chat and code
+    alternating while both last, every prompt once."""
+    prompts = kt.training_prompts(144)
+    assert len(prompts) == 144 and len(set(prompts)) == 144
+    assert sum(not chat for _, chat in prompts) == 16
+    assert [chat for _, chat in prompts[:4]] == [True, False, True, False]
+    assert kt.training_prompts(10) == prompts[:10]
+
+
+def test_the_seed_decides_the_adapters_initial_weights():
+    """--seed is the seed "of the data order and the initialisation": new_adapter passes it on."""
+    model = tiny_native(vocab=11, layers=4, batch_invariant=False)
+    a, b, c = kt.new_adapter(model, 2, seed=1), kt.new_adapter(model, 2, seed=1), kt.new_adapter(model, 2, seed=2)
+    assert all(torch.equal(x, y) for x, y in zip(a.parameters(), b.parameters()))
+    assert not all(torch.equal(x, z) for x, z in zip(a.parameters(), c.parameters()))
+
+
+def test_the_command_scores_every_continuation_position_of_train_and_held_out_sequences(tmp_path, capsys):
+    """Each sequence's features start at its last prompt token (the position whose law is the first
+    continuation token), for the training and the held-out prompts alike, so the held-out report
+    counts every continuation token."""
+    from specdec.cli import main
+    from specdec.models.registry import load_tokenizer
+    from specdec.text import encode_prompt
+    from tiny import make_tiny
+
+    target = make_tiny(tmp_path / "target", seed=0, layers=4, max_positions=256)
+    out = tmp_path / "k" / "adapter.safetensors"
+    assert main(["train", "kangaroo", "--target", str(target), "--out", str(out), "--prompts", "2", "--new-tokens", "4",
+                 "--batch", "2", "--positions", "8", "--steps", "1", "--top-k", "4"]) == 0
+    capsys.readouterr()
+    saved = torch.load(out.with_name(out.name + ".data.pt"), weights_only=False)
+    tok = load_tokenizer(target)
+    for feats, prompts in ((saved["train"], kt.training_prompts(2)), (saved["held_out"], kt.HELD_OUT)):
+        assert len(feats) == len(prompts)
+        for f, (text, chat) in zip(feats, prompts):
+            ids = encode_prompt(tok, text, chat=chat)
+            assert f.start == len(ids) - 1 and f.tokens[: len(ids)].tolist() == list(ids)
+
+
+OTHER = tiny_native(vocab=11, layers=4, seed=7)
+
+
+def _adapter():
+    """An adapter whose attention counts (its output projection is not zero)."""
+    adapter = kt.new_adapter(INVARIANT, 2, seed=1)
+    g = torch.Generator().manual_seed(0)
+    with torch.no_grad():
+        adapter.out.copy_(torch.randn(adapter.out.shape, generator=g) * 0.3)
+    return adapter
+
+
+def _argmax() -> DraftSampler:
+    return DraftSampler(SamplingConfig(temperature=0.0), "argmax", penalties=None, generator=None)
+
+
+def _cache_after(drafter: KangarooDrafter, prompt: list[int]):
+    run = SamplingConfig(temperature=0.0, max_new_tokens=12)
+    SpeculativeDecoder(INVARIANT, drafter, get_rule("greedy"), gamma=FixedGamma(3)).generate(prompt, run)
+    c = drafter.cache
+    return c.length, c.k[:, :, : c.length].clone(), c.resid[: c.length].clone()
+
+
+def test_a_drafter_reused_for_a_second_sequence_holds_what_a_fresh_one_holds():
+    """The tapped features are per sequence: after a first generation, a second one (another
+    prompt) leaves the view's cache (keys of every layer, the adapter's included, and the
+    residuals) exactly as a fresh drafter's after that generation alone."""
+    adapter = _adapter()
+    reused = KangarooDrafter(KangarooView(INVARIANT, adapter), stop_below=0.0)
+    assert reused.feature_taps == (2,)
+    _cache_after(reused, [1, 2, 3, 4, 5, 6, 7])
+    n, k, resid = _cache_after(reused, [3, 1, 2])
+    fresh_n, fresh_k, fresh_resid = _cache_after(KangarooDrafter(KangarooView(INVARIANT, adapter), stop_below=0.0), [3, 1, 2])
+    assert n == fresh_n and torch.equal(resid, fresh_resid) and torch.equal(k, fresh_k)
+
+
+def test_spawn_keeps_cache_sharing_off():
+    """``spawn`` keeps every setting: a drafter built with ``share=False`` spawns one without it."""
+    view = KangarooView(INVARIANT, _adapter())
+    assert KangarooDrafter(view, stop_below=0.3).spawn().share
+    off = KangarooDrafter(view, stop_below=0.3, share=False)
+    assert not off.spawn().share
+
+
+def test_no_feature_tap_without_cache_sharing():
+    """The tap is asked for only where the target's pass can reuse the draft's layers (``share``)."""
+    view = KangarooView(INVARIANT, _adapter())
+    assert KangarooDrafter(view, stop_below=0.0).feature_taps == (2,)
+    assert KangarooDrafter(view, stop_below=0.0, share=False).feature_taps is None
+
+
+def test_a_view_takes_nothing_from_another_models_cache():
+    """``bind_target`` binds only the view's own target: with another model's cache (and features)
+    handed over, the view computes the committed positions itself, as an unbound view does."""
+    ctx = torch.tensor([1, 3, 0, 2, 4, 1, 1])
+    cache = OTHER.new_cache(32)
+    OTHER.forward(ctx[:-1], cache)
+    adapter = _adapter()
+    bound = KangarooDrafter(KangarooView(INVARIANT, adapter), stop_below=0.0)
+    bound.bind_target(OTHER, cache)
+    bound.prepare(ctx)
+    bound.add_features(torch.randn(ctx.numel() - 1, 2, INVARIANT.cfg.hidden_size))
+    unbound = KangarooDrafter(KangarooView(INVARIANT, adapter), stop_below=0.0)
+    unbound.prepare(ctx)
+    assert torch.equal(bound.propose(ctx, 3, _argmax()).tokens, unbound.propose(ctx, 3, _argmax()).tokens)
+    n = ctx.numel() - 1
+    assert torch.equal(bound.cache.k[:, :, :n], unbound.cache.k[:, :, :n])
+    assert torch.equal(bound.cache.resid[:n], unbound.cache.resid[:n])
+
+
+def test_an_adapter_file_without_a_config_is_a_config_error(tmp_path):
+    """A tagged file whose metadata lacks the config is refused as a one-line ConfigError."""
+    from safetensors.torch import load_file, save_file
+
+    adapter = kt.new_adapter(INVARIANT, 2, seed=1)
+    save_adapter(adapter, tmp_path / "a.safetensors")
+    save_file(load_file(str(tmp_path / "a.safetensors")), str(tmp_path / "noconfig.safetensors"),
+              metadata={"format": "specdec-kangaroo-adapter", "card": "{}"})
+    with pytest.raises(ConfigError, match="cannot read kangaroo adapter"):
+        load_adapter(tmp_path / "noconfig.safetensors")
+
+
+def test_an_adapter_loads_in_the_dtype_asked_for(tmp_path):
+    """``load_adapter(dtype=...)``: the weights come back in that dtype (a bfloat16 target's)."""
+    save_adapter(kt.new_adapter(INVARIANT, 2, seed=1), tmp_path / "a.safetensors")
+    back, _ = load_adapter(tmp_path / "a.safetensors", dtype=torch.bfloat16)
+    assert {p.dtype for p in back.parameters()} == {torch.bfloat16}
+    assert {p.dtype for p in load_adapter(tmp_path / "a.safetensors")[0].parameters()} == {torch.float32}
+
+
+def test_a_views_cache_holds_keys_and_values_in_the_targets_kv_dtype():
+    """With ``--kv-dtype float16`` the view's own cache rounds its keys and values as the target's
+    does: the view's layers must see what the target's pass would see for the same tokens."""
+    target = tiny_native(vocab=11, layers=4)
+    try:
+        target.set_kv_dtype(torch.float16)
+    except ValueError:
+        pytest.skip("a float16 key/value cache needs specdec's compiled attention kernel")
+    cache = KangarooView(target, kt.new_adapter(target, 2, seed=1)).new_cache(16)
+    assert cache.k.dtype == cache.v.dtype == torch.float16
+
+
+def test_the_seed_decides_the_order_of_the_chat_prompts() -> None:
+    """``--seed`` is the seed of the data order: another seed shuffles the chat prompts otherwise
+    (the same 144 prompts, code headers in the same places)."""
+    a, b = kt.training_prompts(144, seed=0), kt.training_prompts(144, seed=1)
+    assert a != b and set(a) == set(b)
+    assert [chat for _, chat in a] == [chat for _, chat in b]
+    assert kt.training_prompts(144, seed=1) == b
+
+
+def test_the_seed_decides_the_batches(monkeypatch) -> None:
+    """Each step's generator is seeded by the config's seed and the step: two seeds draw other batches."""
+    data, w = _data(), kt.head_weight(MODEL)
+    picks: dict[int, list[tuple[int, ...]]] = {}
+    real = kt.batch_loss
+    for seed in (0, 1):
+        def spy(adapter, d, w_head, gen, cfg, seed=seed):
+            probe = torch.Generator()
+            probe.set_state(gen.get_state())
+            picks.setdefault(seed, []).append(tuple(torch.randperm(len(d), generator=probe)[: cfg.batch].tolist()))
+            return real(adapter, d, w_head, gen, cfg)
+
+        monkeypatch.setattr(kt, "batch_loss", spy)
+        kt.train(kt.new_adapter(MODEL, 2, seed=1), data, w, kt.TrainConfig(steps=4, batch=2, positions=8, warmup=1, seed=seed))
+    assert picks[0] != picks[1]
+
+
+def test_weight_decay_reaches_the_optimiser_and_a_resume_leaves_the_callers_state_alone() -> None:
+    """AdamW's own default weight decay is 0.01, the config's 0.0: the optimiser gets the config's.
+    Resuming from a checkpoint dict does not grow that dict's loss list."""
+    data, w = _data(), kt.head_weight(MODEL)
+    states: list[dict] = []
+    cfg = kt.TrainConfig(steps=2, batch=2, positions=8, warmup=1)
+    kt.train(kt.new_adapter(MODEL, 2, seed=1), data, w, cfg, on_step=lambda s, loss, st: states.append(st))
+    assert [g["weight_decay"] for g in states[-1]["optimizer"]["param_groups"]] == [0.0]
+    st = {**states[-1], "losses": list(states[-1]["losses"])}  # the checkpoint of step 2
+    kt.train(kt.new_adapter(MODEL, 2, seed=1), data, w, replace(cfg, steps=3), state=st)
+    assert len(st["losses"]) == 2
+
+
+def test_the_draft_law_uses_the_adapters_own_norm_epsilon_and_training_ends_in_eval_mode() -> None:
+    """``draft_log_probs`` normalises with the adapter config's rms_eps (the target's), not a constant."""
+    cfg = replace(AdapterConfig.for_target(MODEL.cfg, 2), rms_eps=0.5)
+    adapter = Adapter(cfg, seed=0)
+    h = torch.randn(3, cfg.hidden_size) * 0.1
+    w = kt.head_weight(MODEL)
+    want = torch.log_softmax((h * torch.rsqrt(h.pow(2).mean(-1, keepdim=True) + 0.5)) @ w.T, -1)
+    torch.testing.assert_close(kt.draft_log_probs(adapter, h, w), want)
+    a = kt.new_adapter(MODEL, 2, seed=1)
+    kt.train(a, _data(), w, kt.TrainConfig(steps=1, batch=2, positions=8, warmup=1))
+    assert a.training is False
+
+
+def test_the_report_counts_the_continuation_positions_it_scores() -> None:
+    """``held_out_positions`` is the number of positions α is averaged over: L - 1 - start per sequence."""
+    data = _data()[:2]
+    rep = kt.report(MODEL, kt.new_adapter(MODEL, 2, seed=1), data)
+    assert rep["held_out_positions"] == sum(len(f.tokens) - 1 - f.start for f in data)
+    assert rep["held_out_positions"] == sum(f.tokens[f.start:-1].numel() for f in data)
