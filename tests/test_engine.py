@@ -727,7 +727,7 @@ def test_load_draft_passes_on_its_vocabulary_and_the_targets_tokenizer(tmp_path,
     (tmp_path / "config.json").write_text("{}")
     (tmp_path / "draft_vocab.json").write_text(json.dumps({"ids": [1, 5, 9]}))
     seen = {}
-    monkeypatch.setattr(engine_mod, "load", lambda name, **kw: seen.update(name=name, **kw))
+    monkeypatch.setattr(engine_mod.registry, "load", lambda name, **kw: seen.update(name=name, **kw))
     target = _loaded()
     engine_mod.load_draft(EngineConfig(draft=f"{tmp_path}+lookup", draft_dtype="float32"), target=target)
     assert seen["name"] == str(tmp_path) and seen["tokenizer_of"] is target
@@ -868,7 +868,7 @@ def _build(tmp_path, monkeypatch, **cfg):
         return LoadedModel("toy", _KvToy(4, order=2, seed=0), SimpleNamespace(chat_template=None), tmp_path, "native",
                            frozenset({3}))
 
-    monkeypatch.setattr(engine_mod, "load", load)
+    monkeypatch.setattr(engine_mod.registry, "load", load)
     eng = Engine.build(EngineConfig(target=str(tmp_path), draft="none", **cfg), progress=said.append)
     return eng, seen, said
 
@@ -906,7 +906,7 @@ def test_a_self_speculative_draft_with_nothing_shipped_fails_before_the_target_l
     target = next((name for name in registry.REGISTRY if name not in skip_set_targets()), None)
     if target is None:
         pytest.skip("every registry target ships a skip set")
-    monkeypatch.setattr(engine_mod, "load", lambda *a, **k: pytest.fail("the target was loaded"))
+    monkeypatch.setattr(engine_mod.registry, "load", lambda *a, **k: pytest.fail("the target was loaded"))
     with pytest.raises(ConfigError, match="no searched skip set ships"):
         Engine.build(EngineConfig(target=target, draft="self-skip"))
 

@@ -103,10 +103,10 @@ def test_nothing_shipped_for_a_registry_target_fails_before_it_loads(capsys, mon
     is never loaded, and need not be installed); a target that has one is let through to its load."""
     import specdec.engine as engine_mod
 
-    monkeypatch.setattr(engine_mod, "load", lambda *a, **k: pytest.fail("the target loaded"))
+    monkeypatch.setattr(engine_mod.registry, "load", lambda *a, **k: pytest.fail("the target loaded"))
     code, _, err = _run(capsys, "generate", "-p", "hi", "--target", "gemma-3-270m", "--draft", draft, "-n", "4")
     assert code == 2 and needle in _one_error_line(err)
-    monkeypatch.setattr(engine_mod, "load", lambda *a, **k: (_ for _ in ()).throw(RuntimeError("loading")))
+    monkeypatch.setattr(engine_mod.registry, "load", lambda *a, **k: (_ for _ in ()).throw(RuntimeError("loading")))
     with pytest.raises(RuntimeError, match="loading"):
         engine_mod.Engine.build(engine_mod.EngineConfig(target="smollm2-135m", draft=draft))
 
