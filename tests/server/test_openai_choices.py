@@ -28,20 +28,29 @@ def _app(model, draft, **settings):
 
 @pytest.fixture
 def running(monkeypatch):
-    """The most choices that ran at once, over every request since the fixture started."""
-    state = {"now": 0, "most": 0}
-    lock = threading.Lock()
+    """The most choices that ran at once, over every request since the fixture started.
+
+    With ``state["gather"] = k``, a choice that starts waits (up to 10 s) until k choices run, so
+    a count of k does not hang on when each thread was scheduled: a loaded machine can start one
+    choice's thread only after another has finished, which would read as fewer side by side. A
+    server that never runs k at once still shows fewer (each waits out the 10 s, then runs)."""
+    state = {"now": 0, "most": 0, "gather": None}
+    changed = threading.Condition()
     run = api._Job.run
 
     def counting(self, *a, **k):
-        with lock:
+        with changed:
             state["now"] += 1
             state["most"] = max(state["most"], state["now"])
+            changed.notify_all()
+            if state["gather"]:
+                changed.wait_for(lambda: state["now"] >= state["gather"], timeout=10)
         try:
             return run(self, *a, **k)
         finally:
-            with lock:
+            with changed:
                 state["now"] -= 1
+                changed.notify_all()
 
     monkeypatch.setattr(api._Job, "run", counting)
     return state
@@ -60,8 +69,10 @@ def test_choices_run_side_by_side_and_give_what_one_after_the_other_gives(runnin
     model, draft = tiny_native(vocab=VOCAB), tiny_native(vocab=VOCAB, seed=1)
     side = _app(model, draft, max_active_requests=6)
     alone = _app(model, draft, batching=False)
+    running["gather"] = 4
     got, body = _texts(side, PROMPTS, **sampling)
     assert running["most"] == 4  # the admitted slot and three spare ones: half of the six slots
+    running["gather"] = None
     ctx = side.app.state.ctx
     assert ctx.store.claimed_bytes == 0 and ctx.active._value == 6 and ctx.spare._value == 3  # all given back
     running["most"] = 0
@@ -89,6 +100,7 @@ def test_a_request_takes_at_most_its_share_of_spare_slots(running, monkeypatch):
     model, draft = tiny_native(vocab=VOCAB), tiny_native(vocab=VOCAB, seed=1)
     monkeypatch.setattr(defaults, "SERVER_CHOICES_SIDE_BY_SIDE", 2)
     capped = _app(model, draft, max_active_requests=16)
+    running["gather"] = 2
     ref, _ = _texts(capped, PROMPTS, temperature=0)
     assert running["most"] == 2  # the per-request cap
     monkeypatch.setattr(defaults, "SERVER_CHOICES_SIDE_BY_SIDE", 16)
@@ -131,11 +143,12 @@ def test_streamed_choices_run_side_by_side_and_stream_what_a_plain_request_retur
     model, draft = tiny_native(vocab=VOCAB), tiny_native(vocab=VOCAB, seed=1)
     side = _app(model, draft, max_active_requests=6)
     ref, body = _texts(side, PROMPTS, **sampling)
-    running["most"] = 0
+    running["most"], running["gather"] = 0, 4
     texts, finish, usage, stats, order = _streamed(side, "/v1/completions",
                                                    {"prompt": PROMPTS, "max_tokens": 12, "stream_options": {"include_usage": True},
                                                     **sampling})
     assert running["most"] == 4  # the admitted slot and three spare ones, as unstreamed
+    running["gather"] = 3  # the chat request's three choices below
     assert [texts[i] for i in range(len(PROMPTS))] == ref
     assert finish == {i: c["finish_reason"] for i, c in enumerate(body["choices"])}
     assert usage == body["usage"] and stats["lossless"] is True and stats["target_calls"] >= len(PROMPTS)
