@@ -660,3 +660,165 @@ def test_removing_a_session_waits_for_its_running_round_before_closing_it():
     s.lock.release()
     remover.join(10)
     assert closed == ["a"]
+
+
+def test_unverified_tokens_accumulate_over_rounds():
+    """Each round's unverified tokens add to the session's count; a later round does not reset it."""
+    session, _ = _edge()
+    _verify(session, seq=0, unverified_tokens=[1], draft_tokens=[])
+    _verify(session, seq=1, unverified_tokens=[2, 3], draft_tokens=[])
+    assert session.unverified == 3 and session.info().unverified == 3
+
+
+def test_an_out_of_order_seq_after_the_first_round_names_the_retry_seq():
+    """After round 0 the 409 says seq 1 is expected, or 0 to repeat the last round; before any round
+    it names seq 0 alone."""
+    session, _ = _edge()
+    with pytest.raises(ApiError) as err:
+        _verify(session, seq=3)
+    assert err.value.status == 409 and "expects seq 0" in str(err.value) and "repeat" not in str(err.value)
+    _verify(session, seq=0)
+    with pytest.raises(ApiError) as err:
+        _verify(session, seq=3)
+    assert err.value.status == 409 and "expects seq 1 (or 0 to repeat the last round)" in str(err.value)
+
+
+@pytest.mark.parametrize("field", ["draft_tokens", "unverified_tokens"])
+def test_a_round_token_equal_to_the_vocabulary_size_is_a_400_that_names_it(field):
+    """Ids run 0..vocab-1: an id of exactly vocab is refused with a 400 naming it, before anything changes."""
+    session, _ = _edge()
+    with pytest.raises(ApiError) as err:
+        _verify(session, seq=0, **{field: [1, VOCAB]})
+    assert err.value.status == 400 and f"{field}[1] = {VOCAB} is outside the vocabulary" in str(err.value)
+    assert session.next_seq == 0 and session.committed == 0
+
+
+def test_a_logprobs_session_refuses_unverified_tokens():
+    session, _ = _edge(logprobs=2)
+    with pytest.raises(ApiError) as err:
+        _verify(session, seq=0, unverified_tokens=[1], draft_tokens=[])
+    assert err.value.status == 400 and "logprobs" in str(err.value)
+    assert session.committed == 0 and session.unverified == 0
+
+
+def test_a_sparse_q_row_id_equal_to_the_vocabulary_size_is_a_400():
+    session, _ = _edge(temperature=1.0, wire="sparse-q", seed=1)
+    with pytest.raises(ApiError) as err:
+        _verify(session, seq=0, draft_tokens=[1], q=[{"ids": [1, VOCAB], "probs": [0.5, 0.5]}])
+    assert err.value.status == 400 and f"q row id {VOCAB}" in str(err.value)
+
+
+def test_lossy_scalar_q_given_as_sparse_rows_is_a_400():
+    session, _ = _edge(temperature=1.0, wire="lossy-scalar", seed=1)
+    with pytest.raises(ApiError) as err:
+        _verify(session, seq=0, draft_tokens=[1], q=[{"ids": [1], "probs": [1.0]}])
+    assert err.value.status == 400 and "lossy-scalar" in str(err.value)
+
+
+def test_a_vocab_digest_is_not_checked_on_a_server_without_a_tokenizer():
+    """A server with no tokenizer has nothing to compare an edge's digest with: the session is made."""
+    session, reply = _edge(vocab_digest="0" * 64)
+    assert reply.session_id == "sid"
+
+
+def test_a_resumed_sessions_generated_ids_count_toward_min_tokens():
+    """min_tokens' floor over the stop ids sees generated_ids as generated: resumed past the floor,
+    the stop id the target prefers is emitted at once."""
+    ref, _ = _edge(prompt_ids=[1, 2, 3, 4, 5, 1])
+    stop = _verify(ref, seq=0).next_token
+    resumed, _ = _edge(prompt_ids=[1, 2, 3], generated_ids=[4, 5, 1], min_tokens=3, floor_ids=[stop])
+    assert _verify(resumed, seq=0).next_token == stop
+    # the same context with one generated token short of the floor: the stop id is masked
+    floored, _ = _edge(prompt_ids=[1, 2, 3, 4], generated_ids=[5, 1], min_tokens=3, floor_ids=[stop])
+    assert _verify(floored, seq=0).next_token != stop
+
+
+def test_try_claim_of_nothing_is_granted_even_over_the_cap():
+    store = _store(max_kv_bytes=1000)
+    a = _session("a", nbytes=900)
+    store.add(a)
+    a.target.cache.nbytes = 1500  # the session's cache grew past the cap
+    assert store.try_claim(0) is True and store.claimed_bytes == 0
+
+
+def test_try_claim_may_fill_the_cap_exactly():
+    store = _store(max_kv_bytes=1000)
+    store.add(_session("a", nbytes=600))
+    assert store.try_claim(400) is True and store.claimed_bytes == 400
+    assert store.try_claim(1) is False and store.claimed_bytes == 400
+
+
+def test_a_claim_of_nothing_evicts_nothing_even_over_the_cap():
+    reasons: list[str] = []
+    store = _store(reasons, max_kv_bytes=1000)
+    a = _session("a", nbytes=900)
+    store.add(a)
+    a.target.cache.nbytes = 1500  # the session's cache grew past the cap
+    store.claim("", 0)
+    assert reasons == [] and len(store) == 1 and store.claimed_bytes == 0
+
+
+def test_an_eviction_for_a_full_count_says_lru_even_when_bytes_are_short_too():
+    reasons: list[str] = []
+    store = _store(reasons, max_sessions=1, max_kv_bytes=1000)
+    store.add(_session("a", nbytes=900))
+    store.reserve("", 200)
+    assert reasons == ["lru"] and len(store) == 0
+
+
+def test_add_keeps_the_session_count_bound_without_a_reserve():
+    """add() itself holds max_sessions: a session stored past a reserve that another took evicts the
+    owner's least recently used one."""
+    reasons: list[str] = []
+    store = _store(reasons, max_sessions=1)
+    store.add(_session("a"))
+    store.add(_session("b"))
+    assert reasons == ["lru"] and len(store) == 1
+    store.get("b")
+    with pytest.raises(ApiError):
+        store.get("a")
+
+
+def test_serialized_does_not_wrap_a_serialized_model_twice():
+    once = sessions_mod.serialized(_model())
+    assert sessions_mod.serialized(once) is once
+
+
+def test_an_empty_q_on_a_greedy_session_counts_as_none():
+    """A greedy session refuses q rows, but an empty q list (an empty draft's) is no q at all."""
+    session, _ = _edge()
+    r = _verify(session, seq=0, draft_tokens=[], q=[])
+    assert len(r.tokens) == 1 and session.next_seq == 1
+
+
+def test_a_reserve_that_cannot_fit_evicts_none_of_the_owners_sessions():
+    """Another key's session holds bytes the owner cannot evict: a reservation that would not fit
+    even after every idle session of the owner is gone is a 503 that evicts nothing (evicting them
+    would lose the owner's sessions for no room)."""
+    reasons: list[str] = []
+    store = _store(reasons, max_kv_bytes=1000)
+    store.add(_session("mine", owner="k", nbytes=300))
+    store.add(_session("theirs", owner="other", nbytes=600))
+    with pytest.raises(ApiError) as err:
+        store.reserve("k", 500)  # 600 (not evictable) + 500 > 1000
+    assert err.value.status == 503
+    assert reasons == [] and len(store) == 2 and store.get("mine", "k").id == "mine"
+
+
+def test_a_claim_larger_than_the_whole_cap_evicts_nothing():
+    reasons: list[str] = []
+    store = _store(reasons, max_kv_bytes=1000)
+    store.add(_session("mine", owner="k", nbytes=300))
+    with pytest.raises(ApiError) as err:
+        store.claim("k", 1500)
+    assert err.value.status == 503 and reasons == [] and len(store) == 1 and store.claimed_bytes == 0
+
+
+def test_a_reserve_that_evicting_can_satisfy_still_evicts_only_what_it_needs():
+    reasons: list[str] = []
+    store = _store(reasons, max_kv_bytes=1000)
+    store.add(_session("old", owner="k", nbytes=300))
+    store.add(_session("new", owner="k", nbytes=300))
+    store.add(_session("theirs", owner="other", nbytes=300))
+    store.reserve("k", 300)  # 900 + 300 > 1000: evicting "old" (the LRU) is enough
+    assert reasons == ["kv_bytes"] and len(store) == 2 and store.get("new", "k").id == "new"

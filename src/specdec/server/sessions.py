@@ -575,16 +575,17 @@ class SessionStore:
             over = used + kv_bytes > cap
             if not full and not over:
                 return
-            victim = next(
-                (k for k, s in self._sessions.items() if s.owner == owner and k != busy and not s.lock.locked()), None
-            )
-            if victim is None:
-                if full:
-                    raise ApiError(429, f"all {self.settings.max_sessions} sessions are in use or busy; retry later")
+            victims = [k for k, s in self._sessions.items() if s.owner == owner and k != busy and not s.lock.locked()]
+            # refuse before evicting anything where evicting every one of them would not make room
+            freed = sum(cache_bytes(self._sessions[k].target.cache) for k in victims)
+            if count and len(self._sessions) - len(victims) >= self.settings.max_sessions:
+                raise ApiError(429, f"all {self.settings.max_sessions} sessions are in use or busy; retry later")
+            if used - freed + kv_bytes > cap:
                 raise ApiError(
                     503, f"the server's KV cache memory is full ({used} of {cap} bytes in use, {kv_bytes} more needed);"
                     " retry later or delete idle sessions",
                 )
+            victim = victims[0]
             del self._sessions[victim]
             self._on_evict("lru" if full else "kv_bytes")
 
