@@ -562,3 +562,54 @@ def test_draft_gguf_refuses_a_folder_without_weights(cache, tmp_path):
     with pytest.raises(SpecdecError, match="has no model.safetensors to convert"):
         gguf_export.draft_gguf("mine", tmp_path / "a.gguf")
     assert cache.calls == []
+
+
+def _export(tmp_path, **config):
+    import gguf
+
+    folder = _llama(tmp_path / "m", **config)
+    out = export_llama(folder, tmp_path / "m.gguf", tokenizer_from=_reference(tmp_path / "r.gguf"))
+    return folder, gguf.GGUFReader(str(out))
+
+
+def test_an_export_takes_the_rope_base_from_rope_parameters(tmp_path):
+    """transformers 5 keeps the base in rope_parameters (the bundled draft's config does): it wins over
+    the default 10000 when the config has no top-level rope_theta."""
+    _, reader = _export(tmp_path, rope_theta=None, rope_parameters={"rope_type": "default", "rope_theta": 250000.0})
+    assert reader.fields["llama.rope.freq_base"].contents() == 250000.0
+
+
+def test_key_rows_are_paired_within_each_key_value_head_not_each_query_head(tmp_path):
+    """One key/value head of 4 features (HEADS = 2 query heads): rows (0, 1, 2, 3) become (0, 2, 1, 3)
+    -- feature j pairs with j + 2; split by the query heads' count they would stay put."""
+    from safetensors.numpy import load_file
+
+    assert (KV, HEAD_DIM) == (1, 4)
+    folder, reader = _export(tmp_path)
+    k = load_file(str(folder / "model.safetensors"))["model.layers.0.self_attn.k_proj.weight"]
+    [got] = [t for t in reader.tensors if t.name == "blk.0.attn_k.weight"]
+    want = k[[0, 2, 1, 3]].astype(np.float16)
+    assert np.array_equal(np.asarray(got.data).reshape(want.shape), want)
+
+
+def test_a_float16_export_keeps_the_norms_in_float32(tmp_path):
+    _, reader = _export(tmp_path)
+    kinds = {t.name: t.tensor_type.name for t in reader.tensors}
+    assert kinds["blk.0.attn_norm.weight"] == kinds["blk.0.ffn_norm.weight"] == kinds["output_norm.weight"] == "F32"
+    assert kinds["blk.0.attn_k.weight"] == kinds["token_embd.weight"] == "F16"
+
+
+@pytest.mark.parametrize("config", [
+    # transformers 4.x writes the scaling under "rope_scaling" (Llama 3.x: rope_type llama3)
+    {"rope_scaling": {"rope_type": "llama3", "factor": 32.0, "low_freq_factor": 1.0, "high_freq_factor": 4.0,
+                      "original_max_position_embeddings": 8192}},
+    {"rope_scaling": {"type": "linear", "factor": 2.0}},  # the older spelling of the scaling kind
+    {"rope_parameters": {"type": "linear", "factor": 2.0, "rope_theta": 500000.0}},
+])
+def test_an_export_refuses_rope_scaling_in_either_spelling(tmp_path, config):
+    """Scaled rotary embeddings run differently in llama.cpp's default ``llama`` rope: refused
+    whichever key (rope_parameters / rope_scaling) and field (rope_type / type) the config uses,
+    as the native backend reads them."""
+    with pytest.raises(SpecdecError, match="only the default rotary embedding"):
+        export_llama(_llama(tmp_path / "m", **config), tmp_path / "m.gguf", tokenizer_from=_reference(tmp_path / "r.gguf"))
+    assert not list(tmp_path.glob("m.gguf*"))

@@ -949,3 +949,66 @@ def test_a_row_without_a_ping_is_left_out_of_the_median_ping():
     """Pings 10 and 30 ms and one row that measured none: the median is 20 (not the median of 0, 10, 30)."""
     rows = [_edge("a", 10.0, ping=10.0), _edge("b", 10.0, ping=30.0), {**_edge("c", 10.0), "ping_ms": None}]
     assert netreport.aggregate_network(rows)[0].ping_ms == pytest.approx(20.0)
+
+
+def test_the_delay_proxy_is_given_the_full_rtt_and_forwards_to_the_servers_port(monkeypatch):
+    """The proxy splits --rtt-ms itself (half each way): the link passes the configured RTT whole,
+    points it at the server's port, and its URL is the port the proxy said it listens on."""
+    real, seen = subprocess.Popen, []
+
+    def popen(argv, **kw):
+        seen.append(argv)
+        return real(["sh", "-c", "echo '{\"listening\": 4321}'"], **kw)
+
+    monkeypatch.setattr(network.subprocess, "Popen", popen)
+    server = _server(PROXY)
+    link = network.Link(server, 37.5).start()
+    try:
+        [argv] = seen
+        assert argv[argv.index("--rtt-ms") + 1] == "37.5"
+        assert argv[argv.index("--to") + 1] == f"127.0.0.1:{server.port}"
+        assert link.url == "http://127.0.0.1:4321"
+    finally:
+        link.stop()
+
+
+def test_under_netem_a_link_sets_the_full_rtt_with_the_script_and_starts_no_proxy(monkeypatch):
+    runs = []
+    monkeypatch.setattr(network.subprocess, "run", lambda argv, **kw: runs.append(argv))
+    monkeypatch.setattr(network.subprocess, "Popen", lambda *a, **k: pytest.fail("no proxy under netem"))
+    server = _server(NETEM)
+    link = network.Link(server, 50.0).start()
+    assert runs == [["bash", "/x/netem.sh", "set", "50"]]
+    assert link.url == server.url and link.stop() == {}
+
+
+def test_waiting_for_the_server_survives_a_refused_connection_while_it_starts(monkeypatch):
+    """Before the server listens, /health is refused (a ConnectError, not a timeout): keep polling."""
+    import httpx
+
+    from specdec.bench import edge_worker
+
+    answers = iter([httpx.ConnectError("refused"), httpx.ConnectError("refused"), httpx.Response(200)])
+    polls = []
+
+    def handler(request):
+        polls.append(request.url.path)
+        a = next(answers)
+        if isinstance(a, Exception):
+            raise a
+        return a
+
+    monkeypatch.setattr(edge_worker, "time", SimpleNamespace(monotonic=lambda: 0.0, sleep=lambda s: None))
+    with httpx.Client(transport=httpx.MockTransport(handler)) as client:
+        edge_worker.wait_ready(client, "http://cloud", timeout_s=10.0)
+    assert polls == ["/health"] * 3
+
+
+def test_a_proxy_whose_first_line_is_json_without_its_port_did_not_start(monkeypatch):
+    """A first stdout line that is JSON but names no port (not the "listening" line) is a
+    SpecdecError that quotes it, not a KeyError."""
+    real = subprocess.Popen
+    monkeypatch.setattr(network.subprocess, "Popen",
+                        lambda argv, **kw: real(["sh", "-c", "echo '{\"error\": \"bad --to\"}'; exit 2"], **kw))
+    with pytest.raises(SpecdecError, match='the delay proxy did not start: {"error": "bad --to"}'):
+        network.Link(_server(PROXY), 20.0).start()

@@ -6,6 +6,7 @@ the end-to-end runs with models are in test_bench_e2e.py."""
 from __future__ import annotations
 
 import os
+import sys
 import threading
 from types import SimpleNamespace
 
@@ -80,8 +81,11 @@ def test_a_crashed_worker_shows_its_last_five_stderr_lines():
 
 
 def test_a_worker_killed_by_sighup_is_named_too():
+    """The worker raises SIGHUP on itself with its default action restored: a shell's ``kill -HUP $$``
+    does nothing where the tests run with SIGHUP ignored (nohup), and a shell cannot restore it."""
+    hup = "import os, signal; signal.signal(signal.SIGHUP, signal.SIG_DFL); os.kill(os.getpid(), signal.SIGHUP)"
     with pytest.raises(SpecdecError, match=r"killed by SIGHUP \(a crash in native code\)"):
-        runner._run_worker({"mode": "plain"}, dict(os.environ), _sh("kill -HUP $$"), "plain", lambda row: None)
+        runner._run_worker({"mode": "plain"}, dict(os.environ), [sys.executable, "-c", hup], "plain", lambda row: None)
 
 
 @pytest.fixture

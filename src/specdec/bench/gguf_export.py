@@ -73,9 +73,9 @@ def export_llama(folder: Path, out: Path, *, tokenizer_from: Path, dtype: str = 
         raise SpecdecError(f"vocabulary sizes differ: {folder} has {cfg['vocab_size']}, {tokenizer_from} {ref_vocab}")
     n_head, n_kv = cfg["num_attention_heads"], cfg.get("num_key_value_heads", cfg["num_attention_heads"])
     head_dim = cfg.get("head_dim") or cfg["hidden_size"] // n_head
-    rope = cfg.get("rope_parameters") or {}
+    rope = cfg.get("rope_parameters") or cfg.get("rope_scaling") or {}  # transformers 4.x: rope_scaling
     theta = rope.get("rope_theta", cfg.get("rope_theta", 10000.0))
-    if rope.get("rope_type", "default") != "default":
+    if rope.get("rope_type", rope.get("type", "default")) not in ("default", None):
         raise SpecdecError("only the default rotary embedding is supported")
     float_type = {"float16": np.float16, "float32": np.float32}[dtype]
 
