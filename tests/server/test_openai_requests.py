@@ -5,14 +5,18 @@ letter 'a' + i), so each test takes well under a second."""
 from __future__ import annotations
 
 import json
+import threading
 from types import SimpleNamespace
 
 import pytest
 from fastapi.testclient import TestClient
 
 from specdec.drafters import ModelDrafter
+from specdec.engine import Engine
+from specdec.models.registry import LoadedModel
+from specdec.sampling import SamplingConfig
 from specdec.server import ServerSettings, create_app
-from specdec.server.openai_api import _best, _stats, _usage
+from specdec.server.openai_api import _best, _spare_slot, _stats, _usage
 from tiny import tiny_native
 from toy_server import ChatLetters
 
@@ -523,3 +527,162 @@ def test_ignored_fields_are_named_in_the_server_log(api, caplog):
     _ok(r)
     assert r.headers["x-specdec-ignored-fields"] == "frobnicate"
     assert any("ignored request fields: frobnicate" in rec.getMessage() for rec in caplog.records)
+
+
+def _local_greedy(prompt: str, max_tokens: int, **sampling) -> str:
+    """The tiny target of ``api`` decoding greedily on its own (no server, no drafter): the reference."""
+    model = tiny_native(vocab=VOCAB, max_length=CONTEXT)
+    engine = Engine(LoadedModel("tiny", model, ChatLetters(), None, "local", frozenset()), None, "none")
+    cfg = SamplingConfig(temperature=0.0, max_new_tokens=max_tokens, **sampling)
+    return engine.generate(ChatLetters().encode(prompt), cfg, ignore_eos=True).text
+
+
+def test_frequency_and_presence_penalties_each_reach_the_sampler_as_themselves(api):
+    """frequency_penalty scales with a token's count, presence_penalty is flat: each request field is
+    the sampler's own (the server's greedy answer is the target's own greedy answer under it)."""
+    kw = {"prompt": "abc", "max_tokens": 24, "temperature": 0, "ignore_eos": True}
+    freq = _ok(api.post("/v1/completions", json={**kw, "frequency_penalty": 0.5}))["choices"][0]["text"]
+    pres = _ok(api.post("/v1/completions", json={**kw, "presence_penalty": 0.5}))["choices"][0]["text"]
+    ref_freq, ref_pres = _local_greedy("abc", 24, frequency_penalty=0.5), _local_greedy("abc", 24, presence_penalty=0.5)
+    assert ref_freq != ref_pres  # the prompt tells the two apart
+    assert (freq, pres) == (ref_freq, ref_pres)
+
+
+def test_a_single_stop_string_is_one_string_not_its_characters(api):
+    """``stop: "xy"`` (a string, not a list) stops at "xy" only: an answer holding x or y alone is not cut."""
+    kw = {"prompt": "abc", "max_tokens": 24, "temperature": 1.0, "seed": 0, "ignore_eos": True}
+    plain = _ok(api.post("/v1/completions", json=kw))["choices"][0]["text"]
+    a, b = plain[0], plain[1]  # plain[:2] ends the answer; a string of its two letters swapped does not occur
+    swapped = b + a
+    assert swapped not in plain and a != b
+    out = _ok(api.post("/v1/completions", json={**kw, "stop": swapped}))["choices"][0]
+    assert out["text"] == plain and out["finish_reason"] == "length"
+    cut = _ok(api.post("/v1/completions", json={**kw, "stop": plain[2:4]}))["choices"][0]
+    assert cut["text"] == plain[:2] and cut["finish_reason"] == "stop"
+
+
+def test_a_logit_bias_key_that_is_not_a_whole_token_id_is_a_400(api):
+    """logit_bias keys are token ids: "1.5" (or "1.0") is refused naming logit_bias, never rounded to a token."""
+    for key in ("1.5", "1.0"):
+        err = _bad(api.post("/v1/completions", json={"prompt": "abc", "max_tokens": 2, "logit_bias": {key: 5}}))
+        assert err["param"] == "logit_bias" and "token ids" in err["message"]
+
+
+def test_a_regex_or_grammar_response_format_without_its_text_is_a_400(api):
+    """response_format regex / grammar needs a non-empty string: an empty one is a 400 naming it."""
+    for kind in ("regex", "grammar"):
+        err = _bad(api.post("/v1/completions", json={"prompt": "abc", "max_tokens": 2,
+                                                     "response_format": {"type": kind, kind: ""}}))
+        assert err["param"] == "response_format" and f"needs a non-empty string field '{kind}'" in err["message"]
+
+
+def test_a_guided_choice_with_an_empty_choice_is_a_400_naming_the_field(api):
+    for body in ({"guided_choice": ["yes", ""]}, {"structured_outputs": {"choice": ["", "no"]}}):
+        err = _bad(api.post("/v1/completions", json={"prompt": "abc", "max_tokens": 2, **body}))
+        name = next(iter(body)) if "guided_choice" in body else "structured_outputs.choice"
+        assert err["param"] == name and "non-empty strings" in err["message"]
+
+
+def test_structured_outputs_backend_only_keys_are_accepted_and_change_nothing(api):
+    """structured_outputs.disable_fallback picks vLLM's backend: accepted (even true), the answer the plain one."""
+    kw = {"prompt": "abc", "max_tokens": 6, "temperature": 0}
+    plain = _ok(api.post("/v1/completions", json=kw))["choices"][0]["text"]
+    out = _ok(api.post("/v1/completions", json={**kw, "structured_outputs": {"disable_fallback": True}}))
+    assert out["choices"][0]["text"] == plain
+    err = _bad(api.post("/v1/completions", json={**kw, "structured_outputs": {"backend": "xgrammar"}}))
+    assert err["param"] == "structured_outputs.backend"
+
+
+def test_chat_refuses_continue_final_message_with_a_generation_prompt(api):
+    err = _bad(api.post("/v1/chat/completions", json={"messages": CHAT, "max_tokens": 1, "continue_final_message": True}))
+    assert "add_generation_prompt false" in err["message"]
+
+
+@pytest.mark.parametrize("own", ["messages", "tools", "add_generation_prompt", "tokenize", "chat_template"])
+def test_chat_template_kwargs_may_not_set_the_renderings_own_arguments(api, own):
+    err = _bad(api.post("/v1/chat/completions", json={"messages": CHAT, "max_tokens": 1,
+                                                      "chat_template_kwargs": {own: True}}))
+    assert f"chat_template_kwargs may not set {own}" in err["message"]
+
+
+def test_chat_max_completion_tokens_zero_is_a_400(api):
+    """Chat has no echo: max_completion_tokens (as max_tokens) must be at least 1."""
+    for field in ("max_tokens", "max_completion_tokens"):
+        assert _bad(api.post("/v1/chat/completions", json={"messages": CHAT, field: 0}))["param"] == field
+
+
+def test_top_logprobs_without_logprobs_is_a_400_and_logprobs_alone_give_no_alternatives(api):
+    assert "top_logprobs needs logprobs" in _bad(api.post("/v1/chat/completions", json={
+        "messages": CHAT, "max_tokens": 2, "top_logprobs": 2}))["message"]
+    content = _ok(api.post("/v1/chat/completions", json={"messages": CHAT, "max_tokens": 3, "temperature": 0,
+                                                          "ignore_eos": True, "logprobs": True}))["choices"][0]["logprobs"]["content"]
+    assert len(content) == 3 and all(e["top_logprobs"] == [] for e in content)
+
+
+def test_streamed_return_token_ids_send_each_choices_prompt_ids_once(api):
+    """vLLM's return_token_ids streamed: a choice's first chunk carries its prompt's ids, later ones only their new ids."""
+    events = _events(api.post("/v1/completions", json={"prompt": ["abc", "de"], "max_tokens": 3, "temperature": 0,
+                                                         "ignore_eos": True, "stream": True, "return_token_ids": True}))
+    chunks = [e["choices"][0] for e in events[:-1] if e["choices"]]
+    for index, prompt in ((0, [0, 1, 2]), (1, [3, 4])):
+        mine = [c for c in chunks if c["index"] == index]
+        assert [c.get("prompt_token_ids") for c in mine] == [prompt] + [None] * (len(mine) - 1)
+        assert sum(len(c["token_ids"]) for c in mine) == 3
+
+
+def test_continuous_usage_of_a_choices_last_chunk_counts_its_whole_answer(api):
+    """With continuous usage, a choice's final chunk counts every token of its answer, the stop
+    token that ended it too (which brings no text), as the request's usage does: here the answer is
+    its first token alone, a stop token."""
+    plain = _ok(api.post("/v1/completions", json={"prompt": "abc", "max_tokens": 6, "temperature": 0}))
+    stop = ord(plain["choices"][0]["text"][0]) - ord("a")
+    body = {"prompt": "abc", "max_tokens": 6, "temperature": 0, "stop_token_ids": [stop], "stream": True,
+            "stream_options": {"include_usage": True, "continuous_usage_stats": True}}
+    events = _events(api.post("/v1/completions", json=body))
+    final = [e for e in events[:-1] if e["choices"] and e["choices"][0]["finish_reason"]][-1]
+    total = events[-2]["usage"]
+    assert final["choices"][0]["text"] == "" and final["choices"][0]["finish_reason"] == "stop"
+    assert final["usage"]["completion_tokens"] == total["completion_tokens"] == 1
+
+
+def test_a_spare_slot_refused_for_want_of_a_generation_slot_gives_its_spare_permit_back():
+    """_spare_slot takes a spare permit, then a generation slot, then KV room: where the generation
+    slot is not free, the spare permit goes back (else spare slots leak until none is ever taken)."""
+    spare, active = threading.Semaphore(1), threading.Semaphore(0)
+    store = SimpleNamespace(try_claim=lambda n: True)
+    job = SimpleNamespace(ctx=SimpleNamespace(spare=spare, active=active, store=store), kv_bytes=1)
+    assert _spare_slot(job) is False
+    assert spare.acquire(blocking=False)  # given back
+
+
+def test_each_prompts_seeded_choices_count_their_rank_from_the_request_seed(api):
+    """With several prompts and n choices, choice j of every prompt uses seed + j (its rank among
+    that prompt's choices), not seed + its index in the response."""
+    kw = {"max_tokens": 6, "temperature": 1.0, "ignore_eos": True}
+    many = [c["text"] for c in _ok(api.post("/v1/completions", json={**kw, "prompt": ["abc", "de"], "n": 2, "seed": 11}))["choices"]]
+    alone = [_ok(api.post("/v1/completions", json={**kw, "prompt": p, "seed": 11 + j}))["choices"][0]["text"]
+             for p in ("abc", "de") for j in range(2)]
+    other = [_ok(api.post("/v1/completions", json={**kw, "prompt": "de", "seed": 11 + j}))["choices"][0]["text"] for j in (2, 3)]
+    assert many == alone and other != alone[2:]  # seeds 13, 14 would answer otherwise
+
+
+class _StrippingLetters(ChatLetters):
+    """A template that strips each message's surrounding white space and ends each turn with "z"."""
+
+    def apply_chat_template(self, messages, tokenize=False, add_generation_prompt=True, **_):
+        return "".join(m["content"].strip() + "z" for m in messages)
+
+
+def test_continue_final_message_finds_a_last_message_the_template_stripped():
+    """continue_final_message with a template that strips the message (" ab " rendered as "ab"):
+    the conversation is cut after the stripped text, its end of turn left out, not refused."""
+    model = tiny_native(vocab=VOCAB, max_length=CONTEXT)
+    app = create_app(model, tokenizer=_StrippingLetters(), settings=ServerSettings(model_name="tiny"),
+                     drafter_factory=lambda: ModelDrafter(model), drafter_name="self")
+    with TestClient(app, base_url="http://localhost") as c:
+        body = {"messages": [{"role": "user", "content": "c"}, {"role": "assistant", "content": " ab "}],
+                "continue_final_message": True, "add_generation_prompt": False, "max_tokens": 1, "temperature": 0}
+        out = _ok(c.post("/v1/chat/completions", json=body))
+        assert out["usage"]["prompt_tokens"] == 4  # "czab": the final "z" cut
+        tokens = _ok(c.post("/tokenize", json={k: body[k] for k in ("messages", "continue_final_message", "add_generation_prompt")}))
+        assert tokens["tokens"] == [2, 25, 0, 1]
