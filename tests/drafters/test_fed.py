@@ -14,6 +14,7 @@ import torch
 from specdec.decoder import SpeculativeDecoder
 from specdec.drafters.fed import FedDrafter, fed_config, fed_input
 from specdec.drafters.tree_builder import TreeSpec
+from specdec.errors import ConfigError
 from specdec.gamma import FixedGamma
 from specdec.models.native import NativeCausalLM
 from specdec.sampling import SamplingConfig
@@ -282,3 +283,22 @@ def test_bfloat16_features_are_read_in_float32():
     d.add_features(feats)
     assert d._pf.dtype == torch.float32
     assert torch.allclose(d._pf[:2], fed_input(feats.float()) @ w[on.FED_PROJ].T, atol=1e-5)
+
+
+def test_fed_config_of_a_plain_model_folder_is_none(tmp_path):
+    """A config.json without the ``specdec_fed`` block (an ordinary draft model's folder) is not a
+    fed draft: None, not an empty block."""
+    (tmp_path / "config.json").write_text(json.dumps({"model_type": "llama", "hidden_size": 32}))
+    assert fed_config(tmp_path) is None
+
+
+def test_features_with_another_number_of_taps_are_a_config_error():
+    """Features of the right width but another number of taps (a target that hands three rows a
+    position where the draft was trained on two) stop with the one-line ConfigError too: the
+    check is on the values a position carries, taps times width, not on the width alone."""
+    draft, w = _fed()
+    d = FedDrafter(draft, w[on.FED_PROJ], w[on.FED_NULL], TAPS)
+    d.prepare(torch.tensor([1, 2, 3]))
+    with pytest.raises(ConfigError, match="another target"):
+        d.add_features(torch.zeros(2, len(TAPS) + 2, 32))
+    assert d._n_feats == 0

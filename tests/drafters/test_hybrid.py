@@ -483,3 +483,71 @@ def test_a_lookup_round_needs_a_repeated_suffix_of_two_tokens_by_default():
     h.prepare(two)
     draft = h.propose(two, 2, _sampler(room=4))
     assert draft.free and draft.tokens.tolist()[:1] == [3]
+
+
+def test_a_new_sequence_starts_the_lookup_length_afresh():
+    """The lookup length is learnt per sequence: a sequence whose lookups all failed drafts one
+    lookup token; ``prepare`` for the next sequence drafts what a fresh hybrid's first lookup
+    round drafts again, not the last sequence's one token."""
+    fresh = _hybrid(lookup_tokens=None)
+    fresh.prepare(REPEAT)
+    start = fresh.propose(REPEAT, 1, _sampler(room=12)).tokens.numel()
+    assert start > 1
+    h = _hybrid(lookup_tokens=None)
+    h.prepare(REPEAT)
+    for rows in (1, 2, 3):
+        h.observe_pass(rows, 0.010 + 0.001 * (rows - 1))
+    for _ in range(40):
+        n = h.propose(REPEAT, 1, _sampler(room=12)).tokens.numel()
+        h.update_free(gamma=n, accepted=0, draft_s=0.0, target_s=0.010 + 0.001 * n, other_s=0.0)
+    assert h.propose(REPEAT, 1, _sampler(room=12)).tokens.numel() == 1
+    h.prepare(REPEAT)
+    assert h.propose(REPEAT, 1, _sampler(room=12)).tokens.numel() == start
+
+
+class _Committing:
+    """A model drafter that drafts zeros and counts its commits."""
+
+    supports_trees = False
+    catch_up_s = 0.5
+
+    def __init__(self) -> None:
+        self.commits = 0
+
+    def prepare(self, prompt):
+        pass
+
+    def reset(self):
+        pass
+
+    def propose(self, context, gamma, sampler):
+        return Draft(tokens=torch.tensor([0] * gamma), probs=None)
+
+    def commit(self, verdict):
+        self.commits += 1
+
+
+def test_a_round_with_nothing_drafted_after_an_uncommitted_model_round_is_not_the_models():
+    """γ 0 and no lookup: the round drafts nothing, reports no catch-up pass and commits nothing
+    into the model drafter, even when the round before it was the model's and never committed."""
+    m = _Committing()
+    h = LookupThenModel(m, min_ngram=2, max_ngram=4, lookup_tokens=2)  # type: ignore[arg-type]
+    novel = torch.tensor([4, 1, 3, 0, 2])
+    h.prepare(novel)
+    assert h.propose(novel, 2, _sampler(room=4)).tokens.numel() == 2 and h.catch_up_s == 0.5  # the model's
+    assert h.propose(novel, 0, _sampler(room=4)).tokens.numel() == 0
+    assert h.catch_up_s == 0.0
+    h.commit(Verdict(0, torch.tensor([1])))
+    assert m.commits == 0
+
+
+def test_prepare_forgets_the_last_sequences_text():
+    """``prepare`` for a new sequence (no ``reset`` before it) starts the lookup index afresh: a new,
+    longer prompt whose suffix "1 3" occurred only in the old text is not looked up there."""
+    h = LookupThenModel(_Committing(), min_ngram=2, max_ngram=4, lookup_tokens=4)  # type: ignore[arg-type]
+    old = torch.tensor([4, 1, 3, 0, 2, 2, 4, 1, 3])
+    h.prepare(old)
+    assert h.propose(old, 0, _sampler(room=4)).tokens.tolist() == [0, 2, 2, 4]
+    new = torch.tensor([7] * 9 + [1, 3])
+    h.prepare(new)
+    assert h.propose(new, 0, _sampler(room=4)).tokens.numel() == 0

@@ -843,3 +843,57 @@ def test_finish_hands_the_prefix_cache_only_the_tokens_the_draft_cache_holds():
     committed = torch.cat([ctx, draft.tokens[:1], torch.tensor([5])])
     d.finish(committed)
     assert kept == [(committed[:6].tolist(), 6)]
+
+
+def test_a_backlog_of_exactly_the_split_gets_a_catch_up_pass_of_its_own():
+    """The catch-up pass starts at DRAFT_CATCH_UP_SPLIT tokens behind (``>=``): a lazy drafter's
+    first round over SPLIT + 1 context tokens feeds SPLIT of them in a pass of its own, then the
+    last one; over SPLIT tokens (a backlog of SPLIT - 1) it feeds all of them in one pass."""
+    calls = []
+
+    class Counted(ToyLM):
+        def forward(self, tokens, cache, *, last_only=False, **kw):
+            calls.append(tokens.numel())
+            return super().forward(tokens, cache, last_only=last_only, **kw)
+
+    split = defaults.DRAFT_CATCH_UP_SPLIT
+    for n, want, timed in ((split + 1, [split, 1], True), (split, [split], False)):
+        d = ModelDrafter(Counted(7, order=2, seed=5), lazy_prefill=True)
+        ctx = torch.tensor([(3 * i) % 7 for i in range(n)])
+        d.prepare(ctx)
+        calls.clear()
+        d.propose(ctx, 1, _argmax())
+        assert calls == want and (d.catch_up_s > 0.0) == timed, n
+
+
+def test_finish_hands_the_prefix_cache_nothing_when_the_draft_cache_holds_nothing():
+    """A lazy drafter that never drafted (a busy server's sequence) has an empty cache: ``finish``
+    does not hand the prefix cache an empty sequence to keep."""
+    kept = []
+
+    class Keeping(ToyLM):
+        def keep_sequence(self, tokens, cache):
+            kept.append((tokens.tolist(), cache.length))
+
+    d = ModelDrafter(Keeping(7, order=2, seed=5), lazy_prefill=True)
+    ctx = torch.tensor([1, 4, 2, 6, 3])
+    d.prepare(ctx)
+    d.finish(torch.cat([ctx, torch.tensor([2, 5])]))
+    assert kept == []
+
+
+def test_finish_after_rounds_the_drafter_sat_out_hands_only_the_rows_it_holds():
+    """The draft cache fell behind (rounds of prompt lookup, or at γ 0): ``finish`` hands the prefix
+    cache the tokens its rows hold (the prefilled prompt less its last token), not the whole
+    committed text, whose later tokens it never fed."""
+    kept = []
+
+    class Keeping(ToyLM):
+        def keep_sequence(self, tokens, cache):
+            kept.append((tokens.tolist(), cache.length))
+
+    d = ModelDrafter(Keeping(7, order=2, seed=5))
+    ctx = torch.tensor([1, 4, 2, 6, 3])
+    d.prepare(ctx)
+    d.finish(torch.cat([ctx, torch.tensor([2, 5, 1])]))
+    assert kept == [([1, 4, 2, 6], 4)]

@@ -308,3 +308,44 @@ def test_the_next_draft_starts_after_the_target_token_the_prediction_had_next():
     d.commit(Verdict(num_accepted=4, tokens=torch.tensor([7, 7, 7, 7, 7])))
     assert d.taken()[0] == 5  # positions 3 .. 7 taken, the target's token included
     assert d.propose(torch.tensor([1, 8, 7, 7, 7, 7, 7, 7]), 4, ROOM).tokens.tolist()[0] == 8
+
+
+def test_an_ngram_met_only_before_the_last_draft_goes_on_from_its_latest_occurrence():
+    """Prediction 5 6 1 5 6 2 9 9 9 9: the answer took its first eight tokens, left it (7) and came
+    back with "5 6", which occurs only before where it left off (ending at 2 and at 5): the draft
+    goes on from the latest of them (2, after position 5), the nearest to where the answer was."""
+    predicted = [5, 6, 1, 5, 6, 2, 9, 9, 9, 9]
+    d = Predicted(predicted)
+    prompt = torch.tensor([0])
+    d.prepare(prompt)
+    d.length = FixedGamma(8)
+    assert d.propose(prompt, 8, ROOM).tokens.tolist() == predicted[:8]
+    d.commit(Verdict(num_accepted=8, tokens=torch.tensor(predicted[:8] + [7])))
+    assert d.taken()[0] == 8
+    assert d.propose(torch.tensor([0, *predicted[:8], 7, 5, 6]), 4, ROOM).tokens.tolist()[0] == 2
+
+
+class _CharTokenizer:
+    def encode(self, text: str, add_special_tokens: bool = True) -> list[int]:
+        return [ord(c) for c in text]
+
+
+@pytest.mark.parametrize("part", [{"type": "text", "text": 3}, {"type": "text", "text": None}, {"type": "text"}])
+def test_a_content_part_whose_text_is_not_a_string_is_a_value_error(part):
+    """A part ``{"type": "text"}`` whose ``text`` is missing or not a string is refused with the
+    ValueError naming the parts' shape (the server's 400), not a TypeError from joining them."""
+    with pytest.raises(ValueError, match="content parts"):
+        predicted_ids(_CharTokenizer(), {"type": "content", "content": [{"type": "text", "text": "a"}, part]})
+
+
+def test_before_any_prediction_round_the_answer_is_at_the_predictions_start():
+    """No prediction round yet (the first rounds had no room for free drafts) and the answer so far
+    is "5 6", which the prediction 5 6 1 5 6 2 holds twice: the draft goes on from the first
+    occurrence (1), where an answer that has used nothing of the prediction yet stands, whatever
+    the prompt's length (4 here: not a position in the prediction)."""
+    d = Predicted([5, 6, 1, 5, 6, 2])
+    prompt = torch.tensor([0, 0, 0, 0])
+    d.prepare(prompt)
+    assert d.propose(prompt, 4, SimpleNamespace(room=0)).tokens.numel() == 0  # a busy server's round
+    d.commit(Verdict(num_accepted=0, tokens=torch.tensor([5])))
+    assert d.propose(torch.tensor([0, 0, 0, 0, 5, 6]), 4, ROOM).tokens.tolist()[0] == 1

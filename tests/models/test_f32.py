@@ -14,7 +14,7 @@ import pytest
 import torch
 
 from specdec.models import linear as linear_mod
-from specdec.models.linear import DENSE_BELOW, MAX_INVARIANT_K, Linear, _onednn_available, f32_kernel_available
+from specdec.models.linear import DENSE_BELOW, MAX_INVARIANT_K, Linear, _onednn_available, bf16_fast, f32_kernel_available
 
 needs_f32 = pytest.mark.skipif(not f32_kernel_available(), reason="the float32 kernel needs a C++ compiler")
 
@@ -183,3 +183,15 @@ def test_the_f32_kernel_is_on_by_default_wherever_the_library_loads(monkeypatch)
     assert (Linear(torch.randn(8, 16)).f32 is not None) is loaded
     monkeypatch.setenv("SPECDEC_F32_KERNEL", "1")
     assert linear_mod.f32_kernel_available() is loaded
+
+
+@pytest.mark.skipif(not bf16_fast(), reason="needs oneDNN's native bfloat16 matmuls")
+def test_fast_mode_keeps_only_small_float32_weights_dense_not_bfloat16_ones():
+    """DENSE_BELOW applies to float32 weights alone: a small bfloat16 weight in ``mode="fast"`` is
+    still packed for oneDNN (its product is then x @ W.T to bfloat16 rounding)."""
+    g = torch.Generator().manual_seed(6)
+    w = (torch.randn(24, 40, generator=g) * 0.1).bfloat16()
+    lin = Linear(w, mode="fast")
+    assert lin.packed is not None and lin.weight is None
+    x = torch.randn(3, 40, generator=g).bfloat16()
+    assert torch.allclose(lin(x).float(), x.float() @ w.float().T, atol=0.05)

@@ -326,3 +326,12 @@ def test_from_folder_passes_the_dtype_and_local_files_only_on(monkeypatch):
     with pytest.raises(Stop):
         HFCausalLM.from_folder("someorg/some-model", dtype=torch.bfloat16, local_files_only=True)
     assert seen == {"dtype": torch.bfloat16, "local_files_only": True}
+
+
+def test_truncating_past_the_current_length_is_refused(llama):
+    """A cache of 4 positions cannot be "truncated" to 5: a ValueError, the cache left as it was
+    (not a length past what the layers hold)."""
+    cache = _cached(llama, [])
+    with pytest.raises(ValueError, match="cannot truncate"):
+        cache.truncate(5)
+    assert cache.length == 4 and cache.cache.get_seq_length() == 4

@@ -251,3 +251,27 @@ def test_past_the_thread_cap_the_error_says_why_and_what_to_do(fake):
     lm.forward(torch.arange(INVARIANT_POSITIONS) % V, cache, last_only=True)
     with pytest.raises(SpecdecError, match="would pass 256 positions.*2 threads.*not be exact.*n_threads=1"):
         lm.forward(torch.tensor([1]), cache)
+
+
+def test_the_default_thread_count_reaches_the_batch_threads_too(fake, monkeypatch):
+    """With n_threads None both llama.cpp thread counts are torch's, not None."""
+    monkeypatch.setattr(torch, "get_num_threads", lambda: 3)
+    kw = _lm(n_threads=None).llm.kw
+    assert (kw["n_threads"], kw["n_threads_batch"]) == (3, 3)
+
+
+def test_a_gguf_without_a_kv_head_count_has_as_many_kv_heads_as_heads(fake, monkeypatch):
+    """No head_count_kv (plain multi-head attention): 4 kv heads of 64 / 4 = 16 over 2 layers,
+    2 x 4 x (16 + 16) x 2 bytes = 512 a position."""
+    monkeypatch.delitem(META, "llama.attention.head_count_kv")
+    assert _lm().kv_bytes_per_token == 2 * 4 * (16 + 16) * 2
+
+
+def test_kv_bytes_read_the_keys_of_the_files_own_architecture(fake, monkeypatch):
+    """A qwen2 GGUF names its sizes under ``qwen2.``: 3 layers x 1 kv head x (32 + 32) x 2 bytes."""
+    for key in list(META):
+        monkeypatch.delitem(META, key)
+    for key, value in {"general.architecture": "qwen2", "qwen2.block_count": "3", "qwen2.attention.head_count": "2",
+                       "qwen2.attention.head_count_kv": "1", "qwen2.embedding_length": "64"}.items():
+        monkeypatch.setitem(META, key, value)
+    assert _lm().kv_bytes_per_token == 3 * 1 * (32 + 32) * 2
