@@ -305,3 +305,40 @@ def test_a_factory_grammar_after_thinking_lets_the_block_open():
     inside = constraint_factory(tok, vocab, grammar=grammar, after_thinking=(think, done, True),
                                 allowed_ids=[think, done, 5])
     assert inside().allowed([], vocab).nonzero().flatten().tolist() == sorted([think, done, 5])
+
+
+class _AllIds:
+    """An inner constraint (a grammar) that allows every id."""
+
+    def allowed(self, generated, vocab_size):
+        return torch.ones(vocab_size, dtype=torch.bool)
+
+
+def test_over_a_grammar_a_bad_word_that_gives_way_leaves_the_allowed_ids_not_the_whole_grammar():
+    """Allowed (1, 2); after 1 the bad words [1, 1] and [1, 2] ban both: the bad words give way,
+    but the allowed ids still hold under a grammar that allows everything (only the allowed ids
+    give way to the grammar, and only where nothing of them is left)."""
+    f = TokenFilter(4, allowed_ids=(1, 2), banned=((1, 1), (1, 2))).over(_AllIds())
+    assert f.allowed([1], 4).tolist() == [False, True, True, False]
+
+
+def test_a_factory_with_an_empty_allowed_id_list_is_refused():
+    """``allowed_token_ids=[]`` is an error (vLLM's too), not "no filter": nothing could be sampled."""
+    with pytest.raises(ConfigError, match="must not be empty"):
+        constraint_factory(_OneIdPerWordTok(), 4, allowed_ids=[])
+
+
+class _OneIdPerWordTok:
+    def __init__(self) -> None:
+        self.ids: dict[str, int] = {}
+
+    def encode(self, text, add_special_tokens=True):
+        return [self.ids.setdefault(text, len(self.ids))]
+
+
+def test_a_bad_word_keeps_its_trailing_spaces():
+    """Only leading spaces are dropped: "foo " is tokenized as "foo " and " foo ", not as "foo"."""
+    tok = _OneIdPerWordTok()
+    seqs = bad_word_ids(tok, ["foo "])
+    assert set(tok.ids) == {"foo ", " foo "}
+    assert seqs == ((tok.ids["foo "],), (tok.ids[" foo "],))

@@ -623,3 +623,12 @@ def test_a_two_tap_head_without_tap_ids_gets_the_first_two_default_taps(tmp_path
     assert resolved.extra == {"format": "eagle"}
     feats = torch.randn(1, 1, 3, D)
     assert load_eagle3(folder).fuse(feats).shape == (1, 1, D)
+
+
+def test_a_single_d2t_offset_is_refused_not_broadcast_over_the_draft_vocabulary(tmp_path):
+    """``d2t`` holds one offset per draft index: a one-element tensor (without a ``t2d`` to contradict
+    it) would broadcast into a plausible map ``i -> i + c``; it is refused as the wrong shape."""
+    _shared_checkpoint(tmp_path / "h", layout="speculators")
+    _rewrite(tmp_path / "h", tensors={"d2t": torch.tensor([3]), "t2d": None})
+    with pytest.raises(ConfigError, match="d2t must be 20 integer offsets, got torch.int64 of shape \\[1\\]"):
+        load_eagle3(tmp_path / "h")

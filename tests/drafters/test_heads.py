@@ -870,3 +870,16 @@ def test_an_eagle_chain_of_gamma_tokens_runs_gamma_minus_one_layer_steps(native,
     drafter._step = lambda *a, **k: steps.append(1) or real(*a, **k)  # type: ignore[method-assign]
     assert drafter.propose(SEQ[:8], 3, Forced([1, 2, 3])).tokens.numel() == 3
     assert len(steps) == 2
+
+
+def test_a_head_layers_rotary_tables_grow_past_twice_their_length_in_one_call():
+    """``LayerCache.rope`` asked for a position more than twice past its tables (a tree's deep node,
+    a long catch-up) extends them far enough, with the same values ``rope_tables`` gives."""
+    from specdec.heads.runtime import LayerCache
+
+    cfg = HeadConfig(kind="mtp", hidden_size=8, n_heads=2, n_kv_heads=1, head_dim=4, intermediate_size=16,
+                     target_vocab=16, draft_vocab=8, depth=1)
+    cache = LayerCache(cfg, capacity=2)
+    cos, sin = cache.rope(torch.tensor([0, 9]))
+    want_cos, want_sin = rope_tables(torch.arange(10), 4, cfg.rope_theta)
+    assert torch.equal(cos, want_cos[[0, 9]]) and torch.equal(sin, want_sin[[0, 9]])

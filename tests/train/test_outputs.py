@@ -323,3 +323,17 @@ def test_an_out_through_a_link_to_nothing_fails_first(tmp_path, under):
         check_folder(out)
     with pytest.raises(FileExistsError):  # what the run would have met
         out.mkdir(parents=True, exist_ok=True)
+
+
+def test_a_write_interrupted_by_ctrl_c_leaves_neither_the_file_nor_its_temporary(tmp_path):
+    """KeyboardInterrupt is not an Exception: the temporary file is removed for it too (and the
+    interrupt goes on), so a Ctrl-C mid-write leaves no stray ``.tmp`` beside an absent result."""
+    path = tmp_path / "out.json"
+
+    def interrupted(tmp):
+        tmp.write_text("half")
+        raise KeyboardInterrupt
+
+    with pytest.raises(KeyboardInterrupt):
+        write_whole(path, interrupted)
+    assert list(tmp_path.iterdir()) == []
