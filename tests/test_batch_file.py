@@ -192,6 +192,9 @@ def test_bad_files_and_stray_batch_flags(capsys, tmp_path):
     (tmp_path / "ok.jsonl").write_text('"hi"\n')
     code, _, err = _run(capsys, "generate", "--prompts-file", str(tmp_path / "ok.jsonl"), "--out", str(tmp_path))
     assert code == 2 and "is a folder" in err
+    code, out, err = _run(capsys, "generate", "--prompts-file", str(tmp_path / "ok.jsonl"), "--target", "no-such-model",
+                          "--out", str(tmp_path / "missing" / "r.jsonl"))  # refused before the (unknown) model is looked up
+    assert code == 2 and f"the folder {tmp_path / 'missing'} does not exist" in err and "Traceback" not in err and out == ""
     code, _, err = _run(capsys, "generate", "-p", "hi", "--out", "x.jsonl")
     assert code == 2 and "go with --prompts-file" in err
 

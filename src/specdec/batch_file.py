@@ -215,6 +215,8 @@ def plan(prompts_file: str, out: str | None, settings: str | None = None) -> Job
     out_path = Path(out) if out else None
     if out_path is not None and out_path.is_dir():
         raise SpecdecError(f"--out {out_path} is a folder; give a file")
+    if out_path is not None and not out_path.parent.is_dir():  # found now, not after the model has loaded
+        raise SpecdecError(f"--out {out_path}: the folder {out_path.parent} does not exist; create it first")
     start, size = done_lines(out_path, prompts, settings) if out_path is not None else (0, 0)
     return Job(prompts, out_path, start, size, settings)
 
