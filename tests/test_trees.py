@@ -474,3 +474,15 @@ def test_with_root_and_is_chain_on_edge_trees():
     assert with_root(torch.tensor([-1, 0, 0, 1])).tolist() == [-1, 0, 1, 1, 2]
     assert is_chain(torch.tensor([], dtype=torch.long)) and is_chain(torch.tensor([-1]))
     assert not is_chain(torch.tensor([-1, 0, 0])) and not is_chain(torch.tensor([-1, -1]))
+
+
+def test_check_parents_refuses_a_parents_tensor_that_is_not_one_dimensional():
+    """Two valid-looking parents laid out as a [1, 2] matrix are not one parent per token."""
+    with pytest.raises(ConfigError, match="one parent per draft token"):
+        check_parents(torch.tensor([[-1, 0]]), 2)
+
+
+def test_depths_are_int64_like_the_parents():
+    """``depths`` returns [N] int64 for int64 parents (positions are built from it)."""
+    out = depths(torch.tensor([-1, 0, 1, -1], dtype=torch.long))
+    assert out.dtype == torch.long and out.tolist() == [0, 1, 2, 0]

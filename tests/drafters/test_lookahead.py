@@ -351,3 +351,25 @@ def test_the_most_recent_pool_continuation_gets_the_room_first():
     window = {n for row in d._window_nodes for n in row}
     cand = [(int(t), int(p)) for i, (t, p) in enumerate(zip(draft.tokens, draft.parents)) if i not in window]
     assert cand == [(5, -1), (6, 0)]
+
+
+def test_a_second_prepare_starts_from_the_seeds_window_again():
+    """prepare() starts a request afresh: the same drafter prepared twice with one prompt (a
+    reused decoder) has the same initial window as a new drafter with that seed, so a request's
+    rounds do not depend on the requests before it."""
+    prompt = torch.tensor([11, 12, 13, 14, 15, 16, 17, 18])
+    fresh = LookaheadDrafter(window=5, ngram=3, candidates=1, seed=3)
+    fresh.prepare(prompt)
+    reused = LookaheadDrafter(window=5, ngram=3, candidates=1, seed=3)
+    reused.prepare(prompt)
+    reused.commit(Verdict(num_accepted=2, tokens=torch.tensor([11, 12, 13])))  # draws fresh fillers
+    reused.prepare(prompt)
+    assert reused.levels == fresh.levels
+
+
+def test_the_windows_initial_guesses_may_be_any_prompt_token_the_last_included():
+    """The fillers are drawn from the whole prompt: with a 2-token prompt and 2 x 8 seeded
+    guesses, both tokens occur (the last one, 9, too), and nothing else."""
+    d = LookaheadDrafter(window=8, ngram=3, candidates=1, seed=0)
+    d.prepare(torch.tensor([7, 9]))
+    assert {t for row in d.levels for t in row} == {7, 9}

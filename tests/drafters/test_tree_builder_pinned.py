@@ -403,3 +403,58 @@ def test_a_sampled_trees_depth_is_its_sample_branching_length_not_depth():
                           position=0, budget=8, max_depth=8)
     toks, pars = draft.tokens.tolist(), draft.parents.tolist()
     assert [_path(v, toks, pars) for v in range(len(toks))] == [(3,), (3, 3)]
+
+
+@pytest.mark.parametrize("bad", [dict(branching=()), dict(sample_branching=())])
+def test_a_tree_spec_refuses_an_empty_branching_tuple(bad):
+    """No branching factor at all is refused like a zero one (a ConfigError, not a bare error)."""
+    with pytest.raises(ConfigError, match="branching"):
+        TreeSpec(**bad)
+
+
+def test_a_static_tree_over_a_vocabulary_smaller_than_its_branching_takes_every_token():
+    """A 3-token draft vocabulary under branching 4: the root gets all 3 tokens, best first."""
+    root = torch.tensor([[0.0, 2.0, 1.0]])  # [1, 3]
+    spec = TreeSpec(shape="static", width=4, depth=1, branching=(4,), min_prob=0.0)
+    draft, _ = build_tree(root, lambda n, t, p: root.expand(len(n), 3), spec, GREEDY, position=0, budget=8, max_depth=1)
+    assert draft.tokens.tolist() == [1, 2, 0] and draft.parents.tolist() == [-1, -1, -1]
+
+
+def test_a_deterministic_tree_leaves_out_tokens_the_draft_gives_no_probability():
+    """No floor (min_prob 0) and branching 3, but the root's q has only two tokens (1 and 2): a
+    token of q = 0 is never a node, however much room is left."""
+    spec = TreeSpec(shape="static", width=4, depth=1, branching=(3,), min_prob=0.0)
+    assert _tree(spec, budget=8) == [(1,), (2,)]
+
+
+def test_a_sampled_tree_is_static_whatever_the_shape_says():
+    """Sampled trees are never pruned (the default dynamic shape included): the same seed draws
+    the same tree under shape "dynamic" as under "static", within the budget, one q row per node."""
+    for seed in range(3):
+        drafts = []
+        for shape in ("dynamic", "static"):
+            spec = TreeSpec(shape=shape, width=4, sample_branching=(2, 2), sample_width=2, sibling_stop=0.0,
+                            sample_expand=0.0)
+            sampler = DraftSampler(SamplingConfig(temperature=1.0), "multinomial", penalties=None,
+                                   generator=torch.Generator().manual_seed(seed))
+            draft, _ = build_tree(_row(()).unsqueeze(0), _expand([]), spec, sampler, position=0, budget=3, max_depth=8)
+            assert draft.tokens.numel() == 3 and draft.probs.shape[0] == 3
+            drafts.append(draft)
+        a, b = drafts
+        assert torch.equal(a.tokens, b.tokens) and torch.equal(a.parents, b.parents) and torch.equal(a.probs, b.probs)
+
+
+def test_levels_past_the_branching_tuple_repeat_a_last_factor_above_one():
+    """branching (1, 2), depth 3: the third level repeats the last factor, 2 children a node."""
+    spec = TreeSpec(shape="static", width=4, depth=3, branching=(1, 2), min_prob=0.0)
+    assert [spec.children(d) for d in range(4)] == [1, 2, 2, 2]
+    assert _tree(spec, budget=100) == [(1,), (1, 3), (1, 4), (1, 3, 7), (1, 3, 0), (1, 4, 7), (1, 4, 0)]
+
+
+def test_max_fed_counts_the_nodes_handed_to_expand_not_the_nodes_grown():
+    """``max_fed`` 6 and a width-2 tree of depth 4 that wants exactly 6 expansions (2 a level):
+    every level is fed, although 2 + 4 + 4 nodes were grown on the way."""
+    calls: list = []
+    spec = TreeSpec(shape="dynamic", width=2, depth=4, min_prob=0.0)
+    build_tree(_row(()).unsqueeze(0), _expand(calls), spec, GREEDY, position=0, budget=100, max_depth=8, max_fed=6)
+    assert [len(c) for c in calls] == [2, 2, 2]
