@@ -1141,6 +1141,42 @@ def test_an_offline_hub_load_reads_the_model_from_the_cache_only_too(monkeypatch
     assert asked["tok"]["local_files_only"] is True and asked["model"]["local_files_only"] is True
 
 
+@pytest.mark.parametrize("value", ["true", "YES", " on "])
+def test_hf_hub_offline_in_any_truthy_spelling_reads_the_cache_without_probing_the_hub(monkeypatch, value):
+    """HF_HUB_OFFLINE=true / yes / on (any case, spaces around) is offline as ``1`` is: the cache
+    only, and the hub is not probed; the error is the hub's own, not "cannot be reached"."""
+    from transformers import AutoTokenizer
+
+    from specdec.models.hf import HFCausalLM
+
+    def not_cached(*args, **kwargs):
+        raise _Stop("not in the cache")
+
+    asked = {}
+    monkeypatch.setattr(AutoTokenizer, "from_pretrained", classmethod(lambda cls, name, **kw: asked.setdefault("tok", kw)))
+    monkeypatch.setattr(registry, "_hub_reachable", lambda: pytest.fail("the hub was probed though HF_HUB_OFFLINE is set"))
+    monkeypatch.setattr(HFCausalLM, "from_folder", staticmethod(not_cached))
+    monkeypatch.setenv("HF_HUB_OFFLINE", value)
+    with pytest.raises(ModelNotFoundError) as err:
+        registry.load("someorg/some-model")
+    assert asked["tok"]["local_files_only"] is True and "cannot be reached" not in str(err.value)
+
+
+def test_an_unreachable_hub_with_hf_hub_offline_zero_says_the_hub_cannot_be_reached(monkeypatch):
+    """HF_HUB_OFFLINE=0 is not offline: with the hub out of reach the cache alone is read, and the
+    error says the hub cannot be reached (not the advice to set HF_HUB_OFFLINE=1)."""
+    from transformers import AutoTokenizer
+
+    def not_cached(*args, **kwargs):
+        raise _Stop("not in the cache")
+
+    monkeypatch.setattr(AutoTokenizer, "from_pretrained", classmethod(not_cached))
+    monkeypatch.setattr(registry, "_hub_reachable", lambda: False)
+    monkeypatch.setenv("HF_HUB_OFFLINE", "0")
+    with pytest.raises(ModelNotFoundError, match="cannot be reached from here"):
+        registry.load("someorg/some-model")
+
+
 def test_a_home_relative_path_names_a_local_model(tmp_path, monkeypatch):
     """``~/models/m`` is the folder under the home directory, for check_name and resolve alike
     (two slashes: it cannot pass as a hub id either)."""

@@ -557,12 +557,13 @@ def load(
 
         # the hub client retries an unreachable host for ~50 s: with no name resolution for it, read
         # the local cache only and say so at once
-        offline = os.environ.get("HF_HUB_OFFLINE", "").strip().lower() in ("1", "true", "yes", "on") or not _hub_reachable()
+        forced = os.environ.get("HF_HUB_OFFLINE", "").strip().lower() in ("1", "true", "yes", "on")
+        offline = forced or not _hub_reachable()
         try:
             tokenizer = AutoTokenizer.from_pretrained(resolved.hub_id, local_files_only=offline)
             model = HFCausalLM.from_folder(resolved.hub_id, dtype=dtype, local_files_only=offline)
         except Exception as exc:  # noqa: BLE001 - any hub failure is a user-facing "not found"
-            if offline and not os.environ.get("HF_HUB_OFFLINE"):
+            if offline and not forced:  # the hub could not be reached (HF_HUB_OFFLINE=0 or unset)
                 raise ModelNotFoundError(
                     f"could not load {ref!r}: the Hugging Face hub ({_hub_host()}) cannot be reached from here"
                     " and the model is not in the local cache; download it where there is a network, or pass a local folder"
