@@ -70,3 +70,23 @@ def test_sequences_longer_than_the_budget_get_batches_of_their_own_and_no_batch_
     assert all(groups) and sorted(map(sorted, groups)) == [[0], [1], [2], [3], [4]]
     groups = length_batches([100, 80, 30, 10], [0, 1, 2, 3], 60, random.Random(0))
     assert sorted(map(sorted, groups)) == [[0], [1], [2, 3]]
+
+
+def test_a_batch_exactly_at_the_token_budget_is_kept_whole() -> None:
+    """The budget is inclusive: 4 sequences of 5 tokens fill a 20-token batch, the fifth starts the next."""
+    groups = length_batches([5] * 5, list(range(5)), 20, random.Random(0))
+    assert sorted(len(g) for g in groups) == [1, 4]
+
+
+def test_a_batch_is_padded_to_its_longest_sequence() -> None:
+    """A group's cost is its longest sequence times its size: lengths 2, 2, 9 at budget 18 are
+    [2, 2] and [9] (2 x 9 = 18 would fit only if 9 were not the longest)."""
+    groups = length_batches([2, 2, 9], [0, 1, 2], 17, random.Random(0))
+    assert sorted(map(sorted, groups)) == [[0, 1], [2]]
+    groups = length_batches([2, 2, 9], [0, 1, 2], 27, random.Random(0))
+    assert sorted(map(sorted, groups)) == [[0, 1, 2]]
+
+
+def test_every_first_sequence_is_held_out_with_every_one() -> None:
+    """every = 1 holds out every sequence (nothing to train on: the commands refuse it)."""
+    assert split(3, 1) == ([], [0, 1, 2])

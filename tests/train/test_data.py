@@ -497,3 +497,66 @@ def test_a_decorated_functions_prompt_keeps_its_decorators_whole(tmp_path: Path,
     [text] = code_prompts(5, root=tmp_path)
     assert text.startswith(f"{decorators}def cached_value(x):\n")
     assert isinstance(ast.parse(text + "    pass\n").body[-1], ast.FunctionDef)
+
+
+def test_methods_and_nested_functions_are_not_code_prompts(tmp_path: Path) -> None:
+    """Only top-level functions are prompts (the benchmark's shape): a method's or a nested
+    function's header is indented and would not parse on its own."""
+    doc = '"""Return the thing given, with a docstring long enough to be a prompt."""'
+    (tmp_path / "lib.py").write_text(
+        f"class Box:\n    def method(self, x):\n        {doc}\n        return x\n\n\n"
+        f"def outer(x):\n    {doc}\n\n    def inner(y):\n        {doc}\n        return y\n    return inner(x)\n")
+    got = code_prompts(5, root=tmp_path)
+    assert got == [f"def outer(x):\n    {doc}\n"]
+
+
+def test_a_header_of_exactly_1200_characters_is_a_prompt(tmp_path: Path) -> None:
+    """The upper length bound is inclusive too: 1200 characters is kept, 1201 is not."""
+    def header(name: str, n: int) -> str:
+        start = f'def {name}():\n    """'
+        return start + "a" * (n - len(start) - 4) + '"""\n'
+
+    keep, drop = header("f", 1200), header("g", 1201)
+    assert len(keep) == 1200 and len(drop) == 1201
+    (tmp_path / "lib.py").write_text(keep + "    return 1\n\n\n" + drop + "    return 2\n")
+    assert code_prompts(5, root=tmp_path) == [keep]
+
+
+def test_a_draft_sampled_folder_is_not_resumed_as_target_sampled(tiny_target, tmp_path: Path) -> None:
+    """The sampler setting a folder recorded is compared like any other: sequences the draft
+    sampled (on-policy) are not resumed by a target-sampled run (only a folder that lacks the
+    setting counts as target-sampled)."""
+    lm = tiny_target
+    out = tmp_path / "data"
+    cfg = DataConfig(sequences=4, batch=2, shard_size=2, max_new_chat=2, max_new_code=2, features=False,
+                     sampler="some-draft")
+    generate(cfg, lm.model, lm.tokenizer, frozenset(), out)
+    (out / "shard-00001.pt").unlink()
+    with pytest.raises(ConfigError, match=r"other settings \(sampler\)"):
+        generate(DataConfig(**{**cfg.__dict__, "sampler": "target"}), lm.model, lm.tokenizer, frozenset(), out)
+
+
+def test_code_prompts_are_a_seeded_sample_not_a_files_first_functions(tmp_path: Path) -> None:
+    """The functions found are shuffled by the seed before n are taken: from one file of 12
+    functions, 3 prompts are not always its first three (seeds 0-4 reach more than 3 functions)."""
+    body = '    """Return {} of the thing given, with a docstring long enough to be a prompt."""\n    return x\n\n\n'
+    (tmp_path / "lib.py").write_text("".join(f"def func_{i}(x):\n" + body.format(i) for i in range(12)))
+    seen = {t for seed in range(5) for t in code_prompts(3, root=tmp_path, seed=seed)}
+    assert len(seen) > 3
+    assert code_prompts(3, root=tmp_path, seed=2) == code_prompts(3, root=tmp_path, seed=2)
+
+
+def test_a_folder_whose_config_lacks_a_setting_other_than_the_sampler_is_refused(tiny_target, tmp_path: Path) -> None:
+    """Only ``sampler`` has a default for folders that predate it: any other setting missing from
+    config.json (a file cut down or of another tool) is a difference, named, not resumed in silence."""
+    import json
+
+    lm = tiny_target
+    out = tmp_path / "data"
+    cfg = DataConfig(sequences=4, batch=2, shard_size=2, max_new_chat=2, max_new_code=2, features=False)
+    generate(cfg, lm.model, lm.tokenizer, frozenset(), out)
+    old = json.loads((out / "config.json").read_text())
+    del old["taps"]
+    (out / "config.json").write_text(json.dumps(old))
+    with pytest.raises(ConfigError, match=r"other settings \(taps\)"):
+        generate(cfg, lm.model, lm.tokenizer, frozenset(), out)

@@ -485,3 +485,30 @@ def test_an_unknown_loss_is_refused_before_training_starts(student_dir) -> None:
     with pytest.raises(ValueError, match="unknown loss 'js'"):
         ds.train(student, _labels(), ds.DistillConfig(steps=0, loss="js"))
     assert not student.training
+
+
+def test_save_draft_copies_the_tokenizer_and_generation_files_and_nothing_else(student_dir, tmp_path: Path) -> None:
+    """Beside the weights and the card: every tokenizer file, the chat template, generation config
+    and special tokens map of the source; no other file of the source (its weights, say)."""
+    source = tmp_path / "source"
+    source.mkdir()
+    for name in ("tokenizer.json", "tokenizer_config.json", "chat_template.jinja", "generation_config.json",
+                 "special_tokens_map.json", "calibration.json", "notes.txt"):
+        (source / name).write_text(name)
+    out = ds.save_draft(_student(student_dir), source, tmp_path / "draft", _card({"sampler": "target"}))
+    for name in ("tokenizer.json", "tokenizer_config.json", "chat_template.jinja", "generation_config.json",
+                 "special_tokens_map.json"):
+        assert (out / name).read_text() == name, name
+    assert not (out / "calibration.json").exists() and not (out / "notes.txt").exists()
+    assert (out / "card.json").is_file() and "# Distilled draft for t" in (out / "README.md").read_text()
+
+
+def test_the_card_names_an_on_policy_sampler_and_both_score_tables() -> None:
+    """Data the draft sampled is named as on-policy with the sampler; the card has a row per kind
+    for the source draft (before) and the trained one (after)."""
+    card = _card({"sampler": "drafts/small"})
+    card["held_out_after"] = {"all": {"greedy": 0.5, "t1_lower": 0.625, "positions": 5}}
+    text = ds.model_card(card)
+    assert "3 `drafts/small`-generated (on-policy) sequences (30 reply positions), 1 held out" in text
+    assert "| before (source draft) | all | 0.100 | 0.200 | 5 |" in text
+    assert "| after | all | 0.500 | 0.625 | 5 |" in text

@@ -1094,3 +1094,29 @@ def test_an_out_of_memory_in_the_second_student_does_not_step_the_first(tiny, mo
     assert raised and stats["steps"] == 2 and stats["batch_tokens"] == 1024
     assert len(b.losses) == 2
     assert len(a.losses) == 2, a.losses  # once 3: the abandoned step's update and loss were kept
+
+
+def test_a_finished_folder_gets_the_sources_tokenizer_template_and_draft_vocabulary_not_its_calibration(
+        tmp_path: Path) -> None:
+    """finish_folder copies the tokenizer files, chat template, generation config and reduced draft
+    vocabulary of the source, writes the card, and leaves the source's calibration (and weights) out."""
+    source, folder = tmp_path / "source", tmp_path / "draft"
+    source.mkdir()
+    folder.mkdir()
+    names = ("tokenizer.json", "tokenizer_config.json", "chat_template.jinja", "generation_config.json",
+             "draft_vocab.json", "calibration.json", "model.safetensors")
+    for name in names:
+        (source / name).write_text(name)
+    on.finish_folder(folder, source, "# card\n")
+    assert sorted(p.name for p in folder.iterdir()) == sorted(
+        ["README.md", "tokenizer.json", "tokenizer_config.json", "chat_template.jinja", "generation_config.json",
+         "draft_vocab.json"])
+    assert (folder / "README.md").read_text() == "# card\n" and (folder / "draft_vocab.json").read_text() == "draft_vocab.json"
+
+
+def test_default_taps_are_low_middle_and_high_layers_and_stay_in_range() -> None:
+    """30 layers: 2, 15, 27 (what `specdec train data` stores); a 2-layer model: 0, 1, 2 collapse to
+    the distinct counts within 0..2, never a negative layer."""
+    assert on.default_taps(30) == (2, 15, 27)
+    assert on.default_taps(2) == (0, 1, 2)
+    assert on.default_taps(1) == (0, 1)

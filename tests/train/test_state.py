@@ -199,3 +199,65 @@ def test_an_unreadable_file_with_a_message_less_error_is_still_one_line(tmp_path
     monkeypatch.setattr(state.torch, "load", fail)
     with pytest.raises(ConfigError, match=r"cannot be read \(UnpicklingError: UnpicklingError\)"):
         load(path)
+
+
+def test_a_long_setting_is_shown_cut_to_80_characters_and_one_of_80_whole(tmp_path: Path) -> None:
+    """check_resume shows a value up to 80 characters (as JSON) whole; a longer one as its first 77
+    characters and "..." (80 in all), so the refusal stays one readable line."""
+    path = tmp_path / "run.json"
+    exactly = "a" * 78  # as JSON: 78 + 2 quotes = 80 characters
+    with pytest.raises(ConfigError) as exc:
+        check_resume(path, {"x": exactly}, {"x": "b"})
+    assert f'x = "{exactly}", this one asks for "b"' in str(exc.value)
+    longer = "c" * 100
+    with pytest.raises(ConfigError) as exc:
+        check_resume(path, {"x": longer}, {"x": "b"})
+    shown = '"' + "c" * 76 + "..."
+    assert len(shown) == 80 and f"x = {shown}, this one asks for" in str(exc.value)
+
+
+def test_an_unreadable_files_error_keeps_the_first_line_of_the_cause_up_to_200_characters(
+        tmp_path: Path, monkeypatch) -> None:
+    """The ConfigError names the cause's type and the first line of its message, cut to 200
+    characters: one line, whatever torch or pickle said."""
+    path = tmp_path / "ckpt.pt"
+    save({"step": 1}, path)
+
+    def fail_with(message: str):
+        def fail(*args, **kwargs):
+            raise RuntimeError(message)
+        return fail
+
+    monkeypatch.setattr(state.torch, "load", fail_with("first line\nsecond line"))
+    with pytest.raises(ConfigError) as exc:
+        load(path)
+    assert "(RuntimeError: first line)" in str(exc.value) and "second line" not in str(exc.value)
+    monkeypatch.setattr(state.torch, "load", fail_with("x" * 300))
+    with pytest.raises(ConfigError) as exc:
+        load(path)
+    assert "(RuntimeError: " + "x" * 200 + ")" in str(exc.value)
+
+
+def test_a_second_signal_that_is_a_sigterm_raises_terminated() -> None:
+    """Ctrl-C noted, then SIGTERM: the second one stops at once, as what it is (Terminated, not
+    the first one's KeyboardInterrupt)."""
+    caught: BaseException | None = None
+    try:
+        with BetweenSteps() as held:
+            os.kill(os.getpid(), signal.SIGINT)
+            assert held.pending == signal.SIGINT
+            os.kill(os.getpid(), signal.SIGTERM)
+    except BaseException as exc:  # noqa: BLE001 - which one arrives is the point
+        caught = exc
+    assert isinstance(caught, Terminated), repr(caught)
+
+
+def test_a_sigterm_after_the_loops_last_check_is_terminated_on_the_way_out() -> None:
+    """A SIGTERM noted after the last stop_if_pending is raised at the block's end as Terminated."""
+    caught: BaseException | None = None
+    try:
+        with BetweenSteps():
+            os.kill(os.getpid(), signal.SIGTERM)
+    except BaseException as exc:  # noqa: BLE001 - which one arrives is the point
+        caught = exc
+    assert isinstance(caught, Terminated), repr(caught)
