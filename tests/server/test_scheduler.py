@@ -956,3 +956,207 @@ def test_a_feature_pass_asked_from_the_compute_thread_keeps_last_only():
                                                            last_only=True, taps=(0,))))
     logits, _ = done.result(timeout=30)
     assert model.seen == [True] and logits.shape[0] == 1
+
+
+def test_a_pass_left_with_nothing_to_run_lets_the_next_forward_queue_a_pass():
+    """A pass whose only forward was cancelled runs nothing; it must still clear its 'pass queued'
+    mark, or the next forward would wait forever for a pass nobody queues."""
+    model = BatchToy(6, order=1, seed=0)
+    compute = _Counting()
+    scheduler = Scheduler(model, SchedulerConfig(gather_gap=0.0), compute=compute)
+    cancel = threading.Event()
+    cancel.set()
+    out: Future = Future()
+
+    def cancelled() -> None:
+        scheduler.bind_cancel(cancel)
+        try:
+            out.set_result(scheduler.forward(torch.ones(1, dtype=torch.long), model.new_cache()))
+        except BaseException as exc:  # noqa: BLE001
+            out.set_exception(exc)
+
+    threading.Thread(target=cancelled, daemon=True).start()
+    _until(lambda: len(scheduler) == 1)
+    assert compute.posts == 1
+    scheduler._pass()  # drops the cancelled forward: an empty pass
+    assert type(out.exception(timeout=30)).__name__ == "Cancelled"
+    t, f = _submit(scheduler, torch.ones(1, dtype=torch.long), model.new_cache())
+    _until(lambda: len(scheduler) == 1)
+    assert compute.posts == 2  # the new forward queued a pass of its own
+    scheduler._pass()
+    t.join(30)
+    f.result(0)
+
+
+class _PlainBatch(ToyLM):
+    """A model whose forward_batch takes the items only (no reduced vocabulary, no features)."""
+
+    def __init__(self, *a, **kw) -> None:
+        super().__init__(*a, **kw)
+        self.kinds: list[str] = []
+
+    def forward(self, tokens, cache, *, last_only=False):
+        self.kinds.append("forward")
+        return super().forward(tokens, cache, last_only=last_only)
+
+    def forward_batch(self, items):
+        self.kinds.append("batch")
+        return [ToyLM.forward(self, t, c, last_only=last) for t, c, last in items]
+
+
+def test_plain_sequences_run_in_one_forward_batch_without_extra_keywords():
+    """Two plain sequences in one pass go to forward_batch(items) as it is: no compact/taps
+    arguments a model without reduced vocabularies need not take (which would fail and fall back
+    to one forward per sequence: the batching silently lost)."""
+    model = _PlainBatch(6, order=1, seed=0)
+    scheduler = Scheduler(model, SchedulerConfig(gather_gap=0.0), compute=_ByHand())
+    a, b = torch.tensor([1, 2]), torch.tensor([3])
+    t1, f1 = _submit(scheduler, a, model.new_cache())
+    _until(lambda: len(scheduler) == 1)
+    t2, f2 = _submit(scheduler, b, model.new_cache())
+    _until(lambda: len(scheduler) == 2)
+    scheduler._pass()
+    t1.join(30)
+    t2.join(30)
+    assert model.kinds == ["batch"]
+    assert torch.equal(f1.result(0), ToyLM.forward(model, a, ToyLM.new_cache(model)))
+    assert torch.equal(f2.result(0), ToyLM.forward(model, b, ToyLM.new_cache(model)))
+
+
+def test_the_batch_size_histogram_counts_sequences_and_the_token_histogram_rows():
+    """One pass of two sequences of 3 and 2 rows: batch size 2, tokens 5."""
+    from prometheus_client import CollectorRegistry
+
+    from specdec.server.scheduler import SchedulerMetrics
+
+    model = BatchToy(6, order=1, seed=0)
+    registry = CollectorRegistry()
+    metrics = SchedulerMetrics(registry)
+    scheduler = Scheduler(model, SchedulerConfig(gather_gap=0.0), on_pass=metrics.observer("target"), compute=_ByHand())
+    threads = [_submit(scheduler, torch.tensor([1, 2, 3]), model.new_cache())]
+    _until(lambda: len(scheduler) == 1)
+    threads.append(_submit(scheduler, torch.tensor([4, 5]), model.new_cache()))
+    _until(lambda: len(scheduler) == 2)
+    scheduler._pass()
+    for t, f in threads:
+        t.join(30)
+        f.result(0)
+    sample = lambda name: registry.get_sample_value(name, {"model": "target"})  # noqa: E731
+    assert sample("specdec_scheduler_batch_size_sum") == 2 and sample("specdec_scheduler_batch_size_count") == 1
+    assert sample("specdec_scheduler_tokens_per_pass_sum") == 5
+    assert sample("specdec_scheduler_passes_total") == 1
+
+
+def test_an_arrival_ends_the_gathering_wait_at_once():
+    """Gathering waits for one returning sequence with a 30 s gap and a 30 s last pass: the
+    forward that arrives wakes it (it does not sit out the gap)."""
+    model = BatchToy(6, order=1, seed=0)
+    scheduler = Scheduler(model, SchedulerConfig(gather_gap=30.0), compute=_ByHand())
+    scheduler._returning, scheduler._last_pass_s = 1, 30.0
+    started, gathered = threading.Event(), threading.Event()
+
+    def gather() -> None:
+        with scheduler._mutex:
+            started.set()
+            scheduler._gather()
+        gathered.set()
+
+    threading.Thread(target=gather, daemon=True).start()
+    assert started.wait(30)
+    with scheduler._mutex:  # free again only once the gathering waits on the arrival condition
+        assert not gathered.is_set()
+    _submit(scheduler, torch.ones(1, dtype=torch.long), model.new_cache())
+    assert gathered.wait(10.0)
+
+
+class _TreeFeatures(BatchToy):
+    """Records the keyword arguments of every feature pass."""
+
+    def __init__(self, *a, **kw) -> None:
+        super().__init__(*a, **kw)
+        self.seen: list[dict] = []
+
+    def forward_features(self, tokens, cache, taps, *, last_only=False, parents=None, prefix=None):
+        self.seen.append({"parents": None if parents is None else parents.tolist(), "prefix": prefix,
+                          "last_only": last_only, "thread": threading.current_thread().name})
+        return ToyLM.forward(self, tokens, cache, last_only=last_only), torch.zeros(tokens.numel(), len(taps) + 1, 4)
+
+
+def test_a_tree_feature_pass_runs_alone_with_its_parents_and_prefix():
+    """A target-aware drafter's tree verification (parents given) runs alone on the compute thread
+    with the parents and the prefix it asked for, not as a chain in the batching loop."""
+    compute = ComputeThread(name="test-compute-extra-tree")
+    model = _TreeFeatures(6, order=1, seed=0)
+    served = BatchedModel(model, Scheduler(model, compute=compute))
+    cache = served.new_cache(64)
+    served.forward(torch.tensor([1, 2]), cache)
+    served.forward_features(torch.tensor([0, 1, 2]), cache, [0], parents=torch.tensor([-1, -1, 0]), prefix=2)
+    assert model.seen == [{"parents": [-1, -1, 0], "prefix": 2, "last_only": False, "thread": "test-compute-extra-tree"}]
+
+
+def test_a_chain_feature_pass_keeps_the_asking_thread_to_one_openmp_thread(monkeypatch):
+    """Every server thread that reaches the model keeps itself to one OpenMP thread (see
+    specdec.server.compute): a target-aware drafter's chain verification through BatchedModel too."""
+    from specdec.server import scheduler as scheduler_mod
+
+    asked: list[str] = []
+    monkeypatch.setattr(scheduler_mod, "one_openmp_thread", lambda: asked.append(threading.current_thread().name))
+    compute = ComputeThread(name="test-compute-extra-omp")
+    model = _TreeFeatures(6, order=1, seed=0)
+    served = BatchedModel(model, Scheduler(model, compute=compute))
+    logits, feats = served.forward_features(torch.tensor([1, 2]), served.new_cache(64), [0])
+    assert asked == [threading.current_thread().name]
+    assert logits.shape[0] == 2 and feats.shape[:2] == (2, 2)
+
+
+def test_a_plain_pass_asked_from_the_compute_thread_keeps_last_only():
+    """A plain pass asked from the compute thread runs there at once with the last_only it asked for."""
+    compute = ComputeThread(name="test-compute-extra-last")
+    model = _PlainBatch(6, order=1, seed=0)
+    scheduler = Scheduler(model, compute=compute)
+    done: Future = Future()
+    tokens = torch.tensor([1, 2, 3])
+    compute.post(lambda: done.set_result(scheduler.forward(tokens, model.new_cache(), last_only=True)))
+    assert torch.equal(done.result(timeout=30), ToyLM.forward(model, tokens, ToyLM.new_cache(model), last_only=True))
+
+
+def test_a_forward_of_a_one_row_matrix_is_that_sequence():
+    """tokens [1, n] are the sequence of n tokens (flattened), chunked by rows of that sequence."""
+    model = BatchToy(6, order=1, seed=0)
+    scheduler = Scheduler(model, SchedulerConfig(max_tokens=2, chunk=2, gather_gap=0.0), compute=_ByHand())
+    tokens = torch.tensor([[1, 2, 3, 4, 5]])
+    t, f = _submit(scheduler, tokens, model.new_cache())
+    _until(lambda: len(scheduler) == 1)
+    while len(scheduler):
+        scheduler._pass()
+    t.join(30)
+    assert torch.equal(f.result(0), ToyLM.forward(model, tokens.reshape(-1), ToyLM.new_cache(model)))
+
+
+def test_a_cancelled_forward_beyond_the_token_budget_is_dropped_at_the_next_pass():
+    model = BatchToy(6, order=1, seed=0)
+    scheduler = Scheduler(model, SchedulerConfig(max_tokens=1, chunk=1, gather_gap=0.0), compute=_ByHand())
+    cancel = threading.Event()
+    cancelled: Future = Future()
+
+    def run() -> None:
+        scheduler.bind_cancel(cancel)
+        try:
+            cancelled.set_result(scheduler.forward(torch.ones(1, dtype=torch.long), model.new_cache()))
+        except BaseException as exc:  # noqa: BLE001
+            cancelled.set_exception(exc)
+
+    threads = [_submit(scheduler, torch.full((1,), tok, dtype=torch.long), model.new_cache()) for tok in (1,)]
+    _until(lambda: len(scheduler) == 1)
+    threads.append(_submit(scheduler, torch.full((1,), 2, dtype=torch.long), model.new_cache()))
+    _until(lambda: len(scheduler) == 2)
+    threading.Thread(target=run, daemon=True).start()
+    _until(lambda: len(scheduler) == 3)
+    cancel.set()
+    scheduler._pass()  # runs the first forward (the budget: one row); the cancelled third goes too
+    assert type(cancelled.exception(timeout=5)).__name__ == "Cancelled"
+    assert len(scheduler) == 1  # only the second forward is left
+    scheduler._pass()
+    for t, f in threads:
+        t.join(30)
+        f.result(0)

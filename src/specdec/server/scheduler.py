@@ -204,8 +204,8 @@ class Scheduler:
                 item.error = Cancelled("the request was cancelled")
                 item.done.set()
                 continue
-            if budget <= 0:
-                break
+            if budget <= 0:  # nothing more fits; look on for cancelled forwards to drop
+                continue
             take = min(item.left, self.config.chunk, budget)
             batch.append((item, take))
             budget -= take
