@@ -326,3 +326,24 @@ def test_a_tokenizer_that_served_a_grammar_still_pickles(tok, own):
     copied = pickle.loads(pickle.dumps(tok))
     assert copied.encode("12") == tok.encode("12")
     assert torch.equal(GrammarConstraint(copied, grammar, V).allowed([], V), before)
+
+
+def test_an_engine_error_is_cut_before_its_state_dump():
+    """llguidance's error line carries the matcher's ``<state>`` dump after the message: only the
+    message is shown (or a generic one where nothing precedes the dump)."""
+    from specdec.grammar import _first_line
+
+    assert _first_line("lexer: too many states <state>{\"tokens\": [1, 2]}\nmore") == "lexer: too many states"
+    assert _first_line("<state>{}") == "the matcher stopped"
+    assert _first_line(None) == "the matcher stopped"
+
+
+def test_a_regex_parsers_report_is_its_first_line_and_its_error_line():
+    """A regex parser's report draws a caret under the pattern between its first line and its
+    ``error:`` line: the message keeps the first and the error's cause, on one line."""
+    from specdec.grammar import _one_line
+
+    report = "regex parse error:\n    a(\n     ^\nerror: unclosed group\n"
+    assert _one_line(report) == "regex parse error: unclosed group"
+    assert _one_line("just one line") == "just one line"
+    assert _one_line("  \n ") == ""

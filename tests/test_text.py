@@ -709,3 +709,23 @@ def test_stop_when_looks_in_the_text_with_special_tokens_where_they_are_kept(tok
     kept = StopWhen(tok, lambda text: "<|im_start|>" in text, skip_special_tokens=False)
     assert kept(ids) == ids.index(start) + 1
     assert StopWhen(tok, lambda text: "<|im_start|>" in text)(ids) is None
+
+
+def test_an_empty_system_message_is_no_system_turn(tok):
+    """``--system ""`` writes no (empty) system turn: the template's default system turn stands,
+    as without ``system``."""
+    assert encode_prompt(tok, "Hi!", chat=True, system="") == encode_prompt(tok, "Hi!", chat=True)
+    assert "<|im_start|>system\n<|im_end|>" not in tok.decode(encode_prompt(tok, "Hi!", chat=True, system=""))
+
+
+def test_a_stop_string_only_in_the_min_tokens_text_does_not_stop_the_decoder(tok):
+    """Called one token at a time, the check says nothing until a stop string appears after the
+    first min_tokens tokens' text: one inside that text alone is no stop (it used to be taken as
+    one, keeping every token)."""
+    ids = tok.encode("one. two three. four", add_special_tokens=False)
+    assert tok.decode(ids[:2]) == "one."
+    stop = StopStrings(tok, (".",), min_tokens=2)
+    kept = [stop(ids[:n]) for n in range(1, len(ids) + 1)]
+    first = next(i for i, k in enumerate(kept) if k is not None)
+    assert tok.decode(ids[: first + 1]) == "one. two three."  # the first call that sees the second "."
+    assert kept[first] == first + 1

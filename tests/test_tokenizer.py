@@ -297,3 +297,133 @@ def test_a_byte_level_piece_only_partly_of_the_byte_alphabet_is_its_decoded_text
     own = TokenBytes(_Wrapped(backend))
     assert own(0) == b"a"
     assert own(1) == backend.decode([1]).encode("utf-8")
+
+
+def _folder(tmp_path, config):
+    tmp_path.mkdir()
+    (tmp_path / "tokenizer.json").write_text("{}")  # plain_config only looks for the file
+    (tmp_path / "tokenizer_config.json").write_text(json.dumps(config))
+    return tmp_path
+
+
+def test_add_prefix_space_true_keeps_transformers_even_for_a_rebuilt_class(tmp_path):
+    """A rebuilt class (Qwen2's) builds its pre-tokenizer with the config's add_prefix_space: only
+    None or False is what load checks the file against; True must go to transformers."""
+    from specdec.tokenizer import plain_config
+
+    base = {"tokenizer_class": "Qwen2Tokenizer", "eos_token": "<|endoftext|>"}
+    assert plain_config(_folder(tmp_path / "a", {**base})) is not None
+    assert plain_config(_folder(tmp_path / "b", {**base, "add_prefix_space": False})) is not None
+    assert plain_config(_folder(tmp_path / "c", {**base, "add_prefix_space": True})) is None
+
+
+def test_a_config_template_beside_a_chat_template_file_keeps_transformers(tmp_path):
+    """Two chat template sources: which one wins is transformers' call, so the folder is not plain."""
+    from specdec.tokenizer import plain_config
+
+    config = {"eos_token": "</s>", "chat_template": "{{ messages[0]['content'] }}"}
+    assert plain_config(_folder(tmp_path / "a", config)) is not None
+    both = _folder(tmp_path / "b", config)
+    (both / "chat_template.jinja").write_text("{{ messages[-1]['content'] }}")
+    assert plain_config(both) is None
+    alone = _folder(tmp_path / "c", {"eos_token": "</s>"})
+    (alone / "chat_template.jinja").write_text("{{ messages[-1]['content'] }}")
+    assert plain_config(alone) is not None
+
+
+def test_a_file_that_configures_padding_alone_is_encoded_without_it(tmp_path):
+    """transformers' wrapper encodes with no padding unless asked: a tokenizer.json that sets a
+    fixed-length padding (and no truncation) must not pad our encodings either."""
+    import shutil
+
+    from specdec.tokenizer import FastTokenizer, plain_config
+
+    src = registry.DATA_DIR / "smollm2-135m-draft"
+    for name in ("tokenizer.json", "tokenizer_config.json"):
+        shutil.copy(src / name, tmp_path / name)
+    data = json.loads((tmp_path / "tokenizer.json").read_text())
+    data["padding"] = {"strategy": {"Fixed": 16}, "direction": "Right", "pad_to_multiple_of": None, "pad_id": 0,
+                       "pad_type_id": 0, "pad_token": "<|endoftext|>"}
+    (tmp_path / "tokenizer.json").write_text(json.dumps(data))
+    tok = FastTokenizer(tmp_path, plain_config(tmp_path))
+    want = FastTokenizer(src, plain_config(src)).encode("Hello world")
+    assert len(want) < 16
+    assert tok.encode("Hello world") == want
+
+
+class _Renderer:
+    """A stand-in for transformers' tokenizer that records the conversations it is asked to render."""
+
+    def __init__(self):
+        self.calls = []
+
+    def apply_chat_template(self, conversation, **kw):
+        self.calls.append(conversation)
+        return "rendered by transformers"
+
+
+class _Str(str):
+    pass
+
+
+@pytest.mark.parametrize("message", [
+    {"role": "user", "content": "hi", 1: "a non-string key"},
+    {"role": "user", "content": _Str("hi")},  # a str subclass, not JSON's str
+])
+def test_a_conversation_not_made_of_json_types_alone_is_transformers_to_render(message):
+    """Only JSON's exact types (string keys, no subclasses) are rendered here; anything else goes
+    to transformers' apply_chat_template."""
+    tok = _fresh()
+    fake = tok._hf = _Renderer()
+    plain = tok.apply_chat_template([{"role": "user", "content": "hi"}], tokenize=False)
+    assert plain != "rendered by transformers" and fake.calls == []
+    assert tok.apply_chat_template([message], tokenize=False) == "rendered by transformers"
+    assert fake.calls == [[message]]
+
+
+def test_a_longer_piece_in_byte_token_brackets_is_text_not_a_byte():
+    """``<0x41AB>`` looks like a byte token but is eight characters: its bytes are its text."""
+    from tokenizers import Tokenizer, decoders, models
+
+    vocab = {"<unk>": 0, "<0x41AB>": 1, **{f"<0x{b:02X}>": 2 + b for b in range(256)}}
+    backend = Tokenizer(models.BPE(vocab, [], unk_token="<unk>", byte_fallback=True))
+    backend.decoder = decoders.Sequence([decoders.Replace("\u2581", " "), decoders.ByteFallback(), decoders.Fuse()])
+    own = TokenBytes(_Wrapped(backend))
+    assert own(1) == b"<0x41AB>"
+    assert own(2 + 0x41) == b"A"
+
+
+def test_a_backend_that_is_not_a_tokenizers_one_gives_the_decoded_text():
+    """A tokenizer whose ``_tokenizer`` is something else (no ``id_to_token``) is read through its
+    decode, not as a ``tokenizers`` backend."""
+
+    class Other:
+        _tokenizer = object()
+
+        def decode(self, ids):
+            return "".join(chr(0x61 + i) for i in ids)
+
+    assert TokenBytes(Other())(2) == b"c"
+
+
+def test_a_tokenizer_that_rendered_a_chat_still_pickles_and_renders_the_same():
+    """The compiled template (not picklable: the sandbox's functions are local) is left out of the
+    pickle and compiled again after it."""
+    import pickle
+
+    tok = _fresh()
+    chat = [{"role": "user", "content": "Hi!"}]
+    want = tok.apply_chat_template(chat, tokenize=False, add_generation_prompt=True)
+    again = pickle.loads(pickle.dumps(tok))
+    assert again.apply_chat_template(chat, tokenize=False, add_generation_prompt=True) == want
+
+
+def test_a_long_chat_template_value_that_is_no_template_is_a_config_error():
+    """``--chat-template`` with a long text holding neither ``{{`` nor ``{%`` (too long to be a
+    file name) is the same one-line ConfigError as a short one, not an OSError traceback."""
+    from specdec.errors import ConfigError
+    from specdec.tokenizer import read_chat_template
+
+    with pytest.raises(ConfigError, match=r"neither a file nor a Jinja template") as err:
+        read_chat_template("You are a helpful assistant. " * 200)
+    assert "(… 5800 characters)" in str(err.value) and len(str(err.value)) < 400  # shown cut, on one line

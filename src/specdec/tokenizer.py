@@ -475,15 +475,20 @@ def read_chat_template(value: str) -> str:
     from specdec.errors import ConfigError
 
     path = Path(value).expanduser()
+    try:
+        is_file = "{{" not in value and "{%" not in value and path.is_file()
+    except OSError:  # a name no file can have (too long): not a file
+        is_file = False
     if "{{" in value or "{%" in value:
         text = value
-    elif path.is_file():
+    elif is_file:
         try:
             text = path.read_text(encoding="utf-8")
         except (OSError, UnicodeDecodeError) as exc:
             raise ConfigError(f"cannot read the chat template {value}: {exc}") from None
     else:
-        raise ConfigError(f"--chat-template: {value!r} is neither a file nor a Jinja template (no '{{{{' or '{{%')")
+        shown = repr(value) if len(value) <= 200 else repr(value[:200]) + f" (… {len(value)} characters)"
+        raise ConfigError(f"--chat-template: {shown} is neither a file nor a Jinja template (no '{{{{' or '{{%')")
     return check_chat_template(text)
 
 
