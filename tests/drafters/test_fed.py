@@ -138,7 +138,6 @@ def test_a_fed_folder_through_the_command_line(tmp_path, capsys):
     code, _, err = run("generate", "-p", "x", "--remote", "http://127.0.0.1:9", "--draft", str(fed))
     assert code == 2 and "does not send" in err and "Traceback" not in err
     from specdec.engine import Engine, EngineConfig
-    from specdec.errors import ConfigError
     from specdec.server.command import _fresh_drafter
 
     engine = Engine.build(EngineConfig(target=str(target), draft=str(fed)))  # what `serve` makes its drafters from
@@ -149,8 +148,6 @@ def test_a_fed_folder_through_the_command_line(tmp_path, capsys):
 def test_a_fed_draft_for_another_targets_width_is_a_config_error():
     """Features of another width (a target the draft was not trained for) stop with a one-line
     ConfigError at the first features, not a shape error inside a matrix product."""
-    from specdec.errors import ConfigError
-
     draft, w = _fed()
     d = FedDrafter(draft, w[on.FED_PROJ], w[on.FED_NULL], TAPS)
     d.prepare(torch.tensor([1, 2, 3]))

@@ -297,8 +297,6 @@ def test_columns_the_budget_left_out_keep_their_newest_guess():
 
 def test_a_round_committing_more_than_the_window_keeps_every_row_window_wide():
     """5 tokens committed past a window of 3: every row is 3 fresh guesses, no longer."""
-    from specdec.verify import Verdict
-
     d = LookaheadDrafter(window=3, ngram=3, candidates=1)
     d.prepare(torch.tensor(PROMPT))
     d.commit(Verdict(num_accepted=4, tokens=torch.tensor([1, 3, 0, 1, 3])))

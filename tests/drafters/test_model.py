@@ -826,16 +826,22 @@ def test_a_round_after_a_catch_up_reports_no_catch_up_seconds():
         assert d.catch_up_s == 0.0, second_gamma
 
 
+class _Keeping(ToyLM):
+    """A toy draft model whose ``keep_sequence`` (the prefix cache's hand-over) records what it is given in ``kept``."""
+
+    def __init__(self, kept: list, *args, **kwargs) -> None:
+        super().__init__(*args, **kwargs)
+        self.kept = kept
+
+    def keep_sequence(self, tokens, cache):
+        self.kept.append((tokens.tolist(), cache.length))
+
+
 def test_finish_hands_the_prefix_cache_only_the_tokens_the_draft_cache_holds():
     """``finish`` gives ``keep_sequence`` the committed tokens whose rows the draft cache holds (not
     the newest committed token, which was never fed), with the cache itself."""
     kept = []
-
-    class Keeping(ToyLM):
-        def keep_sequence(self, tokens, cache):
-            kept.append((tokens.tolist(), cache.length))
-
-    d = ModelDrafter(Keeping(7, order=2, seed=5))
+    d = ModelDrafter(_Keeping(kept, 7, order=2, seed=5))
     ctx = torch.tensor([1, 4, 2, 6, 3])
     d.prepare(ctx)
     draft = d.propose(ctx, 3, _argmax())
@@ -870,12 +876,7 @@ def test_finish_hands_the_prefix_cache_nothing_when_the_draft_cache_holds_nothin
     """A lazy drafter that never drafted (a busy server's sequence) has an empty cache: ``finish``
     does not hand the prefix cache an empty sequence to keep."""
     kept = []
-
-    class Keeping(ToyLM):
-        def keep_sequence(self, tokens, cache):
-            kept.append((tokens.tolist(), cache.length))
-
-    d = ModelDrafter(Keeping(7, order=2, seed=5), lazy_prefill=True)
+    d = ModelDrafter(_Keeping(kept, 7, order=2, seed=5), lazy_prefill=True)
     ctx = torch.tensor([1, 4, 2, 6, 3])
     d.prepare(ctx)
     d.finish(torch.cat([ctx, torch.tensor([2, 5])]))
@@ -887,12 +888,7 @@ def test_finish_after_rounds_the_drafter_sat_out_hands_only_the_rows_it_holds():
     cache the tokens its rows hold (the prefilled prompt less its last token), not the whole
     committed text, whose later tokens it never fed."""
     kept = []
-
-    class Keeping(ToyLM):
-        def keep_sequence(self, tokens, cache):
-            kept.append((tokens.tolist(), cache.length))
-
-    d = ModelDrafter(Keeping(7, order=2, seed=5))
+    d = ModelDrafter(_Keeping(kept, 7, order=2, seed=5))
     ctx = torch.tensor([1, 4, 2, 6, 3])
     d.prepare(ctx)
     d.finish(torch.cat([ctx, torch.tensor([2, 5, 1])]))

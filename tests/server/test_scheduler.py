@@ -933,6 +933,7 @@ def test_a_queued_forward_is_noted_as_the_latest_arrival():
     t.join(30)
     f.result(0)
 
+
 class _Features(BatchToy):
     """Records the last_only of every feature pass (a target-aware drafter's verifier)."""
 
@@ -1097,8 +1098,6 @@ def test_a_tree_feature_pass_runs_alone_with_its_parents_and_prefix():
 def test_a_chain_feature_pass_keeps_the_asking_thread_to_one_openmp_thread(monkeypatch):
     """Every server thread that reaches the model keeps itself to one OpenMP thread (see
     specdec.server.compute): a target-aware drafter's chain verification through BatchedModel too."""
-    from specdec.server import scheduler as scheduler_mod
-
     asked: list[str] = []
     monkeypatch.setattr(scheduler_mod, "one_openmp_thread", lambda: asked.append(threading.current_thread().name))
     compute = ComputeThread(name="test-compute-extra-omp")

@@ -86,7 +86,6 @@ def test_prompt_file_replaces_the_templates(tiny_target, tmp_path: Path) -> None
     """--prompt-file: every planned sequence answers a prompt of the file (cycled past its length),
     with the chat template where the line says chat and the kind from its category."""
 
-
     lines = [{"prompt": "Write a haiku about rain.", "chat": True},
              {"prompt": "def add(a, b):\n", "chat": False, "category": "code"},
              {"prompt": "Summarise the plot of a novel.", "chat": True, "category": "assistant"}]
@@ -549,8 +548,6 @@ def test_code_prompts_are_a_seeded_sample_not_a_files_first_functions(tmp_path: 
 def test_a_folder_whose_config_lacks_a_setting_other_than_the_sampler_is_refused(tiny_target, tmp_path: Path) -> None:
     """Only ``sampler`` has a default for folders that predate it: any other setting missing from
     config.json (a file cut down or of another tool) is a difference, named, not resumed in silence."""
-    import json
-
     lm = tiny_target
     out = tmp_path / "data"
     cfg = DataConfig(sequences=4, batch=2, shard_size=2, max_new_chat=2, max_new_code=2, features=False)
