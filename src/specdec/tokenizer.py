@@ -475,11 +475,12 @@ def read_chat_template(value: str) -> str:
     from specdec.errors import ConfigError
 
     path = Path(value).expanduser()
+    inline = "{{" in value or "{%" in value
     try:
-        is_file = "{{" not in value and "{%" not in value and path.is_file()
+        is_file = not inline and path.is_file()
     except OSError:  # a name no file can have (too long): not a file
         is_file = False
-    if "{{" in value or "{%" in value:
+    if inline:
         text = value
     elif is_file:
         try:
