@@ -337,6 +337,17 @@ def test_a_shorter_context_replaces_the_remembered_one():
     assert d.propose(torch.tensor([3, 0]), 2, _sampler()).tokens.tolist() == [1, 3]
 
 
+def test_a_longer_context_of_another_sequence_replaces_the_remembered_one():
+    """A new, longer sequence without ``prepare`` whose token at the last seen position differs is
+    taken whole: the chain round continues its own last token (0 -> the pool's (1, 3)), not the old
+    context extended by the new one's tail."""
+    d = LookaheadDrafter(window=3, ngram=3, candidates=1)
+    d.prepare(torch.tensor(PROMPT))
+    other = torch.tensor([9] * (len(PROMPT) - 1) + [5, 3, 0])
+    assert d.propose(other, 2, _sampler()).tokens.tolist() == [1, 3]
+    assert d._context == other.tolist()
+
+
 def test_the_most_recent_pool_continuation_gets_the_room_first():
     """Two continuations of the last token, room for one (budget 8: 6 window nodes + 2): the more
     recent one, (5, 6), is proposed, not the older (4, 2)."""

@@ -110,3 +110,15 @@ def test_a_shorter_context_than_the_last_one_starts_the_index_afresh():
     assert d.propose(short, 3, SAMPLER).tokens.tolist() == fresh.propose(short, 3, SAMPLER).tokens.tolist() == [9, 5, 6]
     toks = d.propose_tree(short, 8, SAMPLER, TreeSpec(depth=2), max_depth=8).tokens.tolist()
     assert toks == fresh.propose_tree(short, 8, SAMPLER, TreeSpec(depth=2), max_depth=8).tokens.tolist()
+
+
+def test_a_longer_context_of_another_sequence_starts_the_index_afresh():
+    """A new, longer sequence given without ``prepare`` (its token at the last seen position
+    differs) is not read as the old one extended: the draft equals a fresh drafter's, where the
+    old tokens would have matched "1 2" and proposed 3."""
+    d = NgramDrafter(max_ngram=2)
+    d.prepare(torch.tensor([1, 2, 3, 4]))
+    other = torch.tensor([7, 8, 9, 6, 5, 1, 2])
+    fresh = NgramDrafter(max_ngram=2)
+    fresh.prepare(other)
+    assert d.propose(other, 3, SAMPLER).tokens.tolist() == fresh.propose(other, 3, SAMPLER).tokens.tolist() == []

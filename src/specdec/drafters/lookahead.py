@@ -97,8 +97,8 @@ class LookaheadDrafter:
         del conts[: -defaults.LOOKAHEAD_PER_KEY]
 
     def _sync(self, context: Tensor) -> None:
-        n = context.numel()
-        if n < len(self._context):
+        n, known = context.numel(), len(self._context)
+        if n < known or (known and int(context[known - 1]) != self._context[-1]):  # another sequence (as the n-gram drafter)
             self._context = context.tolist()
         else:
             self._context.extend(context[len(self._context) :].tolist())

@@ -37,7 +37,10 @@ class NgramDrafter:
 
     def _sync(self, context: Tensor) -> None:
         length = context.numel()
-        if length < len(self.tokens):
+        known = len(self.tokens)
+        # another sequence (a caller that skipped prepare): shorter, or its token at our last
+        # position differs (one token checked, not the whole prefix: a round stays O(new tokens))
+        if length < known or (known and int(context[known - 1]) != self.tokens[-1]):
             self.reset()
         self.tokens.extend(context[len(self.tokens) :].tolist())
         # an n-gram ending at k (exclusive) is usable only if token k exists: index k < length
