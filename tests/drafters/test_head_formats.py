@@ -104,6 +104,9 @@ def test_our_eagle3_round_trips_through_the_shared_format(tmp_path):
         assert type(back).__name__ == "Eagle" and back.cfg.taps == (0, 1, 2)
         for (k1, v1), (k2, v2) in zip(sorted(ours.state_dict().items()), sorted(back.state_dict().items())):
             assert k1 == k2 and torch.equal(v1, v2), k1
+    _rewrite(tmp_path / "speculators", tensors={"fc.bias": torch.zeros(D)})  # a bias our fusion has no slot for
+    with pytest.raises(ConfigError, match="has no fc.bias, but the file holds one"):
+        load_eagle3(tmp_path / "speculators")
     # a shared head saved again keeps its own fusion (no rms flag) and its norm placement, in either layout
     _shared_checkpoint(tmp_path / "theirs", layout="speculators")
     shared = load_eagle3(tmp_path / "theirs")

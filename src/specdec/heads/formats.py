@@ -119,6 +119,9 @@ def load_eagle3(folder: Path, *, target_layers: int | None = None) -> Eagle:
         depth=1, target=str(((raw.get("speculators_config") or {}).get("verifier") or {}).get("name_or_path", "")), extra=extra,
     )
     ours_rms = raw.get("specdec_fuse") == "rms"
+    if ours_rms and "fc.bias" in state:  # our fusion has no bias: refused, not dropped in silence
+        raise ConfigError(f"{folder}: a head marked \"specdec_fuse\": \"rms\" has no fc.bias, but the file holds one;"
+                          " remove the mark (a shared-format head) or the tensor")
     head: Eagle = Eagle(cfg) if ours_rms else SharedEagle3(cfg, fc_bias="fc.bias" in state,
                                                             norm_before_residual=bool(raw.get("norm_before_residual", False)))
     mine: dict[str, Tensor] = {}
