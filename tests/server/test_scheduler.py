@@ -947,6 +947,33 @@ class _Features(BatchToy):
         return logits, torch.zeros(tokens.numel(), len(taps) + 1, 4)
 
 
+class _FeaturesFailOn(_Features):
+    """A feature pass of a sequence starting with token 5 fails (``forward_batch`` takes no taps,
+    so a mixed pass falls back to one forward a sequence)."""
+
+    def forward_features(self, tokens, cache, taps, *, last_only=False):
+        if int(tokens[0]) == 5:
+            raise RuntimeError("no room for features")
+        return super().forward_features(tokens, cache, taps, last_only=last_only)
+
+
+def test_a_failed_feature_pass_fails_alone_beside_a_plain_one():
+    """A feature pass that fails in a pass with a plain one: the feature request gets its error,
+    the plain one its logits (the failed item's empty result is not unpacked as logits and features)."""
+    model = _FeaturesFailOn(6, order=1, seed=0)
+    scheduler = Scheduler(model, SchedulerConfig(max_tokens=8, chunk=4, gather_gap=0.0), compute=_ByHand())
+    failed = _submit(scheduler, torch.tensor([5, 1]), model.new_cache(), taps=(0,))
+    _until(lambda: len(scheduler) == 1)
+    ok = _submit(scheduler, torch.tensor([1, 2]), model.new_cache(), last_only=True)
+    _until(lambda: len(scheduler) == 2)
+    scheduler._pass()
+    for t, _ in (failed, ok):
+        t.join(30)
+    with pytest.raises(RuntimeError, match="no room for features"):
+        failed[1].result(0)
+    assert torch.equal(ok[1].result(0), ToyLM.forward(model, torch.tensor([1, 2]), ToyLM.new_cache(model), last_only=True))
+
+
 def test_a_feature_pass_asked_from_the_compute_thread_keeps_last_only():
     """A pass asked from the compute thread runs there at once with the taps *and* last_only it asked for."""
     compute = ComputeThread(name="test-compute-extra-a")
