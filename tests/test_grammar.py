@@ -222,8 +222,9 @@ def test_json_grammars_are_compact_no_whitespace_between_tokens(tok):
 
 def test_a_choice_list_allows_exactly_its_strings_quotes_and_backslashes_included(tok):
     """choice_lark escapes each string: a choice holding '"' or '\\' is allowed as written, and
-    once a choice is complete only the end token may follow."""
-    choices = ['say "hi"', "back\\slash", "plain"]
+    once a choice is complete only the end token may follow; non-ASCII text (an accent, an emoji
+    outside the BMP, which an ASCII escape would split into two surrogates) as written too."""
+    choices = ['say "hi"', "back\\slash", "plain", "café", "ok 😀"]
     grammar = choice_lark(choices)
     for text in choices:
         end = _walk(tok, GrammarConstraint(tok, grammar, V), text)
