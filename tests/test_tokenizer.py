@@ -78,6 +78,27 @@ def test_added_tokens_and_the_serialised_backend_are_transformers(smollm2):
     assert smollm2.backend_json() == smollm2.hf.backend_tokenizer.to_str()
 
 
+def test_a_non_special_added_token_is_in_the_added_vocabulary_as_transformers_says(tmp_path):
+    """An added token that is not special (a tokenizer.json can hold one; the shipped ones hold
+    none) is in ``get_added_vocab`` as it is in transformers', not only the special ones."""
+    import shutil
+
+    src = registry.resolve("smollm2-135m-draft").folder
+    folder = tmp_path / "tok"
+    folder.mkdir()
+    for name in ("tokenizer.json", "tokenizer_config.json", "config.json"):  # config.json: its model type
+        shutil.copy(src / name, folder / name)
+    data = json.loads((folder / "tokenizer.json").read_text())
+    new_id = max([*data["model"]["vocab"].values(), *(t["id"] for t in data["added_tokens"])]) + 1  # past every id
+    data["added_tokens"].append({"id": new_id, "content": "<plain-added>", "single_word": False, "lstrip": False,
+                                 "rstrip": False, "normalized": False, "special": False})
+    (folder / "tokenizer.json").write_text(json.dumps(data))
+    ours = registry.load_tokenizer(folder)
+    assert type(ours).__name__ == "FastTokenizer"  # specdec's own answer, not transformers' behind it
+    assert ours.get_added_vocab()["<plain-added>"] == new_id
+    assert ours.get_added_vocab() == ours.hf.get_added_vocab()
+
+
 class _Wrapped:  # what a transformers fast tokenizer holds
     def __init__(self, backend):
         self._tokenizer = backend
